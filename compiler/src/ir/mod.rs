@@ -1,0 +1,241 @@
+//! The checked intermediate representation: what a `.moe` file means once the checker has
+//! validated it, resolved its units and applied its defaults.
+//!
+//! Architecture invariant: every `ir::Layer` satisfies the checker's rules (experts
+//! divisible by the expert-parallel degree, top-k in range, sizes aligned, ranks matching the
+//! topology). Stages after the checker (planner, codegen, runtime) read it and never
+//! re-validate user input. Units are resolved: bandwidths in bytes per second, latencies in
+//! nanoseconds, sizes in elements.
+
+use serde::{Deserialize, Serialize};
+
+/// Every size the kernels tile over must be a multiple of this many elements, so that rows
+/// are whole 16-byte vectors of bf16 and tiles of 64 columns never straddle a row's end.
+pub const SIZE_ALIGNMENT: u32 = 64;
+
+/// A whole checked file: its named topologies and its layers, in source order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Module {
+    pub topologies: Vec<Topology>,
+    pub layers: Vec<Layer>,
+}
+
+/// One MoE layer, ready for the planner.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Layer {
+    pub name: String,
+    /// Model (hidden) size H.
+    pub hidden: u32,
+    /// Per-expert FFN (intermediate) size F.
+    pub ffn: u32,
+    /// Number of routed experts E.
+    pub experts: u32,
+    /// Experts each token is routed to, K.
+    pub top_k: u32,
+    pub activation: Activation,
+    /// Element type of activations (x, y) and of the intermediate.
+    pub dtype: DType,
+    /// Element type of the expert weights (bf16 now; fp8 later).
+    pub weight_dtype: DType,
+    /// Largest number of tokens one rank passes to one call (sizes the workspace).
+    pub max_tokens: u32,
+    /// Experts every token goes through, outside the routed top-k.
+    pub shared_experts: Option<SharedExperts>,
+    /// The router, when it is part of the layer; `None` means the caller passes
+    /// `topk_ids` and `topk_weights`.
+    pub router: Option<Router>,
+    pub parallel: Parallelism,
+    pub topology: Topology,
+    pub schedule: ScheduleHints,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// `silu(gate) * up`; W1 holds gate rows then up rows ([2F, H]).
+    Swiglu,
+    /// `gelu(gate) * up`; W1 as for SwiGLU.
+    Geglu,
+    /// `gelu(h)` (tanh approximation); W1 is [F, H].
+    Gelu,
+    /// `max(h, 0)`; W1 is [F, H].
+    Relu,
+    /// `silu(h)`; W1 is [F, H].
+    Silu,
+}
+
+impl Activation {
+    /// Gated activations read two rows of W1 (gate and up) per intermediate column.
+    pub fn is_gated(self) -> bool {
+        matches!(self, Activation::Swiglu | Activation::Geglu)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Swiglu => "swiglu",
+            Activation::Geglu => "geglu",
+            Activation::Gelu => "gelu",
+            Activation::Relu => "relu",
+            Activation::Silu => "silu",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DType {
+    Bf16,
+    /// FP8 E4M3, for weights only (reserved: the checker rejects it until kernels exist).
+    Fp8E4m3,
+}
+
+impl DType {
+    pub fn size_bytes(self) -> u32 {
+        match self {
+            DType::Bf16 => 2,
+            DType::Fp8E4m3 => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::Fp8E4m3 => "fp8_e4m3",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedExperts {
+    pub count: u32,
+    /// FFN size of each shared expert.
+    pub ffn: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Router {
+    pub scoring: Scoring,
+    /// DeepSeek-V3 style group-limited top-k, if any.
+    pub group_limit: Option<GroupLimit>,
+    /// Whether the kept top-k scores are renormalised to sum to one.
+    pub normalize: bool,
+    /// Factor applied to the routing weights after normalisation.
+    pub scale: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scoring {
+    Softmax,
+    Sigmoid,
+}
+
+/// Experts are split into `groups`; only the best `kept` groups are eligible for top-k.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupLimit {
+    pub groups: u32,
+    pub kept: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parallelism {
+    /// Expert-parallel degree R: experts are spread over R ranks, E/R each.
+    pub expert: u32,
+    /// Data-parallel degree (reserved; 1 today).
+    pub data: u32,
+    /// Tensor-parallel degree (reserved; 1 today).
+    pub tensor: u32,
+}
+
+/// A machine topology, shared by name between layers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Topology {
+    pub name: String,
+    pub gpus_per_node: u32,
+    pub nodes: u32,
+    /// The link between GPUs of one node (NVLink).
+    pub intra_node: Link,
+    /// The network between nodes.
+    pub network: Link,
+    /// When set, this many logical ranks share one physical GPU (testing the distributed
+    /// protocol on one device).
+    pub virtual_ranks: Option<u32>,
+}
+
+impl Topology {
+    /// Number of ranks this topology provides.
+    pub fn ranks(&self) -> u32 {
+        self.virtual_ranks.unwrap_or(self.gpus_per_node * self.nodes)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Link {
+    /// Bytes per second in one direction.
+    pub bandwidth_bytes_per_s: u64,
+    /// One-way latency in nanoseconds.
+    pub latency_ns: u64,
+}
+
+/// Optional schedule hints; the planner decides whatever is `None`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleHints {
+    /// Tile of GEMM1 (gather + W1 + activation): rows, intermediate columns, reduction depth.
+    pub gemm1_tile: Option<TileShape>,
+    /// Tile of GEMM2 (W2 + routing weight).
+    pub gemm2_tile: Option<TileShape>,
+    /// Shared-memory pipeline stages of both GEMMs.
+    pub stages: Option<u32>,
+    /// Tokens per dispatch chunk (multi-rank path).
+    pub dispatch_chunk: Option<u32>,
+    /// Thread blocks of a fused kernel that communicate (multi-rank path).
+    pub comm_blocks: Option<u32>,
+    pub traffic_order: Option<TrafficOrder>,
+}
+
+/// A GEMM tile: `m` rows (tokens) × `n` output columns × `k` reduction depth per stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TileShape {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrafficOrder {
+    /// Nearer destinations first (same GPU, then NVLink, then network).
+    NearestFirst,
+    /// Source r starts at r+1, r+2, … so that no receiver is hit by all at once.
+    Rotate,
+    /// Aggregate per remote node, then fan out over NVLink there.
+    Hierarchical,
+}
+
+impl TrafficOrder {
+    pub fn name(self) -> &'static str {
+        match self {
+            TrafficOrder::NearestFirst => "nearest_first",
+            TrafficOrder::Rotate => "rotate",
+            TrafficOrder::Hierarchical => "hierarchical",
+        }
+    }
+}
+
+impl Layer {
+    /// Rows of W1 per expert: 2F for gated activations, F otherwise.
+    pub fn w1_rows(&self) -> u64 {
+        let gated = if self.activation.is_gated() { 2 } else { 1 };
+        gated * u64::from(self.ffn)
+    }
+
+    /// Experts held by each expert-parallel rank.
+    pub fn experts_per_rank(&self) -> u32 {
+        self.experts / self.parallel.expert
+    }
+
+    /// Weight elements of one routed expert (W1 and W2).
+    pub fn expert_weight_elems(&self) -> u64 {
+        self.w1_rows() * u64::from(self.hidden) + u64::from(self.hidden) * u64::from(self.ffn)
+    }
+}
