@@ -1,0 +1,73 @@
+//! The analytic cost model that picks tiles (documented in `docs/planner.md`).
+//!
+//! For a token count T it assumes uniform routing: `P = T·K` (token, expert) rows over E
+//! experts, of which `E·(1 − (1 − 1/E)^P)` are hit. A tile plan then costs the larger of
+//! - compute: waves of tiles over `SMs × blocks per SM`, each tile doing `2·BM·B_rows·Kd`
+//!   FLOPs (padded rows included) at the SM's share of the `mma.sync` rate;
+//! - memory: the bytes that must come from HBM (weights of hit experts once, activations in
+//!   and out) over the bandwidth the grid can sustain, which is the lesser of HBM
+//!   bandwidth and what its in-flight pipeline stages cover (Little's law, 1 µs latency);
+//! - L2 traffic: every tile loads its A rows and B rows for the whole reduction, so small
+//!   tiles re-read the weights once per m-tile and the activations once per n-tile; those
+//!   bytes over the L2-to-SM bandwidth;
+//!
+//! plus one launch. The model ranks candidates; it does not promise times.
+
+use serde::{Deserialize, Serialize};
+
+use super::{GemmPlan, GemmProblem, Target};
+
+/// Memory latency the pipeline stages must cover, seconds.
+const MEMORY_LATENCY_S: f64 = 1e-6;
+
+/// What the cost model predicts for one GEMM at one token count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GemmEstimate {
+    pub tokens: u32,
+    pub tiles: f64,
+    pub waves: f64,
+    pub compute_seconds: f64,
+    pub memory_seconds: f64,
+    pub l2_seconds: f64,
+    pub seconds: f64,
+}
+
+/// Expected number of distinct experts hit by `pairs` uniform draws over `experts`.
+pub fn expected_hit_experts(experts: u32, pairs: u64) -> f64 {
+    let e = f64::from(experts);
+    e * (1.0 - (1.0 - 1.0 / e).powf(pairs as f64))
+}
+
+pub fn estimate(target: &Target, problem: &GemmProblem, gemm: &GemmPlan, tokens: u32) -> GemmEstimate {
+    let pairs = u64::from(tokens) * u64::from(problem.top_k);
+    let hit = expected_hit_experts(problem.experts, pairs).max(1.0);
+    let rows_per_hit = pairs as f64 / hit;
+    let m_tiles = (rows_per_hit / f64::from(gemm.tile.m)).ceil().max(1.0);
+    let n_tiles = f64::from(problem.n / gemm.tile.n);
+    let tiles = hit * m_tiles * n_tiles;
+
+    let concurrent = f64::from(target.sm_count * gemm.blocks_per_sm);
+    let waves = (tiles / concurrent).ceil();
+    let block_rate = target.peak_bf16_flops * target.mma_sync_fraction / concurrent;
+    let tile_flops = 2.0 * f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * f64::from(problem.k);
+    let compute_seconds = waves * tile_flops / block_rate;
+
+    let weight_rows = if problem.gated { 2.0 } else { 1.0 } * f64::from(problem.n);
+    let weight_bytes = hit * weight_rows * f64::from(problem.k) * 2.0;
+    let activation_bytes = pairs as f64 * (f64::from(problem.k) + f64::from(problem.n)) * 2.0;
+    let stage_bytes = f64::from((gemm.tile.m + gemm.b_rows) * gemm.tile.k * 2);
+    let in_flight = concurrent.min(tiles) * f64::from(gemm.stages - 1) * stage_bytes;
+    let bandwidth = target.hbm_bytes_per_s.min(in_flight / MEMORY_LATENCY_S);
+    let memory_seconds = (weight_bytes + activation_bytes) / bandwidth;
+    let l2_seconds = tiles * f64::from(gemm.tile.m + gemm.b_rows) * f64::from(problem.k) * 2.0 / target.l2_bytes_per_s;
+
+    GemmEstimate {
+        tokens,
+        tiles,
+        waves,
+        compute_seconds,
+        memory_seconds,
+        l2_seconds,
+        seconds: compute_seconds.max(memory_seconds).max(l2_seconds) + target.launch_overhead_s,
+    }
+}

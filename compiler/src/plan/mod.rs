@@ -1,0 +1,637 @@
+//! The planner: turns a checked [`ir::Layer`] and a [`Target`] into a [`Plan`], the single
+//! source of truth that codegen and the runtime read.
+//!
+//! Architecture invariant: every decision (tile shapes, pipeline depth, warps, grid sizes,
+//! buffer sizes, which kernel runs for which token count, the argument list of each launch)
+//! is made here and recorded in the `Plan`. Codegen writes it out; the runtime binds
+//! buffers by the names the plan gives and launches what the table says. Neither
+//! re-derives anything. The plan is a pure function of the layer and the target.
+//!
+//! The cost model behind the tile choice is in [`cost`] and documented in
+//! `docs/planner.md`.
+
+pub mod cost;
+pub mod target;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::ir::{self, Activation, TileShape};
+pub use cost::GemmEstimate;
+pub use target::Target;
+
+/// Reduction depth of one pipeline stage. The kernels swizzle 128-byte shared-memory rows
+/// (64 bf16), so this is the only depth they support.
+pub const TILE_K: u32 = 64;
+/// Threads of the routing kernel (one block).
+pub const ROUTE_THREADS: u32 = 1024;
+/// Threads of the combine kernel (one block per token).
+pub const COMBINE_THREADS: u32 = 128;
+/// Largest number of experts the routing kernel's shared-memory tables hold.
+pub const MAX_EXPERTS: u32 = 1024;
+
+/// A complete execution plan for one layer on one target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// The layer's name in the spec.
+    pub layer: String,
+    /// C identifier prefix of every generated entry point.
+    pub symbol: String,
+    pub target: Target,
+    pub shape: LayerShape,
+    /// Device buffers the runtime allocates once per layer handle.
+    pub workspace: Vec<Buffer>,
+    /// Token-count regimes in increasing order; each covers `min_tokens..=max_tokens`.
+    pub regimes: Vec<Regime>,
+    /// What this plan leaves out of the layer, stated so nobody assumes otherwise.
+    pub limitations: Vec<String>,
+}
+
+/// The sizes every kernel is specialised to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerShape {
+    pub hidden: u32,
+    pub ffn: u32,
+    pub experts: u32,
+    pub top_k: u32,
+    pub activation: Activation,
+    pub max_tokens: u32,
+    /// Expert-parallel ranks of the spec.
+    pub spec_ranks: u32,
+    /// Ranks this plan executes: 1 (all experts on one GPU) until the multi-rank path lands.
+    pub executed_ranks: u32,
+}
+
+impl LayerShape {
+    /// Rows of W1 per expert: 2F for gated activations, F otherwise.
+    pub fn w1_rows(&self) -> u32 {
+        if self.activation.is_gated() { 2 * self.ffn } else { self.ffn }
+    }
+
+    /// Largest number of (token, k) pairs in one call.
+    pub fn max_pairs(&self) -> u64 {
+        u64::from(self.max_tokens) * u64::from(self.top_k)
+    }
+}
+
+/// A workspace buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub id: BufferId,
+    pub elem: ElemType,
+    pub elems: u64,
+    pub purpose: String,
+}
+
+impl Buffer {
+    pub fn bytes(&self) -> u64 {
+        self.elems * self.elem.size_bytes()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferId {
+    /// i32 [E+1]: start row of each expert in the expert-major row order.
+    ExpertOffsets,
+    /// i32 [T·K]: for each row of the expert-major order, its (token, k) pair `t·K + k`.
+    RowPair,
+    /// bf16 [T·K, F]: activation output of GEMM1, rows in expert-major order.
+    Intermediate,
+    /// bf16 [T·K, H]: GEMM2 output scaled by the routing weight, one slot per (token, k).
+    CombineSlots,
+    /// i32 [4]: error code, token, k, offending value (first error of the call wins).
+    ErrorWord,
+}
+
+impl BufferId {
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferId::ExpertOffsets => "expert_offsets",
+            BufferId::RowPair => "row_pair",
+            BufferId::Intermediate => "intermediate",
+            BufferId::CombineSlots => "combine_slots",
+            BufferId::ErrorWord => "error_word",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ElemType {
+    Bf16,
+    F32,
+    I32,
+}
+
+impl ElemType {
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            ElemType::Bf16 => 2,
+            ElemType::F32 | ElemType::I32 => 4,
+        }
+    }
+}
+
+/// Error codes a kernel writes into the error word; the runtime turns them into typed errors.
+pub mod error_code {
+    /// `topk_ids[t, k]` is outside `0..E`.
+    pub const EXPERT_ID_OUT_OF_RANGE: i32 = 1;
+}
+
+/// One token-count range and the kernels that serve it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Regime {
+    /// `decode`, `mid` or `prefill`: used in entry-point names.
+    pub name: String,
+    pub min_tokens: u32,
+    pub max_tokens: u32,
+    pub gemm1: GemmPlan,
+    pub gemm2: GemmPlan,
+    /// The launches of one forward call, in stream order.
+    pub launches: Vec<Launch>,
+}
+
+/// How one grouped GEMM is tiled and launched.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GemmPlan {
+    pub tile: TileShape,
+    pub stages: u32,
+    pub warps_m: u32,
+    pub warps_n: u32,
+    /// Rows of B loaded per tile: 2·n for the gated GEMM1 (gate and up), n otherwise.
+    pub b_rows: u32,
+    pub smem_bytes: u32,
+    pub blocks_per_sm: u32,
+    /// Persistent grid: blocks launched, each looping over tiles.
+    pub grid_blocks: u32,
+    /// The cost model's estimate at the regime's representative token count.
+    pub estimate: GemmEstimate,
+    /// Whether the tile came from a schedule hint rather than the cost model.
+    pub hinted: bool,
+}
+
+impl GemmPlan {
+    pub fn threads(&self) -> u32 {
+        32 * self.warps_m * self.warps_n
+    }
+}
+
+/// One kernel launch of the forward call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    pub kernel: String,
+    pub grid: Grid,
+    pub block_threads: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+    pub args: Vec<LaunchArg>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Grid {
+    /// A fixed number of blocks.
+    Fixed(u32),
+    /// One block per token of the call.
+    PerToken,
+}
+
+impl Grid {
+    pub fn blocks(self, tokens: u32) -> u32 {
+        match self {
+            Grid::Fixed(n) => n,
+            Grid::PerToken => tokens,
+        }
+    }
+}
+
+/// What the runtime passes for each kernel parameter, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LaunchArg {
+    /// bf16 [T, H] input activations.
+    X,
+    /// i32 [T, K] expert ids.
+    TopkIds,
+    /// f32 [T, K] routing weights.
+    TopkWeights,
+    /// bf16 [E, w1_rows, H].
+    W1,
+    /// bf16 [E, H, F].
+    W2,
+    /// bf16 [T, H] output.
+    Y,
+    /// The token count T of the call, as i32.
+    Tokens,
+    Workspace(BufferId),
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum PlanError {
+    #[error(
+        "layer `{layer}`: {experts} experts exceed the {max} the routing kernel supports; split the layer or raise MAX_EXPERTS"
+    )]
+    TooManyExperts { layer: String, experts: u32, max: u32 },
+    #[error("layer `{layer}`: schedule hint `{hint}` cannot be used: {reason}")]
+    ImpossibleHint { layer: String, hint: String, reason: String },
+    #[error("layer `{layer}`: no tile fits {what}: {reason}")]
+    NoFeasibleTile { layer: String, what: String, reason: String },
+}
+
+/// Which of the two grouped GEMMs a tile is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmKind {
+    /// Gather x, multiply by W1, apply the activation.
+    Up,
+    /// Multiply by W2, scale by the routing weight, store to the combine slot.
+    Down,
+}
+
+impl GemmKind {
+    fn hint_name(self) -> &'static str {
+        match self {
+            GemmKind::Up => "gemm1.tile",
+            GemmKind::Down => "gemm2.tile",
+        }
+    }
+}
+
+/// The problem one grouped GEMM solves, independent of tiling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmProblem {
+    pub kind: GemmKind,
+    pub experts: u32,
+    pub top_k: u32,
+    /// Output columns (F for GEMM1, H for GEMM2).
+    pub n: u32,
+    /// Reduction depth (H for GEMM1, F for GEMM2).
+    pub k: u32,
+    /// Whether B carries two rows (gate, up) per output column.
+    pub gated: bool,
+}
+
+impl GemmProblem {
+    fn for_layer(shape: &LayerShape, kind: GemmKind) -> Self {
+        let (n, k, gated) = match kind {
+            GemmKind::Up => (shape.ffn, shape.hidden, shape.activation.is_gated()),
+            GemmKind::Down => (shape.hidden, shape.ffn, false),
+        };
+        GemmProblem { kind, experts: shape.experts, top_k: shape.top_k, n, k, gated }
+    }
+}
+
+/// Makes the plan of `layer` for `target`.
+pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
+    if layer.experts > MAX_EXPERTS {
+        return Err(PlanError::TooManyExperts {
+            layer: layer.name.clone(),
+            experts: layer.experts,
+            max: MAX_EXPERTS,
+        });
+    }
+    let shape = LayerShape {
+        hidden: layer.hidden,
+        ffn: layer.ffn,
+        experts: layer.experts,
+        top_k: layer.top_k,
+        activation: layer.activation,
+        max_tokens: layer.max_tokens,
+        spec_ranks: layer.parallel.expert,
+        executed_ranks: 1,
+    };
+    let symbol = c_identifier(&layer.name);
+    let up = GemmProblem::for_layer(&shape, GemmKind::Up);
+    let down = GemmProblem::for_layer(&shape, GemmKind::Down);
+    let hints = &layer.schedule;
+
+    // Probe token counts 1, 2, 4, … up to max_tokens; the best configuration at each probe
+    // decides the regime that probe falls in. Consecutive probes with the same choice merge.
+    let mut probes: Vec<u32> = std::iter::successors(Some(1u32), |t| t.checked_mul(2))
+        .take_while(|&t| t < shape.max_tokens)
+        .collect();
+    probes.push(shape.max_tokens);
+
+    let mut groups: Vec<(u32, u32, GemmPlan, GemmPlan)> = Vec::new();
+    for &tokens in &probes {
+        let g1 = choose_gemm(layer, target, &up, hints.gemm1_tile, hints.stages, tokens)?;
+        let g2 = choose_gemm(layer, target, &down, hints.gemm2_tile, hints.stages, tokens)?;
+        match groups.last_mut() {
+            Some(last) if same_config(&last.2, &g1) && same_config(&last.3, &g2) => {
+                last.1 = tokens;
+            }
+            _ => groups.push((tokens, tokens, g1, g2)),
+        }
+    }
+    let groups = merge_to_at_most(groups, 3);
+
+    let count = groups.len();
+    let mut regimes = Vec::with_capacity(count);
+    let mut next_min = 0;
+    for (i, (_, max, mut g1, mut g2)) in groups.into_iter().enumerate() {
+        // Report each regime's estimate at its largest token count.
+        g1.estimate = cost::estimate(target, &up, &g1, max);
+        g2.estimate = cost::estimate(target, &down, &g2, max);
+        let name = regime_name(i, count).to_string();
+        let launches = launch_table(&symbol, &name, &g1, &g2);
+        regimes.push(Regime { name, min_tokens: next_min, max_tokens: max, gemm1: g1, gemm2: g2, launches });
+        next_min = max + 1;
+    }
+
+    let max_pairs = shape.max_pairs();
+    let workspace = vec![
+        Buffer {
+            id: BufferId::ExpertOffsets,
+            elem: ElemType::I32,
+            elems: u64::from(shape.experts) + 1,
+            purpose: "start row of each expert in the expert-major row order".into(),
+        },
+        Buffer {
+            id: BufferId::RowPair,
+            elem: ElemType::I32,
+            elems: max_pairs,
+            purpose: "(token, k) pair of each expert-major row".into(),
+        },
+        Buffer {
+            id: BufferId::Intermediate,
+            elem: ElemType::Bf16,
+            elems: max_pairs * u64::from(shape.ffn),
+            purpose: "GEMM1 output after the activation".into(),
+        },
+        Buffer {
+            id: BufferId::CombineSlots,
+            elem: ElemType::Bf16,
+            elems: max_pairs * u64::from(shape.hidden),
+            purpose: "GEMM2 output times routing weight, one slot per (token, k)".into(),
+        },
+        Buffer {
+            id: BufferId::ErrorWord,
+            elem: ElemType::I32,
+            elems: 4,
+            purpose: "first kernel-side error of the call: code, token, k, value".into(),
+        },
+    ];
+
+    let mut limitations = Vec::new();
+    if layer.parallel.expert > 1 {
+        limitations.push(format!(
+            "the spec asks for {} expert-parallel ranks; this plan runs all {} experts on one GPU (the multi-rank path is not built yet)",
+            layer.parallel.expert, layer.experts
+        ));
+    }
+    if let Some(shared) = layer.shared_experts {
+        limitations.push(format!(
+            "{} shared expert(s) of FFN size {} are not executed by these kernels; add their output outside the layer",
+            shared.count, shared.ffn
+        ));
+    }
+    if layer.router.is_some() {
+        limitations.push(
+            "the router is not fused yet: the caller passes topk_ids and topk_weights".to_string(),
+        );
+    }
+
+    Ok(Plan { layer: layer.name.clone(), symbol, target: target.clone(), shape, workspace, regimes, limitations })
+}
+
+impl Plan {
+    /// The regime that serves a call with `tokens` tokens (`None` above `max_tokens`).
+    pub fn regime_for(&self, tokens: u32) -> Option<&Regime> {
+        self.regimes.iter().find(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
+    }
+
+    pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
+        self.workspace.iter().find(|b| b.id == id)
+    }
+
+    /// The entry points of the generated unit, in a stable order.
+    pub fn entry_points(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for regime in &self.regimes {
+            for launch in &regime.launches {
+                if !names.contains(&launch.kernel) {
+                    names.push(launch.kernel.clone());
+                }
+            }
+        }
+        names
+    }
+}
+
+fn regime_name(index: usize, count: usize) -> &'static str {
+    match (index, count) {
+        (0, 1) => "all",
+        (0, _) => "decode",
+        (i, n) if i + 1 == n => "prefill",
+        _ => "mid",
+    }
+}
+
+fn same_config(a: &GemmPlan, b: &GemmPlan) -> bool {
+    a.tile == b.tile && a.stages == b.stages && a.warps_m == b.warps_m && a.warps_n == b.warps_n
+}
+
+/// Bounds the number of regimes (each costs compile time) by folding the shortest run of
+/// probes into its larger-token neighbour, whose tiles serve larger calls well.
+fn merge_to_at_most(
+    mut groups: Vec<(u32, u32, GemmPlan, GemmPlan)>,
+    limit: usize,
+) -> Vec<(u32, u32, GemmPlan, GemmPlan)> {
+    while groups.len() > limit {
+        let shortest = (0..groups.len() - 1)
+            .min_by_key(|&i| groups[i].1 - groups[i].0)
+            .unwrap_or(0);
+        let removed = groups.remove(shortest);
+        groups[shortest].0 = removed.0;
+    }
+    groups
+}
+
+fn launch_table(symbol: &str, regime: &str, g1: &GemmPlan, g2: &GemmPlan) -> Vec<Launch> {
+    use BufferId::*;
+    use LaunchArg::*;
+    vec![
+        Launch {
+            kernel: format!("{symbol}_route"),
+            grid: Grid::Fixed(1),
+            block_threads: ROUTE_THREADS,
+            smem_bytes: 0,
+            args: vec![TopkIds, Tokens, Workspace(ExpertOffsets), Workspace(RowPair), Workspace(ErrorWord)],
+        },
+        Launch {
+            kernel: format!("{symbol}_{regime}_gemm1"),
+            grid: Grid::Fixed(g1.grid_blocks),
+            block_threads: g1.threads(),
+            smem_bytes: g1.smem_bytes,
+            args: vec![X, W1, Workspace(ExpertOffsets), Workspace(RowPair), Workspace(Intermediate)],
+        },
+        Launch {
+            kernel: format!("{symbol}_{regime}_gemm2"),
+            grid: Grid::Fixed(g2.grid_blocks),
+            block_threads: g2.threads(),
+            smem_bytes: g2.smem_bytes,
+            args: vec![
+                Workspace(Intermediate),
+                W2,
+                TopkWeights,
+                Workspace(ExpertOffsets),
+                Workspace(RowPair),
+                Workspace(CombineSlots),
+            ],
+        },
+        Launch {
+            kernel: format!("{symbol}_combine"),
+            grid: Grid::PerToken,
+            block_threads: COMBINE_THREADS,
+            smem_bytes: 0,
+            args: vec![Workspace(CombineSlots), TopkIds, Y],
+        },
+    ]
+}
+
+/// Warp layout for a tile: 8 warps for large tiles, 4 for small ones, each warp owning a
+/// sub-tile whose rows are a multiple of 16 (one mma) and columns a multiple of 16 (one
+/// `ldmatrix.x4` of B).
+fn warp_layout(tile: TileShape) -> Option<(u32, u32)> {
+    let (wm, wn) = match tile.m {
+        16 => (1, 4),
+        32 => (2, 2),
+        64 => (2, 4),
+        _ => (4, 2),
+    };
+    let fits = tile.m % (16 * wm) == 0 && tile.n % (16 * wn) == 0;
+    fits.then_some((wm, wn))
+}
+
+/// Accumulator floats per thread above which a tile is not considered (register pressure:
+/// more spills on `mma.sync` with the fragments and addresses it also keeps).
+const MAX_ACCUMULATORS_PER_THREAD: u32 = 64;
+
+/// Checks a candidate tile and completes it into a `GemmPlan` (without estimate).
+fn shape_gemm(
+    target: &Target,
+    problem: &GemmProblem,
+    tile: TileShape,
+    stages: u32,
+) -> Result<GemmPlan, String> {
+    if tile.k != TILE_K {
+        return Err(format!("the reduction depth must be {TILE_K} (the kernels swizzle 128-byte rows)"));
+    }
+    if tile.m % 16 != 0 || tile.m == 0 || tile.m > 256 {
+        return Err("rows must be a multiple of 16 between 16 and 256".into());
+    }
+    if tile.n == 0 || problem.n % tile.n != 0 {
+        return Err(format!("columns must divide the output width {}", problem.n));
+    }
+    if problem.k % tile.k != 0 {
+        return Err(format!("the reduction length {} is not a multiple of {}", problem.k, tile.k));
+    }
+    if !(2..=8).contains(&stages) {
+        return Err("pipeline stages must be between 2 and 8".into());
+    }
+    let (warps_m, warps_n) =
+        warp_layout(tile).ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
+    let b_rows = if problem.gated { 2 * tile.n } else { tile.n };
+    let threads = 32 * warps_m * warps_n;
+    let accumulators = tile.m * b_rows / threads;
+    if accumulators > MAX_ACCUMULATORS_PER_THREAD {
+        return Err(format!(
+            "{accumulators} accumulators per thread exceed {MAX_ACCUMULATORS_PER_THREAD} (register spills)"
+        ));
+    }
+    let stage_bytes = (tile.m + b_rows) * tile.k * 2;
+    let smem_bytes = stages * stage_bytes + tile.m * 4;
+    if smem_bytes > target.smem_per_block {
+        return Err(format!(
+            "{smem_bytes} bytes of shared memory exceed the {} a block may use",
+            target.smem_per_block
+        ));
+    }
+    // Registers: accumulators plus about 64 for fragments, addresses and loop state.
+    let regs_per_thread = (accumulators + 64).min(255);
+    let by_regs = 65_536 / (regs_per_thread * threads);
+    let by_smem = target.smem_per_sm / (smem_bytes + 1024);
+    let blocks_per_sm = by_regs.min(by_smem).clamp(1, 8);
+    Ok(GemmPlan {
+        tile,
+        stages,
+        warps_m,
+        warps_n,
+        b_rows,
+        smem_bytes,
+        blocks_per_sm,
+        grid_blocks: target.sm_count * blocks_per_sm,
+        estimate: GemmEstimate::default(),
+        hinted: false,
+    })
+}
+
+fn choose_gemm(
+    layer: &ir::Layer,
+    target: &Target,
+    problem: &GemmProblem,
+    hinted_tile: Option<TileShape>,
+    hinted_stages: Option<u32>,
+    tokens: u32,
+) -> Result<GemmPlan, PlanError> {
+    if let Some(tile) = hinted_tile {
+        let stages = hinted_stages.unwrap_or(4);
+        let mut gemm = shape_gemm(target, problem, tile, stages).map_err(|reason| PlanError::ImpossibleHint {
+            layer: layer.name.clone(),
+            hint: format!("{} = {}x{}x{}", problem.kind.hint_name(), tile.m, tile.n, tile.k),
+            reason,
+        })?;
+        gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+        gemm.hinted = true;
+        return Ok(gemm);
+    }
+    if let Some(stages) = hinted_stages {
+        if !(2..=8).contains(&stages) {
+            return Err(PlanError::ImpossibleHint {
+                layer: layer.name.clone(),
+                hint: format!("stages = {stages}"),
+                reason: "pipeline stages must be between 2 and 8".into(),
+            });
+        }
+    }
+    let stage_choices: Vec<u32> = match hinted_stages {
+        Some(s) => vec![s],
+        None => vec![3, 4, 5],
+    };
+    let mut best: Option<GemmPlan> = None;
+    let mut last_reason = String::from("no candidate tiles");
+    for m in [16, 32, 64, 128] {
+        for n in [64, 128] {
+            for &stages in &stage_choices {
+                let tile = TileShape { m, n, k: TILE_K };
+                match shape_gemm(target, problem, tile, stages) {
+                    Ok(mut gemm) => {
+                        gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+                        let better = best
+                            .as_ref()
+                            .is_none_or(|b| gemm.estimate.seconds < b.estimate.seconds * 0.999);
+                        if better {
+                            best = Some(gemm);
+                        }
+                    }
+                    Err(reason) => last_reason = reason,
+                }
+            }
+        }
+    }
+    best.ok_or_else(|| PlanError::NoFeasibleTile {
+        layer: layer.name.clone(),
+        what: problem.kind.hint_name().trim_end_matches(".tile").to_string(),
+        reason: last_reason,
+    })
+}
+
+/// A C identifier made from a layer name: letters, digits and `_`, not starting with a digit.
+pub fn c_identifier(name: &str) -> String {
+    let mut ident: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    if ident.is_empty() || ident.starts_with(|c: char| c.is_ascii_digit()) {
+        ident.insert_str(0, "moe_");
+    }
+    ident
+}

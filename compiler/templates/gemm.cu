@@ -1,0 +1,209 @@
+// ---------------------------------------------------------------------------------------
+// Grouped GEMM over experts (tensor cores: mma.sync m16n8k16, ldmatrix, cp.async ring).
+//
+// Tiles are (expert, n-tile, m-tile), numbered expert-major so that the tiles sharing one
+// weight panel run close together and find it in L2. The grid is persistent: each block
+// loops over tile ids. Rows past an expert's count are zero-filled on load and never
+// stored.
+//   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ)       (gather + activation)
+//   GEMM_DOWN: slot[pair(row)]   = weight(pair) · intermediate[row] · W2[e]ᵀ
+// ---------------------------------------------------------------------------------------
+enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
+
+// Shared-memory rows hold 64 bf16 (128 bytes, 8 chunks of 16 bytes). Chunk c of row r sits
+// at chunk c ^ (r & 7), so the 8 rows one ldmatrix reads fall in 8 different bank groups.
+constexpr int SMEM_ROW_BYTES = 128;
+__device__ __forceinline__ u32 swizzle(int row, int chunk) {
+    return (u32)(row * SMEM_ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+}
+
+template <int KIND, int BM, int BN, int STAGES, int WARPS_M, int WARPS_N, bool GATED, int N, int KD>
+__device__ __forceinline__ void grouped_gemm(
+    const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
+    const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
+    const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
+    const int* __restrict__ expert_offsets,   // [EXPERTS + 1]
+    const int* __restrict__ row_pair,         // [pairs]
+    bf16_t* __restrict__ out)                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
+{
+    constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+    constexpr int B_ROWS = GATED ? 2 * BN : BN;
+    constexpr int W_ROWS = GATED ? 2 * N : N;
+    constexpr int WM = BM / WARPS_M;  // rows per warp
+    constexpr int WN = BN / WARPS_N;  // output columns per warp
+    constexpr int MI = WM / 16;       // m16 fragments per warp
+    constexpr int NJ = WN / 8;        // n8 fragments per warp
+    constexpr int K_TILES = KD / 64;
+    constexpr int N_TILES = N / BN;
+    constexpr int A_BYTES = BM * SMEM_ROW_BYTES;
+    constexpr int STAGE_BYTES = (BM + B_ROWS) * SMEM_ROW_BYTES;
+    static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be whole 16x16 pieces");
+    static_assert(KD % 64 == 0 && N % BN == 0, "plan invariant: tiles divide N and KD");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    int* s_row_source = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);  // [BM], -1 = padding
+    __shared__ int s_tile_start[EXPERTS + 1];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int warp_m = warp / WARPS_N;
+    const int warp_n = warp % WARPS_N;
+    const u32 smem_base = smem_address(smem);
+
+    // Tile schedule: ceil(rows / BM) * N_TILES tiles per expert.
+    if (tid < 32) {
+        warp_exclusive_scan(EXPERTS, [&](int e) {
+            const int rows = expert_offsets[e + 1] - expert_offsets[e];
+            return (rows + BM - 1) / BM * N_TILES;
+        }, s_tile_start);
+    }
+    __syncthreads();
+    const int total_tiles = s_tile_start[EXPERTS];
+
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        // Find the expert owning this tile: the last e with s_tile_start[e] <= tile.
+        int lo = 0, hi = EXPERTS - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+        }
+        const int expert = lo;
+        const int expert_row0 = expert_offsets[expert];
+        const int expert_rows = expert_offsets[expert + 1] - expert_row0;
+        const int m_tiles = (expert_rows + BM - 1) / BM;
+        const int local = tile - s_tile_start[expert];
+        const int n0 = (local / m_tiles) * BN;
+        const int row0 = expert_row0 + (local % m_tiles) * BM;
+        const int rows = min(BM, expert_row0 + expert_rows - row0);
+
+        for (int r = tid; r < BM; r += THREADS) {
+            int source = -1;
+            if (r < rows) source = (KIND == GEMM_UP) ? row_pair[row0 + r] / TOP_K : row0 + r;
+            s_row_source[r] = source;
+        }
+        __syncthreads();
+
+        const bf16_t* w_expert = weights + (size_t)expert * W_ROWS * KD;
+        auto load_stage = [&](int stage, int k_tile) {
+            const u32 a_base = smem_base + stage * STAGE_BYTES;
+            const int k0 = k_tile * 64;
+#pragma unroll
+            for (int i = tid; i < BM * 8; i += THREADS) {
+                const int r = i >> 3, chunk = i & 7;
+                const int source = s_row_source[r];
+                const bf16_t* src = a_rows + (size_t)max(source, 0) * KD + k0 + chunk * 8;
+                cp_async_16(a_base + swizzle(r, chunk), src, source >= 0);
+            }
+#pragma unroll
+            for (int i = tid; i < B_ROWS * 8; i += THREADS) {
+                const int r = i >> 3, chunk = i & 7;
+                // Gated: rows [0, BN) are gate rows n0.., rows [BN, 2BN) the matching up rows.
+                const int w_row = (GATED && r >= BN) ? N + n0 + (r - BN) : n0 + r;
+                cp_async_16(a_base + A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * KD + k0 + chunk * 8, true);
+            }
+        };
+
+        float acc[MI][NJ][4];
+        float acc_up[GATED ? MI : 1][GATED ? NJ : 1][4];
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    acc[i][j][c] = 0.f;
+                    if constexpr (GATED) acc_up[i][j][c] = 0.f;
+                }
+
+        // Pipeline prologue: STAGES - 1 k-tiles in flight.
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < K_TILES) load_stage(s, s);
+            cp_async_commit();
+        }
+
+        for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // stage k_tile landed for everyone; stage k_tile-1 is free
+            const int next = k_tile + STAGES - 1;
+            if (next < K_TILES) load_stage(next % STAGES, next);
+            cp_async_commit();
+
+            const u32 a_base = smem_base + (k_tile % STAGES) * STAGE_BYTES;
+            const u32 b_base = a_base + A_BYTES;
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16) {
+                u32 a_frag[MI][4];
+#pragma unroll
+                for (int i = 0; i < MI; ++i) {
+                    const int r = warp_m * WM + i * 16 + (lane & 15);
+                    ldmatrix_x4(a_frag[i][0], a_frag[i][1], a_frag[i][2], a_frag[i][3],
+                                a_base + swizzle(r, k16 * 2 + (lane >> 4)));
+                }
+#pragma unroll
+                for (int j2 = 0; j2 < NJ / 2; ++j2) {
+                    const int r = warp_n * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3);
+                    const int chunk = k16 * 2 + ((lane >> 3) & 1);
+                    u32 b_frag[2][2];
+                    ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1], b_base + swizzle(r, chunk));
+#pragma unroll
+                    for (int i = 0; i < MI; ++i) {
+                        mma_bf16_m16n8k16(acc[i][2 * j2], a_frag[i], b_frag[0]);
+                        mma_bf16_m16n8k16(acc[i][2 * j2 + 1], a_frag[i], b_frag[1]);
+                    }
+                    if constexpr (GATED) {
+                        u32 u_frag[2][2];
+                        ldmatrix_x4(u_frag[0][0], u_frag[0][1], u_frag[1][0], u_frag[1][1],
+                                    b_base + swizzle(r + BN, chunk));
+#pragma unroll
+                        for (int i = 0; i < MI; ++i) {
+                            mma_bf16_m16n8k16(acc_up[i][2 * j2], a_frag[i], u_frag[0]);
+                            mma_bf16_m16n8k16(acc_up[i][2 * j2 + 1], a_frag[i], u_frag[1]);
+                        }
+                    }
+                }
+            }
+        }
+
+        // Epilogue: each thread holds rows lane/4 and lane/4 + 8 of every fragment, two
+        // adjacent columns each.
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
+                if (r >= rows) continue;
+                size_t out_row;
+                float scale = 1.f;
+                if constexpr (KIND == GEMM_UP) {
+                    out_row = (size_t)(row0 + r);
+                } else {
+                    const int pair = row_pair[row0 + r];
+                    out_row = (size_t)pair;
+                    scale = topk_weights[pair];
+                }
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const int column = n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
+                    float v0 = acc[i][j][half * 2], v1 = acc[i][j][half * 2 + 1];
+                    if constexpr (KIND == GEMM_UP) {
+                        float up0 = 0.f, up1 = 0.f;
+                        if constexpr (GATED) {
+                            up0 = acc_up[i][j][half * 2];
+                            up1 = acc_up[i][j][half * 2 + 1];
+                        }
+                        v0 = activate(v0, up0);
+                        v1 = activate(v1, up1);
+                    } else {
+                        v0 *= scale;
+                        v1 *= scale;
+                    }
+                    *reinterpret_cast<u32*>(out + out_row * N + column) = pack_bf16x2(v0, v1);
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the next tile reuses the ring and the row table
+    }
+}

@@ -1,0 +1,79 @@
+// ---------------------------------------------------------------------------------------
+// Prelude: element types and PTX wrappers. No toolkit header is included, so NVRTC needs
+// no include path.
+// ---------------------------------------------------------------------------------------
+typedef unsigned short bf16_t;  // raw bf16 bits
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((u32)v) << 16); }
+
+// Two floats to a bf16x2 word (round to nearest even); `lo` lands in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+__device__ __forceinline__ u32 smem_address(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16-byte asynchronous copy global -> shared; when `valid` is false nothing is read and the
+// destination is zero-filled (masked rows of a ragged tile).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(address));
+}
+
+// D += A·B for one m16n8k16 bf16 fragment with f32 accumulators.
+__device__ __forceinline__ void mma_bf16_m16n8k16(float* acc, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3}, { %4, %5, %6, %7}, { %8, %9}, "
+        "{ %0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+__device__ __forceinline__ float gelu_tanh(float v) {
+    const float inner = 0.7978845608f * (v + 0.044715f * v * v * v);
+    return 0.5f * v * (1.0f + tanhf(inner));
+}
+
+// Exclusive prefix sum by one warp: out[i] = sum of value(j) for j < i, out[n] = total.
+// Each lane scans a contiguous run, then the runs' totals are scanned across the warp.
+template <typename Value>
+__device__ __forceinline__ void warp_exclusive_scan(int n, Value value, int* out) {
+    const int lane = threadIdx.x & 31;
+    const int per_lane = (n + 31) / 32;
+    const int begin = min(n, lane * per_lane);
+    const int end = min(n, begin + per_lane);
+    int run_total = 0;
+    for (int i = begin; i < end; ++i) run_total += value(i);
+    int inclusive = run_total;
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    int running = inclusive - run_total;
+    for (int i = begin; i < end; ++i) {
+        out[i] = running;
+        running += value(i);
+    }
+    if (lane == 31) out[n] = inclusive;
+}
+
+// Eight bf16 values moved as one 16-byte access.
+struct __align__(16) Vec16 {
+    u32 x, y, z, w;
+};

@@ -1,0 +1,53 @@
+// ---------------------------------------------------------------------------------------
+// Routing: count (token, k) pairs per expert, derive each expert's first row, and write
+// the expert-major row order. One block; no host synchronisation. Row order inside an
+// expert depends on atomic order, which changes no result: every row is computed the same
+// way wherever it sits, and the combine reads rows by (token, k) slot.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
+    if (atomicCAS(error_word, 0, code) == 0) {
+        error_word[1] = token;
+        error_word[2] = k;
+        error_word[3] = value;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ symbol }}_route(
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    int tokens,
+    int* __restrict__ expert_offsets,  // [EXPERTS + 1]
+    int* __restrict__ row_pair,        // [tokens * TOP_K]
+    int* __restrict__ error_word)      // [4]
+{
+    __shared__ int s_count[EXPERTS];
+    __shared__ int s_offset[EXPERTS + 1];
+    const int pairs = tokens * TOP_K;
+
+    // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS.
+    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
+        const int expert = topk_ids[p];
+        if ((unsigned)expert < (unsigned)EXPERTS) {
+            atomicAdd(&s_count[expert], 1);
+        } else {
+            report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
+        }
+    }
+    __syncthreads();
+
+    // Phase 2: first row of each expert.
+    if (threadIdx.x < 32) warp_exclusive_scan(EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
+    __syncthreads();
+    for (int e = threadIdx.x; e <= EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
+    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
+    __syncthreads();
+
+    // Phase 3: place each pair at its expert's next free row.
+    for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
+        const int expert = topk_ids[p];
+        if ((unsigned)expert < (unsigned)EXPERTS) {
+            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p;
+        }
+    }
+}
