@@ -55,7 +55,11 @@ pub struct CompileOptions {
 impl CompileOptions {
     /// Options for unit `name` on `arch`, with no extra flags.
     pub fn new(name: impl Into<String>, arch: impl Into<String>) -> Self {
-        CompileOptions { name: name.into(), arch: arch.into(), flags: Vec::new() }
+        CompileOptions {
+            name: name.into(),
+            arch: arch.into(),
+            flags: Vec::new(),
+        }
     }
 
     /// Adds one NVRTC flag.
@@ -127,7 +131,9 @@ pub enum JitError {
     #[error(transparent)]
     Toolkit(#[from] ToolkitError),
     /// The architecture string is not `sm_NN[a|f]` or `compute_NN[a|f]`.
-    #[error("invalid GPU architecture `{0}`: expected e.g. `sm_90a` (PTX + CUBIN) or `compute_90a` (PTX only)")]
+    #[error(
+        "invalid GPU architecture `{0}`: expected e.g. `sm_90a` (PTX + CUBIN) or `compute_90a` (PTX only)"
+    )]
     InvalidArch(String),
     /// The source or a flag contains a NUL byte, which NVRTC cannot take.
     #[error("kernel unit `{name}`: the {what} contains a NUL byte; this is a code generator bug")]
@@ -152,7 +158,9 @@ pub enum JitError {
         diagnostics: Vec<SourceDiagnostic>,
     },
     /// An NVRTC call other than the compilation itself failed.
-    #[error("kernel unit `{name}`: {call} failed ({status:?}); the NVRTC installation may be broken")]
+    #[error(
+        "kernel unit `{name}`: {call} failed ({status:?}); the NVRTC installation may be broken"
+    )]
     Nvrtc {
         /// The kernel unit.
         name: String,
@@ -204,12 +212,21 @@ fn render_compile_error(
     log: &str,
     diagnostics: &[SourceDiagnostic],
 ) -> String {
-    let mut out = format!("NVRTC could not compile kernel unit `{name}` for {arch} ({status}):\n{}", log.trim_end());
+    let mut out = format!(
+        "NVRTC could not compile kernel unit `{name}` for {arch} ({status}):\n{}",
+        log.trim_end()
+    );
     for d in diagnostics {
-        out.push_str(&format!("\n\nerror: {}\n  --> {name}.cu:{}", d.message, d.line));
+        out.push_str(&format!(
+            "\n\nerror: {}\n  --> {name}.cu:{}",
+            d.message, d.line
+        ));
         if let Some(src) = &d.source_line {
             let width = d.line.to_string().len();
-            out.push_str(&format!("\n{:width$} |\n{} | {src}\n{:width$} |", "", d.line, ""));
+            out.push_str(&format!(
+                "\n{:width$} |\n{} | {src}\n{:width$} |",
+                "", d.line, ""
+            ));
         }
     }
     out
@@ -235,7 +252,13 @@ impl DumpKinds {
                 "ptx" => kinds.ptx = true,
                 "cubin" => kinds.cubin = true,
                 "cu" | "source" => kinds.source = true,
-                "all" => kinds = DumpKinds { ptx: true, cubin: true, source: true },
+                "all" => {
+                    kinds = DumpKinds {
+                        ptx: true,
+                        cubin: true,
+                        source: true,
+                    }
+                }
                 _ => {
                     return Err(JitError::InvalidEnv {
                         var: "MOEFORGE_DUMP",
@@ -289,7 +312,11 @@ impl JitSettings {
                 .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".cache/moeforge")))
         };
         let dump = DumpKinds::parse(&std::env::var("MOEFORGE_DUMP").unwrap_or_default())?;
-        Ok(JitSettings { cache_dir, dump, dump_dir: var("MOEFORGE_DUMP_DIR").map(PathBuf::from) })
+        Ok(JitSettings {
+            cache_dir,
+            dump,
+            dump_dir: var("MOEFORGE_DUMP_DIR").map(PathBuf::from),
+        })
     }
 }
 
@@ -305,7 +332,11 @@ impl Jit {
     /// Loads the toolkit's NVRTC and uses `settings`.
     pub fn new(toolkit: Toolkit, settings: JitSettings) -> Result<Self, JitError> {
         let version = toolkit.load_nvrtc()?;
-        Ok(Jit { toolkit, version, settings })
+        Ok(Jit {
+            toolkit,
+            version,
+            settings,
+        })
     }
 
     /// Discovers the toolkit and reads the settings from the environment.
@@ -329,12 +360,20 @@ impl Jit {
     }
 
     /// Compiles one kernel unit, through the cache.
-    pub fn compile(&self, source: &str, options: &CompileOptions) -> Result<CompiledModule, JitError> {
+    pub fn compile(
+        &self,
+        source: &str,
+        options: &CompileOptions,
+    ) -> Result<CompiledModule, JitError> {
         let real_arch = parse_arch(&options.arch)?;
         let key = cache_key(source, options, self.version);
         let stem = format!("{}-{}", file_stem(&options.name), &key[..32]);
         let mut notes = Vec::new();
-        let entry = self.settings.cache_dir.as_ref().map(|d| d.join("jit").join(format!("{stem}.mfjit")));
+        let entry = self
+            .settings
+            .cache_dir
+            .as_ref()
+            .map(|d| d.join("jit").join(format!("{stem}.mfjit")));
 
         let (cached, cache) = match &entry {
             None => (None, CacheOutcome::Disabled),
@@ -344,7 +383,12 @@ impl Jit {
                     Err(reason) => (None, CacheOutcome::Recompiled { reason }),
                 },
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, CacheOutcome::Miss),
-                Err(e) => (None, CacheOutcome::Recompiled { reason: format!("unreadable: {e}") }),
+                Err(e) => (
+                    None,
+                    CacheOutcome::Recompiled {
+                        reason: format!("unreadable: {e}"),
+                    },
+                ),
             },
         };
         let artefacts = match cached {
@@ -354,7 +398,10 @@ impl Jit {
                 if let Some(path) = &entry
                     && let Err(e) = write_atomic(path, &encode_entry(&artefacts, &key))
                 {
-                    notes.push(format!("could not write cache entry {}: {e}", path.display()));
+                    notes.push(format!(
+                        "could not write cache entry {}: {e}",
+                        path.display()
+                    ));
                 }
                 artefacts
             }
@@ -380,10 +427,14 @@ impl Jit {
     }
 
     fn dump(&self, stem: &str, source: &str, artefacts: &Artefacts, notes: &mut Vec<String>) {
-        let dir = self.settings.dump_dir.clone().unwrap_or_else(|| match &self.settings.cache_dir {
-            Some(cache) => cache.join("dump"),
-            None => std::env::temp_dir().join("moeforge-dump"),
-        });
+        let dir =
+            self.settings
+                .dump_dir
+                .clone()
+                .unwrap_or_else(|| match &self.settings.cache_dir {
+                    Some(cache) => cache.join("dump"),
+                    None => std::env::temp_dir().join("moeforge-dump"),
+                });
         let kinds = self.settings.dump;
         let mut files: Vec<(&str, &[u8])> = Vec::new();
         if kinds.ptx {
@@ -447,7 +498,9 @@ impl PtxasReport {
 
     /// Functions with spill stores or loads.
     pub fn spilling(&self) -> impl Iterator<Item = &FunctionResources> {
-        self.functions.iter().filter(|f| f.spill_stores > 0 || f.spill_loads > 0)
+        self.functions
+            .iter()
+            .filter(|f| f.spill_stores > 0 || f.spill_loads > 0)
     }
 
     /// Parses `ptxas -v` output.
@@ -457,19 +510,31 @@ impl PtxasReport {
         let mut current: Option<usize> = None;
         for line in raw.lines() {
             let line = line.trim();
-            let info = line.strip_prefix("ptxas info").map(|l| l.trim_start_matches([' ', ':']));
+            let info = line
+                .strip_prefix("ptxas info")
+                .map(|l| l.trim_start_matches([' ', ':']));
             if let Some(name) = info.and_then(|l| l.strip_prefix("Compiling entry function ")) {
                 entries.push(quoted(name).to_string());
-            } else if let Some(name) = info.and_then(|l| l.strip_prefix("Function properties for ")) {
+            } else if let Some(name) = info.and_then(|l| l.strip_prefix("Function properties for "))
+            {
                 let name = name.trim().to_string();
-                let index = functions.iter().position(|f| f.name == name).unwrap_or_else(|| {
-                    functions.push(FunctionResources { name, ..Default::default() });
-                    functions.len() - 1
-                });
+                let index = functions
+                    .iter()
+                    .position(|f| f.name == name)
+                    .unwrap_or_else(|| {
+                        functions.push(FunctionResources {
+                            name,
+                            ..Default::default()
+                        });
+                        functions.len() - 1
+                    });
                 current = Some(index);
             } else if let Some(used) = info.and_then(|l| l.strip_prefix("Used ")) {
                 // "Used N registers, ... N bytes smem, ..." belongs to the last entry compiled.
-                let Some(index) = entries.last().and_then(|e| functions.iter().position(|f| &f.name == e)) else {
+                let Some(index) = entries
+                    .last()
+                    .and_then(|e| functions.iter().position(|f| &f.name == e))
+                else {
                     continue;
                 };
                 for (value, unit) in number_unit_pairs(used) {
@@ -494,7 +559,10 @@ impl PtxasReport {
         for f in &mut functions {
             f.entry = entries.contains(&f.name);
         }
-        PtxasReport { functions, raw: raw.to_string() }
+        PtxasReport {
+            functions,
+            raw: raw.to_string(),
+        }
     }
 }
 
@@ -505,11 +573,17 @@ pub fn ptxas_report(ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
 
 fn run_ptxas(toolkit: &Toolkit, ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
     if !parse_arch(arch)? {
-        return Err(JitError::InvalidArch(format!("{arch} (ptxas needs a real sm_ architecture)")));
+        return Err(JitError::InvalidArch(format!(
+            "{arch} (ptxas needs a real sm_ architecture)"
+        )));
     }
-    let ptxas = toolkit.ptxas.clone().ok_or_else(|| JitError::NoPtxas { root: toolkit.root.clone() })?;
+    let ptxas = toolkit.ptxas.clone().ok_or_else(|| JitError::NoPtxas {
+        root: toolkit.root.clone(),
+    })?;
     let input = TempFile::create("ptx", ptx.as_bytes())?;
-    let output = TempFile { path: input.path.with_extension("cubin") };
+    let output = TempFile {
+        path: input.path.with_extension("cubin"),
+    };
     let result = Command::new(&ptxas)
         .arg(format!("-arch={arch}"))
         .arg("-v")
@@ -517,10 +591,22 @@ fn run_ptxas(toolkit: &Toolkit, ptx: &str, arch: &str) -> Result<PtxasReport, Ji
         .arg("-o")
         .arg(&output.path)
         .output()
-        .map_err(|e| JitError::Ptxas { ptxas: ptxas.clone(), arch: arch.to_string(), detail: e.to_string() })?;
-    let text = format!("{}{}", String::from_utf8_lossy(&result.stdout), String::from_utf8_lossy(&result.stderr));
+        .map_err(|e| JitError::Ptxas {
+            ptxas: ptxas.clone(),
+            arch: arch.to_string(),
+            detail: e.to_string(),
+        })?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&result.stdout),
+        String::from_utf8_lossy(&result.stderr)
+    );
     if !result.status.success() {
-        return Err(JitError::Ptxas { ptxas, arch: arch.to_string(), detail: format!("{}\n{text}", result.status) });
+        return Err(JitError::Ptxas {
+            ptxas,
+            arch: arch.to_string(),
+            detail: format!("{}\n{text}", result.status),
+        });
     }
     Ok(PtxasReport::parse(&text))
 }
@@ -538,8 +624,14 @@ impl TempFile {
             .write(true)
             .create_new(true)
             .open(&file.path)
-            .map_err(|source| JitError::TempFile { path: file.path.clone(), source })?;
-        f.write_all(bytes).map_err(|source| JitError::TempFile { path: file.path.clone(), source })?;
+            .map_err(|source| JitError::TempFile {
+                path: file.path.clone(),
+                source,
+            })?;
+        f.write_all(bytes).map_err(|source| JitError::TempFile {
+            path: file.path.clone(),
+            source,
+        })?;
         Ok(file)
     }
 }
@@ -557,7 +649,11 @@ fn unique_suffix() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
-    format!("{}-{}-{nanos}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{}-{}-{nanos}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Text between the first pair of single quotes, or the trimmed input.
@@ -598,9 +694,19 @@ fn file_stem(name: &str) -> String {
     let stem: String = name
         .chars()
         .take(64)
-        .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
-    if stem.is_empty() { "unit".to_string() } else { stem }
+    if stem.is_empty() {
+        "unit".to_string()
+    } else {
+        stem
+    }
 }
 
 const CACHE_FORMAT: &[u8] = b"moeforge-jit-cache-v1";
@@ -642,7 +748,11 @@ fn encode_entry(a: &Artefacts, key: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(a.ptx.len() + a.cubin.as_ref().map_or(0, Vec::len) + 256);
     out.extend_from_slice(ENTRY_MAGIC);
     out.extend_from_slice(key.as_bytes());
-    for part in [Some(a.ptx.as_bytes()), Some(a.log.as_bytes()), a.cubin.as_deref()] {
+    for part in [
+        Some(a.ptx.as_bytes()),
+        Some(a.log.as_bytes()),
+        a.cubin.as_deref(),
+    ] {
         match part {
             Some(bytes) => {
                 out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
@@ -662,8 +772,12 @@ fn decode_entry(bytes: &[u8], key: &str) -> Result<Artefacts, String> {
     if Sha256::digest(body).as_slice() != digest {
         return Err("checksum mismatch".to_string());
     }
-    let mut rest = body.strip_prefix(ENTRY_MAGIC).ok_or("not a moeforge cache entry")?;
-    rest = rest.strip_prefix(key.as_bytes()).ok_or("stored for another key")?;
+    let mut rest = body
+        .strip_prefix(ENTRY_MAGIC)
+        .ok_or("not a moeforge cache entry")?;
+    rest = rest
+        .strip_prefix(key.as_bytes())
+        .ok_or("stored for another key")?;
     let mut parts: Vec<Option<&[u8]>> = Vec::new();
     for _ in 0..3 {
         let (len, tail) = rest.split_first_chunk::<8>().ok_or("truncated")?;
@@ -685,16 +799,24 @@ fn decode_entry(bytes: &[u8], key: &str) -> Result<Artefacts, String> {
         return Err("trailing bytes".to_string());
     }
     let text = |part: Option<&[u8]>| {
-        part.ok_or("missing text").and_then(|p| String::from_utf8(p.to_vec()).map_err(|_| "text is not UTF-8"))
+        part.ok_or("missing text")
+            .and_then(|p| String::from_utf8(p.to_vec()).map_err(|_| "text is not UTF-8"))
     };
-    Ok(Artefacts { ptx: text(parts[0])?, log: text(parts[1])?, cubin: parts[2].map(<[u8]>::to_vec) })
+    Ok(Artefacts {
+        ptx: text(parts[0])?,
+        log: text(parts[1])?,
+        cubin: parts[2].map(<[u8]>::to_vec),
+    })
 }
 
 /// Writes `bytes` to a temporary file in `path`'s folder, then renames it onto `path`.
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = dir.join(format!(".{file_name}.{}.tmp", unique_suffix()));
     let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
     if written.is_err() {
@@ -715,9 +837,16 @@ impl Drop for Program {
     }
 }
 
-fn nvrtc_compile(source: &str, options: &CompileOptions, real_arch: bool) -> Result<Artefacts, JitError> {
+fn nvrtc_compile(
+    source: &str,
+    options: &CompileOptions,
+    real_arch: bool,
+) -> Result<Artefacts, JitError> {
     let name = &options.name;
-    let nul = |what: String| JitError::NulByte { name: name.clone(), what };
+    let nul = |what: String| JitError::NulByte {
+        name: name.clone(),
+        what,
+    };
     let c_source = CString::new(source).map_err(|_| nul("source".to_string()))?;
     let program_name = format!("{}.cu", file_stem(name));
     let c_name = CString::new(program_name.clone()).map_err(|_| nul("name".to_string()))?;
@@ -728,14 +857,22 @@ fn nvrtc_compile(source: &str, options: &CompileOptions, real_arch: bool) -> Res
         }
         flags.push(flag.clone());
     }
-    let failed = |call, status: nvrtc::NvrtcError| JitError::Nvrtc { name: name.clone(), call, status: status.0 };
+    let failed = |call, status: nvrtc::NvrtcError| JitError::Nvrtc {
+        name: name.clone(),
+        call,
+        status: status.0,
+    };
 
-    let program = Program(nvrtc::create_program(&c_source, Some(&c_name)).map_err(|e| failed("nvrtcCreateProgram", e))?);
+    let program = Program(
+        nvrtc::create_program(&c_source, Some(&c_name))
+            .map_err(|e| failed("nvrtcCreateProgram", e))?,
+    );
     // SAFETY: `program` is live until dropped at the end of this function; the flags have
     // no NUL bytes (checked above).
     let compiled = unsafe { nvrtc::compile_program(program.0, &flags) };
     // SAFETY: as above.
-    let log = unsafe { nvrtc::get_program_log(program.0) }.map_err(|e| failed("nvrtcGetProgramLog", e))?;
+    let log = unsafe { nvrtc::get_program_log(program.0) }
+        .map_err(|e| failed("nvrtcGetProgramLog", e))?;
     let log = c_chars_to_string(&log);
     if let Err(status) = compiled {
         let diagnostics = diagnostics(&log, &program_name, source);
@@ -764,12 +901,20 @@ fn nvrtc_compile(source: &str, options: &CompileOptions, real_arch: bool) -> Res
     } else {
         None
     };
-    Ok(Artefacts { ptx: c_chars_to_string(&ptx), cubin, log: log.trim_end().to_string() })
+    Ok(Artefacts {
+        ptx: c_chars_to_string(&ptx),
+        cubin,
+        log: log.trim_end().to_string(),
+    })
 }
 
 /// NUL-terminated C characters to a `String`.
 fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = chars.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -785,7 +930,10 @@ fn diagnostics(log: &str, program_name: &str, source: &str) -> Vec<SourceDiagnos
             severity.contains("error").then(|| SourceDiagnostic {
                 line,
                 message: message.to_string(),
-                source_line: line.checked_sub(1).and_then(|i| lines.get(i)).map(|s| s.to_string()),
+                source_line: line
+                    .checked_sub(1)
+                    .and_then(|i| lines.get(i))
+                    .map(|s| s.to_string()),
             })
         })
         .collect()
@@ -796,7 +944,12 @@ impl fmt::Display for FunctionResources {
         write!(
             f,
             "{}: {} registers, {} bytes stack, {} bytes spill stores, {} bytes spill loads, {} bytes smem",
-            self.name, self.registers, self.stack_frame, self.spill_stores, self.spill_loads, self.shared_mem
+            self.name,
+            self.registers,
+            self.stack_frame,
+            self.spill_stores,
+            self.spill_loads,
+            self.shared_mem
         )
     }
 }
@@ -817,7 +970,11 @@ mod tests {
 
     #[test]
     fn cache_entry_round_trip_and_corruption() {
-        let a = Artefacts { ptx: "ptx".into(), cubin: Some(vec![1, 2, 3]), log: String::new() };
+        let a = Artefacts {
+            ptx: "ptx".into(),
+            cubin: Some(vec![1, 2, 3]),
+            log: String::new(),
+        };
         let key = "k".repeat(64);
         let bytes = encode_entry(&a, &key);
         assert_eq!(decode_entry(&bytes, &key), Ok(a.clone()));
@@ -843,8 +1000,21 @@ mod tests {
     #[test]
     fn dump_kinds_parse() {
         assert_eq!(DumpKinds::parse("").ok(), Some(DumpKinds::default()));
-        assert_eq!(DumpKinds::parse("ptx").ok(), Some(DumpKinds { ptx: true, ..Default::default() }));
-        assert_eq!(DumpKinds::parse("all").ok(), Some(DumpKinds { ptx: true, cubin: true, source: true }));
+        assert_eq!(
+            DumpKinds::parse("ptx").ok(),
+            Some(DumpKinds {
+                ptx: true,
+                ..Default::default()
+            })
+        );
+        assert_eq!(
+            DumpKinds::parse("all").ok(),
+            Some(DumpKinds {
+                ptx: true,
+                cubin: true,
+                source: true
+            })
+        );
         assert!(DumpKinds::parse("sass").is_err());
     }
 
@@ -858,7 +1028,16 @@ ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 360 bytes c
         let r = PtxasReport::parse(raw);
         let k = r.function("k").expect("k reported");
         assert!(k.entry);
-        assert_eq!((k.registers, k.stack_frame, k.spill_stores, k.spill_loads, k.shared_mem), (40, 16, 8, 4, 1024));
+        assert_eq!(
+            (
+                k.registers,
+                k.stack_frame,
+                k.spill_stores,
+                k.spill_loads,
+                k.shared_mem
+            ),
+            (40, 16, 8, 4, 1024)
+        );
         assert_eq!(r.spilling().count(), 1);
     }
 }

@@ -153,7 +153,9 @@ pub enum ToolkitError {
     )]
     NoDriver,
     /// The driver is present but `cuInit` failed (no GPU, or a driver/toolkit mismatch).
-    #[error("the CUDA driver is present but cuInit failed ({0:?}); check `nvidia-smi` and that the driver supports CUDA 13")]
+    #[error(
+        "the CUDA driver is present but cuInit failed ({0:?}); check `nvidia-smi` and that the driver supports CUDA 13"
+    )]
     DriverInit(cudarc::driver::sys::CUresult),
 }
 
@@ -187,7 +189,9 @@ impl Toolkit {
     /// Idempotent. The libraries stay loaded for the life of the process.
     pub fn load_nvrtc(&self) -> Result<NvrtcVersion, ToolkitError> {
         let found = {
-            let mut loaded = LOADED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut loaded = LOADED
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
             if let Some(lib) = self.builtins_lib() {
                 open_global(&lib, &mut loaded)?;
             }
@@ -197,7 +201,9 @@ impl Toolkit {
         // SAFETY: dlopen of NVRTC by name; the library was loaded above, so its
         // initialisers have already run.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(ToolkitError::NotVisibleToCudarc { path: self.nvrtc_lib.clone() });
+            return Err(ToolkitError::NotVisibleToCudarc {
+                path: self.nvrtc_lib.clone(),
+            });
         }
         let (mut major, mut minor): (c_int, c_int) = (0, 0);
         // SAFETY: NVRTC is present (checked above); the pointers are valid for writes.
@@ -206,7 +212,11 @@ impl Toolkit {
             .map_err(|e| ToolkitError::Version(e.0))?;
         let cudarc = NvrtcVersion { major, minor };
         if cudarc != found {
-            return Err(ToolkitError::VersionMismatch { path: self.nvrtc_lib.clone(), found, cudarc });
+            return Err(ToolkitError::VersionMismatch {
+                path: self.nvrtc_lib.clone(),
+                found,
+                cudarc,
+            });
         }
         Ok(found)
     }
@@ -275,9 +285,13 @@ fn open_global<'a>(
         None => {
             // SAFETY: loading a CUDA library runs its initialisers, which have no
             // preconditions on our side.
-            let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| {
-                ToolkitError::Load { path: path.to_path_buf(), reason: e.to_string() }
-            })?;
+            let lib =
+                unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| {
+                    ToolkitError::Load {
+                        path: path.to_path_buf(),
+                        reason: e.to_string(),
+                    }
+                })?;
             loaded.push((path.to_path_buf(), lib));
             loaded.len() - 1
         }
@@ -286,11 +300,17 @@ fn open_global<'a>(
 }
 
 /// Calls `nvrtcVersion` through our own handle (not cudarc's), to compare the two.
-fn version_via(lib: &libloading::os::unix::Library, path: &Path) -> Result<NvrtcVersion, ToolkitError> {
+fn version_via(
+    lib: &libloading::os::unix::Library,
+    path: &Path,
+) -> Result<NvrtcVersion, ToolkitError> {
     type VersionFn = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
     // SAFETY: `nvrtcVersion` has this signature in every NVRTC release.
     let version: libloading::os::unix::Symbol<VersionFn> = unsafe { lib.get(b"nvrtcVersion\0") }
-        .map_err(|e| ToolkitError::Load { path: path.to_path_buf(), reason: e.to_string() })?;
+        .map_err(|e| ToolkitError::Load {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     let (mut major, mut minor): (c_int, c_int) = (0, 0);
     // SAFETY: valid pointers; the symbol is NVRTC's nvrtcVersion.
     let status = unsafe { version(&mut major, &mut minor) };
@@ -305,14 +325,24 @@ fn version_via(lib: &libloading::os::unix::Library, path: &Path) -> Result<Nvrtc
 
 /// Candidates 1 to 6 of the discovery order, in order.
 fn fixed_candidates() -> Vec<(ToolkitSource, PathBuf)> {
-    let env_dir = |var: &str| std::env::var_os(var).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let env_dir = |var: &str| {
+        std::env::var_os(var)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     let mut out = Vec::new();
-    for (var, source) in [("CUDA_HOME", ToolkitSource::CudaHome), ("CUDA_PATH", ToolkitSource::CudaPath)] {
+    for (var, source) in [
+        ("CUDA_HOME", ToolkitSource::CudaHome),
+        ("CUDA_PATH", ToolkitSource::CudaPath),
+    ] {
         if let Some(dir) = env_dir(var) {
             out.push((source, dir));
         }
     }
-    out.push((ToolkitSource::UsrLocalCuda, PathBuf::from("/usr/local/cuda")));
+    out.push((
+        ToolkitSource::UsrLocalCuda,
+        PathBuf::from("/usr/local/cuda"),
+    ));
     for (var, source) in [
         ("MOEFORGE_NVRTC_WHEEL", ToolkitSource::WheelOverride),
         ("VIRTUAL_ENV", ToolkitSource::VirtualEnv),
@@ -325,7 +355,10 @@ fn fixed_candidates() -> Vec<(ToolkitSource, PathBuf)> {
     if let Ok(cwd) = std::env::current_dir() {
         starts.push(cwd);
     }
-    if let Some(exe_dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
+    if let Some(exe_dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    {
         starts.push(exe_dir);
     }
     for start in starts {
@@ -359,14 +392,24 @@ fn toolkit_in_python_env(dir: &Path, source: ToolkitSource) -> Option<Toolkit> {
         return Some(tk);
     }
     for lib in ["lib", "lib64"] {
-        let Ok(entries) = std::fs::read_dir(dir.join(lib)) else { continue };
+        let Ok(entries) = std::fs::read_dir(dir.join(lib)) else {
+            continue;
+        };
         let mut pythons: Vec<PathBuf> = entries
             .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("python3")))
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.starts_with("python3"))
+            })
             .map(|e| e.path().join("site-packages"))
             .collect();
         pythons.sort();
-        if let Some(tk) = pythons.iter().rev().find_map(|sp| toolkit_in_site_packages(sp, source)) {
+        if let Some(tk) = pythons
+            .iter()
+            .rev()
+            .find_map(|sp| toolkit_in_site_packages(sp, source))
+        {
             return Some(tk);
         }
     }
@@ -390,7 +433,8 @@ fn toolkit_in_cu13(cu13: &Path, source: ToolkitSource) -> Option<Toolkit> {
 
 /// Site-packages folders reported by `python3`; empty when there is no `python3`.
 fn python3_site_packages() -> Vec<PathBuf> {
-    let script = "import site\nfor p in site.getsitepackages() + [site.getusersitepackages()]: print(p)";
+    let script =
+        "import site\nfor p in site.getsitepackages() + [site.getusersitepackages()]: print(p)";
     match Command::new("python3").args(["-c", script]).output() {
         Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
             .lines()
