@@ -267,3 +267,20 @@ extern "C" __global__ void __launch_bounds__(1024, 2) pressure(float* out, const
     );
     assert_eq!(report.spilling().count(), 1);
 }
+
+#[test]
+fn discovered_toolkit_is_nvrtc_13() {
+    let Some((jit, _)) = jit("toolkit") else {
+        return;
+    };
+    let tk = jit.toolkit();
+    eprintln!(
+        "toolkit from {}: {} (ptxas: {:?}), NVRTC {}",
+        tk.source,
+        tk.nvrtc_lib.display(),
+        tk.ptxas,
+        jit.nvrtc_version()
+    );
+    assert!(tk.nvrtc_lib.is_file());
+    assert_eq!(jit.nvrtc_version().major, 13);
+}
