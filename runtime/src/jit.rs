@@ -291,11 +291,16 @@ impl JitSettings {
     /// Reads `MOEFORGE_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME`, `MOEFORGE_NO_CACHE`,
     /// `MOEFORGE_DUMP` and `MOEFORGE_DUMP_DIR`.
     pub fn from_env() -> Result<Self, JitError> {
-        let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
-        let no_cache = match std::env::var("MOEFORGE_NO_CACHE").as_deref() {
-            Ok("1") | Ok("true") => true,
-            Ok("0") | Ok("false") | Ok("") | Err(_) => false,
-            Ok(other) => {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`JitSettings::from_env`], reading variables through `lookup`.
+    pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, JitError> {
+        let var = |name: &str| lookup(name).filter(|v| !v.is_empty());
+        let no_cache = match var("MOEFORGE_NO_CACHE").as_deref() {
+            Some("1") | Some("true") => true,
+            Some("0") | Some("false") | None => false,
+            Some(other) => {
                 return Err(JitError::InvalidEnv {
                     var: "MOEFORGE_NO_CACHE",
                     value: other.to_string(),
@@ -311,7 +316,7 @@ impl JitSettings {
                 .or_else(|| var("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("moeforge")))
                 .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".cache/moeforge")))
         };
-        let dump = DumpKinds::parse(&std::env::var("MOEFORGE_DUMP").unwrap_or_default())?;
+        let dump = DumpKinds::parse(&var("MOEFORGE_DUMP").unwrap_or_default())?;
         Ok(JitSettings {
             cache_dir,
             dump,
@@ -995,6 +1000,35 @@ mod tests {
         assert_eq!(d.len(), 1);
         assert_eq!(d[0].line, 2);
         assert_eq!(d[0].source_line.as_deref(), Some("int b = "));
+    }
+
+    #[test]
+    fn settings_from_variables() {
+        let settings = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            JitSettings::from_vars(|name| {
+                vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+            })
+        };
+        let home = settings(&[("HOME", "/h")]).expect("valid");
+        assert_eq!(home.cache_dir, Some(PathBuf::from("/h/.cache/moeforge")));
+        let xdg = settings(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")]).expect("valid");
+        assert_eq!(xdg.cache_dir, Some(PathBuf::from("/x/moeforge")));
+        let own =
+            settings(&[("XDG_CACHE_HOME", "/x"), ("MOEFORGE_CACHE_DIR", "/c")]).expect("valid");
+        assert_eq!(own.cache_dir, Some(PathBuf::from("/c")));
+        let off =
+            settings(&[("MOEFORGE_CACHE_DIR", "/c"), ("MOEFORGE_NO_CACHE", "1")]).expect("valid");
+        assert_eq!(off.cache_dir, None);
+        let dump =
+            settings(&[("MOEFORGE_DUMP", "ptx"), ("MOEFORGE_DUMP_DIR", "/d")]).expect("valid");
+        assert!(dump.dump.ptx && !dump.dump.cubin);
+        assert_eq!(dump.dump_dir, Some(PathBuf::from("/d")));
+        assert!(settings(&[("MOEFORGE_NO_CACHE", "yes")]).is_err());
+        assert!(settings(&[("MOEFORGE_DUMP", "sass")]).is_err());
     }
 
     #[test]
