@@ -30,8 +30,8 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 // Regime `{{ regime.name }}`: {{ regime.min_tokens }}..={{ regime.max_tokens }} tokens per call
 // ---------------------------------------------------------------------------------------
 {%- for gemm in regime.gemms %}
-// {{ gemm.role }}: tile {{ gemm.bm }}x{{ gemm.bn }}x64, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps, {{ gemm.grid }} persistent blocks, {{ gemm.smem }} B shared memory
-extern "C" __global__ void __launch_bounds__({{ gemm.threads }}) {{ gemm.entry }}(
+// {{ gemm.role }}: tile {{ gemm.bm }}x{{ gemm.bn }}x64, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM), {{ gemm.smem }} B shared memory
+extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}) {{ gemm.entry }}(
 {%- if gemm.up %}
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair, bf16_t* __restrict__ intermediate)

@@ -23,7 +23,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ symbol }}_route(
     __shared__ int s_offset[EXPERTS + 1];
     const int pairs = tokens * TOP_K;
 
-    // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS.
+    // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS. This kernel runs
+    // first in every call, so it clears the error word of the previous one.
+    if (threadIdx.x < 4) error_word[threadIdx.x] = 0;
     for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {

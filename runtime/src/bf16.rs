@@ -23,8 +23,8 @@ mod tests {
 
     #[test]
     fn round_trips_and_rounds_to_nearest_even() {
-        for v in [0.0f32, 1.0, -2.5, 3.140625, 65280.0, -1e-3] {
-            assert_eq!(to_f32(from_f32(v)), v.max(f32::MIN), "{v} is exact in bf16 or rounds");
+        for v in [0.0f32, 1.0, -2.5, 3.140625, 65280.0, -0.000_976_562_5] {
+            assert_eq!(to_f32(from_f32(v)), v, "{v} is exact in bf16");
         }
         // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
         assert_eq!(to_f32(from_f32(1.0 + 1.0 / 256.0)), 1.0);

@@ -3,3 +3,9 @@
 
 pub mod jit;
 pub mod toolkit;
+pub mod bf16;
+pub mod gpu;
+pub mod layer;
+pub mod reference;
+pub mod workload;
+pub mod harness;

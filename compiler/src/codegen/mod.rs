@@ -65,6 +65,7 @@ struct GemmUnit {
     warps_m: u32,
     warps_n: u32,
     threads: u32,
+    blocks_per_sm: u32,
     grid: u32,
     smem: u32,
 }
@@ -81,6 +82,7 @@ impl GemmUnit {
             warps_m: gemm.warps_m,
             warps_n: gemm.warps_n,
             threads: gemm.threads(),
+            blocks_per_sm: gemm.blocks_per_sm,
             grid: gemm.grid_blocks,
             smem: gemm.smem_bytes,
         }

@@ -1,0 +1,82 @@
+//! The CUDA device: context, stream and the checks that turn a missing driver into a typed
+//! error instead of cudarc's panic.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaModule, CudaStream, DriverError};
+use cudarc::nvrtc::Ptx;
+use thiserror::Error;
+
+use crate::jit::CompiledModule;
+use crate::toolkit::{self, ToolkitError};
+
+#[derive(Debug, Error)]
+pub enum GpuError {
+    #[error(transparent)]
+    Toolkit(#[from] ToolkitError),
+    #[error("CUDA driver call failed while {context}: {source}")]
+    Driver {
+        context: String,
+        #[source]
+        source: DriverError,
+    },
+    #[error("no CUDA device is visible (cuDeviceGetCount returned 0); run on a machine with an NVIDIA GPU")]
+    NoDevice,
+}
+
+/// Adds what was being done to a driver error.
+pub trait DriverContext<T> {
+    fn context(self, context: impl Into<String>) -> Result<T, GpuError>;
+}
+
+impl<T> DriverContext<T> for Result<T, DriverError> {
+    fn context(self, context: impl Into<String>) -> Result<T, GpuError> {
+        self.map_err(|source| GpuError::Driver { context: context.into(), source })
+    }
+}
+
+/// One GPU and the stream moeforge works on.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`. Event tracking is off: the layer orders its work on one
+    /// stream itself, and tracking would add events to every launch.
+    pub fn open(ordinal: usize) -> Result<Gpu, GpuError> {
+        toolkit::driver_available()?;
+        if CudaContext::device_count().context("counting devices")? == 0 {
+            return Err(GpuError::NoDevice);
+        }
+        let ctx = CudaContext::new(ordinal).context(format!("opening device {ordinal}"))?;
+        // SAFETY: called before any buffer exists on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().context("creating a stream")?;
+        Ok(Gpu { ctx, stream })
+    }
+
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".to_string())
+    }
+
+    /// `sm_XYa`-style architecture of the device (the `a` suffix for 9.0, where wgmma lives).
+    pub fn arch(&self) -> Result<String, GpuError> {
+        let (major, minor) = self.ctx.compute_capability().context("reading compute capability")?;
+        let suffix = if major == 9 { "a" } else { "" };
+        Ok(format!("sm_{major}{minor}{suffix}"))
+    }
+
+    /// Loads a compiled module: its CUBIN when there is one, else its PTX.
+    pub fn load(&self, module: &CompiledModule) -> Result<Arc<CudaModule>, GpuError> {
+        let image = match &module.cubin {
+            Some(cubin) => Ptx::from_binary(cubin.clone()),
+            None => Ptx::from_src(module.ptx.clone()),
+        };
+        self.ctx.load_module(image).context(format!("loading module `{}`", module.name))
+    }
+
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream.synchronize().context("synchronising the stream")
+    }
+}

@@ -1,0 +1,214 @@
+//! A layer handle: the plan's kernels loaded on one GPU, the experts' weights, and a
+//! workspace allocated once. `forward` enqueues the plan's launch table on the stream and
+//! returns: no host synchronisation, so a call can be captured in a CUDA graph.
+//!
+//! Kernel-side errors (an expert id out of range) land in the error word; [`MoeLayer::take_error`]
+//! synchronises, reads it and turns it into a typed error naming the token.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use moeforge_compiler::plan::{error_code, BufferId, LaunchArg, Plan};
+use thiserror::Error;
+
+use crate::gpu::{DriverContext, Gpu, GpuError};
+
+#[derive(Debug, Error)]
+pub enum LayerError {
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error("the compiled module has no kernel `{name}` that the plan launches; regenerate and recompile the layer")]
+    MissingKernel { name: String },
+    #[error("{tokens} tokens exceed the layer's max_tokens of {max}; raise `max_tokens` in the spec or split the call")]
+    TooManyTokens { tokens: u32, max: u32 },
+    #[error("{what} holds {got} elements but the layer needs {expected}")]
+    Shape { what: &'static str, expected: u64, got: u64 },
+    #[error("topk_ids[{token}, {k}] = {id} is not an expert of this layer (valid ids are 0..{experts}); that pair was skipped")]
+    ExpertIdOutOfRange { token: i32, k: i32, id: i32, experts: u32 },
+    #[error("a kernel reported unknown error code {code} (details {details:?})")]
+    UnknownKernelError { code: i32, details: [i32; 3] },
+}
+
+/// The routed experts' weights on the device, checkpoint layout: `w1` [E, w1_rows, H]
+/// (gate rows then up rows when gated), `w2` [E, H, F], bf16.
+pub struct ExpertWeights {
+    pub w1: CudaSlice<u16>,
+    pub w2: CudaSlice<u16>,
+}
+
+/// The inputs and output of one forward call, on the device.
+pub struct ForwardArgs<'a> {
+    pub tokens: u32,
+    /// bf16 [T, H].
+    pub x: &'a CudaSlice<u16>,
+    /// i32 [T, K].
+    pub topk_ids: &'a CudaSlice<i32>,
+    /// f32 [T, K].
+    pub topk_weights: &'a CudaSlice<f32>,
+    /// bf16 [T, H], written completely.
+    pub y: &'a mut CudaSlice<u16>,
+}
+
+pub struct MoeLayer {
+    plan: Plan,
+    stream: Arc<CudaStream>,
+    kernels: Vec<(String, CudaFunction)>,
+    workspace: Vec<(BufferId, CudaSlice<u8>)>,
+    weights: ExpertWeights,
+    _module: Arc<CudaModule>,
+}
+
+fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    // Event tracking is off on moeforge's context, so the guard has nothing to record.
+    let (address, _guard) = slice.device_ptr(stream);
+    address
+}
+
+fn check_len(what: &'static str, got: usize, expected: u64) -> Result<(), LayerError> {
+    if (got as u64) < expected {
+        return Err(LayerError::Shape { what, expected, got: got as u64 });
+    }
+    Ok(())
+}
+
+/// One kernel parameter's value.
+enum ArgValue {
+    Pointer(u64),
+    Int(i32),
+}
+
+impl MoeLayer {
+    /// Builds the handle: finds every kernel the plan launches in `module`, raises their
+    /// shared-memory limits, checks the weights' sizes and allocates the workspace.
+    pub fn new(gpu: &Gpu, plan: Plan, module: Arc<CudaModule>, weights: ExpertWeights) -> Result<Self, LayerError> {
+        let shape = &plan.shape;
+        let experts = u64::from(shape.experts);
+        check_len("w1", weights.w1.len(), experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden))?;
+        check_len("w2", weights.w2.len(), experts * u64::from(shape.hidden) * u64::from(shape.ffn))?;
+
+        let mut kernels = Vec::new();
+        for regime in &plan.regimes {
+            for launch in &regime.launches {
+                if kernels.iter().any(|(name, _)| name == &launch.kernel) {
+                    continue;
+                }
+                let function = module
+                    .load_function(&launch.kernel)
+                    .map_err(|_| LayerError::MissingKernel { name: launch.kernel.clone() })?;
+                if launch.smem_bytes > 0 {
+                    function
+                        .set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem_bytes as i32)
+                        .context(format!("raising the shared-memory limit of `{}`", launch.kernel))?;
+                }
+                kernels.push((launch.kernel.clone(), function));
+            }
+        }
+
+        let mut workspace = Vec::new();
+        for buffer in &plan.workspace {
+            let bytes = buffer.bytes() as usize;
+            let slice = gpu
+                .stream
+                .alloc_zeros::<u8>(bytes.max(1))
+                .context(format!("allocating workspace `{}` ({bytes} bytes)", buffer.id.name()))?;
+            workspace.push((buffer.id, slice));
+        }
+        Ok(MoeLayer { plan, stream: gpu.stream.clone(), kernels, workspace, weights, _module: module })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn weights(&self) -> &ExpertWeights {
+        &self.weights
+    }
+
+    fn workspace(&self, id: BufferId) -> &CudaSlice<u8> {
+        // `new` allocated every buffer the plan lists, and the plan lists every id it uses.
+        &self.workspace.iter().find(|(b, _)| *b == id).expect("plan lists every workspace buffer it uses").1
+    }
+
+    /// Enqueues one forward call on the layer's stream. Does not synchronise.
+    pub fn forward(&self, args: ForwardArgs<'_>) -> Result<(), LayerError> {
+        let shape = &self.plan.shape;
+        let tokens = args.tokens;
+        if tokens > shape.max_tokens {
+            return Err(LayerError::TooManyTokens { tokens, max: shape.max_tokens });
+        }
+        let t = u64::from(tokens);
+        check_len("x", args.x.len(), t * u64::from(shape.hidden))?;
+        check_len("topk_ids", args.topk_ids.len(), t * u64::from(shape.top_k))?;
+        check_len("topk_weights", args.topk_weights.len(), t * u64::from(shape.top_k))?;
+        check_len("y", args.y.len(), t * u64::from(shape.hidden))?;
+        let regime = self
+            .plan
+            .regime_for(tokens)
+            .ok_or(LayerError::TooManyTokens { tokens, max: shape.max_tokens })?;
+
+        // The route kernel, always first, clears the error word; it also runs at T = 0 so
+        // that a stale error of an earlier call is not reported. Launches whose grid is
+        // empty (one block per token at T = 0) are skipped.
+        let stream = &self.stream;
+        for launch in &regime.launches {
+            let blocks = launch.grid.blocks(tokens);
+            if blocks == 0 {
+                continue;
+            }
+            let values: Vec<ArgValue> = launch
+                .args
+                .iter()
+                .map(|arg| match arg {
+                    LaunchArg::X => ArgValue::Pointer(ptr(args.x, stream)),
+                    LaunchArg::TopkIds => ArgValue::Pointer(ptr(args.topk_ids, stream)),
+                    LaunchArg::TopkWeights => ArgValue::Pointer(ptr(args.topk_weights, stream)),
+                    LaunchArg::W1 => ArgValue::Pointer(ptr(&self.weights.w1, stream)),
+                    LaunchArg::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
+                    LaunchArg::Y => ArgValue::Pointer(ptr(args.y, stream)),
+                    LaunchArg::Tokens => ArgValue::Int(tokens as i32),
+                    LaunchArg::Workspace(id) => ArgValue::Pointer(ptr(self.workspace(*id), stream)),
+                })
+                .collect();
+            let function = self
+                .kernels
+                .iter()
+                .find(|(name, _)| name == &launch.kernel)
+                .map(|(_, f)| f)
+                .ok_or_else(|| LayerError::MissingKernel { name: launch.kernel.clone() })?;
+            let config = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (launch.block_threads, 1, 1),
+                shared_mem_bytes: launch.smem_bytes,
+            };
+            let mut builder = stream.launch_builder(function);
+            for value in &values {
+                match value {
+                    ArgValue::Pointer(p) => builder.arg(p),
+                    ArgValue::Int(i) => builder.arg(i),
+                };
+            }
+            // SAFETY: the argument list is the plan's, which codegen wrote the kernel's
+            // parameters from; every buffer was checked above to hold what the kernel indexes.
+            unsafe { builder.launch(config) }.context(format!("launching `{}`", launch.kernel))?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the stream, then reads and clears the error word of the last call.
+    pub fn take_error(&self) -> Result<(), LayerError> {
+        let word = self.workspace(BufferId::ErrorWord);
+        let bytes = self.stream.clone_dtoh(word).context("reading the error word")?;
+        let values: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        match values[0] {
+            0 => Ok(()),
+            error_code::EXPERT_ID_OUT_OF_RANGE => Err(LayerError::ExpertIdOutOfRange {
+                token: values[1],
+                k: values[2],
+                id: values[3],
+                experts: self.plan.shape.experts,
+            }),
+            code => Err(LayerError::UnknownKernelError { code, details: [values[1], values[2], values[3]] }),
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! Layers built in code for the GPU tests (the real models' routed-expert shapes).
+
+use moeforge_compiler::ir::*;
+
+fn topology() -> Topology {
+    Topology {
+        name: "h200_node".into(),
+        gpus_per_node: 8,
+        nodes: 1,
+        intra_node: Link { bandwidth_bytes_per_s: 450_000_000_000, latency_ns: 3_000 },
+        network: Link { bandwidth_bytes_per_s: 50_000_000_000, latency_ns: 10_000 },
+        virtual_ranks: None,
+    }
+}
+
+pub fn layer(name: &str, hidden: u32, ffn: u32, experts: u32, top_k: u32, activation: Activation, max_tokens: u32) -> Layer {
+    Layer {
+        name: name.into(),
+        hidden,
+        ffn,
+        experts,
+        top_k,
+        activation,
+        dtype: DType::Bf16,
+        weight_dtype: DType::Bf16,
+        max_tokens,
+        shared_experts: None,
+        router: None,
+        parallel: Parallelism { expert: 1, data: 1, tensor: 1 },
+        topology: topology(),
+        schedule: ScheduleHints::default(),
+    }
+}
+
+pub fn tiny(activation: Activation) -> Layer {
+    layer(&format!("tiny_{}", activation.name()), 128, 256, 8, 2, activation, 1000)
+}
+
+pub fn real_models() -> Vec<Layer> {
+    vec![
+        layer("mixtral_8x7b", 4096, 14336, 8, 2, Activation::Swiglu, 16384),
+        layer("qwen3_30b_a3b", 2048, 768, 128, 8, Activation::Swiglu, 16384),
+        layer("qwen3_235b_a22b", 4096, 1536, 128, 8, Activation::Swiglu, 16384),
+        layer("deepseek_v3", 7168, 2048, 256, 8, Activation::Swiglu, 16384),
+        layer("gpt_oss_120b", 2880, 2880, 128, 4, Activation::Swiglu, 16384),
+    ]
+}
