@@ -1,0 +1,200 @@
+//! The cuBLAS baseline: the unfused MoE pipeline a framework runs without moeforge.
+//! Routing metadata comes from the layer's own route kernel (both sides need it); then the
+//! host reads the per-expert counts (a synchronisation, as such pipelines do), permutes
+//! the tokens, calls cuBLAS once per non-empty expert for each GEMM, applies SwiGLU,
+//! un-permutes with the routing weight and combines.
+
+use std::sync::Arc;
+
+use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use moeforge_compiler::ir::Activation;
+use moeforge_compiler::plan::Plan;
+use thiserror::Error;
+
+use crate::gpu::{DriverContext, GpuError};
+use crate::harness::{DeviceWorkload, Session};
+use crate::jit::{CompileOptions, JitError};
+use crate::layer::ExpertWeights;
+
+#[derive(Debug, Error)]
+pub enum BaselineError {
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error(transparent)]
+    Jit(#[from] JitError),
+    #[error("cuBLAS (libcublas.so.13) was not found; put the CUDA toolkit's lib64 on LD_LIBRARY_PATH")]
+    NoCublas,
+    #[error("cuBLAS failed while {context}: {message}")]
+    Cublas { context: String, message: String },
+    #[error("the cuBLAS baseline implements SwiGLU only; this layer uses {0}")]
+    Activation(&'static str),
+}
+
+const SOURCE: &str = include_str!("baseline.cu");
+const ROW_THREADS: u32 = 256;
+
+pub struct CublasBaseline {
+    blas: CudaBlas,
+    route: CudaFunction,
+    gather: CudaFunction,
+    swiglu: CudaFunction,
+    unpermute: CudaFunction,
+    combine: CudaFunction,
+    expert_offsets: CudaSlice<i32>,
+    row_pair: CudaSlice<i32>,
+    error_word: CudaSlice<i32>,
+    permuted: CudaSlice<u16>,
+    hidden_act: CudaSlice<u16>,
+    act: CudaSlice<u16>,
+    out: CudaSlice<u16>,
+    slots: CudaSlice<u16>,
+    hidden: u32,
+    ffn: u32,
+    experts: u32,
+    top_k: u32,
+}
+
+fn rows_config(rows: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl CublasBaseline {
+    /// `layer_module` is the layer's loaded module, whose route kernel the plan names.
+    pub fn new(session: &Session, plan: &Plan, layer_module: &Arc<CudaModule>) -> Result<Self, BaselineError> {
+        let shape = &plan.shape;
+        if shape.activation != Activation::Swiglu {
+            return Err(BaselineError::Activation(shape.activation.name()));
+        }
+        // SAFETY: only dlopens libcublas by name.
+        if !unsafe { cublas_sys::is_culib_present() } {
+            return Err(BaselineError::NoCublas);
+        }
+        let gpu = &session.gpu;
+        let stream = &gpu.stream;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| BaselineError::Cublas { context: "creating the handle".into(), message: format!("{e:?}") })?;
+        let compiled = session.jit.compile(SOURCE, &CompileOptions::new("moeforge_baseline", gpu.arch()?))?;
+        let module = gpu.load(&compiled)?;
+        let load = |m: &Arc<CudaModule>, name: &str| m.load_function(name).context(format!("loading `{name}`"));
+        let route_name = &plan.regimes[0].launches[0].kernel;
+        let pairs = shape.max_pairs() as usize;
+        let (h, f) = (shape.hidden as usize, shape.ffn as usize);
+        let alloc = |n: usize, what: &str| stream.alloc_zeros::<u16>(n.max(1)).context(format!("allocating {what}"));
+        Ok(CublasBaseline {
+            route: load(layer_module, route_name)?,
+            gather: load(&module, "baseline_gather")?,
+            swiglu: load(&module, "baseline_swiglu")?,
+            unpermute: load(&module, "baseline_unpermute")?,
+            combine: load(&module, "baseline_combine")?,
+            expert_offsets: stream.alloc_zeros::<i32>(shape.experts as usize + 1).context("allocating offsets")?,
+            row_pair: stream.alloc_zeros::<i32>(pairs.max(1)).context("allocating row_pair")?,
+            error_word: stream.alloc_zeros::<i32>(4).context("allocating the error word")?,
+            permuted: alloc(pairs * h, "permuted x")?,
+            hidden_act: alloc(pairs * 2 * f, "GEMM1 output")?,
+            act: alloc(pairs * f, "activation")?,
+            out: alloc(pairs * h, "GEMM2 output")?,
+            slots: alloc(pairs * h, "combine slots")?,
+            blas,
+            hidden: shape.hidden,
+            ffn: shape.ffn,
+            experts: shape.experts,
+            top_k: shape.top_k,
+        })
+    }
+
+    fn gemm(&self, context: &str, m: u32, n: u32, k: u32, a: u64, b: u64, c: u64) -> Result<(), BaselineError> {
+        // Row-major C[n, m] = B[n, k] · A[m, k]ᵀ is column-major C[m, n] = Aᵀ · B.
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: a, b, c point into live buffers holding m·k, n·k and m·n bf16 elements.
+        unsafe {
+            cublas_result::gemm_ex(
+                *self.blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                a as *const _,
+                cublas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                b as *const _,
+                cublas_sys::cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                (&beta as *const f32).cast(),
+                c as *mut _,
+                cublas_sys::cudaDataType_t::CUDA_R_16BF,
+                m as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| BaselineError::Cublas { context: context.to_string(), message: format!("{e:?}") })
+    }
+
+    /// One forward call (synchronises once, to read the per-expert counts).
+    pub fn forward(&self, session: &Session, weights: &ExpertWeights, io: &mut DeviceWorkload) -> Result<(), BaselineError> {
+        let stream = &session.gpu.stream;
+        let tokens = io.tokens as i32;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let address = |s: &CudaSlice<u16>| s.device_ptr(stream).0;
+        {
+            let mut launch = stream.launch_builder(&self.route);
+            launch.arg(&io.topk_ids).arg(&tokens).arg(&self.expert_offsets).arg(&self.row_pair).arg(&self.error_word);
+            let config = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (moeforge_compiler::plan::ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the route kernel's parameters, as in the plan's launch table.
+            unsafe { launch.launch(config) }.context("launching the route kernel")?;
+        }
+        let offsets = stream.clone_dtoh(&self.expert_offsets).context("reading expert offsets")?;
+        let rows = offsets[self.experts as usize] as u32;
+        let (h, f, k) = (self.hidden as i32, self.ffn as i32, self.top_k as i32);
+        {
+            let mut launch = stream.launch_builder(&self.gather);
+            launch.arg(&io.x).arg(&self.row_pair).arg(&k).arg(&h).arg(&self.permuted);
+            // SAFETY: one block per routed row; every buffer holds max_pairs rows.
+            unsafe { launch.launch(rows_config(rows)) }.context("permuting")?;
+        }
+        let (w1, w2) = (address(&weights.w1), address(&weights.w2));
+        let (permuted, hidden_act, act, out) =
+            (address(&self.permuted), address(&self.hidden_act), address(&self.act), address(&self.out));
+        let (hu, fu) = (u64::from(self.hidden), u64::from(self.ffn));
+        for e in 0..self.experts as usize {
+            let (start, count) = (offsets[e] as u64, (offsets[e + 1] - offsets[e]) as u32);
+            if count == 0 {
+                continue;
+            }
+            let e64 = e as u64;
+            self.gemm("GEMM1", 2 * self.ffn, count, self.hidden, w1 + e64 * 2 * fu * hu * 2, permuted + start * hu * 2, hidden_act + start * 2 * fu * 2)?;
+        }
+        {
+            let mut launch = stream.launch_builder(&self.swiglu);
+            launch.arg(&self.hidden_act).arg(&f).arg(&self.act);
+            // SAFETY: one block per routed row.
+            unsafe { launch.launch(rows_config(rows)) }.context("activation")?;
+        }
+        for e in 0..self.experts as usize {
+            let (start, count) = (offsets[e] as u64, (offsets[e + 1] - offsets[e]) as u32);
+            if count == 0 {
+                continue;
+            }
+            let e64 = e as u64;
+            self.gemm("GEMM2", self.hidden, count, self.ffn, w2 + e64 * hu * fu * 2, act + start * fu * 2, out + start * hu * 2)?;
+        }
+        {
+            let mut launch = stream.launch_builder(&self.unpermute);
+            launch.arg(&self.out).arg(&self.row_pair).arg(&io.topk_weights).arg(&h).arg(&self.slots);
+            // SAFETY: one block per routed row.
+            unsafe { launch.launch(rows_config(rows)) }.context("un-permuting")?;
+        }
+        {
+            let mut launch = stream.launch_builder(&self.combine);
+            launch.arg(&self.slots).arg(&k).arg(&h).arg(&mut io.y);
+            // SAFETY: one block per token.
+            unsafe { launch.launch(rows_config(io.tokens)) }.context("combining")?;
+        }
+        Ok(())
+    }
+}

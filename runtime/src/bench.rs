@@ -1,0 +1,178 @@
+//! Measuring a layer: median CUDA-event time per token count, over input sets rotated so
+//! that L2 does not hold them between calls, next to the cuBLAS baseline run in the same
+//! process, with the roofline floor beside both (DESIGN.md, "Performance method").
+
+use cudarc::driver::sys::CUevent_flags;
+use moeforge_compiler::plan::{LayerShape, Target};
+use serde::Serialize;
+
+use crate::baseline::{BaselineError, CublasBaseline};
+use crate::bf16;
+use crate::gpu::{DriverContext, GpuError};
+use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session};
+use crate::reference;
+use crate::workload::{Routing, Workload};
+
+/// Input sets each measurement rotates through.
+const ROTATED_INPUTS: usize = 3;
+const WARMUP_CALLS: usize = 3;
+
+/// Work and traffic of one call, and the floor they imply.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Roofline {
+    pub flops: f64,
+    /// Weights of the experts hit plus activations in and out.
+    pub bytes: f64,
+    pub floor_us: f64,
+    /// Whether the floor is set by memory (else by arithmetic).
+    pub memory_bound: bool,
+}
+
+impl Roofline {
+    pub fn of(shape: &LayerShape, workload: &Workload, target: &Target) -> Self {
+        let (t, k, h, f) = (
+            f64::from(workload.tokens),
+            f64::from(shape.top_k),
+            f64::from(shape.hidden),
+            f64::from(shape.ffn),
+        );
+        let w1_rows = f64::from(shape.w1_rows());
+        let flops = 2.0 * t * k * h * (w1_rows + f);
+        let mut hit = vec![false; shape.experts as usize];
+        for &id in &workload.topk_ids {
+            if let Some(slot) = usize::try_from(id).ok().and_then(|e| hit.get_mut(e)) {
+                *slot = true;
+            }
+        }
+        let hit_experts = hit.iter().filter(|&&h| h).count() as f64;
+        let weight_bytes = hit_experts * (w1_rows * h + h * f) * 2.0;
+        let activation_bytes = t * h * 2.0 * 2.0 + t * k * 8.0;
+        let bytes = weight_bytes + activation_bytes;
+        let compute_s = flops / target.peak_bf16_flops;
+        let memory_s = bytes / target.hbm_bytes_per_s;
+        Roofline { flops, bytes, floor_us: compute_s.max(memory_s) * 1e6, memory_bound: memory_s >= compute_s }
+    }
+}
+
+/// One row of the bench table.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRow {
+    pub tokens: u32,
+    pub regime: String,
+    pub moeforge_us: f64,
+    pub tflops: f64,
+    pub gbps: f64,
+    pub roofline: Roofline,
+    /// floor / measured: 1.0 would be at the floor.
+    pub fraction_of_floor: f64,
+    pub cublas_us: Option<f64>,
+    /// Relative difference between the baseline's output and moeforge's, as a sanity check
+    /// that both computed the same layer.
+    pub cublas_agreement: Option<f64>,
+    pub iterations: usize,
+}
+
+/// Median of CUDA-event times of `call` over `iterations`, after warm-up; `call(i)` gets
+/// the index of the rotated input set to use.
+fn time_calls<E: From<GpuError>>(
+    session: &Session,
+    iterations: usize,
+    mut call: impl FnMut(usize) -> Result<(), E>,
+) -> Result<f64, E> {
+    for i in 0..WARMUP_CALLS {
+        call(i % ROTATED_INPUTS)?;
+    }
+    let ctx = &session.gpu.ctx;
+    let stream = &session.gpu.stream;
+    let mut times = Vec::with_capacity(iterations);
+    for i in 0..iterations {
+        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).context("creating an event")?;
+        let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).context("creating an event")?;
+        start.record(stream).context("recording an event")?;
+        call(i % ROTATED_INPUTS)?;
+        end.record(stream).context("recording an event")?;
+        end.synchronize().context("waiting for an event")?;
+        times.push(f64::from(start.elapsed_ms(&end).context("reading an event")?) * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Harness(#[from] HarnessError),
+    #[error(transparent)]
+    Baseline(#[from] BaselineError),
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+impl From<crate::layer::LayerError> for BenchError {
+    fn from(e: crate::layer::LayerError) -> Self {
+        BenchError::Harness(e.into())
+    }
+}
+
+/// Benchmarks `built` at each token count, with the baseline when it applies.
+/// `progress` receives one line per finished row.
+pub fn bench_layer(
+    session: &Session,
+    built: &BuiltLayer,
+    token_counts: &[u32],
+    routing: Routing,
+    iterations: usize,
+    seed: u64,
+    mut progress: impl FnMut(&BenchRow),
+) -> Result<(Vec<BenchRow>, Option<String>), BenchError> {
+    let plan = built.layer.plan();
+    let shape = plan.shape.clone();
+    let baseline = match CublasBaseline::new(session, plan, &built.loaded) {
+        Ok(b) => Ok(b),
+        Err(e @ (BaselineError::Activation(_) | BaselineError::NoCublas)) => Err(e.to_string()),
+        Err(e) => return Err(e.into()),
+    };
+    let mut rows = Vec::new();
+    for &tokens in token_counts {
+        let workloads: Vec<Workload> = (0..ROTATED_INPUTS)
+            .map(|i| Workload::random(&shape, tokens, routing, seed ^ (u64::from(tokens) << 8) ^ i as u64))
+            .collect();
+        let mut inputs: Vec<DeviceWorkload> =
+            workloads.iter().map(|w| session.upload(&shape, w)).collect::<Result<_, _>>()?;
+        let moeforge_us = time_calls::<BenchError>(session, iterations, |i| {
+            Ok(session.forward(&built.layer, &mut inputs[i])?)
+        })?;
+        built.layer.take_error()?;
+        let ours = session.gpu.stream.clone_dtoh(&inputs[0].y).context("downloading y")?;
+
+        let (cublas_us, cublas_agreement) = match &baseline {
+            Ok(baseline) if tokens > 0 => {
+                let weights = built.layer.weights();
+                let us = time_calls::<BenchError>(session, iterations, |i| {
+                    Ok(baseline.forward(session, weights, &mut inputs[i])?)
+                })?;
+                let theirs = session.gpu.stream.clone_dtoh(&inputs[0].y).context("downloading y")?;
+                let to_f32 = |v: &[u16]| v.iter().map(|&b| bf16::to_f32(b)).collect::<Vec<f32>>();
+                (Some(us), Some(reference::relative_error(&to_f32(&theirs), &to_f32(&ours))))
+            }
+            _ => (None, None),
+        };
+        let roofline = Roofline::of(&shape, &workloads[0], &plan.target);
+        let regime = plan.regime_for(tokens).map(|r| r.name.clone()).unwrap_or_default();
+        let row = BenchRow {
+            tokens,
+            regime,
+            moeforge_us,
+            tflops: roofline.flops / moeforge_us * 1e-6,
+            gbps: roofline.bytes / moeforge_us * 1e-3,
+            fraction_of_floor: roofline.floor_us / moeforge_us,
+            roofline,
+            cublas_us,
+            cublas_agreement,
+            iterations,
+        };
+        progress(&row);
+        rows.push(row);
+    }
+    Ok((rows, baseline.err()))
+}
