@@ -155,6 +155,9 @@ fn latency(ns: u64) -> String {
 }
 
 fn bytes(count: u64) -> String {
+    if count < 1000 {
+        return format!("{count} B");
+    }
     let binary = {
         let mut value = count as f64;
         let mut unit = "B";

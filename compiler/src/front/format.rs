@@ -117,6 +117,7 @@ impl Printer<'_> {
     fn end_of_line_comment(&mut self) {
         if let Some(comment) = self.comments.get(self.next_comment)
             && comment.span.start >= self.last_end
+            && self.source[self.last_end..comment.span.start].trim().is_empty()
             && !self.source[self.last_end..comment.span.start].contains('\n')
         {
             self.out.push(' ');

@@ -68,7 +68,7 @@ fn syntax_error(error: ParseError<usize, Token<'_>, std::convert::Infallible>, e
             expected: "the end of the file".into(),
         }),
         ParseError::UnrecognizedEof { location, expected } => Some(Error::UnexpectedEnd {
-            span: Span::new(location.min(end), end),
+            span: Span::new(location.min(end), location.min(end)),
             expected: describe_expected(&expected),
         }),
         ParseError::InvalidToken { location } => Some(Error::UnexpectedToken {
