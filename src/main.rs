@@ -1,5 +1,6 @@
-//! The `moeforge` command-line tool.
-fn main() {
-    eprintln!("moeforge: no commands yet");
-    std::process::exit(2);
+//! The `moeforge` command-line tool. Parses the command line and hands it to [`cli`].
+mod cli;
+
+fn main() -> std::process::ExitCode {
+    cli::run()
 }

@@ -1,0 +1,88 @@
+//! The checker: lowers a parsed file into a validated [`ir::Module`], resolving units,
+//! applying defaults, resolving topology names and enforcing every rule the kernels rely on.
+//! [`table`] sorts keys, [`values`] reads values, [`topology`] and [`layer`] check items.
+//!
+//! Architecture invariant: the checker reports every error it can find in a file (it goes
+//! on after each one) and returns a module only when there are none; a returned module
+//! satisfies every rule documented in `docs/language.md`.
+
+pub mod layer;
+pub mod table;
+pub mod topology;
+pub mod values;
+
+use std::collections::BTreeMap;
+
+use crate::diagnostics::{Error, suggest};
+use crate::front::ast::{File, Item, Span};
+use crate::ir;
+
+/// The item kinds a file may hold.
+const ITEM_KINDS: [&str; 2] = ["topology", "layer"];
+
+/// A topology as layers see it while checking: where it is named, and its checked form
+/// (`None` if it had errors, which are already reported).
+pub struct NamedTopology {
+    pub name_span: Span,
+    pub topology: Option<ir::Topology>,
+}
+
+/// Checks a parsed file. `syntax_errors` are the spans of the parser's errors: items that
+/// contain one are checked too, but without "missing key" errors (the key may just have
+/// failed to parse).
+pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Error>> {
+    let mut errors = Vec::new();
+    let incomplete =
+        |item: &Item| syntax_errors.iter().any(|span| item.span.start <= span.start && span.start < item.span.end);
+
+    let mut first_definitions: BTreeMap<(&str, &str), Span> = BTreeMap::new();
+    let mut unique_items = Vec::new();
+    for item in &file.items {
+        let kind = item.kind.text.as_str();
+        if !ITEM_KINDS.contains(&kind) {
+            errors.push(Error::UnknownItemKind {
+                span: item.kind.span,
+                found: kind.to_string(),
+                suggestion: suggest(kind, ITEM_KINDS),
+            });
+            continue;
+        }
+        let kind: &'static str = if kind == "layer" { "layer" } else { "topology" };
+        match first_definitions.get(&(kind, item.name.text.as_str())) {
+            Some(first) => errors.push(Error::DuplicateItem {
+                span: item.name.span,
+                kind,
+                name: item.name.text.clone(),
+                first: *first,
+            }),
+            None => {
+                first_definitions.insert((kind, &item.name.text), item.name.span);
+                unique_items.push((kind, item));
+            }
+        }
+    }
+
+    let mut topologies: BTreeMap<&str, NamedTopology> = BTreeMap::new();
+    let mut checked_topologies = Vec::new();
+    for (_, item) in unique_items.iter().filter(|(kind, _)| *kind == "topology") {
+        let topology = topology::check_topology(item, incomplete(item), &mut errors);
+        if let Some(topology) = &topology {
+            checked_topologies.push(topology.clone());
+        }
+        topologies.insert(&item.name.text, NamedTopology { name_span: item.name.span, topology });
+    }
+
+    let mut layers = Vec::new();
+    for (_, item) in unique_items.iter().filter(|(kind, _)| *kind == "layer") {
+        if let Some(layer) = layer::check_layer(item, incomplete(item), &topologies, &mut errors) {
+            layers.push(layer);
+        }
+    }
+
+    if errors.is_empty() {
+        Ok(ir::Module { topologies: checked_topologies, layers })
+    } else {
+        errors.sort_by_key(|error| error.span().start);
+        Err(errors)
+    }
+}

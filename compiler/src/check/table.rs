@@ -1,0 +1,141 @@
+//! The keys of one item or section: finds unknown keys (with "did you mean"), keys set
+//! twice, settings written as sections and the reverse, and reports missing required keys.
+
+use std::collections::BTreeMap;
+
+use crate::diagnostics::{Error, suggest};
+use crate::front::ast::{Entry, Section, Setting, Span};
+
+/// The keys an item or section accepts.
+pub struct Schema {
+    /// Keys written `key = value`.
+    pub settings: &'static [&'static str],
+    /// Keys written `key { ... }`.
+    pub sections: &'static [&'static str],
+    /// Other spellings of a setting key: (alias, key).
+    pub aliases: &'static [(&'static str, &'static str)],
+}
+
+/// The settings and sections of one item or section, by canonical key.
+pub struct Table<'a> {
+    /// What this is, for messages: "layer `mixtral`", "section `router`".
+    pub what: String,
+    /// Where missing keys are reported: the item's or section's name.
+    pub header: Span,
+    /// The item has syntax errors, so a missing key may just have failed to parse: missing
+    /// keys are then not reported.
+    pub incomplete: bool,
+    settings: BTreeMap<&'static str, &'a Setting>,
+    sections: BTreeMap<&'static str, &'a Section>,
+}
+
+impl<'a> Table<'a> {
+    /// Sorts `entries` by key, reporting every entry the schema does not accept.
+    pub fn new(
+        what: String,
+        header: Span,
+        incomplete: bool,
+        entries: impl IntoIterator<Item = &'a Entry>,
+        schema: &Schema,
+        errors: &mut Vec<Error>,
+    ) -> Self {
+        let mut table = Table { what, header, incomplete, settings: BTreeMap::new(), sections: BTreeMap::new() };
+        for entry in entries {
+            match entry {
+                Entry::Setting(setting) => table.add_setting(setting, schema, errors),
+                Entry::Section(section) => table.add_section(section, schema, errors),
+            }
+        }
+        table
+    }
+
+    /// A table of settings only (the inside of a section).
+    pub fn of_section(section: &'a Section, incomplete: bool, schema: &Schema, errors: &mut Vec<Error>) -> Self {
+        let mut table = Table {
+            what: format!("section `{}`", section.name.text),
+            header: section.name.span,
+            incomplete,
+            settings: BTreeMap::new(),
+            sections: BTreeMap::new(),
+        };
+        for setting in &section.settings {
+            table.add_setting(setting, schema, errors);
+        }
+        table
+    }
+
+    fn add_setting(&mut self, setting: &'a Setting, schema: &Schema, errors: &mut Vec<Error>) {
+        let written = setting.key.dotted();
+        let canonical = schema
+            .aliases
+            .iter()
+            .find(|(alias, _)| *alias == written)
+            .map(|(_, key)| *key)
+            .or_else(|| schema.settings.iter().copied().find(|key| *key == written));
+        match canonical {
+            Some(key) => {
+                if let Some(first) = self.settings.get(key) {
+                    errors.push(Error::DuplicateKey {
+                        span: setting.key.span,
+                        key: written,
+                        section: self.what.clone(),
+                        first: first.key.span,
+                    });
+                } else {
+                    self.settings.insert(key, setting);
+                }
+            }
+            None if schema.sections.contains(&written.as_str()) => {
+                errors.push(Error::ExpectedSection { span: setting.key.span, key: written });
+            }
+            None => errors.push(self.unknown_key(written, setting.key.span, schema)),
+        }
+    }
+
+    fn add_section(&mut self, section: &'a Section, schema: &Schema, errors: &mut Vec<Error>) {
+        let written = section.name.text.as_str();
+        match schema.sections.iter().copied().find(|key| *key == written) {
+            Some(key) => {
+                if let Some(first) = self.sections.get(key) {
+                    errors.push(Error::DuplicateKey {
+                        span: section.name.span,
+                        key: written.to_string(),
+                        section: self.what.clone(),
+                        first: first.name.span,
+                    });
+                } else {
+                    self.sections.insert(key, section);
+                }
+            }
+            None if schema.settings.contains(&written) || schema.aliases.iter().any(|(alias, _)| *alias == written) => {
+                errors.push(Error::ExpectedSetting { span: section.name.span, key: written.to_string() });
+            }
+            None => errors.push(self.unknown_key(written.to_string(), section.name.span, schema)),
+        }
+    }
+
+    fn unknown_key(&self, key: String, span: Span, schema: &Schema) -> Error {
+        let candidates =
+            || schema.settings.iter().chain(schema.sections).chain(schema.aliases.iter().map(|(alias, _)| alias));
+        let suggestion = suggest(&key, candidates().copied());
+        let known: Vec<&str> = schema.settings.iter().chain(schema.sections).copied().collect();
+        Error::UnknownKey { span, key, section: self.what.clone(), suggestion, known: known.join(", ") }
+    }
+
+    pub fn setting(&self, key: &str) -> Option<&'a Setting> {
+        self.settings.get(key).copied()
+    }
+
+    pub fn section(&self, key: &str) -> Option<&'a Section> {
+        self.sections.get(key).copied()
+    }
+
+    /// The setting, or a "missing key" error that shows `example`.
+    pub fn required(&self, key: &'static str, example: &'static str, errors: &mut Vec<Error>) -> Option<&'a Setting> {
+        let setting = self.setting(key);
+        if setting.is_none() && !self.incomplete {
+            errors.push(Error::MissingKey { span: self.header, key, section: self.what.clone(), example });
+        }
+        setting
+    }
+}

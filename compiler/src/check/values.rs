@@ -1,0 +1,258 @@
+//! Reading one setting's values: whole numbers of a given width, quantities with units
+//! (resolved to bytes per second, nanoseconds or tokens), words from a fixed set, booleans,
+//! positive reals, links and tile shapes. Each reader reports what is wrong and returns
+//! `None`, so the checker can go on and find the next error.
+
+use crate::diagnostics::{Error, suggest};
+use crate::front::ast::{Dimension, NumberLiteral, Setting, Span, Value, ValueKind};
+use crate::ir::{Link, TileShape};
+
+/// The single value of `setting`, or an error if it has several.
+pub fn single<'a>(setting: &'a Setting, expected: &'static str, errors: &mut Vec<Error>) -> Option<&'a Value> {
+    match setting.values.as_slice() {
+        [value] => Some(value),
+        values => {
+            errors.push(Error::WrongValueCount {
+                span: Span::new(values[0].span.start, setting.span.end),
+                key: setting.key.dotted(),
+                expected,
+                found: values.len(),
+            });
+            None
+        }
+    }
+}
+
+/// How a value reads in messages: "the word `x`", "the number `3 us`".
+fn describe(value: &Value) -> String {
+    match &value.kind {
+        ValueKind::Number { .. } => format!("the number `{}`", crate::front::format::format_value(value)),
+        ValueKind::Word(word) => format!("the word `{word}`"),
+        ValueKind::Tile(tile) => format!("the tile shape `{tile}`"),
+    }
+}
+
+fn wrong_kind(setting: &Setting, value: &Value, expected: &str) -> Error {
+    Error::WrongValueKind { span: value.span, key: setting.key.dotted(), expected: expected.to_string(), found: describe(value) }
+}
+
+/// Parses a whole-number literal (underscores allowed) that must fit in `bits` bits.
+fn parse_whole(setting: &Setting, literal: &NumberLiteral, span: Span, bits: u32) -> Result<u64, Error> {
+    let key = setting.key.dotted();
+    if !literal.is_integer {
+        return Err(Error::NotAnInteger { span, key, value: literal.text.clone() });
+    }
+    let max = if bits == 32 { u64::from(u32::MAX) } else { u64::MAX };
+    let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
+    match digits.parse::<u64>() {
+        Ok(number) if number <= max => Ok(number),
+        _ => Err(Error::NumberTooLarge { span, key, value: short(&literal.text), bits, max }),
+    }
+}
+
+/// A literal shortened for messages (fuzzers write numbers a megabyte long).
+fn short(text: &str) -> String {
+    if text.len() <= 40 { text.to_string() } else { format!("{}…", &text[..40]) }
+}
+
+/// A whole number without a unit (or with `tokens` when `tokens_allowed`), at least `min`.
+pub fn count(setting: &Setting, min: u32, tokens_allowed: bool, errors: &mut Vec<Error>) -> Option<u32> {
+    let value = single(setting, "one whole number", errors)?;
+    let ValueKind::Number { literal, unit } = &value.kind else {
+        errors.push(wrong_kind(setting, value, "a whole number"));
+        return None;
+    };
+    if let Some(unit) = unit {
+        if !(tokens_allowed && unit.dimension() == Dimension::Tokens) {
+            errors.push(Error::WrongUnit {
+                span: value.span,
+                key: setting.key.dotted(),
+                expected: if tokens_allowed { "a token count (a plain number or `N tokens`)".into() } else { "a plain number".into() },
+                unit: unit.symbol(),
+                unit_dimension: unit_dimension_name(unit.dimension()),
+            });
+            return None;
+        }
+    }
+    let number = parse_whole(setting, literal, value.span, 32).map_err(|error| errors.push(error)).ok()?;
+    if number < u64::from(min) {
+        errors.push(Error::TooSmall { span: value.span, key: setting.key.dotted(), value: number, min: u64::from(min) });
+        return None;
+    }
+    u32::try_from(number).ok()
+}
+
+fn unit_dimension_name(dimension: Dimension) -> &'static str {
+    match dimension {
+        Dimension::Bandwidth => "a bandwidth",
+        Dimension::Latency => "a latency",
+        Dimension::Tokens => "a token count",
+    }
+}
+
+/// A quantity of `dimension` in base units (bytes per second or nanoseconds); fractions
+/// are allowed (`1.5 TB/s`) and rounded to the nearest base unit.
+fn quantity(setting: &Setting, value: &Value, dimension: Dimension, errors: &mut Vec<Error>) -> Option<u64> {
+    let key = setting.key.dotted();
+    let ValueKind::Number { literal, unit } = &value.kind else {
+        errors.push(wrong_kind(setting, value, dimension.describe()));
+        return None;
+    };
+    let Some(unit) = unit else {
+        errors.push(Error::MissingUnit { span: value.span, key, expected: dimension.describe() });
+        return None;
+    };
+    if unit.dimension() != dimension {
+        errors.push(Error::WrongUnit {
+            span: value.span,
+            key,
+            expected: dimension.describe().to_string(),
+            unit: unit.symbol(),
+            unit_dimension: unit_dimension_name(unit.dimension()),
+        });
+        return None;
+    }
+    let too_large = || Error::NumberTooLarge { span: value.span, key: key.clone(), value: short(&crate::front::format::format_value(value)), bits: 64, max: u64::MAX };
+    if literal.is_integer {
+        let number = parse_whole(setting, literal, value.span, 64).map_err(|error| errors.push(error)).ok()?;
+        number.checked_mul(unit.scale()).or_else(|| {
+            errors.push(too_large());
+            None
+        })
+    } else {
+        let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
+        let number = digits.parse::<f64>().unwrap_or(f64::INFINITY) * unit.scale() as f64;
+        // 2^64 is exactly representable; anything at or above it does not fit.
+        if number.is_finite() && number < 18_446_744_073_709_551_616.0 {
+            Some(number.round() as u64)
+        } else {
+            errors.push(too_large());
+            None
+        }
+    }
+}
+
+/// `bandwidth, latency` (either order): `450 GB/s, 3 us`.
+pub fn link(setting: &Setting, errors: &mut Vec<Error>) -> Option<Link> {
+    let key = setting.key.dotted();
+    let [first, second] = setting.values.as_slice() else {
+        errors.push(Error::WrongValueCount {
+            span: Span::new(setting.values[0].span.start, setting.span.end),
+            key,
+            expected: "a bandwidth and a latency, e.g. `450 GB/s, 3 us`",
+            found: setting.values.len(),
+        });
+        return None;
+    };
+    let is_latency = |value: &Value| matches!(&value.kind, ValueKind::Number { unit: Some(unit), .. } if unit.dimension() == Dimension::Latency);
+    let (bandwidth, latency) = if is_latency(first) { (second, first) } else { (first, second) };
+    let bandwidth_bytes_per_s = quantity(setting, bandwidth, Dimension::Bandwidth, errors);
+    let latency_ns = quantity(setting, latency, Dimension::Latency, errors);
+    let bandwidth_bytes_per_s = bandwidth_bytes_per_s?;
+    if bandwidth_bytes_per_s == 0 {
+        errors.push(Error::NotPositive { span: bandwidth.span, key, value: crate::front::format::format_value(bandwidth) });
+        return None;
+    }
+    Some(Link { bandwidth_bytes_per_s, latency_ns: latency_ns? })
+}
+
+/// A word of `choices`, mapped to its meaning.
+pub fn choice<T: Copy>(
+    setting: &Setting,
+    choices: &[(&'static str, T)],
+    listed: &'static str,
+    errors: &mut Vec<Error>,
+) -> Option<T> {
+    let value = single(setting, "one word", errors)?;
+    let ValueKind::Word(word) = &value.kind else {
+        errors.push(wrong_kind(setting, value, &format!("one of: {listed}")));
+        return None;
+    };
+    if let Some((_, meaning)) = choices.iter().find(|(name, _)| name == word) {
+        return Some(*meaning);
+    }
+    errors.push(Error::UnknownChoice {
+        span: value.span,
+        key: setting.key.dotted(),
+        found: short(word),
+        choices: listed,
+        suggestion: suggest(word, choices.iter().map(|(name, _)| *name)),
+    });
+    None
+}
+
+/// `true` or `false`.
+pub fn boolean(setting: &Setting, errors: &mut Vec<Error>) -> Option<bool> {
+    choice(setting, &[("true", true), ("false", false)], "true, false", errors)
+}
+
+/// A name (of a topology, say) and where it is written.
+pub fn name<'a>(setting: &'a Setting, errors: &mut Vec<Error>) -> Option<(&'a str, Span)> {
+    let value = single(setting, "one name", errors)?;
+    match &value.kind {
+        ValueKind::Word(word) => Some((word.as_str(), value.span)),
+        _ => {
+            errors.push(wrong_kind(setting, value, "a name"));
+            None
+        }
+    }
+}
+
+/// A positive, finite real number without a unit: `2.5`, `1`.
+pub fn positive_real(setting: &Setting, errors: &mut Vec<Error>) -> Option<f64> {
+    let value = single(setting, "one number", errors)?;
+    let key = setting.key.dotted();
+    match &value.kind {
+        ValueKind::Number { literal, unit: None } => {
+            let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
+            match digits.parse::<f64>() {
+                Ok(number) if number.is_finite() && number > 0.0 => Some(number),
+                _ => {
+                    errors.push(Error::NotPositive { span: value.span, key, value: short(&literal.text) });
+                    None
+                }
+            }
+        }
+        ValueKind::Number { unit: Some(unit), .. } => {
+            errors.push(Error::WrongUnit {
+                span: value.span,
+                key,
+                expected: "a plain number".into(),
+                unit: unit.symbol(),
+                unit_dimension: unit_dimension_name(unit.dimension()),
+            });
+            None
+        }
+        _ => {
+            errors.push(wrong_kind(setting, value, "a number"));
+            None
+        }
+    }
+}
+
+/// `MxNxK` with each dimension a positive multiple of 16.
+pub fn tile(setting: &Setting, errors: &mut Vec<Error>) -> Option<TileShape> {
+    let value = single(setting, "one tile shape", errors)?;
+    let key = setting.key.dotted();
+    let ValueKind::Tile(text) = &value.kind else {
+        errors.push(wrong_kind(setting, value, "a tile shape `MxNxK`, e.g. `128x128x64`"));
+        return None;
+    };
+    let mut dimensions = [0u32; 3];
+    let mut ok = true;
+    for ((part, slot), dimension) in text.split('x').zip(dimensions.iter_mut()).zip(["m", "n", "k"]) {
+        match part.parse::<u32>() {
+            Ok(number) if number > 0 && number % 16 == 0 => *slot = number,
+            Ok(number) => {
+                errors.push(Error::TileNotAligned { span: value.span, key: key.clone(), dimension, value: number });
+                ok = false;
+            }
+            Err(_) => {
+                errors.push(Error::NumberTooLarge { span: value.span, key: key.clone(), value: short(part), bits: 32, max: u64::from(u32::MAX) });
+                ok = false;
+            }
+        }
+    }
+    let [m, n, k] = dimensions;
+    ok.then_some(TileShape { m, n, k })
+}

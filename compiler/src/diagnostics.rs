@@ -1,0 +1,366 @@
+//! Errors in `.moe` files: one typed variant per rule, each with the byte span it is about,
+//! a message that states the rule and a hint that says how to fix it; rendered with file,
+//! line, column and caret by codespan-reporting.
+//!
+//! Architecture invariant: the compiler never prints. It returns [`Diagnostics`]; the edge
+//! (the CLI, the proc macro) decides where and how they are shown.
+
+use codespan_reporting::diagnostic::{Diagnostic, Label};
+use codespan_reporting::files::SimpleFile;
+use codespan_reporting::term;
+
+use crate::front::ast::Span;
+
+/// Diagnostics beyond this many are counted but not rendered.
+pub const MAX_RENDERED_ERRORS: usize = 100;
+
+/// One error in a `.moe` file.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum Error {
+    // ---- reading and lexing ----
+    #[error("the file is not valid UTF-8")]
+    InvalidUtf8 { span: Span },
+    #[error("unexpected character {found:?}")]
+    InvalidCharacter { span: Span, found: char },
+
+    // ---- syntax ----
+    #[error("unexpected {found}, expected {expected}")]
+    UnexpectedToken { span: Span, found: String, expected: String },
+    #[error("unexpected end of file, expected {expected}")]
+    UnexpectedEnd { span: Span, expected: String },
+
+    // ---- items, sections and keys ----
+    #[error("unknown item kind `{found}`: a file holds `topology` and `layer` items")]
+    UnknownItemKind { span: Span, found: String, suggestion: Option<String> },
+    #[error("{kind} `{name}` is defined twice")]
+    DuplicateItem { span: Span, kind: &'static str, name: String, first: Span },
+    #[error("unknown key `{key}` in {section}")]
+    UnknownKey { span: Span, key: String, section: String, suggestion: Option<String>, known: String },
+    #[error("`{key}` is set twice in {section}")]
+    DuplicateKey { span: Span, key: String, section: String, first: Span },
+    #[error("{section} is missing the required key `{key}`")]
+    MissingKey { span: Span, key: &'static str, section: String, example: &'static str },
+    #[error("`{key}` is a section, not a setting")]
+    ExpectedSection { span: Span, key: String },
+    #[error("`{key}` is a setting, not a section")]
+    ExpectedSetting { span: Span, key: String },
+
+    // ---- values ----
+    #[error("`{key}` takes {expected}, but {found} {} given", if *found == 1 { "value is" } else { "values are" })]
+    WrongValueCount { span: Span, key: String, expected: &'static str, found: usize },
+    #[error("`{key}` takes {expected}, found {found}")]
+    WrongValueKind { span: Span, key: String, expected: String, found: String },
+    #[error("`{key}` takes {expected}, but `{unit}` is {unit_dimension}")]
+    WrongUnit { span: Span, key: String, expected: String, unit: &'static str, unit_dimension: &'static str },
+    #[error("`{key}` needs a unit: {expected}")]
+    MissingUnit { span: Span, key: String, expected: &'static str },
+    #[error("`{key}` = {value} does not fit in {bits} bits (at most {max})")]
+    NumberTooLarge { span: Span, key: String, value: String, bits: u32, max: u64 },
+    #[error("`{key}` takes a whole number, found `{value}`")]
+    NotAnInteger { span: Span, key: String, value: String },
+    #[error("`{key}` must be at least {min}, found {value}")]
+    TooSmall { span: Span, key: String, value: u64, min: u64 },
+    #[error("`{key}` must be a positive, finite number, found `{value}`")]
+    NotPositive { span: Span, key: String, value: String },
+    #[error("unknown {key} `{found}`")]
+    UnknownChoice { span: Span, key: String, found: String, choices: &'static str, suggestion: Option<String> },
+    #[error("{what} is not supported yet")]
+    Unsupported { span: Span, what: String, hint: &'static str },
+
+    // ---- layer rules ----
+    #[error("`{key}` = {value} is not a multiple of {alignment}")]
+    Misaligned { span: Span, key: String, value: u32, alignment: u32 },
+    #[error("{experts} experts cannot be spread evenly over {degree} expert-parallel ranks")]
+    ExpertsNotDivisible { span: Span, experts: u32, degree: u32, experts_span: Span },
+    #[error("top_k = {top_k} is out of range: it must be between 1 and experts = {experts}")]
+    TopKOutOfRange { span: Span, top_k: u32, experts: u32 },
+    #[error("router groups = {groups} does not divide experts = {experts}")]
+    GroupsDoNotDivideExperts { span: Span, groups: u32, experts: u32 },
+    #[error("groups_kept = {kept} is out of range: it must be between 1 and groups = {groups}")]
+    GroupsKeptOutOfRange { span: Span, kept: u32, groups: u32 },
+    #[error("top_k = {top_k} exceeds the {eligible} experts the kept groups hold")]
+    TopKExceedsKeptGroups { span: Span, top_k: u32, eligible: u32 },
+    #[error("`groups_kept` is set without `groups`")]
+    GroupsKeptWithoutGroups { span: Span },
+    #[error("`{key}` tile {dimension} = {value} is not a positive multiple of 16")]
+    TileNotAligned { span: Span, key: String, dimension: &'static str, value: u32 },
+    #[error("expert-parallel degree {degree} does not match the {ranks} ranks of topology `{topology}`")]
+    RanksMismatch { span: Span, degree: u32, ranks: u32, topology: String, topology_span: Span },
+    #[error("virtual ranks share one GPU, but topology `{topology}` has {gpus} GPUs")]
+    VirtualRanksNeedOneGpu { span: Span, topology: String, gpus: u64 },
+    #[error("topology `{topology}` has more than 2^32 ranks")]
+    TooManyRanks { span: Span, topology: String },
+    #[error("unknown topology `{name}`")]
+    UnknownTopology { span: Span, name: String, suggestion: Option<String>, known: String },
+}
+
+impl Error {
+    /// The bytes of the source this error is about.
+    pub fn span(&self) -> Span {
+        use Error::*;
+        match self {
+            InvalidUtf8 { span }
+            | InvalidCharacter { span, .. }
+            | UnexpectedToken { span, .. }
+            | UnexpectedEnd { span, .. }
+            | UnknownItemKind { span, .. }
+            | DuplicateItem { span, .. }
+            | UnknownKey { span, .. }
+            | DuplicateKey { span, .. }
+            | MissingKey { span, .. }
+            | ExpectedSection { span, .. }
+            | ExpectedSetting { span, .. }
+            | WrongValueCount { span, .. }
+            | WrongValueKind { span, .. }
+            | WrongUnit { span, .. }
+            | MissingUnit { span, .. }
+            | NumberTooLarge { span, .. }
+            | NotAnInteger { span, .. }
+            | TooSmall { span, .. }
+            | NotPositive { span, .. }
+            | UnknownChoice { span, .. }
+            | Unsupported { span, .. }
+            | Misaligned { span, .. }
+            | ExpertsNotDivisible { span, .. }
+            | TopKOutOfRange { span, .. }
+            | GroupsDoNotDivideExperts { span, .. }
+            | GroupsKeptOutOfRange { span, .. }
+            | TopKExceedsKeptGroups { span, .. }
+            | GroupsKeptWithoutGroups { span }
+            | TileNotAligned { span, .. }
+            | RanksMismatch { span, .. }
+            | VirtualRanksNeedOneGpu { span, .. }
+            | TooManyRanks { span, .. }
+            | UnknownTopology { span, .. } => *span,
+        }
+    }
+
+    /// Other places worth showing, with what they are.
+    pub fn related(&self) -> Vec<(Span, String)> {
+        match self {
+            Error::DuplicateItem { first, .. } => vec![(*first, "first defined here".to_string())],
+            Error::DuplicateKey { first, .. } => vec![(*first, "first set here".to_string())],
+            Error::ExpertsNotDivisible { experts_span, experts, .. } => {
+                vec![(*experts_span, format!("{experts} experts"))]
+            }
+            Error::RanksMismatch { topology_span, ranks, .. } => {
+                vec![(*topology_span, format!("this topology provides {ranks} ranks"))]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// How to fix it.
+    pub fn hint(&self) -> Option<String> {
+        use Error::*;
+        let did_you_mean = |suggestion: &Option<String>| suggestion.as_ref().map(|s| format!("did you mean `{s}`?"));
+        match self {
+            InvalidUtf8 { .. } => Some("save the file as UTF-8 text".into()),
+            InvalidCharacter { .. } => Some(
+                "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
+                 `{ } = , .` and comments starting with `#` or `//`"
+                    .into(),
+            ),
+            UnexpectedToken { .. } | UnexpectedEnd { .. } => Some(
+                "settings read `key = value`, sections `name { ... }`, items `layer NAME { ... }` \
+                 or `topology NAME { ... }`"
+                    .into(),
+            ),
+            UnknownItemKind { suggestion, .. } => {
+                did_you_mean(suggestion).or_else(|| Some("start the item with `layer` or `topology`".into()))
+            }
+            DuplicateItem { .. } => Some("rename one of them or delete the copy".into()),
+            UnknownKey { suggestion, known, .. } => {
+                did_you_mean(suggestion).or_else(|| Some(format!("the keys allowed here are: {known}")))
+            }
+            DuplicateKey { .. } => Some("keep one of the two settings".into()),
+            MissingKey { example, .. } => Some(format!("add `{example}`")),
+            ExpectedSection { key, .. } => Some(format!("write `{key} {{ ... }}`")),
+            ExpectedSetting { key, .. } => Some(format!("write `{key} = ...`")),
+            WrongValueCount { .. } => Some("separate several values with `,`".into()),
+            WrongValueKind { .. } => None,
+            WrongUnit { .. } => Some(
+                "write the number with a unit of the right kind, e.g. `450 GB/s` for a bandwidth, \
+                 `3 us` for a latency, `64 tokens` or a plain number for a token count"
+                    .into(),
+            ),
+            MissingUnit { expected, .. } => Some(format!("write the number with {expected}")),
+            NumberTooLarge { .. } => Some("use a smaller number".into()),
+            NotAnInteger { .. } => Some("drop the fraction".into()),
+            TooSmall { min, .. } => Some(format!("use {min} or more")),
+            NotPositive { .. } => None,
+            UnknownChoice { suggestion, choices, .. } => {
+                did_you_mean(suggestion).or_else(|| Some(format!("choose one of: {choices}")))
+            }
+            Unsupported { hint, .. } => Some((*hint).to_string()),
+            Misaligned { value, alignment, .. } => Some(format!(
+                "kernels move rows as 16-byte vectors of bf16 and tile the reduction {alignment} deep, \
+                 so sizes must be multiples of {alignment}; the nearest are {} and {}",
+                value / alignment * alignment,
+                (value / alignment + 1) * alignment,
+            )),
+            ExpertsNotDivisible { experts, degree, .. } => Some(format!(
+                "each rank holds experts / degree experts; choose a degree that divides {experts} \
+                 (or pad the experts to a multiple of {degree})"
+            )),
+            TopKOutOfRange { .. } => Some("a token goes to at least one and at most all experts".into()),
+            GroupsDoNotDivideExperts { experts, .. } => {
+                Some(format!("every group holds the same number of experts; choose a divisor of {experts}"))
+            }
+            GroupsKeptOutOfRange { .. } => Some("keep at least one group and no more than there are".into()),
+            TopKExceedsKeptGroups { .. } => {
+                Some("raise `groups_kept`, or lower `top_k` to at most groups_kept × experts / groups".into())
+            }
+            GroupsKeptWithoutGroups { .. } => Some("add `groups = N`, or delete `groups_kept`".into()),
+            TileNotAligned { .. } => Some(
+                "tensor-core instructions work on 16×16 fragments; use multiples of 16 such as 64 or 128".into(),
+            ),
+            RanksMismatch { ranks, .. } => Some(format!(
+                "every rank holds a slice of the experts; set `parallel {{ expert = {ranks} }}` or change the topology"
+            )),
+            VirtualRanksNeedOneGpu { .. } => {
+                Some("set `gpus_per_node = 1` and `nodes = 1`, or drop `virtual_ranks`".into())
+            }
+            TooManyRanks { .. } => Some("use fewer GPUs per node or fewer nodes".into()),
+            UnknownTopology { suggestion, known, .. } => did_you_mean(suggestion).or_else(|| {
+                if known.is_empty() {
+                    Some("define it in this file: `topology NAME { ... }`".into())
+                } else {
+                    Some(format!("the topologies in this file are: {known}"))
+                }
+            }),
+        }
+    }
+}
+
+/// Every error of one file, with the file's name and text so that they can be rendered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Diagnostics {
+    pub file_name: String,
+    pub source: String,
+    pub errors: Vec<Error>,
+}
+
+impl Diagnostics {
+    /// Renders every error (up to [`MAX_RENDERED_ERRORS`]) as plain text with file, line,
+    /// column, the source line, a caret under the span and the hint.
+    pub fn render(&self) -> String {
+        let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
+        let config = term::Config::default();
+        let mut out = String::new();
+        for error in self.errors.iter().take(MAX_RENDERED_ERRORS) {
+            let span = clamp(error.span(), &self.source);
+            let mut diagnostic = Diagnostic::error().with_message(error.to_string());
+            let mut notes = Vec::new();
+            if line_is_short(&self.source, span.start) {
+                let mut labels = vec![Label::primary((), span)];
+                for (related, message) in error.related() {
+                    let related = clamp(related, &self.source);
+                    if line_is_short(&self.source, related.start) {
+                        labels.push(Label::secondary((), related).with_message(message));
+                    }
+                }
+                diagnostic = diagnostic.with_labels(labels);
+            } else {
+                let (line, column) = line_and_column(&self.source, span.start);
+                notes.push(format!("at {}:{line}:{column} (the line is too long to show)", self.file_name));
+            }
+            if let Some(hint) = error.hint() {
+                notes.push(format!("hint: {hint}"));
+            }
+            diagnostic = diagnostic.with_notes(notes);
+            match term::emit_into_string(&config, &file, &diagnostic) {
+                Ok(text) => out.push_str(&text),
+                Err(_) => out.push_str(&format!("error: {error}\n")),
+            }
+        }
+        if self.errors.len() > MAX_RENDERED_ERRORS {
+            out.push_str(&format!(
+                "note: {} more errors in {} not shown\n",
+                self.errors.len() - MAX_RENDERED_ERRORS,
+                self.file_name
+            ));
+        }
+        out
+    }
+}
+
+/// Lines longer than this are not echoed under a diagnostic (a 10 MB line would be).
+const MAX_ECHOED_LINE: usize = 500;
+
+fn line_is_short(source: &str, offset: usize) -> bool {
+    let start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = source[offset..].find('\n').map_or(source.len(), |i| offset + i);
+    end - start <= MAX_ECHOED_LINE
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+pub fn line_and_column(source: &str, offset: usize) -> (usize, usize) {
+    let before = &source[..offset];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (line, before[line_start..].chars().count() + 1)
+}
+
+/// Keeps a span inside the text and on character boundaries, so rendering cannot fail.
+fn clamp(span: Span, source: &str) -> std::ops::Range<usize> {
+    let mut start = span.start.min(source.len());
+    let mut end = span.end.clamp(start, source.len());
+    while !source.is_char_boundary(start) {
+        start -= 1;
+    }
+    while !source.is_char_boundary(end) {
+        end += 1;
+    }
+    start..end
+}
+
+impl std::fmt::Display for Diagnostics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.render())
+    }
+}
+
+impl std::error::Error for Diagnostics {}
+
+/// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
+pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<String> {
+    let length = word.chars().count();
+    if length > 64 {
+        return None;
+    }
+    let limit = (length / 3).max(1);
+    candidates
+        .into_iter()
+        .map(|candidate| (edit_distance(word, candidate), candidate))
+        .filter(|(distance, _)| *distance <= limit)
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, candidate)| candidate.to_string())
+}
+
+/// Levenshtein distance between two short words (by characters).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut current = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let substitution = previous[j] + usize::from(ca != *cb);
+            current.push(substitution.min(previous[j + 1] + 1).min(current[j] + 1));
+        }
+        previous = current;
+    }
+    previous[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suggests_close_words_only() {
+        assert_eq!(suggest("hiden", ["hidden", "ffn"]), Some("hidden".into()));
+        assert_eq!(suggest("top_k", ["top_k"]), Some("top_k".into()));
+        assert_eq!(suggest("zzzzzz", ["hidden", "ffn"]), None);
+    }
+}

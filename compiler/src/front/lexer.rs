@@ -1,0 +1,172 @@
+//! The lexer: `.moe` text to tokens with byte spans (logos).
+//!
+//! Architecture invariant: lexing never fails and never panics. Characters that start no
+//! token become [`Token::Invalid`], which the parser rejects (the lexer's diagnostic is the
+//! one reported); comments are kept aside for the formatter instead of being dropped.
+
+use logos::Logos;
+
+use crate::front::ast::{Comment, Span, Unit};
+
+/// One token of a `.moe` file. Words that are units (`us`, `GB/s`, `tokens`, ...) are their
+/// own tokens, so a unit can follow a number with no ambiguity and values need no separators.
+#[derive(Logos, Clone, Copy, Debug, PartialEq, Eq)]
+#[logos(skip r"[ \t\r\n\f]+")]
+pub enum Token<'src> {
+    #[token("{")]
+    LBrace,
+    #[token("}")]
+    RBrace,
+    #[token("=")]
+    Equals,
+    #[token(",")]
+    Comma,
+    #[token(".")]
+    Dot,
+    /// A name or a word value: `layer`, `hidden`, `swiglu`, `true`.
+    #[regex(r"[A-Za-z_][A-Za-z0-9_]*")]
+    Ident(&'src str),
+    /// A decimal integer, `_` allowed between digits: `16384`, `16_384`.
+    #[regex(r"[0-9][0-9_]*")]
+    Integer(&'src str),
+    /// A decimal number with a fraction or an exponent: `2.5`, `1e-3`.
+    #[regex(r"[0-9][0-9_]*\.[0-9][0-9_]*([eE][+-]?[0-9]+)?")]
+    #[regex(r"[0-9][0-9_]*[eE][+-]?[0-9]+")]
+    Float(&'src str),
+    /// A GEMM tile shape `MxNxK`: `128x128x64`.
+    #[regex(r"[0-9]+x[0-9]+x[0-9]+")]
+    Tile(&'src str),
+    #[token("B/s", |_| Unit::BytesPerSecond)]
+    #[token("KB/s", |_| Unit::KilobytesPerSecond)]
+    #[token("MB/s", |_| Unit::MegabytesPerSecond)]
+    #[token("GB/s", |_| Unit::GigabytesPerSecond)]
+    #[token("TB/s", |_| Unit::TerabytesPerSecond)]
+    #[token("KiB/s", |_| Unit::KibibytesPerSecond)]
+    #[token("MiB/s", |_| Unit::MebibytesPerSecond)]
+    #[token("GiB/s", |_| Unit::GibibytesPerSecond)]
+    #[token("TiB/s", |_| Unit::TebibytesPerSecond)]
+    #[token("ns", |_| Unit::Nanoseconds)]
+    #[token("us", |_| Unit::Microseconds)]
+    #[token("ms", |_| Unit::Milliseconds)]
+    #[token("token", |_| Unit::Tokens)]
+    #[token("tokens", |_| Unit::Tokens)]
+    Unit(Unit),
+    /// `# ...` or `// ...` up to the end of the line.
+    #[regex(r"#[^\n]*", allow_greedy = true)]
+    #[regex(r"//[^\n]*", allow_greedy = true)]
+    Comment(&'src str),
+    /// A character that starts no token; the lexer has already reported it.
+    Invalid,
+}
+
+impl std::fmt::Display for Token<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Token::LBrace => f.write_str("`{`"),
+            Token::RBrace => f.write_str("`}`"),
+            Token::Equals => f.write_str("`=`"),
+            Token::Comma => f.write_str("`,`"),
+            Token::Dot => f.write_str("`.`"),
+            Token::Ident(word) => write!(f, "name `{word}`"),
+            Token::Integer(text) | Token::Float(text) => write!(f, "number `{text}`"),
+            Token::Tile(text) => write!(f, "tile shape `{text}`"),
+            Token::Unit(unit) => write!(f, "unit `{}`", unit.symbol()),
+            Token::Comment(_) => f.write_str("comment"),
+            Token::Invalid => f.write_str("invalid character"),
+        }
+    }
+}
+
+/// A character the lexer could not place in any token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidCharacter {
+    pub span: Span,
+    pub found: char,
+}
+
+/// The lexed file: the tokens the parser reads, the comments the formatter keeps, and the
+/// characters that started no token.
+#[derive(Clone, Debug, Default)]
+pub struct Lexed<'src> {
+    pub tokens: Vec<(usize, Token<'src>, usize)>,
+    pub comments: Vec<Comment>,
+    pub invalid: Vec<InvalidCharacter>,
+}
+
+/// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
+/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap.
+pub fn lex(source: &str) -> Lexed<'_> {
+    let mut lexed = Lexed::default();
+    let mut lexer = Token::lexer(source);
+    while let Some(result) = lexer.next() {
+        let range = lexer.span();
+        match result {
+            Ok(Token::Comment(text)) => lexed.comments.push(Comment {
+                text: text.trim_end().to_string(),
+                span: Span::new(range.start, range.end),
+            }),
+            Ok(token) => lexed.tokens.push((range.start, token, range.end)),
+            Err(()) => {
+                if let Some((_, Token::Invalid, end)) = lexed.tokens.last_mut()
+                    && *end == range.start
+                {
+                    *end = range.end;
+                    continue;
+                }
+                let found = source[range.clone()].chars().next().unwrap_or('\u{fffd}');
+                lexed.invalid.push(InvalidCharacter { span: Span::new(range.start, range.end), found });
+                lexed.tokens.push((range.start, Token::Invalid, range.end));
+            }
+        }
+    }
+    lexed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kinds(source: &str) -> Vec<Token<'_>> {
+        lex(source).tokens.into_iter().map(|(_, token, _)| token).collect()
+    }
+
+    #[test]
+    fn units_numbers_and_tiles_are_distinct_tokens() {
+        assert_eq!(
+            kinds("nvlink = 450 GB/s, 3 us gemm1.tile = 128x128x64 scale = 2.5"),
+            vec![
+                Token::Ident("nvlink"),
+                Token::Equals,
+                Token::Integer("450"),
+                Token::Unit(Unit::GigabytesPerSecond),
+                Token::Comma,
+                Token::Integer("3"),
+                Token::Unit(Unit::Microseconds),
+                Token::Ident("gemm1"),
+                Token::Dot,
+                Token::Ident("tile"),
+                Token::Equals,
+                Token::Tile("128x128x64"),
+                Token::Ident("scale"),
+                Token::Equals,
+                Token::Float("2.5"),
+            ]
+        );
+    }
+
+    #[test]
+    fn comments_are_kept_aside() {
+        let lexed = lex("# one\nhidden = 64 // two\n");
+        assert_eq!(lexed.tokens.len(), 3);
+        let texts: Vec<_> = lexed.comments.iter().map(|c| c.text.as_str()).collect();
+        assert_eq!(texts, ["# one", "// two"]);
+    }
+
+    #[test]
+    fn runs_of_invalid_characters_become_one_token() {
+        let lexed = lex("a = @@@\u{0} b");
+        assert_eq!(lexed.invalid.len(), 1);
+        assert_eq!(lexed.invalid[0].found, '@');
+        assert_eq!(kinds("a = @@@\u{0} b"), vec![Token::Ident("a"), Token::Equals, Token::Invalid, Token::Ident("b")]);
+    }
+}

@@ -1,0 +1,97 @@
+//! The command line: one file per command, dispatched from [`run`].
+//!
+//! Exit status: 0 when every file is fine, 1 when some input is invalid (diagnostics on
+//! stderr), 2 for usage errors and files that cannot be read. Nothing here panics on input.
+//! To add a command: add a file with an `Args` struct and a `run`, a variant to [`Command`]
+//! and a line to [`run`].
+
+mod check;
+mod explain;
+mod fmt;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use moeforge::compiler::{self, Diagnostics, ir};
+
+/// moeforge: compiles Mixture-of-Experts layer descriptions (`.moe` files) to CUDA kernels.
+#[derive(Parser)]
+#[command(name = "moeforge", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    Check(check::Args),
+    Explain(explain::Args),
+    Fmt(fmt::Args),
+}
+
+/// Parses the command line and runs the command.
+pub fn run() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check(args) => check::run(&args),
+        Command::Explain(args) => explain::run(&args),
+        Command::Fmt(args) => fmt::run(&args),
+    }
+}
+
+/// Every file's input is valid.
+const OK: ExitCode = ExitCode::SUCCESS;
+/// Some input is invalid; its diagnostics are on stderr.
+fn invalid_input() -> ExitCode {
+    ExitCode::from(1)
+}
+/// The command line is wrong or a file cannot be read.
+fn usage_error() -> ExitCode {
+    ExitCode::from(2)
+}
+
+/// A file read from disk, named as the user wrote it.
+struct SourceFile {
+    name: String,
+    bytes: Vec<u8>,
+}
+
+/// Reads `path`, or reports why it cannot be read.
+fn read_file(path: &Path) -> Result<SourceFile, ExitCode> {
+    let name = path.display().to_string();
+    std::fs::read(path).map(|bytes| SourceFile { name: name.clone(), bytes }).map_err(|error| {
+        eprintln!("error: cannot read {name}: {error}");
+        usage_error()
+    })
+}
+
+/// Prints diagnostics to stderr.
+fn report(diagnostics: &Diagnostics) {
+    eprint!("{}", diagnostics.render());
+    let count = diagnostics.errors.len();
+    eprintln!("error: {} has {count} error{}", diagnostics.file_name, if count == 1 { "" } else { "s" });
+}
+
+/// Reads and checks one file; `Err` carries the exit status after reporting.
+fn compile_file(path: &PathBuf) -> Result<(SourceFile, ir::Module), ExitCode> {
+    let file = read_file(path)?;
+    match compiler::compile_bytes(&file.name, &file.bytes) {
+        Ok(module) => Ok((file, module)),
+        Err(diagnostics) => {
+            report(&diagnostics);
+            Err(invalid_input())
+        }
+    }
+}
+
+/// The worst of several exit statuses (usage errors over invalid input over success).
+fn worst(statuses: impl IntoIterator<Item = ExitCode>) -> ExitCode {
+    let mut worst = OK;
+    for status in statuses {
+        if status == usage_error() || (status == invalid_input() && worst == OK) {
+            worst = status;
+        }
+    }
+    worst
+}

@@ -1,0 +1,122 @@
+//! Tests of the `moeforge` binary: `explain` output of every example against committed
+//! snapshots in `tests/explain/` (`MOEFORGE_BLESS=1` rewrites them), `check` and `fmt` on
+//! the examples, and the exit statuses (0 valid, 1 invalid input, 2 usage).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn moeforge(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moeforge"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("the moeforge binary runs")
+}
+
+fn examples() -> Vec<PathBuf> {
+    let directory = Path::new(env!("CARGO_MANIFEST_DIR")).join("dsl-examples");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(directory)
+        .expect("dsl-examples exists")
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "moe"))
+        .collect();
+    files.sort();
+    files
+}
+
+fn relative(path: &Path) -> String {
+    path.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap_or(path).display().to_string()
+}
+
+#[test]
+fn every_example_checks_and_is_formatted() {
+    let files: Vec<String> = examples().iter().map(|path| relative(path)).collect();
+    assert!(files.len() >= 7);
+    let mut args = vec!["check"];
+    args.extend(files.iter().map(String::as_str));
+    let output = moeforge(&args);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let mut args = vec!["fmt", "--check"];
+    args.extend(files.iter().map(String::as_str));
+    let output = moeforge(&args);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+}
+
+#[test]
+fn explain_output_matches_snapshots() {
+    let bless = std::env::var_os("MOEFORGE_BLESS").is_some_and(|value| value == "1");
+    let mut mismatches = Vec::new();
+    for example in examples() {
+        let output = moeforge(&["explain", &relative(&example)]);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let text = String::from_utf8(output.stdout).expect("explain prints UTF-8");
+        let stem = example.file_stem().and_then(|stem| stem.to_str()).unwrap_or("?");
+        let snapshot = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/explain").join(format!("{stem}.txt"));
+        if bless {
+            std::fs::write(&snapshot, &text).expect("writable snapshot");
+        } else if std::fs::read_to_string(&snapshot).unwrap_or_default() != text {
+            mismatches.push(format!("{stem}:\n{text}"));
+        }
+    }
+    assert!(mismatches.is_empty(), "explain changed (MOEFORGE_BLESS=1 to accept):\n{}", mismatches.join("\n"));
+}
+
+#[test]
+fn invalid_input_exits_1_with_a_rendered_diagnostic() {
+    let output = moeforge(&["check", "compiler/tests/diagnostics/misaligned.moe"]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("misaligned.moe:"), "{stderr}");
+    assert!(stderr.contains("^^^^"), "{stderr}");
+    assert!(stderr.contains("hint:"), "{stderr}");
+}
+
+#[test]
+fn invalid_utf8_is_a_diagnostic_not_a_crash() {
+    let output = moeforge(&["check", "compiler/tests/diagnostics/invalid_utf8.moe"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("not valid UTF-8"));
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    assert_eq!(moeforge(&["check"]).status.code(), Some(2));
+    assert_eq!(moeforge(&["frobnicate"]).status.code(), Some(2));
+    assert_eq!(moeforge(&["check", "no/such/file.moe"]).status.code(), Some(2));
+    assert_eq!(moeforge(&["fmt", "--check", "--stdout", "dsl-examples/tiny.moe"]).status.code(), Some(2));
+}
+
+#[test]
+fn every_command_has_help() {
+    for command in [&["--help"][..], &["check", "--help"], &["explain", "--help"], &["fmt", "--help"]] {
+        let output = moeforge(command);
+        assert!(output.status.success());
+        assert!(String::from_utf8_lossy(&output.stdout).contains("Usage"));
+    }
+}
+
+#[test]
+fn fmt_rewrites_in_place_keeping_comments_and_check_flags_unformatted_files() {
+    let directory = std::env::temp_dir().join(format!("moeforge-fmt-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("temp dir");
+    let path = directory.join("messy.moe");
+    std::fs::write(
+        &path,
+        "# header\ntopology t {gpus_per_node=1 nvlink=1 GB/s,1 us // link\n network = 1 GB/s, 1 us}\n\
+         layer l{hidden=64 ffn=64 experts=1 top_k=1 topology=t}\n",
+    )
+    .expect("write temp file");
+    let file = path.to_str().expect("UTF-8 temp path");
+    assert_eq!(moeforge(&["fmt", "--check", file]).status.code(), Some(1));
+    assert!(moeforge(&["fmt", file]).status.success());
+    let formatted = std::fs::read_to_string(&path).expect("read back");
+    assert_eq!(
+        formatted,
+        "# header\ntopology t {\n  gpus_per_node = 1\n  nvlink = 1 GB/s, 1 us // link\n  network = 1 GB/s, 1 us\n}\n\n\
+         layer l {\n  hidden = 64\n  ffn = 64\n  experts = 1\n  top_k = 1\n  topology = t\n}\n"
+    );
+    assert!(moeforge(&["fmt", "--check", file]).status.success());
+    assert!(moeforge(&["check", file]).status.success());
+    let _ = std::fs::remove_dir_all(&directory);
+}
