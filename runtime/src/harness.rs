@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use moeforge_compiler::codegen::{self, CodegenError};
 use moeforge_compiler::plan::{LayerShape, Plan};
 use thiserror::Error;
@@ -42,6 +42,8 @@ pub struct Session {
 pub struct BuiltLayer {
     pub layer: MoeLayer,
     pub module: CompiledModule,
+    /// The module as loaded on the device (the baseline borrows its route kernel).
+    pub loaded: Arc<CudaModule>,
     pub compile_seconds: f64,
 }
 
@@ -137,13 +139,13 @@ impl Session {
         Ok(ExpertWeights { w1, w2 })
     }
 
-    /// Plans are compiled, weights filled, the handle built.
+    /// Compiles the plan's kernels, fills random weights and builds the handle.
     pub fn build(&self, plan: Plan, seed: u64) -> Result<BuiltLayer, HarnessError> {
         let (module, compile_seconds) = self.compile(&plan)?;
         let loaded = self.gpu.load(&module)?;
         let weights = self.random_weights(&plan.shape, seed)?;
         let layer = MoeLayer::new(&self.gpu, plan, Arc::clone(&loaded), weights)?;
-        Ok(BuiltLayer { layer, module, compile_seconds })
+        Ok(BuiltLayer { layer, module, loaded, compile_seconds })
     }
 
     /// Uploads `workload` and allocates its output, poisoned with NaN.

@@ -9,3 +9,6 @@ pub mod layer;
 pub mod reference;
 pub mod workload;
 pub mod harness;
+pub mod baseline;
+pub mod bench;
+pub mod aot;

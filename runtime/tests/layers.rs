@@ -1,47 +1,46 @@
-//! Layers built in code for the GPU tests (the real models' routed-expert shapes).
+//! Layers for the GPU tests: every shipped example (dsl-examples/), and tiny layers built in
+//! code for the activations no example uses.
 
 use moeforge_compiler::ir::*;
 
-fn topology() -> Topology {
-    Topology {
-        name: "h200_node".into(),
-        gpus_per_node: 8,
-        nodes: 1,
-        intra_node: Link { bandwidth_bytes_per_s: 450_000_000_000, latency_ns: 3_000 },
-        network: Link { bandwidth_bytes_per_s: 50_000_000_000, latency_ns: 10_000 },
-        virtual_ranks: None,
-    }
-}
-
-pub fn layer(name: &str, hidden: u32, ffn: u32, experts: u32, top_k: u32, activation: Activation, max_tokens: u32) -> Layer {
-    Layer {
-        name: name.into(),
-        hidden,
-        ffn,
-        experts,
-        top_k,
-        activation,
-        dtype: DType::Bf16,
-        weight_dtype: DType::Bf16,
-        max_tokens,
-        shared_experts: None,
-        router: None,
-        parallel: Parallelism { expert: 1, data: 1, tensor: 1 },
-        topology: topology(),
-        schedule: ScheduleHints::default(),
-    }
+/// Every layer of every `.moe` file in dsl-examples/, in file-name order.
+pub fn examples() -> Vec<Layer> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../dsl-examples");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("dsl-examples/ is readable")
+        .map(|entry| entry.expect("directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "moe"))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .flat_map(|path| {
+            let text = std::fs::read_to_string(path).expect("example is readable");
+            let name = path.display().to_string();
+            match moeforge_compiler::compile_source(&name, &text) {
+                Ok(module) => module.layers,
+                Err(diagnostics) => panic!("{name} does not check:\n{}", diagnostics.render()),
+            }
+        })
+        .collect()
 }
 
 pub fn tiny(activation: Activation) -> Layer {
-    layer(&format!("tiny_{}", activation.name()), 128, 256, 8, 2, activation, 1000)
-}
-
-pub fn real_models() -> Vec<Layer> {
-    vec![
-        layer("mixtral_8x7b", 4096, 14336, 8, 2, Activation::Swiglu, 16384),
-        layer("qwen3_30b_a3b", 2048, 768, 128, 8, Activation::Swiglu, 16384),
-        layer("qwen3_235b_a22b", 4096, 1536, 128, 8, Activation::Swiglu, 16384),
-        layer("deepseek_v3", 7168, 2048, 256, 8, Activation::Swiglu, 16384),
-        layer("gpt_oss_120b", 2880, 2880, 128, 4, Activation::Swiglu, 16384),
-    ]
+    let link = Link { bandwidth_bytes_per_s: 450_000_000_000, latency_ns: 3_000 };
+    Layer {
+        name: format!("tiny_{}", activation.name()),
+        hidden: 128,
+        ffn: 256,
+        experts: 8,
+        top_k: 2,
+        activation,
+        dtype: DType::Bf16,
+        weight_dtype: DType::Bf16,
+        max_tokens: 1000,
+        shared_experts: None,
+        router: None,
+        parallel: Parallelism { expert: 1, data: 1, tensor: 1 },
+        topology: Topology { name: "one_gpu".into(), gpus_per_node: 1, nodes: 1, intra_node: link, network: link, virtual_ranks: None },
+        schedule: ScheduleHints::default(),
+    }
 }

@@ -5,9 +5,13 @@
 //! To add a command: add a file with an `Args` struct and a `run`, a variant to [`Command`]
 //! and a line to [`run`].
 
+mod bench;
 mod check;
+mod compile;
 mod explain;
 mod fmt;
+mod planning;
+mod run;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -28,6 +32,9 @@ enum Command {
     Check(check::Args),
     Explain(explain::Args),
     Fmt(fmt::Args),
+    Compile(compile::Args),
+    Run(run::Args),
+    Bench(bench::Args),
 }
 
 /// Parses the command line and runs the command.
@@ -37,6 +44,9 @@ pub fn run() -> ExitCode {
         Command::Check(args) => check::run(&args),
         Command::Explain(args) => explain::run(&args),
         Command::Fmt(args) => fmt::run(&args),
+        Command::Compile(args) => compile::run(&args),
+        Command::Run(args) => run::run(&args),
+        Command::Bench(args) => bench::run(&args),
     }
 }
 

@@ -11,6 +11,7 @@
 //! `docs/planner.md`.
 
 pub mod cost;
+mod describe;
 pub mod target;
 
 use serde::{Deserialize, Serialize};
@@ -18,6 +19,7 @@ use thiserror::Error;
 
 use crate::ir::{self, Activation, TileShape};
 pub use cost::GemmEstimate;
+pub use describe::describe;
 pub use target::Target;
 
 /// Reduction depth of one pipeline stage. The kernels swizzle 128-byte shared-memory rows

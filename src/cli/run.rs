@@ -1,0 +1,197 @@
+//! `moeforge run FILE --tokens N [--check]`: compiles a layer and, when a GPU is present,
+//! runs it once on fresh random inputs (and with `--check` compares with the CPU
+//! reference). Without a GPU it stops after compiling and says so.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use moeforge::compiler::codegen;
+use moeforge::runtime::harness::{CheckReport, Session};
+use moeforge::runtime::jit::{CompileOptions, Jit};
+use moeforge::runtime::toolkit;
+use moeforge::runtime::workload::{Routing, Workload};
+
+use super::planning::{check_ranks, plan_one};
+use super::{OK, invalid_input, usage_error};
+
+/// Run a layer on random inputs (fresh per run, seeded), optionally checked against the CPU reference.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The .moe file holding the layer.
+    file: PathBuf,
+    /// Which layer of the file (needed when it has several).
+    #[arg(long)]
+    layer: Option<String>,
+    /// Tokens in the call (at most the layer's max_tokens).
+    #[arg(long)]
+    tokens: u32,
+    /// Compare with the CPU reference (on a random sample of at most --sample tokens).
+    #[arg(long)]
+    check: bool,
+    /// Tokens the reference checks when T is larger.
+    #[arg(long, default_value_t = 64)]
+    sample: usize,
+    /// How tokens choose experts.
+    #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
+    routing: RoutingArg,
+    /// Seed of the random inputs; fresh each run when omitted.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Ranks to execute on; only 1 (all experts on one GPU) exists so far.
+    #[arg(long)]
+    ranks: Option<u32>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum RoutingArg {
+    /// K distinct experts per token, uniformly.
+    Uniform,
+    /// Every token's first choice is expert 0.
+    Skewed,
+}
+
+impl From<RoutingArg> for Routing {
+    fn from(arg: RoutingArg) -> Self {
+        match arg {
+            RoutingArg::Uniform => Routing::Uniform,
+            RoutingArg::Skewed => Routing::Skewed,
+        }
+    }
+}
+
+/// A seed from the clock, printed so that a run can be replayed.
+pub fn fresh_seed(given: Option<u64>) -> u64 {
+    given.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+    })
+}
+
+/// Compiles without a GPU: NVRTC only, so that the main job is useful on any machine.
+fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
+    eprintln!("note: {why}; compiling only");
+    let source = match codegen::generate(plan) {
+        Ok(source) => source,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
+    let jit = match Jit::from_env() {
+        Ok(jit) => jit,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return usage_error();
+        }
+    };
+    let started = std::time::Instant::now();
+    let options = CompileOptions::new(plan.symbol.clone(), plan.target.arch.clone()).flag("-std=c++17");
+    match jit.compile(&source.source, &options) {
+        Ok(module) => {
+            println!(
+                "compiled {} ({} kernels, {} bytes of PTX{}) for {} in {:.2} s; not run: no GPU",
+                source.file_name,
+                source.entry_points.len(),
+                module.ptx.len(),
+                if module.cache_hit() { ", from the cache" } else { "" },
+                plan.target.arch,
+                started.elapsed().as_secs_f64()
+            );
+            OK
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            invalid_input()
+        }
+    }
+}
+
+pub fn run(args: &Args) -> ExitCode {
+    let plan = match plan_one(&args.file, args.layer.as_deref()) {
+        Ok(plan) => plan,
+        Err(status) => return status,
+    };
+    if let Err(status) = check_ranks(&plan, args.ranks) {
+        return status;
+    }
+    if args.tokens > plan.shape.max_tokens {
+        eprintln!(
+            "error: --tokens {} exceeds the layer's max_tokens of {}; raise max_tokens in the spec",
+            args.tokens, plan.shape.max_tokens
+        );
+        return usage_error();
+    }
+    if let Err(error) = toolkit::driver_available() {
+        return compile_only(&plan, &error.to_string());
+    }
+    let seed = fresh_seed(args.seed);
+    eprintln!("opening the GPU and compiling {} ...", plan.layer);
+    let session = match Session::open() {
+        Ok(session) => session,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return usage_error();
+        }
+    };
+    let shape = plan.shape.clone();
+    let regime = plan.regime_for(args.tokens).map(|r| r.name.clone()).unwrap_or_default();
+    let built = match session.build(plan, seed) {
+        Ok(built) => built,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
+    eprintln!(
+        "compiled in {:.2} s{}; running T={} ({} regime, {} routing, seed {seed})",
+        built.compile_seconds,
+        if built.module.cache_hit() { " (cache hit)" } else { "" },
+        args.tokens,
+        regime,
+        routing_name(args.routing)
+    );
+    let workload = Workload::random(&shape, args.tokens, args.routing.into(), seed);
+    if args.check {
+        match session.run_checked(&built.layer, &workload, args.sample, seed.wrapping_add(1)) {
+            Ok(report) => {
+                println!(
+                    "{} T={}: relative error {:.3e} over {} tokens (bound {:.0e}), {} output elements unwritten: {}",
+                    built.layer.plan().layer,
+                    report.tokens,
+                    report.relative_error,
+                    report.checked_tokens,
+                    CheckReport::TOLERANCE,
+                    report.unwritten,
+                    if report.passed() { "PASS" } else { "FAIL" }
+                );
+                if report.passed() { OK } else { invalid_input() }
+            }
+            Err(error) => {
+                eprintln!("error: {error}");
+                invalid_input()
+            }
+        }
+    } else {
+        let result = session
+            .upload(&shape, &workload)
+            .map_err(|e| e.to_string())
+            .and_then(|mut io| session.forward(&built.layer, &mut io).map_err(|e| e.to_string()))
+            .and_then(|()| built.layer.take_error().map_err(|e| e.to_string()));
+        match result {
+            Ok(()) => {
+                println!("{} T={}: ran (pass --check to compare with the CPU reference)", built.layer.plan().layer, args.tokens);
+                OK
+            }
+            Err(error) => {
+                eprintln!("error: {error}");
+                invalid_input()
+            }
+        }
+    }
+}
+
+pub fn routing_name(routing: RoutingArg) -> &'static str {
+    match routing {
+        RoutingArg::Uniform => "uniform",
+        RoutingArg::Skewed => "skewed",
+    }
+}
