@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use moeforge_compiler::plan::Plan;
 use thiserror::Error;
 
-use crate::jit::{CacheOutcome, CompiledModule};
+use moeforge_compiler::codegen::{self, CodegenError};
+
+use crate::jit::{CacheOutcome, CompileOptions, CompiledModule, Jit, JitError};
 
 pub const PLAN_FILE: &str = "plan.json";
 
@@ -32,6 +34,42 @@ pub enum AotError {
     NoSuchLayer { path: PathBuf, wanted: String, available: Vec<String> },
     #[error("{} holds {count} layers; name one ({})", path.display(), available.join(", "))]
     AmbiguousLayer { path: PathBuf, count: usize, available: Vec<String> },
+    #[error(transparent)]
+    Codegen(#[from] CodegenError),
+    #[error(transparent)]
+    Jit(#[from] JitError),
+    #[error("cannot serialise the plans: {0}")]
+    Serialise(#[from] serde_json::Error),
+}
+
+/// One file of an AOT directory.
+pub struct OutputFile {
+    pub name: String,
+    pub contents: Vec<u8>,
+}
+
+/// NVRTC options of every generated unit (JIT and AOT alike).
+pub fn compile_options(plan: &Plan) -> CompileOptions {
+    CompileOptions::new(plan.symbol.clone(), plan.target.arch.clone()).flag("-std=c++17")
+}
+
+/// The files of an AOT directory for `plans`, in a stable order: each layer's source, its
+/// PTX when `jit` is given, then `plan.json`.
+pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<Vec<OutputFile>, AotError> {
+    let mut files = Vec::new();
+    for plan in plans {
+        let source = codegen::generate(plan)?;
+        if let Some(jit) = jit {
+            let module = jit.compile(&source.source, &compile_options(plan))?;
+            files.push(OutputFile { name: source.file_name, contents: source.source.into_bytes() });
+            files.push(OutputFile { name: ptx_file_name(plan), contents: module.ptx.into_bytes() });
+        } else {
+            files.push(OutputFile { name: source.file_name, contents: source.source.into_bytes() });
+        }
+    }
+    let json = serde_json::to_string_pretty(plans)? + "\n";
+    files.push(OutputFile { name: PLAN_FILE.to_string(), contents: json.into_bytes() });
+    Ok(files)
 }
 
 /// The PTX file name of a plan's unit.

@@ -11,6 +11,7 @@ use moeforge_compiler::codegen::{self, CodegenError};
 use moeforge_compiler::plan::{LayerShape, Plan};
 use thiserror::Error;
 
+use crate::aot;
 use crate::bf16;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::jit::{CompileOptions, CompiledModule, Jit, JitError};
@@ -99,7 +100,7 @@ impl Session {
     pub fn compile(&self, plan: &Plan) -> Result<(CompiledModule, f64), HarnessError> {
         let started = Instant::now();
         let source = codegen::generate(plan)?;
-        let options = CompileOptions::new(plan.symbol.clone(), self.gpu.arch()?).flag("-std=c++17");
+        let options = CompileOptions { arch: self.gpu.arch()?, ..aot::compile_options(plan) };
         let module = self.jit.compile(&source.source, &options)?;
         Ok((module, started.elapsed().as_secs_f64()))
     }

@@ -1,13 +1,12 @@
 //! `moeforge compile FILE -o DIR`: ahead-of-time output for deployment: the CUDA source of
 //! every layer, its PTX (when NVRTC is present) and `plan.json`, which the runtime loads
-//! without NVRTC or the language.
+//! without NVRTC or the language (see `moeforge_runtime::aot`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use moeforge::compiler::codegen;
 use moeforge::runtime::aot;
-use moeforge::runtime::jit::{CompileOptions, Jit};
+use moeforge::runtime::jit::Jit;
 
 use super::planning::plan_file;
 use super::{OK, invalid_input, usage_error};
@@ -34,10 +33,6 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(plans) => plans,
         Err(status) => return status,
     };
-    if let Err(error) = std::fs::create_dir_all(&args.out) {
-        eprintln!("error: cannot create {}: {error}", args.out.display());
-        return usage_error();
-    }
     let jit = if args.no_ptx {
         None
     } else {
@@ -49,50 +44,24 @@ pub fn run(args: &Args) -> ExitCode {
             }
         }
     };
-    let write = |name: &str, bytes: &[u8]| -> Result<(), ExitCode> {
-        let path = args.out.join(name);
-        std::fs::write(&path, bytes).map_err(|error| {
-            eprintln!("error: cannot write {}: {error}", path.display());
-            usage_error()
-        })?;
-        eprintln!("wrote {}", path.display());
-        Ok(())
-    };
-    for plan in &plans {
-        let source = match codegen::generate(plan) {
-            Ok(source) => source,
-            Err(error) => {
-                eprintln!("error: {}: {error}", plan.layer);
-                return invalid_input();
-            }
-        };
-        if let Err(status) = write(&source.file_name, source.source.as_bytes()) {
-            return status;
-        }
-        if let Some(jit) = &jit {
-            let options = CompileOptions::new(plan.symbol.clone(), plan.target.arch.clone()).flag("-std=c++17");
-            match jit.compile(&source.source, &options) {
-                Ok(module) => {
-                    if let Err(status) = write(&aot::ptx_file_name(plan), module.ptx.as_bytes()) {
-                        return status;
-                    }
-                }
-                Err(error) => {
-                    eprintln!("error: {}: {error}", plan.layer);
-                    return invalid_input();
-                }
-            }
-        }
-    }
-    let json = match serde_json::to_string_pretty(&plans) {
-        Ok(json) => json + "\n",
+    let files = match aot::render(&plans, jit.as_ref()) {
+        Ok(files) => files,
         Err(error) => {
-            eprintln!("error: cannot serialise the plans: {error}");
+            eprintln!("error: {}: {error}", args.file.display());
             return invalid_input();
         }
     };
-    match write(aot::PLAN_FILE, json.as_bytes()) {
-        Ok(()) => OK,
-        Err(status) => status,
+    if let Err(error) = std::fs::create_dir_all(&args.out) {
+        eprintln!("error: cannot create {}: {error}", args.out.display());
+        return usage_error();
     }
+    for file in files {
+        let path = args.out.join(&file.name);
+        if let Err(error) = std::fs::write(&path, &file.contents) {
+            eprintln!("error: cannot write {}: {error}", path.display());
+            return usage_error();
+        }
+        eprintln!("wrote {}", path.display());
+    }
+    OK
 }

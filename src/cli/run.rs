@@ -7,7 +7,8 @@ use std::process::ExitCode;
 
 use moeforge::compiler::codegen;
 use moeforge::runtime::harness::{CheckReport, Session};
-use moeforge::runtime::jit::{CompileOptions, Jit};
+use moeforge::runtime::aot;
+use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload};
 
@@ -84,8 +85,7 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
         }
     };
     let started = std::time::Instant::now();
-    let options = CompileOptions::new(plan.symbol.clone(), plan.target.arch.clone()).flag("-std=c++17");
-    match jit.compile(&source.source, &options) {
+    match jit.compile(&source.source, &aot::compile_options(plan)) {
         Ok(module) => {
             println!(
                 "compiled {} ({} kernels, {} bytes of PTX{}) for {} in {:.2} s; not run: no GPU",
