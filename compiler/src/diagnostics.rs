@@ -14,6 +14,10 @@ use crate::front::ast::Span;
 /// Diagnostics beyond this many are counted but not rendered.
 pub const MAX_RENDERED_ERRORS: usize = 100;
 
+/// The lexer, the parser and the checker each stop collecting errors after this many, so
+/// that a huge file of garbage costs bounded memory.
+pub const MAX_ERRORS: usize = 1000;
+
 /// One error in a `.moe` file.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum Error {
@@ -92,6 +96,10 @@ pub enum Error {
     TooManyRanks { span: Span, topology: String },
     #[error("unknown topology `{name}`")]
     UnknownTopology { span: Span, name: String, suggestion: Option<String>, known: String },
+
+    // ---- limits ----
+    #[error("too many errors: stopped looking after {MAX_ERRORS}")]
+    TooManyErrors { span: Span },
 }
 
 impl Error {
@@ -131,7 +139,8 @@ impl Error {
             | RanksMismatch { span, .. }
             | VirtualRanksNeedOneGpu { span, .. }
             | TooManyRanks { span, .. }
-            | UnknownTopology { span, .. } => *span,
+            | UnknownTopology { span, .. }
+            | TooManyErrors { span } => *span,
         }
     }
 
@@ -222,6 +231,7 @@ impl Error {
                 Some("set `gpus_per_node = 1` and `nodes = 1`, or drop `virtual_ranks`".into())
             }
             TooManyRanks { .. } => Some("use fewer GPUs per node or fewer nodes".into()),
+            TooManyErrors { .. } => Some("fix the errors above first; is this really a `.moe` file?".into()),
             UnknownTopology { suggestion, known, .. } => did_you_mean(suggestion).or_else(|| {
                 if known.is_empty() {
                     Some("define it in this file: `topology NAME { ... }`".into())
@@ -322,6 +332,14 @@ impl std::fmt::Display for Diagnostics {
 }
 
 impl std::error::Error for Diagnostics {}
+
+/// Text quoted in a message, shortened (fuzzers write names a megabyte long).
+pub fn short(text: &str) -> String {
+    match text.char_indices().nth(40) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
+}
 
 /// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<String> {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::check::table::{Schema, Table};
 use crate::check::{NamedTopology, values};
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, short, suggest};
 use crate::front::ast::{Item, Section, Setting};
 use crate::ir::{self, SIZE_ALIGNMENT};
 
@@ -217,7 +217,7 @@ fn resolve_topology(
             let known: Vec<&str> = topologies.keys().copied().collect();
             errors.push(Error::UnknownTopology {
                 span,
-                name: name.to_string(),
+                name: short(name),
                 suggestion: suggest(name, known.iter().copied()),
                 known: known.join(", "),
             });

@@ -13,7 +13,7 @@ pub mod values;
 
 use std::collections::BTreeMap;
 
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, MAX_ERRORS, short, suggest};
 use crate::front::ast::{File, Item, Span};
 use crate::ir;
 
@@ -38,11 +38,15 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
     let mut first_definitions: BTreeMap<(&str, &str), Span> = BTreeMap::new();
     let mut unique_items = Vec::new();
     for item in &file.items {
+        if errors.len() >= MAX_ERRORS {
+            errors.push(Error::TooManyErrors { span: item.span });
+            return Err(errors);
+        }
         let kind = item.kind.text.as_str();
         if !ITEM_KINDS.contains(&kind) {
             errors.push(Error::UnknownItemKind {
                 span: item.kind.span,
-                found: kind.to_string(),
+                found: short(kind),
                 suggestion: suggest(kind, ITEM_KINDS),
             });
             continue;
@@ -52,7 +56,7 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
             Some(first) => errors.push(Error::DuplicateItem {
                 span: item.name.span,
                 kind,
-                name: item.name.text.clone(),
+                name: short(&item.name.text),
                 first: *first,
             }),
             None => {
@@ -65,6 +69,10 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
     let mut topologies: BTreeMap<&str, NamedTopology> = BTreeMap::new();
     let mut checked_topologies = Vec::new();
     for (_, item) in unique_items.iter().filter(|(kind, _)| *kind == "topology") {
+        if errors.len() >= MAX_ERRORS {
+            errors.push(Error::TooManyErrors { span: item.span });
+            return Err(errors);
+        }
         let topology = topology::check_topology(item, incomplete(item), &mut errors);
         if let Some(topology) = &topology {
             checked_topologies.push(topology.clone());
@@ -74,6 +82,10 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
 
     let mut layers = Vec::new();
     for (_, item) in unique_items.iter().filter(|(kind, _)| *kind == "layer") {
+        if errors.len() >= MAX_ERRORS {
+            errors.push(Error::TooManyErrors { span: item.span });
+            break;
+        }
         if let Some(layer) = layer::check_layer(item, incomplete(item), &topologies, &mut errors) {
             layers.push(layer);
         }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, short, suggest};
 use crate::front::ast::{Entry, Section, Setting, Span};
 
 /// The keys an item or section accepts.
@@ -77,7 +77,7 @@ impl<'a> Table<'a> {
                 if let Some(first) = self.settings.get(key) {
                     errors.push(Error::DuplicateKey {
                         span: setting.key.span,
-                        key: written,
+                        key: short(&written),
                         section: self.what.clone(),
                         first: first.key.span,
                     });
@@ -86,7 +86,7 @@ impl<'a> Table<'a> {
                 }
             }
             None if schema.sections.contains(&written.as_str()) => {
-                errors.push(Error::ExpectedSection { span: setting.key.span, key: written });
+                errors.push(Error::ExpectedSection { span: setting.key.span, key: short(&written) });
             }
             None => errors.push(self.unknown_key(written, setting.key.span, schema)),
         }
@@ -119,7 +119,7 @@ impl<'a> Table<'a> {
             || schema.settings.iter().chain(schema.sections).chain(schema.aliases.iter().map(|(alias, _)| alias));
         let suggestion = suggest(&key, candidates().copied());
         let known: Vec<&str> = schema.settings.iter().chain(schema.sections).copied().collect();
-        Error::UnknownKey { span, key, section: self.what.clone(), suggestion, known: known.join(", ") }
+        Error::UnknownKey { span, key: short(&key), section: self.what.clone(), suggestion, known: known.join(", ") }
     }
 
     pub fn setting(&self, key: &str) -> Option<&'a Setting> {

@@ -3,7 +3,7 @@
 //! positive reals, links and tile shapes. Each reader reports what is wrong and returns
 //! `None`, so the checker can go on and find the next error.
 
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, short, suggest};
 use crate::front::ast::{Dimension, NumberLiteral, Setting, Span, Value, ValueKind};
 use crate::ir::{Link, TileShape};
 
@@ -26,9 +26,9 @@ pub fn single<'a>(setting: &'a Setting, expected: &'static str, errors: &mut Vec
 /// How a value reads in messages: "the word `x`", "the number `3 us`".
 fn describe(value: &Value) -> String {
     match &value.kind {
-        ValueKind::Number { .. } => format!("the number `{}`", crate::front::format::format_value(value)),
-        ValueKind::Word(word) => format!("the word `{word}`"),
-        ValueKind::Tile(tile) => format!("the tile shape `{tile}`"),
+        ValueKind::Number { .. } => format!("the number `{}`", short(&crate::front::format::format_value(value))),
+        ValueKind::Word(word) => format!("the word `{}`", short(word)),
+        ValueKind::Tile(tile) => format!("the tile shape `{}`", short(tile)),
     }
 }
 
@@ -48,11 +48,6 @@ fn parse_whole(setting: &Setting, literal: &NumberLiteral, span: Span, bits: u32
         Ok(number) if number <= max => Ok(number),
         _ => Err(Error::NumberTooLarge { span, key, value: short(&literal.text), bits, max }),
     }
-}
-
-/// A literal shortened for messages (fuzzers write numbers a megabyte long).
-fn short(text: &str) -> String {
-    if text.len() <= 40 { text.to_string() } else { format!("{}…", &text[..40]) }
 }
 
 /// A whole number without a unit (or with `tokens` when `tokens_allowed`), at least `min`.

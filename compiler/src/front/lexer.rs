@@ -6,6 +6,7 @@
 
 use logos::Logos;
 
+use crate::diagnostics::MAX_ERRORS;
 use crate::front::ast::{Comment, Span, Unit};
 
 /// One token of a `.moe` file. Words that are units (`us`, `GB/s`, `tokens`, ...) are their
@@ -94,7 +95,8 @@ pub struct Lexed<'src> {
 }
 
 /// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
-/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap.
+/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap; at
+/// most [`MAX_ERRORS`] invalid characters are listed.
 pub fn lex(source: &str) -> Lexed<'_> {
     let mut lexed = Lexed::default();
     let mut lexer = Token::lexer(source);
@@ -114,7 +116,9 @@ pub fn lex(source: &str) -> Lexed<'_> {
                     continue;
                 }
                 let found = source[range.clone()].chars().next().unwrap_or('\u{fffd}');
-                lexed.invalid.push(InvalidCharacter { span: Span::new(range.start, range.end), found });
+                if lexed.invalid.len() <= MAX_ERRORS {
+                    lexed.invalid.push(InvalidCharacter { span: Span::new(range.start, range.end), found });
+                }
                 lexed.tokens.push((range.start, Token::Invalid, range.end));
             }
         }

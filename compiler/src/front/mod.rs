@@ -9,9 +9,9 @@ pub mod ast;
 pub mod format;
 pub mod lexer;
 
-use lalrpop_util::{ErrorRecovery, ParseError, lalrpop_mod};
+use lalrpop_util::{ParseError, lalrpop_mod};
 
-use crate::diagnostics::Error;
+use crate::diagnostics::{Error, MAX_ERRORS};
 use ast::Span;
 use lexer::Token;
 
@@ -32,23 +32,47 @@ pub struct Parsed {
 /// them are reported. Meaning (keys, units, rules) is checked later by [`crate::check`].
 pub fn parse(source: &str) -> Parsed {
     let lexed = lexer::lex(source);
-    let mut errors: Vec<Error> = lexed
-        .invalid
-        .iter()
-        .map(|invalid| Error::InvalidCharacter { span: invalid.span, found: invalid.found })
-        .collect();
-    let mut recovered = Vec::new();
-    let result = grammar::FileParser::new().parse(&mut recovered, lexed.tokens.iter().map(|&token| Ok(token)));
+    let mut errors = SyntaxErrors { errors: Vec::new(), source_len: source.len() };
+    for invalid in &lexed.invalid {
+        errors.push(Error::InvalidCharacter { span: invalid.span, found: invalid.found });
+    }
+    let result = grammar::FileParser::new().parse(&mut errors, lexed.tokens.iter().map(|&token| Ok(token)));
     let items = match result {
         Ok(items) => items,
         Err(error) => {
-            recovered.push(ErrorRecovery { error, dropped_tokens: Vec::new() });
+            errors.record(error);
             Vec::new()
         }
     };
-    errors.extend(recovered.into_iter().filter_map(|recovery| syntax_error(recovery.error, source.len())));
+    let mut errors = errors.errors;
     errors.sort_by_key(|error| error.span().start);
     Parsed { file: ast::File { items, comments: lexed.comments }, errors }
+}
+
+/// The syntax errors the parser has met while recovering, at most [`MAX_ERRORS`] of them
+/// (then one [`Error::TooManyErrors`]), so that garbage input costs bounded memory.
+pub struct SyntaxErrors {
+    errors: Vec<Error>,
+    source_len: usize,
+}
+
+impl SyntaxErrors {
+    /// Records a parser error (called from the grammar's recovery rules).
+    pub fn record(&mut self, error: ParseError<usize, Token<'_>, std::convert::Infallible>) {
+        if self.errors.len() <= MAX_ERRORS
+            && let Some(error) = syntax_error(error, self.source_len)
+        {
+            self.push(error);
+        }
+    }
+
+    fn push(&mut self, error: Error) {
+        match self.errors.len() {
+            count if count < MAX_ERRORS => self.errors.push(error),
+            MAX_ERRORS => self.errors.push(Error::TooManyErrors { span: error.span() }),
+            _ => {}
+        }
+    }
 }
 
 /// Turns a parser error into a diagnostic; `None` for errors at an invalid character, which
