@@ -29,21 +29,50 @@ pub enum Error {
 
     // ---- syntax ----
     #[error("unexpected {found}, expected {expected}")]
-    UnexpectedToken { span: Span, found: String, expected: String },
+    UnexpectedToken {
+        span: Span,
+        found: String,
+        expected: String,
+    },
     #[error("unexpected end of file, expected {expected}")]
     UnexpectedEnd { span: Span, expected: String },
 
     // ---- items, sections and keys ----
     #[error("unknown item kind `{found}`: a file holds `topology` and `layer` items")]
-    UnknownItemKind { span: Span, found: String, suggestion: Option<String> },
+    UnknownItemKind {
+        span: Span,
+        found: String,
+        suggestion: Option<String>,
+    },
     #[error("{kind} `{name}` is defined twice")]
-    DuplicateItem { span: Span, kind: &'static str, name: String, first: Span },
+    DuplicateItem {
+        span: Span,
+        kind: &'static str,
+        name: String,
+        first: Span,
+    },
     #[error("unknown key `{key}` in {section}")]
-    UnknownKey { span: Span, key: String, section: String, suggestion: Option<String>, known: String },
+    UnknownKey {
+        span: Span,
+        key: String,
+        section: String,
+        suggestion: Option<String>,
+        known: String,
+    },
     #[error("`{key}` is set twice in {section}")]
-    DuplicateKey { span: Span, key: String, section: String, first: Span },
+    DuplicateKey {
+        span: Span,
+        key: String,
+        section: String,
+        first: Span,
+    },
     #[error("{section} is missing the required key `{key}`")]
-    MissingKey { span: Span, key: &'static str, section: String, example: &'static str },
+    MissingKey {
+        span: Span,
+        key: &'static str,
+        section: String,
+        example: &'static str,
+    },
     #[error("`{key}` is a section, not a setting")]
     ExpectedSection { span: Span, key: String },
     #[error("`{key}` is a setting, not a section")]
@@ -51,51 +80,144 @@ pub enum Error {
 
     // ---- values ----
     #[error("`{key}` takes {expected}, but {found} {} given", if *found == 1 { "value is" } else { "values are" })]
-    WrongValueCount { span: Span, key: String, expected: &'static str, found: usize },
+    WrongValueCount {
+        span: Span,
+        key: String,
+        expected: &'static str,
+        found: usize,
+    },
     #[error("`{key}` takes {expected}, found {found}")]
-    WrongValueKind { span: Span, key: String, expected: String, found: String },
+    WrongValueKind {
+        span: Span,
+        key: String,
+        expected: String,
+        found: String,
+    },
     #[error("`{key}` takes {expected}, but `{unit}` is {unit_dimension}")]
-    WrongUnit { span: Span, key: String, expected: String, unit: &'static str, unit_dimension: &'static str },
+    WrongUnit {
+        span: Span,
+        key: String,
+        expected: String,
+        unit: &'static str,
+        unit_dimension: &'static str,
+    },
     #[error("`{key}` needs a unit: {expected}")]
-    MissingUnit { span: Span, key: String, expected: &'static str },
+    MissingUnit {
+        span: Span,
+        key: String,
+        expected: &'static str,
+    },
     #[error("`{key}` = {value} does not fit in {bits} bits (at most {max})")]
-    NumberTooLarge { span: Span, key: String, value: String, bits: u32, max: u64 },
+    NumberTooLarge {
+        span: Span,
+        key: String,
+        value: String,
+        bits: u32,
+        max: u64,
+    },
     #[error("`{key}` takes a whole number, found `{value}`")]
-    NotAnInteger { span: Span, key: String, value: String },
+    NotAnInteger {
+        span: Span,
+        key: String,
+        value: String,
+    },
     #[error("`{key}` must be at least {min}, found {value}")]
-    TooSmall { span: Span, key: String, value: u64, min: u64 },
+    TooSmall {
+        span: Span,
+        key: String,
+        value: u64,
+        min: u64,
+    },
     #[error("`{key}` must be a positive, finite number, found `{value}`")]
-    NotPositive { span: Span, key: String, value: String },
+    NotPositive {
+        span: Span,
+        key: String,
+        value: String,
+    },
     #[error("unknown {key} `{found}`")]
-    UnknownChoice { span: Span, key: String, found: String, choices: &'static str, suggestion: Option<String> },
-    #[error("{what} is not supported yet")]
-    Unsupported { span: Span, what: String, hint: &'static str },
+    UnknownChoice {
+        span: Span,
+        key: String,
+        found: String,
+        choices: &'static str,
+        suggestion: Option<String>,
+    },
+    #[error("{what}: not supported yet")]
+    Unsupported {
+        span: Span,
+        what: String,
+        hint: &'static str,
+    },
 
     // ---- layer rules ----
     #[error("`{key}` = {value} is not a multiple of {alignment}")]
-    Misaligned { span: Span, key: String, value: u32, alignment: u32 },
+    Misaligned {
+        span: Span,
+        key: String,
+        value: u32,
+        alignment: u32,
+    },
     #[error("{experts} experts cannot be spread evenly over {degree} expert-parallel ranks")]
-    ExpertsNotDivisible { span: Span, experts: u32, degree: u32, experts_span: Span },
+    ExpertsNotDivisible {
+        span: Span,
+        experts: u32,
+        degree: u32,
+        degree_span: Span,
+    },
     #[error("top_k = {top_k} is out of range: it must be between 1 and experts = {experts}")]
-    TopKOutOfRange { span: Span, top_k: u32, experts: u32 },
+    TopKOutOfRange {
+        span: Span,
+        top_k: u32,
+        experts: u32,
+    },
     #[error("router groups = {groups} does not divide experts = {experts}")]
-    GroupsDoNotDivideExperts { span: Span, groups: u32, experts: u32 },
+    GroupsDoNotDivideExperts {
+        span: Span,
+        groups: u32,
+        experts: u32,
+    },
     #[error("groups_kept = {kept} is out of range: it must be between 1 and groups = {groups}")]
     GroupsKeptOutOfRange { span: Span, kept: u32, groups: u32 },
     #[error("top_k = {top_k} exceeds the {eligible} experts the kept groups hold")]
-    TopKExceedsKeptGroups { span: Span, top_k: u32, eligible: u32 },
+    TopKExceedsKeptGroups {
+        span: Span,
+        top_k: u32,
+        eligible: u32,
+    },
     #[error("`groups_kept` is set without `groups`")]
     GroupsKeptWithoutGroups { span: Span },
     #[error("`{key}` tile {dimension} = {value} is not a positive multiple of 16")]
-    TileNotAligned { span: Span, key: String, dimension: &'static str, value: u32 },
-    #[error("expert-parallel degree {degree} does not match the {ranks} ranks of topology `{topology}`")]
-    RanksMismatch { span: Span, degree: u32, ranks: u32, topology: String, topology_span: Span },
+    TileNotAligned {
+        span: Span,
+        key: String,
+        dimension: &'static str,
+        value: u32,
+    },
+    #[error(
+        "expert-parallel degree {degree} does not match the {ranks} ranks of topology `{topology}`"
+    )]
+    RanksMismatch {
+        span: Span,
+        degree: u32,
+        ranks: u32,
+        topology: String,
+        topology_span: Span,
+    },
     #[error("virtual ranks share one GPU, but topology `{topology}` has {gpus} GPUs")]
-    VirtualRanksNeedOneGpu { span: Span, topology: String, gpus: u64 },
+    VirtualRanksNeedOneGpu {
+        span: Span,
+        topology: String,
+        gpus: u64,
+    },
     #[error("topology `{topology}` has more than 2^32 ranks")]
     TooManyRanks { span: Span, topology: String },
     #[error("unknown topology `{name}`")]
-    UnknownTopology { span: Span, name: String, suggestion: Option<String>, known: String },
+    UnknownTopology {
+        span: Span,
+        name: String,
+        suggestion: Option<String>,
+        known: String,
+    },
 
     // ---- limits ----
     #[error("too many errors: stopped looking after {MAX_ERRORS}")]
@@ -149,11 +271,22 @@ impl Error {
         match self {
             Error::DuplicateItem { first, .. } => vec![(*first, "first defined here".to_string())],
             Error::DuplicateKey { first, .. } => vec![(*first, "first set here".to_string())],
-            Error::ExpertsNotDivisible { experts_span, experts, .. } => {
-                vec![(*experts_span, format!("{experts} experts"))]
+            Error::ExpertsNotDivisible {
+                degree_span,
+                degree,
+                ..
+            } => {
+                vec![(*degree_span, format!("{degree} expert-parallel ranks"))]
             }
-            Error::RanksMismatch { topology_span, ranks, .. } => {
-                vec![(*topology_span, format!("this topology provides {ranks} ranks"))]
+            Error::RanksMismatch {
+                topology_span,
+                ranks,
+                ..
+            } => {
+                vec![(
+                    *topology_span,
+                    format!("this topology provides {ranks} ranks"),
+                )]
             }
             _ => Vec::new(),
         }
@@ -162,7 +295,9 @@ impl Error {
     /// How to fix it.
     pub fn hint(&self) -> Option<String> {
         use Error::*;
-        let did_you_mean = |suggestion: &Option<String>| suggestion.as_ref().map(|s| format!("did you mean `{s}`?"));
+        let did_you_mean = |suggestion: &Option<String>| {
+            suggestion.as_ref().map(|s| format!("did you mean `{s}`?"))
+        };
         match self {
             InvalidUtf8 { .. } => Some("save the file as UTF-8 text".into()),
             InvalidCharacter { .. } => Some(
@@ -273,7 +408,10 @@ impl Diagnostics {
                 diagnostic = diagnostic.with_labels(labels);
             } else {
                 let (line, column) = line_and_column(&self.source, span.start);
-                notes.push(format!("at {}:{line}:{column} (the line is too long to show)", self.file_name));
+                notes.push(format!(
+                    "at {}:{line}:{column} (the line is too long to show)",
+                    self.file_name
+                ));
             }
             if let Some(hint) = error.hint() {
                 notes.push(format!("hint: {hint}"));
@@ -300,7 +438,9 @@ const MAX_ECHOED_LINE: usize = 500;
 
 fn line_is_short(source: &str, offset: usize) -> bool {
     let start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
-    let end = source[offset..].find('\n').map_or(source.len(), |i| offset + i);
+    let end = source[offset..]
+        .find('\n')
+        .map_or(source.len(), |i| offset + i);
     end - start <= MAX_ECHOED_LINE
 }
 

@@ -26,7 +26,11 @@ fn run(bytes: &[u8]) -> (Vec<Error>, Duration) {
 /// Loose bound for an unoptimised build: 10 s per MB (the release requirement is 1 s/MB).
 fn assert_fast(bytes: &[u8], elapsed: Duration) {
     let megabytes = (bytes.len() as f64 / 1e6).max(0.1);
-    assert!(elapsed.as_secs_f64() < 10.0 * megabytes, "{:.2} s for {megabytes:.1} MB", elapsed.as_secs_f64());
+    assert!(
+        elapsed.as_secs_f64() < 10.0 * megabytes,
+        "{:.2} s for {megabytes:.1} MB",
+        elapsed.as_secs_f64()
+    );
 }
 
 /// A small deterministic generator (xorshift) for garbage.
@@ -43,7 +47,11 @@ fn garbage(len: usize, mut state: u64) -> Vec<u8> {
 
 #[test]
 fn deeply_nested_braces() {
-    for input in ["{".repeat(1_000_000), "layer a { ".to_string() + &"b { ".repeat(250_000), "}".repeat(1_000_000)] {
+    for input in [
+        "{".repeat(1_000_000),
+        "layer a { ".to_string() + &"b { ".repeat(250_000),
+        "}".repeat(1_000_000),
+    ] {
         let (errors, elapsed) = run(input.as_bytes());
         assert!(!errors.is_empty());
         assert_fast(input.as_bytes(), elapsed);
@@ -91,7 +99,10 @@ fn binary_garbage_nul_bytes_and_invalid_utf8() {
         assert_fast(&bytes, elapsed);
     }
     let (errors, _) = run(b"layer a {\0\0\0}");
-    assert!(matches!(errors[0], Error::InvalidCharacter { found: '\0', .. }));
+    assert!(matches!(
+        errors[0],
+        Error::InvalidCharacter { found: '\0', .. }
+    ));
     let (errors, _) = run(b"layer \xff\xfe {}");
     assert!(matches!(errors[0], Error::InvalidUtf8 { .. }));
     let (errors, _) = run(b"\xc3");
@@ -113,7 +124,10 @@ fn numbers_past_u64_and_huge_names() {
         format!("layer a {{ router {{ scale = 1e{digits} }} }}"),
         format!("layer a {{ {name} = 1 topology = {name} }}"),
         format!("{name} {name} {{ }}"),
-        format!("layer a {{ hidden = 64 {} }}", "x.".repeat(200_000) + "y = 1"),
+        format!(
+            "layer a {{ hidden = 64 {} }}",
+            "x.".repeat(200_000) + "y = 1"
+        ),
     ];
     for case in cases {
         let (errors, elapsed) = run(case.as_bytes());

@@ -25,7 +25,13 @@ fn link() -> impl Strategy<Value = String> {
         (0u64..100_000).prop_map(|n| format!("{n} ns")),
         (1u64..10).prop_map(|n| format!("{n}.25 ms")),
     ];
-    (bandwidth, latency, any::<bool>()).prop_map(|(b, l, swap)| if swap { format!("{l}, {b}") } else { format!("{b}, {l}") })
+    (bandwidth, latency, any::<bool>()).prop_map(|(b, l, swap)| {
+        if swap {
+            format!("{l}, {b}")
+        } else {
+            format!("{b}, {l}")
+        }
+    })
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -102,21 +108,34 @@ fn spec() -> impl Strategy<Value = Spec> {
 
 /// Lays the spec out with separators and comments chosen by `layout`.
 fn render(spec: &Spec, layout: &[u8], layer_first: bool) -> String {
-    let separators = [" ", "\n", "\n\n", "  # note\n", " // note\n", "\n# own line\n", "\t"];
+    let separators = [
+        " ",
+        "\n",
+        "\n\n",
+        "  # note\n",
+        " // note\n",
+        "\n# own line\n",
+        "\t",
+    ];
     let mut choice = layout.iter().cycle();
     let mut next = || separators[usize::from(*choice.next().unwrap_or(&0)) % separators.len()];
-    let block = |kind: &str, name: &str, entries: &[String], next: &mut dyn FnMut() -> &'static str| {
-        let mut text = format!("{kind} {name} {{{}", next());
-        for entry in entries {
-            text.push_str(entry);
-            text.push_str(next());
-        }
-        text.push_str("}\n");
-        text
-    };
+    let block =
+        |kind: &str, name: &str, entries: &[String], next: &mut dyn FnMut() -> &'static str| {
+            let mut text = format!("{kind} {name} {{{}", next());
+            for entry in entries {
+                text.push_str(entry);
+                text.push_str(next());
+            }
+            text.push_str("}\n");
+            text
+        };
     let topology = block("topology", "t", &spec.topology, &mut next);
     let layer = block("layer", "l", &spec.layer, &mut next);
-    if layer_first { format!("# generated\n{layer}\n{topology}") } else { format!("{topology}{layer}") }
+    if layer_first {
+        format!("# generated\n{layer}\n{topology}")
+    } else {
+        format!("{topology}{layer}")
+    }
 }
 
 proptest! {

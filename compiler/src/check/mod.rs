@@ -32,8 +32,11 @@ pub struct NamedTopology {
 /// failed to parse).
 pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Error>> {
     let mut errors = Vec::new();
-    let incomplete =
-        |item: &Item| syntax_errors.iter().any(|span| item.span.start <= span.start && span.start < item.span.end);
+    let incomplete = |item: &Item| {
+        syntax_errors
+            .iter()
+            .any(|span| item.span.start <= span.start && span.start < item.span.end)
+    };
 
     let mut first_definitions: BTreeMap<(&str, &str), Span> = BTreeMap::new();
     let mut unique_items = Vec::new();
@@ -77,7 +80,13 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
         if let Some(topology) = &topology {
             checked_topologies.push(topology.clone());
         }
-        topologies.insert(&item.name.text, NamedTopology { name_span: item.name.span, topology });
+        topologies.insert(
+            &item.name.text,
+            NamedTopology {
+                name_span: item.name.span,
+                topology,
+            },
+        );
     }
 
     let mut layers = Vec::new();
@@ -92,7 +101,10 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
     }
 
     if errors.is_empty() {
-        Ok(ir::Module { topologies: checked_topologies, layers })
+        Ok(ir::Module {
+            topologies: checked_topologies,
+            layers,
+        })
     } else {
         errors.sort_by_key(|error| error.span().start);
         Err(errors)

@@ -124,7 +124,10 @@ pub struct Value {
 #[derive(Clone, Debug, PartialEq)]
 pub enum ValueKind {
     /// A number as written (`16_384`, `2.5`), with its unit if any.
-    Number { literal: NumberLiteral, unit: Option<Unit> },
+    Number {
+        literal: NumberLiteral,
+        unit: Option<Unit>,
+    },
     /// A word: `swiglu`, `true`, `h200_node`.
     Word(String),
     /// A tile shape as written: `128x128x64`.
@@ -168,7 +171,9 @@ pub enum Dimension {
 impl Dimension {
     pub fn describe(self) -> &'static str {
         match self {
-            Dimension::Bandwidth => "a bandwidth (B/s, KB/s, MB/s, GB/s, TB/s, KiB/s, MiB/s, GiB/s, TiB/s)",
+            Dimension::Bandwidth => {
+                "a bandwidth (B/s, KB/s, MB/s, GB/s, TB/s, KiB/s, MiB/s, GiB/s, TiB/s)"
+            }
             Dimension::Latency => "a latency (ns, us, ms)",
             Dimension::Tokens => "a token count (tokens)",
         }

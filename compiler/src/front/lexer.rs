@@ -117,7 +117,10 @@ pub fn lex(source: &str) -> Lexed<'_> {
                 }
                 let found = source[range.clone()].chars().next().unwrap_or('\u{fffd}');
                 if lexed.invalid.len() <= MAX_ERRORS {
-                    lexed.invalid.push(InvalidCharacter { span: Span::new(range.start, range.end), found });
+                    lexed.invalid.push(InvalidCharacter {
+                        span: Span::new(range.start, range.end),
+                        found,
+                    });
                 }
                 lexed.tokens.push((range.start, Token::Invalid, range.end));
             }
@@ -131,7 +134,11 @@ mod tests {
     use super::*;
 
     fn kinds(source: &str) -> Vec<Token<'_>> {
-        lex(source).tokens.into_iter().map(|(_, token, _)| token).collect()
+        lex(source)
+            .tokens
+            .into_iter()
+            .map(|(_, token, _)| token)
+            .collect()
     }
 
     #[test]
@@ -171,6 +178,14 @@ mod tests {
         let lexed = lex("a = @@@\u{0} b");
         assert_eq!(lexed.invalid.len(), 1);
         assert_eq!(lexed.invalid[0].found, '@');
-        assert_eq!(kinds("a = @@@\u{0} b"), vec![Token::Ident("a"), Token::Equals, Token::Invalid, Token::Ident("b")]);
+        assert_eq!(
+            kinds("a = @@@\u{0} b"),
+            vec![
+                Token::Ident("a"),
+                Token::Equals,
+                Token::Invalid,
+                Token::Ident("b")
+            ]
+        );
     }
 }

@@ -32,11 +32,18 @@ pub struct Parsed {
 /// them are reported. Meaning (keys, units, rules) is checked later by [`crate::check`].
 pub fn parse(source: &str) -> Parsed {
     let lexed = lexer::lex(source);
-    let mut errors = SyntaxErrors { errors: Vec::new(), source_len: source.len() };
+    let mut errors = SyntaxErrors {
+        errors: Vec::new(),
+        source_len: source.len(),
+    };
     for invalid in &lexed.invalid {
-        errors.push(Error::InvalidCharacter { span: invalid.span, found: invalid.found });
+        errors.push(Error::InvalidCharacter {
+            span: invalid.span,
+            found: invalid.found,
+        });
     }
-    let result = grammar::FileParser::new().parse(&mut errors, lexed.tokens.iter().map(|&token| Ok(token)));
+    let result =
+        grammar::FileParser::new().parse(&mut errors, lexed.tokens.iter().map(|&token| Ok(token)));
     let items = match result {
         Ok(items) => items,
         Err(error) => {
@@ -46,7 +53,13 @@ pub fn parse(source: &str) -> Parsed {
     };
     let mut errors = errors.errors;
     errors.sort_by_key(|error| error.span().start);
-    Parsed { file: ast::File { items, comments: lexed.comments }, errors }
+    Parsed {
+        file: ast::File {
+            items,
+            comments: lexed.comments,
+        },
+        errors,
+    }
 }
 
 /// The syntax errors the parser has met while recovering, at most [`MAX_ERRORS`] of them
@@ -69,7 +82,9 @@ impl SyntaxErrors {
     fn push(&mut self, error: Error) {
         match self.errors.len() {
             count if count < MAX_ERRORS => self.errors.push(error),
-            MAX_ERRORS => self.errors.push(Error::TooManyErrors { span: error.span() }),
+            MAX_ERRORS => self
+                .errors
+                .push(Error::TooManyErrors { span: error.span() }),
             _ => {}
         }
     }
@@ -77,16 +92,29 @@ impl SyntaxErrors {
 
 /// Turns a parser error into a diagnostic; `None` for errors at an invalid character, which
 /// the lexer has already reported.
-fn syntax_error(error: ParseError<usize, Token<'_>, std::convert::Infallible>, end: usize) -> Option<Error> {
+fn syntax_error(
+    error: ParseError<usize, Token<'_>, std::convert::Infallible>,
+    end: usize,
+) -> Option<Error> {
     match error {
-        ParseError::UnrecognizedToken { token: (_, Token::Invalid, _), .. }
-        | ParseError::ExtraToken { token: (_, Token::Invalid, _) } => None,
-        ParseError::UnrecognizedToken { token: (start, token, stop), expected } => Some(Error::UnexpectedToken {
+        ParseError::UnrecognizedToken {
+            token: (_, Token::Invalid, _),
+            ..
+        }
+        | ParseError::ExtraToken {
+            token: (_, Token::Invalid, _),
+        } => None,
+        ParseError::UnrecognizedToken {
+            token: (start, token, stop),
+            expected,
+        } => Some(Error::UnexpectedToken {
             span: Span::new(start, stop),
             found: token.to_string(),
             expected: describe_expected(&expected),
         }),
-        ParseError::ExtraToken { token: (start, token, stop) } => Some(Error::UnexpectedToken {
+        ParseError::ExtraToken {
+            token: (start, token, stop),
+        } => Some(Error::UnexpectedToken {
             span: Span::new(start, stop),
             found: token.to_string(),
             expected: "the end of the file".into(),
