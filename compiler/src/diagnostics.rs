@@ -300,6 +300,9 @@ impl Error {
         };
         match self {
             InvalidUtf8 { .. } => Some("save the file as UTF-8 text".into()),
+            InvalidCharacter { found: '-', .. } => {
+                Some("numbers in a `.moe` file have no sign: every quantity is zero or more".into())
+            }
             InvalidCharacter { .. } => Some(
                 "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
                  `{ } = , .` and comments starting with `#` or `//`"
@@ -393,7 +396,39 @@ impl Diagnostics {
         let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
         let config = term::Config::default();
         let mut out = String::new();
-        for error in self.errors.iter().take(MAX_RENDERED_ERRORS) {
+        for (error, diagnostic) in self.errors.iter().zip(self.to_codespan()) {
+            match term::emit_into_string(&config, &file, &diagnostic) {
+                Ok(text) => out.push_str(&text),
+                Err(_) => out.push_str(&format!("error: {error}\n")),
+            }
+        }
+        out.push_str(&self.omitted_note());
+        out
+    }
+
+    /// Writes the diagnostics to stderr, in colour when `colour` is set (the CLI sets it
+    /// when stderr is a terminal); otherwise exactly [`Diagnostics::render`]'s text.
+    pub fn emit_to_stderr(&self, colour: bool) {
+        if !colour {
+            eprint!("{}", self.render());
+            return;
+        }
+        let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
+        let config = term::Config::default();
+        let styles = term::Styles::default();
+        let stream = term::termcolor::StandardStream::stderr(term::termcolor::ColorChoice::Always);
+        let mut writer = term::StylesWriter::new(stream.lock(), &styles);
+        for diagnostic in self.to_codespan() {
+            // A closed stderr leaves nobody to tell.
+            let _ = term::emit_to_write_style(&mut writer, &config, &file, &diagnostic);
+        }
+        eprint!("{}", self.omitted_note());
+    }
+
+    /// The first [`MAX_RENDERED_ERRORS`] errors as codespan diagnostics: message, caret
+    /// labels (unless the line is too long to echo), and the hint as a note.
+    fn to_codespan(&self) -> impl Iterator<Item = Diagnostic<()>> + '_ {
+        self.errors.iter().take(MAX_RENDERED_ERRORS).map(|error| {
             let span = clamp(error.span(), &self.source);
             let mut diagnostic = Diagnostic::error().with_message(error.to_string());
             let mut notes = Vec::new();
@@ -416,20 +451,20 @@ impl Diagnostics {
             if let Some(hint) = error.hint() {
                 notes.push(format!("hint: {hint}"));
             }
-            diagnostic = diagnostic.with_notes(notes);
-            match term::emit_into_string(&config, &file, &diagnostic) {
-                Ok(text) => out.push_str(&text),
-                Err(_) => out.push_str(&format!("error: {error}\n")),
-            }
-        }
+            diagnostic.with_notes(notes)
+        })
+    }
+
+    fn omitted_note(&self) -> String {
         if self.errors.len() > MAX_RENDERED_ERRORS {
-            out.push_str(&format!(
+            format!(
                 "note: {} more errors in {} not shown\n",
                 self.errors.len() - MAX_RENDERED_ERRORS,
                 self.file_name
-            ));
+            )
+        } else {
+            String::new()
         }
-        out
     }
 }
 

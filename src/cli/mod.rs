@@ -9,6 +9,7 @@ mod check;
 mod explain;
 mod fmt;
 
+use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -73,7 +74,8 @@ fn read_file(path: &Path) -> Result<SourceFile, ExitCode> {
 
 /// Prints diagnostics to stderr.
 fn report(diagnostics: &Diagnostics) {
-    eprint!("{}", diagnostics.render());
+    diagnostics
+        .emit_to_stderr(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none());
     let count = diagnostics.errors.len();
     eprintln!(
         "error: {} has {count} error{}",

@@ -16,17 +16,6 @@ impl Span {
     pub fn new(start: usize, end: usize) -> Self {
         Span { start, end }
     }
-
-    /// The smallest span covering both.
-    pub fn to(self, other: Span) -> Span {
-        Span::new(self.start.min(other.start), self.end.max(other.end))
-    }
-}
-
-impl From<Span> for std::ops::Range<usize> {
-    fn from(span: Span) -> Self {
-        span.start..span.end
-    }
 }
 
 /// A whole file: its items in source order, and its comments in source order.
@@ -72,15 +61,6 @@ pub struct Block {
 pub enum Entry {
     Setting(Setting),
     Section(Section),
-}
-
-impl Entry {
-    pub fn span(&self) -> Span {
-        match self {
-            Entry::Setting(setting) => setting.span,
-            Entry::Section(section) => section.span,
-        }
-    }
 }
 
 /// `key = value, value, ...`, e.g. `nvlink = 450 GB/s, 3 us` or `gemm1.tile = 128x128x64`.

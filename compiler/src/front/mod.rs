@@ -158,3 +158,65 @@ fn describe_expected(expected: &[String]) -> String {
         [init @ .., last] => format!("{} or {last}", init.join(", ")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ast::{Entry, ValueKind};
+
+    #[test]
+    fn parses_items_sections_dotted_keys_and_value_lists() {
+        let parsed = parse(
+            "topology t { nvlink = 450 GB/s, 3 us }\n\
+             layer l { hidden = 16_384 router { scale = 2.5 } schedule { gemm1.tile = 128x128x64 } }",
+        );
+        assert_eq!(parsed.errors, []);
+        let [topology, layer] = parsed.file.items.as_slice() else {
+            panic!("two items")
+        };
+        assert_eq!(
+            (topology.kind.text.as_str(), topology.name.text.as_str()),
+            ("topology", "t")
+        );
+        let Entry::Setting(nvlink) = &topology.body.entries[0] else {
+            panic!("a setting")
+        };
+        assert_eq!(nvlink.values.len(), 2);
+        assert_eq!(
+            &"topology t { nvlink = 450 GB/s, 3 us }"[nvlink.span.start..nvlink.span.end],
+            "nvlink = 450 GB/s, 3 us"
+        );
+        let Entry::Section(schedule) = &layer.body.entries[2] else {
+            panic!("a section")
+        };
+        assert_eq!(schedule.settings[0].key.dotted(), "gemm1.tile");
+        assert!(
+            matches!(&schedule.settings[0].values[0].kind, ValueKind::Tile(tile) if tile == "128x128x64")
+        );
+    }
+
+    #[test]
+    fn recovers_and_reports_every_syntax_error() {
+        let parsed = parse(
+            "layer a { hidden = = 1 ffn = 64 }\nlayer b { experts 8 top_k = 2 }\nlayer c { top_k = 1 }",
+        );
+        assert_eq!(parsed.errors.len(), 2, "{:?}", parsed.errors);
+        let names: Vec<&str> = parsed
+            .file
+            .items
+            .iter()
+            .map(|item| item.name.text.as_str())
+            .collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        let Entry::Setting(ffn) = &parsed.file.items[0].body.entries[0] else {
+            panic!("ffn survives")
+        };
+        assert_eq!(ffn.key.dotted(), "ffn");
+    }
+
+    #[test]
+    fn sections_do_not_nest() {
+        let parsed = parse("layer a { router { inner { x = 1 } } }");
+        assert!(!parsed.errors.is_empty());
+    }
+}
