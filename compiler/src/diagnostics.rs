@@ -150,6 +150,13 @@ pub enum Error {
     },
 
     // ---- layer rules ----
+    #[error("`{key}` = {value} is above the limit of {max}")]
+    AboveLimit {
+        span: Span,
+        key: String,
+        value: u32,
+        max: u32,
+    },
     #[error("`{key}` = {value} is not a multiple of {alignment}")]
     Misaligned {
         span: Span,
@@ -250,6 +257,7 @@ impl Error {
             | NotPositive { span, .. }
             | UnknownChoice { span, .. }
             | Unsupported { span, .. }
+            | AboveLimit { span, .. }
             | Misaligned { span, .. }
             | ExpertsNotDivisible { span, .. }
             | TopKOutOfRange { span, .. }
@@ -340,6 +348,10 @@ impl Error {
                 did_you_mean(suggestion).or_else(|| Some(format!("choose one of: {choices}")))
             }
             Unsupported { hint, .. } => Some((*hint).to_string()),
+            AboveLimit { max, .. } => Some(format!(
+                "moeforge keeps every size it derives within 64 bits, so this is capped at {max}; \
+                 no real model comes close"
+            )),
             Misaligned { value, alignment, .. } => Some(format!(
                 "kernels move rows as 16-byte vectors of bf16 and tile the reduction {alignment} deep, \
                  so sizes must be multiples of {alignment}; the nearest are {} and {}",

@@ -13,6 +13,13 @@ use crate::ir::{self, SIZE_ALIGNMENT};
 /// `max_tokens` when the layer does not set it.
 pub const DEFAULT_MAX_TOKENS: u32 = 4096;
 
+/// Largest `hidden`, `ffn` and shared-expert `ffn` (2^20). With [`MAX_EXPERTS`] this keeps
+/// every weight, buffer and FLOP count the later stages compute well inside `u64`.
+pub const MAX_SIZE: u32 = 1 << 20;
+
+/// Largest number of routed experts (2^16).
+pub const MAX_EXPERTS: u32 = 1 << 16;
+
 const LAYER: Schema = Schema {
     settings: &[
         "hidden",
@@ -104,7 +111,7 @@ pub fn check_layer(
         .and_then(|s| aligned_size(s, errors));
     let experts = table
         .required("experts", "experts = 8", errors)
-        .and_then(|s| values::count(s, 1, false, errors));
+        .and_then(|s| at_most(s, values::count(s, 1, false, errors)?, MAX_EXPERTS, errors));
     let top_k_setting = table.required("top_k", "top_k = 2", errors);
     let top_k = top_k_setting.and_then(|s| values::count(s, 1, false, errors));
     let activation = optional(table.setting("activation"), ir::Activation::Swiglu, |s| {
@@ -127,7 +134,7 @@ pub fn check_layer(
         Some(section) => {
             let table = Table::of_section(section, incomplete, &SHARED_EXPERTS, errors);
             let count = optional(table.setting("count"), 1, |s| {
-                values::count(s, 1, false, errors)
+                at_most(s, values::count(s, 1, false, errors)?, MAX_EXPERTS, errors)
             });
             let ffn = table
                 .required("ffn", "ffn = 2048", errors)
@@ -244,9 +251,28 @@ fn optional<T>(
     }
 }
 
+/// `value`, or an error if it is above `max`.
+fn at_most(setting: &Setting, value: u32, max: u32, errors: &mut Vec<Error>) -> Option<u32> {
+    if value > max {
+        errors.push(Error::AboveLimit {
+            span: setting.values[0].span,
+            key: setting.key.dotted(),
+            value,
+            max,
+        });
+        return None;
+    }
+    Some(value)
+}
+
 /// A size the kernels tile over: positive and a multiple of [`SIZE_ALIGNMENT`].
 fn aligned_size(setting: &Setting, errors: &mut Vec<Error>) -> Option<u32> {
-    let size = values::count(setting, 1, false, errors)?;
+    let size = at_most(
+        setting,
+        values::count(setting, 1, false, errors)?,
+        MAX_SIZE,
+        errors,
+    )?;
     if size % SIZE_ALIGNMENT != 0 {
         errors.push(Error::Misaligned {
             span: setting.values[0].span,
