@@ -5,8 +5,8 @@
 //! units fit them and which values are valid is the checker's business, so the grammar stays
 //! small and every mistake of meaning gets a diagnostic that names the rule.
 
-/// A half-open byte range `start..end` into the source text.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// A half-open byte range `start..end` into the source text (debug-printed as `start..end`).
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Span {
     pub start: usize,
     pub end: usize,

@@ -12,7 +12,7 @@ use crate::front::ast::{Comment, Span, Unit};
 /// One token of a `.moe` file. Words that are units (`us`, `GB/s`, `tokens`, ...) are their
 /// own tokens, so a unit can follow a number with no ambiguity and values need no separators.
 #[derive(Logos, Clone, Copy, Debug, PartialEq, Eq)]
-#[logos(skip r"[ \t\r\n\f]+")]
+#[logos(skip r"[ \t\r\n\f\u{FEFF}]+")]
 pub enum Token<'src> {
     #[token("{")]
     LBrace,
@@ -171,6 +171,30 @@ mod tests {
         assert_eq!(lexed.tokens.len(), 3);
         let texts: Vec<_> = lexed.comments.iter().map(|c| c.text.as_str()).collect();
         assert_eq!(texts, ["# one", "// two"]);
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_whitespace() {
+        let lexed = lex("\u{FEFF}layer");
+        assert_eq!(lexed.tokens.len(), 1);
+        assert!(lexed.invalid.is_empty());
+    }
+
+    #[test]
+    fn numbers_words_and_reserved_units() {
+        assert_eq!(
+            kinds("16_384 1.5e3 1e-3 usable us tokens 128x5"),
+            vec![
+                Token::Integer("16_384"),
+                Token::Float("1.5e3"),
+                Token::Float("1e-3"),
+                Token::Ident("usable"),
+                Token::Unit(Unit::Microseconds),
+                Token::Unit(Unit::Tokens),
+                Token::Integer("128"),
+                Token::Ident("x5"),
+            ]
+        );
     }
 
     #[test]
