@@ -26,7 +26,10 @@ fn examples() -> Vec<PathBuf> {
 }
 
 fn relative(path: &Path) -> String {
-    path.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap_or(path).display().to_string()
+    path.strip_prefix(env!("CARGO_MANIFEST_DIR"))
+        .unwrap_or(path)
+        .display()
+        .to_string()
 }
 
 #[test]
@@ -36,11 +39,19 @@ fn every_example_checks_and_is_formatted() {
     let mut args = vec!["check"];
     args.extend(files.iter().map(String::as_str));
     let output = moeforge(&args);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let mut args = vec!["fmt", "--check"];
     args.extend(files.iter().map(String::as_str));
     let output = moeforge(&args);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 #[test]
@@ -49,17 +60,30 @@ fn explain_output_matches_snapshots() {
     let mut mismatches = Vec::new();
     for example in examples() {
         let output = moeforge(&["explain", &relative(&example)]);
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         let text = String::from_utf8(output.stdout).expect("explain prints UTF-8");
-        let stem = example.file_stem().and_then(|stem| stem.to_str()).unwrap_or("?");
-        let snapshot = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/explain").join(format!("{stem}.txt"));
+        let stem = example
+            .file_stem()
+            .and_then(|stem| stem.to_str())
+            .unwrap_or("?");
+        let snapshot = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/explain")
+            .join(format!("{stem}.txt"));
         if bless {
             std::fs::write(&snapshot, &text).expect("writable snapshot");
         } else if std::fs::read_to_string(&snapshot).unwrap_or_default() != text {
             mismatches.push(format!("{stem}:\n{text}"));
         }
     }
-    assert!(mismatches.is_empty(), "explain changed (MOEFORGE_BLESS=1 to accept):\n{}", mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "explain changed (MOEFORGE_BLESS=1 to accept):\n{}",
+        mismatches.join("\n")
+    );
 }
 
 #[test]
@@ -83,13 +107,26 @@ fn invalid_utf8_is_a_diagnostic_not_a_crash() {
 fn usage_errors_exit_2() {
     assert_eq!(moeforge(&["check"]).status.code(), Some(2));
     assert_eq!(moeforge(&["frobnicate"]).status.code(), Some(2));
-    assert_eq!(moeforge(&["check", "no/such/file.moe"]).status.code(), Some(2));
-    assert_eq!(moeforge(&["fmt", "--check", "--stdout", "dsl-examples/tiny.moe"]).status.code(), Some(2));
+    assert_eq!(
+        moeforge(&["check", "no/such/file.moe"]).status.code(),
+        Some(2)
+    );
+    assert_eq!(
+        moeforge(&["fmt", "--check", "--stdout", "dsl-examples/tiny.moe"])
+            .status
+            .code(),
+        Some(2)
+    );
 }
 
 #[test]
 fn every_command_has_help() {
-    for command in [&["--help"][..], &["check", "--help"], &["explain", "--help"], &["fmt", "--help"]] {
+    for command in [
+        &["--help"][..],
+        &["check", "--help"],
+        &["explain", "--help"],
+        &["fmt", "--help"],
+    ] {
         let output = moeforge(command);
         assert!(output.status.success());
         assert!(String::from_utf8_lossy(&output.stdout).contains("Usage"));

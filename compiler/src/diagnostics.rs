@@ -14,6 +14,10 @@ use crate::front::ast::Span;
 /// Diagnostics beyond this many are counted but not rendered.
 pub const MAX_RENDERED_ERRORS: usize = 100;
 
+/// The lexer, the parser and the checker each stop collecting errors after this many, so
+/// that a huge file of garbage costs bounded memory.
+pub const MAX_ERRORS: usize = 1000;
+
 /// One error in a `.moe` file.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum Error {
@@ -25,21 +29,50 @@ pub enum Error {
 
     // ---- syntax ----
     #[error("unexpected {found}, expected {expected}")]
-    UnexpectedToken { span: Span, found: String, expected: String },
+    UnexpectedToken {
+        span: Span,
+        found: String,
+        expected: String,
+    },
     #[error("unexpected end of file, expected {expected}")]
     UnexpectedEnd { span: Span, expected: String },
 
     // ---- items, sections and keys ----
     #[error("unknown item kind `{found}`: a file holds `topology` and `layer` items")]
-    UnknownItemKind { span: Span, found: String, suggestion: Option<String> },
+    UnknownItemKind {
+        span: Span,
+        found: String,
+        suggestion: Option<String>,
+    },
     #[error("{kind} `{name}` is defined twice")]
-    DuplicateItem { span: Span, kind: &'static str, name: String, first: Span },
+    DuplicateItem {
+        span: Span,
+        kind: &'static str,
+        name: String,
+        first: Span,
+    },
     #[error("unknown key `{key}` in {section}")]
-    UnknownKey { span: Span, key: String, section: String, suggestion: Option<String>, known: String },
+    UnknownKey {
+        span: Span,
+        key: String,
+        section: String,
+        suggestion: Option<String>,
+        known: String,
+    },
     #[error("`{key}` is set twice in {section}")]
-    DuplicateKey { span: Span, key: String, section: String, first: Span },
+    DuplicateKey {
+        span: Span,
+        key: String,
+        section: String,
+        first: Span,
+    },
     #[error("{section} is missing the required key `{key}`")]
-    MissingKey { span: Span, key: &'static str, section: String, example: &'static str },
+    MissingKey {
+        span: Span,
+        key: &'static str,
+        section: String,
+        example: &'static str,
+    },
     #[error("`{key}` is a section, not a setting")]
     ExpectedSection { span: Span, key: String },
     #[error("`{key}` is a setting, not a section")]
@@ -47,51 +80,155 @@ pub enum Error {
 
     // ---- values ----
     #[error("`{key}` takes {expected}, but {found} {} given", if *found == 1 { "value is" } else { "values are" })]
-    WrongValueCount { span: Span, key: String, expected: &'static str, found: usize },
+    WrongValueCount {
+        span: Span,
+        key: String,
+        expected: &'static str,
+        found: usize,
+    },
     #[error("`{key}` takes {expected}, found {found}")]
-    WrongValueKind { span: Span, key: String, expected: String, found: String },
+    WrongValueKind {
+        span: Span,
+        key: String,
+        expected: String,
+        found: String,
+    },
     #[error("`{key}` takes {expected}, but `{unit}` is {unit_dimension}")]
-    WrongUnit { span: Span, key: String, expected: String, unit: &'static str, unit_dimension: &'static str },
+    WrongUnit {
+        span: Span,
+        key: String,
+        expected: String,
+        unit: &'static str,
+        unit_dimension: &'static str,
+    },
     #[error("`{key}` needs a unit: {expected}")]
-    MissingUnit { span: Span, key: String, expected: &'static str },
+    MissingUnit {
+        span: Span,
+        key: String,
+        expected: &'static str,
+    },
     #[error("`{key}` = {value} does not fit in {bits} bits (at most {max})")]
-    NumberTooLarge { span: Span, key: String, value: String, bits: u32, max: u64 },
+    NumberTooLarge {
+        span: Span,
+        key: String,
+        value: String,
+        bits: u32,
+        max: u64,
+    },
     #[error("`{key}` takes a whole number, found `{value}`")]
-    NotAnInteger { span: Span, key: String, value: String },
+    NotAnInteger {
+        span: Span,
+        key: String,
+        value: String,
+    },
     #[error("`{key}` must be at least {min}, found {value}")]
-    TooSmall { span: Span, key: String, value: u64, min: u64 },
+    TooSmall {
+        span: Span,
+        key: String,
+        value: u64,
+        min: u64,
+    },
     #[error("`{key}` must be a positive, finite number, found `{value}`")]
-    NotPositive { span: Span, key: String, value: String },
+    NotPositive {
+        span: Span,
+        key: String,
+        value: String,
+    },
     #[error("unknown {key} `{found}`")]
-    UnknownChoice { span: Span, key: String, found: String, choices: &'static str, suggestion: Option<String> },
-    #[error("{what} is not supported yet")]
-    Unsupported { span: Span, what: String, hint: &'static str },
+    UnknownChoice {
+        span: Span,
+        key: String,
+        found: String,
+        choices: &'static str,
+        suggestion: Option<String>,
+    },
+    #[error("{what}: not supported yet")]
+    Unsupported {
+        span: Span,
+        what: String,
+        hint: &'static str,
+    },
 
     // ---- layer rules ----
+    #[error("`{key}` = {value} is above the limit of {max}")]
+    AboveLimit {
+        span: Span,
+        key: String,
+        value: u32,
+        max: u32,
+    },
     #[error("`{key}` = {value} is not a multiple of {alignment}")]
-    Misaligned { span: Span, key: String, value: u32, alignment: u32 },
+    Misaligned {
+        span: Span,
+        key: String,
+        value: u32,
+        alignment: u32,
+    },
     #[error("{experts} experts cannot be spread evenly over {degree} expert-parallel ranks")]
-    ExpertsNotDivisible { span: Span, experts: u32, degree: u32, experts_span: Span },
+    ExpertsNotDivisible {
+        span: Span,
+        experts: u32,
+        degree: u32,
+        degree_span: Span,
+    },
     #[error("top_k = {top_k} is out of range: it must be between 1 and experts = {experts}")]
-    TopKOutOfRange { span: Span, top_k: u32, experts: u32 },
+    TopKOutOfRange {
+        span: Span,
+        top_k: u32,
+        experts: u32,
+    },
     #[error("router groups = {groups} does not divide experts = {experts}")]
-    GroupsDoNotDivideExperts { span: Span, groups: u32, experts: u32 },
+    GroupsDoNotDivideExperts {
+        span: Span,
+        groups: u32,
+        experts: u32,
+    },
     #[error("groups_kept = {kept} is out of range: it must be between 1 and groups = {groups}")]
     GroupsKeptOutOfRange { span: Span, kept: u32, groups: u32 },
     #[error("top_k = {top_k} exceeds the {eligible} experts the kept groups hold")]
-    TopKExceedsKeptGroups { span: Span, top_k: u32, eligible: u32 },
+    TopKExceedsKeptGroups {
+        span: Span,
+        top_k: u32,
+        eligible: u32,
+    },
     #[error("`groups_kept` is set without `groups`")]
     GroupsKeptWithoutGroups { span: Span },
     #[error("`{key}` tile {dimension} = {value} is not a positive multiple of 16")]
-    TileNotAligned { span: Span, key: String, dimension: &'static str, value: u32 },
-    #[error("expert-parallel degree {degree} does not match the {ranks} ranks of topology `{topology}`")]
-    RanksMismatch { span: Span, degree: u32, ranks: u32, topology: String, topology_span: Span },
+    TileNotAligned {
+        span: Span,
+        key: String,
+        dimension: &'static str,
+        value: u32,
+    },
+    #[error(
+        "expert-parallel degree {degree} does not match the {ranks} ranks of topology `{topology}`"
+    )]
+    RanksMismatch {
+        span: Span,
+        degree: u32,
+        ranks: u32,
+        topology: String,
+        topology_span: Span,
+    },
     #[error("virtual ranks share one GPU, but topology `{topology}` has {gpus} GPUs")]
-    VirtualRanksNeedOneGpu { span: Span, topology: String, gpus: u64 },
+    VirtualRanksNeedOneGpu {
+        span: Span,
+        topology: String,
+        gpus: u64,
+    },
     #[error("topology `{topology}` has more than 2^32 ranks")]
     TooManyRanks { span: Span, topology: String },
     #[error("unknown topology `{name}`")]
-    UnknownTopology { span: Span, name: String, suggestion: Option<String>, known: String },
+    UnknownTopology {
+        span: Span,
+        name: String,
+        suggestion: Option<String>,
+        known: String,
+    },
+
+    // ---- limits ----
+    #[error("too many errors: stopped looking after {MAX_ERRORS}")]
+    TooManyErrors { span: Span },
 }
 
 impl Error {
@@ -120,6 +257,7 @@ impl Error {
             | NotPositive { span, .. }
             | UnknownChoice { span, .. }
             | Unsupported { span, .. }
+            | AboveLimit { span, .. }
             | Misaligned { span, .. }
             | ExpertsNotDivisible { span, .. }
             | TopKOutOfRange { span, .. }
@@ -131,7 +269,8 @@ impl Error {
             | RanksMismatch { span, .. }
             | VirtualRanksNeedOneGpu { span, .. }
             | TooManyRanks { span, .. }
-            | UnknownTopology { span, .. } => *span,
+            | UnknownTopology { span, .. }
+            | TooManyErrors { span } => *span,
         }
     }
 
@@ -140,11 +279,22 @@ impl Error {
         match self {
             Error::DuplicateItem { first, .. } => vec![(*first, "first defined here".to_string())],
             Error::DuplicateKey { first, .. } => vec![(*first, "first set here".to_string())],
-            Error::ExpertsNotDivisible { experts_span, experts, .. } => {
-                vec![(*experts_span, format!("{experts} experts"))]
+            Error::ExpertsNotDivisible {
+                degree_span,
+                degree,
+                ..
+            } => {
+                vec![(*degree_span, format!("{degree} expert-parallel ranks"))]
             }
-            Error::RanksMismatch { topology_span, ranks, .. } => {
-                vec![(*topology_span, format!("this topology provides {ranks} ranks"))]
+            Error::RanksMismatch {
+                topology_span,
+                ranks,
+                ..
+            } => {
+                vec![(
+                    *topology_span,
+                    format!("this topology provides {ranks} ranks"),
+                )]
             }
             _ => Vec::new(),
         }
@@ -153,9 +303,14 @@ impl Error {
     /// How to fix it.
     pub fn hint(&self) -> Option<String> {
         use Error::*;
-        let did_you_mean = |suggestion: &Option<String>| suggestion.as_ref().map(|s| format!("did you mean `{s}`?"));
+        let did_you_mean = |suggestion: &Option<String>| {
+            suggestion.as_ref().map(|s| format!("did you mean `{s}`?"))
+        };
         match self {
             InvalidUtf8 { .. } => Some("save the file as UTF-8 text".into()),
+            InvalidCharacter { found: '-', .. } => {
+                Some("numbers in a `.moe` file have no sign: every quantity is zero or more".into())
+            }
             InvalidCharacter { .. } => Some(
                 "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
                  `{ } = , .` and comments starting with `#` or `//`"
@@ -193,6 +348,10 @@ impl Error {
                 did_you_mean(suggestion).or_else(|| Some(format!("choose one of: {choices}")))
             }
             Unsupported { hint, .. } => Some((*hint).to_string()),
+            AboveLimit { max, .. } => Some(format!(
+                "moeforge keeps every size it derives within 64 bits, so this is capped at {max}; \
+                 no real model comes close"
+            )),
             Misaligned { value, alignment, .. } => Some(format!(
                 "kernels move rows as 16-byte vectors of bf16 and tile the reduction {alignment} deep, \
                  so sizes must be multiples of {alignment}; the nearest are {} and {}",
@@ -222,6 +381,7 @@ impl Error {
                 Some("set `gpus_per_node = 1` and `nodes = 1`, or drop `virtual_ranks`".into())
             }
             TooManyRanks { .. } => Some("use fewer GPUs per node or fewer nodes".into()),
+            TooManyErrors { .. } => Some("fix the errors above first; is this really a `.moe` file?".into()),
             UnknownTopology { suggestion, known, .. } => did_you_mean(suggestion).or_else(|| {
                 if known.is_empty() {
                     Some("define it in this file: `topology NAME { ... }`".into())
@@ -248,7 +408,39 @@ impl Diagnostics {
         let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
         let config = term::Config::default();
         let mut out = String::new();
-        for error in self.errors.iter().take(MAX_RENDERED_ERRORS) {
+        for (error, diagnostic) in self.errors.iter().zip(self.to_codespan()) {
+            match term::emit_into_string(&config, &file, &diagnostic) {
+                Ok(text) => out.push_str(&text),
+                Err(_) => out.push_str(&format!("error: {error}\n")),
+            }
+        }
+        out.push_str(&self.omitted_note());
+        out
+    }
+
+    /// Writes the diagnostics to stderr, in colour when `colour` is set (the CLI sets it
+    /// when stderr is a terminal); otherwise exactly [`Diagnostics::render`]'s text.
+    pub fn emit_to_stderr(&self, colour: bool) {
+        if !colour {
+            eprint!("{}", self.render());
+            return;
+        }
+        let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
+        let config = term::Config::default();
+        let styles = term::Styles::default();
+        let stream = term::termcolor::StandardStream::stderr(term::termcolor::ColorChoice::Always);
+        let mut writer = term::StylesWriter::new(stream.lock(), &styles);
+        for diagnostic in self.to_codespan() {
+            // A closed stderr leaves nobody to tell.
+            let _ = term::emit_to_write_style(&mut writer, &config, &file, &diagnostic);
+        }
+        eprint!("{}", self.omitted_note());
+    }
+
+    /// The first [`MAX_RENDERED_ERRORS`] errors as codespan diagnostics: message, caret
+    /// labels (unless the line is too long to echo), and the hint as a note.
+    fn to_codespan(&self) -> impl Iterator<Item = Diagnostic<()>> + '_ {
+        self.errors.iter().take(MAX_RENDERED_ERRORS).map(|error| {
             let span = clamp(error.span(), &self.source);
             let mut diagnostic = Diagnostic::error().with_message(error.to_string());
             let mut notes = Vec::new();
@@ -263,25 +455,28 @@ impl Diagnostics {
                 diagnostic = diagnostic.with_labels(labels);
             } else {
                 let (line, column) = line_and_column(&self.source, span.start);
-                notes.push(format!("at {}:{line}:{column} (the line is too long to show)", self.file_name));
+                notes.push(format!(
+                    "at {}:{line}:{column} (the line is too long to show)",
+                    self.file_name
+                ));
             }
             if let Some(hint) = error.hint() {
                 notes.push(format!("hint: {hint}"));
             }
-            diagnostic = diagnostic.with_notes(notes);
-            match term::emit_into_string(&config, &file, &diagnostic) {
-                Ok(text) => out.push_str(&text),
-                Err(_) => out.push_str(&format!("error: {error}\n")),
-            }
-        }
+            diagnostic.with_notes(notes)
+        })
+    }
+
+    fn omitted_note(&self) -> String {
         if self.errors.len() > MAX_RENDERED_ERRORS {
-            out.push_str(&format!(
+            format!(
                 "note: {} more errors in {} not shown\n",
                 self.errors.len() - MAX_RENDERED_ERRORS,
                 self.file_name
-            ));
+            )
+        } else {
+            String::new()
         }
-        out
     }
 }
 
@@ -290,7 +485,9 @@ const MAX_ECHOED_LINE: usize = 500;
 
 fn line_is_short(source: &str, offset: usize) -> bool {
     let start = source[..offset].rfind('\n').map_or(0, |i| i + 1);
-    let end = source[offset..].find('\n').map_or(source.len(), |i| offset + i);
+    let end = source[offset..]
+        .find('\n')
+        .map_or(source.len(), |i| offset + i);
     end - start <= MAX_ECHOED_LINE
 }
 
@@ -322,6 +519,14 @@ impl std::fmt::Display for Diagnostics {
 }
 
 impl std::error::Error for Diagnostics {}
+
+/// Text quoted in a message, shortened (fuzzers write names a megabyte long).
+pub fn short(text: &str) -> String {
+    match text.char_indices().nth(40) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
+}
 
 /// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<String> {

@@ -33,7 +33,11 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
         Err(check_errors) => errors.extend(check_errors),
     }
     errors.sort_by_key(|error| error.span().start);
-    Err(Diagnostics { file_name: name.to_string(), source: text.to_string(), errors })
+    Err(Diagnostics {
+        file_name: name.to_string(),
+        source: text.to_string(),
+        errors,
+    })
 }
 
 /// Like [`compile_source`], for raw bytes: text that is not UTF-8 is an error pointing at
@@ -53,7 +57,9 @@ pub fn decode<'a>(name: &str, bytes: &'a [u8]) -> Result<&'a str, Diagnostics> {
         Diagnostics {
             file_name: name.to_string(),
             source,
-            errors: vec![Error::InvalidUtf8 { span: front::ast::Span::new(offset, offset + length.min(3)) }],
+            errors: vec![Error::InvalidUtf8 {
+                span: front::ast::Span::new(offset, offset + length.min(3)),
+            }],
         }
     })
 }
@@ -65,6 +71,10 @@ pub fn format_source(name: &str, text: &str) -> Result<String, Diagnostics> {
     if parsed.errors.is_empty() {
         Ok(front::format::format_file(&parsed.file, text))
     } else {
-        Err(Diagnostics { file_name: name.to_string(), source: text.to_string(), errors: parsed.errors })
+        Err(Diagnostics {
+            file_name: name.to_string(),
+            source: text.to_string(),
+            errors: parsed.errors,
+        })
     }
 }

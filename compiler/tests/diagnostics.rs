@@ -23,7 +23,10 @@ fn rendered_diagnostics_match_their_snapshots() {
     assert!(inputs.len() >= 30, "one case per rule");
     let mut mismatches = Vec::new();
     for input in inputs {
-        let name = format!("tests/diagnostics/{}", input.file_name().and_then(|n| n.to_str()).unwrap_or("?"));
+        let name = format!(
+            "tests/diagnostics/{}",
+            input.file_name().and_then(|n| n.to_str()).unwrap_or("?")
+        );
         let bytes = std::fs::read(&input).expect("readable test input");
         let rendered = match compile_bytes(&name, &bytes) {
             Ok(_) => panic!("{name} must not check"),
@@ -36,8 +39,14 @@ fn rendered_diagnostics_match_their_snapshots() {
         }
         let expected = std::fs::read_to_string(&expected_path).unwrap_or_default();
         if expected != rendered {
-            mismatches.push(format!("--- {name}: expected\n{expected}\n--- got\n{rendered}"));
+            mismatches.push(format!(
+                "--- {name}: expected\n{expected}\n--- got\n{rendered}"
+            ));
         }
     }
-    assert!(mismatches.is_empty(), "{}\n(run with MOEFORGE_BLESS=1 to accept)", mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "{}\n(run with MOEFORGE_BLESS=1 to accept)",
+        mismatches.join("\n")
+    );
 }

@@ -16,12 +16,20 @@ pub struct Args {
 pub fn run(args: &Args) -> ExitCode {
     worst(args.files.iter().map(|path| match compile_file(path) {
         Ok((file, module)) => {
-            let layers: Vec<&str> = module.layers.iter().map(|layer| layer.name.as_str()).collect();
+            let layers: Vec<&str> = module
+                .layers
+                .iter()
+                .map(|layer| layer.name.as_str())
+                .collect();
             println!(
                 "{}: ok ({} topolog{}, {} layer{}{}{})",
                 file.name,
                 module.topologies.len(),
-                if module.topologies.len() == 1 { "y" } else { "ies" },
+                if module.topologies.len() == 1 {
+                    "y"
+                } else {
+                    "ies"
+                },
                 module.layers.len(),
                 if module.layers.len() == 1 { "" } else { "s" },
                 if layers.is_empty() { "" } else { ": " },

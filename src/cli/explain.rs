@@ -36,13 +36,34 @@ fn explain_layer(layer: &ir::Layer) -> String {
     let _ = writeln!(out, "  hidden (H)           {h}");
     let _ = writeln!(out, "  ffn (F)              {f} per expert");
     let _ = writeln!(out, "  experts (E)          {e}, each token to top_k = {k}");
-    let gating = if layer.activation.is_gated() { "gated: W1 holds gate rows then up rows" } else { "not gated" };
-    let _ = writeln!(out, "  activation           {} ({gating})", layer.activation.name());
-    let _ = writeln!(out, "  dtype                {} activations, {} weights", layer.dtype.name(), layer.weight_dtype.name());
-    let _ = writeln!(out, "  max_tokens           {} per rank per call", layer.max_tokens);
+    let gating = if layer.activation.is_gated() {
+        "gated: W1 holds gate rows then up rows"
+    } else {
+        "not gated"
+    };
+    let _ = writeln!(
+        out,
+        "  activation           {} ({gating})",
+        layer.activation.name()
+    );
+    let _ = writeln!(
+        out,
+        "  dtype                {} activations, {} weights",
+        layer.dtype.name(),
+        layer.weight_dtype.name()
+    );
+    let _ = writeln!(
+        out,
+        "  max_tokens           {} per rank per call",
+        layer.max_tokens
+    );
     match &layer.shared_experts {
         Some(shared) => {
-            let _ = writeln!(out, "  shared experts       {} of ffn {}", shared.count, shared.ffn);
+            let _ = writeln!(
+                out,
+                "  shared experts       {} of ffn {}",
+                shared.count, shared.ffn
+            );
         }
         None => {
             let _ = writeln!(out, "  shared experts       none");
@@ -64,11 +85,22 @@ fn explain_layer(layer: &ir::Layer) -> String {
                 ),
                 None => String::new(),
             };
-            let normalize = if router.normalize { "renormalised" } else { "not renormalised" };
-            let _ = writeln!(out, "  router               {scoring} scores{groups}; top-k weights {normalize}, scaled by {}", router.scale);
+            let normalize = if router.normalize {
+                "renormalised"
+            } else {
+                "not renormalised"
+            };
+            let _ = writeln!(
+                out,
+                "  router               {scoring} scores{groups}; top-k weights {normalize}, scaled by {}",
+                router.scale
+            );
         }
         None => {
-            let _ = writeln!(out, "  router               none (the caller passes topk_ids and topk_weights)");
+            let _ = writeln!(
+                out,
+                "  router               none (the caller passes topk_ids and topk_weights)"
+            );
         }
     }
     let parallel = &layer.parallel;
@@ -106,7 +138,11 @@ fn explain_layer(layer: &ir::Layer) -> String {
         layer.w1_rows(),
         layer.w1_rows() * u64::from(h)
     );
-    let _ = writeln!(out, "    W2 per expert      [{h}, {f}] ({} elements)", u64::from(h) * u64::from(f));
+    let _ = writeln!(
+        out,
+        "    W2 per expert      [{h}, {f}] ({} elements)",
+        u64::from(h) * u64::from(f)
+    );
     let _ = writeln!(out, "    weights per expert {}", bytes(expert_bytes));
     let _ = writeln!(
         out,
@@ -114,16 +150,32 @@ fn explain_layer(layer: &ir::Layer) -> String {
         bytes(expert_bytes * u64::from(layer.experts_per_rank())),
         layer.experts_per_rank()
     );
-    let _ = writeln!(out, "    weights in total   {}", bytes(expert_bytes * u64::from(e)));
+    let _ = writeln!(
+        out,
+        "    weights in total   {}",
+        bytes(expert_bytes * u64::from(e))
+    );
     if let Some(shared) = &layer.shared_experts {
         let gated = if layer.activation.is_gated() { 3 } else { 2 };
-        let shared_bytes = gated * u64::from(shared.ffn) * u64::from(h) * element * u64::from(shared.count);
-        let _ = writeln!(out, "    shared weights     {} (on every rank)", bytes(shared_bytes));
+        let shared_bytes =
+            gated * u64::from(shared.ffn) * u64::from(h) * element * u64::from(shared.count);
+        let _ = writeln!(
+            out,
+            "    shared weights     {} (on every rank)",
+            bytes(shared_bytes)
+        );
     }
     let flops = 2 * layer.expert_weight_elems() * u64::from(k);
-    let _ = writeln!(out, "    FLOPs per token    {flops} (routed experts, forward)");
+    let _ = writeln!(
+        out,
+        "    FLOPs per token    {flops} (routed experts, forward)"
+    );
     let token_bytes = u64::from(h) * u64::from(layer.dtype.size_bytes());
-    let _ = writeln!(out, "    bytes per token    {} per row of x or y", bytes(token_bytes));
+    let _ = writeln!(
+        out,
+        "    bytes per token    {} per row of x or y",
+        bytes(token_bytes)
+    );
     let _ = writeln!(
         out,
         "    x per call         {} at max_tokens",
@@ -133,7 +185,11 @@ fn explain_layer(layer: &ir::Layer) -> String {
 }
 
 fn link(link: &ir::Link) -> String {
-    format!("{}, {}", bandwidth(link.bandwidth_bytes_per_s), latency(link.latency_ns))
+    format!(
+        "{}, {}",
+        bandwidth(link.bandwidth_bytes_per_s),
+        latency(link.latency_ns)
+    )
 }
 
 /// Bytes per second in the largest decimal unit that shows them exactly or to 3 digits.
@@ -170,7 +226,10 @@ fn bytes(count: u64) -> String {
         }
         format!("{} {unit}", trim(value))
     };
-    format!("{count} B = {} = {binary}", decimal(count, &["B", "KB", "MB", "GB", "TB"]))
+    format!(
+        "{count} B = {} = {binary}",
+        decimal(count, &["B", "KB", "MB", "GB", "TB"])
+    )
 }
 
 fn decimal(count: u64, units: &[&str]) -> String {

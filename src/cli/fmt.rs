@@ -1,6 +1,6 @@
 //! `moeforge fmt FILE...`: rewrites `.moe` files in canonical form, keeping comments.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use moeforge::compiler;
@@ -25,7 +25,7 @@ pub fn run(args: &Args) -> ExitCode {
     worst(args.files.iter().map(|path| format_one(path, args)))
 }
 
-fn format_one(path: &PathBuf, args: &Args) -> ExitCode {
+fn format_one(path: &Path, args: &Args) -> ExitCode {
     let file = match read_file(path) {
         Ok(file) => file,
         Err(status) => return status,
@@ -47,7 +47,10 @@ fn format_one(path: &PathBuf, args: &Args) -> ExitCode {
         return OK;
     }
     if args.check {
-        eprintln!("{} is not formatted (run `moeforge fmt {}`)", file.name, file.name);
+        eprintln!(
+            "{} is not formatted (run `moeforge fmt {}`)",
+            file.name, file.name
+        );
         return invalid_input();
     }
     match std::fs::write(path, formatted) {

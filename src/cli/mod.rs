@@ -13,7 +13,8 @@ mod fmt;
 mod planning;
 mod run;
 
-use std::path::{Path, PathBuf};
+use std::io::IsTerminal;
+use std::path::Path;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -70,21 +71,31 @@ struct SourceFile {
 /// Reads `path`, or reports why it cannot be read.
 fn read_file(path: &Path) -> Result<SourceFile, ExitCode> {
     let name = path.display().to_string();
-    std::fs::read(path).map(|bytes| SourceFile { name: name.clone(), bytes }).map_err(|error| {
-        eprintln!("error: cannot read {name}: {error}");
-        usage_error()
-    })
+    std::fs::read(path)
+        .map(|bytes| SourceFile {
+            name: name.clone(),
+            bytes,
+        })
+        .map_err(|error| {
+            eprintln!("error: cannot read {name}: {error}");
+            usage_error()
+        })
 }
 
 /// Prints diagnostics to stderr.
 fn report(diagnostics: &Diagnostics) {
-    eprint!("{}", diagnostics.render());
+    diagnostics
+        .emit_to_stderr(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none());
     let count = diagnostics.errors.len();
-    eprintln!("error: {} has {count} error{}", diagnostics.file_name, if count == 1 { "" } else { "s" });
+    eprintln!(
+        "error: {} has {count} error{}",
+        diagnostics.file_name,
+        if count == 1 { "" } else { "s" }
+    );
 }
 
 /// Reads and checks one file; `Err` carries the exit status after reporting.
-fn compile_file(path: &PathBuf) -> Result<(SourceFile, ir::Module), ExitCode> {
+fn compile_file(path: &Path) -> Result<(SourceFile, ir::Module), ExitCode> {
     let file = read_file(path)?;
     match compiler::compile_bytes(&file.name, &file.bytes) {
         Ok(module) => Ok((file, module)),

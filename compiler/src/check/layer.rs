@@ -6,24 +6,59 @@ use std::collections::BTreeMap;
 
 use crate::check::table::{Schema, Table};
 use crate::check::{NamedTopology, values};
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, short, suggest};
 use crate::front::ast::{Item, Section, Setting};
 use crate::ir::{self, SIZE_ALIGNMENT};
 
 /// `max_tokens` when the layer does not set it.
 pub const DEFAULT_MAX_TOKENS: u32 = 4096;
 
+/// Largest `hidden`, `ffn` and shared-expert `ffn` (2^20). With [`MAX_EXPERTS`] this keeps
+/// every weight, buffer and FLOP count the later stages compute well inside `u64`.
+pub const MAX_SIZE: u32 = 1 << 20;
+
+/// Largest number of routed experts (2^16).
+pub const MAX_EXPERTS: u32 = 1 << 16;
+
 const LAYER: Schema = Schema {
-    settings: &["hidden", "ffn", "experts", "top_k", "activation", "dtype", "weight_dtype", "max_tokens", "topology"],
+    settings: &[
+        "hidden",
+        "ffn",
+        "experts",
+        "top_k",
+        "activation",
+        "dtype",
+        "weight_dtype",
+        "max_tokens",
+        "topology",
+    ],
     sections: &["shared_experts", "router", "parallel", "schedule"],
     aliases: &[],
 };
-const SHARED_EXPERTS: Schema = Schema { settings: &["count", "ffn"], sections: &[], aliases: &[] };
-const ROUTER: Schema =
-    Schema { settings: &["scoring", "groups", "groups_kept", "normalize", "scale"], sections: &[], aliases: &[] };
-const PARALLEL: Schema = Schema { settings: &["expert", "data", "tensor"], sections: &[], aliases: &[] };
+const SHARED_EXPERTS: Schema = Schema {
+    settings: &["count", "ffn"],
+    sections: &[],
+    aliases: &[],
+};
+const ROUTER: Schema = Schema {
+    settings: &["scoring", "groups", "groups_kept", "normalize", "scale"],
+    sections: &[],
+    aliases: &[],
+};
+const PARALLEL: Schema = Schema {
+    settings: &["expert", "data", "tensor"],
+    sections: &[],
+    aliases: &[],
+};
 const SCHEDULE: Schema = Schema {
-    settings: &["gemm1.tile", "gemm2.tile", "stages", "dispatch_chunk", "comm_blocks", "traffic"],
+    settings: &[
+        "gemm1.tile",
+        "gemm2.tile",
+        "stages",
+        "dispatch_chunk",
+        "comm_blocks",
+        "traffic",
+    ],
     sections: &[],
     aliases: &[],
 };
@@ -35,9 +70,15 @@ const ACTIVATIONS: [(&str, ir::Activation); 5] = [
     ("relu", ir::Activation::Relu),
     ("silu", ir::Activation::Silu),
 ];
-const DTYPES: [(&str, ir::DType); 3] =
-    [("bf16", ir::DType::Bf16), ("fp8", ir::DType::Fp8E4m3), ("fp8_e4m3", ir::DType::Fp8E4m3)];
-const SCORINGS: [(&str, ir::Scoring); 2] = [("softmax", ir::Scoring::Softmax), ("sigmoid", ir::Scoring::Sigmoid)];
+const DTYPES: [(&str, ir::DType); 3] = [
+    ("bf16", ir::DType::Bf16),
+    ("fp8", ir::DType::Fp8E4m3),
+    ("fp8_e4m3", ir::DType::Fp8E4m3),
+];
+const SCORINGS: [(&str, ir::Scoring); 2] = [
+    ("softmax", ir::Scoring::Softmax),
+    ("sigmoid", ir::Scoring::Sigmoid),
+];
 const TRAFFIC_ORDERS: [(&str, ir::TrafficOrder); 3] = [
     ("nearest_first", ir::TrafficOrder::NearestFirst),
     ("rotate", ir::TrafficOrder::Rotate),
@@ -52,22 +93,39 @@ pub fn check_layer(
     errors: &mut Vec<Error>,
 ) -> Option<ir::Layer> {
     let what = format!("layer `{}`", item.name.text);
-    let table = Table::new(what, item.name.span, incomplete, &item.body.entries, &LAYER, errors);
+    let table = Table::new(
+        what,
+        item.name.span,
+        incomplete,
+        &item.body.entries,
+        &LAYER,
+        errors,
+    );
     let errors_before = errors.len();
 
-    let hidden = table.required("hidden", "hidden = 4096", errors).and_then(|s| aligned_size(s, errors));
-    let ffn = table.required("ffn", "ffn = 14336", errors).and_then(|s| aligned_size(s, errors));
-    let experts = table.required("experts", "experts = 8", errors).and_then(|s| values::count(s, 1, false, errors));
+    let hidden = table
+        .required("hidden", "hidden = 4096", errors)
+        .and_then(|s| aligned_size(s, errors));
+    let ffn = table
+        .required("ffn", "ffn = 14336", errors)
+        .and_then(|s| aligned_size(s, errors));
+    let experts = table
+        .required("experts", "experts = 8", errors)
+        .and_then(|s| at_most(s, values::count(s, 1, false, errors)?, MAX_EXPERTS, errors));
     let top_k_setting = table.required("top_k", "top_k = 2", errors);
     let top_k = top_k_setting.and_then(|s| values::count(s, 1, false, errors));
     let activation = optional(table.setting("activation"), ir::Activation::Swiglu, |s| {
         values::choice(s, &ACTIVATIONS, "swiglu, geglu, gelu, relu, silu", errors)
     });
-    let dtype = optional(table.setting("dtype"), ir::DType::Bf16, |s| read_dtype(s, "fp8 activations", errors));
-    let weight_dtype =
-        optional(table.setting("weight_dtype"), ir::DType::Bf16, |s| read_dtype(s, "fp8 expert weights", errors));
-    let max_tokens =
-        optional(table.setting("max_tokens"), DEFAULT_MAX_TOKENS, |s| values::count(s, 1, true, errors));
+    let dtype = optional(table.setting("dtype"), ir::DType::Bf16, |s| {
+        read_dtype(s, "fp8 activations", errors)
+    });
+    let weight_dtype = optional(table.setting("weight_dtype"), ir::DType::Bf16, |s| {
+        read_dtype(s, "fp8 expert weights", errors)
+    });
+    let max_tokens = optional(table.setting("max_tokens"), DEFAULT_MAX_TOKENS, |s| {
+        values::count(s, 1, true, errors)
+    });
     let topology = table
         .required("topology", "topology = h200_node", errors)
         .and_then(|s| resolve_topology(s, topologies, errors));
@@ -75,9 +133,16 @@ pub fn check_layer(
     let shared_experts = match table.section("shared_experts") {
         Some(section) => {
             let table = Table::of_section(section, incomplete, &SHARED_EXPERTS, errors);
-            let count = optional(table.setting("count"), 1, |s| values::count(s, 1, false, errors));
-            let ffn = table.required("ffn", "ffn = 2048", errors).and_then(|s| aligned_size(s, errors));
-            Some(Some(ir::SharedExperts { count: count?, ffn: ffn? }))
+            let count = optional(table.setting("count"), 1, |s| {
+                at_most(s, values::count(s, 1, false, errors)?, MAX_EXPERTS, errors)
+            });
+            let ffn = table
+                .required("ffn", "ffn = 2048", errors)
+                .and_then(|s| aligned_size(s, errors));
+            Some(Some(ir::SharedExperts {
+                count: count?,
+                ffn: ffn?,
+            }))
         }
         None => Some(None),
     };
@@ -90,7 +155,9 @@ pub fn check_layer(
     let (parallel, degree_setting) = match table.section("parallel") {
         Some(section) => {
             let table = Table::of_section(section, incomplete, &PARALLEL, errors);
-            let expert = table.setting("expert").map(|s| values::count(s, 1, false, errors));
+            let expert = table
+                .setting("expert")
+                .map(|s| values::count(s, 1, false, errors));
             let data = unsupported_degree(table.setting("data"), "data parallelism", errors);
             let tensor = unsupported_degree(table.setting("tensor"), "tensor parallelism", errors);
             (Some((expert, data, tensor)), table.setting("expert"))
@@ -98,13 +165,19 @@ pub fn check_layer(
         None => (Some((None, Some(1), Some(1))), None),
     };
 
-    let schedule = table.section("schedule").map(|section| schedule(section, incomplete, errors));
+    let schedule = table
+        .section("schedule")
+        .map(|section| schedule(section, incomplete, errors));
 
     // Rules across settings, checked only when their inputs are valid.
     if let (Some(experts), Some(top_k), Some(setting)) = (experts, top_k, top_k_setting)
         && top_k > experts
     {
-        errors.push(Error::TopKOutOfRange { span: setting.values[0].span, top_k, experts });
+        errors.push(Error::TopKOutOfRange {
+            span: setting.values[0].span,
+            top_k,
+            experts,
+        });
     }
     let topology = topology?;
     let (expert, data, tensor) = parallel?;
@@ -112,12 +185,22 @@ pub fn check_layer(
         Some(written) => written?,
         None => topology.ranks(),
     };
-    let degree_span = degree_setting.map_or(item.name.span, |s| s.values[0].span);
-    if let Some(experts) = experts
+    // A degree left out defaults to the topology's ranks: point there.
+    let degree_span = match degree_setting {
+        Some(setting) => setting.values[0].span,
+        None => topologies
+            .get(topology.name.as_str())
+            .map_or(item.name.span, |named| named.name_span),
+    };
+    if let (Some(experts), Some(setting)) = (experts, table.setting("experts"))
         && experts % expert != 0
     {
-        let experts_span = table.setting("experts").map_or(item.name.span, |s| s.values[0].span);
-        errors.push(Error::ExpertsNotDivisible { span: degree_span, experts, degree: expert, experts_span });
+        errors.push(Error::ExpertsNotDivisible {
+            span: setting.values[0].span,
+            experts,
+            degree: expert,
+            degree_span,
+        });
     }
     if expert != topology.ranks()
         && let Some(named) = topologies.get(topology.name.as_str())
@@ -146,23 +229,50 @@ pub fn check_layer(
         max_tokens: max_tokens?,
         shared_experts: shared_experts?,
         router: router?,
-        parallel: ir::Parallelism { expert, data: data?, tensor: tensor? },
+        parallel: ir::Parallelism {
+            expert,
+            data: data?,
+            tensor: tensor?,
+        },
         topology,
         schedule: schedule.unwrap_or(Some(ir::ScheduleHints::default()))?,
     })
 }
 
 /// The setting's value if written (`None` inside if it is invalid), else the default.
-fn optional<T>(setting: Option<&Setting>, default: T, read: impl FnOnce(&Setting) -> Option<T>) -> Option<T> {
+fn optional<T>(
+    setting: Option<&Setting>,
+    default: T,
+    read: impl FnOnce(&Setting) -> Option<T>,
+) -> Option<T> {
     match setting {
         Some(setting) => read(setting),
         None => Some(default),
     }
 }
 
+/// `value`, or an error if it is above `max`.
+fn at_most(setting: &Setting, value: u32, max: u32, errors: &mut Vec<Error>) -> Option<u32> {
+    if value > max {
+        errors.push(Error::AboveLimit {
+            span: setting.values[0].span,
+            key: setting.key.dotted(),
+            value,
+            max,
+        });
+        return None;
+    }
+    Some(value)
+}
+
 /// A size the kernels tile over: positive and a multiple of [`SIZE_ALIGNMENT`].
 fn aligned_size(setting: &Setting, errors: &mut Vec<Error>) -> Option<u32> {
-    let size = values::count(setting, 1, false, errors)?;
+    let size = at_most(
+        setting,
+        values::count(setting, 1, false, errors)?,
+        MAX_SIZE,
+        errors,
+    )?;
     if size % SIZE_ALIGNMENT != 0 {
         errors.push(Error::Misaligned {
             span: setting.values[0].span,
@@ -177,11 +287,20 @@ fn aligned_size(setting: &Setting, errors: &mut Vec<Error>) -> Option<u32> {
 
 /// A dtype; only bf16 has kernels today, fp8 is reserved syntax.
 fn read_dtype(setting: &Setting, fp8_use: &str, errors: &mut Vec<Error>) -> Option<ir::DType> {
-    let dtype = values::choice(setting, &DTYPES, "bf16, fp8 (reserved), fp8_e4m3 (reserved)", errors)?;
+    let dtype = values::choice(
+        setting,
+        &DTYPES,
+        "bf16, fp8 (reserved), fp8_e4m3 (reserved)",
+        errors,
+    )?;
     if dtype == ir::DType::Fp8E4m3 {
         errors.push(Error::Unsupported {
             span: setting.values[0].span,
-            what: format!("{fp8_use} (`{} = {}`)", setting.key.dotted(), crate::front::format::format_value(&setting.values[0])),
+            what: format!(
+                "{fp8_use} (`{} = {}`)",
+                setting.key.dotted(),
+                crate::front::format::format_value(&setting.values[0])
+            ),
             hint: "use `bf16`; fp8 weights are planned, and the syntax is reserved for them",
         });
         return None;
@@ -190,8 +309,14 @@ fn read_dtype(setting: &Setting, fp8_use: &str, errors: &mut Vec<Error>) -> Opti
 }
 
 /// The data or tensor degree: accepted, but only 1 today.
-fn unsupported_degree(setting: Option<&Setting>, what: &str, errors: &mut Vec<Error>) -> Option<u32> {
-    let Some(setting) = setting else { return Some(1) };
+fn unsupported_degree(
+    setting: Option<&Setting>,
+    what: &str,
+    errors: &mut Vec<Error>,
+) -> Option<u32> {
+    let Some(setting) = setting else {
+        return Some(1);
+    };
     let degree = values::count(setting, 1, false, errors)?;
     if degree != 1 {
         errors.push(Error::Unsupported {
@@ -217,7 +342,7 @@ fn resolve_topology(
             let known: Vec<&str> = topologies.keys().copied().collect();
             errors.push(Error::UnknownTopology {
                 span,
-                name: name.to_string(),
+                name: short(name),
                 suggestion: suggest(name, known.iter().copied()),
                 known: known.join(", "),
             });
@@ -239,22 +364,43 @@ fn router(
     let scoring = optional(table.setting("scoring"), ir::Scoring::Softmax, |s| {
         values::choice(s, &SCORINGS, "softmax, sigmoid", errors)
     });
-    let normalize = optional(table.setting("normalize"), true, |s| values::boolean(s, errors));
-    let scale = optional(table.setting("scale"), 1.0, |s| values::positive_real(s, errors));
+    let normalize = optional(table.setting("normalize"), true, |s| {
+        values::boolean(s, errors)
+    });
+    let scale = optional(table.setting("scale"), 1.0, |s| {
+        values::positive_real(s, errors)
+    });
     let group_limit = match (table.setting("groups"), table.setting("groups_kept")) {
         (None, None) => Some(None),
         (None, Some(kept)) => {
-            errors.push(Error::GroupsKeptWithoutGroups { span: kept.key.span });
+            errors.push(Error::GroupsKeptWithoutGroups {
+                span: kept.key.span,
+            });
             None
         }
         (Some(groups_setting), kept_setting) => {
             let groups = values::count(groups_setting, 1, false, errors);
-            let kept_setting = kept_setting.or_else(|| table.required("groups_kept", "groups_kept = 4", errors));
+            let kept_setting =
+                kept_setting.or_else(|| table.required("groups_kept", "groups_kept = 4", errors));
             let kept = kept_setting.and_then(|s| values::count(s, 1, false, errors));
-            group_limit(groups, groups_setting, kept, kept_setting, experts, top_k, top_k_setting, errors)
+            group_limit(
+                groups,
+                groups_setting,
+                kept,
+                kept_setting,
+                experts,
+                top_k,
+                top_k_setting,
+                errors,
+            )
         }
     };
-    Some(Some(ir::Router { scoring: scoring?, group_limit: group_limit?, normalize: normalize?, scale: scale? }))
+    Some(Some(ir::Router {
+        scoring: scoring?,
+        group_limit: group_limit?,
+        normalize: normalize?,
+        scale: scale?,
+    }))
 }
 
 /// DeepSeek-V3 style group-limited routing: groups divide the experts, the kept groups are
@@ -275,13 +421,21 @@ fn group_limit(
     if let Some(experts) = experts
         && experts % groups != 0
     {
-        errors.push(Error::GroupsDoNotDivideExperts { span: groups_setting.values[0].span, groups, experts });
+        errors.push(Error::GroupsDoNotDivideExperts {
+            span: groups_setting.values[0].span,
+            groups,
+            experts,
+        });
         valid = false;
     }
     let kept = kept?;
     let kept_span = kept_setting.map_or(groups_setting.span, |s| s.values[0].span);
     if kept > groups {
-        errors.push(Error::GroupsKeptOutOfRange { span: kept_span, kept, groups });
+        errors.push(Error::GroupsKeptOutOfRange {
+            span: kept_span,
+            kept,
+            groups,
+        });
         valid = false;
     }
     if valid
@@ -289,27 +443,41 @@ fn group_limit(
     {
         let eligible = (u64::from(kept) * u64::from(experts) / u64::from(groups)) as u32;
         if top_k > eligible && top_k <= experts {
-            errors.push(Error::TopKExceedsKeptGroups { span: top_k_setting.values[0].span, top_k, eligible });
+            errors.push(Error::TopKExceedsKeptGroups {
+                span: top_k_setting.values[0].span,
+                top_k,
+                eligible,
+            });
             valid = false;
         }
     }
     valid.then_some(Some(ir::GroupLimit { groups, kept }))
 }
 
-fn schedule(section: &Section, incomplete: bool, errors: &mut Vec<Error>) -> Option<ir::ScheduleHints> {
+fn schedule(
+    section: &Section,
+    incomplete: bool,
+    errors: &mut Vec<Error>,
+) -> Option<ir::ScheduleHints> {
     let table = Table::of_section(section, incomplete, &SCHEDULE, errors);
-    let read_count = |key: &str, tokens_allowed: bool, errors: &mut Vec<Error>| match table.setting(key) {
-        Some(setting) => values::count(setting, 1, tokens_allowed, errors).map(Some),
-        None => Some(None),
-    };
+    let read_count =
+        |key: &str, tokens_allowed: bool, errors: &mut Vec<Error>| match table.setting(key) {
+            Some(setting) => values::count(setting, 1, tokens_allowed, errors).map(Some),
+            None => Some(None),
+        };
     let gemm1_tile = table.setting("gemm1.tile").map(|s| values::tile(s, errors));
     let gemm2_tile = table.setting("gemm2.tile").map(|s| values::tile(s, errors));
     let stages = read_count("stages", false, errors);
     let dispatch_chunk = read_count("dispatch_chunk", true, errors);
     let comm_blocks = read_count("comm_blocks", false, errors);
-    let traffic_order = table
-        .setting("traffic")
-        .map(|s| values::choice(s, &TRAFFIC_ORDERS, "nearest_first, rotate, hierarchical", errors));
+    let traffic_order = table.setting("traffic").map(|s| {
+        values::choice(
+            s,
+            &TRAFFIC_ORDERS,
+            "nearest_first, rotate, hierarchical",
+            errors,
+        )
+    });
     Some(ir::ScheduleHints {
         gemm1_tile: gemm1_tile.map_or(Some(None), |tile| tile.map(Some))?,
         gemm2_tile: gemm2_tile.map_or(Some(None), |tile| tile.map(Some))?,

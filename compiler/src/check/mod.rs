@@ -13,7 +13,7 @@ pub mod values;
 
 use std::collections::BTreeMap;
 
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, MAX_ERRORS, short, suggest};
 use crate::front::ast::{File, Item, Span};
 use crate::ir;
 
@@ -32,17 +32,24 @@ pub struct NamedTopology {
 /// failed to parse).
 pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Error>> {
     let mut errors = Vec::new();
-    let incomplete =
-        |item: &Item| syntax_errors.iter().any(|span| item.span.start <= span.start && span.start < item.span.end);
+    let incomplete = |item: &Item| {
+        syntax_errors
+            .iter()
+            .any(|span| item.span.start <= span.start && span.start < item.span.end)
+    };
 
     let mut first_definitions: BTreeMap<(&str, &str), Span> = BTreeMap::new();
     let mut unique_items = Vec::new();
     for item in &file.items {
+        if errors.len() >= MAX_ERRORS {
+            errors.push(Error::TooManyErrors { span: item.span });
+            return Err(errors);
+        }
         let kind = item.kind.text.as_str();
         if !ITEM_KINDS.contains(&kind) {
             errors.push(Error::UnknownItemKind {
                 span: item.kind.span,
-                found: kind.to_string(),
+                found: short(kind),
                 suggestion: suggest(kind, ITEM_KINDS),
             });
             continue;
@@ -52,7 +59,7 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
             Some(first) => errors.push(Error::DuplicateItem {
                 span: item.name.span,
                 kind,
-                name: item.name.text.clone(),
+                name: short(&item.name.text),
                 first: *first,
             }),
             None => {
@@ -65,22 +72,39 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
     let mut topologies: BTreeMap<&str, NamedTopology> = BTreeMap::new();
     let mut checked_topologies = Vec::new();
     for (_, item) in unique_items.iter().filter(|(kind, _)| *kind == "topology") {
+        if errors.len() >= MAX_ERRORS {
+            errors.push(Error::TooManyErrors { span: item.span });
+            return Err(errors);
+        }
         let topology = topology::check_topology(item, incomplete(item), &mut errors);
         if let Some(topology) = &topology {
             checked_topologies.push(topology.clone());
         }
-        topologies.insert(&item.name.text, NamedTopology { name_span: item.name.span, topology });
+        topologies.insert(
+            &item.name.text,
+            NamedTopology {
+                name_span: item.name.span,
+                topology,
+            },
+        );
     }
 
     let mut layers = Vec::new();
     for (_, item) in unique_items.iter().filter(|(kind, _)| *kind == "layer") {
+        if errors.len() >= MAX_ERRORS {
+            errors.push(Error::TooManyErrors { span: item.span });
+            break;
+        }
         if let Some(layer) = layer::check_layer(item, incomplete(item), &topologies, &mut errors) {
             layers.push(layer);
         }
     }
 
     if errors.is_empty() {
-        Ok(ir::Module { topologies: checked_topologies, layers })
+        Ok(ir::Module {
+            topologies: checked_topologies,
+            layers,
+        })
     } else {
         errors.sort_by_key(|error| error.span().start);
         Err(errors)

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, short, suggest};
 use crate::front::ast::{Entry, Section, Setting, Span};
 
 /// The keys an item or section accepts.
@@ -39,7 +39,13 @@ impl<'a> Table<'a> {
         schema: &Schema,
         errors: &mut Vec<Error>,
     ) -> Self {
-        let mut table = Table { what, header, incomplete, settings: BTreeMap::new(), sections: BTreeMap::new() };
+        let mut table = Table {
+            what,
+            header,
+            incomplete,
+            settings: BTreeMap::new(),
+            sections: BTreeMap::new(),
+        };
         for entry in entries {
             match entry {
                 Entry::Setting(setting) => table.add_setting(setting, schema, errors),
@@ -50,7 +56,12 @@ impl<'a> Table<'a> {
     }
 
     /// A table of settings only (the inside of a section).
-    pub fn of_section(section: &'a Section, incomplete: bool, schema: &Schema, errors: &mut Vec<Error>) -> Self {
+    pub fn of_section(
+        section: &'a Section,
+        incomplete: bool,
+        schema: &Schema,
+        errors: &mut Vec<Error>,
+    ) -> Self {
         let mut table = Table {
             what: format!("section `{}`", section.name.text),
             header: section.name.span,
@@ -77,7 +88,7 @@ impl<'a> Table<'a> {
                 if let Some(first) = self.settings.get(key) {
                     errors.push(Error::DuplicateKey {
                         span: setting.key.span,
-                        key: written,
+                        key: short(&written),
                         section: self.what.clone(),
                         first: first.key.span,
                     });
@@ -86,7 +97,10 @@ impl<'a> Table<'a> {
                 }
             }
             None if schema.sections.contains(&written.as_str()) => {
-                errors.push(Error::ExpectedSection { span: setting.key.span, key: written });
+                errors.push(Error::ExpectedSection {
+                    span: setting.key.span,
+                    key: short(&written),
+                });
             }
             None => errors.push(self.unknown_key(written, setting.key.span, schema)),
         }
@@ -107,19 +121,40 @@ impl<'a> Table<'a> {
                     self.sections.insert(key, section);
                 }
             }
-            None if schema.settings.contains(&written) || schema.aliases.iter().any(|(alias, _)| *alias == written) => {
-                errors.push(Error::ExpectedSetting { span: section.name.span, key: written.to_string() });
+            None if schema.settings.contains(&written)
+                || schema.aliases.iter().any(|(alias, _)| *alias == written) =>
+            {
+                errors.push(Error::ExpectedSetting {
+                    span: section.name.span,
+                    key: written.to_string(),
+                });
             }
             None => errors.push(self.unknown_key(written.to_string(), section.name.span, schema)),
         }
     }
 
     fn unknown_key(&self, key: String, span: Span, schema: &Schema) -> Error {
-        let candidates =
-            || schema.settings.iter().chain(schema.sections).chain(schema.aliases.iter().map(|(alias, _)| alias));
+        let candidates = || {
+            schema
+                .settings
+                .iter()
+                .chain(schema.sections)
+                .chain(schema.aliases.iter().map(|(alias, _)| alias))
+        };
         let suggestion = suggest(&key, candidates().copied());
-        let known: Vec<&str> = schema.settings.iter().chain(schema.sections).copied().collect();
-        Error::UnknownKey { span, key, section: self.what.clone(), suggestion, known: known.join(", ") }
+        let known: Vec<&str> = schema
+            .settings
+            .iter()
+            .chain(schema.sections)
+            .copied()
+            .collect();
+        Error::UnknownKey {
+            span,
+            key: short(&key),
+            section: self.what.clone(),
+            suggestion,
+            known: known.join(", "),
+        }
     }
 
     pub fn setting(&self, key: &str) -> Option<&'a Setting> {
@@ -131,10 +166,20 @@ impl<'a> Table<'a> {
     }
 
     /// The setting, or a "missing key" error that shows `example`.
-    pub fn required(&self, key: &'static str, example: &'static str, errors: &mut Vec<Error>) -> Option<&'a Setting> {
+    pub fn required(
+        &self,
+        key: &'static str,
+        example: &'static str,
+        errors: &mut Vec<Error>,
+    ) -> Option<&'a Setting> {
         let setting = self.setting(key);
         if setting.is_none() && !self.incomplete {
-            errors.push(Error::MissingKey { span: self.header, key, section: self.what.clone(), example });
+            errors.push(Error::MissingKey {
+                span: self.header,
+                key,
+                section: self.what.clone(),
+                example,
+            });
         }
         setting
     }

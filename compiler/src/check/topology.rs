@@ -7,15 +7,32 @@ use crate::front::ast::Item;
 use crate::ir;
 
 const SCHEMA: Schema = Schema {
-    settings: &["gpus_per_node", "nodes", "intra_node", "network", "virtual_ranks"],
+    settings: &[
+        "gpus_per_node",
+        "nodes",
+        "intra_node",
+        "network",
+        "virtual_ranks",
+    ],
     sections: &[],
     aliases: &[("nvlink", "intra_node")],
 };
 
 /// Checks one topology item; `None` when it has errors (all of them pushed to `errors`).
-pub fn check_topology(item: &Item, incomplete: bool, errors: &mut Vec<Error>) -> Option<ir::Topology> {
+pub fn check_topology(
+    item: &Item,
+    incomplete: bool,
+    errors: &mut Vec<Error>,
+) -> Option<ir::Topology> {
     let what = format!("topology `{}`", item.name.text);
-    let table = Table::new(what, item.name.span, incomplete, &item.body.entries, &SCHEMA, errors);
+    let table = Table::new(
+        what,
+        item.name.span,
+        incomplete,
+        &item.body.entries,
+        &SCHEMA,
+        errors,
+    );
 
     let gpus_per_node = table
         .required("gpus_per_node", "gpus_per_node = 8", errors)
@@ -40,11 +57,18 @@ pub fn check_topology(item: &Item, incomplete: bool, errors: &mut Vec<Error>) ->
     if let Some(setting) = table.setting("virtual_ranks")
         && gpus != 1
     {
-        errors.push(Error::VirtualRanksNeedOneGpu { span: setting.span, topology: item.name.text.clone(), gpus });
+        errors.push(Error::VirtualRanksNeedOneGpu {
+            span: setting.span,
+            topology: item.name.text.clone(),
+            gpus,
+        });
         return None;
     }
     if virtual_ranks.is_none() && u32::try_from(gpus).is_err() {
-        errors.push(Error::TooManyRanks { span: item.name.span, topology: item.name.text.clone() });
+        errors.push(Error::TooManyRanks {
+            span: item.name.span,
+            topology: item.name.text.clone(),
+        });
         return None;
     }
     Some(ir::Topology {

@@ -3,12 +3,16 @@
 //! positive reals, links and tile shapes. Each reader reports what is wrong and returns
 //! `None`, so the checker can go on and find the next error.
 
-use crate::diagnostics::{Error, suggest};
+use crate::diagnostics::{Error, short, suggest};
 use crate::front::ast::{Dimension, NumberLiteral, Setting, Span, Value, ValueKind};
 use crate::ir::{Link, TileShape};
 
 /// The single value of `setting`, or an error if it has several.
-pub fn single<'a>(setting: &'a Setting, expected: &'static str, errors: &mut Vec<Error>) -> Option<&'a Value> {
+pub fn single<'a>(
+    setting: &'a Setting,
+    expected: &'static str,
+    errors: &mut Vec<Error>,
+) -> Option<&'a Value> {
     match setting.values.as_slice() {
         [value] => Some(value),
         values => {
@@ -26,57 +30,95 @@ pub fn single<'a>(setting: &'a Setting, expected: &'static str, errors: &mut Vec
 /// How a value reads in messages: "the word `x`", "the number `3 us`".
 fn describe(value: &Value) -> String {
     match &value.kind {
-        ValueKind::Number { .. } => format!("the number `{}`", crate::front::format::format_value(value)),
-        ValueKind::Word(word) => format!("the word `{word}`"),
-        ValueKind::Tile(tile) => format!("the tile shape `{tile}`"),
+        ValueKind::Number { .. } => format!(
+            "the number `{}`",
+            short(&crate::front::format::format_value(value))
+        ),
+        ValueKind::Word(word) => format!("the word `{}`", short(word)),
+        ValueKind::Tile(tile) => format!("the tile shape `{}`", short(tile)),
     }
 }
 
 fn wrong_kind(setting: &Setting, value: &Value, expected: &str) -> Error {
-    Error::WrongValueKind { span: value.span, key: setting.key.dotted(), expected: expected.to_string(), found: describe(value) }
+    Error::WrongValueKind {
+        span: value.span,
+        key: setting.key.dotted(),
+        expected: expected.to_string(),
+        found: describe(value),
+    }
 }
 
 /// Parses a whole-number literal (underscores allowed) that must fit in `bits` bits.
-fn parse_whole(setting: &Setting, literal: &NumberLiteral, span: Span, bits: u32) -> Result<u64, Error> {
+fn parse_whole(
+    setting: &Setting,
+    literal: &NumberLiteral,
+    span: Span,
+    bits: u32,
+) -> Result<u64, Error> {
     let key = setting.key.dotted();
     if !literal.is_integer {
-        return Err(Error::NotAnInteger { span, key, value: literal.text.clone() });
+        return Err(Error::NotAnInteger {
+            span,
+            key,
+            value: literal.text.clone(),
+        });
     }
-    let max = if bits == 32 { u64::from(u32::MAX) } else { u64::MAX };
+    let max = if bits == 32 {
+        u64::from(u32::MAX)
+    } else {
+        u64::MAX
+    };
     let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
     match digits.parse::<u64>() {
         Ok(number) if number <= max => Ok(number),
-        _ => Err(Error::NumberTooLarge { span, key, value: short(&literal.text), bits, max }),
+        _ => Err(Error::NumberTooLarge {
+            span,
+            key,
+            value: short(&literal.text),
+            bits,
+            max,
+        }),
     }
 }
 
-/// A literal shortened for messages (fuzzers write numbers a megabyte long).
-fn short(text: &str) -> String {
-    if text.len() <= 40 { text.to_string() } else { format!("{}…", &text[..40]) }
-}
-
 /// A whole number without a unit (or with `tokens` when `tokens_allowed`), at least `min`.
-pub fn count(setting: &Setting, min: u32, tokens_allowed: bool, errors: &mut Vec<Error>) -> Option<u32> {
+pub fn count(
+    setting: &Setting,
+    min: u32,
+    tokens_allowed: bool,
+    errors: &mut Vec<Error>,
+) -> Option<u32> {
     let value = single(setting, "one whole number", errors)?;
     let ValueKind::Number { literal, unit } = &value.kind else {
         errors.push(wrong_kind(setting, value, "a whole number"));
         return None;
     };
-    if let Some(unit) = unit {
-        if !(tokens_allowed && unit.dimension() == Dimension::Tokens) {
-            errors.push(Error::WrongUnit {
-                span: value.span,
-                key: setting.key.dotted(),
-                expected: if tokens_allowed { "a token count (a plain number or `N tokens`)".into() } else { "a plain number".into() },
-                unit: unit.symbol(),
-                unit_dimension: unit_dimension_name(unit.dimension()),
-            });
-            return None;
-        }
+    if let Some(unit) = unit
+        && !(tokens_allowed && unit.dimension() == Dimension::Tokens)
+    {
+        errors.push(Error::WrongUnit {
+            span: value.span,
+            key: setting.key.dotted(),
+            expected: if tokens_allowed {
+                "a token count (a plain number or `N tokens`)".into()
+            } else {
+                "a plain number".into()
+            },
+            unit: unit.symbol(),
+            unit_dimension: unit_dimension_name(unit.dimension()),
+        });
+        return None;
     }
-    let number = parse_whole(setting, literal, value.span, 32).map_err(|error| errors.push(error)).ok()?;
+    let number = parse_whole(setting, literal, value.span, 32)
+        .map_err(|error| errors.push(error))
+        .ok()?;
     if number < u64::from(min) {
-        errors.push(Error::TooSmall { span: value.span, key: setting.key.dotted(), value: number, min: u64::from(min) });
+        errors.push(Error::TooSmall {
+            span: value.span,
+            key: setting.key.dotted(),
+            value: number,
+            min: u64::from(min),
+        });
         return None;
     }
     u32::try_from(number).ok()
@@ -92,14 +134,23 @@ fn unit_dimension_name(dimension: Dimension) -> &'static str {
 
 /// A quantity of `dimension` in base units (bytes per second or nanoseconds); fractions
 /// are allowed (`1.5 TB/s`) and rounded to the nearest base unit.
-fn quantity(setting: &Setting, value: &Value, dimension: Dimension, errors: &mut Vec<Error>) -> Option<u64> {
+fn quantity(
+    setting: &Setting,
+    value: &Value,
+    dimension: Dimension,
+    errors: &mut Vec<Error>,
+) -> Option<u64> {
     let key = setting.key.dotted();
     let ValueKind::Number { literal, unit } = &value.kind else {
         errors.push(wrong_kind(setting, value, dimension.describe()));
         return None;
     };
     let Some(unit) = unit else {
-        errors.push(Error::MissingUnit { span: value.span, key, expected: dimension.describe() });
+        errors.push(Error::MissingUnit {
+            span: value.span,
+            key,
+            expected: dimension.describe(),
+        });
         return None;
     };
     if unit.dimension() != dimension {
@@ -112,9 +163,17 @@ fn quantity(setting: &Setting, value: &Value, dimension: Dimension, errors: &mut
         });
         return None;
     }
-    let too_large = || Error::NumberTooLarge { span: value.span, key: key.clone(), value: short(&crate::front::format::format_value(value)), bits: 64, max: u64::MAX };
+    let too_large = || Error::NumberTooLarge {
+        span: value.span,
+        key: key.clone(),
+        value: short(&crate::front::format::format_value(value)),
+        bits: 64,
+        max: u64::MAX,
+    };
     if literal.is_integer {
-        let number = parse_whole(setting, literal, value.span, 64).map_err(|error| errors.push(error)).ok()?;
+        let number = parse_whole(setting, literal, value.span, 64)
+            .map_err(|error| errors.push(error))
+            .ok()?;
         number.checked_mul(unit.scale()).or_else(|| {
             errors.push(too_large());
             None
@@ -145,15 +204,26 @@ pub fn link(setting: &Setting, errors: &mut Vec<Error>) -> Option<Link> {
         return None;
     };
     let is_latency = |value: &Value| matches!(&value.kind, ValueKind::Number { unit: Some(unit), .. } if unit.dimension() == Dimension::Latency);
-    let (bandwidth, latency) = if is_latency(first) { (second, first) } else { (first, second) };
+    let (bandwidth, latency) = if is_latency(first) {
+        (second, first)
+    } else {
+        (first, second)
+    };
     let bandwidth_bytes_per_s = quantity(setting, bandwidth, Dimension::Bandwidth, errors);
     let latency_ns = quantity(setting, latency, Dimension::Latency, errors);
     let bandwidth_bytes_per_s = bandwidth_bytes_per_s?;
     if bandwidth_bytes_per_s == 0 {
-        errors.push(Error::NotPositive { span: bandwidth.span, key, value: crate::front::format::format_value(bandwidth) });
+        errors.push(Error::NotPositive {
+            span: bandwidth.span,
+            key,
+            value: crate::front::format::format_value(bandwidth),
+        });
         return None;
     }
-    Some(Link { bandwidth_bytes_per_s, latency_ns: latency_ns? })
+    Some(Link {
+        bandwidth_bytes_per_s,
+        latency_ns: latency_ns?,
+    })
 }
 
 /// A word of `choices`, mapped to its meaning.
@@ -183,7 +253,12 @@ pub fn choice<T: Copy>(
 
 /// `true` or `false`.
 pub fn boolean(setting: &Setting, errors: &mut Vec<Error>) -> Option<bool> {
-    choice(setting, &[("true", true), ("false", false)], "true, false", errors)
+    choice(
+        setting,
+        &[("true", true), ("false", false)],
+        "true, false",
+        errors,
+    )
 }
 
 /// A name (of a topology, say) and where it is written.
@@ -203,17 +278,26 @@ pub fn positive_real(setting: &Setting, errors: &mut Vec<Error>) -> Option<f64> 
     let value = single(setting, "one number", errors)?;
     let key = setting.key.dotted();
     match &value.kind {
-        ValueKind::Number { literal, unit: None } => {
+        ValueKind::Number {
+            literal,
+            unit: None,
+        } => {
             let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
             match digits.parse::<f64>() {
                 Ok(number) if number.is_finite() && number > 0.0 => Some(number),
                 _ => {
-                    errors.push(Error::NotPositive { span: value.span, key, value: short(&literal.text) });
+                    errors.push(Error::NotPositive {
+                        span: value.span,
+                        key,
+                        value: short(&literal.text),
+                    });
                     None
                 }
             }
         }
-        ValueKind::Number { unit: Some(unit), .. } => {
+        ValueKind::Number {
+            unit: Some(unit), ..
+        } => {
             errors.push(Error::WrongUnit {
                 span: value.span,
                 key,
@@ -235,20 +319,39 @@ pub fn tile(setting: &Setting, errors: &mut Vec<Error>) -> Option<TileShape> {
     let value = single(setting, "one tile shape", errors)?;
     let key = setting.key.dotted();
     let ValueKind::Tile(text) = &value.kind else {
-        errors.push(wrong_kind(setting, value, "a tile shape `MxNxK`, e.g. `128x128x64`"));
+        errors.push(wrong_kind(
+            setting,
+            value,
+            "a tile shape `MxNxK`, e.g. `128x128x64`",
+        ));
         return None;
     };
     let mut dimensions = [0u32; 3];
     let mut ok = true;
-    for ((part, slot), dimension) in text.split('x').zip(dimensions.iter_mut()).zip(["m", "n", "k"]) {
+    for ((part, slot), dimension) in text
+        .split('x')
+        .zip(dimensions.iter_mut())
+        .zip(["m", "n", "k"])
+    {
         match part.parse::<u32>() {
             Ok(number) if number > 0 && number % 16 == 0 => *slot = number,
             Ok(number) => {
-                errors.push(Error::TileNotAligned { span: value.span, key: key.clone(), dimension, value: number });
+                errors.push(Error::TileNotAligned {
+                    span: value.span,
+                    key: key.clone(),
+                    dimension,
+                    value: number,
+                });
                 ok = false;
             }
             Err(_) => {
-                errors.push(Error::NumberTooLarge { span: value.span, key: key.clone(), value: short(part), bits: 32, max: u64::from(u32::MAX) });
+                errors.push(Error::NumberTooLarge {
+                    span: value.span,
+                    key: key.clone(),
+                    value: short(part),
+                    bits: 32,
+                    max: u64::from(u32::MAX),
+                });
                 ok = false;
             }
         }

@@ -5,8 +5,8 @@
 //! units fit them and which values are valid is the checker's business, so the grammar stays
 //! small and every mistake of meaning gets a diagnostic that names the rule.
 
-/// A half-open byte range `start..end` into the source text.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// A half-open byte range `start..end` into the source text (debug-printed as `start..end`).
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Span {
     pub start: usize,
     pub end: usize,
@@ -15,17 +15,6 @@ pub struct Span {
 impl Span {
     pub fn new(start: usize, end: usize) -> Self {
         Span { start, end }
-    }
-
-    /// The smallest span covering both.
-    pub fn to(self, other: Span) -> Span {
-        Span::new(self.start.min(other.start), self.end.max(other.end))
-    }
-}
-
-impl From<Span> for std::ops::Range<usize> {
-    fn from(span: Span) -> Self {
-        span.start..span.end
     }
 }
 
@@ -74,15 +63,6 @@ pub enum Entry {
     Section(Section),
 }
 
-impl Entry {
-    pub fn span(&self) -> Span {
-        match self {
-            Entry::Setting(setting) => setting.span,
-            Entry::Section(section) => section.span,
-        }
-    }
-}
-
 /// `key = value, value, ...`, e.g. `nvlink = 450 GB/s, 3 us` or `gemm1.tile = 128x128x64`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Setting {
@@ -124,7 +104,10 @@ pub struct Value {
 #[derive(Clone, Debug, PartialEq)]
 pub enum ValueKind {
     /// A number as written (`16_384`, `2.5`), with its unit if any.
-    Number { literal: NumberLiteral, unit: Option<Unit> },
+    Number {
+        literal: NumberLiteral,
+        unit: Option<Unit>,
+    },
     /// A word: `swiglu`, `true`, `h200_node`.
     Word(String),
     /// A tile shape as written: `128x128x64`.
@@ -168,7 +151,9 @@ pub enum Dimension {
 impl Dimension {
     pub fn describe(self) -> &'static str {
         match self {
-            Dimension::Bandwidth => "a bandwidth (B/s, KB/s, MB/s, GB/s, TB/s, KiB/s, MiB/s, GiB/s, TiB/s)",
+            Dimension::Bandwidth => {
+                "a bandwidth (B/s, KB/s, MB/s, GB/s, TB/s, KiB/s, MiB/s, GiB/s, TiB/s)"
+            }
             Dimension::Latency => "a latency (ns, us, ms)",
             Dimension::Tokens => "a token count (tokens)",
         }

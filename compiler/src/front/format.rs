@@ -13,7 +13,13 @@ const INDENT: &str = "  ";
 /// Prints `file` (parsed from `source`, whose comments and blank lines it keeps) in
 /// canonical form.
 pub fn format_file(file: &File, source: &str) -> String {
-    let mut printer = Printer { source, comments: &file.comments, next_comment: 0, out: String::new(), last_end: 0 };
+    let mut printer = Printer {
+        source,
+        comments: &file.comments,
+        next_comment: 0,
+        out: String::new(),
+        last_end: 0,
+    };
     for (index, item) in file.items.iter().enumerate() {
         printer.item(item, index == 0);
     }
@@ -25,8 +31,14 @@ pub fn format_file(file: &File, source: &str) -> String {
 /// or the tile shape.
 pub fn format_value(value: &Value) -> String {
     match &value.kind {
-        ValueKind::Number { literal, unit: Some(unit) } => format!("{} {}", literal.text, unit.symbol()),
-        ValueKind::Number { literal, unit: None } => literal.text.clone(),
+        ValueKind::Number {
+            literal,
+            unit: Some(unit),
+        } => format!("{} {}", literal.text, unit.symbol()),
+        ValueKind::Number {
+            literal,
+            unit: None,
+        } => literal.text.clone(),
         ValueKind::Word(word) => word.clone(),
         ValueKind::Tile(tile) => tile.clone(),
     }
@@ -48,7 +60,8 @@ impl Printer<'_> {
         }
         self.own_line_comments(item.span.start, 0);
         self.blank_line_if_source_has_one(item.span.start);
-        self.out.push_str(&format!("{} {} {{", item.kind.text, item.name.text));
+        self.out
+            .push_str(&format!("{} {} {{", item.kind.text, item.name.text));
         self.last_end = item.body.span.start + 1;
         self.end_of_line_comment();
         self.entries(&item.body.entries, 1);
@@ -83,7 +96,8 @@ impl Printer<'_> {
         self.blank_line_if_source_has_one(setting.span.start);
         self.indent(depth);
         let values: Vec<String> = setting.values.iter().map(format_value).collect();
-        self.out.push_str(&format!("{} = {}", setting.key.dotted(), values.join(", ")));
+        self.out
+            .push_str(&format!("{} = {}", setting.key.dotted(), values.join(", ")));
         self.last_end = setting.span.end;
         self.end_of_line_comment();
     }
@@ -117,7 +131,9 @@ impl Printer<'_> {
     fn end_of_line_comment(&mut self) {
         if let Some(comment) = self.comments.get(self.next_comment)
             && comment.span.start >= self.last_end
-            && self.source[self.last_end..comment.span.start].trim().is_empty()
+            && self.source[self.last_end..comment.span.start]
+                .trim()
+                .is_empty()
             && !self.source[self.last_end..comment.span.start].contains('\n')
         {
             self.out.push(' ');

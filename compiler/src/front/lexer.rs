@@ -6,12 +6,13 @@
 
 use logos::Logos;
 
+use crate::diagnostics::MAX_ERRORS;
 use crate::front::ast::{Comment, Span, Unit};
 
 /// One token of a `.moe` file. Words that are units (`us`, `GB/s`, `tokens`, ...) are their
 /// own tokens, so a unit can follow a number with no ambiguity and values need no separators.
 #[derive(Logos, Clone, Copy, Debug, PartialEq, Eq)]
-#[logos(skip r"[ \t\r\n\f]+")]
+#[logos(skip r"[ \t\r\n\f\u{FEFF}]+")]
 pub enum Token<'src> {
     #[token("{")]
     LBrace,
@@ -94,7 +95,8 @@ pub struct Lexed<'src> {
 }
 
 /// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
-/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap.
+/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap; at
+/// most [`MAX_ERRORS`] invalid characters are listed.
 pub fn lex(source: &str) -> Lexed<'_> {
     let mut lexed = Lexed::default();
     let mut lexer = Token::lexer(source);
@@ -114,7 +116,12 @@ pub fn lex(source: &str) -> Lexed<'_> {
                     continue;
                 }
                 let found = source[range.clone()].chars().next().unwrap_or('\u{fffd}');
-                lexed.invalid.push(InvalidCharacter { span: Span::new(range.start, range.end), found });
+                if lexed.invalid.len() <= MAX_ERRORS {
+                    lexed.invalid.push(InvalidCharacter {
+                        span: Span::new(range.start, range.end),
+                        found,
+                    });
+                }
                 lexed.tokens.push((range.start, Token::Invalid, range.end));
             }
         }
@@ -127,7 +134,11 @@ mod tests {
     use super::*;
 
     fn kinds(source: &str) -> Vec<Token<'_>> {
-        lex(source).tokens.into_iter().map(|(_, token, _)| token).collect()
+        lex(source)
+            .tokens
+            .into_iter()
+            .map(|(_, token, _)| token)
+            .collect()
     }
 
     #[test]
@@ -163,10 +174,42 @@ mod tests {
     }
 
     #[test]
+    fn a_byte_order_mark_is_whitespace() {
+        let lexed = lex("\u{FEFF}layer");
+        assert_eq!(lexed.tokens.len(), 1);
+        assert!(lexed.invalid.is_empty());
+    }
+
+    #[test]
+    fn numbers_words_and_reserved_units() {
+        assert_eq!(
+            kinds("16_384 1.5e3 1e-3 usable us tokens 128x5"),
+            vec![
+                Token::Integer("16_384"),
+                Token::Float("1.5e3"),
+                Token::Float("1e-3"),
+                Token::Ident("usable"),
+                Token::Unit(Unit::Microseconds),
+                Token::Unit(Unit::Tokens),
+                Token::Integer("128"),
+                Token::Ident("x5"),
+            ]
+        );
+    }
+
+    #[test]
     fn runs_of_invalid_characters_become_one_token() {
         let lexed = lex("a = @@@\u{0} b");
         assert_eq!(lexed.invalid.len(), 1);
         assert_eq!(lexed.invalid[0].found, '@');
-        assert_eq!(kinds("a = @@@\u{0} b"), vec![Token::Ident("a"), Token::Equals, Token::Invalid, Token::Ident("b")]);
+        assert_eq!(
+            kinds("a = @@@\u{0} b"),
+            vec![
+                Token::Ident("a"),
+                Token::Equals,
+                Token::Invalid,
+                Token::Ident("b")
+            ]
+        );
     }
 }

@@ -9,9 +9,9 @@ pub mod ast;
 pub mod format;
 pub mod lexer;
 
-use lalrpop_util::{ErrorRecovery, ParseError, lalrpop_mod};
+use lalrpop_util::{ParseError, lalrpop_mod};
 
-use crate::diagnostics::Error;
+use crate::diagnostics::{Error, MAX_ERRORS};
 use ast::Span;
 use lexer::Token;
 
@@ -32,37 +32,89 @@ pub struct Parsed {
 /// them are reported. Meaning (keys, units, rules) is checked later by [`crate::check`].
 pub fn parse(source: &str) -> Parsed {
     let lexed = lexer::lex(source);
-    let mut errors: Vec<Error> = lexed
-        .invalid
-        .iter()
-        .map(|invalid| Error::InvalidCharacter { span: invalid.span, found: invalid.found })
-        .collect();
-    let mut recovered = Vec::new();
-    let result = grammar::FileParser::new().parse(&mut recovered, lexed.tokens.iter().map(|&token| Ok(token)));
+    let mut errors = SyntaxErrors {
+        errors: Vec::new(),
+        source_len: source.len(),
+    };
+    for invalid in &lexed.invalid {
+        errors.push(Error::InvalidCharacter {
+            span: invalid.span,
+            found: invalid.found,
+        });
+    }
+    let result =
+        grammar::FileParser::new().parse(&mut errors, lexed.tokens.iter().map(|&token| Ok(token)));
     let items = match result {
         Ok(items) => items,
         Err(error) => {
-            recovered.push(ErrorRecovery { error, dropped_tokens: Vec::new() });
+            errors.record(error);
             Vec::new()
         }
     };
-    errors.extend(recovered.into_iter().filter_map(|recovery| syntax_error(recovery.error, source.len())));
+    let mut errors = errors.errors;
     errors.sort_by_key(|error| error.span().start);
-    Parsed { file: ast::File { items, comments: lexed.comments }, errors }
+    Parsed {
+        file: ast::File {
+            items,
+            comments: lexed.comments,
+        },
+        errors,
+    }
+}
+
+/// The syntax errors the parser has met while recovering, at most [`MAX_ERRORS`] of them
+/// (then one [`Error::TooManyErrors`]), so that garbage input costs bounded memory.
+pub struct SyntaxErrors {
+    errors: Vec<Error>,
+    source_len: usize,
+}
+
+impl SyntaxErrors {
+    /// Records a parser error (called from the grammar's recovery rules).
+    pub fn record(&mut self, error: ParseError<usize, Token<'_>, std::convert::Infallible>) {
+        if self.errors.len() <= MAX_ERRORS
+            && let Some(error) = syntax_error(error, self.source_len)
+        {
+            self.push(error);
+        }
+    }
+
+    fn push(&mut self, error: Error) {
+        match self.errors.len() {
+            count if count < MAX_ERRORS => self.errors.push(error),
+            MAX_ERRORS => self
+                .errors
+                .push(Error::TooManyErrors { span: error.span() }),
+            _ => {}
+        }
+    }
 }
 
 /// Turns a parser error into a diagnostic; `None` for errors at an invalid character, which
 /// the lexer has already reported.
-fn syntax_error(error: ParseError<usize, Token<'_>, std::convert::Infallible>, end: usize) -> Option<Error> {
+fn syntax_error(
+    error: ParseError<usize, Token<'_>, std::convert::Infallible>,
+    end: usize,
+) -> Option<Error> {
     match error {
-        ParseError::UnrecognizedToken { token: (_, Token::Invalid, _), .. }
-        | ParseError::ExtraToken { token: (_, Token::Invalid, _) } => None,
-        ParseError::UnrecognizedToken { token: (start, token, stop), expected } => Some(Error::UnexpectedToken {
+        ParseError::UnrecognizedToken {
+            token: (_, Token::Invalid, _),
+            ..
+        }
+        | ParseError::ExtraToken {
+            token: (_, Token::Invalid, _),
+        } => None,
+        ParseError::UnrecognizedToken {
+            token: (start, token, stop),
+            expected,
+        } => Some(Error::UnexpectedToken {
             span: Span::new(start, stop),
             found: token.to_string(),
             expected: describe_expected(&expected),
         }),
-        ParseError::ExtraToken { token: (start, token, stop) } => Some(Error::UnexpectedToken {
+        ParseError::ExtraToken {
+            token: (start, token, stop),
+        } => Some(Error::UnexpectedToken {
             span: Span::new(start, stop),
             found: token.to_string(),
             expected: "the end of the file".into(),
@@ -104,5 +156,67 @@ fn describe_expected(expected: &[String]) -> String {
         [] => "something else".into(),
         [one] => (*one).into(),
         [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ast::{Entry, ValueKind};
+
+    #[test]
+    fn parses_items_sections_dotted_keys_and_value_lists() {
+        let parsed = parse(
+            "topology t { nvlink = 450 GB/s, 3 us }\n\
+             layer l { hidden = 16_384 router { scale = 2.5 } schedule { gemm1.tile = 128x128x64 } }",
+        );
+        assert_eq!(parsed.errors, []);
+        let [topology, layer] = parsed.file.items.as_slice() else {
+            panic!("two items")
+        };
+        assert_eq!(
+            (topology.kind.text.as_str(), topology.name.text.as_str()),
+            ("topology", "t")
+        );
+        let Entry::Setting(nvlink) = &topology.body.entries[0] else {
+            panic!("a setting")
+        };
+        assert_eq!(nvlink.values.len(), 2);
+        assert_eq!(
+            &"topology t { nvlink = 450 GB/s, 3 us }"[nvlink.span.start..nvlink.span.end],
+            "nvlink = 450 GB/s, 3 us"
+        );
+        let Entry::Section(schedule) = &layer.body.entries[2] else {
+            panic!("a section")
+        };
+        assert_eq!(schedule.settings[0].key.dotted(), "gemm1.tile");
+        assert!(
+            matches!(&schedule.settings[0].values[0].kind, ValueKind::Tile(tile) if tile == "128x128x64")
+        );
+    }
+
+    #[test]
+    fn recovers_and_reports_every_syntax_error() {
+        let parsed = parse(
+            "layer a { hidden = = 1 ffn = 64 }\nlayer b { experts 8 top_k = 2 }\nlayer c { top_k = 1 }",
+        );
+        assert_eq!(parsed.errors.len(), 2, "{:?}", parsed.errors);
+        let names: Vec<&str> = parsed
+            .file
+            .items
+            .iter()
+            .map(|item| item.name.text.as_str())
+            .collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        let Entry::Setting(ffn) = &parsed.file.items[0].body.entries[0] else {
+            panic!("ffn survives")
+        };
+        assert_eq!(ffn.key.dotted(), "ffn");
+    }
+
+    #[test]
+    fn sections_do_not_nest() {
+        let parsed = parse("layer a { router { inner { x = 1 } } }");
+        assert!(!parsed.errors.is_empty());
     }
 }
