@@ -97,6 +97,8 @@ impl Key {
 pub struct Section {
     pub name: Ident,
     pub settings: Vec<Setting>,
+    /// Byte offset of the `{` (the formatter keeps a comment that follows it on its line).
+    pub open_brace: usize,
     pub span: Span,
 }
 
