@@ -1,6 +1,10 @@
 //! Fuzzes the whole front end on arbitrary bytes: decoding, lexing, parsing, checking and
 //! rendering diagnostics must not panic; for text that parses, formatting must be
 //! idempotent and must not change what the file means.
+//!
+//! Run from `fuzz/` (seed the corpus with the examples first):
+//! `mkdir -p corpus/front && cp ../dsl-examples/*.moe corpus/front/ &&
+//!  RUSTC_BOOTSTRAP=1 cargo fuzz run front -- -dict=moe.dict -max_len=4096 -max_total_time=600`
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

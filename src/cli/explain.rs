@@ -20,7 +20,15 @@ pub struct Args {
 pub fn run(args: &Args) -> ExitCode {
     match compile_file(&args.file) {
         Ok((_, module)) => {
-            let text: Vec<String> = module.layers.iter().map(explain_layer).collect();
+            let mut text: Vec<String> = module.layers.iter().map(explain_layer).collect();
+            // Topologies no layer uses would otherwise go unexplained.
+            let unused = module.topologies.iter().filter(|topology| {
+                !module
+                    .layers
+                    .iter()
+                    .any(|layer| layer.topology.name == topology.name)
+            });
+            text.extend(unused.map(explain_topology));
             print!("{}", text.join("\n"));
             OK
         }
@@ -112,21 +120,7 @@ fn explain_layer(layer: &ir::Layer) -> String {
         parallel.data,
         parallel.tensor
     );
-    let topology = &layer.topology;
-    let placement = match topology.virtual_ranks {
-        Some(ranks) => format!("{ranks} virtual ranks on one GPU"),
-        None => format!(
-            "{} node{} × {} GPU{} = {} ranks",
-            topology.nodes,
-            if topology.nodes == 1 { "" } else { "s" },
-            topology.gpus_per_node,
-            if topology.gpus_per_node == 1 { "" } else { "s" },
-            topology.ranks()
-        ),
-    };
-    let _ = writeln!(out, "  topology             {}: {placement}", topology.name);
-    let _ = writeln!(out, "    intra_node         {}", link(&topology.intra_node));
-    let _ = writeln!(out, "    network            {}", link(&topology.network));
+    out.push_str(&topology_lines(&layer.topology, "  topology             "));
     let _ = writeln!(out, "  schedule             {}", schedule(&layer.schedule));
 
     let element = u64::from(layer.weight_dtype.size_bytes());
@@ -181,6 +175,34 @@ fn explain_layer(layer: &ir::Layer) -> String {
         "    x per call         {} at max_tokens",
         bytes(token_bytes * u64::from(layer.max_tokens))
     );
+    out
+}
+
+/// A topology no layer of the file uses.
+fn explain_topology(topology: &ir::Topology) -> String {
+    format!(
+        "topology (used by no layer)\n{}",
+        topology_lines(topology, "  ")
+    )
+}
+
+/// The topology's name, ranks and links, the first line starting with `lead`.
+fn topology_lines(topology: &ir::Topology, lead: &str) -> String {
+    let mut out = String::new();
+    let placement = match topology.virtual_ranks {
+        Some(ranks) => format!("{ranks} virtual ranks on one GPU"),
+        None => format!(
+            "{} node{} × {} GPU{} = {} ranks",
+            topology.nodes,
+            if topology.nodes == 1 { "" } else { "s" },
+            topology.gpus_per_node,
+            if topology.gpus_per_node == 1 { "" } else { "s" },
+            topology.ranks()
+        ),
+    };
+    let _ = writeln!(out, "{lead}{}: {placement}", topology.name);
+    let _ = writeln!(out, "    intra_node         {}", link(&topology.intra_node));
+    let _ = writeln!(out, "    network            {}", link(&topology.network));
     out
 }
 

@@ -18,6 +18,12 @@ impl Span {
     }
 }
 
+impl std::fmt::Debug for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}..{}", self.start, self.end)
+    }
+}
+
 /// A whole file: its items in source order, and its comments in source order.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct File {
@@ -91,6 +97,8 @@ impl Key {
 pub struct Section {
     pub name: Ident,
     pub settings: Vec<Setting>,
+    /// Byte offset of the `{` (the formatter keeps a comment that follows it on its line).
+    pub open_brace: usize,
     pub span: Span,
 }
 

@@ -60,6 +60,8 @@ impl Printer<'_> {
         }
         self.own_line_comments(item.span.start, 0);
         self.blank_line_if_source_has_one(item.span.start);
+        // Comments between the item's name and its `{` move above it.
+        self.own_line_comments(item.body.span.start, 0);
         self.out
             .push_str(&format!("{} {} {{", item.kind.text, item.name.text));
         self.last_end = item.body.span.start + 1;
@@ -78,11 +80,11 @@ impl Printer<'_> {
     }
 
     fn section(&mut self, section: &Section, depth: usize) {
-        self.own_line_comments(section.name.span.end, depth);
+        self.own_line_comments(section.open_brace, depth);
         self.blank_line_if_source_has_one(section.span.start);
         self.indent(depth);
         self.out.push_str(&format!("{} {{", section.name.text));
-        self.last_end = section.name.span.end;
+        self.last_end = section.open_brace + 1;
         self.end_of_line_comment();
         for setting in &section.settings {
             self.setting(setting, depth + 1);
