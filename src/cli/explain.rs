@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use moeforge::compiler::ir;
+use moeforge::compiler::plan::{self, Target};
 
 use super::{OK, compile_file};
 
@@ -20,7 +21,8 @@ pub struct Args {
 pub fn run(args: &Args) -> ExitCode {
     match compile_file(&args.file) {
         Ok((_, module)) => {
-            let mut text: Vec<String> = module.layers.iter().map(explain_layer).collect();
+            let mut text: Vec<String> =
+                module.layers.iter().map(|layer| explain_layer(layer) + &explain_plan(layer)).collect();
             // Topologies no layer uses would otherwise go unexplained.
             let unused = module.topologies.iter().filter(|topology| {
                 !module
@@ -298,5 +300,13 @@ fn schedule(hints: &ir::ScheduleHints) -> String {
         "no hints (the planner chooses everything)".into()
     } else {
         format!("{} (the planner chooses the rest)", parts.join(", "))
+    }
+}
+
+/// The layer's plan on the H200 (tiles, regimes, launches, workspace), or why it has none.
+fn explain_plan(layer: &ir::Layer) -> String {
+    match plan::plan(layer, &Target::h200()) {
+        Ok(plan) => plan::describe(&plan),
+        Err(error) => format!("plan: {error}\n"),
     }
 }
