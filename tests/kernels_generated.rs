@@ -13,7 +13,8 @@ use moeforge::runtime::toolkit::nvrtc_for_tests;
 fn kernels_generated_is_fresh() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let bless = std::env::var("MOEFORGE_BLESS").is_ok_and(|v| v == "1");
-    let jit = nvrtc_for_tests().map(|tk| Jit::new(tk, JitSettings::from_env().expect("JIT settings")).expect("JIT"));
+    let jit = nvrtc_for_tests()
+        .map(|tk| Jit::new(tk, JitSettings::from_env().expect("JIT settings")).expect("JIT"));
     let mut examples: Vec<_> = std::fs::read_dir(root.join("dsl-examples"))
         .expect("dsl-examples/")
         .map(|e| e.expect("entry").path())
@@ -23,11 +24,17 @@ fn kernels_generated_is_fresh() {
     let mut stale = Vec::new();
     for example in &examples {
         let text = std::fs::read_to_string(example).expect("readable example");
-        let module = moeforge::compiler::compile_source(&example.display().to_string(), &text).expect("example checks");
-        let plans: Vec<_> =
-            module.layers.iter().map(|l| plan::plan(l, &Target::h200()).expect("example plans")).collect();
+        let module = moeforge::compiler::compile_source(&example.display().to_string(), &text)
+            .expect("example checks");
+        let plans: Vec<_> = module
+            .layers
+            .iter()
+            .map(|l| plan::plan(l, &Target::h200()).expect("example plans"))
+            .collect();
         let files = aot::render(&plans, jit.as_ref()).expect("AOT output");
-        let dir = root.join("kernels-generated").join(example.file_stem().expect("file name"));
+        let dir = root
+            .join("kernels-generated")
+            .join(example.file_stem().expect("file name"));
         for file in files {
             let path = dir.join(&file.name);
             if bless {

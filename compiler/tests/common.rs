@@ -8,13 +8,27 @@ pub fn topology() -> Topology {
         name: "h200_node".into(),
         gpus_per_node: 8,
         nodes: 1,
-        intra_node: Link { bandwidth_bytes_per_s: 450_000_000_000, latency_ns: 3_000 },
-        network: Link { bandwidth_bytes_per_s: 50_000_000_000, latency_ns: 10_000 },
+        intra_node: Link {
+            bandwidth_bytes_per_s: 450_000_000_000,
+            latency_ns: 3_000,
+        },
+        network: Link {
+            bandwidth_bytes_per_s: 50_000_000_000,
+            latency_ns: 10_000,
+        },
         virtual_ranks: None,
     }
 }
 
-pub fn layer(name: &str, hidden: u32, ffn: u32, experts: u32, top_k: u32, activation: Activation, max_tokens: u32) -> Layer {
+pub fn layer(
+    name: &str,
+    hidden: u32,
+    ffn: u32,
+    experts: u32,
+    top_k: u32,
+    activation: Activation,
+    max_tokens: u32,
+) -> Layer {
     Layer {
         name: name.into(),
         hidden,
@@ -27,7 +41,11 @@ pub fn layer(name: &str, hidden: u32, ffn: u32, experts: u32, top_k: u32, activa
         max_tokens,
         shared_experts: None,
         router: None,
-        parallel: Parallelism { expert: 8, data: 1, tensor: 1 },
+        parallel: Parallelism {
+            expert: 8,
+            data: 1,
+            tensor: 1,
+        },
         topology: topology(),
         schedule: ScheduleHints::default(),
     }
@@ -37,8 +55,24 @@ pub fn layer(name: &str, hidden: u32, ffn: u32, experts: u32, top_k: u32, activa
 pub fn real_layers() -> Vec<Layer> {
     vec![
         layer("mixtral_8x7b", 4096, 14336, 8, 2, Activation::Swiglu, 16384),
-        layer("qwen3_30b_a3b", 2048, 768, 128, 8, Activation::Swiglu, 16384),
+        layer(
+            "qwen3_30b_a3b",
+            2048,
+            768,
+            128,
+            8,
+            Activation::Swiglu,
+            16384,
+        ),
         layer("deepseek_v3", 7168, 2048, 256, 8, Activation::Swiglu, 16384),
-        layer("gpt_oss_120b", 2880, 2880, 128, 4, Activation::Swiglu, 16384),
+        layer(
+            "gpt_oss_120b",
+            2880,
+            2880,
+            128,
+            4,
+            Activation::Swiglu,
+            16384,
+        ),
     ]
 }

@@ -4,22 +4,46 @@
 //! (token, k) pair exactly once, with ragged row tiles masked.
 
 use moeforge_compiler::ir::{Activation, Layer, TileShape};
-use moeforge_compiler::plan::{self, GemmPlan, Plan, PlanError, Target, TILE_K};
+use moeforge_compiler::plan::{self, GemmPlan, Plan, PlanError, TILE_K, Target};
 use proptest::prelude::*;
 
 mod common;
 
 fn arbitrary_layer() -> impl Strategy<Value = Layer> {
-    (1u32..=64, 1u32..=64, prop::sample::select(vec![1u32, 2, 4, 8, 16, 64, 128, 256]), 1u32..=8, 1u32..=20_000, 0usize..5)
+    (
+        1u32..=64,
+        1u32..=64,
+        prop::sample::select(vec![1u32, 2, 4, 8, 16, 64, 128, 256]),
+        1u32..=8,
+        1u32..=20_000,
+        0usize..5,
+    )
         .prop_map(|(h, f, experts, k, max_tokens, act)| {
-            let activation = [Activation::Swiglu, Activation::Geglu, Activation::Gelu, Activation::Relu, Activation::Silu][act];
-            common::layer("generated", 64 * h, 64 * f, experts, k.min(experts), activation, max_tokens)
+            let activation = [
+                Activation::Swiglu,
+                Activation::Geglu,
+                Activation::Gelu,
+                Activation::Relu,
+                Activation::Silu,
+            ][act];
+            common::layer(
+                "generated",
+                64 * h,
+                64 * f,
+                experts,
+                k.min(experts),
+                activation,
+                max_tokens,
+            )
         })
 }
 
 fn check_gemm(plan: &Plan, gemm: &GemmPlan, n: u32, k: u32) {
     let target = &plan.target;
-    assert!(gemm.smem_bytes + (plan.shape.experts + 1) * 4 <= target.smem_per_block, "{gemm:?}");
+    assert!(
+        gemm.smem_bytes + (plan.shape.experts + 1) * 4 <= target.smem_per_block,
+        "{gemm:?}"
+    );
     assert_eq!(gemm.tile.k, TILE_K);
     assert_eq!(n % gemm.tile.n, 0, "tile columns divide the output width");
     assert_eq!(k % gemm.tile.k, 0, "tile depth divides the reduction");
@@ -52,7 +76,10 @@ fn covered_pairs(ids: &[i32], experts: u32, tile: TileShape, n: u32) -> Vec<u32>
             for m_tile in 0..rows.div_ceil(tile.m) {
                 let row0 = offsets[e] + m_tile * tile.m;
                 let valid = tile.m.min(offsets[e + 1] - row0);
-                assert!(valid >= 1 && valid <= tile.m, "a tile masks its ragged rows");
+                assert!(
+                    valid >= 1 && valid <= tile.m,
+                    "a tile masks its ragged rows"
+                );
                 for r in row0..row0 + valid {
                     seen[row_pair[r as usize] as usize] += 1;
                 }
@@ -110,13 +137,28 @@ proptest! {
 #[test]
 fn impossible_hints_are_errors_with_a_reason() {
     let mut layer = common::layer("hinted", 4096, 14336, 8, 2, Activation::Swiglu, 4096);
-    layer.schedule.gemm1_tile = Some(TileShape { m: 128, n: 128, k: 64 });
+    layer.schedule.gemm1_tile = Some(TileShape {
+        m: 128,
+        n: 128,
+        k: 64,
+    });
     let error = plan::plan(&layer, &Target::h200()).unwrap_err().to_string();
-    assert!(error.contains("gemm1.tile = 128x128x64") && error.contains("accumulators"), "{error}");
-    layer.schedule.gemm1_tile = Some(TileShape { m: 64, n: 64, k: 32 });
+    assert!(
+        error.contains("gemm1.tile = 128x128x64") && error.contains("accumulators"),
+        "{error}"
+    );
+    layer.schedule.gemm1_tile = Some(TileShape {
+        m: 64,
+        n: 64,
+        k: 32,
+    });
     let error = plan::plan(&layer, &Target::h200()).unwrap_err().to_string();
     assert!(error.contains("reduction depth must be 64"), "{error}");
-    layer.schedule.gemm1_tile = Some(TileShape { m: 64, n: 96, k: 64 });
+    layer.schedule.gemm1_tile = Some(TileShape {
+        m: 64,
+        n: 96,
+        k: 64,
+    });
     let error = plan::plan(&layer, &Target::h200()).unwrap_err().to_string();
     assert!(error.contains("columns must divide"), "{error}");
 }
@@ -128,14 +170,25 @@ fn decode_and_prefill_get_different_tiles() {
     let decode = plan.regime_for(1).unwrap();
     let prefill = plan.regime_for(16384).unwrap();
     assert_ne!(decode.name, prefill.name);
-    assert!(decode.gemm1.tile.m < prefill.gemm1.tile.m, "few tokens: fewer rows per tile");
+    assert!(
+        decode.gemm1.tile.m < prefill.gemm1.tile.m,
+        "few tokens: fewer rows per tile"
+    );
 }
 
 #[test]
 fn hinted_tiles_are_used_for_every_regime() {
     let mut layer = common::layer("hinted", 512, 1024, 8, 2, Activation::Swiglu, 4096);
-    let tile = TileShape { m: 64, n: 128, k: 64 };
+    let tile = TileShape {
+        m: 64,
+        n: 128,
+        k: 64,
+    };
     layer.schedule.gemm2_tile = Some(tile);
     let plan = plan::plan(&layer, &Target::h200()).unwrap();
-    assert!(plan.regimes.iter().all(|r| r.gemm2.tile == tile && r.gemm2.hinted));
+    assert!(
+        plan.regimes
+            .iter()
+            .all(|r| r.gemm2.tile == tile && r.gemm2.hinted)
+    );
 }

@@ -31,9 +31,17 @@ pub enum AotError {
         source: serde_json::Error,
     },
     #[error("{} has no layer `{wanted}` (it has: {})", path.display(), available.join(", "))]
-    NoSuchLayer { path: PathBuf, wanted: String, available: Vec<String> },
+    NoSuchLayer {
+        path: PathBuf,
+        wanted: String,
+        available: Vec<String>,
+    },
     #[error("{} holds {count} layers; name one ({})", path.display(), available.join(", "))]
-    AmbiguousLayer { path: PathBuf, count: usize, available: Vec<String> },
+    AmbiguousLayer {
+        path: PathBuf,
+        count: usize,
+        available: Vec<String>,
+    },
     #[error(transparent)]
     Codegen(#[from] CodegenError),
     #[error(transparent)]
@@ -61,14 +69,26 @@ pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<Vec<OutputFile>, AotE
         let source = codegen::generate(plan)?;
         if let Some(jit) = jit {
             let module = jit.compile(&source.source, &compile_options(plan))?;
-            files.push(OutputFile { name: source.file_name, contents: source.source.into_bytes() });
-            files.push(OutputFile { name: ptx_file_name(plan), contents: module.ptx.into_bytes() });
+            files.push(OutputFile {
+                name: source.file_name,
+                contents: source.source.into_bytes(),
+            });
+            files.push(OutputFile {
+                name: ptx_file_name(plan),
+                contents: module.ptx.into_bytes(),
+            });
         } else {
-            files.push(OutputFile { name: source.file_name, contents: source.source.into_bytes() });
+            files.push(OutputFile {
+                name: source.file_name,
+                contents: source.source.into_bytes(),
+            });
         }
     }
     let json = serde_json::to_string_pretty(plans)? + "\n";
-    files.push(OutputFile { name: PLAN_FILE.to_string(), contents: json.into_bytes() });
+    files.push(OutputFile {
+        name: PLAN_FILE.to_string(),
+        contents: json.into_bytes(),
+    });
     Ok(files)
 }
 
@@ -80,7 +100,10 @@ pub fn ptx_file_name(plan: &Plan) -> String {
 /// Reads the plans of an AOT directory.
 pub fn read_plans(dir: &Path) -> Result<Vec<Plan>, AotError> {
     let path = dir.join(PLAN_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|source| AotError::Read { path: path.clone(), source })?;
+    let text = std::fs::read_to_string(&path).map_err(|source| AotError::Read {
+        path: path.clone(),
+        source,
+    })?;
     serde_json::from_str(&text).map_err(|source| AotError::Parse { path, source })
 }
 
@@ -93,12 +116,25 @@ pub fn load_layer(dir: &Path, layer: Option<&str>) -> Result<(Plan, CompiledModu
         Some(wanted) => plans
             .into_iter()
             .find(|p| p.layer == wanted)
-            .ok_or_else(|| AotError::NoSuchLayer { path, wanted: wanted.to_string(), available })?,
+            .ok_or_else(|| AotError::NoSuchLayer {
+                path,
+                wanted: wanted.to_string(),
+                available,
+            })?,
         None if plans.len() == 1 => plans.into_iter().next().expect("one plan"),
-        None => return Err(AotError::AmbiguousLayer { path, count: available.len(), available }),
+        None => {
+            return Err(AotError::AmbiguousLayer {
+                path,
+                count: available.len(),
+                available,
+            });
+        }
     };
     let ptx_path = dir.join(ptx_file_name(&plan));
-    let ptx = std::fs::read_to_string(&ptx_path).map_err(|source| AotError::Read { path: ptx_path, source })?;
+    let ptx = std::fs::read_to_string(&ptx_path).map_err(|source| AotError::Read {
+        path: ptx_path,
+        source,
+    })?;
     let module = CompiledModule {
         name: plan.symbol.clone(),
         arch: plan.target.arch.clone(),

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
+use cudarc::cublas::{CudaBlas, result as cublas_result, sys as cublas_sys};
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use moeforge_compiler::ir::Activation;
 use moeforge_compiler::plan::Plan;
@@ -23,7 +23,9 @@ pub enum BaselineError {
     Gpu(#[from] GpuError),
     #[error(transparent)]
     Jit(#[from] JitError),
-    #[error("cuBLAS (libcublas.so.13) was not found; put the CUDA toolkit's lib64 on LD_LIBRARY_PATH")]
+    #[error(
+        "cuBLAS (libcublas.so.13) was not found; put the CUDA toolkit's lib64 on LD_LIBRARY_PATH"
+    )]
     NoCublas,
     #[error("cuBLAS failed while {context}: {message}")]
     Cublas { context: String, message: String },
@@ -56,12 +58,20 @@ pub struct CublasBaseline {
 }
 
 fn rows_config(rows: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: (ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 impl CublasBaseline {
     /// `layer_module` is the layer's loaded module, whose route kernel the plan names.
-    pub fn new(session: &Session, plan: &Plan, layer_module: &Arc<CudaModule>) -> Result<Self, BaselineError> {
+    pub fn new(
+        session: &Session,
+        plan: &Plan,
+        layer_module: &Arc<CudaModule>,
+    ) -> Result<Self, BaselineError> {
         let shape = &plan.shape;
         if shape.activation != Activation::Swiglu {
             return Err(BaselineError::Activation(shape.activation.name()));
@@ -72,24 +82,41 @@ impl CublasBaseline {
         }
         let gpu = &session.gpu;
         let stream = &gpu.stream;
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| BaselineError::Cublas { context: "creating the handle".into(), message: format!("{e:?}") })?;
-        let compiled = session.jit.compile(SOURCE, &CompileOptions::new("moeforge_baseline", gpu.arch()?))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| BaselineError::Cublas {
+            context: "creating the handle".into(),
+            message: format!("{e:?}"),
+        })?;
+        let compiled = session.jit.compile(
+            SOURCE,
+            &CompileOptions::new("moeforge_baseline", gpu.arch()?),
+        )?;
         let module = gpu.load(&compiled)?;
-        let load = |m: &Arc<CudaModule>, name: &str| m.load_function(name).context(format!("loading `{name}`"));
+        let load = |m: &Arc<CudaModule>, name: &str| {
+            m.load_function(name).context(format!("loading `{name}`"))
+        };
         let route_name = &plan.regimes[0].launches[0].kernel;
         let pairs = shape.max_pairs() as usize;
         let (h, f) = (shape.hidden as usize, shape.ffn as usize);
-        let alloc = |n: usize, what: &str| stream.alloc_zeros::<u16>(n.max(1)).context(format!("allocating {what}"));
+        let alloc = |n: usize, what: &str| {
+            stream
+                .alloc_zeros::<u16>(n.max(1))
+                .context(format!("allocating {what}"))
+        };
         Ok(CublasBaseline {
             route: load(layer_module, route_name)?,
             gather: load(&module, "baseline_gather")?,
             swiglu: load(&module, "baseline_swiglu")?,
             unpermute: load(&module, "baseline_unpermute")?,
             combine: load(&module, "baseline_combine")?,
-            expert_offsets: stream.alloc_zeros::<i32>(shape.experts as usize + 1).context("allocating offsets")?,
-            row_pair: stream.alloc_zeros::<i32>(pairs.max(1)).context("allocating row_pair")?,
-            error_word: stream.alloc_zeros::<i32>(4).context("allocating the error word")?,
+            expert_offsets: stream
+                .alloc_zeros::<i32>(shape.experts as usize + 1)
+                .context("allocating offsets")?,
+            row_pair: stream
+                .alloc_zeros::<i32>(pairs.max(1))
+                .context("allocating row_pair")?,
+            error_word: stream
+                .alloc_zeros::<i32>(4)
+                .context("allocating the error word")?,
             permuted: alloc(pairs * h, "permuted x")?,
             hidden_act: alloc(pairs * 2 * f, "GEMM1 output")?,
             act: alloc(pairs * f, "activation")?,
@@ -103,7 +130,13 @@ impl CublasBaseline {
         })
     }
 
-    fn gemm(&self, context: &str, m: u32, n: u32, k: u32, a: u64, b: u64, c: u64) -> Result<(), BaselineError> {
+    /// `(m, n, k)` and device addresses of A [m, k], B [n, k] and C [n, m], row-major.
+    fn gemm(
+        &self,
+        context: &str,
+        (m, n, k): (u32, u32, u32),
+        (a, b, c): (u64, u64, u64),
+    ) -> Result<(), BaselineError> {
         // Row-major C[n, m] = B[n, k] · A[m, k]ᵀ is column-major C[m, n] = Aᵀ · B.
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: a, b, c point into live buffers holding m·k, n·k and m·n bf16 elements.
@@ -130,11 +163,19 @@ impl CublasBaseline {
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| BaselineError::Cublas { context: context.to_string(), message: format!("{e:?}") })
+        .map_err(|e| BaselineError::Cublas {
+            context: context.to_string(),
+            message: format!("{e:?}"),
+        })
     }
 
     /// One forward call (synchronises once, to read the per-expert counts).
-    pub fn forward(&self, session: &Session, weights: &ExpertWeights, io: &mut DeviceWorkload) -> Result<(), BaselineError> {
+    pub fn forward(
+        &self,
+        session: &Session,
+        weights: &ExpertWeights,
+        io: &mut DeviceWorkload,
+    ) -> Result<(), BaselineError> {
         let stream = &session.gpu.stream;
         let tokens = io.tokens as i32;
         if tokens == 0 {
@@ -143,23 +184,43 @@ impl CublasBaseline {
         let address = |s: &CudaSlice<u16>| s.device_ptr(stream).0;
         {
             let mut launch = stream.launch_builder(&self.route);
-            launch.arg(&io.topk_ids).arg(&tokens).arg(&self.expert_offsets).arg(&self.row_pair).arg(&self.error_word);
-            let config = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (moeforge_compiler::plan::ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
+            launch
+                .arg(&io.topk_ids)
+                .arg(&tokens)
+                .arg(&self.expert_offsets)
+                .arg(&self.row_pair)
+                .arg(&self.error_word);
+            let config = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (moeforge_compiler::plan::ROUTE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: the route kernel's parameters, as in the plan's launch table.
             unsafe { launch.launch(config) }.context("launching the route kernel")?;
         }
-        let offsets = stream.clone_dtoh(&self.expert_offsets).context("reading expert offsets")?;
+        let offsets = stream
+            .clone_dtoh(&self.expert_offsets)
+            .context("reading expert offsets")?;
         let rows = offsets[self.experts as usize] as u32;
         let (h, f, k) = (self.hidden as i32, self.ffn as i32, self.top_k as i32);
         {
             let mut launch = stream.launch_builder(&self.gather);
-            launch.arg(&io.x).arg(&self.row_pair).arg(&k).arg(&h).arg(&self.permuted);
+            launch
+                .arg(&io.x)
+                .arg(&self.row_pair)
+                .arg(&k)
+                .arg(&h)
+                .arg(&self.permuted);
             // SAFETY: one block per routed row; every buffer holds max_pairs rows.
             unsafe { launch.launch(rows_config(rows)) }.context("permuting")?;
         }
         let (w1, w2) = (address(&weights.w1), address(&weights.w2));
-        let (permuted, hidden_act, act, out) =
-            (address(&self.permuted), address(&self.hidden_act), address(&self.act), address(&self.out));
+        let (permuted, hidden_act, act, out) = (
+            address(&self.permuted),
+            address(&self.hidden_act),
+            address(&self.act),
+            address(&self.out),
+        );
         let (hu, fu) = (u64::from(self.hidden), u64::from(self.ffn));
         for e in 0..self.experts as usize {
             let (start, count) = (offsets[e] as u64, (offsets[e + 1] - offsets[e]) as u32);
@@ -167,7 +228,15 @@ impl CublasBaseline {
                 continue;
             }
             let e64 = e as u64;
-            self.gemm("GEMM1", 2 * self.ffn, count, self.hidden, w1 + e64 * 2 * fu * hu * 2, permuted + start * hu * 2, hidden_act + start * 2 * fu * 2)?;
+            self.gemm(
+                "GEMM1",
+                (2 * self.ffn, count, self.hidden),
+                (
+                    w1 + e64 * 2 * fu * hu * 2,
+                    permuted + start * hu * 2,
+                    hidden_act + start * 2 * fu * 2,
+                ),
+            )?;
         }
         {
             let mut launch = stream.launch_builder(&self.swiglu);
@@ -181,11 +250,24 @@ impl CublasBaseline {
                 continue;
             }
             let e64 = e as u64;
-            self.gemm("GEMM2", self.hidden, count, self.ffn, w2 + e64 * hu * fu * 2, act + start * fu * 2, out + start * hu * 2)?;
+            self.gemm(
+                "GEMM2",
+                (self.hidden, count, self.ffn),
+                (
+                    w2 + e64 * hu * fu * 2,
+                    act + start * fu * 2,
+                    out + start * hu * 2,
+                ),
+            )?;
         }
         {
             let mut launch = stream.launch_builder(&self.unpermute);
-            launch.arg(&self.out).arg(&self.row_pair).arg(&io.topk_weights).arg(&h).arg(&self.slots);
+            launch
+                .arg(&self.out)
+                .arg(&self.row_pair)
+                .arg(&io.topk_weights)
+                .arg(&h)
+                .arg(&self.slots);
             // SAFETY: one block per routed row.
             unsafe { launch.launch(rows_config(rows)) }.context("un-permuting")?;
         }

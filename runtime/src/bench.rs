@@ -50,7 +50,12 @@ impl Roofline {
         let bytes = weight_bytes + activation_bytes;
         let compute_s = flops / target.peak_bf16_flops;
         let memory_s = bytes / target.hbm_bytes_per_s;
-        Roofline { flops, bytes, floor_us: compute_s.max(memory_s) * 1e6, memory_bound: memory_s >= compute_s }
+        Roofline {
+            flops,
+            bytes,
+            floor_us: compute_s.max(memory_s) * 1e6,
+            memory_bound: memory_s >= compute_s,
+        }
     }
 }
 
@@ -86,8 +91,12 @@ fn time_calls<E: From<GpuError>>(
     let stream = &session.gpu.stream;
     let mut times = Vec::with_capacity(iterations);
     for i in 0..iterations {
-        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).context("creating an event")?;
-        let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).context("creating an event")?;
+        let start = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .context("creating an event")?;
+        let end = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .context("creating an event")?;
         start.record(stream).context("recording an event")?;
         call(i % ROTATED_INPUTS)?;
         end.record(stream).context("recording an event")?;
@@ -135,15 +144,28 @@ pub fn bench_layer(
     let mut rows = Vec::new();
     for &tokens in token_counts {
         let workloads: Vec<Workload> = (0..ROTATED_INPUTS)
-            .map(|i| Workload::random(&shape, tokens, routing, seed ^ (u64::from(tokens) << 8) ^ i as u64))
+            .map(|i| {
+                Workload::random(
+                    &shape,
+                    tokens,
+                    routing,
+                    seed ^ (u64::from(tokens) << 8) ^ i as u64,
+                )
+            })
             .collect();
-        let mut inputs: Vec<DeviceWorkload> =
-            workloads.iter().map(|w| session.upload(&shape, w)).collect::<Result<_, _>>()?;
+        let mut inputs: Vec<DeviceWorkload> = workloads
+            .iter()
+            .map(|w| session.upload(&shape, w))
+            .collect::<Result<_, _>>()?;
         let moeforge_us = time_calls::<BenchError>(session, iterations, |i| {
             Ok(session.forward(&built.layer, &mut inputs[i])?)
         })?;
         built.layer.take_error()?;
-        let ours = session.gpu.stream.clone_dtoh(&inputs[0].y).context("downloading y")?;
+        let ours = session
+            .gpu
+            .stream
+            .clone_dtoh(&inputs[0].y)
+            .context("downloading y")?;
 
         let (cublas_us, cublas_agreement) = match &baseline {
             Ok(baseline) if tokens > 0 => {
@@ -151,14 +173,24 @@ pub fn bench_layer(
                 let us = time_calls::<BenchError>(session, iterations, |i| {
                     Ok(baseline.forward(session, weights, &mut inputs[i])?)
                 })?;
-                let theirs = session.gpu.stream.clone_dtoh(&inputs[0].y).context("downloading y")?;
+                let theirs = session
+                    .gpu
+                    .stream
+                    .clone_dtoh(&inputs[0].y)
+                    .context("downloading y")?;
                 let to_f32 = |v: &[u16]| v.iter().map(|&b| bf16::to_f32(b)).collect::<Vec<f32>>();
-                (Some(us), Some(reference::relative_error(&to_f32(&theirs), &to_f32(&ours))))
+                (
+                    Some(us),
+                    Some(reference::relative_error(&to_f32(&theirs), &to_f32(&ours))),
+                )
             }
             _ => (None, None),
         };
         let roofline = Roofline::of(&shape, &workloads[0], &plan.target);
-        let regime = plan.regime_for(tokens).map(|r| r.name.clone()).unwrap_or_default();
+        let regime = plan
+            .regime_for(tokens)
+            .map(|r| r.name.clone())
+            .unwrap_or_default();
         let row = BenchRow {
             tokens,
             regime,

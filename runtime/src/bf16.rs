@@ -29,7 +29,10 @@ mod tests {
         // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
         assert_eq!(to_f32(from_f32(1.0 + 1.0 / 256.0)), 1.0);
         // Just above halfway rounds up.
-        assert_eq!(to_f32(from_f32(1.0 + 1.0 / 256.0 + 1.0 / 4096.0)), 1.0 + 1.0 / 128.0);
+        assert_eq!(
+            to_f32(from_f32(1.0 + 1.0 / 256.0 + 1.0 / 4096.0)),
+            1.0 + 1.0 / 128.0
+        );
         assert!(to_f32(from_f32(f32::NAN)).is_nan());
         assert!(to_f32(NAN).is_nan());
     }

@@ -20,7 +20,9 @@ pub enum GpuError {
         #[source]
         source: DriverError,
     },
-    #[error("no CUDA device is visible (cuDeviceGetCount returned 0); run on a machine with an NVIDIA GPU")]
+    #[error(
+        "no CUDA device is visible (cuDeviceGetCount returned 0); run on a machine with an NVIDIA GPU"
+    )]
     NoDevice,
 }
 
@@ -31,7 +33,10 @@ pub trait DriverContext<T> {
 
 impl<T> DriverContext<T> for Result<T, DriverError> {
     fn context(self, context: impl Into<String>) -> Result<T, GpuError> {
-        self.map_err(|source| GpuError::Driver { context: context.into(), source })
+        self.map_err(|source| GpuError::Driver {
+            context: context.into(),
+            source,
+        })
     }
 }
 
@@ -57,12 +62,17 @@ impl Gpu {
     }
 
     pub fn name(&self) -> String {
-        self.ctx.name().unwrap_or_else(|_| "unknown GPU".to_string())
+        self.ctx
+            .name()
+            .unwrap_or_else(|_| "unknown GPU".to_string())
     }
 
     /// `sm_XYa`-style architecture of the device (the `a` suffix for 9.0, where wgmma lives).
     pub fn arch(&self) -> Result<String, GpuError> {
-        let (major, minor) = self.ctx.compute_capability().context("reading compute capability")?;
+        let (major, minor) = self
+            .ctx
+            .compute_capability()
+            .context("reading compute capability")?;
         let suffix = if major == 9 { "a" } else { "" };
         Ok(format!("sm_{major}{minor}{suffix}"))
     }
@@ -73,10 +83,14 @@ impl Gpu {
             Some(cubin) => Ptx::from_binary(cubin.clone()),
             None => Ptx::from_src(module.ptx.clone()),
         };
-        self.ctx.load_module(image).context(format!("loading module `{}`", module.name))
+        self.ctx
+            .load_module(image)
+            .context(format!("loading module `{}`", module.name))
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {
-        self.stream.synchronize().context("synchronising the stream")
+        self.stream
+            .synchronize()
+            .context("synchronising the stream")
     }
 }

@@ -17,7 +17,7 @@ use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::jit::{CompileOptions, CompiledModule, Jit, JitError};
 use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer};
 use crate::reference::{self, HostExpert};
-use crate::workload::{weight_scale, SplitMix64, Workload};
+use crate::workload::{SplitMix64, Workload, weight_scale};
 
 #[derive(Debug, Error)]
 pub enum HarnessError {
@@ -77,6 +77,9 @@ impl CheckReport {
     }
 }
 
+/// Host copies of experts' (W1, W2), by expert id.
+type HostExperts = HashMap<usize, (Vec<u16>, Vec<u16>)>;
+
 const FILL_SOURCE: &str = include_str!("fill.cu");
 const FILL_THREADS: u32 = 256;
 const FILL_BLOCKS: u32 = 4096;
@@ -90,26 +93,47 @@ impl Session {
         let arch = gpu.arch()?;
         let fill = jit.compile(FILL_SOURCE, &CompileOptions::new("moeforge_fill", arch))?;
         let module = gpu.load(&fill)?;
-        let load = |name: &str| module.load_function(name).context(format!("loading `{name}`"));
+        let load = |name: &str| {
+            module
+                .load_function(name)
+                .context(format!("loading `{name}`"))
+        };
         let fill_uniform = load("fill_uniform_bf16")?;
         let fill_bits = load("fill_bits_u16")?;
-        Ok(Session { gpu, jit, fill_uniform, fill_bits })
+        Ok(Session {
+            gpu,
+            jit,
+            fill_uniform,
+            fill_bits,
+        })
     }
 
     /// Generates the plan's CUDA unit and compiles it for this GPU (through the disk cache).
     pub fn compile(&self, plan: &Plan) -> Result<(CompiledModule, f64), HarnessError> {
         let started = Instant::now();
         let source = codegen::generate(plan)?;
-        let options = CompileOptions { arch: self.gpu.arch()?, ..aot::compile_options(plan) };
+        let options = CompileOptions {
+            arch: self.gpu.arch()?,
+            ..aot::compile_options(plan)
+        };
         let module = self.jit.compile(&source.source, &options)?;
         Ok((module, started.elapsed().as_secs_f64()))
     }
 
-    fn fill_uniform(&self, out: &mut CudaSlice<u16>, seed: u64, scale: f32) -> Result<(), GpuError> {
+    fn fill_uniform(
+        &self,
+        out: &mut CudaSlice<u16>,
+        seed: u64,
+        scale: f32,
+    ) -> Result<(), GpuError> {
         let count = out.len() as u64;
         let mut launch = self.gpu.stream.launch_builder(&self.fill_uniform);
         launch.arg(out).arg(&count).arg(&seed).arg(&scale);
-        let config = LaunchConfig { grid_dim: (FILL_BLOCKS, 1, 1), block_dim: (FILL_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let config = LaunchConfig {
+            grid_dim: (FILL_BLOCKS, 1, 1),
+            block_dim: (FILL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: fill_uniform_bf16(bf16*, u64, u64, float) writes `count` elements of `out`.
         unsafe { launch.launch(config) }.context("filling weights")?;
         Ok(())
@@ -120,7 +144,11 @@ impl Session {
         let count = out.len() as u64;
         let mut launch = self.gpu.stream.launch_builder(&self.fill_bits);
         launch.arg(out).arg(&count).arg(&bits);
-        let config = LaunchConfig { grid_dim: (FILL_BLOCKS, 1, 1), block_dim: (FILL_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let config = LaunchConfig {
+            grid_dim: (FILL_BLOCKS, 1, 1),
+            block_dim: (FILL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: fill_bits_u16(bf16*, u64, bf16) writes `count` elements of `out`.
         unsafe { launch.launch(config) }.context("filling a buffer")?;
         Ok(())
@@ -136,7 +164,11 @@ impl Session {
         let mut w1 = unsafe { stream.alloc::<u16>(w1_len as usize) }.context("allocating W1")?;
         let mut w2 = unsafe { stream.alloc::<u16>(w2_len as usize) }.context("allocating W2")?;
         self.fill_uniform(&mut w1, seed, weight_scale(shape.hidden))?;
-        self.fill_uniform(&mut w2, seed.rotate_left(32) ^ W2_SEED_SALT, weight_scale(shape.ffn))?;
+        self.fill_uniform(
+            &mut w2,
+            seed.rotate_left(32) ^ W2_SEED_SALT,
+            weight_scale(shape.ffn),
+        )?;
         Ok(ExpertWeights { w1, w2 })
     }
 
@@ -146,27 +178,55 @@ impl Session {
         let loaded = self.gpu.load(&module)?;
         let weights = self.random_weights(&plan.shape, seed)?;
         let layer = MoeLayer::new(&self.gpu, plan, Arc::clone(&loaded), weights)?;
-        Ok(BuiltLayer { layer, module, loaded, compile_seconds })
+        Ok(BuiltLayer {
+            layer,
+            module,
+            loaded,
+            compile_seconds,
+        })
     }
 
     /// Uploads `workload` and allocates its output, poisoned with NaN.
-    pub fn upload(&self, shape: &LayerShape, workload: &Workload) -> Result<DeviceWorkload, GpuError> {
+    pub fn upload(
+        &self,
+        shape: &LayerShape,
+        workload: &Workload,
+    ) -> Result<DeviceWorkload, GpuError> {
         let stream = &self.gpu.stream;
         // Zero-length device buffers are not allocatable: keep at least one element.
         let at_least_one = |n: usize| n.max(1);
-        let mut x = stream.alloc_zeros::<u16>(at_least_one(workload.x.len())).context("allocating x")?;
-        let mut topk_ids = stream.alloc_zeros::<i32>(at_least_one(workload.topk_ids.len())).context("allocating topk_ids")?;
-        let mut topk_weights =
-            stream.alloc_zeros::<f32>(at_least_one(workload.topk_weights.len())).context("allocating topk_weights")?;
+        let mut x = stream
+            .alloc_zeros::<u16>(at_least_one(workload.x.len()))
+            .context("allocating x")?;
+        let mut topk_ids = stream
+            .alloc_zeros::<i32>(at_least_one(workload.topk_ids.len()))
+            .context("allocating topk_ids")?;
+        let mut topk_weights = stream
+            .alloc_zeros::<f32>(at_least_one(workload.topk_weights.len()))
+            .context("allocating topk_weights")?;
         if workload.tokens > 0 {
-            stream.memcpy_htod(&workload.x, &mut x).context("uploading x")?;
-            stream.memcpy_htod(&workload.topk_ids, &mut topk_ids).context("uploading topk_ids")?;
-            stream.memcpy_htod(&workload.topk_weights, &mut topk_weights).context("uploading topk_weights")?;
+            stream
+                .memcpy_htod(&workload.x, &mut x)
+                .context("uploading x")?;
+            stream
+                .memcpy_htod(&workload.topk_ids, &mut topk_ids)
+                .context("uploading topk_ids")?;
+            stream
+                .memcpy_htod(&workload.topk_weights, &mut topk_weights)
+                .context("uploading topk_weights")?;
         }
         let y_len = u64::from(workload.tokens) * u64::from(shape.hidden);
-        let mut y = stream.alloc_zeros::<u16>(at_least_one(y_len as usize)).context("allocating y")?;
+        let mut y = stream
+            .alloc_zeros::<u16>(at_least_one(y_len as usize))
+            .context("allocating y")?;
         self.fill_bits(&mut y, bf16::NAN)?;
-        Ok(DeviceWorkload { tokens: workload.tokens, x, topk_ids, topk_weights, y })
+        Ok(DeviceWorkload {
+            tokens: workload.tokens,
+            x,
+            topk_ids,
+            topk_weights,
+            y,
+        })
     }
 
     pub fn forward(&self, layer: &MoeLayer, io: &mut DeviceWorkload) -> Result<(), LayerError> {
@@ -235,16 +295,32 @@ impl Session {
                     })
                 })
                 .collect();
-            handles.into_iter().flat_map(|h| h.join().expect("reference worker panicked")).collect()
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("reference worker panicked"))
+                .collect()
         });
         let mut got = Vec::with_capacity(tokens.len() * hidden);
         let mut want = Vec::with_capacity(tokens.len() * hidden);
         for (&t, reference) in tokens.iter().zip(&references) {
-            got.extend(y[t * hidden..(t + 1) * hidden].iter().map(|&v| bf16::to_f32(v)));
+            got.extend(
+                y[t * hidden..(t + 1) * hidden]
+                    .iter()
+                    .map(|&v| bf16::to_f32(v)),
+            );
             want.extend_from_slice(reference);
         }
-        let relative_error = if tokens.is_empty() { 0.0 } else { reference::relative_error(&got, &want) };
-        Ok(CheckReport { tokens: workload.tokens, checked_tokens: tokens.len(), relative_error, unwritten })
+        let relative_error = if tokens.is_empty() {
+            0.0
+        } else {
+            reference::relative_error(&got, &want)
+        };
+        Ok(CheckReport {
+            tokens: workload.tokens,
+            checked_tokens: tokens.len(),
+            relative_error,
+            unwritten,
+        })
     }
 
     /// The host copies of the experts that the given tokens use.
@@ -254,7 +330,7 @@ impl Session {
         shape: &LayerShape,
         workload: &Workload,
         tokens: &[usize],
-    ) -> Result<HashMap<usize, (Vec<u16>, Vec<u16>)>, GpuError> {
+    ) -> Result<HostExperts, GpuError> {
         let k = shape.top_k as usize;
         let w1_len = shape.w1_rows() as usize * shape.hidden as usize;
         let w2_len = shape.hidden as usize * shape.ffn as usize;

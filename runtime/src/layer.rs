@@ -8,8 +8,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use moeforge_compiler::plan::{error_code, BufferId, LaunchArg, Plan};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, error_code};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, Gpu, GpuError};
@@ -18,14 +20,29 @@ use crate::gpu::{DriverContext, Gpu, GpuError};
 pub enum LayerError {
     #[error(transparent)]
     Gpu(#[from] GpuError),
-    #[error("the compiled module has no kernel `{name}` that the plan launches; regenerate and recompile the layer")]
+    #[error(
+        "the compiled module has no kernel `{name}` that the plan launches; regenerate and recompile the layer"
+    )]
     MissingKernel { name: String },
-    #[error("{tokens} tokens exceed the layer's max_tokens of {max}; raise `max_tokens` in the spec or split the call")]
+    #[error(
+        "{tokens} tokens exceed the layer's max_tokens of {max}; raise `max_tokens` in the spec or split the call"
+    )]
     TooManyTokens { tokens: u32, max: u32 },
     #[error("{what} holds {got} elements but the layer needs {expected}")]
-    Shape { what: &'static str, expected: u64, got: u64 },
-    #[error("topk_ids[{token}, {k}] = {id} is not an expert of this layer (valid ids are 0..{experts}); that pair was skipped")]
-    ExpertIdOutOfRange { token: i32, k: i32, id: i32, experts: u32 },
+    Shape {
+        what: &'static str,
+        expected: u64,
+        got: u64,
+    },
+    #[error(
+        "topk_ids[{token}, {k}] = {id} is not an expert of this layer (valid ids are 0..{experts}); that pair was skipped"
+    )]
+    ExpertIdOutOfRange {
+        token: i32,
+        k: i32,
+        id: i32,
+        experts: u32,
+    },
     #[error("a kernel reported unknown error code {code} (details {details:?})")]
     UnknownKernelError { code: i32, details: [i32; 3] },
 }
@@ -67,7 +84,11 @@ fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 
 fn check_len(what: &'static str, got: usize, expected: u64) -> Result<(), LayerError> {
     if (got as u64) < expected {
-        return Err(LayerError::Shape { what, expected, got: got as u64 });
+        return Err(LayerError::Shape {
+            what,
+            expected,
+            got: got as u64,
+        });
     }
     Ok(())
 }
@@ -81,11 +102,24 @@ enum ArgValue {
 impl MoeLayer {
     /// Builds the handle: finds every kernel the plan launches in `module`, raises their
     /// shared-memory limits, checks the weights' sizes and allocates the workspace.
-    pub fn new(gpu: &Gpu, plan: Plan, module: Arc<CudaModule>, weights: ExpertWeights) -> Result<Self, LayerError> {
+    pub fn new(
+        gpu: &Gpu,
+        plan: Plan,
+        module: Arc<CudaModule>,
+        weights: ExpertWeights,
+    ) -> Result<Self, LayerError> {
         let shape = &plan.shape;
         let experts = u64::from(shape.experts);
-        check_len("w1", weights.w1.len(), experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden))?;
-        check_len("w2", weights.w2.len(), experts * u64::from(shape.hidden) * u64::from(shape.ffn))?;
+        check_len(
+            "w1",
+            weights.w1.len(),
+            experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
+        )?;
+        check_len(
+            "w2",
+            weights.w2.len(),
+            experts * u64::from(shape.hidden) * u64::from(shape.ffn),
+        )?;
 
         let mut kernels = Vec::new();
         for regime in &plan.regimes {
@@ -93,13 +127,21 @@ impl MoeLayer {
                 if kernels.iter().any(|(name, _)| name == &launch.kernel) {
                     continue;
                 }
-                let function = module
-                    .load_function(&launch.kernel)
-                    .map_err(|_| LayerError::MissingKernel { name: launch.kernel.clone() })?;
+                let function = module.load_function(&launch.kernel).map_err(|_| {
+                    LayerError::MissingKernel {
+                        name: launch.kernel.clone(),
+                    }
+                })?;
                 if launch.smem_bytes > 0 {
                     function
-                        .set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem_bytes as i32)
-                        .context(format!("raising the shared-memory limit of `{}`", launch.kernel))?;
+                        .set_attribute(
+                            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            launch.smem_bytes as i32,
+                        )
+                        .context(format!(
+                            "raising the shared-memory limit of `{}`",
+                            launch.kernel
+                        ))?;
                 }
                 kernels.push((launch.kernel.clone(), function));
             }
@@ -108,13 +150,20 @@ impl MoeLayer {
         let mut workspace = Vec::new();
         for buffer in &plan.workspace {
             let bytes = buffer.bytes() as usize;
-            let slice = gpu
-                .stream
-                .alloc_zeros::<u8>(bytes.max(1))
-                .context(format!("allocating workspace `{}` ({bytes} bytes)", buffer.id.name()))?;
+            let slice = gpu.stream.alloc_zeros::<u8>(bytes.max(1)).context(format!(
+                "allocating workspace `{}` ({bytes} bytes)",
+                buffer.id.name()
+            ))?;
             workspace.push((buffer.id, slice));
         }
-        Ok(MoeLayer { plan, stream: gpu.stream.clone(), kernels, workspace, weights, _module: module })
+        Ok(MoeLayer {
+            plan,
+            stream: gpu.stream.clone(),
+            kernels,
+            workspace,
+            weights,
+            _module: module,
+        })
     }
 
     pub fn plan(&self) -> &Plan {
@@ -127,7 +176,12 @@ impl MoeLayer {
 
     fn workspace(&self, id: BufferId) -> &CudaSlice<u8> {
         // `new` allocated every buffer the plan lists, and the plan lists every id it uses.
-        &self.workspace.iter().find(|(b, _)| *b == id).expect("plan lists every workspace buffer it uses").1
+        &self
+            .workspace
+            .iter()
+            .find(|(b, _)| *b == id)
+            .expect("plan lists every workspace buffer it uses")
+            .1
     }
 
     /// Enqueues one forward call on the layer's stream. Does not synchronise.
@@ -135,17 +189,27 @@ impl MoeLayer {
         let shape = &self.plan.shape;
         let tokens = args.tokens;
         if tokens > shape.max_tokens {
-            return Err(LayerError::TooManyTokens { tokens, max: shape.max_tokens });
+            return Err(LayerError::TooManyTokens {
+                tokens,
+                max: shape.max_tokens,
+            });
         }
         let t = u64::from(tokens);
         check_len("x", args.x.len(), t * u64::from(shape.hidden))?;
         check_len("topk_ids", args.topk_ids.len(), t * u64::from(shape.top_k))?;
-        check_len("topk_weights", args.topk_weights.len(), t * u64::from(shape.top_k))?;
+        check_len(
+            "topk_weights",
+            args.topk_weights.len(),
+            t * u64::from(shape.top_k),
+        )?;
         check_len("y", args.y.len(), t * u64::from(shape.hidden))?;
         let regime = self
             .plan
             .regime_for(tokens)
-            .ok_or(LayerError::TooManyTokens { tokens, max: shape.max_tokens })?;
+            .ok_or(LayerError::TooManyTokens {
+                tokens,
+                max: shape.max_tokens,
+            })?;
 
         // The route kernel, always first, clears the error word; it also runs at T = 0 so
         // that a stale error of an earlier call is not reported. Launches whose grid is
@@ -175,7 +239,9 @@ impl MoeLayer {
                 .iter()
                 .find(|(name, _)| name == &launch.kernel)
                 .map(|(_, f)| f)
-                .ok_or_else(|| LayerError::MissingKernel { name: launch.kernel.clone() })?;
+                .ok_or_else(|| LayerError::MissingKernel {
+                    name: launch.kernel.clone(),
+                })?;
             let config = LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (launch.block_threads, 1, 1),
@@ -198,8 +264,14 @@ impl MoeLayer {
     /// Waits for the stream, then reads and clears the error word of the last call.
     pub fn take_error(&self) -> Result<(), LayerError> {
         let word = self.workspace(BufferId::ErrorWord);
-        let bytes = self.stream.clone_dtoh(word).context("reading the error word")?;
-        let values: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let bytes = self
+            .stream
+            .clone_dtoh(word)
+            .context("reading the error word")?;
+        let values: Vec<i32> = bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         match values[0] {
             0 => Ok(()),
             error_code::EXPERT_ID_OUT_OF_RANGE => Err(LayerError::ExpertIdOutOfRange {
@@ -208,7 +280,10 @@ impl MoeLayer {
                 id: values[3],
                 experts: self.plan.shape.experts,
             }),
-            code => Err(LayerError::UnknownKernelError { code, details: [values[1], values[2], values[3]] }),
+            code => Err(LayerError::UnknownKernelError {
+                code,
+                details: [values[1], values[2], values[3]],
+            }),
         }
     }
 }

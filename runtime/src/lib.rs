@@ -1,14 +1,14 @@
 //! moeforge's runtime: finds the CUDA toolkit, compiles generated kernels through NVRTC
 //! (or loads them ahead-of-time compiled), owns device buffers and launches a layer.
 
-pub mod jit;
-pub mod toolkit;
-pub mod bf16;
-pub mod gpu;
-pub mod layer;
-pub mod reference;
-pub mod workload;
-pub mod harness;
+pub mod aot;
 pub mod baseline;
 pub mod bench;
-pub mod aot;
+pub mod bf16;
+pub mod gpu;
+pub mod harness;
+pub mod jit;
+pub mod layer;
+pub mod reference;
+pub mod toolkit;
+pub mod workload;

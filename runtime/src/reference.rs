@@ -55,7 +55,11 @@ pub fn token_output<'a>(
             *value = match shape.activation {
                 Activation::Swiglu | Activation::Geglu => {
                     let up = dot(&expert.w1[(ffn + f) * hidden..(ffn + f + 1) * hidden], &x);
-                    let gate = if shape.activation == Activation::Swiglu { silu(h) } else { gelu_tanh(h) };
+                    let gate = if shape.activation == Activation::Swiglu {
+                        silu(h)
+                    } else {
+                        gelu_tanh(h)
+                    };
                     gate * up
                 }
                 Activation::Gelu => gelu_tanh(h),
@@ -85,7 +89,16 @@ mod tests {
     use super::*;
 
     fn shape(activation: Activation) -> LayerShape {
-        LayerShape { hidden: 2, ffn: 1, experts: 2, top_k: 2, activation, max_tokens: 1, spec_ranks: 1, executed_ranks: 1 }
+        LayerShape {
+            hidden: 2,
+            ffn: 1,
+            experts: 2,
+            top_k: 2,
+            activation,
+            max_tokens: 1,
+            spec_ranks: 1,
+            executed_ranks: 1,
+        }
     }
 
     #[test]
@@ -98,11 +111,26 @@ mod tests {
         let w1 = [one, zero, zero, one];
         let w2 = [one, two];
         let x = [one, two];
-        let y = token_output(&shape(Activation::Swiglu), &x, &[0, 1], &[0.75, 0.25], |_| HostExpert { w1: &w1, w2: &w2 });
+        let y = token_output(
+            &shape(Activation::Swiglu),
+            &x,
+            &[0, 1],
+            &[0.75, 0.25],
+            |_| HostExpert { w1: &w1, w2: &w2 },
+        );
         let act = silu(1.0) * 2.0;
-        assert!((y[0] - act).abs() < 1e-6 && (y[1] - 2.0 * act).abs() < 1e-6, "{y:?}");
+        assert!(
+            (y[0] - act).abs() < 1e-6 && (y[1] - 2.0 * act).abs() < 1e-6,
+            "{y:?}"
+        );
         // An out-of-range id contributes nothing.
-        let y = token_output(&shape(Activation::Swiglu), &x, &[0, 7], &[0.75, 0.25], |_| HostExpert { w1: &w1, w2: &w2 });
+        let y = token_output(
+            &shape(Activation::Swiglu),
+            &x,
+            &[0, 7],
+            &[0.75, 0.25],
+            |_| HostExpert { w1: &w1, w2: &w2 },
+        );
         assert!((y[0] - 0.75 * act).abs() < 1e-6, "{y:?}");
     }
 

@@ -36,7 +36,7 @@ impl SplitMix64 {
 
     /// Uniform in 0..n.
     pub fn below(&mut self, n: u32) -> u32 {
-        ((self.next_u64() >> 32) * u64::from(n) >> 32) as u32
+        (((self.next_u64() >> 32) * u64::from(n)) >> 32) as u32
     }
 }
 
@@ -87,7 +87,12 @@ impl Workload {
             let total: f32 = raw.iter().sum();
             topk_weights.extend(raw.iter().map(|w| w / total));
         }
-        Workload { tokens, x, topk_ids, topk_weights }
+        Workload {
+            tokens,
+            x,
+            topk_ids,
+            topk_weights,
+        }
     }
 }
 
@@ -103,7 +108,16 @@ mod tests {
     use moeforge_compiler::ir::Activation;
 
     fn shape() -> LayerShape {
-        LayerShape { hidden: 64, ffn: 64, experts: 8, top_k: 3, activation: Activation::Swiglu, max_tokens: 64, spec_ranks: 1, executed_ranks: 1 }
+        LayerShape {
+            hidden: 64,
+            ffn: 64,
+            experts: 8,
+            top_k: 3,
+            activation: Activation::Swiglu,
+            max_tokens: 64,
+            spec_ranks: 1,
+            executed_ranks: 1,
+        }
     }
 
     #[test]

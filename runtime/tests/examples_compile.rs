@@ -11,17 +11,25 @@ mod layers;
 
 #[test]
 fn every_example_compiles_for_sm90a_without_spills() {
-    let Some(toolkit) = nvrtc_for_tests() else { return };
+    let Some(toolkit) = nvrtc_for_tests() else {
+        return;
+    };
     let jit = Jit::new(toolkit, JitSettings::from_env().expect("JIT settings")).expect("JIT");
     let target = Target::h200();
     let mut checked = 0;
     for layer in layers::examples() {
         let plan = plan::plan(&layer, &target).expect("every example plans");
         let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
-        let module = jit.compile(&source.source, &aot::compile_options(&plan)).expect("NVRTC compiles the example");
-        let report = jit.ptxas_report(&module.ptx, &plan.target.arch).expect("ptxas -v");
+        let module = jit
+            .compile(&source.source, &aot::compile_options(&plan))
+            .expect("NVRTC compiles the example");
+        let report = jit
+            .ptxas_report(&module.ptx, &plan.target.arch)
+            .expect("ptxas -v");
         for entry in &source.entry_points {
-            let function = report.function(entry).unwrap_or_else(|| panic!("ptxas reports {entry}"));
+            let function = report
+                .function(entry)
+                .unwrap_or_else(|| panic!("ptxas reports {entry}"));
             assert_eq!(
                 (function.spill_stores, function.spill_loads),
                 (0, 0),
@@ -32,5 +40,8 @@ fn every_example_compiles_for_sm90a_without_spills() {
         }
     }
     println!("{checked} kernels compiled without spills");
-    assert!(checked >= 7 * 4, "every example has at least route, gemm1, gemm2 and combine");
+    assert!(
+        checked >= 7 * 4,
+        "every example has at least route, gemm1, gemm2 and combine"
+    );
 }

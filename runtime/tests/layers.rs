@@ -1,5 +1,7 @@
 //! Layers for the GPU tests: every shipped example (dsl-examples/), and tiny layers built in
 //! code for the activations no example uses.
+// Shared by several test binaries, each of which uses part of it.
+#![allow(dead_code)]
 
 use moeforge_compiler::ir::*;
 
@@ -26,7 +28,10 @@ pub fn examples() -> Vec<Layer> {
 }
 
 pub fn tiny(activation: Activation) -> Layer {
-    let link = Link { bandwidth_bytes_per_s: 450_000_000_000, latency_ns: 3_000 };
+    let link = Link {
+        bandwidth_bytes_per_s: 450_000_000_000,
+        latency_ns: 3_000,
+    };
     Layer {
         name: format!("tiny_{}", activation.name()),
         hidden: 128,
@@ -39,8 +44,19 @@ pub fn tiny(activation: Activation) -> Layer {
         max_tokens: 1000,
         shared_experts: None,
         router: None,
-        parallel: Parallelism { expert: 1, data: 1, tensor: 1 },
-        topology: Topology { name: "one_gpu".into(), gpus_per_node: 1, nodes: 1, intra_node: link, network: link, virtual_ranks: None },
+        parallel: Parallelism {
+            expert: 1,
+            data: 1,
+            tensor: 1,
+        },
+        topology: Topology {
+            name: "one_gpu".into(),
+            gpus_per_node: 1,
+            nodes: 1,
+            intra_node: link,
+            network: link,
+            virtual_ranks: None,
+        },
         schedule: ScheduleHints::default(),
     }
 }

@@ -6,13 +6,13 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use moeforge::runtime::bench::{bench_layer, BenchRow};
+use moeforge::runtime::bench::{BenchRow, bench_layer};
 use moeforge::runtime::harness::Session;
 use moeforge::runtime::toolkit;
 use serde::Serialize;
 
 use super::planning::{check_ranks, plan_one};
-use super::run::{fresh_seed, routing_name, RoutingArg};
+use super::run::{RoutingArg, fresh_seed, routing_name};
 use super::{OK, invalid_input, usage_error};
 
 /// Benchmark a layer against the cuBLAS per-expert baseline on the GPU.
@@ -24,7 +24,11 @@ pub struct Args {
     #[arg(long)]
     layer: Option<String>,
     /// Token counts, comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,128,1024,4096,16384")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,16,128,1024,4096,16384"
+    )]
     tokens: Vec<u32>,
     /// Timed calls per token count (after 3 warm-up calls).
     #[arg(long, default_value_t = 20)]
@@ -54,7 +58,9 @@ struct BenchReport<'a> {
 
 /// Today's date (UTC) as YYYY-MM-DD, from the civil-from-days algorithm.
 fn utc_date() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let days = (secs / 86_400) as i64 + 719_468;
     let era = days.div_euclid(146_097);
     let doe = days - era * 146_097;
@@ -72,9 +78,15 @@ fn header() -> String {
 }
 
 fn table_row(row: &BenchRow) -> String {
-    let cublas = row.cublas_us.map_or("-".to_string(), |us| format!("{us:.1}"));
-    let speedup = row.cublas_us.map_or("-".to_string(), |us| format!("{:.2}x", us / row.moeforge_us));
-    let agree = row.cublas_agreement.map_or("-".to_string(), |e| format!("{e:.0e}"));
+    let cublas = row
+        .cublas_us
+        .map_or("-".to_string(), |us| format!("{us:.1}"));
+    let speedup = row.cublas_us.map_or("-".to_string(), |us| {
+        format!("{:.2}x", us / row.moeforge_us)
+    });
+    let agree = row
+        .cublas_agreement
+        .map_or("-".to_string(), |e| format!("{e:.0e}"));
     format!(
         "| {:>5} | {:<7} | {:>11.1} | {:>7.1} | {:>6.0} | {:>8.1} | {:>7.0}% | {:>9} | {:>8} | {:>5} |",
         row.tokens,
@@ -99,7 +111,10 @@ pub fn run(args: &Args) -> ExitCode {
         return status;
     }
     if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
-        eprintln!("error: --tokens {too_many} exceeds the layer's max_tokens of {}", plan.shape.max_tokens);
+        eprintln!(
+            "error: --tokens {too_many} exceeds the layer's max_tokens of {}",
+            plan.shape.max_tokens
+        );
         return usage_error();
     }
     if args.iterations == 0 {
@@ -128,11 +143,23 @@ pub fn run(args: &Args) -> ExitCode {
         }
     };
     let gpu = session.gpu.name();
-    println!("{layer_name} on {gpu}, {} routing, median of {} calls, seed {seed}", routing_name(args.routing), args.iterations);
+    println!(
+        "{layer_name} on {gpu}, {} routing, median of {} calls, seed {seed}",
+        routing_name(args.routing),
+        args.iterations
+    );
     println!("{}", header());
-    let outcome = bench_layer(&session, &built, &args.tokens, args.routing.into(), args.iterations, seed, |row| {
-        println!("{}", table_row(row));
-    });
+    let outcome = bench_layer(
+        &session,
+        &built,
+        &args.tokens,
+        args.routing.into(),
+        args.iterations,
+        seed,
+        |row| {
+            println!("{}", table_row(row));
+        },
+    );
     let (rows, baseline_note) = match outcome {
         Ok(result) => result,
         Err(error) => {
@@ -176,7 +203,10 @@ pub fn run(args: &Args) -> ExitCode {
         .and_then(|()| std::fs::write(args.out.join(format!("{stem}.json")), json))
         .and_then(|()| std::fs::write(args.out.join(format!("{stem}.md")), markdown))
     {
-        eprintln!("error: cannot write results to {}: {error}", args.out.display());
+        eprintln!(
+            "error: cannot write results to {}: {error}",
+            args.out.display()
+        );
         return usage_error();
     }
     eprintln!("wrote {}/{stem}.json and .md", args.out.display());

@@ -21,8 +21,11 @@ pub struct Args {
 pub fn run(args: &Args) -> ExitCode {
     match compile_file(&args.file) {
         Ok((_, module)) => {
-            let mut text: Vec<String> =
-                module.layers.iter().map(|layer| explain_layer(layer) + &explain_plan(layer)).collect();
+            let mut text: Vec<String> = module
+                .layers
+                .iter()
+                .map(|layer| explain_layer(layer) + &explain_plan(layer))
+                .collect();
             // Topologies no layer uses would otherwise go unexplained.
             let unused = module.topologies.iter().filter(|topology| {
                 !module

@@ -1,6 +1,6 @@
 //! Shared by the commands that go past the checker: pick the layers of a file and plan them.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::ExitCode;
 
 use moeforge::compiler::plan::{self, Plan, Target};
@@ -8,13 +8,21 @@ use moeforge::compiler::plan::{self, Plan, Target};
 use super::{compile_file, invalid_input, usage_error};
 
 /// Checks `file` and plans its layers (only `layer` when given), reporting any error.
-pub fn plan_file(file: &PathBuf, layer: Option<&str>) -> Result<Vec<Plan>, ExitCode> {
+pub fn plan_file(file: &Path, layer: Option<&str>) -> Result<Vec<Plan>, ExitCode> {
     let (_, module) = compile_file(file)?;
     let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
-    let selected: Vec<_> = module.layers.iter().filter(|l| layer.is_none_or(|name| l.name == name)).collect();
+    let selected: Vec<_> = module
+        .layers
+        .iter()
+        .filter(|l| layer.is_none_or(|name| l.name == name))
+        .collect();
     if selected.is_empty() {
         match layer {
-            Some(name) => eprintln!("error: {} has no layer `{name}` (it has: {})", file.display(), names.join(", ")),
+            Some(name) => eprintln!(
+                "error: {} has no layer `{name}` (it has: {})",
+                file.display(),
+                names.join(", ")
+            ),
             None => eprintln!("error: {} defines no layer", file.display()),
         }
         return Err(usage_error());
@@ -34,11 +42,16 @@ pub fn plan_file(file: &PathBuf, layer: Option<&str>) -> Result<Vec<Plan>, ExitC
 }
 
 /// Exactly one plan, for commands that run a single layer.
-pub fn plan_one(file: &PathBuf, layer: Option<&str>) -> Result<Plan, ExitCode> {
+pub fn plan_one(file: &Path, layer: Option<&str>) -> Result<Plan, ExitCode> {
     let mut plans = plan_file(file, layer)?;
     if plans.len() > 1 {
         let names: Vec<&str> = plans.iter().map(|p| p.layer.as_str()).collect();
-        eprintln!("error: {} has {} layers; pick one with --layer ({})", file.display(), plans.len(), names.join(", "));
+        eprintln!(
+            "error: {} has {} layers; pick one with --layer ({})",
+            file.display(),
+            plans.len(),
+            names.join(", ")
+        );
         return Err(usage_error());
     }
     Ok(plans.remove(0))
@@ -49,7 +62,9 @@ pub fn check_ranks(plan: &Plan, ranks: Option<u32>) -> Result<(), ExitCode> {
     match ranks {
         Some(1) => Ok(()),
         Some(other) => {
-            eprintln!("error: --ranks {other}: only --ranks 1 (all experts on one GPU) is implemented so far");
+            eprintln!(
+                "error: --ranks {other}: only --ranks 1 (all experts on one GPU) is implemented so far"
+            );
             Err(usage_error())
         }
         None => {

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use moeforge::compiler::codegen;
-use moeforge::runtime::harness::{CheckReport, Session};
 use moeforge::runtime::aot;
+use moeforge::runtime::harness::{CheckReport, Session};
 use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload};
@@ -63,7 +63,9 @@ impl From<RoutingArg> for Routing {
 /// A seed from the clock, printed so that a run can be replayed.
 pub fn fresh_seed(given: Option<u64>) -> u64 {
     given.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
     })
 }
 
@@ -92,7 +94,11 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
                 source.file_name,
                 source.entry_points.len(),
                 module.ptx.len(),
-                if module.cache_hit() { ", from the cache" } else { "" },
+                if module.cache_hit() {
+                    ", from the cache"
+                } else {
+                    ""
+                },
                 plan.target.arch,
                 started.elapsed().as_secs_f64()
             );
@@ -133,7 +139,10 @@ pub fn run(args: &Args) -> ExitCode {
         }
     };
     let shape = plan.shape.clone();
-    let regime = plan.regime_for(args.tokens).map(|r| r.name.clone()).unwrap_or_default();
+    let regime = plan
+        .regime_for(args.tokens)
+        .map(|r| r.name.clone())
+        .unwrap_or_default();
     let built = match session.build(plan, seed) {
         Ok(built) => built,
         Err(error) => {
@@ -144,7 +153,11 @@ pub fn run(args: &Args) -> ExitCode {
     eprintln!(
         "compiled in {:.2} s{}; running T={} ({} regime, {} routing, seed {seed})",
         built.compile_seconds,
-        if built.module.cache_hit() { " (cache hit)" } else { "" },
+        if built.module.cache_hit() {
+            " (cache hit)"
+        } else {
+            ""
+        },
         args.tokens,
         regime,
         routing_name(args.routing)
@@ -174,11 +187,19 @@ pub fn run(args: &Args) -> ExitCode {
         let result = session
             .upload(&shape, &workload)
             .map_err(|e| e.to_string())
-            .and_then(|mut io| session.forward(&built.layer, &mut io).map_err(|e| e.to_string()))
+            .and_then(|mut io| {
+                session
+                    .forward(&built.layer, &mut io)
+                    .map_err(|e| e.to_string())
+            })
             .and_then(|()| built.layer.take_error().map_err(|e| e.to_string()));
         match result {
             Ok(()) => {
-                println!("{} T={}: ran (pass --check to compare with the CPU reference)", built.layer.plan().layer, args.tokens);
+                println!(
+                    "{} T={}: ran (pass --check to compare with the CPU reference)",
+                    built.layer.plan().layer,
+                    args.tokens
+                );
                 OK
             }
             Err(error) => {

@@ -10,7 +10,7 @@ use askama::Template;
 use thiserror::Error;
 
 use crate::ir::Activation;
-use crate::plan::{error_code, GemmPlan, Plan, Regime, COMBINE_THREADS, ROUTE_THREADS};
+use crate::plan::{COMBINE_THREADS, GemmPlan, Plan, ROUTE_THREADS, Regime, error_code};
 
 /// The generated CUDA unit of one layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,22 +99,44 @@ fn activation_fn(activation: Activation) -> &'static str {
             "__device__ __forceinline__ float activate(float gate, float up) { return gelu_tanh(gate) * up; }"
         }
         // Ungated activations ignore `up` (always 0): one signature keeps GEMM1's epilogue uniform.
-        Activation::Gelu => "__device__ __forceinline__ float activate(float h, float) { return gelu_tanh(h); }",
-        Activation::Relu => "__device__ __forceinline__ float activate(float h, float) { return fmaxf(h, 0.f); }",
-        Activation::Silu => "__device__ __forceinline__ float activate(float h, float) { return silu(h); }",
+        Activation::Gelu => {
+            "__device__ __forceinline__ float activate(float h, float) { return gelu_tanh(h); }"
+        }
+        Activation::Relu => {
+            "__device__ __forceinline__ float activate(float h, float) { return fmaxf(h, 0.f); }"
+        }
+        Activation::Silu => {
+            "__device__ __forceinline__ float activate(float h, float) { return silu(h); }"
+        }
     }
 }
 
 fn regime_unit(regime: &Regime) -> RegimeUnit {
     // The plan's launch table names the entry points: gemm1 and gemm2 are its 2nd and 3rd.
-    let entry = |index: usize| regime.launches.get(index).map(|l| l.kernel.as_str()).unwrap_or_default();
+    let entry = |index: usize| {
+        regime
+            .launches
+            .get(index)
+            .map(|l| l.kernel.as_str())
+            .unwrap_or_default()
+    };
     RegimeUnit {
         name: regime.name.clone(),
         min_tokens: regime.min_tokens,
         max_tokens: regime.max_tokens,
         gemms: [
-            GemmUnit::new("GEMM1 (gather, W1, activation)", true, entry(1), &regime.gemm1),
-            GemmUnit::new("GEMM2 (W2, routing weight, combine slot)", false, entry(2), &regime.gemm2),
+            GemmUnit::new(
+                "GEMM1 (gather, W1, activation)",
+                true,
+                entry(1),
+                &regime.gemm1,
+            ),
+            GemmUnit::new(
+                "GEMM2 (W2, routing weight, combine slot)",
+                false,
+                entry(2),
+                &regime.gemm2,
+            ),
         ],
     }
 }

@@ -165,7 +165,8 @@ pub struct Topology {
 impl Topology {
     /// Number of ranks this topology provides.
     pub fn ranks(&self) -> u32 {
-        self.virtual_ranks.unwrap_or(self.gpus_per_node * self.nodes)
+        self.virtual_ranks
+            .unwrap_or(self.gpus_per_node * self.nodes)
     }
 }
 

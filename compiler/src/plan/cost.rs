@@ -38,7 +38,12 @@ pub fn expected_hit_experts(experts: u32, pairs: u64) -> f64 {
     e * (1.0 - (1.0 - 1.0 / e).powf(pairs as f64))
 }
 
-pub fn estimate(target: &Target, problem: &GemmProblem, gemm: &GemmPlan, tokens: u32) -> GemmEstimate {
+pub fn estimate(
+    target: &Target,
+    problem: &GemmProblem,
+    gemm: &GemmPlan,
+    tokens: u32,
+) -> GemmEstimate {
     let pairs = u64::from(tokens) * u64::from(problem.top_k);
     let hit = expected_hit_experts(problem.experts, pairs).max(1.0);
     let rows_per_hit = pairs as f64 / hit;
@@ -59,7 +64,8 @@ pub fn estimate(target: &Target, problem: &GemmProblem, gemm: &GemmPlan, tokens:
     let in_flight = concurrent.min(tiles) * f64::from(gemm.stages - 1) * stage_bytes;
     let bandwidth = target.hbm_bytes_per_s.min(in_flight / MEMORY_LATENCY_S);
     let memory_seconds = (weight_bytes + activation_bytes) / bandwidth;
-    let l2_seconds = tiles * f64::from(gemm.tile.m + gemm.b_rows) * f64::from(problem.k) * 2.0 / target.l2_bytes_per_s;
+    let l2_seconds = tiles * f64::from(gemm.tile.m + gemm.b_rows) * f64::from(problem.k) * 2.0
+        / target.l2_bytes_per_s;
 
     GemmEstimate {
         tokens,

@@ -8,14 +8,22 @@ use super::{Grid, LaunchArg, Plan};
 pub fn describe(plan: &Plan) -> String {
     let mut out = String::new();
     let shape = &plan.shape;
-    let _ = writeln!(out, "plan for {} on {} ({}, {} SMs)", plan.layer, plan.target.name, plan.target.arch, plan.target.sm_count);
+    let _ = writeln!(
+        out,
+        "plan for {} on {} ({}, {} SMs)",
+        plan.layer, plan.target.name, plan.target.arch, plan.target.sm_count
+    );
     let _ = writeln!(
         out,
         "  ranks                {} in the spec, {} executed (all {} experts on one GPU)",
         shape.spec_ranks, shape.executed_ranks, shape.experts
     );
     for regime in &plan.regimes {
-        let _ = writeln!(out, "  regime {:<13} {}..={} tokens", regime.name, regime.min_tokens, regime.max_tokens);
+        let _ = writeln!(
+            out,
+            "  regime {:<13} {}..={} tokens",
+            regime.name, regime.min_tokens, regime.max_tokens
+        );
         for (name, gemm) in [("gemm1", &regime.gemm1), ("gemm2", &regime.gemm2)] {
             let e = &gemm.estimate;
             let _ = writeln!(
@@ -56,7 +64,13 @@ pub fn describe(plan: &Plan) -> String {
     }
     let _ = writeln!(out, "  workspace");
     for buffer in &plan.workspace {
-        let _ = writeln!(out, "    {:<15} {:>14} B  {}", buffer.id.name(), buffer.bytes(), buffer.purpose);
+        let _ = writeln!(
+            out,
+            "    {:<15} {:>14} B  {}",
+            buffer.id.name(),
+            buffer.bytes(),
+            buffer.purpose
+        );
     }
     for limitation in &plan.limitations {
         let _ = writeln!(out, "  note: {limitation}");

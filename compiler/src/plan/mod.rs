@@ -67,7 +67,11 @@ pub struct LayerShape {
 impl LayerShape {
     /// Rows of W1 per expert: 2F for gated activations, F otherwise.
     pub fn w1_rows(&self) -> u32 {
-        if self.activation.is_gated() { 2 * self.ffn } else { self.ffn }
+        if self.activation.is_gated() {
+            2 * self.ffn
+        } else {
+            self.ffn
+        }
     }
 
     /// Largest number of (token, k) pairs in one call.
@@ -234,11 +238,23 @@ pub enum PlanError {
     #[error(
         "layer `{layer}`: {experts} experts exceed the {max} the routing kernel supports; split the layer or raise MAX_EXPERTS"
     )]
-    TooManyExperts { layer: String, experts: u32, max: u32 },
+    TooManyExperts {
+        layer: String,
+        experts: u32,
+        max: u32,
+    },
     #[error("layer `{layer}`: schedule hint `{hint}` cannot be used: {reason}")]
-    ImpossibleHint { layer: String, hint: String, reason: String },
+    ImpossibleHint {
+        layer: String,
+        hint: String,
+        reason: String,
+    },
     #[error("layer `{layer}`: no tile fits {what}: {reason}")]
-    NoFeasibleTile { layer: String, what: String, reason: String },
+    NoFeasibleTile {
+        layer: String,
+        what: String,
+        reason: String,
+    },
 }
 
 /// Which of the two grouped GEMMs a tile is for.
@@ -279,7 +295,14 @@ impl GemmProblem {
             GemmKind::Up => (shape.ffn, shape.hidden, shape.activation.is_gated()),
             GemmKind::Down => (shape.hidden, shape.ffn, false),
         };
-        GemmProblem { kind, experts: shape.experts, top_k: shape.top_k, n, k, gated }
+        GemmProblem {
+            kind,
+            experts: shape.experts,
+            top_k: shape.top_k,
+            n,
+            k,
+            gated,
+        }
     }
 }
 
@@ -336,7 +359,14 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         g2.estimate = cost::estimate(target, &down, &g2, max);
         let name = regime_name(i, count).to_string();
         let launches = launch_table(&symbol, &name, &g1, &g2);
-        regimes.push(Regime { name, min_tokens: next_min, max_tokens: max, gemm1: g1, gemm2: g2, launches });
+        regimes.push(Regime {
+            name,
+            min_tokens: next_min,
+            max_tokens: max,
+            gemm1: g1,
+            gemm2: g2,
+            launches,
+        });
         next_min = max + 1;
     }
 
@@ -393,13 +423,23 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         );
     }
 
-    Ok(Plan { layer: layer.name.clone(), symbol, target: target.clone(), shape, workspace, regimes, limitations })
+    Ok(Plan {
+        layer: layer.name.clone(),
+        symbol,
+        target: target.clone(),
+        shape,
+        workspace,
+        regimes,
+        limitations,
+    })
 }
 
 impl Plan {
     /// The regime that serves a call with `tokens` tokens (`None` above `max_tokens`).
     pub fn regime_for(&self, tokens: u32) -> Option<&Regime> {
-        self.regimes.iter().find(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
+        self.regimes
+            .iter()
+            .find(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
     }
 
     pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
@@ -458,14 +498,26 @@ fn launch_table(symbol: &str, regime: &str, g1: &GemmPlan, g2: &GemmPlan) -> Vec
             grid: Grid::Fixed(1),
             block_threads: ROUTE_THREADS,
             smem_bytes: 0,
-            args: vec![TopkIds, Tokens, Workspace(ExpertOffsets), Workspace(RowPair), Workspace(ErrorWord)],
+            args: vec![
+                TopkIds,
+                Tokens,
+                Workspace(ExpertOffsets),
+                Workspace(RowPair),
+                Workspace(ErrorWord),
+            ],
         },
         Launch {
             kernel: format!("{symbol}_{regime}_gemm1"),
             grid: Grid::Fixed(g1.grid_blocks),
             block_threads: g1.threads(),
             smem_bytes: g1.smem_bytes,
-            args: vec![X, W1, Workspace(ExpertOffsets), Workspace(RowPair), Workspace(Intermediate)],
+            args: vec![
+                X,
+                W1,
+                Workspace(ExpertOffsets),
+                Workspace(RowPair),
+                Workspace(Intermediate),
+            ],
         },
         Launch {
             kernel: format!("{symbol}_{regime}_gemm2"),
@@ -501,7 +553,7 @@ fn warp_layout(tile: TileShape) -> Option<(u32, u32)> {
         64 => (2, 4),
         _ => (4, 2),
     };
-    let fits = tile.m % (16 * wm) == 0 && tile.n % (16 * wn) == 0;
+    let fits = tile.m.is_multiple_of(16 * wm) && tile.n.is_multiple_of(16 * wn);
     fits.then_some((wm, wn))
 }
 
@@ -517,22 +569,30 @@ fn shape_gemm(
     stages: u32,
 ) -> Result<GemmPlan, String> {
     if tile.k != TILE_K {
-        return Err(format!("the reduction depth must be {TILE_K} (the kernels swizzle 128-byte rows)"));
+        return Err(format!(
+            "the reduction depth must be {TILE_K} (the kernels swizzle 128-byte rows)"
+        ));
     }
-    if tile.m % 16 != 0 || tile.m == 0 || tile.m > 256 {
+    if !tile.m.is_multiple_of(16) || tile.m == 0 || tile.m > 256 {
         return Err("rows must be a multiple of 16 between 16 and 256".into());
     }
-    if tile.n == 0 || problem.n % tile.n != 0 {
-        return Err(format!("columns must divide the output width {}", problem.n));
+    if tile.n == 0 || !problem.n.is_multiple_of(tile.n) {
+        return Err(format!(
+            "columns must divide the output width {}",
+            problem.n
+        ));
     }
-    if problem.k % tile.k != 0 {
-        return Err(format!("the reduction length {} is not a multiple of {}", problem.k, tile.k));
+    if !problem.k.is_multiple_of(tile.k) {
+        return Err(format!(
+            "the reduction length {} is not a multiple of {}",
+            problem.k, tile.k
+        ));
     }
     if !(2..=8).contains(&stages) {
         return Err("pipeline stages must be between 2 and 8".into());
     }
-    let (warps_m, warps_n) =
-        warp_layout(tile).ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
+    let (warps_m, warps_n) = warp_layout(tile)
+        .ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
     let b_rows = if problem.gated { 2 * tile.n } else { tile.n };
     let threads = 32 * warps_m * warps_n;
     let accumulators = tile.m * b_rows / threads;
@@ -578,23 +638,31 @@ fn choose_gemm(
 ) -> Result<GemmPlan, PlanError> {
     if let Some(tile) = hinted_tile {
         let stages = hinted_stages.unwrap_or(4);
-        let mut gemm = shape_gemm(target, problem, tile, stages).map_err(|reason| PlanError::ImpossibleHint {
-            layer: layer.name.clone(),
-            hint: format!("{} = {}x{}x{}", problem.kind.hint_name(), tile.m, tile.n, tile.k),
-            reason,
+        let mut gemm = shape_gemm(target, problem, tile, stages).map_err(|reason| {
+            PlanError::ImpossibleHint {
+                layer: layer.name.clone(),
+                hint: format!(
+                    "{} = {}x{}x{}",
+                    problem.kind.hint_name(),
+                    tile.m,
+                    tile.n,
+                    tile.k
+                ),
+                reason,
+            }
         })?;
         gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
         gemm.hinted = true;
         return Ok(gemm);
     }
-    if let Some(stages) = hinted_stages {
-        if !(2..=8).contains(&stages) {
-            return Err(PlanError::ImpossibleHint {
-                layer: layer.name.clone(),
-                hint: format!("stages = {stages}"),
-                reason: "pipeline stages must be between 2 and 8".into(),
-            });
-        }
+    if let Some(stages) = hinted_stages
+        && !(2..=8).contains(&stages)
+    {
+        return Err(PlanError::ImpossibleHint {
+            layer: layer.name.clone(),
+            hint: format!("stages = {stages}"),
+            reason: "pipeline stages must be between 2 and 8".into(),
+        });
     }
     let stage_choices: Vec<u32> = match hinted_stages {
         Some(s) => vec![s],
@@ -623,15 +691,21 @@ fn choose_gemm(
     }
     best.ok_or_else(|| PlanError::NoFeasibleTile {
         layer: layer.name.clone(),
-        what: problem.kind.hint_name().trim_end_matches(".tile").to_string(),
+        what: problem
+            .kind
+            .hint_name()
+            .trim_end_matches(".tile")
+            .to_string(),
         reason: last_reason,
     })
 }
 
 /// A C identifier made from a layer name: letters, digits and `_`, not starting with a digit.
 pub fn c_identifier(name: &str) -> String {
-    let mut ident: String =
-        name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    let mut ident: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
     if ident.is_empty() || ident.starts_with(|c: char| c.is_ascii_digit()) {
         ident.insert_str(0, "moe_");
     }
