@@ -24,26 +24,37 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 
 {% include "routing.cu" %}
 {% include "gemm.cu" %}
+{%- if !wgmma_widths.is_empty() %}
+{% include "gemm_wgmma.cu" %}
+{%- endif %}
 {% include "combine.cu" %}
 {%- for regime in regimes %}
 // ---------------------------------------------------------------------------------------
 // Regime `{{ regime.name }}`: {{ regime.min_tokens }}..={{ regime.max_tokens }} tokens per call
 // ---------------------------------------------------------------------------------------
 {%- for gemm in regime.gemms %}
-// {{ gemm.role }}: tile {{ gemm.bm }}x{{ gemm.bn }}x64, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM), {{ gemm.smem }} B shared memory
+// {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x64, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM), {{ gemm.smem }} B shared memory
 extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}) {{ gemm.entry }}(
 {%- if gemm.up %}
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair, bf16_t* __restrict__ intermediate)
 {
+{%- if gemm.wgmma %}
+    grouped_gemm_wgmma<GEMM_UP, {{ gemm.bm }}, {{ gemm.bn }}, {{ gemm.stages }}, GATED, FFN, HIDDEN>(
+{%- else %}
     grouped_gemm<GEMM_UP, {{ gemm.bm }}, {{ gemm.bn }}, {{ gemm.stages }}, {{ gemm.warps_m }}, {{ gemm.warps_n }}, GATED, FFN, HIDDEN>(
+{%- endif %}
         x, w1, nullptr, expert_offsets, row_pair, intermediate);
 }
 {%- else %}
     const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2, const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets, const int* __restrict__ row_pair, bf16_t* __restrict__ combine_slots)
 {
+{%- if gemm.wgmma %}
+    grouped_gemm_wgmma<GEMM_DOWN, {{ gemm.bm }}, {{ gemm.bn }}, {{ gemm.stages }}, false, HIDDEN, FFN>(
+{%- else %}
     grouped_gemm<GEMM_DOWN, {{ gemm.bm }}, {{ gemm.bn }}, {{ gemm.stages }}, {{ gemm.warps_m }}, {{ gemm.warps_n }}, false, HIDDEN, FFN>(
+{%- endif %}
         intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots);
 }
 {%- endif %}

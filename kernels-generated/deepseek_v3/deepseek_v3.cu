@@ -365,6 +365,206 @@ __device__ __forceinline__ void grouped_gemm(
     }
 }
 // ---------------------------------------------------------------------------------------
+// Grouped GEMM on Hopper's warpgroup MMA (wgmma, sm_90a). Same tiles, schedule, masking and
+// epilogues as the mma.sync GEMM above; differences:
+//   - each warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16 with A
+//     and B read from shared memory through descriptors;
+//   - the shared-memory layout is the 128-byte swizzle wgmma expects (the same XOR the
+//     mma.sync path uses), with every stage 1024-byte aligned;
+//   - loads stay cp.async (gathered rows cannot use TMA on sm_90), so each thread fences
+//     the generic->async proxy before the barrier that publishes a stage to wgmma.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
+    u64 desc = 0;
+    desc |= (u64)((smem_byte_address & 0x3FFFF) >> 4);  // start address
+    desc |= (u64)1 << 16;                                // leading byte offset (unused for SW128 K-major)
+    desc |= (u64)(1024 >> 4) << 32;                      // stride byte offset: 8 rows x 128 B
+    desc |= (u64)1 << 62;                                // 128-byte swizzle
+    return desc;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// D[64 x N] (+)= A[64 x 16] · B[N x 16]ᵀ, both K-major in shared memory; one
+// specialisation per width the plan uses.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
+template <>
+__device__ __forceinline__ void wgmma_m64k16<64>(float* d, u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, %32, %33, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b));
+}
+template <int KIND, int BM, int BN, int STAGES, bool GATED, int N, int KD>
+__device__ __forceinline__ void grouped_gemm_wgmma(
+    const bf16_t* __restrict__ a_rows,
+    const bf16_t* __restrict__ weights,
+    const float* __restrict__ topk_weights,
+    const int* __restrict__ expert_offsets,
+    const int* __restrict__ row_pair,
+    bf16_t* __restrict__ out)
+{
+    constexpr int WARPGROUPS = BM / 64;
+    constexpr int THREADS = 128 * WARPGROUPS;
+    constexpr int B_ROWS = GATED ? 2 * BN : BN;
+    constexpr int W_ROWS = GATED ? 2 * N : N;
+    constexpr int FRAG = BN / 2;  // accumulator floats per thread per wgmma
+    constexpr int K_TILES = KD / 64;
+    constexpr int N_TILES = N / BN;
+    constexpr int A_BYTES = BM * SMEM_ROW_BYTES;
+    constexpr int STAGE_BYTES = (BM + B_ROWS) * SMEM_ROW_BYTES;
+    static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
+    static_assert(KD % 64 == 0 && N % BN == 0, "plan invariant: tiles divide N and KD");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    // wgmma's 128-byte swizzle repeats every 1024 bytes: align the ring to that.
+    const u32 raw_base = smem_address(smem_raw);
+    const u32 smem_base = (raw_base + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (smem_base - raw_base);
+    int* s_row_source = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);
+    __shared__ int s_tile_start[EXPERTS + 1];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warpgroup = tid >> 7;
+    const int warp_in_group = (tid >> 5) & 3;
+
+    if (tid < 32) {
+        warp_exclusive_scan(EXPERTS, [&](int e) {
+            const int rows = expert_offsets[e + 1] - expert_offsets[e];
+            return (rows + BM - 1) / BM * N_TILES;
+        }, s_tile_start);
+    }
+    __syncthreads();
+    const int total_tiles = s_tile_start[EXPERTS];
+
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        int lo = 0, hi = EXPERTS - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+        }
+        const int expert = lo;
+        const int expert_row0 = expert_offsets[expert];
+        const int expert_rows = expert_offsets[expert + 1] - expert_row0;
+        const int m_tiles = (expert_rows + BM - 1) / BM;
+        const int local = tile - s_tile_start[expert];
+        const int n0 = (local / m_tiles) * BN;
+        const int row0 = expert_row0 + (local % m_tiles) * BM;
+        const int rows = min(BM, expert_row0 + expert_rows - row0);
+
+        for (int r = tid; r < BM; r += THREADS) {
+            int source = -1;
+            if (r < rows) source = (KIND == GEMM_UP) ? row_pair[row0 + r] / TOP_K : row0 + r;
+            s_row_source[r] = source;
+        }
+        __syncthreads();
+
+        const bf16_t* w_expert = weights + (size_t)expert * W_ROWS * KD;
+        auto load_stage = [&](int stage, int k_tile) {
+            const u32 a_base = smem_base + stage * STAGE_BYTES;
+            const int k0 = k_tile * 64;
+#pragma unroll
+            for (int i = tid; i < BM * 8; i += THREADS) {
+                const int r = i >> 3, chunk = i & 7;
+                const int source = s_row_source[r];
+                const bf16_t* src = a_rows + (size_t)max(source, 0) * KD + k0 + chunk * 8;
+                cp_async_16(a_base + swizzle(r, chunk), src, source >= 0);
+            }
+#pragma unroll
+            for (int i = tid; i < B_ROWS * 8; i += THREADS) {
+                const int r = i >> 3, chunk = i & 7;
+                const int w_row = (GATED && r >= BN) ? N + n0 + (r - BN) : n0 + r;
+                cp_async_16(a_base + A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * KD + k0 + chunk * 8, true);
+            }
+        };
+
+        float acc[FRAG];
+        float acc_up[GATED ? FRAG : 1];
+#pragma unroll
+        for (int i = 0; i < FRAG; ++i) {
+            acc[i] = 0.f;
+            if constexpr (GATED) acc_up[i] = 0.f;
+        }
+
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < K_TILES) load_stage(s, s);
+            cp_async_commit();
+        }
+
+        for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+            cp_async_wait<STAGES - 2>();
+            fence_proxy_async();  // this thread's cp.async writes become visible to wgmma
+            __syncthreads();      // ... everyone's; and the stage read last iteration is free
+            const int next = k_tile + STAGES - 1;
+            if (next < K_TILES) load_stage(next % STAGES, next);
+            cp_async_commit();
+
+            const u32 a_base = smem_base + (k_tile % STAGES) * STAGE_BYTES + warpgroup * 64 * SMEM_ROW_BYTES;
+            const u32 b_base = smem_base + (k_tile % STAGES) * STAGE_BYTES + A_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16) {
+                // Within a 128-byte swizzled row, the k16 step starts 32 bytes further.
+                const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
+                wgmma_m64k16<BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
+                if constexpr (GATED) {
+                    wgmma_m64k16<BN>(acc_up, desc_a, wgmma_descriptor(b_base + BN * SMEM_ROW_BYTES + k16 * 32));
+                }
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+        }
+
+        // Epilogue: warp w of a warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
+        // columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+            if (r >= rows) continue;
+            size_t out_row;
+            float scale = 1.f;
+            if constexpr (KIND == GEMM_UP) {
+                out_row = (size_t)(row0 + r);
+            } else {
+                const int pair = row_pair[row0 + r];
+                out_row = (size_t)pair;
+                scale = topk_weights[pair];
+            }
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int column = n0 + j * 8 + (lane & 3) * 2;
+                float v0 = acc[j * 4 + half * 2], v1 = acc[j * 4 + half * 2 + 1];
+                if constexpr (KIND == GEMM_UP) {
+                    float up0 = 0.f, up1 = 0.f;
+                    if constexpr (GATED) {
+                        up0 = acc_up[j * 4 + half * 2];
+                        up1 = acc_up[j * 4 + half * 2 + 1];
+                    }
+                    v0 = activate(v0, up0);
+                    v1 = activate(v1, up1);
+                } else {
+                    v0 *= scale;
+                    v1 *= scale;
+                }
+                *reinterpret_cast<u32*>(out + out_row * N + column) = pack_bf16x2(v0, v1);
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+}
+// ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
 // One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
@@ -403,15 +603,15 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_combin
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): tile 32x128x64, 3 stages, 2x2 warps, 264 persistent blocks (2 per SM), 110720 B shared memory
-extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_decode_gemm1(
+// GEMM1 (gather, W1, activation): mma.sync, tile 32x128x64, 4 stages, 2x2 warps, 132 persistent blocks (1 per SM), 147584 B shared memory
+extern "C" __global__ void __launch_bounds__(128, 1) deepseek_v3_decode_gemm1(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair, bf16_t* __restrict__ intermediate)
 {
-    grouped_gemm<GEMM_UP, 32, 128, 3, 2, 2, GATED, FFN, HIDDEN>(
+    grouped_gemm<GEMM_UP, 32, 128, 4, 2, 2, GATED, FFN, HIDDEN>(
         x, w1, nullptr, expert_offsets, row_pair, intermediate);
 }
-// GEMM2 (W2, routing weight, combine slot): tile 64x64x64, 3 stages, 2x4 warps, 396 persistent blocks (3 per SM), 49408 B shared memory
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 64x64x64, 3 stages, 2x4 warps, 396 persistent blocks (3 per SM), 49408 B shared memory
 extern "C" __global__ void __launch_bounds__(256, 3) deepseek_v3_decode_gemm2(
     const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2, const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets, const int* __restrict__ row_pair, bf16_t* __restrict__ combine_slots)
@@ -422,38 +622,38 @@ extern "C" __global__ void __launch_bounds__(256, 3) deepseek_v3_decode_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 2049..=8192 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): tile 64x128x64, 3 stages, 2x4 warps, 132 persistent blocks (1 per SM), 123136 B shared memory
+// GEMM1 (gather, W1, activation): wgmma, tile 128x64x64, 4 stages, 8x1 warps, 132 persistent blocks (1 per SM), 132608 B shared memory
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_gemm1(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair, bf16_t* __restrict__ intermediate)
 {
-    grouped_gemm<GEMM_UP, 64, 128, 3, 2, 4, GATED, FFN, HIDDEN>(
+    grouped_gemm_wgmma<GEMM_UP, 128, 64, 4, GATED, FFN, HIDDEN>(
         x, w1, nullptr, expert_offsets, row_pair, intermediate);
 }
-// GEMM2 (W2, routing weight, combine slot): tile 128x128x64, 3 stages, 4x2 warps, 264 persistent blocks (2 per SM), 98816 B shared memory
+// GEMM2 (W2, routing weight, combine slot): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 264 persistent blocks (2 per SM), 99840 B shared memory
 extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_mid_gemm2(
     const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2, const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets, const int* __restrict__ row_pair, bf16_t* __restrict__ combine_slots)
 {
-    grouped_gemm<GEMM_DOWN, 128, 128, 3, 4, 2, false, HIDDEN, FFN>(
+    grouped_gemm_wgmma<GEMM_DOWN, 128, 128, 3, false, HIDDEN, FFN>(
         intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots);
 }
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 8193..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): tile 64x128x64, 3 stages, 2x4 warps, 132 persistent blocks (1 per SM), 123136 B shared memory
+// GEMM1 (gather, W1, activation): wgmma, tile 128x64x64, 4 stages, 8x1 warps, 132 persistent blocks (1 per SM), 132608 B shared memory
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_prefill_gemm1(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair, bf16_t* __restrict__ intermediate)
 {
-    grouped_gemm<GEMM_UP, 64, 128, 3, 2, 4, GATED, FFN, HIDDEN>(
+    grouped_gemm_wgmma<GEMM_UP, 128, 64, 4, GATED, FFN, HIDDEN>(
         x, w1, nullptr, expert_offsets, row_pair, intermediate);
 }
-// GEMM2 (W2, routing weight, combine slot): tile 128x128x64, 4 stages, 4x2 warps, 132 persistent blocks (1 per SM), 131584 B shared memory
+// GEMM2 (W2, routing weight, combine slot): wgmma, tile 128x128x64, 4 stages, 8x1 warps, 132 persistent blocks (1 per SM), 132608 B shared memory
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_prefill_gemm2(
     const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2, const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets, const int* __restrict__ row_pair, bf16_t* __restrict__ combine_slots)
 {
-    grouped_gemm<GEMM_DOWN, 128, 128, 4, 4, 2, false, HIDDEN, FFN>(
+    grouped_gemm_wgmma<GEMM_DOWN, 128, 128, 4, false, HIDDEN, FFN>(
         intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots);
 }

@@ -401,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
 // ---------------------------------------------------------------------------------------
 // Regime `all`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM), 41088 B shared memory
+// GEMM1 (gather, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM), 41088 B shared memory
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair, bf16_t* __restrict__ intermediate)
@@ -409,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
     grouped_gemm<GEMM_UP, 32, 64, 2, 2, 2, GATED, FFN, HIDDEN>(
         x, w1, nullptr, expert_offsets, row_pair, intermediate);
 }
-// GEMM2 (W2, routing weight, combine slot): tile 32x64x64, 2 stages, 2x2 warps, 792 persistent blocks (6 per SM), 24704 B shared memory
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 792 persistent blocks (6 per SM), 24704 B shared memory
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
     const bf16_t* __restrict__ intermediate, const bf16_t* __restrict__ w2, const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets, const int* __restrict__ row_pair, bf16_t* __restrict__ combine_slots)

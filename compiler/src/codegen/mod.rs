@@ -10,7 +10,7 @@ use askama::Template;
 use thiserror::Error;
 
 use crate::ir::Activation;
-use crate::plan::{COMBINE_THREADS, GemmPlan, Plan, ROUTE_THREADS, Regime, error_code};
+use crate::plan::{COMBINE_THREADS, GemmPlan, MmaEngine, Plan, ROUTE_THREADS, Regime, error_code};
 
 /// The generated CUDA unit of one layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,6 +46,26 @@ struct LayerUnit<'a> {
     activation: &'static str,
     activation_fn: &'static str,
     regimes: Vec<RegimeUnit>,
+    /// Distinct wgmma widths (tile columns) the plan uses, ascending.
+    wgmma_widths: Vec<u32>,
+}
+
+impl LayerUnit<'_> {
+    /// `%0, %1, …` for the accumulator operands of one `wgmma` of width `n`.
+    fn wgmma_operands(&self, n: &u32) -> String {
+        (0..n / 2)
+            .map(|i| format!("%{i}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// `"+f"(d[0]), …` for the same operands.
+    fn wgmma_outputs(&self, n: &u32) -> String {
+        (0..n / 2)
+            .map(|i| format!("\"+f\"(d[{i}])"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 struct RegimeUnit {
@@ -58,6 +78,8 @@ struct RegimeUnit {
 struct GemmUnit {
     role: &'static str,
     up: bool,
+    wgmma: bool,
+    engine: &'static str,
     entry: String,
     bm: u32,
     bn: u32,
@@ -75,6 +97,8 @@ impl GemmUnit {
         GemmUnit {
             role,
             up,
+            wgmma: gemm.engine == MmaEngine::Wgmma,
+            engine: gemm.engine.name(),
             entry: entry.to_string(),
             bm: gemm.tile.m,
             bn: gemm.tile.n,
@@ -160,10 +184,24 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         activation: shape.activation.name(),
         activation_fn: activation_fn(shape.activation),
         regimes: plan.regimes.iter().map(regime_unit).collect(),
+        wgmma_widths: wgmma_widths(plan),
     };
     Ok(KernelSource {
         file_name: format!("{}.cu", plan.symbol),
         source: unit.render()?,
         entry_points: plan.entry_points(),
     })
+}
+
+fn wgmma_widths(plan: &Plan) -> Vec<u32> {
+    let mut widths: Vec<u32> = plan
+        .regimes
+        .iter()
+        .flat_map(|r| [&r.gemm1, &r.gemm2])
+        .filter(|g| g.engine == MmaEngine::Wgmma)
+        .map(|g| g.tile.n)
+        .collect();
+    widths.sort_unstable();
+    widths.dedup();
+    widths
 }

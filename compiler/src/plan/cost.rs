@@ -3,7 +3,8 @@
 //! For a token count T it assumes uniform routing: `P = T·K` (token, expert) rows over E
 //! experts, of which `E·(1 − (1 − 1/E)^P)` are hit. A tile plan then costs the larger of
 //! - compute: waves of tiles over `SMs × blocks per SM`, each tile doing `2·BM·B_rows·Kd`
-//!   FLOPs (padded rows included) at the SM's share of the `mma.sync` rate;
+//!   FLOPs (padded rows included) at the SM's share of the engine's rate (`mma.sync` or
+//!   wgmma, each a measured or assumed fraction of the peak);
 //! - memory: the bytes that must come from HBM (weights of hit experts once, activations in
 //!   and out) over the bandwidth the grid can sustain, which is the lesser of HBM
 //!   bandwidth and what its in-flight pipeline stages cover (Little's law, 1 µs latency);
@@ -15,7 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{GemmPlan, GemmProblem, Target};
+use super::{GemmPlan, GemmProblem, MmaEngine, Target};
 
 /// Memory latency the pipeline stages must cover, seconds.
 const MEMORY_LATENCY_S: f64 = 1e-6;
@@ -53,7 +54,16 @@ pub fn estimate(
 
     let concurrent = f64::from(target.sm_count * gemm.blocks_per_sm);
     let waves = (tiles / concurrent).ceil();
-    let block_rate = target.peak_bf16_flops * target.mma_sync_fraction / concurrent;
+    let fraction = match gemm.engine {
+        MmaEngine::MmaSync => target.mma_sync_fraction,
+        // One warpgroup per SM waits out each wgmma group alone: it takes two to keep the
+        // tensor cores busy.
+        MmaEngine::Wgmma => {
+            let warpgroups_per_sm = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
+            target.wgmma_fraction * (warpgroups_per_sm / 2.0).min(1.0)
+        }
+    };
+    let block_rate = target.peak_bf16_flops * fraction / concurrent;
     let tile_flops = 2.0 * f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * f64::from(problem.k);
     let compute_seconds = waves * tile_flops / block_rate;
 

@@ -28,7 +28,8 @@ pub fn describe(plan: &Plan) -> String {
             let e = &gemm.estimate;
             let _ = writeln!(
                 out,
-                "    {name}  tile {}x{}x{}{}, {} stages, {}x{} warps, {} B smem, {} blocks ({}/SM); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
+                "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps, {} B smem, {} blocks ({}/SM); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
+                gemm.engine.name(),
                 gemm.tile.m,
                 gemm.tile.n,
                 gemm.tile.k,

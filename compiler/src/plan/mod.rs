@@ -158,11 +158,32 @@ pub struct Regime {
     pub launches: Vec<Launch>,
 }
 
+/// The tensor-core instruction family a GEMM is written with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MmaEngine {
+    /// `mma.sync` m16n8k16 per warp, `ldmatrix` from shared memory (any sm_80+).
+    MmaSync,
+    /// `wgmma` m64nNk16 per warpgroup from shared-memory descriptors (sm_90a).
+    Wgmma,
+}
+
+impl MmaEngine {
+    pub fn name(self) -> &'static str {
+        match self {
+            MmaEngine::MmaSync => "mma.sync",
+            MmaEngine::Wgmma => "wgmma",
+        }
+    }
+}
+
 /// How one grouped GEMM is tiled and launched.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmPlan {
+    pub engine: MmaEngine,
     pub tile: TileShape,
     pub stages: u32,
+    /// mma.sync: warps along rows and columns; wgmma: 4 warps per 64 rows, 1 along columns.
     pub warps_m: u32,
     pub warps_n: u32,
     /// Rows of B loaded per tile: 2·n for the gated GEMM1 (gate and up), n otherwise.
@@ -470,7 +491,11 @@ fn regime_name(index: usize, count: usize) -> &'static str {
 }
 
 fn same_config(a: &GemmPlan, b: &GemmPlan) -> bool {
-    a.tile == b.tile && a.stages == b.stages && a.warps_m == b.warps_m && a.warps_n == b.warps_n
+    a.engine == b.engine
+        && a.tile == b.tile
+        && a.stages == b.stages
+        && a.warps_m == b.warps_m
+        && a.warps_n == b.warps_n
 }
 
 /// Bounds the number of regimes (each costs compile time) by folding the shortest run of
@@ -560,11 +585,14 @@ fn warp_layout(tile: TileShape) -> Option<(u32, u32)> {
 /// Accumulator floats per thread above which a tile is not considered (register pressure:
 /// more spills on `mma.sync` with the fragments and addresses it also keeps).
 const MAX_ACCUMULATORS_PER_THREAD: u32 = 64;
+/// The same bound for wgmma, whose warpgroups keep no A or B fragments in registers.
+const MAX_WGMMA_ACCUMULATORS_PER_THREAD: u32 = 128;
 
 /// Checks a candidate tile and completes it into a `GemmPlan` (without estimate).
 fn shape_gemm(
     target: &Target,
     problem: &GemmProblem,
+    engine: MmaEngine,
     tile: TileShape,
     stages: u32,
 ) -> Result<GemmPlan, String> {
@@ -591,18 +619,37 @@ fn shape_gemm(
     if !(2..=8).contains(&stages) {
         return Err("pipeline stages must be between 2 and 8".into());
     }
-    let (warps_m, warps_n) = warp_layout(tile)
-        .ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
     let b_rows = if problem.gated { 2 * tile.n } else { tile.n };
+    let (warps_m, warps_n, max_accumulators, align_slack) = match engine {
+        MmaEngine::MmaSync => {
+            let (wm, wn) = warp_layout(tile)
+                .ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
+            (wm, wn, MAX_ACCUMULATORS_PER_THREAD, 0)
+        }
+        MmaEngine::Wgmma => {
+            if !target.has_wgmma() {
+                return Err(format!("{} has no wgmma", target.arch));
+            }
+            if !tile.m.is_multiple_of(64) || tile.m > 128 {
+                return Err("wgmma tiles have 64 or 128 rows (one warpgroup per 64)".into());
+            }
+            if !tile.n.is_multiple_of(16) || tile.n > 256 {
+                return Err("wgmma tiles have at most 256 columns, a multiple of 16".into());
+            }
+            // The swizzled ring is aligned to 1024 bytes inside the dynamic allocation.
+            (tile.m / 16, 1, MAX_WGMMA_ACCUMULATORS_PER_THREAD, 1024)
+        }
+    };
     let threads = 32 * warps_m * warps_n;
     let accumulators = tile.m * b_rows / threads;
-    if accumulators > MAX_ACCUMULATORS_PER_THREAD {
+    if accumulators > max_accumulators {
         return Err(format!(
-            "{accumulators} accumulators per thread exceed {MAX_ACCUMULATORS_PER_THREAD} (register spills)"
+            "{accumulators} accumulators per thread exceed {max_accumulators} with {} (register spills)",
+            engine.name()
         ));
     }
     let stage_bytes = (tile.m + b_rows) * tile.k * 2;
-    let smem_bytes = stages * stage_bytes + tile.m * 4;
+    let smem_bytes = stages * stage_bytes + tile.m * 4 + align_slack;
     if smem_bytes > target.smem_per_block {
         return Err(format!(
             "{smem_bytes} bytes of shared memory exceed the {} a block may use",
@@ -615,6 +662,7 @@ fn shape_gemm(
     let by_smem = target.smem_per_sm / (smem_bytes + 1024);
     let blocks_per_sm = by_regs.min(by_smem).clamp(1, 8);
     Ok(GemmPlan {
+        engine,
         tile,
         stages,
         warps_m,
@@ -638,8 +686,11 @@ fn choose_gemm(
 ) -> Result<GemmPlan, PlanError> {
     if let Some(tile) = hinted_tile {
         let stages = hinted_stages.unwrap_or(4);
-        let mut gemm = shape_gemm(target, problem, tile, stages).map_err(|reason| {
-            PlanError::ImpossibleHint {
+        // A hinted tile runs on wgmma where that engine can take it, else on mma.sync.
+        let wgmma = shape_gemm(target, problem, MmaEngine::Wgmma, tile, stages);
+        let mut gemm = wgmma
+            .or_else(|_| shape_gemm(target, problem, MmaEngine::MmaSync, tile, stages))
+            .map_err(|reason| PlanError::ImpossibleHint {
                 layer: layer.name.clone(),
                 hint: format!(
                     "{} = {}x{}x{}",
@@ -649,8 +700,7 @@ fn choose_gemm(
                     tile.k
                 ),
                 reason,
-            }
-        })?;
+            })?;
         gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
         gemm.hinted = true;
         return Ok(gemm);
@@ -670,22 +720,30 @@ fn choose_gemm(
     };
     let mut best: Option<GemmPlan> = None;
     let mut last_reason = String::from("no candidate tiles");
-    for m in [16, 32, 64, 128] {
-        for n in [64, 128] {
-            for &stages in &stage_choices {
-                let tile = TileShape { m, n, k: TILE_K };
-                match shape_gemm(target, problem, tile, stages) {
-                    Ok(mut gemm) => {
-                        gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
-                        let better = best
-                            .as_ref()
-                            .is_none_or(|b| gemm.estimate.seconds < b.estimate.seconds * 0.999);
-                        if better {
-                            best = Some(gemm);
-                        }
+    let candidates: [(MmaEngine, &[u32], &[u32]); 2] = [
+        (MmaEngine::MmaSync, &[16, 32, 64, 128], &[64, 128]),
+        (MmaEngine::Wgmma, &[64, 128], &[64, 128, 192, 256]),
+    ];
+    let tiles = candidates.iter().flat_map(|&(engine, rows, columns)| {
+        rows.iter().flat_map(move |&m| {
+            columns
+                .iter()
+                .map(move |&n| (engine, TileShape { m, n, k: TILE_K }))
+        })
+    });
+    for (engine, tile) in tiles {
+        for &stages in &stage_choices {
+            match shape_gemm(target, problem, engine, tile, stages) {
+                Ok(mut gemm) => {
+                    gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+                    let better = best
+                        .as_ref()
+                        .is_none_or(|b| gemm.estimate.seconds < b.estimate.seconds * 0.999);
+                    if better {
+                        best = Some(gemm);
                     }
-                    Err(reason) => last_reason = reason,
                 }
+                Err(reason) => last_reason = reason,
             }
         }
     }

@@ -16,8 +16,10 @@ pub struct Target {
     pub smem_per_sm: u32,
     /// Measured dense bf16 tensor-core rate (wgmma), FLOP/s.
     pub peak_bf16_flops: f64,
-    /// Fraction of `peak_bf16_flops` that `mma.sync` kernels can reach on this chip.
+    /// Fraction of `peak_bf16_flops` moeforge's `mma.sync` GEMMs reach on this chip.
     pub mma_sync_fraction: f64,
+    /// Fraction of `peak_bf16_flops` moeforge's wgmma GEMMs reach (0 where there is no wgmma).
+    pub wgmma_fraction: f64,
     /// Measured device-memory copy bandwidth (bytes read + written per second).
     pub hbm_bytes_per_s: f64,
     /// Bandwidth from L2 into the SMs' shared memory, summed over SMs (bytes per second).
@@ -30,7 +32,9 @@ pub struct Target {
 impl Target {
     /// The H200 of the project's GPU machine: 132 SMs, 227 KiB opt-in shared memory per
     /// block, about 790 TFLOP/s dense bf16 and 4.3 TB/s copy bandwidth, as measured there
-    /// (TOOLCHAIN.md). `mma.sync` issues at about two thirds of the wgmma rate on Hopper.
+    /// (TOOLCHAIN.md). The mma.sync fraction is what moeforge's mma.sync GEMMs reached in
+    /// the bench of 2026-11-29 (about 270 TFLOP/s at large T); the wgmma fraction is a lead
+    /// until the bench measures it.
     pub fn h200() -> Self {
         Target {
             name: "NVIDIA H200".to_string(),
@@ -39,10 +43,16 @@ impl Target {
             smem_per_block: 232_448,
             smem_per_sm: 233_472,
             peak_bf16_flops: 790e12,
-            mma_sync_fraction: 0.6,
+            mma_sync_fraction: 0.35,
+            wgmma_fraction: 0.6,
             hbm_bytes_per_s: 4.3e12,
             l2_bytes_per_s: 10e12,
             launch_overhead_s: 4e-6,
         }
+    }
+
+    /// Whether the target has Hopper's warpgroup MMA (the `a` feature set of sm_90).
+    pub fn has_wgmma(&self) -> bool {
+        self.arch == "sm_90a"
     }
 }

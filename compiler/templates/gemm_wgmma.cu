@@ -1,0 +1,195 @@
+// ---------------------------------------------------------------------------------------
+// Grouped GEMM on Hopper's warpgroup MMA (wgmma, sm_90a). Same tiles, schedule, masking and
+// epilogues as the mma.sync GEMM above; differences:
+//   - each warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16 with A
+//     and B read from shared memory through descriptors;
+//   - the shared-memory layout is the 128-byte swizzle wgmma expects (the same XOR the
+//     mma.sync path uses), with every stage 1024-byte aligned;
+//   - loads stay cp.async (gathered rows cannot use TMA on sm_90), so each thread fences
+//     the generic->async proxy before the barrier that publishes a stage to wgmma.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
+    u64 desc = 0;
+    desc |= (u64)((smem_byte_address & 0x3FFFF) >> 4);  // start address
+    desc |= (u64)1 << 16;                                // leading byte offset (unused for SW128 K-major)
+    desc |= (u64)(1024 >> 4) << 32;                      // stride byte offset: 8 rows x 128 B
+    desc |= (u64)1 << 62;                                // 128-byte swizzle
+    return desc;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// D[64 x N] (+)= A[64 x 16] · B[N x 16]ᵀ, both K-major in shared memory; one
+// specialisation per width the plan uses.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
+{%- for n in wgmma_widths %}
+template <>
+__device__ __forceinline__ void wgmma_m64k16<{{ n }}>(float* d, u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.bf16.bf16 { {{ self.wgmma_operands(n) }} }, %{{ n / 2 }}, %{{ n / 2 + 1 }}, 1, 1, 1, 0, 0;\n"
+        : {{ self.wgmma_outputs(n) }}
+        : "l"(desc_a), "l"(desc_b));
+}
+{%- endfor %}
+template <int KIND, int BM, int BN, int STAGES, bool GATED, int N, int KD>
+__device__ __forceinline__ void grouped_gemm_wgmma(
+    const bf16_t* __restrict__ a_rows,
+    const bf16_t* __restrict__ weights,
+    const float* __restrict__ topk_weights,
+    const int* __restrict__ expert_offsets,
+    const int* __restrict__ row_pair,
+    bf16_t* __restrict__ out)
+{
+    constexpr int WARPGROUPS = BM / 64;
+    constexpr int THREADS = 128 * WARPGROUPS;
+    constexpr int B_ROWS = GATED ? 2 * BN : BN;
+    constexpr int W_ROWS = GATED ? 2 * N : N;
+    constexpr int FRAG = BN / 2;  // accumulator floats per thread per wgmma
+    constexpr int K_TILES = KD / 64;
+    constexpr int N_TILES = N / BN;
+    constexpr int A_BYTES = BM * SMEM_ROW_BYTES;
+    constexpr int STAGE_BYTES = (BM + B_ROWS) * SMEM_ROW_BYTES;
+    static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
+    static_assert(KD % 64 == 0 && N % BN == 0, "plan invariant: tiles divide N and KD");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    // wgmma's 128-byte swizzle repeats every 1024 bytes: align the ring to that.
+    const u32 raw_base = smem_address(smem_raw);
+    const u32 smem_base = (raw_base + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (smem_base - raw_base);
+    int* s_row_source = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);
+    __shared__ int s_tile_start[EXPERTS + 1];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warpgroup = tid >> 7;
+    const int warp_in_group = (tid >> 5) & 3;
+
+    if (tid < 32) {
+        warp_exclusive_scan(EXPERTS, [&](int e) {
+            const int rows = expert_offsets[e + 1] - expert_offsets[e];
+            return (rows + BM - 1) / BM * N_TILES;
+        }, s_tile_start);
+    }
+    __syncthreads();
+    const int total_tiles = s_tile_start[EXPERTS];
+
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        int lo = 0, hi = EXPERTS - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+        }
+        const int expert = lo;
+        const int expert_row0 = expert_offsets[expert];
+        const int expert_rows = expert_offsets[expert + 1] - expert_row0;
+        const int m_tiles = (expert_rows + BM - 1) / BM;
+        const int local = tile - s_tile_start[expert];
+        const int n0 = (local / m_tiles) * BN;
+        const int row0 = expert_row0 + (local % m_tiles) * BM;
+        const int rows = min(BM, expert_row0 + expert_rows - row0);
+
+        for (int r = tid; r < BM; r += THREADS) {
+            int source = -1;
+            if (r < rows) source = (KIND == GEMM_UP) ? row_pair[row0 + r] / TOP_K : row0 + r;
+            s_row_source[r] = source;
+        }
+        __syncthreads();
+
+        const bf16_t* w_expert = weights + (size_t)expert * W_ROWS * KD;
+        auto load_stage = [&](int stage, int k_tile) {
+            const u32 a_base = smem_base + stage * STAGE_BYTES;
+            const int k0 = k_tile * 64;
+#pragma unroll
+            for (int i = tid; i < BM * 8; i += THREADS) {
+                const int r = i >> 3, chunk = i & 7;
+                const int source = s_row_source[r];
+                const bf16_t* src = a_rows + (size_t)max(source, 0) * KD + k0 + chunk * 8;
+                cp_async_16(a_base + swizzle(r, chunk), src, source >= 0);
+            }
+#pragma unroll
+            for (int i = tid; i < B_ROWS * 8; i += THREADS) {
+                const int r = i >> 3, chunk = i & 7;
+                const int w_row = (GATED && r >= BN) ? N + n0 + (r - BN) : n0 + r;
+                cp_async_16(a_base + A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * KD + k0 + chunk * 8, true);
+            }
+        };
+
+        float acc[FRAG];
+        float acc_up[GATED ? FRAG : 1];
+#pragma unroll
+        for (int i = 0; i < FRAG; ++i) {
+            acc[i] = 0.f;
+            if constexpr (GATED) acc_up[i] = 0.f;
+        }
+
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < K_TILES) load_stage(s, s);
+            cp_async_commit();
+        }
+
+        for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+            cp_async_wait<STAGES - 2>();
+            fence_proxy_async();  // this thread's cp.async writes become visible to wgmma
+            __syncthreads();      // ... everyone's; and the stage read last iteration is free
+            const int next = k_tile + STAGES - 1;
+            if (next < K_TILES) load_stage(next % STAGES, next);
+            cp_async_commit();
+
+            const u32 a_base = smem_base + (k_tile % STAGES) * STAGE_BYTES + warpgroup * 64 * SMEM_ROW_BYTES;
+            const u32 b_base = smem_base + (k_tile % STAGES) * STAGE_BYTES + A_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16) {
+                // Within a 128-byte swizzled row, the k16 step starts 32 bytes further.
+                const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
+                wgmma_m64k16<BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
+                if constexpr (GATED) {
+                    wgmma_m64k16<BN>(acc_up, desc_a, wgmma_descriptor(b_base + BN * SMEM_ROW_BYTES + k16 * 32));
+                }
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+        }
+
+        // Epilogue: warp w of a warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
+        // columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+            if (r >= rows) continue;
+            size_t out_row;
+            float scale = 1.f;
+            if constexpr (KIND == GEMM_UP) {
+                out_row = (size_t)(row0 + r);
+            } else {
+                const int pair = row_pair[row0 + r];
+                out_row = (size_t)pair;
+                scale = topk_weights[pair];
+            }
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int column = n0 + j * 8 + (lane & 3) * 2;
+                float v0 = acc[j * 4 + half * 2], v1 = acc[j * 4 + half * 2 + 1];
+                if constexpr (KIND == GEMM_UP) {
+                    float up0 = 0.f, up1 = 0.f;
+                    if constexpr (GATED) {
+                        up0 = acc_up[j * 4 + half * 2];
+                        up1 = acc_up[j * 4 + half * 2 + 1];
+                    }
+                    v0 = activate(v0, up0);
+                    v1 = activate(v1, up1);
+                } else {
+                    v0 *= scale;
+                    v1 *= scale;
+                }
+                *reinterpret_cast<u32*>(out + out_row * N + column) = pack_bf16x2(v0, v1);
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+}
