@@ -636,6 +636,9 @@ fn shape_gemm(
             if !tile.n.is_multiple_of(16) || tile.n > 256 {
                 return Err("wgmma tiles have at most 256 columns, a multiple of 16".into());
             }
+            if stages < 3 {
+                return Err("wgmma keeps one group in flight: it needs at least 3 stages".into());
+            }
             // The swizzled ring is aligned to 1024 bytes inside the dynamic allocation.
             (tile.m / 16, 1, MAX_WGMMA_ACCUMULATORS_PER_THREAD, 1024)
         }
