@@ -371,7 +371,9 @@ __device__ __forceinline__ void grouped_gemm(
 //   - the shared-memory layout is the 128-byte swizzle wgmma expects (the same XOR the
 //     mma.sync path uses), with every stage 1024-byte aligned;
 //   - loads stay cp.async (gathered rows cannot use TMA on sm_90), so each thread fences
-//     the generic->async proxy before the barrier that publishes a stage to wgmma.
+//     the generic->async proxy before the barrier that publishes a stage to wgmma;
+//   - one wgmma group stays in flight while the next stage is published, so loads run
+//     STAGES - 2 k-tiles ahead (the stage read two k-tiles ago is the one refilled).
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
     u64 desc = 0;
@@ -383,7 +385,8 @@ __device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // D[64 x N] (+)= A[64 x 16] · B[N x 16]ᵀ, both K-major in shared memory; one
 // specialisation per width the plan uses.
@@ -421,7 +424,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     constexpr int N_TILES = N / BN;
     constexpr int A_BYTES = BM * SMEM_ROW_BYTES;
     constexpr int STAGE_BYTES = (BM + B_ROWS) * SMEM_ROW_BYTES;
+    constexpr int PREFETCH = STAGES - 2;  // k-tiles loaded ahead of the one being multiplied
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
+    static_assert(PREFETCH >= 1, "wgmma needs at least 3 stages");
     static_assert(KD % 64 == 0 && N % BN == 0, "plan invariant: tiles divide N and KD");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -496,16 +501,18 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
         }
 
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
+        for (int s = 0; s < PREFETCH; ++s) {
             if (s < K_TILES) load_stage(s, s);
             cp_async_commit();
         }
 
         for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
-            cp_async_wait<STAGES - 2>();
+            cp_async_wait<PREFETCH - 1>();
             fence_proxy_async();  // this thread's cp.async writes become visible to wgmma
-            __syncthreads();      // ... everyone's; and the stage read last iteration is free
-            const int next = k_tile + STAGES - 1;
+            // Everyone's are; and every warpgroup has retired the wgmma group of k-tile - 2,
+            // whose stage the next load refills.
+            __syncthreads();
+            const int next = k_tile + PREFETCH;
             if (next < K_TILES) load_stage(next % STAGES, next);
             cp_async_commit();
 
@@ -522,8 +529,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
                 }
             }
             wgmma_commit();
-            wgmma_wait_all();
+            wgmma_wait<1>();  // keep this group in flight while the next stage is published
         }
+        wgmma_wait<0>();
 
         // Epilogue: warp w of a warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
         // columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.

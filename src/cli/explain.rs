@@ -197,12 +197,13 @@ fn topology_lines(topology: &ir::Topology, lead: &str) -> String {
     let placement = match topology.virtual_ranks {
         Some(ranks) => format!("{ranks} virtual ranks on one GPU"),
         None => format!(
-            "{} node{} × {} GPU{} = {} ranks",
+            "{} node{} × {} GPU{} = {} rank{}",
             topology.nodes,
             if topology.nodes == 1 { "" } else { "s" },
             topology.gpus_per_node,
             if topology.gpus_per_node == 1 { "" } else { "s" },
-            topology.ranks()
+            topology.ranks(),
+            if topology.ranks() == 1 { "" } else { "s" }
         ),
     };
     let _ = writeln!(out, "{lead}{}: {placement}", topology.name);
