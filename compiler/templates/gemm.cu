@@ -17,6 +17,79 @@ __device__ __forceinline__ u32 swizzle(int row, int chunk) {
     return (u32)(row * SMEM_ROW_BYTES + ((chunk ^ (row & 7)) << 4));
 }
 
+// Where one tile of a grouped GEMM sits: its expert, first output column, first row in
+// the expert-major order, and how many of its BM rows are real (the rest are masked).
+struct GemmTile {
+    int expert, n0, row0, rows;
+};
+
+// Tile schedule: ceil(rows / BM) * N_TILES tiles per expert, numbered expert-major.
+// s_tile_start[e] is expert e's first tile, s_tile_start[EXPERTS] the total.
+template <int BM, int N_TILES>
+__device__ __forceinline__ void tile_schedule(const int* __restrict__ expert_offsets, int* s_tile_start) {
+    if (threadIdx.x < 32) {
+        warp_exclusive_scan(EXPERTS, [&](int e) {
+            const int rows = expert_offsets[e + 1] - expert_offsets[e];
+            return (rows + BM - 1) / BM * N_TILES;
+        }, s_tile_start);
+    }
+    __syncthreads();
+}
+
+template <int BM, int BN>
+__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ expert_offsets) {
+    // The expert owning this tile: the last e with s_tile_start[e] <= tile.
+    int lo = 0, hi = EXPERTS - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int expert_row0 = expert_offsets[lo];
+    const int expert_rows = expert_offsets[lo + 1] - expert_row0;
+    const int m_tiles = (expert_rows + BM - 1) / BM;
+    const int local = tile - s_tile_start[lo];
+    GemmTile t;
+    t.expert = lo;
+    t.n0 = (local / m_tiles) * BN;
+    t.row0 = expert_row0 + (local % m_tiles) * BM;
+    t.rows = min(BM, expert_row0 + expert_rows - t.row0);
+    return t;
+}
+
+// The source row of each tile row: the gathered token (GEMM_UP) or the contiguous
+// intermediate row (GEMM_DOWN); -1 marks rows past the expert's count.
+template <int KIND, int BM, int THREADS>
+__device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source) {
+    for (int r = threadIdx.x; r < BM; r += THREADS) {
+        int source = -1;
+        if (r < t.rows) source = (KIND == GEMM_UP) ? row_pair[t.row0 + r] / TOP_K : t.row0 + r;
+        s_row_source[r] = source;
+    }
+    __syncthreads();
+}
+
+// One k-tile into a stage: BM rows of A (masked rows zero-filled), then the B rows. Gated:
+// B rows [0, BN) are gate rows n0.., rows [BN, 2BN) the matching up rows.
+template <int BM, int BN, int THREADS, bool GATED, int N, int KD>
+__device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
+                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert) {
+    constexpr int B_ROWS = GATED ? 2 * BN : BN;
+    const int k0 = k_tile * 64;
+#pragma unroll
+    for (int i = threadIdx.x; i < BM * 8; i += THREADS) {
+        const int r = i >> 3, chunk = i & 7;
+        const int source = s_row_source[r];
+        const bf16_t* src = a_rows + (size_t)max(source, 0) * KD + k0 + chunk * 8;
+        cp_async_16(stage_base + swizzle(r, chunk), src, source >= 0);
+    }
+#pragma unroll
+    for (int i = threadIdx.x; i < B_ROWS * 8; i += THREADS) {
+        const int r = i >> 3, chunk = i & 7;
+        const int w_row = (GATED && r >= BN) ? N + t.n0 + (r - BN) : t.n0 + r;
+        cp_async_16(stage_base + BM * SMEM_ROW_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * KD + k0 + chunk * 8, true);
+    }
+}
+
 template <int KIND, int BM, int BN, int STAGES, int WARPS_M, int WARPS_N, bool GATED, int N, int KD>
 __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
@@ -51,57 +124,16 @@ __device__ __forceinline__ void grouped_gemm(
     const int warp_n = warp % WARPS_N;
     const u32 smem_base = smem_address(smem);
 
-    // Tile schedule: ceil(rows / BM) * N_TILES tiles per expert.
-    if (tid < 32) {
-        warp_exclusive_scan(EXPERTS, [&](int e) {
-            const int rows = expert_offsets[e + 1] - expert_offsets[e];
-            return (rows + BM - 1) / BM * N_TILES;
-        }, s_tile_start);
-    }
-    __syncthreads();
+    tile_schedule<BM, N_TILES>(expert_offsets, s_tile_start);
     const int total_tiles = s_tile_start[EXPERTS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        // Find the expert owning this tile: the last e with s_tile_start[e] <= tile.
-        int lo = 0, hi = EXPERTS - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-        }
-        const int expert = lo;
-        const int expert_row0 = expert_offsets[expert];
-        const int expert_rows = expert_offsets[expert + 1] - expert_row0;
-        const int m_tiles = (expert_rows + BM - 1) / BM;
-        const int local = tile - s_tile_start[expert];
-        const int n0 = (local / m_tiles) * BN;
-        const int row0 = expert_row0 + (local % m_tiles) * BM;
-        const int rows = min(BM, expert_row0 + expert_rows - row0);
-
-        for (int r = tid; r < BM; r += THREADS) {
-            int source = -1;
-            if (r < rows) source = (KIND == GEMM_UP) ? row_pair[row0 + r] / TOP_K : row0 + r;
-            s_row_source[r] = source;
-        }
-        __syncthreads();
-
-        const bf16_t* w_expert = weights + (size_t)expert * W_ROWS * KD;
-        auto load_stage = [&](int stage, int k_tile) {
-            const u32 a_base = smem_base + stage * STAGE_BYTES;
-            const int k0 = k_tile * 64;
-#pragma unroll
-            for (int i = tid; i < BM * 8; i += THREADS) {
-                const int r = i >> 3, chunk = i & 7;
-                const int source = s_row_source[r];
-                const bf16_t* src = a_rows + (size_t)max(source, 0) * KD + k0 + chunk * 8;
-                cp_async_16(a_base + swizzle(r, chunk), src, source >= 0);
-            }
-#pragma unroll
-            for (int i = tid; i < B_ROWS * 8; i += THREADS) {
-                const int r = i >> 3, chunk = i & 7;
-                // Gated: rows [0, BN) are gate rows n0.., rows [BN, 2BN) the matching up rows.
-                const int w_row = (GATED && r >= BN) ? N + n0 + (r - BN) : n0 + r;
-                cp_async_16(a_base + A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * KD + k0 + chunk * 8, true);
-            }
+        const GemmTile t = locate_tile<BM, BN>(tile, s_tile_start, expert_offsets);
+        const int n0 = t.n0, row0 = t.row0, rows = t.rows;
+        fill_row_sources<KIND, BM, THREADS>(t, row_pair, s_row_source);
+        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * KD;
+        auto stage_load = [&](int stage, int k_tile) {
+            load_stage<BM, BN, THREADS, GATED, N, KD>(smem_base + stage * STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
 
         float acc[MI][NJ][4];
@@ -119,7 +151,7 @@ __device__ __forceinline__ void grouped_gemm(
         // Pipeline prologue: STAGES - 1 k-tiles in flight.
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < K_TILES) load_stage(s, s);
+            if (s < K_TILES) stage_load(s, s);
             cp_async_commit();
         }
 
@@ -127,7 +159,7 @@ __device__ __forceinline__ void grouped_gemm(
             cp_async_wait<STAGES - 2>();
             __syncthreads();  // stage k_tile landed for everyone; stage k_tile-1 is free
             const int next = k_tile + STAGES - 1;
-            if (next < K_TILES) load_stage(next % STAGES, next);
+            if (next < K_TILES) stage_load(next % STAGES, next);
             cp_async_commit();
 
             const u32 a_base = smem_base + (k_tile % STAGES) * STAGE_BYTES;

@@ -72,54 +72,16 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const int warpgroup = tid >> 7;
     const int warp_in_group = (tid >> 5) & 3;
 
-    if (tid < 32) {
-        warp_exclusive_scan(EXPERTS, [&](int e) {
-            const int rows = expert_offsets[e + 1] - expert_offsets[e];
-            return (rows + BM - 1) / BM * N_TILES;
-        }, s_tile_start);
-    }
-    __syncthreads();
+    tile_schedule<BM, N_TILES>(expert_offsets, s_tile_start);
     const int total_tiles = s_tile_start[EXPERTS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        int lo = 0, hi = EXPERTS - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-        }
-        const int expert = lo;
-        const int expert_row0 = expert_offsets[expert];
-        const int expert_rows = expert_offsets[expert + 1] - expert_row0;
-        const int m_tiles = (expert_rows + BM - 1) / BM;
-        const int local = tile - s_tile_start[expert];
-        const int n0 = (local / m_tiles) * BN;
-        const int row0 = expert_row0 + (local % m_tiles) * BM;
-        const int rows = min(BM, expert_row0 + expert_rows - row0);
-
-        for (int r = tid; r < BM; r += THREADS) {
-            int source = -1;
-            if (r < rows) source = (KIND == GEMM_UP) ? row_pair[row0 + r] / TOP_K : row0 + r;
-            s_row_source[r] = source;
-        }
-        __syncthreads();
-
-        const bf16_t* w_expert = weights + (size_t)expert * W_ROWS * KD;
-        auto load_stage = [&](int stage, int k_tile) {
-            const u32 a_base = smem_base + stage * STAGE_BYTES;
-            const int k0 = k_tile * 64;
-#pragma unroll
-            for (int i = tid; i < BM * 8; i += THREADS) {
-                const int r = i >> 3, chunk = i & 7;
-                const int source = s_row_source[r];
-                const bf16_t* src = a_rows + (size_t)max(source, 0) * KD + k0 + chunk * 8;
-                cp_async_16(a_base + swizzle(r, chunk), src, source >= 0);
-            }
-#pragma unroll
-            for (int i = tid; i < B_ROWS * 8; i += THREADS) {
-                const int r = i >> 3, chunk = i & 7;
-                const int w_row = (GATED && r >= BN) ? N + n0 + (r - BN) : n0 + r;
-                cp_async_16(a_base + A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * KD + k0 + chunk * 8, true);
-            }
+        const GemmTile t = locate_tile<BM, BN>(tile, s_tile_start, expert_offsets);
+        const int n0 = t.n0, row0 = t.row0, rows = t.rows;
+        fill_row_sources<KIND, BM, THREADS>(t, row_pair, s_row_source);
+        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * KD;
+        auto stage_load = [&](int stage, int k_tile) {
+            load_stage<BM, BN, THREADS, GATED, N, KD>(smem_base + stage * STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
 
         float acc[FRAG];
@@ -132,7 +94,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
 
 #pragma unroll
         for (int s = 0; s < PREFETCH; ++s) {
-            if (s < K_TILES) load_stage(s, s);
+            if (s < K_TILES) stage_load(s, s);
             cp_async_commit();
         }
 
@@ -143,7 +105,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
             // whose stage the next load refills.
             __syncthreads();
             const int next = k_tile + PREFETCH;
-            if (next < K_TILES) load_stage(next % STAGES, next);
+            if (next < K_TILES) stage_load(next % STAGES, next);
             cp_async_commit();
 
             const u32 a_base = smem_base + (k_tile % STAGES) * STAGE_BYTES + warpgroup * 64 * SMEM_ROW_BYTES;
