@@ -51,3 +51,34 @@ fn kernels_generated_is_fresh() {
         stale.join(", ")
     );
 }
+
+/// A deployment loads the AOT directory without the language: the plan read back from
+/// `plan.json` matches the one the compiler makes, and the PTX holds every entry point.
+#[test]
+fn aot_directory_loads_without_the_language() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("dsl-examples/tiny.moe")).expect("tiny.moe");
+    let module = moeforge::compiler::compile_source("tiny.moe", &text).expect("tiny checks");
+    let planned = plan::plan(&module.layers[0], &Target::h200()).expect("tiny plans");
+    let (loaded, compiled) =
+        aot::load_layer(&root.join("kernels-generated/tiny"), None).expect("AOT directory loads");
+    // Estimates are floats that JSON need not round-trip exactly; everything that drives
+    // execution must.
+    assert_eq!(loaded.shape, planned.shape);
+    assert_eq!(loaded.workspace, planned.workspace);
+    for (l, p) in loaded.regimes.iter().zip(&planned.regimes) {
+        assert_eq!(
+            (&l.launches, l.gemm1.tile, l.gemm2.tile),
+            (&p.launches, p.gemm1.tile, p.gemm2.tile)
+        );
+    }
+    assert_eq!(loaded.regimes.len(), planned.regimes.len());
+    for entry in planned.entry_points() {
+        assert!(
+            compiled.ptx.contains(&format!(".entry {entry}(")),
+            "{entry} in the PTX"
+        );
+    }
+    let missing = aot::load_layer(&root.join("kernels-generated/tiny"), Some("nope"));
+    assert!(matches!(missing, Err(aot::AotError::NoSuchLayer { .. })));
+}

@@ -12,7 +12,7 @@ __device__ __forceinline__ void report_error(int* error_word, int code, int toke
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ symbol }}_route(
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route_kernel }}(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,
     int* __restrict__ expert_offsets,  // [EXPERTS + 1]

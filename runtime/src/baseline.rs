@@ -57,6 +57,21 @@ pub struct CublasBaseline {
     top_k: u32,
 }
 
+/// Calls `gemm(expert, first row, rows)` for every expert with rows, from the expert
+/// offsets `[E + 1]`.
+fn for_each_expert(
+    offsets: &[i32],
+    mut gemm: impl FnMut(u64, u64, u32) -> Result<(), BaselineError>,
+) -> Result<(), BaselineError> {
+    for (e, bounds) in offsets.windows(2).enumerate() {
+        let count = (bounds[1] - bounds[0]) as u32;
+        if count > 0 {
+            gemm(e as u64, bounds[0] as u64, count)?;
+        }
+    }
+    Ok(())
+}
+
 fn rows_config(rows: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows, 1, 1),
@@ -94,7 +109,6 @@ impl CublasBaseline {
         let load = |m: &Arc<CudaModule>, name: &str| {
             m.load_function(name).context(format!("loading `{name}`"))
         };
-        let route_name = &plan.regimes[0].launches[0].kernel;
         let pairs = shape.max_pairs() as usize;
         let (h, f) = (shape.hidden as usize, shape.ffn as usize);
         let alloc = |n: usize, what: &str| {
@@ -103,7 +117,7 @@ impl CublasBaseline {
                 .context(format!("allocating {what}"))
         };
         Ok(CublasBaseline {
-            route: load(layer_module, route_name)?,
+            route: load(layer_module, &plan.route_kernel)?,
             gather: load(&module, "baseline_gather")?,
             swiglu: load(&module, "baseline_swiglu")?,
             unpermute: load(&module, "baseline_unpermute")?,
@@ -222,44 +236,34 @@ impl CublasBaseline {
             address(&self.out),
         );
         let (hu, fu) = (u64::from(self.hidden), u64::from(self.ffn));
-        for e in 0..self.experts as usize {
-            let (start, count) = (offsets[e] as u64, (offsets[e + 1] - offsets[e]) as u32);
-            if count == 0 {
-                continue;
-            }
-            let e64 = e as u64;
+        for_each_expert(&offsets, |e, start, count| {
             self.gemm(
                 "GEMM1",
                 (2 * self.ffn, count, self.hidden),
                 (
-                    w1 + e64 * 2 * fu * hu * 2,
+                    w1 + e * 2 * fu * hu * 2,
                     permuted + start * hu * 2,
                     hidden_act + start * 2 * fu * 2,
                 ),
-            )?;
-        }
+            )
+        })?;
         {
             let mut launch = stream.launch_builder(&self.swiglu);
             launch.arg(&self.hidden_act).arg(&f).arg(&self.act);
             // SAFETY: one block per routed row.
             unsafe { launch.launch(rows_config(rows)) }.context("activation")?;
         }
-        for e in 0..self.experts as usize {
-            let (start, count) = (offsets[e] as u64, (offsets[e + 1] - offsets[e]) as u32);
-            if count == 0 {
-                continue;
-            }
-            let e64 = e as u64;
+        for_each_expert(&offsets, |e, start, count| {
             self.gemm(
                 "GEMM2",
                 (self.hidden, count, self.ffn),
                 (
-                    w2 + e64 * hu * fu * 2,
+                    w2 + e * hu * fu * 2,
                     act + start * fu * 2,
                     out + start * hu * 2,
                 ),
-            )?;
-        }
+            )
+        })?;
         {
             let mut launch = stream.launch_builder(&self.unpermute);
             launch

@@ -70,7 +70,8 @@ pub struct ForwardArgs<'a> {
 pub struct MoeLayer {
     plan: Plan,
     stream: Arc<CudaStream>,
-    kernels: Vec<(String, CudaFunction)>,
+    /// Per regime, the function of each launch of its table, in the same order.
+    regime_kernels: Vec<Vec<CudaFunction>>,
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
     _module: Arc<CudaModule>,
@@ -121,10 +122,15 @@ impl MoeLayer {
             experts * u64::from(shape.hidden) * u64::from(shape.ffn),
         )?;
 
-        let mut kernels = Vec::new();
+        // Each distinct entry point is loaded (and its shared-memory limit raised) once.
+        let mut loaded: Vec<(&str, CudaFunction)> = Vec::new();
+        let mut regime_kernels = Vec::with_capacity(plan.regimes.len());
         for regime in &plan.regimes {
+            let mut functions = Vec::with_capacity(regime.launches.len());
             for launch in &regime.launches {
-                if kernels.iter().any(|(name, _)| name == &launch.kernel) {
+                if let Some((_, function)) = loaded.iter().find(|(name, _)| *name == launch.kernel)
+                {
+                    functions.push(function.clone());
                     continue;
                 }
                 let function = module.load_function(&launch.kernel).map_err(|_| {
@@ -143,8 +149,10 @@ impl MoeLayer {
                             launch.kernel
                         ))?;
                 }
-                kernels.push((launch.kernel.clone(), function));
+                loaded.push((&launch.kernel, function.clone()));
+                functions.push(function);
             }
+            regime_kernels.push(functions);
         }
 
         let mut workspace = Vec::new();
@@ -159,7 +167,7 @@ impl MoeLayer {
         Ok(MoeLayer {
             plan,
             stream: gpu.stream.clone(),
-            kernels,
+            regime_kernels,
             workspace,
             weights,
             _module: module,
@@ -203,19 +211,20 @@ impl MoeLayer {
             t * u64::from(shape.top_k),
         )?;
         check_len("y", args.y.len(), t * u64::from(shape.hidden))?;
-        let regime = self
+        let index = self
             .plan
-            .regime_for(tokens)
+            .regime_index_for(tokens)
             .ok_or(LayerError::TooManyTokens {
                 tokens,
                 max: shape.max_tokens,
             })?;
+        let regime = &self.plan.regimes[index];
 
         // The route kernel, always first, clears the error word; it also runs at T = 0 so
         // that a stale error of an earlier call is not reported. Launches whose grid is
         // empty (one block per token at T = 0) are skipped.
         let stream = &self.stream;
-        for launch in &regime.launches {
+        for (launch, function) in regime.launches.iter().zip(&self.regime_kernels[index]) {
             let blocks = launch.grid.blocks(tokens);
             if blocks == 0 {
                 continue;
@@ -234,14 +243,6 @@ impl MoeLayer {
                     LaunchArg::Workspace(id) => ArgValue::Pointer(ptr(self.workspace(*id), stream)),
                 })
                 .collect();
-            let function = self
-                .kernels
-                .iter()
-                .find(|(name, _)| name == &launch.kernel)
-                .map(|(_, f)| f)
-                .ok_or_else(|| LayerError::MissingKernel {
-                    name: launch.kernel.clone(),
-                })?;
             let config = LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (launch.block_threads, 1, 1),

@@ -40,6 +40,15 @@ impl SplitMix64 {
     }
 }
 
+/// `given`, or a seed from the clock (fresh every run; callers print it for replay).
+pub fn fresh_seed(given: Option<u64>) -> u64 {
+    given.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    })
+}
+
 /// How tokens pick their experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Routing {

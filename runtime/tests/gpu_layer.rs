@@ -9,20 +9,19 @@ use moeforge_compiler::plan::{self, Target};
 use moeforge_runtime::bf16;
 use moeforge_runtime::harness::{HarnessError, Session};
 use moeforge_runtime::layer::LayerError;
-use moeforge_runtime::workload::{Routing, Workload};
+use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
 
 const TOKEN_COUNTS: [u32; 6] = [0, 1, 7, 128, 1000, 4096];
 const SAMPLE_TOKENS: usize = 64;
 
+/// MOEFORGE_SEED replays a failure; otherwise a fresh seed.
 fn fresh_seed() -> u64 {
-    match std::env::var("MOEFORGE_SEED") {
-        Ok(s) => s.parse().expect("MOEFORGE_SEED must be an integer"),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64),
-    }
+    let given = std::env::var("MOEFORGE_SEED")
+        .ok()
+        .map(|s| s.parse().expect("MOEFORGE_SEED must be an integer"));
+    workload::fresh_seed(given)
 }
 
 /// Every token count and both routings on one layer; T above max_tokens must be refused.

@@ -7,12 +7,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use moeforge::runtime::bench::{BenchRow, bench_layer};
-use moeforge::runtime::harness::Session;
 use moeforge::runtime::toolkit;
+use moeforge::runtime::workload::fresh_seed;
 use serde::Serialize;
 
-use super::planning::{check_ranks, plan_one};
-use super::run::{RoutingArg, fresh_seed, routing_name};
+use super::planning::{build_on_gpu, check_ranks, plan_one};
+use super::run::{RoutingArg, routing_name};
 use super::{OK, invalid_input, usage_error};
 
 /// Benchmark a layer against the cuBLAS per-expert baseline on the GPU.
@@ -125,22 +125,11 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("error: bench needs a GPU: {error}");
         return usage_error();
     }
-    let session = match Session::open() {
-        Ok(session) => session,
-        Err(error) => {
-            eprintln!("error: {error}");
-            return usage_error();
-        }
-    };
     let seed = fresh_seed(args.seed);
     let layer_name = plan.layer.clone();
-    eprintln!("compiling {layer_name} and filling random weights ...");
-    let built = match session.build(plan, seed) {
+    let (session, built) = match build_on_gpu(plan, seed) {
         Ok(built) => built,
-        Err(error) => {
-            eprintln!("error: {error}");
-            return invalid_input();
-        }
+        Err(status) => return status,
     };
     let gpu = session.gpu.name();
     println!(

@@ -4,6 +4,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use moeforge::compiler::plan::{self, Plan, Target};
+use moeforge::runtime::harness::{BuiltLayer, Session};
 
 use super::{compile_file, invalid_input, usage_error};
 
@@ -77,4 +78,23 @@ pub fn check_ranks(plan: &Plan, ranks: Option<u32>) -> Result<(), ExitCode> {
             Ok(())
         }
     }
+}
+
+/// Opens the GPU, compiles `plan`'s kernels and fills random weights (seeded), reporting
+/// any failure: a missing GPU or toolkit is a usage error, a layer that fails to build
+/// invalid input.
+pub fn build_on_gpu(plan: Plan, seed: u64) -> Result<(Session, BuiltLayer), ExitCode> {
+    eprintln!(
+        "opening the GPU, compiling {} and filling random weights ...",
+        plan.layer
+    );
+    let session = Session::open().map_err(|error| {
+        eprintln!("error: {error}");
+        usage_error()
+    })?;
+    let built = session.build(plan, seed).map_err(|error| {
+        eprintln!("error: {error}");
+        invalid_input()
+    })?;
+    Ok((session, built))
 }

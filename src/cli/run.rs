@@ -7,12 +7,12 @@ use std::process::ExitCode;
 
 use moeforge::compiler::codegen;
 use moeforge::runtime::aot;
-use moeforge::runtime::harness::{CheckReport, Session};
+use moeforge::runtime::harness::CheckReport;
 use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
-use moeforge::runtime::workload::{Routing, Workload};
+use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
 
-use super::planning::{check_ranks, plan_one};
+use super::planning::{build_on_gpu, check_ranks, plan_one};
 use super::{OK, invalid_input, usage_error};
 
 /// Run a layer on random inputs (fresh per run, seeded), optionally checked against the CPU reference.
@@ -58,15 +58,6 @@ impl From<RoutingArg> for Routing {
             RoutingArg::Skewed => Routing::Skewed,
         }
     }
-}
-
-/// A seed from the clock, printed so that a run can be replayed.
-pub fn fresh_seed(given: Option<u64>) -> u64 {
-    given.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64)
-    })
 }
 
 /// Compiles without a GPU: NVRTC only, so that the main job is useful on any machine.
@@ -130,25 +121,14 @@ pub fn run(args: &Args) -> ExitCode {
         return compile_only(&plan, &error.to_string());
     }
     let seed = fresh_seed(args.seed);
-    eprintln!("opening the GPU and compiling {} ...", plan.layer);
-    let session = match Session::open() {
-        Ok(session) => session,
-        Err(error) => {
-            eprintln!("error: {error}");
-            return usage_error();
-        }
-    };
     let shape = plan.shape.clone();
     let regime = plan
         .regime_for(args.tokens)
         .map(|r| r.name.clone())
         .unwrap_or_default();
-    let built = match session.build(plan, seed) {
+    let (session, built) = match build_on_gpu(plan, seed) {
         Ok(built) => built,
-        Err(error) => {
-            eprintln!("error: {error}");
-            return invalid_input();
-        }
+        Err(status) => return status,
     };
     eprintln!(
         "compiled in {:.2} s{}; running T={} ({} regime, {} routing, seed {seed})",

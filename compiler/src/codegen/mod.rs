@@ -32,7 +32,8 @@ pub enum CodegenError {
 #[template(path = "layer.cu")]
 struct LayerUnit<'a> {
     layer: &'a str,
-    symbol: &'a str,
+    route_kernel: &'a str,
+    combine_kernel: &'a str,
     arch: &'a str,
     limitations: &'a [String],
     hidden: u32,
@@ -136,14 +137,6 @@ fn activation_fn(activation: Activation) -> &'static str {
 }
 
 fn regime_unit(regime: &Regime) -> RegimeUnit {
-    // The plan's launch table names the entry points: gemm1 and gemm2 are its 2nd and 3rd.
-    let entry = |index: usize| {
-        regime
-            .launches
-            .get(index)
-            .map(|l| l.kernel.as_str())
-            .unwrap_or_default()
-    };
     RegimeUnit {
         name: regime.name.clone(),
         min_tokens: regime.min_tokens,
@@ -152,13 +145,13 @@ fn regime_unit(regime: &Regime) -> RegimeUnit {
             GemmUnit::new(
                 "GEMM1 (gather, W1, activation)",
                 true,
-                entry(1),
+                &regime.gemm1_kernel,
                 &regime.gemm1,
             ),
             GemmUnit::new(
                 "GEMM2 (W2, routing weight, combine slot)",
                 false,
-                entry(2),
+                &regime.gemm2_kernel,
                 &regime.gemm2,
             ),
         ],
@@ -170,7 +163,8 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
     let shape = &plan.shape;
     let unit = LayerUnit {
         layer: &plan.layer,
-        symbol: &plan.symbol,
+        route_kernel: &plan.route_kernel,
+        combine_kernel: &plan.combine_kernel,
         arch: &plan.target.arch,
         limitations: &plan.limitations,
         hidden: shape.hidden,

@@ -39,6 +39,10 @@ pub struct Plan {
     pub layer: String,
     /// C identifier prefix of every generated entry point.
     pub symbol: String,
+    /// Entry point of the routing kernel (shared by every regime).
+    pub route_kernel: String,
+    /// Entry point of the combine kernel (shared by every regime).
+    pub combine_kernel: String,
     pub target: Target,
     pub shape: LayerShape,
     /// Device buffers the runtime allocates once per layer handle.
@@ -154,6 +158,9 @@ pub struct Regime {
     pub max_tokens: u32,
     pub gemm1: GemmPlan,
     pub gemm2: GemmPlan,
+    /// Entry points of this regime's two GEMMs.
+    pub gemm1_kernel: String,
+    pub gemm2_kernel: String,
     /// The launches of one forward call, in stream order.
     pub launches: Vec<Launch>,
 }
@@ -347,6 +354,8 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         executed_ranks: 1,
     };
     let symbol = c_identifier(&layer.name);
+    let route_kernel = format!("{symbol}_route");
+    let combine_kernel = format!("{symbol}_combine");
     let up = GemmProblem::for_layer(&shape, GemmKind::Up);
     let down = GemmProblem::for_layer(&shape, GemmKind::Down);
     let hints = &layer.schedule;
@@ -379,13 +388,21 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         g1.estimate = cost::estimate(target, &up, &g1, max);
         g2.estimate = cost::estimate(target, &down, &g2, max);
         let name = regime_name(i, count).to_string();
-        let launches = launch_table(&symbol, &name, &g1, &g2);
+        let gemm1_kernel = format!("{symbol}_{name}_gemm1");
+        let gemm2_kernel = format!("{symbol}_{name}_gemm2");
+        let launches = launch_table(
+            [&route_kernel, &gemm1_kernel, &gemm2_kernel, &combine_kernel],
+            &g1,
+            &g2,
+        );
         regimes.push(Regime {
             name,
             min_tokens: next_min,
             max_tokens: max,
             gemm1: g1,
             gemm2: g2,
+            gemm1_kernel,
+            gemm2_kernel,
             launches,
         });
         next_min = max + 1;
@@ -447,6 +464,8 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     Ok(Plan {
         layer: layer.name.clone(),
         symbol,
+        route_kernel,
+        combine_kernel,
         target: target.clone(),
         shape,
         workspace,
@@ -458,13 +477,14 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
 impl Plan {
     /// The regime that serves a call with `tokens` tokens (`None` above `max_tokens`).
     pub fn regime_for(&self, tokens: u32) -> Option<&Regime> {
-        self.regimes
-            .iter()
-            .find(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
+        self.regime_index_for(tokens).map(|i| &self.regimes[i])
     }
 
-    pub fn buffer(&self, id: BufferId) -> Option<&Buffer> {
-        self.workspace.iter().find(|b| b.id == id)
+    /// The position in `regimes` of [`Plan::regime_for`]'s regime.
+    pub fn regime_index_for(&self, tokens: u32) -> Option<usize> {
+        self.regimes
+            .iter()
+            .position(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
     }
 
     /// The entry points of the generated unit, in a stable order.
@@ -514,12 +534,15 @@ fn merge_to_at_most(
     groups
 }
 
-fn launch_table(symbol: &str, regime: &str, g1: &GemmPlan, g2: &GemmPlan) -> Vec<Launch> {
+/// The launches of one forward call; `kernels` are the route, gemm1, gemm2 and combine
+/// entry points, in stream order.
+fn launch_table(kernels: [&String; 4], g1: &GemmPlan, g2: &GemmPlan) -> Vec<Launch> {
+    let [route, gemm1, gemm2, combine] = kernels.map(String::clone);
     use BufferId::*;
     use LaunchArg::*;
     vec![
         Launch {
-            kernel: format!("{symbol}_route"),
+            kernel: route,
             grid: Grid::Fixed(1),
             block_threads: ROUTE_THREADS,
             smem_bytes: 0,
@@ -532,7 +555,7 @@ fn launch_table(symbol: &str, regime: &str, g1: &GemmPlan, g2: &GemmPlan) -> Vec
             ],
         },
         Launch {
-            kernel: format!("{symbol}_{regime}_gemm1"),
+            kernel: gemm1,
             grid: Grid::Fixed(g1.grid_blocks),
             block_threads: g1.threads(),
             smem_bytes: g1.smem_bytes,
@@ -545,7 +568,7 @@ fn launch_table(symbol: &str, regime: &str, g1: &GemmPlan, g2: &GemmPlan) -> Vec
             ],
         },
         Launch {
-            kernel: format!("{symbol}_{regime}_gemm2"),
+            kernel: gemm2,
             grid: Grid::Fixed(g2.grid_blocks),
             block_threads: g2.threads(),
             smem_bytes: g2.smem_bytes,
@@ -559,7 +582,7 @@ fn launch_table(symbol: &str, regime: &str, g1: &GemmPlan, g2: &GemmPlan) -> Vec
             ],
         },
         Launch {
-            kernel: format!("{symbol}_combine"),
+            kernel: combine,
             grid: Grid::PerToken,
             block_threads: COMBINE_THREADS,
             smem_bytes: 0,
