@@ -69,6 +69,19 @@ pub struct LayerShape {
 }
 
 impl LayerShape {
+    fn of(layer: &ir::Layer) -> Self {
+        LayerShape {
+            hidden: layer.hidden,
+            ffn: layer.ffn,
+            experts: layer.experts,
+            top_k: layer.top_k,
+            activation: layer.activation,
+            max_tokens: layer.max_tokens,
+            spec_ranks: layer.parallel.expert,
+            executed_ranks: 1,
+        }
+    }
+
     /// Rows of W1 per expert: 2F for gated activations, F otherwise.
     pub fn w1_rows(&self) -> u32 {
         if self.activation.is_gated() {
@@ -261,21 +274,48 @@ pub enum LaunchArg {
     Workspace(BufferId),
 }
 
+/// A schedule hint of the spec, named as the language writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HintKey {
+    Gemm1Tile,
+    Gemm2Tile,
+    Stages,
+}
+
+impl HintKey {
+    pub fn name(self) -> &'static str {
+        match self {
+            HintKey::Gemm1Tile => "gemm1.tile",
+            HintKey::Gemm2Tile => "gemm2.tile",
+            HintKey::Stages => "stages",
+        }
+    }
+}
+
+/// Why one schedule hint cannot be planned on a target.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HintProblem {
+    pub key: HintKey,
+    /// The hint as written, e.g. `gemm1.tile = 64x96x64`.
+    pub hint: String,
+    pub reason: String,
+}
+
 #[derive(Debug, Error, PartialEq)]
 pub enum PlanError {
     #[error(
-        "layer `{layer}`: {experts} experts exceed the {max} the routing kernel supports; split the layer or raise MAX_EXPERTS"
+        "layer `{layer}`: {experts} experts exceed the {max} the routing kernel supports; split the layer"
     )]
     TooManyExperts {
         layer: String,
         experts: u32,
         max: u32,
     },
-    #[error("layer `{layer}`: schedule hint `{hint}` cannot be used: {reason}")]
+    #[error("layer `{layer}`: schedule hint `{}` cannot be used on {target}: {}", problem.hint, problem.reason)]
     ImpossibleHint {
         layer: String,
-        hint: String,
-        reason: String,
+        target: String,
+        problem: HintProblem,
     },
     #[error("layer `{layer}`: no tile fits {what}: {reason}")]
     NoFeasibleTile {
@@ -295,10 +335,10 @@ pub enum GemmKind {
 }
 
 impl GemmKind {
-    fn hint_name(self) -> &'static str {
+    fn hint_key(self) -> HintKey {
         match self {
-            GemmKind::Up => "gemm1.tile",
-            GemmKind::Down => "gemm2.tile",
+            GemmKind::Up => HintKey::Gemm1Tile,
+            GemmKind::Down => HintKey::Gemm2Tile,
         }
     }
 }
@@ -343,16 +383,14 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             max: MAX_EXPERTS,
         });
     }
-    let shape = LayerShape {
-        hidden: layer.hidden,
-        ffn: layer.ffn,
-        experts: layer.experts,
-        top_k: layer.top_k,
-        activation: layer.activation,
-        max_tokens: layer.max_tokens,
-        spec_ranks: layer.parallel.expert,
-        executed_ranks: 1,
-    };
+    if let Some(problem) = hint_problems(layer, target).into_iter().next() {
+        return Err(PlanError::ImpossibleHint {
+            layer: layer.name.clone(),
+            target: target.name.clone(),
+            problem,
+        });
+    }
+    let shape = LayerShape::of(layer);
     let symbol = c_identifier(&layer.name);
     let route_kernel = format!("{symbol}_route");
     let combine_kernel = format!("{symbol}_combine");
@@ -639,8 +677,10 @@ fn shape_gemm(
             problem.k, tile.k
         ));
     }
-    if !(2..=8).contains(&stages) {
-        return Err("pipeline stages must be between 2 and 8".into());
+    if !(MIN_STAGES..=MAX_STAGES).contains(&stages) {
+        return Err(format!(
+            "pipeline stages must be between {MIN_STAGES} and {MAX_STAGES}"
+        ));
     }
     let b_rows = if problem.gated { 2 * tile.n } else { tile.n };
     let (warps_m, warps_n, max_accumulators, align_slack) = match engine {
@@ -702,6 +742,116 @@ fn shape_gemm(
     })
 }
 
+/// Fewest and most pipeline stages a GEMM may have.
+pub const MIN_STAGES: u32 = 2;
+pub const MAX_STAGES: u32 = 8;
+/// Stages of a hinted tile when the spec sets no `stages`.
+const DEFAULT_HINTED_STAGES: u32 = 4;
+
+/// A hinted tile completed into a plan: on wgmma where that engine can take the tile, else
+/// on mma.sync; the reason given is wgmma's when both refuse and the target has wgmma.
+fn hinted_gemm(
+    target: &Target,
+    problem: &GemmProblem,
+    tile: TileShape,
+    stages: Option<u32>,
+) -> Result<GemmPlan, String> {
+    let stages = stages.unwrap_or(DEFAULT_HINTED_STAGES);
+    let wgmma = shape_gemm(target, problem, MmaEngine::Wgmma, tile, stages);
+    wgmma.or_else(|wgmma_reason| {
+        shape_gemm(target, problem, MmaEngine::MmaSync, tile, stages).map_err(|mma_reason| {
+            if target.has_wgmma() && wgmma_reason != mma_reason {
+                format!("on wgmma, {wgmma_reason}; on mma.sync, {mma_reason}")
+            } else {
+                mma_reason
+            }
+        })
+    })
+}
+
+/// The candidate tiles the cost model compares when no tile is hinted, in a stable order.
+fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
+    let candidates: [(MmaEngine, &'static [u32], &'static [u32]); 2] = [
+        (MmaEngine::MmaSync, &[16, 32, 64, 128], &[64, 128]),
+        (MmaEngine::Wgmma, &[64, 128], &[64, 128, 192, 256]),
+    ];
+    candidates.into_iter().flat_map(|(engine, rows, columns)| {
+        rows.iter().flat_map(move |&m| {
+            columns
+                .iter()
+                .map(move |&n| (engine, TileShape { m, n, k: TILE_K }))
+        })
+    })
+}
+
+/// The stage counts the cost model tries when `stages` is not hinted.
+const STAGE_CHOICES: [u32; 3] = [3, 4, 5];
+
+/// The schedule hints of `layer` that cannot be planned on `target`, each with its reason.
+/// The checker reports these (with the hint's span) against the default target; [`plan`]
+/// refuses a layer that has any on its own target. Empty when every hint can be used.
+pub fn hint_problems(layer: &ir::Layer, target: &Target) -> Vec<HintProblem> {
+    let shape = LayerShape::of(layer);
+    let hints = &layer.schedule;
+    let mut problems = Vec::new();
+    if let Some(stages) = hints.stages
+        && !(MIN_STAGES..=MAX_STAGES).contains(&stages)
+    {
+        // Every tile would fail for the same reason: say it once, at the stages hint.
+        problems.push(HintProblem {
+            key: HintKey::Stages,
+            hint: format!("stages = {stages}"),
+            reason: format!("pipeline stages must be between {MIN_STAGES} and {MAX_STAGES}"),
+        });
+        return problems;
+    }
+    for kind in [GemmKind::Up, GemmKind::Down] {
+        let problem = GemmProblem::for_layer(&shape, kind);
+        let hinted_tile = match kind {
+            GemmKind::Up => hints.gemm1_tile,
+            GemmKind::Down => hints.gemm2_tile,
+        };
+        match (hinted_tile, hints.stages) {
+            (Some(tile), _) => {
+                if let Err(reason) = hinted_gemm(target, &problem, tile, hints.stages) {
+                    problems.push(HintProblem {
+                        key: kind.hint_key(),
+                        hint: format!(
+                            "{} = {}x{}x{}",
+                            kind.hint_key().name(),
+                            tile.m,
+                            tile.n,
+                            tile.k
+                        ),
+                        reason,
+                    });
+                }
+            }
+            (None, Some(stages)) => {
+                let mut last_reason = None;
+                let feasible = candidate_tiles().any(|(engine, tile)| {
+                    shape_gemm(target, &problem, engine, tile, stages)
+                        .map_err(|reason| last_reason = Some(reason))
+                        .is_ok()
+                });
+                if !feasible {
+                    problems.push(HintProblem {
+                        key: HintKey::Stages,
+                        hint: format!("stages = {stages}"),
+                        reason: format!(
+                            "no tile of {} fits with {stages} stages ({})",
+                            kind.hint_key().name().trim_end_matches(".tile"),
+                            last_reason.unwrap_or_default()
+                        ),
+                    });
+                }
+            }
+            (None, None) => {}
+        }
+    }
+    problems
+}
+
 fn choose_gemm(
     layer: &ir::Layer,
     target: &Target,
@@ -711,53 +861,35 @@ fn choose_gemm(
     tokens: u32,
 ) -> Result<GemmPlan, PlanError> {
     if let Some(tile) = hinted_tile {
-        let stages = hinted_stages.unwrap_or(4);
-        // A hinted tile runs on wgmma where that engine can take it, else on mma.sync.
-        let wgmma = shape_gemm(target, problem, MmaEngine::Wgmma, tile, stages);
-        let mut gemm = wgmma
-            .or_else(|_| shape_gemm(target, problem, MmaEngine::MmaSync, tile, stages))
-            .map_err(|reason| PlanError::ImpossibleHint {
+        // `plan` has already refused hints that `hint_problems` reports.
+        let mut gemm = hinted_gemm(target, problem, tile, hinted_stages).map_err(|reason| {
+            PlanError::ImpossibleHint {
                 layer: layer.name.clone(),
-                hint: format!(
-                    "{} = {}x{}x{}",
-                    problem.kind.hint_name(),
-                    tile.m,
-                    tile.n,
-                    tile.k
-                ),
-                reason,
-            })?;
+                target: target.name.clone(),
+                problem: HintProblem {
+                    key: problem.kind.hint_key(),
+                    hint: format!(
+                        "{} = {}x{}x{}",
+                        problem.kind.hint_key().name(),
+                        tile.m,
+                        tile.n,
+                        tile.k
+                    ),
+                    reason,
+                },
+            }
+        })?;
         gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
         gemm.hinted = true;
         return Ok(gemm);
     }
-    if let Some(stages) = hinted_stages
-        && !(2..=8).contains(&stages)
-    {
-        return Err(PlanError::ImpossibleHint {
-            layer: layer.name.clone(),
-            hint: format!("stages = {stages}"),
-            reason: "pipeline stages must be between 2 and 8".into(),
-        });
-    }
     let stage_choices: Vec<u32> = match hinted_stages {
         Some(s) => vec![s],
-        None => vec![3, 4, 5],
+        None => STAGE_CHOICES.to_vec(),
     };
     let mut best: Option<GemmPlan> = None;
     let mut last_reason = String::from("no candidate tiles");
-    let candidates: [(MmaEngine, &[u32], &[u32]); 2] = [
-        (MmaEngine::MmaSync, &[16, 32, 64, 128], &[64, 128]),
-        (MmaEngine::Wgmma, &[64, 128], &[64, 128, 192, 256]),
-    ];
-    let tiles = candidates.iter().flat_map(|&(engine, rows, columns)| {
-        rows.iter().flat_map(move |&m| {
-            columns
-                .iter()
-                .map(move |&n| (engine, TileShape { m, n, k: TILE_K }))
-        })
-    });
-    for (engine, tile) in tiles {
+    for (engine, tile) in candidate_tiles() {
         for &stages in &stage_choices {
             match shape_gemm(target, problem, engine, tile, stages) {
                 Ok(mut gemm) => {
@@ -777,7 +909,8 @@ fn choose_gemm(
         layer: layer.name.clone(),
         what: problem
             .kind
-            .hint_name()
+            .hint_key()
+            .name()
             .trim_end_matches(".tile")
             .to_string(),
         reason: last_reason,
