@@ -2,10 +2,9 @@
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
 // One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine_kernel }}(
-    const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN]
-    const int* __restrict__ topk_ids,          // [tokens, TOP_K]
-    bf16_t* __restrict__ y)                    // [tokens, HIDDEN]
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}(
+    {{ combine.params }}
+)
 {
     const int token = blockIdx.x;
     bool routed[TOP_K];

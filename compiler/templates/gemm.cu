@@ -1,5 +1,6 @@
 // ---------------------------------------------------------------------------------------
-// Grouped GEMM over experts (tensor cores: mma.sync m16n8k16, ldmatrix, cp.async ring).
+// Grouped GEMM over experts: the parts both engines share (tile schedule, row sources,
+// stage loads, epilogue), then the mma.sync engine (m16n8k16, ldmatrix, cp.async ring).
 //
 // Tiles are (expert, n-tile, m-tile), numbered expert-major so that the tiles sharing one
 // weight panel run close together and find it in L2. The grid is persistent: each block
@@ -7,12 +8,29 @@
 // stored.
 //   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ)       (gather + activation)
 //   GEMM_DOWN: slot[pair(row)]   = weight(pair) · intermediate[row] · W2[e]ᵀ
+//
+// Every size comes from a per-GEMM config struct `G` written from the plan (see the regimes
+// below); the static_asserts check that the layout the code uses adds up to the plan's.
 // ---------------------------------------------------------------------------------------
 enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 
-// Shared-memory rows hold 64 bf16 (128 bytes, 8 chunks of 16 bytes). Chunk c of row r sits
-// at chunk c ^ (r & 7), so the 8 rows one ldmatrix reads fall in 8 different bank groups.
-constexpr int SMEM_ROW_BYTES = 128;
+// Checks every GEMM config against the layout the code below assumes.
+template <class G>
+__device__ __forceinline__ void assert_gemm_layout() {
+    static_assert(G::ROW_BYTES == SMEM_ROW_BYTES && G::ROW_BYTES == G::BK * (int)sizeof(bf16_t),
+                  "plan: a stage row is BK bf16 in one 128-byte swizzled row");
+    static_assert(G::B_ROWS == (G::GATED ? 2 * G::BN : G::BN), "plan: B rows per tile");
+    static_assert(G::A_BYTES == G::BM * G::ROW_BYTES, "plan: A bytes per stage");
+    static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
+    static_assert(G::ROW_SOURCE_OFFSET == G::STAGES * G::STAGE_BYTES, "plan: row table after the ring");
+    static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int),
+                  "plan: dynamic shared memory");
+    static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
+    static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
+}
+
+// Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
+// ldmatrix reads fall in 8 different bank groups; wgmma's 128-byte swizzle is the same XOR.
 __device__ __forceinline__ u32 swizzle(int row, int chunk) {
     return (u32)(row * SMEM_ROW_BYTES + ((chunk ^ (row & 7)) << 4));
 }
@@ -58,11 +76,11 @@ __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_star
 
 // The source row of each tile row: the gathered token (GEMM_UP) or the contiguous
 // intermediate row (GEMM_DOWN); -1 marks rows past the expert's count.
-template <int KIND, int BM, int THREADS>
+template <class G>
 __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source) {
-    for (int r = threadIdx.x; r < BM; r += THREADS) {
+    for (int r = threadIdx.x; r < G::BM; r += G::THREADS) {
         int source = -1;
-        if (r < t.rows) source = (KIND == GEMM_UP) ? row_pair[t.row0 + r] / TOP_K : t.row0 + r;
+        if (r < t.rows) source = (G::KIND == GEMM_UP) ? row_pair[t.row0 + r] / TOP_K : t.row0 + r;
         s_row_source[r] = source;
     }
     __syncthreads();
@@ -70,27 +88,59 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
 
 // One k-tile into a stage: BM rows of A (masked rows zero-filled), then the B rows. Gated:
 // B rows [0, BN) are gate rows n0.., rows [BN, 2BN) the matching up rows.
-template <int BM, int BN, int THREADS, bool GATED, int N, int KD>
+template <class G>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
                                            const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert) {
-    constexpr int B_ROWS = GATED ? 2 * BN : BN;
-    const int k0 = k_tile * 64;
+    constexpr int CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    const int k0 = k_tile * G::BK;
 #pragma unroll
-    for (int i = threadIdx.x; i < BM * 8; i += THREADS) {
-        const int r = i >> 3, chunk = i & 7;
+    for (int i = threadIdx.x; i < G::BM * CHUNKS; i += G::THREADS) {
+        const int r = i / CHUNKS, chunk = i % CHUNKS;
         const int source = s_row_source[r];
-        const bf16_t* src = a_rows + (size_t)max(source, 0) * KD + k0 + chunk * 8;
+        const bf16_t* src = a_rows + (size_t)max(source, 0) * G::KD + k0 + chunk * 8;
         cp_async_16(stage_base + swizzle(r, chunk), src, source >= 0);
     }
 #pragma unroll
-    for (int i = threadIdx.x; i < B_ROWS * 8; i += THREADS) {
-        const int r = i >> 3, chunk = i & 7;
-        const int w_row = (GATED && r >= BN) ? N + t.n0 + (r - BN) : t.n0 + r;
-        cp_async_16(stage_base + BM * SMEM_ROW_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * KD + k0 + chunk * 8, true);
+    for (int i = threadIdx.x; i < G::B_ROWS * CHUNKS; i += G::THREADS) {
+        const int r = i / CHUNKS, chunk = i % CHUNKS;
+        const int w_row = (G::GATED && r >= G::BN) ? G::N + t.n0 + (r - G::BN) : t.n0 + r;
+        cp_async_16(stage_base + G::A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * G::KD + k0 + chunk * 8, true);
     }
 }
 
-template <int KIND, int BM, int BN, int STAGES, int WARPS_M, int WARPS_N, bool GATED, int N, int KD>
+// Epilogue, shared by both engines: where tile row r goes and with which scale, then one
+// pair of adjacent output columns at a time. GEMM_UP applies the activation (gate and up
+// accumulators); GEMM_DOWN scales by the routing weight and writes the (token, k) slot.
+struct EpilogueRow {
+    size_t out_row;
+    float scale;
+};
+
+template <class G>
+__device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
+                                                    const float* __restrict__ topk_weights) {
+    if constexpr (G::KIND == GEMM_UP) {
+        return EpilogueRow{(size_t)(t.row0 + r), 1.f};
+    } else {
+        const int pair = row_pair[t.row0 + r];
+        return EpilogueRow{(size_t)pair, topk_weights[pair]};
+    }
+}
+
+template <class G>
+__device__ __forceinline__ void epilogue_store(bf16_t* __restrict__ out, const EpilogueRow& row, int column,
+                                               float v0, float v1, float up0, float up1) {
+    if constexpr (G::KIND == GEMM_UP) {
+        v0 = activate(v0, up0);
+        v1 = activate(v1, up1);
+    } else {
+        v0 *= row.scale;
+        v1 *= row.scale;
+    }
+    *reinterpret_cast<u32*>(out + row.out_row * G::N + column) = pack_bf16x2(v0, v1);
+}
+
+template <class G>
 __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
@@ -99,45 +149,42 @@ __device__ __forceinline__ void grouped_gemm(
     const int* __restrict__ row_pair,         // [pairs]
     bf16_t* __restrict__ out)                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
 {
-    constexpr int THREADS = 32 * WARPS_M * WARPS_N;
-    constexpr int B_ROWS = GATED ? 2 * BN : BN;
-    constexpr int W_ROWS = GATED ? 2 * N : N;
-    constexpr int WM = BM / WARPS_M;  // rows per warp
-    constexpr int WN = BN / WARPS_N;  // output columns per warp
-    constexpr int MI = WM / 16;       // m16 fragments per warp
-    constexpr int NJ = WN / 8;        // n8 fragments per warp
-    constexpr int K_TILES = KD / 64;
-    constexpr int N_TILES = N / BN;
-    constexpr int A_BYTES = BM * SMEM_ROW_BYTES;
-    constexpr int STAGE_BYTES = (BM + B_ROWS) * SMEM_ROW_BYTES;
-    static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be whole 16x16 pieces");
-    static_assert(KD % 64 == 0 && N % BN == 0, "plan invariant: tiles divide N and KD");
+    assert_gemm_layout<G>();
+    static_assert(G::ALIGN_SLACK == 0 && G::RING_ALIGN == 128, "plan: the mma.sync ring starts the allocation");
+    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
+    constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
+    constexpr int WN = G::BN / G::WARPS_N;  // output columns per warp
+    constexpr int MI = WM / 16;             // m16 fragments per warp
+    constexpr int NJ = WN / 8;              // n8 fragments per warp
+    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int N_TILES = G::N / G::BN;
+    static_assert(WM % 16 == 0 && WN % 16 == 0, "plan: warp tile is whole 16x16 pieces");
 
     extern __shared__ __align__(128) unsigned char smem[];
-    int* s_row_source = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);  // [BM], -1 = padding
+    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
     __shared__ int s_tile_start[EXPERTS + 1];
+    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int warp_m = warp / WARPS_N;
-    const int warp_n = warp % WARPS_N;
+    const int warp_m = warp / G::WARPS_N;
+    const int warp_n = warp % G::WARPS_N;
     const u32 smem_base = smem_address(smem);
 
-    tile_schedule<BM, N_TILES>(expert_offsets, s_tile_start);
+    tile_schedule<G::BM, N_TILES>(expert_offsets, s_tile_start);
     const int total_tiles = s_tile_start[EXPERTS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<BM, BN>(tile, s_tile_start, expert_offsets);
-        const int n0 = t.n0, row0 = t.row0, rows = t.rows;
-        fill_row_sources<KIND, BM, THREADS>(t, row_pair, s_row_source);
-        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * KD;
+        const GemmTile t = locate_tile<G::BM, G::BN>(tile, s_tile_start, expert_offsets);
+        fill_row_sources<G>(t, row_pair, s_row_source);
+        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<BM, BN, THREADS, GATED, N, KD>(smem_base + stage * STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
+            load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
 
         float acc[MI][NJ][4];
-        float acc_up[GATED ? MI : 1][GATED ? NJ : 1][4];
+        float acc_up[G::GATED ? MI : 1][G::GATED ? NJ : 1][4];
 #pragma unroll
         for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -145,27 +192,27 @@ __device__ __forceinline__ void grouped_gemm(
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     acc[i][j][c] = 0.f;
-                    if constexpr (GATED) acc_up[i][j][c] = 0.f;
+                    if constexpr (G::GATED) acc_up[i][j][c] = 0.f;
                 }
 
         // Pipeline prologue: STAGES - 1 k-tiles in flight.
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
+        for (int s = 0; s < G::STAGES - 1; ++s) {
             if (s < K_TILES) stage_load(s, s);
             cp_async_commit();
         }
 
         for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
-            cp_async_wait<STAGES - 2>();
+            cp_async_wait<G::STAGES - 2>();
             __syncthreads();  // stage k_tile landed for everyone; stage k_tile-1 is free
-            const int next = k_tile + STAGES - 1;
-            if (next < K_TILES) stage_load(next % STAGES, next);
+            const int next = k_tile + G::STAGES - 1;
+            if (next < K_TILES) stage_load(next % G::STAGES, next);
             cp_async_commit();
 
-            const u32 a_base = smem_base + (k_tile % STAGES) * STAGE_BYTES;
-            const u32 b_base = a_base + A_BYTES;
+            const u32 a_base = smem_base + (k_tile % G::STAGES) * G::STAGE_BYTES;
+            const u32 b_base = a_base + G::A_BYTES;
 #pragma unroll
-            for (int k16 = 0; k16 < 4; ++k16) {
+            for (int k16 = 0; k16 < G::BK / 16; ++k16) {
                 u32 a_frag[MI][4];
 #pragma unroll
                 for (int i = 0; i < MI; ++i) {
@@ -184,10 +231,10 @@ __device__ __forceinline__ void grouped_gemm(
                         mma_bf16_m16n8k16(acc[i][2 * j2], a_frag[i], b_frag[0]);
                         mma_bf16_m16n8k16(acc[i][2 * j2 + 1], a_frag[i], b_frag[1]);
                     }
-                    if constexpr (GATED) {
+                    if constexpr (G::GATED) {
                         u32 u_frag[2][2];
                         ldmatrix_x4(u_frag[0][0], u_frag[0][1], u_frag[1][0], u_frag[1][1],
-                                    b_base + swizzle(r + BN, chunk));
+                                    b_base + swizzle(r + G::BN, chunk));
 #pragma unroll
                         for (int i = 0; i < MI; ++i) {
                             mma_bf16_m16n8k16(acc_up[i][2 * j2], a_frag[i], u_frag[0]);
@@ -205,33 +252,14 @@ __device__ __forceinline__ void grouped_gemm(
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
-                if (r >= rows) continue;
-                size_t out_row;
-                float scale = 1.f;
-                if constexpr (KIND == GEMM_UP) {
-                    out_row = (size_t)(row0 + r);
-                } else {
-                    const int pair = row_pair[row0 + r];
-                    out_row = (size_t)pair;
-                    scale = topk_weights[pair];
-                }
+                if (r >= t.rows) continue;
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
-                    const int column = n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
-                    float v0 = acc[i][j][half * 2], v1 = acc[i][j][half * 2 + 1];
-                    if constexpr (KIND == GEMM_UP) {
-                        float up0 = 0.f, up1 = 0.f;
-                        if constexpr (GATED) {
-                            up0 = acc_up[i][j][half * 2];
-                            up1 = acc_up[i][j][half * 2 + 1];
-                        }
-                        v0 = activate(v0, up0);
-                        v1 = activate(v1, up1);
-                    } else {
-                        v0 *= scale;
-                        v1 *= scale;
-                    }
-                    *reinterpret_cast<u32*>(out + out_row * N + column) = pack_bf16x2(v0, v1);
+                    const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
+                    const float up0 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2] : 0.f;
+                    const float up1 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2 + 1] : 0.f;
+                    epilogue_store<G>(out, row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
                 }
             }
         }

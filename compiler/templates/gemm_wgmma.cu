@@ -1,10 +1,10 @@
 // ---------------------------------------------------------------------------------------
 // Grouped GEMM on Hopper's warpgroup MMA (wgmma, sm_90a). Same tiles, schedule, masking and
-// epilogues as the mma.sync GEMM above; differences:
+// epilogue as the mma.sync GEMM above; differences:
 //   - each warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16 with A
 //     and B read from shared memory through descriptors;
 //   - the shared-memory layout is the 128-byte swizzle wgmma expects (the same XOR the
-//     mma.sync path uses), with every stage 1024-byte aligned;
+//     mma.sync path uses), with the ring and every stage on the swizzle's 1024-byte period;
 //   - loads stay cp.async (gathered rows cannot use TMA on sm_90), so each thread fences
 //     the generic->async proxy before the barrier that publishes a stage to wgmma;
 //   - one wgmma group stays in flight while the next stage is published, so loads run
@@ -36,7 +36,7 @@ __device__ __forceinline__ void wgmma_m64k16<{{ n }}>(float* d, u64 desc_a, u64 
         : "l"(desc_a), "l"(desc_b));
 }
 {%- endfor %}
-template <int KIND, int BM, int BN, int STAGES, bool GATED, int N, int KD>
+template <class G>
 __device__ __forceinline__ void grouped_gemm_wgmma(
     const bf16_t* __restrict__ a_rows,
     const bf16_t* __restrict__ weights,
@@ -45,51 +45,48 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out)
 {
-    constexpr int WARPGROUPS = BM / 64;
-    constexpr int THREADS = 128 * WARPGROUPS;
-    constexpr int B_ROWS = GATED ? 2 * BN : BN;
-    constexpr int W_ROWS = GATED ? 2 * N : N;
-    constexpr int FRAG = BN / 2;  // accumulator floats per thread per wgmma
-    constexpr int K_TILES = KD / 64;
-    constexpr int N_TILES = N / BN;
-    constexpr int A_BYTES = BM * SMEM_ROW_BYTES;
-    constexpr int STAGE_BYTES = (BM + B_ROWS) * SMEM_ROW_BYTES;
-    constexpr int PREFETCH = STAGES - 2;  // k-tiles loaded ahead of the one being multiplied
-    static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
-    static_assert(PREFETCH >= 1, "wgmma needs at least 3 stages");
-    static_assert(KD % 64 == 0 && N % BN == 0, "plan invariant: tiles divide N and KD");
+    assert_gemm_layout<G>();
+    static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one warpgroup (4 warps) per 64 rows");
+    static_assert(G::STAGE_BYTES % G::RING_ALIGN == 0 && G::RING_ALIGN == 1024,
+                  "plan: every stage starts on the swizzle's 1024-byte period");
+    static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
+    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
+    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
+    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int N_TILES = G::N / G::BN;
+    constexpr int PREFETCH = G::STAGES - 2;  // k-tiles loaded ahead of the one being multiplied
+    static_assert(PREFETCH >= 1, "plan: wgmma needs at least 3 stages");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    // wgmma's 128-byte swizzle repeats every 1024 bytes: align the ring to that.
     const u32 raw_base = smem_address(smem_raw);
-    const u32 smem_base = (raw_base + 1023u) & ~1023u;
+    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
     unsigned char* smem = smem_raw + (smem_base - raw_base);
-    int* s_row_source = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES);
+    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
     __shared__ int s_tile_start[EXPERTS + 1];
+    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warpgroup = tid >> 7;
     const int warp_in_group = (tid >> 5) & 3;
 
-    tile_schedule<BM, N_TILES>(expert_offsets, s_tile_start);
+    tile_schedule<G::BM, N_TILES>(expert_offsets, s_tile_start);
     const int total_tiles = s_tile_start[EXPERTS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<BM, BN>(tile, s_tile_start, expert_offsets);
-        const int n0 = t.n0, row0 = t.row0, rows = t.rows;
-        fill_row_sources<KIND, BM, THREADS>(t, row_pair, s_row_source);
-        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * KD;
+        const GemmTile t = locate_tile<G::BM, G::BN>(tile, s_tile_start, expert_offsets);
+        fill_row_sources<G>(t, row_pair, s_row_source);
+        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<BM, BN, THREADS, GATED, N, KD>(smem_base + stage * STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
+            load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
 
         float acc[FRAG];
-        float acc_up[GATED ? FRAG : 1];
+        float acc_up[G::GATED ? FRAG : 1];
 #pragma unroll
         for (int i = 0; i < FRAG; ++i) {
             acc[i] = 0.f;
-            if constexpr (GATED) acc_up[i] = 0.f;
+            if constexpr (G::GATED) acc_up[i] = 0.f;
         }
 
 #pragma unroll
@@ -105,19 +102,20 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
             // whose stage the next load refills.
             __syncthreads();
             const int next = k_tile + PREFETCH;
-            if (next < K_TILES) stage_load(next % STAGES, next);
+            if (next < K_TILES) stage_load(next % G::STAGES, next);
             cp_async_commit();
 
-            const u32 a_base = smem_base + (k_tile % STAGES) * STAGE_BYTES + warpgroup * 64 * SMEM_ROW_BYTES;
-            const u32 b_base = smem_base + (k_tile % STAGES) * STAGE_BYTES + A_BYTES;
+            const u32 stage = smem_base + (k_tile % G::STAGES) * G::STAGE_BYTES;
+            const u32 a_base = stage + warpgroup * 64 * G::ROW_BYTES;
+            const u32 b_base = stage + G::A_BYTES;
             wgmma_fence();
 #pragma unroll
-            for (int k16 = 0; k16 < 4; ++k16) {
+            for (int k16 = 0; k16 < G::BK / 16; ++k16) {
                 // Within a 128-byte swizzled row, the k16 step starts 32 bytes further.
                 const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
-                wgmma_m64k16<BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
-                if constexpr (GATED) {
-                    wgmma_m64k16<BN>(acc_up, desc_a, wgmma_descriptor(b_base + BN * SMEM_ROW_BYTES + k16 * 32));
+                wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
+                if constexpr (G::GATED) {
+                    wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
                 }
             }
             wgmma_commit();
@@ -130,33 +128,15 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
-            if (r >= rows) continue;
-            size_t out_row;
-            float scale = 1.f;
-            if constexpr (KIND == GEMM_UP) {
-                out_row = (size_t)(row0 + r);
-            } else {
-                const int pair = row_pair[row0 + r];
-                out_row = (size_t)pair;
-                scale = topk_weights[pair];
-            }
+            if (r >= t.rows) continue;
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights);
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const int column = n0 + j * 8 + (lane & 3) * 2;
-                float v0 = acc[j * 4 + half * 2], v1 = acc[j * 4 + half * 2 + 1];
-                if constexpr (KIND == GEMM_UP) {
-                    float up0 = 0.f, up1 = 0.f;
-                    if constexpr (GATED) {
-                        up0 = acc_up[j * 4 + half * 2];
-                        up1 = acc_up[j * 4 + half * 2 + 1];
-                    }
-                    v0 = activate(v0, up0);
-                    v1 = activate(v1, up1);
-                } else {
-                    v0 *= scale;
-                    v1 *= scale;
-                }
-                *reinterpret_cast<u32*>(out + out_row * N + column) = pack_bf16x2(v0, v1);
+            for (int j = 0; j < G::BN / 8; ++j) {
+                const int column = t.n0 + j * 8 + (lane & 3) * 2;
+                const int c = j * 4 + half * 2;
+                const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+                const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+                epilogue_store<G>(out, row, column, acc[c], acc[c + 1], up0, up1);
             }
         }
         cp_async_wait<0>();

@@ -12,15 +12,14 @@ __device__ __forceinline__ void report_error(int* error_word, int code, int toke
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route_kernel }}(
-    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
-    int tokens,
-    int* __restrict__ expert_offsets,  // [EXPERTS + 1]
-    int* __restrict__ row_pair,        // [tokens * TOP_K]
-    int* __restrict__ error_word)      // [4]
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
+    {{ route.params }}
+)
 {
     __shared__ int s_count[EXPERTS];
     __shared__ int s_offset[EXPERTS + 1];
+    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
+                  "plan: routing's static shared memory");
     const int pairs = tokens * TOP_K;
 
     // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS. This kernel runs

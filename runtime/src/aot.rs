@@ -1,20 +1,33 @@
 //! Ahead-of-time output: what `moeforge compile FILE -o DIR` writes, and loading it back
 //! without NVRTC or the language.
 //!
-//! Layout of DIR: `plan.json` (a JSON array with the plan of every layer of the file), and
-//! per layer `<symbol>.cu` (the generated source) and `<symbol>.ptx` (when NVRTC was
-//! present at compile time). The driver JIT-compiles the PTX when the module is loaded.
+//! Layout of DIR: `plan.json` and, per layer, `<symbol>.cu` (the generated source) and
+//! `<symbol>.ptx` (when NVRTC was present at compile time). The driver JIT-compiles the PTX
+//! when the module is loaded.
+//!
+//! `plan.json` is a [`PlanFile`]: a format version, the moeforge version that wrote it, and
+//! per layer the plan with the SHA-256 of the plan itself, of the source generated from it
+//! and of the PTX compiled from that source. Loading checks all of them, validates the plan
+//! ([`Plan::validate`]) and checks every PTX entry point's parameters against the plan's
+//! launch table, so a stale, edited or mismatched directory is a typed error before any
+//! kernel is launched.
 
 use std::path::{Path, PathBuf};
 
-use moeforge_compiler::plan::Plan;
-use thiserror::Error;
-
 use moeforge_compiler::codegen::{self, CodegenError};
+use moeforge_compiler::plan::{ParamType, Plan, PlanInvalid};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
 
 use crate::jit::{CacheOutcome, CompileOptions, CompiledModule, Jit, JitError};
 
 pub const PLAN_FILE: &str = "plan.json";
+/// The version of [`PlanFile`]'s layout; a file with another version is refused.
+pub const FORMAT_VERSION: u32 = 2;
+/// The value of [`PlanFile::format`].
+const FORMAT_NAME: &str = "moeforge-plan";
+const WRITTEN_BY: &str = concat!("moeforge ", env!("CARGO_PKG_VERSION"));
 
 #[derive(Debug, Error)]
 pub enum AotError {
@@ -30,6 +43,11 @@ pub enum AotError {
         #[source]
         source: serde_json::Error,
     },
+    #[error(
+        "{} has format version {found}, this moeforge reads version {FORMAT_VERSION}; regenerate it with `moeforge compile`",
+        path.display()
+    )]
+    FormatVersion { path: PathBuf, found: String },
     #[error("{} has no layer `{wanted}` (it has: {})", path.display(), available.join(", "))]
     NoSuchLayer {
         path: PathBuf,
@@ -42,12 +60,63 @@ pub enum AotError {
         count: usize,
         available: Vec<String>,
     },
+    #[error(
+        "{}: {what} of layer `{layer}` does not match the hash recorded when it was written (edited, or from another moeforge version); regenerate the directory with `moeforge compile`",
+        path.display()
+    )]
+    HashMismatch {
+        path: PathBuf,
+        layer: String,
+        what: &'static str,
+    },
+    #[error("{}: layer `{layer}` was written without PTX (NVRTC was missing); recompile it where NVRTC is installed", path.display())]
+    NoPtx { path: PathBuf, layer: String },
+    #[error(
+        "{}: entry point `{kernel}` {problem}; the PTX does not belong to this plan, regenerate the directory",
+        path.display()
+    )]
+    EntryMismatch {
+        path: PathBuf,
+        kernel: String,
+        problem: String,
+    },
+    #[error(transparent)]
+    InvalidPlan(#[from] PlanInvalid),
     #[error(transparent)]
     Codegen(#[from] CodegenError),
     #[error(transparent)]
     Jit(#[from] JitError),
     #[error("cannot serialise the plans: {0}")]
     Serialise(#[from] serde_json::Error),
+}
+
+/// The contents of `plan.json`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PlanFile {
+    /// Always `moeforge-plan`.
+    pub format: String,
+    pub format_version: u32,
+    /// The moeforge version that wrote the file (no commit: the output stays reproducible).
+    pub written_by: String,
+    pub layers: Vec<LayerArtifacts>,
+}
+
+/// One layer of an AOT directory.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct LayerArtifacts {
+    pub plan: Plan,
+    /// SHA-256 of the plan serialised as compact JSON.
+    pub plan_sha256: String,
+    pub source: Artifact,
+    /// Absent when NVRTC was missing at compile time.
+    pub ptx: Option<Artifact>,
+}
+
+/// A file of the directory and the SHA-256 of its contents.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Artifact {
+    pub file: String,
+    pub sha256: String,
 }
 
 /// One file of an AOT directory.
@@ -61,30 +130,58 @@ pub fn compile_options(plan: &Plan) -> CompileOptions {
     CompileOptions::new(plan.symbol.clone(), plan.target.arch.clone()).flag("-std=c++17")
 }
 
+fn sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn plan_sha256(plan: &Plan) -> Result<String, serde_json::Error> {
+    Ok(sha256(&serde_json::to_vec(plan)?))
+}
+
 /// The files of an AOT directory for `plans`, in a stable order: each layer's source, its
 /// PTX when `jit` is given, then `plan.json`.
 pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<Vec<OutputFile>, AotError> {
     let mut files = Vec::new();
+    let mut layers = Vec::new();
     for plan in plans {
         let source = codegen::generate(plan)?;
-        if let Some(jit) = jit {
-            let module = jit.compile(&source.source, &compile_options(plan))?;
-            files.push(OutputFile {
-                name: source.file_name,
-                contents: source.source.into_bytes(),
-            });
+        let ptx = match jit {
+            Some(jit) => Some(jit.compile(&source.source, &compile_options(plan))?.ptx),
+            None => None,
+        };
+        layers.push(LayerArtifacts {
+            plan: plan.clone(),
+            plan_sha256: plan_sha256(plan)?,
+            source: Artifact {
+                file: source.file_name.clone(),
+                sha256: sha256(source.source.as_bytes()),
+            },
+            ptx: ptx.as_ref().map(|ptx| Artifact {
+                file: ptx_file_name(plan),
+                sha256: sha256(ptx.as_bytes()),
+            }),
+        });
+        files.push(OutputFile {
+            name: source.file_name,
+            contents: source.source.into_bytes(),
+        });
+        if let Some(ptx) = ptx {
             files.push(OutputFile {
                 name: ptx_file_name(plan),
-                contents: module.ptx.into_bytes(),
-            });
-        } else {
-            files.push(OutputFile {
-                name: source.file_name,
-                contents: source.source.into_bytes(),
+                contents: ptx.into_bytes(),
             });
         }
     }
-    let json = serde_json::to_string_pretty(plans)? + "\n";
+    let plan_file = PlanFile {
+        format: FORMAT_NAME.to_string(),
+        format_version: FORMAT_VERSION,
+        written_by: WRITTEN_BY.to_string(),
+        layers,
+    };
+    let json = serde_json::to_string_pretty(&plan_file)? + "\n";
     files.push(OutputFile {
         name: PLAN_FILE.to_string(),
         contents: json.into_bytes(),
@@ -97,31 +194,69 @@ pub fn ptx_file_name(plan: &Plan) -> String {
     format!("{}.ptx", plan.symbol)
 }
 
-/// Reads the plans of an AOT directory.
-pub fn read_plans(dir: &Path) -> Result<Vec<Plan>, AotError> {
+/// Reads `plan.json` of an AOT directory: the format version first (so that another
+/// version is reported as such, not as a parse error), then every layer, each validated and
+/// checked against its recorded hash.
+pub fn read_plans(dir: &Path) -> Result<Vec<LayerArtifacts>, AotError> {
     let path = dir.join(PLAN_FILE);
     let text = std::fs::read_to_string(&path).map_err(|source| AotError::Read {
         path: path.clone(),
         source,
     })?;
-    serde_json::from_str(&text).map_err(|source| AotError::Parse { path, source })
+    parse_plan_file(&text, &path)
 }
 
-/// One layer of an AOT directory: its plan and its PTX, ready for [`crate::gpu::Gpu::load`].
+/// [`read_plans`] on text already read from `path`.
+pub fn parse_plan_file(text: &str, path: &Path) -> Result<Vec<LayerArtifacts>, AotError> {
+    let parse_error = |source| AotError::Parse {
+        path: path.to_path_buf(),
+        source,
+    };
+    let value: serde_json::Value = serde_json::from_str(text).map_err(parse_error)?;
+    let version = value.get("format_version");
+    let is_plan_file = value.get("format").and_then(|f| f.as_str()) == Some(FORMAT_NAME);
+    if !is_plan_file || version.and_then(|v| v.as_u64()) != Some(u64::from(FORMAT_VERSION)) {
+        return Err(AotError::FormatVersion {
+            path: path.to_path_buf(),
+            found: match version {
+                Some(v) if is_plan_file => v.to_string(),
+                _ => "none (written before versions, or not a plan file)".to_string(),
+            },
+        });
+    }
+    let file: PlanFile = serde_json::from_value(value).map_err(parse_error)?;
+    for layer in &file.layers {
+        layer.plan.validate()?;
+        if plan_sha256(&layer.plan)? != layer.plan_sha256 {
+            return Err(AotError::HashMismatch {
+                path: path.to_path_buf(),
+                layer: layer.plan.layer.clone(),
+                what: "the plan",
+            });
+        }
+        // The source this moeforge generates from the plan must be the one the PTX was
+        // compiled from: templates of another version would launch other kernels.
+        let source = codegen::generate(&layer.plan)?;
+        if sha256(source.source.as_bytes()) != layer.source.sha256 {
+            return Err(AotError::HashMismatch {
+                path: path.to_path_buf(),
+                layer: layer.plan.layer.clone(),
+                what: "the generated source",
+            });
+        }
+    }
+    Ok(file.layers)
+}
+
+/// One layer of an AOT directory: its plan and its PTX, checked, ready for
+/// [`crate::gpu::Gpu::load`].
 pub fn load_layer(dir: &Path, layer: Option<&str>) -> Result<(Plan, CompiledModule), AotError> {
-    let plans = read_plans(dir)?;
+    let mut layers = read_plans(dir)?;
     let path = dir.join(PLAN_FILE);
-    let available: Vec<String> = plans.iter().map(|p| p.layer.clone()).collect();
-    let plan = match layer {
-        Some(wanted) => plans
-            .into_iter()
-            .find(|p| p.layer == wanted)
-            .ok_or_else(|| AotError::NoSuchLayer {
-                path,
-                wanted: wanted.to_string(),
-                available,
-            })?,
-        None if plans.len() == 1 => plans.into_iter().next().expect("one plan"),
+    let available: Vec<String> = layers.iter().map(|l| l.plan.layer.clone()).collect();
+    let position = match layer {
+        Some(wanted) => layers.iter().position(|l| l.plan.layer == wanted),
+        None if layers.len() == 1 => Some(0),
         None => {
             return Err(AotError::AmbiguousLayer {
                 path,
@@ -130,10 +265,37 @@ pub fn load_layer(dir: &Path, layer: Option<&str>) -> Result<(Plan, CompiledModu
             });
         }
     };
-    let ptx_path = dir.join(ptx_file_name(&plan));
+    let Some(position) = position else {
+        return Err(AotError::NoSuchLayer {
+            path,
+            wanted: layer.unwrap_or_default().to_string(),
+            available,
+        });
+    };
+    let chosen = layers.swap_remove(position);
+    let plan = chosen.plan;
+    let Some(artifact) = chosen.ptx else {
+        return Err(AotError::NoPtx {
+            path,
+            layer: plan.layer.clone(),
+        });
+    };
+    let ptx_path = dir.join(&artifact.file);
     let ptx = std::fs::read_to_string(&ptx_path).map_err(|source| AotError::Read {
-        path: ptx_path,
+        path: ptx_path.clone(),
         source,
+    })?;
+    if sha256(ptx.as_bytes()) != artifact.sha256 {
+        return Err(AotError::HashMismatch {
+            path: ptx_path,
+            layer: plan.layer.clone(),
+            what: "the PTX",
+        });
+    }
+    check_ptx_entries(&plan, &ptx).map_err(|(kernel, problem)| AotError::EntryMismatch {
+        path: ptx_path,
+        kernel,
+        problem,
     })?;
     let module = CompiledModule {
         name: plan.symbol.clone(),
@@ -146,4 +308,68 @@ pub fn load_layer(dir: &Path, layer: Option<&str>) -> Result<(Plan, CompiledModu
         notes: Vec::new(),
     };
     Ok((plan, module))
+}
+
+/// Checks that every entry point the plan launches is in `ptx` with exactly the plan's
+/// parameters: as many, in order, each a 64-bit pointer or a 32-bit integer as the plan
+/// says. On a mismatch, the kernel and what is wrong.
+pub fn check_ptx_entries(plan: &Plan, ptx: &str) -> Result<(), (String, String)> {
+    for regime in &plan.regimes {
+        for launch in &regime.launches {
+            let kernel = &launch.kernel;
+            let params = ptx_entry_params(ptx, kernel)
+                .ok_or_else(|| (kernel.clone(), "is missing from the PTX".to_string()))?;
+            let expected: Vec<&str> = launch
+                .params
+                .iter()
+                .map(|p| match p.arg.param_type() {
+                    ParamType::Pointer(_) => ".u64",
+                    ParamType::I32 => ".u32",
+                })
+                .collect();
+            if params != expected {
+                return Err((
+                    kernel.clone(),
+                    format!(
+                        "takes ({}) in the PTX, the plan passes ({})",
+                        params.join(", "),
+                        expected.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The PTX types (`.u64`, `.u32`, …) of the parameters of `.entry kernel(...)`, in order.
+pub fn ptx_entry_params(ptx: &str, kernel: &str) -> Option<Vec<String>> {
+    let header = format!(".entry {kernel}(");
+    let start = ptx.find(&header)? + header.len();
+    let end = start + ptx[start..].find(')')?;
+    Some(
+        ptx[start..end]
+            .split(',')
+            .filter_map(|param| {
+                let mut words = param.split_whitespace();
+                (words.next()? == ".param").then(|| words.next().map(str::to_string))?
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_parameters_are_read_from_ptx() {
+        let ptx = ".visible .entry k(\n\t.param .u64 .ptr .align 1 k_param_0,\n\t.param .u32 k_param_1\n)\n{\n}\n.visible .entry k2()\n{\n}\n";
+        assert_eq!(
+            ptx_entry_params(ptx, "k"),
+            Some(vec![".u64".to_string(), ".u32".to_string()])
+        );
+        assert_eq!(ptx_entry_params(ptx, "k2"), Some(vec![]));
+        assert_eq!(ptx_entry_params(ptx, "k3"), None);
+    }
 }

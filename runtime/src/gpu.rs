@@ -3,8 +3,10 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
+use moeforge_compiler::plan::{DeviceFacts, Target};
 use thiserror::Error;
 
 use crate::jit::CompiledModule;
@@ -24,6 +26,10 @@ pub enum GpuError {
         "no CUDA device is visible (cuDeviceGetCount returned 0); run on a machine with an NVIDIA GPU"
     )]
     NoDevice,
+    #[error(
+        "this plan cannot run here: {reason}; plan the layer for this device (omit --target, or regenerate the AOT directory on a matching GPU)"
+    )]
+    TargetMismatch { target: String, reason: String },
 }
 
 /// Adds what was being done to a driver error.
@@ -75,6 +81,50 @@ impl Gpu {
             .context("reading compute capability")?;
         let suffix = if major == 9 { "a" } else { "" };
         Ok(format!("sm_{major}{minor}{suffix}"))
+    }
+
+    /// What the planner needs to know about this device.
+    pub fn facts(&self) -> Result<DeviceFacts, GpuError> {
+        let attribute = |attribute, what: &str| -> Result<u32, GpuError> {
+            let value = self
+                .ctx
+                .attribute(attribute)
+                .context(format!("reading the device's {what}"))?;
+            Ok(u32::try_from(value).unwrap_or(0))
+        };
+        Ok(DeviceFacts {
+            name: self.name(),
+            arch: self.arch()?,
+            sm_count: attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                "SM count",
+            )?,
+            smem_per_block: attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                "shared memory per block",
+            )?,
+            smem_per_sm: attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                "shared memory per SM",
+            )?,
+        })
+    }
+
+    /// The planner's target for this device (see [`Target::for_device`]).
+    pub fn target(&self) -> Result<Target, GpuError> {
+        Ok(Target::for_device(&self.facts()?))
+    }
+
+    /// A typed error when `plan` was made for another kind of device.
+    pub fn check_target(&self, target: &Target) -> Result<(), GpuError> {
+        let facts = self.facts()?;
+        match target.mismatch(&facts) {
+            Some(reason) => Err(GpuError::TargetMismatch {
+                target: target.name.clone(),
+                reason,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Loads a compiled module: its CUBIN when there is one, else its PTX.

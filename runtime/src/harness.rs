@@ -111,12 +111,12 @@ impl Session {
     /// Generates the plan's CUDA unit and compiles it for this GPU (through the disk cache).
     pub fn compile(&self, plan: &Plan) -> Result<(CompiledModule, f64), HarnessError> {
         let started = Instant::now();
+        // A plan for another kind of device is an error, never silently recompiled.
+        self.gpu.check_target(&plan.target)?;
         let source = codegen::generate(plan)?;
-        let options = CompileOptions {
-            arch: self.gpu.arch()?,
-            ..aot::compile_options(plan)
-        };
-        let module = self.jit.compile(&source.source, &options)?;
+        let module = self
+            .jit
+            .compile(&source.source, &aot::compile_options(plan))?;
         Ok((module, started.elapsed().as_secs_f64()))
     }
 

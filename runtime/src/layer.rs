@@ -11,7 +11,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMI
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, error_code};
+use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, PlanInvalid, error_code};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, Gpu, GpuError};
@@ -20,10 +20,14 @@ use crate::gpu::{DriverContext, Gpu, GpuError};
 pub enum LayerError {
     #[error(transparent)]
     Gpu(#[from] GpuError),
+    #[error(transparent)]
+    InvalidPlan(#[from] PlanInvalid),
     #[error(
         "the compiled module has no kernel `{name}` that the plan launches; regenerate and recompile the layer"
     )]
     MissingKernel { name: String },
+    #[error("the plan launches a kernel with workspace buffer `{buffer}`, which it does not list")]
+    MissingWorkspace { buffer: &'static str },
     #[error(
         "{tokens} tokens exceed the layer's max_tokens of {max}; raise `max_tokens` in the spec or split the call"
     )]
@@ -70,11 +74,26 @@ pub struct ForwardArgs<'a> {
 pub struct MoeLayer {
     plan: Plan,
     stream: Arc<CudaStream>,
-    /// Per regime, the function of each launch of its table, in the same order.
-    regime_kernels: Vec<Vec<CudaFunction>>,
+    /// Per regime, each launch of its table (same order): its function and what to pass
+    /// for each of its parameters.
+    regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
     _module: Arc<CudaModule>,
+}
+
+/// Where a kernel parameter's value comes from, resolved once in [`MoeLayer::new`].
+#[derive(Clone, Copy)]
+enum Binding {
+    X,
+    TopkIds,
+    TopkWeights,
+    Y,
+    Tokens,
+    W1,
+    W2,
+    /// The workspace buffer at this position of `MoeLayer::workspace`.
+    Workspace(usize),
 }
 
 fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -101,14 +120,17 @@ enum ArgValue {
 }
 
 impl MoeLayer {
-    /// Builds the handle: finds every kernel the plan launches in `module`, raises their
-    /// shared-memory limits, checks the weights' sizes and allocates the workspace.
+    /// Builds the handle: validates the plan and checks it was made for this device, finds
+    /// every kernel the plan launches in `module`, raises their shared-memory limits,
+    /// checks the weights' sizes and allocates the workspace.
     pub fn new(
         gpu: &Gpu,
         plan: Plan,
         module: Arc<CudaModule>,
         weights: ExpertWeights,
     ) -> Result<Self, LayerError> {
+        plan.validate()?;
+        gpu.check_target(&plan.target)?;
         let shape = &plan.shape;
         let experts = u64::from(shape.experts);
         check_len(
@@ -122,15 +144,30 @@ impl MoeLayer {
             experts * u64::from(shape.hidden) * u64::from(shape.ffn),
         )?;
 
+        let mut workspace = Vec::new();
+        for buffer in &plan.workspace {
+            let bytes = buffer.bytes() as usize;
+            let slice = gpu.stream.alloc_zeros::<u8>(bytes.max(1)).context(format!(
+                "allocating workspace `{}` ({bytes} bytes)",
+                buffer.id.name()
+            ))?;
+            workspace.push((buffer.id, slice));
+        }
+
         // Each distinct entry point is loaded (and its shared-memory limit raised) once.
         let mut loaded: Vec<(&str, CudaFunction)> = Vec::new();
         let mut regime_kernels = Vec::with_capacity(plan.regimes.len());
         for regime in &plan.regimes {
-            let mut functions = Vec::with_capacity(regime.launches.len());
+            let mut launches = Vec::with_capacity(regime.launches.len());
             for launch in &regime.launches {
+                let bindings = launch
+                    .params
+                    .iter()
+                    .map(|param| bind(param.arg, &workspace))
+                    .collect::<Result<Vec<_>, _>>()?;
                 if let Some((_, function)) = loaded.iter().find(|(name, _)| *name == launch.kernel)
                 {
-                    functions.push(function.clone());
+                    launches.push((function.clone(), bindings));
                     continue;
                 }
                 let function = module.load_function(&launch.kernel).map_err(|_| {
@@ -150,19 +187,9 @@ impl MoeLayer {
                         ))?;
                 }
                 loaded.push((&launch.kernel, function.clone()));
-                functions.push(function);
+                launches.push((function, bindings));
             }
-            regime_kernels.push(functions);
-        }
-
-        let mut workspace = Vec::new();
-        for buffer in &plan.workspace {
-            let bytes = buffer.bytes() as usize;
-            let slice = gpu.stream.alloc_zeros::<u8>(bytes.max(1)).context(format!(
-                "allocating workspace `{}` ({bytes} bytes)",
-                buffer.id.name()
-            ))?;
-            workspace.push((buffer.id, slice));
+            regime_kernels.push(launches);
         }
         Ok(MoeLayer {
             plan,
@@ -180,16 +207,6 @@ impl MoeLayer {
 
     pub fn weights(&self) -> &ExpertWeights {
         &self.weights
-    }
-
-    fn workspace(&self, id: BufferId) -> &CudaSlice<u8> {
-        // `new` allocated every buffer the plan lists, and the plan lists every id it uses.
-        &self
-            .workspace
-            .iter()
-            .find(|(b, _)| *b == id)
-            .expect("plan lists every workspace buffer it uses")
-            .1
     }
 
     /// Enqueues one forward call on the layer's stream. Does not synchronise.
@@ -224,23 +241,24 @@ impl MoeLayer {
         // that a stale error of an earlier call is not reported. Launches whose grid is
         // empty (one block per token at T = 0) are skipped.
         let stream = &self.stream;
-        for (launch, function) in regime.launches.iter().zip(&self.regime_kernels[index]) {
+        for (launch, (function, bindings)) in
+            regime.launches.iter().zip(&self.regime_kernels[index])
+        {
             let blocks = launch.grid.blocks(tokens);
             if blocks == 0 {
                 continue;
             }
-            let values: Vec<ArgValue> = launch
-                .args
+            let values: Vec<ArgValue> = bindings
                 .iter()
-                .map(|arg| match arg {
-                    LaunchArg::X => ArgValue::Pointer(ptr(args.x, stream)),
-                    LaunchArg::TopkIds => ArgValue::Pointer(ptr(args.topk_ids, stream)),
-                    LaunchArg::TopkWeights => ArgValue::Pointer(ptr(args.topk_weights, stream)),
-                    LaunchArg::W1 => ArgValue::Pointer(ptr(&self.weights.w1, stream)),
-                    LaunchArg::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
-                    LaunchArg::Y => ArgValue::Pointer(ptr(args.y, stream)),
-                    LaunchArg::Tokens => ArgValue::Int(tokens as i32),
-                    LaunchArg::Workspace(id) => ArgValue::Pointer(ptr(self.workspace(*id), stream)),
+                .map(|binding| match *binding {
+                    Binding::X => ArgValue::Pointer(ptr(args.x, stream)),
+                    Binding::TopkIds => ArgValue::Pointer(ptr(args.topk_ids, stream)),
+                    Binding::TopkWeights => ArgValue::Pointer(ptr(args.topk_weights, stream)),
+                    Binding::W1 => ArgValue::Pointer(ptr(&self.weights.w1, stream)),
+                    Binding::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
+                    Binding::Y => ArgValue::Pointer(ptr(args.y, stream)),
+                    Binding::Tokens => ArgValue::Int(tokens as i32),
+                    Binding::Workspace(i) => ArgValue::Pointer(ptr(&self.workspace[i].1, stream)),
                 })
                 .collect();
             let config = LaunchConfig {
@@ -255,8 +273,10 @@ impl MoeLayer {
                     ArgValue::Int(i) => builder.arg(i),
                 };
             }
-            // SAFETY: the argument list is the plan's, which codegen wrote the kernel's
-            // parameters from; every buffer was checked above to hold what the kernel indexes.
+            // SAFETY: codegen wrote this kernel's parameter list from `launch.params` (its
+            // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens),
+            // and the AOT loader checks the PTX entry against the same list; `new` validated
+            // the plan, and every buffer was checked above to hold what the kernel indexes.
             unsafe { builder.launch(config) }.context(format!("launching `{}`", launch.kernel))?;
         }
         Ok(())
@@ -264,7 +284,14 @@ impl MoeLayer {
 
     /// Waits for the stream, then reads and clears the error word of the last call.
     pub fn take_error(&self) -> Result<(), LayerError> {
-        let word = self.workspace(BufferId::ErrorWord);
+        // A validated plan's workspace holds every buffer, the error word included.
+        let Some((_, word)) = self
+            .workspace
+            .iter()
+            .find(|(id, _)| *id == BufferId::ErrorWord)
+        else {
+            return Ok(());
+        };
         let bytes = self
             .stream
             .clone_dtoh(word)
@@ -287,4 +314,24 @@ impl MoeLayer {
             }),
         }
     }
+}
+
+/// What to pass for `arg`: a caller's buffer, the weights, the token count, or a workspace
+/// buffer (which must exist).
+fn bind(arg: LaunchArg, workspace: &[(BufferId, CudaSlice<u8>)]) -> Result<Binding, LayerError> {
+    Ok(match arg {
+        LaunchArg::X => Binding::X,
+        LaunchArg::TopkIds => Binding::TopkIds,
+        LaunchArg::TopkWeights => Binding::TopkWeights,
+        LaunchArg::W1 => Binding::W1,
+        LaunchArg::W2 => Binding::W2,
+        LaunchArg::Y => Binding::Y,
+        LaunchArg::Tokens => Binding::Tokens,
+        LaunchArg::Workspace(id) => Binding::Workspace(
+            workspace
+                .iter()
+                .position(|(b, _)| *b == id)
+                .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?,
+        ),
+    })
 }

@@ -1,5 +1,6 @@
-//! Every shipped example's kernels compile through NVRTC for sm_90a, and ptxas reports no
-//! spills for any of them. Needs NVRTC (skips without it, fails under
+//! Every shipped example's kernels compile through NVRTC for sm_90a; ptxas reports no
+//! spills for any of them and exactly the static shared memory the plan states; every
+//! entry point in the PTX takes exactly the parameters of the plan's launch table. Needs NVRTC (skips without it, fails under
 //! MOEFORGE_REQUIRE_NVRTC=1); no GPU.
 
 use moeforge_compiler::plan::{self, Target};
@@ -26,6 +27,9 @@ fn every_example_compiles_for_sm90a_without_spills() {
         let report = jit
             .ptxas_report(&module.ptx, &plan.target.arch)
             .expect("ptxas -v");
+        if let Err((kernel, problem)) = aot::check_ptx_entries(&plan, &module.ptx) {
+            panic!("{}: entry `{kernel}` {problem}", layer.name);
+        }
         for entry in &source.entry_points {
             let function = report
                 .function(entry)
@@ -36,6 +40,17 @@ fn every_example_compiles_for_sm90a_without_spills() {
                 "{entry} of {} spills: {function:?}",
                 layer.name
             );
+            let launch = plan
+                .regimes
+                .iter()
+                .flat_map(|r| &r.launches)
+                .find(|l| &l.kernel == entry)
+                .expect("every entry point is launched");
+            assert_eq!(
+                function.shared_mem,
+                u64::from(launch.static_smem_bytes),
+                "{entry}: ptxas's static shared memory against the plan's"
+            );
             checked += 1;
         }
     }
@@ -44,4 +59,27 @@ fn every_example_compiles_for_sm90a_without_spills() {
         checked >= 7 * 4,
         "every example has at least route, gemm1, gemm2 and combine"
     );
+}
+
+/// A plan whose launch table disagrees with the compiled kernels is caught: the check is
+/// not vacuous.
+#[test]
+fn a_launch_table_that_disagrees_with_the_ptx_is_caught() {
+    let Some(toolkit) = nvrtc_for_tests() else {
+        return;
+    };
+    let jit = Jit::new(toolkit, JitSettings::from_env().expect("JIT settings")).expect("JIT");
+    let layer = layers::tiny(moeforge_compiler::ir::Activation::Swiglu);
+    let plan = plan::plan(&layer, &Target::h200()).expect("tiny plans");
+    let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
+    let module = jit
+        .compile(&source.source, &aot::compile_options(&plan))
+        .expect("NVRTC compiles tiny");
+    assert_eq!(aot::check_ptx_entries(&plan, &module.ptx), Ok(()));
+    let mut edited = plan.clone();
+    edited.regimes[0].launches[0].params.swap(0, 1);
+    let (kernel, problem) =
+        aot::check_ptx_entries(&edited, &module.ptx).expect_err("swapped parameters are caught");
+    assert_eq!(kernel, plan.route_kernel);
+    assert!(problem.contains(".u64, .u32"), "{problem}");
 }

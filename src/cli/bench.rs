@@ -11,7 +11,7 @@ use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::fresh_seed;
 use serde::Serialize;
 
-use super::planning::{build_on_gpu, check_ranks, plan_one};
+use super::planning::{TargetArgs, build_on_gpu, check_ranks, plan_one};
 use super::run::{RoutingArg, routing_name};
 use super::{OK, invalid_input, usage_error};
 
@@ -40,6 +40,8 @@ pub struct Args {
     /// Ranks to execute on; only 1 exists so far.
     #[arg(long)]
     ranks: Option<u32>,
+    #[command(flatten)]
+    target: TargetArgs,
     /// Where the JSON and Markdown results go.
     #[arg(long, default_value = "benches/results")]
     out: PathBuf,
@@ -103,7 +105,7 @@ fn table_row(row: &BenchRow) -> String {
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    let plan = match plan_one(&args.file, args.layer.as_deref()) {
+    let plan = match plan_one(&args.file, args.layer.as_deref(), &args.target.resolve()) {
         Ok(plan) => plan,
         Err(status) => return status,
     };

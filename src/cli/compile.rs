@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use moeforge::runtime::aot;
 use moeforge::runtime::jit::Jit;
 
-use super::planning::plan_file;
+use super::planning::{TargetArgs, plan_file};
 use super::{OK, invalid_input, usage_error};
 
 /// Compile a .moe file ahead of time: writes <layer>.cu, <layer>.ptx (when NVRTC is found)
@@ -26,10 +26,12 @@ pub struct Args {
     /// Write the CUDA source and plan only, even when NVRTC is available.
     #[arg(long)]
     no_ptx: bool,
+    #[command(flatten)]
+    target: TargetArgs,
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    let plans = match plan_file(&args.file, args.layer.as_deref()) {
+    let plans = match plan_file(&args.file, args.layer.as_deref(), &args.target.resolve()) {
         Ok(plans) => plans,
         Err(status) => return status,
     };

@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use moeforge::compiler::ir;
-use moeforge::compiler::plan::{self, Target};
+use moeforge::compiler::plan;
 
-use super::{OK, compile_file};
+use super::planning::TargetArgs;
+use super::{OK, compile_file, invalid_input};
 
 /// Explain a .moe file: every checked layer with all its sizes, defaults applied, units
 /// resolved, and derived numbers (experts per rank, weight bytes, FLOPs per token).
@@ -16,15 +17,28 @@ use super::{OK, compile_file};
 pub struct Args {
     /// The .moe file to explain.
     file: PathBuf,
+    #[command(flatten)]
+    target: TargetArgs,
 }
 
 pub fn run(args: &Args) -> ExitCode {
     match compile_file(&args.file) {
         Ok((_, module)) => {
+            let target = args.target.resolve();
+            let mut unplannable = Vec::new();
             let mut text: Vec<String> = module
                 .layers
                 .iter()
-                .map(|layer| explain_layer(layer) + &explain_plan(layer))
+                .map(|layer| {
+                    let plan = match plan::plan(layer, &target) {
+                        Ok(plan) => plan::describe(&plan),
+                        Err(error) => {
+                            unplannable.push(error.to_string());
+                            format!("plan: none ({error})\n")
+                        }
+                    };
+                    explain_layer(layer) + &plan
+                })
                 .collect();
             // Topologies no layer uses would otherwise go unexplained.
             let unused = module.topologies.iter().filter(|topology| {
@@ -35,7 +49,14 @@ pub fn run(args: &Args) -> ExitCode {
             });
             text.extend(unused.map(explain_topology));
             print!("{}", text.join("\n"));
-            OK
+            for error in &unplannable {
+                eprintln!("error: {}: {error}", args.file.display());
+            }
+            if unplannable.is_empty() {
+                OK
+            } else {
+                invalid_input()
+            }
         }
         Err(status) => status,
     }
@@ -304,13 +325,5 @@ fn schedule(hints: &ir::ScheduleHints) -> String {
         "no hints (the planner chooses everything)".into()
     } else {
         format!("{} (the planner chooses the rest)", parts.join(", "))
-    }
-}
-
-/// The layer's plan on the H200 (tiles, regimes, launches, workspace), or why it has none.
-fn explain_plan(layer: &ir::Layer) -> String {
-    match plan::plan(layer, &Target::h200()) {
-        Ok(plan) => plan::describe(&plan),
-        Err(error) => format!("plan: {error}\n"),
     }
 }

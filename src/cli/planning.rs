@@ -4,12 +4,48 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use moeforge::compiler::plan::{self, Plan, Target};
+use moeforge::runtime::gpu::Gpu;
 use moeforge::runtime::harness::{BuiltLayer, Session};
+use moeforge::runtime::toolkit;
 
 use super::{compile_file, invalid_input, usage_error};
 
-/// Checks `file` and plans its layers (only `layer` when given), reporting any error.
-pub fn plan_file(file: &Path, layer: Option<&str>) -> Result<Vec<Plan>, ExitCode> {
+/// `--target`: the device a plan is made for.
+#[derive(clap::Args)]
+pub struct TargetArgs {
+    /// Plan for this GPU (h200, h100, a100) rather than the one present; without a GPU the
+    /// default is h200.
+    #[arg(long, value_name = "GPU", value_parser = parse_target)]
+    target: Option<Target>,
+}
+
+fn parse_target(name: &str) -> Result<Target, String> {
+    Target::named(name).ok_or_else(|| {
+        let known: Vec<&str> = Target::known().iter().map(|(n, _)| *n).collect();
+        format!(
+            "unknown target `{name}`; known targets: {}",
+            known.join(", ")
+        )
+    })
+}
+
+impl TargetArgs {
+    /// The target chosen with `--target`, else the GPU present, else the H200.
+    pub fn resolve(&self) -> Target {
+        if let Some(target) = &self.target {
+            return target.clone();
+        }
+        let device = toolkit::driver_available()
+            .ok()
+            .and_then(|_| Gpu::open(0).ok())
+            .and_then(|gpu| gpu.target().ok());
+        device.unwrap_or_else(Target::h200)
+    }
+}
+
+/// Checks `file` and plans its layers (only `layer` when given) for `target`, reporting
+/// any error.
+pub fn plan_file(file: &Path, layer: Option<&str>, target: &Target) -> Result<Vec<Plan>, ExitCode> {
     let (_, module) = compile_file(file)?;
     let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
     let selected: Vec<_> = module
@@ -28,10 +64,9 @@ pub fn plan_file(file: &Path, layer: Option<&str>) -> Result<Vec<Plan>, ExitCode
         }
         return Err(usage_error());
     }
-    let target = Target::h200();
     let mut plans = Vec::new();
     for layer in selected {
-        match plan::plan(layer, &target) {
+        match plan::plan(layer, target) {
             Ok(plan) => plans.push(plan),
             Err(error) => {
                 eprintln!("error: {}: {error}", file.display());
@@ -43,8 +78,8 @@ pub fn plan_file(file: &Path, layer: Option<&str>) -> Result<Vec<Plan>, ExitCode
 }
 
 /// Exactly one plan, for commands that run a single layer.
-pub fn plan_one(file: &Path, layer: Option<&str>) -> Result<Plan, ExitCode> {
-    let mut plans = plan_file(file, layer)?;
+pub fn plan_one(file: &Path, layer: Option<&str>, target: &Target) -> Result<Plan, ExitCode> {
+    let mut plans = plan_file(file, layer, target)?;
     if plans.len() > 1 {
         let names: Vec<&str> = plans.iter().map(|p| p.layer.as_str()).collect();
         eprintln!(

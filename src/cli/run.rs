@@ -12,7 +12,7 @@ use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
 
-use super::planning::{build_on_gpu, check_ranks, plan_one};
+use super::planning::{TargetArgs, build_on_gpu, check_ranks, plan_one};
 use super::{OK, invalid_input, usage_error};
 
 /// Run a layer on random inputs (fresh per run, seeded), optionally checked against the CPU reference.
@@ -41,6 +41,8 @@ pub struct Args {
     /// Ranks to execute on; only 1 (all experts on one GPU) exists so far.
     #[arg(long)]
     ranks: Option<u32>,
+    #[command(flatten)]
+    target: TargetArgs,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -103,7 +105,7 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    let plan = match plan_one(&args.file, args.layer.as_deref()) {
+    let plan = match plan_one(&args.file, args.layer.as_deref(), &args.target.resolve()) {
         Ok(plan) => plan,
         Err(status) => return status,
     };

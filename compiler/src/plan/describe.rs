@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use super::{Grid, LaunchArg, Plan};
+use super::{Access, Grid, Plan};
 
 /// One fact per line; `write!` into a `String` cannot fail.
 pub fn describe(plan: &Plan) -> String {
@@ -52,14 +52,23 @@ pub fn describe(plan: &Plan) -> String {
                 Grid::Fixed(n) => format!("{n} blocks"),
                 Grid::PerToken => "1 block per token".to_string(),
             };
-            let args: Vec<String> = launch.args.iter().map(|a| arg_name(*a)).collect();
+            // Written parameters carry a `*`, as in `&mut`: what the kernel produces.
+            let params: Vec<String> = launch
+                .params
+                .iter()
+                .map(|p| match p.access {
+                    Access::Read => p.arg.name().to_string(),
+                    Access::Write => format!("*{}", p.arg.name()),
+                })
+                .collect();
             let _ = writeln!(
                 out,
-                "    launch {} <<<{grid}, {} threads, {} B>>>({})",
+                "    launch {} <<<{grid}, {} threads, {} B + {} B static>>>({})",
                 launch.kernel,
                 launch.block_threads,
                 launch.smem_bytes,
-                args.join(", ")
+                launch.static_smem_bytes,
+                params.join(", ")
             );
         }
     }
@@ -77,17 +86,4 @@ pub fn describe(plan: &Plan) -> String {
         let _ = writeln!(out, "  note: {limitation}");
     }
     out
-}
-
-fn arg_name(arg: LaunchArg) -> String {
-    match arg {
-        LaunchArg::X => "x".into(),
-        LaunchArg::TopkIds => "topk_ids".into(),
-        LaunchArg::TopkWeights => "topk_weights".into(),
-        LaunchArg::W1 => "w1".into(),
-        LaunchArg::W2 => "w2".into(),
-        LaunchArg::Y => "y".into(),
-        LaunchArg::Tokens => "tokens".into(),
-        LaunchArg::Workspace(id) => id.name().into(),
-    }
 }

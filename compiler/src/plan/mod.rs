@@ -12,7 +12,9 @@
 
 pub mod cost;
 mod describe;
+mod launch;
 pub mod target;
+mod validate;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -20,11 +22,27 @@ use thiserror::Error;
 use crate::ir::{self, Activation, TileShape};
 pub use cost::GemmEstimate;
 pub use describe::describe;
-pub use target::Target;
+pub use launch::{Access, Grid, KernelParam, Launch, LaunchArg, ParamType};
+pub use target::{DeviceFacts, Target};
+pub use validate::PlanInvalid;
 
 /// Reduction depth of one pipeline stage. The kernels swizzle 128-byte shared-memory rows
 /// (64 bf16), so this is the only depth they support.
 pub const TILE_K: u32 = 64;
+/// Bytes of one shared-memory row of a stage: `TILE_K` bf16.
+pub const SMEM_ROW_BYTES: u32 = TILE_K * 2;
+/// ptxas reserves static shared memory in pieces of this many bytes.
+pub const STATIC_SMEM_GRANULE: u32 = 128;
+
+/// `bytes` of static shared memory as a block reserves them.
+pub fn static_smem_reserved(bytes: u32) -> u32 {
+    bytes.div_ceil(STATIC_SMEM_GRANULE) * STATIC_SMEM_GRANULE
+}
+
+/// The period of wgmma's 128-byte swizzle: its stage ring starts on this boundary.
+const WGMMA_RING_ALIGN: u32 = 1024;
+/// Alignment of the dynamic shared memory the mma.sync ring starts at.
+const MMA_SYNC_RING_ALIGN: u32 = 128;
 /// Threads of the routing kernel (one block).
 pub const ROUTE_THREADS: u32 = 1024;
 /// Threads of the combine kernel (one block per token).
@@ -128,6 +146,14 @@ pub enum BufferId {
 }
 
 impl BufferId {
+    /// The element type the kernels read and write the buffer as.
+    pub fn elem(self) -> ElemType {
+        match self {
+            BufferId::ExpertOffsets | BufferId::RowPair | BufferId::ErrorWord => ElemType::I32,
+            BufferId::Intermediate | BufferId::CombineSlots => ElemType::Bf16,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             BufferId::ExpertOffsets => "expert_offsets",
@@ -148,6 +174,15 @@ pub enum ElemType {
 }
 
 impl ElemType {
+    /// The element's type in the generated CUDA source.
+    pub fn c_type(self) -> &'static str {
+        match self {
+            ElemType::Bf16 => "bf16_t",
+            ElemType::F32 => "float",
+            ElemType::I32 => "int",
+        }
+    }
+
     pub fn size_bytes(self) -> u64 {
         match self {
             ElemType::Bf16 => 2,
@@ -208,7 +243,10 @@ pub struct GemmPlan {
     pub warps_n: u32,
     /// Rows of B loaded per tile: 2·n for the gated GEMM1 (gate and up), n otherwise.
     pub b_rows: u32,
+    /// Dynamic shared memory of one block (`smem.dynamic_bytes`), what the launch asks for.
     pub smem_bytes: u32,
+    /// Where everything sits in shared memory; codegen writes these numbers out.
+    pub smem: SmemLayout,
     pub blocks_per_sm: u32,
     /// Persistent grid: blocks launched, each looping over tiles.
     pub grid_blocks: u32,
@@ -224,54 +262,59 @@ impl GemmPlan {
     }
 }
 
-/// One kernel launch of the forward call.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Launch {
-    pub kernel: String,
-    pub grid: Grid,
-    pub block_threads: u32,
-    /// Dynamic shared memory in bytes.
-    pub smem_bytes: u32,
-    pub args: Vec<LaunchArg>,
-}
-
+/// The shared-memory layout of one GEMM block. Dynamic memory is
+/// `[align slack][stage 0 .. stage S-1][row sources: i32 × BM]`, the ring starting on a
+/// `ring_align` boundary; static memory is the tile-start table, i32 × (E + 1). The
+/// generated code asserts that its own layout adds up to these numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Grid {
-    /// A fixed number of blocks.
-    Fixed(u32),
-    /// One block per token of the call.
-    PerToken,
+pub struct SmemLayout {
+    /// Bytes of one row of a stage (`TILE_K` bf16, swizzled in 16-byte chunks).
+    pub row_bytes: u32,
+    /// Bytes of the A rows of one stage (`BM` rows).
+    pub a_bytes: u32,
+    /// Bytes of one stage: `BM + b_rows` rows.
+    pub stage_bytes: u32,
+    /// Boundary the stage ring starts on inside dynamic shared memory.
+    pub ring_align: u32,
+    /// Bytes reserved in front of the ring to reach that boundary.
+    pub align_slack: u32,
+    /// Offset of the row-source table from the start of the ring: `stages · stage_bytes`.
+    pub row_source_offset: u32,
+    /// `align_slack + row_source_offset + 4·BM`.
+    pub dynamic_bytes: u32,
+    /// The static tile-start table, `4·(E + 1)` bytes, as reserved (rounded up to
+    /// [`STATIC_SMEM_GRANULE`]).
+    pub static_bytes: u32,
 }
 
-impl Grid {
-    pub fn blocks(self, tokens: u32) -> u32 {
-        match self {
-            Grid::Fixed(n) => n,
-            Grid::PerToken => tokens,
+impl SmemLayout {
+    fn new(engine: MmaEngine, tile: TileShape, b_rows: u32, stages: u32, experts: u32) -> Self {
+        let row_bytes = SMEM_ROW_BYTES;
+        let stage_bytes = (tile.m + b_rows) * row_bytes;
+        // The dynamic allocation is declared 128-byte aligned, which is what mma.sync's ring
+        // needs; wgmma's ring moves up to the next 1024-byte boundary, within a full period
+        // of slack whatever alignment the allocation really gets.
+        let (ring_align, align_slack) = match engine {
+            MmaEngine::MmaSync => (MMA_SYNC_RING_ALIGN, 0),
+            MmaEngine::Wgmma => (WGMMA_RING_ALIGN, WGMMA_RING_ALIGN),
+        };
+        let row_source_offset = stages * stage_bytes;
+        SmemLayout {
+            row_bytes,
+            a_bytes: tile.m * row_bytes,
+            stage_bytes,
+            ring_align,
+            align_slack,
+            row_source_offset,
+            dynamic_bytes: align_slack + row_source_offset + 4 * tile.m,
+            static_bytes: static_smem_reserved(4 * (experts + 1)),
         }
     }
-}
 
-/// What the runtime passes for each kernel parameter, in order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LaunchArg {
-    /// bf16 [T, H] input activations.
-    X,
-    /// i32 [T, K] expert ids.
-    TopkIds,
-    /// f32 [T, K] routing weights.
-    TopkWeights,
-    /// bf16 [E, w1_rows, H].
-    W1,
-    /// bf16 [E, H, F].
-    W2,
-    /// bf16 [T, H] output.
-    Y,
-    /// The token count T of the call, as i32.
-    Tokens,
-    Workspace(BufferId),
+    /// Everything one block holds in shared memory.
+    pub fn total_bytes(&self) -> u32 {
+        self.dynamic_bytes + self.static_bytes
+    }
 }
 
 /// A schedule hint of the spec, named as the language writes it.
@@ -428,8 +471,14 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         let name = regime_name(i, count).to_string();
         let gemm1_kernel = format!("{symbol}_{name}_gemm1");
         let gemm2_kernel = format!("{symbol}_{name}_gemm2");
-        let launches = launch_table(
-            [&route_kernel, &gemm1_kernel, &gemm2_kernel, &combine_kernel],
+        let launches = launch::launch_table(
+            launch::ForwardKernels {
+                route: &route_kernel,
+                gemm1: &gemm1_kernel,
+                gemm2: &gemm2_kernel,
+                combine: &combine_kernel,
+            },
+            shape.experts,
             &g1,
             &g2,
         );
@@ -446,39 +495,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         next_min = max + 1;
     }
 
-    let max_pairs = shape.max_pairs();
-    let workspace = vec![
-        Buffer {
-            id: BufferId::ExpertOffsets,
-            elem: ElemType::I32,
-            elems: u64::from(shape.experts) + 1,
-            purpose: "start row of each expert in the expert-major row order".into(),
-        },
-        Buffer {
-            id: BufferId::RowPair,
-            elem: ElemType::I32,
-            elems: max_pairs,
-            purpose: "(token, k) pair of each expert-major row".into(),
-        },
-        Buffer {
-            id: BufferId::Intermediate,
-            elem: ElemType::Bf16,
-            elems: max_pairs * u64::from(shape.ffn),
-            purpose: "GEMM1 output after the activation".into(),
-        },
-        Buffer {
-            id: BufferId::CombineSlots,
-            elem: ElemType::Bf16,
-            elems: max_pairs * u64::from(shape.hidden),
-            purpose: "GEMM2 output times routing weight, one slot per (token, k)".into(),
-        },
-        Buffer {
-            id: BufferId::ErrorWord,
-            elem: ElemType::I32,
-            elems: 4,
-            purpose: "first kernel-side error of the call: code, token, k, value".into(),
-        },
-    ];
+    let workspace = workspace(&shape);
 
     let mut limitations = Vec::new();
     if layer.parallel.expert > 1 {
@@ -510,6 +527,43 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         regimes,
         limitations,
     })
+}
+
+/// The device buffers a layer of this shape needs, sized for `max_tokens`.
+fn workspace(shape: &LayerShape) -> Vec<Buffer> {
+    let max_pairs = shape.max_pairs();
+    vec![
+        Buffer {
+            id: BufferId::ExpertOffsets,
+            elem: BufferId::ExpertOffsets.elem(),
+            elems: u64::from(shape.experts) + 1,
+            purpose: "start row of each expert in the expert-major row order".into(),
+        },
+        Buffer {
+            id: BufferId::RowPair,
+            elem: BufferId::RowPair.elem(),
+            elems: max_pairs,
+            purpose: "(token, k) pair of each expert-major row".into(),
+        },
+        Buffer {
+            id: BufferId::Intermediate,
+            elem: BufferId::Intermediate.elem(),
+            elems: max_pairs * u64::from(shape.ffn),
+            purpose: "GEMM1 output after the activation".into(),
+        },
+        Buffer {
+            id: BufferId::CombineSlots,
+            elem: BufferId::CombineSlots.elem(),
+            elems: max_pairs * u64::from(shape.hidden),
+            purpose: "GEMM2 output times routing weight, one slot per (token, k)".into(),
+        },
+        Buffer {
+            id: BufferId::ErrorWord,
+            elem: BufferId::ErrorWord.elem(),
+            elems: 4,
+            purpose: "first kernel-side error of the call: code, token, k, value".into(),
+        },
+    ]
 }
 
 impl Plan {
@@ -572,63 +626,6 @@ fn merge_to_at_most(
     groups
 }
 
-/// The launches of one forward call; `kernels` are the route, gemm1, gemm2 and combine
-/// entry points, in stream order.
-fn launch_table(kernels: [&String; 4], g1: &GemmPlan, g2: &GemmPlan) -> Vec<Launch> {
-    let [route, gemm1, gemm2, combine] = kernels.map(String::clone);
-    use BufferId::*;
-    use LaunchArg::*;
-    vec![
-        Launch {
-            kernel: route,
-            grid: Grid::Fixed(1),
-            block_threads: ROUTE_THREADS,
-            smem_bytes: 0,
-            args: vec![
-                TopkIds,
-                Tokens,
-                Workspace(ExpertOffsets),
-                Workspace(RowPair),
-                Workspace(ErrorWord),
-            ],
-        },
-        Launch {
-            kernel: gemm1,
-            grid: Grid::Fixed(g1.grid_blocks),
-            block_threads: g1.threads(),
-            smem_bytes: g1.smem_bytes,
-            args: vec![
-                X,
-                W1,
-                Workspace(ExpertOffsets),
-                Workspace(RowPair),
-                Workspace(Intermediate),
-            ],
-        },
-        Launch {
-            kernel: gemm2,
-            grid: Grid::Fixed(g2.grid_blocks),
-            block_threads: g2.threads(),
-            smem_bytes: g2.smem_bytes,
-            args: vec![
-                Workspace(Intermediate),
-                W2,
-                TopkWeights,
-                Workspace(ExpertOffsets),
-                Workspace(RowPair),
-                Workspace(CombineSlots),
-            ],
-        },
-        Launch {
-            kernel: combine,
-            grid: Grid::PerToken,
-            block_threads: COMBINE_THREADS,
-            smem_bytes: 0,
-            args: vec![Workspace(CombineSlots), TopkIds, Y],
-        },
-    ]
-}
-
 /// Warp layout for a tile: 8 warps for large tiles, 4 for small ones, each warp owning a
 /// sub-tile whose rows are a multiple of 16 (one mma) and columns a multiple of 16 (one
 /// `ldmatrix.x4` of B).
@@ -683,11 +680,11 @@ fn shape_gemm(
         ));
     }
     let b_rows = if problem.gated { 2 * tile.n } else { tile.n };
-    let (warps_m, warps_n, max_accumulators, align_slack) = match engine {
+    let (warps_m, warps_n, max_accumulators) = match engine {
         MmaEngine::MmaSync => {
             let (wm, wn) = warp_layout(tile)
                 .ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
-            (wm, wn, MAX_ACCUMULATORS_PER_THREAD, 0)
+            (wm, wn, MAX_ACCUMULATORS_PER_THREAD)
         }
         MmaEngine::Wgmma => {
             if !target.has_wgmma() {
@@ -702,8 +699,8 @@ fn shape_gemm(
             if stages < 3 {
                 return Err("wgmma keeps one group in flight: it needs at least 3 stages".into());
             }
-            // The swizzled ring is aligned to 1024 bytes inside the dynamic allocation.
-            (tile.m / 16, 1, MAX_WGMMA_ACCUMULATORS_PER_THREAD, 1024)
+            // One warpgroup (4 warps) per 64 rows.
+            (tile.m / 16, 1, MAX_WGMMA_ACCUMULATORS_PER_THREAD)
         }
     };
     let threads = 32 * warps_m * warps_n;
@@ -714,18 +711,23 @@ fn shape_gemm(
             engine.name()
         ));
     }
-    let stage_bytes = (tile.m + b_rows) * tile.k * 2;
-    let smem_bytes = stages * stage_bytes + tile.m * 4 + align_slack;
-    if smem_bytes > target.smem_per_block {
+    let smem = SmemLayout::new(engine, tile, b_rows, stages, problem.experts);
+    if smem.total_bytes() > target.smem_per_block {
         return Err(format!(
-            "{smem_bytes} bytes of shared memory exceed the {} a block may use",
-            target.smem_per_block
+            "{} bytes of shared memory ({stages} stages of {} B, row table, {} B of tile table) exceed the {} a block of {} may use",
+            smem.total_bytes(),
+            smem.stage_bytes,
+            smem.static_bytes,
+            target.smem_per_block,
+            target.name
         ));
     }
+    let smem_bytes = smem.dynamic_bytes;
     // Registers: accumulators plus about 64 for fragments, addresses and loop state.
     let regs_per_thread = (accumulators + 64).min(255);
     let by_regs = 65_536 / (regs_per_thread * threads);
-    let by_smem = target.smem_per_sm / (smem_bytes + 1024);
+    // Each resident block also costs the 1 KiB the driver reserves per block.
+    let by_smem = target.smem_per_sm / (smem.total_bytes() + 1024);
     let blocks_per_sm = by_regs.min(by_smem).clamp(1, 8);
     Ok(GemmPlan {
         engine,
@@ -735,6 +737,7 @@ fn shape_gemm(
         warps_n,
         b_rows,
         smem_bytes,
+        smem,
         blocks_per_sm,
         grid_blocks: target.sm_count * blocks_per_sm,
         estimate: GemmEstimate::default(),

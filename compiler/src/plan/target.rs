@@ -51,8 +51,170 @@ impl Target {
         }
     }
 
+    /// An H100 SXM: the H200's SMs, clocks and shared memory with HBM3 at 3.35 TB/s. Its
+    /// ceilings are the H200's measured compute and the datasheet bandwidth scaled by the
+    /// H200's measured fraction of its own; not measured on an H100.
+    pub fn h100() -> Self {
+        Target {
+            name: "NVIDIA H100 SXM".to_string(),
+            hbm_bytes_per_s: 4.3e12 * 3.35 / 4.8,
+            ..Target::h200()
+        }
+    }
+
+    /// An A100 SXM (sm_80: mma.sync only, 164 KiB of shared memory per SM). Ceilings are
+    /// datasheet figures (312 TFLOP/s dense bf16, 2.0 TB/s), not measured here.
+    pub fn a100() -> Self {
+        Target {
+            name: "NVIDIA A100 SXM".to_string(),
+            arch: "sm_80".to_string(),
+            sm_count: 108,
+            smem_per_block: 166_912,
+            smem_per_sm: 167_936,
+            peak_bf16_flops: 312e12,
+            mma_sync_fraction: 0.6,
+            wgmma_fraction: 0.0,
+            hbm_bytes_per_s: 2.0e12,
+            l2_bytes_per_s: 5e12,
+            launch_overhead_s: 4e-6,
+        }
+    }
+
+    /// The targets `--target` accepts, by name; the first is the default.
+    pub fn known() -> [(&'static str, Target); 3] {
+        [
+            ("h200", Target::h200()),
+            ("h100", Target::h100()),
+            ("a100", Target::a100()),
+        ]
+    }
+
+    /// The known target called `name` (case-insensitive).
+    pub fn named(name: &str) -> Option<Target> {
+        Target::known()
+            .into_iter()
+            .find(|(known, _)| known.eq_ignore_ascii_case(name))
+            .map(|(_, target)| target)
+    }
+
+    /// The target for a device read at run time: its own SM count and shared-memory limits,
+    /// with the ceilings of the known target of the same architecture (the H200's when none
+    /// is known) scaled by the SM count. A known chip gets its known target exactly.
+    pub fn for_device(device: &DeviceFacts) -> Target {
+        let known = Target::known().map(|(_, t)| t);
+        if let Some(exact) = known.iter().find(|t| {
+            device.name.contains(t.name.trim_end_matches(" SXM"))
+                && t.arch == device.arch
+                && t.sm_count == device.sm_count
+                && t.smem_per_block == device.smem_per_block
+        }) {
+            return exact.clone();
+        }
+        let base = known
+            .iter()
+            .find(|t| t.arch == device.arch)
+            .cloned()
+            .unwrap_or_else(Target::h200);
+        let scale = f64::from(device.sm_count) / f64::from(base.sm_count);
+        Target {
+            name: device.name.clone(),
+            arch: device.arch.clone(),
+            sm_count: device.sm_count,
+            smem_per_block: device.smem_per_block,
+            smem_per_sm: device.smem_per_sm,
+            peak_bf16_flops: base.peak_bf16_flops * scale,
+            wgmma_fraction: if device.arch == "sm_90a" {
+                base.wgmma_fraction
+            } else {
+                0.0
+            },
+            ..base
+        }
+    }
+
+    /// Why a plan made for `self` cannot run on `device`, if it cannot: the kernels were
+    /// compiled for one architecture, and grids and shared memory sized for one chip.
+    pub fn mismatch(&self, device: &DeviceFacts) -> Option<String> {
+        if self.arch != device.arch {
+            return Some(format!(
+                "it was made for {} ({}), the device is {} ({})",
+                self.name, self.arch, device.name, device.arch
+            ));
+        }
+        if self.sm_count != device.sm_count || self.smem_per_block > device.smem_per_block {
+            return Some(format!(
+                "it was made for {} SMs and {} B of shared memory per block, the device ({}) has {} SMs and {} B",
+                self.sm_count,
+                self.smem_per_block,
+                device.name,
+                device.sm_count,
+                device.smem_per_block
+            ));
+        }
+        None
+    }
+
     /// Whether the target has Hopper's warpgroup MMA (the `a` feature set of sm_90).
     pub fn has_wgmma(&self) -> bool {
         self.arch == "sm_90a"
+    }
+}
+
+/// What the runtime reads off a GPU to plan for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceFacts {
+    pub name: String,
+    /// `sm_XY`, with the `a` suffix on sm_90 (wgmma and setmaxnreg need it).
+    pub arch: String,
+    pub sm_count: u32,
+    /// Largest dynamic shared memory one block may opt in to, bytes.
+    pub smem_per_block: u32,
+    pub smem_per_sm: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h200_facts() -> DeviceFacts {
+        let h200 = Target::h200();
+        DeviceFacts {
+            name: "NVIDIA H200".into(),
+            arch: h200.arch,
+            sm_count: h200.sm_count,
+            smem_per_block: h200.smem_per_block,
+            smem_per_sm: h200.smem_per_sm,
+        }
+    }
+
+    #[test]
+    fn a_known_device_gets_its_known_target() {
+        assert_eq!(Target::for_device(&h200_facts()), Target::h200());
+        assert_eq!(Target::h200().mismatch(&h200_facts()), None);
+    }
+
+    #[test]
+    fn an_unknown_device_keeps_its_own_limits() {
+        let facts = DeviceFacts {
+            name: "NVIDIA H20".into(),
+            sm_count: 78,
+            ..h200_facts()
+        };
+        let target = Target::for_device(&facts);
+        assert_eq!((target.sm_count, target.name.as_str()), (78, "NVIDIA H20"));
+        assert!(target.peak_bf16_flops < Target::h200().peak_bf16_flops);
+        assert!(Target::h200().mismatch(&facts).is_some());
+    }
+
+    #[test]
+    fn another_architecture_is_a_mismatch() {
+        let facts = DeviceFacts {
+            arch: "sm_80".into(),
+            ..h200_facts()
+        };
+        let why = Target::h200().mismatch(&facts).expect("a mismatch");
+        assert!(why.contains("sm_80"), "{why}");
+        assert_eq!(Target::named("A100"), Some(Target::a100()));
+        assert_eq!(Target::named("b200"), None);
     }
 }

@@ -1,0 +1,208 @@
+//! The launch table: which kernels one forward call runs, in stream order, with their
+//! grids, shared memory and parameter lists. Codegen writes every entry point's parameter
+//! list from [`Launch::params`]; the runtime binds the same list to buffers. Nothing else
+//! states a kernel's signature.
+
+use serde::{Deserialize, Serialize};
+
+use super::{BufferId, COMBINE_THREADS, ElemType, GemmPlan, ROUTE_THREADS, static_smem_reserved};
+
+/// One kernel launch of the forward call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    pub kernel: String,
+    pub grid: Grid,
+    pub block_threads: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+    /// Static shared memory the kernel declares, in bytes (asserted in the generated code).
+    pub static_smem_bytes: u32,
+    /// The kernel's parameters, in order.
+    pub params: Vec<KernelParam>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Grid {
+    /// A fixed number of blocks.
+    Fixed(u32),
+    /// One block per token of the call.
+    PerToken,
+}
+
+impl Grid {
+    pub fn blocks(self, tokens: u32) -> u32 {
+        match self {
+            Grid::Fixed(n) => n,
+            Grid::PerToken => tokens,
+        }
+    }
+}
+
+/// One parameter of a kernel: what the runtime passes, and whether the kernel writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelParam {
+    pub arg: LaunchArg,
+    pub access: Access,
+}
+
+/// Whether a kernel only reads a buffer (a `const` pointer) or also writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Access {
+    Read,
+    Write,
+}
+
+/// What the runtime passes for a kernel parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LaunchArg {
+    /// bf16 [T, H] input activations.
+    X,
+    /// i32 [T, K] expert ids.
+    TopkIds,
+    /// f32 [T, K] routing weights.
+    TopkWeights,
+    /// bf16 [E, w1_rows, H].
+    W1,
+    /// bf16 [E, H, F].
+    W2,
+    /// bf16 [T, H] output.
+    Y,
+    /// The token count T of the call, as i32.
+    Tokens,
+    Workspace(BufferId),
+}
+
+/// The C type of a kernel parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamType {
+    /// A device pointer to elements of this type (`.u64` in PTX).
+    Pointer(ElemType),
+    /// A 32-bit signed integer passed by value (`.u32` in PTX).
+    I32,
+}
+
+impl LaunchArg {
+    /// The parameter's name in the generated source and in `explain`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LaunchArg::X => "x",
+            LaunchArg::TopkIds => "topk_ids",
+            LaunchArg::TopkWeights => "topk_weights",
+            LaunchArg::W1 => "w1",
+            LaunchArg::W2 => "w2",
+            LaunchArg::Y => "y",
+            LaunchArg::Tokens => "tokens",
+            LaunchArg::Workspace(id) => id.name(),
+        }
+    }
+
+    pub fn param_type(self) -> ParamType {
+        match self {
+            LaunchArg::X | LaunchArg::W1 | LaunchArg::W2 | LaunchArg::Y => {
+                ParamType::Pointer(ElemType::Bf16)
+            }
+            LaunchArg::TopkIds => ParamType::Pointer(ElemType::I32),
+            LaunchArg::TopkWeights => ParamType::Pointer(ElemType::F32),
+            LaunchArg::Tokens => ParamType::I32,
+            LaunchArg::Workspace(id) => ParamType::Pointer(id.elem()),
+        }
+    }
+}
+
+impl KernelParam {
+    fn read(arg: LaunchArg) -> Self {
+        KernelParam {
+            arg,
+            access: Access::Read,
+        }
+    }
+
+    fn write(arg: LaunchArg) -> Self {
+        KernelParam {
+            arg,
+            access: Access::Write,
+        }
+    }
+}
+
+/// Static shared memory of the routing kernel: per-expert counts and offsets (i32), as
+/// reserved.
+pub fn route_static_smem_bytes(experts: u32) -> u32 {
+    static_smem_reserved(4 * (2 * experts + 1))
+}
+
+/// The entry points one forward call launches, in stream order.
+pub struct ForwardKernels<'a> {
+    pub route: &'a str,
+    pub gemm1: &'a str,
+    pub gemm2: &'a str,
+    pub combine: &'a str,
+}
+
+/// The launches of one forward call of a regime.
+pub fn launch_table(
+    kernels: ForwardKernels<'_>,
+    experts: u32,
+    g1: &GemmPlan,
+    g2: &GemmPlan,
+) -> Vec<Launch> {
+    use BufferId::*;
+    use LaunchArg::*;
+    let (read, write) = (KernelParam::read, KernelParam::write);
+    vec![
+        Launch {
+            kernel: kernels.route.to_string(),
+            grid: Grid::Fixed(1),
+            block_threads: ROUTE_THREADS,
+            smem_bytes: 0,
+            static_smem_bytes: route_static_smem_bytes(experts),
+            params: vec![
+                read(TopkIds),
+                read(Tokens),
+                write(Workspace(ExpertOffsets)),
+                write(Workspace(RowPair)),
+                write(Workspace(ErrorWord)),
+            ],
+        },
+        Launch {
+            kernel: kernels.gemm1.to_string(),
+            grid: Grid::Fixed(g1.grid_blocks),
+            block_threads: g1.threads(),
+            smem_bytes: g1.smem_bytes,
+            static_smem_bytes: g1.smem.static_bytes,
+            params: vec![
+                read(X),
+                read(W1),
+                read(Workspace(ExpertOffsets)),
+                read(Workspace(RowPair)),
+                write(Workspace(Intermediate)),
+            ],
+        },
+        Launch {
+            kernel: kernels.gemm2.to_string(),
+            grid: Grid::Fixed(g2.grid_blocks),
+            block_threads: g2.threads(),
+            smem_bytes: g2.smem_bytes,
+            static_smem_bytes: g2.smem.static_bytes,
+            params: vec![
+                read(Workspace(Intermediate)),
+                read(W2),
+                read(TopkWeights),
+                read(Workspace(ExpertOffsets)),
+                read(Workspace(RowPair)),
+                write(Workspace(CombineSlots)),
+            ],
+        },
+        Launch {
+            kernel: kernels.combine.to_string(),
+            grid: Grid::PerToken,
+            block_threads: COMBINE_THREADS,
+            smem_bytes: 0,
+            static_smem_bytes: 0,
+            params: vec![read(Workspace(CombineSlots)), read(TopkIds), write(Y)],
+        },
+    ]
+}

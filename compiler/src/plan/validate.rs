@@ -1,0 +1,177 @@
+//! Checks that a plan read from outside (an AOT `plan.json`, possibly stale or edited) is one
+//! the kernels and the runtime can execute safely: the runtime launches kernels through
+//! `unsafe` calls whose soundness rests on these facts.
+//!
+//! Architecture invariant: every plan [`super::plan`] makes passes [`Plan::validate`]; a plan
+//! that passes it has regimes covering `0..=max_tokens`, launches whose parameters name
+//! buffers of the workspace with the sizes the shape implies, shared memory within the
+//! target, and GEMM layouts that add up.
+
+use thiserror::Error;
+
+use super::{
+    Access, Grid, LaunchArg, MAX_EXPERTS, MmaEngine, Plan, SmemLayout, TILE_K, c_identifier,
+    workspace,
+};
+
+/// Why a plan cannot be executed as it stands.
+#[derive(Debug, Error, PartialEq)]
+#[error(
+    "the plan of layer `{layer}` is inconsistent: {what}; regenerate it with `moeforge compile`"
+)]
+pub struct PlanInvalid {
+    pub layer: String,
+    pub what: String,
+}
+
+impl Plan {
+    /// Checks every fact the runtime relies on; see the module documentation.
+    pub fn validate(&self) -> Result<(), PlanInvalid> {
+        self.check().map_err(|what| PlanInvalid {
+            layer: self.layer.clone(),
+            what,
+        })
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let shape = &self.shape;
+        if self.symbol != c_identifier(&self.symbol) {
+            return Err(format!("symbol `{}` is not a C identifier", self.symbol));
+        }
+        if shape.hidden == 0
+            || shape.ffn == 0
+            || !shape.hidden.is_multiple_of(TILE_K)
+            || !shape.ffn.is_multiple_of(TILE_K)
+        {
+            return Err(format!(
+                "hidden {} and ffn {} must be positive multiples of {TILE_K}",
+                shape.hidden, shape.ffn
+            ));
+        }
+        if shape.experts == 0 || shape.experts > MAX_EXPERTS {
+            return Err(format!(
+                "{} experts is outside 1..={MAX_EXPERTS}",
+                shape.experts
+            ));
+        }
+        if shape.top_k == 0 || shape.top_k > shape.experts {
+            return Err(format!("top_k {} is outside 1..=experts", shape.top_k));
+        }
+        if shape.max_pairs() > i32::MAX as u64 {
+            return Err("max_tokens · top_k does not fit the kernels' 32-bit indices".into());
+        }
+        if self.workspace != workspace(shape) {
+            return Err("the workspace buffers do not match the layer's shape".into());
+        }
+
+        let mut next_min = 0u64;
+        for regime in &self.regimes {
+            if u64::from(regime.min_tokens) != next_min || regime.max_tokens < regime.min_tokens {
+                return Err(format!(
+                    "regime `{}` covers {}..={}, expected to start at {next_min}",
+                    regime.name, regime.min_tokens, regime.max_tokens
+                ));
+            }
+            next_min = u64::from(regime.max_tokens) + 1;
+            for (gemm, kernel, n, k) in [
+                (&regime.gemm1, &regime.gemm1_kernel, shape.ffn, shape.hidden),
+                (&regime.gemm2, &regime.gemm2_kernel, shape.hidden, shape.ffn),
+            ] {
+                let tile = gemm.tile;
+                if tile.k != TILE_K
+                    || tile.n == 0
+                    || tile.m == 0
+                    || n % tile.n != 0
+                    || k % TILE_K != 0
+                {
+                    return Err(format!("the tile of `{kernel}` does not divide {n}x{k}"));
+                }
+                let layout =
+                    SmemLayout::new(gemm.engine, tile, gemm.b_rows, gemm.stages, shape.experts);
+                if gemm.smem != layout || gemm.smem_bytes != layout.dynamic_bytes {
+                    return Err(format!(
+                        "the shared-memory layout of `{kernel}` does not add up"
+                    ));
+                }
+                let wgmma_rows = gemm.engine == MmaEngine::Wgmma && gemm.warps_m * 16 != tile.m;
+                if wgmma_rows || gemm.warps_m == 0 || gemm.warps_n == 0 {
+                    return Err(format!(
+                        "the warp layout of `{kernel}` does not fit its tile"
+                    ));
+                }
+                let launch = regime
+                    .launches
+                    .iter()
+                    .find(|l| &l.kernel == kernel)
+                    .ok_or_else(|| format!("regime `{}` never launches `{kernel}`", regime.name))?;
+                if launch.block_threads != gemm.threads()
+                    || launch.smem_bytes != gemm.smem_bytes
+                    || launch.static_smem_bytes != gemm.smem.static_bytes
+                {
+                    return Err(format!(
+                        "the launch of `{kernel}` disagrees with its GEMM plan"
+                    ));
+                }
+            }
+            for launch in &regime.launches {
+                self.check_launch(launch)?;
+            }
+        }
+        if next_min != u64::from(shape.max_tokens) + 1 {
+            return Err(format!(
+                "the regimes end at {} tokens, not at max_tokens {}",
+                next_min.saturating_sub(1),
+                shape.max_tokens
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_launch(&self, launch: &super::Launch) -> Result<(), String> {
+        let kernel = &launch.kernel;
+        if *kernel != c_identifier(kernel) || !kernel.starts_with(&self.symbol) {
+            return Err(format!(
+                "kernel `{kernel}` is not an entry point of this layer"
+            ));
+        }
+        if launch.block_threads == 0
+            || launch.block_threads > 1024
+            || !launch.block_threads.is_multiple_of(32)
+        {
+            return Err(format!(
+                "`{kernel}` has {} threads per block",
+                launch.block_threads
+            ));
+        }
+        if launch.grid == Grid::Fixed(0) {
+            return Err(format!("`{kernel}` has an empty grid"));
+        }
+        let smem = u64::from(launch.smem_bytes) + u64::from(launch.static_smem_bytes);
+        if smem > u64::from(self.target.smem_per_block) {
+            return Err(format!(
+                "`{kernel}` uses {smem} B of shared memory, more than the {} of {}",
+                self.target.smem_per_block, self.target.name
+            ));
+        }
+        for (i, param) in launch.params.iter().enumerate() {
+            if launch.params[..i].iter().any(|p| p.arg == param.arg) {
+                return Err(format!("`{kernel}` takes `{}` twice", param.arg.name()));
+            }
+            let inputs = matches!(
+                param.arg,
+                LaunchArg::X
+                    | LaunchArg::TopkIds
+                    | LaunchArg::TopkWeights
+                    | LaunchArg::W1
+                    | LaunchArg::W2
+            );
+            if inputs && param.access == Access::Write {
+                return Err(format!(
+                    "`{kernel}` would write the caller's `{}`",
+                    param.arg.name()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
