@@ -53,7 +53,8 @@ fn kernels_generated_is_fresh() {
 }
 
 /// A deployment loads the AOT directory without the language: the plan read back from
-/// `plan.json` matches the one the compiler makes, and the PTX holds every entry point.
+/// `plan.json` is the one the compiler makes, and the PTX holds every entry point with the
+/// plan's parameters.
 #[test]
 fn aot_directory_loads_without_the_language() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -62,23 +63,86 @@ fn aot_directory_loads_without_the_language() {
     let planned = plan::plan(&module.layers[0], &Target::h200()).expect("tiny plans");
     let (loaded, compiled) =
         aot::load_layer(&root.join("kernels-generated/tiny"), None).expect("AOT directory loads");
-    // Estimates are floats that JSON need not round-trip exactly; everything that drives
-    // execution must.
-    assert_eq!(loaded.shape, planned.shape);
-    assert_eq!(loaded.workspace, planned.workspace);
-    for (l, p) in loaded.regimes.iter().zip(&planned.regimes) {
-        assert_eq!(
-            (&l.launches, l.gemm1.tile, l.gemm2.tile),
-            (&p.launches, p.gemm1.tile, p.gemm2.tile)
-        );
-    }
-    assert_eq!(loaded.regimes.len(), planned.regimes.len());
-    for entry in planned.entry_points() {
-        assert!(
-            compiled.ptx.contains(&format!(".entry {entry}(")),
-            "{entry} in the PTX"
-        );
-    }
+    assert_eq!(
+        loaded, planned,
+        "plans round-trip exactly through plan.json"
+    );
+    assert_eq!(aot::check_ptx_entries(&loaded, &compiled.ptx), Ok(()));
     let missing = aot::load_layer(&root.join("kernels-generated/tiny"), Some("nope"));
     assert!(matches!(missing, Err(aot::AotError::NoSuchLayer { .. })));
+}
+
+/// A copy of `kernels-generated/tiny` in a fresh temporary folder, with `edit` applied to
+/// the named file's text.
+fn edited_copy(file: &str, edit: impl Fn(String) -> String) -> std::path::PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels-generated/tiny");
+    let dir = std::env::temp_dir().join(format!(
+        "moeforge-aot-{}-{}",
+        std::process::id(),
+        file.replace('.', "-")
+    ));
+    std::fs::create_dir_all(&dir).expect("temporary folder");
+    for entry in std::fs::read_dir(&root).expect("kernels-generated/tiny") {
+        let path = entry.expect("entry").path();
+        let name = path
+            .file_name()
+            .expect("file name")
+            .to_string_lossy()
+            .to_string();
+        let text = std::fs::read_to_string(&path).expect("text file");
+        let text = if name == file { edit(text) } else { text };
+        std::fs::write(dir.join(&name), text).expect("write copy");
+    }
+    dir
+}
+
+#[test]
+fn an_edited_stale_or_foreign_aot_directory_is_refused() {
+    // A launch's grid edited by hand: the plan no longer matches its hash.
+    let dir = edited_copy("plan.json", |t| {
+        t.replacen("\"fixed\": 660", "\"fixed\": 661", 1)
+    });
+    let result = aot::load_layer(&dir, None);
+    assert!(
+        matches!(
+            result,
+            Err(aot::AotError::HashMismatch {
+                what: "the plan",
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    // Shared memory edited beyond what the GEMM's layout adds up to: refused by validation
+    // before any hash is looked at.
+    let dir = edited_copy("plan.json", |t| {
+        t.replacen("\"smem_bytes\": 41088", "\"smem_bytes\": 41089", 1)
+    });
+    let result = aot::load_layer(&dir, None);
+    assert!(
+        matches!(result, Err(aot::AotError::InvalidPlan(_))),
+        "{result:?}"
+    );
+    // A plan file from before versions.
+    let dir = edited_copy("plan.json", |t| {
+        t.replacen("\"format_version\": 2", "\"format_version\": 1", 1)
+    });
+    let result = aot::load_layer(&dir, None);
+    assert!(
+        matches!(result, Err(aot::AotError::FormatVersion { .. })),
+        "{result:?}"
+    );
+    // PTX that is not the one the plan was written with.
+    let dir = edited_copy("tiny.ptx", |t| t.replacen("tiny_route", "tiny_rout3", 2));
+    let result = aot::load_layer(&dir, None);
+    assert!(
+        matches!(
+            result,
+            Err(aot::AotError::HashMismatch {
+                what: "the PTX",
+                ..
+            })
+        ),
+        "{result:?}"
+    );
 }

@@ -11,8 +11,8 @@ use thiserror::Error;
 
 use crate::ir::Activation;
 use crate::plan::{
-    Access, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, Regime, SMEM_ROW_BYTES,
-    STATIC_SMEM_GRANULE, SmemLayout, error_code,
+    Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, Regime,
+    SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -121,7 +121,11 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::W2 => "[EXPERTS, HIDDEN, FFN]",
         LaunchArg::Y => "[tokens, HIDDEN]",
         LaunchArg::Tokens => "tokens in this call",
-        LaunchArg::Workspace(id) => id.name(),
+        LaunchArg::Workspace(BufferId::ExpertOffsets) => "[EXPERTS + 1], workspace",
+        LaunchArg::Workspace(BufferId::RowPair) => "[tokens * TOP_K], workspace",
+        LaunchArg::Workspace(BufferId::Intermediate) => "[tokens * TOP_K, FFN], workspace",
+        LaunchArg::Workspace(BufferId::CombineSlots) => "[tokens * TOP_K, HIDDEN], workspace",
+        LaunchArg::Workspace(BufferId::ErrorWord) => "[4]: code, token, k, value",
     }
 }
 
