@@ -1,21 +1,22 @@
 //! The cuBLAS baseline: the unfused MoE pipeline a framework runs without moeforge.
-//! Routing metadata comes from the layer's own route kernel (both sides need it); then the
-//! host reads the per-expert counts (a synchronisation, as such pipelines do), permutes
-//! the tokens, calls cuBLAS once per non-empty expert for each GEMM, applies SwiGLU,
-//! un-permutes with the routing weight and combines.
+//! Routing metadata comes from the layer's own routing launch ([`MoeLayer::route`], from the
+//! plan's table; both sides need it); then the host reads the per-expert counts (a
+//! synchronisation, as such pipelines do), permutes the tokens, calls cuBLAS once per
+//! non-empty expert for each GEMM, applies SwiGLU, un-permutes with the routing weight and
+//! combines.
 
 use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, result as cublas_result, sys as cublas_sys};
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use moeforge_compiler::ir::Activation;
-use moeforge_compiler::plan::Plan;
+use moeforge_compiler::plan::{BufferId, Plan};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{DeviceWorkload, Session};
 use crate::jit::{CompileOptions, JitError};
-use crate::layer::ExpertWeights;
+use crate::layer::{ForwardArgs, LayerError, MoeLayer};
 
 #[derive(Debug, Error)]
 pub enum BaselineError {
@@ -31,6 +32,10 @@ pub enum BaselineError {
     Cublas { context: String, message: String },
     #[error("the cuBLAS baseline implements SwiGLU only; this layer uses {0}")]
     Activation(&'static str),
+    #[error(transparent)]
+    Layer(#[from] LayerError),
+    #[error("the layer's plan has no workspace buffer `{0}` for the baseline to read")]
+    MissingWorkspace(&'static str),
 }
 
 const SOURCE: &str = include_str!("baseline.cu");
@@ -38,14 +43,10 @@ const ROW_THREADS: u32 = 256;
 
 pub struct CublasBaseline {
     blas: CudaBlas,
-    route: CudaFunction,
     gather: CudaFunction,
     swiglu: CudaFunction,
     unpermute: CudaFunction,
     combine: CudaFunction,
-    expert_offsets: CudaSlice<i32>,
-    row_pair: CudaSlice<i32>,
-    error_word: CudaSlice<i32>,
     permuted: CudaSlice<u16>,
     hidden_act: CudaSlice<u16>,
     act: CudaSlice<u16>,
@@ -81,12 +82,7 @@ fn rows_config(rows: u32) -> LaunchConfig {
 }
 
 impl CublasBaseline {
-    /// `layer_module` is the layer's loaded module, whose route kernel the plan names.
-    pub fn new(
-        session: &Session,
-        plan: &Plan,
-        layer_module: &Arc<CudaModule>,
-    ) -> Result<Self, BaselineError> {
+    pub fn new(session: &Session, plan: &Plan) -> Result<Self, BaselineError> {
         let shape = &plan.shape;
         if shape.activation != Activation::Swiglu {
             return Err(BaselineError::Activation(shape.activation.name()));
@@ -117,20 +113,10 @@ impl CublasBaseline {
                 .context(format!("allocating {what}"))
         };
         Ok(CublasBaseline {
-            route: load(layer_module, &plan.route_kernel)?,
             gather: load(&module, "baseline_gather")?,
             swiglu: load(&module, "baseline_swiglu")?,
             unpermute: load(&module, "baseline_unpermute")?,
             combine: load(&module, "baseline_combine")?,
-            expert_offsets: stream
-                .alloc_zeros::<i32>(shape.experts as usize + 1)
-                .context("allocating offsets")?,
-            row_pair: stream
-                .alloc_zeros::<i32>(pairs.max(1))
-                .context("allocating row_pair")?,
-            error_word: stream
-                .alloc_zeros::<i32>(4)
-                .context("allocating the error word")?,
             permuted: alloc(pairs * h, "permuted x")?,
             hidden_act: alloc(pairs * 2 * f, "GEMM1 output")?,
             act: alloc(pairs * f, "activation")?,
@@ -183,45 +169,46 @@ impl CublasBaseline {
         })
     }
 
-    /// One forward call (synchronises once, to read the per-expert counts).
+    /// One forward call (synchronises once, to read the per-expert counts). `layer` routes
+    /// the tokens with the plan's routing launch and lends its weights.
     pub fn forward(
         &self,
         session: &Session,
-        weights: &ExpertWeights,
+        layer: &MoeLayer,
         io: &mut DeviceWorkload,
     ) -> Result<(), BaselineError> {
         let stream = &session.gpu.stream;
-        let tokens = io.tokens as i32;
-        if tokens == 0 {
+        if io.tokens == 0 {
             return Ok(());
         }
         let address = |s: &CudaSlice<u16>| s.device_ptr(stream).0;
-        {
-            let mut launch = stream.launch_builder(&self.route);
-            launch
-                .arg(&io.topk_ids)
-                .arg(&tokens)
-                .arg(&self.expert_offsets)
-                .arg(&self.row_pair)
-                .arg(&self.error_word);
-            let config = LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (moeforge_compiler::plan::ROUTE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the route kernel's parameters, as in the plan's launch table.
-            unsafe { launch.launch(config) }.context("launching the route kernel")?;
-        }
-        let offsets = stream
-            .clone_dtoh(&self.expert_offsets)
-            .context("reading expert offsets")?;
+        layer.route(ForwardArgs {
+            tokens: io.tokens,
+            x: &io.x,
+            topk_ids: &io.topk_ids,
+            topk_weights: &io.topk_weights,
+            y: &mut io.y,
+        })?;
+        let workspace = |id: BufferId| {
+            layer
+                .workspace_buffer(id)
+                .ok_or(BaselineError::MissingWorkspace(id.name()))
+        };
+        let row_pair = workspace(BufferId::RowPair)?;
+        let offsets: Vec<i32> = stream
+            .clone_dtoh(workspace(BufferId::ExpertOffsets)?)
+            .context("reading expert offsets")?
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let weights = layer.weights();
         let rows = offsets[self.experts as usize] as u32;
         let (h, f, k) = (self.hidden as i32, self.ffn as i32, self.top_k as i32);
         {
             let mut launch = stream.launch_builder(&self.gather);
             launch
                 .arg(&io.x)
-                .arg(&self.row_pair)
+                .arg(row_pair)
                 .arg(&k)
                 .arg(&h)
                 .arg(&self.permuted);
@@ -268,7 +255,7 @@ impl CublasBaseline {
             let mut launch = stream.launch_builder(&self.unpermute);
             launch
                 .arg(&self.out)
-                .arg(&self.row_pair)
+                .arg(row_pair)
                 .arg(&io.topk_weights)
                 .arg(&h)
                 .arg(&self.slots);

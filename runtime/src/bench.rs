@@ -136,7 +136,7 @@ pub fn bench_layer(
 ) -> Result<(Vec<BenchRow>, Option<String>), BenchError> {
     let plan = built.layer.plan();
     let shape = plan.shape.clone();
-    let baseline = match CublasBaseline::new(session, plan, &built.loaded) {
+    let baseline = match CublasBaseline::new(session, plan) {
         Ok(b) => Ok(b),
         Err(e @ (BaselineError::Activation(_) | BaselineError::NoCublas)) => Err(e.to_string()),
         Err(e) => return Err(e.into()),
@@ -169,9 +169,8 @@ pub fn bench_layer(
 
         let (cublas_us, cublas_agreement) = match &baseline {
             Ok(baseline) if tokens > 0 => {
-                let weights = built.layer.weights();
                 let us = time_calls::<BenchError>(session, iterations, |i| {
-                    Ok(baseline.forward(session, weights, &mut inputs[i])?)
+                    Ok(baseline.forward(session, &built.layer, &mut inputs[i])?)
                 })?;
                 let theirs = session
                     .gpu

@@ -211,6 +211,29 @@ impl MoeLayer {
 
     /// Enqueues one forward call on the layer's stream. Does not synchronise.
     pub fn forward(&self, args: ForwardArgs<'_>) -> Result<(), LayerError> {
+        self.enqueue(args, |_| true)
+    }
+
+    /// Enqueues only the plan's routing launch (`plan.route_kernel`) for a call: expert
+    /// offsets and the expert-major row order land in the workspace
+    /// ([`MoeLayer::workspace_buffer`]). What an unfused pipeline shares with moeforge.
+    pub fn route(&self, args: ForwardArgs<'_>) -> Result<(), LayerError> {
+        let route = self.plan.route_kernel.clone();
+        self.enqueue(args, |kernel| kernel == route)
+    }
+
+    /// The workspace buffer `id` on the device (bytes; the plan gives its element type).
+    pub fn workspace_buffer(&self, id: BufferId) -> Option<&CudaSlice<u8>> {
+        self.workspace.iter().find(|(b, _)| *b == id).map(|(_, s)| s)
+    }
+
+    /// Enqueues the launches of the call's regime whose kernel `selected` accepts, in the
+    /// table's order.
+    fn enqueue(
+        &self,
+        args: ForwardArgs<'_>,
+        selected: impl Fn(&str) -> bool,
+    ) -> Result<(), LayerError> {
         let shape = &self.plan.shape;
         let tokens = args.tokens;
         if tokens > shape.max_tokens {
@@ -245,7 +268,7 @@ impl MoeLayer {
             regime.launches.iter().zip(&self.regime_kernels[index])
         {
             let blocks = launch.grid.blocks(tokens);
-            if blocks == 0 {
+            if blocks == 0 || !selected(&launch.kernel) {
                 continue;
             }
             let values: Vec<ArgValue> = bindings
@@ -285,11 +308,7 @@ impl MoeLayer {
     /// Waits for the stream, then reads and clears the error word of the last call.
     pub fn take_error(&self) -> Result<(), LayerError> {
         // A validated plan's workspace holds every buffer, the error word included.
-        let Some((_, word)) = self
-            .workspace
-            .iter()
-            .find(|(id, _)| *id == BufferId::ErrorWord)
-        else {
+        let Some(word) = self.workspace_buffer(BufferId::ErrorWord) else {
             return Ok(());
         };
         let bytes = self
