@@ -5,6 +5,8 @@
 //! Architecture invariant: the compiler never prints. It returns [`Diagnostics`]; the edge
 //! (the CLI, the proc macro) decides where and how they are shown.
 
+use std::borrow::Cow;
+
 use codespan_reporting::diagnostic::{Diagnostic, Label};
 use codespan_reporting::files::SimpleFile;
 use codespan_reporting::term;
@@ -405,12 +407,13 @@ impl Diagnostics {
     /// Renders every error (up to [`MAX_RENDERED_ERRORS`]) as plain text with file, line,
     /// column, the source line, a caret under the span and the hint.
     pub fn render(&self) -> String {
-        let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
+        let text = lf_line_breaks(&self.source);
+        let file = SimpleFile::new(self.file_name.as_str(), text.as_ref());
         let config = term::Config::default();
         let mut out = String::new();
-        for (error, diagnostic) in self.errors.iter().zip(self.to_codespan()) {
+        for (error, diagnostic) in self.errors.iter().zip(self.to_codespan(&text)) {
             match term::emit_into_string(&config, &file, &diagnostic) {
-                Ok(text) => out.push_str(&text),
+                Ok(rendered) => out.push_str(&rendered),
                 Err(_) => out.push_str(&format!("error: {error}\n")),
             }
         }
@@ -425,12 +428,13 @@ impl Diagnostics {
             eprint!("{}", self.render());
             return;
         }
-        let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
+        let text = lf_line_breaks(&self.source);
+        let file = SimpleFile::new(self.file_name.as_str(), text.as_ref());
         let config = term::Config::default();
         let styles = term::Styles::default();
         let stream = term::termcolor::StandardStream::stderr(term::termcolor::ColorChoice::Always);
         let mut writer = term::StylesWriter::new(stream.lock(), &styles);
-        for diagnostic in self.to_codespan() {
+        for diagnostic in self.to_codespan(&text) {
             // A closed stderr leaves nobody to tell.
             let _ = term::emit_to_write_style(&mut writer, &config, &file, &diagnostic);
         }
@@ -438,33 +442,37 @@ impl Diagnostics {
     }
 
     /// The first [`MAX_RENDERED_ERRORS`] errors as codespan diagnostics: message, caret
-    /// labels (unless the line is too long to echo), and the hint as a note.
-    fn to_codespan(&self) -> impl Iterator<Item = Diagnostic<()>> + '_ {
-        self.errors.iter().take(MAX_RENDERED_ERRORS).map(|error| {
-            let span = clamp(error.span(), &self.source);
-            let mut diagnostic = Diagnostic::error().with_message(error.to_string());
-            let mut notes = Vec::new();
-            if line_is_short(&self.source, span.start) {
-                let mut labels = vec![Label::primary((), span)];
-                for (related, message) in error.related() {
-                    let related = clamp(related, &self.source);
-                    if line_is_short(&self.source, related.start) {
-                        labels.push(Label::secondary((), related).with_message(message));
+    /// labels (unless the line is too long to echo), and the hint as a note. `text` is the
+    /// source with [`lf_line_breaks`].
+    fn to_codespan<'a>(&'a self, text: &'a str) -> impl Iterator<Item = Diagnostic<()>> + 'a {
+        self.errors
+            .iter()
+            .take(MAX_RENDERED_ERRORS)
+            .map(move |error| {
+                let span = clamp(error.span(), text);
+                let mut diagnostic = Diagnostic::error().with_message(error.to_string());
+                let mut notes = Vec::new();
+                if line_is_short(text, span.start) {
+                    let mut labels = vec![Label::primary((), span)];
+                    for (related, message) in error.related() {
+                        let related = clamp(related, text);
+                        if line_is_short(text, related.start) {
+                            labels.push(Label::secondary((), related).with_message(message));
+                        }
                     }
+                    diagnostic = diagnostic.with_labels(labels);
+                } else {
+                    let (line, column) = line_and_column(text, span.start);
+                    notes.push(format!(
+                        "at {}:{line}:{column} (the line is too long to show)",
+                        self.file_name
+                    ));
                 }
-                diagnostic = diagnostic.with_labels(labels);
-            } else {
-                let (line, column) = line_and_column(&self.source, span.start);
-                notes.push(format!(
-                    "at {}:{line}:{column} (the line is too long to show)",
-                    self.file_name
-                ));
-            }
-            if let Some(hint) = error.hint() {
-                notes.push(format!("hint: {hint}"));
-            }
-            diagnostic.with_notes(notes)
-        })
+                if let Some(hint) = error.hint() {
+                    notes.push(format!("hint: {hint}"));
+                }
+                diagnostic.with_notes(notes)
+            })
     }
 
     fn omitted_note(&self) -> String {
@@ -491,9 +499,28 @@ fn line_is_short(source: &str, offset: usize) -> bool {
     end - start <= MAX_ECHOED_LINE
 }
 
-/// 1-based line and column (in characters) of a byte offset.
+/// `source` with every lone `\r` (an old Mac line break) turned into `\n`. codespan-reporting
+/// counts lines by `\n` only (it trims the `\r` of `\r\n` itself), so diagnostics are
+/// rendered from this text; it has the same length and character boundaries, so every span
+/// still points at the same characters.
+pub fn lf_line_breaks(source: &str) -> Cow<'_, str> {
+    if !source.contains('\r') {
+        return Cow::Borrowed(source);
+    }
+    let mut text = String::with_capacity(source.len());
+    let mut chars = source.chars().peekable();
+    while let Some(c) = chars.next() {
+        let lone_cr = c == '\r' && chars.peek() != Some(&'\n');
+        text.push(if lone_cr { '\n' } else { c });
+    }
+    Cow::Owned(text)
+}
+
+/// 1-based line and column (in characters) of a byte offset; `\n`, `\r\n` and a lone `\r`
+/// each end a line.
 pub fn line_and_column(source: &str, offset: usize) -> (usize, usize) {
-    let before = &source[..offset];
+    let text = lf_line_breaks(source);
+    let before = &text[..offset];
     let line = before.matches('\n').count() + 1;
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
     (line, before[line_start..].chars().count() + 1)
@@ -567,5 +594,14 @@ mod tests {
         assert_eq!(suggest("hiden", ["hidden", "ffn"]), Some("hidden".into()));
         assert_eq!(suggest("top_k", ["top_k"]), Some("top_k".into()));
         assert_eq!(suggest("zzzzzz", ["hidden", "ffn"]), None);
+    }
+
+    #[test]
+    fn lines_end_at_lf_crlf_and_lone_cr() {
+        for source in ["ab\ncd\nef", "ab\r\ncd\r\nef", "ab\rcd\ref"] {
+            let offset = source.find('f').unwrap_or_default();
+            assert_eq!(line_and_column(source, offset), (3, 2), "{source:?}");
+        }
+        assert_eq!(lf_line_breaks("a\rb\r\nc"), "a\nb\r\nc");
     }
 }

@@ -1,5 +1,5 @@
 //! Property test: for generated valid layers written in random layouts (spacing, line
-//! breaks, comments, entry order, equivalent units), `fmt` keeps the meaning (the checked
+//! breaks of every convention, comments, entry order, equivalent units), `fmt` keeps the meaning (the checked
 //! `ir::Module` is the same) and is idempotent.
 
 use proptest::prelude::*;
@@ -116,6 +116,11 @@ fn render(spec: &Spec, layout: &[u8], layer_first: bool) -> String {
         " // note\n",
         "\n# own line\n",
         "\t",
+        // Windows and old Mac line breaks end lines and comments too.
+        "\r\n",
+        "\r",
+        " # note\r",
+        "\r\n// own line\r\n",
     ];
     let mut choice = layout.iter().cycle();
     let mut next = || separators[usize::from(*choice.next().unwrap_or(&0)) % separators.len()];

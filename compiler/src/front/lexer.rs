@@ -52,9 +52,10 @@ pub enum Token<'src> {
     #[token("token", |_| Unit::Tokens)]
     #[token("tokens", |_| Unit::Tokens)]
     Unit(Unit),
-    /// `# ...` or `// ...` up to the end of the line.
-    #[regex(r"#[^\n]*", allow_greedy = true)]
-    #[regex(r"//[^\n]*", allow_greedy = true)]
+    /// `# ...` or `// ...` up to the end of the line, which `\n`, `\r\n` or a lone `\r` (old
+    /// Mac files) ends.
+    #[regex(r"#[^\r\n]*", allow_greedy = true)]
+    #[regex(r"//[^\r\n]*", allow_greedy = true)]
     Comment(&'src str),
     /// A character that starts no token; the lexer has already reported it.
     Invalid,
@@ -171,6 +172,19 @@ mod tests {
         assert_eq!(lexed.tokens.len(), 3);
         let texts: Vec<_> = lexed.comments.iter().map(|c| c.text.as_str()).collect();
         assert_eq!(texts, ["# one", "// two"]);
+    }
+
+    #[test]
+    fn comments_end_at_every_kind_of_line_break() {
+        for source in [
+            "# one\rhidden = 64 // two\r",
+            "# one\r\nhidden = 64 // two\r\n",
+        ] {
+            let lexed = lex(source);
+            assert_eq!(lexed.tokens.len(), 3, "{source:?}");
+            let texts: Vec<_> = lexed.comments.iter().map(|c| c.text.as_str()).collect();
+            assert_eq!(texts, ["# one", "// two"], "{source:?}");
+        }
     }
 
     #[test]
