@@ -20,7 +20,9 @@ pub const MAX_SIZE: u32 = 1 << 20;
 /// Largest number of routed experts (2^16).
 pub const MAX_EXPERTS: u32 = 1 << 16;
 
-const LAYER: Schema = Schema {
+/// The keys of a `layer` item.
+pub const LAYER: Schema = Schema {
+    home: "the top level of a `layer` item",
     settings: &[
         "hidden",
         "ffn",
@@ -35,22 +37,30 @@ const LAYER: Schema = Schema {
     sections: &["shared_experts", "router", "parallel", "schedule"],
     aliases: &[],
 };
-const SHARED_EXPERTS: Schema = Schema {
+/// The keys of `shared_experts { }`.
+pub const SHARED_EXPERTS: Schema = Schema {
+    home: "the layer's `shared_experts { }` section",
     settings: &["count", "ffn"],
     sections: &[],
     aliases: &[],
 };
-const ROUTER: Schema = Schema {
+/// The keys of `router { }`.
+pub const ROUTER: Schema = Schema {
+    home: "the layer's `router { }` section",
     settings: &["scoring", "groups", "groups_kept", "normalize", "scale"],
     sections: &[],
     aliases: &[],
 };
-const PARALLEL: Schema = Schema {
+/// The keys of `parallel { }`.
+pub const PARALLEL: Schema = Schema {
+    home: "the layer's `parallel { }` section",
     settings: &["expert", "data", "tensor"],
     sections: &[],
     aliases: &[],
 };
-const SCHEDULE: Schema = Schema {
+/// The keys of `schedule { }`.
+pub const SCHEDULE: Schema = Schema {
+    home: "the layer's `schedule { }` section",
     settings: &[
         "gemm1.tile",
         "gemm2.tile",
@@ -368,7 +378,7 @@ fn router(
         values::boolean(s, errors)
     });
     let scale = optional(table.setting("scale"), 1.0, |s| {
-        values::positive_real(s, errors)
+        values::positive_f32(s, errors)
     });
     let group_limit = match (table.setting("groups"), table.setting("groups_kept")) {
         (None, None) => Some(None),

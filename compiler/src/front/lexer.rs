@@ -46,6 +46,11 @@ pub enum Token<'src> {
     #[token("MiB/s", |_| Unit::MebibytesPerSecond)]
     #[token("GiB/s", |_| Unit::GibibytesPerSecond)]
     #[token("TiB/s", |_| Unit::TebibytesPerSecond)]
+    #[token("b/s", |_| Unit::BitsPerSecond)]
+    #[token("Kb/s", |_| Unit::KilobitsPerSecond)]
+    #[token("Mb/s", |_| Unit::MegabitsPerSecond)]
+    #[token("Gb/s", |_| Unit::GigabitsPerSecond)]
+    #[token("Tb/s", |_| Unit::TerabitsPerSecond)]
     #[token("ns", |_| Unit::Nanoseconds)]
     #[token("us", |_| Unit::Microseconds)]
     #[token("ms", |_| Unit::Milliseconds)]
@@ -163,6 +168,18 @@ mod tests {
                 Token::Equals,
                 Token::Float("2.5"),
             ]
+        );
+    }
+
+    #[test]
+    fn bit_rates_are_units_not_invalid_characters() {
+        let lexed = lex("network = 400 Gb/s, 3 us");
+        assert!(lexed.invalid.is_empty());
+        assert!(
+            lexed
+                .tokens
+                .iter()
+                .any(|(_, token, _)| *token == Token::Unit(Unit::GigabitsPerSecond))
         );
     }
 
