@@ -5,6 +5,8 @@
 //! Architecture invariant: the compiler never prints. It returns [`Diagnostics`]; the edge
 //! (the CLI, the proc macro) decides where and how they are shown.
 
+use std::borrow::Cow;
+
 use codespan_reporting::diagnostic::{Diagnostic, Label};
 use codespan_reporting::files::SimpleFile;
 use codespan_reporting::term;
@@ -73,6 +75,15 @@ pub enum Error {
         section: String,
         example: &'static str,
     },
+    #[error("`{key}` does not belong in {written_in}: it is a key of {belongs_in}")]
+    MisplacedKey {
+        span: Span,
+        key: String,
+        written_in: String,
+        belongs_in: String,
+        /// A key of `written_in` the user may have meant instead (`expert` → `experts`).
+        suggestion: Option<String>,
+    },
     #[error("`{key}` is a section, not a setting")]
     ExpectedSection { span: Span, key: String },
     #[error("`{key}` is a setting, not a section")]
@@ -92,6 +103,8 @@ pub enum Error {
         key: String,
         expected: String,
         found: String,
+        /// How to write a value of the expected kind.
+        hint: String,
     },
     #[error("`{key}` takes {expected}, but `{unit}` is {unit_dimension}")]
     WrongUnit {
@@ -100,6 +113,15 @@ pub enum Error {
         expected: String,
         unit: &'static str,
         unit_dimension: &'static str,
+    },
+    #[error("`{key}` takes bytes per second, but `{unit}` is bits per second")]
+    BitRateUnit {
+        span: Span,
+        key: String,
+        unit: &'static str,
+        byte_unit: &'static str,
+        /// The value converted to bytes per second: `400 Gb/s = 50 GB/s`.
+        conversion: String,
     },
     #[error("`{key}` needs a unit: {expected}")]
     MissingUnit {
@@ -128,11 +150,27 @@ pub enum Error {
         value: u64,
         min: u64,
     },
-    #[error("`{key}` must be a positive, finite number, found `{value}`")]
+    #[error("`{key}` must be positive, {}", if *rounds_to_zero { format!("but `{value}` rounds to 0 as a 32-bit float") } else { format!("found `{value}`") })]
     NotPositive {
         span: Span,
         key: String,
         value: String,
+        /// The value is above zero as written but below the smallest 32-bit float.
+        rounds_to_zero: bool,
+    },
+    #[error("`{key}` = {value} does not fit in a 32-bit float (at most about 3.4e38)")]
+    RealTooLarge {
+        span: Span,
+        key: String,
+        value: String,
+    },
+    #[error("`{key}` has no bandwidth: `{value}` {}", if *rounds_to_zero { "rounds to 0 bytes per second" } else { "is zero" })]
+    ZeroBandwidth {
+        span: Span,
+        key: String,
+        value: String,
+        /// The value is above zero as written but below one byte per second.
+        rounds_to_zero: bool,
     },
     #[error("unknown {key} `{found}`")]
     UnknownChoice {
@@ -163,6 +201,18 @@ pub enum Error {
         key: String,
         value: u32,
         alignment: u32,
+    },
+    #[error("experts = {value} is above the {max} experts the routing kernel supports")]
+    TooManyExperts { span: Span, value: u32, max: u32 },
+    #[error(
+        "max_tokens × top_k = {max_tokens} × {top_k} (token, k) pairs do not fit the kernels' 32-bit index (at most {max_pairs})"
+    )]
+    TooManyPairs {
+        span: Span,
+        max_tokens: u32,
+        top_k: u32,
+        top_k_span: Span,
+        max_pairs: u64,
     },
     #[error("{experts} experts cannot be spread evenly over {degree} expert-parallel ranks")]
     ExpertsNotDivisible {
@@ -225,6 +275,28 @@ pub enum Error {
         suggestion: Option<String>,
         known: String,
     },
+    #[error("schedule hint `{setting}` cannot be planned for the {target}: {reason}")]
+    InfeasibleHint {
+        span: Span,
+        /// The hint as written: `gemm1.tile = 64x96x64`.
+        setting: String,
+        target: String,
+        /// The planner's reason.
+        reason: String,
+        /// What would work instead, found by asking the planner about nearby hints.
+        suggestion: String,
+    },
+
+    // ---- planning ----
+    #[error("{message}")]
+    PlanRefused {
+        span: Span,
+        /// The planner's error, as it words it.
+        message: String,
+        hint: String,
+        /// The schedule hint the planner refused, when the error is about one.
+        hint_span: Option<Span>,
+    },
 
     // ---- limits ----
     #[error("too many errors: stopped looking after {MAX_ERRORS}")]
@@ -243,6 +315,7 @@ impl Error {
             | UnknownItemKind { span, .. }
             | DuplicateItem { span, .. }
             | UnknownKey { span, .. }
+            | MisplacedKey { span, .. }
             | DuplicateKey { span, .. }
             | MissingKey { span, .. }
             | ExpectedSection { span, .. }
@@ -250,14 +323,19 @@ impl Error {
             | WrongValueCount { span, .. }
             | WrongValueKind { span, .. }
             | WrongUnit { span, .. }
+            | BitRateUnit { span, .. }
             | MissingUnit { span, .. }
             | NumberTooLarge { span, .. }
             | NotAnInteger { span, .. }
             | TooSmall { span, .. }
             | NotPositive { span, .. }
+            | RealTooLarge { span, .. }
+            | ZeroBandwidth { span, .. }
             | UnknownChoice { span, .. }
             | Unsupported { span, .. }
             | AboveLimit { span, .. }
+            | TooManyExperts { span, .. }
+            | TooManyPairs { span, .. }
             | Misaligned { span, .. }
             | ExpertsNotDivisible { span, .. }
             | TopKOutOfRange { span, .. }
@@ -270,6 +348,8 @@ impl Error {
             | VirtualRanksNeedOneGpu { span, .. }
             | TooManyRanks { span, .. }
             | UnknownTopology { span, .. }
+            | InfeasibleHint { span, .. }
+            | PlanRefused { span, .. }
             | TooManyErrors { span } => *span,
         }
     }
@@ -296,99 +376,165 @@ impl Error {
                     format!("this topology provides {ranks} ranks"),
                 )]
             }
+            Error::TooManyPairs {
+                top_k_span, top_k, ..
+            } => vec![(*top_k_span, format!("{top_k} pairs per token"))],
+            Error::PlanRefused {
+                hint_span: Some(hint_span),
+                ..
+            } => vec![(*hint_span, "the schedule hint refused".to_string())],
             _ => Vec::new(),
         }
     }
 
-    /// How to fix it.
-    pub fn hint(&self) -> Option<String> {
+    /// How to fix it. Every error has one.
+    pub fn hint(&self) -> String {
         use Error::*;
         let did_you_mean = |suggestion: &Option<String>| {
             suggestion.as_ref().map(|s| format!("did you mean `{s}`?"))
         };
         match self {
-            InvalidUtf8 { .. } => Some("save the file as UTF-8 text".into()),
+            InvalidUtf8 { .. } => "save the file as UTF-8 text".into(),
             InvalidCharacter { found: '-', .. } => {
-                Some("numbers in a `.moe` file have no sign: every quantity is zero or more".into())
+                "numbers in a `.moe` file have no sign: every quantity is zero or more".into()
             }
-            InvalidCharacter { .. } => Some(
+            InvalidCharacter { .. } => {
                 "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
                  `{ } = , .` and comments starting with `#` or `//`"
-                    .into(),
-            ),
-            UnexpectedToken { .. } | UnexpectedEnd { .. } => Some(
+                    .into()
+            }
+            UnexpectedToken { .. } | UnexpectedEnd { .. } => {
                 "settings read `key = value`, sections `name { ... }`, items `layer NAME { ... }` \
                  or `topology NAME { ... }`"
-                    .into(),
-            ),
-            UnknownItemKind { suggestion, .. } => {
-                did_you_mean(suggestion).or_else(|| Some("start the item with `layer` or `topology`".into()))
+                    .into()
             }
-            DuplicateItem { .. } => Some("rename one of them or delete the copy".into()),
-            UnknownKey { suggestion, known, .. } => {
-                did_you_mean(suggestion).or_else(|| Some(format!("the keys allowed here are: {known}")))
+            UnknownItemKind { suggestion, .. } => did_you_mean(suggestion)
+                .unwrap_or_else(|| "start the item with `layer` or `topology`".into()),
+            DuplicateItem { .. } => "rename one of them or delete the copy".into(),
+            UnknownKey {
+                suggestion, known, ..
+            } => did_you_mean(suggestion)
+                .unwrap_or_else(|| format!("the keys allowed here are: {known}")),
+            MisplacedKey {
+                key,
+                belongs_in,
+                suggestion,
+                ..
+            } => {
+                let move_it = format!("move `{key}` into {belongs_in}");
+                match suggestion {
+                    Some(suggestion) => format!("{move_it}, or did you mean `{suggestion}`?"),
+                    None => move_it,
+                }
             }
-            DuplicateKey { .. } => Some("keep one of the two settings".into()),
-            MissingKey { example, .. } => Some(format!("add `{example}`")),
-            ExpectedSection { key, .. } => Some(format!("write `{key} {{ ... }}`")),
-            ExpectedSetting { key, .. } => Some(format!("write `{key} = ...`")),
-            WrongValueCount { .. } => Some("separate several values with `,`".into()),
-            WrongValueKind { .. } => None,
-            WrongUnit { .. } => Some(
+            DuplicateKey { .. } => "keep one of the two settings".into(),
+            MissingKey { example, .. } => format!("add `{example}`"),
+            ExpectedSection { key, .. } => format!("write `{key} {{ ... }}`"),
+            ExpectedSetting { key, .. } => format!("write `{key} = ...`"),
+            WrongValueCount { .. } => "separate several values with `,`".into(),
+            WrongValueKind { hint, .. } => hint.clone(),
+            WrongUnit { .. } => {
                 "write the number with a unit of the right kind, e.g. `450 GB/s` for a bandwidth, \
                  `3 us` for a latency, `64 tokens` or a plain number for a token count"
-                    .into(),
-            ),
-            MissingUnit { expected, .. } => Some(format!("write the number with {expected}")),
-            NumberTooLarge { .. } => Some("use a smaller number".into()),
-            NotAnInteger { .. } => Some("drop the fraction".into()),
-            TooSmall { min, .. } => Some(format!("use {min} or more")),
-            NotPositive { .. } => None,
-            UnknownChoice { suggestion, choices, .. } => {
-                did_you_mean(suggestion).or_else(|| Some(format!("choose one of: {choices}")))
+                    .into()
             }
-            Unsupported { hint, .. } => Some((*hint).to_string()),
-            AboveLimit { max, .. } => Some(format!(
+            BitRateUnit {
+                byte_unit,
+                conversion,
+                ..
+            } => format!(
+                "bandwidth is in bytes per second: write {byte_unit}; {conversion} (8 bits to a byte)"
+            ),
+            MissingUnit { expected, .. } => format!("write the number with {expected}"),
+            NumberTooLarge { .. } => "use a smaller number".into(),
+            NotAnInteger { .. } => "drop the fraction".into(),
+            TooSmall { min, .. } => format!("use {min} or more"),
+            NotPositive { key, .. } => format!(
+                "`{key}` multiplies the 32-bit routing weights: use a positive factor such as \
+                 `1.0` (no scaling) or `2.5` (DeepSeek-V3)"
+            ),
+            RealTooLarge { key, .. } => format!(
+                "`{key}` multiplies the 32-bit routing weights, which would become infinite; \
+                 real models use factors near 1 (DeepSeek-V3: 2.5)"
+            ),
+            ZeroBandwidth { .. } => {
+                "a link must move data: give it a positive bandwidth such as `450 GB/s` \
+                 (bandwidths are rounded to whole bytes per second)"
+                    .into()
+            }
+            UnknownChoice {
+                suggestion,
+                choices,
+                ..
+            } => did_you_mean(suggestion).unwrap_or_else(|| format!("choose one of: {choices}")),
+            Unsupported { hint, .. } => (*hint).to_string(),
+            AboveLimit { max, .. } => format!(
                 "moeforge keeps every size it derives within 64 bits, so this is capped at {max}; \
                  no real model comes close"
-            )),
-            Misaligned { value, alignment, .. } => Some(format!(
+            ),
+            TooManyExperts { max, .. } => format!(
+                "the routing kernel counts (token, k) pairs per expert in one thread block's \
+                 shared memory, {max} entries; use at most {max} routed experts"
+            ),
+            TooManyPairs {
+                top_k, max_pairs, ..
+            } => format!(
+                "the kernels index (token, k) pairs, row offsets and `expert_offsets` as 32-bit \
+                 `int`; with top_k = {top_k}, use `max_tokens = {}` or less and split larger \
+                 batches into several calls",
+                max_pairs / u64::from((*top_k).max(1))
+            ),
+            Misaligned {
+                value, alignment, ..
+            } => format!(
                 "kernels move rows as 16-byte vectors of bf16 and tile the reduction {alignment} deep, \
                  so sizes must be multiples of {alignment}; the nearest are {} and {}",
                 value / alignment * alignment,
                 (value / alignment + 1) * alignment,
-            )),
-            ExpertsNotDivisible { experts, degree, .. } => Some(format!(
+            ),
+            ExpertsNotDivisible {
+                experts, degree, ..
+            } => format!(
                 "each rank holds experts / degree experts; choose a degree that divides {experts} \
                  (or pad the experts to a multiple of {degree})"
-            )),
-            TopKOutOfRange { .. } => Some("a token goes to at least one and at most all experts".into()),
-            GroupsDoNotDivideExperts { experts, .. } => {
-                Some(format!("every group holds the same number of experts; choose a divisor of {experts}"))
-            }
-            GroupsKeptOutOfRange { .. } => Some("keep at least one group and no more than there are".into()),
-            TopKExceedsKeptGroups { .. } => {
-                Some("raise `groups_kept`, or lower `top_k` to at most groups_kept × experts / groups".into())
-            }
-            GroupsKeptWithoutGroups { .. } => Some("add `groups = N`, or delete `groups_kept`".into()),
-            TileNotAligned { .. } => Some(
-                "tensor-core instructions work on 16×16 fragments; use multiples of 16 such as 64 or 128".into(),
             ),
-            RanksMismatch { ranks, .. } => Some(format!(
-                "every rank holds a slice of the experts; set `parallel {{ expert = {ranks} }}` or change the topology"
-            )),
-            VirtualRanksNeedOneGpu { .. } => {
-                Some("set `gpus_per_node = 1` and `nodes = 1`, or drop `virtual_ranks`".into())
+            TopKOutOfRange { .. } => "a token goes to at least one and at most all experts".into(),
+            GroupsDoNotDivideExperts { experts, .. } => format!(
+                "every group holds the same number of experts; choose a divisor of {experts}"
+            ),
+            GroupsKeptOutOfRange { .. } => {
+                "keep at least one group and no more than there are".into()
             }
-            TooManyRanks { .. } => Some("use fewer GPUs per node or fewer nodes".into()),
-            TooManyErrors { .. } => Some("fix the errors above first; is this really a `.moe` file?".into()),
-            UnknownTopology { suggestion, known, .. } => did_you_mean(suggestion).or_else(|| {
+            TopKExceedsKeptGroups { .. } => {
+                "raise `groups_kept`, or lower `top_k` to at most groups_kept × experts / groups"
+                    .into()
+            }
+            GroupsKeptWithoutGroups { .. } => "add `groups = N`, or delete `groups_kept`".into(),
+            TileNotAligned { .. } => {
+                "tensor-core instructions work on 16×16 fragments; use multiples of 16 such as 64 or 128"
+                    .into()
+            }
+            RanksMismatch { ranks, .. } => format!(
+                "every rank holds a slice of the experts; set `parallel {{ expert = {ranks} }}` or change the topology"
+            ),
+            VirtualRanksNeedOneGpu { .. } => {
+                "set `gpus_per_node = 1` and `nodes = 1`, or drop `virtual_ranks`".into()
+            }
+            TooManyRanks { .. } => "use fewer GPUs per node or fewer nodes".into(),
+            UnknownTopology {
+                suggestion, known, ..
+            } => did_you_mean(suggestion).unwrap_or_else(|| {
                 if known.is_empty() {
-                    Some("define it in this file: `topology NAME { ... }`".into())
+                    "define it in this file: `topology NAME { ... }`".into()
                 } else {
-                    Some(format!("the topologies in this file are: {known}"))
+                    format!("the topologies in this file are: {known}")
                 }
             }),
+            InfeasibleHint { suggestion, .. } => suggestion.clone(),
+            PlanRefused { hint, .. } => hint.clone(),
+            TooManyErrors { .. } => {
+                "fix the errors above first; is this really a `.moe` file?".into()
+            }
         }
     }
 }
@@ -405,12 +551,13 @@ impl Diagnostics {
     /// Renders every error (up to [`MAX_RENDERED_ERRORS`]) as plain text with file, line,
     /// column, the source line, a caret under the span and the hint.
     pub fn render(&self) -> String {
-        let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
+        let text = lf_line_breaks(&self.source);
+        let file = SimpleFile::new(self.file_name.as_str(), text.as_ref());
         let config = term::Config::default();
         let mut out = String::new();
-        for (error, diagnostic) in self.errors.iter().zip(self.to_codespan()) {
+        for (error, diagnostic) in self.errors.iter().zip(self.to_codespan(&text)) {
             match term::emit_into_string(&config, &file, &diagnostic) {
-                Ok(text) => out.push_str(&text),
+                Ok(rendered) => out.push_str(&rendered),
                 Err(_) => out.push_str(&format!("error: {error}\n")),
             }
         }
@@ -425,12 +572,13 @@ impl Diagnostics {
             eprint!("{}", self.render());
             return;
         }
-        let file = SimpleFile::new(self.file_name.as_str(), self.source.as_str());
+        let text = lf_line_breaks(&self.source);
+        let file = SimpleFile::new(self.file_name.as_str(), text.as_ref());
         let config = term::Config::default();
         let styles = term::Styles::default();
         let stream = term::termcolor::StandardStream::stderr(term::termcolor::ColorChoice::Always);
         let mut writer = term::StylesWriter::new(stream.lock(), &styles);
-        for diagnostic in self.to_codespan() {
+        for diagnostic in self.to_codespan(&text) {
             // A closed stderr leaves nobody to tell.
             let _ = term::emit_to_write_style(&mut writer, &config, &file, &diagnostic);
         }
@@ -438,33 +586,35 @@ impl Diagnostics {
     }
 
     /// The first [`MAX_RENDERED_ERRORS`] errors as codespan diagnostics: message, caret
-    /// labels (unless the line is too long to echo), and the hint as a note.
-    fn to_codespan(&self) -> impl Iterator<Item = Diagnostic<()>> + '_ {
-        self.errors.iter().take(MAX_RENDERED_ERRORS).map(|error| {
-            let span = clamp(error.span(), &self.source);
-            let mut diagnostic = Diagnostic::error().with_message(error.to_string());
-            let mut notes = Vec::new();
-            if line_is_short(&self.source, span.start) {
-                let mut labels = vec![Label::primary((), span)];
-                for (related, message) in error.related() {
-                    let related = clamp(related, &self.source);
-                    if line_is_short(&self.source, related.start) {
-                        labels.push(Label::secondary((), related).with_message(message));
+    /// labels (unless the line is too long to echo), and the hint as a note. `text` is the
+    /// source with [`lf_line_breaks`].
+    fn to_codespan<'a>(&'a self, text: &'a str) -> impl Iterator<Item = Diagnostic<()>> + 'a {
+        self.errors
+            .iter()
+            .take(MAX_RENDERED_ERRORS)
+            .map(move |error| {
+                let span = clamp(error.span(), text);
+                let mut diagnostic = Diagnostic::error().with_message(error.to_string());
+                let mut notes = Vec::new();
+                if line_is_short(text, span.start) {
+                    let mut labels = vec![Label::primary((), span)];
+                    for (related, message) in error.related() {
+                        let related = clamp(related, text);
+                        if line_is_short(text, related.start) {
+                            labels.push(Label::secondary((), related).with_message(message));
+                        }
                     }
+                    diagnostic = diagnostic.with_labels(labels);
+                } else {
+                    let (line, column) = line_and_column(text, span.start);
+                    notes.push(format!(
+                        "at {}:{line}:{column} (the line is too long to show)",
+                        self.file_name
+                    ));
                 }
-                diagnostic = diagnostic.with_labels(labels);
-            } else {
-                let (line, column) = line_and_column(&self.source, span.start);
-                notes.push(format!(
-                    "at {}:{line}:{column} (the line is too long to show)",
-                    self.file_name
-                ));
-            }
-            if let Some(hint) = error.hint() {
-                notes.push(format!("hint: {hint}"));
-            }
-            diagnostic.with_notes(notes)
-        })
+                notes.push(format!("hint: {}", error.hint()));
+                diagnostic.with_notes(notes)
+            })
     }
 
     fn omitted_note(&self) -> String {
@@ -491,9 +641,28 @@ fn line_is_short(source: &str, offset: usize) -> bool {
     end - start <= MAX_ECHOED_LINE
 }
 
-/// 1-based line and column (in characters) of a byte offset.
+/// `source` with every lone `\r` (an old Mac line break) turned into `\n`. codespan-reporting
+/// counts lines by `\n` only (it trims the `\r` of `\r\n` itself), so diagnostics are
+/// rendered from this text; it has the same length and character boundaries, so every span
+/// still points at the same characters.
+pub fn lf_line_breaks(source: &str) -> Cow<'_, str> {
+    if !source.contains('\r') {
+        return Cow::Borrowed(source);
+    }
+    let mut text = String::with_capacity(source.len());
+    let mut chars = source.chars().peekable();
+    while let Some(c) = chars.next() {
+        let lone_cr = c == '\r' && chars.peek() != Some(&'\n');
+        text.push(if lone_cr { '\n' } else { c });
+    }
+    Cow::Owned(text)
+}
+
+/// 1-based line and column (in characters) of a byte offset; `\n`, `\r\n` and a lone `\r`
+/// each end a line.
 pub fn line_and_column(source: &str, offset: usize) -> (usize, usize) {
-    let before = &source[..offset];
+    let text = lf_line_breaks(source);
+    let before = &text[..offset];
     let line = before.matches('\n').count() + 1;
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
     (line, before[line_start..].chars().count() + 1)
@@ -528,16 +697,18 @@ pub fn short(text: &str) -> String {
     }
 }
 
-/// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
+/// The closest of `candidates` to `word`, if it is close enough to be a likely typo. Case
+/// is ignored (`SwiGLU` suggests `swiglu`): every word of the language is lower case.
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<String> {
     let length = word.chars().count();
     if length > 64 {
         return None;
     }
     let limit = (length / 3).max(1);
+    let word = word.to_lowercase();
     candidates
         .into_iter()
-        .map(|candidate| (edit_distance(word, candidate), candidate))
+        .map(|candidate| (edit_distance(&word, &candidate.to_lowercase()), candidate))
         .filter(|(distance, _)| *distance <= limit)
         .min_by_key(|(distance, _)| *distance)
         .map(|(_, candidate)| candidate.to_string())
@@ -562,10 +733,336 @@ fn edit_distance(a: &str, b: &str) -> usize {
 mod tests {
     use super::*;
 
+    /// One error of each variant, in declaration order.
+    fn one_of_each() -> Vec<Error> {
+        let span = Span::new(0, 1);
+        let text = String::from;
+        vec![
+            Error::InvalidUtf8 { span },
+            Error::InvalidCharacter { span, found: '@' },
+            Error::UnexpectedToken {
+                span,
+                found: text("`}`"),
+                expected: text("a name"),
+            },
+            Error::UnexpectedEnd {
+                span,
+                expected: text("`}`"),
+            },
+            Error::UnknownItemKind {
+                span,
+                found: text("lyer"),
+                suggestion: None,
+            },
+            Error::DuplicateItem {
+                span,
+                kind: "layer",
+                name: text("a"),
+                first: span,
+            },
+            Error::UnknownKey {
+                span,
+                key: text("zzz"),
+                section: text("layer `a`"),
+                suggestion: None,
+                known: text("hidden"),
+            },
+            Error::DuplicateKey {
+                span,
+                key: text("hidden"),
+                section: text("layer `a`"),
+                first: span,
+            },
+            Error::MissingKey {
+                span,
+                key: "hidden",
+                section: text("layer `a`"),
+                example: "hidden = 4096",
+            },
+            Error::MisplacedKey {
+                span,
+                key: text("stages"),
+                written_in: text("layer `a`"),
+                belongs_in: text("the layer's `schedule { }` section"),
+                suggestion: None,
+            },
+            Error::ExpectedSection {
+                span,
+                key: text("router"),
+            },
+            Error::ExpectedSetting {
+                span,
+                key: text("hidden"),
+            },
+            Error::WrongValueCount {
+                span,
+                key: text("hidden"),
+                expected: "one whole number",
+                found: 2,
+            },
+            Error::WrongValueKind {
+                span,
+                key: text("hidden"),
+                expected: text("a whole number"),
+                found: text("the word `x`"),
+                hint: text("write digits"),
+            },
+            Error::WrongUnit {
+                span,
+                key: text("hidden"),
+                expected: text("a plain number"),
+                unit: "us",
+                unit_dimension: "a latency",
+            },
+            Error::BitRateUnit {
+                span,
+                key: text("nvlink"),
+                unit: "Gb/s",
+                byte_unit: "GB/s",
+                conversion: text("400 Gb/s = 50 GB/s"),
+            },
+            Error::MissingUnit {
+                span,
+                key: text("nvlink"),
+                expected: "a latency (ns, us, ms)",
+            },
+            Error::NumberTooLarge {
+                span,
+                key: text("hidden"),
+                value: text("99999999999"),
+                bits: 32,
+                max: u64::from(u32::MAX),
+            },
+            Error::NotAnInteger {
+                span,
+                key: text("hidden"),
+                value: text("2.5"),
+            },
+            Error::TooSmall {
+                span,
+                key: text("hidden"),
+                value: 0,
+                min: 1,
+            },
+            Error::NotPositive {
+                span,
+                key: text("scale"),
+                value: text("0"),
+                rounds_to_zero: false,
+            },
+            Error::RealTooLarge {
+                span,
+                key: text("scale"),
+                value: text("1e39"),
+            },
+            Error::ZeroBandwidth {
+                span,
+                key: text("nvlink"),
+                value: text("0 GB/s"),
+                rounds_to_zero: false,
+            },
+            Error::UnknownChoice {
+                span,
+                key: text("activation"),
+                found: text("swish"),
+                choices: "swiglu, geglu",
+                suggestion: None,
+            },
+            Error::Unsupported {
+                span,
+                what: text("fp8"),
+                hint: "use bf16",
+            },
+            Error::AboveLimit {
+                span,
+                key: text("hidden"),
+                value: 1 << 21,
+                max: 1 << 20,
+            },
+            Error::TooManyExperts {
+                span,
+                value: 2048,
+                max: 1024,
+            },
+            Error::TooManyPairs {
+                span,
+                max_tokens: u32::MAX,
+                top_k: 8,
+                top_k_span: span,
+                max_pairs: 1 << 31,
+            },
+            Error::Misaligned {
+                span,
+                key: text("hidden"),
+                value: 100,
+                alignment: 64,
+            },
+            Error::ExpertsNotDivisible {
+                span,
+                experts: 9,
+                degree: 2,
+                degree_span: span,
+            },
+            Error::TopKOutOfRange {
+                span,
+                top_k: 9,
+                experts: 8,
+            },
+            Error::GroupsDoNotDivideExperts {
+                span,
+                groups: 3,
+                experts: 8,
+            },
+            Error::GroupsKeptOutOfRange {
+                span,
+                kept: 9,
+                groups: 8,
+            },
+            Error::TopKExceedsKeptGroups {
+                span,
+                top_k: 8,
+                eligible: 4,
+            },
+            Error::GroupsKeptWithoutGroups { span },
+            Error::TileNotAligned {
+                span,
+                key: text("gemm1.tile"),
+                dimension: "m",
+                value: 10,
+            },
+            Error::RanksMismatch {
+                span,
+                degree: 2,
+                ranks: 8,
+                topology: text("node"),
+                topology_span: span,
+            },
+            Error::VirtualRanksNeedOneGpu {
+                span,
+                topology: text("node"),
+                gpus: 8,
+            },
+            Error::TooManyRanks {
+                span,
+                topology: text("node"),
+            },
+            Error::UnknownTopology {
+                span,
+                name: text("nod"),
+                suggestion: None,
+                known: String::new(),
+            },
+            Error::InfeasibleHint {
+                span,
+                setting: text("stages = 1"),
+                target: text("NVIDIA H200"),
+                reason: text("pipeline stages must be between 2 and 8"),
+                suggestion: text("use 2 to 8"),
+            },
+            Error::PlanRefused {
+                span,
+                message: text("layer `a`: no tile fits"),
+                hint: text("lower `stages`"),
+                hint_span: None,
+            },
+            Error::TooManyErrors { span },
+        ]
+    }
+
+    /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
+    const VARIANTS: usize = 43;
+
+    /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
+    /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
+    /// test below then asks for a sample of it.
+    fn variant_index(error: &Error) -> usize {
+        use Error::*;
+        match error {
+            InvalidUtf8 { .. } => 0,
+            InvalidCharacter { .. } => 1,
+            UnexpectedToken { .. } => 2,
+            UnexpectedEnd { .. } => 3,
+            UnknownItemKind { .. } => 4,
+            DuplicateItem { .. } => 5,
+            UnknownKey { .. } => 6,
+            DuplicateKey { .. } => 7,
+            MissingKey { .. } => 8,
+            MisplacedKey { .. } => 9,
+            ExpectedSection { .. } => 10,
+            ExpectedSetting { .. } => 11,
+            WrongValueCount { .. } => 12,
+            WrongValueKind { .. } => 13,
+            WrongUnit { .. } => 14,
+            BitRateUnit { .. } => 15,
+            MissingUnit { .. } => 16,
+            NumberTooLarge { .. } => 17,
+            NotAnInteger { .. } => 18,
+            TooSmall { .. } => 19,
+            NotPositive { .. } => 20,
+            RealTooLarge { .. } => 21,
+            ZeroBandwidth { .. } => 22,
+            UnknownChoice { .. } => 23,
+            Unsupported { .. } => 24,
+            AboveLimit { .. } => 25,
+            TooManyExperts { .. } => 26,
+            TooManyPairs { .. } => 27,
+            Misaligned { .. } => 28,
+            ExpertsNotDivisible { .. } => 29,
+            TopKOutOfRange { .. } => 30,
+            GroupsDoNotDivideExperts { .. } => 31,
+            GroupsKeptOutOfRange { .. } => 32,
+            TopKExceedsKeptGroups { .. } => 33,
+            GroupsKeptWithoutGroups { .. } => 34,
+            TileNotAligned { .. } => 35,
+            RanksMismatch { .. } => 36,
+            VirtualRanksNeedOneGpu { .. } => 37,
+            TooManyRanks { .. } => 38,
+            UnknownTopology { .. } => 39,
+            InfeasibleHint { .. } => 40,
+            PlanRefused { .. } => 41,
+            TooManyErrors { .. } => 42,
+        }
+    }
+
+    #[test]
+    fn every_variant_has_a_message_and_a_hint() {
+        let samples = one_of_each();
+        let indices: Vec<usize> = samples.iter().map(variant_index).collect();
+        let every_variant: Vec<usize> = (0..VARIANTS).collect();
+        assert_eq!(indices, every_variant, "one sample per variant, in order");
+        for error in &samples {
+            assert!(
+                !error.to_string().trim().is_empty(),
+                "{error:?} has a message"
+            );
+            let hint = error.hint();
+            assert!(!hint.trim().is_empty(), "{error:?} has a hint");
+            assert_ne!(
+                hint,
+                error.to_string(),
+                "{error:?}: the hint is not the message"
+            );
+        }
+    }
+
     #[test]
     fn suggests_close_words_only() {
         assert_eq!(suggest("hiden", ["hidden", "ffn"]), Some("hidden".into()));
         assert_eq!(suggest("top_k", ["top_k"]), Some("top_k".into()));
         assert_eq!(suggest("zzzzzz", ["hidden", "ffn"]), None);
+        assert_eq!(
+            suggest("SwiGLU", ["swiglu", "geglu"]),
+            Some("swiglu".into())
+        );
+        assert_eq!(suggest("Hiden", ["hidden", "ffn"]), Some("hidden".into()));
+    }
+
+    #[test]
+    fn lines_end_at_lf_crlf_and_lone_cr() {
+        for source in ["ab\ncd\nef", "ab\r\ncd\r\nef", "ab\rcd\ref"] {
+            let offset = source.find('f').unwrap_or_default();
+            assert_eq!(line_and_column(source, offset), (3, 2), "{source:?}");
+        }
+        assert_eq!(lf_line_breaks("a\rb\r\nc"), "a\nb\r\nc");
     }
 }

@@ -9,7 +9,8 @@
 //! - [`codegen`]: the plan written out as one CUDA C++ unit.
 //!
 //! Entry points: [`compile_source`] (text to checked module), [`parse`] (text to syntax
-//! tree), [`format_source`] (text to canonical text).
+//! tree), [`format_source`] (text to canonical text), [`plan_diagnostics`] (a planner error
+//! shown like a checker error).
 pub mod check;
 pub mod codegen;
 pub mod diagnostics;
@@ -76,5 +77,67 @@ pub fn format_source(name: &str, text: &str) -> Result<String, Diagnostics> {
             source: text.to_string(),
             errors: parsed.errors,
         })
+    }
+}
+
+/// A planner error about layer `layer` of the file `file_name` (whose text is `text`),
+/// as a diagnostic at the layer's name: the planner may refuse a checked layer for reasons
+/// only its target knows (`moeforge check` tests schedule hints against the H200). When the
+/// error is about a schedule hint, the hint's value is shown too. A layer name not found in
+/// `text` puts the diagnostic at the start of the file.
+pub fn plan_diagnostics(
+    file_name: &str,
+    text: &str,
+    layer: &str,
+    error: &plan::PlanError,
+) -> Diagnostics {
+    let parsed = parse(text);
+    let item = parsed
+        .file
+        .items
+        .iter()
+        .find(|item| item.kind.text == "layer" && item.name.text == layer);
+    let hint_setting = |key: plan::HintKey| {
+        item?.body.entries.iter().find_map(|entry| match entry {
+            front::ast::Entry::Section(section) if section.name.text == "schedule" => section
+                .settings
+                .iter()
+                .find(|setting| setting.key.dotted() == key.name())
+                .map(|setting| setting.values[0].span),
+            _ => None,
+        })
+    };
+    let (hint, hint_span) = match error {
+        plan::PlanError::TooManyExperts { max, .. } => (
+            format!("the routing kernel holds at most {max} experts; use fewer routed experts"),
+            None,
+        ),
+        plan::PlanError::ImpossibleHint {
+            target, problem, ..
+        } => (
+            format!(
+                "`moeforge check` accepts the hints the planner can use on the H200; on the \
+                 {target} it cannot use this one: change `{}` for this target, or remove it and \
+                 let the planner choose",
+                problem.key.name()
+            ),
+            hint_setting(problem.key),
+        ),
+        plan::PlanError::NoFeasibleTile { .. } => (
+            "no tile the planner tries fits this target: lower or remove `stages` in \
+             `schedule { }`, or plan for a target with more shared memory per block"
+                .to_string(),
+            None,
+        ),
+    };
+    Diagnostics {
+        file_name: file_name.to_string(),
+        source: text.to_string(),
+        errors: vec![Error::PlanRefused {
+            span: item.map_or(front::ast::Span::new(0, 0), |item| item.name.span),
+            message: error.to_string(),
+            hint,
+            hint_span,
+        }],
     }
 }

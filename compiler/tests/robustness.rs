@@ -135,3 +135,28 @@ fn numbers_past_u64_and_huge_names() {
         assert_fast(case.as_bytes(), elapsed);
     }
 }
+
+#[test]
+fn many_infeasible_schedule_hints_stay_fast() {
+    // Each refused hint makes the checker search for a nearby hint the planner accepts:
+    // a file of them must still check quickly (the error cap bounds the searches).
+    let topology = "topology node {\n  gpus_per_node = 1\n  nvlink = 450 GB/s, 3 us\n  network = 50 GB/s, 10 us\n}\n";
+    let mut text = String::from(topology);
+    for index in 0..2_000 {
+        text.push_str(&format!(
+            "layer l{index} {{ hidden = 4096 ffn = 2048 experts = 8 top_k = 2 topology = node \
+             schedule {{ gemm1.tile = 256x256x256 gemm2.tile = 16x16x16 stages = 8 }} }}\n"
+        ));
+    }
+    let (errors, elapsed) = run(text.as_bytes());
+    assert!(errors.len() > 1_000, "{}", errors.len());
+    assert!(errors.iter().all(|error| matches!(
+        error,
+        Error::InfeasibleHint { .. } | Error::TooManyErrors { .. }
+    )));
+    assert!(
+        elapsed.as_secs_f64() < 10.0,
+        "{:.2} s",
+        elapsed.as_secs_f64()
+    );
+}

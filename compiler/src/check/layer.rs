@@ -1,26 +1,35 @@
 //! Checking a `layer NAME { ... }` item into an [`ir::Layer`]: shapes, activation, dtypes,
 //! shared experts, router, parallelism, topology reference and schedule hints, then the
-//! rules that tie them together.
+//! rules that tie them together, and last the planner's verdict on the schedule hints.
 
 use std::collections::BTreeMap;
 
 use crate::check::table::{Schema, Table};
 use crate::check::{NamedTopology, values};
 use crate::diagnostics::{Error, short, suggest};
-use crate::front::ast::{Item, Section, Setting};
-use crate::ir::{self, SIZE_ALIGNMENT};
+use crate::front::ast::{Item, Section, Setting, Span};
+use crate::ir::{self, SIZE_ALIGNMENT, TileShape};
+use crate::plan::{self, HintKey, HintProblem, Target};
 
 /// `max_tokens` when the layer does not set it.
 pub const DEFAULT_MAX_TOKENS: u32 = 4096;
 
-/// Largest `hidden`, `ffn` and shared-expert `ffn` (2^20). With [`MAX_EXPERTS`] this keeps
-/// every weight, buffer and FLOP count the later stages compute well inside `u64`.
+/// Largest `hidden`, `ffn` and shared-expert `ffn` (2^20). With at most
+/// [`plan::MAX_EXPERTS`] routed and [`MAX_SHARED_EXPERTS`] shared experts this keeps every
+/// weight, buffer and FLOP count the later stages compute well inside `u64`.
 pub const MAX_SIZE: u32 = 1 << 20;
 
-/// Largest number of routed experts (2^16).
-pub const MAX_EXPERTS: u32 = 1 << 16;
+/// Largest number of shared experts (2^16). They are not routed, so the routing kernel's
+/// limit on experts does not apply to them.
+pub const MAX_SHARED_EXPERTS: u32 = 1 << 16;
 
-const LAYER: Schema = Schema {
+/// Most (token, k) pairs one call may hold, `max_tokens × top_k`: the kernels index pairs,
+/// row offsets and `expert_offsets` as 32-bit `int` (they multiply rows by widths in 64 bits).
+pub const MAX_PAIRS: u64 = i32::MAX as u64;
+
+/// The keys of a `layer` item.
+pub const LAYER: Schema = Schema {
+    home: "the top level of a `layer` item",
     settings: &[
         "hidden",
         "ffn",
@@ -35,22 +44,30 @@ const LAYER: Schema = Schema {
     sections: &["shared_experts", "router", "parallel", "schedule"],
     aliases: &[],
 };
-const SHARED_EXPERTS: Schema = Schema {
+/// The keys of `shared_experts { }`.
+pub const SHARED_EXPERTS: Schema = Schema {
+    home: "the layer's `shared_experts { }` section",
     settings: &["count", "ffn"],
     sections: &[],
     aliases: &[],
 };
-const ROUTER: Schema = Schema {
+/// The keys of `router { }`.
+pub const ROUTER: Schema = Schema {
+    home: "the layer's `router { }` section",
     settings: &["scoring", "groups", "groups_kept", "normalize", "scale"],
     sections: &[],
     aliases: &[],
 };
-const PARALLEL: Schema = Schema {
+/// The keys of `parallel { }`.
+pub const PARALLEL: Schema = Schema {
+    home: "the layer's `parallel { }` section",
     settings: &["expert", "data", "tensor"],
     sections: &[],
     aliases: &[],
 };
-const SCHEDULE: Schema = Schema {
+/// The keys of `schedule { }`.
+pub const SCHEDULE: Schema = Schema {
+    home: "the layer's `schedule { }` section",
     settings: &[
         "gemm1.tile",
         "gemm2.tile",
@@ -111,7 +128,7 @@ pub fn check_layer(
         .and_then(|s| aligned_size(s, errors));
     let experts = table
         .required("experts", "experts = 8", errors)
-        .and_then(|s| at_most(s, values::count(s, 1, false, errors)?, MAX_EXPERTS, errors));
+        .and_then(|s| routed_experts(s, errors));
     let top_k_setting = table.required("top_k", "top_k = 2", errors);
     let top_k = top_k_setting.and_then(|s| values::count(s, 1, false, errors));
     let activation = optional(table.setting("activation"), ir::Activation::Swiglu, |s| {
@@ -134,7 +151,12 @@ pub fn check_layer(
         Some(section) => {
             let table = Table::of_section(section, incomplete, &SHARED_EXPERTS, errors);
             let count = optional(table.setting("count"), 1, |s| {
-                at_most(s, values::count(s, 1, false, errors)?, MAX_EXPERTS, errors)
+                at_most(
+                    s,
+                    values::count(s, 1, false, errors)?,
+                    MAX_SHARED_EXPERTS,
+                    errors,
+                )
             });
             let ffn = table
                 .required("ffn", "ffn = 2048", errors)
@@ -179,6 +201,20 @@ pub fn check_layer(
             experts,
         });
     }
+    if let (Some(max_tokens), Some(top_k), Some(top_k_setting)) = (max_tokens, top_k, top_k_setting)
+        && u64::from(max_tokens) * u64::from(top_k) > MAX_PAIRS
+    {
+        errors.push(Error::TooManyPairs {
+            // The default max_tokens times the largest top_k fits: it was written.
+            span: table
+                .setting("max_tokens")
+                .map_or(item.name.span, |s| s.values[0].span),
+            max_tokens,
+            top_k,
+            top_k_span: top_k_setting.values[0].span,
+            max_pairs: MAX_PAIRS,
+        });
+    }
     let topology = topology?;
     let (expert, data, tensor) = parallel?;
     let expert = match expert {
@@ -217,7 +253,7 @@ pub fn check_layer(
     if errors.len() > errors_before {
         return None;
     }
-    Some(ir::Layer {
+    let layer = ir::Layer {
         name: item.name.text.clone(),
         hidden: hidden?,
         ffn: ffn?,
@@ -236,7 +272,200 @@ pub fn check_layer(
         },
         topology,
         schedule: schedule.unwrap_or(Some(ir::ScheduleHints::default()))?,
-    })
+    };
+    // Only a valid layer can be planned; the planner holds the rules about hints.
+    let hint_errors = infeasible_hints(&layer, table.section("schedule"), item.name.span);
+    if hint_errors.is_empty() {
+        Some(layer)
+    } else {
+        errors.extend(hint_errors);
+        None
+    }
+}
+
+/// Routed experts: at least one, at most what the routing kernel holds.
+fn routed_experts(setting: &Setting, errors: &mut Vec<Error>) -> Option<u32> {
+    let experts = values::count(setting, 1, false, errors)?;
+    if experts > plan::MAX_EXPERTS {
+        errors.push(Error::TooManyExperts {
+            span: setting.values[0].span,
+            value: experts,
+            max: plan::MAX_EXPERTS,
+        });
+        return None;
+    }
+    Some(experts)
+}
+
+/// The schedule hints of a valid layer that the planner refuses on the documented default
+/// target, the H200 (`plan` checks again for the target it is given), one error per hint
+/// key, at the hint's value, each with a suggestion the planner accepts.
+fn infeasible_hints(layer: &ir::Layer, schedule: Option<&Section>, fallback: Span) -> Vec<Error> {
+    let target = Target::h200();
+    let mut by_key: Vec<(HintKey, Vec<HintProblem>)> = Vec::new();
+    for problem in plan::hint_problems(layer, &target) {
+        match by_key.iter_mut().find(|(key, _)| *key == problem.key) {
+            Some((_, problems)) => problems.push(problem),
+            None => by_key.push((problem.key, vec![problem])),
+        }
+    }
+    by_key
+        .into_iter()
+        .map(|(key, problems)| {
+            let span = schedule
+                .and_then(|section| {
+                    section
+                        .settings
+                        .iter()
+                        .find(|setting| setting.key.dotted() == key.name())
+                })
+                .map_or(fallback, |setting| setting.values[0].span);
+            let reasons: Vec<&str> = problems.iter().map(|p| p.reason.as_str()).collect();
+            Error::InfeasibleHint {
+                span,
+                setting: problems[0].hint.clone(),
+                target: target.name.clone(),
+                reason: reasons.join("; "),
+                suggestion: match key {
+                    HintKey::Stages => stages_suggestion(layer, &target),
+                    HintKey::Gemm1Tile | HintKey::Gemm2Tile => tile_suggestion(layer, key, &target),
+                },
+            }
+        })
+        .collect()
+}
+
+/// The tile dimensions a suggestion is drawn from: the usual tile sizes (powers of two, and
+/// three times them) up to 256. Not a rule, the planner's [`plan::hint_problems`] decides
+/// what fits: a small space, because a refused hint may try every tile in it.
+const SUGGESTED_TILE_SIZES: [u32; 8] = [16, 32, 48, 64, 96, 128, 192, 256];
+
+/// The tile hint of `key` (`None` for `stages`).
+fn hinted_tile(layer: &ir::Layer, key: HintKey) -> Option<TileShape> {
+    match key {
+        HintKey::Gemm1Tile => layer.schedule.gemm1_tile,
+        HintKey::Gemm2Tile => layer.schedule.gemm2_tile,
+        HintKey::Stages => None,
+    }
+}
+
+/// Sets the tile hint of `key` (nothing for `stages`).
+fn set_tile(layer: &mut ir::Layer, key: HintKey, tile: TileShape) {
+    match key {
+        HintKey::Gemm1Tile => layer.schedule.gemm1_tile = Some(tile),
+        HintKey::Gemm2Tile => layer.schedule.gemm2_tile = Some(tile),
+        HintKey::Stages => {}
+    }
+}
+
+/// Stage counts in words: "2", "2 to 5", "2, 4 to 8" (`counts` ascending, not empty).
+fn describe_counts(counts: &[u32]) -> String {
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for &count in counts {
+        match runs.last_mut() {
+            Some((_, last)) if *last + 1 == count => *last = count,
+            _ => runs.push((count, count)),
+        }
+    }
+    let runs: Vec<String> = runs
+        .into_iter()
+        .map(|(first, last)| {
+            if first == last {
+                first.to_string()
+            } else {
+                format!("{first} to {last}")
+            }
+        })
+        .collect();
+    runs.join(", ")
+}
+
+/// For a refused tile hint: the nearest tile the planner accepts with the other hints as
+/// written, and the stage counts that would make the written tile fit.
+fn tile_suggestion(layer: &ir::Layer, key: HintKey, target: &Target) -> String {
+    let accepted = |candidate: &ir::Layer| {
+        plan::hint_problems(candidate, target)
+            .iter()
+            .all(|problem| problem.key != key)
+    };
+    let remove = format!("or remove `{}` and let the planner choose", key.name());
+    let Some(written) = hinted_tile(layer, key) else {
+        return remove;
+    };
+    let sizes = || SUGGESTED_TILE_SIZES.into_iter();
+    let mut candidates: Vec<TileShape> = sizes()
+        .flat_map(|m| sizes().flat_map(move |n| sizes().map(move |k| TileShape { m, n, k })))
+        .collect();
+    // Nearest first; among equals the smaller tile, which needs less shared memory.
+    candidates.sort_by_key(|tile| {
+        (
+            tile.m.abs_diff(written.m) + tile.n.abs_diff(written.n) + tile.k.abs_diff(written.k),
+            tile.m * tile.n * tile.k,
+            (tile.m, tile.n, tile.k),
+        )
+    });
+    // One copy of the layer, its hint rewritten per candidate: thousands may be tried.
+    let mut candidate = layer.clone();
+    let nearest_tile = candidates.into_iter().find(|&tile| {
+        set_tile(&mut candidate, key, tile);
+        accepted(&candidate)
+    });
+    let mut candidate = layer.clone();
+    let fitting_stages: Vec<u32> = stage_range()
+        .filter(|&stages| {
+            candidate.schedule.stages = Some(stages);
+            accepted(&candidate)
+        })
+        .collect();
+    let mut ways = Vec::new();
+    if let Some(tile) = nearest_tile {
+        ways.push(format!(
+            "`{} = {}x{}x{}` is the nearest tile the planner accepts here",
+            key.name(),
+            tile.m,
+            tile.n,
+            tile.k
+        ));
+    }
+    if !fitting_stages.is_empty() {
+        ways.push(format!(
+            "keeping this tile, `stages` may be {}",
+            describe_counts(&fitting_stages)
+        ));
+    }
+    ways.push(remove);
+    ways.join("; ")
+}
+
+/// For a refused `stages` hint: the stage counts the planner accepts with the tile hints as
+/// written.
+fn stages_suggestion(layer: &ir::Layer, target: &Target) -> String {
+    let mut candidate = layer.clone();
+    let accepted: Vec<u32> = stage_range()
+        .filter(|&stages| {
+            candidate.schedule.stages = Some(stages);
+            plan::hint_problems(&candidate, target).is_empty()
+        })
+        .collect();
+    if accepted.is_empty() {
+        format!(
+            "no stage count from {} to {} works with the tile hints as written: change the \
+             tiles, or remove `stages` and let the planner choose",
+            plan::MIN_STAGES,
+            plan::MAX_STAGES
+        )
+    } else {
+        format!(
+            "with these tiles `stages` may be {}; change it, or remove it and let the planner \
+             choose",
+            describe_counts(&accepted)
+        )
+    }
+}
+
+/// The stage counts a suggestion may offer: the planner's bounds.
+fn stage_range() -> std::ops::RangeInclusive<u32> {
+    plan::MIN_STAGES..=plan::MAX_STAGES
 }
 
 /// The setting's value if written (`None` inside if it is invalid), else the default.
@@ -368,7 +597,7 @@ fn router(
         values::boolean(s, errors)
     });
     let scale = optional(table.setting("scale"), 1.0, |s| {
-        values::positive_real(s, errors)
+        values::positive_f32(s, errors)
     });
     let group_limit = match (table.setting("groups"), table.setting("groups_kept")) {
         (None, None) => Some(None),
@@ -486,4 +715,16 @@ fn schedule(
         comm_blocks: comm_blocks?,
         traffic_order: traffic_order.map_or(Some(None), |order| order.map(Some))?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::describe_counts;
+
+    #[test]
+    fn stage_counts_read_as_runs() {
+        assert_eq!(describe_counts(&[3]), "3");
+        assert_eq!(describe_counts(&[2, 3, 4, 5]), "2 to 5");
+        assert_eq!(describe_counts(&[2, 4, 5, 6, 8]), "2, 4 to 6, 8");
+    }
 }

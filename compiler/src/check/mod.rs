@@ -16,6 +16,18 @@ use std::collections::BTreeMap;
 use crate::diagnostics::{Error, MAX_ERRORS, short, suggest};
 use crate::front::ast::{File, Item, Span};
 use crate::ir;
+use table::Schema;
+
+/// Every item and section of the language, so that a key written in the wrong one can be
+/// told where it belongs.
+pub const SCHEMAS: [&Schema; 6] = [
+    &topology::TOPOLOGY,
+    &layer::LAYER,
+    &layer::SHARED_EXPERTS,
+    &layer::ROUTER,
+    &layer::PARALLEL,
+    &layer::SCHEDULE,
+];
 
 /// The item kinds a file may hold.
 const ITEM_KINDS: [&str; 2] = ["topology", "layer"];

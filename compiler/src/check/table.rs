@@ -1,13 +1,18 @@
-//! The keys of one item or section: finds unknown keys (with "did you mean"), keys set
-//! twice, settings written as sections and the reverse, and reports missing required keys.
+//! The keys of one item or section: finds unknown keys (with "did you mean"), keys of another
+//! item or section written in the wrong place (with where they belong), keys set twice,
+//! settings written as sections and the reverse, and reports missing required keys.
 
 use std::collections::BTreeMap;
 
+use crate::check::SCHEMAS;
 use crate::diagnostics::{Error, short, suggest};
 use crate::front::ast::{Entry, Section, Setting, Span};
 
 /// The keys an item or section accepts.
 pub struct Schema {
+    /// Where these keys are written, for "it belongs in ..." messages: "a `topology` item",
+    /// "the layer's `router { }` section". Unique among [`SCHEMAS`].
+    pub home: &'static str,
     /// Keys written `key = value`.
     pub settings: &'static [&'static str],
     /// Keys written `key { ... }`.
@@ -27,6 +32,15 @@ pub struct Table<'a> {
     pub incomplete: bool,
     settings: BTreeMap<&'static str, &'a Setting>,
     sections: BTreeMap<&'static str, &'a Section>,
+}
+
+impl Schema {
+    /// Whether `key` is one of these settings (or their aliases) or sections.
+    fn accepts(&self, key: &str) -> bool {
+        self.settings.contains(&key)
+            || self.sections.contains(&key)
+            || self.aliases.iter().any(|(alias, _)| *alias == key)
+    }
 }
 
 impl<'a> Table<'a> {
@@ -133,6 +147,8 @@ impl<'a> Table<'a> {
         }
     }
 
+    /// A key this schema does not accept: misplaced when another item or section takes it,
+    /// else unknown.
     fn unknown_key(&self, key: String, span: Span, schema: &Schema) -> Error {
         let candidates = || {
             schema
@@ -142,6 +158,20 @@ impl<'a> Table<'a> {
                 .chain(schema.aliases.iter().map(|(alias, _)| alias))
         };
         let suggestion = suggest(&key, candidates().copied());
+        let homes: Vec<&str> = SCHEMAS
+            .iter()
+            .filter(|other| other.home != schema.home && other.accepts(&key))
+            .map(|other| other.home)
+            .collect();
+        if !homes.is_empty() {
+            return Error::MisplacedKey {
+                span,
+                key: short(&key),
+                written_in: self.what.clone(),
+                belongs_in: homes.join(" or "),
+                suggestion,
+            };
+        }
         let known: Vec<&str> = schema
             .settings
             .iter()

@@ -6,7 +6,9 @@ use crate::diagnostics::Error;
 use crate::front::ast::Item;
 use crate::ir;
 
-const SCHEMA: Schema = Schema {
+/// The keys of a `topology` item.
+pub const TOPOLOGY: Schema = Schema {
+    home: "a `topology` item",
     settings: &[
         "gpus_per_node",
         "nodes",
@@ -30,7 +32,7 @@ pub fn check_topology(
         item.name.span,
         incomplete,
         &item.body.entries,
-        &SCHEMA,
+        &TOPOLOGY,
         errors,
     );
 

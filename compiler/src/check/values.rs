@@ -39,12 +39,13 @@ fn describe(value: &Value) -> String {
     }
 }
 
-fn wrong_kind(setting: &Setting, value: &Value, expected: &str) -> Error {
+fn wrong_kind(setting: &Setting, value: &Value, expected: &str, hint: String) -> Error {
     Error::WrongValueKind {
         span: value.span,
         key: setting.key.dotted(),
         expected: expected.to_string(),
         found: describe(value),
+        hint,
     }
 }
 
@@ -90,7 +91,12 @@ pub fn count(
 ) -> Option<u32> {
     let value = single(setting, "one whole number", errors)?;
     let ValueKind::Number { literal, unit } = &value.kind else {
-        errors.push(wrong_kind(setting, value, "a whole number"));
+        errors.push(wrong_kind(
+            setting,
+            value,
+            "a whole number",
+            "write the number in digits, such as `64` (`_` may group digits: `16_384`)".into(),
+        ));
         return None;
     };
     if let Some(unit) = unit
@@ -142,7 +148,15 @@ fn quantity(
 ) -> Option<u64> {
     let key = setting.key.dotted();
     let ValueKind::Number { literal, unit } = &value.kind else {
-        errors.push(wrong_kind(setting, value, dimension.describe()));
+        errors.push(wrong_kind(
+            setting,
+            value,
+            dimension.describe(),
+            format!(
+                "write a number and its unit, such as `{}`",
+                dimension.example()
+            ),
+        ));
         return None;
     };
     let Some(unit) = unit else {
@@ -163,6 +177,16 @@ fn quantity(
         });
         return None;
     }
+    if let Some(byte_unit) = unit.byte_rate_of_bit_rate() {
+        errors.push(Error::BitRateUnit {
+            span: value.span,
+            key,
+            unit: unit.symbol(),
+            byte_unit: byte_unit.symbol(),
+            conversion: bit_rate_in_bytes(literal, unit.symbol(), byte_unit.symbol()),
+        });
+        return None;
+    }
     let too_large = || Error::NumberTooLarge {
         span: value.span,
         key: key.clone(),
@@ -179,8 +203,7 @@ fn quantity(
             None
         })
     } else {
-        let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
-        let number = digits.parse::<f64>().unwrap_or(f64::INFINITY) * unit.scale() as f64;
+        let number = parse_real(literal).unwrap_or(f64::INFINITY) * unit.scale() as f64;
         // 2^64 is exactly representable; anything at or above it does not fit.
         if number.is_finite() && number < 18_446_744_073_709_551_616.0 {
             Some(number.round() as u64)
@@ -188,6 +211,18 @@ fn quantity(
             errors.push(too_large());
             None
         }
+    }
+}
+
+/// "400 Gb/s = 50 GB/s": a bit rate as written and in bytes per second with the same prefix;
+/// one unit's worth when the number is too long to show.
+fn bit_rate_in_bytes(literal: &NumberLiteral, bit_unit: &str, byte_unit: &str) -> String {
+    match parse_real(literal) {
+        // Beyond 1e15 `{}` would print every digit; the per-unit ratio says as much.
+        Some(bits) if bits < 1e15 => {
+            format!("{} {bit_unit} = {} {byte_unit}", literal.text, bits / 8.0)
+        }
+        _ => format!("1 {bit_unit} = 0.125 {byte_unit}"),
     }
 }
 
@@ -213,10 +248,13 @@ pub fn link(setting: &Setting, errors: &mut Vec<Error>) -> Option<Link> {
     let latency_ns = quantity(setting, latency, Dimension::Latency, errors);
     let bandwidth_bytes_per_s = bandwidth_bytes_per_s?;
     if bandwidth_bytes_per_s == 0 {
-        errors.push(Error::NotPositive {
+        let written_above_zero = matches!(&bandwidth.kind, ValueKind::Number { literal, .. }
+            if parse_real(literal).is_some_and(|number| number > 0.0));
+        errors.push(Error::ZeroBandwidth {
             span: bandwidth.span,
             key,
-            value: crate::front::format::format_value(bandwidth),
+            value: short(&crate::front::format::format_value(bandwidth)),
+            rounds_to_zero: written_above_zero,
         });
         return None;
     }
@@ -235,7 +273,12 @@ pub fn choice<T: Copy>(
 ) -> Option<T> {
     let value = single(setting, "one word", errors)?;
     let ValueKind::Word(word) = &value.kind else {
-        errors.push(wrong_kind(setting, value, &format!("one of: {listed}")));
+        errors.push(wrong_kind(
+            setting,
+            value,
+            &format!("one of: {listed}"),
+            format!("write one of: {listed}"),
+        ));
         return None;
     };
     if let Some((_, meaning)) = choices.iter().find(|(name, _)| name == word) {
@@ -253,6 +296,18 @@ pub fn choice<T: Copy>(
 
 /// `true` or `false`.
 pub fn boolean(setting: &Setting, errors: &mut Vec<Error>) -> Option<bool> {
+    let value = single(setting, "one word", errors)?;
+    if matches!(value.kind, ValueKind::Number { .. }) {
+        // `normalize = 1` is the likeliest slip: say how booleans are written.
+        let key = setting.key.dotted();
+        errors.push(wrong_kind(
+            setting,
+            value,
+            "`true` or `false`",
+            format!("`{key}` is a switch: write `{key} = true` or `{key} = false` (numbers are not booleans)"),
+        ));
+        return None;
+    }
     choice(
         setting,
         &[("true", true), ("false", false)],
@@ -267,14 +322,26 @@ pub fn name<'a>(setting: &'a Setting, errors: &mut Vec<Error>) -> Option<(&'a st
     match &value.kind {
         ValueKind::Word(word) => Some((word.as_str(), value.span)),
         _ => {
-            errors.push(wrong_kind(setting, value, "a name"));
+            errors.push(wrong_kind(
+                setting,
+                value,
+                "a name",
+                "write a name: letters, digits and `_`, not starting with a digit".into(),
+            ));
             None
         }
     }
 }
 
-/// A positive, finite real number without a unit: `2.5`, `1`.
-pub fn positive_real(setting: &Setting, errors: &mut Vec<Error>) -> Option<f64> {
+/// The value of a decimal or integer literal (`_` allowed), `None` if it is not a number.
+fn parse_real(literal: &NumberLiteral) -> Option<f64> {
+    let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
+    digits.parse::<f64>().ok()
+}
+
+/// A positive real number without a unit (`2.5`, `1`) that multiplies 32-bit floats: above
+/// zero and finite once rounded to `f32`.
+pub fn positive_f32(setting: &Setting, errors: &mut Vec<Error>) -> Option<f64> {
     let value = single(setting, "one number", errors)?;
     let key = setting.key.dotted();
     match &value.kind {
@@ -282,18 +349,26 @@ pub fn positive_real(setting: &Setting, errors: &mut Vec<Error>) -> Option<f64> 
             literal,
             unit: None,
         } => {
-            let digits: String = literal.text.chars().filter(|c| *c != '_').collect();
-            match digits.parse::<f64>() {
-                Ok(number) if number.is_finite() && number > 0.0 => Some(number),
-                _ => {
-                    errors.push(Error::NotPositive {
-                        span: value.span,
-                        key,
-                        value: short(&literal.text),
-                    });
-                    None
-                }
+            let number = parse_real(literal).unwrap_or(f64::INFINITY);
+            if number > f64::from(f32::MAX) {
+                errors.push(Error::RealTooLarge {
+                    span: value.span,
+                    key,
+                    value: short(&literal.text),
+                });
+                return None;
             }
+            // Rounding to the nearest f32 (what `as` does) turns the tiniest values into 0.
+            if number as f32 > 0.0 {
+                return Some(number);
+            }
+            errors.push(Error::NotPositive {
+                span: value.span,
+                key,
+                value: short(&literal.text),
+                rounds_to_zero: number > 0.0,
+            });
+            None
         }
         ValueKind::Number {
             unit: Some(unit), ..
@@ -308,7 +383,12 @@ pub fn positive_real(setting: &Setting, errors: &mut Vec<Error>) -> Option<f64> 
             None
         }
         _ => {
-            errors.push(wrong_kind(setting, value, "a number"));
+            errors.push(wrong_kind(
+                setting,
+                value,
+                "a number",
+                "write a plain number such as `2.5`".into(),
+            ));
             None
         }
     }
@@ -323,6 +403,7 @@ pub fn tile(setting: &Setting, errors: &mut Vec<Error>) -> Option<TileShape> {
             setting,
             value,
             "a tile shape `MxNxK`, e.g. `128x128x64`",
+            "write rows, columns and depth joined by `x`, without spaces: `128x128x64`".into(),
         ));
         return None;
     };

@@ -130,7 +130,9 @@ pub struct NumberLiteral {
 }
 
 /// Units a number may carry. Bandwidths are bytes per second (decimal `KB` = 1000 B,
-/// binary `KiB` = 1024 B), latencies are nanoseconds, and `tokens` counts tokens.
+/// binary `KiB` = 1024 B), latencies are nanoseconds, and `tokens` counts tokens. Bit rates
+/// (`Gb/s`) are units too, so that the checker can say "write GB/s" instead of the lexer
+/// rejecting the `/`; no setting accepts them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Unit {
     BytesPerSecond,
@@ -142,6 +144,11 @@ pub enum Unit {
     MebibytesPerSecond,
     GibibytesPerSecond,
     TebibytesPerSecond,
+    BitsPerSecond,
+    KilobitsPerSecond,
+    MegabitsPerSecond,
+    GigabitsPerSecond,
+    TerabitsPerSecond,
     Nanoseconds,
     Microseconds,
     Milliseconds,
@@ -157,6 +164,7 @@ pub enum Dimension {
 }
 
 impl Dimension {
+    /// What values of this dimension are, with their units (for messages).
     pub fn describe(self) -> &'static str {
         match self {
             Dimension::Bandwidth => {
@@ -164,6 +172,15 @@ impl Dimension {
             }
             Dimension::Latency => "a latency (ns, us, ms)",
             Dimension::Tokens => "a token count (tokens)",
+        }
+    }
+
+    /// A value of this dimension as a setting would hold it (for hints).
+    pub fn example(self) -> &'static str {
+        match self {
+            Dimension::Bandwidth => "450 GB/s",
+            Dimension::Latency => "3 us",
+            Dimension::Tokens => "64 tokens",
         }
     }
 }
@@ -181,6 +198,11 @@ impl Unit {
             Unit::MebibytesPerSecond => "MiB/s",
             Unit::GibibytesPerSecond => "GiB/s",
             Unit::TebibytesPerSecond => "TiB/s",
+            Unit::BitsPerSecond => "b/s",
+            Unit::KilobitsPerSecond => "Kb/s",
+            Unit::MegabitsPerSecond => "Mb/s",
+            Unit::GigabitsPerSecond => "Gb/s",
+            Unit::TerabitsPerSecond => "Tb/s",
             Unit::Nanoseconds => "ns",
             Unit::Microseconds => "us",
             Unit::Milliseconds => "ms",
@@ -196,14 +218,28 @@ impl Unit {
         }
     }
 
-    /// How many base units (bytes per second, nanoseconds, tokens) one of this unit is.
+    /// The byte rate with the same prefix, for a bit rate (`Gb/s` → `GB/s`); `None` for
+    /// every other unit.
+    pub fn byte_rate_of_bit_rate(self) -> Option<Unit> {
+        match self {
+            Unit::BitsPerSecond => Some(Unit::BytesPerSecond),
+            Unit::KilobitsPerSecond => Some(Unit::KilobytesPerSecond),
+            Unit::MegabitsPerSecond => Some(Unit::MegabytesPerSecond),
+            Unit::GigabitsPerSecond => Some(Unit::GigabytesPerSecond),
+            Unit::TerabitsPerSecond => Some(Unit::TerabytesPerSecond),
+            _ => None,
+        }
+    }
+
+    /// How many base units (bytes per second, nanoseconds, tokens; bits per second for a
+    /// bit rate) one of this unit is.
     pub fn scale(self) -> u64 {
         match self {
-            Unit::BytesPerSecond | Unit::Nanoseconds | Unit::Tokens => 1,
-            Unit::KilobytesPerSecond | Unit::Microseconds => 1_000,
-            Unit::MegabytesPerSecond | Unit::Milliseconds => 1_000_000,
-            Unit::GigabytesPerSecond => 1_000_000_000,
-            Unit::TerabytesPerSecond => 1_000_000_000_000,
+            Unit::BytesPerSecond | Unit::BitsPerSecond | Unit::Nanoseconds | Unit::Tokens => 1,
+            Unit::KilobytesPerSecond | Unit::KilobitsPerSecond | Unit::Microseconds => 1_000,
+            Unit::MegabytesPerSecond | Unit::MegabitsPerSecond | Unit::Milliseconds => 1_000_000,
+            Unit::GigabytesPerSecond | Unit::GigabitsPerSecond => 1_000_000_000,
+            Unit::TerabytesPerSecond | Unit::TerabitsPerSecond => 1_000_000_000_000,
             Unit::KibibytesPerSecond => 1 << 10,
             Unit::MebibytesPerSecond => 1 << 20,
             Unit::GibibytesPerSecond => 1 << 30,

@@ -1,12 +1,15 @@
 //! The canonical printer behind `moeforge fmt`: one setting per line, two-space indent,
 //! sections opened on their own line, one blank line between items, at most one blank line
 //! kept where the source had some, every comment kept (own-line comments stay on their own
-//! line, end-of-line comments stay at the end of their line).
+//! line, end-of-line comments stay at the end of their line). The source may end its lines
+//! with `\n`, `\r\n` or a lone `\r`; the output always uses `\n`, so a file's meaning and
+//! its formatting do not depend on the editor that saved it.
 //!
 //! Architecture invariant: formatting changes layout only. Parsing the output gives the same
 //! tree of items, settings and values as parsing the input, and formatting is idempotent.
 
 use crate::front::ast::{Comment, Entry, File, Item, Section, Setting, Span, Value, ValueKind};
+use crate::front::count_line_breaks;
 
 const INDENT: &str = "  ";
 
@@ -136,7 +139,7 @@ impl Printer<'_> {
             && self.source[self.last_end..comment.span.start]
                 .trim()
                 .is_empty()
-            && !self.source[self.last_end..comment.span.start].contains('\n')
+            && count_line_breaks(&self.source[self.last_end..comment.span.start]) == 0
         {
             self.out.push(' ');
             self.out.push_str(&comment.text);
@@ -153,8 +156,7 @@ impl Printer<'_> {
             return;
         }
         let between = self.source.get(self.last_end..start).unwrap_or("");
-        let newlines = between.chars().filter(|&c| c == '\n').count();
-        if newlines >= 2 && between.trim().is_empty() {
+        if count_line_breaks(between) >= 2 && between.trim().is_empty() {
             self.out.push('\n');
         }
     }
@@ -162,6 +164,29 @@ impl Printer<'_> {
     fn indent(&mut self, depth: usize) {
         for _ in 0..depth {
             self.out.push_str(INDENT);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::format_source;
+
+    const LF: &str =
+        "# a layer\nlayer l { # opens\n  hidden = 64\n\n\n  # own line\n  ffn = 64 // end\n}\n";
+
+    #[test]
+    fn crlf_and_lone_cr_files_format_like_lf_files() {
+        let expected = format_source("lf.moe", LF).expect("parses");
+        assert_eq!(
+            expected,
+            "# a layer\nlayer l { # opens\n  hidden = 64\n\n  # own line\n  ffn = 64 // end\n}\n"
+        );
+        for (name, text) in [
+            ("crlf.moe", LF.replace('\n', "\r\n")),
+            ("cr.moe", LF.replace('\n', "\r")),
+        ] {
+            assert_eq!(format_source(name, &text).as_ref(), Ok(&expected), "{name}");
         }
     }
 }

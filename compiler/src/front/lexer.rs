@@ -46,15 +46,21 @@ pub enum Token<'src> {
     #[token("MiB/s", |_| Unit::MebibytesPerSecond)]
     #[token("GiB/s", |_| Unit::GibibytesPerSecond)]
     #[token("TiB/s", |_| Unit::TebibytesPerSecond)]
+    #[token("b/s", |_| Unit::BitsPerSecond)]
+    #[token("Kb/s", |_| Unit::KilobitsPerSecond)]
+    #[token("Mb/s", |_| Unit::MegabitsPerSecond)]
+    #[token("Gb/s", |_| Unit::GigabitsPerSecond)]
+    #[token("Tb/s", |_| Unit::TerabitsPerSecond)]
     #[token("ns", |_| Unit::Nanoseconds)]
     #[token("us", |_| Unit::Microseconds)]
     #[token("ms", |_| Unit::Milliseconds)]
     #[token("token", |_| Unit::Tokens)]
     #[token("tokens", |_| Unit::Tokens)]
     Unit(Unit),
-    /// `# ...` or `// ...` up to the end of the line.
-    #[regex(r"#[^\n]*", allow_greedy = true)]
-    #[regex(r"//[^\n]*", allow_greedy = true)]
+    /// `# ...` or `// ...` up to the end of the line, which `\n`, `\r\n` or a lone `\r` (old
+    /// Mac files) ends.
+    #[regex(r"#[^\r\n]*", allow_greedy = true)]
+    #[regex(r"//[^\r\n]*", allow_greedy = true)]
     Comment(&'src str),
     /// A character that starts no token; the lexer has already reported it.
     Invalid,
@@ -166,11 +172,36 @@ mod tests {
     }
 
     #[test]
+    fn bit_rates_are_units_not_invalid_characters() {
+        let lexed = lex("network = 400 Gb/s, 3 us");
+        assert!(lexed.invalid.is_empty());
+        assert!(
+            lexed
+                .tokens
+                .iter()
+                .any(|(_, token, _)| *token == Token::Unit(Unit::GigabitsPerSecond))
+        );
+    }
+
+    #[test]
     fn comments_are_kept_aside() {
         let lexed = lex("# one\nhidden = 64 // two\n");
         assert_eq!(lexed.tokens.len(), 3);
         let texts: Vec<_> = lexed.comments.iter().map(|c| c.text.as_str()).collect();
         assert_eq!(texts, ["# one", "// two"]);
+    }
+
+    #[test]
+    fn comments_end_at_every_kind_of_line_break() {
+        for source in [
+            "# one\rhidden = 64 // two\r",
+            "# one\r\nhidden = 64 // two\r\n",
+        ] {
+            let lexed = lex(source);
+            assert_eq!(lexed.tokens.len(), 3, "{source:?}");
+            let texts: Vec<_> = lexed.comments.iter().map(|c| c.text.as_str()).collect();
+            assert_eq!(texts, ["# one", "// two"], "{source:?}");
+        }
     }
 
     #[test]

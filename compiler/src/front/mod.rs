@@ -62,6 +62,18 @@ pub fn parse(source: &str) -> Parsed {
     }
 }
 
+/// How many lines `text` ends: `\n`, `\r\n` and a lone `\r` (old Mac files) each end one.
+pub fn count_line_breaks(text: &str) -> usize {
+    let bytes = text.as_bytes();
+    bytes
+        .iter()
+        .enumerate()
+        .filter(|&(index, &byte)| {
+            byte == b'\n' || (byte == b'\r' && bytes.get(index + 1) != Some(&b'\n'))
+        })
+        .count()
+}
+
 /// The syntax errors the parser has met while recovering, at most [`MAX_ERRORS`] of them
 /// (then one [`Error::TooManyErrors`]), so that garbage input costs bounded memory.
 pub struct SyntaxErrors {
@@ -212,6 +224,13 @@ mod tests {
             panic!("ffn survives")
         };
         assert_eq!(ffn.key.dotted(), "ffn");
+    }
+
+    #[test]
+    fn every_line_break_convention_counts_once() {
+        assert_eq!(count_line_breaks("a\nb\r\nc\rd"), 3);
+        assert_eq!(count_line_breaks("\r\r\n\n"), 3);
+        assert_eq!(count_line_breaks("no break"), 0);
     }
 
     #[test]
