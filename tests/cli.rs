@@ -157,3 +157,42 @@ fn fmt_rewrites_in_place_keeping_comments_and_check_flags_unformatted_files() {
     assert!(moeforge(&["check", file]).status.success());
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// A layer only the target can refuse: `check` accepts it, `explain` and `compile` for
+/// that target exit 1 with a diagnostic at the layer (file:line:column, caret, hint).
+#[test]
+fn a_layer_the_target_cannot_run_is_refused_with_its_span() {
+    let file = "tests/fixtures/wgmma_only_tile.moe";
+    assert_eq!(moeforge(&["check", file]).status.code(), Some(0));
+    for args in [
+        vec!["explain", file, "--target", "a100"],
+        vec![
+            "compile",
+            file,
+            "--target",
+            "a100",
+            "--no-ptx",
+            "-o",
+            "target/refused",
+        ],
+    ] {
+        let output = moeforge(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("wgmma_only_tile.moe:10:7"),
+            "{args:?}: {stderr}"
+        );
+        assert!(stderr.contains("^^^^"), "{stderr}");
+        assert!(stderr.contains("gemm1.tile = 128x128x64"), "{stderr}");
+        assert!(stderr.contains("hint:"), "{stderr}");
+    }
+    let output = moeforge(&["explain", file, "--target", "h200"]);
+    assert_eq!(output.status.code(), Some(0));
+    let output = moeforge(&["explain", file, "--target", "b300"]);
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "an unknown target is a usage error"
+    );
+}

@@ -224,7 +224,10 @@ impl MoeLayer {
 
     /// The workspace buffer `id` on the device (bytes; the plan gives its element type).
     pub fn workspace_buffer(&self, id: BufferId) -> Option<&CudaSlice<u8>> {
-        self.workspace.iter().find(|(b, _)| *b == id).map(|(_, s)| s)
+        self.workspace
+            .iter()
+            .find(|(b, _)| *b == id)
+            .map(|(_, s)| s)
     }
 
     /// Enqueues the launches of the call's regime whose kernel `selected` accepts, in the

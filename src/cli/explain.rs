@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use moeforge::compiler::ir;
 use moeforge::compiler::plan;
 
-use super::planning::TargetArgs;
+use super::planning::{TargetArgs, report_plan_error};
 use super::{OK, compile_file, invalid_input};
 
 /// Explain a .moe file: every checked layer with all its sizes, defaults applied, units
@@ -23,7 +23,7 @@ pub struct Args {
 
 pub fn run(args: &Args) -> ExitCode {
     match compile_file(&args.file) {
-        Ok((_, module)) => {
+        Ok((source, module)) => {
             let target = args.target.resolve();
             let mut unplannable = Vec::new();
             let mut text: Vec<String> = module
@@ -33,8 +33,9 @@ pub fn run(args: &Args) -> ExitCode {
                     let plan = match plan::plan(layer, &target) {
                         Ok(plan) => plan::describe(&plan),
                         Err(error) => {
-                            unplannable.push(error.to_string());
-                            format!("plan: none ({error})\n")
+                            let text = format!("plan: none ({error})\n");
+                            unplannable.push((layer.name.clone(), error));
+                            text
                         }
                     };
                     explain_layer(layer) + &plan
@@ -49,8 +50,8 @@ pub fn run(args: &Args) -> ExitCode {
             });
             text.extend(unused.map(explain_topology));
             print!("{}", text.join("\n"));
-            for error in &unplannable {
-                eprintln!("error: {}: {error}", args.file.display());
+            for (layer, error) in &unplannable {
+                report_plan_error(&source, layer, error);
             }
             if unplannable.is_empty() {
                 OK

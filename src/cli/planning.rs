@@ -3,12 +3,13 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use moeforge::compiler;
 use moeforge::compiler::plan::{self, Plan, Target};
 use moeforge::runtime::gpu::Gpu;
 use moeforge::runtime::harness::{BuiltLayer, Session};
 use moeforge::runtime::toolkit;
 
-use super::{compile_file, invalid_input, usage_error};
+use super::{SourceFile, compile_file, invalid_input, report, usage_error};
 
 /// `--target`: the device a plan is made for.
 #[derive(clap::Args)]
@@ -46,7 +47,7 @@ impl TargetArgs {
 /// Checks `file` and plans its layers (only `layer` when given) for `target`, reporting
 /// any error.
 pub fn plan_file(file: &Path, layer: Option<&str>, target: &Target) -> Result<Vec<Plan>, ExitCode> {
-    let (_, module) = compile_file(file)?;
+    let (source, module) = compile_file(file)?;
     let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
     let selected: Vec<_> = module
         .layers
@@ -69,12 +70,24 @@ pub fn plan_file(file: &Path, layer: Option<&str>, target: &Target) -> Result<Ve
         match plan::plan(layer, target) {
             Ok(plan) => plans.push(plan),
             Err(error) => {
-                eprintln!("error: {}: {error}", file.display());
+                report_plan_error(&source, &layer.name, &error);
                 return Err(invalid_input());
             }
         }
     }
     Ok(plans)
+}
+
+/// Reports a layer the planner refused, at the layer's name in `source` (and the refused
+/// hint, if any), as the checker reports its errors.
+pub fn report_plan_error(source: &SourceFile, layer: &str, error: &plan::PlanError) {
+    let text = String::from_utf8_lossy(&source.bytes);
+    report(&compiler::plan_diagnostics(
+        &source.name,
+        &text,
+        layer,
+        error,
+    ));
 }
 
 /// Exactly one plan, for commands that run a single layer.

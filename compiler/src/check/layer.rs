@@ -25,7 +25,7 @@ pub const MAX_SHARED_EXPERTS: u32 = 1 << 16;
 
 /// Most (token, k) pairs one call may hold, `max_tokens × top_k`: the kernels index pairs,
 /// row offsets and `expert_offsets` as 32-bit `int` (they multiply rows by widths in 64 bits).
-pub const MAX_PAIRS: u64 = i32::MAX as u64;
+pub use crate::plan::MAX_PAIRS;
 
 /// The keys of a `layer` item.
 pub const LAYER: Schema = Schema {

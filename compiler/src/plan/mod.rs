@@ -49,6 +49,9 @@ pub const ROUTE_THREADS: u32 = 1024;
 pub const COMBINE_THREADS: u32 = 128;
 /// Largest number of experts the routing kernel's shared-memory tables hold.
 pub const MAX_EXPERTS: u32 = 1024;
+/// Largest number of (token, k) pairs in one call: the kernels index pairs, rows and
+/// expert offsets with 32-bit `int`.
+pub const MAX_PAIRS: u64 = i32::MAX as u64;
 
 /// A complete execution plan for one layer on one target.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -714,12 +717,11 @@ fn shape_gemm(
     let smem = SmemLayout::new(engine, tile, b_rows, stages, problem.experts);
     if smem.total_bytes() > target.smem_per_block {
         return Err(format!(
-            "{} bytes of shared memory ({stages} stages of {} B, row table, {} B of tile table) exceed the {} a block of {} may use",
+            "{} bytes of shared memory ({stages} stages of {} B, row table, {} B of tile table) exceed the {} a block may use",
             smem.total_bytes(),
             smem.stage_bytes,
             smem.static_bytes,
             target.smem_per_block,
-            target.name
         ));
     }
     let smem_bytes = smem.dynamic_bytes;

@@ -10,8 +10,8 @@
 use thiserror::Error;
 
 use super::{
-    Access, Grid, LaunchArg, MAX_EXPERTS, MmaEngine, Plan, SmemLayout, TILE_K, c_identifier,
-    workspace,
+    Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MmaEngine, Plan, SmemLayout, TILE_K,
+    c_identifier, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -57,7 +57,7 @@ impl Plan {
         if shape.top_k == 0 || shape.top_k > shape.experts {
             return Err(format!("top_k {} is outside 1..=experts", shape.top_k));
         }
-        if shape.max_pairs() > i32::MAX as u64 {
+        if shape.max_pairs() > MAX_PAIRS {
             return Err("max_tokens · top_k does not fit the kernels' 32-bit indices".into());
         }
         if self.workspace != workspace(shape) {
