@@ -36,7 +36,7 @@ fn check_layer(layer: &Layer) {
         for routing in [Routing::Uniform, Routing::Skewed] {
             let workload = Workload::random(&shape, tokens, routing, seed ^ u64::from(tokens));
             let result =
-                session.run_checked(&built.layer, &workload, SAMPLE_TOKENS, seed.wrapping_add(1));
+                session.run_checked(&built, &workload, SAMPLE_TOKENS, seed.wrapping_add(1));
             if tokens > shape.max_tokens {
                 assert!(
                     matches!(
@@ -49,10 +49,7 @@ fn check_layer(layer: &Layer) {
                 continue;
             }
             let report = result.expect("forward");
-            println!(
-                "  T={tokens:5} {routing:?}: rel err {:.2e} over {} tokens, unwritten {}",
-                report.relative_error, report.checked_tokens, report.unwritten
-            );
+            println!("  T={tokens:5} {routing:?}: {report}");
             assert!(
                 report.passed(),
                 "{} T={tokens} {routing:?}: {report:?}",
@@ -95,7 +92,7 @@ fn out_of_range_expert_id_is_reported_with_its_token() {
     let shape = built.layer.plan().shape.clone();
     let mut workload = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
     workload.topk_ids[5 * 2 + 1] = shape.experts as i32 + 3;
-    match session.run_checked(&built.layer, &workload, 64, 1) {
+    match session.run_checked(&built, &workload, 64, 1) {
         Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
             token,
             k,
@@ -112,13 +109,13 @@ fn out_of_range_expert_id_is_reported_with_its_token() {
     // The next call with valid ids succeeds: the error word does not stick.
     let valid = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
     let report = session
-        .run_checked(&built.layer, &valid, 64, 1)
+        .run_checked(&built, &valid, 64, 1)
         .expect("valid call after an error");
-    assert!(report.passed(), "{report:?}");
+    assert!(report.passed(), "{report}");
     // A negative id is out of range too.
     workload.topk_ids[5 * 2 + 1] = -1;
     assert!(matches!(
-        session.run_checked(&built.layer, &workload, 64, 1),
+        session.run_checked(&built, &workload, 64, 1),
         Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
             token: 5,
             k: 1,
