@@ -57,6 +57,30 @@ pub enum Routing {
     /// Every token's first choice is expert 0 (one expert takes every token); the other
     /// K − 1 choices are uniform and distinct.
     Skewed,
+    /// Like `Uniform`, but the first expert (0), a middle one (E/2) and the last (E − 1)
+    /// are never chosen, so that they get no rows. Needs E ≥ K + 3 (see
+    /// [`Routing::fits`]).
+    EmptyExperts,
+}
+
+impl Routing {
+    /// Whether this routing can give every token K distinct experts of `shape`.
+    pub fn fits(self, shape: &LayerShape) -> bool {
+        match self {
+            Routing::Uniform | Routing::Skewed => shape.experts >= shape.top_k,
+            Routing::EmptyExperts => shape.experts >= shape.top_k + 3,
+        }
+    }
+
+    /// The experts this routing may choose (besides Skewed's fixed first choice).
+    fn choosable(self, experts: u32) -> Vec<i32> {
+        let empty =
+            |e: u32| self == Routing::EmptyExperts && [0, experts / 2, experts - 1].contains(&e);
+        (0..experts)
+            .filter(|&e| !empty(e))
+            .map(|e| e as i32)
+            .collect()
+    }
 }
 
 /// Inputs of one forward call, on the host.
@@ -72,7 +96,18 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// # Panics
+    ///
+    /// When `routing` does not fit the layer ([`Routing::fits`]): the choice could never
+    /// be made.
     pub fn random(shape: &LayerShape, tokens: u32, routing: Routing, seed: u64) -> Self {
+        assert!(
+            routing.fits(shape),
+            "{routing:?} routing cannot give {} distinct experts of {} to each token",
+            shape.top_k,
+            shape.experts
+        );
+        let choosable = routing.choosable(shape.experts);
         let mut rng = SplitMix64::new(seed);
         let x = (0..u64::from(tokens) * u64::from(shape.hidden))
             .map(|_| bf16::from_f32(rng.signed()))
@@ -86,7 +121,7 @@ impl Workload {
                 let candidate = if routing == Routing::Skewed && topk_ids.len() == start {
                     0
                 } else {
-                    rng.below(shape.experts) as i32
+                    choosable[rng.below(choosable.len() as u32) as usize]
                 };
                 if !topk_ids[start..].contains(&candidate) {
                     topk_ids.push(candidate);
@@ -131,7 +166,7 @@ mod tests {
 
     #[test]
     fn choices_are_distinct_in_range_and_weights_sum_to_one() {
-        for routing in [Routing::Uniform, Routing::Skewed] {
+        for routing in [Routing::Uniform, Routing::Skewed, Routing::EmptyExperts] {
             let w = Workload::random(&shape(), 50, routing, 7);
             assert_eq!(w.x.len(), 50 * 64);
             for t in 0..50 {
@@ -141,6 +176,9 @@ mod tests {
                 if routing == Routing::Skewed {
                     assert_eq!(ids[0], 0);
                 }
+                if routing == Routing::EmptyExperts {
+                    assert!(ids.iter().all(|e| ![0, 4, 7].contains(e)), "{ids:?}");
+                }
                 let sum: f32 = w.topk_weights[t * 3..t * 3 + 3].iter().sum();
                 assert!((sum - 1.0).abs() < 1e-5);
             }
@@ -148,5 +186,22 @@ mod tests {
         let a = Workload::random(&shape(), 5, Routing::Uniform, 1);
         let b = Workload::random(&shape(), 5, Routing::Uniform, 2);
         assert_ne!(a.x, b.x, "different seeds give different data");
+    }
+
+    #[test]
+    fn empty_experts_needs_three_spare_experts() {
+        let mut small = shape();
+        small.experts = 5;
+        assert!(Routing::Uniform.fits(&small) && Routing::Skewed.fits(&small));
+        assert!(!Routing::EmptyExperts.fits(&small));
+        small.experts = 6;
+        assert!(Routing::EmptyExperts.fits(&small));
+        let w = Workload::random(&small, 40, Routing::EmptyExperts, 3);
+        // Experts 0, 3 and 5 are left out: every token takes exactly 1, 2 and 4.
+        for ids in w.topk_ids.chunks(3) {
+            let mut ids = ids.to_vec();
+            ids.sort_unstable();
+            assert_eq!(ids, [1, 2, 4]);
+        }
     }
 }

@@ -1,20 +1,49 @@
-//! The layer on the GPU against the CPU reference (run on the GPU machine:
-//! `cargo test -- --include-ignored`). Every case draws fresh random data; the seed is
-//! printed so that a failure can be replayed with MOEFORGE_SEED.
+//! The layer on the GPU against the CPU reference, every output element of every token
+//! (GPU tests are ignored by default: on the GPU machine run
+//! `cargo test --workspace -- --include-ignored`).
+//!
+//! The default suite runs, each on token counts taken from its plan (every regime's first
+//! and last count and a ragged count inside it, plus 0, 1 and 7) under uniform and skewed
+//! routing, and once per regime with empty experts (the first, a middle and the last):
+//! - a tiny layer of every activation;
+//! - a non-gated activation pinned on wgmma and one pinned on mma.sync (schedule hints;
+//!   the test asserts the engine the plan chose);
+//! - every example scaled down to hidden ≤ 1024, FFN ≤ 512 and max_tokens ≤ 4096 (same
+//!   experts, top-K and activation), whose plans run both engines over three regimes.
+//!
+//! The full-size examples run with `MOEFORGE_GPU_SWEEP=1` (minutes; tokens above 4096 are
+//! sampled). Each case prints one line straight to stderr, past the harness's capture;
+//! every test draws fresh random data from a seed it prints, which MOEFORGE_SEED replays.
+
+use std::io::Write;
 
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode;
-use moeforge_compiler::ir::{Activation, Layer};
-use moeforge_compiler::plan::{self, Target};
+use moeforge_compiler::ir::{Activation, Layer, TileShape};
+use moeforge_compiler::plan::{self, GemmPlan, MmaEngine, Plan, Regime, Target};
 use moeforge_runtime::bf16;
-use moeforge_runtime::harness::{HarnessError, Session};
+use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, HarnessError, Session};
 use moeforge_runtime::layer::LayerError;
 use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
 
-const TOKEN_COUNTS: [u32; 6] = [0, 1, 7, 128, 1000, 4096];
-const SAMPLE_TOKENS: usize = 64;
+const ACTIVATIONS: [Activation; 5] = [
+    Activation::Swiglu,
+    Activation::Geglu,
+    Activation::Gelu,
+    Activation::Relu,
+    Activation::Silu,
+];
+
+/// A small odd token count besides each regime's own counts.
+const ODD_TOKENS: u32 = 7;
+
+/// Writes one line to the process's stderr directly: the test harness captures only the
+/// `print!` family, so the GPU log shows every case and every skip, passing or not.
+fn log(line: &str) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
 
 /// MOEFORGE_SEED replays a failure; otherwise a fresh seed.
 fn fresh_seed() -> u64 {
@@ -24,64 +53,316 @@ fn fresh_seed() -> u64 {
     workload::fresh_seed(given)
 }
 
-/// Every token count and both routings on one layer; T above max_tokens must be refused.
-fn check_layer(layer: &Layer) {
-    let seed = fresh_seed();
-    println!("layer {} seed {seed}", layer.name);
-    let session = Session::open().expect("GPU session");
-    let plan = plan::plan(layer, &Target::h200()).expect("plan");
-    let built = session.build(plan, seed).expect("build");
-    let shape = built.layer.plan().shape.clone();
-    for tokens in TOKEN_COUNTS {
-        for routing in [Routing::Uniform, Routing::Skewed] {
-            let workload = Workload::random(&shape, tokens, routing, seed ^ u64::from(tokens));
-            let result =
-                session.run_checked(&built.layer, &workload, SAMPLE_TOKENS, seed.wrapping_add(1));
-            if tokens > shape.max_tokens {
-                assert!(
-                    matches!(
-                        result,
-                        Err(HarnessError::Layer(LayerError::TooManyTokens { .. }))
-                    ),
-                    "{} T={tokens}: expected a max_tokens error, got {result:?}",
-                    layer.name
-                );
-                continue;
-            }
-            let report = result.expect("forward");
-            println!(
-                "  T={tokens:5} {routing:?}: rel err {:.2e} over {} tokens, unwritten {}",
-                report.relative_error, report.checked_tokens, report.unwritten
-            );
-            assert!(
-                report.passed(),
-                "{} T={tokens} {routing:?}: {report:?}",
-                layer.name
-            );
+fn plan_for_h200(layer: &Layer) -> Plan {
+    // The GPU machine is an H200; plans are made for it until the device's target is read.
+    plan::plan(layer, &Target::h200())
+        .unwrap_or_else(|e| panic!("{} does not plan: {e}", layer.name))
+}
+
+/// An odd count strictly inside the regime, near its middle: no multiple of any tile's
+/// rows (those are multiples of 16), so the last tile of an expert that takes every token
+/// is ragged. `None` when the regime has no count inside.
+fn ragged_tokens(regime: &Regime) -> Option<u32> {
+    let middle = (regime.min_tokens + (regime.max_tokens - regime.min_tokens) / 2) | 1;
+    let inside = regime.min_tokens < middle && middle < regime.max_tokens;
+    inside.then(|| {
+        assert!(
+            !middle.is_multiple_of(regime.gemm1.tile.m)
+                && !middle.is_multiple_of(regime.gemm2.tile.m),
+            "{middle} tokens fill whole tiles"
+        );
+        middle
+    })
+}
+
+/// The (tokens, routing) cases of a plan, in increasing token order.
+fn cases(plan: &Plan) -> Vec<(u32, Routing)> {
+    let max = plan.shape.max_tokens;
+    let mut counts: Vec<u32> = [0, 1, ODD_TOKENS]
+        .into_iter()
+        .filter(|&t| t <= max)
+        .collect();
+    let mut ragged = Vec::new();
+    for regime in &plan.regimes {
+        counts.extend([regime.min_tokens, regime.max_tokens]);
+        ragged.extend(ragged_tokens(regime));
+    }
+    counts.extend(&ragged);
+    counts.sort_unstable();
+    counts.dedup();
+    let mut cases = Vec::new();
+    for t in counts {
+        cases.extend([(t, Routing::Uniform), (t, Routing::Skewed)]);
+        if ragged.contains(&t) && Routing::EmptyExperts.fits(&plan.shape) {
+            cases.push((t, Routing::EmptyExperts));
         }
+    }
+    cases
+}
+
+fn gemm_name(gemm: &GemmPlan) -> String {
+    format!("{} {}x{}", gemm.engine.name(), gemm.tile.m, gemm.tile.n)
+}
+
+/// Runs every case of one built layer; returns a line per failing case.
+fn check_layer(session: &Session, built: &BuiltLayer, seed: u64) -> Vec<String> {
+    let plan = built.layer.plan();
+    let shape = &plan.shape;
+    let mut failures = Vec::new();
+    for (tokens, routing) in cases(plan) {
+        let case_seed = seed ^ (u64::from(tokens) << 20) ^ routing as u64;
+        let workload = Workload::random(shape, tokens, routing, case_seed);
+        let regime = plan
+            .regime_for(tokens)
+            .expect("the regimes cover 0..=max_tokens");
+        let label = format!(
+            "{} T={tokens} {routing:?} [{}: gemm1 {}, gemm2 {}]",
+            plan.layer,
+            regime.name,
+            gemm_name(&regime.gemm1),
+            gemm_name(&regime.gemm2)
+        );
+        match session.run_checked(built, &workload, CHECKED_TOKENS, case_seed) {
+            Ok(report) => {
+                let worst = report.comparison.worst.map_or("-".to_string(), |w| {
+                    format!("{:.2e} ({:.2} of bound)", w.error(), w.ratio())
+                });
+                let every_element = report.comparison.elements
+                    == report.checked_tokens as u64 * u64::from(shape.hidden);
+                let passed = report.passed() && every_element;
+                log(&format!(
+                    "{label}: worst {worst}, {} elements, {} out of bound, {} unwritten{}, reference {:.2} s: {}",
+                    report.comparison.elements,
+                    report.comparison.out_of_bound,
+                    report.unwritten,
+                    if report.sampled() { ", SAMPLED" } else { "" },
+                    report.reference_seconds,
+                    if passed { "ok" } else { "FAIL" }
+                ));
+                if !passed {
+                    let partial = if every_element {
+                        ""
+                    } else {
+                        " (not every element of the checked tokens was compared)"
+                    };
+                    failures.push(format!("{label}: {report}{partial}"));
+                }
+            }
+            Err(error) => {
+                log(&format!("{label}: FAIL: {error}"));
+                failures.push(format!("{label}: {error}"));
+            }
+        }
+    }
+    // One token more than the layer takes is refused before anything runs.
+    let over = shape.max_tokens + 1;
+    let workload = Workload::random(shape, over, Routing::Uniform, seed);
+    match session.run_checked(built, &workload, CHECKED_TOKENS, seed) {
+        Err(HarnessError::Layer(LayerError::TooManyTokens { .. })) => {}
+        other => failures.push(format!(
+            "{} T={over}: expected a max_tokens error, got {other:?}",
+            plan.layer
+        )),
+    }
+    failures
+}
+
+/// Builds every plan (compiles on parallel threads), runs every case of each, and fails
+/// with the list of failing cases.
+fn check_plans(suite: &str, plans: Vec<Plan>) {
+    let seed = fresh_seed();
+    log(&format!(
+        "{suite}: {} layers, seed {seed} (replay with MOEFORGE_SEED={seed})",
+        plans.len()
+    ));
+    let session = Session::open().expect("GPU session");
+    let built = session.build_many(plans, seed).expect("build");
+    let mut failures = Vec::new();
+    // Each layer (with its host copies of the weights) is dropped once checked.
+    for layer in built {
+        log(&format!(
+            "{}: compiled in {:.1} s ({:?})",
+            layer.layer.plan().layer,
+            layer.compile_seconds,
+            layer.module.cache
+        ));
+        failures.extend(check_layer(&session, &layer, seed));
+    }
+    assert!(
+        failures.is_empty(),
+        "{suite}: {} failing cases (seed {seed}):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// The plans of `layers`, one per distinct set of kernels, and a note for each left out:
+/// a layer that differs from an earlier one only in names and spec ranks (all experts run
+/// on one GPU either way) would run the same code again.
+fn distinct_plans(layers: impl IntoIterator<Item = Layer>) -> (Vec<Plan>, Vec<String>) {
+    let mut plans: Vec<Plan> = Vec::new();
+    let mut notes = Vec::new();
+    for layer in layers {
+        let plan = plan_for_h200(&layer);
+        match plans.iter().find(|p| same_kernels(p, &plan)) {
+            Some(same) => notes.push(format!(
+                "{}: same kernels as {} (names and spec ranks aside); not run twice",
+                plan.layer, same.layer
+            )),
+            None => plans.push(plan),
+        }
+    }
+    (plans, notes)
+}
+
+fn scaled_example_plans() -> (Vec<Plan>, Vec<String>) {
+    distinct_plans(layers::examples().iter().map(layers::scaled_down))
+}
+
+fn same_kernels(a: &Plan, b: &Plan) -> bool {
+    let mut shape = b.shape.clone();
+    shape.spec_ranks = a.shape.spec_ranks;
+    a.shape == shape
+        && a.regimes.len() == b.regimes.len()
+        && a.regimes.iter().zip(&b.regimes).all(|(x, y)| {
+            (x.min_tokens, x.max_tokens, &x.gemm1, &x.gemm2)
+                == (y.min_tokens, y.max_tokens, &y.gemm1, &y.gemm2)
+        })
+}
+
+/// The pinned layers and the engine each must run on.
+fn pinned_plans() -> Vec<(Plan, MmaEngine)> {
+    let wgmma = layers::pinned(
+        Activation::Gelu,
+        TileShape {
+            m: 64,
+            n: 128,
+            k: 64,
+        },
+        4,
+    );
+    let mma_sync = layers::pinned(
+        Activation::Silu,
+        TileShape {
+            m: 32,
+            n: 64,
+            k: 64,
+        },
+        3,
+    );
+    [(wgmma, MmaEngine::Wgmma), (mma_sync, MmaEngine::MmaSync)]
+        .into_iter()
+        .map(|(layer, engine)| (plan_for_h200(&layer), engine))
+        .collect()
+}
+
+fn engines(plans: &[Plan]) -> Vec<MmaEngine> {
+    plans
+        .iter()
+        .flat_map(|p| &p.regimes)
+        .flat_map(|r| [r.gemm1.engine, r.gemm2.engine])
+        .collect()
+}
+
+/// What the default suite means to cover, checked on the plans (no GPU needed): a planner
+/// change that quietly moved these layers off an engine or out of their regimes would
+/// otherwise leave the GPU tests passing while testing less.
+#[test]
+fn default_suite_plans_cover_what_the_suite_claims() {
+    for (plan, engine) in pinned_plans() {
+        assert!(
+            !plan.shape.activation.is_gated(),
+            "{}: pinned layers test non-gated activations",
+            plan.layer
+        );
+        for regime in &plan.regimes {
+            assert_eq!(regime.gemm1.engine, engine, "{} gemm1", plan.layer);
+            assert_eq!(regime.gemm2.engine, engine, "{} gemm2", plan.layer);
+        }
+    }
+    let (scaled, _) = scaled_example_plans();
+    assert!(
+        scaled.len() >= 5,
+        "the examples give distinct scaled layers"
+    );
+    let used = engines(&scaled);
+    assert!(used.contains(&MmaEngine::Wgmma) && used.contains(&MmaEngine::MmaSync));
+    assert!(scaled.iter().any(|p| p.regimes.len() >= 3));
+    for plan in &scaled {
+        assert!(plan.shape.max_tokens <= CHECKED_TOKENS as u32);
+        assert!(
+            plan.regimes.iter().filter_map(ragged_tokens).count() >= plan.regimes.len().min(2),
+            "{}: ragged counts in its regimes",
+            plan.layer
+        );
+        assert!(
+            cases(plan).iter().any(|&(_, r)| r == Routing::EmptyExperts),
+            "{}: a case with empty experts",
+            plan.layer
+        );
     }
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tiny_layers_match_reference_for_every_activation() {
-    for activation in [
-        Activation::Swiglu,
-        Activation::Geglu,
-        Activation::Gelu,
-        Activation::Relu,
-        Activation::Silu,
-    ] {
-        check_layer(&layers::tiny(activation));
-    }
+    let plans = ACTIVATIONS
+        .map(|a| plan_for_h200(&layers::tiny(a)))
+        .to_vec();
+    check_plans("tiny layers", plans);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn every_example_matches_reference() {
-    for layer in layers::examples() {
-        check_layer(&layer);
+fn non_gated_activations_pinned_on_each_engine_match_reference() {
+    let pinned = pinned_plans();
+    for (plan, engine) in &pinned {
+        for regime in &plan.regimes {
+            assert_eq!(
+                (regime.gemm1.engine, regime.gemm2.engine),
+                (*engine, *engine),
+                "{} must run on {}",
+                plan.layer,
+                engine.name()
+            );
+        }
     }
+    check_plans(
+        "pinned engines",
+        pinned.into_iter().map(|(plan, _)| plan).collect(),
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_example_scaled_down_matches_reference() {
+    let (plans, notes) = scaled_example_plans();
+    for note in &notes {
+        log(note);
+    }
+    let used = engines(&plans);
+    assert!(
+        used.contains(&MmaEngine::Wgmma) && used.contains(&MmaEngine::MmaSync),
+        "the scaled examples run both engines"
+    );
+    check_plans("scaled-down examples", plans);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_example_at_full_size_matches_reference_in_the_sweep() {
+    if std::env::var("MOEFORGE_GPU_SWEEP").as_deref() != Ok("1") {
+        log(
+            "SKIPPED every_example_at_full_size_matches_reference_in_the_sweep: the full-size \
+             examples take minutes; set MOEFORGE_GPU_SWEEP=1 to run them",
+        );
+        return;
+    }
+    let (plans, notes) = distinct_plans(layers::examples());
+    for note in &notes {
+        log(note);
+    }
+    check_plans("full-size examples", plans);
 }
 
 #[test]
@@ -89,13 +370,11 @@ fn every_example_matches_reference() {
 fn out_of_range_expert_id_is_reported_with_its_token() {
     let layer = layers::tiny(Activation::Swiglu);
     let session = Session::open().expect("GPU session");
-    let built = session
-        .build(plan::plan(&layer, &Target::h200()).expect("plan"), 3)
-        .expect("build");
+    let built = session.build(plan_for_h200(&layer), 3).expect("build");
     let shape = built.layer.plan().shape.clone();
     let mut workload = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
     workload.topk_ids[5 * 2 + 1] = shape.experts as i32 + 3;
-    match session.run_checked(&built.layer, &workload, 64, 1) {
+    match session.run_checked(&built, &workload, CHECKED_TOKENS, 1) {
         Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
             token,
             k,
@@ -112,13 +391,13 @@ fn out_of_range_expert_id_is_reported_with_its_token() {
     // The next call with valid ids succeeds: the error word does not stick.
     let valid = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
     let report = session
-        .run_checked(&built.layer, &valid, 64, 1)
+        .run_checked(&built, &valid, CHECKED_TOKENS, 1)
         .expect("valid call after an error");
-    assert!(report.passed(), "{report:?}");
+    assert!(report.passed(), "{report}");
     // A negative id is out of range too.
     workload.topk_ids[5 * 2 + 1] = -1;
     assert!(matches!(
-        session.run_checked(&built.layer, &workload, 64, 1),
+        session.run_checked(&built, &workload, CHECKED_TOKENS, 1),
         Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
             token: 5,
             k: 1,
@@ -139,7 +418,7 @@ fn forward_is_graph_capturable_and_replays_identically() {
         .expect("the Qwen3-30B example");
     let session = Session::open().expect("GPU session");
     let built = session
-        .build(plan::plan(&layer, &Target::h200()).expect("plan"), 5)
+        .build(plan_for_h200(&layers::scaled_down(&layer)), 5)
         .expect("build");
     let shape = built.layer.plan().shape.clone();
     let workload = Workload::random(&shape, 300, Routing::Uniform, fresh_seed());

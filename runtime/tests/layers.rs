@@ -1,5 +1,6 @@
-//! Layers for the GPU tests: every shipped example (dsl-examples/), and tiny layers built in
-//! code for the activations no example uses.
+//! Layers for the GPU tests: every shipped example (dsl-examples/) and scaled-down copies of
+//! them, and tiny layers built in code for the activations no example uses and for pinning
+//! a GEMM engine with schedule hints.
 // Shared by several test binaries, each of which uses part of it.
 #![allow(dead_code)]
 
@@ -27,6 +28,40 @@ pub fn examples() -> Vec<Layer> {
         .collect()
 }
 
+/// Largest hidden size, FFN size and token count of [`scaled_down`] layers.
+pub const SCALED_HIDDEN: u32 = 1024;
+pub const SCALED_FFN: u32 = 512;
+pub const SCALED_MAX_TOKENS: u32 = 4096;
+
+/// `layer` with the same experts, top-K, activation and schedule hints, but hidden, FFN
+/// and max_tokens brought under [`SCALED_HIDDEN`], [`SCALED_FFN`] and
+/// [`SCALED_MAX_TOKENS`], so that its kernels and the CPU reference run in seconds.
+/// Named `<name>_scaled` when anything changed.
+pub fn scaled_down(layer: &Layer) -> Layer {
+    let mut scaled = layer.clone();
+    scaled.hidden = shrink(layer.hidden, SCALED_HIDDEN);
+    scaled.ffn = shrink(layer.ffn, SCALED_FFN);
+    scaled.max_tokens = layer.max_tokens.min(SCALED_MAX_TOKENS);
+    if scaled != *layer {
+        scaled.name = format!("{}_scaled", layer.name);
+    }
+    scaled
+}
+
+/// `size` (a multiple of 64) divided by the smallest divisor of its count of 64-wide
+/// blocks that brings it to at most `limit`: an odd block count (gpt-oss's 45 × 64) stays
+/// odd, so that tile widths the full size cannot use stay out of the scaled plan too.
+pub fn shrink(size: u32, limit: u32) -> u32 {
+    assert_eq!(size % 64, 0, "layer sizes are multiples of 64");
+    let blocks = size / 64;
+    (1..=blocks)
+        .filter(|d| blocks.is_multiple_of(*d))
+        .map(|d| size / d)
+        .find(|&s| s <= limit)
+        .unwrap_or(64)
+}
+
+/// A small layer (H = 128, F = 256, 8 experts, top-2) with `activation`.
 pub fn tiny(activation: Activation) -> Layer {
     let link = Link {
         bandwidth_bytes_per_s: 450_000_000_000,
@@ -59,4 +94,26 @@ pub fn tiny(activation: Activation) -> Layer {
         },
         schedule: ScheduleHints::default(),
     }
+}
+
+/// A tiny layer with both GEMMs hinted to `tile` and `stages`, up to 4096 tokens (so that
+/// each expert's rows span many tiles). The planner puts a hinted tile on wgmma where
+/// that engine can take it, else on mma.sync; the tests assert which one it chose.
+pub fn pinned(activation: Activation, tile: TileShape, stages: u32) -> Layer {
+    let mut layer = tiny(activation);
+    layer.name = format!(
+        "pinned_{}_{}x{}x{}_s{stages}",
+        activation.name(),
+        tile.m,
+        tile.n,
+        tile.k
+    );
+    layer.max_tokens = 4096;
+    layer.schedule = ScheduleHints {
+        gemm1_tile: Some(tile),
+        gemm2_tile: Some(tile),
+        stages: Some(stages),
+        ..ScheduleHints::default()
+    };
+    layer
 }
