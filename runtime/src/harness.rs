@@ -7,9 +7,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use moeforge_compiler::codegen::{self, CodegenError};
 use moeforge_compiler::plan::{LayerShape, Plan};
 use thiserror::Error;
@@ -46,8 +44,6 @@ pub struct Session {
 pub struct BuiltLayer {
     pub layer: MoeLayer,
     pub module: CompiledModule,
-    /// The module as loaded on the device (the baseline borrows its route kernel).
-    pub loaded: Arc<CudaModule>,
     pub compile_seconds: f64,
     /// Host copies of the experts' weights, by expert id, each downloaded from the device
     /// on the first check that needs it and kept for the layer's life. Downloaded rather
@@ -321,11 +317,10 @@ impl Session {
         let loaded = self.gpu.load(&module)?;
         let weights = self.random_weights(&plan.shape, seed)?;
         let experts = plan.shape.experts as usize;
-        let layer = MoeLayer::new(&self.gpu, plan, Arc::clone(&loaded), weights)?;
+        let layer = MoeLayer::new(&self.gpu, plan, loaded, weights)?;
         Ok(BuiltLayer {
             layer,
             module,
-            loaded,
             compile_seconds,
             host_experts: (0..experts).map(|_| OnceLock::new()).collect(),
         })

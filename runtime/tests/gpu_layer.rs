@@ -16,14 +16,17 @@
 //! every test draws fresh random data from a seed it prints, which MOEFORGE_SEED replays.
 
 use std::io::Write;
+use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode;
 use moeforge_compiler::ir::{Activation, Layer, TileShape};
 use moeforge_compiler::plan::{self, GemmPlan, MmaEngine, Plan, Regime, Target};
 use moeforge_runtime::bf16;
+use moeforge_runtime::gpu::Gpu;
 use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, HarnessError, Session};
 use moeforge_runtime::layer::LayerError;
+use moeforge_runtime::toolkit;
 use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
@@ -53,10 +56,18 @@ fn fresh_seed() -> u64 {
     workload::fresh_seed(given)
 }
 
-fn plan_for_h200(layer: &Layer) -> Plan {
-    // The GPU machine is an H200; plans are made for it until the device's target is read.
-    plan::plan(layer, &Target::h200())
-        .unwrap_or_else(|e| panic!("{} does not plan: {e}", layer.name))
+/// Plans for the GPU present, as the CLI does: its target read from the device, or the
+/// H200 (the documented default) where there is none, for the CPU tests of this file.
+fn plan_for_device(layer: &Layer) -> Plan {
+    static TARGET: OnceLock<Target> = OnceLock::new();
+    let target = TARGET.get_or_init(|| {
+        let device = toolkit::driver_available()
+            .ok()
+            .and_then(|_| Gpu::open(0).ok())
+            .map(|gpu| gpu.target().expect("the device's target"));
+        device.unwrap_or_else(Target::h200)
+    });
+    plan::plan(layer, target).unwrap_or_else(|e| panic!("{} does not plan: {e}", layer.name))
 }
 
 /// An odd count strictly inside the regime, near its middle: no multiple of any tile's
@@ -203,7 +214,7 @@ fn distinct_plans(layers: impl IntoIterator<Item = Layer>) -> (Vec<Plan>, Vec<St
     let mut plans: Vec<Plan> = Vec::new();
     let mut notes = Vec::new();
     for layer in layers {
-        let plan = plan_for_h200(&layer);
+        let plan = plan_for_device(&layer);
         match plans.iter().find(|p| same_kernels(p, &plan)) {
             Some(same) => notes.push(format!(
                 "{}: same kernels as {} (names and spec ranks aside); not run twice",
@@ -252,7 +263,7 @@ fn pinned_plans() -> Vec<(Plan, MmaEngine)> {
     );
     [(wgmma, MmaEngine::Wgmma), (mma_sync, MmaEngine::MmaSync)]
         .into_iter()
-        .map(|(layer, engine)| (plan_for_h200(&layer), engine))
+        .map(|(layer, engine)| (plan_for_device(&layer), engine))
         .collect()
 }
 
@@ -307,7 +318,7 @@ fn default_suite_plans_cover_what_the_suite_claims() {
 #[ignore = "needs a CUDA GPU"]
 fn tiny_layers_match_reference_for_every_activation() {
     let plans = ACTIVATIONS
-        .map(|a| plan_for_h200(&layers::tiny(a)))
+        .map(|a| plan_for_device(&layers::tiny(a)))
         .to_vec();
     check_plans("tiny layers", plans);
 }
@@ -370,7 +381,7 @@ fn every_example_at_full_size_matches_reference_in_the_sweep() {
 fn out_of_range_expert_id_is_reported_with_its_token() {
     let layer = layers::tiny(Activation::Swiglu);
     let session = Session::open().expect("GPU session");
-    let built = session.build(plan_for_h200(&layer), 3).expect("build");
+    let built = session.build(plan_for_device(&layer), 3).expect("build");
     let shape = built.layer.plan().shape.clone();
     let mut workload = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
     workload.topk_ids[5 * 2 + 1] = shape.experts as i32 + 3;
@@ -418,7 +429,7 @@ fn forward_is_graph_capturable_and_replays_identically() {
         .expect("the Qwen3-30B example");
     let session = Session::open().expect("GPU session");
     let built = session
-        .build(plan_for_h200(&layers::scaled_down(&layer)), 5)
+        .build(plan_for_device(&layers::scaled_down(&layer)), 5)
         .expect("build");
     let shape = built.layer.plan().shape.clone();
     let workload = Workload::random(&shape, 300, Routing::Uniform, fresh_seed());

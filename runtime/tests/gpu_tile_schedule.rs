@@ -15,7 +15,7 @@ use std::io::Write;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use moeforge_compiler::codegen;
 use moeforge_compiler::ir::{Activation, Layer, ScheduleHints, TileShape};
-use moeforge_compiler::plan::{self, Plan, Target};
+use moeforge_compiler::plan::{self, Plan};
 use moeforge_runtime::aot;
 use moeforge_runtime::harness::Session;
 use moeforge_runtime::jit::CompileOptions;
@@ -271,18 +271,18 @@ fn check_tiles(config: Config, counts: &[u32], out: &[i32]) -> Result<usize, Str
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tile_schedule_covers_every_row_once_per_column_tile() {
-    let plan = plan::plan(&probed_layer(), &Target::h200()).expect("the probed layer plans");
+    let session = Session::open().expect("GPU session");
+    let target = session.gpu.target().expect("the device's target");
+    let plan = plan::plan(&probed_layer(), &target).expect("the probed layer plans");
     let configs = configs(&plan);
     let mut source = codegen::generate(&plan).expect("codegen").source;
     source.push_str(PROBE_TEMPLATE);
     for config in &configs {
         source.push_str(&config.entry_point());
     }
-    let session = Session::open().expect("GPU session");
     // The options `Session::compile` uses for the plan's own unit, under another name.
     let options = CompileOptions {
         name: format!("{}_probe", plan.symbol),
-        arch: session.gpu.arch().expect("the device's architecture"),
         ..aot::compile_options(&plan)
     };
     let module = session
