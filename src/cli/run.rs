@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use moeforge::compiler::codegen;
 use moeforge::runtime::aot;
+use moeforge::runtime::harness::CHECKED_TOKENS;
 use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
@@ -28,8 +29,8 @@ pub struct Args {
     /// Compare with the CPU reference (on a random sample of at most --sample tokens).
     #[arg(long)]
     check: bool,
-    /// Tokens the reference checks when T is larger.
-    #[arg(long, default_value_t = 64)]
+    /// Tokens the reference checks when T is larger (a random sample, reported as such).
+    #[arg(long, default_value_t = CHECKED_TOKENS)]
     sample: usize,
     /// How tokens choose experts.
     #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
