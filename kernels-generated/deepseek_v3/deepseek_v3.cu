@@ -255,17 +255,20 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
 template <class G>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
                                            const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert) {
-    constexpr int CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    // 16-byte cp.async pieces per row. Indices are unsigned so that dividing by this power
+    // of two is a shift, as in a hand-written loop (signed division costs extra steps).
+    constexpr unsigned CHUNKS = G::ROW_BYTES / 16;
+    static_assert((CHUNKS & (CHUNKS - 1)) == 0, "a row is a power-of-two number of chunks");
     const int k0 = k_tile * G::BK;
 #pragma unroll
-    for (int i = threadIdx.x; i < G::BM * CHUNKS; i += G::THREADS) {
+    for (unsigned i = threadIdx.x; i < G::BM * CHUNKS; i += G::THREADS) {
         const int r = i / CHUNKS, chunk = i % CHUNKS;
         const int source = s_row_source[r];
         const bf16_t* src = a_rows + (size_t)max(source, 0) * G::KD + k0 + chunk * 8;
         cp_async_16(stage_base + swizzle(r, chunk), src, source >= 0);
     }
 #pragma unroll
-    for (int i = threadIdx.x; i < G::B_ROWS * CHUNKS; i += G::THREADS) {
+    for (unsigned i = threadIdx.x; i < G::B_ROWS * CHUNKS; i += G::THREADS) {
         const int r = i / CHUNKS, chunk = i % CHUNKS;
         const int w_row = (G::GATED && r >= G::BN) ? G::N + t.n0 + (r - G::BN) : t.n0 + r;
         cp_async_16(stage_base + G::A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * G::KD + k0 + chunk * 8, true);
