@@ -41,14 +41,26 @@ pub fn layer(
         max_tokens,
         shared_experts: None,
         router: None,
+        // As many ranks as the checker allows: the most of 8, 4, 2, 1 that divides E.
         parallel: Parallelism {
-            expert: 8,
+            expert: ranks(experts),
             data: 1,
             tensor: 1,
         },
-        topology: topology(),
+        topology: Topology {
+            gpus_per_node: ranks(experts),
+            ..topology()
+        },
         schedule: ScheduleHints::default(),
     }
+}
+
+/// Expert-parallel ranks of a generated layer with `experts` experts.
+fn ranks(experts: u32) -> u32 {
+    [8, 4, 2, 1]
+        .into_iter()
+        .find(|r| experts.is_multiple_of(*r))
+        .unwrap_or(1)
 }
 
 /// The real models' routed-expert shapes.

@@ -193,3 +193,99 @@ fn hinted_tiles_are_used_for_every_regime() {
             .all(|r| r.gemm2.tile == tile && r.gemm2.hinted)
     );
 }
+
+/// The expert-parallel plan's capacities hold the worst routing, and are tight: random
+/// routings over R ranks never need more slots, segment rows or intermediate rows than
+/// the plan reserves, and routing every token of every source to one rank's experts needs
+/// exactly that much.
+#[test]
+fn expert_parallel_capacities_hold_every_routing() {
+    for (ranks, experts, top_k, virtual_ranks) in [
+        (2, 8, 2, false),
+        (4, 16, 4, true),
+        (8, 64, 8, true),
+        (2, 4, 4, false),
+    ] {
+        let mut layer = common::layer("ep", 512, 256, experts, top_k, Activation::Swiglu, 64);
+        layer.parallel.expert = ranks;
+        layer.topology.gpus_per_node = ranks;
+        layer.topology.virtual_ranks = virtual_ranks.then_some(ranks);
+        let plan = plan::plan(&layer, &Target::h200()).expect("plans");
+        assert_eq!(plan.validate(), Ok(()));
+        let ep = plan
+            .expert_parallel
+            .as_ref()
+            .expect("an expert-parallel plan");
+        let per_rank = experts / ranks;
+        let tokens = layer.max_tokens;
+        // Per destination: token slots used per source, rows per (expert, source), rows.
+        let usage = |choose: &dyn Fn(u32, u32) -> Vec<u32>| {
+            let (mut slots, mut segment, mut rows) = (0u32, 0u32, vec![0u64; ranks as usize]);
+            for d in 0..ranks {
+                for s in 0..ranks {
+                    let mut per_expert = vec![0u32; per_rank as usize];
+                    let mut sent = 0;
+                    for t in 0..tokens {
+                        let here: Vec<u32> = choose(s, t)
+                            .into_iter()
+                            .filter(|e| e / per_rank == d)
+                            .collect();
+                        sent += u32::from(!here.is_empty());
+                        for e in &here {
+                            per_expert[(e % per_rank) as usize] += 1;
+                        }
+                        rows[d as usize] += here.len() as u64;
+                    }
+                    slots = slots.max(sent);
+                    segment = segment.max(per_expert.into_iter().max().unwrap_or(0));
+                }
+            }
+            (slots, segment, rows.into_iter().max().unwrap_or(0))
+        };
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut random = move |n: u32| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % u64::from(n)) as u32
+        };
+        let draws: Vec<Vec<Vec<u32>>> = (0..ranks)
+            .map(|_| {
+                (0..tokens)
+                    .map(|_| {
+                        let mut chosen: Vec<u32> = Vec::new();
+                        while chosen.len() < top_k as usize {
+                            let e = random(experts);
+                            if !chosen.contains(&e) {
+                                chosen.push(e);
+                            }
+                        }
+                        chosen
+                    })
+                    .collect()
+            })
+            .collect();
+        let (slots, segment, rows) = usage(&|s, t| draws[s as usize][t as usize].clone());
+        assert!(
+            slots <= ep.slots_per_source
+                && segment <= ep.rows_per_segment
+                && rows <= ep.intermediate_rows
+        );
+        // Everything to rank 0's experts (as many distinct ones as K allows, the rest elsewhere).
+        let worst = |_: u32, _: u32| -> Vec<u32> {
+            (0..top_k)
+                .map(|k| if k < per_rank { k } else { per_rank + k })
+                .collect()
+        };
+        let (slots, segment, rows) = usage(&worst);
+        assert_eq!(
+            (slots, segment, rows),
+            (
+                ep.slots_per_source,
+                ep.rows_per_segment,
+                ep.intermediate_rows
+            ),
+            "R={ranks} E={experts} K={top_k}"
+        );
+    }
+}

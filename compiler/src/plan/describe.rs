@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use super::ep::{ExpertParallelPlan, Placement};
 use super::{Access, Grid, Plan};
 
 /// One fact per line; `write!` into a `String` cannot fail.
@@ -72,6 +73,9 @@ pub fn describe(plan: &Plan) -> String {
             );
         }
     }
+    if let Some(ep) = &plan.expert_parallel {
+        describe_expert_parallel(&mut out, ep, shape.hidden);
+    }
     let _ = writeln!(out, "  workspace");
     for buffer in &plan.workspace {
         let _ = writeln!(
@@ -86,4 +90,58 @@ pub fn describe(plan: &Plan) -> String {
         let _ = writeln!(out, "  note: {limitation}");
     }
     out
+}
+
+fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u32) {
+    let placement = match ep.placement {
+        Placement::Virtual => "virtual ranks on one GPU",
+        Placement::Devices => "one GPU per rank",
+    };
+    let _ = writeln!(
+        out,
+        "  expert parallelism   {} ranks ({placement}), {} experts each, flags at .{} scope, epoch-tagged",
+        ep.ranks,
+        ep.experts_per_rank,
+        ep.scope.ptx()
+    );
+    let _ = writeln!(
+        out,
+        "    dispatch chunk     {} tokens ({} B): {}",
+        ep.dispatch_chunk,
+        u64::from(ep.dispatch_chunk) * u64::from(hidden) * 2,
+        ep.chunk_reason
+    );
+    let _ = writeln!(
+        out,
+        "    capacity           {} token slots and {} chunk flags per source; {} rows per (local expert, source) segment; {} intermediate rows (worst case: every token of every source here, each token once per rank, each pair once)",
+        ep.slots_per_source, ep.chunks_per_source, ep.rows_per_segment, ep.intermediate_rows
+    );
+    let _ = writeln!(
+        out,
+        "    blocks             {} communication ({}) and {} compute SMs per rank",
+        ep.comm_blocks, ep.comm_reason, ep.compute_sms
+    );
+    let _ = writeln!(out, "    residency          {}", ep.residency);
+    let orders = |orders: &[Vec<u32>]| {
+        orders
+            .iter()
+            .enumerate()
+            .map(|(rank, order)| {
+                let list: Vec<String> = order.iter().map(u32::to_string).collect();
+                format!("{rank}: {}", list.join(" "))
+            })
+            .collect::<Vec<_>>()
+            .join(" | ")
+    };
+    let _ = writeln!(
+        out,
+        "    send order         ({}: itself first, then rotated; one distance class on one node) {}",
+        ep.traffic.name(),
+        orders(&ep.send_order)
+    );
+    let _ = writeln!(
+        out,
+        "    GEMM row order     (local rows first, then by arrival) {}",
+        orders(&ep.receive_order)
+    );
 }

@@ -12,6 +12,7 @@
 
 pub mod cost;
 mod describe;
+pub mod ep;
 mod launch;
 pub mod target;
 mod validate;
@@ -70,6 +71,8 @@ pub struct Plan {
     pub workspace: Vec<Buffer>,
     /// Token-count regimes in increasing order; each covers `min_tokens..=max_tokens`.
     pub regimes: Vec<Regime>,
+    /// How the ranks exchange tokens and results, when the spec has more than one.
+    pub expert_parallel: Option<ep::ExpertParallelPlan>,
     /// What this plan leaves out of the layer, stated so nobody assumes otherwise.
     pub limitations: Vec<String>,
 }
@@ -500,12 +503,23 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
 
     let workspace = workspace(&shape);
 
+    let placement = if layer.topology.virtual_ranks.is_some() {
+        ep::Placement::Virtual
+    } else {
+        ep::Placement::Devices
+    };
+    let expert_parallel = ep::plan_expert_parallel(layer, target, layer.parallel.expert, placement);
     let mut limitations = Vec::new();
     if layer.parallel.expert > 1 {
         limitations.push(format!(
-            "the spec asks for {} expert-parallel ranks; this plan runs all {} experts on one GPU (the multi-rank path is not built yet)",
+            "the spec asks for {} expert-parallel ranks; the exchange is planned (below) but its kernels are not built yet: these kernels run all {} experts on one GPU",
             layer.parallel.expert, layer.experts
         ));
+    }
+    if layer.topology.nodes > 1 && layer.parallel.expert > 1 {
+        limitations.push(
+            "ranks on other nodes need the network path (NCCL, hierarchical traffic), which is not built yet".to_string(),
+        );
     }
     if let Some(shared) = layer.shared_experts {
         limitations.push(format!(
@@ -528,6 +542,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         shape,
         workspace,
         regimes,
+        expert_parallel,
         limitations,
     })
 }

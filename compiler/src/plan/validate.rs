@@ -9,6 +9,7 @@
 
 use thiserror::Error;
 
+use super::ep::{ExpertParallelPlan, Placement};
 use super::{
     Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MmaEngine, Plan, SmemLayout, TILE_K,
     c_identifier, workspace,
@@ -117,11 +118,69 @@ impl Plan {
                 self.check_launch(launch)?;
             }
         }
+        if let Some(ep) = &self.expert_parallel {
+            self.check_expert_parallel(ep)?;
+        }
         if next_min != u64::from(shape.max_tokens) + 1 {
             return Err(format!(
                 "the regimes end at {} tokens, not at max_tokens {}",
                 next_min.saturating_sub(1),
                 shape.max_tokens
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_expert_parallel(&self, ep: &ExpertParallelPlan) -> Result<(), String> {
+        let shape = &self.shape;
+        let ranks = ep.ranks;
+        if ranks < 2
+            || !shape.experts.is_multiple_of(ranks)
+            || ep.experts_per_rank * ranks != shape.experts
+        {
+            return Err(format!(
+                "{ranks} ranks do not split {} experts",
+                shape.experts
+            ));
+        }
+        if ep.dispatch_chunk == 0
+            || ep.slots_per_source < shape.max_tokens
+            || ep.rows_per_segment < shape.max_tokens
+            || ep.chunks_per_source != ep.slots_per_source.div_ceil(ep.dispatch_chunk)
+        {
+            return Err("the receive capacities do not hold max_tokens per source".into());
+        }
+        let worst_rows = u64::from(ranks)
+            * u64::from(shape.max_tokens)
+            * u64::from(shape.top_k.min(ep.experts_per_rank));
+        if ep.intermediate_rows < worst_rows {
+            return Err("the intermediate cannot hold the worst-case rows of one rank".into());
+        }
+        let permutation = |order: &Vec<u32>, first: u32| {
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            order.first() == Some(&first) && sorted == (0..ranks).collect::<Vec<_>>()
+        };
+        let orders_ok = ep.send_order.len() == ranks as usize
+            && ep.receive_order.len() == ranks as usize
+            && (0..ranks).all(|r| {
+                permutation(&ep.send_order[r as usize], r)
+                    && permutation(&ep.receive_order[r as usize], r)
+            });
+        if !orders_ok {
+            return Err(
+                "the send and receive orders are not permutations starting at each rank itself"
+                    .into(),
+            );
+        }
+        let per_device = match ep.placement {
+            Placement::Virtual => ranks * (ep.comm_blocks + ep.compute_sms),
+            Placement::Devices => ep.comm_blocks + ep.compute_sms,
+        };
+        if ep.comm_blocks == 0 || ep.compute_sms == 0 || per_device > self.target.sm_count {
+            return Err(format!(
+                "{per_device} SMs of blocks per device exceed the {} of {}: spin-waits could wait on blocks that never run",
+                self.target.sm_count, self.target.name
             ));
         }
         Ok(())

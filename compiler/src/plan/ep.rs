@@ -1,0 +1,224 @@
+//! Expert parallelism on one node: how R ranks exchange tokens and results for one layer.
+//!
+//! Each rank owns `E / R` experts (contiguous placement). One call runs, per rank:
+//! 1. **metadata**: for every destination, the rank counts its (token, expert) pairs there,
+//!    writes the destination's receive index (which received slot, which origin pair, which
+//!    routing weight, per local expert) and counts, then releases one flag at the
+//!    destination;
+//! 2. **dispatch**: token rows travel into the destination's receive buffer, each token
+//!    once per destination however many of its experts live there, `dispatch_chunk`
+//!    tokens at a time, each chunk followed by a release of its own flag;
+//! 3. **GEMM1** tiles over (local expert, source) segments acquire the flags of exactly the
+//!    chunks their rows sit in; local rows come first, then sources in arrival order;
+//! 4. **GEMM2** stores each weighted row straight into the origin rank's combine slot and
+//!    releases the origin's per-token counter;
+//! 5. **combine** at the origin waits for each token's counter, sums its K slots in k order.
+//!
+//! Flags carry the call's epoch, so consecutive calls need no reset. This module decides the
+//! numbers (chunk size, communication blocks, capacities, traffic order, residency); it is
+//! plan data that `explain` prints.
+
+use serde::{Deserialize, Serialize};
+
+use super::Target;
+use crate::ir::{self, TrafficOrder};
+
+/// Where the ranks of a plan live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// All ranks on one GPU, each with its own buffers and streams (tests the protocol).
+    Virtual,
+    /// One GPU per rank, driven by one process with peer access between the GPUs.
+    Devices,
+}
+
+/// The memory scope flags are released and acquired at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FlagScope {
+    /// `.gpu`: every rank on one device.
+    Gpu,
+    /// `.sys`: peers on other devices.
+    Sys,
+}
+
+impl FlagScope {
+    pub fn ptx(self) -> &'static str {
+        match self {
+            FlagScope::Gpu => "gpu",
+            FlagScope::Sys => "sys",
+        }
+    }
+}
+
+/// The expert-parallel part of a plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExpertParallelPlan {
+    pub ranks: u32,
+    pub placement: Placement,
+    pub experts_per_rank: u32,
+    pub scope: FlagScope,
+    /// Tokens per dispatch chunk.
+    pub dispatch_chunk: u32,
+    /// Why this chunk size.
+    pub chunk_reason: String,
+    /// Token slots a rank keeps per source: a source may send every one of its
+    /// `max_tokens` tokens to one destination, each once.
+    pub slots_per_source: u32,
+    /// Chunks per source at `slots_per_source`.
+    pub chunks_per_source: u32,
+    /// Rows one (local expert, source) segment may hold: every token of the source.
+    pub rows_per_segment: u32,
+    /// Rows of the intermediate a rank may hold: `R · max_tokens · min(K, E / R)`.
+    pub intermediate_rows: u64,
+    /// Thread blocks that move data (per rank), and why.
+    pub comm_blocks: u32,
+    pub comm_reason: String,
+    /// SMs each rank's compute kernels may fill: the rest stay free for the communication
+    /// blocks of every rank on the device, so every spin-wait's producer is resident.
+    pub compute_sms: u32,
+    /// How the residency bound was met.
+    pub residency: String,
+    pub traffic: TrafficOrder,
+    /// Per source rank, the destinations in the order it sends to them (itself first: its
+    /// own rows are ready soonest and need no link).
+    pub send_order: Vec<Vec<u32>>,
+    /// Per destination rank, the sources in the order its GEMM tiles take their rows
+    /// (itself first, then by when each source reaches it in its own send order).
+    pub receive_order: Vec<Vec<u32>>,
+    /// Bound on every spin-wait, in GPU clock cycles; past it the kernel reports a time-out.
+    pub spin_limit_cycles: u64,
+}
+
+/// SM-driven stores through NVLink measured on the two-H200 machine (2026-11-29): blocks
+/// of 512 threads storing 16 bytes each, against GB/s one way.
+const MEASURED_STORE_RATES: [(u32, f64); 3] = [(16, 323.0), (66, 345.0), (132, 365.0)];
+/// Communication blocks are the fewest that reach this share of the best measured rate.
+const COMM_RATE_SHARE: f64 = 0.85;
+/// Threads of a communication block.
+pub const COMM_THREADS: u32 = 512;
+/// A chunk should take at least this many flag latencies to move, so that the release
+/// after it costs a small share of its time.
+const CHUNK_LATENCIES: f64 = 2.0;
+/// Measured release→acquire latency of a flag across the two H200s (1.3 µs).
+const FLAG_LATENCY_S: f64 = 1.3e-6;
+/// Two seconds at the H200's 1.98 GHz: no correct call waits this long for one flag.
+const SPIN_LIMIT_CYCLES: u64 = 4_000_000_000;
+
+/// The expert-parallel plan of `layer` over `ranks` ranks living as `placement` says;
+/// `None` for one rank.
+pub fn plan_expert_parallel(
+    layer: &ir::Layer,
+    target: &Target,
+    ranks: u32,
+    placement: Placement,
+) -> Option<ExpertParallelPlan> {
+    if ranks <= 1 {
+        return None;
+    }
+    let hints = &layer.schedule;
+    let row_bytes = f64::from(layer.hidden) * 2.0;
+    let (link_bytes_per_s, scope) = match placement {
+        // Virtual ranks move data within one device's memory.
+        Placement::Virtual => (target.hbm_bytes_per_s / 2.0, FlagScope::Gpu),
+        Placement::Devices => (
+            layer.topology.intra_node.bandwidth_bytes_per_s as f64,
+            FlagScope::Sys,
+        ),
+    };
+    let (dispatch_chunk, chunk_reason) = match hints.dispatch_chunk {
+        Some(chunk) => (chunk, "the spec's `dispatch_chunk`".to_string()),
+        None => {
+            let bytes = link_bytes_per_s * FLAG_LATENCY_S * CHUNK_LATENCIES;
+            let tokens = (bytes / row_bytes).clamp(16.0, 256.0) as u32;
+            let chunk = 1 << (31 - tokens.leading_zeros());
+            (
+                chunk,
+                format!(
+                    "a chunk of {chunk} rows ({} KB) takes about {CHUNK_LATENCIES} flag latencies ({:.1} us) at {:.0} GB/s",
+                    u64::from(chunk) * u64::from(layer.hidden) * 2 / 1000,
+                    FLAG_LATENCY_S * 1e6,
+                    link_bytes_per_s / 1e9
+                ),
+            )
+        }
+    };
+    let sms_per_rank = match placement {
+        Placement::Virtual => target.sm_count / ranks,
+        Placement::Devices => target.sm_count,
+    };
+    let (comm_blocks, comm_reason) = match hints.comm_blocks {
+        Some(blocks) => (blocks, "the spec's `comm_blocks`".to_string()),
+        None => {
+            let best = MEASURED_STORE_RATES
+                .iter()
+                .map(|&(_, rate)| rate)
+                .fold(0.0, f64::max);
+            let (blocks, rate) = MEASURED_STORE_RATES
+                .iter()
+                .copied()
+                .find(|&(_, rate)| rate >= COMM_RATE_SHARE * best)
+                .unwrap_or(MEASURED_STORE_RATES[0]);
+            // Virtual ranks share one device: a quarter of each rank's SMs at most.
+            let blocks = match placement {
+                Placement::Virtual => blocks.min((sms_per_rank / 4).max(1)),
+                Placement::Devices => blocks,
+            };
+            (
+                blocks,
+                format!(
+                    "the fewest measured that reach {:.0}% of the best peer-store rate ({rate:.0} of {best:.0} GB/s with {} blocks)",
+                    COMM_RATE_SHARE * 100.0,
+                    MEASURED_STORE_RATES[0].0
+                ),
+            )
+        }
+    };
+    let compute_sms = sms_per_rank.saturating_sub(comm_blocks).max(1);
+    let ranks_per_device = match placement {
+        Placement::Virtual => ranks,
+        Placement::Devices => 1,
+    };
+    let residency = format!(
+        "{ranks_per_device} rank(s) per device × ({comm_blocks} communication + {compute_sms} compute SMs) = {} of {} SMs: every block a spin-wait depends on is resident",
+        ranks_per_device * (comm_blocks + compute_sms),
+        target.sm_count
+    );
+    let traffic = hints.traffic_order.unwrap_or(TrafficOrder::Rotate);
+    let send_order: Vec<Vec<u32>> = (0..ranks)
+        .map(|source| (0..ranks).map(|step| (source + step) % ranks).collect())
+        .collect();
+    let receive_order = (0..ranks)
+        .map(|destination| {
+            // Source s reaches this destination at step (destination - s) mod R.
+            let mut sources: Vec<u32> = (0..ranks).collect();
+            sources.sort_by_key(|&s| (destination + ranks - s) % ranks);
+            sources
+        })
+        .collect();
+    let max_tokens = layer.max_tokens;
+    let experts_per_rank = layer.experts / ranks;
+    Some(ExpertParallelPlan {
+        ranks,
+        placement,
+        experts_per_rank,
+        scope,
+        dispatch_chunk,
+        chunk_reason,
+        slots_per_source: max_tokens,
+        chunks_per_source: max_tokens.div_ceil(dispatch_chunk),
+        rows_per_segment: max_tokens,
+        intermediate_rows: u64::from(ranks)
+            * u64::from(max_tokens)
+            * u64::from(layer.top_k.min(experts_per_rank)),
+        comm_blocks,
+        comm_reason,
+        compute_sms,
+        residency,
+        traffic,
+        send_order,
+        receive_order,
+        spin_limit_cycles: SPIN_LIMIT_CYCLES,
+    })
+}
