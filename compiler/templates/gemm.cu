@@ -14,6 +14,27 @@
 // ---------------------------------------------------------------------------------------
 enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 
+// The single-GPU GEMMs: one group of rows per expert, no peers.
+struct SingleGpu {
+    static constexpr bool EP = false;
+    static constexpr int GROUPS = EXPERTS, GROUPS_PER_EXPERT = 1, RANKS = 1;
+    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1;
+    static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
+};
+
+// What a GEMM of the expert-parallel path needs beyond the single-GPU one (empty there).
+// GEMM1 waits for the dispatch chunks its rows sit in; GEMM2 stores each row into its
+// origin rank's combine slot and releases that rank's per-token counter.
+struct EpContext {
+    const u32* chunk_flags = nullptr;    // GEMM1: per source chunk, the epoch it arrived in
+    const float* row_weights = nullptr;  // GEMM2: routing weight of each GEMM row
+    const u64* peers = nullptr;          // GEMM2: every rank's peer buffers
+    const int* receive_order = nullptr;  // GEMM2: the source of each segment slot
+    int* error_word = nullptr;
+    int rank = 0;
+    u32 epoch = 0;
+};
+
 // Checks every GEMM config against the layout the code below assumes.
 template <class G>
 __device__ __forceinline__ void assert_gemm_layout() {
@@ -27,6 +48,7 @@ __device__ __forceinline__ void assert_gemm_layout() {
                   "plan: dynamic shared memory");
     static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
+    static_assert(G::GROUPS % G::GROUPS_PER_EXPERT == 0, "plan: groups are whole experts");
 }
 
 // Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
@@ -41,12 +63,13 @@ struct GemmTile {
     int expert, n0, row0, rows;
 };
 
-// Tile schedule: ceil(rows / BM) * N_TILES tiles per expert, numbered expert-major.
-// s_tile_start[e] is expert e's first tile, s_tile_start[EXPERTS] the total.
-template <int BM, int N_TILES>
+// Tile schedule: ceil(rows / BM) * N_TILES tiles per group of rows (an expert; on the
+// expert-parallel path a (local expert, source) segment), numbered group-major.
+// s_tile_start[g] is group g's first tile, s_tile_start[GROUPS] the total.
+template <int BM, int N_TILES, int GROUPS = EXPERTS>
 __device__ __forceinline__ void tile_schedule(const int* __restrict__ expert_offsets, int* s_tile_start) {
     if (threadIdx.x < 32) {
-        warp_exclusive_scan(EXPERTS, [&](int e) {
+        warp_exclusive_scan(GROUPS, [&](int e) {
             const int rows = expert_offsets[e + 1] - expert_offsets[e];
             return (rows + BM - 1) / BM * N_TILES;
         }, s_tile_start);
@@ -54,10 +77,10 @@ __device__ __forceinline__ void tile_schedule(const int* __restrict__ expert_off
     __syncthreads();
 }
 
-template <int BM, int BN>
+template <int BM, int BN, int GROUPS = EXPERTS>
 __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ expert_offsets) {
-    // The expert owning this tile: the last e with s_tile_start[e] <= tile.
-    int lo = 0, hi = EXPERTS - 1;
+    // The group owning this tile: the last g with s_tile_start[g] <= tile.
+    int lo = 0, hi = GROUPS - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
@@ -74,13 +97,25 @@ __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_star
     return t;
 }
 
-// The source row of each tile row: the gathered token (GEMM_UP) or the contiguous
-// intermediate row (GEMM_DOWN); -1 marks rows past the expert's count.
+// The source row of each tile row: the gathered token (GEMM_UP; on the expert-parallel
+// path the received row, once the chunk it sits in has arrived) or the contiguous
+// intermediate row (GEMM_DOWN); -1 marks rows past the group's count.
 template <class G>
-__device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source) {
+__device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source,
+                                                 const EpContext& ep) {
     for (int r = threadIdx.x; r < G::BM; r += G::THREADS) {
         int source = -1;
-        if (r < t.rows) source = (G::KIND == GEMM_UP) ? row_pair[t.row0 + r] / TOP_K : t.row0 + r;
+        if (r < t.rows) {
+            if constexpr (G::KIND == GEMM_DOWN) {
+                source = t.row0 + r;
+            } else if constexpr (G::EP) {
+                source = row_pair[t.row0 + r];
+                const int chunk = source / G::SLOTS * G::CHUNKS + source % G::SLOTS / G::CHUNK;
+                wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
+            } else {
+                source = row_pair[t.row0 + r] / TOP_K;
+            }
+        }
         s_row_source[r] = source;
     }
     __syncthreads();
@@ -115,23 +150,48 @@ __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const Gem
 // pair of adjacent output columns at a time. GEMM_UP applies the activation (gate and up
 // accumulators); GEMM_DOWN scales by the routing weight and writes the (token, k) slot.
 struct EpilogueRow {
-    size_t out_row;
+    bf16_t* out;  // the output row
     float scale;
 };
 
+// The rank a GEMM2 row's pair came from (expert-parallel path): its segment's source.
+template <class G>
+__device__ __forceinline__ int row_origin(const GemmTile& t, const EpContext& ep) {
+    return ep.receive_order[t.expert % G::RANKS];
+}
+
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
-                                                    const float* __restrict__ topk_weights) {
+                                                    const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
+                                                    const EpContext& ep) {
     if constexpr (G::KIND == GEMM_UP) {
-        return EpilogueRow{(size_t)(t.row0 + r), 1.f};
+        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f};
+    } else if constexpr (G::EP) {
+        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
+        bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
+        return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r]};
     } else {
         const int pair = row_pair[t.row0 + r];
-        return EpilogueRow{(size_t)pair, topk_weights[pair]};
+        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair]};
+    }
+}
+
+// Expert-parallel GEMM2, after a tile's stores (and the barrier that follows them): each
+// row releases BN columns to its token's counter at the origin.
+template <class G>
+__device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep) {
+    if constexpr (G::EP && G::KIND == GEMM_DOWN) {
+        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
+        u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
+        for (int r = threadIdx.x; r < t.rows; r += G::THREADS) {
+            fence_flags();
+            flag_add(counters + row_pair[t.row0 + r] / TOP_K, G::BN);
+        }
     }
 }
 
 template <class G>
-__device__ __forceinline__ void epilogue_store(bf16_t* __restrict__ out, const EpilogueRow& row, int column,
+__device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
                                                float v0, float v1, float up0, float up1) {
     if constexpr (G::KIND == GEMM_UP) {
         v0 = activate(v0, up0);
@@ -140,7 +200,7 @@ __device__ __forceinline__ void epilogue_store(bf16_t* __restrict__ out, const E
         v0 *= row.scale;
         v1 *= row.scale;
     }
-    *reinterpret_cast<u32*>(out + row.out_row * G::N + column) = pack_bf16x2(v0, v1);
+    *reinterpret_cast<u32*>(row.out + column) = pack_bf16x2(v0, v1);
 }
 
 template <class G>
@@ -150,7 +210,8 @@ __device__ __forceinline__ void grouped_gemm(
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
     const int* __restrict__ expert_offsets,   // [EXPERTS + 1]
     const int* __restrict__ row_pair,         // [pairs]
-    bf16_t* __restrict__ out)                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
+    bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
+    const EpContext& ep)
 {
     assert_gemm_layout<G>();
     static_assert(G::ALIGN_SLACK == 0 && G::RING_ALIGN == 128, "plan: the mma.sync ring starts the allocation");
@@ -165,7 +226,7 @@ __device__ __forceinline__ void grouped_gemm(
 
     extern __shared__ __align__(128) unsigned char smem[];
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
-    __shared__ int s_tile_start[EXPERTS + 1];
+    __shared__ int s_tile_start[G::GROUPS + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -175,13 +236,13 @@ __device__ __forceinline__ void grouped_gemm(
     const int warp_n = warp % G::WARPS_N;
     const u32 smem_base = smem_address(smem);
 
-    tile_schedule<G::BM, N_TILES>(expert_offsets, s_tile_start);
-    const int total_tiles = s_tile_start[EXPERTS];
+    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
+    const int total_tiles = s_tile_start[G::GROUPS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<G::BM, G::BN>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source);
-        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
+        const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
             load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
@@ -256,17 +317,18 @@ __device__ __forceinline__ void grouped_gemm(
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
                 if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights);
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
                     const float up0 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2] : 0.f;
                     const float up1 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2 + 1] : 0.f;
-                    epilogue_store<G>(out, row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
+                    epilogue_store<G>(row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
                 }
             }
         }
         cp_async_wait<0>();
-        __syncthreads();  // the next tile reuses the ring and the row table
+        __syncthreads();  // the next tile reuses the ring and the row table; every store is done
+        epilogue_release<G>(t, row_pair, ep);
     }
 }

@@ -43,7 +43,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair,
-    bf16_t* __restrict__ out)
+    bf16_t* __restrict__ out,
+    const EpContext& ep)
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one warpgroup (4 warps) per 64 rows");
@@ -62,7 +63,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
     unsigned char* smem = smem_raw + (smem_base - raw_base);
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
-    __shared__ int s_tile_start[EXPERTS + 1];
+    __shared__ int s_tile_start[G::GROUPS + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -70,13 +71,13 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const int warpgroup = tid >> 7;
     const int warp_in_group = (tid >> 5) & 3;
 
-    tile_schedule<G::BM, N_TILES>(expert_offsets, s_tile_start);
-    const int total_tiles = s_tile_start[EXPERTS];
+    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
+    const int total_tiles = s_tile_start[G::GROUPS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<G::BM, G::BN>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source);
-        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
+        const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
             load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
@@ -129,17 +130,18 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
         for (int half = 0; half < 2; ++half) {
             const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
             if (r >= t.rows) continue;
-            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights);
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
 #pragma unroll
             for (int j = 0; j < G::BN / 8; ++j) {
                 const int column = t.n0 + j * 8 + (lane & 3) * 2;
                 const int c = j * 4 + half * 2;
                 const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
                 const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-                epilogue_store<G>(out, row, column, acc[c], acc[c + 1], up0, up1);
+                epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
             }
         }
         cp_async_wait<0>();
-        __syncthreads();
+        __syncthreads();  // every store of the tile is done
+        epilogue_release<G>(t, row_pair, ep);
     }
 }

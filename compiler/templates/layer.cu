@@ -27,18 +27,22 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 {{ activation_fn }}
 
 {% include "routing.cu" %}
+{% include "flags.cu" %}
 {% include "gemm.cu" %}
 {%- if !wgmma_widths.is_empty() %}
 {% include "gemm_wgmma.cu" %}
 {%- endif %}
 {% include "combine.cu" %}
+{%- if let Some(ep) = ep %}
+{% include "ep.cu" %}
+{%- endif %}
 {%- for regime in regimes %}
 // ---------------------------------------------------------------------------------------
-// Regime `{{ regime.name }}`: {{ regime.min_tokens }}..={{ regime.max_tokens }} tokens per call
+// {{ regime.label }}: {{ regime.min_tokens }}..={{ regime.max_tokens }} tokens per call
 // ---------------------------------------------------------------------------------------
 {%- for gemm in regime.gemms %}
 // {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x{{ gemm.bk }}, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM)
-struct {{ gemm.config }} {
+struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int KIND = {{ gemm.kind }};
     static constexpr bool GATED = {{ gemm.gated }};
     static constexpr int N = {{ gemm.n }}, KD = {{ gemm.kd }};  // output width, reduction depth
@@ -54,11 +58,7 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
     {{ gemm.entry.params }}
 )
 {
-{%- if gemm.up %}
-    {{ gemm.function }}<{{ gemm.config }}>(x, w1, nullptr, expert_offsets, row_pair, intermediate);
-{%- else %}
-    {{ gemm.function }}<{{ gemm.config }}>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots);
-{%- endif %}
+    {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
 }
 {%- endfor %}
 {%- endfor %}

@@ -314,29 +314,27 @@ pub fn load_layer(dir: &Path, layer: Option<&str>) -> Result<(Plan, CompiledModu
 /// parameters: as many, in order, each a 64-bit pointer or a 32-bit integer as the plan
 /// says. On a mismatch, the kernel and what is wrong.
 pub fn check_ptx_entries(plan: &Plan, ptx: &str) -> Result<(), (String, String)> {
-    for regime in &plan.regimes {
-        for launch in &regime.launches {
-            let kernel = &launch.kernel;
-            let params = ptx_entry_params(ptx, kernel)
-                .ok_or_else(|| (kernel.clone(), "is missing from the PTX".to_string()))?;
-            let expected: Vec<&str> = launch
-                .params
-                .iter()
-                .map(|p| match p.arg.param_type() {
-                    ParamType::Pointer(_) => ".u64",
-                    ParamType::I32 => ".u32",
-                })
-                .collect();
-            if params != expected {
-                return Err((
-                    kernel.clone(),
-                    format!(
-                        "takes ({}) in the PTX, the plan passes ({})",
-                        params.join(", "),
-                        expected.join(", ")
-                    ),
-                ));
-            }
+    for launch in plan.launches() {
+        let kernel = &launch.kernel;
+        let params = ptx_entry_params(ptx, kernel)
+            .ok_or_else(|| (kernel.clone(), "is missing from the PTX".to_string()))?;
+        let expected: Vec<&str> = launch
+            .params
+            .iter()
+            .map(|p| match p.arg.param_type() {
+                ParamType::Pointer(_) => ".u64",
+                ParamType::I32 | ParamType::U32 => ".u32",
+            })
+            .collect();
+        if params != expected {
+            return Err((
+                kernel.clone(),
+                format!(
+                    "takes ({}) in the PTX, the plan passes ({})",
+                    params.join(", "),
+                    expected.join(", ")
+                ),
+            ));
         }
     }
     Ok(())

@@ -26,6 +26,10 @@ pub enum LayerError {
         "the compiled module has no kernel `{name}` that the plan launches; regenerate and recompile the layer"
     )]
     MissingKernel { name: String },
+    #[error(
+        "the plan gives a single-GPU launch the multi-rank argument `{arg}`; run it with the expert-parallel layer"
+    )]
+    MultiRankArg { arg: &'static str },
     #[error("the plan launches a kernel with workspace buffer `{buffer}`, which it does not list")]
     MissingWorkspace { buffer: &'static str },
     #[error(
@@ -349,6 +353,9 @@ fn bind(arg: LaunchArg, workspace: &[(BufferId, CudaSlice<u8>)]) -> Result<Bindi
         LaunchArg::W2 => Binding::W2,
         LaunchArg::Y => Binding::Y,
         LaunchArg::Tokens => Binding::Tokens,
+        LaunchArg::Rank | LaunchArg::Epoch => {
+            return Err(LayerError::MultiRankArg { arg: arg.name() });
+        }
         LaunchArg::Workspace(id) => Binding::Workspace(
             workspace
                 .iter()

@@ -41,9 +41,7 @@ fn every_example_compiles_for_sm90a_without_spills() {
                 layer.name
             );
             let launch = plan
-                .regimes
-                .iter()
-                .flat_map(|r| &r.launches)
+                .launches()
                 .find(|l| &l.kernel == entry)
                 .expect("every entry point is launched");
             assert_eq!(

@@ -10,6 +10,10 @@ use askama::Template;
 use thiserror::Error;
 
 use crate::ir::Activation;
+use crate::plan::ep::{
+    COMM_THREADS, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, ExpertParallelRegime, FlagScope,
+    META_THREADS, Placement,
+};
 use crate::plan::{
     Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, Regime,
     SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, error_code,
@@ -60,6 +64,13 @@ struct LayerUnit<'a> {
     activation: &'static str,
     activation_fn: &'static str,
     regimes: Vec<RegimeUnit>,
+    ep: Option<EpUnit>,
+    flag_scope: &'static str,
+    spin_limit_cycles: u64,
+    error_flag_timeout: i32,
+    flag_kind_meta: i32,
+    flag_kind_chunk: i32,
+    flag_kind_combine: i32,
     /// Distinct wgmma widths (tile columns) the plan uses, ascending.
     wgmma_widths: Vec<u32>,
 }
@@ -111,21 +122,102 @@ const GEMM_DOWN_USES: &[&str] = &[
     "combine_slots",
 ];
 const COMBINE_USES: &[&str] = &["combine_slots", "topk_ids", "y"];
+const EP_ROUTE_USES: &[&str] = &[
+    "topk_ids",
+    "topk_weights",
+    "tokens",
+    "rank",
+    "epoch",
+    "send_slots",
+    "send_counts",
+    "peer_table",
+    "error_word",
+];
+const EP_DISPATCH_USES: &[&str] = &[
+    "x",
+    "rank",
+    "epoch",
+    "send_slots",
+    "send_counts",
+    "peer_table",
+];
+const EP_ARRANGE_USES: &[&str] = &[
+    "rank",
+    "epoch",
+    "recv_slot",
+    "recv_pair",
+    "recv_weight",
+    "recv_counts",
+    "meta_flags",
+    "segment_offsets",
+    "segment_rows",
+    "segment_pairs",
+    "segment_weights",
+    "error_word",
+];
+const EP_GEMM_UP_USES: &[&str] = &[
+    "recv_x",
+    "w1",
+    "segment_offsets",
+    "segment_rows",
+    "chunk_flags",
+    "rank",
+    "epoch",
+    "error_word",
+    "intermediate",
+];
+const EP_GEMM_DOWN_USES: &[&str] = &[
+    "intermediate",
+    "w2",
+    "segment_offsets",
+    "segment_pairs",
+    "segment_weights",
+    "peer_table",
+    "rank",
+    "error_word",
+];
+const EP_COMBINE_USES: &[&str] = &[
+    "topk_ids",
+    "tokens",
+    "rank",
+    "epoch",
+    "combine_slots",
+    "combine_counters",
+    "error_word",
+    "y",
+];
 
 /// What one parameter holds, for the comment beside it.
 fn param_comment(arg: LaunchArg) -> &'static str {
     match arg {
         LaunchArg::X => "[tokens, HIDDEN]",
         LaunchArg::TopkIds | LaunchArg::TopkWeights => "[tokens, TOP_K]",
-        LaunchArg::W1 => "[EXPERTS, W1 rows, HIDDEN]",
-        LaunchArg::W2 => "[EXPERTS, HIDDEN, FFN]",
+        LaunchArg::W1 => "[experts here, W1 rows, HIDDEN]",
+        LaunchArg::W2 => "[experts here, HIDDEN, FFN]",
         LaunchArg::Y => "[tokens, HIDDEN]",
         LaunchArg::Tokens => "tokens in this call",
-        LaunchArg::Workspace(BufferId::ExpertOffsets) => "[EXPERTS + 1], workspace",
-        LaunchArg::Workspace(BufferId::RowPair) => "[tokens * TOP_K], workspace",
-        LaunchArg::Workspace(BufferId::Intermediate) => "[tokens * TOP_K, FFN], workspace",
-        LaunchArg::Workspace(BufferId::CombineSlots) => "[tokens * TOP_K, HIDDEN], workspace",
-        LaunchArg::Workspace(BufferId::ErrorWord) => "[4]: code, token, k, value",
+        LaunchArg::Rank => "this rank",
+        LaunchArg::Epoch => "this call's epoch",
+        LaunchArg::Workspace(id) => match id {
+            BufferId::ExpertOffsets => "[EXPERTS + 1], workspace",
+            BufferId::RowPair => "[tokens * TOP_K], workspace",
+            BufferId::Intermediate => "[rows, FFN], workspace",
+            BufferId::CombineSlots => "[tokens * TOP_K, HIDDEN], workspace",
+            BufferId::ErrorWord => "[4]: code, then details",
+            BufferId::SendSlots => "[RANKS, MAX_TOKENS]: token of each send slot",
+            BufferId::SendCounts => "[RANKS]: tokens sent to each rank",
+            BufferId::RecvX => "[RANKS * SLOTS, HIDDEN], written by peers",
+            BufferId::RecvSlot | BufferId::RecvPair | BufferId::RecvWeight => {
+                "[LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers"
+            }
+            BufferId::RecvCounts => "[RANKS, LOCAL_EXPERTS + 1], written by peers",
+            BufferId::MetaFlags => "[RANKS], written by peers",
+            BufferId::ChunkFlags => "[RANKS, CHUNKS], written by peers",
+            BufferId::SegmentOffsets => "[LOCAL_EXPERTS * RANKS + 1]",
+            BufferId::SegmentRows | BufferId::SegmentPairs | BufferId::SegmentWeights => "[rows]",
+            BufferId::CombineCounters => "[MAX_TOKENS], written by peers",
+            BufferId::PeerTable => "[RANKS, PEER_BUFFERS]: peers' addresses",
+        },
     }
 }
 
@@ -152,6 +244,10 @@ impl EntryUnit {
             .map(|p| {
                 let declaration = match (p.arg.param_type(), p.access) {
                     (ParamType::I32, _) => format!("int {}", p.arg.name()),
+                    (ParamType::U32, _) => format!("u32 {}", p.arg.name()),
+                    (ParamType::Pointer(elem), Access::ReadShared) => {
+                        format!("const {}* {}", elem.c_type(), p.arg.name())
+                    }
                     (ParamType::Pointer(elem), Access::Read) => {
                         format!("const {}* __restrict__ {}", elem.c_type(), p.arg.name())
                     }
@@ -181,11 +277,10 @@ impl EntryUnit {
     }
 }
 
-/// The launch of `kernel` in the plan's first regime that runs it.
+/// The launch of `kernel` in the plan's first regime that runs it (single-GPU or
+/// expert-parallel).
 fn find_launch<'p>(plan: &'p Plan, kernel: &str) -> Result<&'p Launch, CodegenError> {
-    plan.regimes
-        .iter()
-        .flat_map(|r| &r.launches)
+    plan.launches()
         .find(|l| l.kernel == kernel)
         .ok_or_else(|| CodegenError::MissingLaunch {
             kernel: kernel.to_string(),
@@ -193,7 +288,8 @@ fn find_launch<'p>(plan: &'p Plan, kernel: &str) -> Result<&'p Launch, CodegenEr
 }
 
 struct RegimeUnit {
-    name: String,
+    /// The regime's heading in the source.
+    label: String,
     min_tokens: u32,
     max_tokens: u32,
     gemms: [GemmUnit; 2],
@@ -201,12 +297,15 @@ struct RegimeUnit {
 
 struct GemmUnit {
     role: &'static str,
-    up: bool,
     engine: &'static str,
     /// The device template that runs the GEMM.
     function: &'static str,
     /// The name of its config struct: `<regime>_gemm1`.
     config: String,
+    /// The config's base: `SingleGpu` or `ExpertParallel`.
+    base: &'static str,
+    /// The arguments the entry point passes to the device template.
+    call_args: &'static str,
     kind: &'static str,
     gated: bool,
     n: &'static str,
@@ -225,43 +324,70 @@ struct GemmUnit {
     grid: u32,
 }
 
+/// Which GEMM of which path a `GemmUnit` is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GemmRole {
+    Up,
+    Down,
+    ExpertParallelUp,
+    ExpertParallelDown,
+}
+
 impl GemmUnit {
     fn new(
         plan: &Plan,
-        regime: &Regime,
-        up: bool,
+        regime_name: &str,
+        role: GemmRole,
         kernel: &str,
         gemm: &GemmPlan,
     ) -> Result<Self, CodegenError> {
-        let (role, config, kind, n, kd, uses) = if up {
-            (
+        let up = matches!(role, GemmRole::Up | GemmRole::ExpertParallelUp);
+        let (description, suffix, uses, base, call_args) = match role {
+            GemmRole::Up => (
                 "GEMM1 (gather, W1, activation)",
-                format!("{}_gemm1", regime.name),
-                "GEMM_UP",
-                "FFN",
-                "HIDDEN",
+                "gemm1",
                 GEMM_UP_USES,
-            )
-        } else {
-            (
+                "SingleGpu",
+                "x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{}",
+            ),
+            GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
-                format!("{}_gemm2", regime.name),
-                "GEMM_DOWN",
-                "HIDDEN",
-                "FFN",
+                "gemm2",
                 GEMM_DOWN_USES,
-            )
+                "SingleGpu",
+                "intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}",
+            ),
+            GemmRole::ExpertParallelUp => (
+                "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
+                "ep_gemm1",
+                EP_GEMM_UP_USES,
+                "ExpertParallel",
+                "recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, error_word, rank, epoch)",
+            ),
+            GemmRole::ExpertParallelDown => (
+                "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",
+                "ep_gemm2",
+                EP_GEMM_DOWN_USES,
+                "ExpertParallel",
+                "intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, peer_table, error_word, rank)",
+            ),
+        };
+        let (kind, n, kd) = if up {
+            ("GEMM_UP", "FFN", "HIDDEN")
+        } else {
+            ("GEMM_DOWN", "HIDDEN", "FFN")
         };
         let entry = EntryUnit::new(plan, kernel, uses)?;
         Ok(GemmUnit {
-            role,
-            up,
+            role: description,
             engine: gemm.engine.name(),
             function: match gemm.engine {
                 MmaEngine::MmaSync => "grouped_gemm",
                 MmaEngine::Wgmma => "grouped_gemm_wgmma",
             },
-            config,
+            config: format!("{regime_name}_{suffix}"),
+            base,
+            call_args,
             kind,
             gated: up && plan.shape.activation.is_gated(),
             n,
@@ -306,13 +432,125 @@ fn activation_fn(activation: Activation) -> &'static str {
 
 fn regime_unit(plan: &Plan, regime: &Regime) -> Result<RegimeUnit, CodegenError> {
     Ok(RegimeUnit {
-        name: regime.name.clone(),
+        label: format!("Regime `{}`", regime.name),
         min_tokens: regime.min_tokens,
         max_tokens: regime.max_tokens,
         gemms: [
-            GemmUnit::new(plan, regime, true, &regime.gemm1_kernel, &regime.gemm1)?,
-            GemmUnit::new(plan, regime, false, &regime.gemm2_kernel, &regime.gemm2)?,
+            GemmUnit::new(
+                plan,
+                &regime.name,
+                GemmRole::Up,
+                &regime.gemm1_kernel,
+                &regime.gemm1,
+            )?,
+            GemmUnit::new(
+                plan,
+                &regime.name,
+                GemmRole::Down,
+                &regime.gemm2_kernel,
+                &regime.gemm2,
+            )?,
         ],
+    })
+}
+
+/// The expert-parallel kernels of `regime`, whose token range `ep_regime` shares.
+fn ep_regime_unit(
+    plan: &Plan,
+    regime: &Regime,
+    ep_regime: &ExpertParallelRegime,
+) -> Result<RegimeUnit, CodegenError> {
+    Ok(RegimeUnit {
+        label: format!("Regime `{}`, expert-parallel", regime.name),
+        min_tokens: regime.min_tokens,
+        max_tokens: regime.max_tokens,
+        gemms: [
+            GemmUnit::new(
+                plan,
+                &regime.name,
+                GemmRole::ExpertParallelUp,
+                &ep_regime.gemm1_kernel,
+                &ep_regime.gemm1,
+            )?,
+            GemmUnit::new(
+                plan,
+                &regime.name,
+                GemmRole::ExpertParallelDown,
+                &ep_regime.gemm2_kernel,
+                &ep_regime.gemm2,
+            )?,
+        ],
+    })
+}
+
+/// One buffer of the peer table: its constant's name and its column.
+struct PeerBufferUnit {
+    constant: String,
+    index: usize,
+}
+
+/// The expert-parallel section of the unit.
+struct EpUnit {
+    ranks: u32,
+    placement: &'static str,
+    local_experts: u32,
+    max_tokens: u32,
+    slots: u32,
+    segment_rows: u32,
+    chunk: u32,
+    chunks: u32,
+    comm_threads: u32,
+    meta_threads: u32,
+    peer_buffers: Vec<PeerBufferUnit>,
+    send_order: String,
+    receive_order: String,
+    route: EntryUnit,
+    dispatch: EntryUnit,
+    arrange: EntryUnit,
+    combine: EntryUnit,
+}
+
+/// `{0, 1}, {1, 0}`: a table of ranks as a C initializer.
+fn rank_table(rows: &[Vec<u32>]) -> String {
+    rows.iter()
+        .map(|row| {
+            let cells: Vec<String> = row.iter().map(u32::to_string).collect();
+            format!("{{{}}}", cells.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError> {
+    Ok(EpUnit {
+        ranks: ep.ranks,
+        placement: match ep.placement {
+            Placement::Virtual => "virtual ranks on one GPU",
+            Placement::Devices => "one GPU per rank",
+        },
+        local_experts: ep.experts_per_rank,
+        max_tokens: plan.shape.max_tokens,
+        slots: ep.slots_per_source,
+        segment_rows: ep.rows_per_segment,
+        chunk: ep.dispatch_chunk,
+        chunks: ep.chunks_per_source,
+        comm_threads: COMM_THREADS,
+        meta_threads: META_THREADS,
+        peer_buffers: ep
+            .peer_buffers
+            .iter()
+            .enumerate()
+            .map(|(index, id)| PeerBufferUnit {
+                constant: format!("PEER_{}", id.name().to_ascii_uppercase()),
+                index,
+            })
+            .collect(),
+        send_order: rank_table(&ep.send_order),
+        receive_order: rank_table(&ep.receive_order),
+        route: EntryUnit::new(plan, &ep.route_kernel, EP_ROUTE_USES)?,
+        dispatch: EntryUnit::new(plan, &ep.dispatch_kernel, EP_DISPATCH_USES)?,
+        arrange: EntryUnit::new(plan, &ep.arrange_kernel, EP_ARRANGE_USES)?,
+        combine: EntryUnit::new(plan, &ep.combine_kernel, EP_COMBINE_USES)?,
     })
 }
 
@@ -335,11 +573,25 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         error_expert_id: error_code::EXPERT_ID_OUT_OF_RANGE,
         activation: shape.activation.name(),
         activation_fn: activation_fn(shape.activation),
-        regimes: plan
-            .regimes
-            .iter()
-            .map(|regime| regime_unit(plan, regime))
-            .collect::<Result<_, _>>()?,
+        regimes: regime_units(plan)?,
+        ep: plan
+            .expert_parallel
+            .as_ref()
+            .map(|ep| ep_unit(plan, ep))
+            .transpose()?,
+        flag_scope: plan
+            .expert_parallel
+            .as_ref()
+            .map_or(FlagScope::Gpu, |ep| ep.scope)
+            .ptx(),
+        spin_limit_cycles: plan
+            .expert_parallel
+            .as_ref()
+            .map_or(DEFAULT_SPIN_LIMIT_CYCLES, |ep| ep.spin_limit_cycles),
+        error_flag_timeout: error_code::FLAG_TIMEOUT,
+        flag_kind_meta: error_code::flag_kind::META,
+        flag_kind_chunk: error_code::flag_kind::CHUNK,
+        flag_kind_combine: error_code::flag_kind::COMBINE,
         wgmma_widths: wgmma_widths(plan),
     };
     Ok(KernelSource {
@@ -347,6 +599,21 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         source: unit.render()?,
         entry_points: plan.entry_points(),
     })
+}
+
+/// The single-GPU regimes, then the expert-parallel ones.
+fn regime_units(plan: &Plan) -> Result<Vec<RegimeUnit>, CodegenError> {
+    let mut units = plan
+        .regimes
+        .iter()
+        .map(|regime| regime_unit(plan, regime))
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(ep) = &plan.expert_parallel {
+        for (regime, ep_regime) in plan.regimes.iter().zip(&ep.regimes) {
+            units.push(ep_regime_unit(plan, regime, ep_regime)?);
+        }
+    }
+    Ok(units)
 }
 
 fn wgmma_widths(plan: &Plan) -> Vec<u32> {

@@ -58,7 +58,7 @@ pub fn describe(plan: &Plan) -> String {
                 .params
                 .iter()
                 .map(|p| match p.access {
-                    Access::Read => p.arg.name().to_string(),
+                    Access::Read | Access::ReadShared => p.arg.name().to_string(),
                     Access::Write => format!("*{}", p.arg.name()),
                 })
                 .collect();

@@ -20,7 +20,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Target;
+use super::launch::{KernelParam, StreamRole};
+use super::{
+    Buffer, BufferId, COMBINE_THREADS, GemmPlan, Grid, Launch, LaunchArg, LayerShape, Regime,
+    Target, static_smem_reserved,
+};
 use crate::ir::{self, TrafficOrder};
 
 /// Where the ranks of a plan live.
@@ -89,7 +93,48 @@ pub struct ExpertParallelPlan {
     pub receive_order: Vec<Vec<u32>>,
     /// Bound on every spin-wait, in GPU clock cycles; past it the kernel reports a time-out.
     pub spin_limit_cycles: u64,
+    /// The buffers each rank allocates (sizes per rank).
+    pub workspace: Vec<Buffer>,
+    /// The buffers peers write, in the order of each rank's row of the peer table.
+    pub peer_buffers: Vec<BufferId>,
+    /// Entry points shared by every regime.
+    pub route_kernel: String,
+    pub dispatch_kernel: String,
+    pub arrange_kernel: String,
+    pub combine_kernel: String,
+    /// Per regime of the plan (same token ranges), the GEMMs and launches of one rank.
+    pub regimes: Vec<ExpertParallelRegime>,
 }
+
+/// One regime's expert-parallel kernels on one rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExpertParallelRegime {
+    /// The regime's GEMM plans with grids cut to the rank's compute SMs.
+    pub gemm1: GemmPlan,
+    pub gemm2: GemmPlan,
+    pub gemm1_kernel: String,
+    pub gemm2_kernel: String,
+    /// The launches of one call on one rank, in order per stream.
+    pub launches: Vec<Launch>,
+}
+
+/// The buffers peers write, as they appear in each rank's row of the peer table.
+pub const PEER_BUFFERS: [BufferId; 9] = [
+    BufferId::RecvX,
+    BufferId::RecvSlot,
+    BufferId::RecvPair,
+    BufferId::RecvWeight,
+    BufferId::RecvCounts,
+    BufferId::MetaFlags,
+    BufferId::ChunkFlags,
+    BufferId::CombineSlots,
+    BufferId::CombineCounters,
+];
+
+/// Threads of the metadata and arrange kernels (one block per destination / one block).
+pub const META_THREADS: u32 = 512;
+/// Combine blocks per compute SM (persistent, looping over tokens).
+const COMBINE_BLOCKS_PER_SM: u32 = 4;
 
 /// SM-driven stores through NVLink measured on the two-H200 machine (2026-11-29): blocks
 /// of 512 threads storing 16 bytes each, against GB/s one way.
@@ -105,6 +150,8 @@ const CHUNK_LATENCIES: f64 = 2.0;
 const FLAG_LATENCY_S: f64 = 1.3e-6;
 /// Two seconds at the H200's 1.98 GHz: no correct call waits this long for one flag.
 const SPIN_LIMIT_CYCLES: u64 = 4_000_000_000;
+/// The bound written into units without expert parallelism (their kernels never wait).
+pub const DEFAULT_SPIN_LIMIT_CYCLES: u64 = SPIN_LIMIT_CYCLES;
 
 /// The expert-parallel plan of `layer` over `ranks` ranks living as `placement` says;
 /// `None` for one rank.
@@ -113,6 +160,9 @@ pub fn plan_expert_parallel(
     target: &Target,
     ranks: u32,
     placement: Placement,
+    symbol: &str,
+    shape: &LayerShape,
+    regimes: &[Regime],
 ) -> Option<ExpertParallelPlan> {
     if ranks <= 1 {
         return None;
@@ -199,6 +249,55 @@ pub fn plan_expert_parallel(
         .collect();
     let max_tokens = layer.max_tokens;
     let experts_per_rank = layer.experts / ranks;
+    let chunks_per_source = max_tokens.div_ceil(dispatch_chunk);
+    let intermediate_rows =
+        u64::from(ranks) * u64::from(max_tokens) * u64::from(layer.top_k.min(experts_per_rank));
+    let sizes = Sizes {
+        ranks,
+        experts_per_rank,
+        slots: max_tokens,
+        chunks: chunks_per_source,
+        segment_rows: max_tokens,
+        rows: intermediate_rows,
+    };
+    let kernels = [
+        format!("{symbol}_ep_route"),
+        format!("{symbol}_ep_dispatch"),
+        format!("{symbol}_ep_arrange"),
+        format!("{symbol}_ep_combine"),
+    ];
+    let ep_regimes = regimes
+        .iter()
+        .map(|regime| {
+            let mut gemm1 = regime.gemm1.clone();
+            let mut gemm2 = regime.gemm2.clone();
+            gemm1.grid_blocks = compute_sms * gemm1.blocks_per_sm;
+            gemm2.grid_blocks = compute_sms * gemm2.blocks_per_sm;
+            let gemm1_kernel = format!("{symbol}_{}_ep_gemm1", regime.name);
+            let gemm2_kernel = format!("{symbol}_{}_ep_gemm2", regime.name);
+            let launches = launch_table(
+                &kernels,
+                [&gemm1_kernel, &gemm2_kernel],
+                [&gemm1, &gemm2],
+                &sizes,
+                comm_blocks,
+                compute_sms,
+            );
+            ExpertParallelRegime {
+                gemm1,
+                gemm2,
+                gemm1_kernel,
+                gemm2_kernel,
+                launches,
+            }
+        })
+        .collect();
+    let [
+        route_kernel,
+        dispatch_kernel,
+        arrange_kernel,
+        combine_kernel,
+    ] = kernels;
     Some(ExpertParallelPlan {
         ranks,
         placement,
@@ -207,11 +306,9 @@ pub fn plan_expert_parallel(
         dispatch_chunk,
         chunk_reason,
         slots_per_source: max_tokens,
-        chunks_per_source: max_tokens.div_ceil(dispatch_chunk),
+        chunks_per_source,
         rows_per_segment: max_tokens,
-        intermediate_rows: u64::from(ranks)
-            * u64::from(max_tokens)
-            * u64::from(layer.top_k.min(experts_per_rank)),
+        intermediate_rows,
         comm_blocks,
         comm_reason,
         compute_sms,
@@ -220,5 +317,266 @@ pub fn plan_expert_parallel(
         send_order,
         receive_order,
         spin_limit_cycles: SPIN_LIMIT_CYCLES,
+        workspace: workspace(shape, &sizes),
+        peer_buffers: PEER_BUFFERS.to_vec(),
+        route_kernel,
+        dispatch_kernel,
+        arrange_kernel,
+        combine_kernel,
+        regimes: ep_regimes,
     })
+}
+
+/// The sizes the expert-parallel buffers are made of.
+struct Sizes {
+    ranks: u32,
+    experts_per_rank: u32,
+    slots: u32,
+    chunks: u32,
+    segment_rows: u32,
+    rows: u64,
+}
+
+/// The buffers of one rank.
+fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
+    let r = u64::from(sizes.ranks);
+    let local = u64::from(sizes.experts_per_rank);
+    let slots = u64::from(sizes.slots);
+    let segments = local * r;
+    let max_tokens = u64::from(shape.max_tokens);
+    let buffer = |id: BufferId, elems: u64, purpose: &str| Buffer {
+        id,
+        elem: id.elem(),
+        elems,
+        purpose: purpose.to_string(),
+    };
+    vec![
+        buffer(
+            BufferId::SendSlots,
+            r * max_tokens,
+            "per destination, the token of each send slot",
+        ),
+        buffer(BufferId::SendCounts, r, "tokens sent to each destination"),
+        buffer(
+            BufferId::RecvX,
+            r * slots * u64::from(shape.hidden),
+            "received token rows, a segment per source",
+        ),
+        buffer(
+            BufferId::RecvSlot,
+            segments * u64::from(sizes.segment_rows),
+            "per (local expert, source): each pair's slot",
+        ),
+        buffer(
+            BufferId::RecvPair,
+            segments * u64::from(sizes.segment_rows),
+            "per (local expert, source): each pair at its origin",
+        ),
+        buffer(
+            BufferId::RecvWeight,
+            segments * u64::from(sizes.segment_rows),
+            "per (local expert, source): each pair's routing weight",
+        ),
+        buffer(
+            BufferId::RecvCounts,
+            r * (local + 1),
+            "per source: pairs per local expert, tokens sent",
+        ),
+        buffer(
+            BufferId::MetaFlags,
+            r,
+            "per source: epoch of the metadata received",
+        ),
+        buffer(
+            BufferId::ChunkFlags,
+            r * u64::from(sizes.chunks),
+            "per source chunk: epoch it arrived in",
+        ),
+        buffer(
+            BufferId::SegmentOffsets,
+            segments + 1,
+            "first GEMM row of each (local expert, source) segment",
+        ),
+        buffer(
+            BufferId::SegmentRows,
+            sizes.rows,
+            "received row of each GEMM row",
+        ),
+        buffer(
+            BufferId::SegmentPairs,
+            sizes.rows,
+            "origin pair of each GEMM row",
+        ),
+        buffer(
+            BufferId::SegmentWeights,
+            sizes.rows,
+            "routing weight of each GEMM row",
+        ),
+        buffer(
+            BufferId::Intermediate,
+            sizes.rows * u64::from(shape.ffn),
+            "GEMM1 output after the activation",
+        ),
+        buffer(
+            BufferId::CombineSlots,
+            shape.max_pairs() * u64::from(shape.hidden),
+            "weighted expert outputs of this rank's pairs, stored by the ranks that computed them",
+        ),
+        buffer(
+            BufferId::CombineCounters,
+            max_tokens,
+            "per token: columns of its slots stored so far",
+        ),
+        buffer(
+            BufferId::PeerTable,
+            r * PEER_BUFFERS.len() as u64,
+            "every rank's addresses of the buffers peers write",
+        ),
+        buffer(
+            BufferId::ErrorWord,
+            4,
+            "first kernel-side error of the call: code and details",
+        ),
+    ]
+}
+
+/// The launches of one call on one rank: metadata and dispatch on the communication
+/// stream; arrange, the GEMMs and combine on the compute stream.
+fn launch_table(
+    kernels: &[String; 4],
+    gemm_kernels: [&String; 2],
+    gemms: [&GemmPlan; 2],
+    sizes: &Sizes,
+    comm_blocks: u32,
+    compute_sms: u32,
+) -> Vec<Launch> {
+    use BufferId::*;
+    use LaunchArg::*;
+    let (read, write, shared) = (KernelParam::read, KernelParam::write, KernelParam::shared);
+    let [route, dispatch, arrange, combine] = kernels;
+    let launch =
+        |kernel: &String, grid: u32, threads: u32, stream, static_smem, smem, params| Launch {
+            kernel: kernel.clone(),
+            grid: Grid::Fixed(grid),
+            block_threads: threads,
+            smem_bytes: smem,
+            static_smem_bytes: static_smem,
+            params,
+            stream,
+        };
+    let [g1, g2] = gemms;
+    vec![
+        launch(
+            route,
+            sizes.ranks,
+            META_THREADS,
+            StreamRole::Comm,
+            static_smem_reserved(4 * (sizes.experts_per_rank + 1)),
+            0,
+            vec![
+                read(TopkIds),
+                read(TopkWeights),
+                read(Tokens),
+                read(Rank),
+                read(Epoch),
+                write(Workspace(SendSlots)),
+                write(Workspace(SendCounts)),
+                read(Workspace(PeerTable)),
+                write(Workspace(ErrorWord)),
+            ],
+        ),
+        launch(
+            dispatch,
+            comm_blocks,
+            COMM_THREADS,
+            StreamRole::Comm,
+            0,
+            0,
+            vec![
+                read(X),
+                read(Rank),
+                read(Epoch),
+                read(Workspace(SendSlots)),
+                read(Workspace(SendCounts)),
+                read(Workspace(PeerTable)),
+            ],
+        ),
+        launch(
+            arrange,
+            1,
+            META_THREADS,
+            StreamRole::Compute,
+            static_smem_reserved(4 * (sizes.experts_per_rank * sizes.ranks + 1)),
+            0,
+            vec![
+                read(Rank),
+                read(Epoch),
+                shared(Workspace(RecvSlot)),
+                shared(Workspace(RecvPair)),
+                shared(Workspace(RecvWeight)),
+                shared(Workspace(RecvCounts)),
+                shared(Workspace(MetaFlags)),
+                write(Workspace(SegmentOffsets)),
+                write(Workspace(SegmentRows)),
+                write(Workspace(SegmentPairs)),
+                write(Workspace(SegmentWeights)),
+                write(Workspace(ErrorWord)),
+            ],
+        ),
+        launch(
+            gemm_kernels[0],
+            g1.grid_blocks,
+            g1.threads(),
+            StreamRole::Compute,
+            g1.smem.static_bytes,
+            g1.smem_bytes,
+            vec![
+                shared(Workspace(RecvX)),
+                read(W1),
+                read(Workspace(SegmentOffsets)),
+                read(Workspace(SegmentRows)),
+                shared(Workspace(ChunkFlags)),
+                read(Rank),
+                read(Epoch),
+                write(Workspace(ErrorWord)),
+                write(Workspace(Intermediate)),
+            ],
+        ),
+        launch(
+            gemm_kernels[1],
+            g2.grid_blocks,
+            g2.threads(),
+            StreamRole::Compute,
+            g2.smem.static_bytes,
+            g2.smem_bytes,
+            vec![
+                read(Workspace(Intermediate)),
+                read(W2),
+                read(Workspace(SegmentOffsets)),
+                read(Workspace(SegmentPairs)),
+                read(Workspace(SegmentWeights)),
+                read(Workspace(PeerTable)),
+                read(Rank),
+                write(Workspace(ErrorWord)),
+            ],
+        ),
+        launch(
+            combine,
+            compute_sms * COMBINE_BLOCKS_PER_SM,
+            COMBINE_THREADS,
+            StreamRole::Compute,
+            static_smem_reserved(4),
+            0,
+            vec![
+                read(TopkIds),
+                read(Tokens),
+                read(Rank),
+                read(Epoch),
+                shared(Workspace(CombineSlots)),
+                write(Workspace(CombineCounters)),
+                write(Workspace(ErrorWord)),
+                write(Y),
+            ],
+        ),
+    ]
 }

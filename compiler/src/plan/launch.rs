@@ -19,6 +19,20 @@ pub struct Launch {
     pub static_smem_bytes: u32,
     /// The kernel's parameters, in order.
     pub params: Vec<KernelParam>,
+    /// The stream of its rank it runs on.
+    #[serde(default)]
+    pub stream: StreamRole,
+}
+
+/// Which of a rank's streams a launch goes to. Expert-parallel calls move data on one and
+/// compute on the other, so that a rank computes while it still sends; the streams
+/// synchronise only through flags within a call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamRole {
+    #[default]
+    Compute,
+    Comm,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +66,9 @@ pub struct KernelParam {
 pub enum Access {
     Read,
     Write,
+    /// Read while other ranks write it (flags, received data): no `__restrict__`, so the
+    /// compiler never reads it through the non-coherent cache.
+    ReadShared,
 }
 
 /// What the runtime passes for a kernel parameter.
@@ -72,6 +89,11 @@ pub enum LaunchArg {
     Y,
     /// The token count T of the call, as i32.
     Tokens,
+    /// This rank's index, as i32.
+    Rank,
+    /// The call's epoch (a counter the runtime raises every call), as u32: flags compare
+    /// against it, so consecutive calls need no reset.
+    Epoch,
     Workspace(BufferId),
 }
 
@@ -82,6 +104,8 @@ pub enum ParamType {
     Pointer(ElemType),
     /// A 32-bit signed integer passed by value (`.u32` in PTX).
     I32,
+    /// A 32-bit unsigned integer passed by value (`.u32` in PTX).
+    U32,
 }
 
 impl LaunchArg {
@@ -95,6 +119,8 @@ impl LaunchArg {
             LaunchArg::W2 => "w2",
             LaunchArg::Y => "y",
             LaunchArg::Tokens => "tokens",
+            LaunchArg::Rank => "rank",
+            LaunchArg::Epoch => "epoch",
             LaunchArg::Workspace(id) => id.name(),
         }
     }
@@ -106,24 +132,32 @@ impl LaunchArg {
             }
             LaunchArg::TopkIds => ParamType::Pointer(ElemType::I32),
             LaunchArg::TopkWeights => ParamType::Pointer(ElemType::F32),
-            LaunchArg::Tokens => ParamType::I32,
+            LaunchArg::Tokens | LaunchArg::Rank => ParamType::I32,
+            LaunchArg::Epoch => ParamType::U32,
             LaunchArg::Workspace(id) => ParamType::Pointer(id.elem()),
         }
     }
 }
 
 impl KernelParam {
-    fn read(arg: LaunchArg) -> Self {
+    pub(super) fn read(arg: LaunchArg) -> Self {
         KernelParam {
             arg,
             access: Access::Read,
         }
     }
 
-    fn write(arg: LaunchArg) -> Self {
+    pub(super) fn write(arg: LaunchArg) -> Self {
         KernelParam {
             arg,
             access: Access::Write,
+        }
+    }
+
+    pub(super) fn shared(arg: LaunchArg) -> Self {
+        KernelParam {
+            arg,
+            access: Access::ReadShared,
         }
     }
 }
@@ -159,6 +193,7 @@ pub fn launch_table(
             block_threads: ROUTE_THREADS,
             smem_bytes: 0,
             static_smem_bytes: route_static_smem_bytes(experts),
+            stream: StreamRole::Compute,
             params: vec![
                 read(TopkIds),
                 read(Tokens),
@@ -173,6 +208,7 @@ pub fn launch_table(
             block_threads: g1.threads(),
             smem_bytes: g1.smem_bytes,
             static_smem_bytes: g1.smem.static_bytes,
+            stream: StreamRole::Compute,
             params: vec![
                 read(X),
                 read(W1),
@@ -187,6 +223,7 @@ pub fn launch_table(
             block_threads: g2.threads(),
             smem_bytes: g2.smem_bytes,
             static_smem_bytes: g2.smem.static_bytes,
+            stream: StreamRole::Compute,
             params: vec![
                 read(Workspace(Intermediate)),
                 read(W2),
@@ -202,6 +239,7 @@ pub fn launch_table(
             block_threads: COMBINE_THREADS,
             smem_bytes: 0,
             static_smem_bytes: 0,
+            stream: StreamRole::Compute,
             params: vec![read(Workspace(CombineSlots)), read(TopkIds), write(Y)],
         },
     ]

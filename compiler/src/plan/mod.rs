@@ -149,14 +149,59 @@ pub enum BufferId {
     CombineSlots,
     /// i32 [4]: error code, token, k, offending value (first error of the call wins).
     ErrorWord,
+    // Expert parallelism (per rank; "by peers" buffers are written by other ranks).
+    /// i32 [R, max_tokens]: per destination, the local token in each send slot.
+    SendSlots,
+    /// i32 [R]: tokens this call sends to each destination.
+    SendCounts,
+    /// bf16 [R · slots, H], by peers: received token rows, one segment per source.
+    RecvX,
+    /// i32 [E/R · R · rows per segment], by peers: per (local expert, source), the
+    /// received slot of each pair.
+    RecvSlot,
+    /// i32, as `RecvSlot`, by peers: each pair's index `t·K + k` at its origin.
+    RecvPair,
+    /// f32, as `RecvSlot`, by peers: each pair's routing weight.
+    RecvWeight,
+    /// i32 [R, E/R + 1], by peers: per source, pairs per local expert, then tokens sent.
+    RecvCounts,
+    /// u32 [R], by peers: per source, the epoch whose metadata has arrived.
+    MetaFlags,
+    /// u32 [R · chunks per source], by peers: per source chunk, the epoch it arrived in.
+    ChunkFlags,
+    /// i32 [E/R · R + 1]: first GEMM row of each (local expert, source) segment.
+    SegmentOffsets,
+    /// i32 [rows]: per GEMM row, its row of `recv_x` (`source · slots + slot`).
+    SegmentRows,
+    /// i32 [rows]: per GEMM row, its pair at the origin.
+    SegmentPairs,
+    /// f32 [rows]: per GEMM row, its routing weight.
+    SegmentWeights,
+    /// u32 [max_tokens], by peers: per local token, columns of its K slots stored so far.
+    CombineCounters,
+    /// u64 [R · peer buffers]: every rank's addresses of the buffers peers write.
+    PeerTable,
 }
 
 impl BufferId {
     /// The element type the kernels read and write the buffer as.
     pub fn elem(self) -> ElemType {
         match self {
-            BufferId::ExpertOffsets | BufferId::RowPair | BufferId::ErrorWord => ElemType::I32,
-            BufferId::Intermediate | BufferId::CombineSlots => ElemType::Bf16,
+            BufferId::ExpertOffsets
+            | BufferId::RowPair
+            | BufferId::ErrorWord
+            | BufferId::SendSlots
+            | BufferId::SendCounts
+            | BufferId::RecvSlot
+            | BufferId::RecvPair
+            | BufferId::RecvCounts
+            | BufferId::SegmentOffsets
+            | BufferId::SegmentRows
+            | BufferId::SegmentPairs => ElemType::I32,
+            BufferId::Intermediate | BufferId::CombineSlots | BufferId::RecvX => ElemType::Bf16,
+            BufferId::RecvWeight | BufferId::SegmentWeights => ElemType::F32,
+            BufferId::MetaFlags | BufferId::ChunkFlags | BufferId::CombineCounters => ElemType::U32,
+            BufferId::PeerTable => ElemType::U64,
         }
     }
 
@@ -167,6 +212,21 @@ impl BufferId {
             BufferId::Intermediate => "intermediate",
             BufferId::CombineSlots => "combine_slots",
             BufferId::ErrorWord => "error_word",
+            BufferId::SendSlots => "send_slots",
+            BufferId::SendCounts => "send_counts",
+            BufferId::RecvX => "recv_x",
+            BufferId::RecvSlot => "recv_slot",
+            BufferId::RecvPair => "recv_pair",
+            BufferId::RecvWeight => "recv_weight",
+            BufferId::RecvCounts => "recv_counts",
+            BufferId::MetaFlags => "meta_flags",
+            BufferId::ChunkFlags => "chunk_flags",
+            BufferId::SegmentOffsets => "segment_offsets",
+            BufferId::SegmentRows => "segment_rows",
+            BufferId::SegmentPairs => "segment_pairs",
+            BufferId::SegmentWeights => "segment_weights",
+            BufferId::CombineCounters => "combine_counters",
+            BufferId::PeerTable => "peer_table",
         }
     }
 }
@@ -177,6 +237,8 @@ pub enum ElemType {
     Bf16,
     F32,
     I32,
+    U32,
+    U64,
 }
 
 impl ElemType {
@@ -186,13 +248,16 @@ impl ElemType {
             ElemType::Bf16 => "bf16_t",
             ElemType::F32 => "float",
             ElemType::I32 => "int",
+            ElemType::U32 => "u32",
+            ElemType::U64 => "u64",
         }
     }
 
     pub fn size_bytes(self) -> u64 {
         match self {
             ElemType::Bf16 => 2,
-            ElemType::F32 | ElemType::I32 => 4,
+            ElemType::F32 | ElemType::I32 | ElemType::U32 => 4,
+            ElemType::U64 => 8,
         }
     }
 }
@@ -201,6 +266,19 @@ impl ElemType {
 pub mod error_code {
     /// `topk_ids[t, k]` is outside `0..E`.
     pub const EXPERT_ID_OUT_OF_RANGE: i32 = 1;
+    /// A spin-wait passed its bound: details are the waiting rank, the flag (its kind in
+    /// the top byte, see [`flag_kind`], its index below) and the epoch waited for.
+    pub const FLAG_TIMEOUT: i32 = 2;
+
+    /// The kinds of flag a time-out names.
+    pub mod flag_kind {
+        /// A source's metadata flag (index: the source rank).
+        pub const META: i32 = 1;
+        /// A dispatch chunk (index: source · chunks per source + chunk).
+        pub const CHUNK: i32 = 2;
+        /// A token's combine counter (index: the token).
+        pub const COMBINE: i32 = 3;
+    }
 }
 
 /// One token-count range and the kernels that serve it.
@@ -508,7 +586,15 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     } else {
         ep::Placement::Devices
     };
-    let expert_parallel = ep::plan_expert_parallel(layer, target, layer.parallel.expert, placement);
+    let expert_parallel = ep::plan_expert_parallel(
+        layer,
+        target,
+        layer.parallel.expert,
+        placement,
+        &symbol,
+        &shape,
+        &regimes,
+    );
     let mut limitations = Vec::new();
     if layer.parallel.expert > 1 {
         limitations.push(format!(
@@ -597,14 +683,25 @@ impl Plan {
             .position(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
     }
 
-    /// The entry points of the generated unit, in a stable order.
+    /// Every launch of every regime: the single-GPU tables, then the expert-parallel ones.
+    pub fn launches(&self) -> impl Iterator<Item = &Launch> {
+        let ep_launches = self
+            .expert_parallel
+            .iter()
+            .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches));
+        self.regimes
+            .iter()
+            .flat_map(|r| &r.launches)
+            .chain(ep_launches)
+    }
+
+    /// The entry points of the generated unit, in a stable order: the single-GPU kernels,
+    /// then the expert-parallel ones.
     pub fn entry_points(&self) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
-        for regime in &self.regimes {
-            for launch in &regime.launches {
-                if !names.contains(&launch.kernel) {
-                    names.push(launch.kernel.clone());
-                }
+        for launch in self.launches() {
+            if !names.contains(&launch.kernel) {
+                names.push(launch.kernel.clone());
             }
         }
         names

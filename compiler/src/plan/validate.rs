@@ -120,6 +120,12 @@ impl Plan {
         }
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
+            if ep.regimes.len() != self.regimes.len() {
+                return Err("the expert-parallel regimes do not match the plan's".into());
+            }
+            for launch in ep.regimes.iter().flat_map(|r| &r.launches) {
+                self.check_launch(launch)?;
+            }
         }
         if next_min != u64::from(shape.max_tokens) + 1 {
             return Err(format!(

@@ -1,0 +1,253 @@
+// ---------------------------------------------------------------------------------------
+// Expert parallelism: {{ ep.ranks }} ranks ({{ ep.placement }}), {{ ep.local_experts }} experts each.
+// One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
+//   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
+//                   ep_dispatch token rows, a chunk of CHUNK at a time, one flag per chunk
+//   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows
+//                   GEMM1       each tile waits for the chunks its rows sit in
+//                   GEMM2       stores weighted rows into the origin's combine slots and
+//                               releases the origin's per-token counter
+//                   ep_combine  waits for each token's counter, sums its K slots
+// ---------------------------------------------------------------------------------------
+constexpr int RANKS = {{ ep.ranks }};
+constexpr int LOCAL_EXPERTS = {{ ep.local_experts }};     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
+constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) groups of GEMM rows
+constexpr int MAX_TOKENS = {{ ep.max_tokens }};
+constexpr int SLOTS = {{ ep.slots }};                     // token slots per source in recv_x
+constexpr int SEGMENT_ROWS = {{ ep.segment_rows }};       // rows per (local expert, source) in recv_*
+constexpr int CHUNK = {{ ep.chunk }};                     // tokens per dispatch chunk
+constexpr int CHUNKS = {{ ep.chunks }};                   // chunk flags per source
+constexpr int COMM_THREADS = {{ ep.comm_threads }};
+constexpr int META_THREADS = {{ ep.meta_threads }};
+constexpr int EP_ROUTE_STATIC_SMEM_BYTES = {{ ep.route.static_smem }};
+constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = {{ ep.arrange.static_smem }};
+constexpr int EP_COMBINE_STATIC_SMEM_BYTES = {{ ep.combine.static_smem }};
+// Each rank's row of the peer table: addresses of the buffers other ranks write.
+constexpr int PEER_BUFFER_COUNT = {{ ep.peer_buffers.len() }};
+{%- for buffer in ep.peer_buffers %}
+constexpr int {{ buffer.constant }} = {{ buffer.index }};
+{%- endfor %}
+// Per source rank, the destinations in the order it sends to them (itself first).
+__device__ const int SEND_ORDER[RANKS][RANKS] = { {{ ep.send_order }} };
+// Per destination rank, the sources in the order its GEMM rows take them (itself first).
+__device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
+
+// The expert-parallel GEMMs: groups of rows are (local expert, source) segments.
+struct ExpertParallel {
+    static constexpr bool EP = true;
+    static constexpr int GROUPS = SEGMENTS, GROUPS_PER_EXPERT = RANKS, RANKS = ::RANKS;
+    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS;
+    static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
+    static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
+};
+
+template <typename T>
+__device__ __forceinline__ T* peer_buffer(const u64* peer_table, int rank, int buffer) {
+    return reinterpret_cast<T*>(peer_table[rank * PEER_BUFFER_COUNT + buffer]);
+}
+
+__device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, int* error_word, int rank, u32 epoch) {
+    EpContext ep;
+    ep.chunk_flags = chunk_flags;
+    ep.error_word = error_word;
+    ep.rank = rank;
+    ep.epoch = epoch;
+    return ep;
+}
+
+__device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weights, const u64* peer_table,
+                                                      int* error_word, int rank) {
+    EpContext ep;
+    ep.row_weights = segment_weights;
+    ep.peers = peer_table;
+    ep.receive_order = RECEIVE_ORDER[rank];
+    ep.error_word = error_word;
+    ep.rank = rank;
+    return ep;
+}
+
+// Metadata: block b serves this rank's b-th destination in send order. Every token with an
+// expert there gets one send slot (it crosses once however many of its experts live
+// there); every such (token, k) pair gets a row of the destination's receive index. Then
+// the counts, then one release of this rank's metadata flag at the destination.
+extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }}(
+    {{ ep.route.params }}
+)
+{
+    __shared__ int s_count[LOCAL_EXPERTS];
+    __shared__ int s_slots;
+    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_slots)) == EP_ROUTE_STATIC_SMEM_BYTES,
+                  "plan: metadata kernel's static shared memory");
+    const int destination = SEND_ORDER[rank][blockIdx.x];
+    // This kernel starts every call's communication: it clears the error word of the last.
+    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) s_count[e] = 0;
+    if (threadIdx.x == 0) s_slots = 0;
+    __syncthreads();
+
+    int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT);
+    int* recv_pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR);
+    float* recv_weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT);
+    int* recv_counts = peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS);
+    u32* meta_flags = peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS);
+    const int first_expert = destination * LOCAL_EXPERTS;
+    for (int token = threadIdx.x; token < tokens; token += META_THREADS) {
+        int hits = 0;
+        for (int k = 0; k < TOP_K; ++k) {
+            const int expert = topk_ids[token * TOP_K + k];
+            if ((unsigned)expert >= (unsigned)EXPERTS) {
+                if (blockIdx.x == 0) report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, token, k, expert);
+            } else if (expert / LOCAL_EXPERTS == destination) {
+                ++hits;
+            }
+        }
+        if (hits == 0) continue;
+        const int slot = atomicAdd(&s_slots, 1);
+        send_slots[destination * MAX_TOKENS + slot] = token;
+        for (int k = 0; k < TOP_K; ++k) {
+            const int expert = topk_ids[token * TOP_K + k];
+            if ((unsigned)expert >= (unsigned)EXPERTS || expert / LOCAL_EXPERTS != destination) continue;
+            const int local = expert - first_expert;
+            const size_t row = ((size_t)local * RANKS + rank) * SEGMENT_ROWS + atomicAdd(&s_count[local], 1);
+            recv_slot[row] = slot;
+            recv_pair[row] = token * TOP_K + k;
+            recv_weight[row] = topk_weights[token * TOP_K + k];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) {
+        recv_counts[rank * (LOCAL_EXPERTS + 1) + e] = s_count[e];
+    }
+    if (threadIdx.x == 0) {
+        recv_counts[rank * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS] = s_slots;
+        send_counts[destination] = s_slots;
+    }
+    __syncthreads();  // every write of the block is done before the release
+    if (threadIdx.x == 0) {
+        fence_flags();
+        flag_store(meta_flags + rank, epoch);
+    }
+}
+
+// Dispatch: work items are (destination in send order, chunk); block b takes items b,
+// b + gridDim.x, ... Each item copies up to CHUNK token rows into the destination's
+// segment of this rank in recv_x, then releases that chunk's flag there.
+extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }}(
+    {{ ep.dispatch.params }}
+)
+{
+    constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte pieces per row
+    int item = blockIdx.x;
+    int items_before = 0;
+    for (int step = 0; step < RANKS; ++step) {
+        const int destination = SEND_ORDER[rank][step];
+        const int sent = send_counts[destination];
+        const int chunks = (sent + CHUNK - 1) / CHUNK;
+        bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
+        u32* chunk_flags = peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
+        const int* slot_token = send_slots + destination * MAX_TOKENS;
+        for (; item < items_before + chunks; item += gridDim.x) {
+            const int chunk = item - items_before;
+            const int first = chunk * CHUNK;
+            const unsigned rows = min(CHUNK, sent - first);
+            for (unsigned i = threadIdx.x; i < rows * VECTORS; i += COMM_THREADS) {
+                const unsigned row = i / VECTORS, piece = i % VECTORS;
+                const int token = slot_token[first + row];
+                const Vec16 value = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[piece];
+                reinterpret_cast<Vec16*>(recv_x + (size_t)(first + row) * HIDDEN)[piece] = value;
+            }
+            __syncthreads();  // the whole chunk is written before its release
+            if (threadIdx.x == 0) {
+                fence_flags();
+                flag_store(chunk_flags + chunk, epoch);
+            }
+        }
+        items_before += chunks;
+    }
+}
+
+// Arrange: once every source's metadata is here, lay the GEMM rows out segment by
+// segment, (local expert, source in receive order): the row each reads from recv_x, its
+// origin pair and its routing weight.
+extern "C" __global__ void __launch_bounds__(META_THREADS) {{ ep.arrange.name }}(
+    {{ ep.arrange.params }}
+)
+{
+    __shared__ int s_offsets[SEGMENTS + 1];
+    __shared__ int s_arrived;
+    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_arrived)) == EP_ARRANGE_STATIC_SMEM_BYTES,
+                  "plan: arrange kernel's static shared memory");
+    if (threadIdx.x == 0) s_arrived = 1;
+    __syncthreads();
+    for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
+        if (!wait_flag(meta_flags + source, epoch, error_word, rank, FLAG_KIND_META, source)) s_arrived = 0;
+    }
+    __syncthreads();
+    // Without every source's counts the rows are unknown: compute none (the error is set).
+    const int* order = RECEIVE_ORDER[rank];
+    if (threadIdx.x < 32) {
+        warp_exclusive_scan(SEGMENTS, [&](int g) {
+            return s_arrived ? recv_counts[order[g % RANKS] * (LOCAL_EXPERTS + 1) + g / RANKS] : 0;
+        }, s_offsets);
+    }
+    __syncthreads();
+    for (int g = threadIdx.x; g <= SEGMENTS; g += META_THREADS) segment_offsets[g] = s_offsets[g];
+    for (int g = 0; g < SEGMENTS; ++g) {
+        const int source = order[g % RANKS];
+        const size_t from = ((size_t)(g / RANKS) * RANKS + source) * SEGMENT_ROWS;
+        const int rows = s_offsets[g + 1] - s_offsets[g];
+        for (int j = threadIdx.x; j < rows; j += META_THREADS) {
+            const int row = s_offsets[g] + j;
+            segment_rows[row] = source * SLOTS + recv_slot[from + j];
+            segment_pairs[row] = recv_pair[from + j];
+            segment_weights[row] = recv_weight[from + j];
+        }
+    }
+}
+
+// Combine: a token's K slots are complete when its counter holds HIDDEN columns per valid
+// pair; the sum runs in k order (deterministic), then the counter is taken back to zero
+// for the next call.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name }}(
+    {{ ep.combine.params }}
+)
+{
+    __shared__ int s_complete;
+    static_assert(static_smem_reserved(sizeof(s_complete)) == EP_COMBINE_STATIC_SMEM_BYTES,
+                  "plan: combine kernel's static shared memory");
+    for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
+        bool routed[TOP_K];
+        u32 valid = 0;
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            valid += routed[k];
+        }
+        const u32 target = valid * HIDDEN;
+        if (threadIdx.x == 0) s_complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        __syncthreads();
+        for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
+            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k) {
+                if (!routed[k]) continue;  // the metadata kernel reported this pair
+                const Vec16 v = *reinterpret_cast<const Vec16*>(
+                    combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+                const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
+                    sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
+                }
+            }
+            Vec16 packed;
+            packed.x = pack_bf16x2(sum[0], sum[1]);
+            packed.y = pack_bf16x2(sum[2], sum[3]);
+            packed.z = pack_bf16x2(sum[4], sum[5]);
+            packed.w = pack_bf16x2(sum[6], sum[7]);
+            *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
+        }
+        __syncthreads();  // every thread read the slots before the counter is reset
+        if (threadIdx.x == 0 && s_complete) atomicSub(combine_counters + token, target);
+    }
+}

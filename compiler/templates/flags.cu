@@ -1,0 +1,40 @@
+// ---------------------------------------------------------------------------------------
+// Flags between ranks: written with release and read with acquire at .{{ flag_scope }} scope.
+// A flag holds the epoch (call counter) it was last released in, so consecutive calls need
+// no reset; a counter counts up within a call and its reader takes its count back off.
+// Every wait is bounded: past SPIN_LIMIT_CYCLES it records which rank waited for which
+// flag and returns, so a lost peer is an error the runtime reports, never a hang.
+// ---------------------------------------------------------------------------------------
+constexpr long long SPIN_LIMIT_CYCLES = {{ spin_limit_cycles }}LL;
+constexpr int ERROR_FLAG_TIMEOUT = {{ error_flag_timeout }};
+constexpr int FLAG_KIND_META = {{ flag_kind_meta }}, FLAG_KIND_CHUNK = {{ flag_kind_chunk }}, FLAG_KIND_COMBINE = {{ flag_kind_combine }};
+
+__device__ __forceinline__ u32 flag_load(const u32* flag) {
+    u32 value;
+    asm volatile("ld.acquire.{{ flag_scope }}.global.u32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+    return value;
+}
+__device__ __forceinline__ void flag_store(u32* flag, u32 value) {
+    asm volatile("st.release.{{ flag_scope }}.global.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
+__device__ __forceinline__ void flag_add(u32* flag, u32 value) {
+    asm volatile("red.release.{{ flag_scope }}.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
+// Orders this block's earlier writes (made visible to this thread by a barrier) before
+// the release that follows.
+__device__ __forceinline__ void fence_flags() { asm volatile("fence.acq_rel.{{ flag_scope }};\n" ::: "memory"); }
+// Epochs wrap around: compare by signed difference.
+__device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (int)(value - target) >= 0; }
+
+// Spins until `*flag` reaches `target`; on time-out records (rank, kind << 24 | index,
+// target) in the error word and returns false.
+__device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
+    const long long start = clock64();
+    while (!flag_reached(flag_load(flag), target)) {
+        if (clock64() - start > SPIN_LIMIT_CYCLES) {
+            report_error(error_word, ERROR_FLAG_TIMEOUT, rank, (kind << 24) | index, (int)target);
+            return false;
+        }
+    }
+    return true;
+}
