@@ -122,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_235b_a22b_rout
     int tokens,  // tokens in this call
     int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
     int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    int* __restrict__ error_word  // [4]: code, token, k, value
+    int* __restrict__ error_word  // [4]: code, then details
 )
 {
     __shared__ int s_count[EXPERTS];
@@ -162,6 +162,46 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_235b_a22b_rout
     }
 }
 // ---------------------------------------------------------------------------------------
+// Flags between ranks: written with release and read with acquire at .sys scope.
+// A flag holds the epoch (call counter) it was last released in, so consecutive calls need
+// no reset; a counter counts up within a call and its reader takes its count back off.
+// Every wait is bounded: past SPIN_LIMIT_CYCLES it records which rank waited for which
+// flag and returns, so a lost peer is an error the runtime reports, never a hang.
+// ---------------------------------------------------------------------------------------
+constexpr long long SPIN_LIMIT_CYCLES = 4000000000LL;
+constexpr int ERROR_FLAG_TIMEOUT = 2;
+constexpr int FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3;
+
+__device__ __forceinline__ u32 flag_load(const u32* flag) {
+    u32 value;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+    return value;
+}
+__device__ __forceinline__ void flag_store(u32* flag, u32 value) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
+__device__ __forceinline__ void flag_add(u32* flag, u32 value) {
+    asm volatile("red.release.sys.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
+// Orders this block's earlier writes (made visible to this thread by a barrier) before
+// the release that follows.
+__device__ __forceinline__ void fence_flags() { asm volatile("fence.acq_rel.sys;\n" ::: "memory"); }
+// Epochs wrap around: compare by signed difference.
+__device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (int)(value - target) >= 0; }
+
+// Spins until `*flag` reaches `target`; on time-out records (rank, kind << 24 | index,
+// target) in the error word and returns false.
+__device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
+    const long long start = clock64();
+    while (!flag_reached(flag_load(flag), target)) {
+        if (clock64() - start > SPIN_LIMIT_CYCLES) {
+            report_error(error_word, ERROR_FLAG_TIMEOUT, rank, (kind << 24) | index, (int)target);
+            return false;
+        }
+    }
+    return true;
+}
+// ---------------------------------------------------------------------------------------
 // Grouped GEMM over experts: the parts both engines share (tile schedule, row sources,
 // stage loads, epilogue), then the mma.sync engine (m16n8k16, ldmatrix, cp.async ring).
 //
@@ -177,6 +217,27 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_235b_a22b_rout
 // ---------------------------------------------------------------------------------------
 enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 
+// The single-GPU GEMMs: one group of rows per expert, no peers.
+struct SingleGpu {
+    static constexpr bool EP = false;
+    static constexpr int GROUPS = EXPERTS, GROUPS_PER_EXPERT = 1, RANKS = 1;
+    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1;
+    static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
+};
+
+// What a GEMM of the expert-parallel path needs beyond the single-GPU one (empty there).
+// GEMM1 waits for the dispatch chunks its rows sit in; GEMM2 stores each row into its
+// origin rank's combine slot and releases that rank's per-token counter.
+struct EpContext {
+    const u32* chunk_flags = nullptr;    // GEMM1: per source chunk, the epoch it arrived in
+    const float* row_weights = nullptr;  // GEMM2: routing weight of each GEMM row
+    const u64* peers = nullptr;          // GEMM2: every rank's peer buffers
+    const int* receive_order = nullptr;  // GEMM2: the source of each segment slot
+    int* error_word = nullptr;
+    int rank = 0;
+    u32 epoch = 0;
+};
+
 // Checks every GEMM config against the layout the code below assumes.
 template <class G>
 __device__ __forceinline__ void assert_gemm_layout() {
@@ -190,6 +251,7 @@ __device__ __forceinline__ void assert_gemm_layout() {
                   "plan: dynamic shared memory");
     static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
+    static_assert(G::GROUPS % G::GROUPS_PER_EXPERT == 0, "plan: groups are whole experts");
 }
 
 // Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
@@ -204,12 +266,13 @@ struct GemmTile {
     int expert, n0, row0, rows;
 };
 
-// Tile schedule: ceil(rows / BM) * N_TILES tiles per expert, numbered expert-major.
-// s_tile_start[e] is expert e's first tile, s_tile_start[EXPERTS] the total.
-template <int BM, int N_TILES>
+// Tile schedule: ceil(rows / BM) * N_TILES tiles per group of rows (an expert; on the
+// expert-parallel path a (local expert, source) segment), numbered group-major.
+// s_tile_start[g] is group g's first tile, s_tile_start[GROUPS] the total.
+template <int BM, int N_TILES, int GROUPS = EXPERTS>
 __device__ __forceinline__ void tile_schedule(const int* __restrict__ expert_offsets, int* s_tile_start) {
     if (threadIdx.x < 32) {
-        warp_exclusive_scan(EXPERTS, [&](int e) {
+        warp_exclusive_scan(GROUPS, [&](int e) {
             const int rows = expert_offsets[e + 1] - expert_offsets[e];
             return (rows + BM - 1) / BM * N_TILES;
         }, s_tile_start);
@@ -217,10 +280,10 @@ __device__ __forceinline__ void tile_schedule(const int* __restrict__ expert_off
     __syncthreads();
 }
 
-template <int BM, int BN>
+template <int BM, int BN, int GROUPS = EXPERTS>
 __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ expert_offsets) {
-    // The expert owning this tile: the last e with s_tile_start[e] <= tile.
-    int lo = 0, hi = EXPERTS - 1;
+    // The group owning this tile: the last g with s_tile_start[g] <= tile.
+    int lo = 0, hi = GROUPS - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
@@ -237,13 +300,25 @@ __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_star
     return t;
 }
 
-// The source row of each tile row: the gathered token (GEMM_UP) or the contiguous
-// intermediate row (GEMM_DOWN); -1 marks rows past the expert's count.
+// The source row of each tile row: the gathered token (GEMM_UP; on the expert-parallel
+// path the received row, once the chunk it sits in has arrived) or the contiguous
+// intermediate row (GEMM_DOWN); -1 marks rows past the group's count.
 template <class G>
-__device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source) {
+__device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source,
+                                                 const EpContext& ep) {
     for (int r = threadIdx.x; r < G::BM; r += G::THREADS) {
         int source = -1;
-        if (r < t.rows) source = (G::KIND == GEMM_UP) ? row_pair[t.row0 + r] / TOP_K : t.row0 + r;
+        if (r < t.rows) {
+            if constexpr (G::KIND == GEMM_DOWN) {
+                source = t.row0 + r;
+            } else if constexpr (G::EP) {
+                source = row_pair[t.row0 + r];
+                const int chunk = source / G::SLOTS * G::CHUNKS + source % G::SLOTS / G::CHUNK;
+                wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
+            } else {
+                source = row_pair[t.row0 + r] / TOP_K;
+            }
+        }
         s_row_source[r] = source;
     }
     __syncthreads();
@@ -278,23 +353,48 @@ __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const Gem
 // pair of adjacent output columns at a time. GEMM_UP applies the activation (gate and up
 // accumulators); GEMM_DOWN scales by the routing weight and writes the (token, k) slot.
 struct EpilogueRow {
-    size_t out_row;
+    bf16_t* out;  // the output row
     float scale;
 };
 
+// The rank a GEMM2 row's pair came from (expert-parallel path): its segment's source.
+template <class G>
+__device__ __forceinline__ int row_origin(const GemmTile& t, const EpContext& ep) {
+    return ep.receive_order[t.expert % G::RANKS];
+}
+
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
-                                                    const float* __restrict__ topk_weights) {
+                                                    const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
+                                                    const EpContext& ep) {
     if constexpr (G::KIND == GEMM_UP) {
-        return EpilogueRow{(size_t)(t.row0 + r), 1.f};
+        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f};
+    } else if constexpr (G::EP) {
+        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
+        bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
+        return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r]};
     } else {
         const int pair = row_pair[t.row0 + r];
-        return EpilogueRow{(size_t)pair, topk_weights[pair]};
+        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair]};
+    }
+}
+
+// Expert-parallel GEMM2, after a tile's stores (and the barrier that follows them): each
+// row releases BN columns to its token's counter at the origin.
+template <class G>
+__device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep) {
+    if constexpr (G::EP && G::KIND == GEMM_DOWN) {
+        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
+        u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
+        for (int r = threadIdx.x; r < t.rows; r += G::THREADS) {
+            fence_flags();
+            flag_add(counters + row_pair[t.row0 + r] / TOP_K, G::BN);
+        }
     }
 }
 
 template <class G>
-__device__ __forceinline__ void epilogue_store(bf16_t* __restrict__ out, const EpilogueRow& row, int column,
+__device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
                                                float v0, float v1, float up0, float up1) {
     if constexpr (G::KIND == GEMM_UP) {
         v0 = activate(v0, up0);
@@ -303,7 +403,7 @@ __device__ __forceinline__ void epilogue_store(bf16_t* __restrict__ out, const E
         v0 *= row.scale;
         v1 *= row.scale;
     }
-    *reinterpret_cast<u32*>(out + row.out_row * G::N + column) = pack_bf16x2(v0, v1);
+    *reinterpret_cast<u32*>(row.out + column) = pack_bf16x2(v0, v1);
 }
 
 template <class G>
@@ -313,7 +413,8 @@ __device__ __forceinline__ void grouped_gemm(
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
     const int* __restrict__ expert_offsets,   // [EXPERTS + 1]
     const int* __restrict__ row_pair,         // [pairs]
-    bf16_t* __restrict__ out)                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
+    bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
+    const EpContext& ep)
 {
     assert_gemm_layout<G>();
     static_assert(G::ALIGN_SLACK == 0 && G::RING_ALIGN == 128, "plan: the mma.sync ring starts the allocation");
@@ -328,7 +429,7 @@ __device__ __forceinline__ void grouped_gemm(
 
     extern __shared__ __align__(128) unsigned char smem[];
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
-    __shared__ int s_tile_start[EXPERTS + 1];
+    __shared__ int s_tile_start[G::GROUPS + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -338,13 +439,13 @@ __device__ __forceinline__ void grouped_gemm(
     const int warp_n = warp % G::WARPS_N;
     const u32 smem_base = smem_address(smem);
 
-    tile_schedule<G::BM, N_TILES>(expert_offsets, s_tile_start);
-    const int total_tiles = s_tile_start[EXPERTS];
+    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
+    const int total_tiles = s_tile_start[G::GROUPS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<G::BM, G::BN>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source);
-        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
+        const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
             load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
@@ -419,18 +520,19 @@ __device__ __forceinline__ void grouped_gemm(
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
                 if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights);
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
                     const float up0 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2] : 0.f;
                     const float up1 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2 + 1] : 0.f;
-                    epilogue_store<G>(out, row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
+                    epilogue_store<G>(row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
                 }
             }
         }
         cp_async_wait<0>();
-        __syncthreads();  // the next tile reuses the ring and the row table
+        __syncthreads();  // the next tile reuses the ring and the row table; every store is done
+        epilogue_release<G>(t, row_pair, ep);
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -483,7 +585,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair,
-    bf16_t* __restrict__ out)
+    bf16_t* __restrict__ out,
+    const EpContext& ep)
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one warpgroup (4 warps) per 64 rows");
@@ -502,7 +605,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
     unsigned char* smem = smem_raw + (smem_base - raw_base);
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
-    __shared__ int s_tile_start[EXPERTS + 1];
+    __shared__ int s_tile_start[G::GROUPS + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -510,13 +613,13 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     const int warpgroup = tid >> 7;
     const int warp_in_group = (tid >> 5) & 3;
 
-    tile_schedule<G::BM, N_TILES>(expert_offsets, s_tile_start);
-    const int total_tiles = s_tile_start[EXPERTS];
+    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
+    const int total_tiles = s_tile_start[G::GROUPS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<G::BM, G::BN>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source);
-        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
+        const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
             load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
         };
@@ -569,18 +672,19 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
         for (int half = 0; half < 2; ++half) {
             const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
             if (r >= t.rows) continue;
-            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights);
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
 #pragma unroll
             for (int j = 0; j < G::BN / 8; ++j) {
                 const int column = t.n0 + j * 8 + (lane & 3) * 2;
                 const int c = j * 4 + half * 2;
                 const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
                 const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-                epilogue_store<G>(out, row, column, acc[c], acc[c + 1], up0, up1);
+                epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
             }
         }
         cp_async_wait<0>();
-        __syncthreads();
+        __syncthreads();  // every store of the tile is done
+        epilogue_release<G>(t, row_pair, ep);
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -621,10 +725,300 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_co
     }
 }
 // ---------------------------------------------------------------------------------------
+// Expert parallelism: 8 ranks (one GPU per rank), 16 experts each.
+// One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
+//   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
+//                   ep_dispatch token rows, a chunk of CHUNK at a time, one flag per chunk
+//   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows
+//                   GEMM1       each tile waits for the chunks its rows sit in
+//                   GEMM2       stores weighted rows into the origin's combine slots and
+//                               releases the origin's per-token counter
+//                   ep_combine  waits for each token's counter, sums its K slots
+// ---------------------------------------------------------------------------------------
+constexpr int RANKS = 8;
+constexpr int LOCAL_EXPERTS = 16;     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
+constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) groups of GEMM rows
+constexpr int MAX_TOKENS = 16384;
+constexpr int SLOTS = 16384;                     // token slots per source in recv_x
+constexpr int SEGMENT_ROWS = 16384;       // rows per (local expert, source) in recv_*
+constexpr int CHUNK = 128;                     // tokens per dispatch chunk
+constexpr int CHUNKS = 128;                   // chunk flags per source
+constexpr int COMM_THREADS = 512;
+constexpr int META_THREADS = 512;
+constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 128;
+constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = 640;
+constexpr int EP_COMBINE_STATIC_SMEM_BYTES = 128;
+// Each rank's row of the peer table: addresses of the buffers other ranks write.
+constexpr int PEER_BUFFER_COUNT = 9;
+constexpr int PEER_RECV_X = 0;
+constexpr int PEER_RECV_SLOT = 1;
+constexpr int PEER_RECV_PAIR = 2;
+constexpr int PEER_RECV_WEIGHT = 3;
+constexpr int PEER_RECV_COUNTS = 4;
+constexpr int PEER_META_FLAGS = 5;
+constexpr int PEER_CHUNK_FLAGS = 6;
+constexpr int PEER_COMBINE_SLOTS = 7;
+constexpr int PEER_COMBINE_COUNTERS = 8;
+// Per source rank, the destinations in the order it sends to them (itself first).
+__device__ const int SEND_ORDER[RANKS][RANKS] = { {0, 1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6, 7, 0}, {2, 3, 4, 5, 6, 7, 0, 1}, {3, 4, 5, 6, 7, 0, 1, 2}, {4, 5, 6, 7, 0, 1, 2, 3}, {5, 6, 7, 0, 1, 2, 3, 4}, {6, 7, 0, 1, 2, 3, 4, 5}, {7, 0, 1, 2, 3, 4, 5, 6} };
+// Per destination rank, the sources in the order its GEMM rows take them (itself first).
+__device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 7, 6, 5, 4, 3, 2, 1}, {1, 0, 7, 6, 5, 4, 3, 2}, {2, 1, 0, 7, 6, 5, 4, 3}, {3, 2, 1, 0, 7, 6, 5, 4}, {4, 3, 2, 1, 0, 7, 6, 5}, {5, 4, 3, 2, 1, 0, 7, 6}, {6, 5, 4, 3, 2, 1, 0, 7}, {7, 6, 5, 4, 3, 2, 1, 0} };
+
+// The expert-parallel GEMMs: groups of rows are (local expert, source) segments.
+struct ExpertParallel {
+    static constexpr bool EP = true;
+    static constexpr int GROUPS = SEGMENTS, GROUPS_PER_EXPERT = RANKS, RANKS = ::RANKS;
+    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS;
+    static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
+    static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
+};
+
+template <typename T>
+__device__ __forceinline__ T* peer_buffer(const u64* peer_table, int rank, int buffer) {
+    return reinterpret_cast<T*>(peer_table[rank * PEER_BUFFER_COUNT + buffer]);
+}
+
+__device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, int* error_word, int rank, u32 epoch) {
+    EpContext ep;
+    ep.chunk_flags = chunk_flags;
+    ep.error_word = error_word;
+    ep.rank = rank;
+    ep.epoch = epoch;
+    return ep;
+}
+
+__device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weights, const u64* peer_table,
+                                                      int* error_word, int rank) {
+    EpContext ep;
+    ep.row_weights = segment_weights;
+    ep.peers = peer_table;
+    ep.receive_order = RECEIVE_ORDER[rank];
+    ep.error_word = error_word;
+    ep.rank = rank;
+    return ep;
+}
+
+// Metadata: block b serves this rank's b-th destination in send order. Every token with an
+// expert there gets one send slot (it crosses once however many of its experts live
+// there); every such (token, k) pair gets a row of the destination's receive index. Then
+// the counts, then one release of this rank's metadata flag at the destination.
+extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep_route(
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    const float* __restrict__ topk_weights,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ send_slots,  // [RANKS, MAX_TOKENS]: token of each send slot
+    int* __restrict__ send_counts,  // [RANKS]: tokens sent to each rank
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    __shared__ int s_count[LOCAL_EXPERTS];
+    __shared__ int s_slots;
+    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_slots)) == EP_ROUTE_STATIC_SMEM_BYTES,
+                  "plan: metadata kernel's static shared memory");
+    const int destination = SEND_ORDER[rank][blockIdx.x];
+    // This kernel starts every call's communication: it clears the error word of the last.
+    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) s_count[e] = 0;
+    if (threadIdx.x == 0) s_slots = 0;
+    __syncthreads();
+
+    int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT);
+    int* recv_pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR);
+    float* recv_weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT);
+    int* recv_counts = peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS);
+    u32* meta_flags = peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS);
+    const int first_expert = destination * LOCAL_EXPERTS;
+    for (int token = threadIdx.x; token < tokens; token += META_THREADS) {
+        int hits = 0;
+        for (int k = 0; k < TOP_K; ++k) {
+            const int expert = topk_ids[token * TOP_K + k];
+            if ((unsigned)expert >= (unsigned)EXPERTS) {
+                if (blockIdx.x == 0) report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, token, k, expert);
+            } else if (expert / LOCAL_EXPERTS == destination) {
+                ++hits;
+            }
+        }
+        if (hits == 0) continue;
+        const int slot = atomicAdd(&s_slots, 1);
+        send_slots[destination * MAX_TOKENS + slot] = token;
+        for (int k = 0; k < TOP_K; ++k) {
+            const int expert = topk_ids[token * TOP_K + k];
+            if ((unsigned)expert >= (unsigned)EXPERTS || expert / LOCAL_EXPERTS != destination) continue;
+            const int local = expert - first_expert;
+            const size_t row = ((size_t)local * RANKS + rank) * SEGMENT_ROWS + atomicAdd(&s_count[local], 1);
+            recv_slot[row] = slot;
+            recv_pair[row] = token * TOP_K + k;
+            recv_weight[row] = topk_weights[token * TOP_K + k];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) {
+        recv_counts[rank * (LOCAL_EXPERTS + 1) + e] = s_count[e];
+    }
+    if (threadIdx.x == 0) {
+        recv_counts[rank * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS] = s_slots;
+        send_counts[destination] = s_slots;
+    }
+    __syncthreads();  // every write of the block is done before the release
+    if (threadIdx.x == 0) {
+        fence_flags();
+        flag_store(meta_flags + rank, epoch);
+    }
+}
+
+// Dispatch: work items are (destination in send order, chunk); block b takes items b,
+// b + gridDim.x, ... Each item copies up to CHUNK token rows into the destination's
+// segment of this rank in recv_x, then releases that chunk's flag there.
+extern "C" __global__ void __launch_bounds__(COMM_THREADS) qwen3_235b_a22b_ep_dispatch(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    const int* __restrict__ send_slots,  // [RANKS, MAX_TOKENS]: token of each send slot
+    const int* __restrict__ send_counts,  // [RANKS]: tokens sent to each rank
+    const u64* __restrict__ peer_table  // [RANKS, PEER_BUFFERS]: peers' addresses
+)
+{
+    constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte pieces per row
+    int item = blockIdx.x;
+    int items_before = 0;
+    for (int step = 0; step < RANKS; ++step) {
+        const int destination = SEND_ORDER[rank][step];
+        const int sent = send_counts[destination];
+        const int chunks = (sent + CHUNK - 1) / CHUNK;
+        bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
+        u32* chunk_flags = peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
+        const int* slot_token = send_slots + destination * MAX_TOKENS;
+        for (; item < items_before + chunks; item += gridDim.x) {
+            const int chunk = item - items_before;
+            const int first = chunk * CHUNK;
+            const unsigned rows = min(CHUNK, sent - first);
+            for (unsigned i = threadIdx.x; i < rows * VECTORS; i += COMM_THREADS) {
+                const unsigned row = i / VECTORS, piece = i % VECTORS;
+                const int token = slot_token[first + row];
+                const Vec16 value = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[piece];
+                reinterpret_cast<Vec16*>(recv_x + (size_t)(first + row) * HIDDEN)[piece] = value;
+            }
+            __syncthreads();  // the whole chunk is written before its release
+            if (threadIdx.x == 0) {
+                fence_flags();
+                flag_store(chunk_flags + chunk, epoch);
+            }
+        }
+        items_before += chunks;
+    }
+}
+
+// Arrange: once every source's metadata is here, lay the GEMM rows out segment by
+// segment, (local expert, source in receive order): the row each reads from recv_x, its
+// origin pair and its routing weight.
+extern "C" __global__ void __launch_bounds__(META_THREADS) qwen3_235b_a22b_ep_arrange(
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    const int* recv_slot,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const int* recv_pair,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const float* recv_weight,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
+    const u32* meta_flags,  // [RANKS], written by peers
+    int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    int* __restrict__ segment_rows,  // [rows]
+    int* __restrict__ segment_pairs,  // [rows]
+    float* __restrict__ segment_weights,  // [rows]
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    __shared__ int s_offsets[SEGMENTS + 1];
+    __shared__ int s_arrived;
+    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_arrived)) == EP_ARRANGE_STATIC_SMEM_BYTES,
+                  "plan: arrange kernel's static shared memory");
+    if (threadIdx.x == 0) s_arrived = 1;
+    __syncthreads();
+    for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
+        if (!wait_flag(meta_flags + source, epoch, error_word, rank, FLAG_KIND_META, source)) s_arrived = 0;
+    }
+    __syncthreads();
+    // Without every source's counts the rows are unknown: compute none (the error is set).
+    const int* order = RECEIVE_ORDER[rank];
+    if (threadIdx.x < 32) {
+        warp_exclusive_scan(SEGMENTS, [&](int g) {
+            return s_arrived ? recv_counts[order[g % RANKS] * (LOCAL_EXPERTS + 1) + g / RANKS] : 0;
+        }, s_offsets);
+    }
+    __syncthreads();
+    for (int g = threadIdx.x; g <= SEGMENTS; g += META_THREADS) segment_offsets[g] = s_offsets[g];
+    for (int g = 0; g < SEGMENTS; ++g) {
+        const int source = order[g % RANKS];
+        const size_t from = ((size_t)(g / RANKS) * RANKS + source) * SEGMENT_ROWS;
+        const int rows = s_offsets[g + 1] - s_offsets[g];
+        for (int j = threadIdx.x; j < rows; j += META_THREADS) {
+            const int row = s_offsets[g] + j;
+            segment_rows[row] = source * SLOTS + recv_slot[from + j];
+            segment_pairs[row] = recv_pair[from + j];
+            segment_weights[row] = recv_weight[from + j];
+        }
+    }
+}
+
+// Combine: a token's K slots are complete when its counter holds HIDDEN columns per valid
+// pair; the sum runs in k order (deterministic), then the counter is taken back to zero
+// for the next call.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep_combine(
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    const bf16_t* combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
+    u32* __restrict__ combine_counters,  // [MAX_TOKENS], written by peers
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ y  // [tokens, HIDDEN]
+)
+{
+    __shared__ int s_complete;
+    static_assert(static_smem_reserved(sizeof(s_complete)) == EP_COMBINE_STATIC_SMEM_BYTES,
+                  "plan: combine kernel's static shared memory");
+    for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
+        bool routed[TOP_K];
+        u32 valid = 0;
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            valid += routed[k];
+        }
+        const u32 target = valid * HIDDEN;
+        if (threadIdx.x == 0) s_complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        __syncthreads();
+        for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
+            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k) {
+                if (!routed[k]) continue;  // the metadata kernel reported this pair
+                const Vec16 v = *reinterpret_cast<const Vec16*>(
+                    combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+                const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
+                    sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
+                }
+            }
+            Vec16 packed;
+            packed.x = pack_bf16x2(sum[0], sum[1]);
+            packed.y = pack_bf16x2(sum[2], sum[3]);
+            packed.z = pack_bf16x2(sum[4], sum[5]);
+            packed.w = pack_bf16x2(sum[6], sum[7]);
+            *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
+        }
+        __syncthreads();  // every thread read the slots before the counter is reset
+        if (threadIdx.x == 0 && s_complete) atomicSub(combine_counters + token, target);
+    }
+}
+// ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 264 persistent blocks (2 per SM)
-struct decode_gemm1 {
+struct decode_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
@@ -638,16 +1032,16 @@ struct decode_gemm1 {
 };
 extern "C" __global__ void __launch_bounds__(256, 2) qwen3_235b_a22b_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ w1,  // [EXPERTS, W1 rows, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    bf16_t* __restrict__ intermediate  // [tokens * TOP_K, FFN], workspace
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<decode_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate);
+    grouped_gemm_wgmma<decode_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 264 persistent blocks (2 per SM)
-struct decode_gemm2 {
+struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
@@ -660,21 +1054,21 @@ struct decode_gemm2 {
     static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(256, 2) qwen3_235b_a22b_decode_gemm2(
-    const bf16_t* __restrict__ intermediate,  // [tokens * TOP_K, FFN], workspace
-    const bf16_t* __restrict__ w2,  // [EXPERTS, HIDDEN, FFN]
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_wgmma<decode_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots);
+    grouped_gemm_wgmma<decode_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 2049..=8192 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 264 persistent blocks (2 per SM)
-struct mid_gemm1 {
+struct mid_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
@@ -688,16 +1082,16 @@ struct mid_gemm1 {
 };
 extern "C" __global__ void __launch_bounds__(256, 2) qwen3_235b_a22b_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ w1,  // [EXPERTS, W1 rows, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    bf16_t* __restrict__ intermediate  // [tokens * TOP_K, FFN], workspace
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<mid_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate);
+    grouped_gemm_wgmma<mid_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): wgmma, tile 128x128x64, 4 stages, 8x1 warps, 132 persistent blocks (1 per SM)
-struct mid_gemm2 {
+struct mid_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
@@ -710,21 +1104,21 @@ struct mid_gemm2 {
     static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm2(
-    const bf16_t* __restrict__ intermediate,  // [tokens * TOP_K, FFN], workspace
-    const bf16_t* __restrict__ w2,  // [EXPERTS, HIDDEN, FFN]
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_wgmma<mid_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots);
+    grouped_gemm_wgmma<mid_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 8193..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): wgmma, tile 128x64x64, 4 stages, 8x1 warps, 132 persistent blocks (1 per SM)
-struct prefill_gemm1 {
+struct prefill_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
@@ -738,16 +1132,16 @@ struct prefill_gemm1 {
 };
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ w1,  // [EXPERTS, W1 rows, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    bf16_t* __restrict__ intermediate  // [tokens * TOP_K, FFN], workspace
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<prefill_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate);
+    grouped_gemm_wgmma<prefill_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): wgmma, tile 128x128x64, 4 stages, 8x1 warps, 132 persistent blocks (1 per SM)
-struct prefill_gemm2 {
+struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
@@ -760,13 +1154,187 @@ struct prefill_gemm2 {
     static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_prefill_gemm2(
-    const bf16_t* __restrict__ intermediate,  // [tokens * TOP_K, FFN], workspace
-    const bf16_t* __restrict__ w2,  // [EXPERTS, HIDDEN, FFN]
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_wgmma<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots);
+    grouped_gemm_wgmma<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+}
+// ---------------------------------------------------------------------------------------
+// Regime `decode`, expert-parallel: 0..=2048 tokens per call
+// ---------------------------------------------------------------------------------------
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 232 persistent blocks (2 per SM)
+struct decode_ep_gemm1 : ExpertParallel {
+    static constexpr int KIND = GEMM_UP;
+    static constexpr bool GATED = true;
+    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
+    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 640;
+};
+extern "C" __global__ void __launch_bounds__(256, 2) qwen3_235b_a22b_decode_ep_gemm1(
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ segment_rows,  // [rows]
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+)
+{
+    grouped_gemm_wgmma<decode_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
+        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
+}
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 232 persistent blocks (2 per SM)
+struct decode_ep_gemm2 : ExpertParallel {
+    static constexpr int KIND = GEMM_DOWN;
+    static constexpr bool GATED = false;
+    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
+    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 640;
+};
+extern "C" __global__ void __launch_bounds__(256, 2) qwen3_235b_a22b_decode_ep_gemm2(
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ segment_pairs,  // [rows]
+    const float* __restrict__ segment_weights,  // [rows]
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int rank,  // this rank
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    grouped_gemm_wgmma<decode_ep_gemm2>(intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, peer_table, error_word, rank));
+}
+// ---------------------------------------------------------------------------------------
+// Regime `mid`, expert-parallel: 2049..=8192 tokens per call
+// ---------------------------------------------------------------------------------------
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 232 persistent blocks (2 per SM)
+struct mid_ep_gemm1 : ExpertParallel {
+    static constexpr int KIND = GEMM_UP;
+    static constexpr bool GATED = true;
+    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
+    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 640;
+};
+extern "C" __global__ void __launch_bounds__(256, 2) qwen3_235b_a22b_mid_ep_gemm1(
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ segment_rows,  // [rows]
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+)
+{
+    grouped_gemm_wgmma<mid_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
+        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
+}
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 4 stages, 8x1 warps, 116 persistent blocks (1 per SM)
+struct mid_ep_gemm2 : ExpertParallel {
+    static constexpr int KIND = GEMM_DOWN;
+    static constexpr bool GATED = false;
+    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072;
+    static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 640;
+};
+extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm2(
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ segment_pairs,  // [rows]
+    const float* __restrict__ segment_weights,  // [rows]
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int rank,  // this rank
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    grouped_gemm_wgmma<mid_ep_gemm2>(intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, peer_table, error_word, rank));
+}
+// ---------------------------------------------------------------------------------------
+// Regime `prefill`, expert-parallel: 8193..=16384 tokens per call
+// ---------------------------------------------------------------------------------------
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 4 stages, 8x1 warps, 116 persistent blocks (1 per SM)
+struct prefill_ep_gemm1 : ExpertParallel {
+    static constexpr int KIND = GEMM_UP;
+    static constexpr bool GATED = true;
+    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072;
+    static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 640;
+};
+extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_prefill_ep_gemm1(
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ segment_rows,  // [rows]
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+)
+{
+    grouped_gemm_wgmma<prefill_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
+        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
+}
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 4 stages, 8x1 warps, 116 persistent blocks (1 per SM)
+struct prefill_ep_gemm2 : ExpertParallel {
+    static constexpr int KIND = GEMM_DOWN;
+    static constexpr bool GATED = false;
+    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072;
+    static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 640;
+};
+extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_prefill_ep_gemm2(
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ segment_pairs,  // [rows]
+    const float* __restrict__ segment_weights,  // [rows]
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int rank,  // this rank
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    grouped_gemm_wgmma<prefill_ep_gemm2>(intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, peer_table, error_word, rank));
 }

@@ -30,6 +30,16 @@ pub enum GpuError {
         "this plan cannot run here: {reason}; plan the layer for this device (omit --target, or regenerate the AOT directory on a matching GPU)"
     )]
     TargetMismatch { target: String, reason: String },
+    #[error("{wanted} GPUs are needed but {found} are visible")]
+    TooFewDevices { wanted: usize, found: usize },
+    #[error(
+        "device {from} cannot access device {to}'s memory ({result}); expert parallelism across GPUs needs peer access (NVLink or PCIe P2P)"
+    )]
+    PeerAccess {
+        from: usize,
+        to: usize,
+        result: String,
+    },
 }
 
 /// Adds what was being done to a driver error.
@@ -125,6 +135,38 @@ impl Gpu {
             }),
             None => Ok(()),
         }
+    }
+
+    /// Loads a compiled module into another context (another GPU of an expert-parallel
+    /// layer): its CUBIN when there is one, else its PTX.
+    pub fn load_into(
+        ctx: &Arc<CudaContext>,
+        module: &CompiledModule,
+    ) -> Result<Arc<CudaModule>, GpuError> {
+        let image = match &module.cubin {
+            Some(cubin) => Ptx::from_binary(cubin.clone()),
+            None => Ptx::from_src(module.ptx.clone()),
+        };
+        ctx.load_module(image)
+            .context(format!("loading module `{}`", module.name))
+    }
+
+    /// Opens device `ordinal` as one more rank's device: its context, with event tracking
+    /// off as for [`Gpu::open`].
+    pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
+        toolkit::driver_available()?;
+        let count = CudaContext::device_count().context("counting devices")?;
+        if ordinal as i32 >= count {
+            return Err(GpuError::TooFewDevices {
+                wanted: ordinal + 1,
+                found: count.max(0) as usize,
+            });
+        }
+        let ctx = CudaContext::new(ordinal).context(format!("opening device {ordinal}"))?;
+        // SAFETY: called before any buffer exists on this context... unless it is the
+        // primary context another handle already uses, whose tracking is off too.
+        unsafe { ctx.disable_event_tracking() };
+        Ok(ctx)
     }
 
     /// Loads a compiled module: its CUBIN when there is one, else its PTX.

@@ -7,13 +7,16 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use moeforge_compiler::codegen::{self, CodegenError};
 use moeforge_compiler::plan::{LayerShape, Plan};
 use thiserror::Error;
 
 use crate::aot;
 use crate::bf16;
+use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::jit::{CompileOptions, CompiledModule, Jit, JitError};
 use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer};
@@ -369,6 +372,91 @@ impl Session {
         })
     }
 
+    /// The expert-parallel layer of `built`'s plan: rank `r` on `contexts[r]` (the
+    /// session's context R times for virtual ranks), each with its `E / R` experts copied
+    /// from `built`'s weights (so the CPU reference of `built` checks it).
+    pub fn build_expert_parallel(
+        &self,
+        built: &BuiltLayer,
+        contexts: &[Arc<CudaContext>],
+    ) -> Result<EpLayer, HarnessError> {
+        let plan = built.layer.plan().clone();
+        let shape = &plan.shape;
+        let ranks = contexts.len();
+        let local = shape.experts as usize / ranks.max(1);
+        let w1_len = local * shape.w1_rows() as usize * shape.hidden as usize;
+        let w2_len = local * shape.hidden as usize * shape.ffn as usize;
+        let full = built.layer.weights();
+        let mut modules = Vec::with_capacity(ranks);
+        let mut weights = Vec::with_capacity(ranks);
+        for (r, ctx) in contexts.iter().enumerate() {
+            let module = if ctx.ordinal() == self.gpu.ctx.ordinal() {
+                self.gpu.load(&built.module)?
+            } else {
+                Gpu::load_into(ctx, &built.module)?
+            };
+            modules.push(module);
+            // Host staging works between any two devices; these copies are test set-up.
+            let w1 = self
+                .gpu
+                .stream
+                .clone_dtoh(&full.w1.slice(r * w1_len..(r + 1) * w1_len))
+                .context("downloading a rank's W1")?;
+            let w2 = self
+                .gpu
+                .stream
+                .clone_dtoh(&full.w2.slice(r * w2_len..(r + 1) * w2_len))
+                .context("downloading a rank's W2")?;
+            let stream = ctx.default_stream();
+            weights.push(ExpertWeights {
+                w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
+                w2: stream.clone_htod(&w2).context("uploading a rank's W2")?,
+            });
+            stream.synchronize().context("placing a rank's weights")?;
+        }
+        Ok(EpLayer::new(plan, contexts, modules, weights)?)
+    }
+
+    /// Runs one expert-parallel call, rank `r` on `workloads[r]`, and checks every rank's
+    /// output against the CPU reference (see [`Session::run_checked`]).
+    pub fn run_checked_expert_parallel(
+        &self,
+        built: &BuiltLayer,
+        layer: &mut EpLayer,
+        workloads: &[Workload],
+        max_checked_tokens: usize,
+        seed: u64,
+    ) -> Result<Vec<CheckReport>, HarnessError> {
+        let shape = layer.plan().shape.clone();
+        let mut inputs = workloads
+            .iter()
+            .enumerate()
+            .map(|(r, w)| upload_poisoned(layer.stream(r), &shape, w))
+            .collect::<Result<Vec<_>, _>>()?;
+        layer.synchronize()?;
+        let mut args: Vec<ForwardArgs<'_>> = inputs
+            .iter_mut()
+            .map(|io| ForwardArgs {
+                tokens: io.tokens,
+                x: &io.x,
+                topk_ids: &io.topk_ids,
+                topk_weights: &io.topk_weights,
+                y: &mut io.y,
+            })
+            .collect();
+        layer.forward(&mut args)?;
+        layer.take_error()?;
+        inputs
+            .iter()
+            .zip(workloads)
+            .enumerate()
+            .map(|(r, (io, workload))| {
+                let y = layer.stream(r).clone_dtoh(&io.y).context("downloading y")?;
+                self.check_output(built, workload, &y, max_checked_tokens, seed)
+            })
+            .collect()
+    }
+
     pub fn forward(&self, layer: &MoeLayer, io: &mut DeviceWorkload) -> Result<(), LayerError> {
         layer.forward(ForwardArgs {
             tokens: io.tokens,
@@ -397,6 +485,20 @@ impl Session {
         self.forward(layer, &mut io)?;
         layer.take_error()?;
         let y = self.gpu.stream.clone_dtoh(&io.y).context("downloading y")?;
+        self.check_output(built, workload, &y, max_checked_tokens, seed)
+    }
+
+    /// Compares the output `y` of a call on `workload` with the CPU reference (see
+    /// [`Session::run_checked`]), the weights taken from `built`.
+    pub fn check_output(
+        &self,
+        built: &BuiltLayer,
+        workload: &Workload,
+        y: &[u16],
+        max_checked_tokens: usize,
+        seed: u64,
+    ) -> Result<CheckReport, HarnessError> {
+        let shape = &built.layer.plan().shape;
         let y = &y[..workload.tokens as usize * shape.hidden as usize];
         let unwritten = y.iter().filter(|&&v| bf16::to_f32(v).is_nan()).count();
 
@@ -423,6 +525,46 @@ impl Session {
             reference_seconds,
         })
     }
+}
+
+/// `workload` on `stream`'s device, with its output poisoned with NaN from the host (the
+/// fill kernels live on the session's device only).
+pub fn upload_poisoned(
+    stream: &Arc<CudaStream>,
+    shape: &LayerShape,
+    workload: &Workload,
+) -> Result<DeviceWorkload, GpuError> {
+    // Zero-length device buffers are not allocatable: keep at least one element.
+    let padded = |mut v: Vec<u16>| {
+        if v.is_empty() {
+            v.push(0);
+        }
+        v
+    };
+    let x = stream
+        .clone_htod(&padded(workload.x.clone()))
+        .context("uploading x")?;
+    let mut ids = workload.topk_ids.clone();
+    let mut weights = workload.topk_weights.clone();
+    if ids.is_empty() {
+        ids.push(0);
+        weights.push(0.0);
+    }
+    let topk_ids = stream.clone_htod(&ids).context("uploading topk_ids")?;
+    let topk_weights = stream
+        .clone_htod(&weights)
+        .context("uploading topk_weights")?;
+    let y_len = (workload.tokens as usize * shape.hidden as usize).max(1);
+    let y = stream
+        .clone_htod(&vec![bf16::NAN; y_len])
+        .context("allocating y")?;
+    Ok(DeviceWorkload {
+        tokens: workload.tokens,
+        x,
+        topk_ids,
+        topk_weights,
+        y,
+    })
 }
 
 /// All of `0..tokens` when there are at most `cap`, else `cap` of them drawn at random

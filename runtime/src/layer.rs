@@ -27,6 +27,21 @@ pub enum LayerError {
     )]
     MissingKernel { name: String },
     #[error(
+        "the plan has no expert-parallel part: the spec has one rank; use the single-GPU layer"
+    )]
+    NotExpertParallel,
+    #[error("the plan has {ranks} ranks but {given} were given")]
+    RankCount { ranks: u32, given: usize },
+    #[error(
+        "rank {rank} waited too long for the {kind} {index} (epoch {epoch}): a peer stopped or never sent; this layer's flags are now inconsistent, rebuild it"
+    )]
+    FlagTimeout {
+        rank: i32,
+        kind: &'static str,
+        index: i32,
+        epoch: u32,
+    },
+    #[error(
         "the plan gives a single-GPU launch the multi-rank argument `{arg}`; run it with the expert-parallel layer"
     )]
     MultiRankArg { arg: &'static str },
@@ -100,13 +115,13 @@ enum Binding {
     Workspace(usize),
 }
 
-fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+pub(crate) fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     // Event tracking is off on moeforge's context, so the guard has nothing to record.
     let (address, _guard) = slice.device_ptr(stream);
     address
 }
 
-fn check_len(what: &'static str, got: usize, expected: u64) -> Result<(), LayerError> {
+pub(crate) fn check_len(what: &'static str, got: usize, expected: u64) -> Result<(), LayerError> {
     if (got as u64) < expected {
         return Err(LayerError::Shape {
             what,
@@ -118,7 +133,7 @@ fn check_len(what: &'static str, got: usize, expected: u64) -> Result<(), LayerE
 }
 
 /// One kernel parameter's value.
-enum ArgValue {
+pub(crate) enum ArgValue {
     Pointer(u64),
     Int(i32),
 }

@@ -23,7 +23,7 @@ use thiserror::Error;
 use crate::ir::{self, Activation, TileShape};
 pub use cost::GemmEstimate;
 pub use describe::describe;
-pub use launch::{Access, Grid, KernelParam, Launch, LaunchArg, ParamType};
+pub use launch::{Access, Grid, KernelParam, Launch, LaunchArg, ParamType, StreamRole};
 pub use target::{DeviceFacts, Target};
 pub use validate::PlanInvalid;
 

@@ -1,0 +1,406 @@
+//! The expert-parallel layer: R ranks, each with its experts, its workspace and two streams
+//! (communication and compute), exchanging tokens and results through the plan's
+//! expert-parallel kernels (`moeforge_compiler::plan::ep`).
+//!
+//! Ranks live on one GPU (virtual ranks: the same kernels, every peer address on one
+//! device) or on one GPU each, driven from this process with peer access enabled. Only
+//! the peer table differs. A call enqueues, per rank: the communication stream waits for
+//! the compute stream's earlier work, then takes the metadata and dispatch kernels; the
+//! compute stream takes arrange, the GEMMs and combine, then waits for the communication
+//! stream. Within a call the ranks synchronise only through the kernels' flags; each call
+//! raises the epoch the flags compare against, so no flag is ever reset.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use moeforge_compiler::plan::ep::ExpertParallelPlan;
+use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, StreamRole, error_code};
+
+use crate::gpu::{DriverContext, GpuError};
+use crate::layer::{ArgValue, ExpertWeights, ForwardArgs, LayerError, check_len, ptr};
+
+/// Where a kernel parameter's value comes from, resolved once per rank.
+#[derive(Clone, Copy)]
+enum Binding {
+    Caller(LaunchArg),
+    W1,
+    W2,
+    Rank,
+    Epoch,
+    Workspace(usize),
+}
+
+/// One rank: its streams, module, buffers, experts and resolved launches.
+struct Rank {
+    compute: Arc<CudaStream>,
+    comm: Arc<CudaStream>,
+    workspace: Vec<(BufferId, CudaSlice<u8>)>,
+    weights: ExpertWeights,
+    /// Per regime, each launch: function, bindings and stream role.
+    regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>, StreamRole)>>,
+    _module: Arc<CudaModule>,
+}
+
+pub struct EpLayer {
+    plan: Plan,
+    ranks: Vec<Rank>,
+    /// The epoch of the last call; flags start at 0, so the first call is epoch 1.
+    epoch: u32,
+}
+
+/// Enables access from `from` to `to`'s memory (one process, several GPUs).
+fn enable_peer_access(from: &CudaContext, to: &CudaContext) -> Result<(), GpuError> {
+    from.bind_to_thread().context("binding a context")?;
+    // SAFETY: both contexts are alive; the call only changes the current context's mappings.
+    let result = unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) };
+    match result {
+        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        other => Err(GpuError::PeerAccess {
+            from: from.ordinal(),
+            to: to.ordinal(),
+            result: format!("{other:?}"),
+        }),
+    }
+}
+
+impl EpLayer {
+    /// Builds the layer: rank `r` runs on `contexts[r]` (all the same context for virtual
+    /// ranks) with `modules[r]`, the plan's unit loaded there, and `weights[r]`, its
+    /// `E / R` experts in checkpoint layout.
+    pub fn new(
+        plan: Plan,
+        contexts: &[Arc<CudaContext>],
+        modules: Vec<Arc<CudaModule>>,
+        weights: Vec<ExpertWeights>,
+    ) -> Result<Self, LayerError> {
+        plan.validate()?;
+        let ep = plan
+            .expert_parallel
+            .clone()
+            .ok_or(LayerError::NotExpertParallel)?;
+        let ranks = ep.ranks as usize;
+        if contexts.len() != ranks || modules.len() != ranks || weights.len() != ranks {
+            return Err(LayerError::RankCount {
+                ranks: ep.ranks,
+                given: contexts.len().min(modules.len()).min(weights.len()),
+            });
+        }
+        for (i, a) in contexts.iter().enumerate() {
+            for b in &contexts[i + 1..] {
+                if a.ordinal() != b.ordinal() {
+                    enable_peer_access(a, b)?;
+                    enable_peer_access(b, a)?;
+                }
+            }
+        }
+        let shape = &plan.shape;
+        let local = u64::from(ep.experts_per_rank);
+        let mut built = Vec::with_capacity(ranks);
+        for ((ctx, module), weights) in contexts.iter().zip(modules).zip(weights) {
+            check_len(
+                "w1",
+                weights.w1.len(),
+                local * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
+            )?;
+            check_len(
+                "w2",
+                weights.w2.len(),
+                local * u64::from(shape.hidden) * u64::from(shape.ffn),
+            )?;
+            let compute = ctx.new_stream().context("creating a compute stream")?;
+            let comm = ctx
+                .new_stream()
+                .context("creating a communication stream")?;
+            let mut workspace = Vec::new();
+            for buffer in &ep.workspace {
+                let bytes = buffer.bytes() as usize;
+                // Zeroed: flags and counters start below every epoch and at zero.
+                let slice = compute
+                    .alloc_zeros::<u8>(bytes.max(1))
+                    .context(format!("allocating `{}` ({bytes} bytes)", buffer.id.name()))?;
+                workspace.push((buffer.id, slice));
+            }
+            let mut regime_kernels = Vec::new();
+            for regime in &ep.regimes {
+                let mut launches = Vec::new();
+                for launch in &regime.launches {
+                    let function = module.load_function(&launch.kernel).map_err(|_| {
+                        LayerError::MissingKernel {
+                            name: launch.kernel.clone(),
+                        }
+                    })?;
+                    if launch.smem_bytes > 0 {
+                        function
+                            .set_attribute(
+                                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                launch.smem_bytes as i32,
+                            )
+                            .context(format!(
+                                "raising the shared-memory limit of `{}`",
+                                launch.kernel
+                            ))?;
+                    }
+                    let bindings = launch
+                        .params
+                        .iter()
+                        .map(|p| bind(p.arg, &workspace))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    launches.push((function, bindings, launch.stream));
+                }
+                regime_kernels.push(launches);
+            }
+            built.push(Rank {
+                compute,
+                comm,
+                workspace,
+                weights,
+                regime_kernels,
+                _module: module,
+            });
+        }
+        upload_peer_tables(&ep, &mut built)?;
+        let layer = EpLayer {
+            plan,
+            ranks: built,
+            epoch: 0,
+        };
+        layer.synchronize()?;
+        Ok(layer)
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Rank `r`'s compute stream: upload its inputs there, read its output after it.
+    pub fn stream(&self, rank: usize) -> &Arc<CudaStream> {
+        &self.ranks[rank].compute
+    }
+
+    /// Waits for every rank's streams.
+    pub fn synchronize(&self) -> Result<(), LayerError> {
+        for rank in &self.ranks {
+            rank.comm.synchronize().context("synchronising a rank")?;
+            rank.compute.synchronize().context("synchronising a rank")?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues one call: `args[r]` is rank `r`'s tokens (on its device). Does not
+    /// synchronise.
+    pub fn forward(&mut self, args: &mut [ForwardArgs<'_>]) -> Result<(), LayerError> {
+        let shape = &self.plan.shape;
+        if args.len() != self.ranks.len() {
+            return Err(LayerError::RankCount {
+                ranks: self.ranks.len() as u32,
+                given: args.len(),
+            });
+        }
+        let mut regimes = Vec::with_capacity(args.len());
+        for a in args.iter() {
+            let t = u64::from(a.tokens);
+            check_len("x", a.x.len(), t * u64::from(shape.hidden))?;
+            check_len("topk_ids", a.topk_ids.len(), t * u64::from(shape.top_k))?;
+            check_len(
+                "topk_weights",
+                a.topk_weights.len(),
+                t * u64::from(shape.top_k),
+            )?;
+            check_len("y", a.y.len(), t * u64::from(shape.hidden))?;
+            regimes.push(self.plan.regime_index_for(a.tokens).ok_or(
+                LayerError::TooManyTokens {
+                    tokens: a.tokens,
+                    max: shape.max_tokens,
+                },
+            )?);
+        }
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        let epoch = self.epoch;
+        for rank in &self.ranks {
+            rank.comm
+                .join(&rank.compute)
+                .context("ordering communication after the previous call")?;
+        }
+        // Communication first on every rank: the compute kernels wait on it.
+        for role in [StreamRole::Comm, StreamRole::Compute] {
+            for (r, (rank, a)) in self.ranks.iter().zip(args.iter_mut()).enumerate() {
+                let stream = match role {
+                    StreamRole::Comm => &rank.comm,
+                    StreamRole::Compute => &rank.compute,
+                };
+                let ep_regime = &self.plan_ep().regimes[regimes[r]];
+                for (launch, (function, bindings, launch_role)) in ep_regime
+                    .launches
+                    .iter()
+                    .zip(&rank.regime_kernels[regimes[r]])
+                {
+                    if *launch_role != role {
+                        continue;
+                    }
+                    let values: Vec<ArgValue> = bindings
+                        .iter()
+                        .map(|binding| match *binding {
+                            Binding::Caller(LaunchArg::X) => ArgValue::Pointer(ptr(a.x, stream)),
+                            Binding::Caller(LaunchArg::TopkIds) => {
+                                ArgValue::Pointer(ptr(a.topk_ids, stream))
+                            }
+                            Binding::Caller(LaunchArg::TopkWeights) => {
+                                ArgValue::Pointer(ptr(a.topk_weights, stream))
+                            }
+                            Binding::Caller(LaunchArg::Y) => ArgValue::Pointer(ptr(a.y, stream)),
+                            Binding::Caller(_) => ArgValue::Int(a.tokens as i32),
+                            Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
+                            Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
+                            Binding::Rank => ArgValue::Int(r as i32),
+                            Binding::Epoch => ArgValue::Int(epoch as i32),
+                            Binding::Workspace(i) => {
+                                ArgValue::Pointer(ptr(&rank.workspace[i].1, stream))
+                            }
+                        })
+                        .collect();
+                    let config = LaunchConfig {
+                        grid_dim: (launch.grid.blocks(a.tokens), 1, 1),
+                        block_dim: (launch.block_threads, 1, 1),
+                        shared_mem_bytes: launch.smem_bytes,
+                    };
+                    let mut builder = stream.launch_builder(function);
+                    for value in &values {
+                        match value {
+                            ArgValue::Pointer(p) => builder.arg(p),
+                            ArgValue::Int(i) => builder.arg(i),
+                        };
+                    }
+                    // SAFETY: codegen wrote this kernel's parameters from `launch.params`
+                    // (pointers for buffers, 32-bit integers for tokens, rank and epoch);
+                    // `new` validated the plan and sized every workspace buffer from it, and
+                    // the caller's buffers were checked above.
+                    unsafe { builder.launch(config) }
+                        .context(format!("launching `{}` on rank {r}", launch.kernel))?;
+                }
+            }
+        }
+        for rank in &self.ranks {
+            rank.compute
+                .join(&rank.comm)
+                .context("joining the communication stream")?;
+        }
+        Ok(())
+    }
+
+    fn plan_ep(&self) -> &ExpertParallelPlan {
+        // `new` refused a plan without one.
+        self.plan
+            .expert_parallel
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("EpLayer::new checked the expert-parallel plan"))
+    }
+
+    /// Waits for every rank, reads and reports the first kernel error of any rank.
+    pub fn take_error(&self) -> Result<(), LayerError> {
+        self.synchronize()?;
+        for rank in &self.ranks {
+            let word = workspace(&rank.workspace, BufferId::ErrorWord)?;
+            let bytes = rank
+                .compute
+                .clone_dtoh(word)
+                .context("reading the error word")?;
+            let v: Vec<i32> = bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            match v[0] {
+                0 => continue,
+                error_code::EXPERT_ID_OUT_OF_RANGE => {
+                    return Err(LayerError::ExpertIdOutOfRange {
+                        token: v[1],
+                        k: v[2],
+                        id: v[3],
+                        experts: self.plan.shape.experts,
+                    });
+                }
+                error_code::FLAG_TIMEOUT => {
+                    return Err(LayerError::FlagTimeout {
+                        rank: v[1],
+                        kind: flag_kind_name(v[2] >> 24),
+                        index: v[2] & 0xff_ffff,
+                        epoch: v[3] as u32,
+                    });
+                }
+                code => {
+                    return Err(LayerError::UnknownKernelError {
+                        code,
+                        details: [v[1], v[2], v[3]],
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes every rank's peer table: row `d` holds rank `d`'s addresses of the buffers peers
+/// write, in the plan's order. With peer access (or one device) an address is valid on
+/// every rank's device.
+fn upload_peer_tables(ep: &ExpertParallelPlan, ranks: &mut [Rank]) -> Result<(), LayerError> {
+    let mut table: Vec<u64> = Vec::with_capacity(ranks.len() * ep.peer_buffers.len());
+    for rank in ranks.iter() {
+        for id in &ep.peer_buffers {
+            table.push(ptr(workspace(&rank.workspace, *id)?, &rank.compute));
+        }
+    }
+    let bytes: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
+    for rank in ranks.iter_mut() {
+        let slot = rank
+            .workspace
+            .iter_mut()
+            .find(|(b, _)| *b == BufferId::PeerTable)
+            .map(|(_, s)| s)
+            .ok_or(LayerError::MissingWorkspace {
+                buffer: BufferId::PeerTable.name(),
+            })?;
+        rank.compute
+            .memcpy_htod(&bytes, slot)
+            .context("uploading the peer table")?;
+    }
+    Ok(())
+}
+
+fn flag_kind_name(kind: i32) -> &'static str {
+    match kind {
+        error_code::flag_kind::META => "metadata flag of source",
+        error_code::flag_kind::CHUNK => "dispatch chunk flag",
+        error_code::flag_kind::COMBINE => "combine counter of token",
+        _ => "unknown flag",
+    }
+}
+
+fn workspace(
+    buffers: &[(BufferId, CudaSlice<u8>)],
+    id: BufferId,
+) -> Result<&CudaSlice<u8>, LayerError> {
+    buffers
+        .iter()
+        .find(|(b, _)| *b == id)
+        .map(|(_, s)| s)
+        .ok_or(LayerError::MissingWorkspace { buffer: id.name() })
+}
+
+fn bind(arg: LaunchArg, workspace: &[(BufferId, CudaSlice<u8>)]) -> Result<Binding, LayerError> {
+    Ok(match arg {
+        LaunchArg::W1 => Binding::W1,
+        LaunchArg::W2 => Binding::W2,
+        LaunchArg::Rank => Binding::Rank,
+        LaunchArg::Epoch => Binding::Epoch,
+        LaunchArg::Workspace(id) => Binding::Workspace(
+            workspace
+                .iter()
+                .position(|(b, _)| *b == id)
+                .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?,
+        ),
+        caller => Binding::Caller(caller),
+    })
+}

@@ -1,0 +1,202 @@
+//! Expert parallelism on the GPU against the CPU reference: R virtual ranks on one GPU and
+//! R = 2 real GPUs (skipped, with the reason printed, where fewer are visible). Every
+//! rank gets its own token count and routing; every output element of every rank is
+//! compared. Run on the GPU machine: `cargo test -- --include-ignored`.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use moeforge_compiler::ir::{Activation, Layer};
+use moeforge_compiler::plan::{self, Plan};
+use moeforge_runtime::ep::EpLayer;
+use moeforge_runtime::gpu::Gpu;
+use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
+use moeforge_runtime::workload::{self, Routing, Workload};
+
+mod layers;
+
+/// One line per case, straight to stderr so the GPU log shows it without --nocapture.
+fn say(line: String) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+fn fresh_seed() -> u64 {
+    let given = std::env::var("MOEFORGE_SEED")
+        .ok()
+        .map(|s| s.parse().expect("MOEFORGE_SEED must be an integer"));
+    workload::fresh_seed(given)
+}
+
+/// `layer` split over `ranks` expert-parallel ranks, virtual (one GPU) or one GPU each.
+fn over_ranks(layer: &Layer, ranks: u32, virtual_ranks: bool) -> Layer {
+    let mut layer = layer.clone();
+    layer.name = format!(
+        "{}_ep{ranks}{}",
+        layer.name,
+        if virtual_ranks { "v" } else { "" }
+    );
+    layer.parallel.expert = ranks;
+    layer.topology.gpus_per_node = if virtual_ranks { 1 } else { ranks };
+    layer.topology.nodes = 1;
+    layer.topology.virtual_ranks = virtual_ranks.then_some(ranks);
+    layer
+}
+
+fn plan_for(session: &Session, layer: &Layer) -> Plan {
+    let target = session.gpu.target().expect("the device's target");
+    let plan = plan::plan(layer, &target).unwrap_or_else(|e| panic!("{}: {e}", layer.name));
+    assert!(
+        plan.expert_parallel.is_some(),
+        "{} plans expert parallelism",
+        layer.name
+    );
+    plan
+}
+
+/// Token counts per rank for one case: the same kind of count on every rank, varied a
+/// little per rank so that ranks send unequal amounts.
+fn token_counts(max: u32, ranks: usize) -> Vec<Vec<u32>> {
+    vec![
+        vec![0; ranks],
+        (0..ranks as u32).map(|r| (r % 2).min(max)).collect(),
+        (0..ranks as u32).map(|r| (77 + 13 * r).min(max)).collect(),
+        vec![max; ranks],
+    ]
+}
+
+/// Every token-count case and both routings on `layer`: each rank's output against the
+/// reference.
+fn check_expert_parallel(
+    session: &Session,
+    built: &BuiltLayer,
+    ep: &mut EpLayer,
+    label: &str,
+    seed: u64,
+) {
+    let shape = built.layer.plan().shape.clone();
+    let ranks = ep.plan().expert_parallel.as_ref().map_or(1, |e| e.ranks) as usize;
+    for counts in token_counts(shape.max_tokens, ranks) {
+        for routing in [Routing::Uniform, Routing::Skewed] {
+            let workloads: Vec<Workload> = counts
+                .iter()
+                .enumerate()
+                .map(|(r, &t)| {
+                    Workload::random(&shape, t, routing, seed ^ (u64::from(t) << 8) ^ r as u64)
+                })
+                .collect();
+            let reports = session
+                .run_checked_expert_parallel(built, ep, &workloads, CHECKED_TOKENS, seed)
+                .unwrap_or_else(|e| panic!("{label} T={counts:?} {routing:?}: {e}"));
+            for (r, report) in reports.iter().enumerate() {
+                say(format!(
+                    "{label} rank {r} T={} {routing:?}: {report}",
+                    counts[r]
+                ));
+                assert!(
+                    report.passed(),
+                    "{label} rank {r} T={} {routing:?}: {report}",
+                    counts[r]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn virtual_ranks_match_reference() {
+    let seed = fresh_seed();
+    say(format!(
+        "expert parallelism on virtual ranks, seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let session = Session::open().expect("GPU session");
+    let qwen = layers::examples()
+        .into_iter()
+        .find(|l| l.name == "qwen3_30b_a3b")
+        .expect("the Qwen3-30B example");
+    let cases = [
+        (layers::tiny(Activation::Swiglu), 2),
+        (layers::tiny(Activation::Swiglu), 4),
+        (layers::tiny(Activation::Gelu), 8),
+        (layers::scaled_down(&qwen), 4),
+    ];
+    for (layer, ranks) in cases {
+        let layer = over_ranks(&layer, ranks, true);
+        let built = session
+            .build(plan_for(&session, &layer), seed)
+            .expect("build");
+        let contexts = vec![Arc::clone(&session.gpu.ctx); ranks as usize];
+        let mut ep = session
+            .build_expert_parallel(&built, &contexts)
+            .expect("expert-parallel layer");
+        check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);
+    }
+}
+
+/// Flags carry the epoch: a thousand calls in a row need no reset, and the last one is
+/// still right.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_thousand_calls_need_no_reset() {
+    let seed = fresh_seed();
+    let session = Session::open().expect("GPU session");
+    let layer = over_ranks(&layers::tiny(Activation::Swiglu), 4, true);
+    let built = session
+        .build(plan_for(&session, &layer), seed)
+        .expect("build");
+    let contexts = vec![Arc::clone(&session.gpu.ctx); 4];
+    let mut ep = session
+        .build_expert_parallel(&built, &contexts)
+        .expect("expert-parallel layer");
+    let shape = built.layer.plan().shape.clone();
+    let workloads: Vec<Workload> = (0..4)
+        .map(|r| Workload::random(&shape, 33 + r, Routing::Uniform, seed + u64::from(r)))
+        .collect();
+    let started = std::time::Instant::now();
+    for _ in 0..999 {
+        session
+            .run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed)
+            .expect("call");
+    }
+    let reports = session
+        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+        .expect("the 1000th call");
+    say(format!(
+        "1000 calls on 4 virtual ranks in {:.2} s; last: {}",
+        started.elapsed().as_secs_f64(),
+        reports[0]
+    ));
+    assert!(reports.iter().all(|r| r.passed()), "{reports:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_gpus_match_reference() {
+    let seed = fresh_seed();
+    let session = Session::open().expect("GPU session");
+    let second = match Gpu::open_context(1) {
+        Ok(ctx) => ctx,
+        Err(reason) => {
+            say(format!("SKIPPED two_gpus_match_reference: {reason}"));
+            return;
+        }
+    };
+    say(format!(
+        "expert parallelism on 2 GPUs, seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let qwen = layers::examples()
+        .into_iter()
+        .find(|l| l.name == "qwen3_30b_a3b")
+        .expect("the Qwen3-30B example");
+    for layer in [layers::tiny(Activation::Swiglu), layers::scaled_down(&qwen)] {
+        let layer = over_ranks(&layer, 2, false);
+        let built = session
+            .build(plan_for(&session, &layer), seed)
+            .expect("build");
+        let contexts = vec![Arc::clone(&session.gpu.ctx), Arc::clone(&second)];
+        let mut ep = session
+            .build_expert_parallel(&built, &contexts)
+            .expect("expert-parallel layer on two GPUs");
+        check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);
+    }
+}
