@@ -8,8 +8,10 @@ use serde::Serialize;
 
 use crate::baseline::{BaselineError, CublasBaseline};
 use crate::bf16;
+use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, GpuError};
-use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session};
+use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
+use crate::layer::ForwardArgs;
 use crate::reference;
 use crate::workload::{Routing, Workload};
 
@@ -206,4 +208,135 @@ pub fn bench_layer(
         rows.push(row);
     }
     Ok((rows, baseline.err()))
+}
+
+/// What a bench runs: token counts (per rank), routing, timed calls and the seed.
+#[derive(Clone, Copy)]
+pub struct BenchSettings<'a> {
+    pub token_counts: &'a [u32],
+    pub routing: Routing,
+    pub iterations: usize,
+    pub seed: u64,
+}
+
+/// One token count of the expert-parallel bench.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertParallelRow {
+    pub tokens_per_rank: u32,
+    pub ranks: u32,
+    /// Wall time per call over pipelined calls (host launches included: one call is
+    /// 6 launches per rank on two streams, with no host synchronisation between calls).
+    pub expert_parallel_us: f64,
+    /// The same tokens of every rank (R · T) on one GPU with every expert, moeforge's
+    /// single-GPU kernels (CUDA events); `None` above max_tokens.
+    pub one_gpu_us: Option<f64>,
+    /// Token rows that crossed to another rank, per second (bytes of rows, not of pairs).
+    pub crossed_gb_per_s: f64,
+}
+
+/// Times the expert-parallel layer `ep` (built from `built`) at each token count per rank,
+/// next to `built`'s single-GPU layer on all ranks' tokens together.
+pub fn bench_expert_parallel(
+    session: &Session,
+    built: &BuiltLayer,
+    ep: &mut EpLayer,
+    settings: &BenchSettings<'_>,
+    mut progress: impl FnMut(&ExpertParallelRow),
+) -> Result<Vec<ExpertParallelRow>, BenchError> {
+    let BenchSettings {
+        token_counts,
+        routing,
+        iterations,
+        seed,
+    } = *settings;
+    let shape = built.layer.plan().shape.clone();
+    let ranks = ep.plan().expert_parallel.as_ref().map_or(1, |e| e.ranks);
+    let per_rank = shape.experts / ranks;
+    let mut rows = Vec::new();
+    for &tokens in token_counts {
+        let workloads: Vec<Workload> = (0..ranks)
+            .map(|r| {
+                Workload::random(
+                    &shape,
+                    tokens,
+                    routing,
+                    seed ^ (u64::from(tokens) << 8) ^ u64::from(r),
+                )
+            })
+            .collect();
+        let mut inputs = workloads
+            .iter()
+            .enumerate()
+            .map(|(r, w)| upload_poisoned(ep.stream(r), &shape, w))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut call = |ep: &mut EpLayer| -> Result<(), BenchError> {
+            let mut args: Vec<ForwardArgs<'_>> = inputs
+                .iter_mut()
+                .map(|io| ForwardArgs {
+                    tokens: io.tokens,
+                    x: &io.x,
+                    topk_ids: &io.topk_ids,
+                    topk_weights: &io.topk_weights,
+                    y: &mut io.y,
+                })
+                .collect();
+            ep.forward(&mut args)?;
+            Ok(())
+        };
+        for _ in 0..WARMUP_CALLS {
+            call(ep)?;
+        }
+        ep.take_error()?;
+        let started = std::time::Instant::now();
+        for _ in 0..iterations {
+            call(ep)?;
+        }
+        ep.synchronize()?;
+        let expert_parallel_us = started.elapsed().as_secs_f64() * 1e6 / iterations as f64;
+        ep.take_error()?;
+
+        // Rows that leave their rank: tokens with an expert on another rank, once per rank.
+        let k = shape.top_k as usize;
+        let crossed: u64 = workloads
+            .iter()
+            .enumerate()
+            .map(|(r, w)| {
+                (0..w.tokens as usize)
+                    .map(|t| {
+                        let mut destinations: Vec<u32> = w.topk_ids[t * k..(t + 1) * k]
+                            .iter()
+                            .map(|&e| e as u32 / per_rank)
+                            .filter(|&d| d != r as u32)
+                            .collect();
+                        destinations.sort_unstable();
+                        destinations.dedup();
+                        destinations.len() as u64
+                    })
+                    .sum::<u64>()
+            })
+            .sum();
+        let crossed_gb_per_s =
+            crossed as f64 * f64::from(shape.hidden) * 2.0 / (expert_parallel_us * 1e-6) / 1e9;
+
+        let together = tokens * ranks;
+        let one_gpu_us = if together <= shape.max_tokens {
+            let workload = Workload::random(&shape, together, routing, seed ^ 0x0e9);
+            let mut io = session.upload(&shape, &workload)?;
+            Some(time_calls::<BenchError>(session, iterations, |_| {
+                Ok(session.forward(&built.layer, &mut io)?)
+            })?)
+        } else {
+            None
+        };
+        let row = ExpertParallelRow {
+            tokens_per_rank: tokens,
+            ranks,
+            expert_parallel_us,
+            one_gpu_us,
+            crossed_gb_per_s,
+        };
+        progress(&row);
+        rows.push(row);
+    }
+    Ok(rows)
 }

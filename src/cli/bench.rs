@@ -6,12 +6,17 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use moeforge::runtime::bench::{BenchRow, bench_layer};
+use moeforge::runtime::bench::{
+    BenchRow, BenchSettings, ExpertParallelRow, bench_expert_parallel, bench_layer,
+};
+use moeforge::runtime::gpu::Gpu;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::fresh_seed;
 use serde::Serialize;
 
-use super::planning::{TargetArgs, build_on_gpu, check_ranks, plan_one};
+use super::planning::{
+    RankChoice, TargetArgs, build_on_gpu, check_ranks, plan_file_over, plan_one,
+};
 use super::run::{RoutingArg, routing_name};
 use super::{OK, invalid_input, usage_error};
 
@@ -37,9 +42,12 @@ pub struct Args {
     routing: RoutingArg,
     #[arg(long)]
     seed: Option<u64>,
-    /// Ranks to execute on; only 1 exists so far.
-    #[arg(long)]
+    /// Expert-parallel ranks as virtual ranks on one GPU (1: every expert on one GPU).
+    #[arg(long, conflicts_with = "gpus")]
     ranks: Option<u32>,
+    /// Expert-parallel ranks on this many GPUs, one rank each, driven by this process.
+    #[arg(long)]
+    gpus: Option<u32>,
     #[command(flatten)]
     target: TargetArgs,
     /// Where the JSON and Markdown results go.
@@ -105,6 +113,20 @@ fn table_row(row: &BenchRow) -> String {
 }
 
 pub fn run(args: &Args) -> ExitCode {
+    let choice = match (args.ranks, args.gpus) {
+        (Some(ranks), None) if ranks > 1 => Some(RankChoice {
+            ranks,
+            virtual_ranks: true,
+        }),
+        (None, Some(gpus)) if gpus > 1 => Some(RankChoice {
+            ranks: gpus,
+            virtual_ranks: false,
+        }),
+        _ => None,
+    };
+    if let Some(choice) = choice {
+        return run_expert_parallel(args, choice);
+    }
     let plan = match plan_one(&args.file, args.layer.as_deref(), &args.target.resolve()) {
         Ok(plan) => plan,
         Err(status) => return status,
@@ -192,6 +214,138 @@ pub fn run(args: &Args) -> ExitCode {
     };
     if let Err(error) = std::fs::create_dir_all(&args.out)
         .and_then(|()| std::fs::write(args.out.join(format!("{stem}.json")), json))
+        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.md")), markdown))
+    {
+        eprintln!(
+            "error: cannot write results to {}: {error}",
+            args.out.display()
+        );
+        return usage_error();
+    }
+    eprintln!("wrote {}/{stem}.json and .md", args.out.display());
+    OK
+}
+
+/// `bench --ranks R` / `--gpus G`: the expert-parallel layer against the same tokens on one
+/// GPU with every expert.
+fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
+    let mut plans = match plan_file_over(
+        &args.file,
+        args.layer.as_deref(),
+        &args.target.resolve(),
+        Some(choice),
+    ) {
+        Ok(plans) => plans,
+        Err(status) => return status,
+    };
+    if plans.len() != 1 {
+        eprintln!(
+            "error: {} has several layers; pick one with --layer",
+            args.file.display()
+        );
+        return usage_error();
+    }
+    let plan = plans.remove(0);
+    if args.iterations == 0 {
+        eprintln!("error: --iterations must be at least 1");
+        return usage_error();
+    }
+    let seed = fresh_seed(args.seed);
+    let layer_name = plan.layer.clone();
+    let (session, built) = match build_on_gpu(plan, seed) {
+        Ok(built) => built,
+        Err(status) => return status,
+    };
+    let mut contexts = vec![std::sync::Arc::clone(&session.gpu.ctx)];
+    for rank in 1..choice.ranks as usize {
+        if choice.virtual_ranks {
+            contexts.push(std::sync::Arc::clone(&session.gpu.ctx));
+        } else {
+            match Gpu::open_context(rank) {
+                Ok(ctx) => contexts.push(ctx),
+                Err(error) => {
+                    eprintln!("error: --gpus {}: {error}", choice.ranks);
+                    return usage_error();
+                }
+            }
+        }
+    }
+    let mut ep = match session.build_expert_parallel(&built, &contexts) {
+        Ok(ep) => ep,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
+    let placement = if choice.virtual_ranks {
+        format!(
+            "{} virtual ranks on one {}",
+            choice.ranks,
+            session.gpu.name()
+        )
+    } else {
+        format!("{} x {}", choice.ranks, session.gpu.name())
+    };
+    println!(
+        "{layer_name}, expert-parallel over {placement}, {} routing, mean of {} pipelined calls, seed {seed}",
+        routing_name(args.routing),
+        args.iterations
+    );
+    let header =
+        "| T per rank | expert-parallel us | same tokens on one GPU us | rows crossing GB/s |";
+    println!("{header}");
+    let format_row = |row: &ExpertParallelRow| {
+        format!(
+            "| {:>10} | {:>18.1} | {:>25} | {:>18.1} |",
+            row.tokens_per_rank,
+            row.expert_parallel_us,
+            row.one_gpu_us
+                .map_or("above max_tokens".to_string(), |us| format!("{us:.1}")),
+            row.crossed_gb_per_s
+        )
+    };
+    let rows = match bench_expert_parallel(
+        &session,
+        &built,
+        &mut ep,
+        &BenchSettings {
+            token_counts: &args.tokens,
+            routing: args.routing.into(),
+            iterations: args.iterations,
+            seed,
+        },
+        |row| println!("{}", format_row(row)),
+    ) {
+        Ok(rows) => rows,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
+    let date = utc_date();
+    let stem = format!(
+        "{date}_{layer_name}_ep{}{}_{}",
+        choice.ranks,
+        if choice.virtual_ranks { "v" } else { "" },
+        routing_name(args.routing)
+    );
+    let mut markdown = format!(
+        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel time is wall time per call over pipelined calls (host launches included); one-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events).\n\n{header}\n|---|---|---|---|\n",
+        env!("MOEFORGE_COMMIT")
+    );
+    for row in &rows {
+        let _ = writeln!(markdown, "{}", format_row(row));
+    }
+    let json = serde_json::json!({
+        "layer": layer_name,
+        "date": date,
+        "placement": placement,
+        "commit": env!("MOEFORGE_COMMIT"),
+        "routing": routing_name(args.routing),
+        "rows": rows,
+    });
+    if let Err(error) = std::fs::create_dir_all(&args.out)
+        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.json")), json.to_string()))
         .and_then(|()| std::fs::write(args.out.join(format!("{stem}.md")), markdown))
     {
         eprintln!(

@@ -44,9 +44,27 @@ impl TargetArgs {
     }
 }
 
+/// Where the ranks of an expert-parallel run live (`--ranks R` or `--gpus G`).
+#[derive(Clone, Copy)]
+pub struct RankChoice {
+    pub ranks: u32,
+    pub virtual_ranks: bool,
+}
+
 /// Checks `file` and plans its layers (only `layer` when given) for `target`, reporting
 /// any error.
 pub fn plan_file(file: &Path, layer: Option<&str>, target: &Target) -> Result<Vec<Plan>, ExitCode> {
+    plan_file_over(file, layer, target, None)
+}
+
+/// [`plan_file`], with the layers' expert-parallel ranks taken from `ranks` when given
+/// instead of from the spec.
+pub fn plan_file_over(
+    file: &Path,
+    layer: Option<&str>,
+    target: &Target,
+    ranks: Option<RankChoice>,
+) -> Result<Vec<Plan>, ExitCode> {
     let (source, module) = compile_file(file)?;
     let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
     let selected: Vec<_> = module
@@ -67,6 +85,25 @@ pub fn plan_file(file: &Path, layer: Option<&str>, target: &Target) -> Result<Ve
     }
     let mut plans = Vec::new();
     for layer in selected {
+        let mut layer = layer.clone();
+        if let Some(choice) = ranks {
+            if choice.ranks == 0 || !layer.experts.is_multiple_of(choice.ranks) {
+                eprintln!(
+                    "error: {} ranks do not split the {} experts of `{}` evenly",
+                    choice.ranks, layer.experts, layer.name
+                );
+                return Err(usage_error());
+            }
+            layer.parallel.expert = choice.ranks;
+            layer.topology.nodes = 1;
+            layer.topology.gpus_per_node = if choice.virtual_ranks {
+                1
+            } else {
+                choice.ranks
+            };
+            layer.topology.virtual_ranks = choice.virtual_ranks.then_some(choice.ranks);
+        }
+        let layer = &layer;
         match plan::plan(layer, target) {
             Ok(plan) => plans.push(plan),
             Err(error) => {
@@ -112,7 +149,7 @@ pub fn check_ranks(plan: &Plan, ranks: Option<u32>) -> Result<(), ExitCode> {
         Some(1) => Ok(()),
         Some(other) => {
             eprintln!(
-                "error: --ranks {other}: only --ranks 1 (all experts on one GPU) is implemented so far"
+                "error: --ranks {other}: `run` executes every expert on one GPU (--ranks 1); expert parallelism runs in `bench --ranks R` (virtual ranks) or `bench --gpus G`"
             );
             Err(usage_error())
         }
