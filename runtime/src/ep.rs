@@ -67,6 +67,37 @@ fn enable_peer_access(from: &CudaContext, to: &CudaContext) -> Result<(), GpuErr
     }
 }
 
+/// Lets device `accessor` read and write what `owner` allocates from its current memory
+/// pool: cudarc allocates stream-ordered from that pool, and context peer access does not
+/// cover pool allocations.
+fn grant_pool_access(owner: &CudaContext, accessor: &CudaContext) -> Result<(), GpuError> {
+    owner.bind_to_thread().context("binding a context")?;
+    let failed = |call: &str, result: CUresult| GpuError::PeerAccess {
+        from: accessor.ordinal(),
+        to: owner.ordinal(),
+        result: format!("{call}: {result:?}"),
+    };
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer; the device belongs to a live context.
+    let result = unsafe { sys::cuDeviceGetMemPool(&mut pool, owner.cu_device()) };
+    if result != CUresult::CUDA_SUCCESS {
+        return Err(failed("cuDeviceGetMemPool", result));
+    }
+    let access = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: accessor.ordinal() as i32,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: one valid access descriptor for a pool the driver returned.
+    let result = unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) };
+    if result != CUresult::CUDA_SUCCESS {
+        return Err(failed("cuMemPoolSetAccess", result));
+    }
+    Ok(())
+}
+
 impl EpLayer {
     /// Builds the layer: rank `r` runs on `contexts[r]` (all the same context for virtual
     /// ranks) with `modules[r]`, the plan's unit loaded there, and `weights[r]`, its
@@ -94,6 +125,8 @@ impl EpLayer {
                 if a.ordinal() != b.ordinal() {
                     enable_peer_access(a, b)?;
                     enable_peer_access(b, a)?;
+                    grant_pool_access(a, b)?;
+                    grant_pool_access(b, a)?;
                 }
             }
         }
