@@ -332,6 +332,27 @@ impl EpLayer {
             .unwrap_or_else(|| unreachable!("EpLayer::new checked the expert-parallel plan"))
     }
 
+    /// Every rank's error word (code, then details), after waiting for every rank: for
+    /// diagnosing a time-out, where one rank's wait is the symptom of another's.
+    pub fn error_words(&self) -> Result<Vec<[i32; 4]>, LayerError> {
+        self.synchronize()?;
+        self.ranks
+            .iter()
+            .map(|rank| {
+                let word = workspace(&rank.workspace, BufferId::ErrorWord)?;
+                let bytes = rank
+                    .compute
+                    .clone_dtoh(word)
+                    .context("reading the error word")?;
+                let mut v = [0i32; 4];
+                for (value, c) in v.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *value = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+                Ok(v)
+            })
+            .collect()
+    }
+
     /// Waits for every rank, reads and reports the first kernel error of any rank.
     pub fn take_error(&self) -> Result<(), LayerError> {
         self.synchronize()?;

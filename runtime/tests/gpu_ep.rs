@@ -86,7 +86,12 @@ fn check_expert_parallel(
                 .collect();
             let reports = session
                 .run_checked_expert_parallel(built, ep, &workloads, CHECKED_TOKENS, seed)
-                .unwrap_or_else(|e| panic!("{label} T={counts:?} {routing:?}: {e}"));
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{label} T={counts:?} {routing:?}: {e}; every rank's error word: {:?}",
+                        ep.error_words()
+                    )
+                });
             for (r, report) in reports.iter().enumerate() {
                 say(format!(
                     "{label} rank {r} T={} {routing:?}: {report}",
