@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::launch::{KernelParam, StreamRole};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, GemmPlan, Grid, Launch, LaunchArg, LayerShape, Regime,
-    SmemLayout, Target, static_smem_reserved,
+    Target, static_smem_reserved,
 };
 use crate::ir::{self, TrafficOrder};
 
@@ -273,16 +273,6 @@ pub fn plan_expert_parallel(
             let mut gemm2 = regime.gemm2.clone();
             gemm1.grid_blocks = compute_sms * gemm1.blocks_per_sm;
             gemm2.grid_blocks = compute_sms * gemm2.blocks_per_sm;
-            // Tiles run over local experts, each with the rows of every source.
-            for gemm in [&mut gemm1, &mut gemm2] {
-                gemm.smem = SmemLayout::new(
-                    gemm.engine,
-                    gemm.tile,
-                    gemm.b_rows,
-                    gemm.stages,
-                    experts_per_rank,
-                );
-            }
             let gemm1_kernel = format!("{symbol}_{}_ep_gemm1", regime.name);
             let gemm2_kernel = format!("{symbol}_{}_ep_gemm2", regime.name);
             let launches = launch_table(
@@ -403,14 +393,9 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             "per source chunk: epoch it arrived in",
         ),
         buffer(
-            BufferId::ExpertOffsets,
-            local + 1,
-            "first GEMM row of each local expert",
-        ),
-        buffer(
-            BufferId::RowOrigins,
-            sizes.rows,
-            "origin rank of each GEMM row",
+            BufferId::SegmentOffsets,
+            segments + 1,
+            "first GEMM row of each (local expert, source) segment",
         ),
         buffer(
             BufferId::SegmentRows,
@@ -531,11 +516,10 @@ fn launch_table(
                 shared(Workspace(RecvWeight)),
                 shared(Workspace(RecvCounts)),
                 shared(Workspace(MetaFlags)),
-                write(Workspace(ExpertOffsets)),
+                write(Workspace(SegmentOffsets)),
                 write(Workspace(SegmentRows)),
                 write(Workspace(SegmentPairs)),
                 write(Workspace(SegmentWeights)),
-                write(Workspace(RowOrigins)),
                 write(Workspace(ErrorWord)),
             ],
         ),
@@ -549,7 +533,7 @@ fn launch_table(
             vec![
                 shared(Workspace(RecvX)),
                 read(W1),
-                read(Workspace(ExpertOffsets)),
+                read(Workspace(SegmentOffsets)),
                 read(Workspace(SegmentRows)),
                 shared(Workspace(ChunkFlags)),
                 read(Rank),
@@ -568,10 +552,9 @@ fn launch_table(
             vec![
                 read(Workspace(Intermediate)),
                 read(W2),
-                read(Workspace(ExpertOffsets)),
+                read(Workspace(SegmentOffsets)),
                 read(Workspace(SegmentPairs)),
                 read(Workspace(SegmentWeights)),
-                read(Workspace(RowOrigins)),
                 read(Workspace(PeerTable)),
                 read(Rank),
                 write(Workspace(ErrorWord)),
