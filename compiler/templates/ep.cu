@@ -66,7 +66,10 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
     return ep;
 }
 
-// Metadata: block b serves this rank's b-th destination in send order. Every token with an
+// Metadata: block b serves this rank's b-th destination in send order. It first waits
+// for the destination's credit: its arrange kernel of the previous call has consumed what
+// this rank wrote then (without this, a rank that sent nothing to a destination could run
+// a call ahead and overwrite its counts before they were read). Every token with an
 // expert there gets one send slot (it crosses once however many of its experts live
 // there); every such (token, k) pair gets a row of the destination's receive index. Then
 // the counts, then one release of this rank's metadata flag at the destination.
@@ -82,7 +85,10 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
     // This kernel starts every call's communication: it clears the error word of the last.
     if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
     for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) s_count[e] = 0;
-    if (threadIdx.x == 0) s_slots = 0;
+    if (threadIdx.x == 0) {
+        s_slots = 0;
+        wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
+    }
     __syncthreads();
 
     int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT);
@@ -169,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
 // Arrange: once every source's metadata is here, lay the GEMM rows out segment by
 // segment, (local expert, source in receive order): the row each reads from recv_x, its
 // origin pair and its routing weight.
-extern "C" __global__ void __launch_bounds__(META_THREADS) {{ ep.arrange.name }}(
+extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name }}(
     {{ ep.arrange.params }}
 )
 {
@@ -202,6 +208,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS) {{ ep.arrange.name }}
             segment_pairs[row] = recv_pair[from + j];
             segment_weights[row] = recv_weight[from + j];
         }
+    }
+    // Every source's counts and index are consumed: give each its credit back.
+    __syncthreads();
+    for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
+        fence_flags();
+        flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
 }
 

@@ -170,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_route(
 constexpr long long SPIN_LIMIT_CYCLES = 4000000000LL;
 constexpr int ERROR_FLAG_TIMEOUT = 2;
 constexpr int FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3;
+constexpr int FLAG_KIND_CREDIT = 4;
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -596,7 +597,7 @@ constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 128;
 constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = 128;
 constexpr int EP_COMBINE_STATIC_SMEM_BYTES = 128;
 // Each rank's row of the peer table: addresses of the buffers other ranks write.
-constexpr int PEER_BUFFER_COUNT = 9;
+constexpr int PEER_BUFFER_COUNT = 10;
 constexpr int PEER_RECV_X = 0;
 constexpr int PEER_RECV_SLOT = 1;
 constexpr int PEER_RECV_PAIR = 2;
@@ -606,6 +607,7 @@ constexpr int PEER_META_FLAGS = 5;
 constexpr int PEER_CHUNK_FLAGS = 6;
 constexpr int PEER_COMBINE_SLOTS = 7;
 constexpr int PEER_COMBINE_COUNTERS = 8;
+constexpr int PEER_CREDITS = 9;
 // Per source rank, the destinations in the order it sends to them (itself first).
 __device__ const int SEND_ORDER[RANKS][RANKS] = { {0, 1, 2, 3}, {1, 2, 3, 0}, {2, 3, 0, 1}, {3, 0, 1, 2} };
 // Per destination rank, the sources in the order its GEMM rows take them (itself first).
@@ -645,7 +647,10 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
     return ep;
 }
 
-// Metadata: block b serves this rank's b-th destination in send order. Every token with an
+// Metadata: block b serves this rank's b-th destination in send order. It first waits
+// for the destination's credit: its arrange kernel of the previous call has consumed what
+// this rank wrote then (without this, a rank that sent nothing to a destination could run
+// a call ahead and overwrite its counts before they were read). Every token with an
 // expert there gets one send slot (it crosses once however many of its experts live
 // there); every such (token, k) pair gets a row of the destination's receive index. Then
 // the counts, then one release of this rank's metadata flag at the destination.
@@ -658,7 +663,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
     int* __restrict__ send_slots,  // [RANKS, MAX_TOKENS]: token of each send slot
     int* __restrict__ send_counts,  // [RANKS]: tokens sent to each rank
     const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
-    int* __restrict__ error_word  // [4]: code, then details
+    int* __restrict__ error_word,  // [4]: code, then details
+    const u32* credits  // [RANKS], written by peers: epoch each has consumed
 )
 {
     __shared__ int s_count[LOCAL_EXPERTS];
@@ -669,7 +675,10 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
     // This kernel starts every call's communication: it clears the error word of the last.
     if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
     for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) s_count[e] = 0;
-    if (threadIdx.x == 0) s_slots = 0;
+    if (threadIdx.x == 0) {
+        s_slots = 0;
+        wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
+    }
     __syncthreads();
 
     int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT);
@@ -761,7 +770,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_ep_dispatch(
 // Arrange: once every source's metadata is here, lay the GEMM rows out segment by
 // segment, (local expert, source in receive order): the row each reads from recv_x, its
 // origin pair and its routing weight.
-extern "C" __global__ void __launch_bounds__(META_THREADS) tiny_ep_arrange(
+extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
     int rank,  // this rank
     u32 epoch,  // this call's epoch
     const int* recv_slot,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
@@ -773,7 +782,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS) tiny_ep_arrange(
     int* __restrict__ segment_rows,  // [rows]
     int* __restrict__ segment_pairs,  // [rows]
     float* __restrict__ segment_weights,  // [rows]
-    int* __restrict__ error_word  // [4]: code, then details
+    int* __restrict__ error_word,  // [4]: code, then details
+    const u64* __restrict__ peer_table  // [RANKS, PEER_BUFFERS]: peers' addresses
 )
 {
     __shared__ int s_offsets[SEGMENTS + 1];
@@ -805,6 +815,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS) tiny_ep_arrange(
             segment_pairs[row] = recv_pair[from + j];
             segment_weights[row] = recv_weight[from + j];
         }
+    }
+    // Every source's counts and index are consumed: give each its credit back.
+    __syncthreads();
+    for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
+        fence_flags();
+        flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
 }
 

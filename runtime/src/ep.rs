@@ -67,6 +67,22 @@ fn enable_peer_access(from: &CudaContext, to: &CudaContext) -> Result<(), GpuErr
     }
 }
 
+/// Loads a kernel's code now. Under CUDA's lazy loading a kernel is loaded at its first
+/// launch, which can wait for the device while peers' kernels spin on flags that the
+/// loading kernel would release: expert-parallel kernels must all be resident-ready first.
+fn load_now(ctx: &CudaContext, function: &CudaFunction, name: &str) -> Result<(), GpuError> {
+    ctx.bind_to_thread().context("binding a context")?;
+    // SAFETY: the function handle belongs to a module loaded in `ctx`, which is alive.
+    let result = unsafe { sys::cuFuncLoad(function.cu_function()) };
+    if result != CUresult::CUDA_SUCCESS {
+        return Err(GpuError::Driver {
+            context: format!("loading the code of `{name}`"),
+            source: cudarc::driver::DriverError(result),
+        });
+    }
+    Ok(())
+}
+
 /// Lets device `accessor` read and write what `owner` allocates from its current memory
 /// pool: cudarc allocates stream-ordered from that pool, and context peer access does not
 /// cover pool allocations.
@@ -166,6 +182,7 @@ impl EpLayer {
                             name: launch.kernel.clone(),
                         }
                     })?;
+                    load_now(ctx, &function, &launch.kernel)?;
                     if launch.smem_bytes > 0 {
                         function
                             .set_attribute(
@@ -428,6 +445,7 @@ fn flag_kind_name(kind: i32) -> &'static str {
         error_code::flag_kind::META => "metadata flag of source",
         error_code::flag_kind::CHUNK => "dispatch chunk flag",
         error_code::flag_kind::COMBINE => "combine counter of token",
+        error_code::flag_kind::CREDIT => "credit of destination",
         _ => "unknown flag",
     }
 }

@@ -71,6 +71,7 @@ struct LayerUnit<'a> {
     flag_kind_meta: i32,
     flag_kind_chunk: i32,
     flag_kind_combine: i32,
+    flag_kind_credit: i32,
     /// Distinct wgmma widths (tile columns) the plan uses, ascending.
     wgmma_widths: Vec<u32>,
 }
@@ -132,6 +133,7 @@ const EP_ROUTE_USES: &[&str] = &[
     "send_counts",
     "peer_table",
     "error_word",
+    "credits",
 ];
 const EP_DISPATCH_USES: &[&str] = &[
     "x",
@@ -154,6 +156,7 @@ const EP_ARRANGE_USES: &[&str] = &[
     "segment_pairs",
     "segment_weights",
     "error_word",
+    "peer_table",
 ];
 const EP_GEMM_UP_USES: &[&str] = &[
     "recv_x",
@@ -217,6 +220,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::SegmentRows | BufferId::SegmentPairs | BufferId::SegmentWeights => "[rows]",
             BufferId::CombineCounters => "[MAX_TOKENS], written by peers",
             BufferId::PeerTable => "[RANKS, PEER_BUFFERS]: peers' addresses",
+            BufferId::Credits => "[RANKS], written by peers: epoch each has consumed",
         },
     }
 }
@@ -592,6 +596,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_meta: error_code::flag_kind::META,
         flag_kind_chunk: error_code::flag_kind::CHUNK,
         flag_kind_combine: error_code::flag_kind::COMBINE,
+        flag_kind_credit: error_code::flag_kind::CREDIT,
         wgmma_widths: wgmma_widths(plan),
     };
     Ok(KernelSource {

@@ -119,7 +119,7 @@ pub struct ExpertParallelRegime {
 }
 
 /// The buffers peers write, as they appear in each rank's row of the peer table.
-pub const PEER_BUFFERS: [BufferId; 9] = [
+pub const PEER_BUFFERS: [BufferId; 10] = [
     BufferId::RecvX,
     BufferId::RecvSlot,
     BufferId::RecvPair,
@@ -129,6 +129,7 @@ pub const PEER_BUFFERS: [BufferId; 9] = [
     BufferId::ChunkFlags,
     BufferId::CombineSlots,
     BufferId::CombineCounters,
+    BufferId::Credits,
 ];
 
 /// Threads of the metadata and arrange kernels (one block per destination / one block).
@@ -428,6 +429,11 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             "per token: columns of its slots stored so far",
         ),
         buffer(
+            BufferId::Credits,
+            r,
+            "per destination: last epoch whose metadata it consumed",
+        ),
+        buffer(
             BufferId::PeerTable,
             r * PEER_BUFFERS.len() as u64,
             "every rank's addresses of the buffers peers write",
@@ -483,6 +489,7 @@ fn launch_table(
                 write(Workspace(SendCounts)),
                 read(Workspace(PeerTable)),
                 write(Workspace(ErrorWord)),
+                shared(Workspace(Credits)),
             ],
         ),
         launch(
@@ -521,6 +528,7 @@ fn launch_table(
                 write(Workspace(SegmentPairs)),
                 write(Workspace(SegmentWeights)),
                 write(Workspace(ErrorWord)),
+                read(Workspace(PeerTable)),
             ],
         ),
         launch(

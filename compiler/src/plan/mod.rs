@@ -179,6 +179,9 @@ pub enum BufferId {
     SegmentWeights,
     /// u32 [max_tokens], by peers: per local token, columns of its K slots stored so far.
     CombineCounters,
+    /// u32 [R], by peers: per destination, the last epoch whose metadata from this rank it
+    /// has consumed; this rank writes a destination's receive index only after that.
+    Credits,
     /// u64 [R · peer buffers]: every rank's addresses of the buffers peers write.
     PeerTable,
 }
@@ -200,7 +203,10 @@ impl BufferId {
             | BufferId::SegmentPairs => ElemType::I32,
             BufferId::Intermediate | BufferId::CombineSlots | BufferId::RecvX => ElemType::Bf16,
             BufferId::RecvWeight | BufferId::SegmentWeights => ElemType::F32,
-            BufferId::MetaFlags | BufferId::ChunkFlags | BufferId::CombineCounters => ElemType::U32,
+            BufferId::MetaFlags
+            | BufferId::ChunkFlags
+            | BufferId::CombineCounters
+            | BufferId::Credits => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
         }
     }
@@ -227,6 +233,7 @@ impl BufferId {
             BufferId::SegmentWeights => "segment_weights",
             BufferId::CombineCounters => "combine_counters",
             BufferId::PeerTable => "peer_table",
+            BufferId::Credits => "credits",
         }
     }
 }
@@ -278,6 +285,8 @@ pub mod error_code {
         pub const CHUNK: i32 = 2;
         /// A token's combine counter (index: the token).
         pub const COMBINE: i32 = 3;
+        /// A destination's credit (index: the destination rank).
+        pub const CREDIT: i32 = 4;
     }
 }
 
