@@ -3,7 +3,7 @@
 // constant, and every entry point's parameter list is the plan's launch table.
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
-// Note: the spec asks for 64 expert-parallel ranks; the exchange is planned (below) but its kernels are not built yet: these kernels run all 256 experts on one GPU
+// Note: the spec asks for 64 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
 // Note: ranks on other nodes need the network path (NCCL, hierarchical traffic), which is not built yet
 // Note: 1 shared expert(s) of FFN size 2048 are not executed by these kernels; add their output outside the layer
 // Note: the router is not fused yet: the caller passes topk_ids and topk_weights

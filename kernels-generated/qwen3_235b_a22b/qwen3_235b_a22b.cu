@@ -3,7 +3,7 @@
 // constant, and every entry point's parameter list is the plan's launch table.
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
-// Note: the spec asks for 8 expert-parallel ranks; the exchange is planned (below) but its kernels are not built yet: these kernels run all 128 experts on one GPU
+// Note: the spec asks for 8 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 128 experts on one GPU
 // Note: the router is not fused yet: the caller passes topk_ids and topk_weights
 
 // ---------------------------------------------------------------------------------------

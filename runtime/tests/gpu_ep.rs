@@ -107,10 +107,10 @@ fn check_expert_parallel(
     }
 }
 
-/// Known to fail intermittently (2026-11-30: in 8 of 15 runs on the two-H200 machine, 0 of 3
-/// on the one-H200 machine): some ranks' combine waits time out while the last rank's GEMMs
-/// have not run, most likely because other ranks' spinning blocks leave them no room (see
-/// issue 7's note). Until a rank's work is one persistent kernel sized to be co-resident,
+/// Known to fail intermittently (2026-11-30: in 12 of 19 runs on the two-H200 machine; it
+/// passed the 2 runs on the one-H200 machine): some ranks' combine waits time out while the
+/// last rank's GEMMs have not run, most likely because other ranks' spinning blocks leave
+/// them no room (see issue 7's note). Until a rank's work is one persistent kernel sized to be co-resident,
 /// this test runs only with MOEFORGE_GPU_EP_VIRTUAL=1, and says so when skipped.
 #[test]
 #[ignore = "needs a CUDA GPU"]

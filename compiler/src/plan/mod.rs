@@ -607,7 +607,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     let mut limitations = Vec::new();
     if layer.parallel.expert > 1 {
         limitations.push(format!(
-            "the spec asks for {} expert-parallel ranks; the exchange is planned (below) but its kernels are not built yet: these kernels run all {} experts on one GPU",
+            "the spec asks for {} expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all {} experts on one GPU",
             layer.parallel.expert, layer.experts
         ));
     }
