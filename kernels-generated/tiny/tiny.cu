@@ -539,14 +539,24 @@ __device__ __forceinline__ void grouped_gemm(
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
 // One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's routed slots into its output row, by the whole block.
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* routed, bf16_t* y) {
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
+    const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    bf16_t* __restrict__ y  // [tokens, HIDDEN]
+)
+{
+    const int token = blockIdx.x;
+    bool routed[TOP_K];
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < TOP_K; ++k) {
-            if (!routed[k]) continue;  // the routing kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+            if (!routed[k]) continue;  // the route kernel reported this pair
+            const Vec16 v = *reinterpret_cast<const Vec16*>(
+                combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -561,19 +571,6 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
         packed.w = pack_bf16x2(sum[6], sum[7]);
         *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
     }
-}
-
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
-    const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
-    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
-    bf16_t* __restrict__ y  // [tokens, HIDDEN]
-)
-{
-    const int token = blockIdx.x;
-    bool routed[TOP_K];
-#pragma unroll
-    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-    combine_token(combine_slots, token, routed, y);
 }
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 4 ranks (virtual ranks on one GPU), 2 experts each.
@@ -855,7 +852,27 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
         const u32 target = valid * HIDDEN;
         if (threadIdx.x == 0) s_complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        combine_token(combine_slots, token, routed, y);
+        for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
+            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k) {
+                if (!routed[k]) continue;  // the metadata kernel reported this pair
+                const Vec16 v = *reinterpret_cast<const Vec16*>(
+                    combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+                const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
+                    sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
+                }
+            }
+            Vec16 packed;
+            packed.x = pack_bf16x2(sum[0], sum[1]);
+            packed.y = pack_bf16x2(sum[2], sum[3]);
+            packed.z = pack_bf16x2(sum[4], sum[5]);
+            packed.w = pack_bf16x2(sum[6], sum[7]);
+            *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
+        }
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && s_complete) atomicSub(combine_counters + token, target);
     }

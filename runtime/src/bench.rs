@@ -270,8 +270,16 @@ pub fn bench_expert_parallel(
             .map(|(r, w)| upload_poisoned(ep.stream(r), &shape, w))
             .collect::<Result<Vec<_>, _>>()?;
         let mut call = |ep: &mut EpLayer| -> Result<(), BenchError> {
-            let mut args: Vec<ForwardArgs<'_>> =
-                inputs.iter_mut().map(DeviceWorkload::args).collect();
+            let mut args: Vec<ForwardArgs<'_>> = inputs
+                .iter_mut()
+                .map(|io| ForwardArgs {
+                    tokens: io.tokens,
+                    x: &io.x,
+                    topk_ids: &io.topk_ids,
+                    topk_weights: &io.topk_weights,
+                    y: &mut io.y,
+                })
+                .collect();
             ep.forward(&mut args)?;
             Ok(())
         };

@@ -147,9 +147,19 @@ impl EpLayer {
             }
         }
         let shape = &plan.shape;
+        let local = u64::from(ep.experts_per_rank);
         let mut built = Vec::with_capacity(ranks);
         for ((ctx, module), weights) in contexts.iter().zip(modules).zip(weights) {
-            weights.check(shape, ep.experts_per_rank)?;
+            check_len(
+                "w1",
+                weights.w1.len(),
+                local * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
+            )?;
+            check_len(
+                "w2",
+                weights.w2.len(),
+                local * u64::from(shape.hidden) * u64::from(shape.ffn),
+            )?;
             let compute = ctx.new_stream().context("creating a compute stream")?;
             let comm = ctx
                 .new_stream()

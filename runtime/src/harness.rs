@@ -434,7 +434,16 @@ impl Session {
             .map(|(r, w)| upload_poisoned(layer.stream(r), &shape, w))
             .collect::<Result<Vec<_>, _>>()?;
         layer.synchronize()?;
-        let mut args: Vec<ForwardArgs<'_>> = inputs.iter_mut().map(DeviceWorkload::args).collect();
+        let mut args: Vec<ForwardArgs<'_>> = inputs
+            .iter_mut()
+            .map(|io| ForwardArgs {
+                tokens: io.tokens,
+                x: &io.x,
+                topk_ids: &io.topk_ids,
+                topk_weights: &io.topk_weights,
+                y: &mut io.y,
+            })
+            .collect();
         layer.forward(&mut args)?;
         layer.take_error()?;
         inputs
@@ -449,24 +458,15 @@ impl Session {
     }
 
     pub fn forward(&self, layer: &MoeLayer, io: &mut DeviceWorkload) -> Result<(), LayerError> {
-        layer.forward(io.args())
+        layer.forward(ForwardArgs {
+            tokens: io.tokens,
+            x: &io.x,
+            topk_ids: &io.topk_ids,
+            topk_weights: &io.topk_weights,
+            y: &mut io.y,
+        })
     }
-}
 
-impl DeviceWorkload {
-    /// The forward-call arguments that read this workload and write its output.
-    pub fn args(&mut self) -> ForwardArgs<'_> {
-        ForwardArgs {
-            tokens: self.tokens,
-            x: &self.x,
-            topk_ids: &self.topk_ids,
-            topk_weights: &self.topk_weights,
-            y: &mut self.y,
-        }
-    }
-}
-
-impl Session {
     /// Runs one forward call and compares every output element of at most
     /// `max_checked_tokens` tokens (all of them when T is not larger, else a random sample
     /// drawn with `seed`, which the report says) with the CPU reference, within

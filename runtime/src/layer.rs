@@ -11,7 +11,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMI
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use moeforge_compiler::plan::{BufferId, LaunchArg, LayerShape, Plan, PlanInvalid, error_code};
+use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, PlanInvalid, error_code};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, Gpu, GpuError};
@@ -75,23 +75,6 @@ pub enum LayerError {
 pub struct ExpertWeights {
     pub w1: CudaSlice<u16>,
     pub w2: CudaSlice<u16>,
-}
-
-impl ExpertWeights {
-    /// Checks that the buffers hold `experts` experts of `shape`.
-    pub(crate) fn check(&self, shape: &LayerShape, experts: u32) -> Result<(), LayerError> {
-        let experts = u64::from(experts);
-        check_len(
-            "w1",
-            self.w1.len(),
-            experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
-        )?;
-        check_len(
-            "w2",
-            self.w2.len(),
-            experts * u64::from(shape.hidden) * u64::from(shape.ffn),
-        )
-    }
 }
 
 /// The inputs and output of one forward call, on the device.
@@ -167,7 +150,18 @@ impl MoeLayer {
     ) -> Result<Self, LayerError> {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
-        weights.check(&plan.shape, plan.shape.experts)?;
+        let shape = &plan.shape;
+        let experts = u64::from(shape.experts);
+        check_len(
+            "w1",
+            weights.w1.len(),
+            experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
+        )?;
+        check_len(
+            "w2",
+            weights.w2.len(),
+            experts * u64::from(shape.hidden) * u64::from(shape.ffn),
+        )?;
 
         let mut workspace = Vec::new();
         for buffer in &plan.workspace {
