@@ -16,7 +16,7 @@ use thiserror::Error;
 use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{DeviceWorkload, Session};
 use crate::jit::{CompileOptions, JitError};
-use crate::layer::{ForwardArgs, LayerError, MoeLayer};
+use crate::layer::{LayerError, MoeLayer};
 
 #[derive(Debug, Error)]
 pub enum BaselineError {
@@ -182,13 +182,7 @@ impl CublasBaseline {
             return Ok(());
         }
         let address = |s: &CudaSlice<u16>| s.device_ptr(stream).0;
-        layer.route(ForwardArgs {
-            tokens: io.tokens,
-            x: &io.x,
-            topk_ids: &io.topk_ids,
-            topk_weights: &io.topk_weights,
-            y: &mut io.y,
-        })?;
+        layer.route(io.args())?;
         let workspace = |id: BufferId| {
             layer
                 .workspace_buffer(id)

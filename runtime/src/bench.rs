@@ -250,7 +250,7 @@ pub fn bench_expert_parallel(
         seed,
     } = *settings;
     let shape = built.layer.plan().shape.clone();
-    let ranks = ep.plan().expert_parallel.as_ref().map_or(1, |e| e.ranks);
+    let ranks = ep.ranks() as u32;
     let per_rank = shape.experts / ranks;
     let mut rows = Vec::new();
     for &tokens in token_counts {
@@ -270,16 +270,8 @@ pub fn bench_expert_parallel(
             .map(|(r, w)| upload_poisoned(ep.stream(r), &shape, w))
             .collect::<Result<Vec<_>, _>>()?;
         let mut call = |ep: &mut EpLayer| -> Result<(), BenchError> {
-            let mut args: Vec<ForwardArgs<'_>> = inputs
-                .iter_mut()
-                .map(|io| ForwardArgs {
-                    tokens: io.tokens,
-                    x: &io.x,
-                    topk_ids: &io.topk_ids,
-                    topk_weights: &io.topk_weights,
-                    y: &mut io.y,
-                })
-                .collect();
+            let mut args: Vec<ForwardArgs<'_>> =
+                inputs.iter_mut().map(DeviceWorkload::args).collect();
             ep.forward(&mut args)?;
             Ok(())
         };

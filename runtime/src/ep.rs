@@ -18,10 +18,12 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use moeforge_compiler::plan::ep::ExpertParallelPlan;
-use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, StreamRole, error_code};
+use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
-use crate::layer::{ArgValue, ExpertWeights, ForwardArgs, LayerError, check_len, ptr};
+use crate::layer::{
+    ArgValue, ExpertWeights, ForwardArgs, LayerError, check_len, kernel_error, ptr, read_error_word,
+};
 
 /// Where a kernel parameter's value comes from, resolved once per rank.
 #[derive(Clone, Copy)]
@@ -47,6 +49,8 @@ struct Rank {
 
 pub struct EpLayer {
     plan: Plan,
+    /// `plan`'s expert-parallel part.
+    ep: ExpertParallelPlan,
     ranks: Vec<Rank>,
     /// The epoch of the last call; flags start at 0, so the first call is epoch 1.
     epoch: u32,
@@ -215,6 +219,7 @@ impl EpLayer {
         upload_peer_tables(&ep, &mut built)?;
         let layer = EpLayer {
             plan,
+            ep,
             ranks: built,
             epoch: 0,
         };
@@ -224,6 +229,11 @@ impl EpLayer {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// How many ranks the layer runs on.
+    pub fn ranks(&self) -> usize {
+        self.ranks.len()
     }
 
     /// Rank `r`'s compute stream: upload its inputs there, read its output after it.
@@ -282,7 +292,7 @@ impl EpLayer {
                     StreamRole::Comm => &rank.comm,
                     StreamRole::Compute => &rank.compute,
                 };
-                let ep_regime = &self.plan_ep().regimes[regimes[r]];
+                let ep_regime = &self.ep.regimes[regimes[r]];
                 for (launch, (function, bindings, launch_role)) in ep_regime
                     .launches
                     .iter()
@@ -341,14 +351,6 @@ impl EpLayer {
         Ok(())
     }
 
-    fn plan_ep(&self) -> &ExpertParallelPlan {
-        // `new` refused a plan without one.
-        self.plan
-            .expert_parallel
-            .as_ref()
-            .unwrap_or_else(|| unreachable!("EpLayer::new checked the expert-parallel plan"))
-    }
-
     /// Every rank's error word (code, then details), after waiting for every rank: for
     /// diagnosing a time-out, where one rank's wait is the symptom of another's.
     pub fn error_words(&self) -> Result<Vec<[i32; 4]>, LayerError> {
@@ -356,58 +358,18 @@ impl EpLayer {
         self.ranks
             .iter()
             .map(|rank| {
-                let word = workspace(&rank.workspace, BufferId::ErrorWord)?;
-                let bytes = rank
-                    .compute
-                    .clone_dtoh(word)
-                    .context("reading the error word")?;
-                let mut v = [0i32; 4];
-                for (value, c) in v.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *value = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-                Ok(v)
+                read_error_word(
+                    &rank.compute,
+                    workspace(&rank.workspace, BufferId::ErrorWord)?,
+                )
             })
             .collect()
     }
 
     /// Waits for every rank, reads and reports the first kernel error of any rank.
     pub fn take_error(&self) -> Result<(), LayerError> {
-        self.synchronize()?;
-        for rank in &self.ranks {
-            let word = workspace(&rank.workspace, BufferId::ErrorWord)?;
-            let bytes = rank
-                .compute
-                .clone_dtoh(word)
-                .context("reading the error word")?;
-            let v: Vec<i32> = bytes
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            match v[0] {
-                0 => continue,
-                error_code::EXPERT_ID_OUT_OF_RANGE => {
-                    return Err(LayerError::ExpertIdOutOfRange {
-                        token: v[1],
-                        k: v[2],
-                        id: v[3],
-                        experts: self.plan.shape.experts,
-                    });
-                }
-                error_code::FLAG_TIMEOUT => {
-                    return Err(LayerError::FlagTimeout {
-                        rank: v[1],
-                        kind: flag_kind_name(v[2] >> 24),
-                        index: v[2] & 0xff_ffff,
-                        epoch: v[3] as u32,
-                    });
-                }
-                code => {
-                    return Err(LayerError::UnknownKernelError {
-                        code,
-                        details: [v[1], v[2], v[3]],
-                    });
-                }
-            }
+        for word in self.error_words()? {
+            kernel_error(word, self.plan.shape.experts)?;
         }
         Ok(())
     }
@@ -438,16 +400,6 @@ fn upload_peer_tables(ep: &ExpertParallelPlan, ranks: &mut [Rank]) -> Result<(),
             .context("uploading the peer table")?;
     }
     Ok(())
-}
-
-fn flag_kind_name(kind: i32) -> &'static str {
-    match kind {
-        error_code::flag_kind::META => "metadata flag of source",
-        error_code::flag_kind::CHUNK => "dispatch chunk flag",
-        error_code::flag_kind::COMBINE => "combine counter of token",
-        error_code::flag_kind::CREDIT => "credit of destination",
-        _ => "unknown flag",
-    }
 }
 
 fn workspace(

@@ -171,13 +171,7 @@ impl Gpu {
 
     /// Loads a compiled module: its CUBIN when there is one, else its PTX.
     pub fn load(&self, module: &CompiledModule) -> Result<Arc<CudaModule>, GpuError> {
-        let image = match &module.cubin {
-            Some(cubin) => Ptx::from_binary(cubin.clone()),
-            None => Ptx::from_src(module.ptx.clone()),
-        };
-        self.ctx
-            .load_module(image)
-            .context(format!("loading module `{}`", module.name))
+        Gpu::load_into(&self.ctx, module)
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {

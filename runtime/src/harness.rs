@@ -434,16 +434,7 @@ impl Session {
             .map(|(r, w)| upload_poisoned(layer.stream(r), &shape, w))
             .collect::<Result<Vec<_>, _>>()?;
         layer.synchronize()?;
-        let mut args: Vec<ForwardArgs<'_>> = inputs
-            .iter_mut()
-            .map(|io| ForwardArgs {
-                tokens: io.tokens,
-                x: &io.x,
-                topk_ids: &io.topk_ids,
-                topk_weights: &io.topk_weights,
-                y: &mut io.y,
-            })
-            .collect();
+        let mut args: Vec<ForwardArgs<'_>> = inputs.iter_mut().map(DeviceWorkload::args).collect();
         layer.forward(&mut args)?;
         layer.take_error()?;
         inputs
@@ -458,13 +449,7 @@ impl Session {
     }
 
     pub fn forward(&self, layer: &MoeLayer, io: &mut DeviceWorkload) -> Result<(), LayerError> {
-        layer.forward(ForwardArgs {
-            tokens: io.tokens,
-            x: &io.x,
-            topk_ids: &io.topk_ids,
-            topk_weights: &io.topk_weights,
-            y: &mut io.y,
-        })
+        layer.forward(io.args())
     }
 
     /// Runs one forward call and compares every output element of at most
@@ -565,6 +550,19 @@ pub fn upload_poisoned(
         topk_weights,
         y,
     })
+}
+
+impl DeviceWorkload {
+    /// The forward-call arguments that read this workload and write its output.
+    pub fn args(&mut self) -> ForwardArgs<'_> {
+        ForwardArgs {
+            tokens: self.tokens,
+            x: &self.x,
+            topk_ids: &self.topk_ids,
+            topk_weights: &self.topk_weights,
+            y: &mut self.y,
+        }
+    }
 }
 
 /// All of `0..tokens` when there are at most `cap`, else `cap` of them drawn at random

@@ -333,27 +333,57 @@ impl MoeLayer {
         let Some(word) = self.workspace_buffer(BufferId::ErrorWord) else {
             return Ok(());
         };
-        let bytes = self
-            .stream
-            .clone_dtoh(word)
-            .context("reading the error word")?;
-        let values: Vec<i32> = bytes
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        match values[0] {
-            0 => Ok(()),
-            error_code::EXPERT_ID_OUT_OF_RANGE => Err(LayerError::ExpertIdOutOfRange {
-                token: values[1],
-                k: values[2],
-                id: values[3],
-                experts: self.plan.shape.experts,
-            }),
-            code => Err(LayerError::UnknownKernelError {
-                code,
-                details: [values[1], values[2], values[3]],
-            }),
-        }
+        kernel_error(
+            read_error_word(&self.stream, word)?,
+            self.plan.shape.experts,
+        )
+    }
+}
+
+/// Waits for `stream` and reads an error word: code, then three details.
+pub(crate) fn read_error_word(
+    stream: &Arc<CudaStream>,
+    word: &CudaSlice<u8>,
+) -> Result<[i32; 4], LayerError> {
+    let bytes = stream.clone_dtoh(word).context("reading the error word")?;
+    let mut values = [0i32; 4];
+    for (value, c) in values.iter_mut().zip(bytes.chunks_exact(4)) {
+        *value = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    Ok(values)
+}
+
+/// The typed error an error word holds (`Ok` for none), for a layer of `experts` experts.
+pub(crate) fn kernel_error(word: [i32; 4], experts: u32) -> Result<(), LayerError> {
+    let [code, a, b, c] = word;
+    match code {
+        0 => Ok(()),
+        error_code::EXPERT_ID_OUT_OF_RANGE => Err(LayerError::ExpertIdOutOfRange {
+            token: a,
+            k: b,
+            id: c,
+            experts,
+        }),
+        error_code::FLAG_TIMEOUT => Err(LayerError::FlagTimeout {
+            rank: a,
+            kind: flag_kind_name(b >> 24),
+            index: b & 0xff_ffff,
+            epoch: c as u32,
+        }),
+        code => Err(LayerError::UnknownKernelError {
+            code,
+            details: [a, b, c],
+        }),
+    }
+}
+
+fn flag_kind_name(kind: i32) -> &'static str {
+    match kind {
+        error_code::flag_kind::META => "metadata flag of source",
+        error_code::flag_kind::CHUNK => "dispatch chunk flag",
+        error_code::flag_kind::COMBINE => "combine counter of token",
+        error_code::flag_kind::CREDIT => "credit of destination",
+        _ => "unknown flag",
     }
 }
 

@@ -74,7 +74,7 @@ fn check_expert_parallel(
     seed: u64,
 ) {
     let shape = built.layer.plan().shape.clone();
-    let ranks = ep.plan().expert_parallel.as_ref().map_or(1, |e| e.ranks) as usize;
+    let ranks = ep.ranks();
     for counts in token_counts(shape.max_tokens, ranks) {
         for routing in [Routing::Uniform, Routing::Skewed] {
             let workloads: Vec<Workload> = counts
