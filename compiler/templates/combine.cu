@@ -2,22 +2,14 @@
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
 // One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}(
-    {{ combine.params }}
-)
-{
-    const int token = blockIdx.x;
-    bool routed[TOP_K];
-#pragma unroll
-    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-
+// The sum of one token's routed slots into its output row, by the whole block.
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* routed, bf16_t* y) {
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < TOP_K; ++k) {
-            if (!routed[k]) continue;  // the route kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(
-                combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+            if (!routed[k]) continue;  // the routing kernel reported this pair
+            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -32,4 +24,15 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}
         packed.w = pack_bf16x2(sum[6], sum[7]);
         *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}(
+    {{ combine.params }}
+)
+{
+    const int token = blockIdx.x;
+    bool routed[TOP_K];
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+    combine_token(combine_slots, token, routed, y);
 }

@@ -3,7 +3,8 @@
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
 //                   ep_dispatch token rows, a chunk of CHUNK at a time, one flag per chunk
-//   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows
+//   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
+//                               local expert: every source's rows, local ones first
 //                   GEMM1       each tile waits for the chunks its rows sit in
 //                   GEMM2       stores weighted rows into the origin's combine slots and
 //                               releases the origin's per-token counter
@@ -11,7 +12,7 @@
 // ---------------------------------------------------------------------------------------
 constexpr int RANKS = {{ ep.ranks }};
 constexpr int LOCAL_EXPERTS = {{ ep.local_experts }};     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
-constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) groups of GEMM rows
+constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) runs of GEMM rows
 constexpr int MAX_TOKENS = {{ ep.max_tokens }};
 constexpr int SLOTS = {{ ep.slots }};                     // token slots per source in recv_x
 constexpr int SEGMENT_ROWS = {{ ep.segment_rows }};       // rows per (local expert, source) in recv_*
@@ -32,10 +33,11 @@ __device__ const int SEND_ORDER[RANKS][RANKS] = { {{ ep.send_order }} };
 // Per destination rank, the sources in the order its GEMM rows take them (itself first).
 __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
 
-// The expert-parallel GEMMs: groups of rows are (local expert, source) segments.
+// The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
+// every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
     static constexpr bool EP = true;
-    static constexpr int GROUPS = SEGMENTS, GROUPS_PER_EXPERT = RANKS, RANKS = ::RANKS;
+    static constexpr int GROUPS = LOCAL_EXPERTS, GROUPS_PER_EXPERT = 1, RANKS = ::RANKS;
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
@@ -55,12 +57,12 @@ __device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, in
     return ep;
 }
 
-__device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weights, const u64* peer_table,
-                                                      int* error_word, int rank) {
+__device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weights, const int* row_origins,
+                                                      const u64* peer_table, int* error_word, int rank) {
     EpContext ep;
     ep.row_weights = segment_weights;
+    ep.row_origins = row_origins;
     ep.peers = peer_table;
-    ep.receive_order = RECEIVE_ORDER[rank];
     ep.error_word = error_word;
     ep.rank = rank;
     return ep;
@@ -172,9 +174,9 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
     }
 }
 
-// Arrange: once every source's metadata is here, lay the GEMM rows out segment by
-// segment, (local expert, source in receive order): the row each reads from recv_x, its
-// origin pair and its routing weight.
+// Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
+// its sources in receive order (local rows first): the row each reads from recv_x, its
+// origin rank and pair, and its routing weight.
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name }}(
     {{ ep.arrange.params }}
 )
@@ -197,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
         }, s_offsets);
     }
     __syncthreads();
-    for (int g = threadIdx.x; g <= SEGMENTS; g += META_THREADS) segment_offsets[g] = s_offsets[g];
+    for (int e = threadIdx.x; e <= LOCAL_EXPERTS; e += META_THREADS) expert_offsets[e] = s_offsets[e * RANKS];
     for (int g = 0; g < SEGMENTS; ++g) {
         const int source = order[g % RANKS];
         const size_t from = ((size_t)(g / RANKS) * RANKS + source) * SEGMENT_ROWS;
@@ -207,6 +209,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
             segment_rows[row] = source * SLOTS + recv_slot[from + j];
             segment_pairs[row] = recv_pair[from + j];
             segment_weights[row] = recv_weight[from + j];
+            row_origins[row] = source;
         }
     }
     // Every source's counts and index are consumed: give each its credit back.
@@ -238,27 +241,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         const u32 target = valid * HIDDEN;
         if (threadIdx.x == 0) s_complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
-            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int k = 0; k < TOP_K; ++k) {
-                if (!routed[k]) continue;  // the metadata kernel reported this pair
-                const Vec16 v = *reinterpret_cast<const Vec16*>(
-                    combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
-                const u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
-                    sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
-                }
-            }
-            Vec16 packed;
-            packed.x = pack_bf16x2(sum[0], sum[1]);
-            packed.y = pack_bf16x2(sum[2], sum[3]);
-            packed.z = pack_bf16x2(sum[4], sum[5]);
-            packed.w = pack_bf16x2(sum[6], sum[7]);
-            *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
-        }
+        combine_token(combine_slots, token, routed, y);
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && s_complete) atomicSub(combine_counters + token, target);
     }

@@ -28,10 +28,15 @@ __device__ __forceinline__ void fence_flags() { asm volatile("fence.acq_rel.{{ f
 __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (int)(value - target) >= 0; }
 
 // Spins until `*flag` reaches `target`; on time-out records (rank, kind << 24 | index,
-// target) in the error word and returns false.
+// target) in the error word and returns false. Once this rank has timed out in this call,
+// later waits give up at once: a lost peer costs one bound, not one per token.
+__device__ __forceinline__ bool timed_out_already(const int* error_word) {
+    return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
+}
 __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
+        if (timed_out_already(error_word)) return false;
         if (clock64() - start > SPIN_LIMIT_CYCLES) {
             report_error(error_word, ERROR_FLAG_TIMEOUT, rank, (kind << 24) | index, (int)target);
             return false;

@@ -29,7 +29,7 @@ struct EpContext {
     const u32* chunk_flags = nullptr;    // GEMM1: per source chunk, the epoch it arrived in
     const float* row_weights = nullptr;  // GEMM2: routing weight of each GEMM row
     const u64* peers = nullptr;          // GEMM2: every rank's peer buffers
-    const int* receive_order = nullptr;  // GEMM2: the source of each segment slot
+    const int* row_origins = nullptr;    // GEMM2: the rank each row came from
     int* error_word = nullptr;
     int rank = 0;
     u32 epoch = 0;
@@ -154,11 +154,6 @@ struct EpilogueRow {
     float scale;
 };
 
-// The rank a GEMM2 row's pair came from (expert-parallel path): its segment's source.
-template <class G>
-__device__ __forceinline__ int row_origin(const GemmTile& t, const EpContext& ep) {
-    return ep.receive_order[t.expert % G::RANKS];
-}
 
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
@@ -167,7 +162,7 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
     if constexpr (G::KIND == GEMM_UP) {
         return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f};
     } else if constexpr (G::EP) {
-        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
+        const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r]};
     } else {
@@ -181,9 +176,9 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
 template <class G>
 __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep) {
     if constexpr (G::EP && G::KIND == GEMM_DOWN) {
-        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
-        u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
         for (int r = threadIdx.x; r < t.rows; r += G::THREADS) {
+            const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
+            u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
             fence_flags();
             flag_add(counters + row_pair[t.row0 + r] / TOP_K, G::BN);
         }

@@ -5,7 +5,9 @@
 //! `runtime/tests/`.)
 
 use moeforge_compiler::ir::{Activation, Layer, TileShape};
-use moeforge_compiler::plan::{self, GemmPlan, HintKey, Plan, PlanError, TILE_K, Target};
+use moeforge_compiler::plan::{
+    self, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, TILE_K, Target,
+};
 use proptest::prelude::*;
 
 mod common;
@@ -286,6 +288,52 @@ fn expert_parallel_capacities_hold_every_routing() {
                 ep.intermediate_rows
             ),
             "R={ranks} E={experts} K={top_k}"
+        );
+    }
+}
+
+/// Virtual ranks share one GPU: per rank, the largest communication grid plus the largest
+/// compute grid, over every rank, fit one block per SM (so a block waiting to start always
+/// finds an empty SM, whichever blocks spin), and a plan whose compute grid grows past
+/// that is refused.
+#[test]
+fn virtual_ranks_fit_one_block_per_sm() {
+    let target = Target::h200();
+    for (ranks, experts) in [(2, 8), (4, 16), (8, 64)] {
+        let mut layer = common::layer("ep", 512, 256, experts, 2, Activation::Swiglu, 4096);
+        layer.parallel.expert = ranks;
+        layer.topology.gpus_per_node = 1;
+        layer.topology.virtual_ranks = Some(ranks);
+        let plan = plan::plan(&layer, &target).expect("plans");
+        assert_eq!(plan.validate(), Ok(()));
+        let ep = plan.expert_parallel.as_ref().expect("expert-parallel plan");
+        for regime in &ep.regimes {
+            let live = |role: StreamRole| {
+                regime
+                    .launches
+                    .iter()
+                    .filter(|l| l.stream == role)
+                    .map(|l| l.grid.blocks(layer.max_tokens))
+                    .max()
+                    .unwrap()
+            };
+            let per_rank = live(StreamRole::Comm) + live(StreamRole::Compute);
+            assert!(
+                ranks * per_rank <= target.sm_count,
+                "R={ranks}: {per_rank} live blocks per rank"
+            );
+        }
+        let mut inflated = plan.clone();
+        let ep = inflated.expert_parallel.as_mut().unwrap();
+        let gemm = ep.regimes[0]
+            .launches
+            .iter_mut()
+            .find(|l| l.kernel.ends_with("ep_gemm1"))
+            .unwrap();
+        gemm.grid = Grid::Fixed(ep.compute_sms * 2);
+        assert!(
+            inflated.validate().is_err(),
+            "R={ranks}: a GEMM grid of two blocks per compute SM is refused"
         );
     }
 }

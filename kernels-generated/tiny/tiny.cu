@@ -119,7 +119,7 @@ __device__ __forceinline__ void report_error(int* error_word, int code, int toke
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
-    int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
+    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     int* __restrict__ error_word  // [4]: code, then details
 )
@@ -190,10 +190,15 @@ __device__ __forceinline__ void fence_flags() { asm volatile("fence.acq_rel.gpu;
 __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (int)(value - target) >= 0; }
 
 // Spins until `*flag` reaches `target`; on time-out records (rank, kind << 24 | index,
-// target) in the error word and returns false.
+// target) in the error word and returns false. Once this rank has timed out in this call,
+// later waits give up at once: a lost peer costs one bound, not one per token.
+__device__ __forceinline__ bool timed_out_already(const int* error_word) {
+    return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
+}
 __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
+        if (timed_out_already(error_word)) return false;
         if (clock64() - start > SPIN_LIMIT_CYCLES) {
             report_error(error_word, ERROR_FLAG_TIMEOUT, rank, (kind << 24) | index, (int)target);
             return false;
@@ -232,7 +237,7 @@ struct EpContext {
     const u32* chunk_flags = nullptr;    // GEMM1: per source chunk, the epoch it arrived in
     const float* row_weights = nullptr;  // GEMM2: routing weight of each GEMM row
     const u64* peers = nullptr;          // GEMM2: every rank's peer buffers
-    const int* receive_order = nullptr;  // GEMM2: the source of each segment slot
+    const int* row_origins = nullptr;    // GEMM2: the rank each row came from
     int* error_word = nullptr;
     int rank = 0;
     u32 epoch = 0;
@@ -357,11 +362,6 @@ struct EpilogueRow {
     float scale;
 };
 
-// The rank a GEMM2 row's pair came from (expert-parallel path): its segment's source.
-template <class G>
-__device__ __forceinline__ int row_origin(const GemmTile& t, const EpContext& ep) {
-    return ep.receive_order[t.expert % G::RANKS];
-}
 
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
@@ -370,7 +370,7 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
     if constexpr (G::KIND == GEMM_UP) {
         return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f};
     } else if constexpr (G::EP) {
-        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
+        const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r]};
     } else {
@@ -384,9 +384,9 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
 template <class G>
 __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep) {
     if constexpr (G::EP && G::KIND == GEMM_DOWN) {
-        const u64* peer = ep.peers + row_origin<G>(t, ep) * G::PEER_BUFFER_COUNT;
-        u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
         for (int r = threadIdx.x; r < t.rows; r += G::THREADS) {
+            const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
+            u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
             fence_flags();
             flag_add(counters + row_pair[t.row0 + r] / TOP_K, G::BN);
         }
@@ -539,24 +539,14 @@ __device__ __forceinline__ void grouped_gemm(
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
 // One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
-    const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
-    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
-    bf16_t* __restrict__ y  // [tokens, HIDDEN]
-)
-{
-    const int token = blockIdx.x;
-    bool routed[TOP_K];
-#pragma unroll
-    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-
+// The sum of one token's routed slots into its output row, by the whole block.
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* routed, bf16_t* y) {
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < TOP_K; ++k) {
-            if (!routed[k]) continue;  // the route kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(
-                combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+            if (!routed[k]) continue;  // the routing kernel reported this pair
+            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -572,12 +562,26 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
         *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
     }
 }
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
+    const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    bf16_t* __restrict__ y  // [tokens, HIDDEN]
+)
+{
+    const int token = blockIdx.x;
+    bool routed[TOP_K];
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+    combine_token(combine_slots, token, routed, y);
+}
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 4 ranks (virtual ranks on one GPU), 2 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
 //                   ep_dispatch token rows, a chunk of CHUNK at a time, one flag per chunk
-//   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows
+//   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
+//                               local expert: every source's rows, local ones first
 //                   GEMM1       each tile waits for the chunks its rows sit in
 //                   GEMM2       stores weighted rows into the origin's combine slots and
 //                               releases the origin's per-token counter
@@ -585,7 +589,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
 // ---------------------------------------------------------------------------------------
 constexpr int RANKS = 4;
 constexpr int LOCAL_EXPERTS = 2;     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
-constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) groups of GEMM rows
+constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) runs of GEMM rows
 constexpr int MAX_TOKENS = 512;
 constexpr int SLOTS = 512;                     // token slots per source in recv_x
 constexpr int SEGMENT_ROWS = 512;       // rows per (local expert, source) in recv_*
@@ -613,10 +617,11 @@ __device__ const int SEND_ORDER[RANKS][RANKS] = { {0, 1, 2, 3}, {1, 2, 3, 0}, {2
 // Per destination rank, the sources in the order its GEMM rows take them (itself first).
 __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 3, 2, 1}, {1, 0, 3, 2}, {2, 1, 0, 3}, {3, 2, 1, 0} };
 
-// The expert-parallel GEMMs: groups of rows are (local expert, source) segments.
+// The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
+// every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
     static constexpr bool EP = true;
-    static constexpr int GROUPS = SEGMENTS, GROUPS_PER_EXPERT = RANKS, RANKS = ::RANKS;
+    static constexpr int GROUPS = LOCAL_EXPERTS, GROUPS_PER_EXPERT = 1, RANKS = ::RANKS;
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
@@ -636,12 +641,12 @@ __device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, in
     return ep;
 }
 
-__device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weights, const u64* peer_table,
-                                                      int* error_word, int rank) {
+__device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weights, const int* row_origins,
+                                                      const u64* peer_table, int* error_word, int rank) {
     EpContext ep;
     ep.row_weights = segment_weights;
+    ep.row_origins = row_origins;
     ep.peers = peer_table;
-    ep.receive_order = RECEIVE_ORDER[rank];
     ep.error_word = error_word;
     ep.rank = rank;
     return ep;
@@ -767,9 +772,9 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_ep_dispatch(
     }
 }
 
-// Arrange: once every source's metadata is here, lay the GEMM rows out segment by
-// segment, (local expert, source in receive order): the row each reads from recv_x, its
-// origin pair and its routing weight.
+// Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
+// its sources in receive order (local rows first): the row each reads from recv_x, its
+// origin rank and pair, and its routing weight.
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
     int rank,  // this rank
     u32 epoch,  // this call's epoch
@@ -778,10 +783,11 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
     const float* recv_weight,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
     const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
     const u32* meta_flags,  // [RANKS], written by peers
-    int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     int* __restrict__ segment_rows,  // [rows]
     int* __restrict__ segment_pairs,  // [rows]
     float* __restrict__ segment_weights,  // [rows]
+    int* __restrict__ row_origins,  // [rows]: rank each row came from
     int* __restrict__ error_word,  // [4]: code, then details
     const u64* __restrict__ peer_table  // [RANKS, PEER_BUFFERS]: peers' addresses
 )
@@ -804,7 +810,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
         }, s_offsets);
     }
     __syncthreads();
-    for (int g = threadIdx.x; g <= SEGMENTS; g += META_THREADS) segment_offsets[g] = s_offsets[g];
+    for (int e = threadIdx.x; e <= LOCAL_EXPERTS; e += META_THREADS) expert_offsets[e] = s_offsets[e * RANKS];
     for (int g = 0; g < SEGMENTS; ++g) {
         const int source = order[g % RANKS];
         const size_t from = ((size_t)(g / RANKS) * RANKS + source) * SEGMENT_ROWS;
@@ -814,6 +820,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
             segment_rows[row] = source * SLOTS + recv_slot[from + j];
             segment_pairs[row] = recv_pair[from + j];
             segment_weights[row] = recv_weight[from + j];
+            row_origins[row] = source;
         }
     }
     // Every source's counts and index are consumed: give each its credit back.
@@ -852,27 +859,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
         const u32 target = valid * HIDDEN;
         if (threadIdx.x == 0) s_complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
-            float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int k = 0; k < TOP_K; ++k) {
-                if (!routed[k]) continue;  // the metadata kernel reported this pair
-                const Vec16 v = *reinterpret_cast<const Vec16*>(
-                    combine_slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
-                const u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
-                    sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
-                }
-            }
-            Vec16 packed;
-            packed.x = pack_bf16x2(sum[0], sum[1]);
-            packed.y = pack_bf16x2(sum[2], sum[3]);
-            packed.z = pack_bf16x2(sum[4], sum[5]);
-            packed.w = pack_bf16x2(sum[6], sum[7]);
-            *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
-        }
+        combine_token(combine_slots, token, routed, y);
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && s_complete) atomicSub(combine_counters + token, target);
     }
@@ -896,7 +883,7 @@ struct all_gemm1 : SingleGpu {
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
-    const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
+    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
@@ -920,7 +907,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
-    const int* __restrict__ expert_offsets,  // [EXPERTS + 1], workspace
+    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
@@ -930,7 +917,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `all`, expert-parallel: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 155 persistent blocks (5 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 29 persistent blocks (5 per SM)
 struct all_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -946,7 +933,7 @@ struct all_ep_gemm1 : ExpertParallel {
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
-    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ segment_rows,  // [rows]
     const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
     int rank,  // this rank
@@ -955,10 +942,10 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 186 persistent blocks (6 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 29 persistent blocks (6 per SM)
 struct all_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
@@ -974,14 +961,15 @@ struct all_ep_gemm2 : ExpertParallel {
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
-    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]
+    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ segment_pairs,  // [rows]
     const float* __restrict__ segment_weights,  // [rows]
+    const int* __restrict__ row_origins,  // [rows]: rank each row came from
     const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
     int rank,  // this rank
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,
-        ep_gemm2_context(segment_weights, peer_table, error_word, rank));
+    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }

@@ -17,7 +17,7 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
-use moeforge_compiler::plan::ep::ExpertParallelPlan;
+use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
 use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
@@ -54,6 +54,8 @@ pub struct EpLayer {
     ranks: Vec<Rank>,
     /// The epoch of the last call; flags start at 0, so the first call is epoch 1.
     epoch: u32,
+    /// Fault injection: the rank whose communication the next call leaves out.
+    withheld: Option<usize>,
 }
 
 /// Enables access from `from` to `to`'s memory (one process, several GPUs).
@@ -222,6 +224,7 @@ impl EpLayer {
             ep,
             ranks: built,
             epoch: 0,
+            withheld: None,
         };
         layer.synchronize()?;
         Ok(layer)
@@ -280,6 +283,7 @@ impl EpLayer {
         }
         self.epoch = self.epoch.wrapping_add(1).max(1);
         let epoch = self.epoch;
+        let withheld = self.withheld.take();
         for rank in &self.ranks {
             rank.comm
                 .join(&rank.compute)
@@ -298,7 +302,7 @@ impl EpLayer {
                     .iter()
                     .zip(&rank.regime_kernels[regimes[r]])
                 {
-                    if *launch_role != role {
+                    if *launch_role != role || (role == StreamRole::Comm && withheld == Some(r)) {
                         continue;
                     }
                     let values: Vec<ArgValue> = bindings
@@ -366,12 +370,44 @@ impl EpLayer {
             .collect()
     }
 
-    /// Waits for every rank, reads and reports the first kernel error of any rank.
-    pub fn take_error(&self) -> Result<(), LayerError> {
-        for word in self.error_words()? {
-            kernel_error(word, self.plan.shape.experts)?;
+    /// Waits for every rank, reads and reports the first kernel error of any rank. After a
+    /// time-out the ranks' flags disagree: this also zeroes every rank's exchange state
+    /// (`plan::ep::EXCHANGE_STATE`) and restarts the epochs, so the next call starts clean.
+    pub fn take_error(&mut self) -> Result<(), LayerError> {
+        let words = self.error_words()?;
+        let first_error = words
+            .into_iter()
+            .map(|word| kernel_error(word, self.plan.shape.experts))
+            .find(Result::is_err)
+            .unwrap_or(Ok(()));
+        if matches!(first_error, Err(LayerError::FlagTimeout { .. })) {
+            self.restart_exchange()?;
         }
+        first_error
+    }
+
+    /// Zeroes every rank's exchange state and restarts the epochs at 1. Every rank's
+    /// streams must be idle (the caller synchronised).
+    fn restart_exchange(&mut self) -> Result<(), LayerError> {
+        for rank in &mut self.ranks {
+            for (id, slice) in &mut rank.workspace {
+                if EXCHANGE_STATE.contains(id) {
+                    rank.compute
+                        .memset_zeros(slice)
+                        .context(format!("zeroing `{}` after a time-out", id.name()))?;
+                }
+            }
+        }
+        self.synchronize()?;
+        self.epoch = 0;
         Ok(())
+    }
+
+    /// Fault injection, for testing the time-out path: the next call launches nothing on
+    /// `rank`'s communication stream, as if that rank had died before sending. Its peers'
+    /// waits (and its own, for its local rows) time out; `take_error` reports the first.
+    pub fn withhold_sends_once(&mut self, rank: usize) {
+        self.withheld = Some(rank);
     }
 }
 

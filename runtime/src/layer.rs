@@ -33,7 +33,7 @@ pub enum LayerError {
     #[error("the plan has {ranks} ranks but {given} were given")]
     RankCount { ranks: u32, given: usize },
     #[error(
-        "rank {rank} waited too long for the {kind} {index} (epoch {epoch}): a peer stopped or never sent; this layer's flags are now inconsistent, rebuild it"
+        "rank {rank} waited too long for the {kind} {index} (epoch {epoch}): a peer stopped or never sent; the layer restarted its exchange, so the next call starts clean"
     )]
     FlagTimeout {
         rank: i32,

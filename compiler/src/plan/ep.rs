@@ -8,8 +8,8 @@
 //! 2. **dispatch**: token rows travel into the destination's receive buffer, each token
 //!    once per destination however many of its experts live there, `dispatch_chunk`
 //!    tokens at a time, each chunk followed by a release of its own flag;
-//! 3. **GEMM1** tiles over (local expert, source) segments acquire the flags of exactly the
-//!    chunks their rows sit in; local rows come first, then sources in arrival order;
+//! 3. **GEMM1** tiles over local experts, each expert's rows local first, then sources in
+//!    arrival order, acquire the flags of exactly the chunks their rows sit in;
 //! 4. **GEMM2** stores each weighted row straight into the origin rank's combine slot and
 //!    releases the origin's per-token counter;
 //! 5. **combine** at the origin waits for each token's counter, sums its K slots in k order.
@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::launch::{KernelParam, StreamRole};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, GemmPlan, Grid, Launch, LaunchArg, LayerShape, Regime,
-    Target, static_smem_reserved,
+    SmemLayout, Target, static_smem_reserved,
 };
 use crate::ir::{self, TrafficOrder};
 
@@ -118,6 +118,18 @@ pub struct ExpertParallelRegime {
     pub launches: Vec<Launch>,
 }
 
+/// The buffers that carry the exchange's state from one call to the next: flags compare
+/// against the epoch, counters return to zero, the error word holds the last error. After
+/// a time-out they disagree between ranks; zeroing them on every rank (and starting the
+/// epochs again at 1) is a fresh start.
+pub const EXCHANGE_STATE: [BufferId; 5] = [
+    BufferId::MetaFlags,
+    BufferId::ChunkFlags,
+    BufferId::CombineCounters,
+    BufferId::Credits,
+    BufferId::ErrorWord,
+];
+
 /// The buffers peers write, as they appear in each rank's row of the peer table.
 pub const PEER_BUFFERS: [BufferId; 10] = [
     BufferId::RecvX,
@@ -134,7 +146,8 @@ pub const PEER_BUFFERS: [BufferId; 10] = [
 
 /// Threads of the metadata and arrange kernels (one block per destination / one block).
 pub const META_THREADS: u32 = 512;
-/// Combine blocks per compute SM (persistent, looping over tokens).
+/// Combine blocks per compute SM on a rank's own GPU (persistent, looping over tokens).
+/// Virtual ranks use one per compute SM: see [`residency`].
 const COMBINE_BLOCKS_PER_SM: u32 = 4;
 
 /// SM-driven stores through NVLink measured on the two-H200 machine (2026-11-29): blocks
@@ -226,16 +239,10 @@ pub fn plan_expert_parallel(
             )
         }
     };
-    let compute_sms = sms_per_rank.saturating_sub(comm_blocks).max(1);
-    let ranks_per_device = match placement {
-        Placement::Virtual => ranks,
-        Placement::Devices => 1,
-    };
-    let residency = format!(
-        "{ranks_per_device} rank(s) per device × ({comm_blocks} communication + {compute_sms} compute SMs) = {} of {} SMs: every block a spin-wait depends on is resident",
-        ranks_per_device * (comm_blocks + compute_sms),
-        target.sm_count
-    );
+    // The metadata kernel runs one block per destination on the communication stream.
+    let comm_slots = comm_blocks.max(ranks);
+    let compute_sms = sms_per_rank.saturating_sub(comm_slots).max(1);
+    let residency = residency(placement, ranks, comm_slots, compute_sms, target.sm_count);
     let traffic = hints.traffic_order.unwrap_or(TrafficOrder::Rotate);
     let send_order: Vec<Vec<u32>> = (0..ranks)
         .map(|source| (0..ranks).map(|step| (source + step) % ranks).collect())
@@ -272,8 +279,19 @@ pub fn plan_expert_parallel(
         .map(|regime| {
             let mut gemm1 = regime.gemm1.clone();
             let mut gemm2 = regime.gemm2.clone();
-            gemm1.grid_blocks = compute_sms * gemm1.blocks_per_sm;
-            gemm2.grid_blocks = compute_sms * gemm2.blocks_per_sm;
+            for gemm in [&mut gemm1, &mut gemm2] {
+                gemm.grid_blocks = compute_blocks(placement, compute_sms, gemm.blocks_per_sm);
+            }
+            // Tiles run over local experts, each with the rows of every source.
+            for gemm in [&mut gemm1, &mut gemm2] {
+                gemm.smem = SmemLayout::new(
+                    gemm.engine,
+                    gemm.tile,
+                    gemm.b_rows,
+                    gemm.stages,
+                    experts_per_rank,
+                );
+            }
             let gemm1_kernel = format!("{symbol}_{}_ep_gemm1", regime.name);
             let gemm2_kernel = format!("{symbol}_{}_ep_gemm2", regime.name);
             let launches = launch_table(
@@ -282,7 +300,7 @@ pub fn plan_expert_parallel(
                 [&gemm1, &gemm2],
                 &sizes,
                 comm_blocks,
-                compute_sms,
+                compute_blocks(placement, compute_sms, COMBINE_BLOCKS_PER_SM),
             );
             ExpertParallelRegime {
                 gemm1,
@@ -394,9 +412,14 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             "per source chunk: epoch it arrived in",
         ),
         buffer(
-            BufferId::SegmentOffsets,
-            segments + 1,
-            "first GEMM row of each (local expert, source) segment",
+            BufferId::ExpertOffsets,
+            local + 1,
+            "first GEMM row of each local expert",
+        ),
+        buffer(
+            BufferId::RowOrigins,
+            sizes.rows,
+            "origin rank of each GEMM row",
         ),
         buffer(
             BufferId::SegmentRows,
@@ -446,6 +469,42 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
     ]
 }
 
+/// Blocks of a compute kernel that fits `per_sm` blocks on an SM. On a rank's own GPU, the
+/// grid fills its compute SMs. Virtual ranks share one GPU, whose block scheduler places a
+/// block on any SM with room, not on "its rank's" SMs: a grid of more blocks than SMs could
+/// spread over every SM and leave no empty one for a peer rank's GEMM block, which needs
+/// a whole SM. One block per compute SM keeps the count argument of [`residency`] exact.
+fn compute_blocks(placement: Placement, compute_sms: u32, per_sm: u32) -> u32 {
+    match placement {
+        Placement::Virtual => compute_sms,
+        Placement::Devices => compute_sms * per_sm,
+    }
+}
+
+/// Why no spin-wait can wait for a block that never runs. Per rank, one kernel runs at a
+/// time on each stream (the next call's communication waits for this call's compute), so
+/// at most `comm_slots` + `compute_sms` blocks of a rank are live at once. Every block fits
+/// on an empty SM; with all live blocks of every rank on the device at most the SM count,
+/// a waiting block is always placed, whichever kernels spin.
+fn residency(
+    placement: Placement,
+    ranks: u32,
+    comm_slots: u32,
+    compute_sms: u32,
+    sm_count: u32,
+) -> String {
+    match placement {
+        Placement::Virtual => format!(
+            "{ranks} ranks per device × ({comm_slots} communication + {compute_sms} compute blocks live at most) = {} of {sm_count} SMs, one block per SM in every waiting grid: a block waiting to start always finds an empty SM",
+            ranks * (comm_slots + compute_sms)
+        ),
+        Placement::Devices => format!(
+            "1 rank per device: {comm_slots} communication + {compute_sms} compute SMs = {} of {sm_count} SMs; the compute grids fill their SMs, and a communication block fits beside them",
+            comm_slots + compute_sms
+        ),
+    }
+}
+
 /// The launches of one call on one rank: metadata and dispatch on the communication
 /// stream; arrange, the GEMMs and combine on the compute stream.
 fn launch_table(
@@ -454,7 +513,7 @@ fn launch_table(
     gemms: [&GemmPlan; 2],
     sizes: &Sizes,
     comm_blocks: u32,
-    compute_sms: u32,
+    combine_blocks: u32,
 ) -> Vec<Launch> {
     use BufferId::*;
     use LaunchArg::*;
@@ -523,10 +582,11 @@ fn launch_table(
                 shared(Workspace(RecvWeight)),
                 shared(Workspace(RecvCounts)),
                 shared(Workspace(MetaFlags)),
-                write(Workspace(SegmentOffsets)),
+                write(Workspace(ExpertOffsets)),
                 write(Workspace(SegmentRows)),
                 write(Workspace(SegmentPairs)),
                 write(Workspace(SegmentWeights)),
+                write(Workspace(RowOrigins)),
                 write(Workspace(ErrorWord)),
                 read(Workspace(PeerTable)),
             ],
@@ -541,7 +601,7 @@ fn launch_table(
             vec![
                 shared(Workspace(RecvX)),
                 read(W1),
-                read(Workspace(SegmentOffsets)),
+                read(Workspace(ExpertOffsets)),
                 read(Workspace(SegmentRows)),
                 shared(Workspace(ChunkFlags)),
                 read(Rank),
@@ -560,9 +620,10 @@ fn launch_table(
             vec![
                 read(Workspace(Intermediate)),
                 read(W2),
-                read(Workspace(SegmentOffsets)),
+                read(Workspace(ExpertOffsets)),
                 read(Workspace(SegmentPairs)),
                 read(Workspace(SegmentWeights)),
+                read(Workspace(RowOrigins)),
                 read(Workspace(PeerTable)),
                 read(Rank),
                 write(Workspace(ErrorWord)),
@@ -570,7 +631,7 @@ fn launch_table(
         ),
         launch(
             combine,
-            compute_sms * COMBINE_BLOCKS_PER_SM,
+            combine_blocks,
             COMBINE_THREADS,
             StreamRole::Compute,
             static_smem_reserved(4),

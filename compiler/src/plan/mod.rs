@@ -139,7 +139,8 @@ impl Buffer {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BufferId {
-    /// i32 [E+1]: start row of each expert in the expert-major row order.
+    /// i32 [E+1]: start row of each expert in the expert-major row order (expert-parallel:
+    /// of each local expert, [E/R + 1]).
     ExpertOffsets,
     /// i32 [T·K]: for each row of the expert-major order, its (token, k) pair `t·K + k`.
     RowPair,
@@ -169,8 +170,8 @@ pub enum BufferId {
     MetaFlags,
     /// u32 [R · chunks per source], by peers: per source chunk, the epoch it arrived in.
     ChunkFlags,
-    /// i32 [E/R · R + 1]: first GEMM row of each (local expert, source) segment.
-    SegmentOffsets,
+    /// i32 [rows]: per GEMM row, the rank its pair came from (where its result goes).
+    RowOrigins,
     /// i32 [rows]: per GEMM row, its row of `recv_x` (`source · slots + slot`).
     SegmentRows,
     /// i32 [rows]: per GEMM row, its pair at the origin.
@@ -198,7 +199,7 @@ impl BufferId {
             | BufferId::RecvSlot
             | BufferId::RecvPair
             | BufferId::RecvCounts
-            | BufferId::SegmentOffsets
+            | BufferId::RowOrigins
             | BufferId::SegmentRows
             | BufferId::SegmentPairs => ElemType::I32,
             BufferId::Intermediate | BufferId::CombineSlots | BufferId::RecvX => ElemType::Bf16,
@@ -227,7 +228,7 @@ impl BufferId {
             BufferId::RecvCounts => "recv_counts",
             BufferId::MetaFlags => "meta_flags",
             BufferId::ChunkFlags => "chunk_flags",
-            BufferId::SegmentOffsets => "segment_offsets",
+            BufferId::RowOrigins => "row_origins",
             BufferId::SegmentRows => "segment_rows",
             BufferId::SegmentPairs => "segment_pairs",
             BufferId::SegmentWeights => "segment_weights",
@@ -381,7 +382,8 @@ pub struct SmemLayout {
 }
 
 impl SmemLayout {
-    fn new(engine: MmaEngine, tile: TileShape, b_rows: u32, stages: u32, experts: u32) -> Self {
+    /// The layout of a block whose tile table covers `experts` groups of rows.
+    pub fn new(engine: MmaEngine, tile: TileShape, b_rows: u32, stages: u32, experts: u32) -> Self {
         let row_bytes = SMEM_ROW_BYTES;
         let stage_bytes = (tile.m + b_rows) * row_bytes;
         // The dynamic allocation is declared 128-byte aligned, which is what mma.sync's ring

@@ -10,6 +10,7 @@
 use thiserror::Error;
 
 use super::ep::{ExpertParallelPlan, Placement};
+use super::launch::StreamRole;
 use super::{
     Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MmaEngine, Plan, SmemLayout, TILE_K,
     c_identifier, workspace,
@@ -179,15 +180,42 @@ impl Plan {
                     .into(),
             );
         }
-        let per_device = match ep.placement {
-            Placement::Virtual => ranks * (ep.comm_blocks + ep.compute_sms),
-            Placement::Devices => ep.comm_blocks + ep.compute_sms,
-        };
-        if ep.comm_blocks == 0 || ep.compute_sms == 0 || per_device > self.target.sm_count {
-            return Err(format!(
-                "{per_device} SMs of blocks per device exceed the {} of {}: spin-waits could wait on blocks that never run",
-                self.target.sm_count, self.target.name
-            ));
+        let sms = self.target.sm_count;
+        if ep.comm_blocks == 0 || ep.compute_sms == 0 {
+            return Err("an expert-parallel rank has no communication or no compute blocks".into());
+        }
+        match ep.placement {
+            Placement::Virtual => {
+                // Per rank one kernel per stream is live at a time; all live blocks of all
+                // ranks must fit one per SM, so a waiting block always finds an empty SM.
+                for regime in &ep.regimes {
+                    let live = |role| {
+                        regime
+                            .launches
+                            .iter()
+                            .filter(|l| l.stream == role)
+                            .map(|l| l.grid.blocks(self.shape.max_tokens))
+                            .max()
+                            .unwrap_or(0)
+                    };
+                    let per_rank = live(StreamRole::Comm) + live(StreamRole::Compute);
+                    if ranks * per_rank > sms {
+                        return Err(format!(
+                            "{ranks} virtual ranks × {per_rank} live blocks exceed the {sms} SMs of {}: spin-waits could wait on blocks that never run",
+                            self.target.name
+                        ));
+                    }
+                }
+            }
+            Placement::Devices => {
+                let per_device = ep.comm_blocks.max(ranks) + ep.compute_sms;
+                if per_device > sms {
+                    return Err(format!(
+                        "{per_device} SMs of blocks per device exceed the {sms} of {}: spin-waits could wait on blocks that never run",
+                        self.target.name
+                    ));
+                }
+            }
         }
         Ok(())
     }
