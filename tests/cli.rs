@@ -196,3 +196,37 @@ fn a_layer_the_target_cannot_run_is_refused_with_its_span() {
         "an unknown target is a usage error"
     );
 }
+
+/// `run --ranks R` plans the expert-parallel kernels: without a GPU it compiles them (the
+/// metadata, dispatch, arrange and combine kernels besides the GEMMs) and says it did not
+/// run; with one it runs every rank and checks it against the CPU reference.
+#[test]
+fn run_over_virtual_ranks_compiles_or_checks_every_rank() {
+    let out = moeforge(&[
+        "run",
+        "dsl-examples/tiny.moe",
+        "--tokens",
+        "16",
+        "--ranks",
+        "2",
+        "--check",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    let compiled_only = stdout.contains("not run: no GPU") && stdout.contains("10 kernels");
+    let ran = stdout.contains("rank 0 T=16") && stdout.contains("rank 1 T=16");
+    assert!(compiled_only || ran, "{stdout}{stderr}");
+    if ran {
+        assert!(!stdout.contains("FAIL"), "{stdout}");
+    }
+    assert_eq!(
+        moeforge(&["run", "dsl-examples/tiny.moe", "--tokens", "1", "--ranks", "0"])
+            .status
+            .code(),
+        Some(2)
+    );
+    let uneven = moeforge(&["run", "dsl-examples/tiny.moe", "--tokens", "1", "--ranks", "3"]);
+    assert_eq!(uneven.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&uneven.stderr).contains("evenly"));
+}

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::baseline::{BaselineError, CublasBaseline};
 use crate::bf16;
-use crate::ep::EpLayer;
+use crate::ep::{EpLayer, StageMarks, StageTimes};
 use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
 use crate::layer::ForwardArgs;
@@ -210,6 +210,48 @@ pub fn bench_layer(
     Ok((rows, baseline.err()))
 }
 
+/// The roofline floor of the busiest rank when rank `d` computes every pair of every
+/// workload whose expert lives there.
+fn busiest_rank_floor_us(
+    shape: &LayerShape,
+    workloads: &[Workload],
+    ranks: u32,
+    target: &Target,
+) -> f64 {
+    let per_rank = (shape.experts / ranks) as usize;
+    let (h, f, w1_rows) = (
+        f64::from(shape.hidden),
+        f64::from(shape.ffn),
+        f64::from(shape.w1_rows()),
+    );
+    (0..ranks as usize)
+        .map(|d| {
+            let mut hit = vec![false; per_rank];
+            let mut pairs = 0u64;
+            for id in workloads.iter().flat_map(|w| &w.topk_ids) {
+                if let Ok(e) = usize::try_from(*id)
+                    && e / per_rank == d
+                {
+                    hit[e % per_rank] = true;
+                    pairs += 1;
+                }
+            }
+            let hit = hit.iter().filter(|&&h| h).count() as f64;
+            let pairs = pairs as f64;
+            let flops = 2.0 * pairs * h * (w1_rows + f);
+            let bytes = hit * (w1_rows * h + h * f) * 2.0 + pairs * h * 2.0 * 2.0;
+            (flops / target.peak_bf16_flops).max(bytes / target.hbm_bytes_per_s) * 1e6
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The two schedules of the expert-parallel layer a bench times.
+#[derive(Clone, Copy)]
+enum Schedule {
+    Overlapped,
+    BulkSynchronous,
+}
+
 /// What a bench runs: token counts (per rank), routing, timed calls and the seed.
 #[derive(Clone, Copy)]
 pub struct BenchSettings<'a> {
@@ -232,7 +274,22 @@ pub struct ExpertParallelRow {
     pub one_gpu_us: Option<f64>,
     /// Token rows that crossed to another rank, per second (bytes of rows, not of pairs).
     pub crossed_gb_per_s: f64,
+    /// The busiest rank's roofline floor: its pairs' GEMM work at peak bf16 rate or its
+    /// hit experts' weights (and its rows) at HBM rate, whichever is slower.
+    pub floor_us: f64,
+    /// Baseline (a): the same kernels, every rank waiting for every rank between stages
+    /// (wall time per call over pipelined calls, like `expert_parallel_us`).
+    pub bulk_synchronous_us: f64,
+    /// The stages of bulk-synchronous calls, each alone (CUDA events on rank 0 after
+    /// barriers of every rank; mean over the marked calls).
+    pub stages: StageTimes,
+    /// Of the communication stages' time (dispatch + combine), the share the overlapped
+    /// schedule hid: (sum of the stages − overlapped call) / (dispatch + combine), in [0, 1].
+    pub hidden_share: f64,
 }
+
+/// Bulk-synchronous calls whose stages are timed with events (each is synchronised).
+const MARKED_CALLS: usize = 10;
 
 /// Times the expert-parallel layer `ep` (built from `built`) at each token count per rank,
 /// next to `built`'s single-GPU layer on all ranks' tokens together.
@@ -269,23 +326,47 @@ pub fn bench_expert_parallel(
             .enumerate()
             .map(|(r, w)| upload_poisoned(ep.stream(r), &shape, w))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut call = |ep: &mut EpLayer| -> Result<(), BenchError> {
+        let mut call = |ep: &mut EpLayer,
+                        schedule: Schedule,
+                        marks: Option<&StageMarks>|
+         -> Result<(), BenchError> {
             let mut args: Vec<ForwardArgs<'_>> =
                 inputs.iter_mut().map(DeviceWorkload::args).collect();
-            ep.forward(&mut args)?;
+            match schedule {
+                Schedule::Overlapped => ep.forward(&mut args)?,
+                Schedule::BulkSynchronous => ep.forward_bulk_synchronous(&mut args, marks)?,
+            }
             Ok(())
         };
-        for _ in 0..WARMUP_CALLS {
-            call(ep)?;
+        let mut per_call_us = |ep: &mut EpLayer, schedule| -> Result<f64, BenchError> {
+            for _ in 0..WARMUP_CALLS {
+                call(ep, schedule, None)?;
+            }
+            ep.take_error()?;
+            let started = std::time::Instant::now();
+            for _ in 0..iterations {
+                call(ep, schedule, None)?;
+            }
+            ep.synchronize()?;
+            let us = started.elapsed().as_secs_f64() * 1e6 / iterations as f64;
+            ep.take_error()?;
+            Ok(us)
+        };
+        let expert_parallel_us = per_call_us(ep, Schedule::Overlapped)?;
+        let bulk_synchronous_us = per_call_us(ep, Schedule::BulkSynchronous)?;
+        let marks = StageMarks::new(ep)?;
+        let mut stages = StageTimes::default();
+        for _ in 0..MARKED_CALLS {
+            call(ep, Schedule::BulkSynchronous, Some(&marks))?;
+            let t = marks.times()?;
+            stages.dispatch_us += t.dispatch_us / MARKED_CALLS as f64;
+            stages.gemm_us += t.gemm_us / MARKED_CALLS as f64;
+            stages.combine_us += t.combine_us / MARKED_CALLS as f64;
         }
         ep.take_error()?;
-        let started = std::time::Instant::now();
-        for _ in 0..iterations {
-            call(ep)?;
-        }
-        ep.synchronize()?;
-        let expert_parallel_us = started.elapsed().as_secs_f64() * 1e6 / iterations as f64;
-        ep.take_error()?;
+        let communication = stages.dispatch_us + stages.combine_us;
+        let hidden_share =
+            ((communication + stages.gemm_us - expert_parallel_us) / communication).clamp(0.0, 1.0);
 
         // Rows that leave their rank: tokens with an expert on another rank, once per rank.
         let k = shape.top_k as usize;
@@ -326,6 +407,10 @@ pub fn bench_expert_parallel(
             expert_parallel_us,
             one_gpu_us,
             crossed_gb_per_s,
+            floor_us: busiest_rank_floor_us(&shape, &workloads, ranks, &built.layer.plan().target),
+            bulk_synchronous_us,
+            stages,
+            hidden_share,
         };
         progress(&row);
         rows.push(row);

@@ -15,10 +15,11 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig,
+    PushKernelArg,
 };
 use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
-use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, StreamRole};
+use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
 use crate::layer::{
@@ -42,8 +43,8 @@ struct Rank {
     comm: Arc<CudaStream>,
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
-    /// Per regime, each launch: function, bindings and stream role.
-    regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>, StreamRole)>>,
+    /// Per regime, each launch's function and bindings (in the plan's launch order).
+    regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
     _module: Arc<CudaModule>,
 }
 
@@ -205,7 +206,7 @@ impl EpLayer {
                         .iter()
                         .map(|p| bind(p.arg, &workspace))
                         .collect::<Result<Vec<_>, _>>()?;
-                    launches.push((function, bindings, launch.stream));
+                    launches.push((function, bindings));
                 }
                 regime_kernels.push(launches);
             }
@@ -254,8 +255,82 @@ impl EpLayer {
     }
 
     /// Enqueues one call: `args[r]` is rank `r`'s tokens (on its device). Does not
-    /// synchronise.
+    /// synchronise. The ranks meet only through the kernels' flags.
     pub fn forward(&mut self, args: &mut [ForwardArgs<'_>]) -> Result<(), LayerError> {
+        let regimes = self.begin_call(args)?;
+        let withheld = self.withheld.take();
+        for rank in &self.ranks {
+            rank.comm
+                .join(&rank.compute)
+                .context("ordering communication after the previous call")?;
+        }
+        // Communication first on every rank: the compute kernels wait on it.
+        for (r, a) in args.iter_mut().enumerate() {
+            if withheld != Some(r) {
+                self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
+            }
+        }
+        for (r, a) in args.iter_mut().enumerate() {
+            self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Compute)?;
+        }
+        for rank in &self.ranks {
+            rank.compute
+                .join(&rank.comm)
+                .context("joining the communication stream")?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues one call of the bulk-synchronous variant, the baseline the overlapped
+    /// schedule is measured against: the same kernels, with every rank waiting for every
+    /// rank between the stages (metadata and dispatch; arrange and both GEMMs; combine), so
+    /// no stage overlaps another and every flag wait finds its flag already set. GEMM2's
+    /// stores into the origins' combine slots stay in the GEMM stage. With `marks`, records
+    /// the stage boundaries on rank 0 (see [`StageMarks`]).
+    pub fn forward_bulk_synchronous(
+        &mut self,
+        args: &mut [ForwardArgs<'_>],
+        marks: Option<&StageMarks>,
+    ) -> Result<(), LayerError> {
+        let regimes = self.begin_call(args)?;
+        let combine = self.ep.combine_kernel.clone();
+        let streams = |role: StreamRole| -> Vec<Arc<CudaStream>> {
+            self.ranks
+                .iter()
+                .map(|rank| match role {
+                    StreamRole::Comm => Arc::clone(&rank.comm),
+                    StreamRole::Compute => Arc::clone(&rank.compute),
+                })
+                .collect()
+        };
+        let (comm, compute) = (streams(StreamRole::Comm), streams(StreamRole::Compute));
+        // The previous call is over on every rank before any rank starts this one.
+        barrier(&compute, &comm)?;
+        mark(marks, 0, &comm[0])?;
+        for (r, a) in args.iter_mut().enumerate() {
+            self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
+        }
+        barrier(&comm, &compute)?;
+        mark(marks, 1, &compute[0])?;
+        for (r, a) in args.iter_mut().enumerate() {
+            self.enqueue(r, a, regimes[r], |l| {
+                l.stream == StreamRole::Compute && l.kernel != combine
+            })?;
+        }
+        barrier(&compute, &compute)?;
+        mark(marks, 2, &compute[0])?;
+        for (r, a) in args.iter_mut().enumerate() {
+            self.enqueue(r, a, regimes[r], |l| l.kernel == combine)?;
+        }
+        if marks.is_some() {
+            barrier(&compute, &compute[..1])?;
+            mark(marks, 3, &compute[0])?;
+        }
+        Ok(())
+    }
+
+    /// Checks a call's arguments, raises the epoch and returns each rank's regime.
+    fn begin_call(&mut self, args: &[ForwardArgs<'_>]) -> Result<Vec<usize>, LayerError> {
         let shape = &self.plan.shape;
         if args.len() != self.ranks.len() {
             return Err(LayerError::RankCount {
@@ -264,7 +339,7 @@ impl EpLayer {
             });
         }
         let mut regimes = Vec::with_capacity(args.len());
-        for a in args.iter() {
+        for a in args {
             let t = u64::from(a.tokens);
             check_len("x", a.x.len(), t * u64::from(shape.hidden))?;
             check_len("topk_ids", a.topk_ids.len(), t * u64::from(shape.top_k))?;
@@ -282,75 +357,68 @@ impl EpLayer {
             )?);
         }
         self.epoch = self.epoch.wrapping_add(1).max(1);
+        Ok(regimes)
+    }
+
+    /// Enqueues rank `r`'s launches of `regime` that `chosen` picks, each on its stream.
+    fn enqueue(
+        &self,
+        r: usize,
+        a: &mut ForwardArgs<'_>,
+        regime: usize,
+        chosen: impl Fn(&Launch) -> bool,
+    ) -> Result<(), LayerError> {
+        let rank = &self.ranks[r];
         let epoch = self.epoch;
-        let withheld = self.withheld.take();
-        for rank in &self.ranks {
-            rank.comm
-                .join(&rank.compute)
-                .context("ordering communication after the previous call")?;
-        }
-        // Communication first on every rank: the compute kernels wait on it.
-        for role in [StreamRole::Comm, StreamRole::Compute] {
-            for (r, (rank, a)) in self.ranks.iter().zip(args.iter_mut()).enumerate() {
-                let stream = match role {
-                    StreamRole::Comm => &rank.comm,
-                    StreamRole::Compute => &rank.compute,
-                };
-                let ep_regime = &self.ep.regimes[regimes[r]];
-                for (launch, (function, bindings, launch_role)) in ep_regime
-                    .launches
-                    .iter()
-                    .zip(&rank.regime_kernels[regimes[r]])
-                {
-                    if *launch_role != role || (role == StreamRole::Comm && withheld == Some(r)) {
-                        continue;
-                    }
-                    let values: Vec<ArgValue> = bindings
-                        .iter()
-                        .map(|binding| match *binding {
-                            Binding::Caller(LaunchArg::X) => ArgValue::Pointer(ptr(a.x, stream)),
-                            Binding::Caller(LaunchArg::TopkIds) => {
-                                ArgValue::Pointer(ptr(a.topk_ids, stream))
-                            }
-                            Binding::Caller(LaunchArg::TopkWeights) => {
-                                ArgValue::Pointer(ptr(a.topk_weights, stream))
-                            }
-                            Binding::Caller(LaunchArg::Y) => ArgValue::Pointer(ptr(a.y, stream)),
-                            Binding::Caller(_) => ArgValue::Int(a.tokens as i32),
-                            Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
-                            Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
-                            Binding::Rank => ArgValue::Int(r as i32),
-                            Binding::Epoch => ArgValue::Int(epoch as i32),
-                            Binding::Workspace(i) => {
-                                ArgValue::Pointer(ptr(&rank.workspace[i].1, stream))
-                            }
-                        })
-                        .collect();
-                    let config = LaunchConfig {
-                        grid_dim: (launch.grid.blocks(a.tokens), 1, 1),
-                        block_dim: (launch.block_threads, 1, 1),
-                        shared_mem_bytes: launch.smem_bytes,
-                    };
-                    let mut builder = stream.launch_builder(function);
-                    for value in &values {
-                        match value {
-                            ArgValue::Pointer(p) => builder.arg(p),
-                            ArgValue::Int(i) => builder.arg(i),
-                        };
-                    }
-                    // SAFETY: codegen wrote this kernel's parameters from `launch.params`
-                    // (pointers for buffers, 32-bit integers for tokens, rank and epoch);
-                    // `new` validated the plan and sized every workspace buffer from it, and
-                    // the caller's buffers were checked above.
-                    unsafe { builder.launch(config) }
-                        .context(format!("launching `{}` on rank {r}", launch.kernel))?;
-                }
+        for (launch, (function, bindings)) in self.ep.regimes[regime]
+            .launches
+            .iter()
+            .zip(&rank.regime_kernels[regime])
+        {
+            if !chosen(launch) {
+                continue;
             }
-        }
-        for rank in &self.ranks {
-            rank.compute
-                .join(&rank.comm)
-                .context("joining the communication stream")?;
+            let stream = match launch.stream {
+                StreamRole::Comm => &rank.comm,
+                StreamRole::Compute => &rank.compute,
+            };
+            let values: Vec<ArgValue> = bindings
+                .iter()
+                .map(|binding| match *binding {
+                    Binding::Caller(LaunchArg::X) => ArgValue::Pointer(ptr(a.x, stream)),
+                    Binding::Caller(LaunchArg::TopkIds) => {
+                        ArgValue::Pointer(ptr(a.topk_ids, stream))
+                    }
+                    Binding::Caller(LaunchArg::TopkWeights) => {
+                        ArgValue::Pointer(ptr(a.topk_weights, stream))
+                    }
+                    Binding::Caller(LaunchArg::Y) => ArgValue::Pointer(ptr(a.y, stream)),
+                    Binding::Caller(_) => ArgValue::Int(a.tokens as i32),
+                    Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
+                    Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
+                    Binding::Rank => ArgValue::Int(r as i32),
+                    Binding::Epoch => ArgValue::Int(epoch as i32),
+                    Binding::Workspace(i) => ArgValue::Pointer(ptr(&rank.workspace[i].1, stream)),
+                })
+                .collect();
+            let config = LaunchConfig {
+                grid_dim: (launch.grid.blocks(a.tokens), 1, 1),
+                block_dim: (launch.block_threads, 1, 1),
+                shared_mem_bytes: launch.smem_bytes,
+            };
+            let mut builder = stream.launch_builder(function);
+            for value in &values {
+                match value {
+                    ArgValue::Pointer(p) => builder.arg(p),
+                    ArgValue::Int(i) => builder.arg(i),
+                };
+            }
+            // SAFETY: codegen wrote this kernel's parameters from `launch.params`
+            // (pointers for buffers, 32-bit integers for tokens, rank and epoch); `new`
+            // validated the plan and sized every workspace buffer from it, and the
+            // caller's buffers were checked in `begin_call`.
+            unsafe { builder.launch(config) }
+                .context(format!("launching `{}` on rank {r}", launch.kernel))?;
         }
         Ok(())
     }
@@ -408,6 +476,78 @@ impl EpLayer {
     /// waits (and its own, for its local rows) time out; `take_error` reports the first.
     pub fn withhold_sends_once(&mut self, rank: usize) {
         self.withheld = Some(rank);
+    }
+}
+
+/// Every stream of `waiters` waits for the work enqueued so far on every stream of
+/// `producers` (events work across devices of one process).
+fn barrier(producers: &[Arc<CudaStream>], waiters: &[Arc<CudaStream>]) -> Result<(), LayerError> {
+    let events = producers
+        .iter()
+        .map(|stream| stream.record_event(None))
+        .collect::<Result<Vec<_>, _>>()
+        .context("recording a stage boundary")?;
+    for waiter in waiters {
+        for event in &events {
+            waiter.wait(event).context("waiting for a stage boundary")?;
+        }
+    }
+    Ok(())
+}
+
+fn mark(marks: Option<&StageMarks>, index: usize, stream: &CudaStream) -> Result<(), LayerError> {
+    if let Some(marks) = marks {
+        marks.events[index]
+            .record(stream)
+            .context("recording a stage mark")?;
+    }
+    Ok(())
+}
+
+/// Timing events of one bulk-synchronous call on rank 0, each after a barrier of every
+/// rank: start, dispatch done, GEMMs done, combine done.
+pub struct StageMarks {
+    events: [CudaEvent; 4],
+}
+
+/// The stages of one bulk-synchronous call, in µs, across all ranks.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct StageTimes {
+    /// Metadata and token rows to every rank.
+    pub dispatch_us: f64,
+    /// Arrange and both GEMMs (GEMM2 stores results into the origins' combine slots).
+    pub gemm_us: f64,
+    /// The reduce at the origin.
+    pub combine_us: f64,
+}
+
+impl StageMarks {
+    /// Timing events in the context of the layer's rank 0.
+    pub fn new(layer: &EpLayer) -> Result<Self, LayerError> {
+        let ctx = layer.ranks[0].compute.context();
+        let event = || {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .context("creating a timing event")
+        };
+        Ok(StageMarks {
+            events: [event()?, event()?, event()?, event()?],
+        })
+    }
+
+    /// The stage times of the call that recorded these marks (waits for it).
+    pub fn times(&self) -> Result<StageTimes, LayerError> {
+        let us = |a: usize, b: usize| -> Result<f64, LayerError> {
+            Ok(f64::from(
+                self.events[a]
+                    .elapsed_ms(&self.events[b])
+                    .context("reading a stage mark")?,
+            ) * 1e3)
+        };
+        Ok(StageTimes {
+            dispatch_us: us(0, 1)?,
+            gemm_us: us(1, 2)?,
+            combine_us: us(2, 3)?,
+        })
     }
 }
 

@@ -9,13 +9,12 @@ use std::process::ExitCode;
 use moeforge::runtime::bench::{
     BenchRow, BenchSettings, ExpertParallelRow, bench_expert_parallel, bench_layer,
 };
-use moeforge::runtime::gpu::Gpu;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::fresh_seed;
 use serde::Serialize;
 
 use super::planning::{
-    RankChoice, TargetArgs, build_on_gpu, check_ranks, plan_file_over, plan_one,
+    RankChoice, TargetArgs, build_on_gpu, note_one_rank, plan_file_over, plan_one,
 };
 use super::run::{RoutingArg, routing_name};
 use super::{OK, invalid_input, usage_error};
@@ -113,17 +112,7 @@ fn table_row(row: &BenchRow) -> String {
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    let choice = match (args.ranks, args.gpus) {
-        (Some(ranks), None) if ranks > 1 => Some(RankChoice {
-            ranks,
-            virtual_ranks: true,
-        }),
-        (None, Some(gpus)) if gpus > 1 => Some(RankChoice {
-            ranks: gpus,
-            virtual_ranks: false,
-        }),
-        _ => None,
-    };
+    let choice = RankChoice::from_flags(args.ranks, args.gpus);
     if let Some(choice) = choice {
         return run_expert_parallel(args, choice);
     }
@@ -131,7 +120,7 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(plan) => plan,
         Err(status) => return status,
     };
-    if let Err(status) = check_ranks(&plan, args.ranks) {
+    if let Err(status) = note_one_rank(&plan, args.ranks, args.gpus) {
         return status;
     }
     if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
@@ -256,54 +245,34 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         Ok(built) => built,
         Err(status) => return status,
     };
-    let mut contexts = vec![std::sync::Arc::clone(&session.gpu.ctx)];
-    for rank in 1..choice.ranks as usize {
-        if choice.virtual_ranks {
-            contexts.push(std::sync::Arc::clone(&session.gpu.ctx));
-        } else {
-            match Gpu::open_context(rank) {
-                Ok(ctx) => contexts.push(ctx),
-                Err(error) => {
-                    eprintln!("error: --gpus {}: {error}", choice.ranks);
-                    return usage_error();
-                }
-            }
-        }
-    }
-    let mut ep = match session.build_expert_parallel(&built, &contexts) {
+    let mut ep = match choice.build(&session, &built) {
         Ok(ep) => ep,
-        Err(error) => {
-            eprintln!("error: {error}");
-            return invalid_input();
-        }
+        Err(status) => return status,
     };
-    let placement = if choice.virtual_ranks {
-        format!(
-            "{} virtual ranks on one {}",
-            choice.ranks,
-            session.gpu.name()
-        )
-    } else {
-        format!("{} x {}", choice.ranks, session.gpu.name())
-    };
+    let placement = choice.placement(&session.gpu.name());
     println!(
         "{layer_name}, expert-parallel over {placement}, {} routing, mean of {} pipelined calls, seed {seed}",
         routing_name(args.routing),
         args.iterations
     );
-    let header =
-        "| T per rank | expert-parallel us | same tokens on one GPU us | rows crossing GB/s |";
-    println!("{header}");
+    let header = "| T per rank | expert-parallel us | floor us | bulk-synchronous us | dispatch us | GEMMs us | combine us | hidden | same tokens on one GPU us | rows crossing GB/s |";
     let format_row = |row: &ExpertParallelRow| {
         format!(
-            "| {:>10} | {:>18.1} | {:>25} | {:>18.1} |",
+            "| {:>10} | {:>18.1} | {:>8.1} | {:>19.1} | {:>11.1} | {:>8.1} | {:>10.1} | {:>5.0}% | {:>25} | {:>18.1} |",
             row.tokens_per_rank,
             row.expert_parallel_us,
+            row.floor_us,
+            row.bulk_synchronous_us,
+            row.stages.dispatch_us,
+            row.stages.gemm_us,
+            row.stages.combine_us,
+            row.hidden_share * 100.0,
             row.one_gpu_us
                 .map_or("above max_tokens".to_string(), |us| format!("{us:.1}")),
             row.crossed_gb_per_s
         )
     };
+    println!("{header}");
     let rows = match bench_expert_parallel(
         &session,
         &built,
@@ -330,7 +299,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         routing_name(args.routing)
     );
     let mut markdown = format!(
-        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel time is wall time per call over pipelined calls (host launches included); one-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events).\n\n{header}\n|---|---|---|---|\n",
+        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events).\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|\n",
         env!("MOEFORGE_COMMIT")
     );
     for row in &rows {

@@ -2,9 +2,11 @@
 
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use moeforge::compiler;
 use moeforge::compiler::plan::{self, Plan, Target};
+use moeforge::runtime::ep::EpLayer;
 use moeforge::runtime::gpu::Gpu;
 use moeforge::runtime::harness::{BuiltLayer, Session};
 use moeforge::runtime::toolkit;
@@ -49,6 +51,55 @@ impl TargetArgs {
 pub struct RankChoice {
     pub ranks: u32,
     pub virtual_ranks: bool,
+}
+
+impl RankChoice {
+    /// From `--ranks R` (virtual ranks on one GPU) or `--gpus G` (one rank per GPU); `None`
+    /// for one rank (every expert on one GPU).
+    pub fn from_flags(ranks: Option<u32>, gpus: Option<u32>) -> Option<Self> {
+        match (ranks, gpus) {
+            (Some(ranks), None) if ranks > 1 => Some(RankChoice {
+                ranks,
+                virtual_ranks: true,
+            }),
+            (None, Some(gpus)) if gpus > 1 => Some(RankChoice {
+                ranks: gpus,
+                virtual_ranks: false,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Where the ranks run, for messages.
+    pub fn placement(self, gpu: &str) -> String {
+        if self.virtual_ranks {
+            format!("{} virtual ranks on one {gpu}", self.ranks)
+        } else {
+            format!("{} x {gpu}", self.ranks)
+        }
+    }
+
+    /// Builds `built`'s expert-parallel layer over the chosen ranks: every rank on the
+    /// session's GPU, or rank r on GPU r.
+    pub fn build(self, session: &Session, built: &BuiltLayer) -> Result<EpLayer, ExitCode> {
+        let mut contexts = vec![Arc::clone(&session.gpu.ctx)];
+        for rank in 1..self.ranks as usize {
+            if self.virtual_ranks {
+                contexts.push(Arc::clone(&session.gpu.ctx));
+            } else {
+                contexts.push(Gpu::open_context(rank).map_err(|error| {
+                    eprintln!("error: --gpus {}: {error}", self.ranks);
+                    usage_error()
+                })?);
+            }
+        }
+        session
+            .build_expert_parallel(built, &contexts)
+            .map_err(|error| {
+                eprintln!("error: {error}");
+                invalid_input()
+            })
+    }
 }
 
 /// Checks `file` and plans its layers (only `layer` when given) for `target`, reporting
@@ -143,20 +194,19 @@ pub fn plan_one(file: &Path, layer: Option<&str>, target: &Target) -> Result<Pla
     Ok(plans.remove(0))
 }
 
-/// `--ranks`: only 1 is executable today; a multi-rank spec runs on one GPU, said aloud.
-pub fn check_ranks(plan: &Plan, ranks: Option<u32>) -> Result<(), ExitCode> {
-    match ranks {
-        Some(1) => Ok(()),
-        Some(other) => {
-            eprintln!(
-                "error: --ranks {other}: `run` executes every expert on one GPU (--ranks 1); expert parallelism runs in `bench --ranks R` (virtual ranks) or `bench --gpus G`"
-            );
+/// One rank (`--ranks 1`, `--gpus 1` or neither): a multi-rank spec runs every expert on
+/// one GPU, said aloud.
+pub fn note_one_rank(plan: &Plan, ranks: Option<u32>, gpus: Option<u32>) -> Result<(), ExitCode> {
+    match ranks.or(gpus) {
+        Some(0) => {
+            eprintln!("error: --ranks and --gpus count from 1");
             Err(usage_error())
         }
+        Some(_) => Ok(()),
         None => {
             if plan.shape.spec_ranks > 1 {
                 eprintln!(
-                    "note: the spec has {} expert-parallel ranks; running all {} experts on one GPU (pass --ranks 1 to say so)",
+                    "note: the spec has {} expert-parallel ranks; running all {} experts on one GPU (pass --ranks R for virtual ranks, --gpus G for G GPUs, or --ranks 1 to say so)",
                     plan.shape.spec_ranks, plan.shape.experts
                 );
             }

@@ -1,18 +1,22 @@
-//! `moeforge run FILE --tokens N [--check]`: compiles a layer and, when a GPU is present,
-//! runs it once on fresh random inputs (and with `--check` compares with the CPU
-//! reference). Without a GPU it stops after compiling and says so.
+//! `moeforge run FILE --tokens N [--check] [--ranks R | --gpus G]`: compiles a layer and,
+//! when a GPU is present, runs it once on fresh random inputs (and with `--check` compares
+//! with the CPU reference). With `--ranks R` (virtual ranks on one GPU) or `--gpus G` (one
+//! rank per GPU) the layer runs expert-parallel, every rank with its own N tokens. Without
+//! a GPU it stops after compiling and says so.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use moeforge::compiler::codegen;
 use moeforge::runtime::aot;
-use moeforge::runtime::harness::CHECKED_TOKENS;
+use moeforge::runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
 use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
 
-use super::planning::{TargetArgs, build_on_gpu, check_ranks, plan_one};
+use super::planning::{
+    RankChoice, TargetArgs, build_on_gpu, note_one_rank, plan_file_over, plan_one,
+};
 use super::{OK, invalid_input, usage_error};
 
 /// Run a layer on random inputs (fresh per run, seeded), optionally checked against the CPU reference.
@@ -38,9 +42,12 @@ pub struct Args {
     /// Seed of the random inputs; fresh each run when omitted.
     #[arg(long)]
     seed: Option<u64>,
-    /// Ranks to execute on; only 1 (all experts on one GPU) exists so far.
-    #[arg(long)]
+    /// Expert-parallel ranks as virtual ranks on one GPU (1: every expert on one GPU).
+    #[arg(long, conflicts_with = "gpus")]
     ranks: Option<u32>,
+    /// Expert-parallel ranks on this many GPUs, one rank each, driven by this process.
+    #[arg(long)]
+    gpus: Option<u32>,
     #[command(flatten)]
     target: TargetArgs,
 }
@@ -105,11 +112,34 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    let plan = match plan_one(&args.file, args.layer.as_deref(), &args.target.resolve()) {
-        Ok(plan) => plan,
-        Err(status) => return status,
+    let choice = RankChoice::from_flags(args.ranks, args.gpus);
+    let plan = match choice {
+        Some(choice) => {
+            match plan_file_over(
+                &args.file,
+                args.layer.as_deref(),
+                &args.target.resolve(),
+                Some(choice),
+            ) {
+                Ok(mut plans) if plans.len() == 1 => plans.remove(0),
+                Ok(_) => {
+                    eprintln!(
+                        "error: {} has several layers; pick one with --layer",
+                        args.file.display()
+                    );
+                    return usage_error();
+                }
+                Err(status) => return status,
+            }
+        }
+        None => match plan_one(&args.file, args.layer.as_deref(), &args.target.resolve()) {
+            Ok(plan) => plan,
+            Err(status) => return status,
+        },
     };
-    if let Err(status) = check_ranks(&plan, args.ranks) {
+    if choice.is_none()
+        && let Err(status) = note_one_rank(&plan, args.ranks, args.gpus)
+    {
         return status;
     }
     if args.tokens > plan.shape.max_tokens {
@@ -132,6 +162,9 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(built) => built,
         Err(status) => return status,
     };
+    if let Some(choice) = choice {
+        return run_expert_parallel(args, choice, &session, &built, seed);
+    }
     eprintln!(
         "compiled in {:.2} s{}; running T={} ({} regime, {} routing, seed {seed})",
         built.compile_seconds,
@@ -184,6 +217,71 @@ pub fn run(args: &Args) -> ExitCode {
                 eprintln!("error: {error}");
                 invalid_input()
             }
+        }
+    }
+}
+
+/// The expert-parallel call: every rank runs `--tokens` tokens of its own.
+fn run_expert_parallel(
+    args: &Args,
+    choice: RankChoice,
+    session: &Session,
+    built: &BuiltLayer,
+    seed: u64,
+) -> ExitCode {
+    let mut ep = match choice.build(session, built) {
+        Ok(ep) => ep,
+        Err(status) => return status,
+    };
+    let shape = built.layer.plan().shape.clone();
+    let workloads: Vec<Workload> = (0..choice.ranks)
+        .map(|r| {
+            Workload::random(
+                &shape,
+                args.tokens,
+                args.routing.into(),
+                seed ^ u64::from(r),
+            )
+        })
+        .collect();
+    eprintln!(
+        "running T={} per rank over {} ({} routing, seed {seed})",
+        args.tokens,
+        choice.placement(&session.gpu.name()),
+        routing_name(args.routing)
+    );
+    let sample = if args.check { args.sample } else { 0 };
+    let name = &built.layer.plan().layer;
+    match session.run_checked_expert_parallel(
+        built,
+        &mut ep,
+        &workloads,
+        sample,
+        seed.wrapping_add(1),
+    ) {
+        Ok(reports) if args.check => {
+            let mut passed = true;
+            for (r, report) in reports.iter().enumerate() {
+                passed &= report.passed();
+                println!(
+                    "{} rank {r} T={}: {report}: {}",
+                    name,
+                    report.tokens,
+                    if report.passed() { "PASS" } else { "FAIL" }
+                );
+            }
+            if passed { OK } else { invalid_input() }
+        }
+        Ok(_) => {
+            println!(
+                "{} T={} on each of {} ranks: ran (pass --check to compare with the CPU reference)",
+                name, args.tokens, choice.ranks
+            );
+            OK
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            invalid_input()
         }
     }
 }
