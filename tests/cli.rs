@@ -221,12 +221,26 @@ fn run_over_virtual_ranks_compiles_or_checks_every_rank() {
         assert!(!stdout.contains("FAIL"), "{stdout}");
     }
     assert_eq!(
-        moeforge(&["run", "dsl-examples/tiny.moe", "--tokens", "1", "--ranks", "0"])
-            .status
-            .code(),
+        moeforge(&[
+            "run",
+            "dsl-examples/tiny.moe",
+            "--tokens",
+            "1",
+            "--ranks",
+            "0"
+        ])
+        .status
+        .code(),
         Some(2)
     );
-    let uneven = moeforge(&["run", "dsl-examples/tiny.moe", "--tokens", "1", "--ranks", "3"]);
+    let uneven = moeforge(&[
+        "run",
+        "dsl-examples/tiny.moe",
+        "--tokens",
+        "1",
+        "--ranks",
+        "3",
+    ]);
     assert_eq!(uneven.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&uneven.stderr).contains("evenly"));
 }

@@ -749,6 +749,7 @@ constexpr int SLOTS = 16384;                     // token slots per source in re
 constexpr int SEGMENT_ROWS = 16384;       // rows per (local expert, source) in recv_*
 constexpr int CHUNK = 64;                     // tokens per dispatch chunk
 constexpr int CHUNKS = 256;                   // chunk flags per source
+constexpr int PIECE = 2;                      // tokens per dispatch work item (divides CHUNK)
 constexpr int COMM_THREADS = 512;
 constexpr int META_THREADS = 512;
 constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 256;
@@ -884,45 +885,56 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep_rou
     }
 }
 
-// Dispatch: work items are (destination in send order, chunk); block b takes items b,
-// b + gridDim.x, ... Each item copies up to CHUNK token rows into the destination's
-// segment of this rank in recv_x, then releases that chunk's flag there.
+// Dispatch: work items are pieces of PIECE tokens, (destination in send order, piece);
+// block b takes items b, b + gridDim.x, ... Each copies its token rows into this rank's
+// segment of the destination's recv_x and counts itself in its chunk; the copier of a
+// chunk's last piece releases that chunk's flag there (and puts the count back to zero
+// for the next call). Pieces let a call of a few chunks keep every block copying.
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep_dispatch(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     int rank,  // this rank
     u32 epoch,  // this call's epoch
     const int* __restrict__ send_slots,  // [RANKS, MAX_TOKENS]: token of each send slot
     const int* __restrict__ send_counts,  // [RANKS]: tokens sent to each rank
+    u32* __restrict__ chunk_pieces,  // [RANKS, CHUNKS]: pieces of each chunk copied
     const u64* __restrict__ peer_table  // [RANKS, PEER_BUFFERS]: peers' addresses
 )
 {
-    constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte pieces per row
+    constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte vectors per row
     int item = blockIdx.x;
     int items_before = 0;
     for (int step = 0; step < RANKS; ++step) {
         const int destination = SEND_ORDER[rank][step];
         const int sent = send_counts[destination];
-        const int chunks = (sent + CHUNK - 1) / CHUNK;
+        const int pieces = (sent + PIECE - 1) / PIECE;
         bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
         u32* chunk_flags = peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
+        u32* pieces_done = chunk_pieces + destination * CHUNKS;
         const int* slot_token = send_slots + destination * MAX_TOKENS;
-        for (; item < items_before + chunks; item += gridDim.x) {
-            const int chunk = item - items_before;
-            const int first = chunk * CHUNK;
-            const unsigned rows = min(CHUNK, sent - first);
+        for (; item < items_before + pieces; item += gridDim.x) {
+            const int piece = item - items_before;
+            const int first = piece * PIECE;
+            const unsigned rows = min(PIECE, sent - first);
             for (unsigned i = threadIdx.x; i < rows * VECTORS; i += COMM_THREADS) {
-                const unsigned row = i / VECTORS, piece = i % VECTORS;
+                const unsigned row = i / VECTORS, vector = i % VECTORS;
                 const int token = slot_token[first + row];
-                const Vec16 value = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[piece];
-                reinterpret_cast<Vec16*>(recv_x + (size_t)(first + row) * HIDDEN)[piece] = value;
+                const Vec16 value = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[vector];
+                reinterpret_cast<Vec16*>(recv_x + (size_t)(first + row) * HIDDEN)[vector] = value;
             }
-            __syncthreads();  // the whole chunk is written before its release
+            __syncthreads();  // the whole piece is written before it is counted
             if (threadIdx.x == 0) {
+                const int chunk = first / CHUNK;
+                const int chunk_rows = min(CHUNK, sent - chunk * CHUNK);
+                const u32 chunk_piece_count = (chunk_rows + PIECE - 1) / PIECE;
                 fence_flags();
-                flag_store(chunk_flags + chunk, epoch);
+                if (atomicAdd(pieces_done + chunk, 1u) == chunk_piece_count - 1) {
+                    pieces_done[chunk] = 0;
+                    fence_flags();  // every piece's rows (ordered by its copier's fence) first
+                    flag_store(chunk_flags + chunk, epoch);
+                }
             }
         }
-        items_before += chunks;
+        items_before += pieces;
     }
 }
 

@@ -272,8 +272,12 @@ pub struct ExpertParallelRow {
     /// The same tokens of every rank (R · T) on one GPU with every expert, moeforge's
     /// single-GPU kernels (CUDA events); `None` above max_tokens.
     pub one_gpu_us: Option<f64>,
-    /// Token rows that crossed to another rank, per second (bytes of rows, not of pairs).
+    /// Token rows that crossed to another rank, per second of the whole call (bytes of
+    /// rows, not of pairs).
     pub crossed_gb_per_s: f64,
+    /// The same bytes per second of the bulk-synchronous dispatch stage alone: the link
+    /// bandwidth the dispatch reached (metadata included in its time).
+    pub dispatch_gb_per_s: f64,
     /// The busiest rank's roofline floor: its pairs' GEMM work at peak bf16 rate or its
     /// hit experts' weights (and its rows) at HBM rate, whichever is slower.
     pub floor_us: f64,
@@ -388,8 +392,9 @@ pub fn bench_expert_parallel(
                     .sum::<u64>()
             })
             .sum();
-        let crossed_gb_per_s =
-            crossed as f64 * f64::from(shape.hidden) * 2.0 / (expert_parallel_us * 1e-6) / 1e9;
+        let crossed_bytes = crossed as f64 * f64::from(shape.hidden) * 2.0;
+        let crossed_gb_per_s = crossed_bytes / (expert_parallel_us * 1e-6) / 1e9;
+        let dispatch_gb_per_s = crossed_bytes / (stages.dispatch_us * 1e-6) / 1e9;
 
         let together = tokens * ranks;
         let one_gpu_us = if together <= shape.max_tokens {
@@ -407,6 +412,7 @@ pub fn bench_expert_parallel(
             expert_parallel_us,
             one_gpu_us,
             crossed_gb_per_s,
+            dispatch_gb_per_s,
             floor_us: busiest_rank_floor_us(&shape, &workloads, ranks, &built.layer.plan().target),
             bulk_synchronous_us,
             stages,

@@ -255,10 +255,10 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         routing_name(args.routing),
         args.iterations
     );
-    let header = "| T per rank | expert-parallel us | floor us | bulk-synchronous us | dispatch us | GEMMs us | combine us | hidden | same tokens on one GPU us | rows crossing GB/s |";
+    let header = "| T per rank | expert-parallel us | floor us | bulk-synchronous us | dispatch us | GEMMs us | combine us | hidden | same tokens on one GPU us | dispatch GB/s |";
     let format_row = |row: &ExpertParallelRow| {
         format!(
-            "| {:>10} | {:>18.1} | {:>8.1} | {:>19.1} | {:>11.1} | {:>8.1} | {:>10.1} | {:>5.0}% | {:>25} | {:>18.1} |",
+            "| {:>10} | {:>18.1} | {:>8.1} | {:>19.1} | {:>11.1} | {:>8.1} | {:>10.1} | {:>5.0}% | {:>25} | {:>13.1} |",
             row.tokens_per_rank,
             row.expert_parallel_us,
             row.floor_us,
@@ -269,7 +269,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
             row.hidden_share * 100.0,
             row.one_gpu_us
                 .map_or("above max_tokens".to_string(), |us| format!("{us:.1}")),
-            row.crossed_gb_per_s
+            row.dispatch_gb_per_s
         )
     };
     println!("{header}");
@@ -299,7 +299,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         routing_name(args.routing)
     );
     let mut markdown = format!(
-        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events).\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = bytes of the token rows that cross to another rank (summed over ranks, once per destination rank) over the dispatch stage's time.\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|\n",
         env!("MOEFORGE_COMMIT")
     );
     for row in &rows {

@@ -141,6 +141,7 @@ const EP_DISPATCH_USES: &[&str] = &[
     "epoch",
     "send_slots",
     "send_counts",
+    "chunk_pieces",
     "peer_table",
 ];
 const EP_ARRANGE_USES: &[&str] = &[
@@ -218,6 +219,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::RecvCounts => "[RANKS, LOCAL_EXPERTS + 1], written by peers",
             BufferId::MetaFlags => "[RANKS], written by peers",
             BufferId::ChunkFlags => "[RANKS, CHUNKS], written by peers",
+            BufferId::ChunkPieces => "[RANKS, CHUNKS]: pieces of each chunk copied",
             BufferId::RowOrigins => "[rows]: rank each row came from",
             BufferId::SegmentRows | BufferId::SegmentPairs | BufferId::SegmentWeights => "[rows]",
             BufferId::CombineCounters => "[MAX_TOKENS], written by peers",
@@ -505,6 +507,7 @@ struct EpUnit {
     segment_rows: u32,
     chunk: u32,
     chunks: u32,
+    piece: u32,
     comm_threads: u32,
     meta_threads: u32,
     peer_buffers: Vec<PeerBufferUnit>,
@@ -540,6 +543,7 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
         segment_rows: ep.rows_per_segment,
         chunk: ep.dispatch_chunk,
         chunks: ep.chunks_per_source,
+        piece: ep.dispatch_piece,
         comm_threads: COMM_THREADS,
         meta_threads: META_THREADS,
         peer_buffers: ep

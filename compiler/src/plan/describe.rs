@@ -106,10 +106,11 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
     );
     let _ = writeln!(
         out,
-        "    dispatch chunk     {} tokens ({} B): {}",
+        "    dispatch chunk     {} tokens ({} B): {}; copied {} tokens per work item, so that small calls use every communication block",
         ep.dispatch_chunk,
         u64::from(ep.dispatch_chunk) * u64::from(hidden) * 2,
-        ep.chunk_reason
+        ep.chunk_reason,
+        ep.dispatch_piece
     );
     let _ = writeln!(
         out,

@@ -63,10 +63,13 @@ pub struct ExpertParallelPlan {
     pub placement: Placement,
     pub experts_per_rank: u32,
     pub scope: FlagScope,
-    /// Tokens per dispatch chunk.
+    /// Tokens per dispatch chunk: the unit a flag releases and a GEMM tile waits for.
     pub dispatch_chunk: u32,
     /// Why this chunk size.
     pub chunk_reason: String,
+    /// Tokens per dispatch work item: a power of two dividing the chunk, so that a few
+    /// chunks (small calls) still spread over every communication block.
+    pub dispatch_piece: u32,
     /// Token slots a rank keeps per source: a source may send every one of its
     /// `max_tokens` tokens to one destination, each once.
     pub slots_per_source: u32,
@@ -122,9 +125,10 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 5] = [
+pub const EXCHANGE_STATE: [BufferId; 6] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
+    BufferId::ChunkPieces,
     BufferId::CombineCounters,
     BufferId::Credits,
     BufferId::ErrorWord,
@@ -153,6 +157,10 @@ const COMBINE_BLOCKS_PER_SM: u32 = 4;
 /// SM-driven stores through NVLink measured on the two-H200 machine (2026-11-29): blocks
 /// of 512 threads storing 16 bytes each, against GB/s one way.
 const MEASURED_STORE_RATES: [(u32, f64); 3] = [(16, 323.0), (66, 345.0), (132, 365.0)];
+/// A dispatch work item copies about this many bytes: enough that its count and release
+/// (an atomic and a fence) cost little beside the copy, few enough that a 128-token call
+/// of a 7168-wide layer still has a piece for each of 24 blocks.
+const PIECE_BYTES: u64 = 32 * 1024;
 /// Communication blocks are the fewest that reach this share of the best measured rate.
 const COMM_RATE_SHARE: f64 = 0.85;
 /// Threads of a communication block.
@@ -208,6 +216,7 @@ pub fn plan_expert_parallel(
             )
         }
     };
+    let dispatch_piece = dispatch_piece(dispatch_chunk, u64::from(layer.hidden) * 2);
     let sms_per_rank = match placement {
         Placement::Virtual => target.sm_count / ranks,
         Placement::Devices => target.sm_count,
@@ -324,6 +333,7 @@ pub fn plan_expert_parallel(
         scope,
         dispatch_chunk,
         chunk_reason,
+        dispatch_piece,
         slots_per_source: max_tokens,
         chunks_per_source,
         rows_per_segment: max_tokens,
@@ -412,6 +422,11 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             "per source chunk: epoch it arrived in",
         ),
         buffer(
+            BufferId::ChunkPieces,
+            r * u64::from(sizes.chunks),
+            "per destination chunk: pieces copied in this call",
+        ),
+        buffer(
             BufferId::ExpertOffsets,
             local + 1,
             "first GEMM row of each local expert",
@@ -467,6 +482,16 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             "first kernel-side error of the call: code and details",
         ),
     ]
+}
+
+/// The largest power of two of rows, at most the chunk (itself a power of two or not),
+/// dividing it, whose bytes stay within [`PIECE_BYTES`]; at least one row.
+fn dispatch_piece(chunk: u32, row_bytes: u64) -> u32 {
+    let mut piece = 1;
+    while chunk.is_multiple_of(piece * 2) && u64::from(piece * 2) * row_bytes <= PIECE_BYTES {
+        piece *= 2;
+    }
+    piece
 }
 
 /// Blocks of a compute kernel that fits `per_sm` blocks on an SM. On a rank's own GPU, the
@@ -564,6 +589,7 @@ fn launch_table(
                 read(Epoch),
                 read(Workspace(SendSlots)),
                 read(Workspace(SendCounts)),
+                write(Workspace(ChunkPieces)),
                 read(Workspace(PeerTable)),
             ],
         ),

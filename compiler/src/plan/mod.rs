@@ -170,6 +170,9 @@ pub enum BufferId {
     MetaFlags,
     /// u32 [R · chunks per source], by peers: per source chunk, the epoch it arrived in.
     ChunkFlags,
+    /// u32 [R · chunks per source]: per destination chunk, the pieces of it copied so far
+    /// in this call (the last copier releases the chunk and puts the count back to zero).
+    ChunkPieces,
     /// i32 [rows]: per GEMM row, the rank its pair came from (where its result goes).
     RowOrigins,
     /// i32 [rows]: per GEMM row, its row of `recv_x` (`source · slots + slot`).
@@ -206,6 +209,7 @@ impl BufferId {
             BufferId::RecvWeight | BufferId::SegmentWeights => ElemType::F32,
             BufferId::MetaFlags
             | BufferId::ChunkFlags
+            | BufferId::ChunkPieces
             | BufferId::CombineCounters
             | BufferId::Credits => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
@@ -228,6 +232,7 @@ impl BufferId {
             BufferId::RecvCounts => "recv_counts",
             BufferId::MetaFlags => "meta_flags",
             BufferId::ChunkFlags => "chunk_flags",
+            BufferId::ChunkPieces => "chunk_pieces",
             BufferId::RowOrigins => "row_origins",
             BufferId::SegmentRows => "segment_rows",
             BufferId::SegmentPairs => "segment_pairs",

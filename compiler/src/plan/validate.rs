@@ -157,6 +157,12 @@ impl Plan {
         {
             return Err("the receive capacities do not hold max_tokens per source".into());
         }
+        if ep.dispatch_piece == 0 || !ep.dispatch_chunk.is_multiple_of(ep.dispatch_piece) {
+            return Err(format!(
+                "a dispatch piece of {} tokens does not divide the chunk of {}",
+                ep.dispatch_piece, ep.dispatch_chunk
+            ));
+        }
         let worst_rows = u64::from(ranks)
             * u64::from(shape.max_tokens)
             * u64::from(shape.top_k.min(ep.experts_per_rank));
