@@ -18,7 +18,8 @@ constexpr int SLOTS = {{ ep.slots }};                     // token slots per sou
 constexpr int SEGMENT_ROWS = {{ ep.segment_rows }};       // rows per (local expert, source) in recv_*
 constexpr int CHUNK = {{ ep.chunk }};                     // tokens per dispatch chunk
 constexpr int CHUNKS = {{ ep.chunks }};                   // chunk flags per source
-constexpr int PIECE = {{ ep.piece }};                      // tokens per dispatch work item (divides CHUNK)
+constexpr int MIN_PIECE = {{ ep.piece }};                  // fewest tokens per dispatch work item (divides CHUNK)
+constexpr int COPY_UNROLL = 4;                            // 16-byte loads in flight per thread while copying
 constexpr int COMM_THREADS = {{ ep.comm_threads }};
 constexpr int META_THREADS = {{ ep.meta_threads }};
 constexpr int EP_ROUTE_STATIC_SMEM_BYTES = {{ ep.route.static_smem }};
@@ -138,41 +139,64 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
     }
 }
 
-// Dispatch: work items are pieces of PIECE tokens, (destination in send order, piece);
-// block b takes items b, b + gridDim.x, ... Each copies its token rows into this rank's
-// segment of the destination's recv_x and counts itself in its chunk; the copier of a
-// chunk's last piece releases that chunk's flag there (and puts the count back to zero
-// for the next call). Pieces let a call of a few chunks keep every block copying.
+// Dispatch: work items are pieces of a chunk, (destination in send order, piece); block b
+// takes items b, b + gridDim.x, ... Each copies its token rows into this rank's segment
+// of the destination's recv_x and counts itself in its chunk; the copier of a chunk's last
+// piece releases that chunk's flag there (and puts the count back to zero for the next
+// call). A piece is a whole chunk when the call has a chunk for every block; a call of
+// fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
+// piece costs a fence that waits for its stores to land, so pieces stay as large as that
+// allows.
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }}(
     {{ ep.dispatch.params }}
 )
 {
     constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte vectors per row
+    int chunks_in_call = 0;
+    for (int destination = 0; destination < RANKS; ++destination) {
+        chunks_in_call += (send_counts[destination] + CHUNK - 1) / CHUNK;
+    }
+    int piece_tokens = CHUNK;
+    while ((piece_tokens / MIN_PIECE) % 2 == 0 && chunks_in_call * (CHUNK / piece_tokens) < (int)gridDim.x) {
+        piece_tokens /= 2;
+    }
     int item = blockIdx.x;
     int items_before = 0;
     for (int step = 0; step < RANKS; ++step) {
         const int destination = SEND_ORDER[rank][step];
         const int sent = send_counts[destination];
-        const int pieces = (sent + PIECE - 1) / PIECE;
+        const int pieces = (sent + piece_tokens - 1) / piece_tokens;
         bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
         u32* chunk_flags = peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
         u32* pieces_done = chunk_pieces + destination * CHUNKS;
         const int* slot_token = send_slots + destination * MAX_TOKENS;
         for (; item < items_before + pieces; item += gridDim.x) {
             const int piece = item - items_before;
-            const int first = piece * PIECE;
-            const unsigned rows = min(PIECE, sent - first);
-            for (unsigned i = threadIdx.x; i < rows * VECTORS; i += COMM_THREADS) {
-                const unsigned row = i / VECTORS, vector = i % VECTORS;
-                const int token = slot_token[first + row];
-                const Vec16 value = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[vector];
-                reinterpret_cast<Vec16*>(recv_x + (size_t)(first + row) * HIDDEN)[vector] = value;
+            const int first = piece * piece_tokens;
+            const unsigned vectors = min(piece_tokens, sent - first) * VECTORS;
+            for (unsigned base = threadIdx.x; base < vectors; base += COMM_THREADS * COPY_UNROLL) {
+                Vec16 value[COPY_UNROLL];
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; ++u) {
+                    const unsigned i = base + u * COMM_THREADS;
+                    if (i < vectors) {
+                        const int token = slot_token[first + i / VECTORS];
+                        value[u] = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; ++u) {
+                    const unsigned i = base + u * COMM_THREADS;
+                    if (i < vectors) {
+                        reinterpret_cast<Vec16*>(recv_x + (size_t)(first + i / VECTORS) * HIDDEN)[i % VECTORS] = value[u];
+                    }
+                }
             }
             __syncthreads();  // the whole piece is written before it is counted
             if (threadIdx.x == 0) {
                 const int chunk = first / CHUNK;
                 const int chunk_rows = min(CHUNK, sent - chunk * CHUNK);
-                const u32 chunk_piece_count = (chunk_rows + PIECE - 1) / PIECE;
+                const u32 chunk_piece_count = (chunk_rows + piece_tokens - 1) / piece_tokens;
                 fence_flags();
                 if (atomicAdd(pieces_done + chunk, 1u) == chunk_piece_count - 1) {
                     pieces_done[chunk] = 0;

@@ -275,8 +275,9 @@ pub struct ExpertParallelRow {
     /// Token rows that crossed to another rank, per second of the whole call (bytes of
     /// rows, not of pairs).
     pub crossed_gb_per_s: f64,
-    /// The same bytes per second of the bulk-synchronous dispatch stage alone: the link
-    /// bandwidth the dispatch reached (metadata included in its time).
+    /// The busiest sender's row bytes to other ranks over the bulk-synchronous dispatch
+    /// stage's time: the rate one rank's dispatch reached (one way; metadata and the
+    /// stage's barrier included in its time).
     pub dispatch_gb_per_s: f64,
     /// The busiest rank's roofline floor: its pairs' GEMM work at peak bf16 rate or its
     /// hit experts' weights (and its rows) at HBM rate, whichever is slower.
@@ -374,7 +375,7 @@ pub fn bench_expert_parallel(
 
         // Rows that leave their rank: tokens with an expert on another rank, once per rank.
         let k = shape.top_k as usize;
-        let crossed: u64 = workloads
+        let sent_per_rank: Vec<u64> = workloads
             .iter()
             .enumerate()
             .map(|(r, w)| {
@@ -391,10 +392,12 @@ pub fn bench_expert_parallel(
                     })
                     .sum::<u64>()
             })
-            .sum();
-        let crossed_bytes = crossed as f64 * f64::from(shape.hidden) * 2.0;
+            .collect();
+        let row_bytes = f64::from(shape.hidden) * 2.0;
+        let crossed_bytes = sent_per_rank.iter().sum::<u64>() as f64 * row_bytes;
         let crossed_gb_per_s = crossed_bytes / (expert_parallel_us * 1e-6) / 1e9;
-        let dispatch_gb_per_s = crossed_bytes / (stages.dispatch_us * 1e-6) / 1e9;
+        let busiest_sender = sent_per_rank.iter().copied().max().unwrap_or(0) as f64 * row_bytes;
+        let dispatch_gb_per_s = busiest_sender / (stages.dispatch_us * 1e-6) / 1e9;
 
         let together = tokens * ranks;
         let one_gpu_us = if together <= shape.max_tokens {

@@ -106,7 +106,7 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
     );
     let _ = writeln!(
         out,
-        "    dispatch chunk     {} tokens ({} B): {}; copied {} tokens per work item, so that small calls use every communication block",
+        "    dispatch chunk     {} tokens ({} B): {}; a call with fewer chunks than communication blocks copies them in pieces of down to {} tokens",
         ep.dispatch_chunk,
         u64::from(ep.dispatch_chunk) * u64::from(hidden) * 2,
         ep.chunk_reason,

@@ -67,8 +67,9 @@ pub struct ExpertParallelPlan {
     pub dispatch_chunk: u32,
     /// Why this chunk size.
     pub chunk_reason: String,
-    /// Tokens per dispatch work item: a power of two dividing the chunk, so that a few
-    /// chunks (small calls) still spread over every communication block.
+    /// The fewest tokens a dispatch work item copies: a power of two dividing the chunk. A
+    /// call with fewer chunks than communication blocks splits its chunks into pieces (down
+    /// to this) so that every block copies; larger calls copy whole chunks.
     pub dispatch_piece: u32,
     /// Token slots a rank keeps per source: a source may send every one of its
     /// `max_tokens` tokens to one destination, each once.
@@ -157,9 +158,11 @@ const COMBINE_BLOCKS_PER_SM: u32 = 4;
 /// SM-driven stores through NVLink measured on the two-H200 machine (2026-11-29): blocks
 /// of 512 threads storing 16 bytes each, against GB/s one way.
 const MEASURED_STORE_RATES: [(u32, f64); 3] = [(16, 323.0), (66, 345.0), (132, 365.0)];
-/// A dispatch work item copies about this many bytes: enough that its count and release
-/// (an atomic and a fence) cost little beside the copy, few enough that a 128-token call
-/// of a 7168-wide layer still has a piece for each of 24 blocks.
+/// The smallest dispatch work item copies about this many bytes: few enough that a
+/// 128-token call of a 7168-wide layer has a piece for each of 24 blocks. (Every piece
+/// ends with a fence that waits for its stores to land across the link: measured
+/// 2026-11-30, copying whole 64-token chunks as 2-token pieces halved the dispatch rate
+/// at T = 4096, so only calls with too few chunks are split.)
 const PIECE_BYTES: u64 = 32 * 1024;
 /// Communication blocks are the fewest that reach this share of the best measured rate.
 const COMM_RATE_SHARE: f64 = 0.85;
