@@ -19,10 +19,13 @@
 //! order once per routing ([`NcclPipeline::set_routing`]); [`NcclPipeline::forward`] then
 //! enqueues a call with no host synchronisation. A real pipeline computes that layout on
 //! the device and exchanges the counts first, one more all-to-all and a host
-//! synchronisation per call (as `benches/ep_torch_baseline.py` does), so this baseline's
-//! times are a lower bound for such a pipeline. A token bound for two experts of one rank
-//! crosses the link twice (one row per pair). It runs on real GPUs only: NCCL puts one rank
+//! synchronisation per call (as `benches/ep_torch_baseline.py` does): this baseline leaves
+//! those costs out, which favours it. A token bound for two experts of one rank crosses
+//! the link twice (one row per pair). It runs on real GPUs only: NCCL puts one rank
 //! per device, so virtual ranks are not supported.
+//!
+//! Timing ([`NcclPipeline::time`]): the whole call or one phase alone, with CUDA events on
+//! rank 0 between cross-rank event barriers, so a time is the slowest rank's.
 //!
 //! NVLink multicast must stay off on the project's machines: [`NcclPipeline::new`] refuses
 //! to create communicators unless `NCCL_NVLS_ENABLE=0` is set.
@@ -31,7 +34,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{Comm, group_end, group_start};
@@ -179,7 +183,7 @@ impl DispatchLayout {
     /// `experts` experts split evenly over `topk_ids.len()` ranks.
     pub fn new(topk_ids: &[&[i32]], experts: u32, top_k: u32) -> Result<Self, NcclPipelineError> {
         let ranks = topk_ids.len();
-        if ranks == 0 || experts as usize % ranks != 0 {
+        if ranks == 0 || !(experts as usize).is_multiple_of(ranks) {
             return Err(NcclPipelineError::ExpertsNotDivisible { experts, ranks });
         }
         let per_rank = experts as usize / ranks;
@@ -398,7 +402,7 @@ impl NcclPipeline {
         let full = built.layer.plan();
         let shape = &full.shape;
         let ranks = contexts.len();
-        if ranks == 0 || shape.experts as usize % ranks != 0 {
+        if ranks == 0 || !(shape.experts as usize).is_multiple_of(ranks) {
             return Err(NcclPipelineError::ExpertsNotDivisible {
                 experts: shape.experts,
                 ranks,
@@ -543,16 +547,22 @@ impl NcclPipeline {
             });
         }
         let layout = DispatchLayout::new(topk_ids, self.experts, self.top_k)?;
+        if let Some((rank, &tokens)) = layout
+            .tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t > self.max_tokens as usize)
+        {
+            return Err(NcclPipelineError::TooManyTokens {
+                rank,
+                tokens: tokens as u32,
+                max: self.max_tokens,
+            });
+        }
+        // No layout holds while the device copies change: a failed upload leaves none.
+        self.layout = None;
         for (r, rank) in self.ranks.iter_mut().enumerate() {
-            let tokens = layout.tokens(r);
-            if tokens > self.max_tokens as usize {
-                return Err(NcclPipelineError::TooManyTokens {
-                    rank: r,
-                    tokens: tokens as u32,
-                    max: self.max_tokens,
-                });
-            }
-            if tokens > 0 {
+            if layout.tokens(r) > 0 {
                 let stream = &rank.stream;
                 stream
                     .memcpy_htod(&layout.send_pairs[r], &mut rank.send_pairs)
@@ -641,6 +651,7 @@ impl NcclPipeline {
         phase: Phase,
         args: &mut [ForwardArgs<'_>],
     ) -> Result<(), NcclPipelineError> {
+        // Taken out while the phases borrow `self` mutably, and put back after.
         let layout = self.layout.take().ok_or(NcclPipelineError::NoRouting)?;
         let enqueued = self.check_args(&layout, args).and_then(|()| {
             if matches!(phase, Phase::Call | Phase::Dispatch) {
@@ -731,8 +742,8 @@ impl NcclPipeline {
                     let p = peer as i32;
                     let context = || format!("dispatching from rank {r} to rank {peer}");
                     if !out.is_empty() {
-                        comm.send(&bf16_rows(&rank.send_x, out.clone(), hidden), p)
-                            .map_err(nccl(context()))?;
+                        let rows = rank.send_x.slice(out.start * hidden..out.end * hidden);
+                        comm.send(&as_bytes(rows), p).map_err(nccl(context()))?;
                         comm.send(&rank.send_ids.slice(out.clone()), p)
                             .map_err(nccl(context()))?;
                         comm.send(&rank.send_weights.slice(out), p)
@@ -789,10 +800,12 @@ impl NcclPipeline {
                         ..layout.send_offset(r, peer) + layout.count(r, peer);
                     let p = peer as i32;
                     if !back.is_empty() {
-                        comm.send(&bf16_rows(&rank.expert_out, back, hidden), p)
-                            .map_err(nccl(format!(
-                                "returning rows from rank {r} to rank {peer}"
-                            )))?;
+                        let rows = rank
+                            .expert_out
+                            .slice(back.start * hidden..back.end * hidden);
+                        comm.send(&as_bytes(rows), p).map_err(nccl(format!(
+                            "returning rows from rank {r} to rank {peer}"
+                        )))?;
                     }
                     if !home.is_empty() {
                         let mut rows = rank
@@ -845,25 +858,19 @@ fn grouped(
     issued.and(ended)
 }
 
-/// Rows `rows` of a bf16 [_, hidden] buffer, as bytes: NCCL moves bytes, and cudarc's
-/// safe API has no bf16 type over `u16`.
-fn bf16_rows(
-    buffer: &CudaSlice<u16>,
-    rows: std::ops::Range<usize>,
-    hidden: usize,
-) -> cudarc::driver::CudaView<'_, u8> {
-    let bytes = rows.len() * hidden * BF16_BYTES;
-    let view = buffer.slice(rows.start * hidden..rows.end * hidden);
-    // SAFETY: any bytes are valid u8s; the view covers exactly these rows.
-    unsafe { view.transmute::<u8>(bytes) }.expect("bf16 rows are whole bytes")
+/// A bf16 view as bytes: NCCL only moves the bytes, and cudarc's safe API has no bf16
+/// type over `u16`.
+fn as_bytes(rows: CudaView<'_, u16>) -> CudaView<'_, u8> {
+    let bytes = rows.len() * BF16_BYTES;
+    // SAFETY: any bytes are valid u8s; the byte view covers exactly the same memory.
+    unsafe { rows.transmute::<u8>(bytes) }.expect("bf16 rows are whole bytes")
 }
 
-/// A bf16 view as bytes, to receive into.
-fn as_bytes_mut<'a>(
-    rows: &'a mut cudarc::driver::CudaViewMut<'_, u16>,
-) -> cudarc::driver::CudaViewMut<'a, u8> {
+/// A bf16 view as bytes, to receive into (see [`as_bytes`]).
+fn as_bytes_mut<'a>(rows: &'a mut CudaViewMut<'_, u16>) -> CudaViewMut<'a, u8> {
     let bytes = rows.len() * BF16_BYTES;
-    // SAFETY: any bytes are valid bf16 bit patterns; the view covers exactly these rows.
+    // SAFETY: any bytes are valid bf16 bit patterns; the byte view covers exactly the same
+    // memory.
     unsafe { rows.transmute_mut::<u8>(bytes) }.expect("bf16 rows are whole bytes")
 }
 
@@ -936,7 +943,7 @@ mod tests {
                 assert_eq!(layout.received(dst), total);
             }
             let all: usize = (0..4).map(|dst| layout.received(dst)).sum();
-            assert_eq!(all, (0 + 1 + 77 + 300) * 4);
+            assert_eq!(all, (1 + 77 + 300) * 4, "every pair of every rank");
         }
     }
 
@@ -1021,6 +1028,17 @@ mod tests {
                 virtual_ranks: None,
             },
             schedule: ir::ScheduleHints::default(),
+        }
+    }
+
+    #[test]
+    fn missing_nccl_is_a_typed_error_not_a_panic() {
+        match nccl_available() {
+            Ok(()) => {}
+            Err(error @ NcclPipelineError::NoNccl { .. }) => {
+                assert!(error.to_string().contains("LD_LIBRARY_PATH"), "{error}")
+            }
+            Err(other) => panic!("unexpected error: {other}"),
         }
     }
 
