@@ -7,13 +7,13 @@
 use std::io::Write;
 
 use moeforge_compiler::ir::{Activation, Layer};
-use moeforge_compiler::plan;
+use moeforge_compiler::plan::{self, LayerShape};
 use moeforge_runtime::gpu::Gpu;
 use moeforge_runtime::harness::{
     BuiltLayer, CHECKED_TOKENS, DeviceWorkload, Session, upload_poisoned,
 };
 use moeforge_runtime::layer::ForwardArgs;
-use moeforge_runtime::nccl_pipeline::{NcclPipeline, Phase, nccl_available};
+use moeforge_runtime::nccl_pipeline::{NcclPipeline, NcclPipelineError, Phase, nccl_available};
 use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
@@ -107,6 +107,40 @@ fn check_call(
     }
 }
 
+/// A call before any routing, and a call whose token counts differ from the routing's, are
+/// typed errors raised before anything is enqueued.
+fn refuses_unrouted_calls(pipeline: &mut NcclPipeline, shape: &LayerShape) {
+    let workloads: Vec<Workload> = (0..RANKS as u64)
+        .map(|r| Workload::random(shape, 2, Routing::Uniform, r))
+        .collect();
+    let mut inputs: Vec<DeviceWorkload> = workloads
+        .iter()
+        .enumerate()
+        .map(|(r, w)| upload_poisoned(pipeline.stream(r), shape, w))
+        .collect::<Result<_, _>>()
+        .expect("upload");
+    let mut args: Vec<ForwardArgs<'_>> = inputs.iter_mut().map(DeviceWorkload::args).collect();
+    let error = pipeline.forward(&mut args).expect_err("no routing yet");
+    assert!(matches!(error, NcclPipelineError::NoRouting), "{error}");
+    let one_token = &workloads[0].topk_ids[..shape.top_k as usize];
+    pipeline.set_routing(&[one_token; RANKS]).expect("routing");
+    let error = pipeline
+        .forward(&mut args)
+        .expect_err("2 tokens routed as 1");
+    assert!(
+        matches!(
+            error,
+            NcclPipelineError::RoutingMismatch {
+                rank: 0,
+                given: 2,
+                routed: 1
+            }
+        ),
+        "{error}"
+    );
+    say(format!("refused: {error}"));
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn two_gpus_match_reference() {
@@ -149,6 +183,7 @@ fn two_gpus_match_reference() {
         let mut pipeline =
             NcclPipeline::new(&session, &built, &contexts).expect("the NCCL pipeline");
         let shape = built.layer.plan().shape.clone();
+        refuses_unrouted_calls(&mut pipeline, &shape);
         for counts in token_counts(shape.max_tokens) {
             for routing in [Routing::Uniform, Routing::Skewed] {
                 let workloads: Vec<Workload> = counts
