@@ -10,6 +10,7 @@ pub mod gpu;
 pub mod harness;
 pub mod jit;
 pub mod layer;
+pub mod nccl_pipeline;
 pub mod reference;
 pub mod toolkit;
 pub mod workload;
