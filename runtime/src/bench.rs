@@ -12,6 +12,7 @@ use crate::ep::{EpLayer, StageMarks, StageTimes};
 use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
 use crate::layer::ForwardArgs;
+use crate::nccl_pipeline::{NcclPipeline, NcclPipelineError, Phase};
 use crate::reference;
 use crate::workload::{Routing, Workload};
 
@@ -117,6 +118,14 @@ pub enum BenchError {
     Baseline(#[from] BaselineError),
     #[error(transparent)]
     Gpu(#[from] GpuError),
+    #[error("the NCCL pipeline (baseline b): {0}")]
+    NcclPipeline(Box<NcclPipelineError>),
+}
+
+impl From<NcclPipelineError> for BenchError {
+    fn from(e: NcclPipelineError) -> Self {
+        BenchError::NcclPipeline(Box::new(e))
+    }
 }
 
 impl From<crate::layer::LayerError> for BenchError {
@@ -210,6 +219,42 @@ pub fn bench_layer(
     Ok((rows, baseline.err()))
 }
 
+/// Baseline (b) on the same inputs: wall time per call over pipelined calls, and its
+/// phases alone (medians of event-timed runs).
+fn time_nccl_pipeline(
+    pipeline: &mut NcclPipeline,
+    workloads: &[Workload],
+    inputs: &mut [DeviceWorkload],
+    iterations: usize,
+) -> Result<(f64, StageTimes), BenchError> {
+    let ids: Vec<&[i32]> = workloads.iter().map(|w| w.topk_ids.as_slice()).collect();
+    pipeline.set_routing(&ids)?;
+    let mut args: Vec<ForwardArgs<'_>> = inputs.iter_mut().map(DeviceWorkload::args).collect();
+    for _ in 0..WARMUP_CALLS {
+        pipeline.forward(&mut args)?;
+    }
+    pipeline.synchronize()?;
+    pipeline.take_error()?;
+    let started = std::time::Instant::now();
+    for _ in 0..iterations {
+        pipeline.forward(&mut args)?;
+    }
+    pipeline.synchronize()?;
+    let call_us = started.elapsed().as_secs_f64() * 1e6 / iterations as f64;
+    let mut median_us = |phase| -> Result<f64, BenchError> {
+        let mut seconds = pipeline.time(phase, &mut args, MARKED_CALLS)?;
+        seconds.sort_by(f64::total_cmp);
+        Ok(seconds[seconds.len() / 2] * 1e6)
+    };
+    let stages = StageTimes {
+        dispatch_us: median_us(Phase::Dispatch)?,
+        gemm_us: median_us(Phase::Gemms)?,
+        combine_us: median_us(Phase::Combine)?,
+    };
+    pipeline.take_error()?;
+    Ok((call_us, stages))
+}
+
 /// The roofline floor of the busiest rank when rank `d` computes every pair of every
 /// workload whose expert lives there.
 fn busiest_rank_floor_us(
@@ -288,6 +333,11 @@ pub struct ExpertParallelRow {
     /// The stages of bulk-synchronous calls, each alone (CUDA events on rank 0 after
     /// barriers of every rank; mean over the marked calls).
     pub stages: StageTimes,
+    /// Baseline (b), on real GPUs when NCCL loads: NCCL all-to-all, moeforge's single-GPU
+    /// layer per rank, NCCL all-to-all back (wall time per call over pipelined calls).
+    pub nccl_us: Option<f64>,
+    /// Its phases alone (CUDA events on rank 0 between barriers; median of the runs).
+    pub nccl_stages: Option<StageTimes>,
     /// Of the communication stages' time (dispatch + combine), the share the overlapped
     /// schedule hid: (sum of the stages − overlapped call) / (dispatch + combine), in [0, 1].
     pub hidden_share: f64,
@@ -302,6 +352,7 @@ pub fn bench_expert_parallel(
     session: &Session,
     built: &BuiltLayer,
     ep: &mut EpLayer,
+    mut nccl: Option<&mut NcclPipeline>,
     settings: &BenchSettings<'_>,
     mut progress: impl FnMut(&ExpertParallelRow),
 ) -> Result<Vec<ExpertParallelRow>, BenchError> {
@@ -369,6 +420,15 @@ pub fn bench_expert_parallel(
             stages.combine_us += t.combine_us / MARKED_CALLS as f64;
         }
         ep.take_error()?;
+        let (nccl_us, nccl_stages) = match nccl.as_deref_mut() {
+            Some(pipeline) => {
+                ep.synchronize()?;
+                let (us, stages) =
+                    time_nccl_pipeline(pipeline, &workloads, &mut inputs, iterations)?;
+                (Some(us), Some(stages))
+            }
+            None => (None, None),
+        };
         let communication = stages.dispatch_us + stages.combine_us;
         let hidden_share =
             ((communication + stages.gemm_us - expert_parallel_us) / communication).clamp(0.0, 1.0);
@@ -419,6 +479,8 @@ pub fn bench_expert_parallel(
             floor_us: busiest_rank_floor_us(&shape, &workloads, ranks, &built.layer.plan().target),
             bulk_synchronous_us,
             stages,
+            nccl_us,
+            nccl_stages,
             hidden_share,
         };
         progress(&row);

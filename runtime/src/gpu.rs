@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
+pub use cudarc::driver::CudaContext;
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaModule, CudaStream, DriverError};
+use cudarc::driver::{CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use moeforge_compiler::plan::{DeviceFacts, Target};
 use thiserror::Error;

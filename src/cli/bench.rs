@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use moeforge::runtime::bench::{
     BenchRow, BenchSettings, ExpertParallelRow, bench_expert_parallel, bench_layer,
 };
+use moeforge::runtime::nccl_pipeline::NcclPipeline;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::fresh_seed;
 use serde::Serialize;
@@ -245,9 +246,28 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         Ok(built) => built,
         Err(status) => return status,
     };
-    let mut ep = match choice.build(&session, &built) {
+    let contexts = match choice.contexts(&session) {
+        Ok(contexts) => contexts,
+        Err(status) => return status,
+    };
+    let mut ep = match choice.build(&session, &built, &contexts) {
         Ok(ep) => ep,
         Err(status) => return status,
+    };
+    // Baseline (b) runs on real GPUs only (NCCL puts one rank per device).
+    let (mut nccl, nccl_note) = if choice.virtual_ranks {
+        (
+            None,
+            Some("not run on virtual ranks: NCCL runs one rank per GPU".to_string()),
+        )
+    } else {
+        match NcclPipeline::new(&session, &built, &contexts) {
+            Ok(pipeline) => (Some(pipeline), None),
+            Err(error) => {
+                eprintln!("note: baseline (b), the NCCL pipeline, is left out: {error}");
+                (None, Some(error.to_string()))
+            }
+        }
     };
     let placement = choice.placement(&session.gpu.name());
     println!(
@@ -255,10 +275,10 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         routing_name(args.routing),
         args.iterations
     );
-    let header = "| T per rank | expert-parallel us | floor us | bulk-synchronous us | dispatch us | GEMMs us | combine us | hidden | same tokens on one GPU us | dispatch GB/s |";
+    let header = "| T per rank | expert-parallel us | floor us | (a) bulk-synchronous us | dispatch us | GEMMs us | combine us | hidden | (b) NCCL pipeline us | (b) dispatch / GEMMs / combine us | same tokens on one GPU us | dispatch GB/s |";
     let format_row = |row: &ExpertParallelRow| {
         format!(
-            "| {:>10} | {:>18.1} | {:>8.1} | {:>19.1} | {:>11.1} | {:>8.1} | {:>10.1} | {:>5.0}% | {:>25} | {:>13.1} |",
+            "| {:>10} | {:>18.1} | {:>8.1} | {:>23.1} | {:>11.1} | {:>8.1} | {:>10.1} | {:>5.0}% | {:>20} | {:>33} | {:>25} | {:>13.1} |",
             row.tokens_per_rank,
             row.expert_parallel_us,
             row.floor_us,
@@ -267,6 +287,11 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
             row.stages.gemm_us,
             row.stages.combine_us,
             row.hidden_share * 100.0,
+            row.nccl_us.map_or("-".to_string(), |us| format!("{us:.1}")),
+            row.nccl_stages.map_or("-".to_string(), |s| format!(
+                "{:.1} / {:.1} / {:.1}",
+                s.dispatch_us, s.gemm_us, s.combine_us
+            )),
             row.one_gpu_us
                 .map_or("above max_tokens".to_string(), |us| format!("{us:.1}")),
             row.dispatch_gb_per_s
@@ -277,6 +302,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         &session,
         &built,
         &mut ep,
+        nccl.as_mut(),
         &BenchSettings {
             token_counts: &args.tokens,
             routing: args.routing.into(),
@@ -299,8 +325,11 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         routing_name(args.routing)
     );
     let mut markdown = format!(
-        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = the busiest sender's bytes of token rows to other ranks (each token once per destination rank) over the dispatch stage's time: one way, barrier included.\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|\n",
-        env!("MOEFORGE_COMMIT")
+        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = the busiest sender's bytes of token rows to other ranks (each token once per destination rank) over the dispatch stage's time: one way, barrier included. Baseline (b) is NCCL all-to-all (one row per (token, k) pair, counts known on the host), moeforge's single-GPU layer on each rank's experts, NCCL all-to-all back and a sum over k; its call time is wall time over pipelined calls, its phases are medians of event-timed runs between barriers.{}\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        env!("MOEFORGE_COMMIT"),
+        nccl_note.as_ref().map_or(String::new(), |note| format!(
+            " Baseline (b) is left out: {note}."
+        ))
     );
     for row in &rows {
         let _ = writeln!(markdown, "{}", format_row(row));
@@ -311,6 +340,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         "placement": placement,
         "commit": env!("MOEFORGE_COMMIT"),
         "routing": routing_name(args.routing),
+        "nccl_pipeline_note": nccl_note,
         "rows": rows,
     });
     if let Err(error) = std::fs::create_dir_all(&args.out)

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use moeforge::compiler;
 use moeforge::compiler::plan::{self, Plan, Target};
 use moeforge::runtime::ep::EpLayer;
+use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::gpu::Gpu;
 use moeforge::runtime::harness::{BuiltLayer, Session};
 use moeforge::runtime::toolkit;
@@ -79,9 +80,8 @@ impl RankChoice {
         }
     }
 
-    /// Builds `built`'s expert-parallel layer over the chosen ranks: every rank on the
-    /// session's GPU, or rank r on GPU r.
-    pub fn build(self, session: &Session, built: &BuiltLayer) -> Result<EpLayer, ExitCode> {
+    /// Each rank's context: the session's GPU for every virtual rank, or GPU r for rank r.
+    pub fn contexts(self, session: &Session) -> Result<Vec<Arc<CudaContext>>, ExitCode> {
         let mut contexts = vec![Arc::clone(&session.gpu.ctx)];
         for rank in 1..self.ranks as usize {
             if self.virtual_ranks {
@@ -93,8 +93,18 @@ impl RankChoice {
                 })?);
             }
         }
+        Ok(contexts)
+    }
+
+    /// Builds `built`'s expert-parallel layer over the chosen ranks.
+    pub fn build(
+        self,
+        session: &Session,
+        built: &BuiltLayer,
+        contexts: &[Arc<CudaContext>],
+    ) -> Result<EpLayer, ExitCode> {
         session
-            .build_expert_parallel(built, &contexts)
+            .build_expert_parallel(built, contexts)
             .map_err(|error| {
                 eprintln!("error: {error}");
                 invalid_input()

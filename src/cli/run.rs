@@ -229,7 +229,10 @@ fn run_expert_parallel(
     built: &BuiltLayer,
     seed: u64,
 ) -> ExitCode {
-    let mut ep = match choice.build(session, built) {
+    let mut ep = match choice
+        .contexts(session)
+        .and_then(|contexts| choice.build(session, built, &contexts))
+    {
         Ok(ep) => ep,
         Err(status) => return status,
     };
