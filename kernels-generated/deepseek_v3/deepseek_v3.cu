@@ -1205,69 +1205,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_prefill_gemm2(
     grouped_gemm_wgmma<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Regime `decode`, expert-parallel: 0..=2048 tokens per call
-// ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x128x64, 4 stages, 2x2 warps, 108 persistent blocks (1 per SM)
-struct decode_ep_gemm1 : ExpertParallel {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 128, BK = 64, STAGES = 4;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 36864;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 147456;
-    static constexpr int DYNAMIC_SMEM_BYTES = 147584, STATIC_SMEM_BYTES = 256;
-};
-extern "C" __global__ void __launch_bounds__(128, 1) deepseek_v3_decode_ep_gemm1(
-    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
-    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ segment_rows,  // [rows]
-    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
-    int rank,  // this rank
-    u32 epoch,  // this call's epoch
-    int* __restrict__ error_word,  // [4]: code, then details
-    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
-)
-{
-    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
-        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
-}
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 64x64x64, 3 stages, 2x4 warps, 324 persistent blocks (3 per SM)
-struct decode_ep_gemm2 : ExpertParallel {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 2, WARPS_N = 4, THREADS = 256;
-    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 49152;
-    static constexpr int DYNAMIC_SMEM_BYTES = 49408, STATIC_SMEM_BYTES = 256;
-};
-extern "C" __global__ void __launch_bounds__(256, 3) deepseek_v3_decode_ep_gemm2(
-    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ segment_pairs,  // [rows]
-    const float* __restrict__ segment_weights,  // [rows]
-    const int* __restrict__ row_origins,  // [rows]: rank each row came from
-    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
-    int rank,  // this rank
-    int* __restrict__ error_word  // [4]: code, then details
-)
-{
-    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
-        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
-}
-// ---------------------------------------------------------------------------------------
-// Regime `mid`, expert-parallel: 2049..=8192 tokens per call
+// Rank regime `decode`, expert-parallel (tokens per rank): 0..=1024 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 4 stages, 8x1 warps, 108 persistent blocks (1 per SM)
-struct mid_ep_gemm1 : ExpertParallel {
+struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
@@ -1279,7 +1220,66 @@ struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072;
     static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 256;
 };
-extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_decode_ep_gemm1(
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_rows,  // [rows]
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+)
+{
+    grouped_gemm_wgmma<decode_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
+        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
+}
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 216 persistent blocks (2 per SM)
+struct decode_ep_gemm2 : ExpertParallel {
+    static constexpr int KIND = GEMM_DOWN;
+    static constexpr bool GATED = false;
+    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
+    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 256;
+};
+extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_decode_ep_gemm2(
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_pairs,  // [rows]
+    const float* __restrict__ segment_weights,  // [rows]
+    const int* __restrict__ row_origins,  // [rows]: rank each row came from
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int rank,  // this rank
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    grouped_gemm_wgmma<decode_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+}
+// ---------------------------------------------------------------------------------------
+// Rank regime `mid`, expert-parallel (tokens per rank): 1025..=4096 tokens per call
+// ---------------------------------------------------------------------------------------
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 216 persistent blocks (2 per SM)
+struct mid_ep_gemm1 : ExpertParallel {
+    static constexpr int KIND = GEMM_UP;
+    static constexpr bool GATED = true;
+    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
+    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
+    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 256;
+};
+extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1294,20 +1294,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_ep_gemm1(
     grouped_gemm_wgmma<mid_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 216 persistent blocks (2 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 4 stages, 8x1 warps, 108 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;
+    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
-    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 256;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072;
+    static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 256;
 };
-extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_mid_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1323,22 +1323,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_mid_ep_gemm2(
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Regime `prefill`, expert-parallel: 8193..=16384 tokens per call
+// Rank regime `prefill`, expert-parallel (tokens per rank): 4097..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 4 stages, 8x1 warps, 108 persistent blocks (1 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 216 persistent blocks (2 per SM)
 struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 4;
+    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072;
-    static constexpr int DYNAMIC_SMEM_BYTES = 132608, STATIC_SMEM_BYTES = 256;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
+    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 256;
 };
-extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_prefill_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace

@@ -951,7 +951,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
     grouped_gemm<all_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Regime `all`, expert-parallel: 0..=512 tokens per call
+// Rank regime `all`, expert-parallel (tokens per rank): 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 29 persistent blocks (5 per SM)
 struct all_ep_gemm1 : ExpertParallel {

@@ -349,12 +349,14 @@ impl EpLayer {
                 t * u64::from(shape.top_k),
             )?;
             check_len("y", a.y.len(), t * u64::from(shape.hidden))?;
-            regimes.push(self.plan.regime_index_for(a.tokens).ok_or(
-                LayerError::TooManyTokens {
-                    tokens: a.tokens,
-                    max: shape.max_tokens,
-                },
-            )?);
+            regimes.push(
+                self.ep
+                    .regime_index_for(a.tokens)
+                    .ok_or(LayerError::TooManyTokens {
+                        tokens: a.tokens,
+                        max: shape.max_tokens,
+                    })?,
+            );
         }
         self.epoch = self.epoch.wrapping_add(1).max(1);
         Ok(regimes)

@@ -463,13 +463,12 @@ fn regime_unit(plan: &Plan, regime: &Regime) -> Result<RegimeUnit, CodegenError>
 }
 
 /// The expert-parallel kernels of `regime`, whose token range `ep_regime` shares.
-fn ep_regime_unit(
-    plan: &Plan,
-    regime: &Regime,
-    ep_regime: &ExpertParallelRegime,
-) -> Result<RegimeUnit, CodegenError> {
+fn ep_regime_unit(plan: &Plan, regime: &ExpertParallelRegime) -> Result<RegimeUnit, CodegenError> {
     Ok(RegimeUnit {
-        label: format!("Regime `{}`, expert-parallel", regime.name),
+        label: format!(
+            "Rank regime `{}`, expert-parallel (tokens per rank)",
+            regime.name
+        ),
         min_tokens: regime.min_tokens,
         max_tokens: regime.max_tokens,
         gemms: [
@@ -477,15 +476,15 @@ fn ep_regime_unit(
                 plan,
                 &regime.name,
                 GemmRole::ExpertParallelUp,
-                &ep_regime.gemm1_kernel,
-                &ep_regime.gemm1,
+                &regime.gemm1_kernel,
+                &regime.gemm1,
             )?,
             GemmUnit::new(
                 plan,
                 &regime.name,
                 GemmRole::ExpertParallelDown,
-                &ep_regime.gemm2_kernel,
-                &ep_regime.gemm2,
+                &regime.gemm2_kernel,
+                &regime.gemm2,
             )?,
         ],
     })
@@ -620,18 +619,24 @@ fn regime_units(plan: &Plan) -> Result<Vec<RegimeUnit>, CodegenError> {
         .map(|regime| regime_unit(plan, regime))
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(ep) = &plan.expert_parallel {
-        for (regime, ep_regime) in plan.regimes.iter().zip(&ep.regimes) {
-            units.push(ep_regime_unit(plan, regime, ep_regime)?);
+        for ep_regime in &ep.regimes {
+            units.push(ep_regime_unit(plan, ep_regime)?);
         }
     }
     Ok(units)
 }
 
 fn wgmma_widths(plan: &Plan) -> Vec<u32> {
+    let ep_gemms = plan
+        .expert_parallel
+        .iter()
+        .flat_map(|ep| &ep.regimes)
+        .flat_map(|r| [&r.gemm1, &r.gemm2]);
     let mut widths: Vec<u32> = plan
         .regimes
         .iter()
         .flat_map(|r| [&r.gemm1, &r.gemm2])
+        .chain(ep_gemms)
         .filter(|g| g.engine == MmaEngine::Wgmma)
         .map(|g| g.tile.n)
         .collect();

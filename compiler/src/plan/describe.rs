@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use super::ep::{ExpertParallelPlan, Placement};
-use super::{Access, Grid, Plan};
+use super::{Access, Grid, Plan, RegimeParts, StreamRole};
 
 /// One fact per line; `write!` into a `String` cannot fail.
 pub fn describe(plan: &Plan) -> String {
@@ -20,58 +20,7 @@ pub fn describe(plan: &Plan) -> String {
         shape.spec_ranks, shape.executed_ranks, shape.experts
     );
     for regime in &plan.regimes {
-        let _ = writeln!(
-            out,
-            "  regime {:<13} {}..={} tokens",
-            regime.name, regime.min_tokens, regime.max_tokens
-        );
-        for (name, gemm) in [("gemm1", &regime.gemm1), ("gemm2", &regime.gemm2)] {
-            let e = &gemm.estimate;
-            let _ = writeln!(
-                out,
-                "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps, {} B smem, {} blocks ({}/SM); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
-                gemm.engine.name(),
-                gemm.tile.m,
-                gemm.tile.n,
-                gemm.tile.k,
-                if gemm.hinted { " (hint)" } else { "" },
-                gemm.stages,
-                gemm.warps_m,
-                gemm.warps_n,
-                gemm.smem_bytes,
-                gemm.grid_blocks,
-                gemm.blocks_per_sm,
-                e.tokens,
-                e.seconds * 1e6,
-                e.compute_seconds * 1e6,
-                e.memory_seconds * 1e6,
-                e.l2_seconds * 1e6,
-            );
-        }
-        for launch in &regime.launches {
-            let grid = match launch.grid {
-                Grid::Fixed(n) => format!("{n} blocks"),
-                Grid::PerToken => "1 block per token".to_string(),
-            };
-            // Written parameters carry a `*`, as in `&mut`: what the kernel produces.
-            let params: Vec<String> = launch
-                .params
-                .iter()
-                .map(|p| match p.access {
-                    Access::Read | Access::ReadShared => p.arg.name().to_string(),
-                    Access::Write => format!("*{}", p.arg.name()),
-                })
-                .collect();
-            let _ = writeln!(
-                out,
-                "    launch {} <<<{grid}, {} threads, {} B + {} B static>>>({})",
-                launch.kernel,
-                launch.block_threads,
-                launch.smem_bytes,
-                launch.static_smem_bytes,
-                params.join(", ")
-            );
-        }
+        describe_regime(&mut out, "regime", regime.parts());
     }
     if let Some(ep) = &plan.expert_parallel {
         describe_expert_parallel(&mut out, ep, shape.hidden);
@@ -145,4 +94,71 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
         "    GEMM row order     (local rows first, then by arrival) {}",
         orders(&ep.receive_order)
     );
+    let _ = writeln!(
+        out,
+        "    GEMM waits         a GEMM1 tile acquires the flag of each chunk its rows were sent in, (source, slot / {}), before it loads them; GEMM2 releases each origin token's combine counter",
+        ep.dispatch_chunk
+    );
+    for regime in &ep.regimes {
+        describe_regime(out, "rank regime", regime.parts());
+    }
+}
+
+fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
+    let _ = writeln!(
+        out,
+        "  {label} {:<13} {}..={} tokens",
+        regime.name, regime.min_tokens, regime.max_tokens
+    );
+    for (name, (gemm, _)) in ["gemm1", "gemm2"].into_iter().zip(regime.gemms) {
+        let e = &gemm.estimate;
+        let _ = writeln!(
+            out,
+            "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps, {} B smem, {} blocks ({}/SM); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
+            gemm.engine.name(),
+            gemm.tile.m,
+            gemm.tile.n,
+            gemm.tile.k,
+            if gemm.hinted { " (hint)" } else { "" },
+            gemm.stages,
+            gemm.warps_m,
+            gemm.warps_n,
+            gemm.smem_bytes,
+            gemm.grid_blocks,
+            gemm.blocks_per_sm,
+            e.tokens,
+            e.seconds * 1e6,
+            e.compute_seconds * 1e6,
+            e.memory_seconds * 1e6,
+            e.l2_seconds * 1e6,
+        );
+    }
+    for launch in regime.launches {
+        let grid = match launch.grid {
+            Grid::Fixed(n) => format!("{n} blocks"),
+            Grid::PerToken => "1 block per token".to_string(),
+        };
+        // Written parameters carry a `*`, as in `&mut`: what the kernel produces.
+        let params: Vec<String> = launch
+            .params
+            .iter()
+            .map(|p| match p.access {
+                Access::Read | Access::ReadShared => p.arg.name().to_string(),
+                Access::Write => format!("*{}", p.arg.name()),
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "    launch {}{} <<<{grid}, {} threads, {} B + {} B static>>>({})",
+            match launch.stream {
+                StreamRole::Comm => "[comm] ",
+                StreamRole::Compute => "",
+            },
+            launch.kernel,
+            launch.block_threads,
+            launch.smem_bytes,
+            launch.static_smem_bytes,
+            params.join(", ")
+        );
+    }
 }

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use super::launch::{KernelParam, StreamRole};
 use super::{
-    Buffer, BufferId, COMBINE_THREADS, GemmPlan, Grid, Launch, LaunchArg, LayerShape, Regime,
-    SmemLayout, Target, static_smem_reserved,
+    Buffer, BufferId, COMBINE_THREADS, GemmPlan, Grid, Launch, LaunchArg, LayerShape, PlanError,
+    RegimeParts, Target, choose_regimes, static_smem_reserved,
 };
 use crate::ir::{self, TrafficOrder};
 
@@ -106,14 +106,45 @@ pub struct ExpertParallelPlan {
     pub dispatch_kernel: String,
     pub arrange_kernel: String,
     pub combine_kernel: String,
-    /// Per regime of the plan (same token ranges), the GEMMs and launches of one rank.
+    /// The regimes of one rank, by tokens per rank: its GEMMs and launches.
     pub regimes: Vec<ExpertParallelRegime>,
+}
+
+impl ExpertParallelRegime {
+    pub(crate) fn parts(&self) -> RegimeParts<'_> {
+        RegimeParts {
+            name: &self.name,
+            min_tokens: self.min_tokens,
+            max_tokens: self.max_tokens,
+            gemms: [
+                (&self.gemm1, &self.gemm1_kernel),
+                (&self.gemm2, &self.gemm2_kernel),
+            ],
+            launches: &self.launches,
+        }
+    }
+}
+
+impl ExpertParallelPlan {
+    /// The position in `regimes` of the regime serving `tokens` tokens on a rank (`None`
+    /// above max_tokens).
+    pub fn regime_index_for(&self, tokens: u32) -> Option<usize> {
+        self.regimes
+            .iter()
+            .position(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
+    }
 }
 
 /// One regime's expert-parallel kernels on one rank.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExpertParallelRegime {
-    /// The regime's GEMM plans with grids cut to the rank's compute SMs.
+    /// `decode`, `mid` or `prefill`, as the single-GPU regimes are named.
+    pub name: String,
+    /// The tokens per rank of the calls it serves.
+    pub min_tokens: u32,
+    pub max_tokens: u32,
+    /// GEMM plans for a rank's problem (its experts, every source's rows) on its compute
+    /// SMs.
     pub gemm1: GemmPlan,
     pub gemm2: GemmPlan,
     pub gemm1_kernel: String,
@@ -187,10 +218,9 @@ pub fn plan_expert_parallel(
     placement: Placement,
     symbol: &str,
     shape: &LayerShape,
-    regimes: &[Regime],
-) -> Option<ExpertParallelPlan> {
+) -> Result<Option<ExpertParallelPlan>, PlanError> {
     if ranks <= 1 {
-        return None;
+        return Ok(None);
     }
     let hints = &layer.schedule;
     let row_bytes = f64::from(layer.hidden) * 2.0;
@@ -286,26 +316,26 @@ pub fn plan_expert_parallel(
         format!("{symbol}_ep_arrange"),
         format!("{symbol}_ep_combine"),
     ];
-    let ep_regimes = regimes
-        .iter()
-        .map(|regime| {
-            let mut gemm1 = regime.gemm1.clone();
-            let mut gemm2 = regime.gemm2.clone();
+    // A rank computes T·K pairs (from every source) over E/R experts: as many rows per
+    // expert as one GPU at R·T tokens. Its GEMMs are chosen for that problem, on its
+    // compute SMs, with their own token ranges.
+    let rank_shape = LayerShape {
+        experts: experts_per_rank,
+        ..shape.clone()
+    };
+    let rank_target = Target {
+        sm_count: compute_sms,
+        ..target.clone()
+    };
+    let ep_regimes = choose_regimes(layer, &rank_target, &rank_shape)?
+        .into_iter()
+        .map(|choice| {
+            let (mut gemm1, mut gemm2) = (choice.gemm1, choice.gemm2);
             for gemm in [&mut gemm1, &mut gemm2] {
                 gemm.grid_blocks = compute_blocks(placement, compute_sms, gemm.blocks_per_sm);
             }
-            // Tiles run over local experts, each with the rows of every source.
-            for gemm in [&mut gemm1, &mut gemm2] {
-                gemm.smem = SmemLayout::new(
-                    gemm.engine,
-                    gemm.tile,
-                    gemm.b_rows,
-                    gemm.stages,
-                    experts_per_rank,
-                );
-            }
-            let gemm1_kernel = format!("{symbol}_{}_ep_gemm1", regime.name);
-            let gemm2_kernel = format!("{symbol}_{}_ep_gemm2", regime.name);
+            let gemm1_kernel = format!("{symbol}_{}_ep_gemm1", choice.name);
+            let gemm2_kernel = format!("{symbol}_{}_ep_gemm2", choice.name);
             let launches = launch_table(
                 &kernels,
                 [&gemm1_kernel, &gemm2_kernel],
@@ -315,6 +345,9 @@ pub fn plan_expert_parallel(
                 compute_blocks(placement, compute_sms, COMBINE_BLOCKS_PER_SM),
             );
             ExpertParallelRegime {
+                name: choice.name,
+                min_tokens: choice.min_tokens,
+                max_tokens: choice.max_tokens,
                 gemm1,
                 gemm2,
                 gemm1_kernel,
@@ -329,7 +362,7 @@ pub fn plan_expert_parallel(
         arrange_kernel,
         combine_kernel,
     ] = kernels;
-    Some(ExpertParallelPlan {
+    Ok(Some(ExpertParallelPlan {
         ranks,
         placement,
         experts_per_rank,
@@ -356,7 +389,7 @@ pub fn plan_expert_parallel(
         arrange_kernel,
         combine_kernel,
         regimes: ep_regimes,
-    })
+    }))
 }
 
 /// The sizes the expert-parallel buffers are made of.

@@ -312,6 +312,31 @@ pub struct Regime {
     pub launches: Vec<Launch>,
 }
 
+/// A regime's parts as `describe` and `validate` read them, single-GPU or expert-parallel.
+pub(crate) struct RegimeParts<'a> {
+    pub name: &'a str,
+    pub min_tokens: u32,
+    pub max_tokens: u32,
+    /// GEMM1 and GEMM2, each with its entry point.
+    pub gemms: [(&'a GemmPlan, &'a String); 2],
+    pub launches: &'a [Launch],
+}
+
+impl Regime {
+    pub(crate) fn parts(&self) -> RegimeParts<'_> {
+        RegimeParts {
+            name: &self.name,
+            min_tokens: self.min_tokens,
+            max_tokens: self.max_tokens,
+            gemms: [
+                (&self.gemm1, &self.gemm1_kernel),
+                (&self.gemm2, &self.gemm2_kernel),
+            ],
+            launches: &self.launches,
+        }
+    }
+}
+
 /// The tensor-core instruction family a GEMM is written with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -537,40 +562,10 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     let symbol = c_identifier(&layer.name);
     let route_kernel = format!("{symbol}_route");
     let combine_kernel = format!("{symbol}_combine");
-    let up = GemmProblem::for_layer(&shape, GemmKind::Up);
-    let down = GemmProblem::for_layer(&shape, GemmKind::Down);
-    let hints = &layer.schedule;
-
-    // Probe token counts 1, 2, 4, … up to max_tokens; the best configuration at each probe
-    // decides the regime that probe falls in. Consecutive probes with the same choice merge.
-    let mut probes: Vec<u32> = std::iter::successors(Some(1u32), |t| t.checked_mul(2))
-        .take_while(|&t| t < shape.max_tokens)
-        .collect();
-    probes.push(shape.max_tokens);
-
-    let mut groups: Vec<(u32, u32, GemmPlan, GemmPlan)> = Vec::new();
-    for &tokens in &probes {
-        let g1 = choose_gemm(layer, target, &up, hints.gemm1_tile, hints.stages, tokens)?;
-        let g2 = choose_gemm(layer, target, &down, hints.gemm2_tile, hints.stages, tokens)?;
-        match groups.last_mut() {
-            Some(last) if same_config(&last.2, &g1) && same_config(&last.3, &g2) => {
-                last.1 = tokens;
-            }
-            _ => groups.push((tokens, tokens, g1, g2)),
-        }
-    }
-    let groups = merge_to_at_most(groups, 3);
-
-    let count = groups.len();
-    let mut regimes = Vec::with_capacity(count);
-    let mut next_min = 0;
-    for (i, (_, max, mut g1, mut g2)) in groups.into_iter().enumerate() {
-        // Report each regime's estimate at its largest token count.
-        g1.estimate = cost::estimate(target, &up, &g1, max);
-        g2.estimate = cost::estimate(target, &down, &g2, max);
-        let name = regime_name(i, count).to_string();
-        let gemm1_kernel = format!("{symbol}_{name}_gemm1");
-        let gemm2_kernel = format!("{symbol}_{name}_gemm2");
+    let mut regimes = Vec::new();
+    for choice in choose_regimes(layer, target, &shape)? {
+        let gemm1_kernel = format!("{symbol}_{}_gemm1", choice.name);
+        let gemm2_kernel = format!("{symbol}_{}_gemm2", choice.name);
         let launches = launch::launch_table(
             launch::ForwardKernels {
                 route: &route_kernel,
@@ -579,20 +574,19 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
                 combine: &combine_kernel,
             },
             shape.experts,
-            &g1,
-            &g2,
+            &choice.gemm1,
+            &choice.gemm2,
         );
         regimes.push(Regime {
-            name,
-            min_tokens: next_min,
-            max_tokens: max,
-            gemm1: g1,
-            gemm2: g2,
+            name: choice.name,
+            min_tokens: choice.min_tokens,
+            max_tokens: choice.max_tokens,
+            gemm1: choice.gemm1,
+            gemm2: choice.gemm2,
             gemm1_kernel,
             gemm2_kernel,
             launches,
         });
-        next_min = max + 1;
     }
 
     let workspace = workspace(&shape);
@@ -609,8 +603,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         placement,
         &symbol,
         &shape,
-        &regimes,
-    );
+    )?;
     let mut limitations = Vec::new();
     if layer.parallel.expert > 1 {
         limitations.push(format!(
@@ -983,6 +976,65 @@ pub fn hint_problems(layer: &ir::Layer, target: &Target) -> Vec<HintProblem> {
         }
     }
     problems
+}
+
+/// The GEMMs chosen for one range of token counts, before the launches that run them.
+pub(crate) struct RegimeChoice {
+    pub name: String,
+    pub min_tokens: u32,
+    pub max_tokens: u32,
+    pub gemm1: GemmPlan,
+    pub gemm2: GemmPlan,
+}
+
+/// The regimes of a layer of `shape` on `target`: token counts 1, 2, 4, … up to
+/// max_tokens are probed; the best configuration at each probe decides the regime that
+/// probe falls in, consecutive probes with the same choice merge, and at most three
+/// regimes remain. Each regime's estimates are at its largest token count.
+pub(crate) fn choose_regimes(
+    layer: &ir::Layer,
+    target: &Target,
+    shape: &LayerShape,
+) -> Result<Vec<RegimeChoice>, PlanError> {
+    let up = GemmProblem::for_layer(shape, GemmKind::Up);
+    let down = GemmProblem::for_layer(shape, GemmKind::Down);
+    let hints = &layer.schedule;
+    let mut probes: Vec<u32> = std::iter::successors(Some(1u32), |t| t.checked_mul(2))
+        .take_while(|&t| t < shape.max_tokens)
+        .collect();
+    probes.push(shape.max_tokens);
+
+    let mut groups: Vec<(u32, u32, GemmPlan, GemmPlan)> = Vec::new();
+    for &tokens in &probes {
+        let g1 = choose_gemm(layer, target, &up, hints.gemm1_tile, hints.stages, tokens)?;
+        let g2 = choose_gemm(layer, target, &down, hints.gemm2_tile, hints.stages, tokens)?;
+        match groups.last_mut() {
+            Some(last) if same_config(&last.2, &g1) && same_config(&last.3, &g2) => {
+                last.1 = tokens;
+            }
+            _ => groups.push((tokens, tokens, g1, g2)),
+        }
+    }
+    let groups = merge_to_at_most(groups, 3);
+    let count = groups.len();
+    let mut next_min = 0;
+    Ok(groups
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, max, mut gemm1, mut gemm2))| {
+            gemm1.estimate = cost::estimate(target, &up, &gemm1, max);
+            gemm2.estimate = cost::estimate(target, &down, &gemm2, max);
+            let min_tokens = next_min;
+            next_min = max + 1;
+            RegimeChoice {
+                name: regime_name(i, count).to_string(),
+                min_tokens,
+                max_tokens: max,
+                gemm1,
+                gemm2,
+            }
+        })
+        .collect())
 }
 
 fn choose_gemm(

@@ -9,11 +9,11 @@
 
 use thiserror::Error;
 
-use super::ep::{ExpertParallelPlan, Placement};
+use super::ep::{ExpertParallelPlan, ExpertParallelRegime, Placement};
 use super::launch::StreamRole;
 use super::{
-    Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MmaEngine, Plan, SmemLayout, TILE_K,
-    c_identifier, workspace,
+    Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MmaEngine, Plan, Regime, RegimeParts,
+    SmemLayout, TILE_K, c_identifier, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -66,74 +66,12 @@ impl Plan {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
 
-        let mut next_min = 0u64;
-        for regime in &self.regimes {
-            if u64::from(regime.min_tokens) != next_min || regime.max_tokens < regime.min_tokens {
-                return Err(format!(
-                    "regime `{}` covers {}..={}, expected to start at {next_min}",
-                    regime.name, regime.min_tokens, regime.max_tokens
-                ));
-            }
-            next_min = u64::from(regime.max_tokens) + 1;
-            for (gemm, kernel, n, k) in [
-                (&regime.gemm1, &regime.gemm1_kernel, shape.ffn, shape.hidden),
-                (&regime.gemm2, &regime.gemm2_kernel, shape.hidden, shape.ffn),
-            ] {
-                let tile = gemm.tile;
-                if tile.k != TILE_K
-                    || tile.n == 0
-                    || tile.m == 0
-                    || n % tile.n != 0
-                    || k % TILE_K != 0
-                {
-                    return Err(format!("the tile of `{kernel}` does not divide {n}x{k}"));
-                }
-                let layout =
-                    SmemLayout::new(gemm.engine, tile, gemm.b_rows, gemm.stages, shape.experts);
-                if gemm.smem != layout || gemm.smem_bytes != layout.dynamic_bytes {
-                    return Err(format!(
-                        "the shared-memory layout of `{kernel}` does not add up"
-                    ));
-                }
-                let wgmma_rows = gemm.engine == MmaEngine::Wgmma && gemm.warps_m * 16 != tile.m;
-                if wgmma_rows || gemm.warps_m == 0 || gemm.warps_n == 0 {
-                    return Err(format!(
-                        "the warp layout of `{kernel}` does not fit its tile"
-                    ));
-                }
-                let launch = regime
-                    .launches
-                    .iter()
-                    .find(|l| &l.kernel == kernel)
-                    .ok_or_else(|| format!("regime `{}` never launches `{kernel}`", regime.name))?;
-                if launch.block_threads != gemm.threads()
-                    || launch.smem_bytes != gemm.smem_bytes
-                    || launch.static_smem_bytes != gemm.smem.static_bytes
-                {
-                    return Err(format!(
-                        "the launch of `{kernel}` disagrees with its GEMM plan"
-                    ));
-                }
-            }
-            for launch in &regime.launches {
-                self.check_launch(launch)?;
-            }
-        }
+        self.check_regimes(self.regimes.iter().map(Regime::parts), shape.experts)?;
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
-            if ep.regimes.len() != self.regimes.len() {
-                return Err("the expert-parallel regimes do not match the plan's".into());
-            }
-            for launch in ep.regimes.iter().flat_map(|r| &r.launches) {
-                self.check_launch(launch)?;
-            }
-        }
-        if next_min != u64::from(shape.max_tokens) + 1 {
-            return Err(format!(
-                "the regimes end at {} tokens, not at max_tokens {}",
-                next_min.saturating_sub(1),
-                shape.max_tokens
-            ));
+            let regimes = ep.regimes.iter().map(ExpertParallelRegime::parts);
+            self.check_regimes(regimes, ep.experts_per_rank)
+                .map_err(|e| format!("expert-parallel: {e}"))?;
         }
         Ok(())
     }
@@ -222,6 +160,78 @@ impl Plan {
                     ));
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Regimes cover 0..=max_tokens in order; each GEMM's tile divides its problem, its
+    /// shared-memory layout (for `experts` groups of rows) adds up, its warps fit the tile,
+    /// and its launch agrees with it; every launch is well formed.
+    fn check_regimes<'a>(
+        &self,
+        regimes: impl Iterator<Item = RegimeParts<'a>>,
+        experts: u32,
+    ) -> Result<(), String> {
+        let shape = &self.shape;
+        let mut next_min = 0u64;
+        for regime in regimes {
+            if u64::from(regime.min_tokens) != next_min || regime.max_tokens < regime.min_tokens {
+                return Err(format!(
+                    "regime `{}` covers {}..={}, expected to start at {next_min}",
+                    regime.name, regime.min_tokens, regime.max_tokens
+                ));
+            }
+            next_min = u64::from(regime.max_tokens) + 1;
+            let [(gemm1, kernel1), (gemm2, kernel2)] = regime.gemms;
+            for (gemm, kernel, n, k) in [
+                (gemm1, kernel1, shape.ffn, shape.hidden),
+                (gemm2, kernel2, shape.hidden, shape.ffn),
+            ] {
+                let tile = gemm.tile;
+                if tile.k != TILE_K
+                    || tile.n == 0
+                    || tile.m == 0
+                    || n % tile.n != 0
+                    || k % TILE_K != 0
+                {
+                    return Err(format!("the tile of `{kernel}` does not divide {n}x{k}"));
+                }
+                let layout = SmemLayout::new(gemm.engine, tile, gemm.b_rows, gemm.stages, experts);
+                if gemm.smem != layout || gemm.smem_bytes != layout.dynamic_bytes {
+                    return Err(format!(
+                        "the shared-memory layout of `{kernel}` does not add up"
+                    ));
+                }
+                let wgmma_rows = gemm.engine == MmaEngine::Wgmma && gemm.warps_m * 16 != tile.m;
+                if wgmma_rows || gemm.warps_m == 0 || gemm.warps_n == 0 {
+                    return Err(format!(
+                        "the warp layout of `{kernel}` does not fit its tile"
+                    ));
+                }
+                let launch = regime
+                    .launches
+                    .iter()
+                    .find(|l| &l.kernel == kernel)
+                    .ok_or_else(|| format!("regime `{}` never launches `{kernel}`", regime.name))?;
+                if launch.block_threads != gemm.threads()
+                    || launch.smem_bytes != gemm.smem_bytes
+                    || launch.static_smem_bytes != gemm.smem.static_bytes
+                {
+                    return Err(format!(
+                        "the launch of `{kernel}` disagrees with its GEMM plan"
+                    ));
+                }
+            }
+            for launch in regime.launches {
+                self.check_launch(launch)?;
+            }
+        }
+        if next_min != u64::from(shape.max_tokens) + 1 {
+            return Err(format!(
+                "the regimes end at {} tokens, not at max_tokens {}",
+                next_min.saturating_sub(1),
+                shape.max_tokens
+            ));
         }
         Ok(())
     }
