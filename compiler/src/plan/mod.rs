@@ -912,6 +912,14 @@ fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
 
 /// The stage counts the cost model tries when `stages` is not hinted.
 const STAGE_CHOICES: [u32; 3] = [3, 4, 5];
+/// How much slower than its estimate a configuration of one block per SM runs, when
+/// choosing between candidates: alone on its SM, a block exposes its own prologue, its
+/// barriers and its epilogue, which a second block would cover. Measured on the two-H200
+/// machine (2026-11-30, expert-parallel GEMMs of the same tile shape): Qwen3-30B-A3B at
+/// 128 tokens per rank took 481 us at one 128x64 wgmma block per SM against 243 us at two
+/// (the NCCL baseline's single-GPU kernels), DeepSeek-V3 at 1024 tokens per rank 7617 us
+/// at one 32x128 mma.sync block per SM against 6393 us at two.
+const ONE_BLOCK_PER_SM_PENALTY: f64 = 1.15;
 
 /// The schedule hints of `layer` that cannot be planned on `target`, each with its reason.
 /// The checker reports these (with the hint's span) against the default target; [`plan`]
@@ -1081,7 +1089,7 @@ fn choose_gemm(
                     gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
                     let better = best
                         .as_ref()
-                        .is_none_or(|b| gemm.estimate.seconds < b.estimate.seconds * 0.999);
+                        .is_none_or(|b| ranking_seconds(&gemm) < ranking_seconds(b) * 0.999);
                     if better {
                         best = Some(gemm);
                     }
@@ -1100,6 +1108,16 @@ fn choose_gemm(
             .to_string(),
         reason: last_reason,
     })
+}
+
+/// What candidates are ranked by: the estimate, with [`ONE_BLOCK_PER_SM_PENALTY`] on
+/// configurations of one block per SM.
+fn ranking_seconds(gemm: &GemmPlan) -> f64 {
+    if gemm.blocks_per_sm == 1 {
+        gemm.estimate.seconds * ONE_BLOCK_PER_SM_PENALTY
+    } else {
+        gemm.estimate.seconds
+    }
 }
 
 /// A C identifier made from a layer name: letters, digits and `_`, not starting with a digit.
