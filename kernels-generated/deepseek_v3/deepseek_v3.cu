@@ -1055,7 +1055,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep_com
     }
 }
 // ---------------------------------------------------------------------------------------
-// Regime `decode`: 0..=256 tokens per call
+// Regime `decode`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 528 persistent blocks (4 per SM)
 struct decode_gemm1 : SingleGpu {
@@ -1080,20 +1080,20 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_gemm1(
 {
     grouped_gemm<decode_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
-// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 924 persistent blocks (7 per SM)
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x128x64, 3 stages, 1x4 warps, 528 persistent blocks (4 per SM)
 struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int BM = 16, BN = 128, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
-    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 30720;
-    static constexpr int DYNAMIC_SMEM_BYTES = 30784, STATIC_SMEM_BYTES = 1152;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296;
+    static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 1152;
 };
-extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_decode_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -1105,7 +1105,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_decode_gemm2(
     grouped_gemm<decode_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Regime `mid`: 257..=2048 tokens per call
+// Regime `mid`: 513..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): wgmma, tile 64x64x64, 3 stages, 4x1 warps, 396 persistent blocks (3 per SM)
 struct mid_gemm1 : SingleGpu {
@@ -1205,7 +1205,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_gemm2(
     grouped_gemm_wgmma<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
+// Rank regime `decode`, expert-parallel (tokens per rank): 0..=64 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 432 persistent blocks (4 per SM)
 struct decode_ep_gemm1 : ExpertParallel {
@@ -1235,20 +1235,20 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_ep_gemm1
     grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 756 persistent blocks (7 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x128x64, 3 stages, 1x4 warps, 432 persistent blocks (4 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int BM = 16, BN = 128, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
-    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 30720;
-    static constexpr int DYNAMIC_SMEM_BYTES = 30784, STATIC_SMEM_BYTES = 256;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296;
+    static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 256;
 };
-extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1264,7 +1264,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_decode_ep_gemm2
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `mid`, expert-parallel (tokens per rank): 33..=256 tokens per call
+// Rank regime `mid`, expert-parallel (tokens per rank): 65..=256 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 64x64x64, 3 stages, 4x1 warps, 324 persistent blocks (3 per SM)
 struct mid_ep_gemm1 : ExpertParallel {

@@ -1056,20 +1056,20 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_ep_c
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=128 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 528 persistent blocks (4 per SM)
+// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296;
-    static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 640;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
 };
-extern "C" __global__ void __launch_bounds__(128, 4) qwen3_30b_a3b_decode_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1104,7 +1104,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) qwen3_30b_a3b_decode_gemm2(
     grouped_gemm<decode_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Regime `mid`: 129..=512 tokens per call
+// Regime `mid`: 129..=1024 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): mma.sync, tile 32x128x64, 3 stages, 2x2 warps, 264 persistent blocks (2 per SM)
 struct mid_gemm1 : SingleGpu {
@@ -1154,7 +1154,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) qwen3_30b_a3b_mid_gemm2(
     grouped_gemm<mid_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Regime `prefill`: 513..=16384 tokens per call
+// Regime `prefill`: 1025..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 264 persistent blocks (2 per SM)
 struct prefill_gemm1 : SingleGpu {
@@ -1204,20 +1204,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) qwen3_30b_a3b_prefill_gemm2
     grouped_gemm_wgmma<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `decode`, expert-parallel (tokens per rank): 0..=256 tokens per call
+// Rank regime `decode`, expert-parallel (tokens per rank): 0..=16 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 64x64x64, 4 stages, 4x1 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 232 persistent blocks (2 per SM)
 struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 4;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 128;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
-    static constexpr int DYNAMIC_SMEM_BYTES = 99584, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 128;
 };
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -1231,23 +1231,23 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_ep_gem
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<decode_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
+    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x64x64, 5 stages, 8x1 warps, 116 persistent blocks (1 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 4 stages, 1x4 warps, 580 persistent blocks (5 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 122880;
-    static constexpr int DYNAMIC_SMEM_BYTES = 124416, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960;
+    static constexpr int DYNAMIC_SMEM_BYTES = 41024, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 5) qwen3_30b_a3b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1259,11 +1259,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_decode_ep_gem
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm_wgmma<decode_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
+    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `mid`, expert-parallel (tokens per rank): 257..=1024 tokens per call
+// Rank regime `mid`, expert-parallel (tokens per rank): 17..=1024 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 64x64x64, 4 stages, 4x1 warps, 232 persistent blocks (2 per SM)
 struct mid_ep_gemm1 : ExpertParallel {
@@ -1293,20 +1293,20 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_mid_ep_gemm1(
     grouped_gemm_wgmma<mid_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 64x128x64, 3 stages, 4x1 warps, 348 persistent blocks (3 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x64x64, 5 stages, 8x1 warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 128;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 73728;
-    static constexpr int DYNAMIC_SMEM_BYTES = 75008, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 24576;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 122880;
+    static constexpr int DYNAMIC_SMEM_BYTES = 124416, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(128, 3) qwen3_30b_a3b_mid_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace

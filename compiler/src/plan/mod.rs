@@ -734,18 +734,45 @@ fn same_config(a: &GemmPlan, b: &GemmPlan) -> bool {
         && a.warps_n == b.warps_n
 }
 
-/// Bounds the number of regimes (each costs compile time) by folding the shortest run of
-/// probes into its larger-token neighbour, whose tiles serve larger calls well.
+/// A run of probes with one configuration: first and last probe, GEMM1 and GEMM2.
+type ProbeGroup = (u32, u32, GemmPlan, GemmPlan);
+
+/// Bounds the number of regimes (each costs compile time) by repeatedly folding one run of
+/// probes into a neighbour, the fold that costs least: the summed relative slowdown, at
+/// the folded run's probes, of running the neighbour's tiles instead of its own (both
+/// GEMMs, by the cost model). A short run whose tiles win by much (small tiles at a few
+/// tokens) stays; one whose neighbour's tiles do nearly as well goes.
 fn merge_to_at_most(
-    mut groups: Vec<(u32, u32, GemmPlan, GemmPlan)>,
+    mut groups: Vec<ProbeGroup>,
     limit: usize,
-) -> Vec<(u32, u32, GemmPlan, GemmPlan)> {
+    probes: &[u32],
+    target: &Target,
+    problems: [&GemmProblem; 2],
+) -> Vec<ProbeGroup> {
+    let slowdown = |from: &ProbeGroup, to: &ProbeGroup| -> f64 {
+        probes
+            .iter()
+            .filter(|&&t| from.0 <= t && t <= from.1)
+            .map(|&t| {
+                let seconds = |g1: &GemmPlan, g2: &GemmPlan| {
+                    cost::estimate(target, problems[0], g1, t).seconds
+                        + cost::estimate(target, problems[1], g2, t).seconds
+                };
+                seconds(&to.2, &to.3) / seconds(&from.2, &from.3) - 1.0
+            })
+            .sum()
+    };
     while groups.len() > limit {
-        let shortest = (0..groups.len() - 1)
-            .min_by_key(|&i| groups[i].1 - groups[i].0)
-            .unwrap_or(0);
-        let removed = groups.remove(shortest);
-        groups[shortest].0 = removed.0;
+        // (cost, run folded, neighbour that takes its probes)
+        let best = (0..groups.len() - 1)
+            .flat_map(|i| [(i, i + 1), (i + 1, i)])
+            .map(|(from, to)| (slowdown(&groups[from], &groups[to]), from, to))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        let Some((_, from, to)) = best else { break };
+        let folded = groups.remove(from);
+        let to = if to > from { to - 1 } else { to };
+        groups[to].0 = groups[to].0.min(folded.0);
+        groups[to].1 = groups[to].1.max(folded.1);
     }
     groups
 }
@@ -1012,7 +1039,7 @@ pub(crate) fn choose_regimes(
         .collect();
     probes.push(shape.max_tokens);
 
-    let mut groups: Vec<(u32, u32, GemmPlan, GemmPlan)> = Vec::new();
+    let mut groups: Vec<ProbeGroup> = Vec::new();
     for &tokens in &probes {
         let g1 = choose_gemm(layer, target, &up, hints.gemm1_tile, hints.stages, tokens)?;
         let g2 = choose_gemm(layer, target, &down, hints.gemm2_tile, hints.stages, tokens)?;
@@ -1023,7 +1050,7 @@ pub(crate) fn choose_regimes(
             _ => groups.push((tokens, tokens, g1, g2)),
         }
     }
-    let groups = merge_to_at_most(groups, 3);
+    let groups = merge_to_at_most(groups, 3, &probes, target, [&up, &down]);
     let count = groups.len();
     let mut next_min = 0;
     Ok(groups
