@@ -756,7 +756,7 @@ constexpr int COMM_THREADS = 512;
 constexpr int META_THREADS = 512;
 constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 128;
 constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = 1152;
-constexpr int EP_COMBINE_STATIC_SMEM_BYTES = 128;
+constexpr int EP_COMBINE_STATIC_SMEM_BYTES = 0;
 // Each rank's row of the peer table: addresses of the buffers other ranks write.
 constexpr int PEER_BUFFER_COUNT = 10;
 constexpr int PEER_RECV_X = 0;
@@ -1036,9 +1036,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_e
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
-    __shared__ int s_complete;
-    static_assert(static_smem_reserved(sizeof(s_complete)) == EP_COMBINE_STATIC_SMEM_BYTES,
-                  "plan: combine kernel's static shared memory");
+    static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
     for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
         bool routed[TOP_K];
         u32 valid = 0;
@@ -1048,11 +1046,14 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_e
             valid += routed[k];
         }
         const u32 target = valid * HIDDEN;
-        if (threadIdx.x == 0) s_complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        // Thread 0 waits for the token and later resets its counter: only it needs to know
+        // whether the wait succeeded (a register, not shared memory every thread would read).
+        bool complete = false;
+        if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
         combine_token(combine_slots, token, routed, y);
         __syncthreads();  // every thread read the slots before the counter is reset
-        if (threadIdx.x == 0 && s_complete) atomicSub(combine_counters + token, target);
+        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
 // ---------------------------------------------------------------------------------------

@@ -696,7 +696,7 @@ fn launch_table(
             combine_blocks,
             COMBINE_THREADS,
             StreamRole::Compute,
-            static_smem_reserved(4),
+            0,
             0,
             vec![
                 read(TopkIds),
