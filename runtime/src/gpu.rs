@@ -31,7 +31,7 @@ pub enum GpuError {
         "this plan cannot run here: {reason}; plan the layer for this device (omit --target, or regenerate the AOT directory on a matching GPU)"
     )]
     TargetMismatch { target: String, reason: String },
-    #[error("{wanted} GPUs are needed but {found} are visible")]
+    #[error("{wanted} GPUs are needed; {found} visible")]
     TooFewDevices { wanted: usize, found: usize },
     #[error(
         "device {from} cannot access device {to}'s memory ({result}); expert parallelism across GPUs needs peer access (NVLink or PCIe P2P)"
