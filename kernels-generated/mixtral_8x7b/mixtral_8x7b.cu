@@ -1264,7 +1264,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `mid`, expert-parallel (tokens per rank): 33..=2048 tokens per call
+// Rank regime `mid`, expert-parallel (tokens per rank): 33..=128 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 232 persistent blocks (2 per SM)
 struct mid_ep_gemm1 : ExpertParallel {
@@ -1294,20 +1294,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) mixtral_8x7b_mid_ep_gemm1(
     grouped_gemm_wgmma<mid_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x64x64, 5 stages, 8x1 warps, 116 persistent blocks (1 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 64x64x64, 5 stages, 4x1 warps, 232 persistent blocks (2 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 128;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 122880;
-    static constexpr int DYNAMIC_SMEM_BYTES = 124416, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 81920;
+    static constexpr int DYNAMIC_SMEM_BYTES = 83200, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1323,7 +1323,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm2(
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `prefill`, expert-parallel (tokens per rank): 2049..=16384 tokens per call
+// Rank regime `prefill`, expert-parallel (tokens per rank): 129..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 232 persistent blocks (2 per SM)
 struct prefill_ep_gemm1 : ExpertParallel {
@@ -1353,20 +1353,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) mixtral_8x7b_prefill_ep_gem
     grouped_gemm_wgmma<prefill_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 64x128x64, 3 stages, 4x1 warps, 348 persistent blocks (3 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
+    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 128;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
-    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 73728;
+    static constexpr int DYNAMIC_SMEM_BYTES = 75008, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(256, 2) mixtral_8x7b_prefill_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 3) mixtral_8x7b_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace

@@ -737,11 +737,12 @@ fn same_config(a: &GemmPlan, b: &GemmPlan) -> bool {
 /// A run of probes with one configuration: first and last probe, GEMM1 and GEMM2.
 type ProbeGroup = (u32, u32, GemmPlan, GemmPlan);
 
-/// Bounds the number of regimes (each costs compile time) by repeatedly folding one run of
-/// probes into a neighbour, the fold that costs least: the summed relative slowdown, at
-/// the folded run's probes, of running the neighbour's tiles instead of its own (both
-/// GEMMs, by the cost model). A short run whose tiles win by much (small tiles at a few
-/// tokens) stays; one whose neighbour's tiles do nearly as well goes.
+/// Bounds the number of regimes (each costs compile time) by repeatedly joining two
+/// neighbouring runs of probes into one, running whichever of their two configurations
+/// costs less over the joined range: the join that adds least to the summed relative
+/// slowdown of every probe against its own best configuration (both GEMMs, ranked as
+/// candidates are). A short run whose tiles win by much (small tiles at a few tokens) stays; a run
+/// whose neighbour's tiles do nearly as well goes.
 fn merge_to_at_most(
     mut groups: Vec<ProbeGroup>,
     limit: usize,
@@ -749,30 +750,49 @@ fn merge_to_at_most(
     target: &Target,
     problems: [&GemmProblem; 2],
 ) -> Vec<ProbeGroup> {
-    let slowdown = |from: &ProbeGroup, to: &ProbeGroup| -> f64 {
-        probes
-            .iter()
-            .filter(|&&t| from.0 <= t && t <= from.1)
-            .map(|&t| {
-                let seconds = |g1: &GemmPlan, g2: &GemmPlan| {
-                    cost::estimate(target, problems[0], g1, t).seconds
-                        + cost::estimate(target, problems[1], g2, t).seconds
-                };
-                seconds(&to.2, &to.3) / seconds(&from.2, &from.3) - 1.0
-            })
+    // As candidates are ranked: the estimate, one block per SM penalised.
+    let seconds = |group: &ProbeGroup, tokens: u32| {
+        cost::estimate(target, problems[0], &group.2, tokens).seconds * ranking_factor(&group.2)
+            + cost::estimate(target, problems[1], &group.3, tokens).seconds
+                * ranking_factor(&group.3)
+    };
+    // Each probe's time with its own best configuration.
+    let best: Vec<(u32, f64)> = probes
+        .iter()
+        .filter_map(|&t| {
+            let own = groups.iter().find(|g| g.0 <= t && t <= g.1)?;
+            Some((t, seconds(own, t)))
+        })
+        .collect();
+    // Summed relative slowdown of running `group`'s configuration over `first..=last`.
+    let slowdown = |group: &ProbeGroup, first: u32, last: u32| -> f64 {
+        best.iter()
+            .filter(|&&(t, _)| first <= t && t <= last)
+            .map(|&(t, own)| seconds(group, t) / own - 1.0)
             .sum()
     };
     while groups.len() > limit {
-        // (cost, run folded, neighbour that takes its probes)
-        let best = (0..groups.len() - 1)
-            .flat_map(|i| [(i, i + 1), (i + 1, i)])
-            .map(|(from, to)| (slowdown(&groups[from], &groups[to]), from, to))
+        // (added slowdown, left run of the pair, whether the right run's tiles serve both)
+        let join = (0..groups.len() - 1)
+            .flat_map(|i| [(i, false), (i, true)])
+            .map(|(i, keep_right)| {
+                let (left, right) = (&groups[i], &groups[i + 1]);
+                let kept = if keep_right { right } else { left };
+                let added = slowdown(kept, left.0, right.1)
+                    - slowdown(left, left.0, left.1)
+                    - slowdown(right, right.0, right.1);
+                (added, i, keep_right)
+            })
             .min_by(|a, b| a.0.total_cmp(&b.0));
-        let Some((_, from, to)) = best else { break };
-        let folded = groups.remove(from);
-        let to = if to > from { to - 1 } else { to };
-        groups[to].0 = groups[to].0.min(folded.0);
-        groups[to].1 = groups[to].1.max(folded.1);
+        let Some((_, i, keep_right)) = join else { break };
+        let right = groups.remove(i + 1);
+        let left = &mut groups[i];
+        let last = right.1;
+        if keep_right {
+            *left = (left.0, last, right.2, right.3);
+        } else {
+            left.1 = last;
+        }
     }
     groups
 }
@@ -1140,10 +1160,14 @@ fn choose_gemm(
 /// What candidates are ranked by: the estimate, with [`ONE_BLOCK_PER_SM_PENALTY`] on
 /// configurations of one block per SM.
 fn ranking_seconds(gemm: &GemmPlan) -> f64 {
+    gemm.estimate.seconds * ranking_factor(gemm)
+}
+
+fn ranking_factor(gemm: &GemmPlan) -> f64 {
     if gemm.blocks_per_sm == 1 {
-        gemm.estimate.seconds * ONE_BLOCK_PER_SM_PENALTY
+        ONE_BLOCK_PER_SM_PENALTY
     } else {
-        gemm.estimate.seconds
+        1.0
     }
 }
 
