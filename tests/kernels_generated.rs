@@ -21,35 +21,49 @@ fn kernels_generated_is_fresh() {
         .filter(|p| p.extension().is_some_and(|e| e == "moe"))
         .collect();
     examples.sort();
-    let mut stale = Vec::new();
-    for example in &examples {
-        let text = std::fs::read_to_string(example).expect("readable example");
-        let module = moeforge::compiler::compile_source(&example.display().to_string(), &text)
-            .expect("example checks");
-        let plans: Vec<_> = module
-            .layers
+    // One thread per example: NVRTC compiles independent programs concurrently.
+    let stale: Vec<String> = std::thread::scope(|scope| {
+        let workers: Vec<_> = examples
             .iter()
-            .map(|l| plan::plan(l, &Target::h200()).expect("example plans"))
+            .map(|example| scope.spawn(|| regenerate(root, example, jit.as_ref(), bless)))
             .collect();
-        let files = aot::render(&plans, jit.as_ref()).expect("AOT output");
-        let dir = root
-            .join("kernels-generated")
-            .join(example.file_stem().expect("file name"));
-        for file in files {
-            let path = dir.join(&file.name);
-            if bless {
-                std::fs::create_dir_all(&dir).expect("create kernels-generated/<example>");
-                std::fs::write(&path, &file.contents).expect("write");
-            } else if std::fs::read(&path).ok().as_deref() != Some(&file.contents[..]) {
-                stale.push(path.display().to_string());
-            }
-        }
-    }
+        workers
+            .into_iter()
+            .flat_map(|worker| worker.join().expect("an example's regeneration panicked"))
+            .collect()
+    });
     assert!(
         stale.is_empty(),
         "kernels-generated/ is stale: {}\nregenerate with MOEFORGE_BLESS=1 cargo test --test kernels_generated",
         stale.join(", ")
     );
+}
+
+/// Regenerates one example's AOT output: writes it (`bless`) or returns the stale paths.
+fn regenerate(root: &Path, example: &Path, jit: Option<&Jit>, bless: bool) -> Vec<String> {
+    let text = std::fs::read_to_string(example).expect("readable example");
+    let module = moeforge::compiler::compile_source(&example.display().to_string(), &text)
+        .expect("example checks");
+    let plans: Vec<_> = module
+        .layers
+        .iter()
+        .map(|l| plan::plan(l, &Target::h200()).expect("example plans"))
+        .collect();
+    let files = aot::render(&plans, jit).expect("AOT output");
+    let dir = root
+        .join("kernels-generated")
+        .join(example.file_stem().expect("file name"));
+    let mut stale = Vec::new();
+    for file in files {
+        let path = dir.join(&file.name);
+        if bless {
+            std::fs::create_dir_all(&dir).expect("create kernels-generated/<example>");
+            std::fs::write(&path, &file.contents).expect("write");
+        } else if std::fs::read(&path).ok().as_deref() != Some(&file.contents[..]) {
+            stale.push(path.display().to_string());
+        }
+    }
+    stale
 }
 
 /// A deployment loads the AOT directory without the language: the plan read back from

@@ -17,41 +17,18 @@ fn every_example_compiles_for_sm90a_without_spills() {
     };
     let jit = Jit::new(toolkit, JitSettings::from_env().expect("JIT settings")).expect("JIT");
     let target = Target::h200();
-    let mut checked = 0;
-    for layer in layers::examples() {
-        let plan = plan::plan(&layer, &target).expect("every example plans");
-        let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
-        let module = jit
-            .compile(&source.source, &aot::compile_options(&plan))
-            .expect("NVRTC compiles the example");
-        let report = jit
-            .ptxas_report(&module.ptx, &plan.target.arch)
-            .expect("ptxas -v");
-        if let Err((kernel, problem)) = aot::check_ptx_entries(&plan, &module.ptx) {
-            panic!("{}: entry `{kernel}` {problem}", layer.name);
-        }
-        for entry in &source.entry_points {
-            let function = report
-                .function(entry)
-                .unwrap_or_else(|| panic!("ptxas reports {entry}"));
-            assert_eq!(
-                (function.spill_stores, function.spill_loads),
-                (0, 0),
-                "{entry} of {} spills: {function:?}",
-                layer.name
-            );
-            let launch = plan
-                .launches()
-                .find(|l| &l.kernel == entry)
-                .expect("every entry point is launched");
-            assert_eq!(
-                function.shared_mem,
-                u64::from(launch.static_smem_bytes),
-                "{entry}: ptxas's static shared memory against the plan's"
-            );
-            checked += 1;
-        }
-    }
+    // One thread per example: NVRTC and ptxas work on independent programs concurrently.
+    let layers = layers::examples();
+    let checked: usize = std::thread::scope(|scope| {
+        let workers: Vec<_> = layers
+            .iter()
+            .map(|layer| scope.spawn(|| check_example(&jit, &target, layer)))
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().expect("an example's check panicked"))
+            .sum()
+    });
     println!("{checked} kernels compiled without spills");
     assert!(
         checked >= 7 * 4,
@@ -80,4 +57,40 @@ fn a_launch_table_that_disagrees_with_the_ptx_is_caught() {
         aot::check_ptx_entries(&edited, &module.ptx).expect_err("swapped parameters are caught");
     assert_eq!(kernel, plan.route_kernel);
     assert!(problem.contains(".u64, .u32"), "{problem}");
+}
+
+/// Compiles one example and checks its kernels; returns how many it checked.
+fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Layer) -> usize {
+    let plan = plan::plan(layer, target).expect("every example plans");
+    let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
+    let module = jit
+        .compile(&source.source, &aot::compile_options(&plan))
+        .expect("NVRTC compiles the example");
+    let report = jit
+        .ptxas_report(&module.ptx, &plan.target.arch)
+        .expect("ptxas -v");
+    if let Err((kernel, problem)) = aot::check_ptx_entries(&plan, &module.ptx) {
+        panic!("{}: entry `{kernel}` {problem}", layer.name);
+    }
+    for entry in &source.entry_points {
+        let function = report
+            .function(entry)
+            .unwrap_or_else(|| panic!("ptxas reports {entry}"));
+        assert_eq!(
+            (function.spill_stores, function.spill_loads),
+            (0, 0),
+            "{entry} of {} spills: {function:?}",
+            layer.name
+        );
+        let launch = plan
+            .launches()
+            .find(|l| &l.kernel == entry)
+            .expect("every entry point is launched");
+        assert_eq!(
+            function.shared_mem,
+            u64::from(launch.static_smem_bytes),
+            "{entry}: ptxas's static shared memory against the plan's"
+        );
+    }
+    source.entry_points.len()
 }
