@@ -388,7 +388,7 @@ fn check_item(item: TokenStream2) -> Result<ItemFn, Errors> {
     let mut errors = Errors::new();
     if !sig.inputs.is_empty() || !sig.generics.params.is_empty() {
         errors.push((
-            Span::call_site(),
+            sig.paren_token.span.join(),
             "a #[moe_layer] function takes no parameters and no generics: it returns the layer's handle".to_string(),
         ));
     }
