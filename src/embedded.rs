@@ -69,7 +69,7 @@ pub enum EmbeddedError {
     Jit {
         layer: &'static str,
         #[source]
-        source: JitError,
+        source: Box<JitError>,
     },
     #[error("{what} holds {got} elements but {tokens} tokens of width {width} need {needed}")]
     BufferTooSmall {
@@ -86,7 +86,13 @@ pub enum EmbeddedError {
     #[error(transparent)]
     Layer(#[from] LayerError),
     #[error(transparent)]
-    Harness(#[from] HarnessError),
+    Harness(Box<HarnessError>),
+}
+
+impl From<HarnessError> for EmbeddedError {
+    fn from(error: HarnessError) -> Self {
+        EmbeddedError::Harness(Box::new(error))
+    }
 }
 
 /// The sizes the layer's kernels are specialised to, as the planner fixed them.
@@ -266,10 +272,16 @@ impl<const H: usize, const K: usize> SpecLayer<H, K> {
                         "moeforge: layer `{layer}` was built without NVRTC; compiling its kernels now (build with NVRTC available to embed them)"
                     );
                 });
-                let jit = Jit::from_env().map_err(|source| EmbeddedError::Jit { layer, source })?;
+                let jit = Jit::from_env().map_err(|source| EmbeddedError::Jit {
+                    layer,
+                    source: Box::new(source),
+                })?;
                 let module = jit
                     .compile(self.artifacts.source, &aot::compile_options(plan))
-                    .map_err(|source| EmbeddedError::Jit { layer, source })?;
+                    .map_err(|source| EmbeddedError::Jit {
+                        layer,
+                        source: Box::new(source),
+                    })?;
                 Kernels {
                     module,
                     origin: KernelOrigin::CompiledAtFirstUse,

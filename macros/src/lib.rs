@@ -462,6 +462,18 @@ fn expand(attr: TokenStream2, item: TokenStream2) -> Result<TokenStream2, Errors
         )
     });
 
+    // Whether the PTX is embedded depends on finding NVRTC, through these variables (and
+    // the `.venv` of the workspace): reading them with `option_env!` makes cargo expand the
+    // macro again when they change, so a build without NVRTC is not kept once it is found.
+    let toolkit_vars = quote! {
+        const _: [::core::option::Option<&str>; 4] = [
+            ::core::option_env!("CUDA_HOME"),
+            ::core::option_env!("CUDA_PATH"),
+            ::core::option_env!("MOEFORGE_NVRTC_WHEEL"),
+            ::core::option_env!("VIRTUAL_ENV"),
+        ];
+    };
+
     let ItemFn {
         attrs, vis, sig, ..
     } = function;
@@ -473,6 +485,7 @@ fn expand(attr: TokenStream2, item: TokenStream2) -> Result<TokenStream2, Errors
         #[doc = #summary]
         #vis fn #name() -> &'static #handle {
             #tracked
+            #toolkit_vars
             static LAYER: #handle = ::moeforge::embedded::SpecLayer::new(
                 ::moeforge::embedded::Artifacts {
                     layer: #layer_name,
