@@ -309,6 +309,17 @@ impl Session {
             .collect()
     }
 
+    /// [`Session::build`] with kernels compiled elsewhere (embedded PTX, an AOT directory):
+    /// loads `module`, fills random weights and builds the handle.
+    pub fn build_compiled(
+        &self,
+        plan: Plan,
+        module: CompiledModule,
+        seed: u64,
+    ) -> Result<BuiltLayer, HarnessError> {
+        self.assemble(plan, module, 0.0, seed)
+    }
+
     /// Loads a compiled module, fills random weights and builds the handle.
     fn assemble(
         &self,
