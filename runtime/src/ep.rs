@@ -14,14 +14,16 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::sys::{self, CUresult};
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig,
+    PushKernelArg,
+};
 use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
 use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
 use crate::layer::{
-    ArgValue, ExpertWeights, ForwardArgs, LayerError, check_len, kernel_error, launch_kernel, ptr,
-    read_error_word,
+    ArgValue, ExpertWeights, ForwardArgs, LayerError, check_len, kernel_error, ptr, read_error_word,
 };
 
 /// Where a kernel parameter's value comes from, resolved once per rank.
@@ -401,20 +403,24 @@ impl EpLayer {
                     Binding::Workspace(i) => ArgValue::Pointer(ptr(&rank.workspace[i].1, stream)),
                 })
                 .collect();
+            let config = LaunchConfig {
+                grid_dim: (launch.grid.blocks(a.tokens), 1, 1),
+                block_dim: (launch.block_threads, 1, 1),
+                shared_mem_bytes: launch.smem_bytes,
+            };
+            let mut builder = stream.launch_builder(function);
+            for value in &values {
+                match value {
+                    ArgValue::Pointer(p) => builder.arg(p),
+                    ArgValue::Int(i) => builder.arg(i),
+                };
+            }
             // SAFETY: codegen wrote this kernel's parameters from `launch.params`
             // (pointers for buffers, 32-bit integers for tokens, rank and epoch); `new`
             // validated the plan and sized every workspace buffer from it, and the
             // caller's buffers were checked in `begin_call`.
-            unsafe {
-                launch_kernel(
-                    stream,
-                    function,
-                    launch,
-                    launch.grid.blocks(a.tokens),
-                    &values,
-                )
-            }
-            .context(format!("launching `{}` on rank {r}", launch.kernel))?;
+            unsafe { builder.launch(config) }
+                .context(format!("launching `{}` on rank {r}", launch.kernel))?;
         }
         Ok(())
     }

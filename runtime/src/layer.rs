@@ -9,10 +9,9 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, PlanInvalid, error_code};
+use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, PlanInvalid, error_code};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, Gpu, GpuError};
@@ -137,35 +136,6 @@ pub(crate) fn check_len(what: &'static str, got: usize, expected: u64) -> Result
 pub(crate) enum ArgValue {
     Pointer(u64),
     Int(i32),
-}
-
-/// Launches `function` as `launch` says, with `blocks` blocks and `values` as its
-/// parameters, on `stream`.
-///
-/// # Safety
-/// `values` must match the kernel's parameter list in order and type (a pointer per
-/// buffer, an i32 per integer), and every buffer must hold what the kernel indexes.
-pub(crate) unsafe fn launch_kernel(
-    stream: &CudaStream,
-    function: &CudaFunction,
-    launch: &Launch,
-    blocks: u32,
-    values: &[ArgValue],
-) -> Result<(), DriverError> {
-    let config = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (launch.block_threads, 1, 1),
-        shared_mem_bytes: launch.smem_bytes,
-    };
-    let mut builder = stream.launch_builder(function);
-    for value in values {
-        match value {
-            ArgValue::Pointer(p) => builder.arg(p),
-            ArgValue::Int(i) => builder.arg(i),
-        };
-    }
-    // SAFETY: the caller vouches for the parameters and buffers.
-    unsafe { builder.launch(config) }.map(|_| ())
 }
 
 impl MoeLayer {
@@ -336,12 +306,23 @@ impl MoeLayer {
                     Binding::Workspace(i) => ArgValue::Pointer(ptr(&self.workspace[i].1, stream)),
                 })
                 .collect();
+            let config = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (launch.block_threads, 1, 1),
+                shared_mem_bytes: launch.smem_bytes,
+            };
+            let mut builder = stream.launch_builder(function);
+            for value in &values {
+                match value {
+                    ArgValue::Pointer(p) => builder.arg(p),
+                    ArgValue::Int(i) => builder.arg(i),
+                };
+            }
             // SAFETY: codegen wrote this kernel's parameter list from `launch.params` (its
             // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens),
             // and the AOT loader checks the PTX entry against the same list; `new` validated
             // the plan, and every buffer was checked above to hold what the kernel indexes.
-            unsafe { launch_kernel(stream, function, launch, blocks, &values) }
-                .context(format!("launching `{}`", launch.kernel))?;
+            unsafe { builder.launch(config) }.context(format!("launching `{}`", launch.kernel))?;
         }
         Ok(())
     }
