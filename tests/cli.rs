@@ -244,3 +244,37 @@ fn run_over_virtual_ranks_compiles_or_checks_every_rank() {
     assert_eq!(uneven.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&uneven.stderr).contains("evenly"));
 }
+
+#[test]
+fn simulate_prints_three_schedules_and_the_bench_comparison() {
+    let output = moeforge(&["simulate", "dsl-examples/tiny.moe", "--tokens", "16,100"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    for schedule in ["bulk-synchronous", "naive order", "topology-aware"] {
+        assert_eq!(stdout.matches(schedule).count(), 2, "{stdout}");
+    }
+    let output = moeforge(&[
+        "simulate",
+        "dsl-examples/qwen3_30b_a3b.moe",
+        "--measured",
+        "benches/results/2026-11-30_qwen3_30b_a3b_ep2_uniform.json",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("| 4096 ")).count(),
+        1,
+        "{stdout}"
+    );
+    // Fewer ranks than experts allow is a usage error, not a panic.
+    let output = moeforge(&["simulate", "dsl-examples/tiny.moe", "--ranks", "3"]);
+    assert_eq!(output.status.code(), Some(2));
+}

@@ -6,6 +6,7 @@
 //! - [`diagnostics`]: the typed errors of both, with spans, hints and rendering.
 //! - [`ir`]: the checked layer (the checker's output, every later stage's input).
 //! - [`plan`]: tiles, regimes, buffers and the launch table, chosen by a cost model.
+//! - [`simulate`]: a discrete-event model of a plan's expert-parallel schedule.
 //! - [`codegen`]: the plan written out as one CUDA C++ unit.
 //!
 //! Entry points: [`compile_source`] (text to checked module), [`parse`] (text to syntax
@@ -17,6 +18,7 @@ pub mod diagnostics;
 pub mod front;
 pub mod ir;
 pub mod plan;
+pub mod simulate;
 
 pub use diagnostics::{Diagnostics, Error};
 pub use front::{Parsed, parse};

@@ -12,6 +12,7 @@ mod explain;
 mod fmt;
 mod planning;
 mod run;
+mod simulate;
 
 use std::io::IsTerminal;
 use std::path::Path;
@@ -36,6 +37,7 @@ enum Command {
     Compile(compile::Args),
     Run(run::Args),
     Bench(bench::Args),
+    Simulate(simulate::Args),
 }
 
 /// Parses the command line and runs the command.
@@ -48,6 +50,7 @@ pub fn run() -> ExitCode {
         Command::Compile(args) => compile::run(&args),
         Command::Run(args) => run::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::Simulate(args) => simulate::run(&args),
     }
 }
 

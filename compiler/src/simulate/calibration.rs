@@ -1,0 +1,124 @@
+//! The simulator beside the bench: reads a bench result of the expert-parallel path
+//! (`benches/results/*_ep2_uniform.json`, written by `moeforge bench --gpus 2`) at run time
+//! and predicts each of its cells. The model's constants (`model.rs`) were fitted against
+//! these files, so agreement on the stage times is by construction; the layer times
+//! (overlap, barriers, launches) are what the comparison tests.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use super::{Options, Routing, Schedule, SimError, Topology, simulate};
+use crate::plan::Plan;
+
+/// One bench file, as far as the simulator reads it.
+#[derive(Clone, Debug, Deserialize)]
+pub struct MeasuredFile {
+    pub layer: String,
+    pub placement: String,
+    pub routing: String,
+    pub rows: Vec<MeasuredRow>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct MeasuredRow {
+    pub tokens_per_rank: u32,
+    pub ranks: u32,
+    pub expert_parallel_us: f64,
+    pub bulk_synchronous_us: f64,
+    pub stages: MeasuredStages,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct MeasuredStages {
+    pub dispatch_us: f64,
+    pub gemm_us: f64,
+    pub combine_us: f64,
+}
+
+impl MeasuredFile {
+    pub fn read(path: &Path) -> Result<Self, SimError> {
+        let text = std::fs::read_to_string(path).map_err(|error| {
+            SimError::Measured(format!("cannot read {}: {error}", path.display()))
+        })?;
+        serde_json::from_str(&text)
+            .map_err(|error| SimError::Measured(format!("{}: {error}", path.display())))
+    }
+}
+
+/// A measured cell and the simulator's prediction of it, in microseconds.
+#[derive(Clone, Debug)]
+pub struct Comparison {
+    pub tokens_per_rank: u32,
+    /// Expert-parallel layer time: measured, predicted (the plan's own schedule, which on
+    /// one node is the topology-aware one).
+    pub expert_parallel: (f64, f64),
+    /// Bulk-synchronous layer time.
+    pub bulk_synchronous: (f64, f64),
+    /// Stage times of the bulk-synchronous run: dispatch, GEMMs, combine.
+    pub dispatch: (f64, f64),
+    pub gemm: (f64, f64),
+    pub combine: (f64, f64),
+}
+
+/// Relative error of a prediction against a measurement.
+pub fn error(pair: (f64, f64)) -> f64 {
+    (pair.1 - pair.0) / pair.0
+}
+
+/// Predicts every cell of `measured` with `plan` (planned for the file's ranks) on
+/// `topology`.
+pub fn compare(
+    plan: &Plan,
+    topology: &Topology,
+    measured: &MeasuredFile,
+) -> Result<Vec<Comparison>, SimError> {
+    if measured.routing != "uniform" {
+        return Err(SimError::Measured(format!(
+            "the file's routing is `{}`; only uniform cells are compared",
+            measured.routing
+        )));
+    }
+    let us = 1e6;
+    measured
+        .rows
+        .iter()
+        .map(|row| {
+            let ranks = plan.expert_parallel.as_ref().map_or(1, |ep| ep.ranks);
+            if row.ranks != ranks {
+                return Err(SimError::RankMismatch {
+                    plan: ranks,
+                    topology: row.ranks,
+                });
+            }
+            let report = simulate(
+                plan,
+                topology,
+                &Options {
+                    tokens_per_rank: row.tokens_per_rank,
+                    routing: Routing::Uniform,
+                    timeline_ranks: 0,
+                },
+            )?;
+            let of = |schedule: Schedule| report.schedules.iter().find(|s| s.schedule == schedule);
+            let (Some(bulk), Some(fine)) = (
+                of(Schedule::BulkSynchronous),
+                of(Schedule::FineGrainedTopologyAware),
+            ) else {
+                return Err(SimError::Measured(format!(
+                    "the plan deadlocks at {} tokens per rank",
+                    row.tokens_per_rank
+                )));
+            };
+            let gemm_predicted = bulk.layer_s - bulk.dispatch_s - bulk.combine_s;
+            Ok(Comparison {
+                tokens_per_rank: row.tokens_per_rank,
+                expert_parallel: (row.expert_parallel_us, fine.layer_s * us),
+                bulk_synchronous: (row.bulk_synchronous_us, bulk.layer_s * us),
+                dispatch: (row.stages.dispatch_us, bulk.dispatch_s * us),
+                gemm: (row.stages.gemm_us, gemm_predicted * us),
+                combine: (row.stages.combine_us, bulk.combine_s * us),
+            })
+        })
+        .collect()
+}

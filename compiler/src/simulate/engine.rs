@@ -1,0 +1,719 @@
+//! The event loop and the per-rank GEMM walk behind [`super::simulate`].
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
+
+use super::model::{self, COMM_BLOCK_BYTES_PER_S};
+use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
+use crate::plan::ep::{ExpertParallelPlan, ExpertParallelRegime};
+use crate::plan::{GemmPlan, Plan, Target};
+
+/// The kind of path between two ranks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Local,
+    NvLink,
+    Network,
+}
+
+/// Where a work item goes.
+#[derive(Clone, Copy)]
+enum To {
+    Rank(u32),
+    /// Every rank of `node`, through `relay` there.
+    Node {
+        node: u32,
+        relay: u32,
+    },
+}
+
+/// A work item of a communication block: token rows of `origin`, ending at `pos_end` in
+/// its send slots to the destination (or node).
+#[derive(Clone, Copy)]
+struct Item {
+    to: To,
+    origin: u32,
+    rows: u32,
+    pos_end: u32,
+}
+
+/// Ports as FIFO servers: per rank and class, egress and ingress.
+struct Ports {
+    free: Vec<f64>,
+    bytes: Vec<f64>,
+}
+
+const OUT: usize = 0;
+const IN: usize = 1;
+
+impl Ports {
+    fn new(ranks: u32) -> Self {
+        Ports {
+            free: vec![0.0; ranks as usize * 4],
+            bytes: vec![0.0; ranks as usize * 4],
+        }
+    }
+
+    fn index(rank: u32, class: Class, direction: usize) -> usize {
+        let class = usize::from(class == Class::Network);
+        (rank as usize * 2 + class) * 2 + direction
+    }
+
+    fn reserve(&mut self, index: usize, start: f64, bytes: f64, bandwidth: f64) -> f64 {
+        let begin = self.free[index].max(start);
+        self.free[index] = begin + bytes / bandwidth;
+        self.bytes[index] += bytes;
+        self.free[index]
+    }
+}
+
+/// An event time, ordered for a min-heap.
+#[derive(Clone, Copy, PartialEq)]
+struct Time(f64);
+
+impl Eq for Time {}
+
+impl PartialOrd for Time {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Time {
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.0.total_cmp(&self.0)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    /// A communication block of `rank` is free.
+    BlockFree { rank: u32 },
+    /// A relay forwards part of a node chunk of `origin` to `destination`.
+    Forward {
+        relay: u32,
+        origin: u32,
+        destination: u32,
+        rows: u32,
+        pos_end: u32,
+    },
+}
+
+/// What a run of the communication blocks produced.
+struct CommResult {
+    /// Per (origin, destination): (end position, arrival time) of each delivered item.
+    arrivals: Vec<Vec<(u32, f64)>>,
+    last_arrival: f64,
+}
+
+/// A plan, a topology and one call's routing: everything a schedule run needs.
+pub(super) struct Machine<'a> {
+    ep: &'a ExpertParallelPlan,
+    regime: &'a ExpertParallelRegime,
+    target: &'a Target,
+    topology: &'a Topology,
+    traffic: &'a Traffic,
+    hidden: u32,
+    ffn: u32,
+    row_bytes: f64,
+}
+
+impl<'a> Machine<'a> {
+    pub(super) fn new(
+        plan: &'a Plan,
+        ep: &'a ExpertParallelPlan,
+        regime: &'a ExpertParallelRegime,
+        topology: &'a Topology,
+        traffic: &'a Traffic,
+    ) -> Self {
+        Machine {
+            ep,
+            regime,
+            target: &plan.target,
+            topology,
+            traffic,
+            hidden: plan.shape.hidden,
+            ffn: plan.shape.ffn,
+            row_bytes: f64::from(plan.shape.hidden) * 2.0,
+        }
+    }
+
+    fn class(&self, a: u32, b: u32) -> Class {
+        if a == b {
+            Class::Local
+        } else if self.topology.virtual_ranks || self.traffic.node_of(a) == self.traffic.node_of(b)
+        {
+            Class::NvLink
+        } else {
+            Class::Network
+        }
+    }
+
+    fn bandwidth(&self, class: Class) -> f64 {
+        match class {
+            // Virtual ranks copy within one device: read and write, half the copy rate
+            // each, as the planner assumes.
+            Class::NvLink if self.topology.virtual_ranks => self.target.hbm_bytes_per_s / 2.0,
+            Class::Local => self.target.hbm_bytes_per_s / 2.0,
+            Class::NvLink => {
+                self.topology.nvlink.bandwidth_bytes_per_s as f64 * model::NVLINK_STORE_EFFICIENCY
+            }
+            Class::Network => {
+                self.topology.network.bandwidth_bytes_per_s as f64 * model::NETWORK_EFFICIENCY
+            }
+        }
+    }
+
+    fn latency(&self, class: Class) -> f64 {
+        let flag = if self.topology.virtual_ranks {
+            model::FLAG_LATENCY_ONE_GPU_S
+        } else {
+            model::FLAG_LATENCY_DEVICES_S
+        };
+        let link = match class {
+            Class::Local => 0.0,
+            Class::NvLink if self.topology.virtual_ranks => 0.0,
+            Class::NvLink => self.topology.nvlink.latency_ns as f64 * 1e-9,
+            Class::Network => self.topology.network.latency_ns as f64 * 1e-9,
+        };
+        if class == Class::Local {
+            flag
+        } else {
+            link + flag
+        }
+    }
+
+    /// A transfer of `bytes` from `a` to `b` starting at `start`, moved at most at `cap`:
+    /// when its last byte has landed.
+    fn transfer(&self, ports: &mut Ports, start: f64, a: u32, b: u32, bytes: f64, cap: f64) -> f64 {
+        let own = start + bytes / cap;
+        let class = self.class(a, b);
+        if class == Class::Local {
+            return own;
+        }
+        let bandwidth = self.bandwidth(class);
+        let out = ports.reserve(Ports::index(a, class, OUT), start, bytes, bandwidth);
+        let inn = ports.reserve(Ports::index(b, class, IN), start, bytes, bandwidth);
+        own.max(out).max(inn)
+    }
+
+    /// The farthest link's latency: what a flag barrier of every rank costs.
+    fn barrier_s(&self) -> f64 {
+        let class = if self.traffic.nodes() > 1 {
+            Class::Network
+        } else {
+            Class::NvLink
+        };
+        self.latency(class)
+    }
+
+    /// Items of token rows of `origin`, in the order of `targets`: chunks, or pieces when
+    /// the call has fewer chunks than blocks.
+    fn token_items(&self, origin: u32, targets: &[To]) -> VecDeque<Item> {
+        let total = |to: &To| match *to {
+            To::Rank(d) => self.traffic.tokens_to(origin, d),
+            To::Node { node, .. } => self.traffic.tokens_to_node(origin, node),
+        };
+        let chunk = self.ep.dispatch_chunk.max(1);
+        let chunks: u32 = targets.iter().map(|to| total(to).div_ceil(chunk)).sum();
+        let unit = if chunks < self.ep.comm_blocks {
+            self.ep.dispatch_piece.max(1)
+        } else {
+            chunk
+        };
+        let mut items = VecDeque::new();
+        for to in targets {
+            let total = total(to);
+            let mut pos = 0;
+            while pos < total {
+                let rows = unit.min(total - pos);
+                pos += rows;
+                items.push_back(Item {
+                    to: *to,
+                    origin,
+                    rows,
+                    pos_end: pos,
+                });
+            }
+        }
+        items
+    }
+
+    /// Runs every rank's communication blocks over its queue from `start[rank]`.
+    fn communicate(
+        &self,
+        ports: &mut Ports,
+        mut queues: Vec<VecDeque<Item>>,
+        start: &[f64],
+        timeline: &mut [RankTimeline],
+    ) -> CommResult {
+        let ranks = self.ep.ranks;
+        let mut result = CommResult {
+            arrivals: vec![Vec::new(); (ranks * ranks) as usize],
+            last_arrival: 0.0,
+        };
+        let mut heap = BinaryHeap::new();
+        for rank in 0..ranks {
+            for _ in 0..self.ep.comm_blocks.min(queues[rank as usize].len() as u32) {
+                heap.push((Time(start[rank as usize]), Event::BlockFree { rank }));
+            }
+        }
+        while let Some((Time(now), event)) = heap.pop() {
+            match event {
+                Event::BlockFree { rank } => {
+                    let Some(item) = queues[rank as usize].pop_front() else {
+                        continue;
+                    };
+                    let bytes = f64::from(item.rows) * self.row_bytes;
+                    let (first_hop, label) = match item.to {
+                        To::Rank(d) => (d, format!("to {d}")),
+                        To::Node { node, relay } => (relay, format!("to node {node}")),
+                    };
+                    let done =
+                        self.transfer(ports, now, rank, first_hop, bytes, COMM_BLOCK_BYTES_PER_S);
+                    let class = self.class(rank, first_hop);
+                    let link = match class {
+                        Class::Local => 0.0,
+                        Class::NvLink if self.topology.virtual_ranks => 0.0,
+                        Class::NvLink => self.topology.nvlink.latency_ns as f64 * 1e-9,
+                        Class::Network => self.topology.network.latency_ns as f64 * 1e-9,
+                    };
+                    let arrival = done + self.latency(class);
+                    if let Some(lane) = timeline.get_mut(rank as usize) {
+                        lane.comm.push(Span {
+                            start: now,
+                            end: done,
+                            label,
+                        });
+                    }
+                    // The block's fence waits for its stores to land.
+                    heap.push((Time(done + link), Event::BlockFree { rank }));
+                    match item.to {
+                        To::Rank(d) => {
+                            self.arrive(&mut result, item.origin, d, item.pos_end, arrival)
+                        }
+                        To::Node { node, relay } => {
+                            let node_total = self.traffic.tokens_to_node(item.origin, node);
+                            let prev = item.pos_end - item.rows;
+                            for d in self.node_ranks(node) {
+                                let sent = u64::from(self.traffic.tokens_to(item.origin, d));
+                                let part = |pos: u32| {
+                                    (sent * u64::from(pos) / u64::from(node_total)) as u32
+                                };
+                                let (from, to) = (part(prev), part(item.pos_end));
+                                if to > from {
+                                    heap.push((
+                                        Time(arrival),
+                                        Event::Forward {
+                                            relay,
+                                            origin: item.origin,
+                                            destination: d,
+                                            rows: to - from,
+                                            pos_end: to,
+                                        },
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+                Event::Forward {
+                    relay,
+                    origin,
+                    destination,
+                    rows,
+                    pos_end,
+                } => {
+                    let bytes = f64::from(rows) * self.row_bytes;
+                    let done = self.transfer(
+                        ports,
+                        now,
+                        relay,
+                        destination,
+                        bytes,
+                        COMM_BLOCK_BYTES_PER_S,
+                    );
+                    let arrival = if relay == destination {
+                        now
+                    } else {
+                        done + self.latency(self.class(relay, destination))
+                    };
+                    self.arrive(&mut result, origin, destination, pos_end, arrival);
+                }
+            }
+        }
+        for list in &mut result.arrivals {
+            list.sort_by_key(|&(pos, _)| pos);
+            let mut latest: f64 = 0.0;
+            for entry in list.iter_mut() {
+                latest = latest.max(entry.1);
+                entry.1 = latest;
+            }
+        }
+        result
+    }
+
+    fn arrive(&self, result: &mut CommResult, origin: u32, d: u32, pos_end: u32, at: f64) {
+        result.arrivals[(origin * self.ep.ranks + d) as usize].push((pos_end, at));
+        result.last_arrival = result.last_arrival.max(at);
+    }
+
+    fn node_ranks(&self, node: u32) -> std::ops::Range<u32> {
+        let g = self.traffic.gpus_per_node;
+        node * g..((node + 1) * g).min(self.ep.ranks)
+    }
+
+    /// When slot `pos` (1-based end) of `origin`'s tokens at `d` has arrived.
+    fn ready(arrivals: &[Vec<(u32, f64)>], ranks: u32, origin: u32, d: u32, pos: u32) -> f64 {
+        let list = &arrivals[(origin * ranks + d) as usize];
+        let i = list.partition_point(|&(end, _)| end < pos);
+        list.get(i).or(list.last()).map_or(0.0, |&(_, t)| t)
+    }
+
+    /// Rank `d`'s GEMMs from `start`, GEMM1 row tiles ready as `ready` says; returns
+    /// (GEMM1 end, GEMM2 start, GEMM2 end) and adds the rows per origin to `rows`.
+    fn gemms(
+        &self,
+        d: u32,
+        start: f64,
+        ready: &dyn Fn(u32, u32) -> f64,
+        rows: &mut [u64],
+        lane: Option<&mut RankTimeline>,
+    ) -> (f64, f64, f64) {
+        let order = &self.ep.receive_order[d as usize];
+        let (g1, g2) = (&self.regime.gemm1, &self.regime.gemm2);
+        let mut tiles = Vec::new();
+        let mut block1 = vec![start; g1.grid_blocks.max(1) as usize];
+        let mut block2_rows = Vec::new();
+        for local in 0..self.ep.experts_per_rank {
+            let segments: Vec<(u32, u32)> = order
+                .iter()
+                .map(|&s| (s, self.traffic.pairs_to(s, d, local)))
+                .filter(|&(_, n)| n > 0)
+                .collect();
+            let expert_rows: u32 = segments.iter().map(|&(_, n)| n).sum();
+            for &(s, n) in &segments {
+                rows[s as usize] += u64::from(n);
+            }
+            block2_rows.push(expert_rows);
+            if expert_rows == 0 {
+                continue;
+            }
+            let bm = g1.tile.m;
+            let m_tiles = expert_rows.div_ceil(bm);
+            // Readiness of each row tile: the latest chunk its rows sit in.
+            let mut row_ready = vec![start; m_tiles as usize];
+            let mut first = 0u32;
+            for &(s, n) in &segments {
+                let sent = self.traffic.tokens_to(s, d);
+                for m in first / bm..=(first + n - 1) / bm {
+                    let last = ((m + 1) * bm).min(first + n) - 1 - first;
+                    let pos = (u64::from(last + 1) * u64::from(sent)).div_ceil(u64::from(n)) as u32;
+                    let slot = &mut row_ready[m as usize];
+                    *slot = slot.max(ready(s, pos));
+                }
+                first += n;
+            }
+            tiles.push((row_ready, m_tiles));
+        }
+        let n1 = self.ffn / g1.tile.n;
+        let total: u32 = tiles.iter().map(|(_, m_tiles)| m_tiles * n1).sum();
+        let mut id = 0usize;
+        let mut record = lane;
+        for (row_ready, m_tiles) in &tiles {
+            let duration = model::tile_seconds(self.target, g1, self.hidden, [*m_tiles, n1], total);
+            for _ in 0..n1 {
+                for &r in row_ready {
+                    let b = id % block1.len();
+                    let begin = block1[b].max(r);
+                    block1[b] = begin + duration;
+                    if b == 0
+                        && let Some(lane) = record.as_deref_mut()
+                    {
+                        lane.tiles.push(Span {
+                            start: begin,
+                            end: begin + duration,
+                            label: "GEMM1".into(),
+                        });
+                    }
+                    id += 1;
+                }
+            }
+        }
+        let end1 = block1.iter().copied().fold(start, f64::max);
+        let start2 = end1 + self.target.launch_overhead_s;
+        let end2 = self.gemm2(g2, start2, &block2_rows, record.as_deref_mut());
+        if let Some(lane) = record {
+            lane.kernels.push(Span {
+                start,
+                end: end1,
+                label: "GEMM1".into(),
+            });
+            lane.kernels.push(Span {
+                start: start2,
+                end: end2,
+                label: "GEMM2".into(),
+            });
+        }
+        (end1, start2, end2)
+    }
+
+    /// GEMM2 over experts with `expert_rows` rows each, every row present at `start`.
+    fn gemm2(
+        &self,
+        g2: &GemmPlan,
+        start: f64,
+        expert_rows: &[u32],
+        mut lane: Option<&mut RankTimeline>,
+    ) -> f64 {
+        let mut blocks = vec![start; g2.grid_blocks.max(1) as usize];
+        let n2 = self.hidden / g2.tile.n;
+        let total: u32 = expert_rows
+            .iter()
+            .map(|rows| rows.div_ceil(g2.tile.m) * n2)
+            .sum();
+        let mut id = 0usize;
+        for &rows in expert_rows {
+            let m_tiles = rows.div_ceil(g2.tile.m);
+            let duration = model::tile_seconds(self.target, g2, self.ffn, [m_tiles, n2], total);
+            for _ in 0..n2 * m_tiles {
+                let b = id % blocks.len();
+                if b == 0
+                    && let Some(lane) = lane.as_deref_mut()
+                {
+                    lane.tiles.push(Span {
+                        start: blocks[b],
+                        end: blocks[b] + duration,
+                        label: "GEMM2".into(),
+                    });
+                }
+                blocks[b] += duration;
+                id += 1;
+            }
+        }
+        blocks.iter().copied().fold(start, f64::max)
+    }
+
+    /// When the metadata of every source has reached `d` and arrange has laid out its rows.
+    fn arranged(&self, d: u32) -> f64 {
+        let farthest = (0..self.ep.ranks)
+            .map(|s| self.latency(self.class(s, d)))
+            .fold(0.0, f64::max);
+        model::DISPATCH_START_S + farthest + model::ARRANGE_S
+    }
+
+    /// The send targets of `source` for `schedule`.
+    fn targets(&self, source: u32, schedule: Schedule) -> Vec<To> {
+        match schedule {
+            Schedule::FineGrainedNaive => (0..self.ep.ranks).map(To::Rank).collect(),
+            Schedule::BulkSynchronous => self.ep.send_order[source as usize]
+                .iter()
+                .map(|&d| To::Rank(d))
+                .collect(),
+            Schedule::FineGrainedTopologyAware => {
+                let home = self.traffic.node_of(source);
+                let mut seen = vec![false; self.traffic.nodes() as usize];
+                let mut targets = Vec::new();
+                for &d in &self.ep.send_order[source as usize] {
+                    let node = self.traffic.node_of(d);
+                    if node == home {
+                        targets.push(To::Rank(d));
+                    } else if !seen[node as usize] {
+                        seen[node as usize] = true;
+                        let relay = (node * self.traffic.gpus_per_node
+                            + source % self.traffic.gpus_per_node)
+                            .min(self.ep.ranks - 1);
+                        targets.push(To::Node { node, relay });
+                    }
+                }
+                targets
+            }
+        }
+    }
+
+    /// One call under `schedule`, recording the first `record` ranks.
+    pub(super) fn run(&self, schedule: Schedule, record: u32) -> ScheduleReport {
+        let ranks = self.ep.ranks;
+        let r = ranks as usize;
+        let mut timeline = vec![RankTimeline::default(); record.min(ranks) as usize];
+        let mut ports = Ports::new(ranks);
+        let launch = self.target.launch_overhead_s;
+        let queues = (0..ranks)
+            .map(|s| self.token_items(s, &self.targets(s, schedule)))
+            .collect();
+        let dispatch = self.communicate(
+            &mut ports,
+            queues,
+            &vec![model::DISPATCH_START_S; r],
+            &mut timeline,
+        );
+        let mut accounting = Accounting {
+            pairs_routed: (0..ranks)
+                .map(|s| (0..ranks).map(|d| self.traffic.pairs_to_rank(s, d)).sum())
+                .collect(),
+            pairs_dispatched: vec![0; r],
+            pairs_combined: Vec::new(),
+            token_mismatches: Vec::new(),
+        };
+        for s in 0..ranks {
+            for d in 0..ranks {
+                let list = &dispatch.arrivals[(s * ranks + d) as usize];
+                // Items end at increasing positions (none delivered twice) up to every token.
+                let delivered = list.last().map_or(0, |&(pos, _)| pos);
+                let once = list.windows(2).all(|pair| pair[0].0 < pair[1].0);
+                if !once || delivered != self.traffic.tokens_to(s, d) {
+                    accounting.token_mismatches.push((s, d));
+                }
+            }
+        }
+        let bulk = schedule == Schedule::BulkSynchronous;
+        let barrier1 = dispatch.last_arrival + self.barrier_s();
+        let mut ends = Vec::with_capacity(r);
+        for d in 0..ranks {
+            let start = if bulk {
+                barrier1.max(self.arranged(d))
+            } else {
+                self.arranged(d)
+            } + launch;
+            let ready = |s: u32, pos: u32| {
+                if bulk || pos == 0 {
+                    0.0
+                } else {
+                    Self::ready(&dispatch.arrivals, ranks, s, d, pos)
+                }
+            };
+            let lane = timeline.get_mut(d as usize);
+            ends.push(self.gemms(d, start, &ready, &mut accounting.pairs_dispatched, lane));
+        }
+        let last_gemm2 = ends.iter().map(|e| e.2).fold(0.0, f64::max);
+        // Bulk-synchronous as the bench's baseline (a): GEMM2 stores into the origins as
+        // it goes, then every rank waits for every rank before the reduce.
+        let contributions = self.streamed_results(&mut ports, &ends, schedule);
+        let barrier2 = if bulk {
+            last_gemm2 + self.barrier_s()
+        } else {
+            0.0
+        };
+        let (arrived, combined) = contributions;
+        accounting.pairs_combined = combined;
+        let mut layer: f64 = 0.0;
+        for (s, (&at, end)) in arrived.iter().zip(&ends).enumerate() {
+            let begin = at.max(end.2 + launch).max(barrier2);
+            let finish = begin
+                + model::combine_seconds(
+                    self.target,
+                    self.traffic.tokens_per_rank,
+                    self.traffic.top_k,
+                    self.hidden,
+                );
+            if let Some(lane) = timeline.get_mut(s) {
+                lane.kernels.push(Span {
+                    start: begin,
+                    end: finish,
+                    label: "combine".into(),
+                });
+            }
+            layer = layer.max(finish);
+        }
+        let compute = (0..ranks)
+            .map(|d| {
+                let (_, _, e2) = self.gemms(d, 0.0, &|_, _| 0.0, &mut vec![0; r], None);
+                // Both GEMMs from 0 without the launch between them.
+                e2 - launch
+            })
+            .fold(0.0, f64::max);
+        let network_bw = self.bandwidth(Class::Network);
+        let network = (0..ranks)
+            .map(|rank| {
+                let out = ports.bytes[Ports::index(rank, Class::Network, OUT)];
+                let inn = ports.bytes[Ports::index(rank, Class::Network, IN)];
+                out.max(inn) / network_bw
+            })
+            .fold(0.0, f64::max);
+        ScheduleReport {
+            schedule,
+            layer_s: layer,
+            dispatch_s: if bulk {
+                barrier1
+            } else {
+                dispatch.last_arrival
+            },
+            combine_s: layer - last_gemm2,
+            compute_s: compute,
+            network_s: network,
+            accounting,
+            timeline,
+        }
+    }
+
+    /// Fine-grained combine: GEMM2's epilogues store result rows into their origins as an
+    /// even stream over GEMM2's span; topology-aware, rows for another node go to the rank
+    /// there with the origin's local index, are reduced per token, and cross once.
+    fn streamed_results(
+        &self,
+        ports: &mut Ports,
+        ends: &[(f64, f64, f64)],
+        schedule: Schedule,
+    ) -> (Vec<f64>, Vec<u64>) {
+        let ranks = self.ep.ranks;
+        let g = self.traffic.gpus_per_node;
+        let mut stores: Vec<(f64, u32, u32)> = Vec::new();
+        for d in 0..ranks {
+            for s in 0..ranks {
+                if self.traffic.pairs_to_rank(s, d) > 0 {
+                    stores.push((ends[d as usize].1, d, s));
+                }
+            }
+        }
+        stores.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut at = vec![0.0f64; ranks as usize];
+        let mut pairs = vec![0u64; ranks as usize];
+        let nodes = self.traffic.nodes() as usize;
+        // Per (origin, node): when the relay has every contribution of that node.
+        let mut relay_ready = vec![0.0f64; ranks as usize * nodes];
+        let hierarchical = schedule == Schedule::FineGrainedTopologyAware;
+        for &(start2, d, s) in &stores {
+            let n = self.traffic.pairs_to_rank(s, d);
+            pairs[s as usize] += n;
+            let bytes = n as f64 * self.row_bytes;
+            let end2 = ends[d as usize].2;
+            let node = self.traffic.node_of(d);
+            let remote = node != self.traffic.node_of(s) && !self.topology.virtual_ranks;
+            let hop = if remote && hierarchical {
+                (node * g + s % g).min(ranks - 1)
+            } else {
+                s
+            };
+            let done = self.transfer(ports, start2, d, hop, bytes, f64::INFINITY);
+            let arrival = done.max(end2) + self.latency(self.class(d, hop));
+            if hop == s {
+                at[s as usize] = at[s as usize].max(arrival);
+            } else {
+                let slot = &mut relay_ready[s as usize * nodes + node as usize];
+                *slot = slot.max(arrival);
+            }
+        }
+        if hierarchical {
+            let mut sends: Vec<(f64, u32, u32)> = Vec::new();
+            for s in 0..ranks {
+                for node in 0..nodes as u32 {
+                    let ready = relay_ready[s as usize * nodes + node as usize];
+                    if ready > 0.0 {
+                        sends.push((ready, s, node));
+                    }
+                }
+            }
+            sends.sort_by(|a, b| a.0.total_cmp(&b.0));
+            for (ready, s, node) in sends {
+                let relay = (node * g + s % g).min(ranks - 1);
+                let tokens = self.traffic.tokens_to_node(s, node);
+                let reduce = model::combine_seconds(self.target, tokens, 1, self.hidden);
+                let bytes = f64::from(tokens) * self.row_bytes;
+                let begin = ready + reduce;
+                let done = self.transfer(ports, begin, relay, s, bytes, f64::INFINITY);
+                at[s as usize] = at[s as usize].max(done + self.latency(self.class(relay, s)));
+            }
+        }
+        (at, pairs)
+    }
+}

@@ -1,0 +1,152 @@
+//! Who sends what to whom in one call: the (token, expert) pairs of every source rank,
+//! counted per destination rank, per destination expert and per destination node.
+//!
+//! Routing is drawn per token (every token picks `top_k` distinct experts) and then only
+//! the counts are kept: the simulator never looks at single tokens again.
+
+use super::SimError;
+
+/// How tokens pick their experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// Every token picks `top_k` distinct experts uniformly at random (seeded, so a report
+    /// is reproducible), as the bench's uniform routing does.
+    Uniform,
+    /// Every token of every rank picks experts `0..top_k`: the worst case for the ranks
+    /// holding those experts and for their receive buffers.
+    Skewed,
+}
+
+impl Routing {
+    pub fn name(self) -> &'static str {
+        match self {
+            Routing::Uniform => "uniform",
+            Routing::Skewed => "skewed",
+        }
+    }
+}
+
+/// Seed of the uniform draws: any fixed value; fixed so that two runs print the same.
+const SEED: u64 = 0x6d6f_6566_6f72_6765;
+
+/// The counts of one call.
+#[derive(Clone, Debug)]
+pub struct Traffic {
+    pub ranks: u32,
+    pub experts_per_rank: u32,
+    pub tokens_per_rank: u32,
+    pub top_k: u32,
+    pub gpus_per_node: u32,
+    /// `[source][expert]`: pairs of `source` routed to `expert`.
+    pub pairs: Vec<u32>,
+    /// `[source][destination]`: distinct tokens `source` sends to `destination` (a token
+    /// with two experts there travels once).
+    pub tokens: Vec<u32>,
+    /// `[source][node]`: distinct tokens `source` sends to any rank of `node`.
+    pub node_tokens: Vec<u32>,
+}
+
+impl Traffic {
+    /// Draws the routing of `tokens_per_rank` tokens on each of `ranks` ranks.
+    pub fn draw(
+        routing: Routing,
+        ranks: u32,
+        experts: u32,
+        top_k: u32,
+        gpus_per_node: u32,
+        tokens_per_rank: u32,
+    ) -> Result<Self, SimError> {
+        if top_k == 0 || top_k > experts || ranks == 0 || !experts.is_multiple_of(ranks) {
+            return Err(SimError::Shape(format!(
+                "{experts} experts, top_k {top_k}, {ranks} ranks: experts must split evenly over the ranks and top_k be between 1 and the experts"
+            )));
+        }
+        let (r, e) = (ranks as usize, experts as usize);
+        let per_rank = experts / ranks;
+        let nodes = ranks.div_ceil(gpus_per_node) as usize;
+        let mut traffic = Traffic {
+            ranks,
+            experts_per_rank: per_rank,
+            tokens_per_rank,
+            top_k,
+            gpus_per_node,
+            pairs: vec![0; r * e],
+            tokens: vec![0; r * r],
+            node_tokens: vec![0; r * nodes],
+        };
+        let mut state = SEED;
+        let mut chosen: Vec<u32> = Vec::with_capacity(top_k as usize);
+        let mut last_rank = vec![u32::MAX; r];
+        let mut last_node = vec![u32::MAX; nodes];
+        for source in 0..ranks {
+            for token in 0..tokens_per_rank {
+                chosen.clear();
+                match routing {
+                    Routing::Skewed => chosen.extend(0..top_k),
+                    // Floyd's algorithm: top_k distinct experts with top_k draws.
+                    Routing::Uniform => {
+                        for j in experts - top_k..experts {
+                            let t = (splitmix(&mut state) % u64::from(j + 1)) as u32;
+                            chosen.push(if chosen.contains(&t) { j } else { t });
+                        }
+                    }
+                }
+                let stamp = source * tokens_per_rank + token;
+                for &expert in &chosen {
+                    traffic.pairs[source as usize * e + expert as usize] += 1;
+                    let destination = expert / per_rank;
+                    if last_rank[destination as usize] != stamp {
+                        last_rank[destination as usize] = stamp;
+                        traffic.tokens[source as usize * r + destination as usize] += 1;
+                    }
+                    let node = (destination / gpus_per_node) as usize;
+                    if last_node[node] != stamp {
+                        last_node[node] = stamp;
+                        traffic.node_tokens[source as usize * nodes + node] += 1;
+                    }
+                }
+            }
+        }
+        Ok(traffic)
+    }
+
+    pub fn nodes(&self) -> u32 {
+        self.ranks.div_ceil(self.gpus_per_node)
+    }
+
+    pub fn node_of(&self, rank: u32) -> u32 {
+        rank / self.gpus_per_node
+    }
+
+    /// Distinct tokens `source` sends to `destination`.
+    pub fn tokens_to(&self, source: u32, destination: u32) -> u32 {
+        self.tokens[(source * self.ranks + destination) as usize]
+    }
+
+    /// Distinct tokens `source` sends to the ranks of `node`.
+    pub fn tokens_to_node(&self, source: u32, node: u32) -> u32 {
+        self.node_tokens[(source * self.nodes() + node) as usize]
+    }
+
+    /// Pairs of `source` for local expert `local` of `destination`.
+    pub fn pairs_to(&self, source: u32, destination: u32, local: u32) -> u32 {
+        let expert = destination * self.experts_per_rank + local;
+        self.pairs[(source * self.ranks * self.experts_per_rank + expert) as usize]
+    }
+
+    /// Pairs of `source` for any expert of `destination`.
+    pub fn pairs_to_rank(&self, source: u32, destination: u32) -> u64 {
+        (0..self.experts_per_rank)
+            .map(|local| u64::from(self.pairs_to(source, destination, local)))
+            .sum()
+    }
+}
+
+/// SplitMix64: a small, good-enough generator for routing draws (no dependency needed).
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}

@@ -1,0 +1,138 @@
+//! The schedule simulator on real plans: deadlock of a plan edited past residency, every
+//! pair dispatched and combined once, capacities under worst-case routing, speed.
+
+use std::time::Instant;
+
+use moeforge_compiler::ir;
+use moeforge_compiler::plan::{self, Plan, Target};
+use moeforge_compiler::simulate::{self, Options, Routing, Schedule, SimError, Topology};
+
+fn layer(example: &str) -> ir::Layer {
+    let path = format!(
+        "{}/../dsl-examples/{example}.moe",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
+    module.layers[0].clone()
+}
+
+fn planned(layer: &ir::Layer) -> (Plan, Topology) {
+    let plan = plan::plan(layer, &Target::h200()).expect("the example plans");
+    (plan, Topology::of(&layer.topology))
+}
+
+fn options(tokens: u32, routing: Routing) -> Options {
+    Options {
+        tokens_per_rank: tokens,
+        routing,
+        timeline_ranks: 0,
+    }
+}
+
+#[test]
+fn virtual_ranks_whose_grids_exceed_the_device_deadlock() {
+    let (mut plan, topology) = planned(&layer("tiny"));
+    let ok = simulate::simulate(&plan, &topology, &options(100, Routing::Uniform)).unwrap();
+    assert!(ok.deadlock.is_none(), "{:?}", ok.deadlock);
+    assert_eq!(ok.schedules.len(), 3);
+    // Each virtual rank's GEMM1 grid as large as the device: rank 3's dispatch blocks can
+    // never find an SM while ranks 0-2 spin on its chunks.
+    let sms = plan.target.sm_count;
+    for regime in &mut plan.expert_parallel.as_mut().unwrap().regimes {
+        regime.gemm1.grid_blocks = sms;
+    }
+    let report = simulate::simulate(&plan, &topology, &options(100, Routing::Uniform)).unwrap();
+    let deadlock = report.deadlock.expect("reported as a deadlock");
+    assert!(deadlock.waiting.contains("GEMM1"), "{deadlock:?}");
+    assert!(deadlock.waits_for.contains("chunk flag"), "{deadlock:?}");
+    assert!(
+        deadlock.reason.contains(&format!("the device has {sms}")),
+        "{deadlock:?}"
+    );
+    assert!(report.schedules.is_empty());
+}
+
+#[test]
+fn every_pair_is_dispatched_and_combined_once() {
+    for (example, tokens) in [
+        ("tiny", 77),
+        ("deepseek_v3_ep64", 300),
+        ("mixtral_8x7b", 1000),
+    ] {
+        let (plan, topology) = planned(&layer(example));
+        for routing in [Routing::Uniform, Routing::Skewed] {
+            let report = simulate::simulate(&plan, &topology, &options(tokens, routing)).unwrap();
+            let k = u64::from(plan.shape.top_k);
+            for schedule in &report.schedules {
+                let a = &schedule.accounting;
+                let ranks = report.ranks as usize;
+                assert_eq!(
+                    a.pairs_routed,
+                    vec![u64::from(tokens) * k; ranks],
+                    "{example}"
+                );
+                assert_eq!(
+                    a.pairs_dispatched, a.pairs_routed,
+                    "{example} {:?}",
+                    schedule.schedule
+                );
+                assert_eq!(
+                    a.pairs_combined, a.pairs_routed,
+                    "{example} {:?}",
+                    schedule.schedule
+                );
+                assert!(
+                    a.token_mismatches.is_empty(),
+                    "{example} {:?}: {:?}",
+                    schedule.schedule,
+                    a.token_mismatches
+                );
+                assert!(schedule.layer_s > schedule.dispatch_s && schedule.dispatch_s > 0.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn capacities_hold_under_worst_case_routing() {
+    for example in ["tiny", "mixtral_8x7b", "deepseek_v3", "qwen3_30b_a3b"] {
+        let (plan, topology) = planned(&layer(example));
+        let max = plan.shape.max_tokens;
+        let report = simulate::simulate(&plan, &topology, &options(max, Routing::Skewed));
+        assert!(report.is_ok(), "{example}: {report:?}");
+    }
+    // One slot fewer than max_tokens per source: the skewed call overflows it.
+    let (mut plan, topology) = planned(&layer("tiny"));
+    plan.expert_parallel.as_mut().unwrap().slots_per_source -= 1;
+    let error = simulate::simulate(
+        &plan,
+        &topology,
+        &options(plan.shape.max_tokens, Routing::Skewed),
+    )
+    .unwrap_err();
+    assert!(matches!(error, SimError::Overflow(_)), "{error}");
+    let error = simulate::simulate(
+        &plan,
+        &topology,
+        &options(plan.shape.max_tokens + 1, Routing::Uniform),
+    )
+    .unwrap_err();
+    assert!(matches!(error, SimError::TooManyTokens { .. }), "{error}");
+}
+
+#[test]
+fn deepseek_v3_over_64_ranks_simulates_in_seconds() {
+    let (plan, topology) = planned(&layer("deepseek_v3_ep64"));
+    let started = Instant::now();
+    let report = simulate::simulate(&plan, &topology, &options(4096, Routing::Uniform)).unwrap();
+    let seconds = started.elapsed().as_secs_f64();
+    // About 0.1 s in release; a generous bound for debug builds and busy machines.
+    assert!(seconds < 20.0, "{seconds} s");
+    assert_eq!(report.nodes, 8);
+    let of = |s: Schedule| report.schedules.iter().find(|r| r.schedule == s).unwrap();
+    let aware = of(Schedule::FineGrainedTopologyAware);
+    let naive = of(Schedule::FineGrainedNaive);
+    // Node aggregation sends fewer bytes over the network than per-rank sends.
+    assert!(aware.network_s < naive.network_s);
+}

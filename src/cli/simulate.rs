@@ -1,0 +1,224 @@
+//! `moeforge simulate FILE`: predicts one call of a layer's expert-parallel schedule on
+//! its declared topology (the compiler's `simulate` module) for three schedules, and
+//! optionally draws its timeline or compares it with a bench result.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use moeforge::compiler::plan;
+use moeforge::compiler::simulate::{self, Options, Routing, Schedule, calibration};
+
+use super::planning::{TargetArgs, report_plan_error};
+use super::{OK, compile_file, invalid_input, usage_error};
+
+/// Simulate a layer's expert-parallel schedule: layer time, dispatch and combine latency of
+/// bulk-synchronous, fine-grained (naive order) and fine-grained (topology-aware) exchange.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The .moe file.
+    file: PathBuf,
+    /// The layer to simulate (needed when the file has several).
+    #[arg(long)]
+    layer: Option<String>,
+    /// Tokens per rank per call, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128,1024,4096")]
+    tokens: Vec<u32>,
+    /// How tokens pick experts: uniform (seeded random) or skewed (every token to experts
+    /// 0..top_k, the worst case).
+    #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
+    routing: RoutingArg,
+    /// Expert-parallel ranks instead of the spec's; nodes grow to hold them
+    /// (`gpus_per_node` from the spec's topology).
+    #[arg(long)]
+    ranks: Option<u32>,
+    /// Write an SVG timeline of the topology-aware schedule at the first token count.
+    #[arg(long, value_name = "PATH")]
+    svg: Option<PathBuf>,
+    /// A bench result (`benches/results/*_ep2_uniform.json`) to print the predictions
+    /// beside; the layer is planned over that file's ranks, one GPU each.
+    #[arg(long, value_name = "JSON")]
+    measured: Option<PathBuf>,
+    #[command(flatten)]
+    target: TargetArgs,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RoutingArg {
+    Uniform,
+    Skewed,
+}
+
+/// Ranks drawn in the SVG timeline.
+const SVG_RANKS: u32 = 8;
+
+pub fn run(args: &Args) -> ExitCode {
+    let (source, module) = match compile_file(&args.file) {
+        Ok(compiled) => compiled,
+        Err(status) => return status,
+    };
+    let selected: Vec<_> = module
+        .layers
+        .iter()
+        .filter(|l| args.layer.as_deref().is_none_or(|name| l.name == name))
+        .collect();
+    let [layer] = selected.as_slice() else {
+        eprintln!(
+            "error: {} has {} matching layers; pick one with --layer",
+            args.file.display(),
+            selected.len()
+        );
+        return usage_error();
+    };
+    let mut layer = (*layer).clone();
+    let measured = match &args.measured {
+        Some(path) => match calibration::MeasuredFile::read(path) {
+            Ok(file) => Some(file),
+            Err(error) => {
+                eprintln!("error: {error}");
+                return usage_error();
+            }
+        },
+        None => None,
+    };
+    let ranks = args.ranks.or(measured
+        .as_ref()
+        .and_then(|m| m.rows.first().map(|row| row.ranks)));
+    if let Some(ranks) = ranks {
+        if ranks < 2 || !layer.experts.is_multiple_of(ranks) {
+            eprintln!(
+                "error: --ranks {ranks}: need at least 2 ranks that split the {} experts evenly",
+                layer.experts
+            );
+            return usage_error();
+        }
+        layer.parallel.expert = ranks;
+        let per_node = layer.topology.gpus_per_node.clamp(1, ranks);
+        layer.topology.gpus_per_node = per_node;
+        layer.topology.nodes = ranks.div_ceil(per_node);
+        layer.topology.virtual_ranks = None;
+    }
+    let target = args.target.resolve();
+    let plan = match plan::plan(&layer, &target) {
+        Ok(plan) => plan,
+        Err(error) => {
+            report_plan_error(&source, &layer.name, &error);
+            return invalid_input();
+        }
+    };
+    let topology = simulate::Topology::of(&layer.topology);
+    if let Some(measured) = &measured {
+        return print_comparison(&plan, &topology, measured);
+    }
+    let routing = match args.routing {
+        RoutingArg::Uniform => Routing::Uniform,
+        RoutingArg::Skewed => Routing::Skewed,
+    };
+    for (i, &tokens) in args.tokens.iter().enumerate() {
+        let options = Options {
+            tokens_per_rank: tokens,
+            routing,
+            timeline_ranks: if i == 0 && args.svg.is_some() {
+                SVG_RANKS
+            } else {
+                0
+            },
+        };
+        let started = Instant::now();
+        let report = match simulate::simulate(&plan, &topology, &options) {
+            Ok(report) => report,
+            Err(error) => {
+                eprintln!("error: {}: {error}", layer.name);
+                return invalid_input();
+            }
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        println!(
+            "{}: {} ranks on {} node(s), {tokens} tokens per rank, {} routing, regime {} (simulated in {seconds:.2} s)",
+            report.layer,
+            report.ranks,
+            report.nodes,
+            report.routing.name(),
+            report.regime
+        );
+        if let Some(deadlock) = &report.deadlock {
+            println!(
+                "  DEADLOCK: {} waits for {}: {}",
+                deadlock.waiting, deadlock.waits_for, deadlock.reason
+            );
+            return invalid_input();
+        }
+        println!(
+            "  {:30} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "schedule", "layer us", "dispatch us", "combine us", "compute us", "network us"
+        );
+        for s in &report.schedules {
+            println!(
+                "  {:30} {:12.1} {:12.1} {:12.1} {:12.1} {:12.1}",
+                s.schedule.name(),
+                s.layer_s * 1e6,
+                s.dispatch_s * 1e6,
+                s.combine_s * 1e6,
+                s.compute_s * 1e6,
+                s.network_s * 1e6
+            );
+        }
+        if i == 0
+            && let Some(path) = &args.svg
+            && let Some(schedule) = report
+                .schedules
+                .iter()
+                .find(|s| s.schedule == Schedule::FineGrainedTopologyAware)
+        {
+            let title = format!("{} at {tokens} tokens per rank", report.layer);
+            if let Err(error) = std::fs::write(path, simulate::timeline_svg(&title, schedule)) {
+                eprintln!("error: cannot write {}: {error}", path.display());
+                return usage_error();
+            }
+        }
+    }
+    OK
+}
+
+/// Every cell of a bench result beside the prediction, with the error.
+fn print_comparison(
+    plan: &plan::Plan,
+    topology: &simulate::Topology,
+    measured: &calibration::MeasuredFile,
+) -> ExitCode {
+    let cells = match calibration::compare(plan, topology, measured) {
+        Ok(cells) => cells,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
+    println!(
+        "{} on {} ({} routing): measured / predicted us (error)",
+        measured.layer, measured.placement, measured.routing
+    );
+    println!(
+        "| T per rank | expert-parallel | bulk-synchronous | dispatch stage | GEMM stage | combine stage |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let cell = |pair: (f64, f64)| {
+        format!(
+            "{:.1} / {:.1} ({:+.0}%)",
+            pair.0,
+            pair.1,
+            calibration::error(pair) * 100.0
+        )
+    };
+    for c in &cells {
+        println!(
+            "| {} | {} | {} | {} | {} | {} |",
+            c.tokens_per_rank,
+            cell(c.expert_parallel),
+            cell(c.bulk_synchronous),
+            cell(c.dispatch),
+            cell(c.gemm),
+            cell(c.combine)
+        );
+    }
+    OK
+}
