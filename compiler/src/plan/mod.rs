@@ -784,7 +784,9 @@ fn merge_to_at_most(
                 (added, i, keep_right)
             })
             .min_by(|a, b| a.0.total_cmp(&b.0));
-        let Some((_, i, keep_right)) = join else { break };
+        let Some((_, i, keep_right)) = join else {
+            break;
+        };
         let right = groups.remove(i + 1);
         let left = &mut groups[i];
         let last = right.1;
