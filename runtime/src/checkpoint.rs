@@ -1,0 +1,560 @@
+//! Routed-expert weights of one MoE layer, read from a model's safetensors checkpoint.
+//!
+//! [`Checkpoint::open`] memory-maps one `.safetensors` file, or a folder of shards (with
+//! `model.safetensors.index.json` when there is one), and reads every header. Then
+//! [`Checkpoint::load_experts`] finds one layer's expert tensors by the names a model
+//! [`Family`] uses in its published Hugging Face checkpoints (under a layer prefix such
+//! as `model.layers.3.`), checks each tensor's shape and dtype, and copies them once into
+//! the layout the kernels read ([`crate::layer::ExpertWeights`], and
+//! [`crate::reference::HostExpert`] per expert): `w1` [E, 2F, H], expert-major, each
+//! expert's F gate rows then its F up rows; `w2` [E, H, F]. Those are the checkpoints'
+//! own `[out, in]` matrices, so the copy concatenates and never transposes. Values become
+//! bf16 bits (`u16`); f16 and f32 tensors are rounded to bf16 on the way.
+//!
+//! It is not: a router or shared-expert loader (the kernels run neither yet), a GPT-OSS
+//! loader (its experts are fused, biased and, as released, MXFP4: a typed error says so),
+//! a dequantiser of FP8 checkpoints (DeepSeek-V3's release stores FP8 with block scales:
+//! a dtype error), or an uploader: the buffers stay on the host.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use moeforge_compiler::ir::Activation;
+use moeforge_compiler::plan::LayerShape;
+use safetensors::tensor::{Dtype, Metadata, SafeTensorError, SafeTensors};
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::bf16;
+
+/// The name of the shard index a sharded Hugging Face checkpoint carries.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The model family whose tensor names to read; the caller says which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `{prefix}block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down).
+    Mixtral,
+    /// `{prefix}mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`.
+    Qwen3Moe,
+    /// The same expert names as Qwen3-MoE; the router adds `mlp.gate.e_score_correction_bias`.
+    DeepseekV3,
+    /// Fused `{prefix}mlp.experts.gate_up_proj` [E, H, 2F] and `down_proj`, with biases.
+    GptOss,
+}
+
+impl Family {
+    pub const ALL: [Family; 4] = [
+        Family::Mixtral,
+        Family::Qwen3Moe,
+        Family::DeepseekV3,
+        Family::GptOss,
+    ];
+
+    /// The expert activation the family's reference code computes.
+    fn activation(self) -> Activation {
+        Activation::Swiglu
+    }
+
+    /// Expert `e`'s (gate, up, down) tensor names, or why the family is not loadable.
+    fn expert_names(self, prefix: &str, e: u32) -> Result<[String; 3], CheckpointError> {
+        let (base, [gate, up, down]) = match self {
+            Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            Family::Qwen3Moe | Family::DeepseekV3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            Family::GptOss => {
+                return Err(CheckpointError::Unsupported {
+                    family: self,
+                    reason: "its experts are stored fused (`mlp.experts.gate_up_proj` [E, H, 2F] \
+                             with gate and up columns interleaved, `down_proj` [E, F, H]), carry \
+                             biases and a clamped SwiGLU the kernels do not compute yet, and the \
+                             released checkpoint holds them as MXFP4 blocks and scales",
+                });
+            }
+        };
+        Ok([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
+    }
+
+    /// A tensor that shows the family's layout under `prefix` (expert 0's gate projection,
+    /// or GPT-OSS's fused tensor), and one more that must be there or absent, if any.
+    fn marker(self, prefix: &str) -> (Vec<String>, Option<(String, bool)>) {
+        let gpt_oss = || {
+            vec![
+                format!("{prefix}mlp.experts.gate_up_proj"),
+                format!("{prefix}mlp.experts.gate_up_proj_blocks"),
+            ]
+        };
+        let bias = format!("{prefix}mlp.gate.e_score_correction_bias");
+        match self {
+            Family::Mixtral => (
+                vec![format!("{prefix}block_sparse_moe.experts.0.w1.weight")],
+                None,
+            ),
+            Family::Qwen3Moe => (
+                vec![format!("{prefix}mlp.experts.0.gate_proj.weight")],
+                Some((bias, false)),
+            ),
+            Family::DeepseekV3 => (
+                vec![format!("{prefix}mlp.experts.0.gate_proj.weight")],
+                Some((bias, true)),
+            ),
+            Family::GptOss => (gpt_oss(), None),
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Family::Mixtral => "Mixtral",
+            Family::Qwen3Moe => "Qwen3-MoE",
+            Family::DeepseekV3 => "DeepSeek-V3",
+            Family::GptOss => "GPT-OSS",
+        })
+    }
+}
+
+/// Which experts to load: all of them, or those of one expert-parallel rank
+/// (expert `e` belongs to rank `e / (E / ranks)`, as the kernels place them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertSet {
+    All,
+    Rank { rank: u32, ranks: u32 },
+}
+
+impl ExpertSet {
+    fn range(self, experts: u32) -> Result<Range<u32>, CheckpointError> {
+        match self {
+            ExpertSet::All => Ok(0..experts),
+            ExpertSet::Rank { rank, ranks } => {
+                if ranks == 0 || !experts.is_multiple_of(ranks) || rank >= ranks {
+                    return Err(CheckpointError::Rank {
+                        rank,
+                        ranks,
+                        experts,
+                    });
+                }
+                let local = experts / ranks;
+                Ok(rank * local..(rank + 1) * local)
+            }
+        }
+    }
+}
+
+/// One layer's routed-expert weights on the host, in the kernels' layout, bf16 bits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostWeights {
+    /// The experts held, in order; `w1` and `w2` start with `experts.start`.
+    pub experts: Range<u32>,
+    /// [experts, w1_rows, H]: each expert's gate rows, then its up rows.
+    pub w1: Vec<u16>,
+    /// [experts, H, F].
+    pub w2: Vec<u16>,
+}
+
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{} is not a safetensors file: {source}", path.display())]
+    Format {
+        path: PathBuf,
+        #[source]
+        source: SafeTensorError,
+    },
+    #[error("{} is not a safetensors shard index (expected {{\"weight_map\": {{tensor: file}}}}): {source}", path.display())]
+    Index {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{} holds no `*.safetensors` file", path.display())]
+    NoShards { path: PathBuf },
+    #[error("{} names shard {} for tensor `{tensor}`, but that file is not there", index.display(), shard.display())]
+    MissingShard {
+        index: PathBuf,
+        tensor: String,
+        shard: PathBuf,
+    },
+    #[error("{} names shard {} for tensor `{tensor}`, but that shard does not hold it", index.display(), shard.display())]
+    IndexMismatch {
+        index: PathBuf,
+        tensor: String,
+        shard: PathBuf,
+    },
+    #[error("tensor `{tensor}` is in both {} and {}", first.display(), second.display())]
+    DuplicateTensor {
+        tensor: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
+    #[error("tensor `{tensor}` ({family} naming) is not in the checkpoint; {}", match nearest {
+        Some(name) => format!("the nearest name it holds is `{name}` (is the family or the layer prefix wrong?)"),
+        None => "it holds no tensor".to_owned(),
+    })]
+    MissingTensor {
+        tensor: String,
+        family: Family,
+        nearest: Option<String>,
+    },
+    #[error("tensor `{tensor}` has shape {found:?}; the layer needs {expected:?}")]
+    Shape {
+        tensor: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("tensor `{tensor}` is {found:?}; the loader reads BF16, F16 or F32")]
+    Dtype { tensor: String, found: Dtype },
+    #[error("loading {family} experts is not supported yet: {reason}")]
+    Unsupported {
+        family: Family,
+        reason: &'static str,
+    },
+    #[error("{family} experts compute {}, but the layer's activation is {}", Family::activation(*family).name(), activation.name())]
+    Activation {
+        family: Family,
+        activation: Activation,
+    },
+    #[error("rank {rank} of {ranks} does not name an equal share of {experts} experts")]
+    Rank { rank: u32, ranks: u32, experts: u32 },
+}
+
+/// One memory-mapped `.safetensors` file and its parsed header.
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+impl Shard {
+    fn open(path: &Path) -> Result<Self, CheckpointError> {
+        let io_error = |source| CheckpointError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let file = File::open(path).map_err(io_error)?;
+        // SAFETY: the map is only read. Like every reader of a memory-mapped checkpoint,
+        // this assumes nobody truncates or rewrites the file while the checkpoint is open.
+        let map = unsafe { Mmap::map(&file) }.map_err(io_error)?;
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&map).map_err(|source| CheckpointError::Format {
+                path: path.to_owned(),
+                source,
+            })?;
+        Ok(Shard {
+            path: path.to_owned(),
+            map,
+            header_len,
+            metadata,
+        })
+    }
+
+    fn names(&self) -> impl Iterator<Item = String> + '_ {
+        self.metadata.tensors().into_keys()
+    }
+}
+
+#[derive(Deserialize)]
+struct IndexFile {
+    weight_map: BTreeMap<String, String>,
+}
+
+/// The tensors of a checkpoint: one file, or a folder of shards.
+pub struct Checkpoint {
+    shards: Vec<Shard>,
+    /// Every tensor name, and the shard in `shards` that holds it.
+    names: BTreeMap<String, usize>,
+}
+
+impl Checkpoint {
+    /// Opens `path`: a `.safetensors` file, or a folder. In a folder with
+    /// [`INDEX_FILE`], every shard the index names must exist and hold the tensors it
+    /// names; without one, every `*.safetensors` file in it is a shard and no tensor may
+    /// be in two of them. Maps the files and reads their headers, not their data.
+    pub fn open(path: &Path) -> Result<Self, CheckpointError> {
+        let io_error = |source| CheckpointError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        if !path.metadata().map_err(io_error)?.is_dir() {
+            let shard = Shard::open(path)?;
+            let names = shard.names().map(|n| (n, 0)).collect();
+            return Ok(Checkpoint {
+                shards: vec![shard],
+                names,
+            });
+        }
+        let index = path.join(INDEX_FILE);
+        if index.exists() {
+            return Self::open_indexed(path, &index);
+        }
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(path).map_err(io_error)? {
+            let file = entry.map_err(io_error)?.path();
+            if file.extension().is_some_and(|x| x == "safetensors") {
+                files.push(file);
+            }
+        }
+        if files.is_empty() {
+            return Err(CheckpointError::NoShards {
+                path: path.to_owned(),
+            });
+        }
+        files.sort();
+        let mut shards = Vec::with_capacity(files.len());
+        let mut names = BTreeMap::new();
+        for file in files {
+            let shard = Shard::open(&file)?;
+            for name in shard.names() {
+                if let Some(&first) = names.get(&name) {
+                    let first: &Shard = &shards[first];
+                    return Err(CheckpointError::DuplicateTensor {
+                        tensor: name,
+                        first: first.path.clone(),
+                        second: file,
+                    });
+                }
+                names.insert(name, shards.len());
+            }
+            shards.push(shard);
+        }
+        Ok(Checkpoint { shards, names })
+    }
+
+    fn open_indexed(dir: &Path, index: &Path) -> Result<Self, CheckpointError> {
+        let text = std::fs::read_to_string(index).map_err(|source| CheckpointError::Io {
+            path: index.to_owned(),
+            source,
+        })?;
+        let parsed: IndexFile =
+            serde_json::from_str(&text).map_err(|source| CheckpointError::Index {
+                path: index.to_owned(),
+                source,
+            })?;
+        let mut shards: Vec<Shard> = Vec::new();
+        let mut by_file: HashMap<String, usize> = HashMap::new();
+        let mut names = BTreeMap::new();
+        for (tensor, file) in parsed.weight_map {
+            let at = match by_file.get(&file) {
+                Some(&at) => at,
+                None => {
+                    let shard_path = dir.join(&file);
+                    if !shard_path.is_file() {
+                        return Err(CheckpointError::MissingShard {
+                            index: index.to_owned(),
+                            tensor,
+                            shard: shard_path,
+                        });
+                    }
+                    shards.push(Shard::open(&shard_path)?);
+                    by_file.insert(file, shards.len() - 1);
+                    shards.len() - 1
+                }
+            };
+            let shard = &shards[at];
+            if shard.metadata.info(&tensor).is_none() {
+                return Err(CheckpointError::IndexMismatch {
+                    index: index.to_owned(),
+                    tensor,
+                    shard: shard.path.clone(),
+                });
+            }
+            names.insert(tensor, at);
+        }
+        Ok(Checkpoint { shards, names })
+    }
+
+    /// Every tensor name the checkpoint holds, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.names.keys().map(String::as_str)
+    }
+
+    /// The families whose expert tensors are named under `prefix` (expert 0's gate
+    /// projection, or GPT-OSS's fused tensor). Qwen3-MoE and DeepSeek-V3 share expert
+    /// names; DeepSeek-V3 is reported when `{prefix}mlp.gate.e_score_correction_bias`
+    /// is there, Qwen3-MoE when it is not. A report, not a choice: loading still takes
+    /// the family from the caller.
+    pub fn detect(&self, prefix: &str) -> Vec<Family> {
+        Family::ALL
+            .into_iter()
+            .filter(|family| {
+                let (any_of, condition) = family.marker(prefix);
+                any_of.iter().any(|n| self.names.contains_key(n))
+                    && condition.is_none_or(|(n, present)| self.names.contains_key(&n) == present)
+            })
+            .collect()
+    }
+
+    /// Loads the experts `which` of the layer under `prefix` (e.g. `model.layers.3.`),
+    /// named as `family` names them, sized by `shape` (H, F, E and the activation, which
+    /// must be the family's), into the kernels' layout.
+    pub fn load_experts(
+        &self,
+        family: Family,
+        prefix: &str,
+        shape: &LayerShape,
+        which: ExpertSet,
+    ) -> Result<HostWeights, CheckpointError> {
+        // Refuse an unsupported family before looking at the layer's numbers.
+        family.expert_names(prefix, 0)?;
+        if shape.activation != family.activation() {
+            return Err(CheckpointError::Activation {
+                family,
+                activation: shape.activation,
+            });
+        }
+        let experts = which.range(shape.experts)?;
+        let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
+        let matrix = hidden * ffn;
+        let count = experts.len();
+        let mut w1 = vec![0u16; count * 2 * matrix];
+        let mut w2 = vec![0u16; count * matrix];
+        for (local, e) in experts.clone().enumerate() {
+            let [gate, up, down] = family.expert_names(prefix, e)?;
+            let w1_expert = &mut w1[local * 2 * matrix..(local + 1) * 2 * matrix];
+            let (gate_rows, up_rows) = w1_expert.split_at_mut(matrix);
+            self.read_bf16(family, prefix, &gate, &[ffn, hidden], gate_rows)?;
+            self.read_bf16(family, prefix, &up, &[ffn, hidden], up_rows)?;
+            let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
+            self.read_bf16(family, prefix, &down, &[hidden, ffn], w2_expert)?;
+        }
+        Ok(HostWeights { experts, w1, w2 })
+    }
+
+    /// Reads tensor `name`, which must have shape `expected`, into `out` as bf16 bits.
+    fn read_bf16(
+        &self,
+        family: Family,
+        prefix: &str,
+        name: &str,
+        expected: &[usize],
+        out: &mut [u16],
+    ) -> Result<(), CheckpointError> {
+        let Some(&at) = self.names.get(name) else {
+            return Err(CheckpointError::MissingTensor {
+                tensor: name.to_owned(),
+                family,
+                nearest: self.nearest(name, prefix),
+            });
+        };
+        let shard = &self.shards[at];
+        let info = shard
+            .metadata
+            .info(name)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                tensor: name.to_owned(),
+                family,
+                nearest: None,
+            })?;
+        if info.shape != expected {
+            return Err(CheckpointError::Shape {
+                tensor: name.to_owned(),
+                expected: expected.to_vec(),
+                found: info.shape.clone(),
+            });
+        }
+        let (start, end) = info.data_offsets;
+        // The header was validated: the offsets lie inside the file after the header.
+        let base = 8 + shard.header_len;
+        let bytes = &shard.map[base + start..base + end];
+        to_bf16(info.dtype, bytes, out).map_err(|found| CheckpointError::Dtype {
+            tensor: name.to_owned(),
+            found,
+        })
+    }
+
+    /// The held name that shares the longest start with `wanted`, preferring names
+    /// under `prefix` (the first in order among equals).
+    fn nearest(&self, wanted: &str, prefix: &str) -> Option<String> {
+        let common = |name: &str| {
+            wanted
+                .bytes()
+                .zip(name.bytes())
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        self.names
+            .keys()
+            .max_by_key(|name| {
+                (
+                    name.starts_with(prefix),
+                    common(name),
+                    std::cmp::Reverse(*name),
+                )
+            })
+            .cloned()
+    }
+}
+
+/// Converts little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`, bf16 bits,
+/// rounding to nearest even; `Err(dtype)` for any other dtype. `bytes` holds exactly
+/// `out.len()` elements (the caller checked the shape).
+pub fn to_bf16(dtype: Dtype, bytes: &[u8], out: &mut [u16]) -> Result<(), Dtype> {
+    match dtype {
+        Dtype::BF16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = u16::from_le_bytes([b[0], b[1]]);
+            }
+        }
+        Dtype::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_f32(f16_to_f32(u16::from_le_bytes([b[0], b[1]])));
+            }
+        }
+        Dtype::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            }
+        }
+        other => return Err(other),
+    }
+    Ok(())
+}
+
+/// IEEE half to f32, exactly (every f16 value is an f32 value).
+fn f16_to_f32(bits: u16) -> f32 {
+    let sign = u32::from(bits >> 15) << 31;
+    let exponent = u32::from((bits >> 10) & 0x1f);
+    let mantissa = u32::from(bits & 0x3ff);
+    let magnitude = match (exponent, mantissa) {
+        (0, 0) => 0,
+        // Subnormal: mantissa · 2^-24, exact in f32.
+        (0, m) => (m as f32 * f32::powi(2.0, -24)).to_bits(),
+        (0x1f, m) => 0x7f80_0000 | (m << 13),
+        (e, m) => ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(sign | magnitude)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_converts_exactly() {
+        let cases: [(u16, f32); 8] = [
+            (0x0000, 0.0),
+            (0x3c00, 1.0),
+            (0xc000, -2.0),
+            (0x3555, 0.333_251_95),
+            (0x7bff, 65504.0),
+            (0x0001, 5.960_464_5e-8),
+            (0x03ff, 6.097_555e-5),
+            (0xfc00, f32::NEG_INFINITY),
+        ];
+        for (bits, value) in cases {
+            assert_eq!(f16_to_f32(bits), value, "{bits:#06x}");
+        }
+        assert!(f16_to_f32(0x7e00).is_nan());
+        assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    }
+}

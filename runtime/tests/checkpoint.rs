@@ -1,0 +1,550 @@
+//! Loading routed-expert weights from safetensors checkpoints: tiny files written with the
+//! `safetensors` serializer in a temp folder, per family, sharded or not; every element of
+//! the re-laid-out buffers against the source tensors; every error kind. CPU only.
+
+use std::path::Path;
+
+use moeforge_compiler::ir::Activation;
+use moeforge_compiler::plan::LayerShape;
+use moeforge_runtime::bf16;
+use moeforge_runtime::checkpoint::{
+    Checkpoint, CheckpointError, ExpertSet, Family, HostWeights, INDEX_FILE,
+};
+use safetensors::tensor::{Dtype, TensorView};
+
+const H: usize = 16;
+const F: usize = 8;
+const E: usize = 4;
+const PREFIX: &str = "model.layers.3.";
+
+fn shape(activation: Activation) -> LayerShape {
+    LayerShape {
+        hidden: H as u32,
+        ffn: F as u32,
+        experts: E as u32,
+        top_k: 2,
+        activation,
+        max_tokens: 64,
+        spec_ranks: 1,
+        executed_ranks: 1,
+    }
+}
+
+/// Distinct bf16 bits for element `i` of projection `p` (0 gate, 1 up, 2 down) of expert `e`.
+fn value(e: usize, p: usize, i: usize) -> u16 {
+    ((e << 12) | (p << 10) | i) as u16
+}
+
+fn names(family: Family, prefix: &str, e: usize) -> [String; 3] {
+    let (base, parts) = match family {
+        Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    };
+    parts.map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight"))
+}
+
+/// A named tensor to serialize: dtype, shape, little-endian bytes.
+type Tensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
+fn bf16_tensor(name: String, shape: Vec<usize>, bits: impl Iterator<Item = u16>) -> Tensor {
+    (
+        name,
+        Dtype::BF16,
+        shape,
+        bits.flat_map(u16::to_le_bytes).collect(),
+    )
+}
+
+/// The expert tensors of `experts` under PREFIX, bf16, values from [`value`], plus a
+/// router weight so each file holds a non-expert tensor too.
+fn expert_tensors(family: Family, experts: std::ops::Range<usize>) -> Vec<Tensor> {
+    let mut out = vec![bf16_tensor(
+        format!("{PREFIX}router.weight"),
+        vec![E, H],
+        (0..E * H).map(|i| i as u16),
+    )];
+    for e in experts {
+        let [gate, up, down] = names(family, PREFIX, e);
+        out.push(bf16_tensor(
+            gate,
+            vec![F, H],
+            (0..F * H).map(|i| value(e, 0, i)),
+        ));
+        out.push(bf16_tensor(
+            up,
+            vec![F, H],
+            (0..F * H).map(|i| value(e, 1, i)),
+        ));
+        out.push(bf16_tensor(
+            down,
+            vec![H, F],
+            (0..H * F).map(|i| value(e, 2, i)),
+        ));
+    }
+    out
+}
+
+fn write(path: &Path, tensors: &[Tensor]) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn replace(tensors: &mut [Tensor], name: &str, with: Tensor) {
+    let slot = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+    *slot = with;
+}
+
+/// Checks every element of `w` against [`value`], indexing the kernels' layout by hand:
+/// w1[l, r, h] with r < F the gate row r and r >= F the up row r - F; w2[l, o, f].
+fn check_layout(w: &HostWeights) {
+    let count = w.experts.len();
+    assert_eq!(w.w1.len(), count * 2 * F * H);
+    assert_eq!(w.w2.len(), count * H * F);
+    for (l, e) in w.experts.clone().enumerate() {
+        let e = e as usize;
+        for r in 0..2 * F {
+            for h in 0..H {
+                let (p, f) = if r < F { (0, r) } else { (1, r - F) };
+                assert_eq!(
+                    w.w1[(l * 2 * F + r) * H + h],
+                    value(e, p, f * H + h),
+                    "w1 expert {e} row {r} col {h}"
+                );
+            }
+        }
+        for o in 0..H {
+            for f in 0..F {
+                assert_eq!(
+                    w.w2[(l * H + o) * F + f],
+                    value(e, 2, o * F + f),
+                    "w2 expert {e} row {o} col {f}"
+                );
+            }
+        }
+    }
+}
+
+fn load(path: &Path, family: Family, which: ExpertSet) -> Result<HostWeights, CheckpointError> {
+    Checkpoint::open(path)?.load_experts(family, PREFIX, &shape(Activation::Swiglu), which)
+}
+
+#[test]
+fn each_family_loads_into_the_kernel_layout() {
+    for family in [Family::Mixtral, Family::Qwen3Moe, Family::DeepseekV3] {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("model.safetensors");
+        write(&file, &expert_tensors(family, 0..E));
+        let w = load(&file, family, ExpertSet::All).unwrap();
+        assert_eq!(w.experts, 0..E as u32);
+        check_layout(&w);
+        // A folder holding that one file loads the same.
+        assert_eq!(load(dir.path(), family, ExpertSet::All).unwrap(), w);
+    }
+}
+
+#[test]
+fn a_rank_loads_its_share_of_the_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write(&file, &expert_tensors(Family::Qwen3Moe, 0..E));
+    let all = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap();
+    for ranks in [1u32, 2, 4] {
+        let local = E / ranks as usize;
+        for rank in 0..ranks {
+            let which = ExpertSet::Rank { rank, ranks };
+            let w = load(&file, Family::Qwen3Moe, which).unwrap();
+            let r = rank as usize;
+            assert_eq!(w.experts, rank * local as u32..(rank + 1) * local as u32);
+            check_layout(&w);
+            let (w1_len, w2_len) = (local * 2 * F * H, local * H * F);
+            assert_eq!(w.w1, all.w1[r * w1_len..(r + 1) * w1_len]);
+            assert_eq!(w.w2, all.w2[r * w2_len..(r + 1) * w2_len]);
+        }
+    }
+    for (rank, ranks) in [(0, 0), (2, 2), (0, 3)] {
+        let err = load(&file, Family::Qwen3Moe, ExpertSet::Rank { rank, ranks }).unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::Rank { experts: 4, .. }),
+            "{err}"
+        );
+    }
+}
+
+/// Experts 0..2 in one shard, 2..4 (and the router) in another.
+fn write_shards(dir: &Path, family: Family) {
+    let mut first = expert_tensors(family, 0..2);
+    first.remove(0);
+    write(&dir.join("model-00001-of-00002.safetensors"), &first);
+    write(
+        &dir.join("model-00002-of-00002.safetensors"),
+        &expert_tensors(family, 2..E),
+    );
+}
+
+fn write_index(dir: &Path, family: Family, shard_of: impl Fn(usize) -> String) {
+    let mut map = serde_json::Map::new();
+    map.insert(
+        format!("{PREFIX}router.weight"),
+        "model-00002-of-00002.safetensors".into(),
+    );
+    for e in 0..E {
+        for name in names(family, PREFIX, e) {
+            map.insert(name, shard_of(e).into());
+        }
+    }
+    let index = serde_json::json!({ "metadata": { "total_size": 0 }, "weight_map": map });
+    std::fs::write(dir.join(INDEX_FILE), index.to_string()).unwrap();
+}
+
+fn shard_name(e: usize) -> String {
+    format!(
+        "model-0000{}-of-00002.safetensors",
+        if e < 2 { 1 } else { 2 }
+    )
+}
+
+#[test]
+fn sharded_folders_load_with_and_without_an_index() {
+    let dir = tempfile::tempdir().unwrap();
+    write_shards(dir.path(), Family::Mixtral);
+    let unindexed = load(dir.path(), Family::Mixtral, ExpertSet::All).unwrap();
+    check_layout(&unindexed);
+    write_index(dir.path(), Family::Mixtral, shard_name);
+    let indexed = load(dir.path(), Family::Mixtral, ExpertSet::All).unwrap();
+    assert_eq!(indexed, unindexed);
+    let rank1 = load(
+        dir.path(),
+        Family::Mixtral,
+        ExpertSet::Rank { rank: 1, ranks: 2 },
+    );
+    check_layout(&rank1.unwrap());
+}
+
+#[test]
+fn index_errors_name_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    write_shards(dir.path(), Family::Qwen3Moe);
+    write_index(dir.path(), Family::Qwen3Moe, |e| {
+        if e == 3 {
+            "model-00003-of-00002.safetensors".into()
+        } else {
+            shard_name(e)
+        }
+    });
+    let err = Checkpoint::open(dir.path()).err().unwrap();
+    let CheckpointError::MissingShard { shard, tensor, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(shard.ends_with("model-00003-of-00002.safetensors"));
+    assert!(tensor.contains("experts.3."), "{err}");
+
+    // Every shard exists, but expert 1's tensors are said to be in the second one.
+    write_index(dir.path(), Family::Qwen3Moe, |e| {
+        shard_name(if e == 1 { 2 } else { e })
+    });
+    let err = Checkpoint::open(dir.path()).err().unwrap();
+    let CheckpointError::IndexMismatch { tensor, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(tensor.contains("experts.1."), "{err}");
+
+    std::fs::write(dir.path().join(INDEX_FILE), "{\"weights\": {}}").unwrap();
+    let err = Checkpoint::open(dir.path()).err().unwrap();
+    assert!(matches!(err, CheckpointError::Index { .. }), "{err}");
+}
+
+#[test]
+fn a_tensor_in_two_unindexed_shards_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        &dir.path().join("a.safetensors"),
+        &expert_tensors(Family::Mixtral, 0..1),
+    );
+    write(
+        &dir.path().join("b.safetensors"),
+        &expert_tensors(Family::Mixtral, 1..2),
+    );
+    let err = Checkpoint::open(dir.path()).err().unwrap();
+    let CheckpointError::DuplicateTensor { tensor, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(tensor, &format!("{PREFIX}router.weight"));
+}
+
+#[test]
+fn missing_tensors_name_the_nearest_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = expert_tensors(Family::Mixtral, 0..E);
+    tensors.retain(|t| !t.0.contains("experts.2.w3"));
+    write(&file, &tensors);
+    let err = load(&file, Family::Mixtral, ExpertSet::All).unwrap_err();
+    let message = err.to_string();
+    let CheckpointError::MissingTensor {
+        tensor, nearest, ..
+    } = err
+    else {
+        panic!("{message}")
+    };
+    assert_eq!(
+        tensor,
+        format!("{PREFIX}block_sparse_moe.experts.2.w3.weight")
+    );
+    assert_eq!(
+        nearest.as_deref(),
+        Some("model.layers.3.block_sparse_moe.experts.2.w1.weight"),
+        "{message}"
+    );
+    // The rank that does not hold expert 2 loads.
+    load(
+        &file,
+        Family::Mixtral,
+        ExpertSet::Rank { rank: 0, ranks: 2 },
+    )
+    .unwrap();
+
+    // The wrong family: the hint shows the names the file uses.
+    let err = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap_err();
+    let CheckpointError::MissingTensor { nearest, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(nearest.as_deref().unwrap().starts_with(PREFIX), "{err}");
+    assert!(err.to_string().contains("mlp.experts.0.gate_proj"), "{err}");
+
+    // The wrong layer: the nearest name is under another prefix.
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_experts(
+            Family::Mixtral,
+            "model.layers.7.",
+            &shape(Activation::Swiglu),
+            ExpertSet::All,
+        )
+        .unwrap_err();
+    let CheckpointError::MissingTensor { nearest, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(nearest.as_deref().unwrap().starts_with("model.layers."));
+}
+
+#[test]
+fn shape_and_dtype_errors_name_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let [_, _, down] = names(Family::Qwen3Moe, PREFIX, 1);
+    // down_proj stored transposed, [F, H] instead of [H, F].
+    let mut tensors = expert_tensors(Family::Qwen3Moe, 0..E);
+    replace(
+        &mut tensors,
+        &down,
+        bf16_tensor(down.clone(), vec![F, H], (0..F * H).map(|i| i as u16)),
+    );
+    write(&file, &tensors);
+    let err = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap_err();
+    let message = err.to_string();
+    let CheckpointError::Shape {
+        tensor,
+        expected,
+        found,
+    } = err
+    else {
+        panic!("{message}")
+    };
+    assert_eq!(
+        (tensor.as_str(), expected, found),
+        (down.as_str(), vec![H, F], vec![F, H])
+    );
+    assert!(
+        message.contains("[16, 8]") && message.contains("[8, 16]"),
+        "{message}"
+    );
+
+    // A shape that suits another layer size: H = 16, F = 8 read as F = 4.
+    let mut tensors = expert_tensors(Family::Qwen3Moe, 0..E);
+    write(&file, &tensors);
+    let mut small = shape(Activation::Swiglu);
+    small.ffn = 4;
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_experts(Family::Qwen3Moe, PREFIX, &small, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::Shape { expected, .. } if expected == &vec![4, H]),
+        "{err}"
+    );
+
+    // FP8 (as DeepSeek-V3's release stores experts) is not read.
+    replace(
+        &mut tensors,
+        &down,
+        (down.clone(), Dtype::F8_E4M3, vec![H, F], vec![0; H * F]),
+    );
+    write(&file, &tensors);
+    let err = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains(&down) && message.contains("F8_E4M3"),
+        "{message}"
+    );
+    assert!(matches!(
+        err,
+        CheckpointError::Dtype {
+            found: Dtype::F8_E4M3,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn f32_and_f16_tensors_are_rounded_to_bf16() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = expert_tensors(Family::Mixtral, 0..E);
+    let [gate, up, _] = names(Family::Mixtral, PREFIX, 2);
+    // f32 values, some exact in bf16, some that round (ties to even included).
+    let f32s: Vec<f32> = (0..F * H)
+        .map(|i| (i as f32 - 40.0) * (1.0 + 1.0 / 256.0) + i as f32 / 4096.0)
+        .collect();
+    replace(
+        &mut tensors,
+        &gate,
+        (
+            gate.clone(),
+            Dtype::F32,
+            vec![F, H],
+            f32s.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
+    );
+    // f16 bits of i / 8 - 4 (exact in f16 and in bf16): 0x4400 is 4.0, 0x3800 is 0.5, …
+    let f16s: Vec<(u16, f32)> = (0..F * H)
+        .map(|i| {
+            let v = i as f32 / 8.0 - 4.0;
+            (f16_bits(v), v)
+        })
+        .collect();
+    replace(
+        &mut tensors,
+        &up,
+        (
+            up.clone(),
+            Dtype::F16,
+            vec![F, H],
+            f16s.iter().flat_map(|(b, _)| b.to_le_bytes()).collect(),
+        ),
+    );
+    write(&file, &tensors);
+    let w = load(&file, Family::Mixtral, ExpertSet::All).unwrap();
+    let base = 2 * 2 * F * H;
+    for (i, v) in f32s.iter().enumerate() {
+        assert_eq!(w.w1[base + i], bf16::from_f32(*v), "gate element {i}");
+    }
+    for (i, (_, v)) in f16s.iter().enumerate() {
+        assert_eq!(bf16::to_f32(w.w1[base + F * H + i]), *v, "up element {i}");
+    }
+}
+
+/// f16 bits of `v`, which must be a multiple of 1/8 in [-4, 12) (exact, normal or zero).
+fn f16_bits(v: f32) -> u16 {
+    if v == 0.0 {
+        return 0;
+    }
+    let sign = if v < 0.0 { 0x8000 } else { 0 };
+    let a = v.abs();
+    let exponent = a.log2().floor() as i32;
+    let mantissa = ((a / 2f32.powi(exponent) - 1.0) * 1024.0) as u16;
+    sign | (((exponent + 15) as u16) << 10) | mantissa
+}
+
+#[test]
+fn unreadable_files_are_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Checkpoint::open(&dir.path().join("absent.safetensors"))
+        .err()
+        .unwrap();
+    assert!(matches!(err, CheckpointError::Io { .. }), "{err}");
+
+    let err = Checkpoint::open(dir.path()).err().unwrap();
+    assert!(matches!(err, CheckpointError::NoShards { .. }), "{err}");
+
+    let garbage = dir.path().join("model.safetensors");
+    std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
+    let err = Checkpoint::open(&garbage).err().unwrap();
+    assert!(matches!(err, CheckpointError::Format { .. }), "{err}");
+    assert!(err.to_string().contains("model.safetensors"), "{err}");
+}
+
+#[test]
+fn gpt_oss_and_a_foreign_activation_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write(&file, &expert_tensors(Family::Mixtral, 0..E));
+    let err = load(&file, Family::GptOss, ExpertSet::All).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CheckpointError::Unsupported {
+                family: Family::GptOss,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("MXFP4"), "{err}");
+
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_experts(
+            Family::Mixtral,
+            PREFIX,
+            &shape(Activation::Gelu),
+            ExpertSet::All,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CheckpointError::Activation {
+                activation: Activation::Gelu,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn detect_reports_the_families_named_under_a_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let detect = |tensors: &[Tensor], prefix: &str| {
+        write(&file, tensors);
+        Checkpoint::open(&file).unwrap().detect(prefix)
+    };
+    let mixtral = expert_tensors(Family::Mixtral, 0..E);
+    assert_eq!(detect(&mixtral, PREFIX), [Family::Mixtral]);
+    assert_eq!(detect(&mixtral, "model.layers.4."), []);
+
+    let mut qwen = expert_tensors(Family::Qwen3Moe, 0..E);
+    assert_eq!(detect(&qwen, PREFIX), [Family::Qwen3Moe]);
+    qwen.push(bf16_tensor(
+        format!("{PREFIX}mlp.gate.e_score_correction_bias"),
+        vec![E],
+        0..E as u16,
+    ));
+    assert_eq!(detect(&qwen, PREFIX), [Family::DeepseekV3]);
+
+    let gpt_oss = [bf16_tensor(
+        format!("{PREFIX}mlp.experts.gate_up_proj"),
+        vec![E, H, 2 * F],
+        (0..E * H * 2 * F).map(|i| i as u16),
+    )];
+    assert_eq!(detect(&gpt_oss, PREFIX), [Family::GptOss]);
+}
