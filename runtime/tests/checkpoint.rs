@@ -10,6 +10,8 @@ use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::{
     Checkpoint, CheckpointError, ExpertSet, Family, HostWeights, INDEX_FILE,
 };
+use moeforge_runtime::reference::{HostExpert, layer_output};
+use moeforge_runtime::workload::Workload;
 use safetensors::tensor::{Dtype, TensorView};
 
 const H: usize = 16;
@@ -547,4 +549,74 @@ fn detect_reports_the_families_named_under_a_prefix() {
         (0..E * H * 2 * F).map(|i| i as u16),
     )];
     assert_eq!(detect(&gpt_oss, PREFIX), [Family::GptOss]);
+}
+
+/// The CPU reference on loaded weights computes what the model's expert MLP computes,
+/// `y = Σ_k w_k · down_e(silu(gate_e x) · up_e x)`, written here from the source tensors
+/// (so a swapped gate and up, or a transposed matrix, would not pass).
+#[test]
+fn the_reference_on_loaded_weights_is_the_models_expert_mlp() {
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut random = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
+        bf16::from_f32(((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5)
+    };
+    let mut tensors = Vec::new();
+    let mut source = Vec::new();
+    for e in 0..E {
+        let [gate, up, down] = names(Family::Qwen3Moe, PREFIX, e);
+        let values: [Vec<u16>; 3] = std::array::from_fn(|_| (0..F * H).map(|_| random()).collect());
+        tensors.push(bf16_tensor(gate, vec![F, H], values[0].iter().copied()));
+        tensors.push(bf16_tensor(up, vec![F, H], values[1].iter().copied()));
+        tensors.push(bf16_tensor(down, vec![H, F], values[2].iter().copied()));
+        source.push(values.map(|v| v.into_iter().map(bf16::to_f32).collect::<Vec<f32>>()));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write(&file, &tensors);
+    let w = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap();
+
+    let workload = Workload {
+        tokens: 3,
+        x: (0..3 * H).map(|_| random()).collect(),
+        topk_ids: vec![0, 3, 2, 1, 1, 2],
+        topk_weights: vec![0.75, 0.25, 0.5, 0.5, 0.125, 0.875],
+    };
+    let layer = shape(Activation::Swiglu);
+    let reference = layer_output(&layer, &workload, vec![0, 1, 2], |e| HostExpert {
+        w1: &w.w1[e * 2 * F * H..(e + 1) * 2 * F * H],
+        w2: &w.w2[e * H * F..(e + 1) * H * F],
+    });
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
+    let silu = |v: f32| v / (1.0 + (-v).exp());
+    for t in 0..3 {
+        let x: Vec<f32> = workload.x[t * H..(t + 1) * H]
+            .iter()
+            .map(|&b| bf16::to_f32(b))
+            .collect();
+        let mut y = [0f32; H];
+        for k in 0..2 {
+            let [gate, up, down] = &source[workload.topk_ids[t * 2 + k] as usize];
+            let act: Vec<f32> = (0..F)
+                .map(|f| {
+                    let row = f * H..(f + 1) * H;
+                    silu(dot(&gate[row.clone()], &x)) * dot(&up[row], &x)
+                })
+                .collect();
+            for (o, y) in y.iter_mut().enumerate() {
+                *y += workload.topk_weights[t * 2 + k] * dot(&down[o * F..(o + 1) * F], &act);
+            }
+        }
+        for o in 0..H {
+            let (got, magnitude) = (reference.y[t * H + o], reference.magnitude[t * H + o]);
+            // The reference rounds the intermediate to bf16 (2^-8 relative) as the kernels do.
+            assert!(
+                (got - y[o]).abs() <= 1e-2 * magnitude + 1e-6,
+                "token {t} output {o}: reference {got}, model {}",
+                y[o]
+            );
+        }
+    }
 }
