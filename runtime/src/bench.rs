@@ -32,15 +32,8 @@ pub struct Roofline {
 }
 
 impl Roofline {
+    /// The floor of one call on `workload` with every expert on one GPU.
     pub fn of(shape: &LayerShape, workload: &Workload, target: &Target) -> Self {
-        let (t, k, h, f) = (
-            f64::from(workload.tokens),
-            f64::from(shape.top_k),
-            f64::from(shape.hidden),
-            f64::from(shape.ffn),
-        );
-        let w1_rows = f64::from(shape.w1_rows());
-        let flops = 2.0 * t * k * h * (w1_rows + f);
         let mut hit = vec![false; shape.experts as usize];
         for &id in &workload.topk_ids {
             if let Some(slot) = usize::try_from(id).ok().and_then(|e| hit.get_mut(e)) {
@@ -48,8 +41,26 @@ impl Roofline {
             }
         }
         let hit_experts = hit.iter().filter(|&&h| h).count() as f64;
+        let tokens = f64::from(workload.tokens);
+        let pairs = tokens * f64::from(shape.top_k);
+        // x in and y out per token, and each pair's id and weight.
+        let activation_bytes = tokens * f64::from(shape.hidden) * 2.0 * 2.0 + pairs * 8.0;
+        Self::of_work(shape, pairs, hit_experts, activation_bytes, target)
+    }
+
+    /// The floor of `pairs` (token, expert) pairs over `hit_experts` distinct experts,
+    /// moving `activation_bytes` besides the hit experts' weights.
+    fn of_work(
+        shape: &LayerShape,
+        pairs: f64,
+        hit_experts: f64,
+        activation_bytes: f64,
+        target: &Target,
+    ) -> Self {
+        let (h, f) = (f64::from(shape.hidden), f64::from(shape.ffn));
+        let w1_rows = f64::from(shape.w1_rows());
+        let flops = 2.0 * pairs * h * (w1_rows + f);
         let weight_bytes = hit_experts * (w1_rows * h + h * f) * 2.0;
-        let activation_bytes = t * h * 2.0 * 2.0 + t * k * 8.0;
         let bytes = weight_bytes + activation_bytes;
         let compute_s = flops / target.peak_bf16_flops;
         let memory_s = bytes / target.hbm_bytes_per_s;
@@ -264,11 +275,7 @@ fn busiest_rank_floor_us(
     target: &Target,
 ) -> f64 {
     let per_rank = (shape.experts / ranks) as usize;
-    let (h, f, w1_rows) = (
-        f64::from(shape.hidden),
-        f64::from(shape.ffn),
-        f64::from(shape.w1_rows()),
-    );
+    let row_bytes = f64::from(shape.hidden) * 2.0;
     (0..ranks as usize)
         .map(|d| {
             let mut hit = vec![false; per_rank];
@@ -283,9 +290,8 @@ fn busiest_rank_floor_us(
             }
             let hit = hit.iter().filter(|&&h| h).count() as f64;
             let pairs = pairs as f64;
-            let flops = 2.0 * pairs * h * (w1_rows + f);
-            let bytes = hit * (w1_rows * h + h * f) * 2.0 + pairs * h * 2.0 * 2.0;
-            (flops / target.peak_bf16_flops).max(bytes / target.hbm_bytes_per_s) * 1e6
+            // Each pair's row in and its result row out.
+            Roofline::of_work(shape, pairs, hit, pairs * row_bytes * 2.0, target).floor_us
         })
         .fold(0.0, f64::max)
 }

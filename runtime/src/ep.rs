@@ -23,7 +23,7 @@ use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
 use crate::layer::{
-    ArgValue, ExpertWeights, ForwardArgs, LayerError, check_len, kernel_error, ptr, read_error_word,
+    ArgValue, ExpertWeights, ForwardArgs, LayerError, kernel_error, ptr, read_error_word,
 };
 
 /// Where a kernel parameter's value comes from, resolved once per rank.
@@ -153,20 +153,9 @@ impl EpLayer {
                 }
             }
         }
-        let shape = &plan.shape;
-        let local = u64::from(ep.experts_per_rank);
         let mut built = Vec::with_capacity(ranks);
         for ((ctx, module), weights) in contexts.iter().zip(modules).zip(weights) {
-            check_len(
-                "w1",
-                weights.w1.len(),
-                local * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
-            )?;
-            check_len(
-                "w2",
-                weights.w2.len(),
-                local * u64::from(shape.hidden) * u64::from(shape.ffn),
-            )?;
+            weights.check(&plan.shape, ep.experts_per_rank)?;
             let compute = ctx.new_stream().context("creating a compute stream")?;
             let comm = ctx
                 .new_stream()
@@ -340,15 +329,7 @@ impl EpLayer {
         }
         let mut regimes = Vec::with_capacity(args.len());
         for a in args {
-            let t = u64::from(a.tokens);
-            check_len("x", a.x.len(), t * u64::from(shape.hidden))?;
-            check_len("topk_ids", a.topk_ids.len(), t * u64::from(shape.top_k))?;
-            check_len(
-                "topk_weights",
-                a.topk_weights.len(),
-                t * u64::from(shape.top_k),
-            )?;
-            check_len("y", a.y.len(), t * u64::from(shape.hidden))?;
+            a.check(shape.hidden, shape.top_k)?;
             regimes.push(
                 self.ep
                     .regime_index_for(a.tokens)

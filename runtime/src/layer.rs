@@ -11,7 +11,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMI
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use moeforge_compiler::plan::{BufferId, LaunchArg, Plan, PlanInvalid, error_code};
+use moeforge_compiler::plan::{BufferId, LaunchArg, LayerShape, Plan, PlanInvalid, error_code};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, Gpu, GpuError};
@@ -77,6 +77,23 @@ pub struct ExpertWeights {
     pub w2: CudaSlice<u16>,
 }
 
+impl ExpertWeights {
+    /// Checks that the buffers hold `experts` experts of `shape`.
+    pub(crate) fn check(&self, shape: &LayerShape, experts: u32) -> Result<(), LayerError> {
+        let experts = u64::from(experts);
+        check_len(
+            "w1",
+            self.w1.len(),
+            experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
+        )?;
+        check_len(
+            "w2",
+            self.w2.len(),
+            experts * u64::from(shape.hidden) * u64::from(shape.ffn),
+        )
+    }
+}
+
 /// The inputs and output of one forward call, on the device.
 pub struct ForwardArgs<'a> {
     pub tokens: u32,
@@ -88,6 +105,22 @@ pub struct ForwardArgs<'a> {
     pub topk_weights: &'a CudaSlice<f32>,
     /// bf16 [T, H], written completely.
     pub y: &'a mut CudaSlice<u16>,
+}
+
+impl ForwardArgs<'_> {
+    /// Checks that every buffer holds `tokens` rows of a layer with `hidden` columns and
+    /// `top_k` experts per token.
+    pub(crate) fn check(&self, hidden: u32, top_k: u32) -> Result<(), LayerError> {
+        let t = u64::from(self.tokens);
+        check_len("x", self.x.len(), t * u64::from(hidden))?;
+        check_len("topk_ids", self.topk_ids.len(), t * u64::from(top_k))?;
+        check_len(
+            "topk_weights",
+            self.topk_weights.len(),
+            t * u64::from(top_k),
+        )?;
+        check_len("y", self.y.len(), t * u64::from(hidden))
+    }
 }
 
 pub struct MoeLayer {
@@ -151,17 +184,7 @@ impl MoeLayer {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
         let shape = &plan.shape;
-        let experts = u64::from(shape.experts);
-        check_len(
-            "w1",
-            weights.w1.len(),
-            experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden),
-        )?;
-        check_len(
-            "w2",
-            weights.w2.len(),
-            experts * u64::from(shape.hidden) * u64::from(shape.ffn),
-        )?;
+        weights.check(shape, shape.experts)?;
 
         let mut workspace = Vec::new();
         for buffer in &plan.workspace {
@@ -264,15 +287,7 @@ impl MoeLayer {
                 max: shape.max_tokens,
             });
         }
-        let t = u64::from(tokens);
-        check_len("x", args.x.len(), t * u64::from(shape.hidden))?;
-        check_len("topk_ids", args.topk_ids.len(), t * u64::from(shape.top_k))?;
-        check_len(
-            "topk_weights",
-            args.topk_weights.len(),
-            t * u64::from(shape.top_k),
-        )?;
-        check_len("y", args.y.len(), t * u64::from(shape.hidden))?;
+        args.check(shape.hidden, shape.top_k)?;
         let index = self
             .plan
             .regime_index_for(tokens)

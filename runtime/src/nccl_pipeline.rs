@@ -46,7 +46,7 @@ use thiserror::Error;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::harness::{BuiltLayer, HarnessError, Session};
 use crate::jit::{CompileOptions, JitError};
-use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer, check_len};
+use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer};
 
 #[derive(Debug, Error)]
 pub enum NcclPipelineError {
@@ -681,7 +681,6 @@ impl NcclPipeline {
                 what: "ranks' inputs",
             });
         }
-        let (h, k) = (self.hidden as u64, u64::from(self.top_k));
         for (rank, a) in args.iter().enumerate() {
             if a.tokens as usize != layout.tokens(rank) {
                 return Err(NcclPipelineError::RoutingMismatch {
@@ -690,11 +689,7 @@ impl NcclPipeline {
                     routed: layout.tokens(rank),
                 });
             }
-            let t = u64::from(a.tokens);
-            check_len("x", a.x.len(), t * h)?;
-            check_len("topk_ids", a.topk_ids.len(), t * k)?;
-            check_len("topk_weights", a.topk_weights.len(), t * k)?;
-            check_len("y", a.y.len(), t * h)?;
+            a.check(self.hidden as u32, self.top_k)?;
         }
         Ok(())
     }

@@ -3,7 +3,7 @@
 //! prints a table and writes JSON and Markdown to `benches/results/`.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use moeforge::runtime::bench::{
@@ -202,18 +202,7 @@ pub fn run(args: &Args) -> ExitCode {
             return invalid_input();
         }
     };
-    if let Err(error) = std::fs::create_dir_all(&args.out)
-        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.json")), json))
-        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.md")), markdown))
-    {
-        eprintln!(
-            "error: cannot write results to {}: {error}",
-            args.out.display()
-        );
-        return usage_error();
-    }
-    eprintln!("wrote {}/{stem}.json and .md", args.out.display());
-    OK
+    write_results(&args.out, &stem, &json, &markdown)
 }
 
 /// `bench --ranks R` / `--gpus G`: the expert-parallel layer against the same tokens on one
@@ -343,16 +332,18 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         "nccl_pipeline_note": nccl_note,
         "rows": rows,
     });
-    if let Err(error) = std::fs::create_dir_all(&args.out)
-        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.json")), json.to_string()))
-        .and_then(|()| std::fs::write(args.out.join(format!("{stem}.md")), markdown))
+    write_results(&args.out, &stem, &json.to_string(), &markdown)
+}
+
+/// Writes `<stem>.json` and `<stem>.md` into `out` (created if needed) and says so.
+fn write_results(out: &Path, stem: &str, json: &str, markdown: &str) -> ExitCode {
+    if let Err(error) = std::fs::create_dir_all(out)
+        .and_then(|()| std::fs::write(out.join(format!("{stem}.json")), json))
+        .and_then(|()| std::fs::write(out.join(format!("{stem}.md")), markdown))
     {
-        eprintln!(
-            "error: cannot write results to {}: {error}",
-            args.out.display()
-        );
+        eprintln!("error: cannot write results to {}: {error}", out.display());
         return usage_error();
     }
-    eprintln!("wrote {}/{stem}.json and .md", args.out.display());
+    eprintln!("wrote {}/{stem}.json and .md", out.display());
     OK
 }

@@ -11,11 +11,10 @@ use thiserror::Error;
 
 use crate::ir::Activation;
 use crate::plan::ep::{
-    COMM_THREADS, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, ExpertParallelRegime, FlagScope,
-    META_THREADS, Placement,
+    COMM_THREADS, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, FlagScope, META_THREADS, Placement,
 };
 use crate::plan::{
-    Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, Regime,
+    Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, RegimeParts,
     SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, error_code,
 };
 
@@ -438,54 +437,21 @@ fn activation_fn(activation: Activation) -> &'static str {
     }
 }
 
-fn regime_unit(plan: &Plan, regime: &Regime) -> Result<RegimeUnit, CodegenError> {
+/// A regime's section of the unit: its label, token range and two GEMMs in `roles`.
+fn regime_unit(
+    plan: &Plan,
+    label: String,
+    regime: RegimeParts<'_>,
+    roles: [GemmRole; 2],
+) -> Result<RegimeUnit, CodegenError> {
+    let [(gemm1, kernel1), (gemm2, kernel2)] = regime.gemms;
     Ok(RegimeUnit {
-        label: format!("Regime `{}`", regime.name),
+        label,
         min_tokens: regime.min_tokens,
         max_tokens: regime.max_tokens,
         gemms: [
-            GemmUnit::new(
-                plan,
-                &regime.name,
-                GemmRole::Up,
-                &regime.gemm1_kernel,
-                &regime.gemm1,
-            )?,
-            GemmUnit::new(
-                plan,
-                &regime.name,
-                GemmRole::Down,
-                &regime.gemm2_kernel,
-                &regime.gemm2,
-            )?,
-        ],
-    })
-}
-
-/// The expert-parallel kernels of `regime`, whose token range `ep_regime` shares.
-fn ep_regime_unit(plan: &Plan, regime: &ExpertParallelRegime) -> Result<RegimeUnit, CodegenError> {
-    Ok(RegimeUnit {
-        label: format!(
-            "Rank regime `{}`, expert-parallel (tokens per rank)",
-            regime.name
-        ),
-        min_tokens: regime.min_tokens,
-        max_tokens: regime.max_tokens,
-        gemms: [
-            GemmUnit::new(
-                plan,
-                &regime.name,
-                GemmRole::ExpertParallelUp,
-                &regime.gemm1_kernel,
-                &regime.gemm1,
-            )?,
-            GemmUnit::new(
-                plan,
-                &regime.name,
-                GemmRole::ExpertParallelDown,
-                &regime.gemm2_kernel,
-                &regime.gemm2,
-            )?,
+            GemmUnit::new(plan, regime.name, roles[0], kernel1, gemm1)?,
+            GemmUnit::new(plan, regime.name, roles[1], kernel2, gemm2)?,
         ],
     })
 }
@@ -616,11 +582,26 @@ fn regime_units(plan: &Plan) -> Result<Vec<RegimeUnit>, CodegenError> {
     let mut units = plan
         .regimes
         .iter()
-        .map(|regime| regime_unit(plan, regime))
+        .map(|regime| {
+            regime_unit(
+                plan,
+                format!("Regime `{}`", regime.name),
+                regime.parts(),
+                [GemmRole::Up, GemmRole::Down],
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(ep) = &plan.expert_parallel {
-        for ep_regime in &ep.regimes {
-            units.push(ep_regime_unit(plan, ep_regime)?);
+        for regime in &ep.regimes {
+            units.push(regime_unit(
+                plan,
+                format!(
+                    "Rank regime `{}`, expert-parallel (tokens per rank)",
+                    regime.name
+                ),
+                regime.parts(),
+                [GemmRole::ExpertParallelUp, GemmRole::ExpertParallelDown],
+            )?);
         }
     }
     Ok(units)
