@@ -36,6 +36,30 @@ __device__ __forceinline__ void wgmma_m64k16<{{ n }}>(float* d, u64 desc_a, u64 
         : "l"(desc_a), "l"(desc_b));
 }
 {%- endfor %}
+// Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
+// gated GEMM1): warp w of the warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
+// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
+template <class G>
+__device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
+                                               const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
+                                               bf16_t* __restrict__ out, const EpContext& ep) {
+    const int lane = threadIdx.x & 31;
+    const int warp_in_group = (threadIdx.x >> 5) & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+        if (r >= t.rows) continue;
+        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
+#pragma unroll
+        for (int j = 0; j < G::BN / 8; ++j) {
+            const int column = t.n0 + j * 8 + (lane & 3) * 2;
+            const int c = j * 4 + half * 2;
+            const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+            const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+            epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
+        }
+    }
+}
 template <class G>
 __device__ __forceinline__ void grouped_gemm_wgmma(
     const bf16_t* __restrict__ a_rows,
@@ -67,19 +91,18 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
-    const int lane = tid & 31;
     const int warpgroup = tid >> 7;
-    const int warp_in_group = (tid >> 5) & 3;
 
     tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::GROUPS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
         const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
+        __syncthreads();
         const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
+            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
         };
 
         float acc[FRAG];
@@ -124,24 +147,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
         }
         wgmma_wait<0>();
 
-        // Epilogue: warp w of a warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
-        // columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
-            if (r >= t.rows) continue;
-            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
-#pragma unroll
-            for (int j = 0; j < G::BN / 8; ++j) {
-                const int column = t.n0 + j * 8 + (lane & 3) * 2;
-                const int c = j * 4 + half * 2;
-                const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
-                const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-                epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
-            }
-        }
+        wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, out, ep);
         cp_async_wait<0>();
         __syncthreads();  // every store of the tile is done
-        epilogue_release<G>(t, row_pair, ep);
+        epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
     }
 }

@@ -32,6 +32,9 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 {%- if !wgmma_widths.is_empty() %}
 {% include "gemm_wgmma.cu" %}
 {%- endif %}
+{%- if warp_specialized %}
+{% include "gemm_warp_specialized.cu" %}
+{%- endif %}
 {% include "combine.cu" %}
 {%- if let Some(ep) = ep %}
 {% include "ep.cu" %}
@@ -41,17 +44,24 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 // {{ regime.label }}: {{ regime.min_tokens }}..={{ regime.max_tokens }} tokens per call
 // ---------------------------------------------------------------------------------------
 {%- for gemm in regime.gemms %}
-// {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x{{ gemm.bk }}, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM)
+// {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x{{ gemm.bk }}, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps{% if gemm.producer_threads > 0 %} + {{ gemm.producer_threads / 32 }} producer warps{% endif %}, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM)
 struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int KIND = {{ gemm.kind }};
     static constexpr bool GATED = {{ gemm.gated }};
     static constexpr int N = {{ gemm.n }}, KD = {{ gemm.kd }};  // output width, reduction depth
     static constexpr int BM = {{ gemm.bm }}, BN = {{ gemm.bn }}, BK = {{ gemm.bk }}, STAGES = {{ gemm.stages }};
     static constexpr int WARPS_M = {{ gemm.warps_m }}, WARPS_N = {{ gemm.warps_n }}, THREADS = {{ gemm.threads }};
+{%- if gemm.producer_threads > 0 %}
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    static constexpr int PRODUCER_THREADS = {{ gemm.producer_threads }}, PRODUCER_REGISTERS = {{ gemm.producer_registers }}, CONSUMER_REGISTERS = {{ gemm.consumer_registers }};
+{%- else %}
+    static constexpr int PRODUCER_THREADS = 0;
+{%- endif %}
     static constexpr int B_ROWS = {{ gemm.b_rows }};  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = {{ gemm.smem.row_bytes }}, A_BYTES = {{ gemm.smem.a_bytes }}, STAGE_BYTES = {{ gemm.smem.stage_bytes }};
-    static constexpr int RING_ALIGN = {{ gemm.smem.ring_align }}, ALIGN_SLACK = {{ gemm.smem.align_slack }}, ROW_SOURCE_OFFSET = {{ gemm.smem.row_source_offset }};
+    static constexpr int RING_ALIGN = {{ gemm.smem.ring_align }}, ALIGN_SLACK = {{ gemm.smem.align_slack }}, ROW_SOURCE_OFFSET = {{ gemm.smem.row_source_offset }}, BARRIER_OFFSET = {{ gemm.smem.barrier_offset }};
     static constexpr int DYNAMIC_SMEM_BYTES = {{ gemm.smem.dynamic_bytes }}, STATIC_SMEM_BYTES = {{ gemm.smem.static_bytes }};
 };
 extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}) {{ gemm.entry.name }}(

@@ -254,9 +254,11 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::A_BYTES == G::BM * G::ROW_BYTES, "plan: A bytes per stage");
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
     static_assert(G::ROW_SOURCE_OFFSET == G::STAGES * G::STAGE_BYTES, "plan: row table after the ring");
-    static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int),
-                  "plan: dynamic shared memory");
-    static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
+    static_assert(G::BARRIER_OFFSET == G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int), "plan: barriers after the row table");
+    // Two mbarriers per stage (full, empty) for the warp-specialised engine, none otherwise.
+    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) : 0;
+    static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
+    static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
     static_assert(G::GROUPS % G::GROUPS_PER_EXPERT == 0, "plan: groups are whole experts");
 }
@@ -309,11 +311,13 @@ __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_star
 
 // The source row of each tile row: the gathered token (GEMM_UP; on the expert-parallel
 // path the received row, once the chunk it sits in has arrived) or the contiguous
-// intermediate row (GEMM_DOWN); -1 marks rows past the group's count.
-template <class G>
+// intermediate row (GEMM_DOWN); -1 marks rows past the group's count. Written by the
+// LOADERS threads that load stages (`loader` is this thread's index among them); the
+// caller makes the table visible to them.
+template <class G, int LOADERS>
 __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source,
-                                                 const EpContext& ep) {
-    for (int r = threadIdx.x; r < G::BM; r += G::THREADS) {
+                                                 const EpContext& ep, int loader) {
+    for (int r = loader; r < G::BM; r += LOADERS) {
         int source = -1;
         if (r < t.rows) {
             if constexpr (G::KIND == GEMM_DOWN) {
@@ -328,31 +332,41 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
         }
         s_row_source[r] = source;
     }
-    __syncthreads();
 }
 
-// One k-tile into a stage: BM rows of A (masked rows zero-filled), then the B rows. Gated:
-// B rows [0, BN) are gate rows n0.., rows [BN, 2BN) the matching up rows.
-template <class G>
+// One k-tile into a stage by the LOADERS threads that load (`loader`: this one's index):
+// BM rows of A (masked rows zero-filled), then the B rows. Gated: B rows [0, BN) are gate
+// rows n0.., rows [BN, 2BN) the matching up rows. A loader copies the same 16-byte chunk
+// of every ROW_STEP-th row, so its weight addresses step by a constant from one pointer
+// (few registers: the warp-specialised producer has few).
+template <class G, int LOADERS>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
-                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert) {
-    // 16-byte cp.async pieces per row. Indices are unsigned so that dividing by this power
-    // of two is a shift, as in a hand-written loop (signed division costs extra steps).
-    constexpr unsigned CHUNKS = G::ROW_BYTES / 16;
-    static_assert((CHUNKS & (CHUNKS - 1)) == 0, "a row is a power-of-two number of chunks");
-    const int k0 = k_tile * G::BK;
+                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert,
+                                           unsigned loader) {
+    constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
+    constexpr int ROW_STEP = LOADERS / CHUNKS;
+    // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
+    const int chunk = loader % CHUNKS, first_row = loader / CHUNKS;
+    const int k_offset = k_tile * G::BK + chunk * 8;
 #pragma unroll
-    for (unsigned i = threadIdx.x; i < G::BM * CHUNKS; i += G::THREADS) {
-        const int r = i / CHUNKS, chunk = i % CHUNKS;
+    for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
+        const int r = first_row + step * ROW_STEP;
+        if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
         const int source = s_row_source[r];
-        const bf16_t* src = a_rows + (size_t)max(source, 0) * G::KD + k0 + chunk * 8;
-        cp_async_16(stage_base + swizzle(r, chunk), src, source >= 0);
+        cp_async_16(stage_base + swizzle(r, chunk), a_rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
     }
+    const u32 b_base = stage_base + G::A_BYTES;
+    const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + k_offset;
 #pragma unroll
-    for (unsigned i = threadIdx.x; i < G::B_ROWS * CHUNKS; i += G::THREADS) {
-        const int r = i / CHUNKS, chunk = i % CHUNKS;
-        const int w_row = (G::GATED && r >= G::BN) ? G::N + t.n0 + (r - G::BN) : t.n0 + r;
-        cp_async_16(stage_base + G::A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * G::KD + k0 + chunk * 8, true);
+    for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
+        const int r = first_row + step * ROW_STEP;
+        if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
+        cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
+        if constexpr (G::GATED) {
+            const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
+            cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
+        }
     }
 }
 
@@ -381,12 +395,14 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
     }
 }
 
-// Expert-parallel GEMM2, after a tile's stores (and the barrier that follows them): each
-// row releases BN columns to its token's counter at the origin.
-template <class G>
-__device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep) {
+// Expert-parallel GEMM2, after a tile's stores (and the barrier among the STORERS threads
+// that made them; `storer` is this one's index): each row releases BN columns to its
+// token's counter at the origin.
+template <class G, int STORERS>
+__device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep,
+                                                 int storer) {
     if constexpr (G::EP && G::KIND == GEMM_DOWN) {
-        for (int r = threadIdx.x; r < t.rows; r += G::THREADS) {
+        for (int r = storer; r < t.rows; r += STORERS) {
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
             fence_flags();
@@ -446,10 +462,11 @@ __device__ __forceinline__ void grouped_gemm(
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
         const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
+        __syncthreads();
         const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
+            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
         };
 
         float acc[MI][NJ][4];
@@ -534,7 +551,7 @@ __device__ __forceinline__ void grouped_gemm(
         }
         cp_async_wait<0>();
         __syncthreads();  // the next tile reuses the ring and the row table; every store is done
-        epilogue_release<G>(t, row_pair, ep);
+        epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -567,18 +584,42 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
 template <>
-__device__ __forceinline__ void wgmma_m64k16<64>(float* d, u64 desc_a, u64 desc_b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, %32, %33, 1, 1, 1, 0, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b));
-}
-template <>
 __device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, 1, 1, 1, 0, 0;\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, %128, %129, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b));
+}
+// Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
+// gated GEMM1): warp w of the warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
+// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
+template <class G>
+__device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
+                                               const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
+                                               bf16_t* __restrict__ out, const EpContext& ep) {
+    const int lane = threadIdx.x & 31;
+    const int warp_in_group = (threadIdx.x >> 5) & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+        if (r >= t.rows) continue;
+        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
+#pragma unroll
+        for (int j = 0; j < G::BN / 8; ++j) {
+            const int column = t.n0 + j * 8 + (lane & 3) * 2;
+            const int c = j * 4 + half * 2;
+            const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+            const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+            epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
+        }
+    }
 }
 template <class G>
 __device__ __forceinline__ void grouped_gemm_wgmma(
@@ -611,19 +652,18 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
-    const int lane = tid & 31;
     const int warpgroup = tid >> 7;
-    const int warp_in_group = (tid >> 5) & 3;
 
     tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::GROUPS];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
         const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
+        __syncthreads();
         const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
+            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
         };
 
         float acc[FRAG];
@@ -668,25 +708,171 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
         }
         wgmma_wait<0>();
 
-        // Epilogue: warp w of a warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
-        // columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
-            if (r >= t.rows) continue;
-            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
-#pragma unroll
-            for (int j = 0; j < G::BN / 8; ++j) {
-                const int column = t.n0 + j * 8 + (lane & 3) * 2;
-                const int c = j * 4 + half * 2;
-                const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
-                const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-                epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
-            }
-        }
+        wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, out, ep);
         cp_async_wait<0>();
         __syncthreads();  // every store of the tile is done
-        epilogue_release<G>(t, row_pair, ep);
+        epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
+    }
+}
+// ---------------------------------------------------------------------------------------
+// Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
+// stage layout and epilogue as the wgmma engine above; the roles are split:
+//   - warpgroup 0, the producer, is the one place that waits for data (on the
+//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages with
+//     cp.async; each producer thread's copies arrive on the stage's "full" mbarrier when
+//     they land (cp.async.mbarrier.arrive.noinc), so no thread waits for its own copies;
+//   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
+//     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
+//     refills a stage after waiting on "empty";
+//   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
+//     producer loads the next tile while the consumers store this one;
+//   - setmaxnreg moves registers from the producer (addresses only) to the consumers
+//     (accumulators), as the plan splits them.
+// A barrier's phase flips each time all its arrivals are in; a thread tracks the phase of
+// its next use of a stage by one bit that flips whenever it wraps around the ring.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbarrier_init(u32 barrier, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(u32 barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(barrier), "r"(parity) : "memory");
+}
+// One arrival on `barrier` when every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void cp_async_arrive(u32 barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+// A barrier among `threads` threads of the block (whole warps), not the whole block.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
+
+// Named barriers (0 is __syncthreads).
+constexpr int PRODUCER_BARRIER_ID = 1;
+constexpr int CONSUMER_BARRIER_ID = 2;
+
+template <class G>
+__device__ __forceinline__ void grouped_gemm_warp_specialized(
+    const bf16_t* __restrict__ a_rows,
+    const bf16_t* __restrict__ weights,
+    const float* __restrict__ topk_weights,
+    const int* __restrict__ expert_offsets,
+    const int* __restrict__ row_pair,
+    bf16_t* __restrict__ out,
+    const EpContext& ep)
+{
+    assert_gemm_layout<G>();
+    static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
+    static_assert(G::PRODUCER_THREADS == 128, "plan: one producer warpgroup");
+    static_assert(G::STAGE_BYTES % G::RING_ALIGN == 0 && G::RING_ALIGN == 1024,
+                  "plan: every stage starts on the swizzle's 1024-byte period");
+    static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
+    static_assert(G::BARRIER_OFFSET % 8 == 0, "plan: mbarriers are 8-byte aligned");
+    constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
+    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
+    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
+    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int N_TILES = G::N / G::BN;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 raw_base = smem_address(smem_raw);
+    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
+    unsigned char* smem = smem_raw + (smem_base - raw_base);
+    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
+    const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
+    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
+    __shared__ int s_tile_start[G::GROUPS + 1];
+    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
+
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < G::STAGES; ++s) {
+            mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS);
+        }
+    }
+    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);  // its barrier publishes the inits
+    const int total_tiles = s_tile_start[G::GROUPS];
+
+    if (tid < G::PRODUCER_THREADS) {
+        // Producer: row sources, then every k-tile of every tile of this block into the ring.
+        if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
+        int stage = 0;
+        u32 phase = 0;
+        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
+            fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
+            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
+            const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
+            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
+                load_stage<G, G::PRODUCER_THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows,
+                                                   w_expert, tid);
+                cp_async_arrive(full_barriers + stage * sizeof(u64));
+                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight behind
+    } else {
+        // Consumers: multiply each stage as it lands, release it once read, store the tile.
+        if constexpr (G::CONSUMER_REGISTERS > 0) setmaxnreg_inc<G::CONSUMER_REGISTERS>();
+        const int consumer = tid - G::PRODUCER_THREADS;
+        const int warpgroup = consumer >> 7;
+        int stage = 0;
+        u32 phase = 0;
+        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            float acc[FRAG];
+            float acc_up[G::GATED ? FRAG : 1];
+#pragma unroll
+            for (int i = 0; i < FRAG; ++i) {
+                acc[i] = 0.f;
+                if constexpr (G::GATED) acc_up[i] = 0.f;
+            }
+            int previous = -1;  // the stage of the wgmma group still in flight
+            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
+                fence_proxy_async();  // the producers' cp.async writes, seen by wgmma
+                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+                const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
+                const u32 b_base = stage_address + G::A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int k16 = 0; k16 < G::BK / 16; ++k16) {
+                    const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
+                    wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
+                    if constexpr (G::GATED) {
+                        wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
+                    }
+                }
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous group has read its stage
+                if (previous >= 0) mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+                previous = stage;
+                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+            }
+            wgmma_wait<0>();
+            mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+            wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, out, ep);
+            if constexpr (G::EP && G::KIND == GEMM_DOWN) {
+                named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
+                epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
+            }
+        }
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -1065,10 +1251,11 @@ struct decode_gemm1 : SingleGpu {
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296, BARRIER_OFFSET = 55360;
     static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 1152;
 };
 extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_gemm1(
@@ -1088,10 +1275,11 @@ struct decode_gemm2 : SingleGpu {
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 128, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296, BARRIER_OFFSET = 55360;
     static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 1152;
 };
 extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_gemm2(
@@ -1108,20 +1296,21 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 513..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma, tile 64x64x64, 3 stages, 4x1 warps, 396 persistent blocks (3 per SM)
+// GEMM1 (gather, W1, activation): mma.sync, tile 32x128x64, 3 stages, 2x2 warps, 264 persistent blocks (2 per SM)
 struct mid_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 128;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 73728;
-    static constexpr int DYNAMIC_SMEM_BYTES = 75008, STATIC_SMEM_BYTES = 1152;
+    static constexpr int BM = 32, BN = 128, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
+    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 36864;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110720;
+    static constexpr int DYNAMIC_SMEM_BYTES = 110720, STATIC_SMEM_BYTES = 1152;
 };
-extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_mid_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1129,7 +1318,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_mid_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<mid_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm<mid_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 64x64x64, 3 stages, 2x4 warps, 396 persistent blocks (3 per SM)
 struct mid_gemm2 : SingleGpu {
@@ -1138,10 +1327,11 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 2, WARPS_N = 4, THREADS = 256;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 49152;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 49152, BARRIER_OFFSET = 49408;
     static constexpr int DYNAMIC_SMEM_BYTES = 49408, STATIC_SMEM_BYTES = 1152;
 };
 extern "C" __global__ void __launch_bounds__(256, 3) deepseek_v3_mid_gemm2(
@@ -1158,20 +1348,23 @@ extern "C" __global__ void __launch_bounds__(256, 3) deepseek_v3_mid_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 2049..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct prefill_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
-    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 1152;
+    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
+    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152;
 };
-extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_gemm1(
+extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1179,22 +1372,25 @@ extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<prefill_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm_warp_specialized<prefill_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
-// GEMM2 (W2, routing weight, combine slot): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 264 persistent blocks (2 per SM)
+// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
-    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 1152;
+    static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
+    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152;
 };
-extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_gemm2(
+extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -1203,7 +1399,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_wgmma<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=64 tokens per call
@@ -1215,10 +1411,11 @@ struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296, BARRIER_OFFSET = 55360;
     static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 256;
 };
 extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_ep_gemm1(
@@ -1243,10 +1440,11 @@ struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 128, BK = 64, STAGES = 3;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296, BARRIER_OFFSET = 55360;
     static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 256;
 };
 extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_ep_gemm2(
@@ -1267,20 +1465,21 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_ep_gemm2
 // ---------------------------------------------------------------------------------------
 // Rank regime `mid`, expert-parallel (tokens per rank): 65..=256 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 64x64x64, 3 stages, 4x1 warps, 324 persistent blocks (3 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x128x64, 3 stages, 2x2 warps, 216 persistent blocks (2 per SM)
 struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 128;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 73728;
-    static constexpr int DYNAMIC_SMEM_BYTES = 75008, STATIC_SMEM_BYTES = 256;
+    static constexpr int BM = 32, BN = 128, BK = 64, STAGES = 3;
+    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
+    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 36864;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110720;
+    static constexpr int DYNAMIC_SMEM_BYTES = 110720, STATIC_SMEM_BYTES = 256;
 };
-extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_mid_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1292,7 +1491,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_mid_ep_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<mid_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
+    grouped_gemm<mid_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 64x64x64, 5 stages, 2x4 warps, 216 persistent blocks (2 per SM)
@@ -1302,10 +1501,11 @@ struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 2, WARPS_N = 4, THREADS = 256;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 81920;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 81920, BARRIER_OFFSET = 82176;
     static constexpr int DYNAMIC_SMEM_BYTES = 82176, STATIC_SMEM_BYTES = 256;
 };
 extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_mid_ep_gemm2(
@@ -1326,20 +1526,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_mid_ep_gemm2(
 // ---------------------------------------------------------------------------------------
 // Rank regime `prefill`, expert-parallel (tokens per rank): 257..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma, tile 128x64x64, 3 stages, 8x1 warps, 216 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 108 persistent blocks (1 per SM)
 struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
-    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 256;
+    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
+    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 256;
 };
-extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1351,23 +1554,26 @@ extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_ep_gemm
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_wgmma<prefill_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma, tile 128x128x64, 3 stages, 8x1 warps, 216 persistent blocks (2 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 108 persistent blocks (1 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 256;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 98304;
-    static constexpr int DYNAMIC_SMEM_BYTES = 99840, STATIC_SMEM_BYTES = 256;
+    static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
+    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 256;
 };
-extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1379,6 +1585,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) deepseek_v3_prefill_ep_gemm
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm_wgmma<prefill_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
+    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }

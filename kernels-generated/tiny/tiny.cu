@@ -252,9 +252,11 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::A_BYTES == G::BM * G::ROW_BYTES, "plan: A bytes per stage");
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
     static_assert(G::ROW_SOURCE_OFFSET == G::STAGES * G::STAGE_BYTES, "plan: row table after the ring");
-    static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int),
-                  "plan: dynamic shared memory");
-    static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
+    static_assert(G::BARRIER_OFFSET == G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int), "plan: barriers after the row table");
+    // Two mbarriers per stage (full, empty) for the warp-specialised engine, none otherwise.
+    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) : 0;
+    static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
+    static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
     static_assert(G::GROUPS % G::GROUPS_PER_EXPERT == 0, "plan: groups are whole experts");
 }
@@ -307,11 +309,13 @@ __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_star
 
 // The source row of each tile row: the gathered token (GEMM_UP; on the expert-parallel
 // path the received row, once the chunk it sits in has arrived) or the contiguous
-// intermediate row (GEMM_DOWN); -1 marks rows past the group's count.
-template <class G>
+// intermediate row (GEMM_DOWN); -1 marks rows past the group's count. Written by the
+// LOADERS threads that load stages (`loader` is this thread's index among them); the
+// caller makes the table visible to them.
+template <class G, int LOADERS>
 __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source,
-                                                 const EpContext& ep) {
-    for (int r = threadIdx.x; r < G::BM; r += G::THREADS) {
+                                                 const EpContext& ep, int loader) {
+    for (int r = loader; r < G::BM; r += LOADERS) {
         int source = -1;
         if (r < t.rows) {
             if constexpr (G::KIND == GEMM_DOWN) {
@@ -326,31 +330,41 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
         }
         s_row_source[r] = source;
     }
-    __syncthreads();
 }
 
-// One k-tile into a stage: BM rows of A (masked rows zero-filled), then the B rows. Gated:
-// B rows [0, BN) are gate rows n0.., rows [BN, 2BN) the matching up rows.
-template <class G>
+// One k-tile into a stage by the LOADERS threads that load (`loader`: this one's index):
+// BM rows of A (masked rows zero-filled), then the B rows. Gated: B rows [0, BN) are gate
+// rows n0.., rows [BN, 2BN) the matching up rows. A loader copies the same 16-byte chunk
+// of every ROW_STEP-th row, so its weight addresses step by a constant from one pointer
+// (few registers: the warp-specialised producer has few).
+template <class G, int LOADERS>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
-                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert) {
-    // 16-byte cp.async pieces per row. Indices are unsigned so that dividing by this power
-    // of two is a shift, as in a hand-written loop (signed division costs extra steps).
-    constexpr unsigned CHUNKS = G::ROW_BYTES / 16;
-    static_assert((CHUNKS & (CHUNKS - 1)) == 0, "a row is a power-of-two number of chunks");
-    const int k0 = k_tile * G::BK;
+                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert,
+                                           unsigned loader) {
+    constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
+    constexpr int ROW_STEP = LOADERS / CHUNKS;
+    // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
+    const int chunk = loader % CHUNKS, first_row = loader / CHUNKS;
+    const int k_offset = k_tile * G::BK + chunk * 8;
 #pragma unroll
-    for (unsigned i = threadIdx.x; i < G::BM * CHUNKS; i += G::THREADS) {
-        const int r = i / CHUNKS, chunk = i % CHUNKS;
+    for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
+        const int r = first_row + step * ROW_STEP;
+        if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
         const int source = s_row_source[r];
-        const bf16_t* src = a_rows + (size_t)max(source, 0) * G::KD + k0 + chunk * 8;
-        cp_async_16(stage_base + swizzle(r, chunk), src, source >= 0);
+        cp_async_16(stage_base + swizzle(r, chunk), a_rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
     }
+    const u32 b_base = stage_base + G::A_BYTES;
+    const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + k_offset;
 #pragma unroll
-    for (unsigned i = threadIdx.x; i < G::B_ROWS * CHUNKS; i += G::THREADS) {
-        const int r = i / CHUNKS, chunk = i % CHUNKS;
-        const int w_row = (G::GATED && r >= G::BN) ? G::N + t.n0 + (r - G::BN) : t.n0 + r;
-        cp_async_16(stage_base + G::A_BYTES + swizzle(r, chunk), w_expert + (size_t)w_row * G::KD + k0 + chunk * 8, true);
+    for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
+        const int r = first_row + step * ROW_STEP;
+        if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
+        cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
+        if constexpr (G::GATED) {
+            const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
+            cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
+        }
     }
 }
 
@@ -379,12 +393,14 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
     }
 }
 
-// Expert-parallel GEMM2, after a tile's stores (and the barrier that follows them): each
-// row releases BN columns to its token's counter at the origin.
-template <class G>
-__device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep) {
+// Expert-parallel GEMM2, after a tile's stores (and the barrier among the STORERS threads
+// that made them; `storer` is this one's index): each row releases BN columns to its
+// token's counter at the origin.
+template <class G, int STORERS>
+__device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep,
+                                                 int storer) {
     if constexpr (G::EP && G::KIND == GEMM_DOWN) {
-        for (int r = threadIdx.x; r < t.rows; r += G::THREADS) {
+        for (int r = storer; r < t.rows; r += STORERS) {
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
             fence_flags();
@@ -444,10 +460,11 @@ __device__ __forceinline__ void grouped_gemm(
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
         const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G>(t, row_pair, s_row_source, ep);
+        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
+        __syncthreads();
         const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert);
+            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
         };
 
         float acc[MI][NJ][4];
@@ -532,7 +549,7 @@ __device__ __forceinline__ void grouped_gemm(
         }
         cp_async_wait<0>();
         __syncthreads();  // the next tile reuses the ring and the row table; every store is done
-        epilogue_release<G>(t, row_pair, ep);
+        epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -911,10 +928,11 @@ struct all_gemm1 : SingleGpu {
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
     static constexpr int DYNAMIC_SMEM_BYTES = 41088, STATIC_SMEM_BYTES = 128;
 };
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
@@ -934,10 +952,11 @@ struct all_gemm2 : SingleGpu {
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
     static constexpr int DYNAMIC_SMEM_BYTES = 24704, STATIC_SMEM_BYTES = 128;
 };
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
@@ -961,10 +980,11 @@ struct all_ep_gemm1 : ExpertParallel {
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
     static constexpr int DYNAMIC_SMEM_BYTES = 41088, STATIC_SMEM_BYTES = 128;
 };
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
@@ -989,10 +1009,11 @@ struct all_ep_gemm2 : ExpertParallel {
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
-    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources]; static tile table.
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
     static constexpr int DYNAMIC_SMEM_BYTES = 24704, STATIC_SMEM_BYTES = 128;
 };
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_ep_gemm2(

@@ -261,10 +261,13 @@ fn pinned_plans() -> Vec<(Plan, MmaEngine)> {
         },
         3,
     );
-    [(wgmma, MmaEngine::Wgmma), (mma_sync, MmaEngine::MmaSync)]
-        .into_iter()
-        .map(|(layer, engine)| (plan_for_device(&layer), engine))
-        .collect()
+    [
+        (wgmma, MmaEngine::WgmmaWarpSpecialized),
+        (mma_sync, MmaEngine::MmaSync),
+    ]
+    .into_iter()
+    .map(|(layer, engine)| (plan_for_device(&layer), engine))
+    .collect()
 }
 
 fn engines(plans: &[Plan]) -> Vec<MmaEngine> {
@@ -297,7 +300,7 @@ fn default_suite_plans_cover_what_the_suite_claims() {
         "the examples give distinct scaled layers"
     );
     let used = engines(&scaled);
-    assert!(used.contains(&MmaEngine::Wgmma) && used.contains(&MmaEngine::MmaSync));
+    assert!(used.contains(&MmaEngine::WgmmaWarpSpecialized) && used.contains(&MmaEngine::MmaSync));
     assert!(scaled.iter().any(|p| p.regimes.len() >= 3));
     for plan in &scaled {
         assert!(plan.shape.max_tokens <= CHECKED_TOKENS as u32);
@@ -353,7 +356,7 @@ fn every_example_scaled_down_matches_reference() {
     }
     let used = engines(&plans);
     assert!(
-        used.contains(&MmaEngine::Wgmma) && used.contains(&MmaEngine::MmaSync),
+        used.contains(&MmaEngine::WgmmaWarpSpecialized) && used.contains(&MmaEngine::MmaSync),
         "the scaled examples run both engines"
     );
     check_plans("scaled-down examples", plans);

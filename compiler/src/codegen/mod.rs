@@ -73,6 +73,8 @@ struct LayerUnit<'a> {
     flag_kind_credit: i32,
     /// Distinct wgmma widths (tile columns) the plan uses, ascending.
     wgmma_widths: Vec<u32>,
+    /// Whether any GEMM runs on the warp-specialised engine.
+    warp_specialized: bool,
 }
 
 impl LayerUnit<'_> {
@@ -329,6 +331,10 @@ struct GemmUnit {
     smem: SmemLayout,
     blocks_per_sm: u32,
     grid: u32,
+    /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
+    producer_threads: u32,
+    producer_registers: u32,
+    consumer_registers: u32,
 }
 
 /// Which GEMM of which path a `GemmUnit` is.
@@ -391,6 +397,7 @@ impl GemmUnit {
             function: match gemm.engine {
                 MmaEngine::MmaSync => "grouped_gemm",
                 MmaEngine::Wgmma => "grouped_gemm_wgmma",
+                MmaEngine::WgmmaWarpSpecialized => "grouped_gemm_warp_specialized",
             },
             config: format!("{regime_name}_{suffix}"),
             base,
@@ -411,6 +418,9 @@ impl GemmUnit {
             smem: gemm.smem,
             blocks_per_sm: gemm.blocks_per_sm,
             grid: gemm.grid_blocks,
+            producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
+            producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
+            consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),
         })
     }
 }
@@ -569,6 +579,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_combine: error_code::flag_kind::COMBINE,
         flag_kind_credit: error_code::flag_kind::CREDIT,
         wgmma_widths: wgmma_widths(plan),
+        warp_specialized: all_gemms(plan).any(|g| g.engine == MmaEngine::WgmmaWarpSpecialized),
     };
     Ok(KernelSource {
         file_name: format!("{}.cu", plan.symbol),
@@ -607,18 +618,22 @@ fn regime_units(plan: &Plan) -> Result<Vec<RegimeUnit>, CodegenError> {
     Ok(units)
 }
 
-fn wgmma_widths(plan: &Plan) -> Vec<u32> {
+/// Every GEMM of the plan: the single-GPU regimes', then the expert-parallel ones'.
+fn all_gemms(plan: &Plan) -> impl Iterator<Item = &GemmPlan> {
     let ep_gemms = plan
         .expert_parallel
         .iter()
         .flat_map(|ep| &ep.regimes)
         .flat_map(|r| [&r.gemm1, &r.gemm2]);
-    let mut widths: Vec<u32> = plan
-        .regimes
+    plan.regimes
         .iter()
         .flat_map(|r| [&r.gemm1, &r.gemm2])
         .chain(ep_gemms)
-        .filter(|g| g.engine == MmaEngine::Wgmma)
+}
+
+fn wgmma_widths(plan: &Plan) -> Vec<u32> {
+    let mut widths: Vec<u32> = all_gemms(plan)
+        .filter(|g| g.engine.is_wgmma())
         .map(|g| g.tile.n)
         .collect();
     widths.sort_unstable();

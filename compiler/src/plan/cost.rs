@@ -39,6 +39,15 @@ pub fn expected_hit_experts(experts: u32, pairs: u64) -> f64 {
     e * (1.0 - (1.0 - 1.0 / e).powf(pairs as f64))
 }
 
+/// How close a wgmma of width `n` comes to the rate of the widest (256): each m64nNk16
+/// reads 64 rows of A beside N rows of B from shared memory, so narrow widths spend more
+/// shared-memory bandwidth per FLOP (at 64 the operands alone about fill it). The
+/// FLOP-per-byte ratio `n / (n + 64)` relative to width 256's; a lead, not measured.
+fn wgmma_width_efficiency(n: u32) -> f64 {
+    let ratio = |n: f64| n / (n + 64.0);
+    ratio(f64::from(n)) / ratio(256.0)
+}
+
 pub fn estimate(
     target: &Target,
     problem: &GemmProblem,
@@ -60,7 +69,16 @@ pub fn estimate(
         // tensor cores busy.
         MmaEngine::Wgmma => {
             let warpgroups_per_sm = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
-            target.wgmma_fraction * (warpgroups_per_sm / 2.0).min(1.0)
+            target.wgmma_fraction
+                * (warpgroups_per_sm / 2.0).min(1.0)
+                * wgmma_width_efficiency(gemm.tile.n)
+        }
+        // Likewise, but the producer keeps the consumers fed without block-wide barriers.
+        MmaEngine::WgmmaWarpSpecialized => {
+            let warpgroups_per_sm = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
+            target.wgmma_warp_specialized_fraction
+                * (warpgroups_per_sm / 2.0).min(1.0)
+                * wgmma_width_efficiency(gemm.tile.n)
         }
     };
     let block_rate = target.peak_bf16_flops * fraction / concurrent;

@@ -345,6 +345,9 @@ pub enum MmaEngine {
     MmaSync,
     /// `wgmma` m64nNk16 per warpgroup from shared-memory descriptors (sm_90a).
     Wgmma,
+    /// `wgmma` as above in consumer warpgroups fed by a producer warpgroup through a ring of
+    /// stages guarded by mbarriers, registers split with `setmaxnreg` (sm_90a).
+    WgmmaWarpSpecialized,
 }
 
 impl MmaEngine {
@@ -352,6 +355,52 @@ impl MmaEngine {
         match self {
             MmaEngine::MmaSync => "mma.sync",
             MmaEngine::Wgmma => "wgmma",
+            MmaEngine::WgmmaWarpSpecialized => "wgmma-ws",
+        }
+    }
+
+    /// Whether the engine issues `wgmma` (and needs its shared-memory layout and widths).
+    pub fn is_wgmma(self) -> bool {
+        matches!(self, MmaEngine::Wgmma | MmaEngine::WgmmaWarpSpecialized)
+    }
+}
+
+/// The roles of a warp-specialised block: one producer warpgroup that loads stages, the
+/// consumer warpgroups (`warps_m / 4`) that multiply, and the register file split between
+/// them with `setmaxnreg` (0: the split is left to the compiler).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarpRoles {
+    pub producer_warps: u32,
+    pub producer_registers: u32,
+    pub consumer_registers: u32,
+}
+
+/// Registers a producer warpgroup keeps after `setmaxnreg.dec`: it only computes addresses
+/// (the shipped examples compile without spills at 40 with ptxas 13.0).
+const PRODUCER_REGISTERS: u32 = 40;
+/// The most registers a thread can hold.
+const MAX_REGISTERS_PER_THREAD: u32 = 256;
+
+impl WarpRoles {
+    /// One producer warpgroup beside `consumer_warpgroups`, one block per SM: the producer
+    /// gives up what it does not need and the consumers share it. With one consumer
+    /// warpgroup the compiler's cap (255 at 256 threads) is already enough: no split.
+    fn one_block_per_sm(consumer_warpgroups: u32) -> Self {
+        let producer_warps = 4;
+        let threads = 128 * (1 + consumer_warpgroups);
+        let cap = (65_536 / threads).min(MAX_REGISTERS_PER_THREAD) / 8 * 8;
+        let (producer_registers, consumer_registers) = if cap >= MAX_REGISTERS_PER_THREAD - 8 {
+            (0, 0)
+        } else {
+            let freed = cap - PRODUCER_REGISTERS;
+            let consumer =
+                (cap + freed / consumer_warpgroups).min(MAX_REGISTERS_PER_THREAD) / 8 * 8;
+            (PRODUCER_REGISTERS, consumer)
+        };
+        WarpRoles {
+            producer_warps,
+            producer_registers,
+            consumer_registers,
         }
     }
 }
@@ -362,9 +411,12 @@ pub struct GemmPlan {
     pub engine: MmaEngine,
     pub tile: TileShape,
     pub stages: u32,
-    /// mma.sync: warps along rows and columns; wgmma: 4 warps per 64 rows, 1 along columns.
+    /// The warps that multiply. mma.sync: warps along rows and columns; wgmma: 4 warps per
+    /// 64 rows, 1 along columns.
     pub warps_m: u32,
     pub warps_n: u32,
+    /// The warp-specialised engine's producer and register split (`None` on the others).
+    pub warp_roles: Option<WarpRoles>,
     /// Rows of B loaded per tile: 2·n for the gated GEMM1 (gate and up), n otherwise.
     pub b_rows: u32,
     /// Dynamic shared memory of one block (`smem.dynamic_bytes`), what the launch asks for.
@@ -382,14 +434,17 @@ pub struct GemmPlan {
 
 impl GemmPlan {
     pub fn threads(&self) -> u32 {
-        32 * self.warps_m * self.warps_n
+        let producer_warps = self.warp_roles.map_or(0, |roles| roles.producer_warps);
+        32 * (self.warps_m * self.warps_n + producer_warps)
     }
 }
 
 /// The shared-memory layout of one GEMM block. Dynamic memory is
-/// `[align slack][stage 0 .. stage S-1][row sources: i32 × BM]`, the ring starting on a
-/// `ring_align` boundary; static memory is the tile-start table, i32 × (E + 1). The
-/// generated code asserts that its own layout adds up to these numbers.
+/// `[align slack][stage 0 .. stage S-1][row sources: i32 × BM][stage barriers]`, the ring
+/// starting on a `ring_align` boundary, the barriers (warp-specialised engine only: a
+/// "full" and an "empty" mbarrier per stage) 8-byte aligned; static memory is the
+/// tile-start table, i32 × (E + 1). The generated code asserts that its own layout adds up
+/// to these numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SmemLayout {
     /// Bytes of one row of a stage (`TILE_K` bf16, swizzled in 16-byte chunks).
@@ -404,7 +459,10 @@ pub struct SmemLayout {
     pub align_slack: u32,
     /// Offset of the row-source table from the start of the ring: `stages · stage_bytes`.
     pub row_source_offset: u32,
-    /// `align_slack + row_source_offset + 4·BM`.
+    /// Offset of the stage barriers from the start of the ring: `row_source_offset + 4·BM`.
+    pub barrier_offset: u32,
+    /// `align_slack + barrier_offset + 16·stages` (warp-specialised) or
+    /// `align_slack + barrier_offset` (no barriers).
     pub dynamic_bytes: u32,
     /// The static tile-start table, `4·(E + 1)` bytes, as reserved (rounded up to
     /// [`STATIC_SMEM_GRANULE`]).
@@ -419,11 +477,17 @@ impl SmemLayout {
         // The dynamic allocation is declared 128-byte aligned, which is what mma.sync's ring
         // needs; wgmma's ring moves up to the next 1024-byte boundary, within a full period
         // of slack whatever alignment the allocation really gets.
-        let (ring_align, align_slack) = match engine {
-            MmaEngine::MmaSync => (MMA_SYNC_RING_ALIGN, 0),
-            MmaEngine::Wgmma => (WGMMA_RING_ALIGN, WGMMA_RING_ALIGN),
+        let (ring_align, align_slack) = if engine.is_wgmma() {
+            (WGMMA_RING_ALIGN, WGMMA_RING_ALIGN)
+        } else {
+            (MMA_SYNC_RING_ALIGN, 0)
+        };
+        let barrier_bytes = match engine {
+            MmaEngine::WgmmaWarpSpecialized => 16 * stages,
+            MmaEngine::MmaSync | MmaEngine::Wgmma => 0,
         };
         let row_source_offset = stages * stage_bytes;
+        let barrier_offset = row_source_offset + 4 * tile.m;
         SmemLayout {
             row_bytes,
             a_bytes: tile.m * row_bytes,
@@ -431,7 +495,8 @@ impl SmemLayout {
             ring_align,
             align_slack,
             row_source_offset,
-            dynamic_bytes: align_slack + row_source_offset + 4 * tile.m,
+            barrier_offset,
+            dynamic_bytes: align_slack + barrier_offset + barrier_bytes,
             static_bytes: static_smem_reserved(4 * (experts + 1)),
         }
     }
@@ -859,7 +924,7 @@ fn shape_gemm(
                 .ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
             (wm, wn, MAX_ACCUMULATORS_PER_THREAD)
         }
-        MmaEngine::Wgmma => {
+        MmaEngine::Wgmma | MmaEngine::WgmmaWarpSpecialized => {
             if !target.has_wgmma() {
                 return Err(format!("{} has no wgmma", target.arch));
             }
@@ -876,8 +941,10 @@ fn shape_gemm(
             (tile.m / 16, 1, MAX_WGMMA_ACCUMULATORS_PER_THREAD)
         }
     };
-    let threads = 32 * warps_m * warps_n;
-    let accumulators = tile.m * b_rows / threads;
+    let warp_roles = (engine == MmaEngine::WgmmaWarpSpecialized)
+        .then(|| WarpRoles::one_block_per_sm(tile.m / 64));
+    let multiplying_threads = 32 * warps_m * warps_n;
+    let accumulators = tile.m * b_rows / multiplying_threads;
     if accumulators > max_accumulators {
         return Err(format!(
             "{accumulators} accumulators per thread exceed {max_accumulators} with {} (register spills)",
@@ -895,18 +962,24 @@ fn shape_gemm(
         ));
     }
     let smem_bytes = smem.dynamic_bytes;
-    // Registers: accumulators plus about 64 for fragments, addresses and loop state.
-    let regs_per_thread = (accumulators + 64).min(255);
-    let by_regs = 65_536 / (regs_per_thread * threads);
-    // Each resident block also costs the 1 KiB the driver reserves per block.
-    let by_smem = target.smem_per_sm / (smem.total_bytes() + 1024);
-    let blocks_per_sm = by_regs.min(by_smem).clamp(1, 8);
+    let blocks_per_sm = if warp_roles.is_some() {
+        // The register split assumes the block has the SM's register file to itself.
+        1
+    } else {
+        // Registers: accumulators plus about 64 for fragments, addresses and loop state.
+        let regs_per_thread = (accumulators + 64).min(255);
+        let by_regs = 65_536 / (regs_per_thread * multiplying_threads);
+        // Each resident block also costs the 1 KiB the driver reserves per block.
+        let by_smem = target.smem_per_sm / (smem.total_bytes() + 1024);
+        by_regs.min(by_smem).clamp(1, 8)
+    };
     Ok(GemmPlan {
         engine,
         tile,
         stages,
         warps_m,
         warps_n,
+        warp_roles,
         b_rows,
         smem_bytes,
         smem,
@@ -923,8 +996,9 @@ pub const MAX_STAGES: u32 = 8;
 /// Stages of a hinted tile when the spec sets no `stages`.
 const DEFAULT_HINTED_STAGES: u32 = 4;
 
-/// A hinted tile completed into a plan: on wgmma where that engine can take the tile, else
-/// on mma.sync; the reason given is wgmma's when both refuse and the target has wgmma.
+/// A hinted tile completed into a plan: on warp-specialised wgmma where that engine can take
+/// the tile, else on mma.sync; the reason given is wgmma's when both refuse and the target
+/// has wgmma.
 fn hinted_gemm(
     target: &Target,
     problem: &GemmProblem,
@@ -932,7 +1006,13 @@ fn hinted_gemm(
     stages: Option<u32>,
 ) -> Result<GemmPlan, String> {
     let stages = stages.unwrap_or(DEFAULT_HINTED_STAGES);
-    let wgmma = shape_gemm(target, problem, MmaEngine::Wgmma, tile, stages);
+    let wgmma = shape_gemm(
+        target,
+        problem,
+        MmaEngine::WgmmaWarpSpecialized,
+        tile,
+        stages,
+    );
     wgmma.or_else(|wgmma_reason| {
         shape_gemm(target, problem, MmaEngine::MmaSync, tile, stages).map_err(|mma_reason| {
             if target.has_wgmma() && wgmma_reason != mma_reason {
@@ -948,7 +1028,11 @@ fn hinted_gemm(
 fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
     let candidates: [(MmaEngine, &'static [u32], &'static [u32]); 2] = [
         (MmaEngine::MmaSync, &[16, 32, 64, 128], &[64, 128]),
-        (MmaEngine::Wgmma, &[64, 128], &[64, 128, 192, 256]),
+        (
+            MmaEngine::WgmmaWarpSpecialized,
+            &[64, 128],
+            &[64, 128, 192, 256],
+        ),
     ];
     candidates.into_iter().flat_map(|(engine, rows, columns)| {
         rows.iter().flat_map(move |&m| {
@@ -959,8 +1043,16 @@ fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
     })
 }
 
-/// The stage counts the cost model tries when `stages` is not hinted.
-const STAGE_CHOICES: [u32; 3] = [3, 4, 5];
+/// The stage counts the cost model tries when `stages` is not hinted: a few for engines
+/// whose blocks share an SM (more stages, fewer blocks), as many as fit for the
+/// warp-specialised engine, alone on its SM, whose ring is all that hides memory latency.
+/// Deepest first, so that the deepest ring wins a tie.
+fn stage_choices(engine: MmaEngine) -> Vec<u32> {
+    match engine {
+        MmaEngine::MmaSync | MmaEngine::Wgmma => (3..=5).collect(),
+        MmaEngine::WgmmaWarpSpecialized => (3..=MAX_STAGES).rev().collect(),
+    }
+}
 /// How much slower than its estimate a configuration of one block per SM runs, when
 /// choosing between candidates: alone on its SM, a block exposes its own prologue, its
 /// barriers and its epilogue, which a second block would cover. Measured on the two-H200
@@ -1125,14 +1217,14 @@ fn choose_gemm(
         gemm.hinted = true;
         return Ok(gemm);
     }
-    let stage_choices: Vec<u32> = match hinted_stages {
-        Some(s) => vec![s],
-        None => STAGE_CHOICES.to_vec(),
-    };
     let mut best: Option<GemmPlan> = None;
     let mut last_reason = String::from("no candidate tiles");
     for (engine, tile) in candidate_tiles() {
-        for &stages in &stage_choices {
+        let stages_tried = match hinted_stages {
+            Some(s) => vec![s],
+            None => stage_choices(engine),
+        };
+        for stages in stages_tried {
             match shape_gemm(target, problem, engine, tile, stages) {
                 Ok(mut gemm) => {
                     gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
@@ -1166,7 +1258,8 @@ fn ranking_seconds(gemm: &GemmPlan) -> f64 {
 }
 
 fn ranking_factor(gemm: &GemmPlan) -> f64 {
-    if gemm.blocks_per_sm == 1 {
+    // A warp-specialised block overlaps its own loads, waits and epilogue.
+    if gemm.blocks_per_sm == 1 && gemm.warp_roles.is_none() {
         ONE_BLOCK_PER_SM_PENALTY
     } else {
         1.0

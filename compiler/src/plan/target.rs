@@ -20,6 +20,8 @@ pub struct Target {
     pub mma_sync_fraction: f64,
     /// Fraction of `peak_bf16_flops` moeforge's wgmma GEMMs reach (0 where there is no wgmma).
     pub wgmma_fraction: f64,
+    /// The same for the warp-specialised wgmma engine.
+    pub wgmma_warp_specialized_fraction: f64,
     /// Measured device-memory copy bandwidth (bytes read + written per second).
     pub hbm_bytes_per_s: f64,
     /// Bandwidth from L2 into the SMs' shared memory, summed over SMs (bytes per second).
@@ -45,6 +47,7 @@ impl Target {
             peak_bf16_flops: 790e12,
             mma_sync_fraction: 0.35,
             wgmma_fraction: 0.6,
+            wgmma_warp_specialized_fraction: 0.75,
             hbm_bytes_per_s: 4.3e12,
             l2_bytes_per_s: 10e12,
             launch_overhead_s: 4e-6,
@@ -74,6 +77,7 @@ impl Target {
             peak_bf16_flops: 312e12,
             mma_sync_fraction: 0.6,
             wgmma_fraction: 0.0,
+            wgmma_warp_specialized_fraction: 0.0,
             hbm_bytes_per_s: 2.0e12,
             l2_bytes_per_s: 5e12,
             launch_overhead_s: 4e-6,
@@ -125,6 +129,11 @@ impl Target {
             peak_bf16_flops: base.peak_bf16_flops * scale,
             wgmma_fraction: if device.arch == "sm_90a" {
                 base.wgmma_fraction
+            } else {
+                0.0
+            },
+            wgmma_warp_specialized_fraction: if device.arch == "sm_90a" {
+                base.wgmma_warp_specialized_fraction
             } else {
                 0.0
             },

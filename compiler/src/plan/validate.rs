@@ -202,8 +202,10 @@ impl Plan {
                         "the shared-memory layout of `{kernel}` does not add up"
                     ));
                 }
-                let wgmma_rows = gemm.engine == MmaEngine::Wgmma && gemm.warps_m * 16 != tile.m;
-                if wgmma_rows || gemm.warps_m == 0 || gemm.warps_n == 0 {
+                let wgmma_rows = gemm.engine.is_wgmma() && gemm.warps_m * 16 != tile.m;
+                let roles_match_engine =
+                    gemm.warp_roles.is_some() == (gemm.engine == MmaEngine::WgmmaWarpSpecialized);
+                if wgmma_rows || !roles_match_engine || gemm.warps_m == 0 || gemm.warps_n == 0 {
                     return Err(format!(
                         "the warp layout of `{kernel}` does not fit its tile"
                     ));

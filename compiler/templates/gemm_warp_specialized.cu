@@ -1,0 +1,161 @@
+// ---------------------------------------------------------------------------------------
+// Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
+// stage layout and epilogue as the wgmma engine above; the roles are split:
+//   - warpgroup 0, the producer, is the one place that waits for data (on the
+//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages with
+//     cp.async; each producer thread's copies arrive on the stage's "full" mbarrier when
+//     they land (cp.async.mbarrier.arrive.noinc), so no thread waits for its own copies;
+//   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
+//     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
+//     refills a stage after waiting on "empty";
+//   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
+//     producer loads the next tile while the consumers store this one;
+//   - setmaxnreg moves registers from the producer (addresses only) to the consumers
+//     (accumulators), as the plan splits them.
+// A barrier's phase flips each time all its arrivals are in; a thread tracks the phase of
+// its next use of a stage by one bit that flips whenever it wraps around the ring.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbarrier_init(u32 barrier, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(u32 barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(barrier), "r"(parity) : "memory");
+}
+// One arrival on `barrier` when every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void cp_async_arrive(u32 barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+// A barrier among `threads` threads of the block (whole warps), not the whole block.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
+
+// Named barriers (0 is __syncthreads).
+constexpr int PRODUCER_BARRIER_ID = 1;
+constexpr int CONSUMER_BARRIER_ID = 2;
+
+template <class G>
+__device__ __forceinline__ void grouped_gemm_warp_specialized(
+    const bf16_t* __restrict__ a_rows,
+    const bf16_t* __restrict__ weights,
+    const float* __restrict__ topk_weights,
+    const int* __restrict__ expert_offsets,
+    const int* __restrict__ row_pair,
+    bf16_t* __restrict__ out,
+    const EpContext& ep)
+{
+    assert_gemm_layout<G>();
+    static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
+    static_assert(G::PRODUCER_THREADS == 128, "plan: one producer warpgroup");
+    static_assert(G::STAGE_BYTES % G::RING_ALIGN == 0 && G::RING_ALIGN == 1024,
+                  "plan: every stage starts on the swizzle's 1024-byte period");
+    static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
+    static_assert(G::BARRIER_OFFSET % 8 == 0, "plan: mbarriers are 8-byte aligned");
+    constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
+    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
+    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
+    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int N_TILES = G::N / G::BN;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 raw_base = smem_address(smem_raw);
+    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
+    unsigned char* smem = smem_raw + (smem_base - raw_base);
+    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
+    const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
+    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
+    __shared__ int s_tile_start[G::GROUPS + 1];
+    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
+
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < G::STAGES; ++s) {
+            mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS);
+        }
+    }
+    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);  // its barrier publishes the inits
+    const int total_tiles = s_tile_start[G::GROUPS];
+
+    if (tid < G::PRODUCER_THREADS) {
+        // Producer: row sources, then every k-tile of every tile of this block into the ring.
+        if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
+        int stage = 0;
+        u32 phase = 0;
+        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
+            fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
+            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
+            const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
+            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
+                load_stage<G, G::PRODUCER_THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows,
+                                                   w_expert, tid);
+                cp_async_arrive(full_barriers + stage * sizeof(u64));
+                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight behind
+    } else {
+        // Consumers: multiply each stage as it lands, release it once read, store the tile.
+        if constexpr (G::CONSUMER_REGISTERS > 0) setmaxnreg_inc<G::CONSUMER_REGISTERS>();
+        const int consumer = tid - G::PRODUCER_THREADS;
+        const int warpgroup = consumer >> 7;
+        int stage = 0;
+        u32 phase = 0;
+        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            float acc[FRAG];
+            float acc_up[G::GATED ? FRAG : 1];
+#pragma unroll
+            for (int i = 0; i < FRAG; ++i) {
+                acc[i] = 0.f;
+                if constexpr (G::GATED) acc_up[i] = 0.f;
+            }
+            int previous = -1;  // the stage of the wgmma group still in flight
+            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
+                fence_proxy_async();  // the producers' cp.async writes, seen by wgmma
+                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+                const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
+                const u32 b_base = stage_address + G::A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int k16 = 0; k16 < G::BK / 16; ++k16) {
+                    const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
+                    wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
+                    if constexpr (G::GATED) {
+                        wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
+                    }
+                }
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous group has read its stage
+                if (previous >= 0) mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+                previous = stage;
+                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+            }
+            wgmma_wait<0>();
+            mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+            wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, out, ep);
+            if constexpr (G::EP && G::KIND == GEMM_DOWN) {
+                named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
+                epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
+            }
+        }
+    }
+}
