@@ -78,6 +78,20 @@ impl Gpu {
         Ok(Gpu { ctx, stream })
     }
 
+    /// The caller's stream, in the caller's context, as moeforge's GPU: a layer built on
+    /// it enqueues every launch there, after the caller's earlier work on that stream.
+    /// moeforge records none of cudarc's per-buffer events for its launches: where the
+    /// context tracks them across several streams (cudarc's default once a second stream
+    /// exists), another stream that reads a layer's output must wait for an event recorded
+    /// on this stream after the call (or the context may turn tracking off, as
+    /// [`Gpu::open`] does).
+    pub fn with_stream(stream: Arc<CudaStream>) -> Gpu {
+        Gpu {
+            ctx: Arc::clone(stream.context()),
+            stream,
+        }
+    }
+
     pub fn name(&self) -> String {
         self.ctx
             .name()
