@@ -271,7 +271,11 @@ pub enum CheckpointError {
     #[error("the checkpoint holds no routed-expert tensor named as a known family names them \
              (Mixtral: `<prefix>block_sparse_moe.experts.0.w1.weight`; Qwen3-MoE and DeepSeek-V3: \
              `<prefix>mlp.experts.0.gate_proj.weight`; GPT-OSS: `<prefix>mlp.experts.gate_up_proj`){}",
-             match example { Some(name) => format!("; one of its {count} tensors is `{name}`"), None => String::new() })]
+             match (count, example) {
+                 (_, None) => String::new(),
+                 (1, Some(name)) => format!("; it holds one tensor, `{name}`"),
+                 (count, Some(name)) => format!("; it holds {count} tensors, the first `{name}`"),
+             })]
     NoExpertLayers {
         count: usize,
         example: Option<String>,
