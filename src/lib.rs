@@ -1,7 +1,14 @@
 //! moeforge: a compiler for Mixture-of-Experts layers. This facade re-exports the compiler
-//! and the runtime so that a user needs one dependency, and gives the [`moe_layer`]
-//! attribute macro with the run-time side of its expansion ([`embedded`]).
+//! and the runtime so that a user needs one dependency, and gives two ways to run a layer
+//! from a Rust program:
+//!
+//! - [`engine`]: a layer built at run time from a spec (text, file or `moeforge compile`
+//!   directory) and weights (random, host buffers or a safetensors checkpoint), called on
+//!   device buffers the program owns, on its stream;
+//! - the [`moe_layer`] attribute macro, which plans a layer at compile time, with the
+//!   run-time side of its expansion ([`embedded`]).
 pub mod embedded;
+pub mod engine;
 
 pub use moeforge_compiler as compiler;
 pub use moeforge_runtime as runtime;

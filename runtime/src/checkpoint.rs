@@ -11,12 +11,19 @@
 //! own `[out, in]` matrices, so the copy concatenates and never transposes. Values become
 //! bf16 bits (`u16`); f16 and f32 tensors are rounded to bf16 on the way.
 //!
+//! [`CheckpointLayer::open`] picks the layer and the naming for the caller: a given layer
+//! prefix (with or without its final dot) and family, or, when either is left out, the
+//! only ones the checkpoint's tensor names show ([`Checkpoint::expert_layers`],
+//! [`Checkpoint::detect`]); several candidates, or none, are typed errors that list what
+//! the checkpoint holds. [`write_experts`] writes host weights back under a family's
+//! names, for tests, examples and tools that make small checkpoints.
+//!
 //! It is not: a router or shared-expert loader (the kernels run neither yet), a GPT-OSS
 //! loader (its experts are fused, biased and, as released, MXFP4: a typed error says so),
 //! a dequantiser of FP8 checkpoints (DeepSeek-V3's release stores FP8 with block scales:
 //! a dtype error), or an uploader: the buffers stay on the host.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::fs::File;
 use std::io;
@@ -26,7 +33,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use moeforge_compiler::ir::Activation;
 use moeforge_compiler::plan::LayerShape;
-use safetensors::tensor::{Dtype, Metadata, SafeTensorError, SafeTensors};
+use safetensors::tensor::{Dtype, Metadata, SafeTensorError, SafeTensors, TensorView};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -127,7 +134,9 @@ pub enum ExpertSet {
 }
 
 impl ExpertSet {
-    fn range(self, experts: u32) -> Result<Range<u32>, CheckpointError> {
+    /// The expert ids of this set in a layer of `experts` experts; a rank that does not
+    /// name an equal share is an error.
+    pub fn range(self, experts: u32) -> Result<Range<u32>, CheckpointError> {
         match self {
             ExpertSet::All => Ok(0..experts),
             ExpertSet::Rank { rank, ranks } => {
@@ -154,6 +163,59 @@ pub struct HostWeights {
     pub w1: Vec<u16>,
     /// [experts, H, F].
     pub w2: Vec<u16>,
+}
+
+impl HostWeights {
+    /// Elements of one expert's W1 and W2 in a layer of `shape`.
+    fn expert_lens(shape: &LayerShape) -> (usize, usize) {
+        let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
+        (shape.w1_rows() as usize * hidden, hidden * ffn)
+    }
+
+    /// Checks that `w1` and `w2` hold `experts` experts of a layer of `shape`.
+    pub fn check(&self, shape: &LayerShape) -> Result<(), CheckpointError> {
+        let count = self.experts.len();
+        let (w1, w2) = Self::expert_lens(shape);
+        for (what, got, expected) in [
+            ("w1", self.w1.len(), count * w1),
+            ("w2", self.w2.len(), count * w2),
+        ] {
+            if got != expected {
+                return Err(CheckpointError::HostSize {
+                    what,
+                    experts: count,
+                    expected,
+                    got,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy of the experts `which` of a layer of `shape` (all of them, or one rank's
+    /// share), which these weights must hold.
+    pub fn select(
+        &self,
+        shape: &LayerShape,
+        which: ExpertSet,
+    ) -> Result<HostWeights, CheckpointError> {
+        self.check(shape)?;
+        let wanted = which.range(shape.experts)?;
+        if wanted.start < self.experts.start || wanted.end > self.experts.end {
+            return Err(CheckpointError::HostExperts {
+                held: self.experts.clone(),
+                wanted,
+            });
+        }
+        let (w1, w2) = Self::expert_lens(shape);
+        let local = (wanted.start - self.experts.start) as usize
+            ..(wanted.end - self.experts.start) as usize;
+        Ok(HostWeights {
+            w1: self.w1[local.start * w1..local.end * w1].to_vec(),
+            w2: self.w2[local.start * w2..local.end * w2].to_vec(),
+            experts: wanted,
+        })
+    }
 }
 
 #[derive(Debug, Error)]
@@ -196,14 +258,57 @@ pub enum CheckpointError {
         first: PathBuf,
         second: PathBuf,
     },
-    #[error("tensor `{tensor}` ({family} naming) is not in the checkpoint; {}", match nearest {
+    #[error("tensor `{tensor}` ({family} naming, shape {expected:?}) is not in the checkpoint; {}", match nearest {
         Some(name) => format!("the nearest name it holds is `{name}` (is the family or the layer prefix wrong?)"),
         None => "it holds no tensor".to_owned(),
     })]
     MissingTensor {
         tensor: String,
         family: Family,
+        expected: Vec<usize>,
         nearest: Option<String>,
+    },
+    #[error("the checkpoint holds no routed-expert tensor named as a known family names them \
+             (Mixtral: `<prefix>block_sparse_moe.experts.0.w1.weight`; Qwen3-MoE and DeepSeek-V3: \
+             `<prefix>mlp.experts.0.gate_proj.weight`; GPT-OSS: `<prefix>mlp.experts.gate_up_proj`){}",
+             match (count, example) {
+                 (_, None) => String::new(),
+                 (1, Some(name)) => format!("; it holds one tensor, `{name}`"),
+                 (count, Some(name)) => format!("; it holds {count} tensors, the first `{name}`"),
+             })]
+    NoExpertLayers {
+        count: usize,
+        example: Option<String>,
+    },
+    #[error(
+        "no layer's routed experts are named under the prefix `{prefix}`; {}",
+        list_layers(layers)
+    )]
+    NoExpertsUnderPrefix { prefix: String, layers: Vec<String> },
+    #[error("the checkpoint holds the routed experts of {} layers ({}); the layer prefix must say which", layers.len(), quoted(layers))]
+    SeveralLayers { layers: Vec<String> },
+    #[error("the tensors under `{prefix}` are named as {} name them; the family must say which", families.iter().map(ToString::to_string).collect::<Vec<_>>().join(" and "))]
+    SeveralFamilies {
+        prefix: String,
+        families: Vec<Family>,
+    },
+    #[error("{what} holds {got} elements; {experts} experts of the layer need {expected}")]
+    HostSize {
+        what: &'static str,
+        experts: usize,
+        expected: usize,
+        got: usize,
+    },
+    #[error("the host weights hold experts {}..{}, not experts {}..{}", held.start, held.end, wanted.start, wanted.end)]
+    HostExperts {
+        held: Range<u32>,
+        wanted: Range<u32>,
+    },
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
     },
     #[error("tensor `{tensor}` has shape {found:?}; the layer needs {expected:?}")]
     Shape {
@@ -394,6 +499,26 @@ impl Checkpoint {
             .collect()
     }
 
+    /// The layer prefixes under which some family's routed experts are named (expert 0's
+    /// gate projection, or GPT-OSS's fused tensor, as [`Checkpoint::detect`] looks for
+    /// them), in natural order: `model.layers.2.` before `model.layers.10.`.
+    pub fn expert_layers(&self) -> Vec<String> {
+        let mut prefixes = BTreeSet::new();
+        for family in Family::ALL {
+            for marker in family.marker("").0 {
+                prefixes.extend(
+                    self.names
+                        .keys()
+                        .filter_map(|name| name.strip_suffix(marker.as_str()))
+                        .map(str::to_owned),
+                );
+            }
+        }
+        let mut layers: Vec<String> = prefixes.into_iter().collect();
+        layers.sort_by_cached_key(|prefix| natural_key(prefix));
+        layers
+    }
+
     /// Loads the experts `which` of the layer under `prefix` (e.g. `model.layers.3.`),
     /// named as `family` names them, sized by `shape` (H, F, E and the activation, which
     /// must be the family's), into the kernels' layout.
@@ -443,6 +568,7 @@ impl Checkpoint {
             return Err(CheckpointError::MissingTensor {
                 tensor: name.to_owned(),
                 family,
+                expected: expected.to_vec(),
                 nearest: self.nearest(name, prefix),
             });
         };
@@ -453,6 +579,7 @@ impl Checkpoint {
             .ok_or_else(|| CheckpointError::MissingTensor {
                 tensor: name.to_owned(),
                 family,
+                expected: expected.to_vec(),
                 nearest: None,
             })?;
         if info.shape != expected {
@@ -493,6 +620,236 @@ impl Checkpoint {
             })
             .cloned()
     }
+}
+
+/// One layer of an open checkpoint: the prefix its tensors are named under and the
+/// family whose names they use, each given by the caller or read off the tensor names.
+pub struct CheckpointLayer {
+    checkpoint: Checkpoint,
+    path: PathBuf,
+    prefix: String,
+    family: Family,
+    prefix_detected: bool,
+    family_detected: bool,
+}
+
+impl CheckpointLayer {
+    /// Opens the checkpoint at `path` (see [`Checkpoint::open`]) and picks one layer of it.
+    ///
+    /// `prefix` names the layer (`model.layers.3.`; the final dot may be left out). Without
+    /// it, the checkpoint must hold the routed experts of exactly one layer
+    /// ([`Checkpoint::expert_layers`]), else [`CheckpointError::SeveralLayers`] or
+    /// [`CheckpointError::NoExpertLayers`]. A prefix under which no tensor is named is
+    /// [`CheckpointError::NoExpertsUnderPrefix`], listing the layers there are. `family`
+    /// names the tensors; without it, the family [`Checkpoint::detect`] reports under the
+    /// prefix (none: `NoExpertsUnderPrefix`; several: [`CheckpointError::SeveralFamilies`]).
+    /// A given family is not second-guessed: a wrong one fails at loading, naming the
+    /// tensor it looked for and the nearest name the checkpoint holds.
+    pub fn open(
+        path: &Path,
+        prefix: Option<&str>,
+        family: Option<Family>,
+    ) -> Result<Self, CheckpointError> {
+        let checkpoint = Checkpoint::open(path)?;
+        let prefix_detected = prefix.is_none();
+        let prefix = match prefix {
+            Some(given) => {
+                let prefix = if given.is_empty() || given.ends_with('.') {
+                    given.to_owned()
+                } else {
+                    format!("{given}.")
+                };
+                if !checkpoint.names().any(|name| name.starts_with(&prefix)) {
+                    return Err(CheckpointError::NoExpertsUnderPrefix {
+                        prefix,
+                        layers: checkpoint.expert_layers(),
+                    });
+                }
+                prefix
+            }
+            None => {
+                let mut layers = checkpoint.expert_layers();
+                match layers.len() {
+                    0 => {
+                        return Err(CheckpointError::NoExpertLayers {
+                            count: checkpoint.names.len(),
+                            example: checkpoint.names().next().map(str::to_owned),
+                        });
+                    }
+                    1 => layers.remove(0),
+                    _ => return Err(CheckpointError::SeveralLayers { layers }),
+                }
+            }
+        };
+        let family_detected = family.is_none();
+        let family = match family {
+            Some(family) => family,
+            None => match checkpoint.detect(&prefix).as_slice() {
+                [family] => *family,
+                [] => {
+                    return Err(CheckpointError::NoExpertsUnderPrefix {
+                        layers: checkpoint.expert_layers(),
+                        prefix,
+                    });
+                }
+                several => {
+                    return Err(CheckpointError::SeveralFamilies {
+                        families: several.to_vec(),
+                        prefix,
+                    });
+                }
+            },
+        };
+        Ok(CheckpointLayer {
+            checkpoint,
+            path: path.to_owned(),
+            prefix,
+            family,
+            prefix_detected,
+            family_detected,
+        })
+    }
+
+    /// Loads the experts `which` of a layer of `shape` (see [`Checkpoint::load_experts`]).
+    pub fn load(
+        &self,
+        shape: &LayerShape,
+        which: ExpertSet,
+    ) -> Result<HostWeights, CheckpointError> {
+        self.checkpoint
+            .load_experts(self.family, &self.prefix, shape, which)
+    }
+
+    /// The file or folder the checkpoint was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The layer prefix, with its final dot (or empty).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn family(&self) -> Family {
+        self.family
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.checkpoint
+    }
+}
+
+impl fmt::Display for CheckpointLayer {
+    /// ``layer `model.layers.0.` (the only one), Qwen3-MoE naming (detected), of PATH``.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "layer `{}`{}, {} naming{}, of {}",
+            self.prefix,
+            if self.prefix_detected {
+                " (the only one)"
+            } else {
+                ""
+            },
+            self.family,
+            if self.family_detected {
+                " (detected)"
+            } else {
+                ""
+            },
+            self.path.display()
+        )
+    }
+}
+
+/// Writes `weights`, experts of a layer of `shape`, to a new `.safetensors` file at
+/// `path`, bf16, each expert's gate, up and down projections named as `family` names them
+/// under `prefix`: what [`Checkpoint::load_experts`] reads back bit for bit. For tests,
+/// examples and tools that make small checkpoints; the whole file is built in memory.
+pub fn write_experts(
+    path: &Path,
+    family: Family,
+    prefix: &str,
+    shape: &LayerShape,
+    weights: &HostWeights,
+) -> Result<(), CheckpointError> {
+    family.expert_names(prefix, 0)?;
+    if shape.activation != family.activation() {
+        return Err(CheckpointError::Activation {
+            family,
+            activation: shape.activation,
+        });
+    }
+    weights.check(shape)?;
+    let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
+    let matrix = hidden * ffn;
+    let bytes = |bits: &[u16]| -> Vec<u8> { bits.iter().flat_map(|b| b.to_le_bytes()).collect() };
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (local, e) in weights.experts.clone().enumerate() {
+        let [gate, up, down] = family.expert_names(prefix, e)?;
+        let w1 = &weights.w1[local * 2 * matrix..(local + 1) * 2 * matrix];
+        tensors.push((gate, vec![ffn, hidden], bytes(&w1[..matrix])));
+        tensors.push((up, vec![ffn, hidden], bytes(&w1[matrix..])));
+        let w2 = &weights.w2[local * matrix..(local + 1) * matrix];
+        tensors.push((down, vec![hidden, ffn], bytes(w2)));
+    }
+    let write_error = |source| CheckpointError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    let views = tensors
+        .iter()
+        .map(|(name, dims, data)| {
+            TensorView::new(Dtype::BF16, dims.clone(), data).map(|view| (name.as_str(), view))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| write_error(io::Error::other(e)))?;
+    let file = safetensors::serialize(views, None).map_err(|e| write_error(io::Error::other(e)))?;
+    std::fs::write(path, file).map_err(write_error)
+}
+
+/// Up to eight names, quoted, and how many more there are.
+fn quoted(names: &[String]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = names
+        .iter()
+        .take(SHOWN)
+        .map(|name| format!("`{name}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    text
+}
+
+/// The end of [`CheckpointError::NoExpertsUnderPrefix`]'s message: where experts are.
+fn list_layers(layers: &[String]) -> String {
+    match layers {
+        [] => "the checkpoint holds no routed-expert tensor named as a known family names them"
+            .to_owned(),
+        [one] => format!("the only layer with routed experts is `{one}`"),
+        several => format!("the layers with routed experts are {}", quoted(several)),
+    }
+}
+
+/// Orders names with their digit runs compared as numbers (`layers.2.` before `layers.10.`).
+fn natural_key(name: &str) -> Vec<(String, Option<u64>)> {
+    let mut key = Vec::new();
+    let mut rest = name;
+    while !rest.is_empty() {
+        let text_end = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let (text, tail) = rest.split_at(text_end);
+        let digits_end = tail
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (digits, tail) = tail.split_at(digits_end);
+        key.push((text.to_owned(), digits.parse().ok()));
+        rest = tail;
+    }
+    key
 }
 
 /// Converts little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`, bf16 bits,

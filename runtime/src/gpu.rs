@@ -78,6 +78,21 @@ impl Gpu {
         Ok(Gpu { ctx, stream })
     }
 
+    /// The caller's stream, in the caller's context, as moeforge's GPU: a layer built on
+    /// it enqueues every launch there, after the caller's earlier work on that stream.
+    /// cudarc's per-buffer event tracking does not cover the layer's launches (the events
+    /// it records while the launch arguments are gathered precede the launches): where
+    /// the context tracks events across several streams (cudarc's default once a second
+    /// stream exists), another stream that reads a layer's output, or writes its inputs,
+    /// must first wait for an event recorded on this stream after the call. [`Gpu::open`]
+    /// turns tracking off, as moeforge orders its own work.
+    pub fn with_stream(stream: Arc<CudaStream>) -> Gpu {
+        Gpu {
+            ctx: Arc::clone(stream.context()),
+            stream,
+        }
+    }
+
     pub fn name(&self) -> String {
         self.ctx
             .name()

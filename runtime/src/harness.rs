@@ -278,7 +278,20 @@ impl Session {
     /// Compiles the plan's kernels, fills random weights and builds the handle.
     pub fn build(&self, plan: Plan, seed: u64) -> Result<BuiltLayer, HarnessError> {
         let (module, compile_seconds) = self.compile(&plan)?;
-        self.assemble(plan, module, compile_seconds, seed)
+        let weights = self.random_weights(&plan.shape, seed)?;
+        self.assemble(plan, module, compile_seconds, weights)
+    }
+
+    /// Compiles the plan's kernels and builds the handle with `weights`, every expert of
+    /// the layer on this session's GPU (e.g. [`crate::weights::upload`]ed from a
+    /// checkpoint); checks against the CPU reference then read those weights.
+    pub fn build_with_weights(
+        &self,
+        plan: Plan,
+        weights: ExpertWeights,
+    ) -> Result<BuiltLayer, HarnessError> {
+        let (module, compile_seconds) = self.compile(&plan)?;
+        self.assemble(plan, module, compile_seconds, weights)
     }
 
     /// [`Session::build`] for several plans, compiling them on a thread each (each unit
@@ -304,7 +317,8 @@ impl Session {
             .zip(0u64..)
             .map(|((plan, compiled), i)| {
                 let (module, compile_seconds) = compiled?;
-                self.assemble(plan, module, compile_seconds, seed.wrapping_add(i))
+                let weights = self.random_weights(&plan.shape, seed.wrapping_add(i))?;
+                self.assemble(plan, module, compile_seconds, weights)
             })
             .collect()
     }
@@ -317,19 +331,19 @@ impl Session {
         module: CompiledModule,
         seed: u64,
     ) -> Result<BuiltLayer, HarnessError> {
-        self.assemble(plan, module, 0.0, seed)
+        let weights = self.random_weights(&plan.shape, seed)?;
+        self.assemble(plan, module, 0.0, weights)
     }
 
-    /// Loads a compiled module, fills random weights and builds the handle.
+    /// Loads a compiled module and builds the handle with `weights`.
     fn assemble(
         &self,
         plan: Plan,
         module: CompiledModule,
         compile_seconds: f64,
-        seed: u64,
+        weights: ExpertWeights,
     ) -> Result<BuiltLayer, HarnessError> {
         let loaded = self.gpu.load(&module)?;
-        let weights = self.random_weights(&plan.shape, seed)?;
         let experts = plan.shape.experts as usize;
         let layer = MoeLayer::new(&self.gpu, plan, loaded, weights)?;
         Ok(BuiltLayer {
@@ -391,22 +405,14 @@ impl Session {
         built: &BuiltLayer,
         contexts: &[Arc<CudaContext>],
     ) -> Result<EpLayer, HarnessError> {
-        let plan = built.layer.plan().clone();
-        let shape = &plan.shape;
+        let shape = &built.layer.plan().shape;
         let ranks = contexts.len();
         let local = shape.experts as usize / ranks.max(1);
         let w1_len = local * shape.w1_rows() as usize * shape.hidden as usize;
         let w2_len = local * shape.hidden as usize * shape.ffn as usize;
         let full = built.layer.weights();
-        let mut modules = Vec::with_capacity(ranks);
         let mut weights = Vec::with_capacity(ranks);
         for (r, ctx) in contexts.iter().enumerate() {
-            let module = if ctx.ordinal() == self.gpu.ctx.ordinal() {
-                self.gpu.load(&built.module)?
-            } else {
-                Gpu::load_into(ctx, &built.module)?
-            };
-            modules.push(module);
             // Host staging works between any two devices; these copies are test set-up.
             let w1 = self
                 .gpu
@@ -425,7 +431,33 @@ impl Session {
             });
             stream.synchronize().context("placing a rank's weights")?;
         }
-        Ok(EpLayer::new(plan, contexts, modules, weights)?)
+        self.build_expert_parallel_with(built, contexts, weights)
+    }
+
+    /// The expert-parallel layer of `built`'s plan with the caller's weights: rank `r` on
+    /// `contexts[r]` with `weights[r]`, its `E / R` experts on that device (e.g. loaded
+    /// from a checkpoint for that rank alone). Checks of its output against the CPU
+    /// reference read `built`'s weights, so `built` must hold the same experts.
+    pub fn build_expert_parallel_with(
+        &self,
+        built: &BuiltLayer,
+        contexts: &[Arc<CudaContext>],
+        weights: Vec<ExpertWeights>,
+    ) -> Result<EpLayer, HarnessError> {
+        let mut modules = Vec::with_capacity(contexts.len());
+        for ctx in contexts {
+            modules.push(if ctx.ordinal() == self.gpu.ctx.ordinal() {
+                self.gpu.load(&built.module)?
+            } else {
+                Gpu::load_into(ctx, &built.module)?
+            });
+        }
+        Ok(EpLayer::new(
+            built.layer.plan().clone(),
+            contexts,
+            modules,
+            weights,
+        )?)
     }
 
     /// Runs one expert-parallel call, rank `r` on `workloads[r]`, and checks every rank's

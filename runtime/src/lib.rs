@@ -14,4 +14,5 @@ pub mod layer;
 pub mod nccl_pipeline;
 pub mod reference;
 pub mod toolkit;
+pub mod weights;
 pub mod workload;

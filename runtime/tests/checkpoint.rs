@@ -1,6 +1,8 @@
 //! Loading routed-expert weights from safetensors checkpoints: tiny files written with the
 //! `safetensors` serializer in a temp folder, per family, sharded or not; every element of
-//! the re-laid-out buffers against the source tensors; every error kind. CPU only.
+//! the re-laid-out buffers against the source tensors; every error kind; picking the layer
+//! and family from the names; writing experts back; the weight sources agreeing rank by
+//! rank. CPU only.
 
 use std::path::Path;
 
@@ -8,9 +10,11 @@ use moeforge_compiler::ir::Activation;
 use moeforge_compiler::plan::LayerShape;
 use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::{
-    Checkpoint, CheckpointError, ExpertSet, Family, HostWeights, INDEX_FILE,
+    Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, Family, HostWeights, INDEX_FILE,
+    write_experts,
 };
 use moeforge_runtime::reference::{HostExpert, layer_output};
+use moeforge_runtime::weights::{self, Weights};
 use moeforge_runtime::workload::Workload;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -618,4 +622,281 @@ fn the_reference_on_loaded_weights_is_the_models_expert_mlp() {
             );
         }
     }
+}
+
+/// Experts of `family` under each of `prefixes`, in one file.
+fn write_layers(path: &Path, family: Family, prefixes: &[&str]) {
+    let mut tensors = Vec::new();
+    for prefix in prefixes {
+        for e in 0..E {
+            let [gate, up, down] = names(family, prefix, e);
+            tensors.push(bf16_tensor(
+                gate,
+                vec![F, H],
+                (0..F * H).map(|i| value(e, 0, i)),
+            ));
+            tensors.push(bf16_tensor(
+                up,
+                vec![F, H],
+                (0..F * H).map(|i| value(e, 1, i)),
+            ));
+            tensors.push(bf16_tensor(
+                down,
+                vec![H, F],
+                (0..H * F).map(|i| value(e, 2, i)),
+            ));
+        }
+    }
+    write(path, &tensors);
+}
+
+#[test]
+fn the_only_layer_and_its_family_are_picked_from_the_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write_layers(&file, Family::Qwen3Moe, &[PREFIX]);
+    let layer = CheckpointLayer::open(&file, None, None).unwrap();
+    assert_eq!((layer.prefix(), layer.family()), (PREFIX, Family::Qwen3Moe));
+    assert_eq!(
+        layer.to_string(),
+        format!(
+            "layer `{PREFIX}` (the only one), Qwen3-MoE naming (detected), of {}",
+            file.display()
+        )
+    );
+    let w = layer
+        .load(&shape(Activation::Swiglu), ExpertSet::All)
+        .unwrap();
+    check_layout(&w);
+
+    // A given prefix may leave out its final dot; a given family is taken as given.
+    let layer =
+        CheckpointLayer::open(&file, Some("model.layers.3"), Some(Family::DeepseekV3)).unwrap();
+    assert_eq!(
+        (layer.prefix(), layer.family()),
+        (PREFIX, Family::DeepseekV3)
+    );
+    assert_eq!(
+        layer.to_string(),
+        format!(
+            "layer `{PREFIX}`, DeepSeek-V3 naming, of {}",
+            file.display()
+        )
+    );
+    // A wrong family fails at loading, naming the tensor and its shape.
+    let err = CheckpointLayer::open(&file, None, Some(Family::Mixtral))
+        .unwrap()
+        .load(&shape(Activation::Swiglu), ExpertSet::All)
+        .unwrap_err();
+    let CheckpointError::MissingTensor { expected, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(expected, &vec![F, H]);
+    assert!(err.to_string().contains("shape [8, 16]"), "{err}");
+}
+
+#[test]
+fn several_layers_need_a_prefix_and_a_wrong_prefix_lists_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let prefixes = ["model.layers.10.", "model.layers.2.", "model.layers.1."];
+    write_layers(&file, Family::Mixtral, &prefixes);
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    assert_eq!(
+        checkpoint.expert_layers(),
+        ["model.layers.1.", "model.layers.2.", "model.layers.10."],
+        "natural order"
+    );
+
+    let err = CheckpointLayer::open(&file, None, None).err().unwrap();
+    assert!(
+        matches!(&err, CheckpointError::SeveralLayers { layers } if layers.len() == 3),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("3 layers (`model.layers.1.`, `model.layers.2.`"),
+        "{err}"
+    );
+
+    let layer = CheckpointLayer::open(&file, Some("model.layers.10"), None).unwrap();
+    assert_eq!(
+        (layer.prefix(), layer.family()),
+        ("model.layers.10.", Family::Mixtral)
+    );
+
+    // No tensor under the prefix: the error lists the layers there are.
+    let err = CheckpointLayer::open(&file, Some("model.layers.7."), None)
+        .err()
+        .unwrap();
+    let CheckpointError::NoExpertsUnderPrefix { prefix, layers } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(prefix, "model.layers.7.");
+    assert_eq!(layers.len(), 3);
+    assert!(err.to_string().contains("`model.layers.10.`"), "{err}");
+
+    // Tensors under the prefix, but no experts there (the router's only).
+    let mut tensors = expert_tensors(Family::Mixtral, 0..E);
+    tensors.push(bf16_tensor(
+        "model.layers.0.mlp.gate.weight".into(),
+        vec![E, H],
+        (0..E * H).map(|i| i as u16),
+    ));
+    write(&file, &tensors);
+    let err = CheckpointLayer::open(&file, Some("model.layers.0."), None)
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains(&format!("the only layer with routed experts is `{PREFIX}`")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_checkpoint_without_experts_and_two_families_under_one_prefix_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write(
+        &file,
+        &[bf16_tensor(
+            "lm_head.weight".into(),
+            vec![4, H],
+            0..4 * H as u16,
+        )],
+    );
+    let err = CheckpointLayer::open(&file, None, None).err().unwrap();
+    assert!(
+        matches!(&err, CheckpointError::NoExpertLayers { count: 1, example: Some(name) } if name == "lm_head.weight"),
+        "{err}"
+    );
+
+    let mut tensors = expert_tensors(Family::Mixtral, 0..E);
+    tensors.extend(expert_tensors(Family::Qwen3Moe, 0..E).into_iter().skip(1));
+    write(&file, &tensors);
+    let err = CheckpointLayer::open(&file, None, None).err().unwrap();
+    assert!(
+        matches!(&err, CheckpointError::SeveralFamilies { families, .. } if families == &[Family::Mixtral, Family::Qwen3Moe]),
+        "{err}"
+    );
+    let layer = CheckpointLayer::open(&file, None, Some(Family::Mixtral)).unwrap();
+    check_layout(
+        &layer
+            .load(&shape(Activation::Swiglu), ExpertSet::All)
+            .unwrap(),
+    );
+}
+
+#[test]
+fn written_experts_read_back_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let layer = shape(Activation::Swiglu);
+    let all = weights::random(&layer, 0..E as u32, 7);
+    for family in [Family::Mixtral, Family::Qwen3Moe, Family::DeepseekV3] {
+        let file = dir.path().join(format!("{family}.safetensors"));
+        write_experts(&file, family, PREFIX, &layer, &all).unwrap();
+        let checkpoint = Checkpoint::open(&file).unwrap();
+        assert_eq!(
+            checkpoint
+                .load_experts(family, PREFIX, &layer, ExpertSet::All)
+                .unwrap(),
+            all
+        );
+        // One rank's share alone names that rank's experts.
+        let rank = all
+            .select(&layer, ExpertSet::Rank { rank: 1, ranks: 2 })
+            .unwrap();
+        write_experts(&file, family, PREFIX, &layer, &rank).unwrap();
+        let checkpoint = Checkpoint::open(&file).unwrap();
+        assert_eq!(checkpoint.names().count(), 3 * E / 2);
+        assert_eq!(
+            checkpoint
+                .load_experts(
+                    family,
+                    PREFIX,
+                    &layer,
+                    ExpertSet::Rank { rank: 1, ranks: 2 }
+                )
+                .unwrap(),
+            rank
+        );
+    }
+    let err = write_experts(
+        &dir.path().join("x.safetensors"),
+        Family::GptOss,
+        PREFIX,
+        &layer,
+        &all,
+    )
+    .unwrap_err();
+    assert!(matches!(err, CheckpointError::Unsupported { .. }), "{err}");
+    let err = write_experts(
+        &dir.path().join("missing/x.safetensors"),
+        Family::Mixtral,
+        PREFIX,
+        &layer,
+        &all,
+    )
+    .unwrap_err();
+    assert!(matches!(err, CheckpointError::Write { .. }), "{err}");
+}
+
+#[test]
+fn weight_sources_give_the_same_experts_for_a_rank_as_for_the_layer() {
+    let layer = shape(Activation::Swiglu);
+    let random = Weights::Random { seed: 11 };
+    let all = random.host(&layer, ExpertSet::All).unwrap();
+    all.check(&layer).unwrap();
+    assert_ne!(
+        all,
+        weights::random(&layer, 0..E as u32, 12),
+        "the seed matters"
+    );
+    // Bounded by the fan-in scale, not all zero.
+    let bound = weights::random(&layer, 0..1, 11)
+        .w1
+        .iter()
+        .map(|&b| bf16::to_f32(b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        bound > 0.0 && bound <= (3.0 / H as f32).sqrt() * 1.01,
+        "{bound}"
+    );
+
+    let host = Weights::Host(all.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write_experts(&file, Family::Mixtral, PREFIX, &layer, &all).unwrap();
+    let checkpoint = Weights::Checkpoint(CheckpointLayer::open(&file, None, None).unwrap());
+    for ranks in [1u32, 2, 4] {
+        for rank in 0..ranks {
+            let which = ExpertSet::Rank { rank, ranks };
+            let share = all.select(&layer, which).unwrap();
+            for source in [&random, &host, &checkpoint] {
+                assert_eq!(source.host(&layer, which).unwrap(), share);
+            }
+        }
+    }
+
+    // Host weights must hold the experts asked for, at the layer's sizes.
+    let half = all
+        .select(&layer, ExpertSet::Rank { rank: 0, ranks: 2 })
+        .unwrap();
+    let err = Weights::Host(half)
+        .host(&layer, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::HostExperts { held, wanted } if *held == (0..2) && *wanted == (0..4)),
+        "{err}"
+    );
+    let mut short = all.clone();
+    short.w2.pop();
+    let err = Weights::Host(short)
+        .host(&layer, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::HostSize { what: "w2", .. }),
+        "{err}"
+    );
 }

@@ -141,7 +141,7 @@ pub fn run(args: &Args) -> ExitCode {
     }
     let seed = fresh_seed(args.seed);
     let layer_name = plan.layer.clone();
-    let (session, built) = match build_on_gpu(plan, seed) {
+    let (session, built) = match build_on_gpu(plan, seed, None) {
         Ok(built) => built,
         Err(status) => return status,
     };
@@ -231,7 +231,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
     }
     let seed = fresh_seed(args.seed);
     let layer_name = plan.layer.clone();
-    let (session, built) = match build_on_gpu(plan, seed) {
+    let (session, built) = match build_on_gpu(plan, seed, None) {
         Ok(built) => built,
         Err(status) => return status,
     };
@@ -239,7 +239,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         Ok(contexts) => contexts,
         Err(status) => return status,
     };
-    let mut ep = match choice.build(&session, &built, &contexts) {
+    let mut ep = match choice.build(&session, &built, &contexts, None) {
         Ok(ep) => ep,
         Err(status) => return status,
     };

@@ -13,6 +13,7 @@ mod fmt;
 mod planning;
 mod run;
 mod simulate;
+mod weights;
 
 use std::io::IsTerminal;
 use std::path::Path;

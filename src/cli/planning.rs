@@ -6,11 +6,14 @@ use std::sync::Arc;
 
 use moeforge::compiler;
 use moeforge::compiler::plan::{self, Plan, Target};
+use moeforge::runtime::checkpoint::HostWeights;
 use moeforge::runtime::ep::EpLayer;
 use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::gpu::Gpu;
 use moeforge::runtime::harness::{BuiltLayer, Session};
+use moeforge::runtime::layer::ExpertWeights;
 use moeforge::runtime::toolkit;
+use moeforge::runtime::weights::upload;
 
 use super::{SourceFile, compile_file, invalid_input, report, usage_error};
 
@@ -96,19 +99,23 @@ impl RankChoice {
         Ok(contexts)
     }
 
-    /// Builds `built`'s expert-parallel layer over the chosen ranks.
+    /// Builds `built`'s expert-parallel layer over the chosen ranks: each rank's experts
+    /// copied from `built`, or `weights[r]` for rank `r` when given.
     pub fn build(
         self,
         session: &Session,
         built: &BuiltLayer,
         contexts: &[Arc<CudaContext>],
+        weights: Option<Vec<ExpertWeights>>,
     ) -> Result<EpLayer, ExitCode> {
-        session
-            .build_expert_parallel(built, contexts)
-            .map_err(|error| {
-                eprintln!("error: {error}");
-                invalid_input()
-            })
+        match weights {
+            None => session.build_expert_parallel(built, contexts),
+            Some(weights) => session.build_expert_parallel_with(built, contexts, weights),
+        }
+        .map_err(|error| {
+            eprintln!("error: {error}");
+            invalid_input()
+        })
     }
 }
 
@@ -225,21 +232,39 @@ pub fn note_one_rank(plan: &Plan, ranks: Option<u32>, gpus: Option<u32>) -> Resu
     }
 }
 
-/// Opens the GPU, compiles `plan`'s kernels and fills random weights (seeded), reporting
-/// any failure: a missing GPU or toolkit is a usage error, a layer that fails to build
-/// invalid input.
-pub fn build_on_gpu(plan: Plan, seed: u64) -> Result<(Session, BuiltLayer), ExitCode> {
+/// Opens the GPU, compiles `plan`'s kernels and fills random weights (seeded), or uploads
+/// `weights` (every expert) when given, reporting any failure: a missing GPU or toolkit is
+/// a usage error, a layer that fails to build invalid input.
+pub fn build_on_gpu(
+    plan: Plan,
+    seed: u64,
+    weights: Option<&HostWeights>,
+) -> Result<(Session, BuiltLayer), ExitCode> {
     eprintln!(
-        "opening the GPU, compiling {} and filling random weights ...",
-        plan.layer
+        "opening the GPU, compiling {} and {} ...",
+        plan.layer,
+        if weights.is_some() {
+            "uploading the checkpoint's weights"
+        } else {
+            "filling random weights"
+        }
     );
     let session = Session::open().map_err(|error| {
         eprintln!("error: {error}");
         usage_error()
     })?;
-    let built = session.build(plan, seed).map_err(|error| {
+    let failed = |error: &dyn std::fmt::Display| {
         eprintln!("error: {error}");
         invalid_input()
-    })?;
+    };
+    let built = match weights {
+        None => session.build(plan, seed).map_err(|e| failed(&e))?,
+        Some(host) => {
+            let experts = upload(&session.gpu.stream, host).map_err(|e| failed(&e))?;
+            session
+                .build_with_weights(plan, experts)
+                .map_err(|e| failed(&e))?
+        }
+    };
     Ok((session, built))
 }

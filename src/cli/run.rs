@@ -1,8 +1,12 @@
-//! `moeforge run FILE --tokens N [--check] [--ranks R | --gpus G]`: compiles a layer and,
-//! when a GPU is present, runs it once on fresh random inputs (and with `--check` compares
-//! with the CPU reference). With `--ranks R` (virtual ranks on one GPU) or `--gpus G` (one
-//! rank per GPU) the layer runs expert-parallel, every rank with its own N tokens. Without
-//! a GPU it stops after compiling and says so.
+//! `moeforge run FILE --tokens N [--check] [--ranks R | --gpus G] [--weights PATH]`:
+//! compiles a layer and, when a GPU is present, runs it once on fresh random inputs (and
+//! with `--check` compares with the CPU reference). With `--ranks R` (virtual ranks on one
+//! GPU) or `--gpus G` (one rank per GPU) the layer runs expert-parallel, every rank with
+//! its own N tokens. The experts' weights are random, or with `--weights` those of a
+//! checkpoint's layer (see [`super::weights`]): loaded and checked on the host first, then
+//! every expert uploaded for the single-GPU layer (which the reference reads) and, when
+//! expert-parallel, each rank's share read from the checkpoint for that rank. Without a
+//! GPU it stops after loading the weights and compiling, and says so.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,6 +21,7 @@ use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
 use super::planning::{
     RankChoice, TargetArgs, build_on_gpu, note_one_rank, plan_file_over, plan_one,
 };
+use super::weights::{Loaded, WeightsArgs};
 use super::{OK, invalid_input, usage_error};
 
 /// Run a layer on random inputs (fresh per run, seeded), optionally checked against the CPU reference.
@@ -48,6 +53,8 @@ pub struct Args {
     /// Expert-parallel ranks on this many GPUs, one rank each, driven by this process.
     #[arg(long)]
     gpus: Option<u32>,
+    #[command(flatten)]
+    weights: WeightsArgs,
     #[command(flatten)]
     target: TargetArgs,
 }
@@ -149,6 +156,10 @@ pub fn run(args: &Args) -> ExitCode {
         );
         return usage_error();
     }
+    let loaded = match args.weights.load(&plan.shape) {
+        Ok(loaded) => loaded,
+        Err(status) => return status,
+    };
     if let Err(error) = toolkit::driver_available() {
         return compile_only(&plan, &error.to_string());
     }
@@ -158,13 +169,14 @@ pub fn run(args: &Args) -> ExitCode {
         .regime_for(args.tokens)
         .map(|r| r.name.clone())
         .unwrap_or_default();
-    let (session, built) = match build_on_gpu(plan, seed) {
+    let (session, built) = match build_on_gpu(plan, seed, loaded.as_ref().map(|l| &l.all)) {
         Ok(built) => built,
         Err(status) => return status,
     };
     if let Some(choice) = choice {
-        return run_expert_parallel(args, choice, &session, &built, seed);
+        return run_expert_parallel(args, choice, &session, &built, loaded.as_ref(), seed);
     }
+    drop(loaded);
     eprintln!(
         "compiled in {:.2} s{}; running T={} ({} regime, {} routing, seed {seed})",
         built.compile_seconds,
@@ -221,22 +233,26 @@ pub fn run(args: &Args) -> ExitCode {
     }
 }
 
-/// The expert-parallel call: every rank runs `--tokens` tokens of its own.
+/// The expert-parallel call: every rank runs `--tokens` tokens of its own; with
+/// `loaded`, each rank's experts are read from the checkpoint for that rank.
 fn run_expert_parallel(
     args: &Args,
     choice: RankChoice,
     session: &Session,
     built: &BuiltLayer,
+    loaded: Option<&Loaded>,
     seed: u64,
 ) -> ExitCode {
-    let mut ep = match choice
-        .contexts(session)
-        .and_then(|contexts| choice.build(session, built, &contexts))
-    {
+    let shape = built.layer.plan().shape.clone();
+    let mut ep = match choice.contexts(session).and_then(|contexts| {
+        let weights = loaded
+            .map(|loaded| loaded.rank_weights(&shape, &contexts))
+            .transpose()?;
+        choice.build(session, built, &contexts, weights)
+    }) {
         Ok(ep) => ep,
         Err(status) => return status,
     };
-    let shape = built.layer.plan().shape.clone();
     let workloads: Vec<Workload> = (0..choice.ranks)
         .map(|r| {
             Workload::random(

@@ -1,0 +1,87 @@
+//! Where a layer's routed-expert weights come from, and putting them on the device.
+//!
+//! [`Weights`] names the source: random (seeded, generated on the host), host buffers the
+//! caller already holds in the kernels' layout, or one layer of a safetensors checkpoint
+//! ([`CheckpointLayer`]). [`Weights::host`] gives the experts of one layer, all of them or
+//! one expert-parallel rank's share, as [`HostWeights`]; [`upload`] copies them to a
+//! device as the [`ExpertWeights`] a [`crate::layer::MoeLayer`] or [`crate::ep::EpLayer`]
+//! takes. Nothing here chooses a layout: it is the checkpoints' own `[out, in]` matrices,
+//! W1 each expert's gate rows then its up rows (see [`crate::checkpoint`]).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use moeforge_compiler::plan::LayerShape;
+
+use crate::bf16;
+use crate::checkpoint::{CheckpointError, CheckpointLayer, ExpertSet, HostWeights};
+use crate::gpu::{DriverContext, GpuError};
+use crate::layer::ExpertWeights;
+use crate::workload::{SplitMix64, weight_scale};
+
+/// The source of a layer's routed-expert weights.
+pub enum Weights {
+    /// Uniform in ±`sqrt(3 / fan_in)` (H for W1, F for W2), drawn on the host from
+    /// `seed`, expert by expert: a rank's share equals the same experts of the whole
+    /// layer. Not the values `moeforge run` fills on the device for the same seed; for
+    /// tests and demos (a large layer takes seconds to draw).
+    Random { seed: u64 },
+    /// Weights the caller holds, in the kernels' layout; they must hold every expert
+    /// asked for.
+    Host(HostWeights),
+    /// One layer of a safetensors checkpoint, its prefix and family resolved.
+    Checkpoint(CheckpointLayer),
+}
+
+impl Weights {
+    /// The experts `which` of a layer of `shape` on the host: drawn, copied out of the
+    /// caller's buffers, or read from the checkpoint (checking every tensor's name,
+    /// shape and dtype).
+    pub fn host(
+        &self,
+        shape: &LayerShape,
+        which: ExpertSet,
+    ) -> Result<HostWeights, CheckpointError> {
+        match self {
+            Weights::Random { seed } => Ok(random(shape, which.range(shape.experts)?, *seed)),
+            Weights::Host(weights) => weights.select(shape, which),
+            Weights::Checkpoint(layer) => layer.load(shape, which),
+        }
+    }
+}
+
+/// Uniform random weights of the experts `experts` of a layer of `shape` (see
+/// [`Weights::Random`]). Expert `e`'s values depend only on `seed` and `e`.
+pub fn random(shape: &LayerShape, experts: Range<u32>, seed: u64) -> HostWeights {
+    let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
+    let w1_len = shape.w1_rows() as usize * hidden;
+    let (w1_scale, w2_scale) = (weight_scale(shape.hidden), weight_scale(shape.ffn));
+    let count = experts.len();
+    let mut w1 = Vec::with_capacity(count * w1_len);
+    let mut w2 = Vec::with_capacity(count * hidden * ffn);
+    for e in experts.clone() {
+        let mut rng = SplitMix64::new(seed ^ u64::from(e).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        w1.extend((0..w1_len).map(|_| bf16::from_f32(rng.signed() * w1_scale)));
+        w2.extend((0..hidden * ffn).map(|_| bf16::from_f32(rng.signed() * w2_scale)));
+    }
+    HostWeights { experts, w1, w2 }
+}
+
+/// Copies `weights` to `stream`'s device and waits for the copies, so the buffers may be
+/// used from any stream of that device.
+pub fn upload(stream: &Arc<CudaStream>, weights: &HostWeights) -> Result<ExpertWeights, GpuError> {
+    let experts = &weights.experts;
+    let w1 = stream.clone_htod(&weights.w1).context(format!(
+        "uploading W1 of experts {}..{}",
+        experts.start, experts.end
+    ))?;
+    let w2 = stream.clone_htod(&weights.w2).context(format!(
+        "uploading W2 of experts {}..{}",
+        experts.start, experts.end
+    ))?;
+    stream
+        .synchronize()
+        .context("waiting for the weights' upload")?;
+    Ok(ExpertWeights { w1, w2 })
+}

@@ -1,0 +1,180 @@
+//! `--weights PATH [--layer-prefix PREFIX] [--family FAMILY]`: a layer's routed experts
+//! from a safetensors checkpoint instead of random ones. Opens and loads on the host (so
+//! every name, shape and dtype is checked before any GPU work, and on machines without
+//! one), reports what was picked, and turns each loader error into a message, a hint that
+//! names the flag to change, and an exit status.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use moeforge::compiler::plan::LayerShape;
+use moeforge::runtime::checkpoint::{
+    CheckpointError, CheckpointLayer, ExpertSet, Family, HostWeights, INDEX_FILE,
+};
+use moeforge::runtime::gpu::CudaContext;
+use moeforge::runtime::layer::ExpertWeights;
+use moeforge::runtime::weights::upload;
+
+use super::{invalid_input, usage_error};
+
+/// Where the experts' weights come from.
+#[derive(clap::Args)]
+pub struct WeightsArgs {
+    /// Run on the routed experts of a safetensors checkpoint: a `.safetensors` file, or a
+    /// folder of shards (with `model.safetensors.index.json` when it has one). Random
+    /// weights without it.
+    #[arg(long, value_name = "PATH")]
+    weights: Option<PathBuf>,
+    /// The layer of the checkpoint, by the prefix of its tensor names (`model.layers.3.`);
+    /// needed when the checkpoint holds the experts of several layers.
+    #[arg(long, value_name = "PREFIX", requires = "weights")]
+    layer_prefix: Option<String>,
+    /// The tensor naming of the checkpoint; read off the tensor names when omitted.
+    #[arg(long, value_enum, requires = "weights")]
+    family: Option<FamilyArg>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum FamilyArg {
+    /// `block_sparse_moe.experts.N.w1/w3/w2.weight`.
+    Mixtral,
+    /// `mlp.experts.N.gate_proj/up_proj/down_proj.weight`.
+    #[value(name = "qwen3-moe")]
+    Qwen3Moe,
+    /// As Qwen3-MoE, with `mlp.gate.e_score_correction_bias`.
+    #[value(name = "deepseek-v3")]
+    DeepseekV3,
+    /// Fused `mlp.experts.gate_up_proj` (not loadable yet).
+    #[value(name = "gpt-oss")]
+    GptOss,
+}
+
+impl From<FamilyArg> for Family {
+    fn from(arg: FamilyArg) -> Self {
+        match arg {
+            FamilyArg::Mixtral => Family::Mixtral,
+            FamilyArg::Qwen3Moe => Family::Qwen3Moe,
+            FamilyArg::DeepseekV3 => Family::DeepseekV3,
+            FamilyArg::GptOss => Family::GptOss,
+        }
+    }
+}
+
+/// A checkpoint's layer, opened, and every one of its experts read on the host.
+pub struct Loaded {
+    pub layer: CheckpointLayer,
+    pub all: HostWeights,
+}
+
+impl WeightsArgs {
+    /// `None` without `--weights`; else the checkpoint's layer and all its experts for a
+    /// layer of `shape`, said on stderr, or the exit status after reporting why not.
+    pub fn load(&self, shape: &LayerShape) -> Result<Option<Loaded>, ExitCode> {
+        let Some(path) = &self.weights else {
+            return Ok(None);
+        };
+        let started = Instant::now();
+        let layer = CheckpointLayer::open(
+            path,
+            self.layer_prefix.as_deref(),
+            self.family.map(Family::from),
+        )
+        .map_err(|error| report(&error))?;
+        let all = layer
+            .load(shape, ExpertSet::All)
+            .map_err(|error| report(&error))?;
+        eprintln!(
+            "loaded the {} routed experts of {layer} in {:.2} s",
+            all.experts.len(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(Some(Loaded { layer, all }))
+    }
+}
+
+impl Loaded {
+    /// Rank `r`'s experts, read from the checkpoint for that rank alone and uploaded to
+    /// `contexts[r]`.
+    pub fn rank_weights(
+        &self,
+        shape: &LayerShape,
+        contexts: &[Arc<CudaContext>],
+    ) -> Result<Vec<ExpertWeights>, ExitCode> {
+        let ranks = contexts.len() as u32;
+        (0..ranks)
+            .zip(contexts)
+            .map(|(rank, ctx)| {
+                let host = self
+                    .layer
+                    .load(shape, ExpertSet::Rank { rank, ranks })
+                    .map_err(|error| report(&error))?;
+                upload(&ctx.default_stream(), &host).map_err(|error| {
+                    eprintln!("error: {error}");
+                    invalid_input()
+                })
+            })
+            .collect()
+    }
+}
+
+/// Prints `error` and its hint; returns the exit status: 2 when a flag is wrong or the
+/// path cannot be read, 1 when the checkpoint does not hold the layer the spec describes.
+fn report(error: &CheckpointError) -> ExitCode {
+    eprintln!("error: {error}");
+    if let Some(hint) = hint(error) {
+        eprintln!("hint: {hint}");
+    }
+    match error {
+        CheckpointError::Io { .. }
+        | CheckpointError::NoShards { .. }
+        | CheckpointError::NoExpertsUnderPrefix { .. }
+        | CheckpointError::SeveralLayers { .. }
+        | CheckpointError::SeveralFamilies { .. }
+        | CheckpointError::Rank { .. } => usage_error(),
+        _ => invalid_input(),
+    }
+}
+
+fn hint(error: &CheckpointError) -> Option<String> {
+    Some(match error {
+        CheckpointError::Io { .. } | CheckpointError::NoShards { .. } => format!(
+            "--weights takes a .safetensors file, or a folder of `*.safetensors` shards (with {INDEX_FILE} when sharded)"
+        ),
+        CheckpointError::NoExpertLayers { .. } => {
+            "is it the checkpoint of an MoE model? Its experts must be stored one tensor per expert and projection".to_owned()
+        }
+        CheckpointError::NoExpertsUnderPrefix { .. } | CheckpointError::SeveralLayers { .. } => {
+            "pass one of those layers' prefixes with --layer-prefix".to_owned()
+        }
+        CheckpointError::SeveralFamilies { .. } => {
+            "say which with --family (mixtral, qwen3-moe, deepseek-v3)".to_owned()
+        }
+        CheckpointError::MissingTensor { .. } => {
+            "check --layer-prefix and --family: Mixtral names experts `block_sparse_moe.experts.N.w1/w3/w2.weight`, \
+             Qwen3-MoE and DeepSeek-V3 `mlp.experts.N.gate_proj/up_proj/down_proj.weight`"
+                .to_owned()
+        }
+        CheckpointError::Shape {
+            expected, found, ..
+        } if expected.iter().rev().eq(found.iter()) => {
+            "the tensor is stored transposed: the loader reads the checkpoints' own [out, in] matrices \
+             (gate and up [ffn, hidden], down [hidden, ffn]) as Hugging Face saves them"
+                .to_owned()
+        }
+        CheckpointError::Shape { .. } => {
+            "the checkpoint's layer has other sizes than the spec: set `hidden`, `ffn` and `experts` as the model's \
+             config.json does (hidden_size, the experts' intermediate size, the number of routed experts)"
+                .to_owned()
+        }
+        CheckpointError::Dtype { .. } => {
+            "convert the checkpoint's experts to bf16 (f16 and f32 are read too); FP8 checkpoints need dequantising first"
+                .to_owned()
+        }
+        CheckpointError::Activation { .. } => {
+            "set `activation = swiglu` in the spec, as the model computes".to_owned()
+        }
+        _ => return None,
+    })
+}
