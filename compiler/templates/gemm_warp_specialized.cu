@@ -2,9 +2,11 @@
 // Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
 // stage layout and epilogue as the wgmma engine above; the roles are split:
 //   - warpgroup 0, the producer, is the one place that waits for data (on the
-//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages with
-//     cp.async; each producer thread's copies arrive on the stage's "full" mbarrier when
-//     they land (cp.async.mbarrier.arrive.noinc), so no thread waits for its own copies;
+//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages: the
+//     gathered A rows with cp.async, each producer thread's copies arriving on the stage's
+//     "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), and the weight rows
+//     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
+//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier;
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
 //     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
 //     refills a stage after waiting on "empty";
@@ -35,6 +37,26 @@ __device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
 __device__ __forceinline__ void cp_async_arrive(u32 barrier) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
 }
+// The stage's weight bytes the next phase of `barrier` waits for besides its arrivals.
+__device__ __forceinline__ void mbarrier_expect_bytes(u32 barrier, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// A TMA tensor map (CUtensorMap), built by the runtime, passed by value.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+static_assert(sizeof(TensorMap) == {{ tensor_map_bytes }} && alignof(TensorMap) == {{ tensor_map_align }}, "plan: tensor map parameter");
+
+// The box at (column, row) of `map` into shared memory at `destination`, completing on
+// `barrier` with the box's bytes.
+__device__ __forceinline__ void tma_load_box(u32 destination, const TensorMap* map, int column, int row, u32 barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
+        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier)
+        : "memory");
+}
+
 // A barrier among `threads` threads of the block (whole warps), not the whole block.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -51,7 +73,7 @@ constexpr int CONSUMER_BARRIER_ID = 2;
 template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
-    const bf16_t* __restrict__ weights,
+    const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
     const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair,
@@ -70,6 +92,9 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
+    constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
+    static_assert(G::A_BYTES % 1024 == 0 && (G::BN * G::ROW_BYTES) % 1024 == 0,
+                  "plan: every box starts on the swizzle's 1024-byte period");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
@@ -94,6 +119,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
         if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
+        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
+        const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
         for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
@@ -101,12 +128,21 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
             fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
-            const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
+            const int weight_row = (t.expert / G::GROUPS_PER_EXPERT) * W_ROWS + t.n0;  // gate rows; up rows N below
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                const u32 full = full_barriers + stage * sizeof(u64);
+                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
-                load_stage<G, G::PRODUCER_THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows,
-                                                   w_expert, tid);
-                cp_async_arrive(full_barriers + stage * sizeof(u64));
+                if (tid == 0) {
+                    mbarrier_expect_bytes(full, B_BYTES);
+                    tma_load_box(stage_address + G::A_BYTES, weight_tiles, k_tile * G::BK, weight_row, full);
+                    if constexpr (G::GATED) {
+                        tma_load_box(stage_address + G::A_BYTES + G::BN * G::ROW_BYTES, weight_tiles, k_tile * G::BK,
+                                     weight_row + G::N, full);
+                    }
+                }
+                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows);
+                cp_async_arrive(full);
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }
         }
@@ -130,7 +166,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
-                fence_proxy_async();  // the producers' cp.async writes, seen by wgmma
+                fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
                 const u32 b_base = stage_address + G::A_BYTES;

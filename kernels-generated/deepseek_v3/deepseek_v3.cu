@@ -340,34 +340,53 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
 // of every ROW_STEP-th row, so its weight addresses step by a constant from one pointer
 // (few registers: the warp-specialised producer has few).
 template <class G, int LOADERS>
+struct StageLoader {
+    static constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
+    static constexpr int ROW_STEP = LOADERS / CHUNKS;
+    int chunk, first_row;
+    // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
+    __device__ __forceinline__ explicit StageLoader(unsigned loader) : chunk(loader % CHUNKS), first_row(loader / CHUNKS) {}
+
+    // Where this loader's chunk of k-tile `k_tile` starts within a row.
+    __device__ __forceinline__ int k_offset(int k_tile) const { return k_tile * G::BK + chunk * 8; }
+
+    __device__ __forceinline__ void a_rows(u32 stage_base, int k_offset, const int* s_row_source,
+                                           const bf16_t* __restrict__ rows) const {
+#pragma unroll
+        for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
+            const int r = first_row + step * ROW_STEP;
+            if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
+            const int source = s_row_source[r];
+            cp_async_16(stage_base + swizzle(r, chunk), rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
+        }
+    }
+
+    __device__ __forceinline__ void b_rows(u32 stage_base, int k_offset, const GemmTile& t,
+                                           const bf16_t* __restrict__ w_expert) const {
+        const u32 b_base = stage_base + G::A_BYTES;
+        const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + k_offset;
+#pragma unroll
+        for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
+            const int r = first_row + step * ROW_STEP;
+            if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
+            cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
+            if constexpr (G::GATED) {
+                const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
+                cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
+            }
+        }
+    }
+};
+
+template <class G, int LOADERS>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
                                            const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert,
                                            unsigned loader) {
-    constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
-    static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
-    constexpr int ROW_STEP = LOADERS / CHUNKS;
-    // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
-    const int chunk = loader % CHUNKS, first_row = loader / CHUNKS;
-    const int k_offset = k_tile * G::BK + chunk * 8;
-#pragma unroll
-    for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
-        const int r = first_row + step * ROW_STEP;
-        if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
-        const int source = s_row_source[r];
-        cp_async_16(stage_base + swizzle(r, chunk), a_rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
-    }
-    const u32 b_base = stage_base + G::A_BYTES;
-    const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + k_offset;
-#pragma unroll
-    for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
-        const int r = first_row + step * ROW_STEP;
-        if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
-        cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
-        if constexpr (G::GATED) {
-            const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
-            cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
-        }
-    }
+    const StageLoader<G, LOADERS> load(loader);
+    const int k_offset = load.k_offset(k_tile);
+    load.a_rows(stage_base, k_offset, s_row_source, a_rows);
+    load.b_rows(stage_base, k_offset, t, w_expert);
 }
 
 // Epilogue, shared by both engines: where tile row r goes and with which scale, then one
@@ -718,9 +737,11 @@ __device__ __forceinline__ void grouped_gemm_wgmma(
 // Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
 // stage layout and epilogue as the wgmma engine above; the roles are split:
 //   - warpgroup 0, the producer, is the one place that waits for data (on the
-//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages with
-//     cp.async; each producer thread's copies arrive on the stage's "full" mbarrier when
-//     they land (cp.async.mbarrier.arrive.noinc), so no thread waits for its own copies;
+//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages: the
+//     gathered A rows with cp.async, each producer thread's copies arriving on the stage's
+//     "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), and the weight rows
+//     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
+//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier;
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
 //     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
 //     refills a stage after waiting on "empty";
@@ -751,6 +772,26 @@ __device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
 __device__ __forceinline__ void cp_async_arrive(u32 barrier) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
 }
+// The stage's weight bytes the next phase of `barrier` waits for besides its arrivals.
+__device__ __forceinline__ void mbarrier_expect_bytes(u32 barrier, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// A TMA tensor map (CUtensorMap), built by the runtime, passed by value.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) == 64, "plan: tensor map parameter");
+
+// The box at (column, row) of `map` into shared memory at `destination`, completing on
+// `barrier` with the box's bytes.
+__device__ __forceinline__ void tma_load_box(u32 destination, const TensorMap* map, int column, int row, u32 barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
+        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier)
+        : "memory");
+}
+
 // A barrier among `threads` threads of the block (whole warps), not the whole block.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -767,7 +808,7 @@ constexpr int CONSUMER_BARRIER_ID = 2;
 template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
-    const bf16_t* __restrict__ weights,
+    const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
     const float* __restrict__ topk_weights,
     const int* __restrict__ expert_offsets,
     const int* __restrict__ row_pair,
@@ -786,6 +827,9 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
+    constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
+    static_assert(G::A_BYTES % 1024 == 0 && (G::BN * G::ROW_BYTES) % 1024 == 0,
+                  "plan: every box starts on the swizzle's 1024-byte period");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
@@ -810,6 +854,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
         if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
+        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
+        const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
         for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
@@ -817,12 +863,21 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
             fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
-            const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
+            const int weight_row = (t.expert / G::GROUPS_PER_EXPERT) * W_ROWS + t.n0;  // gate rows; up rows N below
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                const u32 full = full_barriers + stage * sizeof(u64);
+                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
-                load_stage<G, G::PRODUCER_THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows,
-                                                   w_expert, tid);
-                cp_async_arrive(full_barriers + stage * sizeof(u64));
+                if (tid == 0) {
+                    mbarrier_expect_bytes(full, B_BYTES);
+                    tma_load_box(stage_address + G::A_BYTES, weight_tiles, k_tile * G::BK, weight_row, full);
+                    if constexpr (G::GATED) {
+                        tma_load_box(stage_address + G::A_BYTES + G::BN * G::ROW_BYTES, weight_tiles, k_tile * G::BK,
+                                     weight_row + G::N, full);
+                    }
+                }
+                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows);
+                cp_async_arrive(full);
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }
         }
@@ -846,7 +901,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
-                fence_proxy_async();  // the producers' cp.async writes, seen by wgmma
+                fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
                 const u32 b_base = stage_address + G::A_BYTES;
@@ -1357,7 +1412,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -1366,13 +1421,13 @@ struct prefill_gemm1 : SingleGpu {
 };
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct prefill_gemm2 : SingleGpu {
@@ -1383,7 +1438,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -1392,14 +1447,14 @@ struct prefill_gemm2 : SingleGpu {
 };
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=64 tokens per call
@@ -1535,7 +1590,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -1544,7 +1599,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
 };
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
-    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ segment_rows,  // [rows]
     const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
@@ -1554,7 +1609,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 108 persistent blocks (1 per SM)
@@ -1566,7 +1621,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -1575,7 +1630,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
 };
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ segment_pairs,  // [rows]
     const float* __restrict__ segment_weights,  // [rows]
@@ -1585,6 +1640,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
+    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, expert_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }

@@ -338,34 +338,53 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
 // of every ROW_STEP-th row, so its weight addresses step by a constant from one pointer
 // (few registers: the warp-specialised producer has few).
 template <class G, int LOADERS>
+struct StageLoader {
+    static constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
+    static constexpr int ROW_STEP = LOADERS / CHUNKS;
+    int chunk, first_row;
+    // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
+    __device__ __forceinline__ explicit StageLoader(unsigned loader) : chunk(loader % CHUNKS), first_row(loader / CHUNKS) {}
+
+    // Where this loader's chunk of k-tile `k_tile` starts within a row.
+    __device__ __forceinline__ int k_offset(int k_tile) const { return k_tile * G::BK + chunk * 8; }
+
+    __device__ __forceinline__ void a_rows(u32 stage_base, int k_offset, const int* s_row_source,
+                                           const bf16_t* __restrict__ rows) const {
+#pragma unroll
+        for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
+            const int r = first_row + step * ROW_STEP;
+            if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
+            const int source = s_row_source[r];
+            cp_async_16(stage_base + swizzle(r, chunk), rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
+        }
+    }
+
+    __device__ __forceinline__ void b_rows(u32 stage_base, int k_offset, const GemmTile& t,
+                                           const bf16_t* __restrict__ w_expert) const {
+        const u32 b_base = stage_base + G::A_BYTES;
+        const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + k_offset;
+#pragma unroll
+        for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
+            const int r = first_row + step * ROW_STEP;
+            if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
+            cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
+            if constexpr (G::GATED) {
+                const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
+                cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
+            }
+        }
+    }
+};
+
+template <class G, int LOADERS>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
                                            const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert,
                                            unsigned loader) {
-    constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
-    static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
-    constexpr int ROW_STEP = LOADERS / CHUNKS;
-    // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
-    const int chunk = loader % CHUNKS, first_row = loader / CHUNKS;
-    const int k_offset = k_tile * G::BK + chunk * 8;
-#pragma unroll
-    for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
-        const int r = first_row + step * ROW_STEP;
-        if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
-        const int source = s_row_source[r];
-        cp_async_16(stage_base + swizzle(r, chunk), a_rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
-    }
-    const u32 b_base = stage_base + G::A_BYTES;
-    const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + k_offset;
-#pragma unroll
-    for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
-        const int r = first_row + step * ROW_STEP;
-        if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
-        cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
-        if constexpr (G::GATED) {
-            const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
-            cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
-        }
-    }
+    const StageLoader<G, LOADERS> load(loader);
+    const int k_offset = load.k_offset(k_tile);
+    load.a_rows(stage_base, k_offset, s_row_source, a_rows);
+    load.b_rows(stage_base, k_offset, t, w_expert);
 }
 
 // Epilogue, shared by both engines: where tile row r goes and with which scale, then one

@@ -324,6 +324,7 @@ pub fn check_ptx_entries(plan: &Plan, ptx: &str) -> Result<(), (String, String)>
             .map(|p| match p.arg.param_type() {
                 ParamType::Pointer(_) => ".u64",
                 ParamType::I32 | ParamType::U32 => ".u32",
+                ParamType::TensorMap => TENSOR_MAP_PTX,
             })
             .collect();
         if params != expected {
@@ -340,7 +341,11 @@ pub fn check_ptx_entries(plan: &Plan, ptx: &str) -> Result<(), (String, String)>
     Ok(())
 }
 
-/// The PTX types (`.u64`, `.u32`, …) of the parameters of `.entry kernel(...)`, in order.
+/// How a tensor-map parameter reads in [`ptx_entry_params`]: 128 bytes aligned to 64.
+const TENSOR_MAP_PTX: &str = ".align 64 .b8[128]";
+
+/// The PTX types (`.u64`, `.u32`, …) of the parameters of `.entry kernel(...)`, in order; a
+/// byte-array parameter (a struct passed by value) reads `.align A .b8[N]`.
 pub fn ptx_entry_params(ptx: &str, kernel: &str) -> Option<Vec<String>> {
     let header = format!(".entry {kernel}(");
     let start = ptx.find(&header)? + header.len();
@@ -349,8 +354,15 @@ pub fn ptx_entry_params(ptx: &str, kernel: &str) -> Option<Vec<String>> {
         ptx[start..end]
             .split(',')
             .filter_map(|param| {
-                let mut words = param.split_whitespace();
-                (words.next()? == ".param").then(|| words.next().map(str::to_string))?
+                let words: Vec<&str> = param.split_whitespace().collect();
+                match words.as_slice() {
+                    [".param", ".align", align, ".b8", name, ..] => {
+                        let length = name.split_once('[')?.1;
+                        Some(format!(".align {align} .b8[{length}"))
+                    }
+                    [".param", kind, ..] => Some(kind.to_string()),
+                    _ => None,
+                }
             })
             .collect(),
     )
@@ -362,10 +374,14 @@ mod tests {
 
     #[test]
     fn entry_parameters_are_read_from_ptx() {
-        let ptx = ".visible .entry k(\n\t.param .u64 .ptr .align 1 k_param_0,\n\t.param .u32 k_param_1\n)\n{\n}\n.visible .entry k2()\n{\n}\n";
+        let ptx = ".visible .entry k(\n\t.param .u64 .ptr .align 1 k_param_0,\n\t.param .u32 k_param_1,\n\t.param .align 64 .b8 k_param_2[128]\n)\n{\n}\n.visible .entry k2()\n{\n}\n";
         assert_eq!(
             ptx_entry_params(ptx, "k"),
-            Some(vec![".u64".to_string(), ".u32".to_string()])
+            Some(vec![
+                ".u64".to_string(),
+                ".u32".to_string(),
+                TENSOR_MAP_PTX.to_string()
+            ])
         );
         assert_eq!(ptx_entry_params(ptx, "k2"), Some(vec![]));
         assert_eq!(ptx_entry_params(ptx, "k3"), None);

@@ -23,8 +23,10 @@ use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
 use crate::layer::{
-    ArgValue, ExpertWeights, ForwardArgs, LayerError, kernel_error, ptr, read_error_word,
+    ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, ptr,
+    read_error_word,
 };
+use crate::tensor_map::TensorMap;
 
 /// Where a kernel parameter's value comes from, resolved once per rank.
 #[derive(Clone, Copy)]
@@ -35,6 +37,8 @@ enum Binding {
     Rank,
     Epoch,
     Workspace(usize),
+    /// The tensor map at this position of the rank's `tensor_maps`.
+    TensorMap(usize),
 }
 
 /// One rank: its streams, module, buffers, experts and resolved launches.
@@ -43,6 +47,8 @@ struct Rank {
     comm: Arc<CudaStream>,
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
+    /// Tensor maps over this rank's experts' weights.
+    tensor_maps: Vec<(LaunchArg, TensorMap)>,
     /// Per regime, each launch's function and bindings (in the plan's launch order).
     regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
     _module: Arc<CudaModule>,
@@ -169,6 +175,13 @@ impl EpLayer {
                     .context(format!("allocating `{}` ({bytes} bytes)", buffer.id.name()))?;
                 workspace.push((buffer.id, slice));
             }
+            let mut tensor_maps = WeightTensorMaps {
+                shape: &plan.shape,
+                experts: ep.experts_per_rank,
+                weights: &weights,
+                stream: &compute,
+                maps: Vec::new(),
+            };
             let mut regime_kernels = Vec::new();
             for regime in &ep.regimes {
                 let mut launches = Vec::new();
@@ -193,17 +206,19 @@ impl EpLayer {
                     let bindings = launch
                         .params
                         .iter()
-                        .map(|p| bind(p.arg, &workspace))
+                        .map(|p| bind(p.arg, &workspace, &mut tensor_maps))
                         .collect::<Result<Vec<_>, _>>()?;
                     launches.push((function, bindings));
                 }
                 regime_kernels.push(launches);
             }
+            let tensor_maps = tensor_maps.maps;
             built.push(Rank {
                 compute,
                 comm,
                 workspace,
                 weights,
+                tensor_maps,
                 regime_kernels,
                 _module: module,
             });
@@ -382,6 +397,7 @@ impl EpLayer {
                     Binding::Rank => ArgValue::Int(r as i32),
                     Binding::Epoch => ArgValue::Int(epoch as i32),
                     Binding::Workspace(i) => ArgValue::Pointer(ptr(&rank.workspace[i].1, stream)),
+                    Binding::TensorMap(i) => ArgValue::TensorMap(rank.tensor_maps[i].1),
                 })
                 .collect();
             let config = LaunchConfig {
@@ -394,10 +410,12 @@ impl EpLayer {
                 match value {
                     ArgValue::Pointer(p) => builder.arg(p),
                     ArgValue::Int(i) => builder.arg(i),
+                    ArgValue::TensorMap(map) => builder.arg(map),
                 };
             }
             // SAFETY: codegen wrote this kernel's parameters from `launch.params`
-            // (pointers for buffers, 32-bit integers for tokens, rank and epoch); `new`
+            // (pointers for buffers, 32-bit integers for tokens, rank and epoch, tensor
+            // maps by value over this rank's weights); `new`
             // validated the plan and sized every workspace buffer from it, and the
             // caller's buffers were checked in `begin_call`.
             unsafe { builder.launch(config) }
@@ -572,10 +590,17 @@ fn workspace(
         .ok_or(LayerError::MissingWorkspace { buffer: id.name() })
 }
 
-fn bind(arg: LaunchArg, workspace: &[(BufferId, CudaSlice<u8>)]) -> Result<Binding, LayerError> {
+fn bind(
+    arg: LaunchArg,
+    workspace: &[(BufferId, CudaSlice<u8>)],
+    tensor_maps: &mut WeightTensorMaps<'_>,
+) -> Result<Binding, LayerError> {
     Ok(match arg {
         LaunchArg::W1 => Binding::W1,
         LaunchArg::W2 => Binding::W2,
+        LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => {
+            Binding::TensorMap(tensor_maps.position(arg)?)
+        }
         LaunchArg::Rank => Binding::Rank,
         LaunchArg::Epoch => Binding::Epoch,
         LaunchArg::Workspace(id) => Binding::Workspace(

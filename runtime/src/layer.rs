@@ -15,6 +15,7 @@ use moeforge_compiler::plan::{BufferId, LaunchArg, LayerShape, Plan, PlanInvalid
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, Gpu, GpuError};
+use crate::tensor_map::{TensorMap, weight_map_shape};
 
 #[derive(Debug, Error)]
 pub enum LayerError {
@@ -68,6 +69,18 @@ pub enum LayerError {
     },
     #[error("a kernel reported unknown error code {code} (details {details:?})")]
     UnknownKernelError { code: i32, details: [i32; 3] },
+    #[error("the plan passes `{arg}` as a tensor map, which it is not")]
+    NotATensorMap { arg: &'static str },
+    #[error(
+        "the driver refused a TMA tensor map over {what} ({rows} x {columns} bf16, boxes of {box_rows} rows): {result}; the plan's tile does not suit this driver or device"
+    )]
+    TensorMap {
+        what: &'static str,
+        rows: u64,
+        columns: u64,
+        box_rows: u32,
+        result: String,
+    },
 }
 
 /// The routed experts' weights on the device, checkpoint layout: `w1` [E, w1_rows, H]
@@ -131,6 +144,8 @@ pub struct MoeLayer {
     regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
+    /// The tensor maps over the weights that launches pass (`Binding::TensorMap`).
+    tensor_maps: Vec<(LaunchArg, TensorMap)>,
     _module: Arc<CudaModule>,
 }
 
@@ -146,6 +161,8 @@ enum Binding {
     W2,
     /// The workspace buffer at this position of `MoeLayer::workspace`.
     Workspace(usize),
+    /// The tensor map at this position of `MoeLayer::tensor_maps`.
+    TensorMap(usize),
 }
 
 pub(crate) fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -169,6 +186,36 @@ pub(crate) fn check_len(what: &'static str, got: usize, expected: u64) -> Result
 pub(crate) enum ArgValue {
     Pointer(u64),
     Int(i32),
+    TensorMap(TensorMap),
+}
+
+/// The tensor maps over one set of expert weights that launches pass, each encoded once.
+pub(crate) struct WeightTensorMaps<'a> {
+    pub shape: &'a LayerShape,
+    /// Experts the weights hold (all of them, or a rank's).
+    pub experts: u32,
+    pub weights: &'a ExpertWeights,
+    pub stream: &'a CudaStream,
+    pub maps: Vec<(LaunchArg, TensorMap)>,
+}
+
+impl WeightTensorMaps<'_> {
+    /// The position in `maps` of the map `arg` (a `W1Tiles`/`W2Tiles` argument) needs,
+    /// encoding it on first use.
+    pub(crate) fn position(&mut self, arg: LaunchArg) -> Result<usize, LayerError> {
+        if let Some(position) = self.maps.iter().position(|(a, _)| *a == arg) {
+            return Ok(position);
+        }
+        let (what, matrix) = match arg {
+            LaunchArg::W1Tiles { .. } => ("w1", &self.weights.w1),
+            _ => ("w2", &self.weights.w2),
+        };
+        let (rows, columns, box_rows) = weight_map_shape(arg, self.shape, self.experts)
+            .ok_or(LayerError::NotATensorMap { arg: arg.name() })?;
+        let map = TensorMap::bf16_rows(what, ptr(matrix, self.stream), rows, columns, box_rows)?;
+        self.maps.push((arg, map));
+        Ok(self.maps.len() - 1)
+    }
 }
 
 impl MoeLayer {
@@ -198,6 +245,13 @@ impl MoeLayer {
 
         // Each distinct entry point is loaded (and its shared-memory limit raised) once.
         let mut loaded: Vec<(&str, CudaFunction)> = Vec::new();
+        let mut tensor_maps = WeightTensorMaps {
+            shape,
+            experts: shape.experts,
+            weights: &weights,
+            stream: &gpu.stream,
+            maps: Vec::new(),
+        };
         let mut regime_kernels = Vec::with_capacity(plan.regimes.len());
         for regime in &plan.regimes {
             let mut launches = Vec::with_capacity(regime.launches.len());
@@ -205,7 +259,7 @@ impl MoeLayer {
                 let bindings = launch
                     .params
                     .iter()
-                    .map(|param| bind(param.arg, &workspace))
+                    .map(|param| bind(param.arg, &workspace, &mut tensor_maps))
                     .collect::<Result<Vec<_>, _>>()?;
                 if let Some((_, function)) = loaded.iter().find(|(name, _)| *name == launch.kernel)
                 {
@@ -233,12 +287,14 @@ impl MoeLayer {
             }
             regime_kernels.push(launches);
         }
+        let tensor_maps = tensor_maps.maps;
         Ok(MoeLayer {
             plan,
             stream: gpu.stream.clone(),
             regime_kernels,
             workspace,
             weights,
+            tensor_maps,
             _module: module,
         })
     }
@@ -319,6 +375,7 @@ impl MoeLayer {
                     Binding::Y => ArgValue::Pointer(ptr(args.y, stream)),
                     Binding::Tokens => ArgValue::Int(tokens as i32),
                     Binding::Workspace(i) => ArgValue::Pointer(ptr(&self.workspace[i].1, stream)),
+                    Binding::TensorMap(i) => ArgValue::TensorMap(self.tensor_maps[i].1),
                 })
                 .collect();
             let config = LaunchConfig {
@@ -331,10 +388,12 @@ impl MoeLayer {
                 match value {
                     ArgValue::Pointer(p) => builder.arg(p),
                     ArgValue::Int(i) => builder.arg(i),
+                    ArgValue::TensorMap(map) => builder.arg(map),
                 };
             }
             // SAFETY: codegen wrote this kernel's parameter list from `launch.params` (its
-            // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens),
+            // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens, a
+            // tensor map by value over weights this layer owns),
             // and the AOT loader checks the PTX entry against the same list; `new` validated
             // the plan, and every buffer was checked above to hold what the kernel indexes.
             unsafe { builder.launch(config) }.context(format!("launching `{}`", launch.kernel))?;
@@ -402,9 +461,13 @@ fn flag_kind_name(kind: i32) -> &'static str {
     }
 }
 
-/// What to pass for `arg`: a caller's buffer, the weights, the token count, or a workspace
-/// buffer (which must exist).
-fn bind(arg: LaunchArg, workspace: &[(BufferId, CudaSlice<u8>)]) -> Result<Binding, LayerError> {
+/// What to pass for `arg`: a caller's buffer, the weights (or a tensor map over them), the
+/// token count, or a workspace buffer (which must exist).
+fn bind(
+    arg: LaunchArg,
+    workspace: &[(BufferId, CudaSlice<u8>)],
+    tensor_maps: &mut WeightTensorMaps<'_>,
+) -> Result<Binding, LayerError> {
     Ok(match arg {
         LaunchArg::X => Binding::X,
         LaunchArg::TopkIds => Binding::TopkIds,
@@ -415,6 +478,9 @@ fn bind(arg: LaunchArg, workspace: &[(BufferId, CudaSlice<u8>)]) -> Result<Bindi
         LaunchArg::Tokens => Binding::Tokens,
         LaunchArg::Rank | LaunchArg::Epoch => {
             return Err(LayerError::MultiRankArg { arg: arg.name() });
+        }
+        LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => {
+            Binding::TensorMap(tensor_maps.position(arg)?)
         }
         LaunchArg::Workspace(id) => Binding::Workspace(
             workspace

@@ -13,6 +13,7 @@ pub mod jit;
 pub mod layer;
 pub mod nccl_pipeline;
 pub mod reference;
+mod tensor_map;
 pub mod toolkit;
 pub mod weights;
 pub mod workload;

@@ -15,7 +15,8 @@ use crate::plan::ep::{
 };
 use crate::plan::{
     Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, RegimeParts,
-    SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, error_code,
+    SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
+    error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -75,6 +76,8 @@ struct LayerUnit<'a> {
     wgmma_widths: Vec<u32>,
     /// Whether any GEMM runs on the warp-specialised engine.
     warp_specialized: bool,
+    tensor_map_bytes: u32,
+    tensor_map_align: u32,
 }
 
 impl LayerUnit<'_> {
@@ -201,6 +204,12 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::TopkIds | LaunchArg::TopkWeights => "[tokens, TOP_K]",
         LaunchArg::W1 => "[experts here, W1 rows, HIDDEN]",
         LaunchArg::W2 => "[experts here, HIDDEN, FFN]",
+        LaunchArg::W1Tiles { .. } => {
+            "TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box"
+        }
+        LaunchArg::W2Tiles { .. } => {
+            "TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box"
+        }
         LaunchArg::Y => "[tokens, HIDDEN]",
         LaunchArg::Tokens => "tokens in this call",
         LaunchArg::Rank => "this rank",
@@ -254,6 +263,9 @@ impl EntryUnit {
                 let declaration = match (p.arg.param_type(), p.access) {
                     (ParamType::I32, _) => format!("int {}", p.arg.name()),
                     (ParamType::U32, _) => format!("u32 {}", p.arg.name()),
+                    (ParamType::TensorMap, _) => {
+                        format!("const __grid_constant__ TensorMap {}", p.arg.name())
+                    }
                     (ParamType::Pointer(elem), Access::ReadShared) => {
                         format!("const {}* {}", elem.c_type(), p.arg.name())
                     }
@@ -314,7 +326,7 @@ struct GemmUnit {
     /// The config's base: `SingleGpu` or `ExpertParallel`.
     base: &'static str,
     /// The arguments the entry point passes to the device template.
-    call_args: &'static str,
+    call_args: String,
     kind: &'static str,
     gated: bool,
     n: &'static str,
@@ -361,28 +373,28 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{}",
+                "x, {weights}, nullptr, expert_offsets, row_pair, intermediate, EpContext{}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}",
+                "intermediate, {weights}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
                 "ep_gemm1",
                 EP_GEMM_UP_USES,
                 "ExpertParallel",
-                "recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, error_word, rank, epoch)",
+                "recv_x, {weights}, nullptr, expert_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, error_word, rank, epoch)",
             ),
             GemmRole::ExpertParallelDown => (
                 "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",
                 "ep_gemm2",
                 EP_GEMM_DOWN_USES,
                 "ExpertParallel",
-                "intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank)",
+                "intermediate, {weights}, nullptr, expert_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank)",
             ),
         };
         let (kind, n, kd) = if up {
@@ -390,7 +402,25 @@ impl GemmUnit {
         } else {
             ("GEMM_DOWN", "HIDDEN", "FFN")
         };
-        let entry = EntryUnit::new(plan, kernel, uses)?;
+        // The warp-specialised engine reads weights through a tensor map, not a pointer.
+        let (pointer, weights) = match (up, gemm.warp_roles.is_some()) {
+            (true, false) => ("w1", "w1"),
+            (false, false) => ("w2", "w2"),
+            (true, true) => ("w1", "&w1_tiles"),
+            (false, true) => ("w2", "&w2_tiles"),
+        };
+        let uses: Vec<&str> = uses
+            .iter()
+            .map(|&name| {
+                if name == pointer {
+                    weights.trim_start_matches('&')
+                } else {
+                    name
+                }
+            })
+            .collect();
+        let call_args = call_args.replace("{weights}", weights);
+        let entry = EntryUnit::new(plan, kernel, &uses)?;
         Ok(GemmUnit {
             role: description,
             engine: gemm.engine.name(),
@@ -580,6 +610,8 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_credit: error_code::flag_kind::CREDIT,
         wgmma_widths: wgmma_widths(plan),
         warp_specialized: all_gemms(plan).any(|g| g.engine == MmaEngine::WgmmaWarpSpecialized),
+        tensor_map_bytes: TENSOR_MAP_BYTES,
+        tensor_map_align: TENSOR_MAP_ALIGN,
     };
     Ok(KernelSource {
         file_name: format!("{}.cu", plan.symbol),

@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::launch::{KernelParam, StreamRole};
+use super::launch::{KernelParam, StreamRole, weight_param};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, GemmPlan, Grid, Launch, LaunchArg, LayerShape, PlanError,
     RegimeParts, Target, choose_regimes, static_smem_reserved,
@@ -662,7 +662,7 @@ fn launch_table(
             g1.smem_bytes,
             vec![
                 shared(Workspace(RecvX)),
-                read(W1),
+                weight_param(g1, true),
                 read(Workspace(ExpertOffsets)),
                 read(Workspace(SegmentRows)),
                 shared(Workspace(ChunkFlags)),
@@ -681,7 +681,7 @@ fn launch_table(
             g2.smem_bytes,
             vec![
                 read(Workspace(Intermediate)),
-                read(W2),
+                weight_param(g2, false),
                 read(Workspace(ExpertOffsets)),
                 read(Workspace(SegmentPairs)),
                 read(Workspace(SegmentWeights)),

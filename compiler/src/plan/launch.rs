@@ -85,6 +85,16 @@ pub enum LaunchArg {
     W1,
     /// bf16 [E, H, F].
     W2,
+    /// A TMA tensor map over W1 seen as one bf16 matrix of `E · w1_rows` rows by H columns:
+    /// boxes of `box_rows` rows by 64 columns (128 bytes), 128-byte swizzle. Passed by
+    /// value (`__grid_constant__`) to the warp-specialised GEMM's producer.
+    W1Tiles {
+        box_rows: u32,
+    },
+    /// The same over W2, `E · H` rows by F columns.
+    W2Tiles {
+        box_rows: u32,
+    },
     /// bf16 [T, H] output.
     Y,
     /// The token count T of the call, as i32.
@@ -106,7 +116,13 @@ pub enum ParamType {
     I32,
     /// A 32-bit unsigned integer passed by value (`.u32` in PTX).
     U32,
+    /// A TMA tensor map (`CUtensorMap`, 128 bytes aligned to 64) passed by value.
+    TensorMap,
 }
+
+/// Bytes of a tensor map parameter, and its alignment.
+pub const TENSOR_MAP_BYTES: u32 = 128;
+pub const TENSOR_MAP_ALIGN: u32 = 64;
 
 impl LaunchArg {
     /// The parameter's name in the generated source and in `explain`.
@@ -117,6 +133,8 @@ impl LaunchArg {
             LaunchArg::TopkWeights => "topk_weights",
             LaunchArg::W1 => "w1",
             LaunchArg::W2 => "w2",
+            LaunchArg::W1Tiles { .. } => "w1_tiles",
+            LaunchArg::W2Tiles { .. } => "w2_tiles",
             LaunchArg::Y => "y",
             LaunchArg::Tokens => "tokens",
             LaunchArg::Rank => "rank",
@@ -134,6 +152,7 @@ impl LaunchArg {
             LaunchArg::TopkWeights => ParamType::Pointer(ElemType::F32),
             LaunchArg::Tokens | LaunchArg::Rank => ParamType::I32,
             LaunchArg::Epoch => ParamType::U32,
+            LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => ParamType::TensorMap,
             LaunchArg::Workspace(id) => ParamType::Pointer(id.elem()),
         }
     }
@@ -176,6 +195,18 @@ pub struct ForwardKernels<'a> {
     pub combine: &'a str,
 }
 
+/// How a GEMM kernel reads its weights: through a tensor map (warp-specialised engine,
+/// boxes of one tile's columns) or a plain pointer.
+pub fn weight_param(gemm: &GemmPlan, up: bool) -> KernelParam {
+    let box_rows = gemm.tile.n;
+    KernelParam::read(match (gemm.warp_roles.is_some(), up) {
+        (true, true) => LaunchArg::W1Tiles { box_rows },
+        (true, false) => LaunchArg::W2Tiles { box_rows },
+        (false, true) => LaunchArg::W1,
+        (false, false) => LaunchArg::W2,
+    })
+}
+
 /// The launches of one forward call of a regime.
 pub fn launch_table(
     kernels: ForwardKernels<'_>,
@@ -211,7 +242,7 @@ pub fn launch_table(
             stream: StreamRole::Compute,
             params: vec![
                 read(X),
-                read(W1),
+                weight_param(g1, true),
                 read(Workspace(ExpertOffsets)),
                 read(Workspace(RowPair)),
                 write(Workspace(Intermediate)),
@@ -226,7 +257,7 @@ pub fn launch_table(
             stream: StreamRole::Compute,
             params: vec![
                 read(Workspace(Intermediate)),
-                read(W2),
+                weight_param(g2, false),
                 read(TopkWeights),
                 read(Workspace(ExpertOffsets)),
                 read(Workspace(RowPair)),
