@@ -1,6 +1,6 @@
 // ---------------------------------------------------------------------------------------
 // Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
-// stage layout and epilogue as the wgmma engine above; the roles are split:
+// stage layout and epilogue as the mma.sync engine above; the roles are split:
 //   - warpgroup 0, the producer, is the one place that waits for data (on the
 //     expert-parallel path, for the dispatch chunks a tile reads) and loads stages: the
 //     gathered A rows with cp.async, each producer thread's copies arriving on the stage's

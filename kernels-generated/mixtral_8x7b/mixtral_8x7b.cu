@@ -573,16 +573,13 @@ __device__ __forceinline__ void grouped_gemm(
     }
 }
 // ---------------------------------------------------------------------------------------
-// Grouped GEMM on Hopper's warpgroup MMA (wgmma, sm_90a). Same tiles, schedule, masking and
-// epilogue as the mma.sync GEMM above; differences:
-//   - each warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16 with A
-//     and B read from shared memory through descriptors;
+// Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.
+//   - each consumer warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16
+//     with A and B read from shared memory through descriptors;
 //   - the shared-memory layout is the 128-byte swizzle wgmma expects (the same XOR the
-//     mma.sync path uses), with the ring and every stage on the swizzle's 1024-byte period;
-//   - loads stay cp.async (gathered rows cannot use TMA on sm_90), so each thread fences
-//     the generic->async proxy before the barrier that publishes a stage to wgmma;
-//   - one wgmma group stays in flight while the next stage is published, so loads run
-//     STAGES - 2 k-tiles ahead (the stage read two k-tiles ago is the one refilled).
+//     mma.sync path uses, and TMA's 128-byte swizzle), every stage on its 1024-byte period;
+//   - the accumulators of one wgmma are spread as mma.sync's m16n8 fragments, so the
+//     epilogue is the shared one, a pair of columns at a time.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
     u64 desc = 0;
@@ -646,102 +643,9 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
         }
     }
 }
-template <class G>
-__device__ __forceinline__ void grouped_gemm_wgmma(
-    const bf16_t* __restrict__ a_rows,
-    const bf16_t* __restrict__ weights,
-    const float* __restrict__ topk_weights,
-    const int* __restrict__ expert_offsets,
-    const int* __restrict__ row_pair,
-    bf16_t* __restrict__ out,
-    const EpContext& ep)
-{
-    assert_gemm_layout<G>();
-    static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one warpgroup (4 warps) per 64 rows");
-    static_assert(G::STAGE_BYTES % G::RING_ALIGN == 0 && G::RING_ALIGN == 1024,
-                  "plan: every stage starts on the swizzle's 1024-byte period");
-    static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
-    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
-    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
-    constexpr int K_TILES = G::KD / G::BK;
-    constexpr int N_TILES = G::N / G::BN;
-    constexpr int PREFETCH = G::STAGES - 2;  // k-tiles loaded ahead of the one being multiplied
-    static_assert(PREFETCH >= 1, "plan: wgmma needs at least 3 stages");
-
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    const u32 raw_base = smem_address(smem_raw);
-    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
-    unsigned char* smem = smem_raw + (smem_base - raw_base);
-    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
-    __shared__ int s_tile_start[G::GROUPS + 1];
-    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
-
-    const int tid = threadIdx.x;
-    const int warpgroup = tid >> 7;
-
-    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
-    const int total_tiles = s_tile_start[G::GROUPS];
-
-    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
-        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
-        __syncthreads();
-        const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
-        auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
-        };
-
-        float acc[FRAG];
-        float acc_up[G::GATED ? FRAG : 1];
-#pragma unroll
-        for (int i = 0; i < FRAG; ++i) {
-            acc[i] = 0.f;
-            if constexpr (G::GATED) acc_up[i] = 0.f;
-        }
-
-#pragma unroll
-        for (int s = 0; s < PREFETCH; ++s) {
-            if (s < K_TILES) stage_load(s, s);
-            cp_async_commit();
-        }
-
-        for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
-            cp_async_wait<PREFETCH - 1>();
-            fence_proxy_async();  // this thread's cp.async writes become visible to wgmma
-            // Everyone's are; and every warpgroup has retired the wgmma group of k-tile - 2,
-            // whose stage the next load refills.
-            __syncthreads();
-            const int next = k_tile + PREFETCH;
-            if (next < K_TILES) stage_load(next % G::STAGES, next);
-            cp_async_commit();
-
-            const u32 stage = smem_base + (k_tile % G::STAGES) * G::STAGE_BYTES;
-            const u32 a_base = stage + warpgroup * 64 * G::ROW_BYTES;
-            const u32 b_base = stage + G::A_BYTES;
-            wgmma_fence();
-#pragma unroll
-            for (int k16 = 0; k16 < G::BK / 16; ++k16) {
-                // Within a 128-byte swizzled row, the k16 step starts 32 bytes further.
-                const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
-                wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
-                if constexpr (G::GATED) {
-                    wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
-                }
-            }
-            wgmma_commit();
-            wgmma_wait<1>();  // keep this group in flight while the next stage is published
-        }
-        wgmma_wait<0>();
-
-        wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, out, ep);
-        cp_async_wait<0>();
-        __syncthreads();  // every store of the tile is done
-        epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
-    }
-}
 // ---------------------------------------------------------------------------------------
 // Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
-// stage layout and epilogue as the wgmma engine above; the roles are split:
+// stage layout and epilogue as the mma.sync engine above; the roles are split:
 //   - warpgroup 0, the producer, is the one place that waits for data (on the
 //     expert-parallel path, for the dispatch chunks a tile reads) and loads stages: the
 //     gathered A rows with cp.async, each producer thread's copies arriving on the stage's
@@ -1303,23 +1207,23 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mixtral_8x7b_ep_co
     }
 }
 // ---------------------------------------------------------------------------------------
-// Regime `decode`: 0..=32 tokens per call
+// Regime `decode`: 0..=64 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 528 persistent blocks (4 per SM)
+// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 55296, BARRIER_OFFSET = 55360;
-    static constexpr int DYNAMIC_SMEM_BYTES = 55360, STATIC_SMEM_BYTES = 128;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(128, 4) mixtral_8x7b_decode_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1355,31 +1259,33 @@ extern "C" __global__ void __launch_bounds__(128, 4) mixtral_8x7b_decode_gemm2(
     grouped_gemm<decode_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Regime `mid`: 33..=256 tokens per call
+// Regime `mid`: 65..=256 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 32x128x64, 3 stages, 2x2 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (gather, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 128, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 36864;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110720;
-    static constexpr int DYNAMIC_SMEM_BYTES = 110720, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
+    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_mid_gemm1(
+extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<mid_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm2 : SingleGpu {
@@ -1465,21 +1371,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) mixtral_8x7b_prefill_gemm2(
     grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
+// Rank regime `decode`, expert-parallel (tokens per rank): 0..=16 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x128x64, 3 stages, 2x2 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 232 persistent blocks (2 per SM)
 struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 128, BK = 64, STAGES = 3;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 36864;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110720;
-    static constexpr int DYNAMIC_SMEM_BYTES = 110720, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 128;
 };
 extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -1496,23 +1402,25 @@ extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm
     grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x128x64, 5 stages, 1x4 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x64x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 128, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 8;
+    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
-    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072, BARRIER_OFFSET = 131328;
+    static constexpr int DYNAMIC_SMEM_BYTES = 132480, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ segment_pairs,  // [rows]
     const float* __restrict__ segment_weights,  // [rows]
@@ -1522,29 +1430,29 @@ extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
+    grouped_gemm_warp_specialized<decode_ep_gemm2>(intermediate, &w2_tiles, nullptr, expert_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `mid`, expert-parallel (tokens per rank): 33..=128 tokens per call
+// Rank regime `mid`, expert-parallel (tokens per rank): 17..=128 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
+    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(384, 1) mixtral_8x7b_mid_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1559,23 +1467,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) mixtral_8x7b_mid_ep_gemm1(
     grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, expert_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x64x64, 8 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x64x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 8;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 8;
+    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198272, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072, BARRIER_OFFSET = 131328;
+    static constexpr int DYNAMIC_SMEM_BYTES = 132480, STATIC_SMEM_BYTES = 128;
 };
-extern "C" __global__ void __launch_bounds__(384, 1) mixtral_8x7b_mid_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace

@@ -426,7 +426,6 @@ impl GemmUnit {
             engine: gemm.engine.name(),
             function: match gemm.engine {
                 MmaEngine::MmaSync => "grouped_gemm",
-                MmaEngine::Wgmma => "grouped_gemm_wgmma",
                 MmaEngine::WgmmaWarpSpecialized => "grouped_gemm_warp_specialized",
             },
             config: format!("{regime_name}_{suffix}"),

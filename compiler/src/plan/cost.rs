@@ -12,11 +12,19 @@
 //!   tiles re-read the weights once per m-tile and the activations once per n-tile; those
 //!   bytes over the L2-to-SM bandwidth;
 //!
-//! plus one launch. The model ranks candidates; it does not promise times.
+//! plus [`IMPERFECT_OVERLAP`] of the lesser of compute and memory, plus one launch. The
+//! model ranks candidates; it does not promise times.
 
 use serde::{Deserialize, Serialize};
 
 use super::{GemmPlan, GemmProblem, MmaEngine, Target};
+
+/// The share of the lesser of compute and memory time that does not hide under the
+/// greater: a GEMM near the balance point runs slower than either alone. A lead fitted on
+/// the H200 (2026-11-30): with 0 the model called Qwen3-30B-A3B's and DeepSeek-V3's GEMMs
+/// at 1024 tokens memory-bound whatever the tile, and kept mma.sync tiles that ran 16-24%
+/// slower than 64-row wgmma tiles.
+const IMPERFECT_OVERLAP: f64 = 0.5;
 
 /// Memory latency the pipeline stages must cover, seconds.
 const MEMORY_LATENCY_S: f64 = 1e-6;
@@ -38,6 +46,13 @@ pub fn expected_hit_experts(experts: u32, pairs: u64) -> f64 {
     let e = f64::from(experts);
     e * (1.0 - (1.0 - 1.0 / e).powf(pairs as f64))
 }
+
+/// The share of the wgmma rate a block with one consumer warpgroup (a 64-row tile)
+/// reaches against two: alone, it leaves the tensor cores idle while it waits on a stage
+/// or stores a tile. A lead: on the H200 (2026-11-30) 64-row tiles beat the cost model's
+/// mma.sync picks by 16-24% at 1024 tokens (Qwen3-30B-A3B, DeepSeek-V3) and lost to
+/// 128-row tiles by 24-42% at 4096.
+const ONE_CONSUMER_WARPGROUP_SHARE: f64 = 0.85;
 
 /// How close a wgmma of width `n` comes to the rate of the widest (256): each m64nNk16
 /// reads 64 rows of A beside N rows of B from shared memory, so narrow widths spend more
@@ -65,20 +80,13 @@ pub fn estimate(
     let waves = (tiles / concurrent).ceil();
     let fraction = match gemm.engine {
         MmaEngine::MmaSync => target.mma_sync_fraction,
-        // One warpgroup per SM waits out each wgmma group alone: it takes two to keep the
-        // tensor cores busy.
-        MmaEngine::Wgmma => {
-            let warpgroups_per_sm = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
-            target.wgmma_fraction
-                * (warpgroups_per_sm / 2.0).min(1.0)
-                * wgmma_width_efficiency(gemm.tile.n)
-        }
-        // Likewise, but the producer keeps the consumers fed without block-wide barriers.
         MmaEngine::WgmmaWarpSpecialized => {
-            let warpgroups_per_sm = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
-            target.wgmma_warp_specialized_fraction
-                * (warpgroups_per_sm / 2.0).min(1.0)
-                * wgmma_width_efficiency(gemm.tile.n)
+            let consumers = if gemm.tile.m >= 128 {
+                1.0
+            } else {
+                ONE_CONSUMER_WARPGROUP_SHARE
+            };
+            target.wgmma_fraction * consumers * wgmma_width_efficiency(gemm.tile.n)
         }
     };
     let block_rate = target.peak_bf16_flops * fraction / concurrent;
@@ -102,6 +110,8 @@ pub fn estimate(
         compute_seconds,
         memory_seconds,
         l2_seconds,
-        seconds: compute_seconds.max(memory_seconds).max(l2_seconds) + target.launch_overhead_s,
+        seconds: compute_seconds.max(memory_seconds).max(l2_seconds)
+            + IMPERFECT_OVERLAP * compute_seconds.min(memory_seconds)
+            + target.launch_overhead_s,
     }
 }

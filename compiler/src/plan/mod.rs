@@ -346,10 +346,10 @@ impl Regime {
 pub enum MmaEngine {
     /// `mma.sync` m16n8k16 per warp, `ldmatrix` from shared memory (any sm_80+).
     MmaSync,
-    /// `wgmma` m64nNk16 per warpgroup from shared-memory descriptors (sm_90a).
-    Wgmma,
-    /// `wgmma` as above in consumer warpgroups fed by a producer warpgroup through a ring of
-    /// stages guarded by mbarriers, registers split with `setmaxnreg` (sm_90a).
+    /// `wgmma` m64nNk16 from shared-memory descriptors in consumer warpgroups (64 rows
+    /// each), fed by a producer warpgroup (TMA for weights, cp.async for gathered rows)
+    /// through a ring of stages guarded by mbarriers, registers split with `setmaxnreg`
+    /// (sm_90a).
     WgmmaWarpSpecialized,
 }
 
@@ -357,14 +357,13 @@ impl MmaEngine {
     pub fn name(self) -> &'static str {
         match self {
             MmaEngine::MmaSync => "mma.sync",
-            MmaEngine::Wgmma => "wgmma",
             MmaEngine::WgmmaWarpSpecialized => "wgmma-ws",
         }
     }
 
     /// Whether the engine issues `wgmma` (and needs its shared-memory layout and widths).
     pub fn is_wgmma(self) -> bool {
-        matches!(self, MmaEngine::Wgmma | MmaEngine::WgmmaWarpSpecialized)
+        matches!(self, MmaEngine::WgmmaWarpSpecialized)
     }
 }
 
@@ -488,7 +487,7 @@ impl SmemLayout {
         };
         let barrier_bytes = match engine {
             MmaEngine::WgmmaWarpSpecialized => 16 * stages,
-            MmaEngine::MmaSync | MmaEngine::Wgmma => 0,
+            MmaEngine::MmaSync => 0,
         };
         let row_source_offset = stages * stage_bytes;
         let barrier_offset = row_source_offset + 4 * tile.m;
@@ -928,7 +927,7 @@ fn shape_gemm(
                 .ok_or_else(|| "no warp layout divides this tile into 16×16 pieces".to_string())?;
             (wm, wn, MAX_ACCUMULATORS_PER_THREAD)
         }
-        MmaEngine::Wgmma | MmaEngine::WgmmaWarpSpecialized => {
+        MmaEngine::WgmmaWarpSpecialized => {
             if !target.has_wgmma() {
                 return Err(format!("{} has no wgmma", target.arch));
             }
@@ -1053,7 +1052,7 @@ fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
 /// Deepest first, so that the deepest ring wins a tie.
 fn stage_choices(engine: MmaEngine) -> Vec<u32> {
     match engine {
-        MmaEngine::MmaSync | MmaEngine::Wgmma => (3..=5).collect(),
+        MmaEngine::MmaSync => (3..=5).collect(),
         MmaEngine::WgmmaWarpSpecialized => (3..=MAX_STAGES).rev().collect(),
     }
 }

@@ -18,10 +18,9 @@ pub struct Target {
     pub peak_bf16_flops: f64,
     /// Fraction of `peak_bf16_flops` moeforge's `mma.sync` GEMMs reach on this chip.
     pub mma_sync_fraction: f64,
-    /// Fraction of `peak_bf16_flops` moeforge's wgmma GEMMs reach (0 where there is no wgmma).
+    /// Fraction of `peak_bf16_flops` moeforge's wgmma GEMMs reach at the widest tile (256
+    /// columns) with two consumer warpgroups (0 where there is no wgmma).
     pub wgmma_fraction: f64,
-    /// The same for the warp-specialised wgmma engine.
-    pub wgmma_warp_specialized_fraction: f64,
     /// Measured device-memory copy bandwidth (bytes read + written per second).
     pub hbm_bytes_per_s: f64,
     /// Bandwidth from L2 into the SMs' shared memory, summed over SMs (bytes per second).
@@ -35,8 +34,10 @@ impl Target {
     /// The H200 of the project's GPU machine: 132 SMs, 227 KiB opt-in shared memory per
     /// block, about 790 TFLOP/s dense bf16 and 4.3 TB/s copy bandwidth, as measured there
     /// (TOOLCHAIN.md). The mma.sync fraction is what moeforge's mma.sync GEMMs reached in
-    /// the bench of 2026-11-29 (about 270 TFLOP/s at large T); the wgmma fraction is a lead
-    /// until the bench measures it.
+    /// the bench of 2026-11-29 (about 270 TFLOP/s at large T); the wgmma fraction is set so
+    /// that with the cost model's width factor it gives what the warp-specialised engine
+    /// reached on Mixtral-8x7B at 16384 tokens (0.69 of peak, 543 TFLOP/s, 2026-11-30,
+    /// tiles 128 wide gated and 256 wide).
     pub fn h200() -> Self {
         Target {
             name: "NVIDIA H200".to_string(),
@@ -46,8 +47,7 @@ impl Target {
             smem_per_sm: 233_472,
             peak_bf16_flops: 790e12,
             mma_sync_fraction: 0.35,
-            wgmma_fraction: 0.6,
-            wgmma_warp_specialized_fraction: 0.75,
+            wgmma_fraction: 0.75,
             hbm_bytes_per_s: 4.3e12,
             l2_bytes_per_s: 10e12,
             launch_overhead_s: 4e-6,
@@ -77,7 +77,6 @@ impl Target {
             peak_bf16_flops: 312e12,
             mma_sync_fraction: 0.6,
             wgmma_fraction: 0.0,
-            wgmma_warp_specialized_fraction: 0.0,
             hbm_bytes_per_s: 2.0e12,
             l2_bytes_per_s: 5e12,
             launch_overhead_s: 4e-6,
@@ -129,11 +128,6 @@ impl Target {
             peak_bf16_flops: base.peak_bf16_flops * scale,
             wgmma_fraction: if device.arch == "sm_90a" {
                 base.wgmma_fraction
-            } else {
-                0.0
-            },
-            wgmma_warp_specialized_fraction: if device.arch == "sm_90a" {
-                base.wgmma_warp_specialized_fraction
             } else {
                 0.0
             },

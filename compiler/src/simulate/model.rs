@@ -69,13 +69,9 @@ pub fn tile_seconds(
         MmaEngine::MmaSync => target.mma_sync_fraction * GEMM_MMA_SYNC_SCALE,
         // As the planner's cost model: one warpgroup per SM leaves the tensor cores idle
         // half the time.
-        MmaEngine::Wgmma => {
-            let warpgroups = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
-            target.wgmma_fraction * GEMM_WGMMA_SCALE * (warpgroups / 2.0).min(1.0)
-        }
         MmaEngine::WgmmaWarpSpecialized => {
             let warpgroups = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
-            target.wgmma_warp_specialized_fraction * GEMM_WGMMA_SCALE * (warpgroups / 2.0).min(1.0)
+            target.wgmma_fraction * GEMM_WGMMA_SCALE * (warpgroups / 2.0).min(1.0)
         }
     };
     let flops = 2.0 * f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * f64::from(depth);
