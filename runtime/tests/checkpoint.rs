@@ -61,6 +61,16 @@ fn bf16_tensor(name: String, shape: Vec<usize>, bits: impl Iterator<Item = u16>)
     )
 }
 
+/// Expert `e`'s gate, up and down tensors under `prefix`, bf16, values from [`value`].
+fn one_expert(family: Family, prefix: &str, e: usize) -> [Tensor; 3] {
+    let [gate, up, down] = names(family, prefix, e);
+    [
+        bf16_tensor(gate, vec![F, H], (0..F * H).map(|i| value(e, 0, i))),
+        bf16_tensor(up, vec![F, H], (0..F * H).map(|i| value(e, 1, i))),
+        bf16_tensor(down, vec![H, F], (0..H * F).map(|i| value(e, 2, i))),
+    ]
+}
+
 /// The expert tensors of `experts` under PREFIX, bf16, values from [`value`], plus a
 /// router weight so each file holds a non-expert tensor too.
 fn expert_tensors(family: Family, experts: std::ops::Range<usize>) -> Vec<Tensor> {
@@ -70,22 +80,7 @@ fn expert_tensors(family: Family, experts: std::ops::Range<usize>) -> Vec<Tensor
         (0..E * H).map(|i| i as u16),
     )];
     for e in experts {
-        let [gate, up, down] = names(family, PREFIX, e);
-        out.push(bf16_tensor(
-            gate,
-            vec![F, H],
-            (0..F * H).map(|i| value(e, 0, i)),
-        ));
-        out.push(bf16_tensor(
-            up,
-            vec![F, H],
-            (0..F * H).map(|i| value(e, 1, i)),
-        ));
-        out.push(bf16_tensor(
-            down,
-            vec![H, F],
-            (0..H * F).map(|i| value(e, 2, i)),
-        ));
+        out.extend(one_expert(family, PREFIX, e));
     }
     out
 }
@@ -629,22 +624,7 @@ fn write_layers(path: &Path, family: Family, prefixes: &[&str]) {
     let mut tensors = Vec::new();
     for prefix in prefixes {
         for e in 0..E {
-            let [gate, up, down] = names(family, prefix, e);
-            tensors.push(bf16_tensor(
-                gate,
-                vec![F, H],
-                (0..F * H).map(|i| value(e, 0, i)),
-            ));
-            tensors.push(bf16_tensor(
-                up,
-                vec![F, H],
-                (0..F * H).map(|i| value(e, 1, i)),
-            ));
-            tensors.push(bf16_tensor(
-                down,
-                vec![H, F],
-                (0..H * F).map(|i| value(e, 2, i)),
-            ));
+            tensors.extend(one_expert(family, prefix, e));
         }
     }
     write(path, &tensors);
