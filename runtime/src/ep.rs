@@ -16,15 +16,14 @@ use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMI
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig,
-    PushKernelArg,
 };
 use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
 use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
 use crate::layer::{
-    ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, ptr,
-    read_error_word,
+    ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
+    ptr, read_error_word,
 };
 use crate::tensor_map::TensorMap;
 
@@ -405,20 +404,12 @@ impl EpLayer {
                 block_dim: (launch.block_threads, 1, 1),
                 shared_mem_bytes: launch.smem_bytes,
             };
-            let mut builder = stream.launch_builder(function);
-            for value in &values {
-                match value {
-                    ArgValue::Pointer(p) => builder.arg(p),
-                    ArgValue::Int(i) => builder.arg(i),
-                    ArgValue::TensorMap(map) => builder.arg(map),
-                };
-            }
             // SAFETY: codegen wrote this kernel's parameters from `launch.params`
             // (pointers for buffers, 32-bit integers for tokens, rank and epoch, tensor
             // maps by value over this rank's weights); `new`
             // validated the plan and sized every workspace buffer from it, and the
             // caller's buffers were checked in `begin_call`.
-            unsafe { builder.launch(config) }
+            unsafe { launch_with(stream, function, config, &values) }
                 .context(format!("launching `{}` on rank {r}", launch.kernel))?;
         }
         Ok(())

@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
+    PushKernelArg,
 };
 use moeforge_compiler::plan::{BufferId, LaunchArg, LayerShape, Plan, PlanInvalid, error_code};
 use thiserror::Error;
@@ -187,6 +188,29 @@ pub(crate) enum ArgValue {
     Pointer(u64),
     Int(i32),
     TensorMap(TensorMap),
+}
+
+/// Enqueues `function` on `stream` with `values` as its parameters, in order.
+///
+/// # Safety
+/// The kernel's parameter list must be `values`' types in this order, and every buffer
+/// and count must hold what the kernel indexes (what `cudarc`'s launch requires).
+pub(crate) unsafe fn launch_with(
+    stream: &CudaStream,
+    function: &CudaFunction,
+    config: LaunchConfig,
+    values: &[ArgValue],
+) -> Result<(), DriverError> {
+    let mut builder = stream.launch_builder(function);
+    for value in values {
+        match value {
+            ArgValue::Pointer(p) => builder.arg(p),
+            ArgValue::Int(i) => builder.arg(i),
+            ArgValue::TensorMap(map) => builder.arg(map),
+        };
+    }
+    // SAFETY: the caller vouches for the parameter list and the buffers.
+    unsafe { builder.launch(config) }.map(|_| ())
 }
 
 /// The tensor maps over one set of expert weights that launches pass, each encoded once.
@@ -383,20 +407,13 @@ impl MoeLayer {
                 block_dim: (launch.block_threads, 1, 1),
                 shared_mem_bytes: launch.smem_bytes,
             };
-            let mut builder = stream.launch_builder(function);
-            for value in &values {
-                match value {
-                    ArgValue::Pointer(p) => builder.arg(p),
-                    ArgValue::Int(i) => builder.arg(i),
-                    ArgValue::TensorMap(map) => builder.arg(map),
-                };
-            }
             // SAFETY: codegen wrote this kernel's parameter list from `launch.params` (its
             // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens, a
             // tensor map by value over weights this layer owns),
             // and the AOT loader checks the PTX entry against the same list; `new` validated
             // the plan, and every buffer was checked above to hold what the kernel indexes.
-            unsafe { builder.launch(config) }.context(format!("launching `{}`", launch.kernel))?;
+            unsafe { launch_with(stream, function, config, &values) }
+                .context(format!("launching `{}`", launch.kernel))?;
         }
         Ok(())
     }
