@@ -618,6 +618,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
 //                   ep_dispatch token rows, a chunk of CHUNK at a time, one flag per chunk
 //   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
 //                               local expert: every source's rows, local ones first
+//                               (a thread per row, on every compute SM)
 //                   GEMM1       each tile waits for the chunks its rows sit in
 //                   GEMM2       stores weighted rows into the origin's combine slots and
 //                               releases the origin's per-token counter
@@ -846,7 +847,10 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_ep_dispatch(
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
-// origin rank and pair, and its routing weight.
+// origin rank and pair, and its routing weight. Every block waits for the metadata and
+// scans the (local expert, source) counts itself, then takes GEMM rows b, b + grid, ...
+// (one thread a row, so the reads of the receive index all overlap). The last block done
+// returns every source's credit.
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
     int rank,  // this rank
     u32 epoch,  // this call's epoch
@@ -860,13 +864,16 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
     int* __restrict__ segment_pairs,  // [rows]
     float* __restrict__ segment_weights,  // [rows]
     int* __restrict__ row_origins,  // [rows]: rank each row came from
+    u32* __restrict__ arrange_blocks_done,  // [1]: arrange blocks done with the receive index
     int* __restrict__ error_word,  // [4]: code, then details
     const u64* __restrict__ peer_table  // [RANKS, PEER_BUFFERS]: peers' addresses
 )
 {
     __shared__ int s_offsets[SEGMENTS + 1];
     __shared__ int s_arrived;
-    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_arrived)) == EP_ARRANGE_STATIC_SMEM_BYTES,
+    __shared__ int s_last_block;
+    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_arrived) + sizeof(s_last_block)) ==
+                      EP_ARRANGE_STATIC_SMEM_BYTES,
                   "plan: arrange kernel's static shared memory");
     if (threadIdx.x == 0) s_arrived = 1;
     __syncthreads();
@@ -882,21 +889,34 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
         }, s_offsets);
     }
     __syncthreads();
-    for (int e = threadIdx.x; e <= LOCAL_EXPERTS; e += META_THREADS) expert_offsets[e] = s_offsets[e * RANKS];
-    for (int g = 0; g < SEGMENTS; ++g) {
-        const int source = order[g % RANKS];
-        const size_t from = ((size_t)(g / RANKS) * RANKS + source) * SEGMENT_ROWS;
-        const int rows = s_offsets[g + 1] - s_offsets[g];
-        for (int j = threadIdx.x; j < rows; j += META_THREADS) {
-            const int row = s_offsets[g] + j;
-            segment_rows[row] = source * SLOTS + recv_slot[from + j];
-            segment_pairs[row] = recv_pair[from + j];
-            segment_weights[row] = recv_weight[from + j];
-            row_origins[row] = source;
-        }
+    if (blockIdx.x == 0) {
+        for (int e = threadIdx.x; e <= LOCAL_EXPERTS; e += META_THREADS) expert_offsets[e] = s_offsets[e * RANKS];
     }
-    // Every source's counts and index are consumed: give each its credit back.
+    const int rows = s_offsets[SEGMENTS];
+    for (int row = blockIdx.x * META_THREADS + threadIdx.x; row < rows; row += gridDim.x * META_THREADS) {
+        // The segment holding this row: the last g with s_offsets[g] <= row.
+        int lo = 0, hi = SEGMENTS - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_offsets[mid] <= row) lo = mid; else hi = mid - 1;
+        }
+        const int source = order[lo % RANKS];
+        const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
+        segment_rows[row] = source * SLOTS + recv_slot[from];
+        segment_pairs[row] = recv_pair[from];
+        segment_weights[row] = recv_weight[from];
+        row_origins[row] = source;
+    }
+    // Every source's counts and index are consumed once every block is done with them:
+    // the last block gives each source its credit back.
     __syncthreads();
+    if (threadIdx.x == 0) {
+        fence_flags();  // this block's reads of the receive index are done
+        s_last_block = atomicAdd(arrange_blocks_done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!s_last_block) return;
+    if (threadIdx.x == 0) *arrange_blocks_done = 0;
     for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
         fence_flags();
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::baseline::{BaselineError, CublasBaseline};
 use crate::bf16;
-use crate::ep::{EpLayer, StageMarks, StageTimes};
+use crate::ep::{EpLayer, GemmStageSplit, StageMarks, StageTimes};
 use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
 use crate::layer::ForwardArgs;
@@ -339,6 +339,8 @@ pub struct ExpertParallelRow {
     /// The stages of bulk-synchronous calls, each alone (CUDA events on rank 0 after
     /// barriers of every rank; mean over the marked calls).
     pub stages: StageTimes,
+    /// Rank 0's GEMM stage kernel by kernel (same calls, mean).
+    pub gemm_split: GemmStageSplit,
     /// Baseline (b), on real GPUs when NCCL loads: NCCL all-to-all, moeforge's single-GPU
     /// layer per rank, NCCL all-to-all back (wall time per call over pipelined calls).
     pub nccl_us: Option<f64>,
@@ -418,12 +420,18 @@ pub fn bench_expert_parallel(
         let bulk_synchronous_us = per_call_us(ep, Schedule::BulkSynchronous)?;
         let marks = StageMarks::new(ep)?;
         let mut stages = StageTimes::default();
+        let mut gemm_split = GemmStageSplit::default();
+        let share = 1.0 / MARKED_CALLS as f64;
         for _ in 0..MARKED_CALLS {
             call(ep, Schedule::BulkSynchronous, Some(&marks))?;
             let t = marks.times()?;
-            stages.dispatch_us += t.dispatch_us / MARKED_CALLS as f64;
-            stages.gemm_us += t.gemm_us / MARKED_CALLS as f64;
-            stages.combine_us += t.combine_us / MARKED_CALLS as f64;
+            stages.dispatch_us += t.dispatch_us * share;
+            stages.gemm_us += t.gemm_us * share;
+            stages.combine_us += t.combine_us * share;
+            let split = marks.gemm_split()?;
+            gemm_split.arrange_us += split.arrange_us * share;
+            gemm_split.gemm1_us += split.gemm1_us * share;
+            gemm_split.gemm2_us += split.gemm2_us * share;
         }
         ep.take_error()?;
         let (nccl_us, nccl_stages) = match nccl.as_deref_mut() {
@@ -485,6 +493,7 @@ pub fn bench_expert_parallel(
             floor_us: busiest_rank_floor_us(&shape, &workloads, ranks, &built.layer.plan().target),
             bulk_synchronous_us,
             stages,
+            gemm_split,
             nccl_us,
             nccl_stages,
             hidden_share,

@@ -316,18 +316,34 @@ impl EpLayer {
         barrier(&comm, &compute)?;
         mark(marks, 1, &compute[0])?;
         for (r, a) in args.iter_mut().enumerate() {
-            self.enqueue(r, a, regimes[r], |l| {
-                l.stream == StreamRole::Compute && l.kernel != combine
-            })?;
+            let regime = &self.ep.regimes[regimes[r]];
+            // Rank 0's arrange, GEMM1 and GEMM2 one at a time, each followed by a mark.
+            let steps: [&dyn Fn(&Launch) -> bool; 3] = [
+                &|l| l.kernel == self.ep.arrange_kernel,
+                &|l| l.kernel == regime.gemm1_kernel,
+                &|l| l.kernel == regime.gemm2_kernel,
+            ];
+            if r == 0 && marks.is_some() {
+                for (step, chosen) in steps.iter().enumerate() {
+                    self.enqueue(r, a, regimes[r], chosen)?;
+                    if step < 2 {
+                        mark(marks, 2 + step, &compute[0])?;
+                    }
+                }
+            } else {
+                self.enqueue(r, a, regimes[r], |l| {
+                    l.stream == StreamRole::Compute && l.kernel != combine
+                })?;
+            }
         }
         barrier(&compute, &compute)?;
-        mark(marks, 2, &compute[0])?;
+        mark(marks, 4, &compute[0])?;
         for (r, a) in args.iter_mut().enumerate() {
             self.enqueue(r, a, regimes[r], |l| l.kernel == combine)?;
         }
         if marks.is_some() {
             barrier(&compute, &compute[..1])?;
-            mark(marks, 3, &compute[0])?;
+            mark(marks, 5, &compute[0])?;
         }
         Ok(())
     }
@@ -497,9 +513,10 @@ fn mark(marks: Option<&StageMarks>, index: usize, stream: &CudaStream) -> Result
 }
 
 /// Timing events of one bulk-synchronous call on rank 0, each after a barrier of every
-/// rank: start, dispatch done, GEMMs done, combine done.
+/// rank (start, dispatch done, GEMMs done, combine done) or after one of rank 0's compute
+/// kernels (arrange done, GEMM1 done).
 pub struct StageMarks {
-    events: [CudaEvent; 4],
+    events: [CudaEvent; 6],
 }
 
 /// The stages of one bulk-synchronous call, in µs, across all ranks.
@@ -513,6 +530,15 @@ pub struct StageTimes {
     pub combine_us: f64,
 }
 
+/// Rank 0's part of the GEMM stage of one bulk-synchronous call, kernel by kernel, in µs.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct GemmStageSplit {
+    pub arrange_us: f64,
+    pub gemm1_us: f64,
+    /// GEMM2 until every rank's GEMMs are done (the stage's barrier).
+    pub gemm2_us: f64,
+}
+
 impl StageMarks {
     /// Timing events in the context of the layer's rank 0.
     pub fn new(layer: &EpLayer) -> Result<Self, LayerError> {
@@ -522,23 +548,33 @@ impl StageMarks {
                 .context("creating a timing event")
         };
         Ok(StageMarks {
-            events: [event()?, event()?, event()?, event()?],
+            events: [event()?, event()?, event()?, event()?, event()?, event()?],
         })
+    }
+
+    fn us(&self, from: usize, to: usize) -> Result<f64, LayerError> {
+        Ok(f64::from(
+            self.events[from]
+                .elapsed_ms(&self.events[to])
+                .context("reading a stage mark")?,
+        ) * 1e3)
     }
 
     /// The stage times of the call that recorded these marks (waits for it).
     pub fn times(&self) -> Result<StageTimes, LayerError> {
-        let us = |a: usize, b: usize| -> Result<f64, LayerError> {
-            Ok(f64::from(
-                self.events[a]
-                    .elapsed_ms(&self.events[b])
-                    .context("reading a stage mark")?,
-            ) * 1e3)
-        };
         Ok(StageTimes {
-            dispatch_us: us(0, 1)?,
-            gemm_us: us(1, 2)?,
-            combine_us: us(2, 3)?,
+            dispatch_us: self.us(0, 1)?,
+            gemm_us: self.us(1, 4)?,
+            combine_us: self.us(4, 5)?,
+        })
+    }
+
+    /// Rank 0's GEMM stage of the call that recorded these marks, kernel by kernel.
+    pub fn gemm_split(&self) -> Result<GemmStageSplit, LayerError> {
+        Ok(GemmStageSplit {
+            arrange_us: self.us(1, 2)?,
+            gemm1_us: self.us(2, 3)?,
+            gemm2_us: self.us(3, 4)?,
         })
     }
 }

@@ -161,6 +161,7 @@ const EP_ARRANGE_USES: &[&str] = &[
     "segment_pairs",
     "segment_weights",
     "row_origins",
+    "arrange_blocks_done",
     "error_word",
     "peer_table",
 ];
@@ -230,6 +231,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::MetaFlags => "[RANKS], written by peers",
             BufferId::ChunkFlags => "[RANKS, CHUNKS], written by peers",
             BufferId::ChunkPieces => "[RANKS, CHUNKS]: pieces of each chunk copied",
+            BufferId::ArrangeBlocksDone => "[1]: arrange blocks done with the receive index",
             BufferId::RowOrigins => "[rows]: rank each row came from",
             BufferId::SegmentRows | BufferId::SegmentPairs | BufferId::SegmentWeights => "[rows]",
             BufferId::CombineCounters => "[MAX_TOKENS], written by peers",

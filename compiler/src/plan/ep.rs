@@ -157,10 +157,11 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 6] = [
+pub const EXCHANGE_STATE: [BufferId; 7] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
+    BufferId::ArrangeBlocksDone,
     BufferId::CombineCounters,
     BufferId::Credits,
     BufferId::ErrorWord,
@@ -180,7 +181,7 @@ pub const PEER_BUFFERS: [BufferId; 10] = [
     BufferId::Credits,
 ];
 
-/// Threads of the metadata and arrange kernels (one block per destination / one block).
+/// Threads of a block of the metadata and arrange kernels.
 pub const META_THREADS: u32 = 512;
 /// Combine blocks per compute SM on a rank's own GPU (persistent, looping over tokens).
 /// Virtual ranks use one per compute SM: see [`residency`].
@@ -341,8 +342,11 @@ pub fn plan_expert_parallel(
                 [&gemm1_kernel, &gemm2_kernel],
                 [&gemm1, &gemm2],
                 &sizes,
-                comm_blocks,
-                compute_blocks(placement, compute_sms, COMBINE_BLOCKS_PER_SM),
+                &KernelBlocks {
+                    dispatch: comm_blocks,
+                    arrange: compute_blocks(placement, compute_sms, 1),
+                    combine: compute_blocks(placement, compute_sms, COMBINE_BLOCKS_PER_SM),
+                },
             );
             ExpertParallelRegime {
                 name: choice.name,
@@ -463,6 +467,11 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             "per destination chunk: pieces copied in this call",
         ),
         buffer(
+            BufferId::ArrangeBlocksDone,
+            1,
+            "arrange blocks done with this call's receive index",
+        ),
+        buffer(
             BufferId::ExpertOffsets,
             local + 1,
             "first GEMM row of each local expert",
@@ -566,6 +575,15 @@ fn residency(
     }
 }
 
+/// Grids of the kernels besides metadata (one block per destination) and the GEMMs.
+struct KernelBlocks {
+    dispatch: u32,
+    /// One block per compute SM: the layout of a call's rows is a short kernel between
+    /// the metadata and GEMM1, so it takes every SM the GEMMs will.
+    arrange: u32,
+    combine: u32,
+}
+
 /// The launches of one call on one rank: metadata and dispatch on the communication
 /// stream; arrange, the GEMMs and combine on the compute stream.
 fn launch_table(
@@ -573,8 +591,7 @@ fn launch_table(
     gemm_kernels: [&String; 2],
     gemms: [&GemmPlan; 2],
     sizes: &Sizes,
-    comm_blocks: u32,
-    combine_blocks: u32,
+    blocks: &KernelBlocks,
 ) -> Vec<Launch> {
     use BufferId::*;
     use LaunchArg::*;
@@ -614,7 +631,7 @@ fn launch_table(
         ),
         launch(
             dispatch,
-            comm_blocks,
+            blocks.dispatch,
             COMM_THREADS,
             StreamRole::Comm,
             0,
@@ -631,10 +648,10 @@ fn launch_table(
         ),
         launch(
             arrange,
-            1,
+            blocks.arrange,
             META_THREADS,
             StreamRole::Compute,
-            static_smem_reserved(4 * (sizes.experts_per_rank * sizes.ranks + 1)),
+            static_smem_reserved(4 * (sizes.experts_per_rank * sizes.ranks + 1) + 4 + 4),
             0,
             vec![
                 read(Rank),
@@ -649,6 +666,7 @@ fn launch_table(
                 write(Workspace(SegmentPairs)),
                 write(Workspace(SegmentWeights)),
                 write(Workspace(RowOrigins)),
+                write(Workspace(ArrangeBlocksDone)),
                 write(Workspace(ErrorWord)),
                 read(Workspace(PeerTable)),
             ],
@@ -693,7 +711,7 @@ fn launch_table(
         ),
         launch(
             combine,
-            combine_blocks,
+            blocks.combine,
             COMBINE_THREADS,
             StreamRole::Compute,
             0,

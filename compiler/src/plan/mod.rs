@@ -176,6 +176,9 @@ pub enum BufferId {
     /// u32 [R · chunks per source]: per destination chunk, the pieces of it copied so far
     /// in this call (the last copier releases the chunk and puts the count back to zero).
     ChunkPieces,
+    /// u32 [1]: blocks of the arrange kernel done with this call's receive index (the last
+    /// one returns the sources' credits and puts the count back to zero).
+    ArrangeBlocksDone,
     /// i32 [rows]: per GEMM row, the rank its pair came from (where its result goes).
     RowOrigins,
     /// i32 [rows]: per GEMM row, its row of `recv_x` (`source · slots + slot`).
@@ -213,6 +216,7 @@ impl BufferId {
             BufferId::MetaFlags
             | BufferId::ChunkFlags
             | BufferId::ChunkPieces
+            | BufferId::ArrangeBlocksDone
             | BufferId::CombineCounters
             | BufferId::Credits => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
@@ -236,6 +240,7 @@ impl BufferId {
             BufferId::MetaFlags => "meta_flags",
             BufferId::ChunkFlags => "chunk_flags",
             BufferId::ChunkPieces => "chunk_pieces",
+            BufferId::ArrangeBlocksDone => "arrange_blocks_done",
             BufferId::RowOrigins => "row_origins",
             BufferId::SegmentRows => "segment_rows",
             BufferId::SegmentPairs => "segment_pairs",
