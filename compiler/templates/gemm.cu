@@ -17,7 +17,7 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
     static constexpr bool EP = false;
-    static constexpr int GROUPS = EXPERTS, GROUPS_PER_EXPERT = 1, RANKS = 1;
+    static constexpr int EXPERTS_HERE = EXPERTS, PHASES = 1, RANKS = 1;
     static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
 };
@@ -50,7 +50,6 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
     static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
-    static_assert(G::GROUPS % G::GROUPS_PER_EXPERT == 0, "plan: groups are whole experts");
 }
 
 // Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
@@ -65,37 +64,57 @@ struct GemmTile {
     int expert, n0, row0, rows;
 };
 
-// Tile schedule: ceil(rows / BM) * N_TILES tiles per group of rows (an expert; on the
-// expert-parallel path a (local expert, source) segment), numbered group-major.
-// s_tile_start[g] is group g's first tile, s_tile_start[GROUPS] the total.
-template <int BM, int N_TILES, int GROUPS = EXPERTS>
-__device__ __forceinline__ void tile_schedule(const int* __restrict__ expert_offsets, int* s_tile_start) {
+// Tile schedule. `row_offsets` holds, per expert here, the start of each of its PHASES
+// runs of rows, then the end: [EXPERTS_HERE * PHASES + 1]. On one GPU PHASES = 1 (the
+// expert's rows). On the expert-parallel path phase p is the p-th source in receive order
+// (this rank first, then by arrival), and a tile belongs to the phase of its last row: it
+// can start once that source's rows are here. Tiles are numbered phase-major, then expert,
+// then n-tile, then m-tile: every tile on local rows comes before any tile that waits for
+// a peer, and the m-tiles sharing one weight panel run next to each other (L2).
+// Group g = (phase g / EXPERTS_HERE, expert g % EXPERTS_HERE) holds
+// (m_end(e, p) - m_end(e, p - 1)) * N_TILES tiles, where m_end(e, p) counts the m-tiles of
+// e whose last row is in phase p or before: the whole tiles, or every tile once no later
+// phase has rows. s_tile_start[g] is group g's first tile, s_tile_start[EXPERTS_HERE * PHASES] the total.
+template <int BM, int PHASES>
+__device__ __forceinline__ int m_tiles_done(const int* __restrict__ row_offsets, int expert, int phase) {
+    const int* runs = row_offsets + expert * PHASES;
+    if (phase < 0) return 0;
+    const int rows = runs[phase + 1] - runs[0];
+    const int total = runs[PHASES] - runs[0];
+    return rows == total ? (total + BM - 1) / BM : rows / BM;
+}
+
+template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ void tile_schedule(const int* __restrict__ row_offsets, int* s_tile_start) {
     if (threadIdx.x < 32) {
-        warp_exclusive_scan(GROUPS, [&](int e) {
-            const int rows = expert_offsets[e + 1] - expert_offsets[e];
-            return (rows + BM - 1) / BM * N_TILES;
+        warp_exclusive_scan(EXPERTS_HERE * PHASES, [&](int g) {
+            const int expert = g % EXPERTS_HERE, phase = g / EXPERTS_HERE;
+            return (m_tiles_done<BM, PHASES>(row_offsets, expert, phase) -
+                    m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1)) * N_TILES;
         }, s_tile_start);
     }
     __syncthreads();
 }
 
-template <int BM, int BN, int GROUPS = EXPERTS>
-__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ expert_offsets) {
+template <int BM, int BN, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ row_offsets) {
     // The group owning this tile: the last g with s_tile_start[g] <= tile.
-    int lo = 0, hi = GROUPS - 1;
+    int lo = 0, hi = EXPERTS_HERE * PHASES - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
     }
-    const int expert_row0 = expert_offsets[lo];
-    const int expert_rows = expert_offsets[lo + 1] - expert_row0;
-    const int m_tiles = (expert_rows + BM - 1) / BM;
+    const int expert = lo % EXPERTS_HERE, phase = lo / EXPERTS_HERE;
+    const int m_begin = m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1);
+    const int m_tiles = m_tiles_done<BM, PHASES>(row_offsets, expert, phase) - m_begin;
+    const int expert_row0 = row_offsets[expert * PHASES];
+    const int expert_end = row_offsets[(expert + 1) * PHASES];
     const int local = tile - s_tile_start[lo];
     GemmTile t;
-    t.expert = lo;
+    t.expert = expert;
     t.n0 = (local / m_tiles) * BN;
-    t.row0 = expert_row0 + (local % m_tiles) * BM;
-    t.rows = min(BM, expert_row0 + expert_rows - t.row0);
+    t.row0 = expert_row0 + (m_begin + local % m_tiles) * BM;
+    t.rows = min(BM, expert_end - t.row0);
     return t;
 }
 
@@ -238,7 +257,7 @@ __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
-    const int* __restrict__ expert_offsets,   // [EXPERTS + 1]
+    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule
     const int* __restrict__ row_pair,         // [pairs]
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
     const EpContext& ep)
@@ -256,7 +275,7 @@ __device__ __forceinline__ void grouped_gemm(
 
     extern __shared__ __align__(128) unsigned char smem[];
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
-    __shared__ int s_tile_start[G::GROUPS + 1];
+    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -266,14 +285,14 @@ __device__ __forceinline__ void grouped_gemm(
     const int warp_n = warp % G::WARPS_N;
     const u32 smem_base = smem_address(smem);
 
-    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
-    const int total_tiles = s_tile_start[G::GROUPS];
+    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
+    const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+        const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
         fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
         __syncthreads();
-        const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
+        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
             load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
         };

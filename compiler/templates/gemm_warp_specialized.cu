@@ -75,7 +75,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
     const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
     const float* __restrict__ topk_weights,
-    const int* __restrict__ expert_offsets,
+    const int* __restrict__ row_offsets,
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
     const EpContext& ep)
@@ -103,7 +103,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
     const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
     const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
-    __shared__ int s_tile_start[G::GROUPS + 1];
+    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -113,8 +113,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS);
         }
     }
-    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);  // its barrier publishes the inits
-    const int total_tiles = s_tile_start[G::GROUPS];
+    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);  // its barrier publishes the inits
+    const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
@@ -124,11 +124,11 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         int stage = 0;
         u32 phase = 0;
         for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
             fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
-            const int weight_row = (t.expert / G::GROUPS_PER_EXPERT) * W_ROWS + t.n0;  // gate rows; up rows N below
+            const int weight_row = t.expert * W_ROWS + t.n0;  // gate rows; up rows N below
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 const u32 full = full_barriers + stage * sizeof(u64);
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
@@ -155,7 +155,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         int stage = 0;
         u32 phase = 0;
         for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
             float acc[FRAG];
             float acc_up[G::GATED ? FRAG : 1];
 #pragma unroll

@@ -226,7 +226,7 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
     static constexpr bool EP = false;
-    static constexpr int GROUPS = EXPERTS, GROUPS_PER_EXPERT = 1, RANKS = 1;
+    static constexpr int EXPERTS_HERE = EXPERTS, PHASES = 1, RANKS = 1;
     static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
 };
@@ -259,7 +259,6 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
     static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
-    static_assert(G::GROUPS % G::GROUPS_PER_EXPERT == 0, "plan: groups are whole experts");
 }
 
 // Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
@@ -274,37 +273,57 @@ struct GemmTile {
     int expert, n0, row0, rows;
 };
 
-// Tile schedule: ceil(rows / BM) * N_TILES tiles per group of rows (an expert; on the
-// expert-parallel path a (local expert, source) segment), numbered group-major.
-// s_tile_start[g] is group g's first tile, s_tile_start[GROUPS] the total.
-template <int BM, int N_TILES, int GROUPS = EXPERTS>
-__device__ __forceinline__ void tile_schedule(const int* __restrict__ expert_offsets, int* s_tile_start) {
+// Tile schedule. `row_offsets` holds, per expert here, the start of each of its PHASES
+// runs of rows, then the end: [EXPERTS_HERE * PHASES + 1]. On one GPU PHASES = 1 (the
+// expert's rows). On the expert-parallel path phase p is the p-th source in receive order
+// (this rank first, then by arrival), and a tile belongs to the phase of its last row: it
+// can start once that source's rows are here. Tiles are numbered phase-major, then expert,
+// then n-tile, then m-tile: every tile on local rows comes before any tile that waits for
+// a peer, and the m-tiles sharing one weight panel run next to each other (L2).
+// Group g = (phase g / EXPERTS_HERE, expert g % EXPERTS_HERE) holds
+// (m_end(e, p) - m_end(e, p - 1)) * N_TILES tiles, where m_end(e, p) counts the m-tiles of
+// e whose last row is in phase p or before: the whole tiles, or every tile once no later
+// phase has rows. s_tile_start[g] is group g's first tile, s_tile_start[EXPERTS_HERE * PHASES] the total.
+template <int BM, int PHASES>
+__device__ __forceinline__ int m_tiles_done(const int* __restrict__ row_offsets, int expert, int phase) {
+    const int* runs = row_offsets + expert * PHASES;
+    if (phase < 0) return 0;
+    const int rows = runs[phase + 1] - runs[0];
+    const int total = runs[PHASES] - runs[0];
+    return rows == total ? (total + BM - 1) / BM : rows / BM;
+}
+
+template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ void tile_schedule(const int* __restrict__ row_offsets, int* s_tile_start) {
     if (threadIdx.x < 32) {
-        warp_exclusive_scan(GROUPS, [&](int e) {
-            const int rows = expert_offsets[e + 1] - expert_offsets[e];
-            return (rows + BM - 1) / BM * N_TILES;
+        warp_exclusive_scan(EXPERTS_HERE * PHASES, [&](int g) {
+            const int expert = g % EXPERTS_HERE, phase = g / EXPERTS_HERE;
+            return (m_tiles_done<BM, PHASES>(row_offsets, expert, phase) -
+                    m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1)) * N_TILES;
         }, s_tile_start);
     }
     __syncthreads();
 }
 
-template <int BM, int BN, int GROUPS = EXPERTS>
-__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ expert_offsets) {
+template <int BM, int BN, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ row_offsets) {
     // The group owning this tile: the last g with s_tile_start[g] <= tile.
-    int lo = 0, hi = GROUPS - 1;
+    int lo = 0, hi = EXPERTS_HERE * PHASES - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
     }
-    const int expert_row0 = expert_offsets[lo];
-    const int expert_rows = expert_offsets[lo + 1] - expert_row0;
-    const int m_tiles = (expert_rows + BM - 1) / BM;
+    const int expert = lo % EXPERTS_HERE, phase = lo / EXPERTS_HERE;
+    const int m_begin = m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1);
+    const int m_tiles = m_tiles_done<BM, PHASES>(row_offsets, expert, phase) - m_begin;
+    const int expert_row0 = row_offsets[expert * PHASES];
+    const int expert_end = row_offsets[(expert + 1) * PHASES];
     const int local = tile - s_tile_start[lo];
     GemmTile t;
-    t.expert = lo;
+    t.expert = expert;
     t.n0 = (local / m_tiles) * BN;
-    t.row0 = expert_row0 + (local % m_tiles) * BM;
-    t.rows = min(BM, expert_row0 + expert_rows - t.row0);
+    t.row0 = expert_row0 + (m_begin + local % m_tiles) * BM;
+    t.rows = min(BM, expert_end - t.row0);
     return t;
 }
 
@@ -447,7 +466,7 @@ __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
-    const int* __restrict__ expert_offsets,   // [EXPERTS + 1]
+    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule
     const int* __restrict__ row_pair,         // [pairs]
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
     const EpContext& ep)
@@ -465,7 +484,7 @@ __device__ __forceinline__ void grouped_gemm(
 
     extern __shared__ __align__(128) unsigned char smem[];
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
-    __shared__ int s_tile_start[G::GROUPS + 1];
+    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -475,14 +494,14 @@ __device__ __forceinline__ void grouped_gemm(
     const int warp_n = warp % G::WARPS_N;
     const u32 smem_base = smem_address(smem);
 
-    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);
-    const int total_tiles = s_tile_start[G::GROUPS];
+    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
+    const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-        const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+        const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
         fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
         __syncthreads();
-        const bf16_t* w_expert = weights + (size_t)(t.expert / G::GROUPS_PER_EXPERT) * W_ROWS * G::KD;
+        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
             load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
         };
@@ -713,7 +732,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
     const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
     const float* __restrict__ topk_weights,
-    const int* __restrict__ expert_offsets,
+    const int* __restrict__ row_offsets,
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
     const EpContext& ep)
@@ -741,7 +760,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
     const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
     const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
-    __shared__ int s_tile_start[G::GROUPS + 1];
+    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
@@ -751,8 +770,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS);
         }
     }
-    tile_schedule<G::BM, N_TILES, G::GROUPS>(expert_offsets, s_tile_start);  // its barrier publishes the inits
-    const int total_tiles = s_tile_start[G::GROUPS];
+    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);  // its barrier publishes the inits
+    const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
@@ -762,11 +781,11 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         int stage = 0;
         u32 phase = 0;
         for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
             fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
-            const int weight_row = (t.expert / G::GROUPS_PER_EXPERT) * W_ROWS + t.n0;  // gate rows; up rows N below
+            const int weight_row = t.expert * W_ROWS + t.n0;  // gate rows; up rows N below
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 const u32 full = full_barriers + stage * sizeof(u64);
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
@@ -793,7 +812,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         int stage = 0;
         u32 phase = 0;
         for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::GROUPS>(tile, s_tile_start, expert_offsets);
+            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
             float acc[FRAG];
             float acc_up[G::GATED ? FRAG : 1];
 #pragma unroll
@@ -922,7 +941,7 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 7, 6, 5, 4, 3, 2, 1}, {
 // every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
     static constexpr bool EP = true;
-    static constexpr int GROUPS = LOCAL_EXPERTS, GROUPS_PER_EXPERT = 1, RANKS = ::RANKS;
+    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS, PHASES = ::RANKS, RANKS = ::RANKS;
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
@@ -1121,7 +1140,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) gpt_oss_120b_ep_ar
     const float* recv_weight,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
     const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
     const u32* meta_flags,  // [RANKS], written by peers
-    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     int* __restrict__ segment_rows,  // [rows]
     int* __restrict__ segment_pairs,  // [rows]
     float* __restrict__ segment_weights,  // [rows]
@@ -1152,7 +1171,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) gpt_oss_120b_ep_ar
     }
     __syncthreads();
     if (blockIdx.x == 0) {
-        for (int e = threadIdx.x; e <= LOCAL_EXPERTS; e += META_THREADS) expert_offsets[e] = s_offsets[e * RANKS];
+        for (int g = threadIdx.x; g <= SEGMENTS; g += META_THREADS) segment_offsets[g] = s_offsets[g];
     }
     const int rows = s_offsets[SEGMENTS];
     for (int row = blockIdx.x * META_THREADS + threadIdx.x; row < rows; row += gridDim.x * META_THREADS) {
@@ -1398,12 +1417,12 @@ struct decode_ep_gemm1 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
-    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 128;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_rows,  // [rows]
     const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
     int rank,  // this rank
@@ -1412,7 +1431,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_ep_gemm
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, expert_offsets, segment_rows, intermediate,
+    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 464 persistent blocks (4 per SM)
@@ -1427,12 +1446,12 @@ struct decode_ep_gemm2 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
-    static constexpr int DYNAMIC_SMEM_BYTES = 51264, STATIC_SMEM_BYTES = 128;
+    static constexpr int DYNAMIC_SMEM_BYTES = 51264, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_pairs,  // [rows]
     const float* __restrict__ segment_weights,  // [rows]
     const int* __restrict__ row_origins,  // [rows]: rank each row came from
@@ -1441,7 +1460,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_ep_gemm
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, expert_offsets, segment_pairs, nullptr,
+    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
@@ -1461,12 +1480,12 @@ struct mid_ep_gemm1 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 128;
+    static constexpr int DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_rows,  // [rows]
     const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
     int rank,  // this rank
@@ -1475,7 +1494,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_ep_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, expert_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x192x64, 7 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
@@ -1492,12 +1511,12 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 32768;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 229376, BARRIER_OFFSET = 229632;
-    static constexpr int DYNAMIC_SMEM_BYTES = 230768, STATIC_SMEM_BYTES = 128;
+    static constexpr int DYNAMIC_SMEM_BYTES = 230768, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_pairs,  // [rows]
     const float* __restrict__ segment_weights,  // [rows]
     const int* __restrict__ row_origins,  // [rows]: rank each row came from
@@ -1506,7 +1525,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_ep_gemm2(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, expert_offsets, segment_pairs, nullptr,
+    grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
@@ -1526,12 +1545,12 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 229376, BARRIER_OFFSET = 229888;
-    static constexpr int DYNAMIC_SMEM_BYTES = 231024, STATIC_SMEM_BYTES = 128;
+    static constexpr int DYNAMIC_SMEM_BYTES = 231024, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_rows,  // [rows]
     const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
     int rank,  // this rank
@@ -1540,7 +1559,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_ep_gem
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, expert_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x192x64, 5 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
@@ -1557,12 +1576,12 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 40960;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205312;
-    static constexpr int DYNAMIC_SMEM_BYTES = 206416, STATIC_SMEM_BYTES = 128;
+    static constexpr int DYNAMIC_SMEM_BYTES = 206416, STATIC_SMEM_BYTES = 640;
 };
 extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
-    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_pairs,  // [rows]
     const float* __restrict__ segment_weights,  // [rows]
     const int* __restrict__ row_origins,  // [rows]: rank each row came from
@@ -1571,6 +1590,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_ep_gem
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, expert_offsets, segment_pairs, nullptr,
+    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }

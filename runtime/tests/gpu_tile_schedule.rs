@@ -2,13 +2,15 @@
 //! `--include-ignored` on the GPU machine).
 //!
 //! The test appends a probe kernel to a plan's generated CUDA unit. The probe calls the
-//! very device functions the GEMMs call, `tile_schedule<BM, N_TILES>` and
-//! `locate_tile<BM, BN>`, and writes every tile (expert, n0, row0, rows) to a buffer. The
-//! host then checks, for expert row counts from many routings (empty first, middle and
-//! last experts, everything on one expert, no rows at all): the tile count is the tight
-//! one, Σ_e ⌈rows_e / BM⌉ · N_TILES; every tile has 1..=BM rows inside its expert and an
-//! n-tile below N_TILES; every (expert, row) is covered exactly once per n-tile; nothing is
-//! written past the last tile.
+//! very device functions the GEMMs call, `tile_schedule<BM, N_TILES, EXPERTS, PHASES>` and
+//! `locate_tile<BM, BN, EXPERTS, PHASES>`, and writes every tile (expert, n0, row0, rows)
+//! to a buffer. The host then checks, for expert row counts from many routings (empty
+//! first, middle and last experts, everything on one expert, no rows at all), each split
+//! into PHASES runs per expert (1, as on one GPU; 3, as the sources of an expert-parallel
+//! rank): the tile count is the tight one, Σ_e ⌈rows_e / BM⌉ · N_TILES; every tile has
+//! 1..=BM rows inside its expert and an n-tile below N_TILES; every (expert, row) is
+//! covered exactly once per n-tile; tiles come in the order of the phase of their last row;
+//! nothing is written past the last tile.
 
 use std::io::Write;
 
@@ -38,13 +40,13 @@ const PROBE_TEMPLATE: &str = r#"
 // ---------------------------------------------------------------------------------------
 // Appended by moeforge's tile-schedule test: every tile of the GEMMs' schedule, written out.
 // ---------------------------------------------------------------------------------------
-template <int BM, int BN, int N_TILES>
-__device__ void probe_tiles(const int* __restrict__ expert_offsets, int* s_tile_start, int* __restrict__ out, int capacity) {
-    tile_schedule<BM, N_TILES>(expert_offsets, s_tile_start);
-    const int total = s_tile_start[EXPERTS];
+template <int BM, int BN, int N_TILES, int PHASES>
+__device__ void probe_tiles(const int* __restrict__ row_offsets, int* s_tile_start, int* __restrict__ out, int capacity) {
+    tile_schedule<BM, N_TILES, EXPERTS, PHASES>(row_offsets, s_tile_start);
+    const int total = s_tile_start[EXPERTS * PHASES];
     if (threadIdx.x == 0) out[0] = total;
     for (int tile = threadIdx.x; tile < total && tile < capacity; tile += blockDim.x) {
-        const GemmTile t = locate_tile<BM, BN>(tile, s_tile_start, expert_offsets);
+        const GemmTile t = locate_tile<BM, BN, EXPERTS, PHASES>(tile, s_tile_start, row_offsets);
         int* record = out + 1 + 4 * tile;
         record[0] = t.expert;
         record[1] = t.n0;
@@ -54,31 +56,39 @@ __device__ void probe_tiles(const int* __restrict__ expert_offsets, int* s_tile_
 }
 "#;
 
-/// One instantiation of the schedule: tile rows, tile columns, column tiles.
+/// Runs of rows per expert in the phased schedule (as the sources of an expert-parallel
+/// rank with three ranks).
+const PHASES: u32 = 3;
+
+/// One instantiation of the schedule: tile rows, tile columns, column tiles, and runs of
+/// rows per expert.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Config {
     bm: u32,
     bn: u32,
     n_tiles: u32,
+    phases: u32,
 }
 
 impl Config {
     fn kernel(&self) -> String {
         format!(
-            "moeforge_probe_tiles_{}_{}_{}",
-            self.bm, self.bn, self.n_tiles
+            "moeforge_probe_tiles_{}_{}_{}_{}",
+            self.bm, self.bn, self.n_tiles, self.phases
         )
     }
 
     fn entry_point(&self) -> String {
         format!(
-            "extern \"C\" __global__ void {}(const int* expert_offsets, int* out, int capacity) {{\n    \
-             __shared__ int s_tile_start[EXPERTS + 1];\n    \
-             probe_tiles<{}, {}, {}>(expert_offsets, s_tile_start, out, capacity);\n}}\n",
+            "extern \"C\" __global__ void {}(const int* row_offsets, int* out, int capacity) {{\n    \
+             __shared__ int s_tile_start[EXPERTS * {} + 1];\n    \
+             probe_tiles<{}, {}, {}, {}>(row_offsets, s_tile_start, out, capacity);\n}}\n",
             self.kernel(),
+            self.phases,
             self.bm,
             self.bn,
-            self.n_tiles
+            self.n_tiles,
+            self.phases
         )
     }
 
@@ -123,11 +133,13 @@ fn configs(plan: &Plan) -> Vec<Config> {
                 bm: r.gemm1.tile.m,
                 bn: r.gemm1.tile.n,
                 n_tiles: shape.ffn / r.gemm1.tile.n,
+                phases: 1,
             },
             Config {
                 bm: r.gemm2.tile.m,
                 bn: r.gemm2.tile.n,
                 n_tiles: shape.hidden / r.gemm2.tile.n,
+                phases: 1,
             },
         ]
     });
@@ -136,25 +148,55 @@ fn configs(plan: &Plan) -> Vec<Config> {
             bm: 16,
             bn: 64,
             n_tiles: 1,
+            phases: 1,
         },
         Config {
             bm: 64,
             bn: 128,
             n_tiles: 2,
+            phases: 1,
         },
         Config {
             bm: 128,
             bn: 64,
             n_tiles: 5,
+            phases: 1,
         },
     ];
     let mut configs = Vec::new();
     for config in from_plan.chain(others) {
-        if !configs.contains(&config) {
-            configs.push(config);
+        for phases in [1, PHASES] {
+            let config = Config { phases, ..config };
+            if !configs.contains(&config) {
+                configs.push(config);
+            }
         }
     }
     configs
+}
+
+/// Each expert's rows split into `phases` runs (some empty, some not), expert-major: the
+/// row counts of the offsets a phased schedule reads.
+fn runs_of(counts: &[u32], phases: u32) -> Vec<u32> {
+    let mut rng = SplitMix64::new(0x9a5e ^ u64::from(phases));
+    let mut runs = Vec::with_capacity(counts.len() * phases as usize);
+    for &count in counts {
+        let mut left = count;
+        for phase in 0..phases {
+            let run = if phase + 1 == phases {
+                left
+            } else {
+                match rng.below(4) {
+                    0 => 0,
+                    1 => left,
+                    _ => rng.below(left + 1),
+                }
+            };
+            runs.push(run);
+            left -= run;
+        }
+    }
+    runs
 }
 
 /// Rows per expert for each routing the test runs, with a name.
@@ -198,13 +240,20 @@ fn routings(plan: &Plan) -> Vec<(String, Vec<u32>)> {
     cases
 }
 
-/// What the probe wrote, checked against the rules of the schedule.
-fn check_tiles(config: Config, counts: &[u32], out: &[i32]) -> Result<usize, String> {
-    let mut offsets = vec![0u32];
-    for &c in counts {
-        offsets.push(offsets.last().copied().unwrap_or(0) + c);
+/// What the probe wrote for rows split into `runs` (`config.phases` per expert), checked
+/// against the rules of the schedule.
+fn check_tiles(config: Config, runs: &[u32], out: &[i32]) -> Result<usize, String> {
+    let phases = config.phases as usize;
+    let mut run_starts = vec![0u32];
+    for &r in runs {
+        run_starts.push(run_starts.last().copied().unwrap_or(0) + r);
     }
+    let offsets: Vec<u32> = run_starts.iter().step_by(phases).copied().collect();
+    let counts: Vec<u32> = runs.chunks(phases).map(|c| c.iter().sum()).collect();
     let total_rows = offsets[counts.len()];
+    // The phase of a row: the run holding it, counted within its expert.
+    let phase_of = |row: u32| (run_starts.partition_point(|&start| start <= row) - 1) % phases;
+    let mut last_phase = 0;
     let expected: u32 = counts
         .iter()
         .map(|c| c.div_ceil(config.bm) * config.n_tiles)
@@ -247,6 +296,13 @@ fn check_tiles(config: Config, counts: &[u32], out: &[i32]) -> Result<usize, Str
         for row in row0..row0 + rows {
             covered[(n0 / bn) as usize][row as usize] += 1;
         }
+        let phase = phase_of((row0 + rows - 1) as u32);
+        if phase < last_phase {
+            return fail(&format!(
+                "its last row is in phase {phase}, after a tile in phase {last_phase}"
+            ));
+        }
+        last_phase = phase;
     }
     for (n_tile, rows) in covered.iter().enumerate() {
         if let Some(row) = rows.iter().position(|&c| c != 1) {
@@ -298,8 +354,9 @@ fn tile_schedule_covers_every_row_once_per_column_tile() {
             .load_function(&config.kernel())
             .expect("the probe's entry point");
         for (name, counts) in routings(&plan) {
+            let runs = runs_of(&counts, config.phases);
             let mut offsets = vec![0i32];
-            for &c in &counts {
+            for &c in &runs {
                 offsets.push(offsets.last().copied().unwrap_or(0) + c as i32);
             }
             let total_rows = counts.iter().sum();
@@ -319,15 +376,15 @@ fn tile_schedule_covers_every_row_once_per_column_tile() {
                 block_dim: (PROBE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the probe reads EXPERTS + 1 offsets and writes 1 + 4 · capacity ints,
+            // SAFETY: the probe reads EXPERTS · phases + 1 offsets and writes 1 + 4 · capacity ints,
             // the sizes of the two buffers.
             unsafe { launch.launch(launch_config) }.expect("launch the probe");
             let out = stream.clone_dtoh(&out_dev).expect("download the tiles");
             let label = format!(
-                "tile schedule BM={} BN={} N_TILES={}, {name}",
-                config.bm, config.bn, config.n_tiles
+                "tile schedule BM={} BN={} N_TILES={} PHASES={}, {name}",
+                config.bm, config.bn, config.n_tiles, config.phases
             );
-            match check_tiles(*config, &counts, &out) {
+            match check_tiles(*config, &runs, &out) {
                 Ok(tiles) => log(&format!("{label}: {tiles} tiles: ok")),
                 Err(error) => {
                     log(&format!("{label}: FAIL: {error}"));
@@ -351,6 +408,7 @@ fn the_host_check_rejects_broken_schedules() {
         bm: 16,
         bn: 64,
         n_tiles: 2,
+        phases: 1,
     };
     // Expert 0: 20 rows (2 row tiles), expert 1: none, expert 2: 5 rows (1 row tile).
     let mut counts = vec![0; EXPERTS as usize];
@@ -396,4 +454,40 @@ fn the_host_check_rejects_broken_schedules() {
     ] {
         assert!(check_tiles(config, &counts, &out).is_err(), "{what}");
     }
+
+    // Two phases: expert 0 has 20 rows then 5 (its second row tile ends in phase 1),
+    // expert 2 has 5 rows in phase 0 only: both of its tiles come before expert 0's
+    // second row tile.
+    let phased = Config {
+        phases: 2,
+        ..config
+    };
+    let mut runs = vec![0; 2 * EXPERTS as usize];
+    runs[0] = 20;
+    runs[1] = 5;
+    runs[4] = 5;
+    let in_order = [
+        [0, 0, 0, 16],
+        [0, 64, 0, 16],
+        [2, 0, 25, 5],
+        [2, 64, 25, 5],
+        [0, 0, 16, 9],
+        [0, 64, 16, 9],
+    ];
+    let capacity = phased.capacity(30) as usize;
+    let write = |tiles: &[[i32; 4]]| -> Vec<i32> {
+        let mut out = vec![UNWRITTEN; 1 + 4 * capacity];
+        out[0] = tiles.len() as i32;
+        for (i, t) in tiles.iter().enumerate() {
+            out[1 + 4 * i..5 + 4 * i].copy_from_slice(t);
+        }
+        out
+    };
+    assert_eq!(check_tiles(phased, &runs, &write(&in_order)), Ok(6));
+    let mut out_of_order = in_order;
+    out_of_order.swap(2, 4);
+    assert!(
+        check_tiles(phased, &runs, &write(&out_of_order)).is_err(),
+        "a tile waiting for phase 1 before one of phase 0"
+    );
 }

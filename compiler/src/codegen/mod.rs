@@ -156,7 +156,7 @@ const EP_ARRANGE_USES: &[&str] = &[
     "recv_weight",
     "recv_counts",
     "meta_flags",
-    "expert_offsets",
+    "segment_offsets",
     "segment_rows",
     "segment_pairs",
     "segment_weights",
@@ -168,7 +168,7 @@ const EP_ARRANGE_USES: &[&str] = &[
 const EP_GEMM_UP_USES: &[&str] = &[
     "recv_x",
     "w1",
-    "expert_offsets",
+    "segment_offsets",
     "segment_rows",
     "chunk_flags",
     "rank",
@@ -179,7 +179,7 @@ const EP_GEMM_UP_USES: &[&str] = &[
 const EP_GEMM_DOWN_USES: &[&str] = &[
     "intermediate",
     "w2",
-    "expert_offsets",
+    "segment_offsets",
     "segment_pairs",
     "segment_weights",
     "row_origins",
@@ -233,6 +233,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::ChunkPieces => "[RANKS, CHUNKS]: pieces of each chunk copied",
             BufferId::ArrangeBlocksDone => "[1]: arrange blocks done with the receive index",
             BufferId::RowOrigins => "[rows]: rank each row came from",
+            BufferId::SegmentOffsets => {
+                "[LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run"
+            }
             BufferId::SegmentRows | BufferId::SegmentPairs | BufferId::SegmentWeights => "[rows]",
             BufferId::CombineCounters => "[MAX_TOKENS], written by peers",
             BufferId::PeerTable => "[RANKS, PEER_BUFFERS]: peers' addresses",
@@ -389,14 +392,14 @@ impl GemmUnit {
                 "ep_gemm1",
                 EP_GEMM_UP_USES,
                 "ExpertParallel",
-                "recv_x, {weights}, nullptr, expert_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, error_word, rank, epoch)",
+                "recv_x, {weights}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, error_word, rank, epoch)",
             ),
             GemmRole::ExpertParallelDown => (
                 "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",
                 "ep_gemm2",
                 EP_GEMM_DOWN_USES,
                 "ExpertParallel",
-                "intermediate, {weights}, nullptr, expert_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank)",
+                "intermediate, {weights}, nullptr, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank)",
             ),
         };
         let (kind, n, kd) = if up {

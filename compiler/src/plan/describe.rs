@@ -91,12 +91,12 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
     );
     let _ = writeln!(
         out,
-        "    GEMM row order     (local rows first, then by arrival) {}",
+        "    GEMM row order     (per local expert, sources local first, then by arrival) {}",
         orders(&ep.receive_order)
     );
     let _ = writeln!(
         out,
-        "    GEMM waits         a GEMM1 tile acquires the flag of each chunk its rows were sent in, (source, slot / {}), before it loads them; GEMM2 releases each origin token's combine counter",
+        "    GEMM tile order    by the source of a tile's last row, in the order above, then expert, column tile, row tile: every tile on local rows runs before any that waits for a peer\n    GEMM waits         a GEMM1 tile acquires the flag of each chunk its rows were sent in, (source, slot / {}), before it loads them; GEMM2 releases each origin token's combine counter",
         ep.dispatch_chunk
     );
     for regime in &ep.regimes {

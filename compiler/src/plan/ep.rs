@@ -328,7 +328,7 @@ pub fn plan_expert_parallel(
         sm_count: compute_sms,
         ..target.clone()
     };
-    let ep_regimes = choose_regimes(layer, &rank_target, &rank_shape)?
+    let ep_regimes = choose_regimes(layer, &rank_target, &rank_shape, ranks)?
         .into_iter()
         .map(|choice| {
             let (mut gemm1, mut gemm2) = (choice.gemm1, choice.gemm2);
@@ -472,9 +472,9 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             "arrange blocks done with this call's receive index",
         ),
         buffer(
-            BufferId::ExpertOffsets,
-            local + 1,
-            "first GEMM row of each local expert",
+            BufferId::SegmentOffsets,
+            segments + 1,
+            "first GEMM row of each (local expert, source) run",
         ),
         buffer(
             BufferId::RowOrigins,
@@ -661,7 +661,7 @@ fn launch_table(
                 shared(Workspace(RecvWeight)),
                 shared(Workspace(RecvCounts)),
                 shared(Workspace(MetaFlags)),
-                write(Workspace(ExpertOffsets)),
+                write(Workspace(SegmentOffsets)),
                 write(Workspace(SegmentRows)),
                 write(Workspace(SegmentPairs)),
                 write(Workspace(SegmentWeights)),
@@ -681,7 +681,7 @@ fn launch_table(
             vec![
                 shared(Workspace(RecvX)),
                 weight_param(g1, true),
-                read(Workspace(ExpertOffsets)),
+                read(Workspace(SegmentOffsets)),
                 read(Workspace(SegmentRows)),
                 shared(Workspace(ChunkFlags)),
                 read(Rank),
@@ -700,7 +700,7 @@ fn launch_table(
             vec![
                 read(Workspace(Intermediate)),
                 weight_param(g2, false),
-                read(Workspace(ExpertOffsets)),
+                read(Workspace(SegmentOffsets)),
                 read(Workspace(SegmentPairs)),
                 read(Workspace(SegmentWeights)),
                 read(Workspace(RowOrigins)),

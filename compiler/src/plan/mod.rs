@@ -176,6 +176,9 @@ pub enum BufferId {
     /// u32 [R · chunks per source]: per destination chunk, the pieces of it copied so far
     /// in this call (the last copier releases the chunk and puts the count back to zero).
     ChunkPieces,
+    /// i32 [E/R · R + 1]: the first GEMM row of each (local expert, source) run, sources in
+    /// receive order, then the end (the GEMMs' tile schedule orders tiles by source).
+    SegmentOffsets,
     /// u32 [1]: blocks of the arrange kernel done with this call's receive index (the last
     /// one returns the sources' credits and puts the count back to zero).
     ArrangeBlocksDone,
@@ -209,6 +212,7 @@ impl BufferId {
             | BufferId::RecvPair
             | BufferId::RecvCounts
             | BufferId::RowOrigins
+            | BufferId::SegmentOffsets
             | BufferId::SegmentRows
             | BufferId::SegmentPairs => ElemType::I32,
             BufferId::Intermediate | BufferId::CombineSlots | BufferId::RecvX => ElemType::Bf16,
@@ -242,6 +246,7 @@ impl BufferId {
             BufferId::ChunkPieces => "chunk_pieces",
             BufferId::ArrangeBlocksDone => "arrange_blocks_done",
             BufferId::RowOrigins => "row_origins",
+            BufferId::SegmentOffsets => "segment_offsets",
             BufferId::SegmentRows => "segment_rows",
             BufferId::SegmentPairs => "segment_pairs",
             BufferId::SegmentWeights => "segment_weights",
@@ -472,14 +477,21 @@ pub struct SmemLayout {
     /// `align_slack + barrier_offset + 16·stages` (warp-specialised) or
     /// `align_slack + barrier_offset` (no barriers).
     pub dynamic_bytes: u32,
-    /// The static tile-start table, `4·(E + 1)` bytes, as reserved (rounded up to
+    /// The static tile-start table, `4·(groups + 1)` bytes (a group per expert, or per
+    /// (source, local expert) on the expert-parallel path), as reserved (rounded up to
     /// [`STATIC_SMEM_GRANULE`]).
     pub static_bytes: u32,
 }
 
 impl SmemLayout {
     /// The layout of a block whose tile table covers `experts` groups of rows.
-    pub fn new(engine: MmaEngine, tile: TileShape, b_rows: u32, stages: u32, experts: u32) -> Self {
+    pub fn new(
+        engine: MmaEngine,
+        tile: TileShape,
+        b_rows: u32,
+        stages: u32,
+        tile_groups: u32,
+    ) -> Self {
         let row_bytes = SMEM_ROW_BYTES;
         let stage_bytes = (tile.m + b_rows) * row_bytes;
         // The dynamic allocation is declared 128-byte aligned, which is what mma.sync's ring
@@ -505,7 +517,7 @@ impl SmemLayout {
             row_source_offset,
             barrier_offset,
             dynamic_bytes: align_slack + barrier_offset + barrier_bytes,
-            static_bytes: static_smem_reserved(4 * (experts + 1)),
+            static_bytes: static_smem_reserved(4 * (tile_groups + 1)),
         }
     }
 
@@ -596,10 +608,13 @@ pub struct GemmProblem {
     pub k: u32,
     /// Whether B carries two rows (gate, up) per output column.
     pub gated: bool,
+    /// Runs of rows per expert the tile schedule orders tiles by: 1 on one GPU; on a rank
+    /// of the expert-parallel path, one per source rank (tiles on rows already here first).
+    pub row_phases: u32,
 }
 
 impl GemmProblem {
-    fn for_layer(shape: &LayerShape, kind: GemmKind) -> Self {
+    fn for_layer(shape: &LayerShape, kind: GemmKind, row_phases: u32) -> Self {
         let (n, k, gated) = match kind {
             GemmKind::Up => (shape.ffn, shape.hidden, shape.activation.is_gated()),
             GemmKind::Down => (shape.hidden, shape.ffn, false),
@@ -611,6 +626,7 @@ impl GemmProblem {
             n,
             k,
             gated,
+            row_phases,
         }
     }
 }
@@ -636,7 +652,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     let route_kernel = format!("{symbol}_route");
     let combine_kernel = format!("{symbol}_combine");
     let mut regimes = Vec::new();
-    for choice in choose_regimes(layer, target, &shape)? {
+    for choice in choose_regimes(layer, target, &shape, 1)? {
         let gemm1_kernel = format!("{symbol}_{}_gemm1", choice.name);
         let gemm2_kernel = format!("{symbol}_{}_gemm2", choice.name);
         let launches = launch::launch_table(
@@ -959,7 +975,13 @@ fn shape_gemm(
             engine.name()
         ));
     }
-    let smem = SmemLayout::new(engine, tile, b_rows, stages, problem.experts);
+    let smem = SmemLayout::new(
+        engine,
+        tile,
+        b_rows,
+        stages,
+        problem.experts * problem.row_phases,
+    );
     if smem.total_bytes() > target.smem_per_block {
         return Err(format!(
             "{} bytes of shared memory ({stages} stages of {} B, row table, {} B of tile table) exceed the {} a block may use",
@@ -1089,7 +1111,7 @@ pub fn hint_problems(layer: &ir::Layer, target: &Target) -> Vec<HintProblem> {
         return problems;
     }
     for kind in [GemmKind::Up, GemmKind::Down] {
-        let problem = GemmProblem::for_layer(&shape, kind);
+        let problem = GemmProblem::for_layer(&shape, kind, 1);
         let hinted_tile = match kind {
             GemmKind::Up => hints.gemm1_tile,
             GemmKind::Down => hints.gemm2_tile,
@@ -1152,9 +1174,10 @@ pub(crate) fn choose_regimes(
     layer: &ir::Layer,
     target: &Target,
     shape: &LayerShape,
+    row_phases: u32,
 ) -> Result<Vec<RegimeChoice>, PlanError> {
-    let up = GemmProblem::for_layer(shape, GemmKind::Up);
-    let down = GemmProblem::for_layer(shape, GemmKind::Down);
+    let up = GemmProblem::for_layer(shape, GemmKind::Up, row_phases);
+    let down = GemmProblem::for_layer(shape, GemmKind::Down, row_phases);
     let hints = &layer.schedule;
     let mut probes: Vec<u32> = std::iter::successors(Some(1u32), |t| t.checked_mul(2))
         .take_while(|&t| t < shape.max_tokens)

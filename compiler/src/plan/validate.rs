@@ -70,7 +70,7 @@ impl Plan {
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
             let regimes = ep.regimes.iter().map(ExpertParallelRegime::parts);
-            self.check_regimes(regimes, ep.experts_per_rank)
+            self.check_regimes(regimes, ep.experts_per_rank * ep.ranks)
                 .map_err(|e| format!("expert-parallel: {e}"))?;
         }
         Ok(())
@@ -170,7 +170,7 @@ impl Plan {
     fn check_regimes<'a>(
         &self,
         regimes: impl Iterator<Item = RegimeParts<'a>>,
-        experts: u32,
+        tile_groups: u32,
     ) -> Result<(), String> {
         let shape = &self.shape;
         let mut next_min = 0u64;
@@ -196,7 +196,8 @@ impl Plan {
                 {
                     return Err(format!("the tile of `{kernel}` does not divide {n}x{k}"));
                 }
-                let layout = SmemLayout::new(gemm.engine, tile, gemm.b_rows, gemm.stages, experts);
+                let layout =
+                    SmemLayout::new(gemm.engine, tile, gemm.b_rows, gemm.stages, tile_groups);
                 if gemm.smem != layout || gemm.smem_bytes != layout.dynamic_bytes {
                     return Err(format!(
                         "the shared-memory layout of `{kernel}` does not add up"

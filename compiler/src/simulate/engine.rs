@@ -386,57 +386,75 @@ impl<'a> Machine<'a> {
         let mut block1 = vec![start; g1.grid_blocks.max(1) as usize];
         let mut block2_rows = Vec::new();
         for local in 0..self.ep.experts_per_rank {
+            // Rows per source in receive order (the kernels' phases), empty ones included.
             let segments: Vec<(u32, u32)> = order
                 .iter()
                 .map(|&s| (s, self.traffic.pairs_to(s, d, local)))
-                .filter(|&(_, n)| n > 0)
                 .collect();
             let expert_rows: u32 = segments.iter().map(|&(_, n)| n).sum();
             for &(s, n) in &segments {
                 rows[s as usize] += u64::from(n);
             }
             block2_rows.push(expert_rows);
-            if expert_rows == 0 {
-                continue;
-            }
             let bm = g1.tile.m;
             let m_tiles = expert_rows.div_ceil(bm);
             // Readiness of each row tile: the latest chunk its rows sit in.
             let mut row_ready = vec![start; m_tiles as usize];
+            // m_done[p]: row tiles whose last row is in phase p or before (as the kernels'
+            // `m_tiles_done`: whole tiles, or all of them once no later phase has rows).
+            let mut m_done = Vec::with_capacity(segments.len());
             let mut first = 0u32;
             for &(s, n) in &segments {
-                let sent = self.traffic.tokens_to(s, d);
-                for m in first / bm..=(first + n - 1) / bm {
-                    let last = ((m + 1) * bm).min(first + n) - 1 - first;
-                    let pos = (u64::from(last + 1) * u64::from(sent)).div_ceil(u64::from(n)) as u32;
-                    let slot = &mut row_ready[m as usize];
-                    *slot = slot.max(ready(s, pos));
+                if n > 0 {
+                    let sent = self.traffic.tokens_to(s, d);
+                    for m in first / bm..=(first + n - 1) / bm {
+                        let last = ((m + 1) * bm).min(first + n) - 1 - first;
+                        let pos =
+                            (u64::from(last + 1) * u64::from(sent)).div_ceil(u64::from(n)) as u32;
+                        let slot = &mut row_ready[m as usize];
+                        *slot = slot.max(ready(s, pos));
+                    }
                 }
                 first += n;
+                m_done.push(if first == expert_rows {
+                    m_tiles
+                } else {
+                    first / bm
+                });
             }
-            tiles.push((row_ready, m_tiles));
+            tiles.push((row_ready, m_done));
         }
         let n1 = self.ffn / g1.tile.n;
-        let total: u32 = tiles.iter().map(|(_, m_tiles)| m_tiles * n1).sum();
+        let total: u32 = tiles
+            .iter()
+            .map(|(row_ready, _)| row_ready.len() as u32 * n1)
+            .sum();
         let mut id = 0usize;
         let mut record = lane;
-        for (row_ready, m_tiles) in &tiles {
-            let duration = model::tile_seconds(self.target, g1, self.hidden, [*m_tiles, n1], total);
-            for _ in 0..n1 {
-                for &r in row_ready {
-                    let b = id % block1.len();
-                    let begin = block1[b].max(r);
-                    block1[b] = begin + duration;
-                    if b == 0
-                        && let Some(lane) = record.as_deref_mut()
-                    {
-                        lane.tiles.push(Span {
-                            start: begin,
-                            end: begin + duration,
-                            label: "GEMM1".into(),
-                        });
+        // Tiles in the kernels' order: phase, expert, n-tile, m-tile.
+        for phase in 0..order.len() {
+            for (row_ready, m_done) in &tiles {
+                let m_tiles = row_ready.len() as u32;
+                let duration =
+                    model::tile_seconds(self.target, g1, self.hidden, [m_tiles, n1], total);
+                let begin_m = if phase == 0 { 0 } else { m_done[phase - 1] } as usize;
+                let phase_tiles = &row_ready[begin_m..m_done[phase] as usize];
+                for _ in 0..n1 {
+                    for &r in phase_tiles {
+                        let b = id % block1.len();
+                        let begin = block1[b].max(r);
+                        block1[b] = begin + duration;
+                        if b == 0
+                            && let Some(lane) = record.as_deref_mut()
+                        {
+                            lane.tiles.push(Span {
+                                start: begin,
+                                end: begin + duration,
+                                label: "GEMM1".into(),
+                            });
+                        }
+                        id += 1;
                     }
-                    id += 1;
                 }
             }
         }
