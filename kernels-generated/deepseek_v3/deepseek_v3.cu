@@ -1406,7 +1406,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_gemm2(
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=64 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 216 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 232 persistent blocks (2 per SM)
 struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -1435,7 +1435,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_decode_ep_gemm1
     grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 756 persistent blocks (7 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 812 persistent blocks (7 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
@@ -1467,7 +1467,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_decode_ep_gemm2
 // ---------------------------------------------------------------------------------------
 // Rank regime `mid`, expert-parallel (tokens per rank): 65..=256 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 108 persistent blocks (1 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -1498,7 +1498,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_ep_gemm1(
     grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 108 persistent blocks (1 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
@@ -1532,7 +1532,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_ep_gemm2(
 // ---------------------------------------------------------------------------------------
 // Rank regime `prefill`, expert-parallel (tokens per rank): 257..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 108 persistent blocks (1 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -1563,7 +1563,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm
     grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 108 persistent blocks (1 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;

@@ -68,7 +68,7 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
     );
     let _ = writeln!(
         out,
-        "    blocks             {} communication ({}) and {} compute SMs per rank",
+        "    blocks             at most {} communication ({}) and at least {} compute SMs per rank; each rank regime below says its own",
         ep.comm_blocks, ep.comm_reason, ep.compute_sms
     );
     let _ = writeln!(out, "    residency          {}", ep.residency);
@@ -101,6 +101,11 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
     );
     for regime in &ep.regimes {
         describe_regime(out, "rank regime", regime.parts());
+        let _ = writeln!(
+            out,
+            "    blocks {} communication ({}), {} compute SMs",
+            regime.comm_blocks, regime.comm_reason, regime.compute_sms
+        );
     }
 }
 

@@ -22,10 +22,13 @@ use serde::{Deserialize, Serialize};
 
 use super::launch::{KernelParam, StreamRole, weight_param};
 use super::{
-    Buffer, BufferId, COMBINE_THREADS, GemmPlan, Grid, Launch, LaunchArg, LayerShape, PlanError,
-    RegimeParts, Target, choose_regimes, static_smem_reserved,
+    Buffer, BufferId, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid, Launch, LaunchArg,
+    LayerShape, PlanError, RegimeChoice, RegimeParts, Target, choose_regimes, cost,
+    static_smem_reserved,
 };
 use crate::ir::{self, TrafficOrder};
+// The rate one dispatch block moves, as the simulator's calibration fitted it.
+use crate::simulate::model::COMM_BLOCK_BYTES_PER_S;
 
 /// Where the ranks of a plan live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,6 +152,11 @@ pub struct ExpertParallelRegime {
     pub gemm2: GemmPlan,
     pub gemm1_kernel: String,
     pub gemm2_kernel: String,
+    /// Dispatch blocks of this regime (at most the plan's `comm_blocks`), and why.
+    pub comm_blocks: u32,
+    pub comm_reason: String,
+    /// SMs its compute kernels fill: the rank's SMs less `max(comm_blocks, R)`.
+    pub compute_sms: u32,
     /// The launches of one call on one rank, in order per stream.
     pub launches: Vec<Launch>,
 }
@@ -328,38 +336,89 @@ pub fn plan_expert_parallel(
         sm_count: compute_sms,
         ..target.clone()
     };
-    let ep_regimes = choose_regimes(layer, &rank_target, &rank_shape, ranks)?
-        .into_iter()
-        .map(|choice| {
-            let (mut gemm1, mut gemm2) = (choice.gemm1, choice.gemm2);
-            for gemm in [&mut gemm1, &mut gemm2] {
-                gemm.grid_blocks = compute_blocks(placement, compute_sms, gemm.blocks_per_sm);
+    let gemm1_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Up, ranks);
+    let gemm2_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Down, ranks);
+    let regime = |choice: &RegimeChoice, name: String, tokens: [u32; 2], comm: (u32, String)| {
+        let (regime_comm_blocks, comm_reason) = comm;
+        let compute_sms = sms_per_rank - regime_comm_blocks.max(ranks);
+        let (mut gemm1, mut gemm2) = (choice.gemm1.clone(), choice.gemm2.clone());
+        for (gemm, problem) in [(&mut gemm1, &gemm1_problem), (&mut gemm2, &gemm2_problem)] {
+            gemm.grid_blocks = compute_blocks(placement, compute_sms, gemm.blocks_per_sm);
+            // Estimated at this regime's largest call, on its SMs.
+            let regime_target = Target {
+                sm_count: compute_sms,
+                ..target.clone()
+            };
+            gemm.estimate = cost::estimate(&regime_target, problem, gemm, tokens[1]);
+        }
+        let gemm1_kernel = format!("{symbol}_{name}_ep_gemm1");
+        let gemm2_kernel = format!("{symbol}_{name}_ep_gemm2");
+        let launches = launch_table(
+            &kernels,
+            [&gemm1_kernel, &gemm2_kernel],
+            [&gemm1, &gemm2],
+            &sizes,
+            &KernelBlocks {
+                dispatch: regime_comm_blocks,
+                arrange: compute_blocks(placement, compute_sms, 1),
+                combine: compute_blocks(placement, compute_sms, COMBINE_BLOCKS_PER_SM),
+            },
+        );
+        ExpertParallelRegime {
+            name,
+            min_tokens: tokens[0],
+            max_tokens: tokens[1],
+            gemm1,
+            gemm2,
+            gemm1_kernel,
+            gemm2_kernel,
+            comm_blocks: regime_comm_blocks,
+            comm_reason,
+            compute_sms,
+            launches,
+        }
+    };
+    let mut ep_regimes = Vec::new();
+    for choice in choose_regimes(layer, &rank_target, &rank_shape, ranks)? {
+        let split = match (placement, hints.comm_blocks) {
+            (Placement::Devices, None) => {
+                hiding_comm_blocks(layer, ranks, comm_blocks, &choice, |t| {
+                    cost::estimate(&rank_target, &gemm1_problem, &choice.gemm1, t).seconds
+                })
             }
-            let gemm1_kernel = format!("{symbol}_{}_ep_gemm1", choice.name);
-            let gemm2_kernel = format!("{symbol}_{}_ep_gemm2", choice.name);
-            let launches = launch_table(
-                &kernels,
-                [&gemm1_kernel, &gemm2_kernel],
-                [&gemm1, &gemm2],
-                &sizes,
-                &KernelBlocks {
-                    dispatch: comm_blocks,
-                    arrange: compute_blocks(placement, compute_sms, 1),
-                    combine: compute_blocks(placement, compute_sms, COMBINE_BLOCKS_PER_SM),
-                },
-            );
-            ExpertParallelRegime {
-                name: choice.name,
-                min_tokens: choice.min_tokens,
-                max_tokens: choice.max_tokens,
-                gemm1,
-                gemm2,
-                gemm1_kernel,
-                gemm2_kernel,
-                launches,
+            _ => None,
+        };
+        let plans = || (comm_blocks, "the plan's".to_string());
+        match split {
+            Some(split) if split.from_tokens > choice.min_tokens => {
+                let below = [choice.min_tokens, split.from_tokens - 1];
+                let tail = [split.from_tokens, choice.max_tokens];
+                let short = (
+                    comm_blocks,
+                    format!(
+                        "the plan's: below {} tokens GEMM1's tiles on local rows are too few to hide a dispatch on fewer",
+                        split.from_tokens
+                    ),
+                );
+                ep_regimes.push(regime(&choice, choice.name.clone(), below, short));
+                let name = format!("{}_long", choice.name);
+                ep_regimes.push(regime(&choice, name, tail, (split.blocks, split.reason)));
             }
-        })
-        .collect();
+            Some(split) => {
+                let tokens = [choice.min_tokens, choice.max_tokens];
+                ep_regimes.push(regime(
+                    &choice,
+                    choice.name.clone(),
+                    tokens,
+                    (split.blocks, split.reason),
+                ));
+            }
+            None => {
+                let tokens = [choice.min_tokens, choice.max_tokens];
+                ep_regimes.push(regime(&choice, choice.name.clone(), tokens, plans()));
+            }
+        }
+    }
     let [
         route_kernel,
         dispatch_kernel,
@@ -537,6 +596,73 @@ fn dispatch_piece(chunk: u32, row_bytes: u64) -> u32 {
         piece *= 2;
     }
     piece
+}
+
+/// Fewer communication blocks for the longer calls of a regime, on GPUs of their own.
+struct CommSplit {
+    /// The calls of at least this many tokens (per rank) take `blocks`.
+    from_tokens: u32,
+    blocks: u32,
+    reason: String,
+}
+
+/// The fewest communication blocks (from one per destination up to the plan's `default`)
+/// whose dispatch of a call (every token to every peer, at [`COMM_BLOCK_BYTES_PER_S`] a
+/// block) takes no longer than GEMM1's tiles on local rows, which run first and hide it,
+/// for every call of the regime from some token count on (probed at powers of two and the
+/// regime's ends); the SMs this frees compute. Their share of GEMM1's tiles: whole row
+/// tiles of local rows under uniform routing, none while a source's rows per expert are
+/// fewer than a tile's. `None` when no count of the regime hides a dispatch on fewer.
+fn hiding_comm_blocks(
+    layer: &ir::Layer,
+    ranks: u32,
+    default: u32,
+    choice: &RegimeChoice,
+    gemm1_seconds: impl Fn(u32) -> f64,
+) -> Option<CommSplit> {
+    let bm = f64::from(choice.gemm1.tile.m);
+    // A call of `tokens`: the bytes it dispatches and the seconds of its local tiles, if any.
+    let hiding = |tokens: u32| -> Option<(f64, f64)> {
+        let rows_per_source = f64::from(tokens) * f64::from(layer.top_k) / f64::from(layer.experts);
+        let all_tiles = (rows_per_source * f64::from(ranks) / bm).ceil();
+        let local_tiles = (rows_per_source / bm).floor();
+        let bytes = f64::from(tokens) * f64::from(layer.hidden) * 2.0 * f64::from(ranks - 1);
+        (local_tiles > 0.0).then(|| (bytes, gemm1_seconds(tokens) * local_tiles / all_tiles))
+    };
+    let needed = |tokens: u32| {
+        hiding(tokens).map(|(bytes, seconds)| {
+            let blocks = (bytes / (seconds * COMM_BLOCK_BYTES_PER_S)).ceil() as u32;
+            blocks.max(ranks.min(default))
+        })
+    };
+    let probes: Vec<u32> = std::iter::once(choice.min_tokens)
+        .chain(
+            std::iter::successors(Some(1u32), |t| t.checked_mul(2))
+                .skip_while(|&t| t <= choice.min_tokens)
+                .take_while(|&t| t < choice.max_tokens),
+        )
+        .chain(std::iter::once(choice.max_tokens))
+        .collect();
+    let (first, blocks) = (0..probes.len()).find_map(|first| {
+        let blocks = probes[first..]
+            .iter()
+            .map(|&t| needed(t))
+            .try_fold(0u32, |most, n| n.map(|n| most.max(n)))?;
+        (blocks < default).then_some((first, blocks))
+    })?;
+    let (bytes, seconds) = hiding(choice.max_tokens)?;
+    Some(CommSplit {
+        from_tokens: probes[first],
+        blocks,
+        reason: format!(
+            "the fewest that move every token to every peer within GEMM1's tiles on local rows, which run first, for every call of {} to {} tokens (at {}: {:.1} MB in {:.0} us)",
+            probes[first],
+            choice.max_tokens,
+            choice.max_tokens,
+            bytes / 1e6,
+            seconds * 1e6
+        ),
+    })
 }
 
 /// Blocks of a compute kernel that fits `per_sm` blocks on an SM. On a rank's own GPU, the

@@ -614,7 +614,7 @@ pub struct GemmProblem {
 }
 
 impl GemmProblem {
-    fn for_layer(shape: &LayerShape, kind: GemmKind, row_phases: u32) -> Self {
+    pub(crate) fn for_layer(shape: &LayerShape, kind: GemmKind, row_phases: u32) -> Self {
         let (n, k, gated) = match kind {
             GemmKind::Up => (shape.ffn, shape.hidden, shape.activation.is_gated()),
             GemmKind::Down => (shape.hidden, shape.ffn, false),

@@ -152,12 +152,14 @@ impl Plan {
                 }
             }
             Placement::Devices => {
-                let per_device = ep.comm_blocks.max(ranks) + ep.compute_sms;
-                if per_device > sms {
-                    return Err(format!(
-                        "{per_device} SMs of blocks per device exceed the {sms} of {}: spin-waits could wait on blocks that never run",
-                        self.target.name
-                    ));
+                for regime in &ep.regimes {
+                    let per_device = regime.comm_blocks.max(ranks) + regime.compute_sms;
+                    if regime.comm_blocks == 0 || regime.compute_sms == 0 || per_device > sms {
+                        return Err(format!(
+                            "regime `{}`: {} communication blocks and {} compute SMs per device do not fit the {sms} of {}: spin-waits could wait on blocks that never run",
+                            regime.name, regime.comm_blocks, regime.compute_sms, self.target.name
+                        ));
+                    }
                 }
             }
         }

@@ -216,7 +216,7 @@ impl<'a> Machine<'a> {
         };
         let chunk = self.ep.dispatch_chunk.max(1);
         let chunks: u32 = targets.iter().map(|to| total(to).div_ceil(chunk)).sum();
-        let unit = if chunks < self.ep.comm_blocks {
+        let unit = if chunks < self.regime.comm_blocks {
             self.ep.dispatch_piece.max(1)
         } else {
             chunk
@@ -254,7 +254,11 @@ impl<'a> Machine<'a> {
         };
         let mut heap = BinaryHeap::new();
         for rank in 0..ranks {
-            for _ in 0..self.ep.comm_blocks.min(queues[rank as usize].len() as u32) {
+            for _ in 0..self
+                .regime
+                .comm_blocks
+                .min(queues[rank as usize].len() as u32)
+            {
                 heap.push((Time(start[rank as usize]), Event::BlockFree { rank }));
             }
         }

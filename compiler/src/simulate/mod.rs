@@ -41,7 +41,7 @@
 //! overhead once.
 
 mod engine;
-mod model;
+pub(crate) mod model;
 mod routing;
 mod svg;
 
@@ -363,7 +363,7 @@ fn residency(
         Placement::Virtual => ep.ranks,
         Placement::Devices => 1,
     };
-    let needed = ranks_per_device * (ep.comm_blocks + compute);
+    let needed = ranks_per_device * (regime.comm_blocks + compute);
     if needed <= sms {
         return None;
     }
@@ -378,7 +378,7 @@ fn residency(
         waits_for,
         reason: format!(
             "{ranks_per_device} rank(s) per device need {needed} SMs at once ({} communication blocks and {compute} SMs of {kernel} each), the device has {sms}: rank {last}'s producers are never resident",
-            ep.comm_blocks
+            regime.comm_blocks
         ),
     })
 }
