@@ -2,7 +2,8 @@
 // Expert parallelism: {{ ep.ranks }} ranks ({{ ep.placement }}), {{ ep.local_experts }} experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
-//                   ep_dispatch token rows, a chunk of CHUNK at a time, one flag per chunk
+//                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
+//                               chunk (GEMM1 reads this rank's own rows from x)
 //   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
 //                               local expert: every source's rows, local ones first
 //                               (a thread per row, on every compute SM)
@@ -19,6 +20,7 @@ constexpr int SLOTS = {{ ep.slots }};                     // token slots per sou
 constexpr int SEGMENT_ROWS = {{ ep.segment_rows }};       // rows per (local expert, source) in recv_*
 constexpr int CHUNK = {{ ep.chunk }};                     // tokens per dispatch chunk
 constexpr int CHUNKS = {{ ep.chunks }};                   // chunk flags per source
+constexpr int OWN_ROW_BASE = RANKS * SLOTS;               // GEMM1 rows from here on: this rank's own tokens, read from x
 constexpr int MIN_PIECE = {{ ep.piece }};                  // fewest tokens per dispatch work item (divides CHUNK)
 constexpr int COPY_UNROLL = 4;                            // 16-byte loads in flight per thread while copying
 constexpr int COMM_THREADS = {{ ep.comm_threads }};
@@ -41,7 +43,7 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
 struct ExpertParallel {
     static constexpr bool EP = true;
     static constexpr int EXPERTS_HERE = LOCAL_EXPERTS, PHASES = ::RANKS, RANKS = ::RANKS;
-    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS;
+    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
 };
@@ -51,9 +53,11 @@ __device__ __forceinline__ T* peer_buffer(const u64* peer_table, int rank, int b
     return reinterpret_cast<T*>(peer_table[rank * PEER_BUFFER_COUNT + buffer]);
 }
 
-__device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, int* error_word, int rank, u32 epoch) {
+__device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, const bf16_t* x, int* error_word, int rank,
+                                                      u32 epoch) {
     EpContext ep;
     ep.chunk_flags = chunk_flags;
+    ep.own_rows = x;
     ep.error_word = error_word;
     ep.rank = rank;
     ep.epoch = epoch;
@@ -140,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
     }
 }
 
-// Dispatch: work items are pieces of a chunk, (destination in send order, piece); block b
+// Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
+// items are pieces of a chunk, (destination in send order, piece); block b
 // takes items b, b + gridDim.x, ... Each copies its token rows into this rank's segment
 // of the destination's recv_x and counts itself in its chunk; the copier of a chunk's last
 // piece releases that chunk's flag there (and puts the count back to zero for the next
@@ -155,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
     constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte vectors per row
     int chunks_in_call = 0;
     for (int destination = 0; destination < RANKS; ++destination) {
-        chunks_in_call += (send_counts[destination] + CHUNK - 1) / CHUNK;
+        if (destination != rank) chunks_in_call += (send_counts[destination] + CHUNK - 1) / CHUNK;
     }
     int piece_tokens = CHUNK;
     while ((piece_tokens / MIN_PIECE) % 2 == 0 && chunks_in_call * (CHUNK / piece_tokens) < (int)gridDim.x) {
@@ -165,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
     int items_before = 0;
     for (int step = 0; step < RANKS; ++step) {
         const int destination = SEND_ORDER[rank][step];
+        if (destination == rank) continue;
         const int sent = send_counts[destination];
         const int pieces = (sent + piece_tokens - 1) / piece_tokens;
         bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
@@ -212,7 +218,8 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
-// origin rank and pair, and its routing weight. Every block waits for the metadata and
+// origin rank and pair, and its routing weight (a row of this rank's own tokens reads x
+// at OWN_ROW_BASE + token: nothing copies it). Every block waits for the metadata and
 // scans the (local expert, source) counts itself, then takes GEMM rows b, b + grid, ...
 // (one thread a row, so the reads of the receive index all overlap). The last block done
 // returns every source's credit.
@@ -253,7 +260,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
         }
         const int source = order[lo % RANKS];
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
-        segment_rows[row] = source * SLOTS + recv_slot[from];
+        const int slot = recv_slot[from];
+        segment_rows[row] = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
         segment_pairs[row] = recv_pair[from];
         segment_weights[row] = recv_weight[from];
         row_origins[row] = source;

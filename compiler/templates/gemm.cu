@@ -18,7 +18,7 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 struct SingleGpu {
     static constexpr bool EP = false;
     static constexpr int EXPERTS_HERE = EXPERTS, PHASES = 1, RANKS = 1;
-    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1;
+    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
 };
 
@@ -27,6 +27,7 @@ struct SingleGpu {
 // origin rank's combine slot and releases that rank's per-token counter.
 struct EpContext {
     const u32* chunk_flags = nullptr;    // GEMM1: per source chunk, the epoch it arrived in
+    const bf16_t* own_rows = nullptr;    // GEMM1: this rank's x, its own tokens' rows
     const float* row_weights = nullptr;  // GEMM2: routing weight of each GEMM row
     const u64* peers = nullptr;          // GEMM2: every rank's peer buffers
     const int* row_origins = nullptr;    // GEMM2: the rank each row came from
@@ -119,7 +120,8 @@ __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_star
 }
 
 // The source row of each tile row: the gathered token (GEMM_UP; on the expert-parallel
-// path the received row, once the chunk it sits in has arrived) or the contiguous
+// path a peer's row in recv_x, once the chunk it sits in has arrived, or from OWN_ROW_BASE
+// on one of this rank's own tokens, read from x where it is) or the contiguous
 // intermediate row (GEMM_DOWN); -1 marks rows past the group's count. Written by the
 // LOADERS threads that load stages (`loader` is this thread's index among them); the
 // caller makes the table visible to them.
@@ -133,8 +135,10 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
                 source = t.row0 + r;
             } else if constexpr (G::EP) {
                 source = row_pair[t.row0 + r];
-                const int chunk = source / G::SLOTS * G::CHUNKS + source % G::SLOTS / G::CHUNK;
-                wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
+                if (source < G::OWN_ROW_BASE) {
+                    const int chunk = source / G::SLOTS * G::CHUNKS + source % G::SLOTS / G::CHUNK;
+                    wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
+                }
             } else {
                 source = row_pair[t.row0 + r] / TOP_K;
             }
@@ -161,13 +165,18 @@ struct StageLoader {
     __device__ __forceinline__ int k_offset(int k_tile) const { return k_tile * G::BK + chunk * 8; }
 
     __device__ __forceinline__ void a_rows(u32 stage_base, int k_offset, const int* s_row_source,
-                                           const bf16_t* __restrict__ rows) const {
+                                           const bf16_t* __restrict__ rows, const bf16_t* __restrict__ own_rows) const {
 #pragma unroll
         for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
             const int r = first_row + step * ROW_STEP;
             if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
             const int source = s_row_source[r];
-            cp_async_16(stage_base + swizzle(r, chunk), rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
+            const bf16_t* base = rows;
+            if constexpr (G::EP && G::KIND == GEMM_UP) {
+                // Index OWN_ROW_BASE + t is row t of this rank's own x.
+                if (source >= G::OWN_ROW_BASE) base = own_rows - (size_t)G::OWN_ROW_BASE * G::KD;
+            }
+            cp_async_16(stage_base + swizzle(r, chunk), base + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
         }
     }
 
@@ -190,11 +199,11 @@ struct StageLoader {
 
 template <class G, int LOADERS>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
-                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert,
-                                           unsigned loader) {
+                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ own_rows,
+                                           const bf16_t* __restrict__ w_expert, unsigned loader) {
     const StageLoader<G, LOADERS> load(loader);
     const int k_offset = load.k_offset(k_tile);
-    load.a_rows(stage_base, k_offset, s_row_source, a_rows);
+    load.a_rows(stage_base, k_offset, s_row_source, a_rows, own_rows);
     load.b_rows(stage_base, k_offset, t, w_expert);
 }
 
@@ -294,7 +303,8 @@ __device__ __forceinline__ void grouped_gemm(
         __syncthreads();
         const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
+            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, ep.own_rows,
+                                      w_expert, tid);
         };
 
         float acc[MI][NJ][4];

@@ -141,7 +141,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                                      weight_row + G::N, full);
                     }
                 }
-                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows);
+                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
                 cp_async_arrive(full);
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }

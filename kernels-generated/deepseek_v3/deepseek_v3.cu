@@ -228,7 +228,7 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 struct SingleGpu {
     static constexpr bool EP = false;
     static constexpr int EXPERTS_HERE = EXPERTS, PHASES = 1, RANKS = 1;
-    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1;
+    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
 };
 
@@ -237,6 +237,7 @@ struct SingleGpu {
 // origin rank's combine slot and releases that rank's per-token counter.
 struct EpContext {
     const u32* chunk_flags = nullptr;    // GEMM1: per source chunk, the epoch it arrived in
+    const bf16_t* own_rows = nullptr;    // GEMM1: this rank's x, its own tokens' rows
     const float* row_weights = nullptr;  // GEMM2: routing weight of each GEMM row
     const u64* peers = nullptr;          // GEMM2: every rank's peer buffers
     const int* row_origins = nullptr;    // GEMM2: the rank each row came from
@@ -329,7 +330,8 @@ __device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_star
 }
 
 // The source row of each tile row: the gathered token (GEMM_UP; on the expert-parallel
-// path the received row, once the chunk it sits in has arrived) or the contiguous
+// path a peer's row in recv_x, once the chunk it sits in has arrived, or from OWN_ROW_BASE
+// on one of this rank's own tokens, read from x where it is) or the contiguous
 // intermediate row (GEMM_DOWN); -1 marks rows past the group's count. Written by the
 // LOADERS threads that load stages (`loader` is this thread's index among them); the
 // caller makes the table visible to them.
@@ -343,8 +345,10 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
                 source = t.row0 + r;
             } else if constexpr (G::EP) {
                 source = row_pair[t.row0 + r];
-                const int chunk = source / G::SLOTS * G::CHUNKS + source % G::SLOTS / G::CHUNK;
-                wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
+                if (source < G::OWN_ROW_BASE) {
+                    const int chunk = source / G::SLOTS * G::CHUNKS + source % G::SLOTS / G::CHUNK;
+                    wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
+                }
             } else {
                 source = row_pair[t.row0 + r] / TOP_K;
             }
@@ -371,13 +375,18 @@ struct StageLoader {
     __device__ __forceinline__ int k_offset(int k_tile) const { return k_tile * G::BK + chunk * 8; }
 
     __device__ __forceinline__ void a_rows(u32 stage_base, int k_offset, const int* s_row_source,
-                                           const bf16_t* __restrict__ rows) const {
+                                           const bf16_t* __restrict__ rows, const bf16_t* __restrict__ own_rows) const {
 #pragma unroll
         for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
             const int r = first_row + step * ROW_STEP;
             if (G::BM % ROW_STEP != 0 && r >= G::BM) break;
             const int source = s_row_source[r];
-            cp_async_16(stage_base + swizzle(r, chunk), rows + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
+            const bf16_t* base = rows;
+            if constexpr (G::EP && G::KIND == GEMM_UP) {
+                // Index OWN_ROW_BASE + t is row t of this rank's own x.
+                if (source >= G::OWN_ROW_BASE) base = own_rows - (size_t)G::OWN_ROW_BASE * G::KD;
+            }
+            cp_async_16(stage_base + swizzle(r, chunk), base + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
         }
     }
 
@@ -400,11 +409,11 @@ struct StageLoader {
 
 template <class G, int LOADERS>
 __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
-                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ w_expert,
-                                           unsigned loader) {
+                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ own_rows,
+                                           const bf16_t* __restrict__ w_expert, unsigned loader) {
     const StageLoader<G, LOADERS> load(loader);
     const int k_offset = load.k_offset(k_tile);
-    load.a_rows(stage_base, k_offset, s_row_source, a_rows);
+    load.a_rows(stage_base, k_offset, s_row_source, a_rows, own_rows);
     load.b_rows(stage_base, k_offset, t, w_expert);
 }
 
@@ -504,7 +513,8 @@ __device__ __forceinline__ void grouped_gemm(
         __syncthreads();
         const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, w_expert, tid);
+            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, ep.own_rows,
+                                      w_expert, tid);
         };
 
         float acc[MI][NJ][4];
@@ -799,7 +809,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                                      weight_row + G::N, full);
                     }
                 }
-                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows);
+                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
                 cp_async_arrive(full);
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }
@@ -897,7 +907,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_combin
 // Expert parallelism: 8 ranks (one GPU per rank), 32 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
-//                   ep_dispatch token rows, a chunk of CHUNK at a time, one flag per chunk
+//                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
+//                               chunk (GEMM1 reads this rank's own rows from x)
 //   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
 //                               local expert: every source's rows, local ones first
 //                               (a thread per row, on every compute SM)
@@ -914,6 +925,7 @@ constexpr int SLOTS = 16384;                     // token slots per source in re
 constexpr int SEGMENT_ROWS = 16384;       // rows per (local expert, source) in recv_*
 constexpr int CHUNK = 64;                     // tokens per dispatch chunk
 constexpr int CHUNKS = 256;                   // chunk flags per source
+constexpr int OWN_ROW_BASE = RANKS * SLOTS;               // GEMM1 rows from here on: this rank's own tokens, read from x
 constexpr int MIN_PIECE = 2;                  // fewest tokens per dispatch work item (divides CHUNK)
 constexpr int COPY_UNROLL = 4;                            // 16-byte loads in flight per thread while copying
 constexpr int COMM_THREADS = 512;
@@ -943,7 +955,7 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 7, 6, 5, 4, 3, 2, 1}, {
 struct ExpertParallel {
     static constexpr bool EP = true;
     static constexpr int EXPERTS_HERE = LOCAL_EXPERTS, PHASES = ::RANKS, RANKS = ::RANKS;
-    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS;
+    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
 };
@@ -953,9 +965,11 @@ __device__ __forceinline__ T* peer_buffer(const u64* peer_table, int rank, int b
     return reinterpret_cast<T*>(peer_table[rank * PEER_BUFFER_COUNT + buffer]);
 }
 
-__device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, int* error_word, int rank, u32 epoch) {
+__device__ __forceinline__ EpContext ep_gemm1_context(const u32* chunk_flags, const bf16_t* x, int* error_word, int rank,
+                                                      u32 epoch) {
     EpContext ep;
     ep.chunk_flags = chunk_flags;
+    ep.own_rows = x;
     ep.error_word = error_word;
     ep.rank = rank;
     ep.epoch = epoch;
@@ -1051,7 +1065,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep_rou
     }
 }
 
-// Dispatch: work items are pieces of a chunk, (destination in send order, piece); block b
+// Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
+// items are pieces of a chunk, (destination in send order, piece); block b
 // takes items b, b + gridDim.x, ... Each copies its token rows into this rank's segment
 // of the destination's recv_x and counts itself in its chunk; the copier of a chunk's last
 // piece releases that chunk's flag there (and puts the count back to zero for the next
@@ -1072,7 +1087,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep_dispat
     constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte vectors per row
     int chunks_in_call = 0;
     for (int destination = 0; destination < RANKS; ++destination) {
-        chunks_in_call += (send_counts[destination] + CHUNK - 1) / CHUNK;
+        if (destination != rank) chunks_in_call += (send_counts[destination] + CHUNK - 1) / CHUNK;
     }
     int piece_tokens = CHUNK;
     while ((piece_tokens / MIN_PIECE) % 2 == 0 && chunks_in_call * (CHUNK / piece_tokens) < (int)gridDim.x) {
@@ -1082,6 +1097,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep_dispat
     int items_before = 0;
     for (int step = 0; step < RANKS; ++step) {
         const int destination = SEND_ORDER[rank][step];
+        if (destination == rank) continue;
         const int sent = send_counts[destination];
         const int pieces = (sent + piece_tokens - 1) / piece_tokens;
         bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
@@ -1129,7 +1145,8 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep_dispat
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
-// origin rank and pair, and its routing weight. Every block waits for the metadata and
+// origin rank and pair, and its routing weight (a row of this rank's own tokens reads x
+// at OWN_ROW_BASE + token: nothing copies it). Every block waits for the metadata and
 // scans the (local expert, source) counts itself, then takes GEMM rows b, b + grid, ...
 // (one thread a row, so the reads of the receive index all overlap). The last block done
 // returns every source's credit.
@@ -1141,6 +1158,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep_arr
     const float* recv_weight,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
     const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
     const u32* meta_flags,  // [RANKS], written by peers
+    const int* __restrict__ send_slots,  // [RANKS, MAX_TOKENS]: token of each send slot
     int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     int* __restrict__ segment_rows,  // [rows]
     int* __restrict__ segment_pairs,  // [rows]
@@ -1184,7 +1202,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep_arr
         }
         const int source = order[lo % RANKS];
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
-        segment_rows[row] = source * SLOTS + recv_slot[from];
+        const int slot = recv_slot[from];
+        segment_rows[row] = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
         segment_pairs[row] = recv_pair[from];
         segment_weights[row] = recv_weight[from];
         row_origins[row] = source;
@@ -1422,6 +1441,7 @@ struct decode_ep_gemm1 : ExpertParallel {
 };
 extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_rows,  // [rows]
@@ -1433,7 +1453,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_decode_ep_gemm1
 )
 {
     grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
-        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 812 persistent blocks (7 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
@@ -1485,6 +1505,7 @@ struct mid_ep_gemm1 : ExpertParallel {
 };
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_rows,  // [rows]
@@ -1496,7 +1517,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_ep_gemm1(
 )
 {
     grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
-        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
@@ -1550,6 +1571,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
 };
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_rows,  // [rows]
@@ -1561,7 +1583,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_prefill_ep_gemm
 )
 {
     grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
-        ep_gemm1_context(chunk_flags, error_word, rank, epoch));
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {

@@ -156,6 +156,7 @@ const EP_ARRANGE_USES: &[&str] = &[
     "recv_weight",
     "recv_counts",
     "meta_flags",
+    "send_slots",
     "segment_offsets",
     "segment_rows",
     "segment_pairs",
@@ -167,6 +168,7 @@ const EP_ARRANGE_USES: &[&str] = &[
 ];
 const EP_GEMM_UP_USES: &[&str] = &[
     "recv_x",
+    "x",
     "w1",
     "segment_offsets",
     "segment_rows",
@@ -392,7 +394,7 @@ impl GemmUnit {
                 "ep_gemm1",
                 EP_GEMM_UP_USES,
                 "ExpertParallel",
-                "recv_x, {weights}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, error_word, rank, epoch)",
+                "recv_x, {weights}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch)",
             ),
             GemmRole::ExpertParallelDown => (
                 "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",

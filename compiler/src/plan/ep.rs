@@ -787,6 +787,7 @@ fn launch_table(
                 shared(Workspace(RecvWeight)),
                 shared(Workspace(RecvCounts)),
                 shared(Workspace(MetaFlags)),
+                read(Workspace(SendSlots)),
                 write(Workspace(SegmentOffsets)),
                 write(Workspace(SegmentRows)),
                 write(Workspace(SegmentPairs)),
@@ -806,6 +807,7 @@ fn launch_table(
             g1.smem_bytes,
             vec![
                 shared(Workspace(RecvX)),
+                read(X),
                 weight_param(g1, true),
                 read(Workspace(SegmentOffsets)),
                 read(Workspace(SegmentRows)),

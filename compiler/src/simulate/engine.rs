@@ -524,12 +524,17 @@ impl<'a> Machine<'a> {
         model::DISPATCH_START_S + farthest + model::ARRANGE_S
     }
 
-    /// The send targets of `source` for `schedule`.
+    /// The send targets of `source` for `schedule`: its peers (its own rows stay where
+    /// they are, GEMM1 reads them from x).
     fn targets(&self, source: u32, schedule: Schedule) -> Vec<To> {
         match schedule {
-            Schedule::FineGrainedNaive => (0..self.ep.ranks).map(To::Rank).collect(),
+            Schedule::FineGrainedNaive => (0..self.ep.ranks)
+                .filter(|&d| d != source)
+                .map(To::Rank)
+                .collect(),
             Schedule::BulkSynchronous => self.ep.send_order[source as usize]
                 .iter()
+                .filter(|&&d| d != source)
                 .map(|&d| To::Rank(d))
                 .collect(),
             Schedule::FineGrainedTopologyAware => {
@@ -538,6 +543,9 @@ impl<'a> Machine<'a> {
                 let mut targets = Vec::new();
                 for &d in &self.ep.send_order[source as usize] {
                     let node = self.traffic.node_of(d);
+                    if d == source {
+                        continue;
+                    }
                     if node == home {
                         targets.push(To::Rank(d));
                     } else if !seen[node as usize] {
@@ -578,7 +586,7 @@ impl<'a> Machine<'a> {
             token_mismatches: Vec::new(),
         };
         for s in 0..ranks {
-            for d in 0..ranks {
+            for d in (0..ranks).filter(|&d| d != s) {
                 let list = &dispatch.arrivals[(s * ranks + d) as usize];
                 // Items end at increasing positions (none delivered twice) up to every token.
                 let delivered = list.last().map_or(0, |&(pos, _)| pos);
@@ -598,7 +606,7 @@ impl<'a> Machine<'a> {
                 self.arranged(d)
             } + launch;
             let ready = |s: u32, pos: u32| {
-                if bulk || pos == 0 {
+                if bulk || pos == 0 || s == d {
                     0.0
                 } else {
                     Self::ready(&dispatch.arrivals, ranks, s, d, pos)
