@@ -1,0 +1,390 @@
+//! The CPU reference of the router: from `x` and the gate's weights to each token's top-k
+//! experts and routing weights, by the rule the spec's `router { }` section states
+//! ([`ir::Router`]: Mixtral's and Qwen3-MoE's softmax, DeepSeek-V3's sigmoid with a
+//! score correction and group-limited top-k, GPT-OSS's top-k then softmax).
+//!
+//! The arithmetic, which the generated router kernels follow step by step:
+//!
+//! 1. logits `l = x · W_gateᵀ`, bf16 inputs, products accumulated in f32 ([`gate_logits`]);
+//!    a [`RouterBias::Logits`] bias is added to them;
+//! 2. scores: `softmax(l)` over all experts (max subtracted first), `sigmoid(l)`, or `l`
+//!    itself for [`Scoring::TopkSoftmax`];
+//! 3. selection values: the scores plus a [`RouterBias::ScoreCorrection`] bias; NaN counts
+//!    as −∞, so a NaN is never chosen over a number;
+//! 4. with a group limit, a group's value is the sum of its two best selection values (its
+//!    one value when a group holds one expert); the `kept` best groups (ties: the lower
+//!    group first) hold the only eligible experts (an expert outside them is never chosen:
+//!    the checker made sure they hold at least k);
+//! 5. the k eligible experts with the highest selection values, in that order, ties broken
+//!    by the lower index first (what `torch.topk` returns on the reference models);
+//! 6. weights: the chosen experts' scores without the correction, or for `TopkSoftmax` a
+//!    softmax over their logits; when `normalize`, divided by `Σ + 1e-20` (DeepSeek-V3's
+//!    guard against 0/0; a no-op for any sum above 1e-12); times `scale`.
+
+use moeforge_compiler::ir::{self, RouterBias, Scoring};
+
+use crate::bf16;
+
+/// Added to the sum a normalised weight is divided by (DeepSeek-V3's reference does).
+pub const NORMALIZE_EPSILON: f32 = 1e-20;
+
+/// Tokens' expert choices and routing weights, `[tokens, top_k]` each.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routed {
+    pub topk_ids: Vec<i32>,
+    pub topk_weights: Vec<f32>,
+}
+
+/// `x · W_gateᵀ` in f32: `x` bf16 [T, H], `gate` bf16 [E, H]; the logits [T, E].
+pub fn gate_logits(x: &[u16], gate: &[u16], hidden: usize, experts: usize) -> Vec<f32> {
+    let gate: Vec<f32> = gate[..experts * hidden]
+        .iter()
+        .map(|&v| bf16::to_f32(v))
+        .collect();
+    let mut logits = Vec::with_capacity(x.len() / hidden.max(1) * experts);
+    let mut row = vec![0f32; hidden];
+    for token in x.chunks_exact(hidden) {
+        for (r, &v) in row.iter_mut().zip(token) {
+            *r = bf16::to_f32(v);
+        }
+        logits.extend(
+            gate.chunks_exact(hidden)
+                .map(|w| w.iter().zip(&row).map(|(a, b)| a * b).sum::<f32>()),
+        );
+    }
+    logits
+}
+
+/// Routes every token of `logits` ([T, E], as [`gate_logits`] gives them, without any
+/// bias) by `rule`: `bias` [E] is the gate's bias when `rule.bias` is not `None`.
+///
+/// # Panics
+/// When `rule.bias` asks for a bias and `bias` is `None`, or `bias` holds fewer than E
+/// values: a caller's set-up mistake (the runtime checks the gate weights it is given).
+pub fn route(
+    rule: &ir::Router,
+    experts: usize,
+    top_k: usize,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+) -> Routed {
+    let mut routed = Routed {
+        topk_ids: Vec::with_capacity(logits.len() / experts.max(1) * top_k),
+        topk_weights: Vec::with_capacity(logits.len() / experts.max(1) * top_k),
+    };
+    for row in logits.chunks_exact(experts) {
+        let (ids, weights) = route_token(rule, top_k, row, bias);
+        routed.topk_ids.extend(ids.iter().map(|&e| e as i32));
+        routed.topk_weights.extend(weights);
+    }
+    routed
+}
+
+/// One token's `top_k` experts (best first) and their routing weights, from its logits.
+pub fn route_token(
+    rule: &ir::Router,
+    top_k: usize,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+) -> (Vec<usize>, Vec<f32>) {
+    let logits = biased_logits(rule, logits, bias);
+    let scores = scores(rule.scoring, &logits);
+    let selection: Vec<f32> = scores
+        .iter()
+        .enumerate()
+        .map(|(e, &s)| {
+            let corrected = match rule.bias {
+                RouterBias::ScoreCorrection => s + bias_of(bias, e),
+                RouterBias::None | RouterBias::Logits => s,
+            };
+            comparable(corrected)
+        })
+        .collect();
+    let eligible = eligible_experts(rule.group_limit, &selection);
+    let ids = top_indices(&selection, top_k, |e| eligible[e]);
+    let weights = weights_of(rule, &logits, &scores, &ids);
+    (ids, weights)
+}
+
+/// The weights `rule` gives the chosen experts `ids` of a token with these logits (without
+/// any bias): what [`route_token`] returns beside `ids`. Lets a check compare a kernel's
+/// weights for the experts the kernel chose.
+pub fn token_weights(
+    rule: &ir::Router,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    ids: &[usize],
+) -> Vec<f32> {
+    let logits = biased_logits(rule, logits, bias);
+    let scores = scores(rule.scoring, &logits);
+    weights_of(rule, &logits, &scores, ids)
+}
+
+fn bias_of(bias: Option<&[f32]>, expert: usize) -> f32 {
+    bias.expect("the router's rule has a bias, so the caller passes one")[expert]
+}
+
+/// The logits with a [`RouterBias::Logits`] bias added (unchanged otherwise).
+fn biased_logits(rule: &ir::Router, logits: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
+    logits
+        .iter()
+        .enumerate()
+        .map(|(e, &l)| match rule.bias {
+            RouterBias::Logits => l + bias_of(bias, e),
+            RouterBias::None | RouterBias::ScoreCorrection => l,
+        })
+        .collect()
+}
+
+/// Step 2: the scores of all experts.
+fn scores(scoring: Scoring, logits: &[f32]) -> Vec<f32> {
+    match scoring {
+        Scoring::Softmax => softmax(logits),
+        Scoring::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+        Scoring::TopkSoftmax => logits.to_vec(),
+    }
+}
+
+/// `exp(v − max) / Σ exp(v − max)`.
+fn softmax(values: &[f32]) -> Vec<f32> {
+    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = values.iter().map(|&v| (v - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.iter().map(|&e| e / sum).collect()
+}
+
+/// A value as selection compares it: NaN is below every number.
+fn comparable(value: f32) -> f32 {
+    if value.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        value
+    }
+}
+
+/// The `count` indices of the highest `values` among those `allowed` accepts, highest
+/// first, ties broken by the lower index (`values` hold no NaN).
+fn top_indices(values: &[f32], count: usize, allowed: impl Fn(usize) -> bool) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).filter(|&i| allowed(i)).collect();
+    // A stable sort keeps equal values in index order.
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+    order.truncate(count);
+    order
+}
+
+/// Step 4: which experts may be chosen (all without a group limit).
+fn eligible_experts(limit: Option<ir::GroupLimit>, selection: &[f32]) -> Vec<bool> {
+    let Some(limit) = limit else {
+        return vec![true; selection.len()];
+    };
+    let size = selection.len() / limit.groups as usize;
+    let group_values: Vec<f32> = selection
+        .chunks_exact(size)
+        .map(|group| {
+            let best = top_indices(group, 2, |_| true);
+            comparable(best.iter().map(|&i| group[i]).sum())
+        })
+        .collect();
+    let kept = top_indices(&group_values, limit.kept as usize, |_| true);
+    (0..selection.len())
+        .map(|e| kept.contains(&(e / size)))
+        .collect()
+}
+
+/// Step 6: the routing weights of the chosen experts.
+fn weights_of(rule: &ir::Router, logits: &[f32], scores: &[f32], ids: &[usize]) -> Vec<f32> {
+    let mut weights: Vec<f32> = match rule.scoring {
+        Scoring::TopkSoftmax => softmax(&ids.iter().map(|&e| logits[e]).collect::<Vec<_>>()),
+        Scoring::Softmax | Scoring::Sigmoid => ids.iter().map(|&e| scores[e]).collect(),
+    };
+    if rule.normalize {
+        let sum = weights.iter().sum::<f32>() + NORMALIZE_EPSILON;
+        for w in &mut weights {
+            *w /= sum;
+        }
+    }
+    let scale = rule.scale as f32;
+    for w in &mut weights {
+        *w *= scale;
+    }
+    weights
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(scoring: Scoring, bias: RouterBias, normalize: bool, scale: f64) -> ir::Router {
+        ir::Router {
+            scoring,
+            bias,
+            group_limit: None,
+            normalize,
+            scale,
+        }
+    }
+
+    fn mixtral() -> ir::Router {
+        rule(Scoring::Softmax, RouterBias::None, true, 1.0)
+    }
+
+    fn assert_close(got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "{got:?} vs {want:?}"
+            );
+        }
+    }
+
+    /// The logit whose sigmoid is `p`.
+    fn logit(p: f32) -> f32 {
+        (p / (1.0 - p)).ln()
+    }
+
+    #[test]
+    fn gate_logits_are_dot_products_of_bf16_rows() {
+        let b = |v: &[f32]| v.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+        let x = b(&[1.0, 2.0, -1.0, 0.5, 0.0, 4.0]); // two tokens of H = 3
+        let gate = b(&[1.0, 1.0, 1.0, 2.0, 0.0, -1.0]); // two experts
+        assert_eq!(
+            gate_logits(&x, &gate, 3, 2),
+            vec![2.0, 3.0, 4.5, -3.0],
+            "[1+2-1, 2+0+1], [0.5+0+4, 1+0-4]"
+        );
+    }
+
+    #[test]
+    fn mixtral_softmax_top_k_renormalised() {
+        // softmax then renormalising over {3, 2}: e^3 / (e^3 + e^2) = 1 / (1 + e^-1).
+        let (ids, weights) = route_token(&mixtral(), 2, &[1.0, 3.0, 2.0, 0.0], None);
+        assert_eq!(ids, vec![1, 2]);
+        let first = 1.0 / (1.0 + (-1.0f32).exp());
+        assert_close(&weights, &[first, 1.0 - first]);
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_index() {
+        let (ids, weights) = route_token(&mixtral(), 2, &[2.0, 5.0, 5.0, 1.0, 5.0], None);
+        assert_eq!(
+            ids,
+            vec![1, 2],
+            "three experts tie at 5: the two lowest win"
+        );
+        assert_close(&weights, &[0.5, 0.5]);
+        let (ids, _) = route_token(&mixtral(), 3, &[5.0, 5.0, 5.0, 5.0], None);
+        assert_eq!(ids, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn qwen3_normalize_on_and_off() {
+        // softmax of ln 1..=4 is 1/10, 2/10, 3/10, 4/10.
+        let logits = [1f32, 2.0, 3.0, 4.0].map(f32::ln);
+        let plain = rule(Scoring::Softmax, RouterBias::None, false, 1.0);
+        let (ids, weights) = route_token(&plain, 2, &logits, None);
+        assert_eq!(ids, vec![3, 2]);
+        assert_close(&weights, &[0.4, 0.3]);
+        let (ids, weights) = route_token(&mixtral(), 2, &logits, None);
+        assert_eq!(ids, vec![3, 2]);
+        assert_close(&weights, &[4.0 / 7.0, 3.0 / 7.0]);
+    }
+
+    /// Eight experts in four groups of two, two groups kept, top 2, scaled by 2.5.
+    fn deepseek() -> ir::Router {
+        ir::Router {
+            scoring: Scoring::Sigmoid,
+            bias: RouterBias::ScoreCorrection,
+            group_limit: Some(ir::GroupLimit { groups: 4, kept: 2 }),
+            normalize: true,
+            scale: 2.5,
+        }
+    }
+
+    /// Sigmoid scores 0.9, 0.1 | 0.6, 0.6 | 0.75, 0.2 | 0.4, 0.5 (groups of two).
+    fn deepseek_logits() -> Vec<f32> {
+        [0.9, 0.1, 0.6, 0.6, 0.75, 0.2, 0.4, 0.5]
+            .map(logit)
+            .to_vec()
+    }
+
+    #[test]
+    fn group_limit_excludes_experts_of_dropped_groups() {
+        let no_correction = [0f32; 8];
+        // Group values 1.0, 1.2, 0.95, 0.9: groups 1 and 0 are kept, so expert 4 (0.75,
+        // the second best overall) is out; 2 and 3 tie at 0.6 and 2 wins.
+        let (ids, weights) = route_token(&deepseek(), 2, &deepseek_logits(), Some(&no_correction));
+        assert_eq!(ids, vec![0, 2]);
+        assert_close(&weights, &[2.5 * 0.9 / 1.5, 2.5 * 0.6 / 1.5]);
+        // Without the group limit expert 4 is chosen.
+        let unlimited = ir::Router {
+            group_limit: None,
+            ..deepseek()
+        };
+        let (ids, _) = route_token(&unlimited, 2, &deepseek_logits(), Some(&no_correction));
+        assert_eq!(ids, vec![0, 4]);
+    }
+
+    #[test]
+    fn correction_bias_chooses_but_the_uncorrected_scores_weigh() {
+        // +0.3 on group 2: corrected 0.9, 0.1 | 0.6, 0.6 | 1.05, 0.5 | 0.4, 0.5, group
+        // values 1.0, 1.2, 1.55, 0.9: groups 2 and 1 kept; expert 0, the best
+        // uncorrected score, is out. Chosen: 4 (1.05), then 2 (0.6, tied with 3).
+        let correction = [0.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.0, 0.0];
+        let (ids, weights) = route_token(&deepseek(), 2, &deepseek_logits(), Some(&correction));
+        assert_eq!(ids, vec![4, 2]);
+        // Weights from the scores 0.75 and 0.6, not 1.05 and 0.6.
+        assert_close(&weights, &[2.5 * 0.75 / 1.35, 2.5 * 0.6 / 1.35]);
+        assert_close(
+            &token_weights(&deepseek(), &deepseek_logits(), Some(&correction), &ids),
+            &weights,
+        );
+    }
+
+    #[test]
+    fn sigmoid_without_normalize_is_only_scaled() {
+        let rule = rule(Scoring::Sigmoid, RouterBias::None, false, 2.0);
+        let (ids, weights) = route_token(&rule, 2, &[logit(0.25), logit(0.8), 0.0], None);
+        assert_eq!(ids, vec![1, 2]);
+        assert_close(&weights, &[1.6, 1.0]);
+    }
+
+    #[test]
+    fn gpt_oss_top_k_of_biased_logits_then_softmax_over_them() {
+        let gpt_oss = rule(Scoring::TopkSoftmax, RouterBias::Logits, false, 1.0);
+        // Biased logits 1, 2, 2, 3: 3 first, then the tie at 2 goes to expert 1.
+        let bias = [0.0, -2.0, 0.0, 0.0];
+        let (ids, weights) = route_token(&gpt_oss, 2, &[1.0, 4.0, 2.0, 3.0], Some(&bias));
+        assert_eq!(ids, vec![3, 1]);
+        let first = 1.0 / (1.0 + (-1.0f32).exp());
+        assert_close(&weights, &[first, 1.0 - first]);
+        // The same bias as a score correction chooses the same experts but weighs their
+        // uncorrected logits 3 and 4.
+        let corrected = rule(
+            Scoring::TopkSoftmax,
+            RouterBias::ScoreCorrection,
+            false,
+            1.0,
+        );
+        let (ids, weights) = route_token(&corrected, 2, &[1.0, 4.0, 2.0, 3.0], Some(&bias));
+        assert_eq!(ids, vec![3, 1]);
+        assert_close(&weights, &[1.0 - first, first]);
+    }
+
+    #[test]
+    fn nan_is_never_chosen_over_a_number() {
+        let (ids, _) = route_token(&mixtral(), 2, &[f32::NAN, -50.0, 1.0], None);
+        assert_eq!(ids.len(), 2);
+        let sigmoid = rule(Scoring::Sigmoid, RouterBias::None, false, 1.0);
+        let (ids, _) = route_token(&sigmoid, 2, &[f32::NAN, -50.0, 1.0], None);
+        assert_eq!(ids, vec![2, 1]);
+    }
+
+    #[test]
+    fn route_lays_tokens_out_row_by_row() {
+        let logits = [1.0, 3.0, 2.0, 0.0, 0.0, 0.0, 0.0, 9.0];
+        let routed = route(&mixtral(), 4, 1, &logits, None);
+        assert_eq!(routed.topk_ids, vec![1, 3]);
+        assert_close(&routed.topk_weights, &[1.0, 1.0]);
+    }
+}
