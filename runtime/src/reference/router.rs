@@ -22,11 +22,11 @@
 //!    guard against 0/0; a no-op for any sum above 1e-12); times `scale`.
 
 use moeforge_compiler::ir::{self, RouterBias, Scoring};
+/// Added to the sum a normalised weight is divided by (DeepSeek-V3's reference does); the
+/// plan's constant, which the kernels use too.
+pub use moeforge_compiler::plan::router::NORMALIZE_EPSILON;
 
 use crate::bf16;
-
-/// Added to the sum a normalised weight is divided by (DeepSeek-V3's reference does).
-pub const NORMALIZE_EPSILON: f32 = 1e-20;
 
 /// Tokens' expert choices and routing weights, `[tokens, top_k]` each.
 #[derive(Clone, Debug, PartialEq)]
