@@ -210,6 +210,138 @@ fn weights_of(rule: &ir::Router, logits: &[f32], scores: &[f32], ids: &[usize]) 
     weights
 }
 
+/// How a router's output on the GPU compares with this reference, over some tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterCheck {
+    /// Tokens compared.
+    pub tokens: usize,
+    /// Logits further from the reference's than [`LOGIT_TOLERANCE`] of their magnitude.
+    pub logits_out_of_bound: usize,
+    /// The largest logit error, as a fraction of its bound.
+    pub worst_logit_ratio: f32,
+    /// Tokens whose chosen experts (in order) differ from what the reference chooses from
+    /// the kernel's own logits: the selection is compared exactly, apart from the f32
+    /// rounding of the logits, which the line above bounds.
+    pub mismatched_tokens: Vec<usize>,
+    /// Weights further than [`WEIGHT_TOLERANCE`] (relative) from the reference's weights of
+    /// the same experts.
+    pub weights_out_of_bound: usize,
+    /// The largest relative weight error.
+    pub worst_weight_error: f32,
+}
+
+/// A kernel's logit may differ from the reference's by this fraction of `Σ_h |x_h·w_h|`:
+/// both accumulate in f32, in different orders (the sum of H rounded terms is off by at
+/// most about `H · 2⁻²⁴` of that magnitude in the worst case, far less in practice); a
+/// logit of the wrong token or expert, or missing a 64-wide slice of H, is off by far more.
+pub const LOGIT_TOLERANCE: f32 = 1.0 / 4096.0;
+/// A kernel's weight may differ from the reference's by this fraction: `expf` against the
+/// host's `exp` and sums in another order move it by a few f32 ulps.
+pub const WEIGHT_TOLERANCE: f32 = 1e-5;
+
+impl RouterCheck {
+    pub fn passed(&self) -> bool {
+        self.logits_out_of_bound == 0
+            && self.mismatched_tokens.is_empty()
+            && self.weights_out_of_bound == 0
+    }
+}
+
+impl std::fmt::Display for RouterCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "router over {} tokens: {} logits out of bound (worst {:.2} of its bound), {} tokens with other experts{}, {} weights out of bound (worst relative error {:.1e})",
+            self.tokens,
+            self.logits_out_of_bound,
+            self.worst_logit_ratio,
+            self.mismatched_tokens.len(),
+            match self.mismatched_tokens.first() {
+                Some(token) => format!(" (first: token {token})"),
+                None => String::new(),
+            },
+            self.weights_out_of_bound,
+            self.worst_weight_error
+        )
+    }
+}
+
+/// What a router kernel produced for a call: its logits [T, E], chosen experts and
+/// weights [T, K].
+pub struct KernelRouting<'a> {
+    pub logits: &'a [f32],
+    pub topk_ids: &'a [i32],
+    pub topk_weights: &'a [f32],
+}
+
+/// Compares a router kernel's output for `tokens` (indices into the call) with this
+/// reference: its logits against `x · W_gateᵀ` computed here, its choice against the
+/// reference's choice from the kernel's own logits, its weights against the reference's
+/// weights of the experts it chose. `x` is bf16 [T, H], `gate` bf16 [E, H].
+#[allow(clippy::too_many_arguments)]
+pub fn compare(
+    rule: &ir::Router,
+    hidden: usize,
+    experts: usize,
+    top_k: usize,
+    x: &[u16],
+    gate: &[u16],
+    bias: Option<&[f32]>,
+    kernel: &KernelRouting<'_>,
+    tokens: &[usize],
+) -> RouterCheck {
+    let mut check = RouterCheck {
+        tokens: tokens.len(),
+        logits_out_of_bound: 0,
+        worst_logit_ratio: 0.0,
+        mismatched_tokens: Vec::new(),
+        weights_out_of_bound: 0,
+        worst_weight_error: 0.0,
+    };
+    let gate_rows: Vec<f32> = gate[..experts * hidden]
+        .iter()
+        .map(|&v| bf16::to_f32(v))
+        .collect();
+    for &t in tokens {
+        let row: Vec<f32> = x[t * hidden..(t + 1) * hidden]
+            .iter()
+            .map(|&v| bf16::to_f32(v))
+            .collect();
+        let kernel_logits = &kernel.logits[t * experts..(t + 1) * experts];
+        for (w, &got) in gate_rows.chunks_exact(hidden).zip(kernel_logits) {
+            let want: f32 = w.iter().zip(&row).map(|(a, b)| a * b).sum();
+            let magnitude: f32 = w.iter().zip(&row).map(|(a, b)| (a * b).abs()).sum();
+            let bound = LOGIT_TOLERANCE * magnitude + f32::MIN_POSITIVE;
+            let ratio = (got - want).abs() / bound;
+            if ratio > 1.0 || ratio.is_nan() {
+                check.logits_out_of_bound += 1;
+            }
+            check.worst_logit_ratio = check.worst_logit_ratio.max(ratio);
+        }
+        let (want_ids, _) = route_token(rule, top_k, kernel_logits, bias);
+        let got_ids: Vec<usize> = kernel.topk_ids[t * top_k..(t + 1) * top_k]
+            .iter()
+            .map(|&id| usize::try_from(id).unwrap_or(usize::MAX))
+            .collect();
+        if got_ids != want_ids {
+            check.mismatched_tokens.push(t);
+            continue;
+        }
+        let want = token_weights(rule, kernel_logits, bias, &got_ids);
+        for (&got, &want) in kernel.topk_weights[t * top_k..(t + 1) * top_k]
+            .iter()
+            .zip(&want)
+        {
+            let error = (got - want).abs() / want.abs().max(f32::MIN_POSITIVE);
+            if error > WEIGHT_TOLERANCE || error.is_nan() {
+                check.weights_out_of_bound += 1;
+            }
+            check.worst_weight_error = check.worst_weight_error.max(error);
+        }
+    }
+    check
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,5 +518,38 @@ mod tests {
         let routed = route(&mixtral(), 4, 1, &logits, None);
         assert_eq!(routed.topk_ids, vec![1, 3]);
         assert_close(&routed.topk_weights, &[1.0, 1.0]);
+    }
+
+    #[test]
+    fn the_reference_passes_its_own_check_and_a_wrong_choice_fails() {
+        let b = |v: &[f32]| v.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+        let x = b(&[1.0, 0.5, -1.0, 2.0]); // two tokens of H = 2
+        let gate = b(&[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]); // three experts
+        let logits = gate_logits(&x, &gate, 2, 3);
+        let routed = route(&mixtral(), 3, 2, &logits, None);
+        let kernel = KernelRouting {
+            logits: &logits,
+            topk_ids: &routed.topk_ids,
+            topk_weights: &routed.topk_weights,
+        };
+        let check = compare(&mixtral(), 2, 3, 2, &x, &gate, None, &kernel, &[0, 1]);
+        assert!(check.passed(), "{check}");
+        let mut swapped = routed.topk_ids.clone();
+        swapped.swap(0, 1);
+        let kernel = KernelRouting {
+            topk_ids: &swapped,
+            ..kernel
+        };
+        let check = compare(&mixtral(), 2, 3, 2, &x, &gate, None, &kernel, &[0, 1]);
+        assert_eq!(check.mismatched_tokens, vec![0]);
+        let mut off = logits.clone();
+        off[4] += 0.5;
+        let kernel = KernelRouting {
+            logits: &off,
+            topk_ids: &routed.topk_ids,
+            topk_weights: &routed.topk_weights,
+        };
+        let check = compare(&mixtral(), 2, 3, 2, &x, &gate, None, &kernel, &[0, 1]);
+        assert_eq!(check.logits_out_of_bound, 1, "{check}");
     }
 }
