@@ -166,8 +166,13 @@ fn comparable(value: f32) -> f32 {
 /// first, ties broken by the lower index (`values` hold no NaN).
 fn top_indices(values: &[f32], count: usize, allowed: impl Fn(usize) -> bool) -> Vec<usize> {
     let mut order: Vec<usize> = (0..values.len()).filter(|&i| allowed(i)).collect();
-    // A stable sort keeps equal values in index order.
-    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+    // A stable sort keeps equal values in index order; -0 equals +0, as the kernels
+    // compare them.
+    order.sort_by(|&a, &b| {
+        values[b]
+            .partial_cmp(&values[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     order.truncate(count);
     order
 }
