@@ -65,7 +65,7 @@ use moeforge_compiler::codegen::{self, CodegenError};
 use moeforge_compiler::{Diagnostics, compile_bytes, plan_diagnostics};
 use moeforge_runtime::aot::{self, AotError};
 use moeforge_runtime::jit::{CompiledModule, Jit, JitError};
-use moeforge_runtime::weights::upload;
+use moeforge_runtime::weights::{upload, upload_gate};
 use thiserror::Error;
 
 pub use moeforge_compiler::plan::{LayerShape, Plan, Target};
@@ -243,14 +243,30 @@ impl LayerSpec {
     /// refuses a GPU of another kind than the plan's target (before compiling), reads
     /// `weights` on the host (a checkpoint's every tensor checked: name, shape, dtype),
     /// uploads them and builds the handle. A spec with several ranks runs all its experts
-    /// on this one GPU.
+    /// on this one GPU. When the spec has a router, its gate comes from `weights` too
+    /// (drawn, or the checkpoint's gate tensors), so that the layer can route itself
+    /// ([`MoeLayer::forward_routed`]); [`Weights::Host`] holds experts only, and such a
+    /// layer runs caller-routed calls.
     pub fn build(&self, gpu: &Gpu, weights: &Weights) -> Result<MoeLayer, EngineError> {
         gpu.check_target(&self.plan.target)?;
         let host = weights.host(&self.plan.shape, ExpertSet::All)?;
+        let gate = match &self.plan.router {
+            Some(router) => weights.gate(&self.plan.shape, &router.rule)?,
+            None => None,
+        };
         let module = gpu.load(self.kernels()?)?;
         let experts = upload(&gpu.stream, &host)?;
         drop(host);
-        Ok(MoeLayer::new(gpu, self.plan.clone(), module, experts)?)
+        let gate = gate
+            .map(|gate| upload_gate(&gpu.stream, &gate))
+            .transpose()?;
+        Ok(MoeLayer::with_gate(
+            gpu,
+            self.plan.clone(),
+            module,
+            experts,
+            gate,
+        )?)
     }
 
     /// The expert-parallel layer over the spec's R ranks: rank `r` on `contexts[r]` (R

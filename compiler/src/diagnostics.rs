@@ -243,6 +243,8 @@ pub enum Error {
     },
     #[error("`groups_kept` is set without `groups`")]
     GroupsKeptWithoutGroups { span: Span },
+    #[error("`normalize` does not apply to `scoring = topk_softmax`")]
+    NormalizeWithTopkSoftmax { span: Span, scoring_span: Span },
     #[error("`{key}` tile {dimension} = {value} is not a positive multiple of 16")]
     TileNotAligned {
         span: Span,
@@ -343,6 +345,7 @@ impl Error {
             | GroupsKeptOutOfRange { span, .. }
             | TopKExceedsKeptGroups { span, .. }
             | GroupsKeptWithoutGroups { span }
+            | NormalizeWithTopkSoftmax { span, .. }
             | TileNotAligned { span, .. }
             | RanksMismatch { span, .. }
             | VirtualRanksNeedOneGpu { span, .. }
@@ -379,6 +382,10 @@ impl Error {
             Error::TooManyPairs {
                 top_k_span, top_k, ..
             } => vec![(*top_k_span, format!("{top_k} pairs per token"))],
+            Error::NormalizeWithTopkSoftmax { scoring_span, .. } => vec![(
+                *scoring_span,
+                "the weights are a softmax over the chosen experts".to_string(),
+            )],
             Error::PlanRefused {
                 hint_span: Some(hint_span),
                 ..
@@ -510,6 +517,11 @@ impl Error {
                     .into()
             }
             GroupsKeptWithoutGroups { .. } => "add `groups = N`, or delete `groups_kept`".into(),
+            NormalizeWithTopkSoftmax { .. } => {
+                "a softmax over the k chosen logits already sums to one: delete `normalize` \
+                 (or use `scoring = softmax`, a softmax over all experts, to choose renormalising)"
+                    .into()
+            }
             TileNotAligned { .. } => {
                 "tensor-core instructions work on 16×16 fragments; use multiples of 16 such as 64 or 128"
                     .into()
@@ -924,6 +936,10 @@ mod tests {
                 eligible: 4,
             },
             Error::GroupsKeptWithoutGroups { span },
+            Error::NormalizeWithTopkSoftmax {
+                span,
+                scoring_span: span,
+            },
             Error::TileNotAligned {
                 span,
                 key: text("gemm1.tile"),
@@ -970,7 +986,7 @@ mod tests {
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 43;
+    const VARIANTS: usize = 44;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1013,14 +1029,15 @@ mod tests {
             GroupsKeptOutOfRange { .. } => 32,
             TopKExceedsKeptGroups { .. } => 33,
             GroupsKeptWithoutGroups { .. } => 34,
-            TileNotAligned { .. } => 35,
-            RanksMismatch { .. } => 36,
-            VirtualRanksNeedOneGpu { .. } => 37,
-            TooManyRanks { .. } => 38,
-            UnknownTopology { .. } => 39,
-            InfeasibleHint { .. } => 40,
-            PlanRefused { .. } => 41,
-            TooManyErrors { .. } => 42,
+            NormalizeWithTopkSoftmax { .. } => 35,
+            TileNotAligned { .. } => 36,
+            RanksMismatch { .. } => 37,
+            VirtualRanksNeedOneGpu { .. } => 38,
+            TooManyRanks { .. } => 39,
+            UnknownTopology { .. } => 40,
+            InfeasibleHint { .. } => 41,
+            PlanRefused { .. } => 42,
+            TooManyErrors { .. } => 43,
         }
     }
 

@@ -3,6 +3,9 @@
 // constant, and every entry point's parameter list is the plan's launch table.
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
+{%- if router.is_some() %}
+// A call that routes itself first runs: router gate -> router select (topk_ids, topk_weights).
+{%- endif %}
 {%- for line in limitations %}
 // Note: {{ line }}
 {%- endfor %}
@@ -29,6 +32,9 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 {% include "routing.cu" %}
 {% include "flags.cu" %}
 {% include "gemm.cu" %}
+{%- if let Some(router) = router %}
+{% include "router.cu" %}
+{%- endif %}
 {%- if !wgmma_widths.is_empty() %}
 {% include "gemm_wgmma.cu" %}
 {%- endif %}

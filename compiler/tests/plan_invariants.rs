@@ -4,7 +4,9 @@
 //! (The tile schedule is tested on the GPU, by running the kernels' own device code:
 //! `runtime/tests/`.)
 
-use moeforge_compiler::ir::{Activation, Layer, TileShape};
+use moeforge_compiler::ir::{
+    Activation, GroupLimit, Layer, Router, RouterBias, Scoring, TileShape,
+};
 use moeforge_compiler::plan::{
     self, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, TILE_K, Target,
 };
@@ -93,6 +95,68 @@ proptest! {
             _ => edited.shape.top_k = edited.shape.experts + 1,
         }
         prop_assert!(edited.validate().is_err(), "edit {} went unnoticed", which);
+    }
+}
+
+/// A layer with one of the four reference rules (Mixtral, Qwen3-MoE without
+/// renormalising, DeepSeek-V3 with a group limit, GPT-OSS), groups as the experts allow.
+fn arbitrary_routed_layer() -> impl Strategy<Value = Layer> {
+    (arbitrary_layer(), 0usize..4, 0u32..4).prop_map(|(mut layer, rule, group_power)| {
+        let groups = (1u32 << group_power).min(layer.experts);
+        let per_group = layer.experts / groups;
+        let kept = groups.div_ceil(2).max(layer.top_k.div_ceil(per_group));
+        let (scoring, bias, normalize, group_limit, scale) = match rule {
+            0 => (Scoring::Softmax, RouterBias::None, true, None, 1.0),
+            1 => (Scoring::Softmax, RouterBias::None, false, None, 1.0),
+            2 => (
+                Scoring::Sigmoid,
+                RouterBias::ScoreCorrection,
+                true,
+                Some(GroupLimit { groups, kept }),
+                2.5,
+            ),
+            _ => (Scoring::TopkSoftmax, RouterBias::Logits, false, None, 1.0),
+        };
+        layer.router = Some(Router {
+            scoring,
+            bias,
+            group_limit,
+            normalize,
+            scale,
+        });
+        layer
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+
+    #[test]
+    fn router_plans_cover_every_expert_and_edits_are_caught(layer in arbitrary_routed_layer(), which in 0usize..4) {
+        let Ok(plan) = plan::plan(&layer, &Target::h200()) else { return Ok(()) };
+        prop_assert_eq!(plan.validate(), Ok(()));
+        let router = plan.router.as_ref().expect("the layer has a router");
+        prop_assert_eq!(router.regimes.len(), plan.regimes.len());
+        for regime in &router.regimes {
+            let gate = &regime.gate;
+            prop_assert!(gate.expert_tiles * gate.tile_experts >= layer.experts);
+            prop_assert!(gate.smem_bytes <= plan.target.smem_per_block);
+            let blocks = regime.launches[0].grid.blocks(layer.max_tokens);
+            prop_assert!(blocks >= layer.max_tokens.div_ceil(gate.tile_tokens));
+        }
+        let mut edited = plan.clone();
+        let edited_router = edited.router.as_mut().expect("the layer has a router");
+        match which {
+            0 => edited_router.regimes[0].gate.smem_bytes += 128,
+            1 => {
+                edited_router.regimes[0].launches[1].params.remove(1);
+            }
+            2 => edited_router.regimes[0].launches[1].static_smem_bytes += 128,
+            _ => {
+                edited_router.regimes.pop();
+            }
+        };
+        prop_assert!(edited.validate().is_err(), "router edit {} went unnoticed", which);
     }
 }
 

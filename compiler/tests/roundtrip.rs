@@ -48,7 +48,7 @@ fn spec() -> impl Strategy<Value = Spec> {
                 prop::sample::select(vec!["swiglu", "geglu", "gelu", "relu", "silu"]),
                 prop::option::of(1u32..=65_536),
                 prop::option::of((1u32..=2, 1u32..=64)),
-                prop::option::of((prop::sample::select(group_counts), any::<bool>(), 1u32..=40)),
+                prop::option::of((prop::sample::select(group_counts), 0u32..3, 1u32..=40)),
                 prop::collection::vec(any::<u8>(), 6),
             )
         })
@@ -75,12 +75,17 @@ fn spec() -> impl Strategy<Value = Spec> {
             if let Some((count, ffn)) = shared {
                 layer.push(format!("shared_experts {{ count = {count} ffn = {} }}", ffn * 64));
             }
-            if let Some((groups, sigmoid, scale)) = router {
+            if let Some((groups, rule, scale)) = router {
                 let kept = groups.div_ceil(2);
                 top_k = top_k.min(kept * experts / groups).max(1);
-                let scoring = if sigmoid { "sigmoid" } else { "softmax" };
+                // The three scorings, each with a bias; `normalize` never with topk_softmax.
+                let (scoring, bias, normalize) = match rule {
+                    0 => ("softmax", "none", " normalize = false"),
+                    1 => ("sigmoid", "score_correction", " normalize = true"),
+                    _ => ("topk_softmax", "logits", ""),
+                };
                 layer.push(format!(
-                    "router {{ scoring = {scoring} groups = {groups} groups_kept = {kept} normalize = {sigmoid} scale = {}.5 }}",
+                    "router {{ scoring = {scoring} bias = {bias} groups = {groups} groups_kept = {kept}{normalize} scale = {}.5 }}",
                     scale
                 ));
             }

@@ -18,7 +18,14 @@
 //! the checkpoint holds. [`write_experts`] writes host weights back under a family's
 //! names, for tests, examples and tools that make small checkpoints.
 //!
-//! It is not: a router or shared-expert loader (the kernels run neither yet), a GPT-OSS
+//! [`Checkpoint::load_gate`] reads the router's gate of the layer ([`HostGate`]: the
+//! weight [E, H] as bf16 bits and, when the spec's rule has one, the bias [E] as f32), by
+//! the family's names: `block_sparse_moe.gate.weight` (Mixtral), `mlp.gate.weight`
+//! (Qwen3-MoE, DeepSeek-V3, with `mlp.gate.e_score_correction_bias`), `mlp.router.weight`
+//! and `mlp.router.bias` (GPT-OSS). A `bias = logits` rule reads `<gate>.bias`, a
+//! `bias = score_correction` rule `<gate>.e_score_correction_bias`, whatever the family.
+//!
+//! It is not: a shared-expert loader (the kernels do not run them yet), a GPT-OSS expert
 //! loader (its experts are fused, biased and, as released, MXFP4: a typed error says so),
 //! a dequantiser of FP8 checkpoints (DeepSeek-V3's release stores FP8 with block scales:
 //! a dtype error), or an uploader: the buffers stay on the host.
@@ -31,7 +38,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use moeforge_compiler::ir::Activation;
+use moeforge_compiler::ir::{Activation, RouterBias};
 use moeforge_compiler::plan::LayerShape;
 use safetensors::tensor::{Dtype, Metadata, SafeTensorError, SafeTensors, TensorView};
 use serde::Deserialize;
@@ -84,6 +91,26 @@ impl Family {
             }
         };
         Ok([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
+    }
+
+    /// The module holding the router's gate under `prefix` (its tensors are
+    /// `<module>.weight` and the biases).
+    fn gate_module(self, prefix: &str) -> String {
+        match self {
+            Family::Mixtral => format!("{prefix}block_sparse_moe.gate"),
+            Family::Qwen3Moe | Family::DeepseekV3 => format!("{prefix}mlp.gate"),
+            Family::GptOss => format!("{prefix}mlp.router"),
+        }
+    }
+
+    /// The gate's bias tensor a rule with `bias` reads, if any.
+    fn gate_bias_name(self, prefix: &str, bias: RouterBias) -> Option<String> {
+        let module = self.gate_module(prefix);
+        match bias {
+            RouterBias::None => None,
+            RouterBias::Logits => Some(format!("{module}.bias")),
+            RouterBias::ScoreCorrection => Some(format!("{module}.e_score_correction_bias")),
+        }
     }
 
     /// A tensor that shows the family's layout under `prefix` (expert 0's gate projection,
@@ -216,6 +243,14 @@ impl HostWeights {
             experts: wanted,
         })
     }
+}
+
+/// One layer's router gate on the host: `weight` [E, H] bf16 bits, and the bias [E] in
+/// f32 when the spec's rule has one (whatever dtype the checkpoint stores it in).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostGate {
+    pub weight: Vec<u16>,
+    pub bias: Option<Vec<f32>>,
 }
 
 #[derive(Debug, Error)]
@@ -555,6 +590,37 @@ impl Checkpoint {
         Ok(HostWeights { experts, w1, w2 })
     }
 
+    /// Loads the router's gate of the layer under `prefix`, named as `family` names it,
+    /// sized by `shape` (W_gate [E, H]), with the bias a rule with `bias` adds ([E], read
+    /// as f32).
+    pub fn load_gate(
+        &self,
+        family: Family,
+        prefix: &str,
+        shape: &LayerShape,
+        bias: RouterBias,
+    ) -> Result<HostGate, CheckpointError> {
+        let (hidden, experts) = (shape.hidden as usize, shape.experts as usize);
+        let mut weight = vec![0u16; experts * hidden];
+        let name = format!("{}.weight", family.gate_module(prefix));
+        self.read_bf16(family, prefix, &name, &[experts, hidden], &mut weight)?;
+        let bias = match family.gate_bias_name(prefix, bias) {
+            Some(name) => {
+                let tensor = self.tensor(family, prefix, &name, &[experts])?;
+                let mut values = vec![0f32; experts];
+                to_f32(tensor.dtype, tensor.bytes, &mut values).map_err(|found| {
+                    CheckpointError::Dtype {
+                        tensor: name.clone(),
+                        found,
+                    }
+                })?;
+                Some(values)
+            }
+            None => None,
+        };
+        Ok(HostGate { weight, bias })
+    }
+
     /// Reads tensor `name`, which must have shape `expected`, into `out` as bf16 bits.
     fn read_bf16(
         &self,
@@ -564,6 +630,21 @@ impl Checkpoint {
         expected: &[usize],
         out: &mut [u16],
     ) -> Result<(), CheckpointError> {
+        let tensor = self.tensor(family, prefix, name, expected)?;
+        to_bf16(tensor.dtype, tensor.bytes, out).map_err(|found| CheckpointError::Dtype {
+            tensor: name.to_owned(),
+            found,
+        })
+    }
+
+    /// Tensor `name`'s dtype and bytes, checked to have shape `expected`.
+    fn tensor(
+        &self,
+        family: Family,
+        prefix: &str,
+        name: &str,
+        expected: &[usize],
+    ) -> Result<RawTensor<'_>, CheckpointError> {
         let Some(&at) = self.names.get(name) else {
             return Err(CheckpointError::MissingTensor {
                 tensor: name.to_owned(),
@@ -592,10 +673,9 @@ impl Checkpoint {
         let (start, end) = info.data_offsets;
         // The header was validated: the offsets lie inside the file after the header.
         let base = 8 + shard.header_len;
-        let bytes = &shard.map[base + start..base + end];
-        to_bf16(info.dtype, bytes, out).map_err(|found| CheckpointError::Dtype {
-            tensor: name.to_owned(),
-            found,
+        Ok(RawTensor {
+            dtype: info.dtype,
+            bytes: &shard.map[base + start..base + end],
         })
     }
 
@@ -620,6 +700,12 @@ impl Checkpoint {
             })
             .cloned()
     }
+}
+
+/// A tensor's dtype and little-endian bytes, inside a memory-mapped shard.
+struct RawTensor<'a> {
+    dtype: Dtype,
+    bytes: &'a [u8],
 }
 
 /// One layer of an open checkpoint: the prefix its tensors are named under and the
@@ -720,6 +806,17 @@ impl CheckpointLayer {
             .load_experts(self.family, &self.prefix, shape, which)
     }
 
+    /// Loads the router's gate of a layer of `shape` with the bias a rule with `bias`
+    /// adds (see [`Checkpoint::load_gate`]).
+    pub fn load_gate(
+        &self,
+        shape: &LayerShape,
+        bias: RouterBias,
+    ) -> Result<HostGate, CheckpointError> {
+        self.checkpoint
+            .load_gate(self.family, &self.prefix, shape, bias)
+    }
+
     /// The file or folder the checkpoint was opened from.
     pub fn path(&self) -> &Path {
         &self.path
@@ -773,6 +870,20 @@ pub fn write_experts(
     shape: &LayerShape,
     weights: &HostWeights,
 ) -> Result<(), CheckpointError> {
+    write_layer(path, family, prefix, shape, weights, None)
+}
+
+/// [`write_experts`], plus the router's gate when given: its weight, and its bias under
+/// the name a rule with `bias` reads ([`Checkpoint::load_gate`] reads them back: the
+/// weight bit for bit, the bias as the f32 it is written in).
+pub fn write_layer(
+    path: &Path,
+    family: Family,
+    prefix: &str,
+    shape: &LayerShape,
+    weights: &HostWeights,
+    gate: Option<(&HostGate, RouterBias)>,
+) -> Result<(), CheckpointError> {
     family.expert_names(prefix, 0)?;
     if shape.activation != family.activation() {
         return Err(CheckpointError::Activation {
@@ -793,14 +904,27 @@ pub fn write_experts(
         let w2 = &weights.w2[local * matrix..(local + 1) * matrix];
         tensors.push((down, vec![hidden, ffn], bytes(w2)));
     }
+    let mut f32_tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    if let Some((gate, bias)) = gate {
+        let experts = shape.experts as usize;
+        let name = format!("{}.weight", family.gate_module(prefix));
+        tensors.push((name, vec![experts, hidden], bytes(&gate.weight)));
+        if let (Some(name), Some(values)) = (family.gate_bias_name(prefix, bias), &gate.bias) {
+            let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            f32_tensors.push((name, vec![experts], data));
+        }
+    }
     let write_error = |source| CheckpointError::Write {
         path: path.to_owned(),
         source,
     };
-    let views = tensors
+    let typed = tensors
         .iter()
-        .map(|(name, dims, data)| {
-            TensorView::new(Dtype::BF16, dims.clone(), data).map(|view| (name.as_str(), view))
+        .map(|t| (Dtype::BF16, t))
+        .chain(f32_tensors.iter().map(|t| (Dtype::F32, t)));
+    let views = typed
+        .map(|(dtype, (name, dims, data))| {
+            TensorView::new(dtype, dims.clone(), data).map(|view| (name.as_str(), view))
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| write_error(io::Error::other(e)))?;
@@ -870,6 +994,31 @@ pub fn to_bf16(dtype: Dtype, bytes: &[u8], out: &mut [u16]) -> Result<(), Dtype>
         Dtype::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *o = bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            }
+        }
+        other => return Err(other),
+    }
+    Ok(())
+}
+
+/// Converts little-endian `bytes` of `dtype` (F32, BF16 or F16: every value exact in f32)
+/// into `out`; `Err(dtype)` for any other dtype. `bytes` holds exactly `out.len()`
+/// elements (the caller checked the shape).
+pub fn to_f32(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> Result<(), Dtype> {
+    match dtype {
+        Dtype::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Dtype::BF16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::to_f32(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }
+        Dtype::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
             }
         }
         other => return Err(other),

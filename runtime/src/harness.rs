@@ -11,16 +11,19 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use moeforge_compiler::codegen::{self, CodegenError};
-use moeforge_compiler::plan::{LayerShape, Plan};
+use moeforge_compiler::plan::{BufferId, LayerShape, Plan};
 use thiserror::Error;
 
 use crate::aot;
 use crate::bf16;
+use crate::checkpoint::HostGate;
 use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::jit::{CompileOptions, CompiledModule, Jit, JitError};
-use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer};
+use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs};
+use crate::reference::router::{KernelRouting, RouterCheck};
 use crate::reference::{self, Comparison, HostExpert};
+use crate::weights::{random_gate, upload_gate};
 use crate::workload::{SplitMix64, Workload, weight_scale};
 
 #[derive(Debug, Error)]
@@ -54,6 +57,9 @@ pub struct BuiltLayer {
     /// so a fault in the fill or in a weight's layout cannot be mirrored by a host copy of
     /// the generator; and a hit expert crosses PCIe once per layer, not once per call.
     host_experts: Vec<OnceLock<HostWeights>>,
+    /// The router's gate the layer was built with, kept on the host for the reference
+    /// (`None`: the layer runs caller-routed calls only).
+    host_gate: Option<HostGate>,
 }
 
 /// One expert's (W1, W2) on the host, checkpoint layout.
@@ -137,11 +143,15 @@ pub struct CheckReport {
     pub unwritten: usize,
     /// Wall time of the CPU reference, the check's main cost.
     pub reference_seconds: f64,
+    /// For a call that routed itself, how its router compares with the reference.
+    pub router: Option<RouterCheck>,
 }
 
 impl CheckReport {
     pub fn passed(&self) -> bool {
-        self.unwritten == 0 && self.comparison.out_of_bound == 0
+        self.unwritten == 0
+            && self.comparison.out_of_bound == 0
+            && self.router.as_ref().is_none_or(RouterCheck::passed)
     }
 
     /// Whether only a sample of the tokens was compared.
@@ -179,7 +189,11 @@ impl fmt::Display for CheckReport {
                 w.ratio()
             )?;
         }
-        write!(f, "; {} unwritten", self.unwritten)
+        write!(f, "; {} unwritten", self.unwritten)?;
+        if let Some(router) = &self.router {
+            write!(f, "; {router}")?;
+        }
+        Ok(())
     }
 }
 
@@ -275,11 +289,13 @@ impl Session {
         Ok(ExpertWeights { w1, w2 })
     }
 
-    /// Compiles the plan's kernels, fills random weights and builds the handle.
+    /// Compiles the plan's kernels, fills random weights (and, when the spec has a router,
+    /// draws a random gate, so that the layer can route itself) and builds the handle.
     pub fn build(&self, plan: Plan, seed: u64) -> Result<BuiltLayer, HarnessError> {
         let (module, compile_seconds) = self.compile(&plan)?;
         let weights = self.random_weights(&plan.shape, seed)?;
-        self.assemble(plan, module, compile_seconds, weights)
+        let gate = random_router_gate(&plan, seed);
+        self.assemble(plan, module, compile_seconds, weights, gate)
     }
 
     /// Compiles the plan's kernels and builds the handle with `weights`, every expert of
@@ -290,8 +306,19 @@ impl Session {
         plan: Plan,
         weights: ExpertWeights,
     ) -> Result<BuiltLayer, HarnessError> {
+        self.build_with_weights_and_gate(plan, weights, None)
+    }
+
+    /// [`Session::build_with_weights`] with the router's gate (e.g. a checkpoint's), so
+    /// that the layer can route itself; `None` builds a caller-routed layer.
+    pub fn build_with_weights_and_gate(
+        &self,
+        plan: Plan,
+        weights: ExpertWeights,
+        gate: Option<HostGate>,
+    ) -> Result<BuiltLayer, HarnessError> {
         let (module, compile_seconds) = self.compile(&plan)?;
-        self.assemble(plan, module, compile_seconds, weights)
+        self.assemble(plan, module, compile_seconds, weights, gate)
     }
 
     /// [`Session::build`] for several plans, compiling them on a thread each (each unit
@@ -318,7 +345,8 @@ impl Session {
             .map(|((plan, compiled), i)| {
                 let (module, compile_seconds) = compiled?;
                 let weights = self.random_weights(&plan.shape, seed.wrapping_add(i))?;
-                self.assemble(plan, module, compile_seconds, weights)
+                let gate = random_router_gate(&plan, seed.wrapping_add(i));
+                self.assemble(plan, module, compile_seconds, weights, gate)
             })
             .collect()
     }
@@ -332,25 +360,33 @@ impl Session {
         seed: u64,
     ) -> Result<BuiltLayer, HarnessError> {
         let weights = self.random_weights(&plan.shape, seed)?;
-        self.assemble(plan, module, 0.0, weights)
+        let gate = random_router_gate(&plan, seed);
+        self.assemble(plan, module, 0.0, weights, gate)
     }
 
-    /// Loads a compiled module and builds the handle with `weights`.
+    /// Loads a compiled module and builds the handle with `weights` and, when given, the
+    /// router's `gate` (uploaded; the host copy kept for the reference).
     fn assemble(
         &self,
         plan: Plan,
         module: CompiledModule,
         compile_seconds: f64,
         weights: ExpertWeights,
+        gate: Option<HostGate>,
     ) -> Result<BuiltLayer, HarnessError> {
         let loaded = self.gpu.load(&module)?;
         let experts = plan.shape.experts as usize;
-        let layer = MoeLayer::new(&self.gpu, plan, loaded, weights)?;
+        let device_gate = gate
+            .as_ref()
+            .map(|gate| upload_gate(&self.gpu.stream, gate))
+            .transpose()?;
+        let layer = MoeLayer::with_gate(&self.gpu, plan, loaded, weights, device_gate)?;
         Ok(BuiltLayer {
             layer,
             module,
             compile_seconds,
             host_experts: (0..experts).map(|_| OnceLock::new()).collect(),
+            host_gate: gate,
         })
     }
 
@@ -516,6 +552,88 @@ impl Session {
         self.check_output(built, workload, &y, max_checked_tokens, seed)
     }
 
+    /// Runs one forward call that routes itself on `workload.x` (its ids and weights are
+    /// not used) and checks it: the router's logits, choices and weights against the CPU
+    /// reference of the router ([`reference::router::compare`]), then every output element
+    /// against the CPU reference of the layer on the experts and weights the router chose,
+    /// for the same tokens as [`Session::run_checked`].
+    pub fn run_checked_routed(
+        &self,
+        built: &BuiltLayer,
+        workload: &Workload,
+        max_checked_tokens: usize,
+        seed: u64,
+    ) -> Result<CheckReport, HarnessError> {
+        let layer = &built.layer;
+        let plan = layer.plan();
+        let shape = &plan.shape;
+        let rule = plan.router.as_ref().ok_or(LayerError::NoRouter)?.rule;
+        let gate = built.host_gate.as_ref().ok_or(LayerError::NoGateWeights)?;
+        let mut io = self.upload(shape, workload)?;
+        layer.forward_routed(RoutedForwardArgs {
+            tokens: workload.tokens,
+            x: &io.x,
+            y: &mut io.y,
+        })?;
+        layer.take_error()?;
+        let stream = &self.gpu.stream;
+        let y = stream.clone_dtoh(&io.y).context("downloading y")?;
+        let t = workload.tokens as usize;
+        let (e, k) = (shape.experts as usize, shape.top_k as usize);
+        let logits: Vec<f32> = self.download_workspace(layer, BufferId::RouterLogits, t * e)?;
+        let topk_ids: Vec<i32> = self.download_workspace(layer, BufferId::RoutedIds, t * k)?;
+        let topk_weights: Vec<f32> =
+            self.download_workspace(layer, BufferId::RoutedWeights, t * k)?;
+        let tokens = checked_tokens(t, max_checked_tokens, seed);
+        let router = reference::router::compare(
+            &rule,
+            shape.hidden as usize,
+            e,
+            k,
+            &workload.x,
+            &gate.weight,
+            gate.bias.as_deref(),
+            &KernelRouting {
+                logits: &logits,
+                topk_ids: &topk_ids,
+                topk_weights: &topk_weights,
+            },
+            &tokens,
+        );
+        let routed = Workload {
+            tokens: workload.tokens,
+            x: workload.x.clone(),
+            topk_ids,
+            topk_weights,
+        };
+        let mut report = self.check_output(built, &routed, &y, max_checked_tokens, seed)?;
+        report.router = Some(router);
+        Ok(report)
+    }
+
+    /// The first `elems` elements of workspace buffer `id` of `layer`, as `T` (the plan's
+    /// element type of that buffer).
+    fn download_workspace<T: le_values::FromLe>(
+        &self,
+        layer: &MoeLayer,
+        id: BufferId,
+        elems: usize,
+    ) -> Result<Vec<T>, HarnessError> {
+        let buffer = layer
+            .workspace_buffer(id)
+            .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?;
+        let bytes = self
+            .gpu
+            .stream
+            .clone_dtoh(buffer)
+            .context(format!("downloading `{}`", id.name()))?;
+        Ok(bytes
+            .chunks_exact(4)
+            .take(elems)
+            .map(|c| T::from_le([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
     /// Compares the output `y` of a call on `workload` with the CPU reference (see
     /// [`Session::run_checked`]), the weights taken from `built`.
     pub fn check_output(
@@ -551,7 +669,32 @@ impl Session {
             comparison: reference::compare(y, &reference),
             unwritten,
             reference_seconds,
+            router: None,
         })
+    }
+}
+
+/// The random gate a layer built on random weights gets when its spec has a router.
+fn random_router_gate(plan: &Plan, seed: u64) -> Option<HostGate> {
+    plan.router
+        .as_ref()
+        .map(|router| random_gate(&plan.shape, router.rule.bias, seed))
+}
+
+/// Four-byte values read back from a workspace buffer.
+mod le_values {
+    pub trait FromLe {
+        fn from_le(bytes: [u8; 4]) -> Self;
+    }
+    impl FromLe for f32 {
+        fn from_le(bytes: [u8; 4]) -> Self {
+            f32::from_le_bytes(bytes)
+        }
+    }
+    impl FromLe for i32 {
+        fn from_le(bytes: [u8; 4]) -> Self {
+            i32::from_le_bytes(bytes)
+        }
     }
 }
 

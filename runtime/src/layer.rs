@@ -12,7 +12,10 @@ use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
     PushKernelArg,
 };
-use moeforge_compiler::plan::{BufferId, LaunchArg, LayerShape, Plan, PlanInvalid, error_code};
+use moeforge_compiler::ir::RouterBias;
+use moeforge_compiler::plan::{
+    BufferId, Launch, LaunchArg, LayerShape, Plan, PlanInvalid, RouterPlan, error_code,
+};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, Gpu, GpuError};
@@ -73,6 +76,21 @@ pub enum LayerError {
     #[error("the plan passes `{arg}` as a tensor map, which it is not")]
     NotATensorMap { arg: &'static str },
     #[error(
+        "the layer's spec has no `router {{ }}` section: pass topk_ids and topk_weights to `forward`, or add a router to the spec"
+    )]
+    NoRouter,
+    #[error(
+        "the layer was built without the router's gate weights: build it with them (a checkpoint's gate tensors, or random ones) to let it route itself"
+    )]
+    NoGateWeights,
+    #[error(
+        "the router's rule {rule} a gate bias, but {given}; give the bias the spec's `bias = ...` names, or change the spec"
+    )]
+    GateBias {
+        rule: &'static str,
+        given: &'static str,
+    },
+    #[error(
         "the driver refused a TMA tensor map over {what} ({rows} x {columns} bf16, boxes of {box_rows} rows): {result}; the plan's tile does not suit this driver or device"
     )]
     TensorMap {
@@ -108,6 +126,58 @@ impl ExpertWeights {
     }
 }
 
+/// The router's gate on the device: `weight` [E, H] bf16 and, when the rule has a bias
+/// (`bias = logits | score_correction`), `bias` [E] f32.
+pub struct GateWeights {
+    pub weight: CudaSlice<u16>,
+    pub bias: Option<CudaSlice<f32>>,
+}
+
+impl GateWeights {
+    /// Checks that the weights hold the gate of `shape` with a bias exactly when `router`
+    /// asks for one.
+    pub(crate) fn check(&self, shape: &LayerShape, router: &RouterPlan) -> Result<(), LayerError> {
+        check_len(
+            "gate weight",
+            self.weight.len(),
+            u64::from(shape.experts) * u64::from(shape.hidden),
+        )?;
+        match (&self.bias, router.rule.bias != RouterBias::None) {
+            (Some(bias), true) => check_len("gate bias", bias.len(), u64::from(shape.experts)),
+            (None, false) => Ok(()),
+            (None, true) => Err(LayerError::GateBias {
+                rule: "has",
+                given: "none was given",
+            }),
+            (Some(_), false) => Err(LayerError::GateBias {
+                rule: "has no",
+                given: "one was given",
+            }),
+        }
+    }
+}
+
+/// The inputs and output of one forward call that routes itself, on the device.
+pub struct RoutedForwardArgs<'a> {
+    pub tokens: u32,
+    /// bf16 [T, H].
+    pub x: &'a CudaSlice<u16>,
+    /// bf16 [T, H], written completely.
+    pub y: &'a mut CudaSlice<u16>,
+}
+
+/// Where a call's expert choices come from.
+#[derive(Clone, Copy)]
+enum Routing<'a> {
+    /// The caller's `topk_ids` [T, K] and `topk_weights` [T, K].
+    Caller {
+        topk_ids: &'a CudaSlice<i32>,
+        topk_weights: &'a CudaSlice<f32>,
+    },
+    /// The router's launches, whose `routed_ids` and `routed_weights` the table then reads.
+    Router,
+}
+
 /// The inputs and output of one forward call, on the device.
 pub struct ForwardArgs<'a> {
     pub tokens: u32,
@@ -137,14 +207,19 @@ impl ForwardArgs<'_> {
     }
 }
 
+/// A launch's function and what to pass for each of its parameters.
+type BoundLaunch = (CudaFunction, Vec<Binding>);
+
 pub struct MoeLayer {
     plan: Plan,
     stream: Arc<CudaStream>,
-    /// Per regime, each launch of its table (same order): its function and what to pass
-    /// for each of its parameters.
-    regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
+    /// Per regime, each launch of its table (same order).
+    regime_kernels: Vec<Vec<BoundLaunch>>,
+    /// Per regime, the router's launches (empty without a router or its gate weights).
+    router_kernels: Vec<Vec<BoundLaunch>>,
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
+    gate: Option<GateWeights>,
     /// The tensor maps over the weights that launches pass (`Binding::TensorMap`).
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
     _module: Arc<CudaModule>,
@@ -160,6 +235,8 @@ enum Binding {
     Tokens,
     W1,
     W2,
+    GateWeight,
+    GateBias,
     /// The workspace buffer at this position of `MoeLayer::workspace`.
     Workspace(usize),
     /// The tensor map at this position of `MoeLayer::tensor_maps`.
@@ -246,16 +323,35 @@ impl MoeLayer {
     /// Builds the handle: validates the plan and checks it was made for this device, finds
     /// every kernel the plan launches in `module`, raises their shared-memory limits,
     /// checks the weights' sizes and allocates the workspace.
+    ///
+    /// Without gate weights the layer runs caller-routed calls only ([`MoeLayer::forward`]).
     pub fn new(
         gpu: &Gpu,
         plan: Plan,
         module: Arc<CudaModule>,
         weights: ExpertWeights,
     ) -> Result<Self, LayerError> {
+        Self::with_gate(gpu, plan, module, weights, None)
+    }
+
+    /// [`MoeLayer::new`] with the router's gate weights, so that the layer can also route
+    /// itself ([`MoeLayer::forward_routed`]); the plan must have a router and `gate` its
+    /// weight and (exactly when the rule says) bias.
+    pub fn with_gate(
+        gpu: &Gpu,
+        plan: Plan,
+        module: Arc<CudaModule>,
+        weights: ExpertWeights,
+        gate: Option<GateWeights>,
+    ) -> Result<Self, LayerError> {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
         let shape = &plan.shape;
         weights.check(shape, shape.experts)?;
+        if let Some(gate) = &gate {
+            let router = plan.router.as_ref().ok_or(LayerError::NoRouter)?;
+            gate.check(shape, router)?;
+        }
 
         let mut workspace = Vec::new();
         for buffer in &plan.workspace {
@@ -268,7 +364,7 @@ impl MoeLayer {
         }
 
         // Each distinct entry point is loaded (and its shared-memory limit raised) once.
-        let mut loaded: Vec<(&str, CudaFunction)> = Vec::new();
+        let mut loaded: Vec<(String, CudaFunction)> = Vec::new();
         let mut tensor_maps = WeightTensorMaps {
             shape,
             experts: shape.experts,
@@ -276,51 +372,55 @@ impl MoeLayer {
             stream: &gpu.stream,
             maps: Vec::new(),
         };
-        let mut regime_kernels = Vec::with_capacity(plan.regimes.len());
-        for regime in &plan.regimes {
-            let mut launches = Vec::with_capacity(regime.launches.len());
-            for launch in &regime.launches {
-                let bindings = launch
-                    .params
-                    .iter()
-                    .map(|param| bind(param.arg, &workspace, &mut tensor_maps))
-                    .collect::<Result<Vec<_>, _>>()?;
-                if let Some((_, function)) = loaded.iter().find(|(name, _)| *name == launch.kernel)
-                {
-                    launches.push((function.clone(), bindings));
-                    continue;
-                }
-                let function = module.load_function(&launch.kernel).map_err(|_| {
-                    LayerError::MissingKernel {
-                        name: launch.kernel.clone(),
-                    }
-                })?;
-                if launch.smem_bytes > 0 {
-                    function
-                        .set_attribute(
-                            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            launch.smem_bytes as i32,
-                        )
-                        .context(format!(
-                            "raising the shared-memory limit of `{}`",
-                            launch.kernel
-                        ))?;
-                }
-                loaded.push((&launch.kernel, function.clone()));
-                launches.push((function, bindings));
-            }
-            regime_kernels.push(launches);
-        }
+        let mut bind_table = |launches: &[Launch]| -> Result<Vec<BoundLaunch>, LayerError> {
+            launches
+                .iter()
+                .map(|launch| {
+                    let bindings = launch
+                        .params
+                        .iter()
+                        .map(|param| bind(param.arg, &workspace, &mut tensor_maps))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Ok((load_kernel(&module, &mut loaded, launch)?, bindings))
+                })
+                .collect()
+        };
+        let regime_kernels = plan
+            .regimes
+            .iter()
+            .map(|regime| bind_table(&regime.launches))
+            .collect::<Result<Vec<_>, _>>()?;
+        // The router's kernels are loaded only when the layer can run them.
+        let router_kernels = match (&plan.router, &gate) {
+            (Some(router), Some(_)) => router
+                .regimes
+                .iter()
+                .map(|regime| bind_table(&regime.launches))
+                .collect::<Result<Vec<_>, _>>()?,
+            _ => Vec::new(),
+        };
         let tensor_maps = tensor_maps.maps;
         Ok(MoeLayer {
             plan,
             stream: gpu.stream.clone(),
             regime_kernels,
+            router_kernels,
             workspace,
             weights,
+            gate,
             tensor_maps,
             _module: module,
         })
+    }
+
+    /// Whether the layer can route its tokens itself: its spec has a router and it was
+    /// built with the gate weights.
+    pub fn routes_itself(&self) -> bool {
+        !self.router_kernels.is_empty()
+    }
+
+    pub fn gate(&self) -> Option<&GateWeights> {
+        self.gate.as_ref()
     }
 
     pub fn plan(&self) -> &Plan {
@@ -331,9 +431,28 @@ impl MoeLayer {
         &self.weights
     }
 
-    /// Enqueues one forward call on the layer's stream. Does not synchronise.
+    /// Enqueues one forward call on the layer's stream, with the caller's expert choices.
+    /// Does not synchronise.
     pub fn forward(&self, args: ForwardArgs<'_>) -> Result<(), LayerError> {
-        self.enqueue(args, |_| true)
+        let routing = Routing::Caller {
+            topk_ids: args.topk_ids,
+            topk_weights: args.topk_weights,
+        };
+        self.enqueue(args.tokens, args.x, args.y, routing, |_| true)
+    }
+
+    /// Enqueues one forward call that routes itself: the router's launches choose each
+    /// token's experts and weights from `x` (into the workspace's `routed_ids` and
+    /// `routed_weights`, [`MoeLayer::workspace_buffer`]), then the regime's table runs on
+    /// them. Does not synchronise.
+    pub fn forward_routed(&self, args: RoutedForwardArgs<'_>) -> Result<(), LayerError> {
+        if self.plan.router.is_none() {
+            return Err(LayerError::NoRouter);
+        }
+        if !self.routes_itself() {
+            return Err(LayerError::NoGateWeights);
+        }
+        self.enqueue(args.tokens, args.x, args.y, Routing::Router, |_| true)
     }
 
     /// Enqueues only the plan's routing launch (`plan.route_kernel`) for a call: expert
@@ -341,7 +460,13 @@ impl MoeLayer {
     /// ([`MoeLayer::workspace_buffer`]). What an unfused pipeline shares with moeforge.
     pub fn route(&self, args: ForwardArgs<'_>) -> Result<(), LayerError> {
         let route = self.plan.route_kernel.clone();
-        self.enqueue(args, |kernel| kernel == route)
+        let routing = Routing::Caller {
+            topk_ids: args.topk_ids,
+            topk_weights: args.topk_weights,
+        };
+        self.enqueue(args.tokens, args.x, args.y, routing, |kernel| {
+            kernel == route
+        })
     }
 
     /// The workspace buffer `id` on the device (bytes; the plan gives its element type).
@@ -353,21 +478,48 @@ impl MoeLayer {
     }
 
     /// Enqueues the launches of the call's regime whose kernel `selected` accepts, in the
-    /// table's order.
+    /// table's order; for a self-routed call the router's launches first.
     fn enqueue(
         &self,
-        args: ForwardArgs<'_>,
+        tokens: u32,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<u16>,
+        routing: Routing<'_>,
         selected: impl Fn(&str) -> bool,
     ) -> Result<(), LayerError> {
         let shape = &self.plan.shape;
-        let tokens = args.tokens;
         if tokens > shape.max_tokens {
             return Err(LayerError::TooManyTokens {
                 tokens,
                 max: shape.max_tokens,
             });
         }
-        args.check(shape.hidden, shape.top_k)?;
+        let t = u64::from(tokens);
+        check_len("x", x.len(), t * u64::from(shape.hidden))?;
+        check_len("y", y.len(), t * u64::from(shape.hidden))?;
+        let stream = &self.stream;
+        let (topk_ids, topk_weights) = match routing {
+            Routing::Caller {
+                topk_ids,
+                topk_weights,
+            } => {
+                let pairs = t * u64::from(shape.top_k);
+                check_len("topk_ids", topk_ids.len(), pairs)?;
+                check_len("topk_weights", topk_weights.len(), pairs)?;
+                (ptr(topk_ids, stream), ptr(topk_weights, stream))
+            }
+            Routing::Router => {
+                let routed = |id: BufferId| {
+                    self.workspace_buffer(id)
+                        .map(|buffer| ptr(buffer, stream))
+                        .ok_or(LayerError::MissingWorkspace { buffer: id.name() })
+                };
+                (
+                    routed(BufferId::RoutedIds)?,
+                    routed(BufferId::RoutedWeights)?,
+                )
+            }
+        };
         let index = self
             .plan
             .regime_index_for(tokens)
@@ -376,45 +528,84 @@ impl MoeLayer {
                 max: shape.max_tokens,
             })?;
         let regime = &self.plan.regimes[index];
+        let call = CallValues {
+            tokens,
+            x: ptr(x, stream),
+            y: ptr(y, stream),
+            topk_ids,
+            topk_weights,
+        };
 
-        // The route kernel, always first, clears the error word; it also runs at T = 0 so
-        // that a stale error of an earlier call is not reported. Launches whose grid is
-        // empty (one block per token at T = 0) are skipped.
-        let stream = &self.stream;
-        for (launch, (function, bindings)) in
-            regime.launches.iter().zip(&self.regime_kernels[index])
+        if matches!(routing, Routing::Router)
+            && let (Some(router), Some(kernels)) =
+                (&self.plan.router, self.router_kernels.get(index))
         {
-            let blocks = launch.grid.blocks(tokens);
-            if blocks == 0 || !selected(&launch.kernel) {
-                continue;
+            for (launch, bound) in router.regimes[index].launches.iter().zip(kernels) {
+                self.launch(launch, bound, &call)?;
             }
-            let values: Vec<ArgValue> = bindings
-                .iter()
-                .map(|binding| match *binding {
-                    Binding::X => ArgValue::Pointer(ptr(args.x, stream)),
-                    Binding::TopkIds => ArgValue::Pointer(ptr(args.topk_ids, stream)),
-                    Binding::TopkWeights => ArgValue::Pointer(ptr(args.topk_weights, stream)),
-                    Binding::W1 => ArgValue::Pointer(ptr(&self.weights.w1, stream)),
-                    Binding::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
-                    Binding::Y => ArgValue::Pointer(ptr(args.y, stream)),
-                    Binding::Tokens => ArgValue::Int(tokens as i32),
-                    Binding::Workspace(i) => ArgValue::Pointer(ptr(&self.workspace[i].1, stream)),
-                    Binding::TensorMap(i) => ArgValue::TensorMap(self.tensor_maps[i].1),
-                })
-                .collect();
-            let config = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (launch.block_threads, 1, 1),
-                shared_mem_bytes: launch.smem_bytes,
-            };
-            // SAFETY: codegen wrote this kernel's parameter list from `launch.params` (its
-            // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens, a
-            // tensor map by value over weights this layer owns),
-            // and the AOT loader checks the PTX entry against the same list; `new` validated
-            // the plan, and every buffer was checked above to hold what the kernel indexes.
-            unsafe { launch_with(stream, function, config, &values) }
-                .context(format!("launching `{}`", launch.kernel))?;
         }
+        // The route kernel, always first in the table, clears the error word; it also runs
+        // at T = 0 so that a stale error of an earlier call is not reported.
+        for (launch, bound) in regime.launches.iter().zip(&self.regime_kernels[index]) {
+            if selected(&launch.kernel) {
+                self.launch(launch, bound, &call)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues one launch with the call's values; a launch whose grid is empty (one block
+    /// per token at T = 0) is skipped.
+    fn launch(
+        &self,
+        launch: &Launch,
+        (function, bindings): &BoundLaunch,
+        call: &CallValues,
+    ) -> Result<(), LayerError> {
+        let blocks = launch.grid.blocks(call.tokens);
+        if blocks == 0 {
+            return Ok(());
+        }
+        let stream = &self.stream;
+        let values: Vec<ArgValue> = bindings
+            .iter()
+            .map(|binding| match *binding {
+                Binding::X => ArgValue::Pointer(call.x),
+                Binding::TopkIds => ArgValue::Pointer(call.topk_ids),
+                Binding::TopkWeights => ArgValue::Pointer(call.topk_weights),
+                Binding::W1 => ArgValue::Pointer(ptr(&self.weights.w1, stream)),
+                Binding::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
+                // Router launches are bound only when the gate (and a bias the rule
+                // takes) was given: `with_gate` checked both.
+                Binding::GateWeight => {
+                    ArgValue::Pointer(self.gate.as_ref().map_or(0, |g| ptr(&g.weight, stream)))
+                }
+                Binding::GateBias => ArgValue::Pointer(
+                    self.gate
+                        .as_ref()
+                        .and_then(|g| g.bias.as_ref())
+                        .map_or(0, |b| ptr(b, stream)),
+                ),
+                Binding::Y => ArgValue::Pointer(call.y),
+                Binding::Tokens => ArgValue::Int(call.tokens as i32),
+                Binding::Workspace(i) => ArgValue::Pointer(ptr(&self.workspace[i].1, stream)),
+                Binding::TensorMap(i) => ArgValue::TensorMap(self.tensor_maps[i].1),
+            })
+            .collect();
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (launch.block_threads, 1, 1),
+            shared_mem_bytes: launch.smem_bytes,
+        };
+        // SAFETY: codegen wrote this kernel's parameter list from `launch.params` (its
+        // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens, a
+        // tensor map by value over weights this layer owns), and the AOT loader checks
+        // the PTX entry against the same list; `new` validated the plan and checked the
+        // weights and gate, and `enqueue` checked every buffer of the call to hold what the
+        // kernel indexes (the routed ids and weights are workspace buffers of
+        // `max_tokens` rows).
+        unsafe { launch_with(stream, function, config, &values) }
+            .context(format!("launching `{}`", launch.kernel))?;
         Ok(())
     }
 
@@ -429,6 +620,45 @@ impl MoeLayer {
             self.plan.shape.experts,
         )
     }
+}
+
+/// The device values of one call that launches read.
+struct CallValues {
+    tokens: u32,
+    x: u64,
+    y: u64,
+    topk_ids: u64,
+    topk_weights: u64,
+}
+
+/// The function of `launch`, loaded from `module` on first use (its shared-memory limit
+/// raised), else the one `loaded` holds.
+fn load_kernel(
+    module: &Arc<CudaModule>,
+    loaded: &mut Vec<(String, CudaFunction)>,
+    launch: &Launch,
+) -> Result<CudaFunction, LayerError> {
+    if let Some((_, function)) = loaded.iter().find(|(name, _)| *name == launch.kernel) {
+        return Ok(function.clone());
+    }
+    let function = module
+        .load_function(&launch.kernel)
+        .map_err(|_| LayerError::MissingKernel {
+            name: launch.kernel.clone(),
+        })?;
+    if launch.smem_bytes > 0 {
+        function
+            .set_attribute(
+                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                launch.smem_bytes as i32,
+            )
+            .context(format!(
+                "raising the shared-memory limit of `{}`",
+                launch.kernel
+            ))?;
+    }
+    loaded.push((launch.kernel.clone(), function.clone()));
+    Ok(function)
 }
 
 /// Waits for `stream` and reads an error word: code, then three details.
@@ -491,6 +721,8 @@ fn bind(
         LaunchArg::TopkWeights => Binding::TopkWeights,
         LaunchArg::W1 => Binding::W1,
         LaunchArg::W2 => Binding::W2,
+        LaunchArg::GateWeight => Binding::GateWeight,
+        LaunchArg::GateBias => Binding::GateBias,
         LaunchArg::Y => Binding::Y,
         LaunchArg::Tokens => Binding::Tokens,
         LaunchArg::Rank | LaunchArg::Epoch => {

@@ -9,6 +9,11 @@
 //! [`layer_output`] groups the (token, k) pairs by expert and splits them into items of a
 //! few dozen rows that all cores take in turn, so that thousands of tokens of a large layer
 //! take seconds, not minutes.
+//!
+//! [`router`] is the reference of the router, which chooses `topk_ids` and
+//! `topk_weights` from `x` when the spec has one.
+
+pub mod router;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -7,17 +7,22 @@
 //! device as the [`ExpertWeights`] a [`crate::layer::MoeLayer`] or [`crate::ep::EpLayer`]
 //! takes. Nothing here chooses a layout: it is the checkpoints' own `[out, in]` matrices,
 //! W1 each expert's gate rows then its up rows (see [`crate::checkpoint`]).
+//!
+//! The router's gate, for a spec with a router, comes from the same source:
+//! [`Weights::gate`] draws it, or reads it from the checkpoint; [`upload_gate`] puts it on
+//! a device as the [`GateWeights`] [`crate::layer::MoeLayer::with_gate`] takes.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
+use moeforge_compiler::ir::{self, RouterBias};
 use moeforge_compiler::plan::LayerShape;
 
 use crate::bf16;
-use crate::checkpoint::{CheckpointError, CheckpointLayer, ExpertSet, HostWeights};
+use crate::checkpoint::{CheckpointError, CheckpointLayer, ExpertSet, HostGate, HostWeights};
 use crate::gpu::{DriverContext, GpuError};
-use crate::layer::ExpertWeights;
+use crate::layer::{ExpertWeights, GateWeights};
 use crate::workload::{SplitMix64, weight_scale};
 
 /// The source of a layer's routed-expert weights.
@@ -49,6 +54,65 @@ impl Weights {
             Weights::Checkpoint(layer) => layer.load(shape, which),
         }
     }
+}
+
+impl Weights {
+    /// The router's gate of a layer of `shape` whose rule is `rule`: drawn (see
+    /// [`random_gate`]), or read from the checkpoint with the bias the rule adds; `None`
+    /// for host weights, which hold experts only (such a layer runs caller-routed calls).
+    pub fn gate(
+        &self,
+        shape: &LayerShape,
+        rule: &ir::Router,
+    ) -> Result<Option<HostGate>, CheckpointError> {
+        match self {
+            Weights::Random { seed } => Ok(Some(random_gate(shape, rule.bias, *seed))),
+            Weights::Host(_) => Ok(None),
+            Weights::Checkpoint(layer) => layer.load_gate(shape, rule.bias).map(Some),
+        }
+    }
+}
+
+/// Keeps the gate's random stream apart from the experts' for the same seed.
+const GATE_SEED_SALT: u64 = 0x6a7e_0000_5eed_0001;
+/// Half-width of a random gate bias: enough to change some choices among sigmoid scores
+/// (0 to 1) and softmax logits (about ±1) without deciding them all.
+const RANDOM_BIAS_RANGE: f32 = 0.1;
+
+/// A uniform random gate of a layer of `shape`: W_gate in ±`sqrt(3 / H)` (logits of order
+/// one for inputs in ±1), and with a `bias` rule a bias in ±0.1.
+pub fn random_gate(shape: &LayerShape, bias: RouterBias, seed: u64) -> HostGate {
+    let mut rng = SplitMix64::new(seed ^ GATE_SEED_SALT);
+    let scale = weight_scale(shape.hidden);
+    let weight = (0..u64::from(shape.experts) * u64::from(shape.hidden))
+        .map(|_| bf16::from_f32(rng.signed() * scale))
+        .collect();
+    let bias = (bias != RouterBias::None).then(|| {
+        (0..shape.experts)
+            .map(|_| rng.signed() * RANDOM_BIAS_RANGE)
+            .collect()
+    });
+    HostGate { weight, bias }
+}
+
+/// Copies `gate` to `stream`'s device and waits for the copies.
+pub fn upload_gate(stream: &Arc<CudaStream>, gate: &HostGate) -> Result<GateWeights, GpuError> {
+    let weight = stream
+        .clone_htod(&gate.weight)
+        .context("uploading the router's gate weight")?;
+    let bias = gate
+        .bias
+        .as_ref()
+        .map(|bias| {
+            stream
+                .clone_htod(bias)
+                .context("uploading the router's gate bias")
+        })
+        .transpose()?;
+    stream
+        .synchronize()
+        .context("waiting for the gate's upload")?;
+    Ok(GateWeights { weight, bias })
 }
 
 /// Uniform random weights of the experts `experts` of a layer of `shape` (see

@@ -2,16 +2,17 @@
 //! `safetensors` serializer in a temp folder, per family, sharded or not; every element of
 //! the re-laid-out buffers against the source tensors; every error kind; picking the layer
 //! and family from the names; writing experts back; the weight sources agreeing rank by
-//! rank. CPU only.
+//! rank; the router's gate and its biases by each family's names. CPU only.
 
 use std::path::Path;
 
 use moeforge_compiler::ir::Activation;
+use moeforge_compiler::ir::RouterBias;
 use moeforge_compiler::plan::LayerShape;
 use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::{
     Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, Family, HostWeights, INDEX_FILE,
-    write_experts,
+    write_experts, write_layer,
 };
 use moeforge_runtime::reference::{HostExpert, layer_output};
 use moeforge_runtime::weights::{self, Weights};
@@ -820,6 +821,85 @@ fn written_experts_read_back_bit_for_bit() {
     )
     .unwrap_err();
     assert!(matches!(err, CheckpointError::Write { .. }), "{err}");
+}
+
+#[test]
+fn the_gate_and_its_bias_load_by_each_familys_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let layer = shape(Activation::Swiglu);
+    let all = weights::random(&layer, 0..E as u32, 7);
+    let cases = [
+        (Family::Mixtral, RouterBias::None, "block_sparse_moe.gate"),
+        (Family::Qwen3Moe, RouterBias::None, "mlp.gate"),
+        (Family::DeepseekV3, RouterBias::ScoreCorrection, "mlp.gate"),
+    ];
+    for (family, bias, module) in cases {
+        let gate = weights::random_gate(&layer, bias, 11);
+        assert_eq!(gate.bias.is_some(), bias != RouterBias::None);
+        let file = dir.path().join(format!("{family}_gate.safetensors"));
+        write_layer(&file, family, PREFIX, &layer, &all, Some((&gate, bias))).unwrap();
+        let checkpoint = Checkpoint::open(&file).unwrap();
+        assert!(
+            checkpoint
+                .names()
+                .any(|n| n == format!("{PREFIX}{module}.weight")),
+            "{family}: the gate is `{module}.weight`"
+        );
+        assert_eq!(
+            checkpoint.load_gate(family, PREFIX, &layer, bias).unwrap(),
+            gate,
+            "{family}: read back bit for bit"
+        );
+        // A rule with a bias the checkpoint lacks names the tensor and its shape.
+        if bias == RouterBias::None {
+            let err = checkpoint
+                .load_gate(family, PREFIX, &layer, RouterBias::ScoreCorrection)
+                .unwrap_err();
+            let message = err.to_string();
+            assert!(
+                matches!(err, CheckpointError::MissingTensor { .. })
+                    && message.contains(&format!("{module}.e_score_correction_bias"))
+                    && message.contains(&format!("[{E}]")),
+                "{message}"
+            );
+        }
+    }
+    // GPT-OSS's router: a Linear with a bias, the bias stored in bf16 and read as f32.
+    let file = dir.path().join("gpt_oss_router.safetensors");
+    let weight: Vec<u16> = (0..E * H).map(|i| i as u16).collect();
+    let bias = [0.5f32, -1.25, 3.0, 0.0];
+    write(
+        &file,
+        &[
+            bf16_tensor(
+                format!("{PREFIX}mlp.router.weight"),
+                vec![E, H],
+                weight.iter().copied(),
+            ),
+            bf16_tensor(
+                format!("{PREFIX}mlp.router.bias"),
+                vec![E],
+                bias.iter().map(|&b| bf16::from_f32(b)),
+            ),
+        ],
+    );
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    let gate = checkpoint
+        .load_gate(Family::GptOss, PREFIX, &layer, RouterBias::Logits)
+        .unwrap();
+    assert_eq!(gate.weight, weight);
+    assert_eq!(gate.bias.as_deref(), Some(&bias[..]));
+    // A gate of the wrong size names the tensor and the shape the layer needs.
+    let mut small = layer.clone();
+    small.experts = 2;
+    let err = checkpoint
+        .load_gate(Family::GptOss, PREFIX, &small, RouterBias::Logits)
+        .unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::Shape { tensor, expected, .. }
+            if tensor.ends_with("mlp.router.weight") && expected == &vec![2, H]),
+        "{err}"
+    );
 }
 
 #[test]

@@ -107,8 +107,16 @@ fn explain_layer(layer: &ir::Layer) -> String {
     match &layer.router {
         Some(router) => {
             let scoring = match router.scoring {
-                ir::Scoring::Softmax => "softmax",
-                ir::Scoring::Sigmoid => "sigmoid",
+                ir::Scoring::Softmax => "softmax over all experts, then top-k",
+                ir::Scoring::Sigmoid => "sigmoid scores, then top-k",
+                ir::Scoring::TopkSoftmax => "top-k of the logits, then softmax over the k",
+            };
+            let bias = match router.bias {
+                ir::RouterBias::None => "",
+                ir::RouterBias::Logits => "; gate bias added to the logits",
+                ir::RouterBias::ScoreCorrection => {
+                    "; score-correction bias for the choice only (weights from the uncorrected scores)"
+                }
             };
             let groups = match router.group_limit {
                 Some(limit) => format!(
@@ -120,14 +128,14 @@ fn explain_layer(layer: &ir::Layer) -> String {
                 ),
                 None => String::new(),
             };
-            let normalize = if router.normalize {
-                "renormalised"
-            } else {
-                "not renormalised"
+            let normalize = match (router.scoring, router.normalize) {
+                (ir::Scoring::TopkSoftmax, _) => "summing to one",
+                (_, true) => "renormalised",
+                (_, false) => "not renormalised",
             };
             let _ = writeln!(
                 out,
-                "  router               {scoring} scores{groups}; top-k weights {normalize}, scaled by {}",
+                "  router               {scoring}{bias}{groups}; top-k weights {normalize}, scaled by {}",
                 router.scale
             );
         }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use moeforge::compiler;
 use moeforge::compiler::plan::{self, Plan, Target};
-use moeforge::runtime::checkpoint::HostWeights;
+use moeforge::runtime::checkpoint::{HostGate, HostWeights};
 use moeforge::runtime::ep::EpLayer;
 use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::gpu::Gpu;
@@ -240,6 +240,18 @@ pub fn build_on_gpu(
     seed: u64,
     weights: Option<&HostWeights>,
 ) -> Result<(Session, BuiltLayer), ExitCode> {
+    build_on_gpu_with_gate(plan, seed, weights, None)
+}
+
+/// [`build_on_gpu`] with the router's gate read from the checkpoint beside its experts
+/// (`gate` is used only with `weights`; random weights come with a random gate when the
+/// spec has a router).
+pub fn build_on_gpu_with_gate(
+    plan: Plan,
+    seed: u64,
+    weights: Option<&HostWeights>,
+    gate: Option<HostGate>,
+) -> Result<(Session, BuiltLayer), ExitCode> {
     eprintln!(
         "opening the GPU, compiling {} and {} ...",
         plan.layer,
@@ -262,7 +274,7 @@ pub fn build_on_gpu(
         Some(host) => {
             let experts = upload(&session.gpu.stream, host).map_err(|e| failed(&e))?;
             session
-                .build_with_weights(plan, experts)
+                .build_with_weights_and_gate(plan, experts, gate)
                 .map_err(|e| failed(&e))?
         }
     };

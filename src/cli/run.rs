@@ -18,8 +18,10 @@ use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
 
+use moeforge::runtime::layer::RoutedForwardArgs;
+
 use super::planning::{
-    RankChoice, TargetArgs, build_on_gpu, note_one_rank, plan_file_over, plan_one,
+    RankChoice, TargetArgs, build_on_gpu_with_gate, note_one_rank, plan_file_over, plan_one,
 };
 use super::weights::{Loaded, WeightsArgs};
 use super::{OK, invalid_input, usage_error};
@@ -41,7 +43,8 @@ pub struct Args {
     /// Tokens the reference checks when T is larger (a random sample, reported as such).
     #[arg(long, default_value_t = CHECKED_TOKENS)]
     sample: usize,
-    /// How tokens choose experts.
+    /// How tokens choose experts when the spec has no router (with one, on one GPU, the
+    /// layer routes itself: the gate GEMM and the spec's rule choose).
     #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
     routing: RoutingArg,
     /// Seed of the random inputs; fresh each run when omitted.
@@ -160,6 +163,16 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(loaded) => loaded,
         Err(status) => return status,
     };
+    // A spec with a router routes itself on one GPU: its gate comes from the checkpoint
+    // too (random weights come with a random gate). The expert-parallel path takes
+    // caller-passed choices.
+    let gate = match (&loaded, &plan.router, choice) {
+        (Some(loaded), Some(router), None) => match loaded.gate(&plan.shape, &router.rule) {
+            Ok(gate) => Some(gate),
+            Err(status) => return status,
+        },
+        _ => None,
+    };
     if let Err(error) = toolkit::driver_available() {
         return compile_only(&plan, &error.to_string());
     }
@@ -169,14 +182,16 @@ pub fn run(args: &Args) -> ExitCode {
         .regime_for(args.tokens)
         .map(|r| r.name.clone())
         .unwrap_or_default();
-    let (session, built) = match build_on_gpu(plan, seed, loaded.as_ref().map(|l| &l.all)) {
-        Ok(built) => built,
-        Err(status) => return status,
-    };
+    let (session, built) =
+        match build_on_gpu_with_gate(plan, seed, loaded.as_ref().map(|l| &l.all), gate) {
+            Ok(built) => built,
+            Err(status) => return status,
+        };
     if let Some(choice) = choice {
         return run_expert_parallel(args, choice, &session, &built, loaded.as_ref(), seed);
     }
     drop(loaded);
+    let routes_itself = built.layer.routes_itself();
     eprintln!(
         "compiled in {:.2} s{}; running T={} ({} regime, {} routing, seed {seed})",
         built.compile_seconds,
@@ -187,11 +202,21 @@ pub fn run(args: &Args) -> ExitCode {
         },
         args.tokens,
         regime,
-        routing_name(args.routing)
+        if routes_itself {
+            "the spec's router's"
+        } else {
+            routing_name(args.routing)
+        }
     );
+    // With a router, the workload's own random choices are not used: the layer chooses.
     let workload = Workload::random(&shape, args.tokens, args.routing.into(), seed);
     if args.check {
-        match session.run_checked(&built, &workload, args.sample, seed.wrapping_add(1)) {
+        let checked = if routes_itself {
+            session.run_checked_routed(&built, &workload, args.sample, seed.wrapping_add(1))
+        } else {
+            session.run_checked(&built, &workload, args.sample, seed.wrapping_add(1))
+        };
+        match checked {
             Ok(report) => {
                 println!(
                     "{} T={}: {report}: {}",
@@ -211,9 +236,16 @@ pub fn run(args: &Args) -> ExitCode {
             .upload(&shape, &workload)
             .map_err(|e| e.to_string())
             .and_then(|mut io| {
-                session
-                    .forward(&built.layer, &mut io)
-                    .map_err(|e| e.to_string())
+                let forward = if routes_itself {
+                    built.layer.forward_routed(RoutedForwardArgs {
+                        tokens: io.tokens,
+                        x: &io.x,
+                        y: &mut io.y,
+                    })
+                } else {
+                    session.forward(&built.layer, &mut io)
+                };
+                forward.map_err(|e| e.to_string())
             })
             .and_then(|()| built.layer.take_error().map_err(|e| e.to_string()));
         match result {

@@ -9,9 +9,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+use moeforge::compiler::ir::Router;
 use moeforge::compiler::plan::LayerShape;
 use moeforge::runtime::checkpoint::{
-    CheckpointError, CheckpointLayer, ExpertSet, Family, HostWeights, INDEX_FILE,
+    CheckpointError, CheckpointLayer, ExpertSet, Family, HostGate, HostWeights, INDEX_FILE,
 };
 use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::layer::ExpertWeights;
@@ -95,6 +96,25 @@ impl WeightsArgs {
 }
 
 impl Loaded {
+    /// The router's gate of the layer, for a spec whose router follows `rule` (with the
+    /// bias the rule adds), said on stderr, or the exit status after reporting why not.
+    pub fn gate(&self, shape: &LayerShape, rule: &Router) -> Result<HostGate, ExitCode> {
+        let gate = self
+            .layer
+            .load_gate(shape, rule.bias)
+            .map_err(|error| report(&error))?;
+        eprintln!(
+            "loaded the router's gate{} of {}",
+            if gate.bias.is_some() {
+                " and its bias"
+            } else {
+                ""
+            },
+            self.layer
+        );
+        Ok(gate)
+    }
+
     /// Rank `r`'s experts, read from the checkpoint for that rank alone and uploaded to
     /// `contexts[r]`.
     pub fn rank_weights(
@@ -150,6 +170,13 @@ fn hint(error: &CheckpointError) -> Option<String> {
         }
         CheckpointError::SeveralFamilies { .. } => {
             "say which with --family (mixtral, qwen3-moe, deepseek-v3)".to_owned()
+        }
+        CheckpointError::MissingTensor { tensor, .. } if !tensor.contains(".experts.") => {
+            "check --layer-prefix, --family and the spec's `router { bias = ... }`: the router's gate is \
+             `block_sparse_moe.gate.weight` (Mixtral), `mlp.gate.weight` (Qwen3-MoE, DeepSeek-V3; \
+             `bias = score_correction` reads `mlp.gate.e_score_correction_bias`), `mlp.router.weight` \
+             (GPT-OSS; `bias = logits` reads `mlp.router.bias`)"
+                .to_owned()
         }
         CheckpointError::MissingTensor { .. } => {
             "check --layer-prefix and --family: Mixtral names experts `block_sparse_moe.experts.N.w1/w3/w2.weight`, \

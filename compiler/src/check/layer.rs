@@ -54,7 +54,14 @@ pub const SHARED_EXPERTS: Schema = Schema {
 /// The keys of `router { }`.
 pub const ROUTER: Schema = Schema {
     home: "the layer's `router { }` section",
-    settings: &["scoring", "groups", "groups_kept", "normalize", "scale"],
+    settings: &[
+        "scoring",
+        "bias",
+        "groups",
+        "groups_kept",
+        "normalize",
+        "scale",
+    ],
     sections: &[],
     aliases: &[],
 };
@@ -92,9 +99,15 @@ const DTYPES: [(&str, ir::DType); 3] = [
     ("fp8", ir::DType::Fp8E4m3),
     ("fp8_e4m3", ir::DType::Fp8E4m3),
 ];
-const SCORINGS: [(&str, ir::Scoring); 2] = [
+const SCORINGS: [(&str, ir::Scoring); 3] = [
     ("softmax", ir::Scoring::Softmax),
     ("sigmoid", ir::Scoring::Sigmoid),
+    ("topk_softmax", ir::Scoring::TopkSoftmax),
+];
+const ROUTER_BIASES: [(&str, ir::RouterBias); 3] = [
+    ("none", ir::RouterBias::None),
+    ("logits", ir::RouterBias::Logits),
+    ("score_correction", ir::RouterBias::ScoreCorrection),
 ];
 const TRAFFIC_ORDERS: [(&str, ir::TrafficOrder); 3] = [
     ("nearest_first", ir::TrafficOrder::NearestFirst),
@@ -591,11 +604,26 @@ fn router(
 ) -> Option<Option<ir::Router>> {
     let table = Table::of_section(section, incomplete, &ROUTER, errors);
     let scoring = optional(table.setting("scoring"), ir::Scoring::Softmax, |s| {
-        values::choice(s, &SCORINGS, "softmax, sigmoid", errors)
+        values::choice(s, &SCORINGS, "softmax, sigmoid, topk_softmax", errors)
     });
-    let normalize = optional(table.setting("normalize"), true, |s| {
-        values::boolean(s, errors)
+    let bias = optional(table.setting("bias"), ir::RouterBias::None, |s| {
+        values::choice(s, &ROUTER_BIASES, "none, logits, score_correction", errors)
     });
+    // A softmax over the k chosen logits sums to one: renormalising it means nothing, so
+    // a written `normalize` is refused rather than silently ignored.
+    let normalize = match (table.setting("normalize"), scoring) {
+        (Some(setting), Some(ir::Scoring::TopkSoftmax)) => {
+            errors.push(Error::NormalizeWithTopkSoftmax {
+                span: setting.key.span,
+                scoring_span: table
+                    .setting("scoring")
+                    .map_or(setting.key.span, |s| s.values[0].span),
+            });
+            None
+        }
+        (_, Some(ir::Scoring::TopkSoftmax)) => Some(false),
+        (setting, _) => optional(setting, true, |s| values::boolean(s, errors)),
+    };
     let scale = optional(table.setting("scale"), 1.0, |s| {
         values::positive_f32(s, errors)
     });
@@ -626,6 +654,7 @@ fn router(
     };
     Some(Some(ir::Router {
         scoring: scoring?,
+        bias: bias?,
         group_limit: group_limit?,
         normalize: normalize?,
         scale: scale?,

@@ -9,10 +9,11 @@
 use askama::Template;
 use thiserror::Error;
 
-use crate::ir::Activation;
+use crate::ir::{Activation, RouterBias, Scoring};
 use crate::plan::ep::{
     COMM_THREADS, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, FlagScope, META_THREADS, Placement,
 };
+use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
     Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, RegimeParts,
     SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
@@ -64,6 +65,7 @@ struct LayerUnit<'a> {
     activation: &'static str,
     activation_fn: &'static str,
     regimes: Vec<RegimeUnit>,
+    router: Option<RouterUnit>,
     ep: Option<EpUnit>,
     flag_scope: &'static str,
     spin_limit_cycles: u64,
@@ -127,6 +129,15 @@ const GEMM_DOWN_USES: &[&str] = &[
     "combine_slots",
 ];
 const COMBINE_USES: &[&str] = &["combine_slots", "topk_ids", "y"];
+const ROUTER_GATE_USES: &[&str] = &["x", "gate_weight", "tokens", "router_logits"];
+const ROUTER_SELECT_USES: &[&str] = &["router_logits", "tokens", "routed_ids", "routed_weights"];
+const ROUTER_SELECT_BIAS_USES: &[&str] = &[
+    "router_logits",
+    "gate_bias",
+    "tokens",
+    "routed_ids",
+    "routed_weights",
+];
 const EP_ROUTE_USES: &[&str] = &[
     "topk_ids",
     "topk_weights",
@@ -214,6 +225,8 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             "TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box"
         }
         LaunchArg::Y => "[tokens, HIDDEN]",
+        LaunchArg::GateWeight => "[EXPERTS, HIDDEN]: the router's gate",
+        LaunchArg::GateBias => "[EXPERTS]: the gate's bias",
         LaunchArg::Tokens => "tokens in this call",
         LaunchArg::Rank => "this rank",
         LaunchArg::Epoch => "this call's epoch",
@@ -242,6 +255,8 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::CombineCounters => "[MAX_TOKENS], written by peers",
             BufferId::PeerTable => "[RANKS, PEER_BUFFERS]: peers' addresses",
             BufferId::Credits => "[RANKS], written by peers: epoch each has consumed",
+            BufferId::RouterLogits => "[tokens, EXPERTS], workspace",
+            BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
         },
     }
 }
@@ -502,6 +517,107 @@ fn regime_unit(
     })
 }
 
+/// The router's section of the unit.
+struct RouterUnit {
+    /// The rule in words, for the section's heading.
+    rule: String,
+    scoring: &'static str,
+    bias: &'static str,
+    groups: u32,
+    groups_kept: u32,
+    normalize: bool,
+    /// `scale` as a C float literal.
+    scale: String,
+    normalize_epsilon: String,
+    select_warps: u32,
+    select: EntryUnit,
+    /// What the select entry passes as the bias: `gate_bias`, or `nullptr` without one.
+    bias_arg: &'static str,
+    gates: Vec<GateUnit>,
+}
+
+/// One regime's gate GEMM.
+struct GateUnit {
+    regime: String,
+    min_tokens: u32,
+    max_tokens: u32,
+    config: String,
+    entry: EntryUnit,
+    bm: u32,
+    bn: u32,
+    stages: u32,
+    warps_m: u32,
+    warps_n: u32,
+    threads: u32,
+    expert_tiles: u32,
+    stage_bytes: u32,
+    smem_bytes: u32,
+}
+
+/// An f32 as a C float literal that reads back as the same value.
+fn float_literal(value: f32) -> String {
+    format!("{value:e}f")
+}
+
+fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, CodegenError> {
+    let rule = &router_plan.rule;
+    let has_bias = rule.bias != RouterBias::None;
+    let gates = plan
+        .regimes
+        .iter()
+        .zip(&router_plan.regimes)
+        .map(|(regime, router_regime)| {
+            let gate = &router_regime.gate;
+            Ok(GateUnit {
+                regime: regime.name.clone(),
+                min_tokens: regime.min_tokens,
+                max_tokens: regime.max_tokens,
+                config: format!("{}_router_gate", regime.name),
+                entry: EntryUnit::new(plan, &router_regime.gate_kernel, ROUTER_GATE_USES)?,
+                bm: gate.tile_tokens,
+                bn: gate.tile_experts,
+                stages: gate.stages,
+                warps_m: gate.warps_m,
+                warps_n: gate.warps_n,
+                threads: gate.threads(),
+                expert_tiles: gate.expert_tiles,
+                stage_bytes: (gate.tile_tokens + gate.tile_experts) * SMEM_ROW_BYTES,
+                smem_bytes: gate.smem_bytes,
+            })
+        })
+        .collect::<Result<Vec<_>, CodegenError>>()?;
+    Ok(RouterUnit {
+        rule: router::rule_summary(rule),
+        scoring: match rule.scoring {
+            Scoring::Softmax => "ROUTER_SOFTMAX",
+            Scoring::Sigmoid => "ROUTER_SIGMOID",
+            Scoring::TopkSoftmax => "ROUTER_TOPK_SOFTMAX",
+        },
+        bias: match rule.bias {
+            RouterBias::None => "ROUTER_BIAS_NONE",
+            RouterBias::Logits => "ROUTER_BIAS_LOGITS",
+            RouterBias::ScoreCorrection => "ROUTER_BIAS_SCORE_CORRECTION",
+        },
+        groups: rule.group_limit.map_or(0, |limit| limit.groups),
+        groups_kept: rule.group_limit.map_or(0, |limit| limit.kept),
+        normalize: rule.normalize,
+        scale: float_literal(rule.scale as f32),
+        normalize_epsilon: float_literal(router::NORMALIZE_EPSILON),
+        select_warps: router_plan.select_tokens_per_block,
+        select: EntryUnit::new(
+            plan,
+            &router_plan.select_kernel,
+            if has_bias {
+                ROUTER_SELECT_BIAS_USES
+            } else {
+                ROUTER_SELECT_USES
+            },
+        )?,
+        bias_arg: if has_bias { "gate_bias" } else { "nullptr" },
+        gates,
+    })
+}
+
 /// One buffer of the peer table: its constant's name and its column.
 struct PeerBufferUnit {
     constant: String,
@@ -595,6 +711,11 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         activation: shape.activation.name(),
         activation_fn: activation_fn(shape.activation),
         regimes: regime_units(plan)?,
+        router: plan
+            .router
+            .as_ref()
+            .map(|router| router_unit(plan, router))
+            .transpose()?,
         ep: plan
             .expert_parallel
             .as_ref()

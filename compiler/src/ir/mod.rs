@@ -112,12 +112,27 @@ pub struct SharedExperts {
     pub ffn: u32,
 }
 
+/// How the layer chooses each token's experts and their weights from `x · W_gateᵀ` (the
+/// logits, one per expert, plus the gate's bias when `bias` is [`RouterBias::Logits`]).
+///
+/// 1. scores: softmax or sigmoid of the logits, or the logits themselves
+///    ([`Scoring::TopkSoftmax`]);
+/// 2. selection values: the scores, plus the per-expert correction when `bias` is
+///    [`RouterBias::ScoreCorrection`];
+/// 3. with a group limit, only the experts of the `kept` groups whose two best selection
+///    values sum highest are eligible;
+/// 4. the top-k eligible experts by selection value (ties: the lower index first);
+/// 5. weights: their scores (uncorrected), or a softmax over their logits
+///    ([`Scoring::TopkSoftmax`]); divided by their sum when `normalize`; times `scale`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Router {
     pub scoring: Scoring,
+    /// The gate's per-expert bias, if any, and where it is added.
+    pub bias: RouterBias,
     /// DeepSeek-V3 style group-limited top-k, if any.
     pub group_limit: Option<GroupLimit>,
-    /// Whether the kept top-k scores are renormalised to sum to one.
+    /// Whether the kept top-k scores are renormalised to sum to one (never with
+    /// [`Scoring::TopkSoftmax`], whose weights sum to one already).
     pub normalize: bool,
     /// Factor applied to the routing weights after normalisation.
     pub scale: f64,
@@ -126,8 +141,48 @@ pub struct Router {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Scoring {
+    /// Softmax over all experts, then top-k (Mixtral, Qwen3-MoE).
     Softmax,
+    /// Sigmoid of each logit, then top-k (DeepSeek-V3).
     Sigmoid,
+    /// Top-k of the logits, then a softmax over the k chosen (GPT-OSS).
+    TopkSoftmax,
+}
+
+impl Scoring {
+    /// The word the language writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scoring::Softmax => "softmax",
+            Scoring::Sigmoid => "sigmoid",
+            Scoring::TopkSoftmax => "topk_softmax",
+        }
+    }
+}
+
+/// The gate's per-expert bias vector [E] (f32 on the device), and what it is added to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouterBias {
+    /// No bias: the logits are `x · W_gateᵀ`.
+    None,
+    /// Added to the logits, so to both the choice and the weights: a `Linear` gate with a
+    /// bias (GPT-OSS's `router.bias`).
+    Logits,
+    /// Added to the scores for choosing experts only; the weights come from the scores
+    /// without it (DeepSeek-V3's `e_score_correction_bias`).
+    ScoreCorrection,
+}
+
+impl RouterBias {
+    /// The word the language writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouterBias::None => "none",
+            RouterBias::Logits => "logits",
+            RouterBias::ScoreCorrection => "score_correction",
+        }
+    }
 }
 
 /// Experts are split into `groups`; only the best `kept` groups are eligible for top-k.

@@ -3,7 +3,8 @@
 use std::fmt::Write as _;
 
 use super::ep::{ExpertParallelPlan, Placement};
-use super::{Access, Grid, Plan, RegimeParts, StreamRole};
+use super::router::RouterRegime;
+use super::{Access, Grid, Launch, Plan, RegimeParts, StreamRole};
 
 /// One fact per line; `write!` into a `String` cannot fail.
 pub fn describe(plan: &Plan) -> String {
@@ -19,8 +20,18 @@ pub fn describe(plan: &Plan) -> String {
         "  ranks                {} in the spec, {} executed (all {} experts on one GPU)",
         shape.spec_ranks, shape.executed_ranks, shape.experts
     );
-    for regime in &plan.regimes {
+    if let Some(router) = &plan.router {
+        let _ = writeln!(
+            out,
+            "  router               {}: a self-routed call runs the router's two launches, then the regime's table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table alone",
+            super::router::rule_summary(&router.rule)
+        );
+    }
+    for (i, regime) in plan.regimes.iter().enumerate() {
         describe_regime(&mut out, "regime", regime.parts());
+        if let Some(router_regime) = plan.router.as_ref().and_then(|r| r.regimes.get(i)) {
+            describe_router_regime(&mut out, router_regime);
+        }
     }
     if let Some(ep) = &plan.expert_parallel {
         describe_expert_parallel(&mut out, ep, shape.hidden);
@@ -139,31 +150,66 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
         );
     }
     for launch in regime.launches {
-        let grid = match launch.grid {
-            Grid::Fixed(n) => format!("{n} blocks"),
-            Grid::PerToken => "1 block per token".to_string(),
-        };
-        // Written parameters carry a `*`, as in `&mut`: what the kernel produces.
-        let params: Vec<String> = launch
-            .params
-            .iter()
-            .map(|p| match p.access {
-                Access::Read | Access::ReadShared => p.arg.name().to_string(),
-                Access::Write => format!("*{}", p.arg.name()),
-            })
-            .collect();
-        let _ = writeln!(
-            out,
-            "    launch {}{} <<<{grid}, {} threads, {} B + {} B static>>>({})",
-            match launch.stream {
-                StreamRole::Comm => "[comm] ",
-                StreamRole::Compute => "",
-            },
-            launch.kernel,
-            launch.block_threads,
-            launch.smem_bytes,
-            launch.static_smem_bytes,
-            params.join(", ")
-        );
+        describe_launch(out, launch);
     }
+}
+
+fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
+    let gate = &regime.gate;
+    let floor = &gate.floor;
+    let _ = writeln!(
+        out,
+        "    router gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        gate.tile_tokens,
+        gate.tile_experts,
+        gate.stages,
+        gate.warps_m,
+        gate.warps_n,
+        gate.smem_bytes,
+        gate.expert_tiles,
+        floor.tokens,
+        floor.seconds * 1e6,
+        floor.flops / 1e9,
+        floor.bytes / 1e6,
+    );
+    for launch in &regime.launches {
+        describe_launch(out, launch);
+    }
+}
+
+fn describe_launch(out: &mut String, launch: &Launch) {
+    let grid = match launch.grid {
+        Grid::Fixed(n) => format!("{n} blocks"),
+        Grid::PerToken => "1 block per token".to_string(),
+        Grid::TokenTiles {
+            tokens_per_tile,
+            blocks_per_tile: 1,
+        } => format!("1 block per {tokens_per_tile} tokens"),
+        Grid::TokenTiles {
+            tokens_per_tile,
+            blocks_per_tile,
+        } => format!("{blocks_per_tile} blocks per {tokens_per_tile} tokens"),
+    };
+    // Written parameters carry a `*`, as in `&mut`: what the kernel produces.
+    let params: Vec<String> = launch
+        .params
+        .iter()
+        .map(|p| match p.access {
+            Access::Read | Access::ReadShared => p.arg.name().to_string(),
+            Access::Write => format!("*{}", p.arg.name()),
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "    launch {}{} <<<{grid}, {} threads, {} B + {} B static>>>({})",
+        match launch.stream {
+            StreamRole::Comm => "[comm] ",
+            StreamRole::Compute => "",
+        },
+        launch.kernel,
+        launch.block_threads,
+        launch.smem_bytes,
+        launch.static_smem_bytes,
+        params.join(", ")
+    );
 }

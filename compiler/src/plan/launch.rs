@@ -42,6 +42,12 @@ pub enum Grid {
     Fixed(u32),
     /// One block per token of the call.
     PerToken,
+    /// `blocks_per_tile` blocks per tile of `tokens_per_tile` tokens of the call (the last
+    /// tile ragged).
+    TokenTiles {
+        tokens_per_tile: u32,
+        blocks_per_tile: u32,
+    },
 }
 
 impl Grid {
@@ -49,6 +55,10 @@ impl Grid {
         match self {
             Grid::Fixed(n) => n,
             Grid::PerToken => tokens,
+            Grid::TokenTiles {
+                tokens_per_tile,
+                blocks_per_tile,
+            } => tokens.div_ceil(tokens_per_tile.max(1)) * blocks_per_tile,
         }
     }
 }
@@ -97,6 +107,11 @@ pub enum LaunchArg {
     },
     /// bf16 [T, H] output.
     Y,
+    /// bf16 [E, H]: the router's gate weights.
+    GateWeight,
+    /// f32 [E]: the router's per-expert bias (added to the logits or to the selection
+    /// scores, as the rule says).
+    GateBias,
     /// The token count T of the call, as i32.
     Tokens,
     /// This rank's index, as i32.
@@ -136,6 +151,8 @@ impl LaunchArg {
             LaunchArg::W1Tiles { .. } => "w1_tiles",
             LaunchArg::W2Tiles { .. } => "w2_tiles",
             LaunchArg::Y => "y",
+            LaunchArg::GateWeight => "gate_weight",
+            LaunchArg::GateBias => "gate_bias",
             LaunchArg::Tokens => "tokens",
             LaunchArg::Rank => "rank",
             LaunchArg::Epoch => "epoch",
@@ -145,11 +162,11 @@ impl LaunchArg {
 
     pub fn param_type(self) -> ParamType {
         match self {
-            LaunchArg::X | LaunchArg::W1 | LaunchArg::W2 | LaunchArg::Y => {
+            LaunchArg::X | LaunchArg::W1 | LaunchArg::W2 | LaunchArg::Y | LaunchArg::GateWeight => {
                 ParamType::Pointer(ElemType::Bf16)
             }
             LaunchArg::TopkIds => ParamType::Pointer(ElemType::I32),
-            LaunchArg::TopkWeights => ParamType::Pointer(ElemType::F32),
+            LaunchArg::TopkWeights | LaunchArg::GateBias => ParamType::Pointer(ElemType::F32),
             LaunchArg::Tokens | LaunchArg::Rank => ParamType::I32,
             LaunchArg::Epoch => ParamType::U32,
             LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => ParamType::TensorMap,

@@ -14,6 +14,7 @@ pub mod cost;
 mod describe;
 pub mod ep;
 mod launch;
+pub mod router;
 pub mod target;
 mod validate;
 
@@ -27,6 +28,7 @@ pub use launch::{
     Access, Grid, KernelParam, Launch, LaunchArg, ParamType, StreamRole, TENSOR_MAP_ALIGN,
     TENSOR_MAP_BYTES,
 };
+pub use router::{GatePlan, RouterPlan, RouterRegime};
 pub use target::{DeviceFacts, Target};
 pub use validate::PlanInvalid;
 
@@ -76,6 +78,8 @@ pub struct Plan {
     pub regimes: Vec<Regime>,
     /// How the ranks exchange tokens and results, when the spec has more than one.
     pub expert_parallel: Option<ep::ExpertParallelPlan>,
+    /// How the layer routes its tokens itself, when the spec has a router.
+    pub router: Option<RouterPlan>,
     /// What this plan leaves out of the layer, stated so nobody assumes otherwise.
     pub limitations: Vec<String>,
 }
@@ -197,6 +201,13 @@ pub enum BufferId {
     Credits,
     /// u64 [R · peer buffers]: every rank's addresses of the buffers peers write.
     PeerTable,
+    // The router (a spec with `router { }`).
+    /// f32 [T, E]: the gate's logits `x · W_gateᵀ`, without bias.
+    RouterLogits,
+    /// i32 [T·K]: the experts the router chose; a self-routed call passes it as `topk_ids`.
+    RoutedIds,
+    /// f32 [T·K]: their routing weights; passed as `topk_weights`.
+    RoutedWeights,
 }
 
 impl BufferId {
@@ -214,9 +225,13 @@ impl BufferId {
             | BufferId::RowOrigins
             | BufferId::SegmentOffsets
             | BufferId::SegmentRows
-            | BufferId::SegmentPairs => ElemType::I32,
+            | BufferId::SegmentPairs
+            | BufferId::RoutedIds => ElemType::I32,
             BufferId::Intermediate | BufferId::CombineSlots | BufferId::RecvX => ElemType::Bf16,
-            BufferId::RecvWeight | BufferId::SegmentWeights => ElemType::F32,
+            BufferId::RecvWeight
+            | BufferId::SegmentWeights
+            | BufferId::RouterLogits
+            | BufferId::RoutedWeights => ElemType::F32,
             BufferId::MetaFlags
             | BufferId::ChunkFlags
             | BufferId::ChunkPieces
@@ -253,6 +268,9 @@ impl BufferId {
             BufferId::CombineCounters => "combine_counters",
             BufferId::PeerTable => "peer_table",
             BufferId::Credits => "credits",
+            BufferId::RouterLogits => "router_logits",
+            BufferId::RoutedIds => "routed_ids",
+            BufferId::RoutedWeights => "routed_weights",
         }
     }
 }
@@ -678,7 +696,12 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         });
     }
 
-    let workspace = workspace(&shape);
+    let regime_tokens: Vec<(String, u32)> = regimes
+        .iter()
+        .map(|r| (r.name.clone(), r.max_tokens))
+        .collect();
+    let router = router::plan_router(layer, target, &symbol, &regime_tokens);
+    let workspace = workspace(&shape, router.is_some());
 
     let placement = if layer.topology.virtual_ranks.is_some() {
         ep::Placement::Virtual
@@ -711,9 +734,9 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             shared.count, shared.ffn
         ));
     }
-    if layer.router.is_some() {
+    if layer.router.is_some() && layer.parallel.expert > 1 {
         limitations.push(
-            "the router is not fused yet: the caller passes topk_ids and topk_weights".to_string(),
+            "the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path".to_string(),
         );
     }
 
@@ -727,14 +750,16 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         workspace,
         regimes,
         expert_parallel,
+        router,
         limitations,
     })
 }
 
-/// The device buffers a layer of this shape needs, sized for `max_tokens`.
-fn workspace(shape: &LayerShape) -> Vec<Buffer> {
+/// The device buffers a layer of this shape needs, sized for `max_tokens`; with a
+/// `router`, the router's logits and choices too.
+fn workspace(shape: &LayerShape, router: bool) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
-    vec![
+    let mut buffers = vec![
         Buffer {
             id: BufferId::ExpertOffsets,
             elem: BufferId::ExpertOffsets.elem(),
@@ -765,7 +790,30 @@ fn workspace(shape: &LayerShape) -> Vec<Buffer> {
             elems: 4,
             purpose: "first kernel-side error of the call: code, token, k, value".into(),
         },
-    ]
+    ];
+    if router {
+        buffers.extend([
+            Buffer {
+                id: BufferId::RouterLogits,
+                elem: BufferId::RouterLogits.elem(),
+                elems: u64::from(shape.max_tokens) * u64::from(shape.experts),
+                purpose: "the router's gate logits x · W_gateᵀ".into(),
+            },
+            Buffer {
+                id: BufferId::RoutedIds,
+                elem: BufferId::RoutedIds.elem(),
+                elems: max_pairs,
+                purpose: "the experts the router chose (topk_ids of a self-routed call)".into(),
+            },
+            Buffer {
+                id: BufferId::RoutedWeights,
+                elem: BufferId::RoutedWeights.elem(),
+                elems: max_pairs,
+                purpose: "their routing weights (topk_weights of a self-routed call)".into(),
+            },
+        ]);
+    }
+    buffers
 }
 
 impl Plan {
@@ -781,8 +829,13 @@ impl Plan {
             .position(|r| r.min_tokens <= tokens && tokens <= r.max_tokens)
     }
 
-    /// Every launch of every regime: the single-GPU tables, then the expert-parallel ones.
+    /// Every launch of every regime: the single-GPU tables, then the router's, then the
+    /// expert-parallel ones.
     pub fn launches(&self) -> impl Iterator<Item = &Launch> {
+        let router_launches = self
+            .router
+            .iter()
+            .flat_map(|router| router.regimes.iter().flat_map(|r| &r.launches));
         let ep_launches = self
             .expert_parallel
             .iter()
@@ -790,11 +843,12 @@ impl Plan {
         self.regimes
             .iter()
             .flat_map(|r| &r.launches)
+            .chain(router_launches)
             .chain(ep_launches)
     }
 
     /// The entry points of the generated unit, in a stable order: the single-GPU kernels,
-    /// then the expert-parallel ones.
+    /// then the router's, then the expert-parallel ones.
     pub fn entry_points(&self) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
         for launch in self.launches() {

@@ -11,6 +11,7 @@ use thiserror::Error;
 
 use super::ep::{ExpertParallelPlan, ExpertParallelRegime, Placement};
 use super::launch::StreamRole;
+use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MmaEngine, Plan, Regime, RegimeParts,
     SmemLayout, TILE_K, c_identifier, workspace,
@@ -62,8 +63,12 @@ impl Plan {
         if shape.max_pairs() > MAX_PAIRS {
             return Err("max_tokens · top_k does not fit the kernels' 32-bit indices".into());
         }
-        if self.workspace != workspace(shape) {
+        if self.workspace != workspace(shape, self.router.is_some()) {
             return Err("the workspace buffers do not match the layer's shape".into());
+        }
+        if let Some(router) = &self.router {
+            self.check_router(router)
+                .map_err(|e| format!("router: {e}"))?;
         }
 
         self.check_regimes(self.regimes.iter().map(Regime::parts), shape.experts)?;
@@ -166,6 +171,71 @@ impl Plan {
         Ok(())
     }
 
+    /// One router regime per single-GPU regime; the rule's group limit and scale are
+    /// usable; each gate tile is whole 16-row and 16-expert pieces with its warps and
+    /// shared memory adding up and covers every expert; its launches are exactly those of
+    /// that tile and the rule (grids, threads, shared memory, parameters: the bias exactly
+    /// when the rule has one).
+    fn check_router(&self, router: &RouterPlan) -> Result<(), String> {
+        let experts = self.shape.experts;
+        if router.regimes.len() != self.regimes.len() {
+            return Err(format!(
+                "{} router regimes for {} regimes",
+                router.regimes.len(),
+                self.regimes.len()
+            ));
+        }
+        if router.select_tokens_per_block != router::SELECT_WARPS {
+            return Err("the select kernel routes one token per warp of its block".into());
+        }
+        if let Some(limit) = router.rule.group_limit {
+            let eligible =
+                u64::from(limit.kept) * u64::from(experts) / u64::from(limit.groups.max(1));
+            if limit.groups == 0
+                || !experts.is_multiple_of(limit.groups)
+                || limit.kept == 0
+                || limit.kept > limit.groups
+                || u64::from(self.shape.top_k) > eligible
+            {
+                return Err("the group limit does not fit the experts and top_k".into());
+            }
+        }
+        if !(router.rule.scale > 0.0 && (router.rule.scale as f32).is_finite()) {
+            return Err("the routing scale is not a positive 32-bit float".into());
+        }
+        for regime in &router.regimes {
+            let gate: &GatePlan = &regime.gate;
+            let kernel = &regime.gate_kernel;
+            let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
+            if gate.tile_tokens == 0
+                || gate.tile_experts == 0
+                || !gate.tile_tokens.is_multiple_of(16)
+                || !gate.tile_experts.is_multiple_of(16)
+                || (gate.warps_m, gate.warps_n) != (warps_m, warps_n)
+                || !gate.tile_tokens.is_multiple_of(16 * warps_m)
+                || !gate.tile_experts.is_multiple_of(16 * warps_n)
+                || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
+                || gate.stages < 2
+                || gate.smem_bytes
+                    != GatePlan::smem_for(gate.tile_tokens, gate.tile_experts, gate.stages)
+            {
+                return Err(format!("the gate tile of `{kernel}` does not add up"));
+            }
+            let expected =
+                router::router_launches(&router.rule, experts, gate, kernel, &router.select_kernel);
+            if regime.launches != expected {
+                return Err(format!(
+                    "the launches of `{kernel}` and `{}` disagree with the gate tile and the rule",
+                    router.select_kernel
+                ));
+            }
+            for launch in &regime.launches {
+                self.check_launch(launch)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Regimes cover 0..=max_tokens in order; each GEMM's tile divides its problem, its
     /// shared-memory layout (for `experts` groups of rows) adds up, its warps fit the tile,
     /// and its launch agrees with it; every launch is well formed.
@@ -257,7 +327,17 @@ impl Plan {
                 launch.block_threads
             ));
         }
-        if launch.grid == Grid::Fixed(0) {
+        let empty_tiles = matches!(
+            launch.grid,
+            Grid::TokenTiles {
+                tokens_per_tile: 0,
+                ..
+            } | Grid::TokenTiles {
+                blocks_per_tile: 0,
+                ..
+            }
+        );
+        if launch.grid == Grid::Fixed(0) || empty_tiles {
             return Err(format!("`{kernel}` has an empty grid"));
         }
         let smem = u64::from(launch.smem_bytes) + u64::from(launch.static_smem_bytes);
@@ -278,6 +358,8 @@ impl Plan {
                     | LaunchArg::TopkWeights
                     | LaunchArg::W1
                     | LaunchArg::W2
+                    | LaunchArg::GateWeight
+                    | LaunchArg::GateBias
             );
             if inputs && param.access == Access::Write {
                 return Err(format!(

@@ -1,0 +1,318 @@
+//! The router's plan: how a layer whose spec has a `router { }` section chooses each token's
+//! experts and weights from `x` on the GPU, before the routing-metadata kernel.
+//!
+//! Two launches per call, planned per single-GPU regime:
+//!
+//! 1. **gate** (`<symbol>_<regime>_router_gate`): the logits `x · W_gateᵀ` [T, E] in f32,
+//!    a tiled `mma.sync` GEMM. A block takes a tile of `tile_tokens` tokens by
+//!    `tile_experts` experts; blocks are numbered token-tile major, the expert tiles of one
+//!    token tile adjacent, so that the x rows they share are read from HBM once and from L2
+//!    by the others. Experts past E (when `tile_experts` does not divide E) and tokens past
+//!    T are zero-filled on load and never stored.
+//! 2. **select** (`<symbol>_router_select`): one warp per token reads its E logits, applies
+//!    the rule ([`ir::Router`]: bias, scores, correction, group limit, top-k, weights) and
+//!    writes `routed_ids` and `routed_weights`.
+//!
+//! A self-routed call then runs the regime's table with those two buffers passed where a
+//! caller-routed call passes `topk_ids` and `topk_weights`. The expert-parallel path keeps
+//! caller-passed ids and weights.
+
+use serde::{Deserialize, Serialize};
+
+use super::launch::{Grid, KernelParam, Launch, LaunchArg, StreamRole};
+use super::{BufferId, SMEM_ROW_BYTES, Target, static_smem_reserved};
+use crate::ir;
+
+/// Added to the sum a normalised weight is divided by, as DeepSeek-V3's reference does
+/// (a no-op for any sum above 1e-12).
+pub const NORMALIZE_EPSILON: f32 = 1e-20;
+/// Tokens one select block routes, one warp each.
+pub const SELECT_WARPS: u32 = 4;
+/// Pipeline stages of the gate GEMM: enough to keep two k-tiles in flight while one is
+/// multiplied; 3 stages of the largest tile take 96 KiB, within every target.
+pub const GATE_STAGES: u32 = 3;
+/// Gate tiles the planner considers, as (tokens, experts): rows of 16 to 128 tokens (an
+/// mma is 16 rows), 16 to 128 experts (an `ldmatrix.x4` of B covers 16).
+const GATE_TILES_TOKENS: [u32; 3] = [128, 64, 16];
+const GATE_TILES_EXPERTS: [u32; 4] = [128, 64, 32, 16];
+/// A warp's sub-tile: at most 32 tokens by 64 experts (64 accumulators per thread, as the
+/// expert GEMMs allow).
+const GATE_WARP_TOKENS: u32 = 32;
+const GATE_WARP_EXPERTS: u32 = 64;
+
+/// The router of a layer: its rule and, per single-GPU regime, its launches.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterPlan {
+    pub rule: ir::Router,
+    /// Entry point of the select kernel (shared by every regime).
+    pub select_kernel: String,
+    /// Tokens per select block (one warp each).
+    pub select_tokens_per_block: u32,
+    /// Per regime of [`super::Plan::regimes`], in the same order.
+    pub regimes: Vec<RouterRegime>,
+}
+
+/// The router's launches for one token-count regime.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterRegime {
+    pub gate: GatePlan,
+    /// Entry point of this regime's gate GEMM.
+    pub gate_kernel: String,
+    /// Gate, then select, in stream order; before the regime's own table.
+    pub launches: Vec<Launch>,
+}
+
+/// How the gate GEMM is tiled.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GatePlan {
+    /// Tokens per tile (rows of x).
+    pub tile_tokens: u32,
+    /// Experts per tile (rows of W_gate), a multiple of 16.
+    pub tile_experts: u32,
+    /// Tiles across the experts: `ceil(E / tile_experts)`.
+    pub expert_tiles: u32,
+    pub warps_m: u32,
+    pub warps_n: u32,
+    pub stages: u32,
+    /// Dynamic shared memory: `stages · (tile_tokens + tile_experts) · 128` bytes.
+    pub smem_bytes: u32,
+    /// The roofline floor of gate and select at the regime's largest token count.
+    pub floor: RouterFloor,
+}
+
+impl GatePlan {
+    pub fn threads(&self) -> u32 {
+        32 * self.warps_m * self.warps_n
+    }
+
+    /// The shared memory of a tile: `stages` rings of x rows then W_gate rows, 128 bytes each.
+    pub fn smem_for(tile_tokens: u32, tile_experts: u32, stages: u32) -> u32 {
+        stages * (tile_tokens + tile_experts) * SMEM_ROW_BYTES
+    }
+}
+
+/// What the router costs at least, from the target's ceilings: its FLOPs at the mma.sync
+/// rate and the bytes it must move at HBM bandwidth (x read, W_gate read once, the logits
+/// written and read back, ids and weights written).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterFloor {
+    pub tokens: u32,
+    pub flops: f64,
+    pub bytes: f64,
+    pub seconds: f64,
+}
+
+/// The router's plan for `layer` (`None` without a `router { }` section): its launches for
+/// each regime, whose largest token count is given by `regime_tokens`, named after
+/// `regime_names`.
+pub(super) fn plan_router(
+    layer: &ir::Layer,
+    target: &Target,
+    symbol: &str,
+    regimes: &[(String, u32)],
+) -> Option<RouterPlan> {
+    let rule = layer.router?;
+    let select_kernel = format!("{symbol}_router_select");
+    let regimes = regimes
+        .iter()
+        .map(|(name, max_tokens)| {
+            let gate = gate_plan(layer, target, *max_tokens);
+            let gate_kernel = format!("{symbol}_{name}_router_gate");
+            let launches =
+                router_launches(&rule, layer.experts, &gate, &gate_kernel, &select_kernel);
+            RouterRegime {
+                gate,
+                gate_kernel,
+                launches,
+            }
+        })
+        .collect();
+    Some(RouterPlan {
+        rule,
+        select_kernel,
+        select_tokens_per_block: SELECT_WARPS,
+        regimes,
+    })
+}
+
+/// The warps of a gate tile: sub-tiles of at most 32 tokens by 64 experts.
+pub fn gate_warps(tile_tokens: u32, tile_experts: u32) -> (u32, u32) {
+    (
+        tile_tokens.div_ceil(GATE_WARP_TOKENS),
+        tile_experts.div_ceil(GATE_WARP_EXPERTS),
+    )
+}
+
+/// Blocks of the gate GEMM for `tokens` tokens.
+pub fn gate_blocks(tile_tokens: u32, tile_experts: u32, experts: u32, tokens: u32) -> u32 {
+    tokens.div_ceil(tile_tokens) * experts.div_ceil(tile_experts)
+}
+
+/// The gate tile for a regime whose largest call has `max_tokens` tokens: among the tiles
+/// whose grid gives every SM a block at that count, the one that re-reads least from L2
+/// (a call reads `T·E·H·2·(1/tile_tokens + 1/tile_experts)` bytes into shared memory; the
+/// larger tile on a tie); when none fills the SMs (few tokens), the tile with the most
+/// blocks, so that W_gate, all that such a call reads, is spread over as many SMs as
+/// possible. Expert widths above E (rounded up to 16) are skipped but for the narrowest
+/// that covers E.
+fn gate_plan(layer: &ir::Layer, target: &Target, max_tokens: u32) -> GatePlan {
+    let experts = layer.experts;
+    let covering = experts.next_multiple_of(16);
+    let narrowest_covering = GATE_TILES_EXPERTS
+        .into_iter()
+        .filter(|&w| w >= covering)
+        .min();
+    let widths: Vec<u32> = GATE_TILES_EXPERTS
+        .into_iter()
+        .filter(|&w| w < covering || Some(w) == narrowest_covering)
+        .collect();
+    let candidates: Vec<(u32, u32)> = GATE_TILES_TOKENS
+        .into_iter()
+        .flat_map(|m| widths.iter().map(move |&n| (m, n)))
+        .collect();
+    let tokens = max_tokens.max(1);
+    let blocks = |&(m, n): &(u32, u32)| gate_blocks(m, n, experts, tokens);
+    // Bytes re-read per FLOP, as an exact fraction: (m + n) / (m · n).
+    let rereads = |&(m, n): &(u32, u32)| (u64::from(m + n), u64::from(m * n));
+    let fewer_rereads = |a: &(u32, u32), b: &(u32, u32)| {
+        let ((sa, pa), (sb, pb)) = (rereads(a), rereads(b));
+        (sa * pb)
+            .cmp(&(sb * pa))
+            .then((b.0 * b.1).cmp(&(a.0 * a.1)))
+    };
+    let filling = candidates
+        .iter()
+        .filter(|c| blocks(c) >= target.sm_count)
+        .min_by(|a, b| fewer_rereads(a, b));
+    let most_blocks = || {
+        candidates
+            .iter()
+            .max_by(|a, b| blocks(a).cmp(&blocks(b)).then(fewer_rereads(b, a)))
+    };
+    let (tile_tokens, tile_experts) = filling.or_else(most_blocks).copied().unwrap_or((16, 16));
+    let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
+    GatePlan {
+        tile_tokens,
+        tile_experts,
+        expert_tiles: experts.div_ceil(tile_experts),
+        warps_m,
+        warps_n,
+        stages: GATE_STAGES,
+        smem_bytes: GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES),
+        floor: floor(layer, target, max_tokens),
+    }
+}
+
+fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
+    let (t, h, e, k) = (
+        f64::from(tokens),
+        f64::from(layer.hidden),
+        f64::from(layer.experts),
+        f64::from(layer.top_k),
+    );
+    let flops = 2.0 * t * e * h;
+    let bytes = t * h * 2.0 + e * h * 2.0 + 2.0 * t * e * 4.0 + t * k * 8.0;
+    let seconds = (flops / (target.peak_bf16_flops * target.mma_sync_fraction))
+        .max(bytes / target.hbm_bytes_per_s);
+    RouterFloor {
+        tokens,
+        flops,
+        bytes,
+        seconds,
+    }
+}
+
+/// Static shared memory of the select kernel: with a group limit, each warp's selection
+/// values (f32 × E), from which a lane sums its group's best two.
+pub fn select_static_smem_bytes(rule: &ir::Router, experts: u32) -> u32 {
+    if rule.group_limit.is_some() {
+        static_smem_reserved(4 * experts * SELECT_WARPS)
+    } else {
+        0
+    }
+}
+
+/// The gate and select launches of a regime with this gate tile.
+pub(super) fn router_launches(
+    rule: &ir::Router,
+    experts: u32,
+    gate: &GatePlan,
+    gate_kernel: &str,
+    select_kernel: &str,
+) -> Vec<Launch> {
+    use BufferId::*;
+    use LaunchArg::*;
+    let (read, write) = (KernelParam::read, KernelParam::write);
+    let mut select_params = vec![read(Workspace(RouterLogits))];
+    if rule.bias != ir::RouterBias::None {
+        select_params.push(read(GateBias));
+    }
+    select_params.extend([
+        read(Tokens),
+        write(Workspace(RoutedIds)),
+        write(Workspace(RoutedWeights)),
+    ]);
+    vec![
+        Launch {
+            kernel: gate_kernel.to_string(),
+            grid: Grid::TokenTiles {
+                tokens_per_tile: gate.tile_tokens,
+                blocks_per_tile: gate.expert_tiles,
+            },
+            block_threads: gate.threads(),
+            smem_bytes: gate.smem_bytes,
+            static_smem_bytes: 0,
+            stream: StreamRole::Compute,
+            params: vec![
+                read(X),
+                read(GateWeight),
+                read(Tokens),
+                write(Workspace(RouterLogits)),
+            ],
+        },
+        Launch {
+            kernel: select_kernel.to_string(),
+            grid: Grid::TokenTiles {
+                tokens_per_tile: SELECT_WARPS,
+                blocks_per_tile: 1,
+            },
+            block_threads: 32 * SELECT_WARPS,
+            smem_bytes: 0,
+            static_smem_bytes: select_static_smem_bytes(rule, experts),
+            stream: StreamRole::Compute,
+            params: select_params,
+        },
+    ]
+}
+
+/// The router's rule in one phrase.
+pub fn rule_summary(rule: &ir::Router) -> String {
+    use ir::{RouterBias, Scoring};
+    let bias = match rule.bias {
+        RouterBias::None => "",
+        RouterBias::Logits => " + bias",
+        RouterBias::ScoreCorrection => "",
+    };
+    let choice = match rule.bias {
+        RouterBias::ScoreCorrection => "score + correction bias",
+        RouterBias::None | RouterBias::Logits => "score",
+    };
+    let groups = match rule.group_limit {
+        Some(limit) => format!(", among the best {} of {} groups", limit.kept, limit.groups),
+        None => String::new(),
+    };
+    let weights = match (rule.scoring, rule.normalize) {
+        (Scoring::TopkSoftmax, _) => "softmax over the chosen logits",
+        (_, true) => "chosen scores renormalised",
+        (_, false) => "chosen scores",
+    };
+    format!(
+        "scores {}(x · W_gateᵀ{bias}), top-k by {choice}{groups} (ties: lower index), weights {weights} × {}",
+        match rule.scoring {
+            Scoring::Softmax => "softmax",
+            Scoring::Sigmoid => "sigmoid",
+            Scoring::TopkSoftmax => "",
+        },
+        rule.scale
+    )
+}

@@ -1,0 +1,391 @@
+// ---------------------------------------------------------------------------------------
+// Router: chooses each token's TOP_K experts and their weights from x, for a call that
+// routes itself (a caller-routed call passes topk_ids and topk_weights instead).
+//   gate   (per regime): router_logits[t, e] = x[t] · W_gate[e], f32 accumulation; a tiled
+//          mma.sync GEMM, blocks numbered token-tile major so that the expert tiles of one
+//          token tile run together and share its x rows through L2.
+//   select (one warp per token): {{ router.rule }}.
+// Ties go to the lower expert index; NaN counts as below every number.
+// ---------------------------------------------------------------------------------------
+enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
+enum RouterBias { ROUTER_BIAS_NONE = 0, ROUTER_BIAS_LOGITS = 1, ROUTER_BIAS_SCORE_CORRECTION = 2 };
+constexpr int ROUTER_SCORING = {{ router.scoring }};
+constexpr int ROUTER_BIAS = {{ router.bias }};
+constexpr int ROUTER_GROUPS = {{ router.groups }};            // 0: no group limit
+constexpr int ROUTER_GROUPS_KEPT = {{ router.groups_kept }};
+constexpr bool ROUTER_NORMALIZE = {{ router.normalize }};
+constexpr float ROUTER_SCALE = {{ router.scale }};
+constexpr float ROUTER_NORMALIZE_EPSILON = {{ router.normalize_epsilon }};  // DeepSeek-V3's guard against 0/0
+constexpr int ROUTER_SELECT_WARPS = {{ router.select_warps }};      // tokens per select block
+constexpr int ROUTER_SELECT_THREADS = {{ router.select.threads }};
+constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = {{ router.select.static_smem }};
+constexpr int ROUTER_PER_LANE = (EXPERTS + 31) / 32;     // experts a lane holds: lane, lane + 32, ...
+constexpr int ROUTER_K_PER_LANE = (TOP_K + 31) / 32;     // chosen experts a lane writes
+constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS;
+constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
+static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
+static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
+static_assert(ROUTER_SELECT_THREADS == 32 * ROUTER_SELECT_WARPS, "plan: one warp per token");
+
+// Checks a gate config against the layout the code below assumes.
+template <class G>
+__device__ __forceinline__ void assert_gate_layout() {
+    static_assert(G::BM % (16 * G::WARPS_M) == 0 && G::BN % (16 * G::WARPS_N) == 0, "plan: warp tiles are whole 16x16 pieces");
+    static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
+    static_assert(G::STAGE_BYTES == (G::BM + G::BN) * SMEM_ROW_BYTES, "plan: a stage is BM x rows then BN W_gate rows");
+    static_assert(G::SMEM_BYTES == G::STAGES * G::STAGE_BYTES, "plan: gate shared memory");
+    static_assert(G::EXPERT_TILES == (EXPERTS + G::BN - 1) / G::BN, "plan: expert tiles cover every expert");
+    static_assert(G::STAGES >= 2, "plan: at least two stages");
+}
+
+template <class G>
+__device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+                                            int tokens, float* __restrict__ router_logits) {
+    assert_gate_layout<G>();
+    constexpr int WM = G::BM / G::WARPS_M;  // tokens per warp
+    constexpr int WN = G::BN / G::WARPS_N;  // experts per warp
+    constexpr int MI = WM / 16;             // m16 fragments per warp
+    constexpr int NJ = WN / 8;              // n8 fragments per warp
+    constexpr int BK = SMEM_ROW_BYTES / (int)sizeof(bf16_t);
+    constexpr int K_TILES = HIDDEN / BK;
+    constexpr int ROW_CHUNKS = SMEM_ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    static_assert(HIDDEN % BK == 0, "plan: HIDDEN is whole 64-column k-tiles");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warp_m = warp / G::WARPS_N;
+    const int warp_n = warp % G::WARPS_N;
+    const u32 smem_base = smem_address(smem);
+    const int token0 = blockIdx.x / G::EXPERT_TILES * G::BM;
+    const int expert0 = blockIdx.x % G::EXPERT_TILES * G::BN;
+
+    // Phase 1 (per stage): BM rows of x, then BN rows of W_gate; tokens past the call and
+    // experts past EXPERTS are zero-filled.
+    auto stage_load = [&](int stage, int k_tile) {
+        const u32 base = smem_base + stage * G::STAGE_BYTES;
+        for (int piece = threadIdx.x; piece < (G::BM + G::BN) * ROW_CHUNKS; piece += G::THREADS) {
+            const int r = piece / ROW_CHUNKS;
+            const int chunk = piece % ROW_CHUNKS;
+            const bool is_x = r < G::BM;
+            const int row = is_x ? token0 + r : expert0 + (r - G::BM);
+            const bool valid = row < (is_x ? tokens : EXPERTS);
+            const bf16_t* matrix = is_x ? x : gate_weight;
+            // Rows of BM (a multiple of 16) keep the swizzle of W_gate's own row index.
+            cp_async_16(base + swizzle(r, chunk), matrix + (size_t)(valid ? row : 0) * HIDDEN + k_tile * BK + chunk * 8, valid);
+        }
+    };
+
+    float acc[MI][NJ][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+    // Phase 2: the k loop, STAGES - 1 k-tiles in flight.
+#pragma unroll
+    for (int s = 0; s < G::STAGES - 1; ++s) {
+        if (s < K_TILES) stage_load(s, s);
+        cp_async_commit();
+    }
+    for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+        cp_async_wait<G::STAGES - 2>();
+        __syncthreads();  // stage k_tile landed for everyone; stage k_tile-1 is free
+        const int next = k_tile + G::STAGES - 1;
+        if (next < K_TILES) stage_load(next % G::STAGES, next);
+        cp_async_commit();
+
+        const u32 a_base = smem_base + (k_tile % G::STAGES) * G::STAGE_BYTES;
+        const u32 b_base = a_base + G::BM * SMEM_ROW_BYTES;
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16) {
+            u32 a_frag[MI][4];
+#pragma unroll
+            for (int i = 0; i < MI; ++i) {
+                const int r = warp_m * WM + i * 16 + (lane & 15);
+                ldmatrix_x4(a_frag[i][0], a_frag[i][1], a_frag[i][2], a_frag[i][3], a_base + swizzle(r, k16 * 2 + (lane >> 4)));
+            }
+#pragma unroll
+            for (int j2 = 0; j2 < NJ / 2; ++j2) {
+                const int r = warp_n * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3);
+                u32 b_frag[2][2];
+                ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1],
+                            b_base + swizzle(r, k16 * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+                for (int i = 0; i < MI; ++i) {
+                    mma_bf16_m16n8k16(acc[i][2 * j2], a_frag[i], b_frag[0]);
+                    mma_bf16_m16n8k16(acc[i][2 * j2 + 1], a_frag[i], b_frag[1]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Phase 3: store the logits; each thread holds rows lane/4 and lane/4 + 8 of every
+    // fragment, two adjacent experts each.
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int token = token0 + warp_m * WM + i * 16 + (lane >> 2) + half * 8;
+            if (token >= tokens) continue;
+            float* out = router_logits + (size_t)token * EXPERTS;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int expert = expert0 + warp_n * WN + j * 8 + (lane & 3) * 2;
+                if (expert < EXPERTS) out[expert] = acc[i][j][half * 2];
+                if (expert + 1 < EXPERTS) out[expert + 1] = acc[i][j][half * 2 + 1];
+            }
+        }
+    }
+}
+
+// No toolkit header defines INFINITY here: its bits.
+__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
+
+// Selection compares (value, expert): the higher value, then the lower index; NaN is below
+// every number, and an entry a lane does not offer is (-inf, INT_MAX).
+__device__ __forceinline__ float router_comparable(float v) { return v != v ? negative_infinity() : v; }
+__device__ __forceinline__ bool router_better(float v, int i, float best_v, int best_i) {
+    return v > best_v || (v == best_v && i < best_i);
+}
+constexpr int ROUTER_NONE = 0x7fffffff;
+
+// The warp's best (value, index) pair; every lane gets it.
+__device__ __forceinline__ void router_warp_best(float& value, int& index) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other_v = __shfl_xor_sync(0xffffffffu, value, offset);
+        const int other_i = __shfl_xor_sync(0xffffffffu, index, offset);
+        if (router_better(other_v, other_i, value, index)) {
+            value = other_v;
+            index = other_i;
+        }
+    }
+}
+
+__device__ __forceinline__ float router_warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float router_warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// One warp routes one token. `gate_bias` is null when the rule has no bias.
+__device__ __forceinline__ void router_select(const float* __restrict__ router_logits, const float* __restrict__ gate_bias,
+                                              int tokens, int* __restrict__ routed_ids, float* __restrict__ routed_weights) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int token = blockIdx.x * ROUTER_SELECT_WARPS + warp;
+    if (token >= tokens) return;  // whole warps leave: the shuffles below stay full-warp
+    const float* row = router_logits + (size_t)token * EXPERTS;
+
+    // Phase 1: logits, the gate bias added when the rule says so.
+    float logit[ROUTER_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        logit[i] = negative_infinity();
+        if (e < EXPERTS) {
+            logit[i] = row[e];
+            if constexpr (ROUTER_BIAS == ROUTER_BIAS_LOGITS) logit[i] += gate_bias[e];
+        }
+    }
+
+    // Phase 2: scores (softmax over all experts, sigmoid, or the logits themselves).
+    float score[ROUTER_PER_LANE];
+    if constexpr (ROUTER_SCORING == ROUTER_SOFTMAX) {
+        float max_logit = negative_infinity();
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) max_logit = fmaxf(max_logit, logit[i]);
+        max_logit = router_warp_max(max_logit);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            score[i] = lane + 32 * i < EXPERTS ? expf(logit[i] - max_logit) : 0.f;
+            sum += score[i];
+        }
+        sum = router_warp_sum(sum);
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) score[i] /= sum;
+    } else if constexpr (ROUTER_SCORING == ROUTER_SIGMOID) {
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) score[i] = 1.f / (1.f + expf(-logit[i]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) score[i] = logit[i];
+    }
+
+    // Phase 3: selection values, the score correction added when the rule says so; a set
+    // bit of `unavailable` marks an entry that cannot be chosen (past EXPERTS, outside the
+    // kept groups, or chosen already).
+    float selection[ROUTER_PER_LANE];
+    u32 unavailable = 0;
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        float v = score[i];
+        if (e < EXPERTS) {
+            if constexpr (ROUTER_BIAS == ROUTER_BIAS_SCORE_CORRECTION) v += gate_bias[e];
+        } else {
+            unavailable |= 1u << i;
+        }
+        selection[i] = router_comparable(v);
+    }
+
+    // Phase 4: group limit. A group's value is the sum of its two best selection values;
+    // the ROUTER_GROUPS_KEPT best groups hold the only eligible experts.
+    if constexpr (ROUTER_GROUPS > 0) {
+        __shared__ float s_selection[ROUTER_SELECT_WARPS][EXPERTS];
+        static_assert(ROUTER_GROUPS == 0 || static_smem_reserved(sizeof(s_selection)) == ROUTER_SELECT_STATIC_SMEM_BYTES,
+                      "plan: the select kernel's static shared memory");
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            if (lane + 32 * i < EXPERTS) s_selection[warp][lane + 32 * i] = selection[i];
+        }
+        __syncwarp();
+        float group_value[ROUTER_GROUPS_PER_LANE];
+#pragma unroll
+        for (int j = 0; j < ROUTER_GROUPS_PER_LANE; ++j) {
+            const int g = lane + 32 * j;
+            float best = negative_infinity(), second = negative_infinity();
+            if (g < ROUTER_GROUPS) {
+                for (int m = 0; m < ROUTER_GROUP_SIZE; ++m) {
+                    const float v = s_selection[warp][g * ROUTER_GROUP_SIZE + m];
+                    if (v > best) {
+                        second = best;
+                        best = v;
+                    } else if (v > second) {
+                        second = v;
+                    }
+                }
+            }
+            group_value[j] = router_comparable(ROUTER_GROUP_SIZE > 1 ? best + second : best);
+        }
+        u32 groups_taken = 0;
+        u32 eligible = 0;
+        for (int kept = 0; kept < ROUTER_GROUPS_KEPT; ++kept) {
+            float best_v = negative_infinity();
+            int best_g = ROUTER_NONE;
+#pragma unroll
+            for (int j = 0; j < ROUTER_GROUPS_PER_LANE; ++j) {
+                const int g = lane + 32 * j;
+                if (g < ROUTER_GROUPS && !(groups_taken >> j & 1u) && router_better(group_value[j], g, best_v, best_g)) {
+                    best_v = group_value[j];
+                    best_g = g;
+                }
+            }
+            router_warp_best(best_v, best_g);
+            if (best_g % 32 == lane) groups_taken |= 1u << (best_g / 32);
+#pragma unroll
+            for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+                if ((lane + 32 * i) / ROUTER_GROUP_SIZE == best_g) eligible |= 1u << i;
+            }
+        }
+        unavailable |= ~eligible;
+    }
+
+    // Phase 5: top-k by selection value, best first; the lane that holds each chosen
+    // expert's slot k (k % 32) keeps its id, logit and score.
+    int chosen_id[ROUTER_K_PER_LANE] = {};
+    float chosen_logit[ROUTER_K_PER_LANE] = {}, chosen_score[ROUTER_K_PER_LANE] = {};
+    for (int k = 0; k < TOP_K; ++k) {
+        float best_v = negative_infinity();
+        int best_e = ROUTER_NONE;
+        float best_logit = 0.f, best_score = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (!(unavailable >> i & 1u) && router_better(selection[i], e, best_v, best_e)) {
+                best_v = selection[i];
+                best_e = e;
+                best_logit = logit[i];
+                best_score = score[i];
+            }
+        }
+        const int owner_e = best_e;
+        router_warp_best(best_v, best_e);
+        // The owner of the winner marks it taken and passes its logit and score on.
+        const int owner = best_e % 32;
+        if (owner_e == best_e) unavailable |= 1u << (best_e / 32);
+        best_logit = __shfl_sync(0xffffffffu, best_logit, owner);
+        best_score = __shfl_sync(0xffffffffu, best_score, owner);
+#pragma unroll
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+            if (k == lane + 32 * j) {
+                chosen_id[j] = best_e;
+                chosen_logit[j] = best_logit;
+                chosen_score[j] = best_score;
+            }
+        }
+    }
+
+    // Phase 6: weights: the chosen scores, or a softmax over the chosen logits; then
+    // renormalised when the rule says so, and scaled.
+    float weight[ROUTER_K_PER_LANE];
+    if constexpr (ROUTER_SCORING == ROUTER_TOPK_SOFTMAX) {
+        float max_logit = negative_infinity();
+#pragma unroll
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+            if (lane + 32 * j < TOP_K) max_logit = fmaxf(max_logit, chosen_logit[j]);
+        }
+        max_logit = router_warp_max(max_logit);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+            weight[j] = lane + 32 * j < TOP_K ? expf(chosen_logit[j] - max_logit) : 0.f;
+            sum += weight[j];
+        }
+        sum = router_warp_sum(sum);
+#pragma unroll
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) weight[j] /= sum;
+    } else {
+#pragma unroll
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) weight[j] = lane + 32 * j < TOP_K ? chosen_score[j] : 0.f;
+    }
+    if constexpr (ROUTER_NORMALIZE) {
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) sum += weight[j];
+        sum = router_warp_sum(sum) + ROUTER_NORMALIZE_EPSILON;
+#pragma unroll
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) weight[j] /= sum;
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+        const int k = lane + 32 * j;
+        if (k < TOP_K) {
+            routed_ids[(size_t)token * TOP_K + k] = chosen_id[j];
+            routed_weights[(size_t)token * TOP_K + k] = weight[j] * ROUTER_SCALE;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTER_SELECT_THREADS) {{ router.select.name }}(
+    {{ router.select.params }}
+)
+{
+    router_select(router_logits, {{ router.bias_arg }}, tokens, routed_ids, routed_weights);
+}
+{%- for gate in router.gates %}
+
+// Router gate of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens): tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {{ gate.warps_m }}x{{ gate.warps_n }} warps, {{ gate.expert_tiles }} expert tiles per token tile
+struct {{ gate.config }} {
+    static constexpr int BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }};
+    static constexpr int WARPS_M = {{ gate.warps_m }}, WARPS_N = {{ gate.warps_n }}, THREADS = {{ gate.threads }};
+    static constexpr int STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }};  // dynamic: STAGES x (BM x rows, BN W_gate rows)
+};
+extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.name }}(
+    {{ gate.entry.params }}
+)
+{
+    router_gate<{{ gate.config }}>(x, gate_weight, tokens, router_logits);
+}
+{%- endfor %}

@@ -1,0 +1,267 @@
+//! The router on the GPU against the CPU reference (GPU tests are ignored by default: on
+//! the GPU machine run `cargo test -p moeforge-runtime --test gpu_router -- --include-ignored`).
+//!
+//! Every case runs a call that routes itself (`MoeLayer::forward_routed`) and checks, with
+//! `Session::run_checked_routed`:
+//! - the gate's logits against `x · W_gateᵀ` on the host, within an f32 summation bound;
+//! - the chosen experts, in order, exactly against the reference's choice from the kernel's
+//!   own logits (so no f32 rounding of the logits can flip a near-tie);
+//! - the weights against the reference's weights of those experts (relative 1e-5);
+//! - every output element of the layer against the CPU reference of the layer on the
+//!   experts and weights the router chose, and that every element was written.
+//!
+//! Layers: one per reference rule (Mixtral, Qwen3-MoE without renormalising, DeepSeek-V3
+//! with its correction bias and group limit, GPT-OSS with its logit bias, on 60 experts so
+//! that the last expert tile is ragged), and every shipped example with a router scaled
+//! down; token counts 1, 7, each regime's first and last count and a ragged one. A last
+//! test gives pairs of experts identical gate rows (and biases), so that every token meets
+//! exact ties, which must go to the lower index. Seeds are printed; MOEFORGE_SEED replays.
+
+use std::io::Write;
+
+use moeforge_compiler::ir::{Activation, GroupLimit, Layer, Router, RouterBias, Scoring};
+use moeforge_compiler::plan::{self, Plan, Target};
+use moeforge_runtime::gpu::Gpu;
+use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
+use moeforge_runtime::toolkit;
+use moeforge_runtime::weights::random_gate;
+use moeforge_runtime::workload::{self, Routing, Workload};
+
+mod layers;
+
+fn log(line: &str) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+fn fresh_seed() -> u64 {
+    let given = std::env::var("MOEFORGE_SEED")
+        .ok()
+        .map(|s| s.parse().expect("MOEFORGE_SEED must be an integer"));
+    workload::fresh_seed(given)
+}
+
+fn target() -> Target {
+    toolkit::driver_available()
+        .ok()
+        .and_then(|_| Gpu::open(0).ok())
+        .map(|gpu| gpu.target().expect("the device's target"))
+        .unwrap_or_else(Target::h200)
+}
+
+/// A small layer routed by `router`.
+fn routed_layer(name: &str, experts: u32, top_k: u32, router: Router) -> Layer {
+    let mut layer = layers::tiny(Activation::Swiglu);
+    layer.name = name.to_string();
+    layer.hidden = 512;
+    layer.ffn = 128;
+    layer.experts = experts;
+    layer.top_k = top_k;
+    layer.max_tokens = 1024;
+    layer.router = Some(router);
+    layer
+}
+
+/// One layer per reference model's rule.
+fn rule_layers() -> Vec<Layer> {
+    let rule = |scoring, bias, normalize, group_limit, scale| Router {
+        scoring,
+        bias,
+        group_limit,
+        normalize,
+        scale,
+    };
+    vec![
+        routed_layer(
+            "mixtral_rule",
+            8,
+            2,
+            rule(Scoring::Softmax, RouterBias::None, true, None, 1.0),
+        ),
+        routed_layer(
+            "qwen3_rule_unnormalised",
+            128,
+            8,
+            rule(Scoring::Softmax, RouterBias::None, false, None, 1.0),
+        ),
+        routed_layer(
+            "deepseek_v3_rule",
+            256,
+            8,
+            rule(
+                Scoring::Sigmoid,
+                RouterBias::ScoreCorrection,
+                true,
+                Some(GroupLimit { groups: 8, kept: 4 }),
+                2.5,
+            ),
+        ),
+        routed_layer(
+            "gpt_oss_rule",
+            60,
+            4,
+            rule(Scoring::TopkSoftmax, RouterBias::Logits, false, None, 1.0),
+        ),
+    ]
+}
+
+/// Token counts of a plan: 1, 7, and each regime's first, last and a ragged count.
+fn token_counts(plan: &Plan) -> Vec<u32> {
+    let mut counts = vec![1, 7];
+    for regime in &plan.regimes {
+        let middle = (regime.min_tokens + (regime.max_tokens - regime.min_tokens) / 2) | 1;
+        counts.extend([regime.min_tokens.max(1), regime.max_tokens, middle]);
+    }
+    counts.retain(|&t| t <= plan.shape.max_tokens);
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+/// Runs every token count of `built` routed by itself; a line per failing case.
+fn check_routed(session: &Session, built: &BuiltLayer, seed: u64) -> Vec<String> {
+    let plan = built.layer.plan();
+    let mut failures = Vec::new();
+    for tokens in token_counts(plan) {
+        let case_seed = seed ^ (u64::from(tokens) << 20);
+        let workload = Workload::random(&plan.shape, tokens, Routing::Uniform, case_seed);
+        let label = format!("{} T={tokens}", plan.layer);
+        match session.run_checked_routed(built, &workload, CHECKED_TOKENS, case_seed) {
+            Ok(report) => {
+                let router_checked = report
+                    .router
+                    .as_ref()
+                    .is_some_and(|r| r.tokens == report.checked_tokens);
+                let passed = report.passed() && router_checked;
+                log(&format!(
+                    "{label}: {report}: {}",
+                    if passed { "ok" } else { "FAIL" }
+                ));
+                if !passed {
+                    failures.push(format!("{label}: {report}"));
+                }
+            }
+            Err(error) => {
+                log(&format!("{label}: FAIL: {error}"));
+                failures.push(format!("{label}: {error}"));
+            }
+        }
+    }
+    failures
+}
+
+fn check_layers(suite: &str, layers: Vec<Layer>) {
+    let seed = fresh_seed();
+    log(&format!(
+        "{suite}: {} layers, seed {seed} (replay with MOEFORGE_SEED={seed})",
+        layers.len()
+    ));
+    let target = target();
+    let plans: Vec<Plan> = layers
+        .iter()
+        .map(|layer| {
+            plan::plan(layer, &target)
+                .unwrap_or_else(|e| panic!("{} does not plan: {e}", layer.name))
+        })
+        .collect();
+    let session = Session::open().expect("GPU session");
+    let built = session.build_many(plans, seed).expect("build");
+    let mut failures = Vec::new();
+    for layer in built {
+        assert!(
+            layer.layer.routes_itself(),
+            "{} was built with a random gate",
+            layer.layer.plan().layer
+        );
+        failures.extend(check_routed(&session, &layer, seed));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failing cases (seed {seed}):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn the_rule_layers_plan_a_router_with_ragged_expert_tiles() {
+    let target = Target::h200();
+    for layer in rule_layers() {
+        let plan = plan::plan(&layer, &target).expect("plans");
+        let router = plan.router.expect("a router plan");
+        assert_eq!(router.regimes.len(), plan.regimes.len());
+        if layer.experts == 60 {
+            assert!(
+                router
+                    .regimes
+                    .iter()
+                    .all(|r| r.gate.tile_experts * r.gate.expert_tiles > 60),
+                "60 experts leave the last expert tile ragged"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn each_rule_routes_as_the_reference_and_the_layer_follows() {
+    check_layers("router rules", rule_layers());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn scaled_examples_with_a_router_route_themselves() {
+    let examples: Vec<Layer> = layers::examples()
+        .iter()
+        .filter(|layer| layer.router.is_some())
+        .map(|layer| {
+            let mut scaled = layers::scaled_down(layer);
+            // Routed on one GPU: the single-GPU kernels run every expert.
+            scaled.name = format!("{}_routed", scaled.name);
+            scaled
+        })
+        .collect();
+    assert!(examples.len() >= 4, "the examples of the four families");
+    check_layers("examples with a router", examples);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn exact_ties_go_to_the_lower_expert() {
+    let seed = fresh_seed();
+    log(&format!(
+        "router ties: seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let target = target();
+    let session = Session::open().expect("GPU session");
+    let mut failures = Vec::new();
+    for layer in rule_layers() {
+        let plan = plan::plan(&layer, &target).expect("plans");
+        let rule = plan.router.as_ref().expect("a router").rule;
+        // Expert 2j + 1 gets expert 2j's gate row and bias: equal logits, bit for bit (the
+        // same products summed in the same order), so every token meets ties.
+        let mut gate = random_gate(&plan.shape, rule.bias, seed);
+        let hidden = plan.shape.hidden as usize;
+        for pair in gate.weight.chunks_exact_mut(2 * hidden) {
+            let (even, odd) = pair.split_at_mut(hidden);
+            odd.copy_from_slice(even);
+        }
+        if let Some(bias) = &mut gate.bias {
+            for pair in bias.chunks_exact_mut(2) {
+                pair[1] = pair[0];
+            }
+        }
+        let experts = session
+            .random_weights(&plan.shape, seed)
+            .expect("random weights");
+        let built = session
+            .build_with_weights_and_gate(plan, experts, Some(gate))
+            .expect("build");
+        failures.extend(check_routed(&session, &built, seed));
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failing cases (seed {seed}):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
