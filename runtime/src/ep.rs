@@ -636,6 +636,9 @@ fn bind(
                 .position(|(b, _)| *b == id)
                 .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?,
         ),
+        LaunchArg::GateWeight | LaunchArg::GateBias => {
+            return Err(LayerError::SingleGpuArg { arg: arg.name() });
+        }
         caller => Binding::Caller(caller),
     })
 }

@@ -50,6 +50,10 @@ pub enum LayerError {
         "the plan gives a single-GPU launch the multi-rank argument `{arg}`; run it with the expert-parallel layer"
     )]
     MultiRankArg { arg: &'static str },
+    #[error(
+        "the plan gives an expert-parallel launch the argument `{arg}`, which the expert-parallel layer does not provide (it takes the caller's routing)"
+    )]
+    SingleGpuArg { arg: &'static str },
     #[error("the plan launches a kernel with workspace buffer `{buffer}`, which it does not list")]
     MissingWorkspace { buffer: &'static str },
     #[error(
