@@ -30,7 +30,12 @@ use crate::tensor_map::TensorMap;
 /// Where a kernel parameter's value comes from, resolved once per rank.
 #[derive(Clone, Copy)]
 enum Binding {
-    Caller(LaunchArg),
+    /// The caller's buffers and token count.
+    X,
+    TopkIds,
+    TopkWeights,
+    Y,
+    Tokens,
     W1,
     W2,
     Rank,
@@ -398,15 +403,11 @@ impl EpLayer {
             let values: Vec<ArgValue> = bindings
                 .iter()
                 .map(|binding| match *binding {
-                    Binding::Caller(LaunchArg::X) => ArgValue::Pointer(ptr(a.x, stream)),
-                    Binding::Caller(LaunchArg::TopkIds) => {
-                        ArgValue::Pointer(ptr(a.topk_ids, stream))
-                    }
-                    Binding::Caller(LaunchArg::TopkWeights) => {
-                        ArgValue::Pointer(ptr(a.topk_weights, stream))
-                    }
-                    Binding::Caller(LaunchArg::Y) => ArgValue::Pointer(ptr(a.y, stream)),
-                    Binding::Caller(_) => ArgValue::Int(a.tokens as i32),
+                    Binding::X => ArgValue::Pointer(ptr(a.x, stream)),
+                    Binding::TopkIds => ArgValue::Pointer(ptr(a.topk_ids, stream)),
+                    Binding::TopkWeights => ArgValue::Pointer(ptr(a.topk_weights, stream)),
+                    Binding::Y => ArgValue::Pointer(ptr(a.y, stream)),
+                    Binding::Tokens => ArgValue::Int(a.tokens as i32),
                     Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
                     Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
                     Binding::Rank => ArgValue::Int(r as i32),
@@ -636,9 +637,13 @@ fn bind(
                 .position(|(b, _)| *b == id)
                 .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?,
         ),
+        LaunchArg::X => Binding::X,
+        LaunchArg::TopkIds => Binding::TopkIds,
+        LaunchArg::TopkWeights => Binding::TopkWeights,
+        LaunchArg::Y => Binding::Y,
+        LaunchArg::Tokens => Binding::Tokens,
         LaunchArg::GateWeight | LaunchArg::GateBias => {
             return Err(LayerError::SingleGpuArg { arg: arg.name() });
         }
-        caller => Binding::Caller(caller),
     })
 }
