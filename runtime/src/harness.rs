@@ -16,6 +16,7 @@ use thiserror::Error;
 
 use crate::aot;
 use crate::bf16;
+use crate::call_file::CallOutputs;
 use crate::checkpoint::HostGate;
 use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError};
@@ -397,11 +398,9 @@ impl Session {
         workload: &Workload,
     ) -> Result<DeviceWorkload, GpuError> {
         let stream = &self.gpu.stream;
+        let (x, y) = self.upload_activations(shape, workload.tokens, &workload.x)?;
         // Zero-length device buffers are not allocatable: keep at least one element.
         let at_least_one = |n: usize| n.max(1);
-        let mut x = stream
-            .alloc_zeros::<u16>(at_least_one(workload.x.len()))
-            .context("allocating x")?;
         let mut topk_ids = stream
             .alloc_zeros::<i32>(at_least_one(workload.topk_ids.len()))
             .context("allocating topk_ids")?;
@@ -410,20 +409,12 @@ impl Session {
             .context("allocating topk_weights")?;
         if workload.tokens > 0 {
             stream
-                .memcpy_htod(&workload.x, &mut x)
-                .context("uploading x")?;
-            stream
                 .memcpy_htod(&workload.topk_ids, &mut topk_ids)
                 .context("uploading topk_ids")?;
             stream
                 .memcpy_htod(&workload.topk_weights, &mut topk_weights)
                 .context("uploading topk_weights")?;
         }
-        let y_len = u64::from(workload.tokens) * u64::from(shape.hidden);
-        let mut y = stream
-            .alloc_zeros::<u16>(at_least_one(y_len as usize))
-            .context("allocating y")?;
-        self.fill_bits(&mut y, bf16::NAN)?;
         Ok(DeviceWorkload {
             tokens: workload.tokens,
             x,
@@ -431,6 +422,31 @@ impl Session {
             topk_weights,
             y,
         })
+    }
+
+    /// Uploads the activations `x` of `tokens` tokens and allocates their output `y`,
+    /// poisoned with NaN: `(x, y)`.
+    fn upload_activations(
+        &self,
+        shape: &LayerShape,
+        tokens: u32,
+        x_host: &[u16],
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>), GpuError> {
+        let stream = &self.gpu.stream;
+        // Zero-length device buffers are not allocatable: keep at least one element.
+        let at_least_one = |n: usize| n.max(1);
+        let mut x = stream
+            .alloc_zeros::<u16>(at_least_one(x_host.len()))
+            .context("allocating x")?;
+        if tokens > 0 {
+            stream.memcpy_htod(x_host, &mut x).context("uploading x")?;
+        }
+        let y_len = u64::from(tokens) * u64::from(shape.hidden);
+        let mut y = stream
+            .alloc_zeros::<u16>(at_least_one(y_len as usize))
+            .context("allocating y")?;
+        self.fill_bits(&mut y, bf16::NAN)?;
+        Ok((x, y))
     }
 
     /// The expert-parallel layer of `built`'s plan: rank `r` on `contexts[r]` (the
@@ -543,13 +559,29 @@ impl Session {
         max_checked_tokens: usize,
         seed: u64,
     ) -> Result<CheckReport, HarnessError> {
+        let outputs = self.run_collect(built, workload)?;
+        self.check_output(built, workload, &outputs.y, max_checked_tokens, seed)
+    }
+
+    /// Runs one forward call on `workload`, routed by its ids and weights, and downloads
+    /// its output (the outputs' routing is the workload's).
+    pub fn run_collect(
+        &self,
+        built: &BuiltLayer,
+        workload: &Workload,
+    ) -> Result<CallOutputs, HarnessError> {
         let layer = &built.layer;
-        let shape = &layer.plan().shape;
-        let mut io = self.upload(shape, workload)?;
+        let mut io = self.upload(&layer.plan().shape, workload)?;
         self.forward(layer, &mut io)?;
         layer.take_error()?;
         let y = self.gpu.stream.clone_dtoh(&io.y).context("downloading y")?;
-        self.check_output(built, workload, &y, max_checked_tokens, seed)
+        Ok(CallOutputs {
+            tokens: workload.tokens,
+            y,
+            topk_ids: workload.topk_ids.clone(),
+            topk_weights: workload.topk_weights.clone(),
+            router_logits: None,
+        })
     }
 
     /// Runs one forward call that routes itself on `workload.x` (its ids and weights are
@@ -564,49 +596,82 @@ impl Session {
         max_checked_tokens: usize,
         seed: u64,
     ) -> Result<CheckReport, HarnessError> {
+        let outputs = self.run_routed_collect(built, workload.tokens, &workload.x)?;
+        self.check_routed(built, &workload.x, &outputs, max_checked_tokens, seed)
+    }
+
+    /// Runs one forward call that routes itself on `x` ([T, H] bf16 bits) and downloads
+    /// its output with the router's logits, choices and weights.
+    pub fn run_routed_collect(
+        &self,
+        built: &BuiltLayer,
+        tokens: u32,
+        x: &[u16],
+    ) -> Result<CallOutputs, HarnessError> {
         let layer = &built.layer;
-        let plan = layer.plan();
+        let shape = &layer.plan().shape;
+        let (x, mut y) = self.upload_activations(shape, tokens, x)?;
+        layer.forward_routed(RoutedForwardArgs {
+            tokens,
+            x: &x,
+            y: &mut y,
+        })?;
+        layer.take_error()?;
+        let y = self.gpu.stream.clone_dtoh(&y).context("downloading y")?;
+        let t = tokens as usize;
+        let (e, k) = (shape.experts as usize, shape.top_k as usize);
+        Ok(CallOutputs {
+            tokens,
+            y,
+            topk_ids: self.download_workspace(layer, BufferId::RoutedIds, t * k)?,
+            topk_weights: self.download_workspace(layer, BufferId::RoutedWeights, t * k)?,
+            router_logits: Some(self.download_workspace(layer, BufferId::RouterLogits, t * e)?),
+        })
+    }
+
+    /// Checks `outputs` of a call that routed itself on `x` (see
+    /// [`Session::run_checked_routed`]).
+    pub fn check_routed(
+        &self,
+        built: &BuiltLayer,
+        x: &[u16],
+        outputs: &CallOutputs,
+        max_checked_tokens: usize,
+        seed: u64,
+    ) -> Result<CheckReport, HarnessError> {
+        let plan = built.layer.plan();
         let shape = &plan.shape;
         let rule = plan.router.as_ref().ok_or(LayerError::NoRouter)?.rule;
         let gate = built.host_gate.as_ref().ok_or(LayerError::NoGateWeights)?;
-        let mut io = self.upload(shape, workload)?;
-        layer.forward_routed(RoutedForwardArgs {
-            tokens: workload.tokens,
-            x: &io.x,
-            y: &mut io.y,
-        })?;
-        layer.take_error()?;
-        let stream = &self.gpu.stream;
-        let y = stream.clone_dtoh(&io.y).context("downloading y")?;
-        let t = workload.tokens as usize;
+        let logits = outputs
+            .router_logits
+            .as_deref()
+            .ok_or(LayerError::NoRouter)?;
+        let t = outputs.tokens as usize;
         let (e, k) = (shape.experts as usize, shape.top_k as usize);
-        let logits: Vec<f32> = self.download_workspace(layer, BufferId::RouterLogits, t * e)?;
-        let topk_ids: Vec<i32> = self.download_workspace(layer, BufferId::RoutedIds, t * k)?;
-        let topk_weights: Vec<f32> =
-            self.download_workspace(layer, BufferId::RoutedWeights, t * k)?;
         let tokens = checked_tokens(t, max_checked_tokens, seed);
         let router = reference::router::compare(
             &rule,
             shape.hidden as usize,
             e,
             k,
-            &workload.x,
+            x,
             &gate.weight,
             gate.bias.as_deref(),
             &KernelRouting {
-                logits: &logits,
-                topk_ids: &topk_ids,
-                topk_weights: &topk_weights,
+                logits,
+                topk_ids: &outputs.topk_ids,
+                topk_weights: &outputs.topk_weights,
             },
             &tokens,
         );
         let routed = Workload {
-            tokens: workload.tokens,
-            x: workload.x.clone(),
-            topk_ids,
-            topk_weights,
+            tokens: outputs.tokens,
+            x: x.to_vec(),
+            topk_ids: outputs.topk_ids.clone(),
+            topk_weights: outputs.topk_weights.clone(),
         };
-        let mut report = self.check_output(built, &routed, &y, max_checked_tokens, seed)?;
+        let mut report = self.check_output(built, &routed, &outputs.y, max_checked_tokens, seed)?;
         report.router = Some(router);
         Ok(report)
     }

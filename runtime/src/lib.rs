@@ -5,6 +5,7 @@ pub mod aot;
 pub mod baseline;
 pub mod bench;
 pub mod bf16;
+pub mod call_file;
 pub mod checkpoint;
 pub mod ep;
 pub mod gpu;

@@ -6,6 +6,7 @@
 //! and a line to [`run`].
 
 mod bench;
+mod call_file;
 mod check;
 mod compile;
 mod explain;

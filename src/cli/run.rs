@@ -1,6 +1,8 @@
-//! `moeforge run FILE --tokens N [--check] [--ranks R | --gpus G] [--weights PATH]`:
-//! compiles a layer and, when a GPU is present, runs it once on fresh random inputs (and
-//! with `--check` compares with the CPU reference). With `--ranks R` (virtual ranks on one
+//! `moeforge run FILE (--tokens N | --inputs FILE) [--check] [--outputs FILE]
+//! [--ranks R | --gpus G] [--weights PATH]`: compiles a layer and, when a GPU is present,
+//! runs it once on fresh random inputs, or on those of an `--inputs` file (see
+//! [`super::call_file`]), and with `--check` compares with the CPU reference; `--outputs`
+//! writes what the call produced. With `--ranks R` (virtual ranks on one
 //! GPU) or `--gpus G` (one rank per GPU) the layer runs expert-parallel, every rank with
 //! its own N tokens. The experts' weights are random, or with `--weights` those of a
 //! checkpoint's layer (see [`super::weights`]): loaded and checked on the host first, then
@@ -13,20 +15,20 @@ use std::process::ExitCode;
 
 use moeforge::compiler::codegen;
 use moeforge::runtime::aot;
+use moeforge::runtime::call_file::GivenRouting;
 use moeforge::runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
 use moeforge::runtime::jit::Jit;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
 
-use moeforge::runtime::layer::RoutedForwardArgs;
-
+use super::call_file;
 use super::planning::{
     RankChoice, TargetArgs, build_on_gpu_with_gate, note_one_rank, plan_file_over, plan_one,
 };
 use super::weights::{Loaded, WeightsArgs};
 use super::{OK, invalid_input, usage_error};
 
-/// Run a layer on random inputs (fresh per run, seeded), optionally checked against the CPU reference.
+/// Run a layer on random inputs (fresh per run, seeded) or those of a file, optionally checked against the CPU reference.
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file holding the layer.
@@ -34,9 +36,20 @@ pub struct Args {
     /// Which layer of the file (needed when it has several).
     #[arg(long)]
     layer: Option<String>,
-    /// Tokens in the call (at most the layer's max_tokens).
-    #[arg(long)]
-    tokens: u32,
+    /// Tokens in the call (at most the layer's max_tokens), drawn at random.
+    #[arg(long, required_unless_present = "inputs", conflicts_with = "inputs")]
+    tokens: Option<u32>,
+    /// Run on the inputs in a safetensors file instead of random ones: `x` [tokens, hidden]
+    /// BF16 and, optionally, the caller's routing `topk_ids` [tokens, top_k] I32 with
+    /// `topk_weights` [tokens, top_k] F32 (without them the spec's router chooses). One GPU
+    /// only (no --ranks or --gpus above 1).
+    #[arg(long, value_name = "FILE", conflicts_with = "routing")]
+    inputs: Option<PathBuf>,
+    /// Write what the call produced to a safetensors file: `y` [tokens, hidden] BF16, the
+    /// routing used (`topk_ids` I32, `topk_weights` F32) and, when the layer routed itself,
+    /// `router_logits` [tokens, experts] F32. Like --inputs, on one GPU only.
+    #[arg(long, value_name = "FILE")]
+    outputs: Option<PathBuf>,
     /// Compare with the CPU reference (on a random sample of at most --sample tokens).
     #[arg(long)]
     check: bool,
@@ -123,6 +136,12 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
 
 pub fn run(args: &Args) -> ExitCode {
     let choice = RankChoice::from_flags(args.ranks, args.gpus);
+    if choice.is_some() && (args.inputs.is_some() || args.outputs.is_some()) {
+        eprintln!(
+            "error: --inputs and --outputs run the layer on one GPU; drop --ranks and --gpus (or pass --ranks 1)"
+        );
+        return usage_error();
+    }
     let plan = match choice {
         Some(choice) => {
             match plan_file_over(
@@ -152,13 +171,28 @@ pub fn run(args: &Args) -> ExitCode {
     {
         return status;
     }
-    if args.tokens > plan.shape.max_tokens {
-        eprintln!(
-            "error: --tokens {} exceeds the layer's max_tokens of {}; raise max_tokens in the spec",
-            args.tokens, plan.shape.max_tokens
-        );
-        return usage_error();
-    }
+    let inputs = match &args.inputs {
+        Some(path) => match call_file::read(path, &plan.shape, plan.router.is_some()) {
+            Ok(inputs) => Some(inputs),
+            Err(status) => return status,
+        },
+        None => None,
+    };
+    let tokens = match (&inputs, args.tokens) {
+        (Some(inputs), _) => inputs.tokens,
+        (None, Some(tokens)) if tokens > plan.shape.max_tokens => {
+            eprintln!(
+                "error: --tokens {tokens} exceeds the layer's max_tokens of {}; raise max_tokens in the spec",
+                plan.shape.max_tokens
+            );
+            return usage_error();
+        }
+        (None, Some(tokens)) => tokens,
+        (None, None) => {
+            eprintln!("error: pass --tokens N or --inputs FILE");
+            return usage_error();
+        }
+    };
     let loaded = match args.weights.load(&plan.shape) {
         Ok(loaded) => loaded,
         Err(status) => return status,
@@ -174,12 +208,15 @@ pub fn run(args: &Args) -> ExitCode {
         _ => None,
     };
     if let Err(error) = toolkit::driver_available() {
+        if let Some(path) = &args.outputs {
+            eprintln!("note: {} is not written: nothing runs", path.display());
+        }
         return compile_only(&plan, &error.to_string());
     }
     let seed = fresh_seed(args.seed);
     let shape = plan.shape.clone();
     let regime = plan
-        .regime_for(args.tokens)
+        .regime_for(tokens)
         .map(|r| r.name.clone())
         .unwrap_or_default();
     let (session, built) =
@@ -188,79 +225,94 @@ pub fn run(args: &Args) -> ExitCode {
             Err(status) => return status,
         };
     if let Some(choice) = choice {
-        return run_expert_parallel(args, choice, &session, &built, loaded.as_ref(), seed);
+        return run_expert_parallel(
+            args,
+            tokens,
+            choice,
+            &session,
+            &built,
+            loaded.as_ref(),
+            seed,
+        );
     }
     drop(loaded);
-    let routes_itself = built.layer.routes_itself();
+    // The call's activations, and the caller's routing unless the layer routes itself:
+    // that of the inputs file when it holds one, else random (with a router, the layer
+    // chooses).
+    let (x, caller_routing) = match inputs {
+        Some(inputs) => (inputs.x, inputs.routing),
+        None => {
+            let workload = Workload::random(&shape, tokens, args.routing.into(), seed);
+            let routing = (!built.layer.routes_itself()).then_some(GivenRouting {
+                topk_ids: workload.topk_ids,
+                topk_weights: workload.topk_weights,
+            });
+            (workload.x, routing)
+        }
+    };
+    let routing_said = match (&caller_routing, &args.inputs) {
+        (None, _) => "the spec's router's",
+        (Some(_), Some(_)) => "the inputs'",
+        (Some(_), None) => routing_name(args.routing),
+    };
     eprintln!(
-        "compiled in {:.2} s{}; running T={} ({} regime, {} routing, seed {seed})",
+        "compiled in {:.2} s{}; running T={tokens} ({regime} regime, {routing_said} routing, seed {seed})",
         built.compile_seconds,
         if built.module.cache_hit() {
             " (cache hit)"
         } else {
             ""
         },
-        args.tokens,
-        regime,
-        if routes_itself {
-            "the spec's router's"
-        } else {
-            routing_name(args.routing)
-        }
     );
-    // With a router, the workload's own random choices are not used: the layer chooses.
-    let workload = Workload::random(&shape, args.tokens, args.routing.into(), seed);
-    if args.check {
-        let checked = if routes_itself {
-            session.run_checked_routed(&built, &workload, args.sample, seed.wrapping_add(1))
-        } else {
-            session.run_checked(&built, &workload, args.sample, seed.wrapping_add(1))
-        };
-        match checked {
-            Ok(report) => {
-                println!(
-                    "{} T={}: {report}: {}",
-                    built.layer.plan().layer,
-                    report.tokens,
-                    if report.passed() { "PASS" } else { "FAIL" }
-                );
-                if report.passed() { OK } else { invalid_input() }
-            }
-            Err(error) => {
-                eprintln!("error: {error}");
-                invalid_input()
-            }
+    let caller_workload = caller_routing.map(|routing| Workload {
+        tokens,
+        x: x.clone(),
+        topk_ids: routing.topk_ids,
+        topk_weights: routing.topk_weights,
+    });
+    let outputs = match &caller_workload {
+        Some(workload) => session.run_collect(&built, workload),
+        None => session.run_routed_collect(&built, tokens, &x),
+    };
+    let outputs = match outputs {
+        Ok(outputs) => outputs,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
         }
-    } else {
-        let result = session
-            .upload(&shape, &workload)
-            .map_err(|e| e.to_string())
-            .and_then(|mut io| {
-                let forward = if routes_itself {
-                    built.layer.forward_routed(RoutedForwardArgs {
-                        tokens: io.tokens,
-                        x: &io.x,
-                        y: &mut io.y,
-                    })
-                } else {
-                    session.forward(&built.layer, &mut io)
-                };
-                forward.map_err(|e| e.to_string())
-            })
-            .and_then(|()| built.layer.take_error().map_err(|e| e.to_string()));
-        match result {
-            Ok(()) => {
-                println!(
-                    "{} T={}: ran (pass --check to compare with the CPU reference)",
-                    built.layer.plan().layer,
-                    args.tokens
-                );
-                OK
-            }
-            Err(error) => {
-                eprintln!("error: {error}");
-                invalid_input()
-            }
+    };
+    if let Some(path) = &args.outputs
+        && let Err(status) = call_file::write(path, &shape, &outputs)
+    {
+        return status;
+    }
+    if !args.check {
+        println!(
+            "{} T={tokens}: ran (pass --check to compare with the CPU reference)",
+            built.layer.plan().layer,
+        );
+        return OK;
+    }
+    let check_seed = seed.wrapping_add(1);
+    let checked = match &caller_workload {
+        Some(workload) => {
+            session.check_output(&built, workload, &outputs.y, args.sample, check_seed)
+        }
+        None => session.check_routed(&built, &x, &outputs, args.sample, check_seed),
+    };
+    match checked {
+        Ok(report) => {
+            println!(
+                "{} T={}: {report}: {}",
+                built.layer.plan().layer,
+                report.tokens,
+                if report.passed() { "PASS" } else { "FAIL" }
+            );
+            if report.passed() { OK } else { invalid_input() }
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            invalid_input()
         }
     }
 }
@@ -269,6 +321,7 @@ pub fn run(args: &Args) -> ExitCode {
 /// `loaded`, each rank's experts are read from the checkpoint for that rank.
 fn run_expert_parallel(
     args: &Args,
+    tokens: u32,
     choice: RankChoice,
     session: &Session,
     built: &BuiltLayer,
@@ -286,18 +339,10 @@ fn run_expert_parallel(
         Err(status) => return status,
     };
     let workloads: Vec<Workload> = (0..choice.ranks)
-        .map(|r| {
-            Workload::random(
-                &shape,
-                args.tokens,
-                args.routing.into(),
-                seed ^ u64::from(r),
-            )
-        })
+        .map(|r| Workload::random(&shape, tokens, args.routing.into(), seed ^ u64::from(r)))
         .collect();
     eprintln!(
-        "running T={} per rank over {} ({} routing, seed {seed})",
-        args.tokens,
+        "running T={tokens} per rank over {} ({} routing, seed {seed})",
         choice.placement(&session.gpu.name()),
         routing_name(args.routing)
     );
@@ -325,8 +370,8 @@ fn run_expert_parallel(
         }
         Ok(_) => {
             println!(
-                "{} T={} on each of {} ranks: ran (pass --check to compare with the CPU reference)",
-                name, args.tokens, choice.ranks
+                "{} T={tokens} on each of {} ranks: ran (pass --check to compare with the CPU reference)",
+                name, choice.ranks
             );
             OK
         }
