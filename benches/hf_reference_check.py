@@ -47,8 +47,14 @@ Tolerances (bf16 everywhere; `ulp` below is bf16's, a relative 2^-8 to 2^-7):
   2^-9 * rms(y) per rounding, whose tail over 10^5 elements stays under 2^-6 * rms, half
   of atol. When moeforge routes itself the weights may differ as above, so the bound is
   doubled (rtol = 2^-5, atol = 2^-4 * rms).
-  As a yardstick the table also shows how far the reference itself is from the same
-  formula computed in f32 from the same bf16 weights (`ref vs f32`), in units of the bound.
+  Given the reference's routing, moeforge is held to that bound against the layer's
+  formula computed in f32 from the same bf16 weights (`given vs f32`), the reference is
+  checked against the same (`ref vs f32`: the script read the weights right), and the two
+  are held to twice the bound against each other (`given vs ref (2x)`): each rounds in
+  its own places, so their distance is up to the sum of their distances from the f32
+  formula. Measured 2026-11-30 at Qwen3-30B-A3B's real sizes (K = 8 bf16 accumulations in
+  the reference): the reference alone reached 0.88 of the bound, and moeforge against the
+  reference 1.03 of one bound, which is why a single bound between the two was too tight.
 
 Model families: Mixtral (MixtralSparseMoeBlock: softmax, top-k, renormalise) and Qwen3-MoE
 (Qwen3MoeSparseMoeBlock: softmax, top-k, renormalised when norm_topk_prob, checked both
@@ -242,6 +248,7 @@ class Row:
     weight_error: float = 0.0
     routed: str = ""
     given: str = ""
+    given_vs_reference: str = ""
     reference_itself: str = ""
     verdict: str = "FAIL"
     notes: list = dataclasses.field(default_factory=list)
@@ -482,11 +489,22 @@ def check_case(family, sizes, label, args, workdir):
             passed = False
             row.notes.append(f"routing itself: {over} output elements out of bound")
 
-    _, ratio, over = bound_ratio(given["y"], y_ref, GIVEN_RTOL, GIVEN_ATOL_PER_RMS)
+    # moeforge and the reference each round bf16 their own way, so each is held to the
+    # bound against the f32 formula, and the two to twice the bound against each other.
+    _, ratio, over = bound_ratio(given["y"], y_f32, GIVEN_RTOL, GIVEN_ATOL_PER_RMS)
     row.given = f"{ratio:.2f}"
     if over:
         passed = False
-        row.notes.append(f"given the reference's routing: {over} output elements out of bound")
+        row.notes.append(
+            f"given the reference's routing: {over} output elements beyond the bound from the f32 formula"
+        )
+    _, ratio, over = bound_ratio(given["y"], y_ref, 2 * GIVEN_RTOL, 2 * GIVEN_ATOL_PER_RMS)
+    row.given_vs_reference = f"{ratio:.2f}"
+    if over:
+        passed = False
+        row.notes.append(
+            f"given the reference's routing: {over} output elements beyond twice the bound from the reference"
+        )
     row.verdict = "PASS" if passed else "FAIL"
     del block
     torch.cuda.empty_cache()
@@ -495,10 +513,10 @@ def check_case(family, sizes, label, args, workdir):
 
 def print_table(rows):
     header = ("case", "tokens", "experts agree", "tie flips", "max weight err",
-              "routed err/bound", "given err/bound", "ref vs f32", "verdict")
+              "routed err/bound", "given vs f32", "given vs ref (2x)", "ref vs f32", "verdict")
     cells = [header] + [
         (r.case, str(r.tokens), r.agree, str(r.tie_flips), f"{r.weight_error:.2e}",
-         r.routed, r.given, r.reference_itself, r.verdict)
+         r.routed, r.given, r.given_vs_reference, r.reference_itself, r.verdict)
         for r in rows
     ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
