@@ -424,9 +424,12 @@ mod tests {
         // Rank 0 computes 2 experts × 128 rows (64 from each rank): GEMM1 4 row tiles × 4
         // column tiles each, GEMM2 4 × 2; every grid has a block per tile.
         let t1 = model::tile_seconds(target, &regime.gemm1, 128, [4, 4], 32);
-        let t2 = model::tile_seconds(target, &regime.gemm2, 256, [4, 2], 16);
+        let t2 = model::tile_seconds(target, &regime.gemm2, 256, [4, 2], 16)
+            + model::gemm2_epilogue_seconds(&regime.gemm2);
         assert!(regime.gemm1.grid_blocks >= 32 && regime.gemm2.grid_blocks >= 16);
-        let gemm2_end = dispatch + barrier + launch + t1 + launch + t2;
+        // Arrange runs after the barrier, each kernel after a launch.
+        let gemm1_start = dispatch + barrier + launch + model::ARRANGE_S + launch;
+        let gemm2_end = gemm1_start + t1 + launch + t2;
         let combine = model::combine_seconds(target, tokens, 2, 128);
         let expected = gemm2_end + barrier + combine;
         assert!(

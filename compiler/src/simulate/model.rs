@@ -1,7 +1,10 @@
 //! The numbers the simulator runs on: rates and overheads, each named with where it comes
 //! from. Constants are baked here (not read at run time) so that [`super::simulate`] stays a
 //! pure function; `calibration.rs` prints the predictions beside the measurements they were
-//! fitted against (benches/results/2026-11-30_*_ep2_uniform.json).
+//! fitted against: benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json and, at 4096
+//! tokens per rank, 2026-11-30_{deepseek_v3,qwen3_30b_a3b}_ep2_uniform_t4096_at_22ac107.json
+//! (the dispatch constants are older, see [`COMM_BLOCK_BYTES_PER_S`]). The errors per cell
+//! after the fit are in benches/results/2026-11-30_simulator_calibration.md.
 
 use crate::plan::{GemmPlan, MmaEngine, Target};
 
@@ -11,15 +14,21 @@ use crate::plan::{GemmPlan, MmaEngine, Target};
 /// between T = 1024 and 4096 per rank: the extra time per extra row copied (to the peer and
 /// into the rank's own receive buffer), times the plan's communication blocks (24, 16, 16),
 /// over the row's bytes gives 13 to 14.5 GB/s per block for rows of 14, 8 and 4 KB alike.
+/// Not refitted to the later files, because the planner sizes its communication blocks
+/// with it (`plan::ep`), whose plans those files measured: there a block moved 12.5, 16
+/// and 20 GB/s of rows of 4, 8 and 14 KB (Qwen3, Mixtral, DeepSeek-V3 at 4096 tokens per
+/// rank), so the dispatch stage of the `*_long` regimes is predicted 20 to 48% long.
 pub const COMM_BLOCK_BYTES_PER_S: f64 = 14.0e9;
 /// From a call's start to its first dispatch block copying: two launches, the metadata
 /// kernel (counts and receive index at every destination) and its flags. The dispatch
 /// stage of one token per rank took 41.4, 32.9 and 35.8 us in the same three files, of
 /// which a few microseconds are the copy itself.
 pub const DISPATCH_START_S: f64 = 30e-6;
-/// The arrange kernel (one block lays out GEMM rows per local expert after every source's
-/// metadata arrived). Not measured alone; a small share of the GEMM stage at T = 1.
-pub const ARRANGE_S: f64 = 5e-6;
+/// The arrange kernel (its blocks lay out GEMM rows per local expert after every
+/// source's metadata arrived), launch excluded: the bulk-synchronous GEMM stages of
+/// benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json time it at 11.3 to 13.7 us on
+/// rank 0 from the barrier (16.7 once), a launch included; 12 less the target's 4.
+pub const ARRANGE_S: f64 = 8e-6;
 /// SM-driven stores reach this share of NVLink's declared bandwidth: 365 GB/s measured
 /// with 132 blocks against the 450 GB/s of NVLink 4 (DESIGN.md, 2026-11-29).
 pub const NVLINK_STORE_EFFICIENCY: f64 = 365.0 / 450.0;
@@ -31,32 +40,56 @@ pub const NETWORK_EFFICIENCY: f64 = 295.0 / 394.0;
 pub const FLAG_LATENCY_DEVICES_S: f64 = 1.3e-6;
 /// Release to acquire between two blocks of one GPU: 0.8 us measured (DESIGN.md).
 pub const FLAG_LATENCY_ONE_GPU_S: f64 = 0.8e-6;
-/// The combine (reduce) kernel's fixed part: the combine stage of one token per rank took
-/// 16.1, 8.4 and 8.6 us (the three EP2 files above); launch and the wait for the counters.
-pub const COMBINE_FIXED_S: f64 = 10e-6;
+/// The combine (reduce) kernel's fixed part (launch and the counters' wait are in the
+/// schedule). With [`COMBINE_TOKEN_BYTES_PER_S`] fitted to the combine stages (a barrier
+/// included) of one and sixteen tokens per rank in the current EP2 files
+/// (benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json): 8.3, 9.1 and 19.4 us for
+/// Mixtral, Qwen3 and DeepSeek-V3 at one token.
+pub const COMBINE_FIXED_S: f64 = 2e-6;
+/// One block reduces one token (K slots and the output row): a token's bytes at this rate
+/// are the floor of a combine however few tokens there are. DeepSeek-V3's token (9 rows of
+/// 14 KB) takes 11 us longer than Mixtral's (3 rows of 8 KB) at one token per rank in the
+/// files above: about 10 GB/s.
+pub const COMBINE_TOKEN_BYTES_PER_S: f64 = 10e9;
 /// Share of the copy bandwidth the reduce reaches reading K slots and writing one row per
-/// token: DeepSeek-V3's combine stage at 4096 tokens per rank took 169 us for 0.5 GB
-/// (deepseek_v3_ep2 file above).
-pub const COMBINE_HBM_EFFICIENCY: f64 = 0.7;
-/// Share of HBM bandwidth a GEMM's tiles reach together when bound by loading weights;
-/// tuned by hand with the three numbers below against the GEMM stage times of the EP2
-/// files above, a compromise across the three models (`moeforge simulate --measured`
-/// prints what is left: within 20% for DeepSeek-V3 and Mixtral from 16 tokens per rank,
-/// up to 40% low for Qwen3-30B-A3B, whose small tiles the model makes too cheap).
-pub const GEMM_HBM_EFFICIENCY: f64 = 0.80;
+/// token: the combine stages from 1024 to 4096 tokens per rank in the files above grow by
+/// 0.27 to 0.37 us per MB (DeepSeek-V3 to Mixtral), 0.75 of 4.3 TB/s between them.
+pub const COMBINE_HBM_EFFICIENCY: f64 = 0.75;
+/// Share of HBM bandwidth a GEMM's tiles reach together when bound by loading weights: the
+/// mma.sync GEMM1 of the decode cells (1 to 128 tokens per rank) in the files above, every
+/// local expert's weights read once, ran at 0.91 to 0.97 of 4.3 TB/s (DeepSeek-V3 at 16 and
+/// 128, Mixtral at 16); the rest of those cells is [`TILE_OVERHEAD_S`].
+pub const GEMM_HBM_EFFICIENCY: f64 = 0.95;
 /// The fraction of the target's engine rate (`Target::mma_sync_fraction`,
-/// `wgmma_fraction`) moeforge's expert-parallel GEMM tiles reach; tuned as above, mainly
-/// on the compute-bound cells (1024 and 4096 tokens per rank).
+/// `wgmma_fraction`) moeforge's expert-parallel GEMM tiles reach on one SM. The mma.sync
+/// GEMMs of the measured cells are all bound by HBM, so its scale is the earlier fit
+/// (2026-11-30_*_ep2_uniform.json) unchanged. The wgmma engine reaches the target's full
+/// fraction (0.75 of peak per SM) with 128-row tiles and with 64-row ones alike: GEMM1 of
+/// Mixtral at 4096 tokens per rank (7168 tiles of 128x256 on 130 SMs in 3445 us) and of
+/// DeepSeek-V3 at 1024 (2944 tiles of 64x256 on 116 SMs in 2043 us) both give 0.72 to
+/// 0.75; a least-squares fit of both GEMMs over the 14 cells from 16 tokens on gives 1.0.
 pub const GEMM_MMA_SYNC_SCALE: f64 = 0.60;
-pub const GEMM_WGMMA_SCALE: f64 = 0.75;
-/// Per tile, outside its main loop: the prologue filling the pipeline, the epilogue and
-/// the tile bookkeeping. Tuned with the three numbers above.
-pub const TILE_OVERHEAD_S: f64 = 3.0e-6;
+pub const GEMM_WGMMA_SCALE: f64 = 1.0;
+/// Per mma.sync tile, outside its main loop: the prologue filling the pipeline, the
+/// epilogue and the tile bookkeeping (fitted with [`GEMM_HBM_EFFICIENCY`] to the decode
+/// cells). The warp-specialised wgmma engine has none: its producer warp loads the next
+/// tile's stages while the consumers finish the last, so loads and math overlap across
+/// tiles; what it does not hide is [`GEMM2_EPILOGUE_BYTES_PER_S`].
+pub const TILE_OVERHEAD_S: f64 = 3e-6;
+/// Bytes per second one block's GEMM2 epilogue stores: it scales each result row by its
+/// routing weight and scatters it to the origin's combine slot, half of them over NVLink,
+/// after its tile's main loop (not overlapped with it). Fitted to GEMM2 of the files above
+/// (least squares with the constants above over the cells from 16 tokens on); decisive
+/// where GEMM2's depth is short: Qwen3-30B-A3B at 4096 tokens per rank (ffn 768) took 571
+/// us for about 2300 tiles of 128x256 on 123 SMs, 2.6 times its math. 4.7 GB/s over 123
+/// to 130 blocks is 600 GB/s, half of it remote: about NVLink's 365 GB/s of SM stores.
+pub const GEMM2_EPILOGUE_BYTES_PER_S: f64 = 4.7e9;
 
 /// Seconds one block of `gemm` spends on a tile of reduction depth `depth`, whose expert's
 /// weights are shared by `m_tiles` row tiles and whose rows by `n_tiles` column tiles (each
-/// loads its share from HBM, the rest hits L2), when the GEMM has `tiles` tiles: the busy blocks (the grid, or fewer when there
-/// are fewer tiles) share the SMs' engines and HBM evenly.
+/// loads its share from HBM, the rest hits L2), when the GEMM has `tiles` tiles: the busy
+/// blocks (the grid, or fewer when there are fewer tiles) share HBM evenly, and share the
+/// engines of the SMs they sit on: a block never computes faster than one SM.
 pub fn tile_seconds(
     target: &Target,
     gemm: &GemmPlan,
@@ -65,26 +98,40 @@ pub fn tile_seconds(
     tiles: u32,
 ) -> f64 {
     let concurrent = f64::from(gemm.grid_blocks.min(tiles).max(1));
-    let fraction = match gemm.engine {
-        MmaEngine::MmaSync => target.mma_sync_fraction * GEMM_MMA_SYNC_SCALE,
-        // As the planner's cost model: one warpgroup per SM leaves the tensor cores idle
-        // half the time.
-        MmaEngine::WgmmaWarpSpecialized => {
-            let warpgroups = f64::from(gemm.blocks_per_sm * gemm.tile.m / 64);
-            target.wgmma_fraction * GEMM_WGMMA_SCALE * (warpgroups / 2.0).min(1.0)
-        }
+    let (fraction, overhead) = match gemm.engine {
+        MmaEngine::MmaSync => (
+            target.mma_sync_fraction * GEMM_MMA_SYNC_SCALE,
+            TILE_OVERHEAD_S,
+        ),
+        MmaEngine::WgmmaWarpSpecialized => (target.wgmma_fraction * GEMM_WGMMA_SCALE, 0.0),
     };
+    let sharing = concurrent.max(f64::from(target.sm_count));
     let flops = 2.0 * f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * f64::from(depth);
-    let compute = flops / (target.peak_bf16_flops * fraction / concurrent);
+    let compute = flops / (target.peak_bf16_flops * fraction / sharing);
     let a_bytes = f64::from(gemm.tile.m) * f64::from(depth) * 2.0 / f64::from(n_tiles.max(1));
     let b_bytes = f64::from(gemm.b_rows) * f64::from(depth) * 2.0 / f64::from(m_tiles.max(1));
     let memory = (a_bytes + b_bytes) / (target.hbm_bytes_per_s * GEMM_HBM_EFFICIENCY / concurrent);
-    compute.max(memory) + TILE_OVERHEAD_S
+    compute.max(memory) + overhead
+}
+
+/// Seconds one block of GEMM2 spends storing a tile's weighted result rows into their
+/// origins' combine slots after its main loop (an mma.sync tile's is in its
+/// [`TILE_OVERHEAD_S`]).
+pub fn gemm2_epilogue_seconds(gemm: &GemmPlan) -> f64 {
+    match gemm.engine {
+        MmaEngine::MmaSync => 0.0,
+        MmaEngine::WgmmaWarpSpecialized => {
+            f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * 2.0 / GEMM2_EPILOGUE_BYTES_PER_S
+        }
+    }
 }
 
 /// Seconds of the reduce at an origin of `tokens` tokens of `hidden` columns, `top_k`
 /// slots each.
 pub fn combine_seconds(target: &Target, tokens: u32, top_k: u32, hidden: u32) -> f64 {
-    let bytes = f64::from(tokens) * f64::from(top_k + 1) * f64::from(hidden) * 2.0;
-    COMBINE_FIXED_S + bytes / (target.hbm_bytes_per_s * COMBINE_HBM_EFFICIENCY)
+    let token_bytes = f64::from(top_k + 1) * f64::from(hidden) * 2.0;
+    let bytes = f64::from(tokens) * token_bytes;
+    COMBINE_FIXED_S
+        + token_bytes / COMBINE_TOKEN_BYTES_PER_S
+        + bytes / (target.hbm_bytes_per_s * COMBINE_HBM_EFFICIENCY)
 }
