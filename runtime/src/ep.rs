@@ -636,7 +636,7 @@ fn bind(
                 .position(|(b, _)| *b == id)
                 .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?,
         ),
-        LaunchArg::GateWeight | LaunchArg::GateBias => {
+        LaunchArg::GateWeight | LaunchArg::GateBias | LaunchArg::W1Bias | LaunchArg::W2Bias => {
             return Err(LayerError::SingleGpuArg { arg: arg.name() });
         }
         caller => Binding::Caller(caller),
