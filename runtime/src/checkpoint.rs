@@ -25,9 +25,15 @@
 //! and `mlp.router.bias` (GPT-OSS). A `bias = logits` rule reads `<gate>.bias`, a
 //! `bias = score_correction` rule `<gate>.e_score_correction_bias`, whatever the family.
 //!
-//! It is not: a shared-expert loader (the kernels do not run them yet), a GPT-OSS expert
-//! loader (its experts are fused, biased and, as released, MXFP4: a typed error says so),
-//! a dequantiser of FP8 checkpoints (DeepSeek-V3's release stores FP8 with block scales:
+//! GPT-OSS stores its experts fused, one tensor per projection for all experts, with
+//! biases: `mlp.experts.gate_up_proj` [E, H, 2F] (gate and up columns interleaved),
+//! `down_proj` [E, F, H], `gate_up_proj_bias` and `down_proj_bias`; they are
+//! de-interleaved and transposed into the same W1 and W2 and the biases into
+//! [`HostBiases`], from its dequantized (bf16) checkpoints.
+//!
+//! It is not: a shared-expert loader (the kernels do not run them yet), a dequantiser of
+//! GPT-OSS's MXFP4 release (`gate_up_proj_blocks`: a typed error names it) or of FP8
+//! checkpoints (DeepSeek-V3's release stores FP8 with block scales:
 //! a dtype error), or an uploader: the buffers stay on the host.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
