@@ -18,7 +18,7 @@ use moeforge::engine::{
 };
 use moeforge::runtime::aot;
 use moeforge::runtime::checkpoint::write_experts;
-use moeforge::runtime::reference::{self, HostExpert};
+use moeforge::runtime::reference;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload};
 
@@ -136,15 +136,8 @@ fn tiny_checkpoint(dir: &Path, shape: &LayerShape) -> (HostWeights, Weights) {
 
 /// Every output row of `workload` against the CPU reference on `host`'s experts.
 fn check_rows(shape: &LayerShape, host: &HostWeights, workload: &Workload, y: &[u16]) {
-    let (w1, w2) = (
-        shape.w1_rows() as usize * shape.hidden as usize,
-        shape.hidden as usize * shape.ffn as usize,
-    );
     let tokens = (0..workload.tokens as usize).collect();
-    let want = reference::layer_output(shape, workload, tokens, |e| HostExpert {
-        w1: &host.w1[e * w1..(e + 1) * w1],
-        w2: &host.w2[e * w2..(e + 1) * w2],
-    });
+    let want = reference::layer_output(shape, workload, tokens, |e| host.expert(shape, e));
     let comparison = reference::compare(y, &want);
     assert_eq!(
         comparison.out_of_bound, 0,

@@ -289,6 +289,7 @@ fn the_macro_built_tiny_layer_matches_the_cpu_reference() {
         w2: stream
             .clone_dtod(&built.layer.weights().w2)
             .expect("copy W2"),
+        biases: None,
     };
     let typed = layer
         .build(&session.gpu, weights)

@@ -131,6 +131,12 @@ pub fn plan_diagnostics(
                 .to_string(),
             None,
         ),
+        plan::PlanError::ExpertParallelExpertBias { .. } => (
+            "`plan` states this as a limitation and plans the single-GPU kernels; only a caller \
+             asking for the expert-parallel part alone gets this error"
+                .to_string(),
+            None,
+        ),
     };
     Diagnostics {
         file_name: file_name.to_string(),

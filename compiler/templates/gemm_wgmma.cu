@@ -39,14 +39,15 @@ __device__ __forceinline__ void wgmma_m64k16<{{ n }}>(float* d, u64 desc_a, u64 
 template <class G>
 __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
                                                const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
-                                               bf16_t* __restrict__ out, const EpContext& ep) {
+                                               const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
+                                               const EpContext& ep) {
     const int lane = threadIdx.x & 31;
     const int warp_in_group = (threadIdx.x >> 5) & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
         if (r >= t.rows) continue;
-        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
+        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
         for (int j = 0; j < G::BN / 8; ++j) {
             const int column = t.n0 + j * 8 + (lane & 3) * 2;

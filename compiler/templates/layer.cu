@@ -54,6 +54,7 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int KIND = {{ gemm.kind }};
     static constexpr bool GATED = {{ gemm.gated }};
+    static constexpr bool BIAS = {{ gemm.bias }};  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = {{ gemm.n }}, KD = {{ gemm.kd }};  // output width, reduction depth
     static constexpr int BM = {{ gemm.bm }}, BN = {{ gemm.bn }}, BK = {{ gemm.bk }}, STAGES = {{ gemm.stages }};
     static constexpr int WARPS_M = {{ gemm.warps_m }}, WARPS_N = {{ gemm.warps_n }}, THREADS = {{ gemm.threads }};

@@ -36,6 +36,7 @@ pub fn layer(
         experts,
         top_k,
         activation,
+        expert_bias: false,
         dtype: DType::Bf16,
         weight_dtype: DType::Bf16,
         max_tokens,

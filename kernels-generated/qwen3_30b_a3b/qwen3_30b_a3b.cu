@@ -216,8 +216,9 @@ __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_w
 // weight panel run close together and find it in L2. The grid is persistent: each block
 // loops over tile ids. Rows past an expert's count are zero-filled on load and never
 // stored.
-//   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ)       (gather + activation)
-//   GEMM_DOWN: slot[pair(row)]   = weight(pair) · intermediate[row] · W2[e]ᵀ
+//   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ + b1[e])       (gather + activation)
+//   GEMM_DOWN: slot[pair(row)]   = weight(pair) · (intermediate[row] · W2[e]ᵀ + b2[e])
+// (the expert biases b1, b2 only where the config's BIAS says the layer has them).
 //
 // Every size comes from a per-GEMM config struct `G` written from the plan (see the regimes
 // below); the static_asserts check that the layout the code uses adds up to the plan's.
@@ -417,28 +418,34 @@ __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const Gem
     load.b_rows(stage_base, k_offset, t, w_expert);
 }
 
-// Epilogue, shared by both engines: where tile row r goes and with which scale, then one
-// pair of adjacent output columns at a time. GEMM_UP applies the activation (gate and up
-// accumulators); GEMM_DOWN scales by the routing weight and writes the (token, k) slot.
+// Epilogue, shared by both engines: where tile row r goes, with which scale and which
+// expert's bias, then one pair of adjacent output columns at a time. GEMM_UP adds the bias
+// to the gate and up accumulators and applies the activation; GEMM_DOWN adds the bias,
+// scales by the routing weight and writes the (token, k) slot.
 struct EpilogueRow {
     bf16_t* out;  // the output row
     float scale;
+    const float* bias;  // the expert's bias row (GEMM_UP: N gate columns, then N up columns); G::BIAS only
 };
 
 
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
-                                                    const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
+                                                    const float* __restrict__ topk_weights,
+                                                    const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                     const EpContext& ep) {
+    static_assert(!(G::BIAS && G::EP), "plan: the expert-parallel GEMMs take no expert bias");
+    constexpr int BIAS_WIDTH = G::GATED ? 2 * G::N : G::N;
+    const float* bias = G::BIAS ? expert_bias + (size_t)t.expert * BIAS_WIDTH : nullptr;
     if constexpr (G::KIND == GEMM_UP) {
-        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f};
+        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f, bias};
     } else if constexpr (G::EP) {
         const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
-        return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r]};
+        return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
         const int pair = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair]};
+        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair], bias};
     }
 }
 
@@ -461,6 +468,14 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
 template <class G>
 __device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
                                                float v0, float v1, float up0, float up1) {
+    if constexpr (G::BIAS) {
+        v0 += row.bias[column];
+        v1 += row.bias[column + 1];
+        if constexpr (G::GATED) {
+            up0 += row.bias[G::N + column];
+            up1 += row.bias[G::N + column + 1];
+        }
+    }
     if constexpr (G::KIND == GEMM_UP) {
         v0 = activate(v0, up0);
         v1 = activate(v1, up1);
@@ -475,6 +490,7 @@ template <class G>
 __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
+    const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
     const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule
     const int* __restrict__ row_pair,         // [pairs]
@@ -587,7 +603,7 @@ __device__ __forceinline__ void grouped_gemm(
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
                 if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
@@ -1075,14 +1091,15 @@ __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc
 template <class G>
 __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
                                                const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
-                                               bf16_t* __restrict__ out, const EpContext& ep) {
+                                               const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
+                                               const EpContext& ep) {
     const int lane = threadIdx.x & 31;
     const int warp_in_group = (threadIdx.x >> 5) & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
         if (r >= t.rows) continue;
-        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
+        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
         for (int j = 0; j < G::BN / 8; ++j) {
             const int column = t.n0 + j * 8 + (lane & 3) * 2;
@@ -1169,6 +1186,7 @@ template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
     const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
+    const float* __restrict__ expert_bias,  // as grouped_gemm's; BIAS only
     const float* __restrict__ topk_weights,
     const int* __restrict__ row_offsets,
     const int* __restrict__ row_pair,
@@ -1282,7 +1300,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
             wgmma_wait<0>();
             mbarrier_arrive(empty_barriers + previous * sizeof(u64));
-            wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, out, ep);
+            wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
@@ -1692,6 +1710,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_ep_c
 struct decode_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
@@ -1710,12 +1729,13 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<decode_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 528 persistent blocks (4 per SM)
 struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
@@ -1735,7 +1755,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) qwen3_30b_a3b_decode_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm<decode_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 257..=1024 tokens per call
@@ -1744,6 +1764,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) qwen3_30b_a3b_decode_gemm2(
 struct mid_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
@@ -1764,12 +1785,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 64, BN = 256, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
@@ -1791,7 +1813,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_warp_specialized<mid_gemm2>(intermediate, &w2_tiles, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm_warp_specialized<mid_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 1025..=16384 tokens per call
@@ -1800,6 +1822,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm2(
 struct prefill_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
@@ -1820,12 +1843,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_gemm1
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
@@ -1847,7 +1871,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_gemm2
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
@@ -1856,6 +1880,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_gemm2
 struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
@@ -1879,13 +1904,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_ep_gem
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 4 stages, 1x4 warps, 580 persistent blocks (5 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
@@ -1908,7 +1934,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) qwen3_30b_a3b_decode_ep_gem
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,
+    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
@@ -1918,6 +1944,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) qwen3_30b_a3b_decode_ep_gem
 struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
@@ -1943,13 +1970,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x128x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 8;
     static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
@@ -1974,7 +2002,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm2(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, segment_offsets, segment_pairs, nullptr,
+    grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
@@ -1984,6 +2012,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm2(
 struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
@@ -2009,13 +2038,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_ep_ge
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
@@ -2040,6 +2070,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_ep_ge
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, segment_offsets, segment_pairs, nullptr,
+    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }

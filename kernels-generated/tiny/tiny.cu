@@ -214,8 +214,9 @@ __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_w
 // weight panel run close together and find it in L2. The grid is persistent: each block
 // loops over tile ids. Rows past an expert's count are zero-filled on load and never
 // stored.
-//   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ)       (gather + activation)
-//   GEMM_DOWN: slot[pair(row)]   = weight(pair) · intermediate[row] · W2[e]ᵀ
+//   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ + b1[e])       (gather + activation)
+//   GEMM_DOWN: slot[pair(row)]   = weight(pair) · (intermediate[row] · W2[e]ᵀ + b2[e])
+// (the expert biases b1, b2 only where the config's BIAS says the layer has them).
 //
 // Every size comes from a per-GEMM config struct `G` written from the plan (see the regimes
 // below); the static_asserts check that the layout the code uses adds up to the plan's.
@@ -415,28 +416,34 @@ __device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const Gem
     load.b_rows(stage_base, k_offset, t, w_expert);
 }
 
-// Epilogue, shared by both engines: where tile row r goes and with which scale, then one
-// pair of adjacent output columns at a time. GEMM_UP applies the activation (gate and up
-// accumulators); GEMM_DOWN scales by the routing weight and writes the (token, k) slot.
+// Epilogue, shared by both engines: where tile row r goes, with which scale and which
+// expert's bias, then one pair of adjacent output columns at a time. GEMM_UP adds the bias
+// to the gate and up accumulators and applies the activation; GEMM_DOWN adds the bias,
+// scales by the routing weight and writes the (token, k) slot.
 struct EpilogueRow {
     bf16_t* out;  // the output row
     float scale;
+    const float* bias;  // the expert's bias row (GEMM_UP: N gate columns, then N up columns); G::BIAS only
 };
 
 
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
-                                                    const float* __restrict__ topk_weights, bf16_t* __restrict__ out,
+                                                    const float* __restrict__ topk_weights,
+                                                    const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                     const EpContext& ep) {
+    static_assert(!(G::BIAS && G::EP), "plan: the expert-parallel GEMMs take no expert bias");
+    constexpr int BIAS_WIDTH = G::GATED ? 2 * G::N : G::N;
+    const float* bias = G::BIAS ? expert_bias + (size_t)t.expert * BIAS_WIDTH : nullptr;
     if constexpr (G::KIND == GEMM_UP) {
-        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f};
+        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f, bias};
     } else if constexpr (G::EP) {
         const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
-        return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r]};
+        return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
         const int pair = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair]};
+        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair], bias};
     }
 }
 
@@ -459,6 +466,14 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
 template <class G>
 __device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
                                                float v0, float v1, float up0, float up1) {
+    if constexpr (G::BIAS) {
+        v0 += row.bias[column];
+        v1 += row.bias[column + 1];
+        if constexpr (G::GATED) {
+            up0 += row.bias[G::N + column];
+            up1 += row.bias[G::N + column + 1];
+        }
+    }
     if constexpr (G::KIND == GEMM_UP) {
         v0 = activate(v0, up0);
         v1 = activate(v1, up1);
@@ -473,6 +488,7 @@ template <class G>
 __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
+    const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
     const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule
     const int* __restrict__ row_pair,         // [pairs]
@@ -585,7 +601,7 @@ __device__ __forceinline__ void grouped_gemm(
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
                 if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, out, ep);
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
@@ -1002,6 +1018,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
 struct all_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
@@ -1020,12 +1037,13 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<all_gemm1>(x, w1, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 792 persistent blocks (6 per SM)
 struct all_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
@@ -1045,7 +1063,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm<all_gemm2>(intermediate, w2, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm<all_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
 // Rank regime `all`, expert-parallel (tokens per rank): 0..=512 tokens per call
@@ -1054,6 +1072,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
 struct all_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
@@ -1077,13 +1096,14 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 29 persistent blocks (6 per SM)
 struct all_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
+    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
@@ -1106,6 +1126,6 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_ep_gemm2(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, segment_offsets, segment_pairs, nullptr,
+    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }

@@ -25,9 +25,15 @@
 //! and `mlp.router.bias` (GPT-OSS). A `bias = logits` rule reads `<gate>.bias`, a
 //! `bias = score_correction` rule `<gate>.e_score_correction_bias`, whatever the family.
 //!
-//! It is not: a shared-expert loader (the kernels do not run them yet), a GPT-OSS expert
-//! loader (its experts are fused, biased and, as released, MXFP4: a typed error says so),
-//! a dequantiser of FP8 checkpoints (DeepSeek-V3's release stores FP8 with block scales:
+//! GPT-OSS stores its experts fused, one tensor per projection for all experts, with
+//! biases: `mlp.experts.gate_up_proj` [E, H, 2F] (gate and up columns interleaved),
+//! `down_proj` [E, F, H], `gate_up_proj_bias` and `down_proj_bias`; they are
+//! de-interleaved and transposed into the same W1 and W2 and the biases into
+//! [`HostBiases`], from its dequantized (bf16) checkpoints.
+//!
+//! It is not: a shared-expert loader (the kernels do not run them yet), a dequantiser of
+//! GPT-OSS's MXFP4 release (`gate_up_proj_blocks`: a typed error names it) or of FP8
+//! checkpoints (DeepSeek-V3's release stores FP8 with block scales:
 //! a dtype error), or an uploader: the buffers stay on the host.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -45,6 +51,7 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::bf16;
+use crate::reference::{HostExpert, HostExpertBias};
 
 /// The name of the shard index a sharded Hugging Face checkpoint carries.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -71,26 +78,44 @@ impl Family {
     ];
 
     /// The expert activation the family's reference code computes.
-    fn activation(self) -> Activation {
-        Activation::Swiglu
+    pub fn activation(self) -> Activation {
+        match self {
+            Family::GptOss => Activation::ClampedSwiglu,
+            Family::Mixtral | Family::Qwen3Moe | Family::DeepseekV3 => Activation::Swiglu,
+        }
     }
 
-    /// Expert `e`'s (gate, up, down) tensor names, or why the family is not loadable.
-    fn expert_names(self, prefix: &str, e: u32) -> Result<[String; 3], CheckpointError> {
+    /// Whether the family's experts add a bias to both projections.
+    pub fn expert_bias(self) -> bool {
+        self == Family::GptOss
+    }
+
+    /// Expert `e`'s (gate, up, down) tensor names, or `None` for a family that stores all
+    /// experts fused in one tensor per projection (GPT-OSS: see [`FusedNames`]).
+    fn expert_names(self, prefix: &str, e: u32) -> Option<[String; 3]> {
         let (base, [gate, up, down]) = match self {
             Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
             Family::Qwen3Moe | Family::DeepseekV3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-            Family::GptOss => {
-                return Err(CheckpointError::Unsupported {
-                    family: self,
-                    reason: "its experts are stored fused (`mlp.experts.gate_up_proj` [E, H, 2F] \
-                             with gate and up columns interleaved, `down_proj` [E, F, H]), carry \
-                             biases and a clamped SwiGLU the kernels do not compute yet, and the \
-                             released checkpoint holds them as MXFP4 blocks and scales",
-                });
-            }
+            Family::GptOss => return None,
         };
-        Ok([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
+        Some([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
+    }
+
+    /// Refuses a layer of `shape` whose expert math is not the family's.
+    fn check_layer(self, shape: &LayerShape) -> Result<(), CheckpointError> {
+        if shape.activation != self.activation() {
+            return Err(CheckpointError::Activation {
+                family: self,
+                activation: shape.activation,
+            });
+        }
+        if shape.expert_bias != self.expert_bias() {
+            return Err(CheckpointError::ExpertBias {
+                family: self,
+                spec: shape.expert_bias,
+            });
+        }
+        Ok(())
     }
 
     /// The module holding the router's gate under `prefix` (its tensors are
@@ -190,6 +215,16 @@ pub struct HostWeights {
     pub w1: Vec<u16>,
     /// [experts, H, F].
     pub w2: Vec<u16>,
+    /// The experts' biases, exactly when the layer has them (`expert_bias = true`).
+    pub biases: Option<HostBiases>,
+}
+
+/// The biases of some experts on the host, f32: `b1` [experts, w1_rows] (each expert's
+/// gate columns, then its up columns, as W1's rows), `b2` [experts, H].
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostBiases {
+    pub b1: Vec<f32>,
+    pub b2: Vec<f32>,
 }
 
 impl HostWeights {
@@ -199,14 +234,47 @@ impl HostWeights {
         (shape.w1_rows() as usize * hidden, hidden * ffn)
     }
 
-    /// Checks that `w1` and `w2` hold `experts` experts of a layer of `shape`.
+    /// Elements of one expert's b1 and b2 in a layer of `shape`.
+    fn bias_lens(shape: &LayerShape) -> (usize, usize) {
+        (shape.w1_rows() as usize, shape.hidden as usize)
+    }
+
+    /// The `local`-th expert held (expert `experts.start + local`), as the CPU reference
+    /// reads it.
+    pub fn expert(&self, shape: &LayerShape, local: usize) -> HostExpert<'_> {
+        let (w1, w2) = Self::expert_lens(shape);
+        let (b1, b2) = Self::bias_lens(shape);
+        HostExpert {
+            w1: &self.w1[local * w1..(local + 1) * w1],
+            w2: &self.w2[local * w2..(local + 1) * w2],
+            biases: self.biases.as_ref().map(|b| HostExpertBias {
+                b1: &b.b1[local * b1..(local + 1) * b1],
+                b2: &b.b2[local * b2..(local + 1) * b2],
+            }),
+        }
+    }
+
+    /// Checks that `w1` and `w2` (and the biases, exactly when the layer has them) hold
+    /// `experts` experts of a layer of `shape`.
     pub fn check(&self, shape: &LayerShape) -> Result<(), CheckpointError> {
         let count = self.experts.len();
         let (w1, w2) = Self::expert_lens(shape);
+        let (b1, b2) = Self::bias_lens(shape);
+        let biases = match (&self.biases, shape.expert_bias) {
+            (Some(biases), true) => vec![
+                ("b1", biases.b1.len(), count * b1),
+                ("b2", biases.b2.len(), count * b2),
+            ],
+            (None, false) => Vec::new(),
+            (_, spec) => return Err(CheckpointError::HostBiases { spec }),
+        };
         for (what, got, expected) in [
             ("w1", self.w1.len(), count * w1),
             ("w2", self.w2.len(), count * w2),
-        ] {
+        ]
+        .into_iter()
+        .chain(biases)
+        {
             if got != expected {
                 return Err(CheckpointError::HostSize {
                     what,
@@ -235,11 +303,16 @@ impl HostWeights {
             });
         }
         let (w1, w2) = Self::expert_lens(shape);
+        let (b1, b2) = Self::bias_lens(shape);
         let local = (wanted.start - self.experts.start) as usize
             ..(wanted.end - self.experts.start) as usize;
         Ok(HostWeights {
             w1: self.w1[local.start * w1..local.end * w1].to_vec(),
             w2: self.w2[local.start * w2..local.end * w2].to_vec(),
+            biases: self.biases.as_ref().map(|b| HostBiases {
+                b1: b.b1[local.start * b1..local.end * b1].to_vec(),
+                b2: b.b2[local.start * b2..local.end * b2].to_vec(),
+            }),
             experts: wanted,
         })
     }
@@ -334,6 +407,11 @@ pub enum CheckpointError {
         expected: usize,
         got: usize,
     },
+    #[error(
+        "the layer's spec says `expert_bias = {spec}`, but the host weights {}",
+        if *spec { "hold no biases: give `biases` (b1 and b2 of every expert)" } else { "hold biases: drop them, or set `expert_bias = true` in the spec" }
+    )]
+    HostBiases { spec: bool },
     #[error("the host weights hold experts {}..{}, not experts {}..{}", held.start, held.end, wanted.start, wanted.end)]
     HostExperts {
         held: Range<u32>,
@@ -353,11 +431,20 @@ pub enum CheckpointError {
     },
     #[error("tensor `{tensor}` is {found:?}; the loader reads BF16, F16 or F32")]
     Dtype { tensor: String, found: Dtype },
-    #[error("loading {family} experts is not supported yet: {reason}")]
-    Unsupported {
-        family: Family,
-        reason: &'static str,
+    #[error(
+        "tensor `{tensor}` is {found:?}: an MXFP4-quantized GPT-OSS checkpoint (`_blocks` and `_scales`), which the loader does not dequantise; use a dequantized (bf16) checkpoint, whose experts are `{prefix}mlp.experts.gate_up_proj` and `down_proj` with their biases"
+    )]
+    Quantized {
+        tensor: String,
+        found: Dtype,
+        prefix: String,
     },
+    #[error(
+        "{family} experts {} biases, but the layer's spec says `expert_bias = {spec}`; set `expert_bias = {}`",
+        if Family::expert_bias(*family) { "add" } else { "have no" },
+        Family::expert_bias(*family)
+    )]
+    ExpertBias { family: Family, spec: bool },
     #[error("{family} experts compute {}, but the layer's activation is {}", Family::activation(*family).name(), activation.name())]
     Activation {
         family: Family,
@@ -564,22 +651,20 @@ impl Checkpoint {
         shape: &LayerShape,
         which: ExpertSet,
     ) -> Result<HostWeights, CheckpointError> {
-        // Refuse an unsupported family before looking at the layer's numbers.
-        family.expert_names(prefix, 0)?;
-        if shape.activation != family.activation() {
-            return Err(CheckpointError::Activation {
-                family,
-                activation: shape.activation,
-            });
-        }
+        family.check_layer(shape)?;
         let experts = which.range(shape.experts)?;
+        if family.expert_names(prefix, 0).is_none() {
+            return self.load_fused_experts(family, prefix, shape, experts);
+        }
         let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
         let matrix = hidden * ffn;
         let count = experts.len();
         let mut w1 = vec![0u16; count * 2 * matrix];
         let mut w2 = vec![0u16; count * matrix];
         for (local, e) in experts.clone().enumerate() {
-            let [gate, up, down] = family.expert_names(prefix, e)?;
+            let Some([gate, up, down]) = family.expert_names(prefix, e) else {
+                unreachable!("a family names every expert or none");
+            };
             let w1_expert = &mut w1[local * 2 * matrix..(local + 1) * 2 * matrix];
             let (gate_rows, up_rows) = w1_expert.split_at_mut(matrix);
             self.read_bf16(family, prefix, &gate, &[ffn, hidden], gate_rows)?;
@@ -587,7 +672,89 @@ impl Checkpoint {
             let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
             self.read_bf16(family, prefix, &down, &[hidden, ffn], w2_expert)?;
         }
-        Ok(HostWeights { experts, w1, w2 })
+        Ok(HostWeights {
+            experts,
+            w1,
+            w2,
+            biases: None,
+        })
+    }
+
+    /// GPT-OSS's fused experts (see [`FusedNames`]), re-laid-out once: `gate_up_proj`'s
+    /// even columns become W1's gate rows and its odd columns the up rows (transposed:
+    /// the checkpoint multiplies `x @ gate_up_proj`), `down_proj` [E, F, H] becomes W2
+    /// [E, H, F], and the biases split the same way. Only the experts asked for are read.
+    fn load_fused_experts(
+        &self,
+        family: Family,
+        prefix: &str,
+        shape: &LayerShape,
+        experts: Range<u32>,
+    ) -> Result<HostWeights, CheckpointError> {
+        let names = FusedNames::new(prefix);
+        if !self.names.contains_key(&names.gate_up)
+            && let Some(&at) = self.names.get(&names.gate_up_blocks)
+            && let Some(info) = self.shards[at].metadata.info(&names.gate_up_blocks)
+        {
+            return Err(CheckpointError::Quantized {
+                tensor: names.gate_up_blocks.clone(),
+                found: info.dtype,
+                prefix: prefix.to_owned(),
+            });
+        }
+        let (e_all, hidden, ffn) = (
+            shape.experts as usize,
+            shape.hidden as usize,
+            shape.ffn as usize,
+        );
+        let gate_up = self.tensor(family, prefix, &names.gate_up, &[e_all, hidden, 2 * ffn])?;
+        let gate_up_bias = self.tensor(family, prefix, &names.gate_up_bias, &[e_all, 2 * ffn])?;
+        let down = self.tensor(family, prefix, &names.down, &[e_all, ffn, hidden])?;
+        let down_bias = self.tensor(family, prefix, &names.down_bias, &[e_all, hidden])?;
+        let count = experts.len();
+        let matrix = hidden * ffn;
+        let mut w1 = vec![0u16; count * 2 * matrix];
+        let mut w2 = vec![0u16; count * matrix];
+        let mut b1 = vec![0f32; count * 2 * ffn];
+        let mut b2 = vec![0f32; count * hidden];
+        let mut fused = vec![0u16; 2 * matrix];
+        let mut fused_bias = vec![0f32; 2 * ffn];
+        for (local, e) in experts.clone().enumerate() {
+            let e = e as usize;
+            gate_up.expert_bf16(&names.gate_up, e, &mut fused)?;
+            let w1_expert = &mut w1[local * 2 * matrix..(local + 1) * 2 * matrix];
+            for (h, row) in fused.chunks_exact(2 * ffn).enumerate() {
+                for (f, pair) in row.chunks_exact(2).enumerate() {
+                    w1_expert[f * hidden + h] = pair[0];
+                    w1_expert[(ffn + f) * hidden + h] = pair[1];
+                }
+            }
+            gate_up_bias.expert_f32(&names.gate_up_bias, e, &mut fused_bias)?;
+            let b1_expert = &mut b1[local * 2 * ffn..(local + 1) * 2 * ffn];
+            for (f, pair) in fused_bias.chunks_exact(2).enumerate() {
+                b1_expert[f] = pair[0];
+                b1_expert[ffn + f] = pair[1];
+            }
+            let transposed = &mut fused[..matrix];
+            down.expert_bf16(&names.down, e, transposed)?;
+            let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
+            for (f, row) in transposed.chunks_exact(hidden).enumerate() {
+                for (h, &v) in row.iter().enumerate() {
+                    w2_expert[h * ffn + f] = v;
+                }
+            }
+            down_bias.expert_f32(
+                &names.down_bias,
+                e,
+                &mut b2[local * hidden..(local + 1) * hidden],
+            )?;
+        }
+        Ok(HostWeights {
+            experts,
+            w1,
+            w2,
+            biases: Some(HostBiases { b1, b2 }),
+        })
     }
 
     /// Loads the router's gate of the layer under `prefix`, named as `family` names it,
@@ -706,6 +873,64 @@ impl Checkpoint {
 struct RawTensor<'a> {
     dtype: Dtype,
     bytes: &'a [u8],
+}
+
+impl RawTensor<'_> {
+    /// Expert `e`'s `out.len()` elements of a tensor whose first dimension is the expert,
+    /// as bf16 bits.
+    fn expert_bf16(&self, name: &str, e: usize, out: &mut [u16]) -> Result<(), CheckpointError> {
+        to_bf16(self.dtype, self.expert_bytes(e, out.len()), out).map_err(|found| {
+            CheckpointError::Dtype {
+                tensor: name.to_owned(),
+                found,
+            }
+        })
+    }
+
+    /// The same as f32.
+    fn expert_f32(&self, name: &str, e: usize, out: &mut [f32]) -> Result<(), CheckpointError> {
+        to_f32(self.dtype, self.expert_bytes(e, out.len()), out).map_err(|found| {
+            CheckpointError::Dtype {
+                tensor: name.to_owned(),
+                found,
+            }
+        })
+    }
+
+    /// The bytes of expert `e`'s `elems` elements. The shape was checked, so they lie
+    /// inside the tensor.
+    fn expert_bytes(&self, e: usize, elems: usize) -> &[u8] {
+        let size = self.dtype.bitsize() / 8;
+        &self.bytes[e * elems * size..(e + 1) * elems * size]
+    }
+}
+
+/// The names of GPT-OSS's fused expert tensors under a layer prefix, as the dequantized
+/// (bf16) checkpoints and transformers' `GptOssExperts` name them.
+struct FusedNames {
+    /// [E, H, 2F]: `x @ gate_up_proj[e]` gives gate (even columns) and up (odd columns).
+    gate_up: String,
+    /// [E, 2F], interleaved as `gate_up`'s columns.
+    gate_up_bias: String,
+    /// [E, F, H]: `glu @ down_proj[e]`.
+    down: String,
+    /// [E, H].
+    down_bias: String,
+    /// The MXFP4 blocks the quantized release stores instead of `gate_up`.
+    gate_up_blocks: String,
+}
+
+impl FusedNames {
+    fn new(prefix: &str) -> Self {
+        let name = |suffix: &str| format!("{prefix}mlp.experts.{suffix}");
+        FusedNames {
+            gate_up: name("gate_up_proj"),
+            gate_up_bias: name("gate_up_proj_bias"),
+            down: name("down_proj"),
+            down_bias: name("down_proj_bias"),
+            gate_up_blocks: name("gate_up_proj_blocks"),
+        }
+    }
 }
 
 /// One layer of an open checkpoint: the prefix its tensors are named under and the
@@ -884,27 +1109,74 @@ pub fn write_layer(
     weights: &HostWeights,
     gate: Option<(&HostGate, RouterBias)>,
 ) -> Result<(), CheckpointError> {
-    family.expert_names(prefix, 0)?;
-    if shape.activation != family.activation() {
-        return Err(CheckpointError::Activation {
-            family,
-            activation: shape.activation,
-        });
-    }
+    family.check_layer(shape)?;
     weights.check(shape)?;
     let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
     let matrix = hidden * ffn;
     let bytes = |bits: &[u16]| -> Vec<u8> { bits.iter().flat_map(|b| b.to_le_bytes()).collect() };
+    let f32_bytes =
+        |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (local, e) in weights.experts.clone().enumerate() {
-        let [gate, up, down] = family.expert_names(prefix, e)?;
-        let w1 = &weights.w1[local * 2 * matrix..(local + 1) * 2 * matrix];
-        tensors.push((gate, vec![ffn, hidden], bytes(&w1[..matrix])));
-        tensors.push((up, vec![ffn, hidden], bytes(&w1[matrix..])));
-        let w2 = &weights.w2[local * matrix..(local + 1) * matrix];
-        tensors.push((down, vec![hidden, ffn], bytes(w2)));
-    }
     let mut f32_tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    match (family.expert_names(prefix, 0), &weights.biases) {
+        (Some(_), _) => {
+            for (local, e) in weights.experts.clone().enumerate() {
+                let Some([gate, up, down]) = family.expert_names(prefix, e) else {
+                    unreachable!("a family names every expert or none");
+                };
+                let w1 = &weights.w1[local * 2 * matrix..(local + 1) * 2 * matrix];
+                tensors.push((gate, vec![ffn, hidden], bytes(&w1[..matrix])));
+                tensors.push((up, vec![ffn, hidden], bytes(&w1[matrix..])));
+                let w2 = &weights.w2[local * matrix..(local + 1) * matrix];
+                tensors.push((down, vec![hidden, ffn], bytes(w2)));
+            }
+        }
+        // GPT-OSS: the inverse of `load_fused_experts`, every expert of the layer in one
+        // tensor per projection (the biases in f32, which it reads back exactly).
+        (None, Some(biases)) => {
+            let all = 0..shape.experts;
+            if weights.experts != all {
+                return Err(CheckpointError::HostExperts {
+                    held: weights.experts.clone(),
+                    wanted: all,
+                });
+            }
+            let names = FusedNames::new(prefix);
+            let count = weights.experts.len();
+            let mut gate_up = vec![0u16; count * 2 * matrix];
+            let mut gate_up_bias = vec![0f32; count * 2 * ffn];
+            let mut down = vec![0u16; count * matrix];
+            for e in 0..count {
+                let w1 = &weights.w1[e * 2 * matrix..(e + 1) * 2 * matrix];
+                let fused = &mut gate_up[e * 2 * matrix..(e + 1) * 2 * matrix];
+                for f in 0..ffn {
+                    for h in 0..hidden {
+                        fused[h * 2 * ffn + 2 * f] = w1[f * hidden + h];
+                        fused[h * 2 * ffn + 2 * f + 1] = w1[(ffn + f) * hidden + h];
+                    }
+                    gate_up_bias[e * 2 * ffn + 2 * f] = biases.b1[e * 2 * ffn + f];
+                    gate_up_bias[e * 2 * ffn + 2 * f + 1] = biases.b1[e * 2 * ffn + ffn + f];
+                }
+                let w2 = &weights.w2[e * matrix..(e + 1) * matrix];
+                for h in 0..hidden {
+                    for f in 0..ffn {
+                        down[e * matrix + f * hidden + h] = w2[h * ffn + f];
+                    }
+                }
+            }
+            tensors.push((names.gate_up, vec![count, hidden, 2 * ffn], bytes(&gate_up)));
+            tensors.push((names.down, vec![count, ffn, hidden], bytes(&down)));
+            f32_tensors.push((
+                names.gate_up_bias,
+                vec![count, 2 * ffn],
+                f32_bytes(&gate_up_bias),
+            ));
+            f32_tensors.push((names.down_bias, vec![count, hidden], f32_bytes(&biases.b2)));
+        }
+        (None, None) => {
+            return Err(CheckpointError::HostBiases { spec: true });
+        }
+    }
     if let Some((gate, bias)) = gate {
         let experts = shape.experts as usize;
         let name = format!("{}.weight", family.gate_module(prefix));

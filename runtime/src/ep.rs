@@ -642,7 +642,7 @@ fn bind(
         LaunchArg::TopkWeights => Binding::TopkWeights,
         LaunchArg::Y => Binding::Y,
         LaunchArg::Tokens => Binding::Tokens,
-        LaunchArg::GateWeight | LaunchArg::GateBias => {
+        LaunchArg::GateWeight | LaunchArg::GateBias | LaunchArg::W1Bias | LaunchArg::W2Bias => {
             return Err(LayerError::SingleGpuArg { arg: arg.name() });
         }
     })

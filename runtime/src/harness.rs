@@ -21,10 +21,12 @@ use crate::checkpoint::HostGate;
 use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::jit::{CompileOptions, CompiledModule, Jit, JitError};
-use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs};
+use crate::layer::{
+    ExpertBiases, ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs,
+};
 use crate::reference::router::{KernelRouting, RouterCheck};
-use crate::reference::{self, Comparison, HostExpert};
-use crate::weights::{random_gate, upload_gate};
+use crate::reference::{self, Comparison, HostExpert, HostExpertBias};
+use crate::weights::{RANDOM_EXPERT_BIAS_RANGE, random_gate, upload_gate};
 use crate::workload::{SplitMix64, Workload, weight_scale};
 
 #[derive(Debug, Error)]
@@ -63,10 +65,12 @@ pub struct BuiltLayer {
     host_gate: Option<HostGate>,
 }
 
-/// One expert's (W1, W2) on the host, checkpoint layout.
+/// One expert's (W1, W2) on the host, checkpoint layout, and its (b1, b2) when the layer
+/// has biases.
 struct HostWeights {
     w1: Vec<u16>,
     w2: Vec<u16>,
+    biases: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl BuiltLayer {
@@ -80,6 +84,7 @@ impl BuiltLayer {
         let shape = &self.layer.plan().shape;
         let w1_len = shape.w1_rows() as usize * shape.hidden as usize;
         let w2_len = shape.hidden as usize * shape.ffn as usize;
+        let (b1_len, b2_len) = (shape.w1_rows() as usize, shape.hidden as usize);
         let weights = self.layer.weights();
         for id in ids {
             let Some((e, cell)) = usize::try_from(id)
@@ -97,9 +102,20 @@ impl BuiltLayer {
             let w2 = stream
                 .clone_dtoh(&weights.w2.slice(e * w2_len..(e + 1) * w2_len))
                 .context(format!("downloading W2 of expert {e}"))?;
+            let biases = match &weights.biases {
+                Some(biases) => Some((
+                    stream
+                        .clone_dtoh(&biases.b1.slice(e * b1_len..(e + 1) * b1_len))
+                        .context(format!("downloading b1 of expert {e}"))?,
+                    stream
+                        .clone_dtoh(&biases.b2.slice(e * b2_len..(e + 1) * b2_len))
+                        .context(format!("downloading b2 of expert {e}"))?,
+                )),
+                None => None,
+            };
             // A check running at the same time may have filled the cell meanwhile, with
             // the same bytes: keeping either copy is right.
-            let _ = cell.set(HostWeights { w1, w2 });
+            let _ = cell.set(HostWeights { w1, w2, biases });
         }
         Ok(())
     }
@@ -112,6 +128,7 @@ impl BuiltLayer {
             .map(|w| HostExpert {
                 w1: &w.w1,
                 w2: &w.w2,
+                biases: w.biases.as_ref().map(|(b1, b2)| HostExpertBias { b1, b2 }),
             })
     }
 }
@@ -203,6 +220,8 @@ const FILL_THREADS: u32 = 256;
 const FILL_BLOCKS: u32 = 4096;
 /// Keeps W2's random stream apart from W1's for the same seed.
 const W2_SEED_SALT: u64 = 0x5eed_2222_0000_0001;
+/// Keeps the biases' random stream apart from the weights'.
+const BIAS_SEED_SALT: u64 = 0x5eed_b1a5_0000_0001;
 
 impl Session {
     pub fn open() -> Result<Self, HarnessError> {
@@ -272,7 +291,8 @@ impl Session {
         Ok(())
     }
 
-    /// Random expert weights on the device, uniform with a fan-in scale.
+    /// Random expert weights on the device, uniform with a fan-in scale; the biases, when
+    /// the layer has them, drawn on the host (they are small) and uploaded.
     pub fn random_weights(&self, shape: &LayerShape, seed: u64) -> Result<ExpertWeights, GpuError> {
         let experts = u64::from(shape.experts);
         let w1_len = experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden);
@@ -287,7 +307,23 @@ impl Session {
             seed.rotate_left(32) ^ W2_SEED_SALT,
             weight_scale(shape.ffn),
         )?;
-        Ok(ExpertWeights { w1, w2 })
+        let biases = if shape.expert_bias {
+            let mut rng = SplitMix64::new(seed ^ BIAS_SEED_SALT);
+            let mut draw = |len: u64| -> Vec<f32> {
+                (0..len)
+                    .map(|_| rng.signed() * RANDOM_EXPERT_BIAS_RANGE)
+                    .collect()
+            };
+            let b1 = draw(experts * u64::from(shape.w1_rows()));
+            let b2 = draw(experts * u64::from(shape.hidden));
+            Some(ExpertBiases {
+                b1: stream.clone_htod(&b1).context("uploading b1")?,
+                b2: stream.clone_htod(&b2).context("uploading b2")?,
+            })
+        } else {
+            None
+        };
+        Ok(ExpertWeights { w1, w2, biases })
     }
 
     /// Compiles the plan's kernels, fills random weights (and, when the spec has a router,
@@ -480,6 +516,8 @@ impl Session {
             weights.push(ExpertWeights {
                 w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
                 w2: stream.clone_htod(&w2).context("uploading a rank's W2")?,
+                // A layer with expert biases has no expert-parallel plan, so never gets here.
+                biases: None,
             });
             stream.synchronize().context("placing a rank's weights")?;
         }

@@ -32,7 +32,7 @@ pub enum LayerError {
     )]
     MissingKernel { name: String },
     #[error(
-        "the plan has no expert-parallel part: the spec has one rank; use the single-GPU layer"
+        "the plan has no expert-parallel part (the spec has one rank, or the plan's limitations say why its layer cannot run expert-parallel); use the single-GPU layer"
     )]
     NotExpertParallel,
     #[error("the plan has {ranks} ranks but {given} were given")]
@@ -51,7 +51,7 @@ pub enum LayerError {
     )]
     MultiRankArg { arg: &'static str },
     #[error(
-        "the plan gives an expert-parallel launch the argument `{arg}`, which the expert-parallel layer does not provide (it takes the caller's routing)"
+        "the plan gives an expert-parallel launch the argument `{arg}`, which the expert-parallel layer does not provide (it takes the caller's routing, and no expert biases)"
     )]
     SingleGpuArg { arg: &'static str },
     #[error("the plan launches a kernel with workspace buffer `{buffer}`, which it does not list")]
@@ -77,6 +77,12 @@ pub enum LayerError {
     },
     #[error("a kernel reported unknown error code {code} (details {details:?})")]
     UnknownKernelError { code: i32, details: [i32; 3] },
+    #[error(
+        "the layer's spec says `expert_bias = {spec}`, but the weights {}; {}",
+        if *spec { "hold no expert biases" } else { "hold expert biases" },
+        if *spec { "give each expert's b1 and b2 (a checkpoint's, or random ones)" } else { "drop them, or set `expert_bias = true` in the spec" }
+    )]
+    ExpertBias { spec: bool },
     #[error("the plan passes `{arg}` as a tensor map, which it is not")]
     NotATensorMap { arg: &'static str },
     #[error(
@@ -107,10 +113,19 @@ pub enum LayerError {
 }
 
 /// The routed experts' weights on the device, checkpoint layout: `w1` [E, w1_rows, H]
-/// (gate rows then up rows when gated), `w2` [E, H, F], bf16.
+/// (gate rows then up rows when gated), `w2` [E, H, F], bf16; and their biases exactly
+/// when the spec says `expert_bias = true`.
 pub struct ExpertWeights {
     pub w1: CudaSlice<u16>,
     pub w2: CudaSlice<u16>,
+    pub biases: Option<ExpertBiases>,
+}
+
+/// Each expert's biases on the device, f32: `b1` [E, w1_rows] on GEMM1's output (gate
+/// columns then up columns, as W1's rows), `b2` [E, H] on GEMM2's.
+pub struct ExpertBiases {
+    pub b1: CudaSlice<f32>,
+    pub b2: CudaSlice<f32>,
 }
 
 impl ExpertWeights {
@@ -126,7 +141,17 @@ impl ExpertWeights {
             "w2",
             self.w2.len(),
             experts * u64::from(shape.hidden) * u64::from(shape.ffn),
-        )
+        )?;
+        match &self.biases {
+            Some(biases) if shape.expert_bias => {
+                check_len("b1", biases.b1.len(), experts * u64::from(shape.w1_rows()))?;
+                check_len("b2", biases.b2.len(), experts * u64::from(shape.hidden))
+            }
+            None if !shape.expert_bias => Ok(()),
+            _ => Err(LayerError::ExpertBias {
+                spec: shape.expert_bias,
+            }),
+        }
     }
 }
 
@@ -239,6 +264,8 @@ enum Binding {
     Tokens,
     W1,
     W2,
+    W1Bias,
+    W2Bias,
     GateWeight,
     GateBias,
     /// The workspace buffer at this position of `MoeLayer::workspace`.
@@ -579,6 +606,20 @@ impl MoeLayer {
                 Binding::TopkWeights => ArgValue::Pointer(call.topk_weights),
                 Binding::W1 => ArgValue::Pointer(ptr(&self.weights.w1, stream)),
                 Binding::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
+                // `new` checked that the weights hold biases exactly when the plan's
+                // launches take them.
+                Binding::W1Bias => ArgValue::Pointer(
+                    self.weights
+                        .biases
+                        .as_ref()
+                        .map_or(0, |b| ptr(&b.b1, stream)),
+                ),
+                Binding::W2Bias => ArgValue::Pointer(
+                    self.weights
+                        .biases
+                        .as_ref()
+                        .map_or(0, |b| ptr(&b.b2, stream)),
+                ),
                 // Router launches are bound only when the gate (and a bias the rule
                 // takes) was given: `with_gate` checked both.
                 Binding::GateWeight => {
@@ -725,6 +766,8 @@ fn bind(
         LaunchArg::TopkWeights => Binding::TopkWeights,
         LaunchArg::W1 => Binding::W1,
         LaunchArg::W2 => Binding::W2,
+        LaunchArg::W1Bias => Binding::W1Bias,
+        LaunchArg::W2Bias => Binding::W2Bias,
         LaunchArg::GateWeight => Binding::GateWeight,
         LaunchArg::GateBias => Binding::GateBias,
         LaunchArg::Y => Binding::Y,

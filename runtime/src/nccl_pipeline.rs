@@ -294,6 +294,7 @@ fn local_layer(plan: &Plan, ranks: usize) -> Result<ir::Layer, NcclPipelineError
         experts: shape.experts / ranks as u32,
         top_k: 1,
         activation: shape.activation,
+        expert_bias: shape.expert_bias,
         dtype: ir::DType::Bf16,
         weight_dtype: ir::DType::Bf16,
         max_tokens: rows as u32,
@@ -452,6 +453,8 @@ impl NcclPipeline {
             let rank_weights = ExpertWeights {
                 w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
                 w2: stream.clone_htod(&w2).context("uploading a rank's W2")?,
+                // A layer with expert biases has no expert-parallel plan, so never gets here.
+                biases: None,
             };
             let gpu = Gpu {
                 ctx: Arc::clone(ctx),
@@ -906,6 +909,7 @@ mod tests {
             experts: 16,
             top_k: 4,
             activation: ir::Activation::Swiglu,
+            expert_bias: false,
             max_tokens: 300,
             spec_ranks: 4,
             executed_ranks: 1,
@@ -1004,6 +1008,7 @@ mod tests {
             experts: 8,
             top_k: 2,
             activation: ir::Activation::Swiglu,
+            expert_bias: false,
             dtype: ir::DType::Bf16,
             weight_dtype: ir::DType::Bf16,
             max_tokens: 1000,

@@ -1,6 +1,7 @@
 //! The CPU reference of the layer contract, and how close a kernel's output must come to it.
 //!
-//! `y[t] = Σ_k topk_weights[t,k] · W2_e · bf16(act(W1_e · x[t]))` with `e = topk_ids[t,k]`:
+//! `y[t] = Σ_k topk_weights[t,k] · W2_e · bf16(act(W1_e · x[t]))` with `e = topk_ids[t,k]`
+//! (with expert biases, `W2_e · bf16(act(W1_e · x[t] + b1_e)) + b2_e`, f32 biases):
 //! bf16 inputs, products accumulated in f32, the intermediate rounded to bf16 (the kernels
 //! store it so), the output left in f32. This defines the answer the kernels are checked
 //! against. The kernels round twice more, each (token, k) combine slot and then the output
@@ -17,16 +18,26 @@ pub mod router;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use moeforge_compiler::ir::Activation;
+use moeforge_compiler::ir::{Activation, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT};
 use moeforge_compiler::plan::LayerShape;
 
 use crate::bf16;
 use crate::workload::Workload;
 
-/// One expert's weights on the host, checkpoint layout: `w1` [w1_rows, H], `w2` [H, F].
+/// One expert's weights on the host, checkpoint layout: `w1` [w1_rows, H], `w2` [H, F];
+/// and its biases, when the layer has them (`expert_bias = true`).
 pub struct HostExpert<'a> {
     pub w1: &'a [u16],
     pub w2: &'a [u16],
+    pub biases: Option<HostExpertBias<'a>>,
+}
+
+/// One expert's biases: `b1` [w1_rows] added to GEMM1's output (gate, then up) before the
+/// activation, `b2` [H] to GEMM2's before the routing weight.
+#[derive(Clone, Copy)]
+pub struct HostExpertBias<'a> {
+    pub b1: &'a [f32],
+    pub b2: &'a [f32],
 }
 
 /// The reference output of some tokens of a workload.
@@ -47,6 +58,15 @@ fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
 }
 
+/// GPT-OSS's activation as transformers' `GptOssExperts` writes it: `gate.clamp(max=limit)`,
+/// `up.clamp(-limit, limit)`, `glu = gate * sigmoid(gate * alpha)`, `(up + 1) * glu`.
+fn clamped_swiglu(gate: f32, up: f32) -> f32 {
+    let gate = gate.min(CLAMPED_SWIGLU_LIMIT);
+    let up = up.clamp(-CLAMPED_SWIGLU_LIMIT, CLAMPED_SWIGLU_LIMIT);
+    let glu = gate / (1.0 + (-CLAMPED_SWIGLU_ALPHA * gate).exp());
+    glu * (up + 1.0)
+}
+
 fn gelu_tanh(v: f32) -> f32 {
     0.5 * v * (1.0 + (0.797_884_6 * (v + 0.044_715 * v * v * v)).tanh())
 }
@@ -56,6 +76,7 @@ fn gelu_tanh(v: f32) -> f32 {
 fn activate(activation: Activation, gate: f32, up: f32) -> f32 {
     match activation {
         Activation::Swiglu => silu(gate) * up,
+        Activation::ClampedSwiglu => clamped_swiglu(gate, up),
         Activation::Geglu => gelu_tanh(gate) * up,
         Activation::Gelu => gelu_tanh(gate),
         Activation::Relu => gate.max(0.0),
@@ -218,7 +239,8 @@ pub fn layer_output<'a>(
     }
 }
 
-/// `topk_weight · W2_e · bf16(act(W1_e · x))` for some pairs of one expert, [pairs, H].
+/// `topk_weight · (W2_e · bf16(act(W1_e · x + b1_e)) + b2_e)` for some pairs of one
+/// expert, [pairs, H] (without the biases when the expert has none).
 fn expert_rows(
     shape: &LayerShape,
     expert: &HostExpert<'_>,
@@ -288,8 +310,12 @@ fn expert_rows_in<const L: usize>(
             );
             dot_rows::<L>(&up_row, &x, &mut up);
         }
+        let (gate_bias, up_bias) = expert.biases.map_or((0.0, 0.0), |b| {
+            (b.b1[f], if gated { b.b1[ffn + f] } else { 0.0 })
+        });
         for (r, (&g, &u)) in gate.iter().zip(&up).enumerate() {
-            intermediate[r * ffn + f] = round_bf16(activate(shape.activation, g, u));
+            intermediate[r * ffn + f] =
+                round_bf16(activate(shape.activation, g + gate_bias, u + up_bias));
         }
     }
 
@@ -299,8 +325,9 @@ fn expert_rows_in<const L: usize>(
     for o in 0..hidden {
         widen(&expert.w2[o * ffn..(o + 1) * ffn], &mut w2_row);
         dot_rows::<L>(&w2_row, &intermediate, &mut down);
+        let bias = expert.biases.map_or(0.0, |b| b.b2[o]);
         for (r, (&d, &w)) in down.iter().zip(&route_weights).enumerate() {
-            out[r * hidden + o] = w * d;
+            out[r * hidden + o] = w * (d + bias);
         }
     }
     out
@@ -458,6 +485,7 @@ mod tests {
             experts,
             top_k,
             activation,
+            expert_bias: false,
             max_tokens: 4096,
             spec_ranks: 1,
             executed_ranks: 1,
@@ -485,6 +513,7 @@ mod tests {
         |e| HostExpert {
             w1: &experts[e].0,
             w2: &experts[e].1,
+            biases: None,
         }
     }
 
@@ -568,7 +597,11 @@ mod tests {
             topk_ids: vec![0, 1],
             topk_weights: vec![0.75, 0.25],
         };
-        let experts = |_| HostExpert { w1: &w1, w2: &w2 };
+        let experts = |_| HostExpert {
+            w1: &w1,
+            w2: &w2,
+            biases: None,
+        };
         let act = round_bf16(silu(1.0) * 2.0);
         assert_ne!(act, silu(1.0) * 2.0, "the intermediate is rounded");
         let out = layer_output(&shape, &workload, vec![0], experts);
@@ -581,6 +614,52 @@ mod tests {
         workload.topk_ids = vec![0, 7];
         let out = layer_output(&shape, &workload, vec![0], experts);
         assert!((out.y[0] - 0.75 * act).abs() < 1e-6, "{out:?}");
+    }
+
+    #[test]
+    fn hand_computed_clamped_swiglu_tokens_with_biases() {
+        // H = 2, F = 1, one expert: gate row [4, 3], up row [-2, -3], b1 = [-1 (gate), -1
+        // (up)]; W2 = [[1], [2]], b2 = [0.5, -0.25]; routing weight 0.5.
+        let bits = |v: &[f32]| v.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<u16>>();
+        let w1 = bits(&[4.0, 3.0, -2.0, -3.0]);
+        let w2 = bits(&[1.0, 2.0]);
+        let (b1, b2) = ([-1.0, -1.0], [0.5, -0.25]);
+        let mut shape = shape(2, 1, 1, 1, Activation::ClampedSwiglu);
+        shape.expert_bias = true;
+        let workload = Workload {
+            tokens: 3,
+            x: bits(&[1.0, 2.0, 0.5, 0.0, -4.0, 0.0]),
+            topk_ids: vec![0, 0, 0],
+            topk_weights: vec![0.5, 0.5, 0.5],
+        };
+        let experts = |_| HostExpert {
+            w1: &w1,
+            w2: &w2,
+            biases: Some(HostExpertBias { b1: &b1, b2: &b2 }),
+        };
+        let out = layer_output(&shape, &workload, vec![0, 1, 2], experts);
+        let sigmoid = |v: f32| 1.0 / (1.0 + (-v).exp());
+        // Token 0: gate 10 - 1 = 9 clamps to 7; up -8 - 1 = -9 clamps to -7.
+        // Token 1: gate 2 - 1 = 1 and up -1 - 1 = -2, inside the clamps.
+        // Token 2: gate -16 - 1 = -17 stays (clamped above only); up 8 - 1 = 7, at the clamp.
+        let acts = [
+            7.0 * sigmoid(1.702 * 7.0) * (-7.0 + 1.0),
+            sigmoid(1.702) * (-2.0 + 1.0),
+            -17.0 * sigmoid(1.702 * -17.0) * (7.0 + 1.0),
+        ];
+        for (t, act) in acts.into_iter().enumerate() {
+            let act = round_bf16(act);
+            let want = [0.5 * (act + 0.5), 0.5 * (2.0 * act - 0.25)];
+            let got = &out.y[2 * t..2 * t + 2];
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                    "token {t}: {got:?} vs {want:?}"
+                );
+            }
+        }
+        // Without the clamps token 0's activation would be 9 · sigmoid(15.3) · (-8).
+        assert!((out.y[0] - 0.5 * (round_bf16(-72.0) + 0.5)).abs() > 10.0);
     }
 
     #[test]

@@ -20,9 +20,11 @@ use moeforge_compiler::ir::{self, RouterBias};
 use moeforge_compiler::plan::LayerShape;
 
 use crate::bf16;
-use crate::checkpoint::{CheckpointError, CheckpointLayer, ExpertSet, HostGate, HostWeights};
+use crate::checkpoint::{
+    CheckpointError, CheckpointLayer, ExpertSet, HostBiases, HostGate, HostWeights,
+};
 use crate::gpu::{DriverContext, GpuError};
-use crate::layer::{ExpertWeights, GateWeights};
+use crate::layer::{ExpertBiases, ExpertWeights, GateWeights};
 use crate::workload::{SplitMix64, weight_scale};
 
 /// The source of a layer's routed-expert weights.
@@ -115,21 +117,39 @@ pub fn upload_gate(stream: &Arc<CudaStream>, gate: &HostGate) -> Result<GateWeig
     Ok(GateWeights { weight, bias })
 }
 
+/// Half-width of random expert biases: of the order of a projection's outputs (about ±1
+/// for inputs in ±1), so that they move them without deciding them.
+pub const RANDOM_EXPERT_BIAS_RANGE: f32 = 0.5;
+
 /// Uniform random weights of the experts `experts` of a layer of `shape` (see
-/// [`Weights::Random`]). Expert `e`'s values depend only on `seed` and `e`.
+/// [`Weights::Random`]), with biases in ±[`RANDOM_EXPERT_BIAS_RANGE`] when the layer has
+/// them. Expert `e`'s values depend only on `seed` and `e`.
 pub fn random(shape: &LayerShape, experts: Range<u32>, seed: u64) -> HostWeights {
     let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
-    let w1_len = shape.w1_rows() as usize * hidden;
+    let w1_rows = shape.w1_rows() as usize;
+    let w1_len = w1_rows * hidden;
     let (w1_scale, w2_scale) = (weight_scale(shape.hidden), weight_scale(shape.ffn));
     let count = experts.len();
     let mut w1 = Vec::with_capacity(count * w1_len);
     let mut w2 = Vec::with_capacity(count * hidden * ffn);
+    let mut b1 = Vec::new();
+    let mut b2 = Vec::new();
     for e in experts.clone() {
         let mut rng = SplitMix64::new(seed ^ u64::from(e).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         w1.extend((0..w1_len).map(|_| bf16::from_f32(rng.signed() * w1_scale)));
         w2.extend((0..hidden * ffn).map(|_| bf16::from_f32(rng.signed() * w2_scale)));
+        if shape.expert_bias {
+            b1.extend((0..w1_rows).map(|_| rng.signed() * RANDOM_EXPERT_BIAS_RANGE));
+            b2.extend((0..hidden).map(|_| rng.signed() * RANDOM_EXPERT_BIAS_RANGE));
+        }
     }
-    HostWeights { experts, w1, w2 }
+    let biases = shape.expert_bias.then_some(HostBiases { b1, b2 });
+    HostWeights {
+        experts,
+        w1,
+        w2,
+        biases,
+    }
 }
 
 /// Copies `weights` to `stream`'s device and waits for the copies, so the buffers may be
@@ -144,8 +164,30 @@ pub fn upload(stream: &Arc<CudaStream>, weights: &HostWeights) -> Result<ExpertW
         "uploading W2 of experts {}..{}",
         experts.start, experts.end
     ))?;
+    let biases = weights
+        .biases
+        .as_ref()
+        .map(|biases| upload_biases(stream, biases, experts))
+        .transpose()?;
     stream
         .synchronize()
         .context("waiting for the weights' upload")?;
-    Ok(ExpertWeights { w1, w2 })
+    Ok(ExpertWeights { w1, w2, biases })
+}
+
+fn upload_biases(
+    stream: &Arc<CudaStream>,
+    biases: &HostBiases,
+    experts: &Range<u32>,
+) -> Result<ExpertBiases, GpuError> {
+    let what = |b| {
+        format!(
+            "uploading {b} of experts {}..{}",
+            experts.start, experts.end
+        )
+    };
+    Ok(ExpertBiases {
+        b1: stream.clone_htod(&biases.b1).context(what("b1"))?,
+        b2: stream.clone_htod(&biases.b2).context(what("b2"))?,
+    })
 }

@@ -158,6 +158,7 @@ mod tests {
             experts: 8,
             top_k: 3,
             activation: Activation::Swiglu,
+            expert_bias: false,
             max_tokens: 64,
             spec_ranks: 1,
             executed_ranks: 1,

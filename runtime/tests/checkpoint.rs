@@ -14,7 +14,7 @@ use moeforge_runtime::checkpoint::{
     Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, Family, HostWeights, INDEX_FILE,
     write_experts, write_layer,
 };
-use moeforge_runtime::reference::{HostExpert, layer_output};
+use moeforge_runtime::reference::layer_output;
 use moeforge_runtime::weights::{self, Weights};
 use moeforge_runtime::workload::Workload;
 use safetensors::tensor::{Dtype, TensorView};
@@ -31,6 +31,7 @@ fn shape(activation: Activation) -> LayerShape {
         experts: E as u32,
         top_k: 2,
         activation,
+        expert_bias: false,
         max_tokens: 64,
         spec_ranks: 1,
         executed_ranks: 1,
@@ -484,7 +485,7 @@ fn unreadable_files_are_typed_errors() {
 }
 
 #[test]
-fn gpt_oss_and_a_foreign_activation_are_refused() {
+fn gpt_oss_experts_on_a_plain_swiglu_layer_and_a_foreign_activation_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("model.safetensors");
     write(&file, &expert_tensors(Family::Mixtral, 0..E));
@@ -492,14 +493,14 @@ fn gpt_oss_and_a_foreign_activation_are_refused() {
     assert!(
         matches!(
             err,
-            CheckpointError::Unsupported {
+            CheckpointError::Activation {
                 family: Family::GptOss,
-                ..
+                activation: Activation::Swiglu,
             }
         ),
         "{err}"
     );
-    assert!(err.to_string().contains("MXFP4"), "{err}");
+    assert!(err.to_string().contains("clamped_swiglu"), "{err}");
 
     let err = Checkpoint::open(&file)
         .unwrap()
@@ -585,10 +586,7 @@ fn the_reference_on_loaded_weights_is_the_models_expert_mlp() {
         topk_weights: vec![0.75, 0.25, 0.5, 0.5, 0.125, 0.875],
     };
     let layer = shape(Activation::Swiglu);
-    let reference = layer_output(&layer, &workload, vec![0, 1, 2], |e| HostExpert {
-        w1: &w.w1[e * 2 * F * H..(e + 1) * 2 * F * H],
-        w2: &w.w2[e * H * F..(e + 1) * H * F],
-    });
+    let reference = layer_output(&layer, &workload, vec![0, 1, 2], |e| w.expert(&layer, e));
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
     let silu = |v: f32| v / (1.0 + (-v).exp());
     for t in 0..3 {
@@ -811,7 +809,7 @@ fn written_experts_read_back_bit_for_bit() {
         &all,
     )
     .unwrap_err();
-    assert!(matches!(err, CheckpointError::Unsupported { .. }), "{err}");
+    assert!(matches!(err, CheckpointError::Activation { .. }), "{err}");
     let err = write_experts(
         &dir.path().join("missing/x.safetensors"),
         Family::Mixtral,
@@ -959,4 +957,154 @@ fn weight_sources_give_the_same_experts_for_a_rank_as_for_the_layer() {
         matches!(err, CheckpointError::HostSize { what: "w2", .. }),
         "{err}"
     );
+}
+
+/// GPT-OSS's fused tensors as its dequantized checkpoints hold them: `gate_up_proj`
+/// [E, H, 2F] with element (e, h, c) coded `e << 12 | c << 4 | h` (bf16 bits),
+/// `down_proj` [E, F, H] coded `e << 12 | 1 << 11 | f << 4 | h`, biases
+/// `100 e + c` and `-(100 e + h)` in f32.
+fn gpt_oss_tensors() -> Vec<Tensor> {
+    let bits = |v: Vec<u16>| v.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
+    let floats = |v: Vec<f32>| v.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
+    let mut gate_up = Vec::new();
+    let mut down = Vec::new();
+    let mut gate_up_bias = Vec::new();
+    let mut down_bias = Vec::new();
+    for e in 0..E {
+        for h in 0..H {
+            gate_up.extend((0..2 * F).map(|c| ((e << 12) | (c << 4) | h) as u16));
+        }
+        for f in 0..F {
+            down.extend((0..H).map(|h| ((e << 12) | (1 << 11) | (f << 4) | h) as u16));
+        }
+        gate_up_bias.extend((0..2 * F).map(|c| (100 * e + c) as f32));
+        down_bias.extend((0..H).map(|h| -((100 * e + h) as f32)));
+    }
+    let name = |suffix: &str| format!("{PREFIX}mlp.experts.{suffix}");
+    vec![
+        (
+            name("gate_up_proj"),
+            Dtype::BF16,
+            vec![E, H, 2 * F],
+            bits(gate_up),
+        ),
+        (
+            name("gate_up_proj_bias"),
+            Dtype::F32,
+            vec![E, 2 * F],
+            floats(gate_up_bias),
+        ),
+        (name("down_proj"), Dtype::BF16, vec![E, F, H], bits(down)),
+        (
+            name("down_proj_bias"),
+            Dtype::F32,
+            vec![E, H],
+            floats(down_bias),
+        ),
+    ]
+}
+
+fn gpt_oss_shape() -> LayerShape {
+    LayerShape {
+        expert_bias: true,
+        ..shape(Activation::ClampedSwiglu)
+    }
+}
+
+#[test]
+fn gpt_oss_fused_experts_load_deinterleaved_and_transposed() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write(&file, &gpt_oss_tensors());
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    assert_eq!(checkpoint.detect(PREFIX), vec![Family::GptOss]);
+    let shape = gpt_oss_shape();
+    let which = ExpertSet::Rank { rank: 1, ranks: 2 };
+    let w = checkpoint
+        .load_experts(Family::GptOss, PREFIX, &shape, which)
+        .unwrap();
+    assert_eq!(w.experts, 2..4);
+    let biases = w.biases.as_ref().unwrap();
+    for (local, e) in (2..4).enumerate() {
+        for f in 0..F {
+            for h in 0..H {
+                let w1 = &w.w1[local * 2 * F * H..];
+                assert_eq!(
+                    w1[f * H + h],
+                    ((e << 12) | ((2 * f) << 4) | h) as u16,
+                    "gate"
+                );
+                assert_eq!(
+                    w1[(F + f) * H + h],
+                    ((e << 12) | ((2 * f + 1) << 4) | h) as u16,
+                    "up"
+                );
+                let down = ((e << 12) | (1 << 11) | (f << 4) | h) as u16;
+                assert_eq!(w.w2[local * H * F + h * F + f], down, "down");
+            }
+            assert_eq!(biases.b1[local * 2 * F + f], (100 * e + 2 * f) as f32);
+            assert_eq!(
+                biases.b1[local * 2 * F + F + f],
+                (100 * e + 2 * f + 1) as f32
+            );
+        }
+        for h in 0..H {
+            assert_eq!(biases.b2[local * H + h], -((100 * e + h) as f32));
+        }
+    }
+    // Writing all experts back under GPT-OSS's names and loading them gives them again.
+    let all = checkpoint
+        .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
+        .unwrap();
+    let copy = dir.path().join("copy.safetensors");
+    write_experts(&copy, Family::GptOss, PREFIX, &shape, &all).unwrap();
+    let again = Checkpoint::open(&copy)
+        .unwrap()
+        .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
+        .unwrap();
+    assert_eq!(again, all);
+}
+
+#[test]
+fn gpt_oss_needs_its_expert_math_and_refuses_mxfp4() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write(&file, &gpt_oss_tensors());
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    let no_bias = shape(Activation::ClampedSwiglu);
+    let err = checkpoint
+        .load_experts(Family::GptOss, PREFIX, &no_bias, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CheckpointError::ExpertBias {
+                family: Family::GptOss,
+                spec: false
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("expert_bias = true"), "{err}");
+
+    let quantized = dir.path().join("mxfp4.safetensors");
+    let blocks = format!("{PREFIX}mlp.experts.gate_up_proj_blocks");
+    write(
+        &quantized,
+        &[(
+            blocks.clone(),
+            Dtype::U8,
+            vec![E, 2 * F, 1, 16],
+            vec![0; E * 2 * F * 16],
+        )],
+    );
+    let err = Checkpoint::open(&quantized)
+        .unwrap()
+        .load_experts(Family::GptOss, PREFIX, &gpt_oss_shape(), ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::Quantized { tensor, found: Dtype::U8, .. } if *tensor == blocks),
+        "{err}"
+    );
+    assert!(err.to_string().contains("MXFP4"), "{err}");
 }

@@ -6,6 +6,8 @@
 //! and last count and a ragged count inside it, plus 0, 1 and 7) under uniform and skewed
 //! routing, and once per regime with empty experts (the first, a middle and the last):
 //! - a tiny layer of every activation;
+//! - a GPT-OSS-style layer (clamped SwiGLU, expert biases) whose W1 is scaled up so that
+//!   pre-activations cross the clamps on both sides;
 //! - a non-gated activation pinned on wgmma and one pinned on mma.sync (schedule hints;
 //!   the test asserts the engine the plan chose);
 //! - every example scaled down to hidden ≤ 1024, FFN ≤ 512 and max_tokens ≤ 4096 (same
@@ -20,19 +22,22 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode;
-use moeforge_compiler::ir::{Activation, Layer, TileShape};
+use moeforge_compiler::ir::{Activation, CLAMPED_SWIGLU_LIMIT, Layer, TileShape};
 use moeforge_compiler::plan::{self, GemmPlan, MmaEngine, Plan, Regime, Target};
 use moeforge_runtime::bf16;
+use moeforge_runtime::checkpoint::HostWeights;
 use moeforge_runtime::gpu::Gpu;
 use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, HarnessError, Session};
 use moeforge_runtime::layer::LayerError;
 use moeforge_runtime::toolkit;
+use moeforge_runtime::weights;
 use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
 
-const ACTIVATIONS: [Activation; 5] = [
+const ACTIVATIONS: [Activation; 6] = [
     Activation::Swiglu,
+    Activation::ClampedSwiglu,
     Activation::Geglu,
     Activation::Gelu,
     Activation::Relu,
@@ -324,6 +329,91 @@ fn tiny_layers_match_reference_for_every_activation() {
         .map(|a| plan_for_device(&layers::tiny(a)))
         .to_vec();
     check_plans("tiny layers", plans);
+}
+
+/// How many (pair, column) pre-activations of `workload` on `host`'s experts (biases
+/// added) fall past each clamp: (gate above, up above, up below).
+fn clamp_hits(shape: &plan::LayerShape, host: &HostWeights, workload: &Workload) -> [usize; 3] {
+    let (hidden, ffn, k) = (
+        shape.hidden as usize,
+        shape.ffn as usize,
+        shape.top_k as usize,
+    );
+    let limit = CLAMPED_SWIGLU_LIMIT;
+    let mut hits = [0; 3];
+    for (pair, &e) in workload.topk_ids.iter().enumerate() {
+        let expert = host.expert(shape, e as usize);
+        let biases = expert.biases.expect("the layer has biases");
+        let t = pair / k;
+        let x: Vec<f32> = workload.x[t * hidden..(t + 1) * hidden]
+            .iter()
+            .map(|&v| bf16::to_f32(v))
+            .collect();
+        let dot = |row: usize| -> f32 {
+            let w = &expert.w1[row * hidden..(row + 1) * hidden];
+            w.iter()
+                .zip(&x)
+                .map(|(&w, &x)| bf16::to_f32(w) * x)
+                .sum::<f32>()
+                + biases.b1[row]
+        };
+        for f in 0..ffn {
+            let (gate, up) = (dot(f), dot(ffn + f));
+            hits[0] += usize::from(gate > limit);
+            hits[1] += usize::from(up > limit);
+            hits[2] += usize::from(up < -limit);
+        }
+    }
+    hits
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpt_oss_style_layer_with_clamps_and_biases_matches_reference() {
+    let seed = fresh_seed();
+    log(&format!("gpt-oss-style layer: seed {seed}"));
+    let gpt_oss = layers::examples()
+        .into_iter()
+        .find(|l| l.name == "gpt_oss_120b")
+        .expect("the gpt_oss_120b example");
+    assert_eq!(gpt_oss.activation, Activation::ClampedSwiglu);
+    assert!(gpt_oss.expert_bias);
+    let layer = layers::scaled_down(&gpt_oss);
+    let plan = plan_for_device(&layer);
+    let shape = plan.shape.clone();
+    // W1 16 times its fan-in scale: gate and up pre-activations of about ±9 (one standard
+    // deviation), so that many cross the clamps at ±7, on both sides for up.
+    let mut host = weights::random(&shape, 0..shape.experts, seed);
+    for w in &mut host.w1 {
+        *w = bf16::from_f32(16.0 * bf16::to_f32(*w));
+    }
+    let session = Session::open().expect("a GPU session");
+    let device_weights = weights::upload(&session.gpu.stream, &host).expect("uploading weights");
+    let built = session
+        .build_with_weights(plan.clone(), device_weights)
+        .expect("building the layer");
+    let mut failures = Vec::new();
+    for (tokens, routing) in cases(&plan) {
+        let case_seed = seed ^ (u64::from(tokens) << 20) ^ routing as u64;
+        let workload = Workload::random(&shape, tokens, routing, case_seed);
+        let hits = clamp_hits(&shape, &host, &workload);
+        if tokens > 0 {
+            assert!(
+                hits.iter().all(|&h| h > 0),
+                "T={tokens}: the pre-activations must cross every clamp (gate > 7, up > 7, up < -7): {hits:?}"
+            );
+        }
+        let report = session
+            .run_checked(&built, &workload, CHECKED_TOKENS, case_seed)
+            .expect("running the layer");
+        log(&format!(
+            "gpt-oss-style T={tokens} {routing:?} clamp hits {hits:?}: {report}"
+        ));
+        if !report.passed() {
+            failures.push(format!("T={tokens} {routing:?}: {report}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

@@ -74,6 +74,7 @@ pub fn tiny(activation: Activation) -> Layer {
         experts: 8,
         top_k: 2,
         activation,
+        expert_bias: false,
         dtype: DType::Bf16,
         weight_dtype: DType::Bf16,
         max_tokens: 1000,

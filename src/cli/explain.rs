@@ -81,6 +81,13 @@ fn explain_layer(layer: &ir::Layer) -> String {
         "  activation           {} ({gating})",
         layer.activation.name()
     );
+    if layer.expert_bias {
+        let _ = writeln!(
+            out,
+            "  expert biases        b1 [E, {}] before the activation, b2 [E, H] before the routing weight (f32)",
+            layer.w1_rows()
+        );
+    }
     let _ = writeln!(
         out,
         "  dtype                {} activations, {} weights",

@@ -199,8 +199,17 @@ fn hint(error: &CheckpointError) -> Option<String> {
             "convert the checkpoint's experts to bf16 (f16 and f32 are read too); FP8 checkpoints need dequantising first"
                 .to_owned()
         }
-        CheckpointError::Activation { .. } => {
-            "set `activation = swiglu` in the spec, as the model computes".to_owned()
+        CheckpointError::Activation { family, .. } => format!(
+            "set `activation = {}` in the spec, as the model computes",
+            family.activation().name()
+        ),
+        CheckpointError::ExpertBias { family, .. } => format!(
+            "set `expert_bias = {}` in the spec, as the model computes",
+            family.expert_bias()
+        ),
+        CheckpointError::Quantized { .. } => {
+            "use GPT-OSS's dequantized (bf16) checkpoint, or dequantise the MXFP4 experts first"
+                .to_owned()
         }
         _ => return None,
     })

@@ -36,6 +36,7 @@ pub const LAYER: Schema = Schema {
         "experts",
         "top_k",
         "activation",
+        "expert_bias",
         "dtype",
         "weight_dtype",
         "max_tokens",
@@ -87,8 +88,9 @@ pub const SCHEDULE: Schema = Schema {
     aliases: &[],
 };
 
-const ACTIVATIONS: [(&str, ir::Activation); 5] = [
+const ACTIVATIONS: [(&str, ir::Activation); 6] = [
     ("swiglu", ir::Activation::Swiglu),
+    ("clamped_swiglu", ir::Activation::ClampedSwiglu),
     ("geglu", ir::Activation::Geglu),
     ("gelu", ir::Activation::Gelu),
     ("relu", ir::Activation::Relu),
@@ -145,7 +147,15 @@ pub fn check_layer(
     let top_k_setting = table.required("top_k", "top_k = 2", errors);
     let top_k = top_k_setting.and_then(|s| values::count(s, 1, false, errors));
     let activation = optional(table.setting("activation"), ir::Activation::Swiglu, |s| {
-        values::choice(s, &ACTIVATIONS, "swiglu, geglu, gelu, relu, silu", errors)
+        values::choice(
+            s,
+            &ACTIVATIONS,
+            "swiglu, clamped_swiglu, geglu, gelu, relu, silu",
+            errors,
+        )
+    });
+    let expert_bias = optional(table.setting("expert_bias"), false, |s| {
+        values::boolean(s, errors)
     });
     let dtype = optional(table.setting("dtype"), ir::DType::Bf16, |s| {
         read_dtype(s, "fp8 activations", errors)
@@ -273,6 +283,7 @@ pub fn check_layer(
         experts: experts?,
         top_k: top_k?,
         activation: activation?,
+        expert_bias: expert_bias?,
         dtype: dtype?,
         weight_dtype: weight_dtype?,
         max_tokens: max_tokens?,

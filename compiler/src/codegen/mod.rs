@@ -9,7 +9,7 @@
 use askama::Template;
 use thiserror::Error;
 
-use crate::ir::{Activation, RouterBias, Scoring};
+use crate::ir::{Activation, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, RouterBias, Scoring};
 use crate::plan::ep::{
     COMM_THREADS, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, FlagScope, META_THREADS, Placement,
 };
@@ -63,7 +63,7 @@ struct LayerUnit<'a> {
     combine: EntryUnit,
     error_expert_id: i32,
     activation: &'static str,
-    activation_fn: &'static str,
+    activation_fn: String,
     regimes: Vec<RegimeUnit>,
     router: Option<RouterUnit>,
     ep: Option<EpUnit>,
@@ -227,6 +227,8 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::Y => "[tokens, HIDDEN]",
         LaunchArg::GateWeight => "[EXPERTS, HIDDEN]: the router's gate",
         LaunchArg::GateBias => "[EXPERTS]: the gate's bias",
+        LaunchArg::W1Bias => "[EXPERTS, W1 rows]: each expert's GEMM1 bias",
+        LaunchArg::W2Bias => "[EXPERTS, HIDDEN]: each expert's GEMM2 bias",
         LaunchArg::Tokens => "tokens in this call",
         LaunchArg::Rank => "this rank",
         LaunchArg::Epoch => "this call's epoch",
@@ -351,6 +353,8 @@ struct GemmUnit {
     call_args: String,
     kind: &'static str,
     gated: bool,
+    /// Whether the epilogue adds the expert's bias (the launch takes `w1_bias`/`w2_bias`).
+    bias: bool,
     n: &'static str,
     kd: &'static str,
     entry: EntryUnit,
@@ -395,28 +399,28 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "x, {weights}, nullptr, expert_offsets, row_pair, intermediate, EpContext{}",
+                "x, {weights}, {bias}, nullptr, expert_offsets, row_pair, intermediate, EpContext{}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "intermediate, {weights}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}",
+                "intermediate, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
                 "ep_gemm1",
                 EP_GEMM_UP_USES,
                 "ExpertParallel",
-                "recv_x, {weights}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch)",
+                "recv_x, {weights}, {bias}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch)",
             ),
             GemmRole::ExpertParallelDown => (
                 "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",
                 "ep_gemm2",
                 EP_GEMM_DOWN_USES,
                 "ExpertParallel",
-                "intermediate, {weights}, nullptr, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank)",
+                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank)",
             ),
         };
         let (kind, n, kd) = if up {
@@ -431,6 +435,19 @@ impl GemmUnit {
             (true, true) => ("w1", "&w1_tiles"),
             (false, true) => ("w2", "&w2_tiles"),
         };
+        // The single-GPU GEMMs of a layer with expert biases take them; the expert-parallel
+        // plan refuses such a layer, so its GEMMs never do.
+        let bias_arg = match role {
+            GemmRole::Up | GemmRole::Down if plan.shape.expert_bias => Some(
+                if up {
+                    LaunchArg::W1Bias
+                } else {
+                    LaunchArg::W2Bias
+                }
+                .name(),
+            ),
+            _ => None,
+        };
         let uses: Vec<&str> = uses
             .iter()
             .map(|&name| {
@@ -440,8 +457,11 @@ impl GemmUnit {
                     name
                 }
             })
+            .chain(bias_arg)
             .collect();
-        let call_args = call_args.replace("{weights}", weights);
+        let call_args = call_args
+            .replace("{weights}", weights)
+            .replace("{bias}", bias_arg.unwrap_or("nullptr"));
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         Ok(GemmUnit {
             role: description,
@@ -455,6 +475,7 @@ impl GemmUnit {
             call_args,
             kind,
             gated: up && plan.shape.activation.is_gated(),
+            bias: bias_arg.is_some(),
             n,
             kd,
             entry,
@@ -477,8 +498,8 @@ impl GemmUnit {
 }
 
 /// The device function applying the layer's activation in GEMM1's epilogue.
-fn activation_fn(activation: Activation) -> &'static str {
-    match activation {
+fn activation_fn(activation: Activation) -> String {
+    let fixed = match activation {
         Activation::Swiglu => {
             "__device__ __forceinline__ float activate(float gate, float up) { return silu(gate) * up; }"
         }
@@ -495,7 +516,20 @@ fn activation_fn(activation: Activation) -> &'static str {
         Activation::Silu => {
             "__device__ __forceinline__ float activate(float h, float) { return silu(h); }"
         }
-    }
+        // As GPT-OSS's reference computes it, in f32: the gate clamped above only, the up
+        // projection both ways, and 1 added to the clamped up.
+        Activation::ClampedSwiglu => {
+            return format!(
+                "constexpr float SWIGLU_LIMIT = {CLAMPED_SWIGLU_LIMIT:?}f, SWIGLU_ALPHA = {CLAMPED_SWIGLU_ALPHA:?}f;
+__device__ __forceinline__ float activate(float gate, float up) {{
+    gate = fminf(gate, SWIGLU_LIMIT);
+    up = fminf(fmaxf(up, -SWIGLU_LIMIT), SWIGLU_LIMIT);
+    return gate / (1.0f + __expf(-SWIGLU_ALPHA * gate)) * (up + 1.0f);
+}}"
+            );
+        }
+    };
+    fixed.to_string()
 }
 
 /// A regime's section of the unit: its label, token range and two GEMMs in `roles`.

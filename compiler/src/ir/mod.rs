@@ -33,6 +33,10 @@ pub struct Layer {
     /// Experts each token is routed to, K.
     pub top_k: u32,
     pub activation: Activation,
+    /// Whether each expert adds a bias to both projections: `b1` [E, w1_rows] to GEMM1's
+    /// output before the activation, `b2` [E, H] to GEMM2's before the routing weight
+    /// (GPT-OSS's `gate_up_proj_bias` and `down_proj_bias`).
+    pub expert_bias: bool,
     /// Element type of activations (x, y) and of the intermediate.
     pub dtype: DType,
     /// Element type of the expert weights (bf16 now; fp8 later).
@@ -62,12 +66,23 @@ pub enum Activation {
     Relu,
     /// `silu(h)`; W1 is [F, H].
     Silu,
+    /// GPT-OSS's SwiGLU: `gate' · sigmoid(ALPHA · gate') · (up' + 1)` with
+    /// `gate' = min(gate, LIMIT)` and `up' = clamp(up, −LIMIT, LIMIT)`; W1 as for SwiGLU.
+    ClampedSwiglu,
 }
+
+/// The clamp of [`Activation::ClampedSwiglu`] (GPT-OSS's `swiglu_limit`).
+pub const CLAMPED_SWIGLU_LIMIT: f32 = 7.0;
+/// The sigmoid's slope in [`Activation::ClampedSwiglu`] (GPT-OSS's `alpha`).
+pub const CLAMPED_SWIGLU_ALPHA: f32 = 1.702;
 
 impl Activation {
     /// Gated activations read two rows of W1 (gate and up) per intermediate column.
     pub fn is_gated(self) -> bool {
-        matches!(self, Activation::Swiglu | Activation::Geglu)
+        matches!(
+            self,
+            Activation::Swiglu | Activation::Geglu | Activation::ClampedSwiglu
+        )
     }
 
     pub fn name(self) -> &'static str {
@@ -77,6 +92,7 @@ impl Activation {
             Activation::Gelu => "gelu",
             Activation::Relu => "relu",
             Activation::Silu => "silu",
+            Activation::ClampedSwiglu => "clamped_swiglu",
         }
     }
 }

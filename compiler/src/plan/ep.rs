@@ -231,6 +231,12 @@ pub fn plan_expert_parallel(
     if ranks <= 1 {
         return Ok(None);
     }
+    // Their GEMMs take no bias arguments: planning them would drop the biases silently.
+    if layer.expert_bias {
+        return Err(PlanError::ExpertParallelExpertBias {
+            layer: layer.name.clone(),
+        });
+    }
     let hints = &layer.schedule;
     let row_bytes = f64::from(layer.hidden) * 2.0;
     let (link_bytes_per_s, scope) = match placement {

@@ -105,6 +105,11 @@ pub enum LaunchArg {
     W2Tiles {
         box_rows: u32,
     },
+    /// f32 [E, w1_rows]: each expert's bias on GEMM1's output (gate columns, then up
+    /// columns, as W1's rows), added before the activation.
+    W1Bias,
+    /// f32 [E, H]: each expert's bias on GEMM2's output, added before the routing weight.
+    W2Bias,
     /// bf16 [T, H] output.
     Y,
     /// bf16 [E, H]: the router's gate weights.
@@ -150,6 +155,8 @@ impl LaunchArg {
             LaunchArg::W2 => "w2",
             LaunchArg::W1Tiles { .. } => "w1_tiles",
             LaunchArg::W2Tiles { .. } => "w2_tiles",
+            LaunchArg::W1Bias => "w1_bias",
+            LaunchArg::W2Bias => "w2_bias",
             LaunchArg::Y => "y",
             LaunchArg::GateWeight => "gate_weight",
             LaunchArg::GateBias => "gate_bias",
@@ -166,7 +173,10 @@ impl LaunchArg {
                 ParamType::Pointer(ElemType::Bf16)
             }
             LaunchArg::TopkIds => ParamType::Pointer(ElemType::I32),
-            LaunchArg::TopkWeights | LaunchArg::GateBias => ParamType::Pointer(ElemType::F32),
+            LaunchArg::TopkWeights
+            | LaunchArg::GateBias
+            | LaunchArg::W1Bias
+            | LaunchArg::W2Bias => ParamType::Pointer(ElemType::F32),
             LaunchArg::Tokens | LaunchArg::Rank => ParamType::I32,
             LaunchArg::Epoch => ParamType::U32,
             LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => ParamType::TensorMap,
@@ -224,16 +234,19 @@ pub fn weight_param(gemm: &GemmPlan, up: bool) -> KernelParam {
     })
 }
 
-/// The launches of one forward call of a regime.
+/// The launches of one forward call of a regime; with `expert_bias` the GEMMs take each
+/// expert's biases too.
 pub fn launch_table(
     kernels: ForwardKernels<'_>,
     experts: u32,
+    expert_bias: bool,
     g1: &GemmPlan,
     g2: &GemmPlan,
 ) -> Vec<Launch> {
     use BufferId::*;
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
+    let bias = |arg| expert_bias.then(|| read(arg));
     vec![
         Launch {
             kernel: kernels.route.to_string(),
@@ -257,13 +270,15 @@ pub fn launch_table(
             smem_bytes: g1.smem_bytes,
             static_smem_bytes: g1.smem.static_bytes,
             stream: StreamRole::Compute,
-            params: vec![
-                read(X),
-                weight_param(g1, true),
-                read(Workspace(ExpertOffsets)),
-                read(Workspace(RowPair)),
-                write(Workspace(Intermediate)),
-            ],
+            params: [read(X), weight_param(g1, true)]
+                .into_iter()
+                .chain(bias(W1Bias))
+                .chain([
+                    read(Workspace(ExpertOffsets)),
+                    read(Workspace(RowPair)),
+                    write(Workspace(Intermediate)),
+                ])
+                .collect(),
         },
         Launch {
             kernel: kernels.gemm2.to_string(),
@@ -272,14 +287,16 @@ pub fn launch_table(
             smem_bytes: g2.smem_bytes,
             static_smem_bytes: g2.smem.static_bytes,
             stream: StreamRole::Compute,
-            params: vec![
-                read(Workspace(Intermediate)),
-                weight_param(g2, false),
-                read(TopkWeights),
-                read(Workspace(ExpertOffsets)),
-                read(Workspace(RowPair)),
-                write(Workspace(CombineSlots)),
-            ],
+            params: [read(Workspace(Intermediate)), weight_param(g2, false)]
+                .into_iter()
+                .chain(bias(W2Bias))
+                .chain([
+                    read(TopkWeights),
+                    read(Workspace(ExpertOffsets)),
+                    read(Workspace(RowPair)),
+                    write(Workspace(CombineSlots)),
+                ])
+                .collect(),
         },
         Launch {
             kernel: kernels.combine.to_string(),

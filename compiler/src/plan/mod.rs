@@ -92,6 +92,10 @@ pub struct LayerShape {
     pub experts: u32,
     pub top_k: u32,
     pub activation: Activation,
+    /// Each expert adds `b1` [E, w1_rows] before the activation and `b2` [E, H] before the
+    /// routing weight (f32 on the device); the GEMMs then take them as launch arguments.
+    #[serde(default)]
+    pub expert_bias: bool,
     pub max_tokens: u32,
     /// Expert-parallel ranks of the spec.
     pub spec_ranks: u32,
@@ -107,6 +111,7 @@ impl LayerShape {
             experts: layer.experts,
             top_k: layer.top_k,
             activation: layer.activation,
+            expert_bias: layer.expert_bias,
             max_tokens: layer.max_tokens,
             spec_ranks: layer.parallel.expert,
             executed_ranks: 1,
@@ -594,6 +599,10 @@ pub enum PlanError {
         what: String,
         reason: String,
     },
+    #[error(
+        "layer `{layer}`: the expert-parallel kernels do not add expert biases (`expert_bias = true`); run the layer on one GPU, whose kernels do"
+    )]
+    ExpertParallelExpertBias { layer: String },
 }
 
 /// Which of the two grouped GEMMs a tile is for.
@@ -681,6 +690,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
                 combine: &combine_kernel,
             },
             shape.experts,
+            shape.expert_bias,
             &choice.gemm1,
             &choice.gemm2,
         );
@@ -708,16 +718,28 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     } else {
         ep::Placement::Devices
     };
-    let expert_parallel = ep::plan_expert_parallel(
+    let mut limitations = Vec::new();
+    let expert_parallel = match ep::plan_expert_parallel(
         layer,
         target,
         layer.parallel.expert,
         placement,
         &symbol,
         &shape,
-    )?;
-    let mut limitations = Vec::new();
-    if layer.parallel.expert > 1 {
+    ) {
+        Ok(expert_parallel) => expert_parallel,
+        // The single-GPU kernels still run such a layer: say why the plan has no
+        // expert-parallel part instead of refusing the layer.
+        Err(refusal @ PlanError::ExpertParallelExpertBias { .. }) => {
+            limitations.push(format!(
+                "the spec asks for {} expert-parallel ranks, but this plan has no expert-parallel kernels: {refusal}; the single-GPU kernels run all {} experts on one GPU",
+                layer.parallel.expert, layer.experts
+            ));
+            None
+        }
+        Err(error) => return Err(error),
+    };
+    if expert_parallel.is_some() {
         limitations.push(format!(
             "the spec asks for {} expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all {} experts on one GPU",
             layer.parallel.expert, layer.experts
@@ -734,7 +756,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             shared.count, shared.ffn
         ));
     }
-    if layer.router.is_some() && layer.parallel.expert > 1 {
+    if layer.router.is_some() && expert_parallel.is_some() {
         limitations.push(
             "the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path".to_string(),
         );

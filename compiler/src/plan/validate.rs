@@ -360,7 +360,16 @@ impl Plan {
                     | LaunchArg::W2
                     | LaunchArg::GateWeight
                     | LaunchArg::GateBias
+                    | LaunchArg::W1Bias
+                    | LaunchArg::W2Bias
             );
+            if matches!(param.arg, LaunchArg::W1Bias | LaunchArg::W2Bias) && !self.shape.expert_bias
+            {
+                return Err(format!(
+                    "`{kernel}` takes `{}`, but the layer has no expert biases",
+                    param.arg.name()
+                ));
+            }
             if inputs && param.access == Access::Write {
                 return Err(format!(
                     "`{kernel}` would write the caller's `{}`",

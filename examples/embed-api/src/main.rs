@@ -21,7 +21,7 @@ use moeforge::engine::{
     Weights,
 };
 use moeforge::runtime::checkpoint::write_experts;
-use moeforge::runtime::reference::{self, HostExpert};
+use moeforge::runtime::reference;
 use moeforge::runtime::weights;
 use moeforge::runtime::workload::{Routing, Workload};
 
@@ -110,15 +110,8 @@ fn forward_and_check(
     moe.take_error()?;
     let y = stream.clone_dtoh(&y)?;
 
-    let (w1, w2) = (
-        shape.w1_rows() as usize * shape.hidden as usize,
-        shape.hidden as usize * shape.ffn as usize,
-    );
     let want = reference::layer_output(shape, &workload, (0..TOKENS as usize).collect(), |e| {
-        HostExpert {
-            w1: &host.w1[e * w1..(e + 1) * w1],
-            w2: &host.w2[e * w2..(e + 1) * w2],
-        }
+        host.expert(shape, e)
     });
     let comparison = reference::compare(&y, &want);
     let passed = comparison.out_of_bound == 0;
