@@ -354,6 +354,7 @@ mod tests {
             max_tokens: 8,
             spec_ranks: 1,
             executed_ranks: 1,
+            expert_bias: false,
         }
     }
 
