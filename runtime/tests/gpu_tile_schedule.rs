@@ -401,6 +401,17 @@ fn tile_schedule_covers_every_row_once_per_column_tile() {
     );
 }
 
+/// What a probe of `capacity` records would hold after writing `tiles` and a count of
+/// `total`.
+fn probe_output(capacity: u32, tiles: &[[i32; 4]], total: i32) -> Vec<i32> {
+    let mut out = vec![UNWRITTEN; 1 + 4 * capacity as usize];
+    out[0] = total;
+    for (i, t) in tiles.iter().enumerate() {
+        out[1 + 4 * i..5 + 4 * i].copy_from_slice(t);
+    }
+    out
+}
+
 /// The host-side rules catch what a broken schedule would write (no GPU needed).
 #[test]
 fn the_host_check_rejects_broken_schedules() {
@@ -422,15 +433,7 @@ fn the_host_check_rejects_broken_schedules() {
         [2, 0, 20, 5],
         [2, 64, 20, 5],
     ];
-    let capacity = config.capacity(25) as usize;
-    let write = |tiles: &[[i32; 4]], total: i32| -> Vec<i32> {
-        let mut out = vec![UNWRITTEN; 1 + 4 * capacity];
-        out[0] = total;
-        for (i, t) in tiles.iter().enumerate() {
-            out[1 + 4 * i..5 + 4 * i].copy_from_slice(t);
-        }
-        out
-    };
+    let write = |tiles: &[[i32; 4]], total: i32| probe_output(config.capacity(25), tiles, total);
     assert_eq!(check_tiles(config, &counts, &write(&tiles, 6)), Ok(6));
 
     let mut overlapping = tiles;
@@ -474,15 +477,7 @@ fn the_host_check_rejects_broken_schedules() {
         [0, 0, 16, 9],
         [0, 64, 16, 9],
     ];
-    let capacity = phased.capacity(30) as usize;
-    let write = |tiles: &[[i32; 4]]| -> Vec<i32> {
-        let mut out = vec![UNWRITTEN; 1 + 4 * capacity];
-        out[0] = tiles.len() as i32;
-        for (i, t) in tiles.iter().enumerate() {
-            out[1 + 4 * i..5 + 4 * i].copy_from_slice(t);
-        }
-        out
-    };
+    let write = |tiles: &[[i32; 4]]| probe_output(phased.capacity(30), tiles, tiles.len() as i32);
     assert_eq!(check_tiles(phased, &runs, &write(&in_order)), Ok(6));
     let mut out_of_order = in_order;
     out_of_order.swap(2, 4);
