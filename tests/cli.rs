@@ -3,15 +3,9 @@
 //! the examples, and the exit statuses (0 valid, 1 invalid input, 2 usage).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn moeforge(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moeforge"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("the moeforge binary runs")
-}
+mod common;
+use common::moeforge;
 
 fn examples() -> Vec<PathBuf> {
     let directory = Path::new(env!("CARGO_MANIFEST_DIR")).join("dsl-examples");

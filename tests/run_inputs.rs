@@ -6,7 +6,10 @@
 //! (2 for a file that cannot be read, 1 for inputs that do not fit the layer).
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod common;
+use common::moeforge;
 
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -14,14 +17,6 @@ const TINY: &str = "dsl-examples/tiny.moe";
 /// The tiny layer's hidden size, top-k and experts.
 const HIDDEN: usize = 128;
 const TOP_K: usize = 2;
-
-fn moeforge(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moeforge"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("the moeforge binary runs")
-}
 
 fn text(output: &Output) -> (String, String) {
     (

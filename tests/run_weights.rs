@@ -7,7 +7,10 @@
 //! temp folder shown as `<TMP>`.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod common;
+use common::moeforge;
 
 use moeforge::compiler::compile_source;
 use moeforge::compiler::plan::{self, LayerShape, Target};
@@ -16,14 +19,6 @@ use moeforge::runtime::weights;
 use safetensors::tensor::{Dtype, TensorView};
 
 const TINY: &str = "dsl-examples/tiny.moe";
-
-fn moeforge(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moeforge"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("the moeforge binary runs")
-}
 
 /// The tiny layer's sizes, as the planner gives them.
 fn tiny_shape() -> LayerShape {
