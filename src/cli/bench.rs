@@ -62,6 +62,8 @@ struct BenchReport<'a> {
     gpu: String,
     commit: &'static str,
     routing: &'static str,
+    /// The seed of the random inputs (`--seed` replays them).
+    seed: u64,
     baseline_note: Option<String>,
     rows: &'a [BenchRow],
 }
@@ -179,6 +181,7 @@ pub fn run(args: &Args) -> ExitCode {
         gpu,
         commit: env!("MOEFORGE_COMMIT"),
         routing: routing_name(args.routing),
+        seed,
         baseline_note,
         rows: &rows,
     };
@@ -335,6 +338,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         "placement": placement,
         "commit": env!("MOEFORGE_COMMIT"),
         "routing": routing_name(args.routing),
+        "seed": seed,
         "nccl_pipeline_note": nccl_note,
         "rows": rows,
     });
