@@ -12,7 +12,6 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig,
@@ -23,7 +22,7 @@ use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 use crate::gpu::{DriverContext, GpuError};
 use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
-    ptr, read_error_word,
+    load_kernel, ptr, read_error_word,
 };
 use crate::tensor_map::TensorMap;
 
@@ -187,26 +186,12 @@ impl EpLayer {
                 maps: Vec::new(),
             };
             let mut regime_kernels = Vec::new();
+            let mut loaded = Vec::new();
             for regime in &ep.regimes {
                 let mut launches = Vec::new();
                 for launch in &regime.launches {
-                    let function = module.load_function(&launch.kernel).map_err(|_| {
-                        LayerError::MissingKernel {
-                            name: launch.kernel.clone(),
-                        }
-                    })?;
+                    let function = load_kernel(&module, &mut loaded, launch)?;
                     load_now(ctx, &function, &launch.kernel)?;
-                    if launch.smem_bytes > 0 {
-                        function
-                            .set_attribute(
-                                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                launch.smem_bytes as i32,
-                            )
-                            .context(format!(
-                                "raising the shared-memory limit of `{}`",
-                                launch.kernel
-                            ))?;
-                    }
                     let bindings = launch
                         .params
                         .iter()

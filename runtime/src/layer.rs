@@ -678,7 +678,7 @@ struct CallValues {
 
 /// The function of `launch`, loaded from `module` on first use (its shared-memory limit
 /// raised), else the one `loaded` holds.
-fn load_kernel(
+pub(crate) fn load_kernel(
     module: &Arc<CudaModule>,
     loaded: &mut Vec<(String, CudaFunction)>,
     launch: &Launch,
