@@ -432,20 +432,33 @@ impl EpLayer {
             .collect()
     }
 
-    /// Waits for every rank, reads and reports the first kernel error of any rank. After a
+    /// Waits for every rank, reads and reports the first kernel error of any rank (a
+    /// time-out lists every other rank's timed-out wait beside it). After a
     /// time-out the ranks' flags disagree: this also zeroes every rank's exchange state
     /// (`plan::ep::EXCHANGE_STATE`) and restarts the epochs, so the next call starts clean.
     pub fn take_error(&mut self) -> Result<(), LayerError> {
         let words = self.error_words()?;
-        let first_error = words
+        let mut errors: Vec<LayerError> = words
             .into_iter()
-            .map(|word| kernel_error(word, self.plan.shape.experts))
-            .find(Result::is_err)
-            .unwrap_or(Ok(()));
-        if matches!(first_error, Err(LayerError::FlagTimeout { .. })) {
-            self.restart_exchange()?;
+            .filter_map(|word| kernel_error(word, self.plan.shape.experts).err())
+            .collect();
+        if errors.is_empty() {
+            return Ok(());
         }
-        first_error
+        let mut first = errors.remove(0);
+        let later_waits = errors.into_iter().filter_map(|e| match e {
+            LayerError::FlagTimeout { wait, .. } => Some(wait),
+            _ => None,
+        });
+        match &mut first {
+            LayerError::FlagTimeout { others, .. } => {
+                others.0.extend(later_waits);
+                self.restart_exchange()?;
+            }
+            _ if later_waits.count() > 0 => self.restart_exchange()?,
+            _ => {}
+        }
+        Err(first)
     }
 
     /// Zeroes every rank's exchange state and restarts the epochs at 1. Every rank's

@@ -4,7 +4,7 @@
 //! GPU tests.
 
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use cudarc::driver::{
@@ -42,12 +42,20 @@ pub enum HarnessError {
 }
 
 /// A GPU, the JIT, and the runtime's own fill kernels.
+///
+/// The sessions of one process take turns (each holds [`SESSION_TURN`] while it lives):
+/// expert-parallel kernels spin on flags and need every rank's blocks resident at once,
+/// which another session's kernels on the same GPUs would break; tests run in threads.
 pub struct Session {
     pub gpu: Gpu,
     pub jit: Jit,
     fill_uniform: CudaFunction,
     fill_bits: CudaFunction,
+    _turn: MutexGuard<'static, ()>,
 }
+
+/// Held by the one live [`Session`] of the process.
+static SESSION_TURN: Mutex<()> = Mutex::new(());
 
 /// A layer ready to run, with how its kernels were obtained.
 pub struct BuiltLayer {
@@ -225,6 +233,10 @@ const BIAS_SEED_SALT: u64 = 0x5eed_b1a5_0000_0001;
 
 impl Session {
     pub fn open() -> Result<Self, HarnessError> {
+        // A session that panicked (a failed test) leaves nothing behind that matters here.
+        let turn = SESSION_TURN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let gpu = Gpu::open(0)?;
         let jit = Jit::from_env()?;
         let arch = gpu.arch()?;
@@ -242,6 +254,7 @@ impl Session {
             jit,
             fill_uniform,
             fill_bits,
+            _turn: turn,
         })
     }
 

@@ -38,13 +38,13 @@ pub enum LayerError {
     #[error("the plan has {ranks} ranks but {given} were given")]
     RankCount { ranks: u32, given: usize },
     #[error(
-        "rank {rank} waited too long for the {kind} {index} (epoch {epoch}): a peer stopped or never sent; the layer restarted its exchange, so the next call starts clean"
+        "{wait}{others}: a peer stopped or never sent; the layer restarted its exchange, so the next call starts clean"
     )]
     FlagTimeout {
-        rank: i32,
-        kind: &'static str,
-        index: i32,
-        epoch: u32,
+        wait: FlagWait,
+        /// The other ranks' waits that timed out in the same call: the one that stopped
+        /// first is often not the first rank.
+        others: OtherWaits,
     },
     #[error(
         "the plan gives a single-GPU launch the multi-rank argument `{arg}`; run it with the expert-parallel layer"
@@ -731,15 +731,51 @@ pub(crate) fn kernel_error(word: [i32; 4], experts: u32) -> Result<(), LayerErro
             experts,
         }),
         error_code::FLAG_TIMEOUT => Err(LayerError::FlagTimeout {
-            rank: a,
-            kind: flag_kind_name(b >> 24),
-            index: b & 0xff_ffff,
-            epoch: c as u32,
+            wait: FlagWait {
+                rank: a,
+                kind: flag_kind_name(b >> 24),
+                index: b & 0xff_ffff,
+                target: c as u32,
+            },
+            others: OtherWaits::default(),
         }),
         code => Err(LayerError::UnknownKernelError {
             code,
             details: [a, b, c],
         }),
+    }
+}
+
+/// One bounded wait that ran out: which rank waited for which flag to reach what (an
+/// epoch for flags and credits, a count for combine counters).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlagWait {
+    pub rank: i32,
+    pub kind: &'static str,
+    pub index: i32,
+    pub target: u32,
+}
+
+impl std::fmt::Display for FlagWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rank {} waited too long for the {} {} to reach {}",
+            self.rank, self.kind, self.index, self.target
+        )
+    }
+}
+
+/// The further waits of one call that timed out, listed after the first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OtherWaits(pub Vec<FlagWait>);
+
+impl std::fmt::Display for OtherWaits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for wait in &self.0 {
+            write!(f, "; {wait}")?;
+        }
+        Ok(())
     }
 }
 

@@ -162,10 +162,10 @@ fn a_thousand_calls_need_no_reset() {
         .map(|r| Workload::random(&shape, 33 + r, Routing::Uniform, seed + u64::from(r)))
         .collect();
     let started = std::time::Instant::now();
-    for _ in 0..999 {
-        session
-            .run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed)
-            .expect("call");
+    for call in 1..1000 {
+        if let Err(e) = session.run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed) {
+            panic!("call {call} of 1000 (seed {seed}): {e}");
+        }
     }
     let reports = session
         .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
