@@ -103,6 +103,9 @@ pub struct Shape {
     pub experts: u32,
     pub top_k: u32,
     pub max_tokens: u32,
+    /// The shared experts as always-hit experts of FFN `ffn`: the weights hold
+    /// `experts + shared_slices` experts, these last.
+    pub shared_slices: u32,
     /// Rows of W1 per expert: 2 × ffn for gated activations, ffn otherwise.
     pub w1_rows: u32,
 }

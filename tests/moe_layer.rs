@@ -66,6 +66,7 @@ fn the_tiny_layer_carries_the_planners_constants_plan_and_source() {
             experts: shape.experts,
             top_k: shape.top_k,
             max_tokens: shape.max_tokens,
+            shared_slices: shape.shared_slices,
             w1_rows: shape.w1_rows(),
         }
     );

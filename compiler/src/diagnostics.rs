@@ -227,6 +227,27 @@ pub enum Error {
         top_k: u32,
         experts: u32,
     },
+    #[error(
+        "the shared experts' FFN, count × ffn = {count} × {ffn}, is not a multiple of the routed experts' ffn = {routed_ffn}"
+    )]
+    SharedExpertsNotSlices {
+        span: Span,
+        count: u32,
+        ffn: u32,
+        routed_ffn: u32,
+        routed_span: Span,
+    },
+    #[error(
+        "the shared experts' FFN, count × ffn = {count} × {ffn}, is {slices} times the routed experts' ffn = {routed_ffn}, above the {max} the kernels run"
+    )]
+    TooManySharedSlices {
+        span: Span,
+        count: u32,
+        ffn: u32,
+        routed_ffn: u32,
+        slices: u64,
+        max: u32,
+    },
     #[error("router groups = {groups} does not divide experts = {experts}")]
     GroupsDoNotDivideExperts {
         span: Span,
@@ -341,6 +362,8 @@ impl Error {
             | Misaligned { span, .. }
             | ExpertsNotDivisible { span, .. }
             | TopKOutOfRange { span, .. }
+            | SharedExpertsNotSlices { span, .. }
+            | TooManySharedSlices { span, .. }
             | GroupsDoNotDivideExperts { span, .. }
             | GroupsKeptOutOfRange { span, .. }
             | TopKExceedsKeptGroups { span, .. }
@@ -382,6 +405,14 @@ impl Error {
             Error::TooManyPairs {
                 top_k_span, top_k, ..
             } => vec![(*top_k_span, format!("{top_k} pairs per token"))],
+            Error::SharedExpertsNotSlices {
+                routed_span,
+                routed_ffn,
+                ..
+            } => vec![(
+                *routed_span,
+                format!("each routed expert's FFN: {routed_ffn}"),
+            )],
             Error::NormalizeWithTopkSoftmax { scoring_span, .. } => vec![(
                 *scoring_span,
                 "the weights are a softmax over the chosen experts".to_string(),
@@ -506,6 +537,17 @@ impl Error {
                  (or pad the experts to a multiple of {degree})"
             ),
             TopKOutOfRange { .. } => "a token goes to at least one and at most all experts".into(),
+            SharedExpertsNotSlices { routed_ffn, .. } => format!(
+                "moeforge runs the shared experts in the routed experts' grouped GEMMs, as \
+                 always-hit experts of ffn = {routed_ffn} each (an MLP of FFN n·F is the sum of n \
+                 MLPs of FFN F); make count × ffn a multiple of {routed_ffn}, as DeepSeek-V3 \
+                 (1 × 2048 beside 2048) and Qwen2-MoE (1 × 5632 beside 1408) are"
+            ),
+            TooManySharedSlices { max, routed_ffn, .. } => format!(
+                "each routed-FFN-sized slice of the shared experts is one more always-hit expert \
+                 in every call; at most {max} slices (count × ffn up to {})",
+                u64::from(*max) * u64::from(*routed_ffn)
+            ),
             GroupsDoNotDivideExperts { experts, .. } => format!(
                 "every group holds the same number of experts; choose a divisor of {experts}"
             ),
@@ -981,12 +1023,27 @@ mod tests {
                 hint: text("lower `stages`"),
                 hint_span: None,
             },
+            Error::SharedExpertsNotSlices {
+                span,
+                count: 1,
+                ffn: 1000,
+                routed_ffn: 768,
+                routed_span: span,
+            },
+            Error::TooManySharedSlices {
+                span,
+                count: 64,
+                ffn: 4096,
+                routed_ffn: 256,
+                slices: 1024,
+                max: 64,
+            },
             Error::TooManyErrors { span },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 44;
+    const VARIANTS: usize = 46;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1037,7 +1094,9 @@ mod tests {
             UnknownTopology { .. } => 40,
             InfeasibleHint { .. } => 41,
             PlanRefused { .. } => 42,
-            TooManyErrors { .. } => 43,
+            SharedExpertsNotSlices { .. } => 43,
+            TooManySharedSlices { .. } => 44,
+            TooManyErrors { .. } => 45,
         }
     }
 

@@ -1,15 +1,18 @@
 // ---------------------------------------------------------------------------------------
-// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
-// One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
+// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
+// the routed pairs, then (on one GPU) the shared slices. One block per token; each thread
+// sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's routed slots into its output row, by the whole block.
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* routed, bf16_t* y) {
+// The sum of one token's SLOTS slots that are `present` into its output row, by the whole
+// block.
+template <int SLOTS>
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            if (!routed[k]) continue;  // the routing kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+        for (int k = 0; k < SLOTS; ++k) {
+            if (!present[k]) continue;  // the routing kernel reported this pair
+            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * SLOTS + k) * HIDDEN + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -31,8 +34,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}
 )
 {
     const int token = blockIdx.x;
-    bool routed[TOP_K];
+    bool present[SLOTS_PER_TOKEN];
 #pragma unroll
-    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-    combine_token(combine_slots, token, routed, y);
+    for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+        present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+    }
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }

@@ -304,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         bool complete = false;
         if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        combine_token(combine_slots, token, routed, y);
+        combine_token<TOP_K>(combine_slots, token, routed, y);
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }

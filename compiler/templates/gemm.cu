@@ -8,6 +8,7 @@
 // stored.
 //   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ + b1[e])       (gather + activation)
 //   GEMM_DOWN: slot[pair(row)]   = weight(pair) · (intermediate[row] · W2[e]ᵀ + b2[e])
+// (on one GPU the shared slices are experts too, their rows every token, their weight 1).
 // (the expert biases b1, b2 only where the config's BIAS says the layer has them).
 //
 // Every size comes from a per-GEMM config struct `G` written from the plan (see the regimes
@@ -18,7 +19,7 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
     static constexpr bool EP = false;
-    static constexpr int EXPERTS_HERE = EXPERTS, PHASES = 1, RANKS = 1;
+    static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
     static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
 };
@@ -141,7 +142,7 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
                     wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
                 }
             } else {
-                source = row_pair[t.row0 + r] / TOP_K;
+                source = row_pair[t.row0 + r] / SLOTS_PER_TOKEN;
             }
         }
         s_row_source[r] = source;
@@ -219,6 +220,17 @@ struct EpilogueRow {
 };
 
 
+// The routing weight of combine slot `slot` on one GPU: the caller's for a routed pair, 1
+// for a shared slice.
+__device__ __forceinline__ float slot_weight(int slot, const float* __restrict__ topk_weights) {
+    if constexpr (SHARED_SLICES == 0) {
+        return topk_weights[slot];
+    } else {
+        const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
+        return k < TOP_K ? topk_weights[token * TOP_K + k] : 1.f;
+    }
+}
+
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
                                                     const float* __restrict__ topk_weights,
@@ -234,8 +246,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
-        const int pair = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair], bias};
+        const int slot = row_pair[t.row0 + r];
+        return EpilogueRow{out + (size_t)slot * G::N, slot_weight(slot, topk_weights), bias};
     }
 }
 

@@ -18,6 +18,11 @@ constexpr int HIDDEN = {{ hidden }};      // H
 constexpr int FFN = {{ ffn }};            // F, per expert
 constexpr int EXPERTS = {{ experts }};    // E
 constexpr int TOP_K = {{ top_k }};        // K
+// The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
+// and every token has one combine slot per slice after its K routed ones (weight 1).
+constexpr int SHARED_SLICES = {{ shared_slices }};
+constexpr int GEMM_EXPERTS = EXPERTS + SHARED_SLICES;
+constexpr int SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES;
 constexpr int SMEM_ROW_BYTES = {{ smem_row_bytes }};  // one swizzled shared-memory row of a GEMM stage
 constexpr int STATIC_SMEM_GRANULE = {{ static_smem_granule }};  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }

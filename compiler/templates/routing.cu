@@ -1,8 +1,10 @@
 // ---------------------------------------------------------------------------------------
 // Routing: count (token, k) pairs per expert, derive each expert's first row, and write
-// the expert-major row order. One block; no host synchronisation. Row order inside an
-// expert depends on atomic order, which changes no result: every row is computed the same
-// way wherever it sits, and the combine reads rows by (token, k) slot.
+// the expert-major row order as each row's combine slot (token · SLOTS_PER_TOKEN + k).
+// The shared slices follow the routed experts, every token once each, in token order.
+// One block; no host synchronisation. Row order inside an expert depends on atomic order,
+// which changes no result: every row is computed the same way wherever it sits, and the
+// combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
     if (atomicCAS(error_word, 0, code) == 0) {
@@ -16,8 +18,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
     {{ route.params }}
 )
 {
-    __shared__ int s_count[EXPERTS];
-    __shared__ int s_offset[EXPERTS + 1];
+    __shared__ int s_count[GEMM_EXPERTS];
+    __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
                   "plan: routing's static shared memory");
     const int pairs = tokens * TOP_K;
@@ -25,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
     // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS. This kernel runs
     // first in every call, so it clears the error word of the previous one.
     if (threadIdx.x < 4) error_word[threadIdx.x] = 0;
-    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += ROUTE_THREADS) s_count[e] = e < EXPERTS ? 0 : tokens;
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
         const int expert = topk_ids[p];
@@ -38,9 +40,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
     __syncthreads();
 
     // Phase 2: first row of each expert.
-    if (threadIdx.x < 32) warp_exclusive_scan(EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
     __syncthreads();
-    for (int e = threadIdx.x; e <= EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
+    for (int e = threadIdx.x; e <= GEMM_EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
     for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
     __syncthreads();
 
@@ -48,7 +50,11 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
     for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
         const int expert = topk_ids[p];
         if ((unsigned)expert < (unsigned)EXPERTS) {
-            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p;
+            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
         }
+    }
+    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += ROUTE_THREADS) {
+        const int slice = i / tokens, token = i % tokens;
+        row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
 }

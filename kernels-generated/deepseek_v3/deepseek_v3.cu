@@ -5,7 +5,7 @@
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
 // A call that routes itself first runs: router gate -> router select (topk_ids, topk_weights).
 // Note: the spec asks for 8 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
-// Note: 1 shared expert(s) of FFN size 2048 are not executed by these kernels; add their output outside the layer
+// Note: the single-GPU kernels run the 1 shared expert(s) of FFN 2048 (as 1 always-hit experts); the expert-parallel kernels do not yet: add their output outside that path
 // Note: the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path
 
 // ---------------------------------------------------------------------------------------
@@ -94,6 +94,11 @@ constexpr int HIDDEN = 7168;      // H
 constexpr int FFN = 2048;            // F, per expert
 constexpr int EXPERTS = 256;    // E
 constexpr int TOP_K = 8;        // K
+// The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
+// and every token has one combine slot per slice after its K routed ones (weight 1).
+constexpr int SHARED_SLICES = 1;
+constexpr int GEMM_EXPERTS = EXPERTS + SHARED_SLICES;
+constexpr int SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES;
 constexpr int SMEM_ROW_BYTES = 128;  // one swizzled shared-memory row of a GEMM stage
 constexpr int STATIC_SMEM_GRANULE = 128;  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
@@ -107,9 +112,11 @@ __device__ __forceinline__ float activate(float gate, float up) { return silu(ga
 
 // ---------------------------------------------------------------------------------------
 // Routing: count (token, k) pairs per expert, derive each expert's first row, and write
-// the expert-major row order. One block; no host synchronisation. Row order inside an
-// expert depends on atomic order, which changes no result: every row is computed the same
-// way wherever it sits, and the combine reads rows by (token, k) slot.
+// the expert-major row order as each row's combine slot (token · SLOTS_PER_TOKEN + k).
+// The shared slices follow the routed experts, every token once each, in token order.
+// One block; no host synchronisation. Row order inside an expert depends on atomic order,
+// which changes no result: every row is computed the same way wherever it sits, and the
+// combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
     if (atomicCAS(error_word, 0, code) == 0) {
@@ -127,8 +134,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_route(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    __shared__ int s_count[EXPERTS];
-    __shared__ int s_offset[EXPERTS + 1];
+    __shared__ int s_count[GEMM_EXPERTS];
+    __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
                   "plan: routing's static shared memory");
     const int pairs = tokens * TOP_K;
@@ -136,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_route(
     // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS. This kernel runs
     // first in every call, so it clears the error word of the previous one.
     if (threadIdx.x < 4) error_word[threadIdx.x] = 0;
-    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += ROUTE_THREADS) s_count[e] = e < EXPERTS ? 0 : tokens;
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
         const int expert = topk_ids[p];
@@ -149,9 +156,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_route(
     __syncthreads();
 
     // Phase 2: first row of each expert.
-    if (threadIdx.x < 32) warp_exclusive_scan(EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
     __syncthreads();
-    for (int e = threadIdx.x; e <= EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
+    for (int e = threadIdx.x; e <= GEMM_EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
     for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
     __syncthreads();
 
@@ -159,8 +166,12 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_route(
     for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
         const int expert = topk_ids[p];
         if ((unsigned)expert < (unsigned)EXPERTS) {
-            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p;
+            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
         }
+    }
+    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += ROUTE_THREADS) {
+        const int slice = i / tokens, token = i % tokens;
+        row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -219,6 +230,7 @@ __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_w
 // stored.
 //   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ + b1[e])       (gather + activation)
 //   GEMM_DOWN: slot[pair(row)]   = weight(pair) · (intermediate[row] · W2[e]ᵀ + b2[e])
+// (on one GPU the shared slices are experts too, their rows every token, their weight 1).
 // (the expert biases b1, b2 only where the config's BIAS says the layer has them).
 //
 // Every size comes from a per-GEMM config struct `G` written from the plan (see the regimes
@@ -229,7 +241,7 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
     static constexpr bool EP = false;
-    static constexpr int EXPERTS_HERE = EXPERTS, PHASES = 1, RANKS = 1;
+    static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
     static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
 };
@@ -352,7 +364,7 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
                     wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
                 }
             } else {
-                source = row_pair[t.row0 + r] / TOP_K;
+                source = row_pair[t.row0 + r] / SLOTS_PER_TOKEN;
             }
         }
         s_row_source[r] = source;
@@ -430,6 +442,17 @@ struct EpilogueRow {
 };
 
 
+// The routing weight of combine slot `slot` on one GPU: the caller's for a routed pair, 1
+// for a shared slice.
+__device__ __forceinline__ float slot_weight(int slot, const float* __restrict__ topk_weights) {
+    if constexpr (SHARED_SLICES == 0) {
+        return topk_weights[slot];
+    } else {
+        const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
+        return k < TOP_K ? topk_weights[token * TOP_K + k] : 1.f;
+    }
+}
+
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
                                                     const float* __restrict__ topk_weights,
@@ -445,8 +468,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
-        const int pair = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair], bias};
+        const int slot = row_pair[t.row0 + r];
+        return EpilogueRow{out + (size_t)slot * G::N, slot_weight(slot, topk_weights), bias};
     }
 }
 
@@ -1000,11 +1023,11 @@ extern "C" __global__ void __launch_bounds__(ROUTER_SELECT_THREADS) deepseek_v3_
     router_select(router_logits, gate_bias, tokens, routed_ids, routed_weights);
 }
 
-// Router gate of regime `decode` (0..=512 tokens): tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps, 8 expert tiles per token tile
+// Router gate of regime `decode` (0..=256 tokens): tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps, 16 expert tiles per token tile
 struct decode_router_gate {
-    static constexpr int BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 8;
+    static constexpr int BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 16;
     static constexpr int WARPS_M = 1, WARPS_N = 1, THREADS = 32;
-    static constexpr int STAGE_BYTES = 6144, SMEM_BYTES = 18432;  // dynamic: STAGES x (BM x rows, BN W_gate rows)
+    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 12288;  // dynamic: STAGES x (BM x rows, BN W_gate rows)
 };
 extern "C" __global__ void __launch_bounds__(32) deepseek_v3_decode_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -1016,7 +1039,7 @@ extern "C" __global__ void __launch_bounds__(32) deepseek_v3_decode_router_gate(
     router_gate<decode_router_gate>(x, gate_weight, tokens, router_logits);
 }
 
-// Router gate of regime `mid` (513..=2048 tokens): tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps, 8 expert tiles per token tile
+// Router gate of regime `mid` (257..=2048 tokens): tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps, 8 expert tiles per token tile
 struct mid_router_gate {
     static constexpr int BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 8;
     static constexpr int WARPS_M = 2, WARPS_N = 1, THREADS = 64;
@@ -1311,17 +1334,20 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     }
 }
 // ---------------------------------------------------------------------------------------
-// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
-// One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
+// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
+// the routed pairs, then (on one GPU) the shared slices. One block per token; each thread
+// sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's routed slots into its output row, by the whole block.
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* routed, bf16_t* y) {
+// The sum of one token's SLOTS slots that are `present` into its output row, by the whole
+// block.
+template <int SLOTS>
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            if (!routed[k]) continue;  // the routing kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+        for (int k = 0; k < SLOTS; ++k) {
+            if (!present[k]) continue;  // the routing kernel reported this pair
+            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * SLOTS + k) * HIDDEN + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -1345,10 +1371,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_combin
 )
 {
     const int token = blockIdx.x;
-    bool routed[TOP_K];
+    bool present[SLOTS_PER_TOKEN];
 #pragma unroll
-    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-    combine_token(combine_slots, token, routed, y);
+    for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+        present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+    }
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 8 ranks (one GPU per rank), 32 experts each.
@@ -1700,30 +1728,30 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep_com
         bool complete = false;
         if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        combine_token(combine_slots, token, routed, y);
+        combine_token<TOP_K>(combine_slots, token, routed, y);
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
 // ---------------------------------------------------------------------------------------
-// Regime `decode`: 0..=512 tokens per call
+// Regime `decode`: 0..=256 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 4 stages, 1x4 warps, 396 persistent blocks (3 per SM)
 struct decode_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
-    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 1152;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 73728, BARRIER_OFFSET = 73792;
+    static constexpr int DYNAMIC_SMEM_BYTES = 73792, STATIC_SMEM_BYTES = 1152;
 };
-extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_decode_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1733,22 +1761,22 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_decode_gemm1(
 {
     grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
-// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 924 persistent blocks (7 per SM)
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 528 persistent blocks (4 per SM)
 struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 30720, BARRIER_OFFSET = 30784;
-    static constexpr int DYNAMIC_SMEM_BYTES = 30784, STATIC_SMEM_BYTES = 1152;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
+    static constexpr int DYNAMIC_SMEM_BYTES = 51264, STATIC_SMEM_BYTES = 1152;
 };
-extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_decode_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -1760,7 +1788,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_decode_gemm2(
     grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 // ---------------------------------------------------------------------------------------
-// Regime `mid`: 513..=2048 tokens per call
+// Regime `mid`: 257..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (gather, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm1 : SingleGpu {

@@ -92,6 +92,11 @@ constexpr int HIDDEN = 2880;      // H
 constexpr int FFN = 2880;            // F, per expert
 constexpr int EXPERTS = 128;    // E
 constexpr int TOP_K = 4;        // K
+// The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
+// and every token has one combine slot per slice after its K routed ones (weight 1).
+constexpr int SHARED_SLICES = 0;
+constexpr int GEMM_EXPERTS = EXPERTS + SHARED_SLICES;
+constexpr int SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES;
 constexpr int SMEM_ROW_BYTES = 128;  // one swizzled shared-memory row of a GEMM stage
 constexpr int STATIC_SMEM_GRANULE = 128;  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
@@ -110,9 +115,11 @@ __device__ __forceinline__ float activate(float gate, float up) {
 
 // ---------------------------------------------------------------------------------------
 // Routing: count (token, k) pairs per expert, derive each expert's first row, and write
-// the expert-major row order. One block; no host synchronisation. Row order inside an
-// expert depends on atomic order, which changes no result: every row is computed the same
-// way wherever it sits, and the combine reads rows by (token, k) slot.
+// the expert-major row order as each row's combine slot (token · SLOTS_PER_TOKEN + k).
+// The shared slices follow the routed experts, every token once each, in token order.
+// One block; no host synchronisation. Row order inside an expert depends on atomic order,
+// which changes no result: every row is computed the same way wherever it sits, and the
+// combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
     if (atomicCAS(error_word, 0, code) == 0) {
@@ -130,8 +137,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    __shared__ int s_count[EXPERTS];
-    __shared__ int s_offset[EXPERTS + 1];
+    __shared__ int s_count[GEMM_EXPERTS];
+    __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
                   "plan: routing's static shared memory");
     const int pairs = tokens * TOP_K;
@@ -139,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS. This kernel runs
     // first in every call, so it clears the error word of the previous one.
     if (threadIdx.x < 4) error_word[threadIdx.x] = 0;
-    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += ROUTE_THREADS) s_count[e] = e < EXPERTS ? 0 : tokens;
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
         const int expert = topk_ids[p];
@@ -152,9 +159,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     __syncthreads();
 
     // Phase 2: first row of each expert.
-    if (threadIdx.x < 32) warp_exclusive_scan(EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
     __syncthreads();
-    for (int e = threadIdx.x; e <= EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
+    for (int e = threadIdx.x; e <= GEMM_EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
     for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
     __syncthreads();
 
@@ -162,8 +169,12 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
         const int expert = topk_ids[p];
         if ((unsigned)expert < (unsigned)EXPERTS) {
-            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p;
+            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
         }
+    }
+    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += ROUTE_THREADS) {
+        const int slice = i / tokens, token = i % tokens;
+        row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -222,6 +233,7 @@ __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_w
 // stored.
 //   GEMM_UP:   intermediate[row] = act(x[token(row)] · W1[e]ᵀ + b1[e])       (gather + activation)
 //   GEMM_DOWN: slot[pair(row)]   = weight(pair) · (intermediate[row] · W2[e]ᵀ + b2[e])
+// (on one GPU the shared slices are experts too, their rows every token, their weight 1).
 // (the expert biases b1, b2 only where the config's BIAS says the layer has them).
 //
 // Every size comes from a per-GEMM config struct `G` written from the plan (see the regimes
@@ -232,7 +244,7 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
     static constexpr bool EP = false;
-    static constexpr int EXPERTS_HERE = EXPERTS, PHASES = 1, RANKS = 1;
+    static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
     static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
 };
@@ -355,7 +367,7 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
                     wait_flag(ep.chunk_flags + chunk, ep.epoch, ep.error_word, ep.rank, FLAG_KIND_CHUNK, chunk);
                 }
             } else {
-                source = row_pair[t.row0 + r] / TOP_K;
+                source = row_pair[t.row0 + r] / SLOTS_PER_TOKEN;
             }
         }
         s_row_source[r] = source;
@@ -433,6 +445,17 @@ struct EpilogueRow {
 };
 
 
+// The routing weight of combine slot `slot` on one GPU: the caller's for a routed pair, 1
+// for a shared slice.
+__device__ __forceinline__ float slot_weight(int slot, const float* __restrict__ topk_weights) {
+    if constexpr (SHARED_SLICES == 0) {
+        return topk_weights[slot];
+    } else {
+        const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
+        return k < TOP_K ? topk_weights[token * TOP_K + k] : 1.f;
+    }
+}
+
 template <class G>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
                                                     const float* __restrict__ topk_weights,
@@ -448,8 +471,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
-        const int pair = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)pair * G::N, topk_weights[pair], bias};
+        const int slot = row_pair[t.row0 + r];
+        return EpilogueRow{out + (size_t)slot * G::N, slot_weight(slot, topk_weights), bias};
     }
 }
 
@@ -1314,17 +1337,20 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     }
 }
 // ---------------------------------------------------------------------------------------
-// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics).
-// One block per token; each thread sums 8 columns (one 16-byte vector) at a time.
+// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
+// the routed pairs, then (on one GPU) the shared slices. One block per token; each thread
+// sums 8 columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's routed slots into its output row, by the whole block.
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* routed, bf16_t* y) {
+// The sum of one token's SLOTS slots that are `present` into its output row, by the whole
+// block.
+template <int SLOTS>
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            if (!routed[k]) continue;  // the routing kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * TOP_K + k) * HIDDEN + column);
+        for (int k = 0; k < SLOTS; ++k) {
+            if (!present[k]) continue;  // the routing kernel reported this pair
+            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * SLOTS + k) * HIDDEN + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -1348,10 +1374,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) gpt_oss_120b_combi
 )
 {
     const int token = blockIdx.x;
-    bool routed[TOP_K];
+    bool present[SLOTS_PER_TOKEN];
 #pragma unroll
-    for (int k = 0; k < TOP_K; ++k) routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-    combine_token(combine_slots, token, routed, y);
+    for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+        present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+    }
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=512 tokens per call

@@ -438,6 +438,7 @@ fn expand(attr: TokenStream2, item: TokenStream2) -> Result<TokenStream2, Errors
         shape.max_tokens,
         shape.w1_rows(),
     );
+    let shared_slices = shape.shared_slices;
     let (h, k) = (hidden as usize, top_k as usize);
     let layer_name = &plan.layer;
     let target_name = &plan.target.name;
@@ -497,6 +498,7 @@ fn expand(attr: TokenStream2, item: TokenStream2) -> Result<TokenStream2, Errors
                         experts: #experts,
                         top_k: #top_k,
                         max_tokens: #max_tokens,
+                        shared_slices: #shared_slices,
                         w1_rows: #w1_rows,
                     },
                     plan_json: #plan_json,

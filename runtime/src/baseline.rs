@@ -54,12 +54,15 @@ pub struct CublasBaseline {
     slots: CudaSlice<u16>,
     hidden: u32,
     ffn: u32,
-    experts: u32,
+    /// Experts of the grouped GEMMs: the routed ones, then the shared slices.
+    gemm_experts: u32,
     top_k: u32,
+    /// Combine slots per token: its routed pairs, then its shared slices.
+    slots_per_token: u32,
 }
 
 /// Calls `gemm(expert, first row, rows)` for every expert with rows, from the expert
-/// offsets `[E + 1]`.
+/// offsets `[E' + 1]` (routed experts, then shared slices).
 fn for_each_expert(
     offsets: &[i32],
     mut gemm: impl FnMut(u64, u64, u32) -> Result<(), BaselineError>,
@@ -125,8 +128,9 @@ impl CublasBaseline {
             blas,
             hidden: shape.hidden,
             ffn: shape.ffn,
-            experts: shape.experts,
+            gemm_experts: shape.gemm_experts(),
             top_k: shape.top_k,
+            slots_per_token: shape.slots_per_token(),
         })
     }
 
@@ -196,14 +200,15 @@ impl CublasBaseline {
             .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         let weights = layer.weights();
-        let rows = offsets[self.experts as usize] as u32;
+        let rows = offsets[self.gemm_experts as usize] as u32;
         let (h, f, k) = (self.hidden as i32, self.ffn as i32, self.top_k as i32);
+        let slots = self.slots_per_token as i32;
         {
             let mut launch = stream.launch_builder(&self.gather);
             launch
                 .arg(&io.x)
                 .arg(row_pair)
-                .arg(&k)
+                .arg(&slots)
                 .arg(&h)
                 .arg(&self.permuted);
             // SAFETY: one block per routed row; every buffer holds max_pairs rows.
@@ -251,6 +256,8 @@ impl CublasBaseline {
                 .arg(&self.out)
                 .arg(row_pair)
                 .arg(&io.topk_weights)
+                .arg(&slots)
+                .arg(&k)
                 .arg(&h)
                 .arg(&self.slots);
             // SAFETY: one block per routed row.
@@ -258,7 +265,7 @@ impl CublasBaseline {
         }
         {
             let mut launch = stream.launch_builder(&self.combine);
-            launch.arg(&self.slots).arg(&k).arg(&h).arg(&mut io.y);
+            launch.arg(&self.slots).arg(&slots).arg(&h).arg(&mut io.y);
             // SAFETY: one block per token.
             unsafe { launch.launch(rows_config(io.tokens)) }.context("combining")?;
         }

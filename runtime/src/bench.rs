@@ -32,7 +32,8 @@ pub struct Roofline {
 }
 
 impl Roofline {
-    /// The floor of one call on `workload` with every expert on one GPU.
+    /// The floor of one call on `workload` with every expert on one GPU (the shared
+    /// slices are hit experts with a row per token).
     pub fn of(shape: &LayerShape, workload: &Workload, target: &Target) -> Self {
         let mut hit = vec![false; shape.experts as usize];
         for &id in &workload.topk_ids {
@@ -40,11 +41,17 @@ impl Roofline {
                 *slot = true;
             }
         }
-        let hit_experts = hit.iter().filter(|&&h| h).count() as f64;
+        let always_hit = if workload.tokens > 0 {
+            f64::from(shape.shared_slices)
+        } else {
+            0.0
+        };
+        let hit_experts = hit.iter().filter(|&&h| h).count() as f64 + always_hit;
         let tokens = f64::from(workload.tokens);
-        let pairs = tokens * f64::from(shape.top_k);
-        // x in and y out per token, and each pair's id and weight.
-        let activation_bytes = tokens * f64::from(shape.hidden) * 2.0 * 2.0 + pairs * 8.0;
+        let pairs = tokens * f64::from(shape.slots_per_token());
+        // x in and y out per token, and each routed pair's id and weight.
+        let activation_bytes =
+            tokens * f64::from(shape.hidden) * 2.0 * 2.0 + tokens * f64::from(shape.top_k) * 8.0;
         Self::of_work(shape, pairs, hit_experts, activation_bytes, target)
     }
 

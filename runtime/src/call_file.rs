@@ -352,6 +352,7 @@ mod tests {
             top_k: 2,
             activation: Activation::Swiglu,
             max_tokens: 8,
+            shared_slices: 0,
             spec_ranks: 1,
             executed_ranks: 1,
             expert_bias: false,

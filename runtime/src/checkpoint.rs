@@ -31,7 +31,13 @@
 //! de-interleaved and transposed into the same W1 and W2 and the biases into
 //! [`HostBiases`], from its dequantized (bf16) checkpoints.
 //!
-//! It is not: a shared-expert loader (the kernels do not run them yet), a dequantiser of
+//! A layer with shared experts (DeepSeek-V3: `mlp.shared_experts.gate_proj`, `up_proj`,
+//! `down_proj`, one MLP of FFN `n_shared_experts · moe_intermediate_size`) gets them as
+//! the experts after the routed ones, cut into slices of the routed FFN (the always-hit
+//! experts the kernels run, [`LayerShape::shared_slices`]); families without shared
+//! experts refuse a spec that has them.
+//!
+//! It is not: a dequantiser of
 //! GPT-OSS's MXFP4 release (`gate_up_proj_blocks`: a typed error names it) or of FP8
 //! checkpoints (DeepSeek-V3's release stores FP8 with block scales:
 //! a dtype error), or an uploader: the buffers stay on the host.
@@ -101,6 +107,18 @@ impl Family {
         Some([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
     }
 
+    /// The (gate, up, down) tensors of the shared experts under `prefix`, one MLP of FFN
+    /// `count · ffn` ([S·F, H], [S·F, H], [H, S·F]), or `None` for a family without them.
+    fn shared_names(self, prefix: &str) -> Option<[String; 3]> {
+        match self {
+            Family::DeepseekV3 => Some(
+                ["gate_proj", "up_proj", "down_proj"]
+                    .map(|p| format!("{prefix}mlp.shared_experts.{p}.weight")),
+            ),
+            Family::Mixtral | Family::Qwen3Moe | Family::GptOss => None,
+        }
+    }
+
     /// Refuses a layer of `shape` whose expert math is not the family's.
     fn check_layer(self, shape: &LayerShape) -> Result<(), CheckpointError> {
         if shape.activation != self.activation() {
@@ -114,6 +132,9 @@ impl Family {
                 family: self,
                 spec: shape.expert_bias,
             });
+        }
+        if shape.shared_slices > 0 && self.shared_names("").is_none() {
+            return Err(CheckpointError::NoSharedExperts { family: self });
         }
         Ok(())
     }
@@ -177,7 +198,8 @@ impl fmt::Display for Family {
     }
 }
 
-/// Which experts to load: all of them, or those of one expert-parallel rank
+/// Which experts to load: all of them (the routed ones, then the shared slices, as the
+/// single-GPU kernels number them), or the routed experts of one expert-parallel rank
 /// (expert `e` belongs to rank `e / (E / ranks)`, as the kernels place them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExpertSet {
@@ -186,11 +208,12 @@ pub enum ExpertSet {
 }
 
 impl ExpertSet {
-    /// The expert ids of this set in a layer of `experts` experts; a rank that does not
-    /// name an equal share is an error.
-    pub fn range(self, experts: u32) -> Result<Range<u32>, CheckpointError> {
+    /// The expert ids of this set in a layer of `shape`; a rank that does not name an
+    /// equal share is an error.
+    pub fn range(self, shape: &LayerShape) -> Result<Range<u32>, CheckpointError> {
+        let experts = shape.experts;
         match self {
-            ExpertSet::All => Ok(0..experts),
+            ExpertSet::All => Ok(0..shape.gemm_experts()),
             ExpertSet::Rank { rank, ranks } => {
                 if ranks == 0 || !experts.is_multiple_of(ranks) || rank >= ranks {
                     return Err(CheckpointError::Rank {
@@ -295,7 +318,7 @@ impl HostWeights {
         which: ExpertSet,
     ) -> Result<HostWeights, CheckpointError> {
         self.check(shape)?;
-        let wanted = which.range(shape.experts)?;
+        let wanted = which.range(shape)?;
         if wanted.start < self.experts.start || wanted.end > self.experts.end {
             return Err(CheckpointError::HostExperts {
                 held: self.experts.clone(),
@@ -450,6 +473,10 @@ pub enum CheckpointError {
         family: Family,
         activation: Activation,
     },
+    #[error(
+        "{family} checkpoints hold no shared experts, but the layer's spec has a `shared_experts {{ }}` section; remove it, or name the family whose layer this is"
+    )]
+    NoSharedExperts { family: Family },
     #[error("rank {rank} of {ranks} does not name an equal share of {experts} experts")]
     Rank { rank: u32, ranks: u32, experts: u32 },
 }
@@ -652,7 +679,7 @@ impl Checkpoint {
         which: ExpertSet,
     ) -> Result<HostWeights, CheckpointError> {
         family.check_layer(shape)?;
-        let experts = which.range(shape.experts)?;
+        let experts = which.range(shape)?;
         if family.expert_names(prefix, 0).is_none() {
             return self.load_fused_experts(family, prefix, shape, experts);
         }
@@ -661,7 +688,8 @@ impl Checkpoint {
         let count = experts.len();
         let mut w1 = vec![0u16; count * 2 * matrix];
         let mut w2 = vec![0u16; count * matrix];
-        for (local, e) in experts.clone().enumerate() {
+        let routed = experts.start..experts.end.min(shape.experts);
+        for (local, e) in routed.clone().enumerate() {
             let Some([gate, up, down]) = family.expert_names(prefix, e) else {
                 unreachable!("a family names every expert or none");
             };
@@ -672,12 +700,60 @@ impl Checkpoint {
             let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
             self.read_bf16(family, prefix, &down, &[hidden, ffn], w2_expert)?;
         }
+        if experts.end > shape.experts {
+            let first = routed.len();
+            self.load_shared_slices(
+                family,
+                prefix,
+                shape,
+                &mut w1[first * 2 * matrix..],
+                &mut w2[first * matrix..],
+            )?;
+        }
         Ok(HostWeights {
             experts,
             w1,
             w2,
             biases: None,
         })
+    }
+
+    /// The shared experts of the layer under `prefix`, one MLP of FFN S·F, cut into the S
+    /// slices of FFN F the kernels run as always-hit experts: slice s takes gate and up
+    /// rows s·F.. and down columns s·F.. (an MLP is the sum of its slices' MLPs).
+    fn load_shared_slices(
+        &self,
+        family: Family,
+        prefix: &str,
+        shape: &LayerShape,
+        w1: &mut [u16],
+        w2: &mut [u16],
+    ) -> Result<(), CheckpointError> {
+        let Some([gate, up, down]) = family.shared_names(prefix) else {
+            return Err(CheckpointError::NoSharedExperts { family });
+        };
+        let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
+        let (slices, matrix) = (shape.shared_slices as usize, hidden * ffn);
+        let total = slices * ffn;
+        let mut gate_rows = vec![0u16; total * hidden];
+        let mut up_rows = vec![0u16; total * hidden];
+        let mut down_rows = vec![0u16; hidden * total];
+        self.read_bf16(family, prefix, &gate, &[total, hidden], &mut gate_rows)?;
+        self.read_bf16(family, prefix, &up, &[total, hidden], &mut up_rows)?;
+        self.read_bf16(family, prefix, &down, &[hidden, total], &mut down_rows)?;
+        for s in 0..slices {
+            let w1_slice = &mut w1[s * 2 * matrix..(s + 1) * 2 * matrix];
+            w1_slice[..matrix].copy_from_slice(&gate_rows[s * matrix..(s + 1) * matrix]);
+            w1_slice[matrix..].copy_from_slice(&up_rows[s * matrix..(s + 1) * matrix]);
+            let w2_slice = &mut w2[s * matrix..(s + 1) * matrix];
+            for (out, row) in w2_slice
+                .chunks_exact_mut(ffn)
+                .zip(down_rows.chunks_exact(total))
+            {
+                out.copy_from_slice(&row[s * ffn..(s + 1) * ffn]);
+            }
+        }
+        Ok(())
     }
 
     /// GPT-OSS's fused experts (see [`FusedNames`]), re-laid-out once: `gate_up_proj`'s
@@ -1116,11 +1192,12 @@ pub fn write_layer(
     let bytes = |bits: &[u16]| -> Vec<u8> { bits.iter().flat_map(|b| b.to_le_bytes()).collect() };
     let f32_bytes =
         |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut f32_tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut tensors: Vec<NamedTensor> = Vec::new();
+    let mut f32_tensors: Vec<NamedTensor> = Vec::new();
     match (family.expert_names(prefix, 0), &weights.biases) {
         (Some(_), _) => {
-            for (local, e) in weights.experts.clone().enumerate() {
+            let routed = weights.experts.start..weights.experts.end.min(shape.experts);
+            for (local, e) in routed.clone().enumerate() {
                 let Some([gate, up, down]) = family.expert_names(prefix, e) else {
                     unreachable!("a family names every expert or none");
                 };
@@ -1129,6 +1206,15 @@ pub fn write_layer(
                 tensors.push((up, vec![ffn, hidden], bytes(&w1[matrix..])));
                 let w2 = &weights.w2[local * matrix..(local + 1) * matrix];
                 tensors.push((down, vec![hidden, ffn], bytes(w2)));
+            }
+            if weights.experts.end > shape.experts {
+                tensors.extend(shared_tensors(
+                    family,
+                    prefix,
+                    shape,
+                    weights,
+                    routed.len(),
+                )?);
             }
         }
         // GPT-OSS: the inverse of `load_fused_experts`, every expert of the layer in one
@@ -1202,6 +1288,43 @@ pub fn write_layer(
         .map_err(|e| write_error(io::Error::other(e)))?;
     let file = safetensors::serialize(views, None).map_err(|e| write_error(io::Error::other(e)))?;
     std::fs::write(path, file).map_err(write_error)
+}
+
+/// A tensor to write: its name, shape and little-endian bytes.
+type NamedTensor = (String, Vec<usize>, Vec<u8>);
+
+/// The shared experts' (gate, up, down) tensors of `weights`, whose slices start at its
+/// `first`-th expert: the inverse of [`Checkpoint::load_shared_slices`].
+fn shared_tensors(
+    family: Family,
+    prefix: &str,
+    shape: &LayerShape,
+    weights: &HostWeights,
+    first: usize,
+) -> Result<Vec<NamedTensor>, CheckpointError> {
+    let Some([gate, up, down]) = family.shared_names(prefix) else {
+        return Err(CheckpointError::NoSharedExperts { family });
+    };
+    let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
+    let (slices, matrix) = (shape.shared_slices as usize, hidden * ffn);
+    let total = slices * ffn;
+    let (mut gate_rows, mut up_rows) = (Vec::new(), Vec::new());
+    let mut down_rows = vec![0u16; hidden * total];
+    for s in 0..slices {
+        let w1 = &weights.w1[(first + s) * 2 * matrix..(first + s + 1) * 2 * matrix];
+        gate_rows.extend_from_slice(&w1[..matrix]);
+        up_rows.extend_from_slice(&w1[matrix..]);
+        let w2 = &weights.w2[(first + s) * matrix..(first + s + 1) * matrix];
+        for (row, slice_row) in down_rows.chunks_exact_mut(total).zip(w2.chunks_exact(ffn)) {
+            row[s * ffn..(s + 1) * ffn].copy_from_slice(slice_row);
+        }
+    }
+    let bytes = |bits: &[u16]| -> Vec<u8> { bits.iter().flat_map(|b| b.to_le_bytes()).collect() };
+    Ok(vec![
+        (gate, vec![total, hidden], bytes(&gate_rows)),
+        (up, vec![total, hidden], bytes(&up_rows)),
+        (down, vec![hidden, total], bytes(&down_rows)),
+    ])
 }
 
 /// Up to eight names, quoted, and how many more there are.

@@ -307,7 +307,7 @@ impl Session {
     /// Random expert weights on the device, uniform with a fan-in scale; the biases, when
     /// the layer has them, drawn on the host (they are small) and uploaded.
     pub fn random_weights(&self, shape: &LayerShape, seed: u64) -> Result<ExpertWeights, GpuError> {
-        let experts = u64::from(shape.experts);
+        let experts = u64::from(shape.gemm_experts());
         let w1_len = experts * u64::from(shape.w1_rows()) * u64::from(shape.hidden);
         let w2_len = experts * u64::from(shape.hidden) * u64::from(shape.ffn);
         let stream = &self.gpu.stream;
@@ -425,7 +425,7 @@ impl Session {
         gate: Option<HostGate>,
     ) -> Result<BuiltLayer, HarnessError> {
         let loaded = self.gpu.load(&module)?;
-        let experts = plan.shape.experts as usize;
+        let experts = plan.shape.gemm_experts() as usize;
         let device_gate = gate
             .as_ref()
             .map(|gate| upload_gate(&self.gpu.stream, gate))
@@ -583,13 +583,18 @@ impl Session {
         let mut args: Vec<ForwardArgs<'_>> = inputs.iter_mut().map(DeviceWorkload::args).collect();
         layer.forward(&mut args)?;
         layer.take_error()?;
+        // The expert-parallel kernels do not run the shared experts (the plan says so).
+        let routed_only = LayerShape {
+            shared_slices: 0,
+            ..shape
+        };
         inputs
             .iter()
             .zip(workloads)
             .enumerate()
             .map(|(r, (io, workload))| {
                 let y = layer.stream(r).clone_dtoh(&io.y).context("downloading y")?;
-                self.check_output(built, workload, &y, max_checked_tokens, seed)
+                self.check_against(built, &routed_only, workload, &y, max_checked_tokens, seed)
             })
             .collect()
     }
@@ -761,16 +766,33 @@ impl Session {
         seed: u64,
     ) -> Result<CheckReport, HarnessError> {
         let shape = &built.layer.plan().shape;
+        self.check_against(built, shape, workload, y, max_checked_tokens, seed)
+    }
+
+    /// [`Session::check_output`] against the layer of `shape`, which may leave out the
+    /// shared slices of `built`'s (what the expert-parallel kernels compute).
+    fn check_against(
+        &self,
+        built: &BuiltLayer,
+        shape: &LayerShape,
+        workload: &Workload,
+        y: &[u16],
+        max_checked_tokens: usize,
+        seed: u64,
+    ) -> Result<CheckReport, HarnessError> {
         let y = &y[..workload.tokens as usize * shape.hidden as usize];
         let unwritten = y.iter().filter(|&&v| bf16::to_f32(v).is_nan()).count();
 
         let tokens = checked_tokens(workload.tokens as usize, max_checked_tokens, seed);
         let k = shape.top_k as usize;
+        let shared_slices = (shape.experts..shape.gemm_experts()).map(|e| e as i32);
         built.fetch_experts(
             &self.gpu.stream,
             tokens
                 .iter()
-                .flat_map(|&t| workload.topk_ids[t * k..(t + 1) * k].iter().copied()),
+                .flat_map(|&t| workload.topk_ids[t * k..(t + 1) * k].iter().copied())
+                .filter(|&id| (id as u32) < shape.experts)
+                .chain(shared_slices),
         )?;
         let started = Instant::now();
         let reference = reference::layer_output(shape, workload, tokens, |e| {

@@ -112,9 +112,11 @@ pub enum LayerError {
     },
 }
 
-/// The routed experts' weights on the device, checkpoint layout: `w1` [E, w1_rows, H]
-/// (gate rows then up rows when gated), `w2` [E, H, F], bf16; and their biases exactly
-/// when the spec says `expert_bias = true`.
+/// The experts' weights on the device, checkpoint layout: `w1` [E', w1_rows, H] (gate
+/// rows then up rows when gated), `w2` [E', H, F], bf16; and their biases exactly when
+/// the spec says `expert_bias = true`. On one GPU E' is the routed experts, then the
+/// shared slices ([`LayerShape::gemm_experts`]); on an expert-parallel rank, its routed
+/// experts.
 pub struct ExpertWeights {
     pub w1: CudaSlice<u16>,
     pub w2: CudaSlice<u16>,
@@ -378,7 +380,8 @@ impl MoeLayer {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
         let shape = &plan.shape;
-        weights.check(shape, shape.experts)?;
+        // The shared slices are experts of the grouped GEMMs too, after the routed ones.
+        weights.check(shape, shape.gemm_experts())?;
         if let Some(gate) = &gate {
             let router = plan.router.as_ref().ok_or(LayerError::NoRouter)?;
             gate.check(shape, router)?;
@@ -398,7 +401,7 @@ impl MoeLayer {
         let mut loaded: Vec<(String, CudaFunction)> = Vec::new();
         let mut tensor_maps = WeightTensorMaps {
             shape,
-            experts: shape.experts,
+            experts: shape.gemm_experts(),
             weights: &weights,
             stream: &gpu.stream,
             maps: Vec::new(),

@@ -911,6 +911,7 @@ mod tests {
             activation: ir::Activation::Swiglu,
             expert_bias: false,
             max_tokens: 300,
+            shared_slices: 0,
             spec_ranks: 4,
             executed_ranks: 1,
         };
@@ -985,6 +986,7 @@ mod tests {
         let huge = Plan {
             shape: LayerShape {
                 max_tokens: u32::MAX / 4,
+                shared_slices: 0,
                 ..full_plan.shape.clone()
             },
             ..full_plan

@@ -1,7 +1,8 @@
 //! The CPU reference of the layer contract, and how close a kernel's output must come to it.
 //!
 //! `y[t] = Σ_k topk_weights[t,k] · W2_e · bf16(act(W1_e · x[t]))` with `e = topk_ids[t,k]`
-//! (with expert biases, `W2_e · bf16(act(W1_e · x[t] + b1_e)) + b2_e`, f32 biases):
+//! (with expert biases, `W2_e · bf16(act(W1_e · x[t] + b1_e)) + b2_e`, f32 biases), plus
+//! `Σ_s W2_s · bf16(act(W1_s · x[t]))` over the shared slices `s = E..E + S`:
 //! bf16 inputs, products accumulated in f32, the intermediate rounded to bf16 (the kernels
 //! store it so), the output left in f32. This defines the answer the kernels are checked
 //! against. The kernels round twice more, each (token, k) combine slot and then the output
@@ -161,9 +162,9 @@ const ROWS_PER_ITEM: usize = 32;
 
 /// The output rows of `tokens` (indices into `workload`), computed on every core.
 ///
-/// `experts(e)` gives expert `e`'s weights; it is asked only for experts that some pair
-/// of `tokens` chooses. Ids outside `0..E` are skipped, as the kernels skip them (the
-/// route kernel reports them).
+/// `experts(e)` gives expert `e`'s weights (`E..E + S`: the shared slices); it is asked
+/// only for experts that some pair of `tokens` chooses, and for every shared slice. Ids
+/// outside `0..E` are skipped, as the kernels skip them (the route kernel reports them).
 pub fn layer_output<'a>(
     shape: &LayerShape,
     workload: &Workload,
@@ -171,14 +172,23 @@ pub fn layer_output<'a>(
     experts: impl Fn(usize) -> HostExpert<'a> + Sync,
 ) -> Reference {
     let hidden = shape.hidden as usize;
-    let k = shape.top_k as usize;
-    // Pairs as `row · K + k` (row indexes `tokens`), grouped by expert.
-    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); shape.experts as usize];
+    let (k, slots) = (shape.top_k as usize, shape.slots_per_token() as usize);
+    let routed = shape.experts as usize;
+    // Slots as `row · slots + j` (row indexes `tokens`; j < K routed, then the shared
+    // slices), grouped by expert.
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); shape.gemm_experts() as usize];
     for (row, &t) in tokens.iter().enumerate() {
         for (j, &id) in workload.topk_ids[t * k..(t + 1) * k].iter().enumerate() {
-            if let Some(pairs) = usize::try_from(id).ok().and_then(|e| by_expert.get_mut(e)) {
-                pairs.push(row * k + j);
+            if let Some(pairs) = usize::try_from(id)
+                .ok()
+                .filter(|&e| e < routed)
+                .and_then(|e| by_expert.get_mut(e))
+            {
+                pairs.push(row * slots + j);
             }
+        }
+        for (s, pairs) in by_expert[routed..].iter_mut().enumerate() {
+            pairs.push(row * slots + k + s);
         }
     }
     let items: Vec<(usize, &[usize])> = by_expert
@@ -223,7 +233,7 @@ pub fn layer_output<'a>(
     let mut magnitude = vec![0f32; tokens.len() * hidden];
     for (&(_, pairs), rows) in items.iter().zip(&results) {
         for (&pair, row) in pairs.iter().zip(rows.chunks_exact(hidden)) {
-            let out = (pair / k) * hidden..(pair / k + 1) * hidden;
+            let out = (pair / slots) * hidden..(pair / slots + 1) * hidden;
             let out_y = y[out.clone()].iter_mut();
             for ((sum, size), &v) in out_y.zip(&mut magnitude[out]).zip(row) {
                 *sum += v;
@@ -239,8 +249,9 @@ pub fn layer_output<'a>(
     }
 }
 
-/// `topk_weight · (W2_e · bf16(act(W1_e · x + b1_e)) + b2_e)` for some pairs of one
-/// expert, [pairs, H] (without the biases when the expert has none).
+/// `topk_weight · (W2_e · bf16(act(W1_e · x + b1_e)) + b2_e)` for some slots of one
+/// expert, [slots, H] (without the biases when the expert has none; weight 1 for a
+/// shared slice).
 fn expert_rows(
     shape: &LayerShape,
     expert: &HostExpert<'_>,
@@ -280,18 +291,22 @@ fn expert_rows_in<const L: usize>(
 ) -> Vec<f32> {
     let hidden = shape.hidden as usize;
     let ffn = shape.ffn as usize;
-    let k = shape.top_k as usize;
+    let (k, slots) = (shape.top_k as usize, shape.slots_per_token() as usize);
     let n = pairs.len();
     let mut x = Vec::with_capacity(n * hidden);
     let mut route_weights = Vec::with_capacity(n);
     for &pair in pairs {
-        let t = tokens[pair / k];
+        let (t, j) = (tokens[pair / slots], pair % slots);
         x.extend(
             workload.x[t * hidden..(t + 1) * hidden]
                 .iter()
                 .map(|&v| bf16::to_f32(v)),
         );
-        route_weights.push(workload.topk_weights[t * k + pair % k]);
+        route_weights.push(if j < k {
+            workload.topk_weights[t * k + j]
+        } else {
+            1.0
+        });
     }
 
     let gated = shape.activation.is_gated();
@@ -487,6 +502,7 @@ mod tests {
             activation,
             expert_bias: false,
             max_tokens: 4096,
+            shared_slices: 0,
             spec_ranks: 1,
             executed_ranks: 1,
         }
@@ -614,6 +630,69 @@ mod tests {
         workload.topk_ids = vec![0, 7];
         let out = layer_output(&shape, &workload, vec![0], experts);
         assert!((out.y[0] - 0.75 * act).abs() < 1e-6, "{out:?}");
+    }
+
+    /// Shared experts as slices: one MLP of FFN 2F, cut into two always-hit experts of FFN
+    /// F (gate and up rows, down columns), adds exactly that MLP's output, unweighted, to
+    /// the routed output.
+    #[test]
+    fn shared_slices_add_the_whole_shared_mlp_unweighted() {
+        let routed_shape = shape(8, 2, 3, 2, Activation::Swiglu);
+        let shared_shape = LayerShape {
+            shared_slices: 2,
+            ..routed_shape.clone()
+        };
+        let (hidden, ffn, joint) = (8, 2, 4);
+        let mut rng = SplitMix64::new(11);
+        let mut draw =
+            |n: usize| -> Vec<u16> { (0..n).map(|_| bf16::from_f32(rng.signed())).collect() };
+        let routed = random_experts(&routed_shape, 3);
+        let (gate, up, down) = (
+            draw(joint * hidden),
+            draw(joint * hidden),
+            draw(hidden * joint),
+        );
+        let slices: Vec<(Vec<u16>, Vec<u16>)> = (0..2)
+            .map(|s| {
+                let rows = s * ffn * hidden..(s + 1) * ffn * hidden;
+                let w1 = [&gate[rows.clone()], &up[rows]].concat();
+                let w2 = down
+                    .chunks_exact(joint)
+                    .flat_map(|row| row[s * ffn..(s + 1) * ffn].to_vec())
+                    .collect();
+                (w1, w2)
+            })
+            .collect();
+        let all: Vec<_> = routed.iter().chain(&slices).cloned().collect();
+        let workload = Workload::random(&routed_shape, 5, Routing::Uniform, 9);
+        let tokens: Vec<usize> = (0..5).collect();
+        let without = layer_output(&routed_shape, &workload, tokens.clone(), host(&routed));
+        let with = layer_output(&shared_shape, &workload, tokens, host(&all));
+        let value = |bits: &[u16], i: usize| bf16::to_f32(bits[i]);
+        for t in 0..5 {
+            let x: Vec<f32> = (0..hidden)
+                .map(|h| value(&workload.x, t * hidden + h))
+                .collect();
+            let dot = |w: &[u16], f: usize| {
+                (0..hidden)
+                    .map(|h| value(w, f * hidden + h) * x[h])
+                    .sum::<f32>()
+            };
+            let act: Vec<f32> = (0..joint)
+                .map(|f| round_bf16(silu(dot(&gate, f)) * dot(&up, f)))
+                .collect();
+            for h in 0..hidden {
+                let mlp: f32 = (0..joint)
+                    .map(|f| value(&down, h * joint + f) * act[f])
+                    .sum();
+                let want = without.y[t * hidden + h] + mlp;
+                let got = with.y[t * hidden + h];
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "token {t} column {h}: {got} vs {want}"
+                );
+            }
+        }
     }
 
     #[test]

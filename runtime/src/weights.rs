@@ -51,7 +51,7 @@ impl Weights {
         which: ExpertSet,
     ) -> Result<HostWeights, CheckpointError> {
         match self {
-            Weights::Random { seed } => Ok(random(shape, which.range(shape.experts)?, *seed)),
+            Weights::Random { seed } => Ok(random(shape, which.range(shape)?, *seed)),
             Weights::Host(weights) => weights.select(shape, which),
             Weights::Checkpoint(layer) => layer.load(shape, which),
         }

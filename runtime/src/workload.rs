@@ -160,6 +160,7 @@ mod tests {
             activation: Activation::Swiglu,
             expert_bias: false,
             max_tokens: 64,
+            shared_slices: 0,
             spec_ranks: 1,
             executed_ranks: 1,
         }

@@ -33,6 +33,7 @@ fn shape(activation: Activation) -> LayerShape {
         activation,
         expert_bias: false,
         max_tokens: 64,
+        shared_slices: 0,
         spec_ranks: 1,
         executed_ranks: 1,
     }
@@ -1107,4 +1108,133 @@ fn gpt_oss_needs_its_expert_math_and_refuses_mxfp4() {
         "{err}"
     );
     assert!(err.to_string().contains("MXFP4"), "{err}");
+}
+
+/// DeepSeek-V3's shared experts, one MLP of FFN 2F: `gate_proj`/`up_proj` [2F, H] and
+/// `down_proj` [H, 2F] under `mlp.shared_experts`, values from [`value`] as expert E.
+fn shared_tensors() -> [Tensor; 3] {
+    let name = |p: &str| format!("{PREFIX}mlp.shared_experts.{p}.weight");
+    [
+        bf16_tensor(
+            name("gate_proj"),
+            vec![2 * F, H],
+            (0..2 * F * H).map(|i| value(E, 0, i)),
+        ),
+        bf16_tensor(
+            name("up_proj"),
+            vec![2 * F, H],
+            (0..2 * F * H).map(|i| value(E, 1, i)),
+        ),
+        bf16_tensor(
+            name("down_proj"),
+            vec![H, 2 * F],
+            (0..2 * H * F).map(|i| value(E, 2, i)),
+        ),
+    ]
+}
+
+#[test]
+fn shared_experts_load_as_slices_of_the_routed_ffn_and_write_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = expert_tensors(Family::DeepseekV3, 0..E);
+    tensors.extend(shared_tensors());
+    write(&file, &tensors);
+    let layer = LayerShape {
+        shared_slices: 2,
+        ..shape(Activation::Swiglu)
+    };
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    let all = checkpoint
+        .load_experts(Family::DeepseekV3, PREFIX, &layer, ExpertSet::All)
+        .unwrap();
+    assert_eq!(all.experts, 0..E as u32 + 2);
+    let routed = HostWeights {
+        experts: 0..E as u32,
+        w1: all.w1[..E * 2 * F * H].to_vec(),
+        w2: all.w2[..E * H * F].to_vec(),
+        biases: None,
+    };
+    check_layout(&routed);
+    // Slice s: gate and up rows s·F.., down columns s·F.. of the one shared MLP.
+    for s in 0..2 {
+        let w1 = &all.w1[(E + s) * 2 * F * H..(E + s + 1) * 2 * F * H];
+        let w2 = &all.w2[(E + s) * H * F..(E + s + 1) * H * F];
+        for f in 0..F {
+            for h in 0..H {
+                assert_eq!(
+                    w1[f * H + h],
+                    value(E, 0, (s * F + f) * H + h),
+                    "gate {s} {f} {h}"
+                );
+                assert_eq!(
+                    w1[(F + f) * H + h],
+                    value(E, 1, (s * F + f) * H + h),
+                    "up {s} {f} {h}"
+                );
+                assert_eq!(
+                    w2[h * F + f],
+                    value(E, 2, h * 2 * F + s * F + f),
+                    "down {s} {h} {f}"
+                );
+            }
+        }
+    }
+    // A rank's share is routed experts only: no shared tensor is read.
+    let rank = checkpoint
+        .load_experts(
+            Family::DeepseekV3,
+            PREFIX,
+            &layer,
+            ExpertSet::Rank { rank: 1, ranks: 2 },
+        )
+        .unwrap();
+    assert_eq!(rank.experts, 2..4);
+    // Written back under the family's names, they read back bit for bit.
+    let copy = dir.path().join("copy.safetensors");
+    write_experts(&copy, Family::DeepseekV3, PREFIX, &layer, &all).unwrap();
+    let reread = Checkpoint::open(&copy)
+        .unwrap()
+        .load_experts(Family::DeepseekV3, PREFIX, &layer, ExpertSet::All)
+        .unwrap();
+    assert_eq!(reread, all);
+}
+
+#[test]
+fn shared_experts_missing_or_foreign_to_the_family_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let layer = LayerShape {
+        shared_slices: 2,
+        ..shape(Activation::Swiglu)
+    };
+    write(&file, &expert_tensors(Family::DeepseekV3, 0..E));
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    let err = checkpoint
+        .load_experts(Family::DeepseekV3, PREFIX, &layer, ExpertSet::All)
+        .unwrap_err();
+    match &err {
+        CheckpointError::MissingTensor {
+            tensor, expected, ..
+        } => {
+            assert_eq!(
+                tensor,
+                &format!("{PREFIX}mlp.shared_experts.gate_proj.weight")
+            );
+            assert_eq!(expected, &vec![2 * F, H]);
+        }
+        other => panic!("expected a missing shared tensor, got {other}"),
+    }
+    for family in [Family::Mixtral, Family::Qwen3Moe] {
+        write(&file, &expert_tensors(family, 0..E));
+        let err = Checkpoint::open(&file)
+            .unwrap()
+            .load_experts(family, PREFIX, &layer, ExpertSet::All)
+            .unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::NoSharedExperts { family: f } if f == family),
+            "{err}"
+        );
+        assert!(err.to_string().contains("shared_experts"), "{err}");
+    }
 }

@@ -331,6 +331,18 @@ fn tiny_layers_match_reference_for_every_activation() {
     check_plans("tiny layers", plans);
 }
 
+/// Shared experts run as always-hit experts in the same grouped GEMMs: the reference adds
+/// their MLP to every token, so leaving them out (or weighting them) fails the check.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tiny_layers_with_a_shared_expert_match_reference() {
+    let plans = [Activation::Swiglu, Activation::Gelu]
+        .map(|a| plan_for_device(&layers::tiny_with_shared_expert(a)))
+        .to_vec();
+    assert!(plans.iter().all(|p| p.shape.shared_slices == 2));
+    check_plans("tiny layers with a shared expert", plans);
+}
+
 /// How many (pair, column) pre-activations of `workload` on `host`'s experts (biases
 /// added) fall past each clamp: (gate above, up above, up below).
 fn clamp_hits(shape: &plan::LayerShape, host: &HostWeights, workload: &Workload) -> [usize; 3] {

@@ -42,6 +42,12 @@ pub fn scaled_down(layer: &Layer) -> Layer {
     scaled.hidden = shrink(layer.hidden, SCALED_HIDDEN);
     scaled.ffn = shrink(layer.ffn, SCALED_FFN);
     scaled.max_tokens = layer.max_tokens.min(SCALED_MAX_TOKENS);
+    // The shared experts keep their number of routed-FFN slices.
+    if let Some(shared) = &mut scaled.shared_experts
+        && shared.ffn.is_multiple_of(layer.ffn)
+    {
+        shared.ffn = shared.ffn / layer.ffn * scaled.ffn;
+    }
     if scaled != *layer {
         scaled.name = format!("{}_scaled", layer.name);
     }
@@ -95,6 +101,18 @@ pub fn tiny(activation: Activation) -> Layer {
         },
         schedule: ScheduleHints::default(),
     }
+}
+
+/// The tiny layer with one shared expert of FFN 2F: two always-hit slices beside the
+/// routed experts.
+pub fn tiny_with_shared_expert(activation: Activation) -> Layer {
+    let mut layer = tiny(activation);
+    layer.name = format!("tiny_shared_{}", activation.name());
+    layer.shared_experts = Some(SharedExperts {
+        count: 1,
+        ffn: 2 * layer.ffn,
+    });
+    layer
 }
 
 /// A tiny layer with both GEMMs hinted to `tile` and `stages`, up to 4096 tokens (so that

@@ -170,6 +170,13 @@ pub fn plan_file_over(
                 choice.ranks
             };
             layer.topology.virtual_ranks = choice.virtual_ranks.then_some(choice.ranks);
+            // Every path of such a run (and its baselines) computes the same layer.
+            if let Some(shared) = layer.shared_experts.take() {
+                eprintln!(
+                    "note: the expert-parallel kernels do not run shared experts yet: this run leaves out the {} shared expert(s) of FFN {} of `{}`, on every path it compares",
+                    shared.count, shared.ffn, layer.name
+                );
+            }
         }
         let layer = &layer;
         match plan::plan(layer, target) {

@@ -170,6 +170,7 @@ pub fn check_layer(
         .required("topology", "topology = h200_node", errors)
         .and_then(|s| resolve_topology(s, topologies, errors));
 
+    let mut shared_ffn_span = None;
     let shared_experts = match table.section("shared_experts") {
         Some(section) => {
             let table = Table::of_section(section, incomplete, &SHARED_EXPERTS, errors);
@@ -181,9 +182,9 @@ pub fn check_layer(
                     errors,
                 )
             });
-            let ffn = table
-                .required("ffn", "ffn = 2048", errors)
-                .and_then(|s| aligned_size(s, errors));
+            let ffn_setting = table.required("ffn", "ffn = 2048", errors);
+            let ffn = ffn_setting.and_then(|s| aligned_size(s, errors));
+            shared_ffn_span = ffn_setting.map(|s| s.values[0].span);
             Some(Some(ir::SharedExperts {
                 count: count?,
                 ffn: ffn?,
@@ -237,6 +238,32 @@ pub fn check_layer(
             top_k_span: top_k_setting.values[0].span,
             max_pairs: MAX_PAIRS,
         });
+    }
+    if let (Some(Some(shared)), Some(routed_ffn), Some(span)) =
+        (shared_experts, ffn, shared_ffn_span)
+    {
+        let total = u64::from(shared.count) * u64::from(shared.ffn);
+        let slices = total / u64::from(routed_ffn);
+        if !total.is_multiple_of(u64::from(routed_ffn)) {
+            errors.push(Error::SharedExpertsNotSlices {
+                span,
+                count: shared.count,
+                ffn: shared.ffn,
+                routed_ffn,
+                routed_span: table
+                    .setting("ffn")
+                    .map_or(item.name.span, |s| s.values[0].span),
+            });
+        } else if slices > u64::from(plan::MAX_SHARED_SLICES) {
+            errors.push(Error::TooManySharedSlices {
+                span,
+                count: shared.count,
+                ffn: shared.ffn,
+                routed_ffn,
+                slices,
+                max: plan::MAX_SHARED_SLICES,
+            });
+        }
     }
     let topology = topology?;
     let (expert, data, tensor) = parallel?;

@@ -69,12 +69,17 @@ pub fn estimate(
     gemm: &GemmPlan,
     tokens: u32,
 ) -> GemmEstimate {
-    let pairs = u64::from(tokens) * u64::from(problem.top_k);
-    let hit = expected_hit_experts(problem.experts, pairs).max(1.0);
-    let rows_per_hit = pairs as f64 / hit;
+    let routed_pairs = u64::from(tokens) * u64::from(problem.top_k);
+    let routed_hit = expected_hit_experts(problem.experts, routed_pairs).max(1.0);
+    let rows_per_hit = routed_pairs as f64 / routed_hit;
     let m_tiles = (rows_per_hit / f64::from(gemm.tile.m)).ceil().max(1.0);
+    // Every token is a row of each always-hit expert (the shared slices).
+    let always = f64::from(problem.always_hit);
+    let always_m_tiles = (f64::from(tokens) / f64::from(gemm.tile.m)).ceil().max(1.0);
     let n_tiles = f64::from(problem.n / gemm.tile.n);
-    let tiles = hit * m_tiles * n_tiles;
+    let tiles = (routed_hit * m_tiles + always * always_m_tiles) * n_tiles;
+    let hit = routed_hit + always;
+    let pairs = routed_pairs + u64::from(tokens) * u64::from(problem.always_hit);
 
     let concurrent = f64::from(target.sm_count * gemm.blocks_per_sm);
     let waves = (tiles / concurrent).ceil();

@@ -20,6 +20,18 @@ pub fn describe(plan: &Plan) -> String {
         "  ranks                {} in the spec, {} executed (all {} experts on one GPU)",
         shape.spec_ranks, shape.executed_ranks, shape.experts
     );
+    if shape.shared_slices > 0 {
+        let _ = writeln!(
+            out,
+            "  shared experts       {} always-hit experts of FFN {} (experts {}..{} of the grouped GEMMs, each token's slots {}..{}, weight 1)",
+            shape.shared_slices,
+            shape.ffn,
+            shape.experts,
+            shape.gemm_experts(),
+            shape.top_k,
+            shape.slots_per_token()
+        );
+    }
     if let Some(router) = &plan.router {
         let _ = writeln!(
             out,

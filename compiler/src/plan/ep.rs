@@ -333,9 +333,11 @@ pub fn plan_expert_parallel(
     ];
     // A rank computes T·K pairs (from every source) over E/R experts: as many rows per
     // expert as one GPU at R·T tokens. Its GEMMs are chosen for that problem, on its
-    // compute SMs, with their own token ranges.
+    // compute SMs, with their own token ranges. The shared experts do not run here (the
+    // plan's limitations say so).
     let rank_shape = LayerShape {
         experts: experts_per_rank,
+        shared_slices: 0,
         ..shape.clone()
     };
     let rank_target = Target {
@@ -568,7 +570,7 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
         ),
         buffer(
             BufferId::CombineSlots,
-            shape.max_pairs() * u64::from(shape.hidden),
+            u64::from(shape.max_tokens) * u64::from(shape.top_k) * u64::from(shape.hidden),
             "weighted expert outputs of this rank's pairs, stored by the ranks that computed them",
         ),
         buffer(

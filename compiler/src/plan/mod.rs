@@ -55,6 +55,8 @@ pub const ROUTE_THREADS: u32 = 1024;
 pub const COMBINE_THREADS: u32 = 128;
 /// Largest number of experts the routing kernel's shared-memory tables hold.
 pub const MAX_EXPERTS: u32 = 1024;
+/// Largest number of shared-expert slices (always-hit experts of the routed FFN size).
+pub const MAX_SHARED_SLICES: u32 = 64;
 /// Largest number of (token, k) pairs in one call: the kernels index pairs, rows and
 /// expert offsets with 32-bit `int`.
 pub const MAX_PAIRS: u64 = i32::MAX as u64;
@@ -97,6 +99,11 @@ pub struct LayerShape {
     #[serde(default)]
     pub expert_bias: bool,
     pub max_tokens: u32,
+    /// The shared experts as always-hit experts of FFN `ffn` each, `count · ffn_shared /
+    /// ffn` of them (an MLP of FFN n·F is the sum of n MLPs of FFN F): experts `E..E + S`
+    /// of the grouped GEMMs, every token's slots `K..K + S`, routing weight 1.
+    #[serde(default)]
+    pub shared_slices: u32,
     /// Expert-parallel ranks of the spec.
     pub spec_ranks: u32,
     /// Ranks this plan executes: 1 (all experts on one GPU) until the multi-rank path lands.
@@ -113,6 +120,9 @@ impl LayerShape {
             activation: layer.activation,
             expert_bias: layer.expert_bias,
             max_tokens: layer.max_tokens,
+            shared_slices: layer
+                .shared_experts
+                .map_or(0, |shared| shared.count * shared.ffn / layer.ffn),
             spec_ranks: layer.parallel.expert,
             executed_ranks: 1,
         }
@@ -127,9 +137,20 @@ impl LayerShape {
         }
     }
 
-    /// Largest number of (token, k) pairs in one call.
+    /// Experts of the grouped GEMMs: the routed ones, then the shared slices.
+    pub fn gemm_experts(&self) -> u32 {
+        self.experts + self.shared_slices
+    }
+
+    /// Combine slots of one token: its K routed pairs, then one per shared slice.
+    pub fn slots_per_token(&self) -> u32 {
+        self.top_k + self.shared_slices
+    }
+
+    /// Largest number of combine slots (GEMM rows) in one call: `max_tokens` times
+    /// [`Self::slots_per_token`].
     pub fn max_pairs(&self) -> u64 {
-        u64::from(self.max_tokens) * u64::from(self.top_k)
+        u64::from(self.max_tokens) * u64::from(self.slots_per_token())
     }
 }
 
@@ -629,6 +650,8 @@ pub struct GemmProblem {
     pub kind: GemmKind,
     pub experts: u32,
     pub top_k: u32,
+    /// Experts every token hits besides its top-k: the shared slices on one GPU.
+    pub always_hit: u32,
     /// Output columns (F for GEMM1, H for GEMM2).
     pub n: u32,
     /// Reduction depth (H for GEMM1, F for GEMM2).
@@ -641,6 +664,12 @@ pub struct GemmProblem {
 }
 
 impl GemmProblem {
+    /// Runs of rows the tile schedule counts: one per expert (routed or always hit) and
+    /// row phase.
+    pub fn row_groups(&self) -> u32 {
+        (self.experts + self.always_hit) * self.row_phases
+    }
+
     pub(crate) fn for_layer(shape: &LayerShape, kind: GemmKind, row_phases: u32) -> Self {
         let (n, k, gated) = match kind {
             GemmKind::Up => (shape.ffn, shape.hidden, shape.activation.is_gated()),
@@ -650,6 +679,7 @@ impl GemmProblem {
             kind,
             experts: shape.experts,
             top_k: shape.top_k,
+            always_hit: shape.shared_slices,
             n,
             k,
             gated,
@@ -689,7 +719,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
                 gemm2: &gemm2_kernel,
                 combine: &combine_kernel,
             },
-            shape.experts,
+            shape.gemm_experts(),
             shape.expert_bias,
             &choice.gemm1,
             &choice.gemm2,
@@ -750,10 +780,10 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             "ranks on other nodes need the network path (NCCL, hierarchical traffic), which is not built yet".to_string(),
         );
     }
-    if let Some(shared) = layer.shared_experts {
+    if let (Some(shared), Some(_)) = (layer.shared_experts, &expert_parallel) {
         limitations.push(format!(
-            "{} shared expert(s) of FFN size {} are not executed by these kernels; add their output outside the layer",
-            shared.count, shared.ffn
+            "the single-GPU kernels run the {} shared expert(s) of FFN {} (as {} always-hit experts); the expert-parallel kernels do not yet: add their output outside that path",
+            shared.count, shared.ffn, shape.shared_slices
         ));
     }
     if layer.router.is_some() && expert_parallel.is_some() {
@@ -785,14 +815,14 @@ fn workspace(shape: &LayerShape, router: bool) -> Vec<Buffer> {
         Buffer {
             id: BufferId::ExpertOffsets,
             elem: BufferId::ExpertOffsets.elem(),
-            elems: u64::from(shape.experts) + 1,
-            purpose: "start row of each expert in the expert-major row order".into(),
+            elems: u64::from(shape.gemm_experts()) + 1,
+            purpose: "start row of each expert (routed, then shared slices) in the expert-major row order".into(),
         },
         Buffer {
             id: BufferId::RowPair,
             elem: BufferId::RowPair.elem(),
             elems: max_pairs,
-            purpose: "(token, k) pair of each expert-major row".into(),
+            purpose: "combine slot (token, k) of each expert-major row".into(),
         },
         Buffer {
             id: BufferId::Intermediate,
@@ -804,7 +834,7 @@ fn workspace(shape: &LayerShape, router: bool) -> Vec<Buffer> {
             id: BufferId::CombineSlots,
             elem: BufferId::CombineSlots.elem(),
             elems: max_pairs * u64::from(shape.hidden),
-            purpose: "GEMM2 output times routing weight, one slot per (token, k)".into(),
+            purpose: "GEMM2 output times routing weight, one slot per (token, k) and per (token, shared slice)".into(),
         },
         Buffer {
             id: BufferId::ErrorWord,
@@ -1051,13 +1081,7 @@ fn shape_gemm(
             engine.name()
         ));
     }
-    let smem = SmemLayout::new(
-        engine,
-        tile,
-        b_rows,
-        stages,
-        problem.experts * problem.row_phases,
-    );
+    let smem = SmemLayout::new(engine, tile, b_rows, stages, problem.row_groups());
     if smem.total_bytes() > target.smem_per_block {
         return Err(format!(
             "{} bytes of shared memory ({stages} stages of {} B, row table, {} B of tile table) exceed the {} a block may use",

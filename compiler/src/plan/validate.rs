@@ -13,8 +13,8 @@ use super::ep::{ExpertParallelPlan, ExpertParallelRegime, Placement};
 use super::launch::StreamRole;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
-    Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MmaEngine, Plan, Regime, RegimeParts,
-    SmemLayout, TILE_K, c_identifier, workspace,
+    Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, Plan, Regime,
+    RegimeParts, SmemLayout, TILE_K, c_identifier, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -60,8 +60,17 @@ impl Plan {
         if shape.top_k == 0 || shape.top_k > shape.experts {
             return Err(format!("top_k {} is outside 1..=experts", shape.top_k));
         }
+        if shape.shared_slices > MAX_SHARED_SLICES {
+            return Err(format!(
+                "{} shared-expert slices is above {MAX_SHARED_SLICES}",
+                shape.shared_slices
+            ));
+        }
         if shape.max_pairs() > MAX_PAIRS {
-            return Err("max_tokens · top_k does not fit the kernels' 32-bit indices".into());
+            return Err(
+                "max_tokens · (top_k + shared slices) does not fit the kernels' 32-bit indices"
+                    .into(),
+            );
         }
         if self.workspace != workspace(shape, self.router.is_some()) {
             return Err("the workspace buffers do not match the layer's shape".into());
@@ -71,7 +80,7 @@ impl Plan {
                 .map_err(|e| format!("router: {e}"))?;
         }
 
-        self.check_regimes(self.regimes.iter().map(Regime::parts), shape.experts)?;
+        self.check_regimes(self.regimes.iter().map(Regime::parts), shape.gemm_experts())?;
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
             let regimes = ep.regimes.iter().map(ExpertParallelRegime::parts);
