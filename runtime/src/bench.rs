@@ -1,6 +1,8 @@
 //! Measuring a layer: median CUDA-event time per token count, over input sets rotated so
 //! that L2 does not hold them between calls, next to the cuBLAS baseline run in the same
-//! process, with the roofline floor beside both (DESIGN.md, "Performance method").
+//! process, with the roofline floor beside both (DESIGN.md, "Performance method"). A
+//! layer with a router is timed a second time routing itself (router, then the layer on
+//! its choices), beside the floor of both.
 
 use cudarc::driver::sys::CUevent_flags;
 use moeforge_compiler::plan::{LayerShape, Target};
@@ -11,7 +13,7 @@ use crate::bf16;
 use crate::ep::{EpLayer, GemmStageSplit, StageMarks, StageTimes};
 use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
-use crate::layer::ForwardArgs;
+use crate::layer::{ForwardArgs, RoutedForwardArgs};
 use crate::nccl_pipeline::{NcclPipeline, NcclPipelineError, Phase};
 use crate::reference;
 use crate::workload::{Routing, Workload};
@@ -55,6 +57,26 @@ impl Roofline {
         Self::of_work(shape, pairs, hit_experts, activation_bytes, target)
     }
 
+    /// This floor plus the router's work for `tokens` tokens: the gate GEMM (x · W_gateᵀ,
+    /// reading W_gate [E, H]) and its logits written and read back (f32).
+    pub fn with_router(&self, shape: &LayerShape, tokens: u32, target: &Target) -> Self {
+        let (t, h, e) = (
+            f64::from(tokens),
+            f64::from(shape.hidden),
+            f64::from(shape.experts),
+        );
+        let flops = self.flops + 2.0 * t * h * e;
+        let bytes = self.bytes + e * h * 2.0 + t * e * 4.0 * 2.0;
+        let compute_s = flops / target.peak_bf16_flops;
+        let memory_s = bytes / target.hbm_bytes_per_s;
+        Roofline {
+            flops,
+            bytes,
+            floor_us: compute_s.max(memory_s) * 1e6,
+            memory_bound: memory_s >= compute_s,
+        }
+    }
+
     /// The floor of `pairs` (token, expert) pairs over `hit_experts` distinct experts,
     /// moving `activation_bytes` besides the hit experts' weights.
     fn of_work(
@@ -95,6 +117,10 @@ pub struct BenchRow {
     /// Relative difference between the baseline's output and moeforge's, as a sanity check
     /// that both computed the same layer.
     pub cublas_agreement: Option<f64>,
+    /// A layer with a router: the call that routes itself (router, then the layer on its
+    /// choices, which are not the workload's), and the floor of both.
+    pub self_routed_us: Option<f64>,
+    pub self_routed_floor_us: Option<f64>,
     pub iterations: usize,
 }
 
@@ -215,6 +241,21 @@ pub fn bench_layer(
             _ => (None, None),
         };
         let roofline = Roofline::of(&shape, &workloads[0], &plan.target);
+        let (self_routed_us, self_routed_floor_us) = if built.layer.routes_itself() && tokens > 0 {
+            let us = time_calls::<BenchError>(session, iterations, |i| {
+                let io = &mut inputs[i];
+                Ok(built.layer.forward_routed(RoutedForwardArgs {
+                    tokens: io.tokens,
+                    x: &io.x,
+                    y: &mut io.y,
+                })?)
+            })?;
+            built.layer.take_error()?;
+            let floor = roofline.with_router(&shape, tokens, &plan.target);
+            (Some(us), Some(floor.floor_us))
+        } else {
+            (None, None)
+        };
         let regime = plan
             .regime_for(tokens)
             .map(|r| r.name.clone())
@@ -229,6 +270,8 @@ pub fn bench_layer(
             roofline,
             cublas_us,
             cublas_agreement,
+            self_routed_us,
+            self_routed_floor_us,
             iterations,
         };
         progress(&row);

@@ -86,7 +86,7 @@ fn utc_date() -> String {
 }
 
 fn header() -> String {
-    "|     T | regime  | moeforge us | TFLOP/s |   GB/s | floor us | of floor | cuBLAS us | speed-up | agree |".to_string()
+    "|     T | regime  | moeforge us | TFLOP/s |   GB/s | floor us | of floor | cuBLAS us | speed-up | agree | self-routed us | its floor us |".to_string()
 }
 
 fn table_row(row: &BenchRow) -> String {
@@ -99,8 +99,9 @@ fn table_row(row: &BenchRow) -> String {
     let agree = row
         .cublas_agreement
         .map_or("-".to_string(), |e| format!("{e:.0e}"));
+    let us = |v: Option<f64>| v.map_or("-".to_string(), |us| format!("{us:.1}"));
     format!(
-        "| {:>5} | {:<7} | {:>11.1} | {:>7.1} | {:>6.0} | {:>8.1} | {:>7.0}% | {:>9} | {:>8} | {:>5} |",
+        "| {:>5} | {:<7} | {:>11.1} | {:>7.1} | {:>6.0} | {:>8.1} | {:>7.0}% | {:>9} | {:>8} | {:>5} | {:>14} | {:>12} |",
         row.tokens,
         row.regime,
         row.moeforge_us,
@@ -110,7 +111,9 @@ fn table_row(row: &BenchRow) -> String {
         row.fraction_of_floor * 100.0,
         cublas,
         speedup,
-        agree
+        agree,
+        us(row.self_routed_us),
+        us(row.self_routed_floor_us)
     )
 }
 
@@ -187,13 +190,13 @@ pub fn run(args: &Args) -> ExitCode {
     };
     let stem = format!("{}_{}_{}", report.date, layer_name, report.routing);
     let mut markdown = format!(
-        "# {layer_name} on {} ({}, commit {}, {} routing)\n\nFloor = max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s); bytes = weights of the experts hit + activations in and out.\n\n{}\n|{}|\n",
+        "# {layer_name} on {} ({}, commit {}, {} routing)\n\nFloor = max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s); bytes = weights of the experts hit (the shared experts' too) + activations in and out. Self-routed: the router on the GPU, then the layer on its choices (not the table's routing); its floor adds the gate GEMM.\n\n{}\n|{}|\n",
         report.gpu,
         report.date,
         report.commit,
         report.routing,
         header(),
-        "---|".repeat(10).trim_end_matches('|')
+        "---|".repeat(12).trim_end_matches('|')
     );
     for row in &rows {
         let _ = writeln!(markdown, "{}", table_row(row));
