@@ -13,6 +13,7 @@ pub mod harness;
 pub mod jit;
 pub mod layer;
 pub mod nccl_pipeline;
+pub mod process_group;
 pub mod reference;
 mod tensor_map;
 pub mod toolkit;
