@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod ep;
 pub mod gpu;
 pub mod harness;
+pub mod ipc;
 pub mod jit;
 pub mod layer;
 pub mod nccl_pipeline;

@@ -270,6 +270,11 @@ impl ControlChannel {
         self.world_size
     }
 
+    /// The bound on every wait of this channel (and of the group's set-up).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Every rank's `message`, in rank order (this rank's own included). Each rank must
     /// call it the same number of times; a peer that has exited or does not answer within
     /// the bound is [`ChannelError::PeerLost`].
