@@ -299,6 +299,12 @@ impl EpLayer {
         self.ranks[r].index
     }
 
+    /// The control channel of this process's group, when the ranks are processes: for
+    /// meeting the other ranks (a bench's start line, gathering results).
+    pub fn group_channel(&mut self) -> Option<&mut ControlChannel> {
+        self.group.as_mut().map(|group| &mut group.channel)
+    }
+
     /// Rank `r`'s compute stream: upload its inputs there, read its output after it.
     pub fn stream(&self, rank: usize) -> &Arc<CudaStream> {
         &self.ranks[rank].compute
