@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use moeforge::compiler::plan::Plan;
 use moeforge::runtime::bench::{
     BenchRow, BenchSettings, ExpertParallelRow, bench_expert_parallel, bench_group_rank,
     bench_layer,
@@ -138,20 +139,8 @@ pub fn run(args: &Args) -> ExitCode {
     if let Err(status) = note_one_rank(&plan, args.ranks, args.gpus) {
         return status;
     }
-    if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
-        eprintln!(
-            "error: --tokens {too_many} exceeds the layer's max_tokens of {}",
-            plan.shape.max_tokens
-        );
-        return usage_error();
-    }
-    if args.iterations == 0 {
-        eprintln!("error: --iterations must be at least 1");
-        return usage_error();
-    }
-    if let Err(error) = toolkit::driver_available() {
-        eprintln!("error: bench needs a GPU: {error}");
-        return usage_error();
+    if let Err(status) = check_settings(args, &plan) {
+        return status;
     }
     let seed = fresh_seed(args.seed);
     let layer_name = plan.layer.clone();
@@ -383,20 +372,8 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         Ok(plan) => plan,
         Err(status) => return status,
     };
-    if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
-        eprintln!(
-            "error: --tokens {too_many} exceeds the layer's max_tokens of {}",
-            plan.shape.max_tokens
-        );
-        return usage_error();
-    }
-    if args.iterations == 0 {
-        eprintln!("error: --iterations must be at least 1");
-        return usage_error();
-    }
-    if let Err(error) = toolkit::driver_available() {
-        eprintln!("error: bench needs a GPU: {error}");
-        return usage_error();
+    if let Err(status) = check_settings(args, &plan) {
+        return status;
     }
     let shape = plan.shape.clone();
     let mut rank = match group::start(env, plan, fresh_seed(args.seed)) {
@@ -442,4 +419,25 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
             invalid_input()
         }
     }
+}
+
+/// Refuses token counts above the layer's max_tokens, zero iterations and a machine
+/// without a GPU, saying so.
+fn check_settings(args: &Args, plan: &Plan) -> Result<(), ExitCode> {
+    if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
+        eprintln!(
+            "error: --tokens {too_many} exceeds the layer's max_tokens of {}",
+            plan.shape.max_tokens
+        );
+        return Err(usage_error());
+    }
+    if args.iterations == 0 {
+        eprintln!("error: --iterations must be at least 1");
+        return Err(usage_error());
+    }
+    if let Err(error) = toolkit::driver_available() {
+        eprintln!("error: bench needs a GPU: {error}");
+        return Err(usage_error());
+    }
+    Ok(())
 }
