@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::moeforge;
+use common::{moeforge, moeforge_with_env};
 
 fn examples() -> Vec<PathBuf> {
     let directory = Path::new(env!("CARGO_MANIFEST_DIR")).join("dsl-examples");
@@ -271,4 +271,59 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
     // Fewer ranks than experts allow is a usage error, not a panic.
     let output = moeforge(&["simulate", "dsl-examples/tiny.moe", "--ranks", "3"]);
     assert_eq!(output.status.code(), Some(2));
+}
+
+/// A process launched as a rank of a group with a launch variable missing, a world size
+/// the layer does not have, or virtual ranks, is a usage error that says what to set
+/// (before any GPU or network work, so these run anywhere).
+#[test]
+fn rank_processes_launched_wrong_say_what_to_set() {
+    let run = ["run", "dsl-examples/tiny.moe", "--tokens", "4"];
+    let full = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29555"),
+    ];
+    for missing in ["WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+        let vars: Vec<(&str, &str)> = full
+            .iter()
+            .copied()
+            .filter(|(k, _)| *k != missing)
+            .collect();
+        let output = moeforge_with_env(&run, &vars);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{missing}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{missing} is not set"))
+                && stderr.contains(&format!("set {missing}")),
+            "{missing}: {stderr}"
+        );
+    }
+    // tiny.moe has 4 expert-parallel ranks; two processes are not its group.
+    let output = moeforge_with_env(&run, &full);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("WORLD_SIZE=2 but the layer has 4 expert-parallel ranks")
+            && stderr.contains("--gpus 2"),
+        "{stderr}"
+    );
+    for command in ["run", "bench"] {
+        let output = moeforge_with_env(
+            &[
+                command,
+                "dsl-examples/tiny.moe",
+                "--tokens",
+                "4",
+                "--ranks",
+                "2",
+            ],
+            &full,
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{command}: {stderr}");
+        assert!(stderr.contains("drop --ranks"), "{command}: {stderr}");
+    }
 }

@@ -15,6 +15,7 @@ use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
 use crate::layer::{ForwardArgs, RoutedForwardArgs};
 use crate::nccl_pipeline::{NcclPipeline, NcclPipelineError, Phase};
+use crate::process_group::ChannelError;
 use crate::reference;
 use crate::workload::{Routing, Workload};
 
@@ -164,6 +165,8 @@ pub enum BenchError {
     Gpu(#[from] GpuError),
     #[error("the NCCL pipeline (baseline b): {0}")]
     NcclPipeline(Box<NcclPipelineError>),
+    #[error(transparent)]
+    Channel(#[from] ChannelError),
 }
 
 impl From<NcclPipelineError> for BenchError {
@@ -547,6 +550,81 @@ pub fn bench_expert_parallel(
             nccl_us,
             nccl_stages,
             hidden_share,
+        };
+        progress(&row);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// One token count of the bench of a group of rank processes.
+#[derive(Clone, Debug, Serialize)]
+pub struct GroupBenchRow {
+    /// Tokens per rank.
+    pub tokens: u32,
+    /// Every rank's mean wall time per call, in µs, in rank order.
+    pub per_rank_us: Vec<f64>,
+    /// The layer's time per call: the slowest rank's.
+    pub layer_us: f64,
+}
+
+/// This process's part of the bench when the ranks are processes (see
+/// [`EpLayer::join_group`]): per token count, after warm-up and a meeting of every rank,
+/// the mean host wall time of `iterations` back-to-back overlapped calls, synchronised at
+/// the end; every rank's number gathered over the group's control channel. (CUDA events
+/// do not cross processes, and the bulk-synchronous variant needs barriers between
+/// processes, so neither is measured here.) Every rank calls it with the same settings.
+pub fn bench_group_rank(
+    ep: &mut EpLayer,
+    shape: &LayerShape,
+    settings: &BenchSettings<'_>,
+    mut progress: impl FnMut(&GroupBenchRow),
+) -> Result<Vec<GroupBenchRow>, BenchError> {
+    let rank = ep.rank_index(0);
+    let mut rows = Vec::new();
+    for &tokens in settings.token_counts {
+        // The seeds of the single-process bench's workloads, rank for rank.
+        let workload = Workload::random(
+            shape,
+            tokens,
+            settings.routing,
+            settings.seed ^ (u64::from(tokens) << 8) ^ u64::from(rank),
+        );
+        let mut input = upload_poisoned(ep.stream(0), shape, &workload)?;
+        for _ in 0..WARMUP_CALLS {
+            ep.forward(&mut [input.args()])
+                .map_err(HarnessError::from)?;
+        }
+        ep.take_error().map_err(HarnessError::from)?;
+        if let Some(channel) = ep.group_channel() {
+            channel.barrier()?;
+        }
+        let started = std::time::Instant::now();
+        for _ in 0..settings.iterations {
+            ep.forward(&mut [input.args()])
+                .map_err(HarnessError::from)?;
+        }
+        ep.synchronize().map_err(HarnessError::from)?;
+        let us = started.elapsed().as_secs_f64() * 1e6 / settings.iterations.max(1) as f64;
+        ep.take_error().map_err(HarnessError::from)?;
+        let per_rank_us = match ep.group_channel() {
+            Some(channel) => channel
+                .all_gather(&us.to_le_bytes())?
+                .iter()
+                .map(|bytes| {
+                    // A peer's message is its 8 bytes; anything else reads as unknown.
+                    bytes
+                        .as_slice()
+                        .try_into()
+                        .map_or(f64::NAN, f64::from_le_bytes)
+                })
+                .collect(),
+            None => vec![us],
+        };
+        let row = GroupBenchRow {
+            tokens,
+            layer_us: per_rank_us.iter().copied().fold(f64::NAN, f64::max),
+            per_rank_us,
         };
         progress(&row);
         rows.push(row);

@@ -3,8 +3,10 @@
 //! expert-parallel kernels (`moeforge_compiler::plan::ep`).
 //!
 //! Ranks live on one GPU (virtual ranks: the same kernels, every peer address on one
-//! device) or on one GPU each, driven from this process with peer access enabled. Only
-//! the peer table differs. A call enqueues, per rank: the communication stream waits for
+//! device), on one GPU each driven from this process with peer access enabled
+//! ([`EpLayer::new`]), or on one GPU each, one process per rank ([`EpLayer::join_group`]:
+//! this process holds its own rank; the peers' buffers are CUDA IPC mappings, see
+//! [`crate::ipc`]). Only the peer table differs. A call enqueues, per rank: the communication stream waits for
 //! the compute stream's earlier work, then takes the metadata and dispatch kernels; the
 //! compute stream takes arrange, the GEMMs and combine, then waits for the communication
 //! stream. Within a call the ranks synchronise only through the kernels' flags; each call
@@ -20,10 +22,12 @@ use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
 use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
+use crate::ipc::{self, ExportableBuffer, PeerMappings};
 use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
     load_kernel, ptr, read_error_word,
 };
+use crate::process_group::ControlChannel;
 use crate::tensor_map::TensorMap;
 
 /// Where a kernel parameter's value comes from, resolved once per rank.
@@ -44,11 +48,36 @@ enum Binding {
     TensorMap(usize),
 }
 
+/// A workspace buffer's memory: from the stream-ordered pool, or, for the buffers peers
+/// write when the peers are other processes, memory they can map.
+enum WorkspaceMemory {
+    Pool(CudaSlice<u8>),
+    Exportable(ExportableBuffer),
+}
+
+impl WorkspaceMemory {
+    fn slice(&self) -> &CudaSlice<u8> {
+        match self {
+            WorkspaceMemory::Pool(slice) => slice,
+            WorkspaceMemory::Exportable(buffer) => buffer.slice(),
+        }
+    }
+
+    fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
+        match self {
+            WorkspaceMemory::Pool(slice) => slice,
+            WorkspaceMemory::Exportable(buffer) => buffer.slice_mut(),
+        }
+    }
+}
+
 /// One rank: its streams, module, buffers, experts and resolved launches.
 struct Rank {
+    /// Its rank in the layer (`0..R`), the kernels' `rank` argument.
+    index: u32,
     compute: Arc<CudaStream>,
     comm: Arc<CudaStream>,
-    workspace: Vec<(BufferId, CudaSlice<u8>)>,
+    workspace: Vec<(BufferId, WorkspaceMemory)>,
     weights: ExpertWeights,
     /// Tensor maps over this rank's experts' weights.
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
@@ -61,11 +90,22 @@ pub struct EpLayer {
     plan: Plan,
     /// `plan`'s expert-parallel part.
     ep: ExpertParallelPlan,
+    /// The ranks this process drives: all of them, or its own one in a group.
     ranks: Vec<Rank>,
+    /// This process's part in a group of rank processes, when it is one.
+    group: Option<Group>,
     /// The epoch of the last call; flags start at 0, so the first call is epoch 1.
     epoch: u32,
     /// Fault injection: the rank whose communication the next call leaves out.
     withheld: Option<usize>,
+}
+
+/// This process's membership of a group of rank processes.
+struct Group {
+    /// Where the ranks meet after a time-out, and before tearing down.
+    channel: ControlChannel,
+    /// The peers' buffers, mapped here; the peer table holds their addresses.
+    _mappings: PeerMappings,
 }
 
 /// Enables access from `from` to `to`'s memory (one process, several GPUs).
@@ -140,11 +180,7 @@ impl EpLayer {
         modules: Vec<Arc<CudaModule>>,
         weights: Vec<ExpertWeights>,
     ) -> Result<Self, LayerError> {
-        plan.validate()?;
-        let ep = plan
-            .expert_parallel
-            .clone()
-            .ok_or(LayerError::NotExpertParallel)?;
+        let ep = expert_parallel_part(&plan)?;
         let ranks = ep.ranks as usize;
         if contexts.len() != ranks || modules.len() != ranks || weights.len() != ranks {
             return Err(LayerError::RankCount {
@@ -163,60 +199,37 @@ impl EpLayer {
             }
         }
         let mut built = Vec::with_capacity(ranks);
-        for ((ctx, module), weights) in contexts.iter().zip(modules).zip(weights) {
-            weights.check(&plan.shape, ep.experts_per_rank)?;
-            let compute = ctx.new_stream().context("creating a compute stream")?;
-            let comm = ctx
-                .new_stream()
-                .context("creating a communication stream")?;
-            let mut workspace = Vec::new();
-            for buffer in &ep.workspace {
-                let bytes = buffer.bytes() as usize;
-                // Zeroed: flags and counters start below every epoch and at zero.
-                let slice = compute
-                    .alloc_zeros::<u8>(bytes.max(1))
-                    .context(format!("allocating `{}` ({bytes} bytes)", buffer.id.name()))?;
-                workspace.push((buffer.id, slice));
-            }
-            let mut tensor_maps = WeightTensorMaps {
-                shape: &plan.shape,
-                experts: ep.experts_per_rank,
-                weights: &weights,
-                stream: &compute,
-                maps: Vec::new(),
-            };
-            let mut regime_kernels = Vec::new();
-            let mut loaded = Vec::new();
-            for regime in &ep.regimes {
-                let mut launches = Vec::new();
-                for launch in &regime.launches {
-                    let function = load_kernel(&module, &mut loaded, launch)?;
-                    load_now(ctx, &function, &launch.kernel)?;
-                    let bindings = launch
-                        .params
-                        .iter()
-                        .map(|p| bind(p.arg, &workspace, &mut tensor_maps))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    launches.push((function, bindings));
-                }
-                regime_kernels.push(launches);
-            }
-            let tensor_maps = tensor_maps.maps;
-            built.push(Rank {
-                compute,
-                comm,
-                workspace,
+        for (index, ((ctx, module), weights)) in
+            contexts.iter().zip(modules).zip(weights).enumerate()
+        {
+            built.push(build_rank(
+                &plan,
+                &ep,
+                index as u32,
+                ctx,
+                module,
                 weights,
-                tensor_maps,
-                regime_kernels,
-                _module: module,
-            });
+                false,
+            )?);
         }
-        upload_peer_tables(&ep, &mut built)?;
+        // With peer access (or one device) an address is valid on every rank's device.
+        let table = built
+            .iter()
+            .map(|rank| {
+                ep.peer_buffers
+                    .iter()
+                    .map(|id| Ok(ptr(workspace(&rank.workspace, *id)?, &rank.compute)))
+                    .collect::<Result<Vec<u64>, LayerError>>()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for rank in &mut built {
+            write_peer_table(rank, &table)?;
+        }
         let layer = EpLayer {
             plan,
             ep,
             ranks: built,
+            group: None,
             epoch: 0,
             withheld: None,
         };
@@ -224,13 +237,72 @@ impl EpLayer {
         Ok(layer)
     }
 
+    /// Builds this process's rank of a group of rank processes on one node, one GPU each:
+    /// rank `channel.rank()` on `ctx` with `module` (the plan's unit loaded there) and
+    /// `weights` (its `E / R` experts). Every rank of the group calls it with the same
+    /// plan; it returns once every rank's peer table is in place. Checks that the group
+    /// has the plan's rank count and a GPU per rank, joins the NCCL communicator,
+    /// exchanges the IPC handles of the buffers peers write and maps the peers' buffers.
+    pub fn join_group(
+        plan: Plan,
+        ctx: &Arc<CudaContext>,
+        module: Arc<CudaModule>,
+        weights: ExpertWeights,
+        mut channel: ControlChannel,
+    ) -> Result<Self, LayerError> {
+        let ep = expert_parallel_part(&plan)?;
+        ipc::check_group(&mut channel, &plan, ep.ranks, ctx)?;
+        let mut rank = build_rank(&plan, &ep, channel.rank(), ctx, module, weights, true)?;
+        let comm = ipc::join_nccl(&mut channel, &rank.compute)?;
+        let exported = ep
+            .peer_buffers
+            .iter()
+            .map(|id| match rank.workspace.iter().find(|(b, _)| b == id) {
+                Some((_, WorkspaceMemory::Exportable(buffer))) => Ok(buffer),
+                _ => Err(LayerError::MissingWorkspace { buffer: id.name() }),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let peers = ipc::exchange(&comm, &exported, channel.timeout())?;
+        write_peer_table(&mut rank, &peers.table)?;
+        rank.compute
+            .synchronize()
+            .context("placing the peer table")?;
+        // Every rank's all-gather has finished and its table is in place: the communicator
+        // can go (this path needs no more of it), and every rank may start calling.
+        channel.barrier().map_err(ipc::GroupError::from)?;
+        drop(comm);
+        Ok(EpLayer {
+            plan,
+            ep,
+            ranks: vec![rank],
+            group: Some(Group {
+                channel,
+                _mappings: peers.mappings,
+            }),
+            epoch: 0,
+            withheld: None,
+        })
+    }
+
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
 
-    /// How many ranks the layer runs on.
+    /// How many ranks this process drives (one in a group of rank processes).
     pub fn ranks(&self) -> usize {
         self.ranks.len()
+    }
+
+    /// The layer's rank of the `r`-th rank this process drives (`r` itself unless this
+    /// process is one rank of a group).
+    pub fn rank_index(&self, r: usize) -> u32 {
+        self.ranks[r].index
+    }
+
+    /// The control channel of this process's group, when the ranks are processes: for
+    /// meeting the other ranks (a bench's start line, gathering results).
+    pub fn group_channel(&mut self) -> Option<&mut ControlChannel> {
+        self.group.as_mut().map(|group| &mut group.channel)
     }
 
     /// Rank `r`'s compute stream: upload its inputs there, read its output after it.
@@ -247,8 +319,9 @@ impl EpLayer {
         Ok(())
     }
 
-    /// Enqueues one call: `args[r]` is rank `r`'s tokens (on its device). Does not
-    /// synchronise. The ranks meet only through the kernels' flags.
+    /// Enqueues one call: `args[r]` is rank `r`'s tokens (on its device; in a group, one
+    /// entry, this process's rank). Does not synchronise. The ranks meet only through the
+    /// kernels' flags; in a group every rank makes the same sequence of calls.
     pub fn forward(&mut self, args: &mut [ForwardArgs<'_>]) -> Result<(), LayerError> {
         let regimes = self.begin_call(args)?;
         let withheld = self.withheld.take();
@@ -285,6 +358,10 @@ impl EpLayer {
         args: &mut [ForwardArgs<'_>],
         marks: Option<&StageMarks>,
     ) -> Result<(), LayerError> {
+        if self.group.is_some() {
+            // Its barriers are stream events, which do not cross processes.
+            return Err(LayerError::BulkSynchronousInGroup);
+        }
         let regimes = self.begin_call(args)?;
         let combine = self.ep.combine_kernel.clone();
         let streams = |role: StreamRole| -> Vec<Arc<CudaStream>> {
@@ -395,9 +472,11 @@ impl EpLayer {
                     Binding::Tokens => ArgValue::Int(a.tokens as i32),
                     Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
                     Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
-                    Binding::Rank => ArgValue::Int(r as i32),
+                    Binding::Rank => ArgValue::Int(rank.index as i32),
                     Binding::Epoch => ArgValue::Int(epoch as i32),
-                    Binding::Workspace(i) => ArgValue::Pointer(ptr(&rank.workspace[i].1, stream)),
+                    Binding::Workspace(i) => {
+                        ArgValue::Pointer(ptr(rank.workspace[i].1.slice(), stream))
+                    }
                     Binding::TensorMap(i) => ArgValue::TensorMap(rank.tensor_maps[i].1),
                 })
                 .collect();
@@ -411,8 +490,10 @@ impl EpLayer {
             // maps by value over this rank's weights); `new`
             // validated the plan and sized every workspace buffer from it, and the
             // caller's buffers were checked in `begin_call`.
-            unsafe { launch_with(stream, function, config, &values) }
-                .context(format!("launching `{}` on rank {r}", launch.kernel))?;
+            unsafe { launch_with(stream, function, config, &values) }.context(format!(
+                "launching `{}` on rank {}",
+                launch.kernel, rank.index
+            ))?;
         }
         Ok(())
     }
@@ -436,7 +517,16 @@ impl EpLayer {
     /// time-out lists every other rank's timed-out wait beside it). After a
     /// time-out the ranks' flags disagree: this also zeroes every rank's exchange state
     /// (`plan::ep::EXCHANGE_STATE`) and restarts the epochs, so the next call starts clean.
+    ///
+    /// In a group of rank processes it reports this process's rank's error, and is a
+    /// meeting point: every rank calls it after the same calls, and the ranks agree over
+    /// the control channel whether any timed out; if one did, every rank restarts its
+    /// exchange. A peer that has exited cannot agree: this rank's own error (its time-out)
+    /// is still what is reported.
     pub fn take_error(&mut self) -> Result<(), LayerError> {
+        if self.group.is_some() {
+            return self.take_group_error();
+        }
         let words = self.error_words()?;
         let mut errors: Vec<LayerError> = words
             .into_iter()
@@ -461,20 +551,46 @@ impl EpLayer {
         Err(first)
     }
 
+    /// [`EpLayer::take_error`] for this process's rank of a group.
+    fn take_group_error(&mut self) -> Result<(), LayerError> {
+        let words = self.error_words()?;
+        let error = words
+            .into_iter()
+            .find_map(|word| kernel_error(word, self.plan.shape.experts).err());
+        let timed_out = matches!(error, Some(LayerError::FlagTimeout { .. }));
+        let Some(group) = &mut self.group else {
+            return error.map_or(Ok(()), Err);
+        };
+        let agreed = group.channel.all_gather(&[u8::from(timed_out)]);
+        let any_timed_out = match agreed {
+            Ok(votes) => votes.iter().any(|vote| vote.first() == Some(&1)),
+            // A lost peer: this rank's own error says what happened to its call.
+            Err(lost) => return Err(error.unwrap_or(ipc::GroupError::from(lost).into())),
+        };
+        if any_timed_out {
+            self.restart_exchange()?;
+        }
+        error.map_or(Ok(()), Err)
+    }
+
     /// Zeroes every rank's exchange state and restarts the epochs at 1. Every rank's
-    /// streams must be idle (the caller synchronised).
+    /// streams must be idle (the caller synchronised). In a group, returns once every
+    /// rank has zeroed its state, so no rank's next call finds a peer's stale flags.
     fn restart_exchange(&mut self) -> Result<(), LayerError> {
         for rank in &mut self.ranks {
-            for (id, slice) in &mut rank.workspace {
+            for (id, memory) in &mut rank.workspace {
                 if EXCHANGE_STATE.contains(id) {
                     rank.compute
-                        .memset_zeros(slice)
+                        .memset_zeros(memory.slice_mut())
                         .context(format!("zeroing `{}` after a time-out", id.name()))?;
                 }
             }
         }
         self.synchronize()?;
         self.epoch = 0;
+        if let Some(group) = &mut self.group {
+            group.channel.barrier().map_err(ipc::GroupError::from)?;
+        }
         Ok(())
     }
 
@@ -484,6 +600,92 @@ impl EpLayer {
     pub fn withhold_sends_once(&mut self, rank: usize) {
         self.withheld = Some(rank);
     }
+}
+
+impl Drop for EpLayer {
+    /// In a group, waits for the peers before the buffers they write are freed: a peer may
+    /// still be returning credits into them after this rank's last call ended.
+    fn drop(&mut self) {
+        if self.group.is_some() {
+            let _ = self.synchronize();
+        }
+        if let Some(group) = &mut self.group {
+            // A peer that has exited cannot meet: nothing to wait for then.
+            let _ = group.channel.barrier();
+        }
+    }
+}
+
+/// The plan's expert-parallel part, after validating the plan.
+fn expert_parallel_part(plan: &Plan) -> Result<ExpertParallelPlan, LayerError> {
+    plan.validate()?;
+    plan.expert_parallel
+        .clone()
+        .ok_or(LayerError::NotExpertParallel)
+}
+
+/// Builds rank `index` on `ctx`: streams, zeroed workspace (the buffers peers write
+/// exportable to other processes when `exportable`), resolved launches, kernels loaded.
+fn build_rank(
+    plan: &Plan,
+    ep: &ExpertParallelPlan,
+    index: u32,
+    ctx: &Arc<CudaContext>,
+    module: Arc<CudaModule>,
+    weights: ExpertWeights,
+    exportable: bool,
+) -> Result<Rank, LayerError> {
+    weights.check(&plan.shape, ep.experts_per_rank)?;
+    let compute = ctx.new_stream().context("creating a compute stream")?;
+    let comm = ctx
+        .new_stream()
+        .context("creating a communication stream")?;
+    let mut workspace = Vec::new();
+    for buffer in &ep.workspace {
+        let bytes = (buffer.bytes() as usize).max(1);
+        let what = || format!("allocating `{}` ({bytes} bytes)", buffer.id.name());
+        // Zeroed: flags and counters start below every epoch and at zero.
+        let memory = if exportable && ep.peer_buffers.contains(&buffer.id) {
+            WorkspaceMemory::Exportable(ExportableBuffer::zeroed(&compute, bytes)?)
+        } else {
+            WorkspaceMemory::Pool(compute.alloc_zeros::<u8>(bytes).context(what())?)
+        };
+        workspace.push((buffer.id, memory));
+    }
+    let mut tensor_maps = WeightTensorMaps {
+        shape: &plan.shape,
+        experts: ep.experts_per_rank,
+        weights: &weights,
+        stream: &compute,
+        maps: Vec::new(),
+    };
+    let mut regime_kernels = Vec::new();
+    let mut loaded = Vec::new();
+    for regime in &ep.regimes {
+        let mut launches = Vec::new();
+        for launch in &regime.launches {
+            let function = load_kernel(&module, &mut loaded, launch)?;
+            load_now(ctx, &function, &launch.kernel)?;
+            let bindings = launch
+                .params
+                .iter()
+                .map(|p| bind(p.arg, &workspace, &mut tensor_maps))
+                .collect::<Result<Vec<_>, _>>()?;
+            launches.push((function, bindings));
+        }
+        regime_kernels.push(launches);
+    }
+    let tensor_maps = tensor_maps.maps;
+    Ok(Rank {
+        index,
+        compute,
+        comm,
+        workspace,
+        weights,
+        tensor_maps,
+        regime_kernels,
+        _module: module,
+    })
 }
 
 /// Every stream of `waiters` waits for the work enqueued so far on every stream of
@@ -578,47 +780,42 @@ impl StageMarks {
     }
 }
 
-/// Writes every rank's peer table: row `d` holds rank `d`'s addresses of the buffers peers
-/// write, in the plan's order. With peer access (or one device) an address is valid on
-/// every rank's device.
-fn upload_peer_tables(ep: &ExpertParallelPlan, ranks: &mut [Rank]) -> Result<(), LayerError> {
-    let mut table: Vec<u64> = Vec::with_capacity(ranks.len() * ep.peer_buffers.len());
-    for rank in ranks.iter() {
-        for id in &ep.peer_buffers {
-            table.push(ptr(workspace(&rank.workspace, *id)?, &rank.compute));
-        }
-    }
-    let bytes: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
-    for rank in ranks.iter_mut() {
-        let slot = rank
-            .workspace
-            .iter_mut()
-            .find(|(b, _)| *b == BufferId::PeerTable)
-            .map(|(_, s)| s)
-            .ok_or(LayerError::MissingWorkspace {
-                buffer: BufferId::PeerTable.name(),
-            })?;
-        rank.compute
-            .memcpy_htod(&bytes, slot)
-            .context("uploading the peer table")?;
-    }
+/// Writes `rank`'s peer table: row `d` holds rank `d`'s addresses, valid on `rank`'s
+/// device, of the buffers peers write, in the plan's order.
+fn write_peer_table(rank: &mut Rank, table: &[Vec<u64>]) -> Result<(), LayerError> {
+    let bytes: Vec<u8> = table
+        .iter()
+        .flatten()
+        .flat_map(|a| a.to_le_bytes())
+        .collect();
+    let slot = rank
+        .workspace
+        .iter_mut()
+        .find(|(b, _)| *b == BufferId::PeerTable)
+        .map(|(_, memory)| memory.slice_mut())
+        .ok_or(LayerError::MissingWorkspace {
+            buffer: BufferId::PeerTable.name(),
+        })?;
+    rank.compute
+        .memcpy_htod(&bytes, slot)
+        .context("uploading the peer table")?;
     Ok(())
 }
 
 fn workspace(
-    buffers: &[(BufferId, CudaSlice<u8>)],
+    buffers: &[(BufferId, WorkspaceMemory)],
     id: BufferId,
 ) -> Result<&CudaSlice<u8>, LayerError> {
     buffers
         .iter()
         .find(|(b, _)| *b == id)
-        .map(|(_, s)| s)
+        .map(|(_, memory)| memory.slice())
         .ok_or(LayerError::MissingWorkspace { buffer: id.name() })
 }
 
 fn bind(
     arg: LaunchArg,
-    workspace: &[(BufferId, CudaSlice<u8>)],
+    workspace: &[(BufferId, WorkspaceMemory)],
     tensor_maps: &mut WeightTensorMaps<'_>,
 ) -> Result<Binding, LayerError> {
     Ok(match arg {

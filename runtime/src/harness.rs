@@ -20,10 +20,12 @@ use crate::call_file::CallOutputs;
 use crate::checkpoint::HostGate;
 use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError};
+use crate::ipc::GroupError;
 use crate::jit::{CompileOptions, CompiledModule, Jit, JitError};
 use crate::layer::{
     ExpertBiases, ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs,
 };
+use crate::process_group::ControlChannel;
 use crate::reference::router::{KernelRouting, RouterCheck};
 use crate::reference::{self, Comparison, HostExpert, HostExpertBias};
 use crate::weights::{RANDOM_EXPERT_BIAS_RANGE, random_gate, upload_gate};
@@ -232,12 +234,18 @@ const W2_SEED_SALT: u64 = 0x5eed_2222_0000_0001;
 const BIAS_SEED_SALT: u64 = 0x5eed_b1a5_0000_0001;
 
 impl Session {
+    /// A session on GPU 0.
     pub fn open() -> Result<Self, HarnessError> {
+        Session::open_device(0)
+    }
+
+    /// A session on GPU `ordinal` (a rank process's own GPU, its `LOCAL_RANK`).
+    pub fn open_device(ordinal: usize) -> Result<Self, HarnessError> {
         // A session that panicked (a failed test) leaves nothing behind that matters here.
         let turn = SESSION_TURN
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let gpu = Gpu::open(0)?;
+        let gpu = Gpu::open(ordinal)?;
         let jit = Jit::from_env()?;
         let arch = gpu.arch()?;
         let fill = jit.compile(FILL_SOURCE, &CompileOptions::new("moeforge_fill", arch))?;
@@ -506,35 +514,81 @@ impl Session {
         built: &BuiltLayer,
         contexts: &[Arc<CudaContext>],
     ) -> Result<EpLayer, HarnessError> {
+        let weights = contexts
+            .iter()
+            .enumerate()
+            .map(|(r, ctx)| self.rank_weights(built, r, contexts.len(), ctx))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.build_expert_parallel_with(built, contexts, weights)
+    }
+
+    /// Rank `r`'s `E / ranks` experts of `built`, copied onto `ctx`'s device.
+    fn rank_weights(
+        &self,
+        built: &BuiltLayer,
+        r: usize,
+        ranks: usize,
+        ctx: &Arc<CudaContext>,
+    ) -> Result<ExpertWeights, GpuError> {
         let shape = &built.layer.plan().shape;
-        let ranks = contexts.len();
         let local = shape.experts as usize / ranks.max(1);
         let w1_len = local * shape.w1_rows() as usize * shape.hidden as usize;
         let w2_len = local * shape.hidden as usize * shape.ffn as usize;
         let full = built.layer.weights();
-        let mut weights = Vec::with_capacity(ranks);
-        for (r, ctx) in contexts.iter().enumerate() {
-            // Host staging works between any two devices; these copies are test set-up.
-            let w1 = self
-                .gpu
-                .stream
-                .clone_dtoh(&full.w1.slice(r * w1_len..(r + 1) * w1_len))
-                .context("downloading a rank's W1")?;
-            let w2 = self
-                .gpu
-                .stream
-                .clone_dtoh(&full.w2.slice(r * w2_len..(r + 1) * w2_len))
-                .context("downloading a rank's W2")?;
-            let stream = ctx.default_stream();
-            weights.push(ExpertWeights {
-                w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
-                w2: stream.clone_htod(&w2).context("uploading a rank's W2")?,
-                // A layer with expert biases has no expert-parallel plan, so never gets here.
-                biases: None,
-            });
-            stream.synchronize().context("placing a rank's weights")?;
+        // Host staging works between any two devices; these copies are set-up.
+        let w1 = self
+            .gpu
+            .stream
+            .clone_dtoh(&full.w1.slice(r * w1_len..(r + 1) * w1_len))
+            .context("downloading a rank's W1")?;
+        let w2 = self
+            .gpu
+            .stream
+            .clone_dtoh(&full.w2.slice(r * w2_len..(r + 1) * w2_len))
+            .context("downloading a rank's W2")?;
+        let stream = ctx.default_stream();
+        let weights = ExpertWeights {
+            w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
+            w2: stream.clone_htod(&w2).context("uploading a rank's W2")?,
+            // A layer with expert biases has no expert-parallel plan, so never gets here.
+            biases: None,
+        };
+        stream.synchronize().context("placing a rank's weights")?;
+        Ok(weights)
+    }
+
+    /// This process's rank of `built`'s expert-parallel layer when the ranks are processes
+    /// (see [`EpLayer::join_group`]): rank `channel.rank()` on this session's GPU with its
+    /// `E / R` experts copied from `built` (every rank built `built` from the same seed, so
+    /// each holds the whole layer for its CPU reference and keeps its own slice).
+    pub fn join_expert_parallel_group(
+        &self,
+        built: &BuiltLayer,
+        channel: ControlChannel,
+    ) -> Result<EpLayer, HarnessError> {
+        let plan = built.layer.plan();
+        let ranks = plan.expert_parallel.as_ref().map_or(1, |ep| ep.ranks);
+        if channel.world_size() != ranks {
+            return Err(LayerError::from(GroupError::WorldSize {
+                world_size: channel.world_size(),
+                ranks,
+            })
+            .into());
         }
-        self.build_expert_parallel_with(built, contexts, weights)
+        let weights = self.rank_weights(
+            built,
+            channel.rank() as usize,
+            ranks as usize,
+            &self.gpu.ctx,
+        )?;
+        let module = self.gpu.load(&built.module)?;
+        Ok(EpLayer::join_group(
+            plan.clone(),
+            &self.gpu.ctx,
+            module,
+            weights,
+            channel,
+        )?)
     }
 
     /// The expert-parallel layer of `built`'s plan with the caller's weights: rank `r` on

@@ -37,6 +37,12 @@ pub enum LayerError {
     NotExpertParallel,
     #[error("the plan has {ranks} ranks but {given} were given")]
     RankCount { ranks: u32, given: usize },
+    #[error(transparent)]
+    Group(#[from] crate::ipc::GroupError),
+    #[error(
+        "the bulk-synchronous schedule's barriers are stream events of one process; run it with every rank in one process (--gpus G), not as a group of rank processes"
+    )]
+    BulkSynchronousInGroup,
     #[error(
         "{wait}{others}: a peer stopped or never sent; the layer restarted its exchange, so the next call starts clean"
     )]

@@ -1,19 +1,27 @@
 //! `moeforge bench FILE --tokens 1,16,128`: per token count, the median CUDA-event time of
 //! the layer next to the cuBLAS baseline measured in the same run, with the roofline floor;
 //! prints a table and writes JSON and Markdown to `benches/results/`.
+//!
+//! Launched as a group of rank processes (`RANK`, `WORLD_SIZE`, ... set; see
+//! [`super::group`]), every rank times its calls and rank 0 prints each token count's
+//! slowest rank and every rank's time (no files, no baselines).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use moeforge::compiler::plan::Plan;
 use moeforge::runtime::bench::{
-    BenchRow, BenchSettings, ExpertParallelRow, bench_expert_parallel, bench_layer,
+    BenchRow, BenchSettings, ExpertParallelRow, bench_expert_parallel, bench_group_rank,
+    bench_layer,
 };
 use moeforge::runtime::nccl_pipeline::NcclPipeline;
+use moeforge::runtime::process_group::LaunchEnv;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::fresh_seed;
 use serde::Serialize;
 
+use super::group;
 use super::planning::{
     RankChoice, TargetArgs, build_on_gpu, note_one_rank, plan_file_over, plan_one,
 };
@@ -118,6 +126,11 @@ fn table_row(row: &BenchRow) -> String {
 }
 
 pub fn run(args: &Args) -> ExitCode {
+    match group::launched(args.ranks) {
+        Ok(Some(env)) => return bench_as_rank(args, &env),
+        Ok(None) => {}
+        Err(status) => return status,
+    }
     let choice = RankChoice::from_flags(args.ranks, args.gpus);
     if let Some(choice) = choice {
         return run_expert_parallel(args, choice);
@@ -129,20 +142,8 @@ pub fn run(args: &Args) -> ExitCode {
     if let Err(status) = note_one_rank(&plan, args.ranks, args.gpus) {
         return status;
     }
-    if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
-        eprintln!(
-            "error: --tokens {too_many} exceeds the layer's max_tokens of {}",
-            plan.shape.max_tokens
-        );
-        return usage_error();
-    }
-    if args.iterations == 0 {
-        eprintln!("error: --iterations must be at least 1");
-        return usage_error();
-    }
-    if let Err(error) = toolkit::driver_available() {
-        eprintln!("error: bench needs a GPU: {error}");
-        return usage_error();
+    if let Err(status) = check_settings(args, &plan) {
+        return status;
     }
     let seed = fresh_seed(args.seed);
     let layer_name = plan.layer.clone();
@@ -359,4 +360,87 @@ fn write_results(out: &Path, stem: &str, json: &str, markdown: &str) -> ExitCode
     }
     eprintln!("wrote {}/{stem}.json and .md", out.display());
     OK
+}
+
+/// `bench` as one rank of a group of rank processes: the overlapped call only, per token
+/// count every rank's mean call time, printed by rank 0.
+fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
+    let plan = match group::plan(
+        &args.file,
+        args.layer.as_deref(),
+        &args.target.resolve(),
+        args.gpus,
+        env,
+    ) {
+        Ok(plan) => plan,
+        Err(status) => return status,
+    };
+    if let Err(status) = check_settings(args, &plan) {
+        return status;
+    }
+    let shape = plan.shape.clone();
+    let mut rank = match group::start(env, plan, fresh_seed(args.seed)) {
+        Ok(rank) => rank,
+        Err(status) => return status,
+    };
+    let settings = BenchSettings {
+        token_counts: &args.tokens,
+        routing: args.routing.into(),
+        iterations: args.iterations,
+        seed: rank.seed,
+    };
+    let leader = env.rank == 0;
+    if leader {
+        println!(
+            "{} over {} rank processes ({}), {} routing, mean of {} calls, seed {}",
+            rank.built.layer.plan().layer,
+            env.world_size,
+            rank.session.gpu.name(),
+            routing_name(args.routing),
+            args.iterations,
+            rank.seed
+        );
+        let ranks: String = (0..env.world_size)
+            .map(|r| format!(" rank {r} us |"))
+            .collect();
+        println!("| tokens | layer us (slowest rank) |{ranks}");
+    }
+    let outcome = bench_group_rank(&mut rank.ep, &shape, &settings, |row| {
+        if leader {
+            let ranks: String = row
+                .per_rank_us
+                .iter()
+                .map(|us| format!(" {us:>10.1} |"))
+                .collect();
+            println!("| {:>6} | {:>23.1} |{ranks}", row.tokens, row.layer_us);
+        }
+    });
+    match outcome {
+        Ok(_) => OK,
+        Err(error) => {
+            eprintln!("error: rank {}: {error}", env.rank);
+            invalid_input()
+        }
+    }
+}
+
+/// Refuses token counts above the layer's max_tokens, zero iterations and a machine
+/// without a GPU, saying so.
+fn check_settings(args: &Args, plan: &Plan) -> Result<(), ExitCode> {
+    if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
+        eprintln!(
+            "error: --tokens {too_many} exceeds the layer's max_tokens of {}",
+            plan.shape.max_tokens
+        );
+        return Err(usage_error());
+    }
+    if args.iterations == 0 {
+        eprintln!("error: --iterations must be at least 1");
+        return Err(usage_error());
+    }
+    if let Err(error) = toolkit::driver_available() {
+        eprintln!("error: bench needs a GPU: {error}");
+        return Err(usage_error());
+    }
+    Ok(())
 }

@@ -11,6 +11,7 @@ mod check;
 mod compile;
 mod explain;
 mod fmt;
+mod group;
 mod planning;
 mod run;
 mod simulate;

@@ -259,6 +259,25 @@ pub fn build_on_gpu_with_gate(
     weights: Option<&HostWeights>,
     gate: Option<HostGate>,
 ) -> Result<(Session, BuiltLayer), ExitCode> {
+    build_on_device(0, plan, seed, weights, gate)
+}
+
+/// [`build_on_gpu`] with random weights on GPU `ordinal` (a rank process's own GPU).
+pub fn build_on_gpu_on(
+    ordinal: usize,
+    plan: Plan,
+    seed: u64,
+) -> Result<(Session, BuiltLayer), ExitCode> {
+    build_on_device(ordinal, plan, seed, None, None)
+}
+
+fn build_on_device(
+    ordinal: usize,
+    plan: Plan,
+    seed: u64,
+    weights: Option<&HostWeights>,
+    gate: Option<HostGate>,
+) -> Result<(Session, BuiltLayer), ExitCode> {
     eprintln!(
         "opening the GPU, compiling {} and {} ...",
         plan.layer,
@@ -268,7 +287,7 @@ pub fn build_on_gpu_with_gate(
             "filling random weights"
         }
     );
-    let session = Session::open().map_err(|error| {
+    let session = Session::open_device(ordinal).map_err(|error| {
         eprintln!("error: {error}");
         usage_error()
     })?;

@@ -9,19 +9,27 @@
 //! every expert uploaded for the single-GPU layer (which the reference reads) and, when
 //! expert-parallel, each rank's share read from the checkpoint for that rank. Without a
 //! GPU it stops after loading the weights and compiling, and says so.
+//!
+//! Launched as one rank of a group of processes (`RANK`, `WORLD_SIZE`, ... set; see
+//! [`super::group`]), it runs its own rank's `--tokens N` tokens and, with `--check`,
+//! compares its own output with the CPU reference (random weights only).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
 use moeforge::compiler::codegen;
 use moeforge::runtime::aot;
 use moeforge::runtime::call_file::GivenRouting;
-use moeforge::runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
+use moeforge::runtime::ep::EpLayer;
+use moeforge::runtime::harness::{BuiltLayer, CHECKED_TOKENS, CheckReport, Session};
 use moeforge::runtime::jit::Jit;
+use moeforge::runtime::process_group::LaunchEnv;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::{Routing, Workload, fresh_seed};
 
 use super::call_file;
+use super::group;
 use super::planning::{
     RankChoice, TargetArgs, build_on_gpu_with_gate, note_one_rank, plan_file_over, plan_one,
 };
@@ -66,9 +74,14 @@ pub struct Args {
     /// Expert-parallel ranks as virtual ranks on one GPU (1: every expert on one GPU).
     #[arg(long, conflicts_with = "gpus")]
     ranks: Option<u32>,
-    /// Expert-parallel ranks on this many GPUs, one rank each, driven by this process.
+    /// Expert-parallel ranks on this many GPUs, one rank each, driven by this process (or,
+    /// launched as a group of rank processes, the ranks of the group: WORLD_SIZE).
     #[arg(long)]
     gpus: Option<u32>,
+    /// Fault injection for tests of a group of rank processes: this rank exits after
+    /// joining the group, before its call, as a process that died would.
+    #[arg(long, hide = true)]
+    exit_before_call: bool,
     #[command(flatten)]
     weights: WeightsArgs,
     #[command(flatten)]
@@ -135,6 +148,11 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
 }
 
 pub fn run(args: &Args) -> ExitCode {
+    match group::launched(args.ranks) {
+        Ok(Some(env)) => return run_as_rank(args, &env),
+        Ok(None) => {}
+        Err(status) => return status,
+    }
     let choice = RankChoice::from_flags(args.ranks, args.gpus);
     if choice.is_some() && (args.inputs.is_some() || args.outputs.is_some()) {
         eprintln!(
@@ -347,36 +365,131 @@ fn run_expert_parallel(
         routing_name(args.routing)
     );
     let sample = if args.check { args.sample } else { 0 };
-    let name = &built.layer.plan().layer;
-    match session.run_checked_expert_parallel(
+    let outcome = session.run_checked_expert_parallel(
         built,
         &mut ep,
         &workloads,
         sample,
         seed.wrapping_add(1),
-    ) {
-        Ok(reports) if args.check => {
-            let mut passed = true;
-            for (r, report) in reports.iter().enumerate() {
-                passed &= report.passed();
-                println!(
-                    "{} rank {r} T={}: {report}: {}",
-                    name,
-                    report.tokens,
-                    if report.passed() { "PASS" } else { "FAIL" }
-                );
-            }
-            if passed { OK } else { invalid_input() }
-        }
-        Ok(_) => {
-            println!(
-                "{} T={tokens} on each of {} ranks: ran (pass --check to compare with the CPU reference)",
-                name, choice.ranks
-            );
-            OK
-        }
+    );
+    match outcome {
+        Ok(reports) => report_ranks(args, &ep, built, &reports),
         Err(error) => {
             eprintln!("error: {error}");
+            invalid_input()
+        }
+    }
+}
+
+/// Prints each rank's check (or that the call ran), naming ranks as the layer does.
+fn report_ranks(
+    args: &Args,
+    ep: &EpLayer,
+    built: &BuiltLayer,
+    reports: &[CheckReport],
+) -> ExitCode {
+    let name = &built.layer.plan().layer;
+    let mut passed = true;
+    for (r, report) in reports.iter().enumerate() {
+        let rank = ep.rank_index(r);
+        if args.check {
+            passed &= report.passed();
+            println!(
+                "{name} rank {rank} T={}: {report}: {}",
+                report.tokens,
+                if report.passed() { "PASS" } else { "FAIL" }
+            );
+        } else {
+            println!(
+                "{name} rank {rank} T={}: ran (pass --check to compare with the CPU reference)",
+                report.tokens
+            );
+        }
+    }
+    if passed { OK } else { invalid_input() }
+}
+
+/// `run` as one rank of a group of rank processes: its own `--tokens` tokens, checked
+/// against the CPU reference with `--check`.
+fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
+    if args.inputs.is_some() || args.outputs.is_some() || args.weights.given() {
+        eprintln!(
+            "error: --inputs, --outputs and --weights are not supported by rank processes yet; run them in one process (--gpus G)"
+        );
+        return usage_error();
+    }
+    let plan = match group::plan(
+        &args.file,
+        args.layer.as_deref(),
+        &args.target.resolve(),
+        args.gpus,
+        env,
+    ) {
+        Ok(plan) => plan,
+        Err(status) => return status,
+    };
+    let Some(tokens) = args.tokens else {
+        eprintln!("error: pass --tokens N (this rank's tokens)");
+        return usage_error();
+    };
+    if tokens > plan.shape.max_tokens {
+        eprintln!(
+            "error: --tokens {tokens} exceeds the layer's max_tokens of {}; raise max_tokens in the spec",
+            plan.shape.max_tokens
+        );
+        return usage_error();
+    }
+    if let Err(error) = toolkit::driver_available() {
+        return compile_only(&plan, &error.to_string());
+    }
+    let shape = plan.shape.clone();
+    let group::RankBuilt {
+        session,
+        built,
+        mut ep,
+        seed,
+    } = match group::start(env, plan, fresh_seed(args.seed)) {
+        Ok(rank) => rank,
+        Err(status) => return status,
+    };
+    if args.exit_before_call {
+        eprintln!(
+            "rank {}: exiting before the call (--exit-before-call)",
+            env.rank
+        );
+        std::process::exit(3);
+    }
+    let workload = Workload::random(
+        &shape,
+        tokens,
+        args.routing.into(),
+        seed ^ u64::from(env.rank),
+    );
+    eprintln!(
+        "rank {} of {} on GPU {} ({}): running T={tokens} ({} routing, seed {seed})",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        session.gpu.name(),
+        routing_name(args.routing)
+    );
+    let sample = if args.check { args.sample } else { 0 };
+    let started = Instant::now();
+    let outcome = session.run_checked_expert_parallel(
+        &built,
+        &mut ep,
+        &[workload],
+        sample,
+        seed.wrapping_add(1),
+    );
+    match outcome {
+        Ok(reports) => report_ranks(args, &ep, &built, &reports),
+        Err(error) => {
+            eprintln!(
+                "error: rank {} (after {:.1} s): {error}",
+                env.rank,
+                started.elapsed().as_secs_f64()
+            );
             invalid_input()
         }
     }

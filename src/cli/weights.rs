@@ -70,6 +70,11 @@ pub struct Loaded {
 }
 
 impl WeightsArgs {
+    /// Whether `--weights` was given.
+    pub fn given(&self) -> bool {
+        self.weights.is_some()
+    }
+
     /// `None` without `--weights`; else the checkpoint's layer and all its experts for a
     /// layer of `shape`, said on stderr, or the exit status after reporting why not.
     pub fn load(&self, shape: &LayerShape) -> Result<Option<Loaded>, ExitCode> {

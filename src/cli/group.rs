@@ -1,0 +1,124 @@
+//! `run` and `bench` launched as a group of rank processes on one node, one GPU each (as
+//! `torchrun` launches them: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`; see [`moeforge::runtime::process_group`]).
+//!
+//! Every process plans the layer for WORLD_SIZE ranks (the spec's `parallel { expert = R }`,
+//! or `--gpus R`; the two must agree), meets the others on the control channel, takes rank
+//! 0's seed, builds the whole layer from it on its own GPU (the same random weights on
+//! every rank, so each has the CPU reference's weights) and keeps its own experts in its
+//! rank of the expert-parallel layer.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use moeforge::compiler::plan::{Plan, Target};
+use moeforge::runtime::ep::EpLayer;
+use moeforge::runtime::harness::{BuiltLayer, Session};
+use moeforge::runtime::process_group::{ControlChannel, LaunchEnv};
+
+use super::planning::{RankChoice, build_on_gpu_on, plan_file_over, plan_one};
+use super::{invalid_input, usage_error};
+
+/// The launch variables when this process was launched as a rank of a group; `None` when
+/// it was not (no `RANK` or `WORLD_SIZE`). A wrong launch (a variable missing or
+/// malformed, `--ranks` given) is reported and is `Err`.
+pub fn launched(ranks_flag: Option<u32>) -> Result<Option<LaunchEnv>, ExitCode> {
+    if !LaunchEnv::requested() {
+        return Ok(None);
+    }
+    let env = LaunchEnv::from_env().map_err(|error| {
+        eprintln!("error: {error}");
+        usage_error()
+    })?;
+    if ranks_flag.is_some() {
+        eprintln!(
+            "error: RANK and WORLD_SIZE are set, so this process is one rank of a group, one GPU each; virtual ranks (--ranks) live in one process: drop --ranks (or unset RANK and WORLD_SIZE)"
+        );
+        return Err(usage_error());
+    }
+    Ok(Some(env))
+}
+
+/// The layer planned for `env`'s group: as many ranks as the spec's
+/// `parallel { expert = R }`, or `gpus` when given, which must be WORLD_SIZE.
+pub fn plan(
+    file: &Path,
+    layer: Option<&str>,
+    target: &Target,
+    gpus: Option<u32>,
+    env: &LaunchEnv,
+) -> Result<Plan, ExitCode> {
+    let ranks = match gpus {
+        Some(gpus) => gpus,
+        None => plan_one(file, layer, target)?.shape.spec_ranks,
+    };
+    if ranks != env.world_size {
+        let said = match gpus {
+            Some(_) => "--gpus".to_string(),
+            None => "the spec's `parallel { expert = .. }`".to_string(),
+        };
+        eprintln!(
+            "error: WORLD_SIZE={} but the layer has {ranks} expert-parallel ranks ({said}); launch {ranks} processes (WORLD_SIZE={ranks}), or pass --gpus {} to plan it for {} ranks",
+            env.world_size, env.world_size, env.world_size
+        );
+        return Err(usage_error());
+    }
+    let choice = RankChoice {
+        ranks,
+        virtual_ranks: false,
+    };
+    let mut plans = plan_file_over(file, layer, target, Some(choice))?;
+    if plans.len() != 1 {
+        eprintln!(
+            "error: {} has several layers; pick one with --layer",
+            file.display()
+        );
+        return Err(usage_error());
+    }
+    Ok(plans.remove(0))
+}
+
+/// This process's rank, built: the session on its GPU, the whole layer (for the
+/// reference) and its rank of the expert-parallel layer, with the group's seed (rank 0's).
+pub struct RankBuilt {
+    pub session: Session,
+    pub built: BuiltLayer,
+    pub ep: EpLayer,
+    pub seed: u64,
+}
+
+/// Meets the group, agrees on rank 0's `seed`, builds the layer on GPU `LOCAL_RANK` and
+/// joins the expert-parallel layer. Each rank reports its own failures; its peers then
+/// see it leave.
+pub fn start(env: &LaunchEnv, plan: Plan, seed: u64) -> Result<RankBuilt, ExitCode> {
+    let rank = env.rank;
+    let fail = |status: ExitCode| {
+        move |error: &dyn std::fmt::Display| {
+            eprintln!("error: rank {rank}: {error}");
+            status
+        }
+    };
+    eprintln!(
+        "rank {rank} of {}: meeting the group at {}:{} ...",
+        env.world_size, env.master_addr, env.master_port
+    );
+    let mut channel = ControlChannel::connect(env).map_err(|e| fail(usage_error())(&e))?;
+    let seeds = channel
+        .all_gather(&seed.to_le_bytes())
+        .map_err(|e| fail(invalid_input())(&e))?;
+    let seed = seeds[0]
+        .as_slice()
+        .try_into()
+        .map(u64::from_le_bytes)
+        .map_err(|_| fail(invalid_input())(&"rank 0 sent a seed that is not 8 bytes"))?;
+    let (session, built) = build_on_gpu_on(env.local_rank as usize, plan, seed)?;
+    let ep = session
+        .join_expert_parallel_group(&built, channel)
+        .map_err(|e| fail(invalid_input())(&e))?;
+    Ok(RankBuilt {
+        session,
+        built,
+        ep,
+        seed,
+    })
+}

@@ -1,0 +1,282 @@
+//! Expert-parallel ranks as processes on one node: two `moeforge` processes, one per GPU,
+//! launched as torchrun launches a group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+//! MASTER_PORT). Each checks its own output against the CPU reference (uniform and skewed
+//! routing; T = 0, 1, ragged and max_tokens, unequal between the ranks); a peer that exits
+//! before its call makes the survivor report a flag time-out within the wait bound; the
+//! bench's group mode prints every rank's time. Needs two GPUs: on a machine with fewer it
+//! says so and checks nothing. Run on the GPU machine: `cargo test -- --include-ignored`.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+use moeforge::runtime::toolkit;
+
+/// The layer of every case: 8 experts, here over 2 ranks (4 each), max_tokens 512.
+const SPEC: &str = "dsl-examples/tiny.moe";
+
+/// How long one pair of rank processes may take, compile and check included: far above
+/// what a correct run needs (seconds), so that only a hang reaches it.
+const PAIR_LIMIT: Duration = Duration::from_secs(300);
+
+/// One line straight to stderr, so the GPU log shows it without --nocapture.
+fn say(line: &str) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// `None` when two GPUs are visible, else why the test cannot run here.
+fn two_gpus_missing() -> Option<String> {
+    if let Err(error) = toolkit::driver_available() {
+        return Some(error.to_string());
+    }
+    match CudaContext::device_count() {
+        Ok(count) if count >= 2 => None,
+        Ok(count) => Some(format!("{count} GPU(s) visible, 2 needed")),
+        Err(error) => Some(format!("counting GPUs failed: {error}")),
+    }
+}
+
+macro_rules! needs_two_gpus {
+    () => {
+        if let Some(reason) = two_gpus_missing() {
+            say(&format!("SKIPPED (checked nothing): {reason}"));
+            return;
+        }
+    };
+}
+
+/// A port nobody listens on now, for rank 0 to listen on.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("an ephemeral port")
+        .port()
+}
+
+/// A rank process and the threads draining its output (so it never blocks on a full pipe).
+struct RankProcess {
+    rank: u32,
+    child: Child,
+    stdout: JoinHandle<String>,
+    stderr: JoinHandle<String>,
+}
+
+/// What a rank process did.
+struct Finished {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+    /// When it was seen to have exited.
+    at: Instant,
+}
+
+fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    })
+}
+
+/// Starts rank `rank` of a group of two: `moeforge ARGS` with the launch variables and
+/// multicast off.
+fn spawn_rank(rank: u32, port: u16, args: &[String]) -> RankProcess {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moeforge"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", rank.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("MOEFORGE_RENDEZVOUS_TIMEOUT", "120")
+        .env("NCCL_NVLS_ENABLE", "0")
+        .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        .env("NVSHMEM_DISABLE_NVLS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the moeforge binary starts");
+    let stdout = drain(child.stdout.take().expect("piped stdout"));
+    let stderr = drain(child.stderr.take().expect("piped stderr"));
+    RankProcess {
+        rank,
+        child,
+        stdout,
+        stderr,
+    }
+}
+
+impl RankProcess {
+    /// Waits for the process until `deadline`; past it the process is killed and the test
+    /// fails as a hang.
+    fn finish(mut self, deadline: Instant) -> Finished {
+        let status = loop {
+            match self.child.try_wait().expect("polling a rank process") {
+                Some(status) => break status,
+                None if Instant::now() >= deadline => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    panic!(
+                        "rank {} did not finish in time (a hang); stderr:\n{}",
+                        self.rank,
+                        self.stderr.join().unwrap_or_default()
+                    );
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let at = Instant::now();
+        Finished {
+            status,
+            stdout: self.stdout.join().unwrap_or_default(),
+            stderr: self.stderr.join().unwrap_or_default(),
+            at,
+        }
+    }
+}
+
+fn run_args(tokens: u32, routing: &str, seed: u64) -> Vec<String> {
+    [
+        "run",
+        SPEC,
+        "--gpus",
+        "2",
+        "--check",
+        "--tokens",
+        &tokens.to_string(),
+        "--routing",
+        routing,
+        "--seed",
+        &seed.to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_rank_processes_match_the_reference() {
+    needs_two_gpus!();
+    let seed = 20_261_201;
+    // Per case, rank 0's and rank 1's tokens: none, one on one side only, ragged and
+    // unequal, and the layer's max_tokens.
+    let cases: [[u32; 2]; 4] = [[0, 0], [1, 0], [77, 90], [512, 512]];
+    for routing in ["uniform", "skewed"] {
+        for tokens in cases {
+            let port = free_port();
+            let ranks: Vec<RankProcess> = (0..2u32)
+                .map(|r| spawn_rank(r, port, &run_args(tokens[r as usize], routing, seed)))
+                .collect();
+            let deadline = Instant::now() + PAIR_LIMIT;
+            for (r, rank) in ranks.into_iter().enumerate() {
+                let done = rank.finish(deadline);
+                let expected = format!("rank {r} T={}: ", tokens[r]);
+                say(&format!(
+                    "{routing} T={tokens:?} rank {r}: {}",
+                    done.stdout.trim()
+                ));
+                assert!(
+                    done.status.success()
+                        && done.stdout.contains(&expected)
+                        && done.stdout.contains("PASS"),
+                    "{routing} T={tokens:?} rank {r} ({}):\nstdout:\n{}\nstderr:\n{}",
+                    done.status,
+                    done.stdout,
+                    done.stderr
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_peer_that_dies_before_sending_is_a_time_out_in_the_survivor() {
+    needs_two_gpus!();
+    let port = free_port();
+    let survivor = spawn_rank(0, port, &run_args(64, "uniform", 7));
+    let mut dying_args = run_args(64, "uniform", 7);
+    dying_args.push("--exit-before-call".to_string());
+    let dying = spawn_rank(1, port, &dying_args);
+    let died = dying.finish(Instant::now() + PAIR_LIMIT);
+    assert_eq!(
+        died.status.code(),
+        Some(3),
+        "rank 1 exits on purpose before its call:\n{}",
+        died.stderr
+    );
+    // Every spin-wait is bounded by about 2 s (the plan's spin_limit_cycles); reading the
+    // error, the failed agreement with the dead peer and tearing down take moments.
+    let bound = Duration::from_secs(60);
+    let done = survivor.finish(died.at + bound);
+    say(&format!(
+        "survivor after {:.1} s: {}",
+        done.at.duration_since(died.at).as_secs_f64(),
+        done.stderr.lines().last().unwrap_or_default()
+    ));
+    assert_eq!(done.status.code(), Some(1), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("error: rank 0 (after")
+            && done.stderr.contains("waited too long")
+            && done.stderr.contains("a peer stopped or never sent"),
+        "the survivor reports a flag time-out:\n{}",
+        done.stderr
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_bench_of_two_rank_processes_prints_every_ranks_time() {
+    needs_two_gpus!();
+    let port = free_port();
+    let args: Vec<String> = [
+        "bench",
+        SPEC,
+        "--gpus",
+        "2",
+        "--tokens",
+        "1,128",
+        "--iterations",
+        "5",
+        "--seed",
+        "3",
+    ]
+    .map(String::from)
+    .to_vec();
+    let ranks: Vec<RankProcess> = (0..2u32).map(|r| spawn_rank(r, port, &args)).collect();
+    let deadline = Instant::now() + PAIR_LIMIT;
+    let done: Vec<Finished> = ranks.into_iter().map(|r| r.finish(deadline)).collect();
+    for (r, finished) in done.iter().enumerate() {
+        assert!(finished.status.success(), "rank {r}:\n{}", finished.stderr);
+    }
+    say(&done[0].stdout);
+    for tokens in [1, 128] {
+        let row = done[0]
+            .stdout
+            .lines()
+            .find(|line| {
+                line.trim_start_matches('|')
+                    .trim()
+                    .starts_with(&tokens.to_string())
+            })
+            .unwrap_or_else(|| panic!("no row for T={tokens}:\n{}", done[0].stdout));
+        let times: Vec<f64> = row
+            .split('|')
+            .filter_map(|cell| cell.trim().parse().ok())
+            .collect();
+        // tokens, the slowest rank, then each rank.
+        assert_eq!(times.len(), 4, "{row}");
+        assert!(
+            times[1..].iter().all(|&us| us > 0.0 && us.is_finite()),
+            "{row}"
+        );
+        assert!(
+            (times[1] - times[2].max(times[3])).abs() < 0.05 + 1e-3 * times[1],
+            "{row}"
+        );
+    }
+}
