@@ -91,9 +91,13 @@ impl WeightsArgs {
         let all = layer
             .load(shape, ExpertSet::All)
             .map_err(|error| report(&error))?;
+        let shared = match shape.shared_slices {
+            0 => String::new(),
+            slices => format!(" and its shared experts ({slices} slices of FFN {})", shape.ffn),
+        };
         eprintln!(
-            "loaded the {} routed experts of {layer} in {:.2} s",
-            all.experts.len(),
+            "loaded the {} routed experts{shared} of {layer} in {:.2} s",
+            shape.experts,
             started.elapsed().as_secs_f64()
         );
         Ok(Some(Loaded { layer, all }))
