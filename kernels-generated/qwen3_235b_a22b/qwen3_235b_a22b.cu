@@ -646,7 +646,10 @@ __device__ __forceinline__ void grouped_gemm(
 // routes itself (a caller-routed call passes topk_ids and topk_weights instead).
 //   gate   (per regime): router_logits[t, e] = x[t] · W_gate[e], f32 accumulation; a tiled
 //          mma.sync GEMM, blocks numbered token-tile major so that the expert tiles of one
-//          token tile run together and share its x rows through L2.
+//          token tile run together and share its x rows through L2. WARPS_K groups of
+//          warps split the reduction (group g: k-tiles g, g + WARPS_K, ..., its own ring),
+//          summed in group order: a few tokens' grid has few blocks, each needing many
+//          loads in flight.
 //   select (one warp per token): scores softmax(x · W_gateᵀ), top-k by score (ties: lower index), weights chosen scores renormalised × 1.
 // Ties go to the lower expert index; NaN counts as below every number.
 // ---------------------------------------------------------------------------------------
@@ -674,9 +677,10 @@ static_assert(ROUTER_SELECT_THREADS == 32 * ROUTER_SELECT_WARPS, "plan: one warp
 template <class G>
 __device__ __forceinline__ void assert_gate_layout() {
     static_assert(G::BM % (16 * G::WARPS_M) == 0 && G::BN % (16 * G::WARPS_N) == 0, "plan: warp tiles are whole 16x16 pieces");
-    static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
+    static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N * G::WARPS_K, "plan: threads per block");
     static_assert(G::STAGE_BYTES == (G::BM + G::BN) * SMEM_ROW_BYTES, "plan: a stage is BM x rows then BN W_gate rows");
-    static_assert(G::SMEM_BYTES == G::STAGES * G::STAGE_BYTES, "plan: gate shared memory");
+    static_assert(G::SMEM_BYTES == G::WARPS_K * G::STAGES * G::STAGE_BYTES, "plan: gate shared memory");
+    static_assert((HIDDEN / (SMEM_ROW_BYTES / (int)sizeof(bf16_t))) % G::WARPS_K == 0, "plan: the groups split the k-tiles evenly");
     static_assert(G::EXPERT_TILES == (EXPERTS + G::BN - 1) / G::BN, "plan: expert tiles cover every expert");
     static_assert(G::STAGES >= 2, "plan: at least two stages");
 }
@@ -691,23 +695,29 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
     constexpr int NJ = WN / 8;              // n8 fragments per warp
     constexpr int BK = SMEM_ROW_BYTES / (int)sizeof(bf16_t);
     constexpr int K_TILES = HIDDEN / BK;
+    constexpr int GROUP_K_TILES = K_TILES / G::WARPS_K;  // k-tiles of one group of warps
+    constexpr int GROUP_THREADS = 32 * G::WARPS_M * G::WARPS_N;
     constexpr int ROW_CHUNKS = SMEM_ROW_BYTES / 16;  // 16-byte cp.async pieces per row
     static_assert(HIDDEN % BK == 0, "plan: HIDDEN is whole 64-column k-tiles");
+    static_assert(MI * NJ * 4 * (int)sizeof(float) * GROUP_THREADS <= G::STAGES * G::STAGE_BYTES,
+                  "a group's partial sums fit its ring");
 
     extern __shared__ __align__(128) unsigned char smem[];
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
+    const int group = threadIdx.x / GROUP_THREADS;  // which k-tiles: group, group + WARPS_K, ...
+    const int group_thread = threadIdx.x % GROUP_THREADS;
+    const int warp = group_thread >> 5;
     const int warp_m = warp / G::WARPS_N;
     const int warp_n = warp % G::WARPS_N;
-    const u32 smem_base = smem_address(smem);
+    const u32 smem_base = smem_address(smem) + group * G::STAGES * G::STAGE_BYTES;
     const int token0 = blockIdx.x / G::EXPERT_TILES * G::BM;
     const int expert0 = blockIdx.x % G::EXPERT_TILES * G::BN;
 
-    // Phase 1 (per stage): BM rows of x, then BN rows of W_gate; tokens past the call and
-    // experts past EXPERTS are zero-filled.
+    // Phase 1 (per stage, by the group's threads into its ring): BM rows of x, then BN rows
+    // of W_gate; tokens past the call and experts past EXPERTS are zero-filled.
     auto stage_load = [&](int stage, int k_tile) {
         const u32 base = smem_base + stage * G::STAGE_BYTES;
-        for (int piece = threadIdx.x; piece < (G::BM + G::BN) * ROW_CHUNKS; piece += G::THREADS) {
+        for (int piece = group_thread; piece < (G::BM + G::BN) * ROW_CHUNKS; piece += GROUP_THREADS) {
             const int r = piece / ROW_CHUNKS;
             const int chunk = piece % ROW_CHUNKS;
             const bool is_x = r < G::BM;
@@ -727,20 +737,21 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-    // Phase 2: the k loop, STAGES - 1 k-tiles in flight.
+    // Phase 2: the group's k loop, STAGES - 1 of its k-tiles in flight (step i is k-tile
+    // group + i · WARPS_K; every group takes the same steps).
 #pragma unroll
     for (int s = 0; s < G::STAGES - 1; ++s) {
-        if (s < K_TILES) stage_load(s, s);
+        if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K);
         cp_async_commit();
     }
-    for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+    for (int step = 0; step < GROUP_K_TILES; ++step) {
         cp_async_wait<G::STAGES - 2>();
-        __syncthreads();  // stage k_tile landed for everyone; stage k_tile-1 is free
-        const int next = k_tile + G::STAGES - 1;
-        if (next < K_TILES) stage_load(next % G::STAGES, next);
+        __syncthreads();  // stage `step` landed for everyone; stage step-1 is free
+        const int next = step + G::STAGES - 1;
+        if (next < GROUP_K_TILES) stage_load(next % G::STAGES, group + next * G::WARPS_K);
         cp_async_commit();
 
-        const u32 a_base = smem_base + (k_tile % G::STAGES) * G::STAGE_BYTES;
+        const u32 a_base = smem_base + (step % G::STAGES) * G::STAGE_BYTES;
         const u32 b_base = a_base + G::BM * SMEM_ROW_BYTES;
 #pragma unroll
         for (int k16 = 0; k16 < BK / 16; ++k16) {
@@ -766,7 +777,32 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
     }
     cp_async_wait<0>();
 
-    // Phase 3: store the logits; each thread holds rows lane/4 and lane/4 + 8 of every
+    // Phase 3: the groups' partial sums, added in group order (deterministic): groups
+    // 1.. leave theirs in their rings, group 0 adds them and stores.
+    if constexpr (G::WARPS_K > 1) {
+        __syncthreads();  // every ring is done with its stages
+        float* partial = reinterpret_cast<float*>(smem + group * G::STAGES * G::STAGE_BYTES);
+        constexpr int VALUES = MI * NJ * 4;
+        if (group > 0) {
+#pragma unroll
+            for (int i = 0; i < MI; ++i)
+#pragma unroll
+                for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) partial[((i * NJ + j) * 4 + c) * GROUP_THREADS + group_thread] = acc[i][j][c];
+        }
+        __syncthreads();
+        if (group > 0) return;
+        for (int g = 1; g < G::WARPS_K; ++g) {
+            const float* theirs = reinterpret_cast<const float*>(smem + g * G::STAGES * G::STAGE_BYTES);
+#pragma unroll
+            for (int v = 0; v < VALUES; ++v) {
+                acc[v / (NJ * 4)][v / 4 % NJ][v % 4] += theirs[v * GROUP_THREADS + group_thread];
+            }
+        }
+    }
+
+    // Phase 4: store the logits; each thread holds rows lane/4 and lane/4 + 8 of every
     // fragment, two adjacent experts each.
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -1021,13 +1057,13 @@ extern "C" __global__ void __launch_bounds__(ROUTER_SELECT_THREADS) qwen3_235b_a
     router_select(router_logits, nullptr, tokens, routed_ids, routed_weights);
 }
 
-// Router gate of regime `decode` (0..=256 tokens): tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps, 8 expert tiles per token tile
+// Router gate of regime `decode` (0..=256 tokens): tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 8 expert tiles per token tile
 struct decode_router_gate {
     static constexpr int BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 8;
-    static constexpr int WARPS_M = 1, WARPS_N = 1, THREADS = 32;
-    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 12288;  // dynamic: STAGES x (BM x rows, BN W_gate rows)
+    static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
+    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 98304;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows)
 };
-extern "C" __global__ void __launch_bounds__(32) qwen3_235b_a22b_decode_router_gate(
+extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
@@ -1037,13 +1073,13 @@ extern "C" __global__ void __launch_bounds__(32) qwen3_235b_a22b_decode_router_g
     router_gate<decode_router_gate>(x, gate_weight, tokens, router_logits);
 }
 
-// Router gate of regime `mid` (257..=1024 tokens): tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps, 4 expert tiles per token tile
+// Router gate of regime `mid` (257..=1024 tokens): tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
 struct mid_router_gate {
     static constexpr int BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4;
-    static constexpr int WARPS_M = 1, WARPS_N = 1, THREADS = 32;
-    static constexpr int STAGE_BYTES = 6144, SMEM_BYTES = 18432;  // dynamic: STAGES x (BM x rows, BN W_gate rows)
+    static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
+    static constexpr int STAGE_BYTES = 6144, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows)
 };
-extern "C" __global__ void __launch_bounds__(32) qwen3_235b_a22b_mid_router_gate(
+extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
@@ -1053,13 +1089,13 @@ extern "C" __global__ void __launch_bounds__(32) qwen3_235b_a22b_mid_router_gate
     router_gate<mid_router_gate>(x, gate_weight, tokens, router_logits);
 }
 
-// Router gate of regime `prefill` (1025..=16384 tokens): tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps, 2 expert tiles per token tile
+// Router gate of regime `prefill` (1025..=16384 tokens): tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate {
     static constexpr int BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 128;
-    static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 73728;  // dynamic: STAGES x (BM x rows, BN W_gate rows)
+    static constexpr int WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256;
+    static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows)
 };
-extern "C" __global__ void __launch_bounds__(128) qwen3_235b_a22b_prefill_router_gate(
+extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call

@@ -93,7 +93,10 @@ impl WeightsArgs {
             .map_err(|error| report(&error))?;
         let shared = match shape.shared_slices {
             0 => String::new(),
-            slices => format!(" and its shared experts ({slices} slices of FFN {})", shape.ffn),
+            slices => format!(
+                " and its shared experts ({slices} slices of FFN {})",
+                shape.ffn
+            ),
         };
         eprintln!(
             "loaded the {} routed experts{shared} of {layer} in {:.2} s",

@@ -171,12 +171,13 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     let floor = &gate.floor;
     let _ = writeln!(
         out,
-        "    router gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        "    router gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
         gate.tile_tokens,
         gate.tile_experts,
         gate.stages,
         gate.warps_m,
         gate.warps_n,
+        gate.warps_k,
         gate.smem_bytes,
         gate.expert_tiles,
         floor.tokens,

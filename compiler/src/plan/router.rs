@@ -8,7 +8,10 @@
 //!    `tile_experts` experts; blocks are numbered token-tile major, the expert tiles of one
 //!    token tile adjacent, so that the x rows they share are read from HBM once and from L2
 //!    by the others. Experts past E (when `tile_experts` does not divide E) and tokens past
-//!    T are zero-filled on load and never stored.
+//!    T are zero-filled on load and never stored. A small tile's block holds `warps_k`
+//!    groups of warps that split the reduction (each its own ring of stages), summed in
+//!    group order at the end: at a few tokens the grid has few blocks, and without the
+//!    split each would have one warp's few loads in flight over all of H.
 //! 2. **select** (`<symbol>_router_select`): one warp per token reads its E logits, applies
 //!    the rule ([`ir::Router`]: bias, scores, correction, group limit, top-k, weights) and
 //!    writes `routed_ids` and `routed_weights`.
@@ -39,6 +42,10 @@ const GATE_TILES_EXPERTS: [u32; 4] = [128, 64, 32, 16];
 /// expert GEMMs allow).
 const GATE_WARP_TOKENS: u32 = 32;
 const GATE_WARP_EXPERTS: u32 = 64;
+/// Warps of a gate block once its tile's warps are repeated to split the reduction.
+const GATE_BLOCK_WARPS: u32 = 8;
+/// Fewest k-tiles a group of warps of a split reduction takes.
+const GATE_MIN_K_TILES_PER_GROUP: u32 = 4;
 
 /// The router of a layer: its rule and, per single-GPU regime, its launches.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -73,22 +80,49 @@ pub struct GatePlan {
     pub expert_tiles: u32,
     pub warps_m: u32,
     pub warps_n: u32,
+    /// Groups of `warps_m × warps_n` warps splitting the reduction: group g takes k-tiles
+    /// g, g + warps_k, ...; it divides H / 64.
+    #[serde(default = "one")]
+    pub warps_k: u32,
     pub stages: u32,
-    /// Dynamic shared memory: `stages · (tile_tokens + tile_experts) · 128` bytes.
+    /// Dynamic shared memory: `warps_k · stages · (tile_tokens + tile_experts) · 128` bytes.
     pub smem_bytes: u32,
     /// The roofline floor of gate and select at the regime's largest token count.
     pub floor: RouterFloor,
 }
 
+fn one() -> u32 {
+    1
+}
+
 impl GatePlan {
     pub fn threads(&self) -> u32 {
-        32 * self.warps_m * self.warps_n
+        32 * self.warps_m * self.warps_n * self.warps_k
     }
 
-    /// The shared memory of a tile: `stages` rings of x rows then W_gate rows, 128 bytes each.
-    pub fn smem_for(tile_tokens: u32, tile_experts: u32, stages: u32) -> u32 {
-        stages * (tile_tokens + tile_experts) * SMEM_ROW_BYTES
+    /// The shared memory of a tile: per group of warps, `stages` rings of x rows then
+    /// W_gate rows, 128 bytes each.
+    pub fn smem_for(tile_tokens: u32, tile_experts: u32, stages: u32, warps_k: u32) -> u32 {
+        warps_k * stages * (tile_tokens + tile_experts) * SMEM_ROW_BYTES
     }
+}
+
+/// The groups of warps that split the reduction over `hidden` of a gate tile of
+/// `tile_tokens × tile_experts`: as many as fill a block of [`GATE_BLOCK_WARPS`] warps,
+/// each taking at least [`GATE_MIN_K_TILES_PER_GROUP`] k-tiles, their rings within
+/// `smem_per_block`, and a divisor of the k-tiles (every group runs the same number of
+/// steps, between the same block-wide barriers).
+pub fn gate_warps_k(tile_tokens: u32, tile_experts: u32, hidden: u32, smem_per_block: u32) -> u32 {
+    let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
+    let k_tiles = hidden / (SMEM_ROW_BYTES / 2);
+    let most = (GATE_BLOCK_WARPS / (warps_m * warps_n)).min(k_tiles / GATE_MIN_K_TILES_PER_GROUP);
+    (1..=most.max(1))
+        .rev()
+        .find(|&g| {
+            k_tiles.is_multiple_of(g)
+                && GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES, g) <= smem_per_block
+        })
+        .unwrap_or(1)
 }
 
 /// What the router costs at least, from the target's ceilings: its FLOPs at the mma.sync
@@ -191,14 +225,21 @@ fn gate_plan(layer: &ir::Layer, target: &Target, max_tokens: u32) -> GatePlan {
     };
     let (tile_tokens, tile_experts) = filling.or_else(most_blocks).copied().unwrap_or((16, 16));
     let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
+    let warps_k = gate_warps_k(
+        tile_tokens,
+        tile_experts,
+        layer.hidden,
+        target.smem_per_block,
+    );
     GatePlan {
         tile_tokens,
         tile_experts,
         expert_tiles: experts.div_ceil(tile_experts),
         warps_m,
         warps_n,
+        warps_k,
         stages: GATE_STAGES,
-        smem_bytes: GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES),
+        smem_bytes: GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES, warps_k),
         floor: floor(layer, target, max_tokens),
     }
 }

@@ -221,12 +221,24 @@ impl Plan {
                 || !gate.tile_tokens.is_multiple_of(16)
                 || !gate.tile_experts.is_multiple_of(16)
                 || (gate.warps_m, gate.warps_n) != (warps_m, warps_n)
+                || gate.warps_k
+                    != router::gate_warps_k(
+                        gate.tile_tokens,
+                        gate.tile_experts,
+                        self.shape.hidden,
+                        self.target.smem_per_block,
+                    )
                 || !gate.tile_tokens.is_multiple_of(16 * warps_m)
                 || !gate.tile_experts.is_multiple_of(16 * warps_n)
                 || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
                 || gate.stages < 2
                 || gate.smem_bytes
-                    != GatePlan::smem_for(gate.tile_tokens, gate.tile_experts, gate.stages)
+                    != GatePlan::smem_for(
+                        gate.tile_tokens,
+                        gate.tile_experts,
+                        gate.stages,
+                        gate.warps_k,
+                    )
             {
                 return Err(format!("the gate tile of `{kernel}` does not add up"));
             }
