@@ -68,14 +68,7 @@ impl Roofline {
         );
         let flops = self.flops + 2.0 * t * h * e;
         let bytes = self.bytes + e * h * 2.0 + t * e * 4.0 * 2.0;
-        let compute_s = flops / target.peak_bf16_flops;
-        let memory_s = bytes / target.hbm_bytes_per_s;
-        Roofline {
-            flops,
-            bytes,
-            floor_us: compute_s.max(memory_s) * 1e6,
-            memory_bound: memory_s >= compute_s,
-        }
+        Self::of_totals(flops, bytes, target)
     }
 
     /// The floor of `pairs` (token, expert) pairs over `hit_experts` distinct experts,
@@ -91,7 +84,11 @@ impl Roofline {
         let w1_rows = f64::from(shape.w1_rows());
         let flops = 2.0 * pairs * h * (w1_rows + f);
         let weight_bytes = hit_experts * (w1_rows * h + h * f) * 2.0;
-        let bytes = weight_bytes + activation_bytes;
+        Self::of_totals(flops, weight_bytes + activation_bytes, target)
+    }
+
+    /// The floor of `flops` and `bytes` on `target`'s ceilings.
+    fn of_totals(flops: f64, bytes: f64, target: &Target) -> Self {
         let compute_s = flops / target.peak_bf16_flops;
         let memory_s = bytes / target.hbm_bytes_per_s;
         Roofline {
