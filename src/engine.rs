@@ -65,7 +65,7 @@ use moeforge_compiler::codegen::{self, CodegenError};
 use moeforge_compiler::{Diagnostics, compile_bytes, plan_diagnostics};
 use moeforge_runtime::aot::{self, AotError};
 use moeforge_runtime::jit::{CompiledModule, Jit, JitError};
-use moeforge_runtime::weights::{upload, upload_gate};
+use moeforge_runtime::weights::{upload, upload_gate, upload_parts};
 use thiserror::Error;
 
 pub use moeforge_compiler::plan::{LayerShape, Plan, Target};
@@ -299,8 +299,8 @@ impl LayerSpec {
             let stream = ctx.default_stream();
             Gpu::with_stream(Arc::clone(&stream)).check_target(&self.plan.target)?;
             modules.push(Gpu::load_into(ctx, kernels)?);
-            let host = weights.host(&self.plan.shape, ExpertSet::Rank { rank, ranks })?;
-            experts.push(upload(&stream, &host)?);
+            let parts = weights.rank_parts(&self.plan.shape, rank, ranks)?;
+            experts.push(upload_parts(&stream, &parts)?);
         }
         Ok(EpLayer::new(self.plan.clone(), contexts, modules, experts)?)
     }

@@ -5,16 +5,20 @@
 //                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
 //                               chunk (GEMM1 reads this rank's own rows from x)
 //   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
-//                               local expert: every source's rows, local ones first
+//                               local expert: every source's rows, local ones first;
+//                               then one row per own token for each shared slice
 //                               (a thread per row, on every compute SM)
 //                   GEMM1       each tile waits for the chunks its rows sit in
 //                   GEMM2       stores weighted rows into the origin's combine slots and
 //                               releases the origin's per-token counter
-//                   ep_combine  waits for each token's counter, sums its K slots
+//                   ep_combine  waits for each token's counter, sums its K slots (and
+//                               its shared slices')
 // ---------------------------------------------------------------------------------------
 constexpr int RANKS = {{ ep.ranks }};
 constexpr int LOCAL_EXPERTS = {{ ep.local_experts }};     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
-constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) runs of GEMM rows
+// (local expert, source) runs of GEMM rows, then a (shared slice, source) run per slice
+// and source, holding rows only for this rank's own tokens.
+constexpr int SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS;
 constexpr int MAX_TOKENS = {{ ep.max_tokens }};
 constexpr int SLOTS = {{ ep.slots }};                     // token slots per source in recv_x
 constexpr int SEGMENT_ROWS = {{ ep.segment_rows }};       // rows per (local expert, source) in recv_*
@@ -42,7 +46,7 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
 // every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
     static constexpr bool EP = true;
-    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS, PHASES = ::RANKS, RANKS = ::RANKS;
+    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS;
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
@@ -125,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
             const int local = expert - first_expert;
             const size_t row = ((size_t)local * RANKS + rank) * SEGMENT_ROWS + atomicAdd(&s_count[local], 1);
             recv_slot[row] = slot;
-            recv_pair[row] = token * TOP_K + k;
+            recv_pair[row] = token * SLOTS_PER_TOKEN + k;
             recv_weight[row] = topk_weights[token * TOP_K + k];
         }
     }
@@ -219,10 +223,11 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
 // origin rank and pair, and its routing weight (a row of this rank's own tokens reads x
-// at OWN_ROW_BASE + token: nothing copies it). Every block waits for the metadata and
-// scans the (local expert, source) counts itself, then takes GEMM rows b, b + grid, ...
-// (one thread a row, so the reads of the receive index all overlap). The last block done
-// returns every source's credit.
+// at OWN_ROW_BASE + token: nothing copies it). After the local experts, each shared slice
+// has a row per own token (source = this rank), in token order, weight 1. Every block waits
+// for the metadata and scans the (local expert, source) counts itself, then takes GEMM
+// rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
+// The last block done returns every source's credit.
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name }}(
     {{ ep.arrange.params }}
 )
@@ -243,7 +248,9 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
     const int* order = RECEIVE_ORDER[rank];
     if (threadIdx.x < 32) {
         warp_exclusive_scan(SEGMENTS, [&](int g) {
-            return s_arrived ? recv_counts[order[g % RANKS] * (LOCAL_EXPERTS + 1) + g / RANKS] : 0;
+            const int local = g / RANKS, source = order[g % RANKS];
+            if (local >= LOCAL_EXPERTS) return source == rank ? tokens : 0;
+            return s_arrived ? recv_counts[source * (LOCAL_EXPERTS + 1) + local] : 0;
         }, s_offsets);
     }
     __syncthreads();
@@ -259,6 +266,14 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
             if (s_offsets[mid] <= row) lo = mid; else hi = mid - 1;
         }
         const int source = order[lo % RANKS];
+        if (lo / RANKS >= LOCAL_EXPERTS) {
+            const int token = row - s_offsets[lo], slice = lo / RANKS - LOCAL_EXPERTS;
+            segment_rows[row] = OWN_ROW_BASE + token;
+            segment_pairs[row] = token * SLOTS_PER_TOKEN + TOP_K + slice;
+            segment_weights[row] = 1.f;
+            row_origins[row] = rank;
+            continue;
+        }
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
         const int slot = recv_slot[from];
         segment_rows[row] = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
@@ -282,21 +297,21 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
     }
 }
 
-// Combine: a token's K slots are complete when its counter holds HIDDEN columns per valid
-// pair; the sum runs in k order (deterministic), then the counter is taken back to zero
-// for the next call.
+// Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
+// pair and per shared slice; the sum runs in slot order (deterministic), then the counter
+// is taken back to zero for the next call.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name }}(
     {{ ep.combine.params }}
 )
 {
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
     for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
-        bool routed[TOP_K];
+        bool present[SLOTS_PER_TOKEN];
         u32 valid = 0;
 #pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-            valid += routed[k];
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            valid += present[k];
         }
         const u32 target = valid * HIDDEN;
         // Thread 0 waits for the token and later resets its counter: only it needs to know
@@ -304,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         bool complete = false;
         if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        combine_token<TOP_K>(combine_slots, token, routed, y);
+        combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }

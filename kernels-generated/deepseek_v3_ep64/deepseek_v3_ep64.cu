@@ -6,7 +6,6 @@
 // A call that routes itself first runs: router gate -> router select (topk_ids, topk_weights).
 // Note: the spec asks for 64 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
 // Note: ranks on other nodes need the network path (NCCL, hierarchical traffic), which is not built yet
-// Note: the single-GPU kernels run the 1 shared expert(s) of FFN 2048 (as 1 always-hit experts); the expert-parallel kernels do not yet: add their output outside that path
 // Note: the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path
 
 // ---------------------------------------------------------------------------------------
@@ -485,7 +484,7 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
             fence_flags();
-            flag_add(counters + row_pair[t.row0 + r] / TOP_K, G::BN);
+            flag_add(counters + row_pair[t.row0 + r] / SLOTS_PER_TOKEN, G::BN);
         }
     }
 }
@@ -1422,16 +1421,20 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_c
 //                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
 //                               chunk (GEMM1 reads this rank's own rows from x)
 //   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
-//                               local expert: every source's rows, local ones first
+//                               local expert: every source's rows, local ones first;
+//                               then one row per own token for each shared slice
 //                               (a thread per row, on every compute SM)
 //                   GEMM1       each tile waits for the chunks its rows sit in
 //                   GEMM2       stores weighted rows into the origin's combine slots and
 //                               releases the origin's per-token counter
-//                   ep_combine  waits for each token's counter, sums its K slots
+//                   ep_combine  waits for each token's counter, sums its K slots (and
+//                               its shared slices')
 // ---------------------------------------------------------------------------------------
 constexpr int RANKS = 64;
 constexpr int LOCAL_EXPERTS = 4;     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
-constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) runs of GEMM rows
+// (local expert, source) runs of GEMM rows, then a (shared slice, source) run per slice
+// and source, holding rows only for this rank's own tokens.
+constexpr int SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS;
 constexpr int MAX_TOKENS = 16384;
 constexpr int SLOTS = 16384;                     // token slots per source in recv_x
 constexpr int SEGMENT_ROWS = 16384;       // rows per (local expert, source) in recv_*
@@ -1443,7 +1446,7 @@ constexpr int COPY_UNROLL = 4;                            // 16-byte loads in fl
 constexpr int COMM_THREADS = 512;
 constexpr int META_THREADS = 512;
 constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 128;
-constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = 1152;
+constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = 1408;
 constexpr int EP_COMBINE_STATIC_SMEM_BYTES = 0;
 // Each rank's row of the peer table: addresses of the buffers other ranks write.
 constexpr int PEER_BUFFER_COUNT = 10;
@@ -1466,7 +1469,7 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 63, 62, 61, 60, 59, 58,
 // every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
     static constexpr bool EP = true;
-    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS, PHASES = ::RANKS, RANKS = ::RANKS;
+    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS;
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
@@ -1558,7 +1561,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
             const int local = expert - first_expert;
             const size_t row = ((size_t)local * RANKS + rank) * SEGMENT_ROWS + atomicAdd(&s_count[local], 1);
             recv_slot[row] = slot;
-            recv_pair[row] = token * TOP_K + k;
+            recv_pair[row] = token * SLOTS_PER_TOKEN + k;
             recv_weight[row] = topk_weights[token * TOP_K + k];
         }
     }
@@ -1658,11 +1661,13 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_d
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
 // origin rank and pair, and its routing weight (a row of this rank's own tokens reads x
-// at OWN_ROW_BASE + token: nothing copies it). Every block waits for the metadata and
-// scans the (local expert, source) counts itself, then takes GEMM rows b, b + grid, ...
-// (one thread a row, so the reads of the receive index all overlap). The last block done
-// returns every source's credit.
+// at OWN_ROW_BASE + token: nothing copies it). After the local experts, each shared slice
+// has a row per own token (source = this rank), in token order, weight 1. Every block waits
+// for the metadata and scans the (local expert, source) counts itself, then takes GEMM
+// rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
+// The last block done returns every source's credit.
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_ep_arrange(
+    int tokens,  // tokens in this call
     int rank,  // this rank
     u32 epoch,  // this call's epoch
     const int* recv_slot,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
@@ -1697,7 +1702,9 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
     const int* order = RECEIVE_ORDER[rank];
     if (threadIdx.x < 32) {
         warp_exclusive_scan(SEGMENTS, [&](int g) {
-            return s_arrived ? recv_counts[order[g % RANKS] * (LOCAL_EXPERTS + 1) + g / RANKS] : 0;
+            const int local = g / RANKS, source = order[g % RANKS];
+            if (local >= LOCAL_EXPERTS) return source == rank ? tokens : 0;
+            return s_arrived ? recv_counts[source * (LOCAL_EXPERTS + 1) + local] : 0;
         }, s_offsets);
     }
     __syncthreads();
@@ -1713,6 +1720,14 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
             if (s_offsets[mid] <= row) lo = mid; else hi = mid - 1;
         }
         const int source = order[lo % RANKS];
+        if (lo / RANKS >= LOCAL_EXPERTS) {
+            const int token = row - s_offsets[lo], slice = lo / RANKS - LOCAL_EXPERTS;
+            segment_rows[row] = OWN_ROW_BASE + token;
+            segment_pairs[row] = token * SLOTS_PER_TOKEN + TOP_K + slice;
+            segment_weights[row] = 1.f;
+            row_origins[row] = rank;
+            continue;
+        }
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
         const int slot = recv_slot[from];
         segment_rows[row] = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
@@ -1736,9 +1751,9 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
     }
 }
 
-// Combine: a token's K slots are complete when its counter holds HIDDEN columns per valid
-// pair; the sum runs in k order (deterministic), then the counter is taken back to zero
-// for the next call.
+// Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
+// pair and per shared slice; the sum runs in slot order (deterministic), then the counter
+// is taken back to zero for the next call.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_ep_combine(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -1752,12 +1767,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_e
 {
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
     for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
-        bool routed[TOP_K];
+        bool present[SLOTS_PER_TOKEN];
         u32 valid = 0;
 #pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-            valid += routed[k];
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            valid += present[k];
         }
         const u32 target = valid * HIDDEN;
         // Thread 0 waits for the token and later resets its counter: only it needs to know
@@ -1765,7 +1780,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_e
         bool complete = false;
         if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        combine_token<TOP_K>(combine_slots, token, routed, y);
+        combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
@@ -1943,22 +1958,22 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ge
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=8 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 136 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 4 stages, 1x4 warps, 204 persistent blocks (3 per SM)
 struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
-    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 1152;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 73728, BARRIER_OFFSET = 73792;
+    static constexpr int DYNAMIC_SMEM_BYTES = 73792, STATIC_SMEM_BYTES = 1408;
 };
-extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_ep64_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -1974,22 +1989,22 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_ep_
     grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 3 stages, 1x4 warps, 476 persistent blocks (7 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 4 stages, 1x4 warps, 340 persistent blocks (5 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 3;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 4;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 30720, BARRIER_OFFSET = 30784;
-    static constexpr int DYNAMIC_SMEM_BYTES = 30784, STATIC_SMEM_BYTES = 1152;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41024;
+    static constexpr int DYNAMIC_SMEM_BYTES = 41024, STATIC_SMEM_BYTES = 1408;
 };
-extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_ep64_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 5) deepseek_v3_ep64_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
@@ -2005,7 +2020,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) deepseek_v3_ep64_decode_ep_
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `mid`, expert-parallel (tokens per rank): 9..=32 tokens per call
+// Rank regime `mid`, expert-parallel (tokens per rank): 9..=64 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 68 persistent blocks (1 per SM)
 struct mid_ep_gemm1 : ExpertParallel {
@@ -2022,7 +2037,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
-    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152;
+    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1408;
 };
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -2055,7 +2070,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
-    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152;
+    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1408;
 };
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
@@ -2073,7 +2088,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gem
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 // ---------------------------------------------------------------------------------------
-// Rank regime `prefill`, expert-parallel (tokens per rank): 33..=16384 tokens per call
+// Rank regime `prefill`, expert-parallel (tokens per rank): 65..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 68 persistent blocks (1 per SM)
 struct prefill_ep_gemm1 : ExpertParallel {
@@ -2090,7 +2105,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152;
+    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1408;
 };
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -2123,7 +2138,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152;
+    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1408;
 };
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace

@@ -487,7 +487,7 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
             fence_flags();
-            flag_add(counters + row_pair[t.row0 + r] / TOP_K, G::BN);
+            flag_add(counters + row_pair[t.row0 + r] / SLOTS_PER_TOKEN, G::BN);
         }
     }
 }

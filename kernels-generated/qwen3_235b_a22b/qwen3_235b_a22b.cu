@@ -483,7 +483,7 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
             fence_flags();
-            flag_add(counters + row_pair[t.row0 + r] / TOP_K, G::BN);
+            flag_add(counters + row_pair[t.row0 + r] / SLOTS_PER_TOKEN, G::BN);
         }
     }
 }
@@ -1419,16 +1419,20 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_co
 //                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
 //                               chunk (GEMM1 reads this rank's own rows from x)
 //   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per
-//                               local expert: every source's rows, local ones first
+//                               local expert: every source's rows, local ones first;
+//                               then one row per own token for each shared slice
 //                               (a thread per row, on every compute SM)
 //                   GEMM1       each tile waits for the chunks its rows sit in
 //                   GEMM2       stores weighted rows into the origin's combine slots and
 //                               releases the origin's per-token counter
-//                   ep_combine  waits for each token's counter, sums its K slots
+//                   ep_combine  waits for each token's counter, sums its K slots (and
+//                               its shared slices')
 // ---------------------------------------------------------------------------------------
 constexpr int RANKS = 8;
 constexpr int LOCAL_EXPERTS = 16;     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
-constexpr int SEGMENTS = LOCAL_EXPERTS * RANKS;           // (local expert, source) runs of GEMM rows
+// (local expert, source) runs of GEMM rows, then a (shared slice, source) run per slice
+// and source, holding rows only for this rank's own tokens.
+constexpr int SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS;
 constexpr int MAX_TOKENS = 16384;
 constexpr int SLOTS = 16384;                     // token slots per source in recv_x
 constexpr int SEGMENT_ROWS = 16384;       // rows per (local expert, source) in recv_*
@@ -1463,7 +1467,7 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 7, 6, 5, 4, 3, 2, 1}, {
 // every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
     static constexpr bool EP = true;
-    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS, PHASES = ::RANKS, RANKS = ::RANKS;
+    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS;
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
@@ -1555,7 +1559,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep
             const int local = expert - first_expert;
             const size_t row = ((size_t)local * RANKS + rank) * SEGMENT_ROWS + atomicAdd(&s_count[local], 1);
             recv_slot[row] = slot;
-            recv_pair[row] = token * TOP_K + k;
+            recv_pair[row] = token * SLOTS_PER_TOKEN + k;
             recv_weight[row] = topk_weights[token * TOP_K + k];
         }
     }
@@ -1655,11 +1659,13 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) qwen3_235b_a22b_ep_di
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
 // origin rank and pair, and its routing weight (a row of this rank's own tokens reads x
-// at OWN_ROW_BASE + token: nothing copies it). Every block waits for the metadata and
-// scans the (local expert, source) counts itself, then takes GEMM rows b, b + grid, ...
-// (one thread a row, so the reads of the receive index all overlap). The last block done
-// returns every source's credit.
+// at OWN_ROW_BASE + token: nothing copies it). After the local experts, each shared slice
+// has a row per own token (source = this rank), in token order, weight 1. Every block waits
+// for the metadata and scans the (local expert, source) counts itself, then takes GEMM
+// rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
+// The last block done returns every source's credit.
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep_arrange(
+    int tokens,  // tokens in this call
     int rank,  // this rank
     u32 epoch,  // this call's epoch
     const int* recv_slot,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
@@ -1694,7 +1700,9 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep
     const int* order = RECEIVE_ORDER[rank];
     if (threadIdx.x < 32) {
         warp_exclusive_scan(SEGMENTS, [&](int g) {
-            return s_arrived ? recv_counts[order[g % RANKS] * (LOCAL_EXPERTS + 1) + g / RANKS] : 0;
+            const int local = g / RANKS, source = order[g % RANKS];
+            if (local >= LOCAL_EXPERTS) return source == rank ? tokens : 0;
+            return s_arrived ? recv_counts[source * (LOCAL_EXPERTS + 1) + local] : 0;
         }, s_offsets);
     }
     __syncthreads();
@@ -1710,6 +1718,14 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep
             if (s_offsets[mid] <= row) lo = mid; else hi = mid - 1;
         }
         const int source = order[lo % RANKS];
+        if (lo / RANKS >= LOCAL_EXPERTS) {
+            const int token = row - s_offsets[lo], slice = lo / RANKS - LOCAL_EXPERTS;
+            segment_rows[row] = OWN_ROW_BASE + token;
+            segment_pairs[row] = token * SLOTS_PER_TOKEN + TOP_K + slice;
+            segment_weights[row] = 1.f;
+            row_origins[row] = rank;
+            continue;
+        }
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
         const int slot = recv_slot[from];
         segment_rows[row] = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
@@ -1733,9 +1749,9 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep
     }
 }
 
-// Combine: a token's K slots are complete when its counter holds HIDDEN columns per valid
-// pair; the sum runs in k order (deterministic), then the counter is taken back to zero
-// for the next call.
+// Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
+// pair and per shared slice; the sum runs in slot order (deterministic), then the counter
+// is taken back to zero for the next call.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep_combine(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -1749,12 +1765,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep
 {
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
     for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
-        bool routed[TOP_K];
+        bool present[SLOTS_PER_TOKEN];
         u32 valid = 0;
 #pragma unroll
-        for (int k = 0; k < TOP_K; ++k) {
-            routed[k] = (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-            valid += routed[k];
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            valid += present[k];
         }
         const u32 target = valid * HIDDEN;
         // Thread 0 waits for the token and later resets its counter: only it needs to know
@@ -1762,7 +1778,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep
         bool complete = false;
         if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
         __syncthreads();
-        combine_token<TOP_K>(combine_slots, token, routed, y);
+        combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
         __syncthreads();  // every thread read the slots before the counter is reset
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }

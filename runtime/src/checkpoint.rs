@@ -199,12 +199,14 @@ impl fmt::Display for Family {
 }
 
 /// Which experts to load: all of them (the routed ones, then the shared slices, as the
-/// single-GPU kernels number them), or the routed experts of one expert-parallel rank
-/// (expert `e` belongs to rank `e / (E / ranks)`, as the kernels place them).
+/// single-GPU kernels number them), the routed experts of one expert-parallel rank
+/// (expert `e` belongs to rank `e / (E / ranks)`, as the kernels place them), or the
+/// shared slices alone (every rank runs them on its own tokens, after its routed experts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExpertSet {
     All,
     Rank { rank: u32, ranks: u32 },
+    SharedSlices,
 }
 
 impl ExpertSet {
@@ -214,6 +216,7 @@ impl ExpertSet {
         let experts = shape.experts;
         match self {
             ExpertSet::All => Ok(0..shape.gemm_experts()),
+            ExpertSet::SharedSlices => Ok(experts..shape.gemm_experts()),
             ExpertSet::Rank { rank, ranks } => {
                 if ranks == 0 || !experts.is_multiple_of(ranks) || rank >= ranks {
                     return Err(CheckpointError::Rank {

@@ -635,7 +635,9 @@ fn build_rank(
     weights: ExpertWeights,
     exportable: bool,
 ) -> Result<Rank, LayerError> {
-    weights.check(&plan.shape, ep.experts_per_rank)?;
+    // The rank's routed experts, then the shared slices it runs on its own tokens.
+    let experts_here = ep.experts_per_rank + plan.shape.shared_slices;
+    weights.check(&plan.shape, experts_here)?;
     let compute = ctx.new_stream().context("creating a compute stream")?;
     let comm = ctx
         .new_stream()
@@ -654,7 +656,7 @@ fn build_rank(
     }
     let mut tensor_maps = WeightTensorMaps {
         shape: &plan.shape,
-        experts: ep.experts_per_rank,
+        experts: experts_here,
         weights: &weights,
         stream: &compute,
         maps: Vec::new(),

@@ -532,20 +532,39 @@ impl Session {
     ) -> Result<ExpertWeights, GpuError> {
         let shape = &built.layer.plan().shape;
         let local = shape.experts as usize / ranks.max(1);
-        let w1_len = local * shape.w1_rows() as usize * shape.hidden as usize;
-        let w2_len = local * shape.hidden as usize * shape.ffn as usize;
+        let w1_expert = shape.w1_rows() as usize * shape.hidden as usize;
+        let w2_expert = shape.hidden as usize * shape.ffn as usize;
         let full = built.layer.weights();
-        // Host staging works between any two devices; these copies are set-up.
-        let w1 = self
-            .gpu
-            .stream
-            .clone_dtoh(&full.w1.slice(r * w1_len..(r + 1) * w1_len))
-            .context("downloading a rank's W1")?;
-        let w2 = self
-            .gpu
-            .stream
-            .clone_dtoh(&full.w2.slice(r * w2_len..(r + 1) * w2_len))
-            .context("downloading a rank's W2")?;
+        // The rank's routed experts, then every shared slice (each rank runs them on its
+        // own tokens). Host staging works between any two devices; these copies are set-up.
+        let experts = [
+            r * local..(r + 1) * local,
+            shape.experts as usize..shape.gemm_experts() as usize,
+        ];
+        let mut w1 = Vec::new();
+        let mut w2 = Vec::new();
+        for range in experts {
+            w1.extend(
+                self.gpu
+                    .stream
+                    .clone_dtoh(
+                        &full
+                            .w1
+                            .slice(range.start * w1_expert..range.end * w1_expert),
+                    )
+                    .context("downloading a rank's W1")?,
+            );
+            w2.extend(
+                self.gpu
+                    .stream
+                    .clone_dtoh(
+                        &full
+                            .w2
+                            .slice(range.start * w2_expert..range.end * w2_expert),
+                    )
+                    .context("downloading a rank's W2")?,
+            );
+        }
         let stream = ctx.default_stream();
         let weights = ExpertWeights {
             w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
@@ -637,18 +656,13 @@ impl Session {
         let mut args: Vec<ForwardArgs<'_>> = inputs.iter_mut().map(DeviceWorkload::args).collect();
         layer.forward(&mut args)?;
         layer.take_error()?;
-        // The expert-parallel kernels do not run the shared experts (the plan says so).
-        let routed_only = LayerShape {
-            shared_slices: 0,
-            ..shape
-        };
         inputs
             .iter()
             .zip(workloads)
             .enumerate()
             .map(|(r, (io, workload))| {
                 let y = layer.stream(r).clone_dtoh(&io.y).context("downloading y")?;
-                self.check_against(built, &routed_only, workload, &y, max_checked_tokens, seed)
+                self.check_output(built, workload, &y, max_checked_tokens, seed)
             })
             .collect()
     }
@@ -820,20 +834,6 @@ impl Session {
         seed: u64,
     ) -> Result<CheckReport, HarnessError> {
         let shape = &built.layer.plan().shape;
-        self.check_against(built, shape, workload, y, max_checked_tokens, seed)
-    }
-
-    /// [`Session::check_output`] against the layer of `shape`, which may leave out the
-    /// shared slices of `built`'s (what the expert-parallel kernels compute).
-    fn check_against(
-        &self,
-        built: &BuiltLayer,
-        shape: &LayerShape,
-        workload: &Workload,
-        y: &[u16],
-        max_checked_tokens: usize,
-        seed: u64,
-    ) -> Result<CheckReport, HarnessError> {
         let y = &y[..workload.tokens as usize * shape.hidden as usize];
         let unwritten = y.iter().filter(|&&v| bf16::to_f32(v).is_nan()).count();
 

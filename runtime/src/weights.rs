@@ -59,6 +59,24 @@ impl Weights {
 }
 
 impl Weights {
+    /// What expert-parallel rank `rank` of `ranks` holds: its routed experts, then the
+    /// layer's shared slices when it has them (every rank runs those on its own tokens),
+    /// for [`upload_parts`].
+    pub fn rank_parts(
+        &self,
+        shape: &LayerShape,
+        rank: u32,
+        ranks: u32,
+    ) -> Result<Vec<HostWeights>, CheckpointError> {
+        let mut parts = vec![self.host(shape, ExpertSet::Rank { rank, ranks })?];
+        if shape.shared_slices > 0 {
+            parts.push(self.host(shape, ExpertSet::SharedSlices)?);
+        }
+        Ok(parts)
+    }
+}
+
+impl Weights {
     /// The router's gate of a layer of `shape` whose rule is `rule`: drawn (see
     /// [`random_gate`]), or read from the checkpoint with the bias the rule adds; `None`
     /// for host weights, which hold experts only (such a layer runs caller-routed calls).
@@ -155,39 +173,39 @@ pub fn random(shape: &LayerShape, experts: Range<u32>, seed: u64) -> HostWeights
 /// Copies `weights` to `stream`'s device and waits for the copies, so the buffers may be
 /// used from any stream of that device.
 pub fn upload(stream: &Arc<CudaStream>, weights: &HostWeights) -> Result<ExpertWeights, GpuError> {
-    let experts = &weights.experts;
-    let w1 = stream.clone_htod(&weights.w1).context(format!(
-        "uploading W1 of experts {}..{}",
-        experts.start, experts.end
-    ))?;
-    let w2 = stream.clone_htod(&weights.w2).context(format!(
-        "uploading W2 of experts {}..{}",
-        experts.start, experts.end
-    ))?;
-    let biases = weights
-        .biases
-        .as_ref()
-        .map(|biases| upload_biases(stream, biases, experts))
-        .transpose()?;
+    upload_parts(stream, std::slice::from_ref(weights))
+}
+
+/// [`upload`] of several sets of experts, one after another in one buffer each (a rank's
+/// routed experts, then the shared slices: [`rank_parts`]).
+pub fn upload_parts(
+    stream: &Arc<CudaStream>,
+    parts: &[HostWeights],
+) -> Result<ExpertWeights, GpuError> {
+    let held: Vec<String> = parts
+        .iter()
+        .map(|p| format!("{}..{}", p.experts.start, p.experts.end))
+        .collect();
+    let what = |tensor: &str| format!("uploading {tensor} of experts {}", held.join(" and "));
+    let joined = |part: fn(&HostWeights) -> &[u16]| {
+        parts.iter().flat_map(part).copied().collect::<Vec<u16>>()
+    };
+    let w1 = stream.clone_htod(&joined(|p| &p.w1)).context(what("W1"))?;
+    let w2 = stream.clone_htod(&joined(|p| &p.w2)).context(what("W2"))?;
+    let biases: Option<Vec<&HostBiases>> = parts.iter().map(|p| p.biases.as_ref()).collect();
+    let biases = match biases {
+        Some(biases) if !biases.is_empty() => {
+            let b1: Vec<f32> = biases.iter().flat_map(|b| b.b1.iter().copied()).collect();
+            let b2: Vec<f32> = biases.iter().flat_map(|b| b.b2.iter().copied()).collect();
+            Some(ExpertBiases {
+                b1: stream.clone_htod(&b1).context(what("b1"))?,
+                b2: stream.clone_htod(&b2).context(what("b2"))?,
+            })
+        }
+        _ => None,
+    };
     stream
         .synchronize()
         .context("waiting for the weights' upload")?;
     Ok(ExpertWeights { w1, w2, biases })
-}
-
-fn upload_biases(
-    stream: &Arc<CudaStream>,
-    biases: &HostBiases,
-    experts: &Range<u32>,
-) -> Result<ExpertBiases, GpuError> {
-    let what = |b| {
-        format!(
-            "uploading {b} of experts {}..{}",
-            experts.start, experts.end
-        )
-    };
-    Ok(ExpertBiases {
-        b1: stream.clone_htod(&biases.b1).context(what("b1"))?,
-        b2: stream.clone_htod(&biases.b2).context(what("b2"))?,
-    })
 }

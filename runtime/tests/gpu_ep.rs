@@ -127,6 +127,7 @@ fn virtual_ranks_match_reference() {
         (layers::tiny(Activation::Swiglu), 2),
         (layers::tiny(Activation::Swiglu), 4),
         (layers::tiny(Activation::Gelu), 8),
+        (layers::tiny_with_shared_expert(Activation::Swiglu), 4),
         (layers::scaled_down(&qwen), 4),
     ];
     for (layer, ranks) in cases {
@@ -197,7 +198,11 @@ fn two_gpus_match_reference() {
         .into_iter()
         .find(|l| l.name == "qwen3_30b_a3b")
         .expect("the Qwen3-30B example");
-    for layer in [layers::tiny(Activation::Swiglu), layers::scaled_down(&qwen)] {
+    for layer in [
+        layers::tiny(Activation::Swiglu),
+        layers::tiny_with_shared_expert(Activation::Swiglu),
+        layers::scaled_down(&qwen),
+    ] {
         let layer = over_ranks(&layer, 2, false);
         let built = session
             .build(plan_for(&session, &layer), seed)

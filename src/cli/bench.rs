@@ -220,6 +220,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         args.layer.as_deref(),
         &args.target.resolve(),
         Some(choice),
+        true,
     ) {
         Ok(plans) => plans,
         Err(status) => return status,

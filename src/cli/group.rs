@@ -67,7 +67,7 @@ pub fn plan(
         ranks,
         virtual_ranks: false,
     };
-    let mut plans = plan_file_over(file, layer, target, Some(choice))?;
+    let mut plans = plan_file_over(file, layer, target, Some(choice), false)?;
     if plans.len() != 1 {
         eprintln!(
             "error: {} has several layers; pick one with --layer",

@@ -122,16 +122,19 @@ impl RankChoice {
 /// Checks `file` and plans its layers (only `layer` when given) for `target`, reporting
 /// any error.
 pub fn plan_file(file: &Path, layer: Option<&str>, target: &Target) -> Result<Vec<Plan>, ExitCode> {
-    plan_file_over(file, layer, target, None)
+    plan_file_over(file, layer, target, None, false)
 }
 
 /// [`plan_file`], with the layers' expert-parallel ranks taken from `ranks` when given
-/// instead of from the spec.
+/// instead of from the spec; with `leave_out_shared` (the expert-parallel bench, whose NCCL
+/// pipeline does not run shared experts) the layers' shared experts are left out, said on
+/// stderr.
 pub fn plan_file_over(
     file: &Path,
     layer: Option<&str>,
     target: &Target,
     ranks: Option<RankChoice>,
+    leave_out_shared: bool,
 ) -> Result<Vec<Plan>, ExitCode> {
     let (source, module) = compile_file(file)?;
     let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
@@ -170,13 +173,13 @@ pub fn plan_file_over(
                 choice.ranks
             };
             layer.topology.virtual_ranks = choice.virtual_ranks.then_some(choice.ranks);
-            // Every path of such a run (and its baselines) computes the same layer.
-            if let Some(shared) = layer.shared_experts.take() {
-                eprintln!(
-                    "note: the expert-parallel kernels do not run shared experts yet: this run leaves out the {} shared expert(s) of FFN {} of `{}`, on every path it compares",
-                    shared.count, shared.ffn, layer.name
-                );
-            }
+        }
+        // Every path the bench compares computes the same layer.
+        if leave_out_shared && let Some(shared) = layer.shared_experts.take() {
+            eprintln!(
+                "note: the NCCL pipeline (baseline b) does not run shared experts: this bench leaves out the {} shared expert(s) of FFN {} of `{}` on every path it compares",
+                shared.count, shared.ffn, layer.name
+            );
         }
         let layer = &layer;
         match plan::plan(layer, target) {

@@ -167,6 +167,7 @@ pub fn run(args: &Args) -> ExitCode {
                 args.layer.as_deref(),
                 &args.target.resolve(),
                 Some(choice),
+                false,
             ) {
                 Ok(mut plans) if plans.len() == 1 => plans.remove(0),
                 Ok(_) => {

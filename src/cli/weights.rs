@@ -16,7 +16,7 @@ use moeforge::runtime::checkpoint::{
 };
 use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::layer::ExpertWeights;
-use moeforge::runtime::weights::upload;
+use moeforge::runtime::weights::upload_parts;
 
 use super::{invalid_input, usage_error};
 
@@ -127,8 +127,8 @@ impl Loaded {
         Ok(gate)
     }
 
-    /// Rank `r`'s experts, read from the checkpoint for that rank alone and uploaded to
-    /// `contexts[r]`.
+    /// Rank `r`'s experts (its routed share, then the shared slices every rank runs), read
+    /// from the checkpoint for that rank alone and uploaded to `contexts[r]`.
     pub fn rank_weights(
         &self,
         shape: &LayerShape,
@@ -138,11 +138,15 @@ impl Loaded {
         (0..ranks)
             .zip(contexts)
             .map(|(rank, ctx)| {
-                let host = self
-                    .layer
-                    .load(shape, ExpertSet::Rank { rank, ranks })
+                let mut parts = vec![self.layer.load(shape, ExpertSet::Rank { rank, ranks })];
+                if shape.shared_slices > 0 {
+                    parts.push(self.layer.load(shape, ExpertSet::SharedSlices));
+                }
+                let parts = parts
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()
                     .map_err(|error| report(&error))?;
-                upload(&ctx.default_stream(), &host).map_err(|error| {
+                upload_parts(&ctx.default_stream(), &parts).map_err(|error| {
                     eprintln!("error: {error}");
                     invalid_input()
                 })

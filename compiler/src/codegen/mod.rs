@@ -161,6 +161,7 @@ const EP_DISPATCH_USES: &[&str] = &[
     "peer_table",
 ];
 const EP_ARRANGE_USES: &[&str] = &[
+    "tokens",
     "rank",
     "epoch",
     "recv_slot",

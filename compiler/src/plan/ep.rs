@@ -315,11 +315,14 @@ pub fn plan_expert_parallel(
     let max_tokens = layer.max_tokens;
     let experts_per_rank = layer.experts / ranks;
     let chunks_per_source = max_tokens.div_ceil(dispatch_chunk);
+    // Every source's pairs, each once, plus a row per own token for each shared slice.
     let intermediate_rows =
-        u64::from(ranks) * u64::from(max_tokens) * u64::from(layer.top_k.min(experts_per_rank));
+        u64::from(ranks) * u64::from(max_tokens) * u64::from(layer.top_k.min(experts_per_rank))
+            + u64::from(max_tokens) * u64::from(shape.shared_slices);
     let sizes = Sizes {
         ranks,
         experts_per_rank,
+        shared_slices: shape.shared_slices,
         slots: max_tokens,
         chunks: chunks_per_source,
         segment_rows: max_tokens,
@@ -333,11 +336,10 @@ pub fn plan_expert_parallel(
     ];
     // A rank computes T·K pairs (from every source) over E/R experts: as many rows per
     // expert as one GPU at R·T tokens. Its GEMMs are chosen for that problem, on its
-    // compute SMs, with their own token ranges. The shared experts do not run here (the
-    // plan's limitations say so).
+    // compute SMs, with their own token ranges. Every rank also runs the shared slices on
+    // its own tokens, after its routed experts.
     let rank_shape = LayerShape {
         experts: experts_per_rank,
-        shared_slices: 0,
         ..shape.clone()
     };
     let rank_target = Target {
@@ -467,6 +469,8 @@ pub fn plan_expert_parallel(
 struct Sizes {
     ranks: u32,
     experts_per_rank: u32,
+    /// The shared experts' slices, which every rank runs on its own tokens.
+    shared_slices: u32,
     slots: u32,
     chunks: u32,
     segment_rows: u32,
@@ -540,8 +544,8 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
         ),
         buffer(
             BufferId::SegmentOffsets,
-            segments + 1,
-            "first GEMM row of each (local expert, source) run",
+            (local + u64::from(sizes.shared_slices)) * r + 1,
+            "first GEMM row of each (local expert or shared slice, source) run",
         ),
         buffer(
             BufferId::RowOrigins,
@@ -570,8 +574,8 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
         ),
         buffer(
             BufferId::CombineSlots,
-            u64::from(shape.max_tokens) * u64::from(shape.top_k) * u64::from(shape.hidden),
-            "weighted expert outputs of this rank's pairs, stored by the ranks that computed them",
+            shape.max_pairs() * u64::from(shape.hidden),
+            "weighted expert outputs of this rank's pairs (and shared slices), stored by the ranks that computed them",
         ),
         buffer(
             BufferId::CombineCounters,
@@ -822,9 +826,12 @@ fn launch_table(
             blocks.arrange,
             META_THREADS,
             StreamRole::Compute,
-            static_smem_reserved(4 * (sizes.experts_per_rank * sizes.ranks + 1) + 4 + 4),
+            static_smem_reserved(
+                4 * ((sizes.experts_per_rank + sizes.shared_slices) * sizes.ranks + 1) + 4 + 4,
+            ),
             0,
             vec![
+                read(Tokens),
                 read(Rank),
                 read(Epoch),
                 shared(Workspace(RecvSlot)),

@@ -780,12 +780,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             "ranks on other nodes need the network path (NCCL, hierarchical traffic), which is not built yet".to_string(),
         );
     }
-    if let (Some(shared), Some(_)) = (layer.shared_experts, &expert_parallel) {
-        limitations.push(format!(
-            "the single-GPU kernels run the {} shared expert(s) of FFN {} (as {} always-hit experts); the expert-parallel kernels do not yet: add their output outside that path",
-            shared.count, shared.ffn, shape.shared_slices
-        ));
-    }
+
     if layer.router.is_some() && expert_parallel.is_some() {
         limitations.push(
             "the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path".to_string(),

@@ -84,8 +84,11 @@ impl Plan {
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
             let regimes = ep.regimes.iter().map(ExpertParallelRegime::parts);
-            self.check_regimes(regimes, ep.experts_per_rank * ep.ranks)
-                .map_err(|e| format!("expert-parallel: {e}"))?;
+            self.check_regimes(
+                regimes,
+                (ep.experts_per_rank + shape.shared_slices) * ep.ranks,
+            )
+            .map_err(|e| format!("expert-parallel: {e}"))?;
         }
         Ok(())
     }
@@ -117,7 +120,8 @@ impl Plan {
         }
         let worst_rows = u64::from(ranks)
             * u64::from(shape.max_tokens)
-            * u64::from(shape.top_k.min(ep.experts_per_rank));
+            * u64::from(shape.top_k.min(ep.experts_per_rank))
+            + u64::from(shape.max_tokens) * u64::from(shape.shared_slices);
         if ep.intermediate_rows < worst_rows {
             return Err("the intermediate cannot hold the worst-case rows of one rank".into());
         }
