@@ -3,12 +3,16 @@
 //!
 //! A process is launched as one rank of a group, in the style of `torchrun`: `RANK` (this
 //! process's rank), `WORLD_SIZE` (how many processes), `LOCAL_RANK` (its GPU on this node),
-//! `MASTER_ADDR` and `MASTER_PORT` (where rank 0 listens). [`LaunchEnv::from_env`] reads
-//! them; a missing or malformed one is a [`LaunchError`] that says what to set.
+//! `MASTER_ADDR` and `MASTER_PORT` (where rank 0 listens), or instead of those two
+//! `MOEFORGE_RENDEZVOUS=file:PATH` (a file all processes see, through which rank 0 says
+//! where it listens: no port to choose). [`LaunchEnv::from_env`] reads them; a missing or
+//! malformed one is a [`LaunchError`] that says what to set.
 //!
-//! [`ControlChannel`] is the group's host-side channel: rank 0 listens on
-//! `MASTER_ADDR:MASTER_PORT`, every other rank connects (retrying while rank 0 is not up
-//! yet) and keeps its connection for the layer's life. It carries small, rare messages
+//! [`ControlChannel`] is the group's host-side channel: rank 0 listens (on
+//! `MASTER_ADDR:MASTER_PORT`, or on a free loopback port it writes into the rendezvous
+//! file, which must not exist yet and which it removes once every rank is in), every other
+//! rank connects (retrying while rank 0 is not up yet) and keeps its connection for the
+//! layer's life. It carries small, rare messages
 //! only (NCCL's unique id, device and plan fingerprints at set-up, and after a time-out the
 //! agreement to restart the exchange): [`ControlChannel::all_gather`] and
 //! [`ControlChannel::barrier`]. Every read and write has a deadline, and a peer that exits
@@ -16,8 +20,10 @@
 //! GPU traffic itself never touches this channel: the kernels exchange data through CUDA
 //! IPC mappings of each other's workspace (see [`crate::ep`]).
 
+use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -29,6 +35,10 @@ pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The environment variable that overrides [`DEFAULT_RENDEZVOUS_TIMEOUT`], in seconds.
 pub const RENDEZVOUS_TIMEOUT_VAR: &str = "MOEFORGE_RENDEZVOUS_TIMEOUT";
+
+/// The environment variable that names a rendezvous file (`file:PATH`) instead of
+/// `MASTER_ADDR` and `MASTER_PORT`.
+pub const RENDEZVOUS_VAR: &str = "MOEFORGE_RENDEZVOUS";
 
 /// Opens every message of the channel's handshake, so that a stray client on the port
 /// (another program, a rank of another run) is refused rather than misread.
@@ -81,10 +91,28 @@ pub struct LaunchEnv {
     pub world_size: u32,
     /// The GPU of this process on its node.
     pub local_rank: u32,
-    pub master_addr: String,
-    pub master_port: u16,
+    pub rendezvous: Rendezvous,
     /// The bound on every wait of the [`ControlChannel`].
     pub timeout: Duration,
+}
+
+/// Where the ranks of a group meet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rendezvous {
+    /// Rank 0 listens on `addr:port` (`MASTER_ADDR`, `MASTER_PORT`).
+    Tcp { addr: String, port: u16 },
+    /// Rank 0 listens on a free loopback port and writes `127.0.0.1:PORT` into this file
+    /// (`MOEFORGE_RENDEZVOUS=file:PATH`); the others wait for it. One node.
+    File(PathBuf),
+}
+
+impl fmt::Display for Rendezvous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Rendezvous::Tcp { addr, port } => write!(f, "{addr}:{port}"),
+            Rendezvous::File(path) => write!(f, "the address in {}", path.display()),
+        }
+    }
 }
 
 impl LaunchEnv {
@@ -138,21 +166,37 @@ impl LaunchEnv {
             "LOCAL_RANK",
             "set LOCAL_RANK to this process's GPU on its node (on one node, the same as RANK)",
         )?;
-        let master_addr = get(
-            "MASTER_ADDR",
-            "set MASTER_ADDR to the address rank 0 listens on (127.0.0.1 on one node)",
-        )?;
-        let port_hint = "set MASTER_PORT to a free TCP port rank 0 listens on, e.g. 29500";
-        let port_value = get("MASTER_PORT", port_hint)?;
-        let master_port = match port_value.trim().parse::<u16>() {
-            Ok(port) if port > 0 => port,
-            _ => {
-                return Err(LaunchError::Malformed {
-                    var: "MASTER_PORT",
-                    value: port_value,
-                    what: "a TCP port (1 to 65535)",
-                    hint: port_hint,
-                });
+        let rendezvous = match var(RENDEZVOUS_VAR) {
+            Some(value) => match value.strip_prefix("file:") {
+                Some(path) if !path.is_empty() => Rendezvous::File(PathBuf::from(path)),
+                _ => {
+                    return Err(LaunchError::Malformed {
+                        var: RENDEZVOUS_VAR,
+                        value,
+                        what: "file:PATH",
+                        hint: "name a file every rank can see that does not exist yet, e.g. MOEFORGE_RENDEZVOUS=file:/tmp/moeforge-run-1, or unset it and set MASTER_ADDR and MASTER_PORT",
+                    });
+                }
+            },
+            None => {
+                let addr = get(
+                    "MASTER_ADDR",
+                    "set MASTER_ADDR to the address rank 0 listens on (127.0.0.1 on one node), or MOEFORGE_RENDEZVOUS=file:PATH instead of MASTER_ADDR and MASTER_PORT",
+                )?;
+                let port_hint = "set MASTER_PORT to a free TCP port rank 0 listens on, e.g. 29500";
+                let port_value = get("MASTER_PORT", port_hint)?;
+                let port = match port_value.trim().parse::<u16>() {
+                    Ok(port) if port > 0 => port,
+                    _ => {
+                        return Err(LaunchError::Malformed {
+                            var: "MASTER_PORT",
+                            value: port_value,
+                            what: "a TCP port (1 to 65535)",
+                            hint: port_hint,
+                        });
+                    }
+                };
+                Rendezvous::Tcp { addr, port }
             }
         };
         let timeout = match var(RENDEZVOUS_TIMEOUT_VAR) {
@@ -174,8 +218,7 @@ impl LaunchEnv {
             rank,
             world_size,
             local_rank,
-            master_addr,
-            master_port,
+            rendezvous,
             timeout,
         })
     }
@@ -231,6 +274,28 @@ pub enum ChannelError {
     },
     #[error("rank {rank}: rank {peer} sent a message of {bytes} bytes, above the channel's limit")]
     Oversized { rank: u32, peer: u32, bytes: u32 },
+    #[error(
+        "rank 0: the rendezvous file {} exists already (from an earlier launch?); remove it, or name a new file in MOEFORGE_RENDEZVOUS",
+        path.display()
+    )]
+    StaleRendezvousFile { path: PathBuf },
+    #[error("rank {rank}: cannot {doing} the rendezvous file {}: {source}", path.display())]
+    RendezvousFile {
+        rank: u32,
+        doing: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "rank {rank}: rank 0 did not write the rendezvous file {} within {seconds:.0} s; start every rank with the same MOEFORGE_RENDEZVOUS",
+        path.display()
+    )]
+    NoRendezvousFile {
+        rank: u32,
+        path: PathBuf,
+        seconds: f64,
+    },
 }
 
 /// The group's host-side channel (see the module documentation). Rank 0 holds one
@@ -247,12 +312,26 @@ impl ControlChannel {
     /// rank; the others connect to it. Returns once all are connected, or an error within
     /// `env.timeout`.
     pub fn connect(env: &LaunchEnv) -> Result<Self, ChannelError> {
-        let addr = resolve(&env.master_addr, env.master_port)?;
         let deadline = Instant::now() + env.timeout;
-        let links = if env.rank == 0 {
-            accept_ranks(addr, env, deadline)?
-        } else {
-            vec![connect_to_master(addr, env, deadline)?]
+        let links = match (&env.rendezvous, env.rank) {
+            (Rendezvous::Tcp { addr, port }, 0) => {
+                let addr = resolve(addr, *port)?;
+                accept_ranks(listen(addr)?, env, deadline)?
+            }
+            (Rendezvous::Tcp { addr, port }, _) => {
+                vec![connect_to_master(resolve(addr, *port)?, env, deadline)?]
+            }
+            (Rendezvous::File(path), 0) => {
+                let listener = publish(path)?;
+                let links = accept_ranks(listener, env, deadline);
+                // Every rank has read it (or the group failed): the next launch may reuse the name.
+                let _ = std::fs::remove_file(path);
+                links?
+            }
+            (Rendezvous::File(path), rank) => {
+                let addr = read_rendezvous_file(path, rank, env.timeout, deadline)?;
+                vec![connect_to_master(addr, env, deadline)?]
+            }
         };
         Ok(ControlChannel {
             rank: env.rank,
@@ -322,18 +401,93 @@ fn resolve(addr: &str, port: u16) -> Result<SocketAddr, ChannelError> {
         .ok_or_else(|| resolve_error(io::Error::other("no address")))
 }
 
-/// Rank 0: listens on `addr` and takes one connection from every other rank, each opening
-/// with its handshake; the links in rank order.
+/// Rank 0's listener on `addr`.
+fn listen(addr: SocketAddr) -> Result<TcpListener, ChannelError> {
+    TcpListener::bind(addr).map_err(|source| ChannelError::Listen {
+        addr: addr.to_string(),
+        source,
+    })
+}
+
+/// Rank 0 of a file rendezvous: listens on a free loopback port and writes its address
+/// into `path` (a new file, renamed into place whole, so a reader never sees half of it).
+fn publish(path: &std::path::Path) -> Result<TcpListener, ChannelError> {
+    if path.exists() {
+        return Err(ChannelError::StaleRendezvousFile {
+            path: path.to_owned(),
+        });
+    }
+    let listener = listen(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    let file_error = |doing, source| ChannelError::RendezvousFile {
+        rank: 0,
+        doing,
+        path: path.to_owned(),
+        source,
+    };
+    let addr = listener.local_addr().map_err(|e| file_error("write", e))?;
+    let partial = path.with_extension(format!("partial-{}", std::process::id()));
+    std::fs::write(&partial, addr.to_string()).map_err(|e| file_error("write", e))?;
+    std::fs::rename(&partial, path).map_err(|e| file_error("write", e))?;
+    Ok(listener)
+}
+
+/// A rank other than 0 of a file rendezvous: waits (until `deadline`) for rank 0 to write
+/// `path`, then reads the address in it.
+fn read_rendezvous_file(
+    path: &std::path::Path,
+    rank: u32,
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<SocketAddr, ChannelError> {
+    loop {
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                return text
+                    .trim()
+                    .parse()
+                    .map_err(|_| ChannelError::RendezvousFile {
+                        rank,
+                        doing: "understand",
+                        path: path.to_owned(),
+                        source: io::Error::other(format!("{text:?} is not an address")),
+                    });
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                if Instant::now() >= deadline {
+                    return Err(ChannelError::NoRendezvousFile {
+                        rank,
+                        path: path.to_owned(),
+                        seconds: timeout.as_secs_f64(),
+                    });
+                }
+                std::thread::sleep(CONNECT_RETRY);
+            }
+            Err(source) => {
+                return Err(ChannelError::RendezvousFile {
+                    rank,
+                    doing: "read",
+                    path: path.to_owned(),
+                    source,
+                });
+            }
+        }
+    }
+}
+
+/// Rank 0: takes one connection on `listener` from every other rank, each opening with
+/// its handshake; the links in rank order.
 fn accept_ranks(
-    addr: SocketAddr,
+    listener: TcpListener,
     env: &LaunchEnv,
     deadline: Instant,
 ) -> Result<Vec<TcpStream>, ChannelError> {
+    let addr = listener
+        .local_addr()
+        .map_or_else(|_| env.rendezvous.to_string(), |a| a.to_string());
     let listen_error = |source| ChannelError::Listen {
-        addr: addr.to_string(),
+        addr: addr.clone(),
         source,
     };
-    let listener = TcpListener::bind(addr).map_err(listen_error)?;
     // Non-blocking so that the deadline holds while nobody connects.
     listener.set_nonblocking(true).map_err(listen_error)?;
     let mut links: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
@@ -546,8 +700,10 @@ mod tests {
                 rank: 1,
                 world_size: 2,
                 local_rank: 1,
-                master_addr: "127.0.0.1".to_string(),
-                master_port: 29500,
+                rendezvous: Rendezvous::Tcp {
+                    addr: "127.0.0.1".to_string(),
+                    port: 29500,
+                },
                 timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
             }
         );
@@ -624,8 +780,10 @@ mod tests {
             rank,
             world_size,
             local_rank: rank,
-            master_addr: "127.0.0.1".to_string(),
-            master_port: port,
+            rendezvous: Rendezvous::Tcp {
+                addr: "127.0.0.1".to_string(),
+                port,
+            },
             timeout,
         }
     }
@@ -653,6 +811,92 @@ mod tests {
                 .map(|h| h.join().expect("a rank's thread panicked"))
                 .collect()
         })
+    }
+
+    #[test]
+    fn a_rendezvous_file_replaces_master_addr_and_port() {
+        let pairs = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            (RENDEZVOUS_VAR, "file:/tmp/moeforge-group"),
+        ];
+        let env = LaunchEnv::from_vars(vars(&pairs)).expect("valid without MASTER_*");
+        assert_eq!(
+            env.rendezvous,
+            Rendezvous::File(PathBuf::from("/tmp/moeforge-group"))
+        );
+        for bad in ["/tmp/x", "file:", "tcp:1.2.3.4"] {
+            let mut pairs = pairs.to_vec();
+            pairs[3] = (RENDEZVOUS_VAR, bad);
+            let error = LaunchEnv::from_vars(vars(&pairs)).expect_err(bad);
+            assert!(
+                error.to_string().contains("is not file:PATH"),
+                "{bad}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn three_ranks_meet_through_a_file_that_rank_0_removes_after() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("rendezvous");
+        let env = |rank| LaunchEnv {
+            rank,
+            world_size: 3,
+            local_rank: rank,
+            rendezvous: Rendezvous::File(path.clone()),
+            timeout: Duration::from_secs(20),
+        };
+        let said: Vec<Vec<Vec<u8>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = [1, 2, 0]
+                .into_iter()
+                .map(|rank| {
+                    let env = env(rank);
+                    scope.spawn(move || {
+                        let mut channel = ControlChannel::connect(&env).expect("connected");
+                        (rank, channel.all_gather(&[rank as u8]).expect("gathered"))
+                    })
+                })
+                .collect();
+            let mut results: Vec<_> = handles
+                .into_iter()
+                .map(|h| h.join().expect("a rank's thread panicked"))
+                .collect();
+            results.sort_by_key(|(rank, _)| *rank);
+            results.into_iter().map(|(_, gathered)| gathered).collect()
+        });
+        for gathered in said {
+            assert_eq!(gathered, [vec![0u8], vec![1], vec![2]]);
+        }
+        assert!(
+            !path.exists(),
+            "rank 0 removes the file once every rank is in"
+        );
+
+        // A file left by an earlier launch is refused by rank 0, not trusted.
+        std::fs::write(&path, "127.0.0.1:1").expect("a stale file");
+        let error = ControlChannel::connect(&env(0))
+            .err()
+            .expect("a stale file");
+        assert!(
+            matches!(error, ChannelError::StaleRendezvousFile { .. }),
+            "{error}"
+        );
+        std::fs::remove_file(&path).expect("removed");
+
+        // A rank whose rank 0 never writes the file gives up at the bound.
+        let lonely = LaunchEnv {
+            timeout: Duration::from_millis(300),
+            ..env(1)
+        };
+        let started = Instant::now();
+        let error = ControlChannel::connect(&lonely).err().expect("no rank 0");
+        assert!(
+            matches!(error, ChannelError::NoRendezvousFile { rank: 1, .. }),
+            "{error}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 
     #[test]

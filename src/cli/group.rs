@@ -99,8 +99,8 @@ pub fn start(env: &LaunchEnv, plan: Plan, seed: u64) -> Result<RankBuilt, ExitCo
         }
     };
     eprintln!(
-        "rank {rank} of {}: meeting the group at {}:{} ...",
-        env.world_size, env.master_addr, env.master_port
+        "rank {rank} of {}: meeting the group at {} ...",
+        env.world_size, env.rendezvous
     );
     let mut channel = ControlChannel::connect(env).map_err(|e| fail(usage_error())(&e))?;
     let seeds = channel
