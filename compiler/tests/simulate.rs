@@ -136,3 +136,34 @@ fn deepseek_v3_over_64_ranks_simulates_in_seconds() {
     // Node aggregation sends fewer bytes over the network than per-rank sends.
     assert!(aware.network_s < naive.network_s);
 }
+
+/// Each rank runs the shared slices on its own tokens: the same plan without them
+/// simulates less GEMM time, and the same pairs cross the links.
+#[test]
+fn shared_experts_add_gemm_time_on_every_rank_but_no_traffic() {
+    let (plan, topology) = planned(&layer("deepseek_v3"));
+    assert_eq!(plan.shape.shared_slices, 1);
+    let mut routed_only = plan.clone();
+    routed_only.shape.shared_slices = 0;
+    let run = |plan: &Plan| {
+        simulate::simulate(plan, &topology, &options(512, Routing::Uniform))
+            .unwrap()
+            .schedules
+            .into_iter()
+            .find(|s| s.schedule == Schedule::BulkSynchronous)
+            .expect("the bulk-synchronous schedule")
+    };
+    let (with, without) = (run(&plan), run(&routed_only));
+    assert!(
+        with.compute_s > without.compute_s,
+        "{} vs {}",
+        with.compute_s,
+        without.compute_s
+    );
+    // One slice beside eight routed pairs a token: well under half again.
+    assert!(with.compute_s < 1.5 * without.compute_s);
+    assert_eq!(
+        with.accounting.pairs_dispatched,
+        without.accounting.pairs_dispatched
+    );
+}

@@ -115,6 +115,8 @@ pub(super) struct Machine<'a> {
     traffic: &'a Traffic,
     hidden: u32,
     ffn: u32,
+    /// Shared-expert slices every rank runs on its own tokens after its local experts.
+    shared_slices: u32,
     row_bytes: f64,
 }
 
@@ -134,6 +136,7 @@ impl<'a> Machine<'a> {
             traffic,
             hidden: plan.shape.hidden,
             ffn: plan.shape.ffn,
+            shared_slices: plan.shape.shared_slices,
             row_bytes: f64::from(plan.shape.hidden) * 2.0,
         }
     }
@@ -427,6 +430,14 @@ impl<'a> Machine<'a> {
                 });
             }
             tiles.push((row_ready, m_done));
+        }
+        // The shared slices: a row per own token each, read from x (ready at once), in the
+        // first phase (this rank's own source); no pair is dispatched for them.
+        let own = self.traffic.tokens_per_rank;
+        for _ in 0..self.shared_slices {
+            let m_tiles = own.div_ceil(g1.tile.m);
+            block2_rows.push(own);
+            tiles.push((vec![start; m_tiles as usize], vec![m_tiles; order.len()]));
         }
         let n1 = self.ffn / g1.tile.n;
         let total: u32 = tiles

@@ -36,8 +36,9 @@
 //! the switch fabric and NIC rails beyond one port per rank; the forwarding of
 //! node-aggregated chunks costs the relay's NVLink port but none of its blocks; GEMM tiles
 //! of a rank share HBM evenly and do not slow down under concurrent copies; GEMM2's stores
-//! leave as an even stream over GEMM2's span; shared experts, the router, and the
-//! previous call (credits) are not modelled; every kernel launch costs the target's launch
+//! leave as an even stream over GEMM2's span; the router and the previous call (credits)
+//! are not modelled (the shared experts are: each rank's slices on its own tokens, after
+//! its local experts, ready at once); every kernel launch costs the target's launch
 //! overhead once.
 
 mod engine;
