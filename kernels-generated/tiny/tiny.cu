@@ -641,8 +641,8 @@ __device__ __forceinline__ void grouped_gemm(
 }
 // ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
-// the routed pairs, then (on one GPU) the shared slices. One block per token; each thread
-// sums 8 columns (one 16-byte vector) at a time.
+// the routed pairs, then the shared slices. One block per token; each thread sums 8
+// columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
 // The sum of one token's SLOTS slots that are `present` into its output row, by the whole
 // block.
