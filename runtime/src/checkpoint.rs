@@ -210,6 +210,12 @@ pub enum ExpertSet {
 }
 
 impl ExpertSet {
+    /// What expert-parallel rank `rank` of `ranks` holds, in the order its kernels number
+    /// them: its routed experts, then the shared slices (empty without shared experts).
+    pub fn held_by_rank(rank: u32, ranks: u32) -> [ExpertSet; 2] {
+        [ExpertSet::Rank { rank, ranks }, ExpertSet::SharedSlices]
+    }
+
     /// The expert ids of this set in a layer of `shape`; a rank that does not name an
     /// equal share is an error.
     pub fn range(self, shape: &LayerShape) -> Result<Range<u32>, CheckpointError> {

@@ -18,6 +18,7 @@ use crate::aot;
 use crate::bf16;
 use crate::call_file::CallOutputs;
 use crate::checkpoint::HostGate;
+use crate::checkpoint::{CheckpointError, ExpertSet};
 use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::ipc::GroupError;
@@ -41,6 +42,8 @@ pub enum HarnessError {
     Codegen(#[from] CodegenError),
     #[error(transparent)]
     Layer(#[from] LayerError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
 }
 
 /// A GPU, the JIT, and the runtime's own fill kernels.
@@ -522,28 +525,26 @@ impl Session {
         self.build_expert_parallel_with(built, contexts, weights)
     }
 
-    /// Rank `r`'s `E / ranks` experts of `built`, copied onto `ctx`'s device.
+    /// Rank `r`'s experts of `built` (its `E / ranks` routed ones, then the shared
+    /// slices), copied onto `ctx`'s device.
     fn rank_weights(
         &self,
         built: &BuiltLayer,
         r: usize,
         ranks: usize,
         ctx: &Arc<CudaContext>,
-    ) -> Result<ExpertWeights, GpuError> {
+    ) -> Result<ExpertWeights, HarnessError> {
         let shape = &built.layer.plan().shape;
-        let local = shape.experts as usize / ranks.max(1);
         let w1_expert = shape.w1_rows() as usize * shape.hidden as usize;
         let w2_expert = shape.hidden as usize * shape.ffn as usize;
         let full = built.layer.weights();
         // The rank's routed experts, then every shared slice (each rank runs them on its
         // own tokens). Host staging works between any two devices; these copies are set-up.
-        let experts = [
-            r * local..(r + 1) * local,
-            shape.experts as usize..shape.gemm_experts() as usize,
-        ];
         let mut w1 = Vec::new();
         let mut w2 = Vec::new();
-        for range in experts {
+        for which in ExpertSet::held_by_rank(r as u32, ranks as u32) {
+            let range = which.range(shape)?;
+            let range = range.start as usize..range.end as usize;
             w1.extend(
                 self.gpu
                     .stream

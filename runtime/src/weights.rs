@@ -68,11 +68,10 @@ impl Weights {
         rank: u32,
         ranks: u32,
     ) -> Result<Vec<HostWeights>, CheckpointError> {
-        let mut parts = vec![self.host(shape, ExpertSet::Rank { rank, ranks })?];
-        if shape.shared_slices > 0 {
-            parts.push(self.host(shape, ExpertSet::SharedSlices)?);
-        }
-        Ok(parts)
+        ExpertSet::held_by_rank(rank, ranks)
+            .into_iter()
+            .map(|which| self.host(shape, which))
+            .collect()
     }
 }
 

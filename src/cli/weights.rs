@@ -138,12 +138,9 @@ impl Loaded {
         (0..ranks)
             .zip(contexts)
             .map(|(rank, ctx)| {
-                let mut parts = vec![self.layer.load(shape, ExpertSet::Rank { rank, ranks })];
-                if shape.shared_slices > 0 {
-                    parts.push(self.layer.load(shape, ExpertSet::SharedSlices));
-                }
-                let parts = parts
+                let parts = ExpertSet::held_by_rank(rank, ranks)
                     .into_iter()
+                    .map(|which| self.layer.load(shape, which))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|error| report(&error))?;
                 upload_parts(&ctx.default_stream(), &parts).map_err(|error| {
