@@ -15,7 +15,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use moeforge_compiler::ir::{self, RouterBias};
 use moeforge_compiler::plan::LayerShape;
 
@@ -176,7 +176,8 @@ pub fn upload(stream: &Arc<CudaStream>, weights: &HostWeights) -> Result<ExpertW
 }
 
 /// [`upload`] of several sets of experts, one after another in one buffer each (a rank's
-/// routed experts, then the shared slices: [`rank_parts`]).
+/// routed experts, then the shared slices: [`Weights::rank_parts`]). Each part is copied
+/// straight into its place: a full layer's weights are not staged twice on the host.
 pub fn upload_parts(
     stream: &Arc<CudaStream>,
     parts: &[HostWeights],
@@ -186,25 +187,43 @@ pub fn upload_parts(
         .map(|p| format!("{}..{}", p.experts.start, p.experts.end))
         .collect();
     let what = |tensor: &str| format!("uploading {tensor} of experts {}", held.join(" and "));
-    let joined = |part: fn(&HostWeights) -> &[u16]| {
-        parts.iter().flat_map(part).copied().collect::<Vec<u16>>()
-    };
-    let w1 = stream.clone_htod(&joined(|p| &p.w1)).context(what("W1"))?;
-    let w2 = stream.clone_htod(&joined(|p| &p.w2)).context(what("W2"))?;
+    let w1 = upload_joined(stream, parts, |p| &p.w1, &what("W1"))?;
+    let w2 = upload_joined(stream, parts, |p| &p.w2, &what("W2"))?;
     let biases: Option<Vec<&HostBiases>> = parts.iter().map(|p| p.biases.as_ref()).collect();
     let biases = match biases {
-        Some(biases) if !biases.is_empty() => {
-            let b1: Vec<f32> = biases.iter().flat_map(|b| b.b1.iter().copied()).collect();
-            let b2: Vec<f32> = biases.iter().flat_map(|b| b.b2.iter().copied()).collect();
-            Some(ExpertBiases {
-                b1: stream.clone_htod(&b1).context(what("b1"))?,
-                b2: stream.clone_htod(&b2).context(what("b2"))?,
-            })
-        }
+        Some(biases) if !biases.is_empty() => Some(ExpertBiases {
+            b1: upload_joined(stream, &biases, |b| &b.b1, &what("b1"))?,
+            b2: upload_joined(stream, &biases, |b| &b.b2, &what("b2"))?,
+        }),
         _ => None,
     };
     stream
         .synchronize()
         .context("waiting for the weights' upload")?;
     Ok(ExpertWeights { w1, w2, biases })
+}
+
+/// One device buffer holding `tensor` of every part, in order, each copied into its place.
+fn upload_joined<P, T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    parts: &[P],
+    tensor: impl Fn(&P) -> &[T],
+    what: &str,
+) -> Result<CudaSlice<T>, GpuError> {
+    let len: usize = parts.iter().map(|p| tensor(p).len()).sum();
+    let mut joined = stream
+        .alloc_zeros::<T>(len.max(1))
+        .context(what.to_string())?;
+    let mut offset = 0;
+    for part in parts {
+        let values = tensor(part);
+        if values.is_empty() {
+            continue;
+        }
+        stream
+            .memcpy_htod(values, &mut joined.slice_mut(offset..offset + values.len()))
+            .context(what.to_string())?;
+        offset += values.len();
+    }
+    Ok(joined)
 }
