@@ -137,9 +137,9 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
         matches!(result, Err(aot::AotError::InvalidPlan(_))),
         "{result:?}"
     );
-    // A plan file of the previous format (before the shared experts ran).
+    // A plan file of the previous format (before the router ran in one launch).
     let dir = edited_copy("plan.json", |t| {
-        t.replacen("\"format_version\": 4", "\"format_version\": 3", 1)
+        t.replacen("\"format_version\": 5", "\"format_version\": 4", 1)
     });
     let result = aot::load_layer(&dir, None);
     assert!(

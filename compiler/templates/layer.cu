@@ -4,7 +4,8 @@
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
 {%- if router.is_some() %}
-// A call that routes itself first runs: router gate -> router select (topk_ids, topk_weights).
+// A call that routes itself runs the regime's router in place of route (gate -> select ->
+// routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 {%- endif %}
 {%- for line in limitations %}
 // Note: {{ line }}

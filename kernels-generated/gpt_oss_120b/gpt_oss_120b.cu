@@ -3,7 +3,8 @@
 // constant, and every entry point's parameter list is the plan's launch table.
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
-// A call that routes itself first runs: router gate -> router select (topk_ids, topk_weights).
+// A call that routes itself runs the regime's router in place of route (gate -> select ->
+// routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 8 expert-parallel ranks, but this plan has no expert-parallel kernels: layer `gpt_oss_120b`: the expert-parallel kernels do not add expert biases (`expert_bias = true`); run the layer on one GPU, whose kernels do; the single-GPU kernels run all 128 experts on one GPU
 
 // ---------------------------------------------------------------------------------------
@@ -117,7 +118,8 @@ __device__ __forceinline__ float activate(float gate, float up) {
 // Routing: count (token, k) pairs per expert, derive each expert's first row, and write
 // the expert-major row order as each row's combine slot (token · SLOTS_PER_TOKEN + k).
 // The shared slices follow the routed experts, every token once each, in token order.
-// One block; no host synchronisation. Row order inside an expert depends on atomic order,
+// One block (the route kernel's, or in a self-routed call the router's last); no host
+// synchronisation. Row order inside an expert depends on atomic order,
 // which changes no result: every row is computed the same way wherever it sits, and the
 // combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
@@ -126,6 +128,50 @@ __device__ __forceinline__ void report_error(int* error_word, int code, int toke
         error_word[1] = token;
         error_word[2] = k;
         error_word[3] = value;
+    }
+}
+
+// The routing metadata of one call, by one block of THREADS threads with `s_count` and
+// `s_offset` (GEMM_EXPERTS and GEMM_EXPERTS + 1 ints) in its shared memory. The ids are read
+// through L2 (ld.cg): a self-routed call's router wrote them earlier in the same kernel.
+template <int THREADS>
+__device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int* __restrict__ expert_offsets,
+                                            int* __restrict__ row_pair, int* __restrict__ error_word, int* s_count,
+                                            int* s_offset) {
+    const int pairs = tokens * TOP_K;
+
+    // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS. This runs first in
+    // every call, so it clears the error word of the previous one.
+    if (threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += THREADS) s_count[e] = e < EXPERTS ? 0 : tokens;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += THREADS) {
+        const int expert = __ldcg(topk_ids + p);
+        if ((unsigned)expert < (unsigned)EXPERTS) {
+            atomicAdd(&s_count[expert], 1);
+        } else {
+            report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
+        }
+    }
+    __syncthreads();
+
+    // Phase 2: first row of each expert.
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
+    __syncthreads();
+    for (int e = threadIdx.x; e <= GEMM_EXPERTS; e += THREADS) expert_offsets[e] = s_offset[e];
+    for (int e = threadIdx.x; e < EXPERTS; e += THREADS) s_count[e] = 0;
+    __syncthreads();
+
+    // Phase 3: place each pair at its expert's next free row.
+    for (int p = threadIdx.x; p < pairs; p += THREADS) {
+        const int expert = __ldcg(topk_ids + p);
+        if ((unsigned)expert < (unsigned)EXPERTS) {
+            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
+        }
+    }
+    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += THREADS) {
+        const int slice = i / tokens, token = i % tokens;
+        row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
 }
 
@@ -141,41 +187,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
                   "plan: routing's static shared memory");
-    const int pairs = tokens * TOP_K;
-
-    // Phase 1: count pairs per expert; reject ids outside 0..EXPERTS. This kernel runs
-    // first in every call, so it clears the error word of the previous one.
-    if (threadIdx.x < 4) error_word[threadIdx.x] = 0;
-    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += ROUTE_THREADS) s_count[e] = e < EXPERTS ? 0 : tokens;
-    __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
-        const int expert = topk_ids[p];
-        if ((unsigned)expert < (unsigned)EXPERTS) {
-            atomicAdd(&s_count[expert], 1);
-        } else {
-            report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
-        }
-    }
-    __syncthreads();
-
-    // Phase 2: first row of each expert.
-    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_count[e]; }, s_offset);
-    __syncthreads();
-    for (int e = threadIdx.x; e <= GEMM_EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
-    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
-    __syncthreads();
-
-    // Phase 3: place each pair at its expert's next free row.
-    for (int p = threadIdx.x; p < pairs; p += ROUTE_THREADS) {
-        const int expert = topk_ids[p];
-        if ((unsigned)expert < (unsigned)EXPERTS) {
-            row_pair[s_offset[expert] + atomicAdd(&s_count[expert], 1)] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
-        }
-    }
-    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += ROUTE_THREADS) {
-        const int slice = i / tokens, token = i % tokens;
-        row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
-    }
+    route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }
 // ---------------------------------------------------------------------------------------
 // Flags between ranks: written with release and read with acquire at .gpu scope.
@@ -647,15 +659,20 @@ __device__ __forceinline__ void grouped_gemm(
 }
 // ---------------------------------------------------------------------------------------
 // Router: chooses each token's TOP_K experts and their weights from x, for a call that
-// routes itself (a caller-routed call passes topk_ids and topk_weights instead).
-//   gate   (per regime): router_logits[t, e] = x[t] · W_gate[e], f32 accumulation; a tiled
-//          mma.sync GEMM, blocks numbered token-tile major so that the expert tiles of one
-//          token tile run together and share its x rows through L2. WARPS_K groups of
-//          warps split the reduction (group g: k-tiles g, g + WARPS_K, ..., its own ring),
-//          summed in group order: a few tokens' grid has few blocks, each needing many
-//          loads in flight.
-//   select (one warp per token): scores (x · W_gateᵀ + bias), top-k by score (ties: lower index), weights softmax over the chosen logits × 1.
-// Ties go to the lower expert index; NaN counts as below every number.
+// routes itself (a caller-routed call passes topk_ids and topk_weights instead), and lays
+// out the routing metadata as the route kernel does: one kernel per regime, in its place.
+//   gate    (every block): router_logits[t, e] = x[t] · W_gate[e], f32 accumulation; a
+//           tiled mma.sync GEMM, blocks numbered token-tile major so that the expert tiles
+//           of one token tile run together and share its x rows through L2. WARPS_K groups
+//           of warps split the reduction (group g: k-tiles g, g + WARPS_K, ..., its own
+//           ring), summed in group order: a few tokens' grid has few blocks, each needing
+//           many loads in flight.
+//   select  (the last block of each token tile to finish its gate tile; one warp per
+//           token): scores (x · W_gateᵀ + bias), top-k by score (ties: lower index), weights softmax over the chosen logits × 1.
+//   routing (the last token tile's selecting block): route_pairs on the chosen ids.
+// No block waits for another, so no residency is needed: a counter per token tile (and
+// one over the token tiles) tells the block that arrives last, which resets it for the
+// next call. Ties go to the lower expert index; NaN counts as below every number.
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
 enum RouterBias { ROUTER_BIAS_NONE = 0, ROUTER_BIAS_LOGITS = 1, ROUTER_BIAS_SCORE_CORRECTION = 2 };
@@ -666,16 +683,20 @@ constexpr int ROUTER_GROUPS_KEPT = 0;
 constexpr bool ROUTER_NORMALIZE = false;
 constexpr float ROUTER_SCALE = 1e0f;
 constexpr float ROUTER_NORMALIZE_EPSILON = 1e-20f;  // DeepSeek-V3's guard against 0/0
-constexpr int ROUTER_SELECT_WARPS = 4;      // tokens per select block
-constexpr int ROUTER_SELECT_THREADS = 128;
-constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = 0;
 constexpr int ROUTER_PER_LANE = (EXPERTS + 31) / 32;     // experts a lane holds: lane, lane + 32, ...
 constexpr int ROUTER_K_PER_LANE = (TOP_K + 31) / 32;     // chosen experts a lane writes
 constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS;
 constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
-static_assert(ROUTER_SELECT_THREADS == 32 * ROUTER_SELECT_WARPS, "plan: one warp per token");
+// The select phase's scratch (a warp's selection values, with a group limit) and the
+// routing phase's (counts and offsets per GEMM expert), both in the gate's rings.
+template <class G>
+__host__ __device__ constexpr int router_scratch_bytes() {
+    const int selection = ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0;
+    const int routing = 4 * (2 * GEMM_EXPERTS + 1);
+    return selection > routing ? selection : routing;
+}
 
 // Checks a gate config against the layout the code below assumes.
 template <class G>
@@ -683,7 +704,9 @@ __device__ __forceinline__ void assert_gate_layout() {
     static_assert(G::BM % (16 * G::WARPS_M) == 0 && G::BN % (16 * G::WARPS_N) == 0, "plan: warp tiles are whole 16x16 pieces");
     static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N * G::WARPS_K, "plan: threads per block");
     static_assert(G::STAGE_BYTES == (G::BM + G::BN) * SMEM_ROW_BYTES, "plan: a stage is BM x rows then BN W_gate rows");
-    static_assert(G::SMEM_BYTES == G::WARPS_K * G::STAGES * G::STAGE_BYTES, "plan: gate shared memory");
+    constexpr int RINGS = G::WARPS_K * G::STAGES * G::STAGE_BYTES;
+    static_assert(G::SMEM_BYTES == (RINGS > router_scratch_bytes<G>() ? RINGS : router_scratch_bytes<G>()),
+                  "plan: the router's shared memory holds the gate's rings and the later phases' scratch");
     static_assert((HIDDEN / (SMEM_ROW_BYTES / (int)sizeof(bf16_t))) % G::WARPS_K == 0, "plan: the groups split the k-tiles evenly");
     static_assert(G::EXPERT_TILES == (EXPERTS + G::BN - 1) / G::BN, "plan: expert tiles cover every expert");
     static_assert(G::STAGES >= 2, "plan: at least two stages");
@@ -796,7 +819,7 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
                     for (int c = 0; c < 4; ++c) partial[((i * NJ + j) * 4 + c) * GROUP_THREADS + group_thread] = acc[i][j][c];
         }
         __syncthreads();
-        if (group > 0) return;
+        if (group > 0) return;  // group 0 stores; the others go on to the caller's next phase
         for (int g = 1; g < G::WARPS_K; ++g) {
             const float* theirs = reinterpret_cast<const float*>(smem + g * G::STAGES * G::STAGE_BYTES);
 #pragma unroll
@@ -861,13 +884,12 @@ __device__ __forceinline__ float router_warp_max(float v) {
     return v;
 }
 
-// One warp routes one token. `gate_bias` is null when the rule has no bias.
-__device__ __forceinline__ void router_select(const float* __restrict__ router_logits, const float* __restrict__ gate_bias,
-                                              int tokens, int* __restrict__ routed_ids, float* __restrict__ routed_weights) {
+// One warp routes one token; `s_selection` is this warp's EXPERTS floats of shared memory
+// (used with a group limit). `gate_bias` is null when the rule has no bias. The logits are
+// read through L2 (ld.cg): other blocks of this kernel wrote them.
+__device__ __forceinline__ void router_select(const float* router_logits, const float* __restrict__ gate_bias, int token,
+                                              int* routed_ids, float* routed_weights, float* s_selection) {
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int token = blockIdx.x * ROUTER_SELECT_WARPS + warp;
-    if (token >= tokens) return;  // whole warps leave: the shuffles below stay full-warp
     const float* row = router_logits + (size_t)token * EXPERTS;
 
     // Phase 1: logits, the gate bias added when the rule says so.
@@ -877,7 +899,7 @@ __device__ __forceinline__ void router_select(const float* __restrict__ router_l
         const int e = lane + 32 * i;
         logit[i] = negative_infinity();
         if (e < EXPERTS) {
-            logit[i] = row[e];
+            logit[i] = __ldcg(row + e);
             if constexpr (ROUTER_BIAS == ROUTER_BIAS_LOGITS) logit[i] += gate_bias[e];
         }
     }
@@ -926,12 +948,9 @@ __device__ __forceinline__ void router_select(const float* __restrict__ router_l
     // Phase 4: group limit. A group's value is the sum of its two best selection values;
     // the ROUTER_GROUPS_KEPT best groups hold the only eligible experts.
     if constexpr (ROUTER_GROUPS > 0) {
-        __shared__ float s_selection[ROUTER_SELECT_WARPS][EXPERTS];
-        static_assert(ROUTER_GROUPS == 0 || static_smem_reserved(sizeof(s_selection)) == ROUTER_SELECT_STATIC_SMEM_BYTES,
-                      "plan: the select kernel's static shared memory");
 #pragma unroll
         for (int i = 0; i < ROUTER_PER_LANE; ++i) {
-            if (lane + 32 * i < EXPERTS) s_selection[warp][lane + 32 * i] = selection[i];
+            if (lane + 32 * i < EXPERTS) s_selection[lane + 32 * i] = selection[i];
         }
         __syncwarp();
         float group_value[ROUTER_GROUPS_PER_LANE];
@@ -941,7 +960,7 @@ __device__ __forceinline__ void router_select(const float* __restrict__ router_l
             float best = negative_infinity(), second = negative_infinity();
             if (g < ROUTER_GROUPS) {
                 for (int m = 0; m < ROUTER_GROUP_SIZE; ++m) {
-                    const float v = s_selection[warp][g * ROUTER_GROUP_SIZE + m];
+                    const float v = s_selection[g * ROUTER_GROUP_SIZE + m];
                     if (v > best) {
                         second = best;
                         best = v;
@@ -1051,63 +1070,124 @@ __device__ __forceinline__ void router_select(const float* __restrict__ router_l
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ROUTER_SELECT_THREADS) gpt_oss_120b_router_select(
-    const float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
-    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
-    int tokens,  // tokens in this call
-    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
-    float* __restrict__ routed_weights  // [tokens, TOP_K], workspace
-)
-{
-    router_select(router_logits, gate_bias, tokens, routed_ids, routed_weights);
+// Arrival of this block at `counter`, one of `arrivals` blocks: true in every thread of
+// the block that arrives last, which then sees the writes of all the others and resets the
+// counter for the next call (stream order publishes the reset).
+__device__ __forceinline__ bool router_last_arrival(u32* counter, u32 arrivals) {
+    __threadfence();  // this thread's writes, before the count that publishes them
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        u32 before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+        last = before == arrivals - 1;
+        if (last) *counter = 0;
+    }
+    return __syncthreads_or(last);
 }
 
-// Router gate of regime `decode` (0..=512 tokens): tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 5 groups splitting the reduction, 8 expert tiles per token tile
+// One self-routed call's router: gate tile, then (last block of its token tile) select,
+// then (last token tile) routing metadata. router_tiles_done: [0] token tiles selected,
+// [1 + tile] gate tiles done of each token tile.
+template <class G>
+__device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+                                            const float* __restrict__ gate_bias, int tokens, float* router_logits,
+                                            u32* router_tiles_done, int* routed_ids, float* routed_weights,
+                                            int* __restrict__ expert_offsets, int* __restrict__ row_pair,
+                                            int* __restrict__ error_word) {
+    constexpr int WARPS = G::THREADS / 32;
+    static_assert(G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int token_tile = blockIdx.x / G::EXPERT_TILES;
+    const int token_tiles = gridDim.x / G::EXPERT_TILES;
+
+    router_gate<G>(x, gate_weight, tokens, router_logits);
+    if (!router_last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES)) return;
+
+    // Select: this token tile's tokens, a warp each.
+    const int warp = threadIdx.x >> 5;
+    float* s_selection = reinterpret_cast<float*>(smem) + warp * EXPERTS;
+    const int tile_end = min(tokens, (token_tile + 1) * G::BM);
+    for (int token = token_tile * G::BM + warp; token < tile_end; token += WARPS) {
+        router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection);
+    }
+    if (!router_last_arrival(&router_tiles_done[0], token_tiles)) return;
+
+    // Routing metadata over every token's choices.
+    int* s_count = reinterpret_cast<int*>(smem);
+    route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
+}
+
+// Router of regime `decode` (0..=512 tokens), gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 5 groups splitting the reduction, 8 expert tiles per token tile
 struct decode_router_gate {
     static constexpr int BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 8;
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 5, THREADS = 160;
-    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 61440;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows)
+    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 61440;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or the later phases' scratch
 };
-extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router_gate(
+extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
     int tokens,  // tokens in this call
-    float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
+    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
+    float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    router_gate<decode_router_gate>(x, gate_weight, tokens, router_logits);
+    router_call<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                   routed_weights, expert_offsets, row_pair, error_word);
 }
 
-// Router gate of regime `mid` (513..=2048 tokens): tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 3 groups splitting the reduction, 8 expert tiles per token tile
+// Router of regime `mid` (513..=2048 tokens), gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 3 groups splitting the reduction, 8 expert tiles per token tile
 struct mid_router_gate {
     static constexpr int BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 8;
     static constexpr int WARPS_M = 2, WARPS_N = 1, WARPS_K = 3, THREADS = 192;
-    static constexpr int STAGE_BYTES = 10240, SMEM_BYTES = 92160;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows)
+    static constexpr int STAGE_BYTES = 10240, SMEM_BYTES = 92160;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or the later phases' scratch
 };
-extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate(
+extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
     int tokens,  // tokens in this call
-    float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
+    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
+    float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    router_gate<mid_router_gate>(x, gate_weight, tokens, router_logits);
+    router_call<mid_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                   routed_weights, expert_offsets, row_pair, error_word);
 }
 
-// Router gate of regime `prefill` (2049..=16384 tokens): tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
+// Router of regime `prefill` (2049..=16384 tokens), gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate {
     static constexpr int BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2;
     static constexpr int WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 128;
-    static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 73728;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows)
+    static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 73728;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or the later phases' scratch
 };
-extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_prefill_router_gate(
+extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_prefill_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
     int tokens,  // tokens in this call
-    float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
+    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
+    float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    router_gate<prefill_router_gate>(x, gate_weight, tokens, router_logits);
+    router_call<prefill_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                   routed_weights, expert_offsets, row_pair, error_word);
 }
 // ---------------------------------------------------------------------------------------
 // Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.

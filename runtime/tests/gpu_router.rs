@@ -265,3 +265,33 @@ fn exact_ties_go_to_the_lower_expert() {
         failures.join("\n")
     );
 }
+
+/// A self-routed call of no tokens launches no router blocks; the route kernel runs in its
+/// place, so an error of the call before is cleared, not reported again. The calls after
+/// it route as the reference (the router's arrival counters were left at zero).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_self_routed_call_of_no_tokens_clears_an_earlier_error() {
+    let seed = fresh_seed();
+    log(&format!(
+        "router at T = 0: seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let layer = rule_layers().remove(0);
+    let session = Session::open().expect("GPU session");
+    let plan = plan::plan(&layer, &target()).expect("plans");
+    let built = session.build(plan, seed).expect("build");
+    let shape = built.layer.plan().shape.clone();
+    let mut bad = Workload::random(&shape, 9, Routing::Uniform, seed);
+    bad.topk_ids[3] = shape.experts as i32;
+    assert!(
+        session
+            .run_checked(&built, &bad, CHECKED_TOKENS, 1)
+            .is_err(),
+        "an out-of-range id is reported"
+    );
+    session
+        .run_routed_collect(&built, 0, &[])
+        .expect("a self-routed call of no tokens reports no stale error");
+    let failures = check_routed(&session, &built, seed);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -130,14 +130,30 @@ const GEMM_DOWN_USES: &[&str] = &[
     "combine_slots",
 ];
 const COMBINE_USES: &[&str] = &["combine_slots", "topk_ids", "y"];
-const ROUTER_GATE_USES: &[&str] = &["x", "gate_weight", "tokens", "router_logits"];
-const ROUTER_SELECT_USES: &[&str] = &["router_logits", "tokens", "routed_ids", "routed_weights"];
-const ROUTER_SELECT_BIAS_USES: &[&str] = &[
-    "router_logits",
-    "gate_bias",
+const ROUTER_USES: &[&str] = &[
+    "x",
+    "gate_weight",
     "tokens",
+    "router_logits",
+    "router_tiles_done",
     "routed_ids",
     "routed_weights",
+    "expert_offsets",
+    "row_pair",
+    "error_word",
+];
+const ROUTER_BIAS_USES: &[&str] = &[
+    "x",
+    "gate_weight",
+    "gate_bias",
+    "tokens",
+    "router_logits",
+    "router_tiles_done",
+    "routed_ids",
+    "routed_weights",
+    "expert_offsets",
+    "row_pair",
+    "error_word",
 ];
 const EP_ROUTE_USES: &[&str] = &[
     "topk_ids",
@@ -260,6 +276,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::PeerTable => "[RANKS, PEER_BUFFERS]: peers' addresses",
             BufferId::Credits => "[RANKS], written by peers: epoch each has consumed",
             BufferId::RouterLogits => "[tokens, EXPERTS], workspace",
+            BufferId::RouterTilesDone => "[1 + token tiles]: arrival counters, zero between calls",
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
         },
     }
@@ -565,14 +582,12 @@ struct RouterUnit {
     /// `scale` as a C float literal.
     scale: String,
     normalize_epsilon: String,
-    select_warps: u32,
-    select: EntryUnit,
-    /// What the select entry passes as the bias: `gate_bias`, or `nullptr` without one.
+    /// What the entries pass as the bias: `gate_bias`, or `nullptr` without one.
     bias_arg: &'static str,
     gates: Vec<GateUnit>,
 }
 
-/// One regime's gate GEMM.
+/// One regime's router entry and its gate GEMM's tile.
 struct GateUnit {
     regime: String,
     min_tokens: u32,
@@ -610,7 +625,15 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
                 min_tokens: regime.min_tokens,
                 max_tokens: regime.max_tokens,
                 config: format!("{}_router_gate", regime.name),
-                entry: EntryUnit::new(plan, &router_regime.gate_kernel, ROUTER_GATE_USES)?,
+                entry: EntryUnit::new(
+                    plan,
+                    &router_regime.launch.kernel,
+                    if has_bias {
+                        ROUTER_BIAS_USES
+                    } else {
+                        ROUTER_USES
+                    },
+                )?,
                 bm: gate.tile_tokens,
                 bn: gate.tile_experts,
                 stages: gate.stages,
@@ -641,16 +664,6 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         normalize: rule.normalize,
         scale: float_literal(rule.scale as f32),
         normalize_epsilon: float_literal(router::NORMALIZE_EPSILON),
-        select_warps: router_plan.select_tokens_per_block,
-        select: EntryUnit::new(
-            plan,
-            &router_plan.select_kernel,
-            if has_bias {
-                ROUTER_SELECT_BIAS_USES
-            } else {
-                ROUTER_SELECT_USES
-            },
-        )?,
         bias_arg: if has_bias { "gate_bias" } else { "nullptr" },
         gates,
     })

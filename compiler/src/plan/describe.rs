@@ -171,7 +171,7 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     let floor = &gate.floor;
     let _ = writeln!(
         out,
-        "    router gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        "    router (in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's) gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
         gate.tile_tokens,
         gate.tile_experts,
         gate.stages,
@@ -185,9 +185,7 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
         floor.flops / 1e9,
         floor.bytes / 1e6,
     );
-    for launch in &regime.launches {
-        describe_launch(out, launch);
-    }
+    describe_launch(out, &regime.launch);
 }
 
 fn describe_launch(out: &mut String, launch: &Launch) {

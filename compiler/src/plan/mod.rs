@@ -230,6 +230,9 @@ pub enum BufferId {
     // The router (a spec with `router { }`).
     /// f32 [T, E]: the gate's logits `x · W_gateᵀ`, without bias.
     RouterLogits,
+    /// u32 [1 + token tiles]: how many token tiles the router has selected, then per token
+    /// tile how many of its gate tiles are done; the last arrival resets each to 0.
+    RouterTilesDone,
     /// i32 [T·K]: the experts the router chose; a self-routed call passes it as `topk_ids`.
     RoutedIds,
     /// f32 [T·K]: their routing weights; passed as `topk_weights`.
@@ -263,7 +266,8 @@ impl BufferId {
             | BufferId::ChunkPieces
             | BufferId::ArrangeBlocksDone
             | BufferId::CombineCounters
-            | BufferId::Credits => ElemType::U32,
+            | BufferId::Credits
+            | BufferId::RouterTilesDone => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
         }
     }
@@ -295,6 +299,7 @@ impl BufferId {
             BufferId::PeerTable => "peer_table",
             BufferId::Credits => "credits",
             BufferId::RouterLogits => "router_logits",
+            BufferId::RouterTilesDone => "router_tiles_done",
             BufferId::RoutedIds => "routed_ids",
             BufferId::RoutedWeights => "routed_weights",
         }
@@ -740,8 +745,13 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         .iter()
         .map(|r| (r.name.clone(), r.max_tokens))
         .collect();
-    let router = router::plan_router(layer, target, &symbol, &regime_tokens);
-    let workspace = workspace(&shape, router.is_some());
+    let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
+    let workspace = workspace(
+        &shape,
+        router
+            .as_ref()
+            .map(|router| router.tiles_done_len(regimes.iter().map(|r| r.max_tokens))),
+    );
 
     let placement = if layer.topology.virtual_ranks.is_some() {
         ep::Placement::Virtual
@@ -802,9 +812,10 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     })
 }
 
-/// The device buffers a layer of this shape needs, sized for `max_tokens`; with a
-/// `router`, the router's logits and choices too.
-fn workspace(shape: &LayerShape, router: bool) -> Vec<Buffer> {
+/// The device buffers a layer of this shape needs, sized for `max_tokens`; with a router
+/// (whose largest call counts `router_tiles_done` token tiles, plus one), the router's
+/// logits, counters and choices too.
+fn workspace(shape: &LayerShape, router_tiles_done: Option<u32>) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
         Buffer {
@@ -838,13 +849,19 @@ fn workspace(shape: &LayerShape, router: bool) -> Vec<Buffer> {
             purpose: "first kernel-side error of the call: code, token, k, value".into(),
         },
     ];
-    if router {
+    if let Some(tiles_done) = router_tiles_done {
         buffers.extend([
             Buffer {
                 id: BufferId::RouterLogits,
                 elem: BufferId::RouterLogits.elem(),
                 elems: u64::from(shape.max_tokens) * u64::from(shape.experts),
                 purpose: "the router's gate logits x · W_gateᵀ".into(),
+            },
+            Buffer {
+                id: BufferId::RouterTilesDone,
+                elem: BufferId::RouterTilesDone.elem(),
+                elems: u64::from(tiles_done),
+                purpose: "the router's arrival counters: token tiles selected, then gate tiles done per token tile (zero between calls)".into(),
             },
             Buffer {
                 id: BufferId::RoutedIds,
@@ -882,7 +899,7 @@ impl Plan {
         let router_launches = self
             .router
             .iter()
-            .flat_map(|router| router.regimes.iter().flat_map(|r| &r.launches));
+            .flat_map(|router| router.regimes.iter().map(|r| &r.launch));
         let ep_launches = self
             .expert_parallel
             .iter()

@@ -1,36 +1,43 @@
 //! The router's plan: how a layer whose spec has a `router { }` section chooses each token's
-//! experts and weights from `x` on the GPU, before the routing-metadata kernel.
+//! experts and weights from `x` on the GPU.
 //!
-//! Two launches per call, planned per single-GPU regime:
+//! One launch per call (`<symbol>_<regime>_router`), planned per single-GPU regime, in
+//! place of the regime's routing-metadata launch: a self-routed call runs as many kernels
+//! as a caller-routed one. Its phases, each run by the blocks the one before leaves last:
 //!
-//! 1. **gate** (`<symbol>_<regime>_router_gate`): the logits `x · W_gateᵀ` [T, E] in f32,
-//!    a tiled `mma.sync` GEMM. A block takes a tile of `tile_tokens` tokens by
-//!    `tile_experts` experts; blocks are numbered token-tile major, the expert tiles of one
-//!    token tile adjacent, so that the x rows they share are read from HBM once and from L2
-//!    by the others. Experts past E (when `tile_experts` does not divide E) and tokens past
-//!    T are zero-filled on load and never stored. A small tile's block holds `warps_k`
-//!    groups of warps that split the reduction (each its own ring of stages), summed in
-//!    group order at the end: at a few tokens the grid has few blocks, and without the
-//!    split each would have one warp's few loads in flight over all of H.
-//! 2. **select** (`<symbol>_router_select`): one warp per token reads its E logits, applies
-//!    the rule ([`ir::Router`]: bias, scores, correction, group limit, top-k, weights) and
-//!    writes `routed_ids` and `routed_weights`.
+//! 1. **gate**, every block: the logits `x · W_gateᵀ` [T, E] in f32, a tiled `mma.sync`
+//!    GEMM. A block takes a tile of `tile_tokens` tokens by `tile_experts` experts; blocks
+//!    are numbered token-tile major, the expert tiles of one token tile adjacent, so that
+//!    the x rows they share are read from HBM once and from L2 by the others. Experts past
+//!    E (when `tile_experts` does not divide E) and tokens past T are zero-filled on load
+//!    and never stored. A small tile's block holds `warps_k` groups of warps that split the
+//!    reduction (each its own ring of stages), summed in group order at the end: at a few
+//!    tokens the grid has few blocks, and without the split each would have one warp's few
+//!    loads in flight over all of H.
+//! 2. **select**, by the block of each token tile that finishes its gate tile last (a
+//!    counter per token tile in `router_tiles_done` says which): one warp per token reads
+//!    its E logits, applies the rule ([`ir::Router`]: bias, scores, correction, group
+//!    limit, top-k, weights) and writes `routed_ids` and `routed_weights`.
+//! 3. **routing metadata**, by the block whose token tile is selected last: what the
+//!    regime's route kernel does for a caller-routed call (expert offsets and the
+//!    expert-major row order), on `routed_ids`.
 //!
-//! A self-routed call then runs the regime's table with those two buffers passed where a
-//! caller-routed call passes `topk_ids` and `topk_weights`. The expert-parallel path keeps
-//! caller-passed ids and weights.
+//! The last block to arrive resets its counter, so the next call starts from zero without
+//! a memset. No block waits for another: a phase runs in whichever block arrives last, so
+//! nothing can deadlock whatever the residency. The rest of the regime's table then runs
+//! with `routed_ids` and `routed_weights` passed where a caller-routed call passes
+//! `topk_ids` and `topk_weights`. The expert-parallel path keeps caller-passed ids and
+//! weights.
 
 use serde::{Deserialize, Serialize};
 
 use super::launch::{Grid, KernelParam, Launch, LaunchArg, StreamRole};
-use super::{BufferId, SMEM_ROW_BYTES, Target, static_smem_reserved};
+use super::{BufferId, SMEM_ROW_BYTES, Target};
 use crate::ir;
 
 /// Added to the sum a normalised weight is divided by, as DeepSeek-V3's reference does
 /// (a no-op for any sum above 1e-12).
 pub const NORMALIZE_EPSILON: f32 = 1e-20;
-/// Tokens one select block routes, one warp each.
-pub const SELECT_WARPS: u32 = 4;
 /// Pipeline stages of the gate GEMM: enough to keep two k-tiles in flight while one is
 /// multiplied; 3 stages of the largest tile take 96 KiB, within every target.
 pub const GATE_STAGES: u32 = 3;
@@ -47,26 +54,21 @@ const GATE_BLOCK_WARPS: u32 = 8;
 /// Fewest k-tiles a group of warps of a split reduction takes.
 const GATE_MIN_K_TILES_PER_GROUP: u32 = 4;
 
-/// The router of a layer: its rule and, per single-GPU regime, its launches.
+/// The router of a layer: its rule and, per single-GPU regime, its launch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterPlan {
     pub rule: ir::Router,
-    /// Entry point of the select kernel (shared by every regime).
-    pub select_kernel: String,
-    /// Tokens per select block (one warp each).
-    pub select_tokens_per_block: u32,
     /// Per regime of [`super::Plan::regimes`], in the same order.
     pub regimes: Vec<RouterRegime>,
 }
 
-/// The router's launches for one token-count regime.
+/// The router's launch for one token-count regime.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterRegime {
     pub gate: GatePlan,
-    /// Entry point of this regime's gate GEMM.
-    pub gate_kernel: String,
-    /// Gate, then select, in stream order; before the regime's own table.
-    pub launches: Vec<Launch>,
+    /// Gate, select and routing metadata; a self-routed call runs it in place of the
+    /// regime table's route launch.
+    pub launch: Launch,
 }
 
 /// How the gate GEMM is tiled.
@@ -85,7 +87,9 @@ pub struct GatePlan {
     #[serde(default = "one")]
     pub warps_k: u32,
     pub stages: u32,
-    /// Dynamic shared memory: `warps_k · stages · (tile_tokens + tile_experts) · 128` bytes.
+    /// Dynamic shared memory: the gate's rings, `warps_k · stages · (tile_tokens +
+    /// tile_experts) · 128` bytes, which the later phases reuse for their scratch
+    /// ([`router_scratch_bytes`]); the larger of the two.
     pub smem_bytes: u32,
     /// The roofline floor of gate and select at the regime's largest token count.
     pub floor: RouterFloor,
@@ -105,6 +109,24 @@ impl GatePlan {
     pub fn smem_for(tile_tokens: u32, tile_experts: u32, stages: u32, warps_k: u32) -> u32 {
         warps_k * stages * (tile_tokens + tile_experts) * SMEM_ROW_BYTES
     }
+
+    /// Blocks per token tile that arrive at its counter: one per expert tile.
+    pub fn token_tiles(&self, tokens: u32) -> u32 {
+        tokens.div_ceil(self.tile_tokens)
+    }
+}
+
+/// Shared memory the select and routing phases reuse from the gate's rings, in bytes:
+/// with a group limit, each warp's selection values (f32 × E), from which a lane sums its
+/// group's best two; the routing phase's per-expert counts and offsets (i32 × (2 · GEMM
+/// experts + 1)).
+pub fn router_scratch_bytes(rule: &ir::Router, experts: u32, gemm_experts: u32, warps: u32) -> u32 {
+    let selection = if rule.group_limit.is_some() {
+        4 * experts * warps
+    } else {
+        0
+    };
+    selection.max(4 * (2 * gemm_experts + 1))
 }
 
 /// The groups of warps that split the reduction over `hidden` of a gate tile of
@@ -143,30 +165,33 @@ pub(super) fn plan_router(
     layer: &ir::Layer,
     target: &Target,
     symbol: &str,
+    gemm_experts: u32,
     regimes: &[(String, u32)],
 ) -> Option<RouterPlan> {
     let rule = layer.router?;
-    let select_kernel = format!("{symbol}_router_select");
     let regimes = regimes
         .iter()
         .map(|(name, max_tokens)| {
-            let gate = gate_plan(layer, target, *max_tokens);
-            let gate_kernel = format!("{symbol}_{name}_router_gate");
-            let launches =
-                router_launches(&rule, layer.experts, &gate, &gate_kernel, &select_kernel);
-            RouterRegime {
-                gate,
-                gate_kernel,
-                launches,
-            }
+            let gate = gate_plan(layer, target, &rule, gemm_experts, *max_tokens);
+            let launch = router_launch(&rule, &gate, &format!("{symbol}_{name}_router"));
+            RouterRegime { gate, launch }
         })
         .collect();
-    Some(RouterPlan {
-        rule,
-        select_kernel,
-        select_tokens_per_block: SELECT_WARPS,
-        regimes,
-    })
+    Some(RouterPlan { rule, regimes })
+}
+
+impl RouterPlan {
+    /// Counters of `router_tiles_done` the largest call needs: the token tiles done, then
+    /// one per token tile of the largest regime's tile count.
+    pub fn tiles_done_len(&self, regime_max_tokens: impl Iterator<Item = u32>) -> u32 {
+        1 + self
+            .regimes
+            .iter()
+            .zip(regime_max_tokens)
+            .map(|(regime, max_tokens)| regime.gate.token_tiles(max_tokens))
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// The warps of a gate tile: sub-tiles of at most 32 tokens by 64 experts.
@@ -189,7 +214,13 @@ pub fn gate_blocks(tile_tokens: u32, tile_experts: u32, experts: u32, tokens: u3
 /// blocks, so that W_gate, all that such a call reads, is spread over as many SMs as
 /// possible. Expert widths above E (rounded up to 16) are skipped but for the narrowest
 /// that covers E.
-fn gate_plan(layer: &ir::Layer, target: &Target, max_tokens: u32) -> GatePlan {
+fn gate_plan(
+    layer: &ir::Layer,
+    target: &Target,
+    rule: &ir::Router,
+    gemm_experts: u32,
+    max_tokens: u32,
+) -> GatePlan {
     let experts = layer.experts;
     let covering = experts.next_multiple_of(16);
     let narrowest_covering = GATE_TILES_EXPERTS
@@ -239,7 +270,9 @@ fn gate_plan(layer: &ir::Layer, target: &Target, max_tokens: u32) -> GatePlan {
         warps_n,
         warps_k,
         stages: GATE_STAGES,
-        smem_bytes: GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES, warps_k),
+        smem_bytes: GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES, warps_k).max(
+            router_scratch_bytes(rule, experts, gemm_experts, warps_m * warps_n * warps_k),
+        ),
         floor: floor(layer, target, max_tokens),
     }
 }
@@ -263,67 +296,38 @@ fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
     }
 }
 
-/// Static shared memory of the select kernel: with a group limit, each warp's selection
-/// values (f32 × E), from which a lane sums its group's best two.
-pub fn select_static_smem_bytes(rule: &ir::Router, experts: u32) -> u32 {
-    if rule.group_limit.is_some() {
-        static_smem_reserved(4 * experts * SELECT_WARPS)
-    } else {
-        0
-    }
-}
-
-/// The gate and select launches of a regime with this gate tile.
-pub(super) fn router_launches(
-    rule: &ir::Router,
-    experts: u32,
-    gate: &GatePlan,
-    gate_kernel: &str,
-    select_kernel: &str,
-) -> Vec<Launch> {
+/// The router's launch of a regime with this gate tile: one block per (token tile, expert
+/// tile), as [`gate_blocks`] counts them.
+pub(super) fn router_launch(rule: &ir::Router, gate: &GatePlan, kernel: &str) -> Launch {
     use BufferId::*;
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
-    let mut select_params = vec![read(Workspace(RouterLogits))];
-    if rule.bias != ir::RouterBias::None {
-        select_params.push(read(GateBias));
-    }
-    select_params.extend([
-        read(Tokens),
-        write(Workspace(RoutedIds)),
-        write(Workspace(RoutedWeights)),
-    ]);
-    vec![
-        Launch {
-            kernel: gate_kernel.to_string(),
-            grid: Grid::TokenTiles {
-                tokens_per_tile: gate.tile_tokens,
-                blocks_per_tile: gate.expert_tiles,
-            },
-            block_threads: gate.threads(),
-            smem_bytes: gate.smem_bytes,
-            static_smem_bytes: 0,
-            stream: StreamRole::Compute,
-            params: vec![
-                read(X),
-                read(GateWeight),
+    let bias = (rule.bias != ir::RouterBias::None).then(|| read(GateBias));
+    Launch {
+        kernel: kernel.to_string(),
+        grid: Grid::TokenTiles {
+            tokens_per_tile: gate.tile_tokens,
+            blocks_per_tile: gate.expert_tiles,
+        },
+        block_threads: gate.threads(),
+        smem_bytes: gate.smem_bytes,
+        static_smem_bytes: 0,
+        stream: StreamRole::Compute,
+        params: [read(X), read(GateWeight)]
+            .into_iter()
+            .chain(bias)
+            .chain([
                 read(Tokens),
                 write(Workspace(RouterLogits)),
-            ],
-        },
-        Launch {
-            kernel: select_kernel.to_string(),
-            grid: Grid::TokenTiles {
-                tokens_per_tile: SELECT_WARPS,
-                blocks_per_tile: 1,
-            },
-            block_threads: 32 * SELECT_WARPS,
-            smem_bytes: 0,
-            static_smem_bytes: select_static_smem_bytes(rule, experts),
-            stream: StreamRole::Compute,
-            params: select_params,
-        },
-    ]
+                write(Workspace(RouterTilesDone)),
+                write(Workspace(RoutedIds)),
+                write(Workspace(RoutedWeights)),
+                write(Workspace(ExpertOffsets)),
+                write(Workspace(RowPair)),
+                write(Workspace(ErrorWord)),
+            ])
+            .collect(),
+    }
 }
 
 /// The router's rule in one phrase.

@@ -72,7 +72,11 @@ impl Plan {
                     .into(),
             );
         }
-        if self.workspace != workspace(shape, self.router.is_some()) {
+        let router_tiles_done = self
+            .router
+            .as_ref()
+            .map(|router| router.tiles_done_len(self.regimes.iter().map(|r| r.max_tokens)));
+        if self.workspace != workspace(shape, router_tiles_done) {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
         if let Some(router) = &self.router {
@@ -186,8 +190,8 @@ impl Plan {
 
     /// One router regime per single-GPU regime; the rule's group limit and scale are
     /// usable; each gate tile is whole 16-row and 16-expert pieces with its warps and
-    /// shared memory adding up and covers every expert; its launches are exactly those of
-    /// that tile and the rule (grids, threads, shared memory, parameters: the bias exactly
+    /// shared memory (its rings, or the later phases' scratch) adding up and covers every
+    /// expert; its launch is exactly that of that tile and the rule (grids, threads, shared memory, parameters: the bias exactly
     /// when the rule has one).
     fn check_router(&self, router: &RouterPlan) -> Result<(), String> {
         let experts = self.shape.experts;
@@ -197,9 +201,6 @@ impl Plan {
                 router.regimes.len(),
                 self.regimes.len()
             ));
-        }
-        if router.select_tokens_per_block != router::SELECT_WARPS {
-            return Err("the select kernel routes one token per warp of its block".into());
         }
         if let Some(limit) = router.rule.group_limit {
             let eligible =
@@ -218,7 +219,7 @@ impl Plan {
         }
         for regime in &router.regimes {
             let gate: &GatePlan = &regime.gate;
-            let kernel = &regime.gate_kernel;
+            let kernel = &regime.launch.kernel;
             let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
             if gate.tile_tokens == 0
                 || gate.tile_experts == 0
@@ -243,20 +244,21 @@ impl Plan {
                         gate.stages,
                         gate.warps_k,
                     )
+                    .max(router::router_scratch_bytes(
+                        &router.rule,
+                        experts,
+                        self.shape.gemm_experts(),
+                        warps_m * warps_n * gate.warps_k,
+                    ))
             {
                 return Err(format!("the gate tile of `{kernel}` does not add up"));
             }
-            let expected =
-                router::router_launches(&router.rule, experts, gate, kernel, &router.select_kernel);
-            if regime.launches != expected {
+            if regime.launch != router::router_launch(&router.rule, gate, kernel) {
                 return Err(format!(
-                    "the launches of `{kernel}` and `{}` disagree with the gate tile and the rule",
-                    router.select_kernel
+                    "the launch of `{kernel}` disagrees with the gate tile and the rule"
                 ));
             }
-            for launch in &regime.launches {
-                self.check_launch(launch)?;
-            }
+            self.check_launch(&regime.launch)?;
         }
         Ok(())
     }
