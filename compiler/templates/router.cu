@@ -10,7 +10,8 @@
 //           many loads in flight.
 //   select  (the last block of each token tile to finish its gate tile; one warp per
 //           token): {{ router.rule }}.
-//   routing (the last token tile's selecting block): route_pairs on the chosen ids.
+//   routing (the last token tile's selecting block, in a regime whose router fuses it):
+//           route_pairs on the chosen ids; else the route kernel runs after the router.
 // No block waits for another, so no residency is needed: a counter per token tile (and
 // one over the token tiles) tells the block that arrives last, which resets it for the
 // next call. Ties go to the lower expert index; NaN counts as below every number.
@@ -428,9 +429,9 @@ __device__ __forceinline__ bool router_last_arrival(u32* counter, u32 arrivals) 
 }
 
 // One self-routed call's router: gate tile, then (last block of its token tile) select,
-// then (last token tile) routing metadata. router_tiles_done: [0] token tiles selected,
-// [1 + tile] gate tiles done of each token tile.
-template <class G>
+// then (last token tile, when FUSES_ROUTING) routing metadata. router_tiles_done: [0] token
+// tiles selected, [1 + tile] gate tiles done of each token tile.
+template <class G, bool FUSES_ROUTING>
 __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
                                             u32* router_tiles_done, int* routed_ids, float* routed_weights,
@@ -452,6 +453,7 @@ __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const 
     for (int token = token_tile * G::BM + warp; token < tile_end; token += WARPS) {
         router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection);
     }
+    if constexpr (!FUSES_ROUTING) return;
     if (!router_last_arrival(&router_tiles_done[0], token_tiles)) return;
 
     // Routing metadata over every token's choices.
@@ -460,7 +462,7 @@ __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const 
 }
 {%- for gate in router.gates %}
 
-// Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens), gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction, {{ gate.expert_tiles }} expert tiles per token tile
+// Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens{% if gate.fuses_routing %}, with the routing metadata{% endif %}), gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction, {{ gate.expert_tiles }} expert tiles per token tile
 struct {{ gate.config }} {
     static constexpr int BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }};
     static constexpr int WARPS_M = {{ gate.warps_m }}, WARPS_N = {{ gate.warps_n }}, WARPS_K = {{ gate.warps_k }}, THREADS = {{ gate.threads }};
@@ -470,7 +472,12 @@ extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.n
     {{ gate.entry.params }}
 )
 {
-    router_call<{{ gate.config }}>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
-                                   routed_weights, expert_offsets, row_pair, error_word);
+{%- if gate.fuses_routing %}
+    router_call<{{ gate.config }}, true>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
+                                         routed_weights, expert_offsets, row_pair, error_word);
+{%- else %}
+    router_call<{{ gate.config }}, false>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
+                                          routed_weights, nullptr, nullptr, nullptr);  // the route kernel runs after
+{%- endif %}
 }
 {%- endfor %}

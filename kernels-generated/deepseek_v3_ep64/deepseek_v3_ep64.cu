@@ -666,7 +666,8 @@ __device__ __forceinline__ void grouped_gemm(
 //           many loads in flight.
 //   select  (the last block of each token tile to finish its gate tile; one warp per
 //           token): scores sigmoid(x · W_gateᵀ), top-k by score + correction bias, among the best 4 of 8 groups (ties: lower index), weights chosen scores renormalised × 2.5.
-//   routing (the last token tile's selecting block): route_pairs on the chosen ids.
+//   routing (the last token tile's selecting block, in a regime whose router fuses it):
+//           route_pairs on the chosen ids; else the route kernel runs after the router.
 // No block waits for another, so no residency is needed: a counter per token tile (and
 // one over the token tiles) tells the block that arrives last, which resets it for the
 // next call. Ties go to the lower expert index; NaN counts as below every number.
@@ -1084,9 +1085,9 @@ __device__ __forceinline__ bool router_last_arrival(u32* counter, u32 arrivals) 
 }
 
 // One self-routed call's router: gate tile, then (last block of its token tile) select,
-// then (last token tile) routing metadata. router_tiles_done: [0] token tiles selected,
-// [1 + tile] gate tiles done of each token tile.
-template <class G>
+// then (last token tile, when FUSES_ROUTING) routing metadata. router_tiles_done: [0] token
+// tiles selected, [1 + tile] gate tiles done of each token tile.
+template <class G, bool FUSES_ROUTING>
 __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
                                             u32* router_tiles_done, int* routed_ids, float* routed_weights,
@@ -1108,6 +1109,7 @@ __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const 
     for (int token = token_tile * G::BM + warp; token < tile_end; token += WARPS) {
         router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection);
     }
+    if constexpr (!FUSES_ROUTING) return;
     if (!router_last_arrival(&router_tiles_done[0], token_tiles)) return;
 
     // Routing metadata over every token's choices.
@@ -1115,7 +1117,7 @@ __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const 
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
 
-// Router of regime `decode` (0..=256 tokens), gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 16 expert tiles per token tile
+// Router of regime `decode` (0..=256 tokens, with the routing metadata), gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 16 expert tiles per token tile
 struct decode_router_gate {
     static constexpr int BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 16;
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
@@ -1135,8 +1137,8 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_decode_router
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    router_call<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
-                                   routed_weights, expert_offsets, row_pair, error_word);
+    router_call<decode_router_gate, true>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                         routed_weights, expert_offsets, row_pair, error_word);
 }
 
 // Router of regime `mid` (257..=2048 tokens), gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
@@ -1153,14 +1155,11 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_mid_router(
     float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
-    float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
-    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    int* __restrict__ error_word  // [4]: code, then details
+    float* __restrict__ routed_weights  // [tokens, TOP_K], workspace
 )
 {
-    router_call<mid_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
-                                   routed_weights, expert_offsets, row_pair, error_word);
+    router_call<mid_router_gate, false>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                          routed_weights, nullptr, nullptr, nullptr);  // the route kernel runs after
 }
 
 // Router of regime `prefill` (2049..=16384 tokens), gate tile 128 tokens x 128 experts x 64, 3 stages, 4x2 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
@@ -1177,14 +1176,11 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_route
     float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
-    float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
-    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    int* __restrict__ error_word  // [4]: code, then details
+    float* __restrict__ routed_weights  // [tokens, TOP_K], workspace
 )
 {
-    router_call<prefill_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
-                                   routed_weights, expert_offsets, row_pair, error_word);
+    router_call<prefill_router_gate, false>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                          routed_weights, nullptr, nullptr, nullptr);  // the route kernel runs after
 }
 // ---------------------------------------------------------------------------------------
 // Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.

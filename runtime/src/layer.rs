@@ -521,8 +521,8 @@ impl MoeLayer {
     }
 
     /// Enqueues the launches of the call's regime whose kernel `selected` accepts, in the
-    /// table's order; a self-routed call runs the router's launch in place of the route
-    /// launch.
+    /// table's order; a self-routed call runs the router's launch first, in place of the
+    /// route launch where the router fuses the routing metadata.
     fn enqueue(
         &self,
         tokens: u32,
@@ -580,16 +580,17 @@ impl MoeLayer {
             topk_weights,
         };
 
-        // The router clears the error word as the route kernel does. At T = 0 its grid is
-        // empty and the route kernel runs instead, so that a stale error of an earlier call
-        // is not reported.
+        // A router that fuses the routing metadata clears the error word as the route
+        // kernel does. At T = 0 its grid is empty and the route kernel runs instead, so
+        // that a stale error of an earlier call is not reported.
         let mut routed_by_router = false;
         if matches!(routing, Routing::Router)
             && tokens > 0
             && let (Some(router), Some(bound)) = (&self.plan.router, self.router_kernels.get(index))
         {
-            self.launch(&router.regimes[index].launch, bound, &call)?;
-            routed_by_router = true;
+            let regime = &router.regimes[index];
+            self.launch(&regime.launch, bound, &call)?;
+            routed_by_router = regime.fuses_routing;
         }
         for (launch, bound) in regime.launches.iter().zip(&self.regime_kernels[index]) {
             let replaced = routed_by_router && launch.kernel == self.plan.route_kernel;

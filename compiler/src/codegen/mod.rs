@@ -138,23 +138,10 @@ const ROUTER_USES: &[&str] = &[
     "router_tiles_done",
     "routed_ids",
     "routed_weights",
-    "expert_offsets",
-    "row_pair",
-    "error_word",
 ];
-const ROUTER_BIAS_USES: &[&str] = &[
-    "x",
-    "gate_weight",
-    "gate_bias",
-    "tokens",
-    "router_logits",
-    "router_tiles_done",
-    "routed_ids",
-    "routed_weights",
-    "expert_offsets",
-    "row_pair",
-    "error_word",
-];
+/// What a router that has a bias, or fuses the routing metadata, uses beside ROUTER_USES.
+const ROUTER_BIAS_USES: &[&str] = &["gate_bias"];
+const ROUTER_ROUTING_USES: &[&str] = &["expert_offsets", "row_pair", "error_word"];
 const EP_ROUTE_USES: &[&str] = &[
     "topk_ids",
     "topk_weights",
@@ -589,6 +576,8 @@ struct RouterUnit {
 
 /// One regime's router entry and its gate GEMM's tile.
 struct GateUnit {
+    /// Whether its last block lays out the routing metadata too.
+    fuses_routing: bool,
     regime: String,
     min_tokens: u32,
     max_tokens: u32,
@@ -620,20 +609,20 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         .zip(&router_plan.regimes)
         .map(|(regime, router_regime)| {
             let gate = &router_regime.gate;
+            let mut uses = ROUTER_USES.to_vec();
+            if has_bias {
+                uses.extend(ROUTER_BIAS_USES);
+            }
+            if router_regime.fuses_routing {
+                uses.extend(ROUTER_ROUTING_USES);
+            }
             Ok(GateUnit {
+                fuses_routing: router_regime.fuses_routing,
                 regime: regime.name.clone(),
                 min_tokens: regime.min_tokens,
                 max_tokens: regime.max_tokens,
                 config: format!("{}_router_gate", regime.name),
-                entry: EntryUnit::new(
-                    plan,
-                    &router_regime.launch.kernel,
-                    if has_bias {
-                        ROUTER_BIAS_USES
-                    } else {
-                        ROUTER_USES
-                    },
-                )?,
+                entry: EntryUnit::new(plan, &router_regime.launch.kernel, &uses)?,
                 bm: gate.tile_tokens,
                 bn: gate.tile_experts,
                 stages: gate.stages,

@@ -35,7 +35,7 @@ pub fn describe(plan: &Plan) -> String {
     if let Some(router) = &plan.router {
         let _ = writeln!(
             out,
-            "  router               {}: a self-routed call runs the router's two launches, then the regime's table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table alone",
+            "  router               {}: a self-routed call runs the regime's router launch (in place of its route launch where the router fuses the routing metadata), then the table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table as it is",
             super::router::rule_summary(&router.rule)
         );
     }
@@ -171,7 +171,12 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     let floor = &gate.floor;
     let _ = writeln!(
         out,
-        "    router (in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's) gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        "    router gate, then select by each token tile's last block{}; gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        if regime.fuses_routing {
+            ", then routing metadata by the last token tile's, in place of route"
+        } else {
+            "; the route kernel runs after it (too many pairs for one router block)"
+        },
         gate.tile_tokens,
         gate.tile_experts,
         gate.stages,

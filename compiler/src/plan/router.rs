@@ -1,9 +1,11 @@
 //! The router's plan: how a layer whose spec has a `router { }` section chooses each token's
 //! experts and weights from `x` on the GPU.
 //!
-//! One launch per call (`<symbol>_<regime>_router`), planned per single-GPU regime, in
-//! place of the regime's routing-metadata launch: a self-routed call runs as many kernels
-//! as a caller-routed one. Its phases, each run by the blocks the one before leaves last:
+//! One launch per call (`<symbol>_<regime>_router`), planned per single-GPU regime. Where
+//! the regime's calls are small ([`fuses_routing`]) it runs in place of the regime's
+//! routing-metadata launch, so that a self-routed call runs as many kernels as a
+//! caller-routed one; else before the whole table. Its phases, each run by the blocks the
+//! one before leaves last:
 //!
 //! 1. **gate**, every block: the logits `x · W_gateᵀ` [T, E] in f32, a tiled `mma.sync`
 //!    GEMM. A block takes a tile of `tile_tokens` tokens by `tile_experts` experts; blocks
@@ -18,9 +20,9 @@
 //!    counter per token tile in `router_tiles_done` says which): one warp per token reads
 //!    its E logits, applies the rule ([`ir::Router`]: bias, scores, correction, group
 //!    limit, top-k, weights) and writes `routed_ids` and `routed_weights`.
-//! 3. **routing metadata**, by the block whose token tile is selected last: what the
-//!    regime's route kernel does for a caller-routed call (expert offsets and the
-//!    expert-major row order), on `routed_ids`.
+//! 3. **routing metadata** (when it fuses routing), by the block whose token tile is
+//!    selected last: what the regime's route kernel does for a caller-routed call (expert
+//!    offsets and the expert-major row order), on `routed_ids`.
 //!
 //! The last block to arrive resets its counter, so the next call starts from zero without
 //! a memset. No block waits for another: a phase runs in whichever block arrives last, so
@@ -53,6 +55,12 @@ const GATE_WARP_EXPERTS: u32 = 64;
 const GATE_BLOCK_WARPS: u32 = 8;
 /// Fewest k-tiles a group of warps of a split reduction takes.
 const GATE_MIN_K_TILES_PER_GROUP: u32 = 4;
+/// Most (token, k) pairs a regime's call may have for its router to lay out the routing
+/// metadata itself: the router's last block has a gate block's 256 threads where the route
+/// kernel has 1024, so above this the route kernel's launch costs less than the pairs
+/// (measured on an H200, 2026-11-30: 131072 pairs took about 150 µs more in the router's
+/// block than in the route kernel; at 8 pairs the route launch cost 4-7 µs).
+pub const ROUTER_ROUTING_MAX_PAIRS: u64 = 4096;
 
 /// The router of a layer: its rule and, per single-GPU regime, its launch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -66,8 +74,12 @@ pub struct RouterPlan {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterRegime {
     pub gate: GatePlan,
-    /// Gate, select and routing metadata; a self-routed call runs it in place of the
-    /// regime table's route launch.
+    /// Whether the router's last block lays out the routing metadata too (a regime whose
+    /// largest call has at most [`ROUTER_ROUTING_MAX_PAIRS`] pairs): then a self-routed
+    /// call runs the router in place of the table's route launch, else before the whole
+    /// table.
+    pub fuses_routing: bool,
+    /// Gate and select, and the routing metadata when `fuses_routing`.
     pub launch: Launch,
 }
 
@@ -173,8 +185,18 @@ pub(super) fn plan_router(
         .iter()
         .map(|(name, max_tokens)| {
             let gate = gate_plan(layer, target, &rule, gemm_experts, *max_tokens);
-            let launch = router_launch(&rule, &gate, &format!("{symbol}_{name}_router"));
-            RouterRegime { gate, launch }
+            let fuses_routing = fuses_routing(*max_tokens, layer.top_k);
+            let launch = router_launch(
+                &rule,
+                &gate,
+                fuses_routing,
+                &format!("{symbol}_{name}_router"),
+            );
+            RouterRegime {
+                gate,
+                fuses_routing,
+                launch,
+            }
         })
         .collect();
     Some(RouterPlan { rule, regimes })
@@ -296,13 +318,33 @@ fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
     }
 }
 
+/// Whether the router of a regime whose largest call has `max_tokens` tokens lays out the
+/// routing metadata itself ([`ROUTER_ROUTING_MAX_PAIRS`]).
+pub fn fuses_routing(max_tokens: u32, top_k: u32) -> bool {
+    u64::from(max_tokens) * u64::from(top_k) <= ROUTER_ROUTING_MAX_PAIRS
+}
+
 /// The router's launch of a regime with this gate tile: one block per (token tile, expert
-/// tile), as [`gate_blocks`] counts them.
-pub(super) fn router_launch(rule: &ir::Router, gate: &GatePlan, kernel: &str) -> Launch {
+/// tile), as [`gate_blocks`] counts them; with `fuses_routing` it writes the routing
+/// metadata too.
+pub(super) fn router_launch(
+    rule: &ir::Router,
+    gate: &GatePlan,
+    fuses_routing: bool,
+    kernel: &str,
+) -> Launch {
     use BufferId::*;
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = (rule.bias != ir::RouterBias::None).then(|| read(GateBias));
+    let routing = fuses_routing
+        .then_some([
+            write(Workspace(ExpertOffsets)),
+            write(Workspace(RowPair)),
+            write(Workspace(ErrorWord)),
+        ])
+        .into_iter()
+        .flatten();
     Launch {
         kernel: kernel.to_string(),
         grid: Grid::TokenTiles {
@@ -322,10 +364,8 @@ pub(super) fn router_launch(rule: &ir::Router, gate: &GatePlan, kernel: &str) ->
                 write(Workspace(RouterTilesDone)),
                 write(Workspace(RoutedIds)),
                 write(Workspace(RoutedWeights)),
-                write(Workspace(ExpertOffsets)),
-                write(Workspace(RowPair)),
-                write(Workspace(ErrorWord)),
             ])
+            .chain(routing)
             .collect(),
     }
 }

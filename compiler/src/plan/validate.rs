@@ -217,7 +217,7 @@ impl Plan {
         if !(router.rule.scale > 0.0 && (router.rule.scale as f32).is_finite()) {
             return Err("the routing scale is not a positive 32-bit float".into());
         }
-        for regime in &router.regimes {
+        for (index, regime) in router.regimes.iter().enumerate() {
             let gate: &GatePlan = &regime.gate;
             let kernel = &regime.launch.kernel;
             let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
@@ -253,7 +253,11 @@ impl Plan {
             {
                 return Err(format!("the gate tile of `{kernel}` does not add up"));
             }
-            if regime.launch != router::router_launch(&router.rule, gate, kernel) {
+            let max_tokens = self.regimes[index].max_tokens;
+            if regime.fuses_routing != router::fuses_routing(max_tokens, self.shape.top_k)
+                || regime.launch
+                    != router::router_launch(&router.rule, gate, regime.fuses_routing, kernel)
+            {
                 return Err(format!(
                     "the launch of `{kernel}` disagrees with the gate tile and the rule"
                 ));
