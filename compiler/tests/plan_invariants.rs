@@ -141,7 +141,7 @@ proptest! {
             let gate = &regime.gate;
             prop_assert!(gate.expert_tiles * gate.tile_experts >= layer.experts);
             prop_assert!(gate.smem_bytes <= plan.target.smem_per_block);
-            let blocks = regime.launch.grid.blocks(layer.max_tokens);
+            let blocks = regime.launches[0].grid.blocks(layer.max_tokens);
             prop_assert!(blocks >= layer.max_tokens.div_ceil(gate.tile_tokens));
         }
         let mut edited = plan.clone();
@@ -149,9 +149,9 @@ proptest! {
         match which {
             0 => edited_router.regimes[0].gate.smem_bytes += 128,
             1 => {
-                edited_router.regimes[0].launch.params.remove(1);
+                edited_router.regimes[0].launches[0].params.remove(1);
             }
-            2 => edited_router.regimes[0].launch.static_smem_bytes += 128,
+            2 => edited_router.regimes[0].fused = !edited_router.regimes[0].fused,
             _ => {
                 edited_router.regimes.pop();
             }

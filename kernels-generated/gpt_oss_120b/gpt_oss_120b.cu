@@ -659,21 +659,21 @@ __device__ __forceinline__ void grouped_gemm(
 }
 // ---------------------------------------------------------------------------------------
 // Router: chooses each token's TOP_K experts and their weights from x, for a call that
-// routes itself (a caller-routed call passes topk_ids and topk_weights instead), and lays
-// out the routing metadata as the route kernel does: one kernel per regime, in its place.
-//   gate    (every block): router_logits[t, e] = x[t] · W_gate[e], f32 accumulation; a
-//           tiled mma.sync GEMM, blocks numbered token-tile major so that the expert tiles
-//           of one token tile run together and share its x rows through L2. WARPS_K groups
-//           of warps split the reduction (group g: k-tiles g, g + WARPS_K, ..., its own
-//           ring), summed in group order: a few tokens' grid has few blocks, each needing
-//           many loads in flight.
-//   select  (the last block of each token tile to finish its gate tile; one warp per
-//           token): scores (x · W_gateᵀ + bias), top-k by score (ties: lower index), weights softmax over the chosen logits × 1.
-//   routing (the last token tile's selecting block, in a regime whose router fuses it):
-//           route_pairs on the chosen ids; else the route kernel runs after the router.
-// No block waits for another, so no residency is needed: a counter per token tile (and
-// one over the token tiles) tells the block that arrives last, which resets it for the
-// next call. Ties go to the lower expert index; NaN counts as below every number.
+// routes itself (a caller-routed call passes topk_ids and topk_weights instead).
+//   gate    router_logits[t, e] = x[t] · W_gate[e], f32 accumulation; a tiled mma.sync
+//           GEMM, blocks numbered token-tile major so that the expert tiles of one token
+//           tile run together and share its x rows through L2. WARPS_K groups of warps
+//           split the reduction (group g: k-tiles g, g + WARPS_K, ..., its own ring),
+//           summed in group order: a few tokens' grid has few blocks, each needing many
+//           loads in flight.
+//   select  one warp per token: scores (x · W_gateᵀ + bias), top-k by score (ties: lower index), weights softmax over the chosen logits × 1.
+// A regime's router is fused (one kernel in place of the route kernel: gate in every
+// block; select by the last block of each token tile to finish its gate tile; the routing
+// metadata by the last token tile's selecting block; a counter per token tile and one
+// over the token tiles say which block came last, and it resets the counter for the next
+// call; no block waits for another) or split (gate kernel, then select kernel, then the
+// whole table) for calls too large for one block's tails.
+// Ties go to the lower expert index; NaN counts as below every number.
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
 enum RouterBias { ROUTER_BIAS_NONE = 0, ROUTER_BIAS_LOGITS = 1, ROUTER_BIAS_SCORE_CORRECTION = 2 };
@@ -690,8 +690,8 @@ constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : 
 constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
-// The select phase's scratch (a warp's selection values, with a group limit) and the
-// routing phase's (counts and offsets per GEMM expert), both in the gate's rings.
+// A fused router's select scratch (a warp's selection values, with a group limit) and its
+// routing scratch (counts and offsets per GEMM expert), both in the gate's rings.
 template <class G>
 __host__ __device__ constexpr int router_scratch_bytes() {
     const int selection = ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0;
@@ -706,8 +706,9 @@ __device__ __forceinline__ void assert_gate_layout() {
     static_assert(G::THREADS == 32 * G::WARPS_M * G::WARPS_N * G::WARPS_K, "plan: threads per block");
     static_assert(G::STAGE_BYTES == (G::BM + G::BN) * SMEM_ROW_BYTES, "plan: a stage is BM x rows then BN W_gate rows");
     constexpr int RINGS = G::WARPS_K * G::STAGES * G::STAGE_BYTES;
-    static_assert(G::SMEM_BYTES == (RINGS > router_scratch_bytes<G>() ? RINGS : router_scratch_bytes<G>()),
-                  "plan: the router's shared memory holds the gate's rings and the later phases' scratch");
+    constexpr int SCRATCH = G::FUSED ? router_scratch_bytes<G>() : 0;
+    static_assert(G::SMEM_BYTES == (RINGS > SCRATCH ? RINGS : SCRATCH),
+                  "plan: the gate's shared memory holds its rings and a fused router's scratch");
     static_assert((HIDDEN / (SMEM_ROW_BYTES / (int)sizeof(bf16_t))) % G::WARPS_K == 0, "plan: the groups split the k-tiles evenly");
     static_assert(G::EXPERT_TILES == (EXPERTS + G::BN - 1) / G::BN, "plan: expert tiles cover every expert");
     static_assert(G::STAGES >= 2, "plan: at least two stages");
@@ -1087,17 +1088,17 @@ __device__ __forceinline__ bool router_last_arrival(u32* counter, u32 arrivals) 
     return __syncthreads_or(last);
 }
 
-// One self-routed call's router: gate tile, then (last block of its token tile) select,
-// then (last token tile, when FUSES_ROUTING) routing metadata. router_tiles_done: [0] token
-// tiles selected, [1 + tile] gate tiles done of each token tile.
-template <class G, bool FUSES_ROUTING>
-__device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+// A fused router: gate tile, then (last block of its token tile) select, then (last token
+// tile) routing metadata. router_tiles_done: [0] token tiles selected, [1 + tile] gate
+// tiles done of each token tile.
+template <class G>
+__device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
                                             u32* router_tiles_done, int* routed_ids, float* routed_weights,
                                             int* __restrict__ expert_offsets, int* __restrict__ row_pair,
                                             int* __restrict__ error_word) {
     constexpr int WARPS = G::THREADS / 32;
-    static_assert(G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
+    static_assert(G::FUSED && G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
     extern __shared__ __align__(128) unsigned char smem[];
     const int token_tile = blockIdx.x / G::EXPERT_TILES;
     const int token_tiles = gridDim.x / G::EXPERT_TILES;
@@ -1112,7 +1113,6 @@ __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const 
     for (int token = token_tile * G::BM + warp; token < tile_end; token += WARPS) {
         router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection);
     }
-    if constexpr (!FUSES_ROUTING) return;
     if (!router_last_arrival(&router_tiles_done[0], token_tiles)) return;
 
     // Routing metadata over every token's choices.
@@ -1120,11 +1120,34 @@ __device__ __forceinline__ void router_call(const bf16_t* __restrict__ x, const 
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
 
-// Router of regime `decode` (0..=512 tokens, with the routing metadata), gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 5 groups splitting the reduction, 8 expert tiles per token tile
+// The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
+constexpr int ROUTER_SELECT_WARPS = 4;
+constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = 0;
+extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_router_select(
+    const float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
+    int tokens,  // tokens in this call
+    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
+    float* __restrict__ routed_weights  // [tokens, TOP_K], workspace
+)
+{
+    static_assert(128 == 32 * ROUTER_SELECT_WARPS, "plan: one warp per token");
+    // Each warp's selection values, with a group limit.
+    __shared__ float s_selection[ROUTER_SELECT_WARPS][ROUTER_GROUPS > 0 ? EXPERTS : 1];
+    static_assert(ROUTER_GROUPS == 0 || static_smem_reserved(sizeof(s_selection)) == ROUTER_SELECT_STATIC_SMEM_BYTES,
+                  "plan: the select kernel's static shared memory");
+    const int warp = threadIdx.x >> 5;
+    const int token = blockIdx.x * ROUTER_SELECT_WARPS + warp;
+    if (token >= tokens) return;  // whole warps leave: the shuffles stay full-warp
+    router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection[warp]);
+}
+
+// Router of regime `decode` (0..=512 tokens): fused; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 5 groups splitting the reduction, 8 expert tiles per token tile
 struct decode_router_gate {
+    static constexpr bool FUSED = true;
     static constexpr int BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 8;
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 5, THREADS = 160;
-    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 61440;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or the later phases' scratch
+    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 61440;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
 extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -1140,50 +1163,42 @@ extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    router_call<decode_router_gate, true>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
-                                         routed_weights, expert_offsets, row_pair, error_word);
+    router_fused<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                    routed_weights, expert_offsets, row_pair, error_word);
 }
 
-// Router of regime `mid` (513..=2048 tokens), gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 3 groups splitting the reduction, 8 expert tiles per token tile
+// Router of regime `mid` (513..=2048 tokens): split, its gate; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 3 groups splitting the reduction, 8 expert tiles per token tile
 struct mid_router_gate {
+    static constexpr bool FUSED = false;
     static constexpr int BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 8;
     static constexpr int WARPS_M = 2, WARPS_N = 1, WARPS_K = 3, THREADS = 192;
-    static constexpr int STAGE_BYTES = 10240, SMEM_BYTES = 92160;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or the later phases' scratch
+    static constexpr int STAGE_BYTES = 10240, SMEM_BYTES = 92160;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
-extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router(
+extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
-    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
     int tokens,  // tokens in this call
-    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
-    u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
-    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
-    float* __restrict__ routed_weights  // [tokens, TOP_K], workspace
+    float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
 )
 {
-    router_call<mid_router_gate, false>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
-                                          routed_weights, nullptr, nullptr, nullptr);  // the route kernel runs after
+    router_gate<mid_router_gate>(x, gate_weight, tokens, router_logits);
 }
 
-// Router of regime `prefill` (2049..=16384 tokens), gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
+// Router of regime `prefill` (2049..=16384 tokens): split, its gate; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate {
+    static constexpr bool FUSED = false;
     static constexpr int BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2;
     static constexpr int WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 128;
-    static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 73728;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or the later phases' scratch
+    static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 73728;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
-extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_prefill_router(
+extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_prefill_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
-    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
     int tokens,  // tokens in this call
-    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
-    u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
-    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
-    float* __restrict__ routed_weights  // [tokens, TOP_K], workspace
+    float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
 )
 {
-    router_call<prefill_router_gate, false>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
-                                          routed_weights, nullptr, nullptr, nullptr);  // the route kernel runs after
+    router_gate<prefill_router_gate>(x, gate_weight, tokens, router_logits);
 }
 // ---------------------------------------------------------------------------------------
 // Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.

@@ -252,8 +252,8 @@ pub struct MoeLayer {
     stream: Arc<CudaStream>,
     /// Per regime, each launch of its table (same order).
     regime_kernels: Vec<Vec<BoundLaunch>>,
-    /// Per regime, the router's launch (empty without a router or its gate weights).
-    router_kernels: Vec<BoundLaunch>,
+    /// Per regime, the router's launches (empty without a router or its gate weights).
+    router_kernels: Vec<Vec<BoundLaunch>>,
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
     gate: Option<GateWeights>,
@@ -435,10 +435,7 @@ impl MoeLayer {
             (Some(router), Some(_)) => router
                 .regimes
                 .iter()
-                .map(|regime| {
-                    bind_table(std::slice::from_ref(&regime.launch))
-                        .map(|mut bound| bound.remove(0))
-                })
+                .map(|regime| bind_table(&regime.launches))
                 .collect::<Result<Vec<_>, _>>()?,
             _ => Vec::new(),
         };
@@ -484,10 +481,10 @@ impl MoeLayer {
         self.enqueue(args.tokens, args.x, args.y, routing, |_| true)
     }
 
-    /// Enqueues one forward call that routes itself: the router's launch chooses each
+    /// Enqueues one forward call that routes itself: the router's launches choose each
     /// token's experts and weights from `x` (into the workspace's `routed_ids` and
-    /// `routed_weights`, [`MoeLayer::workspace_buffer`]) and lays out the routing metadata,
-    /// then the rest of the regime's table runs on them. Does not synchronise.
+    /// `routed_weights`, [`MoeLayer::workspace_buffer`]), a fused router lays out the
+    /// routing metadata too, then the regime's table runs on them. Does not synchronise.
     pub fn forward_routed(&self, args: RoutedForwardArgs<'_>) -> Result<(), LayerError> {
         if self.plan.router.is_none() {
             return Err(LayerError::NoRouter);
@@ -521,8 +518,8 @@ impl MoeLayer {
     }
 
     /// Enqueues the launches of the call's regime whose kernel `selected` accepts, in the
-    /// table's order; a self-routed call runs the router's launch first, in place of the
-    /// route launch where the router fuses the routing metadata.
+    /// table's order; a self-routed call runs the router's launches first, a fused router
+    /// in place of the route launch.
     fn enqueue(
         &self,
         tokens: u32,
@@ -580,17 +577,20 @@ impl MoeLayer {
             topk_weights,
         };
 
-        // A router that fuses the routing metadata clears the error word as the route
-        // kernel does. At T = 0 its grid is empty and the route kernel runs instead, so
-        // that a stale error of an earlier call is not reported.
+        // A fused router lays out the routing metadata and clears the error word as the
+        // route kernel does. At T = 0 its grid is empty and the route kernel runs instead,
+        // so that a stale error of an earlier call is not reported.
         let mut routed_by_router = false;
         if matches!(routing, Routing::Router)
             && tokens > 0
-            && let (Some(router), Some(bound)) = (&self.plan.router, self.router_kernels.get(index))
+            && let (Some(router), Some(kernels)) =
+                (&self.plan.router, self.router_kernels.get(index))
         {
             let regime = &router.regimes[index];
-            self.launch(&regime.launch, bound, &call)?;
-            routed_by_router = regime.fuses_routing;
+            for (launch, bound) in regime.launches.iter().zip(kernels) {
+                self.launch(launch, bound, &call)?;
+            }
+            routed_by_router = regime.fused;
         }
         for (launch, bound) in regime.launches.iter().zip(&self.regime_kernels[index]) {
             let replaced = routed_by_router && launch.kernel == self.plan.route_kernel;

@@ -139,9 +139,12 @@ const ROUTER_USES: &[&str] = &[
     "routed_ids",
     "routed_weights",
 ];
-/// What a router that has a bias, or fuses the routing metadata, uses beside ROUTER_USES.
-const ROUTER_BIAS_USES: &[&str] = &["gate_bias"];
+/// What a fused router uses beside ROUTER_USES: the routing metadata's buffers.
 const ROUTER_ROUTING_USES: &[&str] = &["expert_offsets", "row_pair", "error_word"];
+/// What a router or select entry whose rule has a bias uses beside its list.
+const ROUTER_BIAS_USES: &[&str] = &["gate_bias"];
+const ROUTER_GATE_USES: &[&str] = &["x", "gate_weight", "tokens", "router_logits"];
+const ROUTER_SELECT_USES: &[&str] = &["router_logits", "tokens", "routed_ids", "routed_weights"];
 const EP_ROUTE_USES: &[&str] = &[
     "topk_ids",
     "topk_weights",
@@ -572,12 +575,15 @@ struct RouterUnit {
     /// What the entries pass as the bias: `gate_bias`, or `nullptr` without one.
     bias_arg: &'static str,
     gates: Vec<GateUnit>,
+    /// The split routers' select kernel (none when every regime's router is fused).
+    select: Option<EntryUnit>,
+    select_warps: u32,
 }
 
-/// One regime's router entry and its gate GEMM's tile.
+/// One regime's router entry (the fused router, or the split router's gate) and its gate
+/// GEMM's tile.
 struct GateUnit {
-    /// Whether its last block lays out the routing metadata too.
-    fuses_routing: bool,
+    fused: bool,
     regime: String,
     min_tokens: u32,
     max_tokens: u32,
@@ -609,20 +615,19 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         .zip(&router_plan.regimes)
         .map(|(regime, router_regime)| {
             let gate = &router_regime.gate;
-            let mut uses = ROUTER_USES.to_vec();
-            if has_bias {
-                uses.extend(ROUTER_BIAS_USES);
-            }
-            if router_regime.fuses_routing {
-                uses.extend(ROUTER_ROUTING_USES);
-            }
+            let uses: Vec<&str> = if router_regime.fused {
+                let bias = if has_bias { ROUTER_BIAS_USES } else { &[] };
+                [ROUTER_USES, bias, ROUTER_ROUTING_USES].concat()
+            } else {
+                ROUTER_GATE_USES.to_vec()
+            };
             Ok(GateUnit {
-                fuses_routing: router_regime.fuses_routing,
+                fused: router_regime.fused,
                 regime: regime.name.clone(),
                 min_tokens: regime.min_tokens,
                 max_tokens: regime.max_tokens,
                 config: format!("{}_router_gate", regime.name),
-                entry: EntryUnit::new(plan, &router_regime.launch.kernel, &uses)?,
+                entry: EntryUnit::new(plan, &router_regime.launches[0].kernel, &uses)?,
                 bm: gate.tile_tokens,
                 bn: gate.tile_experts,
                 stages: gate.stages,
@@ -636,6 +641,19 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
             })
         })
         .collect::<Result<Vec<_>, CodegenError>>()?;
+    let select_kernel = router_plan
+        .regimes
+        .iter()
+        .find(|regime| !regime.fused)
+        .and_then(|regime| regime.launches.get(1));
+    let select_uses = if has_bias {
+        [ROUTER_SELECT_USES, ROUTER_BIAS_USES].concat()
+    } else {
+        ROUTER_SELECT_USES.to_vec()
+    };
+    let select = select_kernel
+        .map(|launch| EntryUnit::new(plan, &launch.kernel, &select_uses))
+        .transpose()?;
     Ok(RouterUnit {
         rule: router::rule_summary(rule),
         scoring: match rule.scoring {
@@ -655,6 +673,8 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         normalize_epsilon: float_literal(router::NORMALIZE_EPSILON),
         bias_arg: if has_bias { "gate_bias" } else { "nullptr" },
         gates,
+        select,
+        select_warps: router::SELECT_WARPS,
     })
 }
 

@@ -35,7 +35,7 @@ pub fn describe(plan: &Plan) -> String {
     if let Some(router) = &plan.router {
         let _ = writeln!(
             out,
-            "  router               {}: a self-routed call runs the regime's router launch (in place of its route launch where the router fuses the routing metadata), then the table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table as it is",
+            "  router               {}: a self-routed call runs the regime's router launches (a fused router in place of the route launch), then the table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table as it is",
             super::router::rule_summary(&router.rule)
         );
     }
@@ -171,11 +171,11 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     let floor = &gate.floor;
     let _ = writeln!(
         out,
-        "    router gate, then select by each token tile's last block{}; gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
-        if regime.fuses_routing {
-            ", then routing metadata by the last token tile's, in place of route"
+        "    router {}; gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        if regime.fused {
+            "fused, in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
         } else {
-            "; the route kernel runs after it (too many pairs for one router block)"
+            "split, before the table: gate, then select over the whole GPU"
         },
         gate.tile_tokens,
         gate.tile_experts,
@@ -190,7 +190,9 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
         floor.flops / 1e9,
         floor.bytes / 1e6,
     );
-    describe_launch(out, &regime.launch);
+    for launch in &regime.launches {
+        describe_launch(out, launch);
+    }
 }
 
 fn describe_launch(out: &mut String, launch: &Launch) {

@@ -899,7 +899,7 @@ impl Plan {
         let router_launches = self
             .router
             .iter()
-            .flat_map(|router| router.regimes.iter().map(|r| &r.launch));
+            .flat_map(|router| router.regimes.iter().flat_map(|r| &r.launches));
         let ep_launches = self
             .expert_parallel
             .iter()

@@ -1,40 +1,44 @@
 //! The router's plan: how a layer whose spec has a `router { }` section chooses each token's
-//! experts and weights from `x` on the GPU.
+//! experts and weights from `x` on the GPU. Per single-GPU regime, one of two shapes:
 //!
-//! One launch per call (`<symbol>_<regime>_router`), planned per single-GPU regime. Where
-//! the regime's calls are small ([`fuses_routing`]) it runs in place of the regime's
-//! routing-metadata launch, so that a self-routed call runs as many kernels as a
-//! caller-routed one; else before the whole table. Its phases, each run by the blocks the
-//! one before leaves last:
+//! - **fused** (a regime whose largest call has at most [`ROUTER_FUSED_MAX_PAIRS`] (token,
+//!   k) pairs): one launch, `<symbol>_<regime>_router`, in place of the regime's
+//!   routing-metadata launch, so that a self-routed call runs as many kernels as a
+//!   caller-routed one. Its phases, each run by the block the one before leaves last:
+//!   1. **gate**, every block: the logits (below);
+//!   2. **select**, by the block of each token tile that finishes its gate tile last (a
+//!      counter per token tile in `router_tiles_done`): one warp per token;
+//!   3. **routing metadata**, by the block whose token tile is selected last (a counter
+//!      over the token tiles): the route kernel's body on `routed_ids`.
 //!
-//! 1. **gate**, every block: the logits `x · W_gateᵀ` [T, E] in f32, a tiled `mma.sync`
-//!    GEMM. A block takes a tile of `tile_tokens` tokens by `tile_experts` experts; blocks
-//!    are numbered token-tile major, the expert tiles of one token tile adjacent, so that
-//!    the x rows they share are read from HBM once and from L2 by the others. Experts past
-//!    E (when `tile_experts` does not divide E) and tokens past T are zero-filled on load
-//!    and never stored. A small tile's block holds `warps_k` groups of warps that split the
-//!    reduction (each its own ring of stages), summed in group order at the end: at a few
-//!    tokens the grid has few blocks, and without the split each would have one warp's few
-//!    loads in flight over all of H.
-//! 2. **select**, by the block of each token tile that finishes its gate tile last (a
-//!    counter per token tile in `router_tiles_done` says which): one warp per token reads
-//!    its E logits, applies the rule ([`ir::Router`]: bias, scores, correction, group
-//!    limit, top-k, weights) and writes `routed_ids` and `routed_weights`.
-//! 3. **routing metadata** (when it fuses routing), by the block whose token tile is
-//!    selected last: what the regime's route kernel does for a caller-routed call (expert
-//!    offsets and the expert-major row order), on `routed_ids`.
+//!   The last block to arrive resets its counter, so the next call starts from zero
+//!   without a memset. No block waits for another, so nothing can deadlock whatever the
+//!   residency.
+//! - **split** (larger calls): the gate (`<symbol>_<regime>_router_gate`) and the select
+//!   (`<symbol>_router_select`, one warp per token, [`SELECT_WARPS`] tokens per block over
+//!   the whole GPU) as two launches before the whole table. A fused router's tails run on
+//!   one block per token tile and its routing on one block of 256 threads: measured on an
+//!   H200 (2026-11-30, same run), at 16384 tokens they cost Qwen3-30B-A3B 185 µs and
+//!   DeepSeek-V3 330 µs more than the split launches, while at 1 token the fused router
+//!   saved 1-8 µs.
 //!
-//! The last block to arrive resets its counter, so the next call starts from zero without
-//! a memset. No block waits for another: a phase runs in whichever block arrives last, so
-//! nothing can deadlock whatever the residency. The rest of the regime's table then runs
-//! with `routed_ids` and `routed_weights` passed where a caller-routed call passes
-//! `topk_ids` and `topk_weights`. The expert-parallel path keeps caller-passed ids and
-//! weights.
+//! The **gate**: the logits `x · W_gateᵀ` [T, E] in f32, a tiled `mma.sync` GEMM. A block
+//! takes a tile of `tile_tokens` tokens by `tile_experts` experts; blocks are numbered
+//! token-tile major, the expert tiles of one token tile adjacent, so that the x rows they
+//! share are read from HBM once and from L2 by the others. Experts past E (when
+//! `tile_experts` does not divide E) and tokens past T are zero-filled on load and never
+//! stored. A small tile's block holds `warps_k` groups of warps that split the reduction
+//! (each its own ring of stages), summed in group order at the end: at a few tokens the
+//! grid has few blocks, and without the split each would have one warp's few loads in
+//! flight over all of H. The **select** applies the rule ([`ir::Router`]: bias, scores,
+//! correction, group limit, top-k, weights) and writes `routed_ids` and `routed_weights`,
+//! which the table then reads where a caller-routed call passes `topk_ids` and
+//! `topk_weights`. The expert-parallel path keeps caller-passed ids and weights.
 
 use serde::{Deserialize, Serialize};
 
 use super::launch::{Grid, KernelParam, Launch, LaunchArg, StreamRole};
-use super::{BufferId, SMEM_ROW_BYTES, Target};
+use super::{BufferId, SMEM_ROW_BYTES, Target, static_smem_reserved};
 use crate::ir;
 
 /// Added to the sum a normalised weight is divided by, as DeepSeek-V3's reference does
@@ -55,12 +59,12 @@ const GATE_WARP_EXPERTS: u32 = 64;
 const GATE_BLOCK_WARPS: u32 = 8;
 /// Fewest k-tiles a group of warps of a split reduction takes.
 const GATE_MIN_K_TILES_PER_GROUP: u32 = 4;
-/// Most (token, k) pairs a regime's call may have for its router to lay out the routing
-/// metadata itself: the router's last block has a gate block's 256 threads where the route
-/// kernel has 1024, so above this the route kernel's launch costs less than the pairs
-/// (measured on an H200, 2026-11-30: 131072 pairs took about 150 µs more in the router's
-/// block than in the route kernel; at 8 pairs the route launch cost 4-7 µs).
-pub const ROUTER_ROUTING_MAX_PAIRS: u64 = 4096;
+/// Most (token, k) pairs of a regime's largest call for its router to be fused: the fused
+/// router's routing runs on one block of a gate block's threads, 16 pairs each at most
+/// here, and its select on one block per token tile (see the module documentation).
+pub const ROUTER_FUSED_MAX_PAIRS: u64 = 4096;
+/// Tokens one block of the split router's select kernel routes, one warp each.
+pub const SELECT_WARPS: u32 = 4;
 
 /// The router of a layer: its rule and, per single-GPU regime, its launch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -70,17 +74,16 @@ pub struct RouterPlan {
     pub regimes: Vec<RouterRegime>,
 }
 
-/// The router's launch for one token-count regime.
+/// The router's launches for one token-count regime.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterRegime {
     pub gate: GatePlan,
-    /// Whether the router's last block lays out the routing metadata too (a regime whose
-    /// largest call has at most [`ROUTER_ROUTING_MAX_PAIRS`] pairs): then a self-routed
-    /// call runs the router in place of the table's route launch, else before the whole
-    /// table.
-    pub fuses_routing: bool,
-    /// Gate and select, and the routing metadata when `fuses_routing`.
-    pub launch: Launch,
+    /// Fused (one launch: gate, select, routing metadata; in place of the table's route
+    /// launch) or split (gate, then select; before the whole table): see the module
+    /// documentation.
+    pub fused: bool,
+    /// In stream order: the fused router, or the gate then the select.
+    pub launches: Vec<Launch>,
 }
 
 /// How the gate GEMM is tiled.
@@ -100,8 +103,8 @@ pub struct GatePlan {
     pub warps_k: u32,
     pub stages: u32,
     /// Dynamic shared memory: the gate's rings, `warps_k · stages · (tile_tokens +
-    /// tile_experts) · 128` bytes, which the later phases reuse for their scratch
-    /// ([`router_scratch_bytes`]); the larger of the two.
+    /// tile_experts) · 128` bytes, or in a fused router the larger of that and the later
+    /// phases' scratch ([`router_scratch_bytes`]), which reuses them.
     pub smem_bytes: u32,
     /// The roofline floor of gate and select at the regime's largest token count.
     pub floor: RouterFloor,
@@ -122,7 +125,19 @@ impl GatePlan {
         warps_k * stages * (tile_tokens + tile_experts) * SMEM_ROW_BYTES
     }
 
-    /// Blocks per token tile that arrive at its counter: one per expert tile.
+    /// A gate block's shared memory: its rings, or the fused router's scratch when
+    /// larger.
+    pub fn smem_bytes_for(
+        tile_tokens: u32,
+        tile_experts: u32,
+        stages: u32,
+        warps_k: u32,
+        fused_scratch: Option<u32>,
+    ) -> u32 {
+        Self::smem_for(tile_tokens, tile_experts, stages, warps_k).max(fused_scratch.unwrap_or(0))
+    }
+
+    /// Token tiles of a call of `tokens` tokens.
     pub fn token_tiles(&self, tokens: u32) -> u32 {
         tokens.div_ceil(self.tile_tokens)
     }
@@ -171,8 +186,8 @@ pub struct RouterFloor {
 }
 
 /// The router's plan for `layer` (`None` without a `router { }` section): its launches for
-/// each regime, whose largest token count is given by `regime_tokens`, named after
-/// `regime_names`.
+/// each regime of `regimes` (name, largest token count); the shared slices make
+/// `gemm_experts` GEMM experts, whose counts a fused router lays out.
 pub(super) fn plan_router(
     layer: &ir::Layer,
     target: &Target,
@@ -184,18 +199,13 @@ pub(super) fn plan_router(
     let regimes = regimes
         .iter()
         .map(|(name, max_tokens)| {
-            let gate = gate_plan(layer, target, &rule, gemm_experts, *max_tokens);
-            let fuses_routing = fuses_routing(*max_tokens, layer.top_k);
-            let launch = router_launch(
-                &rule,
-                &gate,
-                fuses_routing,
-                &format!("{symbol}_{name}_router"),
-            );
+            let fused = fused(*max_tokens, layer.top_k);
+            let gate = gate_plan(layer, target, &rule, gemm_experts, *max_tokens, fused);
+            let launches = router_launches(&rule, layer.experts, &gate, fused, symbol, name);
             RouterRegime {
                 gate,
-                fuses_routing,
-                launch,
+                fused,
+                launches,
             }
         })
         .collect();
@@ -203,13 +213,14 @@ pub(super) fn plan_router(
 }
 
 impl RouterPlan {
-    /// Counters of `router_tiles_done` the largest call needs: the token tiles done, then
-    /// one per token tile of the largest regime's tile count.
+    /// Counters of `router_tiles_done` the largest call of a fused regime needs: the
+    /// token tiles selected, then one per token tile.
     pub fn tiles_done_len(&self, regime_max_tokens: impl Iterator<Item = u32>) -> u32 {
         1 + self
             .regimes
             .iter()
             .zip(regime_max_tokens)
+            .filter(|(regime, _)| regime.fused)
             .map(|(regime, max_tokens)| regime.gate.token_tiles(max_tokens))
             .max()
             .unwrap_or(0)
@@ -242,6 +253,7 @@ fn gate_plan(
     rule: &ir::Router,
     gemm_experts: u32,
     max_tokens: u32,
+    fused: bool,
 ) -> GatePlan {
     let experts = layer.experts;
     let covering = experts.next_multiple_of(16);
@@ -292,8 +304,14 @@ fn gate_plan(
         warps_n,
         warps_k,
         stages: GATE_STAGES,
-        smem_bytes: GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES, warps_k).max(
-            router_scratch_bytes(rule, experts, gemm_experts, warps_m * warps_n * warps_k),
+        smem_bytes: GatePlan::smem_bytes_for(
+            tile_tokens,
+            tile_experts,
+            GATE_STAGES,
+            warps_k,
+            fused.then(|| {
+                router_scratch_bytes(rule, experts, gemm_experts, warps_m * warps_n * warps_k)
+            }),
         ),
         floor: floor(layer, target, max_tokens),
     }
@@ -318,56 +336,101 @@ fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
     }
 }
 
-/// Whether the router of a regime whose largest call has `max_tokens` tokens lays out the
-/// routing metadata itself ([`ROUTER_ROUTING_MAX_PAIRS`]).
-pub fn fuses_routing(max_tokens: u32, top_k: u32) -> bool {
-    u64::from(max_tokens) * u64::from(top_k) <= ROUTER_ROUTING_MAX_PAIRS
+/// Whether the router of a regime whose largest call has `max_tokens` tokens is fused
+/// ([`ROUTER_FUSED_MAX_PAIRS`]).
+pub fn fused(max_tokens: u32, top_k: u32) -> bool {
+    u64::from(max_tokens) * u64::from(top_k) <= ROUTER_FUSED_MAX_PAIRS
 }
 
-/// The router's launch of a regime with this gate tile: one block per (token tile, expert
-/// tile), as [`gate_blocks`] counts them; with `fuses_routing` it writes the routing
-/// metadata too.
-pub(super) fn router_launch(
+/// Static shared memory of the split router's select kernel: with a group limit, each
+/// warp's selection values (f32 × E), from which a lane sums its group's best two.
+pub fn select_static_smem_bytes(rule: &ir::Router, experts: u32) -> u32 {
+    if rule.group_limit.is_some() {
+        static_smem_reserved(4 * experts * SELECT_WARPS)
+    } else {
+        0
+    }
+}
+
+/// The router's launches of regime `regime` of the layer `symbol` with this gate tile:
+/// fused, one block per (token tile, expert tile) as [`gate_blocks`] counts them; or split,
+/// those gate blocks then one select block per [`SELECT_WARPS`] tokens.
+pub(super) fn router_launches(
     rule: &ir::Router,
+    experts: u32,
     gate: &GatePlan,
-    fuses_routing: bool,
-    kernel: &str,
-) -> Launch {
+    fused: bool,
+    symbol: &str,
+    regime: &str,
+) -> Vec<Launch> {
     use BufferId::*;
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = (rule.bias != ir::RouterBias::None).then(|| read(GateBias));
-    let routing = fuses_routing
-        .then_some([
-            write(Workspace(ExpertOffsets)),
-            write(Workspace(RowPair)),
-            write(Workspace(ErrorWord)),
-        ])
-        .into_iter()
-        .flatten();
-    Launch {
-        kernel: kernel.to_string(),
-        grid: Grid::TokenTiles {
-            tokens_per_tile: gate.tile_tokens,
-            blocks_per_tile: gate.expert_tiles,
-        },
-        block_threads: gate.threads(),
-        smem_bytes: gate.smem_bytes,
-        static_smem_bytes: 0,
-        stream: StreamRole::Compute,
-        params: [read(X), read(GateWeight)]
-            .into_iter()
-            .chain(bias)
-            .chain([
+    let gate_blocks = Grid::TokenTiles {
+        tokens_per_tile: gate.tile_tokens,
+        blocks_per_tile: gate.expert_tiles,
+    };
+    if fused {
+        return vec![Launch {
+            kernel: format!("{symbol}_{regime}_router"),
+            grid: gate_blocks,
+            block_threads: gate.threads(),
+            smem_bytes: gate.smem_bytes,
+            static_smem_bytes: 0,
+            stream: StreamRole::Compute,
+            params: [read(X), read(GateWeight)]
+                .into_iter()
+                .chain(bias)
+                .chain([
+                    read(Tokens),
+                    write(Workspace(RouterLogits)),
+                    write(Workspace(RouterTilesDone)),
+                    write(Workspace(RoutedIds)),
+                    write(Workspace(RoutedWeights)),
+                    write(Workspace(ExpertOffsets)),
+                    write(Workspace(RowPair)),
+                    write(Workspace(ErrorWord)),
+                ])
+                .collect(),
+        }];
+    }
+    vec![
+        Launch {
+            kernel: format!("{symbol}_{regime}_router_gate"),
+            grid: gate_blocks,
+            block_threads: gate.threads(),
+            smem_bytes: gate.smem_bytes,
+            static_smem_bytes: 0,
+            stream: StreamRole::Compute,
+            params: vec![
+                read(X),
+                read(GateWeight),
                 read(Tokens),
                 write(Workspace(RouterLogits)),
-                write(Workspace(RouterTilesDone)),
-                write(Workspace(RoutedIds)),
-                write(Workspace(RoutedWeights)),
-            ])
-            .chain(routing)
-            .collect(),
-    }
+            ],
+        },
+        Launch {
+            kernel: format!("{symbol}_router_select"),
+            grid: Grid::TokenTiles {
+                tokens_per_tile: SELECT_WARPS,
+                blocks_per_tile: 1,
+            },
+            block_threads: 32 * SELECT_WARPS,
+            smem_bytes: 0,
+            static_smem_bytes: select_static_smem_bytes(rule, experts),
+            stream: StreamRole::Compute,
+            params: [read(Workspace(RouterLogits))]
+                .into_iter()
+                .chain(bias)
+                .chain([
+                    read(Tokens),
+                    write(Workspace(RoutedIds)),
+                    write(Workspace(RoutedWeights)),
+                ])
+                .collect(),
+        },
+    ]
 }
 
 /// The router's rule in one phrase.

@@ -219,7 +219,7 @@ impl Plan {
         }
         for (index, regime) in router.regimes.iter().enumerate() {
             let gate: &GatePlan = &regime.gate;
-            let kernel = &regime.launch.kernel;
+            let name = &self.regimes[index].name;
             let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
             if gate.tile_tokens == 0
                 || gate.tile_experts == 0
@@ -238,31 +238,42 @@ impl Plan {
                 || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
                 || gate.stages < 2
                 || gate.smem_bytes
-                    != GatePlan::smem_for(
+                    != GatePlan::smem_bytes_for(
                         gate.tile_tokens,
                         gate.tile_experts,
                         gate.stages,
                         gate.warps_k,
+                        regime.fused.then(|| {
+                            router::router_scratch_bytes(
+                                &router.rule,
+                                experts,
+                                self.shape.gemm_experts(),
+                                warps_m * warps_n * gate.warps_k,
+                            )
+                        }),
                     )
-                    .max(router::router_scratch_bytes(
-                        &router.rule,
-                        experts,
-                        self.shape.gemm_experts(),
-                        warps_m * warps_n * gate.warps_k,
-                    ))
             {
-                return Err(format!("the gate tile of `{kernel}` does not add up"));
+                return Err(format!("the gate tile of regime `{name}` does not add up"));
             }
             let max_tokens = self.regimes[index].max_tokens;
-            if regime.fuses_routing != router::fuses_routing(max_tokens, self.shape.top_k)
-                || regime.launch
-                    != router::router_launch(&router.rule, gate, regime.fuses_routing, kernel)
+            let expected = router::router_launches(
+                &router.rule,
+                experts,
+                gate,
+                regime.fused,
+                &self.symbol,
+                name,
+            );
+            if regime.fused != router::fused(max_tokens, self.shape.top_k)
+                || regime.launches != expected
             {
                 return Err(format!(
-                    "the launch of `{kernel}` disagrees with the gate tile and the rule"
+                    "the router launches of regime `{name}` disagree with the gate tile and the rule"
                 ));
             }
-            self.check_launch(&regime.launch)?;
+            for launch in &regime.launches {
+                self.check_launch(launch)?;
+            }
         }
         Ok(())
     }
