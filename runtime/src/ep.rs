@@ -772,8 +772,14 @@ impl Drop for EpLayer {
             let _ = self.synchronize();
         }
         if let Some(group) = &mut self.group {
-            // A peer that has exited cannot meet: nothing to wait for then.
-            let _ = group.channel.barrier();
+            // A peer that has exited cannot meet: nothing to wait for then. Nor can it join
+            // the tear-down of the communicator (a collective of the node's ranks), which
+            // is then left as it is.
+            if group.channel.barrier().is_err()
+                && let Some(network) = &group.network
+            {
+                network.path.abandon();
+            }
         }
     }
 }

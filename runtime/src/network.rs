@@ -537,6 +537,12 @@ impl NetworkPath {
         }
     }
 
+    /// Leaves the communicator as it is from now on (a peer is gone: tearing it down would
+    /// wait for that peer).
+    pub(crate) fn abandon(&self) {
+        self.comm.abandoned.set(true);
+    }
+
     /// Whether the path was abandoned after a stall.
     pub(crate) fn abandoned(&self) -> bool {
         self.comm.abandoned.get()
