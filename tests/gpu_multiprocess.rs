@@ -137,25 +137,24 @@ fn spawn_rank(rank: u32, port: u16, args: &[String]) -> RankProcess {
 }
 
 impl RankProcess {
-    /// Waits until the process has written `marker` to stderr, at most until `deadline`.
-    fn wait_for(&self, marker: &str, deadline: Instant) {
+    /// Waits until the process has written `marker` to stderr, at most until `deadline`;
+    /// fails if it exits first.
+    fn wait_for(&mut self, marker: &str, deadline: Instant) {
         loop {
-            let seen = self
+            let stderr = self
                 .stderr_so_far
                 .lock()
-                .map(|text| text.contains(marker))
-                .unwrap_or(false);
-            if seen {
+                .map(|text| text.clone())
+                .unwrap_or_default();
+            if stderr.contains(marker) {
                 return;
             }
+            let exited = self.child.try_wait().expect("polling a rank process");
             assert!(
-                Instant::now() < deadline,
-                "rank {} never wrote {marker:?}; stderr:\n{}",
+                exited.is_none() && Instant::now() < deadline,
+                "rank {} never wrote {marker:?} ({}); stderr:\n{stderr}",
                 self.rank,
-                self.stderr_so_far
-                    .lock()
-                    .map(|t| t.clone())
-                    .unwrap_or_default()
+                exited.map_or("still running".to_string(), |status| status.to_string())
             );
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -324,7 +323,7 @@ fn a_peer_killed_mid_run_is_an_error_in_the_survivor_within_the_bound() {
     // Far more calls than run before the kill.
     let calls = 1_000_000;
     let survivor = spawn_rank(0, port, &two_node_args(64, "uniform", 11, calls));
-    let victim = spawn_rank(1, port, &two_node_args(64, "uniform", 11, calls));
+    let mut victim = spawn_rank(1, port, &two_node_args(64, "uniform", 11, calls));
     victim.wait_for("call 200 of", Instant::now() + PAIR_LIMIT);
     let killed = victim.kill();
     let bound = Duration::from_secs(60);

@@ -28,7 +28,7 @@ use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
     load_kernel, ptr, read_error_word,
 };
-use crate::network::{NetworkError, NetworkPath};
+use crate::network::{NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
 use crate::process_group::ControlChannel;
 use crate::tensor_map::TensorMap;
 
@@ -51,7 +51,8 @@ enum Binding {
 }
 
 /// A workspace buffer's memory: from the stream-ordered pool, or, for the buffers peers
-/// write when the peers are other processes, memory they can map.
+/// write when the peers are other processes, memory they can map (`cuMemAlloc`; also the
+/// flags the network stream's memory operations wait on or write).
 enum WorkspaceMemory {
     Pool(CudaSlice<u8>),
     Exportable(ExportableBuffer),
@@ -815,7 +816,8 @@ fn build_rank(
         let bytes = (buffer.bytes() as usize).max(1);
         let what = || format!("allocating `{}` ({bytes} bytes)", buffer.id.name());
         // Zeroed: flags and counters start below every epoch and at zero.
-        let memory = if exportable && ep.peer_buffers.contains(&buffer.id) {
+        let plain = ep.peer_buffers.contains(&buffer.id) || STREAM_MEMOP_FLAGS.contains(&buffer.id);
+        let memory = if exportable && plain {
             WorkspaceMemory::Exportable(ExportableBuffer::zeroed(&compute, bytes)?)
         } else {
             WorkspaceMemory::Pool(compute.alloc_zeros::<u8>(bytes).context(what())?)

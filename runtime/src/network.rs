@@ -93,6 +93,17 @@ pub(crate) fn nccl_failed(
     }
 }
 
+/// The flags the network stream waits on (`cuStreamWaitValue32`) or writes
+/// (`cuStreamWriteValue32`). They are allocated with `cuMemAlloc`, not from the
+/// stream-ordered pool: on the two-H200 machine (driver 580, 2026-11-30) a wait on a pool
+/// allocation was refused with CUDA_ERROR_INVALID_VALUE.
+pub(crate) const STREAM_MEMOP_FLAGS: [BufferId; 4] = [
+    BufferId::MetaFlags,
+    BufferId::ChunkFlags,
+    BufferId::NetReady,
+    BufferId::NetReturnFlags,
+];
+
 /// NCCL's "not set" for an integer field of `ncclConfig_t` (`NCCL_CONFIG_UNDEF_INT`).
 const CONFIG_UNDEF_INT: c_int = c_int::MIN;
 /// `NCCL_API_MAGIC`, which `NCCL_CONFIG_INITIALIZER` writes.
@@ -446,6 +457,12 @@ impl NetworkPath {
     /// the call of `epoch`.
     pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
+        // The stream memory operations below are raw driver calls: they resolve their
+        // addresses in the thread's current context.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the network stream's context")?;
         self.enqueued.set(true);
         for step in self.steps.iter().filter(|s| s.wait_for.is_some()) {
             for &flag in step.wait_for.iter().flatten() {
@@ -464,6 +481,12 @@ impl NetworkPath {
         gemm2_done: &CudaEvent,
     ) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
+        // The stream memory operations below are raw driver calls: they resolve their
+        // addresses in the thread's current context.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the network stream's context")?;
         self.enqueued.set(true);
         self.stream
             .wait(gemm2_done)
@@ -583,7 +606,7 @@ fn stream_wait_value(
         CUresult::CUDA_SUCCESS => Ok(()),
         other => Err(NetworkError::StreamOp {
             call: "cuStreamWaitValue32",
-            context: format!("waiting for the staging of {what}"),
+            context: format!("waiting for the staging of {what} (flag at {flag:#x})"),
             result: other,
         }),
     }
@@ -610,7 +633,7 @@ fn stream_write_value(
         CUresult::CUDA_SUCCESS => Ok(()),
         other => Err(NetworkError::StreamOp {
             call: "cuStreamWriteValue32",
-            context: format!("releasing the flags of {what}"),
+            context: format!("releasing the flags of {what} (flag at {flag:#x})"),
             result: other,
         }),
     }
