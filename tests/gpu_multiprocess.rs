@@ -3,8 +3,9 @@
 //! one node of two GPUs (the CUDA IPC path) and as two nodes of one GPU each (every
 //! exchange through NCCL: the network path). Each checks its own output against the CPU
 //! reference (uniform and skewed routing; T = 0, 1, ragged and max_tokens, unequal between
-//! the ranks; across nodes 1000 calls in a row each); a peer that exits before its call, or
-//! is killed mid-run, makes the survivor report an error within the wait bound; the
+//! the ranks; across nodes 1000 calls in a row each); a peer that exits before its call, is
+//! killed mid-run or (across nodes) stops sending mid-run makes the survivor report an
+//! error within the wait bound; the
 //! bench's group mode prints every rank's time. Needs two GPUs: on a machine with fewer it
 //! says so and checks nothing. Run on the GPU machine: `cargo test -- --include-ignored`.
 
@@ -340,6 +341,43 @@ fn a_peer_killed_mid_run_is_an_error_in_the_survivor_within_the_bound() {
     assert!(
         done.stderr.contains("error: rank 0 (after"),
         "the survivor reports an error:\n{}",
+        done.stderr
+    );
+}
+
+/// Across nodes, a peer that stops sending in the middle of a run (it enqueues nothing
+/// that sends at its 50th call, then waits for its own call): the survivor's NCCL
+/// transfers with it never finish, and it reports which step with which peer stalled,
+/// within the plan's bound, and leaves.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_peer_that_stops_sending_mid_run_is_a_stalled_transfer_in_the_survivor() {
+    needs_two_gpus!();
+    let port = free_port();
+    let survivor = spawn_rank(0, port, &two_node_args(64, "uniform", 13, 1000));
+    let mut quiet_args = two_node_args(64, "uniform", 13, 1000);
+    quiet_args.extend(["--stop-sending-at-call".to_string(), "50".to_string()]);
+    let mut quiet = spawn_rank(1, port, &quiet_args);
+    quiet.wait_for("call 50 sends nothing", Instant::now() + PAIR_LIMIT);
+    let stopped = Instant::now();
+    // Two flag bounds and the transfers (the plan's wait_limit_ms, about 5 s) and leaving.
+    let bound = Duration::from_secs(60);
+    let done = survivor.finish(stopped + bound);
+    let after = done.at.duration_since(stopped).as_secs_f64();
+    let error = done
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_default()
+        .to_string();
+    say(&format!("survivor after {after:.1} s: {error}"));
+    let _ = quiet.finish(Instant::now() + PAIR_LIMIT);
+    assert_eq!(done.status.code(), Some(1), "{}", done.stderr);
+    assert!(
+        error.contains("error: rank 0")
+            && error.contains("NCCL transfers of")
+            && error.contains("with rank(s) 1 did not finish within"),
+        "the survivor reports the stalled transfer:\n{}",
         done.stderr
     );
 }

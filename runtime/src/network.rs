@@ -95,8 +95,10 @@ pub(crate) fn nccl_failed(
 
 /// The flags the network stream waits on (`cuStreamWaitValue32`) or writes
 /// (`cuStreamWriteValue32`). They are allocated with `cuMemAlloc`, not from the
-/// stream-ordered pool: on the two-H200 machine (driver 580, 2026-11-30) a wait on a pool
-/// allocation was refused with CUDA_ERROR_INVALID_VALUE.
+/// stream-ordered pool: on the two-H200 machine (driver 580, 2026-11-30) the first wait
+/// was refused with CUDA_ERROR_INVALID_VALUE while its flag was a pool allocation (and the
+/// context was not bound before the call, which [`NetworkPath`] now also does); with both
+/// changed, every wait and write succeeded.
 pub(crate) const STREAM_MEMOP_FLAGS: [BufferId; 4] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,

@@ -82,6 +82,11 @@ pub struct Args {
     /// joining the group, before its call, as a process that died would.
     #[arg(long, hide = true)]
     exit_before_call: bool,
+    /// Fault injection for tests of a group of rank processes: at this call (counted from
+    /// one) this rank enqueues nothing that sends, as a peer that stopped would, and its
+    /// peers' transfers with it never finish.
+    #[arg(long, hide = true, value_name = "CALL")]
+    stop_sending_at_call: Option<u32>,
     /// Calls in a row on the same inputs, as one rank of a group of rank processes (flags
     /// carry the epoch: no call needs a reset); with --check the first and the last are
     /// compared with the CPU reference, and every call's kernel errors are read.
@@ -495,6 +500,13 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         } else {
             0
         };
+        if args.stop_sending_at_call == Some(call) {
+            eprintln!(
+                "rank {}: call {call} sends nothing (--stop-sending-at-call)",
+                env.rank
+            );
+            ep.withhold_sends_once(0);
+        }
         outcome = session.run_checked_expert_parallel(
             &built,
             &mut ep,
