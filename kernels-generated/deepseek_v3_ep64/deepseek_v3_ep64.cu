@@ -5,7 +5,7 @@
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
 // A call that routes itself first runs: router gate -> router select (topk_ids, topk_weights).
 // Note: the spec asks for 64 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
-// Note: ranks on other nodes exchange through NCCL at the plan's capacity: every call moves 2349.6 MB to each of a rank's 56 network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device)
+// Note: ranks on other nodes exchange through NCCL at the plan's capacity: every call moves 2349.6 MB to each of a rank's 56 network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device), and the network's outboxes and inboxes take 249957.6 MB per rank
 // Note: the spec asks for hierarchical traffic (one transfer per remote node, fanned out over NVLink there), which is not built yet: each rank sends to every network peer directly
 // Note: the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path
 

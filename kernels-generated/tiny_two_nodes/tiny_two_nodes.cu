@@ -4,7 +4,7 @@
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 2 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 8 experts on one GPU
-// Note: ranks on other nodes exchange through NCCL at the plan's capacity: every call moves 0.4 MB to each of a rank's 1 network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device)
+// Note: ranks on other nodes exchange through NCCL at the plan's capacity: every call moves 0.4 MB to each of a rank's 1 network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device), and the network's outboxes and inboxes take 0.7 MB per rank
 
 // ---------------------------------------------------------------------------------------
 // Prelude: element types and PTX wrappers. No toolkit header is included, so NVRTC needs

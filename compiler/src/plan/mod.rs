@@ -823,11 +823,20 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             layer.parallel.expert, layer.experts
         ));
     }
-    if let Some(network) = expert_parallel.as_ref().and_then(|ep| ep.network.as_ref()) {
+    if let Some(ep) = &expert_parallel
+        && let Some(network) = &ep.network
+    {
+        let network_buffers: u64 = ep
+            .workspace
+            .iter()
+            .filter(|b| b.id.name().starts_with("net_"))
+            .map(Buffer::bytes)
+            .sum();
         limitations.push(format!(
-            "ranks on other nodes exchange through NCCL at the plan's capacity: every call moves {:.1} MB to each of a rank's {} network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device)",
+            "ranks on other nodes exchange through NCCL at the plan's capacity: every call moves {:.1} MB to each of a rank's {} network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device), and the network's outboxes and inboxes take {:.1} MB per rank",
             network.call_bytes_per_peer as f64 / 1e6,
-            network.peers_per_rank
+            network.peers_per_rank,
+            network_buffers as f64 / 1e6
         ));
         if layer.schedule.traffic_order == Some(ir::TrafficOrder::Hierarchical) {
             limitations.push(
