@@ -1,14 +1,18 @@
-//! Expert-parallel ranks as processes on one node: two `moeforge` processes, one per GPU,
-//! launched as torchrun launches a group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-//! MASTER_PORT). Each checks its own output against the CPU reference (uniform and skewed
-//! routing; T = 0, 1, ragged and max_tokens, unequal between the ranks); a peer that exits
-//! before its call makes the survivor report a flag time-out within the wait bound; the
+//! Expert-parallel ranks as processes: two `moeforge` processes, one per GPU, launched as
+//! torchrun launches a group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as
+//! one node of two GPUs (the CUDA IPC path) and as two nodes of one GPU each (every
+//! exchange through NCCL: the network path). Each checks its own output against the CPU
+//! reference (uniform and skewed routing; T = 0, 1, ragged and max_tokens, unequal between
+//! the ranks; across nodes 1000 calls in a row each); a peer that exits before its call, is
+//! killed mid-run or (across nodes) stops sending mid-run makes the survivor report an
+//! error within the wait bound; the
 //! bench's group mode prints every rank's time. Needs two GPUs: on a machine with fewer it
 //! says so and checks nothing. Run on the GPU machine: `cargo test -- --include-ignored`.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -17,6 +21,12 @@ use moeforge::runtime::toolkit;
 
 /// The layer of every case: 8 experts, here over 2 ranks (4 each), max_tokens 512.
 const SPEC: &str = "dsl-examples/tiny.moe";
+/// The same layer on two nodes of one GPU each: the ranks exchange through NCCL.
+const TWO_NODES_SPEC: &str = "dsl-examples/tiny_two_nodes.moe";
+
+/// Calls each pair of rank processes makes across nodes: epochs, not resets, carry the
+/// flags from call to call.
+const CALLS_ACROSS_NODES: u32 = 1000;
 
 /// How long one pair of rank processes may take, compile and check included: far above
 /// what a correct run needs (seconds), so that only a hang reaches it.
@@ -62,6 +72,8 @@ struct RankProcess {
     child: Child,
     stdout: JoinHandle<String>,
     stderr: JoinHandle<String>,
+    /// Its stderr so far, as the draining thread reads it.
+    stderr_so_far: Arc<Mutex<String>>,
 }
 
 /// What a rank process did.
@@ -73,11 +85,18 @@ struct Finished {
     at: Instant,
 }
 
-fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
+/// Reads `pipe` to its end, line by line into `so_far`; returns all of it.
+fn drain(pipe: impl Read + Send + 'static, so_far: Arc<Mutex<String>>) -> JoinHandle<String> {
     std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = pipe.read_to_string(&mut text);
-        text
+        let mut lines = BufReader::new(pipe);
+        let mut line = String::new();
+        while matches!(lines.read_line(&mut line), Ok(n) if n > 0) {
+            if let Ok(mut text) = so_far.lock() {
+                text.push_str(&line);
+            }
+            line.clear();
+        }
+        so_far.lock().map(|text| text.clone()).unwrap_or_default()
     })
 }
 
@@ -100,17 +119,55 @@ fn spawn_rank(rank: u32, port: u16, args: &[String]) -> RankProcess {
         .stderr(Stdio::piped())
         .spawn()
         .expect("the moeforge binary starts");
-    let stdout = drain(child.stdout.take().expect("piped stdout"));
-    let stderr = drain(child.stderr.take().expect("piped stderr"));
+    let stderr_so_far = Arc::new(Mutex::new(String::new()));
+    let stdout = drain(
+        child.stdout.take().expect("piped stdout"),
+        Arc::new(Mutex::new(String::new())),
+    );
+    let stderr = drain(
+        child.stderr.take().expect("piped stderr"),
+        Arc::clone(&stderr_so_far),
+    );
     RankProcess {
         rank,
         child,
         stdout,
         stderr,
+        stderr_so_far,
     }
 }
 
 impl RankProcess {
+    /// Waits until the process has written `marker` to stderr, at most until `deadline`;
+    /// fails if it exits first.
+    fn wait_for(&mut self, marker: &str, deadline: Instant) {
+        loop {
+            let stderr = self
+                .stderr_so_far
+                .lock()
+                .map(|text| text.clone())
+                .unwrap_or_default();
+            if stderr.contains(marker) {
+                return;
+            }
+            let exited = self.child.try_wait().expect("polling a rank process");
+            assert!(
+                exited.is_none() && Instant::now() < deadline,
+                "rank {} never wrote {marker:?} ({}); stderr:\n{stderr}",
+                self.rank,
+                exited.map_or("still running".to_string(), |status| status.to_string())
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the process (SIGKILL: no clean-up of any kind) and reaps it; returns when.
+    fn kill(mut self) -> Instant {
+        self.child.kill().expect("killing a rank process");
+        let _ = self.child.wait();
+        Instant::now()
+    }
+
     /// Waits for the process until `deadline`; past it the process is killed and the test
     /// fails as a hang.
     fn finish(mut self, deadline: Instant) -> Finished {
@@ -157,6 +214,25 @@ fn run_args(tokens: u32, routing: &str, seed: u64) -> Vec<String> {
     .to_vec()
 }
 
+/// `run` of the two-node spec (its own topology: no --gpus), `calls` calls in a row.
+fn two_node_args(tokens: u32, routing: &str, seed: u64, calls: u32) -> Vec<String> {
+    [
+        "run",
+        TWO_NODES_SPEC,
+        "--check",
+        "--tokens",
+        &tokens.to_string(),
+        "--routing",
+        routing,
+        "--seed",
+        &seed.to_string(),
+        "--calls",
+        &calls.to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn two_rank_processes_match_the_reference() {
@@ -191,6 +267,119 @@ fn two_rank_processes_match_the_reference() {
             }
         }
     }
+}
+
+/// Two processes as two nodes: every exchange (metadata, rows, results) goes through
+/// NCCL in chunks, each arrival releasing the flags the kernels wait on.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_nodes_over_nccl_match_the_reference_for_a_thousand_calls() {
+    needs_two_gpus!();
+    let seed = 20_261_202;
+    let cases: [[u32; 2]; 4] = [[0, 0], [1, 0], [77, 90], [512, 512]];
+    for routing in ["uniform", "skewed"] {
+        for tokens in cases {
+            let port = free_port();
+            let started = Instant::now();
+            let ranks: Vec<RankProcess> = (0..2u32)
+                .map(|r| {
+                    let args = two_node_args(tokens[r as usize], routing, seed, CALLS_ACROSS_NODES);
+                    spawn_rank(r, port, &args)
+                })
+                .collect();
+            let deadline = Instant::now() + PAIR_LIMIT;
+            for (r, rank) in ranks.into_iter().enumerate() {
+                let done = rank.finish(deadline);
+                let expected = format!("rank {r} T={}: ", tokens[r]);
+                say(&format!(
+                    "two nodes, {routing} T={tokens:?} rank {r}, {CALLS_ACROSS_NODES} calls in {:.1} s: {}",
+                    done.at.duration_since(started).as_secs_f64(),
+                    done.stdout.trim()
+                ));
+                assert!(
+                    done.status.success()
+                        && done.stdout.contains(&expected)
+                        && done.stdout.contains("PASS")
+                        && done
+                            .stderr
+                            .contains(&format!("call {CALLS_ACROSS_NODES} of")),
+                    "two nodes, {routing} T={tokens:?} rank {r} ({}):\nstdout:\n{}\nstderr:\n{}",
+                    done.status,
+                    done.stdout,
+                    done.stderr
+                );
+            }
+        }
+    }
+}
+
+/// Across nodes, a peer killed (SIGKILL) while both ranks are making calls: the survivor's
+/// transfers with it never finish, and it reports so, naming itself, within the plan's
+/// bound (a few seconds: two flag bounds plus the transfers), then exits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_peer_killed_mid_run_is_an_error_in_the_survivor_within_the_bound() {
+    needs_two_gpus!();
+    let port = free_port();
+    // Far more calls than run before the kill.
+    let calls = 1_000_000;
+    let survivor = spawn_rank(0, port, &two_node_args(64, "uniform", 11, calls));
+    let mut victim = spawn_rank(1, port, &two_node_args(64, "uniform", 11, calls));
+    victim.wait_for("call 200 of", Instant::now() + PAIR_LIMIT);
+    let killed = victim.kill();
+    let bound = Duration::from_secs(60);
+    let done = survivor.finish(killed + bound);
+    let after = done.at.duration_since(killed).as_secs_f64();
+    say(&format!(
+        "survivor after {after:.1} s: {}",
+        done.stderr
+            .lines()
+            .find(|l| l.starts_with("error:"))
+            .unwrap_or_default()
+    ));
+    assert_eq!(done.status.code(), Some(1), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("error: rank 0 (after"),
+        "the survivor reports an error:\n{}",
+        done.stderr
+    );
+}
+
+/// Across nodes, a peer that stops sending in the middle of a run (it enqueues nothing
+/// that sends at its 50th call, then waits for its own call): the survivor's NCCL
+/// transfers with it never finish, and it reports which step with which peer stalled,
+/// within the plan's bound, and leaves.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_peer_that_stops_sending_mid_run_is_a_stalled_transfer_in_the_survivor() {
+    needs_two_gpus!();
+    let port = free_port();
+    let survivor = spawn_rank(0, port, &two_node_args(64, "uniform", 13, 1000));
+    let mut quiet_args = two_node_args(64, "uniform", 13, 1000);
+    quiet_args.extend(["--stop-sending-at-call".to_string(), "50".to_string()]);
+    let mut quiet = spawn_rank(1, port, &quiet_args);
+    quiet.wait_for("call 50 sends nothing", Instant::now() + PAIR_LIMIT);
+    let stopped = Instant::now();
+    // Two flag bounds and the transfers (the plan's wait_limit_ms, about 5 s) and leaving.
+    let bound = Duration::from_secs(60);
+    let done = survivor.finish(stopped + bound);
+    let after = done.at.duration_since(stopped).as_secs_f64();
+    let error = done
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_default()
+        .to_string();
+    say(&format!("survivor after {after:.1} s: {error}"));
+    let _ = quiet.finish(Instant::now() + PAIR_LIMIT);
+    assert_eq!(done.status.code(), Some(1), "{}", done.stderr);
+    assert!(
+        error.contains("error: rank 0")
+            && error.contains("NCCL transfers of")
+            && error.contains("with rank(s) 1 did not finish within"),
+        "the survivor reports the stalled transfer:\n{}",
+        done.stderr
+    );
 }
 
 #[test]

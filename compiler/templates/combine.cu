@@ -3,16 +3,17 @@
 // the routed pairs, then the shared slices. One block per token; each thread sums 8
 // columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's SLOTS slots that are `present` into its output row, by the whole
-// block.
+// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, by the
+// whole block; `rows[k]` is nullptr where the pair is absent (the routing kernel reported
+// it).
 template <int SLOTS>
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
+__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row) {
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < SLOTS; ++k) {
-            if (!present[k]) continue;  // the routing kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * SLOTS + k) * HIDDEN + column);
+            if (rows[k] == nullptr) continue;
+            const Vec16 v = *reinterpret_cast<const Vec16*>(rows[k] + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -25,8 +26,17 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
         packed.y = pack_bf16x2(sum[2], sum[3]);
         packed.z = pack_bf16x2(sum[4], sum[5]);
         packed.w = pack_bf16x2(sum[6], sum[7]);
-        *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
+        *reinterpret_cast<Vec16*>(y_row + column) = packed;
     }
+}
+
+// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`.
+template <int SLOTS>
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
+    const bf16_t* rows[SLOTS];
+#pragma unroll
+    for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
+    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}(

@@ -41,6 +41,22 @@ constexpr int {{ buffer.constant }} = {{ buffer.index }};
 __device__ const int SEND_ORDER[RANKS][RANKS] = { {{ ep.send_order }} };
 // Per destination rank, the sources in the order its GEMM rows take them (itself first).
 __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
+{%- if let Some(network) = ep.network %}
+// Across nodes ({{ network.nodes }} nodes of {{ network.gpus_per_node }} GPUs): a rank reaches its peers on other nodes through
+// NCCL, which the runtime runs on a network stream beside these kernels. What such a peer
+// is sent is staged in this rank's outboxes (net_send_*), each piece followed by a release
+// of its ready flag, which the network stream waits on (cuStreamWaitValue32) before it
+// sends it; what arrives lands where a peer on the node would have stored it, and the
+// network stream releases the same flags (cuStreamWriteValue32). Results for such a peer
+// go into this rank's return outbox (its combine slots in the peer table) and come back
+// into net_returned_x, released per (source, token chunk) in net_return_flags.
+constexpr int NETWORK_PEERS = {{ network.peers }};
+constexpr int READY_STRIDE = 1 + CHUNKS;                  // per network peer: the metadata's ready flag, then each chunk's
+constexpr size_t MAX_PAIRS = (size_t)MAX_TOKENS * SLOTS_PER_TOKEN;  // result rows per network peer in net_returned_x
+// Per rank, each peer's slot among its network peers in its outboxes and inboxes (-1: the
+// same node, reached through IPC).
+__device__ const int NETWORK_SLOT[RANKS][RANKS] = { {{ network.slots }} };
+{%- endif %}
 
 // The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
 // every source (so each weight panel is read once however many sources there are).
@@ -95,20 +111,47 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_slots)) == EP_ROUTE_STATIC_SMEM_BYTES,
                   "plan: metadata kernel's static shared memory");
     const int destination = SEND_ORDER[rank][blockIdx.x];
+{%- if ep.network.is_some() %}
+    // A destination on another node gets this rank's part of its receive index through
+    // NCCL: staged in this rank's outbox (reused only once the network stream has sent the
+    // last call's, by stream order: no credit), then handed over by a ready flag.
+    const int network_slot = NETWORK_SLOT[rank][destination];
+    const bool over_network = network_slot >= 0;
+{%- endif %}
     // This kernel starts every call's communication: it clears the error word of the last.
     if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
     for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) s_count[e] = 0;
     if (threadIdx.x == 0) {
         s_slots = 0;
+{%- if ep.network.is_some() %}
+        if (!over_network) wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
+{%- else %}
         wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
+{%- endif %}
     }
     __syncthreads();
 
-    int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT);
-    int* recv_pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR);
-    float* recv_weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT);
-    int* recv_counts = peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS);
-    u32* meta_flags = peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS);
+    // This rank's segment of local expert e's receive index at the destination starts at
+    // e * segment_stride of each array; its counts are LOCAL_EXPERTS + 1 ints.
+{%- if ep.network.is_some() %}
+    const size_t index_base = over_network ? (size_t)network_slot * LOCAL_EXPERTS * SEGMENT_ROWS : (size_t)rank * SEGMENT_ROWS;
+    const size_t segment_stride = over_network ? (size_t)SEGMENT_ROWS : (size_t)RANKS * SEGMENT_ROWS;
+    int* recv_slot = (over_network ? net_send_slot : peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT)) + index_base;
+    int* recv_pair = (over_network ? net_send_pair : peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR)) + index_base;
+    float* recv_weight =
+        (over_network ? net_send_weight : peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT)) + index_base;
+    int* recv_counts = over_network ? net_send_counts + network_slot * (LOCAL_EXPERTS + 1)
+                                    : peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS) + rank * (LOCAL_EXPERTS + 1);
+    u32* metadata_flag = over_network ? net_ready + network_slot * READY_STRIDE
+                                      : peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
+{%- else %}
+    const size_t segment_stride = (size_t)RANKS * SEGMENT_ROWS;
+    int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT) + (size_t)rank * SEGMENT_ROWS;
+    int* recv_pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR) + (size_t)rank * SEGMENT_ROWS;
+    float* recv_weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT) + (size_t)rank * SEGMENT_ROWS;
+    int* recv_counts = peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS) + rank * (LOCAL_EXPERTS + 1);
+    u32* metadata_flag = peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
+{%- endif %}
     const int first_expert = destination * LOCAL_EXPERTS;
     for (int token = threadIdx.x; token < tokens; token += META_THREADS) {
         int hits = 0;
@@ -127,24 +170,22 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
             const int expert = topk_ids[token * TOP_K + k];
             if ((unsigned)expert >= (unsigned)EXPERTS || expert / LOCAL_EXPERTS != destination) continue;
             const int local = expert - first_expert;
-            const size_t row = ((size_t)local * RANKS + rank) * SEGMENT_ROWS + atomicAdd(&s_count[local], 1);
+            const size_t row = (size_t)local * segment_stride + atomicAdd(&s_count[local], 1);
             recv_slot[row] = slot;
             recv_pair[row] = token * SLOTS_PER_TOKEN + k;
             recv_weight[row] = topk_weights[token * TOP_K + k];
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) {
-        recv_counts[rank * (LOCAL_EXPERTS + 1) + e] = s_count[e];
-    }
+    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) recv_counts[e] = s_count[e];
     if (threadIdx.x == 0) {
-        recv_counts[rank * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS] = s_slots;
+        recv_counts[LOCAL_EXPERTS] = s_slots;
         send_counts[destination] = s_slots;
     }
     __syncthreads();  // every write of the block is done before the release
     if (threadIdx.x == 0) {
         fence_flags();
-        flag_store(meta_flags + rank, epoch);
+        flag_store(metadata_flag, epoch);
     }
 }
 
@@ -177,8 +218,19 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
         if (destination == rank) continue;
         const int sent = send_counts[destination];
         const int pieces = (sent + piece_tokens - 1) / piece_tokens;
+{%- if ep.network.is_some() %}
+        // Rows for a peer on another node are staged in this rank's outbox, and each chunk's
+        // "flag" is its ready flag, which the network stream waits on before sending it.
+        const int network_slot = NETWORK_SLOT[rank][destination];
+        bf16_t* recv_x = network_slot >= 0
+                             ? net_send_x + (size_t)network_slot * SLOTS * HIDDEN
+                             : peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
+        u32* chunk_flags = network_slot >= 0 ? net_ready + network_slot * READY_STRIDE + 1
+                                             : peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
+{%- else %}
         bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
         u32* chunk_flags = peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
+{%- endif %}
         u32* pieces_done = chunk_pieces + destination * CHUNKS;
         const int* slot_token = send_slots + destination * MAX_TOKENS;
         for (; item < items_before + pieces; item += gridDim.x) {
@@ -218,6 +270,20 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
         }
         items_before += pieces;
     }
+{%- if ep.network.is_some() %}
+    // The network stream sends every chunk of a source's capacity (NCCL's counts are fixed
+    // on the host): the chunks this call leaves empty are ready at once.
+    if (blockIdx.x == 0) {
+        for (int destination = 0; destination < RANKS; ++destination) {
+            const int network_slot = NETWORK_SLOT[rank][destination];
+            if (network_slot < 0) continue;
+            const int first_empty = (send_counts[destination] + CHUNK - 1) / CHUNK;
+            for (int chunk = first_empty + threadIdx.x; chunk < CHUNKS; chunk += COMM_THREADS) {
+                flag_store(net_ready + network_slot * READY_STRIDE + 1 + chunk, epoch);
+            }
+        }
+    }
+{%- endif %}
 }
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
@@ -292,6 +358,10 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
     if (!s_last_block) return;
     if (threadIdx.x == 0) *arrange_blocks_done = 0;
     for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
+{%- if ep.network.is_some() %}
+        // A source on another node wrote nothing here: NCCL did, in this rank's stream order.
+        if (NETWORK_SLOT[rank][source] >= 0) continue;
+{%- endif %}
         fence_flags();
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
@@ -306,6 +376,43 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
 {
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
     for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
+{%- if ep.network.is_some() %}
+        // A pair computed on another node comes back through NCCL into net_returned_x (that
+        // rank's slot), released per (source, token chunk); the counter counts the rest.
+        const bf16_t* rows[SLOTS_PER_TOKEN];
+        int network_source[SLOTS_PER_TOKEN];
+        u32 counted = 0;
+#pragma unroll
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            const size_t pair = (size_t)token * SLOTS_PER_TOKEN + k;
+            const bool present = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            const int source = k < TOP_K && present ? topk_ids[token * TOP_K + k] / LOCAL_EXPERTS : rank;
+            const int network_slot = NETWORK_SLOT[rank][source];
+            network_source[k] = present && network_slot >= 0 ? source : -1;
+            rows[k] = !present             ? nullptr
+                      : network_slot >= 0 ? net_returned_x + ((size_t)network_slot * MAX_PAIRS + pair) * HIDDEN
+                                          : combine_slots + pair * HIDDEN;
+            counted += present && network_slot < 0;
+        }
+        const u32 target = counted * HIDDEN;
+        bool complete = false;
+        if (threadIdx.x == 0) {
+            complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+            for (int k = 0; k < TOP_K; ++k) {
+                const int source = network_source[k];
+                if (source < 0) continue;
+                const int chunk = token / CHUNK;
+                wait_flag(net_return_flags + NETWORK_SLOT[rank][source] * CHUNKS + chunk, epoch, error_word, rank,
+                          FLAG_KIND_RETURN, source * CHUNKS + chunk);
+            }
+        }
+        __syncthreads();
+        combine_rows<SLOTS_PER_TOKEN>(rows, y + (size_t)token * HIDDEN);
+        __syncthreads();  // every thread read the rows before the counter is reset
+        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
+    }
+}
+{%- else %}
         bool present[SLOTS_PER_TOKEN];
         u32 valid = 0;
 #pragma unroll
@@ -324,3 +431,4 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
+{%- endif %}

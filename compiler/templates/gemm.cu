@@ -253,7 +253,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
 
 // Expert-parallel GEMM2, after a tile's stores (and the barrier among the STORERS threads
 // that made them; `storer` is this one's index): each row releases BN columns to its
-// token's counter at the origin.
+// token's counter at the origin. An origin on another node has no counter here (its peer
+// table entry is null): its rows go back through NCCL once GEMM2 is done.
 template <class G, int STORERS>
 __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep,
                                                  int storer) {
@@ -261,6 +262,7 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
         for (int r = storer; r < t.rows; r += STORERS) {
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
+            if (counters == nullptr) continue;
             fence_flags();
             flag_add(counters + row_pair[t.row0 + r] / SLOTS_PER_TOKEN, G::BN);
         }

@@ -195,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_30b_a3b_route(
 constexpr long long SPIN_LIMIT_CYCLES = 4000000000LL;
 constexpr int ERROR_FLAG_TIMEOUT = 2;
 constexpr int FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3;
-constexpr int FLAG_KIND_CREDIT = 4;
+constexpr int FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5;
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -486,7 +486,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
 
 // Expert-parallel GEMM2, after a tile's stores (and the barrier among the STORERS threads
 // that made them; `storer` is this one's index): each row releases BN columns to its
-// token's counter at the origin.
+// token's counter at the origin. An origin on another node has no counter here (its peer
+// table entry is null): its rows go back through NCCL once GEMM2 is done.
 template <class G, int STORERS>
 __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep,
                                                  int storer) {
@@ -494,6 +495,7 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
         for (int r = storer; r < t.rows; r += STORERS) {
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
+            if (counters == nullptr) continue;
             fence_flags();
             flag_add(counters + row_pair[t.row0 + r] / SLOTS_PER_TOKEN, G::BN);
         }
@@ -1462,16 +1464,17 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
 // the routed pairs, then the shared slices. One block per token; each thread sums 8
 // columns (one 16-byte vector) at a time.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's SLOTS slots that are `present` into its output row, by the whole
-// block.
+// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, by the
+// whole block; `rows[k]` is nullptr where the pair is absent (the routing kernel reported
+// it).
 template <int SLOTS>
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
+__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row) {
     for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < SLOTS; ++k) {
-            if (!present[k]) continue;  // the routing kernel reported this pair
-            const Vec16 v = *reinterpret_cast<const Vec16*>(slots + ((size_t)token * SLOTS + k) * HIDDEN + column);
+            if (rows[k] == nullptr) continue;
+            const Vec16 v = *reinterpret_cast<const Vec16*>(rows[k] + column);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -1484,8 +1487,17 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
         packed.y = pack_bf16x2(sum[2], sum[3]);
         packed.z = pack_bf16x2(sum[4], sum[5]);
         packed.w = pack_bf16x2(sum[6], sum[7]);
-        *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = packed;
+        *reinterpret_cast<Vec16*>(y_row + column) = packed;
     }
+}
+
+// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`.
+template <int SLOTS>
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
+    const bf16_t* rows[SLOTS];
+#pragma unroll
+    for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
+    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_combine(
@@ -1624,11 +1636,14 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_30b_a3b_ep_r
     }
     __syncthreads();
 
-    int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT);
-    int* recv_pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR);
-    float* recv_weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT);
-    int* recv_counts = peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS);
-    u32* meta_flags = peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS);
+    // This rank's segment of local expert e's receive index at the destination starts at
+    // e * segment_stride of each array; its counts are LOCAL_EXPERTS + 1 ints.
+    const size_t segment_stride = (size_t)RANKS * SEGMENT_ROWS;
+    int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT) + (size_t)rank * SEGMENT_ROWS;
+    int* recv_pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR) + (size_t)rank * SEGMENT_ROWS;
+    float* recv_weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT) + (size_t)rank * SEGMENT_ROWS;
+    int* recv_counts = peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS) + rank * (LOCAL_EXPERTS + 1);
+    u32* metadata_flag = peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
     const int first_expert = destination * LOCAL_EXPERTS;
     for (int token = threadIdx.x; token < tokens; token += META_THREADS) {
         int hits = 0;
@@ -1647,24 +1662,22 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_30b_a3b_ep_r
             const int expert = topk_ids[token * TOP_K + k];
             if ((unsigned)expert >= (unsigned)EXPERTS || expert / LOCAL_EXPERTS != destination) continue;
             const int local = expert - first_expert;
-            const size_t row = ((size_t)local * RANKS + rank) * SEGMENT_ROWS + atomicAdd(&s_count[local], 1);
+            const size_t row = (size_t)local * segment_stride + atomicAdd(&s_count[local], 1);
             recv_slot[row] = slot;
             recv_pair[row] = token * SLOTS_PER_TOKEN + k;
             recv_weight[row] = topk_weights[token * TOP_K + k];
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) {
-        recv_counts[rank * (LOCAL_EXPERTS + 1) + e] = s_count[e];
-    }
+    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) recv_counts[e] = s_count[e];
     if (threadIdx.x == 0) {
-        recv_counts[rank * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS] = s_slots;
+        recv_counts[LOCAL_EXPERTS] = s_slots;
         send_counts[destination] = s_slots;
     }
     __syncthreads();  // every write of the block is done before the release
     if (threadIdx.x == 0) {
         fence_flags();
-        flag_store(meta_flags + rank, epoch);
+        flag_store(metadata_flag, epoch);
     }
 }
 

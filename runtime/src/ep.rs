@@ -19,6 +19,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig,
 };
 use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
+use moeforge_compiler::plan::network::{NetworkPlan, Route};
 use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError};
@@ -27,6 +28,7 @@ use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
     load_kernel, ptr, read_error_word,
 };
+use crate::network::{NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
 use crate::process_group::ControlChannel;
 use crate::tensor_map::TensorMap;
 
@@ -49,7 +51,8 @@ enum Binding {
 }
 
 /// A workspace buffer's memory: from the stream-ordered pool, or, for the buffers peers
-/// write when the peers are other processes, memory they can map.
+/// write when the peers are other processes, memory they can map (`cuMemAlloc`; also the
+/// flags the network stream's memory operations wait on or write).
 enum WorkspaceMemory {
     Pool(CudaSlice<u8>),
     Exportable(ExportableBuffer),
@@ -104,8 +107,18 @@ pub struct EpLayer {
 struct Group {
     /// Where the ranks meet after a time-out, and before tearing down.
     channel: ControlChannel,
-    /// The peers' buffers, mapped here; the peer table holds their addresses.
+    /// The buffers of the peers on this node, mapped here; the peer table holds their
+    /// addresses.
     _mappings: PeerMappings,
+    /// Traffic with the ranks on other nodes, when the plan has some.
+    network: Option<Network>,
+}
+
+/// The network path of this process's rank and the event its results wait for.
+struct Network {
+    path: NetworkPath,
+    /// Recorded after this rank's GEMM2 in every call: its results may then be sent.
+    gemm2_done: CudaEvent,
 }
 
 /// Enables access from `from` to `to`'s memory (one process, several GPUs).
@@ -237,12 +250,16 @@ impl EpLayer {
         Ok(layer)
     }
 
-    /// Builds this process's rank of a group of rank processes on one node, one GPU each:
-    /// rank `channel.rank()` on `ctx` with `module` (the plan's unit loaded there) and
+    /// Builds this process's rank of a group of rank processes, one GPU each: rank
+    /// `channel.rank()` on `ctx` with `module` (the plan's unit loaded there) and
     /// `weights` (its `E / R` experts). Every rank of the group calls it with the same
     /// plan; it returns once every rank's peer table is in place. Checks that the group
     /// has the plan's rank count and a GPU per rank, joins the NCCL communicator,
-    /// exchanges the IPC handles of the buffers peers write and maps the peers' buffers.
+    /// exchanges the IPC handles of the buffers peers write and maps those of the peers on
+    /// this node. When the plan spans nodes, it keeps the communicator for the network
+    /// path (see [`crate::network`]): the peer table's row of a peer on another node holds
+    /// only this rank's return outbox for it, and the first exchange with every such peer
+    /// is made here, bounded.
     pub fn join_group(
         plan: Plan,
         ctx: &Arc<CudaContext>,
@@ -252,8 +269,10 @@ impl EpLayer {
     ) -> Result<Self, LayerError> {
         let ep = expert_parallel_part(&plan)?;
         ipc::check_group(&mut channel, &plan, ep.ranks, ctx)?;
-        let mut rank = build_rank(&plan, &ep, channel.rank(), ctx, module, weights, true)?;
-        let comm = ipc::join_nccl(&mut channel, &rank.compute)?;
+        let me = channel.rank();
+        let mut rank = build_rank(&plan, &ep, me, ctx, module, weights, true)?;
+        let max_ctas = ep.network.as_ref().map(|network| network.nccl_ctas);
+        let comm = ipc::join_nccl(&mut channel, &rank.compute, max_ctas)?;
         let exported = ep
             .peer_buffers
             .iter()
@@ -262,15 +281,52 @@ impl EpLayer {
                 _ => Err(LayerError::MissingWorkspace { buffer: id.name() }),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let peers = ipc::exchange(&comm, &exported, channel.timeout())?;
+        let on_this_node = |peer: u32| {
+            ep.network
+                .as_ref()
+                .is_none_or(|network| network.route(me, peer) != Route::Network)
+        };
+        let mut peers = ipc::exchange(
+            &comm,
+            &rank.compute,
+            &exported,
+            on_this_node,
+            channel.timeout(),
+        )?;
+        if let Some(network) = &ep.network {
+            for peer in network.peers(me, ep.ranks) {
+                peers.table[peer as usize] =
+                    network_peer_row(&plan, &ep, network, &rank, me, peer)?;
+            }
+        }
         write_peer_table(&mut rank, &peers.table)?;
         rank.compute
             .synchronize()
             .context("placing the peer table")?;
-        // Every rank's all-gather has finished and its table is in place: the communicator
-        // can go (this path needs no more of it), and every rank may start calling.
+        let network = match &ep.network {
+            None => {
+                // Every rank's all-gather has finished: one node needs no more of the
+                // communicator.
+                drop(comm);
+                None
+            }
+            Some(network) => {
+                let stream = ctx.new_stream().context("creating the network stream")?;
+                let buffer = |id: BufferId| {
+                    let slice = workspace(&rank.workspace, id)
+                        .map_err(|_| NetworkError::MissingBuffer { buffer: id.name() })?;
+                    Ok((ptr(slice, &rank.compute), slice.len() as u64))
+                };
+                let path = NetworkPath::new(comm, stream, &ep, network, &plan.shape, buffer)?;
+                path.connect(&network.peers(me, ep.ranks), channel.timeout())?;
+                let gemm2_done = ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .context("creating the GEMM2 event")?;
+                Some(Network { path, gemm2_done })
+            }
+        };
+        // Every rank's table is in place: every rank may start calling.
         channel.barrier().map_err(ipc::GroupError::from)?;
-        drop(comm);
         Ok(EpLayer {
             plan,
             ep,
@@ -278,6 +334,7 @@ impl EpLayer {
             group: Some(Group {
                 channel,
                 _mappings: peers.mappings,
+                network,
             }),
             epoch: 0,
             withheld: None,
@@ -310,8 +367,14 @@ impl EpLayer {
         &self.ranks[rank].compute
     }
 
-    /// Waits for every rank's streams.
+    /// Waits for every rank's streams; for the network stream at most the plan's bound (a
+    /// stalled transfer is [`NetworkError::Stalled`]; an abandoned path is not waited for).
     pub fn synchronize(&self) -> Result<(), LayerError> {
+        if let Some(network) = self.network()
+            && !network.path.abandoned()
+        {
+            network.path.wait()?;
+        }
         for rank in &self.ranks {
             rank.comm.synchronize().context("synchronising a rank")?;
             rank.compute.synchronize().context("synchronising a rank")?;
@@ -330,14 +393,55 @@ impl EpLayer {
                 .join(&rank.compute)
                 .context("ordering communication after the previous call")?;
         }
+        if let Some(network) = self.network() {
+            // The kernels restage the outboxes only after the last call's sends, GEMM2
+            // refills the return outbox only after the last call's results went, and the
+            // receives land only after the last call's kernels read the inboxes.
+            let rank = &self.ranks[0];
+            let stream = network.path.stream();
+            rank.comm
+                .join(stream)
+                .context("ordering the staging after the last call's sends")?;
+            rank.compute
+                .join(stream)
+                .context("ordering GEMM2 after the last call's results")?;
+            stream
+                .join(&rank.compute)
+                .context("ordering the receives after the last call's kernels")?;
+        }
         // Communication first on every rank: the compute kernels wait on it.
         for (r, a) in args.iter_mut().enumerate() {
             if withheld != Some(r) {
                 self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
             }
         }
-        for (r, a) in args.iter_mut().enumerate() {
-            self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Compute)?;
+        let combine = self.ep.combine_kernel.clone();
+        match self.network() {
+            None => {
+                for (r, a) in args.iter_mut().enumerate() {
+                    self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Compute)?;
+                }
+            }
+            Some(network) => {
+                // One rank here. A withheld rank sends nothing, as a dead one would.
+                let epoch = self.epoch;
+                let sending = withheld != Some(0);
+                if sending {
+                    network.path.enqueue_dispatch(epoch)?;
+                }
+                let a = &mut args[0];
+                self.enqueue(0, a, regimes[0], |l| {
+                    l.stream == StreamRole::Compute && l.kernel != combine
+                })?;
+                network
+                    .gemm2_done
+                    .record(&self.ranks[0].compute)
+                    .context("recording the end of GEMM2")?;
+                self.enqueue(0, a, regimes[0], |l| l.kernel == combine)?;
+                if sending {
+                    network.path.enqueue_results(epoch, &network.gemm2_done)?;
+                }
+            }
         }
         for rank in &self.ranks {
             rank.compute
@@ -553,6 +657,25 @@ impl EpLayer {
 
     /// [`EpLayer::take_error`] for this process's rank of a group.
     fn take_group_error(&mut self) -> Result<(), LayerError> {
+        if let Some(network) = self.network()
+            && let Err(stalled) = network.path.wait()
+        {
+            // The kernels' waits are bounded and the compute stream never waits for the
+            // network stream within a call, so their error word is readable now.
+            let kernel = self
+                .error_words()
+                .ok()
+                .and_then(|words| {
+                    words
+                        .into_iter()
+                        .find_map(|word| kernel_error(word, self.plan.shape.experts).err())
+                })
+                .map(Box::new);
+            return Err(LayerError::NetworkStalled {
+                network: stalled,
+                kernel,
+            });
+        }
         let words = self.error_words()?;
         let error = words
             .into_iter()
@@ -595,11 +718,51 @@ impl EpLayer {
     }
 
     /// Fault injection, for testing the time-out path: the next call launches nothing on
-    /// `rank`'s communication stream, as if that rank had died before sending. Its peers'
-    /// waits (and its own, for its local rows) time out; `take_error` reports the first.
+    /// `rank`'s communication stream (nor, across nodes, on its network stream), as if that
+    /// rank had died before sending. Its peers' waits (and its own, for its local rows)
+    /// time out; `take_error` reports the first.
     pub fn withhold_sends_once(&mut self, rank: usize) {
         self.withheld = Some(rank);
     }
+
+    /// Whether this process's network path was abandoned after a stalled transfer (its
+    /// stream stays blocked on it: the process should leave rather than tear down).
+    pub fn network_abandoned(&self) -> bool {
+        self.network()
+            .is_some_and(|network| network.path.abandoned())
+    }
+
+    /// This process's network path, when its rank has peers on other nodes.
+    fn network(&self) -> Option<&Network> {
+        self.group.as_ref().and_then(|group| group.network.as_ref())
+    }
+}
+
+/// The peer-table row of `peer`, on another node, for `rank` (this process's `me`): what
+/// the plan says the kernels may reach of it (its combine slots: this rank's return
+/// outbox for it), 0 for the rest.
+fn network_peer_row(
+    plan: &Plan,
+    ep: &ExpertParallelPlan,
+    network: &NetworkPlan,
+    rank: &Rank,
+    me: u32,
+    peer: u32,
+) -> Result<Vec<u64>, LayerError> {
+    let slot = network.slot(me, peer).ok_or(LayerError::MissingWorkspace {
+        buffer: BufferId::NetReturnX.name(),
+    })?;
+    ep.peer_buffers
+        .iter()
+        .map(
+            |&id| match network.peer_table_entry(&plan.shape, id, slot) {
+                Some((buffer, offset)) => {
+                    Ok(ptr(workspace(&rank.workspace, buffer)?, &rank.compute) + offset)
+                }
+                None => Ok(0),
+            },
+        )
+        .collect()
 }
 
 impl Drop for EpLayer {
@@ -610,8 +773,14 @@ impl Drop for EpLayer {
             let _ = self.synchronize();
         }
         if let Some(group) = &mut self.group {
-            // A peer that has exited cannot meet: nothing to wait for then.
-            let _ = group.channel.barrier();
+            // A peer that has exited cannot meet: nothing to wait for then. Nor can it join
+            // the tear-down of the communicator (a collective of the node's ranks), which
+            // is then left as it is.
+            if group.channel.barrier().is_err()
+                && let Some(network) = &group.network
+            {
+                network.path.abandon();
+            }
         }
     }
 }
@@ -647,7 +816,8 @@ fn build_rank(
         let bytes = (buffer.bytes() as usize).max(1);
         let what = || format!("allocating `{}` ({bytes} bytes)", buffer.id.name());
         // Zeroed: flags and counters start below every epoch and at zero.
-        let memory = if exportable && ep.peer_buffers.contains(&buffer.id) {
+        let plain = ep.peer_buffers.contains(&buffer.id) || STREAM_MEMOP_FLAGS.contains(&buffer.id);
+        let memory = if exportable && plain {
             WorkspaceMemory::Exportable(ExportableBuffer::zeroed(&compute, bytes)?)
         } else {
             WorkspaceMemory::Pool(compute.alloc_zeros::<u8>(bytes).context(what())?)

@@ -29,13 +29,14 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cudarc::nccl::{Comm, Id};
+use cudarc::nccl::Id;
 use moeforge_compiler::plan::Plan;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::gpu::{DriverContext, GpuError};
 use crate::nccl_pipeline::{NcclPipelineError, nccl_available};
+use crate::network::{GroupComm, NetworkError};
 use crate::process_group::{ChannelError, ControlChannel};
 
 #[derive(Debug, Error)]
@@ -48,6 +49,8 @@ pub enum GroupError {
     NoNccl(#[source] Box<NcclPipelineError>),
     #[error("NCCL failed while {context}: {result}")]
     Nccl { context: String, result: String },
+    #[error(transparent)]
+    Network(#[from] NetworkError),
     #[error(
         "NCCL_NVLS_ENABLE is {value:?}; set NCCL_NVLS_ENABLE=0 before starting the rank processes (NVLink multicast stays off on the project's machines)"
     )]
@@ -256,11 +259,13 @@ pub(crate) fn check_group(
 }
 
 /// Joins the group's NCCL communicator on `stream`'s device: rank 0 draws the unique id,
-/// the control channel carries it to the others.
+/// the control channel carries it to the others. With `max_ctas` (a plan with traffic
+/// between nodes) NCCL is held to that many CTAs.
 pub(crate) fn join_nccl(
     channel: &mut ControlChannel,
     stream: &Arc<CudaStream>,
-) -> Result<Comm, GroupError> {
+    max_ctas: Option<u32>,
+) -> Result<GroupComm, GroupError> {
     match std::env::var("NCCL_NVLS_ENABLE") {
         Ok(value) if value.trim() == "0" => {}
         Ok(value) => return Err(GroupError::MulticastNotOff { value }),
@@ -292,26 +297,28 @@ pub(crate) fn join_nccl(
         .context()
         .bind_to_thread()
         .context("binding a context")?;
-    Comm::from_rank(
-        Arc::clone(stream),
-        channel.rank() as usize,
-        channel.world_size() as usize,
-        Id::uninit(internal),
-    )
-    .map_err(nccl("joining the communicator (ncclCommInitRank)"))
+    Ok(GroupComm::init(
+        channel.rank(),
+        channel.world_size(),
+        internal,
+        max_ctas,
+    )?)
 }
 
-/// Exchanges `buffers`' IPC handles with every rank through `comm` (an NCCL all-gather,
-/// awaited for at most `timeout`) and opens the peers' buffers in this process.
+/// Exchanges `buffers`' IPC handles with every rank through `comm` on `stream` (an NCCL
+/// all-gather, awaited for at most `timeout`) and opens in this process the buffers of the
+/// peers `reachable` says share this node. A peer on another node gets an empty row (its
+/// handles cannot be opened here; the network path reaches it).
 pub(crate) fn exchange(
-    comm: &Comm,
+    comm: &GroupComm,
+    stream: &Arc<CudaStream>,
     buffers: &[&ExportableBuffer],
+    reachable: impl Fn(u32) -> bool,
     timeout: Duration,
 ) -> Result<PeerAddresses, GroupError> {
-    let stream = comm.stream();
     let ctx = Arc::clone(stream.context());
-    let rank = comm.rank();
-    let world = comm.world_size();
+    let rank = comm.rank() as usize;
+    let world = comm.world_size() as usize;
     let mut mine = Vec::with_capacity(buffers.len() * IPC_HANDLE_BYTES);
     for buffer in buffers {
         mine.extend(buffer.handle()?.reserved.iter().map(|&c| c as u8));
@@ -320,9 +327,8 @@ pub(crate) fn exchange(
     let mut gathered = stream
         .alloc_zeros::<u8>(mine.len() * world)
         .context("allocating the gathered IPC handles")?;
-    comm.all_gather(&send, &mut gathered)
-        .map_err(nccl("all-gathering IPC handles"))?;
-    wait_bounded(&stream, timeout)?;
+    comm.all_gather(&send, &mut gathered, stream)?;
+    wait_bounded(stream, timeout)?;
     let all = stream
         .clone_dtoh(&gathered)
         .context("downloading the gathered IPC handles")?;
@@ -337,9 +343,13 @@ pub(crate) fn exchange(
             table.push(
                 buffers
                     .iter()
-                    .map(|b| crate::layer::ptr(b.slice(), &stream))
+                    .map(|b| crate::layer::ptr(b.slice(), stream))
                     .collect(),
             );
+            continue;
+        }
+        if !reachable(peer as u32) {
+            table.push(Vec::new());
             continue;
         }
         let mut row = Vec::with_capacity(buffers.len());

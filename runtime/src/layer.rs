@@ -39,6 +39,14 @@ pub enum LayerError {
     RankCount { ranks: u32, given: usize },
     #[error(transparent)]
     Group(#[from] crate::ipc::GroupError),
+    #[error(transparent)]
+    Network(#[from] crate::network::NetworkError),
+    #[error("{network}{}", kernel_note(.kernel.as_deref()))]
+    NetworkStalled {
+        network: crate::network::NetworkError,
+        /// What this rank's kernels reported meanwhile (a wait for the lost peer's rows).
+        kernel: Option<Box<LayerError>>,
+    },
     #[error(
         "the bulk-synchronous schedule's barriers are stream events of one process; run it with every rank in one process (--gpus G), not as a group of rank processes"
     )]
@@ -795,12 +803,23 @@ impl std::fmt::Display for OtherWaits {
     }
 }
 
+/// The kernels' error beside a stalled network transfer, for its message.
+fn kernel_note(kernel: Option<&LayerError>) -> String {
+    match kernel {
+        None => String::new(),
+        // The wait alone: no exchange restarts after a stall.
+        Some(LayerError::FlagTimeout { wait, others }) => format!("; meanwhile {wait}{others}"),
+        Some(error) => format!("; meanwhile {error}"),
+    }
+}
+
 fn flag_kind_name(kind: i32) -> &'static str {
     match kind {
         error_code::flag_kind::META => "metadata flag of source",
         error_code::flag_kind::CHUNK => "dispatch chunk flag",
         error_code::flag_kind::COMBINE => "combine counter of token",
         error_code::flag_kind::CREDIT => "credit of destination",
+        error_code::flag_kind::RETURN => "results (source · chunks + token chunk)",
         _ => "unknown flag",
     }
 }

@@ -14,6 +14,7 @@ pub mod ipc;
 pub mod jit;
 pub mod layer;
 pub mod nccl_pipeline;
+pub mod network;
 pub mod process_group;
 pub mod reference;
 mod tensor_map;

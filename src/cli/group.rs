@@ -1,6 +1,7 @@
-//! `run` and `bench` launched as a group of rank processes on one node, one GPU each (as
-//! `torchrun` launches them: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-//! `MASTER_PORT`; see [`moeforge::runtime::process_group`]).
+//! `run` and `bench` launched as a group of rank processes, one GPU each (as `torchrun`
+//! launches them: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`; see
+//! [`moeforge::runtime::process_group`]), on one node or, as the spec's topology places
+//! them, on several (ranks on other nodes exchange through NCCL).
 //!
 //! Every process plans the layer for WORLD_SIZE ranks (the spec's `parallel { expert = R }`,
 //! or `--gpus R`; the two must agree), meets the others on the control channel, takes rank
@@ -11,6 +12,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use moeforge::compiler::plan::ep::Placement;
 use moeforge::compiler::plan::{Plan, Target};
 use moeforge::runtime::ep::EpLayer;
 use moeforge::runtime::harness::{BuiltLayer, Session};
@@ -40,7 +42,10 @@ pub fn launched(ranks_flag: Option<u32>) -> Result<Option<LaunchEnv>, ExitCode> 
 }
 
 /// The layer planned for `env`'s group: as many ranks as the spec's
-/// `parallel { expert = R }`, or `gpus` when given, which must be WORLD_SIZE.
+/// `parallel { expert = R }`, or `gpus` when given, which must be WORLD_SIZE. With `gpus`
+/// (or a spec whose ranks are virtual) the ranks are one node of that many GPUs; otherwise
+/// the spec's topology places them, over several nodes if it has them (then ranks on other
+/// nodes exchange through NCCL).
 pub fn plan(
     file: &Path,
     layer: Option<&str>,
@@ -48,9 +53,12 @@ pub fn plan(
     gpus: Option<u32>,
     env: &LaunchEnv,
 ) -> Result<Plan, ExitCode> {
-    let ranks = match gpus {
-        Some(gpus) => gpus,
-        None => plan_one(file, layer, target)?.shape.spec_ranks,
+    let (ranks, spec_plan) = match gpus {
+        Some(gpus) => (gpus, None),
+        None => {
+            let plan = plan_one(file, layer, target)?;
+            (plan.shape.spec_ranks, Some(plan))
+        }
     };
     if ranks != env.world_size {
         let said = match gpus {
@@ -62,6 +70,15 @@ pub fn plan(
             env.world_size, env.world_size, env.world_size
         );
         return Err(usage_error());
+    }
+    // The spec's own placement, when its ranks are GPUs (one node or several).
+    if let Some(plan) = spec_plan
+        && plan
+            .expert_parallel
+            .as_ref()
+            .is_some_and(|ep| ep.placement == Placement::Devices)
+    {
+        return Ok(plan);
     }
     let choice = RankChoice {
         ranks,

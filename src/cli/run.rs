@@ -82,6 +82,16 @@ pub struct Args {
     /// joining the group, before its call, as a process that died would.
     #[arg(long, hide = true)]
     exit_before_call: bool,
+    /// Fault injection for tests of a group of rank processes: at this call (counted from
+    /// one) this rank enqueues nothing that sends, as a peer that stopped would, and its
+    /// peers' transfers with it never finish.
+    #[arg(long, hide = true, value_name = "CALL")]
+    stop_sending_at_call: Option<u32>,
+    /// Calls in a row on the same inputs, as one rank of a group of rank processes (flags
+    /// carry the epoch: no call needs a reset); with --check the first and the last are
+    /// compared with the CPU reference, and every call's kernel errors are read.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    calls: u32,
     #[command(flatten)]
     weights: WeightsArgs,
     #[command(flatten)]
@@ -152,6 +162,12 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(Some(env)) => return run_as_rank(args, &env),
         Ok(None) => {}
         Err(status) => return status,
+    }
+    if args.calls > 1 {
+        eprintln!(
+            "error: --calls runs a rank of a group of rank processes (RANK, WORLD_SIZE, ... set); one process makes one call"
+        );
+        return usage_error();
     }
     let choice = RankChoice::from_flags(args.ranks, args.gpus);
     if choice.is_some() && (args.inputs.is_some() || args.outputs.is_some()) {
@@ -476,13 +492,37 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
     );
     let sample = if args.check { args.sample } else { 0 };
     let started = Instant::now();
-    let outcome = session.run_checked_expert_parallel(
-        &built,
-        &mut ep,
-        &[workload],
-        sample,
-        seed.wrapping_add(1),
-    );
+    let mut outcome = Ok(Vec::new());
+    for call in 1..=args.calls {
+        // The first and the last call are checked; those between only for kernel errors.
+        let checked = if call == 1 || call == args.calls {
+            sample
+        } else {
+            0
+        };
+        if args.stop_sending_at_call == Some(call) {
+            eprintln!(
+                "rank {}: call {call} sends nothing (--stop-sending-at-call)",
+                env.rank
+            );
+            ep.withhold_sends_once(0);
+        }
+        outcome = session.run_checked_expert_parallel(
+            &built,
+            &mut ep,
+            std::slice::from_ref(&workload),
+            checked,
+            seed.wrapping_add(1),
+        );
+        match &outcome {
+            Ok(reports) if call < args.calls && !reports.iter().all(|r| r.passed()) => break,
+            Ok(_) if call % CALLS_PER_PROGRESS_LINE == 0 => {
+                eprintln!("rank {}: call {call} of {} done", env.rank, args.calls);
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
     match outcome {
         Ok(reports) => report_ranks(args, &ep, &built, &reports),
         Err(error) => {
@@ -491,10 +531,22 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
                 env.rank,
                 started.elapsed().as_secs_f64()
             );
+            if ep.network_abandoned() {
+                // The network stream stays blocked on the lost peer's transfer, and the
+                // driver's exit-time tear-down waits for it: on the two-H200 machine
+                // (2026-11-30) `exit(1)` after a stall had not returned 55 s later. The
+                // kernel's clean-up of a process that is gone ends that transfer.
+                // SAFETY: `_exit` ends the process at once; nothing runs after it.
+                unsafe { libc::_exit(1) };
+            }
             invalid_input()
         }
     }
 }
+
+/// A rank making many calls says how far it got every this many (tests of a peer lost
+/// mid-run wait for such a line).
+const CALLS_PER_PROGRESS_LINE: u32 = 100;
 
 pub fn routing_name(routing: RoutingArg) -> &'static str {
     match routing {

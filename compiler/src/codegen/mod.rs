@@ -13,6 +13,7 @@ use crate::ir::{Activation, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, RouterBi
 use crate::plan::ep::{
     COMM_THREADS, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, FlagScope, META_THREADS, Placement,
 };
+use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
     Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, RegimeParts,
@@ -75,6 +76,7 @@ struct LayerUnit<'a> {
     flag_kind_chunk: i32,
     flag_kind_combine: i32,
     flag_kind_credit: i32,
+    flag_kind_return: i32,
     /// Distinct wgmma widths (tile columns) the plan uses, ascending.
     wgmma_widths: Vec<u32>,
     /// Whether any GEMM runs on the warp-specialised engine.
@@ -218,6 +220,29 @@ const EP_COMBINE_USES: &[&str] = &[
     "error_word",
     "y",
 ];
+/// What the expert-parallel kernels use besides, when ranks live on several nodes.
+const EP_ROUTE_NETWORK_USES: &[&str] = &[
+    "net_send_slot",
+    "net_send_pair",
+    "net_send_weight",
+    "net_send_counts",
+    "net_ready",
+];
+const EP_DISPATCH_NETWORK_USES: &[&str] = &["net_send_x", "net_ready"];
+const EP_COMBINE_NETWORK_USES: &[&str] = &["net_returned_x", "net_return_flags"];
+
+/// A kernel's uses, with its network uses when the plan has a network part.
+fn uses_with(
+    base: &[&'static str],
+    network: &[&'static str],
+    over_network: bool,
+) -> Vec<&'static str> {
+    let mut uses = base.to_vec();
+    if over_network {
+        uses.extend_from_slice(network);
+    }
+    uses
+}
 
 /// What one parameter holds, for the comment beside it.
 fn param_comment(arg: LaunchArg) -> &'static str {
@@ -268,6 +293,20 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::RouterLogits => "[tokens, EXPERTS], workspace",
             BufferId::RouterTilesDone => "[1 + token tiles]: arrival counters, zero between calls",
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
+            BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
+            BufferId::NetSendSlot | BufferId::NetSendPair | BufferId::NetSendWeight => {
+                "[NETWORK_PEERS, LOCAL_EXPERTS, SEGMENT_ROWS]: receive index staged for NCCL"
+            }
+            BufferId::NetSendCounts => "[NETWORK_PEERS, LOCAL_EXPERTS + 1]: counts staged for NCCL",
+            BufferId::NetReady => {
+                "[NETWORK_PEERS, 1 + CHUNKS]: epoch the metadata and each chunk were staged in"
+            }
+            BufferId::NetReturnX | BufferId::NetReturnedX => {
+                "[NETWORK_PEERS * MAX_TOKENS * SLOTS_PER_TOKEN, HIDDEN]: results for / from network peers"
+            }
+            BufferId::NetReturnFlags => {
+                "[NETWORK_PEERS, CHUNKS], written by NCCL's stream: results arrived"
+            }
         },
     }
 }
@@ -704,6 +743,38 @@ struct EpUnit {
     dispatch: EntryUnit,
     arrange: EntryUnit,
     combine: EntryUnit,
+    network: Option<NetworkUnit>,
+}
+
+/// The constants of traffic between nodes.
+struct NetworkUnit {
+    nodes: u32,
+    gpus_per_node: u32,
+    peers: u32,
+    /// Per rank, each peer's network slot (-1 on its node), as a C initializer.
+    slots: String,
+}
+
+fn network_unit(ep: &ExpertParallelPlan, network: &NetworkPlan) -> NetworkUnit {
+    let slots = (0..ep.ranks)
+        .map(|rank| {
+            let cells: Vec<String> = (0..ep.ranks)
+                .map(|peer| {
+                    network
+                        .slot(rank, peer)
+                        .map_or("-1".to_string(), |s| s.to_string())
+                })
+                .collect();
+            format!("{{{}}}", cells.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    NetworkUnit {
+        nodes: network.nodes,
+        gpus_per_node: network.gpus_per_node,
+        peers: network.peers_per_rank,
+        slots,
+    }
 }
 
 /// `{0, 1}, {1, 0}`: a table of ranks as a C initializer.
@@ -718,6 +789,7 @@ fn rank_table(rows: &[Vec<u32>]) -> String {
 }
 
 fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError> {
+    let over_network = ep.network.is_some();
     Ok(EpUnit {
         ranks: ep.ranks,
         placement: match ep.placement {
@@ -744,10 +816,23 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
             .collect(),
         send_order: rank_table(&ep.send_order),
         receive_order: rank_table(&ep.receive_order),
-        route: EntryUnit::new(plan, &ep.route_kernel, EP_ROUTE_USES)?,
-        dispatch: EntryUnit::new(plan, &ep.dispatch_kernel, EP_DISPATCH_USES)?,
+        route: EntryUnit::new(
+            plan,
+            &ep.route_kernel,
+            &uses_with(EP_ROUTE_USES, EP_ROUTE_NETWORK_USES, over_network),
+        )?,
+        dispatch: EntryUnit::new(
+            plan,
+            &ep.dispatch_kernel,
+            &uses_with(EP_DISPATCH_USES, EP_DISPATCH_NETWORK_USES, over_network),
+        )?,
         arrange: EntryUnit::new(plan, &ep.arrange_kernel, EP_ARRANGE_USES)?,
-        combine: EntryUnit::new(plan, &ep.combine_kernel, EP_COMBINE_USES)?,
+        combine: EntryUnit::new(
+            plan,
+            &ep.combine_kernel,
+            &uses_with(EP_COMBINE_USES, EP_COMBINE_NETWORK_USES, over_network),
+        )?,
+        network: ep.network.as_ref().map(|network| network_unit(ep, network)),
     })
 }
 
@@ -796,6 +881,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_chunk: error_code::flag_kind::CHUNK,
         flag_kind_combine: error_code::flag_kind::COMBINE,
         flag_kind_credit: error_code::flag_kind::CREDIT,
+        flag_kind_return: error_code::flag_kind::RETURN,
         wgmma_widths: wgmma_widths(plan),
         warp_specialized: all_gemms(plan).any(|g| g.engine == MmaEngine::WgmmaWarpSpecialized),
         tensor_map_bytes: TENSOR_MAP_BYTES,

@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 
 use super::ep::{ExpertParallelPlan, Placement};
+use super::network::NetworkPlan;
 use super::router::RouterRegime;
 use super::{Access, Grid, Launch, Plan, RegimeParts, StreamRole};
 
@@ -106,9 +107,15 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
             .collect::<Vec<_>>()
             .join(" | ")
     };
+    let send_rule = match ep.network {
+        None => "itself first, then rotated; one distance class on one node",
+        Some(_) => {
+            "itself first, then its network peers (staged for NCCL: the longest path), then its node's peers, each rotated"
+        }
+    };
     let _ = writeln!(
         out,
-        "    send order         ({}: itself first, then rotated; one distance class on one node) {}",
+        "    send order         ({}: {send_rule}) {}",
         ep.traffic.name(),
         orders(&ep.send_order)
     );
@@ -117,6 +124,9 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
         "    GEMM row order     (per local expert, sources local first, then by arrival) {}",
         orders(&ep.receive_order)
     );
+    if let Some(network) = &ep.network {
+        describe_network(out, network, hidden);
+    }
     let _ = writeln!(
         out,
         "    GEMM tile order    by the source of a tile's last row, in the order above, then expert, column tile, row tile: every tile on local rows runs before any that waits for a peer\n    GEMM waits         a GEMM1 tile acquires the flag of each chunk its rows were sent in, (source, slot / {}), before it loads them; GEMM2 releases each origin token's combine counter",
@@ -130,6 +140,42 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
             regime.comm_blocks, regime.comm_reason, regime.compute_sms
         );
     }
+}
+
+fn describe_network(out: &mut String, network: &NetworkPlan, hidden: u32) {
+    let chunk_bytes = u64::from(network.chunk_tokens) * u64::from(hidden) * 2;
+    let _ = writeln!(
+        out,
+        "    network            {} nodes of {} GPUs; each rank reaches its {} peers on other nodes through NCCL send/recv ({:.0} GB/s, {:.0} us), its node's peers through CUDA IPC stores as on one node",
+        network.nodes,
+        network.gpus_per_node,
+        network.peers_per_rank,
+        network.bandwidth_bytes_per_s as f64 / 1e9,
+        network.latency_ns as f64 / 1e3
+    );
+    let _ = writeln!(
+        out,
+        "    network steps      per call, in this order on every rank: 1 metadata group, {} dispatch groups (one chunk of {} token slots, {chunk_bytes} B, per network peer each), then after GEMM2 {} return groups (the results of {} origin tokens each); {:.2} MB to each network peer per call, at capacity whatever the routing: NCCL's counts are fixed on the host, so no call overflows them and none is read back",
+        network.chunks,
+        network.chunk_tokens,
+        network.chunks,
+        network.chunk_tokens,
+        network.call_bytes_per_peer as f64 / 1e6
+    );
+    let _ = writeln!(
+        out,
+        "    network stream     before a group, cuStreamWaitValue32 on the staging flag ep_route / ep_dispatch released for each peer; after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, chunk flag (source, c), return flag (source, c)); GEMM2 stores a network origin's rows into this rank's return outbox (the peer table's combine slots of that origin)"
+    );
+    let _ = writeln!(
+        out,
+        "    NCCL               {} CTAs at most (the communicator's maxCTAs), SMs kept free of compute: {}",
+        network.nccl_ctas, network.nccl_reason
+    );
+    let _ = writeln!(
+        out,
+        "    host wait bound    {} ms for a call's transfers, then a stalled transfer is an error naming its step and peers: {}",
+        network.wait_limit_ms, network.wait_reason
+    );
 }
 
 fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {

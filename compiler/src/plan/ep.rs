@@ -21,6 +21,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::launch::{KernelParam, StreamRole, weight_param};
+use super::network::{self, NetworkPlan, Route};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid, Launch, LaunchArg,
     LayerShape, PlanError, RegimeChoice, RegimeParts, Target, choose_regimes, cost,
@@ -100,6 +101,9 @@ pub struct ExpertParallelPlan {
     pub receive_order: Vec<Vec<u32>>,
     /// Bound on every spin-wait, in GPU clock cycles; past it the kernel reports a time-out.
     pub spin_limit_cycles: u64,
+    /// Traffic between nodes (NCCL), when ranks live on several; `None` on one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkPlan>,
     /// The buffers each rank allocates (sizes per rank).
     pub workspace: Vec<Buffer>,
     /// The buffers peers write, in the order of each rank's row of the peer table.
@@ -165,7 +169,7 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 7] = [
+pub const EXCHANGE_STATE: [BufferId; 9] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
@@ -173,6 +177,8 @@ pub const EXCHANGE_STATE: [BufferId; 7] = [
     BufferId::CombineCounters,
     BufferId::Credits,
     BufferId::ErrorWord,
+    BufferId::NetReady,
+    BufferId::NetReturnFlags,
 ];
 
 /// The buffers peers write, as they appear in each rank's row of the peer table.
@@ -247,21 +253,38 @@ pub fn plan_expert_parallel(
             FlagScope::Sys,
         ),
     };
+    // Across nodes a chunk is also one NCCL transfer: it should take a few of the
+    // network's latencies too.
+    let network_link = (layer.topology.nodes > 1 && placement == Placement::Devices).then(|| {
+        let network = &layer.topology.network;
+        (
+            network.bandwidth_bytes_per_s as f64,
+            network.latency_ns as f64 * 1e-9,
+        )
+    });
     let (dispatch_chunk, chunk_reason) = match hints.dispatch_chunk {
         Some(chunk) => (chunk, "the spec's `dispatch_chunk`".to_string()),
         None => {
-            let bytes = link_bytes_per_s * FLAG_LATENCY_S * CHUNK_LATENCIES;
-            let tokens = (bytes / row_bytes).clamp(16.0, 256.0) as u32;
+            let link_bytes = link_bytes_per_s * FLAG_LATENCY_S * CHUNK_LATENCIES;
+            let network_bytes = network_link.map_or(0.0, |(bandwidth, latency)| {
+                bandwidth * latency * CHUNK_LATENCIES
+            });
+            let tokens = (link_bytes.max(network_bytes) / row_bytes).clamp(16.0, 256.0) as u32;
             let chunk = 1 << (31 - tokens.leading_zeros());
-            (
-                chunk,
-                format!(
-                    "a chunk of {chunk} rows ({} KB) takes about {CHUNK_LATENCIES} flag latencies ({:.1} us) at {:.0} GB/s",
-                    u64::from(chunk) * u64::from(layer.hidden) * 2 / 1000,
-                    FLAG_LATENCY_S * 1e6,
-                    link_bytes_per_s / 1e9
-                ),
-            )
+            let mut reason = format!(
+                "a chunk of {chunk} rows ({} KB) takes about {CHUNK_LATENCIES} flag latencies ({:.1} us) at {:.0} GB/s",
+                u64::from(chunk) * u64::from(layer.hidden) * 2 / 1000,
+                FLAG_LATENCY_S * 1e6,
+                link_bytes_per_s / 1e9
+            );
+            if let Some((bandwidth, latency)) = network_link {
+                reason.push_str(&format!(
+                    ", and {CHUNK_LATENCIES} network latencies ({:.0} us) at the network's {:.0} GB/s",
+                    latency * 1e6,
+                    bandwidth / 1e9
+                ));
+            }
+            (chunk, reason)
         }
     };
     let dispatch_piece = dispatch_piece(dispatch_chunk, u64::from(layer.hidden) * 2);
@@ -296,22 +319,26 @@ pub fn plan_expert_parallel(
             )
         }
     };
+    let network = network::plan_network(layer, shape, ranks, dispatch_chunk, SPIN_LIMIT_CYCLES);
+    let one_per_sm = placement == Placement::Virtual || network.is_some();
+    // NCCL's kernels need SMs of their own: GEMM1 blocks may spin until a transfer lands.
+    let nccl_sms = network.as_ref().map_or(0, |n| n.nccl_ctas);
     // The metadata kernel runs one block per destination on the communication stream.
     let comm_slots = comm_blocks.max(ranks);
-    let compute_sms = sms_per_rank.saturating_sub(comm_slots).max(1);
-    let residency = residency(placement, ranks, comm_slots, compute_sms, target.sm_count);
+    let compute_sms = sms_per_rank.saturating_sub(comm_slots + nccl_sms).max(1);
+    let residency = residency(
+        placement,
+        ranks,
+        comm_slots,
+        nccl_sms,
+        compute_sms,
+        target.sm_count,
+    );
     let traffic = hints.traffic_order.unwrap_or(TrafficOrder::Rotate);
-    let send_order: Vec<Vec<u32>> = (0..ranks)
-        .map(|source| (0..ranks).map(|step| (source + step) % ranks).collect())
-        .collect();
-    let receive_order = (0..ranks)
-        .map(|destination| {
-            // Source s reaches this destination at step (destination - s) mod R.
-            let mut sources: Vec<u32> = (0..ranks).collect();
-            sources.sort_by_key(|&s| (destination + ranks - s) % ranks);
-            sources
-        })
-        .collect();
+    let (send_order, receive_order) = match &network {
+        None => rotated_orders(ranks),
+        Some(network) => network_orders(network, ranks),
+    };
     let max_tokens = layer.max_tokens;
     let experts_per_rank = layer.experts / ranks;
     let chunks_per_source = max_tokens.div_ceil(dispatch_chunk);
@@ -350,10 +377,12 @@ pub fn plan_expert_parallel(
     let gemm2_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Down, ranks);
     let regime = |choice: &RegimeChoice, name: String, tokens: [u32; 2], comm: (u32, String)| {
         let (regime_comm_blocks, comm_reason) = comm;
-        let compute_sms = sms_per_rank - regime_comm_blocks.max(ranks);
+        let compute_sms = sms_per_rank
+            .saturating_sub(regime_comm_blocks.max(ranks) + nccl_sms)
+            .max(1);
         let (mut gemm1, mut gemm2) = (choice.gemm1.clone(), choice.gemm2.clone());
         for (gemm, problem) in [(&mut gemm1, &gemm1_problem), (&mut gemm2, &gemm2_problem)] {
-            gemm.grid_blocks = compute_blocks(placement, compute_sms, gemm.blocks_per_sm);
+            gemm.grid_blocks = compute_blocks(one_per_sm, compute_sms, gemm.blocks_per_sm);
             // Estimated at this regime's largest call, on its SMs.
             let regime_target = Target {
                 sm_count: compute_sms,
@@ -368,10 +397,11 @@ pub fn plan_expert_parallel(
             [&gemm1_kernel, &gemm2_kernel],
             [&gemm1, &gemm2],
             &sizes,
+            network.is_some(),
             &KernelBlocks {
                 dispatch: regime_comm_blocks,
-                arrange: compute_blocks(placement, compute_sms, 1),
-                combine: compute_blocks(placement, compute_sms, COMBINE_BLOCKS_PER_SM),
+                arrange: compute_blocks(one_per_sm, compute_sms, 1),
+                combine: compute_blocks(one_per_sm, compute_sms, COMBINE_BLOCKS_PER_SM),
             },
         );
         ExpertParallelRegime {
@@ -455,7 +485,8 @@ pub fn plan_expert_parallel(
         send_order,
         receive_order,
         spin_limit_cycles: SPIN_LIMIT_CYCLES,
-        workspace: workspace(shape, &sizes),
+        workspace: workspace(shape, &sizes, network.as_ref()),
+        network,
         peer_buffers: PEER_BUFFERS.to_vec(),
         route_kernel,
         dispatch_kernel,
@@ -477,8 +508,9 @@ struct Sizes {
     rows: u64,
 }
 
-/// The buffers of one rank.
-fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
+/// The buffers of one rank (with the network's outboxes, inboxes and flags when ranks
+/// live on several nodes).
+fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -> Vec<Buffer> {
     let r = u64::from(sizes.ranks);
     let local = u64::from(sizes.experts_per_rank);
     let slots = u64::from(sizes.slots);
@@ -490,7 +522,7 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
         elems,
         purpose: purpose.to_string(),
     };
-    vec![
+    let mut buffers = vec![
         buffer(
             BufferId::SendSlots,
             r * max_tokens,
@@ -597,7 +629,59 @@ fn workspace(shape: &LayerShape, sizes: &Sizes) -> Vec<Buffer> {
             4,
             "first kernel-side error of the call: code and details",
         ),
-    ]
+    ];
+    if let Some(network) = network {
+        let peers = u64::from(network.peers_per_rank);
+        let results = peers * shape.max_pairs() * u64::from(shape.hidden);
+        buffers.extend([
+            buffer(
+                BufferId::NetSendX,
+                peers * slots * u64::from(shape.hidden),
+                "per network peer, the token rows staged for it",
+            ),
+            buffer(
+                BufferId::NetSendSlot,
+                peers * local * u64::from(sizes.segment_rows),
+                "per network peer and local expert of its, each pair's slot (staged)",
+            ),
+            buffer(
+                BufferId::NetSendPair,
+                peers * local * u64::from(sizes.segment_rows),
+                "per network peer and local expert of its, each pair here (staged)",
+            ),
+            buffer(
+                BufferId::NetSendWeight,
+                peers * local * u64::from(sizes.segment_rows),
+                "per network peer and local expert of its, each pair's routing weight (staged)",
+            ),
+            buffer(
+                BufferId::NetSendCounts,
+                peers * (local + 1),
+                "per network peer, pairs per local expert of its, then tokens sent (staged)",
+            ),
+            buffer(
+                BufferId::NetReady,
+                peers * network.ready_stride(),
+                "per network peer, the epoch its metadata and each chunk were staged in",
+            ),
+            buffer(
+                BufferId::NetReturnX,
+                results,
+                "per network peer, GEMM2's weighted rows for its pairs, in its combine layout",
+            ),
+            buffer(
+                BufferId::NetReturnedX,
+                results,
+                "per network peer, the weighted rows it computed for this rank's pairs",
+            ),
+            buffer(
+                BufferId::NetReturnFlags,
+                peers * u64::from(sizes.chunks),
+                "per network peer and token chunk, the epoch its results arrived in",
+            ),
+        ]);
+    }
+    buffers
 }
 
 /// The largest power of two of rows, at most the chunk (itself a power of two or not),
@@ -718,11 +802,14 @@ fn erfc(x: f64) -> f64 {
 /// grid fills its compute SMs. Virtual ranks share one GPU, whose block scheduler places a
 /// block on any SM with room, not on "its rank's" SMs: a grid of more blocks than SMs could
 /// spread over every SM and leave no empty one for a peer rank's GEMM block, which needs
-/// a whole SM. One block per compute SM keeps the count argument of [`residency`] exact.
-fn compute_blocks(placement: Placement, compute_sms: u32, per_sm: u32) -> u32 {
-    match placement {
-        Placement::Virtual => compute_sms,
-        Placement::Devices => compute_sms * per_sm,
+/// a whole SM. The same holds across nodes for NCCL's CTAs, which GEMM1 and combine wait
+/// on and which need most of an SM's registers. One block per compute SM (`one_per_sm`)
+/// keeps the count argument of [`residency`] exact.
+fn compute_blocks(one_per_sm: bool, compute_sms: u32, per_sm: u32) -> u32 {
+    if one_per_sm {
+        compute_sms
+    } else {
+        compute_sms * per_sm
     }
 }
 
@@ -735,6 +822,7 @@ fn residency(
     placement: Placement,
     ranks: u32,
     comm_slots: u32,
+    nccl_sms: u32,
     compute_sms: u32,
     sm_count: u32,
 ) -> String {
@@ -743,11 +831,67 @@ fn residency(
             "{ranks} ranks per device × ({comm_slots} communication + {compute_sms} compute blocks live at most) = {} of {sm_count} SMs, one block per SM in every waiting grid: a block waiting to start always finds an empty SM",
             ranks * (comm_slots + compute_sms)
         ),
+        Placement::Devices if nccl_sms > 0 => format!(
+            "1 rank per device: {comm_slots} communication + {nccl_sms} NCCL CTAs (its communicator's maxCTAs) + {compute_sms} compute blocks live at most = {} of {sm_count} SMs, one block per SM in every compute grid: NCCL's CTAs, which GEMM1 and combine wait for, always find an empty SM",
+            comm_slots + nccl_sms + compute_sms
+        ),
         Placement::Devices => format!(
             "1 rank per device: {comm_slots} communication + {compute_sms} compute SMs = {} of {sm_count} SMs; the compute grids fill their SMs, and a communication block fits beside them",
             comm_slots + compute_sms
         ),
     }
+}
+
+/// Every rank sends to itself first, then to `r+1, r+2, …` (so that no receiver is hit by
+/// every source at once); a destination's GEMM rows take sources in the order they reach it.
+fn rotated_orders(ranks: u32) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let send_order = (0..ranks)
+        .map(|source| (0..ranks).map(|step| (source + step) % ranks).collect())
+        .collect();
+    let receive_order = (0..ranks)
+        .map(|destination| {
+            // Source s reaches this destination at step (destination - s) mod R.
+            let mut sources: Vec<u32> = (0..ranks).collect();
+            sources.sort_by_key(|&s| (destination + ranks - s) % ranks);
+            sources
+        })
+        .collect();
+    (send_order, receive_order)
+}
+
+/// Across nodes: a rank stages its rows for network peers first (their path is the
+/// longest: staging, then NCCL), then stores into its node's peers, each group rotated
+/// from the rank itself. GEMM rows take the rank's own first, then its node's peers (in
+/// the order they reach it), then network sources (they arrive last, through NCCL,
+/// rotated likewise).
+fn network_orders(network: &NetworkPlan, ranks: u32) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let rotated_from = |rank: u32, route: Route| -> Vec<u32> {
+        (1..ranks)
+            .map(|step| (rank + step) % ranks)
+            .filter(|&peer| network.route(rank, peer) == route)
+            .collect()
+    };
+    let send_order = (0..ranks)
+        .map(|source| {
+            let mut order = vec![source];
+            order.extend(rotated_from(source, Route::Network));
+            order.extend(rotated_from(source, Route::Link));
+            order
+        })
+        .collect();
+    let receive_order = (0..ranks)
+        .map(|destination| {
+            // A node peer s reaches this destination after its network peers, at its
+            // position among s's node peers.
+            let mut node_peers = rotated_from(destination, Route::Link);
+            node_peers.sort_by_key(|&s| (destination + ranks - s) % ranks);
+            let mut order = vec![destination];
+            order.extend(node_peers);
+            order.extend(rotated_from(destination, Route::Network));
+            order
+        })
+        .collect();
+    (send_order, receive_order)
 }
 
 /// Grids of the kernels besides metadata (one block per destination) and the GEMMs.
@@ -759,6 +903,11 @@ struct KernelBlocks {
     combine: u32,
 }
 
+/// The parameters a kernel takes only when ranks live on several nodes.
+fn network_params(over_network: bool, params: Vec<KernelParam>) -> Vec<KernelParam> {
+    if over_network { params } else { Vec::new() }
+}
+
 /// The launches of one call on one rank: metadata and dispatch on the communication
 /// stream; arrange, the GEMMs and combine on the compute stream.
 fn launch_table(
@@ -766,6 +915,7 @@ fn launch_table(
     gemm_kernels: [&String; 2],
     gemms: [&GemmPlan; 2],
     sizes: &Sizes,
+    over_network: bool,
     blocks: &KernelBlocks,
 ) -> Vec<Launch> {
     use BufferId::*;
@@ -802,7 +952,19 @@ fn launch_table(
                 read(Workspace(PeerTable)),
                 write(Workspace(ErrorWord)),
                 shared(Workspace(Credits)),
-            ],
+            ]
+            .into_iter()
+            .chain(network_params(
+                over_network,
+                vec![
+                    write(Workspace(NetSendSlot)),
+                    write(Workspace(NetSendPair)),
+                    write(Workspace(NetSendWeight)),
+                    write(Workspace(NetSendCounts)),
+                    write(Workspace(NetReady)),
+                ],
+            ))
+            .collect(),
         ),
         launch(
             dispatch,
@@ -819,7 +981,13 @@ fn launch_table(
                 read(Workspace(SendCounts)),
                 write(Workspace(ChunkPieces)),
                 read(Workspace(PeerTable)),
-            ],
+            ]
+            .into_iter()
+            .chain(network_params(
+                over_network,
+                vec![write(Workspace(NetSendX)), write(Workspace(NetReady))],
+            ))
+            .collect(),
         ),
         launch(
             arrange,
@@ -905,7 +1073,16 @@ fn launch_table(
                 write(Workspace(CombineCounters)),
                 write(Workspace(ErrorWord)),
                 write(Y),
-            ],
+            ]
+            .into_iter()
+            .chain(network_params(
+                over_network,
+                vec![
+                    shared(Workspace(NetReturnedX)),
+                    shared(Workspace(NetReturnFlags)),
+                ],
+            ))
+            .collect(),
         ),
     ]
 }

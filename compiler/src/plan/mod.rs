@@ -14,6 +14,7 @@ pub mod cost;
 mod describe;
 pub mod ep;
 mod launch;
+pub mod network;
 pub mod router;
 pub mod target;
 mod validate;
@@ -227,6 +228,30 @@ pub enum BufferId {
     Credits,
     /// u64 [R · peer buffers]: every rank's addresses of the buffers peers write.
     PeerTable,
+    // Expert parallelism across nodes (per rank; P = the rank's peers on other nodes).
+    /// bf16 [P · slots · H]: per network peer, the token rows staged for it (NCCL sends them).
+    NetSendX,
+    /// i32 [P · E/R · rows per segment]: per network peer and local expert of its, each
+    /// pair's slot, staged as `RecvSlot` would hold it there.
+    NetSendSlot,
+    /// i32, as `NetSendSlot`: each pair's index `t·K + k` here.
+    NetSendPair,
+    /// f32, as `NetSendSlot`: each pair's routing weight.
+    NetSendWeight,
+    /// i32 [P, E/R + 1]: per network peer, pairs per local expert of its, then tokens sent.
+    NetSendCounts,
+    /// u32 [P · (1 + chunks per source)]: per network peer, the epoch its metadata was
+    /// staged in, then each chunk's (the network stream waits on them).
+    NetReady,
+    /// bf16 [P · max pairs · H]: per network peer, GEMM2's weighted rows for its pairs, in
+    /// its combine layout (NCCL sends them back).
+    NetReturnX,
+    /// bf16, as `NetReturnX`: per network peer, the weighted rows it computed for this
+    /// rank's pairs.
+    NetReturnedX,
+    /// u32 [P · chunks per source]: per network peer and token chunk, the epoch its
+    /// results arrived in.
+    NetReturnFlags,
     // The router (a spec with `router { }`).
     /// f32 [T, E]: the gate's logits `x · W_gateᵀ`, without bias.
     RouterLogits,
@@ -255,9 +280,18 @@ impl BufferId {
             | BufferId::SegmentOffsets
             | BufferId::SegmentRows
             | BufferId::SegmentPairs
-            | BufferId::RoutedIds => ElemType::I32,
-            BufferId::Intermediate | BufferId::CombineSlots | BufferId::RecvX => ElemType::Bf16,
+            | BufferId::RoutedIds
+            | BufferId::NetSendSlot
+            | BufferId::NetSendPair
+            | BufferId::NetSendCounts => ElemType::I32,
+            BufferId::Intermediate
+            | BufferId::CombineSlots
+            | BufferId::RecvX
+            | BufferId::NetSendX
+            | BufferId::NetReturnX
+            | BufferId::NetReturnedX => ElemType::Bf16,
             BufferId::RecvWeight
+            | BufferId::NetSendWeight
             | BufferId::SegmentWeights
             | BufferId::RouterLogits
             | BufferId::RoutedWeights => ElemType::F32,
@@ -267,7 +301,9 @@ impl BufferId {
             | BufferId::ArrangeBlocksDone
             | BufferId::CombineCounters
             | BufferId::Credits
-            | BufferId::RouterTilesDone => ElemType::U32,
+            | BufferId::RouterTilesDone
+            | BufferId::NetReady
+            | BufferId::NetReturnFlags => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
         }
     }
@@ -302,6 +338,15 @@ impl BufferId {
             BufferId::RouterTilesDone => "router_tiles_done",
             BufferId::RoutedIds => "routed_ids",
             BufferId::RoutedWeights => "routed_weights",
+            BufferId::NetSendX => "net_send_x",
+            BufferId::NetSendSlot => "net_send_slot",
+            BufferId::NetSendPair => "net_send_pair",
+            BufferId::NetSendWeight => "net_send_weight",
+            BufferId::NetSendCounts => "net_send_counts",
+            BufferId::NetReady => "net_ready",
+            BufferId::NetReturnX => "net_return_x",
+            BufferId::NetReturnedX => "net_returned_x",
+            BufferId::NetReturnFlags => "net_return_flags",
         }
     }
 }
@@ -355,6 +400,9 @@ pub mod error_code {
         pub const COMBINE: i32 = 3;
         /// A destination's credit (index: the destination rank).
         pub const CREDIT: i32 = 4;
+        /// Results from a rank on another node (index: source · chunks per source + the
+        /// token chunk).
+        pub const RETURN: i32 = 5;
     }
 }
 
@@ -785,10 +833,26 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             layer.parallel.expert, layer.experts
         ));
     }
-    if layer.topology.nodes > 1 && layer.parallel.expert > 1 {
-        limitations.push(
-            "ranks on other nodes need the network path (NCCL, hierarchical traffic), which is not built yet".to_string(),
-        );
+    if let Some(ep) = &expert_parallel
+        && let Some(network) = &ep.network
+    {
+        let network_buffers: u64 = ep
+            .workspace
+            .iter()
+            .filter(|b| b.id.name().starts_with("net_"))
+            .map(Buffer::bytes)
+            .sum();
+        limitations.push(format!(
+            "ranks on other nodes exchange through NCCL at the plan's capacity: every call moves {:.1} MB to each of a rank's {} network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device), and the network's outboxes and inboxes take {:.1} MB per rank",
+            network.call_bytes_per_peer as f64 / 1e6,
+            network.peers_per_rank,
+            network_buffers as f64 / 1e6
+        ));
+        if layer.schedule.traffic_order == Some(ir::TrafficOrder::Hierarchical) {
+            limitations.push(
+                "the spec asks for hierarchical traffic (one transfer per remote node, fanned out over NVLink there), which is not built yet: each rank sends to every network peer directly".to_string(),
+            );
+        }
     }
 
     if layer.router.is_some() && expert_parallel.is_some() {

@@ -11,10 +11,11 @@ use thiserror::Error;
 
 use super::ep::{ExpertParallelPlan, ExpertParallelRegime, Placement};
 use super::launch::StreamRole;
+use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
-    Access, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, Plan, Regime,
-    RegimeParts, SmemLayout, TILE_K, c_identifier, workspace,
+    Access, BufferId, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, Plan,
+    Regime, RegimeParts, SmemLayout, TILE_K, c_identifier, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -174,15 +175,86 @@ impl Plan {
                 }
             }
             Placement::Devices => {
+                let nccl_sms = ep.network.as_ref().map_or(0, |n| n.nccl_ctas);
                 for regime in &ep.regimes {
-                    let per_device = regime.comm_blocks.max(ranks) + regime.compute_sms;
+                    // Across nodes GEMM1 and combine wait for NCCL's kernels: the count of
+                    // live blocks must leave them empty SMs, as for virtual ranks.
+                    let oversized = regime.launches.iter().find(|l| {
+                        l.stream == StreamRole::Compute
+                            && l.grid.blocks(self.shape.max_tokens) > regime.compute_sms
+                    });
+                    if let (Some(_), Some(launch)) = (&ep.network, oversized) {
+                        return Err(format!(
+                            "regime `{}`: `{}` has more blocks than the {} compute SMs; NCCL's CTAs could find no SM while its blocks wait for them",
+                            regime.name, launch.kernel, regime.compute_sms
+                        ));
+                    }
+                    let per_device = regime.comm_blocks.max(ranks) + nccl_sms + regime.compute_sms;
                     if regime.comm_blocks == 0 || regime.compute_sms == 0 || per_device > sms {
                         return Err(format!(
-                            "regime `{}`: {} communication blocks and {} compute SMs per device do not fit the {sms} of {}: spin-waits could wait on blocks that never run",
+                            "regime `{}`: {} communication blocks, {nccl_sms} NCCL CTAs and {} compute SMs per device do not fit the {sms} of {}: spin-waits could wait on blocks that never run",
                             regime.name, regime.comm_blocks, regime.compute_sms, self.target.name
                         ));
                     }
                 }
+            }
+        }
+        if let Some(network) = &ep.network {
+            self.check_network(ep, network)
+                .map_err(|e| format!("network: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// The network part matches the ranks and the chunks, its buffers hold what its
+    /// transfers move, and NCCL's CTAs are within its limit.
+    fn check_network(&self, ep: &ExpertParallelPlan, network: &NetworkPlan) -> Result<(), String> {
+        let ranks = ep.ranks;
+        if network.nodes < 2
+            || network.gpus_per_node == 0
+            || network.nodes * network.gpus_per_node != ranks
+            || network.peers_per_rank != ranks - network.gpus_per_node
+        {
+            return Err(format!(
+                "{} nodes of {} GPUs do not hold the {ranks} ranks",
+                network.nodes, network.gpus_per_node
+            ));
+        }
+        if ep.placement != Placement::Devices {
+            return Err("ranks on several nodes need one GPU each".into());
+        }
+        if network.chunk_tokens != ep.dispatch_chunk || network.chunks != ep.chunks_per_source {
+            return Err("a transfer is not one dispatch chunk".into());
+        }
+        if network.nccl_ctas == 0 || network.wait_limit_ms == 0 {
+            return Err("NCCL has no CTAs, or the host's wait has no bound".into());
+        }
+        let shape = &self.shape;
+        let peers = u64::from(network.peers_per_rank);
+        let needed = [
+            (
+                BufferId::NetSendX,
+                peers * u64::from(ep.slots_per_source) * u64::from(shape.hidden),
+            ),
+            (
+                BufferId::NetSendSlot,
+                peers * u64::from(ep.experts_per_rank) * u64::from(ep.rows_per_segment),
+            ),
+            (BufferId::NetReady, peers * network.ready_stride()),
+            (
+                BufferId::NetReturnX,
+                peers * shape.max_pairs() * u64::from(shape.hidden),
+            ),
+            (
+                BufferId::NetReturnedX,
+                peers * shape.max_pairs() * u64::from(shape.hidden),
+            ),
+            (BufferId::NetReturnFlags, peers * u64::from(network.chunks)),
+        ];
+        for (id, elems) in needed {
+            match ep.workspace.iter().find(|b| b.id == id) {
+                Some(buffer) if buffer.elems >= elems => {}
+                _ => return Err(format!("`{}` cannot hold {elems} elements", id.name())),
             }
         }
         Ok(())

@@ -1,0 +1,625 @@
+//! Expert parallelism across nodes: ranks on other nodes exchange their metadata, token
+//! rows and results through NCCL send/recv in chunks, while peers on the same node keep
+//! the one-node protocol (stores through CUDA IPC mappings, then a release of the flag).
+//!
+//! The kernels stage what a network peer is sent in this rank's own memory (its
+//! *outboxes*) and release a local *ready* flag per piece; what arrives lands where a
+//! same-node peer would have stored it. Per call, each rank's network stream runs the
+//! steps of [`NetworkPlan::steps`] in order, every rank the same sequence (NCCL matches a
+//! rank's sends to a peer with that peer's receives in issue order):
+//!
+//! 1. **metadata**: waits (`cuStreamWaitValue32`) until `ep_route` has staged the receive
+//!    index and counts for every network peer; one NCCL group sends them into each peer's
+//!    receive index and receives the peers' into this rank's; then each network source's
+//!    metadata flag is released with the call's epoch (`cuStreamWriteValue32`), the flag
+//!    the arrange kernel already waits on.
+//! 2. **dispatch chunk c**, for every chunk of a source's capacity: waits until
+//!    `ep_dispatch` has staged chunk `c` for every network peer, one group moves it, then
+//!    each network source's chunk flag `c` is released: the flag GEMM1's tiles on those
+//!    rows wait on, so GEMM1 starts on the first chunk, not the last.
+//! 3. **return chunk c**: once this rank's GEMM2 is done (a stream event), one group sends
+//!    the results GEMM2 stored for each network origin's tokens of chunk `c` (its epilogue
+//!    stores a network origin's rows into this rank's return outbox, which the peer table
+//!    names as that origin's combine slots) and receives the results for this rank's own
+//!    tokens; then the return flag of (source, chunk) is released, which `ep_combine`
+//!    waits on.
+//!
+//! NCCL needs every byte count on the host when a transfer is enqueued, but the device
+//! decides the routing, and reading counts back would synchronise the call. So every
+//! transfer is a fixed slice of the plan's capacity (chunk `c` of a source's
+//! `slots_per_source` token slots, every chunk in every call): no routing can overflow it
+//! and nothing is read back; a call moves its capacity whatever its routing
+//! ([`NetworkPlan::call_bytes_per_peer`]).
+//!
+//! Hierarchical traffic (one transfer per remote node, fanned out over NVLink there) fits
+//! the same shape: a relay rank's steps would receive a node's aggregate and its kernels
+//! forward rows to the node's other ranks through the IPC path. It is not planned yet.
+
+use serde::{Deserialize, Serialize};
+
+use super::ep::ExpertParallelPlan;
+use super::{BufferId, LayerShape};
+use crate::ir;
+
+/// How rows travel from one rank to another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Route {
+    /// A rank's own rows: GEMM1 reads them from `x`.
+    Own,
+    /// A peer on the same node: stores through CUDA IPC (or peer access), then a flag.
+    Link,
+    /// A peer on another node: staged here, then NCCL send/recv.
+    Network,
+}
+
+/// The network part of an expert-parallel plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NetworkPlan {
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    /// Peers on other nodes of every rank (ranks less those of its node). A peer's place in
+    /// [`NetworkPlan::peers`] is its slot in the rank's outboxes and inboxes.
+    pub peers_per_rank: u32,
+    /// The network's bandwidth one way (bytes per second) and latency (ns), from the
+    /// topology.
+    pub bandwidth_bytes_per_s: u64,
+    pub latency_ns: u64,
+    /// Token slots per NCCL transfer of rows and of results: the dispatch chunk, so that
+    /// one arrival releases exactly the flag GEMM1 waits on.
+    pub chunk_tokens: u32,
+    /// Transfers of rows per peer and call, and of results: the chunks of a source's
+    /// capacity.
+    pub chunks: u32,
+    /// Bytes this rank sends each network peer per call (metadata, rows and results at
+    /// capacity; receives are as many): NCCL's counts, fixed by the plan.
+    pub call_bytes_per_peer: u64,
+    /// CTAs NCCL may run (the communicator's `maxCTAs`): the SMs the plan keeps free for
+    /// NCCL's kernels beside the compute grids, so a transfer GEMM1 waits for always runs.
+    pub nccl_ctas: u32,
+    pub nccl_reason: String,
+    /// Bound on the host's wait for a call's transfers (ms): past it the runtime reports
+    /// the stalled transfer (which step, which peers) instead of waiting for ever.
+    pub wait_limit_ms: u64,
+    pub wait_reason: String,
+}
+
+/// One element of a workspace buffer: a flag the network stream waits on or releases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlagRef {
+    pub buffer: BufferId,
+    /// Element index (u32 elements).
+    pub index: u64,
+}
+
+/// A byte range of a workspace buffer sent to or received from `peer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transfer {
+    pub peer: u32,
+    pub buffer: BufferId,
+    pub offset_bytes: u64,
+    pub bytes: u64,
+}
+
+/// What a step of the network stream carries, for messages and `explain`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    Metadata,
+    Dispatch { chunk: u32 },
+    Return { chunk: u32 },
+}
+
+impl std::fmt::Display for StepKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StepKind::Metadata => write!(f, "the metadata"),
+            StepKind::Dispatch { chunk } => write!(f, "dispatch chunk {chunk}"),
+            StepKind::Return { chunk } => write!(f, "the results of token chunk {chunk}"),
+        }
+    }
+}
+
+/// What must precede a step on the network stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepStart {
+    /// Each flag holds at least the call's epoch (`cuStreamWaitValue32`, GEQ: cyclic).
+    Flags(Vec<FlagRef>),
+    /// This rank's GEMM2 is done (an event recorded after it on the compute stream).
+    AfterGemm2,
+}
+
+/// One NCCL group of a call on one rank, with its stream-ordered wait before and its
+/// releases after.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkStep {
+    pub kind: StepKind,
+    pub start: StepStart,
+    pub sends: Vec<Transfer>,
+    pub receives: Vec<Transfer>,
+    /// Flags written with the call's epoch once the receives are in
+    /// (`cuStreamWriteValue32`, which fences the received data before the flag).
+    pub release: Vec<FlagRef>,
+}
+
+/// Assumed rate of one NCCL CTA: NCCL's all-to-all moved 295 GB/s across the two H200s'
+/// NVLink (2026-11-29) with its default channels, at most 32, so a CTA carries at least
+/// this much. Not measured over a real network here.
+const NCCL_CTA_BYTES_PER_S: f64 = 295e9 / 32.0;
+/// NCCL's channel limit (MAXCHANNELS).
+const NCCL_MAX_CTAS: u32 = 32;
+/// Floor of the host's wait bound: a correct call of any size finishes its transfers
+/// within this much beyond the flag bounds.
+const MIN_TRANSFER_SECONDS: f64 = 1.0;
+/// The H200's clock (GHz), to state the flag bound in seconds.
+const CLOCK_HZ: f64 = 1.98e9;
+
+/// The network plan of `ranks` ranks on `layer`'s topology, with `chunk` tokens per
+/// transfer and `slots` token slots per source; `None` on one node.
+pub(crate) fn plan_network(
+    layer: &ir::Layer,
+    shape: &LayerShape,
+    ranks: u32,
+    chunk: u32,
+    spin_limit_cycles: u64,
+) -> Option<NetworkPlan> {
+    let topology = &layer.topology;
+    if topology.nodes <= 1 || topology.virtual_ranks.is_some() {
+        return None;
+    }
+    let gpus_per_node = topology.gpus_per_node.max(1);
+    let peers_per_rank = ranks - gpus_per_node.min(ranks);
+    let slots = shape.max_tokens;
+    let chunks = slots.div_ceil(chunk);
+    let experts_per_rank = shape.experts / ranks;
+    let hidden = u64::from(shape.hidden);
+    let metadata_bytes = 3 * 4 * u64::from(experts_per_rank) * u64::from(slots)
+        + 4 * (u64::from(experts_per_rank) + 1);
+    let rows_bytes = u64::from(slots) * hidden * 2;
+    let results_bytes = shape.max_pairs() * hidden * 2;
+    let call_bytes_per_peer = metadata_bytes + rows_bytes + results_bytes;
+    let bandwidth = topology.network.bandwidth_bytes_per_s;
+    let nccl_ctas =
+        ((bandwidth as f64 / NCCL_CTA_BYTES_PER_S).ceil() as u32).clamp(1, NCCL_MAX_CTAS);
+    let nccl_reason = format!(
+        "enough for the network's {:.0} GB/s at {:.1} GB/s per CTA (NCCL's all-to-all across the two H200s: 295 GB/s on at most 32 channels)",
+        bandwidth as f64 / 1e9,
+        NCCL_CTA_BYTES_PER_S / 1e9
+    );
+    let flag_seconds = spin_limit_cycles as f64 / CLOCK_HZ;
+    let transfer_seconds =
+        4.0 * call_bytes_per_peer as f64 * f64::from(peers_per_rank) / bandwidth.max(1) as f64;
+    let wait_seconds = 2.0 * flag_seconds + transfer_seconds.max(MIN_TRANSFER_SECONDS);
+    Some(NetworkPlan {
+        nodes: topology.nodes,
+        gpus_per_node,
+        peers_per_rank,
+        bandwidth_bytes_per_s: bandwidth,
+        latency_ns: topology.network.latency_ns,
+        chunk_tokens: chunk,
+        chunks,
+        call_bytes_per_peer,
+        nccl_ctas,
+        nccl_reason,
+        wait_limit_ms: (wait_seconds * 1e3).ceil() as u64,
+        wait_reason: format!(
+            "two flag bounds ({flag_seconds:.1} s each: a peer's staging may wait one for its credits, this rank's kernels one more) plus four times a call's {:.1} MB to its {peers_per_rank} network peers at the network's bandwidth, at least {MIN_TRANSFER_SECONDS:.0} s",
+            call_bytes_per_peer as f64 * f64::from(peers_per_rank) / 1e6
+        ),
+    })
+}
+
+impl NetworkPlan {
+    /// The node of `rank`: ranks fill nodes in order.
+    pub fn node_of(&self, rank: u32) -> u32 {
+        rank / self.gpus_per_node
+    }
+
+    /// How rows travel from `source` to `destination`.
+    pub fn route(&self, source: u32, destination: u32) -> Route {
+        if source == destination {
+            Route::Own
+        } else if self.node_of(source) == self.node_of(destination) {
+            Route::Link
+        } else {
+            Route::Network
+        }
+    }
+
+    /// `rank`'s peers on other nodes, ascending; a peer's position is its slot.
+    pub fn peers(&self, rank: u32, ranks: u32) -> Vec<u32> {
+        (0..ranks)
+            .filter(|&peer| self.route(rank, peer) == Route::Network)
+            .collect()
+    }
+
+    /// `peer`'s slot among `rank`'s network peers (`None` on the same node).
+    pub fn slot(&self, rank: u32, peer: u32) -> Option<u32> {
+        if self.route(rank, peer) != Route::Network {
+            return None;
+        }
+        let node_start = self.node_of(rank) * self.gpus_per_node;
+        Some(if peer < node_start {
+            peer
+        } else {
+            peer - self.gpus_per_node
+        })
+    }
+
+    /// Elements per network peer of the ready flags: the metadata's, then one per chunk.
+    pub fn ready_stride(&self) -> u64 {
+        1 + u64::from(self.chunks)
+    }
+
+    /// What a rank's peer table holds for a network peer at `slot`, per peer buffer: the
+    /// combine slots are this rank's return outbox for that peer (GEMM2's epilogue stores
+    /// the peer's results there, in its combine layout); every other buffer is out of
+    /// reach (0: the kernels take the network path for such a peer instead).
+    pub fn peer_table_entry(
+        &self,
+        shape: &LayerShape,
+        buffer: BufferId,
+        slot: u32,
+    ) -> Option<(BufferId, u64)> {
+        (buffer == BufferId::CombineSlots).then(|| {
+            (
+                BufferId::NetReturnX,
+                u64::from(slot) * shape.max_pairs() * u64::from(shape.hidden) * 2,
+            )
+        })
+    }
+
+    /// The NCCL groups of one call on `rank`, in the order every rank issues them.
+    pub fn steps(
+        &self,
+        ep: &ExpertParallelPlan,
+        shape: &LayerShape,
+        rank: u32,
+    ) -> Vec<NetworkStep> {
+        let peers = self.peers(rank, ep.ranks);
+        let ranks = u64::from(ep.ranks);
+        let local = u64::from(ep.experts_per_rank);
+        let segment = u64::from(ep.rows_per_segment);
+        let slots = u64::from(ep.slots_per_source);
+        let hidden = u64::from(shape.hidden);
+        let spt = u64::from(shape.slots_per_token());
+        let max_pairs = shape.max_pairs();
+        let chunk = u64::from(self.chunk_tokens);
+        let chunks = u64::from(self.chunks);
+        let with_slots = || {
+            peers
+                .iter()
+                .enumerate()
+                .map(|(slot, &peer)| (slot as u64, peer))
+        };
+        let transfer = |peer: u32, buffer: BufferId, first: u64, elems: u64| Transfer {
+            peer,
+            buffer,
+            offset_bytes: first * buffer.elem().size_bytes(),
+            bytes: elems * buffer.elem().size_bytes(),
+        };
+        let flag = |buffer: BufferId, index: u64| FlagRef { buffer, index };
+        let mut steps = Vec::with_capacity(1 + 2 * self.chunks as usize);
+
+        // The receive index: per local expert one segment of each array, then the counts.
+        let mut sends = Vec::new();
+        let mut receives = Vec::new();
+        for (slot, peer) in with_slots() {
+            for (outbox, inbox) in [
+                (BufferId::NetSendSlot, BufferId::RecvSlot),
+                (BufferId::NetSendPair, BufferId::RecvPair),
+                (BufferId::NetSendWeight, BufferId::RecvWeight),
+            ] {
+                for e in 0..local {
+                    sends.push(transfer(
+                        peer,
+                        outbox,
+                        (slot * local + e) * segment,
+                        segment,
+                    ));
+                    receives.push(transfer(
+                        peer,
+                        inbox,
+                        (e * ranks + u64::from(peer)) * segment,
+                        segment,
+                    ));
+                }
+            }
+            sends.push(transfer(
+                peer,
+                BufferId::NetSendCounts,
+                slot * (local + 1),
+                local + 1,
+            ));
+            receives.push(transfer(
+                peer,
+                BufferId::RecvCounts,
+                u64::from(peer) * (local + 1),
+                local + 1,
+            ));
+        }
+        steps.push(NetworkStep {
+            kind: StepKind::Metadata,
+            start: StepStart::Flags(
+                with_slots()
+                    .map(|(slot, _)| flag(BufferId::NetReady, slot * self.ready_stride()))
+                    .collect(),
+            ),
+            sends,
+            receives,
+            release: peers
+                .iter()
+                .map(|&peer| flag(BufferId::MetaFlags, u64::from(peer)))
+                .collect(),
+        });
+
+        for c in 0..chunks {
+            let rows = chunk.min(slots - c * chunk);
+            steps.push(NetworkStep {
+                kind: StepKind::Dispatch { chunk: c as u32 },
+                start: StepStart::Flags(
+                    with_slots()
+                        .map(|(slot, _)| {
+                            flag(BufferId::NetReady, slot * self.ready_stride() + 1 + c)
+                        })
+                        .collect(),
+                ),
+                sends: with_slots()
+                    .map(|(slot, peer)| {
+                        transfer(
+                            peer,
+                            BufferId::NetSendX,
+                            (slot * slots + c * chunk) * hidden,
+                            rows * hidden,
+                        )
+                    })
+                    .collect(),
+                receives: with_slots()
+                    .map(|(_, peer)| {
+                        transfer(
+                            peer,
+                            BufferId::RecvX,
+                            (u64::from(peer) * slots + c * chunk) * hidden,
+                            rows * hidden,
+                        )
+                    })
+                    .collect(),
+                release: peers
+                    .iter()
+                    .map(|&peer| flag(BufferId::ChunkFlags, u64::from(peer) * chunks + c))
+                    .collect(),
+            });
+        }
+
+        // Results, by the origin's tokens: chunk c holds the pairs of its tokens
+        // [c·chunk, (c+1)·chunk), every slot of each (the shared slices' stay unsent
+        // garbage: an origin computes those itself).
+        let tokens = u64::from(shape.max_tokens);
+        for c in 0..chunks {
+            let pairs = chunk.min(tokens - c * chunk) * spt;
+            let first = |slot: u64| (slot * max_pairs + c * chunk * spt) * hidden;
+            steps.push(NetworkStep {
+                kind: StepKind::Return { chunk: c as u32 },
+                start: StepStart::AfterGemm2,
+                sends: with_slots()
+                    .map(|(slot, peer)| {
+                        transfer(peer, BufferId::NetReturnX, first(slot), pairs * hidden)
+                    })
+                    .collect(),
+                receives: with_slots()
+                    .map(|(slot, peer)| {
+                        transfer(peer, BufferId::NetReturnedX, first(slot), pairs * hidden)
+                    })
+                    .collect(),
+                release: with_slots()
+                    .map(|(slot, _)| flag(BufferId::NetReturnFlags, slot * chunks + c))
+                    .collect(),
+            });
+        }
+        steps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::plan::ep::{EXCHANGE_STATE, Placement};
+    use crate::plan::{Plan, Target, plan};
+
+    /// The tiny layer (8 experts, top 2, max_tokens 512, chunks of 16) on `nodes` nodes of
+    /// `gpus` GPUs each.
+    fn planned(nodes: u32, gpus: u32, extra: &str) -> Plan {
+        let ranks = nodes * gpus;
+        let text = format!(
+            "topology t {{\n gpus_per_node = {gpus}\n nodes = {nodes}\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}}\nlayer l {{\n hidden = 128\n ffn = 256\n experts = 8\n top_k = 2\n max_tokens = 512\n{extra} parallel {{ expert = {ranks} }}\n topology = t\n schedule {{\n  gemm1.tile = 32x64x64\n  gemm2.tile = 32x64x64\n  stages = 2\n  dispatch_chunk = 16 tokens\n  comm_blocks = 2\n }}\n}}\n"
+        );
+        let module = crate::compile_source("l.moe", &text).expect("checks");
+        plan(&module.layers[0], &Target::h200()).expect("plans")
+    }
+
+    fn network_of(plan: &Plan) -> (&ExpertParallelPlan, &NetworkPlan) {
+        let ep = plan.expert_parallel.as_ref().expect("expert-parallel");
+        (ep, ep.network.as_ref().expect("a network part"))
+    }
+
+    #[test]
+    fn one_node_has_no_network_part() {
+        let plan = planned(1, 2, "");
+        assert!(plan.expert_parallel.as_ref().unwrap().network.is_none());
+        assert!(
+            !plan.limitations.iter().any(|l| l.contains("NCCL")),
+            "{:?}",
+            plan.limitations
+        );
+    }
+
+    #[test]
+    fn two_nodes_of_one_gpu_route_everything_over_the_network() {
+        let plan = planned(2, 1, "");
+        plan.validate().expect("valid");
+        let (ep, network) = network_of(&plan);
+        assert_eq!(ep.placement, Placement::Devices);
+        assert_eq!(
+            (network.nodes, network.gpus_per_node, network.peers_per_rank),
+            (2, 1, 1)
+        );
+        assert_eq!(network.route(0, 1), Route::Network);
+        assert_eq!(network.route(1, 1), Route::Own);
+        assert_eq!(network.peers(0, 2), vec![1]);
+        assert_eq!(network.slot(1, 0), Some(0));
+        // Transfers are the dispatch chunk; a source's 512 slots are 32 of them.
+        assert_eq!((network.chunk_tokens, network.chunks), (16, 32));
+        // NCCL's CTAs come out of the compute SMs, beside the communication blocks, and
+        // every compute grid has a block per compute SM at most: whatever SMs its blocks
+        // take, NCCL's find empty ones.
+        for regime in &ep.regimes {
+            assert_eq!(
+                regime.comm_blocks.max(2) + network.nccl_ctas + regime.compute_sms,
+                132
+            );
+            for launch in &regime.launches {
+                if launch.stream == crate::plan::StreamRole::Compute {
+                    assert!(
+                        launch.grid.blocks(512) <= regime.compute_sms,
+                        "{}",
+                        launch.kernel
+                    );
+                }
+            }
+        }
+        // A call moves the capacity: the receive index, 512 rows and 512 tokens' results.
+        let metadata = 3 * 4 * 4 * 512 + 4 * 5;
+        assert_eq!(
+            network.call_bytes_per_peer,
+            metadata + 512 * 128 * 2 + 512 * 2 * 128 * 2
+        );
+        assert!(plan.limitations.iter().any(|l| l.contains("NCCL")));
+        let text = crate::plan::describe(&plan);
+        assert!(text.contains("network steps"), "{text}");
+    }
+
+    #[test]
+    fn network_peers_are_staged_first_and_received_last() {
+        let plan = planned(2, 2, "");
+        let (ep, network) = network_of(&plan);
+        assert_eq!(network.peers(1, 4), vec![2, 3]);
+        assert_eq!(network.slot(2, 1), Some(1));
+        assert_eq!(network.slot(2, 3), None);
+        // Rank 1: itself, its network peers rotated from it (2, 3), then its node's (0).
+        assert_eq!(ep.send_order[1], vec![1, 2, 3, 0]);
+        assert_eq!(ep.receive_order[1], vec![1, 0, 2, 3]);
+    }
+
+    /// Over every pair of ranks on different nodes: each step's sends from one match the
+    /// other's receives in that step (same order, same bytes), every range fits its buffer,
+    /// and each call waits for every staging flag and releases every flag the kernels wait
+    /// on once.
+    #[test]
+    fn every_send_meets_a_receive_of_the_same_bytes_within_the_buffers() {
+        for (nodes, gpus, extra) in [
+            (2, 1, ""),
+            (2, 2, ""),
+            (4, 2, " shared_experts {\n  count = 1\n  ffn = 256\n }\n"),
+        ] {
+            let plan = planned(nodes, gpus, extra);
+            plan.validate().expect("valid");
+            let (ep, network) = network_of(&plan);
+            let ranks = ep.ranks;
+            let size = |id: BufferId| {
+                ep.workspace
+                    .iter()
+                    .find(|b| b.id == id)
+                    .unwrap_or_else(|| panic!("no {}", id.name()))
+                    .bytes()
+            };
+            let steps: Vec<Vec<NetworkStep>> = (0..ranks)
+                .map(|r| network.steps(ep, &plan.shape, r))
+                .collect();
+            assert!(
+                steps
+                    .iter()
+                    .all(|s| s.len() == 1 + 2 * network.chunks as usize)
+            );
+            for (rank, rank_steps) in steps.iter().enumerate() {
+                let mut released = HashMap::new();
+                let mut waited = HashMap::new();
+                for (i, step) in rank_steps.iter().enumerate() {
+                    for t in step.sends.iter().chain(&step.receives) {
+                        assert!(
+                            t.bytes > 0 && t.offset_bytes + t.bytes <= size(t.buffer),
+                            "{t:?}"
+                        );
+                        assert_eq!(network.route(rank as u32, t.peer), Route::Network);
+                    }
+                    for peer in network.peers(rank as u32, ranks) {
+                        let sent: Vec<u64> = step
+                            .sends
+                            .iter()
+                            .filter(|t| t.peer == peer)
+                            .map(|t| t.bytes)
+                            .collect();
+                        let received: Vec<u64> = steps[peer as usize][i]
+                            .receives
+                            .iter()
+                            .filter(|t| t.peer == rank as u32)
+                            .map(|t| t.bytes)
+                            .collect();
+                        assert!(!sent.is_empty());
+                        assert_eq!(sent, received, "step {i} from {rank} to {peer}");
+                    }
+                    for flag in &step.release {
+                        *released.entry((flag.buffer, flag.index)).or_insert(0) += 1;
+                        assert!((flag.index + 1) * 4 <= size(flag.buffer));
+                    }
+                    if let StepStart::Flags(flags) = &step.start {
+                        for flag in flags {
+                            *waited.entry((flag.buffer, flag.index)).or_insert(0) += 1;
+                        }
+                    }
+                }
+                let peers = u64::from(network.peers_per_rank);
+                let chunks = u64::from(network.chunks);
+                // Each network source's metadata flag and chunk flags, each token chunk's
+                // return flag per network peer: once each.
+                assert_eq!(released.len() as u64, peers * (1 + 2 * chunks));
+                assert!(released.values().all(|&n| n == 1));
+                assert_eq!(waited.len() as u64, peers * network.ready_stride());
+                assert!(waited.values().all(|&n| n == 1));
+            }
+        }
+    }
+
+    /// The flags the network stream waits on restart with the exchange after a time-out.
+    #[test]
+    fn the_network_flags_are_exchange_state() {
+        assert!(EXCHANGE_STATE.contains(&BufferId::NetReady));
+        assert!(EXCHANGE_STATE.contains(&BufferId::NetReturnFlags));
+    }
+
+    #[test]
+    fn validation_refuses_a_transfer_that_is_not_a_chunk() {
+        let mut plan = planned(2, 1, "");
+        let ep = plan.expert_parallel.as_mut().unwrap();
+        ep.network.as_mut().unwrap().chunk_tokens = 32;
+        let error = plan.validate().expect_err("refused").to_string();
+        assert!(error.contains("network"), "{error}");
+    }
+
+    #[test]
+    fn the_table_row_of_a_network_peer_holds_only_its_return_outbox() {
+        let plan = planned(2, 1, "");
+        let (ep, network) = network_of(&plan);
+        for &id in &ep.peer_buffers {
+            let entry = network.peer_table_entry(&plan.shape, id, 0);
+            assert_eq!(
+                entry.is_some(),
+                id == BufferId::CombineSlots,
+                "{}",
+                id.name()
+            );
+        }
+    }
+}

@@ -1,0 +1,642 @@
+//! The host side of traffic between nodes (the plan's `network` part, see
+//! `moeforge_compiler::plan::network`): the group's NCCL communicator and the network
+//! stream that runs the plan's steps in every call.
+//!
+//! - **Communicator.** [`GroupComm`] is the group's one NCCL communicator (rank 0 draws
+//!   the unique id, the control channel carries it), made through cudarc's raw `nccl`
+//!   bindings so that it can be held to the plan's CTAs (`ncclConfig_t::maxCTAs`: the SMs
+//!   the plan keeps free for NCCL beside the compute grids) and send and receive any byte
+//!   range of the workspace on any stream.
+//! - **Steps.** [`NetworkPath`] resolves the plan's steps of this rank into device
+//!   addresses once (each range checked against its buffer) and enqueues them per call on
+//!   its own stream: before a step, `cuStreamWaitValue32` on each staging flag the
+//!   kernels release (or, for results, an event after GEMM2); then one NCCL group of
+//!   sends and receives; then `cuStreamWriteValue32` of the call's epoch into each flag
+//!   the kernels wait on. No step waits on the host.
+//! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
+//!   cannot tell over every transport. [`NetworkPath::wait`] polls an event recorded after
+//!   each step until the plan's `wait_limit_ms`; past it, the first unfinished step is a
+//!   [`NetworkError::Stalled`] naming this rank, the step and the peers it waits for. The
+//!   path is then abandoned: its communicator is never destroyed (tearing it down is a
+//!   collective call of every rank on the node, the dead one too, and would wait for it)
+//!   and nothing more is enqueued on its stream.
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{self as driver, CUresult};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
+use moeforge_compiler::plan::ep::ExpertParallelPlan;
+use moeforge_compiler::plan::network::{NetworkPlan, StepKind, StepStart};
+use moeforge_compiler::plan::{BufferId, LayerShape};
+use thiserror::Error;
+
+use crate::gpu::{DriverContext, GpuError};
+
+#[derive(Debug, Error)]
+pub enum NetworkError {
+    #[error(
+        "rank {rank}: the NCCL transfers of {step} with rank(s) {peers} did not finish within {seconds:.1} s (the plan's bound); a peer on another node stopped or never sent. The network path is abandoned: rebuild the layer (this process's NCCL stream stays blocked on the transfer, so leave the process)"
+    )]
+    Stalled {
+        rank: u32,
+        step: StepKind,
+        peers: String,
+        seconds: f64,
+    },
+    #[error(
+        "rank {rank}: an earlier call's NCCL transfers stalled and the network path was abandoned; rebuild the layer"
+    )]
+    Abandoned { rank: u32 },
+    #[error(
+        "rank {rank}: NCCL could not exchange a probe with rank(s) {peers} within {seconds:.0} s at set-up; every rank must reach its peers on other nodes (check that they all started, and NCCL's network settings)"
+    )]
+    Unreachable {
+        rank: u32,
+        peers: String,
+        seconds: f64,
+    },
+    #[error("NCCL failed while {context}: {result}")]
+    Nccl { context: String, result: String },
+    #[error(
+        "the plan's network step moves bytes {offset}..{end} of `{buffer}`, which holds {bytes}; the plan and its workspace disagree"
+    )]
+    OutOfBuffer {
+        buffer: &'static str,
+        offset: u64,
+        end: u64,
+        bytes: u64,
+    },
+    #[error("the plan's network steps use workspace buffer `{buffer}`, which it does not list")]
+    MissingBuffer { buffer: &'static str },
+    #[error("{call} failed while {context}: {result:?}")]
+    StreamOp {
+        call: &'static str,
+        context: String,
+        result: CUresult,
+    },
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// A [`NetworkError::Nccl`] maker for `map_err` (cudarc's `NcclError` is no
+/// `std::error::Error`; its result code says what failed).
+pub(crate) fn nccl_failed(
+    context: impl Into<String>,
+) -> impl FnOnce(nccl_result::NcclError) -> NetworkError {
+    move |e| NetworkError::Nccl {
+        context: context.into(),
+        result: format!("{:?}", e.0),
+    }
+}
+
+/// The flags the network stream waits on (`cuStreamWaitValue32`) or writes
+/// (`cuStreamWriteValue32`). They are allocated with `cuMemAlloc`, not from the
+/// stream-ordered pool: on the two-H200 machine (driver 580, 2026-11-30) the first wait
+/// was refused with CUDA_ERROR_INVALID_VALUE while its flag was a pool allocation (and the
+/// context was not bound before the call, which [`NetworkPath`] now also does); with both
+/// changed, every wait and write succeeded.
+pub(crate) const STREAM_MEMOP_FLAGS: [BufferId; 4] = [
+    BufferId::MetaFlags,
+    BufferId::ChunkFlags,
+    BufferId::NetReady,
+    BufferId::NetReturnFlags,
+];
+
+/// NCCL's "not set" for an integer field of `ncclConfig_t` (`NCCL_CONFIG_UNDEF_INT`).
+const CONFIG_UNDEF_INT: c_int = c_int::MIN;
+/// `NCCL_API_MAGIC`, which `NCCL_CONFIG_INITIALIZER` writes.
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+
+/// `NCCL_CONFIG_INITIALIZER` with `maxCTAs` set. The struct is cudarc's (NCCL 2.30's
+/// layout); NCCL reads `min(size, its own size)` bytes of it, and every release since 2.14
+/// only appended fields, so an older library (the machine's 2.28) reads the same prefix.
+/// `version` is the library's own, so it applies no compatibility defaults.
+fn config_with_max_ctas(max_ctas: u32, version: c_int) -> nccl_sys::ncclConfig_t {
+    nccl_sys::ncclConfig_t {
+        size: std::mem::size_of::<nccl_sys::ncclConfig_t>(),
+        magic: CONFIG_MAGIC,
+        version: version as u32,
+        blocking: CONFIG_UNDEF_INT,
+        cgaClusterSize: CONFIG_UNDEF_INT,
+        minCTAs: CONFIG_UNDEF_INT,
+        maxCTAs: max_ctas as c_int,
+        netName: std::ptr::null(),
+        splitShare: CONFIG_UNDEF_INT,
+        trafficClass: CONFIG_UNDEF_INT,
+        commName: std::ptr::null(),
+        collnetEnable: CONFIG_UNDEF_INT,
+        CTAPolicy: CONFIG_UNDEF_INT,
+        shrinkShare: CONFIG_UNDEF_INT,
+        nvlsCTAs: CONFIG_UNDEF_INT,
+        nChannelsPerNetPeer: CONFIG_UNDEF_INT,
+        nvlinkCentricSched: CONFIG_UNDEF_INT,
+        graphUsageMode: CONFIG_UNDEF_INT,
+        numRmaCtx: CONFIG_UNDEF_INT,
+        maxP2pPeers: CONFIG_UNDEF_INT,
+    }
+}
+
+/// The group's NCCL communicator.
+pub struct GroupComm {
+    comm: nccl_sys::ncclComm_t,
+    rank: u32,
+    world_size: u32,
+    /// Set once a transfer stalled: the communicator is then left as it is.
+    abandoned: Cell<bool>,
+}
+
+// SAFETY: an NCCL communicator may be used from any one thread at a time; a `GroupComm`
+// is owned by one layer (or set-up call) and is not `Sync`, so only its owner's thread
+// uses it.
+unsafe impl Send for GroupComm {}
+
+impl GroupComm {
+    /// Joins the communicator of `world_size` ranks as `rank` with the unique id `id`
+    /// (the device must be current), held to `max_ctas` CTAs when given.
+    pub(crate) fn init(
+        rank: u32,
+        world_size: u32,
+        id: [c_char; 128],
+        max_ctas: Option<u32>,
+    ) -> Result<Self, NetworkError> {
+        let id = nccl_sys::ncclUniqueId { internal: id };
+        let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
+        match max_ctas {
+            Some(max_ctas) => {
+                let version = nccl_result::get_nccl_version()
+                    .map_err(nccl_failed("reading NCCL's version"))?;
+                let mut config = config_with_max_ctas(max_ctas, version);
+                // SAFETY: valid out-pointer and config; the id came from rank 0.
+                unsafe {
+                    nccl_result::comm_init_rank_config(
+                        &mut comm,
+                        world_size as c_int,
+                        id,
+                        rank as c_int,
+                        &mut config,
+                    )
+                }
+                .map_err(nccl_failed(format!(
+                    "joining the communicator with at most {max_ctas} CTAs (ncclCommInitRankConfig)"
+                )))?;
+            }
+            None => {
+                // SAFETY: valid out-pointer; the id came from rank 0.
+                unsafe {
+                    nccl_result::comm_init_rank(&mut comm, world_size as c_int, id, rank as c_int)
+                }
+                .map_err(nccl_failed("joining the communicator (ncclCommInitRank)"))?;
+            }
+        }
+        Ok(GroupComm {
+            comm,
+            rank,
+            world_size,
+            abandoned: Cell::new(false),
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    pub fn world_size(&self) -> u32 {
+        self.world_size
+    }
+
+    /// Enqueues an all-gather of `send` (the same length on every rank) into `gathered`
+    /// on `stream`.
+    pub(crate) fn all_gather(
+        &self,
+        send: &CudaSlice<u8>,
+        gathered: &mut CudaSlice<u8>,
+        stream: &CudaStream,
+    ) -> Result<(), NetworkError> {
+        let (from, _read) = cudarc::driver::DevicePtr::device_ptr(send, stream);
+        let (into, _written) = cudarc::driver::DevicePtrMut::device_ptr_mut(gathered, stream);
+        // SAFETY: `gathered` holds world_size times `send`'s bytes, both on this device.
+        unsafe {
+            nccl_result::all_gather(
+                from as *const c_void,
+                into as *mut c_void,
+                send.len(),
+                nccl_sys::ncclDataType_t::ncclUint8,
+                self.comm,
+                stream.cu_stream() as nccl_sys::cudaStream_t,
+            )
+        }
+        .map_err(nccl_failed("all-gathering"))?;
+        Ok(())
+    }
+
+    /// Enqueues one NCCL group of `sends` and `receives` (peer, device address, bytes) on
+    /// `stream`.
+    ///
+    /// # Safety
+    /// Every address must hold its bytes on this device until the stream has run the group.
+    unsafe fn group(
+        &self,
+        sends: &[(u32, u64, u64)],
+        receives: &[(u32, u64, u64)],
+        stream: &CudaStream,
+        what: &str,
+    ) -> Result<(), NetworkError> {
+        let raw_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
+        nccl_result::group_start().map_err(nccl_failed(format!("opening the group of {what}")))?;
+        let mut failed = None;
+        for &(peer, address, bytes) in sends {
+            // SAFETY: the caller's contract.
+            let sent = unsafe {
+                nccl_result::send(
+                    address as *const c_void,
+                    bytes as usize,
+                    nccl_sys::ncclDataType_t::ncclUint8,
+                    peer as c_int,
+                    self.comm,
+                    raw_stream,
+                )
+            };
+            if let Err(e) = sent {
+                failed.get_or_insert(nccl_failed(format!("sending {what} to rank {peer}"))(e));
+            }
+        }
+        for &(peer, address, bytes) in receives {
+            // SAFETY: the caller's contract.
+            let received = unsafe {
+                nccl_result::recv(
+                    address as *mut c_void,
+                    bytes as usize,
+                    nccl_sys::ncclDataType_t::ncclUint8,
+                    peer as c_int,
+                    self.comm,
+                    raw_stream,
+                )
+            };
+            if let Err(e) = received {
+                failed.get_or_insert(nccl_failed(format!("receiving {what} from rank {peer}"))(e));
+            }
+        }
+        // The group is closed even after a failed call, so NCCL's group state stays sound.
+        let closed = nccl_result::group_end().map_err(nccl_failed(format!("enqueuing {what}")));
+        match failed {
+            Some(error) => Err(error),
+            None => closed.map(|_| ()),
+        }
+    }
+}
+
+impl Drop for GroupComm {
+    fn drop(&mut self) {
+        if self.abandoned.get() {
+            // A transfer with a dead peer never finishes: destroying or aborting the
+            // communicator is a collective of every rank on the node and would wait for it.
+            return;
+        }
+        // SAFETY: created by `init`, released once, here; every rank of a healthy group
+        // drops its communicator after the layer's last call.
+        let _ = unsafe { nccl_result::comm_abort(self.comm) };
+    }
+}
+
+/// A step of the plan resolved to this rank's device addresses.
+struct ResolvedStep {
+    kind: StepKind,
+    /// Addresses of the staging flags to wait for; `None`: wait for GEMM2's event.
+    wait_for: Option<Vec<u64>>,
+    sends: Vec<(u32, u64, u64)>,
+    receives: Vec<(u32, u64, u64)>,
+    release: Vec<u64>,
+    /// Recorded after the step's releases: where a stalled call stopped.
+    done: CudaEvent,
+}
+
+/// This rank's traffic between nodes: its communicator, stream and resolved steps.
+pub struct NetworkPath {
+    comm: GroupComm,
+    stream: Arc<CudaStream>,
+    steps: Vec<ResolvedStep>,
+    limit: Duration,
+    /// Whether any step was enqueued since the last wait (before the first call, none).
+    enqueued: Cell<bool>,
+}
+
+impl NetworkPath {
+    /// Resolves `network`'s steps of `comm`'s rank, with `buffer(id)` giving a workspace
+    /// buffer's device address and bytes on `stream`'s device.
+    pub(crate) fn new(
+        comm: GroupComm,
+        stream: Arc<CudaStream>,
+        ep: &ExpertParallelPlan,
+        network: &NetworkPlan,
+        shape: &LayerShape,
+        buffer: impl Fn(BufferId) -> Result<(u64, u64), NetworkError>,
+    ) -> Result<Self, NetworkError> {
+        let address = |id: BufferId, offset: u64, bytes: u64| -> Result<u64, NetworkError> {
+            let (base, size) = buffer(id)?;
+            if offset + bytes > size {
+                return Err(NetworkError::OutOfBuffer {
+                    buffer: id.name(),
+                    offset,
+                    end: offset + bytes,
+                    bytes: size,
+                });
+            }
+            Ok(base + offset)
+        };
+        let flag = |id: BufferId, index: u64| address(id, index * 4, 4);
+        let ctx = stream.context();
+        let mut steps = Vec::new();
+        for step in network.steps(ep, shape, comm.rank()) {
+            let wait_for = match &step.start {
+                StepStart::Flags(flags) => Some(
+                    flags
+                        .iter()
+                        .map(|f| flag(f.buffer, f.index))
+                        .collect::<Result<Vec<_>, _>>()?,
+                ),
+                StepStart::AfterGemm2 => None,
+            };
+            let resolve = |transfers: &[moeforge_compiler::plan::network::Transfer]| {
+                transfers
+                    .iter()
+                    .map(|t| Ok((t.peer, address(t.buffer, t.offset_bytes, t.bytes)?, t.bytes)))
+                    .collect::<Result<Vec<_>, NetworkError>>()
+            };
+            steps.push(ResolvedStep {
+                kind: step.kind,
+                wait_for,
+                sends: resolve(&step.sends)?,
+                receives: resolve(&step.receives)?,
+                release: step
+                    .release
+                    .iter()
+                    .map(|f| flag(f.buffer, f.index))
+                    .collect::<Result<Vec<_>, _>>()?,
+                done: ctx
+                    .new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .context("creating a network step's event")?,
+            });
+        }
+        Ok(NetworkPath {
+            comm,
+            stream,
+            steps,
+            limit: Duration::from_millis(network.wait_limit_ms),
+            enqueued: Cell::new(false),
+        })
+    }
+
+    /// Opens NCCL's connections to every network peer with one small exchange, waited
+    /// for at most `timeout`: a peer that cannot be reached is a set-up error, not a
+    /// stall in the first call.
+    pub(crate) fn connect(&self, peers: &[u32], timeout: Duration) -> Result<(), NetworkError> {
+        const PROBE_BYTES: usize = 1024;
+        let bytes = PROBE_BYTES * peers.len().max(1);
+        let send = self
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .context("allocating the connection probe")?;
+        let received = self
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .context("allocating the connection probe")?;
+        let at = |slice: &CudaSlice<u8>, i: usize| {
+            crate::layer::ptr(slice, &self.stream) + (i * PROBE_BYTES) as u64
+        };
+        let sends: Vec<_> = peers
+            .iter()
+            .enumerate()
+            .map(|(i, &peer)| (peer, at(&send, i), PROBE_BYTES as u64))
+            .collect();
+        let receives: Vec<_> = peers
+            .iter()
+            .enumerate()
+            .map(|(i, &peer)| (peer, at(&received, i), PROBE_BYTES as u64))
+            .collect();
+        // SAFETY: both probes hold every peer's range and live until the wait below.
+        unsafe {
+            self.comm
+                .group(&sends, &receives, &self.stream, "the connection probe")?
+        };
+        let deadline = Instant::now() + timeout;
+        while !stream_idle(&self.stream)? {
+            if Instant::now() >= deadline {
+                self.comm.abandoned.set(true);
+                return Err(NetworkError::Unreachable {
+                    rank: self.comm.rank(),
+                    peers: peers
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    seconds: timeout.as_secs_f64(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// The stream the steps run on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn refuse_if_abandoned(&self) -> Result<(), NetworkError> {
+        if self.comm.abandoned.get() {
+            return Err(NetworkError::Abandoned {
+                rank: self.comm.rank(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Enqueues the steps that wait on staging flags (metadata and dispatch chunks) for
+    /// the call of `epoch`.
+    pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        // The stream memory operations below are raw driver calls: they resolve their
+        // addresses in the thread's current context.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the network stream's context")?;
+        self.enqueued.set(true);
+        for step in self.steps.iter().filter(|s| s.wait_for.is_some()) {
+            for &flag in step.wait_for.iter().flatten() {
+                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
+            }
+            self.run(step, epoch)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the steps of results, after `gemm2_done` (recorded after this rank's
+    /// GEMM2), for the call of `epoch`.
+    pub(crate) fn enqueue_results(
+        &self,
+        epoch: u32,
+        gemm2_done: &CudaEvent,
+    ) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        // The stream memory operations below are raw driver calls: they resolve their
+        // addresses in the thread's current context.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the network stream's context")?;
+        self.enqueued.set(true);
+        self.stream
+            .wait(gemm2_done)
+            .context("ordering the results after GEMM2")?;
+        for step in self.steps.iter().filter(|s| s.wait_for.is_none()) {
+            self.run(step, epoch)?;
+        }
+        Ok(())
+    }
+
+    /// One step's group, releases and event.
+    fn run(&self, step: &ResolvedStep, epoch: u32) -> Result<(), NetworkError> {
+        // SAFETY: every address was checked against its workspace buffer, which the layer
+        // holds for as long as it holds this path (and it waits for this stream, bounded,
+        // before freeing them).
+        let what = step.kind.to_string();
+        unsafe {
+            self.comm
+                .group(&step.sends, &step.receives, &self.stream, &what)?
+        };
+        for &flag in &step.release {
+            stream_write_value(&self.stream, flag, epoch, &step.kind)?;
+        }
+        step.done
+            .record(&self.stream)
+            .context("recording a network step")?;
+        Ok(())
+    }
+
+    /// Waits for every enqueued step, at most the plan's bound; a step that does not
+    /// finish is [`NetworkError::Stalled`], after which the path is abandoned.
+    pub(crate) fn wait(&self) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        if !self.enqueued.get() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.limit;
+        while !stream_idle(&self.stream)? {
+            if Instant::now() >= deadline {
+                return Err(self.stalled());
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        self.enqueued.set(false);
+        Ok(())
+    }
+
+    /// The error for a call whose steps did not finish in time, naming the first
+    /// unfinished step; abandons the path.
+    fn stalled(&self) -> NetworkError {
+        self.comm.abandoned.set(true);
+        let step = self
+            .steps
+            .iter()
+            .find(|s| !s.done.try_is_complete().unwrap_or(false))
+            .or(self.steps.last());
+        let (kind, peers) = match step {
+            Some(step) => {
+                let mut peers: Vec<u32> = step.receives.iter().map(|r| r.0).collect();
+                peers.dedup();
+                let peers: Vec<String> = peers.iter().map(u32::to_string).collect();
+                (step.kind, peers.join(", "))
+            }
+            None => (StepKind::Metadata, String::new()),
+        };
+        NetworkError::Stalled {
+            rank: self.comm.rank(),
+            step: kind,
+            peers,
+            seconds: self.limit.as_secs_f64(),
+        }
+    }
+
+    /// Leaves the communicator as it is from now on (a peer is gone: tearing it down would
+    /// wait for that peer).
+    pub(crate) fn abandon(&self) {
+        self.comm.abandoned.set(true);
+    }
+
+    /// Whether the path was abandoned after a stall.
+    pub(crate) fn abandoned(&self) -> bool {
+        self.comm.abandoned.get()
+    }
+}
+
+/// Whether `stream` has run all its work (never blocks).
+fn stream_idle(stream: &CudaStream) -> Result<bool, NetworkError> {
+    // SAFETY: the stream is alive.
+    match unsafe { driver::cuStreamQuery(stream.cu_stream()) } {
+        CUresult::CUDA_SUCCESS => Ok(true),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(NetworkError::StreamOp {
+            call: "cuStreamQuery",
+            context: "waiting for the network stream".to_string(),
+            result: other,
+        }),
+    }
+}
+
+/// `stream` waits until the u32 at `flag` reaches `epoch` (cyclic comparison).
+fn stream_wait_value(
+    stream: &CudaStream,
+    flag: u64,
+    epoch: u32,
+    what: &StepKind,
+) -> Result<(), NetworkError> {
+    // SAFETY: `flag` is a checked address of this device's workspace.
+    let result = unsafe {
+        driver::cuStreamWaitValue32_v2(
+            stream.cu_stream(),
+            flag,
+            epoch,
+            driver::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
+        )
+    };
+    match result {
+        CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(NetworkError::StreamOp {
+            call: "cuStreamWaitValue32",
+            context: format!("waiting for the staging of {what} (flag at {flag:#x})"),
+            result: other,
+        }),
+    }
+}
+
+/// `stream` writes `epoch` into the u32 at `flag` once its earlier work is done (the
+/// default flags fence that work's memory before the write).
+fn stream_write_value(
+    stream: &CudaStream,
+    flag: u64,
+    epoch: u32,
+    what: &StepKind,
+) -> Result<(), NetworkError> {
+    // SAFETY: `flag` is a checked address of this device's workspace.
+    let result = unsafe {
+        driver::cuStreamWriteValue32_v2(
+            stream.cu_stream(),
+            flag,
+            epoch,
+            driver::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+        )
+    };
+    match result {
+        CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(NetworkError::StreamOp {
+            call: "cuStreamWriteValue32",
+            context: format!("releasing the flags of {what} (flag at {flag:#x})"),
+            result: other,
+        }),
+    }
+}
