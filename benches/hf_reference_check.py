@@ -18,9 +18,9 @@ Per model family, on one CUDA GPU:
 4. runs the block on random x [T, H] (uniform in +-1, bf16), records its output y and its
    router's logits, chosen experts and weights;
 5. runs `moeforge run SPEC --weights CKPT --inputs FILE --outputs FILE --check` twice on
-   the same x: once routing itself (the spec's router on the GPU), once with the
-   reference's chosen experts and weights passed in (so the experts' arithmetic is
-   compared on every token, whatever the router did);
+   the same x (side by side for the small configuration): once routing itself (the
+   spec's router on the GPU), once with the reference's chosen experts and weights passed
+   in (so the experts' arithmetic is compared on every token, whatever the router did);
 6. compares, and prints one table row per case; exits 1 when a case fails, 77 when it
    cannot run (no torch, transformers, safetensors or CUDA device), else 0.
 
@@ -813,19 +813,38 @@ def bound_ratio(got, want, rtol, atol_per_rms):
     return error.max().item(), ratio.max().item(), int((ratio > 1).sum().item())
 
 
-def run_moeforge(moeforge, spec, checkpoint, family, inputs, outputs, seed, row, what):
-    command = [
-        moeforge, "run", spec, "--weights", checkpoint, "--layer-prefix", PREFIX,
-        "--family", family.moeforge_family, "--inputs", inputs, "--outputs", outputs,
-        "--check", "--seed", str(seed),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0 or "PASS" not in done.stdout:
-        row.notes.append(
-            f"{what}: `{' '.join(command)}` exited {done.returncode}:\n{done.stdout}{done.stderr}"
-        )
-        return False
-    return True
+def run_moeforge(moeforge, spec, checkpoint, family, seed, row, runs, at_once):
+    """Runs `moeforge run SPEC --inputs IN --outputs OUT --check` for each (what, IN, OUT) of
+    `runs`; True when every run passed, else notes each failure. With `at_once` the runs
+    go side by side (each process's start, CUDA set-up and checkpoint load take seconds,
+    and a small case's calls are short); a real size's layer is run one process at a time,
+    as it is held in host and GPU memory by each."""
+    done = []
+
+    def finish(what, command, process):
+        stdout, stderr = process.communicate()
+        done.append((what, command, process.returncode, stdout, stderr))
+
+    started = []
+    for what, inputs, outputs in runs:
+        command = [
+            moeforge, "run", spec, "--weights", checkpoint, "--layer-prefix", PREFIX,
+            "--family", family.moeforge_family, "--inputs", inputs, "--outputs", outputs,
+            "--check", "--seed", str(seed),
+        ]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if at_once:
+            started.append((what, command, process))
+        else:
+            finish(what, command, process)
+    for what, command, process in started:
+        finish(what, command, process)
+    ok = True
+    for what, command, returncode, stdout, stderr in done:
+        if returncode != 0 or "PASS" not in stdout:
+            row.notes.append(f"{what}: `{' '.join(command)}` exited {returncode}:\n{stdout}{stderr}")
+            ok = False
+    return ok
 
 
 def self_checks(family, sizes, x, router, logits, ids, weights, correction, row):
@@ -990,11 +1009,10 @@ def compare(family, sizes, args, folder, block, experts, shared, router, correct
               os.path.join(folder, "reference.safetensors"))
     routed_out = os.path.join(folder, "outputs_routed.safetensors")
     given_out = os.path.join(folder, "outputs_given.safetensors")
-    ok = run_moeforge(args.moeforge, spec, checkpoint, family, routed_in, routed_out,
-                      args.seed, row, "routing itself")
-    ok &= run_moeforge(args.moeforge, spec, checkpoint, family, given_in, given_out,
-                       args.seed, row, "given the reference's routing")
-    if not ok:
+    runs = [("routing itself", routed_in, routed_out),
+            ("given the reference's routing", given_in, given_out)]
+    if not run_moeforge(args.moeforge, spec, checkpoint, family, args.seed, row, runs,
+                        at_once=label == "small"):
         return row
 
     routed = load_file(routed_out, device=device)

@@ -197,36 +197,9 @@ pub fn layer_output<'a>(
         .flat_map(|(e, pairs)| pairs.chunks(ROWS_PER_ITEM).map(move |c| (e, c)))
         .collect();
 
-    let next = AtomicUsize::new(0);
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(items.len())
-        .max(1);
-    let mut results: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&(e, pairs)) = items.get(i) else {
-                            break done;
-                        };
-                        let rows = expert_rows(shape, &experts(e), workload, &tokens, pairs);
-                        done.push((i, rows));
-                    }
-                })
-            })
-            .collect();
-        for handle in handles {
-            let done = handle
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            for (i, rows) in done {
-                results[i] = rows;
-            }
-        }
+    let results = on_every_core(items.len(), |i| {
+        let (e, pairs) = items[i];
+        expert_rows(shape, &experts(e), workload, &tokens, pairs)
     });
 
     let mut y = vec![0f32; tokens.len() * hidden];
@@ -247,6 +220,44 @@ pub fn layer_output<'a>(
         y,
         magnitude,
     }
+}
+
+/// `work(i)` for every `i` in `0..items`, in that order, computed on every core: each
+/// thread takes the next unclaimed item until none is left, so that items of unequal
+/// cost (an expert that takes every token) keep all cores busy. Each result is what
+/// `work` computes on one thread, so it is the same on any number of cores.
+pub(crate) fn on_every_core<T: Send>(items: usize, work: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(items)
+        .max(1);
+    let mut results: Vec<(usize, T)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= items {
+                            break done;
+                        }
+                        done.push((i, work(i)));
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    });
+    results.sort_unstable_by_key(|&(i, _)| i);
+    results.into_iter().map(|(_, result)| result).collect()
 }
 
 /// `topk_weight · (W2_e · bf16(act(W1_e · x + b1_e)) + b2_e)` for some slots of one

@@ -130,12 +130,18 @@ fn virtual_ranks_match_reference() {
         (layers::tiny_with_shared_expert(Activation::Swiglu), 4),
         (layers::scaled_down(&qwen), 4),
     ];
-    for (layer, ranks) in cases {
-        let layer = over_ranks(&layer, ranks, true);
-        let built = session
-            .build(plan_for(&session, &layer), seed)
-            .expect("build");
-        let contexts = vec![Arc::clone(&session.gpu.ctx); ranks as usize];
+    let on_virtual_ranks: Vec<Layer> = cases
+        .iter()
+        .map(|(layer, ranks)| over_ranks(layer, *ranks, true))
+        .collect();
+    // Built together, so that NVRTC compiles the layers on parallel threads.
+    let plans = on_virtual_ranks
+        .iter()
+        .map(|l| plan_for(&session, l))
+        .collect();
+    let built = session.build_many(plans, seed).expect("build");
+    for (layer, built) in on_virtual_ranks.iter().zip(built) {
+        let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
         let mut ep = session
             .build_expert_parallel(&built, &contexts)
             .expect("expert-parallel layer");
@@ -204,22 +210,25 @@ fn every_gpu_matches_reference() {
         .into_iter()
         .find(|l| l.name == "qwen3_30b_a3b")
         .expect("the Qwen3-30B example");
+    let mut on_every_gpu = Vec::new();
     for layer in [
         layers::tiny(Activation::Swiglu),
         layers::tiny_with_shared_expert(Activation::Swiglu),
         layers::scaled_down(&qwen),
     ] {
-        if !layer.experts.is_multiple_of(ranks) {
+        if layer.experts.is_multiple_of(ranks) {
+            on_every_gpu.push(over_ranks(&layer, ranks, false));
+        } else {
             say(format!(
                 "SKIPPED {} on {ranks} GPUs: its {} experts do not split over them",
                 layer.name, layer.experts
             ));
-            continue;
         }
-        let layer = over_ranks(&layer, ranks, false);
-        let built = session
-            .build(plan_for(&session, &layer), seed)
-            .expect("build");
+    }
+    // Built together, so that NVRTC compiles the layers on parallel threads.
+    let plans = on_every_gpu.iter().map(|l| plan_for(&session, l)).collect();
+    let built = session.build_many(plans, seed).expect("build");
+    for (layer, built) in on_every_gpu.iter().zip(built) {
         let mut ep = session
             .build_expert_parallel(&built, &contexts)
             .expect("expert-parallel layer on every GPU");

@@ -27,6 +27,7 @@ use moeforge_compiler::ir::{self, RouterBias, Scoring};
 pub use moeforge_compiler::plan::router::NORMALIZE_EPSILON;
 
 use crate::bf16;
+use crate::reference::on_every_core;
 
 /// Tokens' expert choices and routing weights, `[tokens, top_k]` each.
 #[derive(Clone, Debug, PartialEq)]
@@ -349,10 +350,17 @@ pub struct KernelRouting<'a> {
     pub topk_weights: &'a [f32],
 }
 
+/// Tokens per work item of [`compare`]: a token costs `2·E·H` multiply-adds (its logits
+/// and their magnitudes), so an item is a few milliseconds of a large layer's work, and a
+/// call of a few hundred tokens still spreads over every core.
+const TOKENS_PER_ITEM: usize = 32;
+
 /// Compares a router kernel's output for `tokens` (indices into the call) with this
 /// reference: its logits against `x · W_gateᵀ` computed here, its choice against the
 /// reference's choice from the kernel's own logits, its weights against the reference's
-/// weights of the experts it chose. `x` is bf16 [T, H], `gate` bf16 [E, H].
+/// weights of the experts it chose. `x` is bf16 [T, H], `gate` bf16 [E, H]. The tokens are
+/// compared on every core, each as on one thread, and the findings kept in token order:
+/// the result does not depend on the number of cores.
 #[allow(clippy::too_many_arguments)]
 pub fn compare(
     rule: &ir::Router,
@@ -365,61 +373,92 @@ pub fn compare(
     kernel: &KernelRouting<'_>,
     tokens: &[usize],
 ) -> RouterCheck {
-    let mut check = RouterCheck {
-        tokens: tokens.len(),
-        logits_out_of_bound: 0,
-        worst_logit_ratio: 0.0,
-        mismatched_tokens: Vec::new(),
-        near_tie_tokens: Vec::new(),
-        weights_out_of_bound: 0,
-        worst_weight_error: 0.0,
-    };
     let gate_rows: Vec<f32> = gate[..experts * hidden]
         .iter()
         .map(|&v| bf16::to_f32(v))
         .collect();
-    for &t in tokens {
-        let row: Vec<f32> = x[t * hidden..(t + 1) * hidden]
-            .iter()
-            .map(|&v| bf16::to_f32(v))
-            .collect();
-        let kernel_logits = &kernel.logits[t * experts..(t + 1) * experts];
-        for (w, &got) in gate_rows.chunks_exact(hidden).zip(kernel_logits) {
-            let want: f32 = w.iter().zip(&row).map(|(a, b)| a * b).sum();
-            let magnitude: f32 = w.iter().zip(&row).map(|(a, b)| (a * b).abs()).sum();
-            let bound = LOGIT_TOLERANCE * magnitude + f32::MIN_POSITIVE;
-            let ratio = (got - want).abs() / bound;
-            if ratio > 1.0 || ratio.is_nan() {
-                check.logits_out_of_bound += 1;
+    let items: Vec<&[usize]> = tokens.chunks(TOKENS_PER_ITEM).collect();
+    let compare_item = |item: usize| {
+        let mut check = RouterCheck::of_no_tokens();
+        for &t in items[item] {
+            check.tokens += 1;
+            let row: Vec<f32> = x[t * hidden..(t + 1) * hidden]
+                .iter()
+                .map(|&v| bf16::to_f32(v))
+                .collect();
+            let kernel_logits = &kernel.logits[t * experts..(t + 1) * experts];
+            for (w, &got) in gate_rows.chunks_exact(hidden).zip(kernel_logits) {
+                let want: f32 = w.iter().zip(&row).map(|(a, b)| a * b).sum();
+                let magnitude: f32 = w.iter().zip(&row).map(|(a, b)| (a * b).abs()).sum();
+                let bound = LOGIT_TOLERANCE * magnitude + f32::MIN_POSITIVE;
+                let ratio = (got - want).abs() / bound;
+                if ratio > 1.0 || ratio.is_nan() {
+                    check.logits_out_of_bound += 1;
+                }
+                check.worst_logit_ratio = check.worst_logit_ratio.max(ratio);
             }
-            check.worst_logit_ratio = check.worst_logit_ratio.max(ratio);
+            let (want_ids, _) = route_token(rule, top_k, kernel_logits, bias);
+            let got_ids: Vec<usize> = kernel.topk_ids[t * top_k..(t + 1) * top_k]
+                .iter()
+                .map(|&id| usize::try_from(id).unwrap_or(usize::MAX))
+                .collect();
+            if got_ids != want_ids {
+                if near_tie(rule, kernel_logits, bias, &got_ids) {
+                    check.near_tie_tokens.push(t);
+                } else {
+                    check.mismatched_tokens.push(t);
+                    continue;
+                }
+            }
+            let want = token_weights(rule, kernel_logits, bias, &got_ids);
+            for (&got, &want) in kernel.topk_weights[t * top_k..(t + 1) * top_k]
+                .iter()
+                .zip(&want)
+            {
+                let error = (got - want).abs() / want.abs().max(f32::MIN_POSITIVE);
+                if error > WEIGHT_TOLERANCE || error.is_nan() {
+                    check.weights_out_of_bound += 1;
+                }
+                check.worst_weight_error = check.worst_weight_error.max(error);
+            }
         }
-        let (want_ids, _) = route_token(rule, top_k, kernel_logits, bias);
-        let got_ids: Vec<usize> = kernel.topk_ids[t * top_k..(t + 1) * top_k]
-            .iter()
-            .map(|&id| usize::try_from(id).unwrap_or(usize::MAX))
-            .collect();
-        if got_ids != want_ids {
-            if near_tie(rule, kernel_logits, bias, &got_ids) {
-                check.near_tie_tokens.push(t);
-            } else {
-                check.mismatched_tokens.push(t);
-                continue;
-            }
-        }
-        let want = token_weights(rule, kernel_logits, bias, &got_ids);
-        for (&got, &want) in kernel.topk_weights[t * top_k..(t + 1) * top_k]
-            .iter()
-            .zip(&want)
-        {
-            let error = (got - want).abs() / want.abs().max(f32::MIN_POSITIVE);
-            if error > WEIGHT_TOLERANCE || error.is_nan() {
-                check.weights_out_of_bound += 1;
-            }
-            check.worst_weight_error = check.worst_weight_error.max(error);
+        check
+    };
+    on_every_core(items.len(), compare_item).into_iter().fold(
+        RouterCheck::of_no_tokens(),
+        |mut all, item| {
+            all.add(item);
+            all
+        },
+    )
+}
+
+impl RouterCheck {
+    /// The check of no tokens: nothing compared, nothing wrong.
+    fn of_no_tokens() -> Self {
+        RouterCheck {
+            tokens: 0,
+            logits_out_of_bound: 0,
+            worst_logit_ratio: 0.0,
+            mismatched_tokens: Vec::new(),
+            near_tie_tokens: Vec::new(),
+            weights_out_of_bound: 0,
+            worst_weight_error: 0.0,
         }
     }
-    check
+
+    /// Adds the findings of `later`, a check of tokens after this one's.
+    fn add(&mut self, later: RouterCheck) {
+        self.tokens += later.tokens;
+        self.logits_out_of_bound += later.logits_out_of_bound;
+        // `f32::max` ignores a NaN operand, as the comparison of each token does: the
+        // largest of the items' largest is the largest over all tokens.
+        self.worst_logit_ratio = self.worst_logit_ratio.max(later.worst_logit_ratio);
+        self.mismatched_tokens.extend(later.mismatched_tokens);
+        self.near_tie_tokens.extend(later.near_tie_tokens);
+        self.weights_out_of_bound += later.weights_out_of_bound;
+        self.worst_weight_error = self.worst_weight_error.max(later.worst_weight_error);
+    }
 }
 
 #[cfg(test)]
@@ -631,6 +670,62 @@ mod tests {
         };
         let check = compare(&mixtral(), 2, 3, 2, &x, &gate, None, &kernel, &[0, 1]);
         assert_eq!(check.logits_out_of_bound, 1, "{check}");
+    }
+
+    /// A call of several work items finds what checking its tokens one at a time finds,
+    /// in token order: wrong choices, near-ties, out-of-bound logits and weights, and the
+    /// worst errors.
+    #[test]
+    fn many_tokens_compare_as_their_tokens_one_by_one() {
+        use crate::workload::SplitMix64;
+        let (hidden, experts, top_k, tokens) = (24, 6, 2, 5 * TOKENS_PER_ITEM + 3);
+        let mut rng = SplitMix64::new(5);
+        let mut draw =
+            |n: usize| -> Vec<u16> { (0..n).map(|_| bf16::from_f32(rng.signed())).collect() };
+        let (x, gate) = (draw(tokens * hidden), draw(experts * hidden));
+        let mut logits = gate_logits(&x, &gate, hidden, experts);
+        let mut routed = route(&mixtral(), experts, top_k, &logits, None);
+        // Faults spread over the items: a logit off, a choice swapped, a weight off.
+        for t in (0..tokens).step_by(7) {
+            logits[t * experts + 1] += 0.25;
+        }
+        for t in (3..tokens).step_by(11) {
+            routed.topk_ids.swap(t * top_k, t * top_k + 1);
+        }
+        for t in (5..tokens).step_by(13) {
+            routed.topk_weights[t * top_k] *= 1.01;
+        }
+        let kernel = KernelRouting {
+            logits: &logits,
+            topk_ids: &routed.topk_ids,
+            topk_weights: &routed.topk_weights,
+        };
+        let all: Vec<usize> = (0..tokens).collect();
+        let check = |tokens: &[usize]| {
+            compare(
+                &mixtral(),
+                hidden,
+                experts,
+                top_k,
+                &x,
+                &gate,
+                None,
+                &kernel,
+                tokens,
+            )
+        };
+        let together = check(&all);
+        let one_by_one = all.iter().fold(RouterCheck::of_no_tokens(), |mut sum, &t| {
+            sum.add(check(&[t]));
+            sum
+        });
+        assert_eq!(together, one_by_one);
+        assert!(
+            together.logits_out_of_bound > 0
+                && together.mismatched_tokens.len() > 1
+                && together.weights_out_of_bound > 0,
+            "{together}"
+        );
     }
 
     /// The logits themselves choose (top-k of the logits), so selection values are exact.
