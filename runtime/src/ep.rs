@@ -13,6 +13,7 @@
 //! raises the epoch the flags compare against, so no flag is ever reset.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{
@@ -28,7 +29,7 @@ use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
     load_kernel, ptr, read_error_word,
 };
-use crate::network::{NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
+use crate::network::{self, NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
 use crate::process_group::ControlChannel;
 use crate::tensor_map::TensorMap;
 
@@ -370,9 +371,9 @@ impl EpLayer {
     /// Waits for every rank's streams; for the network stream at most the plan's bound (a
     /// stalled transfer is [`NetworkError::Stalled`]; an abandoned path is not waited for).
     pub fn synchronize(&self) -> Result<(), LayerError> {
-        if let Some(network) = self.network()
-            && !network.path.abandoned()
-        {
+        // Once the network path is abandoned the rank's streams may wait on its stuck
+        // stream (a call enqueued after the stalled one joins it): refuse, never block.
+        if let Some(network) = self.network() {
             network.path.wait()?;
         }
         for rank in &self.ranks {
@@ -386,6 +387,9 @@ impl EpLayer {
     /// entry, this process's rank). Does not synchronise. The ranks meet only through the
     /// kernels' flags; in a group every rank makes the same sequence of calls.
     pub fn forward(&mut self, args: &mut [ForwardArgs<'_>]) -> Result<(), LayerError> {
+        if let Some(network) = self.network() {
+            network.path.refuse_if_abandoned()?;
+        }
         let regimes = self.begin_call(args)?;
         let withheld = self.withheld.take();
         for rank in &self.ranks {
@@ -540,7 +544,10 @@ impl EpLayer {
                     })?,
             );
         }
-        self.epoch = self.epoch.wrapping_add(1).max(1);
+        // Wraps through 0 like every flag: a flag compares by signed difference, so after
+        // 0xFFFFFFFF comes 0 (skipping it would leave a credit of 0xFFFFFFFF one short of
+        // the 0 the next call waits for).
+        self.epoch = self.epoch.wrapping_add(1);
         Ok(regimes)
     }
 
@@ -655,16 +662,42 @@ impl EpLayer {
         Err(first)
     }
 
+    /// Every rank's error word once its streams are idle, without synchronising: `None`
+    /// if they are still busy after `limit` (waiting on a stalled network stream).
+    fn error_words_once_idle(&self, limit: Duration) -> Option<Vec<[i32; 4]>> {
+        let deadline = Instant::now() + limit;
+        for rank in &self.ranks {
+            for stream in [&rank.comm, &rank.compute] {
+                while !network::stream_idle(stream).ok()? {
+                    if Instant::now() >= deadline {
+                        return None;
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        }
+        self.ranks
+            .iter()
+            .map(|rank| {
+                read_error_word(
+                    &rank.compute,
+                    workspace(&rank.workspace, BufferId::ErrorWord).ok()?,
+                )
+                .ok()
+            })
+            .collect()
+    }
+
     /// [`EpLayer::take_error`] for this process's rank of a group.
     fn take_group_error(&mut self) -> Result<(), LayerError> {
         if let Some(network) = self.network()
             && let Err(stalled) = network.path.wait()
         {
-            // The kernels' waits are bounded and the compute stream never waits for the
-            // network stream within a call, so their error word is readable now.
+            // The kernels' waits are bounded, but a call enqueued after the stalled one made
+            // this rank's streams wait on the stuck network stream: read the error word
+            // only if they drain within the wait bound.
             let kernel = self
-                .error_words()
-                .ok()
+                .error_words_once_idle(network.path.wait_limit())
                 .and_then(|words| {
                     words
                         .into_iter()
@@ -769,6 +802,17 @@ impl Drop for EpLayer {
     /// In a group, waits for the peers before the buffers they write are freed: a peer may
     /// still be returning credits into them after this rank's last call ended.
     fn drop(&mut self) {
+        if self
+            .network()
+            .is_some_and(|network| network.path.abandoned())
+        {
+            // A stuck NCCL transfer still reads and writes this rank's workspace, and
+            // freeing device memory would wait for it: leak the ranks (streams, workspace)
+            // and the group; the process is expected to leave (see `moeforge run`).
+            std::mem::forget(std::mem::take(&mut self.ranks));
+            std::mem::forget(self.group.take());
+            return;
+        }
         if self.group.is_some() {
             let _ = self.synchronize();
         }

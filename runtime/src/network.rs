@@ -446,7 +446,14 @@ impl NetworkPath {
         &self.stream
     }
 
-    fn refuse_if_abandoned(&self) -> Result<(), NetworkError> {
+    /// How long the host waits for one call's steps (the plan's `wait_limit_ms`).
+    pub(crate) fn wait_limit(&self) -> Duration {
+        self.limit
+    }
+
+    /// An error once the path was abandoned (after a stall, or a failure part-way through
+    /// enqueueing a call's steps).
+    pub(crate) fn refuse_if_abandoned(&self) -> Result<(), NetworkError> {
         if self.comm.abandoned.get() {
             return Err(NetworkError::Abandoned {
                 rank: self.comm.rank(),
@@ -466,13 +473,27 @@ impl NetworkPath {
             .bind_to_thread()
             .context("binding the network stream's context")?;
         self.enqueued.set(true);
-        for step in self.steps.iter().filter(|s| s.wait_for.is_some()) {
-            for &flag in step.wait_for.iter().flatten() {
-                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
-            }
-            self.run(step, epoch)?;
+        let enqueued = self
+            .steps
+            .iter()
+            .filter(|s| s.wait_for.is_some())
+            .try_for_each(|step| {
+                for &flag in step.wait_for.iter().flatten() {
+                    stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
+                }
+                self.run(step, epoch)
+            });
+        self.abandon_on_error(enqueued)
+    }
+
+    /// A call whose steps were enqueued only in part leaves this rank's NCCL operations
+    /// out of step with its peers' (the next call's would pair with their leftovers, and
+    /// equal sizes would pass unnoticed): the path cannot be used again.
+    fn abandon_on_error(&self, enqueued: Result<(), NetworkError>) -> Result<(), NetworkError> {
+        if enqueued.is_err() {
+            self.abandon();
         }
-        Ok(())
+        enqueued
     }
 
     /// Enqueues the steps of results, after `gemm2_done` (recorded after this rank's
@@ -490,13 +511,18 @@ impl NetworkPath {
             .bind_to_thread()
             .context("binding the network stream's context")?;
         self.enqueued.set(true);
-        self.stream
+        let enqueued = self
+            .stream
             .wait(gemm2_done)
-            .context("ordering the results after GEMM2")?;
-        for step in self.steps.iter().filter(|s| s.wait_for.is_none()) {
-            self.run(step, epoch)?;
-        }
-        Ok(())
+            .context("ordering the results after GEMM2")
+            .map_err(NetworkError::from)
+            .and_then(|()| {
+                self.steps
+                    .iter()
+                    .filter(|s| s.wait_for.is_none())
+                    .try_for_each(|step| self.run(step, epoch))
+            });
+        self.abandon_on_error(enqueued)
     }
 
     /// One step's group, releases and event.
@@ -575,7 +601,7 @@ impl NetworkPath {
 }
 
 /// Whether `stream` has run all its work (never blocks).
-fn stream_idle(stream: &CudaStream) -> Result<bool, NetworkError> {
+pub(crate) fn stream_idle(stream: &CudaStream) -> Result<bool, NetworkError> {
     // SAFETY: the stream is alive.
     match unsafe { driver::cuStreamQuery(stream.cu_stream()) } {
         CUresult::CUDA_SUCCESS => Ok(true),

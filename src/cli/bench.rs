@@ -420,6 +420,7 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         Ok(_) => OK,
         Err(error) => {
             eprintln!("error: rank {}: {error}", env.rank);
+            group::exit_if_network_abandoned(&rank.ep);
             invalid_input()
         }
     }

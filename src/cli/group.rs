@@ -139,3 +139,15 @@ pub fn start(env: &LaunchEnv, plan: Plan, seed: u64) -> Result<RankBuilt, ExitCo
         seed,
     })
 }
+
+/// Leaves the process at once when `ep`'s network path was abandoned after a stall. The
+/// network stream stays blocked on the lost peer's transfer, and the driver's exit-time
+/// tear-down waits for it: on the two-H200 machine (2026-11-30) `exit(1)` after a stall
+/// had not returned 55 s later. The kernel's clean-up of a process that is gone ends that
+/// transfer.
+pub fn exit_if_network_abandoned(ep: &EpLayer) {
+    if ep.network_abandoned() {
+        // SAFETY: `_exit` ends the process at once; nothing runs after it.
+        unsafe { libc::_exit(1) };
+    }
+}

@@ -531,14 +531,7 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
                 env.rank,
                 started.elapsed().as_secs_f64()
             );
-            if ep.network_abandoned() {
-                // The network stream stays blocked on the lost peer's transfer, and the
-                // driver's exit-time tear-down waits for it: on the two-H200 machine
-                // (2026-11-30) `exit(1)` after a stall had not returned 55 s later. The
-                // kernel's clean-up of a process that is gone ends that transfer.
-                // SAFETY: `_exit` ends the process at once; nothing runs after it.
-                unsafe { libc::_exit(1) };
-            }
+            group::exit_if_network_abandoned(&ep);
             invalid_input()
         }
     }

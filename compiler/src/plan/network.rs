@@ -608,6 +608,19 @@ mod tests {
         assert!(error.contains("network"), "{error}");
     }
 
+    /// The results' chunks cover max_tokens; more receive slots than that would make the
+    /// steps' last chunks start past the tokens.
+    #[test]
+    fn validation_refuses_receive_slots_beyond_max_tokens() {
+        let mut plan = planned(2, 1, "");
+        let ep = plan.expert_parallel.as_mut().unwrap();
+        ep.slots_per_source += ep.dispatch_chunk;
+        ep.chunks_per_source += 1;
+        ep.network.as_mut().unwrap().chunks += 1;
+        let error = plan.validate().expect_err("refused").to_string();
+        assert!(error.contains("are not max_tokens"), "{error}");
+    }
+
     #[test]
     fn the_table_row_of_a_network_peer_holds_only_its_return_outbox() {
         let plan = planned(2, 1, "");

@@ -60,13 +60,13 @@ const GATE_BLOCK_WARPS: u32 = 8;
 /// Fewest k-tiles a group of warps of a split reduction takes.
 const GATE_MIN_K_TILES_PER_GROUP: u32 = 4;
 /// Most (token, k) pairs of a regime's largest call for its router to be fused: the fused
-/// router's routing runs on one block of a gate block's threads, 16 pairs each at most
-/// here, and its select on one block per token tile (see the module documentation).
+/// router's routing runs on one gate block (160 to 256 threads: 16 to 26 pairs each at
+/// most here), and its select on one block per token tile (see the module documentation).
 pub const ROUTER_FUSED_MAX_PAIRS: u64 = 4096;
 /// Tokens one block of the split router's select kernel routes, one warp each.
 pub const SELECT_WARPS: u32 = 4;
 
-/// The router of a layer: its rule and, per single-GPU regime, its launch.
+/// The router of a layer: its rule and, per single-GPU regime, its launches.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterPlan {
     pub rule: ir::Router,

@@ -226,6 +226,12 @@ impl Plan {
         if network.chunk_tokens != ep.dispatch_chunk || network.chunks != ep.chunks_per_source {
             return Err("a transfer is not one dispatch chunk".into());
         }
+        if ep.slots_per_source != self.shape.max_tokens {
+            return Err(
+                "the receive slots per source are not max_tokens, which the transfers' chunks of results cover"
+                    .into(),
+            );
+        }
         if network.nccl_ctas == 0 || network.wait_limit_ms == 0 {
             return Err("NCCL has no CTAs, or the host's wait has no bound".into());
         }
@@ -262,9 +268,10 @@ impl Plan {
 
     /// One router regime per single-GPU regime; the rule's group limit and scale are
     /// usable; each gate tile is whole 16-row and 16-expert pieces with its warps and
-    /// shared memory (its rings, or the later phases' scratch) adding up and covers every
-    /// expert; its launch is exactly that of that tile and the rule (grids, threads, shared memory, parameters: the bias exactly
-    /// when the rule has one).
+    /// shared memory (its rings, or a fused router's scratch) adding up and covers every
+    /// expert; the regime is fused exactly when its largest call has few pairs; its
+    /// launches are exactly those of that tile, shape and rule (grids, threads, shared
+    /// memory, parameters: the bias exactly when the rule has one).
     fn check_router(&self, router: &RouterPlan) -> Result<(), String> {
         let experts = self.shape.experts;
         if router.regimes.len() != self.regimes.len() {
