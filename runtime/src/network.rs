@@ -14,8 +14,9 @@
 //!   sends and receives; then `cuStreamWriteValue32` of the call's epoch into each flag
 //!   the kernels wait on. No step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
-//!   cannot tell over every transport. [`NetworkPath::wait`] polls an event recorded after
-//!   each step until the plan's `wait_limit_ms`; past it, the first unfinished step is a
+//!   cannot tell over every transport. [`NetworkPath::wait`] polls the network stream
+//!   until the plan's `wait_limit_ms` per call enqueued since the last wait; past it, the
+//!   first unfinished step (by the event recorded after each) is a
 //!   [`NetworkError::Stalled`] naming this rank, the step and the peers it waits for. The
 //!   path is then abandoned: its communicator is never destroyed (tearing it down is a
 //!   collective call of every rank on the node, the dead one too, and would wait for it)
@@ -39,7 +40,7 @@ use crate::gpu::{DriverContext, GpuError};
 #[derive(Debug, Error)]
 pub enum NetworkError {
     #[error(
-        "rank {rank}: the NCCL transfers of {step} with rank(s) {peers} did not finish within {seconds:.1} s (the plan's bound); a peer on another node stopped or never sent. The network path is abandoned: rebuild the layer (this process's NCCL stream stays blocked on the transfer, so leave the process)"
+        "rank {rank}: the NCCL transfers of {step} with rank(s) {peers} did not finish within {seconds:.1} s (the plan's bound per call waited for); a peer on another node stopped or never sent. The network path is abandoned: rebuild the layer (this process's NCCL stream stays blocked on the transfer, so leave the process)"
     )]
     Stalled {
         rank: u32,
@@ -320,8 +321,10 @@ pub struct NetworkPath {
     stream: Arc<CudaStream>,
     steps: Vec<ResolvedStep>,
     limit: Duration,
-    /// Whether any step was enqueued since the last wait (before the first call, none).
-    enqueued: Cell<bool>,
+    /// Calls whose steps were enqueued since the last wait: the host's bound is one
+    /// `limit` per call, so that a backlog of calls (a bench's timed loop) that runs at
+    /// its pace is not taken for a stall.
+    calls_outstanding: Cell<u32>,
 }
 
 impl NetworkPath {
@@ -386,7 +389,7 @@ impl NetworkPath {
             stream,
             steps,
             limit: Duration::from_millis(network.wait_limit_ms),
-            enqueued: Cell::new(false),
+            calls_outstanding: Cell::new(0),
         })
     }
 
@@ -472,7 +475,8 @@ impl NetworkPath {
             .context()
             .bind_to_thread()
             .context("binding the network stream's context")?;
-        self.enqueued.set(true);
+        self.calls_outstanding
+            .set(self.calls_outstanding.get().saturating_add(1));
         let enqueued = self
             .steps
             .iter()
@@ -510,7 +514,9 @@ impl NetworkPath {
             .context()
             .bind_to_thread()
             .context("binding the network stream's context")?;
-        self.enqueued.set(true);
+        // The call's dispatch steps counted it; results alone still make one.
+        self.calls_outstanding
+            .set(self.calls_outstanding.get().max(1));
         let enqueued = self
             .stream
             .wait(gemm2_done)
@@ -544,27 +550,30 @@ impl NetworkPath {
         Ok(())
     }
 
-    /// Waits for every enqueued step, at most the plan's bound; a step that does not
-    /// finish is [`NetworkError::Stalled`], after which the path is abandoned.
+    /// Waits for every enqueued step, at most the plan's bound per call enqueued since the
+    /// last wait; a step that does not finish is [`NetworkError::Stalled`], after which
+    /// the path is abandoned.
     pub(crate) fn wait(&self) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        if !self.enqueued.get() {
+        let calls = self.calls_outstanding.get();
+        if calls == 0 {
             return Ok(());
         }
-        let deadline = Instant::now() + self.limit;
+        let bound = self.limit.saturating_mul(calls);
+        let deadline = Instant::now() + bound;
         while !stream_idle(&self.stream)? {
             if Instant::now() >= deadline {
-                return Err(self.stalled());
+                return Err(self.stalled(bound));
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-        self.enqueued.set(false);
+        self.calls_outstanding.set(0);
         Ok(())
     }
 
-    /// The error for a call whose steps did not finish in time, naming the first
+    /// The error for calls whose steps did not finish within `bound`, naming the first
     /// unfinished step; abandons the path.
-    fn stalled(&self) -> NetworkError {
+    fn stalled(&self, bound: Duration) -> NetworkError {
         self.comm.abandoned.set(true);
         let step = self
             .steps
@@ -584,7 +593,7 @@ impl NetworkPath {
             rank: self.comm.rank(),
             step: kind,
             peers,
-            seconds: self.limit.as_secs_f64(),
+            seconds: bound.as_secs_f64(),
         }
     }
 
