@@ -613,6 +613,11 @@ impl EpLayer {
     /// diagnosing a time-out, where one rank's wait is the symptom of another's.
     pub fn error_words(&self) -> Result<Vec<[i32; 4]>, LayerError> {
         self.synchronize()?;
+        self.read_error_words()
+    }
+
+    /// Every rank's error word, read on its compute stream.
+    fn read_error_words(&self) -> Result<Vec<[i32; 4]>, LayerError> {
         self.ranks
             .iter()
             .map(|rank| {
@@ -666,26 +671,15 @@ impl EpLayer {
     /// if they are still busy after `limit` (waiting on a stalled network stream).
     fn error_words_once_idle(&self, limit: Duration) -> Option<Vec<[i32; 4]>> {
         let deadline = Instant::now() + limit;
-        for rank in &self.ranks {
-            for stream in [&rank.comm, &rank.compute] {
-                while !network::stream_idle(stream).ok()? {
-                    if Instant::now() >= deadline {
-                        return None;
-                    }
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-            }
+        let idle = self.ranks.iter().all(|rank| {
+            [&rank.comm, &rank.compute]
+                .into_iter()
+                .all(|stream| network::idle_by(stream, deadline).unwrap_or(false))
+        });
+        if !idle {
+            return None;
         }
-        self.ranks
-            .iter()
-            .map(|rank| {
-                read_error_word(
-                    &rank.compute,
-                    workspace(&rank.workspace, BufferId::ErrorWord).ok()?,
-                )
-                .ok()
-            })
-            .collect()
+        self.read_error_words().ok()
     }
 
     /// [`EpLayer::take_error`] for this process's rank of a group.

@@ -425,21 +425,17 @@ impl NetworkPath {
             self.comm
                 .group(&sends, &receives, &self.stream, "the connection probe")?
         };
-        let deadline = Instant::now() + timeout;
-        while !stream_idle(&self.stream)? {
-            if Instant::now() >= deadline {
-                self.comm.abandoned.set(true);
-                return Err(NetworkError::Unreachable {
-                    rank: self.comm.rank(),
-                    peers: peers
-                        .iter()
-                        .map(u32::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    seconds: timeout.as_secs_f64(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        if !idle_by(&self.stream, Instant::now() + timeout)? {
+            self.comm.abandoned.set(true);
+            return Err(NetworkError::Unreachable {
+                rank: self.comm.rank(),
+                peers: peers
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                seconds: timeout.as_secs_f64(),
+            });
         }
         Ok(())
     }
@@ -560,12 +556,8 @@ impl NetworkPath {
             return Ok(());
         }
         let bound = self.limit.saturating_mul(calls);
-        let deadline = Instant::now() + bound;
-        while !stream_idle(&self.stream)? {
-            if Instant::now() >= deadline {
-                return Err(self.stalled(bound));
-            }
-            std::thread::sleep(Duration::from_micros(200));
+        if !idle_by(&self.stream, Instant::now() + bound)? {
+            return Err(self.stalled(bound));
         }
         self.calls_outstanding.set(0);
         Ok(())
@@ -609,15 +601,39 @@ impl NetworkPath {
     }
 }
 
-/// Whether `stream` has run all its work (never blocks).
-pub(crate) fn stream_idle(stream: &CudaStream) -> Result<bool, NetworkError> {
-    // SAFETY: the stream is alive.
-    match unsafe { driver::cuStreamQuery(stream.cu_stream()) } {
-        CUresult::CUDA_SUCCESS => Ok(true),
-        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+/// Whether `stream` has run everything enqueued on it by `deadline` (polled, so the host
+/// never blocks on a stream that may wait for a lost peer).
+pub(crate) fn idle_by(stream: &CudaStream, deadline: Instant) -> Result<bool, NetworkError> {
+    loop {
+        // SAFETY: the stream is alive.
+        match unsafe { driver::cuStreamQuery(stream.cu_stream()) } {
+            CUresult::CUDA_ERROR_NOT_READY => {}
+            other => {
+                stream_op(other, "cuStreamQuery", || {
+                    "waiting for a stream".to_string()
+                })?;
+                return Ok(true);
+            }
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// A stream memory operation's result as a [`NetworkError::StreamOp`] naming `call` and
+/// what it was for.
+fn stream_op(
+    result: CUresult,
+    call: &'static str,
+    context: impl FnOnce() -> String,
+) -> Result<(), NetworkError> {
+    match result {
+        CUresult::CUDA_SUCCESS => Ok(()),
         other => Err(NetworkError::StreamOp {
-            call: "cuStreamQuery",
-            context: "waiting for the network stream".to_string(),
+            call,
+            context: context(),
             result: other,
         }),
     }
@@ -639,14 +655,9 @@ fn stream_wait_value(
             driver::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
         )
     };
-    match result {
-        CUresult::CUDA_SUCCESS => Ok(()),
-        other => Err(NetworkError::StreamOp {
-            call: "cuStreamWaitValue32",
-            context: format!("waiting for the staging of {what} (flag at {flag:#x})"),
-            result: other,
-        }),
-    }
+    stream_op(result, "cuStreamWaitValue32", || {
+        format!("waiting for the staging of {what} (flag at {flag:#x})")
+    })
 }
 
 /// `stream` writes `epoch` into the u32 at `flag` once its earlier work is done (the
@@ -666,12 +677,7 @@ fn stream_write_value(
             driver::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
         )
     };
-    match result {
-        CUresult::CUDA_SUCCESS => Ok(()),
-        other => Err(NetworkError::StreamOp {
-            call: "cuStreamWriteValue32",
-            context: format!("releasing the flags of {what} (flag at {flag:#x})"),
-            result: other,
-        }),
-    }
+    stream_op(result, "cuStreamWriteValue32", || {
+        format!("releasing the flags of {what} (flag at {flag:#x})")
+    })
 }
