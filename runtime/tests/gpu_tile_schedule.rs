@@ -9,14 +9,15 @@
 //! into PHASES runs per expert (1, as on one GPU; 3, as the sources of an expert-parallel
 //! rank): the tile count is the tight one, Σ_e ⌈rows_e / BM⌉ · N_TILES; every tile has
 //! 1..=BM rows inside its expert and an n-tile below N_TILES; every (expert, row) is
-//! covered exactly once per n-tile; tiles come in the order of the phase of their last row;
-//! nothing is written past the last tile.
+//! covered exactly once per n-tile; tiles come in the order of the phase of their last row,
+//! and within a phase the shared slices' tiles come before the routed experts'; nothing is
+//! written past the last tile.
 
 use std::io::Write;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use moeforge_compiler::codegen;
-use moeforge_compiler::ir::{Activation, Layer, ScheduleHints, TileShape};
+use moeforge_compiler::ir::{Activation, Layer, ScheduleHints, SharedExperts, TileShape};
 use moeforge_compiler::plan::{self, Plan};
 use moeforge_runtime::aot;
 use moeforge_runtime::harness::Session;
@@ -25,15 +26,19 @@ use moeforge_runtime::workload::{Routing, SplitMix64, Workload};
 
 mod layers;
 
-/// Experts of the probed layer: more than the 32 lanes of the scan in `tile_schedule`, so
-/// that lanes sum runs of several experts, and not a multiple of 32, so that some lanes
-/// have none.
-const EXPERTS: u32 = 72;
+/// Experts of the probed layer's grouped GEMMs, routed then shared slices: more than the
+/// 32 lanes of the scan in `tile_schedule`, so that lanes sum runs of several experts, and
+/// not a multiple of 32, so that some lanes have none.
+const EXPERTS: u32 = ROUTED_EXPERTS + SHARED_SLICES;
+/// The probed layer's routed experts, then its shared-expert slices (one shared expert of
+/// twice the FFN: two slices), the last experts of the grouped GEMMs.
+const ROUTED_EXPERTS: u32 = 70;
+const SHARED_SLICES: u32 = 2;
 const PROBE_THREADS: u32 = 128;
 /// What the probe's output holds before it runs; no field of a real tile is negative.
 const UNWRITTEN: i32 = -7;
 
-/// The probe, appended to the generated unit (which defines `EXPERTS`, `GemmTile`,
+/// The probe, appended to the generated unit (which defines `GEMM_EXPERTS`, `GemmTile`,
 /// `tile_schedule` and `locate_tile`). out[0] = the schedule's tile count; out[1 + 4i ..]
 /// = expert, n0, row0 and rows of tile i, for i < capacity.
 const PROBE_TEMPLATE: &str = r#"
@@ -42,11 +47,11 @@ const PROBE_TEMPLATE: &str = r#"
 // ---------------------------------------------------------------------------------------
 template <int BM, int BN, int N_TILES, int PHASES>
 __device__ void probe_tiles(const int* __restrict__ row_offsets, int* s_tile_start, int* __restrict__ out, int capacity) {
-    tile_schedule<BM, N_TILES, EXPERTS, PHASES>(row_offsets, s_tile_start);
-    const int total = s_tile_start[EXPERTS * PHASES];
+    tile_schedule<BM, N_TILES, GEMM_EXPERTS, PHASES>(row_offsets, s_tile_start);
+    const int total = s_tile_start[GEMM_EXPERTS * PHASES];
     if (threadIdx.x == 0) out[0] = total;
     for (int tile = threadIdx.x; tile < total && tile < capacity; tile += blockDim.x) {
-        const GemmTile t = locate_tile<BM, BN, EXPERTS, PHASES>(tile, s_tile_start, row_offsets);
+        const GemmTile t = locate_tile<BM, BN, GEMM_EXPERTS, PHASES>(tile, s_tile_start, row_offsets);
         int* record = out + 1 + 4 * tile;
         record[0] = t.expert;
         record[1] = t.n0;
@@ -81,7 +86,7 @@ impl Config {
     fn entry_point(&self) -> String {
         format!(
             "extern \"C\" __global__ void {}(const int* row_offsets, int* out, int capacity) {{\n    \
-             __shared__ int s_tile_start[EXPERTS * {} + 1];\n    \
+             __shared__ int s_tile_start[GEMM_EXPERTS * {} + 1];\n    \
              probe_tiles<{}, {}, {}, {}>(row_offsets, s_tile_start, out, capacity);\n}}\n",
             self.kernel(),
             self.phases,
@@ -103,13 +108,18 @@ fn log(line: &str) {
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
-/// A layer with EXPERTS experts whose GEMMs are pinned to one tile, so that its unit has
-/// one regime (the probe needs the unit's device functions, not many GEMM kernels).
+/// A layer with ROUTED_EXPERTS experts and SHARED_SLICES shared slices whose GEMMs are
+/// pinned to one tile, so that its unit has one regime (the probe needs the unit's device
+/// functions, not many GEMM kernels).
 fn probed_layer() -> Layer {
     let mut layer = layers::tiny(Activation::Relu);
     layer.name = "tile_schedule_probe".into();
-    layer.experts = EXPERTS;
+    layer.experts = ROUTED_EXPERTS;
     layer.ffn = 192;
+    layer.shared_experts = Some(SharedExperts {
+        count: 1,
+        ffn: SHARED_SLICES * layer.ffn,
+    });
     let tile = TileShape {
         m: 32,
         n: 64,
@@ -231,7 +241,9 @@ fn routings(plan: &Plan) -> Vec<(String, Vec<u32>)> {
     cases.push(("32768 rows on one expert".into(), hot));
     for routing in [Routing::Uniform, Routing::Skewed, Routing::EmptyExperts] {
         let workload = Workload::random(&plan.shape, 4096, routing, 0xface);
-        let mut counts = vec![0; e];
+        // Every token is a row of each shared slice.
+        let mut counts = vec![4096; e];
+        counts[..ROUTED_EXPERTS as usize].fill(0);
         for &id in &workload.topk_ids {
             counts[id as usize] += 1;
         }
@@ -253,7 +265,8 @@ fn check_tiles(config: Config, runs: &[u32], out: &[i32]) -> Result<usize, Strin
     let total_rows = offsets[counts.len()];
     // The phase of a row: the run holding it, counted within its expert.
     let phase_of = |row: u32| (run_starts.partition_point(|&start| start <= row) - 1) % phases;
-    let mut last_phase = 0;
+    // (phase, whether routed) of the last tile: never decreasing.
+    let mut last_place = (0, false);
     let expected: u32 = counts
         .iter()
         .map(|c| c.div_ceil(config.bm) * config.n_tiles)
@@ -296,13 +309,24 @@ fn check_tiles(config: Config, runs: &[u32], out: &[i32]) -> Result<usize, Strin
         for row in row0..row0 + rows {
             covered[(n0 / bn) as usize][row as usize] += 1;
         }
-        let phase = phase_of((row0 + rows - 1) as u32);
-        if phase < last_phase {
+        let place = (
+            phase_of((row0 + rows - 1) as u32),
+            expert < ROUTED_EXPERTS as i32,
+        );
+        if place < last_place {
             return fail(&format!(
-                "its last row is in phase {phase}, after a tile in phase {last_phase}"
+                "its last row is in phase {} ({}), after a tile in phase {} ({})",
+                place.0,
+                if place.1 { "routed" } else { "shared slice" },
+                last_place.0,
+                if last_place.1 {
+                    "routed"
+                } else {
+                    "shared slice"
+                },
             ));
         }
-        last_phase = phase;
+        last_place = place;
     }
     for (n_tile, rows) in covered.iter().enumerate() {
         if let Some(row) = rows.iter().position(|&c| c != 1) {
@@ -421,11 +445,16 @@ fn the_host_check_rejects_broken_schedules() {
         n_tiles: 2,
         phases: 1,
     };
-    // Expert 0: 20 rows (2 row tiles), expert 1: none, expert 2: 5 rows (1 row tile).
+    // Expert 0: 20 rows (2 row tiles), expert 1: none, expert 2: 5 rows (1 row tile); the
+    // last shared slice: 3 rows (1 row tile), first in the order.
+    let shared = EXPERTS as i32 - 1;
     let mut counts = vec![0; EXPERTS as usize];
     counts[0] = 20;
     counts[2] = 5;
+    counts[shared as usize] = 3;
     let tiles = [
+        [shared, 0, 25, 3],
+        [shared, 64, 25, 3],
         [0, 0, 0, 16],
         [0, 0, 16, 4],
         [0, 64, 0, 16],
@@ -433,26 +462,32 @@ fn the_host_check_rejects_broken_schedules() {
         [2, 0, 20, 5],
         [2, 64, 20, 5],
     ];
-    let write = |tiles: &[[i32; 4]], total: i32| probe_output(config.capacity(25), tiles, total);
-    assert_eq!(check_tiles(config, &counts, &write(&tiles, 6)), Ok(6));
+    let write = |tiles: &[[i32; 4]], total: i32| probe_output(config.capacity(28), tiles, total);
+    assert_eq!(check_tiles(config, &counts, &write(&tiles, 8)), Ok(8));
 
     let mut overlapping = tiles;
-    overlapping[1] = [0, 0, 15, 4];
+    overlapping[3] = [0, 0, 15, 4];
     let mut outside = tiles;
-    outside[4] = [1, 0, 20, 5];
+    outside[6] = [1, 0, 20, 5];
     let mut wide = tiles;
-    wide[5] = [2, 128, 20, 5];
+    wide[7] = [2, 128, 20, 5];
     let mut empty = tiles;
-    empty[1] = [0, 0, 16, 0];
-    let mut past_the_end = write(&tiles, 6);
-    past_the_end[1 + 4 * 6] = 0;
+    empty[3] = [0, 0, 16, 0];
+    let mut shared_last = tiles;
+    shared_last.rotate_left(2);
+    let mut past_the_end = write(&tiles, 8);
+    past_the_end[1 + 4 * 8] = 0;
     for (what, out) in [
-        ("one tile too many", write(&tiles, 7)),
-        ("one tile too few", write(&tiles[..5], 5)),
-        ("overlapping rows", write(&overlapping, 6)),
-        ("rows of another expert", write(&outside, 6)),
-        ("a column tile past N", write(&wide, 6)),
-        ("an empty tile", write(&empty, 6)),
+        ("one tile too many", write(&tiles, 9)),
+        ("one tile too few", write(&tiles[..7], 7)),
+        ("overlapping rows", write(&overlapping, 8)),
+        ("rows of another expert", write(&outside, 8)),
+        ("a column tile past N", write(&wide, 8)),
+        ("an empty tile", write(&empty, 8)),
+        (
+            "a shared slice's tiles after a routed expert's",
+            write(&shared_last, 8),
+        ),
         ("a write past the last tile", past_the_end),
     ] {
         assert!(check_tiles(config, &counts, &out).is_err(), "{what}");

@@ -1255,10 +1255,24 @@ fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
 /// Deepest first, so that the deepest ring wins a tie.
 fn stage_choices(engine: MmaEngine) -> Vec<u32> {
     match engine {
-        MmaEngine::MmaSync => (3..=5).collect(),
+        MmaEngine::MmaSync => (3..=MMA_SYNC_DEEPEST_RING).rev().collect(),
         MmaEngine::WgmmaWarpSpecialized => (3..=MAX_STAGES).rev().collect(),
     }
 }
+/// The deepest ring the cost model tries for mma.sync blocks.
+const MMA_SYNC_DEEPEST_RING: u32 = 5;
+
+/// How much slower than its estimate an mma.sync configuration runs per stage its ring has
+/// below [`MMA_SYNC_DEEPEST_RING`], when choosing between candidates. The estimates of a
+/// memory-bound GEMM's rings differ only by the wave rounding of a compute term that is
+/// not its bound, so a shallow ring with more blocks per SM won by a hair; measured, the
+/// deeper ring streams the weights faster. DeepSeek-V3's decode GEMM1 (16x64 tiles,
+/// Nsight Compute on one H200, 2026-11-30, same routing): 5 stages at 2 blocks per SM
+/// read HBM at 4.33 TB/s (128 tokens) and 4.41 (16 tokens), 4 stages at 3 per SM at 4.26
+/// and 4.20, 3 stages at 4 per SM at 4.25 (128 tokens). Its GEMM2: 5 stages at 4 per SM
+/// 4.34, 3 stages at 7 per SM 4.30.
+const SHALLOW_RING_PENALTY_PER_STAGE: f64 = 0.02;
+
 /// How much slower than its estimate a configuration of one block per SM runs, when
 /// choosing between candidates: alone on its SM, a block exposes its own prologue, its
 /// barriers and its epilogue, which a second block would cover. Measured on the two-H200
@@ -1459,18 +1473,27 @@ fn choose_gemm(
 }
 
 /// What candidates are ranked by: the estimate, with [`ONE_BLOCK_PER_SM_PENALTY`] on
-/// configurations of one block per SM.
+/// configurations of one block per SM and [`SHALLOW_RING_PENALTY_PER_STAGE`] on shallow
+/// mma.sync rings.
 fn ranking_seconds(gemm: &GemmPlan) -> f64 {
     gemm.estimate.seconds * ranking_factor(gemm)
 }
 
 fn ranking_factor(gemm: &GemmPlan) -> f64 {
     // A warp-specialised block overlaps its own loads, waits and epilogue.
-    if gemm.blocks_per_sm == 1 && gemm.warp_roles.is_none() {
+    let alone = if gemm.blocks_per_sm == 1 && gemm.warp_roles.is_none() {
         ONE_BLOCK_PER_SM_PENALTY
     } else {
         1.0
-    }
+    };
+    let shallow = match gemm.engine {
+        MmaEngine::MmaSync => {
+            let missing = MMA_SYNC_DEEPEST_RING.saturating_sub(gemm.stages);
+            1.0 + SHALLOW_RING_PENALTY_PER_STAGE * f64::from(missing)
+        }
+        MmaEngine::WgmmaWarpSpecialized => 1.0,
+    };
+    alone * shallow
 }
 
 /// A C identifier made from a layer name: letters, digits and `_`, not starting with a digit.

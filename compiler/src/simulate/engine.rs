@@ -392,6 +392,15 @@ impl<'a> Machine<'a> {
         let mut tiles = Vec::new();
         let mut block1 = vec![start; g1.grid_blocks.max(1) as usize];
         let mut block2_rows = Vec::new();
+        // The shared slices first, as the kernels order them: a row per own token each,
+        // read from x (ready at once), in the first phase (this rank's own source); no
+        // pair is dispatched for them.
+        let own = self.traffic.tokens_per_rank;
+        for _ in 0..self.shared_slices {
+            let m_tiles = own.div_ceil(g1.tile.m);
+            block2_rows.push(own);
+            tiles.push((vec![start; m_tiles as usize], vec![m_tiles; order.len()]));
+        }
         for local in 0..self.ep.experts_per_rank {
             // Rows per source in receive order (the kernels' phases), empty ones included.
             let segments: Vec<(u32, u32)> = order
@@ -431,14 +440,6 @@ impl<'a> Machine<'a> {
             }
             tiles.push((row_ready, m_done));
         }
-        // The shared slices: a row per own token each, read from x (ready at once), in the
-        // first phase (this rank's own source); no pair is dispatched for them.
-        let own = self.traffic.tokens_per_rank;
-        for _ in 0..self.shared_slices {
-            let m_tiles = own.div_ceil(g1.tile.m);
-            block2_rows.push(own);
-            tiles.push((vec![start; m_tiles as usize], vec![m_tiles; order.len()]));
-        }
         let n1 = self.ffn / g1.tile.n;
         let total: u32 = tiles
             .iter()
@@ -446,7 +447,7 @@ impl<'a> Machine<'a> {
             .sum();
         let mut id = 0usize;
         let mut record = lane;
-        // Tiles in the kernels' order: phase, expert, n-tile, m-tile.
+        // Tiles in the kernels' order: phase, expert (shared slices first), n-tile, m-tile.
         for phase in 0..order.len() {
             for (row_ready, m_done) in &tiles {
                 let m_tiles = row_ready.len() as u32;
