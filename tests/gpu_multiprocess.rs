@@ -28,6 +28,26 @@ const TWO_NODES_SPEC: &str = "dsl-examples/tiny_two_nodes.moe";
 /// flags from call to call.
 const CALLS_ACROSS_NODES: u32 = 1000;
 
+/// The cases of the two correctness tests: (routing, rank 0's and rank 1's tokens): none,
+/// one on one side only, ragged and unequal, and the layer's max_tokens. Each pair of
+/// processes costs about 3.5 s (start, NCCL, the check), so each test runs every token
+/// case once and takes the routings in turn; the two-node test takes the other routing
+/// of each case (`other_routing`), so that between them every case meets both.
+const CASES: [(&str, [u32; 2]); 4] = [
+    ("uniform", [0, 0]),
+    ("skewed", [1, 0]),
+    ("uniform", [77, 90]),
+    ("skewed", [512, 512]),
+];
+
+fn other_routing(routing: &str) -> &'static str {
+    if routing == "uniform" {
+        "skewed"
+    } else {
+        "uniform"
+    }
+}
+
 /// How long one pair of rank processes may take, compile and check included: far above
 /// what a correct run needs (seconds), so that only a hang reaches it.
 const PAIR_LIMIT: Duration = Duration::from_secs(300);
@@ -238,33 +258,28 @@ fn two_node_args(tokens: u32, routing: &str, seed: u64, calls: u32) -> Vec<Strin
 fn two_rank_processes_match_the_reference() {
     needs_two_gpus!();
     let seed = 20_261_201;
-    // Per case, rank 0's and rank 1's tokens: none, one on one side only, ragged and
-    // unequal, and the layer's max_tokens.
-    let cases: [[u32; 2]; 4] = [[0, 0], [1, 0], [77, 90], [512, 512]];
-    for routing in ["uniform", "skewed"] {
-        for tokens in cases {
-            let port = free_port();
-            let ranks: Vec<RankProcess> = (0..2u32)
-                .map(|r| spawn_rank(r, port, &run_args(tokens[r as usize], routing, seed)))
-                .collect();
-            let deadline = Instant::now() + PAIR_LIMIT;
-            for (r, rank) in ranks.into_iter().enumerate() {
-                let done = rank.finish(deadline);
-                let expected = format!("rank {r} T={}: ", tokens[r]);
-                say(&format!(
-                    "{routing} T={tokens:?} rank {r}: {}",
-                    done.stdout.trim()
-                ));
-                assert!(
-                    done.status.success()
-                        && done.stdout.contains(&expected)
-                        && done.stdout.contains("PASS"),
-                    "{routing} T={tokens:?} rank {r} ({}):\nstdout:\n{}\nstderr:\n{}",
-                    done.status,
-                    done.stdout,
-                    done.stderr
-                );
-            }
+    for (routing, tokens) in CASES {
+        let port = free_port();
+        let ranks: Vec<RankProcess> = (0..2u32)
+            .map(|r| spawn_rank(r, port, &run_args(tokens[r as usize], routing, seed)))
+            .collect();
+        let deadline = Instant::now() + PAIR_LIMIT;
+        for (r, rank) in ranks.into_iter().enumerate() {
+            let done = rank.finish(deadline);
+            let expected = format!("rank {r} T={}: ", tokens[r]);
+            say(&format!(
+                "{routing} T={tokens:?} rank {r}: {}",
+                done.stdout.trim()
+            ));
+            assert!(
+                done.status.success()
+                    && done.stdout.contains(&expected)
+                    && done.stdout.contains("PASS"),
+                "{routing} T={tokens:?} rank {r} ({}):\nstdout:\n{}\nstderr:\n{}",
+                done.status,
+                done.stdout,
+                done.stderr
+            );
         }
     }
 }
@@ -276,39 +291,36 @@ fn two_rank_processes_match_the_reference() {
 fn two_nodes_over_nccl_match_the_reference_for_a_thousand_calls() {
     needs_two_gpus!();
     let seed = 20_261_202;
-    let cases: [[u32; 2]; 4] = [[0, 0], [1, 0], [77, 90], [512, 512]];
-    for routing in ["uniform", "skewed"] {
-        for tokens in cases {
-            let port = free_port();
-            let started = Instant::now();
-            let ranks: Vec<RankProcess> = (0..2u32)
-                .map(|r| {
-                    let args = two_node_args(tokens[r as usize], routing, seed, CALLS_ACROSS_NODES);
-                    spawn_rank(r, port, &args)
-                })
-                .collect();
-            let deadline = Instant::now() + PAIR_LIMIT;
-            for (r, rank) in ranks.into_iter().enumerate() {
-                let done = rank.finish(deadline);
-                let expected = format!("rank {r} T={}: ", tokens[r]);
-                say(&format!(
-                    "two nodes, {routing} T={tokens:?} rank {r}, {CALLS_ACROSS_NODES} calls in {:.1} s: {}",
-                    done.at.duration_since(started).as_secs_f64(),
-                    done.stdout.trim()
-                ));
-                assert!(
-                    done.status.success()
-                        && done.stdout.contains(&expected)
-                        && done.stdout.contains("PASS")
-                        && done
-                            .stderr
-                            .contains(&format!("call {CALLS_ACROSS_NODES} of")),
-                    "two nodes, {routing} T={tokens:?} rank {r} ({}):\nstdout:\n{}\nstderr:\n{}",
-                    done.status,
-                    done.stdout,
-                    done.stderr
-                );
-            }
+    for (routing, tokens) in CASES.map(|(routing, tokens)| (other_routing(routing), tokens)) {
+        let port = free_port();
+        let started = Instant::now();
+        let ranks: Vec<RankProcess> = (0..2u32)
+            .map(|r| {
+                let args = two_node_args(tokens[r as usize], routing, seed, CALLS_ACROSS_NODES);
+                spawn_rank(r, port, &args)
+            })
+            .collect();
+        let deadline = Instant::now() + PAIR_LIMIT;
+        for (r, rank) in ranks.into_iter().enumerate() {
+            let done = rank.finish(deadline);
+            let expected = format!("rank {r} T={}: ", tokens[r]);
+            say(&format!(
+                "two nodes, {routing} T={tokens:?} rank {r}, {CALLS_ACROSS_NODES} calls in {:.1} s: {}",
+                done.at.duration_since(started).as_secs_f64(),
+                done.stdout.trim()
+            ));
+            assert!(
+                done.status.success()
+                    && done.stdout.contains(&expected)
+                    && done.stdout.contains("PASS")
+                    && done
+                        .stderr
+                        .contains(&format!("call {CALLS_ACROSS_NODES} of")),
+                "two nodes, {routing} T={tokens:?} rank {r} ({}):\nstdout:\n{}\nstderr:\n{}",
+                done.status,
+                done.stdout,
+                done.stderr
+            );
         }
     }
 }

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs shipped example layers under compute-sanitizer (memcheck, then racecheck) on the GPU
+# machine, each checked against the CPU reference: one GPU, virtual ranks (2 and 4,
+# skewed routing), and two self-routed layers (the fused router). DESIGN.md asks both
+# tools to be clean. compute-sanitizer reads the device only where the machine allows it
+# (device/KINDS.md: Firecracker yes, gVisor no).
+#
+# Usage, on the GPU machine from the repository root, with `moeforge` on PATH (staged by
+# shared/device/stage.sh into .device/bin):
+#   bash scripts/gpu-sanitize.sh
+# Prints one line per (tool, case) with the tool's summary; exit status 1 if any case
+# failed its check or the tool reported an error or a hazard.
+set -uo pipefail
+
+cases=(
+  "dsl-examples/tiny.moe --ranks 1 --tokens 77"
+  "dsl-examples/tiny.moe --ranks 2 --tokens 77"
+  "dsl-examples/tiny.moe --ranks 4 --tokens 300 --routing skewed"
+  "dsl-examples/qwen3_30b_a3b.moe --ranks 1 --tokens 16"
+  "dsl-examples/gpt_oss_120b.moe --ranks 1 --tokens 3"
+)
+failed=0
+for tool in memcheck racecheck; do
+  for case in "${cases[@]}"; do
+    started=$(date +%s)
+    # shellcheck disable=SC2086 # each case is a list of arguments
+    out=$(timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      moeforge run $case --check --seed 5 2>&1)
+    status=$?
+    summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" <<<"$out" | tail -1)
+    checks=$(grep -c "PASS" <<<"$out")
+    echo "== $tool $case: exit $status, $checks PASS, $(( $(date +%s) - started )) s: $summary"
+    if [ "$status" -ne 0 ]; then
+      failed=1
+      tail -20 <<<"$out"
+    fi
+  done
+done
+exit $failed
