@@ -427,6 +427,11 @@ impl NetworkPath {
         };
         if !idle_by(&self.stream, Instant::now() + timeout)? {
             self.comm.abandoned.set(true);
+            // The stuck probe may still receive into these: leaked, not freed. (Freeing
+            // is ordered on this stream after the stuck transfer where the device frees
+            // asynchronously, and would wait for it forever where it does not.)
+            std::mem::forget(send);
+            std::mem::forget(received);
             return Err(NetworkError::Unreachable {
                 rank: self.comm.rank(),
                 peers: peers
