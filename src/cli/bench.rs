@@ -1,6 +1,7 @@
 //! `moeforge bench FILE --tokens 1,16,128`: per token count, the median CUDA-event time of
 //! the layer next to the cuBLAS baseline measured in the same run, with the roofline floor;
-//! prints a table and writes JSON and Markdown to `benches/results/`.
+//! prints a table and writes JSON and Markdown to `benches/results/DATE_LAYER_..._at_COMMIT.*`
+//! (the commit the binary was built from, so that two builds run on one day keep both).
 //!
 //! Launched as a group of rank processes (`RANK`, `WORLD_SIZE`, ... set; see
 //! [`super::group`]), every rank times its calls and rank 0 prints each token count's
@@ -189,7 +190,13 @@ pub fn run(args: &Args) -> ExitCode {
         baseline_note,
         rows: &rows,
     };
-    let stem = format!("{}_{}_{}", report.date, layer_name, report.routing);
+    let stem = format!(
+        "{}_{}_{}_at_{}",
+        report.date,
+        layer_name,
+        report.routing,
+        short_commit()
+    );
     let mut markdown = format!(
         "# {layer_name} on {} ({}, commit {}, {} routing)\n\nFloor = max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s); bytes = weights of the experts hit (the shared experts' too) + activations in and out. Self-routed: the router on the GPU, then the layer on its choices (not the table's routing); its floor adds the gate GEMM.\n\n{}\n|{}|\n",
         report.gpu,
@@ -322,10 +329,11 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
     };
     let date = utc_date();
     let stem = format!(
-        "{date}_{layer_name}_ep{}{}_{}",
+        "{date}_{layer_name}_ep{}{}_{}_at_{}",
         choice.ranks,
         if choice.virtual_ranks { "v" } else { "" },
-        routing_name(args.routing)
+        routing_name(args.routing),
+        short_commit()
     );
     let mut markdown = format!(
         "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots, also split by kernel on rank 0, GEMM2 until every rank's GEMMs are done; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = the busiest sender's bytes of token rows to other ranks (each token once per destination rank) over the dispatch stage's time: one way, barrier included. Baseline (b) is NCCL all-to-all (one row per (token, k) pair, counts known on the host), moeforge's single-GPU layer on each rank's experts, NCCL all-to-all back and a sum over k; its call time is wall time over pipelined calls, its phases are medians of event-timed runs between barriers.{}\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
@@ -351,6 +359,17 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
 }
 
 /// Writes `<stem>.json` and `<stem>.md` into `out` (created if needed) and says so.
+/// The commit in result file names (7 hex digits, `-dirty` kept): runs of two builds on
+/// one day keep both files.
+fn short_commit() -> String {
+    let commit = env!("MOEFORGE_COMMIT");
+    let (hash, dirty) = match commit.strip_suffix("-dirty") {
+        Some(hash) => (hash, "-dirty"),
+        None => (commit, ""),
+    };
+    format!("{}{dirty}", hash.get(..7).unwrap_or(hash))
+}
+
 fn write_results(out: &Path, stem: &str, json: &str, markdown: &str) -> ExitCode {
     if let Err(error) = std::fs::create_dir_all(out)
         .and_then(|()| std::fs::write(out.join(format!("{stem}.json")), json))
