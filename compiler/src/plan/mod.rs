@@ -1259,6 +1259,7 @@ fn stage_choices(engine: MmaEngine) -> Vec<u32> {
         MmaEngine::WgmmaWarpSpecialized => (3..=MAX_STAGES).rev().collect(),
     }
 }
+
 /// The deepest ring the cost model tries for mma.sync blocks.
 const MMA_SYNC_DEEPEST_RING: u32 = 5;
 
