@@ -13,8 +13,8 @@ use std::process::ExitCode;
 
 use moeforge::compiler::plan::Plan;
 use moeforge::runtime::bench::{
-    BenchRow, BenchSettings, ExpertParallelRow, bench_expert_parallel, bench_group_rank,
-    bench_layer,
+    BenchRow, BenchSettings, ExpertParallelRow, PIPELINED_PASSES, bench_expert_parallel,
+    bench_group_rank, bench_layer,
 };
 use moeforge::runtime::nccl_pipeline::NcclPipeline;
 use moeforge::runtime::process_group::LaunchEnv;
@@ -275,7 +275,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
     };
     let placement = choice.placement(&session.gpu.name());
     println!(
-        "{layer_name}, expert-parallel over {placement}, {} routing, mean of {} pipelined calls, seed {seed}",
+        "{layer_name}, expert-parallel over {placement}, {} routing, median of {PIPELINED_PASSES} passes of {} pipelined calls, seed {seed}",
         routing_name(args.routing),
         args.iterations
     );
@@ -336,7 +336,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         short_commit()
     );
     let mut markdown = format!(
-        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots, also split by kernel on rank 0, GEMM2 until every rank's GEMMs are done; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = the busiest sender's bytes of token rows to other ranks (each token once per destination rank) over the dispatch stage's time: one way, barrier included. Baseline (b) is NCCL all-to-all (one row per (token, k) pair, counts known on the host), moeforge's single-GPU layer on each rank's experts, NCCL all-to-all back and a sum over k; its call time is wall time over pipelined calls, its phases are medians of event-timed runs between barriers.{}\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls, the median of {PIPELINED_PASSES} passes (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots, also split by kernel on rank 0, GEMM2 until every rank's GEMMs are done; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = the busiest sender's bytes of token rows to other ranks (each token once per destination rank) over the dispatch stage's time: one way, barrier included. Baseline (b) is NCCL all-to-all (one row per (token, k) pair, counts known on the host), moeforge's single-GPU layer on each rank's experts, NCCL all-to-all back and a sum over k; its call time is wall time over pipelined calls (median of {PIPELINED_PASSES} passes), its phases are medians of event-timed runs between barriers.{}\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         env!("MOEFORGE_COMMIT"),
         nccl_note.as_ref().map_or(String::new(), |note| format!(
             " Baseline (b) is left out: {note}."
