@@ -23,7 +23,7 @@ use std::sync::{Arc, Once, OnceLock};
 use cudarc::driver::{CudaSlice, CudaStream};
 use moeforge_compiler::plan::{Plan, PlanInvalid};
 use moeforge_runtime::aot;
-use moeforge_runtime::gpu::{DriverContext, Gpu, GpuError};
+use moeforge_runtime::gpu::{DriverContext, Gpu, GpuError, LoadedKernels};
 use moeforge_runtime::harness::{BuiltLayer, HarnessError, Session};
 use moeforge_runtime::jit::{CacheOutcome, CompiledModule, Jit, JitError};
 use moeforge_runtime::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer};
@@ -298,7 +298,7 @@ impl<const H: usize, const K: usize> SpecLayer<H, K> {
     /// The layer on `gpu` with the caller's expert weights (checkpoint layout, see
     /// [`ExpertWeights`]); refuses a GPU of another kind than the plan's target.
     pub fn build(&self, gpu: &Gpu, weights: ExpertWeights) -> Result<Layer<H, K>, EmbeddedError> {
-        let module = gpu.load(&self.kernels()?.module)?;
+        let module = LoadedKernels::whole(gpu.load(&self.kernels()?.module)?);
         let layer = MoeLayer::new(gpu, self.plan()?.clone(), module, weights)?;
         Ok(Layer { inner: layer })
     }

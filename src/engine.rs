@@ -73,7 +73,7 @@ pub use moeforge_runtime::checkpoint::{
     Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, Family, HostWeights,
 };
 pub use moeforge_runtime::ep::EpLayer;
-pub use moeforge_runtime::gpu::{CudaContext, Gpu, GpuError};
+pub use moeforge_runtime::gpu::{CudaContext, Gpu, GpuError, LoadedKernels};
 pub use moeforge_runtime::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer};
 pub use moeforge_runtime::weights::Weights;
 
@@ -254,7 +254,7 @@ impl LayerSpec {
             Some(router) => weights.gate(&self.plan.shape, &router.rule)?,
             None => None,
         };
-        let module = gpu.load(self.kernels()?)?;
+        let module = LoadedKernels::whole(gpu.load(self.kernels()?)?);
         let experts = upload(&gpu.stream, &host)?;
         drop(host);
         let gate = gate
@@ -298,7 +298,7 @@ impl LayerSpec {
         for (rank, ctx) in (0..ranks).zip(contexts) {
             let stream = ctx.default_stream();
             Gpu::with_stream(Arc::clone(&stream)).check_target(&self.plan.target)?;
-            modules.push(Gpu::load_into(ctx, kernels)?);
+            modules.push(LoadedKernels::whole(Gpu::load_into(ctx, kernels)?));
             let parts = weights.rank_parts(&self.plan.shape, rank, ranks)?;
             experts.push(upload_parts(&stream, &parts)?);
         }

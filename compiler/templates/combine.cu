@@ -39,6 +39,7 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
     combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ combine.name }})
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}(
     {{ combine.params }}
 )
@@ -51,3 +52,4 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}
     }
     combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
+#endif

@@ -102,6 +102,7 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // expert there gets one send slot (it crosses once however many of its experts live
 // there); every such (token, k) pair gets a row of the destination's receive index. Then
 // the counts, then one release of this rank's metadata flag at the destination.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.route.name }})
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }}(
     {{ ep.route.params }}
 )
@@ -188,6 +189,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
         flag_store(metadata_flag, epoch);
     }
 }
+#endif
 
 // Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
 // items are pieces of a chunk, (destination in send order, piece); block b
@@ -198,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
 // fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.dispatch.name }})
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }}(
     {{ ep.dispatch.params }}
 )
@@ -285,6 +288,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
     }
 {%- endif %}
 }
+#endif
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
@@ -294,6 +298,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
 // for the metadata and scans the (local expert, source) counts itself, then takes GEMM
 // rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
 // The last block done returns every source's credit.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.arrange.name }})
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name }}(
     {{ ep.arrange.params }}
 )
@@ -366,10 +371,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
 }
+#endif
 
 // Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
 // pair and per shared slice; the sum runs in slot order (deterministic), then the counter
 // is taken back to zero for the next call.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.combine.name }})
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name }}(
     {{ ep.combine.params }}
 )
@@ -432,3 +439,4 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
     }
 }
 {%- endif %}
+#endif

@@ -13,6 +13,18 @@
 
 {% include "prelude.cu" %}
 // ---------------------------------------------------------------------------------------
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
+// the modules are loaded together. Without those defines (`moeforge compile`, embedded
+// PTX) every kernel is built. Only constant tables live at file scope, so each module's
+// copies of them are alike.
+// ---------------------------------------------------------------------------------------
+#ifdef MOEFORGE_ONE_KERNEL
+#define MOEFORGE_ALL_KERNELS 0
+#else
+#define MOEFORGE_ALL_KERNELS 1
+#endif
+// ---------------------------------------------------------------------------------------
 // Layer constants (from the plan)
 // ---------------------------------------------------------------------------------------
 constexpr int HIDDEN = {{ hidden }};      // H
@@ -77,11 +89,13 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int RING_ALIGN = {{ gemm.smem.ring_align }}, ALIGN_SLACK = {{ gemm.smem.align_slack }}, ROW_SOURCE_OFFSET = {{ gemm.smem.row_source_offset }}, BARRIER_OFFSET = {{ gemm.smem.barrier_offset }};
     static constexpr int DYNAMIC_SMEM_BYTES = {{ gemm.smem.dynamic_bytes }}, STATIC_SMEM_BYTES = {{ gemm.smem.static_bytes }};
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gemm.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}) {{ gemm.entry.name }}(
     {{ gemm.entry.params }}
 )
 {
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
 }
+#endif
 {%- endfor %}
 {%- endfor %}

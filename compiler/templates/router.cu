@@ -465,6 +465,7 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
 constexpr int ROUTER_SELECT_WARPS = {{ router.select_warps }};
 constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = {{ select.static_smem }};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ select.name }})
 extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.name }}(
     {{ select.params }}
 )
@@ -479,6 +480,7 @@ extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.nam
     if (token >= tokens) return;  // whole warps leave: the shuffles stay full-warp
     router_select(router_logits, {{ router.bias_arg }}, token, routed_ids, routed_weights, s_selection[warp]);
 }
+#endif
 {%- endif %}
 {%- for gate in router.gates %}
 
@@ -489,6 +491,7 @@ struct {{ gate.config }} {
     static constexpr int WARPS_M = {{ gate.warps_m }}, WARPS_N = {{ gate.warps_n }}, WARPS_K = {{ gate.warps_k }}, THREADS = {{ gate.threads }};
     static constexpr int STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }};  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.name }}(
     {{ gate.entry.params }}
 )
@@ -500,4 +503,5 @@ extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.n
     router_gate<{{ gate.config }}>(x, gate_weight, tokens, router_logits);
 {%- endif %}
 }
+#endif
 {%- endfor %}

@@ -59,6 +59,7 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
     }
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ route.name }})
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
     {{ route.params }}
 )
@@ -69,3 +70,4 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }
+#endif

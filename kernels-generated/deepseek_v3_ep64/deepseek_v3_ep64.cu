@@ -90,6 +90,18 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 // ---------------------------------------------------------------------------------------
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
+// the modules are loaded together. Without those defines (`moeforge compile`, embedded
+// PTX) every kernel is built. Only constant tables live at file scope, so each module's
+// copies of them are alike.
+// ---------------------------------------------------------------------------------------
+#ifdef MOEFORGE_ONE_KERNEL
+#define MOEFORGE_ALL_KERNELS 0
+#else
+#define MOEFORGE_ALL_KERNELS 1
+#endif
+// ---------------------------------------------------------------------------------------
 // Layer constants (from the plan)
 // ---------------------------------------------------------------------------------------
 constexpr int HIDDEN = 7168;      // H
@@ -173,6 +185,7 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
     }
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_ep64_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -187,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_ep64_rou
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Flags between ranks: written with release and read with acquire at .sys scope.
 // A flag holds the epoch (call counter) it was last released in, so consecutive calls need
@@ -1134,6 +1148,7 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
 constexpr int ROUTER_SELECT_WARPS = 4;
 constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = 4096;
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_router_select)
 extern "C" __global__ void __launch_bounds__(128) deepseek_v3_ep64_router_select(
     const float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
@@ -1152,6 +1167,7 @@ extern "C" __global__ void __launch_bounds__(128) deepseek_v3_ep64_router_select
     if (token >= tokens) return;  // whole warps leave: the shuffles stay full-warp
     router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection[warp]);
 }
+#endif
 
 // Router of regime `decode` (0..=256 tokens): fused; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 16 expert tiles per token tile
 struct decode_router_gate {
@@ -1160,6 +1176,7 @@ struct decode_router_gate {
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
     static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 98304;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_router)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1177,6 +1194,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_decode_router
     router_fused<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
 }
+#endif
 
 // Router of regime `mid` (257..=2048 tokens): split, its gate; gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
 struct mid_router_gate {
@@ -1185,6 +1203,7 @@ struct mid_router_gate {
     static constexpr int WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256;
     static constexpr int STAGE_BYTES = 12288, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_router_gate)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_mid_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1194,6 +1213,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_mid_router_ga
 {
     router_gate<mid_router_gate>(x, gate_weight, tokens, router_logits);
 }
+#endif
 
 // Router of regime `prefill` (2049..=16384 tokens): split, its gate; gate tile 128 tokens x 128 experts x 64, 3 stages, 4x2 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate {
@@ -1202,6 +1222,7 @@ struct prefill_router_gate {
     static constexpr int WARPS_M = 4, WARPS_N = 2, WARPS_K = 1, THREADS = 256;
     static constexpr int STAGE_BYTES = 32768, SMEM_BYTES = 98304;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1211,6 +1232,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_route
 {
     router_gate<prefill_router_gate>(x, gate_weight, tokens, router_logits);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.
 //   - each consumer warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16
@@ -1515,6 +1537,7 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
     combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_combine(
     const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
@@ -1529,6 +1552,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_c
     }
     combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 64 ranks (one GPU per rank), 4 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
@@ -1638,6 +1662,7 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // expert there gets one send slot (it crosses once however many of its experts live
 // there); every such (token, k) pair gets a row of the destination's receive index. Then
 // the counts, then one release of this rank's metadata flag at the destination.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_ep_route)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_ep_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -1723,6 +1748,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
         flag_store(metadata_flag, epoch);
     }
 }
+#endif
 
 // Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
 // items are pieces of a chunk, (destination in send order, piece); block b
@@ -1733,6 +1759,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
 // fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_ep_dispatch)
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_dispatch(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     int rank,  // this rank
@@ -1821,6 +1848,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_d
         }
     }
 }
+#endif
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
@@ -1830,6 +1858,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_d
 // for the metadata and scans the (local expert, source) counts itself, then takes GEMM
 // rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
 // The last block done returns every source's credit.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_ep_arrange)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_ep_arrange(
     int tokens,  // tokens in this call
     int rank,  // this rank
@@ -1916,10 +1945,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
 }
+#endif
 
 // Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
 // pair and per shared slice; the sum runs in slot order (deterministic), then the counter
 // is taken back to zero for the next call.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_ep_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_ep_combine(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -1970,6 +2001,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_e
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=256 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1988,6 +2020,7 @@ struct decode_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
     static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 1152;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -1998,6 +2031,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_gem
 {
     grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 528 persistent blocks (4 per SM)
 struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -2013,6 +2047,7 @@ struct decode_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
     static constexpr int DYNAMIC_SMEM_BYTES = 51264, STATIC_SMEM_BYTES = 1152;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_ep64_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -2024,6 +2059,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_ep64_decode_gem
 {
     grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 257..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2044,6 +2080,7 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
     static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
@@ -2054,6 +2091,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm1(
 {
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -2071,6 +2109,7 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
     static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2082,6 +2121,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm2(
 {
     grouped_gemm_warp_specialized<mid_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 2049..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2102,6 +2142,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
@@ -2112,6 +2153,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ge
 {
     grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -2129,6 +2171,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2140,6 +2183,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ge
 {
     grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=8 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2158,6 +2202,7 @@ struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 73728, BARRIER_OFFSET = 73792;
     static constexpr int DYNAMIC_SMEM_BYTES = 73792, STATIC_SMEM_BYTES = 1408;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_ep64_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2174,6 +2219,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_ep64_decode_ep_
     grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 4 stages, 1x4 warps, 62 persistent blocks (5 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -2189,6 +2235,7 @@ struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41024;
     static constexpr int DYNAMIC_SMEM_BYTES = 41024, STATIC_SMEM_BYTES = 1408;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 5) deepseek_v3_ep64_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -2204,6 +2251,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) deepseek_v3_ep64_decode_ep_
     grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `mid`, expert-parallel (tokens per rank): 9..=64 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2224,6 +2272,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
     static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1408;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2240,6 +2289,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gem
     grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 62 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -2257,6 +2307,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
     static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1408;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2272,6 +2323,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gem
     grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `prefill`, expert-parallel (tokens per rank): 65..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2292,6 +2344,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1408;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2308,6 +2361,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep
     grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 62 persistent blocks (1 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -2325,6 +2379,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1408;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2340,3 +2395,4 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep
     grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif

@@ -87,6 +87,18 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 // ---------------------------------------------------------------------------------------
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
+// the modules are loaded together. Without those defines (`moeforge compile`, embedded
+// PTX) every kernel is built. Only constant tables live at file scope, so each module's
+// copies of them are alike.
+// ---------------------------------------------------------------------------------------
+#ifdef MOEFORGE_ONE_KERNEL
+#define MOEFORGE_ALL_KERNELS 0
+#else
+#define MOEFORGE_ALL_KERNELS 1
+#endif
+// ---------------------------------------------------------------------------------------
 // Layer constants (from the plan)
 // ---------------------------------------------------------------------------------------
 constexpr int HIDDEN = 2880;      // H
@@ -175,6 +187,7 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
     }
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -189,6 +202,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Flags between ranks: written with release and read with acquire at .gpu scope.
 // A flag holds the epoch (call counter) it was last released in, so consecutive calls need
@@ -1136,6 +1150,7 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
 constexpr int ROUTER_SELECT_WARPS = 4;
 constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = 0;
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_router_select)
 extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_router_select(
     const float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
@@ -1154,6 +1169,7 @@ extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_router_select(
     if (token >= tokens) return;  // whole warps leave: the shuffles stay full-warp
     router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection[warp]);
 }
+#endif
 
 // Router of regime `decode` (0..=512 tokens): fused; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 5 groups splitting the reduction, 8 expert tiles per token tile
 struct decode_router_gate {
@@ -1162,6 +1178,7 @@ struct decode_router_gate {
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 5, THREADS = 160;
     static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 61440;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_router)
 extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1179,6 +1196,7 @@ extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     router_fused<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
 }
+#endif
 
 // Router of regime `mid` (513..=2048 tokens): split, its gate; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 3 groups splitting the reduction, 8 expert tiles per token tile
 struct mid_router_gate {
@@ -1187,6 +1205,7 @@ struct mid_router_gate {
     static constexpr int WARPS_M = 2, WARPS_N = 1, WARPS_K = 3, THREADS = 192;
     static constexpr int STAGE_BYTES = 10240, SMEM_BYTES = 92160;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_router_gate)
 extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1196,6 +1215,7 @@ extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate(
 {
     router_gate<mid_router_gate>(x, gate_weight, tokens, router_logits);
 }
+#endif
 
 // Router of regime `prefill` (2049..=16384 tokens): split, its gate; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate {
@@ -1204,6 +1224,7 @@ struct prefill_router_gate {
     static constexpr int WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 128;
     static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 73728;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_prefill_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1213,6 +1234,7 @@ extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_prefill_router_ga
 {
     router_gate<prefill_router_gate>(x, gate_weight, tokens, router_logits);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.
 //   - each consumer warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16
@@ -1517,6 +1539,7 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
     combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) gpt_oss_120b_combine(
     const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
@@ -1531,6 +1554,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) gpt_oss_120b_combi
     }
     combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1549,6 +1573,7 @@ struct decode_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
     static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -1560,6 +1585,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
 {
     grouped_gemm<decode_gemm1>(x, w1, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 528 persistent blocks (4 per SM)
 struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -1575,6 +1601,7 @@ struct decode_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
     static constexpr int DYNAMIC_SMEM_BYTES = 51264, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -1587,6 +1614,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
 {
     grouped_gemm<decode_gemm2>(intermediate, w2, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 513..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1607,6 +1635,7 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864;
     static constexpr int DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
@@ -1618,6 +1647,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm1(
 {
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x192x64, 7 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -1635,6 +1665,7 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 229376, BARRIER_OFFSET = 229632;
     static constexpr int DYNAMIC_SMEM_BYTES = 230768, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -1647,6 +1678,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm2(
 {
     grouped_gemm_warp_specialized<mid_gemm2>(intermediate, &w2_tiles, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 2049..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1667,6 +1699,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 229376, BARRIER_OFFSET = 229888;
     static constexpr int DYNAMIC_SMEM_BYTES = 231024, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_prefill_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
@@ -1678,6 +1711,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm1(
 {
     grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x192x64, 5 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -1695,6 +1729,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205312;
     static constexpr int DYNAMIC_SMEM_BYTES = 206416, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_prefill_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -1707,3 +1742,4 @@ extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm2(
 {
     grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif

@@ -88,6 +88,18 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 // ---------------------------------------------------------------------------------------
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
+// the modules are loaded together. Without those defines (`moeforge compile`, embedded
+// PTX) every kernel is built. Only constant tables live at file scope, so each module's
+// copies of them are alike.
+// ---------------------------------------------------------------------------------------
+#ifdef MOEFORGE_ONE_KERNEL
+#define MOEFORGE_ALL_KERNELS 0
+#else
+#define MOEFORGE_ALL_KERNELS 1
+#endif
+// ---------------------------------------------------------------------------------------
 // Layer constants (from the plan)
 // ---------------------------------------------------------------------------------------
 constexpr int HIDDEN = 2048;      // H
@@ -171,6 +183,7 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
     }
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_30b_a3b_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -185,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_30b_a3b_route(
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Flags between ranks: written with release and read with acquire at .sys scope.
 // A flag holds the epoch (call counter) it was last released in, so consecutive calls need
@@ -1132,6 +1146,7 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
 constexpr int ROUTER_SELECT_WARPS = 4;
 constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = 0;
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_router_select)
 extern "C" __global__ void __launch_bounds__(128) qwen3_30b_a3b_router_select(
     const float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     int tokens,  // tokens in this call
@@ -1149,6 +1164,7 @@ extern "C" __global__ void __launch_bounds__(128) qwen3_30b_a3b_router_select(
     if (token >= tokens) return;  // whole warps leave: the shuffles stay full-warp
     router_select(router_logits, nullptr, token, routed_ids, routed_weights, s_selection[warp]);
 }
+#endif
 
 // Router of regime `decode` (0..=256 tokens): fused; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 8 expert tiles per token tile
 struct decode_router_gate {
@@ -1157,6 +1173,7 @@ struct decode_router_gate {
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
     static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 98304;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_router)
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1173,6 +1190,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
     router_fused<decode_router_gate>(x, gate_weight, nullptr, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
 }
+#endif
 
 // Router of regime `mid` (257..=1024 tokens): split, its gate; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
 struct mid_router_gate {
@@ -1181,6 +1199,7 @@ struct mid_router_gate {
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
     static constexpr int STAGE_BYTES = 6144, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_router_gate)
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1190,6 +1209,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate(
 {
     router_gate<mid_router_gate>(x, gate_weight, tokens, router_logits);
 }
+#endif
 
 // Router of regime `prefill` (1025..=16384 tokens): split, its gate; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate {
@@ -1198,6 +1218,7 @@ struct prefill_router_gate {
     static constexpr int WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256;
     static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -1207,6 +1228,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
 {
     router_gate<prefill_router_gate>(x, gate_weight, tokens, router_logits);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.
 //   - each consumer warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16
@@ -1511,6 +1533,7 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
     combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_combine(
     const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
@@ -1525,6 +1548,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_comb
     }
     combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 8 ranks (one GPU per rank), 16 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
@@ -1620,6 +1644,7 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // expert there gets one send slot (it crosses once however many of its experts live
 // there); every such (token, k) pair gets a row of the destination's receive index. Then
 // the counts, then one release of this rank's metadata flag at the destination.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_ep_route)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_30b_a3b_ep_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -1691,6 +1716,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_30b_a3b_ep_r
         flag_store(metadata_flag, epoch);
     }
 }
+#endif
 
 // Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
 // items are pieces of a chunk, (destination in send order, piece); block b
@@ -1701,6 +1727,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_30b_a3b_ep_r
 // fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_ep_dispatch)
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) qwen3_30b_a3b_ep_dispatch(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     int rank,  // this rank
@@ -1769,6 +1796,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) qwen3_30b_a3b_ep_disp
         items_before += pieces;
     }
 }
+#endif
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
@@ -1778,6 +1806,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) qwen3_30b_a3b_ep_disp
 // for the metadata and scans the (local expert, source) counts itself, then takes GEMM
 // rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
 // The last block done returns every source's credit.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_ep_arrange)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_30b_a3b_ep_arrange(
     int tokens,  // tokens in this call
     int rank,  // this rank
@@ -1862,10 +1891,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_30b_a3b_ep_a
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
 }
+#endif
 
 // Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
 // pair and per shared slice; the sum runs in slot order (deterministic), then the counter
 // is taken back to zero for the next call.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_ep_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_ep_combine(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -1897,6 +1928,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_ep_c
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=256 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1915,6 +1947,7 @@ struct decode_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
     static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -1925,6 +1958,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_gemm1(
 {
     grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x128x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -1940,6 +1974,7 @@ struct decode_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
     static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -1951,6 +1986,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_gemm2(
 {
     grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 257..=1024 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1971,6 +2007,7 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
     static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
@@ -1981,6 +2018,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm1(
 {
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -1998,6 +2036,7 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
     static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2009,6 +2048,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm2(
 {
     grouped_gemm_warp_specialized<mid_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 1025..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2029,6 +2069,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
@@ -2039,6 +2080,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_gemm1
 {
     grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -2056,6 +2098,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2067,6 +2110,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_gemm2
 {
     grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2085,6 +2129,7 @@ struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
     static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2101,6 +2146,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_ep_gem
     grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 464 persistent blocks (4 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -2116,6 +2162,7 @@ struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
     static constexpr int DYNAMIC_SMEM_BYTES = 51264, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 4) qwen3_30b_a3b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -2131,6 +2178,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) qwen3_30b_a3b_decode_ep_gem
     grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `mid`, expert-parallel (tokens per rank): 33..=128 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2151,6 +2199,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
     static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2167,6 +2216,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm1(
     grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x128x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -2184,6 +2234,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864;
     static constexpr int DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2199,6 +2250,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_ep_gemm2(
     grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `prefill`, expert-parallel (tokens per rank): 129..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -2219,6 +2271,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2235,6 +2288,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_ep_ge
     grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -2252,6 +2306,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
@@ -2267,3 +2322,4 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_30b_a3b_prefill_ep_ge
     grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif

@@ -85,6 +85,18 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 // ---------------------------------------------------------------------------------------
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
+// the modules are loaded together. Without those defines (`moeforge compile`, embedded
+// PTX) every kernel is built. Only constant tables live at file scope, so each module's
+// copies of them are alike.
+// ---------------------------------------------------------------------------------------
+#ifdef MOEFORGE_ONE_KERNEL
+#define MOEFORGE_ALL_KERNELS 0
+#else
+#define MOEFORGE_ALL_KERNELS 1
+#endif
+// ---------------------------------------------------------------------------------------
 // Layer constants (from the plan)
 // ---------------------------------------------------------------------------------------
 constexpr int HIDDEN = 128;      // H
@@ -168,6 +180,7 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
     }
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -182,6 +195,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_route(
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Flags between ranks: written with release and read with acquire at .gpu scope.
 // A flag holds the epoch (call counter) it was last released in, so consecutive calls need
@@ -704,6 +718,7 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
     combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
     const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
@@ -718,6 +733,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_combine(
     }
     combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 4 ranks (virtual ranks on one GPU), 2 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
@@ -813,6 +829,7 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // expert there gets one send slot (it crosses once however many of its experts live
 // there); every such (token, k) pair gets a row of the destination's receive index. Then
 // the counts, then one release of this rank's metadata flag at the destination.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_ep_route)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -884,6 +901,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
         flag_store(metadata_flag, epoch);
     }
 }
+#endif
 
 // Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
 // items are pieces of a chunk, (destination in send order, piece); block b
@@ -894,6 +912,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
 // fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_ep_dispatch)
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_ep_dispatch(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     int rank,  // this rank
@@ -962,6 +981,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_ep_dispatch(
         items_before += pieces;
     }
 }
+#endif
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
@@ -971,6 +991,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_ep_dispatch(
 // for the metadata and scans the (local expert, source) counts itself, then takes GEMM
 // rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
 // The last block done returns every source's credit.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_ep_arrange)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
     int tokens,  // tokens in this call
     int rank,  // this rank
@@ -1055,10 +1076,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_arrange(
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
 }
+#endif
 
 // Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
 // pair and per shared slice; the sum runs in slot order (deterministic), then the counter
 // is taken back to zero for the next call.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_ep_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -1090,6 +1113,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `all`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1108,6 +1132,7 @@ struct all_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
     static constexpr int DYNAMIC_SMEM_BYTES = 41088, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -1118,6 +1143,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
 {
     grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 792 persistent blocks (6 per SM)
 struct all_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -1133,6 +1159,7 @@ struct all_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
     static constexpr int DYNAMIC_SMEM_BYTES = 24704, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -1144,6 +1171,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
 {
     grouped_gemm<all_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `all`, expert-parallel (tokens per rank): 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1162,6 +1190,7 @@ struct all_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
     static constexpr int DYNAMIC_SMEM_BYTES = 41088, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -1178,6 +1207,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
     grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 29 persistent blocks (6 per SM)
 struct all_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -1193,6 +1223,7 @@ struct all_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
     static constexpr int DYNAMIC_SMEM_BYTES = 24704, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -1208,3 +1239,4 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_ep_gemm2(
     grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif

@@ -86,6 +86,18 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 // ---------------------------------------------------------------------------------------
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
+// the modules are loaded together. Without those defines (`moeforge compile`, embedded
+// PTX) every kernel is built. Only constant tables live at file scope, so each module's
+// copies of them are alike.
+// ---------------------------------------------------------------------------------------
+#ifdef MOEFORGE_ONE_KERNEL
+#define MOEFORGE_ALL_KERNELS 0
+#else
+#define MOEFORGE_ALL_KERNELS 1
+#endif
+// ---------------------------------------------------------------------------------------
 // Layer constants (from the plan)
 // ---------------------------------------------------------------------------------------
 constexpr int HIDDEN = 128;      // H
@@ -169,6 +181,7 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
     }
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_two_nodes_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -183,6 +196,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_two_nodes_route
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Flags between ranks: written with release and read with acquire at .sys scope.
 // A flag holds the epoch (call counter) it was last released in, so consecutive calls need
@@ -705,6 +719,7 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
     combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
 }
 
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_combine(
     const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
@@ -719,6 +734,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_com
     }
     combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 2 ranks (one GPU per rank), 4 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
@@ -828,6 +844,7 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // expert there gets one send slot (it crosses once however many of its experts live
 // there); every such (token, k) pair gets a row of the destination's receive index. Then
 // the counts, then one release of this rank's metadata flag at the destination.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_ep_route)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -913,6 +930,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
         flag_store(metadata_flag, epoch);
     }
 }
+#endif
 
 // Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
 // items are pieces of a chunk, (destination in send order, piece); block b
@@ -923,6 +941,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
 // fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_ep_dispatch)
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_two_nodes_ep_dispatch(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     int rank,  // this rank
@@ -1011,6 +1030,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_two_nodes_ep_dis
         }
     }
 }
+#endif
 
 // Arrange: once every source's metadata is here, lay the GEMM rows out per local expert,
 // its sources in receive order (local rows first): the row each reads from recv_x, its
@@ -1020,6 +1040,7 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_two_nodes_ep_dis
 // for the metadata and scans the (local expert, source) counts itself, then takes GEMM
 // rows b, b + grid, ... (one thread a row, so the reads of the receive index all overlap).
 // The last block done returns every source's credit.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_ep_arrange)
 extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_arrange(
     int tokens,  // tokens in this call
     int rank,  // this rank
@@ -1106,10 +1127,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
     }
 }
+#endif
 
 // Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
 // pair and per shared slice; the sum runs in slot order (deterministic), then the counter
 // is taken back to zero for the next call.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_ep_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_ep_combine(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
@@ -1160,6 +1183,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_ep_
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Regime `all`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1178,6 +1202,7 @@ struct all_gemm1 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
     static constexpr int DYNAMIC_SMEM_BYTES = 41088, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -1188,6 +1213,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_gemm1(
 {
     grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
+#endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 792 persistent blocks (6 per SM)
 struct all_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
@@ -1203,6 +1229,7 @@ struct all_gemm2 : SingleGpu {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
     static constexpr int DYNAMIC_SMEM_BYTES = 24704, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_two_nodes_all_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -1214,6 +1241,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_two_nodes_all_gemm2(
 {
     grouped_gemm<all_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
+#endif
 // ---------------------------------------------------------------------------------------
 // Rank regime `all`, expert-parallel (tokens per rank): 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -1232,6 +1260,7 @@ struct all_ep_gemm1 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
     static constexpr int DYNAMIC_SMEM_BYTES = 41088, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -1248,6 +1277,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_ep_gemm1
     grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
+#endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 124 persistent blocks (6 per SM)
 struct all_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
@@ -1263,6 +1293,7 @@ struct all_ep_gemm2 : ExpertParallel {
     static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
     static constexpr int DYNAMIC_SMEM_BYTES = 24704, STATIC_SMEM_BYTES = 128;
 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 6) tiny_two_nodes_all_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -1278,3 +1309,4 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_two_nodes_all_ep_gemm2
     grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
+#endif

@@ -16,14 +16,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
-use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig,
-};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
 use moeforge_compiler::plan::network::{NetworkPlan, Route};
 use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
-use crate::gpu::{DriverContext, GpuError};
+use crate::gpu::{DriverContext, GpuError, LoadedKernels};
 use crate::ipc::{self, ExportableBuffer, PeerMappings};
 use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
@@ -87,7 +85,7 @@ struct Rank {
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
     /// Per regime, each launch's function and bindings (in the plan's launch order).
     regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
-    _module: Arc<CudaModule>,
+    _module: LoadedKernels,
 }
 
 pub struct EpLayer {
@@ -191,7 +189,7 @@ impl EpLayer {
     pub fn new(
         plan: Plan,
         contexts: &[Arc<CudaContext>],
-        modules: Vec<Arc<CudaModule>>,
+        modules: Vec<LoadedKernels>,
         weights: Vec<ExpertWeights>,
     ) -> Result<Self, LayerError> {
         let ep = expert_parallel_part(&plan)?;
@@ -264,7 +262,7 @@ impl EpLayer {
     pub fn join_group(
         plan: Plan,
         ctx: &Arc<CudaContext>,
-        module: Arc<CudaModule>,
+        module: LoadedKernels,
         weights: ExpertWeights,
         mut channel: ControlChannel,
     ) -> Result<Self, LayerError> {
@@ -838,7 +836,7 @@ fn build_rank(
     ep: &ExpertParallelPlan,
     index: u32,
     ctx: &Arc<CudaContext>,
-    module: Arc<CudaModule>,
+    module: LoadedKernels,
     weights: ExpertWeights,
     exportable: bool,
 ) -> Result<Rank, LayerError> {

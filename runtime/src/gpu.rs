@@ -5,13 +5,45 @@ use std::sync::Arc;
 
 pub use cudarc::driver::CudaContext;
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaModule, CudaStream, DriverError};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use moeforge_compiler::plan::{DeviceFacts, Target};
 use thiserror::Error;
 
-use crate::jit::CompiledModule;
+use crate::jit::{CompiledKernels, CompiledModule};
 use crate::toolkit::{self, ToolkitError};
+
+/// A layer's kernels loaded on one device: one module per entry point, or one for all.
+#[derive(Clone, Debug)]
+pub struct LoadedKernels {
+    /// Each module with the entry points it holds (empty: every one).
+    modules: Vec<(Vec<String>, Arc<CudaModule>)>,
+}
+
+impl LoadedKernels {
+    /// A module of the whole unit.
+    pub fn whole(module: Arc<CudaModule>) -> Self {
+        LoadedKernels {
+            modules: vec![(Vec::new(), module)],
+        }
+    }
+
+    /// Entry point `name`, from the module compiled for it, else from a module of the
+    /// whole unit.
+    pub fn load_function(&self, name: &str) -> Result<CudaFunction, DriverError> {
+        let holds = |kernels: &Vec<String>| kernels.iter().any(|k| k == name);
+        let module = self
+            .modules
+            .iter()
+            .find(|(kernels, _)| holds(kernels))
+            .or_else(|| self.modules.iter().find(|(kernels, _)| kernels.is_empty()))
+            .map(|(_, module)| module)
+            .ok_or(DriverError(
+                cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_FOUND,
+            ))?;
+        module.load_function(name)
+    }
+}
 
 #[derive(Debug, Error)]
 pub enum GpuError {
@@ -188,6 +220,25 @@ impl Gpu {
     /// Loads a compiled module: its CUBIN when there is one, else its PTX.
     pub fn load(&self, module: &CompiledModule) -> Result<Arc<CudaModule>, GpuError> {
         Gpu::load_into(&self.ctx, module)
+    }
+
+    /// Loads a layer's kernels: every module of `kernels`.
+    pub fn load_kernels(&self, kernels: &CompiledKernels) -> Result<LoadedKernels, GpuError> {
+        Gpu::load_kernels_into(&self.ctx, kernels)
+    }
+
+    /// Loads a layer's kernels into another context (another GPU of an expert-parallel
+    /// layer).
+    pub fn load_kernels_into(
+        ctx: &Arc<CudaContext>,
+        kernels: &CompiledKernels,
+    ) -> Result<LoadedKernels, GpuError> {
+        let modules = kernels
+            .modules
+            .iter()
+            .map(|m| Ok((m.kernels.clone(), Gpu::load_into(ctx, &m.module)?)))
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        Ok(LoadedKernels { modules })
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {

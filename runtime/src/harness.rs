@@ -22,7 +22,7 @@ use crate::checkpoint::{CheckpointError, ExpertSet};
 use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::ipc::GroupError;
-use crate::jit::{CompileOptions, CompiledModule, Jit, JitError};
+use crate::jit::{CompileOptions, CompiledKernels, CompiledModule, Jit, JitError};
 use crate::layer::{
     ExpertBiases, ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs,
 };
@@ -65,7 +65,7 @@ static SESSION_TURN: Mutex<()> = Mutex::new(());
 /// A layer ready to run, with how its kernels were obtained.
 pub struct BuiltLayer {
     pub layer: MoeLayer,
-    pub module: CompiledModule,
+    pub module: CompiledKernels,
     pub compile_seconds: f64,
     /// Host copies of the experts' weights, by expert id, each downloaded from the device
     /// on the first check that needs it and kept for the layer's life. Downloaded rather
@@ -269,16 +269,19 @@ impl Session {
         })
     }
 
-    /// Generates the plan's CUDA unit and compiles it for this GPU (through the disk cache).
-    pub fn compile(&self, plan: &Plan) -> Result<(CompiledModule, f64), HarnessError> {
+    /// Generates the plan's CUDA unit and compiles it for this GPU, kernel by kernel side
+    /// by side (through the disk cache).
+    pub fn compile(&self, plan: &Plan) -> Result<(CompiledKernels, f64), HarnessError> {
         let started = Instant::now();
         // A plan for another kind of device is an error, never silently recompiled.
         self.gpu.check_target(&plan.target)?;
         let source = codegen::generate(plan)?;
-        let module = self
-            .jit
-            .compile(&source.source, &aot::compile_options(plan))?;
-        Ok((module, started.elapsed().as_secs_f64()))
+        let kernels = self.jit.compile_kernels(
+            &source.source,
+            &source.entry_points,
+            &aot::compile_options(plan),
+        )?;
+        Ok((kernels, started.elapsed().as_secs_f64()))
     }
 
     fn fill_uniform(
@@ -422,7 +425,7 @@ impl Session {
     ) -> Result<BuiltLayer, HarnessError> {
         let weights = self.random_weights(&plan.shape, seed)?;
         let gate = random_router_gate(&plan, seed);
-        self.assemble(plan, module, 0.0, weights, gate)
+        self.assemble(plan, CompiledKernels::whole(module), 0.0, weights, gate)
     }
 
     /// Loads a compiled module and builds the handle with `weights` and, when given, the
@@ -430,12 +433,12 @@ impl Session {
     fn assemble(
         &self,
         plan: Plan,
-        module: CompiledModule,
+        module: CompiledKernels,
         compile_seconds: f64,
         weights: ExpertWeights,
         gate: Option<HostGate>,
     ) -> Result<BuiltLayer, HarnessError> {
-        let loaded = self.gpu.load(&module)?;
+        let loaded = self.gpu.load_kernels(&module)?;
         let experts = plan.shape.gemm_experts() as usize;
         let device_gate = gate
             .as_ref()
@@ -601,7 +604,7 @@ impl Session {
             ranks as usize,
             &self.gpu.ctx,
         )?;
-        let module = self.gpu.load(&built.module)?;
+        let module = self.gpu.load_kernels(&built.module)?;
         Ok(EpLayer::join_group(
             plan.clone(),
             &self.gpu.ctx,
@@ -624,9 +627,9 @@ impl Session {
         let mut modules = Vec::with_capacity(contexts.len());
         for ctx in contexts {
             modules.push(if ctx.ordinal() == self.gpu.ctx.ordinal() {
-                self.gpu.load(&built.module)?
+                self.gpu.load_kernels(&built.module)?
             } else {
-                Gpu::load_into(ctx, &built.module)?
+                Gpu::load_kernels_into(ctx, &built.module)?
             });
         }
         Ok(EpLayer::new(

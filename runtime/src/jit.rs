@@ -5,6 +5,13 @@
 //! `compute_90a`). Failures are [`JitError`]s; a compile error quotes the generated source
 //! line of every `unit.cu(LINE): error` in the NVRTC log.
 //!
+//! [`Jit::compile_kernels`] compiles a generated layer unit once per entry point instead
+//! (the unit builds only the kernel its defines name), on as many threads as the machine
+//! has: NVRTC is single-threaded per program, and DeepSeek-V3's 22 kernels took 7.9 s as
+//! one program against at most 2 s for any group of them (the CPU machine, 2026-11-30).
+//! At most one NVRTC compile per core runs in the process at a time, however many
+//! threads ask.
+//!
 //! # Cache
 //!
 //! Compiled modules are cached on disk, one file per module, under `DIR/jit/`, where DIR is
@@ -34,7 +41,8 @@ use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use sha2::{Digest, Sha256};
@@ -66,6 +74,17 @@ impl CompileOptions {
     pub fn flag(mut self, flag: impl Into<String>) -> Self {
         self.flags.push(flag.into());
         self
+    }
+
+    /// These options for entry point `kernel` of a generated layer unit alone: the unit
+    /// builds only the kernel that `MOEFORGE_KERNEL_<kernel>` names.
+    pub fn one_kernel(&self, kernel: &str) -> Self {
+        CompileOptions {
+            name: format!("{}-{kernel}", self.name),
+            ..self.clone()
+        }
+        .flag("-DMOEFORGE_ONE_KERNEL")
+        .flag(format!("-DMOEFORGE_KERNEL_{kernel}"))
     }
 }
 
@@ -110,6 +129,91 @@ impl CompiledModule {
     /// Whether the module came from the disk cache.
     pub fn cache_hit(&self) -> bool {
         self.cache == CacheOutcome::Hit
+    }
+}
+
+/// A layer's kernels as compiled modules: its unit compiled whole (an AOT directory,
+/// embedded PTX), or one module per entry point ([`Jit::compile_kernels`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompiledKernels {
+    /// The unit's name.
+    pub name: String,
+    pub modules: Vec<KernelModule>,
+}
+
+/// One module of [`CompiledKernels`] and the entry points it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelModule {
+    /// The entry points it was compiled for; empty: every entry point of the unit.
+    pub kernels: Vec<String>,
+    pub module: CompiledModule,
+}
+
+impl CompiledKernels {
+    /// A unit compiled whole.
+    pub fn whole(module: CompiledModule) -> Self {
+        CompiledKernels {
+            name: module.name.clone(),
+            modules: vec![KernelModule {
+                kernels: Vec::new(),
+                module,
+            }],
+        }
+    }
+
+    /// What the cache did: a hit when every module came from it, else the first other
+    /// outcome.
+    pub fn cache(&self) -> CacheOutcome {
+        self.modules
+            .iter()
+            .map(|m| &m.module.cache)
+            .find(|&cache| *cache != CacheOutcome::Hit)
+            .cloned()
+            .unwrap_or(CacheOutcome::Hit)
+    }
+
+    /// Whether every module came from the disk cache.
+    pub fn cache_hit(&self) -> bool {
+        self.cache() == CacheOutcome::Hit
+    }
+
+    /// Bytes of PTX over all modules.
+    pub fn ptx_bytes(&self) -> usize {
+        self.modules.iter().map(|m| m.module.ptx.len()).sum()
+    }
+}
+
+/// A turn at NVRTC: at most one compile per core runs in this process at a time, so that
+/// layers compiled side by side, each kernel by kernel, do not run hundreds of compiles
+/// (each holding its own memory) at once.
+struct NvrtcSlot;
+
+static NVRTC_SLOTS_IN_USE: Mutex<usize> = Mutex::new(0);
+static NVRTC_SLOT_FREED: Condvar = Condvar::new();
+
+impl NvrtcSlot {
+    fn take() -> NvrtcSlot {
+        let limit = std::thread::available_parallelism().map_or(1, usize::from);
+        let mut in_use = NVRTC_SLOTS_IN_USE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while *in_use >= limit {
+            in_use = NVRTC_SLOT_FREED
+                .wait(in_use)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        *in_use += 1;
+        NvrtcSlot
+    }
+}
+
+impl Drop for NvrtcSlot {
+    fn drop(&mut self) {
+        let mut in_use = NVRTC_SLOTS_IN_USE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *in_use -= 1;
+        NVRTC_SLOT_FREED.notify_one();
     }
 }
 
@@ -399,7 +503,10 @@ impl Jit {
         let artefacts = match cached {
             Some(artefacts) => artefacts,
             None => {
-                let artefacts = nvrtc_compile(source, options, real_arch)?;
+                let artefacts = {
+                    let _slot = NvrtcSlot::take();
+                    nvrtc_compile(source, options, real_arch)?
+                };
                 if let Some(path) = &entry
                     && let Err(e) = write_atomic(path, &encode_entry(&artefacts, &key))
                 {
@@ -423,6 +530,61 @@ impl Jit {
             key,
             cache,
             notes,
+        })
+    }
+
+    /// Compiles a generated layer unit once per entry point of `kernels`, side by side (see
+    /// the module docs), each through the cache. The first error, in `kernels` order, is
+    /// the result.
+    pub fn compile_kernels(
+        &self,
+        source: &str,
+        kernels: &[String],
+        options: &CompileOptions,
+    ) -> Result<CompiledKernels, JitError> {
+        let next = AtomicUsize::new(0);
+        let workers = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(kernels.len())
+            .max(1);
+        let mut results: Vec<(usize, Result<CompiledModule, JitError>)> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..workers)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            let mut done = Vec::new();
+                            loop {
+                                let i = next.fetch_add(1, Ordering::Relaxed);
+                                let Some(kernel) = kernels.get(i) else {
+                                    break done;
+                                };
+                                done.push((i, self.compile(source, &options.one_kernel(kernel))));
+                            }
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|handle| match handle.join() {
+                        Ok(done) => done,
+                        Err(panic) => std::panic::resume_unwind(panic),
+                    })
+                    .collect()
+            });
+        results.sort_by_key(|(i, _)| *i);
+        let modules = results
+            .into_iter()
+            .zip(kernels)
+            .map(|((_, module), kernel)| {
+                Ok(KernelModule {
+                    kernels: vec![kernel.clone()],
+                    module: module?,
+                })
+            })
+            .collect::<Result<Vec<_>, JitError>>()?;
+        Ok(CompiledKernels {
+            name: options.name.clone(),
+            modules,
         })
     }
 

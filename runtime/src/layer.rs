@@ -9,8 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg,
 };
 use moeforge_compiler::ir::RouterBias;
 use moeforge_compiler::plan::{
@@ -18,7 +17,7 @@ use moeforge_compiler::plan::{
 };
 use thiserror::Error;
 
-use crate::gpu::{DriverContext, Gpu, GpuError};
+use crate::gpu::{DriverContext, Gpu, GpuError, LoadedKernels};
 use crate::tensor_map::{TensorMap, weight_map_shape};
 
 #[derive(Debug, Error)]
@@ -267,7 +266,7 @@ pub struct MoeLayer {
     gate: Option<GateWeights>,
     /// The tensor maps over the weights that launches pass (`Binding::TensorMap`).
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
-    _module: Arc<CudaModule>,
+    _module: LoadedKernels,
 }
 
 /// Where a kernel parameter's value comes from, resolved once in [`MoeLayer::new`].
@@ -375,7 +374,7 @@ impl MoeLayer {
     pub fn new(
         gpu: &Gpu,
         plan: Plan,
-        module: Arc<CudaModule>,
+        module: LoadedKernels,
         weights: ExpertWeights,
     ) -> Result<Self, LayerError> {
         Self::with_gate(gpu, plan, module, weights, None)
@@ -387,7 +386,7 @@ impl MoeLayer {
     pub fn with_gate(
         gpu: &Gpu,
         plan: Plan,
-        module: Arc<CudaModule>,
+        module: LoadedKernels,
         weights: ExpertWeights,
         gate: Option<GateWeights>,
     ) -> Result<Self, LayerError> {
@@ -703,7 +702,7 @@ struct CallValues {
 /// The function of `launch`, loaded from `module` on first use (its shared-memory limit
 /// raised), else the one `loaded` holds.
 pub(crate) fn load_kernel(
-    module: &Arc<CudaModule>,
+    module: &LoadedKernels,
     loaded: &mut Vec<(String, CudaFunction)>,
     launch: &Launch,
 ) -> Result<CudaFunction, LayerError> {

@@ -200,7 +200,7 @@ fn check_plans(suite: &str, plans: Vec<Plan>) {
             "{}: compiled in {:.1} s ({:?})",
             layer.layer.plan().layer,
             layer.compile_seconds,
-            layer.module.cache
+            layer.module.cache()
         ));
         failures.extend(check_layer(&session, &layer, seed));
     }

@@ -4,8 +4,14 @@
 
 use std::path::PathBuf;
 
+use moeforge_compiler::codegen;
+use moeforge_compiler::ir::Activation;
+use moeforge_compiler::plan::{self, Target};
+use moeforge_runtime::aot;
 use moeforge_runtime::jit::{CacheOutcome, CompileOptions, DumpKinds, Jit, JitError, JitSettings};
 use moeforge_runtime::toolkit::nvrtc_for_tests;
+
+mod layers;
 
 /// A self-contained bf16 kernel: no includes, bf16 <-> float by bit operations.
 const AXPY_BF16: &str = r#"
@@ -283,4 +289,42 @@ fn discovered_toolkit_is_nvrtc_13() {
     );
     assert!(tk.nvrtc_lib.is_file());
     assert_eq!(jit.nvrtc_version().major, 13);
+}
+
+/// A generated layer unit compiled kernel by kernel: one module per entry point, each
+/// holding that entry point and no other, and together every entry point with the
+/// parameters the plan passes.
+#[test]
+fn a_layer_unit_compiles_kernel_by_kernel() {
+    let Some((jit, _dir)) = jit("kernel-by-kernel") else {
+        return;
+    };
+    let layer = layers::tiny_with_shared_expert(Activation::Swiglu);
+    let plan = plan::plan(&layer, &Target::h200()).expect("the tiny layer plans");
+    let source = codegen::generate(&plan).expect("codegen");
+    let kernels = jit
+        .compile_kernels(
+            &source.source,
+            &source.entry_points,
+            &aot::compile_options(&plan),
+        )
+        .expect("every kernel compiles alone");
+    assert_eq!(kernels.modules.len(), source.entry_points.len());
+    for (module, kernel) in kernels.modules.iter().zip(&source.entry_points) {
+        assert_eq!(module.kernels, std::slice::from_ref(kernel));
+        let entries: Vec<&str> = module
+            .module
+            .ptx
+            .lines()
+            .filter_map(|line| line.trim_start().strip_prefix(".visible .entry "))
+            .map(|rest| rest.split('(').next().unwrap_or(rest))
+            .collect();
+        assert_eq!(entries, [kernel.as_str()], "the module of {kernel}");
+    }
+    let every: String = kernels
+        .modules
+        .iter()
+        .map(|m| m.module.ptx.as_str())
+        .collect();
+    aot::check_ptx_entries(&plan, &every).expect("every entry point the plan launches");
 }

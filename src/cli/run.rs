@@ -133,14 +133,18 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
         }
     };
     let started = std::time::Instant::now();
-    match jit.compile(&source.source, &aot::compile_options(plan)) {
-        Ok(module) => {
+    match jit.compile_kernels(
+        &source.source,
+        &source.entry_points,
+        &aot::compile_options(plan),
+    ) {
+        Ok(kernels) => {
             println!(
-                "compiled {} ({} kernels, {} bytes of PTX{}) for {} in {:.2} s; not run: no GPU",
+                "compiled {} ({} kernels, kernel by kernel; {} bytes of PTX{}) for {} in {:.2} s; not run: no GPU",
                 source.file_name,
                 source.entry_points.len(),
-                module.ptx.len(),
-                if module.cache_hit() {
+                kernels.ptx_bytes(),
+                if kernels.cache_hit() {
                     ", from the cache"
                 } else {
                     ""
