@@ -7,10 +7,10 @@
 //!
 //! [`Jit::compile_kernels`] compiles a generated layer unit once per entry point instead
 //! (the unit builds only the kernel its defines name), on as many threads as the machine
-//! has: NVRTC is single-threaded per program, and DeepSeek-V3's 22 kernels took 7.9 s as
-//! one program against at most 2 s for any group of them (the CPU machine, 2026-11-30).
-//! At most one NVRTC compile per core runs in the process at a time, however many
-//! threads ask.
+//! has: NVRTC is single-threaded per program. DeepSeek-V3's 22 kernels took 7.0 s as one
+//! program and 1.75 s kernel by kernel on the H200 machine's 16 cores (2026-11-30). At
+//! most one NVRTC compile per core runs in the process at a time, however many threads
+//! ask.
 //!
 //! # Cache
 //!
