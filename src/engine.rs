@@ -9,7 +9,7 @@
 //!    host buffers the engine holds in the kernels' layout ([`HostWeights`]), or one layer
 //!    of a safetensors checkpoint ([`CheckpointLayer::open`]: Mixtral, Qwen3-MoE or
 //!    DeepSeek-V3 tensor names, the layer picked by its prefix such as `model.layers.3.`).
-//! 3. [`LayerSpec::build`] compiles the kernels (NVRTC, through the disk cache; once per
+//! 3. [`LayerSpec::build`] compiles the kernels (NVRTC kernel by kernel on every core, through the disk cache; once per
 //!    spec), loads them on a [`Gpu`], uploads the weights and returns the runtime's
 //!    [`MoeLayer`]. [`Gpu::with_stream`] wraps the engine's own stream, so that the
 //!    layer's launches are ordered with the engine's work; [`Gpu::open`] makes a new one.
@@ -64,7 +64,7 @@ use std::sync::{Arc, OnceLock};
 use moeforge_compiler::codegen::{self, CodegenError};
 use moeforge_compiler::{Diagnostics, compile_bytes, plan_diagnostics};
 use moeforge_runtime::aot::{self, AotError};
-use moeforge_runtime::jit::{CompiledModule, Jit, JitError};
+use moeforge_runtime::jit::{CompiledKernels, Jit, JitError};
 use moeforge_runtime::weights::{upload, upload_gate, upload_parts};
 use thiserror::Error;
 
@@ -126,7 +126,7 @@ impl From<JitError> for EngineError {
 /// One layer of a spec, checked and planned for a target, and its kernels once compiled.
 pub struct LayerSpec {
     plan: Plan,
-    kernels: OnceLock<CompiledModule>,
+    kernels: OnceLock<CompiledKernels>,
 }
 
 impl LayerSpec {
@@ -163,7 +163,7 @@ impl LayerSpec {
         let (plan, module) = aot::load_layer(dir.as_ref(), layer)?;
         Ok(LayerSpec {
             plan,
-            kernels: OnceLock::from(module),
+            kernels: OnceLock::from(CompiledKernels::whole(module)),
         })
     }
 
@@ -226,17 +226,21 @@ impl LayerSpec {
         &self.plan.shape
     }
 
-    /// The compiled kernels: those of a `moeforge compile` directory, or the generated
-    /// source compiled through NVRTC (found as `docs/runtime.md` says, with its disk
-    /// cache) on first use and kept.
-    pub fn kernels(&self) -> Result<&CompiledModule, EngineError> {
-        if let Some(module) = self.kernels.get() {
-            return Ok(module);
+    /// The compiled kernels: the one module of a `moeforge compile` directory, or the
+    /// generated source compiled through NVRTC (found as `docs/runtime.md` says, with its
+    /// disk cache) kernel by kernel on every core on first use, and kept.
+    pub fn kernels(&self) -> Result<&CompiledKernels, EngineError> {
+        if let Some(kernels) = self.kernels.get() {
+            return Ok(kernels);
         }
         let source = codegen::generate(&self.plan)?;
-        let module = Jit::from_env()?.compile(&source.source, &aot::compile_options(&self.plan))?;
+        let kernels = Jit::from_env()?.compile_kernels(
+            &source.source,
+            &source.entry_points,
+            &aot::compile_options(&self.plan),
+        )?;
         // Two threads may both compile; the modules are the same, so either is right.
-        Ok(self.kernels.get_or_init(|| module))
+        Ok(self.kernels.get_or_init(|| kernels))
     }
 
     /// The single-GPU layer on `gpu`, every expert there, launching on `gpu.stream`:
@@ -254,7 +258,7 @@ impl LayerSpec {
             Some(router) => weights.gate(&self.plan.shape, &router.rule)?,
             None => None,
         };
-        let module = LoadedKernels::whole(gpu.load(self.kernels()?)?);
+        let module = gpu.load_kernels(self.kernels()?)?;
         let experts = upload(&gpu.stream, &host)?;
         drop(host);
         let gate = gate
@@ -298,7 +302,7 @@ impl LayerSpec {
         for (rank, ctx) in (0..ranks).zip(contexts) {
             let stream = ctx.default_stream();
             Gpu::with_stream(Arc::clone(&stream)).check_target(&self.plan.target)?;
-            modules.push(LoadedKernels::whole(Gpu::load_into(ctx, kernels)?));
+            modules.push(Gpu::load_kernels_into(ctx, kernels)?);
             let parts = weights.rank_parts(&self.plan.shape, rank, ranks)?;
             experts.push(upload_parts(&stream, &parts)?);
         }

@@ -109,7 +109,9 @@ fn a_compiled_directory_gives_its_plan_and_ptx() {
     let (plan, module) =
         aot::load_layer(&repo("kernels-generated/tiny"), None).expect("the directory loads");
     assert_eq!(*spec.plan(), plan);
-    assert_eq!(spec.kernels().expect("the PTX is there").ptx, module.ptx);
+    let kernels = spec.kernels().expect("the PTX is there");
+    assert_eq!(kernels.modules.len(), 1, "a directory holds the unit whole");
+    assert_eq!(kernels.modules[0].module.ptx, module.ptx);
 }
 
 #[test]
@@ -119,7 +121,12 @@ fn kernels_compile_once_through_nvrtc() {
     }
     let spec = LayerSpec::from_file(repo(TINY), None, &Target::h200()).expect("plans");
     let first = spec.kernels().expect("compiles");
-    aot::check_ptx_entries(spec.plan(), &first.ptx).expect("every entry point the plan launches");
+    let ptx: String = first
+        .modules
+        .iter()
+        .map(|m| m.module.ptx.as_str())
+        .collect();
+    aot::check_ptx_entries(spec.plan(), &ptx).expect("every entry point the plan launches");
     assert!(std::ptr::eq(first, spec.kernels().expect("kept")));
 }
 
