@@ -9,10 +9,11 @@
 //!    host buffers the engine holds in the kernels' layout ([`HostWeights`]), or one layer
 //!    of a safetensors checkpoint ([`CheckpointLayer::open`]: Mixtral, Qwen3-MoE or
 //!    DeepSeek-V3 tensor names, the layer picked by its prefix such as `model.layers.3.`).
-//! 3. [`LayerSpec::build`] compiles the kernels (NVRTC kernel by kernel on every core, through the disk cache; once per
-//!    spec), loads them on a [`Gpu`], uploads the weights and returns the runtime's
-//!    [`MoeLayer`]. [`Gpu::with_stream`] wraps the engine's own stream, so that the
-//!    layer's launches are ordered with the engine's work; [`Gpu::open`] makes a new one.
+//! 3. [`LayerSpec::build`] compiles the kernels (NVRTC, kernel by kernel on every core,
+//!    through the disk cache; once per spec), loads them on a [`Gpu`], uploads the
+//!    weights and returns the runtime's [`MoeLayer`]. [`Gpu::with_stream`] wraps the
+//!    engine's own stream, so that the layer's launches are ordered with the engine's
+//!    work; [`Gpu::open`] makes a new one.
 //! 4. [`MoeLayer::forward`] takes [`ForwardArgs`]: `x` [T, H] bf16, `topk_ids` [T, K] i32,
 //!    `topk_weights` [T, K] f32 and `y` [T, H] bf16, device buffers the engine allocated
 //!    on the layer's device. It enqueues the plan's launches and returns without
