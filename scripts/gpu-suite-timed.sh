@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs the staged GPU suite as .device/run.sh does (every test executable of
+# .device/tests.tsv with its ignored tests, from its package folder, one test at a time) and
+# prints a table of seconds per executable, slowest first, and the total: the numbers the
+# 90 s rule of the GPU suite is checked against.
+#
+# Usage, on the GPU machine from the repository root, after shared/device/stage.sh:
+#   bash scripts/gpu-suite-timed.sh [LOG_DIR]
+# Each executable's output goes to LOG_DIR/<executable>.log (default: $OUT/logs when OUT is
+# set, as on the device tool, else a temporary folder); a failing one's tail is printed.
+# Exit status: 1 if any executable failed.
+set -uo pipefail
+
+here=$(pwd)
+logs=${1:-${OUT:+$OUT/logs}}
+logs=${logs:-$(mktemp -d "${TMPDIR:-/tmp}/moeforge-suite.XXXXXX")}
+mkdir -p "$logs"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH=$here/.device/bin:$PATH
+# Tests may use paths compiled in on the build machine: make them lead here (as run.sh).
+built_at=$(cat .device/root)
+[ -e "$built_at" ] || { mkdir -p "$(dirname "$built_at")" && ln -s "$here" "$built_at"; }
+target=$(cat .device/target)
+[ -e "$target/release" ] || { mkdir -p "$target" && ln -s "$here/.device/bin" "$target/release"; }
+
+failed=0
+rows=""
+started=$(date +%s.%N)
+while IFS=$'\t' read -r exe dir; do
+  begin=$(date +%s.%N)
+  (cd "$dir" && "$here/.device/tests/$exe" --include-ignored --test-threads=1) >"$logs/$exe.log" 2>&1
+  status=$?
+  seconds=$(awk -v a="$begin" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  result=$(grep -E '^test result' "$logs/$exe.log" | tail -1 | sed 's/test result: //; s/; finished.*//')
+  rows+="$seconds"$'\t'"${exe%-*}"$'\t'"$status"$'\t'"$result"$'\n'
+  if [ "$status" -ne 0 ]; then
+    failed=1
+    echo "!! $exe failed:"
+    tail -30 "$logs/$exe.log"
+  fi
+done < .device/tests.tsv
+total=$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+echo "| seconds | executable | exit | result |"
+echo "|---|---|---|---|"
+printf '%s' "$rows" | sort -t$'\t' -k1,1 -rn | awk -F'\t' '{ printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4 }'
+echo "total: $total s (logs in $logs)"
+exit $failed
