@@ -794,10 +794,7 @@ impl Drop for EpLayer {
     /// In a group, waits for the peers before the buffers they write are freed: a peer may
     /// still be returning credits into them after this rank's last call ended.
     fn drop(&mut self) {
-        if self
-            .network()
-            .is_some_and(|network| network.path.abandoned())
-        {
+        if self.network_abandoned() {
             // A stuck NCCL transfer still reads and writes this rank's workspace, and
             // freeing device memory would wait for it: leak the ranks (streams, workspace)
             // and the group; the process is expected to leave (see `moeforge run`).

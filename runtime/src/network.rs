@@ -426,7 +426,7 @@ impl NetworkPath {
                 .group(&sends, &receives, &self.stream, "the connection probe")?
         };
         if !idle_by(&self.stream, Instant::now() + timeout)? {
-            self.comm.abandoned.set(true);
+            self.abandon();
             // The stuck probe may still receive into these: leaked, not freed. (Freeing
             // is ordered on this stream after the stuck transfer where the device frees
             // asynchronously, and would wait for it forever where it does not.)
@@ -458,7 +458,7 @@ impl NetworkPath {
     /// An error once the path was abandoned (after a stall, or a failure part-way through
     /// enqueueing a call's steps).
     pub(crate) fn refuse_if_abandoned(&self) -> Result<(), NetworkError> {
-        if self.comm.abandoned.get() {
+        if self.abandoned() {
             return Err(NetworkError::Abandoned {
                 rank: self.comm.rank(),
             });
@@ -571,7 +571,7 @@ impl NetworkPath {
     /// The error for calls whose steps did not finish within `bound`, naming the first
     /// unfinished step; abandons the path.
     fn stalled(&self, bound: Duration) -> NetworkError {
-        self.comm.abandoned.set(true);
+        self.abandon();
         let step = self
             .steps
             .iter()

@@ -231,15 +231,12 @@ const EP_ROUTE_NETWORK_USES: &[&str] = &[
 const EP_DISPATCH_NETWORK_USES: &[&str] = &["net_send_x", "net_ready"];
 const EP_COMBINE_NETWORK_USES: &[&str] = &["net_returned_x", "net_return_flags"];
 
-/// A kernel's uses, with its network uses when the plan has a network part.
-fn uses_with(
-    base: &[&'static str],
-    network: &[&'static str],
-    over_network: bool,
-) -> Vec<&'static str> {
+/// A kernel's uses: `base`, then `extra` when `with_extra` (its network uses when the
+/// plan has a network part, the bias uses when the router's rule has a bias).
+fn uses_with(base: &[&'static str], extra: &[&'static str], with_extra: bool) -> Vec<&'static str> {
     let mut uses = base.to_vec();
-    if over_network {
-        uses.extend_from_slice(network);
+    if with_extra {
+        uses.extend_from_slice(extra);
     }
     uses
 }
@@ -685,11 +682,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         .iter()
         .find(|regime| !regime.fused)
         .and_then(|regime| regime.launches.get(1));
-    let select_uses = if has_bias {
-        [ROUTER_SELECT_USES, ROUTER_BIAS_USES].concat()
-    } else {
-        ROUTER_SELECT_USES.to_vec()
-    };
+    let select_uses = uses_with(ROUTER_SELECT_USES, ROUTER_BIAS_USES, has_bias);
     let select = select_kernel
         .map(|launch| EntryUnit::new(plan, &launch.kernel, &select_uses))
         .transpose()?;
@@ -756,19 +749,10 @@ struct NetworkUnit {
 }
 
 fn network_unit(ep: &ExpertParallelPlan, network: &NetworkPlan) -> NetworkUnit {
-    let slots = (0..ep.ranks)
-        .map(|rank| {
-            let cells: Vec<String> = (0..ep.ranks)
-                .map(|peer| {
-                    network
-                        .slot(rank, peer)
-                        .map_or("-1".to_string(), |s| s.to_string())
-                })
-                .collect();
-            format!("{{{}}}", cells.join(", "))
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
+    let slots =
+        c_table((0..ep.ranks).map(|rank| {
+            (0..ep.ranks).map(move |peer| network.slot(rank, peer).map_or(-1, i64::from))
+        }));
     NetworkUnit {
         nodes: network.nodes,
         gpus_per_node: network.gpus_per_node,
@@ -777,11 +761,15 @@ fn network_unit(ep: &ExpertParallelPlan, network: &NetworkPlan) -> NetworkUnit {
     }
 }
 
-/// `{0, 1}, {1, 0}`: a table of ranks as a C initializer.
-fn rank_table(rows: &[Vec<u32>]) -> String {
-    rows.iter()
+/// `{0, 1}, {1, 0}`: a table as a C initializer.
+fn c_table<Row, Cell>(rows: impl IntoIterator<Item = Row>) -> String
+where
+    Row: IntoIterator<Item = Cell>,
+    Cell: std::fmt::Display,
+{
+    rows.into_iter()
         .map(|row| {
-            let cells: Vec<String> = row.iter().map(u32::to_string).collect();
+            let cells: Vec<String> = row.into_iter().map(|cell| cell.to_string()).collect();
             format!("{{{}}}", cells.join(", "))
         })
         .collect::<Vec<_>>()
@@ -814,8 +802,8 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
                 index,
             })
             .collect(),
-        send_order: rank_table(&ep.send_order),
-        receive_order: rank_table(&ep.receive_order),
+        send_order: c_table(&ep.send_order),
+        receive_order: c_table(&ep.receive_order),
         route: EntryUnit::new(
             plan,
             &ep.route_kernel,

@@ -148,12 +148,7 @@ impl GatePlan {
 /// group's best two; the routing phase's per-expert counts and offsets (i32 × (2 · GEMM
 /// experts + 1)).
 pub fn router_scratch_bytes(rule: &ir::Router, experts: u32, gemm_experts: u32, warps: u32) -> u32 {
-    let selection = if rule.group_limit.is_some() {
-        4 * experts * warps
-    } else {
-        0
-    };
-    selection.max(4 * (2 * gemm_experts + 1))
+    selection_bytes(rule, experts, warps).max(4 * (2 * gemm_experts + 1))
 }
 
 /// The groups of warps that split the reduction over `hidden` of a gate tile of
@@ -345,8 +340,14 @@ pub fn fused(max_tokens: u32, top_k: u32) -> bool {
 /// Static shared memory of the split router's select kernel: with a group limit, each
 /// warp's selection values (f32 × E), from which a lane sums its group's best two.
 pub fn select_static_smem_bytes(rule: &ir::Router, experts: u32) -> u32 {
+    static_smem_reserved(selection_bytes(rule, experts, SELECT_WARPS))
+}
+
+/// The selection values `warps` warps keep with a group limit (f32 × E each); none
+/// without one.
+fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
     if rule.group_limit.is_some() {
-        static_smem_reserved(4 * experts * SELECT_WARPS)
+        4 * experts * warps
     } else {
         0
     }
