@@ -13,7 +13,12 @@
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers
-//     (accumulators), as the plan splits them.
+//     (accumulators), as the plan splits them;
+//   - in a cluster pair (CLUSTER = 2) the two blocks walk one list of work units (see
+//     group_units): on two m-tiles of one weight panel, each producer loads half of every
+//     stage's weight rows and multicasts it into both blocks' stage, halving the weight
+//     bytes each block reads from L2. A stage is then refilled only once the consumers of
+//     both blocks have read it: each consumer warp arrives on both blocks' "empty" barrier.
 // A barrier's phase flips each time all its arrivals are in; a thread tracks the phase of
 // its next use of a stage by one bit that flips whenever it wraps around the ring.
 // ---------------------------------------------------------------------------------------
@@ -57,6 +62,51 @@ __device__ __forceinline__ void tma_load_box(u32 destination, const TensorMap* m
         : "memory");
 }
 
+// The box at (column, row) of `map` into shared memory at `destination` in every block of
+// the cluster in `blocks` (a bit per rank), completing on the barrier at `barrier`'s offset
+// in each of them.
+__device__ __forceinline__ void tma_load_box_multicast(u32 destination, const TensorMap* map, int column, int row,
+                                                       u32 barrier, unsigned short blocks) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, { %2, %3 }], [%4], %5;\n"
+        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier), "h"(blocks)
+        : "memory");
+}
+
+// Clusters: this block's rank in its cluster, a barrier of every thread of the cluster,
+// the fence that makes mbarrier initialisations visible to the other blocks, and one
+// arrival on the barrier at `barrier`'s offset in block `rank`'s shared memory.
+__device__ __forceinline__ int cluster_ctarank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return (int)rank;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_in_block(u32 barrier, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(barrier), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+// A consumer warp is done reading stage barrier `empty` guards: one arrival per warp (the
+// wgmma wait before it is warp-wide), on the barrier of every block whose producer fills
+// this block's stage.
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(u32 empty) {
+    if ((threadIdx.x & 31) != 0) return;
+    if constexpr (CLUSTER == 1) {
+        mbarrier_arrive(empty);
+    } else {
+#pragma unroll
+        for (int rank = 0; rank < CLUSTER; ++rank) mbarrier_arrive_in_block(empty, rank);
+    }
+}
+
 // A barrier among `threads` threads of the block (whole warps), not the whole block.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -89,13 +139,18 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
     static_assert(G::BARRIER_OFFSET % 8 == 0, "plan: mbarriers are 8-byte aligned");
     constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
+    constexpr int CLUSTER = G::CLUSTER;
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
     constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
-    static_assert(G::A_BYTES % 1024 == 0 && (G::BN * G::ROW_BYTES) % 1024 == 0,
+    constexpr int B_BOXES = G::B_ROWS / G::B_BOX_ROWS;  // gate and up, or a pair's two halves
+    constexpr u32 B_BOX_BYTES = G::B_BOX_ROWS * G::ROW_BYTES;
+    static_assert(G::A_BYTES % 1024 == 0 && B_BOX_BYTES % 1024 == 0,
                   "plan: every box starts on the swizzle's 1024-byte period");
+    static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
+    static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
@@ -111,11 +166,24 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     if (tid == 0) {
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
-            mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CLUSTER * CONSUMER_THREADS / 32);
         }
+        if constexpr (CLUSTER > 1) fence_mbarrier_init();
     }
-    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);  // its barrier publishes the inits
-    const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
+    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES, CLUSTER>(row_offsets, s_tile_start);  // its barrier publishes the inits
+    if constexpr (CLUSTER > 1) cluster_sync();  // and to the pair, before it multicasts or arrives here
+    const int total_units = s_tile_start[G::EXPERTS_HERE * G::PHASES];
+    const int cta_rank = CLUSTER > 1 ? cluster_ctarank() : 0;
+    // This block's tile of work unit `unit` (one tile per unit for a block alone).
+    const auto tile_of = [&](int unit) {
+        if constexpr (CLUSTER == 1) {
+            return locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(unit, s_tile_start, row_offsets);
+        } else {
+            return locate_pair_tile<G::BM, G::BN, N_TILES, G::EXPERTS_HERE, G::PHASES>(unit, cta_rank, s_tile_start,
+                                                                                     row_offsets);
+        }
+    };
+    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
 
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
@@ -124,8 +192,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
-        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
+        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+            const GemmTile t = tile_of(unit);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
             fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
@@ -135,11 +203,17 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
                 if (tid == 0) {
-                    mbarrier_expect_bytes(full, B_BYTES);
-                    tma_load_box(stage_address + G::A_BYTES, weight_tiles, k_tile * G::BK, weight_row, full);
-                    if constexpr (G::GATED) {
-                        tma_load_box(stage_address + G::A_BYTES + G::BN * G::ROW_BYTES, weight_tiles, k_tile * G::BK,
-                                     weight_row + G::N, full);
+                    mbarrier_expect_bytes(full, B_BYTES);  // both boxes land here, whoever loads them
+#pragma unroll
+                    for (int box = 0; box < B_BOXES; ++box) {
+                        const u32 destination = stage_address + G::A_BYTES + box * B_BOX_BYTES;
+                        const int row = weight_row + box * (G::GATED ? G::N : G::B_BOX_ROWS);
+                        if (!t.weights_shared) {
+                            tma_load_box(destination, weight_tiles, k_tile * G::BK, row, full);
+                        } else if (box == cta_rank) {  // the other block multicasts the other box
+                            tma_load_box_multicast(destination, weight_tiles, k_tile * G::BK, row, full,
+                                                   (unsigned short)((1u << CLUSTER) - 1));
+                        }
                     }
                 }
                 load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
@@ -155,8 +229,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const int warpgroup = consumer >> 7;
         int stage = 0;
         u32 phase = 0;
-        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
+        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+            const GemmTile t = tile_of(unit);
             float acc[FRAG];
             float acc_up[G::GATED ? FRAG : 1];
 #pragma unroll
@@ -182,12 +256,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                 }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous group has read its stage
-                if (previous >= 0) mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+                if (previous >= 0) release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
                 previous = stage;
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }
             wgmma_wait<0>();
-            mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+            release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
             wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
@@ -195,4 +269,5 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
         }
     }
+    if constexpr (CLUSTER > 1) cluster_sync();  // stay until the pair no longer multicasts or arrives here
 }

@@ -68,7 +68,7 @@ constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 // {{ regime.label }}: {{ regime.min_tokens }}..={{ regime.max_tokens }} tokens per call
 // ---------------------------------------------------------------------------------------
 {%- for gemm in regime.gemms %}
-// {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x{{ gemm.bk }}, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps{% if gemm.producer_threads > 0 %} + {{ gemm.producer_threads / 32 }} producer warps{% endif %}, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM)
+// {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x{{ gemm.bk }}, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps{% if gemm.producer_threads > 0 %} + {{ gemm.producer_threads / 32 }} producer warps{% endif %}, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM{% if gemm.cluster > 1 %}, clusters of {{ gemm.cluster }}{% endif %})
 struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int KIND = {{ gemm.kind }};
     static constexpr bool GATED = {{ gemm.gated }};
@@ -80,6 +80,8 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = {{ gemm.producer_threads }}, PRODUCER_REGISTERS = {{ gemm.producer_registers }}, CONSUMER_REGISTERS = {{ gemm.consumer_registers }};
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }};
 {%- else %}
     static constexpr int PRODUCER_THREADS = 0;
 {%- endif %}
@@ -90,7 +92,7 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int DYNAMIC_SMEM_BYTES = {{ gemm.smem.dynamic_bytes }}, STATIC_SMEM_BYTES = {{ gemm.smem.static_bytes }};
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gemm.entry.name }})
-extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}) {{ gemm.entry.name }}(
+extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}){% if gemm.cluster > 1 %} __cluster_dims__({{ gemm.cluster }}, 1, 1){% endif %} {{ gemm.entry.name }}(
     {{ gemm.entry.params }}
 )
 {

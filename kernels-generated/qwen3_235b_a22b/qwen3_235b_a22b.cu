@@ -309,9 +309,11 @@ __device__ __forceinline__ u32 swizzle(int row, int chunk) {
 }
 
 // Where one tile of a grouped GEMM sits: its expert, first output column, first row in
-// the expert-major order, and how many of its BM rows are real (the rest are masked).
+// the expert-major order, and how many of its BM rows are real (the rest are masked);
+// whether a cluster pair's other block works on the same weight panel beside it.
 struct GemmTile {
     int expert, n0, row0, rows;
+    bool weights_shared;
 };
 
 // Tile schedule. `row_offsets` holds, per expert here, the start of each of its PHASES
@@ -325,7 +327,8 @@ struct GemmTile {
 // Group g = (phase g / EXPERTS_HERE, expert expert_in_tile_order(g % EXPERTS_HERE)) holds
 // (m_end(e, p) - m_end(e, p - 1)) * N_TILES tiles, where m_end(e, p) counts the m-tiles of
 // e whose last row is in phase p or before: the whole tiles, or every tile once no later
-// phase has rows. s_tile_start[g] is group g's first tile, s_tile_start[EXPERTS_HERE * PHASES] the total.
+// phase has rows. s_tile_start[g] is group g's first work unit (a tile, or a cluster pair's
+// two, see group_units), s_tile_start[EXPERTS_HERE * PHASES] the total.
 // The expert at position i of the tile order. The shared slices (the last SHARED_SLICES
 // experts here, on both paths) come first: each has a row per token, so its many m-tiles
 // share one weight panel; started together by fresh blocks, they share it through L2 and
@@ -345,37 +348,84 @@ __device__ __forceinline__ int m_tiles_done(const int* __restrict__ row_offsets,
     return rows == total ? (total + BM - 1) / BM : rows / BM;
 }
 
-template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES>
+// Work units of a group of `m_tiles` x N_TILES tiles. A block alone takes one tile per
+// unit. A cluster pair takes two: first two m-tiles of one n-tile at a time (the pair
+// shares the weight panel), then, for an odd count of m-tiles, the last m-tile's n-tiles
+// two at a time (the second block of a unit past the last n-tile gets no rows).
+template <int N_TILES, int CLUSTER>
+__device__ __forceinline__ int group_units(int m_tiles) {
+    static_assert(CLUSTER == 1 || CLUSTER == 2, "plan: clusters of 1 or 2 blocks");
+    if constexpr (CLUSTER == 1) return m_tiles * N_TILES;
+    else return m_tiles / 2 * N_TILES + m_tiles % 2 * ((N_TILES + 1) / 2);
+}
+
+template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES, int CLUSTER = 1>
 __device__ __forceinline__ void tile_schedule(const int* __restrict__ row_offsets, int* s_tile_start) {
     if (threadIdx.x < 32) {
         warp_exclusive_scan(EXPERTS_HERE * PHASES, [&](int g) {
             const int expert = expert_in_tile_order<EXPERTS_HERE>(g % EXPERTS_HERE), phase = g / EXPERTS_HERE;
-            return (m_tiles_done<BM, PHASES>(row_offsets, expert, phase) -
-                    m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1)) * N_TILES;
+            return group_units<N_TILES, CLUSTER>(m_tiles_done<BM, PHASES>(row_offsets, expert, phase) -
+                                                  m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1));
         }, s_tile_start);
     }
     __syncthreads();
 }
 
-template <int BM, int BN, int EXPERTS_HERE, int PHASES>
-__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ row_offsets) {
-    // The group owning this tile: the last g with s_tile_start[g] <= tile.
+// Unit `unit`'s group in the schedule: its expert, its first m-tile, its count of m-tiles,
+// and the unit's number within it.
+struct TileGroup {
+    int expert, m_begin, m_tiles, local;
+};
+
+template <int BM, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ TileGroup find_group(int unit, const int* s_tile_start, const int* __restrict__ row_offsets) {
+    // The group owning this unit: the last g with s_tile_start[g] <= unit.
     int lo = 0, hi = EXPERTS_HERE * PHASES - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+        if (s_tile_start[mid] <= unit) lo = mid; else hi = mid - 1;
     }
     const int expert = expert_in_tile_order<EXPERTS_HERE>(lo % EXPERTS_HERE), phase = lo / EXPERTS_HERE;
     const int m_begin = m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1);
-    const int m_tiles = m_tiles_done<BM, PHASES>(row_offsets, expert, phase) - m_begin;
-    const int expert_row0 = row_offsets[expert * PHASES];
-    const int expert_end = row_offsets[(expert + 1) * PHASES];
-    const int local = tile - s_tile_start[lo];
+    return TileGroup{expert, m_begin, m_tiles_done<BM, PHASES>(row_offsets, expert, phase) - m_begin,
+                     unit - s_tile_start[lo]};
+}
+
+// The tile at m-tile `m` (within the group) and n-tile `n` of group `g`.
+template <int BM, int BN, int PHASES>
+__device__ __forceinline__ GemmTile group_tile(const TileGroup& g, int m, int n, const int* __restrict__ row_offsets) {
+    const int expert_row0 = row_offsets[g.expert * PHASES];
+    const int expert_end = row_offsets[(g.expert + 1) * PHASES];
     GemmTile t;
-    t.expert = expert;
-    t.n0 = (local / m_tiles) * BN;
-    t.row0 = expert_row0 + (m_begin + local % m_tiles) * BM;
+    t.expert = g.expert;
+    t.n0 = n * BN;
+    t.row0 = expert_row0 + (g.m_begin + m) * BM;
     t.rows = min(BM, expert_end - t.row0);
+    t.weights_shared = false;
+    return t;
+}
+
+// Tile `tile` of a block alone: m-tiles of one n-tile next to each other.
+template <int BM, int BN, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ row_offsets) {
+    const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(tile, s_tile_start, row_offsets);
+    return group_tile<BM, BN, PHASES>(g, g.local % g.m_tiles, g.local / g.m_tiles, row_offsets);
+}
+
+// The tile of block `cta_rank` of a cluster pair in unit `unit` (see group_units).
+template <int BM, int BN, int N_TILES, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ GemmTile locate_pair_tile(int unit, int cta_rank, const int* s_tile_start,
+                                                     const int* __restrict__ row_offsets) {
+    const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(unit, s_tile_start, row_offsets);
+    const int pairs = g.m_tiles / 2;
+    if (g.local < pairs * N_TILES) {
+        GemmTile t = group_tile<BM, BN, PHASES>(g, 2 * (g.local % pairs) + cta_rank, g.local / pairs, row_offsets);
+        t.weights_shared = true;
+        return t;
+    }
+    const int n = 2 * (g.local - pairs * N_TILES) + cta_rank;
+    GemmTile t = group_tile<BM, BN, PHASES>(g, g.m_tiles - 1, min(n, N_TILES - 1), row_offsets);
+    if (n >= N_TILES) t.rows = 0;
     return t;
 }
 
@@ -1309,7 +1359,12 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers
-//     (accumulators), as the plan splits them.
+//     (accumulators), as the plan splits them;
+//   - in a cluster pair (CLUSTER = 2) the two blocks walk one list of work units (see
+//     group_units): on two m-tiles of one weight panel, each producer loads half of every
+//     stage's weight rows and multicasts it into both blocks' stage, halving the weight
+//     bytes each block reads from L2. A stage is then refilled only once the consumers of
+//     both blocks have read it: each consumer warp arrives on both blocks' "empty" barrier.
 // A barrier's phase flips each time all its arrivals are in; a thread tracks the phase of
 // its next use of a stage by one bit that flips whenever it wraps around the ring.
 // ---------------------------------------------------------------------------------------
@@ -1353,6 +1408,51 @@ __device__ __forceinline__ void tma_load_box(u32 destination, const TensorMap* m
         : "memory");
 }
 
+// The box at (column, row) of `map` into shared memory at `destination` in every block of
+// the cluster in `blocks` (a bit per rank), completing on the barrier at `barrier`'s offset
+// in each of them.
+__device__ __forceinline__ void tma_load_box_multicast(u32 destination, const TensorMap* map, int column, int row,
+                                                       u32 barrier, unsigned short blocks) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, { %2, %3 }], [%4], %5;\n"
+        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier), "h"(blocks)
+        : "memory");
+}
+
+// Clusters: this block's rank in its cluster, a barrier of every thread of the cluster,
+// the fence that makes mbarrier initialisations visible to the other blocks, and one
+// arrival on the barrier at `barrier`'s offset in block `rank`'s shared memory.
+__device__ __forceinline__ int cluster_ctarank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return (int)rank;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_in_block(u32 barrier, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(barrier), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+// A consumer warp is done reading stage barrier `empty` guards: one arrival per warp (the
+// wgmma wait before it is warp-wide), on the barrier of every block whose producer fills
+// this block's stage.
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(u32 empty) {
+    if ((threadIdx.x & 31) != 0) return;
+    if constexpr (CLUSTER == 1) {
+        mbarrier_arrive(empty);
+    } else {
+#pragma unroll
+        for (int rank = 0; rank < CLUSTER; ++rank) mbarrier_arrive_in_block(empty, rank);
+    }
+}
+
 // A barrier among `threads` threads of the block (whole warps), not the whole block.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -1385,13 +1485,18 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
     static_assert(G::BARRIER_OFFSET % 8 == 0, "plan: mbarriers are 8-byte aligned");
     constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
+    constexpr int CLUSTER = G::CLUSTER;
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
     constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
-    static_assert(G::A_BYTES % 1024 == 0 && (G::BN * G::ROW_BYTES) % 1024 == 0,
+    constexpr int B_BOXES = G::B_ROWS / G::B_BOX_ROWS;  // gate and up, or a pair's two halves
+    constexpr u32 B_BOX_BYTES = G::B_BOX_ROWS * G::ROW_BYTES;
+    static_assert(G::A_BYTES % 1024 == 0 && B_BOX_BYTES % 1024 == 0,
                   "plan: every box starts on the swizzle's 1024-byte period");
+    static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
+    static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
@@ -1407,11 +1512,24 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     if (tid == 0) {
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
-            mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CLUSTER * CONSUMER_THREADS / 32);
         }
+        if constexpr (CLUSTER > 1) fence_mbarrier_init();
     }
-    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);  // its barrier publishes the inits
-    const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
+    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES, CLUSTER>(row_offsets, s_tile_start);  // its barrier publishes the inits
+    if constexpr (CLUSTER > 1) cluster_sync();  // and to the pair, before it multicasts or arrives here
+    const int total_units = s_tile_start[G::EXPERTS_HERE * G::PHASES];
+    const int cta_rank = CLUSTER > 1 ? cluster_ctarank() : 0;
+    // This block's tile of work unit `unit` (one tile per unit for a block alone).
+    const auto tile_of = [&](int unit) {
+        if constexpr (CLUSTER == 1) {
+            return locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(unit, s_tile_start, row_offsets);
+        } else {
+            return locate_pair_tile<G::BM, G::BN, N_TILES, G::EXPERTS_HERE, G::PHASES>(unit, cta_rank, s_tile_start,
+                                                                                     row_offsets);
+        }
+    };
+    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
 
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
@@ -1420,8 +1538,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
-        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
+        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+            const GemmTile t = tile_of(unit);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
             fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
             named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
@@ -1431,11 +1549,17 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
                 if (tid == 0) {
-                    mbarrier_expect_bytes(full, B_BYTES);
-                    tma_load_box(stage_address + G::A_BYTES, weight_tiles, k_tile * G::BK, weight_row, full);
-                    if constexpr (G::GATED) {
-                        tma_load_box(stage_address + G::A_BYTES + G::BN * G::ROW_BYTES, weight_tiles, k_tile * G::BK,
-                                     weight_row + G::N, full);
+                    mbarrier_expect_bytes(full, B_BYTES);  // both boxes land here, whoever loads them
+#pragma unroll
+                    for (int box = 0; box < B_BOXES; ++box) {
+                        const u32 destination = stage_address + G::A_BYTES + box * B_BOX_BYTES;
+                        const int row = weight_row + box * (G::GATED ? G::N : G::B_BOX_ROWS);
+                        if (!t.weights_shared) {
+                            tma_load_box(destination, weight_tiles, k_tile * G::BK, row, full);
+                        } else if (box == cta_rank) {  // the other block multicasts the other box
+                            tma_load_box_multicast(destination, weight_tiles, k_tile * G::BK, row, full,
+                                                   (unsigned short)((1u << CLUSTER) - 1));
+                        }
                     }
                 }
                 load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
@@ -1451,8 +1575,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const int warpgroup = consumer >> 7;
         int stage = 0;
         u32 phase = 0;
-        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-            const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
+        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+            const GemmTile t = tile_of(unit);
             float acc[FRAG];
             float acc_up[G::GATED ? FRAG : 1];
 #pragma unroll
@@ -1478,12 +1602,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                 }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous group has read its stage
-                if (previous >= 0) mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+                if (previous >= 0) release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
                 previous = stage;
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }
             wgmma_wait<0>();
-            mbarrier_arrive(empty_barriers + previous * sizeof(u64));
+            release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
             wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
@@ -1491,6 +1615,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
         }
     }
+    if constexpr (CLUSTER > 1) cluster_sync();  // stay until the pair no longer multicasts or arrives here
 }
 // ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
@@ -2001,6 +2126,8 @@ struct mid_gemm1 : SingleGpu {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2030,6 +2157,8 @@ struct mid_gemm2 : SingleGpu {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2052,7 +2181,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 1025..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -2063,6 +2192,8 @@ struct prefill_gemm1 : SingleGpu {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2070,7 +2201,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm1)
-extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_gemm1(
+extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) qwen3_235b_a22b_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -2081,7 +2212,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_gem
     grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
@@ -2092,6 +2223,8 @@ struct prefill_gemm2 : SingleGpu {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2099,7 +2232,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm2)
-extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_gemm2(
+extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) qwen3_235b_a22b_prefill_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -2193,6 +2326,8 @@ struct mid_ep_gemm1 : ExpertParallel {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2228,6 +2363,8 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
@@ -2265,6 +2402,8 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2300,6 +2439,8 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;

@@ -306,9 +306,11 @@ __device__ __forceinline__ u32 swizzle(int row, int chunk) {
 }
 
 // Where one tile of a grouped GEMM sits: its expert, first output column, first row in
-// the expert-major order, and how many of its BM rows are real (the rest are masked).
+// the expert-major order, and how many of its BM rows are real (the rest are masked);
+// whether a cluster pair's other block works on the same weight panel beside it.
 struct GemmTile {
     int expert, n0, row0, rows;
+    bool weights_shared;
 };
 
 // Tile schedule. `row_offsets` holds, per expert here, the start of each of its PHASES
@@ -322,7 +324,8 @@ struct GemmTile {
 // Group g = (phase g / EXPERTS_HERE, expert expert_in_tile_order(g % EXPERTS_HERE)) holds
 // (m_end(e, p) - m_end(e, p - 1)) * N_TILES tiles, where m_end(e, p) counts the m-tiles of
 // e whose last row is in phase p or before: the whole tiles, or every tile once no later
-// phase has rows. s_tile_start[g] is group g's first tile, s_tile_start[EXPERTS_HERE * PHASES] the total.
+// phase has rows. s_tile_start[g] is group g's first work unit (a tile, or a cluster pair's
+// two, see group_units), s_tile_start[EXPERTS_HERE * PHASES] the total.
 // The expert at position i of the tile order. The shared slices (the last SHARED_SLICES
 // experts here, on both paths) come first: each has a row per token, so its many m-tiles
 // share one weight panel; started together by fresh blocks, they share it through L2 and
@@ -342,37 +345,84 @@ __device__ __forceinline__ int m_tiles_done(const int* __restrict__ row_offsets,
     return rows == total ? (total + BM - 1) / BM : rows / BM;
 }
 
-template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES>
+// Work units of a group of `m_tiles` x N_TILES tiles. A block alone takes one tile per
+// unit. A cluster pair takes two: first two m-tiles of one n-tile at a time (the pair
+// shares the weight panel), then, for an odd count of m-tiles, the last m-tile's n-tiles
+// two at a time (the second block of a unit past the last n-tile gets no rows).
+template <int N_TILES, int CLUSTER>
+__device__ __forceinline__ int group_units(int m_tiles) {
+    static_assert(CLUSTER == 1 || CLUSTER == 2, "plan: clusters of 1 or 2 blocks");
+    if constexpr (CLUSTER == 1) return m_tiles * N_TILES;
+    else return m_tiles / 2 * N_TILES + m_tiles % 2 * ((N_TILES + 1) / 2);
+}
+
+template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES, int CLUSTER = 1>
 __device__ __forceinline__ void tile_schedule(const int* __restrict__ row_offsets, int* s_tile_start) {
     if (threadIdx.x < 32) {
         warp_exclusive_scan(EXPERTS_HERE * PHASES, [&](int g) {
             const int expert = expert_in_tile_order<EXPERTS_HERE>(g % EXPERTS_HERE), phase = g / EXPERTS_HERE;
-            return (m_tiles_done<BM, PHASES>(row_offsets, expert, phase) -
-                    m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1)) * N_TILES;
+            return group_units<N_TILES, CLUSTER>(m_tiles_done<BM, PHASES>(row_offsets, expert, phase) -
+                                                  m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1));
         }, s_tile_start);
     }
     __syncthreads();
 }
 
-template <int BM, int BN, int EXPERTS_HERE, int PHASES>
-__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ row_offsets) {
-    // The group owning this tile: the last g with s_tile_start[g] <= tile.
+// Unit `unit`'s group in the schedule: its expert, its first m-tile, its count of m-tiles,
+// and the unit's number within it.
+struct TileGroup {
+    int expert, m_begin, m_tiles, local;
+};
+
+template <int BM, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ TileGroup find_group(int unit, const int* s_tile_start, const int* __restrict__ row_offsets) {
+    // The group owning this unit: the last g with s_tile_start[g] <= unit.
     int lo = 0, hi = EXPERTS_HERE * PHASES - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (s_tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+        if (s_tile_start[mid] <= unit) lo = mid; else hi = mid - 1;
     }
     const int expert = expert_in_tile_order<EXPERTS_HERE>(lo % EXPERTS_HERE), phase = lo / EXPERTS_HERE;
     const int m_begin = m_tiles_done<BM, PHASES>(row_offsets, expert, phase - 1);
-    const int m_tiles = m_tiles_done<BM, PHASES>(row_offsets, expert, phase) - m_begin;
-    const int expert_row0 = row_offsets[expert * PHASES];
-    const int expert_end = row_offsets[(expert + 1) * PHASES];
-    const int local = tile - s_tile_start[lo];
+    return TileGroup{expert, m_begin, m_tiles_done<BM, PHASES>(row_offsets, expert, phase) - m_begin,
+                     unit - s_tile_start[lo]};
+}
+
+// The tile at m-tile `m` (within the group) and n-tile `n` of group `g`.
+template <int BM, int BN, int PHASES>
+__device__ __forceinline__ GemmTile group_tile(const TileGroup& g, int m, int n, const int* __restrict__ row_offsets) {
+    const int expert_row0 = row_offsets[g.expert * PHASES];
+    const int expert_end = row_offsets[(g.expert + 1) * PHASES];
     GemmTile t;
-    t.expert = expert;
-    t.n0 = (local / m_tiles) * BN;
-    t.row0 = expert_row0 + (m_begin + local % m_tiles) * BM;
+    t.expert = g.expert;
+    t.n0 = n * BN;
+    t.row0 = expert_row0 + (g.m_begin + m) * BM;
     t.rows = min(BM, expert_end - t.row0);
+    t.weights_shared = false;
+    return t;
+}
+
+// Tile `tile` of a block alone: m-tiles of one n-tile next to each other.
+template <int BM, int BN, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ row_offsets) {
+    const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(tile, s_tile_start, row_offsets);
+    return group_tile<BM, BN, PHASES>(g, g.local % g.m_tiles, g.local / g.m_tiles, row_offsets);
+}
+
+// The tile of block `cta_rank` of a cluster pair in unit `unit` (see group_units).
+template <int BM, int BN, int N_TILES, int EXPERTS_HERE, int PHASES>
+__device__ __forceinline__ GemmTile locate_pair_tile(int unit, int cta_rank, const int* s_tile_start,
+                                                     const int* __restrict__ row_offsets) {
+    const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(unit, s_tile_start, row_offsets);
+    const int pairs = g.m_tiles / 2;
+    if (g.local < pairs * N_TILES) {
+        GemmTile t = group_tile<BM, BN, PHASES>(g, 2 * (g.local % pairs) + cta_rank, g.local / pairs, row_offsets);
+        t.weights_shared = true;
+        return t;
+    }
+    const int n = 2 * (g.local - pairs * N_TILES) + cta_rank;
+    GemmTile t = group_tile<BM, BN, PHASES>(g, g.m_tiles - 1, min(n, N_TILES - 1), row_offsets);
+    if (n >= N_TILES) t.rows = 0;
     return t;
 }
 

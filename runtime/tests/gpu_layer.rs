@@ -257,6 +257,17 @@ fn pinned_plans() -> Vec<(Plan, MmaEngine)> {
         },
         4,
     );
+    // 128-row tiles in cluster pairs; GEMM2's single n-tile (hidden 128) gives every
+    // expert with an odd count of m-tiles a unit whose second block has no rows.
+    let wgmma_pairs = layers::pinned(
+        Activation::Gelu,
+        TileShape {
+            m: 128,
+            n: 128,
+            k: 64,
+        },
+        4,
+    );
     let mma_sync = layers::pinned(
         Activation::Silu,
         TileShape {
@@ -268,6 +279,7 @@ fn pinned_plans() -> Vec<(Plan, MmaEngine)> {
     );
     [
         (wgmma, MmaEngine::WgmmaWarpSpecialized),
+        (wgmma_pairs, MmaEngine::WgmmaWarpSpecialized),
         (mma_sync, MmaEngine::MmaSync),
     ]
     .into_iter()
@@ -307,6 +319,28 @@ fn default_suite_plans_cover_what_the_suite_claims() {
     let used = engines(&scaled);
     assert!(used.contains(&MmaEngine::WgmmaWarpSpecialized) && used.contains(&MmaEngine::MmaSync));
     assert!(scaled.iter().any(|p| p.regimes.len() >= 3));
+    // Cluster pairs on both GEMMs (GEMM1's gate and up boxes, GEMM2's two halves), and over
+    // an odd count of n-tiles (a unit whose second block has no rows).
+    let pinned: Vec<Plan> = pinned_plans().into_iter().map(|(plan, _)| plan).collect();
+    let pairs: Vec<(&GemmPlan, u32)> = scaled
+        .iter()
+        .chain(&pinned)
+        .flat_map(|p| p.regimes.iter().map(move |r| (p, r)))
+        .flat_map(|(p, r)| [(&r.gemm1, p.shape.ffn), (&r.gemm2, p.shape.hidden)])
+        .filter(|(g, _)| g.cluster > 1)
+        .collect();
+    assert!(
+        pairs.iter().any(|(g, _)| g.b_rows > g.tile.n),
+        "a gated GEMM1 in cluster pairs"
+    );
+    assert!(
+        pairs.iter().any(|(g, _)| g.b_rows == g.tile.n),
+        "a GEMM2 in cluster pairs"
+    );
+    assert!(
+        pairs.iter().any(|(g, n)| (n / g.tile.n) % 2 == 1),
+        "cluster pairs over an odd count of n-tiles"
+    );
     for plan in &scaled {
         assert!(plan.shape.max_tokens <= CHECKED_TOKENS as u32);
         assert!(

@@ -414,6 +414,9 @@ struct GemmUnit {
     smem: SmemLayout,
     blocks_per_sm: u32,
     grid: u32,
+    /// Blocks per cluster (`__cluster_dims__` where 2) and rows of one weight box.
+    cluster: u32,
+    b_box_rows: u32,
     /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
     producer_threads: u32,
     producer_registers: u32,
@@ -535,6 +538,8 @@ impl GemmUnit {
             smem: gemm.smem,
             blocks_per_sm: gemm.blocks_per_sm,
             grid: gemm.grid_blocks,
+            cluster: gemm.cluster,
+            b_box_rows: gemm.weight_box_rows(),
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
             producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
             consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),

@@ -9,8 +9,9 @@
 //!   and out) over the bandwidth the grid can sustain, which is the lesser of HBM
 //!   bandwidth and what its in-flight pipeline stages cover (Little's law, 1 µs latency);
 //! - L2 traffic: every tile loads its A rows and B rows for the whole reduction, so small
-//!   tiles re-read the weights once per m-tile and the activations once per n-tile; those
-//!   bytes over the L2-to-SM bandwidth;
+//!   tiles re-read the weights once per m-tile and the activations once per n-tile (a
+//!   cluster pair of m-tiles reads its weight rows once for both); those bytes over the
+//!   L2-to-SM bandwidth;
 //!
 //! plus [`IMPERFECT_OVERLAP`] of the lesser of compute and memory, plus one launch. The
 //! model ranks candidates; it does not promise times.
@@ -63,6 +64,33 @@ fn wgmma_width_efficiency(n: u32) -> f64 {
     ratio(f64::from(n)) / ratio(256.0)
 }
 
+/// The work of one expert's tiles (`m_tiles` x `n_tiles`) in block slots: tiles a block
+/// runs (a cluster pair's unit fills two slots, even where its second block has no rows)
+/// and stage rows read from L2 (a pair of m-tiles shares one read of the weight rows).
+struct ExpertWork {
+    block_tiles: f64,
+    l2_rows: f64,
+}
+
+impl ExpertWork {
+    fn of(gemm: &GemmPlan, m_tiles: f64, n_tiles: f64) -> Self {
+        let (bm, b_rows) = (f64::from(gemm.tile.m), f64::from(gemm.b_rows));
+        if gemm.cluster == 1 {
+            let tiles = m_tiles * n_tiles;
+            return ExpertWork {
+                block_tiles: tiles,
+                l2_rows: tiles * (bm + b_rows),
+            };
+        }
+        let paired = (m_tiles / 2.0).floor() * n_tiles;
+        let split = (m_tiles % 2.0) * (n_tiles / 2.0).ceil();
+        ExpertWork {
+            block_tiles: 2.0 * (paired + split),
+            l2_rows: paired * (2.0 * bm + b_rows) + split * 2.0 * (bm + b_rows),
+        }
+    }
+}
+
 pub fn estimate(
     target: &Target,
     problem: &GemmProblem,
@@ -77,7 +105,10 @@ pub fn estimate(
     let always = f64::from(problem.always_hit);
     let always_m_tiles = (f64::from(tokens) / f64::from(gemm.tile.m)).ceil().max(1.0);
     let n_tiles = f64::from(problem.n / gemm.tile.n);
-    let tiles = (routed_hit * m_tiles + always * always_m_tiles) * n_tiles;
+    let routed = ExpertWork::of(gemm, m_tiles, n_tiles);
+    let shared = ExpertWork::of(gemm, always_m_tiles, n_tiles);
+    let tiles = routed_hit * routed.block_tiles + always * shared.block_tiles;
+    let l2_rows = routed_hit * routed.l2_rows + always * shared.l2_rows;
     let hit = routed_hit + always;
     let pairs = routed_pairs + u64::from(tokens) * u64::from(problem.always_hit);
 
@@ -105,8 +136,7 @@ pub fn estimate(
     let in_flight = concurrent.min(tiles) * f64::from(gemm.stages - 1) * stage_bytes;
     let bandwidth = target.hbm_bytes_per_s.min(in_flight / MEMORY_LATENCY_S);
     let memory_seconds = (weight_bytes + activation_bytes) / bandwidth;
-    let l2_seconds = tiles * f64::from(gemm.tile.m + gemm.b_rows) * f64::from(problem.k) * 2.0
-        / target.l2_bytes_per_s;
+    let l2_seconds = l2_rows * f64::from(problem.k) * 2.0 / target.l2_bytes_per_s;
 
     GemmEstimate {
         tokens,

@@ -188,7 +188,7 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
         let e = &gemm.estimate;
         let _ = writeln!(
             out,
-            "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps, {} B smem, {} blocks ({}/SM); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
+            "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps, {} B smem, {} blocks ({}/SM{}); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
             gemm.engine.name(),
             gemm.tile.m,
             gemm.tile.n,
@@ -200,6 +200,11 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             gemm.smem_bytes,
             gemm.grid_blocks,
             gemm.blocks_per_sm,
+            if gemm.cluster > 1 {
+                format!(", clusters of {} sharing weight stages", gemm.cluster)
+            } else {
+                String::new()
+            },
             e.tokens,
             e.seconds * 1e6,
             e.compute_seconds * 1e6,

@@ -96,7 +96,8 @@ pub enum LaunchArg {
     /// bf16 [E, H, F].
     W2,
     /// A TMA tensor map over W1 seen as one bf16 matrix of `E · w1_rows` rows by H columns:
-    /// boxes of `box_rows` rows by 64 columns (128 bytes), 128-byte swizzle. Passed by
+    /// boxes of `box_rows` rows (a tile's columns, or half of them) by 64 columns (128
+    /// bytes), 128-byte swizzle. Passed by
     /// value (`__grid_constant__`) to the warp-specialised GEMM's producer.
     W1Tiles {
         box_rows: u32,
@@ -223,9 +224,9 @@ pub struct ForwardKernels<'a> {
 }
 
 /// How a GEMM kernel reads its weights: through a tensor map (warp-specialised engine,
-/// boxes of one tile's columns) or a plain pointer.
+/// boxes of [`GemmPlan::weight_box_rows`]) or a plain pointer.
 pub fn weight_param(gemm: &GemmPlan, up: bool) -> KernelParam {
-    let box_rows = gemm.tile.n;
+    let box_rows = gemm.weight_box_rows();
     KernelParam::read(match (gemm.warp_roles.is_some(), up) {
         (true, true) => LaunchArg::W1Tiles { box_rows },
         (true, false) => LaunchArg::W2Tiles { box_rows },

@@ -534,8 +534,12 @@ pub struct GemmPlan {
     /// Where everything sits in shared memory; codegen writes these numbers out.
     pub smem: SmemLayout,
     pub blocks_per_sm: u32,
-    /// Persistent grid: blocks launched, each looping over tiles.
+    /// Persistent grid: blocks launched, each looping over tiles (a multiple of `cluster`).
     pub grid_blocks: u32,
+    /// Blocks per thread-block cluster: 1, or 2 for a warp-specialised pair that works on
+    /// two tiles of one weight panel at a time, each block loading half of the panel's
+    /// stage and multicasting it to both (see [`CLUSTER_PAIR`]).
+    pub cluster: u32,
     /// The cost model's estimate at the regime's representative token count.
     pub estimate: GemmEstimate,
     /// Whether the tile came from a schedule hint rather than the cost model.
@@ -547,7 +551,25 @@ impl GemmPlan {
         let producer_warps = self.warp_roles.map_or(0, |roles| roles.producer_warps);
         32 * (self.warps_m * self.warps_n + producer_warps)
     }
+
+    /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated
+    /// GEMM1 loads gate and up rows, or when a cluster pair splits the panel between its
+    /// blocks; one box otherwise.
+    pub fn weight_box_rows(&self) -> u32 {
+        if self.b_rows > self.tile.n || self.cluster == 1 {
+            self.tile.n
+        } else {
+            self.tile.n / 2
+        }
+    }
 }
+
+/// Blocks in a cluster pair. The pair walks a list of work units: two m-tiles of one
+/// weight panel (each block loads half of every stage's B rows and multicasts it to both,
+/// so each block reads `BM + B_rows / 2` rows from L2 instead of `BM + B_rows`), or, for an
+/// expert with an odd count of m-tiles, its last m-tile's n-tiles two at a time (no
+/// sharing; the second block of a unit past the last n-tile has no rows).
+pub const CLUSTER_PAIR: u32 = 2;
 
 /// The shared-memory layout of one GEMM block. Dynamic memory is
 /// `[align slack][stage 0 .. stage S-1][row sources: i32 × BM][stage barriers]`, the ring
@@ -1003,6 +1025,7 @@ fn same_config(a: &GemmPlan, b: &GemmPlan) -> bool {
         && a.stages == b.stages
         && a.warps_m == b.warps_m
         && a.warps_n == b.warps_n
+        && a.cluster == b.cluster
 }
 
 /// A run of probes with one configuration: first and last probe, GEMM1 and GEMM2.
@@ -1191,8 +1214,26 @@ fn shape_gemm(
         smem,
         blocks_per_sm,
         grid_blocks: target.sm_count * blocks_per_sm,
+        cluster: 1,
         estimate: GemmEstimate::default(),
         hinted: false,
+    })
+}
+
+/// `gemm` as a cluster pair, where that can run: warp-specialised tiles with two consumer
+/// warpgroups, on one GPU (the expert-parallel grids leave SMs to communication and need not
+/// pair up), a persistent grid of whole pairs, and a weight panel that splits into two
+/// boxes on the swizzle's 8-row period.
+/// (Clusters come with sm_90, as the engine does.)
+fn as_cluster_pair(problem: &GemmProblem, gemm: &GemmPlan) -> Option<GemmPlan> {
+    let pairs = gemm.engine == MmaEngine::WgmmaWarpSpecialized
+        && gemm.tile.m == 128
+        && problem.row_phases == 1
+        && gemm.grid_blocks.is_multiple_of(CLUSTER_PAIR)
+        && (problem.gated || gemm.tile.n.is_multiple_of(2 * 8));
+    pairs.then(|| GemmPlan {
+        cluster: CLUSTER_PAIR,
+        ..gemm.clone()
     })
 }
 
@@ -1436,6 +1477,13 @@ fn choose_gemm(
             }
         })?;
         gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+        // A hint names the tile; whether blocks pair up is still the model's call.
+        if let Some(mut pair) = as_cluster_pair(problem, &gemm) {
+            pair.estimate = cost::estimate(target, problem, &pair, tokens);
+            if ranking_seconds(&pair) <= ranking_seconds(&gemm) {
+                gemm = pair;
+            }
+        }
         gemm.hinted = true;
         return Ok(gemm);
     }
@@ -1448,13 +1496,18 @@ fn choose_gemm(
         };
         for stages in stages_tried {
             match shape_gemm(target, problem, engine, tile, stages) {
-                Ok(mut gemm) => {
-                    gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
-                    let better = best
-                        .as_ref()
-                        .is_none_or(|b| ranking_seconds(&gemm) < ranking_seconds(b) * 0.999);
-                    if better {
-                        best = Some(gemm);
+                Ok(single) => {
+                    // The pair first: where the model cannot tell them apart, the
+                    // configuration that reads less from L2 wins the tie.
+                    let pair = as_cluster_pair(problem, &single);
+                    for mut gemm in pair.into_iter().chain(std::iter::once(single)) {
+                        gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+                        let better = best
+                            .as_ref()
+                            .is_none_or(|b| ranking_seconds(&gemm) < ranking_seconds(b) * 0.999);
+                        if better {
+                            best = Some(gemm);
+                        }
                     }
                 }
                 Err(reason) => last_reason = reason,
