@@ -6,7 +6,8 @@
 //     gathered A rows with cp.async, each producer thread's copies arriving on the stage's
 //     "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), and the weight rows
 //     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
-//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier;
+//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier
+//     (with A_TILES, GEMM2's consecutive A rows come the same way, one box per stage);
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
 //     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
 //     refills a stage after waiting on "empty";
@@ -132,7 +133,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const int* __restrict__ row_offsets,
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
-    const EpContext& ep)
+    const EpContext& ep,
+    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of `a_rows`' matrix
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
@@ -154,6 +156,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                   "plan: every box starts on the swizzle's 1024-byte period");
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
+    static_assert(!G::A_TILES || (G::KIND == GEMM_DOWN && !G::EP), "plan: A as tiles only where rows are consecutive");
+    constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
@@ -191,22 +195,31 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
         if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
-        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
+        if (tid == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
+            if constexpr (G::A_TILES) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(a_tiles)) : "memory");
+        }
         const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
         for (int unit = first_unit; unit < total_units; unit += unit_step) {
             const GemmTile t = tile_of(unit);
-            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
-            fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
-            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
+            if constexpr (!G::A_TILES) {
+                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
+                fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
+                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
+            }
             const int weight_row = t.expert * W_ROWS + t.n0;  // gate rows; up rows N below
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 const u32 full = full_barriers + stage * sizeof(u64);
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
                 if (tid == 0) {
-                    mbarrier_expect_bytes(full, B_BYTES);  // both boxes land here, whoever loads them
+                    mbarrier_expect_bytes(full, STAGE_TX_BYTES);  // both weight boxes land here, whoever loads them
+                    if constexpr (G::A_TILES) {
+                        // Rows past the tile's (the next expert's, or zeros past the matrix) are never stored.
+                        tma_load_box(stage_address, a_tiles, k_tile * G::BK, t.row0, full);
+                    }
 #pragma unroll
                     for (int box = 0; box < B_BOXES; ++box) {
                         const u32 destination = stage_address + G::A_BYTES + box * B_BOX_BYTES;
@@ -219,8 +232,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                         }
                     }
                 }
-                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
-                cp_async_arrive(full);
+                if constexpr (G::A_TILES) {
+                    mbarrier_arrive(full);
+                } else {
+                    load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
+                    cp_async_arrive(full);
+                }
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }
         }
@@ -244,7 +261,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
-                fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
+                if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
                 const u32 b_base = stage_address + G::A_BYTES;

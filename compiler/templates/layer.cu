@@ -82,6 +82,7 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int PRODUCER_THREADS = {{ gemm.producer_threads }}, PRODUCER_REGISTERS = {{ gemm.producer_registers }}, CONSUMER_REGISTERS = {{ gemm.consumer_registers }};
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }};
+    static constexpr bool A_TILES = {{ gemm.a_tiles }};  // A rows as TMA boxes of BM consecutive rows, not gathered
 {%- else %}
     static constexpr int PRODUCER_THREADS = 0;
 {%- endif %}

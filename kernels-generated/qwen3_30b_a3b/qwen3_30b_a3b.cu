@@ -1352,7 +1352,8 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     gathered A rows with cp.async, each producer thread's copies arriving on the stage's
 //     "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), and the weight rows
 //     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
-//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier;
+//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier
+//     (with A_TILES, GEMM2's consecutive A rows come the same way, one box per stage);
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
 //     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
 //     refills a stage after waiting on "empty";
@@ -1436,7 +1437,10 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 __device__ __forceinline__ void mbarrier_arrive_in_block(u32 barrier, int rank) {
     u32 remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(barrier), "r"(rank));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+    // Default (CTA-scope) release semantics: the arrival only says this block's wgmma reads of
+    // a stage are done, which the wgmma wait already ordered. A cluster-scope release would
+    // put a MEMBAR.ALL.GPU before every arrival (ptxas 13.0), and measured 53% slower GEMMs.
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 
 // A consumer warp is done reading stage barrier `empty` guards: one arrival per warp (the
@@ -1475,7 +1479,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const int* __restrict__ row_offsets,
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
-    const EpContext& ep)
+    const EpContext& ep,
+    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of `a_rows`' matrix
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
@@ -1497,6 +1502,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                   "plan: every box starts on the swizzle's 1024-byte period");
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
+    static_assert(!G::A_TILES || (G::KIND == GEMM_DOWN && !G::EP), "plan: A as tiles only where rows are consecutive");
+    constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
@@ -1534,22 +1541,31 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
         if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
-        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
+        if (tid == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
+            if constexpr (G::A_TILES) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(a_tiles)) : "memory");
+        }
         const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
         for (int unit = first_unit; unit < total_units; unit += unit_step) {
             const GemmTile t = tile_of(unit);
-            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
-            fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
-            named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
+            if constexpr (!G::A_TILES) {
+                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
+                fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
+                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
+            }
             const int weight_row = t.expert * W_ROWS + t.n0;  // gate rows; up rows N below
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 const u32 full = full_barriers + stage * sizeof(u64);
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
                 if (tid == 0) {
-                    mbarrier_expect_bytes(full, B_BYTES);  // both boxes land here, whoever loads them
+                    mbarrier_expect_bytes(full, STAGE_TX_BYTES);  // both weight boxes land here, whoever loads them
+                    if constexpr (G::A_TILES) {
+                        // Rows past the tile's (the next expert's, or zeros past the matrix) are never stored.
+                        tma_load_box(stage_address, a_tiles, k_tile * G::BK, t.row0, full);
+                    }
 #pragma unroll
                     for (int box = 0; box < B_BOXES; ++box) {
                         const u32 destination = stage_address + G::A_BYTES + box * B_BOX_BYTES;
@@ -1562,8 +1578,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                         }
                     }
                 }
-                load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
-                cp_async_arrive(full);
+                if constexpr (G::A_TILES) {
+                    mbarrier_arrive(full);
+                } else {
+                    load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
+                    cp_async_arrive(full);
+                }
                 if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
             }
         }
@@ -1587,7 +1607,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
-                fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
+                if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
                 const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
                 const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
                 const u32 b_base = stage_address + G::A_BYTES;
@@ -2128,6 +2148,7 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
+    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2159,6 +2180,7 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
+    static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2167,7 +2189,7 @@ struct mid_gemm2 : SingleGpu {
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm2(
-    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const __grid_constant__ TensorMap intermediate_tiles,  // TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -2175,7 +2197,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_mid_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_warp_specialized<mid_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm_warp_specialized<mid_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -2194,6 +2216,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
+    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2225,6 +2248,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
+    static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2233,7 +2257,7 @@ struct prefill_gemm2 : SingleGpu {
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) qwen3_30b_a3b_prefill_gemm2(
-    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const __grid_constant__ TensorMap intermediate_tiles,  // TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -2241,7 +2265,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
-    grouped_gemm_warp_specialized<prefill_gemm2>(intermediate, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm_warp_specialized<prefill_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -2328,6 +2352,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
+    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2365,6 +2390,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
+    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
@@ -2404,6 +2430,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
+    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2441,6 +2468,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
+    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;

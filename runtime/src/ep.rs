@@ -1042,7 +1042,11 @@ fn bind(
         LaunchArg::TopkWeights => Binding::TopkWeights,
         LaunchArg::Y => Binding::Y,
         LaunchArg::Tokens => Binding::Tokens,
-        LaunchArg::GateWeight | LaunchArg::GateBias | LaunchArg::W1Bias | LaunchArg::W2Bias => {
+        LaunchArg::GateWeight
+        | LaunchArg::GateBias
+        | LaunchArg::W1Bias
+        | LaunchArg::W2Bias
+        | LaunchArg::IntermediateTiles { .. } => {
             return Err(LayerError::SingleGpuArg { arg: arg.name() });
         }
     })

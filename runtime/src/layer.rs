@@ -264,7 +264,7 @@ pub struct MoeLayer {
     workspace: Vec<(BufferId, CudaSlice<u8>)>,
     weights: ExpertWeights,
     gate: Option<GateWeights>,
-    /// The tensor maps over the weights that launches pass (`Binding::TensorMap`).
+    /// The tensor maps that launches pass (`Binding::TensorMap`).
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
     _module: LoadedKernels,
 }
@@ -336,7 +336,8 @@ pub(crate) unsafe fn launch_with(
     unsafe { builder.launch(config) }.map(|_| ())
 }
 
-/// The tensor maps over one set of expert weights that launches pass, each encoded once.
+/// The tensor maps that launches pass (over one set of expert weights, and over the
+/// intermediate rows on one GPU), each encoded once.
 pub(crate) struct WeightTensorMaps<'a> {
     pub shape: &'a LayerShape,
     /// Experts the weights hold (all of them, or a rank's).
@@ -360,6 +361,32 @@ impl WeightTensorMaps<'_> {
         let (rows, columns, box_rows) = weight_map_shape(arg, self.shape, self.experts)
             .ok_or(LayerError::NotATensorMap { arg: arg.name() })?;
         let map = TensorMap::bf16_rows(what, ptr(matrix, self.stream), rows, columns, box_rows)?;
+        self.maps.push((arg, map));
+        Ok(self.maps.len() - 1)
+    }
+
+    /// The position in `maps` of the map over the intermediate buffer `memory` (bf16 rows of
+    /// F columns) that `arg` (an `IntermediateTiles` argument) needs, encoding it on first use.
+    fn position_over_intermediate(
+        &mut self,
+        arg: LaunchArg,
+        memory: &CudaSlice<u8>,
+    ) -> Result<usize, LayerError> {
+        let LaunchArg::IntermediateTiles { box_rows } = arg else {
+            return Err(LayerError::NotATensorMap { arg: arg.name() });
+        };
+        if let Some(position) = self.maps.iter().position(|(a, _)| *a == arg) {
+            return Ok(position);
+        }
+        let columns = u64::from(self.shape.ffn);
+        let rows = memory.len() as u64 / (2 * columns);
+        let map = TensorMap::bf16_rows(
+            "the intermediate rows",
+            ptr(memory, self.stream),
+            rows,
+            columns,
+            box_rows,
+        )?;
         self.maps.push((arg, map));
         Ok(self.maps.len() - 1)
     }
@@ -847,6 +874,15 @@ fn bind(
         }
         LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => {
             Binding::TensorMap(tensor_maps.position(arg)?)
+        }
+        LaunchArg::IntermediateTiles { .. } => {
+            let (_, memory) = workspace
+                .iter()
+                .find(|(b, _)| *b == BufferId::Intermediate)
+                .ok_or(LayerError::MissingWorkspace {
+                    buffer: BufferId::Intermediate.name(),
+                })?;
+            Binding::TensorMap(tensor_maps.position_over_intermediate(arg, memory)?)
         }
         LaunchArg::Workspace(id) => Binding::Workspace(
             workspace

@@ -17,7 +17,7 @@ use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
     Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, RegimeParts,
-    SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
+    RowLoad, SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
     error_code,
 };
 
@@ -254,6 +254,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::W2Tiles { .. } => {
             "TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box"
         }
+        LaunchArg::IntermediateTiles { .. } => {
+            "TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box"
+        }
         LaunchArg::Y => "[tokens, HIDDEN]",
         LaunchArg::GateWeight => "[EXPERTS, HIDDEN]: the router's gate",
         LaunchArg::GateBias => "[EXPERTS]: the gate's bias",
@@ -417,6 +420,8 @@ struct GemmUnit {
     /// Blocks per cluster (`__cluster_dims__` where 2) and rows of one weight box.
     cluster: u32,
     b_box_rows: u32,
+    /// Whether the A rows come as TMA tiles rather than gathered row by row.
+    a_tiles: bool,
     /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
     producer_threads: u32,
     producer_registers: u32,
@@ -454,7 +459,7 @@ impl GemmUnit {
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "intermediate, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}",
+                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
@@ -496,11 +501,21 @@ impl GemmUnit {
             ),
             _ => None,
         };
+        // GEMM2 reads the intermediate rows through a tensor map where the plan loads them as
+        // tiles (the engine's last parameter), else through the pointer.
+        let a_tiles = gemm.a_load == RowLoad::Tiles;
+        let (a_rows, a_tiles_arg) = if a_tiles {
+            ("nullptr", ", &intermediate_tiles")
+        } else {
+            ("intermediate", "")
+        };
         let uses: Vec<&str> = uses
             .iter()
             .map(|&name| {
                 if name == pointer {
                     weights.trim_start_matches('&')
+                } else if name == "intermediate" && a_tiles {
+                    "intermediate_tiles"
                 } else {
                     name
                 }
@@ -509,7 +524,9 @@ impl GemmUnit {
             .collect();
         let call_args = call_args
             .replace("{weights}", weights)
-            .replace("{bias}", bias_arg.unwrap_or("nullptr"));
+            .replace("{bias}", bias_arg.unwrap_or("nullptr"))
+            .replace("{a_rows}", a_rows)
+            .replace("{a_tiles}", a_tiles_arg);
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         Ok(GemmUnit {
             role: description,
@@ -540,6 +557,7 @@ impl GemmUnit {
             grid: gemm.grid_blocks,
             cluster: gemm.cluster,
             b_box_rows: gemm.weight_box_rows(),
+            a_tiles,
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
             producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
             consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),

@@ -5,7 +5,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{BufferId, COMBINE_THREADS, ElemType, GemmPlan, ROUTE_THREADS, static_smem_reserved};
+use super::{
+    BufferId, COMBINE_THREADS, ElemType, GemmPlan, ROUTE_THREADS, RowLoad, static_smem_reserved,
+};
 
 /// One kernel launch of the forward call.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -106,6 +108,12 @@ pub enum LaunchArg {
     W2Tiles {
         box_rows: u32,
     },
+    /// A TMA tensor map over the intermediate workspace buffer, its rows by F columns:
+    /// boxes of `box_rows` rows (a tile's) by 64 columns, 128-byte swizzle. GEMM2's A
+    /// rows where the plan loads them as tiles ([`super::RowLoad::Tiles`]).
+    IntermediateTiles {
+        box_rows: u32,
+    },
     /// f32 [E, w1_rows]: each expert's bias on GEMM1's output (gate columns, then up
     /// columns, as W1's rows), added before the activation.
     W1Bias,
@@ -156,6 +164,7 @@ impl LaunchArg {
             LaunchArg::W2 => "w2",
             LaunchArg::W1Tiles { .. } => "w1_tiles",
             LaunchArg::W2Tiles { .. } => "w2_tiles",
+            LaunchArg::IntermediateTiles { .. } => "intermediate_tiles",
             LaunchArg::W1Bias => "w1_bias",
             LaunchArg::W2Bias => "w2_bias",
             LaunchArg::Y => "y",
@@ -180,7 +189,9 @@ impl LaunchArg {
             | LaunchArg::W2Bias => ParamType::Pointer(ElemType::F32),
             LaunchArg::Tokens | LaunchArg::Rank => ParamType::I32,
             LaunchArg::Epoch => ParamType::U32,
-            LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => ParamType::TensorMap,
+            LaunchArg::W1Tiles { .. }
+            | LaunchArg::W2Tiles { .. }
+            | LaunchArg::IntermediateTiles { .. } => ParamType::TensorMap,
             LaunchArg::Workspace(id) => ParamType::Pointer(id.elem()),
         }
     }
@@ -232,6 +243,16 @@ pub fn weight_param(gemm: &GemmPlan, up: bool) -> KernelParam {
         (true, false) => LaunchArg::W2Tiles { box_rows },
         (false, true) => LaunchArg::W1,
         (false, false) => LaunchArg::W2,
+    })
+}
+
+/// How the single-GPU GEMM2 reads the intermediate rows: as TMA tiles or by pointer.
+fn gemm2_rows_param(gemm: &GemmPlan) -> KernelParam {
+    KernelParam::read(match gemm.a_load {
+        RowLoad::Tiles => LaunchArg::IntermediateTiles {
+            box_rows: gemm.tile.m,
+        },
+        RowLoad::Gathered => LaunchArg::Workspace(BufferId::Intermediate),
     })
 }
 
@@ -288,7 +309,7 @@ pub fn launch_table(
             smem_bytes: g2.smem_bytes,
             static_smem_bytes: g2.smem.static_bytes,
             stream: StreamRole::Compute,
-            params: [read(Workspace(Intermediate)), weight_param(g2, false)]
+            params: [gemm2_rows_param(g2), weight_param(g2, false)]
                 .into_iter()
                 .chain(bias(W2Bias))
                 .chain([
