@@ -1312,10 +1312,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
 template <>
-__device__ __forceinline__ void wgmma_m64k16<64>(float* d, u64 desc_a, u64 desc_b) {
+__device__ __forceinline__ void wgmma_m64k16<96>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, %32, %33, 1, 1, 1, 0, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47 }, %48, %49, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
         : "l"(desc_a), "l"(desc_b));
 }
 template <>
@@ -1763,25 +1763,25 @@ extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 513..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma-ws, tile 64x64x64, 8 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM1 (gather, W1, activation): wgmma-ws, tile 64x96x64, 7 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr bool BIAS = true;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 64, BK = 64, STAGES = 8;
+    static constexpr int BM = 64, BN = 96, BK = 64, STAGES = 7;
     static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 64;
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 96;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int B_ROWS = 192;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 640;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 32768;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 229376, BARRIER_OFFSET = 229632;
+    static constexpr int DYNAMIC_SMEM_BYTES = 230768, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm1(
@@ -1833,28 +1833,28 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 2049..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x64x64, 7 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x96x64, 5 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr bool BIAS = true;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 64, BK = 64, STAGES = 7;
+    static constexpr int BM = 128, BN = 96, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 64;
+    static constexpr int CLUSTER = 2, B_BOX_ROWS = 96;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int B_ROWS = 192;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 32768;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 229376, BARRIER_OFFSET = 229888;
-    static constexpr int DYNAMIC_SMEM_BYTES = 231024, STATIC_SMEM_BYTES = 640;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 40960;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205312;
+    static constexpr int DYNAMIC_SMEM_BYTES = 206416, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_prefill_gemm1)
-extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm1(
+extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) gpt_oss_120b_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const float* __restrict__ w1_bias,  // [EXPERTS, W1 rows]: each expert's GEMM1 bias

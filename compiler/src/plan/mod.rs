@@ -1305,7 +1305,7 @@ fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
         (
             MmaEngine::WgmmaWarpSpecialized,
             &[64, 128],
-            &[64, 128, 192, 256],
+            &[64, 96, 128, 160, 192, 256],
         ),
     ];
     candidates.into_iter().flat_map(|(engine, rows, columns)| {
