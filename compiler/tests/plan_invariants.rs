@@ -401,3 +401,50 @@ fn virtual_ranks_fit_one_block_per_sm() {
         );
     }
 }
+
+/// Mixtral-8x7B's plan, whose prefill GEMMs run in cluster pairs and whose GEMM2 loads its
+/// rows as tiles: validation catches a pair on the wrong engine, a weight box that is not
+/// the pair's half, and a GEMM2 that stops loading tiles while its launch still passes them.
+#[test]
+fn cluster_pairs_and_row_tiles_are_checked() {
+    let path = format!(
+        "{}/../dsl-examples/mixtral_8x7b.moe",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
+    let plan = plan::plan(&module.layers[0], &Target::h200()).expect("the example plans");
+    plan.validate().expect("the plan is consistent");
+    let prefill = plan.regimes.len() - 1;
+    let gemm2 = &plan.regimes[prefill].gemm2;
+    assert_eq!(gemm2.cluster, 2, "Mixtral's prefill GEMM2 runs in pairs");
+    assert_eq!(gemm2.a_load, plan::RowLoad::Tiles);
+
+    let mut on_mma_sync = plan.clone();
+    on_mma_sync.regimes[0].gemm1.cluster = 2;
+    assert!(on_mma_sync.validate().is_err(), "a pair of mma.sync blocks");
+
+    let mut whole_boxes = plan.clone();
+    let gemm2_kernel = whole_boxes.regimes[prefill].gemm2_kernel.clone();
+    let launch = whole_boxes.regimes[prefill]
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == gemm2_kernel)
+        .expect("GEMM2 is launched");
+    for param in &mut launch.params {
+        if let plan::LaunchArg::W2Tiles { box_rows } = &mut param.arg {
+            *box_rows *= 2;
+        }
+    }
+    assert!(
+        whole_boxes.validate().is_err(),
+        "whole-panel boxes in a pair"
+    );
+
+    let mut gathered = plan.clone();
+    gathered.regimes[prefill].gemm2.a_load = plan::RowLoad::Gathered;
+    assert!(
+        gathered.validate().is_err(),
+        "a gathered GEMM2 passed intermediate tiles"
+    );
+}

@@ -1247,11 +1247,10 @@ fn shape_gemm(
     })
 }
 
-/// `gemm` as a cluster pair, where that can run: warp-specialised tiles with two consumer
-/// warpgroups, on one GPU (the expert-parallel grids leave SMs to communication and need not
-/// pair up), a persistent grid of whole pairs, and a weight panel that splits into two
-/// boxes on the swizzle's 8-row period.
-/// (Clusters come with sm_90, as the engine does.)
+/// `gemm` as a cluster pair, where that can run: warp-specialised tiles (sm_90a, which has
+/// clusters) with two consumer warpgroups, on one GPU (the expert-parallel grids leave SMs
+/// to communication and need not pair up), a persistent grid of whole pairs, and a weight
+/// panel that splits into two boxes on the swizzle's 8-row period.
 fn as_cluster_pair(problem: &GemmProblem, gemm: &GemmPlan) -> Option<GemmPlan> {
     let pairs = gemm.engine == MmaEngine::WgmmaWarpSpecialized
         && gemm.tile.m == 128

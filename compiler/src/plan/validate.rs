@@ -14,8 +14,9 @@ use super::launch::StreamRole;
 use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
-    Access, BufferId, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, Plan,
-    Regime, RegimeParts, SmemLayout, TILE_K, c_identifier, workspace,
+    Access, BufferId, CLUSTER_PAIR, GemmPlan, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS,
+    MAX_SHARED_SLICES, MmaEngine, Plan, Regime, RegimeParts, RowLoad, SmemLayout, TILE_K,
+    c_identifier, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -417,6 +418,7 @@ impl Plan {
                         "the launch of `{kernel}` disagrees with its GEMM plan"
                     ));
                 }
+                Self::check_gemm_loads(gemm, launch, kernel)?;
             }
             for launch in regime.launches {
                 self.check_launch(launch)?;
@@ -427,6 +429,60 @@ impl Plan {
                 "the regimes end at {} tokens, not at max_tokens {}",
                 next_min.saturating_sub(1),
                 shape.max_tokens
+            ));
+        }
+        Ok(())
+    }
+
+    /// A cluster pair is a warp-specialised 128-row tile on a grid of whole pairs; the
+    /// tensor maps the launch passes have the boxes the GEMM loads (weights in boxes of
+    /// `weight_box_rows`, intermediate rows in tiles of `BM` exactly when the plan loads
+    /// them so).
+    fn check_gemm_loads(
+        gemm: &GemmPlan,
+        launch: &super::Launch,
+        kernel: &str,
+    ) -> Result<(), String> {
+        let warp_specialized = gemm.engine == MmaEngine::WgmmaWarpSpecialized;
+        let pair_fits = gemm.cluster == 1
+            || (gemm.cluster == CLUSTER_PAIR
+                && warp_specialized
+                && gemm.tile.m == 128
+                && gemm.grid_blocks.is_multiple_of(CLUSTER_PAIR)
+                && (gemm.b_rows > gemm.tile.n || gemm.tile.n.is_multiple_of(2 * 8)));
+        if !pair_fits {
+            return Err(format!(
+                "`{kernel}` cannot run in clusters of {} blocks",
+                gemm.cluster
+            ));
+        }
+        if gemm.a_load == RowLoad::Tiles && !warp_specialized {
+            return Err(format!(
+                "`{kernel}` loads A rows as tiles without a producer"
+            ));
+        }
+        let mut takes_intermediate_tiles = false;
+        for param in &launch.params {
+            let boxes_agree = match param.arg {
+                LaunchArg::W1Tiles { box_rows } | LaunchArg::W2Tiles { box_rows } => {
+                    box_rows == gemm.weight_box_rows()
+                }
+                LaunchArg::IntermediateTiles { box_rows } => {
+                    takes_intermediate_tiles = true;
+                    box_rows == gemm.tile.m
+                }
+                _ => true,
+            };
+            if !boxes_agree {
+                return Err(format!(
+                    "the boxes of `{kernel}`'s `{}` disagree with its tile",
+                    param.arg.name()
+                ));
+            }
+        }
+        if takes_intermediate_tiles != (gemm.a_load == RowLoad::Tiles) {
+            return Err(format!(
+                "`{kernel}`'s parameters disagree with how it loads its A rows"
             ));
         }
         Ok(())
