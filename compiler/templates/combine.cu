@@ -44,6 +44,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}
     {{ combine.params }}
 )
 {
+{%- if combine.early_start %}
+    start_after_previous_kernel();
+{%- endif %}
     const int token = blockIdx.x;
     bool present[SLOTS_PER_TOKEN];
 #pragma unroll

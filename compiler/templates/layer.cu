@@ -97,6 +97,9 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
     {{ gemm.entry.params }}
 )
 {
+{%- if gemm.entry.early_start %}
+    start_after_previous_kernel();
+{%- endif %}
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
 }
 #endif

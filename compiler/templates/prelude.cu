@@ -77,3 +77,14 @@ __device__ __forceinline__ void warp_exclusive_scan(int n, Value value, int* out
 struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
+
+// A kernel launched to start early (the plan's `early_start`: programmatic stream
+// serialization) may begin while the kernel ahead of it in the stream still runs. First
+// wait for that kernel to finish and its writes to be visible, then let the kernel behind
+// this one start early in turn. Launched the ordinary way, both are no-ops.
+__device__ __forceinline__ void start_after_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}

@@ -496,6 +496,9 @@ extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.n
     {{ gate.entry.params }}
 )
 {
+{%- if gate.entry.early_start %}
+    start_after_previous_kernel();
+{%- endif %}
 {%- if gate.fused %}
     router_fused<{{ gate.config }}>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);

@@ -93,6 +93,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ route.name }}(
     {{ route.params }}
 )
 {
+{%- if route.early_start %}
+    start_after_previous_kernel();
+{%- endif %}
     __shared__ int s_count[GEMM_EXPERTS];
     __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,

@@ -86,6 +86,17 @@ __device__ __forceinline__ void warp_exclusive_scan(int n, Value value, int* out
 struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
+
+// A kernel launched to start early (the plan's `early_start`: programmatic stream
+// serialization) may begin while the kernel ahead of it in the stream still runs. First
+// wait for that kernel to finish and its writes to be visible, then let the kernel behind
+// this one start early in turn. Launched the ordinary way, both are no-ops.
+__device__ __forceinline__ void start_after_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
@@ -225,6 +236,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
+    start_after_previous_kernel();
     __shared__ int s_count[GEMM_EXPERTS];
     __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
@@ -1272,6 +1284,7 @@ extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
+    start_after_previous_kernel();
     router_fused<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
 }
@@ -1720,6 +1733,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) gpt_oss_120b_combi
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
+    start_after_previous_kernel();
     const int token = blockIdx.x;
     bool present[SLOTS_PER_TOKEN];
 #pragma unroll
@@ -1757,6 +1771,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm<decode_gemm1>(x, w1, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
@@ -1786,6 +1801,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm<decode_gemm2>(intermediate, w2, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 #endif
@@ -1822,6 +1838,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
@@ -1856,6 +1873,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<mid_gemm2>(nullptr, &w2_tiles, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
 }
 #endif
@@ -1892,6 +1910,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) g
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
@@ -1926,6 +1945,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<prefill_gemm2>(nullptr, &w2_tiles, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
 }
 #endif

@@ -87,6 +87,17 @@ __device__ __forceinline__ void warp_exclusive_scan(int n, Value value, int* out
 struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
+
+// A kernel launched to start early (the plan's `early_start`: programmatic stream
+// serialization) may begin while the kernel ahead of it in the stream still runs. First
+// wait for that kernel to finish and its writes to be visible, then let the kernel behind
+// this one start early in turn. Launched the ordinary way, both are no-ops.
+__device__ __forceinline__ void start_after_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
@@ -221,6 +232,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_235b_a22b_rout
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
+    start_after_previous_kernel();
     __shared__ int s_count[GEMM_EXPERTS];
     __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
@@ -1266,6 +1278,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
+    start_after_previous_kernel();
     router_fused<decode_router_gate>(x, gate_weight, nullptr, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
 }
@@ -1714,6 +1727,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_co
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
+    start_after_previous_kernel();
     const int token = blockIdx.x;
     bool present[SLOTS_PER_TOKEN];
 #pragma unroll
@@ -2130,6 +2144,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_gemm
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
@@ -2158,6 +2173,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) qwen3_235b_a22b_decode_gemm
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 #endif
@@ -2193,6 +2209,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
@@ -2226,6 +2243,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<mid_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
 }
 #endif
@@ -2261,6 +2279,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
@@ -2294,6 +2313,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm_warp_specialized<prefill_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
 }
 #endif

@@ -85,6 +85,17 @@ __device__ __forceinline__ void warp_exclusive_scan(int n, Value value, int* out
 struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
+
+// A kernel launched to start early (the plan's `early_start`: programmatic stream
+// serialization) may begin while the kernel ahead of it in the stream still runs. First
+// wait for that kernel to finish and its writes to be visible, then let the kernel behind
+// this one start early in turn. Launched the ordinary way, both are no-ops.
+__device__ __forceinline__ void start_after_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
@@ -219,6 +230,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_two_nodes_route
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
+    start_after_previous_kernel();
     __shared__ int s_count[GEMM_EXPERTS];
     __shared__ int s_offset[GEMM_EXPERTS + 1];
     static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
@@ -805,6 +817,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_com
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
+    start_after_previous_kernel();
     const int token = blockIdx.x;
     bool present[SLOTS_PER_TOKEN];
 #pragma unroll
@@ -1290,6 +1303,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
@@ -1318,6 +1332,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_two_nodes_all_gemm2(
     bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
 )
 {
+    start_after_previous_kernel();
     grouped_gemm<all_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
 }
 #endif

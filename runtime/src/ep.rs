@@ -599,7 +599,7 @@ impl EpLayer {
             // maps by value over this rank's weights); `new`
             // validated the plan and sized every workspace buffer from it, and the
             // caller's buffers were checked in `begin_call`.
-            unsafe { launch_with(stream, function, config, &values) }.context(format!(
+            unsafe { launch_with(stream, function, config, &values, false) }.context(format!(
                 "launching `{}` on rank {}",
                 launch.kernel, rank.index
             ))?;

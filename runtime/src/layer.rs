@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys;
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg,
@@ -313,7 +314,9 @@ pub(crate) enum ArgValue {
     TensorMap(TensorMap),
 }
 
-/// Enqueues `function` on `stream` with `values` as its parameters, in order.
+/// Enqueues `function` on `stream` with `values` as its parameters, in order; with
+/// `early_start` it may start before the kernel ahead of it in the stream has finished
+/// (the plan's `Launch::early_start`: the kernel waits for that one itself).
 ///
 /// # Safety
 /// The kernel's parameter list must be `values`' types in this order, and every buffer
@@ -323,7 +326,12 @@ pub(crate) unsafe fn launch_with(
     function: &CudaFunction,
     config: LaunchConfig,
     values: &[ArgValue],
+    early_start: bool,
 ) -> Result<(), DriverError> {
+    if early_start {
+        // SAFETY: passed on from the caller.
+        return unsafe { launch_early_start(stream, function, config, values) };
+    }
     let mut builder = stream.launch_builder(function);
     for value in values {
         match value {
@@ -334,6 +342,56 @@ pub(crate) unsafe fn launch_with(
     }
     // SAFETY: the caller vouches for the parameter list and the buffers.
     unsafe { builder.launch(config) }.map(|_| ())
+}
+
+/// `launch_with` through `cuLaunchKernelEx` with programmatic stream serialization allowed
+/// (cudarc's launch builder sets no launch attributes).
+///
+/// # Safety
+/// As `launch_with`.
+unsafe fn launch_early_start(
+    stream: &CudaStream,
+    function: &CudaFunction,
+    config: LaunchConfig,
+    values: &[ArgValue],
+) -> Result<(), DriverError> {
+    // The driver reads each parameter through its pointer during the call.
+    let mut params: Vec<*mut std::ffi::c_void> = values
+        .iter()
+        .map(|value| match value {
+            ArgValue::Pointer(p) => p as *const u64 as *mut std::ffi::c_void,
+            ArgValue::Int(i) => i as *const i32 as *mut std::ffi::c_void,
+            ArgValue::TensorMap(map) => map as *const TensorMap as *mut std::ffi::c_void,
+        })
+        .collect();
+    // SAFETY: an all-zero attribute is a valid value of the C union; the fields that
+    // matter are set next.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    let launch_config = sys::CUlaunchConfig {
+        gridDimX: config.grid_dim.0,
+        gridDimY: config.grid_dim.1,
+        gridDimZ: config.grid_dim.2,
+        blockDimX: config.block_dim.0,
+        blockDimY: config.block_dim.1,
+        blockDimZ: config.block_dim.2,
+        sharedMemBytes: config.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    // SAFETY: `params` points at `values`, which outlive the call; the caller vouches for
+    // the parameter list and the buffers.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &launch_config,
+            function.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }
 
 /// The tensor maps that launches pass (over one set of expert weights, and over the
@@ -699,7 +757,7 @@ impl MoeLayer {
         // weights and gate, and `enqueue` checked every buffer of the call to hold what the
         // kernel indexes (the routed ids and weights are workspace buffers of
         // `max_tokens` rows).
-        unsafe { launch_with(stream, function, config, &values) }
+        unsafe { launch_with(stream, function, config, &values, launch.early_start) }
             .context(format!("launching `{}`", launch.kernel))?;
         Ok(())
     }

@@ -110,6 +110,9 @@ struct EntryUnit {
     params: String,
     threads: u32,
     static_smem: u32,
+    /// Whether a launch of it may start before the kernel ahead of it ends: its body then
+    /// begins by waiting for that kernel (`start_after_previous_kernel`).
+    early_start: bool,
 }
 
 /// The parameters each template body refers to by name, per kernel role. Codegen refuses a
@@ -366,6 +369,7 @@ impl EntryUnit {
             params,
             threads: launch.block_threads,
             static_smem: launch.static_smem_bytes,
+            early_start: plan.launches().any(|l| l.kernel == kernel && l.early_start),
         })
     }
 }

@@ -270,7 +270,7 @@ fn describe_launch(out: &mut String, launch: &Launch) {
         .collect();
     let _ = writeln!(
         out,
-        "    launch {}{} <<<{grid}, {} threads, {} B + {} B static>>>({})",
+        "    launch {}{} <<<{grid}, {} threads, {} B + {} B static>>>({}){}",
         match launch.stream {
             StreamRole::Comm => "[comm] ",
             StreamRole::Compute => "",
@@ -279,6 +279,11 @@ fn describe_launch(out: &mut String, launch: &Launch) {
         launch.block_threads,
         launch.smem_bytes,
         launch.static_smem_bytes,
-        params.join(", ")
+        params.join(", "),
+        if launch.early_start {
+            ", starts early (waits for the kernel ahead)"
+        } else {
+            ""
+        }
     );
 }

@@ -931,6 +931,7 @@ fn launch_table(
             static_smem_bytes: static_smem,
             params,
             stream,
+            early_start: false,
         };
     let [g1, g2] = gemms;
     vec![

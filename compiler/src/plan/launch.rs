@@ -24,6 +24,13 @@ pub struct Launch {
     /// The stream of its rank it runs on.
     #[serde(default)]
     pub stream: StreamRole,
+    /// Whether it may start before the kernel ahead of it in the stream has finished
+    /// (programmatic stream serialization, sm_90): its blocks start as SMs free up, and
+    /// wait for that kernel and its memory (`griddepcontrol.wait`) before anything else,
+    /// then let the next kernel start early too. The single-GPU forward's kernels do, so
+    /// that a call's launches overlap their ramps; a decode call is mostly ramps.
+    #[serde(default)]
+    pub early_start: bool,
 }
 
 /// Which of a rank's streams a launch goes to. Expert-parallel calls move data on one and
@@ -257,13 +264,14 @@ fn gemm2_rows_param(gemm: &GemmPlan) -> KernelParam {
 }
 
 /// The launches of one forward call of a regime; with `expert_bias` the GEMMs take each
-/// expert's biases too.
+/// expert's biases too; with `early_start` each may start before the previous one ends.
 pub fn launch_table(
     kernels: ForwardKernels<'_>,
     experts: u32,
     expert_bias: bool,
     g1: &GemmPlan,
     g2: &GemmPlan,
+    early_start: bool,
 ) -> Vec<Launch> {
     use BufferId::*;
     use LaunchArg::*;
@@ -277,6 +285,7 @@ pub fn launch_table(
             smem_bytes: 0,
             static_smem_bytes: route_static_smem_bytes(experts),
             stream: StreamRole::Compute,
+            early_start,
             params: vec![
                 read(TopkIds),
                 read(Tokens),
@@ -292,6 +301,7 @@ pub fn launch_table(
             smem_bytes: g1.smem_bytes,
             static_smem_bytes: g1.smem.static_bytes,
             stream: StreamRole::Compute,
+            early_start,
             params: [read(X), weight_param(g1, true)]
                 .into_iter()
                 .chain(bias(W1Bias))
@@ -309,6 +319,7 @@ pub fn launch_table(
             smem_bytes: g2.smem_bytes,
             static_smem_bytes: g2.smem.static_bytes,
             stream: StreamRole::Compute,
+            early_start,
             params: [gemm2_rows_param(g2), weight_param(g2, false)]
                 .into_iter()
                 .chain(bias(W2Bias))
@@ -327,6 +338,7 @@ pub fn launch_table(
             smem_bytes: 0,
             static_smem_bytes: 0,
             stream: StreamRole::Compute,
+            early_start,
             params: vec![read(Workspace(CombineSlots)), read(TopkIds), write(Y)],
         },
     ]

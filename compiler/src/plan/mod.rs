@@ -815,6 +815,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             shape.expert_bias,
             &choice.gemm1,
             &choice.gemm2,
+            target.has_programmatic_launch(),
         );
         regimes.push(Regime {
             name: choice.name,

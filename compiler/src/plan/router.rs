@@ -196,7 +196,15 @@ pub(super) fn plan_router(
         .map(|(name, max_tokens)| {
             let fused = fused(*max_tokens, layer.top_k);
             let gate = gate_plan(layer, target, &rule, gemm_experts, *max_tokens, fused);
-            let launches = router_launches(&rule, layer.experts, &gate, fused, symbol, name);
+            let launches = router_launches(
+                &rule,
+                layer.experts,
+                &gate,
+                fused,
+                symbol,
+                name,
+                target.has_programmatic_launch(),
+            );
             RouterRegime {
                 gate,
                 fused,
@@ -355,7 +363,9 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
 
 /// The router's launches of regime `regime` of the layer `symbol` with this gate tile:
 /// fused, one block per (token tile, expert tile) as [`gate_blocks`] counts them; or split,
-/// those gate blocks then one select block per [`SELECT_WARPS`] tokens.
+/// those gate blocks then one select block per [`SELECT_WARPS`] tokens. The fused router
+/// starts early where `early_start` says so (it heads a call of early-starting kernels);
+/// the split router's launches do not.
 pub(super) fn router_launches(
     rule: &ir::Router,
     experts: u32,
@@ -363,6 +373,7 @@ pub(super) fn router_launches(
     fused: bool,
     symbol: &str,
     regime: &str,
+    early_start: bool,
 ) -> Vec<Launch> {
     use BufferId::*;
     use LaunchArg::*;
@@ -380,6 +391,7 @@ pub(super) fn router_launches(
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
             stream: StreamRole::Compute,
+            early_start,
             params: [read(X), read(GateWeight)]
                 .into_iter()
                 .chain(bias)
@@ -404,6 +416,7 @@ pub(super) fn router_launches(
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
             stream: StreamRole::Compute,
+            early_start: false,
             params: vec![
                 read(X),
                 read(GateWeight),
@@ -421,6 +434,7 @@ pub(super) fn router_launches(
             smem_bytes: 0,
             static_smem_bytes: select_static_smem_bytes(rule, experts),
             stream: StreamRole::Compute,
+            early_start: false,
             params: [read(Workspace(RouterLogits))]
                 .into_iter()
                 .chain(bias)

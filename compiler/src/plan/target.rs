@@ -161,6 +161,19 @@ impl Target {
     pub fn has_wgmma(&self) -> bool {
         self.arch == "sm_90a"
     }
+
+    /// Whether kernels can start before the one ahead of them in the stream has finished
+    /// (programmatic stream serialization and `griddepcontrol`, sm_90 and later).
+    pub fn has_programmatic_launch(&self) -> bool {
+        self.arch
+            .strip_prefix("sm_")
+            .and_then(|v| {
+                v.trim_end_matches(|c: char| c.is_ascii_alphabetic())
+                    .parse::<u32>()
+                    .ok()
+            })
+            .is_some_and(|version| version >= 90)
+    }
 }
 
 /// What the runtime reads off a GPU to plan for it.

@@ -343,6 +343,7 @@ impl Plan {
                 regime.fused,
                 &self.symbol,
                 name,
+                self.target.has_programmatic_launch(),
             );
             if regime.fused != router::fused(max_tokens, self.shape.top_k)
                 || regime.launches != expected
@@ -516,6 +517,12 @@ impl Plan {
         );
         if launch.grid == Grid::Fixed(0) || empty_tiles {
             return Err(format!("`{kernel}` has an empty grid"));
+        }
+        if launch.early_start && !self.target.has_programmatic_launch() {
+            return Err(format!(
+                "`{kernel}` starts early, which {} cannot",
+                self.target.arch
+            ));
         }
         let smem = u64::from(launch.smem_bytes) + u64::from(launch.static_smem_bytes);
         if smem > u64::from(self.target.smem_per_block) {
