@@ -74,8 +74,12 @@ struct ExpertWork {
 
 impl ExpertWork {
     fn of(gemm: &GemmPlan, m_tiles: f64, n_tiles: f64) -> Self {
-        let (bm, b_rows) = (f64::from(gemm.tile.m), f64::from(gemm.b_rows));
-        if gemm.cluster == 1 {
+        Self::of_tiles(gemm.tile.m, gemm.b_rows, gemm.cluster, m_tiles, n_tiles)
+    }
+
+    fn of_tiles(bm: u32, b_rows: u32, cluster: u32, m_tiles: f64, n_tiles: f64) -> Self {
+        let (bm, b_rows) = (f64::from(bm), f64::from(b_rows));
+        if cluster == 1 {
             let tiles = m_tiles * n_tiles;
             return ExpertWork {
                 block_tiles: tiles,
@@ -148,5 +152,38 @@ pub fn estimate(
         seconds: compute_seconds.max(memory_seconds).max(l2_seconds)
             + IMPERFECT_OVERLAP * compute_seconds.min(memory_seconds)
             + target.launch_overhead_s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ExpertWork;
+
+    #[test]
+    fn a_block_alone_reads_each_tile_once() {
+        let work = ExpertWork::of_tiles(128, 256, 1, 3.0, 4.0);
+        assert_eq!(work.block_tiles, 12.0);
+        assert_eq!(work.l2_rows, 12.0 * (128.0 + 256.0));
+    }
+
+    #[test]
+    fn a_pair_shares_the_weight_rows_of_two_m_tiles() {
+        // 4 m-tiles x 3 n-tiles: 6 units of two m-tiles, each reading its weights once.
+        let work = ExpertWork::of_tiles(128, 256, 2, 4.0, 3.0);
+        assert_eq!(work.block_tiles, 12.0);
+        assert_eq!(work.l2_rows, 6.0 * (2.0 * 128.0 + 256.0));
+        assert!(work.l2_rows < ExpertWork::of_tiles(128, 256, 1, 4.0, 3.0).l2_rows);
+    }
+
+    #[test]
+    fn an_odd_last_m_tile_goes_two_n_tiles_at_a_time_with_an_empty_slot() {
+        // 3 m-tiles x 3 n-tiles: 3 pair units, then the last m-tile's 3 n-tiles in 2 units
+        // (the second block of the last has no rows): 10 slots for 9 tiles.
+        let work = ExpertWork::of_tiles(128, 256, 2, 3.0, 3.0);
+        assert_eq!(work.block_tiles, 10.0);
+        assert_eq!(
+            work.l2_rows,
+            3.0 * (2.0 * 128.0 + 256.0) + 2.0 * 2.0 * (128.0 + 256.0)
+        );
     }
 }
