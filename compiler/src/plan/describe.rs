@@ -59,10 +59,68 @@ pub fn describe(plan: &Plan) -> String {
             buffer.purpose
         );
     }
+    describe_memory(&mut out, plan);
     for limitation in &plan.limitations {
         let _ = writeln!(out, "  note: {limitation}");
     }
     out
+}
+
+/// What one GPU holds (all experts), and on the expert-parallel path what each rank holds
+/// (its experts, the shared slices, its buffers), against the target's memory.
+fn describe_memory(out: &mut String, plan: &Plan) {
+    let shape = &plan.shape;
+    let (w1_rows, hidden, ffn) = (
+        u64::from(shape.w1_rows()),
+        u64::from(shape.hidden),
+        u64::from(shape.ffn),
+    );
+    let bias_bytes = if shape.expert_bias {
+        (w1_rows + hidden) * 4
+    } else {
+        0
+    };
+    let expert_bytes = (w1_rows * hidden + hidden * ffn) * 2 + bias_bytes;
+    let gate_bytes = plan
+        .router
+        .as_ref()
+        .map_or(0, |_| u64::from(shape.experts) * hidden * 2);
+    let workspace = |buffers: &[super::Buffer]| buffers.iter().map(|b| b.bytes()).sum::<u64>();
+    let mut line = |what: &str, experts: u32, buffers: u64| {
+        let weights = u64::from(experts) * expert_bytes + gate_bytes;
+        let total = weights + buffers;
+        let gb = |bytes: u64| bytes as f64 / 1e9;
+        let verdict = if plan.target.memory_bytes == 0 {
+            String::new()
+        } else if total > plan.target.memory_bytes {
+            format!(
+                ", more than the {:.0} GB of {}: it cannot run there with these buffers",
+                gb(plan.target.memory_bytes),
+                plan.target.name
+            )
+        } else {
+            format!(
+                " of {}'s {:.0} GB",
+                plan.target.name,
+                gb(plan.target.memory_bytes)
+            )
+        };
+        let _ = writeln!(
+            out,
+            "  device memory        {what}: weights {:.2} GB + workspace {:.2} GB = {:.2} GB{verdict}",
+            gb(weights),
+            gb(buffers),
+            gb(total)
+        );
+    };
+    line("one GPU", shape.gemm_experts(), workspace(&plan.workspace));
+    if let Some(ep) = &plan.expert_parallel {
+        line(
+            "per rank",
+            ep.experts_per_rank + shape.shared_slices,
+            workspace(&ep.workspace),
+        );
+    }
 }
 
 fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u32) {

@@ -28,6 +28,10 @@ pub struct Target {
     pub l2_bytes_per_s: f64,
     /// Fixed cost of one kernel launch in a stream, seconds.
     pub launch_overhead_s: f64,
+    /// Device memory, bytes (the datasheet's), against which `explain` sets what a rank
+    /// holds.
+    #[serde(default)]
+    pub memory_bytes: u64,
 }
 
 impl Target {
@@ -51,6 +55,7 @@ impl Target {
             hbm_bytes_per_s: 4.3e12,
             l2_bytes_per_s: 10e12,
             launch_overhead_s: 4e-6,
+            memory_bytes: 141_000_000_000,
         }
     }
 
@@ -61,6 +66,7 @@ impl Target {
         Target {
             name: "NVIDIA H100 SXM".to_string(),
             hbm_bytes_per_s: 4.3e12 * 3.35 / 4.8,
+            memory_bytes: 80_000_000_000,
             ..Target::h200()
         }
     }
@@ -80,6 +86,7 @@ impl Target {
             hbm_bytes_per_s: 2.0e12,
             l2_bytes_per_s: 5e12,
             launch_overhead_s: 4e-6,
+            memory_bytes: 80_000_000_000,
         }
     }
 
