@@ -409,18 +409,15 @@ impl WeightTensorMaps<'_> {
     /// The position in `maps` of the map `arg` (a `W1Tiles`/`W2Tiles` argument) needs,
     /// encoding it on first use.
     pub(crate) fn position(&mut self, arg: LaunchArg) -> Result<usize, LayerError> {
-        if let Some(position) = self.maps.iter().position(|(a, _)| *a == arg) {
-            return Ok(position);
-        }
-        let (what, matrix) = match arg {
-            LaunchArg::W1Tiles { .. } => ("w1", &self.weights.w1),
-            _ => ("w2", &self.weights.w2),
-        };
-        let (rows, columns, box_rows) = weight_map_shape(arg, self.shape, self.experts)
-            .ok_or(LayerError::NotATensorMap { arg: arg.name() })?;
-        let map = TensorMap::bf16_rows(what, ptr(matrix, self.stream), rows, columns, box_rows)?;
-        self.maps.push((arg, map));
-        Ok(self.maps.len() - 1)
+        self.position_or_encode(arg, |maps| {
+            let (what, matrix) = match arg {
+                LaunchArg::W1Tiles { .. } => ("w1", &maps.weights.w1),
+                _ => ("w2", &maps.weights.w2),
+            };
+            let (rows, columns, box_rows) = weight_map_shape(arg, maps.shape, maps.experts)
+                .ok_or(LayerError::NotATensorMap { arg: arg.name() })?;
+            TensorMap::bf16_rows(what, ptr(matrix, maps.stream), rows, columns, box_rows)
+        })
     }
 
     /// The position in `maps` of the map over the intermediate buffer `memory` (bf16 rows of
@@ -433,18 +430,28 @@ impl WeightTensorMaps<'_> {
         let LaunchArg::IntermediateTiles { box_rows } = arg else {
             return Err(LayerError::NotATensorMap { arg: arg.name() });
         };
+        self.position_or_encode(arg, |maps| {
+            let columns = u64::from(maps.shape.ffn);
+            TensorMap::bf16_rows(
+                "the intermediate rows",
+                ptr(memory, maps.stream),
+                memory.len() as u64 / (2 * columns),
+                columns,
+                box_rows,
+            )
+        })
+    }
+
+    /// The position of `arg`'s map in `maps`, which `encode` makes the first time.
+    fn position_or_encode(
+        &mut self,
+        arg: LaunchArg,
+        encode: impl FnOnce(&Self) -> Result<TensorMap, LayerError>,
+    ) -> Result<usize, LayerError> {
         if let Some(position) = self.maps.iter().position(|(a, _)| *a == arg) {
             return Ok(position);
         }
-        let columns = u64::from(self.shape.ffn);
-        let rows = memory.len() as u64 / (2 * columns);
-        let map = TensorMap::bf16_rows(
-            "the intermediate rows",
-            ptr(memory, self.stream),
-            rows,
-            columns,
-            box_rows,
-        )?;
+        let map = encode(self)?;
         self.maps.push((arg, map));
         Ok(self.maps.len() - 1)
     }
@@ -752,11 +759,11 @@ impl MoeLayer {
         };
         // SAFETY: codegen wrote this kernel's parameter list from `launch.params` (its
         // types from `LaunchArg::param_type`: a pointer per buffer, an i32 for tokens, a
-        // tensor map by value over weights this layer owns), and the AOT loader checks
-        // the PTX entry against the same list; `new` validated the plan and checked the
-        // weights and gate, and `enqueue` checked every buffer of the call to hold what the
-        // kernel indexes (the routed ids and weights are workspace buffers of
-        // `max_tokens` rows).
+        // tensor map by value over weights or a workspace buffer this layer owns), and the
+        // AOT loader checks the PTX entry against the same list; `new` validated the plan
+        // and checked the weights and gate, and `enqueue` checked every buffer of the call
+        // to hold what the kernel indexes (the routed ids and weights are workspace buffers
+        // of `max_tokens` rows).
         unsafe { launch_with(stream, function, config, &values, launch.early_start) }
             .context(format!("launching `{}`", launch.kernel))?;
         Ok(())
