@@ -33,28 +33,78 @@ __device__ __forceinline__ void wgmma_m64k16<{{ n }}>(float* d, u64 desc_a, u64 
         : "l"(desc_a), "l"(desc_b));
 }
 {%- endfor %}
+// The four lanes of a quad hold one row two columns at a time: lane q holds columns 2q and
+// 2q + 1 of each 8-column block. Given lane q's words of four consecutive blocks, returns
+// block q's 8 columns in order, so that each lane stores 16 bytes and a quad 64 consecutive
+// bytes of the row (4-byte stores spread over the row took a third of a short GEMM2's time).
+// Two butterfly trades: with lane q ^ 1, then with lane q ^ 2.
+__device__ __forceinline__ Vec16 quad_transpose(u32 p0, u32 p1, u32 p2, u32 p3) {
+    const int q = threadIdx.x & 3;
+    const bool b0 = (q & 1) != 0, b1 = (q & 2) != 0;
+    // Keep the blocks whose low bit is q's, trade the others with lane q ^ 1.
+    const u32 keep_lo = b0 ? p1 : p0, keep_hi = b0 ? p3 : p2;
+    const u32 got_lo = __shfl_xor_sync(0xffffffffu, b0 ? p0 : p1, 1);
+    const u32 got_hi = __shfl_xor_sync(0xffffffffu, b0 ? p2 : p3, 1);
+    // Keep block q (this lane's and lane q ^ 1's words), trade block q ^ 2 with lane q ^ 2.
+    const u32 from_0 = b1 ? keep_hi : keep_lo, from_1 = b1 ? got_hi : got_lo;
+    const u32 from_2 = __shfl_xor_sync(0xffffffffu, b1 ? keep_lo : keep_hi, 2);
+    const u32 from_3 = __shfl_xor_sync(0xffffffffu, b1 ? got_lo : got_hi, 2);
+    // from_k came from lane q ^ k: put lane s's words at word s.
+    const u32 e0 = b0 ? from_1 : from_0, e1 = b0 ? from_0 : from_1;
+    const u32 e2 = b0 ? from_3 : from_2, e3 = b0 ? from_2 : from_3;
+    Vec16 words;
+    words.x = b1 ? e2 : e0;
+    words.y = b1 ? e3 : e1;
+    words.z = b1 ? e0 : e2;
+    words.w = b1 ? e1 : e3;
+    return words;
+}
+
 // Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
 // gated GEMM1): warp w of the warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
-// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
+// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments. With QUAD_STORES a quad
+// trades its words (quad_transpose) and stores 16 bytes per lane: every lane takes part in
+// the trades, and only the rows the tile has are stored.
 template <class G>
 __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
                                                const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
                                                const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                const EpContext& ep) {
+    static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
     const int lane = threadIdx.x & 31;
     const int warp_in_group = (threadIdx.x >> 5) & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
-        if (r >= t.rows) continue;
-        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+        if constexpr (G::QUAD_STORES) {
+            const bool stored = r < t.rows;
+            // A row past the tile's is packed (and never stored) from row 0's sources.
+            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
-        for (int j = 0; j < G::BN / 8; ++j) {
-            const int column = t.n0 + j * 8 + (lane & 3) * 2;
-            const int c = j * 4 + half * 2;
-            const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
-            const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-            epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
+            for (int group = 0; group < G::BN / 32; ++group) {
+                u32 words[4];
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int j = group * 4 + b;
+                    const int c = j * 4 + half * 2;
+                    const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+                    const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+                    words[b] = epilogue_pack<G>(row, t.n0 + j * 8 + (lane & 3) * 2, acc[c], acc[c + 1], up0, up1);
+                }
+                const Vec16 block = quad_transpose(words[0], words[1], words[2], words[3]);
+                if (stored) *reinterpret_cast<Vec16*>(row.out + t.n0 + (group * 4 + (lane & 3)) * 8) = block;
+            }
+        } else {
+            if (r >= t.rows) continue;
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+#pragma unroll
+            for (int j = 0; j < G::BN / 8; ++j) {
+                const int column = t.n0 + j * 8 + (lane & 3) * 2;
+                const int c = j * 4 + half * 2;
+                const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+                const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+                epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
+            }
         }
     }
 }

@@ -83,6 +83,7 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }};
     static constexpr bool A_TILES = {{ gemm.a_tiles }};  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = {{ gemm.quad_stores }};  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
 {%- else %}
     static constexpr int PRODUCER_THREADS = 0;
 {%- endif %}

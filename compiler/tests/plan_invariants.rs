@@ -404,7 +404,8 @@ fn virtual_ranks_fit_one_block_per_sm() {
 
 /// Mixtral-8x7B's plan, whose prefill GEMMs run in cluster pairs and whose GEMM2 loads its
 /// rows as tiles: validation catches a pair on the wrong engine, a weight box that is not
-/// the pair's half, and a GEMM2 that stops loading tiles while its launch still passes them.
+/// the pair's half, a GEMM2 that stops loading tiles while its launch still passes them, and
+/// 16-byte epilogue stores asked of the mma.sync engine.
 #[test]
 fn cluster_pairs_and_row_tiles_are_checked() {
     let path = format!(
@@ -446,5 +447,17 @@ fn cluster_pairs_and_row_tiles_are_checked() {
     assert!(
         gathered.validate().is_err(),
         "a gathered GEMM2 passed intermediate tiles"
+    );
+
+    assert_eq!(gemm2.store, plan::OutputStore::QuadVectors);
+    let mut vectors_on_mma_sync = plan.clone();
+    vectors_on_mma_sync.regimes[0].gemm2.store = plan::OutputStore::QuadVectors;
+    assert_eq!(
+        vectors_on_mma_sync.regimes[0].gemm2.engine,
+        plan::MmaEngine::MmaSync
+    );
+    assert!(
+        vectors_on_mma_sync.validate().is_err(),
+        "16-byte stores without the wgmma epilogue"
     );
 }

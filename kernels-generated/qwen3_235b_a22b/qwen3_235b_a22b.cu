@@ -618,9 +618,10 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
     }
 }
 
+// The pair of output columns (column, column + 1) of `row`, packed as two bf16.
 template <class G>
-__device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
-                                               float v0, float v1, float up0, float up1) {
+__device__ __forceinline__ u32 epilogue_pack(const EpilogueRow& row, int column,
+                                             float v0, float v1, float up0, float up1) {
     if constexpr (G::BIAS) {
         v0 += row.bias[column];
         v1 += row.bias[column + 1];
@@ -636,7 +637,13 @@ __device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int colum
         v0 *= row.scale;
         v1 *= row.scale;
     }
-    *reinterpret_cast<u32*>(row.out + column) = pack_bf16x2(v0, v1);
+    return pack_bf16x2(v0, v1);
+}
+
+template <class G>
+__device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
+                                               float v0, float v1, float up0, float up1) {
+    *reinterpret_cast<u32*>(row.out + column) = epilogue_pack<G>(row, column, v0, v1, up0, up1);
 }
 
 template <class G>
@@ -1361,28 +1368,78 @@ __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(desc_a), "l"(desc_b));
 }
+// The four lanes of a quad hold one row two columns at a time: lane q holds columns 2q and
+// 2q + 1 of each 8-column block. Given lane q's words of four consecutive blocks, returns
+// block q's 8 columns in order, so that each lane stores 16 bytes and a quad 64 consecutive
+// bytes of the row (4-byte stores spread over the row took a third of a short GEMM2's time).
+// Two butterfly trades: with lane q ^ 1, then with lane q ^ 2.
+__device__ __forceinline__ Vec16 quad_transpose(u32 p0, u32 p1, u32 p2, u32 p3) {
+    const int q = threadIdx.x & 3;
+    const bool b0 = (q & 1) != 0, b1 = (q & 2) != 0;
+    // Keep the blocks whose low bit is q's, trade the others with lane q ^ 1.
+    const u32 keep_lo = b0 ? p1 : p0, keep_hi = b0 ? p3 : p2;
+    const u32 got_lo = __shfl_xor_sync(0xffffffffu, b0 ? p0 : p1, 1);
+    const u32 got_hi = __shfl_xor_sync(0xffffffffu, b0 ? p2 : p3, 1);
+    // Keep block q (this lane's and lane q ^ 1's words), trade block q ^ 2 with lane q ^ 2.
+    const u32 from_0 = b1 ? keep_hi : keep_lo, from_1 = b1 ? got_hi : got_lo;
+    const u32 from_2 = __shfl_xor_sync(0xffffffffu, b1 ? keep_lo : keep_hi, 2);
+    const u32 from_3 = __shfl_xor_sync(0xffffffffu, b1 ? got_lo : got_hi, 2);
+    // from_k came from lane q ^ k: put lane s's words at word s.
+    const u32 e0 = b0 ? from_1 : from_0, e1 = b0 ? from_0 : from_1;
+    const u32 e2 = b0 ? from_3 : from_2, e3 = b0 ? from_2 : from_3;
+    Vec16 words;
+    words.x = b1 ? e2 : e0;
+    words.y = b1 ? e3 : e1;
+    words.z = b1 ? e0 : e2;
+    words.w = b1 ? e1 : e3;
+    return words;
+}
+
 // Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
 // gated GEMM1): warp w of the warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
-// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments.
+// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments. With QUAD_STORES a quad
+// trades its words (quad_transpose) and stores 16 bytes per lane: every lane takes part in
+// the trades, and only the rows the tile has are stored.
 template <class G>
 __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
                                                const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
                                                const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                const EpContext& ep) {
+    static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
     const int lane = threadIdx.x & 31;
     const int warp_in_group = (threadIdx.x >> 5) & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
-        if (r >= t.rows) continue;
-        const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+        if constexpr (G::QUAD_STORES) {
+            const bool stored = r < t.rows;
+            // A row past the tile's is packed (and never stored) from row 0's sources.
+            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
-        for (int j = 0; j < G::BN / 8; ++j) {
-            const int column = t.n0 + j * 8 + (lane & 3) * 2;
-            const int c = j * 4 + half * 2;
-            const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
-            const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-            epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
+            for (int group = 0; group < G::BN / 32; ++group) {
+                u32 words[4];
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int j = group * 4 + b;
+                    const int c = j * 4 + half * 2;
+                    const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+                    const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+                    words[b] = epilogue_pack<G>(row, t.n0 + j * 8 + (lane & 3) * 2, acc[c], acc[c + 1], up0, up1);
+                }
+                const Vec16 block = quad_transpose(words[0], words[1], words[2], words[3]);
+                if (stored) *reinterpret_cast<Vec16*>(row.out + t.n0 + (group * 4 + (lane & 3)) * 8) = block;
+            }
+        } else {
+            if (r >= t.rows) continue;
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+#pragma unroll
+            for (int j = 0; j < G::BN / 8; ++j) {
+                const int column = t.n0 + j * 8 + (lane & 3) * 2;
+                const int c = j * 4 + half * 2;
+                const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+                const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+                epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
+            }
         }
     }
 }
@@ -2194,6 +2251,7 @@ struct mid_gemm1 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2227,6 +2285,7 @@ struct mid_gemm2 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2264,6 +2323,7 @@ struct prefill_gemm1 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2297,6 +2357,7 @@ struct prefill_gemm2 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2402,6 +2463,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2440,6 +2502,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
@@ -2480,6 +2543,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2518,6 +2582,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
+    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;

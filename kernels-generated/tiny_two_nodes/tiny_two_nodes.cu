@@ -616,9 +616,10 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
     }
 }
 
+// The pair of output columns (column, column + 1) of `row`, packed as two bf16.
 template <class G>
-__device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
-                                               float v0, float v1, float up0, float up1) {
+__device__ __forceinline__ u32 epilogue_pack(const EpilogueRow& row, int column,
+                                             float v0, float v1, float up0, float up1) {
     if constexpr (G::BIAS) {
         v0 += row.bias[column];
         v1 += row.bias[column + 1];
@@ -634,7 +635,13 @@ __device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int colum
         v0 *= row.scale;
         v1 *= row.scale;
     }
-    *reinterpret_cast<u32*>(row.out + column) = pack_bf16x2(v0, v1);
+    return pack_bf16x2(v0, v1);
+}
+
+template <class G>
+__device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int column,
+                                               float v0, float v1, float up0, float up1) {
+    *reinterpret_cast<u32*>(row.out + column) = epilogue_pack<G>(row, column, v0, v1, up0, up1);
 }
 
 template <class G>

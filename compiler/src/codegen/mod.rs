@@ -16,9 +16,9 @@ use crate::plan::ep::{
 use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
-    Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, ParamType, Plan, RegimeParts,
-    RowLoad, SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
-    error_code,
+    Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, OutputStore, ParamType, Plan,
+    RegimeParts, RowLoad, SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN,
+    TENSOR_MAP_BYTES, error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -426,6 +426,8 @@ struct GemmUnit {
     b_box_rows: u32,
     /// Whether the A rows come as TMA tiles rather than gathered row by row.
     a_tiles: bool,
+    /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
+    quad_stores: bool,
     /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
     producer_threads: u32,
     producer_registers: u32,
@@ -562,6 +564,7 @@ impl GemmUnit {
             cluster: gemm.cluster,
             b_box_rows: gemm.weight_box_rows(),
             a_tiles,
+            quad_stores: gemm.store == OutputStore::QuadVectors,
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
             producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
             consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use super::ep::{ExpertParallelPlan, Placement};
 use super::network::NetworkPlan;
 use super::router::RouterRegime;
-use super::{Access, Grid, Launch, Plan, RegimeParts, StreamRole};
+use super::{Access, Grid, Launch, OutputStore, Plan, RegimeParts, RowLoad, StreamRole};
 
 /// One fact per line; `write!` into a `String` cannot fail.
 pub fn describe(plan: &Plan) -> String {
@@ -246,7 +246,7 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
         let e = &gemm.estimate;
         let _ = writeln!(
             out,
-            "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps, {} B smem, {} blocks ({}/SM{}); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
+            "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps{}, {} B smem, {} blocks ({}/SM{}); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
             gemm.engine.name(),
             gemm.tile.m,
             gemm.tile.n,
@@ -255,6 +255,13 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             gemm.stages,
             gemm.warps_m,
             gemm.warps_n,
+            match (gemm.a_load, gemm.store) {
+                (RowLoad::Tiles, OutputStore::QuadVectors) =>
+                    ", A rows as TMA tiles, 16-byte stores",
+                (RowLoad::Tiles, OutputStore::Pairs) => ", A rows as TMA tiles",
+                (RowLoad::Gathered, OutputStore::QuadVectors) => ", 16-byte stores",
+                (RowLoad::Gathered, OutputStore::Pairs) => "",
+            },
             gemm.smem_bytes,
             gemm.grid_blocks,
             gemm.blocks_per_sm,

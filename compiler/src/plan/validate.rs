@@ -15,8 +15,8 @@ use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, GemmPlan, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS,
-    MAX_SHARED_SLICES, MmaEngine, Plan, Regime, RegimeParts, RowLoad, SmemLayout, TILE_K,
-    c_identifier, workspace,
+    MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, Regime, RegimeParts, RowLoad, SmemLayout,
+    TILE_K, c_identifier, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -460,6 +460,13 @@ impl Plan {
         if gemm.a_load == RowLoad::Tiles && !warp_specialized {
             return Err(format!(
                 "`{kernel}` loads A rows as tiles without a producer"
+            ));
+        }
+        if gemm.store == OutputStore::QuadVectors
+            && !(warp_specialized && gemm.tile.n.is_multiple_of(32))
+        {
+            return Err(format!(
+                "`{kernel}` stores 16 bytes per lane, which needs the wgmma epilogue and a tile width that is a multiple of 32"
             ));
         }
         let mut takes_intermediate_tiles = false;
