@@ -646,6 +646,10 @@ pub struct FunctionResources {
     pub spill_loads: u64,
     /// Static shared memory bytes.
     pub shared_mem: u64,
+    /// Whether `ptxas` serialised the function's `wgmma.mma_async` instructions (its
+    /// performance warning C7518: each multiply then waits for the one before, typically
+    /// because a branch around them could diverge within a warpgroup).
+    pub wgmma_serialized: bool,
 }
 
 /// The parsed output of `ptxas -v`.
@@ -680,22 +684,28 @@ impl PtxasReport {
             let info = line
                 .strip_prefix("ptxas info")
                 .map(|l| l.trim_start_matches([' ', ':']));
-            if let Some(name) = info.and_then(|l| l.strip_prefix("Compiling entry function ")) {
-                entries.push(quoted(name).to_string());
-            } else if let Some(name) = info.and_then(|l| l.strip_prefix("Function properties for "))
-            {
-                let name = name.trim().to_string();
-                let index = functions
+            let mut index_of = |name: &str| {
+                functions
                     .iter()
                     .position(|f| f.name == name)
                     .unwrap_or_else(|| {
                         functions.push(FunctionResources {
-                            name,
+                            name: name.to_string(),
                             ..Default::default()
                         });
                         functions.len() - 1
-                    });
-                current = Some(index);
+                    })
+            };
+            if let Some(name) = info.and_then(|l| l.strip_prefix("Compiling entry function ")) {
+                entries.push(quoted(name).to_string());
+            } else if let Some(name) = info.and_then(|l| l.strip_prefix("Function properties for "))
+            {
+                current = Some(index_of(name.trim()));
+            } else if line.contains("wgmma.mma_async instructions are serialized")
+                && let Some((_, name)) = line.rsplit_once("in the function ")
+            {
+                let index = index_of(quoted(name));
+                functions[index].wgmma_serialized = true;
             } else if let Some(used) = info.and_then(|l| l.strip_prefix("Used ")) {
                 // "Used N registers, ... N bytes smem, ..." belongs to the last entry compiled.
                 let Some(index) = entries
@@ -1235,5 +1245,22 @@ ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 360 bytes c
             (40, 16, 8, 4, 1024)
         );
         assert_eq!(r.spilling().count(), 1);
+        assert!(!k.wgmma_serialized);
+    }
+
+    #[test]
+    fn serialized_wgmma_is_reported_per_function() {
+        let raw = "ptxas info    : Compiling entry function 'g' for 'sm_90a'\n\
+ptxas info    : Function properties for g\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 168 registers, used 1 barriers, 640 bytes smem\n\
+ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on compiler-inserted WG.DP in divergent path in the function 'g'\n\
+ptxas info    : Compiling entry function 'h' for 'sm_90a'\n\
+ptxas info    : Function properties for h\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n";
+        let r = PtxasReport::parse(raw);
+        assert!(r.function("g").expect("g reported").wgmma_serialized);
+        assert!(!r.function("h").expect("h reported").wgmma_serialized);
+        assert_eq!(r.functions.len(), 2);
     }
 }

@@ -1,7 +1,7 @@
 //! Every shipped example's kernels compile through NVRTC for sm_90a; ptxas reports no
-//! spills for any of them and exactly the static shared memory the plan states; every
-//! entry point in the PTX takes exactly the parameters of the plan's launch table. Needs NVRTC (skips without it, fails under
-//! MOEFORGE_REQUIRE_NVRTC=1); no GPU.
+//! spills and no serialised wgmma for any of them, and exactly the static shared memory the
+//! plan states; every entry point in the PTX takes exactly the parameters of the plan's
+//! launch table. Needs NVRTC (skips without it, fails under MOEFORGE_REQUIRE_NVRTC=1); no GPU.
 
 use moeforge_compiler::plan::{self, Target};
 use moeforge_runtime::aot;
@@ -80,6 +80,11 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
             (function.spill_stores, function.spill_loads),
             (0, 0),
             "{entry} of {} spills: {function:?}",
+            layer.name
+        );
+        assert!(
+            !function.wgmma_serialized,
+            "ptxas serialises the wgmma of {entry} of {}",
             layer.name
         );
         let launch = plan
