@@ -2,7 +2,8 @@
 // `moeforge compile`. Self-contained CUDA C++ for {{ arch }} ({{ target }}); every size is a
 // constant, and every entry point's parameter list is the plan's launch table.
 //
-// Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
+// Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine, where route
+// is one launch of one block, or for regimes with many pairs route_count -> route_place.
 {%- if router.is_some() %}
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
@@ -39,8 +40,7 @@ constexpr int SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES;
 constexpr int SMEM_ROW_BYTES = {{ smem_row_bytes }};  // one swizzled shared-memory row of a GEMM stage
 constexpr int STATIC_SMEM_GRANULE = {{ static_smem_granule }};  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
-constexpr int ROUTE_THREADS = {{ route.threads }};
-constexpr int ROUTE_STATIC_SMEM_BYTES = {{ route.static_smem }};
+constexpr int ROUTE_THREADS = {{ route_threads }};
 constexpr int COMBINE_THREADS = {{ combine.threads }};
 constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 

@@ -461,3 +461,80 @@ fn cluster_pairs_and_row_tiles_are_checked() {
         "16-byte stores without the wgmma epilogue"
     );
 }
+
+/// Qwen3-30B-A3B's prefill calls (up to 131072 pairs) route over several blocks, its
+/// smaller regimes on one: validation catches count and place launches on different grids,
+/// a regime with neither routing, and a fused router (which replaces the one-block route)
+/// on a regime that routes over blocks.
+#[test]
+fn routing_over_several_blocks_is_planned_and_checked() {
+    let path = format!(
+        "{}/../dsl-examples/qwen3_30b_a3b.moe",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
+    let plan = plan::plan(&module.layers[0], &Target::h200()).expect("the example plans");
+    plan.validate().expect("the plan is consistent");
+    let prefill = plan.regimes.len() - 1;
+    let grids = |regime: &plan::Regime, kernel: &str| -> Vec<plan::Grid> {
+        regime
+            .launches
+            .iter()
+            .filter(|l| l.kernel == kernel)
+            .map(|l| l.grid)
+            .collect()
+    };
+    let top = &plan.regimes[prefill];
+    assert_eq!(
+        grids(top, &plan.route_count_kernel),
+        vec![plan::Grid::Fixed(32)],
+        "16384 tokens x 8 pairs, 4096 pairs per block"
+    );
+    assert_eq!(
+        grids(top, &plan.route_place_kernel),
+        vec![plan::Grid::Fixed(32)]
+    );
+    assert!(grids(top, &plan.route_kernel).is_empty());
+    for regime in &plan.regimes[..prefill] {
+        assert_eq!(
+            grids(regime, &plan.route_kernel),
+            vec![plan::Grid::Fixed(1)]
+        );
+    }
+    assert!(plan.is_route_kernel(&plan.route_place_kernel));
+    assert!(!plan.is_route_kernel(&plan.combine_kernel));
+
+    let mut uneven = plan.clone();
+    let place = plan.route_place_kernel.clone();
+    for launch in &mut uneven.regimes[prefill].launches {
+        if launch.kernel == place {
+            launch.grid = plan::Grid::Fixed(16);
+        }
+    }
+    let refusal = uneven
+        .validate()
+        .expect_err("count and place on different grids")
+        .to_string();
+    assert!(refusal.contains("one grid of several blocks"), "{refusal}");
+
+    let mut unrouted = plan.clone();
+    let count = plan.route_count_kernel.clone();
+    unrouted.regimes[prefill]
+        .launches
+        .retain(|l| l.kernel != count && l.kernel != place);
+    assert!(unrouted.validate().is_err(), "a regime without routing");
+
+    let mut fused = plan.clone();
+    fused
+        .router
+        .as_mut()
+        .expect("Qwen3's spec has a router")
+        .regimes[prefill]
+        .fused = true;
+    let refusal = fused
+        .validate()
+        .expect_err("a fused router over blocks")
+        .to_string();
+    assert!(refusal.contains("fused router"), "{refusal}");
+}

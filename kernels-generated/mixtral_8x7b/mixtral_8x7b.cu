@@ -2,7 +2,8 @@
 // `moeforge compile`. Self-contained CUDA C++ for sm_90a (NVIDIA H200); every size is a
 // constant, and every entry point's parameter list is the plan's launch table.
 //
-// Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
+// Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine, where route
+// is one launch of one block, or for regimes with many pairs route_count -> route_place.
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 8 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 8 experts on one GPU
@@ -126,7 +127,6 @@ constexpr int SMEM_ROW_BYTES = 128;  // one swizzled shared-memory row of a GEMM
 constexpr int STATIC_SMEM_GRANULE = 128;  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
 constexpr int ROUTE_THREADS = 1024;
-constexpr int ROUTE_STATIC_SMEM_BYTES = 128;
 constexpr int COMBINE_THREADS = 128;
 constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = 1;
 
@@ -222,7 +222,6 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
         row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
 }
-
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) mixtral_8x7b_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
@@ -235,9 +234,113 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) mixtral_8x7b_route(
     start_after_previous_kernel();
     __shared__ int s_count[GEMM_EXPERTS];
     __shared__ int s_offset[GEMM_EXPERTS + 1];
-    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
+    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == 128,
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Routing over several blocks, for regimes with many pairs (the same metadata as above):
+//   count: block b counts the pairs of its slice per expert into route_block_counts[b];
+//   place: every block sums those counts, all blocks' (each expert's first row) and the
+//          blocks' before it (where its slice starts in each expert), then places its
+//          slice; block 0 writes the expert offsets.
+// The count launch clears the error word; the place launch reports ids out of range.
+// ---------------------------------------------------------------------------------------
+// The pairs [first, end) of `pairs` that block `block` of `blocks` takes.
+__device__ __forceinline__ int2 route_slice(int pairs, int block, int blocks) {
+    const long long per_block = ((long long)pairs + blocks - 1) / blocks;
+    const int first = (int)min((long long)pairs, block * per_block);
+    return make_int2(first, (int)min((long long)pairs, first + per_block));
+}
+
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_route_count)
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) mixtral_8x7b_route_count(
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int* __restrict__ route_block_counts,  // [gridDim.x, EXPERTS]: each block's pairs per expert
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    start_after_previous_kernel();
+    __shared__ int s_count[EXPERTS];
+    static_assert(static_smem_reserved(sizeof(s_count)) == 128, "plan: route count's static shared memory");
+    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) s_count[e] = 0;
+    __syncthreads();
+    const int2 slice = route_slice(tokens * TOP_K, blockIdx.x, gridDim.x);
+    for (int first = slice.x + threadIdx.x; first < slice.y; first += ROUTE_THREADS * ROUTE_BATCH) {
+        int ids[ROUTE_BATCH];
+        load_route_batch<ROUTE_THREADS>(topk_ids, slice.y, first, ids);
+#pragma unroll
+        for (int i = 0; i < ROUTE_BATCH; ++i) {
+            if ((unsigned)ids[i] < (unsigned)EXPERTS) atomicAdd(&s_count[ids[i]], 1);
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < EXPERTS; e += ROUTE_THREADS) route_block_counts[blockIdx.x * EXPERTS + e] = s_count[e];
+}
+#endif
+
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_route_place)
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) mixtral_8x7b_route_place(
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    const int* __restrict__ route_block_counts,  // [gridDim.x, EXPERTS]: each block's pairs per expert
+    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    start_after_previous_kernel();
+    __shared__ int s_before[GEMM_EXPERTS];  // this expert's pairs in the blocks before this one
+    __shared__ int s_next[GEMM_EXPERTS];    // every block's pairs of it, then this block's next row in it
+    __shared__ int s_offset[GEMM_EXPERTS + 1];
+    static_assert(static_smem_reserved(sizeof(s_before) + sizeof(s_next) + sizeof(s_offset)) == 128,
+                  "plan: route place's static shared memory");
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += ROUTE_THREADS) {
+        int total = tokens, before = 0;  // a shared slice: every token, this block places none
+        if (e < EXPERTS) {
+            total = 0;
+#pragma unroll 8
+            for (int b = 0; b < (int)gridDim.x; ++b) {
+                const int pairs = route_block_counts[b * EXPERTS + e];
+                total += pairs;
+                before += b < (int)blockIdx.x ? pairs : 0;
+            }
+        }
+        s_next[e] = total;
+        s_before[e] = before;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_next[e]; }, s_offset);
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        for (int e = threadIdx.x; e <= GEMM_EXPERTS; e += ROUTE_THREADS) expert_offsets[e] = s_offset[e];
+    }
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += ROUTE_THREADS) s_next[e] = s_offset[e] + s_before[e];
+    __syncthreads();
+
+    const int2 slice = route_slice(tokens * TOP_K, blockIdx.x, gridDim.x);
+    for (int first = slice.x + threadIdx.x; first < slice.y; first += ROUTE_THREADS * ROUTE_BATCH) {
+        int ids[ROUTE_BATCH];
+        load_route_batch<ROUTE_THREADS>(topk_ids, slice.y, first, ids);
+#pragma unroll
+        for (int i = 0; i < ROUTE_BATCH; ++i) {
+            const int p = first + i * ROUTE_THREADS, expert = ids[i];
+            if (p >= slice.y) break;
+            if ((unsigned)expert < (unsigned)EXPERTS) {
+                row_pair[atomicAdd(&s_next[expert], 1)] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
+            } else {
+                report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
+            }
+        }
+    }
+    for (int i = blockIdx.x * ROUTE_THREADS + threadIdx.x; i < tokens * SHARED_SLICES; i += gridDim.x * ROUTE_THREADS) {
+        const int slice_index = i / tokens, token = i % tokens;
+        row_pair[s_offset[EXPERTS + slice_index] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice_index;
+    }
 }
 #endif
 // ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 // `moeforge compile`. Self-contained CUDA C++ for sm_90a (NVIDIA H200); every size is a
 // constant, and every entry point's parameter list is the plan's launch table.
 //
-// Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine.
+// Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine, where route
+// is one launch of one block, or for regimes with many pairs route_count -> route_place.
 // Note: the spec asks for 2 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 8 experts on one GPU
 // Note: ranks on other nodes exchange through NCCL at the plan's capacity: every call moves 0.4 MB to each of a rank's 1 network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device), and the network's outboxes and inboxes take 0.7 MB per rank
 
@@ -124,7 +125,6 @@ constexpr int SMEM_ROW_BYTES = 128;  // one swizzled shared-memory row of a GEMM
 constexpr int STATIC_SMEM_GRANULE = 128;  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
 constexpr int ROUTE_THREADS = 1024;
-constexpr int ROUTE_STATIC_SMEM_BYTES = 128;
 constexpr int COMBINE_THREADS = 128;
 constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = 1;
 
@@ -220,7 +220,6 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
         row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
 }
-
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_two_nodes_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
@@ -233,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_two_nodes_route
     start_after_previous_kernel();
     __shared__ int s_count[GEMM_EXPERTS];
     __shared__ int s_offset[GEMM_EXPERTS + 1];
-    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == ROUTE_STATIC_SMEM_BYTES,
+    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_offset)) == 128,
                   "plan: routing's static shared memory");
     route_pairs<ROUTE_THREADS>(topk_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_offset);
 }

@@ -594,17 +594,16 @@ impl MoeLayer {
         self.enqueue(args.tokens, args.x, args.y, Routing::Router, |_| true)
     }
 
-    /// Enqueues only the plan's routing launch (`plan.route_kernel`) for a call: expert
-    /// offsets and the expert-major row order land in the workspace
+    /// Enqueues only the plan's routing launches for a call ([`Plan::is_route_kernel`]):
+    /// expert offsets and the expert-major row order land in the workspace
     /// ([`MoeLayer::workspace_buffer`]). What an unfused pipeline shares with moeforge.
     pub fn route(&self, args: ForwardArgs<'_>) -> Result<(), LayerError> {
-        let route = self.plan.route_kernel.clone();
         let routing = Routing::Caller {
             topk_ids: args.topk_ids,
             topk_weights: args.topk_weights,
         };
         self.enqueue(args.tokens, args.x, args.y, routing, |kernel| {
-            kernel == route
+            self.plan.is_route_kernel(kernel)
         })
     }
 

@@ -582,6 +582,46 @@ fn out_of_range_expert_id_is_reported_with_its_token() {
     ));
 }
 
+/// A layer whose largest regime routes over several blocks (count, then place), with a
+/// shared expert: every case against the reference, then an id out of range in that
+/// regime, reported with its token, and a valid call after it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn routing_over_several_blocks_matches_reference_and_reports_bad_ids() {
+    let mut layer = layers::tiny_with_shared_expert(Activation::Swiglu);
+    layer.name = "tiny_shared_routed_over_blocks".into();
+    layer.max_tokens = 9000;
+    let plan = plan_for_device(&layer);
+    let top = plan.regimes.last().expect("a regime");
+    assert!(
+        top.launches
+            .iter()
+            .any(|l| l.kernel == plan.route_count_kernel),
+        "{} tokens route over several blocks",
+        top.max_tokens
+    );
+    check_plans("routing over several blocks", vec![plan.clone()]);
+
+    let session = Session::open().expect("GPU session");
+    let built = session.build(plan, 3).expect("build");
+    let shape = built.layer.plan().shape.clone();
+    let tokens = shape.max_tokens - 3;
+    let mut workload = Workload::random(&shape, tokens, Routing::Uniform, fresh_seed());
+    let bad = (tokens - 500) as usize;
+    workload.topk_ids[bad * 2 + 1] = -7;
+    match session.run_checked(&built, &workload, CHECKED_TOKENS, 1) {
+        Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange { token, k, id, .. })) => {
+            assert_eq!((token as usize, k, id), (bad, 1, -7));
+        }
+        other => panic!("expected an out-of-range error, got {other:?}"),
+    }
+    let valid = Workload::random(&shape, tokens, Routing::Skewed, fresh_seed());
+    let report = session
+        .run_checked(&built, &valid, CHECKED_TOKENS, 1)
+        .expect("valid call after an error");
+    assert!(report.passed(), "{report}");
+}
+
 /// `forward` enqueues work only: stream capture fails on any host synchronisation, and
 /// the replayed graph must produce exactly what the eager call produced.
 #[test]

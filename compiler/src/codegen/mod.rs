@@ -17,8 +17,8 @@ use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
     Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, OutputStore, ParamType, Plan,
-    RegimeParts, RowLoad, SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN,
-    TENSOR_MAP_BYTES, error_code,
+    ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout,
+    TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -61,7 +61,11 @@ struct LayerUnit<'a> {
     shared_slices: u32,
     smem_row_bytes: u32,
     static_smem_granule: u32,
-    route: EntryUnit,
+    /// The routing entries the regimes launch: one block, or count then place.
+    route: Option<EntryUnit>,
+    route_count: Option<EntryUnit>,
+    route_place: Option<EntryUnit>,
+    route_threads: u32,
     combine: EntryUnit,
     error_expert_id: i32,
     activation: &'static str,
@@ -121,6 +125,15 @@ struct EntryUnit {
 const ROUTE_USES: &[&str] = &[
     "topk_ids",
     "tokens",
+    "expert_offsets",
+    "row_pair",
+    "error_word",
+];
+const ROUTE_COUNT_USES: &[&str] = &["topk_ids", "tokens", "route_block_counts", "error_word"];
+const ROUTE_PLACE_USES: &[&str] = &[
+    "topk_ids",
+    "tokens",
+    "route_block_counts",
     "expert_offsets",
     "row_pair",
     "error_word",
@@ -296,6 +309,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::RouterLogits => "[tokens, EXPERTS], workspace",
             BufferId::RouterTilesDone => "[1 + token tiles]: arrival counters, zero between calls",
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
+            BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
             BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
             BufferId::NetSendSlot | BufferId::NetSendPair | BufferId::NetSendWeight => {
                 "[NETWORK_PEERS, LOCAL_EXPERTS, SEGMENT_ROWS]: receive index staged for NCCL"
@@ -315,6 +329,15 @@ fn param_comment(arg: LaunchArg) -> &'static str {
 }
 
 impl EntryUnit {
+    /// [`EntryUnit::new`] for a kernel the plan may not launch at all (`None` then).
+    fn if_launched(plan: &Plan, kernel: &str, uses: &[&str]) -> Result<Option<Self>, CodegenError> {
+        if plan.launches().any(|l| l.kernel == kernel) {
+            Self::new(plan, kernel, uses).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     /// The entry point of `kernel` as the plan launches it, checked against the names its
     /// template body uses.
     fn new(plan: &Plan, kernel: &str, uses: &[&str]) -> Result<Self, CodegenError> {
@@ -869,7 +892,10 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         shared_slices: shape.shared_slices,
         smem_row_bytes: SMEM_ROW_BYTES,
         static_smem_granule: STATIC_SMEM_GRANULE,
-        route: EntryUnit::new(plan, &plan.route_kernel, ROUTE_USES)?,
+        route: EntryUnit::if_launched(plan, &plan.route_kernel, ROUTE_USES)?,
+        route_count: EntryUnit::if_launched(plan, &plan.route_count_kernel, ROUTE_COUNT_USES)?,
+        route_place: EntryUnit::if_launched(plan, &plan.route_place_kernel, ROUTE_PLACE_USES)?,
+        route_threads: ROUTE_THREADS,
         combine: EntryUnit::new(plan, &plan.combine_kernel, COMBINE_USES)?,
         error_expert_id: error_code::EXPERT_ID_OUT_OF_RANGE,
         activation: shape.activation.name(),

@@ -233,9 +233,34 @@ pub fn route_static_smem_bytes(experts: u32) -> u32 {
     static_smem_reserved(4 * (2 * experts + 1))
 }
 
+/// Static shared memory of the routing over several blocks: the count launch's per-expert
+/// counts of routed experts (i32 [E]); the place launch's per-expert pairs before this
+/// block, next rows and offsets (i32 [E'], [E'], [E' + 1]), E' with the shared slices.
+pub fn route_count_static_smem_bytes(routed_experts: u32) -> u32 {
+    static_smem_reserved(4 * routed_experts)
+}
+pub fn route_place_static_smem_bytes(experts: u32) -> u32 {
+    static_smem_reserved(4 * (3 * experts + 1))
+}
+
+/// How a regime lays out its routing metadata.
+#[derive(Clone, Copy, Debug)]
+pub enum RouteLaunches<'a> {
+    /// One block walks every pair.
+    OneBlock(&'a str),
+    /// `blocks` blocks each take a slice of the pairs: `count` counts each slice's pairs per
+    /// expert, `place` sums the counts and places each slice from its own start in every
+    /// expert.
+    Blocks {
+        count: &'a str,
+        place: &'a str,
+        blocks: u32,
+    },
+}
+
 /// The entry points one forward call launches, in stream order.
 pub struct ForwardKernels<'a> {
-    pub route: &'a str,
+    pub route: RouteLaunches<'a>,
     pub gemm1: &'a str,
     pub gemm2: &'a str,
     pub combine: &'a str,
@@ -263,11 +288,81 @@ fn gemm2_rows_param(gemm: &GemmPlan) -> KernelParam {
     })
 }
 
-/// The launches of one forward call of a regime; with `expert_bias` the GEMMs take each
-/// expert's biases too; with `early_start` each may start before the previous one ends.
+/// The routing launches of a regime (`experts` routed, `gemm_experts` with the shared
+/// slices).
+fn route_launches(
+    route: RouteLaunches<'_>,
+    experts: u32,
+    gemm_experts: u32,
+    early_start: bool,
+) -> Vec<Launch> {
+    use BufferId::*;
+    use LaunchArg::*;
+    let (read, write) = (KernelParam::read, KernelParam::write);
+    let launch =
+        |kernel: &str, blocks: u32, static_smem_bytes: u32, params: Vec<KernelParam>| Launch {
+            kernel: kernel.to_string(),
+            grid: Grid::Fixed(blocks),
+            block_threads: ROUTE_THREADS,
+            smem_bytes: 0,
+            static_smem_bytes,
+            stream: StreamRole::Compute,
+            early_start,
+            params,
+        };
+    match route {
+        RouteLaunches::OneBlock(kernel) => vec![launch(
+            kernel,
+            1,
+            route_static_smem_bytes(gemm_experts),
+            vec![
+                read(TopkIds),
+                read(Tokens),
+                write(Workspace(ExpertOffsets)),
+                write(Workspace(RowPair)),
+                write(Workspace(ErrorWord)),
+            ],
+        )],
+        RouteLaunches::Blocks {
+            count,
+            place,
+            blocks,
+        } => vec![
+            launch(
+                count,
+                blocks,
+                route_count_static_smem_bytes(experts),
+                vec![
+                    read(TopkIds),
+                    read(Tokens),
+                    write(Workspace(RouteBlockCounts)),
+                    write(Workspace(ErrorWord)),
+                ],
+            ),
+            launch(
+                place,
+                blocks,
+                route_place_static_smem_bytes(gemm_experts),
+                vec![
+                    read(TopkIds),
+                    read(Tokens),
+                    read(Workspace(RouteBlockCounts)),
+                    write(Workspace(ExpertOffsets)),
+                    write(Workspace(RowPair)),
+                    write(Workspace(ErrorWord)),
+                ],
+            ),
+        ],
+    }
+}
+
+/// The launches of one forward call of a regime (`experts` routed, `gemm_experts` with
+/// the shared slices); with `expert_bias` the GEMMs take each expert's biases too; with
+/// `early_start` each may start before the previous one ends.
 pub fn launch_table(
     kernels: ForwardKernels<'_>,
     experts: u32,
+    gemm_experts: u32,
     expert_bias: bool,
     g1: &GemmPlan,
     g2: &GemmPlan,
@@ -277,23 +372,8 @@ pub fn launch_table(
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = |arg| expert_bias.then(|| read(arg));
-    vec![
-        Launch {
-            kernel: kernels.route.to_string(),
-            grid: Grid::Fixed(1),
-            block_threads: ROUTE_THREADS,
-            smem_bytes: 0,
-            static_smem_bytes: route_static_smem_bytes(experts),
-            stream: StreamRole::Compute,
-            early_start,
-            params: vec![
-                read(TopkIds),
-                read(Tokens),
-                write(Workspace(ExpertOffsets)),
-                write(Workspace(RowPair)),
-                write(Workspace(ErrorWord)),
-            ],
-        },
+    let mut launches = route_launches(kernels.route, experts, gemm_experts, early_start);
+    launches.extend([
         Launch {
             kernel: kernels.gemm1.to_string(),
             grid: Grid::Fixed(g1.grid_blocks),
@@ -341,5 +421,6 @@ pub fn launch_table(
             early_start,
             params: vec![read(Workspace(CombineSlots)), read(TopkIds), write(Y)],
         },
-    ]
+    ]);
+    launches
 }

@@ -50,8 +50,19 @@ pub fn static_smem_reserved(bytes: u32) -> u32 {
 const WGMMA_RING_ALIGN: u32 = 1024;
 /// Alignment of the dynamic shared memory the mma.sync ring starts at.
 const MMA_SYNC_RING_ALIGN: u32 = 128;
-/// Threads of the routing kernel (one block).
+/// Threads of a routing kernel's block.
 pub const ROUTE_THREADS: u32 = 1024;
+/// Pairs each block of the routing over several blocks takes, at a regime's largest call.
+pub const ROUTE_PAIRS_PER_BLOCK: u64 = 4096;
+/// Regimes whose largest call has more (token, k) pairs than this route over several
+/// blocks (count, then place: [`RouteLaunches::Blocks`]). One block's shared-memory atomics
+/// and scattered row stores took Qwen3-30B-A3B's route 37 µs at 4096 tokens and 138 µs at
+/// 16384 (Nsight Compute, one H200, 2026-11-30), against 11 µs at 1024; a second launch
+/// costs a few µs.
+pub const ROUTE_ONE_BLOCK_MAX_PAIRS: u64 = 16_384;
+// A fused router takes the place of the one-block route, so only regimes that route on one
+// block may fuse it.
+const _: () = assert!(router::ROUTER_FUSED_MAX_PAIRS <= ROUTE_ONE_BLOCK_MAX_PAIRS);
 /// Threads of the combine kernel (one block per token).
 pub const COMBINE_THREADS: u32 = 128;
 /// Largest number of experts the routing kernel's shared-memory tables hold.
@@ -69,8 +80,13 @@ pub struct Plan {
     pub layer: String,
     /// C identifier prefix of every generated entry point.
     pub symbol: String,
-    /// Entry point of the routing kernel (shared by every regime).
+    /// Entry point of the routing kernel of one block (regimes with few pairs; a fused
+    /// router takes its place in a self-routed call).
     pub route_kernel: String,
+    /// Entry points of the routing over several blocks (regimes with many pairs): count the
+    /// pairs per expert in each block's slice, then place them.
+    pub route_count_kernel: String,
+    pub route_place_kernel: String,
     /// Entry point of the combine kernel (shared by every regime).
     pub combine_kernel: String,
     pub target: Target,
@@ -184,6 +200,9 @@ pub enum BufferId {
     CombineSlots,
     /// i32 [4]: error code, token, k, offending value (first error of the call wins).
     ErrorWord,
+    /// i32 [route blocks, E]: the routing over several blocks' count of each block's pairs
+    /// per expert.
+    RouteBlockCounts,
     // Expert parallelism (per rank; "by peers" buffers are written by other ranks).
     /// i32 [R, max_tokens]: per destination, the local token in each send slot.
     SendSlots,
@@ -271,6 +290,7 @@ impl BufferId {
             BufferId::ExpertOffsets
             | BufferId::RowPair
             | BufferId::ErrorWord
+            | BufferId::RouteBlockCounts
             | BufferId::SendSlots
             | BufferId::SendCounts
             | BufferId::RecvSlot
@@ -315,6 +335,7 @@ impl BufferId {
             BufferId::Intermediate => "intermediate",
             BufferId::CombineSlots => "combine_slots",
             BufferId::ErrorWord => "error_word",
+            BufferId::RouteBlockCounts => "route_block_counts",
             BufferId::SendSlots => "send_slots",
             BufferId::SendCounts => "send_counts",
             BufferId::RecvX => "recv_x",
@@ -817,18 +838,33 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     let shape = LayerShape::of(layer);
     let symbol = c_identifier(&layer.name);
     let route_kernel = format!("{symbol}_route");
+    let route_count_kernel = format!("{symbol}_route_count");
+    let route_place_kernel = format!("{symbol}_route_place");
     let combine_kernel = format!("{symbol}_combine");
     let mut regimes = Vec::new();
     for choice in choose_regimes(layer, target, &shape, 1)? {
         let gemm1_kernel = format!("{symbol}_{}_gemm1", choice.name);
         let gemm2_kernel = format!("{symbol}_{}_gemm2", choice.name);
+        let route_blocks = route_blocks(
+            u64::from(choice.max_tokens) * u64::from(shape.top_k),
+            target,
+        );
         let launches = launch::launch_table(
             launch::ForwardKernels {
-                route: &route_kernel,
+                route: if route_blocks == 1 {
+                    launch::RouteLaunches::OneBlock(&route_kernel)
+                } else {
+                    launch::RouteLaunches::Blocks {
+                        count: &route_count_kernel,
+                        place: &route_place_kernel,
+                        blocks: route_blocks,
+                    }
+                },
                 gemm1: &gemm1_kernel,
                 gemm2: &gemm2_kernel,
                 combine: &combine_kernel,
             },
+            shape.experts,
             shape.gemm_experts(),
             shape.expert_bias,
             &choice.gemm1,
@@ -852,8 +888,14 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         .map(|r| (r.name.clone(), r.max_tokens))
         .collect();
     let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
+    let most_route_blocks = regimes
+        .iter()
+        .map(|r| route_blocks(u64::from(r.max_tokens) * u64::from(shape.top_k), target))
+        .max()
+        .unwrap_or(1);
     let workspace = workspace(
         &shape,
+        most_route_blocks,
         router
             .as_ref()
             .map(|router| router.tiles_done_len(regimes.iter().map(|r| r.max_tokens))),
@@ -923,6 +965,8 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         layer: layer.name.clone(),
         symbol,
         route_kernel,
+        route_count_kernel,
+        route_place_kernel,
         combine_kernel,
         target: target.clone(),
         shape,
@@ -934,10 +978,25 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     })
 }
 
-/// The device buffers a layer of this shape needs, sized for `max_tokens`; with a router
+/// Blocks of the routing launches of a regime whose largest call has `pairs` pairs: one up
+/// to [`ROUTE_ONE_BLOCK_MAX_PAIRS`], else one per [`ROUTE_PAIRS_PER_BLOCK`], at most one
+/// per SM.
+pub fn route_blocks(pairs: u64, target: &Target) -> u32 {
+    if pairs <= ROUTE_ONE_BLOCK_MAX_PAIRS {
+        1
+    } else {
+        let blocks = pairs
+            .div_ceil(ROUTE_PAIRS_PER_BLOCK)
+            .min(u64::from(target.sm_count));
+        u32::try_from(blocks).unwrap_or(target.sm_count).max(2)
+    }
+}
+
+/// The device buffers a layer of this shape needs, sized for `max_tokens`, with the counts
+/// of the routing over `route_blocks` blocks where that is more than one; with a router
 /// (whose largest call counts `router_tiles_done` token tiles, plus one), the router's
 /// logits, counters and choices too.
-fn workspace(shape: &LayerShape, router_tiles_done: Option<u32>) -> Vec<Buffer> {
+fn workspace(shape: &LayerShape, route_blocks: u32, router_tiles_done: Option<u32>) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
         Buffer {
@@ -971,6 +1030,15 @@ fn workspace(shape: &LayerShape, router_tiles_done: Option<u32>) -> Vec<Buffer> 
             purpose: "first kernel-side error of the call: code, token, k, value".into(),
         },
     ];
+    if route_blocks > 1 {
+        buffers.push(Buffer {
+            id: BufferId::RouteBlockCounts,
+            elem: BufferId::RouteBlockCounts.elem(),
+            elems: u64::from(route_blocks) * u64::from(shape.experts),
+            purpose: "per routing block, its pairs per expert (the routing over several blocks)"
+                .into(),
+        });
+    }
     if let Some(tiles_done) = router_tiles_done {
         buffers.extend([
             Buffer {
@@ -1003,6 +1071,14 @@ fn workspace(shape: &LayerShape, router_tiles_done: Option<u32>) -> Vec<Buffer> 
 }
 
 impl Plan {
+    /// Whether `kernel` lays out a single-GPU call's routing metadata: the one-block route,
+    /// or the count or place launch of the routing over several blocks.
+    pub fn is_route_kernel(&self, kernel: &str) -> bool {
+        kernel == self.route_kernel
+            || kernel == self.route_count_kernel
+            || kernel == self.route_place_kernel
+    }
+
     /// The regime that serves a call with `tokens` tokens (`None` above `max_tokens`).
     pub fn regime_for(&self, tokens: u32) -> Option<&Regime> {
         self.regime_index_for(tokens).map(|i| &self.regimes[i])

@@ -78,7 +78,26 @@ impl Plan {
             .router
             .as_ref()
             .map(|router| router.tiles_done_len(self.regimes.iter().map(|r| r.max_tokens)));
-        if self.workspace != workspace(shape, router_tiles_done) {
+        let route_blocks = self
+            .regimes
+            .iter()
+            .map(|regime| self.route_blocks_of(regime))
+            .collect::<Result<Vec<u32>, String>>()?;
+        if let Some(router) = &self.router {
+            let fused_on_blocks = router
+                .regimes
+                .iter()
+                .zip(&route_blocks)
+                .any(|(r, &blocks)| r.fused && blocks > 1);
+            if fused_on_blocks {
+                return Err(
+                    "a fused router replaces the one-block route launch, but its regime routes over several blocks"
+                        .into(),
+                );
+            }
+        }
+        let most_route_blocks = route_blocks.iter().copied().max().unwrap_or(1);
+        if self.workspace != workspace(shape, most_route_blocks, router_tiles_done) {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
         if let Some(router) = &self.router {
@@ -97,6 +116,30 @@ impl Plan {
             .map_err(|e| format!("expert-parallel: {e}"))?;
         }
         Ok(())
+    }
+
+    /// The blocks `regime` routes over: one launch of the one-block route kernel, or the
+    /// count and place launches over one grid of at least two blocks.
+    fn route_blocks_of(&self, regime: &Regime) -> Result<u32, String> {
+        let grid_of = |kernel: &str| {
+            regime
+                .launches
+                .iter()
+                .filter(|l| l.kernel == kernel)
+                .map(|l| l.grid)
+                .collect::<Vec<_>>()
+        };
+        let one_block = grid_of(&self.route_kernel);
+        let count = grid_of(&self.route_count_kernel);
+        let place = grid_of(&self.route_place_kernel);
+        match (one_block.as_slice(), count.as_slice(), place.as_slice()) {
+            ([Grid::Fixed(1)], [], []) => Ok(1),
+            ([], [Grid::Fixed(c)], [Grid::Fixed(p)]) if c == p && *c >= 2 => Ok(*c),
+            _ => Err(format!(
+                "regime `{}` must route with one launch of `{}` on one block, or `{}` then `{}` on one grid of several blocks",
+                regime.name, self.route_kernel, self.route_count_kernel, self.route_place_kernel
+            )),
+        }
     }
 
     fn check_expert_parallel(&self, ep: &ExpertParallelPlan) -> Result<(), String> {
