@@ -462,8 +462,8 @@ fn cluster_pairs_and_row_tiles_are_checked() {
     );
 }
 
-/// Qwen3-30B-A3B's prefill calls (up to 131072 pairs) route over several blocks, its
-/// smaller regimes on one: validation catches count and place launches on different grids,
+/// Qwen3-30B-A3B's prefill and mid calls (up to 131072 and 8192 pairs) route over several
+/// blocks, its decode calls (up to 2048) on one: validation catches count and place launches on different grids,
 /// a regime with neither routing, and a fused router (which replaces the one-block route)
 /// on a regime that routes over blocks.
 #[test]
@@ -496,12 +496,17 @@ fn routing_over_several_blocks_is_planned_and_checked() {
         vec![plan::Grid::Fixed(32)]
     );
     assert!(grids(top, &plan.route_kernel).is_empty());
-    for regime in &plan.regimes[..prefill] {
-        assert_eq!(
-            grids(regime, &plan.route_kernel),
-            vec![plan::Grid::Fixed(1)]
-        );
-    }
+    let decode = &plan.regimes[0];
+    assert_eq!(decode.max_tokens * 8, 2048, "Qwen3's decode regime");
+    assert_eq!(
+        grids(decode, &plan.route_kernel),
+        vec![plan::Grid::Fixed(1)]
+    );
+    assert_eq!(
+        grids(&plan.regimes[1], &plan.route_count_kernel),
+        vec![plan::Grid::Fixed(2)],
+        "the mid regime's 1024 tokens x 8 pairs"
+    );
     assert!(plan.is_route_kernel(&plan.route_place_kernel));
     assert!(!plan.is_route_kernel(&plan.combine_kernel));
 

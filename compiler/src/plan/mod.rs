@@ -55,11 +55,14 @@ pub const ROUTE_THREADS: u32 = 1024;
 /// Pairs each block of the routing over several blocks takes, at a regime's largest call.
 pub const ROUTE_PAIRS_PER_BLOCK: u64 = 4096;
 /// Regimes whose largest call has more (token, k) pairs than this route over several
-/// blocks (count, then place: [`RouteLaunches::Blocks`]). One block's shared-memory atomics
-/// and scattered row stores took Qwen3-30B-A3B's route 37 µs at 4096 tokens and 138 µs at
-/// 16384 (Nsight Compute, one H200, 2026-11-30), against 11 µs at 1024; a second launch
-/// costs a few µs.
-pub const ROUTE_ONE_BLOCK_MAX_PAIRS: u64 = 16_384;
+/// blocks (count, then place: [`launch::RouteLaunches::Blocks`]). One block's shared-memory
+/// atomics and scattered row stores took Qwen3-30B-A3B's route 11 µs at 1024 tokens, 37 µs
+/// at 4096 and 138 µs at 16384 (Nsight Compute, one H200, 2026-11-30). Over blocks, layer
+/// time measured (same device call, 4 rounds): Qwen3 −2.5% at 1024 tokens (8192 pairs, 2
+/// blocks), GPT-OSS −1.2% at 2048, DeepSeek-V3 −14.6% at 2048 (16384 pairs, 4 blocks:
+/// 7488 → 6397 µs; its kernels alone sum to 6.5-6.7 ms in both builds, so the one-block
+/// route cost the stream about 0.9 ms more than its 21 µs, not explained).
+pub const ROUTE_ONE_BLOCK_MAX_PAIRS: u64 = 4096;
 // A fused router takes the place of the one-block route, so only regimes that route on one
 // block may fuse it.
 const _: () = assert!(router::ROUTER_FUSED_MAX_PAIRS <= ROUTE_ONE_BLOCK_MAX_PAIRS);
