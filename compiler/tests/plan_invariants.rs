@@ -402,20 +402,23 @@ fn virtual_ranks_fit_one_block_per_sm() {
     }
 }
 
+/// The H200 plan of the shipped example `name`, validated.
+fn example_plan(name: &str) -> plan::Plan {
+    let path = format!("{}/../dsl-examples/{name}.moe", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
+    let plan = plan::plan(&module.layers[0], &Target::h200()).expect("the example plans");
+    plan.validate().expect("the plan is consistent");
+    plan
+}
+
 /// Mixtral-8x7B's plan, whose prefill GEMMs run in cluster pairs and whose GEMM2 loads its
 /// rows as tiles: validation catches a pair on the wrong engine, a weight box that is not
 /// the pair's half, a GEMM2 that stops loading tiles while its launch still passes them, and
 /// 16-byte epilogue stores asked of the mma.sync engine.
 #[test]
 fn cluster_pairs_and_row_tiles_are_checked() {
-    let path = format!(
-        "{}/../dsl-examples/mixtral_8x7b.moe",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let text = std::fs::read_to_string(&path).expect("the example exists");
-    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
-    let plan = plan::plan(&module.layers[0], &Target::h200()).expect("the example plans");
-    plan.validate().expect("the plan is consistent");
+    let plan = example_plan("mixtral_8x7b");
     let prefill = plan.regimes.len() - 1;
     let gemm2 = &plan.regimes[prefill].gemm2;
     assert_eq!(gemm2.cluster, 2, "Mixtral's prefill GEMM2 runs in pairs");
@@ -463,19 +466,12 @@ fn cluster_pairs_and_row_tiles_are_checked() {
 }
 
 /// Qwen3-30B-A3B's prefill and mid calls (up to 131072 and 8192 pairs) route over several
-/// blocks, its decode calls (up to 2048) on one: validation catches count and place launches on different grids,
-/// a regime with neither routing, and a fused router (which replaces the one-block route)
-/// on a regime that routes over blocks.
+/// blocks, its decode calls (up to 2048) on one: validation catches count and place
+/// launches on different grids, a regime with neither routing, and a fused router (which
+/// replaces the one-block route) on a regime that routes over blocks.
 #[test]
 fn routing_over_several_blocks_is_planned_and_checked() {
-    let path = format!(
-        "{}/../dsl-examples/qwen3_30b_a3b.moe",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let text = std::fs::read_to_string(&path).expect("the example exists");
-    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
-    let plan = plan::plan(&module.layers[0], &Target::h200()).expect("the example plans");
-    plan.validate().expect("the plan is consistent");
+    let plan = example_plan("qwen3_30b_a3b");
     let prefill = plan.regimes.len() - 1;
     let grids = |regime: &plan::Regime, kernel: &str| -> Vec<plan::Grid> {
         regime
