@@ -467,8 +467,9 @@ fn cluster_pairs_and_row_tiles_are_checked() {
 
 /// Qwen3-30B-A3B's prefill and mid calls (up to 131072 and 8192 pairs) route over several
 /// blocks, its decode calls (up to 2048) on one: validation catches count and place
-/// launches on different grids, a regime with neither routing, and a fused router (which
-/// replaces the one-block route) on a regime that routes over blocks.
+/// launches on different grids, place before count, blocks of other than the kernels'
+/// 1024 threads, a regime with neither routing, and a fused router (which replaces the
+/// one-block route) on a regime that routes over blocks.
 #[test]
 fn routing_over_several_blocks_is_planned_and_checked() {
     let plan = example_plan("qwen3_30b_a3b");
@@ -518,6 +519,17 @@ fn routing_over_several_blocks_is_planned_and_checked() {
         .expect_err("count and place on different grids")
         .to_string();
     assert!(refusal.contains("one grid of several blocks"), "{refusal}");
+
+    let mut swapped = plan.clone();
+    swapped.regimes[prefill].launches.swap(0, 1);
+    assert!(swapped.validate().is_err(), "place before count");
+
+    let mut narrow = plan.clone();
+    narrow.regimes[prefill].launches[0].block_threads = 512;
+    assert!(
+        narrow.validate().is_err(),
+        "a routing block narrower than the kernels' strides"
+    );
 
     let mut unrouted = plan.clone();
     let count = plan.route_count_kernel.clone();

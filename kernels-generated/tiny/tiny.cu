@@ -134,8 +134,9 @@ __device__ __forceinline__ float activate(float gate, float up) { return silu(ga
 // Routing: count (token, k) pairs per expert, derive each expert's first row, and write
 // the expert-major row order as each row's combine slot (token · SLOTS_PER_TOKEN + k).
 // The shared slices follow the routed experts, every token once each, in token order.
-// One block (the route kernel's, or in a self-routed call the router's last); no host
-// synchronisation. Row order inside an expert depends on atomic order,
+// route_pairs runs on one block (the route kernel's, or in a self-routed call the
+// router's last); regimes with many pairs use the count and place kernels further down
+// instead. No host synchronisation. Row order inside an expert depends on atomic order,
 // which changes no result: every row is computed the same way wherever it sits, and the
 // combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 //! The cuBLAS baseline: the unfused MoE pipeline a framework runs without moeforge.
-//! Routing metadata comes from the layer's own routing launch ([`MoeLayer::route`], from the
-//! plan's table; both sides need it); then the host reads the per-expert counts (a
+//! Routing metadata comes from the layer's own routing launches ([`MoeLayer::route`], from
+//! the plan's table; both sides need it); then the host reads the per-expert counts (a
 //! synchronisation, as such pipelines do), permutes the tokens, calls cuBLAS once per
 //! non-empty expert for each GEMM, applies SwiGLU, un-permutes with the routing weight and
 //! combines.

@@ -616,7 +616,9 @@ pub enum OutputStore {
     Pairs,
     /// The quad first trades words (four shuffles per four blocks), so that each lane stores
     /// one block's 8 columns (16 bytes) and a quad 64 consecutive bytes of the row; the
-    /// warp-specialised GEMM2, whose epilogue is one multiply per pair. Measured on one H200
+    /// warp-specialised GEMM2, whose epilogue is one multiply per pair (on the
+    /// expert-parallel path too, into the origin's combine slots: checked on virtual ranks,
+    /// not yet measured across GPUs). Measured on one H200
     /// (Nsight Compute, 2026-11-30): Qwen3-30B-A3B's GEMM2 836 → 717 µs at 16384 tokens
     /// and 135 → 116 µs at 1024, DeepSeek-V3's 2.76 → 2.62 ms at 4096. The gated GEMM1,
     /// whose epilogue is an activation per pair, got 2-6% slower with it, so it keeps pairs.
@@ -982,8 +984,8 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
 }
 
 /// Blocks of the routing launches of a regime whose largest call has `pairs` pairs: one up
-/// to [`ROUTE_ONE_BLOCK_MAX_PAIRS`], else one per [`ROUTE_PAIRS_PER_BLOCK`], at most one
-/// per SM.
+/// to [`ROUTE_ONE_BLOCK_MAX_PAIRS`], else one per [`ROUTE_PAIRS_PER_BLOCK`], at least two
+/// and at most one per SM (where the target has two or more).
 pub fn route_blocks(pairs: u64, target: &Target) -> u32 {
     if pairs <= ROUTE_ONE_BLOCK_MAX_PAIRS {
         1

@@ -15,8 +15,8 @@ use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, GemmPlan, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS,
-    MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, Regime, RegimeParts, RowLoad, SmemLayout,
-    TILE_K, c_identifier, workspace,
+    MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RowLoad,
+    SmemLayout, TILE_K, c_identifier, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -118,25 +118,36 @@ impl Plan {
         Ok(())
     }
 
-    /// The blocks `regime` routes over: one launch of the one-block route kernel, or the
-    /// count and place launches over one grid of at least two blocks.
+    /// The blocks `regime` routes over. Its launches must begin with the routing, of
+    /// [`ROUTE_THREADS`] threads per block (the kernels' strides), and no other launch may
+    /// be a routing one: the one-block route kernel, or the count then the place launch on
+    /// one grid of at least two blocks.
     fn route_blocks_of(&self, regime: &Regime) -> Result<u32, String> {
-        let grid_of = |kernel: &str| {
-            regime
-                .launches
-                .iter()
-                .filter(|l| l.kernel == kernel)
-                .map(|l| l.grid)
-                .collect::<Vec<_>>()
+        let routing = |launch: &super::Launch, kernel: &str| {
+            (launch.kernel == kernel && launch.block_threads == ROUTE_THREADS)
+                .then_some(launch.grid)
         };
-        let one_block = grid_of(&self.route_kernel);
-        let count = grid_of(&self.route_count_kernel);
-        let place = grid_of(&self.route_place_kernel);
-        match (one_block.as_slice(), count.as_slice(), place.as_slice()) {
-            ([Grid::Fixed(1)], [], []) => Ok(1),
-            ([], [Grid::Fixed(c)], [Grid::Fixed(p)]) if c == p && *c >= 2 => Ok(*c),
+        let first_two: Vec<&super::Launch> = regime.launches.iter().take(2).collect();
+        let blocks = match first_two.as_slice() {
+            [route, ..] if routing(route, &self.route_kernel) == Some(Grid::Fixed(1)) => Some(1),
+            [count, place] => match (
+                routing(count, &self.route_count_kernel),
+                routing(place, &self.route_place_kernel),
+            ) {
+                (Some(Grid::Fixed(c)), Some(Grid::Fixed(p))) if c == p && c >= 2 => Some(c),
+                _ => None,
+            },
+            _ => None,
+        };
+        let routing_launches = regime
+            .launches
+            .iter()
+            .filter(|l| self.is_route_kernel(&l.kernel))
+            .count();
+        match blocks {
+            Some(blocks) if routing_launches == if blocks == 1 { 1 } else { 2 } => Ok(blocks),
             _ => Err(format!(
-                "regime `{}` must route with one launch of `{}` on one block, or `{}` then `{}` on one grid of several blocks",
+                "regime `{}` must begin with one launch of `{}` on one block, or `{}` then `{}` on one grid of several blocks, of {ROUTE_THREADS} threads per block, and route nowhere else",
                 regime.name, self.route_kernel, self.route_count_kernel, self.route_place_kernel
             )),
         }
