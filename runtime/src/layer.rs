@@ -89,6 +89,12 @@ pub enum LayerError {
         id: i32,
         experts: u32,
     },
+    #[error("{var}={value:?} is not understood: expected {expected}")]
+    InvalidEnv {
+        var: &'static str,
+        value: String,
+        expected: &'static str,
+    },
     #[error("a kernel reported unknown error code {code} (details {details:?})")]
     UnknownKernelError { code: i32, details: [i32; 3] },
     #[error(
@@ -267,7 +273,24 @@ pub struct MoeLayer {
     gate: Option<GateWeights>,
     /// The tensor maps that launches pass (`Binding::TensorMap`).
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
+    /// Whether the launches the plan marks `early_start` start early; `MOEFORGE_EARLY_START=0`
+    /// launches them the ordinary way, to measure what starting early changes.
+    early_start: bool,
     _module: LoadedKernels,
+}
+
+/// `MOEFORGE_EARLY_START` through `lookup`: unset, empty or `1` lets the plan's early
+/// starts stand; `0` turns them off (the kernels' waits are then no-ops).
+fn early_start_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
+    match lookup("MOEFORGE_EARLY_START").as_deref() {
+        None | Some("") | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(other) => Err(LayerError::InvalidEnv {
+            var: "MOEFORGE_EARLY_START",
+            value: other.to_string(),
+            expected: "1 (the plan's early starts, the default) or 0 (none)",
+        }),
+    }
 }
 
 /// Where a kernel parameter's value comes from, resolved once in [`MoeLayer::new`].
@@ -484,6 +507,7 @@ impl MoeLayer {
     ) -> Result<Self, LayerError> {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
+        let early_start = early_start_from(|name| std::env::var(name).ok())?;
         let shape = &plan.shape;
         // The shared slices are experts of the grouped GEMMs too, after the routed ones.
         weights.check(shape, shape.gemm_experts())?;
@@ -548,8 +572,15 @@ impl MoeLayer {
             weights,
             gate,
             tensor_maps,
+            early_start,
             _module: module,
         })
+    }
+
+    /// Whether the launches the plan marks `early_start` start early (unless
+    /// `MOEFORGE_EARLY_START=0`).
+    pub fn starts_early(&self) -> bool {
+        self.early_start
     }
 
     /// Whether the layer can route its tokens itself: its spec has a router and it was
@@ -763,8 +794,16 @@ impl MoeLayer {
         // and checked the weights and gate, and `enqueue` checked every buffer of the call
         // to hold what the kernel indexes (the routed ids and weights are workspace buffers
         // of `max_tokens` rows).
-        unsafe { launch_with(stream, function, config, &values, launch.early_start) }
-            .context(format!("launching `{}`", launch.kernel))?;
+        unsafe {
+            launch_with(
+                stream,
+                function,
+                config,
+                &values,
+                launch.early_start && self.early_start,
+            )
+        }
+        .context(format!("launching `{}`", launch.kernel))?;
         Ok(())
     }
 
@@ -955,4 +994,30 @@ fn bind(
                 .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?,
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn early_start_is_on_unless_the_variable_says_0() {
+        let with = |value: Option<&str>| {
+            early_start_from(|name| {
+                assert_eq!(name, "MOEFORGE_EARLY_START");
+                value.map(str::to_string)
+            })
+        };
+        assert!(with(None).expect("unset"));
+        assert!(with(Some("")).expect("empty"));
+        assert!(with(Some("1")).expect("1"));
+        assert!(!with(Some("0")).expect("0"));
+        assert!(matches!(
+            with(Some("off")),
+            Err(LayerError::InvalidEnv {
+                var: "MOEFORGE_EARLY_START",
+                ..
+            })
+        ));
+    }
 }

@@ -158,6 +158,9 @@ pub fn run(args: &Args) -> ExitCode {
         routing_name(args.routing),
         args.iterations
     );
+    if !built.layer.starts_early() {
+        println!("note: MOEFORGE_EARLY_START=0: every kernel launched the ordinary way");
+    }
     println!("{}", header());
     let outcome = bench_layer(
         &session,
