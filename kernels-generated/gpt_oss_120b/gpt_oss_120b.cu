@@ -1521,35 +1521,29 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+        // This lane's first column of 8-column block j, and its pair of the row there, packed.
+        const auto column = [&](int j) { return t.n0 + j * 8 + (lane & 3) * 2; };
+        const auto pack = [&](const EpilogueRow& row, int j) {
+            const int c = j * 4 + half * 2;
+            const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+            const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+            return epilogue_pack<G>(row, column(j), acc[c], acc[c + 1], up0, up1);
+        };
         if constexpr (G::QUAD_STORES) {
             const bool stored = r < t.rows;
             // A row past the tile's is packed (and never stored) from row 0's sources.
             const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
             for (int group = 0; group < G::BN / 32; ++group) {
-                u32 words[4];
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    const int j = group * 4 + b;
-                    const int c = j * 4 + half * 2;
-                    const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
-                    const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-                    words[b] = epilogue_pack<G>(row, t.n0 + j * 8 + (lane & 3) * 2, acc[c], acc[c + 1], up0, up1);
-                }
-                const Vec16 block = quad_transpose(words[0], words[1], words[2], words[3]);
+                const Vec16 block = quad_transpose(pack(row, group * 4), pack(row, group * 4 + 1),
+                                                   pack(row, group * 4 + 2), pack(row, group * 4 + 3));
                 if (stored) *reinterpret_cast<Vec16*>(row.out + t.n0 + (group * 4 + (lane & 3)) * 8) = block;
             }
         } else {
             if (r >= t.rows) continue;
             const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
-            for (int j = 0; j < G::BN / 8; ++j) {
-                const int column = t.n0 + j * 8 + (lane & 3) * 2;
-                const int c = j * 4 + half * 2;
-                const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
-                const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-                epilogue_store<G>(row, column, acc[c], acc[c + 1], up0, up1);
-            }
+            for (int j = 0; j < G::BN / 8; ++j) *reinterpret_cast<u32*>(row.out + column(j)) = pack(row, j);
         }
     }
 }

@@ -960,6 +960,12 @@ fn bind(
     workspace: &[(BufferId, CudaSlice<u8>)],
     tensor_maps: &mut WeightTensorMaps<'_>,
 ) -> Result<Binding, LayerError> {
+    let slot = |id: BufferId| {
+        workspace
+            .iter()
+            .position(|(b, _)| *b == id)
+            .ok_or(LayerError::MissingWorkspace { buffer: id.name() })
+    };
     Ok(match arg {
         LaunchArg::X => Binding::X,
         LaunchArg::TopkIds => Binding::TopkIds,
@@ -979,20 +985,10 @@ fn bind(
             Binding::TensorMap(tensor_maps.position(arg)?)
         }
         LaunchArg::IntermediateTiles { .. } => {
-            let (_, memory) = workspace
-                .iter()
-                .find(|(b, _)| *b == BufferId::Intermediate)
-                .ok_or(LayerError::MissingWorkspace {
-                    buffer: BufferId::Intermediate.name(),
-                })?;
+            let memory = &workspace[slot(BufferId::Intermediate)?].1;
             Binding::TensorMap(tensor_maps.position_over_intermediate(arg, memory)?)
         }
-        LaunchArg::Workspace(id) => Binding::Workspace(
-            workspace
-                .iter()
-                .position(|(b, _)| *b == id)
-                .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?,
-        ),
+        LaunchArg::Workspace(id) => Binding::Workspace(slot(id)?),
     })
 }
 

@@ -580,6 +580,16 @@ impl GemmPlan {
         32 * (self.warps_m * self.warps_n + producer_warps)
     }
 
+    /// Whether this GEMM can run as a cluster pair: a warp-specialised tile of two consumer
+    /// warpgroups (128 rows), a persistent grid of whole pairs, and a weight panel that
+    /// splits into two boxes (gate and up, or halves on the swizzle's 8-row period).
+    pub fn can_pair(&self) -> bool {
+        self.engine == MmaEngine::WgmmaWarpSpecialized
+            && self.tile.m == 128
+            && self.grid_blocks.is_multiple_of(CLUSTER_PAIR)
+            && (self.b_rows > self.tile.n || self.tile.n.is_multiple_of(2 * 8))
+    }
+
     /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated
     /// GEMM1 loads gate and up rows, or when a cluster pair splits the panel between its
     /// blocks; one box otherwise.
@@ -847,6 +857,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     let route_place_kernel = format!("{symbol}_route_place");
     let combine_kernel = format!("{symbol}_combine");
     let mut regimes = Vec::new();
+    let mut most_route_blocks = 1;
     for choice in choose_regimes(layer, target, &shape, 1)? {
         let gemm1_kernel = format!("{symbol}_{}_gemm1", choice.name);
         let gemm2_kernel = format!("{symbol}_{}_gemm2", choice.name);
@@ -854,6 +865,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             u64::from(choice.max_tokens) * u64::from(shape.top_k),
             target,
         );
+        most_route_blocks = most_route_blocks.max(route_blocks);
         let launches = launch::launch_table(
             launch::ForwardKernels {
                 route: if route_blocks == 1 {
@@ -893,11 +905,6 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
         .map(|r| (r.name.clone(), r.max_tokens))
         .collect();
     let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
-    let most_route_blocks = regimes
-        .iter()
-        .map(|r| route_blocks(u64::from(r.max_tokens) * u64::from(shape.top_k), target))
-        .max()
-        .unwrap_or(1);
     let workspace = workspace(
         &shape,
         most_route_blocks,
@@ -1354,17 +1361,11 @@ fn shape_gemm(
     })
 }
 
-/// `gemm` as a cluster pair, where that can run: warp-specialised tiles (sm_90a, which has
-/// clusters) with two consumer warpgroups, on one GPU (the expert-parallel grids leave SMs
-/// to communication and need not pair up), a persistent grid of whole pairs, and a weight
-/// panel that splits into two boxes on the swizzle's 8-row period.
+/// `gemm` as a cluster pair, where that can run ([`GemmPlan::can_pair`], sm_90a, which has
+/// clusters) on one GPU (the expert-parallel grids leave SMs to communication and need not
+/// pair up).
 fn as_cluster_pair(problem: &GemmProblem, gemm: &GemmPlan) -> Option<GemmPlan> {
-    let pairs = gemm.engine == MmaEngine::WgmmaWarpSpecialized
-        && gemm.tile.m == 128
-        && problem.row_phases == 1
-        && gemm.grid_blocks.is_multiple_of(CLUSTER_PAIR)
-        && (problem.gated || gemm.tile.n.is_multiple_of(2 * 8));
-    pairs.then(|| GemmPlan {
+    (problem.row_phases == 1 && gemm.can_pair()).then(|| GemmPlan {
         cluster: CLUSTER_PAIR,
         ..gemm.clone()
     })

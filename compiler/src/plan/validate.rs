@@ -499,12 +499,7 @@ impl Plan {
         kernel: &str,
     ) -> Result<(), String> {
         let warp_specialized = gemm.engine == MmaEngine::WgmmaWarpSpecialized;
-        let pair_fits = gemm.cluster == 1
-            || (gemm.cluster == CLUSTER_PAIR
-                && warp_specialized
-                && gemm.tile.m == 128
-                && gemm.grid_blocks.is_multiple_of(CLUSTER_PAIR)
-                && (gemm.b_rows > gemm.tile.n || gemm.tile.n.is_multiple_of(2 * 8)));
+        let pair_fits = gemm.cluster == 1 || (gemm.cluster == CLUSTER_PAIR && gemm.can_pair());
         if !pair_fits {
             return Err(format!(
                 "`{kernel}` cannot run in clusters of {} blocks",
