@@ -95,96 +95,226 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
     return ep;
 }
 
-// Metadata: block b serves this rank's b-th destination in send order. It first waits
-// for the destination's credit: its arrange kernel of the previous call has consumed what
-// this rank wrote then (without this, a rank that sent nothing to a destination could run
-// a call ahead and overwrite its counts before they were read). Every token with an
-// expert there gets one send slot (it crosses once however many of its experts live
-// there); every such (token, k) pair gets a row of the destination's receive index. Then
-// the counts, then one release of this rank's metadata flag at the destination.
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.route.name }})
-extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }}(
-    {{ ep.route.params }}
-)
-{
-    __shared__ int s_count[LOCAL_EXPERTS];
-    __shared__ int s_slots;
-    static_assert(static_smem_reserved(sizeof(s_count) + sizeof(s_slots)) == EP_ROUTE_STATIC_SMEM_BYTES,
-                  "plan: metadata kernel's static shared memory");
-    const int destination = SEND_ORDER[rank][blockIdx.x];
+// Metadata: the call's tokens in tiles of META_TILE_TOKENS, block b taking tiles b, b + grid,
+// ... Every (token, destination) with an expert there gets a send slot (a token crosses once
+// however many of its experts live there); every valid (token, k) pair gets a row of its
+// expert's receive index at the destination. A tile counts its slots and rows in shared
+// memory, reserves them with one global atomic per destination and per expert it touches
+// (metadata_counters), stages its pairs sorted by expert and writes each expert's rows as
+// one run (so a warp's stores to a peer land side by side). The last block done writes
+// every destination's counts and releases this rank's metadata flag there. Before writing
+// to a destination, a block waits for its credit: the destination's arrange kernel of the
+// previous call has consumed what this rank wrote then (without this, a rank that sent
+// nothing to a destination could run a call ahead and overwrite its counts before they
+// were read).
+constexpr int META_TILE_TOKENS = {{ ep.meta_tile_tokens }};
+constexpr int META_TILE_PAIRS = META_TILE_TOKENS * TOP_K;
+constexpr u32 OWNER_BIT = 0x80000000u;                  // in a pair's slot: the first pair of its (token, destination)
+constexpr unsigned short NO_PAIR = 0xFFFFu;             // a pair's rank in its expert when its id is out of range
+// metadata_counters: rows per expert, slots per destination and blocks done (each back to
+// zero after a call), then the last epoch whose error word block 0 has cleared.
+constexpr int COUNTER_EXPERT_ROWS = 0, COUNTER_DESTINATION_SLOTS = EXPERTS, COUNTER_BLOCKS_DONE = EXPERTS + RANKS;
+constexpr int COUNTER_ERRORS_CLEARED = COUNTER_BLOCKS_DONE + 1;
+static_assert(META_TILE_PAIRS < NO_PAIR, "plan: a tile's pairs are counted in 16 bits");
+
+// Where this rank's receive index rows for `destination` go.
+struct ReceiveIndexRows {
+    int* slot;
+    int* pair;
+    float* weight;
+    size_t segment_stride;  // between local experts' segments
+};
+
+__device__ __forceinline__ ReceiveIndexRows receive_index_rows(const u64* peer_table, int rank, int destination{% if ep.network.is_some() %},
+                                                                int* net_send_slot, int* net_send_pair, float* net_send_weight{% endif %}) {
+    ReceiveIndexRows rows;
 {%- if ep.network.is_some() %}
     // A destination on another node gets this rank's part of its receive index through
     // NCCL: staged in this rank's outbox (reused only once the network stream has sent the
     // last call's, by stream order: no credit), then handed over by a ready flag.
     const int network_slot = NETWORK_SLOT[rank][destination];
-    const bool over_network = network_slot >= 0;
+    if (network_slot >= 0) {
+        const size_t base = (size_t)network_slot * LOCAL_EXPERTS * SEGMENT_ROWS;
+        rows.slot = net_send_slot + base;
+        rows.pair = net_send_pair + base;
+        rows.weight = net_send_weight + base;
+        rows.segment_stride = SEGMENT_ROWS;
+        return rows;
+    }
 {%- endif %}
-    // This kernel starts every call's communication: it clears the error word of the last.
-    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
-    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) s_count[e] = 0;
-    if (threadIdx.x == 0) {
-        s_slots = 0;
+    const size_t base = (size_t)rank * SEGMENT_ROWS;
+    rows.slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT) + base;
+    rows.pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR) + base;
+    rows.weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT) + base;
+    rows.segment_stride = (size_t)RANKS * SEGMENT_ROWS;
+    return rows;
+}
+
+// Where this rank's counts for `destination` go (rows per local expert, then tokens sent),
+// and the flag that hands them over.
+__device__ __forceinline__ int* receive_counts_at(const u64* peer_table, int rank, int destination{% if ep.network.is_some() %}, int* net_send_counts{% endif %}) {
 {%- if ep.network.is_some() %}
-        if (!over_network) wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
-{%- else %}
-        wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
+    const int network_slot = NETWORK_SLOT[rank][destination];
+    if (network_slot >= 0) return net_send_counts + network_slot * (LOCAL_EXPERTS + 1);
 {%- endif %}
+    return peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS) + rank * (LOCAL_EXPERTS + 1);
+}
+
+__device__ __forceinline__ u32* metadata_flag_at(const u64* peer_table, int rank, int destination{% if ep.network.is_some() %}, u32* net_ready{% endif %}) {
+{%- if ep.network.is_some() %}
+    const int network_slot = NETWORK_SLOT[rank][destination];
+    if (network_slot >= 0) return net_ready + network_slot * READY_STRIDE;
+{%- endif %}
+    return peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
+}
+
+// Block 0 clears the call's error word; another block reports an error only once it has
+// (a rare path: the wait is bounded like every other).
+__device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code, int a,
+                                                int b, int c) {
+    if (blockIdx.x != 0) {
+        const long long start = clock64();
+        while (!flag_reached(flag_load(errors_cleared), epoch) && clock64() - start < SPIN_LIMIT_CYCLES) {
+        }
+    }
+    report_error(error_word, code, a, b, c);
+}
+
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.route.name }})
+extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }}(
+    {{ ep.route.params }}
+)
+{
+    __shared__ int s_expert_rows[EXPERTS];       // the tile's pairs per expert
+    __shared__ int s_expert_start[EXPERTS + 1];  // where each expert's pairs start in s_staged
+    __shared__ int s_expert_base[EXPERTS];       // the tile's first row in each expert's segment
+    __shared__ int s_destination_slots[RANKS];   // the tile's tokens per destination
+    __shared__ int s_destination_base[RANKS];    // the tile's first send slot per destination
+    __shared__ u32 s_pair_slot[META_TILE_PAIRS];             // tile-local slot, OWNER_BIT on its first pair
+    __shared__ unsigned short s_pair_rank[META_TILE_PAIRS];  // rank among the tile's pairs of its expert
+    __shared__ unsigned short s_staged[META_TILE_PAIRS];     // the tile's pairs sorted by expert
+    __shared__ int s_last_block;
+    static_assert(static_smem_reserved(sizeof(s_expert_rows) + sizeof(s_expert_start) + sizeof(s_expert_base) +
+                                       sizeof(s_destination_slots) + sizeof(s_destination_base) +
+                                       sizeof(s_pair_slot) + sizeof(s_pair_rank) + sizeof(s_staged) +
+                                       sizeof(s_last_block)) == EP_ROUTE_STATIC_SMEM_BYTES,
+                  "plan: metadata kernel's static shared memory");
+    u32* const expert_rows = metadata_counters + COUNTER_EXPERT_ROWS;
+    u32* const destination_slots = metadata_counters + COUNTER_DESTINATION_SLOTS;
+    u32* const errors_cleared = metadata_counters + COUNTER_ERRORS_CLEARED;
+    // This kernel starts every call's communication: block 0 clears the error word of the last.
+    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int destination = threadIdx.x; destination < RANKS; destination += META_THREADS) {
+{%- if ep.network.is_some() %}
+        if (NETWORK_SLOT[rank][destination] >= 0) continue;
+{%- endif %}
+        wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
     }
     __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) flag_store(errors_cleared, epoch);
 
-    // This rank's segment of local expert e's receive index at the destination starts at
-    // e * segment_stride of each array; its counts are LOCAL_EXPERTS + 1 ints.
-{%- if ep.network.is_some() %}
-    const size_t index_base = over_network ? (size_t)network_slot * LOCAL_EXPERTS * SEGMENT_ROWS : (size_t)rank * SEGMENT_ROWS;
-    const size_t segment_stride = over_network ? (size_t)SEGMENT_ROWS : (size_t)RANKS * SEGMENT_ROWS;
-    int* recv_slot = (over_network ? net_send_slot : peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT)) + index_base;
-    int* recv_pair = (over_network ? net_send_pair : peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR)) + index_base;
-    float* recv_weight =
-        (over_network ? net_send_weight : peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT)) + index_base;
-    int* recv_counts = over_network ? net_send_counts + network_slot * (LOCAL_EXPERTS + 1)
-                                    : peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS) + rank * (LOCAL_EXPERTS + 1);
-    u32* metadata_flag = over_network ? net_ready + network_slot * READY_STRIDE
-                                      : peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
-{%- else %}
-    const size_t segment_stride = (size_t)RANKS * SEGMENT_ROWS;
-    int* recv_slot = peer_buffer<int>(peer_table, destination, PEER_RECV_SLOT) + (size_t)rank * SEGMENT_ROWS;
-    int* recv_pair = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR) + (size_t)rank * SEGMENT_ROWS;
-    float* recv_weight = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT) + (size_t)rank * SEGMENT_ROWS;
-    int* recv_counts = peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS) + rank * (LOCAL_EXPERTS + 1);
-    u32* metadata_flag = peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
-{%- endif %}
-    const int first_expert = destination * LOCAL_EXPERTS;
-    for (int token = threadIdx.x; token < tokens; token += META_THREADS) {
-        int hits = 0;
-        for (int k = 0; k < TOP_K; ++k) {
-            const int expert = topk_ids[token * TOP_K + k];
-            if ((unsigned)expert >= (unsigned)EXPERTS) {
-                if (blockIdx.x == 0) report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, token, k, expert);
-            } else if (expert / LOCAL_EXPERTS == destination) {
-                ++hits;
+    const int tiles = (tokens + META_TILE_TOKENS - 1) / META_TILE_TOKENS;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int first_token = tile * META_TILE_TOKENS;
+        const int tile_pairs = min(META_TILE_TOKENS, tokens - first_token) * TOP_K;
+        const int* tile_ids = topk_ids + (size_t)first_token * TOP_K;
+        for (int e = threadIdx.x; e < EXPERTS; e += META_THREADS) s_expert_rows[e] = 0;
+        for (int d = threadIdx.x; d < RANKS; d += META_THREADS) s_destination_slots[d] = 0;
+        __syncthreads();
+        // Count, a thread per token: its slot per destination, each pair's rank in its expert.
+        for (int t = threadIdx.x; t * TOP_K < tile_pairs; t += META_THREADS) {
+            int destination_of[TOP_K];
+            u32 slot_of[TOP_K];
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k) {
+                const int pair = t * TOP_K + k;
+                const int expert = tile_ids[pair];
+                destination_of[k] = -1;
+                slot_of[k] = 0;
+                if ((unsigned)expert >= (unsigned)EXPERTS) {
+                    report_after_clear(error_word, errors_cleared, epoch, ERROR_EXPERT_ID_OUT_OF_RANGE, first_token + t, k,
+                                       expert);
+                    s_pair_rank[pair] = NO_PAIR;
+                    continue;
+                }
+                const int destination = expert / LOCAL_EXPERTS;
+                bool first = true;
+#pragma unroll
+                for (int j = 0; j < k; ++j) {
+                    if (first && destination_of[j] == destination) {
+                        slot_of[k] = slot_of[j] & ~OWNER_BIT;
+                        first = false;
+                    }
+                }
+                if (first) slot_of[k] = (u32)atomicAdd(&s_destination_slots[destination], 1) | OWNER_BIT;
+                destination_of[k] = destination;
+                s_pair_slot[pair] = slot_of[k];
+                s_pair_rank[pair] = (unsigned short)atomicAdd(&s_expert_rows[expert], 1);
             }
         }
-        if (hits == 0) continue;
-        const int slot = atomicAdd(&s_slots, 1);
-        send_slots[destination * MAX_TOKENS + slot] = token;
-        for (int k = 0; k < TOP_K; ++k) {
-            const int expert = topk_ids[token * TOP_K + k];
-            if ((unsigned)expert >= (unsigned)EXPERTS || expert / LOCAL_EXPERTS != destination) continue;
-            const int local = expert - first_expert;
-            const size_t row = (size_t)local * segment_stride + atomicAdd(&s_count[local], 1);
-            recv_slot[row] = slot;
-            recv_pair[row] = token * SLOTS_PER_TOKEN + k;
-            recv_weight[row] = topk_weights[token * TOP_K + k];
+        __syncthreads();
+        // Reserve the tile's rows and slots; lay its pairs out by expert.
+        if (threadIdx.x < 32) warp_exclusive_scan(EXPERTS, [&](int e) { return s_expert_rows[e]; }, s_expert_start);
+        for (int e = threadIdx.x; e < EXPERTS; e += META_THREADS) {
+            if (s_expert_rows[e] > 0) s_expert_base[e] = (int)atomicAdd(expert_rows + e, (u32)s_expert_rows[e]);
         }
+        for (int d = threadIdx.x; d < RANKS; d += META_THREADS) {
+            if (s_destination_slots[d] > 0) {
+                s_destination_base[d] = (int)atomicAdd(destination_slots + d, (u32)s_destination_slots[d]);
+            }
+        }
+        __syncthreads();
+        for (int pair = threadIdx.x; pair < tile_pairs; pair += META_THREADS) {
+            const unsigned short rank_in_expert = s_pair_rank[pair];
+            if (rank_in_expert == NO_PAIR) continue;
+            const int expert = tile_ids[pair];
+            s_staged[s_expert_start[expert] + rank_in_expert] = (unsigned short)pair;
+            const u32 slot = s_pair_slot[pair];
+            if (slot & OWNER_BIT) {
+                const int destination = expert / LOCAL_EXPERTS;
+                send_slots[destination * MAX_TOKENS + s_destination_base[destination] + (slot & ~OWNER_BIT)] =
+                    first_token + pair / TOP_K;
+            }
+        }
+        __syncthreads();
+        // Write: consecutive staged pairs of an expert are consecutive rows of its segment.
+        for (int i = threadIdx.x; i < s_expert_start[EXPERTS]; i += META_THREADS) {
+            const int pair = s_staged[i];
+            const int expert = tile_ids[pair];
+            const int destination = expert / LOCAL_EXPERTS;
+            const ReceiveIndexRows index = receive_index_rows(peer_table, rank, destination{% if ep.network.is_some() %}, net_send_slot, net_send_pair, net_send_weight{% endif %});
+            const size_t row = (size_t)(expert - destination * LOCAL_EXPERTS) * index.segment_stride +
+                               s_expert_base[expert] + (i - s_expert_start[expert]);
+            index.slot[row] = s_destination_base[destination] + (int)(s_pair_slot[pair] & ~OWNER_BIT);
+            index.pair[row] = (first_token + pair / TOP_K) * SLOTS_PER_TOKEN + pair % TOP_K;
+            index.weight[row] = topk_weights[(size_t)first_token * TOP_K + pair];
+        }
+        __syncthreads();  // the next tile reuses the shared arrays
+    }
+
+    // The last block done (every block's rows ordered before its count by its fence) writes
+    // the counts, takes the counters back to zero and releases each destination's flag.
+    if (threadIdx.x == 0) {
+        fence_flags();
+        s_last_block = atomicAdd(metadata_counters + COUNTER_BLOCKS_DONE, 1u) == gridDim.x - 1;
+        if (s_last_block) fence_flags();
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < LOCAL_EXPERTS; e += META_THREADS) recv_counts[e] = s_count[e];
-    if (threadIdx.x == 0) {
-        recv_counts[LOCAL_EXPERTS] = s_slots;
-        send_counts[destination] = s_slots;
+    if (!s_last_block) return;
+    for (int e = threadIdx.x; e < EXPERTS; e += META_THREADS) {
+        const int destination = e / LOCAL_EXPERTS, local = e - destination * LOCAL_EXPERTS;
+        const int rows = (int)atomicExch(expert_rows + e, 0u);
+        receive_counts_at(peer_table, rank, destination{% if ep.network.is_some() %}, net_send_counts{% endif %})[local] = rows;
     }
-    __syncthreads();  // every write of the block is done before the release
-    if (threadIdx.x == 0) {
+    for (int destination = threadIdx.x; destination < RANKS; destination += META_THREADS) {
+        const int slots = (int)atomicExch(destination_slots + destination, 0u);
+        receive_counts_at(peer_table, rank, destination{% if ep.network.is_some() %}, net_send_counts{% endif %})[LOCAL_EXPERTS] = slots;
+        send_counts[destination] = slots;
+    }
+    if (threadIdx.x == 0) metadata_counters[COUNTER_BLOCKS_DONE] = 0;
+    __syncthreads();  // every count is written before the releases
+    for (int destination = threadIdx.x; destination < RANKS; destination += META_THREADS) {
+        u32* metadata_flag = metadata_flag_at(peer_table, rank, destination{% if ep.network.is_some() %}, net_ready{% endif %});
         fence_flags();
         flag_store(metadata_flag, epoch);
     }

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::baseline::{BaselineError, CublasBaseline};
 use crate::bf16;
-use crate::ep::{EpLayer, GemmStageSplit, StageMarks, StageTimes};
+use crate::ep::{DispatchStageSplit, EpLayer, GemmStageSplit, StageMarks, StageTimes};
 use crate::gpu::{DriverContext, GpuError};
 use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
 use crate::layer::{ForwardArgs, RoutedForwardArgs};
@@ -407,6 +407,8 @@ pub struct ExpertParallelRow {
     /// The stages of bulk-synchronous calls, each alone (CUDA events on rank 0 after
     /// barriers of every rank; mean over the marked calls).
     pub stages: StageTimes,
+    /// Rank 0's dispatch stage kernel by kernel (same calls, mean).
+    pub dispatch_split: DispatchStageSplit,
     /// Rank 0's GEMM stage kernel by kernel (same calls, mean).
     pub gemm_split: GemmStageSplit,
     /// Baseline (b), on real GPUs when NCCL loads: NCCL all-to-all, moeforge's single-GPU
@@ -490,6 +492,7 @@ pub fn bench_expert_parallel(
         let bulk_synchronous_us = per_call_us(ep, Schedule::BulkSynchronous)?;
         let marks = StageMarks::new(ep)?;
         let mut stages = StageTimes::default();
+        let mut dispatch_split = DispatchStageSplit::default();
         let mut gemm_split = GemmStageSplit::default();
         let share = 1.0 / MARKED_CALLS as f64;
         for _ in 0..MARKED_CALLS {
@@ -498,6 +501,9 @@ pub fn bench_expert_parallel(
             stages.dispatch_us += t.dispatch_us * share;
             stages.gemm_us += t.gemm_us * share;
             stages.combine_us += t.combine_us * share;
+            let split = marks.dispatch_split()?;
+            dispatch_split.metadata_us += split.metadata_us * share;
+            dispatch_split.rows_us += split.rows_us * share;
             let split = marks.gemm_split()?;
             gemm_split.arrange_us += split.arrange_us * share;
             gemm_split.gemm1_us += split.gemm1_us * share;
@@ -563,6 +569,7 @@ pub fn bench_expert_parallel(
             floor_us: busiest_rank_floor_us(&shape, &workloads, ranks, &built.layer.plan().target),
             bulk_synchronous_us,
             stages,
+            dispatch_split,
             gemm_split,
             nccl_us,
             nccl_stages,

@@ -484,10 +484,21 @@ impl EpLayer {
         barrier(&compute, &comm)?;
         mark(marks, 0, &comm[0])?;
         for (r, a) in args.iter_mut().enumerate() {
-            self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
+            if r == 0 && marks.is_some() {
+                // Rank 0's metadata, then its token rows, each followed by a mark.
+                let route = &self.ep.route_kernel;
+                self.enqueue(r, a, regimes[r], |l| &l.kernel == route)?;
+                mark(marks, 1, &comm[0])?;
+                self.enqueue(r, a, regimes[r], |l| {
+                    l.stream == StreamRole::Comm && &l.kernel != route
+                })?;
+                mark(marks, 2, &comm[0])?;
+            } else {
+                self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
+            }
         }
         barrier(&comm, &compute)?;
-        mark(marks, 1, &compute[0])?;
+        mark(marks, 3, &compute[0])?;
         for (r, a) in args.iter_mut().enumerate() {
             let regime = &self.ep.regimes[regimes[r]];
             // Rank 0's arrange, GEMM1 and GEMM2 one at a time, each followed by a mark.
@@ -500,7 +511,7 @@ impl EpLayer {
                 for (step, chosen) in steps.iter().enumerate() {
                     self.enqueue(r, a, regimes[r], chosen)?;
                     if step < 2 {
-                        mark(marks, 2 + step, &compute[0])?;
+                        mark(marks, 4 + step, &compute[0])?;
                     }
                 }
             } else {
@@ -510,13 +521,13 @@ impl EpLayer {
             }
         }
         barrier(&compute, &compute)?;
-        mark(marks, 4, &compute[0])?;
+        mark(marks, 6, &compute[0])?;
         for (r, a) in args.iter_mut().enumerate() {
             self.enqueue(r, a, regimes[r], |l| l.kernel == combine)?;
         }
         if marks.is_some() {
             barrier(&compute, &compute[..1])?;
-            mark(marks, 5, &compute[0])?;
+            mark(marks, 7, &compute[0])?;
         }
         Ok(())
     }
@@ -919,11 +930,13 @@ fn mark(marks: Option<&StageMarks>, index: usize, stream: &CudaStream) -> Result
 }
 
 /// Timing events of one bulk-synchronous call on rank 0, each after a barrier of every
-/// rank (start, dispatch done, GEMMs done, combine done) or after one of rank 0's compute
-/// kernels (arrange done, GEMM1 done).
+/// rank (start, dispatch done, GEMMs done, combine done) or after one of rank 0's kernels
+/// (metadata done, token rows sent, arrange done, GEMM1 done).
 pub struct StageMarks {
-    events: [CudaEvent; 6],
+    events: Vec<CudaEvent>,
 }
+
+const STAGE_MARKS: usize = 8;
 
 /// The stages of one bulk-synchronous call, in µs, across all ranks.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
@@ -934,6 +947,16 @@ pub struct StageTimes {
     pub gemm_us: f64,
     /// The reduce at the origin.
     pub combine_us: f64,
+}
+
+/// Rank 0's part of the dispatch stage of one bulk-synchronous call, kernel by kernel, in
+/// µs: what the stage's barrier adds is the rest of the stage.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct DispatchStageSplit {
+    /// The metadata kernel (counts and receive index to every destination).
+    pub metadata_us: f64,
+    /// The token rows to every peer.
+    pub rows_us: f64,
 }
 
 /// Rank 0's part of the GEMM stage of one bulk-synchronous call, kernel by kernel, in µs.
@@ -954,7 +977,9 @@ impl StageMarks {
                 .context("creating a timing event")
         };
         Ok(StageMarks {
-            events: [event()?, event()?, event()?, event()?, event()?, event()?],
+            events: (0..STAGE_MARKS)
+                .map(|_| event())
+                .collect::<Result<_, _>>()?,
         })
     }
 
@@ -969,18 +994,26 @@ impl StageMarks {
     /// The stage times of the call that recorded these marks (waits for it).
     pub fn times(&self) -> Result<StageTimes, LayerError> {
         Ok(StageTimes {
-            dispatch_us: self.us(0, 1)?,
-            gemm_us: self.us(1, 4)?,
-            combine_us: self.us(4, 5)?,
+            dispatch_us: self.us(0, 3)?,
+            gemm_us: self.us(3, 6)?,
+            combine_us: self.us(6, 7)?,
+        })
+    }
+
+    /// Rank 0's dispatch stage of the call that recorded these marks, kernel by kernel.
+    pub fn dispatch_split(&self) -> Result<DispatchStageSplit, LayerError> {
+        Ok(DispatchStageSplit {
+            metadata_us: self.us(0, 1)?,
+            rows_us: self.us(1, 2)?,
         })
     }
 
     /// Rank 0's GEMM stage of the call that recorded these marks, kernel by kernel.
     pub fn gemm_split(&self) -> Result<GemmStageSplit, LayerError> {
         Ok(GemmStageSplit {
-            arrange_us: self.us(1, 2)?,
-            gemm1_us: self.us(2, 3)?,
-            gemm2_us: self.us(3, 4)?,
+            arrange_us: self.us(3, 4)?,
+            gemm1_us: self.us(4, 5)?,
+            gemm2_us: self.us(5, 6)?,
         })
     }
 }

@@ -174,6 +174,7 @@ const EP_ROUTE_USES: &[&str] = &[
     "peer_table",
     "error_word",
     "credits",
+    "metadata_counters",
 ];
 const EP_DISPATCH_USES: &[&str] = &[
     "x",
@@ -298,6 +299,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::ChunkFlags => "[RANKS, CHUNKS], written by peers",
             BufferId::ChunkPieces => "[RANKS, CHUNKS]: pieces of each chunk copied",
             BufferId::ArrangeBlocksDone => "[1]: arrange blocks done with the receive index",
+            BufferId::MetadataCounters => {
+                "[EXPERTS + RANKS + 2]: rows and slots reserved, blocks done, errors cleared"
+            }
             BufferId::RowOrigins => "[rows]: rank each row came from",
             BufferId::SegmentOffsets => {
                 "[LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run"
@@ -782,6 +786,7 @@ struct EpUnit {
     piece: u32,
     comm_threads: u32,
     meta_threads: u32,
+    meta_tile_tokens: u32,
     peer_buffers: Vec<PeerBufferUnit>,
     send_order: String,
     receive_order: String,
@@ -846,6 +851,7 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
         piece: ep.dispatch_piece,
         comm_threads: COMM_THREADS,
         meta_threads: META_THREADS,
+        meta_tile_tokens: ep.metadata_tile_tokens,
         peer_buffers: ep
             .peer_buffers
             .iter()

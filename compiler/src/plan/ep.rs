@@ -109,6 +109,9 @@ pub struct ExpertParallelPlan {
     /// The buffers peers write, in the order of each rank's row of the peer table.
     pub peer_buffers: Vec<BufferId>,
     /// Entry points shared by every regime.
+    /// Tokens per tile of the metadata kernel: each tile's (token, k) pairs are counted,
+    /// reserved and staged in the block's shared memory (see [`METADATA_TILE_PAIRS`]).
+    pub metadata_tile_tokens: u32,
     pub route_kernel: String,
     pub dispatch_kernel: String,
     pub arrange_kernel: String,
@@ -159,7 +162,7 @@ pub struct ExpertParallelRegime {
     /// Dispatch blocks of this regime (at most the plan's `comm_blocks`), and why.
     pub comm_blocks: u32,
     pub comm_reason: String,
-    /// SMs its compute kernels fill: the rank's SMs less `max(comm_blocks, R)`.
+    /// SMs its compute kernels fill: the rank's SMs less `comm_blocks`.
     pub compute_sms: u32,
     /// The launches of one call on one rank, in order per stream.
     pub launches: Vec<Launch>,
@@ -169,11 +172,12 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 9] = [
+pub const EXCHANGE_STATE: [BufferId; 10] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
     BufferId::ArrangeBlocksDone,
+    BufferId::MetadataCounters,
     BufferId::CombineCounters,
     BufferId::Credits,
     BufferId::ErrorWord,
@@ -197,6 +201,10 @@ pub const PEER_BUFFERS: [BufferId; 10] = [
 
 /// Threads of a block of the metadata and arrange kernels.
 pub const META_THREADS: u32 = 512;
+/// The most (token, k) pairs of a metadata tile: its shared arrays hold 8 bytes per pair, so
+/// 2048 pairs take 16 KB, and a tile's rows per expert are long enough runs to write side
+/// by side (8 per expert at DeepSeek-V3's 256 experts and 8 choices).
+pub const METADATA_TILE_PAIRS: u32 = 2048;
 /// Combine blocks per compute SM on a rank's own GPU (persistent, looping over tokens).
 /// Virtual ranks use one per compute SM: see [`residency`].
 const COMBINE_BLOCKS_PER_SM: u32 = 4;
@@ -323,8 +331,8 @@ pub fn plan_expert_parallel(
     let one_per_sm = placement == Placement::Virtual || network.is_some();
     // NCCL's kernels need SMs of their own: GEMM1 blocks may spin until a transfer lands.
     let nccl_sms = network.as_ref().map_or(0, |n| n.nccl_ctas);
-    // The metadata kernel runs one block per destination on the communication stream.
-    let comm_slots = comm_blocks.max(ranks);
+    // The metadata kernel runs on at most as many blocks as the dispatch, before it.
+    let comm_slots = comm_blocks;
     let compute_sms = sms_per_rank.saturating_sub(comm_slots + nccl_sms).max(1);
     let residency = residency(
         placement,
@@ -348,7 +356,10 @@ pub fn plan_expert_parallel(
             + u64::from(max_tokens) * u64::from(shape.shared_slices);
     let sizes = Sizes {
         ranks,
+        experts: layer.experts,
         experts_per_rank,
+        top_k: layer.top_k,
+        metadata_tile_tokens: (METADATA_TILE_PAIRS / layer.top_k).max(1),
         shared_slices: shape.shared_slices,
         slots: max_tokens,
         chunks: chunks_per_source,
@@ -378,7 +389,7 @@ pub fn plan_expert_parallel(
     let regime = |choice: &RegimeChoice, name: String, tokens: [u32; 2], comm: (u32, String)| {
         let (regime_comm_blocks, comm_reason) = comm;
         let compute_sms = sms_per_rank
-            .saturating_sub(regime_comm_blocks.max(ranks) + nccl_sms)
+            .saturating_sub(regime_comm_blocks + nccl_sms)
             .max(1);
         let (mut gemm1, mut gemm2) = (choice.gemm1.clone(), choice.gemm2.clone());
         for (gemm, problem) in [(&mut gemm1, &gemm1_problem), (&mut gemm2, &gemm2_problem)] {
@@ -399,6 +410,9 @@ pub fn plan_expert_parallel(
             &sizes,
             network.is_some(),
             &KernelBlocks {
+                metadata: tokens[1]
+                    .div_ceil(sizes.metadata_tile_tokens)
+                    .clamp(1, regime_comm_blocks.max(1)),
                 dispatch: regime_comm_blocks,
                 arrange: compute_blocks(one_per_sm, compute_sms, 1),
                 combine: compute_blocks(one_per_sm, compute_sms, COMBINE_BLOCKS_PER_SM),
@@ -488,6 +502,7 @@ pub fn plan_expert_parallel(
         workspace: workspace(shape, &sizes, network.as_ref()),
         network,
         peer_buffers: PEER_BUFFERS.to_vec(),
+        metadata_tile_tokens: sizes.metadata_tile_tokens,
         route_kernel,
         dispatch_kernel,
         arrange_kernel,
@@ -499,7 +514,10 @@ pub fn plan_expert_parallel(
 /// The sizes the expert-parallel buffers are made of.
 struct Sizes {
     ranks: u32,
+    experts: u32,
     experts_per_rank: u32,
+    top_k: u32,
+    metadata_tile_tokens: u32,
     /// The shared experts' slices, which every rank runs on its own tokens.
     shared_slices: u32,
     slots: u32,
@@ -573,6 +591,11 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
             BufferId::ArrangeBlocksDone,
             1,
             "arrange blocks done with this call's receive index",
+        ),
+        buffer(
+            BufferId::MetadataCounters,
+            u64::from(shape.experts) + r + 2,
+            "metadata rows per expert, slots per destination, blocks done, errors cleared",
         ),
         buffer(
             BufferId::SegmentOffsets,
@@ -894,13 +917,24 @@ fn network_orders(network: &NetworkPlan, ranks: u32) -> (Vec<Vec<u32>>, Vec<Vec<
     (send_order, receive_order)
 }
 
-/// Grids of the kernels besides metadata (one block per destination) and the GEMMs.
+/// Grids of the kernels besides the GEMMs.
 struct KernelBlocks {
+    /// A block per metadata tile of the regime's largest call, at most one per dispatch
+    /// block.
+    metadata: u32,
     dispatch: u32,
     /// One block per compute SM: the layout of a call's rows is a short kernel between
     /// the metadata and GEMM1, so it takes every SM the GEMMs will.
     arrange: u32,
     combine: u32,
+}
+
+/// The metadata kernel's shared arrays: per expert its tile rows, start and base (the
+/// start one longer), per destination its tile slots and base, per pair a slot (4 bytes),
+/// a rank and a staged index (2 bytes each), and the last-block flag.
+fn metadata_static_smem(sizes: &Sizes) -> u32 {
+    let pairs = sizes.metadata_tile_tokens * sizes.top_k;
+    static_smem_reserved(4 * (3 * sizes.experts + 1) + 8 * sizes.ranks + 8 * pairs + 4)
 }
 
 /// The parameters a kernel takes only when ranks live on several nodes.
@@ -937,10 +971,10 @@ fn launch_table(
     vec![
         launch(
             route,
-            sizes.ranks,
+            blocks.metadata,
             META_THREADS,
             StreamRole::Comm,
-            static_smem_reserved(4 * (sizes.experts_per_rank + 1)),
+            metadata_static_smem(sizes),
             0,
             vec![
                 read(TopkIds),
@@ -953,6 +987,7 @@ fn launch_table(
                 read(Workspace(PeerTable)),
                 write(Workspace(ErrorWord)),
                 shared(Workspace(Credits)),
+                write(Workspace(MetadataCounters)),
             ]
             .into_iter()
             .chain(network_params(

@@ -235,6 +235,10 @@ pub enum BufferId {
     /// u32 [1]: blocks of the arrange kernel done with this call's receive index (the last
     /// one returns the sources' credits and puts the count back to zero).
     ArrangeBlocksDone,
+    /// u32 [E + R + 2]: the metadata kernel's rows reserved per expert and send slots per
+    /// destination in this call, its blocks done (the last block publishes the counts and
+    /// puts all three back to zero), then the last epoch whose error word it cleared.
+    MetadataCounters,
     /// i32 [rows]: per GEMM row, the rank its pair came from (where its result goes).
     RowOrigins,
     /// i32 [rows]: per GEMM row, its row of `recv_x` (`source · slots + slot`).
@@ -322,6 +326,7 @@ impl BufferId {
             | BufferId::ChunkFlags
             | BufferId::ChunkPieces
             | BufferId::ArrangeBlocksDone
+            | BufferId::MetadataCounters
             | BufferId::CombineCounters
             | BufferId::Credits
             | BufferId::RouterTilesDone
@@ -350,6 +355,7 @@ impl BufferId {
             BufferId::ChunkFlags => "chunk_flags",
             BufferId::ChunkPieces => "chunk_pieces",
             BufferId::ArrangeBlocksDone => "arrange_blocks_done",
+            BufferId::MetadataCounters => "metadata_counters",
             BufferId::RowOrigins => "row_origins",
             BufferId::SegmentOffsets => "segment_offsets",
             BufferId::SegmentRows => "segment_rows",

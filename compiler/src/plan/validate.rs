@@ -202,6 +202,26 @@ impl Plan {
                     .into(),
             );
         }
+        let tile_pairs = u64::from(ep.metadata_tile_tokens) * u64::from(self.shape.top_k);
+        if ep.metadata_tile_tokens == 0 || tile_pairs >= u64::from(u16::MAX) {
+            return Err(format!(
+                "a metadata tile of {} tokens holds {tile_pairs} pairs; its shared arrays count them in 16 bits",
+                ep.metadata_tile_tokens
+            ));
+        }
+        for regime in &ep.regimes {
+            let metadata_blocks = regime
+                .launches
+                .iter()
+                .find(|l| l.kernel == ep.route_kernel)
+                .map(|l| l.grid.blocks(self.shape.max_tokens));
+            if metadata_blocks.is_none_or(|blocks| blocks > regime.comm_blocks) {
+                return Err(format!(
+                    "regime `{}`: the metadata kernel `{}` needs a launch of at most its {} communication blocks",
+                    regime.name, ep.route_kernel, regime.comm_blocks
+                ));
+            }
+        }
         let sms = self.target.sm_count;
         if ep.comm_blocks == 0 || ep.compute_sms == 0 {
             return Err("an expert-parallel rank has no communication or no compute blocks".into());
@@ -244,7 +264,7 @@ impl Plan {
                             regime.name, launch.kernel, regime.compute_sms
                         ));
                     }
-                    let per_device = regime.comm_blocks.max(ranks) + nccl_sms + regime.compute_sms;
+                    let per_device = regime.comm_blocks + nccl_sms + regime.compute_sms;
                     if regime.comm_blocks == 0 || regime.compute_sms == 0 || per_device > sms {
                         return Err(format!(
                             "regime `{}`: {} communication blocks, {nccl_sms} NCCL CTAs and {} compute SMs per device do not fit the {sms} of {}: spin-waits could wait on blocks that never run",
