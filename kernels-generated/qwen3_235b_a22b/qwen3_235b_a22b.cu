@@ -1920,7 +1920,7 @@ constexpr int CHUNK = 128;                     // tokens per dispatch chunk
 constexpr int CHUNKS = 128;                   // chunk flags per source
 constexpr int OWN_ROW_BASE = RANKS * SLOTS;               // GEMM1 rows from here on: this rank's own tokens, read from x
 constexpr int MIN_PIECE = 4;                  // fewest tokens per dispatch work item (divides CHUNK)
-constexpr int COPY_UNROLL = 4;                            // 16-byte loads in flight per thread while copying
+constexpr int COPY_UNROLL = 8;                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
 constexpr int COMM_THREADS = 512;
 constexpr int META_THREADS = 512;
 constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 18048;
@@ -2162,11 +2162,16 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep
     }
 
     // The last block done (every block's rows ordered before its count by its fence) writes
-    // the counts, takes the counters back to zero and releases each destination's flag.
+    // the counts, takes the counters back to zero and releases each destination's flag. A
+    // lone block (the decode calls) is last without asking.
     if (threadIdx.x == 0) {
-        fence_flags();
-        s_last_block = atomicAdd(metadata_counters + COUNTER_BLOCKS_DONE, 1u) == gridDim.x - 1;
-        if (s_last_block) fence_flags();
+        if (gridDim.x == 1) {
+            s_last_block = 1;
+        } else {
+            fence_flags();
+            s_last_block = atomicAdd(metadata_counters + COUNTER_BLOCKS_DONE, 1u) == gridDim.x - 1;
+            if (s_last_block) fence_flags();
+        }
     }
     __syncthreads();
     if (!s_last_block) return;
