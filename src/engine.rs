@@ -105,6 +105,8 @@ pub enum EngineError {
         available: Vec<String>,
     },
     #[error(transparent)]
+    Tuning(#[from] crate::tuning::TuningError),
+    #[error(transparent)]
     Compiled(#[from] AotError),
     #[error(transparent)]
     Codegen(#[from] CodegenError),
@@ -201,15 +203,19 @@ impl LayerSpec {
                 }
             },
         };
-        let plan = moeforge_compiler::plan::plan(chosen, target).map_err(|error| {
-            let text = String::from_utf8_lossy(bytes);
-            EngineError::Spec(Box::new(plan_diagnostics(
-                name,
-                &text,
-                &chosen.name,
-                &error,
-            )))
-        })?;
+        // The tuning table as every command that plans reads it (`MOEFORGE_TUNING=off`:
+        // the cost model alone).
+        let (tuning, _) = crate::tuning::for_planning()?;
+        let plan =
+            moeforge_compiler::plan::plan_tuned(chosen, target, &tuning).map_err(|error| {
+                let text = String::from_utf8_lossy(bytes);
+                EngineError::Spec(Box::new(plan_diagnostics(
+                    name,
+                    &text,
+                    &chosen.name,
+                    &error,
+                )))
+            })?;
         Ok(LayerSpec {
             plan,
             kernels: OnceLock::new(),

@@ -7,8 +7,11 @@
 //!   device buffers the program owns, on its stream;
 //! - the [`moe_layer`] attribute macro, which plans a layer at compile time, with the
 //!   run-time side of its expansion ([`embedded`]).
+//!
+//! [`tuning`] says where measured GEMM choices (`moeforge tune`) are kept and read.
 pub mod embedded;
 pub mod engine;
+pub mod tuning;
 
 pub use moeforge_compiler as compiler;
 pub use moeforge_runtime as runtime;

@@ -44,10 +44,12 @@ fn regenerate(root: &Path, example: &Path, jit: Option<&Jit>, bless: bool) -> Ve
     let text = std::fs::read_to_string(example).expect("readable example");
     let module = moeforge::compiler::compile_source(&example.display().to_string(), &text)
         .expect("example checks");
+    // As `moeforge compile` plans on a machine with no tuning cache of its own.
+    let shipped = moeforge::tuning::shipped().expect("the shipped tuning table");
     let plans: Vec<_> = module
         .layers
         .iter()
-        .map(|l| plan::plan(l, &Target::h200()).expect("example plans"))
+        .map(|l| plan::plan_tuned(l, &Target::h200(), &shipped).expect("example plans"))
         .collect();
     let files = aot::render(&plans, jit).expect("AOT output");
     let dir = root

@@ -7,6 +7,7 @@
 use moeforge_compiler::ir::{
     Activation, GroupLimit, Layer, Router, RouterBias, Scoring, TileShape,
 };
+use moeforge_compiler::plan::tuning::ChoiceSource;
 use moeforge_compiler::plan::{
     self, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, TILE_K, Target,
 };
@@ -256,7 +257,7 @@ fn hinted_tiles_are_used_for_every_regime() {
     assert!(
         plan.regimes
             .iter()
-            .all(|r| r.gemm2.tile == tile && r.gemm2.hinted)
+            .all(|r| r.gemm2.tile == tile && r.gemm2.source == ChoiceSource::Hint)
     );
 }
 

@@ -139,7 +139,7 @@ pub struct BenchRow {
 
 /// Median of CUDA-event times of `call` over `iterations`, after warm-up; `call(i)` gets
 /// the index of the rotated input set to use.
-fn time_calls<E: From<GpuError>>(
+pub(crate) fn time_calls<E: From<GpuError>>(
     session: &Session,
     iterations: usize,
     mut call: impl FnMut(usize) -> Result<(), E>,
@@ -193,6 +193,39 @@ impl From<crate::layer::LayerError> for BenchError {
     }
 }
 
+/// The input sets a timing rotates through at `tokens` tokens.
+fn rotated_workloads(
+    shape: &LayerShape,
+    tokens: u32,
+    routing: Routing,
+    seed: u64,
+) -> Vec<Workload> {
+    (0..ROTATED_INPUTS)
+        .map(|i| {
+            Workload::random(
+                shape,
+                tokens,
+                routing,
+                seed ^ (u64::from(tokens) << 8) ^ i as u64,
+            )
+        })
+        .collect()
+}
+
+/// [`rotated_workloads`], uploaded: what [`time_calls`]'s `call(i)` indexes.
+pub(crate) fn uploaded_inputs(
+    session: &Session,
+    shape: &LayerShape,
+    tokens: u32,
+    routing: Routing,
+    seed: u64,
+) -> Result<Vec<DeviceWorkload>, BenchError> {
+    Ok(rotated_workloads(shape, tokens, routing, seed)
+        .iter()
+        .map(|w| session.upload(shape, w))
+        .collect::<Result<_, _>>()?)
+}
+
 /// Benchmarks `built` at each token count, with the baseline when it applies.
 /// `progress` receives one line per finished row.
 pub fn bench_layer(
@@ -213,16 +246,7 @@ pub fn bench_layer(
     };
     let mut rows = Vec::new();
     for &tokens in token_counts {
-        let workloads: Vec<Workload> = (0..ROTATED_INPUTS)
-            .map(|i| {
-                Workload::random(
-                    &shape,
-                    tokens,
-                    routing,
-                    seed ^ (u64::from(tokens) << 8) ^ i as u64,
-                )
-            })
-            .collect();
+        let workloads = rotated_workloads(&shape, tokens, routing, seed);
         let mut inputs: Vec<DeviceWorkload> = workloads
             .iter()
             .map(|w| session.upload(&shape, w))

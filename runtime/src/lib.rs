@@ -19,5 +19,6 @@ pub mod process_group;
 pub mod reference;
 mod tensor_map;
 pub mod toolkit;
+pub mod tune;
 pub mod weights;
 pub mod workload;

@@ -78,7 +78,7 @@ struct BenchReport<'a> {
 }
 
 /// Today's date (UTC) as YYYY-MM-DD, from the civil-from-days algorithm.
-fn utc_date() -> String {
+pub(super) fn utc_date() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use moeforge::compiler::ir;
 use moeforge::compiler::plan;
 
-use super::planning::{TargetArgs, report_plan_error};
+use super::planning::{TargetArgs, planning_table, report_plan_error};
 use super::{OK, compile_file, invalid_input};
 
 /// Explain a .moe file: every checked layer with all its sizes, defaults applied, units
@@ -25,12 +25,16 @@ pub fn run(args: &Args) -> ExitCode {
     match compile_file(&args.file) {
         Ok((source, module)) => {
             let target = args.target.resolve();
+            let tuning = match planning_table() {
+                Ok(table) => table,
+                Err(status) => return status,
+            };
             let mut unplannable = Vec::new();
             let mut text: Vec<String> = module
                 .layers
                 .iter()
                 .map(|layer| {
-                    let plan = match plan::plan(layer, &target) {
+                    let plan = match plan::plan_tuned(layer, &target, &tuning) {
                         Ok(plan) => plan::describe(&plan),
                         Err(error) => {
                             let text = format!("plan: none ({error})\n");

@@ -15,6 +15,7 @@ mod group;
 mod planning;
 mod run;
 mod simulate;
+mod tune;
 mod weights;
 
 use std::io::IsTerminal;
@@ -41,6 +42,7 @@ enum Command {
     Run(run::Args),
     Bench(bench::Args),
     Simulate(simulate::Args),
+    Tune(tune::Args),
 }
 
 /// Parses the command line and runs the command.
@@ -54,6 +56,7 @@ pub fn run() -> ExitCode {
         Command::Run(args) => run::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Simulate(args) => simulate::run(&args),
+        Command::Tune(args) => tune::run(&args),
     }
 }
 

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use moeforge::compiler;
+use moeforge::compiler::plan::tuning::TuningTable;
 use moeforge::compiler::plan::{self, Plan, Target};
 use moeforge::runtime::checkpoint::{HostGate, HostWeights};
 use moeforge::runtime::ep::EpLayer;
@@ -154,6 +155,7 @@ pub fn plan_file_over(
         }
         return Err(usage_error());
     }
+    let tuning = planning_table()?;
     let mut plans = Vec::new();
     for layer in selected {
         let mut layer = layer.clone();
@@ -182,7 +184,7 @@ pub fn plan_file_over(
             );
         }
         let layer = &layer;
-        match plan::plan(layer, target) {
+        match plan::plan_tuned(layer, target, &tuning) {
             Ok(plan) => plans.push(plan),
             Err(error) => {
                 report_plan_error(&source, &layer.name, &error);
@@ -191,6 +193,17 @@ pub fn plan_file_over(
         }
     }
     Ok(plans)
+}
+
+/// The tuning table planning uses (see [`moeforge::tuning`]), or the reason it cannot be
+/// read, reported.
+pub fn planning_table() -> Result<TuningTable, ExitCode> {
+    moeforge::tuning::for_planning()
+        .map(|(table, _)| table)
+        .map_err(|error| {
+            eprintln!("error: {error}");
+            invalid_input()
+        })
 }
 
 /// Reports a layer the planner refused, at the layer's name in `source` (and the refused

@@ -13,6 +13,12 @@ pub fn moeforge(args: &[&str]) -> Output {
 pub fn moeforge_with_env(args: &[&str], vars: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moeforge"))
         .args(args)
+        // Plans from the cost model and the shipped entries only, whatever the machine's
+        // user has tuned (a test that tunes sets its own cache).
+        .env(
+            "MOEFORGE_TUNING_CACHE",
+            "/nonexistent/moeforge-tests/tuning.json",
+        )
         .envs(vars.iter().copied())
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use super::ep::{ExpertParallelPlan, Placement};
 use super::network::NetworkPlan;
 use super::router::RouterRegime;
+use super::tuning::ChoiceSource;
 use super::{Access, Grid, Launch, OutputStore, Plan, RegimeParts, RowLoad, StreamRole};
 
 /// One fact per line; `write!` into a `String` cannot fail.
@@ -242,6 +243,18 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
         "  {label} {:<13} {}..={} tokens",
         regime.name, regime.min_tokens, regime.max_tokens
     );
+    if let Some(entry) = regime.tuned {
+        let tokens: Vec<String> = entry.timed_tokens.iter().map(u32::to_string).collect();
+        let _ = writeln!(
+            out,
+            "    tuned  the tuning table's GEMMs (those the spec hints nothing for): {:.1} us against {:.1} us for the cost model's choice, summed over T = {}, measured on {} by {}",
+            entry.measured_us,
+            entry.model_choice_us,
+            tokens.join(", "),
+            entry.measured_on,
+            entry.measured_by
+        );
+    }
     for (name, (gemm, _)) in ["gemm1", "gemm2"].into_iter().zip(regime.gemms) {
         let e = &gemm.estimate;
         let _ = writeln!(
@@ -251,7 +264,11 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             gemm.tile.m,
             gemm.tile.n,
             gemm.tile.k,
-            if gemm.hinted { " (hint)" } else { "" },
+            match gemm.source {
+                ChoiceSource::CostModel => "",
+                ChoiceSource::Hint => " (hint)",
+                ChoiceSource::Tuned => " (tuned)",
+            },
             gemm.stages,
             gemm.warps_m,
             gemm.warps_n,

@@ -131,6 +131,7 @@ impl ExpertParallelRegime {
                 (&self.gemm2, &self.gemm2_kernel),
             ],
             launches: &self.launches,
+            tuned: None,
         }
     }
 }

@@ -17,6 +17,7 @@ mod launch;
 pub mod network;
 pub mod router;
 pub mod target;
+pub mod tuning;
 mod validate;
 
 use serde::{Deserialize, Serialize};
@@ -450,6 +451,9 @@ pub struct Regime {
     pub gemm2_kernel: String,
     /// The launches of one forward call, in stream order.
     pub launches: Vec<Launch>,
+    /// The tuning table's entry its GEMMs came from, if they did.
+    #[serde(default)]
+    pub tuned: Option<tuning::TunedRegime>,
 }
 
 /// A regime's parts as `describe` and `validate` read them, single-GPU or expert-parallel.
@@ -460,6 +464,8 @@ pub(crate) struct RegimeParts<'a> {
     /// GEMM1 and GEMM2, each with its entry point.
     pub gemms: [(&'a GemmPlan, &'a String); 2],
     pub launches: &'a [Launch],
+    /// The tuning table's entry the GEMMs came from.
+    pub tuned: Option<&'a tuning::TunedRegime>,
 }
 
 impl Regime {
@@ -473,6 +479,7 @@ impl Regime {
                 (&self.gemm2, &self.gemm2_kernel),
             ],
             launches: &self.launches,
+            tuned: self.tuned.as_ref(),
         }
     }
 }
@@ -576,8 +583,9 @@ pub struct GemmPlan {
     pub cluster: u32,
     /// The cost model's estimate at the regime's representative token count.
     pub estimate: GemmEstimate,
-    /// Whether the tile came from a schedule hint rather than the cost model.
-    pub hinted: bool,
+    /// Whether the cost model, a schedule hint or the tuning table chose it.
+    #[serde(default)]
+    pub source: tuning::ChoiceSource,
 }
 
 impl GemmPlan {
@@ -842,6 +850,17 @@ impl GemmProblem {
 
 /// Makes the plan of `layer` for `target`.
 pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
+    plan_tuned(layer, target, &tuning::TuningTable::default())
+}
+
+/// [`plan`], with each single-GPU regime's GEMMs taken from `tuning` where it has an entry
+/// for this GPU, shape and regime and the spec hints nothing for that GEMM. An entry this
+/// build cannot plan is left out, and the plan's limitations say so.
+pub fn plan_tuned(
+    layer: &ir::Layer,
+    target: &Target,
+    tuning: &tuning::TuningTable,
+) -> Result<Plan, PlanError> {
     if layer.experts > MAX_EXPERTS {
         return Err(PlanError::TooManyExperts {
             layer: layer.name.clone(),
@@ -864,7 +883,20 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     let combine_kernel = format!("{symbol}_combine");
     let mut regimes = Vec::new();
     let mut most_route_blocks = 1;
-    for choice in choose_regimes(layer, target, &shape, 1)? {
+    let mut limitations = Vec::new();
+    for mut choice in choose_regimes(layer, target, &shape, 1)? {
+        let tuned = tuning
+            .lookup(target, &shape, choice.min_tokens, choice.max_tokens)
+            .and_then(|entry| match apply_tuned(layer, target, &shape, &mut choice, entry) {
+                Ok(()) => Some(entry.clone()),
+                Err(reason) => {
+                    limitations.push(format!(
+                        "the tuning table's entry for regime `{}` on {} cannot be used by this build ({reason}): the cost model's choice stands",
+                        choice.name, target.name
+                    ));
+                    None
+                }
+            });
         let gemm1_kernel = format!("{symbol}_{}_gemm1", choice.name);
         let gemm2_kernel = format!("{symbol}_{}_gemm2", choice.name);
         let route_blocks = route_blocks(
@@ -903,6 +935,7 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
             gemm1_kernel,
             gemm2_kernel,
             launches,
+            tuned,
         });
     }
 
@@ -924,7 +957,6 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
     } else {
         ep::Placement::Devices
     };
-    let mut limitations = Vec::new();
     let expert_parallel = match ep::plan_expert_parallel(
         layer,
         target,
@@ -1363,7 +1395,7 @@ fn shape_gemm(
         grid_blocks: target.sm_count * blocks_per_sm,
         cluster: 1,
         estimate: GemmEstimate::default(),
-        hinted: false,
+        source: tuning::ChoiceSource::CostModel,
     })
 }
 
@@ -1538,6 +1570,36 @@ pub(crate) struct RegimeChoice {
     pub gemm2: GemmPlan,
 }
 
+/// Takes `entry`'s GEMMs into `choice`, each unless the spec hints that GEMM's tile or
+/// the stages; all or nothing.
+fn apply_tuned(
+    layer: &ir::Layer,
+    target: &Target,
+    shape: &LayerShape,
+    choice: &mut RegimeChoice,
+    entry: &tuning::TunedRegime,
+) -> Result<(), String> {
+    let hints = &layer.schedule;
+    let up = GemmProblem::for_layer(shape, GemmKind::Up, 1);
+    let down = GemmProblem::for_layer(shape, GemmKind::Down, 1);
+    let tokens = choice.max_tokens;
+    let gemm1 = if hints.gemm1_tile.is_some() || hints.stages.is_some() {
+        choice.gemm1.clone()
+    } else {
+        tuning::tuned_gemm(target, &up, &entry.gemm1, tokens)
+            .map_err(|reason| format!("gemm1: {reason}"))?
+    };
+    let gemm2 = if hints.gemm2_tile.is_some() || hints.stages.is_some() {
+        choice.gemm2.clone()
+    } else {
+        tuning::tuned_gemm(target, &down, &entry.gemm2, tokens)
+            .map_err(|reason| format!("gemm2: {reason}"))?
+    };
+    choice.gemm1 = gemm1;
+    choice.gemm2 = gemm2;
+    Ok(())
+}
+
 /// The regimes of a layer of `shape` on `target`: token counts 1, 2, 4, … up to
 /// max_tokens are probed; the best configuration at each probe decides the regime that
 /// probe falls in, consecutive probes with the same choice merge, and at most three
@@ -1624,7 +1686,7 @@ fn choose_gemm(
                 gemm = pair;
             }
         }
-        gemm.hinted = true;
+        gemm.source = tuning::ChoiceSource::Hint;
         return Ok(gemm);
     }
     let mut best: Option<GemmPlan> = None;

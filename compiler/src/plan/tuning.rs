@@ -1,0 +1,350 @@
+//! Measured GEMM choices: what `moeforge tune` timed fastest on a GPU, per (GPU, layer
+//! shape, regime), and how the planner takes them in place of the cost model's.
+//!
+//! A [`TuningTable`] is data, read from JSON (the user's cache, or entries shipped in the
+//! repository). An entry names the regime by its token range as the cost model drew it: a
+//! planner whose model draws other regimes finds no entry for them and falls back to the
+//! model, so a stale table can make a plan slower than tuned but never wrong. Schedule
+//! hints in the spec win over the table.
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    GemmKind, GemmPlan, GemmProblem, LayerShape, MmaEngine, Target, TileShape, as_cluster_pair,
+    candidate_tiles, cost, ranking_seconds, shape_gemm, stage_choices,
+};
+use crate::ir::Activation;
+
+/// Where a GEMM's configuration came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChoiceSource {
+    /// The cost model's best candidate.
+    #[default]
+    CostModel,
+    /// The spec's schedule hints (`gemm1.tile`, `gemm2.tile`).
+    Hint,
+    /// An entry of the tuning table: measured fastest on this GPU.
+    Tuned,
+}
+
+/// Measured winners, newest last; [`TuningTable::lookup`] takes the last entry that matches.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TuningTable {
+    pub entries: Vec<TunedRegime>,
+}
+
+/// One regime's measured GEMM configurations.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TunedRegime {
+    /// The GPU's name as the target gives it (`Target::name`).
+    pub gpu: String,
+    pub shape: TunedShape,
+    /// The regime's token range as the cost model drew it.
+    pub min_tokens: u32,
+    pub max_tokens: u32,
+    pub gemm1: TunedGemm,
+    pub gemm2: TunedGemm,
+    /// The token counts the candidates were timed at, and the layer's summed time there in
+    /// µs with these GEMMs and with the cost model's.
+    pub timed_tokens: Vec<u32>,
+    pub measured_us: f64,
+    pub model_choice_us: f64,
+    /// When and by which build it was measured (`moeforge --version`, commit).
+    pub measured_on: String,
+    pub measured_by: String,
+}
+
+/// What of a layer decides its GEMM problems: an entry applies to layers equal in these.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TunedShape {
+    pub hidden: u32,
+    pub ffn: u32,
+    pub experts: u32,
+    pub top_k: u32,
+    pub activation: Activation,
+    pub expert_bias: bool,
+    pub shared_slices: u32,
+    pub max_tokens: u32,
+}
+
+impl TunedShape {
+    pub fn of(shape: &LayerShape) -> Self {
+        TunedShape {
+            hidden: shape.hidden,
+            ffn: shape.ffn,
+            experts: shape.experts,
+            top_k: shape.top_k,
+            activation: shape.activation,
+            expert_bias: shape.expert_bias,
+            shared_slices: shape.shared_slices,
+            max_tokens: shape.max_tokens,
+        }
+    }
+}
+
+/// One GEMM's configuration as the table keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TunedGemm {
+    pub engine: MmaEngine,
+    pub tile: TileShape,
+    pub stages: u32,
+    /// Blocks per cluster: 1, or 2 for a pair that multicasts the weight panel.
+    pub cluster: u32,
+}
+
+impl TunedGemm {
+    pub fn of(gemm: &GemmPlan) -> Self {
+        TunedGemm {
+            engine: gemm.engine,
+            tile: gemm.tile,
+            stages: gemm.stages,
+            cluster: gemm.cluster,
+        }
+    }
+
+    /// `wgmma-ws 128x256x64, 4 stages, pairs`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} {}x{}x{}, {} stages{}",
+            self.engine.name(),
+            self.tile.m,
+            self.tile.n,
+            self.tile.k,
+            self.stages,
+            if self.cluster > 1 { ", pairs" } else { "" }
+        )
+    }
+}
+
+impl TuningTable {
+    /// The entry for this GPU, shape and regime, if any.
+    pub fn lookup(
+        &self,
+        target: &Target,
+        shape: &LayerShape,
+        min_tokens: u32,
+        max_tokens: u32,
+    ) -> Option<&TunedRegime> {
+        let key = TunedShape::of(shape);
+        self.entries.iter().rev().find(|e| {
+            e.gpu == target.name
+                && e.shape == key
+                && e.min_tokens == min_tokens
+                && e.max_tokens == max_tokens
+        })
+    }
+
+    /// Adds `entry`, dropping any earlier one for the same GPU, shape and regime.
+    pub fn record(&mut self, entry: TunedRegime) {
+        self.entries.retain(|e| {
+            !(e.gpu == entry.gpu
+                && e.shape == entry.shape
+                && e.min_tokens == entry.min_tokens
+                && e.max_tokens == entry.max_tokens)
+        });
+        self.entries.push(entry);
+    }
+
+    /// This table's entries, then `newer`'s (which win where both have one).
+    pub fn merged_with(mut self, newer: &TuningTable) -> TuningTable {
+        for entry in &newer.entries {
+            self.record(entry.clone());
+        }
+        self
+    }
+}
+
+/// `tuned` completed into a plan for `problem` on `target` at `tokens`, or why it cannot
+/// be (a table written for another build may name a tile this one refuses).
+pub(crate) fn tuned_gemm(
+    target: &Target,
+    problem: &GemmProblem,
+    tuned: &TunedGemm,
+    tokens: u32,
+) -> Result<GemmPlan, String> {
+    let single = shape_gemm(target, problem, tuned.engine, tuned.tile, tuned.stages)?;
+    let mut gemm = match tuned.cluster {
+        1 => single,
+        _ => as_cluster_pair(problem, &single)
+            .filter(|pair| pair.cluster == tuned.cluster)
+            .ok_or_else(|| format!("{} cannot run as a cluster pair", tuned.describe()))?,
+    };
+    gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+    gemm.source = ChoiceSource::Tuned;
+    Ok(gemm)
+}
+
+/// The `count` configurations the cost model ranks best for `problem` at `tokens`, best
+/// first (the candidates `moeforge tune` times). With `stages`, only that ring depth.
+pub fn ranked_candidates(
+    target: &Target,
+    problem: &GemmProblem,
+    tokens: u32,
+    stages: Option<u32>,
+    count: usize,
+) -> Vec<GemmPlan> {
+    let mut ranked: Vec<GemmPlan> = Vec::new();
+    for (engine, tile) in candidate_tiles() {
+        let depths = stages.map_or_else(|| stage_choices(engine), |s| vec![s]);
+        for depth in depths {
+            let Ok(single) = shape_gemm(target, problem, engine, tile, depth) else {
+                continue;
+            };
+            let pair = as_cluster_pair(problem, &single);
+            for mut gemm in pair.into_iter().chain(std::iter::once(single)) {
+                gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+                ranked.push(gemm);
+            }
+        }
+    }
+    ranked.sort_by(|a, b| ranking_seconds(a).total_cmp(&ranking_seconds(b)));
+    // Tiles that differ only in ring depth are near neighbours; keep the best ring of each
+    // (engine, tile, cluster) so the candidates differ in shape.
+    let mut kept: Vec<GemmPlan> = Vec::new();
+    for gemm in ranked {
+        let seen = kept
+            .iter()
+            .any(|k| k.engine == gemm.engine && k.tile == gemm.tile && k.cluster == gemm.cluster);
+        if !seen {
+            kept.push(gemm);
+        }
+        if kept.len() == count {
+            break;
+        }
+    }
+    kept
+}
+
+/// The GEMM problem of `kind` for a single-GPU plan of `shape`.
+pub fn single_gpu_problem(shape: &LayerShape, kind: GemmKind) -> GemmProblem {
+    GemmProblem::for_layer(shape, kind, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Target;
+
+    fn shape() -> LayerShape {
+        LayerShape {
+            hidden: 1024,
+            ffn: 512,
+            experts: 8,
+            top_k: 2,
+            activation: Activation::Swiglu,
+            expert_bias: false,
+            max_tokens: 4096,
+            shared_slices: 0,
+            spec_ranks: 1,
+            executed_ranks: 1,
+        }
+    }
+
+    fn entry(min: u32, max: u32, m: u32) -> TunedRegime {
+        let gemm = TunedGemm {
+            engine: MmaEngine::MmaSync,
+            tile: TileShape { m, n: 64, k: 64 },
+            stages: 4,
+            cluster: 1,
+        };
+        TunedRegime {
+            gpu: Target::h200().name,
+            shape: TunedShape::of(&shape()),
+            min_tokens: min,
+            max_tokens: max,
+            gemm1: gemm,
+            gemm2: gemm,
+            timed_tokens: vec![max],
+            measured_us: 1.0,
+            model_choice_us: 2.0,
+            measured_on: "2026-11-30".into(),
+            measured_by: "test".into(),
+        }
+    }
+
+    #[test]
+    fn lookup_matches_gpu_shape_and_regime_exactly() {
+        let table = TuningTable {
+            entries: vec![entry(0, 128, 16), entry(129, 4096, 64)],
+        };
+        let h200 = Target::h200();
+        assert_eq!(
+            table
+                .lookup(&h200, &shape(), 0, 128)
+                .map(|e| e.gemm1.tile.m),
+            Some(16)
+        );
+        assert!(table.lookup(&h200, &shape(), 0, 256).is_none());
+        assert!(table.lookup(&Target::h100(), &shape(), 0, 128).is_none());
+        let other = LayerShape {
+            hidden: 2048,
+            ..shape()
+        };
+        assert!(table.lookup(&h200, &other, 0, 128).is_none());
+    }
+
+    #[test]
+    fn recording_replaces_the_same_regime_and_merging_prefers_the_newer_table() {
+        let mut table = TuningTable::default();
+        table.record(entry(0, 128, 16));
+        table.record(entry(0, 128, 32));
+        assert_eq!(table.entries.len(), 1);
+        assert_eq!(table.entries[0].gemm1.tile.m, 32);
+        let shipped = TuningTable {
+            entries: vec![entry(0, 128, 16), entry(129, 4096, 64)],
+        };
+        let merged = shipped.merged_with(&table);
+        let h200 = Target::h200();
+        assert_eq!(merged.entries.len(), 2);
+        assert_eq!(
+            merged
+                .lookup(&h200, &shape(), 0, 128)
+                .map(|e| e.gemm1.tile.m),
+            Some(32)
+        );
+    }
+
+    #[test]
+    fn ranked_candidates_are_distinct_shapes_best_first() {
+        let target = Target::h200();
+        let problem = single_gpu_problem(&shape(), GemmKind::Up);
+        let candidates = ranked_candidates(&target, &problem, 1024, None, 4);
+        assert_eq!(candidates.len(), 4);
+        for pair in candidates.windows(2) {
+            assert!(ranking_seconds(&pair[0]) <= ranking_seconds(&pair[1]));
+            assert!(
+                (pair[0].engine, pair[0].tile, pair[0].cluster)
+                    != (pair[1].engine, pair[1].tile, pair[1].cluster)
+            );
+        }
+    }
+
+    #[test]
+    fn a_tuned_gemm_the_build_refuses_is_an_error_not_a_plan() {
+        let target = Target::h200();
+        let problem = single_gpu_problem(&shape(), GemmKind::Down);
+        let bad = TunedGemm {
+            engine: MmaEngine::WgmmaWarpSpecialized,
+            tile: TileShape {
+                m: 96,
+                n: 64,
+                k: 64,
+            },
+            stages: 4,
+            cluster: 1,
+        };
+        assert!(tuned_gemm(&target, &problem, &bad, 128).is_err());
+        let good = TunedGemm {
+            tile: TileShape {
+                m: 64,
+                n: 64,
+                k: 64,
+            },
+            ..bad
+        };
+        let gemm = tuned_gemm(&target, &problem, &good, 128).expect("a plannable tile");
+        assert_eq!(gemm.source, ChoiceSource::Tuned);
+        assert_eq!(gemm.tile.m, 64);
+    }
+}

@@ -1,0 +1,155 @@
+//! The planner with a tuning table: entries replace the cost model's GEMMs of the regime
+//! they name, hints win over them, and an entry this build cannot plan is reported.
+
+mod common;
+
+use moeforge_compiler::ir::{Activation, TileShape};
+use moeforge_compiler::plan::tuning::{
+    ChoiceSource, TunedGemm, TunedRegime, TunedShape, TuningTable,
+};
+use moeforge_compiler::plan::{MmaEngine, Plan, Target, plan, plan_tuned};
+
+fn layer() -> moeforge_compiler::ir::Layer {
+    let mut layer = common::layer("tuned", 2048, 768, 64, 8, Activation::Swiglu, 4096);
+    layer.parallel.expert = 1;
+    layer.topology.gpus_per_node = 1;
+    layer
+}
+
+fn entry_for(plan: &Plan, regime: usize, gemm1: TunedGemm, gemm2: TunedGemm) -> TunedRegime {
+    let r = &plan.regimes[regime];
+    TunedRegime {
+        gpu: plan.target.name.clone(),
+        shape: TunedShape::of(&plan.shape),
+        min_tokens: r.min_tokens,
+        max_tokens: r.max_tokens,
+        gemm1,
+        gemm2,
+        timed_tokens: vec![r.max_tokens],
+        measured_us: 10.0,
+        model_choice_us: 12.0,
+        measured_on: "2026-11-30".into(),
+        measured_by: "test".into(),
+    }
+}
+
+fn mma(m: u32, n: u32, stages: u32) -> TunedGemm {
+    TunedGemm {
+        engine: MmaEngine::MmaSync,
+        tile: TileShape { m, n, k: 64 },
+        stages,
+        cluster: 1,
+    }
+}
+
+#[test]
+fn an_entry_replaces_the_gemms_of_its_regime_only() {
+    let target = Target::h200();
+    let model = plan(&layer(), &target).expect("plans");
+    assert!(model.regimes.len() >= 2);
+    let table = TuningTable {
+        entries: vec![entry_for(&model, 0, mma(32, 64, 4), mma(16, 128, 3))],
+    };
+    let tuned = plan_tuned(&layer(), &target, &table).expect("plans with the table");
+    let first = &tuned.regimes[0];
+    assert_eq!(
+        first.gemm1.tile,
+        TileShape {
+            m: 32,
+            n: 64,
+            k: 64
+        }
+    );
+    assert_eq!(first.gemm1.stages, 4);
+    assert_eq!(
+        first.gemm2.tile,
+        TileShape {
+            m: 16,
+            n: 128,
+            k: 64
+        }
+    );
+    assert_eq!(first.gemm1.source, ChoiceSource::Tuned);
+    assert!(first.tuned.is_some());
+    // The launches follow the tuned GEMMs (threads and shared memory of the new tiles).
+    let gemm1_launch = first
+        .launches
+        .iter()
+        .find(|l| l.kernel == first.gemm1_kernel)
+        .expect("a GEMM1 launch");
+    assert_eq!(gemm1_launch.smem_bytes, first.gemm1.smem_bytes);
+    assert_eq!(gemm1_launch.block_threads, first.gemm1.threads());
+    // The other regimes keep the cost model's choice.
+    for (tuned, model) in tuned.regimes.iter().zip(&model.regimes).skip(1) {
+        assert_eq!(tuned.gemm1, model.gemm1);
+        assert_eq!(tuned.gemm2, model.gemm2);
+        assert!(tuned.tuned.is_none());
+    }
+    tuned.validate().expect("a valid plan");
+    assert!(moeforge_compiler::plan::describe(&tuned).contains("tuned  the tuning table's GEMMs"));
+}
+
+#[test]
+fn an_entry_for_another_gpu_or_regime_changes_nothing() {
+    let target = Target::h200();
+    let model = plan(&layer(), &target).expect("plans");
+    let mut other_gpu = entry_for(&model, 0, mma(32, 64, 4), mma(16, 128, 3));
+    other_gpu.gpu = "NVIDIA H100 SXM".into();
+    let mut other_range = entry_for(&model, 0, mma(32, 64, 4), mma(16, 128, 3));
+    other_range.max_tokens += 1;
+    let table = TuningTable {
+        entries: vec![other_gpu, other_range],
+    };
+    let tuned = plan_tuned(&layer(), &target, &table).expect("plans");
+    assert_eq!(tuned.regimes, model.regimes);
+}
+
+#[test]
+fn a_hint_wins_over_the_table() {
+    let target = Target::h200();
+    let mut hinted = layer();
+    hinted.schedule.gemm2_tile = Some(TileShape {
+        m: 64,
+        n: 128,
+        k: 64,
+    });
+    let model = plan(&hinted, &target).expect("plans");
+    let table = TuningTable {
+        entries: vec![entry_for(&model, 0, mma(32, 64, 4), mma(16, 128, 3))],
+    };
+    let tuned = plan_tuned(&hinted, &target, &table).expect("plans");
+    assert_eq!(tuned.regimes[0].gemm1.source, ChoiceSource::Tuned);
+    assert_eq!(tuned.regimes[0].gemm2.source, ChoiceSource::Hint);
+    assert_eq!(tuned.regimes[0].gemm2, model.regimes[0].gemm2);
+}
+
+#[test]
+fn an_entry_this_build_cannot_plan_is_reported_and_left_out() {
+    let target = Target::h200();
+    let model = plan(&layer(), &target).expect("plans");
+    // 48 rows: not a wgmma tile, and too many accumulators or no warp layout on mma.sync
+    // for this width.
+    let impossible = TunedGemm {
+        engine: MmaEngine::WgmmaWarpSpecialized,
+        tile: TileShape {
+            m: 48,
+            n: 256,
+            k: 64,
+        },
+        stages: 4,
+        cluster: 1,
+    };
+    let table = TuningTable {
+        entries: vec![entry_for(&model, 0, impossible, mma(16, 128, 3))],
+    };
+    let tuned = plan_tuned(&layer(), &target, &table).expect("plans");
+    assert_eq!(tuned.regimes, model.regimes);
+    assert!(
+        tuned
+            .limitations
+            .iter()
+            .any(|l| l.contains("tuning table") && l.contains("gemm1")),
+        "{:?}",
+        tuned.limitations
+    );
+}

@@ -1,0 +1,180 @@
+//! `moeforge tune FILE`: times the cost model's best GEMM configurations of each regime of
+//! a layer on this GPU and stores the fastest in the tuning cache (see
+//! [`moeforge::tuning`]), which every later plan of the same layer on this GPU uses.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use moeforge::compiler::plan::GemmKind;
+use moeforge::compiler::plan::Target;
+use moeforge::runtime::harness::Session;
+use moeforge::runtime::tune::{CandidateTiming, TuneSettings, timed_tokens, tune_layer};
+use moeforge::runtime::workload::fresh_seed;
+use moeforge::tuning;
+
+use super::bench::utc_date;
+use super::{OK, compile_file, invalid_input, usage_error};
+
+/// Measure candidate GEMM configurations of a layer on the GPU; the fastest per regime go
+/// to the tuning cache, which planning on this GPU then uses.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The .moe file holding the layer.
+    file: PathBuf,
+    /// Which layer of the file (needed when it has several).
+    #[arg(long)]
+    layer: Option<String>,
+    /// Candidates timed per GEMM and regime (the cost model's choice and its next best).
+    #[arg(long, default_value_t = 3)]
+    candidates: usize,
+    /// Timed calls per token count (after 3 warm-up calls), median.
+    #[arg(long, default_value_t = 10)]
+    iterations: usize,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// The tuning table to update (default: the cache, see `moeforge::tuning`).
+    #[arg(long)]
+    cache: Option<PathBuf>,
+}
+
+pub fn run(args: &Args) -> ExitCode {
+    if args.candidates == 0 || args.iterations == 0 {
+        eprintln!("error: --candidates and --iterations count from 1");
+        return usage_error();
+    }
+    let (_, module) = match compile_file(&args.file) {
+        Ok(compiled) => compiled,
+        Err(status) => return status,
+    };
+    let Some(layer) = (match &args.layer {
+        Some(name) => module.layers.iter().find(|l| &l.name == name),
+        None if module.layers.len() == 1 => module.layers.first(),
+        None => {
+            let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
+            eprintln!(
+                "error: {} has {} layers; pick one with --layer ({})",
+                args.file.display(),
+                names.len(),
+                names.join(", ")
+            );
+            return usage_error();
+        }
+    }) else {
+        eprintln!("error: {} has no such layer", args.file.display());
+        return usage_error();
+    };
+    let cache = match args.cache.clone().map_or_else(tuning::cache_path, Ok) {
+        Ok(path) => path,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return usage_error();
+        }
+    };
+    // Read before measuring: a cache that cannot be updated should not cost minutes of GPU.
+    let mut table = match tuning::load(&cache) {
+        Ok(table) => table,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
+    let session = match Session::open() {
+        Ok(session) => session,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return usage_error();
+        }
+    };
+    let target = match session.gpu.facts() {
+        Ok(facts) => Target::for_device(&facts),
+        Err(error) => {
+            eprintln!("error: {error}");
+            return usage_error();
+        }
+    };
+    let seed = fresh_seed(args.seed);
+    eprintln!(
+        "tuning `{}` on {}: {} candidates per GEMM and regime, each a whole layer timed at its regime's middle and largest call ({} calls each, median)",
+        layer.name, target.name, args.candidates, args.iterations
+    );
+    let mut done = 0usize;
+    let progress = |t: &CandidateTiming| {
+        done += 1;
+        let gemm = match t.gemm {
+            GemmKind::Up => "gemm1",
+            GemmKind::Down => "gemm2",
+        };
+        eprintln!(
+            "  [{done:>3}] {:<13} {gemm} {}/{}  {:<36} {:>10.1} us{}",
+            t.regime,
+            t.index,
+            t.of,
+            t.config.describe(),
+            t.us,
+            if t.is_model_choice {
+                "  (the cost model's choice)"
+            } else {
+                ""
+            }
+        );
+        let _ = std::io::stderr().flush();
+    };
+    let settings = TuneSettings {
+        candidates: args.candidates,
+        iterations: args.iterations,
+        seed,
+    };
+    let measured_by = format!(
+        "moeforge {} at {}",
+        env!("CARGO_PKG_VERSION"),
+        env!("MOEFORGE_COMMIT")
+    );
+    let entries = match tune_layer(
+        &session,
+        layer,
+        &target,
+        settings,
+        &utc_date(),
+        &measured_by,
+        progress,
+    ) {
+        Ok(entries) => entries,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
+    println!(
+        "| regime's tokens | timed at T | gemm1 | gemm2 | tuned us | cost model's us | speed-up |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for entry in &entries {
+        let tokens: Vec<String> = timed_tokens(entry.min_tokens, entry.max_tokens)
+            .iter()
+            .map(u32::to_string)
+            .collect();
+        println!(
+            "| {}..={} | {} | {} | {} | {:.1} | {:.1} | {:.2}x |",
+            entry.min_tokens,
+            entry.max_tokens,
+            tokens.join(", "),
+            entry.gemm1.describe(),
+            entry.gemm2.describe(),
+            entry.measured_us,
+            entry.model_choice_us,
+            entry.model_choice_us / entry.measured_us
+        );
+        table.record(entry.clone());
+    }
+    match tuning::save(&cache, &table) {
+        Ok(()) => {
+            println!("wrote {} entries to {}", entries.len(), cache.display());
+            OK
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            invalid_input()
+        }
+    }
+}

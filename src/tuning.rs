@@ -1,0 +1,139 @@
+//! Where tuning tables live: the entries shipped in the repository (`tuning/shipped.json`,
+//! built into the binary) and the user's cache, which `moeforge tune` writes and every
+//! command that plans reads (the cache's entries win over the shipped ones).
+//!
+//! The cache is `$MOEFORGE_TUNING_CACHE` when set, else `$XDG_CACHE_HOME/moeforge/tuning.json`,
+//! else `$HOME/.cache/moeforge/tuning.json`. `MOEFORGE_TUNING=off` plans with the cost model
+//! alone (no shipped entries, no cache).
+
+use std::path::{Path, PathBuf};
+
+use moeforge_compiler::plan::tuning::TuningTable;
+
+/// The shipped entries' JSON, as built into the binary.
+const SHIPPED: &str = include_str!("../tuning/shipped.json");
+
+#[derive(Debug, thiserror::Error)]
+pub enum TuningError {
+    #[error("reading the tuning table {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "the tuning table {path} is not valid JSON of a tuning table (line {line}, column {column}): {reason}; remove it or run `moeforge tune` again"
+    )]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        reason: String,
+    },
+    #[error("writing the tuning table {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("MOEFORGE_TUNING is `{0}`; it takes `off` (plan with the cost model alone) or `on`")]
+    InvalidSwitch(String),
+    #[error("no cache folder: set MOEFORGE_TUNING_CACHE, XDG_CACHE_HOME or HOME")]
+    NoCacheFolder,
+}
+
+fn parse(path: &Path, text: &str) -> Result<TuningTable, TuningError> {
+    serde_json::from_str(text).map_err(|e| TuningError::Parse {
+        path: path.to_path_buf(),
+        line: e.line(),
+        column: e.column(),
+        reason: e.to_string(),
+    })
+}
+
+/// The entries shipped with this build.
+pub fn shipped() -> Result<TuningTable, TuningError> {
+    parse(Path::new("tuning/shipped.json (built in)"), SHIPPED)
+}
+
+/// The user's cache file (it need not exist).
+pub fn cache_path() -> Result<PathBuf, TuningError> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(path) = var("MOEFORGE_TUNING_CACHE") {
+        return Ok(PathBuf::from(path));
+    }
+    let base = var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|home| PathBuf::from(home).join(".cache")))
+        .ok_or(TuningError::NoCacheFolder)?;
+    Ok(base.join("moeforge").join("tuning.json"))
+}
+
+/// The table at `path`; empty when there is no file.
+pub fn load(path: &Path) -> Result<TuningTable, TuningError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse(path, &text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(TuningTable::default()),
+        Err(source) => Err(TuningError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Writes `table` to `path` (creating its folder), through a temporary file renamed into
+/// place, so that a reader never sees half a table.
+pub fn save(path: &Path, table: &TuningTable) -> Result<(), TuningError> {
+    let write = |source| TuningError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(folder) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(folder).map_err(write)?;
+    }
+    let text = serde_json::to_string_pretty(table).map_err(|e| write(std::io::Error::other(e)))?;
+    let temporary = path.with_extension("json.partial");
+    std::fs::write(&temporary, text + "\n").map_err(write)?;
+    std::fs::rename(&temporary, path).map_err(write)
+}
+
+/// What the planner uses: the shipped entries and then the cache's, unless
+/// `MOEFORGE_TUNING=off`; with the files they came from.
+pub fn for_planning() -> Result<(TuningTable, Vec<String>), TuningError> {
+    match std::env::var("MOEFORGE_TUNING").ok().as_deref() {
+        None | Some("") | Some("on") => {}
+        Some("off") => return Ok((TuningTable::default(), Vec::new())),
+        Some(other) => return Err(TuningError::InvalidSwitch(other.to_string())),
+    }
+    let path = cache_path()?;
+    let cache = load(&path)?;
+    let mut sources = vec!["tuning/shipped.json (built in)".to_string()];
+    if !cache.entries.is_empty() {
+        sources.push(path.display().to_string());
+    }
+    Ok((shipped()?.merged_with(&cache), sources))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_table_parses() {
+        shipped().expect("tuning/shipped.json is a tuning table");
+    }
+
+    #[test]
+    fn a_missing_cache_is_empty_and_a_saved_one_reads_back() {
+        let folder = std::env::temp_dir().join(format!("moeforge-tuning-{}", std::process::id()));
+        let path = folder.join("nested").join("tuning.json");
+        assert_eq!(load(&path).expect("no file"), TuningTable::default());
+        save(&path, &TuningTable::default()).expect("saves");
+        assert_eq!(load(&path).expect("reads"), TuningTable::default());
+        std::fs::write(&path, "{\"entries\": [ {\"gpu\": 3} ]}").expect("writes");
+        let error = load(&path).expect_err("not a table");
+        assert!(
+            matches!(error, TuningError::Parse { line: 1, .. }),
+            "{error}"
+        );
+        std::fs::remove_dir_all(&folder).expect("cleans up");
+    }
+}

@@ -1,0 +1,119 @@
+//! `moeforge tune` on the GPU: it writes one entry per regime of the tiny example, planning
+//! with that cache takes every entry, and the tuned layer still computes what the CPU
+//! reference computes. On the CPU: the command's refusals.
+
+use std::path::PathBuf;
+
+mod common;
+use common::{moeforge, moeforge_with_env};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("moeforge-tune-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn bad_arguments_are_usage_errors() {
+    let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--candidates", "0"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--candidates"));
+}
+
+#[test]
+fn a_malformed_cache_is_refused_before_any_measuring() {
+    let dir = scratch("malformed");
+    std::fs::create_dir_all(&dir).expect("scratch folder");
+    let cache = dir.join("tuning.json");
+    std::fs::write(&cache, "not json").expect("writes");
+    let cache_arg = cache.display().to_string();
+    let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--cache", &cache_arg]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("not valid JSON") && stderr.contains(&cache_arg),
+        "{stderr}"
+    );
+    // Every command that plans reads the same cache and says the same.
+    let explain = moeforge_with_env(
+        &["explain", "dsl-examples/tiny.moe"],
+        &[("MOEFORGE_TUNING_CACHE", &cache_arg)],
+    );
+    assert_eq!(explain.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&explain.stderr).contains("not valid JSON"));
+    let off = moeforge_with_env(
+        &["explain", "dsl-examples/tiny.moe"],
+        &[
+            ("MOEFORGE_TUNING_CACHE", &cache_arg),
+            ("MOEFORGE_TUNING", "off"),
+        ],
+    );
+    assert!(
+        off.status.success(),
+        "{}",
+        String::from_utf8_lossy(&off.stderr)
+    );
+    std::fs::remove_dir_all(&dir).expect("cleans up");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_correct() {
+    let dir = scratch("gpu");
+    let cache = dir.join("tuning.json");
+    let cache_arg = cache.display().to_string();
+    let output = moeforge(&[
+        "tune",
+        "dsl-examples/tiny.moe",
+        "--cache",
+        &cache_arg,
+        "--candidates",
+        "2",
+        "--iterations",
+        "3",
+        "--seed",
+        "7",
+    ]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("(the cost model's choice)"), "{stderr}");
+    let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
+    let explain = moeforge_with_env(&["explain", "dsl-examples/tiny.moe"], &env);
+    let text = String::from_utf8_lossy(&explain.stdout);
+    assert!(explain.status.success());
+    let regimes = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("regime "))
+        .count();
+    let tuned = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("tuned "))
+        .count();
+    assert!(
+        regimes > 0 && tuned == regimes,
+        "{regimes} regimes, {tuned} tuned:\n{text}"
+    );
+    // The tuned layer against the CPU reference, at a ragged count of every regime.
+    for tokens in ["1", "77", "300"] {
+        let run = moeforge_with_env(
+            &[
+                "run",
+                "dsl-examples/tiny.moe",
+                "--tokens",
+                tokens,
+                "--check",
+                "--seed",
+                "7",
+            ],
+            &env,
+        );
+        assert!(
+            run.status.success(),
+            "{}\n{}",
+            String::from_utf8_lossy(&run.stdout),
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
+    std::fs::remove_dir_all(&dir).expect("cleans up");
+}
