@@ -203,9 +203,9 @@ impl LayerSpec {
                 }
             },
         };
-        // The tuning table as every command that plans reads it (`MOEFORGE_TUNING=off`:
-        // the cost model alone).
-        let (tuning, _) = crate::tuning::for_planning()?;
+        // The shipped tuning entries, not the user's cache: a program embedding moeforge
+        // plans the same on every machine of the same GPU.
+        let tuning = crate::tuning::shipped()?;
         let plan =
             moeforge_compiler::plan::plan_tuned(chosen, target, &tuning).map_err(|error| {
                 let text = String::from_utf8_lossy(bytes);

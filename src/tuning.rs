@@ -1,6 +1,8 @@
 //! Where tuning tables live: the entries shipped in the repository (`tuning/shipped.json`,
-//! built into the binary) and the user's cache, which `moeforge tune` writes and every
-//! command that plans reads (the cache's entries win over the shipped ones).
+//! built into the binary) and the user's cache, which `moeforge tune` writes and the
+//! commands that plan a layer to run or compile read (the cache's entries win over the
+//! shipped ones). The engine API (`moeforge::engine`) plans with the shipped entries only,
+//! so that a program embedding moeforge does not depend on its user's cache.
 //!
 //! The cache is `$MOEFORGE_TUNING_CACHE` when set, else `$XDG_CACHE_HOME/moeforge/tuning.json`,
 //! else `$HOME/.cache/moeforge/tuning.json`. `MOEFORGE_TUNING=off` plans with the cost model
@@ -8,7 +10,9 @@
 
 use std::path::{Path, PathBuf};
 
-use moeforge_compiler::plan::tuning::TuningTable;
+use std::io::Write as _;
+
+use moeforge_compiler::plan::tuning::{TunedRegime, TuningTable};
 
 /// The shipped entries' JSON, as built into the binary.
 const SHIPPED: &str = include_str!("../tuning/shipped.json");
@@ -79,8 +83,16 @@ pub fn load(path: &Path) -> Result<TuningTable, TuningError> {
     }
 }
 
-/// Writes `table` to `path` (creating its folder), through a temporary file renamed into
-/// place, so that a reader never sees half a table.
+/// Records `entry` in the table at `path`, read again just before writing, so that
+/// entries another run wrote meanwhile are kept.
+pub fn update(path: &Path, entry: &TunedRegime) -> Result<(), TuningError> {
+    let mut table = load(path)?;
+    table.record(entry.clone());
+    save(path, &table)
+}
+
+/// Writes `table` to `path` (creating its folder), through a temporary file of this
+/// process renamed into place, so that a reader never sees half a table.
 pub fn save(path: &Path, table: &TuningTable) -> Result<(), TuningError> {
     let write = |source| TuningError::Write {
         path: path.to_path_buf(),
@@ -90,26 +102,27 @@ pub fn save(path: &Path, table: &TuningTable) -> Result<(), TuningError> {
         std::fs::create_dir_all(folder).map_err(write)?;
     }
     let text = serde_json::to_string_pretty(table).map_err(|e| write(std::io::Error::other(e)))?;
-    let temporary = path.with_extension("json.partial");
-    std::fs::write(&temporary, text + "\n").map_err(write)?;
+    let temporary = path.with_extension(format!("json.{}.partial", std::process::id()));
+    let mut file = std::fs::File::create(&temporary).map_err(write)?;
+    file.write_all((text + "\n").as_bytes()).map_err(write)?;
+    file.sync_all().map_err(write)?;
     std::fs::rename(&temporary, path).map_err(write)
 }
 
-/// What the planner uses: the shipped entries and then the cache's, unless
-/// `MOEFORGE_TUNING=off`; with the files they came from.
-pub fn for_planning() -> Result<(TuningTable, Vec<String>), TuningError> {
+/// What the commands plan with: the shipped entries and then the cache's (none where
+/// there is no cache folder), unless `MOEFORGE_TUNING=off`.
+pub fn for_planning() -> Result<TuningTable, TuningError> {
     match std::env::var("MOEFORGE_TUNING").ok().as_deref() {
         None | Some("") | Some("on") => {}
-        Some("off") => return Ok((TuningTable::default(), Vec::new())),
+        Some("off") => return Ok(TuningTable::default()),
         Some(other) => return Err(TuningError::InvalidSwitch(other.to_string())),
     }
-    let path = cache_path()?;
-    let cache = load(&path)?;
-    let mut sources = vec!["tuning/shipped.json (built in)".to_string()];
-    if !cache.entries.is_empty() {
-        sources.push(path.display().to_string());
-    }
-    Ok((shipped()?.merged_with(&cache), sources))
+    let cache = match cache_path() {
+        Ok(path) => load(&path)?,
+        Err(TuningError::NoCacheFolder) => TuningTable::default(),
+        Err(error) => return Err(error),
+    };
+    Ok(shipped()?.merged_with(&cache))
 }
 
 #[cfg(test)]

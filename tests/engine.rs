@@ -35,7 +35,9 @@ fn tiny_text() -> String {
 #[test]
 fn a_spec_from_text_or_file_plans_what_the_planner_plans() {
     let module = compile_source("tiny.moe", &tiny_text()).expect("tiny.moe checks");
-    let expected = plan::plan(&module.layers[0], &Target::h100()).expect("tiny plans");
+    let shipped = moeforge::tuning::shipped().expect("the shipped tuning table");
+    let expected =
+        plan::plan_tuned(&module.layers[0], &Target::h100(), &shipped).expect("tiny plans");
     let from_text = LayerSpec::from_text("tiny.moe", &tiny_text(), None, &Target::h100())
         .expect("the spec plans");
     assert_eq!(*from_text.plan(), expected);

@@ -77,7 +77,7 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("(the cost model's choice)"), "{stderr}");
+    assert!(stderr.contains("(as the cost model chose it)"), "{stderr}");
     let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
     let explain = moeforge_with_env(&["explain", "dsl-examples/tiny.moe"], &env);
     let text = String::from_utf8_lossy(&explain.stdout);

@@ -168,6 +168,24 @@ __device__ __forceinline__ u32* metadata_flag_at(const u64* peer_table, int rank
     return peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
 }
 
+// Whether choice k of a token (`ids`: its TOP_K expert ids) names an expert an earlier
+// choice already named. Such a pair is neither dispatched nor combined, and is reported: a
+// (local expert, source) segment of the receive index holds each token at most once.
+__device__ __forceinline__ bool repeats_earlier_choice(const int* ids, int k) {
+    for (int j = 0; j < k; ++j) {
+        if (ids[j] == ids[k]) return true;
+    }
+    return false;
+}
+
+// Whether choice k of `token` has a combine slot to wait for: a shared slice, or a routed
+// expert in range that no earlier choice repeats.
+__device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, int k) {
+    if (k >= TOP_K) return true;
+    const int* ids = topk_ids + (size_t)token * TOP_K;
+    return (unsigned)ids[k] < (unsigned)EXPERTS && !repeats_earlier_choice(ids, k);
+}
+
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
 __device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code, int a,
@@ -231,9 +249,11 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
                 const int expert = tile_ids[pair];
                 destination_of[k] = -1;
                 slot_of[k] = 0;
-                if ((unsigned)expert >= (unsigned)EXPERTS) {
-                    report_after_clear(error_word, errors_cleared, epoch, ERROR_EXPERT_ID_OUT_OF_RANGE, first_token + t, k,
-                                       expert);
+                if ((unsigned)expert >= (unsigned)EXPERTS || repeats_earlier_choice(tile_ids + t * TOP_K, k)) {
+                    report_after_clear(error_word, errors_cleared, epoch,
+                                       (unsigned)expert >= (unsigned)EXPERTS ? ERROR_EXPERT_ID_OUT_OF_RANGE
+                                                                              : ERROR_EXPERT_ID_REPEATED,
+                                       first_token + t, k, expert);
                     s_pair_rank[pair] = NO_PAIR;
                     continue;
                 }
@@ -527,7 +547,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
 #pragma unroll
         for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
             const size_t pair = (size_t)token * SLOTS_PER_TOKEN + k;
-            const bool present = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            const bool present = pair_combined(topk_ids, token, k);
             const int source = k < TOP_K && present ? topk_ids[token * TOP_K + k] / LOCAL_EXPERTS : rank;
             const int network_slot = NETWORK_SLOT[rank][source];
             network_source[k] = present && network_slot >= 0 ? source : -1;
@@ -559,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         u32 valid = 0;
 #pragma unroll
         for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
-            present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            present[k] = pair_combined(topk_ids, token, k);
             valid += present[k];
         }
         const u32 target = valid * HIDDEN;

@@ -43,6 +43,7 @@ __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (byte
 constexpr int ROUTE_THREADS = {{ route_threads }};
 constexpr int COMBINE_THREADS = {{ combine.threads }};
 constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
+constexpr int ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }};  // expert-parallel path only
 
 // Activation: {{ activation }}
 {{ activation_fn }}

@@ -23,8 +23,8 @@ fn entry_for(plan: &Plan, regime: usize, gemm1: TunedGemm, gemm2: TunedGemm) -> 
         shape: TunedShape::of(&plan.shape),
         min_tokens: r.min_tokens,
         max_tokens: r.max_tokens,
-        gemm1,
-        gemm2,
+        gemm1: Some(gemm1),
+        gemm2: Some(gemm2),
         timed_tokens: vec![r.max_tokens],
         measured_us: 10.0,
         model_choice_us: 12.0,
@@ -121,6 +121,24 @@ fn a_hint_wins_over_the_table() {
     assert_eq!(tuned.regimes[0].gemm1.source, ChoiceSource::Tuned);
     assert_eq!(tuned.regimes[0].gemm2.source, ChoiceSource::Hint);
     assert_eq!(tuned.regimes[0].gemm2, model.regimes[0].gemm2);
+}
+
+#[test]
+fn an_entry_without_gemms_is_not_a_tuned_regime() {
+    let target = Target::h200();
+    let model = plan(&layer(), &target).expect("plans");
+    let mut empty = entry_for(&model, 0, mma(32, 64, 4), mma(16, 128, 3));
+    empty.gemm1 = None;
+    empty.gemm2 = None;
+    let tuned = plan_tuned(
+        &layer(),
+        &target,
+        &TuningTable {
+            entries: vec![empty],
+        },
+    )
+    .expect("plans");
+    assert_eq!(tuned.regimes, model.regimes);
 }
 
 #[test]

@@ -128,6 +128,7 @@ __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (byte
 constexpr int ROUTE_THREADS = 1024;
 constexpr int COMBINE_THREADS = 128;
 constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = 1;
+constexpr int ERROR_EXPERT_ID_REPEATED = 3;  // expert-parallel path only
 
 // Activation: clamped_swiglu
 constexpr float SWIGLU_LIMIT = 7.0f, SWIGLU_ALPHA = 1.702f;

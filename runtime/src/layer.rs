@@ -89,6 +89,10 @@ pub enum LayerError {
         id: i32,
         experts: u32,
     },
+    #[error(
+        "topk_ids[{token}, {k}] = {id} repeats an expert an earlier choice of the same token names; the expert-parallel layer takes each token to an expert once, so that pair was skipped (give each token distinct experts)"
+    )]
+    ExpertIdRepeated { token: i32, k: i32, id: i32 },
     #[error("{var}={value:?} is not understood: expected {expected}")]
     InvalidEnv {
         var: &'static str,
@@ -883,6 +887,11 @@ pub(crate) fn kernel_error(word: [i32; 4], experts: u32) -> Result<(), LayerErro
             id: c,
             experts,
         }),
+        error_code::EXPERT_ID_REPEATED => Err(LayerError::ExpertIdRepeated {
+            token: a,
+            k: b,
+            id: c,
+        }),
         error_code::FLAG_TIMEOUT => Err(LayerError::FlagTimeout {
             wait: FlagWait {
                 rank: a,
@@ -1015,5 +1024,32 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn error_words_become_typed_errors_naming_the_pair() {
+        assert!(kernel_error([0; 4], 8).is_ok());
+        let out_of_range = kernel_error([error_code::EXPERT_ID_OUT_OF_RANGE, 5, 1, 9], 8);
+        assert!(matches!(
+            out_of_range,
+            Err(LayerError::ExpertIdOutOfRange {
+                token: 5,
+                k: 1,
+                id: 9,
+                experts: 8
+            })
+        ));
+        let repeated = kernel_error([error_code::EXPERT_ID_REPEATED, 3, 2, 4], 8);
+        let Err(
+            error @ LayerError::ExpertIdRepeated {
+                token: 3,
+                k: 2,
+                id: 4,
+            },
+        ) = repeated
+        else {
+            panic!("a repeated id is its own error: {repeated:?}");
+        };
+        assert!(error.to_string().contains("topk_ids[3, 2] = 4 repeats"));
     }
 }

@@ -10,7 +10,7 @@
 
 use moeforge_compiler::ir::Layer;
 use moeforge_compiler::plan::tuning::{
-    ChoiceSource, TunedGemm, TunedRegime, TunedShape, TuningTable, ranked_candidates,
+    TunedGemm, TunedRegime, TunedShape, TuningTable, ranked_candidates, same_shape,
     single_gpu_problem,
 };
 use moeforge_compiler::plan::{self, GemmKind, GemmPlan, Plan, PlanError, Target};
@@ -38,10 +38,23 @@ pub struct CandidateTiming {
     pub index: usize,
     pub of: usize,
     pub config: TunedGemm,
-    /// The layer's time summed over the regime's timed token counts, µs.
-    pub us: f64,
+    /// The layer's time summed over the regime's timed token counts, µs; or why this
+    /// candidate could not be built or run (it is then left out).
+    pub us: Result<f64, String>,
+    /// This GEMM as the cost model chose it (the first candidate).
     pub is_model_choice: bool,
 }
+
+/// What `tune_layer` reports as it goes.
+pub enum TuneEvent<'a> {
+    Candidate(&'a CandidateTiming),
+    /// A regime's entry, final: the caller may record it at once.
+    Regime(&'a TunedRegime),
+}
+
+/// A candidate replaces the current choice only when at least this much faster: the
+/// median of a few calls moves by about 1% between builds of the same kernels.
+pub const MIN_GAIN: f64 = 0.02;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TuneError {
@@ -86,7 +99,8 @@ pub fn timed_tokens(min_tokens: u32, max_tokens: u32) -> Vec<u32> {
 }
 
 /// Tunes every single-GPU regime of `layer` on `session`'s GPU (planned for `target`,
-/// which must be that GPU's): one entry per regime. `measured_by` names the build.
+/// which must be that GPU's): one entry per regime with a GEMM the spec does not hint.
+/// `measured_by` names the build.
 pub fn tune_layer(
     session: &Session,
     layer: &Layer,
@@ -94,11 +108,11 @@ pub fn tune_layer(
     settings: TuneSettings,
     measured_on: &str,
     measured_by: &str,
-    mut progress: impl FnMut(&CandidateTiming),
+    mut report: impl FnMut(TuneEvent<'_>),
 ) -> Result<Vec<TunedRegime>, TuneError> {
     let model = plan::plan(layer, target)?;
     let shape = model.shape.clone();
-    let hints = &layer.schedule;
+    let tunable = |kind| !plan::gemm_hinted(layer, kind);
     let mut entries = Vec::new();
     for (index, regime) in model.regimes.iter().enumerate() {
         let tokens = timed_tokens(regime.min_tokens, regime.max_tokens);
@@ -107,8 +121,8 @@ pub fn tune_layer(
             shape: TunedShape::of(&shape),
             min_tokens: regime.min_tokens,
             max_tokens: regime.max_tokens,
-            gemm1: TunedGemm::of(gemm1),
-            gemm2: TunedGemm::of(gemm2),
+            gemm1: tunable(GemmKind::Up).then(|| TunedGemm::of(gemm1)),
+            gemm2: tunable(GemmKind::Down).then(|| TunedGemm::of(gemm2)),
             timed_tokens: tokens.clone(),
             measured_us: 0.0,
             model_choice_us: 0.0,
@@ -124,31 +138,24 @@ pub fn tune_layer(
             check_applied(&candidate, index, layer)?;
             time_regime(session, candidate, &tokens, settings)
         };
-        let mut gemm1 = regime.gemm1.clone();
-        let mut gemm2 = regime.gemm2.clone();
+        let (mut gemm1, mut gemm2) = (regime.gemm1.clone(), regime.gemm2.clone());
+        // Both GEMMs as the cost model chose them, and the current choice, timed.
         let mut model_us = None;
-        // The time of (gemm1, gemm2) as they stand after the last GEMM tuned.
         let mut chosen_us = None;
         for kind in [GemmKind::Up, GemmKind::Down] {
-            let (chosen, hinted) = match kind {
-                GemmKind::Up => (&regime.gemm1, hints.gemm1_tile.is_some()),
-                GemmKind::Down => (&regime.gemm2, hints.gemm2_tile.is_some()),
-            };
-            if hinted || hints.stages.is_some() || chosen.source == ChoiceSource::Hint {
+            if !tunable(kind) {
                 continue;
             }
+            let current = match kind {
+                GemmKind::Up => gemm1.clone(),
+                GemmKind::Down => gemm2.clone(),
+            };
             let problem = single_gpu_problem(&shape, kind);
-            let mut candidates = vec![chosen.clone()];
+            let mut candidates = vec![current.clone()];
             candidates.extend(
-                ranked_candidates(
-                    target,
-                    &problem,
-                    regime.max_tokens,
-                    None,
-                    settings.candidates,
-                )
-                .into_iter()
-                .filter(|c| TunedGemm::of(c) != TunedGemm::of(chosen)),
+                ranked_candidates(target, &problem, regime.max_tokens, settings.candidates)
+                    .into_iter()
+                    .filter(|c| !same_shape(c, &current)),
             );
             candidates.truncate(settings.candidates.max(1));
             let mut best: Option<(f64, GemmPlan)> = None;
@@ -157,23 +164,30 @@ pub fn tune_layer(
                     GemmKind::Up => entry_with(candidate, &gemm2),
                     GemmKind::Down => entry_with(&gemm1, candidate),
                 };
-                let us = time(entry)?;
-                let is_model_choice = i == 0;
-                // GEMM1's first candidate runs both GEMMs as the cost model chose them;
-                // with GEMM1 hinted, GEMM2's first does.
-                if is_model_choice && model_us.is_none() {
-                    model_us = Some(us);
-                }
-                progress(&CandidateTiming {
+                // The current choice must run; another candidate that cannot is left out.
+                let us = match time(entry) {
+                    Ok(us) => Ok(us),
+                    Err(error) if i > 0 => Err(error.to_string()),
+                    Err(error) => return Err(error),
+                };
+                report(TuneEvent::Candidate(&CandidateTiming {
                     regime: regime.name.clone(),
                     gemm: kind,
                     index: i + 1,
                     of: candidates.len(),
                     config: TunedGemm::of(candidate),
-                    us,
-                    is_model_choice,
-                });
-                if best.as_ref().is_none_or(|(fastest, _)| us < *fastest) {
+                    us: us.clone(),
+                    is_model_choice: i == 0,
+                }));
+                let Ok(us) = us else { continue };
+                if i == 0 && model_us.is_none() {
+                    model_us = Some(us);
+                }
+                let wins = match &best {
+                    None => true,
+                    Some((fastest, _)) => us < fastest * (1.0 - MIN_GAIN),
+                };
+                if wins {
                     best = Some((us, candidate.clone()));
                 }
             }
@@ -185,12 +199,16 @@ pub fn tune_layer(
                 }
             }
         }
-        let mut entry = entry_with(&gemm1, &gemm2);
-        entry.measured_us = match chosen_us {
-            Some(us) => us,
-            None => time(entry.clone())?,
+        let (Some(model_us), Some(chosen_us)) = (model_us, chosen_us) else {
+            // Every GEMM is hinted: nothing was compared.
+            continue;
         };
-        entry.model_choice_us = model_us.unwrap_or(entry.measured_us);
+        let unchanged = same_shape(&gemm1, &regime.gemm1) && same_shape(&gemm2, &regime.gemm2);
+        let mut entry = entry_with(&gemm1, &gemm2);
+        // The cost model's own choice is one configuration: give it one time.
+        entry.measured_us = if unchanged { model_us } else { chosen_us };
+        entry.model_choice_us = model_us;
+        report(TuneEvent::Regime(&entry));
         entries.push(entry);
     }
     Ok(entries)

@@ -311,3 +311,39 @@ fn more_tokens_than_planned_is_refused() {
         "{error}"
     );
 }
+
+/// A token naming one expert twice is reported with its pair, neither dispatched twice nor
+/// waited for in the combine (no time-out), and the next call with distinct experts is
+/// right again.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_repeated_expert_id_is_reported_and_the_next_call_works() {
+    let seed = fresh_seed();
+    let session = Session::open().expect("GPU session");
+    let (built, mut ep) = tiny_on_virtual_ranks(&session, 2, seed);
+    let shape = built.layer.plan().shape.clone();
+    let workloads: Vec<Workload> = (0..2)
+        .map(|r| Workload::random(&shape, 40 + r, Routing::Uniform, seed + u64::from(r)))
+        .collect();
+    let mut repeated = workloads.clone();
+    let k = shape.top_k as usize;
+    repeated[1].topk_ids[7 * k + 1] = repeated[1].topk_ids[7 * k];
+    let started = std::time::Instant::now();
+    let error = session
+        .run_checked_expert_parallel(&built, &mut ep, &repeated, 0, seed)
+        .expect_err("a repeated expert id is an error");
+    say(format!(
+        "repeated id on rank 1: after {:.2} s: {error}",
+        started.elapsed().as_secs_f64()
+    ));
+    assert!(
+        error.to_string().contains("topk_ids[7, 1]") && error.to_string().contains("repeats"),
+        "{error}"
+    );
+    let reports = session
+        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+        .expect("the call after the repeated id");
+    for (r, report) in reports.iter().enumerate() {
+        assert!(report.passed(), "rank {r}: {report}");
+    }
+}

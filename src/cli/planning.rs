@@ -198,12 +198,10 @@ pub fn plan_file_over(
 /// The tuning table planning uses (see [`moeforge::tuning`]), or the reason it cannot be
 /// read, reported.
 pub fn planning_table() -> Result<TuningTable, ExitCode> {
-    moeforge::tuning::for_planning()
-        .map(|(table, _)| table)
-        .map_err(|error| {
-            eprintln!("error: {error}");
-            invalid_input()
-        })
+    moeforge::tuning::for_planning().map_err(|error| {
+        eprintln!("error: {error}");
+        invalid_input()
+    })
 }
 
 /// Reports a layer the planner refused, at the layer's name in `source` (and the refused

@@ -6,10 +6,10 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use moeforge::compiler::plan::GemmKind;
-use moeforge::compiler::plan::Target;
+use moeforge::compiler::plan::tuning::TunedGemm;
+use moeforge::compiler::plan::{GemmKind, Target};
 use moeforge::runtime::harness::Session;
-use moeforge::runtime::tune::{CandidateTiming, TuneSettings, timed_tokens, tune_layer};
+use moeforge::runtime::tune::{TuneEvent, TuneSettings, tune_layer};
 use moeforge::runtime::workload::fresh_seed;
 use moeforge::tuning;
 
@@ -72,13 +72,10 @@ pub fn run(args: &Args) -> ExitCode {
         }
     };
     // Read before measuring: a cache that cannot be updated should not cost minutes of GPU.
-    let mut table = match tuning::load(&cache) {
-        Ok(table) => table,
-        Err(error) => {
-            eprintln!("error: {error}");
-            return invalid_input();
-        }
-    };
+    if let Err(error) = tuning::load(&cache) {
+        eprintln!("error: {error}");
+        return invalid_input();
+    }
     let session = match Session::open() {
         Ok(session) => session,
         Err(error) => {
@@ -99,26 +96,38 @@ pub fn run(args: &Args) -> ExitCode {
         layer.name, target.name, args.candidates, args.iterations
     );
     let mut done = 0usize;
-    let progress = |t: &CandidateTiming| {
-        done += 1;
-        let gemm = match t.gemm {
-            GemmKind::Up => "gemm1",
-            GemmKind::Down => "gemm2",
-        };
-        eprintln!(
-            "  [{done:>3}] {:<13} {gemm} {}/{}  {:<36} {:>10.1} us{}",
-            t.regime,
-            t.index,
-            t.of,
-            t.config.describe(),
-            t.us,
-            if t.is_model_choice {
-                "  (the cost model's choice)"
-            } else {
-                ""
+    let mut saved = Ok(());
+    let report = |event: TuneEvent<'_>| match event {
+        TuneEvent::Candidate(t) => {
+            done += 1;
+            let gemm = match t.gemm {
+                GemmKind::Up => "gemm1",
+                GemmKind::Down => "gemm2",
+            };
+            let outcome = match &t.us {
+                Ok(us) => format!("{us:>10.1} us"),
+                Err(reason) => format!("left out: {reason}"),
+            };
+            eprintln!(
+                "  [{done:>3}] {:<13} {gemm} {}/{}  {:<36} {outcome}{}",
+                t.regime,
+                t.index,
+                t.of,
+                t.config.describe(),
+                if t.is_model_choice {
+                    "  (as the cost model chose it)"
+                } else {
+                    ""
+                }
+            );
+            let _ = std::io::stderr().flush();
+        }
+        // Saved as each regime ends, so that an interrupted run keeps what it measured.
+        TuneEvent::Regime(entry) => {
+            if saved.is_ok() {
+                saved = tuning::update(&cache, entry);
             }
-        );
-        let _ = std::io::stderr().flush();
+        }
     };
     let settings = TuneSettings {
         candidates: args.candidates,
@@ -130,51 +139,49 @@ pub fn run(args: &Args) -> ExitCode {
         env!("CARGO_PKG_VERSION"),
         env!("MOEFORGE_COMMIT")
     );
-    let entries = match tune_layer(
+    let result = tune_layer(
         &session,
         layer,
         &target,
         settings,
         &utc_date(),
         &measured_by,
-        progress,
-    ) {
+        report,
+    );
+    let entries = match result {
         Ok(entries) => entries,
         Err(error) => {
             eprintln!("error: {error}");
             return invalid_input();
         }
     };
+    if let Err(error) = saved {
+        eprintln!("error: {error}");
+        return invalid_input();
+    }
     println!(
         "| regime's tokens | timed at T | gemm1 | gemm2 | tuned us | cost model's us | speed-up |"
     );
     println!("|---|---|---|---|---|---|---|");
+    let gemm = |g: Option<TunedGemm>| g.map_or("(hinted)".to_string(), |g| g.describe());
     for entry in &entries {
-        let tokens: Vec<String> = timed_tokens(entry.min_tokens, entry.max_tokens)
-            .iter()
-            .map(u32::to_string)
-            .collect();
+        let tokens: Vec<String> = entry.timed_tokens.iter().map(u32::to_string).collect();
         println!(
             "| {}..={} | {} | {} | {} | {:.1} | {:.1} | {:.2}x |",
             entry.min_tokens,
             entry.max_tokens,
             tokens.join(", "),
-            entry.gemm1.describe(),
-            entry.gemm2.describe(),
+            gemm(entry.gemm1),
+            gemm(entry.gemm2),
             entry.measured_us,
             entry.model_choice_us,
             entry.model_choice_us / entry.measured_us
         );
-        table.record(entry.clone());
     }
-    match tuning::save(&cache, &table) {
-        Ok(()) => {
-            println!("wrote {} entries to {}", entries.len(), cache.display());
-            OK
-        }
-        Err(error) => {
-            eprintln!("error: {error}");
-            invalid_input()
-        }
+    if entries.is_empty() {
+        println!("nothing to tune: the spec hints every GEMM");
+    } else {
+        println!("wrote {} entries to {}", entries.len(), cache.display());
     }
+    OK
 }

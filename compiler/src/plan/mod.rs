@@ -420,6 +420,9 @@ pub mod error_code {
     /// A spin-wait passed its bound: details are the waiting rank, the flag (its kind in
     /// the top byte, see [`flag_kind`], its index below) and the epoch waited for.
     pub const FLAG_TIMEOUT: i32 = 2;
+    /// On the expert-parallel path, `topk_ids[t, k]` repeats an expert of an earlier `k`
+    /// of the same token (a segment of the receive index holds each token once).
+    pub const EXPERT_ID_REPEATED: i32 = 3;
 
     /// The kinds of flag a time-out names.
     pub mod flag_kind {
@@ -888,7 +891,8 @@ pub fn plan_tuned(
         let tuned = tuning
             .lookup(target, &shape, choice.min_tokens, choice.max_tokens)
             .and_then(|entry| match apply_tuned(layer, target, &shape, &mut choice, entry) {
-                Ok(()) => Some(entry.clone()),
+                Ok(true) => Some(entry.clone()),
+                Ok(false) => None,
                 Err(reason) => {
                     limitations.push(format!(
                         "the tuning table's entry for regime `{}` on {} cannot be used by this build ({reason}): the cost model's choice stands",
@@ -1570,34 +1574,48 @@ pub(crate) struct RegimeChoice {
     pub gemm2: GemmPlan,
 }
 
-/// Takes `entry`'s GEMMs into `choice`, each unless the spec hints that GEMM's tile or
-/// the stages; all or nothing.
+/// Whether the spec's schedule hints fix the GEMM of `kind` (its tile, or every GEMM's
+/// stages): the tuning table then leaves it alone, and `moeforge tune` does not time it.
+pub fn gemm_hinted(layer: &ir::Layer, kind: GemmKind) -> bool {
+    let hints = &layer.schedule;
+    let tile = match kind {
+        GemmKind::Up => hints.gemm1_tile,
+        GemmKind::Down => hints.gemm2_tile,
+    };
+    tile.is_some() || hints.stages.is_some()
+}
+
+/// Takes `entry`'s GEMMs into `choice`, each it has and the spec does not hint; all or
+/// nothing. Whether any was taken.
 fn apply_tuned(
     layer: &ir::Layer,
     target: &Target,
     shape: &LayerShape,
     choice: &mut RegimeChoice,
     entry: &tuning::TunedRegime,
-) -> Result<(), String> {
-    let hints = &layer.schedule;
-    let up = GemmProblem::for_layer(shape, GemmKind::Up, 1);
-    let down = GemmProblem::for_layer(shape, GemmKind::Down, 1);
+) -> Result<bool, String> {
     let tokens = choice.max_tokens;
-    let gemm1 = if hints.gemm1_tile.is_some() || hints.stages.is_some() {
-        choice.gemm1.clone()
-    } else {
-        tuning::tuned_gemm(target, &up, &entry.gemm1, tokens)
-            .map_err(|reason| format!("gemm1: {reason}"))?
+    let take = |kind: GemmKind, tuned: Option<tuning::TunedGemm>, name: &str| match tuned
+        .filter(|_| !gemm_hinted(layer, kind))
+    {
+        Some(tuned) => {
+            let problem = GemmProblem::for_layer(shape, kind, 1);
+            tuning::tuned_gemm(target, &problem, &tuned, tokens)
+                .map(Some)
+                .map_err(|reason| format!("{name}: {reason}"))
+        }
+        None => Ok(None),
     };
-    let gemm2 = if hints.gemm2_tile.is_some() || hints.stages.is_some() {
-        choice.gemm2.clone()
-    } else {
-        tuning::tuned_gemm(target, &down, &entry.gemm2, tokens)
-            .map_err(|reason| format!("gemm2: {reason}"))?
-    };
-    choice.gemm1 = gemm1;
-    choice.gemm2 = gemm2;
-    Ok(())
+    let gemm1 = take(GemmKind::Up, entry.gemm1, "gemm1")?;
+    let gemm2 = take(GemmKind::Down, entry.gemm2, "gemm2")?;
+    let taken = gemm1.is_some() || gemm2.is_some();
+    if let Some(gemm) = gemm1 {
+        choice.gemm1 = gemm;
+    }
+    if let Some(gemm) = gemm2 {
+        choice.gemm2 = gemm;
+    }
+    Ok(taken)
 }
 
 /// The regimes of a layer of `shape` on `target`: token counts 1, 2, 4, … up to

@@ -43,8 +43,10 @@ pub struct TunedRegime {
     /// The regime's token range as the cost model drew it.
     pub min_tokens: u32,
     pub max_tokens: u32,
-    pub gemm1: TunedGemm,
-    pub gemm2: TunedGemm,
+    /// Each GEMM's measured winner; `None` where the tuned spec hinted that GEMM, which
+    /// was then not compared (the cost model's choice stands for it).
+    pub gemm1: Option<TunedGemm>,
+    pub gemm2: Option<TunedGemm>,
     /// The token counts the candidates were timed at, and the layer's summed time there in
     /// µs with these GEMMs and with the cost model's.
     pub timed_tokens: Vec<u32>,
@@ -117,6 +119,16 @@ impl TunedGemm {
     }
 }
 
+impl TunedRegime {
+    /// Whether this entry is for that GPU, shape and regime.
+    fn is_for(&self, gpu: &str, shape: &TunedShape, min_tokens: u32, max_tokens: u32) -> bool {
+        self.gpu == gpu
+            && self.shape == *shape
+            && self.min_tokens == min_tokens
+            && self.max_tokens == max_tokens
+    }
+}
+
 impl TuningTable {
     /// The entry for this GPU, shape and regime, if any.
     pub fn lookup(
@@ -127,22 +139,16 @@ impl TuningTable {
         max_tokens: u32,
     ) -> Option<&TunedRegime> {
         let key = TunedShape::of(shape);
-        self.entries.iter().rev().find(|e| {
-            e.gpu == target.name
-                && e.shape == key
-                && e.min_tokens == min_tokens
-                && e.max_tokens == max_tokens
-        })
+        self.entries
+            .iter()
+            .rev()
+            .find(|e| e.is_for(&target.name, &key, min_tokens, max_tokens))
     }
 
     /// Adds `entry`, dropping any earlier one for the same GPU, shape and regime.
     pub fn record(&mut self, entry: TunedRegime) {
-        self.entries.retain(|e| {
-            !(e.gpu == entry.gpu
-                && e.shape == entry.shape
-                && e.min_tokens == entry.min_tokens
-                && e.max_tokens == entry.max_tokens)
-        });
+        self.entries
+            .retain(|e| !e.is_for(&entry.gpu, &entry.shape, entry.min_tokens, entry.max_tokens));
         self.entries.push(entry);
     }
 
@@ -176,18 +182,17 @@ pub(crate) fn tuned_gemm(
 }
 
 /// The `count` configurations the cost model ranks best for `problem` at `tokens`, best
-/// first (the candidates `moeforge tune` times). With `stages`, only that ring depth.
+/// first, each a distinct (engine, tile, cluster) at its best ring depth: the candidates
+/// `moeforge tune` times.
 pub fn ranked_candidates(
     target: &Target,
     problem: &GemmProblem,
     tokens: u32,
-    stages: Option<u32>,
     count: usize,
 ) -> Vec<GemmPlan> {
     let mut ranked: Vec<GemmPlan> = Vec::new();
     for (engine, tile) in candidate_tiles() {
-        let depths = stages.map_or_else(|| stage_choices(engine), |s| vec![s]);
-        for depth in depths {
+        for depth in stage_choices(engine) {
             let Ok(single) = shape_gemm(target, problem, engine, tile, depth) else {
                 continue;
             };
@@ -203,9 +208,7 @@ pub fn ranked_candidates(
     // (engine, tile, cluster) so the candidates differ in shape.
     let mut kept: Vec<GemmPlan> = Vec::new();
     for gemm in ranked {
-        let seen = kept
-            .iter()
-            .any(|k| k.engine == gemm.engine && k.tile == gemm.tile && k.cluster == gemm.cluster);
+        let seen = kept.iter().any(|k| same_shape(k, &gemm));
         if !seen {
             kept.push(gemm);
         }
@@ -214,6 +217,11 @@ pub fn ranked_candidates(
         }
     }
     kept
+}
+
+/// Whether two configurations have the same engine, tile and cluster (ring depth aside).
+pub fn same_shape(a: &GemmPlan, b: &GemmPlan) -> bool {
+    a.engine == b.engine && a.tile == b.tile && a.cluster == b.cluster
 }
 
 /// The GEMM problem of `kind` for a single-GPU plan of `shape`.
@@ -253,8 +261,8 @@ mod tests {
             shape: TunedShape::of(&shape()),
             min_tokens: min,
             max_tokens: max,
-            gemm1: gemm,
-            gemm2: gemm,
+            gemm1: Some(gemm),
+            gemm2: Some(gemm),
             timed_tokens: vec![max],
             measured_us: 1.0,
             model_choice_us: 2.0,
@@ -272,7 +280,8 @@ mod tests {
         assert_eq!(
             table
                 .lookup(&h200, &shape(), 0, 128)
-                .map(|e| e.gemm1.tile.m),
+                .and_then(|e| e.gemm1)
+                .map(|g| g.tile.m),
             Some(16)
         );
         assert!(table.lookup(&h200, &shape(), 0, 256).is_none());
@@ -290,7 +299,7 @@ mod tests {
         table.record(entry(0, 128, 16));
         table.record(entry(0, 128, 32));
         assert_eq!(table.entries.len(), 1);
-        assert_eq!(table.entries[0].gemm1.tile.m, 32);
+        assert_eq!(table.entries[0].gemm1.map(|g| g.tile.m), Some(32));
         let shipped = TuningTable {
             entries: vec![entry(0, 128, 16), entry(129, 4096, 64)],
         };
@@ -300,7 +309,8 @@ mod tests {
         assert_eq!(
             merged
                 .lookup(&h200, &shape(), 0, 128)
-                .map(|e| e.gemm1.tile.m),
+                .and_then(|e| e.gemm1)
+                .map(|g| g.tile.m),
             Some(32)
         );
     }
@@ -309,14 +319,13 @@ mod tests {
     fn ranked_candidates_are_distinct_shapes_best_first() {
         let target = Target::h200();
         let problem = single_gpu_problem(&shape(), GemmKind::Up);
-        let candidates = ranked_candidates(&target, &problem, 1024, None, 4);
+        let candidates = ranked_candidates(&target, &problem, 1024, 4);
         assert_eq!(candidates.len(), 4);
         for pair in candidates.windows(2) {
             assert!(ranking_seconds(&pair[0]) <= ranking_seconds(&pair[1]));
-            assert!(
-                (pair[0].engine, pair[0].tile, pair[0].cluster)
-                    != (pair[1].engine, pair[1].tile, pair[1].cluster)
-            );
+        }
+        for (i, a) in candidates.iter().enumerate() {
+            assert!(candidates[i + 1..].iter().all(|b| !same_shape(a, b)));
         }
     }
 
