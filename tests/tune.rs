@@ -21,6 +21,17 @@ fn bad_arguments_are_usage_errors() {
 }
 
 #[test]
+fn an_unknown_layer_is_named_with_the_file_s_layers() {
+    let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--layer", "nope"]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("no layer `nope`") && stderr.contains("tiny"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_malformed_cache_is_refused_before_any_measuring() {
     let dir = scratch("malformed");
     std::fs::create_dir_all(&dir).expect("scratch folder");

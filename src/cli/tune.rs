@@ -47,11 +47,11 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(compiled) => compiled,
         Err(status) => return status,
     };
-    let Some(layer) = (match &args.layer {
+    let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
+    let layer = match &args.layer {
         Some(name) => module.layers.iter().find(|l| &l.name == name),
         None if module.layers.len() == 1 => module.layers.first(),
         None => {
-            let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
             eprintln!(
                 "error: {} has {} layers; pick one with --layer ({})",
                 args.file.display(),
@@ -60,8 +60,14 @@ pub fn run(args: &Args) -> ExitCode {
             );
             return usage_error();
         }
-    }) else {
-        eprintln!("error: {} has no such layer", args.file.display());
+    };
+    let Some(layer) = layer else {
+        eprintln!(
+            "error: {} has no layer `{}` (it has: {})",
+            args.file.display(),
+            args.layer.as_deref().unwrap_or_default(),
+            names.join(", ")
+        );
         return usage_error();
     };
     let cache = match args.cache.clone().map_or_else(tuning::cache_path, Ok) {
