@@ -1,11 +1,15 @@
-//! `moeforge tune` on the GPU: it writes one entry per regime of the tiny example, planning
-//! with that cache takes every entry, and the tuned layer still computes what the CPU
-//! reference computes. On the CPU: the command's refusals.
+//! `moeforge tune` on the GPU: it writes one entry per regime of a small layer with no
+//! schedule hints (`tests/fixtures/untuned_small.moe`), planning with that cache takes every
+//! entry, and the tuned layer still computes what the CPU reference computes. On the CPU:
+//! the command's refusals.
 
 use std::path::PathBuf;
 
 mod common;
 use common::{moeforge, moeforge_with_env};
+
+/// Three regimes, no hints: every GEMM is the cost model's to choose.
+const SMALL: &str = "tests/fixtures/untuned_small.moe";
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("moeforge-tune-{}-{name}", std::process::id()));
@@ -75,7 +79,7 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
     let cache_arg = cache.display().to_string();
     let output = moeforge(&[
         "tune",
-        "dsl-examples/tiny.moe",
+        SMALL,
         "--cache",
         &cache_arg,
         "--candidates",
@@ -90,7 +94,7 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
     assert!(output.status.success(), "{stdout}\n{stderr}");
     assert!(stderr.contains("(as the cost model chose it)"), "{stderr}");
     let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
-    let explain = moeforge_with_env(&["explain", "dsl-examples/tiny.moe"], &env);
+    let explain = moeforge_with_env(&["explain", SMALL], &env);
     let text = String::from_utf8_lossy(&explain.stdout);
     assert!(explain.status.success());
     let regimes = text
@@ -102,21 +106,13 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
         .filter(|l| l.trim_start().starts_with("tuned "))
         .count();
     assert!(
-        regimes > 0 && tuned == regimes,
+        regimes == 3 && tuned == regimes,
         "{regimes} regimes, {tuned} tuned:\n{text}"
     );
     // The tuned layer against the CPU reference, at a ragged count of every regime.
-    for tokens in ["1", "77", "300"] {
+    for tokens in ["1", "77", "300", "1500"] {
         let run = moeforge_with_env(
-            &[
-                "run",
-                "dsl-examples/tiny.moe",
-                "--tokens",
-                tokens,
-                "--check",
-                "--seed",
-                "7",
-            ],
+            &["run", SMALL, "--tokens", tokens, "--check", "--seed", "7"],
             &env,
         );
         assert!(
