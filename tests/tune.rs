@@ -25,6 +25,13 @@ fn bad_arguments_are_usage_errors() {
 }
 
 #[test]
+fn a_spec_that_hints_every_gemm_has_nothing_to_tune() {
+    let output = moeforge(&["tune", "dsl-examples/tiny.moe"]);
+    assert!(output.status.success());
+    assert!(String::from_utf8_lossy(&output.stdout).contains("nothing to tune"));
+}
+
+#[test]
 fn an_unknown_layer_is_named_with_the_file_s_layers() {
     let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--layer", "nope"]);
     assert_eq!(output.status.code(), Some(2));
@@ -42,7 +49,7 @@ fn a_malformed_cache_is_refused_before_any_measuring() {
     let cache = dir.join("tuning.json");
     std::fs::write(&cache, "not json").expect("writes");
     let cache_arg = cache.display().to_string();
-    let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--cache", &cache_arg]);
+    let output = moeforge(&["tune", SMALL, "--cache", &cache_arg]);
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
