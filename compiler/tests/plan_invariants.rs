@@ -403,6 +403,49 @@ fn virtual_ranks_fit_one_block_per_sm() {
     }
 }
 
+/// The metadata kernel runs a block per tile of the regime's largest call, at most the
+/// regime's communication blocks (which the residency accounting reserves for it), and
+/// validation refuses a grid past them.
+#[test]
+fn the_metadata_grid_is_its_tiles_within_the_communication_blocks() {
+    let target = Target::h200();
+    let mut layer = common::layer("ep", 2048, 768, 128, 8, Activation::Swiglu, 16384);
+    layer.parallel.expert = 2;
+    layer.topology.gpus_per_node = 2;
+    let plan = plan::plan(&layer, &target).expect("plans");
+    let ep = plan.expert_parallel.as_ref().expect("expert-parallel plan");
+    assert_eq!(ep.metadata_tile_tokens, 2048 / 8);
+    for regime in &ep.regimes {
+        let metadata = regime
+            .launches
+            .iter()
+            .find(|l| l.kernel == ep.route_kernel)
+            .expect("a metadata launch");
+        let tiles = regime.max_tokens.div_ceil(ep.metadata_tile_tokens);
+        assert_eq!(
+            metadata.grid,
+            Grid::Fixed(tiles.clamp(1, regime.comm_blocks)),
+            "regime {}",
+            regime.name
+        );
+    }
+    let mut inflated = plan.clone();
+    let ep = inflated.expert_parallel.as_mut().unwrap();
+    let route = ep.route_kernel.clone();
+    let regime = &mut ep.regimes[0];
+    let too_many = regime.comm_blocks + 1;
+    regime
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == route)
+        .unwrap()
+        .grid = Grid::Fixed(too_many);
+    let error = inflated
+        .validate()
+        .expect_err("a metadata grid past the communication blocks");
+    assert!(error.to_string().contains("metadata"), "{error}");
+}
+
 /// The H200 plan of the shipped example `name`, validated.
 fn example_plan(name: &str) -> plan::Plan {
     let path = format!("{}/../dsl-examples/{name}.moe", env!("CARGO_MANIFEST_DIR"));
