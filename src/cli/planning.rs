@@ -4,9 +4,9 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use moeforge::compiler;
 use moeforge::compiler::plan::tuning::TuningTable;
 use moeforge::compiler::plan::{self, Plan, Target};
+use moeforge::compiler::{self, ir};
 use moeforge::runtime::checkpoint::{HostGate, HostWeights};
 use moeforge::runtime::ep::EpLayer;
 use moeforge::runtime::gpu::CudaContext;
@@ -138,23 +138,7 @@ pub fn plan_file_over(
     leave_out_shared: bool,
 ) -> Result<Vec<Plan>, ExitCode> {
     let (source, module) = compile_file(file)?;
-    let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
-    let selected: Vec<_> = module
-        .layers
-        .iter()
-        .filter(|l| layer.is_none_or(|name| l.name == name))
-        .collect();
-    if selected.is_empty() {
-        match layer {
-            Some(name) => eprintln!(
-                "error: {} has no layer `{name}` (it has: {})",
-                file.display(),
-                names.join(", ")
-            ),
-            None => eprintln!("error: {} defines no layer", file.display()),
-        }
-        return Err(usage_error());
-    }
+    let selected = selected_layers(file, &module, layer)?;
     let tuning = planning_table()?;
     let mut plans = Vec::new();
     for layer in selected {
@@ -204,6 +188,62 @@ pub fn planning_table() -> Result<TuningTable, ExitCode> {
     })
 }
 
+/// The layers of `module` (from `file`) a command takes: `layer` alone when given, else
+/// all; none is a usage error, reported.
+fn selected_layers<'a>(
+    file: &Path,
+    module: &'a ir::Module,
+    layer: Option<&str>,
+) -> Result<Vec<&'a ir::Layer>, ExitCode> {
+    let selected: Vec<_> = module
+        .layers
+        .iter()
+        .filter(|l| layer.is_none_or(|name| l.name == name))
+        .collect();
+    if selected.is_empty() {
+        let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
+        match layer {
+            Some(name) => eprintln!(
+                "error: {} has no layer `{name}` (it has: {})",
+                file.display(),
+                names.join(", ")
+            ),
+            None => eprintln!("error: {} defines no layer", file.display()),
+        }
+        return Err(usage_error());
+    }
+    Ok(selected)
+}
+
+/// Exactly one layer of `module` (from `file`), for commands that take one: `layer`, or
+/// the file's only one.
+pub fn one_layer<'a>(
+    file: &Path,
+    module: &'a ir::Module,
+    layer: Option<&str>,
+) -> Result<&'a ir::Layer, ExitCode> {
+    let selected = selected_layers(file, module, layer)?;
+    if selected.len() > 1 {
+        return Err(several_layers(
+            file,
+            selected.iter().map(|l| l.name.as_str()),
+        ));
+    }
+    Ok(selected[0])
+}
+
+/// Reports that a command taking one layer was given a file of several, naming them.
+fn several_layers<'a>(file: &Path, names: impl Iterator<Item = &'a str>) -> ExitCode {
+    let names: Vec<&str> = names.collect();
+    eprintln!(
+        "error: {} has {} layers; pick one with --layer ({})",
+        file.display(),
+        names.len(),
+        names.join(", ")
+    );
+    usage_error()
+}
+
 /// Reports a layer the planner refused, at the layer's name in `source` (and the refused
 /// hint, if any), as the checker reports its errors.
 pub fn report_plan_error(source: &SourceFile, layer: &str, error: &plan::PlanError) {
@@ -220,14 +260,7 @@ pub fn report_plan_error(source: &SourceFile, layer: &str, error: &plan::PlanErr
 pub fn plan_one(file: &Path, layer: Option<&str>, target: &Target) -> Result<Plan, ExitCode> {
     let mut plans = plan_file(file, layer, target)?;
     if plans.len() > 1 {
-        let names: Vec<&str> = plans.iter().map(|p| p.layer.as_str()).collect();
-        eprintln!(
-            "error: {} has {} layers; pick one with --layer ({})",
-            file.display(),
-            plans.len(),
-            names.join(", ")
-        );
-        return Err(usage_error());
+        return Err(several_layers(file, plans.iter().map(|p| p.layer.as_str())));
     }
     Ok(plans.remove(0))
 }

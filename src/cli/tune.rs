@@ -14,6 +14,7 @@ use moeforge::runtime::workload::fresh_seed;
 use moeforge::tuning;
 
 use super::bench::utc_date;
+use super::planning::one_layer;
 use super::{OK, compile_file, invalid_input, usage_error};
 
 /// Measure candidate GEMM configurations of a layer on the GPU; the fastest per regime go
@@ -47,28 +48,9 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(compiled) => compiled,
         Err(status) => return status,
     };
-    let names: Vec<&str> = module.layers.iter().map(|l| l.name.as_str()).collect();
-    let layer = match &args.layer {
-        Some(name) => module.layers.iter().find(|l| &l.name == name),
-        None if module.layers.len() == 1 => module.layers.first(),
-        None => {
-            eprintln!(
-                "error: {} has {} layers; pick one with --layer ({})",
-                args.file.display(),
-                names.len(),
-                names.join(", ")
-            );
-            return usage_error();
-        }
-    };
-    let Some(layer) = layer else {
-        eprintln!(
-            "error: {} has no layer `{}` (it has: {})",
-            args.file.display(),
-            args.layer.as_deref().unwrap_or_default(),
-            names.join(", ")
-        );
-        return usage_error();
+    let layer = match one_layer(&args.file, &module, args.layer.as_deref()) {
+        Ok(layer) => layer,
+        Err(status) => return status,
     };
     if [GemmKind::Up, GemmKind::Down]
         .into_iter()

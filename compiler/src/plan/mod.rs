@@ -1447,6 +1447,35 @@ fn hinted_gemm(
     })
 }
 
+/// Every configuration the cost model compares for `problem` (with `stages`, only that
+/// ring depth), estimated at `tokens`, in a stable order: per candidate tile and ring, the
+/// cluster pair first (where the model cannot tell them apart, the configuration that
+/// reads less from L2 wins the tie), then the single block; or why the tile and ring
+/// cannot be planned.
+fn costed_candidates<'a>(
+    target: &'a Target,
+    problem: &'a GemmProblem,
+    tokens: u32,
+    stages: Option<u32>,
+) -> impl Iterator<Item = Result<GemmPlan, String>> + 'a {
+    candidate_tiles().flat_map(move |(engine, tile)| {
+        let depths = stages.map_or_else(|| stage_choices(engine), |s| vec![s]);
+        depths.into_iter().flat_map(move |depth| {
+            match shape_gemm(target, problem, engine, tile, depth) {
+                Ok(single) => as_cluster_pair(problem, &single)
+                    .into_iter()
+                    .chain(std::iter::once(single))
+                    .map(|mut gemm| {
+                        gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
+                        Ok(gemm)
+                    })
+                    .collect::<Vec<_>>(),
+                Err(reason) => vec![Err(reason)],
+            }
+        })
+    })
+}
+
 /// The candidate tiles the cost model compares when no tile is hinted, in a stable order.
 fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
     let candidates: [(MmaEngine, &'static [u32], &'static [u32]); 2] = [
@@ -1599,7 +1628,7 @@ fn apply_tuned(
         .filter(|_| !gemm_hinted(layer, kind))
     {
         Some(tuned) => {
-            let problem = GemmProblem::for_layer(shape, kind, 1);
+            let problem = tuning::single_gpu_problem(shape, kind);
             tuning::tuned_gemm(target, &problem, &tuned, tokens)
                 .map(Some)
                 .map_err(|reason| format!("{name}: {reason}"))
@@ -1709,29 +1738,17 @@ fn choose_gemm(
     }
     let mut best: Option<GemmPlan> = None;
     let mut last_reason = String::from("no candidate tiles");
-    for (engine, tile) in candidate_tiles() {
-        let stages_tried = match hinted_stages {
-            Some(s) => vec![s],
-            None => stage_choices(engine),
-        };
-        for stages in stages_tried {
-            match shape_gemm(target, problem, engine, tile, stages) {
-                Ok(single) => {
-                    // The pair first: where the model cannot tell them apart, the
-                    // configuration that reads less from L2 wins the tie.
-                    let pair = as_cluster_pair(problem, &single);
-                    for mut gemm in pair.into_iter().chain(std::iter::once(single)) {
-                        gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
-                        let better = best
-                            .as_ref()
-                            .is_none_or(|b| ranking_seconds(&gemm) < ranking_seconds(b) * 0.999);
-                        if better {
-                            best = Some(gemm);
-                        }
-                    }
+    for candidate in costed_candidates(target, problem, tokens, hinted_stages) {
+        match candidate {
+            Ok(gemm) => {
+                let better = best
+                    .as_ref()
+                    .is_none_or(|b| ranking_seconds(&gemm) < ranking_seconds(b) * 0.999);
+                if better {
+                    best = Some(gemm);
                 }
-                Err(reason) => last_reason = reason,
             }
+            Err(reason) => last_reason = reason,
         }
     }
     best.ok_or_else(|| PlanError::NoFeasibleTile {

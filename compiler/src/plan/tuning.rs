@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     GemmKind, GemmPlan, GemmProblem, LayerShape, MmaEngine, Target, TileShape, as_cluster_pair,
-    candidate_tiles, cost, ranking_seconds, shape_gemm, stage_choices,
+    cost, costed_candidates, ranking_seconds, shape_gemm,
 };
 use crate::ir::Activation;
 
@@ -190,19 +190,9 @@ pub fn ranked_candidates(
     tokens: u32,
     count: usize,
 ) -> Vec<GemmPlan> {
-    let mut ranked: Vec<GemmPlan> = Vec::new();
-    for (engine, tile) in candidate_tiles() {
-        for depth in stage_choices(engine) {
-            let Ok(single) = shape_gemm(target, problem, engine, tile, depth) else {
-                continue;
-            };
-            let pair = as_cluster_pair(problem, &single);
-            for mut gemm in pair.into_iter().chain(std::iter::once(single)) {
-                gemm.estimate = cost::estimate(target, problem, &gemm, tokens);
-                ranked.push(gemm);
-            }
-        }
-    }
+    let mut ranked: Vec<GemmPlan> = costed_candidates(target, problem, tokens, None)
+        .filter_map(Result::ok)
+        .collect();
     ranked.sort_by(|a, b| ranking_seconds(a).total_cmp(&ranking_seconds(b)));
     // Tiles that differ only in ring depth are near neighbours; keep the best ring of each
     // (engine, tile, cluster) so the candidates differ in shape.
