@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use moeforge::compiler::plan::tuning::TunedGemm;
 use moeforge::compiler::plan::{self, GemmKind, Target};
 use moeforge::runtime::harness::Session;
-use moeforge::runtime::tune::{TuneEvent, TuneSettings, tune_layer};
+use moeforge::runtime::tune::{MAX_LOSS, MIN_GAIN, TuneEvent, TuneSettings, tune_layer};
 use moeforge::runtime::workload::fresh_seed;
 use moeforge::tuning;
 
@@ -90,8 +90,13 @@ pub fn run(args: &Args) -> ExitCode {
     };
     let seed = fresh_seed(args.seed);
     eprintln!(
-        "tuning `{}` on {}: {} candidates per GEMM and regime, each a whole layer timed at its regime's middle and largest call ({} calls each, median)",
-        layer.name, target.name, args.candidates, args.iterations
+        "tuning `{}` on {}: {} candidates per GEMM and regime, each a whole layer timed at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them)",
+        layer.name,
+        target.name,
+        args.candidates,
+        args.iterations,
+        MIN_GAIN * 100.0,
+        MAX_LOSS * 100.0
     );
     let mut done = 0usize;
     let mut saved = Ok(());
@@ -103,7 +108,10 @@ pub fn run(args: &Args) -> ExitCode {
                 GemmKind::Down => "gemm2",
             };
             let outcome = match &t.us {
-                Ok(us) => format!("{us:>10.1} us"),
+                Ok(us) => {
+                    let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
+                    format!("{} us", each.join(" / "))
+                }
                 Err(reason) => format!("left out: {reason}"),
             };
             eprintln!(
