@@ -9,10 +9,18 @@
 //                               then one row per own token for each shared slice
 //                               (a thread per row, on every compute SM)
 //                   GEMM1       each tile waits for the chunks its rows sit in
+{%- if ep.rank_partials %}
+//                   GEMM2       keeps its weighted rows here (pair_results)
+//                   ep_combine  sums each received token's rows into one partial, stored
+//                               at its origin with a release of the origin's counter;
+//                               then waits for each own token's counter and sums the
+//                               partials of the ranks it visited, in rank order
+{%- else %}
 //                   GEMM2       stores weighted rows into the origin's combine slots and
 //                               releases the origin's per-token counter
 //                   ep_combine  waits for each token's counter, sums its K slots (and
 //                               its shared slices')
+{%- endif %}
 // ---------------------------------------------------------------------------------------
 constexpr int RANKS = {{ ep.ranks }};
 constexpr int LOCAL_EXPERTS = {{ ep.local_experts }};     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
@@ -29,6 +37,9 @@ constexpr int MIN_PIECE = {{ ep.piece }};                  // fewest tokens per 
 constexpr int COPY_UNROLL = 8;                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
 constexpr int COMM_THREADS = {{ ep.comm_threads }};
 constexpr int META_THREADS = {{ ep.meta_threads }};
+{%- if ep.rank_partials %}
+constexpr int PARTIALS_PER_RELEASE = {{ ep.partials_per_release }};  // rank partials a combine block releases together
+{%- endif %}
 constexpr int EP_ROUTE_STATIC_SMEM_BYTES = {{ ep.route.static_smem }};
 constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = {{ ep.arrange.static_smem }};
 constexpr int EP_COMBINE_STATIC_SMEM_BYTES = {{ ep.combine.static_smem }};
@@ -66,6 +77,8 @@ struct ExpertParallel {
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
+    // GEMM2 keeps its rows here for the combine's rank partials (else stores them at their origins).
+    static constexpr bool RANK_PARTIALS = {{ ep.rank_partials }};
 };
 
 template <typename T>
@@ -482,6 +495,14 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
     __syncthreads();
     if (blockIdx.x == 0) {
         for (int g = threadIdx.x; g <= SEGMENTS; g += META_THREADS) segment_offsets[g] = s_offsets[g];
+{%- if ep.rank_partials %}
+        // The combine walks the received tokens after the sources' next metadata may have
+        // replaced recv_counts: it reads this copy.
+        for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
+            received_tokens[source] =
+                source == rank ? tokens : s_arrived ? recv_counts[source * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS] : 0;
+        }
+{%- endif %}
     }
     const int rows = s_offsets[SEGMENTS];
     for (int row = blockIdx.x * META_THREADS + threadIdx.x; row < rows; row += gridDim.x * META_THREADS) {
@@ -498,14 +519,22 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
             segment_pairs[row] = token * SLOTS_PER_TOKEN + TOP_K + slice;
             segment_weights[row] = 1.f;
             row_origins[row] = rank;
+{%- if ep.rank_partials %}
+            received_pair_rows[(size_t)(OWN_ROW_BASE + token) * SLOTS_PER_TOKEN + TOP_K + slice] = row + 1;
+{%- endif %}
             continue;
         }
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
         const int slot = recv_slot[from];
-        segment_rows[row] = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
-        segment_pairs[row] = recv_pair[from];
+        const int received_row = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
+        const int pair = recv_pair[from];
+        segment_rows[row] = received_row;
+        segment_pairs[row] = pair;
         segment_weights[row] = recv_weight[from];
         row_origins[row] = source;
+{%- if ep.rank_partials %}
+        received_pair_rows[(size_t)received_row * SLOTS_PER_TOKEN + pair % SLOTS_PER_TOKEN] = row + 1;
+{%- endif %}
     }
     // Every source's counts and index are consumed once every block is done with them:
     // the last block gives each source its credit back.
@@ -536,7 +565,64 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
     {{ ep.combine.params }}
 )
 {
+{%- if ep.rank_partials %}
+    // First the partials: every token received here (each source's in slot order, then
+    // this rank's own) has its rows summed in k order into one row at its origin, then
+    // HIDDEN columns of the origin's counter released. Nothing in this part waits, so
+    // every block has sent its share before it waits on its own tokens below. Releases go
+    // PARTIALS_PER_RELEASE at a time, a thread each, so their fences overlap.
+    __shared__ int s_release_source[PARTIALS_PER_RELEASE], s_release_token[PARTIALS_PER_RELEASE];
+    __shared__ int s_release_row[PARTIALS_PER_RELEASE];
+    static_assert(static_smem_reserved(sizeof(s_release_source) + sizeof(s_release_token) + sizeof(s_release_row)) ==
+                      EP_COMBINE_STATIC_SMEM_BYTES,
+                  "plan: combine kernel's static shared memory");
+    // Once every thread has stored its columns of the pending partials: thread j clears the
+    // pair rows of pending partial j and releases it at its origin.
+    const auto release_pending = [&](int pending) {
+        __syncthreads();
+        if (threadIdx.x < pending) {
+            int* pair_rows = received_pair_rows + (size_t)s_release_row[threadIdx.x] * SLOTS_PER_TOKEN;
+            for (int k = 0; k < SLOTS_PER_TOKEN; ++k) pair_rows[k] = 0;
+            fence_flags();
+            flag_add(peer_buffer<u32>(peer_table, s_release_source[threadIdx.x], PEER_COMBINE_COUNTERS) +
+                         s_release_token[threadIdx.x],
+                     HIDDEN);
+        }
+        __syncthreads();  // the slots are free for the next partials
+    };
+    int received = 0;
+    for (int source = 0; source < RANKS; ++source) received += received_tokens[source];
+    int pending = 0;
+    for (int item = blockIdx.x; item < received; item += gridDim.x) {
+        int source = 0, index = item;
+        while (index >= received_tokens[source]) index -= received_tokens[source++];
+        const int received_row = source == rank ? OWN_ROW_BASE + index : source * SLOTS + index;
+        const int* pair_rows = received_pair_rows + (size_t)received_row * SLOTS_PER_TOKEN;
+        const bf16_t* rows[SLOTS_PER_TOKEN];
+        int token = -1;
+#pragma unroll
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            const int row = pair_rows[k];
+            rows[k] = row > 0 ? pair_results + (size_t)(row - 1) * HIDDEN : nullptr;
+            if (row > 0 && token < 0) token = segment_pairs[row - 1] / SLOTS_PER_TOKEN;
+        }
+        if (token < 0) continue;  // an own token with no expert here (the same for every thread)
+        combine_rows<SLOTS_PER_TOKEN>(rows, peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
+                                                ((size_t)token * RANKS + rank) * HIDDEN);
+        if (threadIdx.x == 0) {
+            s_release_source[pending] = source;
+            s_release_token[pending] = token;
+            s_release_row[pending] = received_row;
+        }
+        if (++pending == PARTIALS_PER_RELEASE) {
+            release_pending(pending);
+            pending = 0;
+        }
+    }
+    release_pending(pending);
+{%- else %}
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
+{%- endif %}
     for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
 {%- if ep.network.is_some() %}
         // A pair computed on another node comes back through NCCL into net_returned_x (that
@@ -571,6 +657,25 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         __syncthreads();
         combine_rows<SLOTS_PER_TOKEN>(rows, y + (size_t)token * HIDDEN);
         __syncthreads();  // every thread read the rows before the counter is reset
+        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
+    }
+}
+{%- else if ep.rank_partials %}
+        bool present[RANKS];
+        u32 visited = 0;
+#pragma unroll
+        for (int r = 0; r < RANKS; ++r) present[r] = SHARED_SLICES > 0 && r == rank;
+        for (int k = 0; k < TOP_K; ++k) {
+            if (pair_combined(topk_ids, token, k)) present[topk_ids[token * TOP_K + k] / LOCAL_EXPERTS] = true;
+        }
+#pragma unroll
+        for (int r = 0; r < RANKS; ++r) visited += present[r];
+        const u32 target = visited * HIDDEN;
+        bool complete = false;
+        if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        __syncthreads();
+        combine_token<RANKS>(combine_slots, token, present, y);
+        __syncthreads();  // every thread read the partials before the counter is reset
         if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }

@@ -22,6 +22,7 @@ struct SingleGpu {
     static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
     static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
+    static constexpr bool RANK_PARTIALS = false;
 };
 
 // What a GEMM of the expert-parallel path needs beyond the single-GPU one (empty there).
@@ -302,6 +303,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
     const float* bias = G::BIAS ? expert_bias + (size_t)t.expert * BIAS_WIDTH : nullptr;
     if constexpr (G::KIND == GEMM_UP) {
         return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f, bias};
+    } else if constexpr (G::EP && G::RANK_PARTIALS) {
+        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, ep.row_weights[t.row0 + r], bias};
     } else if constexpr (G::EP) {
         const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
@@ -315,11 +318,12 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
 // Expert-parallel GEMM2, after a tile's stores (and the barrier among the STORERS threads
 // that made them; `storer` is this one's index): each row releases BN columns to its
 // token's counter at the origin. An origin on another node has no counter here (its peer
-// table entry is null): its rows go back through NCCL once GEMM2 is done.
+// table entry is null): its rows go back through NCCL once GEMM2 is done. With rank
+// partials nothing is released here: the combine sums the rows here first.
 template <class G, int STORERS>
 __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep,
                                                  int storer) {
-    if constexpr (G::EP && G::KIND == GEMM_DOWN) {
+    if constexpr (G::EP && G::KIND == GEMM_DOWN && !G::RANK_PARTIALS) {
         for (int r = storer; r < t.rows; r += STORERS) {
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);

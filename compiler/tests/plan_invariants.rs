@@ -7,9 +7,10 @@
 use moeforge_compiler::ir::{
     Activation, GroupLimit, Layer, Router, RouterBias, Scoring, TileShape,
 };
+use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::tuning::ChoiceSource;
 use moeforge_compiler::plan::{
-    self, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, TILE_K, Target,
+    self, BufferId, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, TILE_K, Target,
 };
 use proptest::prelude::*;
 
@@ -594,4 +595,72 @@ fn routing_over_several_blocks_is_planned_and_checked() {
         .expect_err("a fused router over blocks")
         .to_string();
     assert!(refusal.contains("fused router"), "{refusal}");
+}
+
+/// Results return as rank partials where a rank a token visits holds at least two of its
+/// pairs on average (Qwen3-30B-A3B over 2 GPUs: 4.01), with the buffers they need; as
+/// pair rows where it holds fewer (top-2 of 8 experts over 2 GPUs: 14/11) or where ranks
+/// on other nodes take them back through NCCL; and validation refuses rank partials
+/// across nodes.
+#[test]
+fn results_return_as_rank_partials_where_a_rank_holds_several_pairs() {
+    assert!((plan::ep::pairs_per_visited_rank(8, 2, 2) - 14.0 / 11.0).abs() < 1e-9);
+    let planned = |experts, top_k, gpus_per_node, nodes| {
+        let mut layer = common::layer("ep", 2048, 768, experts, top_k, Activation::Swiglu, 16384);
+        layer.parallel.expert = gpus_per_node * nodes;
+        layer.topology.gpus_per_node = gpus_per_node;
+        layer.topology.nodes = nodes;
+        let plan = plan::plan(&layer, &Target::h200()).expect("plans");
+        assert_eq!(plan.validate(), Ok(()));
+        plan
+    };
+    let elems = |plan: &Plan, id: BufferId| {
+        let ep = plan.expert_parallel.as_ref().expect("expert-parallel plan");
+        ep.workspace.iter().find(|b| b.id == id).map(|b| b.elems)
+    };
+
+    let qwen = planned(128, 8, 2, 1);
+    let ep = qwen.expert_parallel.as_ref().unwrap();
+    assert_eq!(
+        ep.combine_route,
+        CombineRoute::RankPartials,
+        "{}",
+        ep.combine_reason
+    );
+    assert_eq!(elems(&qwen, BufferId::CombineSlots), Some(16384 * 2 * 2048));
+    assert_eq!(
+        elems(&qwen, BufferId::PairResults),
+        Some(ep.intermediate_rows * 2048)
+    );
+    assert_eq!(
+        elems(&qwen, BufferId::ReceivedPairRows),
+        Some((2 * 16384 + 16384) * 8)
+    );
+    assert_eq!(elems(&qwen, BufferId::ReceivedTokens), Some(2));
+
+    let top2 = planned(8, 2, 2, 1);
+    let ep = top2.expert_parallel.as_ref().unwrap();
+    assert_eq!(
+        ep.combine_route,
+        CombineRoute::PairRows,
+        "{}",
+        ep.combine_reason
+    );
+    assert_eq!(elems(&top2, BufferId::CombineSlots), Some(16384 * 2 * 2048));
+    assert_eq!(elems(&top2, BufferId::PairResults), None);
+
+    let mut two_nodes = planned(128, 8, 1, 2);
+    let ep = two_nodes.expert_parallel.as_mut().unwrap();
+    assert_eq!(
+        ep.combine_route,
+        CombineRoute::PairRows,
+        "{}",
+        ep.combine_reason
+    );
+    assert!(ep.combine_reason.contains("NCCL"), "{}", ep.combine_reason);
+    ep.combine_route = CombineRoute::RankPartials;
+    let error = two_nodes
+        .validate()
+        .expect_err("rank partials across nodes");
+    assert!(error.to_string().contains("rank partials"), "{error}");
 }

@@ -309,6 +309,7 @@ struct SingleGpu {
     static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
     static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
     static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
+    static constexpr bool RANK_PARTIALS = false;
 };
 
 // What a GEMM of the expert-parallel path needs beyond the single-GPU one (empty there).
@@ -589,6 +590,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
     const float* bias = G::BIAS ? expert_bias + (size_t)t.expert * BIAS_WIDTH : nullptr;
     if constexpr (G::KIND == GEMM_UP) {
         return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, 1.f, bias};
+    } else if constexpr (G::EP && G::RANK_PARTIALS) {
+        return EpilogueRow{out + (size_t)(t.row0 + r) * G::N, ep.row_weights[t.row0 + r], bias};
     } else if constexpr (G::EP) {
         const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
         bf16_t* slots = reinterpret_cast<bf16_t*>(peer[G::PEER_COMBINE_SLOTS]);
@@ -602,11 +605,12 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
 // Expert-parallel GEMM2, after a tile's stores (and the barrier among the STORERS threads
 // that made them; `storer` is this one's index): each row releases BN columns to its
 // token's counter at the origin. An origin on another node has no counter here (its peer
-// table entry is null): its rows go back through NCCL once GEMM2 is done.
+// table entry is null): its rows go back through NCCL once GEMM2 is done. With rank
+// partials nothing is released here: the combine sums the rows here first.
 template <class G, int STORERS>
 __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep,
                                                  int storer) {
-    if constexpr (G::EP && G::KIND == GEMM_DOWN) {
+    if constexpr (G::EP && G::KIND == GEMM_DOWN && !G::RANK_PARTIALS) {
         for (int r = storer; r < t.rows; r += STORERS) {
             const u64* peer = ep.peers + ep.row_origins[t.row0 + r] * G::PEER_BUFFER_COUNT;
             u32* counters = reinterpret_cast<u32*>(peer[G::PEER_COMBINE_COUNTERS]);
@@ -820,7 +824,7 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_combine)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_combine(
-    const bf16_t* __restrict__ combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
+    const bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
@@ -908,6 +912,8 @@ struct ExpertParallel {
     static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
     static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
     static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
+    // GEMM2 keeps its rows here for the combine's rank partials (else stores them at their origins).
+    static constexpr bool RANK_PARTIALS = false;
 };
 
 template <typename T>
@@ -1368,8 +1374,10 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
         }
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
         const int slot = recv_slot[from];
-        segment_rows[row] = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
-        segment_pairs[row] = recv_pair[from];
+        const int received_row = source == rank ? OWN_ROW_BASE + send_slots[rank * MAX_TOKENS + slot] : source * SLOTS + slot;
+        const int pair = recv_pair[from];
+        segment_rows[row] = received_row;
+        segment_pairs[row] = pair;
         segment_weights[row] = recv_weight[from];
         row_origins[row] = source;
     }
@@ -1401,7 +1409,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_ep_
     int tokens,  // tokens in this call
     int rank,  // this rank
     u32 epoch,  // this call's epoch
-    const bf16_t* combine_slots,  // [tokens * TOP_K, HIDDEN], workspace
+    const bf16_t* combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     u32* __restrict__ combine_counters,  // [MAX_TOKENS], written by peers
     int* __restrict__ error_word,  // [4]: code, then details
     bf16_t* __restrict__ y,  // [tokens, HIDDEN]
@@ -1500,7 +1508,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_two_nodes_all_gemm2(
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    bf16_t* __restrict__ combine_slots  // [tokens * TOP_K, HIDDEN], workspace
+    bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
 )
 {
     start_after_previous_kernel();

@@ -7,6 +7,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use moeforge_compiler::ir::{Activation, Layer};
+use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::{self, Plan};
 use moeforge_runtime::ep::EpLayer;
 use moeforge_runtime::gpu::Gpu;
@@ -42,6 +43,28 @@ fn over_ranks(layer: &Layer, ranks: u32, virtual_ranks: bool) -> Layer {
     layer
 }
 
+/// The tiny layer with a shared expert and top-4 routing: over 2 ranks a visited rank
+/// holds about 2 of a token's pairs, so its results return as rank partials, shared
+/// slices included (the tiny layers' top-2 return as pair rows).
+fn tiny_shared_top4() -> Layer {
+    let mut layer = layers::tiny_with_shared_expert(Activation::Swiglu);
+    layer.name = "tiny_shared_top4".into();
+    layer.top_k = 4;
+    layer
+}
+
+/// Both ways results return are among `plans`.
+fn assert_both_combine_routes(plans: &[Plan]) {
+    for route in [CombineRoute::PairRows, CombineRoute::RankPartials] {
+        assert!(
+            plans
+                .iter()
+                .any(|p| p.expert_parallel.as_ref().map(|ep| ep.combine_route) == Some(route)),
+            "no case returns its results as {route:?}"
+        );
+    }
+}
+
 fn plan_for(session: &Session, layer: &Layer) -> Plan {
     let target = session.gpu.target().expect("the device's target");
     let plan = plan::plan(layer, &target).unwrap_or_else(|e| panic!("{}: {e}", layer.name));
@@ -74,6 +97,12 @@ fn check_expert_parallel(
     seed: u64,
 ) {
     let shape = built.layer.plan().shape.clone();
+    if let Some(plan) = &built.layer.plan().expert_parallel {
+        say(format!(
+            "{label}: results return as {:?}",
+            plan.combine_route
+        ));
+    }
     let ranks = ep.ranks();
     for counts in token_counts(shape.max_tokens, ranks) {
         for routing in [Routing::Uniform, Routing::Skewed] {
@@ -128,6 +157,7 @@ fn virtual_ranks_match_reference() {
         (layers::tiny(Activation::Swiglu), 4),
         (layers::tiny(Activation::Gelu), 8),
         (layers::tiny_with_shared_expert(Activation::Swiglu), 4),
+        (tiny_shared_top4(), 2),
         (layers::scaled_down(&qwen), 4),
     ];
     let on_virtual_ranks: Vec<Layer> = cases
@@ -135,10 +165,11 @@ fn virtual_ranks_match_reference() {
         .map(|(layer, ranks)| over_ranks(layer, *ranks, true))
         .collect();
     // Built together, so that NVRTC compiles the layers on parallel threads.
-    let plans = on_virtual_ranks
+    let plans: Vec<Plan> = on_virtual_ranks
         .iter()
         .map(|l| plan_for(&session, l))
         .collect();
+    assert_both_combine_routes(&plans);
     let built = session.build_many(plans, seed).expect("build");
     for (layer, built) in on_virtual_ranks.iter().zip(built) {
         let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
@@ -214,6 +245,7 @@ fn every_gpu_matches_reference() {
     for layer in [
         layers::tiny(Activation::Swiglu),
         layers::tiny_with_shared_expert(Activation::Swiglu),
+        tiny_shared_top4(),
         layers::scaled_down(&qwen),
     ] {
         if layer.experts.is_multiple_of(ranks) {

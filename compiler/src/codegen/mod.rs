@@ -11,7 +11,8 @@ use thiserror::Error;
 
 use crate::ir::{Activation, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, RouterBias, Scoring};
 use crate::plan::ep::{
-    COMM_THREADS, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, FlagScope, META_THREADS, Placement,
+    COMM_THREADS, CombineRoute, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, FlagScope,
+    META_THREADS, PARTIALS_PER_RELEASE, Placement,
 };
 use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
@@ -248,6 +249,26 @@ const EP_ROUTE_NETWORK_USES: &[&str] = &[
 ];
 const EP_DISPATCH_NETWORK_USES: &[&str] = &["net_send_x", "net_ready"];
 const EP_COMBINE_NETWORK_USES: &[&str] = &["net_returned_x", "net_return_flags"];
+/// What GEMM2 uses where results return as rank partials: its rows stay here.
+const EP_GEMM_DOWN_PARTIALS_USES: &[&str] = &[
+    "intermediate",
+    "w2",
+    "segment_offsets",
+    "segment_pairs",
+    "segment_weights",
+    "rank",
+    "error_word",
+    "pair_results",
+];
+/// What arrange and combine use besides, where results return as rank partials.
+const EP_ARRANGE_PARTIALS_USES: &[&str] = &["received_pair_rows", "received_tokens"];
+const EP_COMBINE_PARTIALS_USES: &[&str] = &[
+    "pair_results",
+    "received_pair_rows",
+    "received_tokens",
+    "segment_pairs",
+    "peer_table",
+];
 
 /// A kernel's uses: `base`, then `extra` when `with_extra` (its network uses when the
 /// plan has a network part, the bias uses when the router's rule has a bias).
@@ -287,7 +308,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::ExpertOffsets => "[experts here + 1], workspace",
             BufferId::RowPair => "[tokens * TOP_K], workspace",
             BufferId::Intermediate => "[rows, FFN], workspace",
-            BufferId::CombineSlots => "[tokens * TOP_K, HIDDEN], workspace",
+            BufferId::CombineSlots => "[tokens, slots per token, HIDDEN]: see the plan's buffers",
             BufferId::ErrorWord => "[4]: code, then details",
             BufferId::SendSlots => "[RANKS, MAX_TOKENS]: token of each send slot",
             BufferId::SendCounts => "[RANKS]: tokens sent to each rank",
@@ -309,6 +330,11 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             }
             BufferId::SegmentRows | BufferId::SegmentPairs | BufferId::SegmentWeights => "[rows]",
             BufferId::CombineCounters => "[MAX_TOKENS], written by peers",
+            BufferId::PairResults => "[rows, HIDDEN]: GEMM2's weighted rows, kept here",
+            BufferId::ReceivedPairRows => {
+                "[RANKS * SLOTS + MAX_TOKENS, SLOTS_PER_TOKEN]: each received token's GEMM rows + 1"
+            }
+            BufferId::ReceivedTokens => "[RANKS]: tokens each source sent this call",
             BufferId::PeerTable => "[RANKS, PEER_BUFFERS]: peers' addresses",
             BufferId::Credits => "[RANKS], written by peers: epoch each has consumed",
             BufferId::RouterLogits => "[tokens, EXPERTS], workspace",
@@ -501,6 +527,13 @@ impl GemmUnit {
                 EP_GEMM_UP_USES,
                 "ExpertParallel",
                 "recv_x, {weights}, {bias}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch)",
+            ),
+            GemmRole::ExpertParallelDown if rank_partials(plan) => (
+                "expert-parallel GEMM2 (W2, routing weight, kept here for the combine's rank partials)",
+                "ep_gemm2",
+                EP_GEMM_DOWN_PARTIALS_USES,
+                "ExpertParallel",
+                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, pair_results,\n        ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank)",
             ),
             GemmRole::ExpertParallelDown => (
                 "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",
@@ -788,6 +821,9 @@ struct EpUnit {
     comm_threads: u32,
     meta_threads: u32,
     meta_tile_tokens: u32,
+    /// Whether results return as rank partials ([`CombineRoute::RankPartials`]).
+    rank_partials: bool,
+    partials_per_release: u32,
     peer_buffers: Vec<PeerBufferUnit>,
     send_order: String,
     receive_order: String,
@@ -853,6 +889,8 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
         comm_threads: COMM_THREADS,
         meta_threads: META_THREADS,
         meta_tile_tokens: ep.metadata_tile_tokens,
+        rank_partials: ep.combine_route == CombineRoute::RankPartials,
+        partials_per_release: PARTIALS_PER_RELEASE,
         peer_buffers: ep
             .peer_buffers
             .iter()
@@ -874,14 +912,33 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
             &ep.dispatch_kernel,
             &uses_with(EP_DISPATCH_USES, EP_DISPATCH_NETWORK_USES, over_network),
         )?,
-        arrange: EntryUnit::new(plan, &ep.arrange_kernel, EP_ARRANGE_USES)?,
+        arrange: EntryUnit::new(
+            plan,
+            &ep.arrange_kernel,
+            &uses_with(
+                EP_ARRANGE_USES,
+                EP_ARRANGE_PARTIALS_USES,
+                rank_partials(plan),
+            ),
+        )?,
         combine: EntryUnit::new(
             plan,
             &ep.combine_kernel,
-            &uses_with(EP_COMBINE_USES, EP_COMBINE_NETWORK_USES, over_network),
+            &uses_with(
+                &uses_with(EP_COMBINE_USES, EP_COMBINE_NETWORK_USES, over_network),
+                EP_COMBINE_PARTIALS_USES,
+                rank_partials(plan),
+            ),
         )?,
         network: ep.network.as_ref().map(|network| network_unit(ep, network)),
     })
+}
+
+/// Whether the plan's expert-parallel results return as rank partials.
+fn rank_partials(plan: &Plan) -> bool {
+    plan.expert_parallel
+        .as_ref()
+        .is_some_and(|ep| ep.combine_route == CombineRoute::RankPartials)
 }
 
 /// Renders the CUDA unit of `plan`.

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use super::ep::{ExpertParallelPlan, Placement};
+use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
 use super::network::NetworkPlan;
 use super::router::RouterRegime;
 use super::tuning::ChoiceSource;
@@ -188,8 +188,15 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
     }
     let _ = writeln!(
         out,
-        "    GEMM tile order    by the source of a tile's last row, in the order above, then expert, column tile, row tile: every tile on local rows runs before any that waits for a peer\n    GEMM waits         a GEMM1 tile acquires the flag of each chunk its rows were sent in, (source, slot / {}), before it loads them; GEMM2 releases each origin token's combine counter",
-        ep.dispatch_chunk
+        "    GEMM tile order    by the source of a tile's last row, in the order above, then expert, column tile, row tile: every tile on local rows runs before any that waits for a peer\n    GEMM waits         a GEMM1 tile acquires the flag of each chunk its rows were sent in, (source, slot / {}), before it loads them; {}\n    results            {}",
+        ep.dispatch_chunk,
+        match ep.combine_route {
+            CombineRoute::PairRows => "GEMM2 releases each origin token's combine counter",
+            CombineRoute::RankPartials => {
+                "the combine releases each origin token's counter once per rank partial"
+            }
+        },
+        ep.combine_reason
     );
     for regime in &ep.regimes {
         describe_regime(out, "rank regime", regime.parts());

@@ -10,9 +10,13 @@
 //!    tokens at a time, each chunk followed by a release of its own flag;
 //! 3. **GEMM1** tiles over local experts, each expert's rows local first, then sources in
 //!    arrival order, acquire the flags of exactly the chunks their rows sit in;
-//! 4. **GEMM2** stores each weighted row straight into the origin rank's combine slot and
-//!    releases the origin's per-token counter;
-//! 5. **combine** at the origin waits for each token's counter, sums its K slots in k order.
+//! 4. **GEMM2** either stores each weighted row straight into the origin rank's combine
+//!    slot and releases the origin's per-token counter (pair rows), or keeps its rows here
+//!    (rank partials, [`CombineRoute`]);
+//! 5. **combine**: with rank partials it first sums each received token's rows here into
+//!    one partial, stored at the origin with a release of its counter; then, at the
+//!    origin, it waits for each token's counter and sums its K slots in k order (or its
+//!    ranks' partials in rank order).
 //!
 //! Flags carry the call's epoch, so consecutive calls need no reset. This module decides the
 //! numbers (chunk size, communication blocks, capacities, traffic order, residency); it is
@@ -39,6 +43,65 @@ pub enum Placement {
     Virtual,
     /// One GPU per rank, driven by one process with peer access between the GPUs.
     Devices,
+}
+
+/// How GEMM2's weighted rows travel back to the ranks their tokens came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CombineRoute {
+    /// GEMM2's epilogue stores each pair's row into the origin's slot for its (token, k)
+    /// and releases the origin's counter: nothing runs between GEMM2 and the combine, and
+    /// a token's every pair crosses the link.
+    PairRows,
+    /// GEMM2 keeps its rows here; the combine first sums each received token's rows (in k
+    /// order) into one partial per (token, rank), stored at the origin, which then sums R
+    /// partials. A token crosses back once per rank it visited, for one more read of every
+    /// row here.
+    RankPartials,
+}
+
+/// Rank partials are chosen where a visited rank holds at least this many of a token's
+/// pairs on average, halving the result rows on the link or better. Measured on two
+/// H200s (2026-11-30, Qwen3-30B-A3B, 4096 tokens per rank): GEMM2 took 459 µs storing its
+/// rows at their origins and 299 µs storing every row locally.
+const RANK_PARTIALS_MIN_PAIRS: f64 = 2.0;
+
+/// The expected pairs of a token on a rank that holds at least one of its experts, under
+/// uniform routing (K distinct experts of E, E/R per rank).
+pub fn pairs_per_visited_rank(experts: u32, ranks: u32, top_k: u32) -> f64 {
+    let (e, local) = (f64::from(experts), f64::from(experts / ranks));
+    // P(none of the K choices on a given rank) = Π (E - E/R - i) / (E - i).
+    let missed: f64 = (0..top_k)
+        .map(|i| ((e - local - f64::from(i)) / (e - f64::from(i))).max(0.0))
+        .product();
+    (f64::from(top_k) / f64::from(ranks)) / (1.0 - missed)
+}
+
+/// How results return, and why.
+fn combine_route(layer: &ir::Layer, ranks: u32, over_network: bool) -> (CombineRoute, String) {
+    if over_network {
+        return (
+            CombineRoute::PairRows,
+            "pair rows: results for a rank on another node return through NCCL in the pair layout"
+                .to_string(),
+        );
+    }
+    let pairs = pairs_per_visited_rank(layer.experts, ranks, layer.top_k);
+    if pairs >= RANK_PARTIALS_MIN_PAIRS {
+        (
+            CombineRoute::RankPartials,
+            format!(
+                "rank partials: a visited rank holds {pairs:.2} of a token's pairs under uniform routing, so {pairs:.2}x fewer result rows cross the link, for one more read of each row here"
+            ),
+        )
+    } else {
+        (
+            CombineRoute::PairRows,
+            format!(
+                "pair rows: a visited rank holds {pairs:.2} of a token's pairs under uniform routing (rank partials from {RANK_PARTIALS_MIN_PAIRS}), too few to pay for a pass after GEMM2"
+            ),
+        )
+    }
 }
 
 /// The memory scope flags are released and acquired at.
@@ -84,6 +147,9 @@ pub struct ExpertParallelPlan {
     pub rows_per_segment: u32,
     /// Rows of the intermediate a rank may hold: `R · max_tokens · min(K, E / R)`.
     pub intermediate_rows: u64,
+    /// How GEMM2's rows return to their origins, and why.
+    pub combine_route: CombineRoute,
+    pub combine_reason: String,
     /// Thread blocks that move data (per rank), and why.
     pub comm_blocks: u32,
     pub comm_reason: String,
@@ -173,7 +239,7 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 10] = [
+pub const EXCHANGE_STATE: [BufferId; 11] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
@@ -184,6 +250,7 @@ pub const EXCHANGE_STATE: [BufferId; 10] = [
     BufferId::ErrorWord,
     BufferId::NetReady,
     BufferId::NetReturnFlags,
+    BufferId::ReceivedPairRows,
 ];
 
 /// The buffers peers write, as they appear in each rank's row of the peer table.
@@ -199,6 +266,10 @@ pub const PEER_BUFFERS: [BufferId; 10] = [
     BufferId::CombineCounters,
     BufferId::Credits,
 ];
+
+/// Rank partials a combine block stores before it releases them, a thread each: their
+/// system-scope fences then wait together rather than one after another.
+pub const PARTIALS_PER_RELEASE: u32 = 8;
 
 /// Threads of a block of the metadata and arrange kernels.
 pub const META_THREADS: u32 = 512;
@@ -355,7 +426,9 @@ pub fn plan_expert_parallel(
     let intermediate_rows =
         u64::from(ranks) * u64::from(max_tokens) * u64::from(layer.top_k.min(experts_per_rank))
             + u64::from(max_tokens) * u64::from(shape.shared_slices);
+    let (combine_route, combine_reason) = combine_route(layer, ranks, network.is_some());
     let sizes = Sizes {
+        combine_route,
         ranks,
         experts: layer.experts,
         experts_per_rank,
@@ -492,6 +565,8 @@ pub fn plan_expert_parallel(
         chunks_per_source,
         rows_per_segment: max_tokens,
         intermediate_rows,
+        combine_route,
+        combine_reason,
         comm_blocks,
         comm_reason,
         compute_sms,
@@ -514,6 +589,7 @@ pub fn plan_expert_parallel(
 
 /// The sizes the expert-parallel buffers are made of.
 struct Sizes {
+    combine_route: CombineRoute,
     ranks: u32,
     experts: u32,
     experts_per_rank: u32,
@@ -628,11 +704,18 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
             sizes.rows * u64::from(shape.ffn),
             "GEMM1 output after the activation",
         ),
-        buffer(
-            BufferId::CombineSlots,
-            shape.max_pairs() * u64::from(shape.hidden),
-            "weighted expert outputs of this rank's pairs (and shared slices), stored by the ranks that computed them",
-        ),
+        match sizes.combine_route {
+            CombineRoute::PairRows => buffer(
+                BufferId::CombineSlots,
+                shape.max_pairs() * u64::from(shape.hidden),
+                "weighted expert outputs of this rank's pairs (and shared slices), stored by the ranks that computed them",
+            ),
+            CombineRoute::RankPartials => buffer(
+                BufferId::CombineSlots,
+                max_tokens * r * u64::from(shape.hidden),
+                "per own token and rank, the sum of its weighted expert outputs there, stored by that rank",
+            ),
+        },
         buffer(
             BufferId::CombineCounters,
             max_tokens,
@@ -654,6 +737,26 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
             "first kernel-side error of the call: code and details",
         ),
     ];
+    if sizes.combine_route == CombineRoute::RankPartials {
+        let slots_per_token = u64::from(sizes.top_k + sizes.shared_slices);
+        buffers.extend([
+            buffer(
+                BufferId::PairResults,
+                sizes.rows * u64::from(shape.hidden),
+                "GEMM2's weighted row of each GEMM row, until the combine sums them per token",
+            ),
+            buffer(
+                BufferId::ReceivedPairRows,
+                (r * slots + max_tokens) * slots_per_token,
+                "per received token, the GEMM row + 1 of each of its pairs here",
+            ),
+            buffer(
+                BufferId::ReceivedTokens,
+                r,
+                "per source, tokens received in this call",
+            ),
+        ]);
+    }
     if let Some(network) = network {
         let peers = u64::from(network.peers_per_rank);
         let results = peers * shape.max_pairs() * u64::from(shape.hidden);
@@ -938,9 +1041,10 @@ fn metadata_static_smem(sizes: &Sizes) -> u32 {
     static_smem_reserved(4 * (3 * sizes.experts + 1) + 8 * sizes.ranks + 8 * pairs + 4)
 }
 
-/// The parameters a kernel takes only when ranks live on several nodes.
-fn network_params(over_network: bool, params: Vec<KernelParam>) -> Vec<KernelParam> {
-    if over_network { params } else { Vec::new() }
+/// Parameters a kernel takes only in some plans (ranks on several nodes, results as rank
+/// partials): `params` where `taken`, else none.
+fn params_if(taken: bool, params: Vec<KernelParam>) -> Vec<KernelParam> {
+    if taken { params } else { Vec::new() }
 }
 
 /// The launches of one call on one rank: metadata and dispatch on the communication
@@ -957,6 +1061,7 @@ fn launch_table(
     use LaunchArg::*;
     let (read, write, shared) = (KernelParam::read, KernelParam::write, KernelParam::shared);
     let [route, dispatch, arrange, combine] = kernels;
+    let partials = sizes.combine_route == CombineRoute::RankPartials;
     let launch =
         |kernel: &String, grid: u32, threads: u32, stream, static_smem, smem, params| Launch {
             kernel: kernel.clone(),
@@ -991,7 +1096,7 @@ fn launch_table(
                 write(Workspace(MetadataCounters)),
             ]
             .into_iter()
-            .chain(network_params(
+            .chain(params_if(
                 over_network,
                 vec![
                     write(Workspace(NetSendSlot)),
@@ -1020,7 +1125,7 @@ fn launch_table(
                 read(Workspace(PeerTable)),
             ]
             .into_iter()
-            .chain(network_params(
+            .chain(params_if(
                 over_network,
                 vec![write(Workspace(NetSendX)), write(Workspace(NetReady))],
             ))
@@ -1053,7 +1158,16 @@ fn launch_table(
                 write(Workspace(ArrangeBlocksDone)),
                 write(Workspace(ErrorWord)),
                 read(Workspace(PeerTable)),
-            ],
+            ]
+            .into_iter()
+            .chain(params_if(
+                partials,
+                vec![
+                    write(Workspace(ReceivedPairRows)),
+                    write(Workspace(ReceivedTokens)),
+                ],
+            ))
+            .collect(),
         ),
         launch(
             gemm_kernels[0],
@@ -1082,24 +1196,42 @@ fn launch_table(
             StreamRole::Compute,
             g2.smem.static_bytes,
             g2.smem_bytes,
-            vec![
-                read(Workspace(Intermediate)),
-                weight_param(g2, false),
-                read(Workspace(SegmentOffsets)),
-                read(Workspace(SegmentPairs)),
-                read(Workspace(SegmentWeights)),
-                read(Workspace(RowOrigins)),
-                read(Workspace(PeerTable)),
-                read(Rank),
-                write(Workspace(ErrorWord)),
-            ],
+            if partials {
+                vec![
+                    read(Workspace(Intermediate)),
+                    weight_param(g2, false),
+                    read(Workspace(SegmentOffsets)),
+                    read(Workspace(SegmentPairs)),
+                    read(Workspace(SegmentWeights)),
+                    read(Rank),
+                    write(Workspace(ErrorWord)),
+                    write(Workspace(PairResults)),
+                ]
+            } else {
+                vec![
+                    read(Workspace(Intermediate)),
+                    weight_param(g2, false),
+                    read(Workspace(SegmentOffsets)),
+                    read(Workspace(SegmentPairs)),
+                    read(Workspace(SegmentWeights)),
+                    read(Workspace(RowOrigins)),
+                    read(Workspace(PeerTable)),
+                    read(Rank),
+                    write(Workspace(ErrorWord)),
+                ]
+            },
         ),
         launch(
             combine,
             blocks.combine,
             COMBINE_THREADS,
             StreamRole::Compute,
-            0,
+            // The pending releases' source, token and received row.
+            if partials {
+                static_smem_reserved(3 * 4 * PARTIALS_PER_RELEASE)
+            } else {
+                0
+            },
             0,
             vec![
                 read(TopkIds),
@@ -1112,11 +1244,21 @@ fn launch_table(
                 write(Y),
             ]
             .into_iter()
-            .chain(network_params(
+            .chain(params_if(
                 over_network,
                 vec![
                     shared(Workspace(NetReturnedX)),
                     shared(Workspace(NetReturnFlags)),
+                ],
+            ))
+            .chain(params_if(
+                partials,
+                vec![
+                    read(Workspace(PairResults)),
+                    write(Workspace(ReceivedPairRows)),
+                    read(Workspace(ReceivedTokens)),
+                    read(Workspace(SegmentPairs)),
+                    read(Workspace(PeerTable)),
                 ],
             ))
             .collect(),

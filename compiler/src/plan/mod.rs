@@ -201,6 +201,9 @@ pub enum BufferId {
     /// bf16 [T·K, F]: activation output of GEMM1, rows in expert-major order.
     Intermediate,
     /// bf16 [T·K, H]: GEMM2 output scaled by the routing weight, one slot per (token, k).
+    /// Expert-parallel, by peers: per own token, a slot per (token, k) where results
+    /// travel as pair rows, or a slot per rank where they travel as rank partials
+    /// ([`ep::CombineRoute`]).
     CombineSlots,
     /// i32 [4]: error code, token, k, offending value (first error of the call wins).
     ErrorWord,
@@ -248,8 +251,19 @@ pub enum BufferId {
     SegmentPairs,
     /// f32 [rows]: per GEMM row, its routing weight.
     SegmentWeights,
-    /// u32 [max_tokens], by peers: per local token, columns of its K slots stored so far.
+    /// u32 [max_tokens], by peers: per local token, columns of its slots stored so far.
     CombineCounters,
+    /// bf16 [rows, H]: per GEMM row, GEMM2's weighted row, kept here until the combine sums
+    /// each received token's rows into one partial for its origin (rank partials only).
+    PairResults,
+    /// i32 [R · slots + max_tokens, K + shared slices]: per received token (its row of
+    /// `recv_x`, `source · slots + slot`, or `R · slots + token` for this rank's own), the
+    /// GEMM row + 1 of each of its pairs here, 0 where none (rank partials only; the
+    /// combine puts them back to 0).
+    ReceivedPairRows,
+    /// i32 [R]: per source, the tokens it sent this rank in this call (this rank's own: the
+    /// call's tokens), copied by the arrange kernel (rank partials only).
+    ReceivedTokens,
     /// u32 [R], by peers: per destination, the last epoch whose metadata from this rank it
     /// has consumed; this rank writes a destination's receive index only after that.
     Credits,
@@ -309,11 +323,14 @@ impl BufferId {
             | BufferId::SegmentRows
             | BufferId::SegmentPairs
             | BufferId::RoutedIds
+            | BufferId::ReceivedPairRows
+            | BufferId::ReceivedTokens
             | BufferId::NetSendSlot
             | BufferId::NetSendPair
             | BufferId::NetSendCounts => ElemType::I32,
             BufferId::Intermediate
             | BufferId::CombineSlots
+            | BufferId::PairResults
             | BufferId::RecvX
             | BufferId::NetSendX
             | BufferId::NetReturnX
@@ -363,6 +380,9 @@ impl BufferId {
             BufferId::SegmentPairs => "segment_pairs",
             BufferId::SegmentWeights => "segment_weights",
             BufferId::CombineCounters => "combine_counters",
+            BufferId::PairResults => "pair_results",
+            BufferId::ReceivedPairRows => "received_pair_rows",
+            BufferId::ReceivedTokens => "received_tokens",
             BufferId::PeerTable => "peer_table",
             BufferId::Credits => "credits",
             BufferId::RouterLogits => "router_logits",

@@ -9,7 +9,7 @@
 
 use thiserror::Error;
 
-use super::ep::{ExpertParallelPlan, ExpertParallelRegime, Placement};
+use super::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime, Placement};
 use super::launch::StreamRole;
 use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
@@ -275,6 +275,11 @@ impl Plan {
             }
         }
         if let Some(network) = &ep.network {
+            if ep.combine_route == CombineRoute::RankPartials {
+                return Err(
+                    "results return as rank partials, but ranks on other nodes take them back through NCCL as pair rows".to_string(),
+                );
+            }
             self.check_network(ep, network)
                 .map_err(|e| format!("network: {e}"))?;
         }
