@@ -1906,20 +1906,20 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) gpt_oss_120b_combi
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 32x64x64, 5 stages, 2x2 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
     static constexpr bool BIAS = true;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 102400, BARRIER_OFFSET = 102528;
-    static constexpr int DYNAMIC_SMEM_BYTES = 102528, STATIC_SMEM_BYTES = 640;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
@@ -2036,7 +2036,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 2049..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x96x64, 5 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x96x64, 5 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -2048,7 +2048,7 @@ struct prefill_gemm1 : SingleGpu {
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 96;
+    static constexpr int CLUSTER = 2, B_BOX_ROWS = 96;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 192;  // weight rows per tile (gate and up rows when gated)
@@ -2058,7 +2058,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int DYNAMIC_SMEM_BYTES = 206416, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_prefill_gemm1)
-extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm1(
+extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) gpt_oss_120b_prefill_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const float* __restrict__ w1_bias,  // [EXPERTS, W1 rows]: each expert's GEMM1 bias
@@ -2071,7 +2071,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm1(
     grouped_gemm_warp_specialized<prefill_gemm1>(x, &w1_tiles, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x192x64, 5 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x192x64, 5 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
@@ -2083,7 +2083,7 @@ struct prefill_gemm2 : SingleGpu {
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 192;
+    static constexpr int CLUSTER = 2, B_BOX_ROWS = 96;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     static constexpr int B_ROWS = 192;  // weight rows per tile (gate and up rows when gated)
@@ -2093,7 +2093,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int DYNAMIC_SMEM_BYTES = 206416, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_prefill_gemm2)
-extern "C" __global__ void __launch_bounds__(384, 1) gpt_oss_120b_prefill_gemm2(
+extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) gpt_oss_120b_prefill_gemm2(
     const __grid_constant__ TensorMap intermediate_tiles,  // TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ w2_bias,  // [EXPERTS, HIDDEN]: each expert's GEMM2 bias

@@ -2481,20 +2481,20 @@ extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_gemm1(
     grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x128x64, 5 stages, 2x2 warps, 264 persistent blocks (2 per SM)
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x128x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 128, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
+    static constexpr int BM = 16, BN = 128, BK = 64, STAGES = 5;
+    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 102400, BARRIER_OFFSET = 102528;
-    static constexpr int DYNAMIC_SMEM_BYTES = 102528, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 128;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_gemm2(
@@ -2547,26 +2547,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_gemm1(
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x128x64, 8 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
     static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 8;
+    static constexpr int BM = 64, BN = 256, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
     static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
+    static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 128;
+    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
+    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
+    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 128;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_gemm2(
