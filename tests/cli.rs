@@ -111,6 +111,10 @@ fn usage_errors_exit_2() {
             .code(),
         Some(2)
     );
+    // The in-run peers are single-GPU layers.
+    let peers_over_gpus = moeforge(&["bench", "dsl-examples/tiny.moe", "--peers", "--gpus", "2"]);
+    assert_eq!(peers_over_gpus.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&peers_over_gpus.stderr).contains("--peers"));
 }
 
 #[test]

@@ -194,7 +194,7 @@ impl From<crate::layer::LayerError> for BenchError {
 }
 
 /// The input sets a timing rotates through at `tokens` tokens.
-fn rotated_workloads(
+pub(crate) fn rotated_workloads(
     shape: &LayerShape,
     tokens: u32,
     routing: Routing,

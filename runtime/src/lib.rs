@@ -15,6 +15,7 @@ pub mod jit;
 pub mod layer;
 pub mod nccl_pipeline;
 pub mod network;
+pub mod peers;
 pub mod process_group;
 pub mod reference;
 mod tensor_map;

@@ -17,6 +17,7 @@ use moeforge::runtime::bench::{
     bench_group_rank, bench_layer,
 };
 use moeforge::runtime::nccl_pipeline::NcclPipeline;
+use moeforge::runtime::peers::{PeerReport, run_peers};
 use moeforge::runtime::process_group::LaunchEnv;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::workload::fresh_seed;
@@ -62,6 +63,11 @@ pub struct Args {
     /// Where the JSON and Markdown results go.
     #[arg(long, default_value = "benches/results")]
     out: PathBuf,
+    /// Also time the in-run peers on the same routing (one GPU): the PyTorch pipeline and
+    /// a vLLM-style Triton fused-MoE pair, with and without its alignment, by `python3`
+    /// (with torch and triton).
+    #[arg(long, conflicts_with_all = ["ranks", "gpus"])]
+    peers: bool,
 }
 
 #[derive(Serialize)]
@@ -75,6 +81,11 @@ struct BenchReport<'a> {
     seed: u64,
     baseline_note: Option<String>,
     rows: &'a [BenchRow],
+    /// The in-run peers (`--peers`), or why they did not run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peers: Option<PeerReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peers_note: Option<String>,
 }
 
 /// Today's date (UTC) as YYYY-MM-DD, from the civil-from-days algorithm.
@@ -92,6 +103,49 @@ pub(super) fn utc_date() -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// moeforge beside the in-run peers, per token count, with the peers' versions and notes.
+fn peers_table(rows: &[BenchRow], report: &PeerReport) -> String {
+    let us = |v: Option<f64>| v.map_or("-".to_string(), |us| format!("{us:.1}"));
+    let mut table = format!(
+        "In-run peers on the same routing (torch {}, triton {}; torch pipeline GEMMs: {}; no expert biases, router or shared experts in the peers):\n\n| T | moeforge us | floor us | of floor | cuBLAS us | torch us | triton us | triton w/o align us | fastest peer / moeforge | triton block | agree |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        report.torch, report.triton, report.gemm_backend
+    );
+    for row in rows {
+        let peer = report.row(row.tokens);
+        let fastest = peer
+            .and_then(|p| {
+                [p.torch_us, p.triton_us, p.triton_no_align_us]
+                    .into_iter()
+                    .flatten()
+                    .reduce(f64::min)
+            })
+            .map_or("-".to_string(), |us| {
+                format!("{:.2}x", us / row.moeforge_us)
+            });
+        let _ = writeln!(
+            table,
+            "| {} | {:.1} | {:.1} | {:.0}% | {} | {} | {} | {} | {} | {} | {} |",
+            row.tokens,
+            row.moeforge_us,
+            row.roofline.floor_us,
+            row.fraction_of_floor * 100.0,
+            us(row.cublas_us),
+            us(peer.and_then(|p| p.torch_us)),
+            us(peer.and_then(|p| p.triton_us)),
+            us(peer.and_then(|p| p.triton_no_align_us)),
+            fastest,
+            peer.and_then(|p| p.triton_config.clone())
+                .unwrap_or_else(|| "-".to_string()),
+            peer.and_then(|p| p.agree)
+                .map_or("-".to_string(), |e| format!("{e:.0e}")),
+        );
+    }
+    for note in &report.notes {
+        let _ = writeln!(table, "\nnote: {note}");
+    }
+    table
 }
 
 fn header() -> String {
@@ -183,6 +237,28 @@ pub fn run(args: &Args) -> ExitCode {
     if let Some(note) = &baseline_note {
         println!("baseline not run: {note}");
     }
+    let (peers, peers_note) = if args.peers {
+        eprintln!("running the in-run peers (python3: torch pipeline, Triton pair) ...");
+        match run_peers(
+            &built.layer.plan().shape,
+            &args.tokens,
+            args.routing.into(),
+            seed,
+            args.iterations,
+        ) {
+            Ok(report) => (Some(report), None),
+            Err(error) => {
+                println!("peers not run: {error}");
+                (None, Some(error.to_string()))
+            }
+        }
+    } else {
+        (None, None)
+    };
+    let peers_table = peers.as_ref().map(|report| peers_table(&rows, report));
+    if let Some(table) = &peers_table {
+        println!("\n{table}");
+    }
     let report = BenchReport {
         layer: &layer_name,
         date: utc_date(),
@@ -192,6 +268,8 @@ pub fn run(args: &Args) -> ExitCode {
         seed,
         baseline_note,
         rows: &rows,
+        peers,
+        peers_note,
     };
     let stem = format!(
         "{}_{}_{}_at_{}",
@@ -211,6 +289,9 @@ pub fn run(args: &Args) -> ExitCode {
     );
     for row in &rows {
         let _ = writeln!(markdown, "{}", table_row(row));
+    }
+    if let Some(table) = &peers_table {
+        let _ = writeln!(markdown, "\n{table}");
     }
     let json = match serde_json::to_string_pretty(&report) {
         Ok(json) => json,
