@@ -278,10 +278,11 @@ pub const META_THREADS: u32 = 512;
 /// by side (8 per expert at DeepSeek-V3's 256 experts and 8 choices).
 pub const METADATA_TILE_PAIRS: u32 = 2048;
 /// Combine blocks per compute SM on a rank's own GPU (persistent, looping over tokens).
-/// Virtual ranks use one per compute SM: see [`residency`]. Eight rather than four since
-/// the combine carries the rank partials' pass, which is bound by its loads in flight:
-/// Qwen3-30B-A3B at 4096 tokens per rank on two H200s, 850.5 → 799.7 µs (2026-11-30).
-const COMBINE_BLOCKS_PER_SM: u32 = 8;
+/// Virtual ranks use one per compute SM: see [`residency`]. Eight were tried for the rank
+/// partials' pass and gained nothing once measured in alternating runs (Qwen3-30B-A3B at
+/// 4096 tokens per rank on two H200s, 2026-11-30: 810 / 828 µs with four, 834 / 844 with
+/// eight; a single earlier run had shown 851 → 800).
+const COMBINE_BLOCKS_PER_SM: u32 = 4;
 
 /// SM-driven stores through NVLink measured on the two-H200 machine (2026-11-29): blocks
 /// of 512 threads storing 16 bytes each, against GB/s one way.
