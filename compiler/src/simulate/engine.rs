@@ -5,7 +5,7 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
-use crate::plan::ep::{ExpertParallelPlan, ExpertParallelRegime};
+use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
 use crate::plan::{GemmPlan, Plan, Target};
 
 /// The kind of path between two ranks.
@@ -510,7 +510,7 @@ impl<'a> Machine<'a> {
         for &rows in expert_rows {
             let m_tiles = rows.div_ceil(g2.tile.m);
             let duration = model::tile_seconds(self.target, g2, self.ffn, [m_tiles, n2], total)
-                + model::gemm2_epilogue_seconds(g2);
+                + model::gemm2_epilogue_seconds(g2, self.ep.combine_route);
             for _ in 0..n2 * m_tiles {
                 let b = id % blocks.len();
                 if b == 0
@@ -631,24 +631,35 @@ impl<'a> Machine<'a> {
             ends.push(self.gemms(d, start, &ready, &mut accounting.pairs_dispatched, lane));
         }
         let last_gemm2 = ends.iter().map(|e| e.2).fold(0.0, f64::max);
-        // Bulk-synchronous as the bench's baseline (a): GEMM2 stores into the origins as
-        // it goes, then every rank waits for every rank before the reduce.
-        let contributions = self.streamed_results(&mut ports, &ends, schedule);
+        // Bulk-synchronous as the bench's baseline (a): every rank waits for every rank's
+        // GEMMs before the combine (pair rows: GEMM2 stored into the origins as it went).
         let barrier2 = if bulk {
             last_gemm2 + self.barrier_s()
         } else {
             0.0
         };
-        let (arrived, combined) = contributions;
+        let partials = self.ep.combine_route == CombineRoute::RankPartials;
+        let (arrived, combined, passes_end) = if partials {
+            self.partial_results(&mut ports, &ends, barrier2, &mut timeline)
+        } else {
+            let (arrived, combined) = self.streamed_results(&mut ports, &ends, schedule);
+            (arrived, combined, vec![0.0; r])
+        };
         accounting.pairs_combined = combined;
+        // Rows an origin sums per token: its K slots, or a partial per rank visited.
+        let rows_per_token = if partials {
+            self.traffic.top_k.min(ranks)
+        } else {
+            self.traffic.top_k
+        };
         let mut layer: f64 = 0.0;
         for (s, (&at, end)) in arrived.iter().zip(&ends).enumerate() {
-            let begin = at.max(end.2 + launch).max(barrier2);
+            let begin = at.max(end.2 + launch).max(barrier2).max(passes_end[s]);
             let finish = begin
                 + model::combine_seconds(
                     self.target,
                     self.traffic.tokens_per_rank,
-                    self.traffic.top_k,
+                    rows_per_token,
                     self.hidden,
                 );
             if let Some(lane) = timeline.get_mut(s) {
@@ -689,6 +700,51 @@ impl<'a> Machine<'a> {
             accounting,
             timeline,
         }
+    }
+
+    /// Rank partials: after its GEMM2 (bulk-synchronous: after the barrier behind every
+    /// rank's), each rank's combine sums its received tokens' rows and stores one partial
+    /// row per (token, origin) there as it goes; an origin has its contributions when the
+    /// last partial lands. Returns the arrivals per origin, the pairs combined per origin,
+    /// and when each rank's own pass ends (its reduce follows in the same kernel).
+    fn partial_results(
+        &self,
+        ports: &mut Ports,
+        ends: &[(f64, f64, f64)],
+        barrier2: f64,
+        timeline: &mut [RankTimeline],
+    ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
+        let ranks = self.ep.ranks;
+        let launch = self.target.launch_overhead_s;
+        let mut at = vec![0.0f64; ranks as usize];
+        let mut pairs = vec![0u64; ranks as usize];
+        let mut passes_end = vec![0.0f64; ranks as usize];
+        for d in 0..ranks {
+            let begin = ends[d as usize].2.max(barrier2) + launch;
+            let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
+            let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
+            let end = begin + model::partials_seconds(self.target, tokens, rows, self.hidden);
+            passes_end[d as usize] = end;
+            if let Some(lane) = timeline.get_mut(d as usize) {
+                lane.kernels.push(Span {
+                    start: begin,
+                    end,
+                    label: "partials".into(),
+                });
+            }
+            for s in 0..ranks {
+                let sent = self.traffic.tokens_to(s, d);
+                if sent == 0 {
+                    continue;
+                }
+                pairs[s as usize] += self.traffic.pairs_to_rank(s, d);
+                let bytes = f64::from(sent) * self.row_bytes;
+                let done = self.transfer(ports, begin, d, s, bytes, f64::INFINITY);
+                let arrival = done.max(end) + self.latency(self.class(d, s));
+                at[s as usize] = at[s as usize].max(arrival);
+            }
+        }
+        (at, pairs, passes_end)
     }
 
     /// Fine-grained combine: GEMM2's epilogues store result rows into their origins as an

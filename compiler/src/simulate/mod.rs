@@ -412,6 +412,8 @@ mod tests {
         assert_eq!(bulk.schedule, Schedule::BulkSynchronous);
 
         let ep = plan.expert_parallel.as_ref().unwrap();
+        // Top-2 of 4 experts over 2 ranks: results return as pair rows.
+        assert_eq!(ep.combine_route, crate::plan::ep::CombineRoute::PairRows);
         let regime = &ep.regimes[ep.regime_index_for(tokens).unwrap()];
         let target = &plan.target;
         let launch = target.launch_overhead_s;
@@ -426,7 +428,7 @@ mod tests {
         // column tiles each, GEMM2 4 × 2; every grid has a block per tile.
         let t1 = model::tile_seconds(target, &regime.gemm1, 128, [4, 4], 32);
         let t2 = model::tile_seconds(target, &regime.gemm2, 256, [4, 2], 16)
-            + model::gemm2_epilogue_seconds(&regime.gemm2);
+            + model::gemm2_epilogue_seconds(&regime.gemm2, ep.combine_route);
         assert!(regime.gemm1.grid_blocks >= 32 && regime.gemm2.grid_blocks >= 16);
         // Arrange runs after the barrier, each kernel after a launch.
         let gemm1_start = dispatch + barrier + launch + model::ARRANGE_S + launch;

@@ -6,6 +6,7 @@
 //! (the dispatch constants are older, see [`COMM_BLOCK_BYTES_PER_S`]). The errors per cell
 //! after the fit are in benches/results/2026-11-30_simulator_calibration.md.
 
+use crate::plan::ep::CombineRoute;
 use crate::plan::{GemmPlan, MmaEngine, Target};
 
 /// Bytes per second one communication block moves (gather a token row from HBM, store it
@@ -84,6 +85,16 @@ pub const TILE_OVERHEAD_S: f64 = 3e-6;
 /// us for about 2300 tiles of 128x256 on 123 SMs, 2.6 times its math. 4.7 GB/s over 123
 /// to 130 blocks is 600 GB/s, half of it remote: about NVLink's 365 GB/s of SM stores.
 pub const GEMM2_EPILOGUE_BYTES_PER_S: f64 = 4.7e9;
+/// The same where GEMM2 keeps its rows on its rank (rank partials): the stores stay in
+/// local HBM. From a build that stored every row locally (two H200s, 2026-11-30: GEMM2
+/// 459 → 299 µs for Qwen3-30B-A3B at 4096 tokens per rank, 3205 → 2726 µs for
+/// DeepSeek-V3, 7-9 µs less per 128x256 tile than [`GEMM2_EPILOGUE_BYTES_PER_S`] gives).
+pub const GEMM2_LOCAL_EPILOGUE_BYTES_PER_S: f64 = 12e9;
+/// Share of HBM bandwidth the rank partials' pass reaches, reading each received token's
+/// rows and writing its partial (to the origin, over NVLink for another GPU's): fitted to
+/// the combine stages of Qwen3-30B-A3B and DeepSeek-V3 at 4096 tokens per rank on two
+/// H200s (c1e28e0, 2026-11-30: 121 and 436 µs; 0.45 and 0.40 each).
+pub const PARTIALS_HBM_EFFICIENCY: f64 = 0.42;
 
 /// Seconds one block of `gemm` spends on a tile of reduction depth `depth`, whose expert's
 /// weights are shared by `m_tiles` row tiles and whose rows by `n_tiles` column tiles (each
@@ -114,24 +125,58 @@ pub fn tile_seconds(
     compute.max(memory) + overhead
 }
 
-/// Seconds one block of GEMM2 spends storing a tile's weighted result rows into their
-/// origins' combine slots after its main loop (an mma.sync tile's is in its
-/// [`TILE_OVERHEAD_S`]).
-pub fn gemm2_epilogue_seconds(gemm: &GemmPlan) -> f64 {
+/// Seconds one block of GEMM2 spends storing a tile's weighted result rows after its main
+/// loop, into their origins' combine slots or (rank partials) here (an mma.sync tile's is
+/// in its [`TILE_OVERHEAD_S`]).
+pub fn gemm2_epilogue_seconds(gemm: &GemmPlan, route: CombineRoute) -> f64 {
+    let rate = match route {
+        CombineRoute::PairRows => GEMM2_EPILOGUE_BYTES_PER_S,
+        CombineRoute::RankPartials => GEMM2_LOCAL_EPILOGUE_BYTES_PER_S,
+    };
     match gemm.engine {
         MmaEngine::MmaSync => 0.0,
         MmaEngine::WgmmaWarpSpecialized => {
-            f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * 2.0 / GEMM2_EPILOGUE_BYTES_PER_S
+            f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * 2.0 / rate
         }
     }
 }
 
-/// Seconds of the reduce at an origin of `tokens` tokens of `hidden` columns, `top_k`
-/// slots each.
-pub fn combine_seconds(target: &Target, tokens: u32, top_k: u32, hidden: u32) -> f64 {
-    let token_bytes = f64::from(top_k + 1) * f64::from(hidden) * 2.0;
-    let bytes = f64::from(tokens) * token_bytes;
+/// Seconds of the reduce at an origin of `tokens` tokens of `hidden` columns, `slots`
+/// rows summed each (its K slots, or its ranks' partials).
+pub fn combine_seconds(target: &Target, tokens: u32, slots: u32, hidden: u32) -> f64 {
+    reduce_seconds(
+        target,
+        f64::from(tokens),
+        f64::from(slots),
+        hidden,
+        COMBINE_HBM_EFFICIENCY,
+    )
+}
+
+/// Seconds of a rank's rank-partials pass: its `rows` GEMM2 rows read and one partial row
+/// written per received token, at the reduce's rates.
+pub fn partials_seconds(target: &Target, tokens: u32, rows: u64, hidden: u32) -> f64 {
+    let rows_per_token = rows as f64 / f64::from(tokens.max(1));
+    reduce_seconds(
+        target,
+        f64::from(tokens),
+        rows_per_token,
+        hidden,
+        PARTIALS_HBM_EFFICIENCY,
+    )
+}
+
+/// `tokens` rows written, each the sum of `rows_per_token` rows read, at `efficiency` of
+/// HBM bandwidth.
+fn reduce_seconds(
+    target: &Target,
+    tokens: f64,
+    rows_per_token: f64,
+    hidden: u32,
+    efficiency: f64,
+) -> f64 {
+    let token_bytes = (rows_per_token + 1.0) * f64::from(hidden) * 2.0;
     COMBINE_FIXED_S
         + token_bytes / COMBINE_TOKEN_BYTES_PER_S
-        + bytes / (target.hbm_bytes_per_s * COMBINE_HBM_EFFICIENCY)
+        + tokens * token_bytes / (target.hbm_bytes_per_s * efficiency)
 }
