@@ -26,8 +26,10 @@ SwiGLU (gate clamped above at 7, up to +-7, gate * sigmoid(1.702 gate) * (up + 1
 peers run no expert biases, no router and no shared experts (moeforge's row includes what
 its spec has, so a comparison on such a layer favours the peers).
 
-Timing: CUDA events around --calls pipelined calls, per-call mean, median of 5 passes
-(moeforge's own method), after 3 warm-up calls. Before timing, the Triton pair's y is
+Timing: CUDA events around --calls back-to-back calls, per-call mean, median of 5 passes,
+after 3 warm-up calls. This is not moeforge's method (events around each call, a sync after
+each, median over calls): back-to-back calls hide Python's launch costs behind the GPU's
+queue, so at small token counts the peers are timed in their favour. Before timing, the Triton pair's y is
 compared with the torch pipeline's at every token count and block shape (relative max
 error over max |y|, reported as "agree"; the run fails above 2e-2: a wrong kernel is not
 timed), and at the first token count the torch pipeline's torch._grouped_mm with a

@@ -278,7 +278,7 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
 }
 
 /// A process launched as a rank of a group with a launch variable missing, a world size
-/// the layer does not have, or virtual ranks, is a usage error that says what to set
+/// the layer does not have, virtual ranks or the single-GPU peers, is a usage error that says what to set
 /// (before any GPU or network work, so these run anywhere).
 #[test]
 fn rank_processes_launched_wrong_say_what_to_set() {
@@ -330,4 +330,15 @@ fn rank_processes_launched_wrong_say_what_to_set() {
         assert_eq!(output.status.code(), Some(2), "{command}: {stderr}");
         assert!(stderr.contains("drop --ranks"), "{command}: {stderr}");
     }
+    // The single-GPU peers are not something a rank of a group runs.
+    let output = moeforge_with_env(
+        &["bench", "dsl-examples/tiny.moe", "--tokens", "4", "--peers"],
+        &full,
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--peers times single-GPU peers"),
+        "{stderr}"
+    );
 }

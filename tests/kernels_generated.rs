@@ -139,9 +139,10 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
         matches!(result, Err(aot::AotError::InvalidPlan(_))),
         "{result:?}"
     );
-    // A plan file of the previous format (before the router ran in one launch).
+    // A plan file of the previous format (before expert-parallel results could return
+    // as rank partials).
     let dir = edited_copy("plan.json", |t| {
-        t.replacen("\"format_version\": 5", "\"format_version\": 4", 1)
+        t.replacen("\"format_version\": 6", "\"format_version\": 5", 1)
     });
     let result = aot::load_layer(&dir, None);
     assert!(

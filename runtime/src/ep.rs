@@ -456,8 +456,9 @@ impl EpLayer {
     /// Enqueues one call of the bulk-synchronous variant, the baseline the overlapped
     /// schedule is measured against: the same kernels, with every rank waiting for every
     /// rank between the stages (metadata and dispatch; arrange and both GEMMs; combine), so
-    /// no stage overlaps another and every flag wait finds its flag already set. GEMM2's
-    /// stores into the origins' combine slots stay in the GEMM stage. With `marks`, records
+    /// no stage overlaps another and every flag wait finds its flag already set. With pair
+    /// rows GEMM2's stores into the origins' combine slots stay in the GEMM stage; with rank
+    /// partials GEMM2 stores locally and the partials cross in the combine stage. With `marks`, records
     /// the stage boundaries on rank 0 (see [`StageMarks`]).
     pub fn forward_bulk_synchronous(
         &mut self,

@@ -78,7 +78,9 @@ pub enum PeersError {
 }
 
 /// Times the peers at `tokens` on `shape` (routing and seed as moeforge's bench rows use),
-/// `calls` pipelined calls per pass. Works in a fresh temporary folder, removed after.
+/// `calls` back-to-back calls per pass (the script's docstring says how that differs from
+/// moeforge's per-call timing). Works in a fresh, private temporary folder, removed after,
+/// also on an error or a panic.
 pub fn run_peers(
     shape: &LayerShape,
     tokens: &[u32],
@@ -91,12 +93,21 @@ pub fn run_peers(
         Activation::ClampedSwiglu => "gpt_oss_swiglu",
         other => return Err(PeersError::Activation(other)),
     };
-    let folder = std::env::temp_dir().join(format!("moeforge-peers-{}-{seed}", std::process::id()));
-    std::fs::create_dir_all(&folder).map_err(io("creating", &folder))?;
-    let result = run_in(&folder, shape, tokens, routing, seed, calls, activation);
-    // The routing files of a large call are tens of MB: never leave them behind.
-    let _ = std::fs::remove_dir_all(&folder);
-    result
+    // A folder of its own (unpredictable name, owner-only) so no other user can swap the
+    // script python3 runs; dropping it removes the routing files, tens of MB at large T.
+    let folder = tempfile::Builder::new()
+        .prefix("moeforge-peers-")
+        .tempdir()
+        .map_err(io("creating", &std::env::temp_dir()))?;
+    run_in(
+        folder.path(),
+        shape,
+        tokens,
+        routing,
+        seed,
+        calls,
+        activation,
+    )
 }
 
 fn run_in(

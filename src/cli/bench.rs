@@ -472,6 +472,12 @@ fn write_results(out: &Path, stem: &str, json: &str, markdown: &str) -> ExitCode
 /// `bench` as one rank of a group of rank processes: the overlapped call only, per token
 /// count every rank's mean call time, printed by rank 0.
 fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
+    if args.peers {
+        eprintln!(
+            "error: --peers times single-GPU peers; it does not run as a rank of a group (RANK/WORLD_SIZE are set): run `moeforge bench FILE --peers` alone"
+        );
+        return usage_error();
+    }
     let plan = match group::plan(
         &args.file,
         args.layer.as_deref(),

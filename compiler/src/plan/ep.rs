@@ -91,7 +91,7 @@ fn combine_route(layer: &ir::Layer, ranks: u32, over_network: bool) -> (CombineR
         (
             CombineRoute::RankPartials,
             format!(
-                "rank partials: a visited rank holds {pairs:.2} of a token's pairs under uniform routing, so {pairs:.2}x fewer result rows cross the link, for one more read of each row here"
+                "rank partials: a visited rank holds {pairs:.2} of a token's pairs under uniform routing, so {pairs:.2}x fewer result rows travel back to the origin, for one more read of each row here"
             ),
         )
     } else {
