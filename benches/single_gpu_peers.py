@@ -22,9 +22,11 @@ times, on the same GPU and the same routing, with random bf16 weights of the lay
                 (both GEMMs share it), as vLLM's tuned configs would pick.
 
 Activations: SwiGLU (silu(gate) * up, gate = the first F columns) or GPT-OSS's clamped
-SwiGLU (gate clamped above at 7, up to +-7, gate * sigmoid(1.702 gate) * (up + 1)); the
-peers run no expert biases, no router and no shared experts (moeforge's row includes what
-its spec has, so a comparison on such a layer favours the peers).
+SwiGLU (gate clamped above at 7, up to +-7, gate * sigmoid(1.702 gate) * (up + 1)).
+Shared experts (--shared-slices S) run as moeforge runs them: S more experts of FFN F
+that every token hits with weight 1 (an MLP of FFN S*F is the sum of S MLPs of FFN F), in
+the same grouped GEMMs. The peers run no expert biases and no router (moeforge's row
+includes a spec's expert biases, so a comparison on such a layer favours the peers).
 
 Timing: CUDA events around --calls back-to-back calls, per-call mean, median of 5 passes,
 after 3 warm-up calls. This is not moeforge's method (events around each call, a sync after
@@ -121,8 +123,10 @@ def activation(name, h, ffn):
 class Layer:
     def __init__(self, args, device):
         g = torch.Generator(device=device).manual_seed(args.seed)
-        H, F, E = args.hidden, args.ffn, args.experts
-        self.H, self.F, self.E, self.K = H, F, E, args.top_k
+        # Routed experts, then the shared experts' slices.
+        H, F, E = args.hidden, args.ffn, args.experts + args.shared_slices
+        self.H, self.F, self.E, self.K = H, F, E, args.top_k + args.shared_slices
+        self.routed_experts, self.routed_k = args.experts, args.top_k
         self.activation = args.activation
         # Uniform in +-sqrt(3 / fan_in), drawn in bf16 (no f32 copy of DeepSeek-V3's 22 GB).
         self.w1 = torch.empty(E, H, 2 * F, dtype=torch.bfloat16, device=device)
@@ -231,14 +235,23 @@ def relative_error(got, want):
     return (got.float() - want.float()).abs().max().item() / max(scale, 1e-30)
 
 
-def read_routing(directory, tokens, top_k, device):
+def read_routing(directory, tokens, layer, device):
+    """The routed pairs of the files, then one pair per shared slice (weight 1) per token."""
+    top_k = layer.routed_k
     ids = torch.frombuffer(bytearray((directory / f"topk_ids_{tokens}.i32").read_bytes()),
                            dtype=torch.int32)
     weights = torch.frombuffer(bytearray((directory / f"topk_weights_{tokens}.f32").read_bytes()),
                                dtype=torch.float32)
     if ids.numel() != tokens * top_k or weights.numel() != tokens * top_k:
         raise ValueError(f"routing files for {tokens} tokens do not hold {tokens} x {top_k} pairs")
-    return ids.view(tokens, top_k).to(device).long(), weights.view(tokens, top_k).to(device)
+    ids = ids.view(tokens, top_k).to(device).long()
+    weights = weights.view(tokens, top_k).to(device)
+    shared = layer.E - layer.routed_experts
+    if shared:
+        shared_ids = torch.arange(layer.routed_experts, layer.E, device=device).expand(tokens, shared)
+        ids = torch.cat([ids, shared_ids], dim=1)
+        weights = torch.cat([weights, torch.ones(tokens, shared, device=device)], dim=1)
+    return ids, weights
 
 
 def choose_backend(layer, x, ids, weights, notes):
@@ -266,6 +279,8 @@ def main():
     parser.add_argument("--ffn", type=int, required=True)
     parser.add_argument("--experts", type=int, required=True)
     parser.add_argument("--top-k", type=int, required=True)
+    parser.add_argument("--shared-slices", type=int, default=0,
+                        help="shared experts as always-hit experts of FFN --ffn each")
     parser.add_argument("--activation", choices=["swiglu", "gpt_oss_swiglu"], default="swiglu")
     parser.add_argument("--tokens", required=True, help="comma separated")
     parser.add_argument("--routing-dir", type=Path, required=True)
@@ -287,7 +302,7 @@ def main():
         if tokens == 0:
             rows.append(row)
             continue
-        ids, weights = read_routing(args.routing_dir, tokens, layer.K, device)
+        ids, weights = read_routing(args.routing_dir, tokens, layer, device)
         x = (torch.rand(tokens, layer.H, device=device, generator=generator) * 2 - 1).to(torch.bfloat16)
         if not backend_chosen:
             choose_backend(layer, x, ids, weights, notes)

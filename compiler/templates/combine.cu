@@ -1,14 +1,16 @@
 // ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
-// the routed pairs, then the shared slices. One block per token; each thread sums 8
-// columns (one 16-byte vector) at a time.
+// the routed pairs, then the shared slices. Each thread sums 8 columns (one 16-byte
+// vector) at a time; the single-GPU combine spreads a token's row over
+// COMBINE_BLOCKS_PER_TOKEN blocks of one step each, so that a few tokens still use many SMs.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, by the
-// whole block; `rows[k]` is nullptr where the pair is absent (the routing kernel reported
-// it).
+// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, over
+// columns [first_column, end_column) by the whole block; `rows[k]` is nullptr where the
+// pair is absent (the routing kernel reported it).
 template <int SLOTS>
-__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row) {
-    for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
+__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
+                                             int end_column = HIDDEN) {
+    for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < SLOTS; ++k) {
@@ -30,13 +32,15 @@ __device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* 
     }
 }
 
-// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`.
+// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`,
+// over columns [first_column, end_column).
 template <int SLOTS>
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y,
+                                              int first_column = 0, int end_column = HIDDEN) {
     const bf16_t* rows[SLOTS];
 #pragma unroll
     for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
-    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
+    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, first_column, end_column);
 }
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ combine.name }})
@@ -47,12 +51,14 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}
 {%- if combine.early_start %}
     start_after_previous_kernel();
 {%- endif %}
-    const int token = blockIdx.x;
+    const int token = blockIdx.x / COMBINE_BLOCKS_PER_TOKEN;
+    const int first_column = blockIdx.x % COMBINE_BLOCKS_PER_TOKEN * COMBINE_COLUMNS_PER_BLOCK;
+    const int end_column = min(first_column + COMBINE_COLUMNS_PER_BLOCK, HIDDEN);
     bool present[SLOTS_PER_TOKEN];
 #pragma unroll
     for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
         present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
     }
-    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, first_column, end_column);
 }
 #endif

@@ -42,6 +42,8 @@ constexpr int STATIC_SMEM_GRANULE = {{ static_smem_granule }};  // ptxas reserve
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
 constexpr int ROUTE_THREADS = {{ route_threads }};
 constexpr int COMBINE_THREADS = {{ combine.threads }};
+constexpr int COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8;  // one 16-byte vector per thread
+constexpr int COMBINE_BLOCKS_PER_TOKEN = {{ combine_blocks_per_token }};  // single-GPU combine: a token's row over this many blocks
 constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
 constexpr int ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }};  // expert-parallel path only
 

@@ -128,6 +128,8 @@ constexpr int STATIC_SMEM_GRANULE = 128;  // ptxas reserves static shared memory
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
 constexpr int ROUTE_THREADS = 1024;
 constexpr int COMBINE_THREADS = 128;
+constexpr int COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8;  // one 16-byte vector per thread
+constexpr int COMBINE_BLOCKS_PER_TOKEN = 7;  // single-GPU combine: a token's row over this many blocks
 constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = 1;
 constexpr int ERROR_EXPERT_ID_REPEATED = 3;  // expert-parallel path only
 
@@ -1843,15 +1845,17 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
 }
 // ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
-// the routed pairs, then the shared slices. One block per token; each thread sums 8
-// columns (one 16-byte vector) at a time.
+// the routed pairs, then the shared slices. Each thread sums 8 columns (one 16-byte
+// vector) at a time; the single-GPU combine spreads a token's row over
+// COMBINE_BLOCKS_PER_TOKEN blocks of one step each, so that a few tokens still use many SMs.
 // ---------------------------------------------------------------------------------------
-// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, by the
-// whole block; `rows[k]` is nullptr where the pair is absent (the routing kernel reported
-// it).
+// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, over
+// columns [first_column, end_column) by the whole block; `rows[k]` is nullptr where the
+// pair is absent (the routing kernel reported it).
 template <int SLOTS>
-__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row) {
-    for (int column = threadIdx.x * 8; column < HIDDEN; column += COMBINE_THREADS * 8) {
+__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
+                                             int end_column = HIDDEN) {
+    for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < SLOTS; ++k) {
@@ -1873,13 +1877,15 @@ __device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* 
     }
 }
 
-// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`.
+// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`,
+// over columns [first_column, end_column).
 template <int SLOTS>
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y) {
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y,
+                                              int first_column = 0, int end_column = HIDDEN) {
     const bf16_t* rows[SLOTS];
 #pragma unroll
     for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
-    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN);
+    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, first_column, end_column);
 }
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_combine)
@@ -1890,13 +1896,15 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_combin
 )
 {
     start_after_previous_kernel();
-    const int token = blockIdx.x;
+    const int token = blockIdx.x / COMBINE_BLOCKS_PER_TOKEN;
+    const int first_column = blockIdx.x % COMBINE_BLOCKS_PER_TOKEN * COMBINE_COLUMNS_PER_BLOCK;
+    const int end_column = min(first_column + COMBINE_COLUMNS_PER_BLOCK, HIDDEN);
     bool present[SLOTS_PER_TOKEN];
 #pragma unroll
     for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
         present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
     }
-    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, first_column, end_column);
 }
 #endif
 // ---------------------------------------------------------------------------------------

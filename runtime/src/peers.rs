@@ -147,6 +147,7 @@ fn run_in(
         .args(["--ffn", &shape.ffn.to_string()])
         .args(["--experts", &shape.experts.to_string()])
         .args(["--top-k", &shape.top_k.to_string()])
+        .args(["--shared-slices", &shape.shared_slices.to_string()])
         .args(["--activation", activation])
         .args(["--tokens", &token_list.join(",")])
         .arg("--routing-dir")

@@ -109,7 +109,7 @@ pub(super) fn utc_date() -> String {
 fn peers_table(rows: &[BenchRow], report: &PeerReport) -> String {
     let us = |v: Option<f64>| v.map_or("-".to_string(), |us| format!("{us:.1}"));
     let mut table = format!(
-        "In-run peers on the same routing (torch {}, triton {}; torch pipeline GEMMs: {}; no expert biases, router or shared experts in the peers):\n\n| T | moeforge us | floor us | of floor | cuBLAS us | torch us | triton us | triton w/o align us | fastest peer / moeforge | triton block | agree |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "In-run peers on the same routing (torch {}, triton {}; torch pipeline GEMMs: {}; the peers run the shared experts as moeforge does, no expert biases and no router):\n\n| T | moeforge us | floor us | of floor | cuBLAS us | torch us | triton us | triton w/o align us | fastest peer / moeforge | triton block | agree |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
         report.torch, report.triton, report.gemm_backend
     );
     for row in rows {

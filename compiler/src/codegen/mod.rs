@@ -17,7 +17,7 @@ use crate::plan::ep::{
 use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
-    Access, BufferId, GemmPlan, Launch, LaunchArg, MmaEngine, OutputStore, ParamType, Plan,
+    Access, BufferId, GemmPlan, Grid, Launch, LaunchArg, MmaEngine, OutputStore, ParamType, Plan,
     ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout,
     TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
 };
@@ -38,6 +38,8 @@ pub enum CodegenError {
     Template(#[from] askama::Error),
     #[error("the plan launches no kernel `{kernel}`; the plan is inconsistent")]
     MissingLaunch { kernel: String },
+    #[error("the plan launches `{kernel}` on {grid}, a grid its template does not index")]
+    UnexpectedGrid { kernel: String, grid: String },
     #[error(
         "the plan gives `{kernel}` the parameters ({plan}), but its template body uses ({template}); the plan and the templates disagree"
     )]
@@ -68,6 +70,8 @@ struct LayerUnit<'a> {
     route_place: Option<EntryUnit>,
     route_threads: u32,
     combine: EntryUnit,
+    /// Blocks over which the combine spreads one token's row (its launch's grid).
+    combine_blocks_per_token: u32,
     error_expert_id: i32,
     error_expert_repeated: i32,
     activation: &'static str,
@@ -119,6 +123,29 @@ struct EntryUnit {
     /// Whether a launch of it may start before the kernel ahead of it ends: its body then
     /// begins by waiting for that kernel (`start_after_previous_kernel`).
     early_start: bool,
+}
+
+/// The blocks per token of the single-GPU combine, as its launches give them: one token's
+/// row over `n` blocks (`Grid::TokenTiles` of one token), the only grid its body indexes.
+fn combine_blocks_per_token(plan: &Plan) -> Result<u32, CodegenError> {
+    let kernel = &plan.combine_kernel;
+    let mut grids = plan
+        .launches()
+        .filter(|l| &l.kernel == kernel)
+        .map(|l| l.grid);
+    let first = grids.next().ok_or_else(|| CodegenError::MissingLaunch {
+        kernel: kernel.clone(),
+    })?;
+    match first {
+        Grid::TokenTiles {
+            tokens_per_tile: 1,
+            blocks_per_tile,
+        } if grids.all(|g| g == first) => Ok(blocks_per_tile),
+        other => Err(CodegenError::UnexpectedGrid {
+            kernel: kernel.clone(),
+            grid: format!("{other:?}"),
+        }),
+    }
 }
 
 /// The parameters each template body refers to by name, per kernel role. Codegen refuses a
@@ -961,6 +988,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         route_place: EntryUnit::if_launched(plan, &plan.route_place_kernel, ROUTE_PLACE_USES)?,
         route_threads: ROUTE_THREADS,
         combine: EntryUnit::new(plan, &plan.combine_kernel, COMBINE_USES)?,
+        combine_blocks_per_token: combine_blocks_per_token(plan)?,
         error_expert_id: error_code::EXPERT_ID_OUT_OF_RANGE,
         error_expert_repeated: error_code::EXPERT_ID_REPEATED,
         activation: shape.activation.name(),

@@ -338,7 +338,14 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
 fn describe_launch(out: &mut String, launch: &Launch) {
     let grid = match launch.grid {
         Grid::Fixed(n) => format!("{n} blocks"),
-        Grid::PerToken => "1 block per token".to_string(),
+        Grid::TokenTiles {
+            tokens_per_tile: 1,
+            blocks_per_tile: 1,
+        } => "1 block per token".to_string(),
+        Grid::TokenTiles {
+            tokens_per_tile: 1,
+            blocks_per_tile,
+        } => format!("{blocks_per_tile} blocks per token"),
         Grid::TokenTiles {
             tokens_per_tile,
             blocks_per_tile: 1,

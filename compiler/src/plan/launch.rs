@@ -6,7 +6,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BufferId, COMBINE_THREADS, ElemType, GemmPlan, ROUTE_THREADS, RowLoad, static_smem_reserved,
+    BufferId, COMBINE_THREADS, ElemType, GemmPlan, LayerShape, ROUTE_THREADS, RowLoad,
+    combine_blocks_per_token, static_smem_reserved,
 };
 
 /// One kernel launch of the forward call.
@@ -49,8 +50,6 @@ pub enum StreamRole {
 pub enum Grid {
     /// A fixed number of blocks.
     Fixed(u32),
-    /// One block per token of the call.
-    PerToken,
     /// `blocks_per_tile` blocks per tile of `tokens_per_tile` tokens of the call (the last
     /// tile ragged).
     TokenTiles {
@@ -63,7 +62,6 @@ impl Grid {
     pub fn blocks(self, tokens: u32) -> u32 {
         match self {
             Grid::Fixed(n) => n,
-            Grid::PerToken => tokens,
             Grid::TokenTiles {
                 tokens_per_tile,
                 blocks_per_tile,
@@ -356,14 +354,12 @@ fn route_launches(
     }
 }
 
-/// The launches of one forward call of a regime (`experts` routed, `gemm_experts` with
-/// the shared slices); with `expert_bias` the GEMMs take each expert's biases too; with
-/// `early_start` each may start before the previous one ends.
+/// The launches of one forward call of a regime of a layer of `shape` (its routed experts
+/// and the shared slices; with expert biases the GEMMs take them too); with `early_start`
+/// each may start before the previous one ends.
 pub fn launch_table(
     kernels: ForwardKernels<'_>,
-    experts: u32,
-    gemm_experts: u32,
-    expert_bias: bool,
+    shape: &LayerShape,
     g1: &GemmPlan,
     g2: &GemmPlan,
     early_start: bool,
@@ -371,8 +367,13 @@ pub fn launch_table(
     use BufferId::*;
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
-    let bias = |arg| expert_bias.then(|| read(arg));
-    let mut launches = route_launches(kernels.route, experts, gemm_experts, early_start);
+    let bias = |arg| shape.expert_bias.then(|| read(arg));
+    let mut launches = route_launches(
+        kernels.route,
+        shape.experts,
+        shape.gemm_experts(),
+        early_start,
+    );
     launches.extend([
         Launch {
             kernel: kernels.gemm1.to_string(),
@@ -413,7 +414,10 @@ pub fn launch_table(
         },
         Launch {
             kernel: kernels.combine.to_string(),
-            grid: Grid::PerToken,
+            grid: Grid::TokenTiles {
+                tokens_per_tile: 1,
+                blocks_per_tile: combine_blocks_per_token(shape.hidden),
+            },
             block_threads: COMBINE_THREADS,
             smem_bytes: 0,
             static_smem_bytes: 0,

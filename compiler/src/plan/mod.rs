@@ -67,8 +67,18 @@ pub const ROUTE_ONE_BLOCK_MAX_PAIRS: u64 = 4096;
 // A fused router takes the place of the one-block route, so only regimes that route on one
 // block may fuse it.
 const _: () = assert!(router::ROUTER_FUSED_MAX_PAIRS <= ROUTE_ONE_BLOCK_MAX_PAIRS);
-/// Threads of the combine kernel (one block per token).
+/// Threads of a combine block.
 pub const COMBINE_THREADS: u32 = 128;
+/// Columns of a token's output row one single-GPU combine block sums: one 16-byte vector
+/// of 8 columns per thread. A token's row is spread over blocks rather than looped over by
+/// one: at a few tokens a block that walked all of H (7 steps for DeepSeek-V3) took 20 µs
+/// of one SM, latency-bound, while the GPU idled (Nsight Compute, one H200, 2026-12-01).
+pub const COMBINE_COLUMNS_PER_BLOCK: u32 = COMBINE_THREADS * 8;
+
+/// Blocks of the single-GPU combine per token of a layer of hidden size `hidden`.
+pub fn combine_blocks_per_token(hidden: u32) -> u32 {
+    hidden.div_ceil(COMBINE_COLUMNS_PER_BLOCK)
+}
 /// Largest number of experts the routing kernel's shared-memory tables hold.
 pub const MAX_EXPERTS: u32 = 1024;
 /// Largest number of shared-expert slices (always-hit experts of the routed FFN size).
@@ -943,9 +953,7 @@ pub fn plan_tuned(
                 gemm2: &gemm2_kernel,
                 combine: &combine_kernel,
             },
-            shape.experts,
-            shape.gemm_experts(),
-            shape.expert_bias,
+            &shape,
             &choice.gemm1,
             &choice.gemm2,
             target.has_programmatic_launch(),

@@ -16,7 +16,7 @@ use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, GemmPlan, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS,
     MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RowLoad,
-    SmemLayout, TILE_K, c_identifier, workspace,
+    SmemLayout, TILE_K, c_identifier, combine_blocks_per_token, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -106,6 +106,22 @@ impl Plan {
         }
 
         self.check_regimes(self.regimes.iter().map(Regime::parts), shape.gemm_experts())?;
+        // The combine covers a token's row only with as many blocks as its columns need.
+        let combine_grid = Grid::TokenTiles {
+            tokens_per_tile: 1,
+            blocks_per_tile: combine_blocks_per_token(shape.hidden),
+        };
+        let wrong_combine = self
+            .regimes
+            .iter()
+            .flat_map(|r| &r.launches)
+            .find(|l| l.kernel == self.combine_kernel && l.grid != combine_grid);
+        if let Some(launch) = wrong_combine {
+            return Err(format!(
+                "`{}` is launched on {:?}; a hidden size of {} needs {combine_grid:?}",
+                launch.kernel, launch.grid, shape.hidden
+            ));
+        }
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
             let regimes = ep.regimes.iter().map(ExpertParallelRegime::parts);
