@@ -140,7 +140,7 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
         "{result:?}"
     );
     // A plan file of the previous format (before expert-parallel results could return
-    // as rank partials).
+    // as rank partials and the combine spread a token's row over blocks).
     let dir = edited_copy("plan.json", |t| {
         t.replacen("\"format_version\": 6", "\"format_version\": 5", 1)
     });

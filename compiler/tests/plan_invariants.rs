@@ -664,3 +664,45 @@ fn results_return_as_rank_partials_where_a_rank_holds_several_pairs() {
         .expect_err("rank partials across nodes");
     assert!(error.to_string().contains("rank partials"), "{error}");
 }
+
+/// The single-GPU combine spreads a token's row over ceil(H / 1024) blocks of 128 threads:
+/// DeepSeek-V3 (H = 7168) takes 7, and validation refuses fewer blocks or threads, either
+/// of which would leave columns unwritten.
+#[test]
+fn the_combine_covers_every_column() {
+    let plan = example_plan("deepseek_v3");
+    let combine_at = |plan: &Plan, regime: usize| {
+        plan.regimes[regime]
+            .launches
+            .iter()
+            .position(|l| l.kernel == plan.combine_kernel)
+            .expect("the regime combines")
+    };
+    let at = combine_at(&plan, 0);
+    assert_eq!(
+        plan.regimes[0].launches[at].grid,
+        Grid::TokenTiles {
+            tokens_per_tile: 1,
+            blocks_per_tile: 7
+        }
+    );
+    let mut one_block = plan.clone();
+    one_block.regimes[0].launches[at].grid = Grid::TokenTiles {
+        tokens_per_tile: 1,
+        blocks_per_tile: 1,
+    };
+    assert!(one_block.validate().is_err(), "one block per token");
+    let mut half_threads = plan.clone();
+    half_threads.regimes[0].launches[at].block_threads = 64;
+    assert!(half_threads.validate().is_err(), "64 threads per block");
+    // Codegen reads the blocks per token from the launches and refuses regimes that differ.
+    let mut differing = plan.clone();
+    let last = differing.regimes.len() - 1;
+    let at_last = combine_at(&plan, last);
+    differing.regimes[last].launches[at_last].grid = Grid::TokenTiles {
+        tokens_per_tile: 1,
+        blocks_per_tile: 8,
+    };
+    let error = moeforge_compiler::codegen::generate(&differing).expect_err("regimes differ");
+    assert!(error.to_string().contains("blocks_per_tile: 8"), "{error}");
+}

@@ -734,8 +734,8 @@ impl MoeLayer {
         Ok(())
     }
 
-    /// Enqueues one launch with the call's values; a launch whose grid is empty (one block
-    /// per token at T = 0) is skipped.
+    /// Enqueues one launch with the call's values; a launch whose grid is empty (blocks per
+    /// token at T = 0) is skipped.
     fn launch(
         &self,
         launch: &Launch,

@@ -377,6 +377,30 @@ fn tiny_layers_with_a_shared_expert_match_reference() {
     check_plans("tiny layers with a shared expert", plans);
 }
 
+/// A token's row over two combine blocks, the second of 64 columns (hidden 1088 = 1024 +
+/// 64): the scaled examples stay at hidden 1024 or less, one block per token.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_row_over_several_combine_blocks_matches_reference() {
+    let mut layer = layers::tiny(Activation::Swiglu);
+    layer.name = "tiny_wide_rows".into();
+    layer.hidden = 1088;
+    let plan = plan_for_device(&layer);
+    let combine = plan.regimes[0]
+        .launches
+        .iter()
+        .find(|l| l.kernel == plan.combine_kernel)
+        .expect("the regime combines");
+    assert_eq!(
+        combine.grid,
+        plan::Grid::TokenTiles {
+            tokens_per_tile: 1,
+            blocks_per_tile: 2
+        }
+    );
+    check_plans("a row over two combine blocks", vec![plan]);
+}
+
 /// The clamps of GPT-OSS's activation, in the order [`clamp_witnesses`] reports them.
 const CLAMPS: [&str; 3] = ["gate > 7", "up > 7", "up < -7"];
 

@@ -136,15 +136,20 @@ fn combine_blocks_per_token(plan: &Plan) -> Result<u32, CodegenError> {
     let first = grids.next().ok_or_else(|| CodegenError::MissingLaunch {
         kernel: kernel.clone(),
     })?;
-    match first {
-        Grid::TokenTiles {
-            tokens_per_tile: 1,
-            blocks_per_tile,
-        } if grids.all(|g| g == first) => Ok(blocks_per_tile),
-        other => Err(CodegenError::UnexpectedGrid {
-            kernel: kernel.clone(),
-            grid: format!("{other:?}"),
-        }),
+    let unexpected = |grid: Grid| CodegenError::UnexpectedGrid {
+        kernel: kernel.clone(),
+        grid: format!("{grid:?}"),
+    };
+    let Grid::TokenTiles {
+        tokens_per_tile: 1,
+        blocks_per_tile,
+    } = first
+    else {
+        return Err(unexpected(first));
+    };
+    match grids.find(|&g| g != first) {
+        Some(other) => Err(unexpected(other)),
+        None => Ok(blocks_per_tile),
     }
 }
 

@@ -14,9 +14,9 @@ use super::launch::StreamRole;
 use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
-    Access, BufferId, CLUSTER_PAIR, GemmPlan, Grid, LaunchArg, MAX_EXPERTS, MAX_PAIRS,
-    MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RowLoad,
-    SmemLayout, TILE_K, c_identifier, combine_blocks_per_token, workspace,
+    Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, LaunchArg, MAX_EXPERTS,
+    MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts,
+    RowLoad, SmemLayout, TILE_K, c_identifier, combine_blocks_per_token, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -106,20 +106,20 @@ impl Plan {
         }
 
         self.check_regimes(self.regimes.iter().map(Regime::parts), shape.gemm_experts())?;
-        // The combine covers a token's row only with as many blocks as its columns need.
+        // The combine covers a token's row only with as many blocks (of COMBINE_THREADS
+        // threads, a 16-byte vector each) as its columns need.
         let combine_grid = Grid::TokenTiles {
             tokens_per_tile: 1,
             blocks_per_tile: combine_blocks_per_token(shape.hidden),
         };
-        let wrong_combine = self
-            .regimes
-            .iter()
-            .flat_map(|r| &r.launches)
-            .find(|l| l.kernel == self.combine_kernel && l.grid != combine_grid);
+        let wrong_combine = self.regimes.iter().flat_map(|r| &r.launches).find(|l| {
+            l.kernel == self.combine_kernel
+                && (l.grid != combine_grid || l.block_threads != COMBINE_THREADS)
+        });
         if let Some(launch) = wrong_combine {
             return Err(format!(
-                "`{}` is launched on {:?}; a hidden size of {} needs {combine_grid:?}",
-                launch.kernel, launch.grid, shape.hidden
+                "`{}` is launched on {:?} of {} threads; a hidden size of {} needs {combine_grid:?} of {COMBINE_THREADS}",
+                launch.kernel, launch.grid, launch.block_threads, shape.hidden
             ));
         }
         if let Some(ep) = &self.expert_parallel {

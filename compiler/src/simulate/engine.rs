@@ -646,11 +646,17 @@ impl<'a> Machine<'a> {
             (arrived, combined, vec![0.0; r])
         };
         accounting.pairs_combined = combined;
-        // Rows an origin sums per token: its K slots, or a partial per rank visited.
-        let rows_per_token = if partials {
-            self.traffic.top_k.min(ranks)
-        } else {
-            self.traffic.top_k
+        // Rows an origin sums per token: its K slots, or a partial per rank its tokens visit
+        // (on average, rounded up).
+        let rows_per_token = |s: u32| {
+            if partials {
+                let visits: u64 = (0..ranks)
+                    .map(|d| u64::from(self.traffic.tokens_to(s, d)))
+                    .sum();
+                visits.div_ceil(u64::from(self.traffic.tokens_per_rank.max(1))) as u32
+            } else {
+                self.traffic.top_k
+            }
         };
         let mut layer: f64 = 0.0;
         for (s, (&at, end)) in arrived.iter().zip(&ends).enumerate() {
@@ -659,7 +665,7 @@ impl<'a> Machine<'a> {
                 + model::combine_seconds(
                     self.target,
                     self.traffic.tokens_per_rank,
-                    rows_per_token,
+                    rows_per_token(s as u32),
                     self.hidden,
                 );
             if let Some(lane) = timeline.get_mut(s) {
