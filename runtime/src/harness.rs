@@ -66,7 +66,10 @@ static SESSION_TURN: Mutex<()> = Mutex::new(());
 pub struct BuiltLayer {
     pub layer: MoeLayer,
     pub module: CompiledKernels,
+    /// Codegen and the JIT (NVRTC, or a read of the disk cache).
     pub compile_seconds: f64,
+    /// Loading the compiled modules into the GPU's context (`cuModuleLoadData`).
+    pub load_seconds: f64,
     /// Host copies of the experts' weights, by expert id, each downloaded from the device
     /// on the first check that needs it and kept for the layer's life. Downloaded rather
     /// than regenerated on the host: the check then uses the very bytes the kernels read,
@@ -438,7 +441,9 @@ impl Session {
         weights: ExpertWeights,
         gate: Option<HostGate>,
     ) -> Result<BuiltLayer, HarnessError> {
+        let started = Instant::now();
         let loaded = self.gpu.load_kernels(&module)?;
+        let load_seconds = started.elapsed().as_secs_f64();
         let experts = plan.shape.gemm_experts() as usize;
         let device_gate = gate
             .as_ref()
@@ -449,6 +454,7 @@ impl Session {
             layer,
             module,
             compile_seconds,
+            load_seconds,
             host_experts: (0..experts).map(|_| OnceLock::new()).collect(),
             host_gate: gate,
         })

@@ -295,13 +295,14 @@ pub fn run(args: &Args) -> ExitCode {
         (Some(_), None) => routing_name(args.routing),
     };
     eprintln!(
-        "compiled in {:.2} s{}; running T={tokens} ({regime} regime, {routing_said} routing, seed {seed})",
+        "compiled in {:.2} s{}, loaded into the GPU in {:.1} ms; running T={tokens} ({regime} regime, {routing_said} routing, seed {seed})",
         built.compile_seconds,
         if built.module.cache_hit() {
             " (cache hit)"
         } else {
             ""
         },
+        built.load_seconds * 1e3,
     );
     let caller_workload = caller_routing.map(|routing| Workload {
         tokens,
