@@ -31,11 +31,11 @@ includes a spec's expert biases, so a comparison on such a layer favours the pee
 Timing: CUDA events around --calls back-to-back calls, per-call mean, median of 5 passes,
 after 3 warm-up calls. This is not moeforge's method (events around each call, a sync after
 each, median over calls): back-to-back calls hide Python's launch costs behind the GPU's
-queue, so at small token counts the peers are timed in their favour. Before timing, the Triton pair's y is
-compared with the torch pipeline's at every token count and block shape (relative max
-error over max |y|, reported as "agree"; the run fails above 2e-2: a wrong kernel is not
-timed), and at the first token count the torch pipeline's torch._grouped_mm with a
-per-expert torch.mm loop.
+queue, so at small token counts the peers are timed in their favour. Before timing, the
+Triton pair's y is compared with the torch pipeline's at every token count and block
+shape (relative max error over max |y|, reported as "agree"; the run fails above 2e-2: a
+wrong kernel is not timed), and at the first token count the torch pipeline's
+torch._grouped_mm with a per-expert torch.mm loop.
 
 Output: JSON at --json: {"torch": version, "triton": version, "gemm_backend": ...,
 "notes": [...], "rows": [{"tokens", "torch_us", "triton_us", "triton_no_align_us",

@@ -278,8 +278,8 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
 }
 
 /// A process launched as a rank of a group with a launch variable missing, a world size
-/// the layer does not have, virtual ranks or the single-GPU peers, is a usage error that says what to set
-/// (before any GPU or network work, so these run anywhere).
+/// the layer does not have, virtual ranks or the single-GPU peers, is a usage error that
+/// says what to set (before any GPU or network work, so these run anywhere).
 #[test]
 fn rank_processes_launched_wrong_say_what_to_set() {
     let run = ["run", "dsl-examples/tiny.moe", "--tokens", "4"];

@@ -458,8 +458,8 @@ impl EpLayer {
     /// rank between the stages (metadata and dispatch; arrange and both GEMMs; combine), so
     /// no stage overlaps another and every flag wait finds its flag already set. With pair
     /// rows GEMM2's stores into the origins' combine slots stay in the GEMM stage; with rank
-    /// partials GEMM2 stores locally and the partials cross in the combine stage. With `marks`, records
-    /// the stage boundaries on rank 0 (see [`StageMarks`]).
+    /// partials GEMM2 stores locally and the partials cross in the combine stage. With
+    /// `marks`, records the stage boundaries on rank 0 (see [`StageMarks`]).
     pub fn forward_bulk_synchronous(
         &mut self,
         args: &mut [ForwardArgs<'_>],
