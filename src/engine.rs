@@ -265,7 +265,7 @@ impl LayerSpec {
             Some(router) => weights.gate(&self.plan.shape, &router.rule)?,
             None => None,
         };
-        let module = gpu.load_kernels(self.kernels()?)?;
+        let module = gpu.load_kernels(self.kernels()?, &self.plan.single_gpu_entry_points())?;
         let experts = upload(&gpu.stream, &host)?;
         drop(host);
         let gate = gate
@@ -304,12 +304,13 @@ impl LayerSpec {
             .into());
         }
         let kernels = self.kernels()?;
+        let entry_points = self.plan.expert_parallel_entry_points();
         let mut modules = Vec::with_capacity(contexts.len());
         let mut experts = Vec::with_capacity(contexts.len());
         for (rank, ctx) in (0..ranks).zip(contexts) {
             let stream = ctx.default_stream();
             Gpu::with_stream(Arc::clone(&stream)).check_target(&self.plan.target)?;
-            modules.push(Gpu::load_kernels_into(ctx, kernels)?);
+            modules.push(Gpu::load_kernels_into(ctx, kernels, &entry_points)?);
             let parts = weights.rank_parts(&self.plan.shape, rank, ranks)?;
             experts.push(upload_parts(&stream, &parts)?);
         }

@@ -201,8 +201,8 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
 
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
-__device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code, int a,
-                                                int b, int c) {
+static __device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code,
+                                                       int a, int b, int c) {
     if (blockIdx.x != 0) {
         const long long start = clock64();
         while (!flag_reached(flag_load(errors_cleared), epoch) && clock64() - start < SPIN_LIMIT_CYCLES) {

@@ -706,3 +706,35 @@ fn the_combine_covers_every_column() {
     let error = moeforge_compiler::codegen::generate(&differing).expect_err("regimes differ");
     assert!(error.to_string().contains("blocks_per_tile: 8"), "{error}");
 }
+
+/// A layer on one GPU and a rank of the expert-parallel layer load only the kernels they
+/// launch; together those are every entry point of the unit, and the one-GPU set holds
+/// the router's and no expert-parallel kernel.
+#[test]
+fn each_way_of_running_loads_the_kernels_it_launches() {
+    for name in ["deepseek_v3", "tiny_two_nodes", "gpt_oss_120b"] {
+        let plan = example_plan(name);
+        let single = plan.single_gpu_entry_points();
+        let ranks = plan.expert_parallel_entry_points();
+        let mut both: Vec<_> = single.iter().chain(&ranks).cloned().collect();
+        both.sort();
+        both.dedup();
+        let mut all = plan.entry_points();
+        all.sort();
+        assert_eq!(both, all, "{name}");
+        if let Some(router) = &plan.router {
+            for launch in router.regimes.iter().flat_map(|r| &r.launches) {
+                assert!(single.contains(&launch.kernel), "{name}: {}", launch.kernel);
+            }
+        }
+        match &plan.expert_parallel {
+            Some(ep) => {
+                for launch in ep.regimes.iter().flat_map(|r| &r.launches) {
+                    assert!(ranks.contains(&launch.kernel), "{name}: {}", launch.kernel);
+                }
+                assert!(single.len() < all.len(), "{name}: the one-GPU set is smaller");
+            }
+            None => assert!(ranks.is_empty(), "{name}"),
+        }
+    }
+}

@@ -276,7 +276,9 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
-__device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
+// Helpers that are not inlined are `static`: each kernel becomes its own relocatable
+// object and the runtime links them into one image, where two external definitions clash.
+static __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
         if (timed_out_already(error_word)) return false;
@@ -1038,8 +1040,8 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
 
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
-__device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code, int a,
-                                                int b, int c) {
+static __device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code,
+                                                       int a, int b, int c) {
     if (blockIdx.x != 0) {
         const long long start = clock64();
         while (!flag_reached(flag_load(errors_cleared), epoch) && clock64() - start < SPIN_LIMIT_CYCLES) {

@@ -20,9 +20,9 @@ use crate::call_file::CallOutputs;
 use crate::checkpoint::HostGate;
 use crate::checkpoint::{CheckpointError, ExpertSet};
 use crate::ep::EpLayer;
-use crate::gpu::{DriverContext, Gpu, GpuError};
+use crate::gpu::{DriverContext, Gpu, GpuError, LoadedKernels};
 use crate::ipc::GroupError;
-use crate::jit::{CompileOptions, CompiledKernels, CompiledModule, Jit, JitError};
+use crate::jit::{CacheOutcome, CompileOptions, CompiledKernels, CompiledModule, Jit, JitError};
 use crate::layer::{
     ExpertBiases, ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs,
 };
@@ -59,6 +59,37 @@ pub struct Session {
     _turn: MutexGuard<'static, ()>,
 }
 
+/// What loading a layer's kernels did, for the user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadSummary {
+    /// One image linked from the per-kernel modules; `cached`: read from the disk cache.
+    Linked { cached: bool },
+    /// The modules as compiled, this many.
+    Modules(usize),
+}
+
+impl LoadSummary {
+    fn of(loaded: &LoadedKernels) -> Self {
+        match loaded.linked() {
+            Some(cache) => LoadSummary::Linked {
+                cached: *cache == CacheOutcome::Hit,
+            },
+            None => LoadSummary::Modules(loaded.module_count()),
+        }
+    }
+}
+
+impl fmt::Display for LoadSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoadSummary::Linked { cached: true } => f.write_str("one linked image, from the cache"),
+            LoadSummary::Linked { cached: false } => f.write_str("one linked image"),
+            LoadSummary::Modules(1) => f.write_str("one module"),
+            LoadSummary::Modules(n) => write!(f, "{n} modules"),
+        }
+    }
+}
+
 /// Held by the one live [`Session`] of the process.
 static SESSION_TURN: Mutex<()> = Mutex::new(());
 
@@ -68,8 +99,11 @@ pub struct BuiltLayer {
     pub module: CompiledKernels,
     /// Codegen and the JIT (NVRTC, or a read of the disk cache).
     pub compile_seconds: f64,
-    /// Loading the compiled modules into the GPU's context (`cuModuleLoadData`).
+    /// Loading the compiled modules into the GPU's context: linking them into one image
+    /// (unless the image was cached) and `cuModuleLoadData`.
     pub load_seconds: f64,
+    /// What was loaded: one linked image (and whether it came from the cache) or modules.
+    pub loaded: LoadSummary,
     /// Host copies of the experts' weights, by expert id, each downloaded from the device
     /// on the first check that needs it and kept for the layer's life. Downloaded rather
     /// than regenerated on the host: the check then uses the very bytes the kernels read,
@@ -442,8 +476,11 @@ impl Session {
         gate: Option<HostGate>,
     ) -> Result<BuiltLayer, HarnessError> {
         let started = Instant::now();
-        let loaded = self.gpu.load_kernels(&module)?;
+        let loaded = self
+            .gpu
+            .load_kernels(&module, &plan.single_gpu_entry_points())?;
         let load_seconds = started.elapsed().as_secs_f64();
+        let summary = LoadSummary::of(&loaded);
         let experts = plan.shape.gemm_experts() as usize;
         let device_gate = gate
             .as_ref()
@@ -455,6 +492,7 @@ impl Session {
             module,
             compile_seconds,
             load_seconds,
+            loaded: summary,
             host_experts: (0..experts).map(|_| OnceLock::new()).collect(),
             host_gate: gate,
         })
@@ -610,7 +648,9 @@ impl Session {
             ranks as usize,
             &self.gpu.ctx,
         )?;
-        let module = self.gpu.load_kernels(&built.module)?;
+        let module = self
+            .gpu
+            .load_kernels(&built.module, &plan.expert_parallel_entry_points())?;
         Ok(EpLayer::join_group(
             plan.clone(),
             &self.gpu.ctx,
@@ -630,12 +670,13 @@ impl Session {
         contexts: &[Arc<CudaContext>],
         weights: Vec<ExpertWeights>,
     ) -> Result<EpLayer, HarnessError> {
+        let entry_points = built.layer.plan().expert_parallel_entry_points();
         let mut modules = Vec::with_capacity(contexts.len());
         for ctx in contexts {
             modules.push(if ctx.ordinal() == self.gpu.ctx.ordinal() {
-                self.gpu.load_kernels(&built.module)?
+                self.gpu.load_kernels(&built.module, &entry_points)?
             } else {
-                Gpu::load_kernels_into(ctx, &built.module)?
+                Gpu::load_kernels_into(ctx, &built.module, &entry_points)?
             });
         }
         Ok(EpLayer::new(

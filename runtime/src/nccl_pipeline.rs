@@ -463,7 +463,7 @@ impl NcclPipeline {
             let local = MoeLayer::new(
                 &gpu,
                 local_plan.clone(),
-                Gpu::load_kernels_into(ctx, &local_module)?,
+                Gpu::load_kernels_into(ctx, &local_module, &local_plan.single_gpu_entry_points())?,
                 rank_weights,
             )
             .map_err(|source| NcclPipelineError::Rank { rank: r, source })?;

@@ -99,3 +99,65 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
     }
     source.entry_points.len()
 }
+
+/// Every example's kernels, compiled one by one as the runtime does
+/// ([`Jit::compile_kernels`]: relocatable), link into one image with the toolkit's
+/// `nvlink`: no symbol is defined by two of them. On the GPU the driver's linker does the
+/// same (`Gpu::load_kernels`); this catches a template helper with external linkage here.
+#[test]
+fn every_examples_kernels_link_into_one_image() {
+    let Some(toolkit) = nvrtc_for_tests() else {
+        return;
+    };
+    let nvlink = toolkit
+        .ptxas
+        .as_ref()
+        .map(|ptxas| ptxas.with_file_name("nvlink"))
+        .filter(|nvlink| nvlink.is_file())
+        .expect("the toolkit has nvlink next to ptxas (the nvidia-cuda-nvcc wheel)");
+    let jit = Jit::new(toolkit, JitSettings::from_env().expect("JIT settings")).expect("JIT");
+    let target = Target::h200();
+    let layers = layers::examples();
+    std::thread::scope(|scope| {
+        for layer in &layers {
+            let (jit, target, nvlink) = (&jit, &target, &nvlink);
+            scope.spawn(move || {
+                let plan = plan::plan(layer, target).expect("every example plans");
+                let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
+                let kernels = jit
+                    .compile_kernels(
+                        &source.source,
+                        &source.entry_points,
+                        &aot::compile_options(&plan),
+                    )
+                    .expect("NVRTC compiles every kernel");
+                assert!(kernels.relocatable, "sm_90a kernels are relocatable");
+                let dir = tempfile::tempdir().expect("temporary folder");
+                let objects: Vec<_> = kernels
+                    .modules
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| {
+                        let path = dir.path().join(format!("{i}.cubin"));
+                        let cubin = m.module.cubin.as_ref().expect("a CUBIN");
+                        std::fs::write(&path, cubin).expect("write CUBIN");
+                        path
+                    })
+                    .collect();
+                let linked = std::process::Command::new(nvlink)
+                    .arg(format!("-arch={}", plan.target.arch))
+                    .args(&objects)
+                    .arg("-o")
+                    .arg(dir.path().join("linked.cubin"))
+                    .output()
+                    .expect("run nvlink");
+                assert!(
+                    linked.status.success(),
+                    "{}: nvlink refused the kernels: {}",
+                    layer.name,
+                    String::from_utf8_lossy(&linked.stderr)
+                );
+            });
+        }
+    });
+}

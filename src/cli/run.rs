@@ -295,7 +295,7 @@ pub fn run(args: &Args) -> ExitCode {
         (Some(_), None) => routing_name(args.routing),
     };
     eprintln!(
-        "compiled in {:.2} s{}, loaded into the GPU in {:.1} ms; running T={tokens} ({regime} regime, {routing_said} routing, seed {seed})",
+        "compiled in {:.2} s{}, loaded into the GPU in {:.1} ms ({}); running T={tokens} ({regime} regime, {routing_said} routing, seed {seed})",
         built.compile_seconds,
         if built.module.cache_hit() {
             " (cache hit)"
@@ -303,6 +303,7 @@ pub fn run(args: &Args) -> ExitCode {
             ""
         },
         built.load_seconds * 1e3,
+        built.loaded,
     );
     let caller_workload = caller_routing.map(|routing| Workload {
         tokens,

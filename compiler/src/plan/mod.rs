@@ -1194,14 +1194,43 @@ impl Plan {
     /// The entry points of the generated unit, in a stable order: the single-GPU kernels,
     /// then the router's, then the expert-parallel ones.
     pub fn entry_points(&self) -> Vec<String> {
-        let mut names: Vec<String> = Vec::new();
-        for launch in self.launches() {
-            if !names.contains(&launch.kernel) {
-                names.push(launch.kernel.clone());
-            }
-        }
-        names
+        distinct_kernels(self.launches())
     }
+
+    /// The entry points a layer on one GPU launches: its tables and the router's.
+    pub fn single_gpu_entry_points(&self) -> Vec<String> {
+        let router_launches = self
+            .router
+            .iter()
+            .flat_map(|router| router.regimes.iter().flat_map(|r| &r.launches));
+        distinct_kernels(
+            self.regimes
+                .iter()
+                .flat_map(|r| &r.launches)
+                .chain(router_launches),
+        )
+    }
+
+    /// The entry points one rank of the expert-parallel layer launches (none without an
+    /// expert-parallel plan).
+    pub fn expert_parallel_entry_points(&self) -> Vec<String> {
+        distinct_kernels(
+            self.expert_parallel
+                .iter()
+                .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches)),
+        )
+    }
+}
+
+/// The kernels of `launches`, each once, in order of first launch.
+fn distinct_kernels<'a>(launches: impl Iterator<Item = &'a Launch>) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for launch in launches {
+        if !names.contains(&launch.kernel) {
+            names.push(launch.kernel.clone());
+        }
+    }
+    names
 }
 
 fn regime_name(index: usize, count: usize) -> &'static str {
