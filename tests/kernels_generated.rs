@@ -132,7 +132,7 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
     // Shared memory edited beyond what the GEMM's layout adds up to: refused by validation
     // before any hash is looked at.
     let dir = edited_copy("plan.json", |t| {
-        t.replacen("\"smem_bytes\": 41088", "\"smem_bytes\": 41089", 1)
+        t.replacen("\"smem_bytes\": 41216", "\"smem_bytes\": 41217", 1)
     });
     let result = aot::load_layer(&dir, None);
     assert!(

@@ -732,7 +732,10 @@ fn each_way_of_running_loads_the_kernels_it_launches() {
                 for launch in ep.regimes.iter().flat_map(|r| &r.launches) {
                     assert!(ranks.contains(&launch.kernel), "{name}: {}", launch.kernel);
                 }
-                assert!(single.len() < all.len(), "{name}: the one-GPU set is smaller");
+                assert!(
+                    single.len() < all.len(),
+                    "{name}: the one-GPU set is smaller"
+                );
             }
             None => assert!(ranks.is_empty(), "{name}"),
         }

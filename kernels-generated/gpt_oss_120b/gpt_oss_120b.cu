@@ -775,7 +775,7 @@ __device__ __forceinline__ void grouped_gemm(
     const EpContext& ep)
 {
     assert_gemm_layout<G>();
-    static_assert(G::ALIGN_SLACK == 0 && G::RING_ALIGN == 128, "plan: the mma.sync ring starts the allocation");
+    static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
     constexpr int WN = G::BN / G::WARPS_N;  // output columns per warp
@@ -785,7 +785,12 @@ __device__ __forceinline__ void grouped_gemm(
     constexpr int N_TILES = G::N / G::BN;
     static_assert(WM % 16 == 0 && WN % 16 == 0, "plan: warp tile is whole 16x16 pieces");
 
-    extern __shared__ __align__(128) unsigned char smem[];
+    // The ring's swizzle assumes 128-byte rows. The allocation is declared so aligned, but
+    // kernels linked from relocatable objects get it 16-byte aligned: move up at run time.
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 raw_base = smem_address(smem_raw);
+    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
+    unsigned char* smem = smem_raw + (smem_base - raw_base);
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
     __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
@@ -795,7 +800,6 @@ __device__ __forceinline__ void grouped_gemm(
     const int warp = tid >> 5;
     const int warp_m = warp / G::WARPS_N;
     const int warp_n = warp % G::WARPS_N;
-    const u32 smem_base = smem_address(smem);
 
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
@@ -1928,8 +1932,8 @@ struct decode_gemm1 : SingleGpu {
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
-    static constexpr int DYNAMIC_SMEM_BYTES = 92224, STATIC_SMEM_BYTES = 640;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
+    static constexpr int DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
@@ -1957,8 +1961,8 @@ struct decode_gemm2 : SingleGpu {
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
-    static constexpr int DYNAMIC_SMEM_BYTES = 51264, STATIC_SMEM_BYTES = 640;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
+    static constexpr int DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
@@ -1990,8 +1994,8 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 0, ROW_SOURCE_OFFSET = 98304, BARRIER_OFFSET = 98560;
-    static constexpr int DYNAMIC_SMEM_BYTES = 98560, STATIC_SMEM_BYTES = 640;
+    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 98304, BARRIER_OFFSET = 98560;
+    static constexpr int DYNAMIC_SMEM_BYTES = 98688, STATIC_SMEM_BYTES = 640;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 2) gpt_oss_120b_mid_gemm1(

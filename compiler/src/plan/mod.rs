@@ -731,14 +731,16 @@ impl SmemLayout {
     ) -> Self {
         let row_bytes = SMEM_ROW_BYTES;
         let stage_bytes = (tile.m + b_rows) * row_bytes;
-        // The dynamic allocation is declared 128-byte aligned, which is what mma.sync's ring
-        // needs; wgmma's ring moves up to the next 1024-byte boundary, within a full period
-        // of slack whatever alignment the allocation really gets.
-        let (ring_align, align_slack) = if engine.is_wgmma() {
-            (WGMMA_RING_ALIGN, WGMMA_RING_ALIGN)
+        // Each ring moves up to its boundary at run time, within a full period of slack
+        // whatever alignment the allocation really gets: declared 128-byte aligned, it is
+        // only 16-byte aligned in kernels linked from relocatable objects (measured on the
+        // H200, 2026-12-01: mma.sync GEMMs 20-26% slower when their ring started there).
+        let ring_align = if engine.is_wgmma() {
+            WGMMA_RING_ALIGN
         } else {
-            (MMA_SYNC_RING_ALIGN, 0)
+            MMA_SYNC_RING_ALIGN
         };
+        let align_slack = ring_align;
         let barrier_bytes = match engine {
             MmaEngine::WgmmaWarpSpecialized => 16 * stages,
             MmaEngine::MmaSync => 0,
