@@ -33,9 +33,9 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
-// Helpers that are not inlined are `static`: each kernel becomes its own relocatable
-// object and the runtime links them into one image, where two external definitions clash.
-static __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
+// Inlined: the runtime's kernels are relocatable code, where ptxas serialises the wgmma
+// of a kernel that calls a function (C7509), and expert-parallel GEMM1 waits here.
+__device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
         if (timed_out_already(error_word)) return false;

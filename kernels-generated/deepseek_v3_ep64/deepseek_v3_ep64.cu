@@ -57,7 +57,9 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float* acc, const u32* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+// The fast division: IEEE division calls a slow path, an extern call in relocatable code,
+// and ptxas serialises a kernel's wgmma around any such call (its C7509 warning).
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 __device__ __forceinline__ float gelu_tanh(float v) {
     const float inner = 0.7978845608f * (v + 0.044715f * v * v * v);
     return 0.5f * v * (1.0f + tanhf(inner));
@@ -384,9 +386,9 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
-// Helpers that are not inlined are `static`: each kernel becomes its own relocatable
-// object and the runtime links them into one image, where two external definitions clash.
-static __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
+// Inlined: the runtime's kernels are relocatable code, where ptxas serialises the wgmma
+// of a kernel that calls a function (C7509), and expert-parallel GEMM1 waits here.
+__device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
         if (timed_out_already(error_word)) return false;
@@ -2106,6 +2108,8 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
 
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
+// `static`: each kernel becomes its own relocatable object and the runtime links them into
+// one image, where two external definitions of a helper that is not inlined would clash.
 static __device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code,
                                                        int a, int b, int c) {
     if (blockIdx.x != 0) {

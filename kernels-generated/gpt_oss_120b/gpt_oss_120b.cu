@@ -54,7 +54,9 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float* acc, const u32* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+// The fast division: IEEE division calls a slow path, an extern call in relocatable code,
+// and ptxas serialises a kernel's wgmma around any such call (its C7509 warning).
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 __device__ __forceinline__ float gelu_tanh(float v) {
     const float inner = 0.7978845608f * (v + 0.044715f * v * v * v);
     return 0.5f * v * (1.0f + tanhf(inner));
@@ -137,7 +139,7 @@ constexpr float SWIGLU_LIMIT = 7.0f, SWIGLU_ALPHA = 1.702f;
 __device__ __forceinline__ float activate(float gate, float up) {
     gate = fminf(gate, SWIGLU_LIMIT);
     up = fminf(fmaxf(up, -SWIGLU_LIMIT), SWIGLU_LIMIT);
-    return gate / (1.0f + __expf(-SWIGLU_ALPHA * gate)) * (up + 1.0f);
+    return __fdividef(gate, 1.0f + __expf(-SWIGLU_ALPHA * gate)) * (up + 1.0f);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -386,9 +388,9 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
-// Helpers that are not inlined are `static`: each kernel becomes its own relocatable
-// object and the runtime links them into one image, where two external definitions clash.
-static __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
+// Inlined: the runtime's kernels are relocatable code, where ptxas serialises the wgmma
+// of a kernel that calls a function (C7509), and expert-parallel GEMM1 waits here.
+__device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
         if (timed_out_already(error_word)) return false;

@@ -52,7 +52,9 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float* acc, const u32* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+// The fast division: IEEE division calls a slow path, an extern call in relocatable code,
+// and ptxas serialises a kernel's wgmma around any such call (its C7509 warning).
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 __device__ __forceinline__ float gelu_tanh(float v) {
     const float inner = 0.7978845608f * (v + 0.044715f * v * v * v);
     return 0.5f * v * (1.0f + tanhf(inner));
@@ -275,9 +277,9 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
-// Helpers that are not inlined are `static`: each kernel becomes its own relocatable
-// object and the runtime links them into one image, where two external definitions clash.
-static __device__ __noinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
+// Inlined: the runtime's kernels are relocatable code, where ptxas serialises the wgmma
+// of a kernel that calls a function (C7509), and expert-parallel GEMM1 waits here.
+__device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
         if (timed_out_already(error_word)) return false;
@@ -1012,6 +1014,8 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
 
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
+// `static`: each kernel becomes its own relocatable object and the runtime links them into
+// one image, where two external definitions of a helper that is not inlined would clash.
 static __device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code,
                                                        int a, int b, int c) {
     if (blockIdx.x != 0) {
@@ -1393,7 +1397,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
 // ---------------------------------------------------------------------------------------
 // Regime `all`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
+// GEMM1 (gather, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 528 persistent blocks (4 per SM)
 struct all_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -1409,7 +1413,7 @@ struct all_gemm1 : SingleGpu {
     static constexpr int DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm1)
-extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
@@ -1421,7 +1425,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm1(
     grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 792 persistent blocks (6 per SM)
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
 struct all_gemm2 : SingleGpu {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
@@ -1437,7 +1441,7 @@ struct all_gemm2 : SingleGpu {
     static constexpr int DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -1453,7 +1457,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_gemm2(
 // ---------------------------------------------------------------------------------------
 // Rank regime `all`, expert-parallel (tokens per rank): 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 31 persistent blocks (5 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 31 persistent blocks (4 per SM)
 struct all_ep_gemm1 : ExpertParallel {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -1469,7 +1473,7 @@ struct all_ep_gemm1 : ExpertParallel {
     static constexpr int DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm1)
-extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -1486,7 +1490,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm1(
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 31 persistent blocks (6 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 31 persistent blocks (5 per SM)
 struct all_ep_gemm2 : ExpertParallel {
     static constexpr int KIND = GEMM_DOWN;
     static constexpr bool GATED = false;
@@ -1502,7 +1506,7 @@ struct all_ep_gemm2 : ExpertParallel {
     static constexpr int DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 6) tiny_all_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run

@@ -662,7 +662,14 @@ impl Jit {
 
     /// Runs this toolkit's `ptxas` on `ptx`; see [`ptxas_report`].
     pub fn ptxas_report(&self, ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
-        run_ptxas(&self.toolkit, ptx, arch)
+        run_ptxas(&self.toolkit, ptx, arch, false)
+    }
+
+    /// Runs this toolkit's `ptxas --compile-only` on relocatable `ptx`, as a kernel of
+    /// [`Jit::compile_kernels`] is compiled: there an extern call (e.g. IEEE division's
+    /// slow path) serialises wgmma, and static shared memory is not yet rounded up.
+    pub fn ptxas_report_relocatable(&self, ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
+        run_ptxas(&self.toolkit, ptx, arch, true)
     }
 
     fn dump(&self, stem: &str, source: &str, artefacts: &Artefacts, notes: &mut Vec<String>) {
@@ -815,12 +822,18 @@ impl PtxasReport {
     }
 }
 
-/// Runs the discovered toolkit's `ptxas -arch=ARCH -v` on `ptx` and parses the report.
+/// Runs the discovered toolkit's `ptxas -arch=ARCH -v` on whole-program `ptx` and parses
+/// the report.
 pub fn ptxas_report(ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
-    run_ptxas(&Toolkit::discover()?, ptx, arch)
+    run_ptxas(&Toolkit::discover()?, ptx, arch, false)
 }
 
-fn run_ptxas(toolkit: &Toolkit, ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
+fn run_ptxas(
+    toolkit: &Toolkit,
+    ptx: &str,
+    arch: &str,
+    relocatable: bool,
+) -> Result<PtxasReport, JitError> {
     if !parse_arch(arch)? {
         return Err(JitError::InvalidArch(format!(
             "{arch} (ptxas needs a real sm_ architecture)"
@@ -836,6 +849,7 @@ fn run_ptxas(toolkit: &Toolkit, ptx: &str, arch: &str) -> Result<PtxasReport, Ji
     let result = Command::new(&ptxas)
         .arg(format!("-arch={arch}"))
         .arg("-v")
+        .args(relocatable.then_some("--compile-only"))
         .arg(&input.path)
         .arg("-o")
         .arg(&output.path)

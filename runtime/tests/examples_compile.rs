@@ -101,11 +101,13 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
 }
 
 /// Every example's kernels, compiled one by one as the runtime does
-/// ([`Jit::compile_kernels`]: relocatable), link into one image with the toolkit's
-/// `nvlink`: no symbol is defined by two of them. On the GPU the driver's linker does the
-/// same (`Gpu::load_kernels`); this catches a template helper with external linkage here.
+/// ([`Jit::compile_kernels`]: relocatable), have no spills and no serialised wgmma (an
+/// extern call, such as IEEE division's slow path, serialises it in relocatable code
+/// only), and link into one image with the toolkit's `nvlink`: no symbol is defined by
+/// two of them. On the GPU the driver's linker does the same (`Gpu::load_kernels`); this
+/// catches a template helper with external linkage here.
 #[test]
-fn every_examples_kernels_link_into_one_image() {
+fn every_example_compiles_and_links_as_the_runtime_loads_it() {
     let Some(toolkit) = nvrtc_for_tests() else {
         return;
     };
@@ -132,6 +134,26 @@ fn every_examples_kernels_link_into_one_image() {
                     )
                     .expect("NVRTC compiles every kernel");
                 assert!(kernels.relocatable, "sm_90a kernels are relocatable");
+                for m in &kernels.modules {
+                    let report = jit
+                        .ptxas_report_relocatable(&m.module.ptx, &plan.target.arch)
+                        .expect("ptxas -v");
+                    for kernel in &m.kernels {
+                        let function = report
+                            .function(kernel)
+                            .unwrap_or_else(|| panic!("ptxas reports {kernel}"));
+                        assert_eq!(
+                            (
+                                function.spill_stores,
+                                function.spill_loads,
+                                function.wgmma_serialized
+                            ),
+                            (0, 0, false),
+                            "{kernel} of {} as relocatable code: {function:?}",
+                            layer.name
+                        );
+                    }
+                }
                 let dir = tempfile::tempdir().expect("temporary folder");
                 let objects: Vec<_> = kernels
                     .modules

@@ -692,7 +692,7 @@ fn activation_fn(activation: Activation) -> String {
 __device__ __forceinline__ float activate(float gate, float up) {{
     gate = fminf(gate, SWIGLU_LIMIT);
     up = fminf(fmaxf(up, -SWIGLU_LIMIT), SWIGLU_LIMIT);
-    return gate / (1.0f + __expf(-SWIGLU_ALPHA * gate)) * (up + 1.0f);
+    return __fdividef(gate, 1.0f + __expf(-SWIGLU_ALPHA * gate)) * (up + 1.0f);
 }}"
             );
         }

@@ -1422,8 +1422,9 @@ fn shape_gemm(
         // The register split assumes the block has the SM's register file to itself.
         1
     } else {
-        // Registers: accumulators plus about 64 for fragments, addresses and loop state.
-        let regs_per_thread = (accumulators + 64).min(255);
+        // Registers: accumulators plus about 72 for fragments, addresses and loop state
+        // (64 left a 32x64 GEMM2 tile 8 bytes of spills as relocatable code).
+        let regs_per_thread = (accumulators + 72).min(255);
         let by_regs = 65_536 / (regs_per_thread * multiplying_threads);
         // Each resident block also costs the 1 KiB the driver reserves per block.
         let by_smem = target.smem_per_sm / (smem.total_bytes() + 1024);
