@@ -247,7 +247,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         if constexpr (G::CONSUMER_REGISTERS > 0) setmaxnreg_inc<G::CONSUMER_REGISTERS>();
         const int consumer = tid - G::PRODUCER_THREADS;
         const int warpgroup = consumer >> 7;
-        const u32 ring_start = wgmma_start_field(smem_base);
         int stage = 0;
         u32 phase = 0;
         for (int unit = first_unit; unit < total_units; unit += unit_step) {
@@ -263,16 +262,16 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
                 if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
-                const u32 stage_start = ring_start + stage * (G::STAGE_BYTES / 16);
-                const u32 a_start = stage_start + warpgroup * (64 * G::ROW_BYTES / 16);
-                const u32 b_start = stage_start + G::A_BYTES / 16;
+                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+                const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
+                const u32 b_base = stage_address + G::A_BYTES;
                 wgmma_fence();
 #pragma unroll
-                for (int k16 = 0; k16 < G::BK / 16; ++k16) {  // 16 columns: 32 bytes, 2 in the start field
-                    const u64 desc_a = wgmma_descriptor_at(a_start + 2 * k16);
-                    wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor_at(b_start + 2 * k16));
+                for (int k16 = 0; k16 < G::BK / 16; ++k16) {
+                    const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
+                    wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
                     if constexpr (G::GATED) {
-                        wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor_at(b_start + G::BN * G::ROW_BYTES / 16 + 2 * k16));
+                        wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
                     }
                 }
                 wgmma_commit();

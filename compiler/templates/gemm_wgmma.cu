@@ -7,19 +7,14 @@
 //   - the accumulators of one wgmma are spread as mma.sync's m16n8 fragments, so the
 //     epilogue is the shared one, a pair of columns at a time.
 // ---------------------------------------------------------------------------------------
-// A descriptor from its start field, the shared address / 16 (14 bits: shared memory is
-// under 256 KiB). Kernels step through a stage by adding to the field, 32-bit adds:
-// relocatable code does not know the ring's address at compile time, and masking and
-// shifting every descriptor's address there cost the prefill GEMMs 1.6% (DeepSeek-V3
-// GEMM1, ncu, one H200).
-__device__ __forceinline__ u64 wgmma_descriptor_at(u32 start_field) {
-    u64 desc = start_field;                // start address
-    desc |= (u64)1 << 16;                  // leading byte offset (unused for SW128 K-major)
-    desc |= (u64)(1024 >> 4) << 32;        // stride byte offset: 8 rows x 128 B
-    desc |= (u64)1 << 62;                  // 128-byte swizzle
+__device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
+    u64 desc = 0;
+    desc |= (u64)((smem_byte_address & 0x3FFFF) >> 4);  // start address
+    desc |= (u64)1 << 16;                                // leading byte offset (unused for SW128 K-major)
+    desc |= (u64)(1024 >> 4) << 32;                      // stride byte offset: 8 rows x 128 B
+    desc |= (u64)1 << 62;                                // 128-byte swizzle
     return desc;
 }
-__device__ __forceinline__ u32 wgmma_start_field(u32 smem_byte_address) { return (smem_byte_address & 0x3FFFF) >> 4; }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING>

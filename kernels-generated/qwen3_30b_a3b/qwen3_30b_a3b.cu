@@ -1456,19 +1456,14 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
 //   - the accumulators of one wgmma are spread as mma.sync's m16n8 fragments, so the
 //     epilogue is the shared one, a pair of columns at a time.
 // ---------------------------------------------------------------------------------------
-// A descriptor from its start field, the shared address / 16 (14 bits: shared memory is
-// under 256 KiB). Kernels step through a stage by adding to the field, 32-bit adds:
-// relocatable code does not know the ring's address at compile time, and masking and
-// shifting every descriptor's address there cost the prefill GEMMs 1.6% (DeepSeek-V3
-// GEMM1, ncu, one H200).
-__device__ __forceinline__ u64 wgmma_descriptor_at(u32 start_field) {
-    u64 desc = start_field;                // start address
-    desc |= (u64)1 << 16;                  // leading byte offset (unused for SW128 K-major)
-    desc |= (u64)(1024 >> 4) << 32;        // stride byte offset: 8 rows x 128 B
-    desc |= (u64)1 << 62;                  // 128-byte swizzle
+__device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
+    u64 desc = 0;
+    desc |= (u64)((smem_byte_address & 0x3FFFF) >> 4);  // start address
+    desc |= (u64)1 << 16;                                // leading byte offset (unused for SW128 K-major)
+    desc |= (u64)(1024 >> 4) << 32;                      // stride byte offset: 8 rows x 128 B
+    desc |= (u64)1 << 62;                                // 128-byte swizzle
     return desc;
 }
-__device__ __forceinline__ u32 wgmma_start_field(u32 smem_byte_address) { return (smem_byte_address & 0x3FFFF) >> 4; }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING>
@@ -1810,7 +1805,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         if constexpr (G::CONSUMER_REGISTERS > 0) setmaxnreg_inc<G::CONSUMER_REGISTERS>();
         const int consumer = tid - G::PRODUCER_THREADS;
         const int warpgroup = consumer >> 7;
-        const u32 ring_start = wgmma_start_field(smem_base);
         int stage = 0;
         u32 phase = 0;
         for (int unit = first_unit; unit < total_units; unit += unit_step) {
@@ -1826,16 +1820,16 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
                 if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
-                const u32 stage_start = ring_start + stage * (G::STAGE_BYTES / 16);
-                const u32 a_start = stage_start + warpgroup * (64 * G::ROW_BYTES / 16);
-                const u32 b_start = stage_start + G::A_BYTES / 16;
+                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+                const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
+                const u32 b_base = stage_address + G::A_BYTES;
                 wgmma_fence();
 #pragma unroll
-                for (int k16 = 0; k16 < G::BK / 16; ++k16) {  // 16 columns: 32 bytes, 2 in the start field
-                    const u64 desc_a = wgmma_descriptor_at(a_start + 2 * k16);
-                    wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor_at(b_start + 2 * k16));
+                for (int k16 = 0; k16 < G::BK / 16; ++k16) {
+                    const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
+                    wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
                     if constexpr (G::GATED) {
-                        wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor_at(b_start + G::BN * G::ROW_BYTES / 16 + 2 * k16));
+                        wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
                     }
                 }
                 wgmma_commit();
