@@ -447,14 +447,16 @@ impl<'a> Machine<'a> {
             .sum();
         let mut id = 0usize;
         let mut record = lane;
+        let mut hbm_bytes = 0.0;
         // Tiles in the kernels' order: phase, expert (shared slices first), n-tile, m-tile.
         for phase in 0..order.len() {
             for (row_ready, m_done) in &tiles {
                 let m_tiles = row_ready.len() as u32;
-                let duration =
-                    model::tile_seconds(self.target, g1, self.hidden, [m_tiles, n1], total);
+                let (duration, bytes) =
+                    model::tile_cost(self.target, g1, self.hidden, [m_tiles, n1], total);
                 let begin_m = if phase == 0 { 0 } else { m_done[phase - 1] } as usize;
                 let phase_tiles = &row_ready[begin_m..m_done[phase] as usize];
+                hbm_bytes += bytes * f64::from(n1) * phase_tiles.len() as f64;
                 for _ in 0..n1 {
                     for &r in phase_tiles {
                         let b = id % block1.len();
@@ -474,7 +476,10 @@ impl<'a> Machine<'a> {
                 }
             }
         }
-        let end1 = block1.iter().copied().fold(start, f64::max);
+        let end1 = block1
+            .iter()
+            .copied()
+            .fold(start + model::hbm_seconds(self.target, hbm_bytes), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
         let end2 = self.gemm2(g2, start2, &block2_rows, record.as_deref_mut());
         if let Some(lane) = record {
@@ -507,10 +512,12 @@ impl<'a> Machine<'a> {
             .map(|rows| rows.div_ceil(g2.tile.m) * n2)
             .sum();
         let mut id = 0usize;
+        let mut hbm_bytes = 0.0;
         for &rows in expert_rows {
             let m_tiles = rows.div_ceil(g2.tile.m);
-            let duration = model::tile_seconds(self.target, g2, self.ffn, [m_tiles, n2], total)
-                + model::gemm2_epilogue_seconds(g2, self.ep.combine_route);
+            let (tile, bytes) = model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
+            hbm_bytes += bytes * f64::from(n2 * m_tiles);
+            let duration = tile + model::gemm2_epilogue_seconds(g2, self.ep.combine_route);
             for _ in 0..n2 * m_tiles {
                 let b = id % blocks.len();
                 if b == 0
@@ -526,7 +533,10 @@ impl<'a> Machine<'a> {
                 id += 1;
             }
         }
-        blocks.iter().copied().fold(start, f64::max)
+        blocks
+            .iter()
+            .copied()
+            .fold(start + model::hbm_seconds(self.target, hbm_bytes), f64::max)
     }
 
     /// When the metadata of every source has reached `d` and arrange has laid out its rows.

@@ -19,7 +19,7 @@
 //! and in) at the topology's bandwidth, with its latency; flag latencies; the GEMM grids
 //! of the plan's regime, each block taking tiles `b, b + grid, …` in the kernels' order
 //! (expert, then column tile, then row tile), a GEMM1 tile starting when its block is
-//! free and the chunks of its rows have arrived; tile times from [`model::tile_seconds`];
+//! free and the chunks of its rows have arrived; tile times from [`model::tile_cost`];
 //! the reduce at the origin. Residency: whether every block a spin-wait depends on can be
 //! resident with the plan's grids (else a [`Deadlock`]), and whether routing fits the
 //! plan's capacities (else [`SimError::Overflow`]).
@@ -34,8 +34,10 @@
 //! What it leaves out: ports are FIFO servers (a transfer takes the later of its block's
 //! time and its turn on the sender's egress and the receiver's ingress), not fair sharing;
 //! the switch fabric and NIC rails beyond one port per rank; the forwarding of
-//! node-aggregated chunks costs the relay's NVLink port but none of its blocks; GEMM tiles
-//! of a rank share HBM evenly and do not slow down under concurrent copies; GEMM2's stores
+//! node-aggregated chunks costs the relay's NVLink port but none of its blocks; a wgmma
+//! GEMM's tiles share HBM evenly (an mma.sync GEMM's draw on it as a fluid, up to a cap
+//! per block, see [`model::BLOCK_HBM_BYTES_PER_S`]), and no tile slows down under
+//! concurrent copies; GEMM2's stores
 //! leave as an even stream over GEMM2's span; the router and the previous call (credits)
 //! are not modelled (the shared experts are: each rank's slices on its own tokens, after
 //! its local experts, ready at once); every kernel launch costs the target's launch
@@ -426,8 +428,8 @@ mod tests {
         let barrier = hop;
         // Rank 0 computes 2 experts × 128 rows (64 from each rank): GEMM1 4 row tiles × 4
         // column tiles each, GEMM2 4 × 2; every grid has a block per tile.
-        let t1 = model::tile_seconds(target, &regime.gemm1, 128, [4, 4], 32);
-        let t2 = model::tile_seconds(target, &regime.gemm2, 256, [4, 2], 16)
+        let t1 = model::tile_cost(target, &regime.gemm1, 128, [4, 4], 32).0;
+        let t2 = model::tile_cost(target, &regime.gemm2, 256, [4, 2], 16).0
             + model::gemm2_epilogue_seconds(&regime.gemm2, ep.combine_route);
         assert!(regime.gemm1.grid_blocks >= 32 && regime.gemm2.grid_blocks >= 16);
         // Arrange runs after the barrier, each kernel after a launch.

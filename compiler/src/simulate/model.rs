@@ -99,15 +99,18 @@ pub const PARTIALS_HBM_EFFICIENCY: f64 = 0.42;
 /// Seconds one block of `gemm` spends on a tile of reduction depth `depth`, whose expert's
 /// weights are shared by `m_tiles` row tiles and whose rows by `n_tiles` column tiles (each
 /// loads its share from HBM, the rest hits L2), when the GEMM has `tiles` tiles: the busy
-/// blocks (the grid, or fewer when there are fewer tiles) share HBM evenly, and share the
-/// engines of the SMs they sit on: a block never computes faster than one SM.
-pub fn tile_seconds(
+/// blocks (the grid, or fewer when there are fewer tiles) share HBM evenly (an mma.sync
+/// block loads at least at [`BLOCK_HBM_BYTES_PER_S`], the GEMM bounded by [`hbm_seconds`]
+/// of all its bytes instead), and share the engines of the SMs they sit on: a block never
+/// computes faster than one SM. Also the tile's share of HBM bytes, which [`hbm_seconds`]
+/// turns into the GEMM's floor over all its tiles.
+pub fn tile_cost(
     target: &Target,
     gemm: &GemmPlan,
     depth: u32,
     [m_tiles, n_tiles]: [u32; 2],
     tiles: u32,
-) -> f64 {
+) -> (f64, f64) {
     let concurrent = f64::from(gemm.grid_blocks.min(tiles).max(1));
     let (fraction, overhead) = match gemm.engine {
         MmaEngine::MmaSync => (
@@ -121,8 +124,30 @@ pub fn tile_seconds(
     let compute = flops / (target.peak_bf16_flops * fraction / sharing);
     let a_bytes = f64::from(gemm.tile.m) * f64::from(depth) * 2.0 / f64::from(n_tiles.max(1));
     let b_bytes = f64::from(gemm.b_rows) * f64::from(depth) * 2.0 / f64::from(m_tiles.max(1));
-    let memory = (a_bytes + b_bytes) / (target.hbm_bytes_per_s * GEMM_HBM_EFFICIENCY / concurrent);
-    compute.max(memory) + overhead
+    let share = target.hbm_bytes_per_s * GEMM_HBM_EFFICIENCY / concurrent;
+    let rate = match gemm.engine {
+        MmaEngine::MmaSync => BLOCK_HBM_BYTES_PER_S.max(share),
+        MmaEngine::WgmmaWarpSpecialized => share,
+    };
+    let memory = (a_bytes + b_bytes) / rate;
+    (compute.max(memory) + overhead, a_bytes + b_bytes)
+}
+
+/// Bytes per second one mma.sync GEMM block loads from HBM at most, however few blocks are
+/// busy (its ring keeps about 90 KiB of loads in flight over about a microsecond). Its
+/// tiles' loads are fluid: a block whose neighbours are done takes their share, and the
+/// GEMM's floor is [`hbm_seconds`] of all its bytes. With a fixed share of HBM per block
+/// instead, the last partial round of tiles ran as slowly as a full one: the decode cells
+/// came out 13% (DeepSeek-V3) and 54% (Qwen3-30B-A3B) over the c1e28e0 measurements at
+/// 128 tokens per rank, now +5% both. The wgmma engine keeps the fixed share: made fluid
+/// too, its tiles at 1024 tokens per rank (nearer compute-bound, where loads and math
+/// overlap less than `max` assumes) went from 0% to −16% for DeepSeek-V3.
+pub const BLOCK_HBM_BYTES_PER_S: f64 = 100e9;
+
+/// Seconds HBM needs for `bytes` at the GEMMs' share of it: no GEMM ends sooner after it
+/// starts, however its tiles fall on its blocks.
+pub fn hbm_seconds(target: &Target, bytes: f64) -> f64 {
+    bytes / (target.hbm_bytes_per_s * GEMM_HBM_EFFICIENCY)
 }
 
 /// Seconds one block of GEMM2 spends storing a tile's weighted result rows after its main
