@@ -20,6 +20,8 @@ pub struct LoadedKernels {
     modules: Vec<(Vec<String>, Arc<CudaModule>)>,
     /// When the kernels were linked into one image: what the cache did for it.
     linked: Option<CacheOutcome>,
+    /// Non-fatal problems (a linked image that could not be cached).
+    notes: Vec<String>,
 }
 
 impl LoadedKernels {
@@ -28,6 +30,7 @@ impl LoadedKernels {
         LoadedKernels {
             modules: vec![(Vec::new(), module)],
             linked: None,
+            notes: Vec::new(),
         }
     }
 
@@ -39,6 +42,11 @@ impl LoadedKernels {
     /// When the kernels were linked into one image: whether it came from the cache.
     pub fn linked(&self) -> Option<&CacheOutcome> {
         self.linked.as_ref()
+    }
+
+    /// Non-fatal problems of the load (a linked image that could not be cached).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
     }
 
     /// Entry point `name`, from the module compiled for it, else from a module of the
@@ -271,6 +279,7 @@ impl Gpu {
             return Ok(LoadedKernels {
                 modules: vec![(Vec::new(), module)],
                 linked: Some(linked.cache),
+                notes: linked.notes,
             });
         }
         let modules = kernels
@@ -280,6 +289,7 @@ impl Gpu {
         Ok(LoadedKernels {
             modules,
             linked: None,
+            notes: Vec::new(),
         })
     }
 

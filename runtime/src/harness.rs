@@ -80,7 +80,7 @@ impl LoadSummary {
 }
 
 impl fmt::Display for LoadSummary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             LoadSummary::Linked { cached: true } => f.write_str("one linked image, from the cache"),
             LoadSummary::Linked { cached: false } => f.write_str("one linked image"),
@@ -104,6 +104,8 @@ pub struct BuiltLayer {
     pub load_seconds: f64,
     /// What was loaded: one linked image (and whether it came from the cache) or modules.
     pub loaded: LoadSummary,
+    /// Non-fatal problems of the load (a linked image that could not be cached).
+    pub load_notes: Vec<String>,
     /// Host copies of the experts' weights, by expert id, each downloaded from the device
     /// on the first check that needs it and kept for the layer's life. Downloaded rather
     /// than regenerated on the host: the check then uses the very bytes the kernels read,
@@ -481,6 +483,7 @@ impl Session {
             .load_kernels(&module, &plan.single_gpu_entry_points())?;
         let load_seconds = started.elapsed().as_secs_f64();
         let summary = LoadSummary::of(&loaded);
+        let loaded_notes = loaded.notes().to_vec();
         let experts = plan.shape.gemm_experts() as usize;
         let device_gate = gate
             .as_ref()
@@ -493,6 +496,7 @@ impl Session {
             compile_seconds,
             load_seconds,
             loaded: summary,
+            load_notes: loaded_notes,
             host_experts: (0..experts).map(|_| OnceLock::new()).collect(),
             host_gate: gate,
         })
