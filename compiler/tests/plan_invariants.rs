@@ -741,3 +741,45 @@ fn each_way_of_running_loads_the_kernels_it_launches() {
         }
     }
 }
+
+/// The warp-specialised wgmma GEMMs are compiled whole-program and every other kernel is
+/// linked; a plan with such GEMMs (Mixtral-8x7B's prefill) links fewer than all.
+#[test]
+fn the_warp_specialised_gemms_are_not_linked() {
+    for name in ["mixtral_8x7b", "deepseek_v3", "tiny"] {
+        let plan = example_plan(name);
+        let linked = plan.linked_entry_points();
+        let ep_gemms = plan.expert_parallel.iter().flat_map(|ep| {
+            ep.regimes
+                .iter()
+                .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
+        });
+        let gemms = plan
+            .regimes
+            .iter()
+            .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
+            .chain(ep_gemms)
+            .flatten();
+        let mut wgmma = Vec::new();
+        for (gemm, kernel) in gemms {
+            let ws = gemm.engine == plan::MmaEngine::WgmmaWarpSpecialized;
+            assert_eq!(linked.contains(kernel), !ws, "{name}: {kernel}");
+            if ws {
+                wgmma.push(kernel.clone());
+            }
+        }
+        for kernel in plan.entry_points() {
+            assert_eq!(
+                linked.contains(&kernel),
+                !wgmma.contains(&kernel),
+                "{name}: {kernel}"
+            );
+        }
+        if name == "mixtral_8x7b" {
+            assert!(
+                !wgmma.is_empty(),
+                "Mixtral's prefill GEMMs are warp-specialised"
+            );
+        }
+    }
+}

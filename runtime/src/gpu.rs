@@ -34,7 +34,7 @@ impl LoadedKernels {
         }
     }
 
-    /// How many modules the driver loaded.
+    /// How many modules the driver loaded, a linked image counted as one.
     pub fn module_count(&self) -> usize {
         self.modules.len()
     }
@@ -254,7 +254,7 @@ impl Gpu {
 
     /// Loads the kernels of a layer that it launches (`entry_points`, e.g.
     /// [`Plan::single_gpu_entry_points`](moeforge_compiler::plan::Plan::single_gpu_entry_points)):
-    /// linked into one image when they are relocatable, else their modules.
+    /// the relocatable ones linked into one image, each other one as its module.
     pub fn load_kernels(
         &self,
         kernels: &CompiledKernels,
@@ -270,27 +270,27 @@ impl Gpu {
         kernels: &CompiledKernels,
         entry_points: &[String],
     ) -> Result<LoadedKernels, GpuError> {
+        let mut loaded = LoadedKernels {
+            modules: Vec::new(),
+            linked: None,
+            notes: Vec::new(),
+        };
         if let Some(linked) = kernels.linked_image(entry_points, |objects| {
             link_cubins(ctx, &kernels.name, objects)
         })? {
             let module = ctx
                 .load_module(Ptx::from_binary(linked.cubin))
                 .context(format!("loading the linked kernels of `{}`", kernels.name))?;
-            return Ok(LoadedKernels {
-                modules: vec![(Vec::new(), module)],
-                linked: Some(linked.cache),
-                notes: linked.notes,
-            });
+            loaded.modules.push((linked.kernels, module));
+            loaded.linked = Some(linked.cache);
+            loaded.notes = linked.notes;
         }
-        let modules = kernels
-            .modules_for(entry_points)
-            .map(|m| Ok((m.kernels.clone(), Gpu::load_into(ctx, &m.module)?)))
-            .collect::<Result<Vec<_>, GpuError>>()?;
-        Ok(LoadedKernels {
-            modules,
-            linked: None,
-            notes: Vec::new(),
-        })
+        for m in kernels.modules_for(entry_points).filter(|m| !m.relocatable) {
+            loaded
+                .modules
+                .push((m.kernels.clone(), Gpu::load_into(ctx, &m.module)?));
+        }
+        Ok(loaded)
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {

@@ -61,31 +61,45 @@ pub struct Session {
 
 /// What loading a layer's kernels did, for the user.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LoadSummary {
-    /// One image linked from the per-kernel modules; `cached`: read from the disk cache.
-    Linked { cached: bool },
-    /// The modules as compiled, this many.
-    Modules(usize),
+pub struct LoadSummary {
+    /// When relocatable kernels were linked into one image: whether it came from the disk
+    /// cache.
+    pub linked_from_cache: Option<bool>,
+    /// Modules loaded besides that image.
+    pub other_modules: usize,
 }
 
 impl LoadSummary {
     fn of(loaded: &LoadedKernels) -> Self {
-        match loaded.linked() {
-            Some(cache) => LoadSummary::Linked {
-                cached: *cache == CacheOutcome::Hit,
-            },
-            None => LoadSummary::Modules(loaded.module_count()),
+        let linked_from_cache = loaded.linked().map(|cache| *cache == CacheOutcome::Hit);
+        LoadSummary {
+            linked_from_cache,
+            other_modules: loaded.module_count() - usize::from(linked_from_cache.is_some()),
         }
     }
 }
 
 impl fmt::Display for LoadSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LoadSummary::Linked { cached: true } => f.write_str("one linked image, from the cache"),
-            LoadSummary::Linked { cached: false } => f.write_str("one linked image"),
-            LoadSummary::Modules(1) => f.write_str("one module"),
-            LoadSummary::Modules(n) => write!(f, "{n} modules"),
+        let modules = |n: usize| {
+            if n == 1 {
+                "1 module".to_string()
+            } else {
+                format!("{n} modules")
+            }
+        };
+        match (self.linked_from_cache, self.other_modules) {
+            (Some(cached), others) => {
+                f.write_str("one linked image")?;
+                if cached {
+                    f.write_str(" from the cache")?;
+                }
+                if others > 0 {
+                    write!(f, " and {}", modules(others))?;
+                }
+                Ok(())
+            }
+            (None, n) => f.write_str(&modules(n)),
         }
     }
 }
@@ -318,6 +332,7 @@ impl Session {
         let kernels = self.jit.compile_kernels(
             &source.source,
             &source.entry_points,
+            &plan.linked_entry_points(),
             &aot::compile_options(plan),
         )?;
         Ok((kernels, started.elapsed().as_secs_f64()))

@@ -139,23 +139,22 @@ impl CompiledModule {
 }
 
 /// A layer's kernels as compiled modules: its unit compiled whole (an AOT directory,
-/// embedded PTX), or one relocatable module per entry point ([`Jit::compile_kernels`]),
-/// to be linked into one image before loading.
+/// embedded PTX), or one module per entry point ([`Jit::compile_kernels`]), the
+/// relocatable ones to be linked into one image before loading.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompiledKernels {
     /// The unit's name.
     pub name: String,
     pub modules: Vec<KernelModule>,
-    /// Whether the modules are relocatable CUBINs, which must be linked into one image to
-    /// load ([`CompiledKernels::linked_image`]).
-    pub relocatable: bool,
     /// The folder linked images are cached in; `None` when the cache is disabled.
     pub link_cache: Option<PathBuf>,
 }
 
-/// A layer's kernels linked into one CUBIN.
+/// A layer's relocatable kernels linked into one CUBIN.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkedImage {
+    /// The entry points it holds.
+    pub kernels: Vec<String>,
     pub cubin: Vec<u8>,
     /// What the cache did for the image (not for the modules linked into it).
     pub cache: CacheOutcome,
@@ -169,6 +168,8 @@ pub struct KernelModule {
     /// The entry points it was compiled for; empty: every entry point of the unit.
     pub kernels: Vec<String>,
     pub module: CompiledModule,
+    /// A relocatable CUBIN, which loads only linked ([`CompiledKernels::linked_image`]).
+    pub relocatable: bool,
 }
 
 impl CompiledKernels {
@@ -179,8 +180,8 @@ impl CompiledKernels {
             modules: vec![KernelModule {
                 kernels: Vec::new(),
                 module,
+                relocatable: false,
             }],
-            relocatable: false,
             link_cache: None,
         }
     }
@@ -195,19 +196,22 @@ impl CompiledKernels {
             .filter(|m| m.kernels.is_empty() || m.kernels.iter().any(|k| entry_points.contains(k)))
     }
 
-    /// The modules that hold `entry_points` linked into one image: read from the cache,
-    /// else made by `link` (given each module's name and relocatable CUBIN, in order; the
-    /// driver's linker, which needs a GPU context) and stored. `None` when the modules are
-    /// not relocatable.
+    /// The relocatable modules that hold `entry_points` linked into one image: read from
+    /// the cache, else made by `link` (given each module's name and CUBIN, in order; the
+    /// driver's linker, which needs a GPU context) and stored. `None` when none of them is
+    /// relocatable.
     pub fn linked_image<E>(
         &self,
         entry_points: &[String],
         link: impl FnOnce(&[(&str, &[u8])]) -> Result<Vec<u8>, E>,
     ) -> Result<Option<LinkedImage>, E> {
-        if !self.relocatable {
+        let modules: Vec<&KernelModule> = self
+            .modules_for(entry_points)
+            .filter(|m| m.relocatable)
+            .collect();
+        if modules.is_empty() {
             return Ok(None);
         }
-        let modules: Vec<&KernelModule> = self.modules_for(entry_points).collect();
         let key = link_key(&self.name, &modules);
         let entry = self.link_cache.as_ref().map(|dir| {
             dir.join(format!(
@@ -235,6 +239,7 @@ impl CompiledKernels {
             }
         };
         Ok(Some(LinkedImage {
+            kernels: modules.iter().flat_map(|m| m.kernels.clone()).collect(),
             cubin,
             cache,
             notes,
@@ -592,19 +597,22 @@ impl Jit {
     }
 
     /// Compiles a generated layer unit once per entry point of `kernels`, side by side (see
-    /// the module docs), each through the cache; relocatable when `options.arch` is a real
-    /// architecture, so that they link into one image. The first error, in `kernels`
-    /// order, is the result.
+    /// the module docs), each through the cache; those also in `linked` (e.g.
+    /// [`Plan::linked_entry_points`](moeforge_compiler::plan::Plan::linked_entry_points))
+    /// as relocatable code when `options.arch` is a real architecture, so that they link
+    /// into one image. The first error, in `kernels` order, is the result.
     pub fn compile_kernels(
         &self,
         source: &str,
         kernels: &[String],
+        linked: &[String],
         options: &CompileOptions,
     ) -> Result<CompiledKernels, JitError> {
-        let relocatable = parse_arch(&options.arch)?;
-        let kernel_options = |kernel: &str| {
+        let real_arch = parse_arch(&options.arch)?;
+        let relocatable = |kernel: &String| real_arch && linked.contains(kernel);
+        let kernel_options = |kernel: &String| {
             let one = options.one_kernel(kernel);
-            if relocatable {
+            if relocatable(kernel) {
                 one.flag(RELOCATABLE)
             } else {
                 one
@@ -647,15 +655,14 @@ impl Jit {
                 Ok(KernelModule {
                     kernels: vec![kernel.clone()],
                     module: module?,
+                    relocatable: relocatable(kernel),
                 })
             })
             .collect::<Result<Vec<_>, JitError>>()?;
-        let relocatable = relocatable && modules.iter().all(|m| m.module.cubin.is_some());
         let link_cache = self.settings.cache_dir.as_ref().map(|d| d.join("jit"));
         Ok(CompiledKernels {
             name: options.name.clone(),
             modules,
-            relocatable,
             link_cache,
         })
     }
@@ -1302,6 +1309,7 @@ mod tests {
 
     fn relocatable(name: &str, cubin: &[u8]) -> KernelModule {
         KernelModule {
+            relocatable: true,
             kernels: vec![name.to_string()],
             module: CompiledModule {
                 name: name.to_string(),
@@ -1317,8 +1325,8 @@ mod tests {
     }
 
     /// The linked image is made once, then read from the cache; a corrupt entry is linked
-    /// again and replaced; without a cache every load links; only the modules of the
-    /// entry points asked for are linked, under a key of their own.
+    /// again and replaced; without a cache every load links; only the relocatable modules
+    /// of the entry points asked for are linked, under a key of their own.
     #[test]
     fn the_linked_image_is_cached() {
         let dir = tempfile::tempdir().expect("temporary folder");
@@ -1328,8 +1336,11 @@ mod tests {
                 relocatable("a", b"AA"),
                 relocatable("b", b"BBB"),
                 relocatable("c", b"C"),
+                KernelModule {
+                    relocatable: false,
+                    ..relocatable("whole", b"W")
+                },
             ],
-            relocatable: true,
             link_cache: Some(dir.path().to_path_buf()),
         };
         let links = std::cell::Cell::new(0);
@@ -1340,7 +1351,7 @@ mod tests {
                 .flat_map(|(_, cubin)| cubin.to_vec())
                 .collect())
         };
-        let ab = ["a".to_string(), "b".to_string()];
+        let ab = ["a".to_string(), "b".to_string(), "whole".to_string()];
         let image = |kernels: &CompiledKernels, only: &[String]| {
             let linked = kernels
                 .linked_image(only, link)
@@ -1380,11 +1391,12 @@ mod tests {
             ("AABBB".to_string(), CacheOutcome::Disabled)
         );
         assert_eq!(links.get(), 4);
-        let whole = CompiledKernels {
-            relocatable: false,
-            ..kernels
-        };
-        assert_eq!(whole.linked_image(&ab, link), Ok(None));
+        let image = kernels
+            .linked_image(&ab, link)
+            .expect("links")
+            .expect("linkable");
+        assert_eq!(image.kernels, ["a", "b"]);
+        assert_eq!(kernels.linked_image(&["whole".to_string()], link), Ok(None));
     }
 
     /// The image's key changes with any module's key and with their order.

@@ -101,11 +101,12 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
 }
 
 /// Every example's kernels, compiled one by one as the runtime does
-/// ([`Jit::compile_kernels`]: relocatable), have no spills and no serialised wgmma (an
-/// extern call, such as IEEE division's slow path, serialises it in relocatable code
-/// only), and link into one image with the toolkit's `nvlink`: no symbol is defined by
-/// two of them. On the GPU the driver's linker does the same (`Gpu::load_kernels`); this
-/// catches a template helper with external linkage here.
+/// ([`Jit::compile_kernels`]: the plan's linked ones relocatable, the warp-specialised
+/// GEMMs whole-program), have no spills and no serialised wgmma (an extern call, such as
+/// IEEE division's slow path, serialises it in relocatable code only), and the
+/// relocatable ones link into one image with the toolkit's `nvlink`: no symbol is defined
+/// by two of them. On the GPU the driver's linker does the same (`Gpu::load_kernels`);
+/// this catches a template helper with external linkage here.
 #[test]
 fn every_example_compiles_and_links_as_the_runtime_loads_it() {
     let Some(toolkit) = nvrtc_for_tests() else {
@@ -126,18 +127,33 @@ fn every_example_compiles_and_links_as_the_runtime_loads_it() {
             scope.spawn(move || {
                 let plan = plan::plan(layer, target).expect("every example plans");
                 let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
+                let linked = plan.linked_entry_points();
                 let kernels = jit
                     .compile_kernels(
                         &source.source,
                         &source.entry_points,
+                        &linked,
                         &aot::compile_options(&plan),
                     )
                     .expect("NVRTC compiles every kernel");
-                assert!(kernels.relocatable, "sm_90a kernels are relocatable");
+                let relocatable: Vec<_> = kernels
+                    .modules
+                    .iter()
+                    .filter(|m| m.relocatable)
+                    .flat_map(|m| m.kernels.clone())
+                    .collect();
+                assert_eq!(
+                    relocatable, linked,
+                    "{}: the plan's linked kernels",
+                    layer.name
+                );
                 for m in &kernels.modules {
-                    let report = jit
-                        .ptxas_report_relocatable(&m.module.ptx, &plan.target.arch)
-                        .expect("ptxas -v");
+                    let report = if m.relocatable {
+                        jit.ptxas_report_relocatable(&m.module.ptx, &plan.target.arch)
+                    } else {
+                        jit.ptxas_report(&m.module.ptx, &plan.target.arch)
+                    }
+                    .expect("ptxas -v");
                     for kernel in &m.kernels {
                         let function = report
                             .function(kernel)
@@ -149,8 +165,9 @@ fn every_example_compiles_and_links_as_the_runtime_loads_it() {
                                 function.wgmma_serialized
                             ),
                             (0, 0, false),
-                            "{kernel} of {} as relocatable code: {function:?}",
-                            layer.name
+                            "{kernel} of {} (relocatable: {}): {function:?}",
+                            layer.name,
+                            m.relocatable
                         );
                     }
                 }
@@ -158,6 +175,7 @@ fn every_example_compiles_and_links_as_the_runtime_loads_it() {
                 let objects: Vec<_> = kernels
                     .modules
                     .iter()
+                    .filter(|m| m.relocatable)
                     .enumerate()
                     .map(|(i, m)| {
                         let path = dir.path().join(format!("{i}.cubin"));

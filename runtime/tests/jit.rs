@@ -306,12 +306,17 @@ fn a_layer_unit_compiles_kernel_by_kernel() {
         .compile_kernels(
             &source.source,
             &source.entry_points,
+            &plan.linked_entry_points(),
             &aot::compile_options(&plan),
         )
         .expect("every kernel compiles alone");
     assert_eq!(kernels.modules.len(), source.entry_points.len());
     for (module, kernel) in kernels.modules.iter().zip(&source.entry_points) {
         assert_eq!(module.kernels, std::slice::from_ref(kernel));
+        assert_eq!(
+            module.relocatable,
+            plan.linked_entry_points().contains(kernel)
+        );
         let entries: Vec<&str> = module
             .module
             .ptx

@@ -1213,6 +1213,32 @@ impl Plan {
         )
     }
 
+    /// The entry points compiled as relocatable code, to be linked into one image when a
+    /// layer loads (the runtime's `Gpu::load_kernels`): all but the warp-specialised wgmma
+    /// GEMMs, which are compiled whole-program and load as modules of their own. As
+    /// relocatable code they ran up to 11% slower (Mixtral-8x7B at 4096 tokens on one
+    /// H200, 2026-12-01; the cause is not known), while the other kernels ran as fast.
+    pub fn linked_entry_points(&self) -> Vec<String> {
+        let ep_regimes = self.expert_parallel.iter().flat_map(|ep| {
+            ep.regimes
+                .iter()
+                .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
+        });
+        let whole_program: Vec<&String> = self
+            .regimes
+            .iter()
+            .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
+            .chain(ep_regimes)
+            .flatten()
+            .filter(|(gemm, _)| gemm.engine == MmaEngine::WgmmaWarpSpecialized)
+            .map(|(_, kernel)| kernel)
+            .collect();
+        self.entry_points()
+            .into_iter()
+            .filter(|kernel| !whole_program.contains(&kernel))
+            .collect()
+    }
+
     /// The entry points one rank of the expert-parallel layer launches (none without an
     /// expert-parallel plan).
     pub fn expert_parallel_entry_points(&self) -> Vec<String> {
