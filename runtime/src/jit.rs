@@ -12,10 +12,11 @@
 //! most one NVRTC compile per core runs in the process at a time, however many threads
 //! ask.
 //!
-//! Those per-kernel CUBINs are relocatable, and the runtime links them into one image
-//! before loading ([`CompiledKernels::linked_image`], cached like the modules): the
-//! driver's `cuModuleLoadData` costs about 2.5 ms per module whatever its size, so
-//! DeepSeek-V3's 24 modules took 64 ms to load and the one linked image 12-16 ms (one
+//! Those per-kernel CUBINs are relocatable (all but the warp-specialised GEMMs, see
+//! `Plan::linked_entry_points`), and the runtime links them into one image before
+//! loading ([`CompiledKernels::linked_image`], cached like the modules): the driver's
+//! `cuModuleLoadData` costs about 2.5 ms per module whatever its size, so DeepSeek-V3's
+//! 24 modules took 64 ms to load and all of them linked into one image 12-16 ms (one
 //! H200, 2026-12-01).
 //!
 //! # Cache
