@@ -13,7 +13,8 @@ use thiserror::Error;
 use crate::jit::{CacheOutcome, CompiledKernels, CompiledModule};
 use crate::toolkit::{self, ToolkitError};
 
-/// A layer's kernels loaded on one device: one module per entry point, or one for all.
+/// A layer's kernels loaded on one device: the image its relocatable kernels were linked
+/// into and a module per other kernel, or one module for the whole unit.
 #[derive(Clone, Debug)]
 pub struct LoadedKernels {
     /// Each module with the entry points it holds (empty: every one).
@@ -49,8 +50,8 @@ impl LoadedKernels {
         &self.notes
     }
 
-    /// Entry point `name`, from the module compiled for it, else from a module of the
-    /// whole unit.
+    /// Entry point `name`, from the module (or linked image) that holds it, else from a
+    /// module of the whole unit.
     pub fn load_function(&self, name: &str) -> Result<CudaFunction, DriverError> {
         let holds = |kernels: &Vec<String>| kernels.iter().any(|k| k == name);
         let module = self
@@ -95,7 +96,7 @@ pub enum GpuError {
         result: String,
     },
     #[error(
-        "linking the kernels of `{name}` into one image failed ({status:?}){}; this is a code generator bug (two kernels define the same symbol?)",
+        "linking the kernels of `{name}` into one image failed ({status:?}){}; two kernels defining one symbol is a code generator bug, and a CUDA driver older than the NVRTC that compiled them cannot link them (update the driver or use a matching NVRTC)",
         if log.is_empty() { String::new() } else { format!(": {log}") }
     )]
     Link {

@@ -221,11 +221,16 @@ impl CompiledKernels {
                 &key[..32]
             ))
         });
-        let (cached, cache) = read_entry(entry.as_deref(), &key);
+        let (cached, mut cache) = read_entry(entry.as_deref(), &key);
         let mut notes = Vec::new();
-        let cubin = match cached.and_then(|artefacts| artefacts.cubin) {
-            Some(cubin) => cubin,
-            None => {
+        let cubin = match cached.map(|artefacts| artefacts.cubin) {
+            Some(Some(cubin)) => cubin,
+            missing => {
+                if missing.is_some() {
+                    cache = CacheOutcome::Recompiled {
+                        reason: "the entry holds no CUBIN".to_string(),
+                    };
+                }
                 let objects: Vec<(&str, &[u8])> = modules
                     .iter()
                     .filter_map(|m| Some((m.module.name.as_str(), m.module.cubin.as_deref()?)))
