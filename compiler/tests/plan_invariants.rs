@@ -749,19 +749,8 @@ fn the_warp_specialised_gemms_are_not_linked() {
     for name in ["mixtral_8x7b", "deepseek_v3", "tiny"] {
         let plan = example_plan(name);
         let linked = plan.linked_entry_points();
-        let ep_gemms = plan.expert_parallel.iter().flat_map(|ep| {
-            ep.regimes
-                .iter()
-                .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
-        });
-        let gemms = plan
-            .regimes
-            .iter()
-            .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
-            .chain(ep_gemms)
-            .flatten();
         let mut wgmma = Vec::new();
-        for (gemm, kernel) in gemms {
+        for (gemm, kernel) in plan.gemm_kernels() {
             let ws = gemm.engine == plan::MmaEngine::WgmmaWarpSpecialized;
             assert_eq!(linked.contains(kernel), !ws, "{name}: {kernel}");
             if ws {

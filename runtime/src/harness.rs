@@ -67,6 +67,8 @@ pub struct LoadSummary {
     pub linked_from_cache: Option<bool>,
     /// Modules loaded besides that image.
     pub other_modules: usize,
+    /// Non-fatal problems of the load (a linked image that could not be cached).
+    pub notes: Vec<String>,
 }
 
 impl LoadSummary {
@@ -75,6 +77,7 @@ impl LoadSummary {
         LoadSummary {
             linked_from_cache,
             other_modules: loaded.module_count() - usize::from(linked_from_cache.is_some()),
+            notes: loaded.notes().to_vec(),
         }
     }
 }
@@ -116,10 +119,9 @@ pub struct BuiltLayer {
     /// Loading the compiled modules into the GPU's context: linking them into one image
     /// (unless the image was cached) and `cuModuleLoadData`.
     pub load_seconds: f64,
-    /// What was loaded: one linked image (and whether it came from the cache) or modules.
+    /// What was loaded: one linked image (and whether it came from the cache) or modules,
+    /// and any notes.
     pub loaded: LoadSummary,
-    /// Non-fatal problems of the load (a linked image that could not be cached).
-    pub load_notes: Vec<String>,
     /// Host copies of the experts' weights, by expert id, each downloaded from the device
     /// on the first check that needs it and kept for the layer's life. Downloaded rather
     /// than regenerated on the host: the check then uses the very bytes the kernels read,
@@ -498,7 +500,6 @@ impl Session {
             .load_kernels(&module, &plan.single_gpu_entry_points())?;
         let load_seconds = started.elapsed().as_secs_f64();
         let summary = LoadSummary::of(&loaded);
-        let loaded_notes = loaded.notes().to_vec();
         let experts = plan.shape.gemm_experts() as usize;
         let device_gate = gate
             .as_ref()
@@ -511,7 +512,6 @@ impl Session {
             compile_seconds,
             load_seconds,
             loaded: summary,
-            load_notes: loaded_notes,
             host_experts: (0..experts).map(|_| OnceLock::new()).collect(),
             host_gate: gate,
         })

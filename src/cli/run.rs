@@ -306,7 +306,7 @@ pub fn run(args: &Args) -> ExitCode {
         built.load_seconds * 1e3,
         built.loaded,
     );
-    for note in &built.load_notes {
+    for note in &built.loaded.notes {
         eprintln!("note: {note}");
     }
     let caller_workload = caller_routing.map(|routing| Workload {

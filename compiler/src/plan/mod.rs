@@ -1219,17 +1219,8 @@ impl Plan {
     /// relocatable code they ran up to 11% slower (Mixtral-8x7B at 4096 tokens on one
     /// H200, 2026-12-01; the cause is not known), while the other kernels ran as fast.
     pub fn linked_entry_points(&self) -> Vec<String> {
-        let ep_regimes = self.expert_parallel.iter().flat_map(|ep| {
-            ep.regimes
-                .iter()
-                .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
-        });
         let whole_program: Vec<&String> = self
-            .regimes
-            .iter()
-            .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
-            .chain(ep_regimes)
-            .flatten()
+            .gemm_kernels()
             .filter(|(gemm, _)| gemm.engine == MmaEngine::WgmmaWarpSpecialized)
             .map(|(_, kernel)| kernel)
             .collect();
@@ -1237,6 +1228,21 @@ impl Plan {
             .into_iter()
             .filter(|kernel| !whole_program.contains(&kernel))
             .collect()
+    }
+
+    /// Every GEMM of every regime and its kernel: the single-GPU regimes' GEMM1 and GEMM2,
+    /// then the expert-parallel ones'.
+    pub fn gemm_kernels(&self) -> impl Iterator<Item = (&GemmPlan, &String)> {
+        let ep_regimes = self.expert_parallel.iter().flat_map(|ep| {
+            ep.regimes
+                .iter()
+                .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
+        });
+        self.regimes
+            .iter()
+            .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
+            .chain(ep_regimes)
+            .flatten()
     }
 
     /// The entry points one rank of the expert-parallel layer launches (none without an
