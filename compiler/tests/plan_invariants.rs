@@ -743,7 +743,8 @@ fn each_way_of_running_loads_the_kernels_it_launches() {
 }
 
 /// The warp-specialised wgmma GEMMs are compiled whole-program and every other kernel is
-/// linked; a plan with such GEMMs (Mixtral-8x7B's prefill) links fewer than all.
+/// linked; a plan with such GEMMs (Mixtral-8x7B's prefill) links fewer than all, and
+/// compiles them into one whole-program module per regime.
 #[test]
 fn the_warp_specialised_gemms_are_not_linked() {
     for name in ["mixtral_8x7b", "deepseek_v3", "tiny"] {
@@ -768,6 +769,37 @@ fn the_warp_specialised_gemms_are_not_linked() {
             assert!(
                 !wgmma.is_empty(),
                 "Mixtral's prefill GEMMs are warp-specialised"
+            );
+        }
+        // Those GEMMs share a whole-program module per regime: each is in one group, and a
+        // group holds one regime's GEMMs only.
+        let layout = plan.module_layout();
+        assert_eq!(layout.linked, linked, "{name}");
+        let mut grouped: Vec<&String> = layout.whole_program.iter().flatten().collect();
+        grouped.sort();
+        let mut expected: Vec<&String> = wgmma.iter().collect();
+        expected.sort();
+        assert_eq!(
+            grouped, expected,
+            "{name}: every warp-specialised GEMM once"
+        );
+        let ep_regimes = plan.expert_parallel.iter().flat_map(|ep| {
+            ep.regimes
+                .iter()
+                .map(|r| [r.gemm1_kernel.clone(), r.gemm2_kernel.clone()])
+        });
+        let regimes: Vec<[String; 2]> = plan
+            .regimes
+            .iter()
+            .map(|r| [r.gemm1_kernel.clone(), r.gemm2_kernel.clone()])
+            .chain(ep_regimes)
+            .collect();
+        for group in &layout.whole_program {
+            assert!(
+                regimes
+                    .iter()
+                    .any(|kernels| group.iter().all(|k| kernels.contains(k))),
+                "{name}: {group:?} is one regime's"
             );
         }
     }

@@ -334,7 +334,7 @@ impl Session {
         let kernels = self.jit.compile_kernels(
             &source.source,
             &source.entry_points,
-            &plan.linked_entry_points(),
+            &plan.module_layout(),
             &aot::compile_options(plan),
         )?;
         Ok((kernels, started.elapsed().as_secs_f64()))

@@ -5,19 +5,20 @@
 //! `compute_90a`). Failures are [`JitError`]s; a compile error quotes the generated source
 //! line of every `unit.cu(LINE): error` in the NVRTC log.
 //!
-//! [`Jit::compile_kernels`] compiles a generated layer unit once per entry point instead
-//! (the unit builds only the kernel its defines name), on as many threads as the machine
+//! [`Jit::compile_kernels`] compiles a generated layer unit once per module instead, most
+//! holding one entry point (the unit builds only the kernels its defines name), on as many
+//! threads as the machine
 //! has: NVRTC is single-threaded per program. DeepSeek-V3's 22 kernels took 7.0 s as one
 //! program and 1.75 s kernel by kernel on the H200 machine's 16 cores (2026-11-30). At
 //! most one NVRTC compile per core runs in the process at a time, however many threads
 //! ask.
 //!
-//! Those per-kernel CUBINs are relocatable (all but the warp-specialised GEMMs, see
-//! `Plan::linked_entry_points`), and the runtime links them into one image before
-//! loading ([`CompiledKernels::linked_image`], cached like the modules): the driver's
-//! `cuModuleLoadData` costs about 2.5 ms per module whatever its size, so DeepSeek-V3's
-//! 24 modules took 64 ms to load and all of them linked into one image 12-16 ms (one
-//! H200, 2026-12-01).
+//! Those per-kernel CUBINs are relocatable (all but the warp-specialised GEMMs, which
+//! share a whole-program module per regime: `Plan::module_layout`), and the runtime links
+//! them into one image before loading ([`CompiledKernels::linked_image`], cached like the
+//! modules): the driver's `cuModuleLoadData` costs about 2.5 ms per module and little per
+//! kernel in it, so DeepSeek-V3's 24 modules took 64 ms to load and all of them linked
+//! into one image 12-16 ms (one H200, 2026-12-01).
 //!
 //! # Cache
 //!
@@ -55,6 +56,7 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use sha2::{Digest, Sha256};
 
 use crate::toolkit::{NvrtcVersion, PIP_PACKAGES, Toolkit, ToolkitError};
+use moeforge_compiler::plan::ModuleLayout;
 
 /// What to compile a kernel unit for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,15 +85,18 @@ impl CompileOptions {
         self
     }
 
-    /// These options for entry point `kernel` of a generated layer unit alone: the unit
-    /// builds only the kernel that `MOEFORGE_KERNEL_<kernel>` names.
-    pub fn one_kernel(&self, kernel: &str) -> Self {
-        CompileOptions {
-            name: format!("{}-{kernel}", self.name),
+    /// These options for entry points `kernels` of a generated layer unit only: the unit
+    /// builds only the kernels that `MOEFORGE_KERNEL_<kernel>` names.
+    pub fn only_kernels(&self, kernels: &[String]) -> Self {
+        let mut only = CompileOptions {
+            name: format!("{}-{}", self.name, kernels.join("+")),
             ..self.clone()
         }
-        .flag("-DMOEFORGE_ONE_KERNEL")
-        .flag(format!("-DMOEFORGE_KERNEL_{kernel}"))
+        .flag("-DMOEFORGE_ONE_KERNEL");
+        for kernel in kernels {
+            only = only.flag(format!("-DMOEFORGE_KERNEL_{kernel}"));
+        }
+        only
     }
 }
 
@@ -602,32 +607,56 @@ impl Jit {
         })
     }
 
-    /// Compiles a generated layer unit once per entry point of `kernels`, side by side (see
-    /// the module docs), each through the cache; those also in `linked` (e.g.
-    /// [`Plan::linked_entry_points`](moeforge_compiler::plan::Plan::linked_entry_points))
+    /// Compiles the entry points `kernels` of a generated layer unit into modules as
+    /// `layout` groups them ([`Plan::module_layout`](moeforge_compiler::plan::Plan::module_layout)),
+    /// side by side (see the module docs), each through the cache: a linked kernel alone,
     /// as relocatable code when `options.arch` is a real architecture, so that they link
-    /// into one image. The first error, in `kernels` order, is the result.
+    /// into one image; a whole-program group's kernels (those of `kernels`) together; any
+    /// other kernel alone. The modules come in the order of their first kernel in
+    /// `kernels`; the first error in that order is the result.
     pub fn compile_kernels(
         &self,
         source: &str,
         kernels: &[String],
-        linked: &[String],
+        layout: &ModuleLayout,
         options: &CompileOptions,
     ) -> Result<CompiledKernels, JitError> {
         let real_arch = parse_arch(&options.arch)?;
-        let relocatable = |kernel: &String| real_arch && linked.contains(kernel);
-        let kernel_options = |kernel: &String| {
-            let one = options.one_kernel(kernel);
-            if relocatable(kernel) {
-                one.flag(RELOCATABLE)
+        let mut units: Vec<(Vec<String>, bool)> = Vec::new();
+        for kernel in kernels {
+            if units.iter().any(|(unit, _)| unit.contains(kernel)) {
+                continue;
+            }
+            match layout.whole_program.iter().find(|g| g.contains(kernel)) {
+                Some(group) => units.push((
+                    group
+                        .iter()
+                        .filter(|k| kernels.contains(k))
+                        .cloned()
+                        .collect(),
+                    false,
+                )),
+                None => units.push((
+                    vec![kernel.clone()],
+                    real_arch && layout.linked.contains(kernel),
+                )),
+            }
+        }
+        let unit_options = |(unit, relocatable): &(Vec<String>, bool)| {
+            let only = options.only_kernels(unit);
+            if *relocatable {
+                only.flag(RELOCATABLE)
             } else {
-                one
+                only
             }
         };
+        // The largest units start first: a group takes as long as its kernels together.
+        let mut order: Vec<usize> = (0..units.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(units[i].0.len()));
         let next = AtomicUsize::new(0);
         let workers = std::thread::available_parallelism()
             .map_or(1, usize::from)
-            .min(kernels.len())
+            .min(units.len())
             .max(1);
         let mut results: Vec<(usize, Result<CompiledModule, JitError>)> =
             std::thread::scope(|scope| {
@@ -636,11 +665,11 @@ impl Jit {
                         scope.spawn(|| {
                             let mut done = Vec::new();
                             loop {
-                                let i = next.fetch_add(1, Ordering::Relaxed);
-                                let Some(kernel) = kernels.get(i) else {
+                                let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed))
+                                else {
                                     break done;
                                 };
-                                done.push((i, self.compile(source, &kernel_options(kernel))));
+                                done.push((i, self.compile(source, &unit_options(&units[i]))));
                             }
                         })
                     })
@@ -656,12 +685,12 @@ impl Jit {
         results.sort_by_key(|(i, _)| *i);
         let modules = results
             .into_iter()
-            .zip(kernels)
-            .map(|((_, module), kernel)| {
+            .zip(units)
+            .map(|((_, module), (kernels, relocatable))| {
                 Ok(KernelModule {
-                    kernels: vec![kernel.clone()],
+                    kernels,
                     module: module?,
-                    relocatable: relocatable(kernel),
+                    relocatable,
                 })
             })
             .collect::<Result<Vec<_>, JitError>>()?;
@@ -749,6 +778,10 @@ pub struct FunctionResources {
 pub struct PtxasReport {
     /// One entry per function, in the order `ptxas` reported them.
     pub functions: Vec<FunctionResources>,
+    /// Whether `ptxas` dropped the module's `setmaxnreg` (its performance note C7504, which
+    /// it gives for relocatable code and names no function): warp-specialised kernels
+    /// then run every warpgroup on the budget of the launch bounds.
+    pub setmaxnreg_ignored: bool,
     /// The raw output.
     pub raw: String,
 }
@@ -830,6 +863,7 @@ impl PtxasReport {
         }
         PtxasReport {
             functions,
+            setmaxnreg_ignored: raw.contains("'setmaxnreg' ignored"),
             raw: raw.to_string(),
         }
     }
@@ -1512,5 +1546,18 @@ ptxas info    : Function properties for h\n\
         assert!(r.function("g").expect("g reported").wgmma_serialized);
         assert!(!r.function("h").expect("h reported").wgmma_serialized);
         assert_eq!(r.functions.len(), 2);
+        assert!(!r.setmaxnreg_ignored);
+    }
+
+    #[test]
+    fn a_dropped_setmaxnreg_is_reported() {
+        let raw = "ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility across compilation units.\n\
+ptxas info    : Compiling entry function 'w' for 'sm_90a'\n\
+ptxas info    : Function properties for w\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 167 registers, used 2 barriers\n";
+        let r = PtxasReport::parse(raw);
+        assert!(r.setmaxnreg_ignored);
+        assert_eq!(r.function("w").expect("w reported").registers, 167);
     }
 }

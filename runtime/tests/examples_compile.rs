@@ -102,8 +102,9 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
 
 /// Every example's kernels, compiled one by one as the runtime does
 /// ([`Jit::compile_kernels`]: the plan's linked ones relocatable, the warp-specialised
-/// GEMMs whole-program), have no spills and no serialised wgmma (an extern call, such as
-/// IEEE division's slow path, serialises it in relocatable code only), and the
+/// GEMMs whole-program), have no spills, no serialised wgmma (an extern call, such as
+/// IEEE division's slow path, serialises it in relocatable code only) and no dropped
+/// `setmaxnreg` (relocatable code drops it: a warp-specialised kernel linked), and the
 /// relocatable ones link into one image with the toolkit's `nvlink`: no symbol is defined
 /// by two of them. On the GPU the driver's linker does the same (`Gpu::load_kernels`);
 /// this catches a template helper with external linkage here.
@@ -127,12 +128,13 @@ fn every_example_compiles_and_links_as_the_runtime_loads_it() {
             scope.spawn(move || {
                 let plan = plan::plan(layer, target).expect("every example plans");
                 let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
-                let linked = plan.linked_entry_points();
+                let layout = plan.module_layout();
+                let linked = layout.linked.clone();
                 let kernels = jit
                     .compile_kernels(
                         &source.source,
                         &source.entry_points,
-                        &linked,
+                        &layout,
                         &aot::compile_options(&plan),
                     )
                     .expect("NVRTC compiles every kernel");
@@ -154,6 +156,11 @@ fn every_example_compiles_and_links_as_the_runtime_loads_it() {
                         jit.ptxas_report(&m.module.ptx, &plan.target.arch)
                     }
                     .expect("ptxas -v");
+                    assert!(
+                        !report.setmaxnreg_ignored,
+                        "{:?} of {} (relocatable: {}): ptxas dropped setmaxnreg",
+                        m.kernels, layer.name, m.relocatable
+                    );
                     for kernel in &m.kernels {
                         let function = report
                             .function(kernel)

@@ -136,7 +136,7 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
     match jit.compile_kernels(
         &source.source,
         &source.entry_points,
-        &plan.linked_entry_points(),
+        &plan.module_layout(),
         &aot::compile_options(plan),
     ) {
         Ok(kernels) => {

@@ -1215,9 +1215,11 @@ impl Plan {
 
     /// The entry points compiled as relocatable code, to be linked into one image when a
     /// layer loads (the runtime's `Gpu::load_kernels`): all but the warp-specialised wgmma
-    /// GEMMs, which are compiled whole-program and load as modules of their own. As
-    /// relocatable code they ran up to 11% slower (Mixtral-8x7B at 4096 tokens on one
-    /// H200, 2026-12-01; the cause is not known), while the other kernels ran as fast.
+    /// GEMMs, which are compiled whole-program and load as modules of their own:
+    /// compiling relocatable code, `ptxas` drops their `setmaxnreg` ("C7504: 'setmaxnreg'
+    /// ignored to maintain compatibility across compilation units"), so the consumer
+    /// warpgroups keep the producer's register budget. Linked, they ran up to 11% slower
+    /// (Mixtral-8x7B at 4096 tokens on one H200, 2026-12-01); the other kernels ran as fast.
     pub fn linked_entry_points(&self) -> Vec<String> {
         let whole_program: Vec<&String> = self
             .gemm_kernels()
@@ -1230,9 +1232,43 @@ impl Plan {
             .collect()
     }
 
+    /// How the runtime compiles and loads this layer's kernels: the linked ones
+    /// ([`Plan::linked_entry_points`]) one by one as relocatable code, then linked into one
+    /// image; the warp-specialised GEMMs whole-program, each regime's in one module. The
+    /// driver's module load costs about 2.5 ms per module and little per kernel in it, and
+    /// NVRTC compiles one program on one thread: DeepSeek-V3's mid and prefill GEMMs as 4
+    /// modules loaded in 9.9-11.7 ms, as 2 (one per regime) in 3.9-5.9 ms, as 1 in 2.4-3.1
+    /// ms, and the longest compile took 0.88, 1.32 and 2.78 s (one H200 machine,
+    /// 2026-12-01). One module per regime keeps a cold compile under 2 s.
+    pub fn module_layout(&self) -> ModuleLayout {
+        let whole_program = self
+            .regime_gemms()
+            .map(|gemms| {
+                let mut kernels: Vec<String> = Vec::new();
+                for (gemm, kernel) in gemms {
+                    if gemm.engine == MmaEngine::WgmmaWarpSpecialized && !kernels.contains(kernel) {
+                        kernels.push(kernel.clone());
+                    }
+                }
+                kernels
+            })
+            .filter(|kernels| !kernels.is_empty())
+            .collect();
+        ModuleLayout {
+            linked: self.linked_entry_points(),
+            whole_program,
+        }
+    }
+
     /// Every GEMM of every regime and its kernel: the single-GPU regimes' GEMM1 and GEMM2,
     /// then the expert-parallel ones'.
     pub fn gemm_kernels(&self) -> impl Iterator<Item = (&GemmPlan, &String)> {
+        self.regime_gemms().flatten()
+    }
+
+    /// Each regime's GEMM1 and GEMM2 with their kernels: the single-GPU regimes, then the
+    /// expert-parallel ones.
+    fn regime_gemms(&self) -> impl Iterator<Item = [(&GemmPlan, &String); 2]> {
         let ep_regimes = self.expert_parallel.iter().flat_map(|ep| {
             ep.regimes
                 .iter()
@@ -1242,7 +1278,6 @@ impl Plan {
             .iter()
             .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)])
             .chain(ep_regimes)
-            .flatten()
     }
 
     /// The entry points one rank of the expert-parallel layer launches (none without an
@@ -1254,6 +1289,16 @@ impl Plan {
                 .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches)),
         )
     }
+}
+
+/// How a layer's kernels become modules ([`Plan::module_layout`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuleLayout {
+    /// Compiled one by one as relocatable code and linked into one image.
+    pub linked: Vec<String>,
+    /// Compiled whole-program, each group as one module (a kernel in neither list is a
+    /// whole-program module of its own).
+    pub whole_program: Vec<Vec<String>>,
 }
 
 /// The kernels of `launches`, each once, in order of first launch.
