@@ -33,7 +33,6 @@ use super::{
 };
 use crate::ir::{self, TrafficOrder};
 // The rate one dispatch block moves, as the simulator's calibration fitted it.
-use crate::simulate::model::COMM_BLOCK_BYTES_PER_S;
 
 /// Where the ranks of a plan live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -833,7 +832,7 @@ struct CommSplit {
 }
 
 /// The fewest communication blocks (from one per destination up to the plan's `default`)
-/// whose dispatch of a call (every token to every peer, at [`COMM_BLOCK_BYTES_PER_S`] a
+/// whose dispatch of a call (every token to every peer, at [`PLANNED_COMM_BLOCK_BYTES_PER_S`] a
 /// block) takes no longer than GEMM1's tiles on local rows, which run first and hide it,
 /// for every call of the regime from some token count on (probed at powers of two and the
 /// regime's ends); the SMs this frees compute. Their share of GEMM1's tiles: the expected
@@ -859,7 +858,7 @@ fn hiding_comm_blocks(
     };
     let needed = |tokens: u32| {
         hiding(tokens).map(|(bytes, seconds)| {
-            let blocks = (bytes / (seconds * COMM_BLOCK_BYTES_PER_S)).ceil() as u32;
+            let blocks = (bytes / (seconds * PLANNED_COMM_BLOCK_BYTES_PER_S)).ceil() as u32;
             blocks.max(ranks.min(default))
         })
     };
@@ -892,6 +891,15 @@ fn hiding_comm_blocks(
         ),
     })
 }
+
+/// Bytes per second the planner counts on per communication block when it sizes a
+/// regime's dispatch to hide behind GEMM1's local tiles ([`hiding_comm_blocks`]): 14 GB/s,
+/// fitted on 2026-11-30 to dispatches of 16 and 24 blocks, where the link, not the block,
+/// sets the pace. Fewer blocks each move about twice that (25-31 GB/s with 2, 4 and 9
+/// blocks on two H200s, 2026-12-01: `simulate::model::COMM_BLOCK_BYTES_PER_S`), so this
+/// sizing is conservative; the still fewer blocks the faster rate would give are not
+/// measured yet.
+const PLANNED_COMM_BLOCK_BYTES_PER_S: f64 = 14.0e9;
 
 /// Below this many whole local row tiles per expert (expected), local tiles are too few
 /// to count on for hiding a dispatch.

@@ -3,23 +3,23 @@
 //! pure function; `calibration.rs` prints the predictions beside the measurements they were
 //! fitted against: benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json and, at 4096
 //! tokens per rank, 2026-11-30_{deepseek_v3,qwen3_30b_a3b}_ep2_uniform_t4096_at_22ac107.json
-//! (the dispatch constants are older, see [`COMM_BLOCK_BYTES_PER_S`]). The errors per cell
-//! after the fit are in benches/results/2026-11-30_simulator_calibration.md.
+//! (the dispatch rate is later, see [`COMM_BLOCK_BYTES_PER_S`]). The errors per cell after
+//! the fit are in benches/results/2026-11-30_simulator_calibration.md, and against the
+//! later measurements in 2026-12-01_simulator_vs_rank_partials.md and
+//! 2026-12-01_ep2_at_e323b9f.md.
 
 use crate::plan::ep::CombineRoute;
 use crate::plan::{GemmPlan, MmaEngine, Target};
 
 /// Bytes per second one communication block moves (gather a token row from HBM, store it
-/// into the peer, fence at the end of each piece). Fitted to the dispatch stage times of
-/// benches/results/2026-11-30_{deepseek_v3,mixtral_8x7b,qwen3_30b_a3b}_ep2_uniform.json
-/// between T = 1024 and 4096 per rank: the extra time per extra row copied (to the peer and
-/// into the rank's own receive buffer), times the plan's communication blocks (24, 16, 16),
-/// over the row's bytes gives 13 to 14.5 GB/s per block for rows of 14, 8 and 4 KB alike.
-/// Not refitted to the later files, because the planner sizes its communication blocks
-/// with it (`plan::ep`), whose plans those files measured: there a block moved 12.5, 16
-/// and 20 GB/s of rows of 4, 8 and 14 KB (Qwen3, Mixtral, DeepSeek-V3 at 4096 tokens per
-/// rank), so the dispatch stage of the `*_long` regimes is predicted 20 to 48% long.
-pub const COMM_BLOCK_BYTES_PER_S: f64 = 14.0e9;
+/// into the peer, fence at the end of each piece), below the link's own cap (the ports, at
+/// [`NVLINK_STORE_EFFICIENCY`]). Fitted to the dispatch stages of the `*_long` regimes at
+/// 4096 tokens per rank on two H200s (benches/results/2026-12-01_ep2_at_e323b9f/): 2, 4 and
+/// 9 blocks (Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B) moved 31, 27 and 25 GB/s each, and
+/// 1024 tokens of Mixtral on 2 blocks 28 GB/s each. The earlier fit, 14 GB/s, came from
+/// dispatches of 16 and 24 blocks, where the link sets the pace; the planner still sizes
+/// its regimes with that one (`plan::ep`'s `PLANNED_COMM_BLOCK_BYTES_PER_S`).
+pub const COMM_BLOCK_BYTES_PER_S: f64 = 28.0e9;
 /// From a call's start to its first dispatch block copying: two launches, the metadata
 /// kernel (counts and receive index at every destination) and its flags. The dispatch
 /// stage of one token per rank took 41.4, 32.9 and 35.8 us in the same three files, of
