@@ -539,12 +539,33 @@ impl<'a> Machine<'a> {
             .fold(start + model::hbm_seconds(self.target, hbm_bytes), f64::max)
     }
 
+    /// When a rank's route kernel has released its metadata flags: its busiest block
+    /// places the (token, k) pairs of its share of the call's metadata tiles.
+    fn metadata_released(&self) -> f64 {
+        let tokens = self.traffic.tokens_per_rank;
+        let tile = self.ep.metadata_tile_tokens.max(1);
+        let blocks = self
+            .regime
+            .launches
+            .iter()
+            .find(|l| l.kernel == self.ep.route_kernel)
+            .map_or(1, |l| l.grid.blocks(tokens).max(1));
+        let tiles_per_block = tokens.div_ceil(tile).div_ceil(blocks);
+        let pairs = tokens.min(tiles_per_block * tile) * self.traffic.top_k;
+        model::METADATA_S + f64::from(pairs) * model::METADATA_PAIR_S
+    }
+
+    /// When a rank's dispatch blocks start copying.
+    fn dispatch_started(&self) -> f64 {
+        self.metadata_released() + model::DISPATCH_KERNEL_START_S
+    }
+
     /// When the metadata of every source has reached `d` and arrange has laid out its rows.
     fn arranged(&self, d: u32) -> f64 {
         let farthest = (0..self.ep.ranks)
             .map(|s| self.latency(self.class(s, d)))
             .fold(0.0, f64::max);
-        model::DISPATCH_START_S + farthest + model::ARRANGE_S
+        self.metadata_released() + farthest + model::ARRANGE_S
     }
 
     /// The send targets of `source` for `schedule`: its peers (its own rows stay where
@@ -597,7 +618,7 @@ impl<'a> Machine<'a> {
         let dispatch = self.communicate(
             &mut ports,
             queues,
-            &vec![model::DISPATCH_START_S; r],
+            &vec![self.dispatch_started(); r],
             &mut timeline,
         );
         let mut accounting = Accounting {

@@ -424,7 +424,10 @@ mod tests {
         // Rank 1 sends its 64 tokens to rank 0 as 4 chunks over 2 blocks: two chunks back to
         // back per block, each at one block's rate, a fence (one link latency) between.
         let chunk = 16.0 * 128.0 * 2.0 / model::COMM_BLOCK_BYTES_PER_S;
-        let dispatch = model::DISPATCH_START_S + 2.0 * chunk + nvlink + hop;
+        // Its route kernel places 64 tokens × 2 pairs in one metadata tile first.
+        let started =
+            model::METADATA_S + 128.0 * model::METADATA_PAIR_S + model::DISPATCH_KERNEL_START_S;
+        let dispatch = started + 2.0 * chunk + nvlink + hop;
         let barrier = hop;
         // Rank 0 computes 2 experts × 128 rows (64 from each rank): GEMM1 4 row tiles × 4
         // column tiles each, GEMM2 4 × 2; every grid has a block per tile.

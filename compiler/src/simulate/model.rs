@@ -20,11 +20,20 @@ use crate::plan::{GemmPlan, MmaEngine, Target};
 /// dispatches of 16 and 24 blocks, where the link sets the pace; the planner still sizes
 /// its regimes with that one (`plan::ep`'s `PLANNED_COMM_BLOCK_BYTES_PER_S`).
 pub const COMM_BLOCK_BYTES_PER_S: f64 = 28.0e9;
-/// From a call's start to its first dispatch block copying: two launches, the metadata
-/// kernel (counts and receive index at every destination) and its flags. The dispatch
-/// stage of one token per rank took 41.4, 32.9 and 35.8 us in the same three files, of
-/// which a few microseconds are the copy itself.
-pub const DISPATCH_START_S: f64 = 30e-6;
+/// From a call's start to its metadata flags (the route kernel: counts and receive index
+/// at every destination, then one release each), for a block with few pairs: the route
+/// kernel took 14.0, 17.5 and 18.4 us (DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B) at one
+/// token per rank on two H200s (benches/results/2026-12-01_ep2_at_e323b9f/, rank 0's
+/// split of the dispatch stage), a launch included.
+pub const METADATA_S: f64 = 16e-6;
+/// What the route kernel's busiest block adds per (token, k) pair it places: at 4096
+/// tokens per rank it took 50.1, 26.8 and 44.5 us in the same files, its blocks placing
+/// 8192, 4096 and 4096 pairs each (2.3 to 6.4 ns a pair; 4 between them).
+pub const METADATA_PAIR_S: f64 = 4e-9;
+/// From the metadata flags to the dispatch kernel's first copy: its launch behind the route
+/// kernel and the split of the work. The dispatch kernel of a one-token call took 10.4 to
+/// 10.9 us in the files above, for a copy of a few microseconds.
+pub const DISPATCH_KERNEL_START_S: f64 = 8e-6;
 /// The arrange kernel (its blocks lay out GEMM rows per local expert after every
 /// source's metadata arrived), launch excluded: the bulk-synchronous GEMM stages of
 /// benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json time it at 11.3 to 13.7 us on
