@@ -802,5 +802,18 @@ fn the_warp_specialised_gemms_are_not_linked() {
                 "{name}: {group:?} is one regime's"
             );
         }
+        // ... and a regime's are all in one group.
+        for kernels in &regimes {
+            let ws: Vec<&String> = kernels.iter().filter(|k| wgmma.contains(k)).collect();
+            if !ws.is_empty() {
+                assert!(
+                    layout
+                        .whole_program
+                        .iter()
+                        .any(|group| group.iter().collect::<Vec<_>>() == ws),
+                    "{name}: {ws:?} share a module"
+                );
+            }
+        }
     }
 }

@@ -14,7 +14,7 @@ use crate::jit::{CacheOutcome, CompiledKernels, CompiledModule};
 use crate::toolkit::{self, ToolkitError};
 
 /// A layer's kernels loaded on one device: the image its relocatable kernels were linked
-/// into and a module per other kernel, or one module for the whole unit.
+/// into and each whole-program module, or one module for the whole unit.
 #[derive(Clone, Debug)]
 pub struct LoadedKernels {
     /// Each module with the entry points it holds (empty: every one).

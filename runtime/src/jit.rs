@@ -17,8 +17,8 @@
 //! share a whole-program module per regime: `Plan::module_layout`), and the runtime links
 //! them into one image before loading ([`CompiledKernels::linked_image`], cached like the
 //! modules): the driver's `cuModuleLoadData` costs about 2.5 ms per module and little per
-//! kernel in it, so DeepSeek-V3's 24 modules took 64 ms to load and all of them linked
-//! into one image 12-16 ms (one H200, 2026-12-01).
+//! kernel in it, so DeepSeek-V3's 24 modules took 64 ms to load, and its one-GPU kernels
+//! as one linked image and two whole-program modules 16.8-18.4 ms (one H200, 2026-12-01).
 //!
 //! # Cache
 //!
@@ -145,8 +145,8 @@ impl CompiledModule {
 }
 
 /// A layer's kernels as compiled modules: its unit compiled whole (an AOT directory,
-/// embedded PTX), or one module per entry point ([`Jit::compile_kernels`]), the
-/// relocatable ones to be linked into one image before loading.
+/// embedded PTX), or as [`Jit::compile_kernels`] groups them (most modules one entry point,
+/// the relocatable ones to be linked into one image before loading).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompiledKernels {
     /// The unit's name.
@@ -612,8 +612,10 @@ impl Jit {
     /// side by side (see the module docs), each through the cache: a linked kernel alone,
     /// as relocatable code when `options.arch` is a real architecture, so that they link
     /// into one image; a whole-program group's kernels (those of `kernels`) together; any
-    /// other kernel alone. The modules come in the order of their first kernel in
-    /// `kernels`; the first error in that order is the result.
+    /// other kernel alone. Each kernel lands in one module: a kernel of a whole-program
+    /// group is compiled there even if `layout.linked` names it too. The modules come in
+    /// the order of their first kernel in `kernels`; the first error in that order is the
+    /// result.
     pub fn compile_kernels(
         &self,
         source: &str,
@@ -628,14 +630,16 @@ impl Jit {
                 continue;
             }
             match layout.whole_program.iter().find(|g| g.contains(kernel)) {
-                Some(group) => units.push((
-                    group
-                        .iter()
-                        .filter(|k| kernels.contains(k))
-                        .cloned()
-                        .collect(),
-                    false,
-                )),
+                Some(group) => {
+                    let mut unit: Vec<String> = Vec::new();
+                    for k in group.iter().filter(|k| kernels.contains(k)) {
+                        if !unit.contains(k) && !units.iter().any(|(placed, _)| placed.contains(k))
+                        {
+                            unit.push(k.clone());
+                        }
+                    }
+                    units.push((unit, false));
+                }
                 None => units.push((
                     vec![kernel.clone()],
                     real_arch && layout.linked.contains(kernel),
@@ -650,7 +654,8 @@ impl Jit {
                 only
             }
         };
-        // The largest units start first: a group takes as long as its kernels together.
+        // The largest units start first: a group of kernels compiles longest (DeepSeek-V3's
+        // two mid GEMMs 1.32 s against 0.88 s for the longest alone).
         let mut order: Vec<usize> = (0..units.len()).collect();
         order.sort_by_key(|&i| std::cmp::Reverse(units[i].0.len()));
         let next = AtomicUsize::new(0);

@@ -100,7 +100,7 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
     source.entry_points.len()
 }
 
-/// Every example's kernels, compiled one by one as the runtime does
+/// Every example's kernels, compiled module by module as the runtime does
 /// ([`Jit::compile_kernels`]: the plan's linked ones relocatable, the warp-specialised
 /// GEMMs whole-program), have no spills, no serialised wgmma (an extern call, such as
 /// IEEE division's slow path, serialises it in relocatable code only) and no dropped

@@ -316,6 +316,17 @@ fn a_layer_unit_compiles_kernel_by_kernel() {
     let mut expected: Vec<&String> = source.entry_points.iter().collect();
     expected.sort();
     assert_eq!(compiled, expected, "every entry point in one module");
+    assert_eq!(
+        kernels.modules.len(),
+        layout.linked.len() + layout.whole_program.len(),
+        "a module per linked kernel and per whole-program group"
+    );
+    for group in &layout.whole_program {
+        assert!(
+            kernels.modules.iter().any(|m| &m.kernels == group),
+            "{group:?} is one module"
+        );
+    }
     for module in &kernels.modules {
         let first = &module.kernels[0];
         let linked = layout.linked.contains(first);

@@ -32,7 +32,6 @@ use super::{
     static_smem_reserved,
 };
 use crate::ir::{self, TrafficOrder};
-// The rate one dispatch block moves, as the simulator's calibration fitted it.
 
 /// Where the ranks of a plan live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,12 +1,13 @@
 //! The simulator beside the bench: reads a bench result of the expert-parallel path
 //! (`benches/results/*_ep2_uniform*.json`, written by `moeforge bench --gpus 2`) at run
-//! time and predicts each of its cells. The model's constants (`model.rs`) were fitted to
-//! the stage and GEMM1/GEMM2 times of the 2026-11-30 files at commits 95bb336 and 22ac107,
-//! a few constants for three layers and five token counts, so the fit is not by
-//! construction: the overlapped layer time came within 15% on 10 of those 15 cells, from
-//! −9% to +14% at 1024 tokens per rank and more, up to +37% on calls of 1 to 128 tokens
-//! (Qwen3-30B-A3B at 128 the worst; benches/results/2026-11-30_simulator_calibration.md
-//! has every cell and why). Older files plan differently from the current planner.
+//! time and predicts each of its cells. Most of the model's constants (`model.rs`) were
+//! fitted to the stage and GEMM1/GEMM2 times of the 2026-11-30 files at commits 95bb336
+//! and 22ac107 (benches/results/2026-11-30_simulator_calibration.md has every cell), the
+//! dispatch rate and the metadata timing to the 2026-12-01 files at e323b9f: a few
+//! constants for three layers and five token counts, so the fit is not by construction.
+//! Against e323b9f the overlapped layer time comes within 15% on 13 of 15 cells
+//! (benches/results/2026-12-01_ep2_at_e323b9f.md). Older files plan differently from the
+//! current planner.
 
 use std::path::Path;
 

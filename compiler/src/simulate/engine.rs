@@ -549,7 +549,10 @@ impl<'a> Machine<'a> {
             .launches
             .iter()
             .find(|l| l.kernel == self.ep.route_kernel)
-            .map_or(1, |l| l.grid.blocks(tokens).max(1));
+            .expect("an expert-parallel regime launches its route kernel")
+            .grid
+            .blocks(tokens)
+            .max(1);
         let tiles_per_block = tokens.div_ceil(tile).div_ceil(blocks);
         let pairs = tokens.min(tiles_per_block * tile) * self.traffic.top_k;
         model::METADATA_S + f64::from(pairs) * model::METADATA_PAIR_S

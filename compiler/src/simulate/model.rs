@@ -3,7 +3,8 @@
 //! pure function; `calibration.rs` prints the predictions beside the measurements they were
 //! fitted against: benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json and, at 4096
 //! tokens per rank, 2026-11-30_{deepseek_v3,qwen3_30b_a3b}_ep2_uniform_t4096_at_22ac107.json
-//! (the dispatch rate is later, see [`COMM_BLOCK_BYTES_PER_S`]). The errors per cell after
+//! (the dispatch rate and the metadata timing are later, fitted to 2026-12-01 files: see
+//! [`COMM_BLOCK_BYTES_PER_S`] and [`METADATA_S`]). The errors per cell after
 //! the fit are in benches/results/2026-11-30_simulator_calibration.md, and against the
 //! later measurements in 2026-12-01_simulator_vs_rank_partials.md and
 //! 2026-12-01_ep2_at_e323b9f.md.
