@@ -103,11 +103,11 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 #endif
 }
 // ---------------------------------------------------------------------------------------
-// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
-// time with -DMOEFORGE_ONE_KERNEL -DMOEFORGE_KERNEL_<name>: only that kernel is built, and
-// the modules are loaded together. Without those defines (`moeforge compile`, embedded
-// PTX) every kernel is built. Only constant tables live at file scope, so each module's
-// copies of them are alike.
+// Kernel by kernel. The JIT compiles this unit once per module, side by side, each time
+// with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name> for each kernel of the module
+// (most hold one): only those kernels are built, and the modules are loaded together.
+// Without those defines (`moeforge compile`, embedded PTX) every kernel is built. Only
+// constant tables live at file scope, so each module's copies of them are alike.
 // ---------------------------------------------------------------------------------------
 #ifdef MOEFORGE_ONE_KERNEL
 #define MOEFORGE_ALL_KERNELS 0
