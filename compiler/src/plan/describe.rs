@@ -50,6 +50,7 @@ pub fn describe(plan: &Plan) -> String {
     if let Some(ep) = &plan.expert_parallel {
         describe_expert_parallel(&mut out, ep, shape.hidden);
     }
+    describe_modules(&mut out, plan);
     let _ = writeln!(out, "  workspace");
     for buffer in &plan.workspace {
         let _ = writeln!(
@@ -65,6 +66,27 @@ pub fn describe(plan: &Plan) -> String {
         let _ = writeln!(out, "  note: {limitation}");
     }
     out
+}
+
+/// How the JIT compiles and loads the kernels ([`Plan::module_layout`]).
+fn describe_modules(out: &mut String, plan: &Plan) {
+    let layout = plan.module_layout();
+    let groups: Vec<String> = layout
+        .whole_program
+        .iter()
+        .map(|group| format!("[{}]", group.join(", ")))
+        .collect();
+    let mut line = format!(
+        "  modules              {} kernels compiled one by one as relocatable code, those a layer launches linked into one image when it loads",
+        layout.linked.len()
+    );
+    if !groups.is_empty() {
+        line.push_str(&format!(
+            "; the warp-specialised GEMMs whole-program (relocatable code loses their setmaxnreg), one module per regime: {}",
+            groups.join(" ")
+        ));
+    }
+    let _ = writeln!(out, "{line}");
 }
 
 /// What one GPU holds (all experts), and on the expert-parallel path what each rank holds
