@@ -7,18 +7,17 @@
 //!
 //! [`Jit::compile_kernels`] compiles a generated layer unit once per module instead, most
 //! holding one entry point (the unit builds only the kernels its defines name), on as many
-//! threads as the machine
-//! has: NVRTC is single-threaded per program. DeepSeek-V3's 22 kernels took 7.0 s as one
-//! program and 1.75 s kernel by kernel on the H200 machine's 16 cores (2026-11-30). At
-//! most one NVRTC compile per core runs in the process at a time, however many threads
-//! ask.
+//! threads as the machine has: NVRTC is single-threaded per program. DeepSeek-V3's 22
+//! kernels took 7.0 s as one program and 1.75 s kernel by kernel on the H200 machine's 16
+//! cores (2026-11-30). At most one NVRTC compile per core runs in the process at a time,
+//! however many threads ask.
 //!
 //! Those per-kernel CUBINs are relocatable (all but the warp-specialised GEMMs, which
 //! share a whole-program module per regime: `Plan::module_layout`), and the runtime links
 //! them into one image before loading ([`CompiledKernels::linked_image`], cached like the
 //! modules): the driver's `cuModuleLoadData` costs about 2.5 ms per module and little per
 //! kernel in it, so DeepSeek-V3's 24 modules took 64 ms to load, and its one-GPU kernels
-//! as one linked image and two whole-program modules 16.8-18.4 ms (one H200, 2026-12-01).
+//! as one linked image and two whole-program modules 14.9-18.4 ms (one H200, 2026-12-01).
 //!
 //! # Cache
 //!
@@ -608,8 +607,9 @@ impl Jit {
     }
 
     /// Compiles the entry points `kernels` of a generated layer unit into modules as
-    /// `layout` groups them ([`Plan::module_layout`](moeforge_compiler::plan::Plan::module_layout)),
-    /// side by side (see the module docs), each through the cache: a linked kernel alone,
+    /// `layout` groups them
+    /// ([`Plan::module_layout`](moeforge_compiler::plan::Plan::module_layout)), side by
+    /// side (see the module docs), each through the cache: a linked kernel alone,
     /// as relocatable code when `options.arch` is a real architecture, so that they link
     /// into one image; a whole-program group's kernels (those of `kernels`) together; any
     /// other kernel alone. Each kernel lands in one module: a kernel of a whole-program
@@ -654,8 +654,8 @@ impl Jit {
                 only
             }
         };
-        // The largest units start first: a group of kernels compiles longest (DeepSeek-V3's
-        // two mid GEMMs 1.32 s against 0.88 s for the longest alone).
+        // The largest units start first: a group of kernels compiles longest (DeepSeek-V3:
+        // a regime's two GEMMs 1.32 s, the longest kernel alone 0.88 s).
         let mut order: Vec<usize> = (0..units.len()).collect();
         order.sort_by_key(|&i| std::cmp::Reverse(units[i].0.len()));
         let next = AtomicUsize::new(0);

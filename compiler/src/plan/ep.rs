@@ -831,8 +831,9 @@ struct CommSplit {
 }
 
 /// The fewest communication blocks (from one per destination up to the plan's `default`)
-/// whose dispatch of a call (every token to every peer, at [`PLANNED_COMM_BLOCK_BYTES_PER_S`] a
-/// block) takes no longer than GEMM1's tiles on local rows, which run first and hide it,
+/// whose dispatch of a call (every token to every peer, at
+/// [`PLANNED_COMM_BLOCK_BYTES_PER_S`] a block) takes no longer than GEMM1's tiles on local
+/// rows, which run first and hide it,
 /// for every call of the regime from some token count on (probed at powers of two and the
 /// regime's ends); the SMs this frees compute. Their share of GEMM1's tiles: the expected
 /// whole row tiles of local rows under uniform routing ([`expected_whole_tiles`]), none

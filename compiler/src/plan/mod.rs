@@ -1216,10 +1216,9 @@ impl Plan {
     /// The entry points compiled as relocatable code, to be linked into one image when a
     /// layer loads (the runtime's `Gpu::load_kernels`): all but the warp-specialised wgmma
     /// GEMMs, which are compiled whole-program, one module per regime
-    /// ([`Plan::module_layout`]):
-    /// compiling relocatable code, `ptxas` drops their `setmaxnreg` ("C7504: 'setmaxnreg'
-    /// ignored to maintain compatibility across compilation units"), so the consumer
-    /// warpgroups keep the producer's register budget. Linked, they ran 4.5-15% slower
+    /// ([`Plan::module_layout`]): compiling relocatable code, `ptxas` drops their
+    /// `setmaxnreg` ("C7504: 'setmaxnreg' ignored to maintain compatibility across
+    /// compilation units"), so the consumer warpgroups keep the producer's register budget. Linked, they ran 4.5-15% slower
     /// (Mixtral-8x7B at 4096 tokens on one H200, 2026-12-01); the other kernels ran as fast.
     pub fn linked_entry_points(&self) -> Vec<String> {
         let whole_program: Vec<&String> = self
