@@ -422,6 +422,10 @@ pub struct ExpertParallelRow {
     /// stage's time: the rate one rank's dispatch reached (one way; metadata and the
     /// stage's barrier included in its time).
     pub dispatch_gb_per_s: f64,
+    /// The communication blocks that dispatched it: the plan's, in the regime of this call
+    /// (a `*_long` regime gives the dispatch only as many as hide it behind GEMM1's local
+    /// tiles, so its rate is low by design).
+    pub dispatch_blocks: u32,
     /// The busiest rank's roofline floor: its pairs' GEMM work at peak bf16 rate or its
     /// hit experts' weights (and its rows) at HBM rate, whichever is slower.
     pub floor_us: f64,
@@ -572,6 +576,15 @@ pub fn bench_expert_parallel(
         let crossed_gb_per_s = crossed_bytes / (expert_parallel_us * 1e-6) / 1e9;
         let busiest_sender = sent_per_rank.iter().copied().max().unwrap_or(0) as f64 * row_bytes;
         let dispatch_gb_per_s = busiest_sender / (stages.dispatch_us * 1e-6) / 1e9;
+        let dispatch_blocks = ep
+            .plan()
+            .expert_parallel
+            .as_ref()
+            .and_then(|plan| {
+                plan.regime_index_for(tokens)
+                    .map(|i| plan.regimes[i].comm_blocks)
+            })
+            .unwrap_or(0);
 
         let together = tokens * ranks;
         let one_gpu_us = if together <= shape.max_tokens {
@@ -590,6 +603,7 @@ pub fn bench_expert_parallel(
             one_gpu_us,
             crossed_gb_per_s,
             dispatch_gb_per_s,
+            dispatch_blocks,
             floor_us: busiest_rank_floor_us(&shape, &workloads, ranks, &built.layer.plan().target),
             bulk_synchronous_us,
             stages,
