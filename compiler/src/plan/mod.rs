@@ -1218,18 +1218,11 @@ impl Plan {
     /// GEMMs, which are compiled whole-program, one module per regime
     /// ([`Plan::module_layout`]): compiling relocatable code, `ptxas` drops their
     /// `setmaxnreg` ("C7504: 'setmaxnreg' ignored to maintain compatibility across
-    /// compilation units"), so the consumer warpgroups keep the producer's register budget. Linked, they ran 4.5-15% slower
-    /// (Mixtral-8x7B at 4096 tokens on one H200, 2026-12-01); the other kernels ran as fast.
+    /// compilation units"), so the consumer warpgroups keep the producer's register budget.
+    /// Linked, they ran 4.5-15% slower (Mixtral-8x7B at 4096 tokens on one H200,
+    /// 2026-12-01); the other kernels ran as fast.
     pub fn linked_entry_points(&self) -> Vec<String> {
-        let whole_program: Vec<&String> = self
-            .gemm_kernels()
-            .filter(|(gemm, _)| gemm.engine == MmaEngine::WgmmaWarpSpecialized)
-            .map(|(_, kernel)| kernel)
-            .collect();
-        self.entry_points()
-            .into_iter()
-            .filter(|kernel| !whole_program.contains(&kernel))
-            .collect()
+        self.module_layout().linked
     }
 
     /// How the runtime compiles and loads this layer's kernels: the linked ones
@@ -1241,7 +1234,7 @@ impl Plan {
     /// ms, and the longest compile took 0.88, 1.32 and 2.78 s (one H200 machine,
     /// 2026-12-01). One module per regime keeps a cold compile under 2 s.
     pub fn module_layout(&self) -> ModuleLayout {
-        let whole_program = self
+        let whole_program: Vec<Vec<String>> = self
             .regime_gemms()
             .map(|gemms| {
                 let mut kernels: Vec<String> = Vec::new();
@@ -1254,8 +1247,13 @@ impl Plan {
             })
             .filter(|kernels| !kernels.is_empty())
             .collect();
+        let linked = self
+            .entry_points()
+            .into_iter()
+            .filter(|kernel| !whole_program.iter().any(|group| group.contains(kernel)))
+            .collect();
         ModuleLayout {
-            linked: self.linked_entry_points(),
+            linked,
             whole_program,
         }
     }
