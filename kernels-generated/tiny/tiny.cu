@@ -333,6 +333,28 @@ struct EpContext {
     u32 epoch = 0;
 };
 
+// Stream-K (single-GPU mma.sync GEMMs, a call with fewer tiles than the config's
+// STREAM_K_BELOW_TILES): the buffers in which the blocks sharing a tile meet.
+struct StreamKBuffers {
+    float* partials = nullptr;  // [2 * gridDim.x][BM * B_ROWS]: per block, its first and its last partial tile
+    u32* tiles_done = nullptr;  // [tiles]: per tile, the blocks done with their part (zero between calls)
+};
+
+// A stream-K call's k-tiles, every tile's in tile order, dealt to the blocks in contiguous
+// runs of nearly equal length. With fewer k-tiles than blocks only that many work, one
+// k-tile each, so that no run is empty.
+struct StreamKShare {
+    int iterations, blocks;
+    __device__ __forceinline__ StreamKShare(int k_tiles, int grid)
+        : iterations(k_tiles), blocks(max(1, min(grid, k_tiles))) {}
+    // The first k-tile of block b's run (which ends where block b + 1's starts).
+    __device__ __forceinline__ int start(int b) const { return (int)((long long)b * iterations / blocks); }
+    // The block whose run holds k-tile `it`: the last b with start(b) <= it.
+    __device__ __forceinline__ int block_of(int it) const {
+        return (int)(((long long)(it + 1) * blocks + iterations - 1) / iterations) - 1;
+    }
+};
+
 // Checks every GEMM config against the layout the code below assumes.
 template <class G>
 __device__ __forceinline__ void assert_gemm_layout() {
@@ -628,6 +650,55 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
     }
 }
 
+// A stream-K tile that this block covers only in part: store this block's partial sums
+// in its slot (slot 0 for the tile its run starts in, 1 for the one it ends in), count
+// the block in, and if it is the tile's last block, load the sum of every block's part,
+// in block order (the result does not depend on which block came last), and return true:
+// this block stores the tile.
+template <class G, int MI, int NJ>
+__device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
+                                              float (&acc_up)[G::GATED ? MI : 1][G::GATED ? NJ : 1][4],
+                                              const StreamKShare& share, int tile, const StreamKBuffers& buffers) {
+    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int REGISTERS = MI * NJ * 4;  // one accumulator set per thread
+    constexpr int PARTIAL = G::BM * G::B_ROWS;  // floats of one partial tile, in the threads' order
+    static_assert(REGISTERS * (G::GATED ? 2 : 1) * G::THREADS == PARTIAL, "plan: a partial tile is every thread's accumulators");
+    const int first = share.block_of(tile * K_TILES);
+    const int last = share.block_of(tile * K_TILES + K_TILES - 1);
+    auto part = [&](int block) {
+        const int slot = 2 * block + (share.start(block) / K_TILES == tile ? 0 : 1);
+        return buffers.partials + (size_t)slot * PARTIAL + threadIdx.x;
+    };
+    // Register r of every thread lies together: the stores and loads are coalesced.
+    float* mine = part(blockIdx.x);
+#pragma unroll
+    for (int r = 0; r < REGISTERS; ++r) {
+        __stcg(mine + r * G::THREADS, acc[r / (NJ * 4)][r / 4 % NJ][r % 4]);
+        if constexpr (G::GATED) __stcg(mine + (REGISTERS + r) * G::THREADS, acc_up[r / (NJ * 4)][r / 4 % NJ][r % 4]);
+    }
+    __threadfence();
+    __syncthreads();
+    u32 before = 0;
+    if (threadIdx.x == 0) before = atomicAdd(buffers.tiles_done + tile, 1u);
+    if (!__syncthreads_or(threadIdx.x == 0 && before == (u32)(last - first))) return false;
+    __threadfence();
+#pragma unroll
+    for (int r = 0; r < REGISTERS; ++r) {
+        acc[r / (NJ * 4)][r / 4 % NJ][r % 4] = 0.f;
+        if constexpr (G::GATED) acc_up[r / (NJ * 4)][r / 4 % NJ][r % 4] = 0.f;
+    }
+    for (int block = first; block <= last; ++block) {
+        const float* p = part(block);
+#pragma unroll
+        for (int r = 0; r < REGISTERS; ++r) {
+            acc[r / (NJ * 4)][r / 4 % NJ][r % 4] += __ldcg(p + r * G::THREADS);
+            if constexpr (G::GATED) acc_up[r / (NJ * 4)][r / 4 % NJ][r % 4] += __ldcg(p + (REGISTERS + r) * G::THREADS);
+        }
+    }
+    if (threadIdx.x == 0) buffers.tiles_done[tile] = 0;
+    return true;
+}
+
 // The pair of output columns (column, column + 1) of `row`, packed as two bf16.
 template <class G>
 __device__ __forceinline__ u32 epilogue_pack(const EpilogueRow& row, int column,
@@ -665,7 +736,8 @@ __device__ __forceinline__ void grouped_gemm(
     const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule
     const int* __restrict__ row_pair,         // [pairs]
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
-    const EpContext& ep)
+    const EpContext& ep,
+    const StreamKBuffers& stream_k = StreamKBuffers{})
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
@@ -697,7 +769,20 @@ __device__ __forceinline__ void grouped_gemm(
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
-    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    // The block's work as runs of k-tiles [it, end) in tile order: whole tiles dealt round
+    // robin (after each, skip the other blocks' tiles), or with stream-K one run.
+    const bool split = G::STREAM_K_BELOW_TILES > 0 && total_tiles < G::STREAM_K_BELOW_TILES;
+    const StreamKShare share(total_tiles * K_TILES, gridDim.x);
+    const bool has_run = blockIdx.x < share.blocks;
+    int it = split ? (has_run ? share.start(blockIdx.x) : 0) : blockIdx.x * K_TILES;
+    const int end = split ? (has_run ? share.start(blockIdx.x + 1) : 0) : total_tiles * K_TILES;
+    const int skip = split ? 0 : (gridDim.x - 1) * K_TILES;
+
+    while (it < end) {
+        const int tile = it / K_TILES;
+        const int k_begin = it % K_TILES;
+        const int k_count = min(K_TILES - k_begin, end - it);  // K_TILES unless the tile is split
+        it += k_count + skip;
         const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
         fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
         __syncthreads();
@@ -719,21 +804,22 @@ __device__ __forceinline__ void grouped_gemm(
                     if constexpr (G::GATED) acc_up[i][j][c] = 0.f;
                 }
 
-        // Pipeline prologue: STAGES - 1 k-tiles in flight.
+        // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
+        // k-tile k_begin + k from stage k % STAGES.
 #pragma unroll
         for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < K_TILES) stage_load(s, s);
+            if (s < k_count) stage_load(s, k_begin + s);
             cp_async_commit();
         }
 
-        for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+        for (int k = 0; k < k_count; ++k) {
             cp_async_wait<G::STAGES - 2>();
-            __syncthreads();  // stage k_tile landed for everyone; stage k_tile-1 is free
-            const int next = k_tile + G::STAGES - 1;
-            if (next < K_TILES) stage_load(next % G::STAGES, next);
+            __syncthreads();  // stage k landed for everyone; stage k-1 is free
+            const int next = k + G::STAGES - 1;
+            if (next < k_count) stage_load(next % G::STAGES, k_begin + next);
             cp_async_commit();
 
-            const u32 a_base = smem_base + (k_tile % G::STAGES) * G::STAGE_BYTES;
+            const u32 a_base = smem_base + (k % G::STAGES) * G::STAGE_BYTES;
             const u32 b_base = a_base + G::A_BYTES;
 #pragma unroll
             for (int k16 = 0; k16 < G::BK / 16; ++k16) {
@@ -769,27 +855,35 @@ __device__ __forceinline__ void grouped_gemm(
             }
         }
 
+        // A tile split between blocks is stored by the last of them, with every part.
+        bool stores = true;
+        if constexpr (G::STREAM_K_BELOW_TILES > 0) {
+            if (k_count < K_TILES) stores = stream_k_meet<G>(acc, acc_up, share, tile, stream_k);
+        }
+
         // Epilogue: each thread holds rows lane/4 and lane/4 + 8 of every fragment, two
         // adjacent columns each.
+        if (stores) {
 #pragma unroll
-        for (int i = 0; i < MI; ++i) {
+            for (int i = 0; i < MI; ++i) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
-                if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+                for (int half = 0; half < 2; ++half) {
+                    const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
+                    if (r >= t.rows) continue;
+                    const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
-                    const float up0 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2] : 0.f;
-                    const float up1 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2 + 1] : 0.f;
-                    epilogue_store<G>(row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
+                    for (int j = 0; j < NJ; ++j) {
+                        const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
+                        const float up0 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2] : 0.f;
+                        const float up1 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2 + 1] : 0.f;
+                        epilogue_store<G>(row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
+                    }
                 }
             }
         }
         cp_async_wait<0>();
         __syncthreads();  // the next tile reuses the ring and the row table; every store is done
-        epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
+        if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
     }
 }
 // ---------------------------------------------------------------------------------------
@@ -1408,6 +1502,10 @@ struct all_gemm1 : SingleGpu {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
+    // A call with fewer tiles than this splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, the last block of a split
+    // tile sums the parts in block order and stores it.
+    static constexpr int STREAM_K_BELOW_TILES = 1056;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
@@ -1420,11 +1518,13 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_gemm1(
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
+    u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
 )
 {
     start_after_previous_kernel();
-    grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
@@ -1436,6 +1536,10 @@ struct all_gemm2 : SingleGpu {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
+    // A call with fewer tiles than this splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, the last block of a split
+    // tile sums the parts in block order and stores it.
+    static constexpr int STREAM_K_BELOW_TILES = 1320;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;
@@ -1449,11 +1553,13 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm2(
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
+    u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
 )
 {
     start_after_previous_kernel();
-    grouped_gemm<all_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{});
+    grouped_gemm<all_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -1468,6 +1574,10 @@ struct all_ep_gemm1 : ExpertParallel {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
+    // A call with fewer tiles than this splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, the last block of a split
+    // tile sums the parts in block order and stores it.
+    static constexpr int STREAM_K_BELOW_TILES = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
@@ -1501,6 +1611,10 @@ struct all_ep_gemm2 : ExpertParallel {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
+    // A call with fewer tiles than this splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, the last block of a split
+    // tile sums the parts in block order and stores it.
+    static constexpr int STREAM_K_BELOW_TILES = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;

@@ -371,6 +371,8 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::Credits => "[RANKS], written by peers: epoch each has consumed",
             BufferId::RouterLogits => "[tokens, EXPERTS], workspace",
             BufferId::RouterTilesDone => "[1 + token tiles]: arrival counters, zero between calls",
+            BufferId::StreamKPartials => "[2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K",
+            BufferId::StreamKTilesDone => "[tiles]: stream-K arrival counters, zero between calls",
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
             BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
@@ -514,6 +516,8 @@ struct GemmUnit {
     a_tiles: bool,
     /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
     quad_stores: bool,
+    /// mma.sync on one GPU: calls with fewer tiles run stream-K (0: never).
+    stream_k_below_tiles: u32,
     /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
     producer_threads: u32,
     producer_registers: u32,
@@ -544,14 +548,14 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "x, {weights}, {bias}, nullptr, expert_offsets, row_pair, intermediate, EpContext{}",
+                "x, {weights}, {bias}, nullptr, expert_offsets, row_pair, intermediate, EpContext{}{stream_k}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}",
+                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}{stream_k}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
@@ -608,6 +612,15 @@ impl GemmUnit {
         } else {
             ("intermediate", "")
         };
+        // A GEMM that splits few-tile calls stream-K takes the buffers of partial tiles.
+        let stream_k = gemm.stream_k_below_tiles > 0;
+        let stream_k_buffers = [BufferId::StreamKPartials, BufferId::StreamKTilesDone]
+            .map(|id| LaunchArg::Workspace(id).name());
+        let stream_k_arg = if stream_k {
+            format!(", StreamKBuffers{{{}}}", stream_k_buffers.join(", "))
+        } else {
+            String::new()
+        };
         let uses: Vec<&str> = uses
             .iter()
             .map(|&name| {
@@ -620,12 +633,14 @@ impl GemmUnit {
                 }
             })
             .chain(bias_arg)
+            .chain(stream_k_buffers.into_iter().filter(|_| stream_k))
             .collect();
         let call_args = call_args
             .replace("{weights}", weights)
             .replace("{bias}", bias_arg.unwrap_or("nullptr"))
             .replace("{a_rows}", a_rows)
-            .replace("{a_tiles}", a_tiles_arg);
+            .replace("{a_tiles}", a_tiles_arg)
+            .replace("{stream_k}", &stream_k_arg);
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         Ok(GemmUnit {
             role: description,
@@ -658,6 +673,7 @@ impl GemmUnit {
             b_box_rows: gemm.weight_box_rows(),
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
+            stream_k_below_tiles: gemm.stream_k_below_tiles,
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
             producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
             consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),

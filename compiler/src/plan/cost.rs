@@ -4,7 +4,8 @@
 //! experts, of which `E·(1 − (1 − 1/E)^P)` are hit. A tile plan then costs the larger of
 //! - compute: waves of tiles over `SMs × blocks per SM`, each tile doing `2·BM·B_rows·Kd`
 //!   FLOPs (padded rows included) at the SM's share of the engine's rate (`mma.sync` or
-//!   wgmma, each a measured or assumed fraction of the peak);
+//!   wgmma, each a measured or assumed fraction of the peak); a stream-K call (few tiles,
+//!   [`GemmPlan::runs_stream_k`]) has no partial last wave and loads on every block;
 //! - memory: the bytes that must come from HBM (weights of hit experts once, activations in
 //!   and out) over the bandwidth the grid can sustain, which is the lesser of HBM
 //!   bandwidth and what its in-flight pipeline stages cover (Little's law, 1 µs latency);
@@ -117,7 +118,14 @@ pub fn estimate(
     let pairs = routed_pairs + u64::from(tokens) * u64::from(problem.always_hit);
 
     let concurrent = f64::from(target.sm_count * gemm.blocks_per_sm);
-    let waves = (tiles / concurrent).ceil();
+    // Stream-K deals the call's k-tiles evenly over every block: no partial last wave, and
+    // every block keeps its stages in flight.
+    let stream_k = gemm.runs_stream_k(tiles);
+    let waves = if stream_k {
+        tiles / concurrent
+    } else {
+        (tiles / concurrent).ceil()
+    };
     let fraction = match gemm.engine {
         MmaEngine::MmaSync => target.mma_sync_fraction,
         MmaEngine::WgmmaWarpSpecialized => {
@@ -137,7 +145,12 @@ pub fn estimate(
     let weight_bytes = hit * weight_rows * f64::from(problem.k) * 2.0;
     let activation_bytes = pairs as f64 * (f64::from(problem.k) + f64::from(problem.n)) * 2.0;
     let stage_bytes = f64::from((gemm.tile.m + gemm.b_rows) * gemm.tile.k * 2);
-    let in_flight = concurrent.min(tiles) * f64::from(gemm.stages - 1) * stage_bytes;
+    let loading_blocks = if stream_k {
+        concurrent
+    } else {
+        concurrent.min(tiles)
+    };
+    let in_flight = loading_blocks * f64::from(gemm.stages - 1) * stage_bytes;
     let bandwidth = target.hbm_bytes_per_s.min(in_flight / MEMORY_LATENCY_S);
     let memory_seconds = (weight_bytes + activation_bytes) / bandwidth;
     let l2_seconds = l2_rows * f64::from(problem.k) * 2.0 / target.l2_bytes_per_s;

@@ -354,6 +354,17 @@ fn route_launches(
     }
 }
 
+/// The stream-K buffers a single-GPU GEMM takes where its plan splits few-tile calls.
+fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
+    if gemm.stream_k_below_tiles == 0 {
+        return Vec::new();
+    }
+    vec![
+        KernelParam::write(LaunchArg::Workspace(BufferId::StreamKPartials)),
+        KernelParam::write(LaunchArg::Workspace(BufferId::StreamKTilesDone)),
+    ]
+}
+
 /// The launches of one forward call of a regime of a layer of `shape` (its routed experts
 /// and the shared slices; with expert biases the GEMMs take them too); with `early_start`
 /// each may start before the previous one ends.
@@ -391,6 +402,7 @@ pub fn launch_table(
                     read(Workspace(RowPair)),
                     write(Workspace(Intermediate)),
                 ])
+                .chain(stream_k_params(g1))
                 .collect(),
         },
         Launch {
@@ -410,6 +422,7 @@ pub fn launch_table(
                     read(Workspace(RowPair)),
                     write(Workspace(CombineSlots)),
                 ])
+                .chain(stream_k_params(g2))
                 .collect(),
         },
         Launch {

@@ -313,6 +313,13 @@ pub enum BufferId {
     RoutedIds,
     /// f32 [T·K]: their routing weights; passed as `topk_weights`.
     RoutedWeights,
+    // Stream-K (single-GPU mma.sync GEMMs, a call with few tiles: [`GemmPlan::stream_k_below_tiles`]).
+    /// f32 [2 · grid, BM · B rows], the largest such GEMM's: per block, the partial sums of
+    /// the tiles it covers only in part (its first, then its last), in the threads' order.
+    StreamKPartials,
+    /// u32 [the most tiles a split call has]: per tile, the blocks done with their part of
+    /// its reduction; the last one sums the parts, stores the tile and resets the count to 0.
+    StreamKTilesDone,
 }
 
 impl BufferId {
@@ -349,7 +356,8 @@ impl BufferId {
             | BufferId::NetSendWeight
             | BufferId::SegmentWeights
             | BufferId::RouterLogits
-            | BufferId::RoutedWeights => ElemType::F32,
+            | BufferId::RoutedWeights
+            | BufferId::StreamKPartials => ElemType::F32,
             BufferId::MetaFlags
             | BufferId::ChunkFlags
             | BufferId::ChunkPieces
@@ -358,6 +366,7 @@ impl BufferId {
             | BufferId::CombineCounters
             | BufferId::Credits
             | BufferId::RouterTilesDone
+            | BufferId::StreamKTilesDone
             | BufferId::NetReady
             | BufferId::NetReturnFlags => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
@@ -408,6 +417,8 @@ impl BufferId {
             BufferId::NetReturnX => "net_return_x",
             BufferId::NetReturnedX => "net_returned_x",
             BufferId::NetReturnFlags => "net_return_flags",
+            BufferId::StreamKPartials => "stream_k_partials",
+            BufferId::StreamKTilesDone => "stream_k_tiles_done",
         }
     }
 }
@@ -610,6 +621,13 @@ pub struct GemmPlan {
     pub blocks_per_sm: u32,
     /// Persistent grid: blocks launched, each looping over tiles (a multiple of `cluster`).
     pub grid_blocks: u32,
+    /// Stream-K: a call with fewer tiles than this (0: never) splits the k-loops of all its
+    /// tiles evenly over the grid, each block a contiguous run of k-tiles, rather than
+    /// dealing whole tiles round robin; a tile split between blocks is summed and stored by
+    /// the last of them. Single-GPU mma.sync GEMMs only: the decode calls whose few tiles
+    /// leave blocks idle, or some with two tiles where most have one.
+    #[serde(default)]
+    pub stream_k_below_tiles: u32,
     /// Blocks per thread-block cluster: 1, or 2 for a warp-specialised pair that works on
     /// two tiles of one weight panel at a time, each block loading half of the panel's
     /// stage and multicasting it to both (see [`CLUSTER_PAIR`]).
@@ -635,6 +653,20 @@ impl GemmPlan {
             && self.tile.m == 128
             && self.grid_blocks.is_multiple_of(CLUSTER_PAIR)
             && (self.b_rows > self.tile.n || self.tile.n.is_multiple_of(2 * 8))
+    }
+
+    /// Whether a call with `tiles` tiles runs stream-K.
+    pub fn runs_stream_k(&self, tiles: f64) -> bool {
+        tiles < f64::from(self.stream_k_below_tiles)
+    }
+
+    /// Floats of [`BufferId::StreamKPartials`] this GEMM needs (0 without stream-K): two
+    /// partial tiles per block.
+    pub fn stream_k_partial_floats(&self) -> u64 {
+        if self.stream_k_below_tiles == 0 {
+            return 0;
+        }
+        2 * u64::from(self.grid_blocks) * u64::from(self.tile.m) * u64::from(self.b_rows)
     }
 
     /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated
@@ -978,12 +1010,14 @@ pub fn plan_tuned(
         .map(|r| (r.name.clone(), r.max_tokens))
         .collect();
     let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
+    let stream_k = StreamKSpace::of(regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
     let workspace = workspace(
         &shape,
         most_route_blocks,
         router
             .as_ref()
             .map(|router| router.tiles_done_len(regimes.iter().map(|r| r.max_tokens))),
+        stream_k,
     );
 
     let placement = if layer.topology.virtual_ranks.is_some() {
@@ -1080,7 +1114,34 @@ pub fn route_blocks(pairs: u64, target: &Target) -> u32 {
 /// of the routing over `route_blocks` blocks where that is more than one; with a router
 /// (whose largest call counts `router_tiles_done` token tiles, plus one), the router's
 /// logits, counters and choices too.
-fn workspace(shape: &LayerShape, route_blocks: u32, router_tiles_done: Option<u32>) -> Vec<Buffer> {
+/// What the stream-K GEMMs of a plan share: one buffer of partial tiles and one of arrival
+/// counters, each as large as its largest user needs (the GEMMs of a call run one after
+/// another, so none holds them while another does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct StreamKSpace {
+    partial_floats: u64,
+    tile_counters: u64,
+}
+
+impl StreamKSpace {
+    fn of<'a>(gemms: impl IntoIterator<Item = &'a GemmPlan>) -> Self {
+        gemms
+            .into_iter()
+            .fold(StreamKSpace::default(), |space, gemm| StreamKSpace {
+                partial_floats: space.partial_floats.max(gemm.stream_k_partial_floats()),
+                tile_counters: space
+                    .tile_counters
+                    .max(u64::from(gemm.stream_k_below_tiles)),
+            })
+    }
+}
+
+fn workspace(
+    shape: &LayerShape,
+    route_blocks: u32,
+    router_tiles_done: Option<u32>,
+    stream_k: StreamKSpace,
+) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
         Buffer {
@@ -1148,6 +1209,24 @@ fn workspace(shape: &LayerShape, route_blocks: u32, router_tiles_done: Option<u3
                 elem: BufferId::RoutedWeights.elem(),
                 elems: max_pairs,
                 purpose: "their routing weights (topk_weights of a self-routed call)".into(),
+            },
+        ]);
+    }
+    if stream_k.tile_counters > 0 {
+        buffers.extend([
+            Buffer {
+                id: BufferId::StreamKPartials,
+                elem: BufferId::StreamKPartials.elem(),
+                elems: stream_k.partial_floats,
+                purpose: "stream-K: each block's partial sums of the tiles it shares with others"
+                    .into(),
+            },
+            Buffer {
+                id: BufferId::StreamKTilesDone,
+                elem: BufferId::StreamKTilesDone.elem(),
+                elems: stream_k.tile_counters,
+                purpose: "stream-K: per tile, the blocks done with their part (zero between calls)"
+                    .into(),
             },
         ]);
     }
@@ -1518,6 +1597,12 @@ fn shape_gemm(
     } else {
         OutputStore::Pairs
     };
+    let grid_blocks = target.sm_count * blocks_per_sm;
+    let stream_k_below_tiles = if engine == MmaEngine::MmaSync && problem.row_phases == 1 {
+        STREAM_K_TILES_PER_BLOCK * grid_blocks
+    } else {
+        0
+    };
     Ok(GemmPlan {
         engine,
         tile,
@@ -1531,7 +1616,8 @@ fn shape_gemm(
         smem_bytes,
         smem,
         blocks_per_sm,
-        grid_blocks: target.sm_count * blocks_per_sm,
+        grid_blocks,
+        stream_k_below_tiles,
         cluster: 1,
         estimate: GemmEstimate::default(),
         source: tuning::ChoiceSource::CostModel,
@@ -1547,6 +1633,11 @@ fn as_cluster_pair(problem: &GemmProblem, gemm: &GemmPlan) -> Option<GemmPlan> {
         ..gemm.clone()
     })
 }
+
+/// Single-GPU mma.sync GEMMs run stream-K on calls with fewer tiles than this many per
+/// block. Below two, some blocks take two tiles while others take one or none, and the
+/// grid's bytes in flight (what a decode GEMM's pace is) shrink with the idle blocks.
+const STREAM_K_TILES_PER_BLOCK: u32 = 2;
 
 /// Fewest and most pipeline stages a GEMM may have.
 pub const MIN_STAGES: u32 = 2;

@@ -16,7 +16,7 @@ use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, LaunchArg, MAX_EXPERTS,
     MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts,
-    RowLoad, SmemLayout, TILE_K, c_identifier, combine_blocks_per_token, workspace,
+    RowLoad, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -97,7 +97,8 @@ impl Plan {
             }
         }
         let most_route_blocks = route_blocks.iter().copied().max().unwrap_or(1);
-        if self.workspace != workspace(shape, most_route_blocks, router_tiles_done) {
+        let stream_k = StreamKSpace::of(self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
+        if self.workspace != workspace(shape, most_route_blocks, router_tiles_done, stream_k) {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
         if let Some(router) = &self.router {
@@ -545,6 +546,11 @@ impl Plan {
             return Err(format!(
                 "`{kernel}` cannot run in clusters of {} blocks",
                 gemm.cluster
+            ));
+        }
+        if gemm.stream_k_below_tiles > 0 && warp_specialized {
+            return Err(format!(
+                "`{kernel}` splits tiles stream-K, which only the mma.sync engine does"
             ));
         }
         if gemm.a_load == RowLoad::Tiles && !warp_specialized {
