@@ -818,34 +818,38 @@ fn the_warp_specialised_gemms_are_not_linked() {
     }
 }
 
-/// DeepSeek-V3's decode GEMMs split calls with few tiles stream-K (at one token its GEMM1
-/// has 288 tiles for 264 blocks, so 24 blocks took a second tile while the rest idled);
-/// the warp-specialised GEMMs and the expert-parallel ones never split; the workspace holds
-/// two partial tiles per block of the largest split GEMM and a counter per tile; validation
-/// catches a split on the wgmma engine.
+/// DeepSeek-V3's decode GEMMs split calls stream-K whose whole tiles would leave a partial
+/// second wave (at one token its GEMM1 has 288 tiles for 264 blocks: 24 blocks took a second
+/// tile while the rest idled); the warp-specialised GEMMs and the expert-parallel ones never
+/// split; the workspace holds two partial tiles per block of the largest split GEMM and a
+/// counter per tile; validation catches a split on the wgmma engine.
 #[test]
-fn few_tile_calls_split_stream_k_on_the_single_gpu_mma_sync_gemms() {
+fn partial_second_waves_split_stream_k_on_the_single_gpu_mma_sync_gemms() {
     let plan = example_plan("deepseek_v3");
     let single_gpu: Vec<&GemmPlan> = plan
         .regimes
         .iter()
         .flat_map(|r| [&r.gemm1, &r.gemm2])
         .collect();
-    assert!(single_gpu.iter().any(|g| g.stream_k_below_tiles > 0));
+    assert!(single_gpu.iter().any(|g| g.stream_k.is_some()));
     for gemm in &single_gpu {
         let mma_sync = gemm.engine == plan::MmaEngine::MmaSync;
-        let expected = if mma_sync { 2 * gemm.grid_blocks } else { 0 };
-        assert_eq!(gemm.stream_k_below_tiles, expected, "{gemm:?}");
+        let expected = mma_sync.then(|| plan::StreamKTiles {
+            min: gemm.grid_blocks + 1,
+            max: 2 * gemm.grid_blocks - 1,
+        });
+        assert_eq!(gemm.stream_k, expected, "{gemm:?}");
     }
     let decode = &plan.regimes[0].gemm1;
-    assert!(decode.runs_stream_k(288.0) && !decode.runs_stream_k(528.0));
+    assert_eq!(decode.grid_blocks, 264);
+    assert!(decode.runs_stream_k(288.0));
+    assert!(!decode.runs_stream_k(264.0) && !decode.runs_stream_k(528.0));
     let ep = plan
         .expert_parallel
         .as_ref()
         .expect("DeepSeek-V3 is expert-parallel");
     for regime in &ep.regimes {
-        assert_eq!(regime.gemm1.stream_k_below_tiles, 0);
-        assert_eq!(regime.gemm2.stream_k_below_tiles, 0);
+        assert_eq!((regime.gemm1.stream_k, regime.gemm2.stream_k), (None, None));
     }
 
     let elems = |id: BufferId| {
@@ -855,22 +859,19 @@ fn few_tile_calls_split_stream_k_on_the_single_gpu_mma_sync_gemms() {
             .map(|b| b.elems)
             .expect("the workspace holds the stream-K buffers")
     };
-    let most_partials = single_gpu
-        .iter()
-        .filter(|g| g.stream_k_below_tiles > 0)
-        .map(|g| 2 * u64::from(g.grid_blocks) * u64::from(g.tile.m) * u64::from(g.b_rows))
-        .max();
+    let most_partials = single_gpu.iter().map(|g| g.stream_k_partial_floats()).max();
+    assert_eq!(
+        most_partials,
+        Some(2 * 528 * 16 * 64),
+        "the decode GEMM2: 528 blocks of 16x64 tiles"
+    );
     assert_eq!(Some(elems(BufferId::StreamKPartials)), most_partials);
-    let most_tiles = single_gpu
-        .iter()
-        .map(|g| u64::from(g.stream_k_below_tiles))
-        .max();
-    assert_eq!(Some(elems(BufferId::StreamKTilesDone)), most_tiles);
+    assert_eq!(elems(BufferId::StreamKTilesDone), 2 * 528 - 1);
 
     let prefill = plan.regimes.len() - 1;
     let mut split_wgmma = plan.clone();
     let wgmma = &mut split_wgmma.regimes[prefill].gemm1;
-    wgmma.stream_k_below_tiles = 264;
+    wgmma.stream_k = Some(plan::StreamKTiles::second_wave(wgmma.grid_blocks));
     let its_partials = wgmma.stream_k_partial_floats();
     // The workspace grown to match, so that only the engine is wrong.
     for buffer in &mut split_wgmma.workspace {

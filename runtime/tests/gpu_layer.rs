@@ -692,3 +692,74 @@ fn forward_is_graph_capturable_and_replays_identically() {
         "graph replay differs from the eager call"
     );
 }
+
+/// Tiles of one grouped GEMM for a call's routing: each expert's rows in `bm`-row tiles,
+/// times the GEMM's n-tiles (what the kernel's tile schedule counts).
+fn call_tiles(workload: &Workload, experts: u32, gemm: &GemmPlan, n: u32) -> u32 {
+    let mut rows = vec![0u32; experts as usize];
+    for &id in &workload.topk_ids {
+        rows[id as usize] += 1;
+    }
+    let m_tiles: u32 = rows.iter().map(|r| r.div_ceil(gemm.tile.m)).sum();
+    m_tiles * (n / gemm.tile.n)
+}
+
+/// Calls whose whole tiles would leave a partial second wave run stream-K (each block a run
+/// of k-tiles, a split tile summed and stored by its last block). A tiny layer pinned to
+/// 16-row mma.sync tiles, at the first token counts whose routing puts GEMM1's, then
+/// GEMM2's, tile count in its split range (counted here from the routing, so the test
+/// knows the split ran), matches the CPU reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn calls_that_split_stream_k_match_reference() {
+    let layer = layers::pinned(
+        Activation::Swiglu,
+        TileShape {
+            m: 16,
+            n: 64,
+            k: 64,
+        },
+        4,
+    );
+    let plan = plan_for_device(&layer);
+    let shape = plan.shape.clone();
+    let seed = fresh_seed();
+    let mut chosen: Vec<(u32, &str)> = Vec::new();
+    for (name, up) in [("gemm1", true), ("gemm2", false)] {
+        // A split range spans hundreds of tokens: every 37th count finds it.
+        let tokens = (1..=shape.max_tokens).step_by(37).find(|&t| {
+            let regime = plan.regime_for(t).expect("the regimes cover every count");
+            let (gemm, n) = if up {
+                (&regime.gemm1, shape.ffn)
+            } else {
+                (&regime.gemm2, shape.hidden)
+            };
+            let workload = Workload::random(&shape, t, Routing::Uniform, seed ^ u64::from(t));
+            gemm.runs_stream_k(f64::from(call_tiles(&workload, shape.experts, gemm, n)))
+        });
+        let tokens =
+            tokens.unwrap_or_else(|| panic!("no call of {} splits its {name}", plan.layer));
+        chosen.push((tokens, name));
+    }
+    log(&format!(
+        "stream-K calls of {} (seed {seed}): {chosen:?}",
+        plan.layer
+    ));
+    let session = Session::open().expect("GPU session");
+    let built = session
+        .build_many(vec![plan], seed)
+        .expect("build")
+        .remove(0);
+    let mut failures = Vec::new();
+    for (tokens, name) in chosen {
+        let workload = Workload::random(&shape, tokens, Routing::Uniform, seed ^ u64::from(tokens));
+        let report = session
+            .run_checked(&built, &workload, CHECKED_TOKENS, seed)
+            .expect("the call runs");
+        log(&format!("T={tokens} ({name} split): {report}"));
+        if !report.passed() {
+            failures.push(format!("T={tokens} ({name} split): {report}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

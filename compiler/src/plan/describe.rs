@@ -313,8 +313,8 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             gemm.blocks_per_sm,
             if gemm.cluster > 1 {
                 format!(", clusters of {} sharing weight stages", gemm.cluster)
-            } else if gemm.stream_k_below_tiles > 0 {
-                format!(", stream-K below {} tiles", gemm.stream_k_below_tiles)
+            } else if let Some(range) = gemm.stream_k {
+                format!(", stream-K at {}..={} tiles", range.min, range.max)
             } else {
                 String::new()
             },

@@ -356,7 +356,7 @@ fn route_launches(
 
 /// The stream-K buffers a single-GPU GEMM takes where its plan splits few-tile calls.
 fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
-    if gemm.stream_k_below_tiles == 0 {
+    if gemm.stream_k.is_none() {
         return Vec::new();
     }
     vec![

@@ -313,7 +313,7 @@ pub enum BufferId {
     RoutedIds,
     /// f32 [T·K]: their routing weights; passed as `topk_weights`.
     RoutedWeights,
-    // Stream-K (single-GPU mma.sync GEMMs, a call with few tiles: [`GemmPlan::stream_k_below_tiles`]).
+    // Stream-K (single-GPU mma.sync GEMMs, calls with a partial second wave: [`GemmPlan::stream_k`]).
     /// f32 [2 · grid, BM · B rows], the largest such GEMM's: per block, the partial sums of
     /// the tiles it covers only in part (its first, then its last), in the threads' order.
     StreamKPartials,
@@ -596,6 +596,28 @@ impl WarpRoles {
     }
 }
 
+/// The tile counts (inclusive) at which a GEMM runs stream-K.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamKTiles {
+    pub min: u32,
+    pub max: u32,
+}
+
+impl StreamKTiles {
+    /// Calls whose whole tiles would leave a partial second wave on `grid` blocks: a few
+    /// blocks stream a second tile at one block's pace while the rest idle. Measured on one
+    /// H200 (2026-12-01): DeepSeek-V3 at one token (288 GEMM1 tiles on 264 blocks) 226 →
+    /// 218 µs. With at most one tile per block (Qwen3-30B-A3B and GPT-OSS at one token)
+    /// splitting cost more than it gave: those GEMMs already stream at the HBM rate once
+    /// running, and the partial sums' write, fence and count lengthen each by 3-5 µs.
+    pub fn second_wave(grid: u32) -> Self {
+        StreamKTiles {
+            min: grid + 1,
+            max: 2 * grid - 1,
+        }
+    }
+}
+
 /// How one grouped GEMM is tiled and launched.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmPlan {
@@ -621,13 +643,12 @@ pub struct GemmPlan {
     pub blocks_per_sm: u32,
     /// Persistent grid: blocks launched, each looping over tiles (a multiple of `cluster`).
     pub grid_blocks: u32,
-    /// Stream-K: a call with fewer tiles than this (0: never) splits the k-loops of all its
+    /// Stream-K: a call whose tile count lies in this range splits the k-loops of all its
     /// tiles evenly over the grid, each block a contiguous run of k-tiles, rather than
     /// dealing whole tiles round robin; a tile split between blocks is summed and stored by
-    /// the last of them. Single-GPU mma.sync GEMMs only: the decode calls whose few tiles
-    /// leave blocks idle, or some with two tiles where most have one.
+    /// the last of them. Single-GPU mma.sync GEMMs only (`None` elsewhere).
     #[serde(default)]
-    pub stream_k_below_tiles: u32,
+    pub stream_k: Option<StreamKTiles>,
     /// Blocks per thread-block cluster: 1, or 2 for a warp-specialised pair that works on
     /// two tiles of one weight panel at a time, each block loading half of the panel's
     /// stage and multicasting it to both (see [`CLUSTER_PAIR`]).
@@ -657,16 +678,19 @@ impl GemmPlan {
 
     /// Whether a call with `tiles` tiles runs stream-K.
     pub fn runs_stream_k(&self, tiles: f64) -> bool {
-        tiles < f64::from(self.stream_k_below_tiles)
+        self.stream_k
+            .is_some_and(|range| f64::from(range.min) <= tiles && tiles <= f64::from(range.max))
     }
 
     /// Floats of [`BufferId::StreamKPartials`] this GEMM needs (0 without stream-K): two
     /// partial tiles per block.
     pub fn stream_k_partial_floats(&self) -> u64 {
-        if self.stream_k_below_tiles == 0 {
-            return 0;
+        match self.stream_k {
+            Some(_) => {
+                2 * u64::from(self.grid_blocks) * u64::from(self.tile.m) * u64::from(self.b_rows)
+            }
+            None => 0,
         }
-        2 * u64::from(self.grid_blocks) * u64::from(self.tile.m) * u64::from(self.b_rows)
     }
 
     /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated
@@ -1131,7 +1155,7 @@ impl StreamKSpace {
                 partial_floats: space.partial_floats.max(gemm.stream_k_partial_floats()),
                 tile_counters: space
                     .tile_counters
-                    .max(u64::from(gemm.stream_k_below_tiles)),
+                    .max(gemm.stream_k.map_or(0, |range| u64::from(range.max))),
             })
     }
 }
@@ -1598,11 +1622,8 @@ fn shape_gemm(
         OutputStore::Pairs
     };
     let grid_blocks = target.sm_count * blocks_per_sm;
-    let stream_k_below_tiles = if engine == MmaEngine::MmaSync && problem.row_phases == 1 {
-        STREAM_K_TILES_PER_BLOCK * grid_blocks
-    } else {
-        0
-    };
+    let stream_k = (engine == MmaEngine::MmaSync && problem.row_phases == 1)
+        .then(|| StreamKTiles::second_wave(grid_blocks));
     Ok(GemmPlan {
         engine,
         tile,
@@ -1617,7 +1638,7 @@ fn shape_gemm(
         smem,
         blocks_per_sm,
         grid_blocks,
-        stream_k_below_tiles,
+        stream_k,
         cluster: 1,
         estimate: GemmEstimate::default(),
         source: tuning::ChoiceSource::CostModel,
@@ -1633,11 +1654,6 @@ fn as_cluster_pair(problem: &GemmProblem, gemm: &GemmPlan) -> Option<GemmPlan> {
         ..gemm.clone()
     })
 }
-
-/// Single-GPU mma.sync GEMMs run stream-K on calls with fewer tiles than this many per
-/// block. Below two, some blocks take two tiles while others take one or none, and the
-/// grid's bytes in flight (what a decode GEMM's pace is) shrink with the idle blocks.
-const STREAM_K_TILES_PER_BLOCK: u32 = 2;
 
 /// Fewest and most pipeline stages a GEMM may have.
 pub const MIN_STAGES: u32 = 2;

@@ -548,7 +548,7 @@ impl Plan {
                 gemm.cluster
             ));
         }
-        if gemm.stream_k_below_tiles > 0 && warp_specialized {
+        if gemm.stream_k.is_some() && warp_specialized {
             return Err(format!(
                 "`{kernel}` splits tiles stream-K, which only the mma.sync engine does"
             ));
