@@ -39,8 +39,8 @@ struct EpContext {
     u32 epoch = 0;
 };
 
-// Stream-K (single-GPU mma.sync GEMMs, a call with the config's STREAM_K_MIN_TILES..=
-// STREAM_K_MAX_TILES tiles): the buffers in which the blocks sharing a tile meet.
+// Stream-K (single-GPU mma.sync GEMMs, a call whose last wave of whole tiles is short, see
+// STREAM_K_MAX_LAST_WAVE): the buffers in which the blocks sharing a tile meet.
 struct StreamKBuffers {
     float* partials = nullptr;  // [2 * gridDim.x][BM * B_ROWS]: per block, its first and its last partial tile
     u32* tiles_done = nullptr;  // [tiles]: per tile, the blocks done with their part (zero between calls)
@@ -477,7 +477,9 @@ __device__ __forceinline__ void grouped_gemm(
 
     // The block's work as runs of k-tiles [it, end) in tile order: whole tiles dealt round
     // robin (after each, skip the other blocks' tiles), or with stream-K one run.
-    const bool split = G::STREAM_K_MAX_TILES > 0 && G::STREAM_K_MIN_TILES <= total_tiles && total_tiles <= G::STREAM_K_MAX_TILES;
+    const int last_wave = total_tiles % gridDim.x;
+    const bool split = G::STREAM_K_MAX_TILES > 0 && total_tiles <= G::STREAM_K_MAX_TILES && last_wave >= 1 &&
+                       last_wave <= G::STREAM_K_MAX_LAST_WAVE;
     const StreamKShare share(total_tiles * K_TILES, gridDim.x);
     const bool has_run = blockIdx.x < share.blocks;
     int it = split ? (has_run ? share.start(blockIdx.x) : 0) : blockIdx.x * K_TILES;

@@ -89,10 +89,11 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr bool QUAD_STORES = {{ gemm.quad_stores }};  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
 {%- else %}
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = {{ gemm.stream_k_min_tiles }}, STREAM_K_MAX_TILES = {{ gemm.stream_k_max_tiles }};
+    static constexpr int STREAM_K_MAX_LAST_WAVE = {{ gemm.stream_k_max_last_wave }}, STREAM_K_MAX_TILES = {{ gemm.stream_k_max_tiles }};
 {%- endif %}
     static constexpr int B_ROWS = {{ gemm.b_rows }};  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.

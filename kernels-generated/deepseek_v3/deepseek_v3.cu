@@ -440,8 +440,8 @@ struct EpContext {
     u32 epoch = 0;
 };
 
-// Stream-K (single-GPU mma.sync GEMMs, a call with the config's STREAM_K_MIN_TILES..=
-// STREAM_K_MAX_TILES tiles): the buffers in which the blocks sharing a tile meet.
+// Stream-K (single-GPU mma.sync GEMMs, a call whose last wave of whole tiles is short, see
+// STREAM_K_MAX_LAST_WAVE): the buffers in which the blocks sharing a tile meet.
 struct StreamKBuffers {
     float* partials = nullptr;  // [2 * gridDim.x][BM * B_ROWS]: per block, its first and its last partial tile
     u32* tiles_done = nullptr;  // [tiles]: per tile, the blocks done with their part (zero between calls)
@@ -878,7 +878,9 @@ __device__ __forceinline__ void grouped_gemm(
 
     // The block's work as runs of k-tiles [it, end) in tile order: whole tiles dealt round
     // robin (after each, skip the other blocks' tiles), or with stream-K one run.
-    const bool split = G::STREAM_K_MAX_TILES > 0 && G::STREAM_K_MIN_TILES <= total_tiles && total_tiles <= G::STREAM_K_MAX_TILES;
+    const int last_wave = total_tiles % gridDim.x;
+    const bool split = G::STREAM_K_MAX_TILES > 0 && total_tiles <= G::STREAM_K_MAX_TILES && last_wave >= 1 &&
+                       last_wave <= G::STREAM_K_MAX_LAST_WAVE;
     const StreamKShare share(total_tiles * K_TILES, gridDim.x);
     const bool has_run = blockIdx.x < share.blocks;
     int it = split ? (has_run ? share.start(blockIdx.x) : 0) : blockIdx.x * K_TILES;
@@ -2563,10 +2565,11 @@ struct decode_gemm1 : SingleGpu {
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 265, STREAM_K_MAX_TILES = 527;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 77, STREAM_K_MAX_TILES = 2112;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
@@ -2597,10 +2600,11 @@ struct decode_gemm2 : SingleGpu {
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 529, STREAM_K_MAX_TILES = 1055;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 91, STREAM_K_MAX_TILES = 4224;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
@@ -2779,10 +2783,11 @@ struct decode_ep_gemm1 : ExpertParallel {
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 0, STREAM_K_MAX_TILES = 0;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
@@ -2816,10 +2821,11 @@ struct decode_ep_gemm2 : ExpertParallel {
     static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
     static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 0, STREAM_K_MAX_TILES = 0;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;

@@ -334,8 +334,8 @@ struct EpContext {
     u32 epoch = 0;
 };
 
-// Stream-K (single-GPU mma.sync GEMMs, a call with the config's STREAM_K_MIN_TILES..=
-// STREAM_K_MAX_TILES tiles): the buffers in which the blocks sharing a tile meet.
+// Stream-K (single-GPU mma.sync GEMMs, a call whose last wave of whole tiles is short, see
+// STREAM_K_MAX_LAST_WAVE): the buffers in which the blocks sharing a tile meet.
 struct StreamKBuffers {
     float* partials = nullptr;  // [2 * gridDim.x][BM * B_ROWS]: per block, its first and its last partial tile
     u32* tiles_done = nullptr;  // [tiles]: per tile, the blocks done with their part (zero between calls)
@@ -772,7 +772,9 @@ __device__ __forceinline__ void grouped_gemm(
 
     // The block's work as runs of k-tiles [it, end) in tile order: whole tiles dealt round
     // robin (after each, skip the other blocks' tiles), or with stream-K one run.
-    const bool split = G::STREAM_K_MAX_TILES > 0 && G::STREAM_K_MIN_TILES <= total_tiles && total_tiles <= G::STREAM_K_MAX_TILES;
+    const int last_wave = total_tiles % gridDim.x;
+    const bool split = G::STREAM_K_MAX_TILES > 0 && total_tiles <= G::STREAM_K_MAX_TILES && last_wave >= 1 &&
+                       last_wave <= G::STREAM_K_MAX_LAST_WAVE;
     const StreamKShare share(total_tiles * K_TILES, gridDim.x);
     const bool has_run = blockIdx.x < share.blocks;
     int it = split ? (has_run ? share.start(blockIdx.x) : 0) : blockIdx.x * K_TILES;
@@ -1581,10 +1583,11 @@ struct all_gemm1 : SingleGpu {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 529, STREAM_K_MAX_TILES = 1055;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
@@ -1597,13 +1600,11 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_gemm1(
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
-    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
-    u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
     start_after_previous_kernel();
-    grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
+    grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
@@ -1615,10 +1616,11 @@ struct all_gemm2 : SingleGpu {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 661, STREAM_K_MAX_TILES = 1319;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 87, STREAM_K_MAX_TILES = 5280;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;
@@ -1653,10 +1655,11 @@ struct all_ep_gemm1 : ExpertParallel {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 0, STREAM_K_MAX_TILES = 0;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
@@ -1690,10 +1693,11 @@ struct all_ep_gemm2 : ExpertParallel {
     static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
     static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
     static constexpr int PRODUCER_THREADS = 0;
-    // A call with MIN..=MAX tiles splits every tile's k-loop evenly over the grid
-    // (stream-K; MAX 0: never): each block takes one run of k-tiles, the last block of a
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MIN_TILES = 0, STREAM_K_MAX_TILES = 0;
+    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;

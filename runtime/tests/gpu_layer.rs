@@ -704,61 +704,92 @@ fn call_tiles(workload: &Workload, experts: u32, gemm: &GemmPlan, n: u32) -> u32
     m_tiles * (n / gemm.tile.n)
 }
 
-/// Calls whose whole tiles would leave a partial second wave run stream-K (each block a run
-/// of k-tiles, a split tile summed and stored by its last block). A tiny layer pinned to
-/// 16-row mma.sync tiles, at the first token counts whose routing puts GEMM1's, then
-/// GEMM2's, tile count in its split range (counted here from the routing, so the test
-/// knows the split ran), matches the CPU reference.
+/// Calls whose last wave of whole tiles is short run stream-K (each block a run of k-tiles,
+/// a split tile summed and stored by its last block) where the tiles are large enough for
+/// it to pay. Two layers pinned to 16x64 mma.sync tiles, one with a deep GEMM1 (hidden
+/// 8192, FFN 256) and one with a deep GEMM2 (hidden 128, FFN 8192), each at the first token
+/// counts whose routing splits that GEMM within its first wave and after full waves (the
+/// tiles counted here from the routing, so the test knows the split ran), match the CPU
+/// reference.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn calls_that_split_stream_k_match_reference() {
-    let layer = layers::pinned(
-        Activation::Swiglu,
-        TileShape {
-            m: 16,
-            n: 64,
-            k: 64,
-        },
-        4,
-    );
-    let plan = plan_for_device(&layer);
-    let shape = plan.shape.clone();
+    let tile = TileShape {
+        m: 16,
+        n: 64,
+        k: 64,
+    };
     let seed = fresh_seed();
-    let mut chosen: Vec<(u32, &str)> = Vec::new();
-    for (name, up) in [("gemm1", true), ("gemm2", false)] {
-        // A split range spans hundreds of tokens: every 37th count finds it.
-        let tokens = (1..=shape.max_tokens).step_by(37).find(|&t| {
+    let mut failures = Vec::new();
+    let mut runs: Vec<(Plan, Vec<(u32, u32)>)> = Vec::new();
+    for (hidden, ffn, up) in [(8192, 256, true), (128, 8192, false)] {
+        let mut layer = layers::pinned(Activation::Swiglu, tile, 5);
+        layer.name = format!("stream_k_{hidden}x{ffn}");
+        (layer.hidden, layer.ffn) = (hidden, ffn);
+        let plan = plan_for_device(&layer);
+        let shape = &plan.shape;
+        let split_tiles = |t: u32| {
             let regime = plan.regime_for(t).expect("the regimes cover every count");
             let (gemm, n) = if up {
                 (&regime.gemm1, shape.ffn)
             } else {
                 (&regime.gemm2, shape.hidden)
             };
-            let workload = Workload::random(&shape, t, Routing::Uniform, seed ^ u64::from(t));
-            gemm.runs_stream_k(f64::from(call_tiles(&workload, shape.experts, gemm, n)))
-        });
-        let tokens =
-            tokens.unwrap_or_else(|| panic!("no call of {} splits its {name}", plan.layer));
-        chosen.push((tokens, name));
+            let routing = Workload::random(shape, t, Routing::Uniform, seed ^ u64::from(t));
+            let tiles = call_tiles(&routing, shape.experts, gemm, n);
+            gemm.runs_stream_k(f64::from(tiles))
+                .then_some((tiles, tiles > gemm.grid_blocks))
+        };
+        // A split within the first wave, then one after full waves: every 7th count finds
+        // each (a last wave's range spans dozens of tiles, hundreds of tokens here).
+        let mut chosen = Vec::new();
+        for after_full_waves in [false, true] {
+            let found = (1..=shape.max_tokens).step_by(7).find_map(|t| {
+                split_tiles(t)
+                    .filter(|&(_, more)| more == after_full_waves)
+                    .map(|(tiles, _)| (t, tiles))
+            });
+            match found {
+                Some(call) => chosen.push(call),
+                None => failures.push(format!(
+                    "{}: no call splits {} {}",
+                    plan.layer,
+                    if up { "GEMM1" } else { "GEMM2" },
+                    if after_full_waves {
+                        "after full waves"
+                    } else {
+                        "within one wave"
+                    }
+                )),
+            }
+        }
+        log(&format!(
+            "{}: (tokens, tiles) of the calls that split: {chosen:?}",
+            plan.layer
+        ));
+        runs.push((plan, chosen));
     }
-    log(&format!(
-        "stream-K calls of {} (seed {seed}): {chosen:?}",
-        plan.layer
-    ));
     let session = Session::open().expect("GPU session");
-    let built = session
-        .build_many(vec![plan], seed)
-        .expect("build")
-        .remove(0);
-    let mut failures = Vec::new();
-    for (tokens, name) in chosen {
-        let workload = Workload::random(&shape, tokens, Routing::Uniform, seed ^ u64::from(tokens));
-        let report = session
-            .run_checked(&built, &workload, CHECKED_TOKENS, seed)
-            .expect("the call runs");
-        log(&format!("T={tokens} ({name} split): {report}"));
-        if !report.passed() {
-            failures.push(format!("T={tokens} ({name} split): {report}"));
+    for (plan, chosen) in runs {
+        let shape = plan.shape.clone();
+        let built = session
+            .build_many(vec![plan], seed)
+            .expect("build")
+            .remove(0);
+        for (tokens, tiles) in chosen {
+            let workload =
+                Workload::random(&shape, tokens, Routing::Uniform, seed ^ u64::from(tokens));
+            let report = session
+                .run_checked(&built, &workload, CHECKED_TOKENS, seed)
+                .expect("the call runs");
+            let label = format!(
+                "{} T={tokens} ({tiles} tiles split, seed {seed})",
+                built.layer.plan().layer
+            );
+            log(&format!("{label}: {report}"));
+            if !report.passed() {
+                failures.push(format!("{label}: {report}"));
+            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -516,8 +516,8 @@ struct GemmUnit {
     a_tiles: bool,
     /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
     quad_stores: bool,
-    /// mma.sync on one GPU: calls with this many tiles run stream-K (0..=0: never).
-    stream_k_min_tiles: u32,
+    /// mma.sync on one GPU: which calls run stream-K (0, 0: none).
+    stream_k_max_last_wave: u32,
     stream_k_max_tiles: u32,
     /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
     producer_threads: u32,
@@ -674,8 +674,8 @@ impl GemmUnit {
             b_box_rows: gemm.weight_box_rows(),
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
-            stream_k_min_tiles: gemm.stream_k.map_or(0, |range| range.min),
-            stream_k_max_tiles: gemm.stream_k.map_or(0, |range| range.max),
+            stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
+            stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
             producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
             consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),

@@ -313,8 +313,11 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             gemm.blocks_per_sm,
             if gemm.cluster > 1 {
                 format!(", clusters of {} sharing weight stages", gemm.cluster)
-            } else if let Some(range) = gemm.stream_k {
-                format!(", stream-K at {}..={} tiles", range.min, range.max)
+            } else if let Some(tail) = gemm.stream_k {
+                format!(
+                    ", stream-K where a last wave has 1..={} tiles",
+                    tail.max_last_wave
+                )
             } else {
                 String::new()
             },

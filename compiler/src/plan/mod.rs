@@ -313,7 +313,7 @@ pub enum BufferId {
     RoutedIds,
     /// f32 [T·K]: their routing weights; passed as `topk_weights`.
     RoutedWeights,
-    // Stream-K (single-GPU mma.sync GEMMs, calls with a partial second wave: [`GemmPlan::stream_k`]).
+    // Stream-K (single-GPU mma.sync GEMMs, calls whose last wave is short: [`GemmPlan::stream_k`]).
     /// f32 [2 · grid, BM · B rows], the largest such GEMM's: per block, the partial sums of
     /// the tiles it covers only in part (its first, then its last), in the threads' order.
     StreamKPartials,
@@ -596,25 +596,57 @@ impl WarpRoles {
     }
 }
 
-/// The tile counts (inclusive) at which a GEMM runs stream-K.
+/// Which calls of a GEMM run stream-K: those whose last wave of whole tiles (the tiles
+/// left after the full waves over the grid) has 1 to `max_last_wave` tiles, up to
+/// `max_tiles` tiles in all (the size of the arrival counters).
+///
+/// Dealt whole, a wave of n tiles of b bytes takes about max(n·b / HBM, b / one block's
+/// rate): a short last wave streams at a few blocks' pace while the rest idle. Split, the
+/// call's bytes stream at the HBM rate, plus [`STREAM_K_MEETING_S`] for the partial sums'
+/// write, fence, count and read. So a last wave of n tiles pays to split while
+/// b / rate − n·b / HBM exceeds that. Fitted on one H200 (2026-12-01, decode GEMMs at one
+/// token, Nsight Compute): it gained 11 µs on DeepSeek-V3's GEMM1 (288 tiles of 1.8 MB on
+/// 264 blocks: a last wave of 24) and 7 µs on Mixtral's GEMM2 (64 tiles of 3.7 MB on 264),
+/// and lost 3-7 µs where the last wave streams at the HBM rate anyway (Qwen3-30B-A3B's
+/// 96 and 128 tiles of 0.2-0.5 MB, GPT-OSS's 180 of 0.4-0.7 MB, DeepSeek-V3's GEMM2 and
+/// Mixtral's GEMM1, last waves of 480 and 184).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StreamKTiles {
-    pub min: u32,
-    pub max: u32,
+pub struct StreamKTail {
+    pub max_last_wave: u32,
+    pub max_tiles: u32,
 }
 
-impl StreamKTiles {
-    /// Calls whose whole tiles would leave a partial second wave on `grid` blocks: a few
-    /// blocks stream a second tile at one block's pace while the rest idle. Measured on one
-    /// H200 (2026-12-01): DeepSeek-V3 at one token (288 GEMM1 tiles on 264 blocks) 226 →
-    /// 218 µs. With at most one tile per block (Qwen3-30B-A3B and GPT-OSS at one token)
-    /// splitting cost more than it gave: those GEMMs already stream at the HBM rate once
-    /// running, and the partial sums' write, fence and count lengthen each by 3-5 µs.
-    pub fn second_wave(grid: u32) -> Self {
-        StreamKTiles {
-            min: grid + 1,
-            max: 2 * grid - 1,
-        }
+/// What meeting in a split tile costs a stream-K GEMM, seconds (see [`StreamKTail`]).
+const STREAM_K_MEETING_S: f64 = 5e-6;
+/// The latency one block's ring of loads in flight covers, seconds: a block with
+/// `(stages − 1) · stage bytes` in flight streams that much per this long (Mixtral's decode
+/// GEMM2 at one token, 64 blocks alone with 74 KB each in flight: 50 GB/s a block).
+const ONE_BLOCK_LOAD_LATENCY_S: f64 = 1.5e-6;
+/// Stream-K splits calls of up to this many waves of tiles; above, a short last wave
+/// weighs little.
+const STREAM_K_MAX_WAVES: u32 = 8;
+
+impl StreamKTail {
+    /// The calls that pay to split for a GEMM of `tile_bytes` per tile (A and B rows over
+    /// the reduction) with `in_flight` bytes of loads per block on `grid` blocks; `None`
+    /// where none does.
+    pub fn of(target: &Target, grid: u32, tile_bytes: u64, in_flight: u64) -> Option<Self> {
+        let block_rate = in_flight as f64 / ONE_BLOCK_LOAD_LATENCY_S;
+        let tile = tile_bytes as f64;
+        // n < HBM / rate − meeting · HBM / b
+        let limit = target.hbm_bytes_per_s / block_rate
+            - STREAM_K_MEETING_S * target.hbm_bytes_per_s / tile;
+        let max_last_wave = (limit.ceil() - 1.0).clamp(0.0, f64::from(grid - 1)) as u32;
+        (max_last_wave > 0).then_some(StreamKTail {
+            max_last_wave,
+            max_tiles: STREAM_K_MAX_WAVES * grid,
+        })
+    }
+
+    /// Whether a call of `tiles` tiles on `grid` blocks splits.
+    pub fn splits(self, tiles: u32, grid: u32) -> bool {
+        let last_wave = tiles % grid;
+        tiles <= self.max_tiles && last_wave >= 1 && last_wave <= self.max_last_wave
     }
 }
 
@@ -643,12 +675,12 @@ pub struct GemmPlan {
     pub blocks_per_sm: u32,
     /// Persistent grid: blocks launched, each looping over tiles (a multiple of `cluster`).
     pub grid_blocks: u32,
-    /// Stream-K: a call whose tile count lies in this range splits the k-loops of all its
-    /// tiles evenly over the grid, each block a contiguous run of k-tiles, rather than
-    /// dealing whole tiles round robin; a tile split between blocks is summed and stored by
-    /// the last of them. Single-GPU mma.sync GEMMs only (`None` elsewhere).
+    /// Stream-K: which calls split the k-loops of all their tiles evenly over the grid,
+    /// each block a contiguous run of k-tiles, rather than dealing whole tiles round robin;
+    /// a tile split between blocks is summed and stored by the last of them. Single-GPU
+    /// mma.sync GEMMs whose tiles are large enough for it to pay (`None` elsewhere).
     #[serde(default)]
-    pub stream_k: Option<StreamKTiles>,
+    pub stream_k: Option<StreamKTail>,
     /// Blocks per thread-block cluster: 1, or 2 for a warp-specialised pair that works on
     /// two tiles of one weight panel at a time, each block loading half of the panel's
     /// stage and multicasting it to both (see [`CLUSTER_PAIR`]).
@@ -679,7 +711,7 @@ impl GemmPlan {
     /// Whether a call with `tiles` tiles runs stream-K.
     pub fn runs_stream_k(&self, tiles: f64) -> bool {
         self.stream_k
-            .is_some_and(|range| f64::from(range.min) <= tiles && tiles <= f64::from(range.max))
+            .is_some_and(|tail| tail.splits(tiles.round() as u32, self.grid_blocks))
     }
 
     /// Floats of [`BufferId::StreamKPartials`] this GEMM needs (0 without stream-K): two
@@ -1155,7 +1187,7 @@ impl StreamKSpace {
                 partial_floats: space.partial_floats.max(gemm.stream_k_partial_floats()),
                 tile_counters: space
                     .tile_counters
-                    .max(gemm.stream_k.map_or(0, |range| u64::from(range.max))),
+                    .max(gemm.stream_k.map_or(0, |tail| u64::from(tail.max_tiles))),
             })
     }
 }
@@ -1622,8 +1654,13 @@ fn shape_gemm(
         OutputStore::Pairs
     };
     let grid_blocks = target.sm_count * blocks_per_sm;
-    let stream_k = (engine == MmaEngine::MmaSync && problem.row_phases == 1)
-        .then(|| StreamKTiles::second_wave(grid_blocks));
+    let stream_k = if engine == MmaEngine::MmaSync && problem.row_phases == 1 {
+        let tile_bytes = u64::from(tile.m + b_rows) * u64::from(problem.k) * 2;
+        let in_flight = u64::from(stages - 1) * u64::from(smem.stage_bytes);
+        StreamKTail::of(target, grid_blocks, tile_bytes, in_flight)
+    } else {
+        None
+    };
     Ok(GemmPlan {
         engine,
         tile,
