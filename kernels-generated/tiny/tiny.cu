@@ -769,22 +769,9 @@ __device__ __forceinline__ void grouped_gemm(
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
-    // The block's work as runs of k-tiles [it, end) in tile order: whole tiles dealt round
-    // robin (after each, skip the other blocks' tiles), or with stream-K one run.
-    const int last_wave = total_tiles % gridDim.x;
-    const bool split = G::STREAM_K_MAX_TILES > 0 && total_tiles <= G::STREAM_K_MAX_TILES && last_wave >= 1 &&
-                       last_wave <= G::STREAM_K_MAX_LAST_WAVE;
-    const StreamKShare share(total_tiles * K_TILES, gridDim.x);
-    const bool has_run = blockIdx.x < share.blocks;
-    int it = split ? (has_run ? share.start(blockIdx.x) : 0) : blockIdx.x * K_TILES;
-    const int end = split ? (has_run ? share.start(blockIdx.x + 1) : 0) : total_tiles * K_TILES;
-    const int skip = split ? 0 : (gridDim.x - 1) * K_TILES;
-
-    while (it < end) {
-        const int tile = it / K_TILES;
-        const int k_begin = it % K_TILES;
-        const int k_count = min(K_TILES - k_begin, end - it);  // K_TILES unless the tile is split
-        it += k_count + skip;
+    // One run of k-tiles [k_begin, k_begin + k_count) of tile `tile`: load and multiply
+    // them, then store the tile (whole, or as the last of a split tile's blocks).
+    auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare& share) {
         const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
         fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
         __syncthreads();
@@ -886,7 +873,27 @@ __device__ __forceinline__ void grouped_gemm(
         cp_async_wait<0>();
         __syncthreads();  // the next tile reuses the ring and the row table; every store is done
         if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
+    };
+
+    // A call whose last wave of whole tiles is short runs stream-K: each block one run of
+    // the call's k-tiles. Otherwise whole tiles are dealt round robin, with the k-loop's
+    // bounds known at compile time.
+    if constexpr (G::STREAM_K_MAX_TILES > 0) {
+        const int last_wave = total_tiles % gridDim.x;
+        if (total_tiles <= G::STREAM_K_MAX_TILES && last_wave >= 1 && last_wave <= G::STREAM_K_MAX_LAST_WAVE) {
+            const StreamKShare share(total_tiles * K_TILES, gridDim.x);
+            if (blockIdx.x >= share.blocks) return;
+            const int end = share.start(blockIdx.x + 1);
+            for (int it = share.start(blockIdx.x); it < end;) {
+                const int k_begin = it % K_TILES;
+                const int k_count = min(K_TILES - k_begin, end - it);
+                multiply_run(it / K_TILES, k_begin, k_count, share);
+                it += k_count;
+            }
+            return;
+        }
     }
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) multiply_run(tile, 0, K_TILES, StreamKShare(0, 1));
 }
 // ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
