@@ -475,6 +475,10 @@ __device__ __forceinline__ void grouped_gemm(
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
+    // WEIGHTS_BEFORE_WAIT: this kernel started early and has not yet waited for the one
+    // ahead (see the prologue below).
+    bool waited = !G::WEIGHTS_BEFORE_WAIT;
+
     // One run of k-tiles [k_begin, k_begin + k_count) of tile `tile`: load and multiply
     // them, then store the tile (whole, or as the last of a split tile's blocks).
     auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare& share) {
@@ -501,10 +505,36 @@ __device__ __forceinline__ void grouped_gemm(
 
         // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
         // k-tile k_begin + k from stage k % STAGES.
+        if (G::WEIGHTS_BEFORE_WAIT && !waited) {
+            // GEMM2 started early, beside GEMM1's last tiles. Its weights and tile schedule
+            // were final before it launched (the routing ran two launches back); only its A
+            // rows are GEMM1's output. So the first run's weight rows go out first: the
+            // ring's stages, then the rest of the run warmed into L2. Then wait for GEMM1.
+            const StageLoader<G, G::THREADS> load((unsigned)tid);
 #pragma unroll
-        for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < k_count) stage_load(s, k_begin + s);
-            cp_async_commit();
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
+            }
+            const int warm_k = (k_begin + G::STAGES - 1) * G::BK;
+            const int end_k = (k_begin + k_count) * G::BK;
+            for (int r = tid; r < G::B_ROWS && warm_k < end_k; r += G::THREADS) {
+                // Rows [0, BN) are the tile's weight rows (gated: then the matching up rows).
+                const int row = G::GATED && r >= G::BN ? G::N + t.n0 + r - G::BN : t.n0 + r;
+                prefetch_l2(w_expert + (size_t)row * G::KD + warm_k, (u32)(end_k - warm_k) * sizeof(bf16_t));
+            }
+            start_after_previous_kernel();
+            waited = true;
+#pragma unroll
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) load.a_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), s_row_source, a_rows, ep.own_rows);
+                cp_async_commit();
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) stage_load(s, k_begin + s);
+                cp_async_commit();
+            }
         }
 
         for (int k = 0; k < k_count; ++k) {

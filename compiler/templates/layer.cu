@@ -94,6 +94,8 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
     static constexpr int STREAM_K_MAX_LAST_WAVE = {{ gemm.stream_k_max_last_wave }}, STREAM_K_MAX_TILES = {{ gemm.stream_k_max_tiles }};
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = {{ gemm.weights_before_wait }};
 {%- endif %}
     static constexpr int B_ROWS = {{ gemm.b_rows }};  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -106,7 +108,7 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
     {{ gemm.entry.params }}
 )
 {
-{%- if gemm.entry.early_start %}
+{%- if gemm.entry.early_start && !gemm.weights_before_wait %}
     start_after_previous_kernel();
 {%- endif %}
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});

@@ -94,6 +94,14 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 
+// Warms L2 with `bytes` (a multiple of 16) of global memory from `src` (16-byte aligned),
+// without waiting for them or holding registers (sm_90 and later; elsewhere nothing).
+__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
+
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
 // serialization) may begin while the kernel ahead of it in the stream still runs. First
 // wait for that kernel to finish and its writes to be visible, then let the kernel behind
@@ -878,6 +886,10 @@ __device__ __forceinline__ void grouped_gemm(
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
+    // WEIGHTS_BEFORE_WAIT: this kernel started early and has not yet waited for the one
+    // ahead (see the prologue below).
+    bool waited = !G::WEIGHTS_BEFORE_WAIT;
+
     // One run of k-tiles [k_begin, k_begin + k_count) of tile `tile`: load and multiply
     // them, then store the tile (whole, or as the last of a split tile's blocks).
     auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare& share) {
@@ -904,10 +916,36 @@ __device__ __forceinline__ void grouped_gemm(
 
         // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
         // k-tile k_begin + k from stage k % STAGES.
+        if (G::WEIGHTS_BEFORE_WAIT && !waited) {
+            // GEMM2 started early, beside GEMM1's last tiles. Its weights and tile schedule
+            // were final before it launched (the routing ran two launches back); only its A
+            // rows are GEMM1's output. So the first run's weight rows go out first: the
+            // ring's stages, then the rest of the run warmed into L2. Then wait for GEMM1.
+            const StageLoader<G, G::THREADS> load((unsigned)tid);
 #pragma unroll
-        for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < k_count) stage_load(s, k_begin + s);
-            cp_async_commit();
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
+            }
+            const int warm_k = (k_begin + G::STAGES - 1) * G::BK;
+            const int end_k = (k_begin + k_count) * G::BK;
+            for (int r = tid; r < G::B_ROWS && warm_k < end_k; r += G::THREADS) {
+                // Rows [0, BN) are the tile's weight rows (gated: then the matching up rows).
+                const int row = G::GATED && r >= G::BN ? G::N + t.n0 + r - G::BN : t.n0 + r;
+                prefetch_l2(w_expert + (size_t)row * G::KD + warm_k, (u32)(end_k - warm_k) * sizeof(bf16_t));
+            }
+            start_after_previous_kernel();
+            waited = true;
+#pragma unroll
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) load.a_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), s_row_source, a_rows, ep.own_rows);
+                cp_async_commit();
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) stage_load(s, k_begin + s);
+                cp_async_commit();
+            }
         }
 
         for (int k = 0; k < k_count; ++k) {
@@ -2657,6 +2695,8 @@ struct decode_gemm1 : SingleGpu {
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
     static constexpr int STREAM_K_MAX_LAST_WAVE = 77, STREAM_K_MAX_TILES = 2112;
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
@@ -2692,6 +2732,8 @@ struct decode_gemm2 : SingleGpu {
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
     static constexpr int STREAM_K_MAX_LAST_WAVE = 91, STREAM_K_MAX_TILES = 4224;
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = true;
     static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
@@ -2710,7 +2752,6 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_ep64_decode_gem
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
 )
 {
-    start_after_previous_kernel();
     grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
 }
 #endif
@@ -2875,6 +2916,8 @@ struct decode_ep_gemm1 : ExpertParallel {
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
     static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
@@ -2913,6 +2956,8 @@ struct decode_ep_gemm2 : ExpertParallel {
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
     static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;

@@ -516,6 +516,9 @@ struct GemmUnit {
     a_tiles: bool,
     /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
     quad_stores: bool,
+    /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
+    /// before it waits for GEMM1 (the entry point then does not wait first).
+    weights_before_wait: bool,
     /// mma.sync on one GPU: which calls run stream-K (0, 0: none).
     stream_k_max_last_wave: u32,
     stream_k_max_tiles: u32,
@@ -643,6 +646,8 @@ impl GemmUnit {
             .replace("{a_tiles}", a_tiles_arg)
             .replace("{stream_k}", &stream_k_arg);
         let entry = EntryUnit::new(plan, kernel, &uses)?;
+        let weights_before_wait =
+            role == GemmRole::Down && gemm.engine == MmaEngine::MmaSync && entry.early_start;
         Ok(GemmUnit {
             role: description,
             engine: gemm.engine.name(),
@@ -674,6 +679,7 @@ impl GemmUnit {
             b_box_rows: gemm.weight_box_rows(),
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
+            weights_before_wait,
             stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
             stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
