@@ -81,14 +81,6 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 
-// Warms L2 with `bytes` (a multiple of 16) of global memory from `src` (16-byte aligned),
-// without waiting for them or holding registers (sm_90 and later; elsewhere nothing).
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
 // serialization) may begin while the kernel ahead of it in the stream still runs. First
 // wait for that kernel to finish and its writes to be visible, then let the kernel behind

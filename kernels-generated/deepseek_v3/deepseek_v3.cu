@@ -92,14 +92,6 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 
-// Warms L2 with `bytes` (a multiple of 16) of global memory from `src` (16-byte aligned),
-// without waiting for them or holding registers (sm_90 and later; elsewhere nothing).
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
 // serialization) may begin while the kernel ahead of it in the stream still runs. First
 // wait for that kernel to finish and its writes to be visible, then let the kernel behind
@@ -917,19 +909,13 @@ __device__ __forceinline__ void grouped_gemm(
         if (G::WEIGHTS_BEFORE_WAIT && !waited) {
             // GEMM2 started early, beside GEMM1's last tiles. Its weights and tile schedule
             // were final before it launched (the routing ran two launches back); only its A
-            // rows are GEMM1's output. So the first run's weight rows go out first: the
-            // ring's stages, then the rest of the run warmed into L2. Then wait for GEMM1.
+            // rows are GEMM1's output. So the ring's first stages of weight rows go out
+            // before it waits for GEMM1. (Warming L2 with the rest of the run's weights as
+            // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
             const StageLoader<G, G::THREADS> load((unsigned)tid);
 #pragma unroll
             for (int s = 0; s < G::STAGES - 1; ++s) {
                 if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
-            }
-            const int warm_k = (k_begin + G::STAGES - 1) * G::BK;
-            const int end_k = (k_begin + k_count) * G::BK;
-            for (int r = tid; r < G::B_ROWS && warm_k < end_k; r += G::THREADS) {
-                // Rows [0, BN) are the tile's weight rows (gated: then the matching up rows).
-                const int row = G::GATED && r >= G::BN ? G::N + t.n0 + r - G::BN : t.n0 + r;
-                prefetch_l2(w_expert + (size_t)row * G::KD + warm_k, (u32)(end_k - warm_k) * sizeof(bf16_t));
             }
             start_after_previous_kernel();
             waited = true;
