@@ -84,10 +84,11 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
     const int expert0 = blockIdx.x % G::EXPERT_TILES * G::BN;
 
     // Phase 1 (per stage, by the group's threads into its ring): BM rows of x, then BN rows
-    // of W_gate; tokens past the call and experts past EXPERTS are zero-filled.
-    auto stage_load = [&](int stage, int k_tile) {
+    // of W_gate (stage rows [first_row, end_row) of those); tokens past the call and experts
+    // past EXPERTS are zero-filled.
+    auto stage_load = [&](int stage, int k_tile, int first_row = 0, int end_row = G::BM + G::BN) {
         const u32 base = smem_base + stage * G::STAGE_BYTES;
-        for (int piece = group_thread; piece < (G::BM + G::BN) * ROW_CHUNKS; piece += GROUP_THREADS) {
+        for (int piece = first_row * ROW_CHUNKS + group_thread; piece < end_row * ROW_CHUNKS; piece += GROUP_THREADS) {
             const int r = piece / ROW_CHUNKS;
             const int chunk = piece % ROW_CHUNKS;
             const bool is_x = r < G::BM;
@@ -108,10 +109,19 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
     // Phase 2: the group's k loop, STAGES - 1 of its k-tiles in flight (step i is k-tile
-    // group + i · WARPS_K; every group takes the same steps).
+    // group + i · WARPS_K; every group takes the same steps). A fused router that started
+    // early loads its first stages' W_gate rows (fixed weights) before it waits for the
+    // kernel ahead, which may still be writing x; then their x rows.
+    if constexpr (G::WEIGHTS_BEFORE_WAIT) {
+#pragma unroll
+        for (int s = 0; s < G::STAGES - 1; ++s) {
+            if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K, G::BM);
+        }
+        start_after_previous_kernel();
+    }
 #pragma unroll
     for (int s = 0; s < G::STAGES - 1; ++s) {
-        if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K);
+        if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K, 0, G::WEIGHTS_BEFORE_WAIT ? G::BM : G::BM + G::BN);
         cp_async_commit();
     }
     for (int step = 0; step < GROUP_K_TILES; ++step) {
@@ -490,15 +500,14 @@ struct {{ gate.config }} {
     static constexpr int BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }};
     static constexpr int WARPS_M = {{ gate.warps_m }}, WARPS_N = {{ gate.warps_n }}, WARPS_K = {{ gate.warps_k }}, THREADS = {{ gate.threads }};
     static constexpr int STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }};  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }};
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.name }}(
     {{ gate.entry.params }}
 )
 {
-{%- if gate.entry.early_start %}
-    start_after_previous_kernel();
-{%- endif %}
 {%- if gate.fused %}
     router_fused<{{ gate.config }}>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);

@@ -1114,10 +1114,11 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
     const int expert0 = blockIdx.x % G::EXPERT_TILES * G::BN;
 
     // Phase 1 (per stage, by the group's threads into its ring): BM rows of x, then BN rows
-    // of W_gate; tokens past the call and experts past EXPERTS are zero-filled.
-    auto stage_load = [&](int stage, int k_tile) {
+    // of W_gate (stage rows [first_row, end_row) of those); tokens past the call and experts
+    // past EXPERTS are zero-filled.
+    auto stage_load = [&](int stage, int k_tile, int first_row = 0, int end_row = G::BM + G::BN) {
         const u32 base = smem_base + stage * G::STAGE_BYTES;
-        for (int piece = group_thread; piece < (G::BM + G::BN) * ROW_CHUNKS; piece += GROUP_THREADS) {
+        for (int piece = first_row * ROW_CHUNKS + group_thread; piece < end_row * ROW_CHUNKS; piece += GROUP_THREADS) {
             const int r = piece / ROW_CHUNKS;
             const int chunk = piece % ROW_CHUNKS;
             const bool is_x = r < G::BM;
@@ -1138,10 +1139,19 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
     // Phase 2: the group's k loop, STAGES - 1 of its k-tiles in flight (step i is k-tile
-    // group + i · WARPS_K; every group takes the same steps).
+    // group + i · WARPS_K; every group takes the same steps). A fused router that started
+    // early loads its first stages' W_gate rows (fixed weights) before it waits for the
+    // kernel ahead, which may still be writing x; then their x rows.
+    if constexpr (G::WEIGHTS_BEFORE_WAIT) {
+#pragma unroll
+        for (int s = 0; s < G::STAGES - 1; ++s) {
+            if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K, G::BM);
+        }
+        start_after_previous_kernel();
+    }
 #pragma unroll
     for (int s = 0; s < G::STAGES - 1; ++s) {
-        if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K);
+        if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K, 0, G::WEIGHTS_BEFORE_WAIT ? G::BM : G::BM + G::BN);
         cp_async_commit();
     }
     for (int step = 0; step < GROUP_K_TILES; ++step) {
@@ -1515,12 +1525,14 @@ extern "C" __global__ void __launch_bounds__(128) deepseek_v3_ep64_router_select
 }
 #endif
 
-// Router of regime `decode` (0..=256 tokens): fused; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 16 expert tiles per token tile
+// Router of regime `decode` (0..=256 tokens): fused; gate tile 16 tokens x 16 experts x 64, 7 stages, 1x1 warps x 8 groups splitting the reduction, 16 expert tiles per token tile
 struct decode_router_gate {
     static constexpr bool FUSED = true;
-    static constexpr int BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 16;
+    static constexpr int BM = 16, BN = 16, STAGES = 7, EXPERT_TILES = 16;
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
-    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 98304;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 229376;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = true;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_router)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_decode_router(
@@ -1537,7 +1549,6 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_decode_router
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    start_after_previous_kernel();
     router_fused<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
 }
@@ -1549,6 +1560,8 @@ struct mid_router_gate {
     static constexpr int BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 8;
     static constexpr int WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256;
     static constexpr int STAGE_BYTES = 12288, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_router_gate)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_mid_router_gate(
@@ -1568,6 +1581,8 @@ struct prefill_router_gate {
     static constexpr int BM = 128, BN = 128, STAGES = 3, EXPERT_TILES = 2;
     static constexpr int WARPS_M = 4, WARPS_N = 2, WARPS_K = 1, THREADS = 256;
     static constexpr int STAGE_BYTES = 32768, SMEM_BYTES = 98304;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_router_gate(

@@ -47,6 +47,10 @@ pub const NORMALIZE_EPSILON: f32 = 1e-20;
 /// Pipeline stages of the gate GEMM: enough to keep two k-tiles in flight while one is
 /// multiplied; 3 stages of the largest tile take 96 KiB, within every target.
 pub const GATE_STAGES: u32 = 3;
+/// Most stages of a fused router's gate (a few tokens' calls), which takes more where they
+/// fit: its few blocks read all of W_gate, each group of warps a dozen k-tiles in a row, and
+/// two in flight leave each group waiting on the memory's latency at every other step.
+pub const FUSED_GATE_MAX_STAGES: u32 = 8;
 /// Gate tiles the planner considers, as (tokens, experts): rows of 16 to 128 tokens (an
 /// mma is 16 rows), 16 to 128 experts (an `ldmatrix.x4` of B covers 16).
 const GATE_TILES_TOKENS: [u32; 3] = [128, 64, 16];
@@ -167,6 +171,23 @@ pub fn gate_warps_k(tile_tokens: u32, tile_experts: u32, hidden: u32, smem_per_b
                 && GatePlan::smem_for(tile_tokens, tile_experts, GATE_STAGES, g) <= smem_per_block
         })
         .unwrap_or(1)
+}
+
+/// The stages of a fused router's gate: one more than a group's k-tiles (all in flight),
+/// at most [`FUSED_GATE_MAX_STAGES`], at least [`GATE_STAGES`], and as many of those as fit
+/// `smem_per_block` ([`gate_warps_k`] chose the groups so that `GATE_STAGES` fit).
+pub fn fused_gate_stages(
+    tile_tokens: u32,
+    tile_experts: u32,
+    hidden: u32,
+    warps_k: u32,
+    smem_per_block: u32,
+) -> u32 {
+    let group_k_tiles = hidden / (SMEM_ROW_BYTES / 2) / warps_k;
+    (GATE_STAGES..=(group_k_tiles + 1).clamp(GATE_STAGES, FUSED_GATE_MAX_STAGES))
+        .rev()
+        .find(|&s| GatePlan::smem_for(tile_tokens, tile_experts, s, warps_k) <= smem_per_block)
+        .unwrap_or(GATE_STAGES)
 }
 
 /// What the router costs at least, from the target's ceilings: its FLOPs at the mma.sync
@@ -299,6 +320,19 @@ fn gate_plan(
         layer.hidden,
         target.smem_per_block,
     );
+    let scratch = fused
+        .then(|| router_scratch_bytes(rule, experts, gemm_experts, warps_m * warps_n * warps_k));
+    let stages = if fused {
+        fused_gate_stages(
+            tile_tokens,
+            tile_experts,
+            layer.hidden,
+            warps_k,
+            target.smem_per_block,
+        )
+    } else {
+        GATE_STAGES
+    };
     GatePlan {
         tile_tokens,
         tile_experts,
@@ -306,16 +340,8 @@ fn gate_plan(
         warps_m,
         warps_n,
         warps_k,
-        stages: GATE_STAGES,
-        smem_bytes: GatePlan::smem_bytes_for(
-            tile_tokens,
-            tile_experts,
-            GATE_STAGES,
-            warps_k,
-            fused.then(|| {
-                router_scratch_bytes(rule, experts, gemm_experts, warps_m * warps_n * warps_k)
-            }),
-        ),
+        stages,
+        smem_bytes: GatePlan::smem_bytes_for(tile_tokens, tile_experts, stages, warps_k, scratch),
         floor: floor(layer, target, max_tokens),
     }
 }

@@ -412,7 +412,18 @@ impl Plan {
                 || !gate.tile_tokens.is_multiple_of(16 * warps_m)
                 || !gate.tile_experts.is_multiple_of(16 * warps_n)
                 || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
-                || gate.stages < 2
+                || gate.stages
+                    != if regime.fused {
+                        router::fused_gate_stages(
+                            gate.tile_tokens,
+                            gate.tile_experts,
+                            self.shape.hidden,
+                            gate.warps_k,
+                            self.target.smem_per_block,
+                        )
+                    } else {
+                        router::GATE_STAGES
+                    }
                 || gate.smem_bytes
                     != GatePlan::smem_bytes_for(
                         gate.tile_tokens,
