@@ -139,10 +139,10 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
         matches!(result, Err(aot::AotError::InvalidPlan(_))),
         "{result:?}"
     );
-    // A plan file of the previous format (before expert-parallel results could return
-    // as rank partials and the combine spread a token's row over blocks).
+    // A plan file of the previous format (before the single-GPU GEMMs could split calls
+    // stream-K, with their workspace buffers and launch parameters).
     let dir = edited_copy("plan.json", |t| {
-        t.replacen("\"format_version\": 6", "\"format_version\": 5", 1)
+        t.replacen("\"format_version\": 7", "\"format_version\": 6", 1)
     });
     let result = aot::load_layer(&dir, None);
     assert!(

@@ -358,9 +358,9 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
 
 // A stream-K tile that this block covers only in part: store this block's partial sums
 // in its slot (slot 0 for the tile its run starts in, 1 for the one it ends in), count
-// the block in, and if it is the tile's last block, load the sum of every block's part,
-// in block order (the result does not depend on which block came last), and return true:
-// this block stores the tile.
+// the block in, and if it is the tile's last block (which resets the count), load the sum
+// of every block's part, in block order (the result does not depend on which block came
+// last), and return true: this block stores the tile.
 template <class G, int MI, int NJ>
 __device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
                                               float (&acc_up)[G::GATED ? MI : 1][G::GATED ? NJ : 1][4],
@@ -382,12 +382,7 @@ __device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
         __stcg(mine + r * G::THREADS, acc[r / (NJ * 4)][r / 4 % NJ][r % 4]);
         if constexpr (G::GATED) __stcg(mine + (REGISTERS + r) * G::THREADS, acc_up[r / (NJ * 4)][r / 4 % NJ][r % 4]);
     }
-    __threadfence();
-    __syncthreads();
-    u32 before = 0;
-    if (threadIdx.x == 0) before = atomicAdd(buffers.tiles_done + tile, 1u);
-    if (!__syncthreads_or(threadIdx.x == 0 && before == (u32)(last - first))) return false;
-    __threadfence();
+    if (!last_arrival(buffers.tiles_done + tile, (u32)(last - first + 1))) return false;
 #pragma unroll
     for (int r = 0; r < REGISTERS; ++r) {
         acc[r / (NJ * 4)][r / 4 % NJ][r % 4] = 0.f;
@@ -401,7 +396,6 @@ __device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
             if constexpr (G::GATED) acc_up[r / (NJ * 4)][r / 4 % NJ][r % 4] += __ldcg(p + (REGISTERS + r) * G::THREADS);
         }
     }
-    if (threadIdx.x == 0) buffers.tiles_done[tile] = 0;
     return true;
 }
 

@@ -81,6 +81,22 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 
+// Arrival of this block at `counter`, one of `arrivals` blocks: true in every thread of
+// the block that arrives last, which then sees the writes of all the others and resets the
+// counter for the next call (stream order publishes the reset).
+__device__ __forceinline__ bool last_arrival(u32* counter, u32 arrivals) {
+    __threadfence();  // this thread's writes, before the count that publishes them
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        u32 before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+        last = before == arrivals - 1;
+        if (last) *counter = 0;
+    }
+    return __syncthreads_or(last);
+}
+
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
 // serialization) may begin while the kernel ahead of it in the stream still runs. First
 // wait for that kernel to finish and its writes to be visible, then let the kernel behind

@@ -423,22 +423,6 @@ __device__ __forceinline__ void router_select(const float* router_logits, const 
     }
 }
 
-// Arrival of this block at `counter`, one of `arrivals` blocks: true in every thread of
-// the block that arrives last, which then sees the writes of all the others and resets the
-// counter for the next call (stream order publishes the reset).
-__device__ __forceinline__ bool router_last_arrival(u32* counter, u32 arrivals) {
-    __threadfence();  // this thread's writes, before the count that publishes them
-    __syncthreads();
-    bool last = false;
-    if (threadIdx.x == 0) {
-        u32 before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
-        last = before == arrivals - 1;
-        if (last) *counter = 0;
-    }
-    return __syncthreads_or(last);
-}
-
 // A fused router: gate tile, then (last block of its token tile) select, then (last token
 // tile) routing metadata. router_tiles_done: [0] token tiles selected, [1 + tile] gate
 // tiles done of each token tile.
@@ -455,7 +439,7 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     const int token_tiles = gridDim.x / G::EXPERT_TILES;
 
     router_gate<G>(x, gate_weight, tokens, router_logits);
-    if (!router_last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES)) return;
+    if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES)) return;
 
     // Select: this token tile's tokens, a warp each.
     const int warp = threadIdx.x >> 5;
@@ -464,7 +448,7 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     for (int token = token_tile * G::BM + warp; token < tile_end; token += WARPS) {
         router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection);
     }
-    if (!router_last_arrival(&router_tiles_done[0], token_tiles)) return;
+    if (!last_arrival(&router_tiles_done[0], token_tiles)) return;
 
     // Routing metadata over every token's choices.
     int* s_count = reinterpret_cast<int*>(smem);

@@ -870,7 +870,7 @@ fn short_last_waves_of_large_tiles_split_stream_k() {
     assert_eq!(
         most_partials,
         Some(2 * 528 * 16 * 64),
-        "the decode GEMM2: 528 blocks of 16x64 tiles"
+        "the decode GEMMs: 264 blocks of 16x(2x64) tiles, 528 of 16x64"
     );
     assert_eq!(Some(elems(BufferId::StreamKPartials)), most_partials);
     let most_tiles = single_gpu

@@ -90,6 +90,22 @@ struct __align__(16) Vec16 {
     u32 x, y, z, w;
 };
 
+// Arrival of this block at `counter`, one of `arrivals` blocks: true in every thread of
+// the block that arrives last, which then sees the writes of all the others and resets the
+// counter for the next call (stream order publishes the reset).
+__device__ __forceinline__ bool last_arrival(u32* counter, u32 arrivals) {
+    __threadfence();  // this thread's writes, before the count that publishes them
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        u32 before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+        last = before == arrivals - 1;
+        if (last) *counter = 0;
+    }
+    return __syncthreads_or(last);
+}
+
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
 // serialization) may begin while the kernel ahead of it in the stream still runs. First
 // wait for that kernel to finish and its writes to be visible, then let the kernel behind
@@ -653,9 +669,9 @@ __device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* _
 
 // A stream-K tile that this block covers only in part: store this block's partial sums
 // in its slot (slot 0 for the tile its run starts in, 1 for the one it ends in), count
-// the block in, and if it is the tile's last block, load the sum of every block's part,
-// in block order (the result does not depend on which block came last), and return true:
-// this block stores the tile.
+// the block in, and if it is the tile's last block (which resets the count), load the sum
+// of every block's part, in block order (the result does not depend on which block came
+// last), and return true: this block stores the tile.
 template <class G, int MI, int NJ>
 __device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
                                               float (&acc_up)[G::GATED ? MI : 1][G::GATED ? NJ : 1][4],
@@ -677,12 +693,7 @@ __device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
         __stcg(mine + r * G::THREADS, acc[r / (NJ * 4)][r / 4 % NJ][r % 4]);
         if constexpr (G::GATED) __stcg(mine + (REGISTERS + r) * G::THREADS, acc_up[r / (NJ * 4)][r / 4 % NJ][r % 4]);
     }
-    __threadfence();
-    __syncthreads();
-    u32 before = 0;
-    if (threadIdx.x == 0) before = atomicAdd(buffers.tiles_done + tile, 1u);
-    if (!__syncthreads_or(threadIdx.x == 0 && before == (u32)(last - first))) return false;
-    __threadfence();
+    if (!last_arrival(buffers.tiles_done + tile, (u32)(last - first + 1))) return false;
 #pragma unroll
     for (int r = 0; r < REGISTERS; ++r) {
         acc[r / (NJ * 4)][r / 4 % NJ][r % 4] = 0.f;
@@ -696,7 +707,6 @@ __device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
             if constexpr (G::GATED) acc_up[r / (NJ * 4)][r / 4 % NJ][r % 4] += __ldcg(p + (REGISTERS + r) * G::THREADS);
         }
     }
-    if (threadIdx.x == 0) buffers.tiles_done[tile] = 0;
     return true;
 }
 

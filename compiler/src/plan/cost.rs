@@ -5,7 +5,8 @@
 //! - compute: waves of tiles over `SMs × blocks per SM`, each tile doing `2·BM·B_rows·Kd`
 //!   FLOPs (padded rows included) at the SM's share of the engine's rate (`mma.sync` or
 //!   wgmma, each a measured or assumed fraction of the peak); a stream-K call (few tiles,
-//!   [`GemmPlan::runs_stream_k`]) has no partial last wave and loads on every block;
+//!   [`GemmPlan::runs_stream_k`]) has no partial last wave, loads on every block with a
+//!   k-tile and pays [`STREAM_K_MEETING_S`] for its partial sums;
 //! - memory: the bytes that must come from HBM (weights of hit experts once, activations in
 //!   and out) over the bandwidth the grid can sustain, which is the lesser of HBM
 //!   bandwidth and what its in-flight pipeline stages cover (Little's law, 1 µs latency);
@@ -19,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{GemmPlan, GemmProblem, MmaEngine, Target};
+use super::{GemmPlan, GemmProblem, MmaEngine, STREAM_K_MEETING_S, Target};
 
 /// The share of the lesser of compute and memory time that does not hide under the
 /// greater: a GEMM near the balance point runs slower than either alone. A lead fitted on
@@ -146,7 +147,8 @@ pub fn estimate(
     let activation_bytes = pairs as f64 * (f64::from(problem.k) + f64::from(problem.n)) * 2.0;
     let stage_bytes = f64::from((gemm.tile.m + gemm.b_rows) * gemm.tile.k * 2);
     let loading_blocks = if stream_k {
-        concurrent
+        // Every block with a k-tile of the call.
+        concurrent.min(tiles * f64::from(problem.k / gemm.tile.k))
     } else {
         concurrent.min(tiles)
     };
@@ -164,7 +166,8 @@ pub fn estimate(
         l2_seconds,
         seconds: compute_seconds.max(memory_seconds).max(l2_seconds)
             + IMPERFECT_OVERLAP * compute_seconds.min(memory_seconds)
-            + target.launch_overhead_s,
+            + target.launch_overhead_s
+            + if stream_k { STREAM_K_MEETING_S } else { 0.0 },
     }
 }
 

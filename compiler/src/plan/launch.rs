@@ -27,9 +27,11 @@ pub struct Launch {
     pub stream: StreamRole,
     /// Whether it may start before the kernel ahead of it in the stream has finished
     /// (programmatic stream serialization, sm_90): its blocks start as SMs free up, and
-    /// wait for that kernel and its memory (`griddepcontrol.wait`) before anything else,
-    /// then let the next kernel start early too. The single-GPU forward's kernels do, so
-    /// that a call's launches overlap their ramps; a decode call is mostly ramps.
+    /// wait for that kernel and its memory (`griddepcontrol.wait`) before they read
+    /// anything it writes (the mma.sync GEMM2 and the fused router first load weights
+    /// and what older kernels wrote; the others wait first), then let the next kernel
+    /// start early too. The single-GPU forward's kernels do, so that a call's launches
+    /// overlap their ramps; a decode call is mostly ramps.
     #[serde(default)]
     pub early_start: bool,
 }

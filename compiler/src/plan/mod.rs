@@ -605,11 +605,12 @@ impl WarpRoles {
 /// call's bytes stream at the HBM rate, plus [`STREAM_K_MEETING_S`] for the partial sums'
 /// write, fence, count and read. So a last wave of n tiles pays to split while
 /// b / rate − n·b / HBM exceeds that. Fitted on one H200 (2026-12-01, decode GEMMs at one
-/// token, Nsight Compute): it gained 11 µs on DeepSeek-V3's GEMM1 (288 tiles of 1.8 MB on
-/// 264 blocks: a last wave of 24) and 7 µs on Mixtral's GEMM2 (64 tiles of 3.7 MB on 264),
-/// and lost 3-7 µs where the last wave streams at the HBM rate anyway (Qwen3-30B-A3B's
-/// 96 and 128 tiles of 0.2-0.5 MB, GPT-OSS's 180 of 0.4-0.7 MB, DeepSeek-V3's GEMM2 and
-/// Mixtral's GEMM1, last waves of 480 and 184).
+/// token, Nsight Compute; tile bytes here are the weight rows', the A rows add an eighth
+/// or a fifth): it gained 11 µs on DeepSeek-V3's GEMM1 (288 tiles of 1.8 MB on 264 blocks:
+/// a last wave of 24) and 7 µs on Mixtral's GEMM2 (64 tiles of 3.7 MB on 264), and lost
+/// 3-7 µs where the last wave streams at the HBM rate anyway (Qwen3-30B-A3B's 96 and 128
+/// tiles of 0.2-0.5 MB, GPT-OSS's 180 of 0.4-0.7 MB, DeepSeek-V3's GEMM2 and Mixtral's
+/// GEMM1, last waves of 480 and 184).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamKTail {
     pub max_last_wave: u32,
@@ -617,7 +618,7 @@ pub struct StreamKTail {
 }
 
 /// What meeting in a split tile costs a stream-K GEMM, seconds (see [`StreamKTail`]).
-const STREAM_K_MEETING_S: f64 = 5e-6;
+pub const STREAM_K_MEETING_S: f64 = 5e-6;
 /// The latency one block's ring of loads in flight covers, seconds: a block with
 /// `(stages − 1) · stage bytes` in flight streams that much per this long (Mixtral's decode
 /// GEMM2 at one token, 64 blocks alone with 74 KB each in flight: 50 GB/s a block).

@@ -172,6 +172,16 @@ impl Plan {
 
     fn check_expert_parallel(&self, ep: &ExpertParallelPlan) -> Result<(), String> {
         let shape = &self.shape;
+        if ep
+            .regimes
+            .iter()
+            .any(|r| r.gemm1.stream_k.is_some() || r.gemm2.stream_k.is_some())
+        {
+            return Err(
+                "an expert-parallel GEMM splits tiles stream-K, which only the single-GPU GEMMs do"
+                    .into(),
+            );
+        }
         let ranks = ep.ranks;
         if ranks < 2
             || !shape.experts.is_multiple_of(ranks)
