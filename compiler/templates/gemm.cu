@@ -477,6 +477,8 @@ __device__ __forceinline__ void grouped_gemm(
     // them, then store the tile (whole, or as the last of a split tile's blocks).
     auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare& share) {
         const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
+        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
+        __syncthreads();
         const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
         auto stage_load = [&](int stage, int k_tile) {
             load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, ep.own_rows,
@@ -496,28 +498,31 @@ __device__ __forceinline__ void grouped_gemm(
                 }
 
         // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
-        // k-tile k_begin + k from stage k % STAGES. The weight rows need only the tile, so
-        // they go out first; the A rows wait for the row table (GEMM1 reads it from the
-        // routing, and on the expert-parallel path waits there for its peers' chunks).
-        // GEMM2 that started early (WEIGHTS_BEFORE_WAIT) waits for GEMM1 in between: its
-        // weights and tile schedule were final before it launched (the routing ran two
-        // launches back); only its A rows are GEMM1's output. (Warming L2 with the rest of
-        // the run's weights as well cost up to 15%: it competed with GEMM1 for HBM.)
-        const StageLoader<G, G::THREADS> load((unsigned)tid);
-#pragma unroll
-        for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
-        }
+        // k-tile k_begin + k from stage k % STAGES.
         if (G::WEIGHTS_BEFORE_WAIT && !waited) {
+            // GEMM2 started early, beside GEMM1's last tiles. Its weights and tile schedule
+            // were final before it launched (the routing ran two launches back); only its A
+            // rows are GEMM1's output. So the ring's first stages of weight rows go out
+            // before it waits for GEMM1. (Warming L2 with the rest of the run's weights as
+            // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
+            const StageLoader<G, G::THREADS> load((unsigned)tid);
+#pragma unroll
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
+            }
             start_after_previous_kernel();
             waited = true;
-        }
-        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
-        __syncthreads();
 #pragma unroll
-        for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < k_count) load.a_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), s_row_source, a_rows, ep.own_rows);
-            cp_async_commit();
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) load.a_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), s_row_source, a_rows, ep.own_rows);
+                cp_async_commit();
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < G::STAGES - 1; ++s) {
+                if (s < k_count) stage_load(s, k_begin + s);
+                cp_async_commit();
+            }
         }
 
         for (int k = 0; k < k_count; ++k) {
