@@ -22,7 +22,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode;
-use moeforge_compiler::ir::{Activation, CLAMPED_SWIGLU_LIMIT, Layer, TileShape};
+use moeforge_compiler::ir::{Activation, CLAMPED_SWIGLU_LIMIT, Layer, SharedExperts, TileShape};
 use moeforge_compiler::plan::{self, GemmPlan, MmaEngine, Plan, Regime, Target};
 use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::HostWeights;
@@ -693,24 +693,26 @@ fn forward_is_graph_capturable_and_replays_identically() {
     );
 }
 
-/// Tiles of one grouped GEMM for a call's routing: each expert's rows in `bm`-row tiles,
-/// times the GEMM's n-tiles (what the kernel's tile schedule counts).
-fn call_tiles(workload: &Workload, experts: u32, gemm: &GemmPlan, n: u32) -> u32 {
-    let mut rows = vec![0u32; experts as usize];
+/// Tiles of one grouped GEMM for a call's routing: each expert's rows in `bm`-row tiles
+/// (a shared slice has a row per token), times the GEMM's n-tiles (what the kernel's tile
+/// schedule counts).
+fn call_tiles(workload: &Workload, shape: &plan::LayerShape, gemm: &GemmPlan, n: u32) -> u32 {
+    let mut rows = vec![0u32; shape.experts as usize];
     for &id in &workload.topk_ids {
         rows[id as usize] += 1;
     }
+    rows.extend((0..shape.shared_slices).map(|_| workload.tokens));
     let m_tiles: u32 = rows.iter().map(|r| r.div_ceil(gemm.tile.m)).sum();
     m_tiles * (n / gemm.tile.n)
 }
 
 /// Calls whose last wave of whole tiles is short run stream-K (each block a run of k-tiles,
 /// a split tile summed and stored by its last block) where the tiles are large enough for
-/// it to pay. Two layers pinned to 16x64 mma.sync tiles, one with a deep GEMM1 (hidden
-/// 8192, FFN 256) and one with a deep GEMM2 (hidden 128, FFN 8192), each at the first token
-/// counts whose routing splits that GEMM within its first wave and after full waves (the
-/// tiles counted here from the routing, so the test knows the split ran), match the CPU
-/// reference.
+/// it to pay. Layers pinned to 16x64 mma.sync tiles, with a deep GEMM1 (hidden 8192, FFN
+/// 256; once more with a shared expert, whose slices are GEMM experts with a row per token)
+/// and with a deep GEMM2 (hidden 128, FFN 8192), each at the first token counts whose
+/// routing splits that GEMM within its first wave and after full waves (the tiles counted
+/// here from the routing, so the test knows the split ran), match the CPU reference.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn calls_that_split_stream_k_match_reference() {
@@ -722,10 +724,20 @@ fn calls_that_split_stream_k_match_reference() {
     let seed = fresh_seed();
     let mut failures = Vec::new();
     let mut runs: Vec<(Plan, Vec<(u32, u32)>)> = Vec::new();
-    for (hidden, ffn, up) in [(8192, 256, true), (128, 8192, false)] {
+    for (hidden, ffn, shared, up) in [
+        (8192, 256, false, true),
+        (8192, 256, true, true),
+        (128, 8192, false, false),
+    ] {
         let mut layer = layers::pinned(Activation::Swiglu, tile, 5);
-        layer.name = format!("stream_k_{hidden}x{ffn}");
+        layer.name = format!(
+            "stream_k_{hidden}x{ffn}{}",
+            if shared { "_shared" } else { "" }
+        );
         (layer.hidden, layer.ffn) = (hidden, ffn);
+        if shared {
+            layer.shared_experts = Some(SharedExperts { count: 1, ffn });
+        }
         let plan = plan_for_device(&layer);
         let shape = &plan.shape;
         let split_tiles = |t: u32| {
@@ -736,7 +748,7 @@ fn calls_that_split_stream_k_match_reference() {
                 (&regime.gemm2, shape.hidden)
             };
             let routing = Workload::random(shape, t, Routing::Uniform, seed ^ u64::from(t));
-            let tiles = call_tiles(&routing, shape.experts, gemm, n);
+            let tiles = call_tiles(&routing, shape, gemm, n);
             gemm.runs_stream_k(f64::from(tiles))
                 .then_some((tiles, tiles > gemm.grid_blocks))
         };
