@@ -718,12 +718,9 @@ impl GemmPlan {
     /// Floats of [`BufferId::StreamKPartials`] this GEMM needs (0 without stream-K): two
     /// partial tiles per block.
     pub fn stream_k_partial_floats(&self) -> u64 {
-        match self.stream_k {
-            Some(_) => {
-                2 * u64::from(self.grid_blocks) * u64::from(self.tile.m) * u64::from(self.b_rows)
-            }
-            None => 0,
-        }
+        self.stream_k.map_or(0, |_| {
+            2 * u64::from(self.grid_blocks) * u64::from(self.tile.m) * u64::from(self.b_rows)
+        })
     }
 
     /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated

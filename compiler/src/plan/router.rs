@@ -162,7 +162,7 @@ pub fn router_scratch_bytes(rule: &ir::Router, experts: u32, gemm_experts: u32, 
 /// steps, between the same block-wide barriers).
 pub fn gate_warps_k(tile_tokens: u32, tile_experts: u32, hidden: u32, smem_per_block: u32) -> u32 {
     let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
-    let k_tiles = hidden / (SMEM_ROW_BYTES / 2);
+    let k_tiles = gate_k_tiles(hidden);
     let most = (GATE_BLOCK_WARPS / (warps_m * warps_n)).min(k_tiles / GATE_MIN_K_TILES_PER_GROUP);
     (1..=most.max(1))
         .rev()
@@ -173,17 +173,27 @@ pub fn gate_warps_k(tile_tokens: u32, tile_experts: u32, hidden: u32, smem_per_b
         .unwrap_or(1)
 }
 
-/// The stages of a fused router's gate: one more than a group's k-tiles (all in flight),
-/// at most [`FUSED_GATE_MAX_STAGES`], at least [`GATE_STAGES`], and as many of those as fit
-/// `smem_per_block` ([`gate_warps_k`] chose the groups so that `GATE_STAGES` fit).
-pub fn fused_gate_stages(
+/// The gate's k-tiles: 64-column slices of the reduction over `hidden`.
+fn gate_k_tiles(hidden: u32) -> u32 {
+    hidden / (SMEM_ROW_BYTES / 2)
+}
+
+/// The stages of a gate: [`GATE_STAGES`] for a split router's; for a fused router's, one
+/// more than a group's k-tiles (all in flight), at most [`FUSED_GATE_MAX_STAGES`], at least
+/// `GATE_STAGES`, and as many of those as fit `smem_per_block` ([`gate_warps_k`] chose the
+/// groups so that `GATE_STAGES` fit).
+pub fn gate_stages(
+    fused: bool,
     tile_tokens: u32,
     tile_experts: u32,
     hidden: u32,
     warps_k: u32,
     smem_per_block: u32,
 ) -> u32 {
-    let group_k_tiles = hidden / (SMEM_ROW_BYTES / 2) / warps_k;
+    if !fused {
+        return GATE_STAGES;
+    }
+    let group_k_tiles = gate_k_tiles(hidden) / warps_k;
     (GATE_STAGES..=(group_k_tiles + 1).clamp(GATE_STAGES, FUSED_GATE_MAX_STAGES))
         .rev()
         .find(|&s| GatePlan::smem_for(tile_tokens, tile_experts, s, warps_k) <= smem_per_block)
@@ -322,17 +332,14 @@ fn gate_plan(
     );
     let scratch = fused
         .then(|| router_scratch_bytes(rule, experts, gemm_experts, warps_m * warps_n * warps_k));
-    let stages = if fused {
-        fused_gate_stages(
-            tile_tokens,
-            tile_experts,
-            layer.hidden,
-            warps_k,
-            target.smem_per_block,
-        )
-    } else {
-        GATE_STAGES
-    };
+    let stages = gate_stages(
+        fused,
+        tile_tokens,
+        tile_experts,
+        layer.hidden,
+        warps_k,
+        target.smem_per_block,
+    );
     GatePlan {
         tile_tokens,
         tile_experts,

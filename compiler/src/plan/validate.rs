@@ -423,17 +423,14 @@ impl Plan {
                 || !gate.tile_experts.is_multiple_of(16 * warps_n)
                 || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
                 || gate.stages
-                    != if regime.fused {
-                        router::fused_gate_stages(
-                            gate.tile_tokens,
-                            gate.tile_experts,
-                            self.shape.hidden,
-                            gate.warps_k,
-                            self.target.smem_per_block,
-                        )
-                    } else {
-                        router::GATE_STAGES
-                    }
+                    != router::gate_stages(
+                        regime.fused,
+                        gate.tile_tokens,
+                        gate.tile_experts,
+                        self.shape.hidden,
+                        gate.warps_k,
+                        self.target.smem_per_block,
+                    )
                 || gate.smem_bytes
                     != GatePlan::smem_bytes_for(
                         gate.tile_tokens,
