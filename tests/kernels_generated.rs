@@ -139,10 +139,10 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
         matches!(result, Err(aot::AotError::InvalidPlan(_))),
         "{result:?}"
     );
-    // A plan file of the previous format (before the single-GPU GEMMs could split calls
-    // stream-K, with their workspace buffers and launch parameters).
+    // A plan file of the previous format (before a fused router's gate could split its
+    // reduction over blocks, with a grid and a logits buffer sized for that).
     let dir = edited_copy("plan.json", |t| {
-        t.replacen("\"format_version\": 7", "\"format_version\": 6", 1)
+        t.replacen("\"format_version\": 8", "\"format_version\": 7", 1)
     });
     let result = aot::load_layer(&dir, None);
     assert!(

@@ -134,7 +134,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(100))]
 
     #[test]
-    fn router_plans_cover_every_expert_and_edits_are_caught(layer in arbitrary_routed_layer(), which in 0usize..4) {
+    fn router_plans_cover_every_expert_and_edits_are_caught(layer in arbitrary_routed_layer(), which in 0usize..5) {
         let Ok(plan) = plan::plan(&layer, &Target::h200()) else { return Ok(()) };
         prop_assert_eq!(plan.validate(), Ok(()));
         let router = plan.router.as_ref().expect("the layer has a router");
@@ -146,6 +146,29 @@ proptest! {
             let blocks = regime.launches[0].grid.blocks(layer.max_tokens);
             prop_assert!(blocks >= layer.max_tokens.div_ceil(gate.tile_tokens));
         }
+        // A fused gate's split over blocks, for every call of its regime: whole steps per
+        // block, never more than at one token (the kernel unrolls its sum to that), within
+        // one block per SM where it splits at all, and its partial logits within the buffer.
+        let logits = plan
+            .workspace
+            .iter()
+            .find(|b| b.id == plan::BufferId::RouterLogits)
+            .expect("a router's logits")
+            .elems;
+        for (regime, router_regime) in plan.regimes.iter().zip(&router.regimes) {
+            let gate = &router_regime.gate;
+            let k_tiles_per_group = layer.hidden / 64 / gate.warps_k;
+            prop_assert!(router_regime.fused || gate.splits(1) == 1);
+            for tokens in regime.min_tokens.max(1)..=regime.max_tokens {
+                let splits = gate.splits(tokens);
+                let unsplit = gate.token_tiles(tokens) * gate.expert_tiles;
+                prop_assert!(k_tiles_per_group.is_multiple_of(splits));
+                prop_assert!(splits <= gate.splits(1));
+                prop_assert!(splits == 1 || unsplit * splits <= plan.target.sm_count);
+                prop_assert_eq!(router_regime.launches[0].grid.blocks(tokens), unsplit * splits);
+                prop_assert!(u64::from(splits * tokens * layer.experts) <= logits);
+            }
+        }
         let mut edited = plan.clone();
         let edited_router = edited.router.as_mut().expect("the layer has a router");
         match which {
@@ -154,6 +177,7 @@ proptest! {
                 edited_router.regimes[0].launches[0].params.remove(1);
             }
             2 => edited_router.regimes[0].fused = !edited_router.regimes[0].fused,
+            3 => edited_router.regimes[0].gate.k_split.steps += 1,
             _ => {
                 edited_router.regimes.pop();
             }

@@ -1046,14 +1046,18 @@ __device__ __forceinline__ void grouped_gemm(
 //           tile run together and share its x rows through L2. WARPS_K groups of warps
 //           split the reduction (group g: k-tiles g, g + WARPS_K, ..., its own ring),
 //           summed in group order: a few tokens' grid has few blocks, each needing many
-//           loads in flight.
+//           loads in flight. A fused router splits it over blocks as well (below).
 //   select  one warp per token: scores sigmoid(x · W_gateᵀ), top-k by score + correction bias, among the best 4 of 8 groups (ties: lower index), weights chosen scores renormalised × 2.5.
 // A regime's router is fused (one kernel in place of the route kernel: gate in every
 // block; select by the last block of each token tile to finish its gate tile; the routing
 // metadata by the last token tile's selecting block; a counter per token tile and one
 // over the token tiles say which block came last, and it resets the counter for the next
 // call; no block waits for another) or split (gate kernel, then select kernel, then the
-// whole table) for calls too large for one block's tails.
+// whole table) for calls too large for one block's tails. A fused gate's tile is split
+// over `splits` blocks along the reduction (as many as the grid's size says: the plan
+// splits a few tokens' tiles so that every SM loads a piece of W_gate), each writing its
+// partial logits to its own [T, E] slice of router_logits; the select adds them up in
+// split order, so every call of a given size sums the same way.
 // Ties go to the lower expert index; NaN counts as below every number.
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
@@ -1071,11 +1075,12 @@ constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : 
 constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
-// A fused router's select scratch (a warp's selection values, with a group limit) and its
-// routing scratch (counts and offsets per GEMM expert), both in the gate's rings.
+// A fused router's select scratch (its token tile's logits; a warp's selection values,
+// with a group limit) and its routing scratch (counts and offsets per GEMM expert), both
+// in the gate's rings.
 template <class G>
 __host__ __device__ constexpr int router_scratch_bytes() {
-    const int selection = ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0;
+    const int selection = 4 * G::BM * EXPERTS + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0);
     const int routing = 4 * (2 * GEMM_EXPERTS + 1);
     return selection > routing ? selection : routing;
 }
@@ -1091,13 +1096,18 @@ __device__ __forceinline__ void assert_gate_layout() {
     static_assert(G::SMEM_BYTES == (RINGS > SCRATCH ? RINGS : SCRATCH),
                   "plan: the gate's shared memory holds its rings and a fused router's scratch");
     static_assert((HIDDEN / (SMEM_ROW_BYTES / (int)sizeof(bf16_t))) % G::WARPS_K == 0, "plan: the groups split the k-tiles evenly");
+    static_assert((HIDDEN / (SMEM_ROW_BYTES / (int)sizeof(bf16_t)) / G::WARPS_K) % G::MOST_SPLITS == 0,
+                  "plan: the blocks of the split take a group's k-tiles evenly");
     static_assert(G::EXPERT_TILES == (EXPERTS + G::BN - 1) / G::BN, "plan: expert tiles cover every expert");
     static_assert(G::STAGES >= 2, "plan: at least two stages");
 }
 
+// The gate tile `tile` (token tile major, then expert tile), block `split` of the `splits`
+// its reduction is split over (k-tiles [split, split + 1) · K_TILES / splits): its logits,
+// or their partial sums over its k-tiles, into `logits` [tokens, EXPERTS].
 template <class G>
 __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
-                                            int tokens, float* __restrict__ router_logits) {
+                                            int tokens, int tile, int split, int splits, float* __restrict__ logits) {
     assert_gate_layout<G>();
     constexpr int WM = G::BM / G::WARPS_M;  // tokens per warp
     constexpr int WN = G::BN / G::WARPS_N;  // experts per warp
@@ -1105,7 +1115,7 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
     constexpr int NJ = WN / 8;              // n8 fragments per warp
     constexpr int BK = SMEM_ROW_BYTES / (int)sizeof(bf16_t);
     constexpr int K_TILES = HIDDEN / BK;
-    constexpr int GROUP_K_TILES = K_TILES / G::WARPS_K;  // k-tiles of one group of warps
+    constexpr int GROUP_K_TILES = K_TILES / G::WARPS_K;  // k-tiles of one group of warps, unsplit
     constexpr int GROUP_THREADS = 32 * G::WARPS_M * G::WARPS_N;
     constexpr int ROW_CHUNKS = SMEM_ROW_BYTES / 16;  // 16-byte cp.async pieces per row
     static_assert(HIDDEN % BK == 0, "plan: HIDDEN is whole 64-column k-tiles");
@@ -1120,8 +1130,10 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
     const int warp_m = warp / G::WARPS_N;
     const int warp_n = warp % G::WARPS_N;
     const u32 smem_base = smem_address(smem) + group * G::STAGES * G::STAGE_BYTES;
-    const int token0 = blockIdx.x / G::EXPERT_TILES * G::BM;
-    const int expert0 = blockIdx.x % G::EXPERT_TILES * G::BN;
+    const int token0 = tile / G::EXPERT_TILES * G::BM;
+    const int expert0 = tile % G::EXPERT_TILES * G::BN;
+    const int group_steps = GROUP_K_TILES / splits;                   // this block's k-tiles per group
+    const int first_k_tile = split * group_steps * G::WARPS_K + group;  // step i: first_k_tile + i · WARPS_K
 
     // Phase 1 (per stage, by the group's threads into its ring): BM rows of x, then BN rows
     // of W_gate (stage rows [first_row, end_row) of those); tokens past the call and experts
@@ -1148,27 +1160,29 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-    // Phase 2: the group's k loop, STAGES - 1 of its k-tiles in flight (step i is k-tile
-    // group + i · WARPS_K; every group takes the same steps). A fused router that started
-    // early loads its first stages' W_gate rows (fixed weights) before it waits for the
-    // kernel ahead, which may still be writing x; then their x rows.
+    // Phase 2: the group's k loop, STAGES - 1 of its k-tiles in flight (every group takes
+    // the same steps). A fused router that started early loads its first stages' W_gate
+    // rows (fixed weights) before it waits for the kernel ahead, which may still be writing
+    // x; then their x rows.
     if constexpr (G::WEIGHTS_BEFORE_WAIT) {
 #pragma unroll
         for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K, G::BM);
+            if (s < group_steps) stage_load(s, first_k_tile + s * G::WARPS_K, G::BM);
         }
         start_after_previous_kernel();
     }
 #pragma unroll
     for (int s = 0; s < G::STAGES - 1; ++s) {
-        if (s < GROUP_K_TILES) stage_load(s, group + s * G::WARPS_K, 0, G::WEIGHTS_BEFORE_WAIT ? G::BM : G::BM + G::BN);
+        if (s < group_steps) {
+            stage_load(s, first_k_tile + s * G::WARPS_K, 0, G::WEIGHTS_BEFORE_WAIT ? G::BM : G::BM + G::BN);
+        }
         cp_async_commit();
     }
-    for (int step = 0; step < GROUP_K_TILES; ++step) {
+    for (int step = 0; step < group_steps; ++step) {
         cp_async_wait<G::STAGES - 2>();
         __syncthreads();  // stage `step` landed for everyone; stage step-1 is free
         const int next = step + G::STAGES - 1;
-        if (next < GROUP_K_TILES) stage_load(next % G::STAGES, group + next * G::WARPS_K);
+        if (next < group_steps) stage_load(next % G::STAGES, first_k_tile + next * G::WARPS_K);
         cp_async_commit();
 
         const u32 a_base = smem_base + (step % G::STAGES) * G::STAGE_BYTES;
@@ -1230,7 +1244,7 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
         for (int half = 0; half < 2; ++half) {
             const int token = token0 + warp_m * WM + i * 16 + (lane >> 2) + half * 8;
             if (token >= tokens) continue;
-            float* out = router_logits + (size_t)token * EXPERTS;
+            float* out = logits + (size_t)token * EXPERTS;
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const int expert = expert0 + warp_n * WN + j * 8 + (lane & 3) * 2;
@@ -1252,17 +1266,27 @@ __device__ __forceinline__ bool router_better(float v, int i, float best_v, int 
 }
 constexpr int ROUTER_NONE = 0x7fffffff;
 
-// The warp's best (value, index) pair; every lane gets it.
+// A float's bits as an unsigned integer of the same order (-0 as +0, which compare
+// equal), and back.
+__device__ __forceinline__ u32 router_ordered_bits(float v) {
+    const u32 bits = __float_as_uint(v) == 0x80000000u ? 0u : __float_as_uint(v);
+    return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+__device__ __forceinline__ float router_from_ordered_bits(u32 key) {
+    return __uint_as_float(key & 0x80000000u ? key & 0x7fffffffu : ~key);
+}
+
+// The warp's best (value, index) pair; every lane gets it. Two warp reductions
+// (redux.sync) rather than five rounds of shuffles: the best value, then the lowest index
+// among the lanes that offer it. Values are never NaN here (router_comparable).
 __device__ __forceinline__ void router_warp_best(float& value, int& index) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other_v = __shfl_xor_sync(0xffffffffu, value, offset);
-        const int other_i = __shfl_xor_sync(0xffffffffu, index, offset);
-        if (router_better(other_v, other_i, value, index)) {
-            value = other_v;
-            index = other_i;
-        }
-    }
+    const u32 key = router_ordered_bits(value);
+    u32 best_key, best_index;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;\n" : "=r"(best_key) : "r"(key));
+    const u32 offered = key == best_key ? (u32)index : 0xffffffffu;
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;\n" : "=r"(best_index) : "r"(offered));
+    value = router_from_ordered_bits(best_key);
+    index = (int)best_index;
 }
 
 __device__ __forceinline__ float router_warp_sum(float v) {
@@ -1277,13 +1301,13 @@ __device__ __forceinline__ float router_warp_max(float v) {
     return v;
 }
 
-// One warp routes one token; `s_selection` is this warp's EXPERTS floats of shared memory
-// (used with a group limit). `gate_bias` is null when the rule has no bias. The logits are
-// read through L2 (ld.cg): other blocks of this kernel wrote them.
-__device__ __forceinline__ void router_select(const float* router_logits, const float* __restrict__ gate_bias, int token,
+// One warp routes one token, whose logit of expert e is logit_of(e); `s_selection` is
+// this warp's EXPERTS floats of shared memory (used with a group limit). `gate_bias` is
+// null when the rule has no bias.
+template <class LogitOf>
+__device__ __forceinline__ void router_select(LogitOf logit_of, const float* __restrict__ gate_bias, int token,
                                               int* routed_ids, float* routed_weights, float* s_selection) {
     const int lane = threadIdx.x & 31;
-    const float* row = router_logits + (size_t)token * EXPERTS;
 
     // Phase 1: logits, the gate bias added when the rule says so.
     float logit[ROUTER_PER_LANE];
@@ -1292,7 +1316,7 @@ __device__ __forceinline__ void router_select(const float* router_logits, const 
         const int e = lane + 32 * i;
         logit[i] = negative_infinity();
         if (e < EXPERTS) {
-            logit[i] = __ldcg(row + e);
+            logit[i] = logit_of(e);
             if constexpr (ROUTER_BIAS == ROUTER_BIAS_LOGITS) logit[i] += gate_bias[e];
         }
     }
@@ -1463,9 +1487,9 @@ __device__ __forceinline__ void router_select(const float* router_logits, const 
     }
 }
 
-// A fused router: gate tile, then (last block of its token tile) select, then (last token
-// tile) routing metadata. router_tiles_done: [0] token tiles selected, [1 + tile] gate
-// tiles done of each token tile.
+// A fused router: gate tile (or its split's part), then (last block of its token tile)
+// select, then (last token tile) routing metadata. router_tiles_done: [0] token tiles
+// selected, [1 + tile] gate blocks done of each token tile.
 template <class G>
 __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
@@ -1475,20 +1499,53 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     constexpr int WARPS = G::THREADS / 32;
     static_assert(G::FUSED && G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
     extern __shared__ __align__(128) unsigned char smem[];
-    const int token_tile = blockIdx.x / G::EXPERT_TILES;
-    const int token_tiles = gridDim.x / G::EXPERT_TILES;
+    const int token_tiles = (tokens + G::BM - 1) / G::BM;
+    const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);  // the plan's split for this many tiles
+    const int tile = blockIdx.x / splits;
+    const int split = blockIdx.x % splits;
+    const int token_tile = tile / G::EXPERT_TILES;
+    const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
 
-    router_gate<G>(x, gate_weight, tokens, router_logits);
-    if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES)) return;
+    router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
+    if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES * splits)) return;
+
+    // Sum: this token tile's logits, its splits' partial sums added in split order, into
+    // shared memory for the select and, when split, into the first slice (which then holds
+    // the call's logits). The partial sums are read through L2 (ld.cg): other blocks wrote
+    // them.
+    const int tile_first = token_tile * G::BM;
+    const int tile_end = min(tokens, tile_first + G::BM);
+    float* s_logits = reinterpret_cast<float*>(smem);  // [BM, EXPERTS]
+    for (int i = threadIdx.x; i < (tile_end - tile_first) * EXPERTS; i += G::THREADS) {
+        const float* partial = router_logits + (size_t)tile_first * EXPERTS + i;
+        float part[G::MOST_SPLITS];
+#pragma unroll
+        for (int s = 0; s < G::MOST_SPLITS; ++s) part[s] = s < splits ? __ldcg(partial + s * slice) : 0.f;
+        float logit = part[0];
+#pragma unroll
+        for (int s = 1; s < G::MOST_SPLITS; ++s) {
+            if (s < splits) logit += part[s];
+        }
+        s_logits[i] = logit;
+        if (splits > 1) router_logits[(size_t)tile_first * EXPERTS + i] = logit;
+    }
+    __syncthreads();
 
     // Select: this token tile's tokens, a warp each.
     const int warp = threadIdx.x >> 5;
-    float* s_selection = reinterpret_cast<float*>(smem) + warp * EXPERTS;
-    const int tile_end = min(tokens, (token_tile + 1) * G::BM);
-    for (int token = token_tile * G::BM + warp; token < tile_end; token += WARPS) {
-        router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection);
+    float* s_selection = s_logits + G::BM * EXPERTS + warp * EXPERTS;
+    for (int token = tile_first + warp; token < tile_end; token += WARPS) {
+        const float* s_row = s_logits + (token - tile_first) * EXPERTS;
+        router_select([&](int e) { return s_row[e]; }, gate_bias, token, routed_ids, routed_weights, s_selection);
     }
-    if (!last_arrival(&router_tiles_done[0], token_tiles)) return;
+    // The last token tile selected goes on; with one token tile, that is this block (its
+    // choices are visible to it after the barrier, and the routing's counts may then reuse
+    // the shared memory).
+    if (token_tiles > 1) {
+        if (!last_arrival(&router_tiles_done[0], token_tiles)) return;
+    } else {
+        __syncthreads();
+    }
 
     // Routing metadata over every token's choices.
     int* s_count = reinterpret_cast<int*>(smem);
@@ -1514,8 +1571,11 @@ extern "C" __global__ void __launch_bounds__(128) deepseek_v3_ep64_router_select
                   "plan: the select kernel's static shared memory");
     const int warp = threadIdx.x >> 5;
     const int token = blockIdx.x * ROUTER_SELECT_WARPS + warp;
-    if (token >= tokens) return;  // whole warps leave: the shuffles stay full-warp
-    router_select(router_logits, gate_bias, token, routed_ids, routed_weights, s_selection[warp]);
+    if (token >= tokens) return;  // whole warps leave: the warp reductions stay full-warp
+    // The logits are read through L2 (ld.cg): the gate kernel wrote them.
+    const float* row = router_logits + (size_t)token * EXPERTS;
+    router_select([&](int e) { return __ldcg(row + e); }, gate_bias, token, routed_ids, routed_weights,
+                  s_selection[warp]);
 }
 #endif
 
@@ -1524,6 +1584,7 @@ struct decode_router_gate {
     static constexpr bool FUSED = true;
     static constexpr int BM = 16, BN = 16, STAGES = 7, EXPERT_TILES = 16;
     static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
+    static constexpr int MOST_SPLITS = 7;  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 229376;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     static constexpr bool WEIGHTS_BEFORE_WAIT = true;
@@ -1553,6 +1614,7 @@ struct mid_router_gate {
     static constexpr bool FUSED = false;
     static constexpr int BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 8;
     static constexpr int WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256;
+    static constexpr int MOST_SPLITS = 1;  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     static constexpr int STAGE_BYTES = 12288, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     static constexpr bool WEIGHTS_BEFORE_WAIT = false;
@@ -1565,7 +1627,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_mid_router_ga
     float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
 )
 {
-    router_gate<mid_router_gate>(x, gate_weight, tokens, router_logits);
+    router_gate<mid_router_gate>(x, gate_weight, tokens, blockIdx.x, 0, 1, router_logits);
 }
 #endif
 
@@ -1574,6 +1636,7 @@ struct prefill_router_gate {
     static constexpr bool FUSED = false;
     static constexpr int BM = 128, BN = 128, STAGES = 3, EXPERT_TILES = 2;
     static constexpr int WARPS_M = 4, WARPS_N = 2, WARPS_K = 1, THREADS = 256;
+    static constexpr int MOST_SPLITS = 1;  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     static constexpr int STAGE_BYTES = 32768, SMEM_BYTES = 98304;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     static constexpr bool WEIGHTS_BEFORE_WAIT = false;
@@ -1586,7 +1649,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_route
     float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
 )
 {
-    router_gate<prefill_router_gate>(x, gate_weight, tokens, router_logits);
+    router_gate<prefill_router_gate>(x, gate_weight, tokens, blockIdx.x, 0, 1, router_logits);
 }
 #endif
 // ---------------------------------------------------------------------------------------

@@ -778,6 +778,8 @@ struct GateUnit {
     warps_m: u32,
     warps_n: u32,
     warps_k: u32,
+    /// The most blocks a tile's reduction is split over (at one token tile).
+    most_splits: u32,
     threads: u32,
     expert_tiles: u32,
     stage_bytes: u32,
@@ -817,6 +819,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
                 warps_m: gate.warps_m,
                 warps_n: gate.warps_n,
                 warps_k: gate.warps_k,
+                most_splits: gate.splits(1),
                 threads: gate.threads(),
                 expert_tiles: gate.expert_tiles,
                 stage_bytes: (gate.tile_tokens + gate.tile_experts) * SMEM_ROW_BYTES,

@@ -338,7 +338,7 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     let floor = &gate.floor;
     let _ = writeln!(
         out,
-        "    router {}; gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        "    router {}; gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction{}, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
         if regime.fused {
             "fused, in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
         } else {
@@ -350,6 +350,15 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
         gate.warps_m,
         gate.warps_n,
         gate.warps_k,
+        if gate.splits(1) > 1 {
+            format!(
+                " and over {} blocks at 1 token (as many as keep the grid within {} blocks; fewer for more token tiles)",
+                gate.splits(1),
+                gate.k_split.most_blocks
+            )
+        } else {
+            String::new()
+        },
         gate.smem_bytes,
         gate.expert_tiles,
         floor.tokens,
@@ -381,6 +390,14 @@ fn describe_launch(out: &mut String, launch: &Launch) {
             tokens_per_tile,
             blocks_per_tile,
         } => format!("{blocks_per_tile} blocks per {tokens_per_tile} tokens"),
+        Grid::SplitTokenTiles {
+            tokens_per_tile,
+            blocks_per_tile,
+            k_split,
+        } => format!(
+            "{blocks_per_tile} blocks per {tokens_per_tile} tokens, each splitting its reduction over up to {} blocks",
+            k_split.splits(blocks_per_tile)
+        ),
     };
     // Written parameters carry a `*`, as in `&mut`: what the kernel produces.
     let params: Vec<String> = launch

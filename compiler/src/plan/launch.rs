@@ -58,6 +58,14 @@ pub enum Grid {
         tokens_per_tile: u32,
         blocks_per_tile: u32,
     },
+    /// As `TokenTiles`, each tile's blocks repeated for the split of a reduction over
+    /// blocks that `k_split` gives for the call's count of token tiles (block `b` of a
+    /// tile: piece `b / splits` of the tile, split `b % splits`).
+    SplitTokenTiles {
+        tokens_per_tile: u32,
+        blocks_per_tile: u32,
+        k_split: KSplit,
+    },
 }
 
 impl Grid {
@@ -68,7 +76,39 @@ impl Grid {
                 tokens_per_tile,
                 blocks_per_tile,
             } => tokens.div_ceil(tokens_per_tile.max(1)) * blocks_per_tile,
+            Grid::SplitTokenTiles {
+                tokens_per_tile,
+                blocks_per_tile,
+                k_split,
+            } => {
+                let tiles = tokens.div_ceil(tokens_per_tile.max(1));
+                tiles * blocks_per_tile * k_split.splits(tiles * blocks_per_tile)
+            }
         }
+    }
+}
+
+/// How a kernel splits a reduction of `steps` equal steps over blocks as well: over as
+/// many blocks as keep the grid within `most_blocks` (one per SM: the split is there to
+/// put more SMs' loads in flight), a divisor of `steps` so that every block takes the same
+/// steps. A call with more tiles splits less; the kernel reads the split from its grid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KSplit {
+    pub steps: u32,
+    pub most_blocks: u32,
+}
+
+impl KSplit {
+    /// The splits of a grid of `unsplit_blocks` blocks: the largest divisor of `steps`
+    /// that keeps the grid within `most_blocks`; at least 1.
+    pub fn splits(self, unsplit_blocks: u32) -> u32 {
+        (1..=self.steps)
+            .rev()
+            .find(|&s| {
+                self.steps.is_multiple_of(s)
+                    && u64::from(unsplit_blocks) * u64::from(s) <= u64::from(self.most_blocks)
+            })
+            .unwrap_or(1)
     }
 }
 

@@ -1070,7 +1070,7 @@ pub fn plan_tuned(
         most_route_blocks,
         router
             .as_ref()
-            .map(|router| router.tiles_done_len(regimes.iter().map(|r| r.max_tokens))),
+            .map(|router| RouterSpace::of(router, &shape, regimes.iter().map(|r| r.max_tokens))),
         stream_k,
     );
 
@@ -1164,10 +1164,6 @@ pub fn route_blocks(pairs: u64, target: &Target) -> u32 {
     }
 }
 
-/// The device buffers a layer of this shape needs, sized for `max_tokens`, with the counts
-/// of the routing over `route_blocks` blocks where that is more than one; with a router
-/// (whose largest call counts `router_tiles_done` token tiles, plus one), the router's
-/// logits, counters and choices too.
 /// What the stream-K GEMMs of a plan share: one buffer of partial tiles and one of arrival
 /// counters, each as large as its largest user needs (the GEMMs of a call run one after
 /// another, so none holds them while another does).
@@ -1190,10 +1186,34 @@ impl StreamKSpace {
     }
 }
 
+/// What a router's buffers hold at most: its arrival counters and its (partial) logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RouterSpace {
+    tiles_done: u32,
+    logits_floats: u64,
+}
+
+impl RouterSpace {
+    fn of(
+        router: &RouterPlan,
+        shape: &LayerShape,
+        regime_max_tokens: impl Iterator<Item = u32> + Clone,
+    ) -> Self {
+        RouterSpace {
+            tiles_done: router.tiles_done_len(regime_max_tokens.clone()),
+            logits_floats: router.logits_floats(shape.experts, shape.max_tokens, regime_max_tokens),
+        }
+    }
+}
+
+/// The device buffers a layer of this shape needs, sized for `max_tokens`, with the counts
+/// of the routing over `route_blocks` blocks where that is more than one; with a router,
+/// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
+/// and counters.
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
-    router_tiles_done: Option<u32>,
+    router: Option<RouterSpace>,
     stream_k: StreamKSpace,
 ) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
@@ -1238,18 +1258,18 @@ fn workspace(
                 .into(),
         });
     }
-    if let Some(tiles_done) = router_tiles_done {
+    if let Some(router) = router {
         buffers.extend([
             Buffer {
                 id: BufferId::RouterLogits,
                 elem: BufferId::RouterLogits.elem(),
-                elems: u64::from(shape.max_tokens) * u64::from(shape.experts),
-                purpose: "the router's gate logits x · W_gateᵀ".into(),
+                elems: router.logits_floats,
+                purpose: "the router's gate logits x · W_gateᵀ [T, E] (a fused gate's partial logits first, a [T, E] slice per block of its split, summed into the first)".into(),
             },
             Buffer {
                 id: BufferId::RouterTilesDone,
                 elem: BufferId::RouterTilesDone.elem(),
-                elems: u64::from(tiles_done),
+                elems: u64::from(router.tiles_done),
                 purpose: "the router's arrival counters: token tiles selected, then gate tiles done per token tile (zero between calls)".into(),
             },
             Buffer {

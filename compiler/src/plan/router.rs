@@ -37,7 +37,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::launch::{Grid, KernelParam, Launch, LaunchArg, StreamRole};
+use super::launch::{Grid, KSplit, KernelParam, Launch, LaunchArg, StreamRole};
 use super::{BufferId, SMEM_ROW_BYTES, Target, static_smem_reserved};
 use crate::ir;
 
@@ -105,10 +105,17 @@ pub struct GatePlan {
     /// g, g + warps_k, ...; it divides H / 64.
     #[serde(default = "one")]
     pub warps_k: u32,
+    /// A fused gate's reduction split over blocks as well ([`gate_k_split`]): a group's
+    /// `H / 64 / warps_k` k-tiles over as many blocks as keep the grid within one block
+    /// per SM. A split router's gate takes every k-tile in one block.
+    pub k_split: KSplit,
     pub stages: u32,
     /// Dynamic shared memory: the gate's rings, `warps_k · stages · (tile_tokens +
     /// tile_experts) · 128` bytes, or in a fused router the larger of that and the later
     /// phases' scratch ([`router_scratch_bytes`]), which reuses them.
+    ///
+    /// A fused router's blocks also write partial logits, one [T, E] slice per block of
+    /// the split ([`RouterPlan::logits_floats`]), summed in split order by the select.
     pub smem_bytes: u32,
     /// The roofline floor of gate and select at the regime's largest token count.
     pub floor: RouterFloor,
@@ -145,14 +152,44 @@ impl GatePlan {
     pub fn token_tiles(&self, tokens: u32) -> u32 {
         tokens.div_ceil(self.tile_tokens)
     }
+
+    /// The blocks one gate tile's reduction is split over in a call of `tokens` tokens.
+    pub fn splits(&self, tokens: u32) -> u32 {
+        self.k_split
+            .splits(self.token_tiles(tokens.max(1)) * self.expert_tiles)
+    }
 }
 
 /// Shared memory the select and routing phases reuse from the gate's rings, in bytes:
-/// with a group limit, each warp's selection values (f32 × E), from which a lane sums its
-/// group's best two; the routing phase's per-expert counts and offsets (i32 × (2 · GEMM
-/// experts + 1)).
-pub fn router_scratch_bytes(rule: &ir::Router, experts: u32, gemm_experts: u32, warps: u32) -> u32 {
-    selection_bytes(rule, experts, warps).max(4 * (2 * gemm_experts + 1))
+/// the token tile's logits (f32 × `tile_tokens` × E, summed over the split) and, with a
+/// group limit, each warp's selection values (f32 × E), from which a lane sums its group's
+/// best two; the routing phase's per-expert counts and offsets (i32 × (2 · GEMM experts +
+/// 1)).
+pub fn router_scratch_bytes(
+    rule: &ir::Router,
+    experts: u32,
+    gemm_experts: u32,
+    warps: u32,
+    tile_tokens: u32,
+) -> u32 {
+    (4 * tile_tokens * experts + selection_bytes(rule, experts, warps))
+        .max(4 * (2 * gemm_experts + 1))
+}
+
+/// A fused gate's split of its reduction over blocks: each group's `k_tiles / warps_k`
+/// k-tiles, over as many blocks as keep the grid within one per SM (a few tokens' grid
+/// has one block per expert tile, each reading its W_gate rows over all of H: one SM's
+/// loads set its pace, and the W_gate rows loaded before the wait cover only the first
+/// stages). None for a split router's gate, whose grid fills the GPU by its tokens.
+pub fn gate_k_split(fused: bool, hidden: u32, warps_k: u32, sm_count: u32) -> KSplit {
+    KSplit {
+        steps: if fused {
+            gate_k_tiles(hidden) / warps_k
+        } else {
+            1
+        },
+        most_blocks: sm_count,
+    }
 }
 
 /// The groups of warps that split the reduction over `hidden` of a gate tile of
@@ -225,8 +262,7 @@ pub(super) fn plan_router(
     let regimes = regimes
         .iter()
         .map(|(name, max_tokens)| {
-            let fused = fused(*max_tokens, layer.top_k);
-            let gate = gate_plan(layer, target, &rule, gemm_experts, *max_tokens, fused);
+            let (gate, fused) = gate_plan(layer, target, &rule, gemm_experts, *max_tokens);
             let launches = router_launches(
                 &rule,
                 layer.experts,
@@ -259,6 +295,34 @@ impl RouterPlan {
             .max()
             .unwrap_or(0)
     }
+
+    /// Floats of `router_logits` the calls of every regime up to `max_tokens` need:
+    /// [T, E], or a fused gate's partial logits, one [T, E] slice per block of its split
+    /// (the largest over the regime's calls: a call of more token tiles splits less, so
+    /// each token-tile count's largest call is the one to check).
+    pub fn logits_floats(
+        &self,
+        experts: u32,
+        max_tokens: u32,
+        regime_max_tokens: impl Iterator<Item = u32>,
+    ) -> u64 {
+        let mut regime_min_tokens = 0;
+        let split_slices = self
+            .regimes
+            .iter()
+            .zip(regime_max_tokens)
+            .flat_map(|(regime, regime_max)| {
+                let first = regime_min_tokens;
+                regime_min_tokens = regime_max + 1;
+                let gate = regime.gate;
+                (gate.token_tiles(first.max(1))..=gate.token_tiles(regime_max))
+                    .map(move |tiles| (tiles * gate.tile_tokens).min(regime_max))
+                    .map(move |tokens| u64::from(tokens) * u64::from(gate.splits(tokens)))
+            })
+            .max()
+            .unwrap_or(0);
+        split_slices.max(u64::from(max_tokens)) * u64::from(experts)
+    }
 }
 
 /// The warps of a gate tile: sub-tiles of at most 32 tokens by 64 experts.
@@ -274,7 +338,9 @@ pub fn gate_blocks(tile_tokens: u32, tile_experts: u32, experts: u32, tokens: u3
     tokens.div_ceil(tile_tokens) * experts.div_ceil(tile_experts)
 }
 
-/// The gate tile for a regime whose largest call has `max_tokens` tokens: among the tiles
+/// The gate tile for a regime whose largest call has `max_tokens` tokens, and whether the
+/// regime's router is fused: its largest call has few pairs ([`fused`]) and the later
+/// phases' scratch fits a block. The tile: among the tiles
 /// whose grid gives every SM a block at that count, the one that re-reads least from L2
 /// (a call reads `T·E·H·2·(1/tile_tokens + 1/tile_experts)` bytes into shared memory; the
 /// larger tile on a tie); when none fills the SMs (few tokens), the tile with the most
@@ -287,8 +353,7 @@ fn gate_plan(
     rule: &ir::Router,
     gemm_experts: u32,
     max_tokens: u32,
-    fused: bool,
-) -> GatePlan {
+) -> (GatePlan, bool) {
     let experts = layer.experts;
     let covering = experts.next_multiple_of(16);
     let narrowest_covering = GATE_TILES_EXPERTS
@@ -330,8 +395,15 @@ fn gate_plan(
         layer.hidden,
         target.smem_per_block,
     );
-    let scratch = fused
-        .then(|| router_scratch_bytes(rule, experts, gemm_experts, warps_m * warps_n * warps_k));
+    let scratch = router_scratch_bytes(
+        rule,
+        experts,
+        gemm_experts,
+        warps_m * warps_n * warps_k,
+        tile_tokens,
+    );
+    let fused = fused(max_tokens, layer.top_k) && scratch <= target.smem_per_block;
+    let scratch = fused.then_some(scratch);
     let stages = gate_stages(
         fused,
         tile_tokens,
@@ -340,17 +412,19 @@ fn gate_plan(
         warps_k,
         target.smem_per_block,
     );
-    GatePlan {
+    let gate = GatePlan {
         tile_tokens,
         tile_experts,
         expert_tiles: experts.div_ceil(tile_experts),
         warps_m,
         warps_n,
         warps_k,
+        k_split: gate_k_split(fused, layer.hidden, warps_k, target.sm_count),
         stages,
         smem_bytes: GatePlan::smem_bytes_for(tile_tokens, tile_experts, stages, warps_k, scratch),
         floor: floor(layer, target, max_tokens),
-    }
+    };
+    (gate, fused)
 }
 
 fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
@@ -372,8 +446,8 @@ fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
     }
 }
 
-/// Whether the router of a regime whose largest call has `max_tokens` tokens is fused
-/// ([`ROUTER_FUSED_MAX_PAIRS`]).
+/// Whether the router of a regime whose largest call has `max_tokens` tokens has few
+/// enough pairs to be fused ([`ROUTER_FUSED_MAX_PAIRS`]).
 pub fn fused(max_tokens: u32, top_k: u32) -> bool {
     u64::from(max_tokens) * u64::from(top_k) <= ROUTER_FUSED_MAX_PAIRS
 }
@@ -395,8 +469,8 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
 }
 
 /// The router's launches of regime `regime` of the layer `symbol` with this gate tile:
-/// fused, one block per (token tile, expert tile) as [`gate_blocks`] counts them; or split,
-/// those gate blocks then one select block per [`SELECT_WARPS`] tokens. The fused router
+/// fused, one block per (token tile, expert tile, block of the split); or split, one gate
+/// block per (token tile, expert tile) then one select block per [`SELECT_WARPS`] tokens. The fused router
 /// starts early where `early_start` says so (it heads a call of early-starting kernels);
 /// the split router's launches do not.
 pub(super) fn router_launches(
@@ -419,7 +493,11 @@ pub(super) fn router_launches(
     if fused {
         return vec![Launch {
             kernel: format!("{symbol}_{regime}_router"),
-            grid: gate_blocks,
+            grid: Grid::SplitTokenTiles {
+                tokens_per_tile: gate.tile_tokens,
+                blocks_per_tile: gate.expert_tiles,
+                k_split: gate.k_split,
+            },
             block_threads: gate.threads(),
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,

@@ -16,7 +16,8 @@ use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, LaunchArg, MAX_EXPERTS,
     MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts,
-    RowLoad, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, workspace,
+    RouterSpace, RowLoad, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token,
+    workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -74,10 +75,9 @@ impl Plan {
                     .into(),
             );
         }
-        let router_tiles_done = self
-            .router
-            .as_ref()
-            .map(|router| router.tiles_done_len(self.regimes.iter().map(|r| r.max_tokens)));
+        let router_space = self.router.as_ref().map(|router| {
+            RouterSpace::of(router, shape, self.regimes.iter().map(|r| r.max_tokens))
+        });
         let route_blocks = self
             .regimes
             .iter()
@@ -98,7 +98,7 @@ impl Plan {
         }
         let most_route_blocks = route_blocks.iter().copied().max().unwrap_or(1);
         let stream_k = StreamKSpace::of(self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
-        if self.workspace != workspace(shape, most_route_blocks, router_tiles_done, stream_k) {
+        if self.workspace != workspace(shape, most_route_blocks, router_space, stream_k) {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
         if let Some(router) = &self.router {
@@ -374,9 +374,10 @@ impl Plan {
     }
 
     /// One router regime per single-GPU regime; the rule's group limit and scale are
-    /// usable; each gate tile is whole 16-row and 16-expert pieces with its warps and
-    /// shared memory (its rings, or a fused router's scratch) adding up and covers every
-    /// expert; the regime is fused exactly when its largest call has few pairs; its
+    /// usable; each gate tile is whole 16-row and 16-expert pieces with its warps, its
+    /// split over blocks and shared memory (its rings, or a fused router's scratch) adding
+    /// up and covers every expert; the regime is fused exactly when its largest call has
+    /// few pairs and the scratch fits a block; its
     /// launches are exactly those of that tile, shape and rule (grids, threads, shared
     /// memory, parameters: the bias exactly when the rule has one).
     fn check_router(&self, router: &RouterPlan) -> Result<(), String> {
@@ -407,6 +408,13 @@ impl Plan {
             let gate: &GatePlan = &regime.gate;
             let name = &self.regimes[index].name;
             let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
+            let scratch = router::router_scratch_bytes(
+                &router.rule,
+                experts,
+                self.shape.gemm_experts(),
+                warps_m * warps_n * gate.warps_k,
+                gate.tile_tokens,
+            );
             if gate.tile_tokens == 0
                 || gate.tile_experts == 0
                 || !gate.tile_tokens.is_multiple_of(16)
@@ -422,6 +430,13 @@ impl Plan {
                 || !gate.tile_tokens.is_multiple_of(16 * warps_m)
                 || !gate.tile_experts.is_multiple_of(16 * warps_n)
                 || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
+                || gate.k_split
+                    != router::gate_k_split(
+                        regime.fused,
+                        self.shape.hidden,
+                        gate.warps_k,
+                        self.target.sm_count,
+                    )
                 || gate.stages
                     != router::gate_stages(
                         regime.fused,
@@ -437,14 +452,7 @@ impl Plan {
                         gate.tile_experts,
                         gate.stages,
                         gate.warps_k,
-                        regime.fused.then(|| {
-                            router::router_scratch_bytes(
-                                &router.rule,
-                                experts,
-                                self.shape.gemm_experts(),
-                                warps_m * warps_n * gate.warps_k,
-                            )
-                        }),
+                        regime.fused.then_some(scratch),
                     )
             {
                 return Err(format!("the gate tile of regime `{name}` does not add up"));
@@ -459,9 +467,9 @@ impl Plan {
                 name,
                 self.target.has_programmatic_launch(),
             );
-            if regime.fused != router::fused(max_tokens, self.shape.top_k)
-                || regime.launches != expected
-            {
+            let fused = router::fused(max_tokens, self.shape.top_k)
+                && scratch <= self.target.smem_per_block;
+            if regime.fused != fused || regime.launches != expected {
                 return Err(format!(
                     "the router launches of regime `{name}` disagree with the gate tile and the rule"
                 ));
@@ -626,16 +634,23 @@ impl Plan {
                 launch.block_threads
             ));
         }
-        let empty_tiles = matches!(
-            launch.grid,
+        let empty_tiles = match launch.grid {
+            Grid::Fixed(_) => false,
             Grid::TokenTiles {
-                tokens_per_tile: 0,
-                ..
-            } | Grid::TokenTiles {
-                blocks_per_tile: 0,
-                ..
+                tokens_per_tile,
+                blocks_per_tile,
+            } => tokens_per_tile == 0 || blocks_per_tile == 0,
+            Grid::SplitTokenTiles {
+                tokens_per_tile,
+                blocks_per_tile,
+                k_split,
+            } => {
+                tokens_per_tile == 0
+                    || blocks_per_tile == 0
+                    || k_split.steps == 0
+                    || k_split.most_blocks == 0
             }
-        );
+        };
         if launch.grid == Grid::Fixed(0) || empty_tiles {
             return Err(format!("`{kernel}` has an empty grid"));
         }
