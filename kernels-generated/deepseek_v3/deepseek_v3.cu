@@ -1073,15 +1073,19 @@ constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : 
 constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
-// A fused router's select scratch (its token tile's logits; a warp's selection values,
-// with a group limit) and its routing scratch (counts and offsets per GEMM expert), both
-// in the gate's rings.
+// A fused router's select scratch (its token tile's logits; the rule's bias, with one; a
+// warp's selection values, with a group limit) and its routing scratch (counts and
+// offsets per GEMM expert), both in the gate's rings.
+constexpr int ROUTER_BIAS_FLOATS = ROUTER_BIAS != ROUTER_BIAS_NONE ? EXPERTS : 0;
 template <class G>
 __host__ __device__ constexpr int router_scratch_bytes() {
-    const int selection = 4 * G::BM * EXPERTS + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0);
+    const int selection = 4 * (G::BM * EXPERTS + ROUTER_BIAS_FLOATS) + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0);
     const int routing = 4 * (2 * GEMM_EXPERTS + 1);
     return selection > routing ? selection : routing;
 }
+
+// Starts bringing the 128-byte line at `p` into L2.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // Checks a gate config against the layout the code below assumes.
 template <class G>
@@ -1294,17 +1298,17 @@ __device__ __forceinline__ float router_warp_sum(float v) {
 }
 
 __device__ __forceinline__ float router_warp_max(float v) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    return v;
+    u32 best_key;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;\n" : "=r"(best_key) : "r"(router_ordered_bits(v)));
+    return router_from_ordered_bits(best_key);
 }
 
-// One warp routes one token, whose logit of expert e is logit_of(e); `s_selection` is
-// this warp's EXPERTS floats of shared memory (used with a group limit). `gate_bias` is
-// null when the rule has no bias.
-template <class LogitOf>
-__device__ __forceinline__ void router_select(LogitOf logit_of, const float* __restrict__ gate_bias, int token,
-                                              int* routed_ids, float* routed_weights, float* s_selection) {
+// One warp routes one token, whose logit of expert e is logit_of(e) and the rule's bias
+// bias_of(e) (not called without one); `s_selection` is this warp's EXPERTS floats of
+// shared memory (used with a group limit).
+template <class LogitOf, class BiasOf>
+__device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, int token, int* routed_ids,
+                                              float* routed_weights, float* s_selection) {
     const int lane = threadIdx.x & 31;
 
     // Phase 1: logits, the gate bias added when the rule says so.
@@ -1315,7 +1319,7 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, const float* __r
         logit[i] = negative_infinity();
         if (e < EXPERTS) {
             logit[i] = logit_of(e);
-            if constexpr (ROUTER_BIAS == ROUTER_BIAS_LOGITS) logit[i] += gate_bias[e];
+            if constexpr (ROUTER_BIAS == ROUTER_BIAS_LOGITS) logit[i] += bias_of(e);
         }
     }
 
@@ -1353,7 +1357,7 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, const float* __r
         const int e = lane + 32 * i;
         float v = score[i];
         if (e < EXPERTS) {
-            if constexpr (ROUTER_BIAS == ROUTER_BIAS_SCORE_CORRECTION) v += gate_bias[e];
+            if constexpr (ROUTER_BIAS == ROUTER_BIAS_SCORE_CORRECTION) v += bias_of(e);
         } else {
             unavailable |= 1u << i;
         }
@@ -1503,6 +1507,14 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     const int split = blockIdx.x % splits;
     const int token_tile = tile / G::EXPERT_TILES;
     const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
+    // The rule's bias is a fixed weight that the select reads after every wait: bring it
+    // into L2 now (the call's weights have pushed it out).
+    if constexpr (ROUTER_BIAS != ROUTER_BIAS_NONE) {
+        if (blockIdx.x == 0) {
+            for (int e = 32 * threadIdx.x; e < EXPERTS; e += 32 * G::THREADS) prefetch_l2(gate_bias + e);
+            if (threadIdx.x == 0) prefetch_l2(gate_bias + EXPERTS - 1);  // the last line, however aligned
+        }
+    }
 
     router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
     if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES * splits)) return;
@@ -1510,10 +1522,12 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     // Sum: this token tile's logits, its splits' partial sums added in split order, into
     // shared memory for the select and, when split, into the first slice (which then holds
     // the call's logits). The partial sums are read through L2 (ld.cg): other blocks wrote
-    // them.
+    // them. The rule's bias goes to shared memory too, its loads beside theirs.
     const int tile_first = token_tile * G::BM;
     const int tile_end = min(tokens, tile_first + G::BM);
     float* s_logits = reinterpret_cast<float*>(smem);  // [BM, EXPERTS]
+    float* s_bias = s_logits + G::BM * EXPERTS;        // [ROUTER_BIAS_FLOATS]
+    for (int e = threadIdx.x; e < ROUTER_BIAS_FLOATS; e += G::THREADS) s_bias[e] = gate_bias[e];
     for (int i = threadIdx.x; i < (tile_end - tile_first) * EXPERTS; i += G::THREADS) {
         const float* partial = router_logits + (size_t)tile_first * EXPERTS + i;
         float part[G::MOST_SPLITS];
@@ -1531,10 +1545,11 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
 
     // Select: this token tile's tokens, a warp each.
     const int warp = threadIdx.x >> 5;
-    float* s_selection = s_logits + G::BM * EXPERTS + warp * EXPERTS;
+    float* s_selection = s_bias + ROUTER_BIAS_FLOATS + warp * EXPERTS;
     for (int token = tile_first + warp; token < tile_end; token += WARPS) {
         const float* s_row = s_logits + (token - tile_first) * EXPERTS;
-        router_select([&](int e) { return s_row[e]; }, gate_bias, token, routed_ids, routed_weights, s_selection);
+        router_select([&](int e) { return s_row[e]; }, [&](int e) { return s_bias[e]; }, token, routed_ids,
+                      routed_weights, s_selection);
     }
     // The last token tile selected goes on; with one token tile, that is this block (its
     // choices are visible to it after the barrier, and the routing's counts may then reuse
@@ -1572,8 +1587,9 @@ extern "C" __global__ void __launch_bounds__(128) deepseek_v3_router_select(
     if (token >= tokens) return;  // whole warps leave: the warp reductions stay full-warp
     // The logits are read through L2 (ld.cg): the gate kernel wrote them.
     const float* row = router_logits + (size_t)token * EXPERTS;
-    router_select([&](int e) { return __ldcg(row + e); }, gate_bias, token, routed_ids, routed_weights,
-                  s_selection[warp]);
+    const float* bias = gate_bias;
+    router_select([&](int e) { return __ldcg(row + e); }, [&](int e) { return bias[e]; }, token, routed_ids,
+                  routed_weights, s_selection[warp]);
 }
 #endif
 

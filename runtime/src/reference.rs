@@ -370,15 +370,20 @@ fn expert_rows_in<const L: usize>(
 ///    of the F terms of a slot by `|W2[o,f]|·2⁻⁷·|i_f|`.
 ///
 /// 1 and 2 together are at most `2⁻⁷ · magnitude`, so `rtol = 2⁻⁶` is twice the rounding
-/// bound. `atol = 2⁻⁷ · RMS(y)` absorbs 3 and elements whose terms all nearly vanish. The
+/// bound. `atol = 2⁻⁶ · RMS(y)` absorbs 3 and elements whose terms all nearly vanish. The
 /// bound scales with the magnitude rather than `|want|` because a sum whose slots cancel
 /// keeps their rounding error. In a CPU emulation of the kernels' roundings with another
 /// summation order (H = 1024, F = 512, 400 tokens, K = 2 and 8) the worst element used
-/// 0.38 of its bound, and 0.78 with every element pushed one more ulp away. The median
-/// element's bound is 2 % (K = 1) to 4 % (K = 8) of the output's RMS, 5 % at the 90th
-/// percentile: one element wrong by more fails the check, and a tile computed from the
-/// wrong rows or expert, or missing a 64-deep slice of the reduction, is wrong by far more
-/// in most of its elements.
+/// 0.38 of the bound with `atol = 2⁻⁷ · RMS(y)`, and 0.78 with every element pushed one
+/// more ulp away. 3 is rare but not always small: a flipped intermediate of a few units
+/// moves its term by up to `w·|W2[o,f]|·2⁻⁵`, about 1 % of the output's RMS in the tiny
+/// GEGLU layer (H = 128, F = 256, K = 2); there, with `2⁻⁷ · RMS(y)`, one element of
+/// 128000 (1000 tokens, `MOEFORGE_SEED=1796134739848143054`, an H200 on 2026-12-01)
+/// reached 1.01 of its bound, every time, where earlier runs stayed under 0.46. Hence
+/// `2⁻⁶`. The median element's bound is then about 3 % (K = 1) to 5 % (K = 8) of the
+/// output's RMS, 6 % at the 90th percentile: one element wrong by more fails the check,
+/// and a tile computed from the wrong rows or expert, or missing a 64-deep slice of the
+/// reduction, is wrong by far more in most of its elements.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Tolerance {
     pub rtol: f32,
@@ -388,7 +393,7 @@ pub struct Tolerance {
 impl Tolerance {
     pub const RTOL: f32 = 1.0 / 64.0;
     /// `atol` as a fraction of the reference output's RMS.
-    pub const ATOL_PER_RMS: f32 = 1.0 / 128.0;
+    pub const ATOL_PER_RMS: f32 = 1.0 / 64.0;
 
     /// The tolerance for comparing with `reference` (`atol` from its RMS).
     pub fn for_reference(reference: &Reference) -> Self {

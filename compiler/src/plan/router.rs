@@ -161,10 +161,10 @@ impl GatePlan {
 }
 
 /// Shared memory the select and routing phases reuse from the gate's rings, in bytes:
-/// the token tile's logits (f32 × `tile_tokens` × E, summed over the split) and, with a
-/// group limit, each warp's selection values (f32 × E), from which a lane sums its group's
-/// best two; the routing phase's per-expert counts and offsets (i32 × (2 · GEMM experts +
-/// 1)).
+/// the token tile's logits (f32 × `tile_tokens` × E, summed over the split), the rule's
+/// bias (f32 × E, with one) and, with a group limit, each warp's selection values (f32 ×
+/// E), from which a lane sums its group's best two; the routing phase's per-expert counts
+/// and offsets (i32 × (2 · GEMM experts + 1)).
 pub fn router_scratch_bytes(
     rule: &ir::Router,
     experts: u32,
@@ -172,7 +172,12 @@ pub fn router_scratch_bytes(
     warps: u32,
     tile_tokens: u32,
 ) -> u32 {
-    (4 * tile_tokens * experts + selection_bytes(rule, experts, warps))
+    let bias = if rule.bias == ir::RouterBias::None {
+        0
+    } else {
+        4 * experts
+    };
+    (4 * tile_tokens * experts + bias + selection_bytes(rule, experts, warps))
         .max(4 * (2 * gemm_experts + 1))
 }
 
