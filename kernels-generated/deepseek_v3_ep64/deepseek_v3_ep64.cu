@@ -1293,6 +1293,33 @@ __device__ __forceinline__ void router_warp_best(float& value, int& index) {
     index = (int)best_index;
 }
 
+// This lane's best entry (value, expert) among those `unavailable` leaves open, (-inf,
+// ROUTER_NONE) when none is: a tree of comparisons, log2(ROUTER_PER_LANE) deep rather
+// than a chain of ROUTER_PER_LANE (the select's rounds wait on it one after another).
+__device__ __forceinline__ void router_lane_best(const float (&selection)[ROUTER_PER_LANE], u32 unavailable, int lane,
+                                                 float& best_v, int& best_e) {
+    float v[ROUTER_PER_LANE];
+    int e[ROUTER_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+        const bool open = !(unavailable >> i & 1u);
+        v[i] = open ? selection[i] : negative_infinity();
+        e[i] = open ? lane + 32 * i : ROUTER_NONE;
+    }
+#pragma unroll
+    for (int stride = 1; stride < ROUTER_PER_LANE; stride *= 2) {
+#pragma unroll
+        for (int i = 0; i + stride < ROUTER_PER_LANE; i += 2 * stride) {
+            if (router_better(v[i + stride], e[i + stride], v[i], e[i])) {
+                v[i] = v[i + stride];
+                e[i] = e[i + stride];
+            }
+        }
+    }
+    best_v = v[0];
+    best_e = e[0];
+}
+
 __device__ __forceinline__ float router_warp_sum(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -1367,11 +1394,14 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     }
 
     // Phase 4: group limit. A group's value is the sum of its two best selection values;
-    // the ROUTER_GROUPS_KEPT best groups hold the only eligible experts.
+    // the ROUTER_GROUPS_KEPT best groups hold the only eligible experts. Member m of group
+    // g sits at s_selection[m · GROUPS + g], so that the lanes summing groups read
+    // adjacent words, not one bank.
     if constexpr (ROUTER_GROUPS > 0) {
 #pragma unroll
         for (int i = 0; i < ROUTER_PER_LANE; ++i) {
-            if (lane + 32 * i < EXPERTS) s_selection[lane + 32 * i] = selection[i];
+            const int e = lane + 32 * i;
+            if (e < EXPERTS) s_selection[e % ROUTER_GROUP_SIZE * ROUTER_GROUPS + e / ROUTER_GROUP_SIZE] = selection[i];
         }
         __syncwarp();
         float group_value[ROUTER_GROUPS_PER_LANE];
@@ -1381,7 +1411,7 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
             float best = negative_infinity(), second = negative_infinity();
             if (g < ROUTER_GROUPS) {
                 for (int m = 0; m < ROUTER_GROUP_SIZE; ++m) {
-                    const float v = s_selection[g * ROUTER_GROUP_SIZE + m];
+                    const float v = s_selection[m * ROUTER_GROUPS + g];
                     if (v > best) {
                         second = best;
                         best = v;
@@ -1420,23 +1450,21 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     int chosen_id[ROUTER_K_PER_LANE] = {};
     float chosen_logit[ROUTER_K_PER_LANE] = {}, chosen_score[ROUTER_K_PER_LANE] = {};
     for (int k = 0; k < TOP_K; ++k) {
-        float best_v = negative_infinity();
-        int best_e = ROUTER_NONE;
-        float best_logit = 0.f, best_score = 0.f;
-#pragma unroll
-        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
-            const int e = lane + 32 * i;
-            if (!(unavailable >> i & 1u) && router_better(selection[i], e, best_v, best_e)) {
-                best_v = selection[i];
-                best_e = e;
-                best_logit = logit[i];
-                best_score = score[i];
-            }
-        }
+        float best_v;
+        int best_e;
+        router_lane_best(selection, unavailable, lane, best_v, best_e);
         const int owner_e = best_e;
         router_warp_best(best_v, best_e);
         // The owner of the winner marks it taken and passes its logit and score on.
         const int owner = best_e % 32;
+        float best_logit = 0.f, best_score = 0.f;
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            if (lane + 32 * i == best_e) {
+                best_logit = logit[i];
+                best_score = score[i];
+            }
+        }
         if (owner_e == best_e) unavailable |= 1u << (best_e / 32);
         best_logit = __shfl_sync(0xffffffffu, best_logit, owner);
         best_score = __shfl_sync(0xffffffffu, best_score, owner);
