@@ -513,24 +513,30 @@ impl<'a> Machine<'a> {
             .sum();
         let mut id = 0usize;
         let mut hbm_bytes = 0.0;
+        // Tiles in the kernels' order: expert, n-tile, m-tile; a tile's epilogue stores its
+        // rows only (an expert's last row tile is partly empty).
         for &rows in expert_rows {
             let m_tiles = rows.div_ceil(g2.tile.m);
             let (tile, bytes) = model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
             hbm_bytes += bytes * f64::from(n2 * m_tiles);
-            let duration = tile + model::gemm2_epilogue_seconds(g2, self.ep.combine_route);
-            for _ in 0..n2 * m_tiles {
-                let b = id % blocks.len();
-                if b == 0
-                    && let Some(lane) = lane.as_deref_mut()
-                {
-                    lane.tiles.push(Span {
-                        start: blocks[b],
-                        end: blocks[b] + duration,
-                        label: "GEMM2".into(),
-                    });
+            for _ in 0..n2 {
+                for m in 0..m_tiles {
+                    let tile_rows = (rows - m * g2.tile.m).min(g2.tile.m);
+                    let duration =
+                        tile + model::gemm2_epilogue_seconds(g2, self.ep.combine_route, tile_rows);
+                    let b = id % blocks.len();
+                    if b == 0
+                        && let Some(lane) = lane.as_deref_mut()
+                    {
+                        lane.tiles.push(Span {
+                            start: blocks[b],
+                            end: blocks[b] + duration,
+                            label: "GEMM2".into(),
+                        });
+                    }
+                    blocks[b] += duration;
+                    id += 1;
                 }
-                blocks[b] += duration;
-                id += 1;
             }
         }
         blocks

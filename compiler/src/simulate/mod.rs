@@ -433,7 +433,7 @@ mod tests {
         // column tiles each, GEMM2 4 × 2; every grid has a block per tile.
         let t1 = model::tile_cost(target, &regime.gemm1, 128, [4, 4], 32).0;
         let t2 = model::tile_cost(target, &regime.gemm2, 256, [4, 2], 16).0
-            + model::gemm2_epilogue_seconds(&regime.gemm2, ep.combine_route);
+            + model::gemm2_epilogue_seconds(&regime.gemm2, ep.combine_route, regime.gemm2.tile.m);
         assert!(regime.gemm1.grid_blocks >= 32 && regime.gemm2.grid_blocks >= 16);
         // Arrange runs after the barrier, each kernel after a launch.
         let gemm1_start = dispatch + barrier + launch + model::ARRANGE_S + launch;

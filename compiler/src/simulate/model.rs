@@ -160,10 +160,12 @@ pub fn hbm_seconds(target: &Target, bytes: f64) -> f64 {
     bytes / (target.hbm_bytes_per_s * GEMM_HBM_EFFICIENCY)
 }
 
-/// Seconds one block of GEMM2 spends storing a tile's weighted result rows after its main
-/// loop, into their origins' combine slots or (rank partials) here (an mma.sync tile's is
-/// in its [`TILE_OVERHEAD_S`]).
-pub fn gemm2_epilogue_seconds(gemm: &GemmPlan, route: CombineRoute) -> f64 {
+/// Seconds one block of GEMM2 spends storing the weighted result rows of a tile holding
+/// `rows` rows after its main loop, into their origins' combine slots or (rank partials)
+/// here (an mma.sync tile's is in its [`TILE_OVERHEAD_S`]). An expert's last row tile is
+/// partly empty, and its epilogue stores only the rows it has (its math is a whole tile's:
+/// the consumers multiply every row).
+pub fn gemm2_epilogue_seconds(gemm: &GemmPlan, route: CombineRoute, rows: u32) -> f64 {
     let rate = match route {
         CombineRoute::PairRows => GEMM2_EPILOGUE_BYTES_PER_S,
         CombineRoute::RankPartials => GEMM2_LOCAL_EPILOGUE_BYTES_PER_S,
@@ -171,7 +173,7 @@ pub fn gemm2_epilogue_seconds(gemm: &GemmPlan, route: CombineRoute) -> f64 {
     match gemm.engine {
         MmaEngine::MmaSync => 0.0,
         MmaEngine::WgmmaWarpSpecialized => {
-            f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * 2.0 / rate
+            f64::from(rows.min(gemm.tile.m)) * f64::from(gemm.b_rows) * 2.0 / rate
         }
     }
 }
