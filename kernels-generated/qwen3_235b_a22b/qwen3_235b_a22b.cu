@@ -2061,23 +2061,30 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                 acc[i] = 0.f;
                 if constexpr (G::GATED) acc_up[i] = 0.f;
             }
+            // A warpgroup whose 64 rows are all past the tile's rows (an expert's last,
+            // partly empty tile) only keeps the ring's count: its zeros would store nothing,
+            // and the warpgroup that has rows gets the SM's tensor cores to itself.
+            const bool multiplies = t.rows > warpgroup * 64;
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
-                if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
-                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
-                const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
-                const u32 b_base = stage_address + G::A_BYTES;
-                wgmma_fence();
+                if (multiplies) {
+                    if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
+                    const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+                    const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
+                    const u32 b_base = stage_address + G::A_BYTES;
+                    wgmma_fence();
 #pragma unroll
-                for (int k16 = 0; k16 < G::BK / 16; ++k16) {
-                    const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
-                    wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
-                    if constexpr (G::GATED) {
-                        wgmma_m64k16<G::BN>(acc_up, desc_a, wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
+                    for (int k16 = 0; k16 < G::BK / 16; ++k16) {
+                        const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
+                        wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
+                        if constexpr (G::GATED) {
+                            wgmma_m64k16<G::BN>(acc_up, desc_a,
+                                                wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
+                        }
                     }
+                    wgmma_commit();
                 }
-                wgmma_commit();
                 wgmma_wait<1>();  // the previous group has read its stage
                 if (previous >= 0) release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
                 previous = stage;
