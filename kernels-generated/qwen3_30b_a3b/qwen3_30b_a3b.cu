@@ -700,16 +700,6 @@ struct StageLoader {
     }
 };
 
-template <class G, int LOADERS>
-__device__ __forceinline__ void load_stage(u32 stage_base, int k_tile, const GemmTile& t, const int* s_row_source,
-                                           const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ own_rows,
-                                           const bf16_t* __restrict__ w_expert, unsigned loader) {
-    const StageLoader<G, LOADERS> load(loader);
-    const int k_offset = load.k_offset(k_tile);
-    load.a_rows(stage_base, k_offset, s_row_source, a_rows, own_rows);
-    load.b_rows(stage_base, k_offset, t, w_expert);
-}
-
 // Epilogue, shared by both engines: where tile row r goes, with which scale and which
 // expert's bias, then one pair of adjacent output columns at a time. GEMM_UP adds the bias
 // to the gate and up accumulators and applies the activation; GEMM_DOWN adds the bias,
@@ -891,15 +881,21 @@ __device__ __forceinline__ void grouped_gemm(
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
 
     // One run of k-tiles [k_begin, k_begin + k_count) of tile `tile`: load and multiply
-    // them, then store the tile (whole, or as the last of a split tile's blocks).
-    auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare& share) {
+    // them, then store the tile (whole, or as the last of a split tile's blocks; `share`,
+    // the call's stream-K deal, only for a part of a tile).
+    auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare* share) {
         const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
         fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
         __syncthreads();
         const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
-        auto stage_load = [&](int stage, int k_tile) {
-            load_stage<G, G::THREADS>(smem_base + stage * G::STAGE_BYTES, k_tile, t, s_row_source, a_rows, ep.own_rows,
-                                      w_expert, tid);
+        // Stage `stage` gets k-tile `k_tile`: its A rows, and its weight rows unless they
+        // went out already.
+        const StageLoader<G, G::THREADS> load((unsigned)tid);
+        auto stage_load = [&](int stage, int k_tile, bool weights_issued = false) {
+            const u32 stage_base = smem_base + stage * G::STAGE_BYTES;
+            const int k_offset = load.k_offset(k_tile);
+            load.a_rows(stage_base, k_offset, s_row_source, a_rows, ep.own_rows);
+            if (!weights_issued) load.b_rows(stage_base, k_offset, t, w_expert);
         };
 
         float acc[MI][NJ][4];
@@ -915,31 +911,25 @@ __device__ __forceinline__ void grouped_gemm(
                 }
 
         // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
-        // k-tile k_begin + k from stage k % STAGES.
-        if (G::WEIGHTS_BEFORE_WAIT && !waited) {
-            // GEMM2 started early, beside GEMM1's last tiles. Its weights and tile schedule
-            // were final before it launched (the routing ran two launches back); only its A
-            // rows are GEMM1's output. So the ring's first stages of weight rows go out
-            // before it waits for GEMM1. (Warming L2 with the rest of the run's weights as
-            // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
-            const StageLoader<G, G::THREADS> load((unsigned)tid);
+        // k-tile k_begin + k from stage k % STAGES. A GEMM2 that started early (beside
+        // GEMM1's last tiles) first issues those stages' weight rows, then waits for GEMM1:
+        // its weights and tile schedule were final before it launched (the routing ran two
+        // launches back); only its A rows are GEMM1's output. (Warming L2 with the rest of
+        // the run's weights as well cost up to 15%: it competed with GEMM1 for HBM,
+        // 2026-12-01.)
+        const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
+        if (weights_first) {
 #pragma unroll
             for (int s = 0; s < G::STAGES - 1; ++s) {
                 if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
             }
             start_after_previous_kernel();
             waited = true;
+        }
 #pragma unroll
-            for (int s = 0; s < G::STAGES - 1; ++s) {
-                if (s < k_count) load.a_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), s_row_source, a_rows, ep.own_rows);
-                cp_async_commit();
-            }
-        } else {
-#pragma unroll
-            for (int s = 0; s < G::STAGES - 1; ++s) {
-                if (s < k_count) stage_load(s, k_begin + s);
-                cp_async_commit();
-            }
+        for (int s = 0; s < G::STAGES - 1; ++s) {
+            if (s < k_count) stage_load(s, k_begin + s, weights_first);
+            cp_async_commit();
         }
 
         for (int k = 0; k < k_count; ++k) {
@@ -988,7 +978,7 @@ __device__ __forceinline__ void grouped_gemm(
         // A tile split between blocks is stored by the last of them, with every part.
         bool stores = true;
         if constexpr (G::STREAM_K_MAX_TILES > 0) {
-            if (k_count < K_TILES) stores = stream_k_meet<G>(acc, acc_up, share, tile, stream_k);
+            if (k_count < K_TILES) stores = stream_k_meet<G>(acc, acc_up, *share, tile, stream_k);
         }
 
         // Epilogue: each thread holds rows lane/4 and lane/4 + 8 of every fragment, two
@@ -1028,13 +1018,13 @@ __device__ __forceinline__ void grouped_gemm(
             for (int it = share.start(blockIdx.x); it < end;) {
                 const int k_begin = it % K_TILES;
                 const int k_count = min(K_TILES - k_begin, end - it);
-                multiply_run(it / K_TILES, k_begin, k_count, share);
+                multiply_run(it / K_TILES, k_begin, k_count, &share);
                 it += k_count;
             }
             return;
         }
     }
-    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) multiply_run(tile, 0, K_TILES, StreamKShare(0, 1));
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) multiply_run(tile, 0, K_TILES, nullptr);
 }
 // ---------------------------------------------------------------------------------------
 // Router: chooses each token's TOP_K experts and their weights from x, for a call that
