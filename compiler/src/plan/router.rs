@@ -2,12 +2,13 @@
 //! experts and weights from `x` on the GPU. Per single-GPU regime, one of two shapes:
 //!
 //! - **fused** (a regime whose largest call has at most [`ROUTER_FUSED_MAX_PAIRS`] (token,
-//!   k) pairs): one launch, `<symbol>_<regime>_router`, in place of the regime's
+//!   k) pairs, and whose later phases' scratch fits a block): one launch, `<symbol>_<regime>_router`, in place of the regime's
 //!   routing-metadata launch, so that a self-routed call runs as many kernels as a
 //!   caller-routed one. Its phases, each run by the block the one before leaves last:
-//!   1. **gate**, every block: the logits (below);
-//!   2. **select**, by the block of each token tile that finishes its gate tile last (a
-//!      counter per token tile in `router_tiles_done`): one warp per token;
+//!   1. **gate**, every block: the logits, or its split's partial sums of them (below);
+//!   2. **select**, by the block of each token tile that finishes its gate blocks last (a
+//!      counter per token tile in `router_tiles_done`): it sums the partial logits in
+//!      split order, then one warp per token;
 //!   3. **routing metadata**, by the block whose token tile is selected last (a counter
 //!      over the token tiles): the route kernel's body on `routed_ids`.
 //!
@@ -30,7 +31,10 @@
 //! stored. A small tile's block holds `warps_k` groups of warps that split the reduction
 //! (each its own ring of stages), summed in group order at the end: at a few tokens the
 //! grid has few blocks, and without the split each would have one warp's few loads in
-//! flight over all of H. The **select** applies the rule ([`ir::Router`]: bias, scores,
+//! flight over all of H. A fused gate also splits each tile's reduction over blocks
+//! ([`GatePlan::k_split`], [`Grid::SplitTokenTiles`]): at one token DeepSeek-V3's 16
+//! expert tiles run as 112 blocks, each loading its share of W_gate before it waits. The
+//! **select** applies the rule ([`ir::Router`]: bias, scores,
 //! correction, group limit, top-k, weights) and writes `routed_ids` and `routed_weights`,
 //! which the table then reads where a caller-routed call passes `topk_ids` and
 //! `topk_weights`. The expert-parallel path keeps caller-passed ids and weights.
@@ -185,7 +189,8 @@ pub fn router_scratch_bytes(
 /// k-tiles, over as many blocks as keep the grid within one per SM (a few tokens' grid
 /// has one block per expert tile, each reading its W_gate rows over all of H: one SM's
 /// loads set its pace, and the W_gate rows loaded before the wait cover only the first
-/// stages). None for a split router's gate, whose grid fills the GPU by its tokens.
+/// stages). A split router's gate does not split (one step), its grid filling the GPU by
+/// its tokens.
 pub fn gate_k_split(fused: bool, hidden: u32, warps_k: u32, sm_count: u32) -> KSplit {
     KSplit {
         steps: if fused {
@@ -475,9 +480,9 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
 
 /// The router's launches of regime `regime` of the layer `symbol` with this gate tile:
 /// fused, one block per (token tile, expert tile, block of the split); or split, one gate
-/// block per (token tile, expert tile) then one select block per [`SELECT_WARPS`] tokens. The fused router
-/// starts early where `early_start` says so (it heads a call of early-starting kernels);
-/// the split router's launches do not.
+/// block per (token tile, expert tile) then one select block per [`SELECT_WARPS`] tokens.
+/// The fused router starts early where `early_start` says so (it heads a call of
+/// early-starting kernels); the split router's launches do not.
 pub(super) fn router_launches(
     rule: &ir::Router,
     experts: u32,
