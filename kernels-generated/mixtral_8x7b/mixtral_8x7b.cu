@@ -1037,10 +1037,10 @@ __device__ __forceinline__ void grouped_gemm(
 //           loads in flight. A fused router splits it over blocks as well (below).
 //   select  one warp per token: scores softmax(x · W_gateᵀ), top-k by score (ties: lower index), weights chosen scores renormalised × 1.
 // A regime's router is fused (one kernel in place of the route kernel: gate in every
-// block; select by the last block of each token tile to finish its gate tile; the routing
-// metadata by the last token tile's selecting block; a counter per token tile and one
-// over the token tiles say which block came last, and it resets the counter for the next
-// call; no block waits for another) or split (gate kernel, then select kernel, then the
+// block; select by the last block of each token tile to finish its gate blocks; the
+// routing metadata by the last token tile's selecting block; a counter per token tile and,
+// with several token tiles, one over them say which block came last, and it resets the
+// counter for the next call; no block waits for another) or split (gate kernel, then select kernel, then the
 // whole table) for calls too large for one block's tails. A fused gate's tile is split
 // over `splits` blocks along the reduction (as many as the grid's size says: the plan
 // splits a few tokens' tiles so that every SM loads a piece of W_gate), each writing its

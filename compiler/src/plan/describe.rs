@@ -395,7 +395,8 @@ fn describe_launch(out: &mut String, launch: &Launch) {
             blocks_per_tile,
             k_split,
         } => format!(
-            "{blocks_per_tile} blocks per {tokens_per_tile} tokens, each splitting its reduction over up to {} blocks",
+            "{blocks_per_tile} block{} per {tokens_per_tile} tokens, each splitting its reduction over up to {} blocks",
+            if blocks_per_tile == 1 { "" } else { "s" },
             k_split.splits(blocks_per_tile)
         ),
     };

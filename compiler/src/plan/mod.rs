@@ -1270,7 +1270,7 @@ fn workspace(
                 id: BufferId::RouterTilesDone,
                 elem: BufferId::RouterTilesDone.elem(),
                 elems: u64::from(router.tiles_done),
-                purpose: "the router's arrival counters: token tiles selected, then gate tiles done per token tile (zero between calls)".into(),
+                purpose: "the router's arrival counters: token tiles selected (with several), then gate blocks done per token tile (zero between calls)".into(),
             },
             Buffer {
                 id: BufferId::RoutedIds,

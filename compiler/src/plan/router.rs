@@ -10,7 +10,8 @@
 //!      counter per token tile in `router_tiles_done`): it sums the partial logits in
 //!      split order, then one warp per token;
 //!   3. **routing metadata**, by the block whose token tile is selected last (a counter
-//!      over the token tiles): the route kernel's body on `routed_ids`.
+//!      over the token tiles; with one token tile, the selecting block itself): the route
+//!      kernel's body on `routed_ids`.
 //!
 //!   The last block to arrive resets its counter, so the next call starts from zero
 //!   without a memset. No block waits for another, so nothing can deadlock whatever the
