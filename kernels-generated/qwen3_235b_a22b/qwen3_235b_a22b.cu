@@ -1057,18 +1057,19 @@ constexpr int ROUTER_GROUPS_KEPT = 0;
 constexpr bool ROUTER_NORMALIZE = true;
 constexpr float ROUTER_SCALE = 1e0f;
 constexpr float ROUTER_NORMALIZE_EPSILON = 1e-20f;  // DeepSeek-V3's guard against 0/0
+constexpr int ROUTER_PER_LANE = (EXPERTS + 31) / 32;     // experts a lane holds: lane, lane + 32, ...
+constexpr int ROUTER_K_PER_LANE = (TOP_K + 31) / 32;     // chosen experts a lane writes
 constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS;
+constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
+static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
 // A fused router's select scratch (its token tile's logits; the rule's bias, with one; a
-// warp's selection values, with a group limit; the exchange of a team of warps routing one
-// token, see RouterTeam) and its routing scratch (counts and offsets per GEMM expert), both
-// in the gate's rings.
+// warp's selection values, with a group limit) and its routing scratch (counts and
+// offsets per GEMM expert), both in the gate's rings.
 constexpr int ROUTER_BIAS_FLOATS = ROUTER_BIAS != ROUTER_BIAS_NONE ? EXPERTS : 0;
-__host__ __device__ constexpr int router_team_words(int team) { return team > 1 ? 2 * (3 * team + 2) : 0; }
 template <class G>
 __host__ __device__ constexpr int router_scratch_bytes() {
-    const int selection = 4 * (G::BM * EXPERTS + ROUTER_BIAS_FLOATS) + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0) +
-                          4 * router_team_words(G::THREADS / 32);
+    const int selection = 4 * (G::BM * EXPERTS + ROUTER_BIAS_FLOATS) + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0);
     const int routing = 4 * (2 * GEMM_EXPERTS + 1);
     return selection > routing ? selection : routing;
 }
@@ -1280,25 +1281,23 @@ __device__ __forceinline__ void router_warp_best(float& value, int& index) {
     index = (int)best_index;
 }
 
-// This lane's best entry (value, expert) of its PER (experts lane, lane + lanes, ...)
-// among those `unavailable` leaves open, (-inf, ROUTER_NONE) when none is: a tree of
-// comparisons, log2(PER) deep rather than a chain of PER (the select's rounds wait on it
-// one after another).
-template <int PER>
-__device__ __forceinline__ void router_lane_best(const float (&selection)[PER], u32 unavailable, int lane, int lanes,
+// This lane's best entry (value, expert) among those `unavailable` leaves open, (-inf,
+// ROUTER_NONE) when none is: a tree of comparisons, log2(ROUTER_PER_LANE) deep rather
+// than a chain of ROUTER_PER_LANE (the select's rounds wait on it one after another).
+__device__ __forceinline__ void router_lane_best(const float (&selection)[ROUTER_PER_LANE], u32 unavailable, int lane,
                                                  float& best_v, int& best_e) {
-    float v[PER];
-    int e[PER];
+    float v[ROUTER_PER_LANE];
+    int e[ROUTER_PER_LANE];
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) {
         const bool open = !(unavailable >> i & 1u);
         v[i] = open ? selection[i] : negative_infinity();
-        e[i] = open ? lane + lanes * i : ROUTER_NONE;
+        e[i] = open ? lane + 32 * i : ROUTER_NONE;
     }
 #pragma unroll
-    for (int stride = 1; stride < PER; stride *= 2) {
+    for (int stride = 1; stride < ROUTER_PER_LANE; stride *= 2) {
 #pragma unroll
-        for (int i = 0; i + stride < PER; i += 2 * stride) {
+        for (int i = 0; i + stride < ROUTER_PER_LANE; i += 2 * stride) {
             if (router_better(v[i + stride], e[i + stride], v[i], e[i])) {
                 v[i] = v[i + stride];
                 e[i] = e[i + stride];
@@ -1321,117 +1320,19 @@ __device__ __forceinline__ float router_warp_max(float v) {
     return router_from_ordered_bits(best_key);
 }
 
-// The warps that route one token together, and their reductions (every thread gets the
-// result). One warp (TEAM = 1): warp reductions. A whole block (TEAM = its warps, at a
-// single token's tile): each warp reduces, its lane 0 posts to shared memory, a barrier,
-// then every thread combines the TEAM posts in warp order (the same order at every call).
-// Posts alternate between two buffers, so that one barrier per reduction is enough: a
-// buffer is written again only after the barrier of the reduction in between, which every
-// thread reaches after it has read the buffer.
-template <int TEAM>
-struct RouterTeam {
-    static constexpr int LANES = 32 * TEAM;
-    static constexpr int PER = (EXPERTS + LANES - 1) / LANES;                // experts a lane holds
-    static constexpr int K_PER = (TOP_K + LANES - 1) / LANES;                // chosen experts a lane writes
-    static constexpr int GROUPS_PER = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + LANES - 1) / LANES : 1;
-    static_assert(PER <= 32, "plan: a lane's experts fit one 32-bit mask");
-    u32* scratch;  // router_team_words(TEAM): 2 buffers of TEAM keys, TEAM indices, TEAM floats, 2 floats
-    int lane, warp, buffer = 0;
-
-    __device__ __forceinline__ explicit RouterTeam(u32* s_team)
-        : scratch(s_team), lane(threadIdx.x % LANES), warp(threadIdx.x / 32 % TEAM) {}
-
-    __device__ __forceinline__ void sync() {
-        if constexpr (TEAM == 1) __syncwarp();
-        else __syncthreads();
-    }
-    __device__ __forceinline__ u32* posts() {
-        u32* b = scratch + buffer * (3 * TEAM + 2);
-        buffer ^= 1;
-        return b;
-    }
-    // The best (value, index): higher value, then lower index.
-    __device__ __forceinline__ void best(float& value, int& index) {
-        router_warp_best(value, index);
-        if constexpr (TEAM > 1) {
-            u32* b = posts();
-            if (threadIdx.x % 32 == 0) {
-                b[warp] = router_ordered_bits(value);
-                b[TEAM + warp] = (u32)index;
-            }
-            __syncthreads();
-            u32 key = b[0], at = b[TEAM];
-#pragma unroll
-            for (int w = 1; w < TEAM; ++w) {
-                if (b[w] > key || (b[w] == key && b[TEAM + w] < at)) {
-                    key = b[w];
-                    at = b[TEAM + w];
-                }
-            }
-            value = router_from_ordered_bits(key);
-            index = (int)at;
-        }
-    }
-    __device__ __forceinline__ float max(float v) {
-        v = router_warp_max(v);
-        if constexpr (TEAM > 1) {
-            u32* b = posts();
-            if (threadIdx.x % 32 == 0) b[warp] = router_ordered_bits(v);
-            __syncthreads();
-            u32 key = b[0];
-#pragma unroll
-            for (int w = 1; w < TEAM; ++w) key = b[w] > key ? b[w] : key;
-            v = router_from_ordered_bits(key);
-        }
-        return v;
-    }
-    __device__ __forceinline__ float sum(float v) {
-        v = router_warp_sum(v);
-        if constexpr (TEAM > 1) {
-            float* b = reinterpret_cast<float*>(posts()) + 2 * TEAM;
-            if (threadIdx.x % 32 == 0) b[warp] = v;
-            __syncthreads();
-            v = b[0];
-#pragma unroll
-            for (int w = 1; w < TEAM; ++w) v += b[w];
-        }
-        return v;
-    }
-    // Team lane `owner`'s a and b, to every thread.
-    __device__ __forceinline__ void from_owner(float& a, float& b, int owner) {
-        if constexpr (TEAM == 1) {
-            a = __shfl_sync(0xffffffffu, a, owner);
-            b = __shfl_sync(0xffffffffu, b, owner);
-        } else {
-            float* p = reinterpret_cast<float*>(posts()) + 3 * TEAM;
-            if (lane == owner) {
-                p[0] = a;
-                p[1] = b;
-            }
-            __syncthreads();
-            a = p[0];
-            b = p[1];
-        }
-    }
-};
-
-// A team of TEAM warps routes one token, whose logit of expert e is logit_of(e) and the
-// rule's bias bias_of(e) (not called without one); `s_selection` is the team's EXPERTS
-// floats of shared memory (used with a group limit), `s_team` its exchange scratch (TEAM >
-// 1, see RouterTeam). Team lane t (of 32 · TEAM) holds experts t, t + 32 · TEAM, ...
-template <int TEAM, class LogitOf, class BiasOf>
+// One warp routes one token, whose logit of expert e is logit_of(e) and the rule's bias
+// bias_of(e) (not called without one); `s_selection` is this warp's EXPERTS floats of
+// shared memory (used with a group limit).
+template <class LogitOf, class BiasOf>
 __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, int token, int* routed_ids,
-                                              float* routed_weights, float* s_selection, u32* s_team) {
-    using T = RouterTeam<TEAM>;
-    T team(s_team);
-    const int lane = team.lane;  // team lane
-    constexpr int LANES = T::LANES;
+                                              float* routed_weights, float* s_selection) {
+    const int lane = threadIdx.x & 31;
 
     // Phase 1: logits, the gate bias added when the rule says so.
-    float logit[T::PER];
+    float logit[ROUTER_PER_LANE];
 #pragma unroll
-    for (int i = 0; i < T::PER; ++i) {
-        const int e = lane + LANES * i;
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
         logit[i] = negative_infinity();
         if (e < EXPERTS) {
             logit[i] = logit_of(e);
@@ -1440,37 +1341,37 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     }
 
     // Phase 2: scores (softmax over all experts, sigmoid, or the logits themselves).
-    float score[T::PER];
+    float score[ROUTER_PER_LANE];
     if constexpr (ROUTER_SCORING == ROUTER_SOFTMAX) {
         float max_logit = negative_infinity();
 #pragma unroll
-        for (int i = 0; i < T::PER; ++i) max_logit = fmaxf(max_logit, logit[i]);
-        max_logit = team.max(max_logit);
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) max_logit = fmaxf(max_logit, logit[i]);
+        max_logit = router_warp_max(max_logit);
         float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < T::PER; ++i) {
-            score[i] = lane + LANES * i < EXPERTS ? expf(logit[i] - max_logit) : 0.f;
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            score[i] = lane + 32 * i < EXPERTS ? expf(logit[i] - max_logit) : 0.f;
             sum += score[i];
         }
-        sum = team.sum(sum);
+        sum = router_warp_sum(sum);
 #pragma unroll
-        for (int i = 0; i < T::PER; ++i) score[i] /= sum;
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) score[i] /= sum;
     } else if constexpr (ROUTER_SCORING == ROUTER_SIGMOID) {
 #pragma unroll
-        for (int i = 0; i < T::PER; ++i) score[i] = 1.f / (1.f + expf(-logit[i]));
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) score[i] = 1.f / (1.f + expf(-logit[i]));
     } else {
 #pragma unroll
-        for (int i = 0; i < T::PER; ++i) score[i] = logit[i];
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) score[i] = logit[i];
     }
 
     // Phase 3: selection values, the score correction added when the rule says so; a set
     // bit of `unavailable` marks an entry that cannot be chosen (past EXPERTS, outside the
     // kept groups, or chosen already).
-    float selection[T::PER];
+    float selection[ROUTER_PER_LANE];
     u32 unavailable = 0;
 #pragma unroll
-    for (int i = 0; i < T::PER; ++i) {
-        const int e = lane + LANES * i;
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
         float v = score[i];
         if (e < EXPERTS) {
             if constexpr (ROUTER_BIAS == ROUTER_BIAS_SCORE_CORRECTION) v += bias_of(e);
@@ -1486,15 +1387,15 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     // adjacent words, not one bank.
     if constexpr (ROUTER_GROUPS > 0) {
 #pragma unroll
-        for (int i = 0; i < T::PER; ++i) {
-            const int e = lane + LANES * i;
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
             if (e < EXPERTS) s_selection[e % ROUTER_GROUP_SIZE * ROUTER_GROUPS + e / ROUTER_GROUP_SIZE] = selection[i];
         }
-        team.sync();
-        float group_value[T::GROUPS_PER];
+        __syncwarp();
+        float group_value[ROUTER_GROUPS_PER_LANE];
 #pragma unroll
-        for (int j = 0; j < T::GROUPS_PER; ++j) {
-            const int g = lane + LANES * j;
+        for (int j = 0; j < ROUTER_GROUPS_PER_LANE; ++j) {
+            const int g = lane + 32 * j;
             float best = negative_infinity(), second = negative_infinity();
             if (g < ROUTER_GROUPS) {
                 for (int m = 0; m < ROUTER_GROUP_SIZE; ++m) {
@@ -1515,18 +1416,18 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
             float best_v = negative_infinity();
             int best_g = ROUTER_NONE;
 #pragma unroll
-            for (int j = 0; j < T::GROUPS_PER; ++j) {
-                const int g = lane + LANES * j;
+            for (int j = 0; j < ROUTER_GROUPS_PER_LANE; ++j) {
+                const int g = lane + 32 * j;
                 if (g < ROUTER_GROUPS && !(groups_taken >> j & 1u) && router_better(group_value[j], g, best_v, best_g)) {
                     best_v = group_value[j];
                     best_g = g;
                 }
             }
-            team.best(best_v, best_g);
-            if (best_g % LANES == lane) groups_taken |= 1u << (best_g / LANES);
+            router_warp_best(best_v, best_g);
+            if (best_g % 32 == lane) groups_taken |= 1u << (best_g / 32);
 #pragma unroll
-            for (int i = 0; i < T::PER; ++i) {
-                if ((lane + LANES * i) / ROUTER_GROUP_SIZE == best_g) eligible |= 1u << i;
+            for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+                if ((lane + 32 * i) / ROUTER_GROUP_SIZE == best_g) eligible |= 1u << i;
             }
         }
         unavailable |= ~eligible;
@@ -1534,28 +1435,30 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
 
     // Phase 5: top-k by selection value, best first; the lane that holds each chosen
     // expert's slot k (k % 32) keeps its id, logit and score.
-    int chosen_id[T::K_PER] = {};
-    float chosen_logit[T::K_PER] = {}, chosen_score[T::K_PER] = {};
+    int chosen_id[ROUTER_K_PER_LANE] = {};
+    float chosen_logit[ROUTER_K_PER_LANE] = {}, chosen_score[ROUTER_K_PER_LANE] = {};
     for (int k = 0; k < TOP_K; ++k) {
         float best_v;
         int best_e;
-        router_lane_best<T::PER>(selection, unavailable, lane, LANES, best_v, best_e);
+        router_lane_best(selection, unavailable, lane, best_v, best_e);
         const int owner_e = best_e;
-        team.best(best_v, best_e);
+        router_warp_best(best_v, best_e);
         // The owner of the winner marks it taken and passes its logit and score on.
+        const int owner = best_e % 32;
         float best_logit = 0.f, best_score = 0.f;
 #pragma unroll
-        for (int i = 0; i < T::PER; ++i) {
-            if (lane + LANES * i == best_e) {
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            if (lane + 32 * i == best_e) {
                 best_logit = logit[i];
                 best_score = score[i];
             }
         }
-        if (owner_e == best_e) unavailable |= 1u << (best_e / LANES);
-        team.from_owner(best_logit, best_score, best_e % LANES);
+        if (owner_e == best_e) unavailable |= 1u << (best_e / 32);
+        best_logit = __shfl_sync(0xffffffffu, best_logit, owner);
+        best_score = __shfl_sync(0xffffffffu, best_score, owner);
 #pragma unroll
-        for (int j = 0; j < T::K_PER; ++j) {
-            if (k == lane + LANES * j) {
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+            if (k == lane + 32 * j) {
                 chosen_id[j] = best_e;
                 chosen_logit[j] = best_logit;
                 chosen_score[j] = best_score;
@@ -1565,38 +1468,38 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
 
     // Phase 6: weights: the chosen scores, or a softmax over the chosen logits; then
     // renormalised when the rule says so, and scaled.
-    float weight[T::K_PER];
+    float weight[ROUTER_K_PER_LANE];
     if constexpr (ROUTER_SCORING == ROUTER_TOPK_SOFTMAX) {
         float max_logit = negative_infinity();
 #pragma unroll
-        for (int j = 0; j < T::K_PER; ++j) {
-            if (lane + LANES * j < TOP_K) max_logit = fmaxf(max_logit, chosen_logit[j]);
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+            if (lane + 32 * j < TOP_K) max_logit = fmaxf(max_logit, chosen_logit[j]);
         }
-        max_logit = team.max(max_logit);
+        max_logit = router_warp_max(max_logit);
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < T::K_PER; ++j) {
-            weight[j] = lane + LANES * j < TOP_K ? expf(chosen_logit[j] - max_logit) : 0.f;
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+            weight[j] = lane + 32 * j < TOP_K ? expf(chosen_logit[j] - max_logit) : 0.f;
             sum += weight[j];
         }
-        sum = team.sum(sum);
+        sum = router_warp_sum(sum);
 #pragma unroll
-        for (int j = 0; j < T::K_PER; ++j) weight[j] /= sum;
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) weight[j] /= sum;
     } else {
 #pragma unroll
-        for (int j = 0; j < T::K_PER; ++j) weight[j] = lane + LANES * j < TOP_K ? chosen_score[j] : 0.f;
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) weight[j] = lane + 32 * j < TOP_K ? chosen_score[j] : 0.f;
     }
     if constexpr (ROUTER_NORMALIZE) {
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < T::K_PER; ++j) sum += weight[j];
-        sum = team.sum(sum) + ROUTER_NORMALIZE_EPSILON;
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) sum += weight[j];
+        sum = router_warp_sum(sum) + ROUTER_NORMALIZE_EPSILON;
 #pragma unroll
-        for (int j = 0; j < T::K_PER; ++j) weight[j] /= sum;
+        for (int j = 0; j < ROUTER_K_PER_LANE; ++j) weight[j] /= sum;
     }
 #pragma unroll
-    for (int j = 0; j < T::K_PER; ++j) {
-        const int k = lane + LANES * j;
+    for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+        const int k = lane + 32 * j;
         if (k < TOP_K) {
             routed_ids[(size_t)token * TOP_K + k] = chosen_id[j];
             routed_weights[(size_t)token * TOP_K + k] = weight[j] * ROUTER_SCALE;
@@ -1658,21 +1561,13 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     }
     __syncthreads();
 
-    // Select: this token tile's tokens, a warp each; a tile of one token (a decode call's)
-    // by the whole block, whose warps share its experts (RouterTeam).
+    // Select: this token tile's tokens, a warp each.
     const int warp = threadIdx.x >> 5;
-    float* s_selections = s_bias + ROUTER_BIAS_FLOATS;  // [WARPS, EXPERTS] with a group limit
-    u32* s_team = reinterpret_cast<u32*>(s_selections + (ROUTER_GROUPS > 0 ? WARPS * EXPERTS : 0));
-    const auto bias_of = [&](int e) { return s_bias[e]; };
-    if (WARPS > 1 && tile_end - tile_first == 1) {
-        router_select<WARPS>([&](int e) { return s_logits[e]; }, bias_of, tile_first, routed_ids, routed_weights,
-                             s_selections, s_team);
-    } else {
-        for (int token = tile_first + warp; token < tile_end; token += WARPS) {
-            const float* s_row = s_logits + (token - tile_first) * EXPERTS;
-            router_select<1>([&](int e) { return s_row[e]; }, bias_of, token, routed_ids, routed_weights,
-                             s_selections + warp * EXPERTS, nullptr);
-        }
+    float* s_selection = s_bias + ROUTER_BIAS_FLOATS + warp * EXPERTS;
+    for (int token = tile_first + warp; token < tile_end; token += WARPS) {
+        const float* s_row = s_logits + (token - tile_first) * EXPERTS;
+        router_select([&](int e) { return s_row[e]; }, [&](int e) { return s_bias[e]; }, token, routed_ids,
+                      routed_weights, s_selection);
     }
     // The last token tile selected goes on; with one token tile, that is this block (its
     // choices are visible to it after the barrier, and the routing's counts may then reuse
@@ -1710,8 +1605,8 @@ extern "C" __global__ void __launch_bounds__(128) qwen3_235b_a22b_router_select(
     // The logits are read through L2 (ld.cg): the gate kernel wrote them.
     const float* row = router_logits + (size_t)token * EXPERTS;
     const float* bias = nullptr;
-    router_select<1>([&](int e) { return __ldcg(row + e); }, [&](int e) { return bias[e]; }, token, routed_ids,
-                     routed_weights, s_selection[warp], nullptr);
+    router_select([&](int e) { return __ldcg(row + e); }, [&](int e) { return bias[e]; }, token, routed_ids,
+                  routed_weights, s_selection[warp]);
 }
 #endif
 

@@ -167,11 +167,9 @@ impl GatePlan {
 
 /// Shared memory the select and routing phases reuse from the gate's rings, in bytes:
 /// the token tile's logits (f32 × `tile_tokens` × E, summed over the split), the rule's
-/// bias (f32 × E, with one), with a group limit each warp's selection values (f32 × E),
-/// from which a lane sums its group's best two, and the exchange of the block's warps
-/// when they route a single token together (two buffers of a key, an index and a float
-/// per warp, and two floats); the routing phase's per-expert counts and offsets (i32 × (2
-/// · GEMM experts + 1)).
+/// bias (f32 × E, with one) and, with a group limit, each warp's selection values (f32 ×
+/// E), from which a lane sums its group's best two; the routing phase's per-expert counts
+/// and offsets (i32 × (2 · GEMM experts + 1)).
 pub fn router_scratch_bytes(
     rule: &ir::Router,
     experts: u32,
@@ -184,12 +182,7 @@ pub fn router_scratch_bytes(
     } else {
         4 * experts
     };
-    let team = if warps > 1 {
-        4 * 2 * (3 * warps + 2)
-    } else {
-        0
-    };
-    (4 * tile_tokens * experts + bias + selection_bytes(rule, experts, warps) + team)
+    (4 * tile_tokens * experts + bias + selection_bytes(rule, experts, warps))
         .max(4 * (2 * gemm_experts + 1))
 }
 
