@@ -2,8 +2,8 @@
 //! experts and weights from `x` on the GPU. Per single-GPU regime, one of two shapes:
 //!
 //! - **fused** (a regime whose largest call has at most [`ROUTER_FUSED_MAX_PAIRS`] (token,
-//!   k) pairs, and whose later phases' scratch fits a block): one launch, `<symbol>_<regime>_router`, in place of the regime's
-//!   routing-metadata launch, so that a self-routed call runs as many kernels as a
+//!   k) pairs, and whose later phases' scratch fits a block: [`fused`]): one launch,
+//!   `<symbol>_<regime>_router`, in place of the regime's routing-metadata launch, so that a self-routed call runs as many kernels as a
 //!   caller-routed one. Its phases, each run by the block the one before leaves last:
 //!   1. **gate**, every block: the logits, or its split's partial sums of them (below);
 //!   2. **select**, by the block of each token tile that finishes its gate blocks last (a
@@ -350,8 +350,7 @@ pub fn gate_blocks(tile_tokens: u32, tile_experts: u32, experts: u32, tokens: u3
 }
 
 /// The gate tile for a regime whose largest call has `max_tokens` tokens, and whether the
-/// regime's router is fused: its largest call has few pairs ([`fused`]) and the later
-/// phases' scratch fits a block. The tile: among the tiles
+/// regime's router is fused ([`fused`]). The tile: among the tiles
 /// whose grid gives every SM a block at that count, the one that re-reads least from L2
 /// (a call reads `T·E·H·2·(1/tile_tokens + 1/tile_experts)` bytes into shared memory; the
 /// larger tile on a tie); when none fills the SMs (few tokens), the tile with the most
@@ -413,7 +412,7 @@ fn gate_plan(
         warps_m * warps_n * warps_k,
         tile_tokens,
     );
-    let fused = fused(max_tokens, layer.top_k) && scratch <= target.smem_per_block;
+    let fused = fused(max_tokens, layer.top_k, scratch, target.smem_per_block);
     let scratch = fused.then_some(scratch);
     let stages = gate_stages(
         fused,
@@ -457,10 +456,12 @@ fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
     }
 }
 
-/// Whether the router of a regime whose largest call has `max_tokens` tokens has few
-/// enough pairs to be fused ([`ROUTER_FUSED_MAX_PAIRS`]).
-pub fn fused(max_tokens: u32, top_k: u32) -> bool {
+/// Whether the router of a regime whose largest call has `max_tokens` tokens is fused: few
+/// enough pairs ([`ROUTER_FUSED_MAX_PAIRS`]), and the later phases' `scratch_bytes`
+/// ([`router_scratch_bytes`]) within a block's shared memory.
+pub fn fused(max_tokens: u32, top_k: u32, scratch_bytes: u32, smem_per_block: u32) -> bool {
     u64::from(max_tokens) * u64::from(top_k) <= ROUTER_FUSED_MAX_PAIRS
+        && scratch_bytes <= smem_per_block
 }
 
 /// Static shared memory of the split router's select kernel: with a group limit, each

@@ -377,9 +377,9 @@ impl Plan {
     /// usable; each gate tile is whole 16-row and 16-expert pieces with its warps, its
     /// split over blocks and shared memory (its rings, or a fused router's scratch) adding
     /// up and covers every expert; the regime is fused exactly when its largest call has
-    /// few pairs and the scratch fits a block; its
-    /// launches are exactly those of that tile, shape and rule (grids, threads, shared
-    /// memory, parameters: the bias exactly when the rule has one).
+    /// few pairs and the scratch fits a block; its launches are exactly those of that tile,
+    /// shape and rule (grids, threads, shared memory, parameters: the bias exactly when the
+    /// rule has one).
     fn check_router(&self, router: &RouterPlan) -> Result<(), String> {
         let experts = self.shape.experts;
         if router.regimes.len() != self.regimes.len() {
@@ -467,8 +467,12 @@ impl Plan {
                 name,
                 self.target.has_programmatic_launch(),
             );
-            let fused = router::fused(max_tokens, self.shape.top_k)
-                && scratch <= self.target.smem_per_block;
+            let fused = router::fused(
+                max_tokens,
+                self.shape.top_k,
+                scratch,
+                self.target.smem_per_block,
+            );
             if regime.fused != fused || regime.launches != expected {
                 return Err(format!(
                     "the router launches of regime `{name}` disagree with the gate tile and the rule"
@@ -634,8 +638,8 @@ impl Plan {
                 launch.block_threads
             ));
         }
-        let empty_tiles = match launch.grid {
-            Grid::Fixed(_) => false,
+        let empty = match launch.grid {
+            Grid::Fixed(blocks) => blocks == 0,
             Grid::TokenTiles {
                 tokens_per_tile,
                 blocks_per_tile,
@@ -651,7 +655,7 @@ impl Plan {
                     || k_split.most_blocks == 0
             }
         };
-        if launch.grid == Grid::Fixed(0) || empty_tiles {
+        if empty {
             return Err(format!("`{kernel}` has an empty grid"));
         }
         if launch.early_start && !self.target.has_programmatic_launch() {
