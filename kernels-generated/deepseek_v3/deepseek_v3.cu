@@ -1711,13 +1711,6 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
 template <>
-__device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc_b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 }, %64, %65, 1, 1, 1, 0, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b));
-}
-template <>
 __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, %128, %129, 1, 1, 1, 0, 0;\n"
@@ -1803,9 +1796,10 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
 //     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier
 //     (with A_TILES, GEMM2's consecutive A rows come the same way, one box per stage);
-//   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
-//     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
-//     refills a stage after waiting on "empty";
+//   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
+//     and up rows in one wgmma where they fit one), and arrive on the stage's "empty"
+//     mbarrier once the wgmma group reading it has retired; the producer refills a stage
+//     after waiting on "empty";
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers
@@ -1941,7 +1935,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
     constexpr int CLUSTER = G::CLUSTER;
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
-    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
+    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per BN columns
+    // One wgmma per k16 step spans WGMMA_N of the stage's B rows: all of them (gate and up
+    // together) where they fit one instruction, else one half each.
+    constexpr int WGMMA_PARTS = G::B_ROWS / G::WGMMA_N;
+    constexpr int ACCUMULATORS = G::B_ROWS / 2;
+    static_assert(G::B_ROWS % G::WGMMA_N == 0 && G::WGMMA_N % 16 == 0 && G::WGMMA_N <= 256, "plan: wgmma width");
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
     constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
@@ -2046,13 +2045,11 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         u32 phase = 0;
         for (int unit = first_unit; unit < total_units; unit += unit_step) {
             const GemmTile t = tile_of(unit);
-            float acc[FRAG];
-            float acc_up[G::GATED ? FRAG : 1];
+            // A gated tile's up columns follow its gate columns, as its up rows follow its
+            // gate rows in a stage.
+            float acc[ACCUMULATORS];
 #pragma unroll
-            for (int i = 0; i < FRAG; ++i) {
-                acc[i] = 0.f;
-                if constexpr (G::GATED) acc_up[i] = 0.f;
-            }
+            for (int i = 0; i < ACCUMULATORS; ++i) acc[i] = 0.f;
             // A warpgroup whose 64 rows are all past the tile's rows (an expert's last,
             // partly empty tile) only keeps the ring's count: its zeros would store nothing,
             // and the warpgroup that has rows gets the SM's tensor cores to itself.
@@ -2069,10 +2066,11 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
 #pragma unroll
                     for (int k16 = 0; k16 < G::BK / 16; ++k16) {
                         const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
-                        wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
-                        if constexpr (G::GATED) {
-                            wgmma_m64k16<G::BN>(acc_up, desc_a,
-                                                wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
+#pragma unroll
+                        for (int part = 0; part < WGMMA_PARTS; ++part) {
+                            const u32 b_part = b_base + part * G::WGMMA_N * G::ROW_BYTES;
+                            wgmma_m64k16<G::WGMMA_N>(acc + part * (G::WGMMA_N / 2), desc_a,
+                                                     wgmma_descriptor(b_part + k16 * 32));
                         }
                     }
                     wgmma_commit();
@@ -2084,7 +2082,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-            wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
+            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
@@ -2792,6 +2790,7 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2826,6 +2825,7 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2864,6 +2864,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2898,6 +2899,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -3018,6 +3020,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -3057,6 +3060,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -3098,6 +3102,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -3137,6 +3142,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;

@@ -1801,9 +1801,10 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
 //     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier
 //     (with A_TILES, GEMM2's consecutive A rows come the same way, one box per stage);
-//   - the consumer warpgroups (64 rows each) wait on "full", multiply, and arrive on the
-//     stage's "empty" mbarrier once the wgmma group reading it has retired; the producer
-//     refills a stage after waiting on "empty";
+//   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
+//     and up rows in one wgmma where they fit one), and arrive on the stage's "empty"
+//     mbarrier once the wgmma group reading it has retired; the producer refills a stage
+//     after waiting on "empty";
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers
@@ -1939,7 +1940,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
     constexpr int CLUSTER = G::CLUSTER;
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
-    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per wgmma
+    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per BN columns
+    // One wgmma per k16 step spans WGMMA_N of the stage's B rows: all of them (gate and up
+    // together) where they fit one instruction, else one half each.
+    constexpr int WGMMA_PARTS = G::B_ROWS / G::WGMMA_N;
+    constexpr int ACCUMULATORS = G::B_ROWS / 2;
+    static_assert(G::B_ROWS % G::WGMMA_N == 0 && G::WGMMA_N % 16 == 0 && G::WGMMA_N <= 256, "plan: wgmma width");
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
     constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
@@ -2044,13 +2050,11 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         u32 phase = 0;
         for (int unit = first_unit; unit < total_units; unit += unit_step) {
             const GemmTile t = tile_of(unit);
-            float acc[FRAG];
-            float acc_up[G::GATED ? FRAG : 1];
+            // A gated tile's up columns follow its gate columns, as its up rows follow its
+            // gate rows in a stage.
+            float acc[ACCUMULATORS];
 #pragma unroll
-            for (int i = 0; i < FRAG; ++i) {
-                acc[i] = 0.f;
-                if constexpr (G::GATED) acc_up[i] = 0.f;
-            }
+            for (int i = 0; i < ACCUMULATORS; ++i) acc[i] = 0.f;
             // A warpgroup whose 64 rows are all past the tile's rows (an expert's last,
             // partly empty tile) only keeps the ring's count: its zeros would store nothing,
             // and the warpgroup that has rows gets the SM's tensor cores to itself.
@@ -2067,10 +2071,11 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
 #pragma unroll
                     for (int k16 = 0; k16 < G::BK / 16; ++k16) {
                         const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
-                        wgmma_m64k16<G::BN>(acc, desc_a, wgmma_descriptor(b_base + k16 * 32));
-                        if constexpr (G::GATED) {
-                            wgmma_m64k16<G::BN>(acc_up, desc_a,
-                                                wgmma_descriptor(b_base + G::BN * G::ROW_BYTES + k16 * 32));
+#pragma unroll
+                        for (int part = 0; part < WGMMA_PARTS; ++part) {
+                            const u32 b_part = b_base + part * G::WGMMA_N * G::ROW_BYTES;
+                            wgmma_m64k16<G::WGMMA_N>(acc + part * (G::WGMMA_N / 2), desc_a,
+                                                     wgmma_descriptor(b_part + k16 * 32));
                         }
                     }
                     wgmma_commit();
@@ -2082,7 +2087,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-            wgmma_epilogue<G>(acc, acc_up, t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
+            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
@@ -2788,6 +2793,7 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2822,6 +2828,7 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2860,6 +2867,7 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -2894,6 +2902,7 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -3014,6 +3023,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -3053,6 +3063,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 128;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
@@ -3094,6 +3105,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -3133,6 +3145,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;

@@ -87,7 +87,7 @@ struct LayerUnit<'a> {
     flag_kind_combine: i32,
     flag_kind_credit: i32,
     flag_kind_return: i32,
-    /// Distinct wgmma widths (tile columns) the plan uses, ascending.
+    /// Distinct wgmma widths (`GemmPlan::wgmma_width`) the plan uses, ascending.
     wgmma_widths: Vec<u32>,
     /// Whether any GEMM runs on the warp-specialised engine.
     warp_specialized: bool,
@@ -516,6 +516,7 @@ struct GemmUnit {
     a_tiles: bool,
     /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
     quad_stores: bool,
+    wgmma_width: u32,
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
     /// before it waits for GEMM1 (the entry point then does not wait first).
     weights_before_wait: bool,
@@ -677,6 +678,7 @@ impl GemmUnit {
             grid: gemm.grid_blocks,
             cluster: gemm.cluster,
             b_box_rows: gemm.weight_box_rows(),
+            wgmma_width: gemm.wgmma_width(),
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
@@ -1109,7 +1111,7 @@ fn all_gemms(plan: &Plan) -> impl Iterator<Item = &GemmPlan> {
 fn wgmma_widths(plan: &Plan) -> Vec<u32> {
     let mut widths: Vec<u32> = all_gemms(plan)
         .filter(|g| g.engine.is_wgmma())
-        .map(|g| g.tile.n)
+        .map(GemmPlan::wgmma_width)
         .collect();
     widths.sort_unstable();
     widths.dedup();

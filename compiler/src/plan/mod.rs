@@ -723,6 +723,18 @@ impl GemmPlan {
         })
     }
 
+    /// Columns of one `wgmma` instruction. A gated GEMM1's gate and up rows lie one after
+    /// the other in a stage, so where both fit one instruction (at most
+    /// [`MAX_WGMMA_WIDTH`]) a single `wgmma` reads the A rows once for both halves; wider,
+    /// one per half. The tile's width for ungated GEMMs.
+    pub fn wgmma_width(&self) -> u32 {
+        if self.b_rows <= MAX_WGMMA_WIDTH {
+            self.b_rows
+        } else {
+            self.tile.n
+        }
+    }
+
     /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated
     /// GEMM1 loads gate and up rows, or when a cluster pair splits the panel between its
     /// blocks; one box otherwise.
@@ -1567,6 +1579,8 @@ fn warp_layout(tile: TileShape) -> Option<(u32, u32)> {
 const MAX_ACCUMULATORS_PER_THREAD: u32 = 64;
 /// The same bound for wgmma, whose warpgroups keep no A or B fragments in registers.
 const MAX_WGMMA_ACCUMULATORS_PER_THREAD: u32 = 128;
+/// The widest `wgmma` (bf16 operands): m64n256k16.
+pub const MAX_WGMMA_WIDTH: u32 = 256;
 
 /// Checks a candidate tile and completes it into a `GemmPlan` (without estimate).
 fn shape_gemm(
@@ -1615,7 +1629,7 @@ fn shape_gemm(
             if !tile.m.is_multiple_of(64) || tile.m > 128 {
                 return Err("wgmma tiles have 64 or 128 rows (one warpgroup per 64)".into());
             }
-            if !tile.n.is_multiple_of(16) || tile.n > 256 {
+            if !tile.n.is_multiple_of(16) || tile.n > MAX_WGMMA_WIDTH {
                 return Err("wgmma tiles have at most 256 columns, a multiple of 16".into());
             }
             if stages < 3 {
