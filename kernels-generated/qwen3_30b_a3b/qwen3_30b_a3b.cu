@@ -1800,7 +1800,8 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), and the weight rows
 //     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
 //     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier
-//     (with A_TILES, GEMM2's consecutive A rows come the same way, one box per stage);
+//     (with A_TILES, the A rows come the same way, one box per stage: GEMM2's from the
+//     intermediate, GEMM1's from x sorted into the expert-major order);
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
 //     and up rows in one wgmma where they fit one), and arrive on the stage's "empty"
 //     mbarrier once the wgmma group reading it has retired; the producer refills a stage
@@ -1928,7 +1929,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
     const EpContext& ep,
-    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of `a_rows`' matrix
+    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
@@ -1955,7 +1956,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                   "plan: every box starts on the swizzle's 1024-byte period");
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
-    static_assert(!G::A_TILES || (G::KIND == GEMM_DOWN && !G::EP), "plan: A as tiles only where rows are consecutive");
+    static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
     constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];

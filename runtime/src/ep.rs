@@ -1080,7 +1080,8 @@ fn bind(
         | LaunchArg::GateBias
         | LaunchArg::W1Bias
         | LaunchArg::W2Bias
-        | LaunchArg::IntermediateTiles { .. } => {
+        | LaunchArg::IntermediateTiles { .. }
+        | LaunchArg::SortedXTiles { .. } => {
             return Err(LayerError::SingleGpuArg { arg: arg.name() });
         }
     })

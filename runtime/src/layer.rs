@@ -422,7 +422,7 @@ unsafe fn launch_early_start(
 }
 
 /// The tensor maps that launches pass (over one set of expert weights, and over the
-/// intermediate rows on one GPU), each encoded once.
+/// intermediate rows and sorted x on one GPU), each encoded once.
 pub(crate) struct WeightTensorMaps<'a> {
     pub shape: &'a LayerShape,
     /// Experts the weights hold (all of them, or a rank's).
@@ -447,20 +447,27 @@ impl WeightTensorMaps<'_> {
         })
     }
 
-    /// The position in `maps` of the map over the intermediate buffer `memory` (bf16 rows of
-    /// F columns) that `arg` (an `IntermediateTiles` argument) needs, encoding it on first use.
-    fn position_over_intermediate(
+    /// The position in `maps` of the map over the workspace buffer `memory` that `arg` (an
+    /// `IntermediateTiles` argument, bf16 rows of F columns, or a `SortedXTiles` one, rows
+    /// of H) needs, encoding it on first use.
+    fn position_over_rows(
         &mut self,
         arg: LaunchArg,
         memory: &CudaSlice<u8>,
     ) -> Result<usize, LayerError> {
-        let LaunchArg::IntermediateTiles { box_rows } = arg else {
-            return Err(LayerError::NotATensorMap { arg: arg.name() });
+        let (what, box_rows, width) = match arg {
+            LaunchArg::IntermediateTiles { box_rows } => {
+                ("the intermediate rows", box_rows, self.shape.ffn)
+            }
+            LaunchArg::SortedXTiles { box_rows } => {
+                ("the sorted rows of x", box_rows, self.shape.hidden)
+            }
+            _ => return Err(LayerError::NotATensorMap { arg: arg.name() }),
         };
         self.position_or_encode(arg, |maps| {
-            let columns = u64::from(maps.shape.ffn);
+            let columns = u64::from(width);
             TensorMap::bf16_rows(
-                "the intermediate rows",
+                what,
                 ptr(memory, maps.stream),
                 memory.len() as u64 / (2 * columns),
                 columns,
@@ -995,7 +1002,11 @@ fn bind(
         }
         LaunchArg::IntermediateTiles { .. } => {
             let memory = &workspace[slot(BufferId::Intermediate)?].1;
-            Binding::TensorMap(tensor_maps.position_over_intermediate(arg, memory)?)
+            Binding::TensorMap(tensor_maps.position_over_rows(arg, memory)?)
+        }
+        LaunchArg::SortedXTiles { .. } => {
+            let memory = &workspace[slot(BufferId::SortedX)?].1;
+            Binding::TensorMap(tensor_maps.position_over_rows(arg, memory)?)
         }
         LaunchArg::Workspace(id) => Binding::Workspace(slot(id)?),
     })

@@ -10,6 +10,8 @@
 //!   pre-activations cross the clamps on both sides;
 //! - a non-gated activation pinned on wgmma and one pinned on mma.sync (schedule hints;
 //!   the test asserts the engine the plan chose);
+//! - a gated layer with a shared expert whose GEMM1 loads x's rows sorted by expert as TMA
+//!   tiles (the sort kernel first);
 //! - every example scaled down to hidden ≤ 1024, FFN ≤ 512 and max_tokens ≤ 4096 (same
 //!   experts, top-K and activation), whose plans run both engines over three regimes.
 //!
@@ -23,7 +25,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode;
 use moeforge_compiler::ir::{Activation, CLAMPED_SWIGLU_LIMIT, Layer, SharedExperts, TileShape};
-use moeforge_compiler::plan::{self, GemmPlan, MmaEngine, Plan, Regime, Target};
+use moeforge_compiler::plan::{self, GemmPlan, MmaEngine, Plan, Regime, RowLoad, Target};
 use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::HostWeights;
 use moeforge_runtime::gpu::Gpu;
@@ -287,6 +289,11 @@ fn pinned_plans() -> Vec<(Plan, MmaEngine)> {
     .collect()
 }
 
+/// The layer whose GEMM1 loads x's rows sorted by expert as tiles (`layers::sorted_rows`).
+fn sorted_rows_plan() -> Plan {
+    plan_for_device(&layers::sorted_rows())
+}
+
 fn engines(plans: &[Plan]) -> Vec<MmaEngine> {
     plans
         .iter()
@@ -340,6 +347,16 @@ fn default_suite_plans_cover_what_the_suite_claims() {
     assert!(
         pairs.iter().any(|(g, n)| (n / g.tile.n) % 2 == 1),
         "cluster pairs over an odd count of n-tiles"
+    );
+    let sorted = sorted_rows_plan();
+    assert!(
+        sorted.shape.shared_slices > 0
+            && sorted
+                .regimes
+                .iter()
+                .all(|r| r.gemm1.a_load == RowLoad::Tiles),
+        "{}: every regime sorts x's rows, shared slices among them",
+        sorted.layer
     );
     for plan in &scaled {
         assert!(plan.shape.max_tokens <= CHECKED_TOKENS as u32);
@@ -530,6 +547,12 @@ fn non_gated_activations_pinned_on_each_engine_match_reference() {
         "pinned engines",
         pinned.into_iter().map(|(plan, _)| plan).collect(),
     );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm1_on_rows_sorted_by_expert_matches_reference() {
+    check_plans("sorted rows", vec![sorted_rows_plan()]);
 }
 
 #[test]

@@ -136,3 +136,29 @@ pub fn pinned(activation: Activation, tile: TileShape, stages: u32) -> Layer {
     };
     layer
 }
+
+/// A tiny gated layer with a shared expert whose FFN is wide enough (1536) that the planner
+/// sorts x's rows for GEMM1 (`RowLoad::Tiles` on sorted x), on hinted 128-row tiles in
+/// cluster pairs, up to 4096 tokens.
+pub fn sorted_rows() -> Layer {
+    let mut layer = tiny_with_shared_expert(Activation::Swiglu);
+    layer.name = "sorted_rows_swiglu".into();
+    layer.ffn = 1536;
+    layer.shared_experts = Some(SharedExperts {
+        count: 1,
+        ffn: layer.ffn,
+    });
+    layer.max_tokens = 4096;
+    let tile = TileShape {
+        m: 128,
+        n: 128,
+        k: 64,
+    };
+    layer.schedule = ScheduleHints {
+        gemm1_tile: Some(tile),
+        gemm2_tile: Some(tile),
+        stages: Some(4),
+        ..ScheduleHints::default()
+    };
+    layer
+}

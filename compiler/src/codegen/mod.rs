@@ -18,8 +18,8 @@ use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
     Access, BufferId, GemmPlan, Grid, Launch, LaunchArg, MmaEngine, OutputStore, ParamType, Plan,
-    ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES, STATIC_SMEM_GRANULE, SmemLayout,
-    TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
+    ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES, SORT_ROWS_THREADS, STATIC_SMEM_GRANULE,
+    SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -70,6 +70,9 @@ struct LayerUnit<'a> {
     route_place: Option<EntryUnit>,
     route_threads: u32,
     combine: EntryUnit,
+    /// The kernel copying x's rows into the expert-major order, where a regime launches it.
+    sort_rows: Option<EntryUnit>,
+    sort_rows_threads: u32,
     /// Blocks over which the combine spreads one token's row (its launch's grid).
     combine_blocks_per_token: u32,
     error_expert_id: i32,
@@ -173,6 +176,7 @@ const ROUTE_PLACE_USES: &[&str] = &[
     "error_word",
 ];
 const GEMM_UP_USES: &[&str] = &["x", "w1", "expert_offsets", "row_pair", "intermediate"];
+const SORT_ROWS_USES: &[&str] = &["x", "expert_offsets", "row_pair", "sorted_x"];
 const GEMM_DOWN_USES: &[&str] = &[
     "intermediate",
     "w2",
@@ -328,6 +332,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::IntermediateTiles { .. } => {
             "TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box"
         }
+        LaunchArg::SortedXTiles { .. } => {
+            "TMA map of sorted_x: [rows, HIDDEN], a tile's rows x 64 per box"
+        }
         LaunchArg::Y => "[tokens, HIDDEN]",
         LaunchArg::GateWeight => "[EXPERTS, HIDDEN]: the router's gate",
         LaunchArg::GateBias => "[EXPERTS]: the gate's bias",
@@ -340,6 +347,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::ExpertOffsets => "[experts here + 1], workspace",
             BufferId::RowPair => "[tokens * TOP_K], workspace",
             BufferId::Intermediate => "[rows, FFN], workspace",
+            BufferId::SortedX => "[rows, HIDDEN], workspace: x's rows in the expert-major order",
             BufferId::CombineSlots => "[tokens, slots per token, HIDDEN]: see the plan's buffers",
             BufferId::ErrorWord => "[4]: code, then details",
             BufferId::SendSlots => "[RANKS, MAX_TOKENS]: token of each send slot",
@@ -553,7 +561,7 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "x, {weights}, {bias}, nullptr, expert_offsets, row_pair, intermediate, EpContext{}{stream_k}",
+                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{a_tiles}{stream_k}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
@@ -609,13 +617,27 @@ impl GemmUnit {
             ),
             _ => None,
         };
-        // GEMM2 reads the intermediate rows through a tensor map where the plan loads them as
-        // tiles (the engine's last parameter), else through the pointer.
+        // A GEMM reads its A rows through a tensor map where the plan loads them as tiles
+        // (the engine's last parameter: sorted x for GEMM1, the intermediate for GEMM2),
+        // else through the pointer (GEMM1 gathering by the row table).
         let a_tiles = gemm.a_load == RowLoad::Tiles;
-        let (a_rows, a_tiles_arg) = if a_tiles {
-            ("nullptr", ", &intermediate_tiles")
+        let (rows, tiles) = if up {
+            ("x", LaunchArg::SortedXTiles { box_rows: 0 }.name())
         } else {
-            ("intermediate", "")
+            (
+                "intermediate",
+                LaunchArg::IntermediateTiles { box_rows: 0 }.name(),
+            )
+        };
+        let a_tiles_arg = format!(", &{tiles}");
+        let (a_rows, a_tiles_arg, row_pair) = if a_tiles {
+            (
+                "nullptr",
+                a_tiles_arg.as_str(),
+                if up { "nullptr" } else { "row_pair" },
+            )
+        } else {
+            (rows, "", "row_pair")
         };
         // A GEMM that splits few-tile calls stream-K takes the buffers of partial tiles.
         let stream_k = gemm.stream_k.is_some();
@@ -628,11 +650,12 @@ impl GemmUnit {
         };
         let uses: Vec<&str> = uses
             .iter()
+            .filter(|&&name| !(a_tiles && up && name == "row_pair"))
             .map(|&name| {
                 if name == pointer {
                     weights.trim_start_matches('&')
-                } else if name == "intermediate" && a_tiles {
-                    "intermediate_tiles"
+                } else if name == rows && a_tiles && matches!(role, GemmRole::Up | GemmRole::Down) {
+                    tiles
                 } else {
                     name
                 }
@@ -645,6 +668,7 @@ impl GemmUnit {
             .replace("{bias}", bias_arg.unwrap_or("nullptr"))
             .replace("{a_rows}", a_rows)
             .replace("{a_tiles}", a_tiles_arg)
+            .replace("{row_pair}", row_pair)
             .replace("{stream_k}", &stream_k_arg);
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         let weights_before_wait =
@@ -1022,6 +1046,8 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         route_place: EntryUnit::if_launched(plan, &plan.route_place_kernel, ROUTE_PLACE_USES)?,
         route_threads: ROUTE_THREADS,
         combine: EntryUnit::new(plan, &plan.combine_kernel, COMBINE_USES)?,
+        sort_rows: EntryUnit::if_launched(plan, &plan.sort_rows_kernel, SORT_ROWS_USES)?,
+        sort_rows_threads: SORT_ROWS_THREADS,
         combine_blocks_per_token: combine_blocks_per_token(plan)?,
         error_expert_id: error_code::EXPERT_ID_OUT_OF_RANGE,
         error_expert_repeated: error_code::EXPERT_ID_REPEATED,

@@ -304,7 +304,8 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             match (gemm.a_load, gemm.store) {
                 (RowLoad::Tiles, OutputStore::QuadVectors) =>
                     ", A rows as TMA tiles, 16-byte stores",
-                (RowLoad::Tiles, OutputStore::Pairs) => ", A rows as TMA tiles",
+                (RowLoad::Tiles, OutputStore::Pairs) =>
+                    ", A rows as TMA tiles (x sorted by expert first)",
                 (RowLoad::Gathered, OutputStore::QuadVectors) => ", 16-byte stores",
                 (RowLoad::Gathered, OutputStore::Pairs) => "",
             },

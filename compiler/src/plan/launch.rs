@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     BufferId, COMBINE_THREADS, ElemType, GemmPlan, LayerShape, ROUTE_THREADS, RowLoad,
-    combine_blocks_per_token, static_smem_reserved,
+    SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
 };
 
 /// One kernel launch of the forward call.
@@ -161,6 +161,11 @@ pub enum LaunchArg {
     IntermediateTiles {
         box_rows: u32,
     },
+    /// The same over [`BufferId::SortedX`], its rows by H columns: GEMM1's A rows where
+    /// the plan loads them as tiles.
+    SortedXTiles {
+        box_rows: u32,
+    },
     /// f32 [E, w1_rows]: each expert's bias on GEMM1's output (gate columns, then up
     /// columns, as W1's rows), added before the activation.
     W1Bias,
@@ -212,6 +217,7 @@ impl LaunchArg {
             LaunchArg::W1Tiles { .. } => "w1_tiles",
             LaunchArg::W2Tiles { .. } => "w2_tiles",
             LaunchArg::IntermediateTiles { .. } => "intermediate_tiles",
+            LaunchArg::SortedXTiles { .. } => "sorted_x_tiles",
             LaunchArg::W1Bias => "w1_bias",
             LaunchArg::W2Bias => "w2_bias",
             LaunchArg::Y => "y",
@@ -238,7 +244,8 @@ impl LaunchArg {
             LaunchArg::Epoch => ParamType::U32,
             LaunchArg::W1Tiles { .. }
             | LaunchArg::W2Tiles { .. }
-            | LaunchArg::IntermediateTiles { .. } => ParamType::TensorMap,
+            | LaunchArg::IntermediateTiles { .. }
+            | LaunchArg::SortedXTiles { .. } => ParamType::TensorMap,
             LaunchArg::Workspace(id) => ParamType::Pointer(id.elem()),
         }
     }
@@ -301,6 +308,8 @@ pub enum RouteLaunches<'a> {
 /// The entry points one forward call launches, in stream order.
 pub struct ForwardKernels<'a> {
     pub route: RouteLaunches<'a>,
+    /// Launched after the routing where GEMM1 loads its A rows as tiles.
+    pub sort_rows: &'a str,
     pub gemm1: &'a str,
     pub gemm2: &'a str,
     pub combine: &'a str,
@@ -316,6 +325,24 @@ pub fn weight_param(gemm: &GemmPlan, up: bool) -> KernelParam {
         (false, true) => LaunchArg::W1,
         (false, false) => LaunchArg::W2,
     })
+}
+
+/// How the single-GPU GEMM1 reads its A rows: as TMA tiles of x sorted into the
+/// expert-major order, or gathered from x through the routing's row table (`row_pair`, the
+/// second parameter then).
+fn gemm1_rows_params(gemm: &GemmPlan) -> [Option<KernelParam>; 2] {
+    match gemm.a_load {
+        RowLoad::Tiles => [
+            Some(KernelParam::read(LaunchArg::SortedXTiles {
+                box_rows: gemm.tile.m,
+            })),
+            None,
+        ],
+        RowLoad::Gathered => [
+            Some(KernelParam::read(LaunchArg::X)),
+            Some(KernelParam::read(LaunchArg::Workspace(BufferId::RowPair))),
+        ],
+    }
 }
 
 /// How the single-GPU GEMM2 reads the intermediate rows: as TMA tiles or by pointer.
@@ -427,6 +454,27 @@ pub fn launch_table(
         shape.gemm_experts(),
         early_start,
     );
+    let [a_rows, row_table] = gemm1_rows_params(g1);
+    if g1.a_load == RowLoad::Tiles {
+        launches.push(Launch {
+            kernel: kernels.sort_rows.to_string(),
+            grid: Grid::TokenTiles {
+                tokens_per_tile: 1,
+                blocks_per_tile: 1,
+            },
+            block_threads: SORT_ROWS_THREADS,
+            smem_bytes: 0,
+            static_smem_bytes: 0,
+            stream: StreamRole::Compute,
+            early_start,
+            params: vec![
+                read(X),
+                read(Workspace(ExpertOffsets)),
+                read(Workspace(RowPair)),
+                write(Workspace(SortedX)),
+            ],
+        });
+    }
     launches.extend([
         Launch {
             kernel: kernels.gemm1.to_string(),
@@ -436,14 +484,11 @@ pub fn launch_table(
             static_smem_bytes: g1.smem.static_bytes,
             stream: StreamRole::Compute,
             early_start,
-            params: [read(X), weight_param(g1, true)]
+            params: [a_rows, Some(weight_param(g1, true)), bias(W1Bias)]
                 .into_iter()
-                .chain(bias(W1Bias))
-                .chain([
-                    read(Workspace(ExpertOffsets)),
-                    read(Workspace(RowPair)),
-                    write(Workspace(Intermediate)),
-                ])
+                .chain([Some(read(Workspace(ExpertOffsets))), row_table])
+                .flatten()
+                .chain([write(Workspace(Intermediate))])
                 .chain(stream_k_params(g1))
                 .collect(),
         },

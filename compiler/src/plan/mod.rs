@@ -69,6 +69,9 @@ pub const ROUTE_ONE_BLOCK_MAX_PAIRS: u64 = 4096;
 const _: () = assert!(router::ROUTER_FUSED_MAX_PAIRS <= ROUTE_ONE_BLOCK_MAX_PAIRS);
 /// Threads of a combine block.
 pub const COMBINE_THREADS: u32 = 128;
+/// Threads of a block of the sort kernel (one block per token's worth of rows, each
+/// thread copying 16 bytes at a time).
+pub const SORT_ROWS_THREADS: u32 = 256;
 /// Columns of a token's output row one single-GPU combine block sums: one 16-byte vector
 /// of 8 columns per thread. A token's row is spread over blocks rather than looped over by
 /// one: at a few tokens a block that walked all of H (7 steps for DeepSeek-V3) took 20 µs
@@ -103,6 +106,9 @@ pub struct Plan {
     pub route_place_kernel: String,
     /// Entry point of the combine kernel (shared by every regime).
     pub combine_kernel: String,
+    /// Entry point of the kernel that copies x's rows into the expert-major order
+    /// ([`BufferId::SortedX`]), launched by the regimes whose GEMM1 loads A as tiles.
+    pub sort_rows_kernel: String,
     pub target: Target,
     pub shape: LayerShape,
     /// Device buffers the runtime allocates once per layer handle.
@@ -210,6 +216,10 @@ pub enum BufferId {
     RowPair,
     /// bf16 [T·K, F]: activation output of GEMM1, rows in expert-major order.
     Intermediate,
+    /// bf16 [T·K, H]: x's rows in the expert-major order (row p holds the token of
+    /// `row_pair[p]`), for a GEMM1 that loads its A rows as TMA tiles
+    /// ([`RowLoad::Tiles`]).
+    SortedX,
     /// bf16 [T·K, H]: GEMM2 output scaled by the routing weight, one slot per (token, k).
     /// Expert-parallel, by peers: per own token, a slot per (token, k) where results
     /// travel as pair rows, or a slot per rank where they travel as rank partials
@@ -346,6 +356,7 @@ impl BufferId {
             | BufferId::NetSendPair
             | BufferId::NetSendCounts => ElemType::I32,
             BufferId::Intermediate
+            | BufferId::SortedX
             | BufferId::CombineSlots
             | BufferId::PairResults
             | BufferId::RecvX
@@ -378,6 +389,7 @@ impl BufferId {
             BufferId::ExpertOffsets => "expert_offsets",
             BufferId::RowPair => "row_pair",
             BufferId::Intermediate => "intermediate",
+            BufferId::SortedX => "sorted_x",
             BufferId::CombineSlots => "combine_slots",
             BufferId::ErrorWord => "error_word",
             BufferId::RouteBlockCounts => "route_block_counts",
@@ -751,14 +763,19 @@ impl GemmPlan {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RowLoad {
-    /// Row by row with `cp.async`, through the tile's row-source table: GEMM1 gathers its
-    /// tokens' rows of x, and every expert-parallel GEMM reads rows where they arrived.
+    /// Row by row with `cp.async`, through the tile's row-source table: the mma.sync GEMM1
+    /// gathers its tokens' rows of x, and every expert-parallel GEMM reads rows where they
+    /// arrived.
     Gathered,
     /// As TMA boxes of the tile's `BM` consecutive rows (the warp-specialised single-GPU
-    /// GEMM2, whose rows are the intermediate's, already expert-major): one copy per stage
-    /// by one thread, where the gather costs the producer warps a `cp.async` per 16 bytes.
-    /// Measured without any A loads, Mixtral-8x7B's GEMM2 at 4096 tokens ran 26% faster
-    /// (1.20 against 1.63 ms, Nsight Compute, one H200, 2026-11-30).
+    /// GEMMs, whose rows are expert-major: GEMM2's are the intermediate's, GEMM1's are
+    /// [`BufferId::SortedX`], x's rows copied into that order by the sort kernel): one copy
+    /// per stage by one thread, where the gather costs the producer warps a `cp.async` per
+    /// 16 bytes and the consumers a proxy fence per stage. Measured without any A loads,
+    /// Mixtral-8x7B's GEMM2 at 4096 tokens ran 26% faster (1.20 against 1.63 ms, Nsight
+    /// Compute, one H200, 2026-11-30); with A loaded only on the ring's first pass, GEMM1
+    /// ran 13-24% faster (DeepSeek-V3 and Mixtral at 4096 tokens, Qwen3-30B-A3B and
+    /// GPT-OSS-120B at 16384; 2026-12-01).
     Tiles,
 }
 
@@ -1014,6 +1031,7 @@ pub fn plan_tuned(
     let route_count_kernel = format!("{symbol}_route_count");
     let route_place_kernel = format!("{symbol}_route_place");
     let combine_kernel = format!("{symbol}_combine");
+    let sort_rows_kernel = format!("{symbol}_sort_rows");
     let mut regimes = Vec::new();
     let mut most_route_blocks = 1;
     let mut limitations = Vec::new();
@@ -1031,6 +1049,7 @@ pub fn plan_tuned(
                     None
                 }
             });
+        choice.gemm1.a_load = gemm1_row_load(target, &shape, &choice.gemm1);
         let gemm1_kernel = format!("{symbol}_{}_gemm1", choice.name);
         let gemm2_kernel = format!("{symbol}_{}_gemm2", choice.name);
         let route_blocks = route_blocks(
@@ -1049,6 +1068,7 @@ pub fn plan_tuned(
                         blocks: route_blocks,
                     }
                 },
+                sort_rows: &sort_rows_kernel,
                 gemm1: &gemm1_kernel,
                 gemm2: &gemm2_kernel,
                 combine: &combine_kernel,
@@ -1077,9 +1097,11 @@ pub fn plan_tuned(
         .collect();
     let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
     let stream_k = StreamKSpace::of(regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
+    let sorted_x = regimes.iter().any(|r| r.gemm1.a_load == RowLoad::Tiles);
     let workspace = workspace(
         &shape,
         most_route_blocks,
+        sorted_x,
         router
             .as_ref()
             .map(|router| RouterSpace::of(router, &shape, regimes.iter().map(|r| r.max_tokens))),
@@ -1152,6 +1174,7 @@ pub fn plan_tuned(
         route_count_kernel,
         route_place_kernel,
         combine_kernel,
+        sort_rows_kernel,
         target: target.clone(),
         shape,
         workspace,
@@ -1219,12 +1242,14 @@ impl RouterSpace {
 }
 
 /// The device buffers a layer of this shape needs, sized for `max_tokens`, with the counts
-/// of the routing over `route_blocks` blocks where that is more than one; with a router,
+/// of the routing over `route_blocks` blocks where that is more than one; with `sorted_x`,
+/// x's rows in the expert-major order for a GEMM1 that loads them as tiles; with a router,
 /// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
 /// and counters.
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
+    sorted_x: bool,
     router: Option<RouterSpace>,
     stream_k: StreamKSpace,
 ) -> Vec<Buffer> {
@@ -1261,6 +1286,14 @@ fn workspace(
             purpose: "first kernel-side error of the call: code, token, k, value".into(),
         },
     ];
+    if sorted_x {
+        buffers.push(Buffer {
+            id: BufferId::SortedX,
+            elem: BufferId::SortedX.elem(),
+            elems: max_pairs * u64::from(shape.hidden),
+            purpose: "x's rows in the expert-major row order, GEMM1's A rows as TMA tiles".into(),
+        });
+    }
     if route_blocks > 1 {
         buffers.push(Buffer {
             id: BufferId::RouteBlockCounts,
@@ -1672,6 +1705,8 @@ fn shape_gemm(
         let by_smem = target.smem_per_sm / (smem.total_bytes() + 1024);
         by_regs.min(by_smem).clamp(1, 8)
     };
+    // GEMM2's rows on one GPU are the intermediate's, already expert-major; whether GEMM1's
+    // are sorted so first is the regime's call (`gemm1_row_load`).
     let a_load = if engine == MmaEngine::WgmmaWarpSpecialized
         && problem.kind == GemmKind::Down
         && problem.row_phases == 1
@@ -1923,6 +1958,36 @@ pub fn gemm_hinted(layer: &ir::Layer, kind: GemmKind) -> bool {
         GemmKind::Down => hints.gemm2_tile,
     };
     tile.is_some() || hints.stages.is_some()
+}
+
+/// The share of a two-warpgroup (128-row) warp-specialised GEMM1's time that gathering its
+/// A rows costs, and loading them as tiles of sorted x saves. Measured on one H200
+/// (2026-12-01, Nsight Compute, GEMM1 alone, gathered against tiles): Mixtral-8x7B at 4096
+/// tokens 10.3%, Qwen3-30B-A3B at 16384 6.8%, GPT-OSS-120B at 16384 15.5%, DeepSeek-V3
+/// at 4096 0.6%. One-warpgroup (64-row) tiles saved nothing (Qwen3-30B-A3B and
+/// DeepSeek-V3 at 1024 tokens), so they keep gathering.
+const GATHERED_ROWS_SHARE: f64 = 0.10;
+
+/// How the single-GPU GEMM1 `gemm` loads its A rows: as TMA tiles of x sorted into the
+/// expert-major order ([`BufferId::SortedX`]) where, per row, the gather it saves
+/// ([`GATHERED_ROWS_SHARE`] of the row's multiply time at the wgmma rate) outweighs the
+/// sort kernel's copy of the row (read and written at the HBM rate); gathered otherwise.
+/// Measured layers (one H200, 2026-12-01): sorted, Mixtral-8x7B −3 to −11% at 1024-16384
+/// tokens, GPT-OSS-120B −2 to −4% at 4096 and up to −16% at 16384, DeepSeek-V3 −1% at 4096
+/// and −4% at 16384; Qwen3-30B-A3B, whose rows carry a sixth of the multiply per byte,
+/// +3 to +6% (its 537 MB copy at 16384 tokens took 240 µs against 94 µs saved).
+fn gemm1_row_load(target: &Target, shape: &LayerShape, gemm: &GemmPlan) -> RowLoad {
+    let problem = GemmProblem::for_layer(shape, GemmKind::Up, 1);
+    let two_warpgroups = gemm.engine == MmaEngine::WgmmaWarpSpecialized && gemm.tile.m >= 128;
+    let weight_rows = f64::from(problem.n) * if problem.gated { 2.0 } else { 1.0 };
+    let multiply_seconds =
+        2.0 * f64::from(problem.k) * weight_rows / (target.peak_bf16_flops * target.wgmma_fraction);
+    let copy_seconds = 2.0 * 2.0 * f64::from(problem.k) / target.hbm_bytes_per_s;
+    if two_warpgroups && GATHERED_ROWS_SHARE * multiply_seconds > copy_seconds {
+        RowLoad::Tiles
+    } else {
+        RowLoad::Gathered
+    }
 }
 
 /// Takes `entry`'s GEMMs into `choice`, each it has and the spec does not hint; all or

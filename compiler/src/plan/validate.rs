@@ -16,8 +16,8 @@ use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, LaunchArg, MAX_EXPERTS,
     MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts,
-    RouterSpace, RowLoad, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token,
-    workspace,
+    RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier,
+    combine_blocks_per_token, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -98,7 +98,11 @@ impl Plan {
         }
         let most_route_blocks = route_blocks.iter().copied().max().unwrap_or(1);
         let stream_k = StreamKSpace::of(self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
-        if self.workspace != workspace(shape, most_route_blocks, router_space, stream_k) {
+        let sorted_x = self
+            .regimes
+            .iter()
+            .any(|r| r.gemm1.a_load == RowLoad::Tiles);
+        if self.workspace != workspace(shape, most_route_blocks, sorted_x, router_space, stream_k) {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
         if let Some(router) = &self.router {
@@ -122,6 +126,9 @@ impl Plan {
                 "`{}` is launched on {:?} of {} threads; a hidden size of {} needs {combine_grid:?} of {COMBINE_THREADS}",
                 launch.kernel, launch.grid, launch.block_threads, shape.hidden
             ));
+        }
+        for regime in &self.regimes {
+            self.check_sort_rows(regime)?;
         }
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
@@ -561,10 +568,44 @@ impl Plan {
         Ok(())
     }
 
+    /// A GEMM1 that loads its A rows as tiles reads x sorted into the expert-major order:
+    /// the sort kernel runs before it, one block per token's worth of rows (the most rows a
+    /// call has), and only then.
+    fn check_sort_rows(&self, regime: &Regime) -> Result<(), String> {
+        let position = |kernel: &str| regime.launches.iter().position(|l| l.kernel == kernel);
+        let sort = position(&self.sort_rows_kernel);
+        let gemm1 = position(&regime.gemm1_kernel);
+        match (regime.gemm1.a_load, sort) {
+            (RowLoad::Gathered, None) => Ok(()),
+            (RowLoad::Gathered, Some(_)) => Err(format!(
+                "regime `{}` sorts x's rows, but `{}` gathers them",
+                regime.name, regime.gemm1_kernel
+            )),
+            (RowLoad::Tiles, Some(at)) if gemm1.is_some_and(|g| at < g) => {
+                let launch = &regime.launches[at];
+                let grid = Grid::TokenTiles {
+                    tokens_per_tile: 1,
+                    blocks_per_tile: 1,
+                };
+                if launch.grid != grid || launch.block_threads != SORT_ROWS_THREADS {
+                    return Err(format!(
+                        "`{}` is launched on {:?} of {} threads, not {grid:?} of {SORT_ROWS_THREADS}",
+                        launch.kernel, launch.grid, launch.block_threads
+                    ));
+                }
+                Ok(())
+            }
+            (RowLoad::Tiles, _) => Err(format!(
+                "`{}` loads x's rows as tiles, but regime `{}` does not sort them before it",
+                regime.gemm1_kernel, regime.name
+            )),
+        }
+    }
+
     /// A cluster pair is a warp-specialised 128-row tile on a grid of whole pairs; the
     /// tensor maps the launch passes have the boxes the GEMM loads (weights in boxes of
-    /// `weight_box_rows`, intermediate rows in tiles of `BM` exactly when the plan loads
-    /// them so).
+    /// `weight_box_rows`, A rows (the intermediate's or sorted x's) in tiles of `BM`
+    /// exactly when the plan loads them so).
     fn check_gemm_loads(
         gemm: &GemmPlan,
         launch: &super::Launch,
@@ -595,14 +636,15 @@ impl Plan {
                 "`{kernel}` stores 16 bytes per lane, which needs the wgmma epilogue and a tile width that is a multiple of 32"
             ));
         }
-        let mut takes_intermediate_tiles = false;
+        let mut takes_a_tiles = false;
         for param in &launch.params {
             let boxes_agree = match param.arg {
                 LaunchArg::W1Tiles { box_rows } | LaunchArg::W2Tiles { box_rows } => {
                     box_rows == gemm.weight_box_rows()
                 }
-                LaunchArg::IntermediateTiles { box_rows } => {
-                    takes_intermediate_tiles = true;
+                LaunchArg::IntermediateTiles { box_rows }
+                | LaunchArg::SortedXTiles { box_rows } => {
+                    takes_a_tiles = true;
                     box_rows == gemm.tile.m
                 }
                 _ => true,
@@ -614,7 +656,7 @@ impl Plan {
                 ));
             }
         }
-        if takes_intermediate_tiles != (gemm.a_load == RowLoad::Tiles) {
+        if takes_a_tiles != (gemm.a_load == RowLoad::Tiles) {
             return Err(format!(
                 "`{kernel}`'s parameters disagree with how it loads its A rows"
             ));
