@@ -12,6 +12,11 @@
 //! covered exactly once per n-tile; tiles come in the order of the phase of their last row,
 //! and within a phase the shared slices' tiles come before the routed experts'; nothing is
 //! written past the last tile.
+//!
+//! A second probe does the same for cluster pairs (`tile_schedule<…, CLUSTER = 2>` and
+//! `locate_pair_tile`, both blocks of every work unit): a unit is two m-tiles of one column
+//! tile sharing its weight panel, or two column tiles of an expert's last m-tile (an odd
+//! count), and every (expert, row) is still covered once per column tile.
 
 use std::io::Write;
 
@@ -59,7 +64,31 @@ __device__ void probe_tiles(const int* __restrict__ row_offsets, int* s_tile_sta
         record[3] = t.rows;
     }
 }
+
+// A cluster pair's schedule: per work unit, both blocks' tiles (expert, n0, row0, rows,
+// whether they share the weight panel).
+constexpr int PAIR_RECORD = 5;
+template <int BM, int BN, int N_TILES>
+__device__ void probe_pairs(const int* __restrict__ row_offsets, int* s_tile_start, int* __restrict__ out, int capacity) {
+    tile_schedule<BM, N_TILES, GEMM_EXPERTS, 1, 2>(row_offsets, s_tile_start);
+    const int total = s_tile_start[GEMM_EXPERTS];
+    if (threadIdx.x == 0) out[0] = total;
+    for (int unit = threadIdx.x; unit < total && unit < capacity; unit += blockDim.x) {
+        for (int rank = 0; rank < 2; ++rank) {
+            const GemmTile t = locate_pair_tile<BM, BN, N_TILES, GEMM_EXPERTS, 1>(unit, rank, s_tile_start, row_offsets);
+            int* record = out + 1 + PAIR_RECORD * (2 * unit + rank);
+            record[0] = t.expert;
+            record[1] = t.n0;
+            record[2] = t.row0;
+            record[3] = t.rows;
+            record[4] = t.weights_shared;
+        }
+    }
+}
 "#;
+
+/// Ints per tile of the pair probe's records.
+const PAIR_RECORD: usize = 5;
 
 /// Runs of rows per expert in the phased schedule (as the sources of an expert-parallel
 /// rank with three ranks).
@@ -520,4 +549,280 @@ fn the_host_check_rejects_broken_schedules() {
         check_tiles(phased, &runs, &write(&out_of_order)).is_err(),
         "a tile waiting for phase 1 before one of phase 0"
     );
+}
+
+/// A cluster pair's schedule: tile rows, tile columns and column tiles (one run of rows per
+/// expert: pairs run on one GPU).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct PairConfig {
+    bm: u32,
+    bn: u32,
+    n_tiles: u32,
+}
+
+impl PairConfig {
+    fn kernel(&self) -> String {
+        format!(
+            "moeforge_probe_pairs_{}_{}_{}",
+            self.bm, self.bn, self.n_tiles
+        )
+    }
+
+    fn entry_point(&self) -> String {
+        format!(
+            "extern \"C\" __global__ void {}(const int* row_offsets, int* out, int capacity) {{\n    \
+             __shared__ int s_tile_start[GEMM_EXPERTS + 1];\n    \
+             probe_pairs<{}, {}, {}>(row_offsets, s_tile_start, out, capacity);\n}}\n",
+            self.kernel(),
+            self.bm,
+            self.bn,
+            self.n_tiles
+        )
+    }
+
+    /// Units the output holds: at most one per tile of any schedule of `rows` rows, plus a
+    /// few to catch writes past it.
+    fn capacity(&self, total_rows: u32) -> u32 {
+        (total_rows / self.bm + EXPERTS) * self.n_tiles + 8
+    }
+
+    /// Work units of an expert of `rows` rows, stated here as the schedule means it: each
+    /// pair of m-tiles shares a weight panel, one unit per column tile; the last m-tile of
+    /// an odd count runs alone, its column tiles two at a time.
+    fn units(&self, rows: u32) -> u32 {
+        let m_tiles = rows.div_ceil(self.bm);
+        m_tiles / 2 * self.n_tiles + m_tiles % 2 * self.n_tiles.div_ceil(2)
+    }
+}
+
+/// What the pair probe wrote for `counts` rows per expert, checked against the rules: the
+/// unit count; in a unit sharing a weight panel, two consecutive m-tiles of one expert and
+/// column tile, both with rows; otherwise two column tiles of the expert's last m-tile,
+/// the second empty past the last column tile; every (expert, row) once per column tile;
+/// nothing past the last unit.
+fn check_pairs(config: PairConfig, counts: &[u32], out: &[i32]) -> Result<usize, String> {
+    let mut offsets = vec![0u32];
+    for &c in counts {
+        offsets.push(offsets.last().copied().unwrap_or(0) + c);
+    }
+    let expected: u32 = counts.iter().map(|&c| config.units(c)).sum();
+    if out[0] != expected as i32 {
+        return Err(format!(
+            "the schedule has {} units; the rule gives {expected}",
+            out[0]
+        ));
+    }
+    let (bm, bn) = (config.bm as i32, config.bn as i32);
+    let records: Vec<&[i32]> = out[1..].chunks_exact(PAIR_RECORD).collect();
+    let mut covered = vec![vec![0u32; offsets[counts.len()] as usize]; config.n_tiles as usize];
+    for unit in 0..expected as usize {
+        let (a, b) = (records[2 * unit], records[2 * unit + 1]);
+        let fail = |what: &str| Err(format!("unit {unit} = {a:?}, {b:?}: {what}"));
+        if a[0] != b[0] || a[4] != b[4] || a[3] < 1 {
+            return fail("not one expert, or a first tile without rows");
+        }
+        let rows_ok = |t: &[i32]| {
+            let expert = t[0] as usize;
+            expert < counts.len()
+                && t[2] >= offsets[expert] as i32
+                && t[2] + t[3] <= offsets[expert + 1] as i32
+                && (0..=bm).contains(&t[3])
+                && t[1] % bn == 0
+                && t[1] / bn < config.n_tiles as i32
+        };
+        if !rows_ok(a) || !rows_ok(b) {
+            return fail("rows outside the expert, or a column tile past N");
+        }
+        let shared = a[4] != 0;
+        if shared && (a[1] != b[1] || b[2] != a[2] + bm || b[3] < 1) {
+            return fail("a shared panel that is not two m-tiles of one column tile");
+        }
+        let last_m_tile = a[2] + a[3] == offsets[a[0] as usize + 1] as i32;
+        if !shared && (a[2] != b[2] || !last_m_tile || (b[3] > 0 && b[1] != a[1] + bn)) {
+            return fail("tiles alone that are not two column tiles of the last m-tile");
+        }
+        for t in [a, b] {
+            for row in t[2]..t[2] + t[3] {
+                covered[(t[1] / bn) as usize][row as usize] += 1;
+            }
+        }
+    }
+    for (n_tile, rows) in covered.iter().enumerate() {
+        if let Some(row) = rows.iter().position(|&c| c != 1) {
+            return Err(format!(
+                "row {row} is covered {} times in column tile {n_tile}",
+                rows[row]
+            ));
+        }
+    }
+    if records[2 * expected as usize..]
+        .iter()
+        .any(|r| r.iter().any(|&v| v != UNWRITTEN))
+    {
+        return Err("a record past the last unit was written".into());
+    }
+    Ok(expected as usize)
+}
+
+/// Rows per expert that leave the last m-tile of 128-row tiles full, nearly empty or in
+/// between, at odd and even counts of m-tiles, with empty experts between.
+fn rows_around_tile_edges() -> Vec<u32> {
+    const EDGES: [u32; 12] = [
+        0,
+        1,
+        64,
+        65,
+        128,
+        129,
+        192,
+        193,
+        200,
+        384 + 5,
+        448,
+        4 * 128 + 100,
+    ];
+    (0..EXPERTS as usize)
+        .map(|e| EDGES[e % EDGES.len()])
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cluster_pairs_cover_every_row_once_per_column_tile() {
+    let session = Session::open().expect("GPU session");
+    let target = session.gpu.target().expect("the device's target");
+    let plan = plan::plan(&probed_layer(), &target).expect("the probed layer plans");
+    let configs = [
+        PairConfig {
+            bm: 128,
+            bn: 64,
+            n_tiles: 5,
+        },
+        PairConfig {
+            bm: 128,
+            bn: 128,
+            n_tiles: 2,
+        },
+        PairConfig {
+            bm: 128,
+            bn: 256,
+            n_tiles: 1,
+        },
+    ];
+    let mut source = codegen::generate(&plan).expect("codegen").source;
+    source.push_str(PROBE_TEMPLATE);
+    for config in &configs {
+        source.push_str(&config.entry_point());
+    }
+    let options = CompileOptions {
+        name: format!("{}_pair_probe", plan.symbol),
+        ..aot::compile_options(&plan)
+    };
+    let module = session
+        .jit
+        .compile(&source, &options)
+        .expect("the generated unit compiles with the probe");
+    let loaded = session.gpu.load(&module).expect("load the probe");
+    let stream = &session.gpu.stream;
+    let mut cases = routings(&plan);
+    cases.push((
+        "rows around the tiles' edges".into(),
+        rows_around_tile_edges(),
+    ));
+    let mut failures = Vec::new();
+    for config in &configs {
+        let function = loaded
+            .load_function(&config.kernel())
+            .expect("the probe's entry point");
+        for (name, counts) in &cases {
+            let mut offsets = vec![0i32];
+            for &c in counts {
+                offsets.push(offsets.last().copied().unwrap_or(0) + c as i32);
+            }
+            let capacity = config.capacity(counts.iter().sum());
+            let offsets_dev = stream.clone_htod(&offsets).expect("upload offsets");
+            let mut out_dev = stream
+                .clone_htod(&vec![UNWRITTEN; 1 + 2 * PAIR_RECORD * capacity as usize])
+                .expect("upload the output");
+            let capacity_arg = capacity as i32;
+            let mut launch = stream.launch_builder(&function);
+            launch
+                .arg(&offsets_dev)
+                .arg(&mut out_dev)
+                .arg(&capacity_arg);
+            let launch_config = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (PROBE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the probe reads EXPERTS + 1 offsets and writes 1 + 2 · PAIR_RECORD ·
+            // capacity ints, the sizes of the two buffers.
+            unsafe { launch.launch(launch_config) }.expect("launch the probe");
+            let out = stream.clone_dtoh(&out_dev).expect("download the units");
+            let label = format!(
+                "cluster pairs BM={} BN={} N_TILES={}, {name}",
+                config.bm, config.bn, config.n_tiles
+            );
+            match check_pairs(*config, counts, &out) {
+                Ok(units) => log(&format!("{label}: {units} units: ok")),
+                Err(error) => {
+                    log(&format!("{label}: FAIL: {error}"));
+                    failures.push(format!("{label}: {error}"));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failing cases:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// The host-side pair rules catch a broken pair schedule (no GPU needed).
+#[test]
+fn the_pair_check_rejects_broken_pair_schedules() {
+    let config = PairConfig {
+        bm: 128,
+        bn: 64,
+        n_tiles: 2,
+    };
+    // Expert 0: 130 rows (m-tiles of 128 and 2: a pair on each column tile); expert 1:
+    // 3 rows (one m-tile, alone, both column tiles in one unit); the rest empty.
+    let mut counts = vec![0; EXPERTS as usize];
+    counts[0] = 130;
+    counts[1] = 3;
+    let write = |units: &[[[i32; PAIR_RECORD]; 2]], total: i32| {
+        let mut out = vec![UNWRITTEN; 1 + 2 * PAIR_RECORD * config.capacity(133) as usize];
+        out[0] = total;
+        for (i, tile) in units.iter().flatten().enumerate() {
+            out[1 + PAIR_RECORD * i..1 + PAIR_RECORD * (i + 1)].copy_from_slice(tile);
+        }
+        out
+    };
+    let units = [
+        [[0, 0, 0, 128, 1], [0, 0, 128, 2, 1]],
+        [[0, 64, 0, 128, 1], [0, 64, 128, 2, 1]],
+        [[1, 0, 130, 3, 0], [1, 64, 130, 3, 0]],
+    ];
+    assert_eq!(check_pairs(config, &counts, &write(&units, 3)), Ok(3));
+    let mut not_consecutive = units;
+    not_consecutive[0][1][1] = 64;
+    let mut first_m_tile_alone = units;
+    first_m_tile_alone[0] = [[0, 0, 0, 128, 0], [0, 64, 0, 128, 0]];
+    first_m_tile_alone[1] = [[0, 0, 128, 2, 0], [0, 64, 128, 2, 0]];
+    let mut past_the_end = write(&units, 3);
+    past_the_end[1 + 2 * PAIR_RECORD * 3] = 0;
+    for (what, out) in [
+        ("one unit too many", write(&units, 4)),
+        (
+            "a shared panel over two column tiles",
+            write(&not_consecutive, 3),
+        ),
+        ("a first m-tile alone", write(&first_m_tile_alone, 3)),
+        ("a write past the last unit", past_the_end),
+    ] {
+        assert!(check_pairs(config, &counts, &out).is_err(), "{what}");
+    }
 }
