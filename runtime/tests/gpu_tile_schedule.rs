@@ -19,8 +19,9 @@
 //! count), and every (expert, row) is still covered once per column tile.
 
 use std::io::Write;
+use std::sync::Arc;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 use moeforge_compiler::codegen;
 use moeforge_compiler::ir::{Activation, Layer, ScheduleHints, SharedExperts, TileShape};
 use moeforge_compiler::plan::{self, Plan};
@@ -377,6 +378,91 @@ fn check_tiles(config: Config, runs: &[u32], out: &[i32]) -> Result<usize, Strin
     Ok(expected as usize)
 }
 
+/// The probed layer's generated unit with the probe and `entry_points` appended, compiled
+/// (with the options `Session::compile` uses for the plan's own unit, under another name)
+/// and loaded.
+fn load_probe(
+    session: &Session,
+    plan: &Plan,
+    entry_points: &[String],
+    name: &str,
+) -> Arc<CudaModule> {
+    let mut source = codegen::generate(plan).expect("codegen").source;
+    source.push_str(PROBE_TEMPLATE);
+    for entry_point in entry_points {
+        source.push_str(entry_point);
+    }
+    let options = CompileOptions {
+        name: format!("{}_{name}", plan.symbol),
+        ..aot::compile_options(plan)
+    };
+    let module = session
+        .jit
+        .compile(&source, &options)
+        .expect("the generated unit compiles with the probe");
+    session.gpu.load(&module).expect("load the probe")
+}
+
+/// Runs probe `function` on one block over `offsets` with room for `capacity` records of
+/// `record_ints` each, and returns what it wrote (the count, then the records).
+fn run_probe(
+    session: &Session,
+    function: &CudaFunction,
+    offsets: &[i32],
+    capacity: u32,
+    record_ints: usize,
+) -> Vec<i32> {
+    let stream = &session.gpu.stream;
+    let offsets_dev = stream.clone_htod(offsets).expect("upload offsets");
+    let mut out_dev = stream
+        .clone_htod(&vec![UNWRITTEN; 1 + record_ints * capacity as usize])
+        .expect("upload the output");
+    let capacity_arg = capacity as i32;
+    let mut launch = stream.launch_builder(function);
+    launch
+        .arg(&offsets_dev)
+        .arg(&mut out_dev)
+        .arg(&capacity_arg);
+    let launch_config = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (PROBE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the probe reads at most offsets.len() offsets (EXPERTS · phases + 1) and writes
+    // at most 1 + record_ints · capacity ints, the sizes of the two buffers.
+    unsafe { launch.launch(launch_config) }.expect("launch the probe");
+    stream.clone_dtoh(&out_dev).expect("download the records")
+}
+
+/// Logs one probed case (`count` records of `what`, or why it failed) and keeps a failure.
+fn note_case(label: &str, what: &str, checked: Result<usize, String>, failures: &mut Vec<String>) {
+    match checked {
+        Ok(count) => log(&format!("{label}: {count} {what}: ok")),
+        Err(error) => {
+            log(&format!("{label}: FAIL: {error}"));
+            failures.push(format!("{label}: {error}"));
+        }
+    }
+}
+
+fn assert_none_failed(failures: &[String]) {
+    assert!(
+        failures.is_empty(),
+        "{} failing cases:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Prefix sums of `counts`, from 0: the row offsets a probe reads.
+fn offsets_of(counts: &[u32]) -> Vec<i32> {
+    let mut offsets = vec![0i32];
+    for &c in counts {
+        offsets.push(offsets.last().copied().unwrap_or(0) + c as i32);
+    }
+    offsets
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tile_schedule_covers_every_row_once_per_column_tile() {
@@ -384,23 +470,8 @@ fn tile_schedule_covers_every_row_once_per_column_tile() {
     let target = session.gpu.target().expect("the device's target");
     let plan = plan::plan(&probed_layer(), &target).expect("the probed layer plans");
     let configs = configs(&plan);
-    let mut source = codegen::generate(&plan).expect("codegen").source;
-    source.push_str(PROBE_TEMPLATE);
-    for config in &configs {
-        source.push_str(&config.entry_point());
-    }
-    // The options `Session::compile` uses for the plan's own unit, under another name.
-    let options = CompileOptions {
-        name: format!("{}_probe", plan.symbol),
-        ..aot::compile_options(&plan)
-    };
-    let module = session
-        .jit
-        .compile(&source, &options)
-        .expect("the generated unit compiles with the probe");
-    let loaded = session.gpu.load(&module).expect("load the probe");
-    let stream = &session.gpu.stream;
-
+    let entry_points: Vec<String> = configs.iter().map(Config::entry_point).collect();
+    let loaded = load_probe(&session, &plan, &entry_points, "probe");
     let mut failures = Vec::new();
     for config in &configs {
         let function = loaded
@@ -408,50 +479,21 @@ fn tile_schedule_covers_every_row_once_per_column_tile() {
             .expect("the probe's entry point");
         for (name, counts) in routings(&plan) {
             let runs = runs_of(&counts, config.phases);
-            let mut offsets = vec![0i32];
-            for &c in &runs {
-                offsets.push(offsets.last().copied().unwrap_or(0) + c as i32);
-            }
-            let total_rows = counts.iter().sum();
-            let capacity = config.capacity(total_rows);
-            let offsets_dev = stream.clone_htod(&offsets).expect("upload offsets");
-            let mut out_dev = stream
-                .clone_htod(&vec![UNWRITTEN; 1 + 4 * capacity as usize])
-                .expect("upload the output");
-            let capacity_arg = capacity as i32;
-            let mut launch = stream.launch_builder(&function);
-            launch
-                .arg(&offsets_dev)
-                .arg(&mut out_dev)
-                .arg(&capacity_arg);
-            let launch_config = LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (PROBE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the probe reads EXPERTS · phases + 1 offsets and writes 1 + 4 · capacity ints,
-            // the sizes of the two buffers.
-            unsafe { launch.launch(launch_config) }.expect("launch the probe");
-            let out = stream.clone_dtoh(&out_dev).expect("download the tiles");
+            let capacity = config.capacity(counts.iter().sum());
+            let out = run_probe(&session, &function, &offsets_of(&runs), capacity, 4);
             let label = format!(
                 "tile schedule BM={} BN={} N_TILES={} PHASES={}, {name}",
                 config.bm, config.bn, config.n_tiles, config.phases
             );
-            match check_tiles(*config, &runs, &out) {
-                Ok(tiles) => log(&format!("{label}: {tiles} tiles: ok")),
-                Err(error) => {
-                    log(&format!("{label}: FAIL: {error}"));
-                    failures.push(format!("{label}: {error}"));
-                }
-            }
+            note_case(
+                &label,
+                "tiles",
+                check_tiles(*config, &runs, &out),
+                &mut failures,
+            );
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} failing cases:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_none_failed(&failures);
 }
 
 /// What a probe of `capacity` records would hold after writing `tiles` and a count of
@@ -709,21 +751,8 @@ fn cluster_pairs_cover_every_row_once_per_column_tile() {
             n_tiles: 1,
         },
     ];
-    let mut source = codegen::generate(&plan).expect("codegen").source;
-    source.push_str(PROBE_TEMPLATE);
-    for config in &configs {
-        source.push_str(&config.entry_point());
-    }
-    let options = CompileOptions {
-        name: format!("{}_pair_probe", plan.symbol),
-        ..aot::compile_options(&plan)
-    };
-    let module = session
-        .jit
-        .compile(&source, &options)
-        .expect("the generated unit compiles with the probe");
-    let loaded = session.gpu.load(&module).expect("load the probe");
-    let stream = &session.gpu.stream;
+    let entry_points: Vec<String> = configs.iter().map(PairConfig::entry_point).collect();
+    let loaded = load_probe(&session, &plan, &entry_points, "pair_probe");
     let mut cases = routings(&plan);
     cases.push((
         "rows around the tiles' edges".into(),
@@ -735,49 +764,27 @@ fn cluster_pairs_cover_every_row_once_per_column_tile() {
             .load_function(&config.kernel())
             .expect("the probe's entry point");
         for (name, counts) in &cases {
-            let mut offsets = vec![0i32];
-            for &c in counts {
-                offsets.push(offsets.last().copied().unwrap_or(0) + c as i32);
-            }
             let capacity = config.capacity(counts.iter().sum());
-            let offsets_dev = stream.clone_htod(&offsets).expect("upload offsets");
-            let mut out_dev = stream
-                .clone_htod(&vec![UNWRITTEN; 1 + 2 * PAIR_RECORD * capacity as usize])
-                .expect("upload the output");
-            let capacity_arg = capacity as i32;
-            let mut launch = stream.launch_builder(&function);
-            launch
-                .arg(&offsets_dev)
-                .arg(&mut out_dev)
-                .arg(&capacity_arg);
-            let launch_config = LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (PROBE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the probe reads EXPERTS + 1 offsets and writes 1 + 2 · PAIR_RECORD ·
-            // capacity ints, the sizes of the two buffers.
-            unsafe { launch.launch(launch_config) }.expect("launch the probe");
-            let out = stream.clone_dtoh(&out_dev).expect("download the units");
+            let out = run_probe(
+                &session,
+                &function,
+                &offsets_of(counts),
+                capacity,
+                2 * PAIR_RECORD,
+            );
             let label = format!(
                 "cluster pairs BM={} BN={} N_TILES={}, {name}",
                 config.bm, config.bn, config.n_tiles
             );
-            match check_pairs(*config, counts, &out) {
-                Ok(units) => log(&format!("{label}: {units} units: ok")),
-                Err(error) => {
-                    log(&format!("{label}: FAIL: {error}"));
-                    failures.push(format!("{label}: {error}"));
-                }
-            }
+            note_case(
+                &label,
+                "units",
+                check_pairs(*config, counts, &out),
+                &mut failures,
+            );
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} failing cases:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_none_failed(&failures);
 }
 
 /// The host-side pair rules catch a broken pair schedule (no GPU needed).
