@@ -10,7 +10,7 @@
 //     (with A_TILES, the A rows come the same way, one box per stage: GEMM2's from the
 //     intermediate, GEMM1's from x sorted into the expert-major order);
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
-//     and up rows in one wgmma where they fit one), and arrive on the stage's "empty"
+//     and up rows in one wgmma), and arrive on the stage's "empty"
 //     mbarrier once the wgmma group reading it has retired; the producer refills a stage
 //     after waiting on "empty";
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
@@ -149,11 +149,10 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     constexpr int CLUSTER = G::CLUSTER;
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per BN columns
-    // One wgmma per k16 step spans WGMMA_N of the stage's B rows: all of them (gate and up
-    // together) where they fit one instruction, else one half each.
-    constexpr int WGMMA_PARTS = G::B_ROWS / G::WGMMA_N;
+    // One wgmma per k16 step spans all of a stage's B rows (a gated tile's gate and up rows
+    // together), so it reads the warpgroup's A rows once.
     constexpr int ACCUMULATORS = G::B_ROWS / 2;
-    static_assert(G::B_ROWS % G::WGMMA_N == 0 && G::WGMMA_N % 16 == 0 && G::WGMMA_N <= 256, "plan: wgmma width");
+    static_assert(G::B_ROWS % 16 == 0 && G::B_ROWS <= 256, "plan: a stage's B rows fit one wgmma");
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
     constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
@@ -224,7 +223,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                 if (tid == 0) {
                     mbarrier_expect_bytes(full, STAGE_TX_BYTES);  // both weight boxes land here, whoever loads them
                     if constexpr (G::A_TILES) {
-                        // Rows past the tile's (the next expert's, or zeros past the matrix) are never stored.
+                        // Rows past the tile's (the next expert's, rows of an earlier call, or zeros
+                        // past the buffer) are never stored.
                         tma_load_box(stage_address, a_tiles, k_tile * G::BK, t.row0, full);
                     }
 #pragma unroll
@@ -278,13 +278,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                     wgmma_fence();
 #pragma unroll
                     for (int k16 = 0; k16 < G::BK / 16; ++k16) {
-                        const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
-#pragma unroll
-                        for (int part = 0; part < WGMMA_PARTS; ++part) {
-                            const u32 b_part = b_base + part * G::WGMMA_N * G::ROW_BYTES;
-                            wgmma_m64k16<G::WGMMA_N>(acc + part * (G::WGMMA_N / 2), desc_a,
-                                                     wgmma_descriptor(b_part + k16 * 32));
-                        }
+                        wgmma_m64k16<G::B_ROWS>(acc, wgmma_descriptor(a_base + k16 * 32),
+                                                wgmma_descriptor(b_base + k16 * 32));
                     }
                     wgmma_commit();
                 }

@@ -87,7 +87,6 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     static constexpr int CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }};
     static constexpr bool A_TILES = {{ gemm.a_tiles }};  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = {{ gemm.quad_stores }};  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = {{ gemm.wgmma_width }};  // columns of one wgmma: gate and up rows together where they fit
 {%- else %}
     static constexpr int PRODUCER_THREADS = 0;
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to

@@ -534,6 +534,96 @@ fn cluster_pairs_and_row_tiles_are_checked() {
     );
 }
 
+/// GEMM1 loads x's rows sorted by expert where `gemm1_row_load` says (Mixtral-8x7B's
+/// 128-row prefill tiles, F = 14336; not Qwen3-30B-A3B's, F = 768, nor any 64-row or
+/// mma.sync regime), after the sort kernel; validation catches a sort missing, after GEMM1,
+/// on another grid or with other parameters, a gathering GEMM1 that is still sorted for,
+/// and GEMM1 passed the intermediate's map instead of sorted x's.
+#[test]
+fn gemm1_sorts_rows_where_it_pays_and_validation_checks_the_sort() {
+    let plan = example_plan("mixtral_8x7b");
+    let prefill = plan.regimes.len() - 1;
+    let regime = &plan.regimes[prefill];
+    assert_eq!(regime.gemm1.a_load, plan::RowLoad::Tiles);
+    assert_eq!(regime.gemm1.tile.m, 128);
+    for other in &plan.regimes[..prefill] {
+        assert_eq!(
+            other.gemm1.a_load,
+            plan::RowLoad::Gathered,
+            "{}",
+            other.name
+        );
+    }
+    let qwen3 = example_plan("qwen3_30b_a3b");
+    assert!(
+        qwen3
+            .regimes
+            .iter()
+            .all(|r| r.gemm1.a_load == plan::RowLoad::Gathered)
+    );
+    assert!(
+        qwen3
+            .workspace
+            .iter()
+            .all(|b| b.id != plan::BufferId::SortedX)
+    );
+    let position = |plan: &plan::Plan, kernel: &str| {
+        plan.regimes[prefill]
+            .launches
+            .iter()
+            .position(|l| l.kernel == kernel)
+    };
+    let sort = position(&plan, &plan.sort_rows_kernel).expect("the prefill regime sorts");
+    assert!(sort < position(&plan, &regime.gemm1_kernel).expect("GEMM1 is launched"));
+    plan.validate().expect("the plan as made");
+
+    let mut missing = plan.clone();
+    missing.regimes[prefill].launches.remove(sort);
+    assert!(missing.validate().is_err(), "no sort before a sorted GEMM1");
+
+    let mut after = plan.clone();
+    let launch = after.regimes[prefill].launches.remove(sort);
+    after.regimes[prefill].launches.push(launch);
+    assert!(after.validate().is_err(), "the sort after GEMM1");
+
+    let mut one_block = plan.clone();
+    one_block.regimes[prefill].launches[sort].grid = plan::Grid::Fixed(1);
+    assert!(one_block.validate().is_err(), "a sort on one block");
+
+    let mut no_row_table = plan.clone();
+    no_row_table.regimes[prefill].launches[sort]
+        .params
+        .remove(2);
+    assert!(
+        no_row_table.validate().is_err(),
+        "a sort without the row table"
+    );
+
+    let mut gathered = plan.clone();
+    gathered.regimes[prefill].gemm1.a_load = plan::RowLoad::Gathered;
+    assert!(
+        gathered.validate().is_err(),
+        "a gathering GEMM1 still sorted for"
+    );
+
+    let mut wrong_map = plan.clone();
+    let gemm1_kernel = regime.gemm1_kernel.clone();
+    let launch = wrong_map.regimes[prefill]
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == gemm1_kernel)
+        .expect("GEMM1 is launched");
+    for param in &mut launch.params {
+        if let plan::LaunchArg::SortedXTiles { box_rows } = param.arg {
+            param.arg = plan::LaunchArg::IntermediateTiles { box_rows };
+        }
+    }
+    assert!(
+        wrong_map.validate().is_err(),
+        "GEMM1 over the intermediate's map"
+    );
+}
+
 /// Qwen3-30B-A3B's prefill and mid calls (up to 131072 and 8192 pairs) route over several
 /// blocks, its decode calls (up to 2048) on one: validation catches count and place
 /// launches on different grids, place before count, blocks of other than the kernels'

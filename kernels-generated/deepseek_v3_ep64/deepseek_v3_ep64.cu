@@ -1842,7 +1842,7 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     (with A_TILES, the A rows come the same way, one box per stage: GEMM2's from the
 //     intermediate, GEMM1's from x sorted into the expert-major order);
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
-//     and up rows in one wgmma where they fit one), and arrive on the stage's "empty"
+//     and up rows in one wgmma), and arrive on the stage's "empty"
 //     mbarrier once the wgmma group reading it has retired; the producer refills a stage
 //     after waiting on "empty";
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
@@ -1981,11 +1981,10 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     constexpr int CLUSTER = G::CLUSTER;
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per BN columns
-    // One wgmma per k16 step spans WGMMA_N of the stage's B rows: all of them (gate and up
-    // together) where they fit one instruction, else one half each.
-    constexpr int WGMMA_PARTS = G::B_ROWS / G::WGMMA_N;
+    // One wgmma per k16 step spans all of a stage's B rows (a gated tile's gate and up rows
+    // together), so it reads the warpgroup's A rows once.
     constexpr int ACCUMULATORS = G::B_ROWS / 2;
-    static_assert(G::B_ROWS % G::WGMMA_N == 0 && G::WGMMA_N % 16 == 0 && G::WGMMA_N <= 256, "plan: wgmma width");
+    static_assert(G::B_ROWS % 16 == 0 && G::B_ROWS <= 256, "plan: a stage's B rows fit one wgmma");
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
     constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
@@ -2056,7 +2055,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                 if (tid == 0) {
                     mbarrier_expect_bytes(full, STAGE_TX_BYTES);  // both weight boxes land here, whoever loads them
                     if constexpr (G::A_TILES) {
-                        // Rows past the tile's (the next expert's, or zeros past the matrix) are never stored.
+                        // Rows past the tile's (the next expert's, rows of an earlier call, or zeros
+                        // past the buffer) are never stored.
                         tma_load_box(stage_address, a_tiles, k_tile * G::BK, t.row0, full);
                     }
 #pragma unroll
@@ -2110,13 +2110,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                     wgmma_fence();
 #pragma unroll
                     for (int k16 = 0; k16 < G::BK / 16; ++k16) {
-                        const u64 desc_a = wgmma_descriptor(a_base + k16 * 32);
-#pragma unroll
-                        for (int part = 0; part < WGMMA_PARTS; ++part) {
-                            const u32 b_part = b_base + part * G::WGMMA_N * G::ROW_BYTES;
-                            wgmma_m64k16<G::WGMMA_N>(acc + part * (G::WGMMA_N / 2), desc_a,
-                                                     wgmma_descriptor(b_part + k16 * 32));
-                        }
+                        wgmma_m64k16<G::B_ROWS>(acc, wgmma_descriptor(a_base + k16 * 32),
+                                                wgmma_descriptor(b_base + k16 * 32));
                     }
                     wgmma_commit();
                 }
@@ -2821,7 +2816,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) deepseek_v3_ep64_e
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=256 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -2898,7 +2893,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_ep64_decode_gem
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 257..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -2913,7 +2908,6 @@ struct mid_gemm1 : SingleGpu {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2948,7 +2942,6 @@ struct mid_gemm2 : SingleGpu {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -2972,7 +2965,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `prefill`: 2049..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
+// GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;
@@ -2987,7 +2980,6 @@ struct prefill_gemm1 : SingleGpu {
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -3021,7 +3013,6 @@ struct prefill_gemm2 : SingleGpu {
     static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -3142,7 +3133,6 @@ struct mid_ep_gemm1 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
@@ -3182,7 +3172,6 @@ struct mid_ep_gemm2 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 128;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
@@ -3224,7 +3213,6 @@ struct prefill_ep_gemm1 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
@@ -3264,7 +3252,6 @@ struct prefill_ep_gemm2 : ExpertParallel {
     static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
     static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
     static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int WGMMA_N = 256;  // columns of one wgmma: gate and up rows together where they fit
     static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;

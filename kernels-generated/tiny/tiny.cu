@@ -1526,7 +1526,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
 // ---------------------------------------------------------------------------------------
 // Regime `all`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (gather, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 528 persistent blocks (4 per SM)
+// GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 528 persistent blocks (4 per SM)
 struct all_gemm1 : SingleGpu {
     static constexpr int KIND = GEMM_UP;
     static constexpr bool GATED = true;

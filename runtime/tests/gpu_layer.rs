@@ -670,7 +670,8 @@ fn routing_over_several_blocks_matches_reference_and_reports_bad_ids() {
 }
 
 /// `forward` enqueues work only: stream capture fails on any host synchronisation, and
-/// the replayed graph must produce exactly what the eager call produced.
+/// the replayed graph must produce exactly what the eager call produced (a scaled example,
+/// and a layer whose GEMM1 reads x's rows sorted by expert).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forward_is_graph_capturable_and_replays_identically() {
@@ -679,41 +680,47 @@ fn forward_is_graph_capturable_and_replays_identically() {
         .find(|l| l.name == "qwen3_30b_a3b")
         .expect("the Qwen3-30B example");
     let session = Session::open().expect("GPU session");
-    let built = session
-        .build(plan_for_device(&layers::scaled_down(&layer)), 5)
-        .expect("build");
-    let shape = built.layer.plan().shape.clone();
-    let workload = Workload::random(&shape, 300, Routing::Uniform, fresh_seed());
-    let stream = &session.gpu.stream;
+    // The scaled example, and a layer whose GEMM1 reads rows the sort kernel copies.
+    for plan in [
+        plan_for_device(&layers::scaled_down(&layer)),
+        sorted_rows_plan(),
+    ] {
+        let built = session.build(plan, 5).expect("build");
+        let shape = built.layer.plan().shape.clone();
+        let workload = Workload::random(&shape, 300, Routing::Uniform, fresh_seed());
+        let stream = &session.gpu.stream;
 
-    let mut eager = session.upload(&shape, &workload).expect("upload");
-    session
-        .forward(&built.layer, &mut eager)
-        .expect("eager forward");
-    let eager_y = stream.clone_dtoh(&eager.y).expect("download");
+        let mut eager = session.upload(&shape, &workload).expect("upload");
+        session
+            .forward(&built.layer, &mut eager)
+            .expect("eager forward");
+        let eager_y = stream.clone_dtoh(&eager.y).expect("download");
 
-    let mut captured = session.upload(&shape, &workload).expect("upload");
-    stream.synchronize().expect("sync before capture");
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("begin capture");
-    session
-        .forward(&built.layer, &mut captured)
-        .expect("forward under capture");
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-        .expect("end capture")
-        .expect("a graph with the forward's launches");
-    session
-        .fill_bits(&mut captured.y, bf16::NAN)
-        .expect("poison");
-    graph.launch().expect("replay");
-    built.layer.take_error().expect("no kernel error");
-    let replay_y = stream.clone_dtoh(&captured.y).expect("download");
-    assert_eq!(
-        eager_y, replay_y,
-        "graph replay differs from the eager call"
-    );
+        let mut captured = session.upload(&shape, &workload).expect("upload");
+        stream.synchronize().expect("sync before capture");
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("begin capture");
+        session
+            .forward(&built.layer, &mut captured)
+            .expect("forward under capture");
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .expect("end capture")
+            .expect("a graph with the forward's launches");
+        session
+            .fill_bits(&mut captured.y, bf16::NAN)
+            .expect("poison");
+        graph.launch().expect("replay");
+        built.layer.take_error().expect("no kernel error");
+        let replay_y = stream.clone_dtoh(&captured.y).expect("download");
+        assert_eq!(
+            eager_y,
+            replay_y,
+            "{}: graph replay differs from the eager call",
+            built.layer.plan().layer
+        );
+    }
 }
 
 /// Tiles of one grouped GEMM for a call's routing: each expert's rows in `bm`-row tiles

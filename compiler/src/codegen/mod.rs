@@ -90,7 +90,7 @@ struct LayerUnit<'a> {
     flag_kind_combine: i32,
     flag_kind_credit: i32,
     flag_kind_return: i32,
-    /// Distinct wgmma widths (`GemmPlan::wgmma_width`) the plan uses, ascending.
+    /// Distinct wgmma widths the plan uses (a stage's B rows: one wgmma spans them), ascending.
     wgmma_widths: Vec<u32>,
     /// Whether any GEMM runs on the warp-specialised engine.
     warp_specialized: bool,
@@ -524,7 +524,6 @@ struct GemmUnit {
     a_tiles: bool,
     /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
     quad_stores: bool,
-    wgmma_width: u32,
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
     /// before it waits for GEMM1 (the entry point then does not wait first).
     weights_before_wait: bool,
@@ -557,7 +556,7 @@ impl GemmUnit {
         let up = matches!(role, GemmRole::Up | GemmRole::ExpertParallelUp);
         let (description, suffix, uses, base, call_args) = match role {
             GemmRole::Up => (
-                "GEMM1 (gather, W1, activation)",
+                "GEMM1 (x rows gathered or sorted, W1, activation)",
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
@@ -617,10 +616,12 @@ impl GemmUnit {
             ),
             _ => None,
         };
-        // A GEMM reads its A rows through a tensor map where the plan loads them as tiles
-        // (the engine's last parameter: sorted x for GEMM1, the intermediate for GEMM2),
-        // else through the pointer (GEMM1 gathering by the row table).
-        let a_tiles = gemm.a_load == RowLoad::Tiles;
+        // A single-GPU GEMM reads its A rows through a tensor map where the plan loads them
+        // as tiles (the engine's last parameter: sorted x for GEMM1, the intermediate for
+        // GEMM2), else through the pointer (x gathered by the row table for GEMM1, the
+        // intermediate for GEMM2). The expert-parallel GEMMs always gather.
+        let a_tiles =
+            gemm.a_load == RowLoad::Tiles && matches!(role, GemmRole::Up | GemmRole::Down);
         let (rows, tiles) = if up {
             ("x", LaunchArg::SortedXTiles { box_rows: 0 }.name())
         } else {
@@ -654,7 +655,7 @@ impl GemmUnit {
             .map(|&name| {
                 if name == pointer {
                     weights.trim_start_matches('&')
-                } else if name == rows && a_tiles && matches!(role, GemmRole::Up | GemmRole::Down) {
+                } else if name == rows && a_tiles {
                     tiles
                 } else {
                     name
@@ -702,7 +703,6 @@ impl GemmUnit {
             grid: gemm.grid_blocks,
             cluster: gemm.cluster,
             b_box_rows: gemm.weight_box_rows(),
-            wgmma_width: gemm.wgmma_width(),
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
@@ -1137,7 +1137,7 @@ fn all_gemms(plan: &Plan) -> impl Iterator<Item = &GemmPlan> {
 fn wgmma_widths(plan: &Plan) -> Vec<u32> {
     let mut widths: Vec<u32> = all_gemms(plan)
         .filter(|g| g.engine.is_wgmma())
-        .map(GemmPlan::wgmma_width)
+        .map(|g| g.b_rows)
         .collect();
     widths.sort_unstable();
     widths.dedup();

@@ -288,7 +288,7 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
         let e = &gemm.estimate;
         let _ = writeln!(
             out,
-            "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps{}, {} B smem, {} blocks ({}/SM{}); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
+            "    {name}  {} tile {}x{}x{}{}, {} stages, {}x{} warps{}{}, {} B smem, {} blocks ({}/SM{}); model at T={}: {:.1} us (compute {:.1}, memory {:.1}, L2 {:.1})",
             gemm.engine.name(),
             gemm.tile.m,
             gemm.tile.n,
@@ -301,13 +301,14 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             gemm.stages,
             gemm.warps_m,
             gemm.warps_n,
-            match (gemm.a_load, gemm.store) {
-                (RowLoad::Tiles, OutputStore::QuadVectors) =>
-                    ", A rows as TMA tiles, 16-byte stores",
-                (RowLoad::Tiles, OutputStore::Pairs) =>
-                    ", A rows as TMA tiles (x sorted by expert first)",
-                (RowLoad::Gathered, OutputStore::QuadVectors) => ", 16-byte stores",
-                (RowLoad::Gathered, OutputStore::Pairs) => "",
+            match (gemm.a_load, name) {
+                (RowLoad::Tiles, "gemm1") => ", A rows as TMA tiles (x sorted by expert first)",
+                (RowLoad::Tiles, _) => ", A rows as TMA tiles",
+                (RowLoad::Gathered, _) => "",
+            },
+            match gemm.store {
+                OutputStore::QuadVectors => ", 16-byte stores",
+                OutputStore::Pairs => "",
             },
             gemm.smem_bytes,
             gemm.grid_blocks,

@@ -327,6 +327,19 @@ pub fn weight_param(gemm: &GemmPlan, up: bool) -> KernelParam {
     })
 }
 
+/// The sort kernel's parameters: x, where each expert's rows start and each row's token,
+/// and the sorted rows it writes.
+pub(super) fn sort_rows_params() -> Vec<KernelParam> {
+    use BufferId::*;
+    use LaunchArg::*;
+    vec![
+        KernelParam::read(X),
+        KernelParam::read(Workspace(ExpertOffsets)),
+        KernelParam::read(Workspace(RowPair)),
+        KernelParam::write(Workspace(SortedX)),
+    ]
+}
+
 /// How the single-GPU GEMM1 reads its A rows: as TMA tiles of x sorted into the
 /// expert-major order, or gathered from x through the routing's row table (`row_pair`, the
 /// second parameter then).
@@ -467,12 +480,7 @@ pub fn launch_table(
             static_smem_bytes: 0,
             stream: StreamRole::Compute,
             early_start,
-            params: vec![
-                read(X),
-                read(Workspace(ExpertOffsets)),
-                read(Workspace(RowPair)),
-                write(Workspace(SortedX)),
-            ],
+            params: sort_rows_params(),
         });
     }
     launches.extend([

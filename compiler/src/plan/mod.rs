@@ -735,18 +735,6 @@ impl GemmPlan {
         })
     }
 
-    /// Columns of one `wgmma` instruction. A gated GEMM1's gate and up rows lie one after
-    /// the other in a stage, so where both fit one instruction (at most
-    /// [`MAX_WGMMA_WIDTH`]) a single `wgmma` reads the A rows once for both halves; wider,
-    /// one per half. The tile's width for ungated GEMMs.
-    pub fn wgmma_width(&self) -> u32 {
-        if self.b_rows <= MAX_WGMMA_WIDTH {
-            self.b_rows
-        } else {
-            self.tile.n
-        }
-    }
-
     /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated
     /// GEMM1 loads gate and up rows, or when a cluster pair splits the panel between its
     /// blocks; one box otherwise.
@@ -763,13 +751,14 @@ impl GemmPlan {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RowLoad {
-    /// Row by row with `cp.async`, through the tile's row-source table: the mma.sync GEMM1
-    /// gathers its tokens' rows of x, and every expert-parallel GEMM reads rows where they
-    /// arrived.
+    /// Row by row with `cp.async`, through the tile's row-source table: GEMM1 gathers its
+    /// tokens' rows of x where the planner does not sort them (`gemm1_row_load`), and
+    /// every expert-parallel GEMM reads rows where they arrived.
     Gathered,
-    /// As TMA boxes of the tile's `BM` consecutive rows (the warp-specialised single-GPU
-    /// GEMMs, whose rows are expert-major: GEMM2's are the intermediate's, GEMM1's are
-    /// [`BufferId::SortedX`], x's rows copied into that order by the sort kernel): one copy
+    /// As TMA boxes of the tile's `BM` consecutive expert-major rows on the warp-specialised
+    /// engine: the single-GPU GEMM2's from the intermediate, and the single-GPU GEMM1's where
+    /// `gemm1_row_load` sorts them, from [`BufferId::SortedX`] (x's rows copied into that
+    /// order by the sort kernel): one copy
     /// per stage by one thread, where the gather costs the producer warps a `cp.async` per
     /// 16 bytes and the consumers a proxy fence per stage. Measured without any A loads,
     /// Mixtral-8x7B's GEMM2 at 4096 tokens ran 26% faster (1.20 against 1.63 ms, Nsight
@@ -1612,8 +1601,11 @@ fn warp_layout(tile: TileShape) -> Option<(u32, u32)> {
 const MAX_ACCUMULATORS_PER_THREAD: u32 = 64;
 /// The same bound for wgmma, whose warpgroups keep no A or B fragments in registers.
 const MAX_WGMMA_ACCUMULATORS_PER_THREAD: u32 = 128;
-/// The widest `wgmma` (bf16 operands): m64n256k16.
+/// The widest `wgmma` (bf16 operands): m64n256k16. The warp-specialised engine multiplies a
+/// stage's B rows (gate and up rows together, for a gated GEMM1) in one `wgmma`, so its
+/// `b_rows` is at most this (the accumulator cap above implies it: 64 · b_rows / 128).
 pub const MAX_WGMMA_WIDTH: u32 = 256;
+const _: () = assert!(64 * MAX_WGMMA_WIDTH / 128 == MAX_WGMMA_ACCUMULATORS_PER_THREAD);
 
 /// Checks a candidate tile and completes it into a `GemmPlan` (without estimate).
 fn shape_gemm(

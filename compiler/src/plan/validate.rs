@@ -15,9 +15,9 @@ use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, LaunchArg, MAX_EXPERTS,
-    MAX_PAIRS, MAX_SHARED_SLICES, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts,
-    RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier,
-    combine_blocks_per_token, workspace,
+    MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH, MmaEngine, OutputStore, Plan, ROUTE_THREADS,
+    Regime, RegimeParts, RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K,
+    c_identifier, combine_blocks_per_token, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -129,6 +129,18 @@ impl Plan {
         }
         for regime in &self.regimes {
             self.check_sort_rows(regime)?;
+        }
+        let ep_sorts = self
+            .expert_parallel
+            .iter()
+            .flat_map(|ep| &ep.regimes)
+            .flat_map(|r| &r.launches)
+            .any(|l| l.kernel == self.sort_rows_kernel);
+        if ep_sorts {
+            return Err(format!(
+                "an expert-parallel regime launches `{}`, a single-GPU kernel",
+                self.sort_rows_kernel
+            ));
         }
         if let Some(ep) = &self.expert_parallel {
             self.check_expert_parallel(ep)?;
@@ -511,9 +523,9 @@ impl Plan {
             }
             next_min = u64::from(regime.max_tokens) + 1;
             let [(gemm1, kernel1), (gemm2, kernel2)] = regime.gemms;
-            for (gemm, kernel, n, k) in [
-                (gemm1, kernel1, shape.ffn, shape.hidden),
-                (gemm2, kernel2, shape.hidden, shape.ffn),
+            for (gemm, kernel, n, k, up) in [
+                (gemm1, kernel1, shape.ffn, shape.hidden, true),
+                (gemm2, kernel2, shape.hidden, shape.ffn, false),
             ] {
                 let tile = gemm.tile;
                 if tile.k != TILE_K
@@ -552,7 +564,7 @@ impl Plan {
                         "the launch of `{kernel}` disagrees with its GEMM plan"
                     ));
                 }
-                Self::check_gemm_loads(gemm, launch, kernel)?;
+                Self::check_gemm_loads(gemm, launch, kernel, up)?;
             }
             for launch in regime.launches {
                 self.check_launch(launch)?;
@@ -593,6 +605,12 @@ impl Plan {
                         launch.kernel, launch.grid, launch.block_threads
                     ));
                 }
+                if launch.params != super::launch::sort_rows_params() {
+                    return Err(format!(
+                        "`{}` takes other parameters than x, the expert offsets and the row table, writing sorted_x",
+                        launch.kernel
+                    ));
+                }
                 Ok(())
             }
             (RowLoad::Tiles, _) => Err(format!(
@@ -602,16 +620,24 @@ impl Plan {
         }
     }
 
-    /// A cluster pair is a warp-specialised 128-row tile on a grid of whole pairs; the
-    /// tensor maps the launch passes have the boxes the GEMM loads (weights in boxes of
-    /// `weight_box_rows`, A rows (the intermediate's or sorted x's) in tiles of `BM`
-    /// exactly when the plan loads them so).
+    /// A cluster pair is a warp-specialised 128-row tile on a grid of whole pairs; a
+    /// warp-specialised stage's B rows fit one wgmma; the tensor maps the launch passes
+    /// have the boxes the GEMM loads (weights in boxes of `weight_box_rows`, A rows in
+    /// tiles of `BM` exactly when the plan loads them so: sorted x for GEMM1 (`up`), the
+    /// intermediate for GEMM2).
     fn check_gemm_loads(
         gemm: &GemmPlan,
         launch: &super::Launch,
         kernel: &str,
+        up: bool,
     ) -> Result<(), String> {
         let warp_specialized = gemm.engine == MmaEngine::WgmmaWarpSpecialized;
+        if warp_specialized && gemm.b_rows > MAX_WGMMA_WIDTH {
+            return Err(format!(
+                "`{kernel}`'s {} B rows per stage exceed one wgmma's {MAX_WGMMA_WIDTH}",
+                gemm.b_rows
+            ));
+        }
         let pair_fits = gemm.cluster == 1 || (gemm.cluster == CLUSTER_PAIR && gemm.can_pair());
         if !pair_fits {
             return Err(format!(
@@ -642,16 +668,19 @@ impl Plan {
                 LaunchArg::W1Tiles { box_rows } | LaunchArg::W2Tiles { box_rows } => {
                     box_rows == gemm.weight_box_rows()
                 }
-                LaunchArg::IntermediateTiles { box_rows }
-                | LaunchArg::SortedXTiles { box_rows } => {
+                LaunchArg::SortedXTiles { box_rows } => {
                     takes_a_tiles = true;
-                    box_rows == gemm.tile.m
+                    up && box_rows == gemm.tile.m
+                }
+                LaunchArg::IntermediateTiles { box_rows } => {
+                    takes_a_tiles = true;
+                    !up && box_rows == gemm.tile.m
                 }
                 _ => true,
             };
             if !boxes_agree {
                 return Err(format!(
-                    "the boxes of `{kernel}`'s `{}` disagree with its tile",
+                    "the boxes of `{kernel}`'s `{}` disagree with its tile, or the map is over another GEMM's rows",
                     param.arg.name()
                 ));
             }
