@@ -536,9 +536,10 @@ fn cluster_pairs_and_row_tiles_are_checked() {
 
 /// GEMM1 loads x's rows sorted by expert where `gemm1_row_load` says (Mixtral-8x7B's
 /// 128-row prefill tiles, F = 14336; not Qwen3-30B-A3B's, F = 768, nor any 64-row or
-/// mma.sync regime), after the sort kernel; validation catches a sort missing, after GEMM1,
-/// on another grid or with other parameters, a gathering GEMM1 that is still sorted for,
-/// and GEMM1 passed the intermediate's map instead of sorted x's.
+/// mma.sync regime), after the invert and sort kernels; validation catches a sort or its
+/// inverse missing, a sort after GEMM1, on another grid or with other parameters, a
+/// gathering GEMM1 that is still sorted for, and GEMM1 passed the intermediate's map
+/// instead of sorted x's.
 #[test]
 fn gemm1_sorts_rows_where_it_pays_and_validation_checks_the_sort() {
     let plan = example_plan("mixtral_8x7b");
@@ -577,9 +578,19 @@ fn gemm1_sorts_rows_where_it_pays_and_validation_checks_the_sort() {
     assert!(sort < position(&plan, &regime.gemm1_kernel).expect("GEMM1 is launched"));
     plan.validate().expect("the plan as made");
 
+    let invert = position(&plan, &plan.invert_rows_kernel).expect("the prefill regime inverts");
+    assert!(
+        invert < sort,
+        "the row order's inverse before the sort reads it"
+    );
+
     let mut missing = plan.clone();
     missing.regimes[prefill].launches.remove(sort);
     assert!(missing.validate().is_err(), "no sort before a sorted GEMM1");
+
+    let mut no_inverse = plan.clone();
+    no_inverse.regimes[prefill].launches.remove(invert);
+    assert!(no_inverse.validate().is_err(), "a sort without the inverse");
 
     let mut after = plan.clone();
     let launch = after.regimes[prefill].launches.remove(sort);

@@ -368,36 +368,65 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) mixtral_8x7b_route_p
 #endif
 
 // ---------------------------------------------------------------------------------------
-// Sort rows: x's rows copied into the expert-major row order, sorted_x row p holding the
+// Sorted rows: x's rows copied into the expert-major row order, sorted_x row p holding the
 // token of row_pair[p], so that a warp-specialised GEMM1 loads its A rows as TMA tiles:
 // gathered a 16-byte cp.async at a time, they cost its producer and consumers 13-24% of
-// the GEMM (measured without them, one H200, 2026-12-01). Block b copies rows
-// [b · SLOTS_PER_TOKEN, (b + 1) · SLOTS_PER_TOKEN), one token's worth, so the grid has a
-// block per token; rows past the call's (pairs the routing reported and left out) are not
-// copied, and no GEMM tile stores them.
+// the GEMM (measured without them, one H200, 2026-12-01). Two launches:
+//   - invert: pair_row[row_pair[p]] = p for each of the call's rows p, one block per token's
+//     worth of rows;
+//   - sort: one block per token, which reads its row of x once and writes it to each of its
+//     rows (walking the rows in order instead read x once per copy, from HBM once x
+//     outgrows L2). A pair the routing left out (it reported the id) has a stale pair_row
+//     entry: its row's row_pair names another pair, and the copy skips it. Rows past the
+//     call's are not written, and no GEMM tile stores them.
 // ---------------------------------------------------------------------------------------
+constexpr int INVERT_ROWS_THREADS = 32;
 constexpr int SORT_ROWS_THREADS = 256;
-constexpr int ROW_VECTORS = HIDDEN / 8;  // 16-byte vectors per row
 static_assert(HIDDEN % 8 == 0, "plan: rows of whole 16-byte vectors");
+static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a token looks it up");
+
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_invert_rows)
+extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) mixtral_8x7b_invert_rows(
+    const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ pair_row  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
+)
+{
+    start_after_previous_kernel();
+    const int rows = expert_offsets[GEMM_EXPERTS];
+    for (int i = threadIdx.x; i < SLOTS_PER_TOKEN; i += INVERT_ROWS_THREADS) {
+        const int row = blockIdx.x * SLOTS_PER_TOKEN + i;
+        if (row < rows) pair_row[row_pair[row]] = row;
+    }
+}
+#endif
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_sort_rows)
 extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) mixtral_8x7b_sort_rows(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ pair_row,  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
     bf16_t* __restrict__ sorted_x  // [rows, HIDDEN], workspace: x's rows in the expert-major order
 )
 {
     start_after_previous_kernel();
-    const int rows = expert_offsets[GEMM_EXPERTS];
-    const int first_row = blockIdx.x * SLOTS_PER_TOKEN;
-    // Every thread's copies are independent: all of a row's vectors, then the next row's.
-    for (int i = threadIdx.x; i < SLOTS_PER_TOKEN * ROW_VECTORS; i += SORT_ROWS_THREADS) {
-        const int row = first_row + i / ROW_VECTORS;
-        if (row >= rows) break;  // rows only grow with i
-        const int token = row_pair[row] / SLOTS_PER_TOKEN, column = i % ROW_VECTORS * 8;
-        *reinterpret_cast<Vec16*>(sorted_x + (size_t)row * HIDDEN + column) =
-            *reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN + column);
+    __shared__ int s_row[SLOTS_PER_TOKEN];  // this token's rows, -1 for a pair left out
+    static_assert(static_smem_reserved(sizeof(s_row)) == 128, "plan: sort's static shared memory");
+    const int token = blockIdx.x;
+    if (threadIdx.x < SLOTS_PER_TOKEN) {
+        const int pair = token * SLOTS_PER_TOKEN + threadIdx.x;
+        const int row = pair_row[pair];
+        const bool current = row >= 0 && row < expert_offsets[GEMM_EXPERTS] && row_pair[row] == pair;
+        s_row[threadIdx.x] = current ? row : -1;
+    }
+    __syncthreads();
+    for (int column = threadIdx.x * 8; column < HIDDEN; column += SORT_ROWS_THREADS * 8) {
+        const Vec16 v = *reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN + column);
+#pragma unroll 4
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            if (s_row[k] >= 0) *reinterpret_cast<Vec16*>(sorted_x + (size_t)s_row[k] * HIDDEN + column) = v;
+        }
     }
 }
 #endif

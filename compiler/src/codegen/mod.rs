@@ -17,9 +17,10 @@ use crate::plan::ep::{
 use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
-    Access, BufferId, GemmPlan, Grid, Launch, LaunchArg, MmaEngine, OutputStore, ParamType, Plan,
-    ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES, SORT_ROWS_THREADS, STATIC_SMEM_GRANULE,
-    SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
+    Access, BufferId, GemmPlan, Grid, INVERT_ROWS_THREADS, Launch, LaunchArg, MmaEngine,
+    OutputStore, ParamType, Plan, ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES,
+    SORT_ROWS_THREADS, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
+    error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -70,7 +71,10 @@ struct LayerUnit<'a> {
     route_place: Option<EntryUnit>,
     route_threads: u32,
     combine: EntryUnit,
-    /// The kernel copying x's rows into the expert-major order, where a regime launches it.
+    /// The kernels inverting the row order and copying x's rows into it, where a regime
+    /// launches them.
+    invert_rows: Option<EntryUnit>,
+    invert_rows_threads: u32,
     sort_rows: Option<EntryUnit>,
     sort_rows_threads: u32,
     /// Blocks over which the combine spreads one token's row (its launch's grid).
@@ -176,7 +180,8 @@ const ROUTE_PLACE_USES: &[&str] = &[
     "error_word",
 ];
 const GEMM_UP_USES: &[&str] = &["x", "w1", "expert_offsets", "row_pair", "intermediate"];
-const SORT_ROWS_USES: &[&str] = &["x", "expert_offsets", "row_pair", "sorted_x"];
+const INVERT_ROWS_USES: &[&str] = &["expert_offsets", "row_pair", "pair_row"];
+const SORT_ROWS_USES: &[&str] = &["x", "expert_offsets", "row_pair", "pair_row", "sorted_x"];
 const GEMM_DOWN_USES: &[&str] = &[
     "intermediate",
     "w2",
@@ -348,6 +353,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::RowPair => "[tokens * TOP_K], workspace",
             BufferId::Intermediate => "[rows, FFN], workspace",
             BufferId::SortedX => "[rows, HIDDEN], workspace: x's rows in the expert-major order",
+            BufferId::PairRow => {
+                "[tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair"
+            }
             BufferId::CombineSlots => "[tokens, slots per token, HIDDEN]: see the plan's buffers",
             BufferId::ErrorWord => "[4]: code, then details",
             BufferId::SendSlots => "[RANKS, MAX_TOKENS]: token of each send slot",
@@ -1046,6 +1054,8 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         route_place: EntryUnit::if_launched(plan, &plan.route_place_kernel, ROUTE_PLACE_USES)?,
         route_threads: ROUTE_THREADS,
         combine: EntryUnit::new(plan, &plan.combine_kernel, COMBINE_USES)?,
+        invert_rows: EntryUnit::if_launched(plan, &plan.invert_rows_kernel, INVERT_ROWS_USES)?,
+        invert_rows_threads: INVERT_ROWS_THREADS,
         sort_rows: EntryUnit::if_launched(plan, &plan.sort_rows_kernel, SORT_ROWS_USES)?,
         sort_rows_threads: SORT_ROWS_THREADS,
         combine_blocks_per_token: combine_blocks_per_token(plan)?,

@@ -6,8 +6,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BufferId, COMBINE_THREADS, ElemType, GemmPlan, LayerShape, ROUTE_THREADS, RowLoad,
-    SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
+    BufferId, COMBINE_THREADS, ElemType, GemmPlan, INVERT_ROWS_THREADS, LayerShape, ROUTE_THREADS,
+    RowLoad, SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
 };
 
 /// One kernel launch of the forward call.
@@ -308,7 +308,8 @@ pub enum RouteLaunches<'a> {
 /// The entry points one forward call launches, in stream order.
 pub struct ForwardKernels<'a> {
     pub route: RouteLaunches<'a>,
-    /// Launched after the routing where GEMM1 loads its A rows as tiles.
+    /// Launched after the routing, in this order, where GEMM1 loads its A rows as tiles.
+    pub invert_rows: &'a str,
     pub sort_rows: &'a str,
     pub gemm1: &'a str,
     pub gemm2: &'a str,
@@ -327,7 +328,19 @@ pub fn weight_param(gemm: &GemmPlan, up: bool) -> KernelParam {
     })
 }
 
-/// The sort kernel's parameters: x, where each expert's rows start and each row's token,
+/// The invert kernel's parameters: the call's row count (from the expert offsets) and row
+/// order, and the inverse it writes.
+pub(super) fn invert_rows_params() -> Vec<KernelParam> {
+    use BufferId::*;
+    use LaunchArg::*;
+    vec![
+        KernelParam::read(Workspace(ExpertOffsets)),
+        KernelParam::read(Workspace(RowPair)),
+        KernelParam::write(Workspace(PairRow)),
+    ]
+}
+
+/// The sort kernel's parameters: x, the call's row count, the row order and its inverse,
 /// and the sorted rows it writes.
 pub(super) fn sort_rows_params() -> Vec<KernelParam> {
     use BufferId::*;
@@ -336,6 +349,7 @@ pub(super) fn sort_rows_params() -> Vec<KernelParam> {
         KernelParam::read(X),
         KernelParam::read(Workspace(ExpertOffsets)),
         KernelParam::read(Workspace(RowPair)),
+        KernelParam::read(Workspace(PairRow)),
         KernelParam::write(Workspace(SortedX)),
     ]
 }
@@ -469,19 +483,34 @@ pub fn launch_table(
     );
     let [a_rows, row_table] = gemm1_rows_params(g1);
     if g1.a_load == RowLoad::Tiles {
-        launches.push(Launch {
-            kernel: kernels.sort_rows.to_string(),
+        let per_token = |kernel: &str, block_threads, static_smem_bytes, params| Launch {
+            kernel: kernel.to_string(),
             grid: Grid::TokenTiles {
                 tokens_per_tile: 1,
                 blocks_per_tile: 1,
             },
-            block_threads: SORT_ROWS_THREADS,
+            block_threads,
             smem_bytes: 0,
-            static_smem_bytes: 0,
+            static_smem_bytes,
             stream: StreamRole::Compute,
             early_start,
-            params: sort_rows_params(),
-        });
+            params,
+        };
+        launches.extend([
+            per_token(
+                kernels.invert_rows,
+                INVERT_ROWS_THREADS,
+                0,
+                invert_rows_params(),
+            ),
+            // The sort's static shared memory: the token's rows (i32 [slots per token]).
+            per_token(
+                kernels.sort_rows,
+                SORT_ROWS_THREADS,
+                static_smem_reserved(4 * shape.slots_per_token()),
+                sort_rows_params(),
+            ),
+        ]);
     }
     launches.extend([
         Launch {

@@ -69,9 +69,12 @@ pub const ROUTE_ONE_BLOCK_MAX_PAIRS: u64 = 4096;
 const _: () = assert!(router::ROUTER_FUSED_MAX_PAIRS <= ROUTE_ONE_BLOCK_MAX_PAIRS);
 /// Threads of a combine block.
 pub const COMBINE_THREADS: u32 = 128;
-/// Threads of a block of the sort kernel (one block per token's worth of rows, each
-/// thread copying 16 bytes at a time).
+/// Threads of a block of the sort kernel (one block per token, each thread copying 16 bytes
+/// of its row at a time to each of the token's rows).
 pub const SORT_ROWS_THREADS: u32 = 256;
+/// Threads of a block of the kernel inverting the row order (one block per token's worth
+/// of rows, a thread per row).
+pub const INVERT_ROWS_THREADS: u32 = 32;
 /// Columns of a token's output row one single-GPU combine block sums: one 16-byte vector
 /// of 8 columns per thread. A token's row is spread over blocks rather than looped over by
 /// one: at a few tokens a block that walked all of H (7 steps for DeepSeek-V3) took 20 µs
@@ -106,8 +109,10 @@ pub struct Plan {
     pub route_place_kernel: String,
     /// Entry point of the combine kernel (shared by every regime).
     pub combine_kernel: String,
-    /// Entry point of the kernel that copies x's rows into the expert-major order
-    /// ([`BufferId::SortedX`]), launched by the regimes whose GEMM1 loads A as tiles.
+    /// Entry points of the kernels that copy x's rows into the expert-major order
+    /// ([`BufferId::SortedX`]), launched by the regimes whose GEMM1 loads A as tiles: the
+    /// inverse of the row order ([`BufferId::PairRow`]), then the copy, token by token.
+    pub invert_rows_kernel: String,
     pub sort_rows_kernel: String,
     pub target: Target,
     pub shape: LayerShape,
@@ -220,6 +225,11 @@ pub enum BufferId {
     /// `row_pair[p]`), for a GEMM1 that loads its A rows as TMA tiles
     /// ([`RowLoad::Tiles`]).
     SortedX,
+    /// i32 [T·K]: the inverse of `row_pair`, each (token, k) pair's row in the expert-major
+    /// order, so that the sort reads each token's row of x once. A pair the routing left
+    /// out keeps an earlier call's entry, which the sort recognises (its row's `row_pair`
+    /// names another pair).
+    PairRow,
     /// bf16 [T·K, H]: GEMM2 output scaled by the routing weight, one slot per (token, k).
     /// Expert-parallel, by peers: per own token, a slot per (token, k) where results
     /// travel as pair rows, or a slot per rank where they travel as rank partials
@@ -338,6 +348,7 @@ impl BufferId {
         match self {
             BufferId::ExpertOffsets
             | BufferId::RowPair
+            | BufferId::PairRow
             | BufferId::ErrorWord
             | BufferId::RouteBlockCounts
             | BufferId::SendSlots
@@ -390,6 +401,7 @@ impl BufferId {
             BufferId::RowPair => "row_pair",
             BufferId::Intermediate => "intermediate",
             BufferId::SortedX => "sorted_x",
+            BufferId::PairRow => "pair_row",
             BufferId::CombineSlots => "combine_slots",
             BufferId::ErrorWord => "error_word",
             BufferId::RouteBlockCounts => "route_block_counts",
@@ -1020,6 +1032,7 @@ pub fn plan_tuned(
     let route_count_kernel = format!("{symbol}_route_count");
     let route_place_kernel = format!("{symbol}_route_place");
     let combine_kernel = format!("{symbol}_combine");
+    let invert_rows_kernel = format!("{symbol}_invert_rows");
     let sort_rows_kernel = format!("{symbol}_sort_rows");
     let mut regimes = Vec::new();
     let mut most_route_blocks = 1;
@@ -1057,6 +1070,7 @@ pub fn plan_tuned(
                         blocks: route_blocks,
                     }
                 },
+                invert_rows: &invert_rows_kernel,
                 sort_rows: &sort_rows_kernel,
                 gemm1: &gemm1_kernel,
                 gemm2: &gemm2_kernel,
@@ -1163,6 +1177,7 @@ pub fn plan_tuned(
         route_count_kernel,
         route_place_kernel,
         combine_kernel,
+        invert_rows_kernel,
         sort_rows_kernel,
         target: target.clone(),
         shape,
@@ -1276,12 +1291,21 @@ fn workspace(
         },
     ];
     if sorted_x {
-        buffers.push(Buffer {
-            id: BufferId::SortedX,
-            elem: BufferId::SortedX.elem(),
-            elems: max_pairs * u64::from(shape.hidden),
-            purpose: "x's rows in the expert-major row order, GEMM1's A rows as TMA tiles".into(),
-        });
+        buffers.extend([
+            Buffer {
+                id: BufferId::PairRow,
+                elem: BufferId::PairRow.elem(),
+                elems: max_pairs,
+                purpose: "expert-major row of each (token, k) pair, the inverse of row_pair".into(),
+            },
+            Buffer {
+                id: BufferId::SortedX,
+                elem: BufferId::SortedX.elem(),
+                elems: max_pairs * u64::from(shape.hidden),
+                purpose: "x's rows in the expert-major row order, GEMM1's A rows as TMA tiles"
+                    .into(),
+            },
+        ]);
     }
     if route_blocks > 1 {
         buffers.push(Buffer {

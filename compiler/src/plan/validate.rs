@@ -14,10 +14,10 @@ use super::launch::StreamRole;
 use super::network::NetworkPlan;
 use super::router::{self, GatePlan, RouterPlan};
 use super::{
-    Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, LaunchArg, MAX_EXPERTS,
-    MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH, MmaEngine, OutputStore, Plan, ROUTE_THREADS,
-    Regime, RegimeParts, RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K,
-    c_identifier, combine_blocks_per_token, workspace,
+    Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, INVERT_ROWS_THREADS,
+    LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH, MmaEngine, OutputStore,
+    Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout,
+    StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -135,11 +135,11 @@ impl Plan {
             .iter()
             .flat_map(|ep| &ep.regimes)
             .flat_map(|r| &r.launches)
-            .any(|l| l.kernel == self.sort_rows_kernel);
-        if ep_sorts {
+            .find(|l| l.kernel == self.sort_rows_kernel || l.kernel == self.invert_rows_kernel);
+        if let Some(launch) = ep_sorts {
             return Err(format!(
                 "an expert-parallel regime launches `{}`, a single-GPU kernel",
-                self.sort_rows_kernel
+                launch.kernel
             ));
         }
         if let Some(ep) = &self.expert_parallel {
@@ -581,43 +581,66 @@ impl Plan {
     }
 
     /// A GEMM1 that loads its A rows as tiles reads x sorted into the expert-major order:
-    /// the sort kernel runs before it, one block per token's worth of rows (the most rows a
-    /// call has), and only then.
+    /// the invert kernel, then the sort kernel, run before it, each one block per token (the
+    /// most rows a call has: a token's worth per block), with their own threads and
+    /// parameters; a regime that gathers runs neither.
     fn check_sort_rows(&self, regime: &Regime) -> Result<(), String> {
         let position = |kernel: &str| regime.launches.iter().position(|l| l.kernel == kernel);
-        let sort = position(&self.sort_rows_kernel);
-        let gemm1 = position(&regime.gemm1_kernel);
-        match (regime.gemm1.a_load, sort) {
-            (RowLoad::Gathered, None) => Ok(()),
-            (RowLoad::Gathered, Some(_)) => Err(format!(
-                "regime `{}` sorts x's rows, but `{}` gathers them",
-                regime.name, regime.gemm1_kernel
-            )),
-            (RowLoad::Tiles, Some(at)) if gemm1.is_some_and(|g| at < g) => {
-                let launch = &regime.launches[at];
-                let grid = Grid::TokenTiles {
-                    tokens_per_tile: 1,
-                    blocks_per_tile: 1,
-                };
-                if launch.grid != grid || launch.block_threads != SORT_ROWS_THREADS {
-                    return Err(format!(
-                        "`{}` is launched on {:?} of {} threads, not {grid:?} of {SORT_ROWS_THREADS}",
-                        launch.kernel, launch.grid, launch.block_threads
-                    ));
-                }
-                if launch.params != super::launch::sort_rows_params() {
-                    return Err(format!(
-                        "`{}` takes other parameters than x, the expert offsets and the row table, writing sorted_x",
-                        launch.kernel
-                    ));
-                }
-                Ok(())
-            }
-            (RowLoad::Tiles, _) => Err(format!(
-                "`{}` loads x's rows as tiles, but regime `{}` does not sort them before it",
-                regime.gemm1_kernel, regime.name
-            )),
+        let steps = [
+            (
+                &self.invert_rows_kernel,
+                INVERT_ROWS_THREADS,
+                super::launch::invert_rows_params(),
+            ),
+            (
+                &self.sort_rows_kernel,
+                SORT_ROWS_THREADS,
+                super::launch::sort_rows_params(),
+            ),
+        ];
+        let positions: Vec<Option<usize>> = steps.iter().map(|(k, _, _)| position(k)).collect();
+        if regime.gemm1.a_load == RowLoad::Gathered {
+            return match positions.iter().flatten().next() {
+                None => Ok(()),
+                Some(&at) => Err(format!(
+                    "regime `{}` launches `{}`, but `{}` gathers x's rows",
+                    regime.name, regime.launches[at].kernel, regime.gemm1_kernel
+                )),
+            };
         }
+        let gemm1 = position(&regime.gemm1_kernel);
+        let in_order = matches!(
+            (positions[0], positions[1], gemm1),
+            (Some(invert), Some(sort), Some(gemm1)) if invert < sort && sort < gemm1
+        );
+        if !in_order {
+            return Err(format!(
+                "`{}` loads x's rows as tiles, but regime `{}` does not invert, then sort them before it",
+                regime.gemm1_kernel, regime.name
+            ));
+        }
+        let grid = Grid::TokenTiles {
+            tokens_per_tile: 1,
+            blocks_per_tile: 1,
+        };
+        for ((_, threads, params), at) in steps.iter().zip(positions.into_iter().flatten()) {
+            let launch = &regime.launches[at];
+            if launch.grid != grid || launch.block_threads != *threads || launch.params != *params {
+                return Err(format!(
+                    "`{}` is launched on {:?} of {} threads with ({}), not {grid:?} of {threads} with its own parameters",
+                    launch.kernel,
+                    launch.grid,
+                    launch.block_threads,
+                    launch
+                        .params
+                        .iter()
+                        .map(|p| p.arg.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// A cluster pair is a warp-specialised 128-row tile on a grid of whole pairs; a
