@@ -250,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -312,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_route_pl
     int tokens,  // tokens in this call
     const int* __restrict__ route_block_counts,  // [gridDim.x, EXPERTS]: each block's pairs per expert
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -388,7 +388,7 @@ static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_invert_rows)
 extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) deepseek_v3_invert_rows(
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ pair_row  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
 )
 {
@@ -405,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) deepseek_v3_in
 extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) deepseek_v3_sort_rows(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     const int* __restrict__ pair_row,  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
     bf16_t* __restrict__ sorted_x  // [rows, HIDDEN], workspace: x's rows in the expert-major order
 )
@@ -1696,7 +1696,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_decode_router(
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
     float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -2785,7 +2785,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
@@ -2823,7 +2823,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_decode_gemm2(
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
@@ -2861,7 +2861,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
@@ -2896,7 +2896,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_gemm2(
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
 )
 {
@@ -2967,7 +2967,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) d
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
 )
 {

@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_ep64_rou
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -314,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_ep64_rou
     int tokens,  // tokens in this call
     const int* __restrict__ route_block_counts,  // [gridDim.x, EXPERTS]: each block's pairs per expert
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -390,7 +390,7 @@ static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_invert_rows)
 extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) deepseek_v3_ep64_invert_rows(
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ pair_row  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
 )
 {
@@ -407,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) deepseek_v3_ep
 extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) deepseek_v3_ep64_sort_rows(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     const int* __restrict__ pair_row,  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
     bf16_t* __restrict__ sorted_x  // [rows, HIDDEN], workspace: x's rows in the expert-major order
 )
@@ -1698,7 +1698,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_decode_router
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
     float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -2872,7 +2872,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_gem
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
@@ -2910,7 +2910,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) deepseek_v3_ep64_decode_gem
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
@@ -2948,7 +2948,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
@@ -2983,7 +2983,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm2(
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
 )
 {
@@ -3054,7 +3054,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) d
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
 )
 {

@@ -254,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -316,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) gpt_oss_120b_route_p
     int tokens,  // tokens in this call
     const int* __restrict__ route_block_counts,  // [gridDim.x, EXPERTS]: each block's pairs per expert
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -392,7 +392,7 @@ static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_invert_rows)
 extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) gpt_oss_120b_invert_rows(
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ pair_row  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
 )
 {
@@ -409,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) gpt_oss_120b_i
 extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) gpt_oss_120b_sort_rows(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     const int* __restrict__ pair_row,  // [tokens * SLOTS_PER_TOKEN], workspace: each pair's row, the inverse of row_pair
     bf16_t* __restrict__ sorted_x  // [rows, HIDDEN], workspace: x's rows in the expert-major order
 )
@@ -1700,7 +1700,7 @@ extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
     float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -2250,7 +2250,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const float* __restrict__ w1_bias,  // [EXPERTS, W1 rows]: each expert's GEMM1 bias
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
@@ -2289,7 +2289,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
     const float* __restrict__ w2_bias,  // [EXPERTS, HIDDEN]: each expert's GEMM2 bias
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
@@ -2329,7 +2329,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gpt_oss_120b_mid_gemm1(
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const float* __restrict__ w1_bias,  // [EXPERTS, W1 rows]: each expert's GEMM1 bias
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
@@ -2367,7 +2367,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm2(
     const float* __restrict__ w2_bias,  // [EXPERTS, HIDDEN]: each expert's GEMM2 bias
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
 )
 {
@@ -2440,7 +2440,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) g
     const float* __restrict__ w2_bias,  // [EXPERTS, HIDDEN]: each expert's GEMM2 bias
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
 )
 {

@@ -247,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_route(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -1553,7 +1553,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
@@ -1589,7 +1589,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm2(
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    const int* __restrict__ row_pair,  // [tokens * TOP_K], workspace
+    const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
     u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls

@@ -350,7 +350,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::Epoch => "this call's epoch",
         LaunchArg::Workspace(id) => match id {
             BufferId::ExpertOffsets => "[experts here + 1], workspace",
-            BufferId::RowPair => "[tokens * TOP_K], workspace",
+            BufferId::RowPair => {
+                "[tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair"
+            }
             BufferId::Intermediate => "[rows, FFN], workspace",
             BufferId::SortedX => "[rows, HIDDEN], workspace: x's rows in the expert-major order",
             BufferId::PairRow => {
