@@ -10,9 +10,9 @@
 //     (with A_TILES, the A rows come the same way, one box per stage: GEMM2's from the
 //     intermediate, GEMM1's from x sorted into the expert-major order);
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
-//     and up rows in one wgmma), and arrive on the stage's "empty"
-//     mbarrier once the wgmma group reading it has retired; the producer refills a stage
-//     after waiting on "empty";
+//     and up rows in one wgmma), and arrive on the stage's "empty" mbarrier once the
+//     wgmma group reading it has retired; the producer refills a stage after waiting on
+//     "empty";
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers

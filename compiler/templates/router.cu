@@ -12,8 +12,9 @@
 // block; select by the last block of each token tile to finish its gate blocks; the
 // routing metadata by the last token tile's selecting block; a counter per token tile and,
 // with several token tiles, one over them say which block came last, and it resets the
-// counter for the next call; no block waits for another) or split (gate kernel, then select kernel, then the
-// whole table) for calls too large for one block's tails. A fused gate's tile is split
+// counter for the next call; no block waits for another) or split (gate kernel, then
+// select kernel, then the whole table) for calls too large for one block's tails. A fused
+// gate's tile is split
 // over `splits` blocks along the reduction (as many as the grid's size says: the plan
 // splits a few tokens' tiles so that every SM loads a piece of W_gate), each writing its
 // partial logits to its own [T, E] slice of router_logits; the select adds them up in

@@ -1108,8 +1108,9 @@ __device__ __forceinline__ void grouped_gemm(
 // block; select by the last block of each token tile to finish its gate blocks; the
 // routing metadata by the last token tile's selecting block; a counter per token tile and,
 // with several token tiles, one over them say which block came last, and it resets the
-// counter for the next call; no block waits for another) or split (gate kernel, then select kernel, then the
-// whole table) for calls too large for one block's tails. A fused gate's tile is split
+// counter for the next call; no block waits for another) or split (gate kernel, then
+// select kernel, then the whole table) for calls too large for one block's tails. A fused
+// gate's tile is split
 // over `splits` blocks along the reduction (as many as the grid's size says: the plan
 // splits a few tokens' tiles so that every SM loads a piece of W_gate), each writing its
 // partial logits to its own [T, E] slice of router_logits; the select adds them up in
@@ -1866,9 +1867,9 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     (with A_TILES, the A rows come the same way, one box per stage: GEMM2's from the
 //     intermediate, GEMM1's from x sorted into the expert-major order);
 //   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
-//     and up rows in one wgmma), and arrive on the stage's "empty"
-//     mbarrier once the wgmma group reading it has retired; the producer refills a stage
-//     after waiting on "empty";
+//     and up rows in one wgmma), and arrive on the stage's "empty" mbarrier once the
+//     wgmma group reading it has retired; the producer refills a stage after waiting on
+//     "empty";
 //   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers

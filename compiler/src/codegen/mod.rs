@@ -640,16 +640,13 @@ impl GemmUnit {
                 LaunchArg::IntermediateTiles { box_rows: 0 }.name(),
             )
         };
-        let a_tiles_arg = format!(", &{tiles}");
-        let (a_rows, a_tiles_arg, row_pair) = if a_tiles {
-            (
-                "nullptr",
-                a_tiles_arg.as_str(),
-                if up { "nullptr" } else { "row_pair" },
-            )
+        let (a_rows, a_tiles_arg) = if a_tiles {
+            ("nullptr", format!(", &{tiles}"))
         } else {
-            (rows, "", "row_pair")
+            (rows, String::new())
         };
+        // GEMM1 on sorted rows has no row table: its A rows and intermediate rows line up.
+        let row_table = !(a_tiles && up);
         // A GEMM that splits few-tile calls stream-K takes the buffers of partial tiles.
         let stream_k = gemm.stream_k.is_some();
         let stream_k_buffers = [BufferId::StreamKPartials, BufferId::StreamKTilesDone]
@@ -661,7 +658,7 @@ impl GemmUnit {
         };
         let uses: Vec<&str> = uses
             .iter()
-            .filter(|&&name| !(a_tiles && up && name == "row_pair"))
+            .filter(|&&name| row_table || name != "row_pair")
             .map(|&name| {
                 if name == pointer {
                     weights.trim_start_matches('&')
@@ -678,8 +675,8 @@ impl GemmUnit {
             .replace("{weights}", weights)
             .replace("{bias}", bias_arg.unwrap_or("nullptr"))
             .replace("{a_rows}", a_rows)
-            .replace("{a_tiles}", a_tiles_arg)
-            .replace("{row_pair}", row_pair)
+            .replace("{a_tiles}", &a_tiles_arg)
+            .replace("{row_pair}", if row_table { "row_pair" } else { "nullptr" })
             .replace("{stream_k}", &stream_k_arg);
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         let weights_before_wait =

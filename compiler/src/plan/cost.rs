@@ -142,8 +142,7 @@ pub fn estimate(
     let tile_flops = 2.0 * f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * f64::from(problem.k);
     let compute_seconds = waves * tile_flops / block_rate;
 
-    let weight_rows = if problem.gated { 2.0 } else { 1.0 } * f64::from(problem.n);
-    let weight_bytes = hit * weight_rows * f64::from(problem.k) * 2.0;
+    let weight_bytes = hit * f64::from(problem.weight_rows()) * f64::from(problem.k) * 2.0;
     let activation_bytes = pairs as f64 * (f64::from(problem.k) + f64::from(problem.n)) * 2.0;
     let stage_bytes = f64::from((gemm.tile.m + gemm.b_rows) * gemm.tile.k * 2);
     let loading_blocks = if stream_k {

@@ -770,9 +770,9 @@ pub enum RowLoad {
     /// As TMA boxes of the tile's `BM` consecutive expert-major rows on the warp-specialised
     /// engine: the single-GPU GEMM2's from the intermediate, and the single-GPU GEMM1's where
     /// `gemm1_row_load` sorts them, from [`BufferId::SortedX`] (x's rows copied into that
-    /// order by the sort kernel): one copy
-    /// per stage by one thread, where the gather costs the producer warps a `cp.async` per
-    /// 16 bytes and the consumers a proxy fence per stage. Measured without any A loads,
+    /// order by the invert and sort kernels): one copy per stage by one thread, where the
+    /// gather costs the producer warps a `cp.async` per 16 bytes and the consumers a proxy
+    /// fence per stage. Measured without any A loads,
     /// Mixtral-8x7B's GEMM2 at 4096 tokens ran 26% faster (1.20 against 1.63 ms, Nsight
     /// Compute, one H200, 2026-11-30); with A loaded only on the ring's first pass, GEMM1
     /// ran 13-24% faster (DeepSeek-V3 and Mixtral at 4096 tokens, Qwen3-30B-A3B and
@@ -981,6 +981,11 @@ impl GemmProblem {
         (self.experts + self.always_hit) * self.row_phases
     }
 
+    /// Rows of one expert's weight matrix: N, or gate and up rows (2·N) when gated.
+    pub fn weight_rows(&self) -> u32 {
+        if self.gated { 2 * self.n } else { self.n }
+    }
+
     pub(crate) fn for_layer(shape: &LayerShape, kind: GemmKind, row_phases: u32) -> Self {
         let (n, k, gated) = match kind {
             GemmKind::Up => (shape.ffn, shape.hidden, shape.activation.is_gated()),
@@ -1100,11 +1105,10 @@ pub fn plan_tuned(
         .collect();
     let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
     let stream_k = StreamKSpace::of(regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
-    let sorted_x = regimes.iter().any(|r| r.gemm1.a_load == RowLoad::Tiles);
     let workspace = workspace(
         &shape,
         most_route_blocks,
-        sorted_x,
+        sorts_x_rows(&regimes),
         router
             .as_ref()
             .map(|router| RouterSpace::of(router, &shape, regimes.iter().map(|r| r.max_tokens))),
@@ -1223,6 +1227,12 @@ impl StreamKSpace {
                     .max(gemm.stream_k.map_or(0, |tail| u64::from(tail.max_tiles))),
             })
     }
+}
+
+/// Whether any regime's GEMM1 loads x's rows sorted by expert (the workspace then holds
+/// them, and the row order's inverse).
+fn sorts_x_rows(regimes: &[Regime]) -> bool {
+    regimes.iter().any(|r| r.gemm1.a_load == RowLoad::Tiles)
 }
 
 /// What a router's buffers hold at most: its arrival counters and its (partial) logits.
@@ -1995,9 +2005,8 @@ const GATHERED_ROWS_SHARE: f64 = 0.10;
 fn gemm1_row_load(target: &Target, shape: &LayerShape, gemm: &GemmPlan) -> RowLoad {
     let problem = GemmProblem::for_layer(shape, GemmKind::Up, 1);
     let two_warpgroups = gemm.engine == MmaEngine::WgmmaWarpSpecialized && gemm.tile.m >= 128;
-    let weight_rows = f64::from(problem.n) * if problem.gated { 2.0 } else { 1.0 };
-    let multiply_seconds =
-        2.0 * f64::from(problem.k) * weight_rows / (target.peak_bf16_flops * target.wgmma_fraction);
+    let multiply_seconds = 2.0 * f64::from(problem.k) * f64::from(problem.weight_rows())
+        / (target.peak_bf16_flops * target.wgmma_fraction);
     let copy_seconds = 2.0 * 2.0 * f64::from(problem.k) / target.hbm_bytes_per_s;
     if two_warpgroups && GATHERED_ROWS_SHARE * multiply_seconds > copy_seconds {
         RowLoad::Tiles

@@ -3,8 +3,8 @@
 //!
 //! - **fused** (a regime whose largest call has at most [`ROUTER_FUSED_MAX_PAIRS`] (token,
 //!   k) pairs, and whose later phases' scratch fits a block: [`fused`]): one launch,
-//!   `<symbol>_<regime>_router`, in place of the regime's routing-metadata launch, so that a self-routed call runs as many kernels as a
-//!   caller-routed one. Its phases, each run by the block the one before leaves last:
+//!   `<symbol>_<regime>_router`, in place of the regime's routing-metadata launch, so
+//!   that a self-routed call runs as many kernels as a caller-routed one. Its phases, each run by the block the one before leaves last:
 //!   1. **gate**, every block: the logits, or its split's partial sums of them (below);
 //!   2. **select**, by the block of each token tile that finishes its gate blocks last (a
 //!      counter per token tile in `router_tiles_done`): it sums the partial logits in
@@ -35,10 +35,10 @@
 //! flight over all of H. A fused gate also splits each tile's reduction over blocks
 //! ([`GatePlan::k_split`], [`Grid::SplitTokenTiles`]): at one token DeepSeek-V3's 16
 //! expert tiles run as 112 blocks, each loading its share of W_gate before it waits. The
-//! **select** applies the rule ([`ir::Router`]: bias, scores,
-//! correction, group limit, top-k, weights) and writes `routed_ids` and `routed_weights`,
-//! which the table then reads where a caller-routed call passes `topk_ids` and
-//! `topk_weights`. The expert-parallel path keeps caller-passed ids and weights.
+//! **select** applies the rule ([`ir::Router`]: bias, scores, correction, group limit,
+//! top-k, weights) and writes `routed_ids` and `routed_weights`, which the table then reads
+//! where a caller-routed call passes `topk_ids` and `topk_weights`. The expert-parallel
+//! path keeps caller-passed ids and weights.
 
 use serde::{Deserialize, Serialize};
 

@@ -17,7 +17,7 @@ use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, INVERT_ROWS_THREADS,
     LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH, MmaEngine, OutputStore,
     Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout,
-    StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, workspace,
+    StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, sorts_x_rows, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -98,10 +98,7 @@ impl Plan {
         }
         let most_route_blocks = route_blocks.iter().copied().max().unwrap_or(1);
         let stream_k = StreamKSpace::of(self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
-        let sorted_x = self
-            .regimes
-            .iter()
-            .any(|r| r.gemm1.a_load == RowLoad::Tiles);
+        let sorted_x = sorts_x_rows(&self.regimes);
         if self.workspace != workspace(shape, most_route_blocks, sorted_x, router_space, stream_k) {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
