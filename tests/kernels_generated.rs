@@ -163,3 +163,47 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
         "{result:?}"
     );
 }
+
+/// NVRTC gives every variable at file or class scope device storage and a relocation, used
+/// or not, and the driver sets each one up on every module load: with the ~500 `constexpr`
+/// constants the units once had, a layer's cached load took 8-15 ms instead of 1-2 (one
+/// H200, 2026-12-01). The templates declare constants as enumerators; this keeps it so. The
+/// only globals allowed are the unit's explicit `__device__` tables and NVRTC's own.
+#[test]
+fn generated_units_give_constants_no_device_storage() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels-generated");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&root).expect("kernels-generated/") {
+        let dir = entry.expect("entry").path();
+        let name = dir.file_name().expect("name").to_string_lossy().to_string();
+        let source = std::fs::read_to_string(dir.join(format!("{name}.cu"))).expect("the unit");
+        let Ok(ptx) = std::fs::read_to_string(dir.join(format!("{name}.ptx"))) else {
+            continue;
+        };
+        let tables: Vec<&str> = source
+            .lines()
+            .filter_map(|line| line.strip_prefix("__device__ const int "))
+            .filter_map(|rest| rest.split('[').next())
+            .collect();
+        let globals: Vec<&str> = ptx
+            .lines()
+            .filter(|line| line.starts_with(".global") || line.starts_with(".visible .global"))
+            .filter_map(|line| {
+                // `.global .align 4 .b8 NAME[256] = {...};`: the last word before `=` or `;`.
+                let declaration = line.split(['=', ';']).next()?;
+                let word = declaration.split_whitespace().last()?;
+                word.split('[').next()
+            })
+            .collect();
+        let stray: Vec<&&str> = globals
+            .iter()
+            .filter(|g| !tables.contains(g) && !g.contains("__nv_"))
+            .collect();
+        assert!(
+            stray.is_empty(),
+            "{name}: constants with device storage: {stray:?}; declare them as enumerators (see layer.cu's constants)"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 6, "only {checked} units with PTX were checked");
+}

@@ -22,31 +22,31 @@
 //                               its shared slices')
 {%- endif %}
 // ---------------------------------------------------------------------------------------
-constexpr int RANKS = {{ ep.ranks }};
-constexpr int LOCAL_EXPERTS = {{ ep.local_experts }};     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
+enum : int { RANKS = {{ ep.ranks }} };
+enum : int { LOCAL_EXPERTS = {{ ep.local_experts }} };     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
 // (local expert, source) runs of GEMM rows, then a (shared slice, source) run per slice
 // and source, holding rows only for this rank's own tokens.
-constexpr int SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS;
-constexpr int MAX_TOKENS = {{ ep.max_tokens }};
-constexpr int SLOTS = {{ ep.slots }};                     // token slots per source in recv_x
-constexpr int SEGMENT_ROWS = {{ ep.segment_rows }};       // rows per (local expert, source) in recv_*
-constexpr int CHUNK = {{ ep.chunk }};                     // tokens per dispatch chunk
-constexpr int CHUNKS = {{ ep.chunks }};                   // chunk flags per source
-constexpr int OWN_ROW_BASE = RANKS * SLOTS;               // GEMM1 rows from here on: this rank's own tokens, read from x
-constexpr int MIN_PIECE = {{ ep.piece }};                  // fewest tokens per dispatch work item (divides CHUNK)
-constexpr int COPY_UNROLL = 8;                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
-constexpr int COMM_THREADS = {{ ep.comm_threads }};
-constexpr int META_THREADS = {{ ep.meta_threads }};
+enum : int { SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS };
+enum : int { MAX_TOKENS = {{ ep.max_tokens }} };
+enum : int { SLOTS = {{ ep.slots }} };                     // token slots per source in recv_x
+enum : int { SEGMENT_ROWS = {{ ep.segment_rows }} };       // rows per (local expert, source) in recv_*
+enum : int { CHUNK = {{ ep.chunk }} };                     // tokens per dispatch chunk
+enum : int { CHUNKS = {{ ep.chunks }} };                   // chunk flags per source
+enum : int { OWN_ROW_BASE = RANKS * SLOTS };               // GEMM1 rows from here on: this rank's own tokens, read from x
+enum : int { MIN_PIECE = {{ ep.piece }} };                  // fewest tokens per dispatch work item (divides CHUNK)
+enum : int { COPY_UNROLL = 8 };                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
+enum : int { COMM_THREADS = {{ ep.comm_threads }} };
+enum : int { META_THREADS = {{ ep.meta_threads }} };
 {%- if ep.rank_partials %}
-constexpr int PARTIALS_PER_RELEASE = {{ ep.partials_per_release }};  // rank partials a combine block releases together
+enum : int { PARTIALS_PER_RELEASE = {{ ep.partials_per_release }} };  // rank partials a combine block releases together
 {%- endif %}
-constexpr int EP_ROUTE_STATIC_SMEM_BYTES = {{ ep.route.static_smem }};
-constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = {{ ep.arrange.static_smem }};
-constexpr int EP_COMBINE_STATIC_SMEM_BYTES = {{ ep.combine.static_smem }};
+enum : int { EP_ROUTE_STATIC_SMEM_BYTES = {{ ep.route.static_smem }} };
+enum : int { EP_ARRANGE_STATIC_SMEM_BYTES = {{ ep.arrange.static_smem }} };
+enum : int { EP_COMBINE_STATIC_SMEM_BYTES = {{ ep.combine.static_smem }} };
 // Each rank's row of the peer table: addresses of the buffers other ranks write.
-constexpr int PEER_BUFFER_COUNT = {{ ep.peer_buffers.len() }};
+enum : int { PEER_BUFFER_COUNT = {{ ep.peer_buffers.len() }} };
 {%- for buffer in ep.peer_buffers %}
-constexpr int {{ buffer.constant }} = {{ buffer.index }};
+enum : int { {{ buffer.constant }} = {{ buffer.index }} };
 {%- endfor %}
 // Per source rank, the destinations in the order it sends to them (itself first).
 __device__ const int SEND_ORDER[RANKS][RANKS] = { {{ ep.send_order }} };
@@ -61,9 +61,9 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
 // network stream releases the same flags (cuStreamWriteValue32). Results for such a peer
 // go into this rank's return outbox (its combine slots in the peer table) and come back
 // into net_returned_x, released per (source, token chunk) in net_return_flags.
-constexpr int NETWORK_PEERS = {{ network.peers }};
-constexpr int READY_STRIDE = 1 + CHUNKS;                  // per network peer: the metadata's ready flag, then each chunk's
-constexpr size_t MAX_PAIRS = (size_t)MAX_TOKENS * SLOTS_PER_TOKEN;  // result rows per network peer in net_returned_x
+enum : int { NETWORK_PEERS = {{ network.peers }} };
+enum : int { READY_STRIDE = 1 + CHUNKS };                  // per network peer: the metadata's ready flag, then each chunk's
+enum : size_t { MAX_PAIRS = (size_t)MAX_TOKENS * SLOTS_PER_TOKEN };  // result rows per network peer in net_returned_x
 // Per rank, each peer's slot among its network peers in its outboxes and inboxes (-1: the
 // same node, reached through IPC).
 __device__ const int NETWORK_SLOT[RANKS][RANKS] = { {{ network.slots }} };
@@ -72,13 +72,13 @@ __device__ const int NETWORK_SLOT[RANKS][RANKS] = { {{ network.slots }} };
 // The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
 // every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
-    static constexpr bool EP = true;
-    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS;
-    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
-    static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
-    static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
+    enum : bool { EP = true };
+    enum : int { EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS };
+    enum : int { SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE };
+    enum : int { PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT };
+    enum : int { PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS };
     // GEMM2 keeps its rows here for the combine's rank partials (else stores them at their origins).
-    static constexpr bool RANK_PARTIALS = {{ ep.rank_partials }};
+    enum : bool { RANK_PARTIALS = {{ ep.rank_partials }} };
 };
 
 template <typename T>
@@ -120,14 +120,14 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // previous call has consumed what this rank wrote then (without this, a rank that sent
 // nothing to a destination could run a call ahead and overwrite its counts before they
 // were read).
-constexpr int META_TILE_TOKENS = {{ ep.meta_tile_tokens }};
-constexpr int META_TILE_PAIRS = META_TILE_TOKENS * TOP_K;
-constexpr u32 OWNER_BIT = 0x80000000u;                  // in a pair's slot: the first pair of its (token, destination)
-constexpr unsigned short NO_PAIR = 0xFFFFu;             // a pair's rank in its expert when its id is out of range
+enum : int { META_TILE_TOKENS = {{ ep.meta_tile_tokens }} };
+enum : int { META_TILE_PAIRS = META_TILE_TOKENS * TOP_K };
+enum : u32 { OWNER_BIT = 0x80000000u };                  // in a pair's slot: the first pair of its (token, destination)
+enum : unsigned short { NO_PAIR = 0xFFFFu };             // a pair's rank in its expert when its id is out of range
 // metadata_counters: rows per expert, slots per destination and blocks done (each back to
 // zero after a call), then the last epoch whose error word block 0 has cleared.
-constexpr int COUNTER_EXPERT_ROWS = 0, COUNTER_DESTINATION_SLOTS = EXPERTS, COUNTER_BLOCKS_DONE = EXPERTS + RANKS;
-constexpr int COUNTER_ERRORS_CLEARED = COUNTER_BLOCKS_DONE + 1;
+enum : int { COUNTER_EXPERT_ROWS = 0, COUNTER_DESTINATION_SLOTS = EXPERTS, COUNTER_BLOCKS_DONE = EXPERTS + RANKS };
+enum : int { COUNTER_ERRORS_CLEARED = COUNTER_BLOCKS_DONE + 1 };
 static_assert(META_TILE_PAIRS < NO_PAIR, "plan: a tile's pairs are counted in 16 bits");
 
 // Where this rank's receive index rows for `destination` go.

@@ -5,10 +5,10 @@
 // Every wait is bounded: past SPIN_LIMIT_CYCLES it records which rank waited for which
 // flag and returns, so a lost peer is an error the runtime reports, never a hang.
 // ---------------------------------------------------------------------------------------
-constexpr long long SPIN_LIMIT_CYCLES = {{ spin_limit_cycles }}LL;
-constexpr int ERROR_FLAG_TIMEOUT = {{ error_flag_timeout }};
-constexpr int FLAG_KIND_META = {{ flag_kind_meta }}, FLAG_KIND_CHUNK = {{ flag_kind_chunk }}, FLAG_KIND_COMBINE = {{ flag_kind_combine }};
-constexpr int FLAG_KIND_CREDIT = {{ flag_kind_credit }}, FLAG_KIND_RETURN = {{ flag_kind_return }};
+enum : long long { SPIN_LIMIT_CYCLES = {{ spin_limit_cycles }}LL };
+enum : int { ERROR_FLAG_TIMEOUT = {{ error_flag_timeout }} };
+enum : int { FLAG_KIND_META = {{ flag_kind_meta }}, FLAG_KIND_CHUNK = {{ flag_kind_chunk }}, FLAG_KIND_COMBINE = {{ flag_kind_combine }} };
+enum : int { FLAG_KIND_CREDIT = {{ flag_kind_credit }}, FLAG_KIND_RETURN = {{ flag_kind_return }} };
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;

@@ -18,11 +18,11 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
-    static constexpr bool EP = false;
-    static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
-    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
-    static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
-    static constexpr bool RANK_PARTIALS = false;
+    enum : bool { EP = false };
+    enum : int { EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1 };
+    enum : int { SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0 };
+    enum : int { PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0 };
+    enum : bool { RANK_PARTIALS = false };
 };
 
 // What a GEMM of the expert-parallel path needs beyond the single-GPU one (empty there).
@@ -240,9 +240,9 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
 // (few registers: the warp-specialised producer has few).
 template <class G, int LOADERS>
 struct StageLoader {
-    static constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    enum : unsigned { CHUNKS = G::ROW_BYTES / 16 };  // 16-byte cp.async pieces per row
     static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
-    static constexpr int ROW_STEP = LOADERS / CHUNKS;
+    enum : int { ROW_STEP = LOADERS / CHUNKS };
     int chunk, first_row;
     // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
     __device__ __forceinline__ explicit StageLoader(unsigned loader) : chunk(loader % CHUNKS), first_row(loader / CHUNKS) {}

@@ -123,8 +123,8 @@ template <int REGISTERS>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
 
 // Named barriers (0 is __syncthreads).
-constexpr int PRODUCER_BARRIER_ID = 1;
-constexpr int CONSUMER_BARRIER_ID = 2;
+enum : int { PRODUCER_BARRIER_ID = 1 };
+enum : int { CONSUMER_BARRIER_ID = 2 };
 
 template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(

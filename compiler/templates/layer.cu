@@ -26,26 +26,30 @@
 #define MOEFORGE_ALL_KERNELS 1
 #endif
 // ---------------------------------------------------------------------------------------
-// Layer constants (from the plan)
+// Layer constants (from the plan). Integer and flag constants, here and in the kernels'
+// configuration structs, are enumerators, not constexpr variables: NVRTC gives every
+// variable at file or class scope device storage and a relocation, which the driver then
+// sets up on every module load (about 3-5 us each on the H200, for some 500 per module).
+// Floats are declared inside the functions that use them, for the same reason.
 // ---------------------------------------------------------------------------------------
-constexpr int HIDDEN = {{ hidden }};      // H
-constexpr int FFN = {{ ffn }};            // F, per expert
-constexpr int EXPERTS = {{ experts }};    // E
-constexpr int TOP_K = {{ top_k }};        // K
+enum : int { HIDDEN = {{ hidden }} };      // H
+enum : int { FFN = {{ ffn }} };            // F, per expert
+enum : int { EXPERTS = {{ experts }} };    // E
+enum : int { TOP_K = {{ top_k }} };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
-constexpr int SHARED_SLICES = {{ shared_slices }};
-constexpr int GEMM_EXPERTS = EXPERTS + SHARED_SLICES;
-constexpr int SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES;
-constexpr int SMEM_ROW_BYTES = {{ smem_row_bytes }};  // one swizzled shared-memory row of a GEMM stage
-constexpr int STATIC_SMEM_GRANULE = {{ static_smem_granule }};  // ptxas reserves static shared memory in these
+enum : int { SHARED_SLICES = {{ shared_slices }} };
+enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
+enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
+enum : int { SMEM_ROW_BYTES = {{ smem_row_bytes }} };  // one swizzled shared-memory row of a GEMM stage
+enum : int { STATIC_SMEM_GRANULE = {{ static_smem_granule }} };  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
-constexpr int ROUTE_THREADS = {{ route_threads }};
-constexpr int COMBINE_THREADS = {{ combine.threads }};
-constexpr int COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8;  // one 16-byte vector per thread
-constexpr int COMBINE_BLOCKS_PER_TOKEN = {{ combine_blocks_per_token }};  // single-GPU combine: a token's row over this many blocks
-constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }};
-constexpr int ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }};  // expert-parallel path only
+enum : int { ROUTE_THREADS = {{ route_threads }} };
+enum : int { COMBINE_THREADS = {{ combine.threads }} };
+enum : int { COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8 };  // one 16-byte vector per thread
+enum : int { COMBINE_BLOCKS_PER_TOKEN = {{ combine_blocks_per_token }} };  // single-GPU combine: a token's row over this many blocks
+enum : int { ERROR_EXPERT_ID_OUT_OF_RANGE = {{ error_expert_id }} };
+enum : int { ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }} };  // expert-parallel path only
 
 // Activation: {{ activation }}
 {{ activation_fn }}
@@ -73,35 +77,35 @@ constexpr int ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }};  // expert
 {%- for gemm in regime.gemms %}
 // {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x{{ gemm.bk }}, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps{% if gemm.producer_threads > 0 %} + {{ gemm.producer_threads / 32 }} producer warps{% endif %}, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM{% if gemm.cluster > 1 %}, clusters of {{ gemm.cluster }}{% endif %})
 struct {{ gemm.config }} : {{ gemm.base }} {
-    static constexpr int KIND = {{ gemm.kind }};
-    static constexpr bool GATED = {{ gemm.gated }};
-    static constexpr bool BIAS = {{ gemm.bias }};  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = {{ gemm.n }}, KD = {{ gemm.kd }};  // output width, reduction depth
-    static constexpr int BM = {{ gemm.bm }}, BN = {{ gemm.bn }}, BK = {{ gemm.bk }}, STAGES = {{ gemm.stages }};
-    static constexpr int WARPS_M = {{ gemm.warps_m }}, WARPS_N = {{ gemm.warps_n }}, THREADS = {{ gemm.threads }};
+    enum : int { KIND = {{ gemm.kind }} };
+    enum : bool { GATED = {{ gemm.gated }} };
+    enum : bool { BIAS = {{ gemm.bias }} };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = {{ gemm.n }}, KD = {{ gemm.kd }} };  // output width, reduction depth
+    enum : int { BM = {{ gemm.bm }}, BN = {{ gemm.bn }}, BK = {{ gemm.bk }}, STAGES = {{ gemm.stages }} };
+    enum : int { WARPS_M = {{ gemm.warps_m }}, WARPS_N = {{ gemm.warps_n }}, THREADS = {{ gemm.threads }} };
 {%- if gemm.producer_threads > 0 %}
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = {{ gemm.producer_threads }}, PRODUCER_REGISTERS = {{ gemm.producer_registers }}, CONSUMER_REGISTERS = {{ gemm.consumer_registers }};
+    enum : int { PRODUCER_THREADS = {{ gemm.producer_threads }}, PRODUCER_REGISTERS = {{ gemm.producer_registers }}, CONSUMER_REGISTERS = {{ gemm.consumer_registers }} };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }};
-    static constexpr bool A_TILES = {{ gemm.a_tiles }};  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = {{ gemm.quad_stores }};  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }} };
+    enum : bool { A_TILES = {{ gemm.a_tiles }} };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = {{ gemm.quad_stores }} };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
 {%- else %}
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = {{ gemm.stream_k_max_last_wave }}, STREAM_K_MAX_TILES = {{ gemm.stream_k_max_tiles }};
+    enum : int { STREAM_K_MAX_LAST_WAVE = {{ gemm.stream_k_max_last_wave }}, STREAM_K_MAX_TILES = {{ gemm.stream_k_max_tiles }} };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = {{ gemm.weights_before_wait }};
+    enum : bool { WEIGHTS_BEFORE_WAIT = {{ gemm.weights_before_wait }} };
 {%- endif %}
-    static constexpr int B_ROWS = {{ gemm.b_rows }};  // weight rows per tile (gate and up rows when gated)
+    enum : int { B_ROWS = {{ gemm.b_rows }} };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = {{ gemm.smem.row_bytes }}, A_BYTES = {{ gemm.smem.a_bytes }}, STAGE_BYTES = {{ gemm.smem.stage_bytes }};
-    static constexpr int RING_ALIGN = {{ gemm.smem.ring_align }}, ALIGN_SLACK = {{ gemm.smem.align_slack }}, ROW_SOURCE_OFFSET = {{ gemm.smem.row_source_offset }}, BARRIER_OFFSET = {{ gemm.smem.barrier_offset }};
-    static constexpr int DYNAMIC_SMEM_BYTES = {{ gemm.smem.dynamic_bytes }}, STATIC_SMEM_BYTES = {{ gemm.smem.static_bytes }};
+    enum : int { ROW_BYTES = {{ gemm.smem.row_bytes }}, A_BYTES = {{ gemm.smem.a_bytes }}, STAGE_BYTES = {{ gemm.smem.stage_bytes }} };
+    enum : int { RING_ALIGN = {{ gemm.smem.ring_align }}, ALIGN_SLACK = {{ gemm.smem.align_slack }}, ROW_SOURCE_OFFSET = {{ gemm.smem.row_source_offset }}, BARRIER_OFFSET = {{ gemm.smem.barrier_offset }} };
+    enum : int { DYNAMIC_SMEM_BYTES = {{ gemm.smem.dynamic_bytes }}, STATIC_SMEM_BYTES = {{ gemm.smem.static_bytes }} };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gemm.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}){% if gemm.cluster > 1 %} __cluster_dims__({{ gemm.cluster }}, 1, 1){% endif %} {{ gemm.entry.name }}(

@@ -23,23 +23,21 @@
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
 enum RouterBias { ROUTER_BIAS_NONE = 0, ROUTER_BIAS_LOGITS = 1, ROUTER_BIAS_SCORE_CORRECTION = 2 };
-constexpr int ROUTER_SCORING = {{ router.scoring }};
-constexpr int ROUTER_BIAS = {{ router.bias }};
-constexpr int ROUTER_GROUPS = {{ router.groups }};            // 0: no group limit
-constexpr int ROUTER_GROUPS_KEPT = {{ router.groups_kept }};
-constexpr bool ROUTER_NORMALIZE = {{ router.normalize }};
-constexpr float ROUTER_SCALE = {{ router.scale }};
-constexpr float ROUTER_NORMALIZE_EPSILON = {{ router.normalize_epsilon }};  // DeepSeek-V3's guard against 0/0
-constexpr int ROUTER_PER_LANE = (EXPERTS + 31) / 32;     // experts a lane holds: lane, lane + 32, ...
-constexpr int ROUTER_K_PER_LANE = (TOP_K + 31) / 32;     // chosen experts a lane writes
-constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS;
-constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
+enum : int { ROUTER_SCORING = {{ router.scoring }} };
+enum : int { ROUTER_BIAS = {{ router.bias }} };
+enum : int { ROUTER_GROUPS = {{ router.groups }} };            // 0: no group limit
+enum : int { ROUTER_GROUPS_KEPT = {{ router.groups_kept }} };
+enum : bool { ROUTER_NORMALIZE = {{ router.normalize }} };
+enum : int { ROUTER_PER_LANE = (EXPERTS + 31) / 32 };     // experts a lane holds: lane, lane + 32, ...
+enum : int { ROUTER_K_PER_LANE = (TOP_K + 31) / 32 };     // chosen experts a lane writes
+enum : int { ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS };
+enum : int { ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1 };
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
 // A fused router's select scratch (its token tile's logits; the rule's bias, with one; a
 // warp's selection values, with a group limit) and its routing scratch (counts and
 // offsets per GEMM expert), both in the gate's rings.
-constexpr int ROUTER_BIAS_FLOATS = ROUTER_BIAS != ROUTER_BIAS_NONE ? EXPERTS : 0;
+enum : int { ROUTER_BIAS_FLOATS = ROUTER_BIAS != ROUTER_BIAS_NONE ? EXPERTS : 0 };
 template <class G>
 __host__ __device__ constexpr int router_scratch_bytes() {
     const int selection = 4 * (G::BM * EXPERTS + ROUTER_BIAS_FLOATS) + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0);
@@ -229,7 +227,7 @@ __device__ __forceinline__ float router_comparable(float v) { return v != v ? ne
 __device__ __forceinline__ bool router_better(float v, int i, float best_v, int best_i) {
     return v > best_v || (v == best_v && i < best_i);
 }
-constexpr int ROUTER_NONE = 0x7fffffff;
+enum : int { ROUTER_NONE = 0x7fffffff };
 
 // A float's bits as an unsigned integer of the same order (-0 as +0, which compare
 // equal), and back.
@@ -299,6 +297,8 @@ __device__ __forceinline__ float router_warp_max(float v) {
 template <class LogitOf, class BiasOf>
 __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, int token, int* routed_ids,
                                               float* routed_weights, float* s_selection) {
+    constexpr float ROUTER_SCALE = {{ router.scale }};
+    constexpr float ROUTER_NORMALIZE_EPSILON = {{ router.normalize_epsilon }};  // DeepSeek-V3's guard against 0/0
     const int lane = threadIdx.x & 31;
 
     // Phase 1: logits, the gate bias added when the rule says so.
@@ -558,8 +558,8 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
 {%- if let Some(select) = router.select %}
 
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
-constexpr int ROUTER_SELECT_WARPS = {{ router.select_warps }};
-constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = {{ select.static_smem }};
+enum : int { ROUTER_SELECT_WARPS = {{ router.select_warps }} };
+enum : int { ROUTER_SELECT_STATIC_SMEM_BYTES = {{ select.static_smem }} };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ select.name }})
 extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.name }}(
     {{ select.params }}
@@ -585,13 +585,13 @@ extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.nam
 
 // Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens): {% if gate.fused %}fused{% else %}split, its gate{% endif %}; gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction, {{ gate.expert_tiles }} expert tiles per token tile
 struct {{ gate.config }} {
-    static constexpr bool FUSED = {{ gate.fused }};
-    static constexpr int BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }};
-    static constexpr int WARPS_M = {{ gate.warps_m }}, WARPS_N = {{ gate.warps_n }}, WARPS_K = {{ gate.warps_k }}, THREADS = {{ gate.threads }};
-    static constexpr int MOST_SPLITS = {{ gate.most_splits }};  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    static constexpr int STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }};  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : bool { FUSED = {{ gate.fused }} };
+    enum : int { BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }} };
+    enum : int { WARPS_M = {{ gate.warps_m }}, WARPS_N = {{ gate.warps_n }}, WARPS_K = {{ gate.warps_k }}, THREADS = {{ gate.threads }} };
+    enum : int { MOST_SPLITS = {{ gate.most_splits }} };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }} };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }};
+    enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.name }}(

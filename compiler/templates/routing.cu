@@ -20,7 +20,7 @@ __device__ __forceinline__ void report_error(int* error_word, int code, int toke
 // read at a time waits out an L2 round trip per pair. Measured on an H200 (2026-11-30),
 // Qwen3-30B-A3B's route: 44.8 -> 36.6 us at 4096 tokens, 171 -> 138 us at 16384; the rest
 // is one SM's shared-memory atomics and scattered row stores.
-constexpr int ROUTE_BATCH = 8;
+enum : int { ROUTE_BATCH = 8 };
 
 // Ids first + i·THREADS (i < ROUTE_BATCH) of the call's `pairs`, all read before any is
 // used (coalesced across the block; -1 past the end, never used).
@@ -225,8 +225,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ place.name }}(
 //     entry: its row's row_pair names another pair, and the copy skips it. Rows past the
 //     call's are not written, and no GEMM tile stores them.
 // ---------------------------------------------------------------------------------------
-constexpr int INVERT_ROWS_THREADS = {{ invert_rows_threads }};
-constexpr int SORT_ROWS_THREADS = {{ sort_rows_threads }};
+enum : int { INVERT_ROWS_THREADS = {{ invert_rows_threads }} };
+enum : int { SORT_ROWS_THREADS = {{ sort_rows_threads }} };
 static_assert(HIDDEN % 8 == 0, "plan: rows of whole 16-byte vectors");
 static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a token looks it up");
 {%- if let Some(invert) = invert_rows %}

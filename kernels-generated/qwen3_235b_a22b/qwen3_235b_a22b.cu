@@ -131,26 +131,30 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 #define MOEFORGE_ALL_KERNELS 1
 #endif
 // ---------------------------------------------------------------------------------------
-// Layer constants (from the plan)
+// Layer constants (from the plan). Integer and flag constants, here and in the kernels'
+// configuration structs, are enumerators, not constexpr variables: NVRTC gives every
+// variable at file or class scope device storage and a relocation, which the driver then
+// sets up on every module load (about 3-5 us each on the H200, for some 500 per module).
+// Floats are declared inside the functions that use them, for the same reason.
 // ---------------------------------------------------------------------------------------
-constexpr int HIDDEN = 4096;      // H
-constexpr int FFN = 1536;            // F, per expert
-constexpr int EXPERTS = 128;    // E
-constexpr int TOP_K = 8;        // K
+enum : int { HIDDEN = 4096 };      // H
+enum : int { FFN = 1536 };            // F, per expert
+enum : int { EXPERTS = 128 };    // E
+enum : int { TOP_K = 8 };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
-constexpr int SHARED_SLICES = 0;
-constexpr int GEMM_EXPERTS = EXPERTS + SHARED_SLICES;
-constexpr int SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES;
-constexpr int SMEM_ROW_BYTES = 128;  // one swizzled shared-memory row of a GEMM stage
-constexpr int STATIC_SMEM_GRANULE = 128;  // ptxas reserves static shared memory in these
+enum : int { SHARED_SLICES = 0 };
+enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
+enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
+enum : int { SMEM_ROW_BYTES = 128 };  // one swizzled shared-memory row of a GEMM stage
+enum : int { STATIC_SMEM_GRANULE = 128 };  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
-constexpr int ROUTE_THREADS = 1024;
-constexpr int COMBINE_THREADS = 128;
-constexpr int COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8;  // one 16-byte vector per thread
-constexpr int COMBINE_BLOCKS_PER_TOKEN = 4;  // single-GPU combine: a token's row over this many blocks
-constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = 1;
-constexpr int ERROR_EXPERT_ID_REPEATED = 3;  // expert-parallel path only
+enum : int { ROUTE_THREADS = 1024 };
+enum : int { COMBINE_THREADS = 128 };
+enum : int { COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8 };  // one 16-byte vector per thread
+enum : int { COMBINE_BLOCKS_PER_TOKEN = 4 };  // single-GPU combine: a token's row over this many blocks
+enum : int { ERROR_EXPERT_ID_OUT_OF_RANGE = 1 };
+enum : int { ERROR_EXPERT_ID_REPEATED = 3 };  // expert-parallel path only
 
 // Activation: swiglu
 __device__ __forceinline__ float activate(float gate, float up) { return silu(gate) * up; }
@@ -177,7 +181,7 @@ __device__ __forceinline__ void report_error(int* error_word, int code, int toke
 // read at a time waits out an L2 round trip per pair. Measured on an H200 (2026-11-30),
 // Qwen3-30B-A3B's route: 44.8 -> 36.6 us at 4096 tokens, 171 -> 138 us at 16384; the rest
 // is one SM's shared-memory atomics and scattered row stores.
-constexpr int ROUTE_BATCH = 8;
+enum : int { ROUTE_BATCH = 8 };
 
 // Ids first + i·THREADS (i < ROUTE_BATCH) of the call's `pairs`, all read before any is
 // used (coalesced across the block; -1 past the end, never used).
@@ -380,8 +384,8 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_235b_a22b_rout
 //     entry: its row's row_pair names another pair, and the copy skips it. Rows past the
 //     call's are not written, and no GEMM tile stores them.
 // ---------------------------------------------------------------------------------------
-constexpr int INVERT_ROWS_THREADS = 32;
-constexpr int SORT_ROWS_THREADS = 256;
+enum : int { INVERT_ROWS_THREADS = 32 };
+enum : int { SORT_ROWS_THREADS = 256 };
 static_assert(HIDDEN % 8 == 0, "plan: rows of whole 16-byte vectors");
 static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a token looks it up");
 
@@ -437,10 +441,10 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) qwen3_235b_a22b_
 // Every wait is bounded: past SPIN_LIMIT_CYCLES it records which rank waited for which
 // flag and returns, so a lost peer is an error the runtime reports, never a hang.
 // ---------------------------------------------------------------------------------------
-constexpr long long SPIN_LIMIT_CYCLES = 4000000000LL;
-constexpr int ERROR_FLAG_TIMEOUT = 2;
-constexpr int FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3;
-constexpr int FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5;
+enum : long long { SPIN_LIMIT_CYCLES = 4000000000LL };
+enum : int { ERROR_FLAG_TIMEOUT = 2 };
+enum : int { FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3 };
+enum : int { FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5 };
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -499,11 +503,11 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
-    static constexpr bool EP = false;
-    static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
-    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
-    static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
-    static constexpr bool RANK_PARTIALS = false;
+    enum : bool { EP = false };
+    enum : int { EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1 };
+    enum : int { SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0 };
+    enum : int { PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0 };
+    enum : bool { RANK_PARTIALS = false };
 };
 
 // What a GEMM of the expert-parallel path needs beyond the single-GPU one (empty there).
@@ -721,9 +725,9 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
 // (few registers: the warp-specialised producer has few).
 template <class G, int LOADERS>
 struct StageLoader {
-    static constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    enum : unsigned { CHUNKS = G::ROW_BYTES / 16 };  // 16-byte cp.async pieces per row
     static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
-    static constexpr int ROW_STEP = LOADERS / CHUNKS;
+    enum : int { ROW_STEP = LOADERS / CHUNKS };
     int chunk, first_row;
     // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
     __device__ __forceinline__ explicit StageLoader(unsigned loader) : chunk(loader % CHUNKS), first_row(loader / CHUNKS) {}
@@ -1115,23 +1119,21 @@ __device__ __forceinline__ void grouped_gemm(
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
 enum RouterBias { ROUTER_BIAS_NONE = 0, ROUTER_BIAS_LOGITS = 1, ROUTER_BIAS_SCORE_CORRECTION = 2 };
-constexpr int ROUTER_SCORING = ROUTER_SOFTMAX;
-constexpr int ROUTER_BIAS = ROUTER_BIAS_NONE;
-constexpr int ROUTER_GROUPS = 0;            // 0: no group limit
-constexpr int ROUTER_GROUPS_KEPT = 0;
-constexpr bool ROUTER_NORMALIZE = true;
-constexpr float ROUTER_SCALE = 1e0f;
-constexpr float ROUTER_NORMALIZE_EPSILON = 1e-20f;  // DeepSeek-V3's guard against 0/0
-constexpr int ROUTER_PER_LANE = (EXPERTS + 31) / 32;     // experts a lane holds: lane, lane + 32, ...
-constexpr int ROUTER_K_PER_LANE = (TOP_K + 31) / 32;     // chosen experts a lane writes
-constexpr int ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS;
-constexpr int ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1;
+enum : int { ROUTER_SCORING = ROUTER_SOFTMAX };
+enum : int { ROUTER_BIAS = ROUTER_BIAS_NONE };
+enum : int { ROUTER_GROUPS = 0 };            // 0: no group limit
+enum : int { ROUTER_GROUPS_KEPT = 0 };
+enum : bool { ROUTER_NORMALIZE = true };
+enum : int { ROUTER_PER_LANE = (EXPERTS + 31) / 32 };     // experts a lane holds: lane, lane + 32, ...
+enum : int { ROUTER_K_PER_LANE = (TOP_K + 31) / 32 };     // chosen experts a lane writes
+enum : int { ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS };
+enum : int { ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1 };
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
 // A fused router's select scratch (its token tile's logits; the rule's bias, with one; a
 // warp's selection values, with a group limit) and its routing scratch (counts and
 // offsets per GEMM expert), both in the gate's rings.
-constexpr int ROUTER_BIAS_FLOATS = ROUTER_BIAS != ROUTER_BIAS_NONE ? EXPERTS : 0;
+enum : int { ROUTER_BIAS_FLOATS = ROUTER_BIAS != ROUTER_BIAS_NONE ? EXPERTS : 0 };
 template <class G>
 __host__ __device__ constexpr int router_scratch_bytes() {
     const int selection = 4 * (G::BM * EXPERTS + ROUTER_BIAS_FLOATS) + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0);
@@ -1321,7 +1323,7 @@ __device__ __forceinline__ float router_comparable(float v) { return v != v ? ne
 __device__ __forceinline__ bool router_better(float v, int i, float best_v, int best_i) {
     return v > best_v || (v == best_v && i < best_i);
 }
-constexpr int ROUTER_NONE = 0x7fffffff;
+enum : int { ROUTER_NONE = 0x7fffffff };
 
 // A float's bits as an unsigned integer of the same order (-0 as +0, which compare
 // equal), and back.
@@ -1391,6 +1393,8 @@ __device__ __forceinline__ float router_warp_max(float v) {
 template <class LogitOf, class BiasOf>
 __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, int token, int* routed_ids,
                                               float* routed_weights, float* s_selection) {
+    constexpr float ROUTER_SCALE = 1e0f;
+    constexpr float ROUTER_NORMALIZE_EPSILON = 1e-20f;  // DeepSeek-V3's guard against 0/0
     const int lane = threadIdx.x & 31;
 
     // Phase 1: logits, the gate bias added when the rule says so.
@@ -1649,8 +1653,8 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
 }
 
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
-constexpr int ROUTER_SELECT_WARPS = 4;
-constexpr int ROUTER_SELECT_STATIC_SMEM_BYTES = 0;
+enum : int { ROUTER_SELECT_WARPS = 4 };
+enum : int { ROUTER_SELECT_STATIC_SMEM_BYTES = 0 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_router_select)
 extern "C" __global__ void __launch_bounds__(128) qwen3_235b_a22b_router_select(
     const float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
@@ -1677,13 +1681,13 @@ extern "C" __global__ void __launch_bounds__(128) qwen3_235b_a22b_router_select(
 
 // Router of regime `decode` (0..=256 tokens): fused; gate tile 16 tokens x 16 experts x 64, 7 stages, 1x1 warps x 8 groups splitting the reduction, 8 expert tiles per token tile
 struct decode_router_gate {
-    static constexpr bool FUSED = true;
-    static constexpr int BM = 16, BN = 16, STAGES = 7, EXPERT_TILES = 8;
-    static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
-    static constexpr int MOST_SPLITS = 8;  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    static constexpr int STAGE_BYTES = 4096, SMEM_BYTES = 229376;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : bool { FUSED = true };
+    enum : int { BM = 16, BN = 16, STAGES = 7, EXPERT_TILES = 8 };
+    enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256 };
+    enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = true;
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_router)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router(
@@ -1706,13 +1710,13 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router(
 
 // Router of regime `mid` (257..=1024 tokens): split, its gate; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
 struct mid_router_gate {
-    static constexpr bool FUSED = false;
-    static constexpr int BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4;
-    static constexpr int WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256;
-    static constexpr int MOST_SPLITS = 1;  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    static constexpr int STAGE_BYTES = 6144, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : bool { FUSED = false };
+    enum : int { BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
+    enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256 };
+    enum : int { MOST_SPLITS = 1 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate(
@@ -1728,13 +1732,13 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gat
 
 // Router of regime `prefill` (1025..=16384 tokens): split, its gate; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate {
-    static constexpr bool FUSED = false;
-    static constexpr int BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256;
-    static constexpr int MOST_SPLITS = 1;  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    static constexpr int STAGE_BYTES = 24576, SMEM_BYTES = 147456;  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : bool { FUSED = false };
+    enum : int { BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256 };
+    enum : int { MOST_SPLITS = 1 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 24576, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router_gate(
@@ -1981,8 +1985,8 @@ template <int REGISTERS>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
 
 // Named barriers (0 is __syncthreads).
-constexpr int PRODUCER_BARRIER_ID = 1;
-constexpr int CONSUMER_BARRIER_ID = 2;
+enum : int { PRODUCER_BARRIER_ID = 1 };
+enum : int { CONSUMER_BARRIER_ID = 2 };
 
 template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(
@@ -2237,36 +2241,36 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_co
 //                   ep_combine  waits for each token's counter, sums its K slots (and
 //                               its shared slices')
 // ---------------------------------------------------------------------------------------
-constexpr int RANKS = 8;
-constexpr int LOCAL_EXPERTS = 16;     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
+enum : int { RANKS = 8 };
+enum : int { LOCAL_EXPERTS = 16 };     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
 // (local expert, source) runs of GEMM rows, then a (shared slice, source) run per slice
 // and source, holding rows only for this rank's own tokens.
-constexpr int SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS;
-constexpr int MAX_TOKENS = 16384;
-constexpr int SLOTS = 16384;                     // token slots per source in recv_x
-constexpr int SEGMENT_ROWS = 16384;       // rows per (local expert, source) in recv_*
-constexpr int CHUNK = 128;                     // tokens per dispatch chunk
-constexpr int CHUNKS = 128;                   // chunk flags per source
-constexpr int OWN_ROW_BASE = RANKS * SLOTS;               // GEMM1 rows from here on: this rank's own tokens, read from x
-constexpr int MIN_PIECE = 4;                  // fewest tokens per dispatch work item (divides CHUNK)
-constexpr int COPY_UNROLL = 8;                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
-constexpr int COMM_THREADS = 512;
-constexpr int META_THREADS = 512;
-constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 18048;
-constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = 640;
-constexpr int EP_COMBINE_STATIC_SMEM_BYTES = 0;
+enum : int { SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS };
+enum : int { MAX_TOKENS = 16384 };
+enum : int { SLOTS = 16384 };                     // token slots per source in recv_x
+enum : int { SEGMENT_ROWS = 16384 };       // rows per (local expert, source) in recv_*
+enum : int { CHUNK = 128 };                     // tokens per dispatch chunk
+enum : int { CHUNKS = 128 };                   // chunk flags per source
+enum : int { OWN_ROW_BASE = RANKS * SLOTS };               // GEMM1 rows from here on: this rank's own tokens, read from x
+enum : int { MIN_PIECE = 4 };                  // fewest tokens per dispatch work item (divides CHUNK)
+enum : int { COPY_UNROLL = 8 };                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
+enum : int { COMM_THREADS = 512 };
+enum : int { META_THREADS = 512 };
+enum : int { EP_ROUTE_STATIC_SMEM_BYTES = 18048 };
+enum : int { EP_ARRANGE_STATIC_SMEM_BYTES = 640 };
+enum : int { EP_COMBINE_STATIC_SMEM_BYTES = 0 };
 // Each rank's row of the peer table: addresses of the buffers other ranks write.
-constexpr int PEER_BUFFER_COUNT = 10;
-constexpr int PEER_RECV_X = 0;
-constexpr int PEER_RECV_SLOT = 1;
-constexpr int PEER_RECV_PAIR = 2;
-constexpr int PEER_RECV_WEIGHT = 3;
-constexpr int PEER_RECV_COUNTS = 4;
-constexpr int PEER_META_FLAGS = 5;
-constexpr int PEER_CHUNK_FLAGS = 6;
-constexpr int PEER_COMBINE_SLOTS = 7;
-constexpr int PEER_COMBINE_COUNTERS = 8;
-constexpr int PEER_CREDITS = 9;
+enum : int { PEER_BUFFER_COUNT = 10 };
+enum : int { PEER_RECV_X = 0 };
+enum : int { PEER_RECV_SLOT = 1 };
+enum : int { PEER_RECV_PAIR = 2 };
+enum : int { PEER_RECV_WEIGHT = 3 };
+enum : int { PEER_RECV_COUNTS = 4 };
+enum : int { PEER_META_FLAGS = 5 };
+enum : int { PEER_CHUNK_FLAGS = 6 };
+enum : int { PEER_COMBINE_SLOTS = 7 };
+enum : int { PEER_COMBINE_COUNTERS = 8 };
+enum : int { PEER_CREDITS = 9 };
 // Per source rank, the destinations in the order it sends to them (itself first).
 __device__ const int SEND_ORDER[RANKS][RANKS] = { {0, 1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6, 7, 0}, {2, 3, 4, 5, 6, 7, 0, 1}, {3, 4, 5, 6, 7, 0, 1, 2}, {4, 5, 6, 7, 0, 1, 2, 3}, {5, 6, 7, 0, 1, 2, 3, 4}, {6, 7, 0, 1, 2, 3, 4, 5}, {7, 0, 1, 2, 3, 4, 5, 6} };
 // Per destination rank, the sources in the order its GEMM rows take them (itself first).
@@ -2275,13 +2279,13 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 7, 6, 5, 4, 3, 2, 1}, {
 // The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
 // every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
-    static constexpr bool EP = true;
-    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS;
-    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
-    static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
-    static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
+    enum : bool { EP = true };
+    enum : int { EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS };
+    enum : int { SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE };
+    enum : int { PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT };
+    enum : int { PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS };
     // GEMM2 keeps its rows here for the combine's rank partials (else stores them at their origins).
-    static constexpr bool RANK_PARTIALS = false;
+    enum : bool { RANK_PARTIALS = false };
 };
 
 template <typename T>
@@ -2323,14 +2327,14 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // previous call has consumed what this rank wrote then (without this, a rank that sent
 // nothing to a destination could run a call ahead and overwrite its counts before they
 // were read).
-constexpr int META_TILE_TOKENS = 256;
-constexpr int META_TILE_PAIRS = META_TILE_TOKENS * TOP_K;
-constexpr u32 OWNER_BIT = 0x80000000u;                  // in a pair's slot: the first pair of its (token, destination)
-constexpr unsigned short NO_PAIR = 0xFFFFu;             // a pair's rank in its expert when its id is out of range
+enum : int { META_TILE_TOKENS = 256 };
+enum : int { META_TILE_PAIRS = META_TILE_TOKENS * TOP_K };
+enum : u32 { OWNER_BIT = 0x80000000u };                  // in a pair's slot: the first pair of its (token, destination)
+enum : unsigned short { NO_PAIR = 0xFFFFu };             // a pair's rank in its expert when its id is out of range
 // metadata_counters: rows per expert, slots per destination and blocks done (each back to
 // zero after a call), then the last epoch whose error word block 0 has cleared.
-constexpr int COUNTER_EXPERT_ROWS = 0, COUNTER_DESTINATION_SLOTS = EXPERTS, COUNTER_BLOCKS_DONE = EXPERTS + RANKS;
-constexpr int COUNTER_ERRORS_CLEARED = COUNTER_BLOCKS_DONE + 1;
+enum : int { COUNTER_EXPERT_ROWS = 0, COUNTER_DESTINATION_SLOTS = EXPERTS, COUNTER_BLOCKS_DONE = EXPERTS + RANKS };
+enum : int { COUNTER_ERRORS_CLEARED = COUNTER_BLOCKS_DONE + 1 };
 static_assert(META_TILE_PAIRS < NO_PAIR, "plan: a tile's pairs are counted in 16 bits");
 
 // Where this rank's receive index rows for `destination` go.
@@ -2766,25 +2770,25 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm1 : SingleGpu {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 69, STREAM_K_MAX_TILES = 2112;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 69, STREAM_K_MAX_TILES = 2112 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
-    static constexpr int DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224 };
+    enum : int { DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_gemm1(
@@ -2803,25 +2807,25 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_gemm
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 528 persistent blocks (4 per SM)
 struct decode_gemm2 : SingleGpu {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 69, STREAM_K_MAX_TILES = 4224;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 69, STREAM_K_MAX_TILES = 4224 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = true;
-    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
-    static constexpr int DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264 };
+    enum : int { DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 4) qwen3_235b_a22b_decode_gemm2(
@@ -2843,24 +2847,24 @@ extern "C" __global__ void __launch_bounds__(128, 4) qwen3_235b_a22b_decode_gemm
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm1 : SingleGpu {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 64, BN = 128, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
-    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
-    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm1(
@@ -2877,24 +2881,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm1(
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm2 : SingleGpu {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 256, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 64, BN = 256, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
-    static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
+    enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
-    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm2(
@@ -2915,24 +2919,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm2(
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm1 : SingleGpu {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 128, BN = 128, BK = 64, STAGES = 4 };
+    enum : int { WARPS_M = 8, WARPS_N = 1, THREADS = 384 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
-    static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
+    enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) qwen3_235b_a22b_prefill_gemm1(
@@ -2948,24 +2952,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct prefill_gemm2 : SingleGpu {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 128, BN = 256, BK = 64, STAGES = 4 };
+    enum : int { WARPS_M = 8, WARPS_N = 1, THREADS = 384 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 2, B_BOX_ROWS = 128;
-    static constexpr bool A_TILES = true;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
+    enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) qwen3_235b_a22b_prefill_gemm2(
@@ -2986,25 +2990,25 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 232 persistent blocks (2 per SM)
 struct decode_ep_gemm1 : ExpertParallel {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224;
-    static constexpr int DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224 };
+    enum : int { DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_ep_gemm1(
@@ -3026,25 +3030,25 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_ep_g
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 464 persistent blocks (4 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 16, BN = 64, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 1, WARPS_N = 4, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
-    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264;
-    static constexpr int DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264 };
+    enum : int { DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 4) qwen3_235b_a22b_decode_ep_gemm2(
@@ -3068,24 +3072,24 @@ extern "C" __global__ void __launch_bounds__(128, 4) qwen3_235b_a22b_decode_ep_g
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm1 : ExpertParallel {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 5;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 64, BN = 128, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
-    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056;
-    static constexpr int DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm1(
@@ -3107,24 +3111,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x128x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct mid_ep_gemm2 : ExpertParallel {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 64, BN = 128, BK = 64, STAGES = 8;
-    static constexpr int WARPS_M = 4, WARPS_N = 1, THREADS = 256;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 64, BN = 128, BK = 64, STAGES = 8 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
-    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm2(
@@ -3148,24 +3152,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct prefill_ep_gemm1 : ExpertParallel {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 128, BN = 128, BK = 64, STAGES = 4 };
+    enum : int { WARPS_M = 8, WARPS_N = 1, THREADS = 384 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 128;
-    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = false;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_ep_gemm1(
@@ -3187,24 +3191,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_ep_
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
 struct prefill_ep_gemm2 : ExpertParallel {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
-    static constexpr int WARPS_M = 8, WARPS_N = 1, THREADS = 384;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 128, BN = 256, BK = 64, STAGES = 4 };
+    enum : int { WARPS_M = 8, WARPS_N = 1, THREADS = 384 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    static constexpr int PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224;
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    static constexpr int CLUSTER = 1, B_BOX_ROWS = 256;
-    static constexpr bool A_TILES = false;  // A rows as TMA boxes of BM consecutive rows, not gathered
-    static constexpr bool QUAD_STORES = true;  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    static constexpr int B_ROWS = 256;  // weight rows per tile (gate and up rows when gated)
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152;
-    static constexpr int RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120;
-    static constexpr int DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640;
+    enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_ep_gemm2(

@@ -129,26 +129,30 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 #define MOEFORGE_ALL_KERNELS 1
 #endif
 // ---------------------------------------------------------------------------------------
-// Layer constants (from the plan)
+// Layer constants (from the plan). Integer and flag constants, here and in the kernels'
+// configuration structs, are enumerators, not constexpr variables: NVRTC gives every
+// variable at file or class scope device storage and a relocation, which the driver then
+// sets up on every module load (about 3-5 us each on the H200, for some 500 per module).
+// Floats are declared inside the functions that use them, for the same reason.
 // ---------------------------------------------------------------------------------------
-constexpr int HIDDEN = 128;      // H
-constexpr int FFN = 256;            // F, per expert
-constexpr int EXPERTS = 8;    // E
-constexpr int TOP_K = 2;        // K
+enum : int { HIDDEN = 128 };      // H
+enum : int { FFN = 256 };            // F, per expert
+enum : int { EXPERTS = 8 };    // E
+enum : int { TOP_K = 2 };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
-constexpr int SHARED_SLICES = 0;
-constexpr int GEMM_EXPERTS = EXPERTS + SHARED_SLICES;
-constexpr int SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES;
-constexpr int SMEM_ROW_BYTES = 128;  // one swizzled shared-memory row of a GEMM stage
-constexpr int STATIC_SMEM_GRANULE = 128;  // ptxas reserves static shared memory in these
+enum : int { SHARED_SLICES = 0 };
+enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
+enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
+enum : int { SMEM_ROW_BYTES = 128 };  // one swizzled shared-memory row of a GEMM stage
+enum : int { STATIC_SMEM_GRANULE = 128 };  // ptxas reserves static shared memory in these
 __host__ __device__ constexpr int static_smem_reserved(int bytes) { return (bytes + STATIC_SMEM_GRANULE - 1) / STATIC_SMEM_GRANULE * STATIC_SMEM_GRANULE; }
-constexpr int ROUTE_THREADS = 1024;
-constexpr int COMBINE_THREADS = 128;
-constexpr int COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8;  // one 16-byte vector per thread
-constexpr int COMBINE_BLOCKS_PER_TOKEN = 1;  // single-GPU combine: a token's row over this many blocks
-constexpr int ERROR_EXPERT_ID_OUT_OF_RANGE = 1;
-constexpr int ERROR_EXPERT_ID_REPEATED = 3;  // expert-parallel path only
+enum : int { ROUTE_THREADS = 1024 };
+enum : int { COMBINE_THREADS = 128 };
+enum : int { COMBINE_COLUMNS_PER_BLOCK = COMBINE_THREADS * 8 };  // one 16-byte vector per thread
+enum : int { COMBINE_BLOCKS_PER_TOKEN = 1 };  // single-GPU combine: a token's row over this many blocks
+enum : int { ERROR_EXPERT_ID_OUT_OF_RANGE = 1 };
+enum : int { ERROR_EXPERT_ID_REPEATED = 3 };  // expert-parallel path only
 
 // Activation: swiglu
 __device__ __forceinline__ float activate(float gate, float up) { return silu(gate) * up; }
@@ -175,7 +179,7 @@ __device__ __forceinline__ void report_error(int* error_word, int code, int toke
 // read at a time waits out an L2 round trip per pair. Measured on an H200 (2026-11-30),
 // Qwen3-30B-A3B's route: 44.8 -> 36.6 us at 4096 tokens, 171 -> 138 us at 16384; the rest
 // is one SM's shared-memory atomics and scattered row stores.
-constexpr int ROUTE_BATCH = 8;
+enum : int { ROUTE_BATCH = 8 };
 
 // Ids first + i·THREADS (i < ROUTE_BATCH) of the call's `pairs`, all read before any is
 // used (coalesced across the block; -1 past the end, never used).
@@ -267,10 +271,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) tiny_two_nodes_route
 // Every wait is bounded: past SPIN_LIMIT_CYCLES it records which rank waited for which
 // flag and returns, so a lost peer is an error the runtime reports, never a hang.
 // ---------------------------------------------------------------------------------------
-constexpr long long SPIN_LIMIT_CYCLES = 4000000000LL;
-constexpr int ERROR_FLAG_TIMEOUT = 2;
-constexpr int FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3;
-constexpr int FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5;
+enum : long long { SPIN_LIMIT_CYCLES = 4000000000LL };
+enum : int { ERROR_FLAG_TIMEOUT = 2 };
+enum : int { FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3 };
+enum : int { FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5 };
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -329,11 +333,11 @@ enum GemmKind { GEMM_UP = 1, GEMM_DOWN = 2 };
 
 // The single-GPU GEMMs: one group of rows per expert, no peers.
 struct SingleGpu {
-    static constexpr bool EP = false;
-    static constexpr int EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1;
-    static constexpr int SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0;
-    static constexpr int PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0;
-    static constexpr bool RANK_PARTIALS = false;
+    enum : bool { EP = false };
+    enum : int { EXPERTS_HERE = GEMM_EXPERTS, PHASES = 1, RANKS = 1 };
+    enum : int { SLOTS = 1, CHUNK = 1, CHUNKS = 1, OWN_ROW_BASE = 0 };
+    enum : int { PEER_BUFFER_COUNT = 0, PEER_COMBINE_SLOTS = 0, PEER_COMBINE_COUNTERS = 0 };
+    enum : bool { RANK_PARTIALS = false };
 };
 
 // What a GEMM of the expert-parallel path needs beyond the single-GPU one (empty there).
@@ -551,9 +555,9 @@ __device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* _
 // (few registers: the warp-specialised producer has few).
 template <class G, int LOADERS>
 struct StageLoader {
-    static constexpr unsigned CHUNKS = G::ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    enum : unsigned { CHUNKS = G::ROW_BYTES / 16 };  // 16-byte cp.async pieces per row
     static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
-    static constexpr int ROW_STEP = LOADERS / CHUNKS;
+    enum : int { ROW_STEP = LOADERS / CHUNKS };
     int chunk, first_row;
     // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
     __device__ __forceinline__ explicit StageLoader(unsigned loader) : chunk(loader % CHUNKS), first_row(loader / CHUNKS) {}
@@ -1000,36 +1004,36 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_com
 //                   ep_combine  waits for each token's counter, sums its K slots (and
 //                               its shared slices')
 // ---------------------------------------------------------------------------------------
-constexpr int RANKS = 2;
-constexpr int LOCAL_EXPERTS = 4;     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
+enum : int { RANKS = 2 };
+enum : int { LOCAL_EXPERTS = 4 };     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
 // (local expert, source) runs of GEMM rows, then a (shared slice, source) run per slice
 // and source, holding rows only for this rank's own tokens.
-constexpr int SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS;
-constexpr int MAX_TOKENS = 512;
-constexpr int SLOTS = 512;                     // token slots per source in recv_x
-constexpr int SEGMENT_ROWS = 512;       // rows per (local expert, source) in recv_*
-constexpr int CHUNK = 16;                     // tokens per dispatch chunk
-constexpr int CHUNKS = 32;                   // chunk flags per source
-constexpr int OWN_ROW_BASE = RANKS * SLOTS;               // GEMM1 rows from here on: this rank's own tokens, read from x
-constexpr int MIN_PIECE = 16;                  // fewest tokens per dispatch work item (divides CHUNK)
-constexpr int COPY_UNROLL = 8;                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
-constexpr int COMM_THREADS = 512;
-constexpr int META_THREADS = 512;
-constexpr int EP_ROUTE_STATIC_SMEM_BYTES = 16512;
-constexpr int EP_ARRANGE_STATIC_SMEM_BYTES = 128;
-constexpr int EP_COMBINE_STATIC_SMEM_BYTES = 0;
+enum : int { SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS };
+enum : int { MAX_TOKENS = 512 };
+enum : int { SLOTS = 512 };                     // token slots per source in recv_x
+enum : int { SEGMENT_ROWS = 512 };       // rows per (local expert, source) in recv_*
+enum : int { CHUNK = 16 };                     // tokens per dispatch chunk
+enum : int { CHUNKS = 32 };                   // chunk flags per source
+enum : int { OWN_ROW_BASE = RANKS * SLOTS };               // GEMM1 rows from here on: this rank's own tokens, read from x
+enum : int { MIN_PIECE = 16 };                  // fewest tokens per dispatch work item (divides CHUNK)
+enum : int { COPY_UNROLL = 8 };                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
+enum : int { COMM_THREADS = 512 };
+enum : int { META_THREADS = 512 };
+enum : int { EP_ROUTE_STATIC_SMEM_BYTES = 16512 };
+enum : int { EP_ARRANGE_STATIC_SMEM_BYTES = 128 };
+enum : int { EP_COMBINE_STATIC_SMEM_BYTES = 0 };
 // Each rank's row of the peer table: addresses of the buffers other ranks write.
-constexpr int PEER_BUFFER_COUNT = 10;
-constexpr int PEER_RECV_X = 0;
-constexpr int PEER_RECV_SLOT = 1;
-constexpr int PEER_RECV_PAIR = 2;
-constexpr int PEER_RECV_WEIGHT = 3;
-constexpr int PEER_RECV_COUNTS = 4;
-constexpr int PEER_META_FLAGS = 5;
-constexpr int PEER_CHUNK_FLAGS = 6;
-constexpr int PEER_COMBINE_SLOTS = 7;
-constexpr int PEER_COMBINE_COUNTERS = 8;
-constexpr int PEER_CREDITS = 9;
+enum : int { PEER_BUFFER_COUNT = 10 };
+enum : int { PEER_RECV_X = 0 };
+enum : int { PEER_RECV_SLOT = 1 };
+enum : int { PEER_RECV_PAIR = 2 };
+enum : int { PEER_RECV_WEIGHT = 3 };
+enum : int { PEER_RECV_COUNTS = 4 };
+enum : int { PEER_META_FLAGS = 5 };
+enum : int { PEER_CHUNK_FLAGS = 6 };
+enum : int { PEER_COMBINE_SLOTS = 7 };
+enum : int { PEER_COMBINE_COUNTERS = 8 };
+enum : int { PEER_CREDITS = 9 };
 // Per source rank, the destinations in the order it sends to them (itself first).
 __device__ const int SEND_ORDER[RANKS][RANKS] = { {0, 1}, {1, 0} };
 // Per destination rank, the sources in the order its GEMM rows take them (itself first).
@@ -1042,9 +1046,9 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 1}, {1, 0} };
 // network stream releases the same flags (cuStreamWriteValue32). Results for such a peer
 // go into this rank's return outbox (its combine slots in the peer table) and come back
 // into net_returned_x, released per (source, token chunk) in net_return_flags.
-constexpr int NETWORK_PEERS = 1;
-constexpr int READY_STRIDE = 1 + CHUNKS;                  // per network peer: the metadata's ready flag, then each chunk's
-constexpr size_t MAX_PAIRS = (size_t)MAX_TOKENS * SLOTS_PER_TOKEN;  // result rows per network peer in net_returned_x
+enum : int { NETWORK_PEERS = 1 };
+enum : int { READY_STRIDE = 1 + CHUNKS };                  // per network peer: the metadata's ready flag, then each chunk's
+enum : size_t { MAX_PAIRS = (size_t)MAX_TOKENS * SLOTS_PER_TOKEN };  // result rows per network peer in net_returned_x
 // Per rank, each peer's slot among its network peers in its outboxes and inboxes (-1: the
 // same node, reached through IPC).
 __device__ const int NETWORK_SLOT[RANKS][RANKS] = { {-1, 0}, {0, -1} };
@@ -1052,13 +1056,13 @@ __device__ const int NETWORK_SLOT[RANKS][RANKS] = { {-1, 0}, {0, -1} };
 // The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
 // every source (so each weight panel is read once however many sources there are).
 struct ExpertParallel {
-    static constexpr bool EP = true;
-    static constexpr int EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS;
-    static constexpr int SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE;
-    static constexpr int PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT;
-    static constexpr int PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS;
+    enum : bool { EP = true };
+    enum : int { EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES, PHASES = ::RANKS, RANKS = ::RANKS };
+    enum : int { SLOTS = ::SLOTS, CHUNK = ::CHUNK, CHUNKS = ::CHUNKS, OWN_ROW_BASE = ::OWN_ROW_BASE };
+    enum : int { PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT };
+    enum : int { PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS };
     // GEMM2 keeps its rows here for the combine's rank partials (else stores them at their origins).
-    static constexpr bool RANK_PARTIALS = false;
+    enum : bool { RANK_PARTIALS = false };
 };
 
 template <typename T>
@@ -1100,14 +1104,14 @@ __device__ __forceinline__ EpContext ep_gemm2_context(const float* segment_weigh
 // previous call has consumed what this rank wrote then (without this, a rank that sent
 // nothing to a destination could run a call ahead and overwrite its counts before they
 // were read).
-constexpr int META_TILE_TOKENS = 1024;
-constexpr int META_TILE_PAIRS = META_TILE_TOKENS * TOP_K;
-constexpr u32 OWNER_BIT = 0x80000000u;                  // in a pair's slot: the first pair of its (token, destination)
-constexpr unsigned short NO_PAIR = 0xFFFFu;             // a pair's rank in its expert when its id is out of range
+enum : int { META_TILE_TOKENS = 1024 };
+enum : int { META_TILE_PAIRS = META_TILE_TOKENS * TOP_K };
+enum : u32 { OWNER_BIT = 0x80000000u };                  // in a pair's slot: the first pair of its (token, destination)
+enum : unsigned short { NO_PAIR = 0xFFFFu };             // a pair's rank in its expert when its id is out of range
 // metadata_counters: rows per expert, slots per destination and blocks done (each back to
 // zero after a call), then the last epoch whose error word block 0 has cleared.
-constexpr int COUNTER_EXPERT_ROWS = 0, COUNTER_DESTINATION_SLOTS = EXPERTS, COUNTER_BLOCKS_DONE = EXPERTS + RANKS;
-constexpr int COUNTER_ERRORS_CLEARED = COUNTER_BLOCKS_DONE + 1;
+enum : int { COUNTER_EXPERT_ROWS = 0, COUNTER_DESTINATION_SLOTS = EXPERTS, COUNTER_BLOCKS_DONE = EXPERTS + RANKS };
+enum : int { COUNTER_ERRORS_CLEARED = COUNTER_BLOCKS_DONE + 1 };
 static_assert(META_TILE_PAIRS < NO_PAIR, "plan: a tile's pairs are counted in 16 bits");
 
 // Where this rank's receive index rows for `destination` go.
@@ -1607,25 +1611,25 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_ep_
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 528 persistent blocks (4 per SM)
 struct all_gemm1 : SingleGpu {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 32, BN = 64, BK = 64, STAGES = 2 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
-    static constexpr int DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128;
+    enum : int { ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088 };
+    enum : int { DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_gemm1(
@@ -1642,25 +1646,25 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_gemm1(
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
 struct all_gemm2 : SingleGpu {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 32, BN = 64, BK = 64, STAGES = 2 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 87, STREAM_K_MAX_TILES = 5280;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 87, STREAM_K_MAX_TILES = 5280 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = true;
-    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
-    static constexpr int DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128;
+    enum : int { ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704 };
+    enum : int { DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_gemm2(
@@ -1682,25 +1686,25 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_gemm2(
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 124 persistent blocks (4 per SM)
 struct all_ep_gemm1 : ExpertParallel {
-    static constexpr int KIND = GEMM_UP;
-    static constexpr bool GATED = true;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = FFN, KD = HIDDEN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 32, BN = 64, BK = 64, STAGES = 2 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
-    static constexpr int B_ROWS = 128;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088;
-    static constexpr int DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128;
+    enum : int { ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088 };
+    enum : int { DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_ep_gemm1(
@@ -1722,25 +1726,25 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_ep_gemm1
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 124 persistent blocks (5 per SM)
 struct all_ep_gemm2 : ExpertParallel {
-    static constexpr int KIND = GEMM_DOWN;
-    static constexpr bool GATED = false;
-    static constexpr bool BIAS = false;  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
-    static constexpr int N = HIDDEN, KD = FFN;  // output width, reduction depth
-    static constexpr int BM = 32, BN = 64, BK = 64, STAGES = 2;
-    static constexpr int WARPS_M = 2, WARPS_N = 2, THREADS = 128;
-    static constexpr int PRODUCER_THREADS = 0;
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 32, BN = 64, BK = 64, STAGES = 2 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    static constexpr int STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0;
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    static constexpr bool WEIGHTS_BEFORE_WAIT = false;
-    static constexpr int B_ROWS = 64;  // weight rows per tile (gate and up rows when gated)
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    static constexpr int ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288;
-    static constexpr int RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704;
-    static constexpr int DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128;
+    enum : int { ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 12288 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704 };
+    enum : int { DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_ep_gemm2(

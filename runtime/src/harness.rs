@@ -116,8 +116,8 @@ pub struct BuiltLayer {
     pub module: CompiledKernels,
     /// Codegen and the JIT (NVRTC, or a read of the disk cache).
     pub compile_seconds: f64,
-    /// Loading the compiled modules into the GPU's context: linking them into one image
-    /// (unless the image was cached) and `cuModuleLoadData`.
+    /// Loading the compiled modules into the GPU's context, once the device is idle:
+    /// linking them into one image (unless the image was cached) and `cuModuleLoadData`.
     pub load_seconds: f64,
     /// What was loaded: one linked image (and whether it came from the cache) or modules,
     /// and any notes.
@@ -494,6 +494,9 @@ impl Session {
         weights: ExpertWeights,
         gate: Option<HostGate>,
     ) -> Result<BuiltLayer, HarnessError> {
+        // The weights' fill or upload may still run on the stream, and a module load waits
+        // for the device: without this the fill's time would count as the load's.
+        self.gpu.synchronize()?;
         let started = Instant::now();
         let loaded = self
             .gpu

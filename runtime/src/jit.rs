@@ -15,9 +15,11 @@
 //! Those per-kernel CUBINs are relocatable (all but the warp-specialised GEMMs, which
 //! share a whole-program module per regime: `Plan::module_layout`), and the runtime links
 //! them into one image before loading ([`CompiledKernels::linked_image`], cached like the
-//! modules): the driver's `cuModuleLoadData` costs about 2.5 ms per module and little per
-//! kernel in it, so DeepSeek-V3's 24 modules took 64 ms to load, and its one-GPU kernels
-//! as one linked image and two whole-program modules 14.9-18.4 ms (one H200, 2026-12-01).
+//! modules). A module's load once cost milliseconds, because NVRTC gave each of the
+//! unit's ~500 file- and class-scope constants device storage and the driver set each one
+//! up on every load; the generated constants are enumerators now, and a layer's cached
+//! kernels load in 1-2 ms (one H200, 2026-12-01, `benches/results/`
+//! `2026-12-01_module_load_constants.md`).
 //!
 //! # Cache
 //!

@@ -745,8 +745,8 @@ fn activation_fn(activation: Activation) -> String {
         // projection both ways, and 1 added to the clamped up.
         Activation::ClampedSwiglu => {
             return format!(
-                "constexpr float SWIGLU_LIMIT = {CLAMPED_SWIGLU_LIMIT:?}f, SWIGLU_ALPHA = {CLAMPED_SWIGLU_ALPHA:?}f;
-__device__ __forceinline__ float activate(float gate, float up) {{
+                "__device__ __forceinline__ float activate(float gate, float up) {{
+    constexpr float SWIGLU_LIMIT = {CLAMPED_SWIGLU_LIMIT:?}f, SWIGLU_ALPHA = {CLAMPED_SWIGLU_ALPHA:?}f;
     gate = fminf(gate, SWIGLU_LIMIT);
     up = fminf(fmaxf(up, -SWIGLU_LIMIT), SWIGLU_LIMIT);
     return __fdividef(gate, 1.0f + __expf(-SWIGLU_ALPHA * gate)) * (up + 1.0f);

@@ -1448,12 +1448,10 @@ impl Plan {
 
     /// How the runtime compiles and loads this layer's kernels: the linked ones
     /// ([`Plan::linked_entry_points`]) one by one as relocatable code, then linked into one
-    /// image; the warp-specialised GEMMs whole-program, each regime's in one module. The
-    /// driver's module load costs about 2.5 ms per module and little per kernel in it, and
-    /// NVRTC compiles one program on one thread: DeepSeek-V3's mid and prefill GEMMs as 4
-    /// modules loaded in 9.9-11.7 ms, as 2 (one per regime) in 3.9-5.9 ms, as 1 in 2.4-3.1
-    /// ms, and the longest compile took 0.88, 1.32 and 2.78 s (one H200 machine,
-    /// 2026-12-01). One module per regime keeps a cold compile under 2 s.
+    /// image; the warp-specialised GEMMs whole-program, each regime's in one module. NVRTC
+    /// compiles one program on one thread: DeepSeek-V3's mid and prefill GEMMs as 4 modules
+    /// took 0.88 s at the longest, as 2 (one per regime) 1.32 s, as 1 2.78 s (one H200
+    /// machine, 2026-12-01). One module per regime keeps a cold compile under 2 s.
     pub fn module_layout(&self) -> ModuleLayout {
         let whole_program: Vec<Vec<String>> = self
             .regime_gemms()
