@@ -244,7 +244,6 @@ impl LayerSpec {
         let kernels = Jit::from_env()?.compile_kernels(
             &source.source,
             &source.entry_points,
-            &self.plan.module_layout(),
             &aot::compile_options(&self.plan),
         )?;
         // Two threads may both compile; the modules are the same, so either is right.

@@ -11,12 +11,19 @@ template <int SLOTS>
 __device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
                                              int end_column = HIDDEN) {
     for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
+        // Every slot's vector first, so that all SLOTS loads are in flight together (left to
+        // itself, ptxas interleaved some with the sums: Qwen3-30B-A3B's combine took 4.2
+        // instead of 2.9 us at one token).
+        Vec16 v[SLOTS];
+#pragma unroll
+        for (int k = 0; k < SLOTS; ++k) {
+            if (rows[k] != nullptr) v[k] = *reinterpret_cast<const Vec16*>(rows[k] + column);
+        }
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < SLOTS; ++k) {
             if (rows[k] == nullptr) continue;
-            const Vec16 v = *reinterpret_cast<const Vec16*>(rows[k] + column);
-            const u32 words[4] = {v.x, v.y, v.z, v.w};
+            const u32 words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));

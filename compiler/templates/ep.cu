@@ -201,8 +201,7 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
 
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
-// `static`: each kernel becomes its own relocatable object and the runtime links them into
-// one image, where two external definitions of a helper that is not inlined would clash.
+// Out of line (the path is rare) and `static` (internal: it needs no device symbol).
 static __device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code,
                                                        int a, int b, int c) {
     if (blockIdx.x != 0) {

@@ -33,9 +33,8 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
-// Inlined: the expert-parallel GEMM1s wait here, and a call in relocatable code would
-// serialise a kernel's wgmma (C7509); a helper left out of line must be `static` besides,
-// since the runtime links the kernels' objects into one image.
+// Inlined: the expert-parallel GEMM1s wait here, and ptxas may serialise a kernel's wgmma
+// around a call (C7509; it did in relocatable code).
 __device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {

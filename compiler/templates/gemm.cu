@@ -441,7 +441,8 @@ __device__ __forceinline__ void grouped_gemm(
     static_assert(WM % 16 == 0 && WN % 16 == 0, "plan: warp tile is whole 16x16 pieces");
 
     // The ring's swizzle assumes 128-byte rows. The allocation is declared so aligned, but
-    // kernels linked from relocatable objects get it 16-byte aligned: move up at run time.
+    // only 16 bytes are guaranteed (kernels linked from relocatable objects got no more):
+    // move up at run time.
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
     const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);

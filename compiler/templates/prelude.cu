@@ -44,9 +44,9 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float* acc, const u32* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The fast division: IEEE division calls a slow path, an extern call in relocatable code
-// around which ptxas serialises wgmma (C7509); measured no slower anywhere and 1-7% faster
-// in some layers (one H200, 2026-12-01).
+// The fast division: IEEE division calls a slow path, a call around which ptxas may
+// serialise wgmma (C7509; it did in relocatable code); measured no slower anywhere and
+// 1-7% faster in some layers (one H200, 2026-12-01).
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 __device__ __forceinline__ float gelu_tanh(float v) {
     const float inner = 0.7978845608f * (v + 0.044715f * v * v * v);

@@ -53,9 +53,9 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float* acc, const u32* a, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The fast division: IEEE division calls a slow path, an extern call in relocatable code
-// around which ptxas serialises wgmma (C7509); measured no slower anywhere and 1-7% faster
-// in some layers (one H200, 2026-12-01).
+// The fast division: IEEE division calls a slow path, a call around which ptxas may
+// serialise wgmma (C7509; it did in relocatable code); measured no slower anywhere and
+// 1-7% faster in some layers (one H200, 2026-12-01).
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 __device__ __forceinline__ float gelu_tanh(float v) {
     const float inner = 0.7978845608f * (v + 0.044715f * v * v * v);
@@ -299,9 +299,8 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
-// Inlined: the expert-parallel GEMM1s wait here, and a call in relocatable code would
-// serialise a kernel's wgmma (C7509); a helper left out of line must be `static` besides,
-// since the runtime links the kernels' objects into one image.
+// Inlined: the expert-parallel GEMM1s wait here, and ptxas may serialise a kernel's wgmma
+// around a call (C7509; it did in relocatable code).
 __device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
@@ -756,7 +755,8 @@ __device__ __forceinline__ void grouped_gemm(
     static_assert(WM % 16 == 0 && WN % 16 == 0, "plan: warp tile is whole 16x16 pieces");
 
     // The ring's swizzle assumes 128-byte rows. The allocation is declared so aligned, but
-    // kernels linked from relocatable objects get it 16-byte aligned: move up at run time.
+    // only 16 bytes are guaranteed (kernels linked from relocatable objects got no more):
+    // move up at run time.
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 raw_base = smem_address(smem_raw);
     const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
@@ -937,12 +937,19 @@ template <int SLOTS>
 __device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
                                              int end_column = HIDDEN) {
     for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
+        // Every slot's vector first, so that all SLOTS loads are in flight together (left to
+        // itself, ptxas interleaved some with the sums: Qwen3-30B-A3B's combine took 4.2
+        // instead of 2.9 us at one token).
+        Vec16 v[SLOTS];
+#pragma unroll
+        for (int k = 0; k < SLOTS; ++k) {
+            if (rows[k] != nullptr) v[k] = *reinterpret_cast<const Vec16*>(rows[k] + column);
+        }
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < SLOTS; ++k) {
             if (rows[k] == nullptr) continue;
-            const Vec16 v = *reinterpret_cast<const Vec16*>(rows[k] + column);
-            const u32 words[4] = {v.x, v.y, v.z, v.w};
+            const u32 words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
@@ -1179,8 +1186,7 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
 
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
-// `static`: each kernel becomes its own relocatable object and the runtime links them into
-// one image, where two external definitions of a helper that is not inlined would clash.
+// Out of line (the path is rare) and `static` (internal: it needs no device symbol).
 static __device__ __noinline__ void report_after_clear(int* error_word, const u32* errors_cleared, u32 epoch, int code,
                                                        int a, int b, int c) {
     if (blockIdx.x != 0) {

@@ -4,25 +4,21 @@
 use std::sync::Arc;
 
 pub use cudarc::driver::CudaContext;
-use cudarc::driver::sys::{self as driver_sys, CUdevice_attribute, CUresult};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use moeforge_compiler::plan::{DeviceFacts, Target};
 use thiserror::Error;
 
-use crate::jit::{CacheOutcome, CompiledKernels, CompiledModule};
+use crate::jit::{CompiledKernels, CompiledModule};
 use crate::toolkit::{self, ToolkitError};
 
-/// A layer's kernels loaded on one device: the image its relocatable kernels were linked
-/// into and each whole-program module, or one module for the whole unit.
+/// A layer's kernels loaded on one device: a module per entry point, or one module for
+/// the whole unit.
 #[derive(Clone, Debug)]
 pub struct LoadedKernels {
     /// Each module with the entry points it holds (empty: every one).
     modules: Vec<(Vec<String>, Arc<CudaModule>)>,
-    /// When the kernels were linked into one image: what the cache did for it.
-    linked: Option<CacheOutcome>,
-    /// Non-fatal problems (a linked image that could not be cached).
-    notes: Vec<String>,
 }
 
 impl LoadedKernels {
@@ -30,28 +26,16 @@ impl LoadedKernels {
     pub fn whole(module: Arc<CudaModule>) -> Self {
         LoadedKernels {
             modules: vec![(Vec::new(), module)],
-            linked: None,
-            notes: Vec::new(),
         }
     }
 
-    /// How many modules the driver loaded, a linked image counted as one.
+    /// How many modules the driver loaded.
     pub fn module_count(&self) -> usize {
         self.modules.len()
     }
 
-    /// When the kernels were linked into one image: whether it came from the cache.
-    pub fn linked(&self) -> Option<&CacheOutcome> {
-        self.linked.as_ref()
-    }
-
-    /// Non-fatal problems of the load (a linked image that could not be cached).
-    pub fn notes(&self) -> &[String] {
-        &self.notes
-    }
-
-    /// Entry point `name`, from the module (or linked image) that holds it, else from a
-    /// module of the whole unit.
+    /// Entry point `name`, from the module that holds it, else from a module of the whole
+    /// unit.
     pub fn load_function(&self, name: &str) -> Result<CudaFunction, DriverError> {
         let holds = |kernels: &Vec<String>| kernels.iter().any(|k| k == name);
         let module = self
@@ -94,15 +78,6 @@ pub enum GpuError {
         from: usize,
         to: usize,
         result: String,
-    },
-    #[error(
-        "linking the kernels of `{name}` into one image failed ({status:?}){}; two kernels defining one symbol is a code generator bug, and a CUDA driver older than the NVRTC that compiled them cannot link them (update the driver or use a matching NVRTC)",
-        if log.is_empty() { String::new() } else { format!(": {log}") }
-    )]
-    Link {
-        name: String,
-        status: CUresult,
-        log: String,
     },
 }
 
@@ -255,7 +230,7 @@ impl Gpu {
 
     /// Loads the kernels of a layer that it launches (`entry_points`, e.g.
     /// [`Plan::single_gpu_entry_points`](moeforge_compiler::plan::Plan::single_gpu_entry_points)):
-    /// the relocatable ones linked into one image, each other one as its module.
+    /// each module that holds one of them.
     pub fn load_kernels(
         &self,
         kernels: &CompiledKernels,
@@ -271,27 +246,11 @@ impl Gpu {
         kernels: &CompiledKernels,
         entry_points: &[String],
     ) -> Result<LoadedKernels, GpuError> {
-        let mut loaded = LoadedKernels {
-            modules: Vec::new(),
-            linked: None,
-            notes: Vec::new(),
-        };
-        if let Some(linked) = kernels.linked_image(entry_points, |objects| {
-            link_cubins(ctx, &kernels.name, objects)
-        })? {
-            let module = ctx
-                .load_module(Ptx::from_binary(linked.cubin))
-                .context(format!("loading the linked kernels of `{}`", kernels.name))?;
-            loaded.modules.push((linked.kernels, module));
-            loaded.linked = Some(linked.cache);
-            loaded.notes = linked.notes;
-        }
-        for m in kernels.modules_for(entry_points).filter(|m| !m.relocatable) {
-            loaded
-                .modules
-                .push((m.kernels.clone(), Gpu::load_into(ctx, &m.module)?));
-        }
-        Ok(loaded)
+        let modules = kernels
+            .modules_for(entry_points)
+            .map(|m| Ok((m.kernels.clone(), Gpu::load_into(ctx, &m.module)?)))
+            .collect::<Result<_, GpuError>>()?;
+        Ok(LoadedKernels { modules })
     }
 
     pub fn synchronize(&self) -> Result<(), GpuError> {
@@ -299,82 +258,4 @@ impl Gpu {
             .synchronize()
             .context("synchronising the stream")
     }
-}
-
-/// Links relocatable CUBINs (`objects`: name and image) into one with the driver's linker
-/// on `ctx`'s device.
-fn link_cubins(
-    ctx: &Arc<CudaContext>,
-    name: &str,
-    objects: &[(&str, &[u8])],
-) -> Result<Vec<u8>, GpuError> {
-    use driver_sys::{CUjit_option, CUjitInputType};
-    const LOG_BYTES: usize = 16 * 1024;
-    ctx.bind_to_thread().context(format!(
-        "binding device {}'s context to link",
-        ctx.ordinal()
-    ))?;
-    let failed = |status: CUresult, log: &[u8]| GpuError::Link {
-        name: name.to_string(),
-        status,
-        log: String::from_utf8_lossy(log.split(|&b| b == 0).next().unwrap_or_default())
-            .trim()
-            .to_string(),
-    };
-    let mut log = vec![0u8; LOG_BYTES];
-    let mut options = [
-        CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
-        CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
-    ];
-    let mut values = [
-        log.as_mut_ptr().cast::<std::ffi::c_void>(),
-        LOG_BYTES as *mut std::ffi::c_void,
-    ];
-    let mut state: driver_sys::CUlinkState = std::ptr::null_mut();
-    // SAFETY: `options` and `values` pair up and outlive the link state, which is
-    // destroyed below on every path after it is created; `log` outlives it too.
-    let created = unsafe {
-        driver_sys::cuLinkCreate_v2(
-            options.len() as u32,
-            options.as_mut_ptr(),
-            values.as_mut_ptr(),
-            &mut state,
-        )
-    };
-    if created != CUresult::CUDA_SUCCESS {
-        return Err(failed(created, &log));
-    }
-    let linked = (|| {
-        for (object, cubin) in objects {
-            let object = std::ffi::CString::new(*object).unwrap_or_default();
-            // SAFETY: `cubin` is a live CUBIN of the given length; the driver copies it.
-            let added = unsafe {
-                driver_sys::cuLinkAddData_v2(
-                    state,
-                    CUjitInputType::CU_JIT_INPUT_CUBIN,
-                    cubin.as_ptr().cast_mut().cast(),
-                    cubin.len(),
-                    object.as_ptr(),
-                    0,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                )
-            };
-            if added != CUresult::CUDA_SUCCESS {
-                return Err(added);
-            }
-        }
-        let mut image: *mut std::ffi::c_void = std::ptr::null_mut();
-        let mut size = 0usize;
-        // SAFETY: the output stays owned by `state` until it is destroyed; copied out first.
-        let completed = unsafe { driver_sys::cuLinkComplete(state, &mut image, &mut size) };
-        if completed != CUresult::CUDA_SUCCESS {
-            return Err(completed);
-        }
-        // SAFETY: the driver returned `size` bytes at `image`.
-        Ok(unsafe { std::slice::from_raw_parts(image.cast::<u8>(), size) }.to_vec())
-    })();
-    // SAFETY: `state` was created above and is not used after this.
-    unsafe { driver_sys::cuLinkDestroy(state) };
-    linked.map_err(|status| failed(status, &log))
 }

@@ -22,7 +22,7 @@ use crate::checkpoint::{CheckpointError, ExpertSet};
 use crate::ep::EpLayer;
 use crate::gpu::{DriverContext, Gpu, GpuError, LoadedKernels};
 use crate::ipc::GroupError;
-use crate::jit::{CacheOutcome, CompileOptions, CompiledKernels, CompiledModule, Jit, JitError};
+use crate::jit::{CompileOptions, CompiledKernels, CompiledModule, Jit, JitError};
 use crate::layer::{
     ExpertBiases, ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs,
 };
@@ -62,47 +62,23 @@ pub struct Session {
 /// What loading a layer's kernels did, for the user.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadSummary {
-    /// When relocatable kernels were linked into one image: whether it came from the disk
-    /// cache.
-    pub linked_from_cache: Option<bool>,
-    /// Modules loaded besides that image.
-    pub other_modules: usize,
-    /// Non-fatal problems of the load (a linked image that could not be cached).
-    pub notes: Vec<String>,
+    /// Modules the driver loaded (one per kernel the layer launches, or one for the unit).
+    pub modules: usize,
 }
 
 impl LoadSummary {
     fn of(loaded: &LoadedKernels) -> Self {
-        let linked_from_cache = loaded.linked().map(|cache| *cache == CacheOutcome::Hit);
         LoadSummary {
-            linked_from_cache,
-            other_modules: loaded.module_count() - usize::from(linked_from_cache.is_some()),
-            notes: loaded.notes().to_vec(),
+            modules: loaded.module_count(),
         }
     }
 }
 
 impl fmt::Display for LoadSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let modules = |n: usize| {
-            if n == 1 {
-                "1 module".to_string()
-            } else {
-                format!("{n} modules")
-            }
-        };
-        match (self.linked_from_cache, self.other_modules) {
-            (Some(cached), others) => {
-                f.write_str("one linked image")?;
-                if cached {
-                    f.write_str(" from the cache")?;
-                }
-                if others > 0 {
-                    write!(f, " and {}", modules(others))?;
-                }
-                Ok(())
-            }
-            (None, n) => f.write_str(&modules(n)),
+        match self.modules {
+            1 => f.write_str("1 module"),
+            n => write!(f, "{n} modules"),
         }
     }
 }
@@ -116,11 +92,10 @@ pub struct BuiltLayer {
     pub module: CompiledKernels,
     /// Codegen and the JIT (NVRTC, or a read of the disk cache).
     pub compile_seconds: f64,
-    /// Loading the compiled modules into the GPU's context, once the device is idle:
-    /// linking them into one image (unless the image was cached) and `cuModuleLoadData`.
+    /// Loading the compiled modules into the GPU's context (`cuModuleLoadData`), once the
+    /// device is idle.
     pub load_seconds: f64,
-    /// What was loaded: one linked image (and whether it came from the cache) or modules,
-    /// and any notes.
+    /// What was loaded.
     pub loaded: LoadSummary,
     /// Host copies of the experts' weights, by expert id, each downloaded from the device
     /// on the first check that needs it and kept for the layer's life. Downloaded rather
@@ -334,7 +309,6 @@ impl Session {
         let kernels = self.jit.compile_kernels(
             &source.source,
             &source.entry_points,
-            &plan.module_layout(),
             &aot::compile_options(plan),
         )?;
         Ok((kernels, started.elapsed().as_secs_f64()))

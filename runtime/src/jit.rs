@@ -5,21 +5,17 @@
 //! `compute_90a`). Failures are [`JitError`]s; a compile error quotes the generated source
 //! line of every `unit.cu(LINE): error` in the NVRTC log.
 //!
-//! [`Jit::compile_kernels`] compiles a generated layer unit once per module instead, most
-//! holding one entry point (the unit builds only the kernels its defines name), on as many
-//! threads as the machine has: NVRTC is single-threaded per program. DeepSeek-V3's 22
-//! kernels took 7.0 s as one program and 1.75 s kernel by kernel on the H200 machine's 16
-//! cores (2026-11-30). At most one NVRTC compile per core runs in the process at a time,
-//! however many threads ask.
-//!
-//! Those per-kernel CUBINs are relocatable (all but the warp-specialised GEMMs, which
-//! share a whole-program module per regime: `Plan::module_layout`), and the runtime links
-//! them into one image before loading ([`CompiledKernels::linked_image`], cached like the
-//! modules). A module's load once cost milliseconds, because NVRTC gave each of the
-//! unit's ~500 file- and class-scope constants device storage and the driver set each one
-//! up on every load; the generated constants are enumerators now, and a layer's cached
-//! kernels load in 1-2 ms (one H200, 2026-12-01, `benches/results/`
-//! `2026-12-01_module_load_constants.md`).
+//! [`Jit::compile_kernels`] compiles a generated layer unit once per entry point instead,
+//! each a whole-program module of its own (the unit builds only the kernel its defines
+//! name), on as many threads as the machine has: NVRTC is single-threaded per program.
+//! DeepSeek-V3's 22 kernels took 7.0 s as one program and 1.75 s kernel by kernel on the
+//! H200 machine's 16 cores (2026-11-30). At most one NVRTC compile per core runs in the
+//! process at a time, however many threads ask. A module's load once cost milliseconds,
+//! because NVRTC gave each of the unit's ~500 file- and class-scope constants device storage
+//! that the driver set up on every load; with the constants as enumerators, DeepSeek-V3's
+//! 16 one-GPU modules load in about 1 ms in all (one H200, 2026-12-01, `benches/results/`
+//! `2026-12-01_module_load_constants.md`), so kernels are no longer linked into one image
+//! to save loads (relocatable code also cost the warp-specialised GEMMs their `setmaxnreg`).
 //!
 //! # Cache
 //!
@@ -57,7 +53,6 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use sha2::{Digest, Sha256};
 
 use crate::toolkit::{NvrtcVersion, PIP_PACKAGES, Toolkit, ToolkitError};
-use moeforge_compiler::plan::ModuleLayout;
 
 /// What to compile a kernel unit for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,27 +141,12 @@ impl CompiledModule {
 }
 
 /// A layer's kernels as compiled modules: its unit compiled whole (an AOT directory,
-/// embedded PTX), or as [`Jit::compile_kernels`] groups them (most modules one entry point,
-/// the relocatable ones to be linked into one image before loading).
+/// embedded PTX), or one module per entry point ([`Jit::compile_kernels`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompiledKernels {
     /// The unit's name.
     pub name: String,
     pub modules: Vec<KernelModule>,
-    /// The folder linked images are cached in; `None` when the cache is disabled.
-    pub link_cache: Option<PathBuf>,
-}
-
-/// A layer's relocatable kernels linked into one CUBIN.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkedImage {
-    /// The entry points it holds.
-    pub kernels: Vec<String>,
-    pub cubin: Vec<u8>,
-    /// What the cache did for the image (not for the modules linked into it).
-    pub cache: CacheOutcome,
-    /// Non-fatal problems (a cache entry that could not be written).
-    pub notes: Vec<String>,
 }
 
 /// One module of [`CompiledKernels`] and the entry points it holds.
@@ -175,8 +155,6 @@ pub struct KernelModule {
     /// The entry points it was compiled for; empty: every entry point of the unit.
     pub kernels: Vec<String>,
     pub module: CompiledModule,
-    /// A relocatable CUBIN, which loads only linked ([`CompiledKernels::linked_image`]).
-    pub relocatable: bool,
 }
 
 impl CompiledKernels {
@@ -187,9 +165,7 @@ impl CompiledKernels {
             modules: vec![KernelModule {
                 kernels: Vec::new(),
                 module,
-                relocatable: false,
             }],
-            link_cache: None,
         }
     }
 
@@ -201,61 +177,6 @@ impl CompiledKernels {
         self.modules
             .iter()
             .filter(|m| m.kernels.is_empty() || m.kernels.iter().any(|k| entry_points.contains(k)))
-    }
-
-    /// The relocatable modules that hold `entry_points` linked into one image: read from
-    /// the cache, else made by `link` (given each module's name and CUBIN, in order; the
-    /// driver's linker, which needs a GPU context) and stored. `None` when none of them is
-    /// relocatable.
-    pub fn linked_image<E>(
-        &self,
-        entry_points: &[String],
-        link: impl FnOnce(&[(&str, &[u8])]) -> Result<Vec<u8>, E>,
-    ) -> Result<Option<LinkedImage>, E> {
-        let modules: Vec<&KernelModule> = self
-            .modules_for(entry_points)
-            .filter(|m| m.relocatable)
-            .collect();
-        if modules.is_empty() {
-            return Ok(None);
-        }
-        let key = link_key(&self.name, &modules);
-        let entry = self.link_cache.as_ref().map(|dir| {
-            dir.join(format!(
-                "{}-linked-{}.mfjit",
-                file_stem(&self.name),
-                &key[..32]
-            ))
-        });
-        let (cached, mut cache) = read_entry(entry.as_deref(), &key);
-        let mut notes = Vec::new();
-        let cubin = match cached.map(|artefacts| artefacts.cubin) {
-            Some(Some(cubin)) => cubin,
-            missing => {
-                if missing.is_some() {
-                    cache = CacheOutcome::Recompiled {
-                        reason: "the entry holds no CUBIN".to_string(),
-                    };
-                }
-                let objects: Vec<(&str, &[u8])> = modules
-                    .iter()
-                    .filter_map(|m| Some((m.module.name.as_str(), m.module.cubin.as_deref()?)))
-                    .collect();
-                let artefacts = Artefacts {
-                    ptx: String::new(),
-                    cubin: Some(link(&objects)?),
-                    log: String::new(),
-                };
-                store_entry(entry.as_deref(), &artefacts, &key, &mut notes);
-                artefacts.cubin.unwrap_or_default()
-            }
-        };
-        Ok(Some(LinkedImage {
-            kernels: modules.iter().flat_map(|m| m.kernels.clone()).collect(),
-            cubin,
-            cache,
-            notes,
-        }))
     }
 
     /// What the cache did: a hit when every module came from it, else the first other
@@ -608,58 +529,22 @@ impl Jit {
         })
     }
 
-    /// Compiles the entry points `kernels` of a generated layer unit into modules as
-    /// `layout` groups them
-    /// ([`Plan::module_layout`](moeforge_compiler::plan::Plan::module_layout)), side by
-    /// side (see the module docs), each through the cache: a linked kernel alone,
-    /// as relocatable code when `options.arch` is a real architecture, so that they link
-    /// into one image; a whole-program group's kernels (those of `kernels`) together; any
-    /// other kernel alone. Each kernel lands in one module: a kernel of a whole-program
-    /// group is compiled there even if `layout.linked` names it too. The modules come in
-    /// the order of their first kernel in `kernels`; the first error in that order is the
-    /// result.
+    /// Compiles each entry point of `kernels` of a generated layer unit into a
+    /// whole-program module of its own, side by side (see the module docs), each through
+    /// the cache. The modules come in the order of `kernels` (each once); the first error
+    /// in that order is the result.
     pub fn compile_kernels(
         &self,
         source: &str,
         kernels: &[String],
-        layout: &ModuleLayout,
         options: &CompileOptions,
     ) -> Result<CompiledKernels, JitError> {
-        let real_arch = parse_arch(&options.arch)?;
-        let mut units: Vec<(Vec<String>, bool)> = Vec::new();
+        let mut units: Vec<&String> = Vec::new();
         for kernel in kernels {
-            if units.iter().any(|(unit, _)| unit.contains(kernel)) {
-                continue;
-            }
-            match layout.whole_program.iter().find(|g| g.contains(kernel)) {
-                Some(group) => {
-                    let mut unit: Vec<String> = Vec::new();
-                    for k in group.iter().filter(|k| kernels.contains(k)) {
-                        if !unit.contains(k) && !units.iter().any(|(placed, _)| placed.contains(k))
-                        {
-                            unit.push(k.clone());
-                        }
-                    }
-                    units.push((unit, false));
-                }
-                None => units.push((
-                    vec![kernel.clone()],
-                    real_arch && layout.linked.contains(kernel),
-                )),
+            if !units.contains(&kernel) {
+                units.push(kernel);
             }
         }
-        let unit_options = |(unit, relocatable): &(Vec<String>, bool)| {
-            let only = options.only_kernels(unit);
-            if *relocatable {
-                only.flag(RELOCATABLE)
-            } else {
-                only
-            }
-        };
-        // The largest units start first: a group of kernels compiles longest (DeepSeek-V3:
-        // a regime's two GEMMs 1.32 s, the longest kernel alone 0.88 s).
-        let mut order: Vec<usize> = (0..units.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(units[i].0.len()));
         let next = AtomicUsize::new(0);
         let workers = std::thread::available_parallelism()
             .map_or(1, usize::from)
@@ -672,11 +557,12 @@ impl Jit {
                         scope.spawn(|| {
                             let mut done = Vec::new();
                             loop {
-                                let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed))
-                                else {
+                                let i = next.fetch_add(1, Ordering::Relaxed);
+                                let Some(&kernel) = units.get(i) else {
                                     break done;
                                 };
-                                done.push((i, self.compile(source, &unit_options(&units[i]))));
+                                let unit = options.only_kernels(std::slice::from_ref(kernel));
+                                done.push((i, self.compile(source, &unit)));
                             }
                         })
                     })
@@ -693,32 +579,22 @@ impl Jit {
         let modules = results
             .into_iter()
             .zip(units)
-            .map(|((_, module), (kernels, relocatable))| {
+            .map(|((_, module), kernel)| {
                 Ok(KernelModule {
-                    kernels,
+                    kernels: vec![kernel.clone()],
                     module: module?,
-                    relocatable,
                 })
             })
             .collect::<Result<Vec<_>, JitError>>()?;
-        let link_cache = self.settings.cache_dir.as_ref().map(|d| d.join("jit"));
         Ok(CompiledKernels {
             name: options.name.clone(),
             modules,
-            link_cache,
         })
     }
 
     /// Runs this toolkit's `ptxas` on `ptx`; see [`ptxas_report`].
     pub fn ptxas_report(&self, ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
-        run_ptxas(&self.toolkit, ptx, arch, false)
-    }
-
-    /// Runs this toolkit's `ptxas --compile-only` on relocatable `ptx`, as a kernel of
-    /// [`Jit::compile_kernels`] is compiled: there an extern call (e.g. IEEE division's
-    /// slow path) serialises wgmma, and static shared memory is not yet rounded up.
-    pub fn ptxas_report_relocatable(&self, ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
-        run_ptxas(&self.toolkit, ptx, arch, true)
+        run_ptxas(&self.toolkit, ptx, arch)
     }
 
     fn dump(&self, stem: &str, source: &str, artefacts: &Artefacts, notes: &mut Vec<String>) {
@@ -786,8 +662,9 @@ pub struct PtxasReport {
     /// One entry per function, in the order `ptxas` reported them.
     pub functions: Vec<FunctionResources>,
     /// Whether `ptxas` dropped the module's `setmaxnreg` (its performance note C7504, which
-    /// it gives for relocatable code and names no function): warp-specialised kernels
-    /// then run every warpgroup on the budget of the launch bounds.
+    /// names no function; it gives it for relocatable code, which the JIT no longer
+    /// compiles): warp-specialised kernels then run every warpgroup on the budget of the
+    /// launch bounds.
     pub setmaxnreg_ignored: bool,
     /// The raw output.
     pub raw: String,
@@ -879,15 +756,10 @@ impl PtxasReport {
 /// Runs the discovered toolkit's `ptxas -arch=ARCH -v` on whole-program `ptx` and parses
 /// the report.
 pub fn ptxas_report(ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
-    run_ptxas(&Toolkit::discover()?, ptx, arch, false)
+    run_ptxas(&Toolkit::discover()?, ptx, arch)
 }
 
-fn run_ptxas(
-    toolkit: &Toolkit,
-    ptx: &str,
-    arch: &str,
-    relocatable: bool,
-) -> Result<PtxasReport, JitError> {
+fn run_ptxas(toolkit: &Toolkit, ptx: &str, arch: &str) -> Result<PtxasReport, JitError> {
     if !parse_arch(arch)? {
         return Err(JitError::InvalidArch(format!(
             "{arch} (ptxas needs a real sm_ architecture)"
@@ -903,7 +775,6 @@ fn run_ptxas(
     let result = Command::new(&ptxas)
         .arg(format!("-arch={arch}"))
         .arg("-v")
-        .args(relocatable.then_some("--compile-only"))
         .arg(&input.path)
         .arg("-o")
         .arg(&output.path)
@@ -1027,8 +898,6 @@ fn file_stem(name: &str) -> String {
 }
 
 const CACHE_FORMAT: &[u8] = b"moeforge-jit-cache-v1";
-/// NVRTC's flag for a CUBIN that links with others ([`Jit::compile_kernels`]).
-const RELOCATABLE: &str = "--relocatable-device-code=true";
 const ENTRY_MAGIC: &[u8] = b"MFJIT01\n";
 
 fn cache_key(source: &str, options: &CompileOptions, version: NvrtcVersion) -> String {
@@ -1046,20 +915,6 @@ fn cache_key(source: &str, options: &CompileOptions, version: NvrtcVersion) -> S
     }
     field(version.to_string().as_bytes());
     field(source.as_bytes());
-    hex(&hasher.finalize())
-}
-
-/// The key of the image `modules` link into: their keys (each already covers its source,
-/// flags, architecture and NVRTC version) in order, under the unit's name.
-fn link_key(name: &str, modules: &[&KernelModule]) -> String {
-    let mut hasher = Sha256::new();
-    hasher.update(CACHE_FORMAT);
-    hasher.update(b"linked\0");
-    hasher.update(name.as_bytes());
-    for m in modules {
-        hasher.update(b"\0");
-        hasher.update(m.module.key.as_bytes());
-    }
     hex(&hasher.finalize())
 }
 
@@ -1352,108 +1207,6 @@ mod tests {
         assert!(decode_entry(&bytes[..bytes.len() - 1], &key).is_err());
         assert!(decode_entry(b"", &key).is_err());
         assert!(decode_entry(&bytes, &"x".repeat(64)).is_err());
-    }
-
-    fn relocatable(name: &str, cubin: &[u8]) -> KernelModule {
-        KernelModule {
-            relocatable: true,
-            kernels: vec![name.to_string()],
-            module: CompiledModule {
-                name: name.to_string(),
-                arch: "sm_90a".to_string(),
-                ptx: String::new(),
-                cubin: Some(cubin.to_vec()),
-                log: String::new(),
-                key: format!("{name:0>64}"),
-                cache: CacheOutcome::Miss,
-                notes: Vec::new(),
-            },
-        }
-    }
-
-    /// The linked image is made once, then read from the cache; a corrupt entry is linked
-    /// again and replaced; without a cache every load links; only the relocatable modules
-    /// of the entry points asked for are linked, under a key of their own.
-    #[test]
-    fn the_linked_image_is_cached() {
-        let dir = tempfile::tempdir().expect("temporary folder");
-        let kernels = CompiledKernels {
-            name: "unit".to_string(),
-            modules: vec![
-                relocatable("a", b"AA"),
-                relocatable("b", b"BBB"),
-                relocatable("c", b"C"),
-                KernelModule {
-                    relocatable: false,
-                    ..relocatable("whole", b"W")
-                },
-            ],
-            link_cache: Some(dir.path().to_path_buf()),
-        };
-        let links = std::cell::Cell::new(0);
-        let link = |objects: &[(&str, &[u8])]| -> Result<Vec<u8>, String> {
-            links.set(links.get() + 1);
-            Ok(objects
-                .iter()
-                .flat_map(|(_, cubin)| cubin.to_vec())
-                .collect())
-        };
-        let ab = ["a".to_string(), "b".to_string(), "whole".to_string()];
-        let image = |kernels: &CompiledKernels, only: &[String]| {
-            let linked = kernels
-                .linked_image(only, link)
-                .expect("links")
-                .expect("linkable");
-            (String::from_utf8(linked.cubin).expect("text"), linked.cache)
-        };
-        assert_eq!(
-            image(&kernels, &ab),
-            ("AABBB".to_string(), CacheOutcome::Miss)
-        );
-        assert_eq!(
-            image(&kernels, &ab),
-            ("AABBB".to_string(), CacheOutcome::Hit)
-        );
-        assert_eq!(links.get(), 1);
-        assert_eq!(
-            image(&kernels, &["c".to_string()]),
-            ("C".to_string(), CacheOutcome::Miss)
-        );
-        for entry in std::fs::read_dir(dir.path()).expect("cache folder") {
-            std::fs::write(entry.expect("entry").path(), b"garbage").expect("corrupt");
-        }
-        let (cubin, cache) = image(&kernels, &ab);
-        assert_eq!(cubin, "AABBB");
-        assert!(
-            matches!(cache, CacheOutcome::Recompiled { .. }),
-            "{cache:?}"
-        );
-        assert_eq!(links.get(), 3);
-        let uncached = CompiledKernels {
-            link_cache: None,
-            ..kernels.clone()
-        };
-        assert_eq!(
-            image(&uncached, &ab),
-            ("AABBB".to_string(), CacheOutcome::Disabled)
-        );
-        assert_eq!(links.get(), 4);
-        let image = kernels
-            .linked_image(&ab, link)
-            .expect("links")
-            .expect("linkable");
-        assert_eq!(image.kernels, ["a", "b"]);
-        assert_eq!(kernels.linked_image(&["whole".to_string()], link), Ok(None));
-    }
-
-    /// The image's key changes with any module's key and with their order.
-    #[test]
-    fn the_link_key_covers_every_module_in_order() {
-        let (a, b) = (relocatable("a", b""), relocatable("b", b""));
-        let key = link_key("unit", &[&a, &b]);
-        assert_ne!(key, link_key("unit", &[&b, &a]));
-        assert_ne!(key, link_key("unit", &[&a]));
-        assert_ne!(key, link_key("other", &[&a, &b]));
     }
 
     #[test]

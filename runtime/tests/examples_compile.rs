@@ -101,65 +101,38 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
 }
 
 /// Every example's kernels, compiled module by module as the runtime does
-/// ([`Jit::compile_kernels`]: the plan's linked ones relocatable, the warp-specialised
-/// GEMMs whole-program), have no spills, no serialised wgmma (an extern call, such as
-/// IEEE division's slow path, serialises it in relocatable code only) and no dropped
-/// `setmaxnreg` (relocatable code drops it: a warp-specialised kernel linked), and the
-/// relocatable ones link into one image with the toolkit's `nvlink`: no symbol is defined
-/// by two of them. On the GPU the driver's linker does the same (`Gpu::load_kernels`);
-/// this catches a template helper with external linkage here.
+/// ([`Jit::compile_kernels`]: each kernel a whole-program module of its own), have no
+/// spills, no serialised wgmma and no dropped `setmaxnreg` (ptxas drops it from
+/// relocatable code, which the warp-specialised GEMMs must not be).
 #[test]
-fn every_example_compiles_and_links_as_the_runtime_loads_it() {
+fn every_example_compiles_module_by_module_as_the_runtime_loads_it() {
     let Some(toolkit) = nvrtc_for_tests() else {
         return;
     };
-    let nvlink = toolkit
-        .ptxas
-        .as_ref()
-        .map(|ptxas| ptxas.with_file_name("nvlink"))
-        .filter(|nvlink| nvlink.is_file())
-        .expect("the toolkit has nvlink next to ptxas (the nvidia-cuda-nvcc wheel)");
     let jit = Jit::new(toolkit, JitSettings::from_env().expect("JIT settings")).expect("JIT");
     let target = Target::h200();
     let layers = layers::examples();
     std::thread::scope(|scope| {
         for layer in &layers {
-            let (jit, target, nvlink) = (&jit, &target, &nvlink);
+            let (jit, target) = (&jit, &target);
             scope.spawn(move || {
                 let plan = plan::plan(layer, target).expect("every example plans");
                 let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
-                let layout = plan.module_layout();
-                let linked = layout.linked.clone();
                 let kernels = jit
                     .compile_kernels(
                         &source.source,
                         &source.entry_points,
-                        &layout,
                         &aot::compile_options(&plan),
                     )
                     .expect("NVRTC compiles every kernel");
-                let relocatable: Vec<_> = kernels
-                    .modules
-                    .iter()
-                    .filter(|m| m.relocatable)
-                    .flat_map(|m| m.kernels.clone())
-                    .collect();
-                assert_eq!(
-                    relocatable, linked,
-                    "{}: the plan's linked kernels",
-                    layer.name
-                );
                 for m in &kernels.modules {
-                    let report = if m.relocatable {
-                        jit.ptxas_report_relocatable(&m.module.ptx, &plan.target.arch)
-                    } else {
-                        jit.ptxas_report(&m.module.ptx, &plan.target.arch)
-                    }
-                    .expect("ptxas -v");
+                    let report = jit
+                        .ptxas_report(&m.module.ptx, &plan.target.arch)
+                        .expect("ptxas -v");
                     assert!(
                         !report.setmaxnreg_ignored,
-                        "{:?} of {} (relocatable: {}): ptxas dropped setmaxnreg",
-                        m.kernels, layer.name, m.relocatable
+                        "{:?} of {}: ptxas dropped setmaxnreg",
+                        m.kernels, layer.name
                     );
                     for kernel in &m.kernels {
                         let function = report
@@ -172,38 +145,11 @@ fn every_example_compiles_and_links_as_the_runtime_loads_it() {
                                 function.wgmma_serialized
                             ),
                             (0, 0, false),
-                            "{kernel} of {} (relocatable: {}): {function:?}",
-                            layer.name,
-                            m.relocatable
+                            "{kernel} of {}: {function:?}",
+                            layer.name
                         );
                     }
                 }
-                let dir = tempfile::tempdir().expect("temporary folder");
-                let objects: Vec<_> = kernels
-                    .modules
-                    .iter()
-                    .filter(|m| m.relocatable)
-                    .enumerate()
-                    .map(|(i, m)| {
-                        let path = dir.path().join(format!("{i}.cubin"));
-                        let cubin = m.module.cubin.as_ref().expect("a CUBIN");
-                        std::fs::write(&path, cubin).expect("write CUBIN");
-                        path
-                    })
-                    .collect();
-                let linked = std::process::Command::new(nvlink)
-                    .arg(format!("-arch={}", plan.target.arch))
-                    .args(&objects)
-                    .arg("-o")
-                    .arg(dir.path().join("linked.cubin"))
-                    .output()
-                    .expect("run nvlink");
-                assert!(
-                    linked.status.success(),
-                    "{}: nvlink refused the kernels: {}",
-                    layer.name,
-                    String::from_utf8_lossy(&linked.stderr)
-                );
             });
         }
     });

@@ -291,9 +291,9 @@ fn discovered_toolkit_is_nvrtc_13() {
     assert_eq!(jit.nvrtc_version().major, 13);
 }
 
-/// A generated layer unit compiled as the plan's module layout says: every entry point in
-/// one module, each module holding its entry points and no other, the linked ones alone and
-/// relocatable, and together every entry point with the parameters the plan passes.
+/// A generated layer unit compiled kernel by kernel: one whole-program module per entry
+/// point, in the order of the entry points, each holding its entry point and no other, and
+/// together every entry point with the parameters the plan passes.
 #[test]
 fn a_layer_unit_compiles_kernel_by_kernel() {
     let Some((jit, _dir)) = jit("kernel-by-kernel") else {
@@ -302,42 +302,17 @@ fn a_layer_unit_compiles_kernel_by_kernel() {
     let layer = layers::tiny_with_shared_expert(Activation::Swiglu);
     let plan = plan::plan(&layer, &Target::h200()).expect("the tiny layer plans");
     let source = codegen::generate(&plan).expect("codegen");
-    let layout = plan.module_layout();
     let kernels = jit
         .compile_kernels(
             &source.source,
             &source.entry_points,
-            &layout,
             &aot::compile_options(&plan),
         )
         .expect("every kernel compiles alone");
-    let mut compiled: Vec<&String> = kernels.modules.iter().flat_map(|m| &m.kernels).collect();
-    compiled.sort();
-    let mut expected: Vec<&String> = source.entry_points.iter().collect();
-    expected.sort();
-    assert_eq!(compiled, expected, "every entry point in one module");
-    assert_eq!(
-        kernels.modules.len(),
-        layout.linked.len() + layout.whole_program.len(),
-        "a module per linked kernel and per whole-program group"
-    );
-    for group in &layout.whole_program {
-        assert!(
-            kernels.modules.iter().any(|m| &m.kernels == group),
-            "{group:?} is one module"
-        );
-    }
+    let compiled: Vec<&String> = kernels.modules.iter().flat_map(|m| &m.kernels).collect();
+    let expected: Vec<&String> = source.entry_points.iter().collect();
+    assert_eq!(compiled, expected, "one module per entry point, in order");
     for module in &kernels.modules {
-        let first = &module.kernels[0];
-        let linked = layout.linked.contains(first);
-        assert_eq!(module.relocatable, linked, "{first}");
-        if module.kernels.len() > 1 {
-            assert!(
-                layout.whole_program.contains(&module.kernels),
-                "{:?} is a group of the layout",
-                module.kernels
-            );
-        }
         let entries: Vec<&str> = module
             .module
             .ptx
@@ -345,7 +320,11 @@ fn a_layer_unit_compiles_kernel_by_kernel() {
             .filter_map(|line| line.trim_start().strip_prefix(".visible .entry "))
             .map(|rest| rest.split('(').next().unwrap_or(rest))
             .collect();
-        assert_eq!(entries, module.kernels, "the module of {first}");
+        assert_eq!(
+            entries, module.kernels,
+            "the module of {:?}",
+            module.kernels
+        );
     }
     let every: String = kernels
         .modules

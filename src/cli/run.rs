@@ -136,7 +136,6 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
     match jit.compile_kernels(
         &source.source,
         &source.entry_points,
-        &plan.module_layout(),
         &aot::compile_options(plan),
     ) {
         Ok(kernels) => {
@@ -306,9 +305,6 @@ pub fn run(args: &Args) -> ExitCode {
         built.load_seconds * 1e3,
         built.loaded,
     );
-    for note in &built.loaded.notes {
-        eprintln!("note: {note}");
-    }
     let caller_workload = caller_routing.map(|routing| Workload {
         tokens,
         x: x.clone(),

@@ -68,25 +68,13 @@ pub fn describe(plan: &Plan) -> String {
     out
 }
 
-/// How the JIT compiles and loads the kernels ([`Plan::module_layout`]).
+/// How the JIT compiles and loads the kernels.
 fn describe_modules(out: &mut String, plan: &Plan) {
-    let layout = plan.module_layout();
-    let groups: Vec<String> = layout
-        .whole_program
-        .iter()
-        .map(|group| format!("[{}]", group.join(", ")))
-        .collect();
-    let mut line = format!(
-        "  modules              {} kernels compiled one by one as relocatable code, those a layer launches linked into one image when it loads",
-        layout.linked.len()
+    let _ = writeln!(
+        out,
+        "  modules              {} kernels, each compiled whole-program as a module of its own (side by side), those a layer launches loaded when it loads",
+        plan.entry_points().len()
     );
-    if !groups.is_empty() {
-        line.push_str(&format!(
-            "; the warp-specialised GEMMs whole-program (relocatable code loses their setmaxnreg), one module per regime: {}",
-            groups.join(" ")
-        ));
-    }
-    let _ = writeln!(out, "{line}");
 }
 
 /// What one GPU holds (all experts), and on the expert-parallel path what each rank holds

@@ -1434,49 +1434,6 @@ impl Plan {
         )
     }
 
-    /// The entry points compiled as relocatable code, to be linked into one image when a
-    /// layer loads (the runtime's `Gpu::load_kernels`): all but the warp-specialised wgmma
-    /// GEMMs, which are compiled whole-program, one module per regime
-    /// ([`Plan::module_layout`]): compiling relocatable code, `ptxas` drops their
-    /// `setmaxnreg` ("C7504: 'setmaxnreg' ignored to maintain compatibility across
-    /// compilation units"), so the consumer warpgroups keep the producer's register budget.
-    /// Linked, they ran 4.5-15% slower (Mixtral-8x7B at 4096 tokens on one H200,
-    /// 2026-12-01); the other kernels ran as fast.
-    pub fn linked_entry_points(&self) -> Vec<String> {
-        self.module_layout().linked
-    }
-
-    /// How the runtime compiles and loads this layer's kernels: the linked ones
-    /// ([`Plan::linked_entry_points`]) one by one as relocatable code, then linked into one
-    /// image; the warp-specialised GEMMs whole-program, each regime's in one module. NVRTC
-    /// compiles one program on one thread: DeepSeek-V3's mid and prefill GEMMs as 4 modules
-    /// took 0.88 s at the longest, as 2 (one per regime) 1.32 s, as 1 2.78 s (one H200
-    /// machine, 2026-12-01). One module per regime keeps a cold compile under 2 s.
-    pub fn module_layout(&self) -> ModuleLayout {
-        let whole_program: Vec<Vec<String>> = self
-            .regime_gemms()
-            .map(|gemms| {
-                let mut kernels: Vec<String> = Vec::new();
-                for (gemm, kernel) in gemms {
-                    if gemm.engine == MmaEngine::WgmmaWarpSpecialized && !kernels.contains(kernel) {
-                        kernels.push(kernel.clone());
-                    }
-                }
-                kernels
-            })
-            .filter(|kernels| !kernels.is_empty())
-            .collect();
-        let linked = self
-            .entry_points()
-            .into_iter()
-            .filter(|kernel| !whole_program.iter().any(|group| group.contains(kernel)))
-            .collect();
-        ModuleLayout {
-            linked,
-            whole_program,
-        }
-    }
-
     /// Every GEMM of every regime and its kernel: the single-GPU regimes' GEMM1 and GEMM2,
     /// then the expert-parallel ones'.
     pub fn gemm_kernels(&self) -> impl Iterator<Item = (&GemmPlan, &String)> {
@@ -1506,16 +1463,6 @@ impl Plan {
                 .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches)),
         )
     }
-}
-
-/// How a layer's kernels become modules ([`Plan::module_layout`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModuleLayout {
-    /// Compiled one by one as relocatable code and linked into one image.
-    pub linked: Vec<String>,
-    /// Compiled whole-program, each group as one module (a kernel in neither list is a
-    /// whole-program module of its own).
-    pub whole_program: Vec<Vec<String>>,
 }
 
 /// The kernels of `launches`, each once, in order of first launch.
