@@ -243,7 +243,7 @@ impl LayerSpec {
         let source = codegen::generate(&self.plan)?;
         let kernels = Jit::from_env()?.compile_kernels(
             &source.source,
-            &source.entry_points,
+            &self.plan.entry_points_in_compile_order(),
             &aot::compile_options(&self.plan),
         )?;
         // Two threads may both compile; the modules are the same, so either is right.

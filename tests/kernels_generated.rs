@@ -187,7 +187,11 @@ fn generated_units_give_constants_no_device_storage() {
             .collect();
         let globals: Vec<&str> = ptx
             .lines()
-            .filter(|line| line.starts_with(".global") || line.starts_with(".visible .global"))
+            .filter(|line| {
+                [".global", ".visible .global", ".const", ".visible .const"]
+                    .iter()
+                    .any(|space| line.starts_with(space))
+            })
             .filter_map(|line| {
                 // `.global .align 4 .b8 NAME[256] = {...};`: the last word before `=` or `;`.
                 let declaration = line.split(['=', ';']).next()?;

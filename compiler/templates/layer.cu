@@ -14,9 +14,9 @@
 
 {% include "prelude.cu" %}
 // ---------------------------------------------------------------------------------------
-// Kernel by kernel. The JIT compiles this unit once per module, side by side, each time
-// with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name> for each kernel of the module
-// (most hold one): only those kernels are built, and the modules are loaded together.
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
+// a module of its own, and the modules are loaded together.
 // Without those defines (`moeforge compile`, embedded PTX) every kernel is built. Only
 // constant tables live at file scope, so each module's copies of them are alike.
 // ---------------------------------------------------------------------------------------
@@ -30,7 +30,9 @@
 // configuration structs, are enumerators, not constexpr variables: NVRTC gives every
 // variable at file or class scope device storage and a relocation, which the driver then
 // sets up on every module load (about 3-5 us each on the H200, for some 500 per module).
-// Floats are declared inside the functions that use them, for the same reason.
+// Floats are declared inside the functions that use them, for the same reason. (Constants
+// of different anonymous enum types meet in arithmetic and comparisons: fine in C++17,
+// which the JIT compiles this unit as; deprecated from C++20.)
 // ---------------------------------------------------------------------------------------
 enum : int { HIDDEN = {{ hidden }} };      // H
 enum : int { FFN = {{ ffn }} };            // F, per expert

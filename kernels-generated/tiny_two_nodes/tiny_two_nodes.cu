@@ -117,9 +117,9 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 #endif
 }
 // ---------------------------------------------------------------------------------------
-// Kernel by kernel. The JIT compiles this unit once per module, side by side, each time
-// with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name> for each kernel of the module
-// (most hold one): only those kernels are built, and the modules are loaded together.
+// Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
+// time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
+// a module of its own, and the modules are loaded together.
 // Without those defines (`moeforge compile`, embedded PTX) every kernel is built. Only
 // constant tables live at file scope, so each module's copies of them are alike.
 // ---------------------------------------------------------------------------------------
@@ -133,7 +133,9 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 // configuration structs, are enumerators, not constexpr variables: NVRTC gives every
 // variable at file or class scope device storage and a relocation, which the driver then
 // sets up on every module load (about 3-5 us each on the H200, for some 500 per module).
-// Floats are declared inside the functions that use them, for the same reason.
+// Floats are declared inside the functions that use them, for the same reason. (Constants
+// of different anonymous enum types meet in arithmetic and comparisons: fine in C++17,
+// which the JIT compiles this unit as; deprecated from C++20.)
 // ---------------------------------------------------------------------------------------
 enum : int { HIDDEN = 128 };      // H
 enum : int { FFN = 256 };            // F, per expert
@@ -937,23 +939,31 @@ template <int SLOTS>
 __device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
                                              int end_column = HIDDEN) {
     for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
-        // Every slot's vector first, so that all SLOTS loads are in flight together (left to
-        // itself, ptxas interleaved some with the sums: Qwen3-30B-A3B's combine took 4.2
-        // instead of 2.9 us at one token).
-        Vec16 v[SLOTS];
-#pragma unroll
-        for (int k = 0; k < SLOTS; ++k) {
-            if (rows[k] != nullptr) v[k] = *reinterpret_cast<const Vec16*>(rows[k] + column);
-        }
+        // A batch of slots' vectors at a time, loaded before they are summed so that their
+        // loads are in flight together (left to itself, ptxas interleaved some with the
+        // sums: Qwen3-30B-A3B's combine took 4.2 instead of 2.9 us at one token); every slot
+        // in one batch up to 16 (DeepSeek-V3's 9 as 8 + 1 took 5.4 instead of 4.2 us), so
+        // that the registers this holds stay bounded for a large K.
+        constexpr int BATCH = SLOTS <= 16 ? SLOTS : 8;
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int k = 0; k < SLOTS; ++k) {
-            if (rows[k] == nullptr) continue;
-            const u32 words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+        for (int first = 0; first < SLOTS; first += BATCH) {
+            Vec16 v[BATCH];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
-                sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
+            for (int j = 0; j < BATCH; ++j) {
+                const int k = first + j;
+                if (k < SLOTS && rows[k] != nullptr) v[j] = *reinterpret_cast<const Vec16*>(rows[k] + column);
+            }
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
+                const int k = first + j;
+                if (k >= SLOTS || rows[k] == nullptr) continue;
+                const u32 words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
+                    sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
+                }
             }
         }
         Vec16 packed;

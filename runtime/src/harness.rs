@@ -308,7 +308,7 @@ impl Session {
         let source = codegen::generate(plan)?;
         let kernels = self.jit.compile_kernels(
             &source.source,
-            &source.entry_points,
+            &plan.entry_points_in_compile_order(),
             &aot::compile_options(plan),
         )?;
         Ok((kernels, started.elapsed().as_secs_f64()))

@@ -195,6 +195,18 @@ impl CompiledKernels {
         self.cache() == CacheOutcome::Hit
     }
 
+    /// Non-fatal problems of every module (cache entries or dumps that could not be
+    /// written), each once.
+    pub fn notes(&self) -> Vec<&str> {
+        let mut notes: Vec<&str> = Vec::new();
+        for note in self.modules.iter().flat_map(|m| &m.module.notes) {
+            if !notes.contains(&note.as_str()) {
+                notes.push(note);
+            }
+        }
+        notes
+    }
+
     /// Bytes of PTX over all modules.
     pub fn ptx_bytes(&self) -> usize {
         self.modules.iter().map(|m| m.module.ptx.len()).sum()
@@ -531,8 +543,10 @@ impl Jit {
 
     /// Compiles each entry point of `kernels` of a generated layer unit into a
     /// whole-program module of its own, side by side (see the module docs), each through
-    /// the cache. The modules come in the order of `kernels` (each once); the first error
-    /// in that order is the result.
+    /// the cache, starting them in the order of `kernels` (longest first is quickest:
+    /// [`Plan::entry_points_in_compile_order`](moeforge_compiler::plan::Plan::entry_points_in_compile_order)).
+    /// The modules come in the order of `kernels` (each once); the first error in that
+    /// order is the result.
     pub fn compile_kernels(
         &self,
         source: &str,

@@ -135,7 +135,7 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
     let started = std::time::Instant::now();
     match jit.compile_kernels(
         &source.source,
-        &source.entry_points,
+        &plan.entry_points_in_compile_order(),
         &aot::compile_options(plan),
     ) {
         Ok(kernels) => {
@@ -305,6 +305,9 @@ pub fn run(args: &Args) -> ExitCode {
         built.load_seconds * 1e3,
         built.loaded,
     );
+    for note in built.module.notes() {
+        eprintln!("note: {note}");
+    }
     let caller_workload = caller_routing.map(|routing| Workload {
         tokens,
         x: x.clone(),

@@ -848,9 +848,10 @@ impl SmemLayout {
         let row_bytes = SMEM_ROW_BYTES;
         let stage_bytes = (tile.m + b_rows) * row_bytes;
         // Each ring moves up to its boundary at run time, within a full period of slack
-        // whatever alignment the allocation really gets: declared 128-byte aligned, it is
-        // only 16-byte aligned in kernels linked from relocatable objects (measured on the
-        // H200, 2026-12-01: mma.sync GEMMs 20-26% slower when their ring started there).
+        // whatever alignment the allocation really gets: declared 128-byte aligned, only 16
+        // bytes are guaranteed, and kernels once linked from relocatable objects got no more
+        // (measured on the H200, 2026-12-01: mma.sync GEMMs 20-26% slower when their ring
+        // started there).
         let ring_align = if engine.is_wgmma() {
             WGMMA_RING_ALIGN
         } else {
@@ -1438,6 +1439,15 @@ impl Plan {
     /// then the expert-parallel ones'.
     pub fn gemm_kernels(&self) -> impl Iterator<Item = (&GemmPlan, &String)> {
         self.regime_gemms().flatten()
+    }
+
+    /// [`Plan::entry_points`], the GEMMs first: a JIT that compiles kernels side by side
+    /// should start those, which take longest (DeepSeek-V3's: 0.4-0.8 s each, the other
+    /// kernels 0.2-0.7 s, one core of the CPU machine, 2026-12-01).
+    pub fn entry_points_in_compile_order(&self) -> Vec<String> {
+        let mut kernels = self.entry_points();
+        kernels.sort_by_key(|kernel| !self.gemm_kernels().any(|(_, gemm)| gemm == kernel));
+        kernels
     }
 
     /// Each regime's GEMM1 and GEMM2 with their kernels: the single-GPU regimes, then the
