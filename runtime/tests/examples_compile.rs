@@ -36,6 +36,37 @@ fn every_example_compiles_for_sm90a_without_spills() {
     );
 }
 
+/// Layers no example covers compile without spills too: a large top-k, whose combine sums
+/// 33 slots (loaded in batches, so its registers stay bounded), and expert parallelism
+/// whose results return as rank partials (a visited rank holds about 2 of a token's 4
+/// pairs), whose combine sums one partial per rank.
+#[test]
+fn a_large_top_k_and_rank_partials_compile_without_spills() {
+    let Some(toolkit) = nvrtc_for_tests() else {
+        return;
+    };
+    let jit = Jit::new(toolkit, JitSettings::from_env().expect("JIT settings")).expect("JIT");
+    let target = Target::h200();
+    let mut wide = layers::tiny_with_shared_expert(moeforge_compiler::ir::Activation::Swiglu);
+    wide.name = "tiny_top32".into();
+    wide.experts = 64;
+    wide.top_k = 32;
+    let mut partials = layers::tiny_with_shared_expert(moeforge_compiler::ir::Activation::Swiglu);
+    partials.name = "tiny_rank_partials".into();
+    partials.top_k = 4;
+    partials.parallel.expert = 2;
+    partials.topology.gpus_per_node = 2;
+    let plan = plan::plan(&partials, &target).expect("the rank-partials layer plans");
+    assert_eq!(
+        plan.expert_parallel.as_ref().map(|ep| ep.combine_route),
+        Some(plan::ep::CombineRoute::RankPartials),
+        "the case returns its results as rank partials"
+    );
+    for layer in [&wide, &partials] {
+        assert!(check_example(&jit, &target, layer) >= 4, "{}", layer.name);
+    }
+}
+
 /// A plan whose launch table disagrees with the compiled kernels is caught: the check is
 /// not vacuous.
 #[test]
