@@ -867,6 +867,28 @@ fn each_way_of_running_loads_the_kernels_it_launches() {
     }
 }
 
+/// The JIT's compile order holds every entry point once, the GEMM kernels (which compile
+/// longest) before any other.
+#[test]
+fn the_compile_order_starts_with_the_gemms() {
+    for name in ["mixtral_8x7b", "deepseek_v3", "deepseek_v3_ep64", "tiny"] {
+        let plan = example_plan(name);
+        let order = plan.entry_points_in_compile_order();
+        let mut sorted = order.clone();
+        sorted.sort();
+        let mut all = plan.entry_points();
+        all.sort();
+        assert_eq!(sorted, all, "{name}: every entry point once");
+        let is_gemm = |k: &String| plan.gemm_kernels().any(|(_, gemm)| gemm == k);
+        let gemms = order.iter().take_while(|k| is_gemm(k)).count();
+        assert!(gemms >= 2, "{name}: GEMMs first");
+        assert!(
+            order[gemms..].iter().all(|k| !is_gemm(k)),
+            "{name}: no GEMM after another kernel: {order:?}"
+        );
+    }
+}
+
 /// Stream-K on the examples' decode GEMMs follows the measurements it was fitted to (one
 /// H200, 2026-12-01, one token): DeepSeek-V3's GEMM1 splits 288 tiles on 264 blocks (a
 /// last wave of 24 tiles of 1.8 MB) and Mixtral's GEMM2 its 64 tiles of 3.7 MB; DeepSeek-V3's
