@@ -5,7 +5,7 @@
 
 use moeforge_compiler::plan::{self, Target};
 use moeforge_runtime::aot;
-use moeforge_runtime::jit::{Jit, JitSettings};
+use moeforge_runtime::jit::{FunctionResources, Jit, JitSettings, PtxasReport};
 use moeforge_runtime::toolkit::nvrtc_for_tests;
 
 mod layers;
@@ -104,20 +104,7 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
         panic!("{}: entry `{kernel}` {problem}", layer.name);
     }
     for entry in &source.entry_points {
-        let function = report
-            .function(entry)
-            .unwrap_or_else(|| panic!("ptxas reports {entry}"));
-        assert_eq!(
-            (function.spill_stores, function.spill_loads),
-            (0, 0),
-            "{entry} of {} spills: {function:?}",
-            layer.name
-        );
-        assert!(
-            !function.wgmma_serialized,
-            "ptxas serialises the wgmma of {entry} of {}",
-            layer.name
-        );
+        let function = clean_function(&report, entry, &layer.name);
         let launch = plan
             .launches()
             .find(|l| &l.kernel == entry)
@@ -129,6 +116,24 @@ fn check_example(jit: &Jit, target: &Target, layer: &moeforge_compiler::ir::Laye
         );
     }
     source.entry_points.len()
+}
+
+/// `kernel` of `layer` as `ptxas` reported it, asserting that it neither spills nor has its
+/// wgmma serialised.
+fn clean_function<'a>(report: &'a PtxasReport, kernel: &str, layer: &str) -> &'a FunctionResources {
+    let function = report
+        .function(kernel)
+        .unwrap_or_else(|| panic!("ptxas reports {kernel}"));
+    assert_eq!(
+        (function.spill_stores, function.spill_loads),
+        (0, 0),
+        "{kernel} of {layer} spills: {function:?}"
+    );
+    assert!(
+        !function.wgmma_serialized,
+        "ptxas serialises the wgmma of {kernel} of {layer}"
+    );
+    function
 }
 
 /// Every example's kernels, compiled module by module as the runtime does
@@ -166,19 +171,7 @@ fn every_example_compiles_module_by_module_as_the_runtime_loads_it() {
                         m.kernels, layer.name
                     );
                     for kernel in &m.kernels {
-                        let function = report
-                            .function(kernel)
-                            .unwrap_or_else(|| panic!("ptxas reports {kernel}"));
-                        assert_eq!(
-                            (
-                                function.spill_stores,
-                                function.spill_loads,
-                                function.wgmma_serialized
-                            ),
-                            (0, 0, false),
-                            "{kernel} of {}: {function:?}",
-                            layer.name
-                        );
+                        clean_function(&report, kernel, &layer.name);
                     }
                 }
             });
