@@ -417,6 +417,163 @@ __device__ __forceinline__ void epilogue_store(const EpilogueRow& row, int colum
     *reinterpret_cast<u32*>(row.out + column) = epilogue_pack<G>(row, column, v0, v1, up0, up1);
 }
 
+// The block's dynamic shared memory, moved up to the ring's alignment. The allocation is
+// declared so aligned, but only 16 bytes are guaranteed (kernels linked from relocatable
+// objects got no more).
+template <class G>
+__device__ __forceinline__ unsigned char* aligned_ring() {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 raw_base = smem_address(smem_raw);
+    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
+    return smem_raw + (smem_base - raw_base);
+}
+
+// One block's run of k-tiles [k_begin, k_begin + k_count) of tile `tile` on the mma.sync
+// engine: load and multiply them, then store the tile (whole, or as the last of a split
+// tile's blocks; `share`, the call's stream-K deal, only for a part of a tile). `smem` is
+// the block's ring, aligned (the row table follows it), `s_tile_start` the tile schedule.
+// Returns the tile; on return every thread's stores are done.
+template <class G, class WaitForRows>
+__device__ __forceinline__ GemmTile mma_sync_run(
+    const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
+    const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
+    bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
+    const int* s_tile_start, int tile, int k_begin, int k_count, const StreamKShare* share, bool weights_first,
+    WaitForRows wait_for_a_rows)
+{
+    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
+    constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
+    constexpr int WN = G::BN / G::WARPS_N;  // output columns per warp
+    constexpr int MI = WM / 16;             // m16 fragments per warp
+    constexpr int NJ = WN / 8;              // n8 fragments per warp
+    constexpr int K_TILES = G::KD / G::BK;
+    static_assert(WM % 16 == 0 && WN % 16 == 0, "plan: warp tile is whole 16x16 pieces");
+    const u32 smem_base = smem_address(smem);
+    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int warp_m = warp / G::WARPS_N;
+    const int warp_n = warp % G::WARPS_N;
+
+    const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
+    fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
+    __syncthreads();
+    const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
+    // Stage `stage` gets k-tile `k_tile`: its A rows, and its weight rows unless they
+    // went out already.
+    const StageLoader<G, G::THREADS> load((unsigned)tid);
+    auto stage_load = [&](int stage, int k_tile, bool weights_issued = false) {
+        const u32 stage_base = smem_base + stage * G::STAGE_BYTES;
+        const int k_offset = load.k_offset(k_tile);
+        load.a_rows(stage_base, k_offset, s_row_source, a_rows, ep.own_rows);
+        if (!weights_issued) load.b_rows(stage_base, k_offset, t, w_expert);
+    };
+
+    float acc[MI][NJ][4];
+    float acc_up[G::GATED ? MI : 1][G::GATED ? NJ : 1][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                acc[i][j][c] = 0.f;
+                if constexpr (G::GATED) acc_up[i][j][c] = 0.f;
+            }
+
+    // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
+    // k-tile k_begin + k from stage k % STAGES. With `weights_first` (a GEMM2 whose A rows
+    // another kernel or other blocks are still writing) those stages' weight rows go out
+    // first, then `wait_for_a_rows(t)` waits for the A rows, then the A rows go out.
+    if (weights_first) {
+#pragma unroll
+        for (int s = 0; s < G::STAGES - 1; ++s) {
+            if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
+        }
+        wait_for_a_rows(t);
+    }
+#pragma unroll
+    for (int s = 0; s < G::STAGES - 1; ++s) {
+        if (s < k_count) stage_load(s, k_begin + s, weights_first);
+        cp_async_commit();
+    }
+
+    for (int k = 0; k < k_count; ++k) {
+        cp_async_wait<G::STAGES - 2>();
+        __syncthreads();  // stage k landed for everyone; stage k-1 is free
+        const int next = k + G::STAGES - 1;
+        if (next < k_count) stage_load(next % G::STAGES, k_begin + next);
+        cp_async_commit();
+
+        const u32 a_base = smem_base + (k % G::STAGES) * G::STAGE_BYTES;
+        const u32 b_base = a_base + G::A_BYTES;
+#pragma unroll
+        for (int k16 = 0; k16 < G::BK / 16; ++k16) {
+            u32 a_frag[MI][4];
+#pragma unroll
+            for (int i = 0; i < MI; ++i) {
+                const int r = warp_m * WM + i * 16 + (lane & 15);
+                ldmatrix_x4(a_frag[i][0], a_frag[i][1], a_frag[i][2], a_frag[i][3],
+                            a_base + swizzle(r, k16 * 2 + (lane >> 4)));
+            }
+#pragma unroll
+            for (int j2 = 0; j2 < NJ / 2; ++j2) {
+                const int r = warp_n * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3);
+                const int chunk = k16 * 2 + ((lane >> 3) & 1);
+                u32 b_frag[2][2];
+                ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1], b_base + swizzle(r, chunk));
+#pragma unroll
+                for (int i = 0; i < MI; ++i) {
+                    mma_bf16_m16n8k16(acc[i][2 * j2], a_frag[i], b_frag[0]);
+                    mma_bf16_m16n8k16(acc[i][2 * j2 + 1], a_frag[i], b_frag[1]);
+                }
+                if constexpr (G::GATED) {
+                    u32 u_frag[2][2];
+                    ldmatrix_x4(u_frag[0][0], u_frag[0][1], u_frag[1][0], u_frag[1][1],
+                                b_base + swizzle(r + G::BN, chunk));
+#pragma unroll
+                    for (int i = 0; i < MI; ++i) {
+                        mma_bf16_m16n8k16(acc_up[i][2 * j2], a_frag[i], u_frag[0]);
+                        mma_bf16_m16n8k16(acc_up[i][2 * j2 + 1], a_frag[i], u_frag[1]);
+                    }
+                }
+            }
+        }
+    }
+
+    // A tile split between blocks is stored by the last of them, with every part.
+    bool stores = true;
+    if constexpr (G::STREAM_K_MAX_TILES > 0) {
+        if (k_count < K_TILES) stores = stream_k_meet<G>(acc, acc_up, *share, tile, stream_k);
+    }
+
+    // Epilogue: each thread holds rows lane/4 and lane/4 + 8 of every fragment, two
+    // adjacent columns each.
+    if (stores) {
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
+                if (r >= t.rows) continue;
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
+                    const float up0 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2] : 0.f;
+                    const float up1 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2 + 1] : 0.f;
+                    epilogue_store<G>(row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next tile reuses the ring and the row table; every store is done
+    if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
+    return t;
+}
+
 template <class G>
 __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
@@ -431,163 +588,27 @@ __device__ __forceinline__ void grouped_gemm(
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
-    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
-    constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
-    constexpr int WN = G::BN / G::WARPS_N;  // output columns per warp
-    constexpr int MI = WM / 16;             // m16 fragments per warp
-    constexpr int NJ = WN / 8;              // n8 fragments per warp
     constexpr int K_TILES = G::KD / G::BK;
     constexpr int N_TILES = G::N / G::BN;
-    static_assert(WM % 16 == 0 && WN % 16 == 0, "plan: warp tile is whole 16x16 pieces");
-
-    // The ring's swizzle assumes 128-byte rows. The allocation is declared so aligned, but
-    // only 16 bytes are guaranteed (kernels linked from relocatable objects got no more):
-    // move up at run time.
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    const u32 raw_base = smem_address(smem_raw);
-    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
-    unsigned char* smem = smem_raw + (smem_base - raw_base);
-    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
+    unsigned char* smem = aligned_ring<G>();
     __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
-
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int warp_m = warp / G::WARPS_N;
-    const int warp_n = warp % G::WARPS_N;
 
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
     // WEIGHTS_BEFORE_WAIT: this kernel started early and has not yet waited for the one
-    // ahead (see the prologue below).
+    // ahead. Its first run then issues its first weight stages before it waits: its weights
+    // and tile schedule were final before it launched (the routing ran two launches back);
+    // only its A rows are GEMM1's output. (Warming L2 with the rest of the run's weights as
+    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
-
-    // One run of k-tiles [k_begin, k_begin + k_count) of tile `tile`: load and multiply
-    // them, then store the tile (whole, or as the last of a split tile's blocks; `share`,
-    // the call's stream-K deal, only for a part of a tile).
     auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare* share) {
-        const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
-        fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
-        __syncthreads();
-        const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
-        // Stage `stage` gets k-tile `k_tile`: its A rows, and its weight rows unless they
-        // went out already.
-        const StageLoader<G, G::THREADS> load((unsigned)tid);
-        auto stage_load = [&](int stage, int k_tile, bool weights_issued = false) {
-            const u32 stage_base = smem_base + stage * G::STAGE_BYTES;
-            const int k_offset = load.k_offset(k_tile);
-            load.a_rows(stage_base, k_offset, s_row_source, a_rows, ep.own_rows);
-            if (!weights_issued) load.b_rows(stage_base, k_offset, t, w_expert);
-        };
-
-        float acc[MI][NJ][4];
-        float acc_up[G::GATED ? MI : 1][G::GATED ? NJ : 1][4];
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-#pragma unroll
-            for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    acc[i][j][c] = 0.f;
-                    if constexpr (G::GATED) acc_up[i][j][c] = 0.f;
-                }
-
-        // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
-        // k-tile k_begin + k from stage k % STAGES. A GEMM2 that started early (beside
-        // GEMM1's last tiles) first issues those stages' weight rows, then waits for GEMM1:
-        // its weights and tile schedule were final before it launched (the routing ran two
-        // launches back); only its A rows are GEMM1's output. (Warming L2 with the rest of
-        // the run's weights as well cost up to 15%: it competed with GEMM1 for HBM,
-        // 2026-12-01.)
         const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
-        if (weights_first) {
-#pragma unroll
-            for (int s = 0; s < G::STAGES - 1; ++s) {
-                if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
-            }
-            start_after_previous_kernel();
-            waited = true;
-        }
-#pragma unroll
-        for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < k_count) stage_load(s, k_begin + s, weights_first);
-            cp_async_commit();
-        }
-
-        for (int k = 0; k < k_count; ++k) {
-            cp_async_wait<G::STAGES - 2>();
-            __syncthreads();  // stage k landed for everyone; stage k-1 is free
-            const int next = k + G::STAGES - 1;
-            if (next < k_count) stage_load(next % G::STAGES, k_begin + next);
-            cp_async_commit();
-
-            const u32 a_base = smem_base + (k % G::STAGES) * G::STAGE_BYTES;
-            const u32 b_base = a_base + G::A_BYTES;
-#pragma unroll
-            for (int k16 = 0; k16 < G::BK / 16; ++k16) {
-                u32 a_frag[MI][4];
-#pragma unroll
-                for (int i = 0; i < MI; ++i) {
-                    const int r = warp_m * WM + i * 16 + (lane & 15);
-                    ldmatrix_x4(a_frag[i][0], a_frag[i][1], a_frag[i][2], a_frag[i][3],
-                                a_base + swizzle(r, k16 * 2 + (lane >> 4)));
-                }
-#pragma unroll
-                for (int j2 = 0; j2 < NJ / 2; ++j2) {
-                    const int r = warp_n * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3);
-                    const int chunk = k16 * 2 + ((lane >> 3) & 1);
-                    u32 b_frag[2][2];
-                    ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1], b_base + swizzle(r, chunk));
-#pragma unroll
-                    for (int i = 0; i < MI; ++i) {
-                        mma_bf16_m16n8k16(acc[i][2 * j2], a_frag[i], b_frag[0]);
-                        mma_bf16_m16n8k16(acc[i][2 * j2 + 1], a_frag[i], b_frag[1]);
-                    }
-                    if constexpr (G::GATED) {
-                        u32 u_frag[2][2];
-                        ldmatrix_x4(u_frag[0][0], u_frag[0][1], u_frag[1][0], u_frag[1][1],
-                                    b_base + swizzle(r + G::BN, chunk));
-#pragma unroll
-                        for (int i = 0; i < MI; ++i) {
-                            mma_bf16_m16n8k16(acc_up[i][2 * j2], a_frag[i], u_frag[0]);
-                            mma_bf16_m16n8k16(acc_up[i][2 * j2 + 1], a_frag[i], u_frag[1]);
-                        }
-                    }
-                }
-            }
-        }
-
-        // A tile split between blocks is stored by the last of them, with every part.
-        bool stores = true;
-        if constexpr (G::STREAM_K_MAX_TILES > 0) {
-            if (k_count < K_TILES) stores = stream_k_meet<G>(acc, acc_up, *share, tile, stream_k);
-        }
-
-        // Epilogue: each thread holds rows lane/4 and lane/4 + 8 of every fragment, two
-        // adjacent columns each.
-        if (stores) {
-#pragma unroll
-            for (int i = 0; i < MI; ++i) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
-                    if (r >= t.rows) continue;
-                    const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
-#pragma unroll
-                    for (int j = 0; j < NJ; ++j) {
-                        const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
-                        const float up0 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2] : 0.f;
-                        const float up1 = G::GATED ? acc_up[G::GATED ? i : 0][G::GATED ? j : 0][half * 2 + 1] : 0.f;
-                        epilogue_store<G>(row, column, acc[i][j][half * 2], acc[i][j][half * 2 + 1], up0, up1);
-                    }
-                }
-            }
-        }
-        cp_async_wait<0>();
-        __syncthreads();  // the next tile reuses the ring and the row table; every store is done
-        if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
+        waited = true;
+        mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k, smem,
+                        s_tile_start, tile, k_begin, k_count, share, weights_first,
+                        [](const GemmTile&) { start_after_previous_kernel(); });
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of

@@ -69,6 +69,9 @@ enum : int { ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }} };  // exper
 {% include "gemm_warp_specialized.cu" %}
 {%- endif %}
 {% include "combine.cu" %}
+{%- if fused_decode %}
+{% include "decode_fused.cu" %}
+{%- endif %}
 {%- if let Some(ep) = ep %}
 {% include "ep.cu" %}
 {%- endif %}
@@ -121,4 +124,18 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 }
 #endif
 {%- endfor %}
+{%- if let Some(fused) = regime.fused %}
+// Fused decode: calls of up to {{ fused.max_tokens }} tokens run as this one kernel, with the two GEMMs
+// above; {{ fused.blocks_per_sm }} blocks per SM, all resident at once.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ fused.entry.name }})
+extern "C" __global__ void __launch_bounds__({{ fused.entry.threads }}, {{ fused.blocks_per_sm }}) {{ fused.entry.name }}(
+    {{ fused.entry.params }}
+)
+{
+    fused_decode<{{ regime.gemms[0].config }}, {{ regime.gemms[1].config }}, {{ fused.max_rows }}, {{ fused.entry.static_smem }}>(
+        x, w1, {{ fused.w1_bias }}, w2, {{ fused.w2_bias }}, topk_ids, topk_weights, tokens, intermediate, combine_slots,
+        fused_decode_counters, error_word, y);
+}
+#endif
+{%- endif %}
 {%- endfor %}

@@ -966,3 +966,144 @@ fn short_last_waves_of_large_tiles_split_stream_k() {
         .expect_err("stream-K on the wgmma engine");
     assert!(error.what.contains("stream-K"), "{error}");
 }
+
+/// The layer of the shipped example `name`, as checked.
+fn example_layer(name: &str) -> Layer {
+    let path = format!("{}/../dsl-examples/{name}.moe", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
+    module.layers.into_iter().next().expect("a layer")
+}
+
+/// With `fused_decode = 16 tokens`, every example's first regime runs its calls of up to
+/// 16 tokens as one kernel: the regime's GEMM threads, a grid that is resident all at once
+/// (its GEMM2 tiles spin on other blocks' GEMM1 tiles), counters in the workspace; larger
+/// calls run the table. Without the hint there is none; a hint past the first regime is
+/// capped and said so. Validation catches an edited grid or token bound.
+#[test]
+fn small_calls_run_fused_on_a_resident_grid_where_the_spec_asks() {
+    for name in [
+        "qwen3_30b_a3b",
+        "deepseek_v3",
+        "mixtral_8x7b",
+        "gpt_oss_120b",
+    ] {
+        let mut layer = example_layer(name);
+        let unhinted = plan::plan(&layer, &Target::h200()).expect("plans");
+        assert!(
+            unhinted.regimes.iter().all(|r| r.fused_decode.is_none()),
+            "{name}: off unless asked"
+        );
+        assert!(
+            unhinted
+                .workspace
+                .iter()
+                .all(|b| b.id != BufferId::FusedDecodeCounters),
+            "{name}"
+        );
+        layer.schedule.fused_decode = Some(16);
+        let plan = plan::plan(&layer, &Target::h200()).expect("plans");
+        plan.validate().expect("consistent");
+        let regime = &plan.regimes[0];
+        let fused = regime.fused_decode.as_ref().expect("a fused decode");
+        assert!(
+            plan.regimes[1..].iter().all(|r| r.fused_decode.is_none()),
+            "{name}"
+        );
+        let target = &plan.target;
+        assert_eq!(fused.max_tokens, 16.min(regime.max_tokens), "{name}");
+        assert_eq!(
+            fused.max_rows,
+            fused.max_tokens * plan.shape.slots_per_token(),
+            "{name}"
+        );
+        let per_block = fused.launch.smem_bytes + fused.launch.static_smem_bytes + 1024;
+        assert!(
+            fused.blocks_per_sm * per_block <= target.smem_per_sm,
+            "{name}: resident"
+        );
+        assert_eq!(
+            fused.launch.grid,
+            Grid::Fixed(target.sm_count * fused.blocks_per_sm),
+            "{name}"
+        );
+        assert_eq!(fused.launch.block_threads, regime.gemm1.threads(), "{name}");
+        assert_eq!(
+            regime.launches_for(1),
+            std::slice::from_ref(&fused.launch),
+            "{name}"
+        );
+        assert_eq!(
+            regime.launches_for(fused.max_tokens + 1),
+            &regime.launches[..],
+            "{name}"
+        );
+        assert!(
+            plan.single_gpu_entry_points()
+                .contains(&fused.launch.kernel),
+            "{name}"
+        );
+        let counters = plan
+            .workspace
+            .iter()
+            .find(|b| b.id == BufferId::FusedDecodeCounters)
+            .expect("the fused decode's counters");
+        assert_eq!(
+            counters.elems,
+            2 * u64::from(plan.shape.gemm_experts())
+                + u64::from(plan.shape.hidden / regime.gemm2.tile.n),
+            "{name}"
+        );
+        for edit in [
+            |f: &mut plan::FusedDecode| f.max_tokens += 1,
+            |f: &mut plan::FusedDecode| f.launch.grid = Grid::Fixed(10_000),
+            |f: &mut plan::FusedDecode| f.blocks_per_sm += 1,
+        ] {
+            let mut edited = plan.clone();
+            edit(edited.regimes[0].fused_decode.as_mut().expect("fused"));
+            let error = edited.validate().expect_err("an edited fused decode");
+            assert!(
+                error.to_string().contains("fused decode"),
+                "{name}: {error}"
+            );
+        }
+        layer.schedule.fused_decode = Some(100_000);
+        let capped = plan::plan(&layer, &Target::h200()).expect("plans");
+        let regime = &capped.regimes[0];
+        assert_eq!(
+            regime.fused_decode.as_ref().map(|f| f.max_tokens),
+            Some(regime.max_tokens),
+            "{name}"
+        );
+        assert!(
+            capped
+                .limitations
+                .iter()
+                .any(|l| l.contains("fused_decode = 100000 tokens")),
+            "{name}: {:?}",
+            capped.limitations
+        );
+    }
+}
+
+/// A fused decode the first regime cannot give (its GEMMs on the warp-specialised engine)
+/// is a limitation of the plan, not an error, and the table runs those calls.
+#[test]
+fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
+    let mut layer = example_layer("qwen3_30b_a3b");
+    layer.schedule.gemm1_tile = Some(TileShape {
+        m: 64,
+        n: 128,
+        k: 64,
+    });
+    layer.schedule.fused_decode = Some(4);
+    let plan = plan::plan(&layer, &Target::h200()).expect("plans");
+    assert!(plan.regimes.iter().all(|r| r.fused_decode.is_none()));
+    assert!(
+        plan.limitations
+            .iter()
+            .any(|l| l.contains("fused decode of up to 4 tokens") && l.contains("mma.sync")),
+        "{:?}",
+        plan.limitations
+    );
+}

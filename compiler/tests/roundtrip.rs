@@ -107,6 +107,9 @@ fn spec() -> impl Strategy<Value = Spec> {
             if hints[5] % 2 == 0 {
                 schedule.push(format!("stages = {} comm_blocks = {}", 2 + (hints[5] / 2) % 4, 1 + hints[3] % 32));
             }
+            if hints[4] % 3 == 0 {
+                schedule.push(format!("fused_decode = {} tokens", 1 + hints[0] % 32));
+            }
             if !schedule.is_empty() {
                 layer.push(format!("schedule {{ {} }}", schedule.join("  ")));
             }

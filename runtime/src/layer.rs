@@ -268,7 +268,7 @@ type BoundLaunch = (CudaFunction, Vec<Binding>);
 pub struct MoeLayer {
     plan: Plan,
     stream: Arc<CudaStream>,
-    /// Per regime, each launch of its table (same order).
+    /// Per regime, each launch of its table (same order), then its fused decode's.
     regime_kernels: Vec<Vec<BoundLaunch>>,
     /// Per regime, the router's launches (empty without a router or its gate weights).
     router_kernels: Vec<Vec<BoundLaunch>>,
@@ -280,21 +280,48 @@ pub struct MoeLayer {
     /// Whether the launches the plan marks `early_start` start early; `MOEFORGE_EARLY_START=0`
     /// launches them the ordinary way, to measure what starting early changes.
     early_start: bool,
+    /// Whether calls the plan's fused decode covers run it; `MOEFORGE_FUSED_DECODE=0` runs
+    /// the table instead.
+    fused_decode: bool,
     _module: LoadedKernels,
 }
 
-/// `MOEFORGE_EARLY_START` through `lookup`: unset, empty or `1` lets the plan's early
-/// starts stand; `0` turns them off (the kernels' waits are then no-ops).
-fn early_start_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
-    match lookup("MOEFORGE_EARLY_START").as_deref() {
+/// A switch that is on unless the variable `var`, read through `lookup`, says 0: unset,
+/// empty or `1` leaves it on; anything else is an error quoting `expected`.
+fn switch_from(
+    lookup: impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    expected: &'static str,
+) -> Result<bool, LayerError> {
+    match lookup(var).as_deref() {
         None | Some("") | Some("1") => Ok(true),
         Some("0") => Ok(false),
         Some(other) => Err(LayerError::InvalidEnv {
-            var: "MOEFORGE_EARLY_START",
+            var,
             value: other.to_string(),
-            expected: "1 (the plan's early starts, the default) or 0 (none)",
+            expected,
         }),
     }
+}
+
+/// `MOEFORGE_EARLY_START`: `0` launches the plan's early starts the ordinary way (the
+/// kernels' waits are then no-ops).
+fn early_start_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
+    switch_from(
+        lookup,
+        "MOEFORGE_EARLY_START",
+        "1 (the plan's early starts, the default) or 0 (none)",
+    )
+}
+
+/// `MOEFORGE_FUSED_DECODE`: `0` runs a regime's table where the plan would run its fused
+/// decode kernel, to measure what fusing changes.
+fn fused_decode_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
+    switch_from(
+        lookup,
+        "MOEFORGE_FUSED_DECODE",
+        "1 (the plan's fused decode, the default) or 0 (the table's launches)",
+    )
 }
 
 /// Where a kernel parameter's value comes from, resolved once in [`MoeLayer::new`].
@@ -519,6 +546,7 @@ impl MoeLayer {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
         let early_start = early_start_from(|name| std::env::var(name).ok())?;
+        let fused_decode = fused_decode_from(|name| std::env::var(name).ok())?;
         let shape = &plan.shape;
         // The shared slices are experts of the grouped GEMMs too, after the routed ones.
         weights.check(shape, shape.gemm_experts())?;
@@ -562,7 +590,7 @@ impl MoeLayer {
         let regime_kernels = plan
             .regimes
             .iter()
-            .map(|regime| bind_table(&regime.launches))
+            .map(|regime| bind_table(&regime.all_launches().cloned().collect::<Vec<_>>()))
             .collect::<Result<Vec<_>, _>>()?;
         // The router's kernels are loaded only when the layer can run them.
         let router_kernels = match (&plan.router, &gate) {
@@ -584,6 +612,7 @@ impl MoeLayer {
             gate,
             tensor_maps,
             early_start,
+            fused_decode,
             _module: module,
         })
     }
@@ -732,7 +761,16 @@ impl MoeLayer {
             }
             routed_by_router = regime.fused;
         }
-        for (launch, bound) in regime.launches.iter().zip(&self.regime_kernels[index]) {
+        // The bound launches are the table's, then the fused decode's.
+        let bound = &self.regime_kernels[index];
+        if let Some(fused) = &regime.fused_decode
+            && self.fused_decode
+            && tokens <= fused.max_tokens
+            && selected(&fused.launch.kernel)
+        {
+            return self.launch(&fused.launch, &bound[regime.launches.len()], &call);
+        }
+        for (launch, bound) in regime.launches.iter().zip(bound) {
             let replaced = routed_by_router && launch.kernel == self.plan.route_kernel;
             if selected(&launch.kernel) && !replaced {
                 self.launch(launch, bound, &call)?;
@@ -965,6 +1003,7 @@ fn flag_kind_name(kind: i32) -> &'static str {
         error_code::flag_kind::COMBINE => "combine counter of token",
         error_code::flag_kind::CREDIT => "credit of destination",
         error_code::flag_kind::RETURN => "results (source · chunks + token chunk)",
+        error_code::flag_kind::EXPERT_ROWS => "fused decode: GEMM1 rows of expert",
         _ => "unknown flag",
     }
 }
@@ -1032,6 +1071,26 @@ mod tests {
             with(Some("off")),
             Err(LayerError::InvalidEnv {
                 var: "MOEFORGE_EARLY_START",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn the_fused_decode_runs_unless_the_variable_says_0() {
+        let with = |value: Option<&str>| {
+            fused_decode_from(|name| {
+                assert_eq!(name, "MOEFORGE_FUSED_DECODE");
+                value.map(str::to_string)
+            })
+        };
+        assert!(with(None).expect("unset"));
+        assert!(with(Some("1")).expect("1"));
+        assert!(!with(Some("0")).expect("0"));
+        assert!(matches!(
+            with(Some("no")),
+            Err(LayerError::InvalidEnv {
+                var: "MOEFORGE_FUSED_DECODE",
                 ..
             })
         ));

@@ -67,6 +67,63 @@ fn a_large_top_k_and_rank_partials_compile_without_spills() {
     }
 }
 
+/// The fused decode kernel (`fused_decode = 16 tokens`) of four examples compiles as the
+/// runtime compiles it, a module of its own: no spills, and the static shared memory (the
+/// routing each block lays out) the plan states.
+#[test]
+fn fused_decode_kernels_compile_without_spills() {
+    let Some(toolkit) = nvrtc_for_tests() else {
+        return;
+    };
+    let jit = Jit::new(toolkit, JitSettings::from_env().expect("JIT settings")).expect("JIT");
+    let target = Target::h200();
+    let names = [
+        "qwen3_30b_a3b",
+        "deepseek_v3",
+        "mixtral_8x7b",
+        "gpt_oss_120b",
+    ];
+    let layers: Vec<_> = layers::examples()
+        .into_iter()
+        .filter(|l| names.contains(&l.name.as_str()))
+        .map(|mut layer| {
+            layer.schedule.fused_decode = Some(16);
+            layer
+        })
+        .collect();
+    assert_eq!(layers.len(), names.len());
+    std::thread::scope(|scope| {
+        for layer in &layers {
+            let (jit, target) = (&jit, &target);
+            scope.spawn(move || {
+                let plan = plan::plan(layer, target).expect("the example plans");
+                let launch = plan.regimes[0]
+                    .fused_decode
+                    .as_ref()
+                    .map(|fused| fused.launch.clone())
+                    .expect("a fused decode");
+                let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
+                let kernels = jit
+                    .compile_kernels(
+                        &source.source,
+                        std::slice::from_ref(&launch.kernel),
+                        &aot::compile_options(&plan),
+                    )
+                    .expect("NVRTC compiles the fused decode");
+                let ptx = &kernels.modules[0].module.ptx;
+                let report = jit.ptxas_report(ptx, &plan.target.arch).expect("ptxas -v");
+                let function = clean_function(&report, &launch.kernel, &layer.name);
+                assert_eq!(
+                    function.shared_mem,
+                    u64::from(launch.static_smem_bytes),
+                    "{}: ptxas's static shared memory against the plan's",
+                    launch.kernel
+                );
+            });
+        }
+    });
+}
+
 /// A plan whose launch table disagrees with the compiled kernels is caught: the check is
 /// not vacuous.
 #[test]

@@ -103,6 +103,10 @@ fn cases(plan: &Plan) -> Vec<(u32, Routing)> {
     let mut ragged = Vec::new();
     for regime in &plan.regimes {
         counts.extend([regime.min_tokens, regime.max_tokens]);
+        // The last call the fused decode takes, and the first the table takes after it.
+        if let Some(fused) = &regime.fused_decode {
+            counts.extend([fused.max_tokens, fused.max_tokens + 1]);
+        }
         ragged.extend(ragged_tokens(regime));
     }
     counts.extend(&ragged);
@@ -721,6 +725,63 @@ fn forward_is_graph_capturable_and_replays_identically() {
             built.layer.plan().layer
         );
     }
+}
+
+/// The fused decode (`fused_decode = 16 tokens`) on three scaled examples (a shared
+/// expert's rows are every token's; GPT-OSS has expert biases and the clamped SwiGLU):
+/// every case of the sweep matches the CPU reference, and the counters go back to zero in
+/// every call, so a call repeated many times gives the same output each time.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_decode_matches_reference_and_repeats_identically() {
+    let session = Session::open().expect("GPU session");
+    let seed = fresh_seed();
+    log(&format!(
+        "fused decode: seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let mut failures = Vec::new();
+    for name in ["qwen3_30b_a3b", "deepseek_v3", "gpt_oss_120b"] {
+        let layer = layers::examples()
+            .into_iter()
+            .find(|l| l.name == name)
+            .expect("the example");
+        let mut layer = layers::scaled_down(&layer);
+        layer.schedule.fused_decode = Some(16);
+        let plan = plan_for_device(&layer);
+        let fused = plan.regimes[0]
+            .fused_decode
+            .clone()
+            .expect("the first regime has a fused decode");
+        let built = session.build(plan, seed).expect("build");
+        failures.extend(check_layer(&session, &built, seed));
+        let shape = built.layer.plan().shape.clone();
+        for tokens in [1, fused.max_tokens] {
+            let workload =
+                Workload::random(&shape, tokens, Routing::Skewed, seed ^ u64::from(tokens));
+            let stream = &session.gpu.stream;
+            let mut io = session.upload(&shape, &workload).expect("upload");
+            session.forward(&built.layer, &mut io).expect("first call");
+            let first = stream.clone_dtoh(&io.y).expect("download");
+            for call in 1..=40 {
+                session.fill_bits(&mut io.y, bf16::NAN).expect("poison");
+                session.forward(&built.layer, &mut io).expect("call");
+                built.layer.take_error().expect("no kernel error");
+                let again = stream.clone_dtoh(&io.y).expect("download");
+                if first != again {
+                    failures.push(format!(
+                        "{name} T={tokens}: call {call} differs from the first"
+                    ));
+                    break;
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "fused decode: {} failing cases (seed {seed}):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Tiles of one grouped GEMM for a call's routing: each expert's rows in `bm`-row tiles

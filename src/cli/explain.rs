@@ -341,6 +341,9 @@ fn schedule(hints: &ir::ScheduleHints) -> String {
     if let Some(order) = hints.traffic_order {
         parts.push(format!("traffic {}", order.name()));
     }
+    if let Some(tokens) = hints.fused_decode {
+        parts.push(format!("fused_decode {tokens} tokens"));
+    }
     if parts.is_empty() {
         "no hints (the planner chooses everything)".into()
     } else {

@@ -83,6 +83,7 @@ pub const SCHEDULE: Schema = Schema {
         "dispatch_chunk",
         "comm_blocks",
         "traffic",
+        "fused_decode",
     ],
     sections: &[],
     aliases: &[],
@@ -766,6 +767,7 @@ fn schedule(
     let stages = read_count("stages", false, errors);
     let dispatch_chunk = read_count("dispatch_chunk", true, errors);
     let comm_blocks = read_count("comm_blocks", false, errors);
+    let fused_decode = read_count("fused_decode", true, errors);
     let traffic_order = table.setting("traffic").map(|s| {
         values::choice(
             s,
@@ -781,6 +783,7 @@ fn schedule(
         dispatch_chunk: dispatch_chunk?,
         comm_blocks: comm_blocks?,
         traffic_order: traffic_order.map_or(Some(None), |order| order.map(Some))?,
+        fused_decode: fused_decode?,
     })
 }
 

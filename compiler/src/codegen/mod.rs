@@ -17,8 +17,8 @@ use crate::plan::ep::{
 use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, RouterPlan};
 use crate::plan::{
-    Access, BufferId, GemmPlan, Grid, INVERT_ROWS_THREADS, Launch, LaunchArg, MmaEngine,
-    OutputStore, ParamType, Plan, ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES,
+    Access, BufferId, FusedDecode, GemmPlan, Grid, INVERT_ROWS_THREADS, Launch, LaunchArg,
+    MmaEngine, OutputStore, ParamType, Plan, ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES,
     SORT_ROWS_THREADS, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
     error_code,
 };
@@ -94,6 +94,9 @@ struct LayerUnit<'a> {
     flag_kind_combine: i32,
     flag_kind_credit: i32,
     flag_kind_return: i32,
+    flag_kind_expert_rows: i32,
+    /// Whether any regime runs its smallest calls as one fused kernel.
+    fused_decode: bool,
     /// Distinct wgmma widths the plan uses (a stage's B rows: one wgmma spans them), ascending.
     wgmma_widths: Vec<u32>,
     /// Whether any GEMM runs on the warp-specialised engine.
@@ -391,6 +394,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::RouterTilesDone => "[1 + token tiles]: arrival counters, zero between calls",
             BufferId::StreamKPartials => "[2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K",
             BufferId::StreamKTilesDone => "[tiles]: stream-K arrival counters, zero between calls",
+            BufferId::FusedDecodeCounters => {
+                "[2 * GEMM_EXPERTS + HIDDEN / BN]: fused decode counters, zero between calls"
+            }
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
             BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
@@ -496,6 +502,52 @@ struct RegimeUnit {
     min_tokens: u32,
     max_tokens: u32,
     gemms: [GemmUnit; 2],
+    fused: Option<FusedUnit>,
+}
+
+/// A regime's fused decode entry point: its launch, and what the device template is
+/// instantiated with.
+struct FusedUnit {
+    entry: EntryUnit,
+    max_tokens: u32,
+    blocks_per_sm: u32,
+    max_rows: u32,
+    /// The expert biases the entry passes (`nullptr` without).
+    w1_bias: &'static str,
+    w2_bias: &'static str,
+}
+
+impl FusedUnit {
+    fn new(plan: &Plan, fused: &FusedDecode) -> Result<Self, CodegenError> {
+        let biases = plan.shape.expert_bias;
+        let uses: Vec<&str> = [
+            Some("x"),
+            Some("w1"),
+            biases.then_some("w1_bias"),
+            Some("w2"),
+            biases.then_some("w2_bias"),
+            Some("topk_ids"),
+            Some("topk_weights"),
+            Some("tokens"),
+            Some("intermediate"),
+            Some("combine_slots"),
+            Some(BufferId::FusedDecodeCounters.name()),
+            Some("error_word"),
+            Some("y"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let bias = |name| if biases { name } else { "nullptr" };
+        Ok(FusedUnit {
+            entry: EntryUnit::new(plan, &fused.launch.kernel, &uses)?,
+            max_tokens: fused.max_tokens,
+            blocks_per_sm: fused.blocks_per_sm,
+            max_rows: fused.max_rows,
+            w1_bias: bias("w1_bias"),
+            w2_bias: bias("w2_bias"),
+        })
+    }
 }
 
 struct GemmUnit {
@@ -773,6 +825,10 @@ fn regime_unit(
             GemmUnit::new(plan, regime.name, roles[0], kernel1, gemm1)?,
             GemmUnit::new(plan, regime.name, roles[1], kernel2, gemm2)?,
         ],
+        fused: regime
+            .fused_decode
+            .map(|fused| FusedUnit::new(plan, fused))
+            .transpose()?,
     })
 }
 
@@ -1088,6 +1144,8 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_combine: error_code::flag_kind::COMBINE,
         flag_kind_credit: error_code::flag_kind::CREDIT,
         flag_kind_return: error_code::flag_kind::RETURN,
+        flag_kind_expert_rows: error_code::flag_kind::EXPERT_ROWS,
+        fused_decode: plan.regimes.iter().any(|r| r.fused_decode.is_some()),
         wgmma_widths: wgmma_widths(plan),
         warp_specialized: all_gemms(plan).any(|g| g.engine == MmaEngine::WgmmaWarpSpecialized),
         tensor_map_bytes: TENSOR_MAP_BYTES,

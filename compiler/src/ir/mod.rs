@@ -263,6 +263,10 @@ pub struct ScheduleHints {
     /// Thread blocks of a fused kernel that communicate (multi-rank path).
     pub comm_blocks: Option<u32>,
     pub traffic_order: Option<TrafficOrder>,
+    /// Calls of up to this many tokens run as one persistent kernel (the fused decode of
+    /// the first regime, single GPU); none unless set.
+    #[serde(default)]
+    pub fused_decode: Option<u32>,
 }
 
 /// A GEMM tile: `m` rows (tokens) × `n` output columns × `k` reduction depth per stage.

@@ -196,6 +196,7 @@ impl ExpertParallelRegime {
             ],
             launches: &self.launches,
             tuned: None,
+            fused_decode: None,
         }
     }
 }

@@ -13,6 +13,7 @@
 pub mod cost;
 mod describe;
 pub mod ep;
+pub mod fused_decode;
 mod launch;
 pub mod network;
 pub mod router;
@@ -26,6 +27,7 @@ use thiserror::Error;
 use crate::ir::{self, Activation, TileShape};
 pub use cost::GemmEstimate;
 pub use describe::describe;
+pub use fused_decode::FusedDecode;
 pub use launch::{
     Access, Grid, KernelParam, Launch, LaunchArg, ParamType, StreamRole, TENSOR_MAP_ALIGN,
     TENSOR_MAP_BYTES,
@@ -340,6 +342,9 @@ pub enum BufferId {
     /// u32 [the most tiles a split call has]: per tile, the blocks done with their part of
     /// its reduction; the last one sums the parts, stores the tile and resets the count to 0.
     StreamKTilesDone,
+    /// u32 [2 · E' + H / BN of GEMM2]: the fused decode's counters, zero between calls (see
+    /// [`fused_decode::counters_len`]).
+    FusedDecodeCounters,
 }
 
 impl BufferId {
@@ -389,6 +394,7 @@ impl BufferId {
             | BufferId::Credits
             | BufferId::RouterTilesDone
             | BufferId::StreamKTilesDone
+            | BufferId::FusedDecodeCounters
             | BufferId::NetReady
             | BufferId::NetReturnFlags => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
@@ -443,6 +449,7 @@ impl BufferId {
             BufferId::NetReturnFlags => "net_return_flags",
             BufferId::StreamKPartials => "stream_k_partials",
             BufferId::StreamKTilesDone => "stream_k_tiles_done",
+            BufferId::FusedDecodeCounters => "fused_decode_counters",
         }
     }
 }
@@ -502,6 +509,8 @@ pub mod error_code {
         /// Results from a rank on another node (index: source · chunks per source + the
         /// token chunk).
         pub const RETURN: i32 = 5;
+        /// The GEMM1 rows of an expert in the fused decode (index: the expert).
+        pub const EXPERT_ROWS: i32 = 6;
     }
 }
 
@@ -522,6 +531,27 @@ pub struct Regime {
     /// The tuning table's entry its GEMMs came from, if they did.
     #[serde(default)]
     pub tuned: Option<tuning::TunedRegime>,
+    /// Its smallest calls as one persistent kernel, in place of `launches`.
+    #[serde(default)]
+    pub fused_decode: Option<FusedDecode>,
+}
+
+impl Regime {
+    /// The launches of a call of `tokens` tokens in this regime: the fused decode's where
+    /// it covers the call, else the table.
+    pub fn launches_for(&self, tokens: u32) -> &[Launch] {
+        match &self.fused_decode {
+            Some(fused) if tokens <= fused.max_tokens => std::slice::from_ref(&fused.launch),
+            _ => &self.launches,
+        }
+    }
+
+    /// The table's launches and the fused decode's.
+    pub fn all_launches(&self) -> impl Iterator<Item = &Launch> {
+        self.launches
+            .iter()
+            .chain(self.fused_decode.iter().map(|fused| &fused.launch))
+    }
 }
 
 /// A regime's parts as `describe` and `validate` read them, single-GPU or expert-parallel.
@@ -534,6 +564,8 @@ pub(crate) struct RegimeParts<'a> {
     pub launches: &'a [Launch],
     /// The tuning table's entry the GEMMs came from.
     pub tuned: Option<&'a tuning::TunedRegime>,
+    /// Its smallest calls as one kernel (single-GPU regimes only).
+    pub fused_decode: Option<&'a FusedDecode>,
 }
 
 impl Regime {
@@ -548,6 +580,7 @@ impl Regime {
             ],
             launches: &self.launches,
             tuned: self.tuned.as_ref(),
+            fused_decode: self.fused_decode.as_ref(),
         }
     }
 }
@@ -1087,7 +1120,8 @@ pub fn plan_tuned(
             &choice.gemm2,
             target.has_programmatic_launch(),
         );
-        regimes.push(Regime {
+        let fused_kernel = format!("{symbol}_{}_fused", choice.name);
+        let mut regime = Regime {
             name: choice.name,
             min_tokens: choice.min_tokens,
             max_tokens: choice.max_tokens,
@@ -1097,7 +1131,34 @@ pub fn plan_tuned(
             gemm2_kernel,
             launches,
             tuned,
-        });
+            fused_decode: None,
+        };
+        if let Some(tokens) = layer.schedule.fused_decode
+            && regimes.is_empty()
+        {
+            match fused_decode::plan_fused_decode(
+                target,
+                &shape,
+                &regime,
+                &fused_kernel,
+                target.has_programmatic_launch(),
+                tokens,
+            ) {
+                Ok(fused) => {
+                    if fused.max_tokens < tokens {
+                        limitations.push(format!(
+                            "the spec's fused_decode = {tokens} tokens is beyond regime `{}`: calls of up to {} tokens run fused",
+                            regime.name, fused.max_tokens
+                        ));
+                    }
+                    regime.fused_decode = Some(fused);
+                }
+                Err(reason) => limitations.push(format!(
+                    "the spec asks for a fused decode of up to {tokens} tokens, which this plan cannot give ({reason}): those calls run the regime's table"
+                )),
+            }
+        }
+        regimes.push(regime);
     }
 
     let regime_tokens: Vec<(String, u32)> = regimes
@@ -1114,6 +1175,7 @@ pub fn plan_tuned(
             .as_ref()
             .map(|router| RouterSpace::of(router, &shape, regimes.iter().map(|r| r.max_tokens))),
         stream_k,
+        fused_decode::counters_needed(&shape, &regimes),
     );
 
     let placement = if layer.topology.virtual_ranks.is_some() {
@@ -1260,13 +1322,14 @@ impl RouterSpace {
 /// of the routing over `route_blocks` blocks where that is more than one; with `sorted_x`,
 /// x's rows in the expert-major order for a GEMM1 that loads them as tiles; with a router,
 /// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
-/// and counters.
+/// and counters; with a fused decode, its `fused_counters` counters.
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
     sorted_x: bool,
     router: Option<RouterSpace>,
     stream_k: StreamKSpace,
+    fused_counters: Option<u64>,
 ) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
@@ -1373,6 +1436,14 @@ fn workspace(
             },
         ]);
     }
+    if let Some(counters) = fused_counters {
+        buffers.push(Buffer {
+            id: BufferId::FusedDecodeCounters,
+            elem: BufferId::FusedDecodeCounters.elem(),
+            elems: counters,
+            purpose: "the fused decode's counters: per expert GEMM1 tiles stored and GEMM2 tiles that read them, per GEMM2 column tile the tiles stored (zero between calls)".into(),
+        });
+    }
     buffers
 }
 
@@ -1410,7 +1481,7 @@ impl Plan {
             .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches));
         self.regimes
             .iter()
-            .flat_map(|r| &r.launches)
+            .flat_map(Regime::all_launches)
             .chain(router_launches)
             .chain(ep_launches)
     }
@@ -1430,7 +1501,7 @@ impl Plan {
         distinct_kernels(
             self.regimes
                 .iter()
-                .flat_map(|r| &r.launches)
+                .flat_map(Regime::all_launches)
                 .chain(router_launches),
         )
     }

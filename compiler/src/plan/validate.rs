@@ -17,7 +17,8 @@ use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, INVERT_ROWS_THREADS,
     LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH, MmaEngine, OutputStore,
     Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout,
-    StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, sorts_x_rows, workspace,
+    StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, fused_decode, sorts_x_rows,
+    workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -99,8 +100,37 @@ impl Plan {
         let most_route_blocks = route_blocks.iter().copied().max().unwrap_or(1);
         let stream_k = StreamKSpace::of(self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
         let sorted_x = sorts_x_rows(&self.regimes);
-        if self.workspace != workspace(shape, most_route_blocks, sorted_x, router_space, stream_k) {
+        let fused_counters = fused_decode::counters_needed(shape, &self.regimes);
+        if self.workspace
+            != workspace(
+                shape,
+                most_route_blocks,
+                sorted_x,
+                router_space,
+                stream_k,
+                fused_counters,
+            )
+        {
             return Err("the workspace buffers do not match the layer's shape".into());
+        }
+        for regime in &self.regimes {
+            if let Some(fused) = &regime.fused_decode {
+                let kernel = &fused.launch.kernel;
+                let expected = fused_decode::plan_fused_decode(
+                    &self.target,
+                    shape,
+                    regime,
+                    kernel,
+                    fused.launch.early_start,
+                    fused.max_tokens,
+                );
+                if *kernel != c_identifier(kernel) || expected.as_ref() != Ok(fused) {
+                    return Err(format!(
+                        "regime `{}`: its fused decode is not one its GEMMs allow on {} (grid, shared memory, token bound or parameters edited)",
+                        regime.name, self.target.name
+                    ));
+                }
+            }
         }
         if let Some(router) = &self.router {
             self.check_router(router)

@@ -1,0 +1,172 @@
+// ---------------------------------------------------------------------------------------
+// Fused decode: a call of a few tokens as one persistent kernel, in place of route ->
+// gemm1 -> gemm2 -> combine. A decode call is mostly ramps (each launch's start, first
+// loads and last wave), so this kernel keeps one grid busy from the first weight load to
+// the last sum:
+//   1. every block lays out the call's routing in its own shared memory (no block waits
+//      for another to route);
+//   2. work units, dealt round robin: first every GEMM1 tile, then every GEMM2 tile. A
+//      GEMM1 tile counts itself in at its expert once stored. A GEMM2 tile issues its
+//      first weight stages, then waits only for its own expert's GEMM1 tiles, not the
+//      whole GEMM1;
+//   3. the last GEMM2 tile to store a column tile sums that column tile of every token's
+//      slots into y, in k order, as the combine kernel does.
+// Every block of the grid is resident at once (the plan sizes the grid so), and every
+// GEMM1 unit comes before every GEMM2 unit, so the tiles a GEMM2 tile waits for are
+// running or done: no deadlock. Each wait is bounded all the same (a time-out names the
+// expert, FLAG_KIND_EXPERT_ROWS). The counters are zero between calls: the last reader
+// of each puts it back.
+// ---------------------------------------------------------------------------------------
+enum : int { FLAG_KIND_EXPERT_ROWS = {{ flag_kind_expert_rows }} };
+
+// The routing of one call, laid out by one block in its shared memory: the expert-major
+// order of route_pairs (routed experts, then the shared slices), but each expert's rows in
+// pair order, so that every block derives the same rows (GEMM2 tiles read the rows that
+// other blocks' GEMM1 tiles wrote). One warp places 32 pairs at a time: lanes with the
+// same expert take consecutive rows in lane order. Ids out of range are left out; block 0
+// clears the error word (it runs first in the call) and reports the first of them.
+template <int THREADS>
+__device__ __forceinline__ void route_in_block(const int* topk_ids, int tokens, int* __restrict__ error_word,
+                                               int* s_offsets, int* s_row_pair, int* s_fill) {
+    const int pairs = tokens * TOP_K;
+    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += THREADS) s_fill[e] = e < EXPERTS ? 0 : tokens;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += THREADS) {
+        const int expert = topk_ids[p];
+        if ((unsigned)expert < (unsigned)EXPERTS) {
+            atomicAdd(&s_fill[expert], 1);
+        } else if (blockIdx.x == 0) {
+            report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_fill[e]; }, s_offsets);
+    __syncthreads();
+    for (int e = threadIdx.x; e < EXPERTS; e += THREADS) s_fill[e] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        for (int first = 0; first < pairs; first += 32) {
+            const int p = first + lane;
+            const int expert = p < pairs ? topk_ids[p] : -1;
+            const bool placed = (unsigned)expert < (unsigned)EXPERTS;
+            const u32 same = __match_any_sync(0xffffffffu, placed ? expert : -1);
+            const int before = __popc(same & ((1u << lane) - 1));
+            if (placed) s_row_pair[s_offsets[expert] + s_fill[expert] + before] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
+            __syncwarp();
+            if (placed && before == 0) s_fill[expert] += __popc(same);
+            __syncwarp();
+        }
+    }
+    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += THREADS) {
+        const int slice = i / tokens, token = i % tokens;
+        s_row_pair[s_offsets[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
+    }
+    __syncthreads();
+}
+
+// Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
+// slots in k order, by the whole block. The slots were stored by other blocks of this
+// kernel: read through L2.
+template <int THREADS, int COLUMNS>
+__device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* topk_ids, int tokens, int first_column,
+                                                bf16_t* __restrict__ y) {
+    constexpr int VECTORS = COLUMNS / 8;
+    static_assert(COLUMNS % 8 == 0, "plan: a column tile is whole 16-byte vectors");
+    for (int v = threadIdx.x; v < tokens * VECTORS; v += THREADS) {
+        const int token = v / VECTORS, column = first_column + v % VECTORS * 8;
+        const bf16_t* rows[SLOTS_PER_TOKEN];
+#pragma unroll
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            const bool present = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            rows[k] = present ? slots + ((size_t)token * SLOTS_PER_TOKEN + k) * HIDDEN : nullptr;
+        }
+        *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = sum_slot_vectors<SLOTS_PER_TOKEN, true>(rows, column);
+    }
+}
+
+// The fused call, with the regime's two GEMM configurations: G1 (GEMM_UP) and G2
+// (GEMM_DOWN), both mma.sync with the same threads; the kernel's dynamic shared memory
+// is the larger ring. `counters`: [GEMM_EXPERTS] GEMM1 tiles stored per expert, then
+// [GEMM_EXPERTS] GEMM2 tiles that have read them, then [N / BN of G2] GEMM2 tiles stored
+// per column tile.
+template <class G1, class G2, int MAX_ROWS, int STATIC_SMEM>
+__device__ __forceinline__ void fused_decode(
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,
+    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const int* __restrict__ topk_ids,
+    const float* __restrict__ topk_weights, int tokens, bf16_t* __restrict__ intermediate,
+    bf16_t* __restrict__ combine_slots, u32* __restrict__ counters, int* __restrict__ error_word,
+    bf16_t* __restrict__ y)
+{
+    assert_gemm_layout<G1>();
+    assert_gemm_layout<G2>();
+    static_assert(G1::KIND == GEMM_UP && G2::KIND == GEMM_DOWN && !G1::EP && !G2::EP, "plan: one GPU's GEMM1 and GEMM2");
+    static_assert(G1::THREADS == G2::THREADS && G1::PRODUCER_THREADS == 0 && G2::PRODUCER_THREADS == 0,
+                  "plan: both GEMMs mma.sync, with the same threads");
+    static_assert(G1::RING_ALIGN == G2::RING_ALIGN, "plan: one ring alignment");
+    constexpr int THREADS = G1::THREADS;
+    constexpr int K_TILES1 = G1::KD / G1::BK, N_TILES1 = G1::N / G1::BN;
+    constexpr int K_TILES2 = G2::KD / G2::BK, N_TILES2 = G2::N / G2::BN;
+    u32* expert_rows_done = counters;                // GEMM1 tiles stored, per expert
+    u32* expert_rows_read = counters + GEMM_EXPERTS;  // GEMM2 tiles that waited for them
+    u32* columns_done = counters + 2 * GEMM_EXPERTS;  // GEMM2 tiles stored, per column tile
+
+    unsigned char* smem = aligned_ring<G1>();
+    __shared__ int s_offsets[GEMM_EXPERTS + 1];
+    __shared__ int s_row_pair[MAX_ROWS];
+    __shared__ int s_fill[GEMM_EXPERTS];
+    __shared__ int s_tiles1[GEMM_EXPERTS + 1];
+    __shared__ int s_tiles2[GEMM_EXPERTS + 1];
+    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_row_pair) + sizeof(s_fill) + sizeof(s_tiles1) +
+                                       sizeof(s_tiles2)) == STATIC_SMEM,
+                  "plan: the fused decode's static shared memory");
+
+    // The routing ids come from the caller or from the router launched just before.
+    start_after_previous_kernel();
+    route_in_block<THREADS>(topk_ids, tokens, error_word, s_offsets, s_row_pair, s_fill);
+    tile_schedule<G1::BM, N_TILES1, GEMM_EXPERTS, 1>(s_offsets, s_tiles1);
+    tile_schedule<G2::BM, N_TILES2, GEMM_EXPERTS, 1>(s_offsets, s_tiles2);
+    const int tiles1 = s_tiles1[GEMM_EXPERTS], tiles2 = s_tiles2[GEMM_EXPERTS];
+    const EpContext none{};
+
+    for (int unit = blockIdx.x; unit < tiles1 + tiles2; unit += gridDim.x) {
+        if (unit < tiles1) {
+            const GemmTile t = mma_sync_run<G1>(x, w1, w1_bias, nullptr, s_offsets, s_row_pair, intermediate, none,
+                                                StreamKBuffers{}, smem, s_tiles1, unit, 0, K_TILES1, nullptr, false,
+                                                [](const GemmTile&) {});
+            // Every thread's stores are done (mma_sync_run ends on a barrier).
+            if (threadIdx.x == 0) {
+                fence_flags();
+                flag_add(expert_rows_done + t.expert, 1);
+            }
+            continue;
+        }
+        // GEMM2: the expert's rows are every GEMM1 tile of that expert.
+        const GemmTile t = mma_sync_run<G2>(
+            intermediate, w2, w2_bias, topk_weights, s_offsets, s_row_pair, combine_slots, none, StreamKBuffers{}, smem,
+            s_tiles2, unit - tiles1, 0, K_TILES2, nullptr, true, [&](const GemmTile& tile) {
+                if (threadIdx.x == 0) {
+                    const int rows = s_offsets[tile.expert + 1] - s_offsets[tile.expert];
+                    const u32 stored = (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1);
+                    wait_flag(expert_rows_done + tile.expert, stored, error_word, 0, FLAG_KIND_EXPERT_ROWS, tile.expert);
+                }
+                __syncthreads();
+            });
+        if (threadIdx.x == 0) {
+            // The expert's last GEMM2 tile has read its rows: both counts back to zero.
+            const int rows = s_offsets[t.expert + 1] - s_offsets[t.expert];
+            const u32 readers = (u32)((rows + G2::BM - 1) / G2::BM * N_TILES2);
+            if (atomicAdd(expert_rows_read + t.expert, 1u) == readers - 1) {
+                expert_rows_done[t.expert] = 0;
+                expert_rows_read[t.expert] = 0;
+            }
+        }
+        // Every token's slots of these columns are stored once every expert's tiles of this
+        // column tile are: the last of them sums them.
+        const int column_tile = t.n0 / G2::BN;
+        if (last_arrival(columns_done + column_tile, (u32)(tiles2 / N_TILES2))) {
+            combine_columns<THREADS, G2::BN>(combine_slots, topk_ids, tokens, t.n0, y);
+        }
+    }
+}
