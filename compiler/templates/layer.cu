@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 {%- endfor %}
 {%- if let Some(fused) = regime.fused %}
 // Fused decode: calls of up to {{ fused.max_tokens }} tokens run as this one kernel, with the two GEMMs
-// above; {{ fused.blocks_per_sm }} blocks per SM, all resident at once.
+// above; {{ fused.blocks_per_sm }} blocks per SM.
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ fused.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ fused.entry.threads }}, {{ fused.blocks_per_sm }}) {{ fused.entry.name }}(
     {{ fused.entry.params }}

@@ -977,11 +977,11 @@ fn example_layer(name: &str) -> Layer {
 
 /// With `fused_decode = 16 tokens`, every example's first regime runs its calls of up to
 /// 16 tokens as one kernel: the regime's GEMM threads, a grid that is resident all at once
-/// (its GEMM2 tiles spin on other blocks' GEMM1 tiles), counters in the workspace; larger
+/// (for speed), counters in the workspace; larger
 /// calls run the table. Without the hint there is none; a hint past the first regime is
 /// capped and said so. Validation catches an edited grid or token bound.
 #[test]
-fn small_calls_run_fused_on_a_resident_grid_where_the_spec_asks() {
+fn small_calls_run_fused_where_the_spec_asks() {
     for name in [
         "qwen3_30b_a3b",
         "deepseek_v3",
@@ -1051,8 +1051,9 @@ fn small_calls_run_fused_on_a_resident_grid_where_the_spec_asks() {
         assert_eq!(
             counters.elems,
             2 * u64::from(plan.shape.gemm_experts())
-                + u64::from(plan.shape.hidden / regime.gemm2.tile.n),
-            "{name}"
+                + u64::from(plan.shape.hidden / regime.gemm2.tile.n)
+                + 2,
+            "{name}: per expert two, per column tile one, a ticket and a count"
         );
         for edit in [
             |f: &mut plan::FusedDecode| f.max_tokens += 1,

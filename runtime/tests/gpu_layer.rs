@@ -306,6 +306,38 @@ fn engines(plans: &[Plan]) -> Vec<MmaEngine> {
         .collect()
 }
 
+/// The layers the fused decode's GPU tests run with `fused_decode = 16 tokens`: three
+/// scaled examples (a shared expert; expert biases and the clamped SwiGLU) and the tiny
+/// layer on mma.sync tiles (its GEMM2 would otherwise run on wgmma, where there is no
+/// fused decode).
+fn fused_decode_layers() -> Vec<Layer> {
+    let examples = layers::examples();
+    let mut chosen: Vec<Layer> = ["qwen3_30b_a3b", "deepseek_v3", "gpt_oss_120b"]
+        .into_iter()
+        .map(|name| {
+            let layer = examples
+                .iter()
+                .find(|l| l.name == name)
+                .expect("the example");
+            layers::scaled_down(layer)
+        })
+        .collect();
+    let mut tiny = layers::tiny(Activation::Swiglu);
+    tiny.name = "tiny_swiglu_fused".into();
+    let tile = TileShape {
+        m: 16,
+        n: 64,
+        k: 64,
+    };
+    tiny.schedule.gemm1_tile = Some(tile);
+    tiny.schedule.gemm2_tile = Some(tile);
+    chosen.push(tiny);
+    for layer in &mut chosen {
+        layer.schedule.fused_decode = Some(16);
+    }
+    chosen
+}
+
 /// What the default suite means to cover, checked on the plans (no GPU needed): a planner
 /// change that quietly moved these layers off an engine or out of their regimes would
 /// otherwise leave the GPU tests passing while testing less.
@@ -321,6 +353,16 @@ fn default_suite_plans_cover_what_the_suite_claims() {
             assert_eq!(regime.gemm1.engine, engine, "{} gemm1", plan.layer);
             assert_eq!(regime.gemm2.engine, engine, "{} gemm2", plan.layer);
         }
+    }
+    for layer in fused_decode_layers() {
+        let plan = plan_for_device(&layer);
+        let covered = plan.regimes[0].fused_decode.as_ref().map(|f| f.max_tokens);
+        assert!(
+            covered.is_some_and(|tokens| tokens >= 9),
+            "{}: a fused decode of at least 9 tokens, got {covered:?}: {:?}",
+            layer.name,
+            plan.limitations
+        );
     }
     let (scaled, _) = scaled_example_plans();
     assert!(
@@ -594,43 +636,55 @@ fn every_example_at_full_size_matches_reference_in_the_sweep() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn out_of_range_expert_id_is_reported_with_its_token() {
-    let layer = layers::tiny(Activation::Swiglu);
     let session = Session::open().expect("GPU session");
-    let built = session.build(plan_for_device(&layer), 3).expect("build");
-    let shape = built.layer.plan().shape.clone();
-    let mut workload = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
-    workload.topk_ids[5 * 2 + 1] = shape.experts as i32 + 3;
-    match session.run_checked(&built, &workload, CHECKED_TOKENS, 1) {
-        Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
-            token,
-            k,
-            id,
-            experts,
-        })) => {
-            assert_eq!(
-                (token, k, id, experts),
-                (5, 1, shape.experts as i32 + 3, shape.experts)
-            );
+    // The table's route kernel, and the fused decode's routing in every block.
+    let fused = fused_decode_layers().pop().expect("the tiny fused layer");
+    for layer in [layers::tiny(Activation::Swiglu), fused] {
+        let plan = plan_for_device(&layer);
+        assert_eq!(
+            plan.regimes[0]
+                .fused_decode
+                .as_ref()
+                .map(|f| f.max_tokens >= 9),
+            layer.schedule.fused_decode.map(|_| true),
+            "the hinted layer runs 9 tokens fused"
+        );
+        let built = session.build(plan, 3).expect("build");
+        let shape = built.layer.plan().shape.clone();
+        let mut workload = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
+        workload.topk_ids[5 * 2 + 1] = shape.experts as i32 + 3;
+        match session.run_checked(&built, &workload, CHECKED_TOKENS, 1) {
+            Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
+                token,
+                k,
+                id,
+                experts,
+            })) => {
+                assert_eq!(
+                    (token, k, id, experts),
+                    (5, 1, shape.experts as i32 + 3, shape.experts)
+                );
+            }
+            other => panic!("expected an out-of-range error, got {other:?}"),
         }
-        other => panic!("expected an out-of-range error, got {other:?}"),
+        // The next call with valid ids succeeds: the error word does not stick.
+        let valid = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
+        let report = session
+            .run_checked(&built, &valid, CHECKED_TOKENS, 1)
+            .expect("valid call after an error");
+        assert!(report.passed(), "{report}");
+        // A negative id is out of range too.
+        workload.topk_ids[5 * 2 + 1] = -1;
+        assert!(matches!(
+            session.run_checked(&built, &workload, CHECKED_TOKENS, 1),
+            Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
+                token: 5,
+                k: 1,
+                id: -1,
+                ..
+            }))
+        ));
     }
-    // The next call with valid ids succeeds: the error word does not stick.
-    let valid = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
-    let report = session
-        .run_checked(&built, &valid, CHECKED_TOKENS, 1)
-        .expect("valid call after an error");
-    assert!(report.passed(), "{report}");
-    // A negative id is out of range too.
-    workload.topk_ids[5 * 2 + 1] = -1;
-    assert!(matches!(
-        session.run_checked(&built, &workload, CHECKED_TOKENS, 1),
-        Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
-            token: 5,
-            k: 1,
-            id: -1,
-            ..
-        }))
-    ));
 }
 
 /// A layer whose largest regime routes over several blocks (count, then place), with a
@@ -727,10 +781,9 @@ fn forward_is_graph_capturable_and_replays_identically() {
     }
 }
 
-/// The fused decode (`fused_decode = 16 tokens`) on three scaled examples (a shared
-/// expert's rows are every token's; GPT-OSS has expert biases and the clamped SwiGLU):
-/// every case of the sweep matches the CPU reference, and the counters go back to zero in
-/// every call, so a call repeated many times gives the same output each time.
+/// The fused decode on [`fused_decode_layers`]: every case of the sweep matches the CPU
+/// reference, and the counters go back to zero in every call, so a call repeated many
+/// times gives the same output each time.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fused_decode_matches_reference_and_repeats_identically() {
@@ -740,13 +793,8 @@ fn fused_decode_matches_reference_and_repeats_identically() {
         "fused decode: seed {seed} (replay with MOEFORGE_SEED={seed})"
     ));
     let mut failures = Vec::new();
-    for name in ["qwen3_30b_a3b", "deepseek_v3", "gpt_oss_120b"] {
-        let layer = layers::examples()
-            .into_iter()
-            .find(|l| l.name == name)
-            .expect("the example");
-        let mut layer = layers::scaled_down(&layer);
-        layer.schedule.fused_decode = Some(16);
+    for layer in fused_decode_layers() {
+        let name = layer.name.clone();
         let plan = plan_for_device(&layer);
         let fused = plan.regimes[0]
             .fused_decode

@@ -395,7 +395,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::StreamKPartials => "[2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K",
             BufferId::StreamKTilesDone => "[tiles]: stream-K arrival counters, zero between calls",
             BufferId::FusedDecodeCounters => {
-                "[2 * GEMM_EXPERTS + HIDDEN / BN]: fused decode counters, zero between calls"
+                "[2 * GEMM_EXPERTS + HIDDEN / BN + 2]: fused decode counters, zero between calls"
             }
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",

@@ -22,8 +22,10 @@ use super::{
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FusedDecode {
     pub max_tokens: u32,
-    /// Blocks of the kernel on one SM, all resident at once: a GEMM2 tile spins until
-    /// GEMM1 tiles of other blocks are stored, so every block must be running.
+    /// Blocks of the kernel on one SM: as many as both GEMMs' and the shared memory
+    /// allow, so that the grid is resident at once (for speed: the blocks claim their
+    /// units from a ticket in increasing order, so a GEMM2 tile waits only for tiles that
+    /// running blocks hold).
     pub blocks_per_sm: u32,
     /// Rows of the call's routing each block holds: `max_tokens` × slots per token.
     pub max_rows: u32,
@@ -31,9 +33,10 @@ pub struct FusedDecode {
 }
 
 /// Counters of [`BufferId::FusedDecodeCounters`]: per GEMM expert the GEMM1 tiles stored
-/// and the GEMM2 tiles that read them, then per GEMM2 column tile the tiles stored.
+/// and the GEMM2 tiles that read them, per GEMM2 column tile the tiles stored, then the
+/// next work unit's ticket and the blocks done claiming.
 pub fn counters_len(shape: &LayerShape, gemm2: &GemmPlan) -> u64 {
-    2 * u64::from(shape.gemm_experts()) + u64::from(shape.hidden / gemm2.tile.n)
+    2 * u64::from(shape.gemm_experts()) + u64::from(shape.hidden / gemm2.tile.n) + 2
 }
 
 /// The counters the workspace holds for the regimes' fused decodes (the largest need),
@@ -47,9 +50,10 @@ pub fn counters_needed(shape: &LayerShape, regimes: &[Regime]) -> Option<u64> {
 }
 
 /// Static shared memory of the fused kernel: each expert's first row, fill count and two
-/// tile schedules (i32 [E' + 1] × 3, [E']), and the call's rows (i32 [max_rows]).
+/// tile schedules (i32 [E' + 1] × 3, [E']), the call's rows (i32 [max_rows]) and the
+/// block's next unit (i32).
 fn static_smem_bytes(shape: &LayerShape, max_rows: u32) -> u32 {
-    static_smem_reserved(4 * (4 * shape.gemm_experts() + 3 + max_rows))
+    static_smem_reserved(4 * (4 * shape.gemm_experts() + 4 + max_rows))
 }
 
 /// The fused decode of `regime` (named `kernel`) for calls of up to `tokens` tokens (at

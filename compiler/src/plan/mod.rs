@@ -342,7 +342,7 @@ pub enum BufferId {
     /// u32 [the most tiles a split call has]: per tile, the blocks done with their part of
     /// its reduction; the last one sums the parts, stores the tile and resets the count to 0.
     StreamKTilesDone,
-    /// u32 [2 · E' + H / BN of GEMM2]: the fused decode's counters, zero between calls (see
+    /// u32 [2 · E' + H / BN of GEMM2 + 2]: the fused decode's counters, zero between calls (see
     /// [`fused_decode::counters_len`]).
     FusedDecodeCounters,
 }
