@@ -978,8 +978,8 @@ fn example_layer(name: &str) -> Layer {
 /// With `fused_decode = 16 tokens`, every example's first regime runs its calls of up to
 /// 16 tokens as one kernel: the regime's GEMM threads, a grid that is resident all at once
 /// (for speed), counters in the workspace; larger
-/// calls run the table. Without the hint there is none; a hint past the first regime is
-/// capped and said so. Validation catches an edited grid or token bound.
+/// calls run the table. Without the hint there is none (the planner's default, until it is
+/// measured); a hint past the first regime is capped and said so; 0 turns it off. Validation catches an edited grid or token bound.
 #[test]
 fn small_calls_run_fused_where_the_spec_asks() {
     for name in [
@@ -1083,6 +1083,16 @@ fn small_calls_run_fused_where_the_spec_asks() {
                 .any(|l| l.contains("fused_decode = 100000 tokens")),
             "{name}: {:?}",
             capped.limitations
+        );
+        layer.schedule.fused_decode = Some(0);
+        let off = plan::plan(&layer, &Target::h200()).expect("plans");
+        assert!(
+            off.regimes.iter().all(|r| r.fused_decode.is_none()),
+            "{name}: 0 is off"
+        );
+        assert!(
+            !off.limitations.iter().any(|l| l.contains("fused")),
+            "{name}"
         );
     }
 }

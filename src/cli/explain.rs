@@ -341,8 +341,10 @@ fn schedule(hints: &ir::ScheduleHints) -> String {
     if let Some(order) = hints.traffic_order {
         parts.push(format!("traffic {}", order.name()));
     }
-    if let Some(tokens) = hints.fused_decode {
-        parts.push(format!("fused_decode {tokens} tokens"));
+    match hints.fused_decode {
+        Some(0) => parts.push("fused_decode off".into()),
+        Some(tokens) => parts.push(format!("fused_decode {tokens} tokens")),
+        None => {}
     }
     if parts.is_empty() {
         "no hints (the planner chooses everything)".into()

@@ -767,7 +767,11 @@ fn schedule(
     let stages = read_count("stages", false, errors);
     let dispatch_chunk = read_count("dispatch_chunk", true, errors);
     let comm_blocks = read_count("comm_blocks", false, errors);
-    let fused_decode = read_count("fused_decode", true, errors);
+    // 0 turns the fused decode off where the planner would choose it.
+    let fused_decode = match table.setting("fused_decode") {
+        Some(setting) => values::count(setting, 0, true, errors).map(Some),
+        None => Some(None),
+    };
     let traffic_order = table.setting("traffic").map(|s| {
         values::choice(
             s,

@@ -264,7 +264,7 @@ pub struct ScheduleHints {
     pub comm_blocks: Option<u32>,
     pub traffic_order: Option<TrafficOrder>,
     /// Calls of up to this many tokens run as one persistent kernel (the fused decode of
-    /// the first regime, single GPU); none unless set.
+    /// the first regime, single GPU); 0 for none. Unset, the planner decides.
     #[serde(default)]
     pub fused_decode: Option<u32>,
 }

@@ -7,9 +7,8 @@
 //! of each column tile sums that column tile of every token into y. Same tiles, stages and
 //! warps as the regime's GEMMs (`compiler/templates/decode_fused.cu`).
 //!
-//! Planned only where the spec asks for it (`fused_decode = N tokens` in `schedule { }`):
-//! it has not yet been measured against the table on a GPU, so the planner does not choose
-//! it on its own.
+//! Planned where the spec asks for it (`fused_decode = N tokens` in `schedule { }`), else
+//! for [`DEFAULT_FUSED_DECODE_TOKENS`].
 
 use serde::{Deserialize, Serialize};
 
@@ -17,6 +16,10 @@ use super::launch::{Grid, KernelParam, Launch, LaunchArg, StreamRole};
 use super::{
     BufferId, GemmPlan, LayerShape, MmaEngine, Regime, RowLoad, Target, static_smem_reserved,
 };
+
+/// Calls of up to this many tokens run fused where the spec says nothing (0: none). None
+/// yet: the fused decode has not been measured against the table on a GPU.
+pub const DEFAULT_FUSED_DECODE_TOKENS: u32 = 0;
 
 /// A regime's calls of up to `max_tokens` tokens as one kernel.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

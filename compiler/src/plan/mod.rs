@@ -1133,9 +1133,9 @@ pub fn plan_tuned(
             tuned,
             fused_decode: None,
         };
-        if let Some(tokens) = layer.schedule.fused_decode
-            && regimes.is_empty()
-        {
+        let asked = layer.schedule.fused_decode;
+        let tokens = asked.unwrap_or(fused_decode::DEFAULT_FUSED_DECODE_TOKENS);
+        if tokens > 0 && regimes.is_empty() {
             match fused_decode::plan_fused_decode(
                 target,
                 &shape,
@@ -1145,7 +1145,7 @@ pub fn plan_tuned(
                 tokens,
             ) {
                 Ok(fused) => {
-                    if fused.max_tokens < tokens {
+                    if fused.max_tokens < tokens && asked.is_some() {
                         limitations.push(format!(
                             "the spec's fused_decode = {tokens} tokens is beyond regime `{}`: calls of up to {} tokens run fused",
                             regime.name, fused.max_tokens
@@ -1153,9 +1153,10 @@ pub fn plan_tuned(
                     }
                     regime.fused_decode = Some(fused);
                 }
-                Err(reason) => limitations.push(format!(
+                Err(reason) if asked.is_some() => limitations.push(format!(
                     "the spec asks for a fused decode of up to {tokens} tokens, which this plan cannot give ({reason}): those calls run the regime's table"
                 )),
+                Err(_) => {}
             }
         }
         regimes.push(regime);
