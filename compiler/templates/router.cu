@@ -551,7 +551,11 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices.
+    // Routing metadata over every token's choices, unless the call runs the fused decode,
+    // which routes it itself.
+    if constexpr (G::FUSED_DECODE_MAX_TOKENS > 0) {
+        if (tokens <= G::FUSED_DECODE_MAX_TOKENS) return;
+    }
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -592,6 +596,8 @@ struct {{ gate.config }} {
     enum : int { STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }} };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = {{ gate.fused_decode_max_tokens }} };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.name }}(

@@ -1670,7 +1670,11 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices.
+    // Routing metadata over every token's choices, unless the call runs the fused decode,
+    // which routes it itself.
+    if constexpr (G::FUSED_DECODE_MAX_TOKENS > 0) {
+        if (tokens <= G::FUSED_DECODE_MAX_TOKENS) return;
+    }
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -1712,6 +1716,8 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_decode_router)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_decode_router(
@@ -1742,6 +1748,8 @@ struct mid_router_gate {
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_router_gate)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate(
@@ -1764,6 +1772,8 @@ struct prefill_router_gate {
     enum : int { STAGE_BYTES = 32768, SMEM_BYTES = 98304 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_prefill_router_gate(

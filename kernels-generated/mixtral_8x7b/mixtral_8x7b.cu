@@ -1670,7 +1670,11 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices.
+    // Routing metadata over every token's choices, unless the call runs the fused decode,
+    // which routes it itself.
+    if constexpr (G::FUSED_DECODE_MAX_TOKENS > 0) {
+        if (tokens <= G::FUSED_DECODE_MAX_TOKENS) return;
+    }
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -1711,6 +1715,8 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_router)
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_decode_router(
@@ -1740,6 +1746,8 @@ struct mid_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_router)
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_mid_router(
@@ -1769,6 +1777,8 @@ struct prefill_router_gate {
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate(

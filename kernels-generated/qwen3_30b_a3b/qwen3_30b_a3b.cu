@@ -1606,7 +1606,11 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices.
+    // Routing metadata over every token's choices, unless the call runs the fused decode,
+    // which routes it itself.
+    if constexpr (G::FUSED_DECODE_MAX_TOKENS > 0) {
+        if (tokens <= G::FUSED_DECODE_MAX_TOKENS) return;
+    }
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -1647,6 +1651,8 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 163840 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_router)
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
@@ -1676,6 +1682,8 @@ struct mid_router_gate {
     enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_router_gate)
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate(
@@ -1698,6 +1706,8 @@ struct prefill_router_gate {
     enum : int { STAGE_BYTES = 24576, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate)
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate(

@@ -759,7 +759,13 @@ impl MoeLayer {
             for (launch, bound) in regime.launches.iter().zip(kernels) {
                 self.launch(launch, bound, &call)?;
             }
-            routed_by_router = regime.fused;
+            // Where the plan's fused decode covers the call, a fused router leaves the
+            // metadata to it: the table's route launch runs if the table does.
+            let fused_decode_covers = self.plan.regimes[index]
+                .fused_decode
+                .as_ref()
+                .is_some_and(|fused| tokens <= fused.max_tokens);
+            routed_by_router = regime.fused && !fused_decode_covers;
         }
         // The bound launches are the table's, then the fused decode's.
         let bound = &self.regime_kernels[index];

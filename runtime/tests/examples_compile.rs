@@ -67,9 +67,10 @@ fn a_large_top_k_and_rank_partials_compile_without_spills() {
     }
 }
 
-/// The fused decode kernel (`fused_decode = 16 tokens`) of four examples compiles as the
-/// runtime compiles it, a module of its own: no spills, and the static shared memory (the
-/// routing each block lays out) the plan states.
+/// The fused decode kernel (`fused_decode = 16 tokens`) of four examples, and the router
+/// that runs before it, compile as the runtime compiles them, a module each: no spills,
+/// and the static shared memory (for the fused decode, the routing each block lays out)
+/// the plan states.
 #[test]
 fn fused_decode_kernels_compile_without_spills() {
     let Some(toolkit) = nvrtc_for_tests() else {
@@ -103,22 +104,31 @@ fn fused_decode_kernels_compile_without_spills() {
                     .map(|fused| fused.launch.clone())
                     .expect("a fused decode");
                 let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
+                // The router's launches too: the first regime's fused router leaves the
+                // metadata to the fused decode.
+                let router = plan.router.iter().flat_map(|r| &r.regimes[0].launches);
+                let launches: Vec<_> = std::iter::once(&launch).chain(router).collect();
+                let names: Vec<String> = launches.iter().map(|l| l.kernel.clone()).collect();
                 let kernels = jit
-                    .compile_kernels(
-                        &source.source,
-                        std::slice::from_ref(&launch.kernel),
-                        &aot::compile_options(&plan),
-                    )
-                    .expect("NVRTC compiles the fused decode");
-                let ptx = &kernels.modules[0].module.ptx;
-                let report = jit.ptxas_report(ptx, &plan.target.arch).expect("ptxas -v");
-                let function = clean_function(&report, &launch.kernel, &layer.name);
-                assert_eq!(
-                    function.shared_mem,
-                    u64::from(launch.static_smem_bytes),
-                    "{}: ptxas's static shared memory against the plan's",
-                    launch.kernel
-                );
+                    .compile_kernels(&source.source, &names, &aot::compile_options(&plan))
+                    .expect("NVRTC compiles the fused decode and the router");
+                for launch in &launches {
+                    let m = kernels
+                        .modules
+                        .iter()
+                        .find(|m| m.kernels.contains(&launch.kernel))
+                        .expect("a module per kernel");
+                    let report = jit
+                        .ptxas_report(&m.module.ptx, &plan.target.arch)
+                        .expect("ptxas -v");
+                    let function = clean_function(&report, &launch.kernel, &layer.name);
+                    assert_eq!(
+                        function.shared_mem,
+                        u64::from(launch.static_smem_bytes),
+                        "{}: ptxas's static shared memory against the plan's",
+                        launch.kernel
+                    );
+                }
             });
         }
     });

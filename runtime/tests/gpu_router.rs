@@ -19,7 +19,9 @@
 
 use std::io::Write;
 
-use moeforge_compiler::ir::{Activation, GroupLimit, Layer, Router, RouterBias, Scoring};
+use moeforge_compiler::ir::{
+    Activation, GroupLimit, Layer, Router, RouterBias, Scoring, TileShape,
+};
 use moeforge_compiler::plan::{self, Plan, Target};
 use moeforge_runtime::gpu::Gpu;
 use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
@@ -222,6 +224,56 @@ fn scaled_examples_with_a_router_route_themselves() {
         .collect();
     assert!(examples.len() >= 4, "the examples of the four families");
     check_layers("examples with a router", examples);
+}
+
+/// The rule layers with `fused_decode = 16 tokens` on mma.sync tiles: calls of up to 16
+/// tokens run the router (which then leaves the routing metadata out), then the fused
+/// decode; larger calls the table after the router's metadata.
+fn fused_decode_rule_layers() -> Vec<Layer> {
+    let tile = TileShape {
+        m: 16,
+        n: 64,
+        k: 64,
+    };
+    rule_layers()
+        .into_iter()
+        .map(|mut layer| {
+            layer.name = format!("{}_fused", layer.name);
+            layer.schedule.gemm1_tile = Some(tile);
+            layer.schedule.gemm2_tile = Some(tile);
+            layer.schedule.fused_decode = Some(16);
+            layer
+        })
+        .collect()
+}
+
+#[test]
+fn the_fused_decode_rule_layers_plan_a_fused_decode_and_router() {
+    let mut fused_routers = 0;
+    for layer in fused_decode_rule_layers() {
+        let plan = plan::plan(&layer, &Target::h200()).expect("plans");
+        let fused = plan.regimes[0].fused_decode.as_ref();
+        assert_eq!(
+            fused.map(|f| f.max_tokens),
+            Some(16),
+            "{}: {:?}",
+            layer.name,
+            plan.limitations
+        );
+        fused_routers += usize::from(plan.router.as_ref().expect("a router").regimes[0].fused);
+    }
+    // Both kinds of router run before the fused decode: the fused router (gate, select and
+    // metadata in one kernel, here without the metadata) and the split one (gate, select).
+    assert!(
+        (1..4).contains(&fused_routers),
+        "{fused_routers} of 4 first regimes route fused"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_fused_decode_routed_by_the_router_matches_reference() {
+    check_layers("router rules, fused decode", fused_decode_rule_layers());
 }
 
 #[test]

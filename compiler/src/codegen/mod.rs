@@ -856,6 +856,9 @@ struct RouterUnit {
 /// GEMM's tile.
 struct GateUnit {
     fused: bool,
+    /// Calls of up to this many tokens run the regime's fused decode, which routes them
+    /// itself: a fused router leaves out the routing metadata for them (0: none do).
+    fused_decode_max_tokens: u32,
     regime: String,
     min_tokens: u32,
     max_tokens: u32,
@@ -897,6 +900,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
             };
             Ok(GateUnit {
                 fused: router_regime.fused,
+                fused_decode_max_tokens: regime.fused_decode.as_ref().map_or(0, |f| f.max_tokens),
                 regime: regime.name.clone(),
                 min_tokens: regime.min_tokens,
                 max_tokens: regime.max_tokens,
