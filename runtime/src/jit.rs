@@ -28,6 +28,13 @@
 //! write the cache is not fatal either (see [`CompiledModule::notes`]).
 //! `MOEFORGE_NO_CACHE=1` disables the cache.
 //!
+//! The cache is bounded: `MOEFORGE_CACHE_MAX_MB` (default [`DEFAULT_CACHE_MAX_MB`]; `0`: no
+//! bound). Every generated source is a new key, so entries of older builds and edited
+//! layers pile up (one DeepSeek-V3 layer is about 25 MB of entries). A hit refreshes its
+//! entry's modification time; after a miss is stored, if the entries total more than the
+//! bound, the least recently used go until they total at most 3/4 of it (the one just
+//! written stays), and the module's notes say how many.
+//!
 //! # Dumps
 //!
 //! `MOEFORGE_DUMP` is a comma-separated list of `ptx`, `cubin`, `cu` (the source) or `all`:
@@ -410,11 +417,17 @@ impl DumpKinds {
     }
 }
 
+/// The cache's bound when `MOEFORGE_CACHE_MAX_MB` is unset, in MB (10^6 bytes).
+pub const DEFAULT_CACHE_MAX_MB: u64 = 2000;
+
 /// Where the cache and dumps go.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct JitSettings {
     /// Cache root (entries go to `cache_dir/jit/`); `None` disables the cache.
     pub cache_dir: Option<PathBuf>,
+    /// The most bytes the cache's entries may take before the least recently used go;
+    /// `None`: no bound.
+    pub cache_max_bytes: Option<u64>,
     /// Artefacts to dump.
     pub dump: DumpKinds,
     /// Dump folder; `None` means `cache_dir/dump`, or `$TMPDIR/moeforge-dump` without a cache.
@@ -423,7 +436,7 @@ pub struct JitSettings {
 
 impl JitSettings {
     /// Reads `MOEFORGE_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME`, `MOEFORGE_NO_CACHE`,
-    /// `MOEFORGE_DUMP` and `MOEFORGE_DUMP_DIR`.
+    /// `MOEFORGE_CACHE_MAX_MB`, `MOEFORGE_DUMP` and `MOEFORGE_DUMP_DIR`.
     pub fn from_env() -> Result<Self, JitError> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
@@ -450,9 +463,24 @@ impl JitSettings {
                 .or_else(|| var("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("moeforge")))
                 .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".cache/moeforge")))
         };
+        let cache_max_bytes = match var("MOEFORGE_CACHE_MAX_MB") {
+            None => Some(DEFAULT_CACHE_MAX_MB * 1_000_000),
+            Some(value) => match value.parse::<u64>() {
+                Ok(0) => None,
+                Ok(mb) => Some(mb.saturating_mul(1_000_000)),
+                Err(_) => {
+                    return Err(JitError::InvalidEnv {
+                        var: "MOEFORGE_CACHE_MAX_MB",
+                        value,
+                        expected: "a whole number of megabytes (0: no bound)",
+                    });
+                }
+            },
+        };
         let dump = DumpKinds::parse(&var("MOEFORGE_DUMP").unwrap_or_default())?;
         Ok(JitSettings {
             cache_dir,
+            cache_max_bytes,
             dump,
             dump_dir: var("MOEFORGE_DUMP_DIR").map(PathBuf::from),
         })
@@ -516,13 +544,21 @@ impl Jit {
 
         let (cached, cache) = read_entry(entry.as_deref(), &key);
         let artefacts = match cached {
-            Some(artefacts) => artefacts,
+            Some(artefacts) => {
+                if let Some(path) = &entry {
+                    touch(path);
+                }
+                artefacts
+            }
             None => {
                 let artefacts = {
                     let _slot = NvrtcSlot::take();
                     nvrtc_compile(source, options, real_arch)?
                 };
                 store_entry(entry.as_deref(), &artefacts, &key, &mut notes);
+                if let (Some(path), Some(max)) = (&entry, self.settings.cache_max_bytes) {
+                    prune_cache(path, max, &mut notes);
+                }
                 artefacts
             }
         };
@@ -965,6 +1001,82 @@ fn store_entry(path: Option<&Path>, artefacts: &Artefacts, key: &str, notes: &mu
     }
 }
 
+/// Marks cache entry `path` as just used (its modification time), so that pruning keeps it
+/// longest. Best effort: another process may have pruned it meanwhile.
+fn touch(path: &Path) {
+    if let Ok(file) = std::fs::File::options().append(true).open(path) {
+        let _ = file.set_modified(std::time::SystemTime::now());
+    }
+}
+
+/// One cache entry as pruning sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CacheFile {
+    path: PathBuf,
+    bytes: u64,
+    used: std::time::SystemTime,
+}
+
+/// The entries to delete so that `entries` total at most 3/4 of `max` once they are over
+/// it: the least recently used first, never `keep`.
+fn entries_to_prune(mut entries: Vec<CacheFile>, max: u64, keep: &Path) -> Vec<CacheFile> {
+    let mut total: u64 = entries.iter().map(|e| e.bytes).sum();
+    if total <= max {
+        return Vec::new();
+    }
+    let target = max / 4 * 3;
+    entries.sort_by(|a, b| a.used.cmp(&b.used).then_with(|| a.path.cmp(&b.path)));
+    let mut pruned = Vec::new();
+    for entry in entries {
+        if total <= target {
+            break;
+        }
+        if entry.path != keep {
+            total -= entry.bytes;
+            pruned.push(entry);
+        }
+    }
+    pruned
+}
+
+/// Keeps the cache folder of `written` (just stored) within `max` bytes of entries (see
+/// the module docs); says in `notes` what went. Failures are skipped: another process may
+/// prune the same folder at the same time.
+fn prune_cache(written: &Path, max: u64, notes: &mut Vec<String>) {
+    let Some(dir) = written.parent() else {
+        return;
+    };
+    let Ok(listing) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let entries: Vec<CacheFile> = listing
+        .filter_map(Result::ok)
+        .filter(|e| e.path().extension().is_some_and(|x| x == "mfjit"))
+        .filter_map(|e| {
+            let meta = e.metadata().ok()?;
+            Some(CacheFile {
+                path: e.path(),
+                bytes: meta.len(),
+                used: meta.modified().ok()?,
+            })
+        })
+        .collect();
+    let pruned: Vec<CacheFile> = entries_to_prune(entries, max, written)
+        .into_iter()
+        .filter(|e| std::fs::remove_file(&e.path).is_ok())
+        .collect();
+    if !pruned.is_empty() {
+        let bytes: u64 = pruned.iter().map(|e| e.bytes).sum();
+        notes.push(format!(
+            "removed {} least recently used cache entries ({:.1} MB) to keep {} within {:.0} MB (MOEFORGE_CACHE_MAX_MB)",
+            pruned.len(),
+            bytes as f64 / 1e6,
+            dir.display(),
+            max as f64 / 1e6
+        ));
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -1259,6 +1371,74 @@ mod tests {
         assert_eq!(dump.dump_dir, Some(PathBuf::from("/d")));
         assert!(settings(&[("MOEFORGE_NO_CACHE", "yes")]).is_err());
         assert!(settings(&[("MOEFORGE_DUMP", "sass")]).is_err());
+        assert_eq!(home.cache_max_bytes, Some(DEFAULT_CACHE_MAX_MB * 1_000_000));
+        let small = settings(&[("MOEFORGE_CACHE_MAX_MB", "300")]).expect("valid");
+        assert_eq!(small.cache_max_bytes, Some(300_000_000));
+        let unbounded = settings(&[("MOEFORGE_CACHE_MAX_MB", "0")]).expect("valid");
+        assert_eq!(unbounded.cache_max_bytes, None);
+        assert!(settings(&[("MOEFORGE_CACHE_MAX_MB", "2GB")]).is_err());
+    }
+
+    #[test]
+    fn pruning_takes_the_least_recently_used_down_to_three_quarters() {
+        let at = |seconds| std::time::UNIX_EPOCH + std::time::Duration::from_secs(seconds);
+        let entry = |name: &str, bytes, used| CacheFile {
+            path: PathBuf::from(name),
+            bytes,
+            used: at(used),
+        };
+        let entries = vec![
+            entry("new", 40, 40),
+            entry("old", 30, 10),
+            entry("older", 30, 5),
+            entry("mid", 30, 20),
+        ];
+        // 130 bytes over 100: the oldest go until 75 or less remain.
+        let pruned = entries_to_prune(entries.clone(), 100, Path::new("new"));
+        let names: Vec<_> = pruned
+            .iter()
+            .map(|e| e.path.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["older", "old"]);
+        // Within the bound, nothing goes.
+        assert!(entries_to_prune(entries.clone(), 130, Path::new("new")).is_empty());
+        // The entry just written stays, even when it is the oldest.
+        let pruned = entries_to_prune(entries, 40, Path::new("older"));
+        assert!(pruned.iter().all(|e| e.path != Path::new("older")));
+        assert_eq!(pruned.len(), 3);
+    }
+
+    #[test]
+    fn pruning_a_cache_folder_keeps_the_entry_just_written_and_says_so() {
+        let dir = std::env::temp_dir().join(format!("moeforge-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("folder");
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        for (name, bytes) in [("a.mfjit", 600), ("b.mfjit", 600), ("other.txt", 5000)] {
+            let path = dir.join(name);
+            std::fs::write(&path, vec![0u8; bytes]).expect("write");
+            std::fs::File::options()
+                .append(true)
+                .open(&path)
+                .and_then(|f| f.set_modified(old))
+                .expect("age it");
+        }
+        let written = dir.join("c.mfjit");
+        std::fs::write(&written, vec![0u8; 600]).expect("write");
+        let mut notes = Vec::new();
+        prune_cache(&written, 1000, &mut notes);
+        let left: Vec<bool> = ["a.mfjit", "b.mfjit", "c.mfjit", "other.txt"]
+            .iter()
+            .map(|n| dir.join(n).exists())
+            .collect();
+        // 1800 bytes of entries over 1000: both old entries go (600 left), other files stay.
+        assert_eq!(left, [false, false, true, true]);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("removed 2 least recently used cache entries"),
+            "{notes:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -177,6 +177,7 @@ fn no_cache_and_dumps() {
     };
     let settings = JitSettings {
         cache_dir: None,
+        cache_max_bytes: None,
         dump: DumpKinds {
             ptx: true,
             cubin: true,
