@@ -1,6 +1,6 @@
 //! Measuring a layer: median CUDA-event time per token count, over input sets rotated so
 //! that L2 does not hold them between calls, next to the cuBLAS baseline run in the same
-//! process, with the roofline floor beside both (DESIGN.md, "Performance method"). A
+//! process, with the roofline floor beside both (docs/design.md, "Performance method"). A
 //! layer with a router is timed a second time routing itself (router, then the layer on
 //! its choices), beside the floor of both.
 

@@ -5,10 +5,11 @@
 //! [`Checkpoint::load_experts`] finds one layer's expert tensors by the names a model
 //! [`Family`] uses in its published Hugging Face checkpoints (under a layer prefix such
 //! as `model.layers.3.`), checks each tensor's shape and dtype, and copies them once into
-//! the layout the kernels read ([`crate::layer::ExpertWeights`], and
-//! [`crate::reference::HostExpert`] per expert): `w1` [E, 2F, H], expert-major, each
-//! expert's F gate rows then its F up rows; `w2` [E, H, F]. Those are the checkpoints'
-//! own `[out, in]` matrices, so the copy concatenates and never transposes. Values become
+//! the layout the kernels read ([`HostWeights`], uploaded as
+//! [`crate::layer::ExpertWeights`], and [`crate::reference::HostExpert`] per expert): `w1`
+//! [E, 2F, H], expert-major, each expert's F gate rows then its F up rows; `w2` [E, H, F].
+//! Those are the per-expert checkpoints' own `[out, in]` matrices, so their copy
+//! concatenates and never transposes (GPT-OSS's fused tensors are transposed: below). Values become
 //! bf16 bits (`u16`); f16 and f32 tensors are rounded to bf16 on the way.
 //!
 //! [`CheckpointLayer::open`] picks the layer and the naming for the caller: a given layer

@@ -47,7 +47,8 @@ pub enum FamilyArg {
     /// As Qwen3-MoE, with `mlp.gate.e_score_correction_bias`.
     #[value(name = "deepseek-v3")]
     DeepseekV3,
-    /// Fused `mlp.experts.gate_up_proj` (not loadable yet).
+    /// Fused `mlp.experts.gate_up_proj` and `down_proj`, with biases (bf16 checkpoints;
+    /// the MXFP4 release is refused with a typed error).
     #[value(name = "gpt-oss")]
     GptOss,
 }
