@@ -3,6 +3,7 @@
 //! output element with the CPU reference. Used by `moeforge run`, `moeforge bench` and the
 //! GPU tests.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
@@ -89,6 +90,9 @@ static SESSION_TURN: Mutex<()> = Mutex::new(());
 /// A layer ready to run, with how its kernels were obtained.
 pub struct BuiltLayer {
     pub layer: MoeLayer,
+    /// The kernels the layer was built from: those one GPU launches when compiled here
+    /// (the expert-parallel ones are compiled when such a layer is built from this one),
+    /// or the whole unit when given.
     pub module: CompiledKernels,
     /// Codegen and the JIT (NVRTC, or a read of the disk cache).
     pub compile_seconds: f64,
@@ -299,16 +303,41 @@ impl Session {
         })
     }
 
-    /// Generates the plan's CUDA unit and compiles it for this GPU, kernel by kernel side
-    /// by side (through the disk cache).
+    /// Generates the plan's CUDA unit and compiles the kernels a layer on this one GPU
+    /// launches ([`Plan::single_gpu_entry_points`]), kernel by kernel side by side (through
+    /// the disk cache). The expert-parallel ones are compiled when an expert-parallel layer
+    /// is built ([`Session::build_expert_parallel`]).
     pub fn compile(&self, plan: &Plan) -> Result<(CompiledKernels, f64), HarnessError> {
+        self.compile_entry_points(plan, plan.single_gpu_entry_points())
+    }
+
+    /// The expert-parallel kernels of `built`'s plan ([`Plan::expert_parallel_entry_points`]):
+    /// its own module where that is the whole unit (embedded PTX, an AOT directory), else
+    /// compiled now.
+    fn expert_parallel_kernels<'a>(
+        &self,
+        built: &'a BuiltLayer,
+    ) -> Result<Cow<'a, CompiledKernels>, HarnessError> {
+        if built.module.modules.iter().any(|m| m.kernels.is_empty()) {
+            return Ok(Cow::Borrowed(&built.module));
+        }
+        let plan = built.layer.plan();
+        let (kernels, _) = self.compile_entry_points(plan, plan.expert_parallel_entry_points())?;
+        Ok(Cow::Owned(kernels))
+    }
+
+    fn compile_entry_points(
+        &self,
+        plan: &Plan,
+        kernels: Vec<String>,
+    ) -> Result<(CompiledKernels, f64), HarnessError> {
         let started = Instant::now();
         // A plan for another kind of device is an error, never silently recompiled.
         self.gpu.check_target(&plan.target)?;
         let source = codegen::generate(plan)?;
         let kernels = self.jit.compile_kernels(
             &source.source,
-            &plan.entry_points_in_compile_order(),
+            &plan.in_compile_order(kernels),
             &aot::compile_options(plan),
         )?;
         Ok((kernels, started.elapsed().as_secs_f64()))
@@ -644,9 +673,10 @@ impl Session {
             ranks as usize,
             &self.gpu.ctx,
         )?;
+        let kernels = self.expert_parallel_kernels(built)?;
         let module = self
             .gpu
-            .load_kernels(&built.module, &plan.expert_parallel_entry_points())?;
+            .load_kernels(&kernels, &plan.expert_parallel_entry_points())?;
         Ok(EpLayer::join_group(
             plan.clone(),
             &self.gpu.ctx,
@@ -666,13 +696,14 @@ impl Session {
         contexts: &[Arc<CudaContext>],
         weights: Vec<ExpertWeights>,
     ) -> Result<EpLayer, HarnessError> {
+        let kernels = self.expert_parallel_kernels(built)?;
         let entry_points = built.layer.plan().expert_parallel_entry_points();
         let mut modules = Vec::with_capacity(contexts.len());
         for ctx in contexts {
             modules.push(if ctx.ordinal() == self.gpu.ctx.ordinal() {
-                self.gpu.load_kernels(&built.module, &entry_points)?
+                self.gpu.load_kernels(&kernels, &entry_points)?
             } else {
-                Gpu::load_kernels_into(ctx, &built.module, &entry_points)?
+                Gpu::load_kernels_into(ctx, &kernels, &entry_points)?
             });
         }
         Ok(EpLayer::new(

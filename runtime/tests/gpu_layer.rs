@@ -208,6 +208,23 @@ fn check_plans(suite: &str, plans: Vec<Plan>) {
             layer.compile_seconds,
             layer.module.cache()
         ));
+        // A layer on one GPU compiles only the kernels it launches.
+        let mut compiled: Vec<&String> = layer
+            .module
+            .modules
+            .iter()
+            .flat_map(|m| &m.kernels)
+            .collect();
+        compiled.sort();
+        let single = layer.layer.plan().single_gpu_entry_points();
+        let mut launched: Vec<&String> = single.iter().collect();
+        launched.sort();
+        if compiled != launched {
+            failures.push(format!(
+                "{}: compiled {compiled:?}, launches {launched:?}",
+                layer.layer.plan().layer
+            ));
+        }
         failures.extend(check_layer(&session, &layer, seed));
     }
     assert!(

@@ -1517,7 +1517,12 @@ impl Plan {
     /// should start those, which take longest (DeepSeek-V3's: 0.4-0.8 s each, the other
     /// kernels 0.2-0.7 s, one core of the CPU machine, 2026-12-01).
     pub fn entry_points_in_compile_order(&self) -> Vec<String> {
-        let mut kernels = self.entry_points();
+        self.in_compile_order(self.entry_points())
+    }
+
+    /// `kernels` (entry points of this plan) reordered for the JIT, the GEMMs first (see
+    /// [`Plan::entry_points_in_compile_order`]), otherwise in their order.
+    pub fn in_compile_order(&self, mut kernels: Vec<String>) -> Vec<String> {
         kernels.sort_by_key(|kernel| !self.gemm_kernels().any(|(_, gemm)| gemm == kernel));
         kernels
     }
