@@ -537,16 +537,8 @@ pub struct Regime {
 }
 
 impl Regime {
-    /// The launches of a call of `tokens` tokens in this regime: the fused decode's where
-    /// it covers the call, else the table.
-    pub fn launches_for(&self, tokens: u32) -> &[Launch] {
-        match &self.fused_decode {
-            Some(fused) if tokens <= fused.max_tokens => std::slice::from_ref(&fused.launch),
-            _ => &self.launches,
-        }
-    }
-
-    /// The table's launches and the fused decode's.
+    /// The table's launches, then the fused decode's (which a call of up to its
+    /// `max_tokens` tokens runs instead).
     pub fn all_launches(&self) -> impl Iterator<Item = &Launch> {
         self.launches
             .iter()
@@ -1442,7 +1434,7 @@ fn workspace(
             id: BufferId::FusedDecodeCounters,
             elem: BufferId::FusedDecodeCounters.elem(),
             elems: counters,
-            purpose: "the fused decode's counters: per expert GEMM1 tiles stored and GEMM2 tiles that read them, per GEMM2 column tile the tiles stored (zero between calls)".into(),
+            purpose: "the fused decode's counters: per expert GEMM1 tiles stored and GEMM2 tiles that read them, per GEMM2 column tile the tiles stored, the next unit's ticket and the blocks done claiming (zero between calls)".into(),
         });
     }
     buffers
