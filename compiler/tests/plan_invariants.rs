@@ -186,6 +186,45 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+
+    /// Any layer, with or without a router, that asks for a fused decode gets one that
+    /// validates and fits (or a limitation saying why not), and codegen writes its entry.
+    #[test]
+    fn fused_decodes_fit_validate_and_generate(
+        layer in prop_oneof![arbitrary_layer(), arbitrary_routed_layer()],
+        tokens in 1u32..=64,
+    ) {
+        let mut layer = layer;
+        layer.schedule.fused_decode = Some(tokens);
+        let Ok(plan) = plan::plan(&layer, &Target::h200()) else { return Ok(()) };
+        prop_assert_eq!(plan.validate(), Ok(()));
+        let regime = &plan.regimes[0];
+        match &regime.fused_decode {
+            Some(fused) => {
+                prop_assert_eq!(fused.max_tokens, tokens.min(regime.max_tokens));
+                prop_assert_eq!(fused.max_rows, fused.max_tokens * plan.shape.slots_per_token());
+                let launch = &fused.launch;
+                prop_assert!(launch.smem_bytes + launch.static_smem_bytes <= plan.target.smem_per_block);
+                prop_assert!(fused.blocks_per_sm >= 1);
+                prop_assert_eq!(launch.grid, Grid::Fixed(plan.target.sm_count * fused.blocks_per_sm));
+                let source = moeforge_compiler::codegen::generate(&plan).expect("codegen");
+                prop_assert!(source.entry_points.contains(&launch.kernel));
+                let call = format!(
+                    "fused_decode<{0}_gemm1, {0}_gemm2, {1}, {2}>",
+                    regime.name, fused.max_rows, launch.static_smem_bytes
+                );
+                prop_assert!(source.source.contains(&call), "{}", call);
+            }
+            None => prop_assert!(
+                plan.limitations.iter().any(|l| l.contains("fused decode")),
+                "no fused decode and no reason: {:?}", plan.limitations
+            ),
+        }
+    }
+}
+
 #[test]
 fn impossible_hints_are_errors_with_a_reason() {
     let mut layer = common::layer("hinted", 4096, 14336, 8, 2, Activation::Swiglu, 4096);
