@@ -8,6 +8,10 @@
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 {%- endif %}
+{%- if fused_decode %}
+// A regime with a fused decode runs its calls of a few tokens as one kernel instead
+// (`<regime>_fused`, after the regime's GEMMs), a self-routed one after the router.
+{%- endif %}
 {%- for line in limitations %}
 // Note: {{ line }}
 {%- endfor %}
