@@ -1001,8 +1001,13 @@ fn rotated_orders(ranks: u32) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
 /// Across nodes: a rank stages its rows for network peers first (their path is the
 /// longest: staging, then NCCL), then stores into its node's peers, each group rotated
 /// from the rank itself. GEMM rows take the rank's own first, then its node's peers (in
-/// the order they reach it), then network sources (they arrive last, through NCCL,
-/// rotated likewise).
+/// the order they reach it), then network sources (they arrive last, through NCCL), in
+/// the order they reach it too: by where it stands in each source's send order. Rotated
+/// from each rank and skipping its own node, node n sends to nodes n+1, n+2, …, so node
+/// m hears from node m−1 first and from m+1 last; taking network sources in the
+/// destination's own send order instead (m+1 first) put the last to arrive first, and
+/// GEMM1's tiles, taken in that order, waited for it (`moeforge simulate` of
+/// DeepSeek-V3 at EP = 64: the remote rows' tiles idle until the whole dispatch was in).
 fn network_orders(network: &NetworkPlan, ranks: u32) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
     let rotated_from = |rank: u32, route: Route| -> Vec<u32> {
         (1..ranks)
@@ -1010,7 +1015,7 @@ fn network_orders(network: &NetworkPlan, ranks: u32) -> (Vec<Vec<u32>>, Vec<Vec<
             .filter(|&peer| network.route(rank, peer) == route)
             .collect()
     };
-    let send_order = (0..ranks)
+    let send_order: Vec<Vec<u32>> = (0..ranks)
         .map(|source| {
             let mut order = vec![source];
             order.extend(rotated_from(source, Route::Network));
@@ -1021,12 +1026,22 @@ fn network_orders(network: &NetworkPlan, ranks: u32) -> (Vec<Vec<u32>>, Vec<Vec<
     let receive_order = (0..ranks)
         .map(|destination| {
             // A node peer s reaches this destination after its network peers, at its
-            // position among s's node peers.
+            // position among s's node peers; a network source at its position among the
+            // source's network peers (ties: the nearer in rotation first).
+            let rotation = |s: u32| (destination + ranks - s) % ranks;
             let mut node_peers = rotated_from(destination, Route::Link);
-            node_peers.sort_by_key(|&s| (destination + ranks - s) % ranks);
+            node_peers.sort_by_key(|&s| rotation(s));
+            let mut network_sources = rotated_from(destination, Route::Network);
+            network_sources.sort_by_key(|&s| {
+                let position = send_order[s as usize]
+                    .iter()
+                    .position(|&d| d == destination)
+                    .unwrap_or(ranks as usize);
+                (position, rotation(s))
+            });
             let mut order = vec![destination];
             order.extend(node_peers);
-            order.extend(rotated_from(destination, Route::Network));
+            order.extend(network_sources);
             order
         })
         .collect();

@@ -510,7 +510,11 @@ mod tests {
         assert_eq!(network.slot(2, 3), None);
         // Rank 1: itself, its network peers rotated from it (2, 3), then its node's (0).
         assert_eq!(ep.send_order[1], vec![1, 2, 3, 0]);
-        assert_eq!(ep.receive_order[1], vec![1, 0, 2, 3]);
+        // It receives its node's peer first, then the network sources in the order they
+        // reach it: 2 and 3 both send to it second (2: [2, 0, 1, 3], 3: [3, 0, 1, 2]), 3
+        // the nearer in rotation.
+        assert_eq!(ep.send_order[2], vec![2, 0, 1, 3]);
+        assert_eq!(ep.receive_order[1], vec![1, 0, 3, 2]);
     }
 
     /// Over every pair of ranks on different nodes: each step's sends from one match the

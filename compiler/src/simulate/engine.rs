@@ -100,6 +100,15 @@ enum Event {
 }
 
 /// What a run of the communication blocks produced.
+/// When one rank's GEMMs end, and when GEMM2 stores each origin's results.
+struct GemmEnds {
+    start2: f64,
+    end2: f64,
+    /// Per origin rank: when GEMM2's first tile holding its rows starts and its last one
+    /// ends (`None`: none of its rows are here).
+    results: Vec<Option<(f64, f64)>>,
+}
+
 struct CommResult {
     /// Per (origin, destination): (end position, arrival time) of each delivered item.
     arrivals: Vec<Vec<(u32, f64)>>,
@@ -377,8 +386,9 @@ impl<'a> Machine<'a> {
         list.get(i).or(list.last()).map_or(0.0, |&(_, t)| t)
     }
 
-    /// Rank `d`'s GEMMs from `start`, GEMM1 row tiles ready as `ready` says; returns
-    /// (GEMM1 end, GEMM2 start, GEMM2 end) and adds the rows per origin to `rows`.
+    /// Rank `d`'s GEMMs from `start`, GEMM1 row tiles ready as `ready` says; returns when
+    /// they end and when each origin's results are stored, and adds the rows per origin
+    /// to `rows`.
     fn gemms(
         &self,
         d: u32,
@@ -386,19 +396,23 @@ impl<'a> Machine<'a> {
         ready: &dyn Fn(u32, u32) -> f64,
         rows: &mut [u64],
         lane: Option<&mut RankTimeline>,
-    ) -> (f64, f64, f64) {
+    ) -> GemmEnds {
         let order = &self.ep.receive_order[d as usize];
         let (g1, g2) = (&self.regime.gemm1, &self.regime.gemm2);
         let mut tiles = Vec::new();
         let mut block1 = vec![start; g1.grid_blocks.max(1) as usize];
-        let mut block2_rows = Vec::new();
+        // Per expert in tile order, its rows per phase (GEMM2 takes its tiles in the same
+        // phase-major order as GEMM1).
+        let mut block2_rows: Vec<Vec<u32>> = Vec::new();
         // The shared slices first, as the kernels order them: a row per own token each,
         // read from x (ready at once), in the first phase (this rank's own source); no
         // pair is dispatched for them.
         let own = self.traffic.tokens_per_rank;
         for _ in 0..self.shared_slices {
             let m_tiles = own.div_ceil(g1.tile.m);
-            block2_rows.push(own);
+            let mut phases = vec![0; order.len()];
+            phases[0] = own;
+            block2_rows.push(phases);
             tiles.push((vec![start; m_tiles as usize], vec![m_tiles; order.len()]));
         }
         for local in 0..self.ep.experts_per_rank {
@@ -411,7 +425,7 @@ impl<'a> Machine<'a> {
             for &(s, n) in &segments {
                 rows[s as usize] += u64::from(n);
             }
-            block2_rows.push(expert_rows);
+            block2_rows.push(segments.iter().map(|&(_, n)| n).collect());
             let bm = g1.tile.m;
             let m_tiles = expert_rows.div_ceil(bm);
             // Readiness of each row tile: the latest chunk its rows sit in.
@@ -481,7 +495,7 @@ impl<'a> Machine<'a> {
             .copied()
             .fold(start + model::hbm_seconds(self.target, hbm_bytes), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
-        let end2 = self.gemm2(g2, start2, &block2_rows, record.as_deref_mut());
+        let (end2, results) = self.gemm2(g2, start2, order, &block2_rows, record.as_deref_mut());
         if let Some(lane) = record {
             lane.kernels.push(Span {
                 start,
@@ -494,55 +508,99 @@ impl<'a> Machine<'a> {
                 label: "GEMM2".into(),
             });
         }
-        (end1, start2, end2)
+        GemmEnds {
+            start2,
+            end2,
+            results,
+        }
     }
 
-    /// GEMM2 over experts with `expert_rows` rows each, every row present at `start`.
+    /// GEMM2 over experts with `phase_rows[e][p]` rows of phase `p` (source `order[p]`)
+    /// each, every row present at `start`, its tiles in the kernels' order: phase (of a
+    /// tile's last row), expert, n-tile, m-tile. Returns its end and, per source rank, when
+    /// its first tile started and its last ended (`None`: no rows here).
     fn gemm2(
         &self,
         g2: &GemmPlan,
         start: f64,
-        expert_rows: &[u32],
+        order: &[u32],
+        phase_rows: &[Vec<u32>],
         mut lane: Option<&mut RankTimeline>,
-    ) -> f64 {
+    ) -> (f64, Vec<Option<(f64, f64)>>) {
         let mut blocks = vec![start; g2.grid_blocks.max(1) as usize];
         let n2 = self.hidden / g2.tile.n;
-        let total: u32 = expert_rows
-            .iter()
-            .map(|rows| rows.div_ceil(g2.tile.m) * n2)
-            .sum();
+        let bm = g2.tile.m;
+        let expert_rows: Vec<u32> = phase_rows.iter().map(|p| p.iter().sum()).collect();
+        let total: u32 = expert_rows.iter().map(|rows| rows.div_ceil(bm) * n2).sum();
         let mut id = 0usize;
         let mut hbm_bytes = 0.0;
-        // Tiles in the kernels' order: expert, n-tile, m-tile; a tile's epilogue stores its
-        // rows only (an expert's last row tile is partly empty).
-        for &rows in expert_rows {
-            let m_tiles = rows.div_ceil(g2.tile.m);
-            let (tile, bytes) = model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
-            hbm_bytes += bytes * f64::from(n2 * m_tiles);
-            for _ in 0..n2 {
-                for m in 0..m_tiles {
-                    let tile_rows = (rows - m * g2.tile.m).min(g2.tile.m);
-                    let duration =
-                        tile + model::gemm2_epilogue_seconds(g2, self.ep.combine_route, tile_rows);
-                    let b = id % blocks.len();
-                    if b == 0
-                        && let Some(lane) = lane.as_deref_mut()
-                    {
-                        lane.tiles.push(Span {
-                            start: blocks[b],
-                            end: blocks[b] + duration,
-                            label: "GEMM2".into(),
-                        });
+        let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
+        // Row tiles of each expert whose last row is in phase p or before (the kernels'
+        // `m_tiles_done`), and the first row of each phase.
+        let m_done = |e: usize, p: usize| -> u32 {
+            let rows: u32 = phase_rows[e][..=p].iter().sum();
+            if rows == expert_rows[e] {
+                rows.div_ceil(bm)
+            } else {
+                rows / bm
+            }
+        };
+        for phase in 0..order.len() {
+            for (e, &rows) in expert_rows.iter().enumerate() {
+                let m_tiles = rows.div_ceil(bm);
+                let (tile, bytes) = model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
+                let first = if phase == 0 { 0 } else { m_done(e, phase - 1) };
+                let last = m_done(e, phase);
+                hbm_bytes += bytes * f64::from(n2 * (last - first));
+                for _ in 0..n2 {
+                    for m in first..last {
+                        // A tile's epilogue stores its rows only (an expert's last row tile
+                        // is partly empty).
+                        let (row0, row1) = (m * bm, ((m + 1) * bm).min(rows));
+                        let duration = tile
+                            + model::gemm2_epilogue_seconds(g2, self.ep.combine_route, row1 - row0);
+                        let b = id % blocks.len();
+                        let begin = blocks[b];
+                        blocks[b] += duration;
+                        if b == 0
+                            && let Some(lane) = lane.as_deref_mut()
+                        {
+                            lane.tiles.push(Span {
+                                start: begin,
+                                end: blocks[b],
+                                label: "GEMM2".into(),
+                            });
+                        }
+                        // The sources whose rows the tile holds.
+                        let mut phase_start = 0;
+                        for (p, &n) in phase_rows[e].iter().enumerate() {
+                            let phase_end = phase_start + n;
+                            if n > 0 && phase_start < row1 && row0 < phase_end {
+                                let slot = &mut results[order[p] as usize];
+                                *slot = Some(slot.map_or((begin, blocks[b]), |(first, last)| {
+                                    (first.min(begin), last.max(blocks[b]))
+                                }));
+                            }
+                            phase_start = phase_end;
+                        }
+                        id += 1;
                     }
-                    blocks[b] += duration;
-                    id += 1;
                 }
             }
         }
-        blocks
-            .iter()
-            .copied()
-            .fold(start + model::hbm_seconds(self.target, hbm_bytes), f64::max)
+        let tiles_end = blocks.iter().copied().fold(start, f64::max);
+        let end = tiles_end.max(start + model::hbm_seconds(self.target, hbm_bytes));
+        // Where HBM, not the tiles, sets the end, every tile runs that much slower.
+        let stretch = if tiles_end > start {
+            (end - start) / (tiles_end - start)
+        } else {
+            1.0
+        };
+        let stretched = |t: f64| start + (t - start) * stretch;
+        for slot in results.iter_mut().flatten() {
+            *slot = (stretched(slot.0), stretched(slot.1));
+        }
+        (end, results)
     }
 
     /// When a rank's route kernel has released its metadata flags: its busiest block
@@ -670,7 +728,7 @@ impl<'a> Machine<'a> {
             let lane = timeline.get_mut(d as usize);
             ends.push(self.gemms(d, start, &ready, &mut accounting.pairs_dispatched, lane));
         }
-        let last_gemm2 = ends.iter().map(|e| e.2).fold(0.0, f64::max);
+        let last_gemm2 = ends.iter().map(|e| e.end2).fold(0.0, f64::max);
         // Bulk-synchronous as the bench's baseline (a): every rank waits for every rank's
         // GEMMs before the combine (pair rows: GEMM2 stored into the origins as it went).
         let barrier2 = if bulk {
@@ -700,7 +758,7 @@ impl<'a> Machine<'a> {
         };
         let mut layer: f64 = 0.0;
         for (s, (&at, end)) in arrived.iter().zip(&ends).enumerate() {
-            let begin = at.max(end.2 + launch).max(barrier2).max(passes_end[s]);
+            let begin = at.max(end.end2 + launch).max(barrier2).max(passes_end[s]);
             let finish = begin
                 + model::combine_seconds(
                     self.target,
@@ -719,9 +777,9 @@ impl<'a> Machine<'a> {
         }
         let compute = (0..ranks)
             .map(|d| {
-                let (_, _, e2) = self.gemms(d, 0.0, &|_, _| 0.0, &mut vec![0; r], None);
+                let ends = self.gemms(d, 0.0, &|_, _| 0.0, &mut vec![0; r], None);
                 // Both GEMMs from 0 without the launch between them.
-                e2 - launch
+                ends.end2 - launch
             })
             .fold(0.0, f64::max);
         let network_bw = self.bandwidth(Class::Network);
@@ -756,7 +814,7 @@ impl<'a> Machine<'a> {
     fn partial_results(
         &self,
         ports: &mut Ports,
-        ends: &[(f64, f64, f64)],
+        ends: &[GemmEnds],
         barrier2: f64,
         timeline: &mut [RankTimeline],
     ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
@@ -766,7 +824,7 @@ impl<'a> Machine<'a> {
         let mut pairs = vec![0u64; ranks as usize];
         let mut passes_end = vec![0.0f64; ranks as usize];
         for d in 0..ranks {
-            let begin = ends[d as usize].2.max(barrier2) + launch;
+            let begin = ends[d as usize].end2.max(barrier2) + launch;
             let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
             let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
             let end = begin + model::partials_seconds(self.target, tokens, rows, self.hidden);
@@ -793,22 +851,26 @@ impl<'a> Machine<'a> {
         (at, pairs, passes_end)
     }
 
-    /// Fine-grained combine: GEMM2's epilogues store result rows into their origins as an
-    /// even stream over GEMM2's span; topology-aware, rows for another node go to the rank
-    /// there with the origin's local index, are reduced per token, and cross once.
+    /// Fine-grained combine: GEMM2's epilogues store an origin's result rows as an even
+    /// stream from its first tile to its last (the kernels take tiles phase by phase, so an
+    /// early source's results leave early); topology-aware, rows for another node go to
+    /// the rank there with the origin's local index, are reduced per token, and cross once.
     fn streamed_results(
         &self,
         ports: &mut Ports,
-        ends: &[(f64, f64, f64)],
+        ends: &[GemmEnds],
         schedule: Schedule,
     ) -> (Vec<f64>, Vec<u64>) {
         let ranks = self.ep.ranks;
         let g = self.traffic.gpus_per_node;
-        let mut stores: Vec<(f64, u32, u32)> = Vec::new();
+        // (first store, last store, destination rank, origin).
+        let mut stores: Vec<(f64, f64, u32, u32)> = Vec::new();
         for d in 0..ranks {
             for s in 0..ranks {
+                let at_d = &ends[d as usize];
                 if self.traffic.pairs_to_rank(s, d) > 0 {
-                    stores.push((ends[d as usize].1, d, s));
+                    let (first, last) = at_d.results[s as usize].unwrap_or((at_d.start2, at_d.end2));
+                    stores.push((first, last, d, s));
                 }
             }
         }
@@ -819,11 +881,10 @@ impl<'a> Machine<'a> {
         // Per (origin, node): when the relay has every contribution of that node.
         let mut relay_ready = vec![0.0f64; ranks as usize * nodes];
         let hierarchical = schedule == Schedule::FineGrainedTopologyAware;
-        for &(start2, d, s) in &stores {
+        for &(first, last, d, s) in &stores {
             let n = self.traffic.pairs_to_rank(s, d);
             pairs[s as usize] += n;
             let bytes = n as f64 * self.row_bytes;
-            let end2 = ends[d as usize].2;
             let node = self.traffic.node_of(d);
             let remote = node != self.traffic.node_of(s) && !self.topology.virtual_ranks;
             let hop = if remote && hierarchical {
@@ -831,8 +892,8 @@ impl<'a> Machine<'a> {
             } else {
                 s
             };
-            let done = self.transfer(ports, start2, d, hop, bytes, f64::INFINITY);
-            let arrival = done.max(end2) + self.latency(self.class(d, hop));
+            let done = self.transfer(ports, first, d, hop, bytes, f64::INFINITY);
+            let arrival = done.max(last) + self.latency(self.class(d, hop));
             if hop == s {
                 at[s as usize] = at[s as usize].max(arrival);
             } else {
@@ -862,5 +923,39 @@ impl<'a> Machine<'a> {
             }
         }
         (at, pairs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simulate::Routing;
+
+    /// GEMM2 takes its tiles phase by phase, as the kernels do: a rank's own rows (its
+    /// first phase) are stored before its GEMM2 ends, the last source's only at the end, and
+    /// every source with rows here has a window within GEMM2's span.
+    #[test]
+    fn gemm2_stores_an_early_sources_results_before_its_end() {
+        let text = "topology four {\n gpus_per_node = 4\n nodes = 1\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}\nlayer four {\n hidden = 4096\n ffn = 512\n experts = 16\n top_k = 4\n max_tokens = 1024\n parallel { expert = 4 }\n topology = four\n}\n";
+        let module = crate::compile_source("four.moe", text).expect("checks");
+        let layer = &module.layers[0];
+        let plan = crate::plan::plan(layer, &crate::plan::Target::h200()).expect("plans");
+        let ep = plan.expert_parallel.as_ref().expect("four ranks");
+        let tokens = 1024;
+        let regime = &ep.regimes[ep.regime_index_for(tokens).expect("a regime")];
+        let topology = Topology::of(&layer.topology);
+        let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, 4, tokens).expect("draws");
+        let machine = Machine::new(&plan, ep, regime, &topology, &traffic);
+        let ends = machine.gemms(0, 0.0, &|_, _| 0.0, &mut [0; 4], None);
+        let order = &ep.receive_order[0];
+        let window = |s: u32| ends.results[s as usize].expect("rows from every source");
+        let (own_first, own_last) = window(order[0]);
+        let (_, last_source_last) = window(order[3]);
+        assert!(ends.start2 <= own_first && own_last < ends.end2, "{:?}", ends.results);
+        assert!((last_source_last - ends.end2).abs() < 1e-9, "{:?}", ends.results);
+        for s in 0..4 {
+            let (first, last) = window(s);
+            assert!(ends.start2 <= first && first <= last && last <= ends.end2 + 1e-9);
+        }
     }
 }

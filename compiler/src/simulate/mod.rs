@@ -18,8 +18,9 @@
 //! [`model::COMM_BLOCK_BYTES_PER_S`]; link ports (per rank: NVLink out and in, network out
 //! and in) at the topology's bandwidth, with its latency; flag latencies; the GEMM grids
 //! of the plan's regime, each block taking tiles `b, b + grid, …` in the kernels' order
-//! (expert, then column tile, then row tile), a GEMM1 tile starting when its block is
-//! free and the chunks of its rows have arrived; tile times from [`model::tile_cost`];
+//! (phase, i.e. the source of a tile's last row in receive order, then expert, column
+//! tile, row tile; both GEMMs), a GEMM1 tile starting when its block is free and the
+//! chunks of its rows have arrived; tile times from [`model::tile_cost`];
 //! the reduce at the origin. Residency: whether every block a spin-wait depends on can be
 //! resident with the plan's grids (else a [`Deadlock`]), and whether routing fits the
 //! plan's capacities (else [`SimError::Overflow`]).
@@ -37,8 +38,9 @@
 //! node-aggregated chunks costs the relay's NVLink port but none of its blocks; a wgmma
 //! GEMM's tiles share HBM evenly (an mma.sync GEMM's draw on it as a fluid, up to a cap
 //! per block, see [`model::BLOCK_HBM_BYTES_PER_S`]), and no tile slows down under
-//! concurrent copies; GEMM2's stores
-//! leave as an even stream over GEMM2's span; the router and the previous call (credits)
+//! concurrent copies; an origin's results leave a rank as an even stream over the span of
+//! GEMM2's tiles holding its rows (so an early source's results leave before GEMM2
+//! ends); the router and the previous call (credits)
 //! are not modelled (the shared experts are: each rank's slices on its own tokens, after
 //! its local experts, ready at once); every kernel launch costs the target's launch
 //! overhead once.
