@@ -285,25 +285,43 @@ impl<'a> Machine<'a> {
                         To::Rank(d) => (d, format!("to {d}")),
                         To::Node { node, relay } => (relay, format!("to node {node}")),
                     };
-                    let done =
-                        self.transfer(ports, now, rank, first_hop, bytes, COMM_BLOCK_BYTES_PER_S);
                     let class = self.class(rank, first_hop);
-                    let link = match class {
-                        Class::Local => 0.0,
-                        Class::NvLink if self.topology.virtual_ranks => 0.0,
-                        Class::NvLink => self.topology.nvlink.latency_ns as f64 * 1e-9,
-                        Class::Network => self.topology.network.latency_ns as f64 * 1e-9,
+                    let (done, block_free) = if class == Class::Network {
+                        // Rows for another node: the block copies them into this rank's
+                        // outbox (its own memory) and the network moves them from there
+                        // (NCCL, on the network stream) while the block goes on.
+                        let staged = now + bytes / COMM_BLOCK_BYTES_PER_S;
+                        (
+                            self.transfer(ports, staged, rank, first_hop, bytes, f64::INFINITY),
+                            staged,
+                        )
+                    } else {
+                        let done = self.transfer(
+                            ports,
+                            now,
+                            rank,
+                            first_hop,
+                            bytes,
+                            COMM_BLOCK_BYTES_PER_S,
+                        );
+                        let link = match class {
+                            Class::NvLink if !self.topology.virtual_ranks => {
+                                self.topology.nvlink.latency_ns as f64 * 1e-9
+                            }
+                            _ => 0.0,
+                        };
+                        // The block's fence waits for its stores to land.
+                        (done, done + link)
                     };
                     let arrival = done + self.latency(class);
                     if let Some(lane) = timeline.get_mut(rank as usize) {
                         lane.comm.push(Span {
                             start: now,
-                            end: done,
+                            end: block_free,
                             label,
                         });
                     }
-                    // The block's fence waits for its stores to land.
-                    heap.push((Time(done + link), Event::BlockFree { rank }));
+                    heap.push((Time(block_free), Event::BlockFree { rank }));
                     match item.to {
                         To::Rank(d) => {
                             self.arrive(&mut result, item.origin, d, item.pos_end, arrival)
@@ -548,7 +566,8 @@ impl<'a> Machine<'a> {
         for phase in 0..order.len() {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
-                let (tile, bytes) = model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
+                let (tile, bytes) =
+                    model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
                 let first = if phase == 0 { 0 } else { m_done(e, phase - 1) };
                 let last = m_done(e, phase);
                 hbm_bytes += bytes * f64::from(n2 * (last - first));
@@ -869,7 +888,8 @@ impl<'a> Machine<'a> {
             for s in 0..ranks {
                 let at_d = &ends[d as usize];
                 if self.traffic.pairs_to_rank(s, d) > 0 {
-                    let (first, last) = at_d.results[s as usize].unwrap_or((at_d.start2, at_d.end2));
+                    let (first, last) =
+                        at_d.results[s as usize].unwrap_or((at_d.start2, at_d.end2));
                     stores.push((first, last, d, s));
                 }
             }
@@ -951,8 +971,16 @@ mod tests {
         let window = |s: u32| ends.results[s as usize].expect("rows from every source");
         let (own_first, own_last) = window(order[0]);
         let (_, last_source_last) = window(order[3]);
-        assert!(ends.start2 <= own_first && own_last < ends.end2, "{:?}", ends.results);
-        assert!((last_source_last - ends.end2).abs() < 1e-9, "{:?}", ends.results);
+        assert!(
+            ends.start2 <= own_first && own_last < ends.end2,
+            "{:?}",
+            ends.results
+        );
+        assert!(
+            (last_source_last - ends.end2).abs() < 1e-9,
+            "{:?}",
+            ends.results
+        );
         for s in 0..4 {
             let (first, last) = window(s);
             assert!(ends.start2 <= first && first <= last && last <= ends.end2 + 1e-9);

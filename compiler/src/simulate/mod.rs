@@ -15,8 +15,10 @@
 //! What it models: per rank, the plan's communication blocks taking work items (chunks of
 //! `dispatch_chunk` tokens per destination, or `dispatch_piece` pieces when a call has
 //! fewer chunks than blocks) in send order, each moving at most
-//! [`model::COMM_BLOCK_BYTES_PER_S`]; link ports (per rank: NVLink out and in, network out
-//! and in) at the topology's bandwidth, with its latency; flag latencies; the GEMM grids
+//! [`model::COMM_BLOCK_BYTES_PER_S`] (an item for another node: the block stages its rows
+//! in this rank's outbox at that rate and goes on, and the network port moves them from
+//! there, as NCCL does on the real path); link ports (per rank: NVLink out and in, network
+//! out and in) at the topology's bandwidth, with its latency; flag latencies; the GEMM grids
 //! of the plan's regime, each block taking tiles `b, b + grid, …` in the kernels' order
 //! (phase, i.e. the source of a tile's last row in receive order, then expert, column
 //! tile, row tile; both GEMMs), a GEMM1 tile starting when its block is free and the
