@@ -295,9 +295,16 @@ pub fn bench_layer(
         } else {
             (None, None)
         };
+        // A call its regime's fused decode runs says so.
         let regime = plan
             .regime_for(tokens)
-            .map(|r| r.name.clone())
+            .map(|r| {
+                if built.layer.runs_fused(tokens) {
+                    format!("{} (fused)", r.name)
+                } else {
+                    r.name.clone()
+                }
+            })
             .unwrap_or_default();
         let row = BenchRow {
             tokens,

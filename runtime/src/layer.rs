@@ -617,6 +617,17 @@ impl MoeLayer {
         })
     }
 
+    /// Whether a call of `tokens` tokens runs the plan's fused decode (unless
+    /// `MOEFORGE_FUSED_DECODE=0`) rather than its regime's table.
+    pub fn runs_fused(&self, tokens: u32) -> bool {
+        self.fused_decode
+            && self
+                .plan
+                .regime_for(tokens)
+                .and_then(|regime| regime.fused_decode.as_ref())
+                .is_some_and(|fused| tokens <= fused.max_tokens)
+    }
+
     /// Whether the launches the plan marks `early_start` start early (unless
     /// `MOEFORGE_EARLY_START=0`).
     pub fn starts_early(&self) -> bool {
@@ -769,9 +780,8 @@ impl MoeLayer {
         }
         // The bound launches are the table's, then the fused decode's.
         let bound = &self.regime_kernels[index];
-        if let Some(fused) = &regime.fused_decode
-            && self.fused_decode
-            && tokens <= fused.max_tokens
+        if self.runs_fused(tokens)
+            && let Some(fused) = &regime.fused_decode
             && selected(&fused.launch.kernel)
         {
             return self.launch(&fused.launch, &bound[regime.launches.len()], &call);
