@@ -10,7 +10,7 @@
 {%- endif %}
 {%- if fused_decode %}
 // A regime with a fused decode runs its calls of a few tokens as one kernel instead
-// (`<regime>_fused`, after the regime's GEMMs), a self-routed one after the router.
+// (`<layer>_<regime>_fused`, after the regime's GEMMs), a self-routed one after the router.
 {%- endif %}
 {%- for line in limitations %}
 // Note: {{ line }}

@@ -1016,9 +1016,10 @@ fn example_layer(name: &str) -> Layer {
 
 /// With `fused_decode = 16 tokens`, every example's first regime runs its calls of up to
 /// 16 tokens as one kernel: the regime's GEMM threads, a grid that is resident all at once
-/// (for speed), counters in the workspace; larger
-/// calls run the table. Without the hint there is none (the planner's default, until it is
-/// measured); a hint past the first regime is capped and said so; 0 turns it off. Validation catches an edited grid or token bound.
+/// (for speed), counters in the workspace; larger calls run the table. Without the hint
+/// there is none (the planner's default, until it is measured); a hint past the first
+/// regime is capped and said so; 0 turns it off. Validation catches an edited grid or
+/// token bound.
 #[test]
 fn small_calls_run_fused_where_the_spec_asks() {
     for name in [

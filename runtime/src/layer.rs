@@ -625,7 +625,7 @@ impl MoeLayer {
                 .plan
                 .regime_for(tokens)
                 .and_then(|regime| regime.fused_decode.as_ref())
-                .is_some_and(|fused| tokens <= fused.max_tokens)
+                .is_some_and(|fused| fused.covers(tokens))
     }
 
     /// Whether the launches the plan marks `early_start` start early (unless
@@ -665,7 +665,9 @@ impl MoeLayer {
     /// Enqueues one forward call that routes itself: the router's launches choose each
     /// token's experts and weights from `x` (into the workspace's `routed_ids` and
     /// `routed_weights`, [`MoeLayer::workspace_buffer`]), a fused router lays out the
-    /// routing metadata too, then the regime's table runs on them. Does not synchronise.
+    /// routing metadata too, then the regime's table runs on them; a call the fused decode
+    /// covers runs it instead, and the fused router leaves the metadata to it. Does not
+    /// synchronise.
     pub fn forward_routed(&self, args: RoutedForwardArgs<'_>) -> Result<(), LayerError> {
         if self.plan.router.is_none() {
             return Err(LayerError::NoRouter);
@@ -758,8 +760,9 @@ impl MoeLayer {
         };
 
         // A fused router lays out the routing metadata and clears the error word as the
-        // route kernel does. At T = 0 its grid is empty and the route kernel runs instead,
-        // so that a stale error of an earlier call is not reported.
+        // route kernel does (for a call the fused decode covers, the fused decode does
+        // both). At T = 0 its grid is empty and the route kernel (or the fused decode)
+        // runs instead, so that a stale error of an earlier call is not reported.
         let mut routed_by_router = false;
         if matches!(routing, Routing::Router)
             && tokens > 0
@@ -775,13 +778,13 @@ impl MoeLayer {
             let fused_decode_covers = self.plan.regimes[index]
                 .fused_decode
                 .as_ref()
-                .is_some_and(|fused| tokens <= fused.max_tokens);
+                .is_some_and(|fused| fused.covers(tokens));
             routed_by_router = regime.fused && !fused_decode_covers;
         }
         // The bound launches are the table's, then the fused decode's.
         let bound = &self.regime_kernels[index];
-        if self.runs_fused(tokens)
-            && let Some(fused) = &regime.fused_decode
+        if self.fused_decode
+            && let Some(fused) = regime.fused_decode.as_ref().filter(|f| f.covers(tokens))
             && selected(&fused.launch.kernel)
         {
             return self.launch(&fused.launch, &bound[regime.launches.len()], &call);
@@ -970,7 +973,8 @@ pub(crate) fn kernel_error(word: [i32; 4], experts: u32) -> Result<(), LayerErro
 }
 
 /// One bounded wait that ran out: which rank waited for which flag to reach what (an
-/// epoch for flags and credits, a count for combine counters).
+/// epoch for flags and credits, a count for combine counters and for the fused decode's
+/// GEMM1 tiles of an expert).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlagWait {
     pub rank: i32,

@@ -818,6 +818,10 @@ fn fused_decode_matches_reference_and_repeats_identically() {
             .clone()
             .expect("the first regime has a fused decode");
         let built = session.build(plan, seed).expect("build");
+        assert!(
+            built.layer.runs_fused(1) && built.layer.runs_fused(fused.max_tokens),
+            "{name}: the calls run the fused decode (is MOEFORGE_FUSED_DECODE=0 set?)"
+        );
         failures.extend(check_layer(&session, &built, seed));
         let shape = built.layer.plan().shape.clone();
         for tokens in [1, fused.max_tokens] {

@@ -35,6 +35,13 @@ pub struct FusedDecode {
     pub launch: Launch,
 }
 
+impl FusedDecode {
+    /// Whether a call of `tokens` tokens (in its regime) runs this kernel.
+    pub fn covers(&self, tokens: u32) -> bool {
+        tokens <= self.max_tokens
+    }
+}
+
 /// Counters of [`BufferId::FusedDecodeCounters`]: per GEMM expert the GEMM1 tiles stored
 /// and the GEMM2 tiles that read them, per GEMM2 column tile the tiles stored, then the
 /// next work unit's ticket and the blocks done claiming.
@@ -83,9 +90,17 @@ pub fn plan_fused_decode(
             g2.engine.name()
         ));
     }
-    if g1.threads() != g2.threads() || g1.a_load != RowLoad::Gathered {
+    if g1.threads() != g2.threads() {
         return Err(format!(
-            "regime `{}`'s GEMMs differ in threads per block or GEMM1 loads sorted rows",
+            "regime `{}`'s GEMMs differ in threads per block ({} and {})",
+            regime.name,
+            g1.threads(),
+            g2.threads()
+        ));
+    }
+    if g1.a_load != RowLoad::Gathered {
+        return Err(format!(
+            "regime `{}`'s GEMM1 loads x's rows sorted by expert, which the fused decode does not",
             regime.name
         ));
     }

@@ -99,7 +99,25 @@ enum Event {
     },
 }
 
-/// What a run of the communication blocks produced.
+/// Per phase `p`, the row tiles of `bm` rows of one expert whose last row is in phase `p`
+/// or before, its rows `phase_rows` per phase (as the kernels' `m_tiles_done`: whole tiles,
+/// or all of them once no later phase has rows).
+fn row_tiles_done(phase_rows: &[u32], bm: u32) -> Vec<u32> {
+    let total: u32 = phase_rows.iter().sum();
+    let mut rows = 0u32;
+    phase_rows
+        .iter()
+        .map(|&n| {
+            rows += n;
+            if rows == total {
+                total.div_ceil(bm)
+            } else {
+                rows / bm
+            }
+        })
+        .collect()
+}
+
 /// When one rank's GEMMs end, and when GEMM2 stores each origin's results.
 struct GemmEnds {
     start2: f64,
@@ -109,6 +127,7 @@ struct GemmEnds {
     results: Vec<Option<(f64, f64)>>,
 }
 
+/// What a run of the communication blocks produced.
 struct CommResult {
     /// Per (origin, destination): (end position, arrival time) of each delivered item.
     arrivals: Vec<Vec<(u32, f64)>>,
@@ -289,7 +308,10 @@ impl<'a> Machine<'a> {
                     let (done, block_free) = if class == Class::Network {
                         // Rows for another node: the block copies them into this rank's
                         // outbox (its own memory) and the network moves them from there
-                        // (NCCL, on the network stream) while the block goes on.
+                        // (NCCL, on the network stream) while the block goes on. The port
+                        // is reserved now, from the staged time: an item staged sooner by
+                        // another block but taken later queues behind it (items are alike
+                        // in size, so little is lost).
                         let staged = now + bytes / COMM_BLOCK_BYTES_PER_S;
                         (
                             self.transfer(ports, staged, rank, first_hop, bytes, f64::INFINITY),
@@ -443,14 +465,12 @@ impl<'a> Machine<'a> {
             for &(s, n) in &segments {
                 rows[s as usize] += u64::from(n);
             }
-            block2_rows.push(segments.iter().map(|&(_, n)| n).collect());
             let bm = g1.tile.m;
             let m_tiles = expert_rows.div_ceil(bm);
             // Readiness of each row tile: the latest chunk its rows sit in.
             let mut row_ready = vec![start; m_tiles as usize];
-            // m_done[p]: row tiles whose last row is in phase p or before (as the kernels'
-            // `m_tiles_done`: whole tiles, or all of them once no later phase has rows).
-            let mut m_done = Vec::with_capacity(segments.len());
+            let phase_rows: Vec<u32> = segments.iter().map(|&(_, n)| n).collect();
+            let m_done = row_tiles_done(&phase_rows, bm);
             let mut first = 0u32;
             for &(s, n) in &segments {
                 if n > 0 {
@@ -464,13 +484,9 @@ impl<'a> Machine<'a> {
                     }
                 }
                 first += n;
-                m_done.push(if first == expert_rows {
-                    m_tiles
-                } else {
-                    first / bm
-                });
             }
             tiles.push((row_ready, m_done));
+            block2_rows.push(phase_rows);
         }
         let n1 = self.ffn / g1.tile.n;
         let total: u32 = tiles
@@ -553,23 +569,14 @@ impl<'a> Machine<'a> {
         let mut id = 0usize;
         let mut hbm_bytes = 0.0;
         let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
-        // Row tiles of each expert whose last row is in phase p or before (the kernels'
-        // `m_tiles_done`), and the first row of each phase.
-        let m_done = |e: usize, p: usize| -> u32 {
-            let rows: u32 = phase_rows[e][..=p].iter().sum();
-            if rows == expert_rows[e] {
-                rows.div_ceil(bm)
-            } else {
-                rows / bm
-            }
-        };
+        let m_done: Vec<Vec<u32>> = phase_rows.iter().map(|p| row_tiles_done(p, bm)).collect();
         for phase in 0..order.len() {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
                 let (tile, bytes) =
                     model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
-                let first = if phase == 0 { 0 } else { m_done(e, phase - 1) };
-                let last = m_done(e, phase);
+                let first = if phase == 0 { 0 } else { m_done[e][phase - 1] };
+                let last = m_done[e][phase];
                 hbm_bytes += bytes * f64::from(n2 * (last - first));
                 for _ in 0..n2 {
                     for m in first..last {
@@ -912,7 +919,14 @@ impl<'a> Machine<'a> {
             } else {
                 s
             };
-            let done = self.transfer(ports, first, d, hop, bytes, f64::INFINITY);
+            // Results for another node go through NCCL once GEMM2 is done (the network
+            // stream waits for it); over NVLink they leave as GEMM2 stores them.
+            let leave = if self.class(d, hop) == Class::Network {
+                ends[d as usize].end2
+            } else {
+                first
+            };
+            let done = self.transfer(ports, leave, d, hop, bytes, f64::INFINITY);
             let arrival = done.max(last) + self.latency(self.class(d, hop));
             if hop == s {
                 at[s as usize] = at[s as usize].max(arrival);
@@ -971,8 +985,11 @@ mod tests {
         let window = |s: u32| ends.results[s as usize].expect("rows from every source");
         let (own_first, own_last) = window(order[0]);
         let (_, last_source_last) = window(order[3]);
+        // Its own rows are the first of four phases: stored in the first half of GEMM2
+        // (expert-major, every source's rows would be stored until the end).
+        let half = ends.start2 + 0.5 * (ends.end2 - ends.start2);
         assert!(
-            ends.start2 <= own_first && own_last < ends.end2,
+            ends.start2 <= own_first && own_last < half,
             "{:?}",
             ends.results
         );
