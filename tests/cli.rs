@@ -252,8 +252,17 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
         String::from_utf8_lossy(&output.stderr)
     );
     let stdout = String::from_utf8_lossy(&output.stdout);
-    for schedule in ["bulk-synchronous", "naive order", "topology-aware"] {
-        assert_eq!(stdout.matches(schedule).count(), 2, "{stdout}");
+    for schedule in [
+        "  bulk-synchronous",
+        "  fine-grained, naive order",
+        "  fine-grained, topology-aware",
+        "  the topology-aware exchange (dispatch + combine) is ",
+    ] {
+        assert_eq!(
+            stdout.lines().filter(|l| l.starts_with(schedule)).count(),
+            2,
+            "{stdout}"
+        );
     }
     let output = moeforge(&[
         "simulate",

@@ -174,6 +174,14 @@ pub struct ScheduleReport {
     pub timeline: Vec<RankTimeline>,
 }
 
+impl ScheduleReport {
+    /// The layer time over the larger of its compute and network times: 1 is a schedule
+    /// that hides the one under the other completely.
+    pub fn over_bound(&self) -> f64 {
+        self.layer_s / self.compute_s.max(self.network_s)
+    }
+}
+
 /// The simulator's answer for one call.
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -187,6 +195,22 @@ pub struct Report {
     /// `Some` when some spin-wait can never be satisfied; the schedules are then not run.
     pub deadlock: Option<Deadlock>,
     pub schedules: Vec<ScheduleReport>,
+}
+
+impl Report {
+    pub fn schedule(&self, schedule: Schedule) -> Option<&ScheduleReport> {
+        self.schedules.iter().find(|s| s.schedule == schedule)
+    }
+
+    /// How much shorter the topology-aware schedule's dispatch and combine are than the
+    /// bulk-synchronous one's, as a fraction of the latter (issue 10's measure of the
+    /// exchange); `None` without both schedules.
+    pub fn exchange_reduction(&self) -> Option<f64> {
+        let exchange = |s: &ScheduleReport| s.dispatch_s + s.combine_s;
+        let bulk = exchange(self.schedule(Schedule::BulkSynchronous)?);
+        let aware = exchange(self.schedule(Schedule::FineGrainedTopologyAware)?);
+        (bulk > 0.0).then(|| 1.0 - aware / bulk)
+    }
 }
 
 /// The machine the ranks live on.
@@ -451,5 +475,18 @@ mod tests {
         );
         assert!((bulk.dispatch_s - (dispatch + barrier)).abs() < 1e-12);
         assert!((bulk.combine_s - (barrier + combine)).abs() < 1e-12);
+
+        // The summary `moeforge simulate` prints: the exchange against bulk-synchronous,
+        // and the layer against its larger bound.
+        let aware = report
+            .schedule(Schedule::FineGrainedTopologyAware)
+            .expect("the topology-aware schedule");
+        let reduction =
+            1.0 - (aware.dispatch_s + aware.combine_s) / (bulk.dispatch_s + bulk.combine_s);
+        assert_eq!(report.exchange_reduction(), Some(reduction));
+        assert_eq!(
+            aware.over_bound(),
+            aware.layer_s / aware.compute_s.max(aware.network_s)
+        );
     }
 }
