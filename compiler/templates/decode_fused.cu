@@ -89,19 +89,6 @@ __device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* 
     }
 }
 
-// A bounded wait for `*counter` to reach `target`. Unlike wait_flag it does not give up
-// at once on a time-out recorded earlier: block 0 clears an earlier call's error word
-// while the other blocks may already wait.
-__device__ __forceinline__ void wait_count(const u32* counter, u32 target, int* error_word, int expert) {
-    const long long start = clock64();
-    while (!flag_reached(flag_load(counter), target)) {
-        if (clock64() - start > SPIN_LIMIT_CYCLES) {
-            report_error(error_word, ERROR_FLAG_TIMEOUT, 0, (FLAG_KIND_EXPERT_ROWS << 24) | expert, (int)target);
-            return;
-        }
-    }
-}
-
 // Adds one to `counter` after this thread's earlier writes and atomics; returns the value
 // before.
 __device__ __forceinline__ u32 count_in(u32* counter) {
@@ -191,8 +178,10 @@ __device__ __forceinline__ void fused_decode(
             s_tiles2, unit - tiles1, 0, K_TILES2, nullptr, true, [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {
                     const int rows = s_offsets[tile.expert + 1] - s_offsets[tile.expert];
-                    wait_count(expert_rows_done + tile.expert, (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1),
-                               error_word, tile.expert);
+                    // Not giving up on a time-out code recorded earlier: block 0 clears an
+                    // earlier call's error word while the other blocks may already wait.
+                    wait_flag<false>(expert_rows_done + tile.expert, (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1),
+                                     error_word, 0, FLAG_KIND_EXPERT_ROWS, tile.expert);
                 }
                 __syncthreads();
             });

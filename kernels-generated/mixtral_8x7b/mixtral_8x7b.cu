@@ -467,16 +467,20 @@ __device__ __forceinline__ bool flag_reached(u32 value, u32 target) { return (in
 
 // Spins until `*flag` reaches `target`; on time-out records (rank, kind << 24 | index,
 // target) in the error word and returns false. Once this rank has timed out in this call,
-// later waits give up at once: a lost peer costs one bound, not one per token.
+// later waits give up at once: a lost peer costs one bound, not one per token. Waits of a
+// kernel that clears the error word itself while others may already wait (the fused
+// decode) pass GIVE_UP_AFTER_A_TIMEOUT = false: an earlier call's code is no time-out of
+// theirs.
 __device__ __forceinline__ bool timed_out_already(const int* error_word) {
     return *reinterpret_cast<const volatile int*>(error_word) == ERROR_FLAG_TIMEOUT;
 }
 // Inlined: the expert-parallel GEMM1s wait here, and ptxas may serialise a kernel's wgmma
 // around a call (C7509; it did in relocatable code).
+template <bool GIVE_UP_AFTER_A_TIMEOUT = true>
 __device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* error_word, int rank, int kind, int index) {
     const long long start = clock64();
     while (!flag_reached(flag_load(flag), target)) {
-        if (timed_out_already(error_word)) return false;
+        if (GIVE_UP_AFTER_A_TIMEOUT && timed_out_already(error_word)) return false;
         if (clock64() - start > SPIN_LIMIT_CYCLES) {
             report_error(error_word, ERROR_FLAG_TIMEOUT, rank, (kind << 24) | index, (int)target);
             return false;

@@ -1075,45 +1075,31 @@ fn bind(
 mod tests {
     use super::*;
 
-    #[test]
-    fn early_start_is_on_unless_the_variable_says_0() {
-        let with = |value: Option<&str>| {
-            early_start_from(|name| {
-                assert_eq!(name, "MOEFORGE_EARLY_START");
-                value.map(str::to_string)
-            })
-        };
-        assert!(with(None).expect("unset"));
-        assert!(with(Some("")).expect("empty"));
-        assert!(with(Some("1")).expect("1"));
-        assert!(!with(Some("0")).expect("0"));
-        assert!(matches!(
-            with(Some("off")),
-            Err(LayerError::InvalidEnv {
-                var: "MOEFORGE_EARLY_START",
-                ..
-            })
-        ));
-    }
+    type SwitchFrom = fn(&dyn Fn(&str) -> Option<String>) -> Result<bool, LayerError>;
 
+    /// `MOEFORGE_EARLY_START` and `MOEFORGE_FUSED_DECODE`: on unless the variable says 0.
     #[test]
-    fn the_fused_decode_runs_unless_the_variable_says_0() {
-        let with = |value: Option<&str>| {
-            fused_decode_from(|name| {
-                assert_eq!(name, "MOEFORGE_FUSED_DECODE");
-                value.map(str::to_string)
-            })
-        };
-        assert!(with(None).expect("unset"));
-        assert!(with(Some("1")).expect("1"));
-        assert!(!with(Some("0")).expect("0"));
-        assert!(matches!(
-            with(Some("no")),
-            Err(LayerError::InvalidEnv {
-                var: "MOEFORGE_FUSED_DECODE",
-                ..
-            })
-        ));
+    fn switches_are_on_unless_their_variable_says_0() {
+        let switches: [(&str, SwitchFrom); 2] = [
+            ("MOEFORGE_EARLY_START", |lookup| early_start_from(lookup)),
+            ("MOEFORGE_FUSED_DECODE", |lookup| fused_decode_from(lookup)),
+        ];
+        for (var, switch) in switches {
+            let with = |value: Option<&str>| {
+                switch(&|name| {
+                    assert_eq!(name, var);
+                    value.map(str::to_string)
+                })
+            };
+            assert!(with(None).expect("unset"));
+            assert!(with(Some("")).expect("empty"));
+            assert!(with(Some("1")).expect("1"));
+            assert!(!with(Some("0")).expect("0"));
+            assert!(matches!(
+                with(Some("off")),
+                Err(LayerError::InvalidEnv { var: v, .. }) if v == var
+            ));
+        }
     }
 
     #[test]
