@@ -324,8 +324,10 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
     if let Some(fused) = regime.fused_decode {
         let _ = writeln!(
             out,
-            "    fused  calls of up to {} tokens run one persistent kernel instead: each block routes the call in its shared memory, GEMM1 tiles then GEMM2 tiles claimed in order from a ticket (each GEMM2 tile waits for its own expert's GEMM1 tiles only), the last GEMM2 tile of a column tile sums it into y; {} blocks per SM",
-            fused.max_tokens, fused.blocks_per_sm
+            "    fused  calls of up to {} tokens run one persistent kernel instead: each block routes the call in its shared memory, GEMM1 tiles then GEMM2 tiles claimed in order from a ticket (each GEMM2 tile waits for its own expert's GEMM1 tiles only), the last GEMM2 tile of a column tile sums it into y; {} block{} per SM",
+            fused.max_tokens,
+            fused.blocks_per_sm,
+            if fused.blocks_per_sm == 1 { "" } else { "s" }
         );
         describe_launch(out, &fused.launch);
     }

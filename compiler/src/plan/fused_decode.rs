@@ -17,8 +17,11 @@ use super::{
     BufferId, GemmPlan, LayerShape, MmaEngine, Regime, RowLoad, Target, static_smem_reserved,
 };
 
-/// Calls of up to this many tokens run fused where the spec says nothing (0: none). None
-/// yet: the fused decode has not been measured against the table on a GPU.
+/// Calls of up to this many tokens run fused where the spec says nothing (0: none). None:
+/// measured on one H200 (2026-12-01, `benches/results/2026-12-01_fused_decode_measured.md`)
+/// it wins 2-6% at 2-16 tokens on three of the four examples but loses at one token on all
+/// four (1-13%), on Qwen3-30B-A3B at two tokens and on Mixtral at most counts, so no one
+/// bound serves every layer.
 pub const DEFAULT_FUSED_DECODE_TOKENS: u32 = 0;
 
 /// A regime's calls of up to `max_tokens` tokens as one kernel.
