@@ -2,9 +2,12 @@
 //! that L2 does not hold them between calls, next to the cuBLAS baseline run in the same
 //! process, with the roofline floor beside both (docs/design.md, "Performance method"). A
 //! layer with a router is timed a second time routing itself (router, then the layer on
-//! its choices), beside the floor of both.
+//! its choices), beside the floor of both. The caller-routed call is also timed replayed
+//! from a CUDA graph, as an engine that captures its decode step runs it: without the
+//! host's launch latency.
 
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaGraph;
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use moeforge_compiler::plan::{LayerShape, Target};
 use serde::Serialize;
 
@@ -134,6 +137,9 @@ pub struct BenchRow {
     /// choices, which are not the workload's), and the floor of both.
     pub self_routed_us: Option<f64>,
     pub self_routed_floor_us: Option<f64>,
+    /// The caller-routed call replayed from a CUDA graph (captured once per input set);
+    /// none at T = 0, which launches nothing.
+    pub graph_us: Option<f64>,
     pub iterations: usize,
 }
 
@@ -167,6 +173,49 @@ pub(crate) fn time_calls<E: From<GpuError>>(
     Ok(times[times.len() / 2])
 }
 
+/// The caller-routed call on each input set captured into a CUDA graph, the graphs
+/// replayed as `time_calls` times calls. The first set's replay must write exactly what
+/// the eager call wrote (`eager_y`): the kernels are deterministic.
+fn time_graph_replays(
+    session: &Session,
+    built: &BuiltLayer,
+    inputs: &mut [DeviceWorkload],
+    iterations: usize,
+    eager_y: &[u16],
+    tokens: u32,
+) -> Result<f64, BenchError> {
+    let stream = &session.gpu.stream;
+    stream
+        .synchronize()
+        .context("synchronising before capture")?;
+    let mut graphs = Vec::with_capacity(inputs.len());
+    for io in inputs.iter_mut() {
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .context("beginning a stream capture")?;
+        let forward = session.forward(&built.layer, io);
+        // End the capture whatever the forward said, so that the stream is usable after.
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .context("ending a stream capture");
+        forward?;
+        let graph: CudaGraph = graph?.ok_or(BenchError::EmptyGraph { tokens })?;
+        graph.upload().context("uploading a graph")?;
+        graphs.push(graph);
+    }
+    let us = time_calls::<BenchError>(session, iterations, |i| {
+        Ok(graphs[i].launch().context("replaying a graph")?)
+    })?;
+    built.layer.take_error()?;
+    session.fill_bits(&mut inputs[0].y, bf16::NAN)?;
+    graphs[0].launch().context("replaying a graph")?;
+    let replayed = stream.clone_dtoh(&inputs[0].y).context("downloading y")?;
+    if replayed != eager_y {
+        return Err(BenchError::GraphReplayDiffers { tokens });
+    }
+    Ok(us)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
     #[error(transparent)]
@@ -179,6 +228,12 @@ pub enum BenchError {
     NcclPipeline(Box<NcclPipelineError>),
     #[error(transparent)]
     Channel(#[from] ChannelError),
+    #[error(
+        "T = {tokens}: the call replayed from a CUDA graph wrote another y than the same call run eagerly"
+    )]
+    GraphReplayDiffers { tokens: u32 },
+    #[error("T = {tokens}: capturing the call into a CUDA graph captured no work")]
+    EmptyGraph { tokens: u32 },
 }
 
 impl From<NcclPipelineError> for BenchError {
@@ -261,6 +316,19 @@ pub fn bench_layer(
             .clone_dtoh(&inputs[0].y)
             .context("downloading y")?;
 
+        let graph_us = if tokens > 0 {
+            Some(time_graph_replays(
+                session,
+                built,
+                &mut inputs,
+                iterations,
+                &ours,
+                tokens,
+            )?)
+        } else {
+            None
+        };
+
         let (cublas_us, cublas_agreement) = match &baseline {
             Ok(baseline) if tokens > 0 => {
                 let us = time_calls::<BenchError>(session, iterations, |i| {
@@ -318,6 +386,7 @@ pub fn bench_layer(
             cublas_agreement,
             self_routed_us,
             self_routed_floor_us,
+            graph_us,
             iterations,
         };
         progress(&row);

@@ -30,7 +30,7 @@ use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::HostWeights;
 use moeforge_runtime::gpu::Gpu;
 use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, HarnessError, Session};
-use moeforge_runtime::layer::LayerError;
+use moeforge_runtime::layer::{LayerError, RoutedForwardArgs};
 use moeforge_runtime::toolkit;
 use moeforge_runtime::weights;
 use moeforge_runtime::workload::{self, Routing, Workload};
@@ -744,9 +744,57 @@ fn routing_over_several_blocks_matches_reference_and_reports_bad_ids() {
     assert!(report.passed(), "{report}");
 }
 
-/// `forward` enqueues work only: stream capture fails on any host synchronisation, and
-/// the replayed graph must produce exactly what the eager call produced (a scaled example,
-/// and a layer whose GEMM1 reads x's rows sorted by expert).
+/// One call of `built` on `workload`, eager and then captured into a CUDA graph and
+/// replayed three times (each into a poisoned y): the eager output, then the replayed one.
+fn eager_and_replayed(
+    session: &Session,
+    built: &BuiltLayer,
+    workload: &Workload,
+    self_routed: bool,
+) -> (Vec<u16>, Vec<u16>) {
+    let shape = built.layer.plan().shape.clone();
+    let stream = &session.gpu.stream;
+    let call = |io: &mut moeforge_runtime::harness::DeviceWorkload| {
+        if self_routed {
+            built.layer.forward_routed(RoutedForwardArgs {
+                tokens: io.tokens,
+                x: &io.x,
+                y: &mut io.y,
+            })
+        } else {
+            session.forward(&built.layer, io)
+        }
+    };
+    let mut eager = session.upload(&shape, workload).expect("upload");
+    call(&mut eager).expect("eager forward");
+    built.layer.take_error().expect("no kernel error");
+    let eager_y = stream.clone_dtoh(&eager.y).expect("download");
+
+    let mut captured = session.upload(&shape, workload).expect("upload");
+    stream.synchronize().expect("sync before capture");
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    call(&mut captured).expect("forward under capture");
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .expect("end capture")
+        .expect("a graph with the forward's launches");
+    for _ in 0..3 {
+        session
+            .fill_bits(&mut captured.y, bf16::NAN)
+            .expect("poison");
+        graph.launch().expect("replay");
+    }
+    built.layer.take_error().expect("no kernel error");
+    (eager_y, stream.clone_dtoh(&captured.y).expect("download"))
+}
+
+/// `forward` and `forward_routed` enqueue work only: stream capture fails on any host
+/// synchronisation, and a graph replayed three times must produce exactly what the eager
+/// call produced. Cases: a scaled example caller-routed and routing itself (its router
+/// then the table), a layer whose GEMM1 reads x's rows sorted by expert, and the fused
+/// decode caller-routed and after the router.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forward_is_graph_capturable_and_replays_identically() {
@@ -754,48 +802,55 @@ fn forward_is_graph_capturable_and_replays_identically() {
         .into_iter()
         .find(|l| l.name == "qwen3_30b_a3b")
         .expect("the Qwen3-30B example");
+    let mut fused = layers::scaled_down(&layer);
+    fused.name = format!("{}_fused", fused.name);
+    fused.schedule.fused_decode = Some(16);
     let session = Session::open().expect("GPU session");
-    // The scaled example, and a layer whose GEMM1 reads rows the sort kernel copies.
-    for plan in [
-        plan_for_device(&layers::scaled_down(&layer)),
-        sorted_rows_plan(),
+    let seed = fresh_seed();
+    log(&format!(
+        "graph capture: seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let mut failures = Vec::new();
+    let mut self_routed_cases = 0;
+    for (plan, tokens, runs_fused) in [
+        (plan_for_device(&layers::scaled_down(&layer)), 300, false),
+        (sorted_rows_plan(), 300, false),
+        (plan_for_device(&fused), 4, true),
     ] {
-        let built = session.build(plan, 5).expect("build");
-        let shape = built.layer.plan().shape.clone();
-        let workload = Workload::random(&shape, 300, Routing::Uniform, fresh_seed());
-        let stream = &session.gpu.stream;
-
-        let mut eager = session.upload(&shape, &workload).expect("upload");
-        session
-            .forward(&built.layer, &mut eager)
-            .expect("eager forward");
-        let eager_y = stream.clone_dtoh(&eager.y).expect("download");
-
-        let mut captured = session.upload(&shape, &workload).expect("upload");
-        stream.synchronize().expect("sync before capture");
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .expect("begin capture");
-        session
-            .forward(&built.layer, &mut captured)
-            .expect("forward under capture");
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-            .expect("end capture")
-            .expect("a graph with the forward's launches");
-        session
-            .fill_bits(&mut captured.y, bf16::NAN)
-            .expect("poison");
-        graph.launch().expect("replay");
-        built.layer.take_error().expect("no kernel error");
-        let replay_y = stream.clone_dtoh(&captured.y).expect("download");
+        let built = session.build(plan, seed).expect("build");
+        let name = built.layer.plan().layer.clone();
         assert_eq!(
-            eager_y,
-            replay_y,
-            "{}: graph replay differs from the eager call",
-            built.layer.plan().layer
+            built.layer.runs_fused(tokens),
+            runs_fused,
+            "{name} T={tokens}: the path this case is for (is MOEFORGE_FUSED_DECODE=0 set?)"
         );
+        let shape = built.layer.plan().shape.clone();
+        let workload = Workload::random(&shape, tokens, Routing::Uniform, seed);
+        let mut modes = vec![false];
+        if built.layer.routes_itself() {
+            modes.push(true);
+        }
+        for self_routed in modes {
+            self_routed_cases += usize::from(self_routed);
+            let (eager, replayed) = eager_and_replayed(&session, &built, &workload, self_routed);
+            if eager != replayed {
+                failures.push(format!(
+                    "{name} T={tokens}{}{}: graph replay differs from the eager call",
+                    if self_routed { " self-routed" } else { "" },
+                    if runs_fused { " (fused decode)" } else { "" },
+                ));
+            }
+        }
     }
+    assert_eq!(
+        self_routed_cases, 2,
+        "both scaled Qwen3 layers route themselves, so their self-routed calls ran"
+    );
+    assert!(
+        failures.is_empty(),
+        "graph capture (seed {seed}):\n{}",
+        failures.join("\n")
+    );
 }
 
 /// The fused decode on [`fused_decode_layers`]: every case of the sweep matches the CPU
