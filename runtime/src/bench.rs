@@ -1,10 +1,11 @@
 //! Measuring a layer: median CUDA-event time per token count, over input sets rotated so
 //! that L2 does not hold them between calls, next to the cuBLAS baseline run in the same
-//! process, with the roofline floor beside both (docs/design.md, "Performance method"). A
-//! layer with a router is timed a second time routing itself (router, then the layer on
-//! its choices), beside the floor of both. The caller-routed call is also timed replayed
-//! from a CUDA graph, as an engine that captures its decode step runs it: without the
-//! host's launch latency.
+//! process, with the roofline floor beside both (docs/design.md, "Performance method").
+//! The call is also timed replayed from a CUDA graph, as an engine that captures its
+//! decode step runs it: without the host's launch latency. A layer with a router is timed
+//! routing itself (router, then the layer on its choices), beside the floor of both on
+//! those choices, and caller-routed on the router's own choices: the difference is what
+//! the router costs.
 
 use cudarc::driver::CudaGraph;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -134,9 +135,12 @@ pub struct BenchRow {
     /// that both computed the same layer.
     pub cublas_agreement: Option<f64>,
     /// A layer with a router: the call that routes itself (router, then the layer on its
-    /// choices, which are not the workload's), and the floor of both.
+    /// choices, which are not the workload's), and the floor of both on those choices.
     pub self_routed_us: Option<f64>,
     pub self_routed_floor_us: Option<f64>,
+    /// The caller-routed call given the router's own choices: the self-routed call less
+    /// this is what the router costs, on equal routing.
+    pub on_its_routing_us: Option<f64>,
     /// The caller-routed call replayed from a CUDA graph (captured once per input set);
     /// none at T = 0, which launches nothing.
     pub graph_us: Option<f64>,
@@ -171,6 +175,65 @@ pub(crate) fn time_calls<E: From<GpuError>>(
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
+}
+
+/// A self-routed call measured against the same call given the router's choices.
+struct SelfRouted {
+    self_routed_us: f64,
+    /// The floor of the router and the layer on the router's choices (first input set).
+    floor_us: f64,
+    on_its_routing_us: f64,
+}
+
+/// Times the calls that route themselves on `inputs`' x, then, on the choices the router
+/// made for each input set (collected by one more call each), the caller-routed call.
+fn time_self_routed(
+    session: &Session,
+    built: &BuiltLayer,
+    workloads: &[Workload],
+    inputs: &mut [DeviceWorkload],
+    iterations: usize,
+) -> Result<SelfRouted, BenchError> {
+    let plan = built.layer.plan();
+    let self_routed_us = time_calls::<BenchError>(session, iterations, |i| {
+        let io = &mut inputs[i];
+        Ok(built.layer.forward_routed(RoutedForwardArgs {
+            tokens: io.tokens,
+            x: &io.x,
+            y: &mut io.y,
+        })?)
+    })?;
+    built.layer.take_error()?;
+    let chosen: Vec<Workload> = workloads
+        .iter()
+        .map(|w| {
+            let outputs = session.run_routed_collect(built, w.tokens, &w.x)?;
+            Ok(Workload {
+                tokens: w.tokens,
+                x: w.x.clone(),
+                topk_ids: outputs.topk_ids,
+                topk_weights: outputs.topk_weights,
+            })
+        })
+        .collect::<Result<_, HarnessError>>()?;
+    let mut chosen_inputs: Vec<DeviceWorkload> = chosen
+        .iter()
+        .map(|w| session.upload(&plan.shape, w))
+        .collect::<Result<_, _>>()?;
+    let on_its_routing_us = time_calls::<BenchError>(session, iterations, |i| {
+        Ok(session.forward(&built.layer, &mut chosen_inputs[i])?)
+    })?;
+    built.layer.take_error()?;
+    let floor = Roofline::of(&plan.shape, &chosen[0], &plan.target).with_router(
+        &plan.shape,
+        chosen[0].tokens,
+        &plan.target,
+    );
+    Ok(SelfRouted {
+        self_routed_us,
+        floor_us: floor.floor_us,
+        on_its_routing_us,
+    })
 }
 
 /// The caller-routed call on each input set captured into a CUDA graph, the graphs
@@ -348,21 +411,17 @@ pub fn bench_layer(
             _ => (None, None),
         };
         let roofline = Roofline::of(&shape, &workloads[0], &plan.target);
-        let (self_routed_us, self_routed_floor_us) = if built.layer.routes_itself() && tokens > 0 {
-            let us = time_calls::<BenchError>(session, iterations, |i| {
-                let io = &mut inputs[i];
-                Ok(built.layer.forward_routed(RoutedForwardArgs {
-                    tokens: io.tokens,
-                    x: &io.x,
-                    y: &mut io.y,
-                })?)
-            })?;
-            built.layer.take_error()?;
-            let floor = roofline.with_router(&shape, tokens, &plan.target);
-            (Some(us), Some(floor.floor_us))
-        } else {
-            (None, None)
-        };
+        let (self_routed_us, self_routed_floor_us, on_its_routing_us) =
+            if built.layer.routes_itself() && tokens > 0 {
+                let routed = time_self_routed(session, built, &workloads, &mut inputs, iterations)?;
+                (
+                    Some(routed.self_routed_us),
+                    Some(routed.floor_us),
+                    Some(routed.on_its_routing_us),
+                )
+            } else {
+                (None, None, None)
+            };
         // A call its regime's fused decode runs says so.
         let regime = plan
             .regime_for(tokens)
@@ -386,6 +445,7 @@ pub fn bench_layer(
             cublas_agreement,
             self_routed_us,
             self_routed_floor_us,
+            on_its_routing_us,
             graph_us,
             iterations,
         };

@@ -149,7 +149,7 @@ fn peers_table(rows: &[BenchRow], report: &PeerReport) -> String {
 }
 
 fn header() -> String {
-    "|     T | regime  | moeforge us | TFLOP/s |   GB/s | floor us | of floor | cuBLAS us | speed-up | agree | self-routed us | its floor us | graph us |".to_string()
+    "|     T | regime  | moeforge us | TFLOP/s |   GB/s | floor us | of floor | cuBLAS us | speed-up | agree | self-routed us | its floor us | graph us | on its routing us |".to_string()
 }
 
 fn table_row(row: &BenchRow) -> String {
@@ -164,7 +164,7 @@ fn table_row(row: &BenchRow) -> String {
         .map_or("-".to_string(), |e| format!("{e:.0e}"));
     let us = |v: Option<f64>| v.map_or("-".to_string(), |us| format!("{us:.1}"));
     format!(
-        "| {:>5} | {:<7} | {:>11.1} | {:>7.1} | {:>6.0} | {:>8.1} | {:>7.0}% | {:>9} | {:>8} | {:>5} | {:>14} | {:>12} | {:>8} |",
+        "| {:>5} | {:<7} | {:>11.1} | {:>7.1} | {:>6.0} | {:>8.1} | {:>7.0}% | {:>9} | {:>8} | {:>5} | {:>14} | {:>12} | {:>8} | {:>17} |",
         row.tokens,
         row.regime,
         row.moeforge_us,
@@ -177,7 +177,8 @@ fn table_row(row: &BenchRow) -> String {
         agree,
         us(row.self_routed_us),
         us(row.self_routed_floor_us),
-        us(row.graph_us)
+        us(row.graph_us),
+        us(row.on_its_routing_us)
     )
 }
 
