@@ -435,6 +435,7 @@ impl<'a> Machine<'a> {
         start: f64,
         ready: &dyn Fn(u32, u32) -> f64,
         rows: &mut [u64],
+        gemm2_last_first: bool,
         lane: Option<&mut RankTimeline>,
     ) -> GemmEnds {
         let order = &self.ep.receive_order[d as usize];
@@ -529,7 +530,14 @@ impl<'a> Machine<'a> {
             .copied()
             .fold(start + model::hbm_seconds(self.target, hbm_bytes), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
-        let (end2, results) = self.gemm2(g2, start2, order, &block2_rows, record.as_deref_mut());
+        let (end2, results) = self.gemm2(
+            g2,
+            start2,
+            order,
+            &block2_rows,
+            gemm2_last_first,
+            record.as_deref_mut(),
+        );
         if let Some(lane) = record {
             lane.kernels.push(Span {
                 start,
@@ -551,7 +559,7 @@ impl<'a> Machine<'a> {
 
     /// GEMM2 over experts with `phase_rows[e][p]` rows of phase `p` (source `order[p]`)
     /// each, every row present at `start`, its tiles in the kernels' order: phase (of a
-    /// tile's last row), expert, n-tile, m-tile. Returns its end and, per source rank, when
+    /// tile's last row; from the last with `last_first`), expert, n-tile, m-tile. Returns its end and, per source rank, when
     /// its first tile started and its last ended (`None`: no rows here).
     fn gemm2(
         &self,
@@ -559,6 +567,7 @@ impl<'a> Machine<'a> {
         start: f64,
         order: &[u32],
         phase_rows: &[Vec<u32>],
+        last_first: bool,
         mut lane: Option<&mut RankTimeline>,
     ) -> (f64, Vec<Option<(f64, f64)>>) {
         let mut blocks = vec![start; g2.grid_blocks.max(1) as usize];
@@ -570,7 +579,12 @@ impl<'a> Machine<'a> {
         let mut hbm_bytes = 0.0;
         let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
         let m_done: Vec<Vec<u32>> = phase_rows.iter().map(|p| row_tiles_done(p, bm)).collect();
-        for phase in 0..order.len() {
+        let phases: Vec<usize> = if last_first {
+            (0..order.len()).rev().collect()
+        } else {
+            (0..order.len()).collect()
+        };
+        for phase in phases {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
                 let (tile, bytes) =
@@ -659,6 +673,15 @@ impl<'a> Machine<'a> {
             .map(|s| self.latency(self.class(s, d)))
             .fold(0.0, f64::max);
         self.metadata_released() + farthest + model::ARRANGE_S
+    }
+
+    /// Whether GEMM2 takes its phases from the last in `schedule`: the topology-aware
+    /// schedule across real nodes, whose results go back through the node's relay as
+    /// GEMM2 stores them (see the module documentation).
+    fn gemm2_last_first(&self, schedule: Schedule) -> bool {
+        schedule == Schedule::FineGrainedTopologyAware
+            && self.traffic.nodes() > 1
+            && !self.topology.virtual_ranks
     }
 
     /// The send targets of `source` for `schedule`: its peers (its own rows stay where
@@ -752,7 +775,14 @@ impl<'a> Machine<'a> {
                 }
             };
             let lane = timeline.get_mut(d as usize);
-            ends.push(self.gemms(d, start, &ready, &mut accounting.pairs_dispatched, lane));
+            ends.push(self.gemms(
+                d,
+                start,
+                &ready,
+                &mut accounting.pairs_dispatched,
+                self.gemm2_last_first(schedule),
+                lane,
+            ));
         }
         let last_gemm2 = ends.iter().map(|e| e.end2).fold(0.0, f64::max);
         // Bulk-synchronous as the bench's baseline (a): every rank waits for every rank's
@@ -803,7 +833,7 @@ impl<'a> Machine<'a> {
         }
         let compute = (0..ranks)
             .map(|d| {
-                let ends = self.gemms(d, 0.0, &|_, _| 0.0, &mut vec![0; r], None);
+                let ends = self.gemms(d, 0.0, &|_, _| 0.0, &mut vec![0; r], false, None);
                 // Both GEMMs from 0 without the launch between them.
                 ends.end2 - launch
             })
@@ -980,7 +1010,7 @@ mod tests {
         let topology = Topology::of(&layer.topology);
         let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, 4, tokens).expect("draws");
         let machine = Machine::new(&plan, ep, regime, &topology, &traffic);
-        let ends = machine.gemms(0, 0.0, &|_, _| 0.0, &mut [0; 4], None);
+        let ends = machine.gemms(0, 0.0, &|_, _| 0.0, &mut [0; 4], false, None);
         let order = &ep.receive_order[0];
         let window = |s: u32| ends.results[s as usize].expect("rows from every source");
         let (own_first, own_last) = window(order[0]);
@@ -1002,5 +1032,37 @@ mod tests {
             let (first, last) = window(s);
             assert!(ends.start2 <= first && first <= last && last <= ends.end2 + 1e-9);
         }
+    }
+
+    /// Across nodes the topology-aware schedule has GEMM2 take its phases from the last:
+    /// the last source in receive order (on the other node) is stored from GEMM2's first
+    /// tile and done before its end, the rank's own rows at the end (in receive order it is
+    /// the other way round: see the test above).
+    #[test]
+    fn across_nodes_the_aware_gemm2_stores_the_farthest_sources_results_first() {
+        let text = "topology two_by_two {\n gpus_per_node = 2\n nodes = 2\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}\nlayer four {\n hidden = 4096\n ffn = 512\n experts = 16\n top_k = 4\n max_tokens = 1024\n parallel { expert = 4 }\n topology = two_by_two\n}\n";
+        let module = crate::compile_source("two_by_two.moe", text).expect("checks");
+        let layer = &module.layers[0];
+        let plan = crate::plan::plan(layer, &crate::plan::Target::h200()).expect("plans");
+        let ep = plan.expert_parallel.as_ref().expect("four ranks");
+        let tokens = 1024;
+        let regime = &ep.regimes[ep.regime_index_for(tokens).expect("a regime")];
+        let topology = Topology::of(&layer.topology);
+        let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, 2, tokens).expect("draws");
+        let machine = Machine::new(&plan, ep, regime, &topology, &traffic);
+        assert!(machine.gemm2_last_first(Schedule::FineGrainedTopologyAware));
+        assert!(!machine.gemm2_last_first(Schedule::FineGrainedNaive));
+        let last_first = machine.gemm2_last_first(Schedule::FineGrainedTopologyAware);
+        let ends = machine.gemms(0, 0.0, &|_, _| 0.0, &mut [0; 4], last_first, None);
+        let order = &ep.receive_order[0];
+        let window = |s: u32| ends.results[s as usize].expect("rows from every source");
+        let (farthest_first, farthest_last) = window(order[3]);
+        let (_, own_last) = window(order[0]);
+        assert!(
+            (farthest_first - ends.start2).abs() < 1e-9 && farthest_last < ends.end2 - 1e-9,
+            "{:?}",
+            ends.results
+        );
+        assert!((own_last - ends.end2).abs() < 1e-9, "{:?}", ends.results);
     }
 }

@@ -10,7 +10,13 @@
 //! - **fine-grained, topology-aware**: the plan's rotated send order; tokens bound for a
 //!   remote node cross the network once (to the rank of that node with the sender's local
 //!   index) and fan out over NVLink there; results come back the same way, reduced on the
-//!   remote node first.
+//!   remote node first. Across nodes GEMM2 takes its phases from the last, so that the
+//!   rows from other nodes, whose results have the longest way back, are computed first
+//!   (GEMM2 starts after GEMM1, so no tile waits; `benches/results/2026-12-01_simulator_gemm2_farthest_first_trial.md`).
+//!   This schedule is the design to build across nodes: the kernels do neither the
+//!   hierarchical exchange nor this GEMM2 order yet (their phases follow the receive
+//!   order, and the runtime sends a network peer's results after GEMM2, so the order
+//!   would not pay before the relay does).
 //!
 //! What it models: per rank, the plan's communication blocks taking work items (chunks of
 //! `dispatch_chunk` tokens per destination, or `dispatch_piece` pieces when a call has
