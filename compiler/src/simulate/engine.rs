@@ -995,23 +995,41 @@ mod tests {
     use super::*;
     use crate::simulate::Routing;
 
-    /// GEMM2 takes its tiles phase by phase, as the kernels do: a rank's own rows (its
-    /// first phase) are stored before its GEMM2 ends, the last source's only at the end, and
-    /// every source with rows here has a window within GEMM2's span.
-    #[test]
-    fn gemm2_stores_an_early_sources_results_before_its_end() {
-        let text = "topology four {\n gpus_per_node = 4\n nodes = 1\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}\nlayer four {\n hidden = 4096\n ffn = 512\n experts = 16\n top_k = 4\n max_tokens = 1024\n parallel { expert = 4 }\n topology = four\n}\n";
-        let module = crate::compile_source("four.moe", text).expect("checks");
+    /// Rank 0's GEMMs at 1024 tokens per rank of a four-rank layer on `nodes` nodes (of
+    /// 4 / `nodes` GPUs), uniform routing, GEMM2 in `schedule`'s phase order (checked to
+    /// be last first exactly where `last_first` says): their ends and rank 0's receive order.
+    fn rank0_gemms(nodes: u32, schedule: Schedule, last_first: bool) -> (GemmEnds, Vec<u32>) {
+        let gpus = 4 / nodes;
+        let text = format!(
+            "topology t {{\n gpus_per_node = {gpus}\n nodes = {nodes}\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}}\nlayer four {{\n hidden = 4096\n ffn = 512\n experts = 16\n top_k = 4\n max_tokens = 1024\n parallel {{ expert = 4 }}\n topology = t\n}}\n"
+        );
+        let module = crate::compile_source("four.moe", &text).expect("checks");
         let layer = &module.layers[0];
         let plan = crate::plan::plan(layer, &crate::plan::Target::h200()).expect("plans");
         let ep = plan.expert_parallel.as_ref().expect("four ranks");
         let tokens = 1024;
         let regime = &ep.regimes[ep.regime_index_for(tokens).expect("a regime")];
         let topology = Topology::of(&layer.topology);
-        let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, 4, tokens).expect("draws");
+        let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, gpus, tokens).expect("draws");
         let machine = Machine::new(&plan, ep, regime, &topology, &traffic);
-        let ends = machine.gemms(0, 0.0, &|_, _| 0.0, &mut [0; 4], false, None);
-        let order = &ep.receive_order[0];
+        assert_eq!(machine.gemm2_last_first(schedule), last_first);
+        let ends = machine.gemms(
+            0,
+            0.0,
+            &|_, _| 0.0,
+            &mut [0; 4],
+            machine.gemm2_last_first(schedule),
+            None,
+        );
+        (ends, ep.receive_order[0].clone())
+    }
+
+    /// GEMM2 takes its tiles phase by phase, as the kernels do: a rank's own rows (its
+    /// first phase) are stored before its GEMM2 ends, the last source's only at the end, and
+    /// every source with rows here has a window within GEMM2's span.
+    #[test]
+    fn gemm2_stores_an_early_sources_results_before_its_end() {
+        let (ends, order) = rank0_gemms(1, Schedule::FineGrainedTopologyAware, false);
         let window = |s: u32| ends.results[s as usize].expect("rows from every source");
         let (own_first, own_last) = window(order[0]);
         let (_, last_source_last) = window(order[3]);
@@ -1040,21 +1058,9 @@ mod tests {
     /// the other way round: see the test above).
     #[test]
     fn across_nodes_the_aware_gemm2_stores_the_farthest_sources_results_first() {
-        let text = "topology two_by_two {\n gpus_per_node = 2\n nodes = 2\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}\nlayer four {\n hidden = 4096\n ffn = 512\n experts = 16\n top_k = 4\n max_tokens = 1024\n parallel { expert = 4 }\n topology = two_by_two\n}\n";
-        let module = crate::compile_source("two_by_two.moe", text).expect("checks");
-        let layer = &module.layers[0];
-        let plan = crate::plan::plan(layer, &crate::plan::Target::h200()).expect("plans");
-        let ep = plan.expert_parallel.as_ref().expect("four ranks");
-        let tokens = 1024;
-        let regime = &ep.regimes[ep.regime_index_for(tokens).expect("a regime")];
-        let topology = Topology::of(&layer.topology);
-        let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, 2, tokens).expect("draws");
-        let machine = Machine::new(&plan, ep, regime, &topology, &traffic);
-        assert!(machine.gemm2_last_first(Schedule::FineGrainedTopologyAware));
-        assert!(!machine.gemm2_last_first(Schedule::FineGrainedNaive));
-        let last_first = machine.gemm2_last_first(Schedule::FineGrainedTopologyAware);
-        let ends = machine.gemms(0, 0.0, &|_, _| 0.0, &mut [0; 4], last_first, None);
-        let order = &ep.receive_order[0];
+        let (ends, order) = rank0_gemms(2, Schedule::FineGrainedTopologyAware, true);
+        // The naive schedule keeps the receive order (rank0_gemms checks which it takes).
+        rank0_gemms(2, Schedule::FineGrainedNaive, false);
         let window = |s: u32| ends.results[s as usize].expect("rows from every source");
         let (farthest_first, farthest_last) = window(order[3]);
         let (_, own_last) = window(order[0]);
