@@ -286,6 +286,53 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
     assert_eq!(output.status.code(), Some(2));
 }
 
+/// Grouped routing takes the router's group limit (DeepSeek-V3's 4 of 8), or the flags; a
+/// layer without one, or the flags without grouped routing, is a usage error saying why.
+#[test]
+fn simulate_routes_within_the_routers_group_limit() {
+    let output = moeforge(&[
+        "simulate",
+        "dsl-examples/deepseek_v3_ep64.moe",
+        "--tokens",
+        "128",
+        "--routing",
+        "grouped",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("group-limited (4 of 8 groups) routing"),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    let without = moeforge(&["simulate", "dsl-examples/tiny.moe", "--routing", "grouped"]);
+    assert_eq!(without.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&without.stderr).contains("--groups and --groups-kept"));
+    let flags = moeforge(&["simulate", "dsl-examples/tiny.moe", "--groups", "2"]);
+    assert_eq!(flags.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&flags.stderr).contains("go with --routing grouped"));
+    let given = moeforge(&[
+        "simulate",
+        "dsl-examples/tiny.moe",
+        "--tokens",
+        "16",
+        "--routing",
+        "grouped",
+        "--groups",
+        "4",
+        "--groups-kept",
+        "2",
+    ]);
+    assert!(
+        given.status.success(),
+        "{}",
+        String::from_utf8_lossy(&given.stderr)
+    );
+}
+
 /// A process launched as a rank of a group with a launch variable missing, a world size
 /// the layer does not have, virtual ranks or the single-GPU peers, is a usage error that
 /// says what to set (before any GPU or network work, so these run anywhere).

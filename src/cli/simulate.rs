@@ -24,10 +24,17 @@ pub struct Args {
     /// Tokens per rank per call, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16,128,1024,4096")]
     tokens: Vec<u32>,
-    /// How tokens pick experts: uniform (seeded random) or skewed (every token to experts
-    /// 0..top_k, the worst case).
+    /// How tokens pick experts: uniform (seeded random), skewed (every token to experts
+    /// 0..top_k, the worst case) or grouped (within --groups-kept of --groups equal groups
+    /// of experts, as DeepSeek-V3's router limits them).
     #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
     routing: RoutingArg,
+    /// Grouped routing: the experts' groups (default: the layer's router's group limit).
+    #[arg(long, value_name = "G")]
+    groups: Option<u32>,
+    /// Grouped routing: the groups each token keeps (default: the layer's router's).
+    #[arg(long, value_name = "K")]
+    groups_kept: Option<u32>,
     /// Expert-parallel ranks instead of the spec's; nodes grow to hold them
     /// (`gpus_per_node` from the spec's topology).
     #[arg(long)]
@@ -43,10 +50,11 @@ pub struct Args {
     target: TargetArgs,
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum RoutingArg {
     Uniform,
     Skewed,
+    Grouped,
 }
 
 /// Ranks drawn in the SVG timeline.
@@ -110,10 +118,28 @@ pub fn run(args: &Args) -> ExitCode {
     if let Some(measured) = &measured {
         return print_comparison(&plan, &topology, measured);
     }
+    let limit = layer.router.and_then(|router| router.group_limit);
     let routing = match args.routing {
         RoutingArg::Uniform => Routing::Uniform,
         RoutingArg::Skewed => Routing::Skewed,
+        RoutingArg::Grouped => {
+            let groups = args.groups.or(limit.map(|l| l.groups));
+            let kept = args.groups_kept.or(limit.map(|l| l.kept));
+            let (Some(groups), Some(kept)) = (groups, kept) else {
+                eprintln!(
+                    "error: --routing grouped needs --groups and --groups-kept: layer `{}` has no router with a group limit to take them from",
+                    layer.name
+                );
+                return usage_error();
+            };
+            Routing::GroupLimited { groups, kept }
+        }
     };
+    if args.routing != RoutingArg::Grouped && (args.groups.is_some() || args.groups_kept.is_some())
+    {
+        eprintln!("error: --groups and --groups-kept go with --routing grouped");
+        return usage_error();
+    }
     for (i, &tokens) in args.tokens.iter().enumerate() {
         let options = Options {
             tokens_per_rank: tokens,

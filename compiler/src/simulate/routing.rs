@@ -15,13 +15,22 @@ pub enum Routing {
     /// Every token of every rank picks experts `0..top_k`: the worst case for the ranks
     /// holding those experts and for their receive buffers.
     Skewed,
+    /// As DeepSeek-V3's router limits them: the experts split into `groups` equal groups
+    /// (in index order), every token picks `kept` distinct groups uniformly at random, then
+    /// `top_k` distinct experts uniformly among theirs (seeded). With experts placed on
+    /// ranks in index order, a group is a block of ranks (at EP = 64 over 8 nodes,
+    /// DeepSeek-V3's 8 groups are the 8 nodes), so a token reaches at most `kept` of them.
+    GroupLimited { groups: u32, kept: u32 },
 }
 
 impl Routing {
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            Routing::Uniform => "uniform",
-            Routing::Skewed => "skewed",
+            Routing::Uniform => "uniform".into(),
+            Routing::Skewed => "skewed".into(),
+            Routing::GroupLimited { groups, kept } => {
+                format!("group-limited ({kept} of {groups} groups)")
+            }
         }
     }
 }
@@ -61,6 +70,17 @@ impl Traffic {
                 "{experts} experts, top_k {top_k}, {ranks} ranks: experts must split evenly over the ranks and top_k be between 1 and the experts"
             )));
         }
+        if let Routing::GroupLimited { groups, kept } = routing
+            && (groups == 0
+                || !experts.is_multiple_of(groups)
+                || kept == 0
+                || kept > groups
+                || top_k > kept * (experts / groups))
+        {
+            return Err(SimError::Shape(format!(
+                "{experts} experts in {groups} groups, {kept} kept, top_k {top_k}: the groups must split the experts evenly, and the kept groups hold at least top_k experts"
+            )));
+        }
         let (r, e) = (ranks as usize, experts as usize);
         let per_rank = experts / ranks;
         let nodes = ranks.div_ceil(gpus_per_node) as usize;
@@ -76,6 +96,7 @@ impl Traffic {
         };
         let mut state = SEED;
         let mut chosen: Vec<u32> = Vec::with_capacity(top_k as usize);
+        let mut kept_groups: Vec<u32> = Vec::new();
         let mut last_rank = vec![u32::MAX; r];
         let mut last_node = vec![u32::MAX; nodes];
         for source in 0..ranks {
@@ -83,11 +104,15 @@ impl Traffic {
                 chosen.clear();
                 match routing {
                     Routing::Skewed => chosen.extend(0..top_k),
-                    // Floyd's algorithm: top_k distinct experts with top_k draws.
-                    Routing::Uniform => {
-                        for j in experts - top_k..experts {
-                            let t = (splitmix(&mut state) % u64::from(j + 1)) as u32;
-                            chosen.push(if chosen.contains(&t) { j } else { t });
+                    Routing::Uniform => distinct(&mut state, experts, top_k, &mut chosen),
+                    Routing::GroupLimited { groups, kept } => {
+                        // Kept groups, then top_k of their experts, numbered group by group.
+                        let size = experts / groups;
+                        distinct(&mut state, groups, kept, &mut kept_groups);
+                        distinct(&mut state, kept * size, top_k, &mut chosen);
+                        for expert in chosen.iter_mut() {
+                            *expert =
+                                kept_groups[(*expert / size) as usize] * size + *expert % size;
                         }
                     }
                 }
@@ -142,6 +167,16 @@ impl Traffic {
     }
 }
 
+/// `count` distinct values of `0..n` into `out` (cleared first), uniformly at random:
+/// Floyd's algorithm, `count` draws.
+fn distinct(state: &mut u64, n: u32, count: u32, out: &mut Vec<u32>) {
+    out.clear();
+    for j in n - count..n {
+        let t = (splitmix(state) % u64::from(j + 1)) as u32;
+        out.push(if out.contains(&t) { j } else { t });
+    }
+}
+
 /// SplitMix64: a small, good-enough generator for routing draws (no dependency needed).
 fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -149,4 +184,39 @@ fn splitmix(state: &mut u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With a rank per group, a token of group-limited routing reaches at most `kept`
+    /// ranks, and every token still has its `top_k` pairs.
+    #[test]
+    fn group_limited_tokens_reach_at_most_their_kept_groups() {
+        let (ranks, tokens, top_k) = (8u32, 500u32, 8u32);
+        let routing = Routing::GroupLimited { groups: 8, kept: 2 };
+        let traffic = Traffic::draw(routing, ranks, 64, top_k, 8, tokens).expect("draws");
+        for source in 0..ranks {
+            let reached: u32 = (0..ranks).map(|d| traffic.tokens_to(source, d)).sum();
+            let pairs: u64 = (0..ranks).map(|d| traffic.pairs_to_rank(source, d)).sum();
+            assert!(reached >= tokens && reached <= 2 * tokens, "{reached}");
+            assert_eq!(pairs, u64::from(tokens * top_k));
+        }
+        // Uniform routing over the same experts reaches far more ranks per token.
+        let uniform = Traffic::draw(Routing::Uniform, ranks, 64, top_k, 8, tokens).expect("draws");
+        let reached: u32 = (0..ranks).map(|d| uniform.tokens_to(0, d)).sum();
+        assert!(reached > 4 * tokens, "{reached}");
+    }
+
+    #[test]
+    fn group_limits_that_cannot_hold_top_k_are_refused() {
+        for (groups, kept) in [(0, 1), (7, 2), (8, 0), (8, 9), (8, 1)] {
+            let routing = Routing::GroupLimited { groups, kept };
+            assert!(
+                Traffic::draw(routing, 8, 64, 16, 8, 10).is_err(),
+                "{groups} groups, {kept} kept"
+            );
+        }
+    }
 }
