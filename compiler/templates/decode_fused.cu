@@ -89,14 +89,6 @@ __device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* 
     }
 }
 
-// Adds one to `counter` after this thread's earlier writes and atomics; returns the value
-// before.
-__device__ __forceinline__ u32 count_in(u32* counter) {
-    u32 before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
-    return before;
-}
-
 // The fused call, with the regime's two GEMM configurations: G1 (GEMM_UP) and G2
 // (GEMM_DOWN), both mma.sync with the same threads; the kernel's dynamic shared memory
 // is the larger ring. `counters`: [GEMM_EXPERTS] GEMM1 tiles stored per expert, then
@@ -204,9 +196,7 @@ __device__ __forceinline__ void fused_decode(
         }
         __syncthreads();  // the next ticket is in s_unit
     }
-    // This block claimed past the last unit: the last block to do so puts the ticket back.
-    if (threadIdx.x == 0 && count_in(blocks_done) == gridDim.x - 1) {
-        *next_unit = 0;
-        *blocks_done = 0;
-    }
+    // This block claimed past the last unit: the last block to do so puts the ticket back
+    // (last_arrival puts blocks_done back).
+    if (last_arrival(blocks_done, gridDim.x) && threadIdx.x == 0) *next_unit = 0;
 }
