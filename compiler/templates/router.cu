@@ -13,12 +13,12 @@
 // routing metadata by the last token tile's selecting block; a counter per token tile and,
 // with several token tiles, one over them say which block came last, and it resets the
 // counter for the next call; no block waits for another) or split (gate kernel, then
-// select kernel, then the whole table) for calls too large for one block's tails. A fused
-// gate's tile is split
-// over `splits` blocks along the reduction (as many as the grid's size says: the plan
-// splits a few tokens' tiles so that every SM loads a piece of W_gate), each writing its
-// partial logits to its own [T, E] slice of router_logits; the select adds them up in
-// split order, so every call of a given size sums the same way.
+// select kernel, then the whole table) for calls too large for one block's tails. A call
+// whose tiles leave SMs without a block splits each tile over `splits` blocks along the
+// reduction (as many as the grid's size says: the plan splits so that every SM takes a
+// piece), each writing its partial logits to its own [T, E] slice of router_logits; a fused
+// router's select, or a split router's last block of the tile, adds them up in split order
+// into the first slice, so every call of a given size sums the same way.
 // Ties go to the lower expert index; NaN counts as below every number.
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
@@ -559,6 +559,51 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
+
+// A split router's gate: its tile, or, in a call split over blocks along the reduction,
+// its part of the tile; the tile's last block to finish adds the parts up in split order
+// into the first slice, which the select kernel reads. router_tiles_done: [tile] blocks
+// done of each tile of a split call.
+template <class G>
+__device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+                                                  int tokens, float* router_logits, u32* router_tiles_done) {
+    static_assert(!G::FUSED, "plan: a split router's gate");
+    const int token_tiles = (tokens + G::BM - 1) / G::BM;
+    const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);  // the plan's split for this many tiles
+    const int tile = blockIdx.x / splits;
+    const int split = blockIdx.x % splits;
+    const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
+    router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
+    if (splits == 1 || !last_arrival(&router_tiles_done[tile], splits)) return;
+    // The sum, a split at a time over every element the thread holds, so that each pass
+    // has all of its loads in flight at once (a loop per element waited on L2 for each).
+    // The partial sums are read through L2 (ld.cg): other blocks wrote them.
+    constexpr int PER_THREAD = (G::BM * G::BN + G::THREADS - 1) / G::THREADS;
+    const int first_token = tile / G::EXPERT_TILES * G::BM, first_expert = tile % G::EXPERT_TILES * G::BN;
+    const int rows = min(G::BM, tokens - first_token), columns = min(G::BN, EXPERTS - first_expert);
+    float* base = router_logits + (size_t)first_token * EXPERTS + first_expert;
+    // Element j of this thread: element threadIdx.x + j · THREADS of the tile, row-major;
+    // those past the tile, the call's tokens or the experts are left alone.
+    auto at = [&](int j) { return (threadIdx.x + j * G::THREADS) / G::BN * EXPERTS + (threadIdx.x + j * G::THREADS) % G::BN; };
+    auto present = [&](int j) {
+        const int i = threadIdx.x + j * G::THREADS;
+        return i < G::BM * G::BN && i / G::BN < rows && i % G::BN < columns;
+    };
+    float sum[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) sum[j] = present(j) ? __ldcg(base + at(j)) : 0.f;
+    for (int s = 1; s < splits; ++s) {
+        const float* part = base + s * slice;
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+            if (present(j)) sum[j] += __ldcg(part + at(j));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        if (present(j)) base[at(j)] = sum[j];
+    }
+}
 {%- if let Some(select) = router.select %}
 
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
@@ -608,7 +653,7 @@ extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.n
     router_fused<{{ gate.config }}>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
 {%- else %}
-    router_gate<{{ gate.config }}>(x, gate_weight, tokens, blockIdx.x, 0, 1, router_logits);
+    router_gate_split<{{ gate.config }}>(x, gate_weight, tokens, router_logits, router_tiles_done);
 {%- endif %}
 }
 #endif

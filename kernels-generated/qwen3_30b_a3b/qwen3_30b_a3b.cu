@@ -1072,12 +1072,12 @@ __device__ __forceinline__ void grouped_gemm(
 // routing metadata by the last token tile's selecting block; a counter per token tile and,
 // with several token tiles, one over them say which block came last, and it resets the
 // counter for the next call; no block waits for another) or split (gate kernel, then
-// select kernel, then the whole table) for calls too large for one block's tails. A fused
-// gate's tile is split
-// over `splits` blocks along the reduction (as many as the grid's size says: the plan
-// splits a few tokens' tiles so that every SM loads a piece of W_gate), each writing its
-// partial logits to its own [T, E] slice of router_logits; the select adds them up in
-// split order, so every call of a given size sums the same way.
+// select kernel, then the whole table) for calls too large for one block's tails. A call
+// whose tiles leave SMs without a block splits each tile over `splits` blocks along the
+// reduction (as many as the grid's size says: the plan splits so that every SM takes a
+// piece), each writing its partial logits to its own [T, E] slice of router_logits; a fused
+// router's select, or a split router's last block of the tile, adds them up in split order
+// into the first slice, so every call of a given size sums the same way.
 // Ties go to the lower expert index; NaN counts as below every number.
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
@@ -1619,6 +1619,32 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
 
+// A split router's gate: its tile, or, in a call split over blocks along the reduction,
+// its part of the tile; the tile's last block to finish adds the parts up in split order
+// into the first slice, which the select kernel reads. router_tiles_done: [tile] blocks
+// done of each tile of a split call.
+template <class G>
+__device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+                                                  int tokens, float* router_logits, u32* router_tiles_done) {
+    static_assert(!G::FUSED, "plan: a split router's gate");
+    const int token_tiles = (tokens + G::BM - 1) / G::BM;
+    const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);  // the plan's split for this many tiles
+    const int tile = blockIdx.x / splits;
+    const int split = blockIdx.x % splits;
+    const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
+    router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
+    if (splits == 1 || !last_arrival(&router_tiles_done[tile], splits)) return;
+    // The partial sums are read through L2 (ld.cg): other blocks wrote them.
+    const int first_token = tile / G::EXPERT_TILES * G::BM, first_expert = tile % G::EXPERT_TILES * G::BN;
+    const int rows = min(G::BM, tokens - first_token), columns = min(G::BN, EXPERTS - first_expert);
+    for (int i = threadIdx.x; i < rows * columns; i += G::THREADS) {
+        float* logit = router_logits + (size_t)(first_token + i / columns) * EXPERTS + first_expert + i % columns;
+        float sum = __ldcg(logit);
+        for (int s = 1; s < splits; ++s) sum += __ldcg(logit + s * slice);
+        *logit = sum;
+    }
+}
+
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
 enum : int { ROUTER_SELECT_WARPS = 4 };
 enum : int { ROUTER_SELECT_STATIC_SMEM_BYTES = 0 };
@@ -1682,7 +1708,7 @@ struct mid_router_gate {
     enum : bool { FUSED = false };
     enum : int { BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
     enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256 };
-    enum : int { MOST_SPLITS = 1 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { MOST_SPLITS = 4 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
@@ -1694,10 +1720,11 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
-    float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate<mid_router_gate>(x, gate_weight, tokens, blockIdx.x, 0, 1, router_logits);
+    router_gate_split<mid_router_gate>(x, gate_weight, tokens, router_logits, router_tiles_done);
 }
 #endif
 
@@ -1706,7 +1733,7 @@ struct prefill_router_gate {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2 };
     enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256 };
-    enum : int { MOST_SPLITS = 1 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { MOST_SPLITS = 16 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { STAGE_BYTES = 24576, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
@@ -1718,10 +1745,11 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
-    float* __restrict__ router_logits  // [tokens, EXPERTS], workspace
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate<prefill_router_gate>(x, gate_weight, tokens, blockIdx.x, 0, 1, router_logits);
+    router_gate_split<prefill_router_gate>(x, gate_weight, tokens, router_logits, router_tiles_done);
 }
 #endif
 // ---------------------------------------------------------------------------------------

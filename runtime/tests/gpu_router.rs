@@ -203,16 +203,42 @@ fn the_rule_layers_plan_a_router_with_ragged_expert_tiles() {
     }
 }
 
+/// The suites' calls include a split router's gate split over blocks along the reduction
+/// (its last blocks sum the parts) and one that is not, so both paths run on the GPU.
+#[test]
+fn the_suites_run_split_gates_split_over_blocks_and_whole() {
+    let target = Target::h200();
+    let (mut split, mut whole) = (0, 0);
+    for layer in rule_layers().into_iter().chain(routed_examples()) {
+        let plan = plan::plan(&layer, &target).expect("plans");
+        let router = plan.router.clone().expect("a router plan");
+        for tokens in token_counts(&plan) {
+            let index = plan.regime_index_for(tokens).expect("a regime");
+            let regime = &router.regimes[index];
+            if !regime.fused {
+                if regime.gate.splits(tokens) > 1 {
+                    split += 1;
+                } else {
+                    whole += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        split > 0 && whole > 0,
+        "split gates over blocks: {split} calls, whole: {whole}"
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn each_rule_routes_as_the_reference_and_the_layer_follows() {
     check_layers("router rules", rule_layers());
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn scaled_examples_with_a_router_route_themselves() {
-    let examples: Vec<Layer> = layers::examples()
+/// The examples with a router, scaled down.
+fn routed_examples() -> Vec<Layer> {
+    layers::examples()
         .iter()
         .filter(|layer| layer.router.is_some())
         .map(|layer| {
@@ -221,7 +247,13 @@ fn scaled_examples_with_a_router_route_themselves() {
             scaled.name = format!("{}_routed", scaled.name);
             scaled
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn scaled_examples_with_a_router_route_themselves() {
+    let examples = routed_examples();
     assert!(examples.len() >= 4, "the examples of the four families");
     check_layers("examples with a router", examples);
 }

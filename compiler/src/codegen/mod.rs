@@ -207,7 +207,13 @@ const ROUTER_USES: &[&str] = &[
 const ROUTER_ROUTING_USES: &[&str] = &["expert_offsets", "row_pair", "error_word"];
 /// What a router or select entry whose rule has a bias uses beside its list.
 const ROUTER_BIAS_USES: &[&str] = &["gate_bias"];
-const ROUTER_GATE_USES: &[&str] = &["x", "gate_weight", "tokens", "router_logits"];
+const ROUTER_GATE_USES: &[&str] = &[
+    "x",
+    "gate_weight",
+    "tokens",
+    "router_logits",
+    "router_tiles_done",
+];
 const ROUTER_SELECT_USES: &[&str] = &["router_logits", "tokens", "routed_ids", "routed_weights"];
 const EP_ROUTE_USES: &[&str] = &[
     "topk_ids",

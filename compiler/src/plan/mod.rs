@@ -1389,13 +1389,13 @@ fn workspace(
                 id: BufferId::RouterLogits,
                 elem: BufferId::RouterLogits.elem(),
                 elems: router.logits_floats,
-                purpose: "the router's gate logits x · W_gateᵀ [T, E] (a fused gate's partial logits first, a [T, E] slice per block of its split, summed into the first)".into(),
+                purpose: "the router's gate logits x · W_gateᵀ [T, E] (a split gate's partial logits first, a [T, E] slice per block of its split, summed into the first)".into(),
             },
             Buffer {
                 id: BufferId::RouterTilesDone,
                 elem: BufferId::RouterTilesDone.elem(),
                 elems: u64::from(router.tiles_done),
-                purpose: "the router's arrival counters: token tiles selected (with several), then gate blocks done per token tile (zero between calls)".into(),
+                purpose: "the router's arrival counters: a fused router's token tiles selected (with several), then gate blocks done per token tile; a split router's gate blocks done per tile of a split call (zero between calls)".into(),
             },
             Buffer {
                 id: BufferId::RoutedIds,

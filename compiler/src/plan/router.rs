@@ -32,9 +32,13 @@
 //! stored. A small tile's block holds `warps_k` groups of warps that split the reduction
 //! (each its own ring of stages), summed in group order at the end: at a few tokens the
 //! grid has few blocks, and without the split each would have one warp's few loads in
-//! flight over all of H. A fused gate also splits each tile's reduction over blocks
-//! ([`GatePlan::k_split`], [`Grid::SplitTokenTiles`]): at one token DeepSeek-V3's 16
-//! expert tiles run as 112 blocks, each loading its share of W_gate before it waits. The
+//! flight over all of H. A call whose tiles leave SMs without a block also splits each
+//! tile's reduction over blocks ([`GatePlan::k_split`], [`Grid::SplitTokenTiles`]): at one
+//! token DeepSeek-V3's 16 expert tiles run as 112 blocks, each loading its share of W_gate
+//! before it waits; at 4096 tokens its prefill gate's 64 tiles (128 tokens by 128 experts)
+//! run as 128 blocks, where they took 113 µs on 64 (one H200, 2026-12-01). A fused
+//! router's select sums the split's partial logits; a split router's gate has the last
+//! block of each tile sum them (a counter per tile in `router_tiles_done`). The
 //! **select** applies the rule ([`ir::Router`]: bias, scores, correction, group limit,
 //! top-k, weights) and writes `routed_ids` and `routed_weights`, which the table then reads
 //! where a caller-routed call passes `topk_ids` and `topk_weights`. The expert-parallel
@@ -110,17 +114,18 @@ pub struct GatePlan {
     /// g, g + warps_k, ...; it divides H / 64.
     #[serde(default = "one")]
     pub warps_k: u32,
-    /// A fused gate's reduction split over blocks as well ([`gate_k_split`]): a group's
+    /// The reduction split over blocks as well ([`gate_k_split`]): a group's
     /// `H / 64 / warps_k` k-tiles over as many blocks as keep the grid within one block
-    /// per SM. A split router's gate takes every k-tile in one block.
+    /// per SM (a call with a block per SM already does not split).
     pub k_split: KSplit,
     pub stages: u32,
     /// Dynamic shared memory: the gate's rings, `warps_k · stages · (tile_tokens +
     /// tile_experts) · 128` bytes, or in a fused router the larger of that and the later
     /// phases' scratch ([`router_scratch_bytes`]), which reuses them.
     ///
-    /// A fused router's blocks also write partial logits, one [T, E] slice per block of
-    /// the split ([`RouterPlan::logits_floats`]), summed in split order by the select.
+    /// A split tile's blocks write partial logits, one [T, E] slice per block of the split
+    /// ([`RouterPlan::logits_floats`]), summed in split order into the first slice (by a
+    /// fused router's select, or a split router's last block of the tile).
     pub smem_bytes: u32,
     /// The roofline floor of gate and select at the regime's largest token count.
     pub floor: RouterFloor,
@@ -186,19 +191,17 @@ pub fn router_scratch_bytes(
         .max(4 * (2 * gemm_experts + 1))
 }
 
-/// A fused gate's split of its reduction over blocks: each group's `k_tiles / warps_k`
-/// k-tiles, over as many blocks as keep the grid within one per SM (a few tokens' grid
-/// has one block per expert tile, each reading its W_gate rows over all of H: one SM's
-/// loads set its pace, and the W_gate rows loaded before the wait cover only the first
-/// stages). A split router's gate does not split (one step), its grid filling the GPU by
-/// its tokens.
-pub fn gate_k_split(fused: bool, hidden: u32, warps_k: u32, sm_count: u32) -> KSplit {
+/// A gate's split of its reduction over blocks: each group's `k_tiles / warps_k` k-tiles,
+/// over as many blocks as keep the grid within one per SM. A few tokens' grid has one block
+/// per expert tile, each reading its W_gate rows over all of H: one SM's loads set its pace
+/// (and in a fused router the W_gate rows loaded before the wait cover only the first
+/// stages). A larger call whose tiles still leave SMs idle is bound the same way: the
+/// gate's time is its waves of blocks times one block's, and one 128 × 128 tile of
+/// DeepSeek-V3 takes 112 µs (one H200, 2026-12-01: 113 µs at 4096 tokens on 64 blocks, 207
+/// at 16384 on 256).
+pub fn gate_k_split(hidden: u32, warps_k: u32, sm_count: u32) -> KSplit {
     KSplit {
-        steps: if fused {
-            gate_k_tiles(hidden) / warps_k
-        } else {
-            1
-        },
+        steps: gate_k_tiles(hidden) / warps_k,
         most_blocks: sm_count,
     }
 }
@@ -294,17 +297,33 @@ pub(super) fn plan_router(
 }
 
 impl RouterPlan {
-    /// Counters of `router_tiles_done` the largest call of a fused regime needs: the
-    /// token tiles selected, then one per token tile.
+    /// Counters of `router_tiles_done` the calls of every regime need: a fused regime's
+    /// largest call, the token tiles selected and then one per token tile; a split
+    /// regime's calls that split their gate, one per gate tile (the same counters: one
+    /// call runs one regime's router, and every counter is zero between calls).
     pub fn tiles_done_len(&self, regime_max_tokens: impl Iterator<Item = u32>) -> u32 {
-        1 + self
-            .regimes
+        let mut regime_min_tokens = 1;
+        self.regimes
             .iter()
             .zip(regime_max_tokens)
-            .filter(|(regime, _)| regime.fused)
-            .map(|(regime, max_tokens)| regime.gate.token_tiles(max_tokens))
+            .map(|(regime, max_tokens)| {
+                let first = regime_min_tokens;
+                regime_min_tokens = max_tokens + 1;
+                let gate = regime.gate;
+                if regime.fused {
+                    1 + gate.token_tiles(max_tokens)
+                } else {
+                    (gate.token_tiles(first)..=gate.token_tiles(max_tokens.max(first)))
+                        .map(|tiles| (tiles * gate.expert_tiles, tiles * gate.tile_tokens))
+                        .filter(|&(_, tokens)| gate.splits(tokens) > 1)
+                        .map(|(gate_tiles, _)| gate_tiles)
+                        .max()
+                        .unwrap_or(0)
+                }
+            })
             .max()
             .unwrap_or(0)
+            .max(1)
     }
 
     /// Floats of `router_logits` the calls of every regime up to `max_tokens` need:
@@ -429,7 +448,7 @@ fn gate_plan(
         warps_m,
         warps_n,
         warps_k,
-        k_split: gate_k_split(fused, layer.hidden, warps_k, target.sm_count),
+        k_split: gate_k_split(layer.hidden, warps_k, target.sm_count),
         stages,
         smem_bytes: GatePlan::smem_bytes_for(tile_tokens, tile_experts, stages, warps_k, scratch),
         floor: floor(layer, target, max_tokens),
@@ -498,18 +517,15 @@ pub(super) fn router_launches(
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = (rule.bias != ir::RouterBias::None).then(|| read(GateBias));
-    let gate_blocks = Grid::TokenTiles {
+    let gate_blocks = Grid::SplitTokenTiles {
         tokens_per_tile: gate.tile_tokens,
         blocks_per_tile: gate.expert_tiles,
+        k_split: gate.k_split,
     };
     if fused {
         return vec![Launch {
             kernel: format!("{symbol}_{regime}_router"),
-            grid: Grid::SplitTokenTiles {
-                tokens_per_tile: gate.tile_tokens,
-                blocks_per_tile: gate.expert_tiles,
-                k_split: gate.k_split,
-            },
+            grid: gate_blocks,
             block_threads: gate.threads(),
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
@@ -545,6 +561,7 @@ pub(super) fn router_launches(
                 read(GateWeight),
                 read(Tokens),
                 write(Workspace(RouterLogits)),
+                write(Workspace(RouterTilesDone)),
             ],
         },
         Launch {

@@ -477,12 +477,7 @@ impl Plan {
                 || !gate.tile_experts.is_multiple_of(16 * warps_n)
                 || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
                 || gate.k_split
-                    != router::gate_k_split(
-                        regime.fused,
-                        self.shape.hidden,
-                        gate.warps_k,
-                        self.target.sm_count,
-                    )
+                    != router::gate_k_split(self.shape.hidden, gate.warps_k, self.target.sm_count)
                 || gate.stages
                     != router::gate_stages(
                         regime.fused,
