@@ -1698,14 +1698,33 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
     const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
     router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
     if (splits == 1 || !last_arrival(&router_tiles_done[tile], splits)) return;
+    // The sum, a split at a time over every element the thread holds, so that each pass
+    // has all of its loads in flight at once (a loop per element waited on L2 for each).
     // The partial sums are read through L2 (ld.cg): other blocks wrote them.
+    constexpr int PER_THREAD = (G::BM * G::BN + G::THREADS - 1) / G::THREADS;
     const int first_token = tile / G::EXPERT_TILES * G::BM, first_expert = tile % G::EXPERT_TILES * G::BN;
     const int rows = min(G::BM, tokens - first_token), columns = min(G::BN, EXPERTS - first_expert);
-    for (int i = threadIdx.x; i < rows * columns; i += G::THREADS) {
-        float* logit = router_logits + (size_t)(first_token + i / columns) * EXPERTS + first_expert + i % columns;
-        float sum = __ldcg(logit);
-        for (int s = 1; s < splits; ++s) sum += __ldcg(logit + s * slice);
-        *logit = sum;
+    float* base = router_logits + (size_t)first_token * EXPERTS + first_expert;
+    // Element j of this thread: element threadIdx.x + j · THREADS of the tile, row-major;
+    // those past the tile, the call's tokens or the experts are left alone.
+    auto at = [&](int j) { return (threadIdx.x + j * G::THREADS) / G::BN * EXPERTS + (threadIdx.x + j * G::THREADS) % G::BN; };
+    auto present = [&](int j) {
+        const int i = threadIdx.x + j * G::THREADS;
+        return i < G::BM * G::BN && i / G::BN < rows && i % G::BN < columns;
+    };
+    float sum[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) sum[j] = present(j) ? __ldcg(base + at(j)) : 0.f;
+    for (int s = 1; s < splits; ++s) {
+        const float* part = base + s * slice;
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+            if (present(j)) sum[j] += __ldcg(part + at(j));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        if (present(j)) base[at(j)] = sum[j];
     }
 }
 
