@@ -146,19 +146,25 @@ proptest! {
             let blocks = regime.launches[0].grid.blocks(layer.max_tokens);
             prop_assert!(blocks >= layer.max_tokens.div_ceil(gate.tile_tokens));
         }
-        // A fused gate's split over blocks, for every call of its regime: whole steps per
-        // block, never more than at one token (the kernel unrolls its sum to that), within
-        // one block per SM where it splits at all, and its partial logits within the buffer.
+        // A gate's split over blocks, for every call of its regime: whole steps per block,
+        // never more than at one token (a fused router unrolls its sum to that), within one
+        // block per SM where it splits at all, its partial logits within the buffer, and a
+        // split router's arrival counter per tile within `router_tiles_done`.
         let logits = plan
             .workspace
             .iter()
             .find(|b| b.id == plan::BufferId::RouterLogits)
             .expect("a router's logits")
             .elems;
+        let tiles_done = plan
+            .workspace
+            .iter()
+            .find(|b| b.id == plan::BufferId::RouterTilesDone)
+            .expect("a router's counters")
+            .elems;
         for (regime, router_regime) in plan.regimes.iter().zip(&router.regimes) {
             let gate = &router_regime.gate;
             let k_tiles_per_group = layer.hidden / 64 / gate.warps_k;
-            prop_assert!(router_regime.fused || gate.splits(1) == 1);
             for tokens in regime.min_tokens.max(1)..=regime.max_tokens {
                 let splits = gate.splits(tokens);
                 let unsplit = gate.token_tiles(tokens) * gate.expert_tiles;
@@ -167,6 +173,7 @@ proptest! {
                 prop_assert!(splits == 1 || unsplit * splits <= plan.target.sm_count);
                 prop_assert_eq!(router_regime.launches[0].grid.blocks(tokens), unsplit * splits);
                 prop_assert!(u64::from(splits * tokens * layer.experts) <= logits);
+                prop_assert!(router_regime.fused || splits == 1 || u64::from(unsplit) <= tiles_done);
             }
         }
         let mut edited = plan.clone();
