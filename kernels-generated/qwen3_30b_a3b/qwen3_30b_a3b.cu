@@ -1634,9 +1634,11 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
     const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
     router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
     if (splits == 1 || !last_arrival(&router_tiles_done[tile], splits)) return;
-    // The sum, a split at a time over every element the thread holds, so that each pass
-    // has all of its loads in flight at once (a loop per element waited on L2 for each).
-    // The partial sums are read through L2 (ld.cg): other blocks wrote them.
+    // The sum, a split at a time over SUM_BATCH elements of the thread, so that each pass
+    // has that many loads in flight at once (a loop per element waited on L2 for each) and
+    // the sums stay few registers (the whole tile's would cost the gate its second block
+    // per SM). The partial sums are read through L2 (ld.cg): other blocks wrote them.
+    constexpr int SUM_BATCH = 16;
     constexpr int PER_THREAD = (G::BM * G::BN + G::THREADS - 1) / G::THREADS;
     const int first_token = tile / G::EXPERT_TILES * G::BM, first_expert = tile % G::EXPERT_TILES * G::BN;
     const int rows = min(G::BM, tokens - first_token), columns = min(G::BN, EXPERTS - first_expert);
@@ -1648,19 +1650,21 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
         const int i = threadIdx.x + j * G::THREADS;
         return i < G::BM * G::BN && i / G::BN < rows && i % G::BN < columns;
     };
-    float sum[PER_THREAD];
+    for (int first = 0; first < PER_THREAD; first += SUM_BATCH) {
+        float sum[SUM_BATCH];
 #pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) sum[j] = present(j) ? __ldcg(base + at(j)) : 0.f;
-    for (int s = 1; s < splits; ++s) {
-        const float* part = base + s * slice;
+        for (int j = 0; j < SUM_BATCH; ++j) sum[j] = present(first + j) ? __ldcg(base + at(first + j)) : 0.f;
+        for (int s = 1; s < splits; ++s) {
+            const float* part = base + s * slice;
 #pragma unroll
-        for (int j = 0; j < PER_THREAD; ++j) {
-            if (present(j)) sum[j] += __ldcg(part + at(j));
+            for (int j = 0; j < SUM_BATCH; ++j) {
+                if (present(first + j)) sum[j] += __ldcg(part + at(first + j));
+            }
         }
-    }
 #pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-        if (present(j)) base[at(j)] = sum[j];
+        for (int j = 0; j < SUM_BATCH; ++j) {
+            if (present(first + j)) base[at(first + j)] = sum[j];
+        }
     }
 }
 
