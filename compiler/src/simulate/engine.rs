@@ -6,7 +6,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
 use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
-use crate::plan::{GemmPlan, Plan, Target};
+use crate::plan::{Plan, Target};
 
 /// The kind of path between two ranks.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -118,6 +118,73 @@ fn row_tiles_done(phase_rows: &[u32], bm: u32) -> Vec<u32> {
         .collect()
 }
 
+/// How a rank's GEMM2 follows its GEMM1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Gemm2Start {
+    /// A kernel of its own once GEMM1 has ended, its phases in receive order, as the
+    /// kernels run it.
+    AfterGemm1,
+    /// In one grid with GEMM1, each tile once GEMM1 has stored its rows
+    /// ([`Machine::gemms_together`]).
+    WithGemm1,
+}
+
+/// A GEMM1 tile: its expert (in tile order), row tile, when its rows have arrived and how
+/// long it takes.
+struct Tile1 {
+    expert: usize,
+    m: u32,
+    ready: f64,
+    duration: f64,
+}
+
+/// A GEMM2 tile: its expert, rows `row0..row1` of the expert, and how long it takes (its
+/// epilogue included).
+struct Tile2 {
+    expert: usize,
+    row0: u32,
+    row1: u32,
+    duration: f64,
+}
+
+impl Tile2 {
+    /// Widens the store window, `begin..end`, of every source whose rows the tile holds
+    /// (`phase_rows`: its expert's rows per phase, sources in `order`).
+    fn store(
+        &self,
+        results: &mut [Option<(f64, f64)>],
+        order: &[u32],
+        phase_rows: &[u32],
+        begin: f64,
+        end: f64,
+    ) {
+        let mut phase_start = 0;
+        for (p, &n) in phase_rows.iter().enumerate() {
+            let phase_end = phase_start + n;
+            if n > 0 && phase_start < self.row1 && self.row0 < phase_end {
+                let slot = &mut results[order[p] as usize];
+                *slot = Some(slot.map_or((begin, end), |(first, last)| {
+                    (first.min(begin), last.max(end))
+                }));
+            }
+            phase_start = phase_end;
+        }
+    }
+}
+
+/// Where HBM, not the tiles, sets the end of work that began at `start` (its tiles done by
+/// `tiles_end`, the work by `end`), every tile ran that much slower: stretches the store
+/// windows to match.
+fn stretch_results(results: &mut [Option<(f64, f64)>], start: f64, tiles_end: f64, end: f64) {
+    if tiles_end > start {
+        let stretch = (end - start) / (tiles_end - start);
+        let stretched = |t: f64| start + (t - start) * stretch;
+        for slot in results.iter_mut().flatten() {
+            *slot = (stretched(slot.0), stretched(slot.1));
+        }
+    }
+}
+
 /// When one rank's GEMMs end, and when GEMM2 stores each origin's results.
 struct GemmEnds {
     start2: f64,
@@ -125,6 +192,32 @@ struct GemmEnds {
     /// Per origin rank: when GEMM2's first tile holding its rows starts and its last one
     /// ends (`None`: none of its rows are here).
     results: Vec<Option<(f64, f64)>>,
+}
+
+impl GemmEnds {
+    /// The ends, GEMM1's span (`gemm1`) and GEMM2's drawn as kernels on `lane`.
+    fn recorded(
+        lane: Option<&mut RankTimeline>,
+        [start1, end1]: [f64; 2],
+        start2: f64,
+        end2: f64,
+        results: Vec<Option<(f64, f64)>>,
+    ) -> Self {
+        if let Some(lane) = lane {
+            let span = |start, end, label: &str| Span {
+                start,
+                end,
+                label: label.into(),
+            };
+            lane.kernels.push(span(start1, end1, "GEMM1"));
+            lane.kernels.push(span(start2, end2, "GEMM2"));
+        }
+        GemmEnds {
+            start2,
+            end2,
+            results,
+        }
+    }
 }
 
 /// What a run of the communication blocks produced.
@@ -426,25 +519,23 @@ impl<'a> Machine<'a> {
         list.get(i).or(list.last()).map_or(0.0, |&(_, t)| t)
     }
 
-    /// Rank `d`'s GEMMs from `start`, GEMM1 row tiles ready as `ready` says; returns when
-    /// they end and when each origin's results are stored, and adds the rows per origin
-    /// to `rows`.
+    /// Rank `d`'s GEMMs from `start`, GEMM1 row tiles ready as `ready` says, GEMM2
+    /// following as `gemm2` says; returns when they end and when each origin's results are
+    /// stored, and adds the rows per origin to `rows`.
     fn gemms(
         &self,
         d: u32,
         start: f64,
         ready: &dyn Fn(u32, u32) -> f64,
         rows: &mut [u64],
-        gemm2_last_first: bool,
+        gemm2: Gemm2Start,
         lane: Option<&mut RankTimeline>,
     ) -> GemmEnds {
         let order = &self.ep.receive_order[d as usize];
-        let (g1, g2) = (&self.regime.gemm1, &self.regime.gemm2);
-        let mut tiles = Vec::new();
-        let mut block1 = vec![start; g1.grid_blocks.max(1) as usize];
-        // Per expert in tile order, its rows per phase (GEMM2 takes its tiles in the same
-        // phase-major order as GEMM1).
-        let mut block2_rows: Vec<Vec<u32>> = Vec::new();
+        let g1 = &self.regime.gemm1;
+        // Per expert in tile order: its row tiles' readiness, its row tiles done per phase,
+        // and its rows per phase (GEMM2 takes its tiles in the same phase-major order).
+        let mut experts: Vec<(Vec<f64>, Vec<u32>, Vec<u32>)> = Vec::new();
         // The shared slices first, as the kernels order them: a row per own token each,
         // read from x (ready at once), in the first phase (this rank's own source); no
         // pair is dispatched for them.
@@ -453,8 +544,11 @@ impl<'a> Machine<'a> {
             let m_tiles = own.div_ceil(g1.tile.m);
             let mut phases = vec![0; order.len()];
             phases[0] = own;
-            block2_rows.push(phases);
-            tiles.push((vec![start; m_tiles as usize], vec![m_tiles; order.len()]));
+            experts.push((
+                vec![start; m_tiles as usize],
+                vec![m_tiles; order.len()],
+                phases,
+            ));
         }
         for local in 0..self.ep.experts_per_rank {
             // Rows per source in receive order (the kernels' phases), empty ones included.
@@ -486,105 +580,229 @@ impl<'a> Machine<'a> {
                 }
                 first += n;
             }
-            tiles.push((row_ready, m_done));
-            block2_rows.push(phase_rows);
+            experts.push((row_ready, m_done, phase_rows));
         }
         let n1 = self.ffn / g1.tile.n;
-        let total: u32 = tiles
+        let total: u32 = experts
             .iter()
-            .map(|(row_ready, _)| row_ready.len() as u32 * n1)
+            .map(|(row_ready, _, _)| row_ready.len() as u32 * n1)
             .sum();
-        let mut id = 0usize;
-        let mut record = lane;
-        let mut hbm_bytes = 0.0;
-        // Tiles in the kernels' order: phase, expert (shared slices first), n-tile, m-tile.
+        // GEMM1's tiles in the kernels' order: phase, expert (shared slices first), n-tile,
+        // m-tile.
+        let mut tiles1 = Vec::new();
+        let mut hbm1 = 0.0;
         for phase in 0..order.len() {
-            for (row_ready, m_done) in &tiles {
+            for (e, (row_ready, m_done, _)) in experts.iter().enumerate() {
                 let m_tiles = row_ready.len() as u32;
                 let (duration, bytes) =
                     model::tile_cost(self.target, g1, self.hidden, [m_tiles, n1], total);
-                let begin_m = if phase == 0 { 0 } else { m_done[phase - 1] } as usize;
-                let phase_tiles = &row_ready[begin_m..m_done[phase] as usize];
-                hbm_bytes += bytes * f64::from(n1) * phase_tiles.len() as f64;
+                let begin_m = if phase == 0 { 0 } else { m_done[phase - 1] };
+                let end_m = m_done[phase];
+                hbm1 += bytes * f64::from(n1 * (end_m - begin_m));
                 for _ in 0..n1 {
-                    for &r in phase_tiles {
-                        let b = id % block1.len();
-                        let begin = block1[b].max(r);
-                        block1[b] = begin + duration;
-                        if b == 0
-                            && let Some(lane) = record.as_deref_mut()
-                        {
-                            lane.tiles.push(Span {
-                                start: begin,
-                                end: begin + duration,
-                                label: "GEMM1".into(),
-                            });
-                        }
-                        id += 1;
+                    for m in begin_m..end_m {
+                        tiles1.push(Tile1 {
+                            expert: e,
+                            m,
+                            ready: row_ready[m as usize],
+                            duration,
+                        });
                     }
                 }
+            }
+        }
+        let phase_rows: Vec<Vec<u32>> = experts.into_iter().map(|(_, _, rows)| rows).collect();
+        match gemm2 {
+            Gemm2Start::AfterGemm1 => {
+                self.gemms_in_turn(start, &tiles1, hbm1, order, &phase_rows, lane)
+            }
+            Gemm2Start::WithGemm1 => {
+                self.gemms_together(start, &tiles1, hbm1, order, &phase_rows, lane)
+            }
+        }
+    }
+
+    /// GEMM1's tiles on its grid, each block taking tiles `b, b + grid, …` as the kernels
+    /// do, then GEMM2 as a kernel of its own after it, its tiles the same way.
+    fn gemms_in_turn(
+        &self,
+        start: f64,
+        tiles1: &[Tile1],
+        hbm1: f64,
+        order: &[u32],
+        phase_rows: &[Vec<u32>],
+        mut lane: Option<&mut RankTimeline>,
+    ) -> GemmEnds {
+        let mut block1 = vec![start; self.regime.gemm1.grid_blocks.max(1) as usize];
+        for (id, tile) in tiles1.iter().enumerate() {
+            let b = id % block1.len();
+            let begin = block1[b].max(tile.ready);
+            block1[b] = begin + tile.duration;
+            if b == 0
+                && let Some(lane) = lane.as_deref_mut()
+            {
+                lane.tiles.push(Span {
+                    start: begin,
+                    end: begin + tile.duration,
+                    label: "GEMM1".into(),
+                });
             }
         }
         let end1 = block1
             .iter()
             .copied()
-            .fold(start + model::hbm_seconds(self.target, hbm_bytes), f64::max);
+            .fold(start + model::hbm_seconds(self.target, hbm1), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
-        let (end2, results) = self.gemm2(
-            g2,
-            start2,
-            order,
-            &block2_rows,
-            gemm2_last_first,
-            record.as_deref_mut(),
-        );
-        if let Some(lane) = record {
-            lane.kernels.push(Span {
-                start,
-                end: end1,
-                label: "GEMM1".into(),
-            });
-            lane.kernels.push(Span {
-                start: start2,
-                end: end2,
-                label: "GEMM2".into(),
-            });
+        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows);
+        let mut blocks = vec![start2; self.regime.gemm2.grid_blocks.max(1) as usize];
+        let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
+        for (id, tile) in tiles2.iter().enumerate() {
+            let b = id % blocks.len();
+            let begin = blocks[b];
+            blocks[b] += tile.duration;
+            if b == 0
+                && let Some(lane) = lane.as_deref_mut()
+            {
+                lane.tiles.push(Span {
+                    start: begin,
+                    end: blocks[b],
+                    label: "GEMM2".into(),
+                });
+            }
+            tile.store(
+                &mut results,
+                order,
+                &phase_rows[tile.expert],
+                begin,
+                blocks[b],
+            );
         }
-        GemmEnds {
-            start2,
-            end2,
-            results,
-        }
+        let tiles_end = blocks.iter().copied().fold(start2, f64::max);
+        let end2 = tiles_end.max(start2 + model::hbm_seconds(self.target, hbm2));
+        stretch_results(&mut results, start2, tiles_end, end2);
+        GemmEnds::recorded(lane, [start, end1], start2, end2, results)
     }
 
-    /// GEMM2 over experts with `phase_rows[e][p]` rows of phase `p` (source `order[p]`)
-    /// each, every row present at `start`, its tiles in the kernels' order: phase (of a
-    /// tile's last row; from the last with `last_first`), expert, n-tile, m-tile. Returns its end and, per source rank, when
-    /// its first tile started and its last ended (`None`: no rows here).
-    fn gemm2(
+    /// Both GEMMs as one grid of GEMM1's blocks, each tile once its inputs are there
+    /// (Comet's GEMM-to-GEMM overlap): GEMM1's tiles and GEMM2's are two queues, each
+    /// taken in its order, and a free block takes the head of GEMM2's queue if every GEMM1
+    /// tile of its rows is stored, else the head of GEMM1's if its chunks have arrived,
+    /// else waits for whichever is ready first. So GEMM2 fills the time GEMM1's blocks
+    /// would wait for arriving chunks, and no block waits on a tile that holds a later
+    /// place (a GEMM2 tile is taken only once its rows are stored).
+    fn gemms_together(
         &self,
-        g2: &GemmPlan,
         start: f64,
+        tiles1: &[Tile1],
+        hbm1: f64,
         order: &[u32],
         phase_rows: &[Vec<u32>],
-        last_first: bool,
         mut lane: Option<&mut RankTimeline>,
-    ) -> (f64, Vec<Option<(f64, f64)>>) {
-        let mut blocks = vec![start; g2.grid_blocks.max(1) as usize];
+    ) -> GemmEnds {
+        let g1 = &self.regime.gemm1;
+        let (bm1, n1) = (g1.tile.m, self.ffn / g1.tile.n);
+        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows);
+        // Per expert and GEMM1 row tile: its column tiles not yet taken, and when the
+        // taken ones end.
+        let mut columns_left: Vec<Vec<u32>> = phase_rows
+            .iter()
+            .map(|rows| vec![n1; rows.iter().sum::<u32>().div_ceil(bm1) as usize])
+            .collect();
+        let mut stored: Vec<Vec<f64>> = columns_left
+            .iter()
+            .map(|tiles| vec![start; tiles.len()])
+            .collect();
+        // When a GEMM2 tile's rows are stored (None: a GEMM1 tile of them is not yet taken).
+        let rows_stored = |tile: &Tile2, left: &[Vec<u32>], stored: &[Vec<f64>]| {
+            (tile.row0 / bm1..=(tile.row1 - 1) / bm1).try_fold(start, |at, m| {
+                (left[tile.expert][m as usize] == 0)
+                    .then(|| at.max(stored[tile.expert][m as usize]))
+            })
+        };
+        // Free blocks by time (block 0 is the one the timeline shows).
+        let mut blocks: BinaryHeap<(Time, std::cmp::Reverse<usize>)> = (0..g1.grid_blocks.max(1)
+            as usize)
+            .map(|b| (Time(start), std::cmp::Reverse(b)))
+            .collect();
+        let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
+        let (mut next1, mut next2) = (0, 0);
+        let (mut end1, mut start2, mut tiles_end) = (start, f64::INFINITY, start);
+        while next1 < tiles1.len() || next2 < tiles2.len() {
+            let (Time(now), std::cmp::Reverse(b)) = blocks.pop().expect("a block");
+            let ready2 = tiles2
+                .get(next2)
+                .and_then(|tile| rows_stored(tile, &columns_left, &stored));
+            let ready1 = tiles1.get(next1).map(|tile| tile.ready);
+            let (label, end) = if ready2.is_some_and(|at| at <= now) {
+                let tile = &tiles2[next2];
+                next2 += 1;
+                let end = now + tile.duration;
+                tile.store(&mut results, order, &phase_rows[tile.expert], now, end);
+                start2 = start2.min(now);
+                ("GEMM2", end)
+            } else if ready1.is_some_and(|at| at <= now) {
+                let tile = &tiles1[next1];
+                next1 += 1;
+                let end = now + tile.duration;
+                columns_left[tile.expert][tile.m as usize] -= 1;
+                let slot = &mut stored[tile.expert][tile.m as usize];
+                *slot = slot.max(end);
+                end1 = end1.max(end);
+                ("GEMM1", end)
+            } else {
+                // Nothing ready: come back when the first of the two heads is (a GEMM2
+                // head not yet ready waits on GEMM1 tiles still queued, so GEMM1's head
+                // has a time).
+                let at = ready2
+                    .into_iter()
+                    .chain(ready1)
+                    .fold(f64::INFINITY, f64::min);
+                blocks.push((Time(at), std::cmp::Reverse(b)));
+                continue;
+            };
+            tiles_end = tiles_end.max(end);
+            blocks.push((Time(end), std::cmp::Reverse(b)));
+            if b == 0
+                && let Some(lane) = lane.as_deref_mut()
+            {
+                lane.tiles.push(Span {
+                    start: now,
+                    end,
+                    label: label.into(),
+                });
+            }
+        }
+        let end2 = tiles_end.max(start + model::hbm_seconds(self.target, hbm1 + hbm2));
+        stretch_results(&mut results, start, tiles_end, end2);
+        let stretch = |t: f64| {
+            if tiles_end > start {
+                start + (t - start) * (end2 - start) / (tiles_end - start)
+            } else {
+                t
+            }
+        };
+        let start2 = if start2.is_finite() {
+            stretch(start2)
+        } else {
+            end2
+        };
+        GemmEnds::recorded(lane, [start, stretch(end1)], start2, end2, results)
+    }
+
+    /// GEMM2's tiles over experts with `phase_rows[e][p]` rows of phase `p` (source
+    /// `order[p]`) each, in the kernels' order: phase (of a tile's last row), expert,
+    /// n-tile, m-tile; and the bytes they load.
+    fn gemm2_tiles(&self, phase_rows: &[Vec<u32>]) -> (Vec<Tile2>, f64) {
+        let g2 = &self.regime.gemm2;
         let n2 = self.hidden / g2.tile.n;
         let bm = g2.tile.m;
         let expert_rows: Vec<u32> = phase_rows.iter().map(|p| p.iter().sum()).collect();
         let total: u32 = expert_rows.iter().map(|rows| rows.div_ceil(bm) * n2).sum();
-        let mut id = 0usize;
-        let mut hbm_bytes = 0.0;
-        let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
         let m_done: Vec<Vec<u32>> = phase_rows.iter().map(|p| row_tiles_done(p, bm)).collect();
-        let phases: Vec<usize> = if last_first {
-            (0..order.len()).rev().collect()
-        } else {
-            (0..order.len()).collect()
-        };
-        for phase in phases {
+        let phases = phase_rows.first().map_or(0, Vec::len);
+        let mut tiles = Vec::new();
+        let mut hbm_bytes = 0.0;
+        for phase in 0..phases {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
                 let (tile, bytes) =
@@ -597,50 +815,22 @@ impl<'a> Machine<'a> {
                         // A tile's epilogue stores its rows only (an expert's last row tile
                         // is partly empty).
                         let (row0, row1) = (m * bm, ((m + 1) * bm).min(rows));
-                        let duration = tile
-                            + model::gemm2_epilogue_seconds(g2, self.ep.combine_route, row1 - row0);
-                        let b = id % blocks.len();
-                        let begin = blocks[b];
-                        blocks[b] += duration;
-                        if b == 0
-                            && let Some(lane) = lane.as_deref_mut()
-                        {
-                            lane.tiles.push(Span {
-                                start: begin,
-                                end: blocks[b],
-                                label: "GEMM2".into(),
-                            });
-                        }
-                        // The sources whose rows the tile holds.
-                        let mut phase_start = 0;
-                        for (p, &n) in phase_rows[e].iter().enumerate() {
-                            let phase_end = phase_start + n;
-                            if n > 0 && phase_start < row1 && row0 < phase_end {
-                                let slot = &mut results[order[p] as usize];
-                                *slot = Some(slot.map_or((begin, blocks[b]), |(first, last)| {
-                                    (first.min(begin), last.max(blocks[b]))
-                                }));
-                            }
-                            phase_start = phase_end;
-                        }
-                        id += 1;
+                        tiles.push(Tile2 {
+                            expert: e,
+                            row0,
+                            row1,
+                            duration: tile
+                                + model::gemm2_epilogue_seconds(
+                                    g2,
+                                    self.ep.combine_route,
+                                    row1 - row0,
+                                ),
+                        });
                     }
                 }
             }
         }
-        let tiles_end = blocks.iter().copied().fold(start, f64::max);
-        let end = tiles_end.max(start + model::hbm_seconds(self.target, hbm_bytes));
-        // Where HBM, not the tiles, sets the end, every tile runs that much slower.
-        let stretch = if tiles_end > start {
-            (end - start) / (tiles_end - start)
-        } else {
-            1.0
-        };
-        let stretched = |t: f64| start + (t - start) * stretch;
-        for slot in results.iter_mut().flatten() {
-            *slot = (stretched(slot.0), stretched(slot.1));
-        }
-        (end, results)
+        (tiles, hbm_bytes)
     }
 
     /// When a rank's route kernel has released its metadata flags: its busiest block
@@ -675,13 +865,19 @@ impl<'a> Machine<'a> {
         self.metadata_released() + farthest + model::ARRANGE_S
     }
 
-    /// Whether GEMM2 takes its phases from the last in `schedule`: the topology-aware
-    /// schedule across real nodes, whose results go back through the node's relay as
-    /// GEMM2 stores them (see the module documentation).
-    fn gemm2_last_first(&self, schedule: Schedule) -> bool {
-        schedule == Schedule::FineGrainedTopologyAware
+    /// How GEMM2 follows GEMM1 in `schedule`: across real nodes the topology-aware
+    /// schedule (the design to build there) runs both in one grid, GEMM2's tiles as soon as
+    /// their rows are stored; elsewhere GEMM2 is a kernel after GEMM1, phases in receive
+    /// order, as the kernels run it (see the module documentation).
+    fn gemm2_start(&self, schedule: Schedule) -> Gemm2Start {
+        if schedule == Schedule::FineGrainedTopologyAware
             && self.traffic.nodes() > 1
             && !self.topology.virtual_ranks
+        {
+            Gemm2Start::WithGemm1
+        } else {
+            Gemm2Start::AfterGemm1
+        }
     }
 
     /// The send targets of `source` for `schedule`: its peers (its own rows stay where
@@ -780,7 +976,7 @@ impl<'a> Machine<'a> {
                 start,
                 &ready,
                 &mut accounting.pairs_dispatched,
-                self.gemm2_last_first(schedule),
+                self.gemm2_start(schedule),
                 lane,
             ));
         }
@@ -833,7 +1029,14 @@ impl<'a> Machine<'a> {
         }
         let compute = (0..ranks)
             .map(|d| {
-                let ends = self.gemms(d, 0.0, &|_, _| 0.0, &mut vec![0; r], false, None);
+                let ends = self.gemms(
+                    d,
+                    0.0,
+                    &|_, _| 0.0,
+                    &mut vec![0; r],
+                    Gemm2Start::AfterGemm1,
+                    None,
+                );
                 // Both GEMMs from 0 without the launch between them.
                 ends.end2 - launch
             })
@@ -996,9 +1199,15 @@ mod tests {
     use crate::simulate::Routing;
 
     /// Rank 0's GEMMs at 1024 tokens per rank of a four-rank layer on `nodes` nodes (of
-    /// 4 / `nodes` GPUs), uniform routing, GEMM2 in `schedule`'s phase order (checked to
-    /// be last first exactly where `last_first` says): their ends and rank 0's receive order.
-    fn rank0_gemms(nodes: u32, schedule: Schedule, last_first: bool) -> (GemmEnds, Vec<u32>) {
+    /// 4 / `nodes` GPUs), uniform routing, `schedule`'s GEMM2 start (checked to be `gemm2`),
+    /// the rows of the last source in receive order arriving at `late`, the others' at
+    /// once: their ends and rank 0's receive order.
+    fn rank0_gemms(
+        nodes: u32,
+        schedule: Schedule,
+        gemm2: Gemm2Start,
+        late: f64,
+    ) -> (GemmEnds, Vec<u32>) {
         let gpus = 4 / nodes;
         let text = format!(
             "topology t {{\n gpus_per_node = {gpus}\n nodes = {nodes}\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}}\nlayer four {{\n hidden = 4096\n ffn = 512\n experts = 16\n top_k = 4\n max_tokens = 1024\n parallel {{ expert = 4 }}\n topology = t\n}}\n"
@@ -1012,16 +1221,12 @@ mod tests {
         let topology = Topology::of(&layer.topology);
         let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, gpus, tokens).expect("draws");
         let machine = Machine::new(&plan, ep, regime, &topology, &traffic);
-        assert_eq!(machine.gemm2_last_first(schedule), last_first);
-        let ends = machine.gemms(
-            0,
-            0.0,
-            &|_, _| 0.0,
-            &mut [0; 4],
-            machine.gemm2_last_first(schedule),
-            None,
-        );
-        (ends, ep.receive_order[0].clone())
+        assert_eq!(machine.gemm2_start(schedule), gemm2);
+        let order = ep.receive_order[0].clone();
+        let last = order[3];
+        let ready = |s: u32, _: u32| if s == last { late } else { 0.0 };
+        let ends = machine.gemms(0, 0.0, &ready, &mut [0; 4], gemm2, None);
+        (ends, order)
     }
 
     /// GEMM2 takes its tiles phase by phase, as the kernels do: a rank's own rows (its
@@ -1029,7 +1234,12 @@ mod tests {
     /// every source with rows here has a window within GEMM2's span.
     #[test]
     fn gemm2_stores_an_early_sources_results_before_its_end() {
-        let (ends, order) = rank0_gemms(1, Schedule::FineGrainedTopologyAware, false);
+        let (ends, order) = rank0_gemms(
+            1,
+            Schedule::FineGrainedTopologyAware,
+            Gemm2Start::AfterGemm1,
+            0.0,
+        );
         let window = |s: u32| ends.results[s as usize].expect("rows from every source");
         let (own_first, own_last) = window(order[0]);
         let (_, last_source_last) = window(order[3]);
@@ -1052,23 +1262,42 @@ mod tests {
         }
     }
 
-    /// Across nodes the topology-aware schedule has GEMM2 take its phases from the last:
-    /// the last source in receive order (on the other node) is stored from GEMM2's first
-    /// tile and done before its end, the rank's own rows at the end (in receive order it is
-    /// the other way round: see the test above).
+    /// Across nodes the topology-aware schedule runs GEMM2 in one grid with GEMM1: while
+    /// the last source's rows are on their way, GEMM2 computes and stores the others' (in
+    /// a GEMM2 after GEMM1, as the naive schedule runs it, nothing is stored before they
+    /// arrive); the late rows' results still come after their arrival, and the whole ends
+    /// sooner. With every row there at once, the one grid does the same work: it ends no
+    /// later than the two kernels, and not impossibly sooner.
     #[test]
-    fn across_nodes_the_aware_gemm2_stores_the_farthest_sources_results_first() {
-        let (ends, order) = rank0_gemms(2, Schedule::FineGrainedTopologyAware, true);
-        // The naive schedule keeps the receive order (rank0_gemms checks which it takes).
-        rank0_gemms(2, Schedule::FineGrainedNaive, false);
-        let window = |s: u32| ends.results[s as usize].expect("rows from every source");
-        let (farthest_first, farthest_last) = window(order[3]);
-        let (_, own_last) = window(order[0]);
+    fn across_nodes_the_aware_gemm2_computes_while_late_rows_arrive() {
+        let in_turn =
+            |late| rank0_gemms(2, Schedule::FineGrainedNaive, Gemm2Start::AfterGemm1, late).0;
+        let together = |late| {
+            rank0_gemms(
+                2,
+                Schedule::FineGrainedTopologyAware,
+                Gemm2Start::WithGemm1,
+                late,
+            )
+        };
+        let at_once = in_turn(0.0);
+        let late = 2.0 * at_once.end2;
+        let (after, (with, order)) = (in_turn(late), together(late));
+        assert!(after.start2 > late, "{} {late}", after.start2);
+        let window = |s: u32| with.results[s as usize].expect("rows from every source");
         assert!(
-            (farthest_first - ends.start2).abs() < 1e-9 && farthest_last < ends.end2 - 1e-9,
+            with.start2 < late && window(order[0]).1 < late,
             "{:?}",
-            ends.results
+            with.results
         );
-        assert!((own_last - ends.end2).abs() < 1e-9, "{:?}", ends.results);
+        assert!(window(order[3]).0 > late && window(order[3]).1 <= with.end2 + 1e-9);
+        assert!(with.end2 < after.end2, "{} {}", with.end2, after.end2);
+        let (with_at_once, _) = together(0.0);
+        assert!(
+            with_at_once.end2 <= at_once.end2 && with_at_once.end2 > 0.8 * at_once.end2,
+            "{} {}",
+            with_at_once.end2,
+            at_once.end2
+        );
     }
 }

@@ -10,13 +10,13 @@
 //! - **fine-grained, topology-aware**: the plan's rotated send order; tokens bound for a
 //!   remote node cross the network once (to the rank of that node with the sender's local
 //!   index) and fan out over NVLink there; results come back the same way, reduced on the
-//!   remote node first. Across nodes GEMM2 takes its phases from the last, so that the
-//!   rows from other nodes, whose results have the longest way back, are computed first
-//!   (GEMM2 starts after GEMM1, so no tile waits; `benches/results/2026-12-01_simulator_gemm2_farthest_first_trial.md`).
-//!   This schedule is the design to build across nodes: the kernels do neither the
-//!   hierarchical exchange nor this GEMM2 order yet (their phases follow the receive
-//!   order, and the runtime sends a network peer's results after GEMM2, so the order
-//!   would not pay before the relay does).
+//!   remote node first. Across nodes both GEMMs run as one grid in which a block takes a
+//!   GEMM2 tile as soon as GEMM1 has stored its rows, else a GEMM1 tile whose chunks have
+//!   arrived (Comet's GEMM-to-GEMM overlap: GEMM2 fills the time GEMM1's blocks would wait
+//!   for the network; `benches/results/2026-12-02_simulator_gemm_overlap.md`). This
+//!   schedule is the design to build across nodes: the kernels do neither the
+//!   hierarchical exchange nor this overlap yet (GEMM2 is a kernel after GEMM1, its phases
+//!   in receive order, and the runtime sends a network peer's results after GEMM2).
 //!
 //! What it models: per rank, the plan's communication blocks taking work items (chunks of
 //! `dispatch_chunk` tokens per destination, or `dispatch_piece` pieces when a call has
@@ -28,8 +28,10 @@
 //! of the plan's regime, each block taking tiles `b, b + grid, …` in the kernels' order
 //! (phase, i.e. the source of a tile's last row in receive order, then expert, column
 //! tile, row tile; both GEMMs), a GEMM1 tile starting when its block is free and the
-//! chunks of its rows have arrived; tile times from [`model::tile_cost`];
-//! the reduce at the origin. Residency: whether every block a spin-wait depends on can be
+//! chunks of its rows have arrived (in the one grid of the topology-aware schedule across
+//! nodes, GEMM1's blocks take both GEMMs' tiles, each at its own GEMM's tile cost, as if
+//! one kernel held both tile shapes); tile times from [`model::tile_cost`]; the reduce at
+//! the origin. Residency: whether every block a spin-wait depends on can be
 //! resident with the plan's grids (else a [`Deadlock`]), and whether routing fits the
 //! plan's capacities (else [`SimError::Overflow`]).
 //!
