@@ -502,8 +502,9 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
 /// The router's launches of regime `regime` of the layer `symbol` with this gate tile:
 /// fused, one block per (token tile, expert tile, block of the split); or split, one gate
 /// block per (token tile, expert tile) then one select block per [`SELECT_WARPS`] tokens.
-/// The fused router starts early where `early_start` says so (it heads a call of
-/// early-starting kernels); the split router's launches do not.
+/// Every launch starts early where `early_start` says so (the router heads a call of
+/// early-starting kernels): a gate loads its first stages' W_gate rows before it waits for
+/// the kernel ahead, the select waits first.
 pub(super) fn router_launches(
     rule: &ir::Router,
     experts: u32,
@@ -555,7 +556,7 @@ pub(super) fn router_launches(
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
             stream: StreamRole::Compute,
-            early_start: false,
+            early_start,
             params: vec![
                 read(X),
                 read(GateWeight),
@@ -574,7 +575,7 @@ pub(super) fn router_launches(
             smem_bytes: 0,
             static_smem_bytes: select_static_smem_bytes(rule, experts),
             stream: StreamRole::Compute,
-            early_start: false,
+            early_start,
             params: [read(Workspace(RouterLogits))]
                 .into_iter()
                 .chain(bias)
