@@ -140,11 +140,12 @@ proptest! {
         let router = plan.router.as_ref().expect("the layer has a router");
         prop_assert_eq!(router.regimes.len(), plan.regimes.len());
         for regime in &router.regimes {
-            let gate = &regime.gate;
-            prop_assert!(gate.expert_tiles * gate.tile_experts >= layer.experts);
-            prop_assert!(gate.smem_bytes <= plan.target.smem_per_block);
-            let blocks = regime.launches[0].grid.blocks(layer.max_tokens);
-            prop_assert!(blocks >= layer.max_tokens.div_ceil(gate.tile_tokens));
+            for (i, gate) in regime.gates.iter().enumerate() {
+                prop_assert!(gate.expert_tiles * gate.tile_experts >= layer.experts);
+                prop_assert!(gate.smem_bytes <= plan.target.smem_per_block);
+                let blocks = regime.launches[i].grid.blocks(gate.max_tokens);
+                prop_assert!(blocks >= gate.max_tokens.div_ceil(gate.tile_tokens));
+            }
         }
         // A gate's split over blocks, for every call of its regime: whole steps per block,
         // never more than at one token (a fused router unrolls its sum to that), within one
@@ -163,28 +164,43 @@ proptest! {
             .expect("a router's counters")
             .elems;
         for (regime, router_regime) in plan.regimes.iter().zip(&router.regimes) {
-            let gate = &router_regime.gate;
-            let k_tiles_per_group = layer.hidden / 64 / gate.warps_k;
+            // The gates cover the regime's calls, each call running exactly one of them.
             for tokens in regime.min_tokens.max(1)..=regime.max_tokens {
+                let runs = router_regime.launches_for(tokens);
+                let covering: Vec<usize> = (0..router_regime.gates.len())
+                    .filter(|&i| {
+                        let gate = &router_regime.gates[i];
+                        (gate.min_tokens..=gate.max_tokens).contains(&tokens)
+                    })
+                    .collect();
+                prop_assert_eq!(covering.len(), 1);
+                prop_assert_eq!(runs[0], if router_regime.fused { 0 } else { covering[0] });
+            }
+        }
+        for router_regime in &router.regimes {
+          for (i, gate) in router_regime.gates.iter().enumerate() {
+            let k_tiles_per_group = layer.hidden / 64 / gate.warps_k;
+            for tokens in gate.min_tokens.max(1)..=gate.max_tokens {
                 let splits = gate.splits(tokens);
                 let unsplit = gate.token_tiles(tokens) * gate.expert_tiles;
                 prop_assert!(k_tiles_per_group.is_multiple_of(splits));
                 prop_assert!(splits <= gate.splits(1));
                 prop_assert!(splits == 1 || unsplit * splits <= plan.target.sm_count);
-                prop_assert_eq!(router_regime.launches[0].grid.blocks(tokens), unsplit * splits);
+                prop_assert_eq!(router_regime.launches[i].grid.blocks(tokens), unsplit * splits);
                 prop_assert!(u64::from(splits * tokens * layer.experts) <= logits);
                 prop_assert!(router_regime.fused || splits == 1 || u64::from(unsplit) <= tiles_done);
             }
+          }
         }
         let mut edited = plan.clone();
         let edited_router = edited.router.as_mut().expect("the layer has a router");
         match which {
-            0 => edited_router.regimes[0].gate.smem_bytes += 128,
+            0 => edited_router.regimes[0].gates[0].smem_bytes += 128,
             1 => {
                 edited_router.regimes[0].launches[0].params.remove(1);
             }
             2 => edited_router.regimes[0].fused = !edited_router.regimes[0].fused,
-            3 => edited_router.regimes[0].gate.k_split.steps += 1,
+            3 => edited_router.regimes[0].gates[0].k_split.steps += 1,
             _ => {
                 edited_router.regimes.pop();
             }

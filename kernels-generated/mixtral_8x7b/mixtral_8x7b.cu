@@ -1822,8 +1822,33 @@ extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_mid_router(
 }
 #endif
 
-// Router of regime `prefill` (257..=16384 tokens): split, its gate; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 1 expert tiles per token tile
-struct prefill_router_gate {
+// Router of regime `prefill` (257..=4096 tokens): split, its gate; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 1 expert tiles per token tile
+struct prefill_router_gate_16x16 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 1 };
+    enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256 };
+    enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 98304 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_router_gate_16x16)
+extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_16x16(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<prefill_router_gate_16x16>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (4097..=8192 tokens): split, its gate; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 1 expert tiles per token tile
+struct prefill_router_gate_64x16 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
@@ -1834,8 +1859,8 @@ struct prefill_router_gate {
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_router_gate)
-extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_router_gate_64x16)
+extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_64x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
@@ -1843,7 +1868,32 @@ extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_ga
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split<prefill_router_gate>(x, gate_weight, tokens, router_logits, router_tiles_done);
+    router_gate_split<prefill_router_gate_64x16>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (8193..=16384 tokens): split, its gate; gate tile 128 tokens x 16 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 1 expert tiles per token tile
+struct prefill_router_gate_128x16 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 128, BN = 16, STAGES = 3, EXPERT_TILES = 1 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256 };
+    enum : int { MOST_SPLITS = 32 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 18432, SMEM_BYTES = 110592 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_router_gate_128x16)
+extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_128x16(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<prefill_router_gate_128x16>(x, gate_weight, tokens, router_logits, router_tiles_done);
 }
 #endif
 // ---------------------------------------------------------------------------------------

@@ -1727,8 +1727,8 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
 }
 #endif
 
-// Router of regime `mid` (257..=1024 tokens): split, its gate; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
-struct mid_router_gate {
+// Router of regime `mid` (257..=512 tokens): split, its gate; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
+struct mid_router_gate_16x32 {
     enum : bool { FUSED = false };
     enum : int { BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
     enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256 };
@@ -1739,8 +1739,8 @@ struct mid_router_gate {
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_router_gate)
-extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_router_gate_16x32)
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate_16x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
@@ -1748,12 +1748,87 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate(
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split<mid_router_gate>(x, gate_weight, tokens, router_logits, router_tiles_done);
+    router_gate_split<mid_router_gate_16x32>(x, gate_weight, tokens, router_logits, router_tiles_done);
 }
 #endif
 
-// Router of regime `prefill` (1025..=16384 tokens): split, its gate; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 2 expert tiles per token tile
-struct prefill_router_gate {
+// Router of regime `mid` (513..=1024 tokens): split, its gate; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
+struct mid_router_gate_64x16 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 8 };
+    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
+    enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_router_gate_64x16)
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate_64x16(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<mid_router_gate_64x16>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (1025..=2048 tokens): split, its gate; gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 4 expert tiles per token tile
+struct prefill_router_gate_64x32 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
+    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
+    enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_64x32)
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x32(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<prefill_router_gate_64x32>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (2049..=4096 tokens): split, its gate; gate tile 64 tokens x 64 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 2 expert tiles per token tile
+struct prefill_router_gate_64x64 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 64, BN = 64, STAGES = 3, EXPERT_TILES = 2 };
+    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
+    enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_64x64)
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x64(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<prefill_router_gate_64x64>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (4097..=8192 tokens): split, its gate; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 2 expert tiles per token tile
+struct prefill_router_gate_128x64 {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2 };
     enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256 };
@@ -1764,8 +1839,8 @@ struct prefill_router_gate {
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate)
-extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_128x64)
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_128x64(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
@@ -1773,7 +1848,32 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split<prefill_router_gate>(x, gate_weight, tokens, router_logits, router_tiles_done);
+    router_gate_split<prefill_router_gate_128x64>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (8193..=16384 tokens): split, its gate; gate tile 128 tokens x 128 experts x 64, 3 stages, 4x2 warps x 1 groups splitting the reduction, 1 expert tiles per token tile
+struct prefill_router_gate_128x128 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 128, BN = 128, STAGES = 3, EXPERT_TILES = 1 };
+    enum : int { WARPS_M = 4, WARPS_N = 2, WARPS_K = 1, THREADS = 256 };
+    enum : int { MOST_SPLITS = 32 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 32768, SMEM_BYTES = 98304 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_128x128)
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_128x128(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<prefill_router_gate_128x128>(x, gate_weight, tokens, router_logits, router_tiles_done);
 }
 #endif
 // ---------------------------------------------------------------------------------------

@@ -770,8 +770,8 @@ impl MoeLayer {
                 (&self.plan.router, self.router_kernels.get(index))
         {
             let regime = &router.regimes[index];
-            for (launch, bound) in regime.launches.iter().zip(kernels) {
-                self.launch(launch, bound, &call)?;
+            for launch in regime.launches_for(tokens) {
+                self.launch(&regime.launches[launch], &kernels[launch], &call)?;
             }
             // Where the plan's fused decode covers the call, a fused router leaves the
             // metadata to it: the table's route launch runs if the table does.

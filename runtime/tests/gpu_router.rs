@@ -113,6 +113,15 @@ fn token_counts(plan: &Plan) -> Vec<u32> {
         let middle = (regime.min_tokens + (regime.max_tokens - regime.min_tokens) / 2) | 1;
         counts.extend([regime.min_tokens.max(1), regime.max_tokens, middle]);
     }
+    // Each of a split router's gates at both ends of its calls.
+    for gate in plan
+        .router
+        .iter()
+        .flat_map(|r| &r.regimes)
+        .flat_map(|r| &r.gates)
+    {
+        counts.extend([gate.min_tokens.max(1), gate.max_tokens]);
+    }
     counts.retain(|&t| t <= plan.shape.max_tokens);
     counts.sort_unstable();
     counts.dedup();
@@ -196,7 +205,8 @@ fn the_rule_layers_plan_a_router_with_ragged_expert_tiles() {
                 router
                     .regimes
                     .iter()
-                    .all(|r| r.gate.tile_experts * r.gate.expert_tiles > 60),
+                    .flat_map(|r| &r.gates)
+                    .all(|g| g.tile_experts * g.expert_tiles > 60),
                 "60 experts leave the last expert tile ragged"
             );
         }
@@ -204,30 +214,43 @@ fn the_rule_layers_plan_a_router_with_ragged_expert_tiles() {
 }
 
 /// The suites' calls include a split router's gate split over blocks along the reduction
-/// (its last blocks sum the parts) and one that is not, so both paths run on the GPU.
+/// (its last blocks sum the parts) and one that is not, so both paths run on the GPU; and
+/// every gate of a split router runs.
 #[test]
 fn the_suites_run_split_gates_split_over_blocks_and_whole() {
     let target = Target::h200();
-    let (mut split, mut whole) = (0, 0);
+    let (mut split, mut whole, mut gates_run, mut gates) = (0, 0, 0, 0);
     for layer in rule_layers().into_iter().chain(routed_examples()) {
         let plan = plan::plan(&layer, &target).expect("plans");
         let router = plan.router.clone().expect("a router plan");
+        let mut run = std::collections::BTreeSet::new();
         for tokens in token_counts(&plan) {
             let index = plan.regime_index_for(tokens).expect("a regime");
             let regime = &router.regimes[index];
             if !regime.fused {
-                if regime.gate.splits(tokens) > 1 {
+                let gate = regime.launches_for(tokens)[0];
+                run.insert((index, gate));
+                if regime.gates[gate].splits(tokens) > 1 {
                     split += 1;
                 } else {
                     whole += 1;
                 }
             }
         }
+        gates_run += run.len();
+        gates += router
+            .regimes
+            .iter()
+            .filter(|r| !r.fused)
+            .map(|r| r.gates.len())
+            .sum::<usize>();
     }
     assert!(
         split > 0 && whole > 0,
         "split gates over blocks: {split} calls, whole: {whole}"
     );
+    assert_eq!(gates_run, gates, "split routers' gates run by the suites");
+    assert!(gates > 2, "the suites have split routers of several gates");
 }
 
 #[test]

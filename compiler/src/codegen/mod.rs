@@ -896,22 +896,36 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         .regimes
         .iter()
         .zip(&router_plan.regimes)
-        .map(|(regime, router_regime)| {
-            let gate = &router_regime.gate;
+        .flat_map(|(regime, router_regime)| {
+            router_regime
+                .gates
+                .iter()
+                .enumerate()
+                .map(move |(i, gate)| (regime, router_regime, i, gate))
+        })
+        .map(|(regime, router_regime, i, gate)| {
             let uses: Vec<&str> = if router_regime.fused {
                 let bias = if has_bias { ROUTER_BIAS_USES } else { &[] };
                 [ROUTER_USES, bias, ROUTER_ROUTING_USES].concat()
             } else {
                 ROUTER_GATE_USES.to_vec()
             };
+            let config = if router_regime.fused {
+                format!("{}_router_gate", regime.name)
+            } else {
+                format!(
+                    "{}_router_gate_{}x{}",
+                    regime.name, gate.tile_tokens, gate.tile_experts
+                )
+            };
             Ok(GateUnit {
                 fused: router_regime.fused,
                 fused_decode_max_tokens: regime.fused_decode.as_ref().map_or(0, |f| f.max_tokens),
                 regime: regime.name.clone(),
-                min_tokens: regime.min_tokens,
-                max_tokens: regime.max_tokens,
-                config: format!("{}_router_gate", regime.name),
-                entry: EntryUnit::new(plan, &router_regime.launches[0].kernel, &uses)?,
+                min_tokens: gate.min_tokens,
+                max_tokens: gate.max_tokens,
+                config,
+                entry: EntryUnit::new(plan, &router_regime.launches[i].kernel, &uses)?,
                 bm: gate.tile_tokens,
                 bn: gate.tile_experts,
                 stages: gate.stages,
@@ -930,7 +944,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         .regimes
         .iter()
         .find(|regime| !regime.fused)
-        .and_then(|regime| regime.launches.get(1));
+        .and_then(|regime| regime.launches.last());
     let select_uses = uses_with(ROUTER_SELECT_USES, ROUTER_BIAS_USES, has_bias);
     let select = select_kernel
         .map(|launch| EntryUnit::new(plan, &launch.kernel, &select_uses))

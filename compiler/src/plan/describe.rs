@@ -334,38 +334,45 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
 }
 
 fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
-    let gate = &regime.gate;
-    let floor = &gate.floor;
     let _ = writeln!(
         out,
-        "    router {}; gate mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction{}, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+        "    router {}",
         if regime.fused {
             "fused, in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
         } else {
-            "split, before the table: gate, then select over the whole GPU"
+            "split, before the table: the gate for the call's token count, then select over the whole GPU"
         },
-        gate.tile_tokens,
-        gate.tile_experts,
-        gate.stages,
-        gate.warps_m,
-        gate.warps_n,
-        gate.warps_k,
-        if gate.splits(1) > 1 {
-            format!(
-                " and over {} blocks at 1 token (as many as keep the grid within {} blocks; fewer for more token tiles)",
-                gate.splits(1),
-                gate.k_split.most_blocks
-            )
-        } else {
-            String::new()
-        },
-        gate.smem_bytes,
-        gate.expert_tiles,
-        floor.tokens,
-        floor.seconds * 1e6,
-        floor.flops / 1e9,
-        floor.bytes / 1e6,
     );
+    for gate in &regime.gates {
+        let floor = &gate.floor;
+        let _ = writeln!(
+            out,
+            "    gate   {}..={} tokens: mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction{}, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+            gate.min_tokens,
+            gate.max_tokens,
+            gate.tile_tokens,
+            gate.tile_experts,
+            gate.stages,
+            gate.warps_m,
+            gate.warps_n,
+            gate.warps_k,
+            if gate.splits(1) > 1 {
+                format!(
+                    " and over {} blocks at 1 token (as many as keep the grid within {} blocks; fewer for more token tiles)",
+                    gate.splits(1),
+                    gate.k_split.most_blocks
+                )
+            } else {
+                String::new()
+            },
+            gate.smem_bytes,
+            gate.expert_tiles,
+            floor.tokens,
+            floor.seconds * 1e6,
+            floor.flops / 1e9,
+            floor.bytes / 1e6,
+        );
+    }
     for launch in &regime.launches {
         describe_launch(out, launch);
     }

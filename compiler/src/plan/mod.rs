@@ -1166,7 +1166,7 @@ pub fn plan_tuned(
         sorts_x_rows(&regimes),
         router
             .as_ref()
-            .map(|router| RouterSpace::of(router, &shape, regimes.iter().map(|r| r.max_tokens))),
+            .map(|router| RouterSpace::of(router, &shape)),
         stream_k,
         fused_decode::counters_needed(&shape, &regimes),
     );
@@ -1299,14 +1299,10 @@ struct RouterSpace {
 }
 
 impl RouterSpace {
-    fn of(
-        router: &RouterPlan,
-        shape: &LayerShape,
-        regime_max_tokens: impl Iterator<Item = u32> + Clone,
-    ) -> Self {
+    fn of(router: &RouterPlan, shape: &LayerShape) -> Self {
         RouterSpace {
-            tiles_done: router.tiles_done_len(regime_max_tokens.clone()),
-            logits_floats: router.logits_floats(shape.experts, shape.max_tokens, regime_max_tokens),
+            tiles_done: router.tiles_done_len(),
+            logits_floats: router.logits_floats(shape.experts, shape.max_tokens),
         }
     }
 }

@@ -44,6 +44,8 @@
 //! where a caller-routed call passes `topk_ids` and `topk_weights`. The expert-parallel
 //! path keeps caller-passed ids and weights.
 
+use std::ops::RangeInclusive;
+
 use serde::{Deserialize, Serialize};
 
 use super::launch::{Grid, KSplit, KernelParam, Launch, LaunchArg, StreamRole};
@@ -90,18 +92,39 @@ pub struct RouterPlan {
 /// The router's launches for one token-count regime.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterRegime {
-    pub gate: GatePlan,
+    /// The gate of a fused router; a split router's gates, each for its own calls, in
+    /// order of token count, covering the regime ([`split_gates`]).
+    pub gates: Vec<GatePlan>,
     /// Fused (one launch: gate, select, routing metadata; in place of the table's route
     /// launch) or split (gate, then select; before the whole table): see the module
     /// documentation.
     pub fused: bool,
-    /// In stream order: the fused router, or the gate then the select.
+    /// The fused router; or each gate's launch, in the order of `gates`, then the select.
     pub launches: Vec<Launch>,
+}
+
+impl RouterRegime {
+    /// The launches a call of `tokens` tokens runs, in stream order: the fused router, or
+    /// the gate for its token count, then the select.
+    pub fn launches_for(&self, tokens: u32) -> Vec<usize> {
+        if self.fused {
+            return vec![0];
+        }
+        let gate = self
+            .gates
+            .iter()
+            .position(|gate| tokens <= gate.max_tokens)
+            .unwrap_or(self.gates.len() - 1);
+        vec![gate, self.gates.len()]
+    }
 }
 
 /// How the gate GEMM is tiled.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GatePlan {
+    /// The calls this gate serves: `min_tokens..=max_tokens` tokens.
+    pub min_tokens: u32,
+    pub max_tokens: u32,
     /// Tokens per tile (rows of x).
     pub tile_tokens: u32,
     /// Experts per tile (rows of W_gate), a multiple of 16.
@@ -127,7 +150,7 @@ pub struct GatePlan {
     /// ([`RouterPlan::logits_floats`]), summed in split order into the first slice (by a
     /// fused router's select, or a split router's last block of the tile).
     pub smem_bytes: u32,
-    /// The roofline floor of gate and select at the regime's largest token count.
+    /// The roofline floor of gate and select at the gate's largest token count.
     pub floor: RouterFloor,
 }
 
@@ -273,21 +296,24 @@ pub(super) fn plan_router(
     regimes: &[(String, u32)],
 ) -> Option<RouterPlan> {
     let rule = layer.router?;
+    let mut min_tokens = 0;
     let regimes = regimes
         .iter()
         .map(|(name, max_tokens)| {
-            let (gate, fused) = gate_plan(layer, target, &rule, gemm_experts, *max_tokens);
+            let calls = min_tokens..=(*max_tokens).max(min_tokens);
+            min_tokens = max_tokens + 1;
+            let (gates, fused) = gate_plan(layer, target, &rule, gemm_experts, calls);
             let launches = router_launches(
                 &rule,
                 layer.experts,
-                &gate,
+                &gates,
                 fused,
                 symbol,
                 name,
                 target.has_programmatic_launch(),
             );
             RouterRegime {
-                gate,
+                gates,
                 fused,
                 launches,
             }
@@ -300,20 +326,16 @@ impl RouterPlan {
     /// Counters of `router_tiles_done` the calls of every regime need: a fused regime's
     /// largest call, the token tiles selected and then one per token tile; a split
     /// regime's calls that split their gate, one per gate tile (the same counters: one
-    /// call runs one regime's router, and every counter is zero between calls).
-    pub fn tiles_done_len(&self, regime_max_tokens: impl Iterator<Item = u32>) -> u32 {
-        let mut regime_min_tokens = 1;
+    /// call runs one gate, and every counter is zero between calls).
+    pub fn tiles_done_len(&self) -> u32 {
         self.regimes
             .iter()
-            .zip(regime_max_tokens)
-            .map(|(regime, max_tokens)| {
-                let first = regime_min_tokens;
-                regime_min_tokens = max_tokens + 1;
-                let gate = regime.gate;
-                if regime.fused {
-                    1 + gate.token_tiles(max_tokens)
+            .flat_map(|regime| regime.gates.iter().map(move |gate| (regime.fused, gate)))
+            .map(|(fused, gate)| {
+                if fused {
+                    1 + gate.token_tiles(gate.max_tokens)
                 } else {
-                    (gate.token_tiles(first)..=gate.token_tiles(max_tokens.max(first)))
+                    (gate.token_tiles(gate.min_tokens.max(1))..=gate.token_tiles(gate.max_tokens))
                         .map(|tiles| (tiles * gate.expert_tiles, tiles * gate.tile_tokens))
                         .filter(|&(_, tokens)| gate.splits(tokens) > 1)
                         .map(|(gate_tiles, _)| gate_tiles)
@@ -327,26 +349,18 @@ impl RouterPlan {
     }
 
     /// Floats of `router_logits` the calls of every regime up to `max_tokens` need:
-    /// [T, E], or a fused gate's partial logits, one [T, E] slice per block of its split
-    /// (the largest over the regime's calls: a call of more token tiles splits less, so
+    /// [T, E], or a split gate's partial logits, one [T, E] slice per block of its split
+    /// (the largest over each gate's calls: a call of more token tiles splits less, so
     /// each token-tile count's largest call is the one to check).
-    pub fn logits_floats(
-        &self,
-        experts: u32,
-        max_tokens: u32,
-        regime_max_tokens: impl Iterator<Item = u32>,
-    ) -> u64 {
-        let mut regime_min_tokens = 0;
+    pub fn logits_floats(&self, experts: u32, max_tokens: u32) -> u64 {
         let split_slices = self
             .regimes
             .iter()
-            .zip(regime_max_tokens)
-            .flat_map(|(regime, regime_max)| {
-                let first = regime_min_tokens;
-                regime_min_tokens = regime_max + 1;
-                let gate = regime.gate;
-                (gate.token_tiles(first.max(1))..=gate.token_tiles(regime_max))
-                    .map(move |tiles| (tiles * gate.tile_tokens).min(regime_max))
+            .flat_map(|regime| &regime.gates)
+            .flat_map(|gate| {
+                let last = gate.max_tokens;
+                (gate.token_tiles(gate.min_tokens.max(1))..=gate.token_tiles(last))
+                    .map(move |tiles| (tiles * gate.tile_tokens).min(last))
                     .map(move |tokens| u64::from(tokens) * u64::from(gate.splits(tokens)))
             })
             .max()
@@ -368,22 +382,13 @@ pub fn gate_blocks(tile_tokens: u32, tile_experts: u32, experts: u32, tokens: u3
     tokens.div_ceil(tile_tokens) * experts.div_ceil(tile_experts)
 }
 
-/// The gate tile for a regime whose largest call has `max_tokens` tokens, and whether the
-/// regime's router is fused ([`fused`]). The tile: among the tiles
-/// whose grid gives every SM a block at that count, the one that re-reads least from L2
-/// (a call reads `T·E·H·2·(1/tile_tokens + 1/tile_experts)` bytes into shared memory; the
-/// larger tile on a tie); when none fills the SMs (few tokens), the tile with the most
-/// blocks, so that W_gate, all that such a call reads, is spread over as many SMs as
-/// possible. Expert widths above E (rounded up to 16) are skipped but for the narrowest
-/// that covers E.
-fn gate_plan(
-    layer: &ir::Layer,
-    target: &Target,
-    rule: &ir::Router,
-    gemm_experts: u32,
-    max_tokens: u32,
-) -> (GatePlan, bool) {
-    let experts = layer.experts;
+/// The gate tile for calls of `tokens` tokens: among the tiles whose grid gives at least
+/// `fill` blocks at that count, the one that re-reads least from L2 (a call reads
+/// `T·E·H·2·(1/tile_tokens + 1/tile_experts)` bytes into shared memory; the larger tile on
+/// a tie); when none does (few tokens), the tile with the most blocks, so that W_gate, all
+/// that such a call reads, is spread over as many SMs as possible. Expert widths above E
+/// (rounded up to 16) are skipped but for the narrowest that covers E.
+fn gate_tile(experts: u32, tokens: u32, fill: u32) -> (u32, u32) {
     let covering = experts.next_multiple_of(16);
     let narrowest_covering = GATE_TILES_EXPERTS
         .into_iter()
@@ -397,7 +402,7 @@ fn gate_plan(
         .into_iter()
         .flat_map(|m| widths.iter().map(move |&n| (m, n)))
         .collect();
-    let tokens = max_tokens.max(1);
+    let tokens = tokens.max(1);
     let blocks = |&(m, n): &(u32, u32)| gate_blocks(m, n, experts, tokens);
     // Bytes re-read per FLOP, as an exact fraction: (m + n) / (m · n).
     let rereads = |&(m, n): &(u32, u32)| (u64::from(m + n), u64::from(m * n));
@@ -409,14 +414,93 @@ fn gate_plan(
     };
     let filling = candidates
         .iter()
-        .filter(|c| blocks(c) >= target.sm_count)
+        .filter(|c| blocks(c) >= fill)
         .min_by(|a, b| fewer_rereads(a, b));
     let most_blocks = || {
         candidates
             .iter()
             .max_by(|a, b| blocks(a).cmp(&blocks(b)).then(fewer_rereads(b, a)))
     };
-    let (tile_tokens, tile_experts) = filling.or_else(most_blocks).copied().unwrap_or((16, 16));
+    filling.or_else(most_blocks).copied().unwrap_or((16, 16))
+}
+
+/// The tile a fused router's gate would have for a regime whose largest call has
+/// `max_tokens` tokens: every SM a block there ([`gate_tile`]); whether the router is fused
+/// is decided on it ([`fused`]).
+pub fn fused_gate_tile(experts: u32, max_tokens: u32, sm_count: u32) -> (u32, u32) {
+    gate_tile(experts, max_tokens, sm_count)
+}
+
+/// The gates of a regime of `calls` tokens, and whether its router is fused ([`fused`]):
+/// a fused router's one gate has the tile that gives every SM a block at the regime's
+/// largest call ([`gate_tile`]); a split router's gates are [`split_gates`].
+fn gate_plan(
+    layer: &ir::Layer,
+    target: &Target,
+    rule: &ir::Router,
+    gemm_experts: u32,
+    calls: RangeInclusive<u32>,
+) -> (Vec<GatePlan>, bool) {
+    let (min_tokens, max_tokens) = (*calls.start(), *calls.end());
+    let tile = fused_gate_tile(layer.experts, max_tokens, target.sm_count);
+    let scratch = gate_scratch(layer, target, rule, gemm_experts, tile);
+    if fused(max_tokens, layer.top_k, scratch, target.smem_per_block) {
+        let gate = gate_for(layer, target, tile, Some(scratch), min_tokens, max_tokens);
+        return (vec![gate], true);
+    }
+    (split_gates(layer, target, calls), false)
+}
+
+/// A split router's gates over `calls`: at each power of two from the regime's smallest
+/// call up to its largest call (the last point), the tile whose grid gives at least nine
+/// in ten SMs a block there, with fewest re-reads ([`gate_tile`]); each serves the calls
+/// from above the previous point up to its own, the gate's reduction split over blocks
+/// where a smaller call leaves SMs idle. One tile per regime cannot serve it: on one H200
+/// (2026-12-02) Qwen3-30B-A3B's best gate tile was 64 × 32 at 2048 tokens (11.6 µs against
+/// 24.6 for the tile filling the SMs at 16384), 64 × 64 at 4096 (15.1 against 23.1) and
+/// 128 × 128 at 16384 (`benches/results/2026-12-02_router_early_start_and_gate_tiles.md`).
+/// Neighbouring points with one tile share a gate; a tile that comes back after another
+/// extends the latest gate instead (one kernel per tile).
+fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -> Vec<GatePlan> {
+    let (first, last) = (*calls.start(), *calls.end());
+    let fill = (target.sm_count * SPLIT_GATE_FILL_TENTHS).div_ceil(10);
+    let mut tiles: Vec<((u32, u32), u32)> = Vec::new();
+    let mut point = first.max(1).next_power_of_two().min(last);
+    loop {
+        let tile = gate_tile(layer.experts, point, fill);
+        let seen = tiles.iter().any(|&(t, _)| t == tile);
+        match tiles.last_mut() {
+            Some((_, up_to)) if seen => *up_to = point,
+            _ => tiles.push((tile, point)),
+        }
+        if point >= last {
+            break;
+        }
+        point = point.saturating_mul(2).min(last);
+    }
+    let mut min_tokens = first;
+    tiles
+        .into_iter()
+        .map(|(tile, max_tokens)| {
+            let gate = gate_for(layer, target, tile, None, min_tokens, max_tokens);
+            min_tokens = max_tokens + 1;
+            gate
+        })
+        .collect()
+}
+
+/// The share of SMs, in tenths, a split gate's tile gives a block at the call it is chosen
+/// for ([`split_gates`]): 128 blocks on 132 SMs (97%) is what the best measured tiles ran.
+const SPLIT_GATE_FILL_TENTHS: u32 = 9;
+
+/// A fused router's scratch for the gate tile `tile` ([`router_scratch_bytes`]).
+fn gate_scratch(
+    layer: &ir::Layer,
+    target: &Target,
+    rule: &ir::Router,
+    gemm_experts: u32,
+    (tile_tokens, tile_experts): (u32, u32),
+) -> u32 {
     let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
     let warps_k = gate_warps_k(
         tile_tokens,
@@ -424,27 +508,46 @@ fn gate_plan(
         layer.hidden,
         target.smem_per_block,
     );
-    let scratch = router_scratch_bytes(
+    router_scratch_bytes(
         rule,
-        experts,
+        layer.experts,
         gemm_experts,
         warps_m * warps_n * warps_k,
         tile_tokens,
+    )
+}
+
+/// The gate of tile `(tile_tokens, tile_experts)` for calls of `min_tokens..=max_tokens`
+/// tokens; a fused router's with its `scratch`.
+fn gate_for(
+    layer: &ir::Layer,
+    target: &Target,
+    (tile_tokens, tile_experts): (u32, u32),
+    scratch: Option<u32>,
+    min_tokens: u32,
+    max_tokens: u32,
+) -> GatePlan {
+    let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
+    let warps_k = gate_warps_k(
+        tile_tokens,
+        tile_experts,
+        layer.hidden,
+        target.smem_per_block,
     );
-    let fused = fused(max_tokens, layer.top_k, scratch, target.smem_per_block);
-    let scratch = fused.then_some(scratch);
     let stages = gate_stages(
-        fused,
+        scratch.is_some(),
         tile_tokens,
         tile_experts,
         layer.hidden,
         warps_k,
         target.smem_per_block,
     );
-    let gate = GatePlan {
+    GatePlan {
+        min_tokens,
+        max_tokens,
         tile_tokens,
         tile_experts,
-        expert_tiles: experts.div_ceil(tile_experts),
+        expert_tiles: layer.experts.div_ceil(tile_experts),
         warps_m,
         warps_n,
         warps_k,
@@ -452,8 +555,7 @@ fn gate_plan(
         stages,
         smem_bytes: GatePlan::smem_bytes_for(tile_tokens, tile_experts, stages, warps_k, scratch),
         floor: floor(layer, target, max_tokens),
-    };
-    (gate, fused)
+    }
 }
 
 fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
@@ -499,16 +601,17 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
     }
 }
 
-/// The router's launches of regime `regime` of the layer `symbol` with this gate tile:
+/// The router's launches of regime `regime` of the layer `symbol` with these gates:
 /// fused, one block per (token tile, expert tile, block of the split); or split, one gate
-/// block per (token tile, expert tile) then one select block per [`SELECT_WARPS`] tokens.
+/// block per (token tile, expert tile) of each gate, then one select block per
+/// [`SELECT_WARPS`] tokens.
 /// Every launch starts early where `early_start` says so (the router heads a call of
 /// early-starting kernels): a gate loads its first stages' W_gate rows before it waits for
 /// the kernel ahead, the select waits first.
 pub(super) fn router_launches(
     rule: &ir::Router,
     experts: u32,
-    gate: &GatePlan,
+    gates: &[GatePlan],
     fused: bool,
     symbol: &str,
     regime: &str,
@@ -518,15 +621,15 @@ pub(super) fn router_launches(
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = (rule.bias != ir::RouterBias::None).then(|| read(GateBias));
-    let gate_blocks = Grid::SplitTokenTiles {
+    let gate_blocks = |gate: &GatePlan| Grid::SplitTokenTiles {
         tokens_per_tile: gate.tile_tokens,
         blocks_per_tile: gate.expert_tiles,
         k_split: gate.k_split,
     };
-    if fused {
+    if let (true, [gate]) = (fused, gates) {
         return vec![Launch {
             kernel: format!("{symbol}_{regime}_router"),
-            grid: gate_blocks,
+            grid: gate_blocks(gate),
             block_threads: gate.threads(),
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
@@ -548,10 +651,14 @@ pub(super) fn router_launches(
                 .collect(),
         }];
     }
-    vec![
-        Launch {
-            kernel: format!("{symbol}_{regime}_router_gate"),
-            grid: gate_blocks,
+    gates
+        .iter()
+        .map(|gate| Launch {
+            kernel: format!(
+                "{symbol}_{regime}_router_gate_{}x{}",
+                gate.tile_tokens, gate.tile_experts
+            ),
+            grid: gate_blocks(gate),
             block_threads: gate.threads(),
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
@@ -564,8 +671,8 @@ pub(super) fn router_launches(
                 write(Workspace(RouterLogits)),
                 write(Workspace(RouterTilesDone)),
             ],
-        },
-        Launch {
+        })
+        .chain([Launch {
             kernel: format!("{symbol}_router_select"),
             grid: Grid::TokenTiles {
                 tokens_per_tile: SELECT_WARPS,
@@ -585,8 +692,8 @@ pub(super) fn router_launches(
                     write(Workspace(RoutedWeights)),
                 ])
                 .collect(),
-        },
-    ]
+        }])
+        .collect()
 }
 
 /// The router's rule in one phrase.

@@ -76,9 +76,10 @@ impl Plan {
                     .into(),
             );
         }
-        let router_space = self.router.as_ref().map(|router| {
-            RouterSpace::of(router, shape, self.regimes.iter().map(|r| r.max_tokens))
-        });
+        let router_space = self
+            .router
+            .as_ref()
+            .map(|router| RouterSpace::of(router, shape));
         let route_blocks = self
             .regimes
             .iter()
@@ -451,68 +452,101 @@ impl Plan {
             return Err("the routing scale is not a positive 32-bit float".into());
         }
         for (index, regime) in router.regimes.iter().enumerate() {
-            let gate: &GatePlan = &regime.gate;
             let name = &self.regimes[index].name;
-            let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
-            let scratch = router::router_scratch_bytes(
-                &router.rule,
-                experts,
-                self.shape.gemm_experts(),
-                warps_m * warps_n * gate.warps_k,
-                gate.tile_tokens,
+            let (min_tokens, max_tokens) = (
+                self.regimes[index].min_tokens,
+                self.regimes[index].max_tokens,
             );
-            if gate.tile_tokens == 0
-                || gate.tile_experts == 0
-                || !gate.tile_tokens.is_multiple_of(16)
-                || !gate.tile_experts.is_multiple_of(16)
-                || (gate.warps_m, gate.warps_n) != (warps_m, warps_n)
-                || gate.warps_k
-                    != router::gate_warps_k(
-                        gate.tile_tokens,
-                        gate.tile_experts,
-                        self.shape.hidden,
-                        self.target.smem_per_block,
-                    )
-                || !gate.tile_tokens.is_multiple_of(16 * warps_m)
-                || !gate.tile_experts.is_multiple_of(16 * warps_n)
-                || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
-                || gate.k_split
-                    != router::gate_k_split(self.shape.hidden, gate.warps_k, self.target.sm_count)
-                || gate.stages
-                    != router::gate_stages(
-                        regime.fused,
-                        gate.tile_tokens,
-                        gate.tile_experts,
-                        self.shape.hidden,
-                        gate.warps_k,
-                        self.target.smem_per_block,
-                    )
-                || gate.smem_bytes
-                    != GatePlan::smem_bytes_for(
-                        gate.tile_tokens,
-                        gate.tile_experts,
-                        gate.stages,
-                        gate.warps_k,
-                        regime.fused.then_some(scratch),
-                    )
-            {
-                return Err(format!("the gate tile of regime `{name}` does not add up"));
+            let scratch_of = |tile_tokens, tile_experts| {
+                let (warps_m, warps_n) = router::gate_warps(tile_tokens, tile_experts);
+                let warps_k = router::gate_warps_k(
+                    tile_tokens,
+                    tile_experts,
+                    self.shape.hidden,
+                    self.target.smem_per_block,
+                );
+                router::router_scratch_bytes(
+                    &router.rule,
+                    experts,
+                    self.shape.gemm_experts(),
+                    warps_m * warps_n * warps_k,
+                    tile_tokens,
+                )
+            };
+            let (fused_tokens, fused_experts) =
+                router::fused_gate_tile(experts, max_tokens, self.target.sm_count);
+            let fused = router::fused(
+                max_tokens,
+                self.shape.top_k,
+                scratch_of(fused_tokens, fused_experts),
+                self.target.smem_per_block,
+            );
+            let covered = regime.gates.first().map(|g| g.min_tokens) == Some(min_tokens)
+                && regime.gates.last().map(|g| g.max_tokens) == Some(max_tokens)
+                && regime
+                    .gates
+                    .windows(2)
+                    .all(|pair| pair[1].min_tokens == pair[0].max_tokens + 1)
+                && regime.gates.iter().all(|g| g.min_tokens <= g.max_tokens)
+                && (!regime.fused || regime.gates.len() == 1);
+            if !covered {
+                return Err(format!(
+                    "the gates of regime `{name}` do not cover its calls {min_tokens}..={max_tokens} in order"
+                ));
             }
-            let max_tokens = self.regimes[index].max_tokens;
+            for gate in &regime.gates {
+                let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
+                let scratch = scratch_of(gate.tile_tokens, gate.tile_experts);
+                if gate.tile_tokens == 0
+                    || gate.tile_experts == 0
+                    || !gate.tile_tokens.is_multiple_of(16)
+                    || !gate.tile_experts.is_multiple_of(16)
+                    || (gate.warps_m, gate.warps_n) != (warps_m, warps_n)
+                    || gate.warps_k
+                        != router::gate_warps_k(
+                            gate.tile_tokens,
+                            gate.tile_experts,
+                            self.shape.hidden,
+                            self.target.smem_per_block,
+                        )
+                    || !gate.tile_tokens.is_multiple_of(16 * warps_m)
+                    || !gate.tile_experts.is_multiple_of(16 * warps_n)
+                    || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
+                    || gate.k_split
+                        != router::gate_k_split(
+                            self.shape.hidden,
+                            gate.warps_k,
+                            self.target.sm_count,
+                        )
+                    || gate.stages
+                        != router::gate_stages(
+                            regime.fused,
+                            gate.tile_tokens,
+                            gate.tile_experts,
+                            self.shape.hidden,
+                            gate.warps_k,
+                            self.target.smem_per_block,
+                        )
+                    || gate.smem_bytes
+                        != GatePlan::smem_bytes_for(
+                            gate.tile_tokens,
+                            gate.tile_experts,
+                            gate.stages,
+                            gate.warps_k,
+                            regime.fused.then_some(scratch),
+                        )
+                {
+                    return Err(format!("a gate tile of regime `{name}` does not add up"));
+                }
+            }
             let expected = router::router_launches(
                 &router.rule,
                 experts,
-                gate,
+                &regime.gates,
                 regime.fused,
                 &self.symbol,
                 name,
                 self.target.has_programmatic_launch(),
-            );
-            let fused = router::fused(
-                max_tokens,
-                self.shape.top_k,
-                scratch,
-                self.target.smem_per_block,
             );
             if regime.fused != fused || regime.launches != expected {
                 return Err(format!(
