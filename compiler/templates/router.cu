@@ -124,9 +124,9 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
     // Phase 2: the group's k loop, STAGES - 1 of its k-tiles in flight (every group takes
-    // the same steps). A gate that started early loads its first stages' W_gate rows
-    // (fixed weights) before it waits for the kernel ahead, which may still be writing x;
-    // then their x rows.
+    // the same steps). A fused router that started early loads its first stages' W_gate
+    // rows (fixed weights) before it waits for the kernel ahead, which may still be writing
+    // x; then their x rows.
     if constexpr (G::WEIGHTS_BEFORE_WAIT) {
 #pragma unroll
         for (int s = 0; s < G::STAGES - 1; ++s) {
@@ -618,9 +618,6 @@ extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.nam
     {{ select.params }}
 )
 {
-{%- if select.early_start %}
-    start_after_previous_kernel();  // the gate's logits
-{%- endif %}
     static_assert({{ select.threads }} == 32 * ROUTER_SELECT_WARPS, "plan: one warp per token");
     // Each warp's selection values, with a group limit.
     __shared__ float s_selection[ROUTER_SELECT_WARPS][ROUTER_GROUPS > 0 ? EXPERTS : 1];

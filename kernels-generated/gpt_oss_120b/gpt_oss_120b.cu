@@ -1251,9 +1251,9 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
     // Phase 2: the group's k loop, STAGES - 1 of its k-tiles in flight (every group takes
-    // the same steps). A gate that started early loads its first stages' W_gate rows
-    // (fixed weights) before it waits for the kernel ahead, which may still be writing x;
-    // then their x rows.
+    // the same steps). A fused router that started early loads its first stages' W_gate
+    // rows (fixed weights) before it waits for the kernel ahead, which may still be writing
+    // x; then their x rows.
     if constexpr (G::WEIGHTS_BEFORE_WAIT) {
 #pragma unroll
         for (int s = 0; s < G::STAGES - 1; ++s) {
@@ -1748,7 +1748,6 @@ extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_router_select(
     float* __restrict__ routed_weights  // [tokens, TOP_K], workspace
 )
 {
-    start_after_previous_kernel();  // the gate's logits
     static_assert(128 == 32 * ROUTER_SELECT_WARPS, "plan: one warp per token");
     // Each warp's selection values, with a group limit.
     __shared__ float s_selection[ROUTER_SELECT_WARPS][ROUTER_GROUPS > 0 ? EXPERTS : 1];
@@ -1805,7 +1804,7 @@ struct mid_router_gate_64x16 {
     enum : int { MOST_SPLITS = 15 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 92160 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
@@ -1830,7 +1829,7 @@ struct mid_router_gate_64x32 {
     enum : int { MOST_SPLITS = 15 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 110592 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
@@ -1855,7 +1854,7 @@ struct prefill_router_gate_64x64 {
     enum : int { MOST_SPLITS = 15 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
@@ -1880,7 +1879,7 @@ struct prefill_router_gate_128x64 {
     enum : int { MOST_SPLITS = 45 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { STAGE_BYTES = 24576, SMEM_BYTES = 73728 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
@@ -1905,7 +1904,7 @@ struct prefill_router_gate_128x128 {
     enum : int { MOST_SPLITS = 45 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { STAGE_BYTES = 32768, SMEM_BYTES = 98304 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };

@@ -28,7 +28,7 @@ pub struct Launch {
     /// Whether it may start before the kernel ahead of it in the stream has finished
     /// (programmatic stream serialization, sm_90): its blocks start as SMs free up, and
     /// wait for that kernel and its memory (`griddepcontrol.wait`) before they read
-    /// anything it writes (the mma.sync GEMM2 and the routers' gates first load weights
+    /// anything it writes (the mma.sync GEMM2 and the fused router first load weights
     /// and what older kernels wrote; the others wait first), then let the next kernel
     /// start early too. The single-GPU forward's kernels do, so that a call's launches
     /// overlap their ramps; a decode call is mostly ramps.

@@ -604,10 +604,10 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
 /// The router's launches of regime `regime` of the layer `symbol` with these gates:
 /// fused, one block per (token tile, expert tile, block of the split); or split, one gate
 /// block per (token tile, expert tile) of each gate, then one select block per
-/// [`SELECT_WARPS`] tokens.
-/// Every launch starts early where `early_start` says so (the router heads a call of
-/// early-starting kernels): a gate loads its first stages' W_gate rows before it waits for
-/// the kernel ahead, the select waits first.
+/// [`SELECT_WARPS`] tokens. The fused router starts early where `early_start` says so (it
+/// heads a call of early-starting kernels); the split router's launches do not (starting
+/// early cost its gate kernel 3-12%, 1 µs at a few hundred tokens, and the calls gained
+/// nothing measurable: `benches/results/2026-12-02_router_early_start_and_gate_tiles.md`).
 pub(super) fn router_launches(
     rule: &ir::Router,
     experts: u32,
@@ -663,7 +663,7 @@ pub(super) fn router_launches(
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
             stream: StreamRole::Compute,
-            early_start,
+            early_start: false,
             params: vec![
                 read(X),
                 read(GateWeight),
@@ -682,7 +682,7 @@ pub(super) fn router_launches(
             smem_bytes: 0,
             static_smem_bytes: select_static_smem_bytes(rule, experts),
             stream: StreamRole::Compute,
-            early_start,
+            early_start: false,
             params: [read(Workspace(RouterLogits))]
                 .into_iter()
                 .chain(bias)
