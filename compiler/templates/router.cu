@@ -636,7 +636,7 @@ extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.nam
 {%- endif %}
 {%- for gate in router.gates %}
 
-// Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens): {% if gate.fused %}fused{% else %}split, its gate{% endif %}; gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction, {{ gate.expert_tiles }} expert tiles per token tile
+// Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens): {% if gate.fused %}fused{% else %}split, its gate for these calls{% endif %}; gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction, {{ gate.expert_tiles }} expert tiles per token tile
 struct {{ gate.config }} {
     enum : bool { FUSED = {{ gate.fused }} };
     enum : int { BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }} };

@@ -1821,7 +1821,7 @@ extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_mid_router(
 }
 #endif
 
-// Router of regime `prefill` (257..=4096 tokens): split, its gate; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 1 expert tiles per token tile
+// Router of regime `prefill` (257..=4096 tokens): split, its gate for these calls; gate tile 16 tokens x 16 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 1 expert tiles per token tile
 struct prefill_router_gate_16x16 {
     enum : bool { FUSED = false };
     enum : int { BM = 16, BN = 16, STAGES = 3, EXPERT_TILES = 1 };
@@ -1846,7 +1846,7 @@ extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_ga
 }
 #endif
 
-// Router of regime `prefill` (4097..=8192 tokens): split, its gate; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 1 expert tiles per token tile
+// Router of regime `prefill` (4097..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 1 expert tiles per token tile
 struct prefill_router_gate_64x16 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 1 };
@@ -1871,7 +1871,7 @@ extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_ga
 }
 #endif
 
-// Router of regime `prefill` (8193..=16384 tokens): split, its gate; gate tile 128 tokens x 16 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 1 expert tiles per token tile
+// Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 16 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 1 expert tiles per token tile
 struct prefill_router_gate_128x16 {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 16, STAGES = 3, EXPERT_TILES = 1 };

@@ -1726,7 +1726,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
 }
 #endif
 
-// Router of regime `mid` (257..=512 tokens): split, its gate; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
+// Router of regime `mid` (257..=512 tokens): split, its gate for these calls; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
 struct mid_router_gate_16x32 {
     enum : bool { FUSED = false };
     enum : int { BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
@@ -1751,7 +1751,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate_
 }
 #endif
 
-// Router of regime `mid` (513..=1024 tokens): split, its gate; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
+// Router of regime `mid` (513..=1024 tokens): split, its gate for these calls; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
 struct mid_router_gate_64x16 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 8 };
@@ -1776,7 +1776,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_mid_router_gate_
 }
 #endif
 
-// Router of regime `prefill` (1025..=2048 tokens): split, its gate; gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 4 expert tiles per token tile
+// Router of regime `prefill` (1025..=2048 tokens): split, its gate for these calls; gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 4 expert tiles per token tile
 struct prefill_router_gate_64x32 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
@@ -1801,7 +1801,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
 }
 #endif
 
-// Router of regime `prefill` (2049..=4096 tokens): split, its gate; gate tile 64 tokens x 64 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 2 expert tiles per token tile
+// Router of regime `prefill` (2049..=4096 tokens): split, its gate for these calls; gate tile 64 tokens x 64 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate_64x64 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 64, STAGES = 3, EXPERT_TILES = 2 };
@@ -1826,7 +1826,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
 }
 #endif
 
-// Router of regime `prefill` (4097..=8192 tokens): split, its gate; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 2 expert tiles per token tile
+// Router of regime `prefill` (4097..=8192 tokens): split, its gate for these calls; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 2 expert tiles per token tile
 struct prefill_router_gate_128x64 {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 2 };
@@ -1851,7 +1851,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
 }
 #endif
 
-// Router of regime `prefill` (8193..=16384 tokens): split, its gate; gate tile 128 tokens x 128 experts x 64, 3 stages, 4x2 warps x 1 groups splitting the reduction, 1 expert tiles per token tile
+// Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 128 experts x 64, 3 stages, 4x2 warps x 1 groups splitting the reduction, 1 expert tiles per token tile
 struct prefill_router_gate_128x128 {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 128, STAGES = 3, EXPERT_TILES = 1 };
