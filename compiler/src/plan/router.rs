@@ -16,9 +16,11 @@
 //!   The last block to arrive resets its counter, so the next call starts from zero
 //!   without a memset. No block waits for another, so nothing can deadlock whatever the
 //!   residency.
-//! - **split** (larger calls): the gate (`<symbol>_<regime>_router_gate`) and the select
-//!   (`<symbol>_router_select`, one warp per token, [`SELECT_WARPS`] tokens per block over
-//!   the whole GPU) as two launches before the whole table. A fused router's tails run on
+//! - **split** (larger calls): the gate for the call's token count (a regime has one per
+//!   token range, each with its own tile, [`split_gates`]:
+//!   `<symbol>_<regime>_router_gate_<m>x<n>`) and the select (`<symbol>_router_select`,
+//!   one warp per token, [`SELECT_WARPS`] tokens per block over the whole GPU) as two
+//!   launches before the whole table. A fused router's tails run on
 //!   one block per token tile and its routing on one block of 256 threads: measured on an
 //!   H200 (2026-11-30, same run), at 16384 tokens they cost Qwen3-30B-A3B 185 µs and
 //!   DeepSeek-V3 330 µs more than the split launches, while at 1 token the fused router
