@@ -445,7 +445,14 @@ fn gate_plan(
 ) -> (Vec<GatePlan>, bool) {
     let (min_tokens, max_tokens) = (*calls.start(), *calls.end());
     let tile = fused_gate_tile(layer.experts, max_tokens, target.sm_count);
-    let scratch = gate_scratch(layer, target, rule, gemm_experts, tile);
+    let scratch = gate_scratch(
+        rule,
+        layer.experts,
+        gemm_experts,
+        layer.hidden,
+        target.smem_per_block,
+        tile,
+    );
     if fused(max_tokens, layer.top_k, scratch, target.smem_per_block) {
         let gate = gate_for(layer, target, tile, Some(scratch), min_tokens, max_tokens);
         return (vec![gate], true);
@@ -495,24 +502,21 @@ fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -
 /// for ([`split_gates`]): 128 blocks on 132 SMs (97%) is what the best measured tiles ran.
 const SPLIT_GATE_FILL_TENTHS: u32 = 9;
 
-/// A fused router's scratch for the gate tile `tile` ([`router_scratch_bytes`]).
-fn gate_scratch(
-    layer: &ir::Layer,
-    target: &Target,
+/// A fused router's scratch with the gate tile `(tile_tokens, tile_experts)` over a
+/// reduction of `hidden` ([`router_scratch_bytes`], its warps from the tile).
+pub fn gate_scratch(
     rule: &ir::Router,
+    experts: u32,
     gemm_experts: u32,
+    hidden: u32,
+    smem_per_block: u32,
     (tile_tokens, tile_experts): (u32, u32),
 ) -> u32 {
     let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
-    let warps_k = gate_warps_k(
-        tile_tokens,
-        tile_experts,
-        layer.hidden,
-        target.smem_per_block,
-    );
+    let warps_k = gate_warps_k(tile_tokens, tile_experts, hidden, smem_per_block);
     router_scratch_bytes(
         rule,
-        layer.experts,
+        experts,
         gemm_experts,
         warps_m * warps_n * warps_k,
         tile_tokens,

@@ -458,19 +458,13 @@ impl Plan {
                 self.regimes[index].max_tokens,
             );
             let scratch_of = |tile_tokens, tile_experts| {
-                let (warps_m, warps_n) = router::gate_warps(tile_tokens, tile_experts);
-                let warps_k = router::gate_warps_k(
-                    tile_tokens,
-                    tile_experts,
-                    self.shape.hidden,
-                    self.target.smem_per_block,
-                );
-                router::router_scratch_bytes(
+                router::gate_scratch(
                     &router.rule,
                     experts,
                     self.shape.gemm_experts(),
-                    warps_m * warps_n * warps_k,
-                    tile_tokens,
+                    self.shape.hidden,
+                    self.target.smem_per_block,
+                    (tile_tokens, tile_experts),
                 )
             };
             let (fused_tokens, fused_experts) =
