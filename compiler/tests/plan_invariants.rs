@@ -166,7 +166,7 @@ proptest! {
         for (regime, router_regime) in plan.regimes.iter().zip(&router.regimes) {
             // The gates cover the regime's calls, each call running exactly one of them.
             for tokens in regime.min_tokens.max(1)..=regime.max_tokens {
-                let runs = router_regime.launches_for(tokens);
+                let runs: Vec<usize> = router_regime.launches_for(tokens).collect();
                 let covering: Vec<usize> = (0..router_regime.gates.len())
                     .filter(|&i| {
                         let gate = &router_regime.gates[i];

@@ -228,7 +228,7 @@ fn the_suites_run_split_gates_split_over_blocks_and_whole() {
             let index = plan.regime_index_for(tokens).expect("a regime");
             let regime = &router.regimes[index];
             if !regime.fused {
-                let gate = regime.launches_for(tokens)[0];
+                let gate = regime.launches_for(tokens).next().expect("a gate");
                 run.insert((index, gate));
                 if regime.gates[gate].splits(tokens) > 1 {
                     split += 1;

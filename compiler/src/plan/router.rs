@@ -108,16 +108,18 @@ pub struct RouterRegime {
 impl RouterRegime {
     /// The launches a call of `tokens` tokens runs, in stream order: the fused router, or
     /// the gate for its token count, then the select.
-    pub fn launches_for(&self, tokens: u32) -> Vec<usize> {
-        if self.fused {
-            return vec![0];
-        }
-        let gate = self
-            .gates
-            .iter()
-            .position(|gate| tokens <= gate.max_tokens)
-            .unwrap_or(self.gates.len() - 1);
-        vec![gate, self.gates.len()]
+    pub fn launches_for(&self, tokens: u32) -> impl Iterator<Item = usize> {
+        let (first, select) = if self.fused {
+            (0, None)
+        } else {
+            let gate = self
+                .gates
+                .iter()
+                .position(|gate| tokens <= gate.max_tokens)
+                .unwrap_or(self.gates.len() - 1);
+            (gate, Some(self.gates.len()))
+        };
+        std::iter::once(first).chain(select)
     }
 }
 

@@ -173,15 +173,41 @@ impl Tile2 {
 }
 
 /// Where HBM, not the tiles, sets the end of work that began at `start` (its tiles done by
-/// `tiles_end`, the work by `end`), every tile ran that much slower: stretches the store
-/// windows to match.
+/// `tiles_end`, the work by `end`), every tile ran that much slower: a time of the tiles,
+/// stretched to match.
+fn stretch(start: f64, tiles_end: f64, end: f64) -> impl Fn(f64) -> f64 {
+    let factor = if tiles_end > start {
+        (end - start) / (tiles_end - start)
+    } else {
+        1.0
+    };
+    move |t| start + (t - start) * factor
+}
+
+/// The store windows of `results`, stretched as [`stretch`] says.
 fn stretch_results(results: &mut [Option<(f64, f64)>], start: f64, tiles_end: f64, end: f64) {
-    if tiles_end > start {
-        let stretch = (end - start) / (tiles_end - start);
-        let stretched = |t: f64| start + (t - start) * stretch;
-        for slot in results.iter_mut().flatten() {
-            *slot = (stretched(slot.0), stretched(slot.1));
-        }
+    let stretched = stretch(start, tiles_end, end);
+    for slot in results.iter_mut().flatten() {
+        *slot = (stretched(slot.0), stretched(slot.1));
+    }
+}
+
+/// Draws a tile of block `block` on `lane`, which shows block 0's.
+fn record_tile(
+    lane: &mut Option<&mut RankTimeline>,
+    block: usize,
+    start: f64,
+    end: f64,
+    label: &str,
+) {
+    if block == 0
+        && let Some(lane) = lane.as_deref_mut()
+    {
+        lane.tiles.push(Span {
+            start,
+            end,
+            label: label.into(),
+        });
     }
 }
 
@@ -638,15 +664,7 @@ impl<'a> Machine<'a> {
             let b = id % block1.len();
             let begin = block1[b].max(tile.ready);
             block1[b] = begin + tile.duration;
-            if b == 0
-                && let Some(lane) = lane.as_deref_mut()
-            {
-                lane.tiles.push(Span {
-                    start: begin,
-                    end: begin + tile.duration,
-                    label: "GEMM1".into(),
-                });
-            }
+            record_tile(&mut lane, b, begin, block1[b], "GEMM1");
         }
         let end1 = block1
             .iter()
@@ -660,15 +678,7 @@ impl<'a> Machine<'a> {
             let b = id % blocks.len();
             let begin = blocks[b];
             blocks[b] += tile.duration;
-            if b == 0
-                && let Some(lane) = lane.as_deref_mut()
-            {
-                lane.tiles.push(Span {
-                    start: begin,
-                    end: blocks[b],
-                    label: "GEMM2".into(),
-                });
-            }
+            record_tile(&mut lane, b, begin, blocks[b], "GEMM2");
             tile.store(
                 &mut results,
                 order,
@@ -762,31 +772,17 @@ impl<'a> Machine<'a> {
             };
             tiles_end = tiles_end.max(end);
             blocks.push((Time(end), std::cmp::Reverse(b)));
-            if b == 0
-                && let Some(lane) = lane.as_deref_mut()
-            {
-                lane.tiles.push(Span {
-                    start: now,
-                    end,
-                    label: label.into(),
-                });
-            }
+            record_tile(&mut lane, b, now, end, label);
         }
         let end2 = tiles_end.max(start + model::hbm_seconds(self.target, hbm1 + hbm2));
         stretch_results(&mut results, start, tiles_end, end2);
-        let stretch = |t: f64| {
-            if tiles_end > start {
-                start + (t - start) * (end2 - start) / (tiles_end - start)
-            } else {
-                t
-            }
-        };
+        let stretched = stretch(start, tiles_end, end2);
         let start2 = if start2.is_finite() {
-            stretch(start2)
+            stretched(start2)
         } else {
             end2
         };
-        GemmEnds::recorded(lane, [start, stretch(end1)], start2, end2, results)
+        GemmEnds::recorded(lane, [start, stretched(end1)], start2, end2, results)
     }
 
     /// GEMM2's tiles over experts with `phase_rows[e][p]` rows of phase `p` (source
