@@ -790,7 +790,10 @@ impl GemmPlan {
 pub enum RowLoad {
     /// Row by row with `cp.async`, through the tile's row-source table: GEMM1 gathers its
     /// tokens' rows of x where the planner does not sort them (`gemm1_row_load`), and
-    /// every expert-parallel GEMM reads rows where they arrived.
+    /// every expert-parallel GEMM reads rows where they arrived. (Gathering by TMA instead,
+    /// a box of one row per producer thread, was measured 19-81% slower than both ways on
+    /// the four examples' prefill GEMM1s: the TMA unit takes about 20 cycles per box, so 128
+    /// boxes per stage outlast the stage's multiply; one H200, 2026-12-02.)
     Gathered,
     /// As TMA boxes of the tile's `BM` consecutive expert-major rows on the warp-specialised
     /// engine: the single-GPU GEMM2's from the intermediate, and the single-GPU GEMM1's where
