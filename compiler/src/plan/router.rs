@@ -22,9 +22,9 @@
 //!   one warp per token, [`SELECT_WARPS`] tokens per block over the whole GPU) as two
 //!   launches before the whole table. A fused router's tails run on
 //!   one block per token tile and its routing on one block of 256 threads: measured on an
-//!   H200 (2026-11-30, same run), at 16384 tokens they cost Qwen3-30B-A3B 185 µs and
-//!   DeepSeek-V3 330 µs more than the split launches, while at 1 token the fused router
-//!   saved 1-8 µs.
+//!   H200 (2026-11-30), at 16384 tokens they cost Qwen3-30B-A3B 170 µs (185 in a second
+//!   run) and DeepSeek-V3 146 µs more than the split launches, while at 1 token the fused
+//!   router saved 3-9 µs.
 //!
 //! The **gate**: the logits `x · W_gateᵀ` [T, E] in f32, a tiled `mma.sync` GEMM. A block
 //! takes a tile of `tile_tokens` tokens by `tile_experts` experts; blocks are numbered
