@@ -6,7 +6,7 @@
 #   MOEFORGE_BINARY=path/to/moeforge bash benches/kernel_breakdown.sh ...  (another build)
 # MODEL names an example in dsl-examples/. The kernels run serialised, each after a pause:
 # power-limited GEMMs run faster here than in a stream of calls (see
-# benches/results/2026-12-02_large_call_breakdown_and_two_misses.md).
+# benches/results/2026-12-02_large_call_breakdown_and_three_misses.md).
 set -uo pipefail
 [ $# -ge 2 ] || { sed -n 2,8p "$0" >&2; exit 2; }
 model=$1 tokens=$2
