@@ -195,6 +195,14 @@ impl GatePlan {
         self.k_split
             .splits(self.token_tiles(tokens.max(1)) * self.expert_tiles)
     }
+
+    /// For each token-tile count among this gate's calls, its largest call: a call of more
+    /// token tiles splits less, so these are the calls whose buffers to size.
+    fn largest_calls(&self) -> impl Iterator<Item = u32> + '_ {
+        let last = self.max_tokens;
+        (self.token_tiles(self.min_tokens.max(1))..=self.token_tiles(last))
+            .map(move |tiles| (tiles * self.tile_tokens).min(last))
+    }
 }
 
 /// Shared memory the select and routing phases reuse from the gate's rings, in bytes:
@@ -339,10 +347,9 @@ impl RouterPlan {
                 if fused {
                     1 + gate.token_tiles(gate.max_tokens)
                 } else {
-                    (gate.token_tiles(gate.min_tokens.max(1))..=gate.token_tiles(gate.max_tokens))
-                        .map(|tiles| (tiles * gate.expert_tiles, tiles * gate.tile_tokens))
-                        .filter(|&(_, tokens)| gate.splits(tokens) > 1)
-                        .map(|(gate_tiles, _)| gate_tiles)
+                    gate.largest_calls()
+                        .filter(|&tokens| gate.splits(tokens) > 1)
+                        .map(|tokens| gate.token_tiles(tokens) * gate.expert_tiles)
                         .max()
                         .unwrap_or(0)
                 }
@@ -362,10 +369,8 @@ impl RouterPlan {
             .iter()
             .flat_map(|regime| &regime.gates)
             .flat_map(|gate| {
-                let last = gate.max_tokens;
-                (gate.token_tiles(gate.min_tokens.max(1))..=gate.token_tiles(last))
-                    .map(move |tiles| (tiles * gate.tile_tokens).min(last))
-                    .map(move |tokens| u64::from(tokens) * u64::from(gate.splits(tokens)))
+                gate.largest_calls()
+                    .map(|tokens| u64::from(tokens) * u64::from(gate.splits(tokens)))
             })
             .max()
             .unwrap_or(0);
