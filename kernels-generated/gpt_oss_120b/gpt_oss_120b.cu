@@ -2499,42 +2499,39 @@ extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
 // ---------------------------------------------------------------------------------------
 // Regime `mid`: 513..=2048 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 64x64x64, 4 stages, 2x4 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 64x96x64, 7 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
 struct mid_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = true };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 64, BN = 64, BK = 64, STAGES = 4 };
-    enum : int { WARPS_M = 2, WARPS_N = 4, THREADS = 256 };
-    enum : int { PRODUCER_THREADS = 0 };
-    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
-    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
-    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
-    // split tile sums the parts in block order and stores it.
-    enum : int { STREAM_K_MAX_LAST_WAVE = 68, STREAM_K_MAX_TILES = 2112 };
-    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
-    enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
+    enum : int { BM = 64, BN = 96, BK = 64, STAGES = 7 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 96 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 192 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 98304, BARRIER_OFFSET = 98560 };
-    enum : int { DYNAMIC_SMEM_BYTES = 98688, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 32768 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 229376, BARRIER_OFFSET = 229632 };
+    enum : int { DYNAMIC_SMEM_BYTES = 230768, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_gemm1)
-extern "C" __global__ void __launch_bounds__(256, 2) gpt_oss_120b_mid_gemm1(
+extern "C" __global__ void __launch_bounds__(256, 1) gpt_oss_120b_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const float* __restrict__ w1_bias,  // [EXPERTS, W1 rows]: each expert's GEMM1 bias
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
-    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
-    u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
     start_after_previous_kernel();
-    grouped_gemm<mid_gemm1>(x, w1, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
+    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x192x64, 7 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)

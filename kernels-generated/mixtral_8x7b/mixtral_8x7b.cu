@@ -3052,29 +3052,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_gemm1(
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+// GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 struct mid_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 64, BN = 256, BK = 64, STAGES = 5 };
-    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
+    enum : int { BM = 128, BN = 256, BK = 64, STAGES = 4 };
+    enum : int { WARPS_M = 8, WARPS_N = 1, THREADS = 384 };
     // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
     // setmaxnreg gives each role this many registers per thread (0: no split).
-    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 48, CONSUMER_REGISTERS = 224 };
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
+    enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
-    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 128 };
+    enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 128 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_gemm2)
-extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_gemm2(
+extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) mixtral_8x7b_mid_gemm2(
     const __grid_constant__ TensorMap intermediate_tiles,  // TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box
     const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]

@@ -142,6 +142,8 @@ pub fn tune_layer(
     let shape = model.shape.clone();
     let tunable = |kind| !plan::gemm_hinted(layer, kind);
     let mut entries = Vec::new();
+    // The GEMMs the regime below ended with (tuned, else as the model chose them).
+    let mut below: Option<(GemmPlan, GemmPlan)> = None;
     for (index, regime) in model.regimes.iter().enumerate() {
         let tokens = timed_tokens(regime.min_tokens, regime.max_tokens);
         let entry_with = |gemm1: &GemmPlan, gemm2: &GemmPlan| TunedRegime {
@@ -167,6 +169,24 @@ pub fn tune_layer(
             time_regime(session, candidate, &tokens, settings)
         };
         let (mut gemm1, mut gemm2) = (regime.gemm1.clone(), regime.gemm2.clone());
+        // Beside the cost model's best tiles for this regime, the neighbouring regimes'
+        // GEMMs (the one below as it ended, the one above as the model chose it): a boundary
+        // the model drew can fall on the wrong side of a call (Qwen3-30B-A3B at 1024 tokens,
+        // the largest call of its mid regime, ran 3.6% faster on the prefill regime's GEMMs,
+        // H200, 2026-12-02).
+        let above = model.regimes.get(index + 1);
+        let neighbours = |kind: GemmKind| -> Vec<GemmPlan> {
+            let pick = |pair: (&GemmPlan, &GemmPlan)| match kind {
+                GemmKind::Up => pair.0.clone(),
+                GemmKind::Down => pair.1.clone(),
+            };
+            below
+                .as_ref()
+                .map(|(g1, g2)| pick((g1, g2)))
+                .into_iter()
+                .chain(above.map(|r| pick((&r.gemm1, &r.gemm2))))
+                .collect()
+        };
         // Both GEMMs as the cost model chose them (per timed count), and the current
         // choice, timed.
         let mut model_times: Option<Vec<f64>> = None;
@@ -187,6 +207,11 @@ pub fn tune_layer(
                     .filter(|c| !same_shape(c, &current)),
             );
             candidates.truncate(settings.candidates.max(1));
+            for neighbour in neighbours(kind) {
+                if !candidates.iter().any(|c| same_shape(c, &neighbour)) {
+                    candidates.push(neighbour);
+                }
+            }
             let mut best: Option<(Vec<f64>, GemmPlan)> = None;
             for (i, candidate) in candidates.iter().enumerate() {
                 let entry = match kind {
@@ -226,6 +251,7 @@ pub fn tune_layer(
                 }
             }
         }
+        below = Some((gemm1.clone(), gemm2.clone()));
         let (Some(model_us), Some(chosen_us)) =
             (model_times.map(|t| t.iter().sum::<f64>()), chosen_us)
         else {

@@ -26,7 +26,8 @@ pub struct Args {
     /// Which layer of the file (needed when it has several).
     #[arg(long)]
     layer: Option<String>,
-    /// Candidates timed per GEMM and regime (the cost model's choice and its next best).
+    /// Candidates timed per GEMM and regime (the cost model's choice and its next best), besides
+    /// the neighbouring regimes' choices, which are always timed too.
     #[arg(long, default_value_t = 3)]
     candidates: usize,
     /// Timed calls per token count (after 3 warm-up calls), median.
