@@ -1377,13 +1377,11 @@ __device__ __forceinline__ void router_warp_best(float& value, int& index) {
     index = (int)best_index;
 }
 
-// This lane's best entry (value, expert) among those `unavailable` leaves open, (-inf,
-// ROUTER_NONE) when none is: a tree of comparisons, log2(ROUTER_PER_LANE) deep rather
-// than a chain of ROUTER_PER_LANE (the select's rounds wait on it one after another).
-__device__ __forceinline__ void router_lane_best(const float (&selection)[ROUTER_PER_LANE], u32 unavailable, int lane,
-                                                 float& best_v, int& best_e) {
-    float v[ROUTER_PER_LANE];
-    int e[ROUTER_PER_LANE];
+// This lane's entries (value, expert), those `unavailable` leaves open best first, then
+// (-inf, ROUTER_NONE) for the rest: sorted once, so that each round of the top-k only
+// compares the lanes' heads. An odd-even transposition sort, ROUTER_PER_LANE passes.
+__device__ __forceinline__ void router_lane_sorted(const float (&selection)[ROUTER_PER_LANE], u32 unavailable, int lane,
+                                                   float (&v)[ROUTER_PER_LANE], int (&e)[ROUTER_PER_LANE]) {
 #pragma unroll
     for (int i = 0; i < ROUTER_PER_LANE; ++i) {
         const bool open = !(unavailable >> i & 1u);
@@ -1391,17 +1389,19 @@ __device__ __forceinline__ void router_lane_best(const float (&selection)[ROUTER
         e[i] = open ? lane + 32 * i : ROUTER_NONE;
     }
 #pragma unroll
-    for (int stride = 1; stride < ROUTER_PER_LANE; stride *= 2) {
+    for (int pass = 0; pass < ROUTER_PER_LANE; ++pass) {
 #pragma unroll
-        for (int i = 0; i + stride < ROUTER_PER_LANE; i += 2 * stride) {
-            if (router_better(v[i + stride], e[i + stride], v[i], e[i])) {
-                v[i] = v[i + stride];
-                e[i] = e[i + stride];
+        for (int i = pass % 2; i + 1 < ROUTER_PER_LANE; i += 2) {
+            if (router_better(v[i + 1], e[i + 1], v[i], e[i])) {
+                const float tv = v[i];
+                const int te = e[i];
+                v[i] = v[i + 1];
+                e[i] = e[i + 1];
+                v[i + 1] = tv;
+                e[i + 1] = te;
             }
         }
     }
-    best_v = v[0];
-    best_e = e[0];
 }
 
 __device__ __forceinline__ float router_warp_sum(float v) {
@@ -1463,8 +1463,8 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     }
 
     // Phase 3: selection values, the score correction added when the rule says so; a set
-    // bit of `unavailable` marks an entry that cannot be chosen (past EXPERTS, outside the
-    // kept groups, or chosen already).
+    // bit of `unavailable` marks an entry that cannot be chosen (past EXPERTS, or outside
+    // the kept groups).
     float selection[ROUTER_PER_LANE];
     u32 unavailable = 0;
 #pragma unroll
@@ -1531,35 +1531,44 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
         unavailable |= ~eligible;
     }
 
-    // Phase 5: top-k by selection value, best first; the lane that holds each chosen
-    // expert's slot k (k % 32) keeps its id, logit and score.
+    // Phase 5: top-k by selection value, best first. A round takes the best of the lanes'
+    // heads (each lane's entries sorted once); the lane whose head won drops it. The lane
+    // that holds slot k (k % 32) keeps the chosen id.
+    float head_v[ROUTER_PER_LANE];
+    int head_e[ROUTER_PER_LANE];
+    router_lane_sorted(selection, unavailable, lane, head_v, head_e);
     int chosen_id[ROUTER_K_PER_LANE] = {};
-    float chosen_logit[ROUTER_K_PER_LANE] = {}, chosen_score[ROUTER_K_PER_LANE] = {};
     for (int k = 0; k < TOP_K; ++k) {
-        float best_v;
-        int best_e;
-        router_lane_best(selection, unavailable, lane, best_v, best_e);
-        const int owner_e = best_e;
+        float best_v = head_v[0];
+        int best_e = head_e[0];
         router_warp_best(best_v, best_e);
-        // The owner of the winner marks it taken and passes its logit and score on.
-        const int owner = best_e % 32;
-        float best_logit = 0.f, best_score = 0.f;
+        if (head_e[0] == best_e) {
 #pragma unroll
-        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
-            if (lane + 32 * i == best_e) {
-                best_logit = logit[i];
-                best_score = score[i];
+            for (int i = 0; i + 1 < ROUTER_PER_LANE; ++i) {
+                head_v[i] = head_v[i + 1];
+                head_e[i] = head_e[i + 1];
             }
+            head_v[ROUTER_PER_LANE - 1] = negative_infinity();
+            head_e[ROUTER_PER_LANE - 1] = ROUTER_NONE;
         }
-        if (owner_e == best_e) unavailable |= 1u << (best_e / 32);
-        best_logit = __shfl_sync(0xffffffffu, best_logit, owner);
-        best_score = __shfl_sync(0xffffffffu, best_score, owner);
 #pragma unroll
         for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
-            if (k == lane + 32 * j) {
-                chosen_id[j] = best_e;
-                chosen_logit[j] = best_logit;
-                chosen_score[j] = best_score;
+            if (k == lane + 32 * j) chosen_id[j] = best_e;
+        }
+    }
+    // Each chosen expert's logit and score, from the lane that holds it: one shuffle per
+    // entry of a lane, after the rounds rather than in each.
+    float chosen_logit[ROUTER_K_PER_LANE] = {}, chosen_score[ROUTER_K_PER_LANE] = {};
+#pragma unroll
+    for (int j = 0; j < ROUTER_K_PER_LANE; ++j) {
+        const int owner = chosen_id[j] % 32, slot = chosen_id[j] / 32;
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            const float their_logit = __shfl_sync(0xffffffffu, logit[i], owner);
+            const float their_score = __shfl_sync(0xffffffffu, score[i], owner);
+            if (i == slot) {
+                chosen_logit[j] = their_logit;
+                chosen_score[j] = their_score;
             }
         }
     }
