@@ -200,18 +200,12 @@ pub fn tune_layer(
                 GemmKind::Down => gemm2.clone(),
             };
             let problem = single_gpu_problem(&shape, kind);
-            let mut candidates = vec![current.clone()];
-            candidates.extend(
-                ranked_candidates(target, &problem, regime.max_tokens, settings.candidates)
-                    .into_iter()
-                    .filter(|c| !same_shape(c, &current)),
+            let candidates = candidate_list(
+                &current,
+                ranked_candidates(target, &problem, regime.max_tokens, settings.candidates),
+                settings.candidates,
+                neighbours(kind),
             );
-            candidates.truncate(settings.candidates.max(1));
-            for neighbour in neighbours(kind) {
-                if !candidates.iter().any(|c| same_shape(c, &neighbour)) {
-                    candidates.push(neighbour);
-                }
-            }
             let mut best: Option<(Vec<f64>, GemmPlan)> = None;
             for (i, candidate) in candidates.iter().enumerate() {
                 let entry = match kind {
@@ -269,6 +263,25 @@ pub fn tune_layer(
     Ok(entries)
 }
 
+/// What a GEMM's sweep times, in order: the current choice, the cost model's ranked
+/// candidates up to `count` in all, then the neighbouring regimes' GEMMs; each shape once.
+fn candidate_list(
+    current: &GemmPlan,
+    ranked: Vec<GemmPlan>,
+    count: usize,
+    neighbours: Vec<GemmPlan>,
+) -> Vec<GemmPlan> {
+    let mut candidates = vec![current.clone()];
+    candidates.extend(ranked.into_iter().filter(|c| !same_shape(c, current)));
+    candidates.truncate(count.max(1));
+    for neighbour in neighbours {
+        if !candidates.iter().any(|c| same_shape(c, &neighbour)) {
+            candidates.push(neighbour);
+        }
+    }
+    candidates
+}
+
 /// The candidate plan took the entry for regime `index` (else the timing would be of the
 /// cost model's GEMMs under the candidate's name).
 fn check_applied(candidate: &Plan, index: usize, layer: &Layer) -> Result<(), TuneError> {
@@ -318,6 +331,41 @@ mod tests {
         assert_eq!(timed_tokens(129, 1024), vec![129, 363, 1024]);
         assert_eq!(timed_tokens(1025, 16384), vec![1025, 4098, 16384]);
         assert_eq!(timed_tokens(0, 1), vec![1]);
+    }
+
+    #[test]
+    fn the_neighbours_gemms_join_the_ranked_candidates_once_each() {
+        use moeforge_compiler::ir::{Activation, TileShape};
+        use moeforge_compiler::plan::LayerShape;
+        let shape = LayerShape {
+            hidden: 1024,
+            ffn: 512,
+            experts: 8,
+            top_k: 2,
+            activation: Activation::Swiglu,
+            expert_bias: false,
+            max_tokens: 4096,
+            shared_slices: 0,
+            spec_ranks: 1,
+            executed_ranks: 1,
+        };
+        let target = Target::h200();
+        let ranked = ranked_candidates(&target, &single_gpu_problem(&shape, GemmKind::Up), 1024, 6);
+        assert!(ranked.len() >= 6);
+        let current = ranked[1].clone();
+        let list = candidate_list(
+            &current,
+            ranked.clone(),
+            3,
+            vec![ranked[0].clone(), ranked[5].clone()],
+        );
+        // The current choice first, two ranked ones, then the neighbour not yet listed.
+        let tile = |g: &GemmPlan| -> TileShape { g.tile };
+        assert_eq!(
+            list.iter().map(tile).collect::<Vec<_>>(),
+            [&ranked[1], &ranked[0], &ranked[2], &ranked[5]].map(tile)
+        );
+        assert_eq!(candidate_list(&current, ranked, 1, Vec::new()).len(), 1);
     }
 
     #[test]

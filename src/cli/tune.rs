@@ -91,7 +91,7 @@ pub fn run(args: &Args) -> ExitCode {
     };
     let seed = fresh_seed(args.seed);
     eprintln!(
-        "tuning `{}` on {}: {} candidates per GEMM and regime, each a whole layer timed at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
+        "tuning `{}` on {}: {} candidates per GEMM and regime and the neighbouring regimes' GEMMs, each a whole layer timed at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
         layer.name,
         target.name,
         args.candidates,
