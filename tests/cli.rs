@@ -281,6 +281,25 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
         1,
         "{stdout}"
     );
+    // A file with the GEMM stage's kernels split gets GEMM1 and GEMM2 beside them.
+    let output = moeforge(&[
+        "simulate",
+        "dsl-examples/qwen3_30b_a3b.moe",
+        "--measured",
+        "benches/results/2026-12-01_ep2_at_e323b9f/2026-12-01_qwen3_30b_a3b_ep2_uniform_at_e323b9f.json",
+    ]);
+    assert!(output.status.success());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("| 1024 "))
+        .unwrap_or_else(|| panic!("no 1024-token row: {stdout}"));
+    let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+    assert_eq!(cells.len(), 10, "{row}");
+    assert!(
+        cells[7].starts_with("180.0 / ") && cells[8].starts_with("90.6 / "),
+        "{row}"
+    );
     // Fewer ranks than experts allow is a usage error, not a panic.
     let output = moeforge(&["simulate", "dsl-examples/tiny.moe", "--ranks", "3"]);
     assert_eq!(output.status.code(), Some(2));

@@ -234,9 +234,9 @@ fn print_comparison(
         measured.layer, measured.placement, measured.routing
     );
     println!(
-        "| T per rank | expert-parallel | bulk-synchronous | dispatch stage | GEMM stage | combine stage |"
+        "| T per rank | expert-parallel | bulk-synchronous | dispatch stage | GEMM stage | combine stage | GEMM1, rank 0 | GEMM2, rank 0 |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let cell = |pair: (f64, f64)| {
         format!(
             "{:.1} / {:.1} ({:+.0}%)",
@@ -245,15 +245,18 @@ fn print_comparison(
             calibration::error(pair) * 100.0
         )
     };
+    let split = |pair: Option<(f64, f64)>| pair.map_or_else(|| "-".to_string(), cell);
     for c in &cells {
         println!(
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             c.tokens_per_rank,
             cell(c.expert_parallel),
             cell(c.bulk_synchronous),
             cell(c.dispatch),
             cell(c.gemm),
-            cell(c.combine)
+            cell(c.combine),
+            split(c.gemm1),
+            split(c.gemm2)
         );
     }
     OK

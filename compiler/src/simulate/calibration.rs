@@ -32,6 +32,15 @@ pub struct MeasuredRow {
     pub expert_parallel_us: f64,
     pub bulk_synchronous_us: f64,
     pub stages: MeasuredStages,
+    /// The GEMM stage's kernels on rank 0 (files from 2026-12-01 on).
+    #[serde(default)]
+    pub gemm_split: Option<MeasuredGemmSplit>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct MeasuredGemmSplit {
+    pub gemm1_us: f64,
+    pub gemm2_us: f64,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -64,6 +73,9 @@ pub struct Comparison {
     pub dispatch: (f64, f64),
     pub gemm: (f64, f64),
     pub combine: (f64, f64),
+    /// GEMM1 and GEMM2 of the bulk-synchronous run on rank 0, where the file has them.
+    pub gemm1: Option<(f64, f64)>,
+    pub gemm2: Option<(f64, f64)>,
 }
 
 /// Relative error of a prediction against a measurement.
@@ -102,7 +114,7 @@ pub fn compare(
                 &Options {
                     tokens_per_rank: row.tokens_per_rank,
                     routing: Routing::Uniform,
-                    timeline_ranks: 0,
+                    timeline_ranks: 1,
                 },
             )?;
             let of = |schedule: Schedule| report.schedules.iter().find(|s| s.schedule == schedule);
@@ -116,6 +128,16 @@ pub fn compare(
                 )));
             };
             let gemm_predicted = bulk.layer_s - bulk.dispatch_s - bulk.combine_s;
+            // Rank 0's kernel spans in the bulk-synchronous run.
+            let kernel_s = |label: &str| {
+                bulk.timeline
+                    .first()
+                    .and_then(|lane| lane.kernels.iter().find(|k| k.label == label))
+                    .map(|k| k.end - k.start)
+            };
+            let split = |measured: Option<f64>, label: &str| {
+                measured.zip(kernel_s(label)).map(|(m, p)| (m, p * us))
+            };
             Ok(Comparison {
                 tokens_per_rank: row.tokens_per_rank,
                 expert_parallel: (row.expert_parallel_us, fine.layer_s * us),
@@ -123,6 +145,8 @@ pub fn compare(
                 dispatch: (row.stages.dispatch_us, bulk.dispatch_s * us),
                 gemm: (row.stages.gemm_us, gemm_predicted * us),
                 combine: (row.stages.combine_us, bulk.combine_s * us),
+                gemm1: split(row.gemm_split.as_ref().map(|g| g.gemm1_us), "GEMM1"),
+                gemm2: split(row.gemm_split.as_ref().map(|g| g.gemm2_us), "GEMM2"),
             })
         })
         .collect()
