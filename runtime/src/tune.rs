@@ -176,15 +176,11 @@ pub fn tune_layer(
         // H200, 2026-12-02).
         let above = model.regimes.get(index + 1);
         let neighbours = |kind: GemmKind| -> Vec<GemmPlan> {
-            let pick = |pair: (&GemmPlan, &GemmPlan)| match kind {
-                GemmKind::Up => pair.0.clone(),
-                GemmKind::Down => pair.1.clone(),
-            };
             below
-                .as_ref()
-                .map(|(g1, g2)| pick((g1, g2)))
-                .into_iter()
-                .chain(above.map(|r| pick((&r.gemm1, &r.gemm2))))
+                .iter()
+                .map(|(g1, g2)| of_kind(kind, g1, g2))
+                .chain(above.map(|r| of_kind(kind, &r.gemm1, &r.gemm2)))
+                .cloned()
                 .collect()
         };
         // Both GEMMs as the cost model chose them (per timed count), and the current
@@ -195,10 +191,7 @@ pub fn tune_layer(
             if !tunable(kind) {
                 continue;
             }
-            let current = match kind {
-                GemmKind::Up => gemm1.clone(),
-                GemmKind::Down => gemm2.clone(),
-            };
+            let current = of_kind(kind, &gemm1, &gemm2).clone();
             let problem = single_gpu_problem(&shape, kind);
             let candidates = candidate_list(
                 &current,
@@ -261,6 +254,14 @@ pub fn tune_layer(
         entries.push(entry);
     }
     Ok(entries)
+}
+
+/// The GEMM of `kind` of a regime's two.
+fn of_kind<'a>(kind: GemmKind, gemm1: &'a GemmPlan, gemm2: &'a GemmPlan) -> &'a GemmPlan {
+    match kind {
+        GemmKind::Up => gemm1,
+        GemmKind::Down => gemm2,
+    }
 }
 
 /// What a GEMM's sweep times, in order: the current choice, the cost model's ranked
