@@ -63,14 +63,14 @@ enum : int { ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }} };  // exper
 {% include "routing.cu" %}
 {% include "flags.cu" %}
 {% include "gemm.cu" %}
-{%- if let Some(router) = router %}
-{% include "router.cu" %}
-{%- endif %}
 {%- if !wgmma_widths.is_empty() %}
 {% include "gemm_wgmma.cu" %}
 {%- endif %}
 {%- if warp_specialized %}
 {% include "gemm_warp_specialized.cu" %}
+{%- endif %}
+{%- if let Some(router) = router %}
+{% include "router.cu" %}
 {%- endif %}
 {% include "combine.cu" %}
 {%- if fused_decode %}

@@ -569,28 +569,30 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
 
-// A split router's gate: its tile, or, in a call split over blocks along the reduction,
-// its part of the tile; the tile's last block to finish adds the parts up in split order
-// into the first slice, which the select kernel reads. router_tiles_done: [tile] blocks
-// done of each tile of a split call.
+// Which gate tile, and which block of the split of its reduction, this block of a split
+// router's gate computes.
+struct GateBlock {
+    int tile, split, splits;
+};
 template <class G>
-__device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
-                                                  int tokens, float* router_logits, u32* router_tiles_done) {
-    static_assert(!G::FUSED, "plan: a split router's gate");
+__device__ __forceinline__ GateBlock gate_block(int tokens) {
     const int token_tiles = (tokens + G::BM - 1) / G::BM;
     const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);  // the plan's split for this many tiles
-    const int tile = blockIdx.x / splits;
-    const int split = blockIdx.x % splits;
-    const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
-    router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
-    if (splits == 1 || !last_arrival(&router_tiles_done[tile], splits)) return;
-    // The sum, a split at a time over SUM_BATCH elements of the thread, so that each pass
-    // has that many loads in flight at once (a loop per element waited on L2 for each) and
-    // the sums stay few registers (the whole tile's would cost the gate its second block
-    // per SM). The partial sums are read through L2 (ld.cg): other blocks wrote them.
+    return GateBlock{(int)blockIdx.x / splits, (int)blockIdx.x % splits, splits};
+}
+
+// The last block of a split gate tile to finish adds the parts up in split order into the
+// first slice, which the select kernel reads: a split at a time over SUM_BATCH elements of
+// the thread, so that each pass has that many loads in flight at once (a loop per element
+// waited on L2 for each) and the sums stay few registers (the whole tile's would cost the
+// gate its second block per SM). The partial sums are read through L2 (ld.cg): other blocks
+// wrote them.
+template <class G>
+__device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBlock& b, float* router_logits) {
     constexpr int SUM_BATCH = 16;
     constexpr int PER_THREAD = (G::BM * G::BN + G::THREADS - 1) / G::THREADS;
-    const int first_token = tile / G::EXPERT_TILES * G::BM, first_expert = tile % G::EXPERT_TILES * G::BN;
+    const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
+    const int first_token = b.tile / G::EXPERT_TILES * G::BM, first_expert = b.tile % G::EXPERT_TILES * G::BN;
     const int rows = min(G::BM, tokens - first_token), columns = min(G::BN, EXPERTS - first_expert);
     float* base = router_logits + (size_t)first_token * EXPERTS + first_expert;
     // Element j of this thread: element threadIdx.x + j · THREADS of the tile, row-major;
@@ -604,7 +606,7 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
         float sum[SUM_BATCH];
 #pragma unroll
         for (int j = 0; j < SUM_BATCH; ++j) sum[j] = present(first + j) ? __ldcg(base + at(first + j)) : 0.f;
-        for (int s = 1; s < splits; ++s) {
+        for (int s = 1; s < b.splits; ++s) {
             const float* part = base + s * slice;
 #pragma unroll
             for (int j = 0; j < SUM_BATCH; ++j) {
@@ -617,6 +619,149 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
         }
     }
 }
+
+// A split router's gate: its tile, or, in a call split over blocks along the reduction,
+// its part of the tile (its [T, E] slice of partial logits), the tile's last block then
+// adding the parts up. router_tiles_done: [tile] blocks done of each tile of a split call.
+template <class G>
+__device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+                                                  int tokens, float* router_logits, u32* router_tiles_done) {
+    static_assert(!G::FUSED, "plan: a split router's gate");
+    const GateBlock b = gate_block<G>(tokens);
+    router_gate<G>(x, gate_weight, tokens, b.tile, b.split, b.splits, router_logits + b.split * (size_t)tokens * EXPERTS);
+    if (b.splits == 1 || !last_arrival(&router_tiles_done[b.tile], b.splits)) return;
+    router_sum_split_tile<G>(tokens, b, router_logits);
+}
+{%- if router.warp_specialized_gates %}
+
+// The gate tile `b.tile` (its part `b.split` of `b.splits`) on wgmma, warp-specialised as
+// the expert GEMMs' engine (see there):
+//   - warpgroup 0, the producer, fills a ring of STAGES stages, each 64 columns of the
+//     reduction: the tile's BM x rows with cp.async (past the call's tokens, zeros), each
+//     producer thread arriving on the stage's "full" mbarrier when its copies land, and its
+//     BN W_gate rows as one TMA box on the same barrier (past E, zeros);
+//   - consumer warpgroup w multiplies tokens [64w, 64w + 64) of the tile by all BN experts
+//     (one wgmma per 16 columns), and arrives on the stage's "empty" mbarrier once the
+//     wgmma reading it has retired; then it stores its logits (or partial sums) into
+//     `logits` [tokens, EXPERTS].
+template <class G>
+__device__ __forceinline__ void router_gate_warp_specialized(const bf16_t* __restrict__ x, const TensorMap* gate_tiles,
+                                                             int tokens, const GateBlock& b, float* __restrict__ logits) {
+    static_assert(G::PRODUCER_THREADS == 128 && G::THREADS == G::PRODUCER_THREADS + 2 * G::BM,
+                  "plan: a producer warpgroup and a consumer warpgroup per 64 tokens");
+    static_assert(G::BM % 64 == 0 && G::BN % 16 == 0 && G::BN <= 256, "plan: whole warpgroups, one wgmma wide");
+    static_assert(G::A_BYTES == G::BM * SMEM_ROW_BYTES && G::STAGE_BYTES == G::A_BYTES + G::BN * SMEM_ROW_BYTES,
+                  "plan: a stage is BM x rows then BN W_gate rows");
+    static_assert(G::RING_ALIGN == 1024 && G::A_BYTES % 1024 == 0 && G::STAGE_BYTES % 1024 == 0,
+                  "plan: every stage and box starts on the swizzle's 1024-byte period");
+    static_assert(G::BARRIER_OFFSET == G::STAGES * G::STAGE_BYTES &&
+                      G::SMEM_BYTES == G::RING_ALIGN + G::BARRIER_OFFSET + 2 * G::STAGES * (int)sizeof(u64),
+                  "plan: [slack][STAGES x (x rows, W_gate rows)][full, empty barriers]");
+    constexpr int BK = SMEM_ROW_BYTES / (int)sizeof(bf16_t);
+    constexpr int K_TILES = HIDDEN / BK;
+    constexpr int ROW_CHUNKS = SMEM_ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
+    static_assert(HIDDEN % BK == 0 && G::PRODUCER_THREADS % ROW_CHUNKS == 0, "plan: whole k-tiles, whole rows per pass");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 smem_base = (smem_address(smem_raw) + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
+    const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
+    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
+    const int tid = threadIdx.x;
+    const int token0 = b.tile / G::EXPERT_TILES * G::BM;
+    const int expert0 = b.tile % G::EXPERT_TILES * G::BN;
+    const int steps = K_TILES / b.splits;  // this block's k-tiles: [first_k_tile, first_k_tile + steps)
+    const int first_k_tile = b.split * steps;
+    if (tid == 0) {
+        for (int s = 0; s < G::STAGES; ++s) {
+            mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS / 32);
+        }
+    }
+    __syncthreads();  // the barriers are initialised for every role
+
+    if (tid < G::PRODUCER_THREADS) {
+        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(gate_tiles)) : "memory");
+        const int chunk = tid % ROW_CHUNKS, first_row = tid / ROW_CHUNKS;
+        constexpr int ROW_STEP = G::PRODUCER_THREADS / ROW_CHUNKS;
+        u32 phase = 0;
+        for (int step = 0, stage = 0; step < steps; ++step) {
+            const int k_tile = first_k_tile + step;
+            const u32 full = full_barriers + stage * sizeof(u64);
+            const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+            mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
+            if (tid == 0) {
+                mbarrier_expect_bytes(full, G::BN * SMEM_ROW_BYTES);
+                tma_load_box(stage_address + G::A_BYTES, gate_tiles, k_tile * BK, expert0, full);
+            }
+#pragma unroll
+            for (int r = first_row; r < G::BM; r += ROW_STEP) {
+                const int token = token0 + r;
+                const bool valid = token < tokens;
+                cp_async_16(stage_address + swizzle(r, chunk), x + (size_t)(valid ? token : 0) * HIDDEN + k_tile * BK + chunk * 8,
+                            valid);
+            }
+            cp_async_arrive(full);
+            if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight behind
+    } else {
+        const int consumer = tid - G::PRODUCER_THREADS;
+        const int warpgroup = consumer >> 7;
+        float acc[G::BN / 2];
+#pragma unroll
+        for (int i = 0; i < G::BN / 2; ++i) acc[i] = 0.f;
+        u32 phase = 0;
+        int previous = -1;  // the stage of the wgmma group still in flight
+        // A block has at least one k-tile. Said as a do-while: with a loop that might not
+        // run, ptxas (13.0) sees the zeroed accumulators reach the epilogue without a wgmma
+        // and serialises every wgmma of the kernel.
+        int step = 0, stage = 0;
+        do {
+            mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
+            fence_proxy_async();  // the producers' cp.async writes (x rows), seen by wgmma
+            const u32 a_base = smem_base + stage * G::STAGE_BYTES + warpgroup * 64 * SMEM_ROW_BYTES;
+            const u32 b_base = smem_base + stage * G::STAGE_BYTES + G::A_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < BK / 16; ++k16) {
+                wgmma_m64k16<G::BN>(acc, wgmma_descriptor(a_base + k16 * 32), wgmma_descriptor(b_base + k16 * 32));
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous group has read its stage
+            if (previous >= 0) release_stage<1>(empty_barriers + previous * sizeof(u64));
+            previous = stage;
+            if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+        } while (++step < steps);
+        wgmma_wait<0>();
+        // Warp w of the warpgroup holds tokens 16w + lane/4 (+8); its n8 block j experts
+        // 8j + 2(lane%4) and the next, as mma.sync's m16n8 fragments.
+        const int lane = tid & 31, warp_in_group = (tid >> 5) & 3;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int token = token0 + warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+            if (token >= tokens) continue;
+            float* out = logits + (size_t)token * EXPERTS;
+#pragma unroll
+            for (int j = 0; j < G::BN / 8; ++j) {
+                const int expert = expert0 + j * 8 + (lane & 3) * 2;
+                if (expert < EXPERTS) out[expert] = acc[j * 4 + half * 2];
+                if (expert + 1 < EXPERTS) out[expert + 1] = acc[j * 4 + half * 2 + 1];
+            }
+        }
+    }
+}
+
+// A split router's gate on wgmma: as router_gate_split.
+template <class G>
+__device__ __forceinline__ void router_gate_split_warp_specialized(const bf16_t* __restrict__ x, const TensorMap* gate_tiles,
+                                                                   int tokens, float* router_logits, u32* router_tiles_done) {
+    const GateBlock b = gate_block<G>(tokens);
+    router_gate_warp_specialized<G>(x, gate_tiles, tokens, b, router_logits + b.split * (size_t)tokens * EXPERTS);
+    if (b.splits == 1 || !last_arrival(&router_tiles_done[b.tile], b.splits)) return;
+    router_sum_split_tile<G>(tokens, b, router_logits);
+}
+{%- endif %}
 {%- if let Some(select) = router.select %}
 
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
@@ -645,17 +790,23 @@ extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.nam
 {%- endif %}
 {%- for gate in router.gates %}
 
-// Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens): {% if gate.fused %}fused{% else %}split, its gate for these calls{% endif %}; gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction, {{ gate.expert_tiles }} expert tiles per token tile
+// Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens): {% if gate.fused %}fused{% else %}split, its gate for these calls{% endif %}; gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {% if gate.warp_specialized %}wgmma: a producer warpgroup and {{ gate.warps_m / 4 }} consumer warpgroups{% else %}{{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction{% endif %}, {{ gate.expert_tiles }} expert tiles per token tile
 struct {{ gate.config }} {
     enum : bool { FUSED = {{ gate.fused }} };
     enum : int { BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }} };
     enum : int { WARPS_M = {{ gate.warps_m }}, WARPS_N = {{ gate.warps_n }}, WARPS_K = {{ gate.warps_k }}, THREADS = {{ gate.threads }} };
     enum : int { MOST_SPLITS = {{ gate.most_splits }} };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+{%- if gate.warp_specialized %}
+    enum : int { PRODUCER_THREADS = {{ gate.producer_threads }} };
+    // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
+    enum : int { A_BYTES = {{ gate.a_bytes }}, STAGE_BYTES = {{ gate.stage_bytes }}, RING_ALIGN = {{ gate.ring_align }}, BARRIER_OFFSET = {{ gate.barrier_offset }}, SMEM_BYTES = {{ gate.smem_bytes }} };
+{%- else %}
     enum : int { STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }} };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
     // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
     enum : int { FUSED_DECODE_MAX_TOKENS = {{ gate.fused_decode_max_tokens }} };
+{%- endif %}
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.name }}(
@@ -665,6 +816,8 @@ extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.n
 {%- if gate.fused %}
     router_fused<{{ gate.config }}>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, expert_offsets, row_pair, error_word);
+{%- else if gate.warp_specialized %}
+    router_gate_split_warp_specialized<{{ gate.config }}>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 {%- else %}
     router_gate_split<{{ gate.config }}>(x, gate_weight, tokens, router_logits, router_tiles_done);
 {%- endif %}

@@ -873,6 +873,7 @@ fn build_rank(
         shape: &plan.shape,
         experts: experts_here,
         weights: &weights,
+        gate_weight: None,
         stream: &compute,
         maps: Vec::new(),
     };
@@ -1077,6 +1078,7 @@ fn bind(
         LaunchArg::Y => Binding::Y,
         LaunchArg::Tokens => Binding::Tokens,
         LaunchArg::GateWeight
+        | LaunchArg::GateWeightTiles { .. }
         | LaunchArg::GateBias
         | LaunchArg::W1Bias
         | LaunchArg::W2Bias

@@ -455,6 +455,9 @@ pub(crate) struct WeightTensorMaps<'a> {
     /// Experts the weights hold (all of them, or a rank's).
     pub experts: u32,
     pub weights: &'a ExpertWeights,
+    /// The router's gate weights, where the layer has them (a warp-specialised gate reads
+    /// them through a map).
+    pub gate_weight: Option<&'a CudaSlice<u16>>,
     pub stream: &'a CudaStream,
     pub maps: Vec<(LaunchArg, TensorMap)>,
 }
@@ -463,6 +466,18 @@ impl WeightTensorMaps<'_> {
     /// The position in `maps` of the map `arg` (a `W1Tiles`/`W2Tiles` argument) needs,
     /// encoding it on first use.
     pub(crate) fn position(&mut self, arg: LaunchArg) -> Result<usize, LayerError> {
+        if let LaunchArg::GateWeightTiles { box_rows } = arg {
+            return self.position_or_encode(arg, |maps| {
+                let gate = maps.gate_weight.ok_or(LayerError::NoGateWeights)?;
+                TensorMap::bf16_rows(
+                    "the gate weights",
+                    ptr(gate, maps.stream),
+                    u64::from(maps.shape.experts),
+                    u64::from(maps.shape.hidden),
+                    box_rows,
+                )
+            });
+        }
         self.position_or_encode(arg, |maps| {
             let (what, matrix) = match arg {
                 LaunchArg::W1Tiles { .. } => ("w1", &maps.weights.w1),
@@ -571,6 +586,7 @@ impl MoeLayer {
             shape,
             experts: shape.gemm_experts(),
             weights: &weights,
+            gate_weight: gate.as_ref().map(|gate| &gate.weight),
             stream: &gpu.stream,
             maps: Vec::new(),
         };
@@ -1056,9 +1072,9 @@ fn bind(
         LaunchArg::Rank | LaunchArg::Epoch => {
             return Err(LayerError::MultiRankArg { arg: arg.name() });
         }
-        LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => {
-            Binding::TensorMap(tensor_maps.position(arg)?)
-        }
+        LaunchArg::W1Tiles { .. }
+        | LaunchArg::W2Tiles { .. }
+        | LaunchArg::GateWeightTiles { .. } => Binding::TensorMap(tensor_maps.position(arg)?),
         LaunchArg::IntermediateTiles { .. } => {
             let memory = &workspace[slot(BufferId::Intermediate)?].1;
             Binding::TensorMap(tensor_maps.position_over_rows(arg, memory)?)

@@ -15,7 +15,7 @@ use crate::plan::ep::{
     META_THREADS, PARTIALS_PER_RELEASE, Placement,
 };
 use crate::plan::network::NetworkPlan;
-use crate::plan::router::{self, RouterPlan};
+use crate::plan::router::{self, GateEngine, GatePlan, RouterPlan};
 use crate::plan::{
     Access, BufferId, FusedDecode, GemmPlan, Grid, INVERT_ROWS_THREADS, Launch, LaunchArg,
     MmaEngine, OutputStore, ParamType, Plan, ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES,
@@ -214,6 +214,14 @@ const ROUTER_GATE_USES: &[&str] = &[
     "router_logits",
     "router_tiles_done",
 ];
+/// A warp-specialised gate's: W_gate through its tensor map.
+const ROUTER_GATE_WS_USES: &[&str] = &[
+    "x",
+    "gate_weight_tiles",
+    "tokens",
+    "router_logits",
+    "router_tiles_done",
+];
 const ROUTER_SELECT_USES: &[&str] = &["router_logits", "tokens", "routed_ids", "routed_weights"];
 const EP_ROUTE_USES: &[&str] = &[
     "topk_ids",
@@ -351,6 +359,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         }
         LaunchArg::Y => "[tokens, HIDDEN]",
         LaunchArg::GateWeight => "[EXPERTS, HIDDEN]: the router's gate",
+        LaunchArg::GateWeightTiles { .. } => {
+            "TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box"
+        }
         LaunchArg::GateBias => "[EXPERTS]: the gate's bias",
         LaunchArg::W1Bias => "[EXPERTS, W1 rows]: each expert's GEMM1 bias",
         LaunchArg::W2Bias => "[EXPERTS, HIDDEN]: each expert's GEMM2 bias",
@@ -853,6 +864,8 @@ struct RouterUnit {
     /// What the entries pass as the bias: `gate_bias`, or `nullptr` without one.
     bias_arg: &'static str,
     gates: Vec<GateUnit>,
+    /// Whether any gate is warp-specialised (the unit then has the wgmma helpers).
+    warp_specialized_gates: bool,
     /// The split routers' select kernel (none when every regime's router is fused).
     select: Option<EntryUnit>,
     select_warps: u32,
@@ -882,6 +895,13 @@ struct GateUnit {
     expert_tiles: u32,
     stage_bytes: u32,
     smem_bytes: u32,
+    /// Warp-specialised (wgmma): its producer warpgroup's threads, the bytes of a stage's
+    /// x rows (its W_gate rows follow) and where its mbarriers start in the aligned ring.
+    warp_specialized: bool,
+    producer_threads: u32,
+    a_bytes: u32,
+    ring_align: u32,
+    barrier_offset: u32,
 }
 
 /// An f32 as a C float literal that reads back as the same value.
@@ -904,12 +924,16 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
                 .map(move |(i, gate)| (regime, router_regime, i, gate))
         })
         .map(|(regime, router_regime, i, gate)| {
+            let warp_specialized = gate.engine == GateEngine::WarpSpecialized;
             let uses: Vec<&str> = if router_regime.fused {
                 let bias = if has_bias { ROUTER_BIAS_USES } else { &[] };
                 [ROUTER_USES, bias, ROUTER_ROUTING_USES].concat()
+            } else if warp_specialized {
+                ROUTER_GATE_WS_USES.to_vec()
             } else {
                 ROUTER_GATE_USES.to_vec()
             };
+            let stage_bytes = (gate.tile_tokens + gate.tile_experts) * SMEM_ROW_BYTES;
             let config = if router_regime.fused {
                 format!("{}_router_gate", regime.name)
             } else {
@@ -935,8 +959,13 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
                 most_splits: gate.splits(1),
                 threads: gate.threads(),
                 expert_tiles: gate.expert_tiles,
-                stage_bytes: (gate.tile_tokens + gate.tile_experts) * SMEM_ROW_BYTES,
+                stage_bytes,
                 smem_bytes: gate.smem_bytes,
+                warp_specialized,
+                producer_threads: gate.producer_threads(),
+                a_bytes: gate.tile_tokens * SMEM_ROW_BYTES,
+                ring_align: router::GATE_RING_ALIGN,
+                barrier_offset: gate.stages * stage_bytes,
             })
         })
         .collect::<Result<Vec<_>, CodegenError>>()?;
@@ -967,6 +996,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         scale: float_literal(rule.scale as f32),
         normalize_epsilon: float_literal(router::NORMALIZE_EPSILON),
         bias_arg: if has_bias { "gate_bias" } else { "nullptr" },
+        warp_specialized_gates: gates.iter().any(|gate| gate.warp_specialized),
         gates,
         select,
         select_warps: router::SELECT_WARPS,
@@ -1171,7 +1201,8 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_expert_rows: error_code::flag_kind::EXPERT_ROWS,
         fused_decode: plan.regimes.iter().any(|r| r.fused_decode.is_some()),
         wgmma_widths: wgmma_widths(plan),
-        warp_specialized: all_gemms(plan).any(|g| g.engine == MmaEngine::WgmmaWarpSpecialized),
+        warp_specialized: all_gemms(plan).any(|g| g.engine == MmaEngine::WgmmaWarpSpecialized)
+            || warp_specialized_gates(plan).next().is_some(),
         tensor_map_bytes: TENSOR_MAP_BYTES,
         tensor_map_align: TENSOR_MAP_ALIGN,
     };
@@ -1225,10 +1256,22 @@ fn all_gemms(plan: &Plan) -> impl Iterator<Item = &GemmPlan> {
         .chain(ep_gemms)
 }
 
+/// The router's warp-specialised gates, which run on the expert GEMMs' wgmma helpers.
+fn warp_specialized_gates(plan: &Plan) -> impl Iterator<Item = &GatePlan> {
+    plan.router
+        .iter()
+        .flat_map(|router| &router.regimes)
+        .flat_map(|regime| &regime.gates)
+        .filter(|gate| gate.engine == GateEngine::WarpSpecialized)
+}
+
+/// The wgmma widths the unit instantiates: the wgmma GEMMs' weight rows per stage and the
+/// warp-specialised gates' experts per tile.
 fn wgmma_widths(plan: &Plan) -> Vec<u32> {
     let mut widths: Vec<u32> = all_gemms(plan)
         .filter(|g| g.engine.is_wgmma())
         .map(|g| g.b_rows)
+        .chain(warp_specialized_gates(plan).map(|gate| gate.tile_experts))
         .collect();
     widths.sort_unstable();
     widths.dedup();

@@ -175,6 +175,12 @@ pub enum LaunchArg {
     Y,
     /// bf16 [E, H]: the router's gate weights.
     GateWeight,
+    /// A TMA tensor map over the gate weights, E rows by H columns: boxes of `box_rows`
+    /// rows (a gate tile's experts) by 64 columns, 128-byte swizzle. A warp-specialised
+    /// gate's producer loads W_gate through it.
+    GateWeightTiles {
+        box_rows: u32,
+    },
     /// f32 [E]: the router's per-expert bias (added to the logits or to the selection
     /// scores, as the rule says).
     GateBias,
@@ -222,6 +228,7 @@ impl LaunchArg {
             LaunchArg::W2Bias => "w2_bias",
             LaunchArg::Y => "y",
             LaunchArg::GateWeight => "gate_weight",
+            LaunchArg::GateWeightTiles { .. } => "gate_weight_tiles",
             LaunchArg::GateBias => "gate_bias",
             LaunchArg::Tokens => "tokens",
             LaunchArg::Rank => "rank",
@@ -245,7 +252,8 @@ impl LaunchArg {
             LaunchArg::W1Tiles { .. }
             | LaunchArg::W2Tiles { .. }
             | LaunchArg::IntermediateTiles { .. }
-            | LaunchArg::SortedXTiles { .. } => ParamType::TensorMap,
+            | LaunchArg::SortedXTiles { .. }
+            | LaunchArg::GateWeightTiles { .. } => ParamType::TensorMap,
             LaunchArg::Workspace(id) => ParamType::Pointer(id.elem()),
         }
     }

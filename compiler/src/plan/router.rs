@@ -82,6 +82,15 @@ const GATE_MIN_K_TILES_PER_GROUP: u32 = 4;
 pub const ROUTER_FUSED_MAX_PAIRS: u64 = 4096;
 /// Tokens one block of the split router's select kernel routes, one warp each.
 pub const SELECT_WARPS: u32 = 4;
+/// A warp-specialised gate: its producer warpgroup, the alignment of its ring (the
+/// 128-byte swizzle's period; dynamic shared memory is only 16-byte aligned, so its layout
+/// starts with this much slack), the most stages it keeps, the experts one wgmma covers,
+/// and its tiles' token counts (a consumer warpgroup per 64).
+pub const GATE_PRODUCER_THREADS: u32 = 128;
+pub const GATE_RING_ALIGN: u32 = 1024;
+const GATE_WS_MAX_STAGES: u32 = 8;
+const GATE_WS_MAX_EXPERTS: u32 = 256;
+const GATE_WS_TILES_TOKENS: [u32; 2] = [128, 64];
 
 /// The router of a layer: its rule and, per single-GPU regime, its launches.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -123,9 +132,30 @@ impl RouterRegime {
     }
 }
 
+/// Which multiply a gate runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateEngine {
+    /// `mma.sync` warps, each group of them loading its own ring of stages with
+    /// `cp.async`, a block-wide barrier per k-tile: any target, and a fused router's gate.
+    #[default]
+    MmaSync,
+    /// wgmma, warp-specialised as the expert GEMMs' engine (sm_90a): a producer warpgroup
+    /// loads each stage (the tile's x rows with `cp.async`, its W_gate rows as one TMA
+    /// box) into a ring guarded by mbarriers; a consumer warpgroup per 64 tokens multiplies
+    /// them by all the tile's experts, one wgmma per 16 columns of the reduction. A split
+    /// router's gates on such a target, where E is whole 16-expert pieces: the mma.sync
+    /// gate ran Qwen3-30B-A3B's 16384-token gate at 200 TFLOP/s (44.6 µs, one H200,
+    /// 2026-12-02), latency-bound on its three stages and `ldmatrix` traffic.
+    WarpSpecialized,
+}
+
 /// How the gate GEMM is tiled.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GatePlan {
+    /// The multiply ([`GateEngine`]); it decides the warps, stages and shared memory below.
+    #[serde(default)]
+    pub engine: GateEngine,
     /// The calls this gate serves: `min_tokens..=max_tokens` tokens.
     pub min_tokens: u32,
     pub max_tokens: u32,
@@ -138,7 +168,8 @@ pub struct GatePlan {
     pub warps_m: u32,
     pub warps_n: u32,
     /// Groups of `warps_m × warps_n` warps splitting the reduction: group g takes k-tiles
-    /// g, g + warps_k, ...; it divides H / 64.
+    /// g, g + warps_k, ...; it divides H / 64. Warp-specialised: `warps_m` is the consumer
+    /// warps (four per 64 tokens), `warps_n` and `warps_k` are 1.
     #[serde(default = "one")]
     pub warps_k: u32,
     /// The reduction split over blocks as well ([`gate_k_split`]): a group's
@@ -148,7 +179,8 @@ pub struct GatePlan {
     pub stages: u32,
     /// Dynamic shared memory: the gate's rings, `warps_k · stages · (tile_tokens +
     /// tile_experts) · 128` bytes, or in a fused router the larger of that and the later
-    /// phases' scratch ([`router_scratch_bytes`]), which reuses them.
+    /// phases' scratch ([`router_scratch_bytes`]), which reuses them. Warp-specialised:
+    /// [`GatePlan::warp_specialized_smem`].
     ///
     /// A split tile's blocks write partial logits, one [T, E] slice per block of the split
     /// ([`RouterPlan::logits_floats`]), summed in split order into the first slice (by a
@@ -164,7 +196,23 @@ fn one() -> u32 {
 
 impl GatePlan {
     pub fn threads(&self) -> u32 {
-        32 * self.warps_m * self.warps_n * self.warps_k
+        self.producer_threads() + 32 * self.warps_m * self.warps_n * self.warps_k
+    }
+
+    /// The threads that load stages for the others (a warp-specialised gate's producer
+    /// warpgroup); none in an mma.sync gate.
+    pub fn producer_threads(&self) -> u32 {
+        match self.engine {
+            GateEngine::MmaSync => 0,
+            GateEngine::WarpSpecialized => GATE_PRODUCER_THREADS,
+        }
+    }
+
+    /// A warp-specialised gate's shared memory: slack to align the ring to the 128-byte
+    /// swizzle's 1024-byte period, `stages` stages of the tile's x rows then its W_gate
+    /// rows (128 bytes each), then a "full" and an "empty" mbarrier per stage.
+    pub fn warp_specialized_smem(tile_tokens: u32, tile_experts: u32, stages: u32) -> u32 {
+        GATE_RING_ALIGN + stages * (tile_tokens + tile_experts) * SMEM_ROW_BYTES + 16 * stages
     }
 
     /// The shared memory of a tile: per group of warps, `stages` rings of x rows then
@@ -286,8 +334,8 @@ pub fn gate_stages(
         .unwrap_or(GATE_STAGES)
 }
 
-/// What the router costs at least, from the target's ceilings: its FLOPs at the mma.sync
-/// rate and the bytes it must move at HBM bandwidth (x read, W_gate read once, the logits
+/// What the router costs at least, from the target's ceilings: its FLOPs at its gate
+/// engine's rate and the bytes it must move at HBM bandwidth (x read, W_gate read once, the logits
 /// written and read back, ids and weights written).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterFloor {
@@ -461,7 +509,15 @@ fn gate_plan(
         tile,
     );
     if fused(max_tokens, layer.top_k, scratch, target.smem_per_block) {
-        let gate = gate_for(layer, target, tile, Some(scratch), min_tokens, max_tokens);
+        let gate = gate_for(
+            layer,
+            target,
+            GateEngine::MmaSync,
+            tile,
+            Some(scratch),
+            min_tokens,
+            max_tokens,
+        );
         return (vec![gate], true);
     }
     (split_gates(layer, target, calls), false)
@@ -469,10 +525,11 @@ fn gate_plan(
 
 /// A split router's gates over `calls`: at each power of two from the regime's smallest
 /// call up to its largest call (the last point), the tile whose grid gives at least nine
-/// in ten SMs a block there, with fewest re-reads ([`gate_tile`]); each serves the calls
-/// from above the previous point up to its own, the gate's reduction split over blocks
-/// where a smaller call leaves SMs idle. One tile per regime cannot serve it: on one H200
-/// (2026-12-02) Qwen3-30B-A3B's best gate tile was 64 × 32 at 2048 tokens (11.6 µs against
+/// in ten SMs a block there ([`gate_tile`], or [`warp_specialized_gate_tile`] where the
+/// gate runs on wgmma: [`split_gate_engine`]); each serves the calls from above the
+/// previous point up to its own, the gate's reduction split over blocks where a smaller
+/// call leaves SMs idle. One tile per regime cannot serve it: on one H200 (2026-12-02)
+/// Qwen3-30B-A3B's best mma.sync gate tile was 64 × 32 at 2048 tokens (11.6 µs against
 /// 24.6 for the tile filling the SMs at 16384), 64 × 64 at 4096 (15.1 against 23.1) and
 /// 128 × 128 at 16384 (`benches/results/2026-12-02_router_early_start_and_gate_tiles.md`).
 /// Neighbouring points with one tile share a gate; a tile that comes back after another
@@ -480,10 +537,14 @@ fn gate_plan(
 fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -> Vec<GatePlan> {
     let (first, last) = (*calls.start(), *calls.end());
     let fill = (target.sm_count * SPLIT_GATE_FILL_TENTHS).div_ceil(10);
+    let engine = split_gate_engine(layer.experts, target);
     let mut tiles: Vec<((u32, u32), u32)> = Vec::new();
     let mut point = first.max(1).next_power_of_two().min(last);
     loop {
-        let tile = gate_tile(layer.experts, point, fill);
+        let tile = match engine {
+            GateEngine::MmaSync => gate_tile(layer.experts, point, fill),
+            GateEngine::WarpSpecialized => warp_specialized_gate_tile(layer.experts, point, fill),
+        };
         let seen = tiles.iter().any(|&(t, _)| t == tile);
         match tiles.last_mut() {
             Some((_, up_to)) if seen => *up_to = point,
@@ -498,11 +559,36 @@ fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -
     tiles
         .into_iter()
         .map(|(tile, max_tokens)| {
-            let gate = gate_for(layer, target, tile, None, min_tokens, max_tokens);
+            let gate = gate_for(layer, target, engine, tile, None, min_tokens, max_tokens);
             min_tokens = max_tokens + 1;
             gate
         })
         .collect()
+}
+
+/// The engine of a split router's gates: wgmma ([`GateEngine::WarpSpecialized`]) on a
+/// target that has it, for E in whole 16-expert pieces (a TMA box of W_gate rows is then
+/// whole 1024-byte swizzle periods); else mma.sync.
+pub fn split_gate_engine(experts: u32, target: &Target) -> GateEngine {
+    if target.has_wgmma() && experts.is_multiple_of(16) {
+        GateEngine::WarpSpecialized
+    } else {
+        GateEngine::MmaSync
+    }
+}
+
+/// A warp-specialised gate's tile for calls of `tokens` tokens: every expert in one tile
+/// (one wgmma of up to [`GATE_WS_MAX_EXPERTS`] columns per k16 step; wider E takes several
+/// expert tiles), and 128 tokens where that grid gives `fill` blocks, else 64 (its
+/// reduction then split over blocks to fill the SMs: [`gate_k_split`]).
+fn warp_specialized_gate_tile(experts: u32, tokens: u32, fill: u32) -> (u32, u32) {
+    let tile_experts = experts.min(GATE_WS_MAX_EXPERTS);
+    let tokens = tokens.max(1);
+    let tile_tokens = GATE_WS_TILES_TOKENS
+        .into_iter()
+        .find(|&m| gate_blocks(m, tile_experts, experts, tokens) >= fill)
+        .unwrap_or(GATE_WS_TILES_TOKENS[GATE_WS_TILES_TOKENS.len() - 1]);
+    (tile_tokens, tile_experts)
 }
 
 /// The share of SMs, in tenths, a split gate's tile gives a block at the call it is chosen
@@ -530,48 +616,107 @@ pub fn gate_scratch(
     )
 }
 
-/// The gate of tile `(tile_tokens, tile_experts)` for calls of `min_tokens..=max_tokens`
-/// tokens; a fused router's with its `scratch`.
+/// What a gate's engine and tile make of its warps, stages, split and shared memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GateLayout {
+    pub warps_m: u32,
+    pub warps_n: u32,
+    pub warps_k: u32,
+    pub k_split: KSplit,
+    pub stages: u32,
+    pub smem_bytes: u32,
+}
+
+/// The layout of a gate of `engine` and tile `(tile_tokens, tile_experts)` over a reduction
+/// of `hidden` on `target`; a fused router's (mma.sync) with its `scratch`. mma.sync: warps
+/// from the tile ([`gate_warps`]), groups splitting the reduction ([`gate_warps_k`]),
+/// [`gate_stages`]. Warp-specialised: a consumer warpgroup per 64 tokens, as many stages as
+/// fit a block (at most [`GATE_WS_MAX_STAGES`] and the k-tiles).
+pub fn gate_layout(
+    engine: GateEngine,
+    (tile_tokens, tile_experts): (u32, u32),
+    hidden: u32,
+    target: &Target,
+    scratch: Option<u32>,
+) -> GateLayout {
+    match engine {
+        GateEngine::MmaSync => {
+            let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
+            let warps_k = gate_warps_k(tile_tokens, tile_experts, hidden, target.smem_per_block);
+            let stages = gate_stages(
+                scratch.is_some(),
+                tile_tokens,
+                tile_experts,
+                hidden,
+                warps_k,
+                target.smem_per_block,
+            );
+            GateLayout {
+                warps_m,
+                warps_n,
+                warps_k,
+                k_split: gate_k_split(hidden, warps_k, target.sm_count),
+                stages,
+                smem_bytes: GatePlan::smem_bytes_for(
+                    tile_tokens,
+                    tile_experts,
+                    stages,
+                    warps_k,
+                    scratch,
+                ),
+            }
+        }
+        GateEngine::WarpSpecialized => {
+            let most = GATE_WS_MAX_STAGES.min(gate_k_tiles(hidden)).max(2);
+            let stages = (2..=most)
+                .rev()
+                .find(|&s| {
+                    GatePlan::warp_specialized_smem(tile_tokens, tile_experts, s)
+                        <= target.smem_per_block
+                })
+                .unwrap_or(2);
+            GateLayout {
+                warps_m: tile_tokens / 16,
+                warps_n: 1,
+                warps_k: 1,
+                k_split: gate_k_split(hidden, 1, target.sm_count),
+                stages,
+                smem_bytes: GatePlan::warp_specialized_smem(tile_tokens, tile_experts, stages),
+            }
+        }
+    }
+}
+
+/// The gate of `engine` and tile `(tile_tokens, tile_experts)` for calls of
+/// `min_tokens..=max_tokens` tokens; a fused router's with its `scratch`.
 fn gate_for(
     layer: &ir::Layer,
     target: &Target,
-    (tile_tokens, tile_experts): (u32, u32),
+    engine: GateEngine,
+    tile: (u32, u32),
     scratch: Option<u32>,
     min_tokens: u32,
     max_tokens: u32,
 ) -> GatePlan {
-    let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
-    let warps_k = gate_warps_k(
-        tile_tokens,
-        tile_experts,
-        layer.hidden,
-        target.smem_per_block,
-    );
-    let stages = gate_stages(
-        scratch.is_some(),
-        tile_tokens,
-        tile_experts,
-        layer.hidden,
-        warps_k,
-        target.smem_per_block,
-    );
+    let layout = gate_layout(engine, tile, layer.hidden, target, scratch);
     GatePlan {
+        engine,
         min_tokens,
         max_tokens,
-        tile_tokens,
-        tile_experts,
-        expert_tiles: layer.experts.div_ceil(tile_experts),
-        warps_m,
-        warps_n,
-        warps_k,
-        k_split: gate_k_split(layer.hidden, warps_k, target.sm_count),
-        stages,
-        smem_bytes: GatePlan::smem_bytes_for(tile_tokens, tile_experts, stages, warps_k, scratch),
-        floor: floor(layer, target, max_tokens),
+        tile_tokens: tile.0,
+        tile_experts: tile.1,
+        expert_tiles: layer.experts.div_ceil(tile.1),
+        warps_m: layout.warps_m,
+        warps_n: layout.warps_n,
+        warps_k: layout.warps_k,
+        k_split: layout.k_split,
+        stages: layout.stages,
+        smem_bytes: layout.smem_bytes,
+        floor: floor(layer, target, engine, max_tokens),
     }
 }
 
-fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
+fn floor(layer: &ir::Layer, target: &Target, engine: GateEngine, tokens: u32) -> RouterFloor {
     let (t, h, e, k) = (
         f64::from(tokens),
         f64::from(layer.hidden),
@@ -580,8 +725,11 @@ fn floor(layer: &ir::Layer, target: &Target, tokens: u32) -> RouterFloor {
     );
     let flops = 2.0 * t * e * h;
     let bytes = t * h * 2.0 + e * h * 2.0 + 2.0 * t * e * 4.0 + t * k * 8.0;
-    let seconds = (flops / (target.peak_bf16_flops * target.mma_sync_fraction))
-        .max(bytes / target.hbm_bytes_per_s);
+    let fraction = match engine {
+        GateEngine::MmaSync => target.mma_sync_fraction,
+        GateEngine::WarpSpecialized => target.wgmma_fraction,
+    };
+    let seconds = (flops / (target.peak_bf16_flops * fraction)).max(bytes / target.hbm_bytes_per_s);
     RouterFloor {
         tokens,
         flops,
@@ -616,8 +764,9 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
 
 /// The router's launches of regime `regime` of the layer `symbol` with these gates:
 /// fused, one block per (token tile, expert tile, block of the split); or split, one gate
-/// block per (token tile, expert tile) of each gate, then one select block per
-/// [`SELECT_WARPS`] tokens. The fused router starts early where `early_start` says so (it
+/// block per (token tile, expert tile, block of the split) of each gate (a warp-specialised
+/// one reading W_gate through a TMA map, boxes of its tile's experts), then one select
+/// block per [`SELECT_WARPS`] tokens. The fused router starts early where `early_start` says so (it
 /// heads a call of early-starting kernels); the split router's launches do not (starting
 /// early cost its gate kernel 3-12%, 1 µs at a few hundred tokens, and the calls gained
 /// nothing measurable: `benches/results/2026-12-02_router_early_start_and_gate_tiles.md`).
@@ -679,7 +828,12 @@ pub(super) fn router_launches(
             early_start: false,
             params: vec![
                 read(X),
-                read(GateWeight),
+                read(match gate.engine {
+                    GateEngine::MmaSync => GateWeight,
+                    GateEngine::WarpSpecialized => GateWeightTiles {
+                        box_rows: gate.tile_experts,
+                    },
+                }),
                 read(Tokens),
                 write(Workspace(RouterLogits)),
                 write(Workspace(RouterTilesDone)),

@@ -12,7 +12,7 @@ use thiserror::Error;
 use super::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime, Placement};
 use super::launch::StreamRole;
 use super::network::NetworkPlan;
-use super::router::{self, GatePlan, RouterPlan};
+use super::router::{self, GateEngine, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, INVERT_ROWS_THREADS,
     LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH, MmaEngine, OutputStore,
@@ -421,9 +421,11 @@ impl Plan {
     }
 
     /// One router regime per single-GPU regime; the rule's group limit and scale are
-    /// usable; each gate tile is whole 16-row and 16-expert pieces with its warps, its
-    /// split over blocks and shared memory (its rings, or a fused router's scratch) adding
-    /// up and covers every expert; the regime is fused exactly when its largest call has
+    /// usable; each gate runs the engine its regime and the target call for, its tile is
+    /// whole 16-row and 16-expert pieces with its warps (a warp-specialised one whole
+    /// warpgroups of 64 tokens and one wgmma wide), its split over blocks, stages and
+    /// shared memory (its rings, or a fused router's scratch) are its layout's
+    /// ([`router::gate_layout`]) and it covers every expert; the regime is fused exactly when its largest call has
     /// few pairs and the scratch fits a block; its launches are exactly those of that tile,
     /// shape and rule (grids, threads, shared memory, parameters: the bias exactly when the
     /// rule has one).
@@ -489,46 +491,51 @@ impl Plan {
                 ));
             }
             for gate in &regime.gates {
-                let (warps_m, warps_n) = router::gate_warps(gate.tile_tokens, gate.tile_experts);
-                let scratch = scratch_of(gate.tile_tokens, gate.tile_experts);
-                if gate.tile_tokens == 0
+                let engine = if regime.fused {
+                    GateEngine::MmaSync
+                } else {
+                    router::split_gate_engine(experts, &self.target)
+                };
+                let tile = (gate.tile_tokens, gate.tile_experts);
+                let layout = router::gate_layout(
+                    engine,
+                    tile,
+                    self.shape.hidden,
+                    &self.target,
+                    regime.fused.then(|| scratch_of(tile.0, tile.1)),
+                );
+                let whole_warps = match engine {
+                    GateEngine::MmaSync => {
+                        gate.tile_tokens.is_multiple_of(16 * layout.warps_m)
+                            && gate.tile_experts.is_multiple_of(16 * layout.warps_n)
+                    }
+                    GateEngine::WarpSpecialized => {
+                        gate.tile_tokens.is_multiple_of(64) && gate.tile_experts <= 256
+                    }
+                };
+                if gate.engine != engine
+                    || gate.tile_tokens == 0
                     || gate.tile_experts == 0
                     || !gate.tile_tokens.is_multiple_of(16)
                     || !gate.tile_experts.is_multiple_of(16)
-                    || (gate.warps_m, gate.warps_n) != (warps_m, warps_n)
-                    || gate.warps_k
-                        != router::gate_warps_k(
-                            gate.tile_tokens,
-                            gate.tile_experts,
-                            self.shape.hidden,
-                            self.target.smem_per_block,
-                        )
-                    || !gate.tile_tokens.is_multiple_of(16 * warps_m)
-                    || !gate.tile_experts.is_multiple_of(16 * warps_n)
+                    || !whole_warps
                     || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
-                    || gate.k_split
-                        != router::gate_k_split(
-                            self.shape.hidden,
-                            gate.warps_k,
-                            self.target.sm_count,
-                        )
-                    || gate.stages
-                        != router::gate_stages(
-                            regime.fused,
-                            gate.tile_tokens,
-                            gate.tile_experts,
-                            self.shape.hidden,
-                            gate.warps_k,
-                            self.target.smem_per_block,
-                        )
-                    || gate.smem_bytes
-                        != GatePlan::smem_bytes_for(
-                            gate.tile_tokens,
-                            gate.tile_experts,
-                            gate.stages,
-                            gate.warps_k,
-                            regime.fused.then_some(scratch),
-                        )
+                    || (
+                        gate.warps_m,
+                        gate.warps_n,
+                        gate.warps_k,
+                        gate.k_split,
+                        gate.stages,
+                        gate.smem_bytes,
+                    ) != (
+                        layout.warps_m,
+                        layout.warps_n,
+                        layout.warps_k,
+                        layout.k_split,
+                        layout.stages,
+                        layout.smem_bytes,
+                    )
+                    || gate.smem_bytes > self.target.smem_per_block
                 {
                     return Err(format!("a gate tile of regime `{name}` does not add up"));
                 }
