@@ -3,15 +3,16 @@
 # calls of four examples at token counts across the split routers' gates, on the GPU
 # machine from the project root after staging (bash ../shared/device/stage.sh):
 #   bash benches/router_gate_sweep.sh [MOEFORGE_BINARY]
-# Compare against benches/results/2026-12-02_router_early_start_and_gate_tiles.md.
+# MODELS and TOKENS (space-separated) narrow the sweep. Compare against
+# benches/results/2026-12-02_router_early_start_and_gate_tiles.md.
 set -uo pipefail
 moeforge=${1:-.device/bin/moeforge}
 export MOEFORGE_CACHE_DIR=${MOEFORGE_CACHE_DIR:-/tmp/moeforge-cache-gate-sweep}
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
-for m in deepseek_v3 qwen3_30b_a3b gpt_oss_120b mixtral_8x7b; do
+for m in ${MODELS:-deepseek_v3 qwen3_30b_a3b gpt_oss_120b mixtral_8x7b}; do
   printf "%-14s router_gate us:" "$m"
-  for t in 257 512 1024 2048 4096 8192 16384; do
+  for t in ${TOKENS:-257 512 1024 2048 4096 8192 16384}; do
     us=$("$ncu" --clock-control none -k regex:router_gate --metrics gpu__time_duration.sum --csv \
       "$moeforge" run "dsl-examples/$m.moe" --tokens "$t" --seed 7 2>/dev/null | grep -v '^==' |
       awk -F'","' 'NR > 1 { gsub(/"/, "", $NF); gsub(/,/, "", $NF); v = $NF } END { if (v != "") printf "%.1f", v / 1000; else printf "-" }')

@@ -1122,6 +1122,409 @@ __device__ __forceinline__ void grouped_gemm(
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) multiply_run(tile, 0, K_TILES, nullptr);
 }
 // ---------------------------------------------------------------------------------------
+// Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.
+//   - each consumer warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16
+//     with A and B read from shared memory through descriptors;
+//   - the shared-memory layout is the 128-byte swizzle wgmma expects (the same XOR the
+//     mma.sync path uses, and TMA's 128-byte swizzle), every stage on its 1024-byte period;
+//   - the accumulators of one wgmma are spread as mma.sync's m16n8 fragments, so the
+//     epilogue is the shared one, a pair of columns at a time.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
+    u64 desc = 0;
+    desc |= (u64)((smem_byte_address & 0x3FFFF) >> 4);  // start address
+    desc |= (u64)1 << 16;                                // leading byte offset (unused for SW128 K-major)
+    desc |= (u64)(1024 >> 4) << 32;                      // stride byte offset: 8 rows x 128 B
+    desc |= (u64)1 << 62;                                // 128-byte swizzle
+    return desc;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// D[64 x N] (+)= A[64 x 16] · B[N x 16]ᵀ, both K-major in shared memory; one
+// specialisation per width the plan uses.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
+template <>
+__device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, %128, %129, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b));
+}
+// The four lanes of a quad hold one row two columns at a time: lane q holds columns 2q and
+// 2q + 1 of each 8-column block. Given lane q's words of four consecutive blocks, returns
+// block q's 8 columns in order, so that each lane stores 16 bytes and a quad 64 consecutive
+// bytes of the row (4-byte stores spread over the row took a third of a short GEMM2's time).
+// Two butterfly trades: with lane q ^ 1, then with lane q ^ 2.
+__device__ __forceinline__ Vec16 quad_transpose(u32 p0, u32 p1, u32 p2, u32 p3) {
+    const int q = threadIdx.x & 3;
+    const bool b0 = (q & 1) != 0, b1 = (q & 2) != 0;
+    // Keep the blocks whose low bit is q's, trade the others with lane q ^ 1.
+    const u32 keep_lo = b0 ? p1 : p0, keep_hi = b0 ? p3 : p2;
+    const u32 got_lo = __shfl_xor_sync(0xffffffffu, b0 ? p0 : p1, 1);
+    const u32 got_hi = __shfl_xor_sync(0xffffffffu, b0 ? p2 : p3, 1);
+    // Keep block q (this lane's and lane q ^ 1's words), trade block q ^ 2 with lane q ^ 2.
+    const u32 from_0 = b1 ? keep_hi : keep_lo, from_1 = b1 ? got_hi : got_lo;
+    const u32 from_2 = __shfl_xor_sync(0xffffffffu, b1 ? keep_lo : keep_hi, 2);
+    const u32 from_3 = __shfl_xor_sync(0xffffffffu, b1 ? got_lo : got_hi, 2);
+    // from_k came from lane q ^ k: put lane s's words at word s.
+    const u32 e0 = b0 ? from_1 : from_0, e1 = b0 ? from_0 : from_1;
+    const u32 e2 = b0 ? from_3 : from_2, e3 = b0 ? from_2 : from_3;
+    Vec16 words;
+    words.x = b1 ? e2 : e0;
+    words.y = b1 ? e3 : e1;
+    words.z = b1 ? e0 : e2;
+    words.w = b1 ? e1 : e3;
+    return words;
+}
+
+// Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
+// gated GEMM1): warp w of the warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
+// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments. With QUAD_STORES a quad
+// trades its words (quad_transpose) and stores 16 bytes per lane: every lane takes part in
+// the trades, and only the rows the tile has are stored.
+template <class G>
+__device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
+                                               const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
+                                               const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
+                                               const EpContext& ep) {
+    static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
+    const int lane = threadIdx.x & 31;
+    const int warp_in_group = (threadIdx.x >> 5) & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+        // This lane's first column of 8-column block j, and its pair of the row there, packed.
+        const auto column = [&](int j) { return t.n0 + j * 8 + (lane & 3) * 2; };
+        const auto pack = [&](const EpilogueRow& row, int j) {
+            const int c = j * 4 + half * 2;
+            const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
+            const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
+            return epilogue_pack<G>(row, column(j), acc[c], acc[c + 1], up0, up1);
+        };
+        if constexpr (G::QUAD_STORES) {
+            const bool stored = r < t.rows;
+            // A row past the tile's is packed (and never stored) from row 0's sources.
+            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
+#pragma unroll
+            for (int group = 0; group < G::BN / 32; ++group) {
+                const Vec16 block = quad_transpose(pack(row, group * 4), pack(row, group * 4 + 1),
+                                                   pack(row, group * 4 + 2), pack(row, group * 4 + 3));
+                if (stored) *reinterpret_cast<Vec16*>(row.out + t.n0 + (group * 4 + (lane & 3)) * 8) = block;
+            }
+        } else {
+            if (r >= t.rows) continue;
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+#pragma unroll
+            for (int j = 0; j < G::BN / 8; ++j) *reinterpret_cast<u32*>(row.out + column(j)) = pack(row, j);
+        }
+    }
+}
+// ---------------------------------------------------------------------------------------
+// Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
+// stage layout and epilogue as the mma.sync engine above; the roles are split:
+//   - warpgroup 0, the producer, is the one place that waits for data (on the
+//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages: the
+//     gathered A rows with cp.async, each producer thread's copies arriving on the stage's
+//     "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), and the weight rows
+//     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
+//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier
+//     (with A_TILES, the A rows come the same way, one box per stage: GEMM2's from the
+//     intermediate, GEMM1's from x sorted into the expert-major order);
+//   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
+//     and up rows in one wgmma), and arrive on the stage's "empty" mbarrier once the
+//     wgmma group reading it has retired; the producer refills a stage after waiting on
+//     "empty";
+//   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
+//     producer loads the next tile while the consumers store this one;
+//   - setmaxnreg moves registers from the producer (addresses only) to the consumers
+//     (accumulators), as the plan splits them;
+//   - in a cluster pair (CLUSTER = 2) the two blocks walk one list of work units (see
+//     group_units): on two m-tiles of one weight panel, each producer loads half of every
+//     stage's weight rows and multicasts it into both blocks' stage, halving the weight
+//     bytes each block reads from L2. A stage is then refilled only once the consumers of
+//     both blocks have read it: each consumer warp arrives on both blocks' "empty" barrier.
+// A barrier's phase flips each time all its arrivals are in; a thread tracks the phase of
+// its next use of a stage by one bit that flips whenever it wraps around the ring.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbarrier_init(u32 barrier, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(u32 barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(barrier), "r"(parity) : "memory");
+}
+// One arrival on `barrier` when every cp.async this thread has issued so far has landed.
+__device__ __forceinline__ void cp_async_arrive(u32 barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+// The stage's weight bytes the next phase of `barrier` waits for besides its arrivals.
+__device__ __forceinline__ void mbarrier_expect_bytes(u32 barrier, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// A TMA tensor map (CUtensorMap), built by the runtime, passed by value.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) == 64, "plan: tensor map parameter");
+
+// The box at (column, row) of `map` into shared memory at `destination`, completing on
+// `barrier` with the box's bytes.
+__device__ __forceinline__ void tma_load_box(u32 destination, const TensorMap* map, int column, int row, u32 barrier) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
+        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier)
+        : "memory");
+}
+
+// The box at (column, row) of `map` into shared memory at `destination` in every block of
+// the cluster in `blocks` (a bit per rank), completing on the barrier at `barrier`'s offset
+// in each of them.
+__device__ __forceinline__ void tma_load_box_multicast(u32 destination, const TensorMap* map, int column, int row,
+                                                       u32 barrier, unsigned short blocks) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, { %2, %3 }], [%4], %5;\n"
+        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier), "h"(blocks)
+        : "memory");
+}
+
+// Clusters: this block's rank in its cluster, a barrier of every thread of the cluster,
+// the fence that makes mbarrier initialisations visible to the other blocks, and one
+// arrival on the barrier at `barrier`'s offset in block `rank`'s shared memory.
+__device__ __forceinline__ int cluster_ctarank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return (int)rank;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_in_block(u32 barrier, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(barrier), "r"(rank));
+    // Default (CTA-scope) release semantics: the arrival only says this block's wgmma reads of
+    // a stage are done, which the wgmma wait already ordered. A cluster-scope release would
+    // put a MEMBAR.ALL.GPU before every arrival (ptxas 13.0), and measured 53% slower GEMMs.
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+// A consumer warp is done reading stage barrier `empty` guards: one arrival per warp (the
+// wgmma wait before it is warp-wide), on the barrier of every block whose producer fills
+// this block's stage.
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(u32 empty) {
+    if ((threadIdx.x & 31) != 0) return;
+    if constexpr (CLUSTER == 1) {
+        mbarrier_arrive(empty);
+    } else {
+#pragma unroll
+        for (int rank = 0; rank < CLUSTER; ++rank) mbarrier_arrive_in_block(empty, rank);
+    }
+}
+
+// A barrier among `threads` threads of the block (whole warps), not the whole block.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
+
+// Named barriers (0 is __syncthreads).
+enum : int { PRODUCER_BARRIER_ID = 1 };
+enum : int { CONSUMER_BARRIER_ID = 2 };
+
+template <class G>
+__device__ __forceinline__ void grouped_gemm_warp_specialized(
+    const bf16_t* __restrict__ a_rows,
+    const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
+    const float* __restrict__ expert_bias,  // as grouped_gemm's; BIAS only
+    const float* __restrict__ topk_weights,
+    const int* __restrict__ row_offsets,
+    const int* __restrict__ row_pair,
+    bf16_t* __restrict__ out,
+    const EpContext& ep,
+    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
+{
+    assert_gemm_layout<G>();
+    static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
+    static_assert(G::PRODUCER_THREADS == 128, "plan: one producer warpgroup");
+    static_assert(G::STAGE_BYTES % G::RING_ALIGN == 0 && G::RING_ALIGN == 1024,
+                  "plan: every stage starts on the swizzle's 1024-byte period");
+    static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
+    static_assert(G::BARRIER_OFFSET % 8 == 0, "plan: mbarriers are 8-byte aligned");
+    constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
+    constexpr int CLUSTER = G::CLUSTER;
+    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
+    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per BN columns
+    // One wgmma per k16 step spans all of a stage's B rows (a gated tile's gate and up rows
+    // together), so it reads the warpgroup's A rows once.
+    constexpr int ACCUMULATORS = G::B_ROWS / 2;
+    static_assert(G::B_ROWS % 16 == 0 && G::B_ROWS <= 256, "plan: a stage's B rows fit one wgmma");
+    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int N_TILES = G::N / G::BN;
+    constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
+    constexpr int B_BOXES = G::B_ROWS / G::B_BOX_ROWS;  // gate and up, or a pair's two halves
+    constexpr u32 B_BOX_BYTES = G::B_BOX_ROWS * G::ROW_BYTES;
+    static_assert(G::A_BYTES % 1024 == 0 && B_BOX_BYTES % 1024 == 0,
+                  "plan: every box starts on the swizzle's 1024-byte period");
+    static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
+    static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
+    static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
+    constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 raw_base = smem_address(smem_raw);
+    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
+    unsigned char* smem = smem_raw + (smem_base - raw_base);
+    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
+    const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
+    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
+    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
+    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
+
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < G::STAGES; ++s) {
+            mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CLUSTER * CONSUMER_THREADS / 32);
+        }
+        if constexpr (CLUSTER > 1) fence_mbarrier_init();
+    }
+    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES, CLUSTER>(row_offsets, s_tile_start);  // its barrier publishes the inits
+    if constexpr (CLUSTER > 1) cluster_sync();  // and to the pair, before it multicasts or arrives here
+    const int total_units = s_tile_start[G::EXPERTS_HERE * G::PHASES];
+    const int cta_rank = CLUSTER > 1 ? cluster_ctarank() : 0;
+    // This block's tile of work unit `unit` (one tile per unit for a block alone).
+    const auto tile_of = [&](int unit) {
+        if constexpr (CLUSTER == 1) {
+            return locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(unit, s_tile_start, row_offsets);
+        } else {
+            return locate_pair_tile<G::BM, G::BN, N_TILES, G::EXPERTS_HERE, G::PHASES>(unit, cta_rank, s_tile_start,
+                                                                                     row_offsets);
+        }
+    };
+    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
+
+    if (tid < G::PRODUCER_THREADS) {
+        // Producer: row sources, then every k-tile of every tile of this block into the ring.
+        if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
+        if (tid == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
+            if constexpr (G::A_TILES) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(a_tiles)) : "memory");
+        }
+        const StageLoader<G, G::PRODUCER_THREADS> load(tid);
+        int stage = 0;
+        u32 phase = 0;
+        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+            const GemmTile t = tile_of(unit);
+            if constexpr (!G::A_TILES) {
+                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
+                fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
+                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
+            }
+            const int weight_row = t.expert * W_ROWS + t.n0;  // gate rows; up rows N below
+            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                const u32 full = full_barriers + stage * sizeof(u64);
+                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+                mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
+                if (tid == 0) {
+                    mbarrier_expect_bytes(full, STAGE_TX_BYTES);  // both weight boxes land here, whoever loads them
+                    if constexpr (G::A_TILES) {
+                        // Rows past the tile's (the next expert's, rows of an earlier call, or zeros
+                        // past the buffer) are never stored.
+                        tma_load_box(stage_address, a_tiles, k_tile * G::BK, t.row0, full);
+                    }
+#pragma unroll
+                    for (int box = 0; box < B_BOXES; ++box) {
+                        const u32 destination = stage_address + G::A_BYTES + box * B_BOX_BYTES;
+                        const int row = weight_row + box * (G::GATED ? G::N : G::B_BOX_ROWS);
+                        if (!t.weights_shared) {
+                            tma_load_box(destination, weight_tiles, k_tile * G::BK, row, full);
+                        } else if (box == cta_rank) {  // the other block multicasts the other box
+                            tma_load_box_multicast(destination, weight_tiles, k_tile * G::BK, row, full,
+                                                   (unsigned short)((1u << CLUSTER) - 1));
+                        }
+                    }
+                }
+                if constexpr (G::A_TILES) {
+                    mbarrier_arrive(full);
+                } else {
+                    load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
+                    cp_async_arrive(full);
+                }
+                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight behind
+    } else {
+        // Consumers: multiply each stage as it lands, release it once read, store the tile.
+        if constexpr (G::CONSUMER_REGISTERS > 0) setmaxnreg_inc<G::CONSUMER_REGISTERS>();
+        const int consumer = tid - G::PRODUCER_THREADS;
+        const int warpgroup = consumer >> 7;
+        int stage = 0;
+        u32 phase = 0;
+        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+            const GemmTile t = tile_of(unit);
+            // A gated tile's up columns follow its gate columns, as its up rows follow its
+            // gate rows in a stage.
+            float acc[ACCUMULATORS];
+#pragma unroll
+            for (int i = 0; i < ACCUMULATORS; ++i) acc[i] = 0.f;
+            // A warpgroup whose 64 rows are all past the tile's rows (an expert's last,
+            // partly empty tile) only keeps the ring's count: its zeros would store nothing,
+            // and the warpgroup that has rows gets the SM's tensor cores to itself.
+            const bool multiplies = t.rows > warpgroup * 64;
+            int previous = -1;  // the stage of the wgmma group still in flight
+            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
+                mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
+                if (multiplies) {
+                    if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
+                    const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+                    const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
+                    const u32 b_base = stage_address + G::A_BYTES;
+                    wgmma_fence();
+#pragma unroll
+                    for (int k16 = 0; k16 < G::BK / 16; ++k16) {
+                        wgmma_m64k16<G::B_ROWS>(acc, wgmma_descriptor(a_base + k16 * 32),
+                                                wgmma_descriptor(b_base + k16 * 32));
+                    }
+                    wgmma_commit();
+                }
+                wgmma_wait<1>();  // the previous group has read its stage
+                if (previous >= 0) release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
+                previous = stage;
+                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+            }
+            wgmma_wait<0>();
+            release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
+            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
+            if constexpr (G::EP && G::KIND == GEMM_DOWN) {
+                named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
+                epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
+            }
+        }
+    }
+    if constexpr (CLUSTER > 1) cluster_sync();  // stay until the pair no longer multicasts or arrives here
+}
+// ---------------------------------------------------------------------------------------
 // Router: chooses each token's TOP_K experts and their weights from x, for a call that
 // routes itself (a caller-routed call passes topk_ids and topk_weights instead).
 //   gate    router_logits[t, e] = x[t] · W_gate[e], f32 accumulation; a tiled mma.sync
@@ -1692,28 +2095,30 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
 
-// A split router's gate: its tile, or, in a call split over blocks along the reduction,
-// its part of the tile; the tile's last block to finish adds the parts up in split order
-// into the first slice, which the select kernel reads. router_tiles_done: [tile] blocks
-// done of each tile of a split call.
+// Which gate tile, and which block of the split of its reduction, this block of a split
+// router's gate computes.
+struct GateBlock {
+    int tile, split, splits;
+};
 template <class G>
-__device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
-                                                  int tokens, float* router_logits, u32* router_tiles_done) {
-    static_assert(!G::FUSED, "plan: a split router's gate");
+__device__ __forceinline__ GateBlock gate_block(int tokens) {
     const int token_tiles = (tokens + G::BM - 1) / G::BM;
     const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);  // the plan's split for this many tiles
-    const int tile = blockIdx.x / splits;
-    const int split = blockIdx.x % splits;
-    const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
-    router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
-    if (splits == 1 || !last_arrival(&router_tiles_done[tile], splits)) return;
-    // The sum, a split at a time over SUM_BATCH elements of the thread, so that each pass
-    // has that many loads in flight at once (a loop per element waited on L2 for each) and
-    // the sums stay few registers (the whole tile's would cost the gate its second block
-    // per SM). The partial sums are read through L2 (ld.cg): other blocks wrote them.
+    return GateBlock{(int)blockIdx.x / splits, (int)blockIdx.x % splits, splits};
+}
+
+// The last block of a split gate tile to finish adds the parts up in split order into the
+// first slice, which the select kernel reads: a split at a time over SUM_BATCH elements of
+// the thread, so that each pass has that many loads in flight at once (a loop per element
+// waited on L2 for each) and the sums stay few registers (the whole tile's would cost the
+// gate its second block per SM). The partial sums are read through L2 (ld.cg): other blocks
+// wrote them.
+template <class G>
+__device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBlock& b, float* router_logits) {
     constexpr int SUM_BATCH = 16;
     constexpr int PER_THREAD = (G::BM * G::BN + G::THREADS - 1) / G::THREADS;
-    const int first_token = tile / G::EXPERT_TILES * G::BM, first_expert = tile % G::EXPERT_TILES * G::BN;
+    const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
+    const int first_token = b.tile / G::EXPERT_TILES * G::BM, first_expert = b.tile % G::EXPERT_TILES * G::BN;
     const int rows = min(G::BM, tokens - first_token), columns = min(G::BN, EXPERTS - first_expert);
     float* base = router_logits + (size_t)first_token * EXPERTS + first_expert;
     // Element j of this thread: element threadIdx.x + j · THREADS of the tile, row-major;
@@ -1727,7 +2132,7 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
         float sum[SUM_BATCH];
 #pragma unroll
         for (int j = 0; j < SUM_BATCH; ++j) sum[j] = present(first + j) ? __ldcg(base + at(first + j)) : 0.f;
-        for (int s = 1; s < splits; ++s) {
+        for (int s = 1; s < b.splits; ++s) {
             const float* part = base + s * slice;
 #pragma unroll
             for (int j = 0; j < SUM_BATCH; ++j) {
@@ -1739,6 +2144,147 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
             if (present(first + j)) base[at(first + j)] = sum[j];
         }
     }
+}
+
+// A split router's gate: its tile, or, in a call split over blocks along the reduction,
+// its part of the tile (its [T, E] slice of partial logits), the tile's last block then
+// adding the parts up. router_tiles_done: [tile] blocks done of each tile of a split call.
+template <class G>
+__device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+                                                  int tokens, float* router_logits, u32* router_tiles_done) {
+    static_assert(!G::FUSED, "plan: a split router's gate");
+    const GateBlock b = gate_block<G>(tokens);
+    router_gate<G>(x, gate_weight, tokens, b.tile, b.split, b.splits, router_logits + b.split * (size_t)tokens * EXPERTS);
+    if (b.splits == 1 || !last_arrival(&router_tiles_done[b.tile], b.splits)) return;
+    router_sum_split_tile<G>(tokens, b, router_logits);
+}
+
+// The gate tile `b.tile` (its part `b.split` of `b.splits`) on wgmma, warp-specialised as
+// the expert GEMMs' engine (see there):
+//   - warpgroup 0, the producer, fills a ring of STAGES stages, each 64 columns of the
+//     reduction: the tile's BM x rows with cp.async (past the call's tokens, zeros), each
+//     producer thread arriving on the stage's "full" mbarrier when its copies land, and its
+//     BN W_gate rows as one TMA box on the same barrier (past E, zeros);
+//   - consumer warpgroup w multiplies tokens [64w, 64w + 64) of the tile by all BN experts
+//     (one wgmma per 16 columns), and arrives on the stage's "empty" mbarrier once the
+//     wgmma reading it has retired; then it stores its logits (or partial sums) into
+//     `logits` [tokens, EXPERTS].
+template <class G>
+__device__ __forceinline__ void router_gate_warp_specialized(const bf16_t* __restrict__ x, const TensorMap* gate_tiles,
+                                                             int tokens, const GateBlock& b, float* __restrict__ logits) {
+    static_assert(G::PRODUCER_THREADS == 128 && G::THREADS == G::PRODUCER_THREADS + 2 * G::BM,
+                  "plan: a producer warpgroup and a consumer warpgroup per 64 tokens");
+    static_assert(G::BM % 64 == 0 && G::BN % 16 == 0 && G::BN <= 256, "plan: whole warpgroups, one wgmma wide");
+    static_assert(G::A_BYTES == G::BM * SMEM_ROW_BYTES && G::STAGE_BYTES == G::A_BYTES + G::BN * SMEM_ROW_BYTES,
+                  "plan: a stage is BM x rows then BN W_gate rows");
+    static_assert(G::RING_ALIGN == 1024 && G::A_BYTES % 1024 == 0 && G::STAGE_BYTES % 1024 == 0,
+                  "plan: every stage and box starts on the swizzle's 1024-byte period");
+    static_assert(G::BARRIER_OFFSET == G::STAGES * G::STAGE_BYTES &&
+                      G::SMEM_BYTES == G::RING_ALIGN + G::BARRIER_OFFSET + 2 * G::STAGES * (int)sizeof(u64),
+                  "plan: [slack][STAGES x (x rows, W_gate rows)][full, empty barriers]");
+    constexpr int BK = SMEM_ROW_BYTES / (int)sizeof(bf16_t);
+    constexpr int K_TILES = HIDDEN / BK;
+    constexpr int ROW_CHUNKS = SMEM_ROW_BYTES / 16;  // 16-byte cp.async pieces per row
+    constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
+    static_assert(HIDDEN % BK == 0 && G::PRODUCER_THREADS % ROW_CHUNKS == 0, "plan: whole k-tiles, whole rows per pass");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 smem_base = (smem_address(smem_raw) + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
+    const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
+    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
+    const int tid = threadIdx.x;
+    const int token0 = b.tile / G::EXPERT_TILES * G::BM;
+    const int expert0 = b.tile % G::EXPERT_TILES * G::BN;
+    const int steps = K_TILES / b.splits;  // this block's k-tiles: [first_k_tile, first_k_tile + steps)
+    const int first_k_tile = b.split * steps;
+    if (tid == 0) {
+        for (int s = 0; s < G::STAGES; ++s) {
+            mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS / 32);
+        }
+    }
+    __syncthreads();  // the barriers are initialised for every role
+
+    if (tid < G::PRODUCER_THREADS) {
+        if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(gate_tiles)) : "memory");
+        const int chunk = tid % ROW_CHUNKS, first_row = tid / ROW_CHUNKS;
+        constexpr int ROW_STEP = G::PRODUCER_THREADS / ROW_CHUNKS;
+        u32 phase = 0;
+        for (int step = 0, stage = 0; step < steps; ++step) {
+            const int k_tile = first_k_tile + step;
+            const u32 full = full_barriers + stage * sizeof(u64);
+            const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
+            mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
+            if (tid == 0) {
+                mbarrier_expect_bytes(full, G::BN * SMEM_ROW_BYTES);
+                tma_load_box(stage_address + G::A_BYTES, gate_tiles, k_tile * BK, expert0, full);
+            }
+#pragma unroll
+            for (int r = first_row; r < G::BM; r += ROW_STEP) {
+                const int token = token0 + r;
+                const bool valid = token < tokens;
+                cp_async_16(stage_address + swizzle(r, chunk), x + (size_t)(valid ? token : 0) * HIDDEN + k_tile * BK + chunk * 8,
+                            valid);
+            }
+            cp_async_arrive(full);
+            if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight behind
+    } else {
+        const int consumer = tid - G::PRODUCER_THREADS;
+        const int warpgroup = consumer >> 7;
+        float acc[G::BN / 2];
+#pragma unroll
+        for (int i = 0; i < G::BN / 2; ++i) acc[i] = 0.f;
+        u32 phase = 0;
+        int previous = -1;  // the stage of the wgmma group still in flight
+        // A block has at least one k-tile. Said as a do-while: with a loop that might not
+        // run, ptxas (13.0) sees the zeroed accumulators reach the epilogue without a wgmma
+        // and serialises every wgmma of the kernel.
+        int step = 0, stage = 0;
+        do {
+            mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
+            fence_proxy_async();  // the producers' cp.async writes (x rows), seen by wgmma
+            const u32 a_base = smem_base + stage * G::STAGE_BYTES + warpgroup * 64 * SMEM_ROW_BYTES;
+            const u32 b_base = smem_base + stage * G::STAGE_BYTES + G::A_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < BK / 16; ++k16) {
+                wgmma_m64k16<G::BN>(acc, wgmma_descriptor(a_base + k16 * 32), wgmma_descriptor(b_base + k16 * 32));
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous group has read its stage
+            if (previous >= 0) release_stage<1>(empty_barriers + previous * sizeof(u64));
+            previous = stage;
+            if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
+        } while (++step < steps);
+        wgmma_wait<0>();
+        // Warp w of the warpgroup holds tokens 16w + lane/4 (+8); its n8 block j experts
+        // 8j + 2(lane%4) and the next, as mma.sync's m16n8 fragments.
+        const int lane = tid & 31, warp_in_group = (tid >> 5) & 3;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int token = token0 + warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
+            if (token >= tokens) continue;
+            float* out = logits + (size_t)token * EXPERTS;
+#pragma unroll
+            for (int j = 0; j < G::BN / 8; ++j) {
+                const int expert = expert0 + j * 8 + (lane & 3) * 2;
+                if (expert < EXPERTS) out[expert] = acc[j * 4 + half * 2];
+                if (expert + 1 < EXPERTS) out[expert + 1] = acc[j * 4 + half * 2 + 1];
+            }
+        }
+    }
+}
+
+// A split router's gate on wgmma: as router_gate_split.
+template <class G>
+__device__ __forceinline__ void router_gate_split_warp_specialized(const bf16_t* __restrict__ x, const TensorMap* gate_tiles,
+                                                                   int tokens, float* router_logits, u32* router_tiles_done) {
+    const GateBlock b = gate_block<G>(tokens);
+    router_gate_warp_specialized<G>(x, gate_tiles, tokens, b, router_logits + b.split * (size_t)tokens * EXPERTS);
+    if (b.splits == 1 || !last_arrival(&router_tiles_done[b.tile], b.splits)) return;
+    router_sum_split_tile<G>(tokens, b, router_logits);
 }
 
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
@@ -1801,533 +2347,74 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_decode_router(
 }
 #endif
 
-// Router of regime `mid` (257..=512 tokens): split, its gate for these calls; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 16 expert tiles per token tile
-struct mid_router_gate_64x16 {
+// Router of regime `mid` (257..=2048 tokens): split, its gate for these calls; gate tile 64 tokens x 256 experts x 64, 5 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
+struct mid_router_gate_64x256 {
     enum : bool { FUSED = false };
-    enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 16 };
-    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
-    enum : int { MOST_SPLITS = 7 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    enum : int { BM = 64, BN = 256, STAGES = 5, EXPERT_TILES = 1 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 256 };
+    enum : int { MOST_SPLITS = 112 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { PRODUCER_THREADS = 128 };
+    // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
+    enum : int { A_BYTES = 8192, STAGE_BYTES = 40960, RING_ALIGN = 1024, BARRIER_OFFSET = 204800, SMEM_BYTES = 205904 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_router_gate_64x16)
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate_64x16(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_router_gate_64x256)
+extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate_64x256(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call
     float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split<mid_router_gate_64x16>(x, gate_weight, tokens, router_logits, router_tiles_done);
+    router_gate_split_warp_specialized<mid_router_gate_64x256>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 }
 #endif
 
-// Router of regime `mid` (513..=1024 tokens): split, its gate for these calls; gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
-struct mid_router_gate_64x32 {
+// Router of regime `prefill` (2049..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 256 experts x 64, 5 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
+struct prefill_router_gate_64x256 {
     enum : bool { FUSED = false };
-    enum : int { BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 8 };
-    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
-    enum : int { MOST_SPLITS = 14 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    enum : int { BM = 64, BN = 256, STAGES = 5, EXPERT_TILES = 1 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 256 };
+    enum : int { MOST_SPLITS = 112 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { PRODUCER_THREADS = 128 };
+    // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
+    enum : int { A_BYTES = 8192, STAGE_BYTES = 40960, RING_ALIGN = 1024, BARRIER_OFFSET = 204800, SMEM_BYTES = 205904 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_router_gate_64x32)
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate_64x32(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_router_gate_64x256)
+extern "C" __global__ void __launch_bounds__(256) deepseek_v3_prefill_router_gate_64x256(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call
     float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split<mid_router_gate_64x32>(x, gate_weight, tokens, router_logits, router_tiles_done);
+    router_gate_split_warp_specialized<prefill_router_gate_64x256>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 }
 #endif
 
-// Router of regime `mid` (1025..=2048 tokens): split, its gate for these calls; gate tile 64 tokens x 64 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 4 expert tiles per token tile
-struct mid_router_gate_64x64 {
+// Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 256 experts x 64, 4 stages, wgmma: a producer warpgroup and 2 consumer warpgroups, 1 expert tiles per token tile
+struct prefill_router_gate_128x256 {
     enum : bool { FUSED = false };
-    enum : int { BM = 64, BN = 64, STAGES = 3, EXPERT_TILES = 4 };
-    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
-    enum : int { MOST_SPLITS = 28 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    enum : int { BM = 128, BN = 256, STAGES = 4, EXPERT_TILES = 1 };
+    enum : int { WARPS_M = 8, WARPS_N = 1, WARPS_K = 1, THREADS = 384 };
+    enum : int { MOST_SPLITS = 112 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { PRODUCER_THREADS = 128 };
+    // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
+    enum : int { A_BYTES = 16384, STAGE_BYTES = 49152, RING_ALIGN = 1024, BARRIER_OFFSET = 196608, SMEM_BYTES = 197696 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_router_gate_64x64)
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate_64x64(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_router_gate_128x256)
+extern "C" __global__ void __launch_bounds__(384) deepseek_v3_prefill_router_gate_128x256(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call
     float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split<mid_router_gate_64x64>(x, gate_weight, tokens, router_logits, router_tiles_done);
+    router_gate_split_warp_specialized<prefill_router_gate_128x256>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 }
 #endif
-
-// Router of regime `prefill` (2049..=4096 tokens): split, its gate for these calls; gate tile 128 tokens x 64 experts x 64, 3 stages, 4x1 warps x 2 groups splitting the reduction, 4 expert tiles per token tile
-struct prefill_router_gate_128x64 {
-    enum : bool { FUSED = false };
-    enum : int { BM = 128, BN = 64, STAGES = 3, EXPERT_TILES = 4 };
-    enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 2, THREADS = 256 };
-    enum : int { MOST_SPLITS = 28 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 24576, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
-};
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_router_gate_128x64)
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_prefill_router_gate_128x64(
-    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
-    int tokens,  // tokens in this call
-    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
-    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
-)
-{
-    router_gate_split<prefill_router_gate_128x64>(x, gate_weight, tokens, router_logits, router_tiles_done);
-}
-#endif
-
-// Router of regime `prefill` (4097..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 128 experts x 64, 3 stages, 4x2 warps x 1 groups splitting the reduction, 2 expert tiles per token tile
-struct prefill_router_gate_128x128 {
-    enum : bool { FUSED = false };
-    enum : int { BM = 128, BN = 128, STAGES = 3, EXPERT_TILES = 2 };
-    enum : int { WARPS_M = 4, WARPS_N = 2, WARPS_K = 1, THREADS = 256 };
-    enum : int { MOST_SPLITS = 56 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 32768, SMEM_BYTES = 98304 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
-    enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
-};
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_router_gate_128x128)
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_prefill_router_gate_128x128(
-    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
-    int tokens,  // tokens in this call
-    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
-    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
-)
-{
-    router_gate_split<prefill_router_gate_128x128>(x, gate_weight, tokens, router_logits, router_tiles_done);
-}
-#endif
-// ---------------------------------------------------------------------------------------
-// Hopper's warpgroup MMA (wgmma, sm_90a): what the warp-specialised engine below issues.
-//   - each consumer warpgroup (4 warps) owns 64 rows of the tile and issues wgmma m64nNk16
-//     with A and B read from shared memory through descriptors;
-//   - the shared-memory layout is the 128-byte swizzle wgmma expects (the same XOR the
-//     mma.sync path uses, and TMA's 128-byte swizzle), every stage on its 1024-byte period;
-//   - the accumulators of one wgmma are spread as mma.sync's m16n8 fragments, so the
-//     epilogue is the shared one, a pair of columns at a time.
-// ---------------------------------------------------------------------------------------
-__device__ __forceinline__ u64 wgmma_descriptor(u32 smem_byte_address) {
-    u64 desc = 0;
-    desc |= (u64)((smem_byte_address & 0x3FFFF) >> 4);  // start address
-    desc |= (u64)1 << 16;                                // leading byte offset (unused for SW128 K-major)
-    desc |= (u64)(1024 >> 4) << 32;                      // stride byte offset: 8 rows x 128 B
-    desc |= (u64)1 << 62;                                // 128-byte swizzle
-    return desc;
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// D[64 x N] (+)= A[64 x 16] · B[N x 16]ᵀ, both K-major in shared memory; one
-// specialisation per width the plan uses.
-template <int N>
-__device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
-template <>
-__device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 { %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, %128, %129, 1, 1, 1, 0, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b));
-}
-// The four lanes of a quad hold one row two columns at a time: lane q holds columns 2q and
-// 2q + 1 of each 8-column block. Given lane q's words of four consecutive blocks, returns
-// block q's 8 columns in order, so that each lane stores 16 bytes and a quad 64 consecutive
-// bytes of the row (4-byte stores spread over the row took a third of a short GEMM2's time).
-// Two butterfly trades: with lane q ^ 1, then with lane q ^ 2.
-__device__ __forceinline__ Vec16 quad_transpose(u32 p0, u32 p1, u32 p2, u32 p3) {
-    const int q = threadIdx.x & 3;
-    const bool b0 = (q & 1) != 0, b1 = (q & 2) != 0;
-    // Keep the blocks whose low bit is q's, trade the others with lane q ^ 1.
-    const u32 keep_lo = b0 ? p1 : p0, keep_hi = b0 ? p3 : p2;
-    const u32 got_lo = __shfl_xor_sync(0xffffffffu, b0 ? p0 : p1, 1);
-    const u32 got_hi = __shfl_xor_sync(0xffffffffu, b0 ? p2 : p3, 1);
-    // Keep block q (this lane's and lane q ^ 1's words), trade block q ^ 2 with lane q ^ 2.
-    const u32 from_0 = b1 ? keep_hi : keep_lo, from_1 = b1 ? got_hi : got_lo;
-    const u32 from_2 = __shfl_xor_sync(0xffffffffu, b1 ? keep_lo : keep_hi, 2);
-    const u32 from_3 = __shfl_xor_sync(0xffffffffu, b1 ? got_lo : got_hi, 2);
-    // from_k came from lane q ^ k: put lane s's words at word s.
-    const u32 e0 = b0 ? from_1 : from_0, e1 = b0 ? from_0 : from_1;
-    const u32 e2 = b0 ? from_3 : from_2, e3 = b0 ? from_2 : from_3;
-    Vec16 words;
-    words.x = b1 ? e2 : e0;
-    words.y = b1 ? e3 : e1;
-    words.z = b1 ? e0 : e2;
-    words.w = b1 ? e1 : e3;
-    return words;
-}
-
-// Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
-// gated GEMM1): warp w of the warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
-// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments. With QUAD_STORES a quad
-// trades its words (quad_transpose) and stores 16 bytes per lane: every lane takes part in
-// the trades, and only the rows the tile has are stored.
-template <class G>
-__device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
-                                               const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
-                                               const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
-                                               const EpContext& ep) {
-    static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
-    const int lane = threadIdx.x & 31;
-    const int warp_in_group = (threadIdx.x >> 5) & 3;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
-        // This lane's first column of 8-column block j, and its pair of the row there, packed.
-        const auto column = [&](int j) { return t.n0 + j * 8 + (lane & 3) * 2; };
-        const auto pack = [&](const EpilogueRow& row, int j) {
-            const int c = j * 4 + half * 2;
-            const float up0 = G::GATED ? acc_up[G::GATED ? c : 0] : 0.f;
-            const float up1 = G::GATED ? acc_up[G::GATED ? c + 1 : 0] : 0.f;
-            return epilogue_pack<G>(row, column(j), acc[c], acc[c + 1], up0, up1);
-        };
-        if constexpr (G::QUAD_STORES) {
-            const bool stored = r < t.rows;
-            // A row past the tile's is packed (and never stored) from row 0's sources.
-            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
-#pragma unroll
-            for (int group = 0; group < G::BN / 32; ++group) {
-                const Vec16 block = quad_transpose(pack(row, group * 4), pack(row, group * 4 + 1),
-                                                   pack(row, group * 4 + 2), pack(row, group * 4 + 3));
-                if (stored) *reinterpret_cast<Vec16*>(row.out + t.n0 + (group * 4 + (lane & 3)) * 8) = block;
-            }
-        } else {
-            if (r >= t.rows) continue;
-            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
-#pragma unroll
-            for (int j = 0; j < G::BN / 8; ++j) *reinterpret_cast<u32*>(row.out + column(j)) = pack(row, j);
-        }
-    }
-}
-// ---------------------------------------------------------------------------------------
-// Grouped GEMM on wgmma with warp specialisation (sm_90a). Same tiles, schedule, masking,
-// stage layout and epilogue as the mma.sync engine above; the roles are split:
-//   - warpgroup 0, the producer, is the one place that waits for data (on the
-//     expert-parallel path, for the dispatch chunks a tile reads) and loads stages: the
-//     gathered A rows with cp.async, each producer thread's copies arriving on the stage's
-//     "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc), and the weight rows
-//     with the tensor memory accelerator (TMA): one thread sets the stage's expected bytes
-//     and copies boxes of a tile's rows x 64 columns, which complete on the same barrier
-//     (with A_TILES, the A rows come the same way, one box per stage: GEMM2's from the
-//     intermediate, GEMM1's from x sorted into the expert-major order);
-//   - the consumer warpgroups (64 rows each) wait on "full", multiply (a gated tile's gate
-//     and up rows in one wgmma), and arrive on the stage's "empty" mbarrier once the
-//     wgmma group reading it has retired; the producer refills a stage after waiting on
-//     "empty";
-//   - no block-wide barrier inside the tile loop: the ring runs across tiles, so the
-//     producer loads the next tile while the consumers store this one;
-//   - setmaxnreg moves registers from the producer (addresses only) to the consumers
-//     (accumulators), as the plan splits them;
-//   - in a cluster pair (CLUSTER = 2) the two blocks walk one list of work units (see
-//     group_units): on two m-tiles of one weight panel, each producer loads half of every
-//     stage's weight rows and multicasts it into both blocks' stage, halving the weight
-//     bytes each block reads from L2. A stage is then refilled only once the consumers of
-//     both blocks have read it: each consumer warp arrives on both blocks' "empty" barrier.
-// A barrier's phase flips each time all its arrivals are in; a thread tracks the phase of
-// its next use of a stage by one bit that flips whenever it wraps around the ring.
-// ---------------------------------------------------------------------------------------
-__device__ __forceinline__ void mbarrier_init(u32 barrier, u32 arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(u32 barrier) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
-}
-// Returns once the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(barrier), "r"(parity) : "memory");
-}
-// One arrival on `barrier` when every cp.async this thread has issued so far has landed.
-__device__ __forceinline__ void cp_async_arrive(u32 barrier) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
-}
-// The stage's weight bytes the next phase of `barrier` waits for besides its arrivals.
-__device__ __forceinline__ void mbarrier_expect_bytes(u32 barrier, u32 bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
-}
-
-// A TMA tensor map (CUtensorMap), built by the runtime, passed by value.
-struct __align__(64) TensorMap {
-    u64 opaque[16];
-};
-static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) == 64, "plan: tensor map parameter");
-
-// The box at (column, row) of `map` into shared memory at `destination`, completing on
-// `barrier` with the box's bytes.
-__device__ __forceinline__ void tma_load_box(u32 destination, const TensorMap* map, int column, int row, u32 barrier) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3 }], [%4];\n"
-        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier)
-        : "memory");
-}
-
-// The box at (column, row) of `map` into shared memory at `destination` in every block of
-// the cluster in `blocks` (a bit per rank), completing on the barrier at `barrier`'s offset
-// in each of them.
-__device__ __forceinline__ void tma_load_box_multicast(u32 destination, const TensorMap* map, int column, int row,
-                                                       u32 barrier, unsigned short blocks) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, { %2, %3 }], [%4], %5;\n"
-        ::"r"(destination), "l"(reinterpret_cast<u64>(map)), "r"(column), "r"(row), "r"(barrier), "h"(blocks)
-        : "memory");
-}
-
-// Clusters: this block's rank in its cluster, a barrier of every thread of the cluster,
-// the fence that makes mbarrier initialisations visible to the other blocks, and one
-// arrival on the barrier at `barrier`'s offset in block `rank`'s shared memory.
-__device__ __forceinline__ int cluster_ctarank() {
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-    return (int)rank;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void fence_mbarrier_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive_in_block(u32 barrier, int rank) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(barrier), "r"(rank));
-    // Default (CTA-scope) release semantics: the arrival only says this block's wgmma reads of
-    // a stage are done, which the wgmma wait already ordered. A cluster-scope release would
-    // put a MEMBAR.ALL.GPU before every arrival (ptxas 13.0), and measured 53% slower GEMMs.
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-}
-
-// A consumer warp is done reading stage barrier `empty` guards: one arrival per warp (the
-// wgmma wait before it is warp-wide), on the barrier of every block whose producer fills
-// this block's stage.
-template <int CLUSTER>
-__device__ __forceinline__ void release_stage(u32 empty) {
-    if ((threadIdx.x & 31) != 0) return;
-    if constexpr (CLUSTER == 1) {
-        mbarrier_arrive(empty);
-    } else {
-#pragma unroll
-        for (int rank = 0; rank < CLUSTER; ++rank) mbarrier_arrive_in_block(empty, rank);
-    }
-}
-
-// A barrier among `threads` threads of the block (whole warps), not the whole block.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-template <int REGISTERS>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
-template <int REGISTERS>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
-
-// Named barriers (0 is __syncthreads).
-enum : int { PRODUCER_BARRIER_ID = 1 };
-enum : int { CONSUMER_BARRIER_ID = 2 };
-
-template <class G>
-__device__ __forceinline__ void grouped_gemm_warp_specialized(
-    const bf16_t* __restrict__ a_rows,
-    const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
-    const float* __restrict__ expert_bias,  // as grouped_gemm's; BIAS only
-    const float* __restrict__ topk_weights,
-    const int* __restrict__ row_offsets,
-    const int* __restrict__ row_pair,
-    bf16_t* __restrict__ out,
-    const EpContext& ep,
-    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
-{
-    assert_gemm_layout<G>();
-    static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
-    static_assert(G::PRODUCER_THREADS == 128, "plan: one producer warpgroup");
-    static_assert(G::STAGE_BYTES % G::RING_ALIGN == 0 && G::RING_ALIGN == 1024,
-                  "plan: every stage starts on the swizzle's 1024-byte period");
-    static_assert(G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
-    static_assert(G::BARRIER_OFFSET % 8 == 0, "plan: mbarriers are 8-byte aligned");
-    constexpr int CONSUMER_THREADS = G::THREADS - G::PRODUCER_THREADS;
-    constexpr int CLUSTER = G::CLUSTER;
-    constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
-    constexpr int FRAG = G::BN / 2;  // accumulator floats per thread per BN columns
-    // One wgmma per k16 step spans all of a stage's B rows (a gated tile's gate and up rows
-    // together), so it reads the warpgroup's A rows once.
-    constexpr int ACCUMULATORS = G::B_ROWS / 2;
-    static_assert(G::B_ROWS % 16 == 0 && G::B_ROWS <= 256, "plan: a stage's B rows fit one wgmma");
-    constexpr int K_TILES = G::KD / G::BK;
-    constexpr int N_TILES = G::N / G::BN;
-    constexpr u32 B_BYTES = G::B_ROWS * G::ROW_BYTES;  // the TMA boxes of one stage
-    constexpr int B_BOXES = G::B_ROWS / G::B_BOX_ROWS;  // gate and up, or a pair's two halves
-    constexpr u32 B_BOX_BYTES = G::B_BOX_ROWS * G::ROW_BYTES;
-    static_assert(G::A_BYTES % 1024 == 0 && B_BOX_BYTES % 1024 == 0,
-                  "plan: every box starts on the swizzle's 1024-byte period");
-    static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
-    static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
-    static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
-    constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
-
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    const u32 raw_base = smem_address(smem_raw);
-    const u32 smem_base = (raw_base + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
-    unsigned char* smem = smem_raw + (smem_base - raw_base);
-    int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
-    const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
-    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
-    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
-    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
-
-    const int tid = threadIdx.x;
-    if (tid == 0) {
-        for (int s = 0; s < G::STAGES; ++s) {
-            mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
-            mbarrier_init(empty_barriers + s * sizeof(u64), CLUSTER * CONSUMER_THREADS / 32);
-        }
-        if constexpr (CLUSTER > 1) fence_mbarrier_init();
-    }
-    tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES, CLUSTER>(row_offsets, s_tile_start);  // its barrier publishes the inits
-    if constexpr (CLUSTER > 1) cluster_sync();  // and to the pair, before it multicasts or arrives here
-    const int total_units = s_tile_start[G::EXPERTS_HERE * G::PHASES];
-    const int cta_rank = CLUSTER > 1 ? cluster_ctarank() : 0;
-    // This block's tile of work unit `unit` (one tile per unit for a block alone).
-    const auto tile_of = [&](int unit) {
-        if constexpr (CLUSTER == 1) {
-            return locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(unit, s_tile_start, row_offsets);
-        } else {
-            return locate_pair_tile<G::BM, G::BN, N_TILES, G::EXPERTS_HERE, G::PHASES>(unit, cta_rank, s_tile_start,
-                                                                                     row_offsets);
-        }
-    };
-    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
-
-    if (tid < G::PRODUCER_THREADS) {
-        // Producer: row sources, then every k-tile of every tile of this block into the ring.
-        if constexpr (G::PRODUCER_REGISTERS > 0) setmaxnreg_dec<G::PRODUCER_REGISTERS>();
-        if (tid == 0) {
-            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(weight_tiles)) : "memory");
-            if constexpr (G::A_TILES) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(a_tiles)) : "memory");
-        }
-        const StageLoader<G, G::PRODUCER_THREADS> load(tid);
-        int stage = 0;
-        u32 phase = 0;
-        for (int unit = first_unit; unit < total_units; unit += unit_step) {
-            const GemmTile t = tile_of(unit);
-            if constexpr (!G::A_TILES) {
-                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
-                fill_row_sources<G, G::PRODUCER_THREADS>(t, row_pair, s_row_source, ep, tid);
-                named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // the table is complete
-            }
-            const int weight_row = t.expert * W_ROWS + t.n0;  // gate rows; up rows N below
-            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
-                const u32 full = full_barriers + stage * sizeof(u64);
-                const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
-                mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
-                if (tid == 0) {
-                    mbarrier_expect_bytes(full, STAGE_TX_BYTES);  // both weight boxes land here, whoever loads them
-                    if constexpr (G::A_TILES) {
-                        // Rows past the tile's (the next expert's, rows of an earlier call, or zeros
-                        // past the buffer) are never stored.
-                        tma_load_box(stage_address, a_tiles, k_tile * G::BK, t.row0, full);
-                    }
-#pragma unroll
-                    for (int box = 0; box < B_BOXES; ++box) {
-                        const u32 destination = stage_address + G::A_BYTES + box * B_BOX_BYTES;
-                        const int row = weight_row + box * (G::GATED ? G::N : G::B_BOX_ROWS);
-                        if (!t.weights_shared) {
-                            tma_load_box(destination, weight_tiles, k_tile * G::BK, row, full);
-                        } else if (box == cta_rank) {  // the other block multicasts the other box
-                            tma_load_box_multicast(destination, weight_tiles, k_tile * G::BK, row, full,
-                                                   (unsigned short)((1u << CLUSTER) - 1));
-                        }
-                    }
-                }
-                if constexpr (G::A_TILES) {
-                    mbarrier_arrive(full);
-                } else {
-                    load.a_rows(stage_address, load.k_offset(k_tile), s_row_source, a_rows, ep.own_rows);
-                    cp_async_arrive(full);
-                }
-                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
-            }
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight behind
-    } else {
-        // Consumers: multiply each stage as it lands, release it once read, store the tile.
-        if constexpr (G::CONSUMER_REGISTERS > 0) setmaxnreg_inc<G::CONSUMER_REGISTERS>();
-        const int consumer = tid - G::PRODUCER_THREADS;
-        const int warpgroup = consumer >> 7;
-        int stage = 0;
-        u32 phase = 0;
-        for (int unit = first_unit; unit < total_units; unit += unit_step) {
-            const GemmTile t = tile_of(unit);
-            // A gated tile's up columns follow its gate columns, as its up rows follow its
-            // gate rows in a stage.
-            float acc[ACCUMULATORS];
-#pragma unroll
-            for (int i = 0; i < ACCUMULATORS; ++i) acc[i] = 0.f;
-            // A warpgroup whose 64 rows are all past the tile's rows (an expert's last,
-            // partly empty tile) only keeps the ring's count: its zeros would store nothing,
-            // and the warpgroup that has rows gets the SM's tensor cores to itself.
-            const bool multiplies = t.rows > warpgroup * 64;
-            int previous = -1;  // the stage of the wgmma group still in flight
-            for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
-                mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
-                if (multiplies) {
-                    if constexpr (!G::A_TILES) fence_proxy_async();  // the producers' cp.async writes (A), seen by wgmma
-                    const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
-                    const u32 a_base = stage_address + warpgroup * 64 * G::ROW_BYTES;
-                    const u32 b_base = stage_address + G::A_BYTES;
-                    wgmma_fence();
-#pragma unroll
-                    for (int k16 = 0; k16 < G::BK / 16; ++k16) {
-                        wgmma_m64k16<G::B_ROWS>(acc, wgmma_descriptor(a_base + k16 * 32),
-                                                wgmma_descriptor(b_base + k16 * 32));
-                    }
-                    wgmma_commit();
-                }
-                wgmma_wait<1>();  // the previous group has read its stage
-                if (previous >= 0) release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-                previous = stage;
-                if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
-            }
-            wgmma_wait<0>();
-            release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
-            if constexpr (G::EP && G::KIND == GEMM_DOWN) {
-                named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
-                epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
-            }
-        }
-    }
-    if constexpr (CLUSTER > 1) cluster_sync();  // stay until the pair no longer multicasts or arrives here
-}
 // ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
 // the routed pairs, then the shared slices. Each thread sums 8 columns (one 16-byte

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
 use super::network::NetworkPlan;
-use super::router::RouterRegime;
+use super::router::{GateEngine, RouterRegime};
 use super::tuning::ChoiceSource;
 use super::{Access, Grid, Launch, OutputStore, Plan, RegimeParts, RowLoad, StreamRole};
 
@@ -345,20 +345,29 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     );
     for gate in &regime.gates {
         let floor = &gate.floor;
+        let warps = match gate.engine {
+            GateEngine::MmaSync => format!(
+                "mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction",
+                gate.tile_tokens,
+                gate.tile_experts,
+                gate.stages,
+                gate.warps_m,
+                gate.warps_n,
+                gate.warps_k
+            ),
+            GateEngine::WarpSpecialized => format!(
+                "wgmma tile {} tokens x {} experts x 64, {} stages, a producer warpgroup (x rows by cp.async, W_gate by TMA) and a consumer warpgroup per 64 tokens",
+                gate.tile_tokens, gate.tile_experts, gate.stages
+            ),
+        };
         let _ = writeln!(
             out,
-            "    gate   {}..={} tokens: mma.sync tile {} tokens x {} experts x 64, {} stages, {}x{} warps x {} groups splitting the reduction{}, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
+            "    gate   {}..={} tokens: {warps}{}, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
             gate.min_tokens,
             gate.max_tokens,
-            gate.tile_tokens,
-            gate.tile_experts,
-            gate.stages,
-            gate.warps_m,
-            gate.warps_n,
-            gate.warps_k,
             if gate.splits(1) > 1 {
                 format!(
-                    " and over {} blocks at 1 token (as many as keep the grid within {} blocks; fewer for more token tiles)",
+                    "; a tile split over {} blocks along the reduction at 1 token (as many as keep the grid within {} blocks; fewer for more token tiles)",
                     gate.splits(1),
                     gate.k_split.most_blocks
                 )
