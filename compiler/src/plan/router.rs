@@ -524,9 +524,8 @@ fn gate_plan(
 }
 
 /// A split router's gates over `calls`: at each power of two from the regime's smallest
-/// call up to its largest call (the last point), the tile whose grid gives at least nine
-/// in ten SMs a block there ([`gate_tile`], or [`warp_specialized_gate_tile`] where the
-/// gate runs on wgmma: [`split_gate_engine`]); each serves the calls from above the
+/// call up to its largest call (the last point), the engine and tile whose grid gives at
+/// least nine in ten SMs a block there ([`split_gate_tile`]); each serves the calls from above the
 /// previous point up to its own, the gate's reduction split over blocks where a smaller
 /// call leaves SMs idle. One tile per regime cannot serve it: on one H200 (2026-12-02)
 /// Qwen3-30B-A3B's best mma.sync gate tile was 64 × 32 at 2048 tokens (11.6 µs against
@@ -537,14 +536,10 @@ fn gate_plan(
 fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -> Vec<GatePlan> {
     let (first, last) = (*calls.start(), *calls.end());
     let fill = (target.sm_count * SPLIT_GATE_FILL_TENTHS).div_ceil(10);
-    let engine = split_gate_engine(layer.experts, target);
-    let mut tiles: Vec<((u32, u32), u32)> = Vec::new();
+    let mut tiles: Vec<((GateEngine, (u32, u32)), u32)> = Vec::new();
     let mut point = first.max(1).next_power_of_two().min(last);
     loop {
-        let tile = match engine {
-            GateEngine::MmaSync => gate_tile(layer.experts, point, fill),
-            GateEngine::WarpSpecialized => warp_specialized_gate_tile(layer.experts, point, fill),
-        };
+        let tile = split_gate_tile(layer.experts, target, point, fill);
         let seen = tiles.iter().any(|&(t, _)| t == tile);
         match tiles.last_mut() {
             Some((_, up_to)) if seen => *up_to = point,
@@ -558,7 +553,7 @@ fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -
     let mut min_tokens = first;
     tiles
         .into_iter()
-        .map(|(tile, max_tokens)| {
+        .map(|((engine, tile), max_tokens)| {
             let gate = gate_for(layer, target, engine, tile, None, min_tokens, max_tokens);
             min_tokens = max_tokens + 1;
             gate
@@ -566,16 +561,41 @@ fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -
         .collect()
 }
 
-/// The engine of a split router's gates: wgmma ([`GateEngine::WarpSpecialized`]) on a
+/// Whether a split router's gates may run on wgmma ([`GateEngine::WarpSpecialized`]): on a
 /// target that has it, for E in whole 16-expert pieces (a TMA box of W_gate rows is then
-/// whole 1024-byte swizzle periods); else mma.sync.
-pub fn split_gate_engine(experts: u32, target: &Target) -> GateEngine {
-    if target.has_wgmma() && experts.is_multiple_of(16) {
-        GateEngine::WarpSpecialized
+/// whole 1024-byte swizzle periods).
+pub fn wgmma_gate_allowed(experts: u32, target: &Target) -> bool {
+    target.has_wgmma() && experts.is_multiple_of(16)
+}
+
+/// The engine and tile of a split router's gate chosen at a call of `tokens` tokens: the
+/// warp-specialised gate where it is allowed and its tiles give at least `fill` blocks
+/// with the reduction split over at most [`GATE_WS_MOST_SPLITS`] blocks
+/// ([`warp_specialized_gate_tile`]); else the mma.sync tile ([`gate_tile`]). A smaller call
+/// would split its wgmma tiles over more blocks, whose partial sums the tile's last block
+/// adds up after the multiply; on one H200 (2026-12-02, gate kernel alone, µs, mma.sync →
+/// wgmma) that lost at 257-1024 tokens (Qwen3-30B-A3B 6.4 → 21.3 at 257, 16 splits; 8.7 →
+/// 17.7 at 1024) and won at 4096 (DeepSeek-V3 67.6 → 41.0, GPT-OSS-120B 21.4 → 19.3, two
+/// splits; Qwen3 14.5 → 16.1) and 16384 (Qwen3 43.4 → 28.6, DeepSeek-V3 201.8 → 106.0).
+fn split_gate_tile(
+    experts: u32,
+    target: &Target,
+    tokens: u32,
+    fill: u32,
+) -> (GateEngine, (u32, u32)) {
+    let wgmma = warp_specialized_gate_tile(experts, tokens, fill);
+    if wgmma_gate_allowed(experts, target)
+        && gate_blocks(wgmma.0, wgmma.1, experts, tokens.max(1)) * GATE_WS_MOST_SPLITS >= fill
+    {
+        (GateEngine::WarpSpecialized, wgmma)
     } else {
-        GateEngine::MmaSync
+        (GateEngine::MmaSync, gate_tile(experts, tokens, fill))
     }
 }
+
+/// The most blocks a call's warp-specialised gate tiles may be split over for the planner
+/// to choose them ([`split_gate_tile`]).
+const GATE_WS_MOST_SPLITS: u32 = 2;
 
 /// A warp-specialised gate's tile for calls of `tokens` tokens: every expert in one tile
 /// (one wgmma of up to [`GATE_WS_MAX_EXPERTS`] columns per k16 step; wider E takes several

@@ -421,7 +421,7 @@ impl Plan {
     }
 
     /// One router regime per single-GPU regime; the rule's group limit and scale are
-    /// usable; each gate runs the engine its regime and the target call for, its tile is
+    /// usable; each gate runs an engine its regime and the target allow, its tile is
     /// whole 16-row and 16-expert pieces with its warps (a warp-specialised one whole
     /// warpgroups of 64 tokens and one wgmma wide), its split over blocks, stages and
     /// shared memory (its rings, or a fused router's scratch) are its layout's
@@ -491,10 +491,12 @@ impl Plan {
                 ));
             }
             for gate in &regime.gates {
-                let engine = if regime.fused {
-                    GateEngine::MmaSync
-                } else {
-                    router::split_gate_engine(experts, &self.target)
+                let engine = gate.engine;
+                let allowed = match engine {
+                    GateEngine::MmaSync => true,
+                    GateEngine::WarpSpecialized => {
+                        !regime.fused && router::wgmma_gate_allowed(experts, &self.target)
+                    }
                 };
                 let tile = (gate.tile_tokens, gate.tile_experts);
                 let layout = router::gate_layout(
@@ -513,7 +515,7 @@ impl Plan {
                         gate.tile_tokens.is_multiple_of(64) && gate.tile_experts <= 256
                     }
                 };
-                if gate.engine != engine
+                if !allowed
                     || gate.tile_tokens == 0
                     || gate.tile_experts == 0
                     || !gate.tile_tokens.is_multiple_of(16)
