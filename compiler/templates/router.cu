@@ -583,11 +583,11 @@ __device__ __forceinline__ GateBlock gate_block(int tokens) {
 
 // The last block of a split gate tile to finish adds the parts up in split order into the
 // first slice, which the select kernel reads: SUM_BATCH elements of the thread at a time,
-// SPLITS_IN_FLIGHT splits of them loaded before they are added, so that each round trip to
-// L2 brings that many values (one split at a time, the sum of 16 splits took a 64-token
-// gate tile 16 round trips a pass, about 15 µs) and the sums stay few registers (the whole
-// tile's would cost the gate its second block per SM). The partial sums are read through
-// L2 (ld.cg): other blocks wrote them.
+// the loop over splits unrolled SPLITS_IN_FLIGHT times so that each round trip to L2
+// brings that many splits' values (a split at a time, 16 splits of a 64-token wgmma gate
+// tile took 16 round trips a pass, some 15 µs), the sums few registers (the whole tile's
+// would cost the gate its second block per SM). The partial sums are read through L2
+// (ld.cg): other blocks wrote them.
 template <class G>
 __device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBlock& b, float* router_logits) {
     constexpr int SUM_BATCH = 16;
@@ -608,22 +608,12 @@ __device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBloc
         float sum[SUM_BATCH];
 #pragma unroll
         for (int j = 0; j < SUM_BATCH; ++j) sum[j] = present(first + j) ? __ldcg(base + at(first + j)) : 0.f;
-        for (int s0 = 1; s0 < b.splits; s0 += SPLITS_IN_FLIGHT) {
-            float part[SPLITS_IN_FLIGHT][SUM_BATCH];
+#pragma unroll SPLITS_IN_FLIGHT
+        for (int s = 1; s < b.splits; ++s) {
+            const float* part = base + s * slice;
 #pragma unroll
-            for (int i = 0; i < SPLITS_IN_FLIGHT; ++i) {
-                const float* slice_part = base + (s0 + i) * slice;
-#pragma unroll
-                for (int j = 0; j < SUM_BATCH; ++j) {
-                    part[i][j] = s0 + i < b.splits && present(first + j) ? __ldcg(slice_part + at(first + j)) : 0.f;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < SPLITS_IN_FLIGHT; ++i) {
-#pragma unroll
-                for (int j = 0; j < SUM_BATCH; ++j) {
-                    if (s0 + i < b.splits) sum[j] += part[i][j];
-                }
+            for (int j = 0; j < SUM_BATCH; ++j) {
+                if (present(first + j)) sum[j] += __ldcg(part + at(first + j));
             }
         }
 #pragma unroll

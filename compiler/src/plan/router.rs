@@ -539,7 +539,7 @@ fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -
     let mut tiles: Vec<((GateEngine, (u32, u32)), u32)> = Vec::new();
     let mut point = first.max(1).next_power_of_two().min(last);
     loop {
-        let tile = split_gate_tile(layer.experts, target, point, fill);
+        let tile = split_gate_tile(layer.experts, layer.hidden, target, point, fill);
         let seen = tiles.iter().any(|&(t, _)| t == tile);
         match tiles.last_mut() {
             Some((_, up_to)) if seen => *up_to = point,
@@ -569,33 +569,41 @@ pub fn wgmma_gate_allowed(experts: u32, target: &Target) -> bool {
 }
 
 /// The engine and tile of a split router's gate chosen at a call of `tokens` tokens: the
-/// warp-specialised gate where it is allowed and its tiles give at least `fill` blocks
-/// with the reduction split over at most [`GATE_WS_MOST_SPLITS`] blocks
-/// ([`warp_specialized_gate_tile`]); else the mma.sync tile ([`gate_tile`]). A smaller call
-/// would split its wgmma tiles over more blocks, whose partial sums the tile's last block
-/// adds up after the multiply; on one H200 (2026-12-02, gate kernel alone, µs, mma.sync →
-/// wgmma) that lost at 257-1024 tokens (Qwen3-30B-A3B 6.4 → 21.3 at 257, 16 splits; 8.7 →
-/// 17.7 at 1024) and won at 4096 (DeepSeek-V3 67.6 → 41.0, GPT-OSS-120B 21.4 → 19.3, two
-/// splits; Qwen3 14.5 → 16.1) and 16384 (Qwen3 43.4 → 28.6, DeepSeek-V3 201.8 → 106.0).
+/// warp-specialised gate where it is allowed, its tiles would give at least `fill` blocks
+/// with the reduction split over [`GATE_WS_MOST_SPLITS`] blocks, and each block of the
+/// split the grid then has ([`gate_k_split`]) multiplies at least [`GATE_WS_MIN_K_TILES`]
+/// k-tiles; else the mma.sync
+/// tile ([`gate_tile`]). A shorter run does not pay for the warp-specialised block's start
+/// (barriers, the tensor map, a deeper ring to fill) and the split's partial sums, which the
+/// tile's last block adds up after the multiply. On one H200 (2026-12-02, the gate kernel
+/// alone, µs, mma.sync → wgmma): Qwen3-30B-A3B 6.4 → 21.3 at 257 tokens (16 splits of 2
+/// k-tiles), 14.5 → 16.8 at 4096 (2 of 16), 43.4 → 29.2 at 16384 (32 k-tiles, no split);
+/// GPT-OSS-120B 21.4 → 19.5 at 4096 (45, no split); DeepSeek-V3 27.5 → 35.9 at 1024 (7 of
+/// 16), 67.6 → 42.7 at 4096 (2 of 56), 201.8 → 106.6 at 16384.
 fn split_gate_tile(
     experts: u32,
+    hidden: u32,
     target: &Target,
     tokens: u32,
     fill: u32,
 ) -> (GateEngine, (u32, u32)) {
-    let wgmma = warp_specialized_gate_tile(experts, tokens, fill);
+    let (tile_tokens, tile_experts) = warp_specialized_gate_tile(experts, tokens, fill);
+    let blocks = gate_blocks(tile_tokens, tile_experts, experts, tokens.max(1));
+    let splits = gate_k_split(hidden, 1, target.sm_count).splits(blocks);
     if wgmma_gate_allowed(experts, target)
-        && gate_blocks(wgmma.0, wgmma.1, experts, tokens.max(1)) * GATE_WS_MOST_SPLITS >= fill
+        && blocks * GATE_WS_MOST_SPLITS >= fill
+        && gate_k_tiles(hidden) / splits >= GATE_WS_MIN_K_TILES
     {
-        (GateEngine::WarpSpecialized, wgmma)
+        (GateEngine::WarpSpecialized, (tile_tokens, tile_experts))
     } else {
         (GateEngine::MmaSync, gate_tile(experts, tokens, fill))
     }
 }
 
-/// The most blocks a call's warp-specialised gate tiles may be split over for the planner
-/// to choose them ([`split_gate_tile`]).
+/// The split a call's warp-specialised gate tiles must fill the SMs with, and the fewest
+/// k-tiles each block must take, for the planner to choose them ([`split_gate_tile`]).
 const GATE_WS_MOST_SPLITS: u32 = 2;
+const GATE_WS_MIN_K_TILES: u32 = 32;
 
 /// A warp-specialised gate's tile for calls of `tokens` tokens: every expert in one tile
 /// (one wgmma of up to [`GATE_WS_MAX_EXPERTS`] columns per k16 step; wider E takes several
