@@ -8,6 +8,7 @@ use moeforge_compiler::ir::{
     Activation, GroupLimit, Layer, Router, RouterBias, Scoring, TileShape,
 };
 use moeforge_compiler::plan::ep::CombineRoute;
+use moeforge_compiler::plan::router::GateEngine;
 use moeforge_compiler::plan::tuning::ChoiceSource;
 use moeforge_compiler::plan::{
     self, BufferId, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, TILE_K, Target,
@@ -134,7 +135,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(100))]
 
     #[test]
-    fn router_plans_cover_every_expert_and_edits_are_caught(layer in arbitrary_routed_layer(), which in 0usize..5) {
+    fn router_plans_cover_every_expert_and_edits_are_caught(layer in arbitrary_routed_layer(), which in 0usize..6) {
         let Ok(plan) = plan::plan(&layer, &Target::h200()) else { return Ok(()) };
         prop_assert_eq!(plan.validate(), Ok(()));
         let router = plan.router.as_ref().expect("the layer has a router");
@@ -201,6 +202,13 @@ proptest! {
             }
             2 => edited_router.regimes[0].fused = !edited_router.regimes[0].fused,
             3 => edited_router.regimes[0].gates[0].k_split.steps += 1,
+            4 => {
+                let gate = edited_router.regimes.last_mut().unwrap().gates.last_mut().unwrap();
+                gate.engine = match gate.engine {
+                    GateEngine::MmaSync => GateEngine::WarpSpecialized,
+                    GateEngine::WarpSpecialized => GateEngine::MmaSync,
+                };
+            }
             _ => {
                 edited_router.regimes.pop();
             }
@@ -1174,5 +1182,70 @@ fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
             .any(|l| l.contains("fused decode of up to 4 tokens") && l.contains("mma.sync")),
         "{:?}",
         plan.limitations
+    );
+}
+
+/// A split router's gate runs on wgmma where the target has it and each of its blocks
+/// takes a long enough run of the reduction (Qwen3-30B-A3B from 4097 tokens, DeepSeek-V3
+/// from 2049, with every expert in one tile), mma.sync elsewhere and on targets without
+/// wgmma; a fused router's gate is mma.sync; `explain` names the engine.
+#[test]
+fn split_gates_run_on_wgmma_where_their_blocks_have_long_reductions() {
+    let engines = |name: &str, target: &Target| -> Vec<(u32, GateEngine, u32, u32)> {
+        let plan = plan::plan(&example_layer(name), target).expect("plans");
+        assert_eq!(plan.validate(), Ok(()));
+        let router = plan.router.as_ref().expect("a router");
+        router
+            .regimes
+            .iter()
+            .flat_map(|regime| {
+                regime.gates.iter().map(move |g| {
+                    assert!(!regime.fused || g.engine == GateEngine::MmaSync);
+                    (g.max_tokens, g.engine, g.tile_tokens, g.tile_experts)
+                })
+            })
+            .collect()
+    };
+    let h200 = Target::h200();
+    let wgmma_from = |gates: &[(u32, GateEngine, u32, u32)]| {
+        gates
+            .iter()
+            .find(|g| g.1 == GateEngine::WarpSpecialized)
+            .map(|g| g.0)
+    };
+    let qwen3 = engines("qwen3_30b_a3b", &h200);
+    assert_eq!(wgmma_from(&qwen3), Some(8192), "{qwen3:?}");
+    assert_eq!(
+        qwen3.last(),
+        Some(&(16384, GateEngine::WarpSpecialized, 128, 128))
+    );
+    let deepseek = engines("deepseek_v3", &h200);
+    assert_eq!(wgmma_from(&deepseek), Some(8192), "{deepseek:?}");
+    assert!(
+        deepseek
+            .iter()
+            .any(|g| *g == (8192, GateEngine::WarpSpecialized, 64, 256))
+    );
+    // The gate just below the first wgmma one is mma.sync: the wgmma gates start at 4097
+    // tokens for Qwen3 (a 64-token tile split in two would take 16 k-tiles a block) and at
+    // 2049 for DeepSeek-V3 (56).
+    let first_wgmma = |gates: &[(u32, GateEngine, u32, u32)]| {
+        let i = gates
+            .iter()
+            .position(|g| g.1 == GateEngine::WarpSpecialized)
+            .unwrap();
+        gates[i - 1].0 + 1
+    };
+    assert_eq!(first_wgmma(&qwen3), 4097);
+    assert_eq!(first_wgmma(&deepseek), 2049);
+    // Mixtral's 8 experts are not whole 16-expert pieces.
+    assert_eq!(wgmma_from(&engines("mixtral_8x7b", &h200)), None);
+    assert_eq!(wgmma_from(&engines("qwen3_30b_a3b", &Target::a100())), None);
+
+    let explained =
+        plan::describe(&plan::plan(&example_layer("qwen3_30b_a3b"), &h200).expect("plans"));
+    assert!(
+        explained.contains("8193..=16384 tokens: wgmma tile 128 tokens x 128 experts"),
+        "{explained}"
     );
 }

@@ -2115,14 +2115,16 @@ __device__ __forceinline__ GateBlock gate_block(int tokens) {
 }
 
 // The last block of a split gate tile to finish adds the parts up in split order into the
-// first slice, which the select kernel reads: a split at a time over SUM_BATCH elements of
-// the thread, so that each pass has that many loads in flight at once (a loop per element
-// waited on L2 for each) and the sums stay few registers (the whole tile's would cost the
-// gate its second block per SM). The partial sums are read through L2 (ld.cg): other blocks
-// wrote them.
+// first slice, which the select kernel reads: SUM_BATCH elements of the thread at a time,
+// the loop over splits unrolled SPLITS_IN_FLIGHT times so that each round trip to L2
+// brings that many splits' values (a split at a time, 16 splits of a 64-token wgmma gate
+// tile took 16 round trips a pass, some 15 µs), the sums few registers (the whole tile's
+// would cost the gate its second block per SM). The partial sums are read through L2
+// (ld.cg): other blocks wrote them.
 template <class G>
 __device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBlock& b, float* router_logits) {
     constexpr int SUM_BATCH = 16;
+    constexpr int SPLITS_IN_FLIGHT = 4;
     constexpr int PER_THREAD = (G::BM * G::BN + G::THREADS - 1) / G::THREADS;
     const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
     const int first_token = b.tile / G::EXPERT_TILES * G::BM, first_expert = b.tile % G::EXPERT_TILES * G::BN;
@@ -2139,6 +2141,7 @@ __device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBloc
         float sum[SUM_BATCH];
 #pragma unroll
         for (int j = 0; j < SUM_BATCH; ++j) sum[j] = present(first + j) ? __ldcg(base + at(first + j)) : 0.f;
+#pragma unroll SPLITS_IN_FLIGHT
         for (int s = 1; s < b.splits; ++s) {
             const float* part = base + s * slice;
 #pragma unroll

@@ -2115,14 +2115,16 @@ __device__ __forceinline__ GateBlock gate_block(int tokens) {
 }
 
 // The last block of a split gate tile to finish adds the parts up in split order into the
-// first slice, which the select kernel reads: a split at a time over SUM_BATCH elements of
-// the thread, so that each pass has that many loads in flight at once (a loop per element
-// waited on L2 for each) and the sums stay few registers (the whole tile's would cost the
-// gate its second block per SM). The partial sums are read through L2 (ld.cg): other blocks
-// wrote them.
+// first slice, which the select kernel reads: SUM_BATCH elements of the thread at a time,
+// the loop over splits unrolled SPLITS_IN_FLIGHT times so that each round trip to L2
+// brings that many splits' values (a split at a time, 16 splits of a 64-token wgmma gate
+// tile took 16 round trips a pass, some 15 µs), the sums few registers (the whole tile's
+// would cost the gate its second block per SM). The partial sums are read through L2
+// (ld.cg): other blocks wrote them.
 template <class G>
 __device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBlock& b, float* router_logits) {
     constexpr int SUM_BATCH = 16;
+    constexpr int SPLITS_IN_FLIGHT = 4;
     constexpr int PER_THREAD = (G::BM * G::BN + G::THREADS - 1) / G::THREADS;
     const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
     const int first_token = b.tile / G::EXPERT_TILES * G::BM, first_expert = b.tile % G::EXPERT_TILES * G::BN;
@@ -2139,6 +2141,7 @@ __device__ __forceinline__ void router_sum_split_tile(int tokens, const GateBloc
         float sum[SUM_BATCH];
 #pragma unroll
         for (int j = 0; j < SUM_BATCH; ++j) sum[j] = present(first + j) ? __ldcg(base + at(first + j)) : 0.f;
+#pragma unroll SPLITS_IN_FLIGHT
         for (int s = 1; s < b.splits; ++s) {
             const float* part = base + s * slice;
 #pragma unroll
@@ -2352,30 +2355,82 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router(
 }
 #endif
 
-// Router of regime `mid` (257..=1024 tokens): split, its gate for these calls; gate tile 64 tokens x 128 experts x 64, 8 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
-struct mid_router_gate_64x128 {
+// Router of regime `mid` (257..=512 tokens): split, its gate for these calls; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
+struct mid_router_gate_16x32 {
     enum : bool { FUSED = false };
-    enum : int { BM = 64, BN = 128, STAGES = 8, EXPERT_TILES = 1 };
-    enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 256 };
-    enum : int { MOST_SPLITS = 64 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { PRODUCER_THREADS = 128 };
-    // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
-    enum : int { A_BYTES = 8192, STAGE_BYTES = 24576, RING_ALIGN = 1024, BARRIER_OFFSET = 196608, SMEM_BYTES = 197760 };
+    enum : int { BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
+    enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256 };
+    enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_64x128)
-extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_64x128(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_16x32)
+extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_16x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
     float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split_warp_specialized<mid_router_gate_64x128>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
+    router_gate_split<mid_router_gate_16x32>(x, gate_weight, tokens, router_logits, router_tiles_done);
 }
 #endif
 
-// Router of regime `prefill` (1025..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 128 experts x 64, 8 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
+// Router of regime `mid` (513..=1024 tokens): split, its gate for these calls; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
+struct mid_router_gate_64x16 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 8 };
+    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
+    enum : int { MOST_SPLITS = 16 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_64x16)
+extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_64x16(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<mid_router_gate_64x16>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (1025..=2048 tokens): split, its gate for these calls; gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 4 expert tiles per token tile
+struct prefill_router_gate_64x32 {
+    enum : bool { FUSED = false };
+    enum : int { BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
+    enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
+    enum : int { MOST_SPLITS = 16 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
+    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+};
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_64x32)
+extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router_gate_64x32(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
+)
+{
+    router_gate_split<prefill_router_gate_64x32>(x, gate_weight, tokens, router_logits, router_tiles_done);
+}
+#endif
+
+// Router of regime `prefill` (2049..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 128 experts x 64, 8 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
 struct prefill_router_gate_64x128 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 128, STAGES = 8, EXPERT_TILES = 1 };
