@@ -12,8 +12,10 @@
 //!
 //! Layers: one per reference rule (Mixtral, Qwen3-MoE without renormalising, DeepSeek-V3
 //! with its correction bias and group limit, GPT-OSS with its logit bias, on 60 experts so
-//! that the last expert tile is ragged), and every shipped example with a router scaled
-//! down; token counts 1, 7, each regime's first and last count and a ragged one. A last
+//! that the last expert tile is ragged), two whose large calls run the wgmma gate (a sample
+//! of each call's tokens checked), and every shipped example with a router scaled down;
+//! token counts 1, 7, each regime's first and last count and a ragged one, and each split
+//! gate's first and last. A last
 //! test gives pairs of experts identical gate rows (and biases), so that every token meets
 //! exact ties, which must go to the lower index. Seeds are printed; MOEFORGE_SEED replays.
 
@@ -22,6 +24,7 @@ use std::io::Write;
 use moeforge_compiler::ir::{
     Activation, GroupLimit, Layer, Router, RouterBias, Scoring, TileShape,
 };
+use moeforge_compiler::plan::router::GateEngine;
 use moeforge_compiler::plan::{self, Plan, Target};
 use moeforge_runtime::gpu::Gpu;
 use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
@@ -106,6 +109,33 @@ fn rule_layers() -> Vec<Layer> {
     ]
 }
 
+/// Layers whose split routers run the wgmma gate on an H200 (E in whole 16-expert pieces,
+/// at least 32 k-tiles a block): Qwen3-MoE's rule on 128 experts over H = 2048 up to 16384
+/// tokens (64-token tiles from 4097 tokens, 128-token tiles from 8193) and DeepSeek-V3's
+/// on 256 experts over H = 4096 up to 4096 tokens (64-token tiles, the reduction split in
+/// two). F = 64 keeps the CPU reference of their large calls short.
+fn wgmma_gate_layers() -> Vec<Layer> {
+    let mut layers = rule_layers();
+    let mut qwen3 = layers.remove(1);
+    qwen3.name = "qwen3_rule_wgmma_gate".into();
+    qwen3.hidden = 2048;
+    qwen3.max_tokens = 16384;
+    let mut deepseek = layers.remove(1);
+    deepseek.name = "deepseek_v3_rule_wgmma_gate".into();
+    deepseek.hidden = 4096;
+    deepseek.max_tokens = 4096;
+    let mut both = vec![qwen3, deepseek];
+    for layer in &mut both {
+        layer.ffn = 64;
+    }
+    both
+}
+
+/// Tokens of a wgmma gate layer's call checked against the reference: a sample that
+/// reaches every 128-token tile of a 16384-token call with high probability, and keeps the
+/// reference of a dozen large calls to seconds.
+const WGMMA_GATE_CHECKED_TOKENS: usize = 1024;
+
 /// Token counts of a plan: 1, 7, and each regime's first, last and a ragged count.
 fn token_counts(plan: &Plan) -> Vec<u32> {
     let mut counts = vec![1, 7];
@@ -128,15 +158,21 @@ fn token_counts(plan: &Plan) -> Vec<u32> {
     counts
 }
 
-/// Runs every token count of `built` routed by itself; a line per failing case.
-fn check_routed(session: &Session, built: &BuiltLayer, seed: u64) -> Vec<String> {
+/// Runs every token count of `built` routed by itself, checking at most `checked_tokens`
+/// tokens of each call; a line per failing case.
+fn check_routed(
+    session: &Session,
+    built: &BuiltLayer,
+    seed: u64,
+    checked_tokens: usize,
+) -> Vec<String> {
     let plan = built.layer.plan();
     let mut failures = Vec::new();
     for tokens in token_counts(plan) {
         let case_seed = seed ^ (u64::from(tokens) << 20);
         let workload = Workload::random(&plan.shape, tokens, Routing::Uniform, case_seed);
         let label = format!("{} T={tokens}", plan.layer);
-        match session.run_checked_routed(built, &workload, CHECKED_TOKENS, case_seed) {
+        match session.run_checked_routed(built, &workload, checked_tokens, case_seed) {
             Ok(report) => {
                 let router_checked = report
                     .router
@@ -161,6 +197,10 @@ fn check_routed(session: &Session, built: &BuiltLayer, seed: u64) -> Vec<String>
 }
 
 fn check_layers(suite: &str, layers: Vec<Layer>) {
+    check_layers_sampled(suite, layers, CHECKED_TOKENS);
+}
+
+fn check_layers_sampled(suite: &str, layers: Vec<Layer>, checked_tokens: usize) {
     let seed = fresh_seed();
     log(&format!(
         "{suite}: {} layers, seed {seed} (replay with MOEFORGE_SEED={seed})",
@@ -183,7 +223,7 @@ fn check_layers(suite: &str, layers: Vec<Layer>) {
             "{} was built with a random gate",
             layer.layer.plan().layer
         );
-        failures.extend(check_routed(&session, &layer, seed));
+        failures.extend(check_routed(&session, &layer, seed, checked_tokens));
     }
     assert!(
         failures.is_empty(),
@@ -271,6 +311,45 @@ fn routed_examples() -> Vec<Layer> {
             scaled
         })
         .collect()
+}
+
+/// The wgmma gate layers plan wgmma gates of 64 and 128 tokens by 128 experts and of 64
+/// tokens by 256, one of them split over blocks at a call the suite runs.
+#[test]
+fn the_wgmma_gate_layers_plan_wgmma_gates() {
+    let target = Target::h200();
+    let mut tiles = std::collections::BTreeSet::new();
+    let mut split = false;
+    for layer in wgmma_gate_layers() {
+        let plan = plan::plan(&layer, &target).expect("plans");
+        let router = plan.router.clone().expect("a router plan");
+        for tokens in token_counts(&plan) {
+            let regime = &router.regimes[plan.regime_index_for(tokens).expect("a regime")];
+            if regime.fused {
+                continue;
+            }
+            let gate = &regime.gates[regime.launches_for(tokens).next().expect("a gate")];
+            if gate.engine == GateEngine::WarpSpecialized {
+                tiles.insert((gate.tile_tokens, gate.tile_experts));
+                split |= gate.splits(tokens) > 1;
+            }
+        }
+    }
+    assert_eq!(
+        tiles.into_iter().collect::<Vec<_>>(),
+        [(64, 128), (64, 256), (128, 128)]
+    );
+    assert!(split, "a wgmma gate split over blocks runs");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn wgmma_gates_route_as_the_reference() {
+    check_layers_sampled(
+        "wgmma gates",
+        wgmma_gate_layers(),
+        WGMMA_GATE_CHECKED_TOKENS,
+    );
 }
 
 #[test]
@@ -363,7 +442,7 @@ fn exact_ties_go_to_the_lower_expert() {
         let built = session
             .build_with_weights_and_gate(plan, experts, Some(gate))
             .expect("build");
-        failures.extend(check_routed(&session, &built, seed));
+        failures.extend(check_routed(&session, &built, seed, CHECKED_TOKENS));
     }
     assert!(
         failures.is_empty(),
@@ -399,6 +478,6 @@ fn a_self_routed_call_of_no_tokens_clears_an_earlier_error() {
     session
         .run_routed_collect(&built, 0, &[])
         .expect("a self-routed call of no tokens reports no stale error");
-    let failures = check_routed(&session, &built, seed);
+    let failures = check_routed(&session, &built, seed, CHECKED_TOKENS);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
