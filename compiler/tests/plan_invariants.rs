@@ -1228,11 +1228,7 @@ fn split_gates_run_on_wgmma_where_their_blocks_have_long_reductions() {
     );
     let deepseek = engines("deepseek_v3", &h200);
     assert_eq!(wgmma_from(&deepseek), Some(8192), "{deepseek:?}");
-    assert!(
-        deepseek
-            .iter()
-            .any(|g| *g == (8192, GateEngine::WarpSpecialized, 64, 256))
-    );
+    assert!(deepseek.contains(&(8192, GateEngine::WarpSpecialized, 64, 256)));
     // The gate just below the first wgmma one is mma.sync: the wgmma gates start at 4097
     // tokens for Qwen3 (a 64-token tile split in two would take 16 k-tiles a block) and at
     // 2049 for DeepSeek-V3 (56).

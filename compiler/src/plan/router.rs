@@ -563,7 +563,7 @@ fn gate_plan(
 fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -> Vec<GatePlan> {
     let (first, last) = (*calls.start(), *calls.end());
     let fill = (target.sm_count * SPLIT_GATE_FILL_TENTHS).div_ceil(10);
-    let mut tiles: Vec<((GateEngine, (u32, u32)), u32)> = Vec::new();
+    let mut tiles: Vec<(GateChoice, u32)> = Vec::new();
     let mut point = first.max(1).next_power_of_two().min(last);
     loop {
         let tile = split_gate_tile(layer.experts, layer.hidden, target, point, fill);
@@ -594,6 +594,9 @@ fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -
 pub fn wgmma_gate_allowed(experts: u32, target: &Target) -> bool {
     target.has_wgmma() && experts.is_multiple_of(16)
 }
+
+/// A gate's engine and tile (tokens, experts).
+type GateChoice = (GateEngine, (u32, u32));
 
 /// The engine and tile of a split router's gate chosen at a call of `tokens` tokens: the
 /// warp-specialised gate where it is allowed, its tiles would give at least `fill` blocks
