@@ -183,20 +183,13 @@ proptest! {
             let k_tiles_per_group = layer.hidden / 64 / gate.warps_k;
             for tokens in gate.min_tokens.max(1)..=gate.max_tokens {
                 let splits = gate.splits(tokens);
-                let tiles = gate.token_tiles(tokens) * gate.expert_tiles;
-                // Blocks before the split: a block per tile, the token tiles rounded up to
-                // whole clusters.
-                let unsplit = gate.unsplit_blocks(tokens);
-                prop_assert_eq!(
-                    unsplit,
-                    gate.token_tiles(tokens).next_multiple_of(gate.cluster()) * gate.expert_tiles
-                );
+                let unsplit = gate.token_tiles(tokens) * gate.expert_tiles;
                 prop_assert!(k_tiles_per_group.is_multiple_of(splits));
                 prop_assert!(splits <= gate.splits(1));
                 prop_assert!(splits == 1 || unsplit * splits <= plan.target.sm_count);
                 prop_assert_eq!(router_regime.launches[i].grid.blocks(tokens), unsplit * splits);
                 prop_assert!(u64::from(splits * tokens * layer.experts) <= logits);
-                prop_assert!(router_regime.fused || splits == 1 || u64::from(tiles) <= tiles_done);
+                prop_assert!(router_regime.fused || splits == 1 || u64::from(unsplit) <= tiles_done);
             }
           }
         }

@@ -2105,51 +2105,24 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
     router_sum_split_tile<G>(tokens, b, router_logits);
 }
 
-// A pair's block of a warp-specialised gate: cluster c (blocks 2c, 2c + 1) takes part
-// c % splits of the reduction of token tiles 2p and 2p + 1 of one expert tile (pair p =
-// c / splits, token-tile major); `live` says whether this block's token tile is in the
-// call (the second of a pair may not be).
-struct GatePairBlock {
-    GateBlock b;
-    int rank;
-    bool live;
-};
-template <class G>
-__device__ __forceinline__ GatePairBlock gate_pair_block(int tokens) {
-    static_assert(G::CLUSTER == 2, "plan: a warp-specialised gate's blocks work in pairs");
-    const int token_tiles = (tokens + G::BM - 1) / G::BM;
-    const int pairs = (token_tiles + 1) / 2 * G::EXPERT_TILES;
-    const int splits = gridDim.x / (2 * pairs);  // the plan's split for this many pairs
-    const int cluster = blockIdx.x / 2, rank = cluster_ctarank();
-    const int pair = cluster / splits;
-    const int token_tile = pair / G::EXPERT_TILES * 2 + rank;
-    return GatePairBlock{GateBlock{token_tile * G::EXPERT_TILES + pair % G::EXPERT_TILES, cluster % splits, splits}, rank,
-                         token_tile < token_tiles};
-}
-
-// The gate tile `p.b.tile` (its part `p.b.split` of `p.b.splits`) on wgmma, warp-specialised
-// as the expert GEMMs' engine (see there), in a cluster pair:
+// The gate tile `b.tile` (its part `b.split` of `b.splits`) on wgmma, warp-specialised as
+// the expert GEMMs' engine (see there):
 //   - warpgroup 0, the producer, fills a ring of STAGES stages, each 64 columns of the
 //     reduction: the tile's BM x rows with cp.async (past the call's tokens, zeros), each
-//     producer thread arriving on the stage's "full" mbarrier when its copies land, and
-//     this block's half of the tile's BN W_gate rows as one TMA box multicast into both
-//     blocks' stage (past E, zeros), completing on the same barrier in each: W_gate's rows
-//     are read from L2 once per pair;
+//     producer thread arriving on the stage's "full" mbarrier when its copies land, and its
+//     BN W_gate rows as one TMA box on the same barrier (past E, zeros);
 //   - consumer warpgroup w multiplies tokens [64w, 64w + 64) of the tile by all BN experts
-//     (one wgmma per 16 columns), and arrives on the stage's "empty" mbarrier in both blocks
-//     once the wgmma reading it has retired (the other block's producer fills this block's
-//     stage too); then it stores its logits (or partial sums) into `logits` [tokens,
-//     EXPERTS].
+//     (one wgmma per 16 columns), and arrives on the stage's "empty" mbarrier once the
+//     wgmma reading it has retired; then it stores its logits (or partial sums) into
+//     `logits` [tokens, EXPERTS].
 template <class G>
 __device__ __forceinline__ void router_gate_warp_specialized(const bf16_t* __restrict__ x, const TensorMap* gate_tiles,
-                                                             int tokens, const GatePairBlock& p, float* __restrict__ logits) {
+                                                             int tokens, const GateBlock& b, float* __restrict__ logits) {
     static_assert(G::PRODUCER_THREADS == 128 && G::THREADS == G::PRODUCER_THREADS + 2 * G::BM,
                   "plan: a producer warpgroup and a consumer warpgroup per 64 tokens");
     static_assert(G::BM % 64 == 0 && G::BN % 16 == 0 && G::BN <= 256, "plan: whole warpgroups, one wgmma wide");
     static_assert(G::A_BYTES == G::BM * SMEM_ROW_BYTES && G::STAGE_BYTES == G::A_BYTES + G::BN * SMEM_ROW_BYTES,
                   "plan: a stage is BM x rows then BN W_gate rows");
-    static_assert(G::B_BOX_ROWS * G::CLUSTER == G::BN && (G::B_BOX_ROWS * SMEM_ROW_BYTES) % 1024 == 0,
-                  "plan: each block of the pair loads its share of the W_gate rows, whole swizzle periods");
     static_assert(G::RING_ALIGN == 1024 && G::A_BYTES % 1024 == 0 && G::STAGE_BYTES % 1024 == 0,
                   "plan: every stage and box starts on the swizzle's 1024-byte period");
     static_assert(G::BARRIER_OFFSET == G::STAGES * G::STAGE_BYTES &&
@@ -2164,20 +2137,19 @@ __device__ __forceinline__ void router_gate_warp_specialized(const bf16_t* __res
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 smem_base = (smem_address(smem_raw) + (G::RING_ALIGN - 1)) & ~(u32)(G::RING_ALIGN - 1);
     const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
-    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read, by both blocks
+    const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
     const int tid = threadIdx.x;
-    const int token0 = p.b.tile / G::EXPERT_TILES * G::BM;
-    const int expert0 = p.b.tile % G::EXPERT_TILES * G::BN;
-    const int steps = K_TILES / p.b.splits;  // this block's k-tiles: [first_k_tile, first_k_tile + steps)
-    const int first_k_tile = p.b.split * steps;
+    const int token0 = b.tile / G::EXPERT_TILES * G::BM;
+    const int expert0 = b.tile % G::EXPERT_TILES * G::BN;
+    const int steps = K_TILES / b.splits;  // this block's k-tiles: [first_k_tile, first_k_tile + steps)
+    const int first_k_tile = b.split * steps;
     if (tid == 0) {
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
-            mbarrier_init(empty_barriers + s * sizeof(u64), G::CLUSTER * CONSUMER_THREADS / 32);
+            mbarrier_init(empty_barriers + s * sizeof(u64), CONSUMER_THREADS / 32);
         }
-        fence_mbarrier_init();
     }
-    cluster_sync();  // the barriers are initialised for every role of both blocks
+    __syncthreads();  // the barriers are initialised for every role
 
     if (tid < G::PRODUCER_THREADS) {
         if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(gate_tiles)) : "memory");
@@ -2190,10 +2162,8 @@ __device__ __forceinline__ void router_gate_warp_specialized(const bf16_t* __res
             const u32 stage_address = smem_base + stage * G::STAGE_BYTES;
             mbarrier_wait(empty_barriers + stage * sizeof(u64), phase ^ 1);  // the first pass finds it free
             if (tid == 0) {
-                mbarrier_expect_bytes(full, G::BN * SMEM_ROW_BYTES);  // both blocks' boxes land here
-                tma_load_box_multicast(stage_address + G::A_BYTES + p.rank * G::B_BOX_ROWS * SMEM_ROW_BYTES, gate_tiles,
-                                       k_tile * BK, expert0 + p.rank * G::B_BOX_ROWS, full,
-                                       (unsigned short)((1u << G::CLUSTER) - 1));
+                mbarrier_expect_bytes(full, G::BN * SMEM_ROW_BYTES);
+                tma_load_box(stage_address + G::A_BYTES, gate_tiles, k_tile * BK, expert0, full);
             }
 #pragma unroll
             for (int r = first_row; r < G::BM; r += ROW_STEP) {
@@ -2230,7 +2200,7 @@ __device__ __forceinline__ void router_gate_warp_specialized(const bf16_t* __res
             }
             wgmma_commit();
             wgmma_wait<1>();  // the previous group has read its stage
-            if (previous >= 0) release_stage<G::CLUSTER>(empty_barriers + previous * sizeof(u64));
+            if (previous >= 0) release_stage<1>(empty_barriers + previous * sizeof(u64));
             previous = stage;
             if (++stage == G::STAGES) { stage = 0; phase ^= 1; }
         } while (++step < steps);
@@ -2251,17 +2221,16 @@ __device__ __forceinline__ void router_gate_warp_specialized(const bf16_t* __res
             }
         }
     }
-    cluster_sync();  // stay until the pair no longer multicasts or arrives here
 }
 
-// A split router's gate on wgmma: as router_gate_split, in cluster pairs.
+// A split router's gate on wgmma: as router_gate_split.
 template <class G>
 __device__ __forceinline__ void router_gate_split_warp_specialized(const bf16_t* __restrict__ x, const TensorMap* gate_tiles,
                                                                    int tokens, float* router_logits, u32* router_tiles_done) {
-    const GatePairBlock p = gate_pair_block<G>(tokens);
-    router_gate_warp_specialized<G>(x, gate_tiles, tokens, p, router_logits + p.b.split * (size_t)tokens * EXPERTS);
-    if (!p.live || p.b.splits == 1 || !last_arrival(&router_tiles_done[p.b.tile], p.b.splits)) return;
-    router_sum_split_tile<G>(tokens, p.b, router_logits);
+    const GateBlock b = gate_block<G>(tokens);
+    router_gate_warp_specialized<G>(x, gate_tiles, tokens, b, router_logits + b.split * (size_t)tokens * EXPERTS);
+    if (b.splits == 1 || !last_arrival(&router_tiles_done[b.tile], b.splits)) return;
+    router_sum_split_tile<G>(tokens, b, router_logits);
 }
 
 // The split routers' select: one warp per token, ROUTER_SELECT_WARPS tokens per block.
@@ -2422,20 +2391,18 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
 }
 #endif
 
-// Router of regime `prefill` (4097..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 128 experts x 64, 8 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, clusters of 2, 1 expert tiles per token tile
+// Router of regime `prefill` (4097..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 128 experts x 64, 8 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
 struct prefill_router_gate_64x128 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 128, STAGES = 8, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 256 };
     enum : int { MOST_SPLITS = 32 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { PRODUCER_THREADS = 128 };
-    // Blocks per cluster (a pair of neighbouring token tiles), W_gate rows of one TMA box (each block's share, multicast into both).
-    enum : int { CLUSTER = 2, B_BOX_ROWS = 64 };
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 8192, STAGE_BYTES = 24576, RING_ALIGN = 1024, BARRIER_OFFSET = 196608, SMEM_BYTES = 197760 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_64x128)
-extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(2, 1, 1) qwen3_30b_a3b_prefill_router_gate_64x128(
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x128(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call
@@ -2447,20 +2414,18 @@ extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(2, 1, 1) qwen
 }
 #endif
 
-// Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 128 experts x 64, 7 stages, wgmma: a producer warpgroup and 2 consumer warpgroups, clusters of 2, 1 expert tiles per token tile
+// Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 128 experts x 64, 7 stages, wgmma: a producer warpgroup and 2 consumer warpgroups, 1 expert tiles per token tile
 struct prefill_router_gate_128x128 {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 128, STAGES = 7, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 8, WARPS_N = 1, WARPS_K = 1, THREADS = 384 };
     enum : int { MOST_SPLITS = 32 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { PRODUCER_THREADS = 128 };
-    // Blocks per cluster (a pair of neighbouring token tiles), W_gate rows of one TMA box (each block's share, multicast into both).
-    enum : int { CLUSTER = 2, B_BOX_ROWS = 64 };
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 16384, STAGE_BYTES = 32768, RING_ALIGN = 1024, BARRIER_OFFSET = 229376, SMEM_BYTES = 230512 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_128x128)
-extern "C" __global__ void __launch_bounds__(384) __cluster_dims__(2, 1, 1) qwen3_30b_a3b_prefill_router_gate_128x128(
+extern "C" __global__ void __launch_bounds__(384) qwen3_30b_a3b_prefill_router_gate_128x128(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call

@@ -902,9 +902,6 @@ struct GateUnit {
     a_bytes: u32,
     ring_align: u32,
     barrier_offset: u32,
-    /// Blocks per cluster, and the W_gate rows of one TMA box (a block's share).
-    cluster: u32,
-    b_box_rows: u32,
 }
 
 /// An f32 as a C float literal that reads back as the same value.
@@ -969,8 +966,6 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
                 a_bytes: gate.tile_tokens * SMEM_ROW_BYTES,
                 ring_align: router::GATE_RING_ALIGN,
                 barrier_offset: gate.stages * stage_bytes,
-                cluster: gate.cluster(),
-                b_box_rows: gate.weight_box_rows(),
             })
         })
         .collect::<Result<Vec<_>, CodegenError>>()?;

@@ -356,12 +356,8 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
                 gate.warps_k
             ),
             GateEngine::WarpSpecialized => format!(
-                "wgmma tile {} tokens x {} experts x 64, {} stages, a producer warpgroup (x rows by cp.async, W_gate by TMA) and a consumer warpgroup per 64 tokens, in clusters of {} that read each stage's W_gate rows once (TMA multicast, {} rows a block)",
-                gate.tile_tokens,
-                gate.tile_experts,
-                gate.stages,
-                gate.cluster(),
-                gate.weight_box_rows()
+                "wgmma tile {} tokens x {} experts x 64, {} stages, a producer warpgroup (x rows by cp.async, W_gate by TMA) and a consumer warpgroup per 64 tokens",
+                gate.tile_tokens, gate.tile_experts, gate.stages
             ),
         };
         let _ = writeln!(

@@ -88,8 +88,6 @@ pub const SELECT_WARPS: u32 = 4;
 /// and its tiles' token counts (a consumer warpgroup per 64).
 pub const GATE_PRODUCER_THREADS: u32 = 128;
 pub const GATE_RING_ALIGN: u32 = 1024;
-/// Blocks per cluster of a warp-specialised gate ([`GatePlan::cluster`]).
-pub const GATE_WS_CLUSTER: u32 = 2;
 const GATE_WS_MAX_STAGES: u32 = 8;
 const GATE_WS_MAX_EXPERTS: u32 = 256;
 const GATE_WS_TILES_TOKENS: [u32; 2] = [128, 64];
@@ -145,9 +143,7 @@ pub enum GateEngine {
     /// wgmma, warp-specialised as the expert GEMMs' engine (sm_90a): a producer warpgroup
     /// loads each stage (the tile's x rows with `cp.async`, its W_gate rows as one TMA
     /// box) into a ring guarded by mbarriers; a consumer warpgroup per 64 tokens multiplies
-    /// them by all the tile's experts, one wgmma per 16 columns of the reduction; blocks
-    /// work in cluster pairs that read each stage's W_gate rows from L2 once
-    /// ([`GatePlan::cluster`]). A split
+    /// them by all the tile's experts, one wgmma per 16 columns of the reduction. A split
     /// router's gates on such a target, where E is whole 16-expert pieces: the mma.sync
     /// gate ran Qwen3-30B-A3B's 16384-token gate at 200 TFLOP/s (44.6 µs, one H200,
     /// 2026-12-02), latency-bound on its three stages and `ldmatrix` traffic.
@@ -242,33 +238,10 @@ impl GatePlan {
         tokens.div_ceil(self.tile_tokens)
     }
 
-    /// Blocks per cluster: a warp-specialised gate's blocks work in pairs (the tiles of two
-    /// neighbouring token tiles, one expert tile and one part of the reduction), each
-    /// loading half of every stage's W_gate rows and multicasting it into both.
-    pub fn cluster(&self) -> u32 {
-        match self.engine {
-            GateEngine::MmaSync => 1,
-            GateEngine::WarpSpecialized => GATE_WS_CLUSTER,
-        }
-    }
-
-    /// The rows of one TMA box of W_gate: a cluster block's share of the tile's experts.
-    pub fn weight_box_rows(&self) -> u32 {
-        self.tile_experts / self.cluster()
-    }
-
-    /// The gate's blocks of a call of `tokens` tokens before its split: a block per tile,
-    /// the token tiles rounded up to whole clusters (a pair's second tile past the call
-    /// loads its half of W_gate for the first, and stores nothing).
-    pub fn unsplit_blocks(&self, tokens: u32) -> u32 {
-        self.token_tiles(tokens.max(1))
-            .next_multiple_of(self.cluster())
-            * self.expert_tiles
-    }
-
     /// The blocks one gate tile's reduction is split over in a call of `tokens` tokens.
     pub fn splits(&self, tokens: u32) -> u32 {
-        self.k_split.splits(self.unsplit_blocks(tokens))
+        self.k_split
+            .splits(self.token_tiles(tokens.max(1)) * self.expert_tiles)
     }
 
     /// For each token-tile count among this gate's calls, its largest call: a call of more
@@ -842,8 +815,8 @@ pub(super) fn router_launches(
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = (rule.bias != ir::RouterBias::None).then(|| read(GateBias));
     let gate_blocks = |gate: &GatePlan| Grid::SplitTokenTiles {
-        tokens_per_tile: gate.cluster() * gate.tile_tokens,
-        blocks_per_tile: gate.cluster() * gate.expert_tiles,
+        tokens_per_tile: gate.tile_tokens,
+        blocks_per_tile: gate.expert_tiles,
         k_split: gate.k_split,
     };
     if let (true, [gate]) = (fused, gates) {
@@ -889,7 +862,7 @@ pub(super) fn router_launches(
                 read(match gate.engine {
                     GateEngine::MmaSync => GateWeight,
                     GateEngine::WarpSpecialized => GateWeightTiles {
-                        box_rows: gate.weight_box_rows(),
+                        box_rows: gate.tile_experts,
                     },
                 }),
                 read(Tokens),
