@@ -1543,7 +1543,9 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
 //           tile run together and share its x rows through L2. WARPS_K groups of warps
 //           split the reduction (group g: k-tiles g, g + WARPS_K, ..., its own ring),
 //           summed in group order: a few tokens' grid has few blocks, each needing many
-//           loads in flight. A fused router splits it over blocks as well (below).
+//           loads in flight. A fused router splits it over blocks as well (below). A
+//           split router's gate for large calls on sm_90a runs on wgmma instead
+//           (router_gate_warp_specialized: a producer warpgroup, TMA for W_gate).
 //   select  one warp per token: scores (x · W_gateᵀ + bias), top-k by score (ties: lower index), weights softmax over the chosen logits × 1.
 // A regime's router is fused (one kernel in place of the route kernel: gate in every
 // block; select by the last block of each token tile to finish its gate blocks; the

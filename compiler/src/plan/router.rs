@@ -144,7 +144,7 @@ pub enum GateEngine {
     /// loads each stage (the tile's x rows with `cp.async`, its W_gate rows as one TMA
     /// box) into a ring guarded by mbarriers; a consumer warpgroup per 64 tokens multiplies
     /// them by all the tile's experts, one wgmma per 16 columns of the reduction. A split
-    /// router's gates on such a target, where E is whole 16-expert pieces: the mma.sync
+    /// router's gates for large calls on such a target ([`split_gate_tile`]): the mma.sync
     /// gate ran Qwen3-30B-A3B's 16384-token gate at 200 TFLOP/s (44.6 µs, one H200,
     /// 2026-12-02), latency-bound on its three stages and `ldmatrix` traffic.
     WarpSpecialized,
@@ -335,8 +335,8 @@ pub fn gate_stages(
 }
 
 /// What the router costs at least, from the target's ceilings: its FLOPs at its gate
-/// engine's rate and the bytes it must move at HBM bandwidth (x read, W_gate read once, the logits
-/// written and read back, ids and weights written).
+/// engine's rate and the bytes it must move at HBM bandwidth (x read, W_gate read once, the
+/// logits written and read back, ids and weights written).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterFloor {
     pub tokens: u32,
@@ -525,9 +525,9 @@ fn gate_plan(
 
 /// A split router's gates over `calls`: at each power of two from the regime's smallest
 /// call up to its largest call (the last point), the engine and tile whose grid gives at
-/// least nine in ten SMs a block there ([`split_gate_tile`]); each serves the calls from above the
-/// previous point up to its own, the gate's reduction split over blocks where a smaller
-/// call leaves SMs idle. One tile per regime cannot serve it: on one H200 (2026-12-02)
+/// least nine in ten SMs a block there ([`split_gate_tile`]); each serves the calls from
+/// above the previous point up to its own, the gate's reduction split over blocks where a
+/// smaller call leaves SMs idle. One tile per regime cannot serve it: on one H200 (2026-12-02)
 /// Qwen3-30B-A3B's best mma.sync gate tile was 64 × 32 at 2048 tokens (11.6 µs against
 /// 24.6 for the tile filling the SMs at 16384), 64 × 64 at 4096 (15.1 against 23.1) and
 /// 128 × 128 at 16384 (`benches/results/2026-12-02_router_early_start_and_gate_tiles.md`).
@@ -575,8 +575,7 @@ type GateChoice = (GateEngine, (u32, u32));
 /// warp-specialised gate where it is allowed, its tiles would give at least `fill` blocks
 /// with the reduction split over [`GATE_WS_MOST_SPLITS`] blocks, and each block of the
 /// split the grid then has ([`gate_k_split`]) multiplies at least [`GATE_WS_MIN_K_TILES`]
-/// k-tiles; else the mma.sync
-/// tile ([`gate_tile`]). A shorter run does not pay for the warp-specialised block's start
+/// k-tiles; else the mma.sync tile ([`gate_tile`]). A shorter run does not pay for the warp-specialised block's start
 /// (barriers, the tensor map, a deeper ring to fill) and the split's partial sums, which the
 /// tile's last block adds up after the multiply. On one H200 (2026-12-02, the gate kernel
 /// alone, µs, mma.sync → wgmma): Qwen3-30B-A3B 6.4 → 21.3 at 257 tokens (16 splits of 2
@@ -589,7 +588,7 @@ fn split_gate_tile(
     target: &Target,
     tokens: u32,
     fill: u32,
-) -> (GateEngine, (u32, u32)) {
+) -> GateChoice {
     let (tile_tokens, tile_experts) = warp_specialized_gate_tile(experts, tokens, fill);
     let blocks = gate_blocks(tile_tokens, tile_experts, experts, tokens.max(1));
     let splits = gate_k_split(hidden, 1, target.sm_count).splits(blocks);

@@ -425,10 +425,10 @@ impl Plan {
     /// whole 16-row and 16-expert pieces with its warps (a warp-specialised one whole
     /// warpgroups of 64 tokens and one wgmma wide), its split over blocks, stages and
     /// shared memory (its rings, or a fused router's scratch) are its layout's
-    /// ([`router::gate_layout`]) and it covers every expert; the regime is fused exactly when its largest call has
-    /// few pairs and the scratch fits a block; its launches are exactly those of that tile,
-    /// shape and rule (grids, threads, shared memory, parameters: the bias exactly when the
-    /// rule has one).
+    /// ([`router::gate_layout`]) and it covers every expert; the regime is fused exactly
+    /// when its largest call has few pairs and the scratch fits a block; its launches are
+    /// exactly those of that tile, shape and rule (grids, threads, shared memory,
+    /// parameters: the bias exactly when the rule has one).
     fn check_router(&self, router: &RouterPlan) -> Result<(), String> {
         let experts = self.shape.experts;
         if router.regimes.len() != self.regimes.len() {
@@ -491,8 +491,7 @@ impl Plan {
                 ));
             }
             for gate in &regime.gates {
-                let engine = gate.engine;
-                let allowed = match engine {
+                let allowed = match gate.engine {
                     GateEngine::MmaSync => true,
                     GateEngine::WarpSpecialized => {
                         !regime.fused && router::wgmma_gate_allowed(experts, &self.target)
@@ -500,19 +499,19 @@ impl Plan {
                 };
                 let tile = (gate.tile_tokens, gate.tile_experts);
                 let layout = router::gate_layout(
-                    engine,
+                    gate.engine,
                     tile,
                     self.shape.hidden,
                     &self.target,
                     regime.fused.then(|| scratch_of(tile.0, tile.1)),
                 );
-                let whole_warps = match engine {
+                let whole_warps = match gate.engine {
                     GateEngine::MmaSync => {
                         gate.tile_tokens.is_multiple_of(16 * layout.warps_m)
                             && gate.tile_experts.is_multiple_of(16 * layout.warps_n)
                     }
                     GateEngine::WarpSpecialized => {
-                        gate.tile_tokens.is_multiple_of(64) && gate.tile_experts <= 256
+                        gate.tile_tokens.is_multiple_of(64) && gate.tile_experts <= MAX_WGMMA_WIDTH
                     }
                 };
                 if !allowed
