@@ -1593,12 +1593,25 @@ __device__ __forceinline__ void assert_gate_layout() {
     static_assert(G::STAGES >= 2, "plan: at least two stages");
 }
 
-// The gate tile `tile` (token tile major, then expert tile), block `split` of the `splits`
-// its reduction is split over (k-tiles [split, split + 1) · K_TILES / splits): its logits,
-// or their partial sums over its k-tiles, into `logits` [tokens, EXPERTS].
+// Which gate tile (token tile major, then expert tile), and which block of the split of its
+// reduction, this block of a gate computes; the split is the plan's for the call's tiles
+// (the grid's size says it).
+struct GateBlock {
+    int tile, split, splits;
+};
+template <class G>
+__device__ __forceinline__ GateBlock gate_block(int tokens) {
+    const int token_tiles = (tokens + G::BM - 1) / G::BM;
+    const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);
+    return GateBlock{(int)blockIdx.x / splits, (int)blockIdx.x % splits, splits};
+}
+
+// The gate tile `b.tile`, block `b.split` of the `b.splits` its reduction is split over
+// (k-tiles [split, split + 1) · K_TILES / splits): its logits, or their partial sums over
+// its k-tiles, into `logits` [tokens, EXPERTS].
 template <class G>
 __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
-                                            int tokens, int tile, int split, int splits, float* __restrict__ logits) {
+                                            int tokens, const GateBlock& b, float* __restrict__ logits) {
     assert_gate_layout<G>();
     constexpr int WM = G::BM / G::WARPS_M;  // tokens per warp
     constexpr int WN = G::BN / G::WARPS_N;  // experts per warp
@@ -1621,10 +1634,10 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
     const int warp_m = warp / G::WARPS_N;
     const int warp_n = warp % G::WARPS_N;
     const u32 smem_base = smem_address(smem) + group * G::STAGES * G::STAGE_BYTES;
-    const int token0 = tile / G::EXPERT_TILES * G::BM;
-    const int expert0 = tile % G::EXPERT_TILES * G::BN;
-    const int group_steps = GROUP_K_TILES / splits;                   // this block's k-tiles per group
-    const int first_k_tile = split * group_steps * G::WARPS_K + group;  // step i: first_k_tile + i · WARPS_K
+    const int token0 = b.tile / G::EXPERT_TILES * G::BM;
+    const int expert0 = b.tile % G::EXPERT_TILES * G::BN;
+    const int group_steps = GROUP_K_TILES / b.splits;                   // this block's k-tiles per group
+    const int first_k_tile = b.split * group_steps * G::WARPS_K + group;  // step i: first_k_tile + i · WARPS_K
 
     // Phase 1 (per stage, by the group's threads into its ring): BM rows of x, then BN rows
     // of W_gate (stage rows [first_row, end_row) of those); tokens past the call and experts
@@ -2030,10 +2043,8 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     static_assert(G::FUSED && G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
     extern __shared__ __align__(128) unsigned char smem[];
     const int token_tiles = (tokens + G::BM - 1) / G::BM;
-    const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);  // the plan's split for this many tiles
-    const int tile = blockIdx.x / splits;
-    const int split = blockIdx.x % splits;
-    const int token_tile = tile / G::EXPERT_TILES;
+    const GateBlock b = gate_block<G>(tokens);
+    const int token_tile = b.tile / G::EXPERT_TILES;
     const size_t slice = (size_t)tokens * EXPERTS;  // floats of one split's partial logits
     // The rule's bias is a fixed weight that the select reads after every wait: bring it
     // into L2 now (the call's weights have pushed it out).
@@ -2044,8 +2055,8 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         }
     }
 
-    router_gate<G>(x, gate_weight, tokens, tile, split, splits, router_logits + split * slice);
-    if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES * splits)) return;
+    router_gate<G>(x, gate_weight, tokens, b, router_logits + b.split * slice);
+    if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES * b.splits)) return;
 
     // Sum: this token tile's logits, its splits' partial sums added in split order, into
     // shared memory for the select and, when split, into the first slice (which then holds
@@ -2060,14 +2071,14 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         const float* partial = router_logits + (size_t)tile_first * EXPERTS + i;
         float part[G::MOST_SPLITS];
 #pragma unroll
-        for (int s = 0; s < G::MOST_SPLITS; ++s) part[s] = s < splits ? __ldcg(partial + s * slice) : 0.f;
+        for (int s = 0; s < G::MOST_SPLITS; ++s) part[s] = s < b.splits ? __ldcg(partial + s * slice) : 0.f;
         float logit = part[0];
 #pragma unroll
         for (int s = 1; s < G::MOST_SPLITS; ++s) {
-            if (s < splits) logit += part[s];
+            if (s < b.splits) logit += part[s];
         }
         s_logits[i] = logit;
-        if (splits > 1) router_logits[(size_t)tile_first * EXPERTS + i] = logit;
+        if (b.splits > 1) router_logits[(size_t)tile_first * EXPERTS + i] = logit;
     }
     __syncthreads();
 
@@ -2097,22 +2108,10 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
 
-// Which gate tile, and which block of the split of its reduction, this block of a split
-// router's gate computes.
-struct GateBlock {
-    int tile, split, splits;
-};
-template <class G>
-__device__ __forceinline__ GateBlock gate_block(int tokens) {
-    const int token_tiles = (tokens + G::BM - 1) / G::BM;
-    const int splits = gridDim.x / (token_tiles * G::EXPERT_TILES);  // the plan's split for this many tiles
-    return GateBlock{(int)blockIdx.x / splits, (int)blockIdx.x % splits, splits};
-}
-
 // The last block of a split gate tile to finish adds the parts up in split order into the
 // first slice, which the select kernel reads: SUM_BATCH elements of the thread at a time,
-// the loop over splits unrolled SPLITS_IN_FLIGHT times so that each round trip to L2
-// brings that many splits' values (a split at a time, 16 splits of a 64-token wgmma gate
+// the loop over b.splits unrolled SPLITS_IN_FLIGHT times so that each round trip to L2
+// brings that many b.splits' values (a split at a time, 16 b.splits of a 64-token wgmma gate
 // tile took 16 round trips a pass, some 15 µs), the sums few registers (the whole tile's
 // would cost the gate its second block per SM). The partial sums are read through L2
 // (ld.cg): other blocks wrote them.
@@ -2159,7 +2158,7 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
                                                   int tokens, float* router_logits, u32* router_tiles_done) {
     static_assert(!G::FUSED, "plan: a split router's gate");
     const GateBlock b = gate_block<G>(tokens);
-    router_gate<G>(x, gate_weight, tokens, b.tile, b.split, b.splits, router_logits + b.split * (size_t)tokens * EXPERTS);
+    router_gate<G>(x, gate_weight, tokens, b, router_logits + b.split * (size_t)tokens * EXPERTS);
     if (b.splits == 1 || !last_arrival(&router_tiles_done[b.tile], b.splits)) return;
     router_sum_split_tile<G>(tokens, b, router_logits);
 }
