@@ -153,9 +153,10 @@ __device__ __forceinline__ void fused_decode(
         __syncthreads();  // every thread has read this unit's ticket
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         if (unit < tiles1) {
-            const GemmTile t = mma_sync_run<G1>(x, w1, w1_bias, nullptr, s_offsets, s_row_pair, intermediate, none,
-                                                StreamKBuffers{}, smem, s_tiles1, unit, 0, K_TILES1, nullptr, false,
-                                                [](const GemmTile&) {});
+            GemmTile t;
+            mma_sync_run<G1>(x, w1, w1_bias, nullptr, s_offsets, s_row_pair, intermediate, none, StreamKBuffers{}, smem,
+                             s_tiles1, KRun{unit, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr, false,
+                             [](const GemmTile&) {}, &t);
             // Every thread's stores are done (mma_sync_run ends on a barrier).
             if (threadIdx.x == 0) {
                 fence_flags();
@@ -165,9 +166,10 @@ __device__ __forceinline__ void fused_decode(
             continue;
         }
         // GEMM2: the expert's rows are every GEMM1 tile of that expert.
-        const GemmTile t = mma_sync_run<G2>(
+        GemmTile t;
+        mma_sync_run<G2>(
             intermediate, w2, w2_bias, topk_weights, s_offsets, s_row_pair, combine_slots, none, StreamKBuffers{}, smem,
-            s_tiles2, unit - tiles1, 0, K_TILES2, nullptr, true, [&](const GemmTile& tile) {
+            s_tiles2, KRun{unit - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true, [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {
                     const int rows = s_offsets[tile.expert + 1] - s_offsets[tile.expert];
                     // Not giving up on a time-out code recorded earlier: block 0 clears an
@@ -176,7 +178,8 @@ __device__ __forceinline__ void fused_decode(
                                      error_word, 0, FLAG_KIND_EXPERT_ROWS, tile.expert);
                 }
                 __syncthreads();
-            });
+            },
+            &t);
         if (threadIdx.x == 0) {
             // The expert's last GEMM2 tile has read its rows: both counts go back to zero
             // (the stores counted by taking off this call's count).

@@ -748,18 +748,50 @@ __device__ __forceinline__ unsigned char* aligned_ring() {
     return smem_raw + (smem_base - raw_base);
 }
 
-// One block's run of k-tiles [k_begin, k_begin + k_count) of tile `tile` on the mma.sync
-// engine: load and multiply them, then store the tile (whole, or as the last of a split
-// tile's blocks; `share`, the call's stream-K deal, only for a part of a tile). `smem` is
-// the block's ring, aligned (the row table follows it), `s_tile_start` the tile schedule.
-// Returns the tile; on return every thread's stores are done.
+// A block's run of k-tiles [k_begin, k_begin + k_count) of one tile (tile < 0: none).
+struct KRun {
+    int tile, k_begin, k_count;
+    static __device__ __forceinline__ KRun none() { return KRun{-1, 0, 0}; }
+};
+
+// Where a block's ring stands between runs: the stage the next run's first k-tile goes
+// to (stages are used round the ring across runs), and whether that run's first weight
+// stages are already on their way (issued at the end of the run before it).
+struct RingState {
+    int first_stage;
+    bool weights_issued;
+};
+
+// The weight rows of the first STAGES - 1 k-tiles of run `run` (fewer for a shorter run)
+// of tile `t`, into the ring from stage `first_stage` on. Not committed: they join the
+// run's first cp.async group.
+template <class G, int LOADERS>
+__device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS>& load, u32 smem_base, const GemmTile& t,
+                                                    const bf16_t* w_expert, const KRun& run, int first_stage) {
+#pragma unroll
+    for (int s = 0; s < G::STAGES - 1; ++s) {
+        if (s < run.k_count) {
+            load.b_rows(smem_base + (first_stage + s) % G::STAGES * G::STAGE_BYTES, load.k_offset(run.k_begin + s), t,
+                        w_expert);
+        }
+    }
+}
+
+// One block's run `run` on the mma.sync engine: load and multiply its k-tiles, then store
+// the tile (whole, or as the last of a split tile's blocks; `share`, the call's stream-K
+// deal, only for a part of a tile). `smem` is the block's ring, aligned (the row table
+// follows it), `s_tile_start` the tile schedule, `ring` where the ring stands. Once its
+// last k-tile is multiplied, and before its epilogue, the run sends out the first weight
+// stages of the block's next run `next` (weights depend on nothing another kernel
+// writes), so that the block's loads do not stop between tiles; it returns the ring's
+// state for that run. On return every thread's stores are done; `*tile_out` is the tile.
 template <class G, class WaitForRows>
-__device__ __forceinline__ GemmTile mma_sync_run(
+__device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
     const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
-    const int* s_tile_start, int tile, int k_begin, int k_count, const StreamKShare* share, bool weights_first,
-    WaitForRows wait_for_a_rows)
+    const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
+    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
 {
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
@@ -776,19 +808,29 @@ __device__ __forceinline__ GemmTile mma_sync_run(
     const int warp_m = warp / G::WARPS_N;
     const int warp_n = warp % G::WARPS_N;
 
-    const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(tile, s_tile_start, row_offsets);
-    fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
-    __syncthreads();
+    const int k_begin = run.k_begin, k_count = run.k_count;
+    const GemmTile t = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(run.tile, s_tile_start, row_offsets);
     const bf16_t* w_expert = weights + (size_t)t.expert * W_ROWS * G::KD;
+    const StageLoader<G, G::THREADS> load((unsigned)tid);
+    // Step k of the run multiplies k-tile k_begin + k from stage (first_stage + k) % STAGES.
+    auto stage_of = [&](int k) { return (ring.first_stage + k) % G::STAGES; };
     // Stage `stage` gets k-tile `k_tile`: its A rows, and its weight rows unless they
     // went out already.
-    const StageLoader<G, G::THREADS> load((unsigned)tid);
     auto stage_load = [&](int stage, int k_tile, bool weights_issued = false) {
         const u32 stage_base = smem_base + stage * G::STAGE_BYTES;
         const int k_offset = load.k_offset(k_tile);
         load.a_rows(stage_base, k_offset, s_row_source, a_rows, ep.own_rows);
         if (!weights_issued) load.b_rows(stage_base, k_offset, t, w_expert);
     };
+
+    // Pipeline prologue: STAGES - 1 k-tiles in flight. Their weight rows go out first
+    // (unless the run before sent them), before the row table is read and, with
+    // `weights_first` (a GEMM2 whose A rows another kernel or other blocks are still
+    // writing), before `wait_for_a_rows(t)` waits for the A rows; then the A rows go out.
+    if (!ring.weights_issued) issue_first_weights<G>(load, smem_base, t, w_expert, run, ring.first_stage);
+    if (weights_first) wait_for_a_rows(t);
+    fill_row_sources<G, G::THREADS>(t, row_pair, s_row_source, ep, tid);
+    __syncthreads();
 
     float acc[MI][NJ][4];
     float acc_up[G::GATED ? MI : 1][G::GATED ? NJ : 1][4];
@@ -802,31 +844,20 @@ __device__ __forceinline__ GemmTile mma_sync_run(
                 if constexpr (G::GATED) acc_up[i][j][c] = 0.f;
             }
 
-    // Pipeline prologue: STAGES - 1 k-tiles in flight. Step k of the run multiplies
-    // k-tile k_begin + k from stage k % STAGES. With `weights_first` (a GEMM2 whose A rows
-    // another kernel or other blocks are still writing) those stages' weight rows go out
-    // first, then `wait_for_a_rows(t)` waits for the A rows, then the A rows go out.
-    if (weights_first) {
-#pragma unroll
-        for (int s = 0; s < G::STAGES - 1; ++s) {
-            if (s < k_count) load.b_rows(smem_base + s * G::STAGE_BYTES, load.k_offset(k_begin + s), t, w_expert);
-        }
-        wait_for_a_rows(t);
-    }
 #pragma unroll
     for (int s = 0; s < G::STAGES - 1; ++s) {
-        if (s < k_count) stage_load(s, k_begin + s, weights_first);
+        if (s < k_count) stage_load(stage_of(s), k_begin + s, true);
         cp_async_commit();
     }
 
     for (int k = 0; k < k_count; ++k) {
         cp_async_wait<G::STAGES - 2>();
         __syncthreads();  // stage k landed for everyone; stage k-1 is free
-        const int next = k + G::STAGES - 1;
-        if (next < k_count) stage_load(next % G::STAGES, k_begin + next);
+        const int ahead = k + G::STAGES - 1;
+        if (ahead < k_count) stage_load(stage_of(ahead), k_begin + ahead);
         cp_async_commit();
 
-        const u32 a_base = smem_base + (k % G::STAGES) * G::STAGE_BYTES;
+        const u32 a_base = smem_base + stage_of(k) * G::STAGE_BYTES;
         const u32 b_base = a_base + G::A_BYTES;
 #pragma unroll
         for (int k16 = 0; k16 < G::BK / 16; ++k16) {
@@ -862,10 +893,19 @@ __device__ __forceinline__ GemmTile mma_sync_run(
         }
     }
 
+    // Every thread has passed the last step's barrier, so every stage but the last step's
+    // is free and holds no pending copy: the next run's first weight stages go there.
+    const RingState next_ring{(ring.first_stage + k_count) % G::STAGES, next.tile >= 0};
+    if (next_ring.weights_issued) {
+        const GemmTile nt = locate_tile<G::BM, G::BN, G::EXPERTS_HERE, G::PHASES>(next.tile, s_tile_start, row_offsets);
+        issue_first_weights<G>(load, smem_base, nt, weights + (size_t)nt.expert * W_ROWS * G::KD, next,
+                               next_ring.first_stage);
+    }
+
     // A tile split between blocks is stored by the last of them, with every part.
     bool stores = true;
     if constexpr (G::STREAM_K_MAX_TILES > 0) {
-        if (k_count < K_TILES) stores = stream_k_meet<G>(acc, acc_up, *share, tile, stream_k);
+        if (k_count < K_TILES) stores = stream_k_meet<G>(acc, acc_up, *share, run.tile, stream_k);
     }
 
     // Epilogue: each thread holds rows lane/4 and lane/4 + 8 of every fragment, two
@@ -888,10 +928,12 @@ __device__ __forceinline__ GemmTile mma_sync_run(
             }
         }
     }
+    // (The next run's weight copies are not committed yet, so this waits for none of them.)
     cp_async_wait<0>();
     __syncthreads();  // the next tile reuses the ring and the row table; every store is done
     if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
-    return t;
+    *tile_out = t;
+    return next_ring;
 }
 
 template <class G>
@@ -923,12 +965,14 @@ __device__ __forceinline__ void grouped_gemm(
     // only its A rows are GEMM1's output. (Warming L2 with the rest of the run's weights as
     // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
-    auto multiply_run = [&](int tile, int k_begin, int k_count, const StreamKShare* share) {
+    RingState ring{0, false};
+    auto multiply_run = [&](const KRun& run, const KRun& next, const StreamKShare* share) {
         const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
-        mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k, smem,
-                        s_tile_start, tile, k_begin, k_count, share, weights_first,
-                        [](const GemmTile&) { start_after_previous_kernel(); });
+        GemmTile t;
+        ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
+                               smem, s_tile_start, run, next, ring, share, weights_first,
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of
@@ -940,16 +984,24 @@ __device__ __forceinline__ void grouped_gemm(
             const StreamKShare share(total_tiles * K_TILES, gridDim.x);
             if (blockIdx.x >= share.blocks) return;
             const int end = share.start(blockIdx.x + 1);
-            for (int it = share.start(blockIdx.x); it < end;) {
+            // The block's run starting at k-tile `it` of the call (tile < 0 past its end).
+            auto run_at = [&](int it) {
+                if (it >= end) return KRun::none();
                 const int k_begin = it % K_TILES;
-                const int k_count = min(K_TILES - k_begin, end - it);
-                multiply_run(it / K_TILES, k_begin, k_count, &share);
-                it += k_count;
+                return KRun{it / K_TILES, k_begin, min(K_TILES - k_begin, end - it)};
+            };
+            for (KRun run = run_at(share.start(blockIdx.x)); run.tile >= 0;) {
+                const KRun next = run_at(run.tile * K_TILES + run.k_begin + run.k_count);
+                multiply_run(run, next, &share);
+                run = next;
             }
             return;
         }
     }
-    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) multiply_run(tile, 0, K_TILES, nullptr);
+    for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        const int next = tile + (int)gridDim.x;
+        multiply_run(KRun{tile, 0, K_TILES}, next < total_tiles ? KRun{next, 0, K_TILES} : KRun::none(), nullptr);
+    }
 }
 // ---------------------------------------------------------------------------------------
 // Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
