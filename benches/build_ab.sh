@@ -3,12 +3,14 @@
 # project root after staging (bash ../shared/device/stage.sh):
 #   bash benches/build_ab.sh BASE_BINARY [ROUNDS]
 #   MODELS="qwen3_30b_a3b deepseek_v3" TOKENS=1,16,128 bash benches/build_ab.sh ...
-# The build under test is .device/bin/moeforge. For each round and example, runs
+#   NEW_ENV="MOEFORGE_TUNING_CACHE=trial.json" bash benches/build_ab.sh .device/bin/moeforge
+# The build under test is .device/bin/moeforge, run with NEW_ENV's settings (if any): the
+# same binary as base then compares one setting. For each round and example, runs
 # `moeforge bench` with both builds (base first in odd rounds, last in even ones) and
 # prints one line per run: T=caller-routed µs. The bench outputs land in $OUT (the device
 # tool's return folder) when set, else benches/results/build_ab/.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,9p "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,11p "$0" >&2; exit 2; }
 base=$1 rounds=${2:-2}
 out=${OUT:-benches/results}/build_ab
 models=${MODELS:-qwen3_30b_a3b gpt_oss_120b deepseek_v3 mixtral_8x7b}
@@ -20,11 +22,11 @@ for round in $(seq "$rounds"); do
   [ $((round % 2)) -eq 0 ] && order="new base"
   for m in $models; do
     for b in $order; do
-      cmd=.device/bin/moeforge
-      [ "$b" = base ] && cmd=$base
+      cmd=(env ${NEW_ENV:-} .device/bin/moeforge)
+      [ "$b" = base ] && cmd=("$base")
       run=$out/$b-$m-$round
       mkdir -p "$run"
-      timeout 200 "$cmd" bench "dsl-examples/$m.moe" --tokens "$tokens" --seed 7 --iterations 30 \
+      timeout 200 "${cmd[@]}" bench "dsl-examples/$m.moe" --tokens "$tokens" --seed 7 --iterations 30 \
         --out "$run" > "$run.txt" 2>&1
       echo "$m $b r$round: $(grep -E '^\|\s+[0-9]' "$run.txt" | awk -F'|' '{printf "%s=%s ", $2+0, $4+0}')"
     done

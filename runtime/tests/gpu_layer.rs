@@ -360,6 +360,18 @@ fn fused_decode_layers() -> Vec<Layer> {
 /// otherwise leave the GPU tests passing while testing less.
 #[test]
 fn default_suite_plans_cover_what_the_suite_claims() {
+    for plan in deep_k_plans() {
+        for regime in &plan.regimes {
+            for gemm in [&regime.gemm1, &regime.gemm2] {
+                assert_eq!(
+                    (gemm.engine, gemm.tile.k),
+                    (MmaEngine::MmaSync, plan::DEEP_TILE_K),
+                    "{}",
+                    plan.layer
+                );
+            }
+        }
+    }
     for (plan, engine) in pinned_plans() {
         assert!(
             !plan.shape.activation.is_gated(),
@@ -610,6 +622,34 @@ fn non_gated_activations_pinned_on_each_engine_match_reference() {
         "pinned engines",
         pinned.into_iter().map(|(plan, _)| plan).collect(),
     );
+}
+
+/// Layers pinned to mma.sync stages 128 deep (256-byte shared-memory rows): gated and not,
+/// one m-tile of 16 and one of 32 rows.
+fn deep_k_plans() -> Vec<Plan> {
+    [
+        (Activation::Swiglu, 16, 64),
+        (Activation::Silu, 32, 64),
+    ]
+    .into_iter()
+    .map(|(activation, m, n)| {
+        plan_for_device(&layers::pinned(
+            activation,
+            TileShape {
+                m,
+                n,
+                k: plan::DEEP_TILE_K,
+            },
+            3,
+        ))
+    })
+    .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deep_k_tiles_on_mma_sync_match_reference() {
+    check_plans("deep k-tiles", deep_k_plans());
 }
 
 #[test]

@@ -37,10 +37,15 @@ pub use target::{DeviceFacts, Target};
 pub use validate::PlanInvalid;
 
 /// Reduction depth of one pipeline stage. The kernels swizzle 128-byte shared-memory rows
-/// (64 bf16), so this is the only depth they support.
+/// (64 bf16); the mma.sync engine also takes [`DEEP_TILE_K`].
 pub const TILE_K: u32 = 64;
 /// Bytes of one shared-memory row of a stage: `TILE_K` bf16.
 pub const SMEM_ROW_BYTES: u32 = TILE_K * 2;
+/// The mma.sync engine's deeper stage: 256-byte rows (two swizzled 128-byte halves), so
+/// each weight row is read 256 contiguous bytes at a time. Streaming weight rows so ran
+/// 1.6-1.8% faster than 128 bytes at a time on the decode GEMMs' shapes (a load probe on
+/// one H200, 2026-12-02, `benches/results/2026-12-02_ring_across_tiles.md`).
+pub const DEEP_TILE_K: u32 = 2 * TILE_K;
 /// ptxas reserves static shared memory in pieces of this many bytes.
 pub const STATIC_SMEM_GRANULE: u32 = 128;
 
@@ -602,6 +607,12 @@ impl MmaEngine {
     pub fn is_wgmma(self) -> bool {
         matches!(self, MmaEngine::WgmmaWarpSpecialized)
     }
+
+    /// Whether the engine's kernels take stages `k` deep: [`TILE_K`] on both (wgmma's
+    /// 128-byte swizzle), [`DEEP_TILE_K`] on mma.sync.
+    pub fn takes_tile_k(self, k: u32) -> bool {
+        k == TILE_K || (self == MmaEngine::MmaSync && k == DEEP_TILE_K)
+    }
 }
 
 /// The roles of a warp-specialised block: one producer warpgroup that loads stages, the
@@ -841,7 +852,7 @@ pub const CLUSTER_PAIR: u32 = 2;
 /// to these numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SmemLayout {
-    /// Bytes of one row of a stage (`TILE_K` bf16, swizzled in 16-byte chunks).
+    /// Bytes of one row of a stage (the tile's k bf16, swizzled in 16-byte chunks).
     pub row_bytes: u32,
     /// Bytes of the A rows of one stage (`BM` rows).
     pub a_bytes: u32,
@@ -873,7 +884,7 @@ impl SmemLayout {
         stages: u32,
         tile_groups: u32,
     ) -> Self {
-        let row_bytes = SMEM_ROW_BYTES;
+        let row_bytes = tile.k * 2;
         let stage_bytes = (tile.m + b_rows) * row_bytes;
         // Each ring moves up to its boundary at run time, within a full period of slack
         // whatever alignment the allocation really gets: declared 128-byte aligned, only 16
@@ -1672,10 +1683,15 @@ fn shape_gemm(
     tile: TileShape,
     stages: u32,
 ) -> Result<GemmPlan, String> {
-    if tile.k != TILE_K {
-        return Err(format!(
-            "the reduction depth must be {TILE_K} (the kernels swizzle 128-byte rows)"
-        ));
+    if !engine.takes_tile_k(tile.k) {
+        return Err(match engine {
+            MmaEngine::MmaSync => format!(
+                "the reduction depth must be {TILE_K} or {DEEP_TILE_K} (the kernels swizzle 128-byte rows)"
+            ),
+            MmaEngine::WgmmaWarpSpecialized => format!(
+                "the reduction depth must be {TILE_K} (wgmma's swizzle takes 128-byte rows)"
+            ),
+        });
     }
     if !tile.m.is_multiple_of(16) || tile.m == 0 || tile.m > 256 {
         return Err("rows must be a multiple of 16 between 16 and 256".into());

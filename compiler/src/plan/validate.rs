@@ -586,11 +586,11 @@ impl Plan {
                 (gemm2, kernel2, shape.hidden, shape.ffn, false),
             ] {
                 let tile = gemm.tile;
-                if tile.k != TILE_K
+                if !gemm.engine.takes_tile_k(tile.k)
                     || tile.n == 0
                     || tile.m == 0
                     || n % tile.n != 0
-                    || k % TILE_K != 0
+                    || k % tile.k != 0
                 {
                     return Err(format!("the tile of `{kernel}` does not divide {n}x{k}"));
                 }
