@@ -25,6 +25,17 @@ fn bad_arguments_are_usage_errors() {
 }
 
 #[test]
+fn token_counts_beyond_the_layer_are_usage_errors() {
+    let output = moeforge(&["tune", SMALL, "--tokens", "1,4096"]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--tokens 4096") && stderr.contains("2048 tokens"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_spec_that_hints_every_gemm_has_nothing_to_tune() {
     let output = moeforge(&["tune", "dsl-examples/tiny.moe"]);
     assert!(output.status.success());
@@ -129,5 +140,44 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
             String::from_utf8_lossy(&run.stderr)
         );
     }
+    std::fs::remove_dir_all(&dir).expect("cleans up");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tune_with_token_counts_touches_only_their_regimes() {
+    let dir = scratch("gpu-tokens");
+    let cache = dir.join("tuning.json");
+    let cache_arg = cache.display().to_string();
+    let output = moeforge(&[
+        "tune",
+        SMALL,
+        "--cache",
+        &cache_arg,
+        "--tokens",
+        "1000",
+        "--candidates",
+        "1",
+        "--iterations",
+        "2",
+        "--seed",
+        "7",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    // Every timed candidate belongs to the regime holding 1000 tokens.
+    let timed: Vec<&str> = stderr.lines().filter(|l| l.contains("] ")).collect();
+    assert!(
+        !timed.is_empty() && timed.iter().all(|l| l.contains("prefill")),
+        "{stderr}"
+    );
+    let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
+    let explain = moeforge_with_env(&["explain", SMALL], &env);
+    let text = String::from_utf8_lossy(&explain.stdout);
+    let tuned = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("tuned "))
+        .count();
+    assert_eq!(tuned, 1, "{text}");
     std::fs::remove_dir_all(&dir).expect("cleans up");
 }

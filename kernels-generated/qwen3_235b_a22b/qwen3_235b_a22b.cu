@@ -554,8 +554,9 @@ struct StreamKShare {
 // Checks every GEMM config against the layout the code below assumes.
 template <class G>
 __device__ __forceinline__ void assert_gemm_layout() {
-    static_assert(G::ROW_BYTES == SMEM_ROW_BYTES && G::ROW_BYTES == G::BK * (int)sizeof(bf16_t),
-                  "plan: a stage row is BK bf16 in one 128-byte swizzled row");
+    static_assert(G::ROW_BYTES == G::BK * (int)sizeof(bf16_t), "plan: a stage row is BK bf16");
+    static_assert(G::ROW_BYTES == SMEM_ROW_BYTES || (G::PRODUCER_THREADS == 0 && G::ROW_BYTES == 2 * SMEM_ROW_BYTES),
+                  "plan: 128-byte rows (wgmma's swizzle), or 256-byte rows on the mma.sync engine");
     static_assert(G::B_ROWS == (G::GATED ? 2 * G::BN : G::BN), "plan: B rows per tile");
     static_assert(G::A_BYTES == G::BM * G::ROW_BYTES, "plan: A bytes per stage");
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
@@ -570,8 +571,16 @@ __device__ __forceinline__ void assert_gemm_layout() {
 
 // Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
 // ldmatrix reads fall in 8 different bank groups; wgmma's 128-byte swizzle is the same XOR.
+// A row of ROW_BYTES = 256 (the mma.sync engine's 128-deep k-tiles) is two such 128-byte
+// halves side by side, each swizzled alike.
+template <int ROW_BYTES = SMEM_ROW_BYTES>
 __device__ __forceinline__ u32 swizzle(int row, int chunk) {
-    return (u32)(row * SMEM_ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+    static_assert(ROW_BYTES == SMEM_ROW_BYTES || ROW_BYTES == 2 * SMEM_ROW_BYTES, "128- or 256-byte rows");
+    if constexpr (ROW_BYTES == SMEM_ROW_BYTES) {
+        return (u32)(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+    } else {
+        return (u32)(row * ROW_BYTES + ((chunk >> 3) << 7) + (((chunk & 7) ^ (row & 7)) << 4));
+    }
 }
 
 // Where one tile of a grouped GEMM sits: its expert, first output column, first row in
@@ -752,7 +761,7 @@ struct StageLoader {
                 // Index OWN_ROW_BASE + t is row t of this rank's own x.
                 if (source >= G::OWN_ROW_BASE) base = own_rows - (size_t)G::OWN_ROW_BASE * G::KD;
             }
-            cp_async_16(stage_base + swizzle(r, chunk), base + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
+            cp_async_16(stage_base + swizzle<G::ROW_BYTES>(r, chunk), base + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
         }
     }
 
@@ -764,10 +773,10 @@ struct StageLoader {
         for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
             const int r = first_row + step * ROW_STEP;
             if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
-            cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
+            cp_async_16(b_base + swizzle<G::ROW_BYTES>(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
             if constexpr (G::GATED) {
                 const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
-                cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
+                cp_async_16(b_base + swizzle<G::ROW_BYTES>(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
             }
         }
     }
@@ -1036,14 +1045,14 @@ __device__ __forceinline__ RingState mma_sync_run(
             for (int i = 0; i < MI; ++i) {
                 const int r = warp_m * WM + i * 16 + (lane & 15);
                 ldmatrix_x4(a_frag[i][0], a_frag[i][1], a_frag[i][2], a_frag[i][3],
-                            a_base + swizzle(r, k16 * 2 + (lane >> 4)));
+                            a_base + swizzle<G::ROW_BYTES>(r, k16 * 2 + (lane >> 4)));
             }
 #pragma unroll
             for (int j2 = 0; j2 < NJ / 2; ++j2) {
                 const int r = warp_n * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3);
                 const int chunk = k16 * 2 + ((lane >> 3) & 1);
                 u32 b_frag[2][2];
-                ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1], b_base + swizzle(r, chunk));
+                ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1], b_base + swizzle<G::ROW_BYTES>(r, chunk));
 #pragma unroll
                 for (int i = 0; i < MI; ++i) {
                     mma_bf16_m16n8k16(acc[i][2 * j2], a_frag[i], b_frag[0]);
@@ -1052,7 +1061,7 @@ __device__ __forceinline__ RingState mma_sync_run(
                 if constexpr (G::GATED) {
                     u32 u_frag[2][2];
                     ldmatrix_x4(u_frag[0][0], u_frag[0][1], u_frag[1][0], u_frag[1][1],
-                                b_base + swizzle(r + G::BN, chunk));
+                                b_base + swizzle<G::ROW_BYTES>(r + G::BN, chunk));
 #pragma unroll
                     for (int i = 0; i < MI; ++i) {
                         mma_bf16_m16n8k16(acc_up[i][2 * j2], a_frag[i], u_frag[0]);
@@ -3164,13 +3173,13 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=256 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -3182,9 +3191,9 @@ struct decode_gemm1 : SingleGpu {
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224 };
-    enum : int { DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
+    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_gemm1(
@@ -3201,30 +3210,30 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_gemm
     grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 528 persistent blocks (4 per SM)
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 396 persistent blocks (3 per SM)
 struct decode_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    enum : int { STREAM_K_MAX_LAST_WAVE = 69, STREAM_K_MAX_TILES = 4224 };
+    enum : int { STREAM_K_MAX_LAST_WAVE = 69, STREAM_K_MAX_TILES = 3168 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264 };
-    enum : int { DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
+    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 4) qwen3_235b_a22b_decode_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 3) qwen3_235b_a22b_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
@@ -3384,13 +3393,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 232 persistent blocks (2 per SM)
 struct decode_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -3402,9 +3411,9 @@ struct decode_ep_gemm1 : ExpertParallel {
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224 };
-    enum : int { DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
+    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_ep_gemm1(
@@ -3424,13 +3433,13 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_ep_g
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 464 persistent blocks (4 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 348 persistent blocks (3 per SM)
 struct decode_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -3442,12 +3451,12 @@ struct decode_ep_gemm2 : ExpertParallel {
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264 };
-    enum : int { DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
+    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 4) qwen3_235b_a22b_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 3) qwen3_235b_a22b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run

@@ -384,8 +384,9 @@ struct StreamKShare {
 // Checks every GEMM config against the layout the code below assumes.
 template <class G>
 __device__ __forceinline__ void assert_gemm_layout() {
-    static_assert(G::ROW_BYTES == SMEM_ROW_BYTES && G::ROW_BYTES == G::BK * (int)sizeof(bf16_t),
-                  "plan: a stage row is BK bf16 in one 128-byte swizzled row");
+    static_assert(G::ROW_BYTES == G::BK * (int)sizeof(bf16_t), "plan: a stage row is BK bf16");
+    static_assert(G::ROW_BYTES == SMEM_ROW_BYTES || (G::PRODUCER_THREADS == 0 && G::ROW_BYTES == 2 * SMEM_ROW_BYTES),
+                  "plan: 128-byte rows (wgmma's swizzle), or 256-byte rows on the mma.sync engine");
     static_assert(G::B_ROWS == (G::GATED ? 2 * G::BN : G::BN), "plan: B rows per tile");
     static_assert(G::A_BYTES == G::BM * G::ROW_BYTES, "plan: A bytes per stage");
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
@@ -400,8 +401,16 @@ __device__ __forceinline__ void assert_gemm_layout() {
 
 // Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
 // ldmatrix reads fall in 8 different bank groups; wgmma's 128-byte swizzle is the same XOR.
+// A row of ROW_BYTES = 256 (the mma.sync engine's 128-deep k-tiles) is two such 128-byte
+// halves side by side, each swizzled alike.
+template <int ROW_BYTES = SMEM_ROW_BYTES>
 __device__ __forceinline__ u32 swizzle(int row, int chunk) {
-    return (u32)(row * SMEM_ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+    static_assert(ROW_BYTES == SMEM_ROW_BYTES || ROW_BYTES == 2 * SMEM_ROW_BYTES, "128- or 256-byte rows");
+    if constexpr (ROW_BYTES == SMEM_ROW_BYTES) {
+        return (u32)(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+    } else {
+        return (u32)(row * ROW_BYTES + ((chunk >> 3) << 7) + (((chunk & 7) ^ (row & 7)) << 4));
+    }
 }
 
 // Where one tile of a grouped GEMM sits: its expert, first output column, first row in
@@ -582,7 +591,7 @@ struct StageLoader {
                 // Index OWN_ROW_BASE + t is row t of this rank's own x.
                 if (source >= G::OWN_ROW_BASE) base = own_rows - (size_t)G::OWN_ROW_BASE * G::KD;
             }
-            cp_async_16(stage_base + swizzle(r, chunk), base + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
+            cp_async_16(stage_base + swizzle<G::ROW_BYTES>(r, chunk), base + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
         }
     }
 
@@ -594,10 +603,10 @@ struct StageLoader {
         for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
             const int r = first_row + step * ROW_STEP;
             if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
-            cp_async_16(b_base + swizzle(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
+            cp_async_16(b_base + swizzle<G::ROW_BYTES>(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
             if constexpr (G::GATED) {
                 const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
-                cp_async_16(b_base + swizzle(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
+                cp_async_16(b_base + swizzle<G::ROW_BYTES>(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
             }
         }
     }
@@ -866,14 +875,14 @@ __device__ __forceinline__ RingState mma_sync_run(
             for (int i = 0; i < MI; ++i) {
                 const int r = warp_m * WM + i * 16 + (lane & 15);
                 ldmatrix_x4(a_frag[i][0], a_frag[i][1], a_frag[i][2], a_frag[i][3],
-                            a_base + swizzle(r, k16 * 2 + (lane >> 4)));
+                            a_base + swizzle<G::ROW_BYTES>(r, k16 * 2 + (lane >> 4)));
             }
 #pragma unroll
             for (int j2 = 0; j2 < NJ / 2; ++j2) {
                 const int r = warp_n * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3);
                 const int chunk = k16 * 2 + ((lane >> 3) & 1);
                 u32 b_frag[2][2];
-                ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1], b_base + swizzle(r, chunk));
+                ldmatrix_x4(b_frag[0][0], b_frag[0][1], b_frag[1][0], b_frag[1][1], b_base + swizzle<G::ROW_BYTES>(r, chunk));
 #pragma unroll
                 for (int i = 0; i < MI; ++i) {
                     mma_bf16_m16n8k16(acc[i][2 * j2], a_frag[i], b_frag[0]);
@@ -882,7 +891,7 @@ __device__ __forceinline__ RingState mma_sync_run(
                 if constexpr (G::GATED) {
                     u32 u_frag[2][2];
                     ldmatrix_x4(u_frag[0][0], u_frag[0][1], u_frag[1][0], u_frag[1][1],
-                                b_base + swizzle(r + G::BN, chunk));
+                                b_base + swizzle<G::ROW_BYTES>(r + G::BN, chunk));
 #pragma unroll
                     for (int i = 0; i < MI; ++i) {
                         mma_bf16_m16n8k16(acc_up[i][2 * j2], a_frag[i], u_frag[0]);

@@ -20,13 +20,15 @@ use crate::harness::Session;
 use crate::workload::Routing;
 
 /// How `tune_layer` measures.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct TuneSettings {
     /// Candidates per GEMM (the cost model's best distinct tiles, its own choice first).
     pub candidates: usize,
     /// Timed calls per token count (after warm-up), median.
     pub iterations: usize,
     pub seed: u64,
+    /// Only the regimes holding one of these token counts are tuned; empty: every regime.
+    pub regimes_holding: Vec<u32>,
 }
 
 /// One timed candidate, for progress output.
@@ -145,6 +147,13 @@ pub fn tune_layer(
     // The GEMMs the regime below ended with (tuned, else as the model chose them).
     let mut below: Option<(GemmPlan, GemmPlan)> = None;
     for (index, regime) in model.regimes.iter().enumerate() {
+        let range = regime.min_tokens..=regime.max_tokens;
+        let asked = settings.regimes_holding.is_empty()
+            || settings.regimes_holding.iter().any(|t| range.contains(t));
+        if !asked {
+            below = Some((regime.gemm1.clone(), regime.gemm2.clone()));
+            continue;
+        }
         let tokens = timed_tokens(regime.min_tokens, regime.max_tokens);
         let entry_with = |gemm1: &GemmPlan, gemm2: &GemmPlan| TunedRegime {
             gpu: target.name.clone(),
@@ -166,7 +175,7 @@ pub fn tune_layer(
             };
             let candidate = plan::plan_tuned(layer, target, &table)?;
             check_applied(&candidate, index, layer)?;
-            time_regime(session, candidate, &tokens, settings)
+            time_regime(session, candidate, &tokens, &settings)
         };
         let (mut gemm1, mut gemm2) = (regime.gemm1.clone(), regime.gemm2.clone());
         // Beside the cost model's best tiles for this regime, the neighbouring regimes'
@@ -305,7 +314,7 @@ fn time_regime(
     session: &Session,
     plan: Plan,
     tokens: &[u32],
-    settings: TuneSettings,
+    settings: &TuneSettings,
 ) -> Result<Vec<f64>, TuneError> {
     let shape = plan.shape.clone();
     let built = session.build(plan, settings.seed)?;

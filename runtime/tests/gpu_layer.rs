@@ -627,23 +627,20 @@ fn non_gated_activations_pinned_on_each_engine_match_reference() {
 /// Layers pinned to mma.sync stages 128 deep (256-byte shared-memory rows): gated and not,
 /// one m-tile of 16 and one of 32 rows.
 fn deep_k_plans() -> Vec<Plan> {
-    [
-        (Activation::Swiglu, 16, 64),
-        (Activation::Silu, 32, 64),
-    ]
-    .into_iter()
-    .map(|(activation, m, n)| {
-        plan_for_device(&layers::pinned(
-            activation,
-            TileShape {
-                m,
-                n,
-                k: plan::DEEP_TILE_K,
-            },
-            3,
-        ))
-    })
-    .collect()
+    [(Activation::Swiglu, 16, 64), (Activation::Silu, 32, 64)]
+        .into_iter()
+        .map(|(activation, m, n)| {
+            plan_for_device(&layers::pinned(
+                activation,
+                TileShape {
+                    m,
+                    n,
+                    k: plan::DEEP_TILE_K,
+                },
+                3,
+            ))
+        })
+        .collect()
 }
 
 #[test]

@@ -38,6 +38,11 @@ pub struct Args {
     /// The tuning table to update (default: the cache, see `moeforge::tuning`).
     #[arg(long)]
     cache: Option<PathBuf>,
+    /// Tune only the regimes holding these token counts (each is still timed at its own
+    /// smallest, middle and largest call); the cache's other entries stay as they are.
+    /// Default: every regime.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Vec<u32>,
 }
 
 pub fn run(args: &Args) -> ExitCode {
@@ -62,6 +67,13 @@ pub fn run(args: &Args) -> ExitCode {
             layer.name
         );
         return OK;
+    }
+    if let Some(&beyond) = args.tokens.iter().find(|&&t| t > layer.max_tokens) {
+        eprintln!(
+            "error: --tokens {beyond} is beyond the {} tokens `{}` is planned for (max_tokens)",
+            layer.max_tokens, layer.name
+        );
+        return usage_error();
     }
     let cache = match args.cache.clone().map_or_else(tuning::cache_path, Ok) {
         Ok(path) => path,
@@ -90,8 +102,14 @@ pub fn run(args: &Args) -> ExitCode {
         }
     };
     let seed = fresh_seed(args.seed);
+    let which = if args.tokens.is_empty() {
+        String::new()
+    } else {
+        let tokens: Vec<String> = args.tokens.iter().map(u32::to_string).collect();
+        format!(" (only the regimes holding T = {})", tokens.join(", "))
+    };
     eprintln!(
-        "tuning `{}` on {}: {} candidates per GEMM and regime and the neighbouring regimes' GEMMs, each a whole layer timed at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
+        "tuning `{}`{which} on {}: {} candidates per GEMM and regime and the neighbouring regimes' GEMMs, each a whole layer timed at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
         layer.name,
         target.name,
         args.candidates,
@@ -140,6 +158,7 @@ pub fn run(args: &Args) -> ExitCode {
         candidates: args.candidates,
         iterations: args.iterations,
         seed,
+        regimes_holding: args.tokens.clone(),
     };
     let measured_by = format!(
         "moeforge {} at {}",

@@ -1686,7 +1686,7 @@ fn shape_gemm(
     if !engine.takes_tile_k(tile.k) {
         return Err(match engine {
             MmaEngine::MmaSync => format!(
-                "the reduction depth must be {TILE_K} or {DEEP_TILE_K} (the kernels swizzle 128-byte rows)"
+                "the reduction depth must be {TILE_K} or {DEEP_TILE_K} (stage rows of 128 or 256 bytes)"
             ),
             MmaEngine::WgmmaWarpSpecialized => format!(
                 "the reduction depth must be {TILE_K} (wgmma's swizzle takes 128-byte rows)"
@@ -1870,7 +1870,7 @@ fn costed_candidates<'a>(
     stages: Option<u32>,
 ) -> impl Iterator<Item = Result<GemmPlan, String>> + 'a {
     candidate_tiles().flat_map(move |(engine, tile)| {
-        let depths = stages.map_or_else(|| stage_choices(engine), |s| vec![s]);
+        let depths = stages.map_or_else(|| stage_choices(engine, tile), |s| vec![s]);
         depths.into_iter().flat_map(move |depth| {
             match shape_gemm(target, problem, engine, tile, depth) {
                 Ok(single) => as_cluster_pair(problem, &single)
@@ -1906,18 +1906,22 @@ fn candidate_tiles() -> impl Iterator<Item = (MmaEngine, TileShape)> {
     })
 }
 
-/// The stage counts the cost model tries when `stages` is not hinted: a few for engines
-/// whose blocks share an SM (more stages, fewer blocks), as many as fit for the
+/// The stage counts the cost model tries for `tile` when `stages` is not hinted: a few for
+/// engines whose blocks share an SM (more stages, fewer blocks), up to the reduction depth
+/// of [`MMA_SYNC_DEEPEST_RING`] stages of [`TILE_K`]; as many as fit for the
 /// warp-specialised engine, alone on its SM, whose ring is all that hides memory latency.
 /// Deepest first, so that the deepest ring wins a tie.
-fn stage_choices(engine: MmaEngine) -> Vec<u32> {
+fn stage_choices(engine: MmaEngine, tile: TileShape) -> Vec<u32> {
     match engine {
-        MmaEngine::MmaSync => (3..=MMA_SYNC_DEEPEST_RING).rev().collect(),
+        MmaEngine::MmaSync => {
+            let deepest = (MMA_SYNC_DEEPEST_RING * TILE_K).div_ceil(tile.k).max(3);
+            (3..=deepest).rev().collect()
+        }
         MmaEngine::WgmmaWarpSpecialized => (3..=MAX_STAGES).rev().collect(),
     }
 }
 
-/// The deepest ring the cost model tries for mma.sync blocks.
+/// The deepest ring the cost model tries for mma.sync blocks, in stages of [`TILE_K`].
 const MMA_SYNC_DEEPEST_RING: u32 = 5;
 
 /// How much slower than its estimate an mma.sync configuration runs per stage its ring has
@@ -1930,6 +1934,14 @@ const MMA_SYNC_DEEPEST_RING: u32 = 5;
 /// and 4.20, 3 stages at 4 per SM at 4.25 (128 tokens). Its GEMM2: 5 stages at 4 per SM
 /// 4.34, 3 stages at 7 per SM 4.30.
 const SHALLOW_RING_PENALTY_PER_STAGE: f64 = 0.02;
+
+/// How much slower than its estimate an mma.sync configuration of [`TILE_K`]-deep stages
+/// runs than one of [`DEEP_TILE_K`], when choosing between candidates, in proportion to
+/// the share of the estimate that is its memory stream: its weight rows arrive 128 bytes at
+/// a time instead of 256. A load probe on one H200 (2026-12-02,
+/// `benches/results/2026-12-02_deep_k_tiles.md`) streamed the decode GEMMs' weights 1.6-1.8%
+/// slower so (GEMM1 shapes; 0.4% for GEMM2's), and whole decode layers ran 0.8-1.4% slower.
+const SHORT_ROW_PENALTY: f64 = 0.015;
 
 /// How much slower than its estimate a configuration of one block per SM runs, when
 /// choosing between candidates: alone on its SM, a block exposes its own prologue, its
@@ -2125,6 +2137,15 @@ pub(crate) fn choose_regimes(
         .map(|(i, (_, max, mut gemm1, mut gemm2))| {
             gemm1.estimate = cost::estimate(target, &up, &gemm1, max);
             gemm2.estimate = cost::estimate(target, &down, &gemm2, max);
+            // A hinted ring depth counts stages of the hinted (or 64-deep) tile.
+            let (gemm1, gemm2) = if hints.stages.is_some() {
+                (gemm1, gemm2)
+            } else {
+                (
+                    with_deep_stages(target, &up, gemm1, max),
+                    with_deep_stages(target, &down, gemm2, max),
+                )
+            };
             let min_tokens = next_min;
             next_min = max + 1;
             RegimeChoice {
@@ -2205,7 +2226,7 @@ fn choose_gemm(
 
 /// What candidates are ranked by: the estimate, with [`ONE_BLOCK_PER_SM_PENALTY`] on
 /// configurations of one block per SM and [`SHALLOW_RING_PENALTY_PER_STAGE`] on shallow
-/// mma.sync rings.
+/// mma.sync rings (see [`with_deep_stages`] for the depth of their stages).
 fn ranking_seconds(gemm: &GemmPlan) -> f64 {
     gemm.estimate.seconds * ranking_factor(gemm)
 }
@@ -2219,12 +2240,51 @@ fn ranking_factor(gemm: &GemmPlan) -> f64 {
     };
     let shallow = match gemm.engine {
         MmaEngine::MmaSync => {
-            let missing = MMA_SYNC_DEEPEST_RING.saturating_sub(gemm.stages);
+            // The ring's depth counts in reduction length: 3 stages of 128 hold more than 5
+            // of 64.
+            let missing =
+                (MMA_SYNC_DEEPEST_RING * TILE_K).saturating_sub(gemm.stages * gemm.tile.k) / TILE_K;
             1.0 + SHALLOW_RING_PENALTY_PER_STAGE * f64::from(missing)
         }
         MmaEngine::WgmmaWarpSpecialized => 1.0,
     };
     alone * shallow
+}
+
+/// `chosen`, or its tile with [`DEEP_TILE_K`]-deep stages where that ranks within
+/// [`SHORT_ROW_PENALTY`] (times the share of the estimate that is the memory stream) of it
+/// at `tokens`. The depth refines a regime's chosen mma.sync tile once the regimes are
+/// drawn: the cost model cannot tell the depths apart (same tile, same bytes), and compared
+/// as equals at every probe they split regimes on near-ties alone.
+fn with_deep_stages(
+    target: &Target,
+    problem: &GemmProblem,
+    chosen: GemmPlan,
+    tokens: u32,
+) -> GemmPlan {
+    if chosen.engine != MmaEngine::MmaSync
+        || chosen.tile.k != TILE_K
+        || chosen.source == tuning::ChoiceSource::Hint
+        || chosen.estimate.seconds <= 0.0
+    {
+        return chosen;
+    }
+    let streaming = (chosen.estimate.memory_seconds / chosen.estimate.seconds).min(1.0);
+    let allowed = ranking_seconds(&chosen) * (1.0 + SHORT_ROW_PENALTY * streaming);
+    let tile = TileShape {
+        k: DEEP_TILE_K,
+        ..chosen.tile
+    };
+    stage_choices(MmaEngine::MmaSync, tile)
+        .into_iter()
+        .filter_map(|stages| shape_gemm(target, problem, MmaEngine::MmaSync, tile, stages).ok())
+        .map(|mut deep| {
+            deep.estimate = cost::estimate(target, problem, &deep, tokens);
+            deep
+        })
+        .filter(|deep| ranking_seconds(deep) <= allowed)
+        .min_by(|a, b| ranking_seconds(a).total_cmp(&ranking_seconds(b)))
+        .unwrap_or(chosen)
 }
 
 /// A C identifier made from a layer name: letters, digits and `_`, not starting with a digit.

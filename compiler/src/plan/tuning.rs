@@ -145,10 +145,16 @@ impl TuningTable {
             .find(|e| e.is_for(&target.name, &key, min_tokens, max_tokens))
     }
 
-    /// Adds `entry`, dropping any earlier one for the same GPU, shape and regime.
+    /// Adds `entry`, dropping every earlier one for the same GPU and shape whose tokens
+    /// overlap its regime: where the cost model has moved a regime's boundary, the entries
+    /// of the old regimes can no longer be looked up and would only linger.
     pub fn record(&mut self, entry: TunedRegime) {
-        self.entries
-            .retain(|e| !e.is_for(&entry.gpu, &entry.shape, entry.min_tokens, entry.max_tokens));
+        self.entries.retain(|e| {
+            e.gpu != entry.gpu
+                || e.shape != entry.shape
+                || e.max_tokens < entry.min_tokens
+                || entry.max_tokens < e.min_tokens
+        });
         self.entries.push(entry);
     }
 
@@ -290,6 +296,21 @@ mod tests {
         table.record(entry(0, 128, 32));
         assert_eq!(table.entries.len(), 1);
         assert_eq!(table.entries[0].gemm1.map(|g| g.tile.m), Some(32));
+        // A regime whose boundary moved replaces the entries it overlaps.
+        let mut moved = TuningTable {
+            entries: vec![
+                entry(0, 128, 16),
+                entry(129, 4096, 64),
+                entry(4097, 8192, 64),
+            ],
+        };
+        moved.record(entry(0, 256, 32));
+        let ranges: Vec<(u32, u32)> = moved
+            .entries
+            .iter()
+            .map(|e| (e.min_tokens, e.max_tokens))
+            .collect();
+        assert_eq!(ranges, [(4097, 8192), (0, 256)]);
         let shipped = TuningTable {
             entries: vec![entry(0, 128, 16), entry(129, 4096, 64)],
         };
