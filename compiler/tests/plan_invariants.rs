@@ -11,7 +11,7 @@ use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::router::GateEngine;
 use moeforge_compiler::plan::tuning::ChoiceSource;
 use moeforge_compiler::plan::{
-    self, BufferId, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, TILE_K, Target,
+    self, BufferId, GemmPlan, Grid, HintKey, Plan, PlanError, StreamRole, Target,
 };
 use proptest::prelude::*;
 
