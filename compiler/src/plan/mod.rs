@@ -1935,12 +1935,12 @@ const MMA_SYNC_DEEPEST_RING: u32 = 5;
 /// 4.34, 3 stages at 7 per SM 4.30.
 const SHALLOW_RING_PENALTY_PER_STAGE: f64 = 0.02;
 
-/// How much slower than its estimate an mma.sync configuration of [`TILE_K`]-deep stages
-/// runs than one of [`DEEP_TILE_K`], when choosing between candidates, in proportion to
-/// the share of the estimate that is its memory stream: its weight rows arrive 128 bytes at
-/// a time instead of 256. A load probe on one H200 (2026-12-02,
-/// `benches/results/2026-12-02_deep_k_tiles.md`) streamed the decode GEMMs' weights 1.6-1.8%
-/// slower so (GEMM1 shapes; 0.4% for GEMM2's), and whole decode layers ran 0.8-1.4% slower.
+/// How much slower an mma.sync tile with [`TILE_K`]-deep stages runs than with
+/// [`DEEP_TILE_K`]-deep ones, in proportion to the share of its estimate that is the memory
+/// stream: its weight rows arrive 128 bytes at a time instead of 256 (see
+/// [`with_deep_stages`]). On one H200 (2026-12-02, `benches/results/2026-12-02_deep_k_tiles.md`)
+/// a load probe streamed the decode GEMMs' weights 1.6-1.8% slower so (GEMM1 shapes; 0.4%
+/// for GEMM2's), and whole decode layers ran 0.4-2.4% slower (about 1%).
 const SHORT_ROW_PENALTY: f64 = 0.015;
 
 /// How much slower than its estimate a configuration of one block per SM runs, when
