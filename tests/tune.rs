@@ -17,6 +17,16 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// Runs `moeforge tune` on [`SMALL`] into a cache in `dir` with `extra` arguments (seed 7):
+/// the cache's path and the command's output.
+fn tune_small(dir: &std::path::Path, extra: &[&str]) -> (String, std::process::Output) {
+    let cache_arg = dir.join("tuning.json").display().to_string();
+    let mut args = vec!["tune", SMALL, "--cache", &cache_arg, "--seed", "7"];
+    args.extend_from_slice(extra);
+    let output = moeforge(&args);
+    (cache_arg, output)
+}
+
 #[test]
 fn bad_arguments_are_usage_errors() {
     let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--candidates", "0"]);
@@ -93,20 +103,7 @@ fn a_malformed_cache_is_refused_before_any_measuring() {
 #[ignore = "needs a CUDA GPU"]
 fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_correct() {
     let dir = scratch("gpu");
-    let cache = dir.join("tuning.json");
-    let cache_arg = cache.display().to_string();
-    let output = moeforge(&[
-        "tune",
-        SMALL,
-        "--cache",
-        &cache_arg,
-        "--candidates",
-        "2",
-        "--iterations",
-        "3",
-        "--seed",
-        "7",
-    ]);
+    let (cache_arg, output) = tune_small(&dir, &["--candidates", "2", "--iterations", "3"]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stdout}\n{stderr}");
@@ -147,22 +144,10 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
 #[ignore = "needs a CUDA GPU"]
 fn tune_with_token_counts_touches_only_their_regimes() {
     let dir = scratch("gpu-tokens");
-    let cache = dir.join("tuning.json");
-    let cache_arg = cache.display().to_string();
-    let output = moeforge(&[
-        "tune",
-        SMALL,
-        "--cache",
-        &cache_arg,
-        "--tokens",
-        "1000",
-        "--candidates",
-        "1",
-        "--iterations",
-        "2",
-        "--seed",
-        "7",
-    ]);
+    let (cache_arg, output) = tune_small(
+        &dir,
+        &["--tokens", "1000", "--candidates", "1", "--iterations", "2"],
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     // Every timed candidate belongs to the regime holding 1000 tokens.
