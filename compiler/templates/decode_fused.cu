@@ -111,8 +111,8 @@ __device__ __forceinline__ void fused_decode(
                       G2::ALIGN_SLACK >= G2::RING_ALIGN - 16,
                   "plan: one ring alignment, and slack to reach it");
     constexpr int THREADS = G1::THREADS;
-    constexpr int K_TILES1 = G1::KD / G1::BK, N_TILES1 = G1::N / G1::BN;
-    constexpr int K_TILES2 = G2::KD / G2::BK, N_TILES2 = G2::N / G2::BN;
+    constexpr int K_TILES1 = k_tiles<G1>(), N_TILES1 = G1::N / G1::BN;
+    constexpr int K_TILES2 = k_tiles<G2>(), N_TILES2 = G2::N / G2::BN;
     u32* expert_rows_done = counters;                         // GEMM1 tiles stored, per expert
     u32* expert_rows_read = counters + GEMM_EXPERTS;          // GEMM2 tiles that waited for them
     u32* columns_done = counters + 2 * GEMM_EXPERTS;          // GEMM2 tiles stored, per column tile

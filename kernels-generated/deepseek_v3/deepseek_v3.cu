@@ -566,7 +566,16 @@ __device__ __forceinline__ void assert_gemm_layout() {
     constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) : 0;
     static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
     static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
-    static_assert(G::KD % G::BK == 0 && G::N % G::BN == 0, "plan: tiles divide N and KD");
+    static_assert(G::N % G::BN == 0, "plan: tiles divide N");
+    static_assert(G::KD % G::BK == 0 || (G::PRODUCER_THREADS == 0 && G::KD % (SMEM_ROW_BYTES / 2) == 0),
+                  "plan: k-tiles divide KD, or (mma.sync) the last 128-deep one is half full");
+}
+
+// k-tiles along the reduction: a 128-deep mma.sync stage may end past KD by 64, whose
+// loads then zero-fill (adding nothing).
+template <class G>
+__host__ __device__ constexpr int k_tiles() {
+    return (G::KD + G::BK - 1) / G::BK;
 }
 
 // Chunk c (16 bytes) of shared-memory row r sits at chunk c ^ (r & 7), so the 8 rows one
@@ -742,12 +751,16 @@ struct StageLoader {
     enum : unsigned { CHUNKS = G::ROW_BYTES / 16 };  // 16-byte cp.async pieces per row
     static_assert(LOADERS % CHUNKS == 0, "plan: the loaders cover whole rows");
     enum : int { ROW_STEP = LOADERS / CHUNKS };
+    // The last k-tile ends past KD (see k_tiles): chunks beyond it zero-fill.
+    enum : bool { RAGGED = G::KD % G::BK != 0 };
     int chunk, first_row;
     // Unsigned, so that dividing by the power-of-two CHUNKS is a shift.
     __device__ __forceinline__ explicit StageLoader(unsigned loader) : chunk(loader % CHUNKS), first_row(loader / CHUNKS) {}
 
     // Where this loader's chunk of k-tile `k_tile` starts within a row.
     __device__ __forceinline__ int k_offset(int k_tile) const { return k_tile * G::BK + chunk * 8; }
+    // Whether that chunk lies within the row (a chunk past it reads nothing, at the row's start).
+    __device__ __forceinline__ static bool within_row(int k_offset) { return !RAGGED || k_offset < G::KD; }
 
     __device__ __forceinline__ void a_rows(u32 stage_base, int k_offset, const int* s_row_source,
                                            const bf16_t* __restrict__ rows, const bf16_t* __restrict__ own_rows) const {
@@ -761,22 +774,25 @@ struct StageLoader {
                 // Index OWN_ROW_BASE + t is row t of this rank's own x.
                 if (source >= G::OWN_ROW_BASE) base = own_rows - (size_t)G::OWN_ROW_BASE * G::KD;
             }
-            cp_async_16(stage_base + swizzle<G::ROW_BYTES>(r, chunk), base + (size_t)max(source, 0) * G::KD + k_offset, source >= 0);
+            const bool inside = within_row(k_offset);
+            cp_async_16(stage_base + swizzle<G::ROW_BYTES>(r, chunk), base + (size_t)max(source, 0) * G::KD + (inside ? k_offset : 0),
+                        source >= 0 && inside);
         }
     }
 
     __device__ __forceinline__ void b_rows(u32 stage_base, int k_offset, const GemmTile& t,
                                            const bf16_t* __restrict__ w_expert) const {
         const u32 b_base = stage_base + G::A_BYTES;
-        const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + k_offset;
+        const bool loads = within_row(k_offset);
+        const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + (loads ? k_offset : 0);
 #pragma unroll
         for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
             const int r = first_row + step * ROW_STEP;
             if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
-            cp_async_16(b_base + swizzle<G::ROW_BYTES>(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, true);
+            cp_async_16(b_base + swizzle<G::ROW_BYTES>(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, loads);
             if constexpr (G::GATED) {
                 const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
-                cp_async_16(b_base + swizzle<G::ROW_BYTES>(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, true);
+                cp_async_16(b_base + swizzle<G::ROW_BYTES>(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, loads);
             }
         }
     }
@@ -854,7 +870,7 @@ template <class G, int MI, int NJ>
 __device__ __forceinline__ bool stream_k_meet(float (&acc)[MI][NJ][4],
                                               float (&acc_up)[G::GATED ? MI : 1][G::GATED ? NJ : 1][4],
                                               const StreamKShare& share, int tile, const StreamKBuffers& buffers) {
-    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int K_TILES = k_tiles<G>();
     constexpr int REGISTERS = MI * NJ * 4;  // one accumulator set per thread
     constexpr int PARTIAL = G::BM * G::B_ROWS;  // floats of one partial tile, in the threads' order
     static_assert(REGISTERS * (G::GATED ? 2 : 1) * G::THREADS == PARTIAL, "plan: a partial tile is every thread's accumulators");
@@ -977,7 +993,7 @@ __device__ __forceinline__ RingState mma_sync_run(
     constexpr int WN = G::BN / G::WARPS_N;  // output columns per warp
     constexpr int MI = WM / 16;             // m16 fragments per warp
     constexpr int NJ = WN / 8;              // n8 fragments per warp
-    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int K_TILES = k_tiles<G>();
     static_assert(WM % 16 == 0 && WN % 16 == 0, "plan: warp tile is whole 16x16 pieces");
     const u32 smem_base = smem_address(smem);
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);  // [BM], -1 = padding
@@ -1129,7 +1145,7 @@ __device__ __forceinline__ void grouped_gemm(
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
-    constexpr int K_TILES = G::KD / G::BK;
+    constexpr int K_TILES = k_tiles<G>();
     constexpr int N_TILES = G::N / G::BN;
     unsigned char* smem = aligned_ring<G>();
     __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];

@@ -360,7 +360,14 @@ fn fused_decode_layers() -> Vec<Layer> {
 /// otherwise leave the GPU tests passing while testing less.
 #[test]
 fn default_suite_plans_cover_what_the_suite_claims() {
-    for plan in deep_k_plans() {
+    let deep = deep_k_plans();
+    assert!(
+        deep.iter().any(
+            |p| p.shape.hidden % plan::DEEP_TILE_K != 0 && p.shape.ffn % plan::DEEP_TILE_K != 0
+        ),
+        "a deep-k layer whose last stages are half full"
+    );
+    for plan in deep {
         for regime in &plan.regimes {
             for gemm in [&regime.gemm1, &regime.gemm2] {
                 assert_eq!(
@@ -625,22 +632,32 @@ fn non_gated_activations_pinned_on_each_engine_match_reference() {
 }
 
 /// Layers pinned to mma.sync stages 128 deep (256-byte shared-memory rows): gated and not,
-/// one m-tile of 16 and one of 32 rows.
+/// one m-tile of 16 and one of 32 rows, and a gated one whose reductions (H = 192 for GEMM1,
+/// F = 320 for GEMM2) end half way through their last stage.
 fn deep_k_plans() -> Vec<Plan> {
-    [(Activation::Swiglu, 16, 64), (Activation::Silu, 32, 64)]
-        .into_iter()
-        .map(|(activation, m, n)| {
-            plan_for_device(&layers::pinned(
-                activation,
-                TileShape {
-                    m,
-                    n,
-                    k: plan::DEEP_TILE_K,
-                },
-                3,
-            ))
-        })
-        .collect()
+    [
+        (Activation::Swiglu, 16, 64, None),
+        (Activation::Silu, 32, 64, None),
+        (Activation::Swiglu, 16, 64, Some((192, 320))),
+    ]
+    .into_iter()
+    .map(|(activation, m, n, ragged)| {
+        let mut layer = layers::pinned(
+            activation,
+            TileShape {
+                m,
+                n,
+                k: plan::DEEP_TILE_K,
+            },
+            3,
+        );
+        if let Some((hidden, ffn)) = ragged {
+            layer.name.push_str("_ragged_k");
+            (layer.hidden, layer.ffn) = (hidden, ffn);
+        }
+        plan_for_device(&layer)
+    })
+    .collect()
 }
 
 #[test]

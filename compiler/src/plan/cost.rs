@@ -147,7 +147,7 @@ pub fn estimate(
     let stage_bytes = f64::from((gemm.tile.m + gemm.b_rows) * gemm.tile.k * 2);
     let loading_blocks = if stream_k {
         // Every block with a k-tile of the call.
-        concurrent.min(tiles * f64::from(problem.k / gemm.tile.k))
+        concurrent.min(tiles * f64::from(problem.k.div_ceil(gemm.tile.k)))
     } else {
         concurrent.min(tiles)
     };

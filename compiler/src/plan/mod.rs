@@ -1702,10 +1702,15 @@ fn shape_gemm(
             problem.n
         ));
     }
-    if !problem.k.is_multiple_of(tile.k) {
+    // mma.sync's last 128-deep stage may be half full (its loads past K zero-fill).
+    let depth_unit = match engine {
+        MmaEngine::MmaSync => TILE_K,
+        MmaEngine::WgmmaWarpSpecialized => tile.k,
+    };
+    if !problem.k.is_multiple_of(depth_unit) {
         return Err(format!(
             "the reduction length {} is not a multiple of {}",
-            problem.k, tile.k
+            problem.k, depth_unit
         ));
     }
     if !(MIN_STAGES..=MAX_STAGES).contains(&stages) {

@@ -590,7 +590,7 @@ impl Plan {
                     || tile.n == 0
                     || tile.m == 0
                     || n % tile.n != 0
-                    || k % tile.k != 0
+                    || k % TILE_K != 0
                 {
                     return Err(format!("the tile of `{kernel}` does not divide {n}x{k}"));
                 }
