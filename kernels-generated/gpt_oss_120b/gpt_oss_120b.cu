@@ -2631,13 +2631,13 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) gpt_oss_120b_combi
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
-// GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 264 persistent blocks (2 per SM)
+// GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 264 persistent blocks (2 per SM)
 struct decode_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = true };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -2649,9 +2649,9 @@ struct decode_gemm1 : SingleGpu {
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 18432 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 92160, BARRIER_OFFSET = 92224 };
-    enum : int { DYNAMIC_SMEM_BYTES = 92352, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
+    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
@@ -2669,30 +2669,30 @@ extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
     grouped_gemm<decode_gemm1>(x, w1, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 528 persistent blocks (4 per SM)
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 396 persistent blocks (3 per SM)
 struct decode_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = true };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    enum : int { STREAM_K_MAX_LAST_WAVE = 110, STREAM_K_MAX_TILES = 4224 };
+    enum : int { STREAM_K_MAX_LAST_WAVE = 110, STREAM_K_MAX_TILES = 3168 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264 };
-    enum : int { DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
+    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 640 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 4) gpt_oss_120b_decode_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 3) gpt_oss_120b_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ w2_bias,  // [EXPERTS, HIDDEN]: each expert's GEMM2 bias
