@@ -4,9 +4,10 @@
 // The shared slices follow the routed experts, every token once each, in token order.
 // route_pairs runs on one block (the route kernel's, or in a self-routed call the
 // router's last); regimes with many pairs use the count and place kernels further down
-// instead. No host synchronisation. Row order inside an expert depends on atomic order,
-// which changes no result: every row is computed the same way wherever it sits, and the
-// combine reads rows by (token, k) slot.
+// instead. No host synchronisation. Row order inside a routed expert depends on atomic
+// order, which changes no result: every row is computed the same way wherever it sits (the
+// GEMMs split k-loops by stream-K only where a routed expert's rows fit one m-tile), and
+// the combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
     if (atomicCAS(error_word, 0, code) == 0) {

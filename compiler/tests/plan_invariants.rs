@@ -973,11 +973,17 @@ fn short_last_waves_of_large_tiles_split_stream_k() {
         let plan = example_plan(name);
         let decode = &plan.regimes[0];
         (
-            decode.gemm1.runs_stream_k(f64::from(gemm1_tiles)),
-            decode.gemm2.runs_stream_k(f64::from(gemm2_tiles)),
+            // One token: a routed expert has one row.
+            decode.gemm1.runs_stream_k(f64::from(gemm1_tiles), 1.0),
+            decode.gemm2.runs_stream_k(f64::from(gemm2_tiles), 1.0),
         )
     };
     assert_eq!(decode_splits("deepseek_v3", 288, 1008), (true, false));
+    // A routed expert with more rows than one m-tile holds never splits (the route places
+    // its rows in atomic order, and a row's sums must not depend on its tile).
+    let deepseek = example_plan("deepseek_v3");
+    let gemm1 = &deepseek.regimes[0].gemm1;
+    assert!(!gemm1.runs_stream_k(288.0, f64::from(gemm1.tile.m + 1)));
     assert_eq!(decode_splits("mixtral_8x7b", 448, 64), (false, true));
     assert_eq!(decode_splits("qwen3_30b_a3b", 96, 128), (false, false));
     assert_eq!(decode_splits("gpt_oss_120b", 180, 180), (false, false));

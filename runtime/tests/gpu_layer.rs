@@ -964,24 +964,32 @@ fn fused_decode_matches_reference_and_repeats_identically() {
 
 /// Tiles of one grouped GEMM for a call's routing: each expert's rows in `bm`-row tiles
 /// (a shared slice has a row per token), times the GEMM's n-tiles (what the kernel's tile
-/// schedule counts).
-fn call_tiles(workload: &Workload, shape: &plan::LayerShape, gemm: &GemmPlan, n: u32) -> u32 {
+/// schedule counts); and the most rows a routed expert has.
+fn call_tiles(
+    workload: &Workload,
+    shape: &plan::LayerShape,
+    gemm: &GemmPlan,
+    n: u32,
+) -> (u32, u32) {
     let mut rows = vec![0u32; shape.experts as usize];
     for &id in &workload.topk_ids {
         rows[id as usize] += 1;
     }
+    let most_routed = rows.iter().copied().max().unwrap_or(0);
     rows.extend((0..shape.shared_slices).map(|_| workload.tokens));
     let m_tiles: u32 = rows.iter().map(|r| r.div_ceil(gemm.tile.m)).sum();
-    m_tiles * (n / gemm.tile.n)
+    (m_tiles * (n / gemm.tile.n), most_routed)
 }
 
 /// Calls whose last wave of whole tiles is short run stream-K (each block a run of k-tiles,
 /// a split tile summed and stored by its last block) where the tiles are large enough for
-/// it to pay. Layers pinned to 16x64 mma.sync tiles, with a deep GEMM1 (hidden 8192, FFN
-/// 256; once more with a shared expert, whose slices are GEMM experts with a row per token)
-/// and with a deep GEMM2 (hidden 128, FFN 8192), each at the first token counts whose
-/// routing splits that GEMM within its first wave and after full waves (the tiles counted
-/// here from the routing, so the test knows the split ran), match the CPU reference.
+/// it to pay and every routed expert's rows fit one m-tile. Layers of 32 experts pinned to
+/// 16x64 mma.sync tiles, with a deep GEMM1 (hidden 4096, FFN 1024; once more with a shared
+/// expert, whose slices are GEMM experts with a row per token) and with a wide GEMM2
+/// (hidden 2048, FFN 2048), each at the first token counts whose routing splits that GEMM
+/// within its first wave and after full waves (the tiles counted here from the routing, so
+/// the test knows the split ran), match the CPU reference, and a second run of each call
+/// writes the same bits.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn calls_that_split_stream_k_match_reference() {
@@ -994,16 +1002,16 @@ fn calls_that_split_stream_k_match_reference() {
     let mut failures = Vec::new();
     let mut runs: Vec<(Plan, Vec<(u32, u32)>)> = Vec::new();
     for (hidden, ffn, shared, up) in [
-        (8192, 256, false, true),
-        (8192, 256, true, true),
-        (128, 8192, false, false),
+        (4096, 1024, false, true),
+        (4096, 1024, true, true),
+        (2048, 2048, false, false),
     ] {
         let mut layer = layers::pinned(Activation::Swiglu, tile, 5);
         layer.name = format!(
             "stream_k_{hidden}x{ffn}{}",
             if shared { "_shared" } else { "" }
         );
-        (layer.hidden, layer.ffn) = (hidden, ffn);
+        (layer.hidden, layer.ffn, layer.experts) = (hidden, ffn, 32);
         if shared {
             layer.shared_experts = Some(SharedExperts { count: 1, ffn });
         }
@@ -1017,15 +1025,16 @@ fn calls_that_split_stream_k_match_reference() {
                 (&regime.gemm2, shape.hidden)
             };
             let routing = Workload::random(shape, t, Routing::Uniform, seed ^ u64::from(t));
-            let tiles = call_tiles(&routing, shape, gemm, n);
-            gemm.runs_stream_k(f64::from(tiles))
+            let (tiles, most_routed) = call_tiles(&routing, shape, gemm, n);
+            gemm.runs_stream_k(f64::from(tiles), f64::from(most_routed))
                 .then_some((tiles, tiles > gemm.grid_blocks))
         };
-        // A split within the first wave, then one after full waves: every 7th count finds
-        // each (a last wave's range spans dozens of tiles, hundreds of tokens here).
+        // A split within the first wave, then one after full waves: with every routed
+        // expert's rows within one m-tile, a split after full waves needs a narrow range of
+        // hit experts, so every count is tried.
         let mut chosen = Vec::new();
         for after_full_waves in [false, true] {
-            let found = (1..=shape.max_tokens).step_by(7).find_map(|t| {
+            let found = (1..=shape.max_tokens).find_map(|t| {
                 split_tiles(t)
                     .filter(|&(_, more)| more == after_full_waves)
                     .map(|(tiles, _)| (t, tiles))
@@ -1070,6 +1079,21 @@ fn calls_that_split_stream_k_match_reference() {
             log(&format!("{label}: {report}"));
             if !report.passed() {
                 failures.push(format!("{label}: {report}"));
+            }
+            // The route places rows in atomic order; the split must not depend on it.
+            let first = session
+                .run_collect(&built, &workload)
+                .expect("the call runs");
+            for call in 1..=20 {
+                let again = session
+                    .run_collect(&built, &workload)
+                    .expect("the call runs");
+                if again.y != first.y {
+                    failures.push(format!(
+                        "{label}: call {call} wrote other bits than the first"
+                    ));
+                    break;
+                }
             }
         }
     }

@@ -120,8 +120,9 @@ pub fn estimate(
 
     let concurrent = f64::from(target.sm_count * gemm.blocks_per_sm);
     // Stream-K deals the call's k-tiles evenly over every block: no partial last wave, and
-    // every block keeps its stages in flight.
-    let stream_k = gemm.runs_stream_k(tiles);
+    // every block keeps its stages in flight. (Uniform routing: the hit experts' rows
+    // taken as even.)
+    let stream_k = gemm.runs_stream_k(tiles, rows_per_hit.ceil());
     let waves = if stream_k {
         tiles / concurrent
     } else {

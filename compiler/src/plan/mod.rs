@@ -658,7 +658,13 @@ impl WarpRoles {
 
 /// Which calls of a GEMM run stream-K: those whose last wave of whole tiles (the tiles
 /// left after the full waves over the grid) has 1 to `max_last_wave` tiles, up to
-/// `max_tiles` tiles in all (the size of the arrival counters).
+/// `max_tiles` tiles in all (the size of the arrival counters), and in which every routed
+/// expert's rows fit one m-tile. The last condition keeps a call's result the same from
+/// one call to the next: stream-K splits a tile's k-loop where the tile's place in the
+/// call puts it, and the route places a routed expert's rows in atomic order, so a row
+/// that could land in either of two m-tiles was summed in two ways (found on one H200,
+/// 2026-12-02: Qwen3-30B-A3B at 163-219 tokens replayed from a CUDA graph wrote other
+/// bits than the same call run eagerly; every output was within the reference's bound).
 ///
 /// Dealt whole, a wave of n tiles of b bytes takes about max(n·b / HBM, b / one block's
 /// rate): a short last wave streams at a few blocks' pace while the rest idle. Split, the
@@ -704,10 +710,14 @@ impl StreamKTail {
         })
     }
 
-    /// Whether a call of `tiles` tiles on `grid` blocks splits.
-    pub fn splits(self, tiles: u32, grid: u32) -> bool {
+    /// Whether a call of `tiles` tiles on `grid` blocks splits, given whether every routed
+    /// expert's rows fit one m-tile.
+    pub fn splits(self, tiles: u32, grid: u32, routed_rows_fit_one_m_tile: bool) -> bool {
         let last_wave = tiles % grid;
-        tiles <= self.max_tiles && last_wave >= 1 && last_wave <= self.max_last_wave
+        tiles <= self.max_tiles
+            && last_wave >= 1
+            && last_wave <= self.max_last_wave
+            && routed_rows_fit_one_m_tile
     }
 }
 
@@ -769,10 +779,16 @@ impl GemmPlan {
             && (self.b_rows > self.tile.n || self.tile.n.is_multiple_of(2 * 8))
     }
 
-    /// Whether a call with `tiles` tiles runs stream-K.
-    pub fn runs_stream_k(&self, tiles: f64) -> bool {
-        self.stream_k
-            .is_some_and(|tail| tail.splits(tiles.round() as u32, self.grid_blocks))
+    /// Whether a call with `tiles` tiles, whose routed experts have at most
+    /// `most_routed_rows` rows each, runs stream-K.
+    pub fn runs_stream_k(&self, tiles: f64, most_routed_rows: f64) -> bool {
+        self.stream_k.is_some_and(|tail| {
+            tail.splits(
+                tiles.round() as u32,
+                self.grid_blocks,
+                most_routed_rows <= f64::from(self.tile.m),
+            )
+        })
     }
 
     /// Floats of [`BufferId::StreamKPartials`] this GEMM needs (0 without stream-K): two
