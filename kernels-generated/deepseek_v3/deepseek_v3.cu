@@ -167,9 +167,10 @@ __device__ __forceinline__ float activate(float gate, float up) { return silu(ga
 // The shared slices follow the routed experts, every token once each, in token order.
 // route_pairs runs on one block (the route kernel's, or in a self-routed call the
 // router's last); regimes with many pairs use the count and place kernels further down
-// instead. No host synchronisation. Row order inside an expert depends on atomic order,
-// which changes no result: every row is computed the same way wherever it sits, and the
-// combine reads rows by (token, k) slot.
+// instead. No host synchronisation. Row order inside a routed expert depends on atomic
+// order, which changes no result: every row is computed the same way wherever it sits (the
+// GEMMs split k-loops by stream-K only where a routed expert's rows fit one m-tile), and
+// the combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
     if (atomicCAS(error_word, 0, code) == 0) {
@@ -943,6 +944,20 @@ __device__ __forceinline__ unsigned char* aligned_ring() {
     return smem_raw + (smem_base - raw_base);
 }
 
+// Whether every routed expert's rows fit one m-tile (the shared slices may span many),
+// block-wide. Stream-K splits a tile's k-loop where the tile's place in the call puts
+// it, so a row's sums depend on its tile, and the route places a routed expert's rows in
+// atomic order (the shared slices' in token order): only where no routed row can land in
+// another m-tile from one call to the next does a call give the same result every time.
+template <int EXPERTS_HERE, int N_TILES>
+__device__ __forceinline__ bool routed_rows_fit_one_m_tile(const int* s_tile_start) {
+    bool fits = true;
+    for (int g = threadIdx.x; g < EXPERTS_HERE; g += blockDim.x) {
+        if (expert_in_tile_order<EXPERTS_HERE>(g) < EXPERTS && s_tile_start[g + 1] - s_tile_start[g] > N_TILES) fits = false;
+    }
+    return __syncthreads_and(fits);
+}
+
 // A block's run of k-tiles [k_begin, k_begin + k_count) of one tile (tile < 0: none).
 struct KRun {
     int tile, k_begin, k_count;
@@ -1175,7 +1190,8 @@ __device__ __forceinline__ void grouped_gemm(
     // bounds known at compile time.
     if constexpr (G::STREAM_K_MAX_TILES > 0) {
         const int last_wave = total_tiles % gridDim.x;
-        if (total_tiles <= G::STREAM_K_MAX_TILES && last_wave >= 1 && last_wave <= G::STREAM_K_MAX_LAST_WAVE) {
+        if (total_tiles <= G::STREAM_K_MAX_TILES && last_wave >= 1 && last_wave <= G::STREAM_K_MAX_LAST_WAVE &&
+            routed_rows_fit_one_m_tile<G::EXPERTS_HERE, N_TILES>(s_tile_start)) {
             const StreamKShare share(total_tiles * K_TILES, gridDim.x);
             if (blockIdx.x >= share.blocks) return;
             const int end = share.start(blockIdx.x + 1);

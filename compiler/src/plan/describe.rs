@@ -305,7 +305,7 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
                 format!(", clusters of {} sharing weight stages", gemm.cluster)
             } else if let Some(tail) = gemm.stream_k {
                 format!(
-                    ", stream-K where a last wave has 1..={} tiles",
+                    ", stream-K where a last wave has 1..={} tiles and no routed expert more rows than a tile",
                     tail.max_last_wave
                 )
             } else {
