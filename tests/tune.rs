@@ -27,6 +27,13 @@ fn tune_small(dir: &std::path::Path, extra: &[&str]) -> (String, std::process::O
     (cache_arg, output)
 }
 
+/// Lines of `explain` output that start (after indentation) with `prefix`.
+fn explain_lines(text: &str, prefix: &str) -> usize {
+    text.lines()
+        .filter(|l| l.trim_start().starts_with(prefix))
+        .count()
+}
+
 #[test]
 fn bad_arguments_are_usage_errors() {
     let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--candidates", "0"]);
@@ -112,14 +119,8 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
     let explain = moeforge_with_env(&["explain", SMALL], &env);
     let text = String::from_utf8_lossy(&explain.stdout);
     assert!(explain.status.success());
-    let regimes = text
-        .lines()
-        .filter(|l| l.trim_start().starts_with("regime "))
-        .count();
-    let tuned = text
-        .lines()
-        .filter(|l| l.trim_start().starts_with("tuned "))
-        .count();
+    let regimes = explain_lines(&text, "regime ");
+    let tuned = explain_lines(&text, "tuned ");
     assert!(
         regimes == 3 && tuned == regimes,
         "{regimes} regimes, {tuned} tuned:\n{text}"
@@ -159,10 +160,7 @@ fn tune_with_token_counts_touches_only_their_regimes() {
     let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
     let explain = moeforge_with_env(&["explain", SMALL], &env);
     let text = String::from_utf8_lossy(&explain.stdout);
-    let tuned = text
-        .lines()
-        .filter(|l| l.trim_start().starts_with("tuned "))
-        .count();
+    let tuned = explain_lines(&text, "tuned ");
     assert_eq!(tuned, 1, "{text}");
     std::fs::remove_dir_all(&dir).expect("cleans up");
 }

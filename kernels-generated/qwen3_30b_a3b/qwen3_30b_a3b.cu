@@ -701,6 +701,8 @@ struct StageLoader {
 
     __device__ __forceinline__ void a_rows(u32 stage_base, int k_offset, const int* s_row_source,
                                            const bf16_t* __restrict__ rows, const bf16_t* __restrict__ own_rows) const {
+        const bool inside = within_row(k_offset);
+        const int row_offset = inside ? k_offset : 0;
 #pragma unroll
         for (int step = 0; step < (G::BM + ROW_STEP - 1) / ROW_STEP; ++step) {
             const int r = first_row + step * ROW_STEP;
@@ -711,8 +713,7 @@ struct StageLoader {
                 // Index OWN_ROW_BASE + t is row t of this rank's own x.
                 if (source >= G::OWN_ROW_BASE) base = own_rows - (size_t)G::OWN_ROW_BASE * G::KD;
             }
-            const bool inside = within_row(k_offset);
-            cp_async_16(stage_base + swizzle<G::ROW_BYTES>(r, chunk), base + (size_t)max(source, 0) * G::KD + (inside ? k_offset : 0),
+            cp_async_16(stage_base + swizzle<G::ROW_BYTES>(r, chunk), base + (size_t)max(source, 0) * G::KD + row_offset,
                         source >= 0 && inside);
         }
     }
