@@ -22,53 +22,6 @@
 // ---------------------------------------------------------------------------------------
 enum : int { FLAG_KIND_EXPERT_ROWS = {{ flag_kind_expert_rows }} };
 
-// The routing of one call, laid out by one block in its shared memory: the expert-major
-// order of route_pairs (routed experts, then the shared slices), but each expert's rows in
-// pair order, so that every block derives the same rows (GEMM2 tiles read the rows that
-// other blocks' GEMM1 tiles wrote). One warp places 32 pairs at a time: lanes with the
-// same expert take consecutive rows in lane order. Ids out of range are left out; block 0
-// clears the error word (it runs first in the call) and reports the first of them.
-template <int THREADS>
-__device__ __forceinline__ void route_in_block(const int* topk_ids, int tokens, int* __restrict__ error_word,
-                                               int* s_offsets, int* s_row_pair, int* s_fill) {
-    const int pairs = tokens * TOP_K;
-    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
-    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += THREADS) s_fill[e] = e < EXPERTS ? 0 : tokens;
-    __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += THREADS) {
-        const int expert = topk_ids[p];
-        if ((unsigned)expert < (unsigned)EXPERTS) {
-            atomicAdd(&s_fill[expert], 1);
-        } else if (blockIdx.x == 0) {
-            report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_fill[e]; }, s_offsets);
-    __syncthreads();
-    for (int e = threadIdx.x; e < EXPERTS; e += THREADS) s_fill[e] = 0;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        for (int first = 0; first < pairs; first += 32) {
-            const int p = first + lane;
-            const int expert = p < pairs ? topk_ids[p] : -1;
-            const bool placed = (unsigned)expert < (unsigned)EXPERTS;
-            const u32 same = __match_any_sync(0xffffffffu, placed ? expert : -1);
-            const int before = __popc(same & ((1u << lane) - 1));
-            if (placed) s_row_pair[s_offsets[expert] + s_fill[expert] + before] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
-            __syncwarp();
-            if (placed && before == 0) s_fill[expert] += __popc(same);
-            __syncwarp();
-        }
-    }
-    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += THREADS) {
-        const int slice = i / tokens, token = i % tokens;
-        s_row_pair[s_offsets[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
-    }
-    __syncthreads();
-}
-
 // Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
 // slots in k order, by the whole block. The slots were stored by other blocks of this
 // kernel: read through L2.

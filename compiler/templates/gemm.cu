@@ -46,6 +46,28 @@ struct StreamKBuffers {
     u32* tiles_done = nullptr;  // [tiles]: per tile, the blocks done with their part (zero between calls)
 };
 
+// The call's routing as given, for the single-GPU mma.sync GEMMs, which route calls of at
+// most BLOCK_ROUTING_MAX_PAIRS (token, k) pairs in their blocks where the runtime left out
+// the route launch (`routes`, the same for both GEMMs of a call: the plan's regime says
+// whether both can): each block then lays out the routing in its own shared memory
+// (route_in_block) and reads the expert offsets and row table from there. GEMM1, the
+// call's first kernel then, passes the error word: its block 0 clears it and reports ids
+// out of range.
+struct CallRouting {
+    bool routes = false;
+    const int* topk_ids = nullptr;
+    int tokens = 0;
+    int* error_word = nullptr;
+};
+
+// Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
+// expert's first row (GEMM_EXPERTS + 1), fill counts (GEMM_EXPERTS), and the row table
+// (every pair, and every token once per shared slice).
+template <int MAX_PAIRS>
+__host__ __device__ constexpr int block_routing_ints() {
+    return MAX_PAIRS == 0 ? 0 : 2 * GEMM_EXPERTS + 1 + MAX_PAIRS + MAX_PAIRS / TOP_K * SHARED_SLICES;
+}
+
 // A stream-K call's k-tiles, every tile's in tile order, dealt to the blocks in contiguous
 // runs of nearly equal length. With fewer k-tiles than blocks only that many work, one
 // k-tile each, so that no run is empty.
@@ -662,27 +684,46 @@ __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
     const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
-    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule
-    const int* __restrict__ row_pair,         // [pairs]
+    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule (unread where the block routes)
+    const int* __restrict__ row_pair,         // [pairs] (unread where the block routes)
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
     const EpContext& ep,
-    const StreamKBuffers& stream_k = StreamKBuffers{})
+    const StreamKBuffers& stream_k = StreamKBuffers{},
+    const CallRouting& call = CallRouting{})
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
+    static_assert(G::BLOCK_ROUTING_MAX_PAIRS == 0 || !G::EP, "plan: only one GPU's GEMMs route in their blocks");
     constexpr int K_TILES = k_tiles<G>();
     constexpr int N_TILES = G::N / G::BN;
+    constexpr int TILE_TABLE = G::EXPERTS_HERE * G::PHASES + 1;
     unsigned char* smem = aligned_ring<G>();
-    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
-    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
+    __shared__ int s_tables[TILE_TABLE + block_routing_ints<G::BLOCK_ROUTING_MAX_PAIRS>()];
+    static_assert(static_smem_reserved(sizeof(s_tables)) == G::STATIC_SMEM_BYTES,
+                  "plan: static tile-start table (and routing tables)");
+    int* s_tile_start = s_tables;
+
+    // A call of few pairs was given no route launch: this block routes it (the ids were
+    // final before this kernel launched, as the weights were).
+    if constexpr (G::BLOCK_ROUTING_MAX_PAIRS > 0) {
+        if (call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS) {
+            int* s_offsets = s_tables + TILE_TABLE;
+            int* s_fill = s_offsets + GEMM_EXPERTS + 1;
+            int* s_row_pair = s_fill + GEMM_EXPERTS;
+            route_in_block<G::THREADS>(call.topk_ids, call.tokens, call.error_word, s_offsets, s_row_pair, s_fill);
+            row_offsets = s_offsets;
+            row_pair = s_row_pair;
+        }
+    }
 
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
     // WEIGHTS_BEFORE_WAIT: this kernel started early and has not yet waited for the one
     // ahead. Its first run then issues its first weight stages before it waits: its weights
-    // and tile schedule were final before it launched (the routing ran two launches back);
-    // only its A rows are GEMM1's output. (Warming L2 with the rest of the run's weights as
+    // and tile schedule were final before it launched (the routing ran two launches back, or
+    // the ids it routes in its blocks were final before GEMM1 read them); only its A rows
+    // are GEMM1's output. (Warming L2 with the rest of the run's weights as
     // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
     RingState ring{0, false};

@@ -4,6 +4,11 @@
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine, where route
 // is one launch of one block, or for regimes with many pairs route_count -> route_place.
+{%- if block_routing_max_pairs > 0 %}
+// A call of at most {{ block_routing_max_pairs }} (token, k) pairs whose regime runs both GEMMs on mma.sync
+// leaves out the route launch: gemm1 -> gemm2 -> combine, each GEMM block routing the call
+// in its own shared memory.
+{%- endif %}
 {%- if router.is_some() %}
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
@@ -109,6 +114,9 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     enum : int { STREAM_K_MAX_LAST_WAVE = {{ gemm.stream_k_max_last_wave }}, STREAM_K_MAX_TILES = {{ gemm.stream_k_max_tiles }} };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gemm.weights_before_wait }} };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = {{ gemm.block_routing_max_pairs }} };
 {%- endif %}
     enum : int { B_ROWS = {{ gemm.b_rows }} };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.

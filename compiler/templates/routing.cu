@@ -4,10 +4,11 @@
 // The shared slices follow the routed experts, every token once each, in token order.
 // route_pairs runs on one block (the route kernel's, or in a self-routed call the
 // router's last); regimes with many pairs use the count and place kernels further down
-// instead. No host synchronisation. Row order inside a routed expert depends on atomic
-// order, which changes no result: every row is computed the same way wherever it sits (the
-// GEMMs split k-loops by stream-K only where a routed expert's rows fit one m-tile), and
-// the combine reads rows by (token, k) slot.
+// instead; calls of a few pairs need neither where every block that reads the metadata
+// lays it out itself (route_in_block). No host synchronisation. Row order inside a routed
+// expert depends on atomic order, which changes no result: every row is computed the same
+// way wherever it sits (the GEMMs split k-loops by stream-K only where a routed expert's
+// rows fit one m-tile), and the combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
     if (atomicCAS(error_word, 0, code) == 0) {
@@ -88,6 +89,57 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
         const int slice = i / tokens, token = i % tokens;
         row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
+}
+
+// The routing of one call, laid out by one block in its shared memory: the expert-major
+// order of route_pairs (routed experts, then the shared slices), but each expert's rows in
+// pair order, so that every block derives the same rows (a GEMM2 tile reads the rows that
+// other blocks' GEMM1 tiles wrote). Blocks that route this way need no route launch ahead
+// of them: the fused decode's, and the table GEMMs' in calls of at most
+// BLOCK_ROUTING_MAX_PAIRS pairs. One warp places 32 pairs at a time: lanes with the same
+// expert take consecutive rows in lane order. Ids out of range are left out; with an
+// error word (the call's first kernel: the fused decode, GEMM1), its block 0 clears it
+// and reports the first of them.
+template <int THREADS>
+__device__ __forceinline__ void route_in_block(const int* topk_ids, int tokens, int* __restrict__ error_word,
+                                               int* s_offsets, int* s_row_pair, int* s_fill) {
+    const int pairs = tokens * TOP_K;
+    const bool reports = error_word != nullptr && blockIdx.x == 0;
+    if (reports && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += THREADS) s_fill[e] = e < EXPERTS ? 0 : tokens;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += THREADS) {
+        const int expert = topk_ids[p];
+        if ((unsigned)expert < (unsigned)EXPERTS) {
+            atomicAdd(&s_fill[expert], 1);
+        } else if (reports) {
+            report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_fill[e]; }, s_offsets);
+    __syncthreads();
+    for (int e = threadIdx.x; e < EXPERTS; e += THREADS) s_fill[e] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        for (int first = 0; first < pairs; first += 32) {
+            const int p = first + lane;
+            const int expert = p < pairs ? topk_ids[p] : -1;
+            const bool placed = (unsigned)expert < (unsigned)EXPERTS;
+            const u32 same = __match_any_sync(0xffffffffu, placed ? expert : -1);
+            const int before = __popc(same & ((1u << lane) - 1));
+            if (placed) s_row_pair[s_offsets[expert] + s_fill[expert] + before] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
+            __syncwarp();
+            if (placed && before == 0) s_fill[expert] += __popc(same);
+            __syncwarp();
+        }
+    }
+    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += THREADS) {
+        const int slice = i / tokens, token = i % tokens;
+        s_row_pair[s_offsets[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
+    }
+    __syncthreads();
 }
 
 {%- if let Some(route) = route %}

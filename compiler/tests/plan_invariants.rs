@@ -1252,3 +1252,89 @@ fn split_gates_run_on_wgmma_where_their_blocks_have_long_reductions() {
         "{explained}"
     );
 }
+
+/// The examples' decode regimes (both GEMMs mma.sync) route calls of up to 128 (token, k)
+/// pairs in the GEMMs' blocks, and only those; regimes on wgmma and the expert-parallel
+/// GEMMs never do; the GEMMs that do take the call's ids, token count and switch (GEMM1
+/// the error word too), and validation catches a GEMM that routes in its blocks without
+/// its tables or arguments.
+#[test]
+fn small_calls_route_in_the_gemms_blocks() {
+    for (name, top_k_tokens) in [
+        ("qwen3_30b_a3b", 16),
+        ("deepseek_v3", 16),
+        ("gpt_oss_120b", 32),
+        ("mixtral_8x7b", 64),
+    ] {
+        let plan = example_plan(name);
+        let top_k = plan.shape.top_k;
+        let decode = &plan.regimes[0];
+        let routing = decode
+            .block_routing(top_k)
+            .expect("the decode regime routes in blocks");
+        assert_eq!(
+            (routing.max_pairs, routing.max_tokens(top_k)),
+            (plan::BLOCK_ROUTING_MAX_PAIRS, top_k_tokens),
+            "{name}"
+        );
+        for tokens in [0, 1, top_k_tokens] {
+            assert!(decode.routes_in_blocks(tokens, top_k), "{name} at {tokens}");
+        }
+        assert!(!decode.routes_in_blocks(top_k_tokens + 1, top_k), "{name}");
+        for regime in &plan.regimes[1..] {
+            assert_eq!(regime.block_routing(top_k), None, "{name} {}", regime.name);
+        }
+        for (gemm, launch, up) in [
+            (
+                &decode.gemm1,
+                &decode
+                    .launches
+                    .iter()
+                    .find(|l| l.kernel == decode.gemm1_kernel),
+                true,
+            ),
+            (
+                &decode.gemm2,
+                &decode
+                    .launches
+                    .iter()
+                    .find(|l| l.kernel == decode.gemm2_kernel),
+                false,
+            ),
+        ] {
+            let args: Vec<&str> = launch
+                .expect("launched")
+                .params
+                .iter()
+                .map(|p| p.arg.name())
+                .collect();
+            assert!(
+                args.ends_with(if up {
+                    &["topk_ids", "tokens", "routes_in_blocks", "error_word"]
+                } else {
+                    &["topk_ids", "tokens", "routes_in_blocks"]
+                }),
+                "{name}: {args:?}"
+            );
+            assert!(gemm.block_routing.is_some());
+        }
+        if let Some(ep) = &plan.expert_parallel {
+            for regime in &ep.regimes {
+                assert_eq!(
+                    (regime.gemm1.block_routing, regime.gemm2.block_routing),
+                    (None, None)
+                );
+            }
+        }
+        plan.validate().expect("valid");
+
+        // Tables without the routing, or the routing without its tables, are refused.
+        let mut edited = plan.clone();
+        edited.regimes[0].gemm2.block_routing = None;
+        assert!(edited.validate().is_err(), "{name}: routing taken away");
+        let mut edited = plan.clone();
+        let last = edited.regimes.len() - 1;
+        edited.regimes[last].gemm1.block_routing = Some(routing);
+        assert!(edited.validate().is_err(), "{name}: routing on wgmma");
+    }
+}

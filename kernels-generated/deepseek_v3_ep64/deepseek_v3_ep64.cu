@@ -4,6 +4,9 @@
 //
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine, where route
 // is one launch of one block, or for regimes with many pairs route_count -> route_place.
+// A call of at most 128 (token, k) pairs whose regime runs both GEMMs on mma.sync
+// leaves out the route launch: gemm1 -> gemm2 -> combine, each GEMM block routing the call
+// in its own shared memory.
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 64 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
@@ -169,10 +172,11 @@ __device__ __forceinline__ float activate(float gate, float up) { return silu(ga
 // The shared slices follow the routed experts, every token once each, in token order.
 // route_pairs runs on one block (the route kernel's, or in a self-routed call the
 // router's last); regimes with many pairs use the count and place kernels further down
-// instead. No host synchronisation. Row order inside a routed expert depends on atomic
-// order, which changes no result: every row is computed the same way wherever it sits (the
-// GEMMs split k-loops by stream-K only where a routed expert's rows fit one m-tile), and
-// the combine reads rows by (token, k) slot.
+// instead; calls of a few pairs need neither where every block that reads the metadata
+// lays it out itself (route_in_block). No host synchronisation. Row order inside a routed
+// expert depends on atomic order, which changes no result: every row is computed the same
+// way wherever it sits (the GEMMs split k-loops by stream-K only where a routed expert's
+// rows fit one m-tile), and the combine reads rows by (token, k) slot.
 // ---------------------------------------------------------------------------------------
 __device__ __forceinline__ void report_error(int* error_word, int code, int token, int k, int value) {
     if (atomicCAS(error_word, 0, code) == 0) {
@@ -253,6 +257,57 @@ __device__ __forceinline__ void route_pairs(const int* topk_ids, int tokens, int
         const int slice = i / tokens, token = i % tokens;
         row_pair[s_offset[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
     }
+}
+
+// The routing of one call, laid out by one block in its shared memory: the expert-major
+// order of route_pairs (routed experts, then the shared slices), but each expert's rows in
+// pair order, so that every block derives the same rows (a GEMM2 tile reads the rows that
+// other blocks' GEMM1 tiles wrote). Blocks that route this way need no route launch ahead
+// of them: the fused decode's, and the table GEMMs' in calls of at most
+// BLOCK_ROUTING_MAX_PAIRS pairs. One warp places 32 pairs at a time: lanes with the same
+// expert take consecutive rows in lane order. Ids out of range are left out; with an
+// error word (the call's first kernel: the fused decode, GEMM1), its block 0 clears it
+// and reports the first of them.
+template <int THREADS>
+__device__ __forceinline__ void route_in_block(const int* topk_ids, int tokens, int* __restrict__ error_word,
+                                               int* s_offsets, int* s_row_pair, int* s_fill) {
+    const int pairs = tokens * TOP_K;
+    const bool reports = error_word != nullptr && blockIdx.x == 0;
+    if (reports && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    for (int e = threadIdx.x; e < GEMM_EXPERTS; e += THREADS) s_fill[e] = e < EXPERTS ? 0 : tokens;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += THREADS) {
+        const int expert = topk_ids[p];
+        if ((unsigned)expert < (unsigned)EXPERTS) {
+            atomicAdd(&s_fill[expert], 1);
+        } else if (reports) {
+            report_error(error_word, ERROR_EXPERT_ID_OUT_OF_RANGE, p / TOP_K, p % TOP_K, expert);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) warp_exclusive_scan(GEMM_EXPERTS, [&](int e) { return s_fill[e]; }, s_offsets);
+    __syncthreads();
+    for (int e = threadIdx.x; e < EXPERTS; e += THREADS) s_fill[e] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        for (int first = 0; first < pairs; first += 32) {
+            const int p = first + lane;
+            const int expert = p < pairs ? topk_ids[p] : -1;
+            const bool placed = (unsigned)expert < (unsigned)EXPERTS;
+            const u32 same = __match_any_sync(0xffffffffu, placed ? expert : -1);
+            const int before = __popc(same & ((1u << lane) - 1));
+            if (placed) s_row_pair[s_offsets[expert] + s_fill[expert] + before] = p / TOP_K * SLOTS_PER_TOKEN + p % TOP_K;
+            __syncwarp();
+            if (placed && before == 0) s_fill[expert] += __popc(same);
+            __syncwarp();
+        }
+    }
+    for (int i = threadIdx.x; i < tokens * SHARED_SLICES; i += THREADS) {
+        const int slice = i / tokens, token = i % tokens;
+        s_row_pair[s_offsets[EXPERTS + slice] + token] = token * SLOTS_PER_TOKEN + TOP_K + slice;
+    }
+    __syncthreads();
 }
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_route)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) deepseek_v3_ep64_route(
@@ -538,6 +593,28 @@ struct StreamKBuffers {
     float* partials = nullptr;  // [2 * gridDim.x][BM * B_ROWS]: per block, its first and its last partial tile
     u32* tiles_done = nullptr;  // [tiles]: per tile, the blocks done with their part (zero between calls)
 };
+
+// The call's routing as given, for the single-GPU mma.sync GEMMs, which route calls of at
+// most BLOCK_ROUTING_MAX_PAIRS (token, k) pairs in their blocks where the runtime left out
+// the route launch (`routes`, the same for both GEMMs of a call: the plan's regime says
+// whether both can): each block then lays out the routing in its own shared memory
+// (route_in_block) and reads the expert offsets and row table from there. GEMM1, the
+// call's first kernel then, passes the error word: its block 0 clears it and reports ids
+// out of range.
+struct CallRouting {
+    bool routes = false;
+    const int* topk_ids = nullptr;
+    int tokens = 0;
+    int* error_word = nullptr;
+};
+
+// Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
+// expert's first row (GEMM_EXPERTS + 1), fill counts (GEMM_EXPERTS), and the row table
+// (every pair, and every token once per shared slice).
+template <int MAX_PAIRS>
+__host__ __device__ constexpr int block_routing_ints() {
+    return MAX_PAIRS == 0 ? 0 : 2 * GEMM_EXPERTS + 1 + MAX_PAIRS + MAX_PAIRS / TOP_K * SHARED_SLICES;
+}
 
 // A stream-K call's k-tiles, every tile's in tile order, dealt to the blocks in contiguous
 // runs of nearly equal length. With fewer k-tiles than blocks only that many work, one
@@ -1155,27 +1232,46 @@ __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
     const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
     const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
-    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule
-    const int* __restrict__ row_pair,         // [pairs]
+    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule (unread where the block routes)
+    const int* __restrict__ row_pair,         // [pairs] (unread where the block routes)
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
     const EpContext& ep,
-    const StreamKBuffers& stream_k = StreamKBuffers{})
+    const StreamKBuffers& stream_k = StreamKBuffers{},
+    const CallRouting& call = CallRouting{})
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
+    static_assert(G::BLOCK_ROUTING_MAX_PAIRS == 0 || !G::EP, "plan: only one GPU's GEMMs route in their blocks");
     constexpr int K_TILES = k_tiles<G>();
     constexpr int N_TILES = G::N / G::BN;
+    constexpr int TILE_TABLE = G::EXPERTS_HERE * G::PHASES + 1;
     unsigned char* smem = aligned_ring<G>();
-    __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
-    static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
+    __shared__ int s_tables[TILE_TABLE + block_routing_ints<G::BLOCK_ROUTING_MAX_PAIRS>()];
+    static_assert(static_smem_reserved(sizeof(s_tables)) == G::STATIC_SMEM_BYTES,
+                  "plan: static tile-start table (and routing tables)");
+    int* s_tile_start = s_tables;
+
+    // A call of few pairs was given no route launch: this block routes it (the ids were
+    // final before this kernel launched, as the weights were).
+    if constexpr (G::BLOCK_ROUTING_MAX_PAIRS > 0) {
+        if (call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS) {
+            int* s_offsets = s_tables + TILE_TABLE;
+            int* s_fill = s_offsets + GEMM_EXPERTS + 1;
+            int* s_row_pair = s_fill + GEMM_EXPERTS;
+            route_in_block<G::THREADS>(call.topk_ids, call.tokens, call.error_word, s_offsets, s_row_pair, s_fill);
+            row_offsets = s_offsets;
+            row_pair = s_row_pair;
+        }
+    }
 
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
     // WEIGHTS_BEFORE_WAIT: this kernel started early and has not yet waited for the one
     // ahead. Its first run then issues its first weight stages before it waits: its weights
-    // and tile schedule were final before it launched (the routing ran two launches back);
-    // only its A rows are GEMM1's output. (Warming L2 with the rest of the run's weights as
+    // and tile schedule were final before it launched (the routing ran two launches back, or
+    // the ids it routes in its blocks were final before GEMM1 read them); only its A rows
+    // are GEMM1's output. (Warming L2 with the rest of the run's weights as
     // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
     RingState ring{0, false};
@@ -3304,11 +3400,14 @@ struct decode_gemm1 : SingleGpu {
     enum : int { STREAM_K_MAX_LAST_WAVE = 77, STREAM_K_MAX_TILES = 2112 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 128 };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
-    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 3712 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_gemm1(
@@ -3318,11 +3417,15 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_gem
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
-    u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
+    u32* __restrict__ stream_k_tiles_done,  // [tiles]: stream-K arrival counters, zero between calls
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int routes_in_blocks,  // 1: no route launch ran, each block routes this call
+    int* __restrict__ error_word  // [4]: code, then details
 )
 {
     start_after_previous_kernel();
-    grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
+    grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 396 persistent blocks (3 per SM)
@@ -3341,11 +3444,14 @@ struct decode_gemm2 : SingleGpu {
     enum : int { STREAM_K_MAX_LAST_WAVE = 91, STREAM_K_MAX_TILES = 3168 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 128 };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
-    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 3712 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_ep64_decode_gemm2(
@@ -3356,10 +3462,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_ep64_decode_gem
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     float* __restrict__ stream_k_partials,  // [2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K
-    u32* __restrict__ stream_k_tiles_done  // [tiles]: stream-K arrival counters, zero between calls
+    u32* __restrict__ stream_k_tiles_done,  // [tiles]: stream-K arrival counters, zero between calls
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int routes_in_blocks  // 1: no route launch ran, each block routes this call
 )
 {
-    grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done});
+    grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr});
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -3524,6 +3633,9 @@ struct decode_ep_gemm1 : ExpertParallel {
     enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
@@ -3564,6 +3676,9 @@ struct decode_ep_gemm2 : ExpertParallel {
     enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };

@@ -1083,7 +1083,8 @@ fn bind(
         | LaunchArg::W1Bias
         | LaunchArg::W2Bias
         | LaunchArg::IntermediateTiles { .. }
-        | LaunchArg::SortedXTiles { .. } => {
+        | LaunchArg::SortedXTiles { .. }
+        | LaunchArg::RoutesInBlocks => {
             return Err(LayerError::SingleGpuArg { arg: arg.name() });
         }
     })

@@ -283,6 +283,9 @@ pub struct MoeLayer {
     /// Whether calls the plan's fused decode covers run it; `MOEFORGE_FUSED_DECODE=0` runs
     /// the table instead.
     fused_decode: bool,
+    /// Whether calls the plan routes in the GEMMs' blocks do so; `MOEFORGE_BLOCK_ROUTING=0`
+    /// runs their route launch instead.
+    block_routing: bool,
     _module: LoadedKernels,
 }
 
@@ -314,6 +317,16 @@ fn early_start_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, Lay
     )
 }
 
+/// `MOEFORGE_BLOCK_ROUTING`: `0` runs the route launch of the calls the plan routes in the
+/// GEMMs' blocks, to measure what leaving it out changes.
+fn block_routing_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
+    switch_from(
+        lookup,
+        "MOEFORGE_BLOCK_ROUTING",
+        "1 (small calls routed in the GEMMs' blocks, the default) or 0 (by the route launch)",
+    )
+}
+
 /// `MOEFORGE_FUSED_DECODE`: `0` runs a regime's table where the plan would run its fused
 /// decode kernel, to measure what fusing changes.
 fn fused_decode_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
@@ -332,6 +345,7 @@ enum Binding {
     TopkWeights,
     Y,
     Tokens,
+    RoutesInBlocks,
     W1,
     W2,
     W1Bias,
@@ -562,6 +576,7 @@ impl MoeLayer {
         gpu.check_target(&plan.target)?;
         let early_start = early_start_from(|name| std::env::var(name).ok())?;
         let fused_decode = fused_decode_from(|name| std::env::var(name).ok())?;
+        let block_routing = block_routing_from(|name| std::env::var(name).ok())?;
         let shape = &plan.shape;
         // The shared slices are experts of the grouped GEMMs too, after the routed ones.
         weights.check(shape, shape.gemm_experts())?;
@@ -629,8 +644,15 @@ impl MoeLayer {
             tensor_maps,
             early_start,
             fused_decode,
+            block_routing,
             _module: module,
         })
+    }
+
+    /// Whether the calls the plan routes in the GEMMs' blocks do so (unless
+    /// `MOEFORGE_BLOCK_ROUTING=0`, which runs their route launch instead).
+    pub fn routes_in_blocks(&self) -> bool {
+        self.block_routing
     }
 
     /// Whether a call of `tokens` tokens runs the plan's fused decode (unless
@@ -675,7 +697,7 @@ impl MoeLayer {
             topk_ids: args.topk_ids,
             topk_weights: args.topk_weights,
         };
-        self.enqueue(args.tokens, args.x, args.y, routing, |_| true)
+        self.enqueue(args.tokens, args.x, args.y, routing, CallPart::Whole)
     }
 
     /// Enqueues one forward call that routes itself: the router's launches choose each
@@ -691,20 +713,25 @@ impl MoeLayer {
         if !self.routes_itself() {
             return Err(LayerError::NoGateWeights);
         }
-        self.enqueue(args.tokens, args.x, args.y, Routing::Router, |_| true)
+        self.enqueue(
+            args.tokens,
+            args.x,
+            args.y,
+            Routing::Router,
+            CallPart::Whole,
+        )
     }
 
     /// Enqueues only the plan's routing launches for a call ([`Plan::is_route_kernel`]):
     /// expert offsets and the expert-major row order land in the workspace
-    /// ([`MoeLayer::workspace_buffer`]). What an unfused pipeline shares with moeforge.
+    /// ([`MoeLayer::workspace_buffer`]), also for the calls a forward call routes in the
+    /// GEMMs' blocks instead. What an unfused pipeline shares with moeforge.
     pub fn route(&self, args: ForwardArgs<'_>) -> Result<(), LayerError> {
         let routing = Routing::Caller {
             topk_ids: args.topk_ids,
             topk_weights: args.topk_weights,
         };
-        self.enqueue(args.tokens, args.x, args.y, routing, |kernel| {
-            self.plan.is_route_kernel(kernel)
-        })
+        self.enqueue(args.tokens, args.x, args.y, routing, CallPart::RoutingOnly)
     }
 
     /// The workspace buffer `id` on the device (bytes; the plan gives its element type).
@@ -715,16 +742,17 @@ impl MoeLayer {
             .map(|(_, s)| s)
     }
 
-    /// Enqueues the launches of the call's regime whose kernel `selected` accepts, in the
-    /// table's order; a self-routed call runs the router's launches first, a fused router
-    /// in place of the route launch.
+    /// Enqueues the launches of `part` of the call's regime, in the table's order; a
+    /// self-routed call runs the router's launches first, a fused router in place of the
+    /// route launch. A whole call that the regime routes in the GEMMs' blocks
+    /// ([`Regime::routes_in_blocks`]) runs no route launch.
     fn enqueue(
         &self,
         tokens: u32,
         x: &CudaSlice<u16>,
         y: &mut CudaSlice<u16>,
         routing: Routing<'_>,
-        selected: impl Fn(&str) -> bool,
+        part: CallPart,
     ) -> Result<(), LayerError> {
         let shape = &self.plan.shape;
         if tokens > shape.max_tokens {
@@ -767,8 +795,9 @@ impl MoeLayer {
                 max: shape.max_tokens,
             })?;
         let regime = &self.plan.regimes[index];
-        let call = CallValues {
+        let mut call = CallValues {
             tokens,
+            routes_in_blocks: false,
             x: ptr(x, stream),
             y: ptr(y, stream),
             topk_ids,
@@ -799,15 +828,27 @@ impl MoeLayer {
         }
         // The bound launches are the table's, then the fused decode's.
         let bound = &self.regime_kernels[index];
-        if self.fused_decode
+        if part == CallPart::Whole
+            && self.fused_decode
             && let Some(fused) = regime.fused_decode.as_ref().filter(|f| f.covers(tokens))
-            && selected(&fused.launch.kernel)
         {
             return self.launch(&fused.launch, &bound[regime.launches.len()], &call);
         }
+        // A call of few pairs leaves its route launch out and the GEMMs' blocks route it,
+        // unless a fused router laid the metadata out already.
+        call.routes_in_blocks = part == CallPart::Whole
+            && self.block_routing
+            && !routed_by_router
+            && regime.routes_in_blocks(tokens, self.plan.shape.top_k);
         for (launch, bound) in regime.launches.iter().zip(bound) {
+            let is_route = self.plan.is_route_kernel(&launch.kernel);
             let replaced = routed_by_router && launch.kernel == self.plan.route_kernel;
-            if selected(&launch.kernel) && !replaced {
+            let left_out = is_route && call.routes_in_blocks;
+            let wanted = match part {
+                CallPart::Whole => !replaced && !left_out,
+                CallPart::RoutingOnly => is_route,
+            };
+            if wanted {
                 self.launch(launch, bound, &call)?;
             }
         }
@@ -862,6 +903,7 @@ impl MoeLayer {
                 ),
                 Binding::Y => ArgValue::Pointer(call.y),
                 Binding::Tokens => ArgValue::Int(call.tokens as i32),
+                Binding::RoutesInBlocks => ArgValue::Int(i32::from(call.routes_in_blocks)),
                 Binding::Workspace(i) => ArgValue::Pointer(ptr(&self.workspace[i].1, stream)),
                 Binding::TensorMap(i) => ArgValue::TensorMap(self.tensor_maps[i].1),
             })
@@ -904,9 +946,20 @@ impl MoeLayer {
     }
 }
 
+/// Which launches of a call [`MoeLayer::enqueue`] runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CallPart {
+    /// The whole forward call.
+    Whole,
+    /// Only its routing launches ([`MoeLayer::route`]).
+    RoutingOnly,
+}
+
 /// The device values of one call that launches read.
 struct CallValues {
     tokens: u32,
+    /// Whether the call runs without its route launch, the GEMMs' blocks routing it.
+    routes_in_blocks: bool,
     x: u64,
     y: u64,
     topk_ids: u64,
@@ -1069,6 +1122,7 @@ fn bind(
         LaunchArg::GateBias => Binding::GateBias,
         LaunchArg::Y => Binding::Y,
         LaunchArg::Tokens => Binding::Tokens,
+        LaunchArg::RoutesInBlocks => Binding::RoutesInBlocks,
         LaunchArg::Rank | LaunchArg::Epoch => {
             return Err(LayerError::MultiRankArg { arg: arg.name() });
         }
@@ -1093,12 +1147,16 @@ mod tests {
 
     type SwitchFrom = fn(&dyn Fn(&str) -> Option<String>) -> Result<bool, LayerError>;
 
-    /// `MOEFORGE_EARLY_START` and `MOEFORGE_FUSED_DECODE`: on unless the variable says 0.
+    /// `MOEFORGE_EARLY_START`, `MOEFORGE_FUSED_DECODE` and `MOEFORGE_BLOCK_ROUTING`: on
+    /// unless the variable says 0.
     #[test]
     fn switches_are_on_unless_their_variable_says_0() {
-        let switches: [(&str, SwitchFrom); 2] = [
+        let switches: [(&str, SwitchFrom); 3] = [
             ("MOEFORGE_EARLY_START", |lookup| early_start_from(lookup)),
             ("MOEFORGE_FUSED_DECODE", |lookup| fused_decode_from(lookup)),
+            ("MOEFORGE_BLOCK_ROUTING", |lookup| {
+                block_routing_from(lookup)
+            }),
         ];
         for (var, switch) in switches {
             let with = |value: Option<&str>| {

@@ -107,6 +107,15 @@ fn cases(plan: &Plan) -> Vec<(u32, Routing)> {
         if let Some(fused) = &regime.fused_decode {
             counts.extend([fused.max_tokens, fused.max_tokens + 1]);
         }
+        // The last call the GEMMs' blocks route, and the first the route launch routes.
+        if let Some(routing) = regime.block_routing(plan.shape.top_k) {
+            let last = routing.max_tokens(plan.shape.top_k);
+            counts.extend(
+                [last, last + 1]
+                    .into_iter()
+                    .filter(|&t| t <= regime.max_tokens),
+            );
+        }
         ragged.extend(ragged_tokens(regime));
     }
     counts.extend(&ragged);
@@ -404,6 +413,13 @@ fn default_suite_plans_cover_what_the_suite_claims() {
     assert!(
         scaled.len() >= 5,
         "the examples give distinct scaled layers"
+    );
+    // Calls routed in the GEMMs' blocks, and by the route launch after them in one regime.
+    assert!(
+        scaled.iter().any(|p| p.regimes.iter().any(|r| r
+            .block_routing(p.shape.top_k)
+            .is_some_and(|routing| routing.max_tokens(p.shape.top_k) < r.max_tokens))),
+        "a regime whose small calls route in the GEMMs' blocks and larger ones by the route launch"
     );
     let used = engines(&scaled);
     assert!(used.contains(&MmaEngine::WgmmaWarpSpecialized) && used.contains(&MmaEngine::MmaSync));
@@ -708,21 +724,26 @@ fn every_example_at_full_size_matches_reference_in_the_sweep() {
 #[ignore = "needs a CUDA GPU"]
 fn out_of_range_expert_id_is_reported_with_its_token() {
     let session = Session::open().expect("GPU session");
-    // The table's route kernel, and the fused decode's routing in every block.
+    // GEMM1's blocks routing a small call, the table's route kernel a larger one, and the
+    // fused decode's routing in every block.
     let fused = fused_decode_layers().pop().expect("the tiny fused layer");
-    for layer in [layers::tiny(Activation::Swiglu), fused] {
+    let tiny = layers::tiny(Activation::Swiglu);
+    for (layer, tokens) in [(tiny.clone(), 9), (tiny, 65), (fused, 9)] {
         let plan = plan_for_device(&layer);
+        let regime = plan.regime_for(tokens).expect("a regime");
         assert_eq!(
-            plan.regimes[0]
-                .fused_decode
-                .as_ref()
-                .map(|f| f.max_tokens >= 9),
+            regime.fused_decode.as_ref().map(|f| f.max_tokens >= tokens),
             layer.schedule.fused_decode.map(|_| true),
-            "the hinted layer runs 9 tokens fused"
+            "the hinted layer runs {tokens} tokens fused"
+        );
+        assert_eq!(
+            regime.routes_in_blocks(tokens, plan.shape.top_k),
+            tokens == 9,
+            "{tokens} tokens route in the GEMMs' blocks, 65 by the route kernel"
         );
         let built = session.build(plan, 3).expect("build");
         let shape = built.layer.plan().shape.clone();
-        let mut workload = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
+        let mut workload = Workload::random(&shape, tokens, Routing::Uniform, fresh_seed());
         workload.topk_ids[5 * 2 + 1] = shape.experts as i32 + 3;
         match session.run_checked(&built, &workload, CHECKED_TOKENS, 1) {
             Err(HarnessError::Layer(LayerError::ExpertIdOutOfRange {
@@ -739,7 +760,7 @@ fn out_of_range_expert_id_is_reported_with_its_token() {
             other => panic!("expected an out-of-range error, got {other:?}"),
         }
         // The next call with valid ids succeeds: the error word does not stick.
-        let valid = Workload::random(&shape, 9, Routing::Uniform, fresh_seed());
+        let valid = Workload::random(&shape, tokens, Routing::Uniform, fresh_seed());
         let report = session
             .run_checked(&built, &valid, CHECKED_TOKENS, 1)
             .expect("valid call after an error");

@@ -217,6 +217,9 @@ pub fn run(args: &Args) -> ExitCode {
     if !built.layer.starts_early() {
         println!("note: MOEFORGE_EARLY_START=0: every kernel launched the ordinary way");
     }
+    if !built.layer.routes_in_blocks() {
+        println!("note: MOEFORGE_BLOCK_ROUTING=0: every call runs its route launch");
+    }
     println!("{}", header());
     let outcome = bench_layer(
         &session,

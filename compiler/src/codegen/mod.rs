@@ -65,6 +65,9 @@ struct LayerUnit<'a> {
     shared_slices: u32,
     smem_row_bytes: u32,
     static_smem_granule: u32,
+    /// The largest calls, in (token, k) pairs, that a regime runs without its route launch
+    /// (0: none).
+    block_routing_max_pairs: u32,
     /// The routing entries the regimes launch: one block, or count then place.
     route: Option<EntryUnit>,
     route_count: Option<EntryUnit>,
@@ -366,6 +369,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::W1Bias => "[EXPERTS, W1 rows]: each expert's GEMM1 bias",
         LaunchArg::W2Bias => "[EXPERTS, HIDDEN]: each expert's GEMM2 bias",
         LaunchArg::Tokens => "tokens in this call",
+        LaunchArg::RoutesInBlocks => "1: no route launch ran, each block routes this call",
         LaunchArg::Rank => "this rank",
         LaunchArg::Epoch => "this call's epoch",
         LaunchArg::Workspace(id) => match id {
@@ -609,6 +613,9 @@ struct GemmUnit {
     /// mma.sync on one GPU: which calls run stream-K (0, 0: none).
     stream_k_max_last_wave: u32,
     stream_k_max_tiles: u32,
+    /// mma.sync on one GPU: the largest calls, in (token, k) pairs, routed in the blocks
+    /// (0: none).
+    block_routing_max_pairs: u32,
     /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
     producer_threads: u32,
     producer_registers: u32,
@@ -639,14 +646,14 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{a_tiles}{stream_k}",
+                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}{stream_k}",
+                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
@@ -720,10 +727,26 @@ impl GemmUnit {
         let stream_k = gemm.stream_k.is_some();
         let stream_k_buffers = [BufferId::StreamKPartials, BufferId::StreamKTilesDone]
             .map(|id| LaunchArg::Workspace(id).name());
+        // A GEMM that routes small calls in its blocks takes the call's ids, token count and
+        // whether this call routes so (GEMM1 the error word too), after the stream-K
+        // buffers (given, if empty).
+        let block_routing = gemm.block_routing.is_some();
         let stream_k_arg = if stream_k {
             format!(", StreamKBuffers{{{}}}", stream_k_buffers.join(", "))
+        } else if block_routing {
+            ", StreamKBuffers{}".to_string()
         } else {
             String::new()
+        };
+        let block_routing_uses: &[&str] = match (block_routing, up) {
+            (false, _) => &[],
+            (true, true) => &["topk_ids", "tokens", "routes_in_blocks", "error_word"],
+            (true, false) => &["topk_ids", "tokens", "routes_in_blocks"],
+        };
+        let block_routing_arg = match (block_routing, up) {
+            (false, _) => "",
+            (true, true) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word}",
+            (true, false) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}",
         };
         let uses: Vec<&str> = uses
             .iter()
@@ -739,6 +762,7 @@ impl GemmUnit {
             })
             .chain(bias_arg)
             .chain(stream_k_buffers.into_iter().filter(|_| stream_k))
+            .chain(block_routing_uses.iter().copied())
             .collect();
         let call_args = call_args
             .replace("{weights}", weights)
@@ -746,7 +770,8 @@ impl GemmUnit {
             .replace("{a_rows}", a_rows)
             .replace("{a_tiles}", &a_tiles_arg)
             .replace("{row_pair}", if row_table { "row_pair" } else { "nullptr" })
-            .replace("{stream_k}", &stream_k_arg);
+            .replace("{stream_k}", &stream_k_arg)
+            .replace("{block_routing}", block_routing_arg);
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         let weights_before_wait =
             role == GemmRole::Down && gemm.engine == MmaEngine::MmaSync && entry.early_start;
@@ -784,6 +809,7 @@ impl GemmUnit {
             weights_before_wait,
             stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
             stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),
+            block_routing_max_pairs: gemm.block_routing.map_or(0, |routing| routing.max_pairs),
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
             producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
             consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),
@@ -1158,6 +1184,13 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         shared_slices: shape.shared_slices,
         smem_row_bytes: SMEM_ROW_BYTES,
         static_smem_granule: STATIC_SMEM_GRANULE,
+        block_routing_max_pairs: plan
+            .regimes
+            .iter()
+            .filter_map(|regime| regime.block_routing(shape.top_k))
+            .map(|routing| routing.max_pairs)
+            .max()
+            .unwrap_or(0),
         route: EntryUnit::if_launched(plan, &plan.route_kernel, ROUTE_USES)?,
         route_count: EntryUnit::if_launched(plan, &plan.route_count_kernel, ROUTE_COUNT_USES)?,
         route_place: EntryUnit::if_launched(plan, &plan.route_place_kernel, ROUTE_PLACE_USES)?,

@@ -6,7 +6,7 @@ use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
 use super::network::NetworkPlan;
 use super::router::{GateEngine, RouterRegime};
 use super::tuning::ChoiceSource;
-use super::{Access, Grid, Launch, OutputStore, Plan, RegimeParts, RowLoad, StreamRole};
+use super::{Access, Grid, Launch, OutputStore, Plan, Regime, RegimeParts, RowLoad, StreamRole};
 
 /// One fact per line; `write!` into a `String` cannot fail.
 pub fn describe(plan: &Plan) -> String {
@@ -37,12 +37,13 @@ pub fn describe(plan: &Plan) -> String {
     if let Some(router) = &plan.router {
         let _ = writeln!(
             out,
-            "  router               {}: a self-routed call runs the regime's router launches (a fused router in place of the route launch), then the table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table as it is",
+            "  router               {}: a self-routed call runs the regime's router launches (a fused router in place of the route launch), then the table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table as it is (less the route launch where the GEMMs' blocks route it)",
             super::router::rule_summary(&router.rule)
         );
     }
     for (i, regime) in plan.regimes.iter().enumerate() {
         describe_regime(&mut out, "regime", regime.parts());
+        describe_block_routing(&mut out, regime, plan.shape.top_k);
         if let Some(router_regime) = plan.router.as_ref().and_then(|r| r.regimes.get(i)) {
             describe_router_regime(&mut out, router_regime);
         }
@@ -330,6 +331,17 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
             if fused.blocks_per_sm == 1 { "" } else { "s" }
         );
         describe_launch(out, &fused.launch);
+    }
+}
+
+fn describe_block_routing(out: &mut String, regime: &Regime, top_k: u32) {
+    if let Some(routing) = regime.block_routing(top_k) {
+        let _ = writeln!(
+            out,
+            "    route  calls of up to {} tokens ({} (token, k) pairs) run without the route launch: each block of both GEMMs routes the call in its shared memory, rows in pair order (GEMM1's block 0 clears the error word and reports ids out of range)",
+            routing.max_tokens(top_k),
+            routing.max_pairs
+        );
     }
 }
 

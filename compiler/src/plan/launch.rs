@@ -186,6 +186,9 @@ pub enum LaunchArg {
     GateBias,
     /// The token count T of the call, as i32.
     Tokens,
+    /// 1 where the call runs without a route launch and the GEMMs' blocks route it
+    /// ([`super::BlockRouting`]), else 0; as i32. One value for both GEMMs of the call.
+    RoutesInBlocks,
     /// This rank's index, as i32.
     Rank,
     /// The call's epoch (a counter the runtime raises every call), as u32: flags compare
@@ -231,6 +234,7 @@ impl LaunchArg {
             LaunchArg::GateWeightTiles { .. } => "gate_weight_tiles",
             LaunchArg::GateBias => "gate_bias",
             LaunchArg::Tokens => "tokens",
+            LaunchArg::RoutesInBlocks => "routes_in_blocks",
             LaunchArg::Rank => "rank",
             LaunchArg::Epoch => "epoch",
             LaunchArg::Workspace(id) => id.name(),
@@ -247,7 +251,7 @@ impl LaunchArg {
             | LaunchArg::GateBias
             | LaunchArg::W1Bias
             | LaunchArg::W2Bias => ParamType::Pointer(ElemType::F32),
-            LaunchArg::Tokens | LaunchArg::Rank => ParamType::I32,
+            LaunchArg::Tokens | LaunchArg::RoutesInBlocks | LaunchArg::Rank => ParamType::I32,
             LaunchArg::Epoch => ParamType::U32,
             LaunchArg::W1Tiles { .. }
             | LaunchArg::W2Tiles { .. }
@@ -469,6 +473,26 @@ fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
     ]
 }
 
+/// What a single-GPU GEMM that routes small calls in its blocks takes for it: the call's
+/// ids and token count, whether this call routes so; GEMM1, the first kernel of such a call, also the error word (its
+/// block 0 clears it and reports ids out of range).
+fn block_routing_params(gemm: &GemmPlan, up: bool) -> Vec<KernelParam> {
+    if gemm.block_routing.is_none() {
+        return Vec::new();
+    }
+    let mut params = vec![
+        KernelParam::read(LaunchArg::TopkIds),
+        KernelParam::read(LaunchArg::Tokens),
+        KernelParam::read(LaunchArg::RoutesInBlocks),
+    ];
+    if up {
+        params.push(KernelParam::write(LaunchArg::Workspace(
+            BufferId::ErrorWord,
+        )));
+    }
+    params
+}
+
 /// The launches of one forward call of a regime of a layer of `shape` (its routed experts
 /// and the shared slices; with expert biases the GEMMs take them too); with `early_start`
 /// each may start before the previous one ends.
@@ -535,6 +559,7 @@ pub fn launch_table(
                 .flatten()
                 .chain([write(Workspace(Intermediate))])
                 .chain(stream_k_params(g1))
+                .chain(block_routing_params(g1, true))
                 .collect(),
         },
         Launch {
@@ -555,6 +580,7 @@ pub fn launch_table(
                     write(Workspace(CombineSlots)),
                 ])
                 .chain(stream_k_params(g2))
+                .chain(block_routing_params(g2, false))
                 .collect(),
         },
         Launch {

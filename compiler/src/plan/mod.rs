@@ -542,6 +542,23 @@ pub struct Regime {
 }
 
 impl Regime {
+    /// How its calls of few pairs run without a route launch, each GEMM block routing the
+    /// call itself: where both GEMMs can (mma.sync on one GPU) and a call of the regime can
+    /// be that small.
+    pub fn block_routing(&self, top_k: u32) -> Option<BlockRouting> {
+        match (self.gemm1.block_routing, self.gemm2.block_routing) {
+            (Some(up), Some(down)) if up == down && up.covers(self.min_tokens, top_k) => Some(up),
+            _ => None,
+        }
+    }
+
+    /// Whether a call of `tokens` tokens runs without its route launch, routed in the
+    /// GEMMs' blocks.
+    pub fn routes_in_blocks(&self, tokens: u32, top_k: u32) -> bool {
+        self.block_routing(top_k)
+            .is_some_and(|routing| routing.covers(tokens, top_k))
+    }
+
     /// The table's launches, then the fused decode's (which a call of up to its
     /// `max_tokens` tokens runs instead).
     pub fn all_launches(&self) -> impl Iterator<Item = &Launch> {
@@ -721,6 +738,43 @@ impl StreamKTail {
     }
 }
 
+/// Calls of at most this many (token, k) pairs run without a route launch on one GPU where
+/// both GEMMs of their regime are mma.sync: each GEMM block lays out the call's routing
+/// in its own shared memory (`route_in_block`, `compiler/templates/routing.cu`), rows in
+/// pair order. The route launch's ramp and the wait for it sit on a decode call's critical
+/// path: GEMM1 cannot ask for a weight before it knows its experts. Measured on one H200
+/// (2026-12-03, one-token calls, the route launch left out of calls that reused the
+/// metadata of an earlier one): 3.7-5.7 µs off Qwen3-30B-A3B, GPT-OSS-120B and
+/// DeepSeek-V3, 2.8 µs off Mixtral-8x7B (`benches/results/2026-12-03_block_routing.md`).
+pub const BLOCK_ROUTING_MAX_PAIRS: u32 = 128;
+
+/// How a single-GPU mma.sync GEMM routes the calls of at most `max_pairs` (token, k)
+/// pairs itself, in each block (see [`BLOCK_ROUTING_MAX_PAIRS`]): its static shared
+/// memory holds the tables for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockRouting {
+    pub max_pairs: u32,
+}
+
+impl BlockRouting {
+    /// Whether a call of `tokens` tokens routes in the blocks.
+    pub fn covers(self, tokens: u32, top_k: u32) -> bool {
+        u64::from(tokens) * u64::from(top_k) <= u64::from(self.max_pairs)
+    }
+
+    /// The most tokens a call it covers has.
+    pub fn max_tokens(self, top_k: u32) -> u32 {
+        self.max_pairs / top_k.max(1)
+    }
+
+    /// Ints of the tables a block routes in: each expert's first row (`gemm_experts` + 1),
+    /// fill counts (`gemm_experts`), the row table (every pair, and every token once per
+    /// shared slice). `block_routing_ints` in `gemm.cu` says the same.
+    pub fn table_ints(self, gemm_experts: u32, top_k: u32, shared_slices: u32) -> u32 {
+        2 * gemm_experts + 1 + self.max_pairs + self.max_tokens(top_k) * shared_slices
+    }
+}
+
 /// How one grouped GEMM is tiled and launched.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmPlan {
@@ -752,6 +806,10 @@ pub struct GemmPlan {
     /// mma.sync GEMMs whose tiles are large enough for it to pay (`None` elsewhere).
     #[serde(default)]
     pub stream_k: Option<StreamKTail>,
+    /// Which calls its blocks route themselves, without a route launch (single-GPU
+    /// mma.sync GEMMs; `None` elsewhere).
+    #[serde(default)]
+    pub block_routing: Option<BlockRouting>,
     /// Blocks per thread-block cluster: 1, or 2 for a warp-specialised pair that works on
     /// two tiles of one weight panel at a time, each block loading half of the panel's
     /// stage and multicasting it to both (see [`CLUSTER_PAIR`]).
@@ -864,8 +922,9 @@ pub const CLUSTER_PAIR: u32 = 2;
 /// `[align slack][stage 0 .. stage S-1][row sources: i32 × BM][stage barriers]`, the ring
 /// starting on a `ring_align` boundary, the barriers (warp-specialised engine only: a
 /// "full" and an "empty" mbarrier per stage) 8-byte aligned; static memory is the
-/// tile-start table, i32 × (E + 1). The generated code asserts that its own layout adds up
-/// to these numbers.
+/// tile-start table, i32 × (E + 1), then the tables a block routes a call in where it
+/// does ([`BlockRouting::table_ints`]). The generated code asserts that its own layout
+/// adds up to these numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SmemLayout {
     /// Bytes of one row of a stage (the tile's k bf16, swizzled in 16-byte chunks).
@@ -886,19 +945,21 @@ pub struct SmemLayout {
     /// `align_slack + barrier_offset` (no barriers).
     pub dynamic_bytes: u32,
     /// The static tile-start table, `4·(groups + 1)` bytes (a group per expert, or per
-    /// (source, local expert) on the expert-parallel path), as reserved (rounded up to
-    /// [`STATIC_SMEM_GRANULE`]).
+    /// (source, local expert) on the expert-parallel path), and the routing tables (4 bytes
+    /// per int), as reserved (rounded up to [`STATIC_SMEM_GRANULE`]).
     pub static_bytes: u32,
 }
 
 impl SmemLayout {
-    /// The layout of a block whose tile table covers `experts` groups of rows.
+    /// The layout of a block whose tile table covers `tile_groups` groups of rows, with
+    /// `routing_ints` ints of routing tables.
     pub fn new(
         engine: MmaEngine,
         tile: TileShape,
         b_rows: u32,
         stages: u32,
         tile_groups: u32,
+        routing_ints: u32,
     ) -> Self {
         let row_bytes = tile.k * 2;
         let stage_bytes = (tile.m + b_rows) * row_bytes;
@@ -928,7 +989,7 @@ impl SmemLayout {
             row_source_offset,
             barrier_offset,
             dynamic_bytes: align_slack + barrier_offset + barrier_bytes,
-            static_bytes: static_smem_reserved(4 * (tile_groups + 1)),
+            static_bytes: static_smem_reserved(4 * (tile_groups + 1 + routing_ints)),
         }
     }
 
@@ -1035,6 +1096,17 @@ impl GemmProblem {
     /// row phase.
     pub fn row_groups(&self) -> u32 {
         (self.experts + self.always_hit) * self.row_phases
+    }
+
+    /// How an mma.sync GEMM of this problem routes small calls in its blocks: on one GPU,
+    /// where a call of one token fits [`BLOCK_ROUTING_MAX_PAIRS`].
+    pub fn block_routing(&self, engine: MmaEngine) -> Option<BlockRouting> {
+        (engine == MmaEngine::MmaSync
+            && self.row_phases == 1
+            && self.top_k <= BLOCK_ROUTING_MAX_PAIRS)
+            .then_some(BlockRouting {
+                max_pairs: BLOCK_ROUTING_MAX_PAIRS,
+            })
     }
 
     /// Rows of one expert's weight matrix: N, or gate and up rows (2·N) when gated.
@@ -1768,13 +1840,33 @@ fn shape_gemm(
             engine.name()
         ));
     }
-    let smem = SmemLayout::new(engine, tile, b_rows, stages, problem.row_groups());
+    let block_routing = problem.block_routing(engine);
+    let routing_ints = block_routing.map_or(0, |routing| {
+        routing.table_ints(
+            problem.experts + problem.always_hit,
+            problem.top_k,
+            problem.always_hit,
+        )
+    });
+    let smem = SmemLayout::new(
+        engine,
+        tile,
+        b_rows,
+        stages,
+        problem.row_groups(),
+        routing_ints,
+    );
     if smem.total_bytes() > target.smem_per_block {
         return Err(format!(
-            "{} bytes of shared memory ({stages} stages of {} B, row table, {} B of tile table) exceed the {} a block may use",
+            "{} bytes of shared memory ({stages} stages of {} B, row table, {} B of {}) exceed the {} a block may use",
             smem.total_bytes(),
             smem.stage_bytes,
             smem.static_bytes,
+            if block_routing.is_some() {
+                "tile and routing tables"
+            } else {
+                "tile table"
+            },
             target.smem_per_block,
         ));
     }
@@ -1829,6 +1921,7 @@ fn shape_gemm(
         blocks_per_sm,
         grid_blocks,
         stream_k,
+        block_routing,
         cluster: 1,
         estimate: GemmEstimate::default(),
         source: tuning::ChoiceSource::CostModel,

@@ -14,11 +14,11 @@ use super::launch::StreamRole;
 use super::network::NetworkPlan;
 use super::router::{self, GateEngine, RouterPlan};
 use super::{
-    Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmPlan, Grid, INVERT_ROWS_THREADS,
-    LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH, MmaEngine, OutputStore,
-    Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad, SORT_ROWS_THREADS, SmemLayout,
-    StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token, fused_decode, sorts_x_rows,
-    workspace,
+    Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid,
+    INVERT_ROWS_THREADS, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH,
+    MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad,
+    SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token,
+    fused_decode, sorts_x_rows, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -138,7 +138,11 @@ impl Plan {
                 .map_err(|e| format!("router: {e}"))?;
         }
 
-        self.check_regimes(self.regimes.iter().map(Regime::parts), shape.gemm_experts())?;
+        self.check_regimes(
+            self.regimes.iter().map(Regime::parts),
+            shape.gemm_experts(),
+            1,
+        )?;
         // The combine covers a token's row only with as many blocks (of COMBINE_THREADS
         // threads, a 16-byte vector each) as its columns need.
         let combine_grid = Grid::TokenTiles {
@@ -176,6 +180,7 @@ impl Plan {
             self.check_regimes(
                 regimes,
                 (ep.experts_per_rank + shape.shared_slices) * ep.ranks,
+                ep.ranks,
             )
             .map_err(|e| format!("expert-parallel: {e}"))?;
         }
@@ -563,12 +568,14 @@ impl Plan {
     }
 
     /// Regimes cover 0..=max_tokens in order; each GEMM's tile divides its problem, its
-    /// shared-memory layout (for `experts` groups of rows) adds up, its warps fit the tile,
-    /// and its launch agrees with it; every launch is well formed.
+    /// shared-memory layout (for `tile_groups` groups of rows in `row_phases` phases, and
+    /// the tables of its block routing) adds up, its warps fit the tile, and its launch
+    /// agrees with it; every launch is well formed.
     fn check_regimes<'a>(
         &self,
         regimes: impl Iterator<Item = RegimeParts<'a>>,
         tile_groups: u32,
+        row_phases: u32,
     ) -> Result<(), String> {
         let shape = &self.shape;
         let mut next_min = 0u64;
@@ -594,8 +601,26 @@ impl Plan {
                 {
                     return Err(format!("the tile of `{kernel}` does not divide {n}x{k}"));
                 }
-                let layout =
-                    SmemLayout::new(gemm.engine, tile, gemm.b_rows, gemm.stages, tile_groups);
+                // Only one GPU's mma.sync GEMMs route in their blocks (the expert-parallel
+                // path has more groups of rows than experts).
+                let kind = if up { GemmKind::Up } else { GemmKind::Down };
+                let problem = GemmProblem::for_layer(shape, kind, row_phases);
+                if gemm.block_routing != problem.block_routing(gemm.engine) {
+                    return Err(format!(
+                        "`{kernel}` routes in its blocks where its plan cannot, or not where it can"
+                    ));
+                }
+                let routing_ints = gemm.block_routing.map_or(0, |routing| {
+                    routing.table_ints(shape.gemm_experts(), shape.top_k, shape.shared_slices)
+                });
+                let layout = SmemLayout::new(
+                    gemm.engine,
+                    tile,
+                    gemm.b_rows,
+                    gemm.stages,
+                    tile_groups,
+                    routing_ints,
+                );
                 if gemm.smem != layout || gemm.smem_bytes != layout.dynamic_bytes {
                     return Err(format!(
                         "the shared-memory layout of `{kernel}` does not add up"
@@ -729,6 +754,22 @@ impl Plan {
         if gemm.stream_k.is_some() && warp_specialized {
             return Err(format!(
                 "`{kernel}` splits tiles stream-K, which only the mma.sync engine does"
+            ));
+        }
+        // A GEMM that routes in its blocks reads the call's ids and token count, and
+        // whether the call routes so; GEMM1, the call's first kernel then, also clears and
+        // writes the error word.
+        let takes = |arg: LaunchArg| launch.params.iter().any(|param| param.arg == arg);
+        let routing_args = [
+            LaunchArg::TopkIds,
+            LaunchArg::Tokens,
+            LaunchArg::RoutesInBlocks,
+        ];
+        let routes_in_blocks = routing_args.into_iter().all(takes)
+            && (!up || takes(LaunchArg::Workspace(BufferId::ErrorWord)));
+        if gemm.block_routing.is_some() && !routes_in_blocks {
+            return Err(format!(
+                "`{kernel}` routes in its blocks but is not given the call's ids, token count, whether it routes so and the error word"
             ));
         }
         if gemm.a_load == RowLoad::Tiles && !warp_specialized {
