@@ -573,10 +573,10 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices, unless the call runs the fused decode,
-    // which routes it itself.
-    if constexpr (G::FUSED_DECODE_MAX_TOKENS > 0) {
-        if (tokens <= G::FUSED_DECODE_MAX_TOKENS) return;
+    // Routing metadata over every token's choices, unless the call runs the fused decode or
+    // the GEMMs' blocks route it, which route it themselves.
+    if constexpr (G::METADATA_LEFT_OUT_MAX_TOKENS > 0) {
+        if (tokens <= G::METADATA_LEFT_OUT_MAX_TOKENS) return;
     }
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
@@ -808,8 +808,9 @@ struct {{ gate.config }} {
     enum : int { STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }} };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = {{ gate.fused_decode_max_tokens }} };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = {{ gate.metadata_left_out_max_tokens }} };
 {%- endif %}
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})

@@ -1255,8 +1255,9 @@ fn split_gates_run_on_wgmma_where_their_blocks_have_long_reductions() {
 
 /// The examples' decode regimes (both GEMMs mma.sync) route calls of up to 128 (token, k)
 /// pairs in the GEMMs' blocks, and only those; regimes on wgmma and the expert-parallel
-/// GEMMs never do; the GEMMs that do take the call's ids, token count and switch (GEMM1
-/// the error word too), and validation catches a GEMM that routes in its blocks without
+/// GEMMs never do; a fused router leaves the metadata out for those calls; the GEMMs that
+/// do take the call's ids, token count and switch (GEMM1 the error word too), and
+/// validation catches a GEMM that routes in its blocks without
 /// its tables or arguments.
 #[test]
 fn small_calls_route_in_the_gemms_blocks() {
@@ -1281,6 +1282,12 @@ fn small_calls_route_in_the_gemms_blocks() {
             assert!(decode.routes_in_blocks(tokens, top_k), "{name} at {tokens}");
         }
         assert!(!decode.routes_in_blocks(top_k_tokens + 1, top_k), "{name}");
+        // A fused router leaves the metadata out for those calls (no fused decode here).
+        assert_eq!(
+            decode.router_metadata_left_out_max_tokens(top_k),
+            top_k_tokens,
+            "{name}"
+        );
         for regime in &plan.regimes[1..] {
             assert_eq!(regime.block_routing(top_k), None, "{name} {}", regime.name);
         }

@@ -2300,10 +2300,10 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices, unless the call runs the fused decode,
-    // which routes it itself.
-    if constexpr (G::FUSED_DECODE_MAX_TOKENS > 0) {
-        if (tokens <= G::FUSED_DECODE_MAX_TOKENS) return;
+    // Routing metadata over every token's choices, unless the call runs the fused decode or
+    // the GEMMs' blocks route it, which route it themselves.
+    if constexpr (G::METADATA_LEFT_OUT_MAX_TOKENS > 0) {
+        if (tokens <= G::METADATA_LEFT_OUT_MAX_TOKENS) return;
     }
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
@@ -2529,8 +2529,9 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 163840 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 32 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_router)
 extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
@@ -2561,8 +2562,9 @@ struct mid_router_gate_64x16 {
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 92160 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_router_gate_64x16)
 extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate_64x16(
@@ -2586,8 +2588,9 @@ struct mid_router_gate_64x32 {
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 110592 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_mid_router_gate_64x32)
 extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate_64x32(

@@ -2296,10 +2296,10 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices, unless the call runs the fused decode,
-    // which routes it itself.
-    if constexpr (G::FUSED_DECODE_MAX_TOKENS > 0) {
-        if (tokens <= G::FUSED_DECODE_MAX_TOKENS) return;
+    // Routing metadata over every token's choices, unless the call runs the fused decode or
+    // the GEMMs' blocks route it, which route it themselves.
+    if constexpr (G::METADATA_LEFT_OUT_MAX_TOKENS > 0) {
+        if (tokens <= G::METADATA_LEFT_OUT_MAX_TOKENS) return;
     }
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
@@ -2524,8 +2524,9 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 16 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_router)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router(
@@ -2555,8 +2556,9 @@ struct mid_router_gate_16x32 {
     enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_16x32)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_16x32(
@@ -2580,8 +2582,9 @@ struct mid_router_gate_64x16 {
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_64x16)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_64x16(
@@ -2605,8 +2608,9 @@ struct prefill_router_gate_64x32 {
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode, which routes them itself (0: none).
-    enum : int { FUSED_DECODE_MAX_TOKENS = 0 };
+    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
+    // which route them themselves: no routing metadata for them (0: none).
+    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_64x32)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router_gate_64x32(

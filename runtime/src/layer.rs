@@ -805,8 +805,9 @@ impl MoeLayer {
         };
 
         // A fused router lays out the routing metadata and clears the error word as the
-        // route kernel does (for a call the fused decode covers, the fused decode does
-        // both). At T = 0 its grid is empty and the route kernel (or the fused decode)
+        // route kernel does, except for calls the fused decode or the GEMMs' blocks route
+        // (`Regime::router_metadata_left_out_max_tokens`), which do both. At T = 0 its
+        // grid is empty and the route kernel (or the fused decode, or GEMM1's blocks)
         // runs instead, so that a stale error of an earlier call is not reported.
         let mut routed_by_router = false;
         if matches!(routing, Routing::Router)
@@ -818,13 +819,11 @@ impl MoeLayer {
             for launch in regime.launches_for(tokens) {
                 self.launch(&regime.launches[launch], &kernels[launch], &call)?;
             }
-            // Where the plan's fused decode covers the call, a fused router leaves the
-            // metadata to it: the table's route launch runs if the table does.
-            let fused_decode_covers = self.plan.regimes[index]
-                .fused_decode
-                .as_ref()
-                .is_some_and(|fused| fused.covers(tokens));
-            routed_by_router = regime.fused && !fused_decode_covers;
+            // Where a fused router leaves the metadata out, the table's route launch runs
+            // if the table runs and does not route the call in the GEMMs' blocks.
+            let left_out =
+                self.plan.regimes[index].router_metadata_left_out_max_tokens(shape.top_k);
+            routed_by_router = regime.fused && tokens > left_out;
         }
         // The bound launches are the table's, then the fused decode's.
         let bound = &self.regime_kernels[index];
@@ -834,8 +833,8 @@ impl MoeLayer {
         {
             return self.launch(&fused.launch, &bound[regime.launches.len()], &call);
         }
-        // A call of few pairs leaves its route launch out and the GEMMs' blocks route it,
-        // unless a fused router laid the metadata out already.
+        // A call of few pairs leaves its route launch out and the GEMMs' blocks route it
+        // (a fused router has left the metadata out for it).
         call.routes_in_blocks = part == CallPart::Whole
             && self.block_routing
             && !routed_by_router

@@ -901,9 +901,9 @@ struct RouterUnit {
 /// GEMM's tile.
 struct GateUnit {
     fused: bool,
-    /// Calls of up to this many tokens run the regime's fused decode, which routes them
-    /// itself: a fused router leaves out the routing metadata for them (0: none do).
-    fused_decode_max_tokens: u32,
+    /// Calls of up to this many tokens run the regime's fused decode or are routed in the
+    /// GEMMs' blocks: a fused router leaves out the routing metadata for them (0: none).
+    metadata_left_out_max_tokens: u32,
     regime: String,
     min_tokens: u32,
     max_tokens: u32,
@@ -970,7 +970,8 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
             };
             Ok(GateUnit {
                 fused: router_regime.fused,
-                fused_decode_max_tokens: regime.fused_decode.as_ref().map_or(0, |f| f.max_tokens),
+                metadata_left_out_max_tokens: regime
+                    .router_metadata_left_out_max_tokens(plan.shape.top_k),
                 regime: regime.name.clone(),
                 min_tokens: gate.min_tokens,
                 max_tokens: gate.max_tokens,

@@ -552,6 +552,19 @@ impl Regime {
         }
     }
 
+    /// The largest calls for which a fused router leaves out the routing metadata: those
+    /// the fused decode or the GEMMs' blocks route themselves (0: none).
+    pub fn router_metadata_left_out_max_tokens(&self, top_k: u32) -> u32 {
+        let fused = self
+            .fused_decode
+            .as_ref()
+            .map_or(0, |fused| fused.max_tokens);
+        let blocks = self
+            .block_routing(top_k)
+            .map_or(0, |routing| routing.max_tokens(top_k).min(self.max_tokens));
+        fused.max(blocks)
+    }
+
     /// Whether a call of `tokens` tokens runs without its route launch, routed in the
     /// GEMMs' blocks.
     pub fn routes_in_blocks(&self, tokens: u32, top_k: u32) -> bool {
