@@ -73,27 +73,6 @@ __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, co
     combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, first_column, end_column);
 }
 
-// Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
-// slots in k order, by the whole block, in place of the combine kernel (the fused decode's
-// last tile of a column tile, or GEMM2's in a call routed in its blocks). The slots were
-// stored by other blocks of this kernel: read through L2.
-template <int THREADS, int COLUMNS>
-__device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* topk_ids, int tokens, int first_column,
-                                                bf16_t* __restrict__ y) {
-    constexpr int VECTORS = COLUMNS / 8;
-    static_assert(COLUMNS % 8 == 0, "plan: a column tile is whole 16-byte vectors");
-    for (int v = threadIdx.x; v < tokens * VECTORS; v += THREADS) {
-        const int token = v / VECTORS, column = first_column + v % VECTORS * 8;
-        const bf16_t* rows[SLOTS_PER_TOKEN];
-#pragma unroll
-        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
-            const bool present = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-            rows[k] = present ? slots + ((size_t)token * SLOTS_PER_TOKEN + k) * HIDDEN : nullptr;
-        }
-        *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = sum_slot_vectors<SLOTS_PER_TOKEN, true>(rows, column);
-    }
-}
-
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ combine.name }})
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}(
     {{ combine.params }}

@@ -22,6 +22,26 @@
 // ---------------------------------------------------------------------------------------
 enum : int { FLAG_KIND_EXPERT_ROWS = {{ flag_kind_expert_rows }} };
 
+// Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
+// slots in k order, by the whole block. The slots were stored by other blocks of this
+// kernel: read through L2.
+template <int THREADS, int COLUMNS>
+__device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* topk_ids, int tokens, int first_column,
+                                                bf16_t* __restrict__ y) {
+    constexpr int VECTORS = COLUMNS / 8;
+    static_assert(COLUMNS % 8 == 0, "plan: a column tile is whole 16-byte vectors");
+    for (int v = threadIdx.x; v < tokens * VECTORS; v += THREADS) {
+        const int token = v / VECTORS, column = first_column + v % VECTORS * 8;
+        const bf16_t* rows[SLOTS_PER_TOKEN];
+#pragma unroll
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            const bool present = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+            rows[k] = present ? slots + ((size_t)token * SLOTS_PER_TOKEN + k) * HIDDEN : nullptr;
+        }
+        *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = sum_slot_vectors<SLOTS_PER_TOKEN, true>(rows, column);
+    }
+}
+
 // The fused call, with the regime's two GEMM configurations: G1 (GEMM_UP) and G2
 // (GEMM_DOWN), both mma.sync with the same threads; the kernel's dynamic shared memory
 // is the larger ring. `counters`: [GEMM_EXPERTS] GEMM1 tiles stored per expert, then

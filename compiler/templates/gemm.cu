@@ -48,19 +48,16 @@ struct StreamKBuffers {
 
 // The call's routing as given, for the single-GPU mma.sync GEMMs, which route calls of at
 // most BLOCK_ROUTING_MAX_PAIRS (token, k) pairs in their blocks where the runtime left out
-// the route and combine launches (`routes`, the same for both GEMMs of a call: the plan's
-// regime says whether both can): each block then lays out the routing in its own shared
-// memory (route_in_block) and reads the expert offsets and row table from there. GEMM1,
-// the call's first kernel then, passes the error word: its block 0 clears it and reports
-// ids out of range. GEMM2, the last, passes y and a counter per column tile: the block
-// that stores a column tile's last tile sums that column tile of every token into y.
+// the route launch (`routes`, the same for both GEMMs of a call: the plan's regime says
+// whether both can): each block then lays out the routing in its own shared memory
+// (route_in_block) and reads the expert offsets and row table from there. GEMM1, the
+// call's first kernel then, passes the error word: its block 0 clears it and reports ids
+// out of range.
 struct CallRouting {
     bool routes = false;
     const int* topk_ids = nullptr;
     int tokens = 0;
     int* error_word = nullptr;
-    bf16_t* y = nullptr;
-    u32* columns_done = nullptr;
 };
 
 // Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
@@ -524,8 +521,7 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 
 // One block's run `run` on the mma.sync engine: load and multiply its k-tiles, then store
 // the tile (whole, or as the last of a split tile's blocks; `share`, the call's stream-K
-// deal, only for a part of a tile; `*stored_out`, if given, says whether this block stored
-// it). `smem` is the block's ring, aligned (the row table
+// deal, only for a part of a tile). `smem` is the block's ring, aligned (the row table
 // follows it), `s_tile_start` the tile schedule, `ring` where the ring stands. Once its
 // last k-tile is multiplied, and before its epilogue, the run sends out the first weight
 // stages of the block's next run `next` (weights depend on nothing another kernel
@@ -537,7 +533,7 @@ __device__ __forceinline__ RingState mma_sync_run(
     const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
-    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out, bool* stored_out = nullptr)
+    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
 {
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
@@ -679,7 +675,6 @@ __device__ __forceinline__ RingState mma_sync_run(
     __syncthreads();  // the next tile reuses the ring and the row table; every store is done
     if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
     *tile_out = t;
-    if (stored_out != nullptr) *stored_out = stores;
     return next_ring;
 }
 
@@ -710,10 +705,8 @@ __device__ __forceinline__ void grouped_gemm(
 
     // A call of few pairs was given no route launch: this block routes it (the ids were
     // final before this kernel launched, as the weights were).
-    bool routed_here = false;
     if constexpr (G::BLOCK_ROUTING_MAX_PAIRS > 0) {
-        routed_here = call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS;
-        if (routed_here) {
+        if (call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS) {
             int* s_offsets = s_tables + TILE_TABLE;
             int* s_fill = s_offsets + GEMM_EXPERTS + 1;
             int* s_row_pair = s_fill + GEMM_EXPERTS;
@@ -725,17 +718,6 @@ __device__ __forceinline__ void grouped_gemm(
 
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
-
-    // GEMM2 of a call routed here has no combine launch behind it: with no tile at all
-    // (every id out of range, reported), y is zeros, as the combine kernel would write.
-    if constexpr (G::KIND == GEMM_DOWN && G::BLOCK_ROUTING_MAX_PAIRS > 0) {
-        if (routed_here && total_tiles == 0) {
-            Vec16* y = reinterpret_cast<Vec16*>(call.y);
-            for (int i = blockIdx.x * G::THREADS + threadIdx.x; i < call.tokens * HIDDEN / 8; i += gridDim.x * G::THREADS) {
-                y[i] = Vec16{0u, 0u, 0u, 0u};
-            }
-        }
-    }
 
     // WEIGHTS_BEFORE_WAIT: this kernel started early and has not yet waited for the one
     // ahead. Its first run then issues its first weight stages before it waits: its weights
@@ -749,17 +731,9 @@ __device__ __forceinline__ void grouped_gemm(
         const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
         GemmTile t;
-        bool stored = false;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
-                               [](const GemmTile&) { start_after_previous_kernel(); }, &t, &stored);
-        // GEMM2 of a call routed here: the block that stores a column tile's last tile sums
-        // that column tile of every token's slots into y, in k order, as the combine would.
-        if constexpr (G::KIND == GEMM_DOWN && G::BLOCK_ROUTING_MAX_PAIRS > 0) {
-            if (routed_here && stored && last_arrival(call.columns_done + t.n0 / G::BN, (u32)(total_tiles / N_TILES))) {
-                combine_columns<G::THREADS, G::BN>(out, call.topk_ids, call.tokens, t.n0, call.y);
-            }
-        }
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of

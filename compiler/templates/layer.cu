@@ -6,8 +6,8 @@
 // is one launch of one block, or for regimes with many pairs route_count -> route_place.
 {%- if block_routing_max_pairs > 0 %}
 // A call of at most {{ block_routing_max_pairs }} (token, k) pairs whose regime runs both GEMMs on mma.sync
-// leaves out the route and combine launches: gemm1 -> gemm2, each GEMM block routing the
-// call in its own shared memory, GEMM2 summing each column tile into y once it is stored.
+// leaves out the route launch: gemm1 -> gemm2 -> combine, each GEMM block routing the call
+// in its own shared memory.
 {%- endif %}
 {%- if router.is_some() %}
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
@@ -67,7 +67,6 @@ enum : int { ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }} };  // exper
 
 {% include "routing.cu" %}
 {% include "flags.cu" %}
-{% include "combine.cu" %}
 {% include "gemm.cu" %}
 {%- if !wgmma_widths.is_empty() %}
 {% include "gemm_wgmma.cu" %}
@@ -78,6 +77,7 @@ enum : int { ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }} };  // exper
 {%- if let Some(router) = router %}
 {% include "router.cu" %}
 {%- endif %}
+{% include "combine.cu" %}
 {%- if fused_decode %}
 {% include "decode_fused.cu" %}
 {%- endif %}

@@ -5,8 +5,8 @@
 // Forward call, per regime (stream order): route -> gemm1 -> gemm2 -> combine, where route
 // is one launch of one block, or for regimes with many pairs route_count -> route_place.
 // A call of at most 128 (token, k) pairs whose regime runs both GEMMs on mma.sync
-// leaves out the route and combine launches: gemm1 -> gemm2, each GEMM block routing the
-// call in its own shared memory, GEMM2 summing each column tile into y once it is stored.
+// leaves out the route launch: gemm1 -> gemm2 -> combine, each GEMM block routing the call
+// in its own shared memory.
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 8 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 128 experts on one GPU
@@ -481,121 +481,6 @@ __device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, int* erro
     return true;
 }
 // ---------------------------------------------------------------------------------------
-// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
-// the routed pairs, then the shared slices. Each thread sums 8 columns (one 16-byte
-// vector) at a time; the single-GPU combine spreads a token's row over
-// COMBINE_BLOCKS_PER_TOKEN blocks of one step each, so that a few tokens still use many SMs.
-// ---------------------------------------------------------------------------------------
-// Eight columns from `column` of the sum of SLOTS result rows, in k order; `rows[k]` is
-// nullptr where the pair is absent (the routing reported it). THROUGH_L2: the rows were
-// written by other blocks of the running kernel.
-template <int SLOTS, bool THROUGH_L2 = false>
-__device__ __forceinline__ Vec16 sum_slot_vectors(const bf16_t* const* rows, int column) {
-    // A batch of slots' vectors at a time, loaded before they are summed so that their
-    // loads are in flight together (left to itself, ptxas interleaved some with the sums:
-    // Qwen3-30B-A3B's combine took 4.2 instead of 2.9 us at one token); every slot in one
-    // batch up to 16 (DeepSeek-V3's 9 as 8 + 1 took 5.4 instead of 4.2 us), so that the
-    // registers this holds stay bounded for a large K.
-    constexpr int BATCH = SLOTS <= 16 ? SLOTS : 8;
-    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int first = 0; first < SLOTS; first += BATCH) {
-        Vec16 v[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int k = first + j;
-            if (k >= SLOTS || rows[k] == nullptr) continue;
-            const Vec16* source = reinterpret_cast<const Vec16*>(rows[k] + column);
-            if constexpr (THROUGH_L2) {
-                asm volatile("ld.global.cg.v4.u32 { %0, %1, %2, %3}, [%4];\n"
-                             : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
-                             : "l"(source));
-            } else {
-                v[j] = *source;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int k = first + j;
-            if (k >= SLOTS || rows[k] == nullptr) continue;
-            const u32 words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
-                sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
-            }
-        }
-    }
-    Vec16 packed;
-    packed.x = pack_bf16x2(sum[0], sum[1]);
-    packed.y = pack_bf16x2(sum[2], sum[3]);
-    packed.z = pack_bf16x2(sum[4], sum[5]);
-    packed.w = pack_bf16x2(sum[6], sum[7]);
-    return packed;
-}
-
-// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, over
-// columns [first_column, end_column) by the whole block.
-template <int SLOTS>
-__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
-                                             int end_column = HIDDEN) {
-    for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
-        *reinterpret_cast<Vec16*>(y_row + column) = sum_slot_vectors<SLOTS>(rows, column);
-    }
-}
-
-// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`,
-// over columns [first_column, end_column).
-template <int SLOTS>
-__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y,
-                                              int first_column = 0, int end_column = HIDDEN) {
-    const bf16_t* rows[SLOTS];
-#pragma unroll
-    for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
-    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, first_column, end_column);
-}
-
-// Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
-// slots in k order, by the whole block, in place of the combine kernel (the fused decode's
-// last tile of a column tile, or GEMM2's in a call routed in its blocks). The slots were
-// stored by other blocks of this kernel: read through L2.
-template <int THREADS, int COLUMNS>
-__device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* topk_ids, int tokens, int first_column,
-                                                bf16_t* __restrict__ y) {
-    constexpr int VECTORS = COLUMNS / 8;
-    static_assert(COLUMNS % 8 == 0, "plan: a column tile is whole 16-byte vectors");
-    for (int v = threadIdx.x; v < tokens * VECTORS; v += THREADS) {
-        const int token = v / VECTORS, column = first_column + v % VECTORS * 8;
-        const bf16_t* rows[SLOTS_PER_TOKEN];
-#pragma unroll
-        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
-            const bool present = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-            rows[k] = present ? slots + ((size_t)token * SLOTS_PER_TOKEN + k) * HIDDEN : nullptr;
-        }
-        *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = sum_slot_vectors<SLOTS_PER_TOKEN, true>(rows, column);
-    }
-}
-
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_combine)
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_combine(
-    const bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
-    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
-    bf16_t* __restrict__ y  // [tokens, HIDDEN]
-)
-{
-    start_after_previous_kernel();
-    const int token = blockIdx.x / COMBINE_BLOCKS_PER_TOKEN;
-    const int first_column = blockIdx.x % COMBINE_BLOCKS_PER_TOKEN * COMBINE_COLUMNS_PER_BLOCK;
-    const int end_column = min(first_column + COMBINE_COLUMNS_PER_BLOCK, HIDDEN);
-    bool present[SLOTS_PER_TOKEN];
-#pragma unroll
-    for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
-        present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
-    }
-    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, first_column, end_column);
-}
-#endif
-// ---------------------------------------------------------------------------------------
 // Grouped GEMM over experts: the parts both engines share (tile schedule, row sources,
 // stage loads, epilogue), then the mma.sync engine (m16n8k16, ldmatrix, cp.async ring).
 //
@@ -645,19 +530,16 @@ struct StreamKBuffers {
 
 // The call's routing as given, for the single-GPU mma.sync GEMMs, which route calls of at
 // most BLOCK_ROUTING_MAX_PAIRS (token, k) pairs in their blocks where the runtime left out
-// the route and combine launches (`routes`, the same for both GEMMs of a call: the plan's
-// regime says whether both can): each block then lays out the routing in its own shared
-// memory (route_in_block) and reads the expert offsets and row table from there. GEMM1,
-// the call's first kernel then, passes the error word: its block 0 clears it and reports
-// ids out of range. GEMM2, the last, passes y and a counter per column tile: the block
-// that stores a column tile's last tile sums that column tile of every token into y.
+// the route launch (`routes`, the same for both GEMMs of a call: the plan's regime says
+// whether both can): each block then lays out the routing in its own shared memory
+// (route_in_block) and reads the expert offsets and row table from there. GEMM1, the
+// call's first kernel then, passes the error word: its block 0 clears it and reports ids
+// out of range.
 struct CallRouting {
     bool routes = false;
     const int* topk_ids = nullptr;
     int tokens = 0;
     int* error_word = nullptr;
-    bf16_t* y = nullptr;
-    u32* columns_done = nullptr;
 };
 
 // Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
@@ -1121,8 +1003,7 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 
 // One block's run `run` on the mma.sync engine: load and multiply its k-tiles, then store
 // the tile (whole, or as the last of a split tile's blocks; `share`, the call's stream-K
-// deal, only for a part of a tile; `*stored_out`, if given, says whether this block stored
-// it). `smem` is the block's ring, aligned (the row table
+// deal, only for a part of a tile). `smem` is the block's ring, aligned (the row table
 // follows it), `s_tile_start` the tile schedule, `ring` where the ring stands. Once its
 // last k-tile is multiplied, and before its epilogue, the run sends out the first weight
 // stages of the block's next run `next` (weights depend on nothing another kernel
@@ -1134,7 +1015,7 @@ __device__ __forceinline__ RingState mma_sync_run(
     const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
-    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out, bool* stored_out = nullptr)
+    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
 {
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
@@ -1276,7 +1157,6 @@ __device__ __forceinline__ RingState mma_sync_run(
     __syncthreads();  // the next tile reuses the ring and the row table; every store is done
     if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
     *tile_out = t;
-    if (stored_out != nullptr) *stored_out = stores;
     return next_ring;
 }
 
@@ -1307,10 +1187,8 @@ __device__ __forceinline__ void grouped_gemm(
 
     // A call of few pairs was given no route launch: this block routes it (the ids were
     // final before this kernel launched, as the weights were).
-    bool routed_here = false;
     if constexpr (G::BLOCK_ROUTING_MAX_PAIRS > 0) {
-        routed_here = call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS;
-        if (routed_here) {
+        if (call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS) {
             int* s_offsets = s_tables + TILE_TABLE;
             int* s_fill = s_offsets + GEMM_EXPERTS + 1;
             int* s_row_pair = s_fill + GEMM_EXPERTS;
@@ -1322,17 +1200,6 @@ __device__ __forceinline__ void grouped_gemm(
 
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
-
-    // GEMM2 of a call routed here has no combine launch behind it: with no tile at all
-    // (every id out of range, reported), y is zeros, as the combine kernel would write.
-    if constexpr (G::KIND == GEMM_DOWN && G::BLOCK_ROUTING_MAX_PAIRS > 0) {
-        if (routed_here && total_tiles == 0) {
-            Vec16* y = reinterpret_cast<Vec16*>(call.y);
-            for (int i = blockIdx.x * G::THREADS + threadIdx.x; i < call.tokens * HIDDEN / 8; i += gridDim.x * G::THREADS) {
-                y[i] = Vec16{0u, 0u, 0u, 0u};
-            }
-        }
-    }
 
     // WEIGHTS_BEFORE_WAIT: this kernel started early and has not yet waited for the one
     // ahead. Its first run then issues its first weight stages before it waits: its weights
@@ -1346,17 +1213,9 @@ __device__ __forceinline__ void grouped_gemm(
         const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
         GemmTile t;
-        bool stored = false;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
-                               [](const GemmTile&) { start_after_previous_kernel(); }, &t, &stored);
-        // GEMM2 of a call routed here: the block that stores a column tile's last tile sums
-        // that column tile of every token's slots into y, in k order, as the combine would.
-        if constexpr (G::KIND == GEMM_DOWN && G::BLOCK_ROUTING_MAX_PAIRS > 0) {
-            if (routed_here && stored && last_arrival(call.columns_done + t.n0 / G::BN, (u32)(total_tiles / N_TILES))) {
-                combine_columns<G::THREADS, G::BN>(out, call.topk_ids, call.tokens, t.n0, call.y);
-            }
-        }
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of
@@ -2774,6 +2633,100 @@ extern "C" __global__ void __launch_bounds__(384) qwen3_30b_a3b_prefill_router_g
 }
 #endif
 // ---------------------------------------------------------------------------------------
+// Combine: y[t] = sum over k of slot[t, k], in k order (deterministic, no float atomics):
+// the routed pairs, then the shared slices. Each thread sums 8 columns (one 16-byte
+// vector) at a time; the single-GPU combine spreads a token's row over
+// COMBINE_BLOCKS_PER_TOKEN blocks of one step each, so that a few tokens still use many SMs.
+// ---------------------------------------------------------------------------------------
+// Eight columns from `column` of the sum of SLOTS result rows, in k order; `rows[k]` is
+// nullptr where the pair is absent (the routing reported it). THROUGH_L2: the rows were
+// written by other blocks of the running kernel.
+template <int SLOTS, bool THROUGH_L2 = false>
+__device__ __forceinline__ Vec16 sum_slot_vectors(const bf16_t* const* rows, int column) {
+    // A batch of slots' vectors at a time, loaded before they are summed so that their
+    // loads are in flight together (left to itself, ptxas interleaved some with the sums:
+    // Qwen3-30B-A3B's combine took 4.2 instead of 2.9 us at one token); every slot in one
+    // batch up to 16 (DeepSeek-V3's 9 as 8 + 1 took 5.4 instead of 4.2 us), so that the
+    // registers this holds stay bounded for a large K.
+    constexpr int BATCH = SLOTS <= 16 ? SLOTS : 8;
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int first = 0; first < SLOTS; first += BATCH) {
+        Vec16 v[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int k = first + j;
+            if (k >= SLOTS || rows[k] == nullptr) continue;
+            const Vec16* source = reinterpret_cast<const Vec16*>(rows[k] + column);
+            if constexpr (THROUGH_L2) {
+                asm volatile("ld.global.cg.v4.u32 { %0, %1, %2, %3}, [%4];\n"
+                             : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
+                             : "l"(source));
+            } else {
+                v[j] = *source;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int k = first + j;
+            if (k >= SLOTS || rows[k] == nullptr) continue;
+            const u32 words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                sum[2 * i] += bf16_to_float((bf16_t)(words[i] & 0xffffu));
+                sum[2 * i + 1] += bf16_to_float((bf16_t)(words[i] >> 16));
+            }
+        }
+    }
+    Vec16 packed;
+    packed.x = pack_bf16x2(sum[0], sum[1]);
+    packed.y = pack_bf16x2(sum[2], sum[3]);
+    packed.z = pack_bf16x2(sum[4], sum[5]);
+    packed.w = pack_bf16x2(sum[6], sum[7]);
+    return packed;
+}
+
+// The sum of one token's SLOTS result rows into its output row `y_row`, in k order, over
+// columns [first_column, end_column) by the whole block.
+template <int SLOTS>
+__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
+                                             int end_column = HIDDEN) {
+    for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
+        *reinterpret_cast<Vec16*>(y_row + column) = sum_slot_vectors<SLOTS>(rows, column);
+    }
+}
+
+// The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`,
+// over columns [first_column, end_column).
+template <int SLOTS>
+__device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y,
+                                              int first_column = 0, int end_column = HIDDEN) {
+    const bf16_t* rows[SLOTS];
+#pragma unroll
+    for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
+    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, first_column, end_column);
+}
+
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_combine)
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_combine(
+    const bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    bf16_t* __restrict__ y  // [tokens, HIDDEN]
+)
+{
+    start_after_previous_kernel();
+    const int token = blockIdx.x / COMBINE_BLOCKS_PER_TOKEN;
+    const int first_column = blockIdx.x % COMBINE_BLOCKS_PER_TOKEN * COMBINE_COLUMNS_PER_BLOCK;
+    const int end_column = min(first_column + COMBINE_COLUMNS_PER_BLOCK, HIDDEN);
+    bool present[SLOTS_PER_TOKEN];
+#pragma unroll
+    for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+        present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
+    }
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, first_column, end_column);
+}
+#endif
+// ---------------------------------------------------------------------------------------
 // Expert parallelism: 8 ranks (one GPU per rank), 16 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
@@ -3394,12 +3347,10 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_gemm2(
     bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
-    int routes_in_blocks,  // 1: no route launch ran, each block routes this call
-    bf16_t* __restrict__ y,  // [tokens, HIDDEN]
-    u32* __restrict__ combine_columns_done  // [H / BN of GEMM2]: tiles stored per column tile in a call routed in the blocks, zero between calls
+    int routes_in_blocks  // 1: no route launch ran, each block routes this call
 )
 {
-    grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr, y, combine_columns_done});
+    grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr});
 }
 #endif
 // ---------------------------------------------------------------------------------------

@@ -745,7 +745,7 @@ impl MoeLayer {
     /// Enqueues the launches of `part` of the call's regime, in the table's order; a
     /// self-routed call runs the router's launches first, a fused router in place of the
     /// route launch. A whole call that the regime routes in the GEMMs' blocks
-    /// ([`Regime::routes_in_blocks`]) runs no route or combine launch.
+    /// ([`Regime::routes_in_blocks`]) runs no route launch.
     fn enqueue(
         &self,
         tokens: u32,
@@ -833,8 +833,8 @@ impl MoeLayer {
         {
             return self.launch(&fused.launch, &bound[regime.launches.len()], &call);
         }
-        // A call of few pairs leaves its route and combine launches out: the GEMMs' blocks
-        // route it (a fused router has left the metadata out for it), GEMM2 sums it into y.
+        // A call of few pairs leaves its route launch out and the GEMMs' blocks route it
+        // (a fused router has left the metadata out for it).
         call.routes_in_blocks = part == CallPart::Whole
             && self.block_routing
             && !routed_by_router
@@ -842,9 +842,7 @@ impl MoeLayer {
         for (launch, bound) in regime.launches.iter().zip(bound) {
             let is_route = self.plan.is_route_kernel(&launch.kernel);
             let replaced = routed_by_router && launch.kernel == self.plan.route_kernel;
-            // GEMM2 sums such a call into y itself.
-            let is_combine = launch.kernel == self.plan.combine_kernel;
-            let left_out = call.routes_in_blocks && (is_route || is_combine);
+            let left_out = is_route && call.routes_in_blocks;
             let wanted = match part {
                 CallPart::Whole => !replaced && !left_out,
                 CallPart::RoutingOnly => is_route,

@@ -419,9 +419,6 @@ fn param_comment(arg: LaunchArg) -> &'static str {
                 "[2 * GEMM_EXPERTS + HIDDEN / BN + 2]: fused decode counters, zero between calls"
             }
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
-            BufferId::CombineColumnsDone => {
-                "[H / BN of GEMM2]: tiles stored per column tile in a call routed in the blocks, zero between calls"
-            }
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
             BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
             BufferId::NetSendSlot | BufferId::NetSendPair | BufferId::NetSendWeight => {
@@ -731,8 +728,8 @@ impl GemmUnit {
         let stream_k_buffers = [BufferId::StreamKPartials, BufferId::StreamKTilesDone]
             .map(|id| LaunchArg::Workspace(id).name());
         // A GEMM that routes small calls in its blocks takes the call's ids, token count and
-        // whether this call routes so (GEMM1 the error word too, GEMM2 y and its column
-        // counters), after the stream-K buffers (given, if empty).
+        // whether this call routes so (GEMM1 the error word too), after the stream-K
+        // buffers (given, if empty).
         let block_routing = gemm.block_routing.is_some();
         let stream_k_arg = if stream_k {
             format!(", StreamKBuffers{{{}}}", stream_k_buffers.join(", "))
@@ -744,20 +741,12 @@ impl GemmUnit {
         let block_routing_uses: &[&str] = match (block_routing, up) {
             (false, _) => &[],
             (true, true) => &["topk_ids", "tokens", "routes_in_blocks", "error_word"],
-            (true, false) => &[
-                "topk_ids",
-                "tokens",
-                "routes_in_blocks",
-                "y",
-                "combine_columns_done",
-            ],
+            (true, false) => &["topk_ids", "tokens", "routes_in_blocks"],
         };
         let block_routing_arg = match (block_routing, up) {
             (false, _) => "",
             (true, true) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word}",
-            (true, false) => {
-                ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr, y, combine_columns_done}"
-            }
+            (true, false) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}",
         };
         let uses: Vec<&str> = uses
             .iter()

@@ -37,7 +37,7 @@ pub fn describe(plan: &Plan) -> String {
     if let Some(router) = &plan.router {
         let _ = writeln!(
             out,
-            "  router               {}: a self-routed call runs the regime's router launches (a fused router in place of the route launch), then the table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table as it is (less the route and combine launches where the GEMMs' blocks route it)",
+            "  router               {}: a self-routed call runs the regime's router launches (a fused router in place of the route launch), then the table with *routed_ids and *routed_weights as topk_ids and topk_weights; a caller-routed call runs the table as it is (less the route launch where the GEMMs' blocks route it)",
             super::router::rule_summary(&router.rule)
         );
     }
@@ -338,7 +338,7 @@ fn describe_block_routing(out: &mut String, regime: &Regime, top_k: u32) {
     if let Some(routing) = regime.block_routing(top_k) {
         let _ = writeln!(
             out,
-            "    route  calls of up to {} tokens ({} (token, k) pairs) run without the route and combine launches: each block of both GEMMs routes the call in its shared memory, rows in pair order (GEMM1's block 0 clears the error word and reports ids out of range), and the GEMM2 block that stores a column tile's last tile sums that column tile into y",
+            "    route  calls of up to {} tokens ({} (token, k) pairs) run without the route launch: each block of both GEMMs routes the call in its shared memory, rows in pair order (GEMM1's block 0 clears the error word and reports ids out of range)",
             routing.max_tokens(top_k),
             routing.max_pairs
         );

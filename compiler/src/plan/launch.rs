@@ -474,9 +474,8 @@ fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
 }
 
 /// What a single-GPU GEMM that routes small calls in its blocks takes for it: the call's
-/// ids and token count, whether this call routes so; GEMM1, the first kernel of such a
-/// call, also the error word (its block 0 clears it and reports ids out of range); GEMM2,
-/// the last, also y and its column counters (it sums each column tile into y).
+/// ids and token count, whether this call routes so; GEMM1, the first kernel of such a call, also the error word (its
+/// block 0 clears it and reports ids out of range).
 fn block_routing_params(gemm: &GemmPlan, up: bool) -> Vec<KernelParam> {
     if gemm.block_routing.is_none() {
         return Vec::new();
@@ -490,11 +489,6 @@ fn block_routing_params(gemm: &GemmPlan, up: bool) -> Vec<KernelParam> {
         params.push(KernelParam::write(LaunchArg::Workspace(
             BufferId::ErrorWord,
         )));
-    } else {
-        params.extend([
-            KernelParam::write(LaunchArg::Y),
-            KernelParam::write(LaunchArg::Workspace(BufferId::CombineColumnsDone)),
-        ]);
     }
     params
 }

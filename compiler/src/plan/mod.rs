@@ -350,10 +350,6 @@ pub enum BufferId {
     /// u32 [2 · E' + H / BN of GEMM2 + 2]: the fused decode's counters, zero between calls (see
     /// [`fused_decode::counters_len`]).
     FusedDecodeCounters,
-    /// u32 [H / BN, the most of the GEMM2s that route small calls in their blocks]: in such
-    /// a call, per GEMM2 column tile the tiles stored; the last sums the column tile into y
-    /// and resets the count to 0.
-    CombineColumnsDone,
 }
 
 impl BufferId {
@@ -404,7 +400,6 @@ impl BufferId {
             | BufferId::RouterTilesDone
             | BufferId::StreamKTilesDone
             | BufferId::FusedDecodeCounters
-            | BufferId::CombineColumnsDone
             | BufferId::NetReady
             | BufferId::NetReturnFlags => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
@@ -460,7 +455,6 @@ impl BufferId {
             BufferId::StreamKPartials => "stream_k_partials",
             BufferId::StreamKTilesDone => "stream_k_tiles_done",
             BufferId::FusedDecodeCounters => "fused_decode_counters",
-            BufferId::CombineColumnsDone => "combine_columns_done",
         }
     }
 }
@@ -1290,7 +1284,6 @@ pub fn plan_tuned(
             .map(|router| RouterSpace::of(router, &shape)),
         stream_k,
         fused_decode::counters_needed(&shape, &regimes),
-        combine_columns_needed(&shape, &regimes),
     );
 
     let placement = if layer.topology.virtual_ranks.is_some() {
@@ -1441,7 +1434,6 @@ fn workspace(
     router: Option<RouterSpace>,
     stream_k: StreamKSpace,
     fused_counters: Option<u64>,
-    combine_columns: u32,
 ) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
@@ -1556,26 +1548,7 @@ fn workspace(
             purpose: "the fused decode's counters: per expert GEMM1 tiles stored and GEMM2 tiles that read them, per GEMM2 column tile the tiles stored, the next unit's ticket and the blocks done claiming (zero between calls)".into(),
         });
     }
-    if combine_columns > 0 {
-        buffers.push(Buffer {
-            id: BufferId::CombineColumnsDone,
-            elem: BufferId::CombineColumnsDone.elem(),
-            elems: u64::from(combine_columns),
-            purpose: "a call routed in the GEMMs' blocks: per GEMM2 column tile the tiles stored, the last of which sums the column tile into y (zero between calls)".into(),
-        });
-    }
     buffers
-}
-
-/// Column tiles of the widest GEMM2 that can sum small calls into y itself (those routed
-/// in the GEMMs' blocks): the counters [`BufferId::CombineColumnsDone`] holds (0: none).
-pub(crate) fn combine_columns_needed(shape: &LayerShape, regimes: &[Regime]) -> u32 {
-    regimes
-        .iter()
-        .filter(|regime| regime.gemm2.block_routing.is_some())
-        .map(|regime| shape.hidden / regime.gemm2.tile.n)
-        .max()
-        .unwrap_or(0)
 }
 
 impl Plan {

@@ -18,7 +18,7 @@ use super::{
     INVERT_ROWS_THREADS, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH,
     MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad,
     SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token,
-    combine_columns_needed, fused_decode, sorts_x_rows, workspace,
+    fused_decode, sorts_x_rows, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -110,7 +110,6 @@ impl Plan {
                 router_space,
                 stream_k,
                 fused_counters,
-                combine_columns_needed(shape, &self.regimes),
             )
         {
             return Err("the workspace buffers do not match the layer's shape".into());
