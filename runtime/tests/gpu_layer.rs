@@ -724,23 +724,45 @@ fn every_example_at_full_size_matches_reference_in_the_sweep() {
 #[ignore = "needs a CUDA GPU"]
 fn out_of_range_expert_id_is_reported_with_its_token() {
     let session = Session::open().expect("GPU session");
-    // GEMM1's blocks routing a small call, the table's route kernel a larger one, and the
-    // fused decode's routing in every block.
+    // The fused decode's routing in every block; on the tiny layer pinned to mma.sync tiles
+    // (the fused layer without its fused decode), GEMM1's blocks routing a small call and
+    // the route kernel a larger one; and the plain tiny layer as the device plans it (on
+    // the H200 its GEMM2 runs on wgmma, so the route kernel routes it).
     let fused = fused_decode_layers().pop().expect("the tiny fused layer");
+    let mut pinned = fused.clone();
+    pinned.name = "tiny_swiglu_pinned".into();
+    pinned.schedule.fused_decode = Some(0);
     let tiny = layers::tiny(Activation::Swiglu);
-    for (layer, tokens) in [(tiny.clone(), 9), (tiny, 65), (fused, 9)] {
+    for (layer, tokens, in_blocks) in [
+        (fused, 9, Some(true)),
+        (pinned.clone(), 9, Some(true)),
+        (pinned, 65, Some(false)),
+        (tiny, 9, None),
+    ] {
         let plan = plan_for_device(&layer);
         let regime = plan.regime_for(tokens).expect("a regime");
         assert_eq!(
-            regime.fused_decode.as_ref().map(|f| f.max_tokens >= tokens),
-            layer.schedule.fused_decode.map(|_| true),
-            "the hinted layer runs {tokens} tokens fused"
+            regime
+                .fused_decode
+                .as_ref()
+                .is_some_and(|f| f.covers(tokens)),
+            layer.schedule.fused_decode.is_some_and(|n| n >= tokens),
+            "{}: the hinted layer runs {tokens} tokens fused",
+            layer.name
         );
-        assert_eq!(
-            regime.routes_in_blocks(tokens, plan.shape.top_k),
-            tokens == 9,
-            "{tokens} tokens route in the GEMMs' blocks, 65 by the route kernel"
-        );
+        if let Some(in_blocks) = in_blocks {
+            assert_eq!(
+                regime.routes_in_blocks(tokens, plan.shape.top_k),
+                in_blocks,
+                "{} at {tokens} tokens: routed in the GEMMs' blocks",
+                layer.name
+            );
+        }
+        log(&format!(
+            "{} at {tokens} tokens: routed in the GEMMs' blocks: {}",
+            layer.name,
+            regime.routes_in_blocks(tokens, plan.shape.top_k)
+        ));
         let built = session.build(plan, 3).expect("build");
         let shape = built.layer.plan().shape.clone();
         let mut workload = Workload::random(&shape, tokens, Routing::Uniform, fresh_seed());
@@ -1002,6 +1024,9 @@ fn call_tiles(
     (m_tiles * (n / gemm.tile.n), most_routed)
 }
 
+/// A call that splits stream-K: its tokens, its tiles and the seed of its routing.
+type SplitCall = (u32, u32, u64);
+
 /// Calls whose last wave of whole tiles is short run stream-K (each block a run of k-tiles,
 /// a split tile summed and stored by its last block) where the tiles are large enough for
 /// it to pay and every routed expert's rows fit one m-tile. Layers of 32 experts pinned to
@@ -1021,7 +1046,7 @@ fn calls_that_split_stream_k_match_reference() {
     };
     let seed = fresh_seed();
     let mut failures = Vec::new();
-    let mut runs: Vec<(Plan, Vec<(u32, u32)>)> = Vec::new();
+    let mut runs: Vec<(Plan, Vec<SplitCall>)> = Vec::new();
     for (hidden, ffn, shared, up) in [
         (4096, 1024, false, true),
         (4096, 1024, true, true),
@@ -1038,28 +1063,33 @@ fn calls_that_split_stream_k_match_reference() {
         }
         let plan = plan_for_device(&layer);
         let shape = &plan.shape;
-        let split_tiles = |t: u32| {
+        let split_tiles = |t: u32, routing_seed: u64| {
             let regime = plan.regime_for(t).expect("the regimes cover every count");
             let (gemm, n) = if up {
                 (&regime.gemm1, shape.ffn)
             } else {
                 (&regime.gemm2, shape.hidden)
             };
-            let routing = Workload::random(shape, t, Routing::Uniform, seed ^ u64::from(t));
+            let routing = Workload::random(shape, t, Routing::Uniform, routing_seed);
             let (tiles, most_routed) = call_tiles(&routing, shape, gemm, n);
             gemm.runs_stream_k(f64::from(tiles), f64::from(most_routed))
                 .then_some((tiles, tiles > gemm.grid_blocks))
         };
         // A split within the first wave, then one after full waves: with every routed
         // expert's rows within one m-tile, a split after full waves needs a narrow range of
-        // hit experts, so every count is tried.
+        // hit experts, so every count is tried, with a few routings each (one routing of
+        // each count found none for some seeds).
         let mut chosen = Vec::new();
         for after_full_waves in [false, true] {
-            let found = (1..=shape.max_tokens).find_map(|t| {
-                split_tiles(t)
-                    .filter(|&(_, more)| more == after_full_waves)
-                    .map(|(tiles, _)| (t, tiles))
-            });
+            let found = (0..8u64)
+                .flat_map(|draw| {
+                    (1..=shape.max_tokens).map(move |t| (t, seed ^ u64::from(t) ^ (draw << 40)))
+                })
+                .find_map(|(t, routing_seed)| {
+                    split_tiles(t, routing_seed)
+                        .filter(|&(_, more)| more == after_full_waves)
+                        .map(|(tiles, _)| (t, tiles, routing_seed))
+                });
             match found {
                 Some(call) => chosen.push(call),
                 None => failures.push(format!(
@@ -1075,7 +1105,7 @@ fn calls_that_split_stream_k_match_reference() {
             }
         }
         log(&format!(
-            "{}: (tokens, tiles) of the calls that split: {chosen:?}",
+            "{}: (tokens, tiles, routing seed) of the calls that split: {chosen:?}",
             plan.layer
         ));
         runs.push((plan, chosen));
@@ -1087,9 +1117,8 @@ fn calls_that_split_stream_k_match_reference() {
             .build_many(vec![plan], seed)
             .expect("build")
             .remove(0);
-        for (tokens, tiles) in chosen {
-            let workload =
-                Workload::random(&shape, tokens, Routing::Uniform, seed ^ u64::from(tokens));
+        for (tokens, tiles, routing_seed) in chosen {
+            let workload = Workload::random(&shape, tokens, Routing::Uniform, routing_seed);
             let first = session
                 .run_collect(&built, &workload)
                 .expect("the call runs");
@@ -1097,7 +1126,7 @@ fn calls_that_split_stream_k_match_reference() {
                 .check_output(&built, &workload, &first.y, CHECKED_TOKENS, seed)
                 .expect("the check runs");
             let label = format!(
-                "{} T={tokens} ({tiles} tiles split, seed {seed})",
+                "{} T={tokens} ({tiles} tiles split, routing seed {routing_seed})",
                 built.layer.plan().layer
             );
             log(&format!("{label}: {report}"));
