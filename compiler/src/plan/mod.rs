@@ -756,9 +756,9 @@ impl StreamKTail {
 /// in its own shared memory (`route_in_block`, `compiler/templates/routing.cu`), rows in
 /// pair order. The route launch's ramp and the wait for it sit on a decode call's critical
 /// path: GEMM1 cannot ask for a weight before it knows its experts. Measured on one H200
-/// (2026-12-03, one-token calls, the route launch left out of calls that reused the
-/// metadata of an earlier one): 3.7-5.7 µs off Qwen3-30B-A3B, GPT-OSS-120B and
-/// DeepSeek-V3, 2.8 µs off Mixtral-8x7B (`benches/results/2026-12-03_block_routing.md`).
+/// (2026-12-03, caller-routed, against the route launch): one-token calls 5-7% faster for
+/// Qwen3-30B-A3B and GPT-OSS-120B, 1-2% for DeepSeek-V3 and Mixtral-8x7B; 2-4 tokens 2-3%
+/// (Qwen3, GPT-OSS); larger calls 2-3 µs (`benches/results/2026-12-03_block_routing.md`).
 pub const BLOCK_ROUTING_MAX_PAIRS: u32 = 128;
 
 /// How a single-GPU mma.sync GEMM routes the calls of at most `max_pairs` (token, k)
