@@ -838,7 +838,7 @@ impl MoeLayer {
         call.routes_in_blocks = part == CallPart::Whole
             && self.block_routing
             && !routed_by_router
-            && regime.routes_in_blocks(tokens, self.plan.shape.top_k);
+            && regime.routes_in_blocks(tokens, shape.top_k);
         for (launch, bound) in regime.launches.iter().zip(bound) {
             let is_route = self.plan.is_route_kernel(&launch.kernel);
             let replaced = routed_by_router && launch.kernel == self.plan.route_kernel;

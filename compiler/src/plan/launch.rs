@@ -474,8 +474,8 @@ fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
 }
 
 /// What a single-GPU GEMM that routes small calls in its blocks takes for it: the call's
-/// ids and token count, whether this call routes so; GEMM1, the first kernel of such a call, also the error word (its
-/// block 0 clears it and reports ids out of range).
+/// ids and token count, whether this call routes so; GEMM1, the first kernel of such a
+/// call, also the error word (its block 0 clears it and reports ids out of range).
 fn block_routing_params(gemm: &GemmPlan, up: bool) -> Vec<KernelParam> {
     if gemm.block_routing.is_none() {
         return Vec::new();

@@ -780,11 +780,12 @@ impl BlockRouting {
         self.max_pairs / top_k.max(1)
     }
 
-    /// Ints of the tables a block routes in: each expert's first row (`gemm_experts` + 1),
-    /// fill counts (`gemm_experts`), the row table (every pair, and every token once per
+    /// Ints of the tables a block of a GEMM of `problem` routes in: each GEMM expert's first
+    /// row (E' + 1), fill counts (E'), the row table (every pair, and every token once per
     /// shared slice). `block_routing_ints` in `gemm.cu` says the same.
-    pub fn table_ints(self, gemm_experts: u32, top_k: u32, shared_slices: u32) -> u32 {
-        2 * gemm_experts + 1 + self.max_pairs + self.max_tokens(top_k) * shared_slices
+    pub fn table_ints(self, problem: &GemmProblem) -> u32 {
+        let gemm_experts = problem.experts + problem.always_hit;
+        2 * gemm_experts + 1 + self.max_pairs + self.max_tokens(problem.top_k) * problem.always_hit
     }
 }
 
@@ -1854,13 +1855,7 @@ fn shape_gemm(
         ));
     }
     let block_routing = problem.block_routing(engine);
-    let routing_ints = block_routing.map_or(0, |routing| {
-        routing.table_ints(
-            problem.experts + problem.always_hit,
-            problem.top_k,
-            problem.always_hit,
-        )
-    });
+    let routing_ints = block_routing.map_or(0, |routing| routing.table_ints(problem));
     let smem = SmemLayout::new(
         engine,
         tile,

@@ -610,9 +610,9 @@ impl Plan {
                         "`{kernel}` routes in its blocks where its plan cannot, or not where it can"
                     ));
                 }
-                let routing_ints = gemm.block_routing.map_or(0, |routing| {
-                    routing.table_ints(shape.gemm_experts(), shape.top_k, shape.shared_slices)
-                });
+                let routing_ints = gemm
+                    .block_routing
+                    .map_or(0, |routing| routing.table_ints(&problem));
                 let layout = SmemLayout::new(
                     gemm.engine,
                     tile,
