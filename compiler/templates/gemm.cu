@@ -60,6 +60,44 @@ struct CallRouting {
     int* error_word = nullptr;
 };
 
+// The expert handoff (single-GPU regimes whose GEMMs are both mma.sync, GEMM2 started
+// early): a GEMM2 tile waits for its own expert's GEMM1 tiles, not for the whole GEMM1
+// kernel, so that GEMM2 runs in the SMs GEMM1's last wave leaves idle. Each GEMM1 tile,
+// once stored, counts itself in at its expert; each GEMM2 tile, once stored, counts itself
+// in as a reader, and the expert's last reader takes the call's counts back off (so the
+// counters are zero between calls, also after a wait that timed out).
+// No deadlock: GEMM2's blocks start only once every GEMM1 block has (each lets the next
+// kernel start after its own start), and GEMM1's tiles wait for nothing GEMM2 does. Each
+// GEMM2 block waits for the whole GEMM1 at its end all the same, so that a kernel waiting
+// for GEMM2 waits for GEMM1 too.
+struct ExpertHandoff {
+    u32* tiles_done = nullptr;  // [2 * GEMM_EXPERTS]: per expert, GEMM1 tiles stored, then GEMM2 tiles stored
+    int* error_word = nullptr;  // GEMM2: where a wait that timed out is reported
+};
+
+// Tiles of BM rows by N_TILES column tiles over an expert's `rows` rows.
+template <int BM, int N_TILES>
+__device__ __forceinline__ u32 expert_tiles(int rows) {
+    return (u32)((rows + BM - 1) / BM * N_TILES);
+}
+
+// By one thread, once the block's stores of a GEMM1 tile of the expert are done (after a
+// barrier): the tile counts itself in.
+__device__ __forceinline__ void count_stored_tile(u32* tiles_stored) {
+    fence_flags();
+    flag_add(tiles_stored, 1);
+}
+
+// By one thread, once a GEMM2 tile of the expert has read its rows: it counts itself in
+// as a reader of `readers`; the last one takes the GEMM1 tiles' count (`stored`) back off
+// and puts the readers' count back to zero.
+__device__ __forceinline__ void count_read_tile(u32* tiles_stored, u32* tiles_read, u32 stored, u32 readers) {
+    if (atomicAdd(tiles_read, 1u) == readers - 1) {
+        atomicSub(tiles_stored, stored);
+        *tiles_read = 0;
+    }
+}
+
 // Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
 // expert's first row (GEMM_EXPERTS + 1), fill counts (GEMM_EXPERTS), and the row table
 // (every pair, and every token once per shared slice).
@@ -504,6 +542,13 @@ struct RingState {
     bool weights_issued;
 };
 
+// What a run did: the tile it was in, and whether this block stored it (a part of a split
+// tile is stored by the tile's last block).
+struct RunOutcome {
+    GemmTile tile;
+    bool stored;
+};
+
 // The weight rows of the first STAGES - 1 k-tiles of run `run` (fewer for a shorter run)
 // of tile `t`, into the ring from stage `first_stage` on. Not committed: they join the
 // run's first cp.async group.
@@ -526,14 +571,15 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 // last k-tile is multiplied, and before its epilogue, the run sends out the first weight
 // stages of the block's next run `next` (weights depend on nothing another kernel
 // writes), so that the block's loads do not stop between tiles; it returns the ring's
-// state for that run. On return every thread's stores are done; `*tile_out` is the tile.
+// state for that run. On return every thread's stores are done; `*outcome` says which tile
+// the run was in and whether this block stored it.
 template <class G, class WaitForRows>
 __device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
     const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
-    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
+    bool weights_first, WaitForRows wait_for_a_rows, RunOutcome* outcome)
 {
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
@@ -674,7 +720,7 @@ __device__ __forceinline__ RingState mma_sync_run(
     cp_async_wait<0>();
     __syncthreads();  // the next tile reuses the ring and the row table; every store is done
     if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
-    *tile_out = t;
+    *outcome = RunOutcome{t, stores};
     return next_ring;
 }
 
@@ -689,11 +735,13 @@ __device__ __forceinline__ void grouped_gemm(
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
     const EpContext& ep,
     const StreamKBuffers& stream_k = StreamKBuffers{},
-    const CallRouting& call = CallRouting{})
+    const CallRouting& call = CallRouting{},
+    const ExpertHandoff& handoff = ExpertHandoff{})
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
     static_assert(G::BLOCK_ROUTING_MAX_PAIRS == 0 || !G::EP, "plan: only one GPU's GEMMs route in their blocks");
+    static_assert(!G::EXPERT_HANDOFF || !G::EP, "plan: only one GPU's GEMMs hand off per expert");
     constexpr int K_TILES = k_tiles<G>();
     constexpr int N_TILES = G::N / G::BN;
     constexpr int TILE_TABLE = G::EXPERTS_HERE * G::PHASES + 1;
@@ -724,16 +772,42 @@ __device__ __forceinline__ void grouped_gemm(
     // and tile schedule were final before it launched (the routing ran two launches back, or
     // the ids it routes in its blocks were final before GEMM1 read them); only its A rows
     // are GEMM1's output. (Warming L2 with the rest of the run's weights as
-    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
+    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.) With the expert
+    // handoff every run does so, and waits for its own expert's GEMM1 tiles instead.
+    constexpr bool WAITS_PER_EXPERT = G::EXPERT_HANDOFF && G::KIND == GEMM_DOWN;
+    static_assert(!WAITS_PER_EXPERT || G::WEIGHTS_BEFORE_WAIT, "plan: a GEMM2 that waits per expert starts early");
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
     RingState ring{0, false};
+    auto expert_rows = [&](int expert) { return row_offsets[expert + 1] - row_offsets[expert]; };
+    auto wait_for_a_rows = [&](const GemmTile& t) {
+        if constexpr (WAITS_PER_EXPERT) {
+            if (threadIdx.x == 0) {
+                wait_flag(handoff.tiles_done + t.expert, expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(t.expert)),
+                          handoff.error_word, 0, FLAG_KIND_EXPERT_ROWS, t.expert);
+            }
+        } else {
+            start_after_previous_kernel();
+        }
+    };
     auto multiply_run = [&](const KRun& run, const KRun& next, const StreamKShare* share) {
-        const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
+        const bool weights_first = WAITS_PER_EXPERT || (G::WEIGHTS_BEFORE_WAIT && !waited);
         waited = true;
-        GemmTile t;
+        RunOutcome done;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
-                               smem, s_tile_start, run, next, ring, share, weights_first,
-                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
+                               smem, s_tile_start, run, next, ring, share, weights_first, wait_for_a_rows, &done);
+        // Every thread's stores and loads of the run are done (it ends on a barrier).
+        if constexpr (G::EXPERT_HANDOFF) {
+            if (threadIdx.x == 0 && done.stored) {
+                u32* stored = handoff.tiles_done + done.tile.expert;
+                if constexpr (G::KIND == GEMM_UP) {
+                    count_stored_tile(stored);
+                } else {
+                    const int rows = expert_rows(done.tile.expert);
+                    count_read_tile(stored, stored + GEMM_EXPERTS, expert_tiles<G::UP_BM, G::UP_N_TILES>(rows),
+                                    expert_tiles<G::BM, N_TILES>(rows));
+                }
+            }
+        }
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of

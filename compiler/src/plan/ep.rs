@@ -197,6 +197,7 @@ impl ExpertParallelRegime {
             launches: &self.launches,
             tuned: None,
             fused_decode: None,
+            expert_handoff: None,
         }
     }
 }
