@@ -18,7 +18,7 @@
 // they are, for speed). Each wait is bounded all the same (a time-out names the expert,
 // FLAG_KIND_EXPERT_ROWS). The counters are zero between calls: the last user of each
 // puts it back, by taking off what the call added, so that even a call whose wait timed
-// out leaves them right for the next (the expert handoff's counting, see ExpertHandoff).
+// out leaves them right for the next.
 // ---------------------------------------------------------------------------------------
 
 // Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
@@ -38,6 +38,23 @@ __device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* 
             rows[k] = present ? slots + ((size_t)token * SLOTS_PER_TOKEN + k) * HIDDEN : nullptr;
         }
         *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = sum_slot_vectors<SLOTS_PER_TOKEN, true>(rows, column);
+    }
+}
+
+// By one thread, once the block's stores of a GEMM1 tile of the expert are done (after a
+// barrier): the tile counts itself in.
+__device__ __forceinline__ void count_stored_tile(u32* tiles_stored) {
+    fence_flags();
+    flag_add(tiles_stored, 1);
+}
+
+// By one thread, once a GEMM2 tile of the expert has read its rows: it counts itself in
+// as a reader of `readers`; the last one takes the GEMM1 tiles' count (`stored`) back off
+// and puts the readers' count back to zero.
+__device__ __forceinline__ void count_read_tile(u32* tiles_stored, u32* tiles_read, u32 stored, u32 readers) {
+    if (atomicAdd(tiles_read, 1u) == readers - 1) {
+        atomicSub(tiles_stored, stored);
+        *tiles_read = 0;
     }
 }
 

@@ -22,6 +22,10 @@ __device__ __forceinline__ void flag_store(u32* flag, u32 value) {
 __device__ __forceinline__ void flag_add(u32* flag, u32 value) {
     asm volatile("red.release.{{ flag_scope }}.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
+// After fence_flags, which orders the writes before it.
+__device__ __forceinline__ void flag_add_relaxed(u32* flag, u32 value) {
+    asm volatile("red.relaxed.{{ flag_scope }}.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
 // Orders this block's earlier writes (made visible to this thread by a barrier) before
 // the release that follows.
 __device__ __forceinline__ void fence_flags() { asm volatile("fence.acq_rel.{{ flag_scope }};\n" ::: "memory"); }

@@ -117,7 +117,7 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = {{ gemm.block_routing_max_pairs }} };
-    // Whether the GEMMs hand off per expert (see ExpertHandoff): {% if gemm.handoff_waits %}each tile waits for its expert's GEMM1 tiles (UP_BM rows, UP_N_TILES per row of tiles), not for GEMM1, and counts itself in as a reader{% else %}each stored tile counts itself in at its expert{% endif %}.
+    // Whether the GEMMs hand off per expert (see ExpertHandoff): {% if gemm.handoff_waits %}each tile waits for its expert's GEMM1 tiles (UP_BM rows, UP_N_TILES per row of tiles), not for GEMM1{% else %}stored tiles count themselves in at their experts{% endif %}.
     enum : bool { EXPERT_HANDOFF = {{ gemm.expert_handoff }} };
 {%- if gemm.handoff_waits %}
     enum : int { UP_BM = {{ gemm.up_bm }}, UP_N_TILES = {{ gemm.up_n_tiles }} };
@@ -143,8 +143,7 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 {%- endif %}
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
 {%- if gemm.handoff_waits %}
-    // The end waits for GEMM1's, so that a kernel waiting for this one waits for GEMM1 too.
-    wait_for_previous_kernel();
+    end_expert_handoff(expert_tiles_done);
 {%- endif %}
 }
 #endif

@@ -529,6 +529,10 @@ __device__ __forceinline__ void flag_store(u32* flag, u32 value) {
 __device__ __forceinline__ void flag_add(u32* flag, u32 value) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
+// After fence_flags, which orders the writes before it.
+__device__ __forceinline__ void flag_add_relaxed(u32* flag, u32 value) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
 // Orders this block's earlier writes (made visible to this thread by a barrier) before
 // the release that follows.
 __device__ __forceinline__ void fence_flags() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
@@ -622,16 +626,18 @@ struct CallRouting {
 
 // The expert handoff (single-GPU regimes whose GEMMs are both mma.sync, GEMM2 started
 // early): a GEMM2 tile waits for its own expert's GEMM1 tiles, not for the whole GEMM1
-// kernel, so that GEMM2 runs in the SMs GEMM1's last wave leaves idle. Each GEMM1 tile,
-// once stored, counts itself in at its expert; each GEMM2 tile, once stored, counts itself
-// in as a reader, and the expert's last reader takes the call's counts back off (so the
-// counters are zero between calls, also after a wait that timed out).
+// kernel, so that GEMM2 runs in the SMs GEMM1's last wave leaves idle. GEMM1 counts its
+// stored tiles in at their experts and in all, HANDOFF_COUNT_BATCH at a time behind one
+// fence (a fence per tile cost GEMM1 about a microsecond a tile). A GEMM2 block waits
+// per expert until it sees every GEMM1 tile counted, then no more; at its end it waits
+// for GEMM1's grid, and the last block puts the counters back to zero.
 // No deadlock: GEMM2's blocks start only once every GEMM1 block has (each lets the next
-// kernel start after its own start), and GEMM1's tiles wait for nothing GEMM2 does. Each
-// GEMM2 block waits for the whole GEMM1 at its end all the same, so that a kernel waiting
-// for GEMM2 waits for GEMM1 too.
+// kernel start after its own start), and GEMM1's tiles wait for nothing GEMM2 does.
+enum : int { HANDOFF_COUNT_BATCH = 4 };
 struct ExpertHandoff {
-    u32* tiles_done = nullptr;  // [2 * GEMM_EXPERTS]: per expert, GEMM1 tiles stored, then GEMM2 tiles stored
+    // [GEMM_EXPERTS + 2]: per expert, GEMM1 tiles stored; GEMM1 tiles stored in all; GEMM2
+    // blocks done.
+    u32* tiles_done = nullptr;
     int* error_word = nullptr;  // GEMM2: where a wait that timed out is reported
 };
 
@@ -641,20 +647,48 @@ __device__ __forceinline__ u32 expert_tiles(int rows) {
     return (u32)((rows + BM - 1) / BM * N_TILES);
 }
 
-// By one thread, once the block's stores of a GEMM1 tile of the expert are done (after a
-// barrier): the tile counts itself in.
-__device__ __forceinline__ void count_stored_tile(u32* tiles_stored) {
-    fence_flags();
-    flag_add(tiles_stored, 1);
+// GEMM1's stored tiles not yet counted, held by thread 0: counted in at their experts and
+// in all behind one fence once HANDOFF_COUNT_BATCH are held, or at the block's last run.
+struct UncountedTiles {
+    int experts[HANDOFF_COUNT_BATCH];
+    int held = 0;
+    __device__ __forceinline__ void add(int expert) { experts[held++] = expert; }
+    __device__ __forceinline__ void count_in(u32* tiles_done) {
+        if (held == 0) return;
+        fence_flags();
+#pragma unroll
+        for (int i = 0; i < HANDOFF_COUNT_BATCH; ++i) {
+            if (i < held) flag_add_relaxed(tiles_done + experts[i], 1);
+        }
+        flag_add_relaxed(tiles_done + GEMM_EXPERTS, (u32)held);
+        held = 0;
+    }
+};
+
+// By GEMM2's thread 0 before a tile of `expert`: spins until the expert's GEMM1 tiles
+// (`target`) or every GEMM1 tile (`all_tiles`) are counted in. Returns whether every one
+// is (later tiles need not wait), or gave up on a time-out (recorded in the error word).
+__device__ __forceinline__ bool wait_for_expert_rows(const ExpertHandoff& handoff, int expert, u32 target,
+                                                     u32 all_tiles) {
+    const long long start = clock64();
+    for (;;) {
+        const u32 all = flag_load(handoff.tiles_done + GEMM_EXPERTS);
+        if (flag_reached(all, all_tiles)) return true;
+        if (flag_reached(flag_load(handoff.tiles_done + expert), target)) return false;
+        if (clock64() - start > SPIN_LIMIT_CYCLES) {
+            report_error(handoff.error_word, ERROR_FLAG_TIMEOUT, 0, (FLAG_KIND_EXPERT_ROWS << 24) | expert, (int)target);
+            return true;
+        }
+    }
 }
 
-// By one thread, once a GEMM2 tile of the expert has read its rows: it counts itself in
-// as a reader of `readers`; the last one takes the GEMM1 tiles' count (`stored`) back off
-// and puts the readers' count back to zero.
-__device__ __forceinline__ void count_read_tile(u32* tiles_stored, u32* tiles_read, u32 stored, u32 readers) {
-    if (atomicAdd(tiles_read, 1u) == readers - 1) {
-        atomicSub(tiles_stored, stored);
-        *tiles_read = 0;
+// GEMM2 of the expert handoff, every block at its end: waits for GEMM1's grid (so that a
+// kernel waiting for this one waits for GEMM1 too, and no count is still on its way); the
+// last block puts the counters back to zero (last_arrival puts the blocks' count back).
+__device__ __forceinline__ void end_expert_handoff(u32* tiles_done) {
+    wait_for_previous_kernel();
+    if (last_arrival(tiles_done + GEMM_EXPERTS + 1, gridDim.x)) {
+        for (int i = threadIdx.x; i <= GEMM_EXPERTS; i += blockDim.x) tiles_done[i] = 0;
     }
 }
 
@@ -1339,33 +1373,41 @@ __device__ __forceinline__ void grouped_gemm(
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
     RingState ring{0, false};
     auto expert_rows = [&](int expert) { return row_offsets[expert + 1] - row_offsets[expert]; };
+    // GEMM2 of the handoff: the call's GEMM1 tiles in all (thread 0's), and whether they
+    // are all counted in.
+    u32 gemm1_tiles = 0;
+    bool gemm1_counted = !WAITS_PER_EXPERT;
+    if constexpr (WAITS_PER_EXPERT) {
+        if (threadIdx.x < 32) {
+            u32 sum = 0;
+            for (int e = threadIdx.x; e < GEMM_EXPERTS; e += 32) sum += expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(e));
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+            gemm1_tiles = sum;
+        }
+    }
     auto wait_for_a_rows = [&](const GemmTile& t) {
         if constexpr (WAITS_PER_EXPERT) {
-            if (threadIdx.x == 0) {
-                wait_flag(handoff.tiles_done + t.expert, expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(t.expert)),
-                          handoff.error_word, 0, FLAG_KIND_EXPERT_ROWS, t.expert);
+            if (threadIdx.x == 0 && !gemm1_counted) {
+                gemm1_counted = wait_for_expert_rows(
+                    handoff, t.expert, expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(t.expert)), gemm1_tiles);
             }
         } else {
             start_after_previous_kernel();
         }
     };
+    UncountedTiles uncounted;  // GEMM1 of the handoff: thread 0's
     auto multiply_run = [&](const KRun& run, const KRun& next, const StreamKShare* share) {
         const bool weights_first = WAITS_PER_EXPERT || (G::WEIGHTS_BEFORE_WAIT && !waited);
         waited = true;
         RunOutcome done;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first, wait_for_a_rows, &done);
-        // Every thread's stores and loads of the run are done (it ends on a barrier).
-        if constexpr (G::EXPERT_HANDOFF) {
-            if (threadIdx.x == 0 && done.stored) {
-                u32* stored = handoff.tiles_done + done.tile.expert;
-                if constexpr (G::KIND == GEMM_UP) {
-                    count_stored_tile(stored);
-                } else {
-                    const int rows = expert_rows(done.tile.expert);
-                    count_read_tile(stored, stored + GEMM_EXPERTS, expert_tiles<G::UP_BM, G::UP_N_TILES>(rows),
-                                    expert_tiles<G::BM, N_TILES>(rows));
-                }
+        // Every thread's stores of the run are done (it ends on a barrier).
+        if constexpr (G::EXPERT_HANDOFF && G::KIND == GEMM_UP) {
+            if (threadIdx.x == 0) {
+                if (done.stored) uncounted.add(done.tile.expert);
+                if (uncounted.held == HANDOFF_COUNT_BATCH || next.tile < 0) uncounted.count_in(handoff.tiles_done);
             }
         }
     };
@@ -2850,7 +2892,7 @@ struct decode_gemm1 : SingleGpu {
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = 128 };
-    // Whether the GEMMs hand off per expert (see ExpertHandoff): each stored tile counts itself in at its expert.
+    // Whether the GEMMs hand off per expert (see ExpertHandoff): stored tiles count themselves in at their experts.
     enum : bool { EXPERT_HANDOFF = true };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -2872,7 +2914,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
     int tokens,  // tokens in this call
     int routes_in_blocks,  // 1: no route launch ran, each block routes this call
     int* __restrict__ error_word,  // [4]: code, then details
-    u32* __restrict__ expert_tiles_done  // [2 * GEMM_EXPERTS]: GEMM1 and GEMM2 tiles stored per expert, zero between calls
+    u32* __restrict__ expert_tiles_done  // [GEMM_EXPERTS + 2]: GEMM1 tiles stored per expert and in all, GEMM2 blocks done; zero between calls
 )
 {
     start_after_previous_kernel();
@@ -2898,7 +2940,7 @@ struct decode_gemm2 : SingleGpu {
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = 128 };
-    // Whether the GEMMs hand off per expert (see ExpertHandoff): each tile waits for its expert's GEMM1 tiles (UP_BM rows, UP_N_TILES per row of tiles), not for GEMM1, and counts itself in as a reader.
+    // Whether the GEMMs hand off per expert (see ExpertHandoff): each tile waits for its expert's GEMM1 tiles (UP_BM rows, UP_N_TILES per row of tiles), not for GEMM1.
     enum : bool { EXPERT_HANDOFF = true };
     enum : int { UP_BM = 16, UP_N_TILES = 45 };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
@@ -2921,15 +2963,14 @@ extern "C" __global__ void __launch_bounds__(128, 3) gpt_oss_120b_decode_gemm2(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int routes_in_blocks,  // 1: no route launch ran, each block routes this call
-    u32* __restrict__ expert_tiles_done,  // [2 * GEMM_EXPERTS]: GEMM1 and GEMM2 tiles stored per expert, zero between calls
+    u32* __restrict__ expert_tiles_done,  // [GEMM_EXPERTS + 2]: GEMM1 tiles stored per expert and in all, GEMM2 blocks done; zero between calls
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
     // Its tiles wait per expert, not for GEMM1: the combine may start as this kernel does.
     let_next_kernel_start();
     grouped_gemm<decode_gemm2>(intermediate, w2, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials + 1081344, stream_k_tiles_done + 2112}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}, ExpertHandoff{expert_tiles_done, error_word});
-    // The end waits for GEMM1's, so that a kernel waiting for this one waits for GEMM1 too.
-    wait_for_previous_kernel();
+    end_expert_handoff(expert_tiles_done);
 }
 #endif
 // ---------------------------------------------------------------------------------------

@@ -419,7 +419,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
                 "[2 * GEMM_EXPERTS + HIDDEN / BN + 2]: fused decode counters, zero between calls"
             }
             BufferId::ExpertTilesDone => {
-                "[2 * GEMM_EXPERTS]: GEMM1 and GEMM2 tiles stored per expert, zero between calls"
+                "[GEMM_EXPERTS + 2]: GEMM1 tiles stored per expert and in all, GEMM2 blocks done; zero between calls"
             }
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",

@@ -350,8 +350,9 @@ pub enum BufferId {
     /// u32 [2 · E' + H / BN of GEMM2 + 2]: the fused decode's counters, zero between calls (see
     /// [`fused_decode::counters_len`]).
     FusedDecodeCounters,
-    /// u32 [2 · E']: the expert handoff's counters ([`ExpertHandoff`]): per GEMM expert, its
-    /// GEMM1 tiles stored in this call, then its GEMM2 tiles stored; zero between calls.
+    /// u32 [E' + 2]: the expert handoff's counters ([`ExpertHandoff`]): per GEMM expert, its
+    /// GEMM1 tiles stored in this call; GEMM1 tiles stored in all; GEMM2 blocks done. Zero
+    /// between calls.
     ExpertTilesDone,
 }
 
@@ -803,12 +804,13 @@ impl BlockRouting {
 
 /// The expert handoff: a single-GPU regime whose GEMMs are both mma.sync, on a target
 /// whose kernels start early, runs GEMM2's tiles as soon as their own expert's GEMM1 tiles
-/// are stored, not once the whole GEMM1 kernel has ended. GEMM1 counts each stored tile in
-/// at its expert, each GEMM2 tile waits for its expert's count (and counts itself in as a
-/// reader; the expert's last reader puts both counts back to zero) in
-/// [`BufferId::ExpertTilesDone`]. So GEMM2 runs in the SMs that GEMM1's last wave leaves
-/// idle, instead of after it: a GEMM1 tile of a decode regime streams its 0.5-1.8 MB of
-/// weights for 30-110 µs, and its last wave holds a fraction of the grid.
+/// are stored, not once the whole GEMM1 kernel has ended. GEMM1 counts its stored tiles in
+/// at their experts and in all ([`BufferId::ExpertTilesDone`]), a few at a time behind one
+/// fence; a GEMM2 block waits for each tile's expert until it has seen every GEMM1 tile
+/// counted, and at its end for GEMM1's grid (the last block puts the counters back to
+/// zero). So GEMM2 runs in the SMs that GEMM1's last wave leaves idle, instead of after
+/// it: a GEMM1 tile of a decode regime streams its 0.5-1.8 MB of weights for 30-110 µs, and
+/// its last wave holds a fraction of the grid.
 /// Both GEMMs may split tiles stream-K at the same time: GEMM2's stream-K buffers follow
 /// GEMM1's in the shared ones.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1619,8 +1621,8 @@ fn workspace(
         buffers.push(Buffer {
             id: BufferId::ExpertTilesDone,
             elem: BufferId::ExpertTilesDone.elem(),
-            elems: 2 * u64::from(shape.gemm_experts()),
-            purpose: "the expert handoff's counters: per expert, GEMM1 tiles stored, then GEMM2 tiles stored (zero between calls)".into(),
+            elems: u64::from(shape.gemm_experts()) + 2,
+            purpose: "the expert handoff's counters: per expert GEMM1 tiles stored, GEMM1 tiles stored in all, GEMM2 blocks done (zero between calls)".into(),
         });
     }
     buffers
