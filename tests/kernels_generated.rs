@@ -139,10 +139,10 @@ fn an_edited_stale_or_foreign_aot_directory_is_refused() {
         matches!(result, Err(aot::AotError::InvalidPlan(_))),
         "{result:?}"
     );
-    // A plan file of the previous format (before GEMM2 could wait for GEMM1 per expert,
-    // with the handoff's counters and arguments in the plan).
+    // A plan file of the previous format (before the mma.sync GEMMs could route small
+    // calls in their blocks, with their routing tables and arguments in the plan).
     let dir = edited_copy("plan.json", |t| {
-        t.replacen("\"format_version\": 13", "\"format_version\": 12", 1)
+        t.replacen("\"format_version\": 12", "\"format_version\": 11", 1)
     });
     let result = aot::load_layer(&dir, None);
     assert!(

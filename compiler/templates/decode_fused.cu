@@ -20,6 +20,7 @@
 // puts it back, by taking off what the call added, so that even a call whose wait timed
 // out leaves them right for the next.
 // ---------------------------------------------------------------------------------------
+enum : int { FLAG_KIND_EXPERT_ROWS = {{ flag_kind_expert_rows }} };
 
 // Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
 // slots in k order, by the whole block. The slots were stored by other blocks of this
@@ -38,23 +39,6 @@ __device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* 
             rows[k] = present ? slots + ((size_t)token * SLOTS_PER_TOKEN + k) * HIDDEN : nullptr;
         }
         *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = sum_slot_vectors<SLOTS_PER_TOKEN, true>(rows, column);
-    }
-}
-
-// By one thread, once the block's stores of a GEMM1 tile of the expert are done (after a
-// barrier): the tile counts itself in.
-__device__ __forceinline__ void count_stored_tile(u32* tiles_stored) {
-    fence_flags();
-    flag_add(tiles_stored, 1);
-}
-
-// By one thread, once a GEMM2 tile of the expert has read its rows: it counts itself in
-// as a reader of `readers`; the last one takes the GEMM1 tiles' count (`stored`) back off
-// and puts the readers' count back to zero.
-__device__ __forceinline__ void count_read_tile(u32* tiles_stored, u32* tiles_read, u32 stored, u32 readers) {
-    if (atomicAdd(tiles_read, 1u) == readers - 1) {
-        atomicSub(tiles_stored, stored);
-        *tiles_read = 0;
     }
 }
 
@@ -122,17 +106,20 @@ __device__ __forceinline__ void fused_decode(
         __syncthreads();  // every thread has read this unit's ticket
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         if (unit < tiles1) {
-            RunOutcome done;
+            GemmTile t;
             mma_sync_run<G1>(x, w1, w1_bias, nullptr, s_offsets, s_row_pair, intermediate, none, StreamKBuffers{}, smem,
                              s_tiles1, KRun{unit, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr, false,
-                             [](const GemmTile&) {}, &done);
+                             [](const GemmTile&) {}, &t);
             // Every thread's stores are done (mma_sync_run ends on a barrier).
-            if (threadIdx.x == 0) count_stored_tile(expert_rows_done + done.tile.expert);
+            if (threadIdx.x == 0) {
+                fence_flags();
+                flag_add(expert_rows_done + t.expert, 1);
+            }
             __syncthreads();  // the next ticket is in s_unit
             continue;
         }
         // GEMM2: the expert's rows are every GEMM1 tile of that expert.
-        RunOutcome done;
+        GemmTile t;
         mma_sync_run<G2>(
             intermediate, w2, w2_bias, topk_weights, s_offsets, s_row_pair, combine_slots, none, StreamKBuffers{}, smem,
             s_tiles2, KRun{unit - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true, [&](const GemmTile& tile) {
@@ -140,18 +127,21 @@ __device__ __forceinline__ void fused_decode(
                     const int rows = s_offsets[tile.expert + 1] - s_offsets[tile.expert];
                     // Not giving up on a time-out code recorded earlier: block 0 clears an
                     // earlier call's error word while the other blocks may already wait.
-                    wait_flag<false>(expert_rows_done + tile.expert, expert_tiles<G1::BM, N_TILES1>(rows), error_word, 0,
-                                     FLAG_KIND_EXPERT_ROWS, tile.expert);
+                    wait_flag<false>(expert_rows_done + tile.expert, (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1),
+                                     error_word, 0, FLAG_KIND_EXPERT_ROWS, tile.expert);
                 }
                 __syncthreads();
             },
-            &done);
-        const GemmTile& t = done.tile;
+            &t);
         if (threadIdx.x == 0) {
-            // The expert's last GEMM2 tile has read its rows: both counts go back to zero.
+            // The expert's last GEMM2 tile has read its rows: both counts go back to zero
+            // (the stores counted by taking off this call's count).
             const int rows = s_offsets[t.expert + 1] - s_offsets[t.expert];
-            count_read_tile(expert_rows_done + t.expert, expert_rows_read + t.expert, expert_tiles<G1::BM, N_TILES1>(rows),
-                            expert_tiles<G2::BM, N_TILES2>(rows));
+            const u32 readers = (u32)((rows + G2::BM - 1) / G2::BM * N_TILES2);
+            if (atomicAdd(expert_rows_read + t.expert, 1u) == readers - 1) {
+                atomicSub(expert_rows_done + t.expert, (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1));
+                expert_rows_read[t.expert] = 0;
+            }
         }
         // Every token's slots of these columns are stored once every expert's tiles of this
         // column tile are: the last of them sums them. (last_arrival ends on a barrier, and

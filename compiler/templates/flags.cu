@@ -9,7 +9,6 @@ enum : long long { SPIN_LIMIT_CYCLES = {{ spin_limit_cycles }}LL };
 enum : int { ERROR_FLAG_TIMEOUT = {{ error_flag_timeout }} };
 enum : int { FLAG_KIND_META = {{ flag_kind_meta }}, FLAG_KIND_CHUNK = {{ flag_kind_chunk }}, FLAG_KIND_COMBINE = {{ flag_kind_combine }} };
 enum : int { FLAG_KIND_CREDIT = {{ flag_kind_credit }}, FLAG_KIND_RETURN = {{ flag_kind_return }} };
-enum : int { FLAG_KIND_EXPERT_ROWS = {{ flag_kind_expert_rows }} };  // one GPU: an expert's GEMM1 tiles
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -21,10 +20,6 @@ __device__ __forceinline__ void flag_store(u32* flag, u32 value) {
 }
 __device__ __forceinline__ void flag_add(u32* flag, u32 value) {
     asm volatile("red.release.{{ flag_scope }}.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
-}
-// After fence_flags, which orders the writes before it.
-__device__ __forceinline__ void flag_add_relaxed(u32* flag, u32 value) {
-    asm volatile("red.relaxed.{{ flag_scope }}.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
 // Orders this block's earlier writes (made visible to this thread by a barrier) before
 // the release that follows.

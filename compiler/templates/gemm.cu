@@ -60,74 +60,6 @@ struct CallRouting {
     int* error_word = nullptr;
 };
 
-// The expert handoff (single-GPU regimes whose GEMMs are both mma.sync, GEMM2 started
-// early): a GEMM2 tile waits for its own expert's GEMM1 tiles, not for the whole GEMM1
-// kernel, so that GEMM2 runs in the SMs GEMM1's last wave leaves idle. GEMM1 counts its
-// stored tiles in at their experts and in all, HANDOFF_COUNT_BATCH at a time behind one
-// fence (a fence per tile cost GEMM1 about a microsecond a tile). A GEMM2 block waits
-// per expert until it sees every GEMM1 tile counted, then no more; at its end it waits
-// for GEMM1's grid, and the last block puts the counters back to zero.
-// No deadlock: GEMM2's blocks start only once every GEMM1 block has (each lets the next
-// kernel start after its own start), and GEMM1's tiles wait for nothing GEMM2 does.
-enum : int { HANDOFF_COUNT_BATCH = 4 };
-struct ExpertHandoff {
-    // [GEMM_EXPERTS + 2]: per expert, GEMM1 tiles stored; GEMM1 tiles stored in all; GEMM2
-    // blocks done.
-    u32* tiles_done = nullptr;
-    int* error_word = nullptr;  // GEMM2: where a wait that timed out is reported
-};
-
-// Tiles of BM rows by N_TILES column tiles over an expert's `rows` rows.
-template <int BM, int N_TILES>
-__device__ __forceinline__ u32 expert_tiles(int rows) {
-    return (u32)((rows + BM - 1) / BM * N_TILES);
-}
-
-// GEMM1's stored tiles not yet counted, held by thread 0: counted in at their experts and
-// in all behind one fence once HANDOFF_COUNT_BATCH are held, or at the block's last run.
-struct UncountedTiles {
-    int experts[HANDOFF_COUNT_BATCH];
-    int held = 0;
-    __device__ __forceinline__ void add(int expert) { experts[held++] = expert; }
-    __device__ __forceinline__ void count_in(u32* tiles_done) {
-        if (held == 0) return;
-        fence_flags();
-#pragma unroll
-        for (int i = 0; i < HANDOFF_COUNT_BATCH; ++i) {
-            if (i < held) flag_add_relaxed(tiles_done + experts[i], 1);
-        }
-        flag_add_relaxed(tiles_done + GEMM_EXPERTS, (u32)held);
-        held = 0;
-    }
-};
-
-// By GEMM2's thread 0 before a tile of `expert`: spins until the expert's GEMM1 tiles
-// (`target`) or every GEMM1 tile (`all_tiles`) are counted in. Returns whether every one
-// is (later tiles need not wait), or gave up on a time-out (recorded in the error word).
-__device__ __forceinline__ bool wait_for_expert_rows(const ExpertHandoff& handoff, int expert, u32 target,
-                                                     u32 all_tiles) {
-    const long long start = clock64();
-    for (;;) {
-        const u32 all = flag_load(handoff.tiles_done + GEMM_EXPERTS);
-        if (flag_reached(all, all_tiles)) return true;
-        if (flag_reached(flag_load(handoff.tiles_done + expert), target)) return false;
-        if (clock64() - start > SPIN_LIMIT_CYCLES) {
-            report_error(handoff.error_word, ERROR_FLAG_TIMEOUT, 0, (FLAG_KIND_EXPERT_ROWS << 24) | expert, (int)target);
-            return true;
-        }
-    }
-}
-
-// GEMM2 of the expert handoff, every block at its end: waits for GEMM1's grid (so that a
-// kernel waiting for this one waits for GEMM1 too, and no count is still on its way); the
-// last block puts the counters back to zero (last_arrival puts the blocks' count back).
-__device__ __forceinline__ void end_expert_handoff(u32* tiles_done) {
-    wait_for_previous_kernel();
-    if (last_arrival(tiles_done + GEMM_EXPERTS + 1, gridDim.x)) {
-        for (int i = threadIdx.x; i <= GEMM_EXPERTS; i += blockDim.x) tiles_done[i] = 0;
-    }
-}
-
 // Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
 // expert's first row (GEMM_EXPERTS + 1), fill counts (GEMM_EXPERTS), and the row table
 // (every pair, and every token once per shared slice).
@@ -572,13 +504,6 @@ struct RingState {
     bool weights_issued;
 };
 
-// What a run did: the tile it was in, and whether this block stored it (a part of a split
-// tile is stored by the tile's last block).
-struct RunOutcome {
-    GemmTile tile;
-    bool stored;
-};
-
 // The weight rows of the first STAGES - 1 k-tiles of run `run` (fewer for a shorter run)
 // of tile `t`, into the ring from stage `first_stage` on. Not committed: they join the
 // run's first cp.async group.
@@ -601,15 +526,14 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 // last k-tile is multiplied, and before its epilogue, the run sends out the first weight
 // stages of the block's next run `next` (weights depend on nothing another kernel
 // writes), so that the block's loads do not stop between tiles; it returns the ring's
-// state for that run. On return every thread's stores are done; `*outcome` says which tile
-// the run was in and whether this block stored it.
+// state for that run. On return every thread's stores are done; `*tile_out` is the tile.
 template <class G, class WaitForRows>
 __device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
     const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
-    bool weights_first, WaitForRows wait_for_a_rows, RunOutcome* outcome)
+    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
 {
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
@@ -750,7 +674,7 @@ __device__ __forceinline__ RingState mma_sync_run(
     cp_async_wait<0>();
     __syncthreads();  // the next tile reuses the ring and the row table; every store is done
     if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
-    *outcome = RunOutcome{t, stores};
+    *tile_out = t;
     return next_ring;
 }
 
@@ -765,13 +689,11 @@ __device__ __forceinline__ void grouped_gemm(
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
     const EpContext& ep,
     const StreamKBuffers& stream_k = StreamKBuffers{},
-    const CallRouting& call = CallRouting{},
-    const ExpertHandoff& handoff = ExpertHandoff{})
+    const CallRouting& call = CallRouting{})
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
     static_assert(G::BLOCK_ROUTING_MAX_PAIRS == 0 || !G::EP, "plan: only one GPU's GEMMs route in their blocks");
-    static_assert(!G::EXPERT_HANDOFF || !G::EP, "plan: only one GPU's GEMMs hand off per expert");
     constexpr int K_TILES = k_tiles<G>();
     constexpr int N_TILES = G::N / G::BN;
     constexpr int TILE_TABLE = G::EXPERTS_HERE * G::PHASES + 1;
@@ -802,50 +724,16 @@ __device__ __forceinline__ void grouped_gemm(
     // and tile schedule were final before it launched (the routing ran two launches back, or
     // the ids it routes in its blocks were final before GEMM1 read them); only its A rows
     // are GEMM1's output. (Warming L2 with the rest of the run's weights as
-    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.) With the expert
-    // handoff every run does so, and waits for its own expert's GEMM1 tiles instead.
-    constexpr bool WAITS_PER_EXPERT = G::EXPERT_HANDOFF && G::KIND == GEMM_DOWN;
-    static_assert(!WAITS_PER_EXPERT || G::WEIGHTS_BEFORE_WAIT, "plan: a GEMM2 that waits per expert starts early");
+    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
     RingState ring{0, false};
-    auto expert_rows = [&](int expert) { return row_offsets[expert + 1] - row_offsets[expert]; };
-    // GEMM2 of the handoff: the call's GEMM1 tiles in all (thread 0's), and whether they
-    // are all counted in.
-    u32 gemm1_tiles = 0;
-    bool gemm1_counted = !WAITS_PER_EXPERT;
-    if constexpr (WAITS_PER_EXPERT) {
-        if (threadIdx.x < 32) {
-            u32 sum = 0;
-            for (int e = threadIdx.x; e < GEMM_EXPERTS; e += 32) sum += expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(e));
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-            gemm1_tiles = sum;
-        }
-    }
-    auto wait_for_a_rows = [&](const GemmTile& t) {
-        if constexpr (WAITS_PER_EXPERT) {
-            if (threadIdx.x == 0 && !gemm1_counted) {
-                gemm1_counted = wait_for_expert_rows(
-                    handoff, t.expert, expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(t.expert)), gemm1_tiles);
-            }
-        } else {
-            start_after_previous_kernel();
-        }
-    };
-    UncountedTiles uncounted;  // GEMM1 of the handoff: thread 0's
     auto multiply_run = [&](const KRun& run, const KRun& next, const StreamKShare* share) {
-        const bool weights_first = WAITS_PER_EXPERT || (G::WEIGHTS_BEFORE_WAIT && !waited);
+        const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
-        RunOutcome done;
+        GemmTile t;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
-                               smem, s_tile_start, run, next, ring, share, weights_first, wait_for_a_rows, &done);
-        // Every thread's stores of the run are done (it ends on a barrier).
-        if constexpr (G::EXPERT_HANDOFF && G::KIND == GEMM_UP) {
-            if (threadIdx.x == 0) {
-                if (done.stored) uncounted.add(done.tile.expert);
-                if (uncounted.held == HANDOFF_COUNT_BATCH || next.tile < 0) uncounted.count_in(handoff.tiles_done);
-            }
-        }
+                               smem, s_tile_start, run, next, ring, share, weights_first,
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of

@@ -117,11 +117,6 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = {{ gemm.block_routing_max_pairs }} };
-    // Whether the GEMMs hand off per expert (see ExpertHandoff): {% if gemm.handoff_waits %}each tile waits for its expert's GEMM1 tiles (UP_BM rows, UP_N_TILES per row of tiles), not for GEMM1{% else %}stored tiles count themselves in at their experts{% endif %}.
-    enum : bool { EXPERT_HANDOFF = {{ gemm.expert_handoff }} };
-{%- if gemm.handoff_waits %}
-    enum : int { UP_BM = {{ gemm.up_bm }}, UP_N_TILES = {{ gemm.up_n_tiles }} };
-{%- endif %}
 {%- endif %}
     enum : int { B_ROWS = {{ gemm.b_rows }} };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -137,14 +132,7 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 {%- if gemm.entry.early_start && !gemm.weights_before_wait %}
     start_after_previous_kernel();
 {%- endif %}
-{%- if gemm.handoff_waits %}
-    // Its tiles wait per expert, not for GEMM1: the combine may start as this kernel does.
-    let_next_kernel_start();
-{%- endif %}
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
-{%- if gemm.handoff_waits %}
-    end_expert_handoff(expert_tiles_done);
-{%- endif %}
 }
 #endif
 {%- endfor %}

@@ -98,21 +98,12 @@ __device__ __forceinline__ bool last_arrival(u32* counter, u32 arrivals) {
 }
 
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
-// serialization) may begin while the kernel ahead of it in the stream still runs.
-// wait_for_previous_kernel waits for that kernel to finish and its writes to be visible;
-// let_next_kernel_start lets the kernel behind this one start early in turn, once every
-// block of this one has said so (or ended). Launched the ordinary way, both are no-ops.
-__device__ __forceinline__ void wait_for_previous_kernel() {
+// serialization) may begin while the kernel ahead of it in the stream still runs. First
+// wait for that kernel to finish and its writes to be visible, then let the kernel behind
+// this one start early in turn. Launched the ordinary way, both are no-ops.
+__device__ __forceinline__ void start_after_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_next_kernel_start() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-}
-__device__ __forceinline__ void start_after_previous_kernel() {
-    wait_for_previous_kernel();
-    let_next_kernel_start();
 }

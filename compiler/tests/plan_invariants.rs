@@ -1020,18 +1020,12 @@ fn short_last_waves_of_large_tiles_split_stream_k() {
         Some(2 * 528 * 16 * 64),
         "the decode GEMMs: 264 blocks of 16x(2x64) tiles, 528 of 16x64"
     );
-    // The decode regime's GEMMs hand off per expert, so both may split at once: GEMM2's
-    // buffers follow GEMM1's.
-    let decode = &plan.regimes[0];
-    assert!(decode.expert_handoff.is_some());
-    assert_eq!(
-        elems(BufferId::StreamKPartials),
-        decode.gemm1.stream_k_partial_floats() + decode.gemm2.stream_k_partial_floats()
-    );
-    assert_eq!(
-        elems(BufferId::StreamKTilesDone),
-        decode.gemm1.stream_k_tile_counters() + decode.gemm2.stream_k_tile_counters()
-    );
+    assert_eq!(Some(elems(BufferId::StreamKPartials)), most_partials);
+    let most_tiles = single_gpu
+        .iter()
+        .filter_map(|g| g.stream_k.map(|tail| u64::from(tail.max_tiles)))
+        .max();
+    assert_eq!(Some(elems(BufferId::StreamKTilesDone)), most_tiles);
 
     let prefill = plan.regimes.len() - 1;
     let mut split_wgmma = plan.clone();
@@ -1321,13 +1315,12 @@ fn small_calls_route_in_the_gemms_blocks() {
                 .iter()
                 .map(|p| p.arg.name())
                 .collect();
-            let routing_args: &[&str] = if up {
-                &["topk_ids", "tokens", "routes_in_blocks", "error_word"]
-            } else {
-                &["topk_ids", "tokens", "routes_in_blocks"]
-            };
             assert!(
-                args.windows(routing_args.len()).any(|w| w == routing_args),
+                args.ends_with(if up {
+                    &["topk_ids", "tokens", "routes_in_blocks", "error_word"]
+                } else {
+                    &["topk_ids", "tokens", "routes_in_blocks"]
+                }),
                 "{name}: {args:?}"
             );
             assert!(gemm.block_routing.is_some());
@@ -1350,123 +1343,5 @@ fn small_calls_route_in_the_gemms_blocks() {
         let last = edited.regimes.len() - 1;
         edited.regimes[last].gemm1.block_routing = Some(routing);
         assert!(edited.validate().is_err(), "{name}: routing on wgmma");
-    }
-}
-
-/// Every example's decode regime (both GEMMs mma.sync, on a target whose kernels start
-/// early) hands off per expert: GEMM2's tiles wait for their own expert's GEMM1 tiles.
-/// Both GEMMs take the counters (GEMM2 the error word too), the workspace holds two per
-/// GEMM expert, GEMM2's stream-K buffers start after GEMM1's; regimes on wgmma and the
-/// expert-parallel GEMMs never hand off. Validation catches a handoff taken away, one on a
-/// wgmma regime and edited offsets; the generated GEMM2 waits per expert and ends waiting
-/// for GEMM1.
-#[test]
-fn gemm2_waits_per_expert_where_both_gemms_are_mma_sync() {
-    for name in [
-        "qwen3_30b_a3b",
-        "deepseek_v3",
-        "gpt_oss_120b",
-        "mixtral_8x7b",
-    ] {
-        let plan = example_plan(name);
-        let decode = &plan.regimes[0];
-        let handoff = decode.expert_handoff.expect("the decode regime hands off");
-        assert_eq!(
-            (
-                handoff.gemm2_stream_k_partials_offset,
-                handoff.gemm2_stream_k_counters_offset
-            ),
-            (
-                decode.gemm1.stream_k_partial_floats(),
-                decode.gemm1.stream_k_tile_counters()
-            ),
-            "{name}"
-        );
-        for regime in &plan.regimes {
-            let mma_sync = [&regime.gemm1, &regime.gemm2]
-                .iter()
-                .all(|g| g.engine == plan::MmaEngine::MmaSync);
-            assert_eq!(
-                regime.expert_handoff.is_some(),
-                mma_sync,
-                "{name} {}",
-                regime.name
-            );
-        }
-        let args = |kernel: &str| -> Vec<&str> {
-            decode
-                .launches
-                .iter()
-                .find(|l| l.kernel == kernel)
-                .expect("launched")
-                .params
-                .iter()
-                .map(|p| p.arg.name())
-                .collect()
-        };
-        assert!(
-            args(&decode.gemm1_kernel).ends_with(&["expert_tiles_done"]),
-            "{name}"
-        );
-        assert!(
-            args(&decode.gemm2_kernel).ends_with(&["expert_tiles_done", "error_word"]),
-            "{name}"
-        );
-        let counters = plan
-            .workspace
-            .iter()
-            .find(|b| b.id == BufferId::ExpertTilesDone)
-            .expect("the workspace holds the handoff's counters");
-        assert_eq!(
-            counters.elems,
-            u64::from(plan.shape.gemm_experts()) + 2,
-            "{name}"
-        );
-        if let Some(ep) = &plan.expert_parallel {
-            assert!(
-                ep.regimes.iter().all(|r| !r.launches.iter().any(|l| l
-                    .params
-                    .iter()
-                    .any(|p| p.arg == plan::LaunchArg::Workspace(BufferId::ExpertTilesDone)))),
-                "{name}: the expert-parallel GEMMs do not hand off"
-            );
-        }
-        plan.validate().expect("valid");
-
-        let source = moeforge_compiler::codegen::generate(&plan)
-            .expect("generates")
-            .source;
-        assert!(
-            source.contains("gemm1_counted = wait_for_expert_rows("),
-            "{name}"
-        );
-        let entry = source
-            .split(&format!(
-                "void __launch_bounds__(128, {}) {}(",
-                decode.gemm2.blocks_per_sm, decode.gemm2_kernel
-            ))
-            .nth(1)
-            .expect("GEMM2's entry");
-        let body = &entry[..entry.find("\n}\n").expect("its end")];
-        assert!(
-            body.contains("let_next_kernel_start();")
-                && body
-                    .trim_end()
-                    .ends_with("end_expert_handoff(expert_tiles_done);"),
-            "{name}: {body}"
-        );
-
-        let mut edited = plan.clone();
-        edited.regimes[0].expert_handoff = None;
-        assert!(edited.validate().is_err(), "{name}: handoff taken away");
-        let mut edited = plan.clone();
-        if let Some(handoff) = &mut edited.regimes[0].expert_handoff {
-            handoff.gemm2_stream_k_partials_offset += 1;
-        }
-        assert!(edited.validate().is_err(), "{name}: offsets edited");
-        let mut edited = plan.clone();
-        let last = edited.regimes.len() - 1;
-        edited.regimes[last].expert_handoff = Some(handoff);
-        assert!(edited.validate().is_err(), "{name}: handoff on wgmma");
     }
 }

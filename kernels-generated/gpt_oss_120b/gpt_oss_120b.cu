@@ -111,23 +111,14 @@ __device__ __forceinline__ bool last_arrival(u32* counter, u32 arrivals) {
 }
 
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
-// serialization) may begin while the kernel ahead of it in the stream still runs.
-// wait_for_previous_kernel waits for that kernel to finish and its writes to be visible;
-// let_next_kernel_start lets the kernel behind this one start early in turn, once every
-// block of this one has said so (or ended). Launched the ordinary way, both are no-ops.
-__device__ __forceinline__ void wait_for_previous_kernel() {
+// serialization) may begin while the kernel ahead of it in the stream still runs. First
+// wait for that kernel to finish and its writes to be visible, then let the kernel behind
+// this one start early in turn. Launched the ordinary way, both are no-ops.
+__device__ __forceinline__ void start_after_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_next_kernel_start() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-}
-__device__ __forceinline__ void start_after_previous_kernel() {
-    wait_for_previous_kernel();
-    let_next_kernel_start();
 }
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
@@ -516,7 +507,6 @@ enum : long long { SPIN_LIMIT_CYCLES = 4000000000LL };
 enum : int { ERROR_FLAG_TIMEOUT = 2 };
 enum : int { FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3 };
 enum : int { FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5 };
-enum : int { FLAG_KIND_EXPERT_ROWS = 6 };  // one GPU: an expert's GEMM1 tiles
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -528,10 +518,6 @@ __device__ __forceinline__ void flag_store(u32* flag, u32 value) {
 }
 __device__ __forceinline__ void flag_add(u32* flag, u32 value) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
-}
-// After fence_flags, which orders the writes before it.
-__device__ __forceinline__ void flag_add_relaxed(u32* flag, u32 value) {
-    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
 // Orders this block's earlier writes (made visible to this thread by a barrier) before
 // the release that follows.
@@ -623,74 +609,6 @@ struct CallRouting {
     int tokens = 0;
     int* error_word = nullptr;
 };
-
-// The expert handoff (single-GPU regimes whose GEMMs are both mma.sync, GEMM2 started
-// early): a GEMM2 tile waits for its own expert's GEMM1 tiles, not for the whole GEMM1
-// kernel, so that GEMM2 runs in the SMs GEMM1's last wave leaves idle. GEMM1 counts its
-// stored tiles in at their experts and in all, HANDOFF_COUNT_BATCH at a time behind one
-// fence (a fence per tile cost GEMM1 about a microsecond a tile). A GEMM2 block waits
-// per expert until it sees every GEMM1 tile counted, then no more; at its end it waits
-// for GEMM1's grid, and the last block puts the counters back to zero.
-// No deadlock: GEMM2's blocks start only once every GEMM1 block has (each lets the next
-// kernel start after its own start), and GEMM1's tiles wait for nothing GEMM2 does.
-enum : int { HANDOFF_COUNT_BATCH = 4 };
-struct ExpertHandoff {
-    // [GEMM_EXPERTS + 2]: per expert, GEMM1 tiles stored; GEMM1 tiles stored in all; GEMM2
-    // blocks done.
-    u32* tiles_done = nullptr;
-    int* error_word = nullptr;  // GEMM2: where a wait that timed out is reported
-};
-
-// Tiles of BM rows by N_TILES column tiles over an expert's `rows` rows.
-template <int BM, int N_TILES>
-__device__ __forceinline__ u32 expert_tiles(int rows) {
-    return (u32)((rows + BM - 1) / BM * N_TILES);
-}
-
-// GEMM1's stored tiles not yet counted, held by thread 0: counted in at their experts and
-// in all behind one fence once HANDOFF_COUNT_BATCH are held, or at the block's last run.
-struct UncountedTiles {
-    int experts[HANDOFF_COUNT_BATCH];
-    int held = 0;
-    __device__ __forceinline__ void add(int expert) { experts[held++] = expert; }
-    __device__ __forceinline__ void count_in(u32* tiles_done) {
-        if (held == 0) return;
-        fence_flags();
-#pragma unroll
-        for (int i = 0; i < HANDOFF_COUNT_BATCH; ++i) {
-            if (i < held) flag_add_relaxed(tiles_done + experts[i], 1);
-        }
-        flag_add_relaxed(tiles_done + GEMM_EXPERTS, (u32)held);
-        held = 0;
-    }
-};
-
-// By GEMM2's thread 0 before a tile of `expert`: spins until the expert's GEMM1 tiles
-// (`target`) or every GEMM1 tile (`all_tiles`) are counted in. Returns whether every one
-// is (later tiles need not wait), or gave up on a time-out (recorded in the error word).
-__device__ __forceinline__ bool wait_for_expert_rows(const ExpertHandoff& handoff, int expert, u32 target,
-                                                     u32 all_tiles) {
-    const long long start = clock64();
-    for (;;) {
-        const u32 all = flag_load(handoff.tiles_done + GEMM_EXPERTS);
-        if (flag_reached(all, all_tiles)) return true;
-        if (flag_reached(flag_load(handoff.tiles_done + expert), target)) return false;
-        if (clock64() - start > SPIN_LIMIT_CYCLES) {
-            report_error(handoff.error_word, ERROR_FLAG_TIMEOUT, 0, (FLAG_KIND_EXPERT_ROWS << 24) | expert, (int)target);
-            return true;
-        }
-    }
-}
-
-// GEMM2 of the expert handoff, every block at its end: waits for GEMM1's grid (so that a
-// kernel waiting for this one waits for GEMM1 too, and no count is still on its way); the
-// last block puts the counters back to zero (last_arrival puts the blocks' count back).
-__device__ __forceinline__ void end_expert_handoff(u32* tiles_done) {
-    wait_for_previous_kernel();
-    if (last_arrival(tiles_done + GEMM_EXPERTS + 1, gridDim.x)) {
-        for (int i = threadIdx.x; i <= GEMM_EXPERTS; i += blockDim.x) tiles_done[i] = 0;
-    }
-}
 
 // Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
 // expert's first row (GEMM_EXPERTS + 1), fill counts (GEMM_EXPERTS), and the row table
@@ -1136,13 +1054,6 @@ struct RingState {
     bool weights_issued;
 };
 
-// What a run did: the tile it was in, and whether this block stored it (a part of a split
-// tile is stored by the tile's last block).
-struct RunOutcome {
-    GemmTile tile;
-    bool stored;
-};
-
 // The weight rows of the first STAGES - 1 k-tiles of run `run` (fewer for a shorter run)
 // of tile `t`, into the ring from stage `first_stage` on. Not committed: they join the
 // run's first cp.async group.
@@ -1165,15 +1076,14 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 // last k-tile is multiplied, and before its epilogue, the run sends out the first weight
 // stages of the block's next run `next` (weights depend on nothing another kernel
 // writes), so that the block's loads do not stop between tiles; it returns the ring's
-// state for that run. On return every thread's stores are done; `*outcome` says which tile
-// the run was in and whether this block stored it.
+// state for that run. On return every thread's stores are done; `*tile_out` is the tile.
 template <class G, class WaitForRows>
 __device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
     const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
-    bool weights_first, WaitForRows wait_for_a_rows, RunOutcome* outcome)
+    bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
 {
     constexpr int W_ROWS = G::GATED ? 2 * G::N : G::N;
     constexpr int WM = G::BM / G::WARPS_M;  // rows per warp
@@ -1314,7 +1224,7 @@ __device__ __forceinline__ RingState mma_sync_run(
     cp_async_wait<0>();
     __syncthreads();  // the next tile reuses the ring and the row table; every store is done
     if (stores) epilogue_release<G, G::THREADS>(t, row_pair, ep, tid);
-    *outcome = RunOutcome{t, stores};
+    *tile_out = t;
     return next_ring;
 }
 
@@ -1329,13 +1239,11 @@ __device__ __forceinline__ void grouped_gemm(
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
     const EpContext& ep,
     const StreamKBuffers& stream_k = StreamKBuffers{},
-    const CallRouting& call = CallRouting{},
-    const ExpertHandoff& handoff = ExpertHandoff{})
+    const CallRouting& call = CallRouting{})
 {
     assert_gemm_layout<G>();
     static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
     static_assert(G::BLOCK_ROUTING_MAX_PAIRS == 0 || !G::EP, "plan: only one GPU's GEMMs route in their blocks");
-    static_assert(!G::EXPERT_HANDOFF || !G::EP, "plan: only one GPU's GEMMs hand off per expert");
     constexpr int K_TILES = k_tiles<G>();
     constexpr int N_TILES = G::N / G::BN;
     constexpr int TILE_TABLE = G::EXPERTS_HERE * G::PHASES + 1;
@@ -1366,50 +1274,16 @@ __device__ __forceinline__ void grouped_gemm(
     // and tile schedule were final before it launched (the routing ran two launches back, or
     // the ids it routes in its blocks were final before GEMM1 read them); only its A rows
     // are GEMM1's output. (Warming L2 with the rest of the run's weights as
-    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.) With the expert
-    // handoff every run does so, and waits for its own expert's GEMM1 tiles instead.
-    constexpr bool WAITS_PER_EXPERT = G::EXPERT_HANDOFF && G::KIND == GEMM_DOWN;
-    static_assert(!WAITS_PER_EXPERT || G::WEIGHTS_BEFORE_WAIT, "plan: a GEMM2 that waits per expert starts early");
+    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
     RingState ring{0, false};
-    auto expert_rows = [&](int expert) { return row_offsets[expert + 1] - row_offsets[expert]; };
-    // GEMM2 of the handoff: the call's GEMM1 tiles in all (thread 0's), and whether they
-    // are all counted in.
-    u32 gemm1_tiles = 0;
-    bool gemm1_counted = !WAITS_PER_EXPERT;
-    if constexpr (WAITS_PER_EXPERT) {
-        if (threadIdx.x < 32) {
-            u32 sum = 0;
-            for (int e = threadIdx.x; e < GEMM_EXPERTS; e += 32) sum += expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(e));
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-            gemm1_tiles = sum;
-        }
-    }
-    auto wait_for_a_rows = [&](const GemmTile& t) {
-        if constexpr (WAITS_PER_EXPERT) {
-            if (threadIdx.x == 0 && !gemm1_counted) {
-                gemm1_counted = wait_for_expert_rows(
-                    handoff, t.expert, expert_tiles<G::UP_BM, G::UP_N_TILES>(expert_rows(t.expert)), gemm1_tiles);
-            }
-        } else {
-            start_after_previous_kernel();
-        }
-    };
-    UncountedTiles uncounted;  // GEMM1 of the handoff: thread 0's
     auto multiply_run = [&](const KRun& run, const KRun& next, const StreamKShare* share) {
-        const bool weights_first = WAITS_PER_EXPERT || (G::WEIGHTS_BEFORE_WAIT && !waited);
+        const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
-        RunOutcome done;
+        GemmTile t;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
-                               smem, s_tile_start, run, next, ring, share, weights_first, wait_for_a_rows, &done);
-        // Every thread's stores of the run are done (it ends on a barrier).
-        if constexpr (G::EXPERT_HANDOFF && G::KIND == GEMM_UP) {
-            if (threadIdx.x == 0) {
-                if (done.stored) uncounted.add(done.tile.expert);
-                if (uncounted.held == HANDOFF_COUNT_BATCH || next.tile < 0) uncounted.count_in(handoff.tiles_done);
-            }
-        }
+                               smem, s_tile_start, run, next, ring, share, weights_first,
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of
@@ -2892,8 +2766,6 @@ struct decode_gemm1 : SingleGpu {
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = 128 };
-    // Whether the GEMMs hand off per expert (see ExpertHandoff): stored tiles count themselves in at their experts.
-    enum : bool { EXPERT_HANDOFF = true };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
@@ -2913,12 +2785,11 @@ extern "C" __global__ void __launch_bounds__(128, 2) gpt_oss_120b_decode_gemm1(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int routes_in_blocks,  // 1: no route launch ran, each block routes this call
-    int* __restrict__ error_word,  // [4]: code, then details
-    u32* __restrict__ expert_tiles_done  // [GEMM_EXPERTS + 2]: GEMM1 tiles stored per expert and in all, GEMM2 blocks done; zero between calls
+    int* __restrict__ error_word  // [4]: code, then details
 )
 {
     start_after_previous_kernel();
-    grouped_gemm<decode_gemm1>(x, w1, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word}, ExpertHandoff{expert_tiles_done, nullptr});
+    grouped_gemm<decode_gemm1>(x, w1, w1_bias, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 396 persistent blocks (3 per SM)
@@ -2940,9 +2811,6 @@ struct decode_gemm2 : SingleGpu {
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = 128 };
-    // Whether the GEMMs hand off per expert (see ExpertHandoff): each tile waits for its expert's GEMM1 tiles (UP_BM rows, UP_N_TILES per row of tiles), not for GEMM1.
-    enum : bool { EXPERT_HANDOFF = true };
-    enum : int { UP_BM = 16, UP_N_TILES = 45 };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
@@ -2962,15 +2830,10 @@ extern "C" __global__ void __launch_bounds__(128, 3) gpt_oss_120b_decode_gemm2(
     u32* __restrict__ stream_k_tiles_done,  // [tiles]: stream-K arrival counters, zero between calls
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
-    int routes_in_blocks,  // 1: no route launch ran, each block routes this call
-    u32* __restrict__ expert_tiles_done,  // [GEMM_EXPERTS + 2]: GEMM1 tiles stored per expert and in all, GEMM2 blocks done; zero between calls
-    int* __restrict__ error_word  // [4]: code, then details
+    int routes_in_blocks  // 1: no route launch ran, each block routes this call
 )
 {
-    // Its tiles wait per expert, not for GEMM1: the combine may start as this kernel does.
-    let_next_kernel_start();
-    grouped_gemm<decode_gemm2>(intermediate, w2, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials + 1081344, stream_k_tiles_done + 2112}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}, ExpertHandoff{expert_tiles_done, error_word});
-    end_expert_handoff(expert_tiles_done);
+    grouped_gemm<decode_gemm2>(intermediate, w2, w2_bias, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr});
 }
 #endif
 // ---------------------------------------------------------------------------------------

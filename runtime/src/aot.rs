@@ -24,7 +24,7 @@ use crate::jit::{CacheOutcome, CompileOptions, CompiledModule, Jit, JitError};
 
 pub const PLAN_FILE: &str = "plan.json";
 /// The version of [`PlanFile`]'s layout; a file with another version is refused.
-pub const FORMAT_VERSION: u32 = 13;
+pub const FORMAT_VERSION: u32 = 12;
 /// The value of [`PlanFile::format`].
 const FORMAT_NAME: &str = "moeforge-plan";
 const WRITTEN_BY: &str = concat!("moeforge ", env!("CARGO_PKG_VERSION"));

@@ -418,9 +418,6 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::FusedDecodeCounters => {
                 "[2 * GEMM_EXPERTS + HIDDEN / BN + 2]: fused decode counters, zero between calls"
             }
-            BufferId::ExpertTilesDone => {
-                "[GEMM_EXPERTS + 2]: GEMM1 tiles stored per expert and in all, GEMM2 blocks done; zero between calls"
-            }
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
             BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
@@ -619,36 +616,10 @@ struct GemmUnit {
     /// mma.sync on one GPU: the largest calls, in (token, k) pairs, routed in the blocks
     /// (0: none).
     block_routing_max_pairs: u32,
-    /// mma.sync on one GPU, the expert handoff: both GEMMs count tiles per expert; GEMM2
-    /// waits for its tiles' experts (`handoff_waits`), counting GEMM1's tiles of `up_bm`
-    /// rows, `up_n_tiles` per row of tiles.
-    expert_handoff: bool,
-    handoff_waits: bool,
-    up_bm: u32,
-    up_n_tiles: u32,
     /// Warp-specialised engine: producer threads and the `setmaxnreg` split (0 elsewhere).
     producer_threads: u32,
     producer_registers: u32,
     consumer_registers: u32,
-}
-
-/// What one GEMM of a regime with the expert handoff is written with: GEMM1's tile rows
-/// and column tiles (the count GEMM2 waits for per expert), and where the GEMM's stream-K
-/// buffers start in the shared ones (partial floats, counters). GEMM1's: zeros.
-#[derive(Clone, Copy)]
-struct HandoffUnit {
-    up_bm: u32,
-    up_n_tiles: u32,
-    stream_k_offsets: [u64; 2],
-}
-
-impl HandoffUnit {
-    fn for_gemm1(self) -> Self {
-        HandoffUnit {
-            stream_k_offsets: [0, 0],
-            ..self
-        }
-    }
 }
 
 /// Which GEMM of which path a `GemmUnit` is.
@@ -667,7 +638,6 @@ impl GemmUnit {
         role: GemmRole,
         kernel: &str,
         gemm: &GemmPlan,
-        handoff: Option<HandoffUnit>,
     ) -> Result<Self, CodegenError> {
         let up = matches!(role, GemmRole::Up | GemmRole::ExpertParallelUp);
         let (description, suffix, uses, base, call_args) = match role {
@@ -676,14 +646,14 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{a_tiles}{trailing}",
+                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}{trailing}",
+                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
@@ -753,67 +723,31 @@ impl GemmUnit {
         };
         // GEMM1 on sorted rows has no row table: its A rows and intermediate rows line up.
         let row_table = !(a_tiles && up);
-        // The engine's trailing arguments, each given where the plan asks for it (and as
-        // its empty default before a later one): a GEMM that splits few-tile calls
-        // stream-K takes the buffers of partial tiles (from the plan's offsets where both
-        // GEMMs of a regime may split at once); a GEMM that routes small calls in its
-        // blocks takes the call's ids, token count and whether this call routes so (GEMM1
-        // the error word too); with the expert handoff both take its counters (GEMM2 the
-        // error word too).
+        // A GEMM that splits few-tile calls stream-K takes the buffers of partial tiles.
         let stream_k = gemm.stream_k.is_some();
         let stream_k_buffers = [BufferId::StreamKPartials, BufferId::StreamKTilesDone]
             .map(|id| LaunchArg::Workspace(id).name());
+        // A GEMM that routes small calls in its blocks takes the call's ids, token count and
+        // whether this call routes so (GEMM1 the error word too), after the stream-K
+        // buffers (given, if empty).
         let block_routing = gemm.block_routing.is_some();
+        let stream_k_arg = if stream_k {
+            format!(", StreamKBuffers{{{}}}", stream_k_buffers.join(", "))
+        } else if block_routing {
+            ", StreamKBuffers{}".to_string()
+        } else {
+            String::new()
+        };
         let block_routing_uses: &[&str] = match (block_routing, up) {
             (false, _) => &[],
             (true, true) => &["topk_ids", "tokens", "routes_in_blocks", "error_word"],
             (true, false) => &["topk_ids", "tokens", "routes_in_blocks"],
         };
-        let handoff_uses: &[&str] = match (handoff, up) {
-            (None, _) => &[],
-            (Some(_), true) => &["expert_tiles_done"],
-            (Some(_), false) => &["expert_tiles_done", "error_word"],
+        let block_routing_arg = match (block_routing, up) {
+            (false, _) => "",
+            (true, true) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word}",
+            (true, false) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}",
         };
-        let offsets = handoff.map_or([0, 0], |h| h.stream_k_offsets);
-        let trailing = [
-            stream_k.then(|| {
-                let [partials, counters] = stream_k_buffers;
-                let at = |buffer: &str, offset: u64| match offset {
-                    0 => buffer.to_string(),
-                    _ => format!("{buffer} + {offset}"),
-                };
-                format!(
-                    "StreamKBuffers{{{}, {}}}",
-                    at(partials, offsets[0]),
-                    at(counters, offsets[1])
-                )
-            }),
-            match (block_routing, up) {
-                (false, _) => None,
-                (true, true) => Some(
-                    "CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word}".to_string(),
-                ),
-                (true, false) => Some(
-                    "CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}".to_string(),
-                ),
-            },
-            handoff.map(|_| {
-                format!(
-                    "ExpertHandoff{{expert_tiles_done, {}}}",
-                    if up { "nullptr" } else { "error_word" }
-                )
-            }),
-        ];
-        let defaults = ["StreamKBuffers{}", "CallRouting{}", "ExpertHandoff{}"];
-        let given = trailing
-            .iter()
-            .rposition(Option::is_some)
-            .map_or(0, |at| at + 1);
-        let trailing_args: String = trailing[..given]
-            .iter()
-            .zip(defaults)
-            .map(|(arg, default)| format!(", {}", arg.as_deref().unwrap_or(default)))
-            .collect();
         let uses: Vec<&str> = uses
             .iter()
             .filter(|&&name| row_table || name != "row_pair")
@@ -829,7 +763,6 @@ impl GemmUnit {
             .chain(bias_arg)
             .chain(stream_k_buffers.into_iter().filter(|_| stream_k))
             .chain(block_routing_uses.iter().copied())
-            .chain(handoff_uses.iter().copied())
             .collect();
         let call_args = call_args
             .replace("{weights}", weights)
@@ -837,7 +770,8 @@ impl GemmUnit {
             .replace("{a_rows}", a_rows)
             .replace("{a_tiles}", &a_tiles_arg)
             .replace("{row_pair}", if row_table { "row_pair" } else { "nullptr" })
-            .replace("{trailing}", &trailing_args);
+            .replace("{stream_k}", &stream_k_arg)
+            .replace("{block_routing}", block_routing_arg);
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         let weights_before_wait =
             role == GemmRole::Down && gemm.engine == MmaEngine::MmaSync && entry.early_start;
@@ -876,10 +810,6 @@ impl GemmUnit {
             stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
             stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),
             block_routing_max_pairs: gemm.block_routing.map_or(0, |routing| routing.max_pairs),
-            expert_handoff: handoff.is_some(),
-            handoff_waits: handoff.is_some() && !up,
-            up_bm: handoff.map_or(0, |h| h.up_bm),
-            up_n_tiles: handoff.map_or(0, |h| h.up_n_tiles),
             producer_threads: gemm.warp_roles.map_or(0, |r| 32 * r.producer_warps),
             producer_registers: gemm.warp_roles.map_or(0, |r| r.producer_registers),
             consumer_registers: gemm.warp_roles.map_or(0, |r| r.consumer_registers),
@@ -930,30 +860,13 @@ fn regime_unit(
     roles: [GemmRole; 2],
 ) -> Result<RegimeUnit, CodegenError> {
     let [(gemm1, kernel1), (gemm2, kernel2)] = regime.gemms;
-    // With the expert handoff GEMM2 counts GEMM1's tiles of each expert, and takes its
-    // stream-K buffers after GEMM1's.
-    let handoff = regime.expert_handoff.map(|handoff| HandoffUnit {
-        up_bm: gemm1.tile.m,
-        up_n_tiles: plan.shape.ffn / gemm1.tile.n,
-        stream_k_offsets: [
-            handoff.gemm2_stream_k_partials_offset,
-            handoff.gemm2_stream_k_counters_offset,
-        ],
-    });
     Ok(RegimeUnit {
         label,
         min_tokens: regime.min_tokens,
         max_tokens: regime.max_tokens,
         gemms: [
-            GemmUnit::new(
-                plan,
-                regime.name,
-                roles[0],
-                kernel1,
-                gemm1,
-                handoff.map(HandoffUnit::for_gemm1),
-            )?,
-            GemmUnit::new(plan, regime.name, roles[1], kernel2, gemm2, handoff)?,
+            GemmUnit::new(plan, regime.name, roles[0], kernel1, gemm1)?,
+            GemmUnit::new(plan, regime.name, roles[1], kernel2, gemm2)?,
         ],
         fused: regime
             .fused_decode

@@ -44,7 +44,6 @@ pub fn describe(plan: &Plan) -> String {
     for (i, regime) in plan.regimes.iter().enumerate() {
         describe_regime(&mut out, "regime", regime.parts());
         describe_block_routing(&mut out, regime, plan.shape.top_k);
-        describe_expert_handoff(&mut out, regime);
         if let Some(router_regime) = plan.router.as_ref().and_then(|r| r.regimes.get(i)) {
             describe_router_regime(&mut out, router_regime);
         }
@@ -342,23 +341,6 @@ fn describe_block_routing(out: &mut String, regime: &Regime, top_k: u32) {
             "    route  calls of up to {} tokens ({} (token, k) pairs) run without the route launch: each block of both GEMMs routes the call in its shared memory, rows in pair order (GEMM1's block 0 clears the error word and reports ids out of range)",
             routing.max_tokens(top_k),
             routing.max_pairs
-        );
-    }
-}
-
-fn describe_expert_handoff(out: &mut String, regime: &Regime) {
-    if let Some(handoff) = regime.expert_handoff {
-        let stream_k = if regime.gemm2.stream_k.is_some() {
-            format!(
-                "; its stream-K buffers start after GEMM1's (at float {}, counter {})",
-                handoff.gemm2_stream_k_partials_offset, handoff.gemm2_stream_k_counters_offset
-            )
-        } else {
-            String::new()
-        };
-        let _ = writeln!(
-            out,
-            "    handoff GEMM2's tiles wait for their own expert's GEMM1 tiles (counted per expert in *expert_tiles_done), not for the whole GEMM1: GEMM2 runs where GEMM1's last wave leaves SMs idle{stream_k}"
         );
     }
 }

@@ -197,7 +197,6 @@ impl ExpertParallelRegime {
             launches: &self.launches,
             tuned: None,
             fused_decode: None,
-            expert_handoff: None,
         }
     }
 }

@@ -493,31 +493,15 @@ fn block_routing_params(gemm: &GemmPlan, up: bool) -> Vec<KernelParam> {
     params
 }
 
-/// What the GEMMs of a regime with the expert handoff take for it ([`super::ExpertHandoff`]):
-/// the counters per expert; GEMM2, which waits on them, also the error word.
-fn expert_handoff_params(up: bool) -> Vec<KernelParam> {
-    let mut params = vec![KernelParam::write(LaunchArg::Workspace(
-        BufferId::ExpertTilesDone,
-    ))];
-    if !up {
-        params.push(KernelParam::write(LaunchArg::Workspace(
-            BufferId::ErrorWord,
-        )));
-    }
-    params
-}
-
 /// The launches of one forward call of a regime of a layer of `shape` (its routed experts
 /// and the shared slices; with expert biases the GEMMs take them too); with `early_start`
-/// each may start before the previous one ends; with `expert_handoff` GEMM2's tiles wait
-/// per expert.
+/// each may start before the previous one ends.
 pub fn launch_table(
     kernels: ForwardKernels<'_>,
     shape: &LayerShape,
     g1: &GemmPlan,
     g2: &GemmPlan,
     early_start: bool,
-    expert_handoff: bool,
 ) -> Vec<Launch> {
     use BufferId::*;
     use LaunchArg::*;
@@ -576,12 +560,6 @@ pub fn launch_table(
                 .chain([write(Workspace(Intermediate))])
                 .chain(stream_k_params(g1))
                 .chain(block_routing_params(g1, true))
-                .chain(
-                    expert_handoff
-                        .then(|| expert_handoff_params(true))
-                        .into_iter()
-                        .flatten(),
-                )
                 .collect(),
         },
         Launch {
@@ -603,12 +581,6 @@ pub fn launch_table(
                 ])
                 .chain(stream_k_params(g2))
                 .chain(block_routing_params(g2, false))
-                .chain(
-                    expert_handoff
-                        .then(|| expert_handoff_params(false))
-                        .into_iter()
-                        .flatten(),
-                )
                 .collect(),
         },
         Launch {

@@ -350,10 +350,6 @@ pub enum BufferId {
     /// u32 [2 · E' + H / BN of GEMM2 + 2]: the fused decode's counters, zero between calls (see
     /// [`fused_decode::counters_len`]).
     FusedDecodeCounters,
-    /// u32 [E' + 2]: the expert handoff's counters ([`ExpertHandoff`]): per GEMM expert, its
-    /// GEMM1 tiles stored in this call; GEMM1 tiles stored in all; GEMM2 blocks done. Zero
-    /// between calls.
-    ExpertTilesDone,
 }
 
 impl BufferId {
@@ -404,7 +400,6 @@ impl BufferId {
             | BufferId::RouterTilesDone
             | BufferId::StreamKTilesDone
             | BufferId::FusedDecodeCounters
-            | BufferId::ExpertTilesDone
             | BufferId::NetReady
             | BufferId::NetReturnFlags => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
@@ -460,7 +455,6 @@ impl BufferId {
             BufferId::StreamKPartials => "stream_k_partials",
             BufferId::StreamKTilesDone => "stream_k_tiles_done",
             BufferId::FusedDecodeCounters => "fused_decode_counters",
-            BufferId::ExpertTilesDone => "expert_tiles_done",
         }
     }
 }
@@ -545,10 +539,6 @@ pub struct Regime {
     /// Its smallest calls as one persistent kernel, in place of `launches`.
     #[serde(default)]
     pub fused_decode: Option<FusedDecode>,
-    /// Whether GEMM2's tiles wait for their own expert's GEMM1 tiles rather than for the
-    /// whole GEMM1 kernel.
-    #[serde(default)]
-    pub expert_handoff: Option<ExpertHandoff>,
 }
 
 impl Regime {
@@ -603,8 +593,6 @@ pub(crate) struct RegimeParts<'a> {
     pub tuned: Option<&'a tuning::TunedRegime>,
     /// Its smallest calls as one kernel (single-GPU regimes only).
     pub fused_decode: Option<&'a FusedDecode>,
-    /// GEMM2's tiles waiting per expert (single-GPU regimes only).
-    pub expert_handoff: Option<&'a ExpertHandoff>,
 }
 
 impl Regime {
@@ -620,7 +608,6 @@ impl Regime {
             launches: &self.launches,
             tuned: self.tuned.as_ref(),
             fused_decode: self.fused_decode.as_ref(),
-            expert_handoff: self.expert_handoff.as_ref(),
         }
     }
 }
@@ -802,37 +789,6 @@ impl BlockRouting {
     }
 }
 
-/// The expert handoff: a single-GPU regime whose GEMMs are both mma.sync, on a target
-/// whose kernels start early, runs GEMM2's tiles as soon as their own expert's GEMM1 tiles
-/// are stored, not once the whole GEMM1 kernel has ended. GEMM1 counts its stored tiles in
-/// at their experts and in all ([`BufferId::ExpertTilesDone`]), a few at a time behind one
-/// fence; a GEMM2 block waits for each tile's expert until it has seen every GEMM1 tile
-/// counted, and at its end for GEMM1's grid (the last block puts the counters back to
-/// zero). So GEMM2 runs in the SMs that GEMM1's last wave leaves idle, instead of after
-/// it: a GEMM1 tile of a decode regime streams its 0.5-1.8 MB of weights for 30-110 µs, and
-/// its last wave holds a fraction of the grid.
-/// Both GEMMs may split tiles stream-K at the same time: GEMM2's stream-K buffers follow
-/// GEMM1's in the shared ones.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExpertHandoff {
-    /// Where GEMM2's partial tiles start in [`BufferId::StreamKPartials`] (floats).
-    pub gemm2_stream_k_partials_offset: u64,
-    /// Where GEMM2's arrival counters start in [`BufferId::StreamKTilesDone`].
-    pub gemm2_stream_k_counters_offset: u64,
-}
-
-impl ExpertHandoff {
-    /// The handoff of a regime with these GEMMs on `target`, where it has one.
-    pub fn of(target: &Target, gemm1: &GemmPlan, gemm2: &GemmPlan) -> Option<Self> {
-        let both_mma_sync =
-            gemm1.engine == MmaEngine::MmaSync && gemm2.engine == MmaEngine::MmaSync;
-        (both_mma_sync && target.has_programmatic_launch()).then(|| ExpertHandoff {
-            gemm2_stream_k_partials_offset: gemm1.stream_k_partial_floats(),
-            gemm2_stream_k_counters_offset: gemm1.stream_k_tile_counters(),
-        })
-    }
-}
-
 /// How one grouped GEMM is tiled and launched.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmPlan {
@@ -913,12 +869,6 @@ impl GemmPlan {
         self.stream_k.map_or(0, |_| {
             2 * u64::from(self.grid_blocks) * u64::from(self.tile.m) * u64::from(self.b_rows)
         })
-    }
-
-    /// Arrival counters of [`BufferId::StreamKTilesDone`] this GEMM needs (0 without
-    /// stream-K): one per tile of the largest call it splits.
-    pub fn stream_k_tile_counters(&self) -> u64 {
-        self.stream_k.map_or(0, |tail| u64::from(tail.max_tiles))
     }
 
     /// Rows of one TMA box of weights: a stage's B rows come in two boxes when the gated
@@ -1256,7 +1206,6 @@ pub fn plan_tuned(
             target,
         );
         most_route_blocks = most_route_blocks.max(route_blocks);
-        let expert_handoff = ExpertHandoff::of(target, &choice.gemm1, &choice.gemm2);
         let launches = launch::launch_table(
             launch::ForwardKernels {
                 route: if route_blocks == 1 {
@@ -1278,7 +1227,6 @@ pub fn plan_tuned(
             &choice.gemm1,
             &choice.gemm2,
             target.has_programmatic_launch(),
-            expert_handoff.is_some(),
         );
         let fused_kernel = format!("{symbol}_{}_fused", choice.name);
         let mut regime = Regime {
@@ -1292,7 +1240,6 @@ pub fn plan_tuned(
             launches,
             tuned,
             fused_decode: None,
-            expert_handoff,
         };
         let asked = layer.schedule.fused_decode;
         let tokens = asked.unwrap_or(fused_decode::DEFAULT_FUSED_DECODE_TOKENS);
@@ -1328,6 +1275,7 @@ pub fn plan_tuned(
         .map(|r| (r.name.clone(), r.max_tokens))
         .collect();
     let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
+    let stream_k = StreamKSpace::of(regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
     let workspace = workspace(
         &shape,
         most_route_blocks,
@@ -1335,9 +1283,8 @@ pub fn plan_tuned(
         router
             .as_ref()
             .map(|router| RouterSpace::of(router, &shape)),
-        StreamKSpace::of(&regimes),
+        stream_k,
         fused_decode::counters_needed(&shape, &regimes),
-        regimes.iter().any(|r| r.expert_handoff.is_some()),
     );
 
     let placement = if layer.topology.virtual_ranks.is_some() {
@@ -1433,9 +1380,8 @@ pub fn route_blocks(pairs: u64, target: &Target) -> u32 {
 }
 
 /// What the stream-K GEMMs of a plan share: one buffer of partial tiles and one of arrival
-/// counters, each as large as its largest user needs. The GEMMs of a call run one after
-/// another, so none holds them while another does, except a regime's two with the expert
-/// handoff, whose GEMM2 takes the part after GEMM1's.
+/// counters, each as large as its largest user needs (the GEMMs of a call run one after
+/// another, so none holds them while another does).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct StreamKSpace {
     partial_floats: u64,
@@ -1443,26 +1389,14 @@ struct StreamKSpace {
 }
 
 impl StreamKSpace {
-    fn of(regimes: &[Regime]) -> Self {
-        regimes
-            .iter()
-            .fold(StreamKSpace::default(), |space, regime| {
-                let (g1, g2) = (&regime.gemm1, &regime.gemm2);
-                let (partial_floats, tile_counters) = match regime.expert_handoff {
-                    Some(handoff) => (
-                        handoff.gemm2_stream_k_partials_offset + g2.stream_k_partial_floats(),
-                        handoff.gemm2_stream_k_counters_offset + g2.stream_k_tile_counters(),
-                    ),
-                    None => (
-                        g1.stream_k_partial_floats()
-                            .max(g2.stream_k_partial_floats()),
-                        g1.stream_k_tile_counters().max(g2.stream_k_tile_counters()),
-                    ),
-                };
-                StreamKSpace {
-                    partial_floats: space.partial_floats.max(partial_floats),
-                    tile_counters: space.tile_counters.max(tile_counters),
-                }
+    fn of<'a>(gemms: impl IntoIterator<Item = &'a GemmPlan>) -> Self {
+        gemms
+            .into_iter()
+            .fold(StreamKSpace::default(), |space, gemm| StreamKSpace {
+                partial_floats: space.partial_floats.max(gemm.stream_k_partial_floats()),
+                tile_counters: space
+                    .tile_counters
+                    .max(gemm.stream_k.map_or(0, |tail| u64::from(tail.max_tiles))),
             })
     }
 }
@@ -1493,8 +1427,7 @@ impl RouterSpace {
 /// of the routing over `route_blocks` blocks where that is more than one; with `sorted_x`,
 /// x's rows in the expert-major order for a GEMM1 that loads them as tiles; with a router,
 /// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
-/// and counters; with a fused decode, its `fused_counters` counters; with the expert
-/// handoff in any regime, its counters.
+/// and counters; with a fused decode, its `fused_counters` counters.
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
@@ -1502,7 +1435,6 @@ fn workspace(
     router: Option<RouterSpace>,
     stream_k: StreamKSpace,
     fused_counters: Option<u64>,
-    expert_handoff: bool,
 ) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
@@ -1615,14 +1547,6 @@ fn workspace(
             elem: BufferId::FusedDecodeCounters.elem(),
             elems: counters,
             purpose: "the fused decode's counters: per expert GEMM1 tiles stored and GEMM2 tiles that read them, per GEMM2 column tile the tiles stored, the next unit's ticket and the blocks done claiming (zero between calls)".into(),
-        });
-    }
-    if expert_handoff {
-        buffers.push(Buffer {
-            id: BufferId::ExpertTilesDone,
-            elem: BufferId::ExpertTilesDone.elem(),
-            elems: u64::from(shape.gemm_experts()) + 2,
-            purpose: "the expert handoff's counters: per expert GEMM1 tiles stored, GEMM1 tiles stored in all, GEMM2 blocks done (zero between calls)".into(),
         });
     }
     buffers

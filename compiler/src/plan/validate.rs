@@ -14,11 +14,11 @@ use super::launch::StreamRole;
 use super::network::NetworkPlan;
 use super::router::{self, GateEngine, RouterPlan};
 use super::{
-    Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, ExpertHandoff, GemmKind, GemmPlan,
-    GemmProblem, Grid, INVERT_ROWS_THREADS, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES,
-    MAX_WGMMA_WIDTH, MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace,
-    RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier,
-    combine_blocks_per_token, fused_decode, sorts_x_rows, workspace,
+    Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid,
+    INVERT_ROWS_THREADS, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH,
+    MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad,
+    SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token,
+    fused_decode, sorts_x_rows, workspace,
 };
 
 /// Why a plan cannot be executed as it stands.
@@ -99,10 +99,9 @@ impl Plan {
             }
         }
         let most_route_blocks = route_blocks.iter().copied().max().unwrap_or(1);
-        let stream_k = StreamKSpace::of(&self.regimes);
+        let stream_k = StreamKSpace::of(self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
         let sorted_x = sorts_x_rows(&self.regimes);
         let fused_counters = fused_decode::counters_needed(shape, &self.regimes);
-        let expert_handoff = self.regimes.iter().any(|r| r.expert_handoff.is_some());
         if self.workspace
             != workspace(
                 shape,
@@ -111,20 +110,11 @@ impl Plan {
                 router_space,
                 stream_k,
                 fused_counters,
-                expert_handoff,
             )
         {
             return Err("the workspace buffers do not match the layer's shape".into());
         }
         for regime in &self.regimes {
-            if regime.expert_handoff
-                != ExpertHandoff::of(&self.target, &regime.gemm1, &regime.gemm2)
-            {
-                return Err(format!(
-                    "regime `{}`: its GEMM2 waits per expert where its GEMMs cannot hand off so, or not where they can (or its stream-K offsets were edited)",
-                    regime.name
-                ));
-            }
             if let Some(fused) = &regime.fused_decode {
                 let kernel = &fused.launch.kernel;
                 let expected = fused_decode::plan_fused_decode(
@@ -657,7 +647,7 @@ impl Plan {
                         "the launch of `{kernel}` disagrees with its GEMM plan"
                     ));
                 }
-                Self::check_gemm_loads(gemm, launch, kernel, up, regime.expert_handoff.is_some())?;
+                Self::check_gemm_loads(gemm, launch, kernel, up)?;
             }
             for launch in regime.launches {
                 self.check_launch(launch)?;
@@ -746,7 +736,6 @@ impl Plan {
         launch: &super::Launch,
         kernel: &str,
         up: bool,
-        expert_handoff: bool,
     ) -> Result<(), String> {
         let warp_specialized = gemm.engine == MmaEngine::WgmmaWarpSpecialized;
         if warp_specialized && gemm.b_rows > MAX_WGMMA_WIDTH {
@@ -781,15 +770,6 @@ impl Plan {
         if gemm.block_routing.is_some() && !routes_in_blocks {
             return Err(format!(
                 "`{kernel}` routes in its blocks but is not given the call's ids, token count, whether it routes so and the error word"
-            ));
-        }
-        // With the expert handoff both GEMMs count tiles per expert; GEMM2 also reports a
-        // wait that timed out.
-        let hands_off = takes(LaunchArg::Workspace(BufferId::ExpertTilesDone))
-            && (up || takes(LaunchArg::Workspace(BufferId::ErrorWord)));
-        if expert_handoff && (!hands_off || !launch.early_start) {
-            return Err(format!(
-                "`{kernel}` hands off per expert but is not given the counters (GEMM2: and the error word), or does not start early"
             ));
         }
         if gemm.a_load == RowLoad::Tiles && !warp_specialized {
