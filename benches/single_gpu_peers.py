@@ -29,9 +29,10 @@ the same grouped GEMMs. The peers run no expert biases and no router (moeforge's
 includes a spec's expert biases, so a comparison on such a layer favours the peers).
 
 Timing: CUDA events around --calls back-to-back calls, per-call mean, median of 5 passes,
-after 3 warm-up calls. This is not moeforge's method (events around each call, a sync after
-each, median over calls): back-to-back calls hide Python's launch costs behind the GPU's
-queue, so at small token counts the peers are timed in their favour. Before timing, the
+after 3 warm-up calls. This is not the method of moeforge's main column (events around
+each call, a sync after each, median over calls): back-to-back calls hide Python's launch
+costs behind the GPU's queue, so at small token counts the peers are timed in their
+favour; moeforge's back-to-back column is timed this way too. Before timing, the
 Triton pair's y is compared with the torch pipeline's at every token count and block
 shape (relative max error over max |y|, reported as "agree"; the run fails above 2e-2: a
 wrong kernel is not timed), and at the first token count the torch pipeline's

@@ -144,6 +144,9 @@ pub struct BenchRow {
     /// The caller-routed call replayed from a CUDA graph (captured once per input set);
     /// none at T = 0, which launches nothing.
     pub graph_us: Option<f64>,
+    /// The caller-routed call timed as the in-run peers are: calls back to back, the mean
+    /// per call ([`time_back_to_back`]); none at T = 0.
+    pub back_to_back_us: Option<f64>,
     pub iterations: usize,
 }
 
@@ -175,6 +178,49 @@ pub(crate) fn time_calls<E: From<GpuError>>(
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
+}
+
+/// Passes of back-to-back calls in [`time_back_to_back`], as the peers' script times them.
+const BACK_TO_BACK_PASSES: usize = 5;
+
+/// The mean time per call of `iterations` calls enqueued back to back (one event pair
+/// around them, no wait between them), median over [`BACK_TO_BACK_PASSES`] passes, after
+/// warm-up: the in-run peers' method (`benches/single_gpu_peers.py`), so that moeforge and
+/// the peers can be compared alike. A call's first launch may then start behind the
+/// previous call's last as the GPU frees up, as in a model's stream of layers. Input sets
+/// rotate as in [`time_calls`] (the peers repeat one, which favours them where the weights
+/// a call reads fit in L2).
+pub(crate) fn time_back_to_back<E: From<GpuError>>(
+    session: &Session,
+    iterations: usize,
+    mut call: impl FnMut(usize) -> Result<(), E>,
+) -> Result<f64, E> {
+    for i in 0..WARMUP_CALLS {
+        call(i % ROTATED_INPUTS)?;
+    }
+    let ctx = &session.gpu.ctx;
+    let stream = &session.gpu.stream;
+    let calls = iterations.max(1);
+    let mut per_call = Vec::with_capacity(BACK_TO_BACK_PASSES);
+    for _ in 0..BACK_TO_BACK_PASSES {
+        let start = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .context("creating an event")?;
+        let end = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .context("creating an event")?;
+        start.record(stream).context("recording an event")?;
+        for i in 0..calls {
+            call(i % ROTATED_INPUTS)?;
+        }
+        end.record(stream).context("recording an event")?;
+        end.synchronize().context("waiting for an event")?;
+        per_call.push(
+            f64::from(start.elapsed_ms(&end).context("reading an event")?) * 1e3 / calls as f64,
+        );
+    }
+    per_call.sort_by(f64::total_cmp);
+    Ok(per_call[per_call.len() / 2])
 }
 
 /// A self-routed call measured against the same call given the router's choices.
@@ -373,6 +419,14 @@ pub fn bench_layer(
             Ok(session.forward(&built.layer, &mut inputs[i])?)
         })?;
         built.layer.take_error()?;
+        let back_to_back_us = if tokens > 0 {
+            Some(time_back_to_back::<BenchError>(session, iterations, |i| {
+                Ok(session.forward(&built.layer, &mut inputs[i])?)
+            })?)
+        } else {
+            None
+        };
+        built.layer.take_error()?;
         let ours = session
             .gpu
             .stream
@@ -447,6 +501,7 @@ pub fn bench_layer(
             self_routed_floor_us,
             on_its_routing_us,
             graph_us,
+            back_to_back_us,
             iterations,
         };
         progress(&row);

@@ -109,33 +109,35 @@ pub(super) fn utc_date() -> String {
 fn peers_table(rows: &[BenchRow], report: &PeerReport) -> String {
     let us = |v: Option<f64>| v.map_or("-".to_string(), |us| format!("{us:.1}"));
     let mut table = format!(
-        "In-run peers on the same routing (torch {}, triton {}; torch pipeline GEMMs: {}; the peers run the shared experts as moeforge does, no expert biases and no router):\n\n| T | moeforge us | floor us | of floor | cuBLAS us | torch us | triton us | triton w/o align us | fastest peer / moeforge | triton block | agree |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "In-run peers on the same routing (torch {}, triton {}; torch pipeline GEMMs: {}; the peers run the shared experts as moeforge does, no expert biases and no router; the peers are timed back to back, as moeforge's back-to-back column):\n\n| T | moeforge us | back-to-back us | floor us | of floor | cuBLAS us | torch us | triton us | triton w/o align us | fastest peer / moeforge | fastest peer / back-to-back | triton block | agree |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         report.torch, report.triton, report.gemm_backend
     );
     for row in rows {
         let peer = report.row(row.tokens);
-        let fastest = peer
-            .and_then(|p| {
-                [p.torch_us, p.triton_us, p.triton_no_align_us]
-                    .into_iter()
-                    .flatten()
-                    .reduce(f64::min)
-            })
-            .map_or("-".to_string(), |us| {
-                format!("{:.2}x", us / row.moeforge_us)
-            });
+        let fastest = peer.and_then(|p| {
+            [p.torch_us, p.triton_us, p.triton_no_align_us]
+                .into_iter()
+                .flatten()
+                .reduce(f64::min)
+        });
+        let over = |ours: Option<f64>| match (fastest, ours) {
+            (Some(theirs), Some(ours)) => format!("{:.2}x", theirs / ours),
+            _ => "-".to_string(),
+        };
         let _ = writeln!(
             table,
-            "| {} | {:.1} | {:.1} | {:.0}% | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {:.1} | {} | {:.1} | {:.0}% | {} | {} | {} | {} | {} | {} | {} | {} |",
             row.tokens,
             row.moeforge_us,
+            us(row.back_to_back_us),
             row.roofline.floor_us,
             row.fraction_of_floor * 100.0,
             us(row.cublas_us),
             us(peer.and_then(|p| p.torch_us)),
             us(peer.and_then(|p| p.triton_us)),
             us(peer.and_then(|p| p.triton_no_align_us)),
-            fastest,
+            over(Some(row.moeforge_us)),
+            over(row.back_to_back_us),
             peer.and_then(|p| p.triton_config.clone())
                 .unwrap_or_else(|| "-".to_string()),
             peer.and_then(|p| p.agree)
@@ -149,7 +151,7 @@ fn peers_table(rows: &[BenchRow], report: &PeerReport) -> String {
 }
 
 fn header() -> String {
-    "|     T | regime  | moeforge us | TFLOP/s |   GB/s | floor us | of floor | cuBLAS us | speed-up | agree | self-routed us | its floor us | graph us | on its routing us |".to_string()
+    "|     T | regime  | moeforge us | TFLOP/s |   GB/s | floor us | of floor | cuBLAS us | speed-up | agree | self-routed us | its floor us | graph us | on its routing us | back-to-back us |".to_string()
 }
 
 fn table_row(row: &BenchRow) -> String {
@@ -164,7 +166,7 @@ fn table_row(row: &BenchRow) -> String {
         .map_or("-".to_string(), |e| format!("{e:.0e}"));
     let us = |v: Option<f64>| v.map_or("-".to_string(), |us| format!("{us:.1}"));
     format!(
-        "| {:>5} | {:<7} | {:>11.1} | {:>7.1} | {:>6.0} | {:>8.1} | {:>7.0}% | {:>9} | {:>8} | {:>5} | {:>14} | {:>12} | {:>8} | {:>17} |",
+        "| {:>5} | {:<7} | {:>11.1} | {:>7.1} | {:>6.0} | {:>8.1} | {:>7.0}% | {:>9} | {:>8} | {:>5} | {:>14} | {:>12} | {:>8} | {:>17} | {:>15} |",
         row.tokens,
         row.regime,
         row.moeforge_us,
@@ -178,7 +180,8 @@ fn table_row(row: &BenchRow) -> String {
         us(row.self_routed_us),
         us(row.self_routed_floor_us),
         us(row.graph_us),
-        us(row.on_its_routing_us)
+        us(row.on_its_routing_us),
+        us(row.back_to_back_us)
     )
 }
 
@@ -290,7 +293,9 @@ pub fn run(args: &Args) -> ExitCode {
         report.commit,
         report.routing,
         header(),
-        "---|".repeat(12).trim_end_matches('|')
+        "---|"
+            .repeat(header().matches('|').count() - 1)
+            .trim_end_matches('|')
     );
     for row in &rows {
         let _ = writeln!(markdown, "{}", table_row(row));
