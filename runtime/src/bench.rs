@@ -157,27 +157,12 @@ pub(crate) fn time_calls<E: From<GpuError>>(
     iterations: usize,
     mut call: impl FnMut(usize) -> Result<(), E>,
 ) -> Result<f64, E> {
-    for i in 0..WARMUP_CALLS {
-        call(i % ROTATED_INPUTS)?;
-    }
-    let ctx = &session.gpu.ctx;
-    let stream = &session.gpu.stream;
+    warm_up(&mut call)?;
     let mut times = Vec::with_capacity(iterations);
     for i in 0..iterations {
-        let start = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .context("creating an event")?;
-        let end = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .context("creating an event")?;
-        start.record(stream).context("recording an event")?;
-        call(i % ROTATED_INPUTS)?;
-        end.record(stream).context("recording an event")?;
-        end.synchronize().context("waiting for an event")?;
-        times.push(f64::from(start.elapsed_ms(&end).context("reading an event")?) * 1e3);
+        times.push(event_span(session, || call(i % ROTATED_INPUTS))?);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(median(times))
 }
 
 /// Passes of back-to-back calls in [`time_back_to_back`], as the peers' script times them.
@@ -195,32 +180,46 @@ pub(crate) fn time_back_to_back<E: From<GpuError>>(
     iterations: usize,
     mut call: impl FnMut(usize) -> Result<(), E>,
 ) -> Result<f64, E> {
-    for i in 0..WARMUP_CALLS {
-        call(i % ROTATED_INPUTS)?;
-    }
-    let ctx = &session.gpu.ctx;
-    let stream = &session.gpu.stream;
+    warm_up(&mut call)?;
     let calls = iterations.max(1);
     let mut per_call = Vec::with_capacity(BACK_TO_BACK_PASSES);
     for _ in 0..BACK_TO_BACK_PASSES {
-        let start = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .context("creating an event")?;
-        let end = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .context("creating an event")?;
-        start.record(stream).context("recording an event")?;
-        for i in 0..calls {
-            call(i % ROTATED_INPUTS)?;
-        }
-        end.record(stream).context("recording an event")?;
-        end.synchronize().context("waiting for an event")?;
-        per_call.push(
-            f64::from(start.elapsed_ms(&end).context("reading an event")?) * 1e3 / calls as f64,
-        );
+        let us = event_span(session, || {
+            (0..calls).try_for_each(|i| call(i % ROTATED_INPUTS))
+        })?;
+        per_call.push(us / calls as f64);
     }
-    per_call.sort_by(f64::total_cmp);
-    Ok(per_call[per_call.len() / 2])
+    Ok(median(per_call))
+}
+
+fn warm_up<E>(call: &mut impl FnMut(usize) -> Result<(), E>) -> Result<(), E> {
+    (0..WARMUP_CALLS).try_for_each(|i| call(i % ROTATED_INPUTS))
+}
+
+/// µs between CUDA events recorded on the session's stream before and after what `enqueue`
+/// enqueues, once the second has been reached.
+fn event_span<E: From<GpuError>>(
+    session: &Session,
+    enqueue: impl FnOnce() -> Result<(), E>,
+) -> Result<f64, E> {
+    let ctx = &session.gpu.ctx;
+    let stream = &session.gpu.stream;
+    let start = ctx
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .context("creating an event")?;
+    let end = ctx
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .context("creating an event")?;
+    start.record(stream).context("recording an event")?;
+    enqueue()?;
+    end.record(stream).context("recording an event")?;
+    end.synchronize().context("waiting for an event")?;
+    Ok(f64::from(start.elapsed_ms(&end).context("reading an event")?) * 1e3)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 /// A self-routed call measured against the same call given the router's choices.
