@@ -436,6 +436,18 @@ struct CallRouting {
     int* error_word = nullptr;
 };
 
+// A routing table (expert offsets or row table) as a single-GPU mma.sync GEMM reads it:
+// the route's, in global memory and unchanged while the GEMMs run (read through the
+// read-only path), or the block's own in shared memory where it routes the call. The
+// block decides once per call; every load then takes its own kind of instruction (one
+// pointer that may be either made every load a generic one: DeepSeek-V3's GEMM2 was 0.5%
+// slower at 64 tokens, Nsight Compute, one H200, 2026-12-03).
+struct RoutingTable {
+    const int* entries;
+    bool in_block;
+    __device__ __forceinline__ int operator[](int i) const { return in_block ? entries[i] : __ldg(entries + i); }
+};
+
 // Ints of the static tables a GEMM block routes a call in (none where MAX_PAIRS is 0): each
 // expert's first row (GEMM_EXPERTS + 1), fill counts (GEMM_EXPERTS), and the row table
 // (every pair, and every token once per shared slice).
@@ -531,12 +543,12 @@ __device__ __forceinline__ int expert_in_tile_order(int i) {
     return (i + EXPERTS_HERE - SHARED_SLICES) % EXPERTS_HERE;
 }
 
-template <int BM, int PHASES>
-__device__ __forceinline__ int m_tiles_done(const int* __restrict__ row_offsets, int expert, int phase) {
-    const int* runs = row_offsets + expert * PHASES;
+template <int BM, int PHASES, class Offsets>
+__device__ __forceinline__ int m_tiles_done(const Offsets& row_offsets, int expert, int phase) {
     if (phase < 0) return 0;
-    const int rows = runs[phase + 1] - runs[0];
-    const int total = runs[PHASES] - runs[0];
+    const int first = row_offsets[expert * PHASES];
+    const int rows = row_offsets[expert * PHASES + phase + 1] - first;
+    const int total = row_offsets[expert * PHASES + PHASES] - first;
     return rows == total ? (total + BM - 1) / BM : rows / BM;
 }
 
@@ -551,8 +563,8 @@ __device__ __forceinline__ int group_units(int m_tiles) {
     else return m_tiles / 2 * N_TILES + m_tiles % 2 * ((N_TILES + 1) / 2);
 }
 
-template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES, int CLUSTER = 1>
-__device__ __forceinline__ void tile_schedule(const int* __restrict__ row_offsets, int* s_tile_start) {
+template <int BM, int N_TILES, int EXPERTS_HERE, int PHASES, int CLUSTER = 1, class Offsets>
+__device__ __forceinline__ void tile_schedule(const Offsets& row_offsets, int* s_tile_start) {
     if (threadIdx.x < 32) {
         warp_exclusive_scan(EXPERTS_HERE * PHASES, [&](int g) {
             const int expert = expert_in_tile_order<EXPERTS_HERE>(g % EXPERTS_HERE), phase = g / EXPERTS_HERE;
@@ -569,8 +581,8 @@ struct TileGroup {
     int expert, m_begin, m_tiles, local;
 };
 
-template <int BM, int EXPERTS_HERE, int PHASES>
-__device__ __forceinline__ TileGroup find_group(int unit, const int* s_tile_start, const int* __restrict__ row_offsets) {
+template <int BM, int EXPERTS_HERE, int PHASES, class Offsets>
+__device__ __forceinline__ TileGroup find_group(int unit, const int* s_tile_start, const Offsets& row_offsets) {
     // The group owning this unit: the last g with s_tile_start[g] <= unit.
     int lo = 0, hi = EXPERTS_HERE * PHASES - 1;
     while (lo < hi) {
@@ -584,8 +596,8 @@ __device__ __forceinline__ TileGroup find_group(int unit, const int* s_tile_star
 }
 
 // The tile at m-tile `m` (within the group) and n-tile `n` of group `g`.
-template <int BM, int BN, int PHASES>
-__device__ __forceinline__ GemmTile group_tile(const TileGroup& g, int m, int n, const int* __restrict__ row_offsets) {
+template <int BM, int BN, int PHASES, class Offsets>
+__device__ __forceinline__ GemmTile group_tile(const TileGroup& g, int m, int n, const Offsets& row_offsets) {
     const int expert_row0 = row_offsets[g.expert * PHASES];
     const int expert_end = row_offsets[(g.expert + 1) * PHASES];
     GemmTile t;
@@ -598,16 +610,16 @@ __device__ __forceinline__ GemmTile group_tile(const TileGroup& g, int m, int n,
 }
 
 // Tile `tile` of a block alone: m-tiles of one n-tile next to each other.
-template <int BM, int BN, int EXPERTS_HERE, int PHASES>
-__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const int* __restrict__ row_offsets) {
+template <int BM, int BN, int EXPERTS_HERE, int PHASES, class Offsets>
+__device__ __forceinline__ GemmTile locate_tile(int tile, const int* s_tile_start, const Offsets& row_offsets) {
     const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(tile, s_tile_start, row_offsets);
     return group_tile<BM, BN, PHASES>(g, g.local % g.m_tiles, g.local / g.m_tiles, row_offsets);
 }
 
 // The tile of block `cta_rank` of a cluster pair in unit `unit` (see group_units).
-template <int BM, int BN, int N_TILES, int EXPERTS_HERE, int PHASES>
+template <int BM, int BN, int N_TILES, int EXPERTS_HERE, int PHASES, class Offsets>
 __device__ __forceinline__ GemmTile locate_pair_tile(int unit, int cta_rank, const int* s_tile_start,
-                                                     const int* __restrict__ row_offsets) {
+                                                     const Offsets& row_offsets) {
     const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(unit, s_tile_start, row_offsets);
     const int pairs = g.m_tiles / 2;
     if (g.local < pairs * N_TILES) {
@@ -627,8 +639,8 @@ __device__ __forceinline__ GemmTile locate_pair_tile(int unit, int cta_rank, con
 // intermediate row (GEMM_DOWN); -1 marks rows past the group's count. Written by the
 // LOADERS threads that load stages (`loader` is this thread's index among them); the
 // caller makes the table visible to them.
-template <class G, int LOADERS>
-__device__ __forceinline__ void fill_row_sources(const GemmTile& t, const int* __restrict__ row_pair, int* s_row_source,
+template <class G, int LOADERS, class Pairs>
+__device__ __forceinline__ void fill_row_sources(const GemmTile& t, const Pairs& row_pair, int* s_row_source,
                                                  const EpContext& ep, int loader) {
     for (int r = loader; r < G::BM; r += LOADERS) {
         int source = -1;
@@ -729,8 +741,8 @@ __device__ __forceinline__ float slot_weight(int slot, const float* __restrict__
     }
 }
 
-template <class G>
-__device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const int* __restrict__ row_pair,
+template <class G, class Pairs>
+__device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const Pairs& row_pair,
                                                     const float* __restrict__ topk_weights,
                                                     const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                     const EpContext& ep) {
@@ -756,8 +768,8 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
 // token's counter at the origin. An origin on another node has no counter here (its peer
 // table entry is null): its rows go back through NCCL once GEMM2 is done. With rank
 // partials nothing is released here: the combine sums the rows here first.
-template <class G, int STORERS>
-__device__ __forceinline__ void epilogue_release(const GemmTile& t, const int* __restrict__ row_pair, const EpContext& ep,
+template <class G, int STORERS, class Pairs>
+__device__ __forceinline__ void epilogue_release(const GemmTile& t, const Pairs& row_pair, const EpContext& ep,
                                                  int storer) {
     if constexpr (G::EP && G::KIND == GEMM_DOWN && !G::RANK_PARTIALS) {
         for (int r = storer; r < t.rows; r += STORERS) {
@@ -903,10 +915,10 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 // stages of the block's next run `next` (weights depend on nothing another kernel
 // writes), so that the block's loads do not stop between tiles; it returns the ring's
 // state for that run. On return every thread's stores are done; `*tile_out` is the tile.
-template <class G, class WaitForRows>
+template <class G, class Offsets, class Pairs, class WaitForRows>
 __device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
-    const float* __restrict__ topk_weights, const int* __restrict__ row_offsets, const int* __restrict__ row_pair,
+    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
     bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
@@ -1054,44 +1066,16 @@ __device__ __forceinline__ RingState mma_sync_run(
     return next_ring;
 }
 
-template <class G>
-__device__ __forceinline__ void grouped_gemm(
-    const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
-    const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
-    const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
-    const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
-    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule (unread where the block routes)
-    const int* __restrict__ row_pair,         // [pairs] (unread where the block routes)
-    bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
-    const EpContext& ep,
-    const StreamKBuffers& stream_k = StreamKBuffers{},
-    const CallRouting& call = CallRouting{})
+// The tile loops of grouped_gemm, over the call's routing tables (`row_offsets` and
+// `row_pair`: the route's pointers, or RoutingTables).
+template <class G, class Offsets, class Pairs>
+__device__ __forceinline__ void grouped_gemm_tiles(
+    const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
+    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair, bf16_t* __restrict__ out,
+    const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem, int* s_tile_start)
 {
-    assert_gemm_layout<G>();
-    static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
-    static_assert(G::BLOCK_ROUTING_MAX_PAIRS == 0 || !G::EP, "plan: only one GPU's GEMMs route in their blocks");
     constexpr int K_TILES = k_tiles<G>();
     constexpr int N_TILES = G::N / G::BN;
-    constexpr int TILE_TABLE = G::EXPERTS_HERE * G::PHASES + 1;
-    unsigned char* smem = aligned_ring<G>();
-    __shared__ int s_tables[TILE_TABLE + block_routing_ints<G::BLOCK_ROUTING_MAX_PAIRS>()];
-    static_assert(static_smem_reserved(sizeof(s_tables)) == G::STATIC_SMEM_BYTES,
-                  "plan: static tile-start table (and routing tables)");
-    int* s_tile_start = s_tables;
-
-    // A call of few pairs was given no route launch: this block routes it (the ids were
-    // final before this kernel launched, as the weights were).
-    if constexpr (G::BLOCK_ROUTING_MAX_PAIRS > 0) {
-        if (call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS) {
-            int* s_offsets = s_tables + TILE_TABLE;
-            int* s_fill = s_offsets + GEMM_EXPERTS + 1;
-            int* s_row_pair = s_fill + GEMM_EXPERTS;
-            route_in_block<G::THREADS>(call.topk_ids, call.tokens, call.error_word, s_offsets, s_row_pair, s_fill);
-            row_offsets = s_offsets;
-            row_pair = s_row_pair;
-        }
-    }
-
     tile_schedule<G::BM, N_TILES, G::EXPERTS_HERE, G::PHASES>(row_offsets, s_tile_start);
     const int total_tiles = s_tile_start[G::EXPERTS_HERE * G::PHASES];
 
@@ -1139,6 +1123,50 @@ __device__ __forceinline__ void grouped_gemm(
     for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
         const int next = tile + (int)gridDim.x;
         multiply_run(KRun{tile, 0, K_TILES}, next < total_tiles ? KRun{next, 0, K_TILES} : KRun::none(), nullptr);
+    }
+}
+
+template <class G>
+__device__ __forceinline__ void grouped_gemm(
+    const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
+    const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
+    const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
+    const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
+    const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule (unread where the block routes)
+    const int* __restrict__ row_pair,         // [pairs] (unread where the block routes)
+    bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
+    const EpContext& ep,
+    const StreamKBuffers& stream_k = StreamKBuffers{},
+    const CallRouting& call = CallRouting{})
+{
+    assert_gemm_layout<G>();
+    static_assert(G::RING_ALIGN == 128 && G::ALIGN_SLACK >= G::RING_ALIGN - 16, "plan: slack to align the ring");
+    static_assert(G::BLOCK_ROUTING_MAX_PAIRS == 0 || !G::EP, "plan: only one GPU's GEMMs route in their blocks");
+    constexpr int TILE_TABLE = G::EXPERTS_HERE * G::PHASES + 1;
+    unsigned char* smem = aligned_ring<G>();
+    __shared__ int s_tables[TILE_TABLE + block_routing_ints<G::BLOCK_ROUTING_MAX_PAIRS>()];
+    static_assert(static_smem_reserved(sizeof(s_tables)) == G::STATIC_SMEM_BYTES,
+                  "plan: static tile-start table (and routing tables)");
+    int* s_tile_start = s_tables;
+
+    // A call of few pairs was given no route launch: this block routes it (the ids were
+    // final before this kernel launched, as the weights were). A GEMM that may reads either
+    // kind of table through RoutingTable; the others read the route's directly.
+    if constexpr (G::BLOCK_ROUTING_MAX_PAIRS > 0) {
+        RoutingTable offsets{row_offsets, false}, pairs{row_pair, false};
+        if (call.routes && call.tokens * TOP_K <= G::BLOCK_ROUTING_MAX_PAIRS) {
+            int* s_offsets = s_tables + TILE_TABLE;
+            int* s_fill = s_offsets + GEMM_EXPERTS + 1;
+            int* s_row_pair = s_fill + GEMM_EXPERTS;
+            route_in_block<G::THREADS>(call.topk_ids, call.tokens, call.error_word, s_offsets, s_row_pair, s_fill);
+            offsets = RoutingTable{s_offsets, true};
+            pairs = RoutingTable{s_row_pair, true};
+        }
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, offsets, pairs, out, ep, stream_k, smem,
+                              s_tile_start);
+    } else {
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k, smem,
+                              s_tile_start);
     }
 }
 // ---------------------------------------------------------------------------------------
