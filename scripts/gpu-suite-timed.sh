@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs the staged GPU suite as .device/run.sh does (every test executable of
 # .device/tests.tsv with its ignored tests, from its package folder, one test at a time) and
-# prints a table of seconds per executable, slowest first, and the total: the numbers the
-# 90 s rule of the GPU suite is checked against.
+# prints a table of seconds per executable, slowest first, the total (the numbers the 90 s
+# rule of the GPU suite is checked against), and the slowest tests (libtest's own times,
+# `--report-time`, an unstable option that RUSTC_BOOTSTRAP=1 unlocks for a stable build).
 #
 # Usage, on the GPU machine from the repository root, after shared/device/stage.sh:
-#   bash scripts/gpu-suite-timed.sh [LOG_DIR]
+#   bash scripts/gpu-suite-timed.sh [LOG_DIR [SLOWEST]]
 # Each executable's output goes to LOG_DIR/<executable>.log (default: $OUT/logs when OUT is
 # set, as on the device tool, else a temporary folder); a failing one's tail is printed.
 # Exit status: 1 if any executable failed.
@@ -13,6 +14,7 @@ set -uo pipefail
 
 here=$(pwd)
 logs=${1:-${OUT:+$OUT/logs}}
+slowest=${2:-20}
 logs=${logs:-$(mktemp -d "${TMPDIR:-/tmp}/moeforge-suite.XXXXXX")}
 mkdir -p "$logs"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -29,7 +31,8 @@ rows=""
 started=$(date +%s.%N)
 while IFS=$'\t' read -r exe dir; do
   begin=$(date +%s.%N)
-  (cd "$dir" && "$here/.device/tests/$exe" --include-ignored --test-threads=1) >"$logs/$exe.log" 2>&1
+  (cd "$dir" && RUSTC_BOOTSTRAP=1 "$here/.device/tests/$exe" --include-ignored --test-threads=1 \
+    -Z unstable-options --report-time) >"$logs/$exe.log" 2>&1
   status=$?
   seconds=$(awk -v a="$begin" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
   result=$(grep -E '^test result' "$logs/$exe.log" | tail -1 | sed 's/test result: //; s/; finished.*//')
@@ -45,4 +48,16 @@ echo "| seconds | executable | exit | result |"
 echo "|---|---|---|---|"
 printf '%s' "$rows" | sort -t$'\t' -k1,1 -rn | awk -F'\t' '{ printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4 }'
 echo "total: $total s (logs in $logs)"
+# A test's "ok <1.23s>" may follow lines the test logged: it belongs to the last test named.
+echo
+echo "| seconds | slowest tests |"
+echo "|---|---|"
+for log in "$logs"/*.log; do
+  awk -v exe="$(basename "$log" .log)" '
+    /^test [^ ]+ \.\.\. / { name = $2 }
+    match($0, /(ok|FAILED) <[0-9.]+s>/) {
+      seconds = substr($0, RSTART, RLENGTH); gsub(/^(ok|FAILED) <|s>$/, "", seconds)
+      sub(/-[0-9a-f]+$/, "", exe); print seconds "\t" exe "::" name
+    }' "$log"
+done | sort -t$'\t' -k1,1 -rn | head -n "$slowest" | awk -F'\t' '{ printf "| %s | %s |\n", $1, $2 }'
 exit $failed

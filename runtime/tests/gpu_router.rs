@@ -300,17 +300,33 @@ fn each_rule_routes_as_the_reference_and_the_layer_follows() {
 }
 
 /// The examples with a router, scaled down.
+/// The scaled-down examples with a router, each once: an example that differs from an
+/// earlier one only in its name, parallelism and topology (DeepSeek-V3 at EP = 64) runs the
+/// same kernels on one GPU, where the single-GPU kernels run every expert.
 fn routed_examples() -> Vec<Layer> {
-    layers::examples()
+    let mut routed: Vec<Layer> = Vec::new();
+    for layer in layers::examples()
         .iter()
         .filter(|layer| layer.router.is_some())
-        .map(|layer| {
-            let mut scaled = layers::scaled_down(layer);
-            // Routed on one GPU: the single-GPU kernels run every expert.
-            scaled.name = format!("{}_routed", scaled.name);
-            scaled
-        })
-        .collect()
+    {
+        let mut scaled = layers::scaled_down(layer);
+        scaled.name = format!("{}_routed", scaled.name);
+        let same_as = routed.iter().find(|earlier| {
+            let mut normalised = scaled.clone();
+            normalised.name = earlier.name.clone();
+            normalised.parallel = earlier.parallel;
+            normalised.topology = earlier.topology.clone();
+            normalised == **earlier
+        });
+        match same_as {
+            Some(earlier) => log(&format!(
+                "{}: same single-GPU layer as {} (name, parallelism and topology aside); not run twice",
+                scaled.name, earlier.name
+            )),
+            None => routed.push(scaled),
+        }
+    }
+    routed
 }
 
 /// The wgmma gate layers plan wgmma gates of 64 and 128 tokens by 128 experts and of 64
