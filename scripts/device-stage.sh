@@ -12,8 +12,12 @@
 #
 # Usage, from the repository root: bash scripts/device-stage.sh [extra cargo args]
 #   STAGE=path/to/stage.sh overrides where shared/device/stage.sh is (default
-#   ../shared/device/stage.sh).
-# Then, on the GPU machine: bash .device/run.sh, or bash scripts/gpu-suite-timed.sh.
+#   ../shared/device/stage.sh);
+#   JIT_CACHE=path/to/jit-cache.tar.xz copies a cache an earlier run of
+#   scripts/gpu-suite-cached.sh left (its $OUT/jit-cache.tar.xz) to .device/, where that
+#   script looks for it (stage.sh empties .device/ first).
+# Then, on the GPU machine: bash .device/run.sh, scripts/gpu-suite-timed.sh (seconds per
+# executable and the slowest tests) or scripts/gpu-suite-cached.sh (with that cache).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -37,4 +41,7 @@ while IFS=$'\t' read -r exe dir; do
 done < .device/tests.tsv
 mv "$kept" .device/tests.tsv
 find .device/bin -type f ! -name moeforge -delete
+if [ -n "${JIT_CACHE:-}" ]; then
+  cp "$JIT_CACHE" .device/jit-cache.tar.xz
+fi
 echo "GPU suite: $(wc -l < .device/tests.tsv) test executables kept, ${#dropped[@]} CPU-only left to CI (${dropped[*]}); .device is $(du -sh .device | cut -f1)"

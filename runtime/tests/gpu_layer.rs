@@ -263,7 +263,10 @@ fn distinct_plans(layers: impl IntoIterator<Item = Layer>) -> (Vec<Plan>, Vec<St
     let mut notes = Vec::new();
     for layer in layers {
         let plan = plan_for_device(&layer);
-        match plans.iter().find(|p| same_kernels(p, &plan)) {
+        match plans
+            .iter()
+            .find(|p| layers::same_single_gpu_kernels(p, &plan))
+        {
             Some(same) => notes.push(format!(
                 "{}: same kernels as {} (names and spec ranks aside); not run twice",
                 plan.layer, same.layer
@@ -276,17 +279,6 @@ fn distinct_plans(layers: impl IntoIterator<Item = Layer>) -> (Vec<Plan>, Vec<St
 
 fn scaled_example_plans() -> (Vec<Plan>, Vec<String>) {
     distinct_plans(layers::examples().iter().map(layers::scaled_down))
-}
-
-fn same_kernels(a: &Plan, b: &Plan) -> bool {
-    let mut shape = b.shape.clone();
-    shape.spec_ranks = a.shape.spec_ranks;
-    a.shape == shape
-        && a.regimes.len() == b.regimes.len()
-        && a.regimes.iter().zip(&b.regimes).all(|(x, y)| {
-            (x.min_tokens, x.max_tokens, &x.gemm1, &x.gemm2)
-                == (y.min_tokens, y.max_tokens, &y.gemm1, &y.gemm2)
-        })
 }
 
 /// The pinned layers and the engine each must run on.
@@ -990,7 +982,9 @@ fn fused_decode_matches_reference_and_repeats_identically() {
         );
         let mut unfused = plan.clone();
         unfused.regimes[0].fused_decode = None;
-        let checked_elsewhere = scaled_suite.iter().any(|p| same_kernels(p, &unfused));
+        let checked_elsewhere = scaled_suite
+            .iter()
+            .any(|p| layers::same_single_gpu_kernels(p, &unfused));
         if checked_elsewhere {
             log(&format!(
                 "{name}: its table runs the kernels of the scaled-down suite's layer; calls of up to {} tokens checked here",

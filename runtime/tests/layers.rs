@@ -162,3 +162,19 @@ pub fn sorted_rows() -> Layer {
     };
     layer
 }
+
+/// Whether two plans run the same kernels on one GPU: the same shape (the spec's ranks
+/// aside: all experts run on one GPU either way) and the same GEMMs in the same regimes.
+pub fn same_single_gpu_kernels(
+    a: &moeforge_compiler::plan::Plan,
+    b: &moeforge_compiler::plan::Plan,
+) -> bool {
+    let mut shape = b.shape.clone();
+    shape.spec_ranks = a.shape.spec_ranks;
+    a.shape == shape
+        && a.regimes.len() == b.regimes.len()
+        && a.regimes.iter().zip(&b.regimes).all(|(x, y)| {
+            (x.min_tokens, x.max_tokens, &x.gemm1, &x.gemm2)
+                == (y.min_tokens, y.max_tokens, &y.gemm1, &y.gemm2)
+        })
+}
