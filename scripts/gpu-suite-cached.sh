@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the staged GPU suite (.device/run.sh, staged by shared/device/stage.sh) with the
+# Runs the staged GPU suite (.device/run.sh, staged by scripts/device-stage.sh) with the
 # NVRTC cache an earlier run left, and keeps this run's cache for the next one.
 #
 # A fresh GPU machine has an empty cache, so each test executable compiles its layers

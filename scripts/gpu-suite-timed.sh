@@ -5,7 +5,7 @@
 # rule of the GPU suite is checked against), and the slowest tests (libtest's own times,
 # `--report-time`, an unstable option that RUSTC_BOOTSTRAP=1 unlocks for a stable build).
 #
-# Usage, on the GPU machine from the repository root, after shared/device/stage.sh:
+# Usage, on the GPU machine from the repository root, after scripts/device-stage.sh:
 #   bash scripts/gpu-suite-timed.sh [LOG_DIR [SLOWEST]]
 # Each executable's output goes to LOG_DIR/<executable>.log (default: $OUT/logs when OUT is
 # set, as on the device tool, else a temporary folder); a failing one's tail is printed.
