@@ -183,10 +183,11 @@ fn dot_block<const L: usize, const AVX2_FMA: bool>(
     acc.map(|products| products.map(|lanes| lanes.iter().sum()))
 }
 
-/// [`dot_block`] in AVX2 registers with fused multiply-adds, 8 lanes per piece (written
-/// with intrinsics: the compiler did not vectorise the portable loop's blocks, nor
-/// `f32::mul_add` in them, which ran about 10 times slower; the portable loop is left to
-/// CPUs without AVX2 and FMA).
+/// [`dot_block`] in AVX2 registers with fused multiply-adds, 8 lanes per piece. Written with
+/// intrinsics: compiled for AVX2, the portable loop's blocks were not vectorised (with or
+/// without `f32::mul_add`) and ran about 10 times slower. The portable loop serves CPUs
+/// without AVX2 and FMA; in the baseline (SSE2) build it is vectorised: 18.8 G
+/// multiply-adds/s on the build machine, against 9.6 for the one-vector products before.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn dot_block_avx2(w: [&[f32]; W_BLOCK], x: [&[f32]; X_BLOCK]) -> [[f32; X_BLOCK]; W_BLOCK] {
