@@ -1254,7 +1254,8 @@ __device__ __forceinline__ void grouped_gemm_tiles(
     // and tile schedule were final before it launched (the routing ran two launches back, or
     // the ids it routes in its blocks were final before GEMM1 read them); only its A rows
     // are GEMM1's output. (Warming L2 with the rest of the run's weights as
-    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01.)
+    // well cost up to 15%: it competed with GEMM1 for HBM, 2026-12-01; still 1-10% with
+    // GEMM1's weight lines marked evict-first so that they could not evict it, 2026-12-03.)
     bool waited = !G::WEIGHTS_BEFORE_WAIT;
     RingState ring{0, false};
     auto multiply_run = [&](const KRun& run, const KRun& next, const StreamKShare* share) {
