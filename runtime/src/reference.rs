@@ -134,8 +134,12 @@ impl PaddedRows {
     #[inline(always)]
     fn fill(&mut self, rows: usize, len: usize, value: impl Fn(usize, usize) -> f32) {
         for (r, row) in self.values.chunks_exact_mut(self.stride).enumerate() {
-            for (i, v) in row[..len].iter_mut().enumerate() {
-                *v = if r < rows { value(r, i) } else { 0.0 };
+            if r < rows {
+                for (i, v) in row[..len].iter_mut().enumerate() {
+                    *v = value(r, i);
+                }
+            } else {
+                row[..len].fill(0.0);
             }
         }
     }

@@ -299,7 +299,6 @@ fn each_rule_routes_as_the_reference_and_the_layer_follows() {
     check_layers("router rules", rule_layers());
 }
 
-/// The examples with a router, scaled down.
 /// The scaled-down examples with a router, each once: an example whose single-GPU plan
 /// runs the same kernels as an earlier one's, with the same router (DeepSeek-V3 at EP = 64
 /// against DeepSeek-V3: on one GPU every expert runs here), is left out.
