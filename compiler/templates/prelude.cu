@@ -25,6 +25,19 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
     const int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// The L2 policy for data a kernel reads once: its lines leave L2 first, so that streaming
+// it does not push out what is read again.
+__device__ __forceinline__ u64 evict_first_policy() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+// cp_async_16 under an L2 policy (evict_first_policy).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid, u64 policy) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes), "l"(policy));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }

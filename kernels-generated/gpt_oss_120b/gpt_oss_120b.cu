@@ -38,6 +38,19 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
     const int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// The L2 policy for data a kernel reads once: its lines leave L2 first, so that streaming
+// it does not push out what is read again.
+__device__ __forceinline__ u64 evict_first_policy() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+// cp_async_16 under an L2 policy (evict_first_policy).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid, u64 policy) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes), "l"(policy));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
@@ -692,6 +705,8 @@ __device__ __forceinline__ u32 swizzle(int row, int chunk) {
 struct GemmTile {
     int expert, n0, row0, rows;
     bool weights_shared;
+    // No other m-tile of this call reads the tile's weight panel.
+    bool weights_read_once;
 };
 
 // Tile schedule. `row_offsets` holds, per expert here, the start of each of its PHASES
@@ -780,6 +795,7 @@ __device__ __forceinline__ GemmTile group_tile(const TileGroup& g, int m, int n,
     t.row0 = expert_row0 + (g.m_begin + m) * BM;
     t.rows = min(BM, expert_end - t.row0);
     t.weights_shared = false;
+    t.weights_read_once = g.m_tiles == 1;
     return t;
 }
 
@@ -875,8 +891,25 @@ struct StageLoader {
         }
     }
 
+    // The tile's weight rows. On one GPU a panel that no other m-tile reads streams through
+    // L2 evict-first: it would otherwise push out the A rows that every n-tile of an expert
+    // reads again (x's rows for GEMM_UP, the intermediate's for GEMM_DOWN). A panel another
+    // m-tile reads again keeps plain copies, as do the expert-parallel GEMMs (not measured).
     __device__ __forceinline__ void b_rows(u32 stage_base, int k_offset, const GemmTile& t,
                                            const bf16_t* __restrict__ w_expert) const {
+        if (!G::EP && t.weights_read_once) {
+            const u64 policy = evict_first_policy();
+            b_rows_with(stage_base, k_offset, t, w_expert,
+                        [&](u32 dst, const bf16_t* src, bool valid) { cp_async_16(dst, src, valid, policy); });
+        } else {
+            b_rows_with(stage_base, k_offset, t, w_expert,
+                        [](u32 dst, const bf16_t* src, bool valid) { cp_async_16(dst, src, valid); });
+        }
+    }
+
+    template <class Copy>
+    __device__ __forceinline__ void b_rows_with(u32 stage_base, int k_offset, const GemmTile& t,
+                                                const bf16_t* __restrict__ w_expert, Copy copy) const {
         const u32 b_base = stage_base + G::A_BYTES;
         const bool loads = within_row(k_offset);
         const bf16_t* gate_rows = w_expert + (size_t)(t.n0 + first_row) * G::KD + (loads ? k_offset : 0);
@@ -884,10 +917,10 @@ struct StageLoader {
         for (int step = 0; step < (G::BN + ROW_STEP - 1) / ROW_STEP; ++step) {
             const int r = first_row + step * ROW_STEP;
             if (G::BN % ROW_STEP != 0 && r >= G::BN) break;
-            cp_async_16(b_base + swizzle<G::ROW_BYTES>(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, loads);
+            copy(b_base + swizzle<G::ROW_BYTES>(r, chunk), gate_rows + (size_t)step * ROW_STEP * G::KD, loads);
             if constexpr (G::GATED) {
                 const bf16_t* up_rows = gate_rows + (size_t)G::N * G::KD;
-                cp_async_16(b_base + swizzle<G::ROW_BYTES>(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, loads);
+                copy(b_base + swizzle<G::ROW_BYTES>(G::BN + r, chunk), up_rows + (size_t)step * ROW_STEP * G::KD, loads);
             }
         }
     }
