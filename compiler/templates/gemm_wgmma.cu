@@ -21,10 +21,12 @@ template <int PENDING>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // D[64 x N] (+)= A[64 x 16] · B[N x 16]ᵀ, both K-major in shared memory; one
-// specialisation per width the plan uses.
+// specialisation per width the plan uses, guarded by the entry points that use it.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
-{%- for n in wgmma_widths %}
+{%- for width in wgmma_widths %}
+{%- let n = width.n %}
+{{ width.guard }}
 template <>
 __device__ __forceinline__ void wgmma_m64k16<{{ n }}>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -32,6 +34,7 @@ __device__ __forceinline__ void wgmma_m64k16<{{ n }}>(float* d, u64 desc_a, u64 
         : {{ self.wgmma_outputs(n) }}
         : "l"(desc_a), "l"(desc_b));
 }
+#endif
 {%- endfor %}
 // The four lanes of a quad hold one row two columns at a time: lane q holds columns 2q and
 // 2q + 1 of each 8-column block. Given lane q's words of four consecutive blocks, returns

@@ -25,7 +25,10 @@
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
-// a module of its own, and the modules are loaded together.
+// a module of its own, and the modules are loaded together. What only some entry points
+// use (their code, a GEMM's or a gate's configuration, a wgmma width) sits in a guard
+// naming them; the JIT compiles and caches each entry point's share of the unit, so that
+// a change to one kernel compiles only the modules that use it again.
 // Without those defines (`moeforge compile`, embedded PTX) every kernel is built. Only
 // constant tables live at file scope, so each module's copies of them are alike.
 // ---------------------------------------------------------------------------------------
@@ -90,6 +93,7 @@ enum : int { ERROR_EXPERT_ID_REPEATED = {{ error_expert_repeated }} };  // exper
 // ---------------------------------------------------------------------------------------
 {%- for gemm in regime.gemms %}
 // {{ gemm.role }}: {{ gemm.engine }}, tile {{ gemm.bm }}x{{ gemm.bn }}x{{ gemm.bk }}, {{ gemm.stages }} stages, {{ gemm.warps_m }}x{{ gemm.warps_n }} warps{% if gemm.producer_threads > 0 %} + {{ gemm.producer_threads / 32 }} producer warps{% endif %}, {{ gemm.grid }} persistent blocks ({{ gemm.blocks_per_sm }} per SM{% if gemm.cluster > 1 %}, clusters of {{ gemm.cluster }}{% endif %})
+{{ regime.config_guard(gemm) }}
 struct {{ gemm.config }} : {{ gemm.base }} {
     enum : int { KIND = {{ gemm.kind }} };
     enum : bool { GATED = {{ gemm.gated }} };
@@ -124,6 +128,7 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     enum : int { RING_ALIGN = {{ gemm.smem.ring_align }}, ALIGN_SLACK = {{ gemm.smem.align_slack }}, ROW_SOURCE_OFFSET = {{ gemm.smem.row_source_offset }}, BARRIER_OFFSET = {{ gemm.smem.barrier_offset }} };
     enum : int { DYNAMIC_SMEM_BYTES = {{ gemm.smem.dynamic_bytes }}, STATIC_SMEM_BYTES = {{ gemm.smem.static_bytes }} };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gemm.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_per_sm }}){% if gemm.cluster > 1 %} __cluster_dims__({{ gemm.cluster }}, 1, 1){% endif %} {{ gemm.entry.name }}(
     {{ gemm.entry.params }}

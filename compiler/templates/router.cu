@@ -795,6 +795,7 @@ extern "C" __global__ void __launch_bounds__({{ select.threads }}) {{ select.nam
 {%- for gate in router.gates %}
 
 // Router of regime `{{ gate.regime }}` ({{ gate.min_tokens }}..={{ gate.max_tokens }} tokens): {% if gate.fused %}fused{% else %}split, its gate for these calls{% endif %}; gate tile {{ gate.bm }} tokens x {{ gate.bn }} experts x 64, {{ gate.stages }} stages, {% if gate.warp_specialized %}wgmma: a producer warpgroup and {{ gate.warps_m / 4 }} consumer warpgroups{% else %}{{ gate.warps_m }}x{{ gate.warps_n }} warps x {{ gate.warps_k }} groups splitting the reduction{% endif %}, {{ gate.expert_tiles }} expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})
 struct {{ gate.config }} {
     enum : bool { FUSED = {{ gate.fused }} };
     enum : int { BM = {{ gate.bm }}, BN = {{ gate.bn }}, STAGES = {{ gate.stages }}, EXPERT_TILES = {{ gate.expert_tiles }} };
@@ -813,7 +814,6 @@ struct {{ gate.config }} {
     enum : int { METADATA_LEFT_OUT_MAX_TOKENS = {{ gate.metadata_left_out_max_tokens }} };
 {%- endif %}
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ gate.threads }}) {{ gate.entry.name }}(
     {{ gate.entry.params }}
 )

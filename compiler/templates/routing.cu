@@ -278,10 +278,12 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) {{ place.name }}(
 //     entry: its row's row_pair names another pair, and the copy skips it. Rows past the
 //     call's are not written, and no GEMM tile stores them.
 // ---------------------------------------------------------------------------------------
+{{ self.sort_rows_guard() }}
 enum : int { INVERT_ROWS_THREADS = {{ invert_rows_threads }} };
 enum : int { SORT_ROWS_THREADS = {{ sort_rows_threads }} };
 static_assert(HIDDEN % 8 == 0, "plan: rows of whole 16-byte vectors");
 static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a token looks it up");
+#endif
 {%- if let Some(invert) = invert_rows %}
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ invert.name }})

@@ -3,6 +3,7 @@
 
 mod common;
 
+use moeforge_compiler::codegen;
 use moeforge_compiler::ir::{Activation, TileShape};
 use moeforge_compiler::plan::tuning::{
     ChoiceSource, TunedGemm, TunedRegime, TunedShape, TuningTable,
@@ -170,4 +171,51 @@ fn an_entry_this_build_cannot_plan_is_reported_and_left_out() {
         "{:?}",
         tuned.limitations
     );
+}
+
+/// What the JIT compiles per entry point ([`codegen::kernel_unit_source`]) changes, between
+/// a plan and the same plan with one regime tuned, for that regime's GEMMs only: a tuning
+/// candidate or an edited tile compiles two modules again, not the layer's every kernel.
+/// On Qwen3-30B-A3B's example, which has a router (split gates, wgmma gates), expert
+/// parallelism and warp-specialised GEMMs in its other regimes.
+#[test]
+fn a_tuned_regime_changes_only_its_gemms_kernel_units() {
+    let path = format!(
+        "{}/../dsl-examples/qwen3_30b_a3b.moe",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
+    let layer = &module.layers[0];
+    let target = Target::h200();
+    let model = plan(layer, &target).expect("plans");
+    let table = TuningTable {
+        entries: vec![entry_for(&model, 0, mma(32, 128, 4), mma(16, 64, 5))],
+    };
+    let tuned = plan_tuned(layer, &target, &table).expect("plans with the table");
+    assert_ne!(tuned.regimes[0].gemm1, model.regimes[0].gemm1);
+    assert_ne!(tuned.regimes[0].gemm2, model.regimes[0].gemm2);
+    let source = |plan: &Plan| codegen::generate(plan).expect("codegen");
+    let (before, after) = (source(&model), source(&tuned));
+    assert_eq!(before.entry_points, after.entry_points);
+    assert!(before.source != after.source);
+    let changed: Vec<&String> = before
+        .entry_points
+        .iter()
+        .filter(|kernel| {
+            let only = std::slice::from_ref(*kernel);
+            codegen::kernel_unit_source(&before.source, only)
+                != codegen::kernel_unit_source(&after.source, only)
+        })
+        .collect();
+    let regime = &model.regimes[0];
+    assert_eq!(changed, [&regime.gemm1_kernel, &regime.gemm2_kernel]);
+    // Each unit is the kernel's share: another regime's GEMM is not in it.
+    let unit = codegen::kernel_unit_source(
+        &before.source,
+        std::slice::from_ref(&model.regimes[1].gemm1_kernel),
+    );
+    assert!(unit.contains(&model.regimes[1].gemm1_kernel));
+    assert!(!unit.contains(&regime.gemm1_kernel));
+    assert!(unit.len() < before.source.len());
 }

@@ -137,7 +137,10 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
-// a module of its own, and the modules are loaded together.
+// a module of its own, and the modules are loaded together. What only some entry points
+// use (their code, a GEMM's or a gate's configuration, a wgmma width) sits in a guard
+// naming them; the JIT compiles and caches each entry point's share of the unit, so that
+// a change to one kernel compiles only the modules that use it again.
 // Without those defines (`moeforge compile`, embedded PTX) every kernel is built. Only
 // constant tables live at file scope, so each module's copies of them are alike.
 // ---------------------------------------------------------------------------------------
@@ -455,10 +458,12 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) qwen3_235b_a22b_rout
 //     entry: its row's row_pair names another pair, and the copy skips it. Rows past the
 //     call's are not written, and no GEMM tile stores them.
 // ---------------------------------------------------------------------------------------
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_invert_rows) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_sort_rows)
 enum : int { INVERT_ROWS_THREADS = 32 };
 enum : int { SORT_ROWS_THREADS = 256 };
 static_assert(HIDDEN % 8 == 0, "plan: rows of whole 16-byte vectors");
 static_assert(SLOTS_PER_TOKEN <= SORT_ROWS_THREADS, "plan: a thread per row of a token looks it up");
+#endif
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_invert_rows)
 extern "C" __global__ void __launch_bounds__(INVERT_ROWS_THREADS) qwen3_235b_a22b_invert_rows(
@@ -1396,9 +1401,10 @@ template <int PENDING>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // D[64 x N] (+)= A[64 x 16] · B[N x 16]ᵀ, both K-major in shared memory; one
-// specialisation per width the plan uses.
+// specialisation per width the plan uses, guarded by the entry points that use it.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm2) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_64x128) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_128x128)
 template <>
 __device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -1406,6 +1412,8 @@ __device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b));
 }
+#endif
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm1) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm2) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm1) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm2) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm1) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm1) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm2)
 template <>
 __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -1413,6 +1421,7 @@ __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(desc_a), "l"(desc_b));
 }
+#endif
 // The four lanes of a quad hold one row two columns at a time: lane q holds columns 2q and
 // 2q + 1 of each 8-column block. Given lane q's words of four consecutive blocks, returns
 // block q's 8 columns in order, so that each lane stores 16 bytes and a quad 64 consecutive
@@ -2578,6 +2587,7 @@ extern "C" __global__ void __launch_bounds__(128) qwen3_235b_a22b_router_select(
 #endif
 
 // Router of regime `decode` (0..=256 tokens): fused; gate tile 16 tokens x 16 experts x 64, 7 stages, 1x1 warps x 8 groups splitting the reduction, 8 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_router)
 struct decode_router_gate {
     enum : bool { FUSED = true };
     enum : int { BM = 16, BN = 16, STAGES = 7, EXPERT_TILES = 8 };
@@ -2590,7 +2600,6 @@ struct decode_router_gate {
     // which route them themselves: no routing metadata for them (0: none).
     enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 16 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_router)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -2610,6 +2619,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_decode_router(
 #endif
 
 // Router of regime `mid` (257..=512 tokens): split, its gate for these calls; gate tile 16 tokens x 32 experts x 64, 3 stages, 1x1 warps x 8 groups splitting the reduction, 4 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_16x32)
 struct mid_router_gate_16x32 {
     enum : bool { FUSED = false };
     enum : int { BM = 16, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
@@ -2622,7 +2632,6 @@ struct mid_router_gate_16x32 {
     // which route them themselves: no routing metadata for them (0: none).
     enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_16x32)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_16x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -2636,6 +2645,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gat
 #endif
 
 // Router of regime `mid` (513..=1024 tokens): split, its gate for these calls; gate tile 64 tokens x 16 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 8 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_64x16)
 struct mid_router_gate_64x16 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 8 };
@@ -2648,7 +2658,6 @@ struct mid_router_gate_64x16 {
     // which route them themselves: no routing metadata for them (0: none).
     enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_router_gate_64x16)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_64x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -2662,6 +2671,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gat
 #endif
 
 // Router of regime `prefill` (1025..=2048 tokens): split, its gate for these calls; gate tile 64 tokens x 32 experts x 64, 3 stages, 2x1 warps x 4 groups splitting the reduction, 4 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_64x32)
 struct prefill_router_gate_64x32 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 4 };
@@ -2674,7 +2684,6 @@ struct prefill_router_gate_64x32 {
     // which route them themselves: no routing metadata for them (0: none).
     enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_64x32)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router_gate_64x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
@@ -2688,6 +2697,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router
 #endif
 
 // Router of regime `prefill` (2049..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 128 experts x 64, 8 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_64x128)
 struct prefill_router_gate_64x128 {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 128, STAGES = 8, EXPERT_TILES = 1 };
@@ -2697,7 +2707,6 @@ struct prefill_router_gate_64x128 {
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 8192, STAGE_BYTES = 24576, RING_ALIGN = 1024, BARRIER_OFFSET = 196608, SMEM_BYTES = 197760 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_64x128)
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router_gate_64x128(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
@@ -2711,6 +2720,7 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router
 #endif
 
 // Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 128 experts x 64, 7 stages, wgmma: a producer warpgroup and 2 consumer warpgroups, 1 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_128x128)
 struct prefill_router_gate_128x128 {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 128, STAGES = 7, EXPERT_TILES = 1 };
@@ -2720,7 +2730,6 @@ struct prefill_router_gate_128x128 {
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 16384, STAGE_BYTES = 32768, RING_ALIGN = 1024, BARRIER_OFFSET = 229376, SMEM_BYTES = 230512 };
 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_router_gate_128x128)
 extern "C" __global__ void __launch_bounds__(384) qwen3_235b_a22b_prefill_router_gate_128x128(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
@@ -3369,6 +3378,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep
 // Regime `decode`: 0..=256 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 264 persistent blocks (2 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm1)
 struct decode_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -3393,6 +3403,7 @@ struct decode_gemm1 : SingleGpu {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
     enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 2176 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -3413,6 +3424,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_gemm
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 396 persistent blocks (3 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm2)
 struct decode_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -3437,6 +3449,7 @@ struct decode_gemm2 : SingleGpu {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
     enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 2176 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 3) qwen3_235b_a22b_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
@@ -3459,6 +3472,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) qwen3_235b_a22b_decode_gemm
 // Regime `mid`: 257..=1024 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm1)
 struct mid_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -3479,6 +3493,7 @@ struct mid_gemm1 : SingleGpu {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
     enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -3493,6 +3508,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm1(
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm2)
 struct mid_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -3513,6 +3529,7 @@ struct mid_gemm2 : SingleGpu {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
     enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm2(
     const __grid_constant__ TensorMap intermediate_tiles,  // TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box
@@ -3531,6 +3548,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_gemm2(
 // Regime `prefill`: 1025..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm1)
 struct prefill_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -3551,6 +3569,7 @@ struct prefill_gemm1 : SingleGpu {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
     enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) qwen3_235b_a22b_prefill_gemm1(
     const __grid_constant__ TensorMap sorted_x_tiles,  // TMA map of sorted_x: [rows, HIDDEN], a tile's rows x 64 per box
@@ -3564,6 +3583,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm2)
 struct prefill_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -3584,6 +3604,7 @@ struct prefill_gemm2 : SingleGpu {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
     enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) qwen3_235b_a22b_prefill_gemm2(
     const __grid_constant__ TensorMap intermediate_tiles,  // TMA map of intermediate: [rows, FFN], a tile's rows x 64 per box
@@ -3602,6 +3623,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 232 persistent blocks (2 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm1)
 struct decode_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -3626,6 +3648,7 @@ struct decode_ep_gemm1 : ExpertParallel {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
     enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -3645,6 +3668,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_235b_a22b_decode_ep_g
 }
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 348 persistent blocks (3 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm2)
 struct decode_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -3669,6 +3693,7 @@ struct decode_ep_gemm2 : ExpertParallel {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
     enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 3) qwen3_235b_a22b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
@@ -3690,6 +3715,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) qwen3_235b_a22b_decode_ep_g
 // Rank regime `mid`, expert-parallel (tokens per rank): 33..=128 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm1)
 struct mid_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -3710,6 +3736,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
     enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -3729,6 +3756,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm
 }
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x128x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm2)
 struct mid_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -3749,6 +3777,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864 };
     enum : int { DYNAMIC_SMEM_BYTES = 198016, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_mid_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
@@ -3770,6 +3799,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen3_235b_a22b_mid_ep_gemm
 // Rank regime `prefill`, expert-parallel (tokens per rank): 129..=16384 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm1)
 struct prefill_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -3790,6 +3820,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
     enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -3809,6 +3840,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_ep_
 }
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm2)
 struct prefill_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -3829,6 +3861,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
     enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_prefill_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(384, 1) qwen3_235b_a22b_prefill_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace

@@ -134,7 +134,10 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
-// a module of its own, and the modules are loaded together.
+// a module of its own, and the modules are loaded together. What only some entry points
+// use (their code, a GEMM's or a gate's configuration, a wgmma width) sits in a guard
+// naming them; the JIT compiles and caches each entry point's share of the unit, so that
+// a change to one kernel compiles only the modules that use it again.
 // Without those defines (`moeforge compile`, embedded PTX) every kernel is built. Only
 // constant tables live at file scope, so each module's copies of them are alike.
 // ---------------------------------------------------------------------------------------
@@ -1839,6 +1842,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_ep_combine(
 // Regime `all`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 528 persistent blocks (4 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm1)
 struct all_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -1863,6 +1867,7 @@ struct all_gemm1 : SingleGpu {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088 };
     enum : int { DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -1881,6 +1886,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_gemm1(
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm2)
 struct all_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -1905,6 +1911,7 @@ struct all_gemm2 : SingleGpu {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704 };
     enum : int { DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
@@ -1927,6 +1934,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm2(
 // Rank regime `all`, expert-parallel (tokens per rank): 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 31 persistent blocks (4 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm1)
 struct all_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -1951,6 +1959,7 @@ struct all_ep_gemm1 : ExpertParallel {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088 };
     enum : int { DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -1970,6 +1979,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_ep_gemm1(
 }
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 31 persistent blocks (5 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm2)
 struct all_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -1994,6 +2004,7 @@ struct all_ep_gemm2 : ExpertParallel {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704 };
     enum : int { DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_all_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace

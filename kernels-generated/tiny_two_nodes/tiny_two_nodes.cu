@@ -135,7 +135,10 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
-// a module of its own, and the modules are loaded together.
+// a module of its own, and the modules are loaded together. What only some entry points
+// use (their code, a GEMM's or a gate's configuration, a wgmma width) sits in a guard
+// naming them; the JIT compiles and caches each entry point's share of the unit, so that
+// a change to one kernel compiles only the modules that use it again.
 // Without those defines (`moeforge compile`, embedded PTX) every kernel is built. Only
 // constant tables live at file scope, so each module's copies of them are alike.
 // ---------------------------------------------------------------------------------------
@@ -1918,6 +1921,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_ep_
 // Regime `all`: 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 528 persistent blocks (4 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm1)
 struct all_gemm1 : SingleGpu {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -1942,6 +1946,7 @@ struct all_gemm1 : SingleGpu {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088 };
     enum : int { DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_gemm1(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -1960,6 +1965,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_gemm1(
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm2)
 struct all_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -1984,6 +1990,7 @@ struct all_gemm2 : SingleGpu {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704 };
     enum : int { DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 640 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
@@ -2006,6 +2013,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_gemm2(
 // Rank regime `all`, expert-parallel (tokens per rank): 0..=512 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 124 persistent blocks (4 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm1)
 struct all_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
@@ -2030,6 +2038,7 @@ struct all_ep_gemm1 : ExpertParallel {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 40960, BARRIER_OFFSET = 41088 };
     enum : int { DYNAMIC_SMEM_BYTES = 41216, STATIC_SMEM_BYTES = 128 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm1)
 extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
@@ -2049,6 +2058,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_ep_gemm1
 }
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 124 persistent blocks (5 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm2)
 struct all_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
@@ -2073,6 +2083,7 @@ struct all_ep_gemm2 : ExpertParallel {
     enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 24576, BARRIER_OFFSET = 24704 };
     enum : int { DYNAMIC_SMEM_BYTES = 24832, STATIC_SMEM_BYTES = 128 };
 };
+#endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm2)
 extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace

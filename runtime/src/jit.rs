@@ -8,6 +8,10 @@
 //! [`Jit::compile_kernels`] compiles a generated layer unit once per entry point instead,
 //! each a whole-program module of its own (the unit builds only the kernel its defines
 //! name), on as many threads as the machine has: NVRTC is single-threaded per program.
+//! Each module compiles (and is cached under) its entry point's share of the unit
+//! ([`kernel_unit_source`]: the sections that entry point uses and those all share), so an
+//! edit to one kernel's configuration, or a `moeforge tune` candidate, compiles only the
+//! modules of the kernels it changed.
 //! DeepSeek-V3's 22 kernels took 7.0 s as one program and 1.75 s kernel by kernel on the
 //! H200 machine's 16 cores (2026-11-30). At most one NVRTC compile per core runs in the
 //! process at a time, however many threads ask. A module's load once cost milliseconds,
@@ -57,6 +61,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use moeforge_compiler::codegen::kernel_unit_source;
 use sha2::{Digest, Sha256};
 
 use crate::toolkit::{NvrtcVersion, PIP_PACKAGES, Toolkit, ToolkitError};
@@ -578,8 +583,9 @@ impl Jit {
     }
 
     /// Compiles each entry point of `kernels` of a generated layer unit into a
-    /// whole-program module of its own, side by side (see the module docs), each through
-    /// the cache, starting them in the order of `kernels` (longest first is quickest:
+    /// whole-program module of its own, side by side (see the module docs), each from its
+    /// share of the unit ([`kernel_unit_source`]) through the cache, starting them in the
+    /// order of `kernels` (longest first is quickest:
     /// [`Plan::entry_points_in_compile_order`](moeforge_compiler::plan::Plan::entry_points_in_compile_order)).
     /// The modules come in the order of `kernels` (each once); the first error in that
     /// order is the result.
@@ -611,8 +617,10 @@ impl Jit {
                                 let Some(&kernel) = units.get(i) else {
                                     break done;
                                 };
-                                let unit = options.only_kernels(std::slice::from_ref(kernel));
-                                done.push((i, self.compile(source, &unit)));
+                                let only = std::slice::from_ref(kernel);
+                                let unit = options.only_kernels(only);
+                                let unit_source = kernel_unit_source(source, only);
+                                done.push((i, self.compile(&unit_source, &unit)));
                             }
                         })
                     })

@@ -293,8 +293,9 @@ fn discovered_toolkit_is_nvrtc_13() {
 }
 
 /// A generated layer unit compiled kernel by kernel: one whole-program module per entry
-/// point, in the order of the entry points, each holding its entry point and no other, and
-/// together every entry point with the parameters the plan passes.
+/// point, in the order of the entry points, each holding its entry point and no other,
+/// together every entry point with the parameters the plan passes, and each the same PTX as
+/// the whole unit compiled for that kernel alone.
 #[test]
 fn a_layer_unit_compiles_kernel_by_kernel() {
     let Some((jit, _dir)) = jit("kernel-by-kernel") else {
@@ -333,4 +334,18 @@ fn a_layer_unit_compiles_kernel_by_kernel() {
         .map(|m| m.module.ptx.as_str())
         .collect();
     aot::check_ptx_entries(&plan, &every).expect("every entry point the plan launches");
+    // Each module compiled its kernel's share of the unit (`codegen::kernel_unit_source`):
+    // the same PTX as the whole unit with the kernel's defines, which is what the share
+    // leaves out.
+    let options = aot::compile_options(&plan);
+    for module in &kernels.modules {
+        let whole = jit
+            .compile(&source.source, &options.only_kernels(&module.kernels))
+            .expect("the whole unit compiles for one kernel");
+        assert!(
+            whole.ptx == module.module.ptx,
+            "the PTX of {:?} from its share of the unit differs from the whole unit's",
+            module.kernels
+        );
+    }
 }

@@ -6,8 +6,14 @@
 //! includes no toolkit header, and its output is byte-for-byte stable, so that
 //! `kernels-generated/` diffs are reviewable.
 
+mod kernel_unit;
+
+use std::collections::BTreeMap;
+
 use askama::Template;
 use thiserror::Error;
+
+pub use kernel_unit::{kernel_guard, kernel_unit_source};
 
 use crate::ir::{Activation, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, RouterBias, Scoring};
 use crate::plan::ep::{
@@ -18,9 +24,9 @@ use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, GateEngine, GatePlan, RouterPlan};
 use crate::plan::{
     Access, BufferId, FusedDecode, GemmPlan, Grid, INVERT_ROWS_THREADS, Launch, LaunchArg,
-    MmaEngine, OutputStore, ParamType, Plan, ROUTE_THREADS, RegimeParts, RowLoad, SMEM_ROW_BYTES,
-    SORT_ROWS_THREADS, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
-    error_code,
+    MmaEngine, OutputStore, ParamType, Plan, ROUTE_THREADS, Regime, RegimeParts, RowLoad,
+    SMEM_ROW_BYTES, SORT_ROWS_THREADS, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN,
+    TENSOR_MAP_BYTES, error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -101,14 +107,30 @@ struct LayerUnit<'a> {
     /// Whether any regime runs its smallest calls as one fused kernel.
     fused_decode: bool,
     /// Distinct wgmma widths the plan uses (a stage's B rows: one wgmma spans them), ascending.
-    wgmma_widths: Vec<u32>,
+    wgmma_widths: Vec<WgmmaWidth>,
     /// Whether any GEMM runs on the warp-specialised engine.
     warp_specialized: bool,
     tensor_map_bytes: u32,
     tensor_map_align: u32,
 }
 
+/// A wgmma width the unit instantiates, and the guard of the entry points that use it.
+struct WgmmaWidth {
+    n: u32,
+    guard: String,
+}
+
 impl LayerUnit<'_> {
+    /// The guard of the sorted-rows section's constants: its two kernels'.
+    fn sort_rows_guard(&self) -> String {
+        let kernels: Vec<&str> = [&self.invert_rows, &self.sort_rows]
+            .into_iter()
+            .flatten()
+            .map(|entry| entry.name.as_str())
+            .collect();
+        kernel_guard(&kernels)
+    }
+
     /// `%0, %1, …` for the accumulator operands of one `wgmma` of width `n`.
     fn wgmma_operands(&self, n: &u32) -> String {
         (0..n / 2)
@@ -524,6 +546,16 @@ struct RegimeUnit {
     max_tokens: u32,
     gemms: [GemmUnit; 2],
     fused: Option<FusedUnit>,
+}
+
+impl RegimeUnit {
+    /// The guard of `gemm`'s configuration: its entry point's, and the fused decode's,
+    /// which runs both of the regime's GEMMs.
+    fn config_guard(&self, gemm: &GemmUnit) -> String {
+        let mut kernels = vec![gemm.entry.name.as_str()];
+        kernels.extend(self.fused.iter().map(|fused| fused.entry.name.as_str()));
+        kernel_guard(&kernels)
+    }
 }
 
 /// A regime's fused decode entry point: its launch, and what the device template is
@@ -1299,15 +1331,35 @@ fn warp_specialized_gates(plan: &Plan) -> impl Iterator<Item = &GatePlan> {
         .filter(|gate| gate.engine == GateEngine::WarpSpecialized)
 }
 
-/// The wgmma widths the unit instantiates: the wgmma GEMMs' weight rows per stage and the
-/// warp-specialised gates' experts per tile.
-fn wgmma_widths(plan: &Plan) -> Vec<u32> {
-    let mut widths: Vec<u32> = all_gemms(plan)
-        .filter(|g| g.engine.is_wgmma())
-        .map(|g| g.b_rows)
-        .chain(warp_specialized_gates(plan).map(|gate| gate.tile_experts))
-        .collect();
-    widths.sort_unstable();
-    widths.dedup();
-    widths
+/// The wgmma widths the unit instantiates, ascending, each with the entry points that use
+/// it: the wgmma GEMMs' weight rows per stage and the warp-specialised gates' experts per
+/// tile.
+fn wgmma_widths(plan: &Plan) -> Vec<WgmmaWidth> {
+    let ep_regimes = plan.expert_parallel.iter().flat_map(|ep| &ep.regimes);
+    let gemms = plan
+        .regimes
+        .iter()
+        .map(Regime::parts)
+        .chain(ep_regimes.map(|regime| regime.parts()))
+        .flat_map(|parts| parts.gemms)
+        .filter(|(gemm, _)| gemm.engine.is_wgmma())
+        .map(|(gemm, kernel)| (gemm.b_rows, kernel.as_str()));
+    let gates = plan
+        .router
+        .iter()
+        .flat_map(|router| &router.regimes)
+        .flat_map(|regime| regime.gates.iter().zip(&regime.launches))
+        .filter(|(gate, _)| gate.engine == GateEngine::WarpSpecialized)
+        .map(|(gate, launch)| (gate.tile_experts, launch.kernel.as_str()));
+    let mut users: BTreeMap<u32, Vec<&str>> = BTreeMap::new();
+    for (n, kernel) in gemms.chain(gates) {
+        users.entry(n).or_default().push(kernel);
+    }
+    users
+        .into_iter()
+        .map(|(n, kernels)| WgmmaWidth {
+            n,
+            guard: kernel_guard(&kernels),
+        })
+        .collect()
 }
