@@ -106,7 +106,8 @@ struct LayerUnit<'a> {
     flag_kind_expert_rows: i32,
     /// Whether any regime runs its smallest calls as one fused kernel.
     fused_decode: bool,
-    /// Distinct wgmma widths the plan uses (a stage's B rows: one wgmma spans them), ascending.
+    /// Distinct wgmma widths the plan uses (a stage's B rows: one wgmma spans them),
+    /// ascending, each guarded by the entry points that use it.
     wgmma_widths: Vec<WgmmaWidth>,
     /// Whether any GEMM runs on the warp-specialised engine.
     warp_specialized: bool,
