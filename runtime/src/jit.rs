@@ -41,7 +41,8 @@
 //!
 //! # Dumps
 //!
-//! `MOEFORGE_DUMP` is a comma-separated list of `ptx`, `cubin`, `cu` (the source) or `all`:
+//! `MOEFORGE_DUMP` is a comma-separated list of `ptx`, `cubin`, `cu` (the source compiled:
+//! for a layer's module, its kernel's share of the unit) or `all`:
 //! every compiled (or cache-loaded) module then writes `NAME-KEY.{ptx,cubin,cu}` to
 //! `$MOEFORGE_DUMP_DIR`, else `DIR/dump/` next to the cache, else
 //! `$TMPDIR/moeforge-dump/` when the cache is disabled.
