@@ -33,8 +33,8 @@
 //! `MOEFORGE_NO_CACHE=1` disables the cache.
 //!
 //! The cache is bounded: `MOEFORGE_CACHE_MAX_MB` (default [`DEFAULT_CACHE_MAX_MB`]; `0`: no
-//! bound). Every generated source is a new key, so entries of older builds and edited
-//! layers pile up (one DeepSeek-V3 layer is about 25 MB of entries). A hit refreshes its
+//! bound). Every changed kernel (its share of the unit) is a new key, so entries of older
+//! builds and edited layers pile up (one DeepSeek-V3 layer is about 25 MB of entries). A hit refreshes its
 //! entry's modification time; after a miss is stored, if the entries total more than the
 //! bound, the least recently used go until they total at most 3/4 of it (the one just
 //! written stays), and the module's notes say how many.
