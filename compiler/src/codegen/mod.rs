@@ -1268,7 +1268,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_expert_rows: error_code::flag_kind::EXPERT_ROWS,
         fused_decode: plan.regimes.iter().any(|r| r.fused_decode.is_some()),
         wgmma_widths: wgmma_widths(plan),
-        warp_specialized: all_gemms(plan).any(|g| g.engine == MmaEngine::WgmmaWarpSpecialized)
+        warp_specialized: all_gemms(plan).any(|(g, _)| g.engine == MmaEngine::WgmmaWarpSpecialized)
             || warp_specialized_gates(plan).next().is_some(),
         tensor_map_bytes: TENSOR_MAP_BYTES,
         tensor_map_align: TENSOR_MAP_ALIGN,
@@ -1310,48 +1310,37 @@ fn regime_units(plan: &Plan) -> Result<Vec<RegimeUnit>, CodegenError> {
     Ok(units)
 }
 
-/// Every GEMM of the plan: the single-GPU regimes', then the expert-parallel ones'.
-fn all_gemms(plan: &Plan) -> impl Iterator<Item = &GemmPlan> {
-    let ep_gemms = plan
-        .expert_parallel
-        .iter()
-        .flat_map(|ep| &ep.regimes)
-        .flat_map(|r| [&r.gemm1, &r.gemm2]);
+/// Every GEMM of the plan with its entry point: the single-GPU regimes', then the
+/// expert-parallel ones'.
+fn all_gemms(plan: &Plan) -> impl Iterator<Item = (&GemmPlan, &String)> {
+    let ep_regimes = plan.expert_parallel.iter().flat_map(|ep| &ep.regimes);
     plan.regimes
         .iter()
-        .flat_map(|r| [&r.gemm1, &r.gemm2])
-        .chain(ep_gemms)
+        .map(Regime::parts)
+        .chain(ep_regimes.map(|regime| regime.parts()))
+        .flat_map(|parts| parts.gemms)
 }
 
-/// The router's warp-specialised gates, which run on the expert GEMMs' wgmma helpers.
-fn warp_specialized_gates(plan: &Plan) -> impl Iterator<Item = &GatePlan> {
+/// The router's warp-specialised gates, which run on the expert GEMMs' wgmma helpers, each
+/// with its entry point.
+fn warp_specialized_gates(plan: &Plan) -> impl Iterator<Item = (&GatePlan, &String)> {
     plan.router
         .iter()
         .flat_map(|router| &router.regimes)
-        .flat_map(|regime| &regime.gates)
-        .filter(|gate| gate.engine == GateEngine::WarpSpecialized)
+        .flat_map(|regime| regime.gates.iter().zip(&regime.launches))
+        .filter(|(gate, _)| gate.engine == GateEngine::WarpSpecialized)
+        .map(|(gate, launch)| (gate, &launch.kernel))
 }
 
 /// The wgmma widths the unit instantiates, ascending, each with the entry points that use
 /// it: the wgmma GEMMs' weight rows per stage and the warp-specialised gates' experts per
 /// tile.
 fn wgmma_widths(plan: &Plan) -> Vec<WgmmaWidth> {
-    let ep_regimes = plan.expert_parallel.iter().flat_map(|ep| &ep.regimes);
-    let gemms = plan
-        .regimes
-        .iter()
-        .map(Regime::parts)
-        .chain(ep_regimes.map(|regime| regime.parts()))
-        .flat_map(|parts| parts.gemms)
+    let gemms = all_gemms(plan)
         .filter(|(gemm, _)| gemm.engine.is_wgmma())
         .map(|(gemm, kernel)| (gemm.b_rows, kernel.as_str()));
-    let gates = plan
-        .router
-        .iter()
-        .flat_map(|router| &router.regimes)
-        .flat_map(|regime| regime.gates.iter().zip(&regime.launches))
-        .filter(|(gate, _)| gate.engine == GateEngine::WarpSpecialized)
-        .map(|(gate, launch)| (gate.tile_experts, launch.kernel.as_str()));
+    let gates =
+        warp_specialized_gates(plan).map(|(gate, kernel)| (gate.tile_experts, kernel.as_str()));
     let mut users: BTreeMap<u32, Vec<&str>> = BTreeMap::new();
     for (n, kernel) in gemms.chain(gates) {
         users.entry(n).or_default().push(kernel);
