@@ -76,17 +76,9 @@ __device__ __forceinline__ void tma_load_box_multicast(u32 destination, const Te
         : "memory");
 }
 
-// Clusters: this block's rank in its cluster, a barrier of every thread of the cluster,
-// the fence that makes mbarrier initialisations visible to the other blocks, and one
-// arrival on the barrier at `barrier`'s offset in block `rank`'s shared memory.
-__device__ __forceinline__ int cluster_ctarank() {
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-    return (int)rank;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
+// Clusters (the rank and barrier are the prelude's): the fence that makes mbarrier
+// initialisations visible to the other blocks, and one arrival on the barrier at
+// `barrier`'s offset in block `rank`'s shared memory.
 __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }

@@ -187,12 +187,33 @@ proptest! {
                 let unsplit = gate.token_tiles(tokens) * gate.expert_tiles;
                 prop_assert!(k_tiles_per_group.is_multiple_of(splits));
                 prop_assert!(splits <= gate.splits(1));
-                prop_assert!(splits == 1 || unsplit * splits <= plan.target.sm_count);
+                // A cluster gate splits over its cluster at every call, its grid in waves
+                // of clusters; the others within one block per SM.
+                let cluster = gate.engine.cluster_blocks();
+                let split_fits = if gate.engine.selects() {
+                    splits == cluster && gate.expert_tiles == 1
+                } else {
+                    splits == 1 || unsplit * splits <= plan.target.sm_count
+                };
+                prop_assert!(split_fits, "gate {} splits {} ways at {} tokens", i, splits, tokens);
                 prop_assert_eq!(router_regime.launches[i].grid.blocks(tokens), unsplit * splits);
-                prop_assert!(u64::from(splits * tokens * layer.experts) <= logits);
-                prop_assert!(router_regime.fused || splits == 1 || u64::from(unsplit) <= tiles_done);
+                prop_assert!(u64::from(gate.logits_slices(tokens) * tokens * layer.experts) <= logits);
+                prop_assert!(
+                    router_regime.fused || gate.engine.selects() || splits == 1 || u64::from(unsplit) <= tiles_done
+                );
+                // A gate that selects runs alone; the others are followed by the select.
+                let runs: Vec<usize> = router_regime.launches_for(tokens).collect();
+                let followed = !router_regime.fused && !gate.engine.selects();
+                prop_assert_eq!(runs.len(), if followed { 2 } else { 1 });
+                if followed {
+                    prop_assert_eq!(Some(runs[1]), router_regime.select_launch());
+                }
             }
           }
+          prop_assert_eq!(
+              router_regime.launches.len(),
+              router_regime.gates.len() + usize::from(router_regime.select_launch().is_some())
+          );
         }
         let mut edited = plan.clone();
         let edited_router = edited.router.as_mut().expect("the layer has a router");
@@ -207,7 +228,7 @@ proptest! {
                 let gate = edited_router.regimes.last_mut().unwrap().gates.last_mut().unwrap();
                 gate.engine = match gate.engine {
                     GateEngine::MmaSync => GateEngine::WarpSpecialized,
-                    GateEngine::WarpSpecialized => GateEngine::MmaSync,
+                    GateEngine::WarpSpecialized | GateEngine::Cluster { .. } => GateEngine::MmaSync,
                 };
             }
             _ => {
@@ -1194,8 +1215,8 @@ fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
 
 /// A split router's gate runs on wgmma where the target has it and each of its blocks
 /// takes a long enough run of the reduction (Qwen3-30B-A3B from 4097 tokens, DeepSeek-V3
-/// from 2049, with every expert in one tile), mma.sync elsewhere and on targets without
-/// wgmma; a fused router's gate is mma.sync; `explain` names the engine.
+/// from 2049, with every expert in one tile), in clusters or mma.sync elsewhere and on
+/// targets without wgmma; a fused router's gate is mma.sync; `explain` names the engine.
 #[test]
 fn split_gates_run_on_wgmma_where_their_blocks_have_long_reductions() {
     let engines = |name: &str, target: &Target| -> Vec<(u32, GateEngine, u32, u32)> {
@@ -1229,9 +1250,8 @@ fn split_gates_run_on_wgmma_where_their_blocks_have_long_reductions() {
     let deepseek = engines("deepseek_v3", &h200);
     assert_eq!(wgmma_from(&deepseek), Some(8192), "{deepseek:?}");
     assert!(deepseek.contains(&(8192, GateEngine::WarpSpecialized, 64, 256)));
-    // The gate just below the first wgmma one is mma.sync: the wgmma gates start at 4097
-    // tokens for Qwen3 (a 64-token tile split in two would take 16 k-tiles a block) and at
-    // 2049 for DeepSeek-V3 (56).
+    // The wgmma gates start at 4097 tokens for Qwen3 (a 64-token tile split in two would
+    // take 16 k-tiles a block) and at 2049 for DeepSeek-V3 (56).
     let first_wgmma = |gates: &[(u32, GateEngine, u32, u32)]| {
         let i = gates
             .iter()
@@ -1251,6 +1271,56 @@ fn split_gates_run_on_wgmma_where_their_blocks_have_long_reductions() {
         explained.contains("8193..=16384 tokens: wgmma tile 128 tokens x 128 experts"),
         "{explained}"
     );
+}
+
+/// A split router's gates for calls of a few hundred tokens run in clusters on sm_90a: one
+/// cluster per token tile across every expert, its blocks splitting H / 64 evenly and
+/// selecting their tokens themselves, so that a regime whose gates all select has no select
+/// launch; only where every cluster runs at once (15 of 8 blocks on the H200 at one block
+/// per SM: 16 would take two waves) and the blocks' selects are short; else, and on a
+/// target without clusters, the mma.sync gates and the select; `explain` says so.
+#[test]
+fn split_gates_of_a_few_hundred_tokens_run_in_clusters_that_select() {
+    let h200 = Target::h200();
+    let gates_at = |name: &str, target: &Target, tokens: u32| {
+        let plan = plan::plan(&example_layer(name), target).expect("plans");
+        assert_eq!(plan.validate(), Ok(()));
+        let router = plan.router.clone().expect("a router");
+        let regime = &router.regimes[plan.regime_index_for(tokens).expect("a regime")];
+        let gate = regime.gates[regime.launches_for(tokens).next().expect("a gate")];
+        (plan, gate, regime.launches_for(tokens).count())
+    };
+    for (name, tokens, blocks, tile) in [
+        ("qwen3_30b_a3b", 1024, 8, (64, 128)),
+        ("qwen3_30b_a3b", 512, 8, (32, 128)),
+        ("mixtral_8x7b", 1024, 8, (64, 16)),
+    ] {
+        let (plan, gate, launches) = gates_at(name, &h200, tokens);
+        assert_eq!(gate.engine, GateEngine::Cluster { blocks }, "{name}");
+        assert_eq!((gate.tile_tokens, gate.tile_experts), tile, "{name}");
+        assert_eq!(launches, 1, "{name}: the gate selects");
+        assert!(
+            plan::describe(&plan).contains(&format!("mma.sync in clusters of {blocks} blocks")),
+            "{name}"
+        );
+    }
+    let (plan, gate, _) = gates_at("qwen3_30b_a3b", &h200, 1024);
+    let router = plan.router.as_ref().expect("a router");
+    let mid = &router.regimes[plan.regime_index_for(1024).expect("a regime")];
+    assert!(mid.gates.iter().all(|g| g.engine.selects()) && mid.select_launch().is_none());
+    assert_eq!(gate.logits_slices(1024), 1);
+    // The wgmma gates of the largest calls still hand over to the select.
+    let prefill = router.regimes.last().expect("a regime");
+    assert_eq!(prefill.select_launch(), Some(prefill.gates.len()));
+    // A cluster of 8 blocks per 64-token tile at 1024 tokens fits two blocks to an SM
+    // (16 clusters, 30 at once); DeepSeek-V3's wider tile does not, nor would its longer
+    // reduction pay: the mma.sync gate and the select serve it.
+    assert!(gate.smem_bytes <= h200.smem_per_sm / 2 - 1024);
+    let (_, gate, launches) = gates_at("deepseek_v3", &h200, 1024);
+    assert_eq!((gate.engine, launches), (GateEngine::MmaSync, 2));
+    // An A100 has no clusters.
+    let (_, gate, launches) = gates_at("qwen3_30b_a3b", &Target::a100(), 1024);
+    assert_eq!((gate.engine, launches), (GateEngine::MmaSync, 2));
 }
 
 /// The examples' decode regimes (both GEMMs mma.sync) route calls of up to 128 (token, k)

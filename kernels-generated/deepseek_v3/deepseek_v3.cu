@@ -124,6 +124,34 @@ __device__ __forceinline__ bool last_arrival(u32* counter, u32 arrivals) {
     return __syncthreads_or(last);
 }
 
+// Thread-block clusters (sm_90 and later; a kernel launched without cluster dimensions is
+// a cluster of one): this block's rank in its cluster; a barrier of every thread of the
+// cluster that orders their memory accesses (release, then acquire), whole or in its two
+// halves, so that a block can work between saying it is done with the others' shared
+// memory and waiting until they are done with its own; and four f32 from block `rank`'s
+// shared memory at the offset `address` has in this block's.
+__device__ __forceinline__ int cluster_ctarank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return (int)rank;
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
+}
+__device__ __forceinline__ float4 ld_shared_cluster_f32x4(u32 address, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(address), "r"(rank));
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 { %0, %1, %2, %3 }, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+    return v;
+}
+
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
 // serialization) may begin while the kernel ahead of it in the stream still runs. First
 // wait for that kernel to finish and its writes to be visible, then let the kernel behind
@@ -1560,17 +1588,9 @@ __device__ __forceinline__ void tma_load_box_multicast(u32 destination, const Te
         : "memory");
 }
 
-// Clusters: this block's rank in its cluster, a barrier of every thread of the cluster,
-// the fence that makes mbarrier initialisations visible to the other blocks, and one
-// arrival on the barrier at `barrier`'s offset in block `rank`'s shared memory.
-__device__ __forceinline__ int cluster_ctarank() {
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-    return (int)rank;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
+// Clusters (the rank and barrier are the prelude's): the fence that makes mbarrier
+// initialisations visible to the other blocks, and one arrival on the barrier at
+// `barrier`'s offset in block `rank`'s shared memory.
 __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -1805,7 +1825,11 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
 // reduction (as many as the grid's size says: the plan splits so that every SM takes a
 // piece), each writing its partial logits to its own [T, E] slice of router_logits; a fused
 // router's select, or a split router's last block of the tile, adds them up in split order
-// into the first slice, so every call of a given size sums the same way.
+// into the first slice, so every call of a given size sums the same way. A split router's
+// cluster gate (sm_90) runs one thread-block cluster per token tile across every expert,
+// each block of it a fixed slice of the reduction; the blocks sum their partial logits in
+// distributed shared memory, in block order, and each then selects its share of the
+// tile's tokens (no select launch).
 // Ties go to the lower expert index; NaN counts as below every number.
 // ---------------------------------------------------------------------------------------
 enum RouterScoring { ROUTER_SOFTMAX = 1, ROUTER_SIGMOID = 2, ROUTER_TOPK_SOFTMAX = 3 };
@@ -1843,7 +1867,7 @@ __device__ __forceinline__ void assert_gate_layout() {
     static_assert(G::STAGE_BYTES == (G::BM + G::BN) * SMEM_ROW_BYTES, "plan: a stage is BM x rows then BN W_gate rows");
     constexpr int RINGS = G::WARPS_K * G::STAGES * G::STAGE_BYTES;
     constexpr int SCRATCH = G::FUSED ? router_scratch_bytes<G>() : 0;
-    static_assert(G::SMEM_BYTES == (RINGS > SCRATCH ? RINGS : SCRATCH),
+    static_assert(G::CLUSTER > 0 || G::SMEM_BYTES == (RINGS > SCRATCH ? RINGS : SCRATCH),
                   "plan: the gate's shared memory holds its rings and a fused router's scratch");
     static_assert((HIDDEN / (SMEM_ROW_BYTES / (int)sizeof(bf16_t))) % G::WARPS_K == 0, "plan: the groups split the k-tiles evenly");
     static_assert((HIDDEN / (SMEM_ROW_BYTES / (int)sizeof(bf16_t)) / G::WARPS_K) % G::MOST_SPLITS == 0,
@@ -1867,10 +1891,11 @@ __device__ __forceinline__ GateBlock gate_block(int tokens) {
 
 // The gate tile `b.tile`, block `b.split` of the `b.splits` its reduction is split over
 // (k-tiles [split, split + 1) · K_TILES / splits): its logits, or their partial sums over
-// its k-tiles, into `logits` [tokens, EXPERTS].
-template <class G>
+// its k-tiles, each handed to store(token, expert, value) for the call's tokens and the
+// experts below EXPERTS.
+template <class G, class Store>
 __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
-                                            int tokens, const GateBlock& b, float* __restrict__ logits) {
+                                            int tokens, const GateBlock& b, Store store) {
     assert_gate_layout<G>();
     constexpr int WM = G::BM / G::WARPS_M;  // tokens per warp
     constexpr int WN = G::BN / G::WARPS_N;  // experts per warp
@@ -1999,6 +2024,10 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
         }
     }
 
+    // A cluster gate's partial logits take the place of the first group's ring: with one
+    // group, every warp must be done reading it first (with several, phase 3 saw to that).
+    if constexpr (G::CLUSTER > 0 && G::WARPS_K == 1) __syncthreads();
+
     // Phase 4: store the logits; each thread holds rows lane/4 and lane/4 + 8 of every
     // fragment, two adjacent experts each.
 #pragma unroll
@@ -2007,16 +2036,23 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
         for (int half = 0; half < 2; ++half) {
             const int token = token0 + warp_m * WM + i * 16 + (lane >> 2) + half * 8;
             if (token >= tokens) continue;
-            float* out = logits + (size_t)token * EXPERTS;
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const int expert = expert0 + warp_n * WN + j * 8 + (lane & 3) * 2;
-                if (expert < EXPERTS) out[expert] = acc[i][j][half * 2];
-                if (expert + 1 < EXPERTS) out[expert + 1] = acc[i][j][half * 2 + 1];
+                if (expert < EXPERTS) store(token, expert, acc[i][j][half * 2]);
+                if (expert + 1 < EXPERTS) store(token, expert + 1, acc[i][j][half * 2 + 1]);
             }
         }
     }
 }
+
+// Stores into `logits` [tokens, EXPERTS] for router_gate.
+struct LogitsStore {
+    float* __restrict__ logits;
+    __device__ __forceinline__ void operator()(int token, int expert, float value) const {
+        logits[(size_t)token * EXPERTS + expert] = value;
+    }
+};
 
 // No toolkit header defines INFINITY here: its bits.
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
@@ -2314,7 +2350,7 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         }
     }
 
-    router_gate<G>(x, gate_weight, tokens, b, router_logits + b.split * slice);
+    router_gate<G>(x, gate_weight, tokens, b, LogitsStore{router_logits + b.split * slice});
     if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES * b.splits)) return;
 
     // Sum: this token tile's logits, its splits' partial sums added in split order, into
@@ -2417,9 +2453,81 @@ __device__ __forceinline__ void router_gate_split(const bf16_t* __restrict__ x, 
                                                   int tokens, float* router_logits, u32* router_tiles_done) {
     static_assert(!G::FUSED, "plan: a split router's gate");
     const GateBlock b = gate_block<G>(tokens);
-    router_gate<G>(x, gate_weight, tokens, b, router_logits + b.split * (size_t)tokens * EXPERTS);
+    router_gate<G>(x, gate_weight, tokens, b, LogitsStore{router_logits + b.split * (size_t)tokens * EXPERTS});
     if (b.splits == 1 || !last_arrival(&router_tiles_done[b.tile], b.splits)) return;
     router_sum_split_tile<G>(tokens, b, router_logits);
+}
+
+// A split router's cluster gate: the cluster takes token tile blockIdx.x / CLUSTER across
+// every expert (one expert tile), this block (its rank in the cluster) k-tiles [rank,
+// rank + 1) · K_TILES / CLUSTER; then, with no block waiting for any but its cluster:
+//   - its partial logits into its own shared memory (in place of the first group's ring),
+//     a cluster barrier;
+//   - its share of the tile's tokens (rows [rank · BM / CLUSTER, (rank + 1) · BM /
+//     CLUSTER)): their logits summed over the cluster's blocks in block order, four experts
+//     at a time through distributed shared memory, into its shared memory and
+//     router_logits; it says it is done reading the others' shared memory;
+//   - those tokens selected, a warp each; it waits until the others are done with its own.
+// Every call sums the same way, whatever its size.
+template <class G>
+__device__ __forceinline__ void router_gate_cluster(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
+                                                    const float* __restrict__ gate_bias, int tokens,
+                                                    float* __restrict__ router_logits, int* __restrict__ routed_ids,
+                                                    float* __restrict__ routed_weights) {
+    constexpr int WARPS = G::THREADS / 32;
+    constexpr int RINGS = G::WARPS_K * G::STAGES * G::STAGE_BYTES;
+    constexpr int PARTIAL = 4 * G::BM * G::BN;                   // bytes of the block's partial logits
+    constexpr int ROWS = (G::BM + G::CLUSTER - 1) / G::CLUSTER;  // most tokens of the tile a block selects
+    constexpr int QUADS = EXPERTS / 4;                           // float4s of a token's logits
+    static_assert(G::CLUSTER >= 2 && G::MOST_SPLITS == G::CLUSTER && !G::FUSED, "plan: a cluster gate splits over its cluster");
+    static_assert(G::EXPERT_TILES == 1 && G::BN >= EXPERTS && EXPERTS % 4 == 0, "plan: one tile holds every expert, in whole float4s");
+    static_assert(G::WARPS_K == 1 || PARTIAL <= G::STAGES * G::STAGE_BYTES, "plan: the partial logits fit the first group's ring");
+    static_assert(G::SMEM_BYTES == (RINGS > PARTIAL ? RINGS : PARTIAL) +
+                                       4 * (ROWS * EXPERTS + ROUTER_BIAS_FLOATS + (ROUTER_GROUPS > 0 ? WARPS * EXPERTS : 0)),
+                  "plan: the rings (the partial logits in the first), then the block's tokens' logits, the bias and the selection values");
+    extern __shared__ __align__(128) unsigned char smem[];
+    float* s_partial = reinterpret_cast<float*>(smem);  // [BM, BN]: this block's partial logits, once its ring is done
+    float* s_logits = reinterpret_cast<float*>(smem + (RINGS > PARTIAL ? RINGS : PARTIAL));  // [ROWS, EXPERTS]: its tokens' logits
+    float* s_bias = s_logits + ROWS * EXPERTS;  // [ROUTER_BIAS_FLOATS]
+    const int rank = cluster_ctarank();
+    const GateBlock b{(int)blockIdx.x / G::CLUSTER, rank, G::CLUSTER};
+    const int token0 = b.tile * G::BM;
+
+    router_gate<G>(x, gate_weight, tokens, b,
+                   [&](int token, int expert, float value) { s_partial[(token - token0) * G::BN + expert] = value; });
+    for (int e = threadIdx.x; e < ROUTER_BIAS_FLOATS; e += G::THREADS) s_bias[e] = gate_bias[e];
+    cluster_sync();  // every block's partial logits written, and seen by the cluster
+
+    const int first_row = rank * G::BM / G::CLUSTER;
+    const int rows = min((rank + 1) * G::BM / G::CLUSTER, tokens - token0) - first_row;  // may be none
+    for (int i = threadIdx.x; i < rows * QUADS; i += G::THREADS) {
+        const int row = i / QUADS, expert = i % QUADS * 4;
+        const u32 address = smem_address(s_partial + (first_row + row) * G::BN + expert);
+        float4 part[G::CLUSTER];
+#pragma unroll
+        for (int q = 0; q < G::CLUSTER; ++q) part[q] = ld_shared_cluster_f32x4(address, q);
+        float4 sum = part[0];
+#pragma unroll
+        for (int q = 1; q < G::CLUSTER; ++q) {
+            sum.x += part[q].x;
+            sum.y += part[q].y;
+            sum.z += part[q].z;
+            sum.w += part[q].w;
+        }
+        *reinterpret_cast<float4*>(s_logits + row * EXPERTS + expert) = sum;
+        *reinterpret_cast<float4*>(router_logits + (size_t)(token0 + first_row + row) * EXPERTS + expert) = sum;
+    }
+    cluster_arrive();  // done with the other blocks' shared memory
+    __syncthreads();   // this block's tokens' logits are in place
+
+    const int warp = threadIdx.x >> 5;
+    float* s_selection = s_bias + ROUTER_BIAS_FLOATS + warp * EXPERTS;
+    for (int row = warp; row < rows; row += WARPS) {
+        const float* s_row = s_logits + row * EXPERTS;
+        router_select([&](int e) { return s_row[e]; }, [&](int e) { return s_bias[e]; }, token0 + first_row + row,
+                      routed_ids, routed_weights, s_selection);
+    }
+    cluster_wait();  // the other blocks are done with this block's partial logits
 }
 
 // The gate tile `b.tile` (its part `b.split` of `b.splits`) on wgmma, warp-specialised as
@@ -2585,7 +2693,8 @@ struct decode_router_gate {
     enum : int { BM = 16, BN = 16, STAGES = 7, EXPERT_TILES = 16 };
     enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 8, THREADS = 256 };
     enum : int { MOST_SPLITS = 7 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
+    enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
     // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
@@ -2618,7 +2727,8 @@ struct mid_router_gate_64x16 {
     enum : int { BM = 64, BN = 16, STAGES = 3, EXPERT_TILES = 16 };
     enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
     enum : int { MOST_SPLITS = 7 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
+    enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
@@ -2644,7 +2754,8 @@ struct mid_router_gate_64x32 {
     enum : int { BM = 64, BN = 32, STAGES = 3, EXPERT_TILES = 8 };
     enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
     enum : int { MOST_SPLITS = 14 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
+    enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
@@ -2670,7 +2781,8 @@ struct mid_router_gate_64x64 {
     enum : int { BM = 64, BN = 64, STAGES = 3, EXPERT_TILES = 4 };
     enum : int { WARPS_M = 2, WARPS_N = 1, WARPS_K = 4, THREADS = 256 };
     enum : int { MOST_SPLITS = 28 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch
+    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
+    enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
     // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
@@ -2696,6 +2808,7 @@ struct prefill_router_gate_64x256 {
     enum : int { BM = 64, BN = 256, STAGES = 5, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 256 };
     enum : int { MOST_SPLITS = 112 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { PRODUCER_THREADS = 128 };
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 8192, STAGE_BYTES = 40960, RING_ALIGN = 1024, BARRIER_OFFSET = 204800, SMEM_BYTES = 205904 };
@@ -2719,6 +2832,7 @@ struct prefill_router_gate_128x256 {
     enum : int { BM = 128, BN = 256, STAGES = 4, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 8, WARPS_N = 1, WARPS_K = 1, THREADS = 384 };
     enum : int { MOST_SPLITS = 112 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { PRODUCER_THREADS = 128 };
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 16384, STAGE_BYTES = 49152, RING_ALIGN = 1024, BARRIER_OFFSET = 196608, SMEM_BYTES = 197696 };

@@ -122,6 +122,34 @@ __device__ __forceinline__ bool last_arrival(u32* counter, u32 arrivals) {
     return __syncthreads_or(last);
 }
 
+// Thread-block clusters (sm_90 and later; a kernel launched without cluster dimensions is
+// a cluster of one): this block's rank in its cluster; a barrier of every thread of the
+// cluster that orders their memory accesses (release, then acquire), whole or in its two
+// halves, so that a block can work between saying it is done with the others' shared
+// memory and waiting until they are done with its own; and four f32 from block `rank`'s
+// shared memory at the offset `address` has in this block's.
+__device__ __forceinline__ int cluster_ctarank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return (int)rank;
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
+}
+__device__ __forceinline__ float4 ld_shared_cluster_f32x4(u32 address, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(address), "r"(rank));
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 { %0, %1, %2, %3 }, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+    return v;
+}
+
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
 // serialization) may begin while the kernel ahead of it in the stream still runs. First
 // wait for that kernel to finish and its writes to be visible, then let the kernel behind

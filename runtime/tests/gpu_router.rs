@@ -11,8 +11,10 @@
 //!   experts and weights the router chose, and that every element was written.
 //!
 //! Layers: one per reference rule (Mixtral, Qwen3-MoE without renormalising, DeepSeek-V3
-//! with its correction bias and group limit, GPT-OSS with its logit bias, on 60 experts so
-//! that the last expert tile is ragged), two whose large calls run the wgmma gate (a sample
+//! with its correction bias and group limit, GPT-OSS with its logit bias, on 62 experts so
+//! that the last expert tile is ragged and, E not being whole float4s, its split router's
+//! gates run mma.sync and the select kernel rather than in clusters), two whose large
+//! calls run the wgmma gate (a sample
 //! of each call's tokens checked), and every shipped example with a router scaled down;
 //! token counts 1, 7, each regime's first and last count and a ragged one, and each split
 //! gate's first and last. A last
@@ -100,12 +102,17 @@ fn rule_layers() -> Vec<Layer> {
                 2.5,
             ),
         ),
-        routed_layer(
-            "gpt_oss_rule",
-            60,
-            4,
-            rule(Scoring::TopkSoftmax, RouterBias::Logits, false, None, 1.0),
-        ),
+        {
+            // Calls past 1024 tokens (4096 pairs) run a split router.
+            let mut layer = routed_layer(
+                "gpt_oss_rule",
+                62,
+                4,
+                rule(Scoring::TopkSoftmax, RouterBias::Logits, false, None, 1.0),
+            );
+            layer.max_tokens = 2048;
+            layer
+        },
     ]
 }
 
@@ -240,26 +247,28 @@ fn the_rule_layers_plan_a_router_with_ragged_expert_tiles() {
         let plan = plan::plan(&layer, &target).expect("plans");
         let router = plan.router.expect("a router plan");
         assert_eq!(router.regimes.len(), plan.regimes.len());
-        if layer.experts == 60 {
+        if layer.experts == 62 {
             assert!(
                 router
                     .regimes
                     .iter()
                     .flat_map(|r| &r.gates)
-                    .all(|g| g.tile_experts * g.expert_tiles > 60),
-                "60 experts leave the last expert tile ragged"
+                    .all(|g| g.tile_experts * g.expert_tiles > 62),
+                "62 experts leave the last expert tile ragged"
             );
         }
     }
 }
 
 /// The suites' calls include a split router's gate split over blocks along the reduction
-/// (its last blocks sum the parts) and one that is not, so both paths run on the GPU; and
+/// (its last blocks sum the parts), one that is not, and cluster gates of several blocks
+/// (which select) with a padded expert tile and without, so every path runs on the GPU; and
 /// every gate of a split router runs.
 #[test]
 fn the_suites_run_split_gates_split_over_blocks_and_whole() {
     let target = Target::h200();
     let (mut split, mut whole, mut gates_run, mut gates) = (0, 0, 0, 0);
+    let (mut clustered, mut clustered_padded) = (0, 0);
     for layer in rule_layers().into_iter().chain(routed_examples()) {
         let plan = plan::plan(&layer, &target).expect("plans");
         let router = plan.router.clone().expect("a router plan");
@@ -270,7 +279,13 @@ fn the_suites_run_split_gates_split_over_blocks_and_whole() {
             if !regime.fused {
                 let gate = regime.launches_for(tokens).next().expect("a gate");
                 run.insert((index, gate));
-                if regime.gates[gate].splits(tokens) > 1 {
+                let plan_of_gate = &regime.gates[gate];
+                if plan_of_gate.engine.selects() && plan_of_gate.splits(tokens) > 1 {
+                    clustered += 1;
+                    if plan_of_gate.tile_experts > layer.experts {
+                        clustered_padded += 1;
+                    }
+                } else if plan_of_gate.splits(tokens) > 1 {
                     split += 1;
                 } else {
                     whole += 1;
@@ -286,8 +301,8 @@ fn the_suites_run_split_gates_split_over_blocks_and_whole() {
             .sum::<usize>();
     }
     assert!(
-        split > 0 && whole > 0,
-        "split gates over blocks: {split} calls, whole: {whole}"
+        split > 0 && whole > 0 && clustered > clustered_padded && clustered_padded > 0,
+        "split gates over blocks: {split} calls, whole: {whole}, in clusters: {clustered} ({clustered_padded} padded)"
     );
     assert_eq!(gates_run, gates, "split routers' gates run by the suites");
     assert!(gates > 2, "the suites have split routers of several gates");

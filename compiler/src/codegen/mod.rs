@@ -248,6 +248,15 @@ const ROUTER_GATE_WS_USES: &[&str] = &[
     "router_logits",
     "router_tiles_done",
 ];
+/// What a cluster gate, which selects, uses (beside the bias where the rule has one).
+const ROUTER_GATE_CLUSTER_USES: &[&str] = &[
+    "x",
+    "gate_weight",
+    "tokens",
+    "router_logits",
+    "routed_ids",
+    "routed_weights",
+];
 const ROUTER_SELECT_USES: &[&str] = &["router_logits", "tokens", "routed_ids", "routed_weights"];
 const EP_ROUTE_USES: &[&str] = &[
     "topk_ids",
@@ -954,6 +963,9 @@ struct GateUnit {
     expert_tiles: u32,
     stage_bytes: u32,
     smem_bytes: u32,
+    /// A cluster gate's blocks per cluster (`__cluster_dims__`; it selects its tokens);
+    /// 0 for the other gates.
+    cluster: u32,
     /// Warp-specialised (wgmma): its producer warpgroup's threads, the bytes of a stage's
     /// x rows (its W_gate rows follow) and where its mbarriers start in the aligned ring.
     warp_specialized: bool,
@@ -984,17 +996,28 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         })
         .map(|(regime, router_regime, i, gate)| {
             let warp_specialized = gate.engine == GateEngine::WarpSpecialized;
+            let cluster = match gate.engine {
+                GateEngine::Cluster { blocks } => blocks,
+                GateEngine::MmaSync | GateEngine::WarpSpecialized => 0,
+            };
             let uses: Vec<&str> = if router_regime.fused {
                 let bias = if has_bias { ROUTER_BIAS_USES } else { &[] };
                 [ROUTER_USES, bias, ROUTER_ROUTING_USES].concat()
             } else if warp_specialized {
                 ROUTER_GATE_WS_USES.to_vec()
+            } else if cluster > 0 {
+                uses_with(ROUTER_GATE_CLUSTER_USES, ROUTER_BIAS_USES, has_bias)
             } else {
                 ROUTER_GATE_USES.to_vec()
             };
             let stage_bytes = (gate.tile_tokens + gate.tile_experts) * SMEM_ROW_BYTES;
             let config = if router_regime.fused {
                 format!("{}_router_gate", regime.name)
+            } else if cluster > 0 {
+                format!(
+                    "{}_router_gate_{}x{}_cluster{cluster}",
+                    regime.name, gate.tile_tokens, gate.tile_experts
+                )
             } else {
                 format!(
                     "{}_router_gate_{}x{}",
@@ -1021,6 +1044,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
                 expert_tiles: gate.expert_tiles,
                 stage_bytes,
                 smem_bytes: gate.smem_bytes,
+                cluster,
                 warp_specialized,
                 producer_threads: gate.producer_threads(),
                 a_bytes: gate.tile_tokens * SMEM_ROW_BYTES,
@@ -1032,8 +1056,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
     let select_kernel = router_plan
         .regimes
         .iter()
-        .find(|regime| !regime.fused)
-        .and_then(|regime| regime.launches.last());
+        .find_map(|regime| regime.select_launch().map(|i| &regime.launches[i]));
     let select_uses = uses_with(ROUTER_SELECT_USES, ROUTER_BIAS_USES, has_bias);
     let select = select_kernel
         .map(|launch| EntryUnit::new(plan, &launch.kernel, &select_uses))

@@ -351,6 +351,10 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
         "    router {}",
         if regime.fused {
             "fused, in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
+        } else if regime.select_launch().is_none() {
+            "split, before the table: the gate for the call's token count, whose clusters select their tokens"
+        } else if regime.gates.iter().any(|gate| gate.engine.selects()) {
+            "split, before the table: the gate for the call's token count, then (unless its clusters select their tokens) select over the whole GPU"
         } else {
             "split, before the table: the gate for the call's token count, then select over the whole GPU"
         },
@@ -371,13 +375,23 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
                 "wgmma tile {} tokens x {} experts x 64, {} stages, a producer warpgroup (x rows by cp.async, W_gate by TMA) and a consumer warpgroup per 64 tokens",
                 gate.tile_tokens, gate.tile_experts, gate.stages
             ),
+            GateEngine::Cluster { blocks } => format!(
+                "mma.sync in clusters of {blocks} blocks, a cluster per tile of {} tokens x {} experts, each block 1/{blocks} of the reduction in k-tiles of 64 ({} stages, {}x{} warps x {} groups splitting them); the partial logits summed in distributed shared memory in block order, then each block selects up to {} of the tile's tokens",
+                gate.tile_tokens,
+                gate.tile_experts,
+                gate.stages,
+                gate.warps_m,
+                gate.warps_n,
+                gate.warps_k,
+                gate.tile_tokens.div_ceil(blocks)
+            ),
         };
         let _ = writeln!(
             out,
             "    gate   {}..={} tokens: {warps}{}, {} B smem, {} expert tiles; floor at T={}: {:.1} us ({:.2} GFLOP, {:.1} MB)",
             gate.min_tokens,
             gate.max_tokens,
-            if gate.splits(1) > 1 {
+            if gate.splits(1) > 1 && !gate.engine.selects() {
                 format!(
                     "; a tile split over {} blocks along the reduction at 1 token (as many as keep the grid within {} blocks; fewer for more token tiles)",
                     gate.splits(1),

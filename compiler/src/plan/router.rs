@@ -20,7 +20,9 @@
 //!   token range, each with its own tile, [`split_gates`]:
 //!   `<symbol>_<regime>_router_gate_<m>x<n>`) and the select (`<symbol>_router_select`,
 //!   one warp per token, [`SELECT_WARPS`] tokens per block over the whole GPU) as two
-//!   launches before the whole table. A fused router's tails run on
+//!   launches before the whole table; or, where the gate runs in thread-block clusters
+//!   ([`GateEngine::Cluster`], `<symbol>_<regime>_router_gate_<m>x<n>_cluster<c>`), the
+//!   gate alone, whose clusters select their tokens. A fused router's tails run on
 //!   one block per token tile and its routing on one block of 256 threads: measured on an
 //!   H200 (2026-11-30), at 16384 tokens they cost Qwen3-30B-A3B 170 µs (185 in a second
 //!   run) and DeepSeek-V3 146 µs more than the split launches, while at 1 token the fused
@@ -40,8 +42,9 @@
 //! before it waits; at 4096 tokens its prefill gate's 64 tiles (128 tokens by 128 experts)
 //! run as 128 blocks, where they took 113 µs on 64 (one H200, 2026-12-01). A fused
 //! router's select sums the split's partial logits; a split router's gate has the last
-//! block of each tile sum them (a counter per tile in `router_tiles_done`). The
-//! **select** applies the rule ([`ir::Router`]: bias, scores, correction, group limit,
+//! block of each tile sum them (a counter per tile in `router_tiles_done`), or, in
+//! clusters, the cluster's blocks sum them through distributed shared memory, each for
+//! its share of the tile's tokens, which it then selects. The **select** applies the rule ([`ir::Router`]: bias, scores, correction, group limit,
 //! top-k, weights) and writes `routed_ids` and `routed_weights`, which the table then reads
 //! where a caller-routed call passes `topk_ids` and `topk_weights`. The expert-parallel
 //! path keeps caller-passed ids and weights.
@@ -116,7 +119,7 @@ pub struct RouterRegime {
 
 impl RouterRegime {
     /// The launches a call of `tokens` tokens runs, in stream order: the fused router, or
-    /// the gate for its token count, then the select.
+    /// the gate for its token count, then the select (unless that gate selects itself).
     pub fn launches_for(&self, tokens: u32) -> impl Iterator<Item = usize> {
         let (first, select) = if self.fused {
             (0, None)
@@ -126,9 +129,17 @@ impl RouterRegime {
                 .iter()
                 .position(|gate| tokens <= gate.max_tokens)
                 .unwrap_or(self.gates.len() - 1);
-            (gate, Some(self.gates.len()))
+            let select = (!self.gates[gate].engine.selects()).then_some(self.gates.len());
+            (gate, select)
         };
         std::iter::once(first).chain(select)
+    }
+
+    /// The index in `launches` of a split router's select launch; none where the router
+    /// is fused or every gate selects itself.
+    pub fn select_launch(&self) -> Option<usize> {
+        (!self.fused && self.gates.iter().any(|gate| !gate.engine.selects()))
+            .then_some(self.gates.len())
     }
 }
 
@@ -148,6 +159,32 @@ pub enum GateEngine {
     /// gate ran Qwen3-30B-A3B's 16384-token gate at 200 TFLOP/s (44.6 µs, one H200,
     /// 2026-12-02), latency-bound on its three stages and `ldmatrix` traffic.
     WarpSpecialized,
+    /// `mma.sync` blocks in thread-block clusters of `blocks` (sm_90 and later): a cluster
+    /// takes one token tile across every expert, each block of it one slice of the
+    /// reduction (`H / 64 / blocks` k-tiles); the blocks' partial logits meet in
+    /// distributed shared memory, summed in block order, and each block then selects its
+    /// share of the tile's tokens (no select launch, no partial logits through global
+    /// memory, no counter). A split router's gate for calls whose clusters all run at once
+    /// and whose blocks' shares are short ([`cluster_gate_choice`]): there the mma.sync
+    /// gate (its reduction split over blocks, the parts summed by the tile's last block
+    /// alone) and the select kernel took 10.4-13.3 µs at 300-1024 tokens against a floor of
+    /// 1-2 (Qwen3-30B-A3B and Mixtral-8x7B, one H200, 2026-12-03).
+    Cluster { blocks: u32 },
+}
+
+impl GateEngine {
+    /// The blocks of a cluster gate's cluster; 1 for the other engines.
+    pub fn cluster_blocks(self) -> u32 {
+        match self {
+            GateEngine::Cluster { blocks } => blocks,
+            GateEngine::MmaSync | GateEngine::WarpSpecialized => 1,
+        }
+    }
+
+    /// Whether the gate's blocks select their tokens themselves (no select launch).
+    pub fn selects(self) -> bool {
+        matches!(self, GateEngine::Cluster { .. })
+    }
 }
 
 /// How the gate GEMM is tiled.
@@ -184,7 +221,8 @@ pub struct GatePlan {
     ///
     /// A split tile's blocks write partial logits, one [T, E] slice per block of the split
     /// ([`RouterPlan::logits_floats`]), summed in split order into the first slice (by a
-    /// fused router's select, or a split router's last block of the tile).
+    /// fused router's select, or a split router's last block of the tile). A cluster gate:
+    /// [`cluster_gate_layout`].
     pub smem_bytes: u32,
     /// The roofline floor of gate and select at the gate's largest token count.
     pub floor: RouterFloor,
@@ -203,7 +241,7 @@ impl GatePlan {
     /// warpgroup); none in an mma.sync gate.
     pub fn producer_threads(&self) -> u32 {
         match self.engine {
-            GateEngine::MmaSync => 0,
+            GateEngine::MmaSync | GateEngine::Cluster { .. } => 0,
             GateEngine::WarpSpecialized => GATE_PRODUCER_THREADS,
         }
     }
@@ -238,10 +276,22 @@ impl GatePlan {
         tokens.div_ceil(self.tile_tokens)
     }
 
-    /// The blocks one gate tile's reduction is split over in a call of `tokens` tokens.
+    /// The blocks one gate tile's reduction is split over in a call of `tokens` tokens (a
+    /// cluster gate's: its cluster, at every call).
     pub fn splits(&self, tokens: u32) -> u32 {
         self.k_split
             .splits(self.token_tiles(tokens.max(1)) * self.expert_tiles)
+    }
+
+    /// The [T, E] slices of partial logits a call of `tokens` tokens writes to
+    /// `router_logits`: one per block of a tile's split, summed into the first; a cluster
+    /// gate sums in distributed shared memory and writes the logits once.
+    pub fn logits_slices(&self, tokens: u32) -> u32 {
+        if self.engine.selects() {
+            1
+        } else {
+            self.splits(tokens)
+        }
     }
 
     /// For each token-tile count among this gate's calls, its largest call: a call of more
@@ -394,6 +444,8 @@ impl RouterPlan {
             .map(|(fused, gate)| {
                 if fused {
                     1 + gate.token_tiles(gate.max_tokens)
+                } else if gate.engine.selects() {
+                    0
                 } else {
                     gate.largest_calls()
                         .filter(|&tokens| gate.splits(tokens) > 1)
@@ -418,7 +470,7 @@ impl RouterPlan {
             .flat_map(|regime| &regime.gates)
             .flat_map(|gate| {
                 gate.largest_calls()
-                    .map(|tokens| u64::from(tokens) * u64::from(gate.splits(tokens)))
+                    .map(|tokens| u64::from(tokens) * u64::from(gate.logits_slices(tokens)))
             })
             .max()
             .unwrap_or(0);
@@ -509,41 +561,45 @@ fn gate_plan(
         tile,
     );
     if fused(max_tokens, layer.top_k, scratch, target.smem_per_block) {
+        let layout = mma_sync_gate_layout(tile, layer.hidden, target, Some(scratch));
         let gate = gate_for(
             layer,
             target,
-            GateEngine::MmaSync,
-            tile,
-            Some(scratch),
+            (GateEngine::MmaSync, tile),
+            layout,
             min_tokens,
             max_tokens,
         );
         return (vec![gate], true);
     }
-    (split_gates(layer, target, calls), false)
+    (split_gates(layer, target, rule, calls), false)
 }
 
 /// A split router's gates over `calls`: at each power of two from the regime's smallest
-/// call up to its largest call (the last point), the engine and tile whose grid gives at
-/// least nine in ten SMs a block there ([`split_gate_tile`]); each serves the calls from
-/// above the previous point up to its own, the gate's reduction split over blocks where a
-/// smaller call leaves SMs idle. One tile per regime cannot serve it: on one H200 (2026-12-02)
-/// Qwen3-30B-A3B's best mma.sync gate tile was 64 × 32 at 2048 tokens (11.6 µs against
-/// 24.6 for the tile filling the SMs at 16384), 64 × 64 at 4096 (15.1 against 23.1) and
-/// 128 × 128 at 16384 (`benches/results/2026-12-02_router_early_start_and_gate_tiles.md`).
-/// Neighbouring points with one tile share a gate; a tile that comes back after another
-/// extends the latest gate instead (one kernel per tile).
-fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -> Vec<GatePlan> {
+/// call up to its largest call (the last point), the engine and tile chosen there
+/// ([`split_gate_tile`]); each serves the calls from above the previous point up to its
+/// own. One tile per regime cannot serve it: on one H200 (2026-12-02) Qwen3-30B-A3B's best
+/// mma.sync gate tile was 64 × 32 at 2048 tokens (11.6 µs against 24.6 for the tile filling
+/// the SMs at 16384), 64 × 64 at 4096 (15.1 against 23.1) and 128 × 128 at 16384
+/// (`benches/results/2026-12-02_router_early_start_and_gate_tiles.md`). Neighbouring points
+/// with one choice share a gate; a choice that comes back after another extends the latest
+/// gate instead (one kernel per choice).
+fn split_gates(
+    layer: &ir::Layer,
+    target: &Target,
+    rule: &ir::Router,
+    calls: RangeInclusive<u32>,
+) -> Vec<GatePlan> {
     let (first, last) = (*calls.start(), *calls.end());
     let fill = (target.sm_count * SPLIT_GATE_FILL_TENTHS).div_ceil(10);
-    let mut tiles: Vec<(GateChoice, u32)> = Vec::new();
+    let mut choices: Vec<(GateChoice, GateLayout, u32)> = Vec::new();
     let mut point = first.max(1).next_power_of_two().min(last);
     loop {
-        let tile = split_gate_tile(layer.experts, layer.hidden, target, point, fill);
-        let seen = tiles.iter().any(|&(t, _)| t == tile);
-        match tiles.last_mut() {
-            Some((_, up_to)) if seen => *up_to = point,
-            _ => tiles.push((tile, point)),
+        let (choice, layout) = split_gate_tile(layer, rule, target, point, fill);
+        let seen = choices.iter().any(|&(c, _, _)| c == choice);
+        match choices.last_mut() {
+            Some((_, _, up_to)) if seen => *up_to = point,
+            _ => choices.push((choice, layout, point)),
         }
         if point >= last {
             break;
@@ -551,10 +607,10 @@ fn split_gates(layer: &ir::Layer, target: &Target, calls: RangeInclusive<u32>) -
         point = point.saturating_mul(2).min(last);
     }
     let mut min_tokens = first;
-    tiles
+    choices
         .into_iter()
-        .map(|((engine, tile), max_tokens)| {
-            let gate = gate_for(layer, target, engine, tile, None, min_tokens, max_tokens);
+        .map(|(choice, layout, max_tokens)| {
+            let gate = gate_for(layer, target, choice, layout, min_tokens, max_tokens);
             min_tokens = max_tokens + 1;
             gate
         })
@@ -569,37 +625,50 @@ pub fn wgmma_gate_allowed(experts: u32, target: &Target) -> bool {
 }
 
 /// A gate's engine and tile (tokens, experts).
-type GateChoice = (GateEngine, (u32, u32));
+pub type GateChoice = (GateEngine, (u32, u32));
 
-/// The engine and tile of a split router's gate chosen at a call of `tokens` tokens: the
-/// warp-specialised gate where it is allowed, its tiles would give at least `fill` blocks
-/// with the reduction split over [`GATE_WS_MOST_SPLITS`] blocks, and each block of the
-/// split the grid then has ([`gate_k_split`]) multiplies at least [`GATE_WS_MIN_K_TILES`]
-/// k-tiles; else the mma.sync tile ([`gate_tile`]). A shorter run does not pay for the warp-specialised block's start
-/// (barriers, the tensor map, a deeper ring to fill) and the split's partial sums, which the
-/// tile's last block adds up after the multiply. On one H200 (2026-12-02, the gate kernel
-/// alone, µs, mma.sync → wgmma): Qwen3-30B-A3B 6.4 → 21.3 at 257 tokens (16 splits of 2
-/// k-tiles), 14.5 → 16.8 at 4096 (2 of 16), 43.4 → 29.2 at 16384 (32 k-tiles, no split);
-/// GPT-OSS-120B 21.4 → 19.5 at 4096 (45, no split); DeepSeek-V3 27.5 → 35.9 at 1024 (7 of
-/// 16), 67.6 → 42.7 at 4096 (2 of 56), 201.8 → 106.6 at 16384.
+/// The engine, tile and layout of a split router's gate chosen at a call of `tokens`
+/// tokens: the warp-specialised gate where it is allowed, its tiles would give at least
+/// `fill` blocks with the reduction split over [`GATE_WS_MOST_SPLITS`] blocks, and each
+/// block of the split the grid then has ([`gate_k_split`]) multiplies at least
+/// [`GATE_WS_MIN_K_TILES`] k-tiles; else the cluster gate where it is allowed
+/// ([`cluster_gate_choice`]); else the mma.sync tile ([`gate_tile`]). A shorter run does
+/// not pay for the warp-specialised block's start (barriers, the tensor map, a deeper ring
+/// to fill) and the split's partial sums, which the tile's last block adds up after the
+/// multiply. On one H200 (2026-12-02, the gate kernel alone, µs, mma.sync → wgmma):
+/// Qwen3-30B-A3B 6.4 → 21.3 at 257 tokens (16 splits of 2 k-tiles), 14.5 → 16.8 at 4096 (2
+/// of 16), 43.4 → 29.2 at 16384 (32 k-tiles, no split); GPT-OSS-120B 21.4 → 19.5 at 4096
+/// (45, no split); DeepSeek-V3 27.5 → 35.9 at 1024 (7 of 16), 67.6 → 42.7 at 4096 (2 of
+/// 56), 201.8 → 106.6 at 16384.
 fn split_gate_tile(
-    experts: u32,
-    hidden: u32,
+    layer: &ir::Layer,
+    rule: &ir::Router,
     target: &Target,
     tokens: u32,
     fill: u32,
-) -> GateChoice {
-    let (tile_tokens, tile_experts) = warp_specialized_gate_tile(experts, tokens, fill);
-    let blocks = gate_blocks(tile_tokens, tile_experts, experts, tokens.max(1));
+) -> (GateChoice, GateLayout) {
+    let (experts, hidden) = (layer.experts, layer.hidden);
+    let ws_tile = warp_specialized_gate_tile(experts, tokens, fill);
+    let blocks = gate_blocks(ws_tile.0, ws_tile.1, experts, tokens.max(1));
     let splits = gate_k_split(hidden, 1, target.sm_count).splits(blocks);
     if wgmma_gate_allowed(experts, target)
         && blocks * GATE_WS_MOST_SPLITS >= fill
         && gate_k_tiles(hidden) / splits >= GATE_WS_MIN_K_TILES
     {
-        (GateEngine::WarpSpecialized, (tile_tokens, tile_experts))
-    } else {
-        (GateEngine::MmaSync, gate_tile(experts, tokens, fill))
+        let layout = warp_specialized_gate_layout(ws_tile, hidden, target);
+        return ((GateEngine::WarpSpecialized, ws_tile), layout);
     }
+    if cluster_gate_allowed(experts, target)
+        && let Some(((engine, tile), layout)) =
+            cluster_gate_choice(rule, experts, hidden, target, tokens)
+    {
+        return ((engine, tile), layout);
+    }
+    let tile = gate_tile(experts, tokens, fill);
+    (
+        (GateEngine::MmaSync, tile),
+        mma_sync_gate_layout(tile, hidden, target, None),
+    )
 }
 
 /// The split a call's warp-specialised gate tiles must fill the SMs with, and the fewest
@@ -657,78 +726,259 @@ pub struct GateLayout {
     pub smem_bytes: u32,
 }
 
-/// The layout of a gate of `engine` and tile `(tile_tokens, tile_experts)` over a reduction
-/// of `hidden` on `target`; a fused router's (mma.sync) with its `scratch`. mma.sync: warps
-/// from the tile ([`gate_warps`]), groups splitting the reduction ([`gate_warps_k`]),
-/// [`gate_stages`]. Warp-specialised: a consumer warpgroup per 64 tokens, as many stages as
-/// fit a block (at most [`GATE_WS_MAX_STAGES`] and the k-tiles).
+/// The layout of a gate of `engine` and tile `(tile_tokens, tile_experts)` for the router
+/// `rule` over `experts` experts and a reduction of `hidden` on `target`; a fused router's
+/// (mma.sync) with its `scratch`. mma.sync: warps from the tile ([`gate_warps`]), groups
+/// splitting the reduction ([`gate_warps_k`]), [`gate_stages`]. Warp-specialised: a
+/// consumer warpgroup per 64 tokens, as many stages as fit a block (at most
+/// [`GATE_WS_MAX_STAGES`] and the k-tiles). Cluster: [`cluster_gate_layout`] (`None` where
+/// it does not fit a block).
 pub fn gate_layout(
     engine: GateEngine,
+    tile: (u32, u32),
+    (rule, experts, hidden): (&ir::Router, u32, u32),
+    target: &Target,
+    scratch: Option<u32>,
+) -> Option<GateLayout> {
+    match engine {
+        GateEngine::MmaSync => Some(mma_sync_gate_layout(tile, hidden, target, scratch)),
+        GateEngine::WarpSpecialized => Some(warp_specialized_gate_layout(tile, hidden, target)),
+        GateEngine::Cluster { blocks } => {
+            cluster_gate_layout(rule, experts, hidden, tile, blocks, target)
+        }
+    }
+}
+
+/// An mma.sync gate's layout ([`gate_layout`]).
+fn mma_sync_gate_layout(
     (tile_tokens, tile_experts): (u32, u32),
     hidden: u32,
     target: &Target,
     scratch: Option<u32>,
 ) -> GateLayout {
-    match engine {
-        GateEngine::MmaSync => {
-            let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
-            let warps_k = gate_warps_k(tile_tokens, tile_experts, hidden, target.smem_per_block);
-            let stages = gate_stages(
-                scratch.is_some(),
-                tile_tokens,
-                tile_experts,
-                hidden,
-                warps_k,
-                target.smem_per_block,
-            );
-            GateLayout {
-                warps_m,
-                warps_n,
-                warps_k,
-                k_split: gate_k_split(hidden, warps_k, target.sm_count),
-                stages,
-                smem_bytes: GatePlan::smem_bytes_for(
-                    tile_tokens,
-                    tile_experts,
-                    stages,
-                    warps_k,
-                    scratch,
-                ),
-            }
-        }
-        GateEngine::WarpSpecialized => {
-            let most = GATE_WS_MAX_STAGES.min(gate_k_tiles(hidden)).max(2);
-            let stages = (2..=most)
-                .rev()
-                .find(|&s| {
-                    GatePlan::warp_specialized_smem(tile_tokens, tile_experts, s)
-                        <= target.smem_per_block
-                })
-                .unwrap_or(2);
-            GateLayout {
-                warps_m: tile_tokens / 16,
-                warps_n: 1,
-                warps_k: 1,
-                k_split: gate_k_split(hidden, 1, target.sm_count),
-                stages,
-                smem_bytes: GatePlan::warp_specialized_smem(tile_tokens, tile_experts, stages),
-            }
-        }
+    let (warps_m, warps_n) = gate_warps(tile_tokens, tile_experts);
+    let warps_k = gate_warps_k(tile_tokens, tile_experts, hidden, target.smem_per_block);
+    let stages = gate_stages(
+        scratch.is_some(),
+        tile_tokens,
+        tile_experts,
+        hidden,
+        warps_k,
+        target.smem_per_block,
+    );
+    GateLayout {
+        warps_m,
+        warps_n,
+        warps_k,
+        k_split: gate_k_split(hidden, warps_k, target.sm_count),
+        stages,
+        smem_bytes: GatePlan::smem_bytes_for(tile_tokens, tile_experts, stages, warps_k, scratch),
     }
 }
 
-/// The gate of `engine` and tile `(tile_tokens, tile_experts)` for calls of
-/// `min_tokens..=max_tokens` tokens; a fused router's with its `scratch`.
+/// A warp-specialised gate's layout ([`gate_layout`]).
+fn warp_specialized_gate_layout(
+    (tile_tokens, tile_experts): (u32, u32),
+    hidden: u32,
+    target: &Target,
+) -> GateLayout {
+    let most = GATE_WS_MAX_STAGES.min(gate_k_tiles(hidden)).max(2);
+    let stages = (2..=most)
+        .rev()
+        .find(|&s| {
+            GatePlan::warp_specialized_smem(tile_tokens, tile_experts, s) <= target.smem_per_block
+        })
+        .unwrap_or(2);
+    GateLayout {
+        warps_m: tile_tokens / 16,
+        warps_n: 1,
+        warps_k: 1,
+        k_split: gate_k_split(hidden, 1, target.sm_count),
+        stages,
+        smem_bytes: GatePlan::warp_specialized_smem(tile_tokens, tile_experts, stages),
+    }
+}
+
+/// Most blocks of a cluster gate's cluster: the portable cluster size.
+const GATE_CLUSTER_MAX_BLOCKS: u32 = 8;
+/// A cluster gate's tile holds every expert: at most this many (8 warps of 32 tokens by
+/// 64 experts hold 64 tokens by 256 experts).
+const GATE_CLUSTER_MAX_EXPERTS: u32 = 256;
+/// The token counts of a cluster gate's tiles.
+const GATE_CLUSTER_TILES_TOKENS: [u32; 4] = [128, 64, 32, 16];
+/// A cluster gate's time, as measured on one H200 (2026-12-03, Nsight Compute, the gate
+/// kernel alone, `benches/results/2026-12-03_cluster_gate.md`): each wave of clusters
+/// takes about 6 µs whatever it loads (start, the first loads' latency, the cluster
+/// barriers and the sums in distributed shared memory), plus a block's k-tiles at about
+/// 50 GB/s (its few stages in flight), plus about 1.8 µs per round of selects (a token per
+/// warp; 128 experts, top-8).
+const CLUSTER_GATE_WAVE_SECONDS: f64 = 6e-6;
+const CLUSTER_GATE_BLOCK_BYTES_PER_S: f64 = 50e9;
+const CLUSTER_GATE_SELECT_ROUND_SECONDS: f64 = 1.8e-6;
+/// A cluster gate is chosen only for calls whose clusters all run at once, each block
+/// selecting its tokens in at most this many rounds, and whose time by those rates is at
+/// most [`CLUSTER_GATE_MOST_SECONDS`]: measured, a second wave of clusters or four rounds
+/// of selects made it slower than the mma.sync gate and the select kernel (Qwen3-30B-A3B
+/// at 1024-4096 tokens, 12.6-20.0 → 16.9-36.4 µs), which took 10.5 µs or more at every
+/// split call measured (12 cells of four examples, 512-4096 tokens).
+const CLUSTER_GATE_MOST_SELECT_ROUNDS: u32 = 2;
+const CLUSTER_GATE_MOST_SECONDS: f64 = 10e-6;
+
+/// Whether a split router's gate may run in clusters ([`GateEngine::Cluster`]): on a target
+/// with thread-block clusters, for E within one tile ([`GATE_CLUSTER_MAX_EXPERTS`]) in whole
+/// 16-byte pieces of f32 (the blocks sum the partial logits four at a time).
+pub fn cluster_gate_allowed(experts: u32, target: &Target) -> bool {
+    target.has_clusters() && experts <= GATE_CLUSTER_MAX_EXPERTS && experts.is_multiple_of(4)
+}
+
+/// A cluster gate's partial logits (f32 × `tile_tokens` × `tile_experts`, which the
+/// cluster's blocks read), in bytes. They take the place of the first group's ring once
+/// the multiply is done: the groups' own partial sums are read from the other rings.
+pub fn cluster_partial_bytes((tile_tokens, tile_experts): (u32, u32)) -> u32 {
+    4 * tile_tokens * tile_experts
+}
+
+/// A cluster gate's shared memory after its rings (or its partial logits, where larger),
+/// in bytes: its own tokens' logits summed over the cluster (f32 × ⌈tile_tokens / blocks⌉
+/// × E), the rule's bias (f32 × E, with one) and, with a group limit, each warp's
+/// selection values (f32 × E).
+pub fn cluster_scratch_bytes(
+    rule: &ir::Router,
+    experts: u32,
+    tile_tokens: u32,
+    blocks: u32,
+    warps: u32,
+) -> u32 {
+    let bias = if rule.bias == ir::RouterBias::None {
+        0
+    } else {
+        4 * experts
+    };
+    4 * tile_tokens.div_ceil(blocks) * experts + bias + selection_bytes(rule, experts, warps)
+}
+
+/// The layout of a cluster gate of tile `(tile_tokens, tile_experts)` in clusters of
+/// `blocks`: warps from the tile ([`gate_warps`], at most [`GATE_BLOCK_WARPS`]), groups of
+/// them splitting the block's k-tiles (as many as fill [`GATE_BLOCK_WARPS`] warps and
+/// divide them), and as many stages as keep all of a group's k-tiles in flight, at most
+/// [`FUSED_GATE_MAX_STAGES`], at least 2; the rings (or the partial logits, where larger,
+/// and those must fit the first group's ring where there are several: [`cluster_partial_bytes`]),
+/// then [`cluster_scratch_bytes`]. Two blocks
+/// to an SM where such a layout fits half an SM's shared memory (twice the clusters at
+/// once: [`Target::clusters_at_once`]), else one. `None` where the tile does not split that
+/// way or fit a block.
+pub fn cluster_gate_layout(
+    rule: &ir::Router,
+    experts: u32,
+    hidden: u32,
+    tile: (u32, u32),
+    blocks: u32,
+    target: &Target,
+) -> Option<GateLayout> {
+    let (warps_m, warps_n) = gate_warps(tile.0, tile.1);
+    let k_tiles = gate_k_tiles(hidden);
+    if warps_m * warps_n > GATE_BLOCK_WARPS
+        || !(2..=GATE_CLUSTER_MAX_BLOCKS).contains(&blocks)
+        || !k_tiles.is_multiple_of(blocks)
+    {
+        return None;
+    }
+    let block_k_tiles = k_tiles / blocks;
+    let partial = cluster_partial_bytes(tile);
+    let smem = |stages: u32, warps_k: u32| {
+        let rings = GatePlan::smem_for(tile.0, tile.1, stages, warps_k);
+        let first_ring = GatePlan::smem_for(tile.0, tile.1, stages, 1);
+        (warps_k == 1 || partial <= first_ring).then(|| {
+            rings.max(partial)
+                + cluster_scratch_bytes(rule, experts, tile.0, blocks, warps_m * warps_n * warps_k)
+        })
+    };
+    let fits = |stages: u32, warps_k: u32, limit: u32| {
+        smem(stages, warps_k).is_some_and(|bytes| bytes <= limit)
+    };
+    let layout_within = |limit: u32| {
+        let warps_k = (1..=GATE_BLOCK_WARPS / (warps_m * warps_n))
+            .rev()
+            .find(|&g| block_k_tiles.is_multiple_of(g) && fits(2, g, limit))?;
+        let most_stages = (block_k_tiles / warps_k + 1).clamp(2, FUSED_GATE_MAX_STAGES);
+        let stages = (2..=most_stages).rev().find(|&s| fits(s, warps_k, limit))?;
+        Some(GateLayout {
+            warps_m,
+            warps_n,
+            warps_k,
+            k_split: KSplit {
+                steps: blocks,
+                most_blocks: u32::MAX,
+            },
+            stages,
+            smem_bytes: smem(stages, warps_k)?,
+        })
+    };
+    layout_within(half_sm_smem(target)).or_else(|| layout_within(target.smem_per_block))
+}
+
+/// The shared memory a block may take for two to fit an SM (each block reserves 1 KiB).
+fn half_sm_smem(target: &Target) -> u32 {
+    (target.smem_per_sm / 2).saturating_sub(1024)
+}
+
+/// The cluster gate for calls of `tokens` tokens ([`GateEngine::Cluster`]), if one
+/// serves them: among the tiles of [`GATE_CLUSTER_TILES_TOKENS`] tokens by every expert
+/// (E rounded up to 16; the zero-filled rest is never stored) and the clusters of 2 to 8
+/// blocks that split their reduction evenly ([`cluster_gate_layout`]), those whose
+/// clusters all run at once ([`Target::clusters_at_once`]) and whose blocks select their
+/// tokens in at most [`CLUSTER_GATE_MOST_SELECT_ROUNDS`] rounds, within
+/// [`CLUSTER_GATE_MOST_SECONDS`] by the measured rates ([`CLUSTER_GATE_WAVE_SECONDS`] and
+/// after); of those, the fastest, fewer blocks on a tie.
+pub fn cluster_gate_choice(
+    rule: &ir::Router,
+    experts: u32,
+    hidden: u32,
+    target: &Target,
+    tokens: u32,
+) -> Option<(GateChoice, GateLayout)> {
+    let tile_experts = experts.next_multiple_of(16);
+    let k_tiles = gate_k_tiles(hidden);
+    GATE_CLUSTER_TILES_TOKENS
+        .into_iter()
+        .flat_map(|m| (2..=GATE_CLUSTER_MAX_BLOCKS).map(move |c| (m, c)))
+        .filter_map(|(m, c)| {
+            let layout = cluster_gate_layout(rule, experts, hidden, (m, tile_experts), c, target)?;
+            let clusters = tokens.max(1).div_ceil(m);
+            let blocks_per_sm = if layout.smem_bytes <= half_sm_smem(target) {
+                2
+            } else {
+                1
+            };
+            let warps = layout.warps_m * layout.warps_n * layout.warps_k;
+            let select_rounds = m.div_ceil(c).div_ceil(warps);
+            let bytes = f64::from(k_tiles / c * (m + tile_experts) * SMEM_ROW_BYTES);
+            let seconds = CLUSTER_GATE_WAVE_SECONDS
+                + bytes / CLUSTER_GATE_BLOCK_BYTES_PER_S
+                + f64::from(select_rounds) * CLUSTER_GATE_SELECT_ROUND_SECONDS;
+            if clusters > target.clusters_at_once(c, blocks_per_sm)
+                || select_rounds > CLUSTER_GATE_MOST_SELECT_ROUNDS
+                || seconds > CLUSTER_GATE_MOST_SECONDS
+            {
+                return None;
+            }
+            let choice = (GateEngine::Cluster { blocks: c }, (m, tile_experts));
+            Some((seconds, clusters * c, choice, layout))
+        })
+        .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+        .map(|(_, _, choice, layout)| (choice, layout))
+}
+
+/// The gate of `engine`, tile `(tile_tokens, tile_experts)` and `layout` for calls of
+/// `min_tokens..=max_tokens` tokens.
 fn gate_for(
     layer: &ir::Layer,
     target: &Target,
-    engine: GateEngine,
-    tile: (u32, u32),
-    scratch: Option<u32>,
+    (engine, tile): GateChoice,
+    layout: GateLayout,
     min_tokens: u32,
     max_tokens: u32,
 ) -> GatePlan {
-    let layout = gate_layout(engine, tile, layer.hidden, target, scratch);
     GatePlan {
         engine,
         min_tokens,
@@ -756,7 +1006,7 @@ fn floor(layer: &ir::Layer, target: &Target, engine: GateEngine, tokens: u32) ->
     let flops = 2.0 * t * e * h;
     let bytes = t * h * 2.0 + e * h * 2.0 + 2.0 * t * e * 4.0 + t * k * 8.0;
     let fraction = match engine {
-        GateEngine::MmaSync => target.mma_sync_fraction,
+        GateEngine::MmaSync | GateEngine::Cluster { .. } => target.mma_sync_fraction,
         GateEngine::WarpSpecialized => target.wgmma_fraction,
     };
     let seconds = (flops / (target.peak_bf16_flops * fraction)).max(bytes / target.hbm_bytes_per_s);
@@ -795,7 +1045,8 @@ fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
 /// The router's launches of regime `regime` of the layer `symbol` with these gates:
 /// fused, one block per (token tile, expert tile, block of the split); or split, one gate
 /// block per (token tile, expert tile, block of the split) of each gate (a warp-specialised
-/// one reading W_gate through a TMA map, boxes of its tile's experts), then one select
+/// one reading W_gate through a TMA map, boxes of its tile's experts; a cluster gate one
+/// cluster per token tile, which selects), then, unless every gate selects, one select
 /// block per [`SELECT_WARPS`] tokens. The fused router starts early where `early_start` says so (it
 /// heads a call of early-starting kernels); the split router's launches do not (starting
 /// early cost its gate kernel 3-12%, 1 µs at a few hundred tokens, and the calls gained
@@ -843,54 +1094,86 @@ pub(super) fn router_launches(
                 .collect(),
         }];
     }
+    let gate_params = |gate: &GatePlan| -> Vec<KernelParam> {
+        match gate.engine {
+            GateEngine::MmaSync => vec![
+                read(X),
+                read(GateWeight),
+                read(Tokens),
+                write(Workspace(RouterLogits)),
+                write(Workspace(RouterTilesDone)),
+            ],
+            GateEngine::WarpSpecialized => vec![
+                read(X),
+                read(GateWeightTiles {
+                    box_rows: gate.tile_experts,
+                }),
+                read(Tokens),
+                write(Workspace(RouterLogits)),
+                write(Workspace(RouterTilesDone)),
+            ],
+            GateEngine::Cluster { .. } => [read(X), read(GateWeight)]
+                .into_iter()
+                .chain(bias)
+                .chain([
+                    read(Tokens),
+                    write(Workspace(RouterLogits)),
+                    write(Workspace(RoutedIds)),
+                    write(Workspace(RoutedWeights)),
+                ])
+                .collect(),
+        }
+    };
+    let needs_select = gates.iter().any(|gate| !gate.engine.selects());
     gates
         .iter()
         .map(|gate| Launch {
-            kernel: format!(
-                "{symbol}_{regime}_router_gate_{}x{}",
-                gate.tile_tokens, gate.tile_experts
-            ),
+            kernel: gate_kernel_name(symbol, regime, gate),
             grid: gate_blocks(gate),
             block_threads: gate.threads(),
             smem_bytes: gate.smem_bytes,
             static_smem_bytes: 0,
             stream: StreamRole::Compute,
             early_start: false,
-            params: vec![
-                read(X),
-                read(match gate.engine {
-                    GateEngine::MmaSync => GateWeight,
-                    GateEngine::WarpSpecialized => GateWeightTiles {
-                        box_rows: gate.tile_experts,
-                    },
-                }),
-                read(Tokens),
-                write(Workspace(RouterLogits)),
-                write(Workspace(RouterTilesDone)),
-            ],
+            params: gate_params(gate),
         })
-        .chain([Launch {
-            kernel: format!("{symbol}_router_select"),
-            grid: Grid::TokenTiles {
-                tokens_per_tile: SELECT_WARPS,
-                blocks_per_tile: 1,
-            },
-            block_threads: 32 * SELECT_WARPS,
-            smem_bytes: 0,
-            static_smem_bytes: select_static_smem_bytes(rule, experts),
-            stream: StreamRole::Compute,
-            early_start: false,
-            params: [read(Workspace(RouterLogits))]
-                .into_iter()
-                .chain(bias)
-                .chain([
-                    read(Tokens),
-                    write(Workspace(RoutedIds)),
-                    write(Workspace(RoutedWeights)),
-                ])
-                .collect(),
-        }])
+        .chain(needs_select.then(|| {
+            Launch {
+                kernel: format!("{symbol}_router_select"),
+                grid: Grid::TokenTiles {
+                    tokens_per_tile: SELECT_WARPS,
+                    blocks_per_tile: 1,
+                },
+                block_threads: 32 * SELECT_WARPS,
+                smem_bytes: 0,
+                static_smem_bytes: select_static_smem_bytes(rule, experts),
+                stream: StreamRole::Compute,
+                early_start: false,
+                params: [read(Workspace(RouterLogits))]
+                    .into_iter()
+                    .chain(bias)
+                    .chain([
+                        read(Tokens),
+                        write(Workspace(RoutedIds)),
+                        write(Workspace(RoutedWeights)),
+                    ])
+                    .collect(),
+            }
+        }))
         .collect()
+}
+
+/// A split router's gate kernel: `<symbol>_<regime>_router_gate_<m>x<n>`, and
+/// `_cluster<c>` after it for a cluster gate.
+fn gate_kernel_name(symbol: &str, regime: &str, gate: &GatePlan) -> String {
+    let cluster = match gate.engine {
+        GateEngine::Cluster { blocks } => format!("_cluster{blocks}"),
+        GateEngine::MmaSync | GateEngine::WarpSpecialized => String::new(),
+    };
+    format!(
+        "{symbol}_{regime}_router_gate_{}x{}{cluster}",
+        gate.tile_tokens, gate.tile_experts
+    )
 }
 
 /// The router's rule in one phrase.

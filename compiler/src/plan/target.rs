@@ -32,6 +32,14 @@ pub struct Target {
     /// holds.
     #[serde(default)]
     pub memory_bytes: u64,
+    /// Thread-block clusters of 1 to 8 blocks (index: blocks - 1) that run at once when one
+    /// block fits an SM (first row) or two do (second row), as the driver reports them
+    /// (`cuOccupancyMaxActiveClusters`, `benches/cluster_occupancy.py`). A cluster's blocks
+    /// share a GPC, so where a cluster's size does not divide a GPC's SMs fewer run than the
+    /// SMs divided by the size. Zeros: not measured, taken as that quotient
+    /// ([`Target::clusters_at_once`]).
+    #[serde(default)]
+    pub clusters_at_once: [[u32; 8]; 2],
 }
 
 impl Target {
@@ -56,17 +64,25 @@ impl Target {
             l2_bytes_per_s: 10e12,
             launch_overhead_s: 4e-6,
             memory_bytes: 141_000_000_000,
+            // Measured on the project's H200 (2026-12-03): 15 clusters of 8 where 132 SMs
+            // would hold 16. Another die may differ by a cluster or two.
+            clusters_at_once: [
+                [132, 66, 39, 30, 22, 17, 15, 15],
+                [264, 132, 79, 62, 47, 39, 32, 30],
+            ],
         }
     }
 
     /// An H100 SXM: the H200's SMs, clocks and shared memory with HBM3 at 3.35 TB/s. Its
     /// ceilings are the H200's measured compute and the datasheet bandwidth scaled by the
-    /// H200's measured fraction of its own; not measured on an H100.
+    /// H200's measured fraction of its own; not measured on an H100 (its clusters neither:
+    /// the SMs' quotient).
     pub fn h100() -> Self {
         Target {
             name: "NVIDIA H100 SXM".to_string(),
             hbm_bytes_per_s: 4.3e12 * 3.35 / 4.8,
             memory_bytes: 80_000_000_000,
+            clusters_at_once: [[0; 8]; 2],
             ..Target::h200()
         }
     }
@@ -87,6 +103,7 @@ impl Target {
             l2_bytes_per_s: 5e12,
             launch_overhead_s: 4e-6,
             memory_bytes: 80_000_000_000,
+            clusters_at_once: [[0; 8]; 2],
         }
     }
 
@@ -138,7 +155,23 @@ impl Target {
             } else {
                 0.0
             },
+            clusters_at_once: [[0; 8]; 2],
             ..base
+        }
+    }
+
+    /// Clusters of `blocks` blocks (1 to 8) that run at once with `blocks_per_sm` blocks
+    /// per SM (1, or 2 and more, which count as 2): the measured table, else the SMs'
+    /// quotient; 0 for clusters of more than 8 blocks.
+    pub fn clusters_at_once(&self, blocks: u32, blocks_per_sm: u32) -> u32 {
+        let row = usize::from(blocks_per_sm >= 2);
+        match blocks
+            .checked_sub(1)
+            .and_then(|i| self.clusters_at_once[row].get(i as usize))
+        {
+            Some(&0) => self.sm_count * blocks_per_sm.clamp(1, 2) / blocks,
+            Some(&measured) => measured,
+            None => 0,
         }
     }
 
@@ -172,14 +205,22 @@ impl Target {
     /// Whether kernels can start before the one ahead of them in the stream has finished
     /// (programmatic stream serialization and `griddepcontrol`, sm_90 and later).
     pub fn has_programmatic_launch(&self) -> bool {
-        self.arch
-            .strip_prefix("sm_")
-            .and_then(|v| {
-                v.trim_end_matches(|c: char| c.is_ascii_alphabetic())
-                    .parse::<u32>()
-                    .ok()
-            })
-            .is_some_and(|version| version >= 90)
+        self.arch_version().is_some_and(|version| version >= 90)
+    }
+
+    /// Whether blocks can run in thread-block clusters with distributed shared memory
+    /// (`__cluster_dims__`, `mapa`, `barrier.cluster`: sm_90 and later).
+    pub fn has_clusters(&self) -> bool {
+        self.arch_version().is_some_and(|version| version >= 90)
+    }
+
+    /// The architecture's number: 90 for `sm_90a`.
+    fn arch_version(&self) -> Option<u32> {
+        self.arch.strip_prefix("sm_").and_then(|v| {
+            v.trim_end_matches(|c: char| c.is_ascii_alphabetic())
+                .parse::<u32>()
+                .ok()
+        })
     }
 }
 

@@ -501,17 +501,22 @@ impl Plan {
                     GateEngine::WarpSpecialized => {
                         !regime.fused && router::wgmma_gate_allowed(experts, &self.target)
                     }
+                    GateEngine::Cluster { .. } => {
+                        !regime.fused
+                            && router::cluster_gate_allowed(experts, &self.target)
+                            && gate.tile_experts == experts.next_multiple_of(16)
+                    }
                 };
                 let tile = (gate.tile_tokens, gate.tile_experts);
                 let layout = router::gate_layout(
                     gate.engine,
                     tile,
-                    self.shape.hidden,
+                    (&router.rule, experts, self.shape.hidden),
                     &self.target,
                     regime.fused.then(|| scratch_of(tile.0, tile.1)),
                 );
-                let whole_warps = match gate.engine {
-                    GateEngine::MmaSync => {
+                let whole_warps = |layout: &router::GateLayout| match gate.engine {
+                    GateEngine::MmaSync | GateEngine::Cluster { .. } => {
                         gate.tile_tokens.is_multiple_of(16 * layout.warps_m)
                             && gate.tile_experts.is_multiple_of(16 * layout.warps_n)
                     }
@@ -519,28 +524,31 @@ impl Plan {
                         gate.tile_tokens.is_multiple_of(64) && gate.tile_experts <= MAX_WGMMA_WIDTH
                     }
                 };
+                let laid_out = layout.is_some_and(|layout| {
+                    whole_warps(&layout)
+                        && (
+                            gate.warps_m,
+                            gate.warps_n,
+                            gate.warps_k,
+                            gate.k_split,
+                            gate.stages,
+                            gate.smem_bytes,
+                        ) == (
+                            layout.warps_m,
+                            layout.warps_n,
+                            layout.warps_k,
+                            layout.k_split,
+                            layout.stages,
+                            layout.smem_bytes,
+                        )
+                });
                 if !allowed
                     || gate.tile_tokens == 0
                     || gate.tile_experts == 0
                     || !gate.tile_tokens.is_multiple_of(16)
                     || !gate.tile_experts.is_multiple_of(16)
-                    || !whole_warps
+                    || !laid_out
                     || gate.expert_tiles != experts.div_ceil(gate.tile_experts)
-                    || (
-                        gate.warps_m,
-                        gate.warps_n,
-                        gate.warps_k,
-                        gate.k_split,
-                        gate.stages,
-                        gate.smem_bytes,
-                    ) != (
-                        layout.warps_m,
-                        layout.warps_n,
-                        layout.warps_k,
-                        layout.k_split,
-                        layout.stages,
-                        layout.smem_bytes,
-                    )
                     || gate.smem_bytes > self.target.smem_per_block
                 {
                     return Err(format!("a gate tile of regime `{name}` does not add up"));
