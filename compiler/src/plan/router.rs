@@ -315,13 +315,17 @@ pub fn router_scratch_bytes(
     warps: u32,
     tile_tokens: u32,
 ) -> u32 {
-    let bias = if rule.bias == ir::RouterBias::None {
+    (4 * tile_tokens * experts + bias_bytes(rule, experts) + selection_bytes(rule, experts, warps))
+        .max(4 * (2 * gemm_experts + 1))
+}
+
+/// The rule's bias in shared memory (f32 × E), with one.
+fn bias_bytes(rule: &ir::Router, experts: u32) -> u32 {
+    if rule.bias == ir::RouterBias::None {
         0
     } else {
         4 * experts
-    };
-    (4 * tile_tokens * experts + bias + selection_bytes(rule, experts, warps))
-        .max(4 * (2 * gemm_experts + 1))
+    }
 }
 
 /// A gate's split of its reduction over blocks: each group's `k_tiles / warps_k` k-tiles,
@@ -849,12 +853,9 @@ pub fn cluster_scratch_bytes(
     blocks: u32,
     warps: u32,
 ) -> u32 {
-    let bias = if rule.bias == ir::RouterBias::None {
-        0
-    } else {
-        4 * experts
-    };
-    4 * tile_tokens.div_ceil(blocks) * experts + bias + selection_bytes(rule, experts, warps)
+    4 * tile_tokens.div_ceil(blocks) * experts
+        + bias_bytes(rule, experts)
+        + selection_bytes(rule, experts, warps)
 }
 
 /// The layout of a cluster gate of tile `(tile_tokens, tile_experts)` in clusters of
