@@ -1323,6 +1323,27 @@ fn split_gates_of_a_few_hundred_tokens_run_in_clusters_that_select() {
     assert_eq!((gate.engine, launches), (GateEngine::MmaSync, 2));
 }
 
+/// Every expert count a cluster gate may take (whole float4s up to 256) and a few
+/// reductions plan a router that validates: a tile of E rounded up to 16 that its warps
+/// cannot cover in whole 16 × 16 pieces (80, 112, 160, ... experts) gets the mma.sync gate.
+#[test]
+fn cluster_gates_validate_for_every_expert_count() {
+    let base = example_layer("qwen3_30b_a3b");
+    for experts in (4..=256).step_by(4) {
+        for hidden in [512, 1024, 2048] {
+            let mut layer = base.clone();
+            layer.experts = experts;
+            layer.top_k = layer.top_k.min(experts);
+            layer.hidden = hidden;
+            layer.max_tokens = 2048;
+            layer.parallel.expert = 1;
+            let plan = plan::plan(&layer, &Target::h200())
+                .unwrap_or_else(|e| panic!("E = {experts}, H = {hidden}: {e}"));
+            assert_eq!(plan.validate(), Ok(()), "E = {experts}, H = {hidden}");
+        }
+    }
+}
+
 /// The examples' decode regimes (both GEMMs mma.sync) route calls of up to 128 (token, k)
 /// pairs in the GEMMs' blocks, and only those; regimes on wgmma and the expert-parallel
 /// GEMMs never do; a fused router leaves the metadata out for those calls; the GEMMs that

@@ -859,7 +859,8 @@ pub fn cluster_scratch_bytes(
 }
 
 /// The layout of a cluster gate of tile `(tile_tokens, tile_experts)` in clusters of
-/// `blocks`: warps from the tile ([`gate_warps`], at most [`GATE_BLOCK_WARPS`]), groups of
+/// `blocks`: warps from the tile ([`gate_warps`], at most [`GATE_BLOCK_WARPS`], each a whole
+/// number of 16 × 16 pieces: a tile of 80 experts, say, has none), groups of
 /// them splitting the block's k-tiles (as many as fill [`GATE_BLOCK_WARPS`] warps and
 /// divide them), and as many stages as keep all of a group's k-tiles in flight, at most
 /// [`FUSED_GATE_MAX_STAGES`], at least 2; the rings (or the partial logits, where larger,
@@ -879,6 +880,8 @@ pub fn cluster_gate_layout(
     let (warps_m, warps_n) = gate_warps(tile.0, tile.1);
     let k_tiles = gate_k_tiles(hidden);
     if warps_m * warps_n > GATE_BLOCK_WARPS
+        || !tile.0.is_multiple_of(16 * warps_m)
+        || !tile.1.is_multiple_of(16 * warps_n)
         || !(2..=GATE_CLUSTER_MAX_BLOCKS).contains(&blocks)
         || !k_tiles.is_multiple_of(blocks)
     {
