@@ -1013,16 +1013,8 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
             let stage_bytes = (gate.tile_tokens + gate.tile_experts) * SMEM_ROW_BYTES;
             let config = if router_regime.fused {
                 format!("{}_router_gate", regime.name)
-            } else if cluster > 0 {
-                format!(
-                    "{}_router_gate_{}x{}_cluster{cluster}",
-                    regime.name, gate.tile_tokens, gate.tile_experts
-                )
             } else {
-                format!(
-                    "{}_router_gate_{}x{}",
-                    regime.name, gate.tile_tokens, gate.tile_experts
-                )
+                router::split_gate_name(&regime.name, gate)
             };
             Ok(GateUnit {
                 fused: router_regime.fused,

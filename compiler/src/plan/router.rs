@@ -1167,15 +1167,21 @@ pub(super) fn router_launches(
         .collect()
 }
 
-/// A split router's gate kernel: `<symbol>_<regime>_router_gate_<m>x<n>`, and
-/// `_cluster<c>` after it for a cluster gate.
+/// A split router's gate kernel: `<symbol>_` and its [`split_gate_name`].
 fn gate_kernel_name(symbol: &str, regime: &str, gate: &GatePlan) -> String {
+    format!("{symbol}_{}", split_gate_name(regime, gate))
+}
+
+/// A split router's gate of regime `regime` by name (its kernel's, less the layer's
+/// symbol; codegen names its configuration so): `<regime>_router_gate_<m>x<n>`, and
+/// `_cluster<c>` after it for a cluster gate.
+pub fn split_gate_name(regime: &str, gate: &GatePlan) -> String {
     let cluster = match gate.engine {
         GateEngine::Cluster { blocks } => format!("_cluster{blocks}"),
         GateEngine::MmaSync | GateEngine::WarpSpecialized => String::new(),
     };
     format!(
-        "{symbol}_{regime}_router_gate_{}x{}{cluster}",
+        "{regime}_router_gate_{}x{}{cluster}",
         gate.tile_tokens, gate.tile_experts
     )
 }
