@@ -415,10 +415,8 @@ impl Session {
     /// Compiles the plan's kernels, fills random weights (and, when the spec has a router,
     /// draws a random gate, so that the layer can route itself) and builds the handle.
     pub fn build(&self, plan: Plan, seed: u64) -> Result<BuiltLayer, HarnessError> {
-        let (module, compile_seconds) = self.compile(&plan)?;
-        let weights = self.random_weights(&plan.shape, seed)?;
-        let gate = random_router_gate(&plan, seed);
-        self.assemble(plan, module, compile_seconds, weights, gate)
+        let compiled = self.compile(&plan)?;
+        self.build_from_kernels(plan, compiled, seed)
     }
 
     /// Compiles the plan's kernels and builds the handle with `weights`, every expert of
@@ -444,13 +442,31 @@ impl Session {
         self.assemble(plan, module, compile_seconds, weights, gate)
     }
 
-    /// [`Session::build`] for several plans, compiling them on a thread each (each unit
-    /// takes seconds in NVRTC, which runs separate programs concurrently); plan `i` gets
-    /// weights seeded with `seed + i`.
+    /// [`Session::build`] for several plans, compiled side by side ([`Session::compile_many`]);
+    /// plan `i` gets weights seeded with `seed + i`.
     pub fn build_many(&self, plans: Vec<Plan>, seed: u64) -> Result<Vec<BuiltLayer>, HarnessError> {
-        let compiled: Vec<_> = std::thread::scope(|scope| {
+        let compiled = self.compile_many(&plans);
+        plans
+            .into_iter()
+            .zip(compiled)
+            .zip(0u64..)
+            .map(|((plan, compiled), i)| {
+                self.build_from_kernels(plan, compiled?, seed.wrapping_add(i))
+            })
+            .collect()
+    }
+
+    /// [`Session::compile`] for several plans, on a thread each: NVRTC runs separate
+    /// programs concurrently, and a plan's kernels alone may not fill the machine's cores
+    /// (a tuning candidate differs from the layer compiled before it in one kernel). The
+    /// results are in `plans`' order.
+    pub fn compile_many<'p>(
+        &self,
+        plans: impl IntoIterator<Item = &'p Plan>,
+    ) -> Vec<Result<(CompiledKernels, f64), HarnessError>> {
+        std::thread::scope(|scope| {
             let handles: Vec<_> = plans
-                .iter()
+                .into_iter()
                 .map(|plan| scope.spawn(move || self.compile(plan)))
                 .collect();
             handles
@@ -460,18 +476,20 @@ impl Session {
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
                 })
                 .collect()
-        });
-        plans
-            .into_iter()
-            .zip(compiled)
-            .zip(0u64..)
-            .map(|((plan, compiled), i)| {
-                let (module, compile_seconds) = compiled?;
-                let weights = self.random_weights(&plan.shape, seed.wrapping_add(i))?;
-                let gate = random_router_gate(&plan, seed.wrapping_add(i));
-                self.assemble(plan, module, compile_seconds, weights, gate)
-            })
-            .collect()
+        })
+    }
+
+    /// [`Session::build`] with the plan's kernels already compiled ([`Session::compile`],
+    /// [`Session::compile_many`]): fills random weights (and gate) and builds the handle.
+    pub fn build_from_kernels(
+        &self,
+        plan: Plan,
+        (module, compile_seconds): (CompiledKernels, f64),
+        seed: u64,
+    ) -> Result<BuiltLayer, HarnessError> {
+        let weights = self.random_weights(&plan.shape, seed)?;
+        let gate = random_router_gate(&plan, seed);
+        self.assemble(plan, module, compile_seconds, weights, gate)
     }
 
     /// [`Session::build`] with kernels compiled elsewhere (embedded PTX, an AOT directory):
@@ -482,9 +500,7 @@ impl Session {
         module: CompiledModule,
         seed: u64,
     ) -> Result<BuiltLayer, HarnessError> {
-        let weights = self.random_weights(&plan.shape, seed)?;
-        let gate = random_router_gate(&plan, seed);
-        self.assemble(plan, CompiledKernels::whole(module), 0.0, weights, gate)
+        self.build_from_kernels(plan, (CompiledKernels::whole(module), 0.0), seed)
     }
 
     /// Loads a compiled module and builds the handle with `weights` and, when given, the

@@ -6,7 +6,9 @@
 //! on whole calls, so a candidate's launch, ramp and tail count as they will in use. A
 //! candidate is the plan of the layer with one tuning entry naming it, so what is timed is
 //! exactly what the planner will build from the entry. GEMMs the spec hints are left as
-//! hinted.
+//! hinted. A GEMM's candidates are compiled before the first is timed, the current choice
+//! first and the others side by side (each is one changed kernel, one NVRTC program: one
+//! after another they used one core), then timed one at a time.
 
 use moeforge_compiler::ir::Layer;
 use moeforge_compiler::plan::tuning::{
@@ -17,6 +19,7 @@ use moeforge_compiler::plan::{self, GemmKind, GemmPlan, Plan, PlanError, Target}
 
 use crate::bench::{BenchError, time_calls, uploaded_inputs};
 use crate::harness::Session;
+use crate::jit::CompiledKernels;
 use crate::workload::Routing;
 
 /// How `tune_layer` measures.
@@ -168,14 +171,14 @@ pub fn tune_layer(
             measured_on: measured_on.to_string(),
             measured_by: measured_by.to_string(),
         };
-        // Times the layer planned with `entry` for this regime, at each of `tokens`.
-        let time = |entry: TunedRegime| -> Result<Vec<f64>, TuneError> {
+        // The layer planned with `entry` for this regime.
+        let plan_with = |entry: TunedRegime| -> Result<Plan, TuneError> {
             let table = TuningTable {
                 entries: vec![entry],
             };
             let candidate = plan::plan_tuned(layer, target, &table)?;
             check_applied(&candidate, index, layer)?;
-            time_regime(session, candidate, &tokens, &settings)
+            Ok(candidate)
         };
         let (mut gemm1, mut gemm2) = (regime.gemm1.clone(), regime.gemm2.clone());
         // Beside the cost model's best tiles for this regime, the neighbouring regimes'
@@ -208,14 +211,34 @@ pub fn tune_layer(
                 settings.candidates,
                 neighbours(kind),
             );
+            let planned: Vec<Result<Plan, TuneError>> = candidates
+                .iter()
+                .map(|candidate| {
+                    plan_with(match kind {
+                        GemmKind::Up => entry_with(candidate, &gemm2),
+                        GemmKind::Down => entry_with(&gemm1, candidate),
+                    })
+                })
+                .collect();
+            // Compiled before any is timed: the first (the current choice) alone, then the
+            // others side by side. Each of the others differs from the first in this GEMM's
+            // kernel alone, one NVRTC program, which one after another left the machine's
+            // other cores idle; after the first they find every other kernel in the disk
+            // cache rather than each compiling it again at once.
+            let mut ready = planned.iter().flatten();
+            let mut compiled = session.compile_many(ready.by_ref().take(1));
+            compiled.extend(session.compile_many(ready));
+            let mut compiled = compiled.into_iter();
             let mut best: Option<(Vec<f64>, GemmPlan)> = None;
-            for (i, candidate) in candidates.iter().enumerate() {
-                let entry = match kind {
-                    GemmKind::Up => entry_with(candidate, &gemm2),
-                    GemmKind::Down => entry_with(&gemm1, candidate),
-                };
+            for (i, (candidate, plan)) in candidates.iter().zip(planned).enumerate() {
+                let timed = plan.and_then(|plan| {
+                    let Some(kernels) = compiled.next() else {
+                        unreachable!("compile_many gives one result per plan")
+                    };
+                    time_regime(session, plan, kernels?, &tokens, &settings)
+                });
                 // The current choice must run; another candidate that cannot is left out.
-                let us = match time(entry) {
+                let us = match timed {
                     Ok(us) => Ok(us),
                     Err(error) if i > 0 => Err(error.to_string()),
                     Err(error) => return Err(error),
@@ -313,11 +336,12 @@ fn check_applied(candidate: &Plan, index: usize, layer: &Layer) -> Result<(), Tu
 fn time_regime(
     session: &Session,
     plan: Plan,
+    kernels: (CompiledKernels, f64),
     tokens: &[u32],
     settings: &TuneSettings,
 ) -> Result<Vec<f64>, TuneError> {
     let shape = plan.shape.clone();
-    let built = session.build(plan, settings.seed)?;
+    let built = session.build_from_kernels(plan, kernels, settings.seed)?;
     let mut times = Vec::with_capacity(tokens.len());
     for &t in tokens {
         let mut inputs = uploaded_inputs(session, &shape, t, Routing::Uniform, settings.seed)?;
