@@ -311,8 +311,8 @@ pub fn load_layer(dir: &Path, layer: Option<&str>) -> Result<(Plan, CompiledModu
 }
 
 /// Checks that every entry point the plan launches is in `ptx` with exactly the plan's
-/// parameters: as many, in order, each a 64-bit pointer or a 32-bit integer as the plan
-/// says. On a mismatch, the kernel and what is wrong.
+/// parameters: as many, in order, each a 64-bit pointer, a 32-bit integer or a 128-byte
+/// tensor map aligned to 64, as the plan says. On a mismatch, the kernel and what is wrong.
 pub fn check_ptx_entries(plan: &Plan, ptx: &str) -> Result<(), (String, String)> {
     for launch in plan.launches() {
         let kernel = &launch.kernel;

@@ -1,12 +1,15 @@
 //! The expert-parallel layer: R ranks, each with its experts, its workspace and two streams
-//! (communication and compute), exchanging tokens and results through the plan's
-//! expert-parallel kernels (`moeforge_compiler::plan::ep`).
+//! (communication and compute), plus, for a rank with peers on other nodes, the network
+//! stream of [`crate::network`] (NCCL steps between dispatch and combine), exchanging
+//! tokens and results through the plan's expert-parallel kernels
+//! (`moeforge_compiler::plan::ep`).
 //!
 //! Ranks live on one GPU (virtual ranks: the same kernels, every peer address on one
 //! device), on one GPU each driven from this process with peer access enabled
 //! ([`EpLayer::new`]), or on one GPU each, one process per rank ([`EpLayer::join_group`]:
 //! this process holds its own rank; the peers' buffers are CUDA IPC mappings, see
-//! [`crate::ipc`]). Only the peer table differs. A call enqueues, per rank: the communication stream waits for
+//! [`crate::ipc`]). Only the peer table differs, and the network path of ranks on several
+//! nodes. A call enqueues, per rank: the communication stream waits for
 //! the compute stream's earlier work, then takes the metadata and dispatch kernels; the
 //! compute stream takes arrange, the GEMMs and combine, then waits for the communication
 //! stream. Within a call the ranks synchronise only through the kernels' flags; each call
@@ -184,8 +187,9 @@ fn grant_pool_access(owner: &CudaContext, accessor: &CudaContext) -> Result<(), 
 
 impl EpLayer {
     /// Builds the layer: rank `r` runs on `contexts[r]` (all the same context for virtual
-    /// ranks) with `modules[r]`, the plan's unit loaded there, and `weights[r]`, its
-    /// `E / R` experts in checkpoint layout.
+    /// ranks) with `modules[r]`, the plan's expert-parallel kernels loaded there, and
+    /// `weights[r]`, its `E / R` routed experts then the shared slices, in checkpoint
+    /// layout.
     pub fn new(
         plan: Plan,
         contexts: &[Arc<CudaContext>],
@@ -250,8 +254,8 @@ impl EpLayer {
     }
 
     /// Builds this process's rank of a group of rank processes, one GPU each: rank
-    /// `channel.rank()` on `ctx` with `module` (the plan's unit loaded there) and
-    /// `weights` (its `E / R` experts). Every rank of the group calls it with the same
+    /// `channel.rank()` on `ctx` with `module` (the plan's expert-parallel kernels loaded
+    /// there) and `weights` (its `E / R` routed experts, then the shared slices). Every rank of the group calls it with the same
     /// plan; it returns once every rank's peer table is in place. Checks that the group
     /// has the plan's rank count and a GPU per rank, joins the NCCL communicator,
     /// exchanges the IPC handles of the buffers peers write and maps those of the peers on

@@ -7,8 +7,9 @@
 //!   peers write ([`ExpertParallelPlan::peer_buffers`]) are therefore allocated with
 //!   `cuMemAlloc` ([`ExportableBuffer`]) and freed with `cuMemFree`.
 //! - **NCCL.** Rank 0 draws NCCL's unique id and sends it over the control channel; every
-//!   rank then joins the communicator (`ncclCommInitRank`, through cudarc's `nccl`
-//!   feature). NVLink multicast must stay off: joining is refused unless
+//!   rank then joins the communicator ([`GroupComm`], through cudarc's `nccl` feature:
+//!   `ncclCommInitRankConfig` held to the plan's `nccl_ctas` when ranks span nodes, else
+//!   `ncclCommInitRank`). NVLink multicast must stay off: joining is refused unless
 //!   `NCCL_NVLS_ENABLE=0` (the CLI sets it when it is unset).
 //! - **Handles.** Each rank's IPC handles (64 bytes per peer buffer) travel in one NCCL
 //!   all-gather, as `docs/design.md` has it: the communicator that will carry traffic

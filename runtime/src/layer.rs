@@ -140,7 +140,7 @@ pub enum LayerError {
 /// rows then up rows when gated), `w2` [E', H, F], bf16; and their biases exactly when
 /// the spec says `expert_bias = true`. On one GPU E' is the routed experts, then the
 /// shared slices ([`LayerShape::gemm_experts`]); on an expert-parallel rank, its routed
-/// experts.
+/// experts, then the shared slices.
 pub struct ExpertWeights {
     pub w1: CudaSlice<u16>,
     pub w2: CudaSlice<u16>,

@@ -455,7 +455,6 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
     write_results(&args.out, &stem, &json.to_string(), &markdown)
 }
 
-/// Writes `<stem>.json` and `<stem>.md` into `out` (created if needed) and says so.
 /// The commit in result file names (7 hex digits, `-dirty` kept): runs of two builds on
 /// one day keep both files.
 fn short_commit() -> String {
@@ -467,6 +466,7 @@ fn short_commit() -> String {
     format!("{}{dirty}", hash.get(..7).unwrap_or(hash))
 }
 
+/// Writes `<stem>.json` and `<stem>.md` into `out` (created if needed) and says so.
 fn write_results(out: &Path, stem: &str, json: &str, markdown: &str) -> ExitCode {
     if let Err(error) = std::fs::create_dir_all(out)
         .and_then(|()| std::fs::write(out.join(format!("{stem}.json")), json))

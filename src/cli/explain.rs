@@ -1,5 +1,7 @@
 //! `moeforge explain FILE`: prints the checked layers of a file in readable form, with the
-//! numbers derived from them (experts per rank, weight bytes, FLOPs per token).
+//! numbers derived from them (experts per rank, weight bytes, FLOPs per token), then each
+//! layer's plan for the target (`plan::describe`: regimes, tiles, launches, buffers), and
+//! the topologies no layer uses; exit status 1 when a layer cannot be planned.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

@@ -4,7 +4,7 @@
 //! them, on several (ranks on other nodes exchange through NCCL).
 //!
 //! Every process plans the layer for WORLD_SIZE ranks (the spec's `parallel { expert = R }`,
-//! or `--gpus R`; the two must agree), meets the others on the control channel, takes rank
+//! or `--gpus R` in its place; either must equal WORLD_SIZE), meets the others on the control channel, takes rank
 //! 0's seed, builds the whole layer from it on its own GPU (the same random weights on
 //! every rank, so each has the CPU reference's weights) and keeps its own experts in its
 //! rank of the expert-parallel layer.

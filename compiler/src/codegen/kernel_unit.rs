@@ -10,7 +10,8 @@
 //! guarded code, without the words. The JIT compiles and caches that text, so a module and
 //! its cache entry change only with its own kernel's code and the sections every kernel
 //! shares: a plan that changes one regime's GEMMs (a `moeforge tune` candidate, an edited
-//! tile hint) compiles those GEMMs' modules again, not the layer's twenty.
+//! tile hint) compiles those GEMMs' modules again, not every module of the layer (28 for
+//! Qwen3-30B-A3B).
 
 const GUARD_OPENING: &str = "#if MOEFORGE_ALL_KERNELS";
 const KERNEL_DEFINE: &str = "MOEFORGE_KERNEL_";

@@ -172,10 +172,10 @@ pub struct ExpertParallelPlan {
     pub workspace: Vec<Buffer>,
     /// The buffers peers write, in the order of each rank's row of the peer table.
     pub peer_buffers: Vec<BufferId>,
-    /// Entry points shared by every regime.
     /// Tokens per tile of the metadata kernel: each tile's (token, k) pairs are counted,
     /// reserved and staged in the block's shared memory (see [`METADATA_TILE_PAIRS`]).
     pub metadata_tile_tokens: u32,
+    /// Entry points shared by every regime.
     pub route_kernel: String,
     pub dispatch_kernel: String,
     pub arrange_kernel: String,
@@ -214,7 +214,8 @@ impl ExpertParallelPlan {
 /// One regime's expert-parallel kernels on one rank.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExpertParallelRegime {
-    /// `decode`, `mid` or `prefill`, as the single-GPU regimes are named.
+    /// `decode`, `mid` or `prefill`, as the single-GPU regimes are named, or `<name>_long`
+    /// for a regime's longer calls that dispatch on fewer communication blocks.
     pub name: String,
     /// The tokens per rank of the calls it serves.
     pub min_tokens: u32,

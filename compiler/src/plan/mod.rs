@@ -155,7 +155,8 @@ pub struct LayerShape {
     pub shared_slices: u32,
     /// Expert-parallel ranks of the spec.
     pub spec_ranks: u32,
-    /// Ranks this plan executes: 1 (all experts on one GPU) until the multi-rank path lands.
+    /// Ranks the single-GPU tables run on: always 1 (every expert on one GPU); the
+    /// expert-parallel kernels for `spec_ranks` are in [`Plan::expert_parallel`].
     pub executed_ranks: u32,
 }
 
