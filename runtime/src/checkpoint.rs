@@ -20,7 +20,7 @@
 //! names, for tests, examples and tools that make small checkpoints.
 //!
 //! [`Checkpoint::load_gate`] reads the router's gate of the layer ([`HostGate`]: the
-//! weight [E, H] as bf16 bits and, when the spec's rule has one, the bias [E] as f32), by
+//! weight [E, H] as bf16 bits and, when the spec's rule has one, the bias `[E]` as f32), by
 //! the family's names: `block_sparse_moe.gate.weight` (Mixtral), `mlp.gate.weight`
 //! (Qwen3-MoE, DeepSeek-V3, with `mlp.gate.e_score_correction_bias`), `mlp.router.weight`
 //! and `mlp.router.bias` (GPT-OSS). A `bias = logits` rule reads `<gate>.bias`, a
@@ -351,7 +351,7 @@ impl HostWeights {
     }
 }
 
-/// One layer's router gate on the host: `weight` [E, H] bf16 bits, and the bias [E] in
+/// One layer's router gate on the host: `weight` [E, H] bf16 bits, and the bias `[E]` in
 /// f32 when the spec's rule has one (whatever dtype the checkpoint stores it in).
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostGate {
@@ -844,7 +844,7 @@ impl Checkpoint {
     }
 
     /// Loads the router's gate of the layer under `prefix`, named as `family` names it,
-    /// sized by `shape` (W_gate [E, H]), with the bias a rule with `bias` adds ([E], read
+    /// sized by `shape` (W_gate [E, H]), with the bias a rule with `bias` adds (`[E]`, read
     /// as f32).
     pub fn load_gate(
         &self,

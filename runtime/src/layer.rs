@@ -182,7 +182,7 @@ impl ExpertWeights {
 }
 
 /// The router's gate on the device: `weight` [E, H] bf16 and, when the rule has a bias
-/// (`bias = logits | score_correction`), `bias` [E] f32.
+/// (`bias = logits | score_correction`), `bias` `[E]` f32.
 pub struct GateWeights {
     pub weight: CudaSlice<u16>,
     pub bias: Option<CudaSlice<f32>>,

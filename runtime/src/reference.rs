@@ -33,8 +33,8 @@ pub struct HostExpert<'a> {
     pub biases: Option<HostExpertBias<'a>>,
 }
 
-/// One expert's biases: `b1` [w1_rows] added to GEMM1's output (gate, then up) before the
-/// activation, `b2` [H] to GEMM2's before the routing weight.
+/// One expert's biases: `b1` `[w1_rows]` added to GEMM1's output (gate, then up) before the
+/// activation, `b2` `[H]` to GEMM2's before the routing weight.
 #[derive(Clone, Copy)]
 pub struct HostExpertBias<'a> {
     pub b1: &'a [f32],

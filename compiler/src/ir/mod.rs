@@ -176,7 +176,7 @@ impl Scoring {
     }
 }
 
-/// The gate's per-expert bias vector [E] (f32 on the device), and what it is added to.
+/// The gate's per-expert bias vector `[E]` (f32 on the device), and what it is added to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RouterBias {

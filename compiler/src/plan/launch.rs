@@ -181,7 +181,7 @@ pub enum LaunchArg {
     GateWeightTiles {
         box_rows: u32,
     },
-    /// f32 [E]: the router's per-expert bias (added to the logits or to the selection
+    /// f32 `[E]`: the router's per-expert bias (added to the logits or to the selection
     /// scores, as the rule says).
     GateBias,
     /// The token count T of the call, as i32.

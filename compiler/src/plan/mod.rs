@@ -243,7 +243,7 @@ pub enum BufferId {
     /// travel as pair rows, or a slot per rank where they travel as rank partials
     /// ([`ep::CombineRoute`]).
     CombineSlots,
-    /// i32 [4]: error code, token, k, offending value (first error of the call wins).
+    /// i32 `[4]`: error code, token, k, offending value (first error of the call wins).
     ErrorWord,
     /// i32 [route blocks, E]: the routing over several blocks' count of each block's pairs
     /// per expert.
@@ -251,7 +251,7 @@ pub enum BufferId {
     // Expert parallelism (per rank; "by peers" buffers are written by other ranks).
     /// i32 [R, max_tokens]: per destination, the local token in each send slot.
     SendSlots,
-    /// i32 [R]: tokens this call sends to each destination.
+    /// i32 `[R]`: tokens this call sends to each destination.
     SendCounts,
     /// bf16 [R · slots, H], by peers: received token rows, one segment per source.
     RecvX,
@@ -264,7 +264,7 @@ pub enum BufferId {
     RecvWeight,
     /// i32 [R, E/R + 1], by peers: per source, pairs per local expert, then tokens sent.
     RecvCounts,
-    /// u32 [R], by peers: per source, the epoch whose metadata has arrived.
+    /// u32 `[R]`, by peers: per source, the epoch whose metadata has arrived.
     MetaFlags,
     /// u32 [R · chunks per source], by peers: per source chunk, the epoch it arrived in.
     ChunkFlags,
@@ -274,22 +274,22 @@ pub enum BufferId {
     /// i32 [E/R · R + 1]: the first GEMM row of each (local expert, source) run, sources in
     /// receive order, then the end (the GEMMs' tile schedule orders tiles by source).
     SegmentOffsets,
-    /// u32 [1]: blocks of the arrange kernel done with this call's receive index (the last
+    /// u32 `[1]`: blocks of the arrange kernel done with this call's receive index (the last
     /// one returns the sources' credits and puts the count back to zero).
     ArrangeBlocksDone,
     /// u32 [E + R + 2]: the metadata kernel's rows reserved per expert and send slots per
     /// destination in this call, its blocks done (the last block publishes the counts and
     /// puts all three back to zero), then the last epoch whose error word it cleared.
     MetadataCounters,
-    /// i32 [rows]: per GEMM row, the rank its pair came from (where its result goes).
+    /// i32 `[rows]`: per GEMM row, the rank its pair came from (where its result goes).
     RowOrigins,
-    /// i32 [rows]: per GEMM row, its row of `recv_x` (`source · slots + slot`).
+    /// i32 `[rows]`: per GEMM row, its row of `recv_x` (`source · slots + slot`).
     SegmentRows,
-    /// i32 [rows]: per GEMM row, its pair at the origin.
+    /// i32 `[rows]`: per GEMM row, its pair at the origin.
     SegmentPairs,
-    /// f32 [rows]: per GEMM row, its routing weight.
+    /// f32 `[rows]`: per GEMM row, its routing weight.
     SegmentWeights,
-    /// u32 [max_tokens], by peers: per local token, columns of its slots stored so far.
+    /// u32 `[max_tokens]`, by peers: per local token, columns of its slots stored so far.
     CombineCounters,
     /// bf16 [rows, H]: per GEMM row, GEMM2's weighted row, kept here until the combine sums
     /// each received token's rows into one partial for its origin (rank partials only).
@@ -299,10 +299,10 @@ pub enum BufferId {
     /// GEMM row + 1 of each of its pairs here, 0 where none (rank partials only; the
     /// combine puts them back to 0).
     ReceivedPairRows,
-    /// i32 [R]: per source, the tokens it sent this rank in this call (this rank's own: the
+    /// i32 `[R]`: per source, the tokens it sent this rank in this call (this rank's own: the
     /// call's tokens), copied by the arrange kernel (rank partials only).
     ReceivedTokens,
-    /// u32 [R], by peers: per destination, the last epoch whose metadata from this rank it
+    /// u32 `[R]`, by peers: per destination, the last epoch whose metadata from this rank it
     /// has consumed; this rank writes a destination's receive index only after that.
     Credits,
     /// u64 [R · peer buffers]: every rank's addresses of the buffers peers write.

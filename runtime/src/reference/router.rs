@@ -57,7 +57,7 @@ pub fn gate_logits(x: &[u16], gate: &[u16], hidden: usize, experts: usize) -> Ve
 }
 
 /// Routes every token of `logits` ([T, E], as [`gate_logits`] gives them, without any
-/// bias) by `rule`: `bias` [E] is the gate's bias when `rule.bias` is not `None`.
+/// bias) by `rule`: `bias` `[E]` is the gate's bias when `rule.bias` is not `None`.
 ///
 /// # Panics
 /// When `rule.bias` asks for a bias and `bias` is `None`, or `bias` holds fewer than E
