@@ -151,10 +151,19 @@ fn tune_with_token_counts_touches_only_their_regimes() {
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
-    // Every timed candidate belongs to the regime holding 1000 tokens.
+    // Every timed candidate belongs to the regime holding 1000 tokens, and so does every
+    // batch of candidates compiled before them (one per GEMM).
     let timed: Vec<&str> = stderr.lines().filter(|l| l.contains("] ")).collect();
     assert!(
         !timed.is_empty() && timed.iter().all(|l| l.contains("prefill")),
+        "{stderr}"
+    );
+    let compiled: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains(": compiling "))
+        .collect();
+    assert!(
+        compiled.len() == 2 && compiled.iter().all(|l| l.contains("prefill")),
         "{stderr}"
     );
     let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];

@@ -52,6 +52,12 @@ pub struct CandidateTiming {
 
 /// What `tune_layer` reports as it goes.
 pub enum TuneEvent<'a> {
+    /// A GEMM's candidates are about to be compiled (before any of them is timed).
+    Compiling {
+        regime: &'a str,
+        gemm: GemmKind,
+        candidates: usize,
+    },
     Candidate(&'a CandidateTiming),
     /// A regime's entry, final: the caller may record it at once.
     Regime(&'a TunedRegime),
@@ -225,6 +231,11 @@ pub fn tune_layer(
             // kernel alone, one NVRTC program, which one after another left the machine's
             // other cores idle; after the first they find every other kernel in the disk
             // cache rather than each compiling it again at once.
+            report(TuneEvent::Compiling {
+                regime: &regime.name,
+                gemm: kind,
+                candidates: planned.iter().flatten().count(),
+            });
             let mut ready = planned.iter().flatten();
             let mut compiled = session.compile_many(ready.by_ref().take(1));
             compiled.extend(session.compile_many(ready));

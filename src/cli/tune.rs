@@ -119,13 +119,25 @@ pub fn run(args: &Args) -> ExitCode {
     );
     let mut done = 0usize;
     let mut saved = Ok(());
+    let gemm_name = |gemm: GemmKind| match gemm {
+        GemmKind::Up => "gemm1",
+        GemmKind::Down => "gemm2",
+    };
     let report = |event: TuneEvent<'_>| match event {
+        TuneEvent::Compiling {
+            regime,
+            gemm,
+            candidates,
+        } => {
+            eprintln!(
+                "        {regime:<13} {}: compiling {candidates} candidates",
+                gemm_name(gemm)
+            );
+            let _ = std::io::stderr().flush();
+        }
         TuneEvent::Candidate(t) => {
             done += 1;
-            let gemm = match t.gemm {
-                GemmKind::Up => "gemm1",
-                GemmKind::Down => "gemm2",
-            };
+            let gemm = gemm_name(t.gemm);
             let outcome = match &t.us {
                 Ok(us) => {
                     let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
