@@ -226,16 +226,16 @@ pub fn tune_layer(
                     })
                 })
                 .collect();
-            // Compiled before any is timed: the first (the current choice) alone, then the
-            // others side by side. Each of the others differs from the first in this GEMM's
-            // kernel alone, one NVRTC program, which one after another left the machine's
-            // other cores idle; after the first they find every other kernel in the disk
-            // cache rather than each compiling it again at once.
             report(TuneEvent::Compiling {
                 regime: &regime.name,
                 gemm: kind,
                 candidates: planned.iter().flatten().count(),
             });
+            // Compiled before any is timed: the first (the current choice) alone, then the
+            // others side by side. Each of the others differs from the first in this GEMM's
+            // kernel alone, one NVRTC program, which one after another left the machine's
+            // other cores idle; after the first they find every other kernel in the disk
+            // cache rather than each compiling it again at once.
             let mut ready = planned.iter().flatten();
             let mut compiled = session.compile_many(ready.by_ref().take(1));
             compiled.extend(session.compile_many(ready));
