@@ -255,8 +255,9 @@ impl EpLayer {
 
     /// Builds this process's rank of a group of rank processes, one GPU each: rank
     /// `channel.rank()` on `ctx` with `module` (the plan's expert-parallel kernels loaded
-    /// there) and `weights` (its `E / R` routed experts, then the shared slices). Every rank of the group calls it with the same
-    /// plan; it returns once every rank's peer table is in place. Checks that the group
+    /// there) and `weights` (its `E / R` routed experts, then the shared slices). Every
+    /// rank of the group calls it with the same plan; it returns once every rank's peer
+    /// table is in place. Checks that the group
     /// has the plan's rank count and a GPU per rank, joins the NCCL communicator,
     /// exchanges the IPC handles of the buffers peers write and maps those of the peers on
     /// this node. When the plan spans nodes, it keeps the communicator for the network

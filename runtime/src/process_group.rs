@@ -12,14 +12,15 @@
 //! `MASTER_ADDR:MASTER_PORT`, or on a free loopback port it writes into the rendezvous
 //! file, which must not exist yet and which it removes once every rank is in), every other
 //! rank connects (retrying while rank 0 is not up yet) and keeps its connection for the
-//! layer's life. It carries small, rare messages
-//! only (NCCL's unique id, device and plan fingerprints and rank 0's seed at set-up, the
-//! bench's start barrier and every rank's times, and after a time-out the agreement to
-//! restart the exchange): [`ControlChannel::all_gather`] and [`ControlChannel::barrier`]. Every read and write has a deadline, and a peer that exits
-//! closes its socket, so a dead peer is an error here within the bound, never a hang. The
-//! GPU traffic itself never touches this channel: the kernels exchange data through CUDA
-//! IPC mappings of each other's workspace on one node (see [`crate::ep`]), and through
-//! NCCL across nodes (see [`crate::network`]).
+//! layer's life. It carries small, rare messages only (NCCL's unique id, device and plan
+//! fingerprints and rank 0's seed at set-up, the bench's start barrier and every rank's
+//! times, and after a time-out the agreement to restart the exchange):
+//! [`ControlChannel::all_gather`] and [`ControlChannel::barrier`]. Every read and write
+//! has a deadline, and a peer that exits closes its socket, so a dead peer is an error
+//! here within the bound, never a hang. The GPU traffic itself never touches this
+//! channel: the kernels exchange data through CUDA IPC mappings of each other's workspace
+//! on one node (see [`crate::ep`]), and through NCCL across nodes (see
+//! [`crate::network`]).
 
 use std::fmt;
 use std::io::{self, Read, Write};

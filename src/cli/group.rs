@@ -3,11 +3,12 @@
 //! [`moeforge::runtime::process_group`]), on one node or, as the spec's topology places
 //! them, on several (ranks on other nodes exchange through NCCL).
 //!
-//! Every process plans the layer for WORLD_SIZE ranks (the spec's `parallel { expert = R }`,
-//! or `--gpus R` in its place; either must equal WORLD_SIZE), meets the others on the control channel, takes rank
-//! 0's seed, builds the whole layer from it on its own GPU (the same random weights on
-//! every rank, so each has the CPU reference's weights) and keeps its own experts in its
-//! rank of the expert-parallel layer.
+//! Every process plans the layer for WORLD_SIZE ranks (the spec's
+//! `parallel { expert = R }`, or `--gpus R` in its place; either must equal WORLD_SIZE),
+//! meets the others on the control channel, takes rank 0's seed, builds the whole layer
+//! from it on its own GPU (the same random weights on every rank, so each has the CPU
+//! reference's weights) and keeps its own experts in its rank of the expert-parallel
+//! layer.
 
 use std::path::Path;
 use std::process::ExitCode;

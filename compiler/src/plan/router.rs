@@ -23,10 +23,10 @@
 //!   launches before the whole table; or, where the gate runs in thread-block clusters
 //!   ([`GateEngine::Cluster`], `<symbol>_<regime>_router_gate_<m>x<n>_cluster<c>`), the
 //!   gate alone, whose clusters select their tokens. A fused router's tails run on
-//!   one block per token tile and its routing on one gate block (160 to 256 threads): measured on an
-//!   H200 (2026-11-30), at 16384 tokens they cost Qwen3-30B-A3B 170 µs (185 in a second
-//!   run) and DeepSeek-V3 146 µs more than the split launches, while at 1 token the fused
-//!   router saved 3-9 µs.
+//!   one block per token tile and its routing on one gate block (160 to 256 threads):
+//!   measured on an H200 (2026-11-30), at 16384 tokens they cost Qwen3-30B-A3B 170 µs
+//!   (185 in a second run) and DeepSeek-V3 146 µs more than the split launches, while at
+//!   1 token the fused router saved 3-9 µs.
 //!
 //! The **gate**: the logits `x · W_gateᵀ` [T, E] in f32, a tiled `mma.sync` GEMM. A block
 //! takes a tile of `tile_tokens` tokens by `tile_experts` experts; blocks are numbered
