@@ -82,7 +82,7 @@ proptest! {
     }
 
     #[test]
-    fn every_plan_validates_and_edits_are_caught(layer in arbitrary_layer(), which in 0usize..6) {
+    fn every_plan_validates_and_edits_are_caught(layer in arbitrary_layer(), which in 0usize..7) {
         let Ok(plan) = plan::plan(&layer, &Target::h200()) else { return Ok(()) };
         prop_assert_eq!(plan.validate(), Ok(()));
         let mut edited = plan.clone();
@@ -96,6 +96,7 @@ proptest! {
                 let first = edited.regimes[0].launches[0].params[0];
                 edited.regimes[0].launches[0].params.push(first);
             }
+            5 => edited.call_graph_max_tokens = edited.shape.max_tokens + 1,
             _ => edited.shape.top_k = edited.shape.experts + 1,
         }
         prop_assert!(edited.validate().is_err(), "edit {} went unnoticed", which);

@@ -1,6 +1,8 @@
 //! A layer handle: the plan's kernels loaded on one GPU, the experts' weights, and a
 //! workspace allocated once. `forward` enqueues the plan's launch table on the stream and
-//! returns: no host synchronisation, so a call can be captured in a CUDA graph.
+//! returns: no host synchronisation, so a call can be captured in a CUDA graph. A small call
+//! that repeats (same tokens and buffers) is captured into a graph by the layer itself and
+//! replayed from it after (`call_graphs`), which saves the host's launch latency.
 //!
 //! Kernel-side errors (an expert id out of range) land in the error word; [`MoeLayer::take_error`]
 //! synchronises, reads it and turns it into a typed error naming the token.
@@ -18,6 +20,7 @@ use moeforge_compiler::plan::{
 };
 use thiserror::Error;
 
+use crate::call_graphs::{CallGraphs, CallKey};
 use crate::gpu::{DriverContext, Gpu, GpuError, LoadedKernels};
 use crate::tensor_map::{TensorMap, weight_map_shape};
 
@@ -286,6 +289,8 @@ pub struct MoeLayer {
     /// Whether calls the plan routes in the GEMMs' blocks do so; `MOEFORGE_BLOCK_ROUTING=0`
     /// runs their route launch instead.
     block_routing: bool,
+    /// Graphs of the plan's repeated small calls; `MOEFORGE_CALL_GRAPHS=0` keeps none.
+    call_graphs: CallGraphs,
     _module: LoadedKernels,
 }
 
@@ -334,6 +339,16 @@ fn fused_decode_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, La
         lookup,
         "MOEFORGE_FUSED_DECODE",
         "1 (the plan's fused decode, the default) or 0 (the table's launches)",
+    )
+}
+
+/// `MOEFORGE_CALL_GRAPHS`: `0` runs every call's launches, also where the plan replays a
+/// repeated call as a graph, to measure what the graphs change.
+fn call_graphs_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
+    switch_from(
+        lookup,
+        "MOEFORGE_CALL_GRAPHS",
+        "1 (repeated small calls replayed as CUDA graphs, the default) or 0 (never)",
     )
 }
 
@@ -577,6 +592,11 @@ impl MoeLayer {
         let early_start = early_start_from(|name| std::env::var(name).ok())?;
         let fused_decode = fused_decode_from(|name| std::env::var(name).ok())?;
         let block_routing = block_routing_from(|name| std::env::var(name).ok())?;
+        let call_graphs = CallGraphs::new(if call_graphs_from(|name| std::env::var(name).ok())? {
+            plan.call_graph_max_tokens
+        } else {
+            0
+        });
         let shape = &plan.shape;
         // The shared slices are experts of the grouped GEMMs too, after the routed ones.
         weights.check(shape, shape.gemm_experts())?;
@@ -645,6 +665,7 @@ impl MoeLayer {
             early_start,
             fused_decode,
             block_routing,
+            call_graphs,
             _module: module,
         })
     }
@@ -664,6 +685,11 @@ impl MoeLayer {
                 .regime_for(tokens)
                 .and_then(|regime| regime.fused_decode.as_ref())
                 .is_some_and(|fused| fused.covers(tokens))
+    }
+
+    /// CUDA graphs of repeated calls the layer keeps now ([`Plan::call_graph_max_tokens`]).
+    pub fn kept_call_graphs(&self) -> usize {
+        self.call_graphs.kept()
     }
 
     /// Whether the launches the plan marks `early_start` start early (unless
@@ -745,7 +771,8 @@ impl MoeLayer {
     /// Enqueues the launches of `part` of the call's regime, in the table's order; a
     /// self-routed call runs the router's launches first, a fused router in place of the
     /// route launch. A whole call that the regime routes in the GEMMs' blocks
-    /// ([`Regime::routes_in_blocks`]) runs no route launch.
+    /// ([`Regime::routes_in_blocks`]) runs no route launch. A whole call of few tokens that
+    /// repeats replays a CUDA graph of these launches instead (`call_graphs`).
     fn enqueue(
         &self,
         tokens: u32,
@@ -794,8 +821,7 @@ impl MoeLayer {
                 tokens,
                 max: shape.max_tokens,
             })?;
-        let regime = &self.plan.regimes[index];
-        let mut call = CallValues {
+        let call = CallValues {
             tokens,
             routes_in_blocks: false,
             x: ptr(x, stream),
@@ -803,6 +829,33 @@ impl MoeLayer {
             topk_ids,
             topk_weights,
         };
+        let self_routed = matches!(routing, Routing::Router);
+        let launches = || self.launch_call(index, call, self_routed, part);
+        if part == CallPart::RoutingOnly {
+            return launches();
+        }
+        let key = CallKey {
+            tokens,
+            x: call.x,
+            y: call.y,
+            topk_ids: call.topk_ids,
+            topk_weights: call.topk_weights,
+            self_routed,
+        };
+        self.call_graphs.run(stream, key, launches)
+    }
+
+    /// Enqueues `part` of a call of regime `index` as [`MoeLayer::enqueue`] describes.
+    fn launch_call(
+        &self,
+        index: usize,
+        mut call: CallValues,
+        self_routed: bool,
+        part: CallPart,
+    ) -> Result<(), LayerError> {
+        let shape = &self.plan.shape;
+        let tokens = call.tokens;
+        let regime = &self.plan.regimes[index];
 
         // A fused router lays out the routing metadata and clears the error word as the
         // route kernel does, except for calls the fused decode or the GEMMs' blocks route
@@ -810,7 +863,7 @@ impl MoeLayer {
         // grid is empty and the route kernel (or the fused decode, or GEMM1's blocks)
         // runs instead, so that a stale error of an earlier call is not reported.
         let mut routed_by_router = false;
-        if matches!(routing, Routing::Router)
+        if self_routed
             && tokens > 0
             && let (Some(router), Some(kernels)) =
                 (&self.plan.router, self.router_kernels.get(index))
@@ -955,6 +1008,7 @@ enum CallPart {
 }
 
 /// The device values of one call that launches read.
+#[derive(Clone, Copy)]
 struct CallValues {
     tokens: u32,
     /// Whether the call runs without its route launch, the GEMMs' blocks routing it.

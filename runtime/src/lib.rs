@@ -6,6 +6,7 @@ pub mod baseline;
 pub mod bench;
 pub mod bf16;
 pub mod call_file;
+mod call_graphs;
 pub mod checkpoint;
 pub mod ep;
 pub mod gpu;

@@ -953,6 +953,139 @@ fn forward_is_graph_capturable_and_replays_identically() {
     );
 }
 
+/// The layer's own graphs of repeated small calls (`Plan::call_graph_max_tokens`): a call
+/// runs its launches the first time, is captured into a graph the second time and replays
+/// it after, each time writing exactly what the first wrote (y poisoned before each call);
+/// another buffer is another call, a call past the plan's bound or inside the caller's own
+/// capture keeps no graph, and a self-routed call is a call of its own.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn repeated_small_calls_replay_a_graph_of_their_launches() {
+    let layer = layers::examples()
+        .into_iter()
+        .find(|l| l.name == "qwen3_30b_a3b")
+        .expect("the Qwen3-30B example");
+    let plan = plan_for_device(&layers::scaled_down(&layer));
+    let bound = plan.call_graph_max_tokens;
+    assert!(
+        bound >= 4 && bound < plan.shape.max_tokens,
+        "the scaled Qwen3 plan graphs calls of 4 tokens but not of max_tokens (bound {bound})"
+    );
+    let session = Session::open().expect("GPU session");
+    let seed = fresh_seed();
+    log(&format!(
+        "call graphs: seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let built = session.build(plan, seed).expect("build");
+    let layer = &built.layer;
+    let shape = layer.plan().shape.clone();
+    let stream = &session.gpu.stream;
+    let run = |io: &mut moeforge_runtime::harness::DeviceWorkload, self_routed: bool| {
+        session.fill_bits(&mut io.y, bf16::NAN).expect("poison");
+        if self_routed {
+            layer
+                .forward_routed(RoutedForwardArgs {
+                    tokens: io.tokens,
+                    x: &io.x,
+                    y: &mut io.y,
+                })
+                .expect("self-routed forward");
+        } else {
+            session.forward(layer, io).expect("forward");
+        }
+        layer.take_error().expect("no kernel error");
+        stream.clone_dtoh(&io.y).expect("download")
+    };
+
+    let workload = Workload::random(&shape, 4, Routing::Uniform, seed);
+    let mut io = session.upload(&shape, &workload).expect("upload");
+    let first = run(&mut io, false);
+    assert_eq!(
+        layer.kept_call_graphs(),
+        0,
+        "a call seen once keeps no graph"
+    );
+    for call in 2..=4 {
+        assert!(
+            run(&mut io, false) == first,
+            "call {call} of 4 tokens (graph captured at call 2, replayed after) wrote another y than call 1"
+        );
+        assert_eq!(
+            layer.kept_call_graphs(),
+            1,
+            "call {call}: one graph kept (is MOEFORGE_CALL_GRAPHS=0 set?)"
+        );
+    }
+
+    let mut other = session.upload(&shape, &workload).expect("upload");
+    assert!(
+        run(&mut other, false) == first,
+        "the same call on other buffers"
+    );
+    assert_eq!(
+        layer.kept_call_graphs(),
+        1,
+        "other buffers: a call seen once"
+    );
+    assert!(run(&mut other, false) == first, "its repeat, captured");
+    assert_eq!(
+        layer.kept_call_graphs(),
+        2,
+        "other buffers: their own graph"
+    );
+
+    if layer.routes_itself() {
+        let routed = run(&mut io, true);
+        for _ in 0..2 {
+            assert!(
+                run(&mut io, true) == routed,
+                "a repeated self-routed call wrote another y"
+            );
+        }
+        assert_eq!(layer.kept_call_graphs(), 3, "the self-routed call's graph");
+    }
+    let kept = layer.kept_call_graphs();
+
+    stream.synchronize().expect("sync before capture");
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    for _ in 0..2 {
+        session
+            .forward(layer, &mut other)
+            .expect("forward under capture");
+    }
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .expect("end capture")
+        .expect("the caller's graph holds the forward's launches");
+    assert_eq!(
+        layer.kept_call_graphs(),
+        kept,
+        "calls inside the caller's capture keep no graph of their own"
+    );
+    session.fill_bits(&mut other.y, bf16::NAN).expect("poison");
+    graph.launch().expect("replay the caller's graph");
+    layer.take_error().expect("no kernel error");
+    assert!(
+        stream.clone_dtoh(&other.y).expect("download") == first,
+        "the caller's graph of two calls wrote another y"
+    );
+
+    let large = Workload::random(&shape, bound + 1, Routing::Uniform, seed);
+    let mut large_io = session.upload(&shape, &large).expect("upload");
+    let large_first = run(&mut large_io, false);
+    for _ in 0..2 {
+        assert!(run(&mut large_io, false) == large_first);
+    }
+    assert_eq!(
+        layer.kept_call_graphs(),
+        kept,
+        "calls of {} tokens, past the plan's bound, keep no graph",
+        bound + 1
+    );
+}
+
 /// The fused decode on [`fused_decode_layers`]: every case of the sweep matches the CPU
 /// reference, and the counters go back to zero in every call, so a call repeated many
 /// times gives the same output each time. Where the layer without its fused decode is one

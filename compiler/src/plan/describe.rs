@@ -41,6 +41,13 @@ pub fn describe(plan: &Plan) -> String {
             super::router::rule_summary(&router.rule)
         );
     }
+    if plan.call_graph_max_tokens > 0 {
+        let _ = writeln!(
+            out,
+            "  call graphs          a call of 1..={} tokens that repeats (same tokens, routing mode and buffers) replays a CUDA graph of its launches, captured at its second call (MOEFORGE_CALL_GRAPHS=0: never); not inside the caller's own capture",
+            plan.call_graph_max_tokens
+        );
+    }
     for (i, regime) in plan.regimes.iter().enumerate() {
         describe_regime(&mut out, "regime", regime.parts());
         describe_block_routing(&mut out, regime, plan.shape.top_k);

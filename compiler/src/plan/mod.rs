@@ -131,6 +131,12 @@ pub struct Plan {
     pub expert_parallel: Option<ep::ExpertParallelPlan>,
     /// How the layer routes its tokens itself, when the spec has a router.
     pub router: Option<RouterPlan>,
+    /// Single-GPU calls of 1 to this many tokens that repeat (the same token count, routing
+    /// mode and buffers) replay a CUDA graph of their launches, which the runtime captures
+    /// at the second such call: a graph launch reaches the GPU sooner than the call's
+    /// separate launches ([`CALL_GRAPH_MAX_TOKENS`]). 0 (plans written before it): none.
+    #[serde(default)]
+    pub call_graph_max_tokens: u32,
     /// What this plan leaves out of the layer, stated so nobody assumes otherwise.
     pub limitations: Vec<String>,
 }
@@ -1347,6 +1353,7 @@ pub fn plan_tuned(
         );
     }
 
+    let call_graph_max_tokens = CALL_GRAPH_MAX_TOKENS.min(shape.max_tokens);
     Ok(Plan {
         layer: layer.name.clone(),
         symbol,
@@ -1362,9 +1369,17 @@ pub fn plan_tuned(
         regimes,
         expert_parallel,
         router,
+        call_graph_max_tokens,
         limitations,
     })
 }
+
+/// The largest calls whose repeats a layer replays as a CUDA graph
+/// ([`Plan::call_graph_max_tokens`]). A graph saves the host's launch latency, 3-6 µs per
+/// call from an idle GPU (H200, 2026-12-03, `benches/results/2026-12-03_back_to_back.md`):
+/// 10% of a one-token call, about 1% of a 256-token one (Qwen3-30B-A3B, 300 µs). Larger
+/// calls gain nothing measurable, and their token counts seldom repeat.
+pub const CALL_GRAPH_MAX_TOKENS: u32 = 256;
 
 /// Blocks of the routing launches of a regime whose largest call has `pairs` pairs: one up
 /// to [`ROUTE_ONE_BLOCK_MAX_PAIRS`], else one per [`ROUTE_PAIRS_PER_BLOCK`], at least two

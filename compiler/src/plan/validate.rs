@@ -76,6 +76,12 @@ impl Plan {
                     .into(),
             );
         }
+        if self.call_graph_max_tokens > shape.max_tokens {
+            return Err(format!(
+                "calls of up to {} tokens replay as graphs, beyond max_tokens {}",
+                self.call_graph_max_tokens, shape.max_tokens
+            ));
+        }
         let router_space = self
             .router
             .as_ref()
