@@ -115,6 +115,11 @@ impl CallGraphs {
         }
     }
 
+    /// The largest calls it captures (0: none).
+    pub fn max_tokens(&self) -> u32 {
+        self.max_tokens
+    }
+
     /// Graphs kept now.
     pub fn kept(&self) -> usize {
         self.recent

@@ -692,6 +692,13 @@ impl MoeLayer {
         self.call_graphs.kept()
     }
 
+    /// Whether the layer replays repeated calls of up to the plan's
+    /// [`Plan::call_graph_max_tokens`] tokens as CUDA graphs (unless
+    /// `MOEFORGE_CALL_GRAPHS=0`; false where the plan's bound is 0).
+    pub fn replays_call_graphs(&self) -> bool {
+        self.call_graphs.max_tokens() > 0
+    }
+
     /// Whether the launches the plan marks `early_start` start early (unless
     /// `MOEFORGE_EARLY_START=0`).
     pub fn starts_early(&self) -> bool {

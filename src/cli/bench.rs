@@ -223,6 +223,11 @@ pub fn run(args: &Args) -> ExitCode {
     if !built.layer.routes_in_blocks() {
         println!("note: MOEFORGE_BLOCK_ROUTING=0: every call runs its route launch");
     }
+    if !built.layer.replays_call_graphs() {
+        println!(
+            "note: MOEFORGE_CALL_GRAPHS=0 (or a plan without call graphs): every call runs its launches"
+        );
+    }
     println!("{}", header());
     let outcome = bench_layer(
         &session,
