@@ -9,10 +9,12 @@
 #   [LANES=N] bash scripts/gpu-suite-timed.sh [LOG_DIR [SLOWEST]]
 # Each executable's output goes to LOG_DIR/<executable>.log (default: $OUT/logs when OUT is
 # set, as on the device tool, else a temporary folder); a failing one's tail is printed.
-# LANES=N (default 1) runs up to N executables at once, the slowest known first
+# LANES=N (default 3) runs up to N executables at once, the slowest known first
 # (LONGEST_FIRST): most of a cold suite is NVRTC on one CPU core per executable, and the
 # GPU machine has 16. Their tests still run one at a time within each executable; the
 # processes share the GPU by time slices, and the JIT cache is safe to share (docs/runtime.md).
+# On one H200, cold, the same machine (2026-12-03): 71.1 s with 3 lanes, 131.4 s with 1
+# (benches/results/2026-12-03_gpu_suite_lanes.md). LANES=1 runs them one after another.
 # Exit status: 1 if any executable failed.
 set -uo pipefail
 
@@ -30,7 +32,7 @@ built_at=$(cat .device/root)
 target=$(cat .device/target)
 [ -e "$target/release" ] || { mkdir -p "$target" && ln -s "$here/.device/bin" "$target/release"; }
 
-lanes=${LANES:-1}
+lanes=${LANES:-3}
 [[ "$lanes" =~ ^[1-9][0-9]*$ ]] || { echo "LANES must be a positive integer, not '$lanes'" >&2; exit 2; }
 # The executables of a cold suite that took longest on an H200 (2026-12-03), started first.
 LONGEST_FIRST="gpu_layer hf_reference gpu_router gpu_ep tune cli"
