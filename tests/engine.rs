@@ -180,19 +180,62 @@ fn engine_tiny_from_a_checkpoint_on_the_callers_stream_matches_the_reference() {
         let mut y = stream
             .alloc_zeros::<u16>(tokens as usize * shape.hidden as usize)
             .expect("y");
-        layer
+        // Repeated, a call of few tokens replays the layer's graph of it on this stream.
+        for _ in 0..3 {
+            layer
+                .forward(ForwardArgs {
+                    tokens,
+                    x: &x,
+                    topk_ids: &ids,
+                    topk_weights: &routing,
+                    y: &mut y,
+                })
+                .expect("enqueued");
+            layer.take_error().expect("no kernel error");
+            check_rows(
+                &shape,
+                &host,
+                &workload,
+                &stream.clone_dtoh(&y).expect("y back"),
+            );
+        }
+    }
+    assert!(
+        layer.kept_call_graphs() >= 1,
+        "the repeated small calls replayed graphs on the caller's stream"
+    );
+
+    // The legacy default stream cannot be captured: a layer there runs every call's launches.
+    let legacy = Gpu::with_stream(ctx.default_stream());
+    let on_legacy = spec.build(&legacy, &weights).expect("builds");
+    assert!(!on_legacy.replays_call_graphs());
+    let workload = Workload::random(&shape, 3, Routing::Uniform, 5);
+    let x = stream.clone_htod(&workload.x).expect("x");
+    let ids = stream.clone_htod(&workload.topk_ids).expect("ids");
+    let routing = stream.clone_htod(&workload.topk_weights).expect("weights");
+    let mut y = stream
+        .alloc_zeros::<u16>(3 * shape.hidden as usize)
+        .expect("y");
+    stream.synchronize().expect("inputs uploaded");
+    for _ in 0..3 {
+        on_legacy
             .forward(ForwardArgs {
-                tokens,
+                tokens: 3,
                 x: &x,
                 topk_ids: &ids,
                 topk_weights: &routing,
                 y: &mut y,
             })
-            .expect("enqueued");
-        layer.take_error().expect("no kernel error");
-        let y = stream.clone_dtoh(&y).expect("y back");
-        check_rows(&shape, &host, &workload, &y);
+            .expect("enqueued on the legacy default stream");
+        on_legacy.take_error().expect("no kernel error");
+        check_rows(
+            &shape,
+            &host,
+            &workload,
+            &stream.clone_dtoh(&y).expect("y back"),
+        );
     }
+    assert_eq!(on_legacy.kept_call_graphs(), 0);
 
     // An expert id out of range is reported, naming the token.
     let workload = Workload::random(&shape, 4, Routing::Uniform, 3);

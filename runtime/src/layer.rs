@@ -592,11 +592,15 @@ impl MoeLayer {
         let early_start = early_start_from(|name| std::env::var(name).ok())?;
         let fused_decode = fused_decode_from(|name| std::env::var(name).ok())?;
         let block_routing = block_routing_from(|name| std::env::var(name).ok())?;
-        let call_graphs = CallGraphs::new(if call_graphs_from(|name| std::env::var(name).ok())? {
-            plan.call_graph_max_tokens
-        } else {
-            0
-        });
+        // The legacy default stream (a null handle) cannot be captured into a graph.
+        let capturable = !gpu.stream.cu_stream().is_null();
+        let call_graphs = CallGraphs::new(
+            if capturable && call_graphs_from(|name| std::env::var(name).ok())? {
+                plan.call_graph_max_tokens
+            } else {
+                0
+            },
+        );
         let shape = &plan.shape;
         // The shared slices are experts of the grouped GEMMs too, after the routed ones.
         weights.check(shape, shape.gemm_experts())?;
@@ -693,8 +697,9 @@ impl MoeLayer {
     }
 
     /// Whether the layer replays repeated calls of up to the plan's
-    /// [`Plan::call_graph_max_tokens`] tokens as CUDA graphs (unless
-    /// `MOEFORGE_CALL_GRAPHS=0`; false where the plan's bound is 0).
+    /// [`Plan::call_graph_max_tokens`] tokens as CUDA graphs: unless
+    /// `MOEFORGE_CALL_GRAPHS=0`, the plan's bound is 0, or the layer launches on the legacy
+    /// default stream, which cannot be captured.
     pub fn replays_call_graphs(&self) -> bool {
         self.call_graphs.max_tokens() > 0
     }
