@@ -8,14 +8,20 @@
 //! graph (which then runs it), later ones replay that graph. A few graphs are kept per
 //! layer, the least recently used dropped first. A call made while the caller captures the
 //! layer's stream runs its launches into the caller's graph, as without this module.
+//!
+//! The launches are captured from a stream of the layer's own, never the stream the layer
+//! launches on: whatever else is enqueued there meanwhile (another thread's copy) stays out
+//! of the graph, which is then launched on the layer's stream.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
-use cudarc::driver::{CudaGraph, CudaStream};
+use cudarc::driver::sys::{
+    self, CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus,
+};
+use cudarc::driver::{CudaGraph, CudaStream, DriverError};
 
-use crate::gpu::DriverContext;
+use crate::gpu::{DriverContext, GpuError};
 use crate::layer::LayerError;
 
 /// Graphs a layer keeps: a decode loop's few batch sizes, each on a few rotating buffers.
@@ -96,6 +102,17 @@ impl<G> RecentCalls<G> {
 /// A captured call's graph, instantiated.
 struct CapturedCall(CudaGraph);
 
+impl CapturedCall {
+    /// Enqueues the graph on `stream` (cudarc's `CudaGraph::launch` would enqueue it on the
+    /// stream it was captured from).
+    fn launch_on(&self, stream: &CudaStream) -> Result<(), DriverError> {
+        stream.context().bind_to_thread()?;
+        // SAFETY: the graph is instantiated and alive while `self` is, the stream while
+        // `stream` is, and both belong to one context.
+        unsafe { sys::cuGraphLaunch(self.0.cu_graph_exec(), stream.cu_stream()) }.result()
+    }
+}
+
 // SAFETY: a CUDA graph may be launched from any thread with its context current (cudarc's
 // `CudaGraph::launch` binds it); the graph is only reached through `CallGraphs`' mutex,
 // so no two threads use it at once.
@@ -104,15 +121,29 @@ unsafe impl Send for CapturedCall {}
 /// A layer's graphs of repeated calls of 1 to `max_tokens` tokens (0: none).
 pub(crate) struct CallGraphs {
     max_tokens: u32,
+    /// The stream calls are captured from (none where `max_tokens` is 0).
+    capture: Option<Arc<CudaStream>>,
     recent: Mutex<RecentCalls<CapturedCall>>,
 }
 
 impl CallGraphs {
-    pub fn new(max_tokens: u32) -> Self {
-        CallGraphs {
+    /// Graphs of the layer's calls on `stream`'s context; `max_tokens` 0 keeps none.
+    pub fn new(stream: &CudaStream, max_tokens: u32) -> Result<Self, GpuError> {
+        let capture = if max_tokens > 0 {
+            Some(
+                stream
+                    .context()
+                    .new_stream()
+                    .context("creating the stream repeated calls are captured from")?,
+            )
+        } else {
+            None
+        };
+        Ok(CallGraphs {
             max_tokens,
+            capture,
             recent: Mutex::new(RecentCalls::new()),
-        }
+        })
     }
 
     /// The largest calls it captures (0: none).
@@ -129,31 +160,34 @@ impl CallGraphs {
             .len()
     }
 
-    /// Runs the call `key` on `stream`: `launch` enqueues its launches there, eagerly or
-    /// into the graph being captured; a call that repeats replays that graph instead.
+    /// Runs the call `key` on `stream`: `launch` enqueues its launches on the stream it is
+    /// given (`stream`, or the capture stream while a graph of the call is captured); a
+    /// call that repeats replays that graph on `stream` instead.
     pub fn run(
         &self,
-        stream: &Arc<CudaStream>,
+        stream: &CudaStream,
         key: CallKey,
-        launch: impl FnOnce() -> Result<(), LayerError>,
+        launch: impl FnOnce(&CudaStream) -> Result<(), LayerError>,
     ) -> Result<(), LayerError> {
+        let Some(capture) = self.capture.as_ref() else {
+            return launch(stream);
+        };
         if !(1..=self.max_tokens).contains(&key.tokens) || caller_captures(stream)? {
-            return launch();
+            return launch(stream);
         }
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         match recent.sight(key) {
-            Sighting::First => launch(),
+            Sighting::First => launch(stream),
             Sighting::Replay(graph) => Ok(graph
-                .0
-                .launch()
+                .launch_on(stream)
                 .context("replaying a repeated call's CUDA graph")?),
             Sighting::Capture => {
-                stream
+                capture
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .context("capturing a repeated call into a CUDA graph")?;
-                let launched = launch();
+                let launched = launch(capture);
                 // End the capture whatever the launches said, so that the stream is usable.
-                let graph = stream
+                let graph = capture
                     .end_capture(CUgraphInstantiate_flags(0))
                     .context("instantiating a repeated call's CUDA graph");
                 launched?;
@@ -163,8 +197,7 @@ impl CallGraphs {
                 };
                 match recent.keep(key, CapturedCall(graph)) {
                     Some(graph) => Ok(graph
-                        .0
-                        .launch()
+                        .launch_on(stream)
                         .context("launching a repeated call's CUDA graph")?),
                     None => Ok(()),
                 }

@@ -595,12 +595,13 @@ impl MoeLayer {
         // The legacy default stream (a null handle) cannot be captured into a graph.
         let capturable = !gpu.stream.cu_stream().is_null();
         let call_graphs = CallGraphs::new(
+            &gpu.stream,
             if capturable && call_graphs_from(|name| std::env::var(name).ok())? {
                 plan.call_graph_max_tokens
             } else {
                 0
             },
-        );
+        )?;
         let shape = &plan.shape;
         // The shared slices are experts of the grouped GEMMs too, after the routed ones.
         weights.check(shape, shape.gemm_experts())?;
@@ -842,9 +843,9 @@ impl MoeLayer {
             topk_weights,
         };
         let self_routed = matches!(routing, Routing::Router);
-        let launches = || self.launch_call(index, call, self_routed, part);
+        let launches = |on: &CudaStream| self.launch_call(on, index, call, self_routed, part);
         if part == CallPart::RoutingOnly {
-            return launches();
+            return launches(stream);
         }
         let key = CallKey {
             tokens,
@@ -857,9 +858,11 @@ impl MoeLayer {
         self.call_graphs.run(stream, key, launches)
     }
 
-    /// Enqueues `part` of a call of regime `index` as [`MoeLayer::enqueue`] describes.
+    /// Enqueues `part` of a call of regime `index` on `on` (the layer's stream, or the
+    /// stream a graph of the call is captured from) as [`MoeLayer::enqueue`] describes.
     fn launch_call(
         &self,
+        on: &CudaStream,
         index: usize,
         mut call: CallValues,
         self_routed: bool,
@@ -882,7 +885,7 @@ impl MoeLayer {
         {
             let regime = &router.regimes[index];
             for launch in regime.launches_for(tokens) {
-                self.launch(&regime.launches[launch], &kernels[launch], &call)?;
+                self.launch(on, &regime.launches[launch], &kernels[launch], &call)?;
             }
             // Where a fused router leaves the metadata out, the table's route launch runs
             // if the table runs and does not route the call in the GEMMs' blocks.
@@ -896,7 +899,7 @@ impl MoeLayer {
             && self.fused_decode
             && let Some(fused) = regime.fused_decode.as_ref().filter(|f| f.covers(tokens))
         {
-            return self.launch(&fused.launch, &bound[regime.launches.len()], &call);
+            return self.launch(on, &fused.launch, &bound[regime.launches.len()], &call);
         }
         // A call of few pairs leaves its route launch out and the GEMMs' blocks route it
         // (a fused router has left the metadata out for it).
@@ -913,16 +916,17 @@ impl MoeLayer {
                 CallPart::RoutingOnly => is_route,
             };
             if wanted {
-                self.launch(launch, bound, &call)?;
+                self.launch(on, launch, bound, &call)?;
             }
         }
         Ok(())
     }
 
-    /// Enqueues one launch with the call's values; a launch whose grid is empty (blocks per
-    /// token at T = 0) is skipped.
+    /// Enqueues one launch with the call's values on `on`; a launch whose grid is empty
+    /// (blocks per token at T = 0) is skipped.
     fn launch(
         &self,
+        on: &CudaStream,
         launch: &Launch,
         (function, bindings): &BoundLaunch,
         call: &CallValues,
@@ -986,7 +990,7 @@ impl MoeLayer {
         // of `max_tokens` rows).
         unsafe {
             launch_with(
-                stream,
+                on,
                 function,
                 config,
                 &values,
