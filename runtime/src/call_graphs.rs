@@ -24,10 +24,17 @@ use cudarc::driver::{CudaGraph, CudaStream, DriverError};
 use crate::gpu::{DriverContext, GpuError};
 use crate::layer::LayerError;
 
-/// Graphs a layer keeps: a decode loop's few batch sizes, each on a few rotating buffers.
-const KEPT_GRAPHS: usize = 8;
+/// Graphs a layer keeps: a decode loop's batch sizes, each on a few rotating buffers.
+const KEPT_GRAPHS: usize = 32;
 /// Calls remembered as seen once, waiting for a repeat to be captured.
-const REMEMBERED_CALLS: usize = 16;
+const REMEMBERED_CALLS: usize = 64;
+/// Replays a graph must have had when it is dropped for its capture to have paid: a capture
+/// and instantiation take tens of µs of host time, a replay saves a few.
+const PAYING_REPLAYS: u32 = 16;
+/// Graphs dropped before they paid after which the layer captures no more: its calls cycle
+/// through more keys than it keeps (a pool handing out other buffers each call), and every
+/// capture would cost more than the replays it buys. The graphs it holds still replay.
+const UNPAID_CAPTURES_BEFORE_STOPPING: u32 = 8;
 
 /// What a call's launches bake in that can differ between calls: everything else they read
 /// (weights, workspace, tensor maps, the layer's switches) is fixed when the layer is built.
@@ -52,11 +59,21 @@ enum Sighting<'a, G> {
     Replay(&'a G),
 }
 
+/// A kept graph and how often it was replayed.
+#[derive(Debug)]
+struct KeptGraph<G> {
+    key: CallKey,
+    graph: G,
+    replays: u32,
+}
+
 /// The graphs kept and the calls seen once, least recent first.
 #[derive(Debug)]
 struct RecentCalls<G> {
-    graphs: VecDeque<(CallKey, G)>,
+    graphs: VecDeque<KeptGraph<G>>,
     seen_once: VecDeque<CallKey>,
+    /// Graphs dropped with fewer than [`PAYING_REPLAYS`] replays.
+    unpaid_captures: u32,
 }
 
 impl<G> RecentCalls<G> {
@@ -64,19 +81,29 @@ impl<G> RecentCalls<G> {
         RecentCalls {
             graphs: VecDeque::new(),
             seen_once: VecDeque::new(),
+            unpaid_captures: 0,
         }
+    }
+
+    /// Whether the layer still captures repeated calls ([`UNPAID_CAPTURES_BEFORE_STOPPING`]).
+    fn captures(&self) -> bool {
+        self.unpaid_captures < UNPAID_CAPTURES_BEFORE_STOPPING
     }
 
     /// Notes a call of `key` and says how it runs.
     fn sight(&mut self, key: CallKey) -> Sighting<'_, G> {
-        if let Some(i) = self.graphs.iter().position(|(k, _)| *k == key)
-            && let Some(entry) = self.graphs.remove(i)
+        if let Some(i) = self.graphs.iter().position(|kept| kept.key == key)
+            && let Some(mut kept) = self.graphs.remove(i)
         {
-            self.graphs.push_back(entry);
+            kept.replays = kept.replays.saturating_add(1);
+            self.graphs.push_back(kept);
             return self
                 .graphs
                 .back()
-                .map_or(Sighting::First, |(_, graph)| Sighting::Replay(graph));
+                .map_or(Sighting::First, |kept| Sighting::Replay(&kept.graph));
+        }
+        if !self.captures() {
+            return Sighting::First;
         }
         if let Some(i) = self.seen_once.iter().position(|k| *k == key) {
             self.seen_once.remove(i);
@@ -91,11 +118,18 @@ impl<G> RecentCalls<G> {
 
     /// Keeps `graph` for `key`, dropping the least recently used graph when full.
     fn keep(&mut self, key: CallKey, graph: G) -> Option<&G> {
-        if self.graphs.len() == KEPT_GRAPHS {
-            self.graphs.pop_front();
+        if self.graphs.len() == KEPT_GRAPHS
+            && let Some(dropped) = self.graphs.pop_front()
+            && dropped.replays < PAYING_REPLAYS
+        {
+            self.unpaid_captures += 1;
         }
-        self.graphs.push_back((key, graph));
-        self.graphs.back().map(|(_, graph)| graph)
+        self.graphs.push_back(KeptGraph {
+            key,
+            graph,
+            replays: 0,
+        });
+        self.graphs.back().map(|kept| &kept.graph)
     }
 }
 
@@ -261,6 +295,55 @@ mod tests {
         assert_eq!(recent.sight(key(1, 0)), Sighting::Replay(&0));
         assert_eq!(recent.sight(key(1, 99)), Sighting::Replay(&99));
         assert_eq!(recent.sight(key(1, 1)), Sighting::First);
+    }
+
+    /// Calls cycling through twice as many keys as the layer keeps graphs: most graphs are
+    /// dropped before their key comes back, so after a few such drops the layer stops
+    /// capturing, runs the other calls' launches and replays the graphs it holds.
+    #[test]
+    fn calls_cycling_through_more_keys_than_kept_stop_the_captures() {
+        let mut recent = RecentCalls::new();
+        let keys = 2 * KEPT_GRAPHS as u64;
+        let (mut captures, mut replays) = (0, 0);
+        for round in 0..20 {
+            for x in 0..keys {
+                match recent.sight(key(1, x)) {
+                    Sighting::Capture => {
+                        captures += 1;
+                        recent.keep(key(1, x), round);
+                    }
+                    Sighting::Replay(_) => replays += 1,
+                    Sighting::First => {}
+                }
+            }
+        }
+        assert!(!recent.captures());
+        assert_eq!(
+            captures,
+            KEPT_GRAPHS + UNPAID_CAPTURES_BEFORE_STOPPING as usize,
+            "the slots filled, then each capture dropped an unpaid graph until the limit"
+        );
+        assert_eq!(
+            replays,
+            18 * KEPT_GRAPHS,
+            "the graphs held when the captures stopped replay in every later round"
+        );
+    }
+
+    /// Graphs replayed often enough before they are dropped do not count against capturing.
+    #[test]
+    fn graphs_that_paid_do_not_stop_the_captures() {
+        let mut recent = RecentCalls::new();
+        for x in 0..(KEPT_GRAPHS + 2 * UNPAID_CAPTURES_BEFORE_STOPPING as usize) as u64 {
+            assert_eq!(recent.sight(key(1, x)), Sighting::First);
+            assert_eq!(recent.sight(key(1, x)), Sighting::Capture);
+            recent.keep(key(1, x), x);
+            for _ in 0..PAYING_REPLAYS {
+                assert_eq!(recent.sight(key(1, x)), Sighting::Replay(&x));
+            }
+        }
+        assert!(recent.captures());
+        assert_eq!(recent.graphs.len(), KEPT_GRAPHS);
     }
 
     #[test]

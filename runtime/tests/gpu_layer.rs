@@ -980,8 +980,13 @@ fn repeated_small_calls_replay_a_graph_of_their_launches() {
     let layer = &built.layer;
     let shape = layer.plan().shape.clone();
     let stream = &session.gpu.stream;
+    // The host's time to enqueue the latest call, µs: logged for calls 1 (launches), 2
+    // (capture and instantiation) and 3 (replay), not asserted.
+    let enqueue_us = std::cell::Cell::new(0.0);
     let run = |io: &mut moeforge_runtime::harness::DeviceWorkload, self_routed: bool| {
         session.fill_bits(&mut io.y, bf16::NAN).expect("poison");
+        stream.synchronize().expect("poisoned");
+        let started = std::time::Instant::now();
         if self_routed {
             layer
                 .forward_routed(RoutedForwardArgs {
@@ -993,6 +998,7 @@ fn repeated_small_calls_replay_a_graph_of_their_launches() {
         } else {
             session.forward(layer, io).expect("forward");
         }
+        enqueue_us.set(started.elapsed().as_secs_f64() * 1e6);
         layer.take_error().expect("no kernel error");
         stream.clone_dtoh(&io.y).expect("download")
     };
@@ -1000,6 +1006,7 @@ fn repeated_small_calls_replay_a_graph_of_their_launches() {
     let workload = Workload::random(&shape, 4, Routing::Uniform, seed);
     let mut io = session.upload(&shape, &workload).expect("upload");
     let first = run(&mut io, false);
+    let mut enqueued = vec![enqueue_us.get()];
     assert_eq!(
         layer.kept_call_graphs(),
         0,
@@ -1010,12 +1017,18 @@ fn repeated_small_calls_replay_a_graph_of_their_launches() {
             run(&mut io, false) == first,
             "call {call} of 4 tokens (graph captured at call 2, replayed after) wrote another y than call 1"
         );
+        enqueued.push(enqueue_us.get());
         assert_eq!(
             layer.kept_call_graphs(),
             1,
             "call {call}: one graph kept (is MOEFORGE_CALL_GRAPHS=0 set?)"
         );
     }
+
+    log(&format!(
+        "call graphs: host time to enqueue calls 1 (launches), 2 (capture), 3 and 4 (replays): {:.1}, {:.1}, {:.1}, {:.1} us",
+        enqueued[0], enqueued[1], enqueued[2], enqueued[3]
+    ));
 
     let mut other = session.upload(&shape, &workload).expect("upload");
     assert!(
