@@ -2,12 +2,15 @@
 //! ([`Plan::call_graph_max_tokens`](moeforge_compiler::plan::Plan::call_graph_max_tokens)).
 //!
 //! A call's launches reach the GPU one host launch after another; replayed from a graph they
-//! go as one, which takes 3-6 µs off a small call that starts on an idle GPU (H200). A graph
-//! holds the call's token count and pointers, so it serves only a call that repeats them:
-//! the first such call runs its launches and is remembered, the second is captured into a
-//! graph (which then runs it), later ones replay that graph. A few graphs are kept per
-//! layer, the least recently used dropped first. A call made while the caller captures the
-//! layer's stream runs its launches into the caller's graph, as without this module.
+//! go as one, which took 1.4-6.3 µs off a small call that starts on an idle GPU (H200,
+//! `benches/results/2026-12-03_call_graphs.md`). A graph holds the call's token count and
+//! pointers, so it serves only a call that repeats them: the first such call runs its
+//! launches and is remembered, the second is captured into a graph (which then runs it),
+//! later ones replay that graph. Up to [`KEPT_GRAPHS`] graphs are kept per layer, the least
+//! recently used dropped first; a layer whose graphs keep being dropped before they paid
+//! for their capture stops capturing ([`UNPAID_CAPTURES_BEFORE_STOPPING`]). A call made
+//! while the caller captures the layer's stream runs its launches into the caller's graph,
+//! as without this module.
 //!
 //! The launches are captured from a stream of the layer's own, never the stream the layer
 //! launches on: whatever else is enqueued there meanwhile (another thread's copy) stays out
@@ -148,9 +151,9 @@ impl CapturedCall {
     }
 }
 
-// SAFETY: a CUDA graph may be launched from any thread with its context current (cudarc's
-// `CudaGraph::launch` binds it); the graph is only reached through `CallGraphs`' mutex,
-// so no two threads use it at once.
+// SAFETY: a CUDA graph may be launched from any thread with its context current
+// (`launch_on` binds it) and destroyed from any thread; the
+// graph is only reached through `CallGraphs`' mutex, so no two threads use it at once.
 unsafe impl Send for CapturedCall {}
 
 /// A layer's graphs of repeated calls of 1 to `max_tokens` tokens (0: none).
