@@ -152,8 +152,8 @@ impl CapturedCall {
 }
 
 // SAFETY: a CUDA graph may be launched from any thread with its context current
-// (`launch_on` binds it) and destroyed from any thread; the
-// graph is only reached through `CallGraphs`' mutex, so no two threads use it at once.
+// (`launch_on` binds it) and destroyed from any thread; the graph is only reached through
+// `CallGraphs`' mutex, so no two threads use it at once.
 unsafe impl Send for CapturedCall {}
 
 /// A layer's graphs of repeated calls of 1 to `max_tokens` tokens (0: none).
