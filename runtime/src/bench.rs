@@ -145,7 +145,7 @@ pub struct BenchRow {
     /// none at T = 0, which launches nothing.
     pub graph_us: Option<f64>,
     /// The caller-routed call timed as the in-run peers are: calls back to back, the mean
-    /// per call ([`time_back_to_back`]); none at T = 0.
+    /// per call (`time_back_to_back`); none at T = 0.
     pub back_to_back_us: Option<f64>,
     pub iterations: usize,
 }

@@ -49,7 +49,7 @@ pub enum HarnessError {
 
 /// A GPU, the JIT, and the runtime's own fill kernels.
 ///
-/// The sessions of one process take turns (each holds [`SESSION_TURN`] while it lives):
+/// The sessions of one process take turns (each holds `SESSION_TURN` while it lives):
 /// expert-parallel kernels spin on flags and need every rank's blocks resident at once,
 /// which another session's kernels on the same GPUs would break; tests run in threads.
 pub struct Session {

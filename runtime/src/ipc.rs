@@ -5,7 +5,7 @@
 //! - **Exportable memory.** cudarc allocates from the stream-ordered pool
 //!   (`cuMemAllocAsync`), whose allocations `cuIpcGetMemHandle` cannot export. The buffers
 //!   peers write ([`ExpertParallelPlan::peer_buffers`]) are therefore allocated with
-//!   `cuMemAlloc` ([`ExportableBuffer`]) and freed with `cuMemFree`.
+//!   `cuMemAlloc` (`ExportableBuffer`) and freed with `cuMemFree`.
 //! - **NCCL.** Rank 0 draws NCCL's unique id and sends it over the control channel; every
 //!   rank then joins the communicator ([`GroupComm`], through cudarc's `nccl` feature:
 //!   `ncclCommInitRankConfig` held to the plan's `nccl_ctas` when ranks span nodes, else
@@ -16,12 +16,14 @@
 //!   between nodes also carries the set-up, and the control channel stays a small
 //!   bootstrap. The all-gather's completion is awaited with a deadline, never unbounded.
 //!   Each rank opens its peers' handles (`cuIpcOpenMemHandle`, peer access enabled
-//!   lazily) into [`PeerMappings`], which close them when dropped.
+//!   lazily) into `PeerMappings`, which close them when dropped.
 //!
 //! Before any of that, the ranks compare what they are about to run over the control
 //! channel: the same plan (a hash of its JSON) and one GPU each (two processes on one GPU
 //! would time-slice it, and the expert-parallel kernels need every rank's blocks resident
 //! at once).
+//!
+//! [`ExpertParallelPlan::peer_buffers`]: moeforge_compiler::plan::ep::ExpertParallelPlan::peer_buffers
 
 use std::ffi::c_char;
 use std::mem::ManuallyDrop;

@@ -14,7 +14,7 @@
 //!   sends and receives; then `cuStreamWriteValue32` of the call's epoch into each flag
 //!   the kernels wait on. No step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
-//!   cannot tell over every transport. [`NetworkPath::wait`] polls the network stream
+//!   cannot tell over every transport. `NetworkPath::wait` polls the network stream
 //!   until the plan's `wait_limit_ms` per call enqueued since the last wait; past it, the
 //!   first unfinished step (by the event recorded after each) is a
 //!   [`NetworkError::Stalled`] naming this rank, the step and the peers it waits for. The

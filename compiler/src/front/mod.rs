@@ -1,5 +1,5 @@
 //! The front end: `.moe` text to a syntax tree. [`lexer`] splits the text into tokens,
-//! the lalrpop grammar (`grammar.lalrpop`) builds the [`ast`], and [`format`] prints an AST
+//! the lalrpop grammar (`grammar.lalrpop`) builds the [`ast`], and [`mod@format`] prints an AST
 //! back in canonical form.
 //!
 //! Architecture invariant: parsing always returns a tree (possibly partial) and the list of

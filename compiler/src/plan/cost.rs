@@ -15,7 +15,7 @@
 //!   cluster pair of m-tiles reads its weight rows once for both); those bytes over the
 //!   L2-to-SM bandwidth;
 //!
-//! plus [`IMPERFECT_OVERLAP`] of the lesser of compute and memory, plus one launch. The
+//! plus `IMPERFECT_OVERLAP` of the lesser of compute and memory, plus one launch. The
 //! model ranks candidates; it does not promise times.
 
 use serde::{Deserialize, Serialize};

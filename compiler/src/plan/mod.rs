@@ -63,7 +63,7 @@ pub const ROUTE_THREADS: u32 = 1024;
 /// Pairs each block of the routing over several blocks takes, at a regime's largest call.
 pub const ROUTE_PAIRS_PER_BLOCK: u64 = 4096;
 /// Regimes whose largest call has more (token, k) pairs than this route over several
-/// blocks (count, then place: [`launch::RouteLaunches::Blocks`]). One block's shared-memory
+/// blocks (count, then place: `launch::RouteLaunches::Blocks`). One block's shared-memory
 /// atomics and scattered row stores took Qwen3-30B-A3B's route 11 µs at 1024 tokens, 37 µs
 /// at 4096 and 138 µs at 16384 (Nsight Compute, one H200, 2026-11-30). Over blocks, layer
 /// time measured (same device call, 4 rounds): Qwen3 −2.5% at 1024 tokens (8192 pairs, 2

@@ -17,7 +17,7 @@
 //!   without a memset. No block waits for another, so nothing can deadlock whatever the
 //!   residency.
 //! - **split** (larger calls): the gate for the call's token count (a regime has one per
-//!   token range, each with its own tile, [`split_gates`]:
+//!   token range, each with its own tile, `split_gates`:
 //!   `<symbol>_<regime>_router_gate_<m>x<n>`) and the select (`<symbol>_router_select`,
 //!   one warp per token, [`SELECT_WARPS`] tokens per block over the whole GPU) as two
 //!   launches before the whole table; or, where the gate runs in thread-block clusters
@@ -107,7 +107,7 @@ pub struct RouterPlan {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterRegime {
     /// The gate of a fused router; a split router's gates, each for its own calls, in
-    /// order of token count, covering the regime ([`split_gates`]).
+    /// order of token count, covering the regime (`split_gates`).
     pub gates: Vec<GatePlan>,
     /// Fused (one launch: gate, select, routing metadata; in place of the table's route
     /// launch) or split (gate, then select; before the whole table): see the module
@@ -155,7 +155,7 @@ pub enum GateEngine {
     /// loads each stage (the tile's x rows with `cp.async`, its W_gate rows as one TMA
     /// box) into a ring guarded by mbarriers; a consumer warpgroup per 64 tokens multiplies
     /// them by all the tile's experts, one wgmma per 16 columns of the reduction. A split
-    /// router's gates for large calls on such a target ([`split_gate_tile`]): the mma.sync
+    /// router's gates for large calls on such a target (`split_gate_tile`): the mma.sync
     /// gate ran Qwen3-30B-A3B's 16384-token gate at 200 TFLOP/s (44.6 µs, one H200,
     /// 2026-12-02), latency-bound on its three stages and `ldmatrix` traffic.
     WarpSpecialized,
@@ -344,8 +344,8 @@ pub fn gate_k_split(hidden: u32, warps_k: u32, sm_count: u32) -> KSplit {
 }
 
 /// The groups of warps that split the reduction over `hidden` of a gate tile of
-/// `tile_tokens × tile_experts`: as many as fill a block of [`GATE_BLOCK_WARPS`] warps,
-/// each taking at least [`GATE_MIN_K_TILES_PER_GROUP`] k-tiles, their rings within
+/// `tile_tokens × tile_experts`: as many as fill a block of `GATE_BLOCK_WARPS` warps,
+/// each taking at least `GATE_MIN_K_TILES_PER_GROUP` k-tiles, their rings within
 /// `smem_per_block`, and a divisor of the k-tiles (every group runs the same number of
 /// steps, between the same block-wide barriers).
 pub fn gate_warps_k(tile_tokens: u32, tile_experts: u32, hidden: u32, smem_per_block: u32) -> u32 {
@@ -538,7 +538,7 @@ fn gate_tile(experts: u32, tokens: u32, fill: u32) -> (u32, u32) {
 }
 
 /// The tile a fused router's gate would have for a regime whose largest call has
-/// `max_tokens` tokens: every SM a block there ([`gate_tile`]); whether the router is fused
+/// `max_tokens` tokens: every SM a block there (`gate_tile`); whether the router is fused
 /// is decided on it ([`fused`]).
 pub fn fused_gate_tile(experts: u32, max_tokens: u32, sm_count: u32) -> (u32, u32) {
     gate_tile(experts, max_tokens, sm_count)
@@ -735,7 +735,7 @@ pub struct GateLayout {
 /// (mma.sync) with its `scratch`. mma.sync: warps from the tile ([`gate_warps`]), groups
 /// splitting the reduction ([`gate_warps_k`]), [`gate_stages`]. Warp-specialised: a
 /// consumer warpgroup per 64 tokens, as many stages as fit a block (at most
-/// [`GATE_WS_MAX_STAGES`] and the k-tiles). Cluster: [`cluster_gate_layout`] (`None` where
+/// `GATE_WS_MAX_STAGES` and the k-tiles). Cluster: [`cluster_gate_layout`] (`None` where
 /// it does not fit a block).
 pub fn gate_layout(
     engine: GateEngine,
@@ -829,7 +829,7 @@ const CLUSTER_GATE_MOST_SELECT_ROUNDS: u32 = 2;
 const CLUSTER_GATE_MOST_SECONDS: f64 = 10e-6;
 
 /// Whether a split router's gate may run in clusters ([`GateEngine::Cluster`]): on a target
-/// with thread-block clusters, for E within one tile ([`GATE_CLUSTER_MAX_EXPERTS`]) in whole
+/// with thread-block clusters, for E within one tile (`GATE_CLUSTER_MAX_EXPERTS`) in whole
 /// 16-byte pieces of f32 (the blocks sum the partial logits four at a time).
 pub fn cluster_gate_allowed(experts: u32, target: &Target) -> bool {
     target.has_clusters() && experts <= GATE_CLUSTER_MAX_EXPERTS && experts.is_multiple_of(4)
@@ -859,9 +859,9 @@ pub fn cluster_scratch_bytes(
 }
 
 /// The layout of a cluster gate of tile `(tile_tokens, tile_experts)` in clusters of
-/// `blocks`: warps from the tile ([`gate_warps`], at most [`GATE_BLOCK_WARPS`], each a whole
+/// `blocks`: warps from the tile ([`gate_warps`], at most `GATE_BLOCK_WARPS`, each a whole
 /// number of 16 × 16 pieces: a tile of 80 experts, say, has none), groups of
-/// them splitting the block's k-tiles (as many as fill [`GATE_BLOCK_WARPS`] warps and
+/// them splitting the block's k-tiles (as many as fill `GATE_BLOCK_WARPS` warps and
 /// divide them), and as many stages as keep all of a group's k-tiles in flight, at most
 /// [`FUSED_GATE_MAX_STAGES`], at least 2; the rings (or the partial logits, where larger,
 /// and those must fit the first group's ring where there are several: [`cluster_partial_bytes`]),
@@ -927,12 +927,12 @@ fn half_sm_smem(target: &Target) -> u32 {
 }
 
 /// The cluster gate for calls of `tokens` tokens ([`GateEngine::Cluster`]), if one
-/// serves them: among the tiles of [`GATE_CLUSTER_TILES_TOKENS`] tokens by every expert
+/// serves them: among the tiles of `GATE_CLUSTER_TILES_TOKENS` tokens by every expert
 /// (E rounded up to 16; the zero-filled rest is never stored) and the clusters of 2 to 8
 /// blocks that split their reduction evenly ([`cluster_gate_layout`]), those whose
 /// clusters all run at once ([`Target::clusters_at_once`]) and whose blocks select their
-/// tokens in at most [`CLUSTER_GATE_MOST_SELECT_ROUNDS`] rounds, within
-/// [`CLUSTER_GATE_MOST_SECONDS`] by the measured rates ([`CLUSTER_GATE_WAVE_SECONDS`] and
+/// tokens in at most `CLUSTER_GATE_MOST_SELECT_ROUNDS` rounds, within
+/// `CLUSTER_GATE_MOST_SECONDS` by the measured rates (`CLUSTER_GATE_WAVE_SECONDS` and
 /// after); of those, the fastest, fewer blocks on a tie.
 pub fn cluster_gate_choice(
     rule: &ir::Router,

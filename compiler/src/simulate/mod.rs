@@ -21,7 +21,7 @@
 //! What it models: per rank, the plan's communication blocks taking work items (chunks of
 //! `dispatch_chunk` tokens per destination, or `dispatch_piece` pieces when a call has
 //! fewer chunks than blocks) in send order, each moving at most
-//! [`model::COMM_BLOCK_BYTES_PER_S`] (an item for another node: the block stages its rows
+//! `model::COMM_BLOCK_BYTES_PER_S` (an item for another node: the block stages its rows
 //! in this rank's outbox at that rate and goes on, and the network port moves them from
 //! there, as NCCL does on the real path); link ports (per rank: NVLink out and in, network
 //! out and in) at the topology's bandwidth, with its latency; flag latencies; the GEMM grids
@@ -30,7 +30,7 @@
 //! tile, row tile; both GEMMs), a GEMM1 tile starting when its block is free and the
 //! chunks of its rows have arrived (in the one grid of the topology-aware schedule across
 //! nodes, GEMM1's blocks take both GEMMs' tiles, each at its own GEMM's tile cost, as if
-//! one kernel held both tile shapes); tile times from [`model::tile_cost`]; the reduce at
+//! one kernel held both tile shapes); tile times from `model::tile_cost`; the reduce at
 //! the origin. Residency: whether every block a spin-wait depends on can be
 //! resident with the plan's grids (else a [`Deadlock`]), and whether routing fits the
 //! plan's capacities (else [`SimError::Overflow`]).
@@ -47,7 +47,7 @@
 //! the switch fabric and NIC rails beyond one port per rank; the forwarding of
 //! node-aggregated chunks costs the relay's NVLink port but none of its blocks; a wgmma
 //! GEMM's tiles share HBM evenly (an mma.sync GEMM's draw on it as a fluid, up to a cap
-//! per block, see [`model::BLOCK_HBM_BYTES_PER_S`]), and no tile slows down under
+//! per block, see `model::BLOCK_HBM_BYTES_PER_S`), and no tile slows down under
 //! concurrent copies; an origin's results leave a rank as an even stream over the span of
 //! GEMM2's tiles holding its rows (so an early source's results leave before GEMM2
 //! ends); the router and the previous call (credits)
