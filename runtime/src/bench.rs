@@ -25,7 +25,9 @@ use crate::workload::{Routing, Workload};
 
 /// Input sets each measurement rotates through.
 const ROTATED_INPUTS: usize = 3;
-const WARMUP_CALLS: usize = 3;
+/// Calls before the timed ones: each input set twice, so that a call the layer replays as a
+/// CUDA graph (docs/runtime.md) has been captured before any timed call.
+const WARMUP_CALLS: usize = 2 * ROTATED_INPUTS;
 
 /// Passes of pipelined calls the single-process expert-parallel bench times per schedule;
 /// it reports the median pass. One pass's wall time per call swung by 10 µs between runs

@@ -45,7 +45,7 @@ pub struct Args {
         default_value = "1,16,128,1024,4096,16384"
     )]
     tokens: Vec<u32>,
-    /// Timed calls per token count (after 3 warm-up calls).
+    /// Timed calls per token count (after 6 warm-up calls: each of 3 input sets twice).
     #[arg(long, default_value_t = 20)]
     iterations: usize,
     #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]

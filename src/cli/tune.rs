@@ -30,7 +30,7 @@ pub struct Args {
     /// the neighbouring regimes' choices, which are always timed too.
     #[arg(long, default_value_t = 3)]
     candidates: usize,
-    /// Timed calls per token count (after 3 warm-up calls), median.
+    /// Timed calls per token count (after 6 warm-up calls: each of 3 input sets twice), median.
     #[arg(long, default_value_t = 10)]
     iterations: usize,
     #[arg(long)]
