@@ -33,7 +33,8 @@ const KEPT_GRAPHS: usize = 32;
 const REMEMBERED_CALLS: usize = 64;
 /// Replays a graph must have had when it is dropped for its capture to have paid: a capture
 /// and instantiation took the host 67-88 µs, a replay 2-7 µs against 22-27 µs for the
-/// layer's first call's launches (a 4-token call, an H200, two machines, 2026-12-03; docs/runtime.md).
+/// layer's first call's launches (a 4-token call on an H200, two machines, 2026-12-03;
+/// docs/runtime.md).
 const PAYING_REPLAYS: u32 = 16;
 /// Graphs dropped before they paid after which the layer captures no more: its calls cycle
 /// through more keys than it keeps (a pool handing out other buffers each call), and every
