@@ -8,9 +8,10 @@
 //! launches and is remembered, the second is captured into a graph (which then runs it),
 //! later ones replay that graph. Up to [`KEPT_GRAPHS`] graphs are kept per layer, the least
 //! recently used dropped first; a layer whose graphs keep being dropped before they paid
-//! for their capture stops capturing ([`UNPAID_CAPTURES_BEFORE_STOPPING`]). A call made
-//! while the caller captures the layer's stream runs its launches into the caller's graph,
-//! as without this module.
+//! for their capture captures only now and then ([`UNPAID_CAPTURES_BEFORE_STOPPING`],
+//! [`PROBE_EVERY`]), and one whose capture failed runs every call's launches from then on.
+//! A call made while the caller captures the layer's stream runs its launches into the
+//! caller's graph, as without this module.
 //!
 //! The launches are captured from a stream of the layer's own, never the stream the layer
 //! launches on: whatever else is enqueued there meanwhile (another thread's copy) stays out
@@ -38,8 +39,12 @@ const REMEMBERED_CALLS: usize = 64;
 const PAYING_REPLAYS: u32 = 16;
 /// Graphs dropped before they paid after which the layer captures no more: its calls cycle
 /// through more keys than it keeps (a pool handing out other buffers each call), and every
-/// capture would cost more than the replays it buys. The graphs it holds still replay.
+/// capture would cost more than the replays it buys. The graphs it holds still replay; a
+/// graph that reaches [`PAYING_REPLAYS`] replays takes one off the count.
 const UNPAID_CAPTURES_BEFORE_STOPPING: u32 = 8;
+/// While it does not capture, a layer still captures one in this many repeated calls, so
+/// that a workload that settles on few keys gets its graphs back.
+const PROBE_EVERY: u32 = 64;
 
 /// What a call's launches bake in that can differ between calls: everything else they read
 /// (weights, workspace, tensor maps, the layer's switches) is fixed when the layer is built.
@@ -77,8 +82,13 @@ struct KeptGraph<G> {
 struct RecentCalls<G> {
     graphs: VecDeque<KeptGraph<G>>,
     seen_once: VecDeque<CallKey>,
-    /// Graphs dropped with fewer than [`PAYING_REPLAYS`] replays.
+    /// Graphs dropped with fewer than [`PAYING_REPLAYS`] replays, less those that reached
+    /// them, at most [`UNPAID_CAPTURES_BEFORE_STOPPING`].
     unpaid_captures: u32,
+    /// Repeated calls not captured while the layer did not capture ([`PROBE_EVERY`]).
+    held_back: u32,
+    /// Whether a capture failed: the layer then captures no more.
+    gave_up: bool,
 }
 
 impl<G> RecentCalls<G> {
@@ -87,12 +97,19 @@ impl<G> RecentCalls<G> {
             graphs: VecDeque::new(),
             seen_once: VecDeque::new(),
             unpaid_captures: 0,
+            held_back: 0,
+            gave_up: false,
         }
     }
 
-    /// Whether the layer still captures repeated calls ([`UNPAID_CAPTURES_BEFORE_STOPPING`]).
+    /// Whether the layer captures every repeated call ([`UNPAID_CAPTURES_BEFORE_STOPPING`]).
     fn captures(&self) -> bool {
         self.unpaid_captures < UNPAID_CAPTURES_BEFORE_STOPPING
+    }
+
+    /// Captures no more (a capture failed); the graphs it holds still replay.
+    fn give_up(&mut self) {
+        self.gave_up = true;
     }
 
     /// Notes a call of `key` and says how it runs.
@@ -101,16 +118,25 @@ impl<G> RecentCalls<G> {
             && let Some(mut kept) = self.graphs.remove(i)
         {
             kept.replays = kept.replays.saturating_add(1);
+            if kept.replays == PAYING_REPLAYS {
+                self.unpaid_captures = self.unpaid_captures.saturating_sub(1);
+            }
             self.graphs.push_back(kept);
             return self
                 .graphs
                 .back()
                 .map_or(Sighting::First, |kept| Sighting::Replay(&kept.graph));
         }
-        if !self.captures() {
+        if self.gave_up {
             return Sighting::First;
         }
         if let Some(i) = self.seen_once.iter().position(|k| *k == key) {
+            if !self.captures() {
+                self.held_back = self.held_back.wrapping_add(1);
+                if !self.held_back.is_multiple_of(PROBE_EVERY) {
+                    return Sighting::First;
+                }
+            }
             self.seen_once.remove(i);
             return Sighting::Capture;
         }
@@ -127,7 +153,7 @@ impl<G> RecentCalls<G> {
             && let Some(dropped) = self.graphs.pop_front()
             && dropped.replays < PAYING_REPLAYS
         {
-            self.unpaid_captures += 1;
+            self.unpaid_captures = (self.unpaid_captures + 1).min(UNPAID_CAPTURES_BEFORE_STOPPING);
         }
         self.graphs.push_back(KeptGraph {
             key,
@@ -163,6 +189,43 @@ pub(crate) struct CallGraphs {
     /// The stream calls are captured from (none where `max_tokens` is 0).
     capture: Option<Arc<CudaStream>>,
     recent: Mutex<RecentCalls<CapturedCall>>,
+    /// Why a capture failed, if one did (the layer then captures no more).
+    failure: Mutex<Option<String>>,
+}
+
+// Graphs are destroyed with the layer's context current (cudarc's `CudaGraph` does not bind
+// it), so that a failure is recorded on that context rather than on whichever is current.
+impl Drop for CallGraphs {
+    fn drop(&mut self) {
+        if let Some(capture) = &self.capture {
+            // Nothing to report from a drop: without the binding the destroy still runs.
+            let _ = capture.context().bind_to_thread();
+        }
+    }
+}
+
+/// Ends a capture begun on `stream` when dropped before [`Capturing::end`]: a launch that
+/// panicked would otherwise leave the stream capturing.
+struct Capturing<'a> {
+    stream: &'a Arc<CudaStream>,
+    ended: bool,
+}
+
+impl Capturing<'_> {
+    /// Ends the capture and instantiates its graph.
+    fn end(mut self) -> Result<Option<CudaGraph>, DriverError> {
+        self.ended = true;
+        self.stream.end_capture(CUgraphInstantiate_flags(0))
+    }
+}
+
+impl Drop for Capturing<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            // The call's error, or its panic, is what the caller sees.
+            let _ = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        }
+    }
 }
 
 impl CallGraphs {
@@ -182,12 +245,22 @@ impl CallGraphs {
             max_tokens,
             capture,
             recent: Mutex::new(RecentCalls::new()),
+            failure: Mutex::new(None),
         })
     }
 
     /// The largest calls it captures (0: none).
     pub fn max_tokens(&self) -> u32 {
         self.max_tokens
+    }
+
+    /// Why a capture failed, if one did: the layer then runs every call's launches (the
+    /// graphs it holds still replay).
+    pub fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Graphs kept now.
@@ -201,12 +274,14 @@ impl CallGraphs {
 
     /// Runs the call `key` on `stream`: `launch` enqueues its launches on the stream it is
     /// given (`stream`, or the capture stream while a graph of the call is captured); a
-    /// call that repeats replays that graph on `stream` instead.
+    /// call that repeats replays that graph on `stream` instead. A capture that fails runs
+    /// the call's launches on `stream` after all, keeps the reason ([`CallGraphs::failure`])
+    /// and stops capturing.
     pub fn run(
         &self,
         stream: &CudaStream,
         key: CallKey,
-        launch: impl FnOnce(&CudaStream) -> Result<(), LayerError>,
+        launch: impl Fn(&CudaStream) -> Result<(), LayerError>,
     ) -> Result<(), LayerError> {
         let Some(capture) = self.capture.as_ref() else {
             return launch(stream);
@@ -220,29 +295,42 @@ impl CallGraphs {
             Sighting::Replay(graph) => Ok(graph
                 .launch_on(stream)
                 .context("replaying a repeated call's CUDA graph")?),
-            Sighting::Capture => {
-                capture
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .context("capturing a repeated call into a CUDA graph")?;
-                let launched = launch(capture);
-                // End the capture whatever the launches said, so that the stream is usable.
-                let graph = capture
-                    .end_capture(CUgraphInstantiate_flags(0))
-                    .context("instantiating a repeated call's CUDA graph");
-                launched?;
-                // A call that launched nothing has nothing to replay.
-                let Some(graph) = graph? else {
-                    return Ok(());
-                };
-                match recent.keep(key, CapturedCall(graph)) {
+            Sighting::Capture => match captured(capture, &launch) {
+                Ok(None) => launch(stream),
+                Ok(Some(graph)) => match recent.keep(key, CapturedCall(graph)) {
                     Some(graph) => Ok(graph
                         .launch_on(stream)
                         .context("launching a repeated call's CUDA graph")?),
-                    None => Ok(()),
+                    None => launch(stream),
+                },
+                Err(reason) => {
+                    recent.give_up();
+                    *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
+                    launch(stream)
                 }
-            }
+            },
         }
     }
+}
+
+/// The call's launches captured from `capture` into a graph (`None`: they captured no
+/// work), or why that failed.
+fn captured(
+    capture: &Arc<CudaStream>,
+    launch: &impl Fn(&CudaStream) -> Result<(), LayerError>,
+) -> Result<Option<CudaGraph>, String> {
+    capture
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| format!("beginning a capture: {e}"))?;
+    let capturing = Capturing {
+        stream: capture,
+        ended: false,
+    };
+    let launched = launch(capture);
+    // End the capture whatever the launches said, so that the stream is usable.
+    let graph = capturing.end();
+    launched.map_err(|e| format!("launching into a capture: {e}"))?;
+    graph.map_err(|e| format!("instantiating a captured call: {e}"))
 }
 
 /// Whether the caller is capturing `stream` into a graph of its own.
@@ -304,35 +392,51 @@ mod tests {
 
     /// Calls cycling through twice as many keys as the layer keeps graphs: most graphs are
     /// dropped before their key comes back, so after a few such drops the layer stops
-    /// capturing, runs the other calls' launches and replays the graphs it holds.
+    /// capturing all but one in [`PROBE_EVERY`] repeats, runs the other calls' launches and
+    /// replays the graphs it holds.
     #[test]
     fn calls_cycling_through_more_keys_than_kept_stop_the_captures() {
         let mut recent = RecentCalls::new();
         let keys = 2 * KEPT_GRAPHS as u64;
-        let (mut captures, mut replays) = (0, 0);
-        for round in 0..20 {
+        let mut captures_per_round = Vec::new();
+        for round in 0..40 {
+            let mut captures = 0;
             for x in 0..keys {
-                match recent.sight(key(1, x)) {
-                    Sighting::Capture => {
-                        captures += 1;
-                        recent.keep(key(1, x), round);
-                    }
-                    Sighting::Replay(_) => replays += 1,
-                    Sighting::First => {}
+                if recent.sight(key(1, x)) == Sighting::Capture {
+                    captures += 1;
+                    recent.keep(key(1, x), round);
                 }
             }
+            captures_per_round.push(captures);
         }
-        assert!(!recent.captures());
+        // Round 1 fills the slots and drops unpaid graphs until the limit.
         assert_eq!(
-            captures,
+            captures_per_round[1],
             KEPT_GRAPHS + UNPAID_CAPTURES_BEFORE_STOPPING as usize,
-            "the slots filled, then each capture dropped an unpaid graph until the limit"
+            "{captures_per_round:?}"
         );
-        assert_eq!(
-            replays,
-            18 * KEPT_GRAPHS,
-            "the graphs held when the captures stopped replay in every later round"
+        // Later, a graph that pays lets one capture through, and probes let a few more: far
+        // from the capture every other call that cycling keys would cost without the limit.
+        let late: usize = captures_per_round[20..].iter().sum();
+        let late_calls = 20 * keys as usize;
+        assert!(
+            late * 8 <= late_calls,
+            "{late} captures in {late_calls} calls: {captures_per_round:?}"
         );
+    }
+
+    /// After a failed capture no call is captured again; the graphs held still replay.
+    #[test]
+    fn a_failed_capture_stops_the_captures_for_good() {
+        let mut recent = RecentCalls::new();
+        assert_eq!(recent.sight(key(1, 0)), Sighting::First);
+        assert_eq!(recent.sight(key(1, 0)), Sighting::Capture);
+        recent.keep(key(1, 0), 0);
+        recent.give_up();
+        for _ in 0..2 * PROBE_EVERY {
+            assert_eq!(recent.sight(key(1, 1)), Sighting::First);
+        }
+        assert_eq!(recent.sight(key(1, 0)), Sighting::Replay(&0));
     }
 
     /// Graphs replayed often enough before they are dropped do not count against capturing.

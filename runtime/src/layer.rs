@@ -592,11 +592,13 @@ impl MoeLayer {
         let early_start = early_start_from(|name| std::env::var(name).ok())?;
         let fused_decode = fused_decode_from(|name| std::env::var(name).ok())?;
         let block_routing = block_routing_from(|name| std::env::var(name).ok())?;
-        // The legacy default stream (a null handle) cannot be captured into a graph.
-        let capturable = !gpu.stream.cu_stream().is_null();
+        let call_graphs_on = call_graphs_from(|name| std::env::var(name).ok())?;
+        // Not tried on the legacy default stream (a null handle), which synchronises
+        // implicitly with the context's other blocking streams: calls there run as before.
+        let legacy_stream = gpu.stream.cu_stream().is_null();
         let call_graphs = CallGraphs::new(
             &gpu.stream,
-            if capturable && call_graphs_from(|name| std::env::var(name).ok())? {
+            if call_graphs_on && !legacy_stream {
                 plan.call_graph_max_tokens
             } else {
                 0
@@ -697,10 +699,17 @@ impl MoeLayer {
         self.call_graphs.kept()
     }
 
+    /// Why capturing a repeated call into a CUDA graph failed, if it did: the layer then
+    /// runs every call's launches, as with `MOEFORGE_CALL_GRAPHS=0` (the graphs it holds
+    /// still replay). The calls themselves ran.
+    pub fn call_graph_failure(&self) -> Option<String> {
+        self.call_graphs.failure()
+    }
+
     /// Whether the layer replays repeated calls of up to the plan's
     /// [`Plan::call_graph_max_tokens`] tokens as CUDA graphs: unless
     /// `MOEFORGE_CALL_GRAPHS=0`, the plan's bound is 0, or the layer launches on the legacy
-    /// default stream, which cannot be captured.
+    /// default stream (not tried there).
     pub fn replays_call_graphs(&self) -> bool {
         self.call_graphs.max_tokens() > 0
     }

@@ -250,6 +250,11 @@ pub fn run(args: &Args) -> ExitCode {
     if let Some(note) = &baseline_note {
         println!("baseline not run: {note}");
     }
+    if let Some(reason) = built.layer.call_graph_failure() {
+        println!(
+            "note: capturing a repeated call into a CUDA graph failed ({reason}); the calls after it ran their launches"
+        );
+    }
     let (peers, peers_note) = if args.peers {
         eprintln!("running the in-run peers (python3: torch pipeline, Triton pair) ...");
         match run_peers(
