@@ -1377,7 +1377,7 @@ pub fn plan_tuned(
 /// The largest calls whose repeats a layer replays as a CUDA graph
 /// ([`Plan::call_graph_max_tokens`]). A graph saves the host's launch latency, 1.4-6.3 µs
 /// per call from an idle GPU (H200, 2026-12-03, `benches/results/2026-12-03_call_graphs.md`):
-/// 5-10% of a one-token call, 0.5-2% of a 128-token one (Qwen3-30B-A3B, 290 µs). Larger
+/// 4-9% of a one-token call, 0.5-2% of a 128-token one (Qwen3-30B-A3B, 290 µs). Larger
 /// calls gain nothing measurable, and their token counts seldom repeat.
 pub const CALL_GRAPH_MAX_TOKENS: u32 = 256;
 
