@@ -300,6 +300,41 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
         cells[7].starts_with("180.0 / ") && cells[8].starts_with("90.6 / "),
         "{row}"
     );
+    // A file of virtual ranks is planned on virtual ranks, and DeepSeek-V3 without the
+    // shared expert the bench left out; both stay within 15% of the measured layer at
+    // 1024 tokens per rank.
+    for (example, measured) in [("qwen3_30b_a3b", "347.3 / "), ("deepseek_v3", "5407.5 / ")] {
+        let file = format!(
+            "benches/results/2026-12-04_simulator_virtual_ranks/call2_combine_lanes/2026-12-04_{example}_ep2v_uniform_at_6ebe978-dirty.json"
+        );
+        let output = moeforge(&[
+            "simulate",
+            &format!("dsl-examples/{example}.moe"),
+            "--measured",
+            &file,
+        ]);
+        assert!(output.status.success());
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.contains("on 2 virtual ranks on one"), "{stdout}");
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with("| 1024 "))
+            .unwrap_or_else(|| panic!("no 1024-token row: {stdout}"));
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert!(cells[7].starts_with(measured), "{row}");
+        let layer: Vec<f64> = cells[2]
+            .split(['/', '('])
+            .take(2)
+            .map(|v| v.trim().parse().expect("a number"))
+            .collect();
+        assert!((layer[1] / layer[0] - 1.0).abs() < 0.15, "{row}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            stderr.contains("shared expert"),
+            example == "deepseek_v3",
+            "{stderr}"
+        );
+    }
     // Fewer ranks than experts allow is a usage error, not a panic.
     let output = moeforge(&["simulate", "dsl-examples/tiny.moe", "--ranks", "3"]);
     assert_eq!(output.status.code(), Some(2));

@@ -53,24 +53,24 @@ __device__ __forceinline__ Vec16 sum_slot_vectors(const bf16_t* const* rows, int
 }
 
 // The sum of one token's SLOTS result rows into its output row `y_row`, in k order, over
-// columns [first_column, end_column) by the whole block.
+// columns [first_column, end_column) by COMBINE_THREADS threads, of which this is `thread`.
 template <int SLOTS>
-__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
-                                             int end_column = HIDDEN) {
-    for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
+__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int thread,
+                                             int first_column = 0, int end_column = HIDDEN) {
+    for (int column = first_column + thread * 8; column < end_column; column += COMBINE_THREADS * 8) {
         *reinterpret_cast<Vec16*>(y_row + column) = sum_slot_vectors<SLOTS>(rows, column);
     }
 }
 
 // The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`,
-// over columns [first_column, end_column).
+// over columns [first_column, end_column), this being `thread` of COMBINE_THREADS.
 template <int SLOTS>
 __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y,
-                                              int first_column = 0, int end_column = HIDDEN) {
+                                              int thread, int first_column = 0, int end_column = HIDDEN) {
     const bf16_t* rows[SLOTS];
 #pragma unroll
     for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
-    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, first_column, end_column);
+    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, thread, first_column, end_column);
 }
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ combine.name }})
@@ -89,6 +89,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ combine.name }}
     for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
         present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
     }
-    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, first_column, end_column);
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, threadIdx.x, first_column, end_column);
 }
 #endif

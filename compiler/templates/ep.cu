@@ -37,8 +37,9 @@ enum : int { MIN_PIECE = {{ ep.piece }} };                  // fewest tokens per
 enum : int { COPY_UNROLL = 8 };                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
 enum : int { COMM_THREADS = {{ ep.comm_threads }} };
 enum : int { META_THREADS = {{ ep.meta_threads }} };
+enum : int { COMBINE_LANES = {{ ep.combine_lanes }} };     // token lanes (of COMBINE_THREADS threads) per combine block
 {%- if ep.rank_partials %}
-enum : int { PARTIALS_PER_RELEASE = {{ ep.partials_per_release }} };  // rank partials a combine block releases together
+enum : int { PARTIALS_PER_RELEASE = {{ ep.partials_per_release }} };  // rank partials a combine lane releases together
 {%- endif %}
 enum : int { EP_ROUTE_STATIC_SMEM_BYTES = {{ ep.route.static_smem }} };
 enum : int { EP_ARRANGE_STATIC_SMEM_BYTES = {{ ep.arrange.static_smem }} };
@@ -560,41 +561,55 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
 
 // Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
 // pair and per shared slice; the sum runs in slot order (deterministic), then the counter
-// is taken back to zero for the next call.
+// is taken back to zero for the next call. A block is COMBINE_LANES token lanes of
+// COMBINE_THREADS threads, each lane a token at a time with barriers of its own, so that a
+// grid of one block per SM (virtual ranks, ranks beside NCCL) still has several tokens'
+// loads in flight on each SM.
+
+// The barrier of one token lane (named barrier 1 + lane; 0 is __syncthreads).
+__device__ __forceinline__ void lane_sync(int lane) {
+    asm volatile("bar.sync %0, %1;" ::"r"(lane + 1), "r"(COMBINE_THREADS) : "memory");
+}
+
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.combine.name }})
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name }}(
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{ ep.combine.name }}(
     {{ ep.combine.params }}
 )
 {
+    const int lane = threadIdx.x / COMBINE_THREADS;
+    const int thread = threadIdx.x % COMBINE_THREADS;
+    const int first_item = blockIdx.x * COMBINE_LANES + lane;
+    const int item_stride = gridDim.x * COMBINE_LANES;
 {%- if ep.rank_partials %}
     // First the partials: every token received here (each source's in slot order, then
     // this rank's own) has its rows summed in k order into one row at its origin, then
     // HIDDEN columns of the origin's counter released. Nothing in this part waits, so
-    // every block has sent its share before it waits on its own tokens below. Releases go
+    // every lane has sent its share before it waits on its own tokens below. Releases go
     // PARTIALS_PER_RELEASE at a time, a thread each, so their fences overlap.
-    __shared__ int s_release_source[PARTIALS_PER_RELEASE], s_release_token[PARTIALS_PER_RELEASE];
-    __shared__ int s_release_row[PARTIALS_PER_RELEASE];
+    __shared__ int s_release_source[COMBINE_LANES][PARTIALS_PER_RELEASE];
+    __shared__ int s_release_token[COMBINE_LANES][PARTIALS_PER_RELEASE];
+    __shared__ int s_release_row[COMBINE_LANES][PARTIALS_PER_RELEASE];
     static_assert(static_smem_reserved(sizeof(s_release_source) + sizeof(s_release_token) + sizeof(s_release_row)) ==
                       EP_COMBINE_STATIC_SMEM_BYTES,
                   "plan: combine kernel's static shared memory");
-    // Once every thread has stored its columns of the pending partials: thread j clears the
-    // pair rows of pending partial j and releases it at its origin.
+    // Once every thread of the lane has stored its columns of the pending partials: thread
+    // j clears the pair rows of pending partial j and releases it at its origin.
     const auto release_pending = [&](int pending) {
-        __syncthreads();
-        if (threadIdx.x < pending) {
-            int* pair_rows = received_pair_rows + (size_t)s_release_row[threadIdx.x] * SLOTS_PER_TOKEN;
+        lane_sync(lane);
+        if (thread < pending) {
+            int* pair_rows = received_pair_rows + (size_t)s_release_row[lane][thread] * SLOTS_PER_TOKEN;
             for (int k = 0; k < SLOTS_PER_TOKEN; ++k) pair_rows[k] = 0;
             fence_flags();
-            flag_add(peer_buffer<u32>(peer_table, s_release_source[threadIdx.x], PEER_COMBINE_COUNTERS) +
-                         s_release_token[threadIdx.x],
+            flag_add(peer_buffer<u32>(peer_table, s_release_source[lane][thread], PEER_COMBINE_COUNTERS) +
+                         s_release_token[lane][thread],
                      HIDDEN);
         }
-        __syncthreads();  // the slots are free for the next partials
+        lane_sync(lane);  // the slots are free for the next partials
     };
     int received = 0;
     for (int source = 0; source < RANKS; ++source) received += received_tokens[source];
     int pending = 0;
-    for (int item = blockIdx.x; item < received; item += gridDim.x) {
+    for (int item = first_item; item < received; item += item_stride) {
         int source = 0, index = item;
         while (index >= received_tokens[source]) index -= received_tokens[source++];
         const int received_row = source == rank ? OWN_ROW_BASE + index : source * SLOTS + index;
@@ -607,13 +622,14 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
             rows[k] = row > 0 ? pair_results + (size_t)(row - 1) * HIDDEN : nullptr;
             if (row > 0 && token < 0) token = segment_pairs[row - 1] / SLOTS_PER_TOKEN;
         }
-        if (token < 0) continue;  // an own token with no expert here (the same for every thread)
+        if (token < 0) continue;  // an own token with no expert here (the same for the whole lane)
         combine_rows<SLOTS_PER_TOKEN>(rows, peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
-                                                ((size_t)token * RANKS + rank) * HIDDEN);
-        if (threadIdx.x == 0) {
-            s_release_source[pending] = source;
-            s_release_token[pending] = token;
-            s_release_row[pending] = received_row;
+                                                ((size_t)token * RANKS + rank) * HIDDEN,
+                                      thread);
+        if (thread == 0) {
+            s_release_source[lane][pending] = source;
+            s_release_token[lane][pending] = token;
+            s_release_row[lane][pending] = received_row;
         }
         if (++pending == PARTIALS_PER_RELEASE) {
             release_pending(pending);
@@ -624,7 +640,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
 {%- else %}
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
 {%- endif %}
-    for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
+    for (int token = first_item; token < tokens; token += item_stride) {
 {%- if ep.network.is_some() %}
         // A pair computed on another node comes back through NCCL into net_returned_x (that
         // rank's slot), released per (source, token chunk); the counter counts the rest.
@@ -645,7 +661,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         }
         const u32 target = counted * HIDDEN;
         bool complete = false;
-        if (threadIdx.x == 0) {
+        if (thread == 0) {
             complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
             for (int k = 0; k < TOP_K; ++k) {
                 const int source = network_source[k];
@@ -655,10 +671,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
                           FLAG_KIND_RETURN, source * CHUNKS + chunk);
             }
         }
-        __syncthreads();
-        combine_rows<SLOTS_PER_TOKEN>(rows, y + (size_t)token * HIDDEN);
-        __syncthreads();  // every thread read the rows before the counter is reset
-        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
+        lane_sync(lane);
+        combine_rows<SLOTS_PER_TOKEN>(rows, y + (size_t)token * HIDDEN, thread);
+        lane_sync(lane);  // every thread read the rows before the counter is reset
+        if (thread == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
 {%- else if ep.rank_partials %}
@@ -673,11 +689,11 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
         for (int r = 0; r < RANKS; ++r) visited += present[r];
         const u32 target = visited * HIDDEN;
         bool complete = false;
-        if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
-        __syncthreads();
-        combine_token<RANKS>(combine_slots, token, present, y);
-        __syncthreads();  // every thread read the partials before the counter is reset
-        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
+        if (thread == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        lane_sync(lane);
+        combine_token<RANKS>(combine_slots, token, present, y, thread);
+        lane_sync(lane);  // every thread read the partials before the counter is reset
+        if (thread == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
 {%- else %}
@@ -689,14 +705,15 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) {{ ep.combine.name
             valid += present[k];
         }
         const u32 target = valid * HIDDEN;
-        // Thread 0 waits for the token and later resets its counter: only it needs to know
-        // whether the wait succeeded (a register, not shared memory every thread would read).
+        // Thread 0 of the lane waits for the token and later resets its counter: only it
+        // needs to know whether the wait succeeded (a register, not shared memory every
+        // thread would read).
         bool complete = false;
-        if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
-        __syncthreads();
-        combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
-        __syncthreads();  // every thread read the slots before the counter is reset
-        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
+        if (thread == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        lane_sync(lane);
+        combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, thread);
+        lane_sync(lane);  // every thread read the slots before the counter is reset
+        if (thread == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
 {%- endif %}

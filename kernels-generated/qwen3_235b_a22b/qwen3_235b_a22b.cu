@@ -2910,24 +2910,24 @@ __device__ __forceinline__ Vec16 sum_slot_vectors(const bf16_t* const* rows, int
 }
 
 // The sum of one token's SLOTS result rows into its output row `y_row`, in k order, over
-// columns [first_column, end_column) by the whole block.
+// columns [first_column, end_column) by COMBINE_THREADS threads, of which this is `thread`.
 template <int SLOTS>
-__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int first_column = 0,
-                                             int end_column = HIDDEN) {
-    for (int column = first_column + threadIdx.x * 8; column < end_column; column += COMBINE_THREADS * 8) {
+__device__ __forceinline__ void combine_rows(const bf16_t* const* rows, bf16_t* y_row, int thread,
+                                             int first_column = 0, int end_column = HIDDEN) {
+    for (int column = first_column + thread * 8; column < end_column; column += COMBINE_THREADS * 8) {
         *reinterpret_cast<Vec16*>(y_row + column) = sum_slot_vectors<SLOTS>(rows, column);
     }
 }
 
 // The sum of one token's SLOTS slots of `slots` that are `present` into its row of `y`,
-// over columns [first_column, end_column).
+// over columns [first_column, end_column), this being `thread` of COMBINE_THREADS.
 template <int SLOTS>
 __device__ __forceinline__ void combine_token(const bf16_t* slots, int token, const bool* present, bf16_t* y,
-                                              int first_column = 0, int end_column = HIDDEN) {
+                                              int thread, int first_column = 0, int end_column = HIDDEN) {
     const bf16_t* rows[SLOTS];
 #pragma unroll
     for (int k = 0; k < SLOTS; ++k) rows[k] = present[k] ? slots + ((size_t)token * SLOTS + k) * HIDDEN : nullptr;
-    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, first_column, end_column);
+    combine_rows<SLOTS>(rows, y + (size_t)token * HIDDEN, thread, first_column, end_column);
 }
 
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_combine)
@@ -2946,7 +2946,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_co
     for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
         present[k] = k >= TOP_K || (unsigned)topk_ids[token * TOP_K + k] < (unsigned)EXPERTS;
     }
-    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, first_column, end_column);
+    combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, threadIdx.x, first_column, end_column);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -2980,6 +2980,7 @@ enum : int { MIN_PIECE = 4 };                  // fewest tokens per dispatch wor
 enum : int { COPY_UNROLL = 8 };                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
 enum : int { COMM_THREADS = 512 };
 enum : int { META_THREADS = 512 };
+enum : int { COMBINE_LANES = 4 };     // token lanes (of COMBINE_THREADS threads) per combine block
 enum : int { EP_ROUTE_STATIC_SMEM_BYTES = 18048 };
 enum : int { EP_ARRANGE_STATIC_SMEM_BYTES = 640 };
 enum : int { EP_COMBINE_STATIC_SMEM_BYTES = 0 };
@@ -3454,9 +3455,18 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) qwen3_235b_a22b_ep
 
 // Combine: a token's slots are complete when its counter holds HIDDEN columns per valid
 // pair and per shared slice; the sum runs in slot order (deterministic), then the counter
-// is taken back to zero for the next call.
+// is taken back to zero for the next call. A block is COMBINE_LANES token lanes of
+// COMBINE_THREADS threads, each lane a token at a time with barriers of its own, so that a
+// grid of one block per SM (virtual ranks, ranks beside NCCL) still has several tokens'
+// loads in flight on each SM.
+
+// The barrier of one token lane (named barrier 1 + lane; 0 is __syncthreads).
+__device__ __forceinline__ void lane_sync(int lane) {
+    asm volatile("bar.sync %0, %1;" ::"r"(lane + 1), "r"(COMBINE_THREADS) : "memory");
+}
+
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_ep_combine)
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep_combine(
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) qwen3_235b_a22b_ep_combine(
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int rank,  // this rank
@@ -3467,8 +3477,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
+    const int lane = threadIdx.x / COMBINE_THREADS;
+    const int thread = threadIdx.x % COMBINE_THREADS;
+    const int first_item = blockIdx.x * COMBINE_LANES + lane;
+    const int item_stride = gridDim.x * COMBINE_LANES;
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
-    for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
+    for (int token = first_item; token < tokens; token += item_stride) {
         bool present[SLOTS_PER_TOKEN];
         u32 valid = 0;
 #pragma unroll
@@ -3477,14 +3491,15 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_235b_a22b_ep
             valid += present[k];
         }
         const u32 target = valid * HIDDEN;
-        // Thread 0 waits for the token and later resets its counter: only it needs to know
-        // whether the wait succeeded (a register, not shared memory every thread would read).
+        // Thread 0 of the lane waits for the token and later resets its counter: only it
+        // needs to know whether the wait succeeded (a register, not shared memory every
+        // thread would read).
         bool complete = false;
-        if (threadIdx.x == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
-        __syncthreads();
-        combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y);
-        __syncthreads();  // every thread read the slots before the counter is reset
-        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
+        if (thread == 0) complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        lane_sync(lane);
+        combine_token<SLOTS_PER_TOKEN>(combine_slots, token, present, y, thread);
+        lane_sync(lane);  // every thread read the slots before the counter is reset
+        if (thread == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
 #endif

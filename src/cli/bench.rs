@@ -323,6 +323,10 @@ pub fn run(args: &Args) -> ExitCode {
     write_results(&args.out, &stem, &json, &markdown)
 }
 
+/// The expert-parallel bench leaves a layer's shared experts out of every path it compares:
+/// its NCCL pipeline (baseline b) runs none.
+const LEAVES_OUT_SHARED_EXPERTS: bool = true;
+
 /// `bench --ranks R` / `--gpus G`: the expert-parallel layer against the same tokens on one
 /// GPU with every expert.
 fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
@@ -331,7 +335,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         args.layer.as_deref(),
         &args.target.resolve(),
         Some(choice),
-        true,
+        LEAVES_OUT_SHARED_EXPERTS,
     ) {
         Ok(plans) => plans,
         Err(status) => return status,
@@ -456,6 +460,9 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         "layer": layer_name,
         "date": date,
         "placement": placement,
+        // What `moeforge simulate --measured` plans the file's cells with.
+        "virtual_ranks": choice.virtual_ranks,
+        "shared_experts_left_out": LEAVES_OUT_SHARED_EXPERTS,
         "commit": env!("MOEFORGE_COMMIT"),
         "routing": routing_name(args.routing),
         "seed": seed,

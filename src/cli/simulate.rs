@@ -42,8 +42,9 @@ pub struct Args {
     /// Write an SVG timeline of the topology-aware schedule at the first token count.
     #[arg(long, value_name = "PATH")]
     svg: Option<PathBuf>,
-    /// A bench result (`benches/results/*_ep2_uniform.json`) to print the predictions
-    /// beside; the layer is planned over that file's ranks, one GPU each.
+    /// A bench result (`benches/results/*_ep2_uniform*.json` or `*_ep2v_uniform*.json`) to
+    /// print the predictions beside; the layer is planned as the bench ran it: over the
+    /// file's ranks (one GPU each, or virtual ranks on one GPU), without shared experts.
     #[arg(long, value_name = "JSON")]
     measured: Option<PathBuf>,
     #[command(flatten)]
@@ -101,10 +102,27 @@ pub fn run(args: &Args) -> ExitCode {
             return usage_error();
         }
         layer.parallel.expert = ranks;
-        let per_node = layer.topology.gpus_per_node.clamp(1, ranks);
-        layer.topology.gpus_per_node = per_node;
-        layer.topology.nodes = ranks.div_ceil(per_node);
-        layer.topology.virtual_ranks = None;
+        if measured.as_ref().is_some_and(|m| m.on_virtual_ranks()) {
+            layer.topology.gpus_per_node = 1;
+            layer.topology.nodes = 1;
+            layer.topology.virtual_ranks = Some(ranks);
+        } else {
+            let per_node = layer.topology.gpus_per_node.clamp(1, ranks);
+            layer.topology.gpus_per_node = per_node;
+            layer.topology.nodes = ranks.div_ceil(per_node);
+            layer.topology.virtual_ranks = None;
+        }
+    }
+    // Predict what the bench ran.
+    if measured
+        .as_ref()
+        .is_some_and(|m| m.without_shared_experts())
+        && let Some(shared) = layer.shared_experts.take()
+    {
+        eprintln!(
+            "note: the bench result ran without the {} shared expert(s) of `{}`; so does the simulation",
+            shared.count, layer.name
+        );
     }
     let target = args.target.resolve();
     let plan = match plan::plan(&layer, &target) {

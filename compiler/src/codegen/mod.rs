@@ -17,8 +17,8 @@ pub use kernel_unit::{kernel_guard, kernel_unit_source};
 
 use crate::ir::{Activation, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, RouterBias, Scoring};
 use crate::plan::ep::{
-    COMM_THREADS, CombineRoute, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan, FlagScope,
-    META_THREADS, PARTIALS_PER_RELEASE, Placement,
+    COMBINE_LANES, COMM_THREADS, CombineRoute, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan,
+    FlagScope, META_THREADS, PARTIALS_PER_RELEASE, Placement,
 };
 use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, GateEngine, GatePlan, RouterPlan};
@@ -1101,6 +1101,7 @@ struct EpUnit {
     /// Whether results return as rank partials ([`CombineRoute::RankPartials`]).
     rank_partials: bool,
     partials_per_release: u32,
+    combine_lanes: u32,
     peer_buffers: Vec<PeerBufferUnit>,
     send_order: String,
     receive_order: String,
@@ -1168,6 +1169,7 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
         meta_tile_tokens: ep.metadata_tile_tokens,
         rank_partials: ep.combine_route == CombineRoute::RankPartials,
         partials_per_release: PARTIALS_PER_RELEASE,
+        combine_lanes: COMBINE_LANES,
         peer_buffers: ep
             .peer_buffers
             .iter()

@@ -277,12 +277,16 @@ pub const META_THREADS: u32 = 512;
 /// 2048 pairs take 16 KB, and a tile's rows per expert are long enough runs to write side
 /// by side (8 per expert at DeepSeek-V3's 256 experts and 8 choices).
 pub const METADATA_TILE_PAIRS: u32 = 2048;
-/// Combine blocks per compute SM on a rank's own GPU (persistent, looping over tokens).
-/// Virtual ranks use one per compute SM: see [`residency`]. Eight were tried for the rank
-/// partials' pass and gained nothing once measured in alternating runs (Qwen3-30B-A3B at
-/// 4096 tokens per rank on two H200s, 2026-11-30: 810 / 828 µs with four, 834 / 844 with
-/// eight; a single earlier run had shown 851 → 800).
-const COMBINE_BLOCKS_PER_SM: u32 = 4;
+/// Token lanes of a combine block, each `COMBINE_THREADS` threads reducing a token at a
+/// time; the combine runs one block per compute SM (persistent, looping over tokens). Four
+/// lanes per SM, as four blocks of one lane each were on a rank's own GPU until 2026-12-04:
+/// eight were tried for the rank partials' pass and gained nothing once measured in
+/// alternating runs (Qwen3-30B-A3B at 4096 tokens per rank on two H200s, 2026-11-30: 810 /
+/// 828 µs with four, 834 / 844 with eight). Virtual ranks and ranks beside NCCL, whose
+/// grids keep to one block per SM (see [`residency`]), had one lane per SM then: two
+/// virtual ranks' combine stages moved 8-14 GB/s per lane
+/// (benches/results/2026-12-04_simulator_virtual_ranks.md).
+pub const COMBINE_LANES: u32 = 4;
 
 /// SM-driven stores through NVLink measured on the two-H200 machine (2026-11-29): blocks
 /// of 512 threads storing 16 bytes each, against GB/s one way.
@@ -492,7 +496,7 @@ pub fn plan_expert_parallel(
                     .clamp(1, regime_comm_blocks.max(1)),
                 dispatch: regime_comm_blocks,
                 arrange: compute_blocks(one_per_sm, compute_sms, 1),
-                combine: compute_blocks(one_per_sm, compute_sms, COMBINE_BLOCKS_PER_SM),
+                combine: compute_sms,
             },
         );
         ExpertParallelRegime {
@@ -1252,11 +1256,11 @@ fn launch_table(
         launch(
             combine,
             blocks.combine,
-            COMBINE_THREADS,
+            COMBINE_THREADS * COMBINE_LANES,
             StreamRole::Compute,
-            // The pending releases' source, token and received row.
+            // Each lane's pending releases' source, token and received row.
             if partials {
-                static_smem_reserved(3 * 4 * PARTIALS_PER_RELEASE)
+                static_smem_reserved(3 * 4 * PARTIALS_PER_RELEASE * COMBINE_LANES)
             } else {
                 0
             },

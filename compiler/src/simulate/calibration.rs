@@ -1,13 +1,16 @@
 //! The simulator beside the bench: reads a bench result of the expert-parallel path
-//! (`benches/results/*_ep2_uniform*.json`, written by `moeforge bench --gpus 2`) at run
-//! time and predicts each of its cells. Most of the model's constants (`model.rs`) were
-//! fitted to the stage and GEMM1/GEMM2 times of the 2026-11-30 files at commits 95bb336
-//! and 22ac107 (benches/results/2026-11-30_simulator_calibration.md has every cell), the
-//! dispatch rate and the metadata timing to the 2026-12-01 files at e323b9f: a few
-//! constants for three layers and five token counts, so the fit is not by construction.
-//! Against e323b9f the overlapped layer time comes within 15% on 13 of 15 cells
-//! (benches/results/2026-12-01_ep2_at_e323b9f.md). Older files plan differently from the
-//! current planner.
+//! (`benches/results/*_ep2_uniform*.json` from `moeforge bench --gpus 2`, `*_ep2v_*` from
+//! `--ranks 2`) at run time and predicts each of its cells, with the layer planned as the
+//! bench ran it (virtual ranks or a GPU per rank, without shared experts). Most of the
+//! model's constants (`model.rs`) were fitted to the stage and GEMM1/GEMM2 times of the
+//! 2026-11-30 files at commits 95bb336 and 22ac107
+//! (benches/results/2026-11-30_simulator_calibration.md has every cell), the dispatch rate
+//! and the metadata timing to the 2026-12-01 files at e323b9f, the local GEMM2 epilogue and
+//! the combine's rate per lane to virtual ranks (2026-12-04): a few constants for three
+//! layers and five token counts, so the fit is not by construction. The overlapped layer
+//! time comes within 15% on 13 of the 15 two-GPU cells at e323b9f and on all 12 virtual-rank
+//! cells of 2026-12-04 (benches/results/2026-12-04_simulator_virtual_ranks.md). Older files
+//! plan differently from the current planner.
 
 use std::path::Path;
 
@@ -21,6 +24,14 @@ use crate::plan::Plan;
 pub struct MeasuredFile {
     pub layer: String,
     pub placement: String,
+    /// Whether the ranks were virtual ranks on one GPU (`bench --ranks`); files before
+    /// 2026-12-04 say so only in `placement`.
+    #[serde(default)]
+    pub virtual_ranks: Option<bool>,
+    /// Whether the bench left the layer's shared experts out; files before 2026-12-04 do
+    /// not say, and every expert-parallel bench since 2026-11-30 (59edc4e) did.
+    #[serde(default)]
+    pub shared_experts_left_out: Option<bool>,
     pub routing: String,
     pub rows: Vec<MeasuredRow>,
 }
@@ -51,6 +62,17 @@ pub struct MeasuredStages {
 }
 
 impl MeasuredFile {
+    /// Whether the file's ranks shared one GPU.
+    pub fn on_virtual_ranks(&self) -> bool {
+        self.virtual_ranks
+            .unwrap_or_else(|| self.placement.contains("virtual ranks"))
+    }
+
+    /// Whether the file's layer ran without its shared experts.
+    pub fn without_shared_experts(&self) -> bool {
+        self.shared_experts_left_out.unwrap_or(true)
+    }
+
     pub fn read(path: &Path) -> Result<Self, SimError> {
         let text = std::fs::read_to_string(path).map_err(|error| {
             SimError::Measured(format!("cannot read {}: {error}", path.display()))
@@ -150,4 +172,29 @@ pub fn compare(
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(fields: &str) -> MeasuredFile {
+        serde_json::from_str(&format!(
+            r#"{{"layer": "l", "placement": "2 virtual ranks on one NVIDIA H200", "routing": "uniform", "rows": []{fields}}}"#
+        ))
+        .expect("parses")
+    }
+
+    /// Older files say where their ranks ran only in `placement`, and left the shared
+    /// experts out without saying so; newer ones say both.
+    #[test]
+    fn a_file_says_where_its_ranks_ran_and_what_it_left_out() {
+        let older = file("");
+        assert!(older.on_virtual_ranks() && older.without_shared_experts());
+        let newer = file(r#", "virtual_ranks": false, "shared_experts_left_out": false"#);
+        assert!(!newer.on_virtual_ranks() && !newer.without_shared_experts());
+        let mut devices = file("");
+        devices.placement = "2 x NVIDIA H200".into();
+        assert!(!devices.on_virtual_ranks());
+    }
 }

@@ -6,7 +6,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
 use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
-use crate::plan::{Plan, Target};
+use crate::plan::{COMBINE_THREADS, Plan, Target};
 
 /// The kind of path between two ranks.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -253,11 +253,30 @@ struct CommResult {
     last_arrival: f64,
 }
 
+/// What one rank has of `target`: all of it on a GPU of its own; for `ranks` virtual ranks
+/// an even share of its SMs, tensor cores, HBM and L2 bandwidth. Uniform routing keeps the
+/// ranks in step (each runs the same kernel at about the same time), so each draws on the
+/// device as one of `ranks` equal users.
+fn rank_share(target: &Target, topology: &Topology, ranks: u32) -> Target {
+    if !topology.virtual_ranks || ranks <= 1 {
+        return target.clone();
+    }
+    let share = f64::from(ranks);
+    Target {
+        sm_count: (target.sm_count / ranks).max(1),
+        peak_bf16_flops: target.peak_bf16_flops / share,
+        hbm_bytes_per_s: target.hbm_bytes_per_s / share,
+        l2_bytes_per_s: target.l2_bytes_per_s / share,
+        ..target.clone()
+    }
+}
+
 /// A plan, a topology and one call's routing: everything a schedule run needs.
 pub(super) struct Machine<'a> {
     ep: &'a ExpertParallelPlan,
     regime: &'a ExpertParallelRegime,
-    target: &'a Target,
+    /// What one rank has of its device: the whole target, or for virtual ranks its share.
+    target: Target,
     topology: &'a Topology,
     traffic: &'a Traffic,
     hidden: u32,
@@ -265,6 +284,8 @@ pub(super) struct Machine<'a> {
     /// Shared-expert slices every rank runs on its own tokens after its local experts.
     shared_slices: u32,
     row_bytes: f64,
+    /// Token lanes of the combine kernel's grid for this call (blocks times lanes each).
+    combine_lanes: u32,
 }
 
 impl<'a> Machine<'a> {
@@ -278,13 +299,28 @@ impl<'a> Machine<'a> {
         Machine {
             ep,
             regime,
-            target: &plan.target,
+            target: rank_share(&plan.target, topology, ep.ranks),
             topology,
             traffic,
             hidden: plan.shape.hidden,
             ffn: plan.shape.ffn,
             shared_slices: plan.shape.shared_slices,
             row_bytes: f64::from(plan.shape.hidden) * 2.0,
+            combine_lanes: regime
+                .launches
+                .iter()
+                .find(|launch| launch.kernel == ep.combine_kernel)
+                .map_or(1, |launch| {
+                    launch.grid.blocks(traffic.tokens_per_rank)
+                        * (launch.block_threads / COMBINE_THREADS).max(1)
+                }),
+        }
+    }
+
+    fn combine_grid(&self) -> model::CombineGrid<'_> {
+        model::CombineGrid {
+            target: &self.target,
+            lanes: self.combine_lanes,
         }
     }
 
@@ -621,7 +657,7 @@ impl<'a> Machine<'a> {
             for (e, (row_ready, m_done, _)) in experts.iter().enumerate() {
                 let m_tiles = row_ready.len() as u32;
                 let (duration, bytes) =
-                    model::tile_cost(self.target, g1, self.hidden, [m_tiles, n1], total);
+                    model::tile_cost(&self.target, g1, self.hidden, [m_tiles, n1], total);
                 let begin_m = if phase == 0 { 0 } else { m_done[phase - 1] };
                 let end_m = m_done[phase];
                 hbm1 += bytes * f64::from(n1 * (end_m - begin_m));
@@ -669,7 +705,7 @@ impl<'a> Machine<'a> {
         let end1 = block1
             .iter()
             .copied()
-            .fold(start + model::hbm_seconds(self.target, hbm1), f64::max);
+            .fold(start + model::hbm_seconds(&self.target, hbm1), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
         let (tiles2, hbm2) = self.gemm2_tiles(phase_rows);
         let mut blocks = vec![start2; self.regime.gemm2.grid_blocks.max(1) as usize];
@@ -688,7 +724,7 @@ impl<'a> Machine<'a> {
             );
         }
         let tiles_end = blocks.iter().copied().fold(start2, f64::max);
-        let end2 = tiles_end.max(start2 + model::hbm_seconds(self.target, hbm2));
+        let end2 = tiles_end.max(start2 + model::hbm_seconds(&self.target, hbm2));
         stretch_results(&mut results, start2, tiles_end, end2);
         GemmEnds::recorded(lane, [start, end1], start2, end2, results)
     }
@@ -774,7 +810,7 @@ impl<'a> Machine<'a> {
             blocks.push((Time(end), std::cmp::Reverse(b)));
             record_tile(&mut lane, b, now, end, label);
         }
-        let end2 = tiles_end.max(start + model::hbm_seconds(self.target, hbm1 + hbm2));
+        let end2 = tiles_end.max(start + model::hbm_seconds(&self.target, hbm1 + hbm2));
         stretch_results(&mut results, start, tiles_end, end2);
         let stretched = stretch(start, tiles_end, end2);
         let start2 = if start2.is_finite() {
@@ -802,7 +838,7 @@ impl<'a> Machine<'a> {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
                 let (tile, bytes) =
-                    model::tile_cost(self.target, g2, self.ffn, [m_tiles, n2], total);
+                    model::tile_cost(&self.target, g2, self.ffn, [m_tiles, n2], total);
                 let first = if phase == 0 { 0 } else { m_done[e][phase - 1] };
                 let last = m_done[e][phase];
                 hbm_bytes += bytes * f64::from(n2 * (last - first));
@@ -819,6 +855,7 @@ impl<'a> Machine<'a> {
                                 + model::gemm2_epilogue_seconds(
                                     g2,
                                     self.ep.combine_route,
+                                    self.topology.virtual_ranks,
                                     row1 - row0,
                                 ),
                         });
@@ -1009,7 +1046,7 @@ impl<'a> Machine<'a> {
             let begin = at.max(end.end2 + launch).max(barrier2).max(passes_end[s]);
             let finish = begin
                 + model::combine_seconds(
-                    self.target,
+                    self.combine_grid(),
                     self.traffic.tokens_per_rank,
                     rows_per_token(s as u32),
                     self.hidden,
@@ -1082,7 +1119,8 @@ impl<'a> Machine<'a> {
             let begin = ends[d as usize].end2.max(barrier2) + launch;
             let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
             let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
-            let end = begin + model::partials_seconds(self.target, tokens, rows, self.hidden);
+            let end =
+                begin + model::partials_seconds(self.combine_grid(), tokens, rows, self.hidden);
             passes_end[d as usize] = end;
             if let Some(lane) = timeline.get_mut(d as usize) {
                 lane.kernels.push(Span {
@@ -1178,7 +1216,7 @@ impl<'a> Machine<'a> {
             for (ready, s, node) in sends {
                 let relay = (node * g + s % g).min(ranks - 1);
                 let tokens = self.traffic.tokens_to_node(s, node);
-                let reduce = model::combine_seconds(self.target, tokens, 1, self.hidden);
+                let reduce = model::combine_seconds(self.combine_grid(), tokens, 1, self.hidden);
                 let bytes = f64::from(tokens) * self.row_bytes;
                 let begin = ready + reduce;
                 let done = self.transfer(ports, begin, relay, s, bytes, f64::INFINITY);

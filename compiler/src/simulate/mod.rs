@@ -53,7 +53,9 @@
 //! ends); the router and the previous call (credits)
 //! are not modelled (the shared experts are: each rank's slices on its own tokens, after
 //! its local experts, ready at once); every kernel launch costs the target's launch
-//! overhead once.
+//! overhead once; virtual ranks each get an even share of their GPU (SMs, tensor rate,
+//! HBM and L2 bandwidth) throughout, as if they ran every kernel in step; one call is
+//! simulated alone, while the bench times calls back to back.
 
 mod engine;
 pub(crate) mod model;
@@ -469,12 +471,31 @@ mod tests {
         // column tiles each, GEMM2 4 × 2; every grid has a block per tile.
         let t1 = model::tile_cost(target, &regime.gemm1, 128, [4, 4], 32).0;
         let t2 = model::tile_cost(target, &regime.gemm2, 256, [4, 2], 16).0
-            + model::gemm2_epilogue_seconds(&regime.gemm2, ep.combine_route, regime.gemm2.tile.m);
+            + model::gemm2_epilogue_seconds(
+                &regime.gemm2,
+                ep.combine_route,
+                false,
+                regime.gemm2.tile.m,
+            );
         assert!(regime.gemm1.grid_blocks >= 32 && regime.gemm2.grid_blocks >= 16);
         // Arrange runs after the barrier, each kernel after a launch.
         let gemm1_start = dispatch + barrier + launch + model::ARRANGE_S + launch;
         let gemm2_end = gemm1_start + t1 + launch + t2;
-        let combine = model::combine_seconds(target, tokens, 2, 128);
+        let combine_launch = regime
+            .launches
+            .iter()
+            .find(|launch| launch.kernel == ep.combine_kernel)
+            .expect("a combine launch");
+        let combine = model::combine_seconds(
+            model::CombineGrid {
+                target,
+                lanes: combine_launch.grid.blocks(tokens)
+                    * (combine_launch.block_threads / crate::plan::COMBINE_THREADS),
+            },
+            tokens,
+            2,
+            128,
+        );
         let expected = gemm2_end + barrier + combine;
         assert!(
             (bulk.layer_s - expected).abs() < 1e-12,

@@ -57,10 +57,15 @@ pub const FLAG_LATENCY_ONE_GPU_S: f64 = 0.8e-6;
 /// (benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json): 8.3, 9.1 and 19.4 us for
 /// Mixtral, Qwen3 and DeepSeek-V3 at one token.
 pub const COMBINE_FIXED_S: f64 = 2e-6;
-/// One block reduces one token (K slots and the output row): a token's bytes at this rate
-/// are the floor of a combine however few tokens there are. DeepSeek-V3's token (9 rows of
-/// 14 KB) takes 11 us longer than Mixtral's (3 rows of 8 KB) at one token per rank in the
-/// files above: about 10 GB/s.
+/// One token lane (`COMBINE_THREADS` threads of a combine block) reduces one token (K slots
+/// and the output row) at a time, at about this rate: a token's bytes at it are the floor
+/// of a combine however few tokens there are, and a grid of `n` lanes moves at most `n`
+/// times it. DeepSeek-V3's token (9 rows of 14 KB) takes 11 us longer than Mixtral's (3
+/// rows of 8 KB) at one token per rank in the files above: about 10 GB/s. The same from the
+/// other end: on two virtual ranks (one H200, 2026-12-04,
+/// `2026-12-04_simulator_virtual_ranks.md`, a lane per block then) each rank's combine grid
+/// was 50 lanes, and its partials' pass and reduce at 4096 tokens per rank moved 8, 11 and
+/// 14 GB/s per lane (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B).
 pub const COMBINE_TOKEN_BYTES_PER_S: f64 = 10e9;
 /// Share of the copy bandwidth the reduce reaches reading K slots and writing one row per
 /// token: the combine stages from 1024 to 4096 tokens per rank in the files above grow by
@@ -87,19 +92,23 @@ pub const GEMM_WGMMA_SCALE: f64 = 1.0;
 /// tile's stages while the consumers finish the last, so loads and math overlap across
 /// tiles; what it does not hide is [`GEMM2_EPILOGUE_BYTES_PER_S`].
 pub const TILE_OVERHEAD_S: f64 = 3e-6;
-/// Bytes per second one block's GEMM2 epilogue stores: it scales each result row by its
-/// routing weight and scatters it to the origin's combine slot, half of them over NVLink,
-/// after its tile's main loop (not overlapped with it). Fitted to GEMM2 of the files above
-/// (least squares with the constants above over the cells from 16 tokens on); decisive
-/// where GEMM2's depth is short: Qwen3-30B-A3B at 4096 tokens per rank (ffn 768) took 571
-/// us for about 2300 tiles of 128x256 on 123 SMs, 2.6 times its math. 4.7 GB/s over 123
-/// to 130 blocks is 600 GB/s, half of it remote: about NVLink's 365 GB/s of SM stores.
+/// Bytes per second one block's GEMM2 epilogue stores when half of its rows go to
+/// another GPU: it scales each result row by its routing weight and scatters it to the
+/// origin's combine slot, after its tile's main loop (not overlapped with it). Fitted to
+/// GEMM2 of the files above (least squares with the constants above over the cells from 16
+/// tokens on); decisive where GEMM2's depth is short: Qwen3-30B-A3B at 4096 tokens per rank
+/// (ffn 768) took 571 us for about 2300 tiles of 128x256 on 123 SMs, 2.6 times its math.
+/// 4.7 GB/s over 123 to 130 blocks is 600 GB/s, half of it remote: about NVLink's 365 GB/s
+/// of SM stores. (Those kernels stored 4 bytes per lane; not measured across GPUs since
+/// the 16-byte stores.)
 pub const GEMM2_EPILOGUE_BYTES_PER_S: f64 = 4.7e9;
-/// The same where GEMM2 keeps its rows on its rank (rank partials): the stores stay in
-/// local HBM. From a build that stored every row locally (two H200s, 2026-11-30: GEMM2
-/// 459 → 299 µs for Qwen3-30B-A3B at 4096 tokens per rank, 3205 → 2726 µs for
-/// DeepSeek-V3, 7-9 µs less per 128x256 tile than [`GEMM2_EPILOGUE_BYTES_PER_S`] gives).
-pub const GEMM2_LOCAL_EPILOGUE_BYTES_PER_S: f64 = 12e9;
+/// The same where every row stays on the device: rank partials (GEMM2 keeps its rows on
+/// its rank), and every route on virtual ranks (the origin's combine slots are on the same
+/// GPU). Fitted to GEMM2 on two virtual ranks at 1024 and 4096 tokens per rank (one H200,
+/// 2026-12-04, the 16-byte stores: `2026-12-04_simulator_virtual_ranks.md`), Qwen3-30B-A3B
+/// and DeepSeek-V3: 24, 48 and 96 GB/s leave −2 to +27%, −6 to +15% and −9 to +9%; the
+/// 4-byte stores of 2026-11-30 had fitted 12 (two H200s, c1e28e0).
+pub const GEMM2_LOCAL_EPILOGUE_BYTES_PER_S: f64 = 48e9;
 /// Share of HBM bandwidth the rank partials' pass reaches, reading each received token's
 /// rows and writing its partial (to the origin, over NVLink for another GPU's): fitted to
 /// the combine stages of Qwen3-30B-A3B and DeepSeek-V3 at 4096 tokens per rank on two
@@ -162,14 +171,20 @@ pub fn hbm_seconds(target: &Target, bytes: f64) -> f64 {
 
 /// Seconds one block of GEMM2 spends storing the weighted result rows of a tile holding
 /// `rows` rows after its main loop, into their origins' combine slots or (rank partials)
-/// here (an mma.sync tile's is in its [`TILE_OVERHEAD_S`]). An expert's last row tile is
-/// partly empty, and its epilogue stores only the rows it has. ([`tile_cost`] still charges
-/// such a tile a whole tile's math, though a consumer warpgroup with no rows skips its
-/// multiplies since 2f41ad9: measured, that changed the large-T cells by 0 to 6%.)
-pub fn gemm2_epilogue_seconds(gemm: &GemmPlan, route: CombineRoute, rows: u32) -> f64 {
+/// here (an mma.sync tile's is in its [`TILE_OVERHEAD_S`]); `one_device`: every rank on
+/// one GPU (virtual ranks), so no row crosses a link. An expert's last row tile is partly
+/// empty, and its epilogue stores only the rows it has. ([`tile_cost`] still charges such a
+/// tile a whole tile's math, though a consumer warpgroup with no rows skips its multiplies
+/// since 2f41ad9: measured, that changed the large-T cells by 0 to 6%.)
+pub fn gemm2_epilogue_seconds(
+    gemm: &GemmPlan,
+    route: CombineRoute,
+    one_device: bool,
+    rows: u32,
+) -> f64 {
     let rate = match route {
-        CombineRoute::PairRows => GEMM2_EPILOGUE_BYTES_PER_S,
-        CombineRoute::RankPartials => GEMM2_LOCAL_EPILOGUE_BYTES_PER_S,
+        CombineRoute::PairRows if !one_device => GEMM2_EPILOGUE_BYTES_PER_S,
+        CombineRoute::PairRows | CombineRoute::RankPartials => GEMM2_LOCAL_EPILOGUE_BYTES_PER_S,
     };
     match gemm.engine {
         MmaEngine::MmaSync => 0.0,
@@ -179,11 +194,18 @@ pub fn gemm2_epilogue_seconds(gemm: &GemmPlan, route: CombineRoute, rows: u32) -
     }
 }
 
+/// The combine kernel's token lanes and the rank's share of the device they run on.
+#[derive(Clone, Copy, Debug)]
+pub struct CombineGrid<'a> {
+    pub target: &'a Target,
+    pub lanes: u32,
+}
+
 /// Seconds of the reduce at an origin of `tokens` tokens of `hidden` columns, `slots`
 /// rows summed each (its K slots, or its ranks' partials).
-pub fn combine_seconds(target: &Target, tokens: u32, slots: u32, hidden: u32) -> f64 {
+pub fn combine_seconds(grid: CombineGrid, tokens: u32, slots: u32, hidden: u32) -> f64 {
     reduce_seconds(
-        target,
+        grid,
         f64::from(tokens),
         f64::from(slots),
         hidden,
@@ -193,10 +215,10 @@ pub fn combine_seconds(target: &Target, tokens: u32, slots: u32, hidden: u32) ->
 
 /// Seconds of a rank's rank-partials pass: its `rows` GEMM2 rows read and one partial row
 /// written per received token, at the reduce's rates.
-pub fn partials_seconds(target: &Target, tokens: u32, rows: u64, hidden: u32) -> f64 {
+pub fn partials_seconds(grid: CombineGrid, tokens: u32, rows: u64, hidden: u32) -> f64 {
     let rows_per_token = rows as f64 / f64::from(tokens.max(1));
     reduce_seconds(
-        target,
+        grid,
         f64::from(tokens),
         rows_per_token,
         hidden,
@@ -205,16 +227,41 @@ pub fn partials_seconds(target: &Target, tokens: u32, rows: u64, hidden: u32) ->
 }
 
 /// `tokens` rows written, each the sum of `rows_per_token` rows read, at `efficiency` of
-/// HBM bandwidth.
+/// HBM bandwidth or what the grid's lanes move, whichever is less.
 fn reduce_seconds(
-    target: &Target,
+    grid: CombineGrid,
     tokens: f64,
     rows_per_token: f64,
     hidden: u32,
     efficiency: f64,
 ) -> f64 {
     let token_bytes = (rows_per_token + 1.0) * f64::from(hidden) * 2.0;
-    COMBINE_FIXED_S
-        + token_bytes / COMBINE_TOKEN_BYTES_PER_S
-        + tokens * token_bytes / (target.hbm_bytes_per_s * efficiency)
+    let rate = (grid.target.hbm_bytes_per_s * efficiency)
+        .min(f64::from(grid.lanes.max(1)) * COMBINE_TOKEN_BYTES_PER_S);
+    COMBINE_FIXED_S + token_bytes / COMBINE_TOKEN_BYTES_PER_S + tokens * token_bytes / rate
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A large reduce on a small grid is bound by its lanes, on a large one by HBM; a
+    /// one-token reduce costs about the same on both.
+    #[test]
+    fn a_combine_moves_at_most_its_blocks_rate() {
+        let target = Target::h200();
+        let grid = |lanes| CombineGrid {
+            target: &target,
+            lanes,
+        };
+        let (small, large) = (grid(50), grid(464));
+        let hbm_bound = 4096.0 * 9.0 * 2048.0 * 2.0 / (target.hbm_bytes_per_s * 0.75);
+        let on_large = combine_seconds(large, 4096, 8, 2048);
+        assert!(on_large < 1.1 * hbm_bound + 10e-6, "{on_large}");
+        let on_small = combine_seconds(small, 4096, 8, 2048);
+        let blocks_bound = 4096.0 * 9.0 * 2048.0 * 2.0 / (50.0 * COMBINE_TOKEN_BYTES_PER_S);
+        assert!(on_small > blocks_bound, "{on_small} against {blocks_bound}");
+        let one_token = |grid| combine_seconds(grid, 1, 8, 2048);
+        assert!((one_token(small) - one_token(large)).abs() < 0.1e-6);
+    }
 }
