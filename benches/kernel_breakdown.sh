@@ -3,6 +3,7 @@
 # clock it ran at), with its share of their sum, on the GPU machine from the project root
 # after staging (bash ../shared/device/stage.sh):
 #   bash benches/kernel_breakdown.sh MODEL TOKENS [more `moeforge run` arguments]
+#   bash benches/kernel_breakdown.sh MODEL INPUTS.safetensors [...]  (the call of an inputs file)
 #   MOEFORGE_BINARY=path/to/moeforge bash benches/kernel_breakdown.sh ...  (another build)
 # MODEL names an example in dsl-examples/. The kernels run serialised, each after a pause:
 # power-limited GEMMs run faster here than in a stream of calls (see
@@ -15,9 +16,13 @@ moeforge=${MOEFORGE_BINARY:-.device/bin/moeforge}
 export MOEFORGE_CACHE_DIR=${MOEFORGE_CACHE_DIR:-/tmp/moeforge-cache-breakdown}
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
+case $tokens in
+  *.safetensors) call=(--inputs "$tokens") ;;
+  *) call=(--tokens "$tokens" --seed 7) ;;
+esac
 "$ncu" --clock-control none -k "regex:^$model" \
   --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second --csv \
-  "$moeforge" run "dsl-examples/$model.moe" --tokens "$tokens" --seed 7 "$@" 2>/dev/null |
+  "$moeforge" run "dsl-examples/$model.moe" "${call[@]}" "$@" 2>/dev/null |
 python3 -c '
 import collections, csv, sys
 model, tokens = sys.argv[1:3]

@@ -283,7 +283,7 @@ pub const METADATA_TILE_PAIRS: u32 = 2048;
 /// eight were tried for the rank partials' pass and gained nothing once measured in
 /// alternating runs (Qwen3-30B-A3B at 4096 tokens per rank on two H200s, 2026-11-30: 810 /
 /// 828 µs with four, 834 / 844 with eight). Virtual ranks and ranks beside NCCL, whose
-/// grids keep to one block per SM (see [`residency`]), had one lane per SM then: two
+/// grids keep to one block per SM (see `residency`), had one lane per SM then: two
 /// virtual ranks' combine stages moved 8-14 GB/s per lane
 /// (benches/results/2026-12-04_simulator_virtual_ranks.md).
 pub const COMBINE_LANES: u32 = 4;
