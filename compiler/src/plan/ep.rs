@@ -199,6 +199,17 @@ impl ExpertParallelRegime {
             fused_decode: None,
         }
     }
+
+    /// Token lanes (`COMBINE_THREADS` threads each) of `combine_kernel`'s grid at a call of
+    /// `tokens` tokens per rank: 0 where this regime launches no such kernel.
+    pub fn combine_lanes(&self, combine_kernel: &str, tokens: u32) -> u32 {
+        self.launches
+            .iter()
+            .find(|launch| launch.kernel == combine_kernel)
+            .map_or(0, |launch| {
+                launch.grid.blocks(tokens) * (launch.block_threads / COMBINE_THREADS)
+            })
+    }
 }
 
 impl ExpertParallelPlan {

@@ -6,7 +6,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
 use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
-use crate::plan::{COMBINE_THREADS, Plan, Target};
+use crate::plan::{Plan, Target};
 
 /// The kind of path between two ranks.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -306,14 +306,7 @@ impl<'a> Machine<'a> {
             ffn: plan.shape.ffn,
             shared_slices: plan.shape.shared_slices,
             row_bytes: f64::from(plan.shape.hidden) * 2.0,
-            combine_lanes: regime
-                .launches
-                .iter()
-                .find(|launch| launch.kernel == ep.combine_kernel)
-                .map_or(1, |launch| {
-                    launch.grid.blocks(traffic.tokens_per_rank)
-                        * (launch.block_threads / COMBINE_THREADS).max(1)
-                }),
+            combine_lanes: regime.combine_lanes(&ep.combine_kernel, traffic.tokens_per_rank),
         }
     }
 

@@ -481,16 +481,10 @@ mod tests {
         // Arrange runs after the barrier, each kernel after a launch.
         let gemm1_start = dispatch + barrier + launch + model::ARRANGE_S + launch;
         let gemm2_end = gemm1_start + t1 + launch + t2;
-        let combine_launch = regime
-            .launches
-            .iter()
-            .find(|launch| launch.kernel == ep.combine_kernel)
-            .expect("a combine launch");
         let combine = model::combine_seconds(
             model::CombineGrid {
                 target,
-                lanes: combine_launch.grid.blocks(tokens)
-                    * (combine_launch.block_threads / crate::plan::COMBINE_THREADS),
+                lanes: regime.combine_lanes(&ep.combine_kernel, tokens),
             },
             tokens,
             2,

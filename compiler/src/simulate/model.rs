@@ -248,7 +248,7 @@ mod tests {
     /// A large reduce on a small grid is bound by its lanes, on a large one by HBM; a
     /// one-token reduce costs about the same on both.
     #[test]
-    fn a_combine_moves_at_most_its_blocks_rate() {
+    fn a_combine_moves_at_most_its_lanes_rate() {
         let target = Target::h200();
         let grid = |lanes| CombineGrid {
             target: &target,
@@ -259,8 +259,8 @@ mod tests {
         let on_large = combine_seconds(large, 4096, 8, 2048);
         assert!(on_large < 1.1 * hbm_bound + 10e-6, "{on_large}");
         let on_small = combine_seconds(small, 4096, 8, 2048);
-        let blocks_bound = 4096.0 * 9.0 * 2048.0 * 2.0 / (50.0 * COMBINE_TOKEN_BYTES_PER_S);
-        assert!(on_small > blocks_bound, "{on_small} against {blocks_bound}");
+        let lanes_bound = 4096.0 * 9.0 * 2048.0 * 2.0 / (50.0 * COMBINE_TOKEN_BYTES_PER_S);
+        assert!(on_small > lanes_bound, "{on_small} against {lanes_bound}");
         let one_token = |grid| combine_seconds(grid, 1, 8, 2048);
         assert!((one_token(small) - one_token(large)).abs() < 0.1e-6);
     }
