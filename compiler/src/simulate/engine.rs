@@ -314,6 +314,7 @@ impl<'a> Machine<'a> {
         model::CombineGrid {
             target: &self.target,
             lanes: self.combine_lanes,
+            one_device: self.topology.virtual_ranks,
         }
     }
 

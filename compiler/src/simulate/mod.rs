@@ -485,6 +485,7 @@ mod tests {
             model::CombineGrid {
                 target,
                 lanes: regime.combine_lanes(&ep.combine_kernel, tokens),
+                one_device: false,
             },
             tokens,
             2,

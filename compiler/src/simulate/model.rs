@@ -114,6 +114,12 @@ pub const GEMM2_LOCAL_EPILOGUE_BYTES_PER_S: f64 = 48e9;
 /// the combine stages of Qwen3-30B-A3B and DeepSeek-V3 at 4096 tokens per rank on two
 /// H200s (c1e28e0, 2026-11-30: 121 and 436 µs; 0.45 and 0.40 each).
 pub const PARTIALS_HBM_EFFICIENCY: f64 = 0.42;
+/// The same where every rank is on one GPU (virtual ranks): the partials stay in the
+/// device's memory and their releases are `.gpu`-scope. Fitted to the combine stages of
+/// Qwen3-30B-A3B and DeepSeek-V3 at 1024 and 4096 tokens per rank on two virtual ranks (one
+/// H200, 2026-12-04, the four-lane combine): 0.42, 0.6 and 0.75 leave +20 to +57%, −9 to
+/// +21% and −23 to +4%.
+pub const PARTIALS_HBM_EFFICIENCY_ONE_DEVICE: f64 = 0.6;
 
 /// Seconds one block of `gemm` spends on a tile of reduction depth `depth`, whose expert's
 /// weights are shared by `m_tiles` row tiles and whose rows by `n_tiles` column tiles (each
@@ -194,11 +200,13 @@ pub fn gemm2_epilogue_seconds(
     }
 }
 
-/// The combine kernel's token lanes and the rank's share of the device they run on.
+/// The combine kernel's token lanes and the rank's share of the device they run on;
+/// `one_device`: every rank on that device (virtual ranks).
 #[derive(Clone, Copy, Debug)]
 pub struct CombineGrid<'a> {
     pub target: &'a Target,
     pub lanes: u32,
+    pub one_device: bool,
 }
 
 /// Seconds of the reduce at an origin of `tokens` tokens of `hidden` columns, `slots`
@@ -222,7 +230,11 @@ pub fn partials_seconds(grid: CombineGrid, tokens: u32, rows: u64, hidden: u32) 
         f64::from(tokens),
         rows_per_token,
         hidden,
-        PARTIALS_HBM_EFFICIENCY,
+        if grid.one_device {
+            PARTIALS_HBM_EFFICIENCY_ONE_DEVICE
+        } else {
+            PARTIALS_HBM_EFFICIENCY
+        },
     )
 }
 
@@ -253,6 +265,7 @@ mod tests {
         let grid = |lanes| CombineGrid {
             target: &target,
             lanes,
+            one_device: false,
         };
         let (small, large) = (grid(50), grid(464));
         let hbm_bound = 4096.0 * 9.0 * 2048.0 * 2.0 / (target.hbm_bytes_per_s * 0.75);
