@@ -335,6 +335,19 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
             "{stderr}"
         );
     }
+    // A bench file of another layer is a usage error naming both.
+    let output = moeforge(&[
+        "simulate",
+        "dsl-examples/mixtral_8x7b.moe",
+        "--measured",
+        "benches/results/2026-12-01_ep2_at_e323b9f/2026-12-01_qwen3_30b_a3b_ep2_uniform_at_e323b9f.json",
+    ]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("measured layer `qwen3_30b_a3b`, not `mixtral_8x7b`"),
+        "{stderr}"
+    );
     // Fewer ranks than experts allow is a usage error, not a panic.
     let output = moeforge(&["simulate", "dsl-examples/tiny.moe", "--ranks", "3"]);
     assert_eq!(output.status.code(), Some(2));

@@ -82,6 +82,16 @@ pub fn run(args: &Args) -> ExitCode {
     let mut layer = (*layer).clone();
     let measured = match &args.measured {
         Some(path) => match calibration::MeasuredFile::read(path) {
+            Ok(file) if file.layer != layer.name => {
+                eprintln!(
+                    "error: {} measured layer `{}`, not `{}` of {}: pass the spec that file was benched from",
+                    path.display(),
+                    file.layer,
+                    layer.name,
+                    args.file.display()
+                );
+                return usage_error();
+            }
             Ok(file) => Some(file),
             Err(error) => {
                 eprintln!("error: {error}");
