@@ -8,7 +8,7 @@
 # safetensors), the weights are those of seed 7 in every run (the routing the caller passes
 # is then the one the router chose); the files go to a temporary folder.
 set -euo pipefail
-[ $# -eq 2 ] || { sed -n 2,8p "$0" >&2; exit 2; }
+[ $# -eq 2 ] || { sed -n 2,9p "$0" >&2; exit 2; }
 model=$1 tokens=$2
 moeforge=${MOEFORGE_BINARY:-.device/bin/moeforge}
 work=$(mktemp -d "${TMPDIR:-/tmp}/router-cost.XXXXXX")
