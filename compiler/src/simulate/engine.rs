@@ -331,8 +331,8 @@ impl<'a> Machine<'a> {
 
     fn bandwidth(&self, class: Class) -> f64 {
         match class {
-            // Virtual ranks copy within one device: read and write, half the copy rate
-            // each, as the planner assumes.
+            // Virtual ranks copy within one device: read and write, half of the rank's
+            // share of the copy rate each, as the planner assumes.
             Class::NvLink if self.topology.virtual_ranks => self.target.hbm_bytes_per_s / 2.0,
             Class::Local => self.target.hbm_bytes_per_s / 2.0,
             Class::NvLink => {
