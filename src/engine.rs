@@ -285,7 +285,9 @@ impl LayerSpec {
     /// contexts; the same one R times for virtual ranks on one GPU) with only its `E / R`
     /// experts, read from `weights` for that rank alone ([`ExpertSet::Rank`]). Its
     /// [`EpLayer::forward`] takes each rank's [`ForwardArgs`] on that rank's device;
-    /// [`EpLayer::take_error`] reports the first rank's kernel error.
+    /// [`EpLayer::take_error`] reports the first rank's kernel error. When the spec has a
+    /// router, every rank gets its gate from `weights` too, so that the calls can route
+    /// themselves ([`EpLayer::forward_routed`]), as [`LayerSpec::build`] says.
     pub fn build_expert_parallel(
         &self,
         contexts: &[Arc<CudaContext>],
@@ -315,6 +317,18 @@ impl LayerSpec {
             let parts = weights.rank_parts(&self.plan.shape, rank, ranks)?;
             experts.push(upload_parts(&stream, &parts)?);
         }
-        Ok(EpLayer::new(self.plan.clone(), contexts, modules, experts)?)
+        let gate = match &self.plan.router {
+            Some(router) => weights.gate(&self.plan.shape, &router.rule)?,
+            None => None,
+        };
+        let layer = EpLayer::new(self.plan.clone(), contexts, modules, experts)?;
+        let Some(gate) = gate else {
+            return Ok(layer);
+        };
+        let gates = contexts
+            .iter()
+            .map(|ctx| upload_gate(&ctx.default_stream(), &gate))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(layer.with_router(gates)?)
     }
 }

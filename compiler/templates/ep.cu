@@ -1,7 +1,15 @@
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: {{ ep.ranks }} ranks ({{ ep.placement }}), {{ ep.local_experts }} experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
+{%- if ep.routes_itself %}
+//   first:          router      a self-routed call only, on the compute stream: the layer's
+//                               router on this rank's tokens (its launches for their count,
+//                               no routing metadata); the kernels below read its choices as
+//                               topk_ids/topk_weights
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
+{%- else %}
+//   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
+{%- endif %}
 //                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
 //                               chunk (GEMM1 reads this rank's own rows from x)
 //   compute stream: ep_arrange  waits for every source's metadata, lays out GEMM rows per

@@ -527,8 +527,8 @@ template <class G>
 __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
                                             u32* router_tiles_done, int* routed_ids, float* routed_weights,
-                                            int* __restrict__ expert_offsets, int* __restrict__ row_pair,
-                                            int* __restrict__ error_word) {
+                                            int lays_out_routing, int* __restrict__ expert_offsets,
+                                            int* __restrict__ row_pair, int* __restrict__ error_word) {
     constexpr int WARPS = G::THREADS / 32;
     static_assert(G::FUSED && G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
     extern __shared__ __align__(128) unsigned char smem[];
@@ -606,11 +606,9 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices, unless the call runs the fused decode or
-    // the GEMMs' blocks route it, which route it themselves.
-    if constexpr (G::METADATA_LEFT_OUT_MAX_TOKENS > 0) {
-        if (tokens <= G::METADATA_LEFT_OUT_MAX_TOKENS) return;
-    }
+    // Routing metadata over every token's choices, unless something else routes the call:
+    // the fused decode, the GEMMs' blocks or the expert-parallel kernels.
+    if (!lays_out_routing) return;
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -915,9 +913,6 @@ struct {{ gate.config }} {
     enum : int { STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }} };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = {{ gate.metadata_left_out_max_tokens }} };
 {%- endif %}
 };
 extern "C" __global__ void __launch_bounds__({{ gate.threads }}){% if gate.cluster > 1 %} __cluster_dims__({{ gate.cluster }}, 1, 1){% endif %} {{ gate.entry.name }}(
@@ -926,7 +921,7 @@ extern "C" __global__ void __launch_bounds__({{ gate.threads }}){% if gate.clust
 {
 {%- if gate.fused %}
     router_fused<{{ gate.config }}>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, router_tiles_done, routed_ids,
-                                    routed_weights, expert_offsets, row_pair, error_word);
+                                    routed_weights, lays_out_routing, expert_offsets, row_pair, error_word);
 {%- else if gate.cluster > 0 %}
     router_gate_cluster<{{ gate.config }}>(x, gate_weight, {{ router.bias_arg }}, tokens, router_logits, routed_ids, routed_weights);
 {%- else if gate.warp_specialized %}

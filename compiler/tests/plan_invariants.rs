@@ -927,7 +927,9 @@ fn the_combine_covers_every_column() {
 
 /// A layer on one GPU and a rank of the expert-parallel layer load only the kernels they
 /// launch; together those are every entry point of the unit, and the one-GPU set holds
-/// the router's and no expert-parallel kernel.
+/// the router's and no expert-parallel kernel. An expert-parallel rank of a layer with a
+/// router routes its own tokens: it loads the router's kernels and holds the router's
+/// buffers, sized as on one GPU (a rank's calls have at most `max_tokens` tokens too).
 #[test]
 fn each_way_of_running_loads_the_kernels_it_launches() {
     for name in ["deepseek_v3", "tiny_two_nodes", "gpt_oss_120b"] {
@@ -949,6 +951,24 @@ fn each_way_of_running_loads_the_kernels_it_launches() {
             Some(ep) => {
                 for launch in ep.regimes.iter().flat_map(|r| &r.launches) {
                     assert!(ranks.contains(&launch.kernel), "{name}: {}", launch.kernel);
+                }
+                assert_eq!(ep.routes_itself, plan.router.is_some(), "{name}");
+                for launch in plan
+                    .router
+                    .iter()
+                    .flat_map(|r| &r.regimes)
+                    .flat_map(|r| &r.launches)
+                {
+                    assert!(ranks.contains(&launch.kernel), "{name}: {}", launch.kernel);
+                }
+                for id in plan::ROUTER_BUFFERS {
+                    let on_one_gpu = plan.workspace.iter().find(|b| b.id == id);
+                    let on_a_rank = ep.workspace.iter().find(|b| b.id == id);
+                    assert_eq!(
+                        on_a_rank,
+                        on_one_gpu.filter(|_| ep.routes_itself),
+                        "{name}: {id:?}"
+                    );
                 }
                 assert!(
                     single.len() < all.len(),
@@ -1322,6 +1342,31 @@ fn split_gates_of_a_few_hundred_tokens_run_in_clusters_that_select() {
     // An A100 has no clusters.
     let (_, gate, launches) = gates_at("qwen3_30b_a3b", &Target::a100(), 1024);
     assert_eq!((gate.engine, launches), (GateEngine::MmaSync, 2));
+    // Nor do virtual ranks route in them: beside their spinning blocks a cluster may find
+    // no GPC with enough free SMs.
+    let mut on_virtual_ranks = example_layer("qwen3_30b_a3b");
+    on_virtual_ranks.parallel.expert = 2;
+    on_virtual_ranks.topology.gpus_per_node = 1;
+    on_virtual_ranks.topology.virtual_ranks = Some(2);
+    let plan = plan::plan(&on_virtual_ranks, &h200).expect("plans");
+    assert_eq!(plan.validate(), Ok(()));
+    assert!(
+        plan.expert_parallel
+            .as_ref()
+            .is_some_and(|ep| ep.routes_itself)
+    );
+    let gates = plan
+        .router
+        .iter()
+        .flat_map(|r| &r.regimes)
+        .flat_map(|r| &r.gates);
+    assert!(gates.clone().count() > 0);
+    for gate in gates {
+        assert!(
+            !matches!(gate.engine, GateEngine::Cluster { .. }),
+            "{gate:?}"
+        );
+    }
 }
 
 /// Every expert count a cluster gate may take (whole float4s up to 256) and a few

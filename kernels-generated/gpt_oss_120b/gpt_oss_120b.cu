@@ -2345,8 +2345,8 @@ template <class G>
 __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
                                             u32* router_tiles_done, int* routed_ids, float* routed_weights,
-                                            int* __restrict__ expert_offsets, int* __restrict__ row_pair,
-                                            int* __restrict__ error_word) {
+                                            int lays_out_routing, int* __restrict__ expert_offsets,
+                                            int* __restrict__ row_pair, int* __restrict__ error_word) {
     constexpr int WARPS = G::THREADS / 32;
     static_assert(G::FUSED && G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
     extern __shared__ __align__(128) unsigned char smem[];
@@ -2424,11 +2424,9 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices, unless the call runs the fused decode or
-    // the GEMMs' blocks route it, which route it themselves.
-    if constexpr (G::METADATA_LEFT_OUT_MAX_TOKENS > 0) {
-        if (tokens <= G::METADATA_LEFT_OUT_MAX_TOKENS) return;
-    }
+    // Routing metadata over every token's choices, unless something else routes the call:
+    // the fused decode, the GEMMs' blocks or the expert-parallel kernels.
+    if (!lays_out_routing) return;
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -2727,9 +2725,6 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 163840 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 32 };
 };
 extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2740,13 +2735,14 @@ extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
     float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int lays_out_routing,  // 1: lay out the routing metadata after the select
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
     router_fused<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
-                                    routed_weights, expert_offsets, row_pair, error_word);
+                                    routed_weights, lays_out_routing, expert_offsets, row_pair, error_word);
 }
 #endif
 
@@ -2761,9 +2757,6 @@ struct mid_router_gate_64x16 {
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 92160 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate_64x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2788,9 +2781,6 @@ struct mid_router_gate_64x32 {
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 110592 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate_64x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]

@@ -10,7 +10,6 @@
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 8 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 8 experts on one GPU
-// Note: the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path
 
 // ---------------------------------------------------------------------------------------
 // Prelude: element types and PTX wrappers. No toolkit header is included, so NVRTC needs
@@ -2341,8 +2340,8 @@ template <class G>
 __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
                                             u32* router_tiles_done, int* routed_ids, float* routed_weights,
-                                            int* __restrict__ expert_offsets, int* __restrict__ row_pair,
-                                            int* __restrict__ error_word) {
+                                            int lays_out_routing, int* __restrict__ expert_offsets,
+                                            int* __restrict__ row_pair, int* __restrict__ error_word) {
     constexpr int WARPS = G::THREADS / 32;
     static_assert(G::FUSED && G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
     extern __shared__ __align__(128) unsigned char smem[];
@@ -2420,11 +2419,9 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices, unless the call runs the fused decode or
-    // the GEMMs' blocks route it, which route it themselves.
-    if constexpr (G::METADATA_LEFT_OUT_MAX_TOKENS > 0) {
-        if (tokens <= G::METADATA_LEFT_OUT_MAX_TOKENS) return;
-    }
+    // Routing metadata over every token's choices, unless something else routes the call:
+    // the fused decode, the GEMMs' blocks or the expert-parallel kernels.
+    if (!lays_out_routing) return;
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -2594,9 +2591,6 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 64 };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2606,13 +2600,14 @@ extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_decode_router(
     u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
     float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int lays_out_routing,  // 1: lay out the routing metadata after the select
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
     router_fused<decode_router_gate>(x, gate_weight, nullptr, tokens, router_logits, router_tiles_done, routed_ids,
-                                    routed_weights, expert_offsets, row_pair, error_word);
+                                    routed_weights, lays_out_routing, expert_offsets, row_pair, error_word);
 }
 #endif
 
@@ -2627,9 +2622,6 @@ struct mid_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_mid_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2639,13 +2631,14 @@ extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_mid_router(
     u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
     float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int lays_out_routing,  // 1: lay out the routing metadata after the select
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
     router_fused<mid_router_gate>(x, gate_weight, nullptr, tokens, router_logits, router_tiles_done, routed_ids,
-                                    routed_weights, expert_offsets, row_pair, error_word);
+                                    routed_weights, lays_out_routing, expert_offsets, row_pair, error_word);
 }
 #endif
 
@@ -2660,9 +2653,6 @@ struct prefill_router_gate_32x16_cluster8 {
     enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 98432 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(8, 1, 1) mixtral_8x7b_prefill_router_gate_32x16_cluster8(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2688,9 +2678,6 @@ struct prefill_router_gate_64x16_cluster8 {
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 82176 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(8, 1, 1) mixtral_8x7b_prefill_router_gate_64x16_cluster8(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2716,9 +2703,6 @@ struct prefill_router_gate_16x16 {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 98304 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_16x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2743,9 +2727,6 @@ struct prefill_router_gate_64x16 {
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_64x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2770,9 +2751,6 @@ struct prefill_router_gate_128x16 {
     enum : int { STAGE_BYTES = 18432, SMEM_BYTES = 110592 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_128x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2882,6 +2860,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mixtral_8x7b_combi
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 8 ranks (one GPU per rank), 1 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
+//   first:          router      a self-routed call only, on the compute stream: the layer's
+//                               router on this rank's tokens (its launches for their count,
+//                               no routing metadata); the kernels below read its choices as
+//                               topk_ids/topk_weights
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
 //                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
 //                               chunk (GEMM1 reads this rank's own rows from x)

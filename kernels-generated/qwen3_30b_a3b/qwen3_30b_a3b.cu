@@ -10,7 +10,6 @@
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 8 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 128 experts on one GPU
-// Note: the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path
 
 // ---------------------------------------------------------------------------------------
 // Prelude: element types and PTX wrappers. No toolkit header is included, so NVRTC needs
@@ -2275,8 +2274,8 @@ template <class G>
 __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_weight,
                                             const float* __restrict__ gate_bias, int tokens, float* router_logits,
                                             u32* router_tiles_done, int* routed_ids, float* routed_weights,
-                                            int* __restrict__ expert_offsets, int* __restrict__ row_pair,
-                                            int* __restrict__ error_word) {
+                                            int lays_out_routing, int* __restrict__ expert_offsets,
+                                            int* __restrict__ row_pair, int* __restrict__ error_word) {
     constexpr int WARPS = G::THREADS / 32;
     static_assert(G::FUSED && G::SMEM_BYTES >= router_scratch_bytes<G>(), "plan: the later phases' scratch fits the rings");
     extern __shared__ __align__(128) unsigned char smem[];
@@ -2354,11 +2353,9 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         __syncthreads();
     }
 
-    // Routing metadata over every token's choices, unless the call runs the fused decode or
-    // the GEMMs' blocks route it, which route it themselves.
-    if constexpr (G::METADATA_LEFT_OUT_MAX_TOKENS > 0) {
-        if (tokens <= G::METADATA_LEFT_OUT_MAX_TOKENS) return;
-    }
+    // Routing metadata over every token's choices, unless something else routes the call:
+    // the fused decode, the GEMMs' blocks or the expert-parallel kernels.
+    if (!lays_out_routing) return;
     int* s_count = reinterpret_cast<int*>(smem);
     route_pairs<G::THREADS>(routed_ids, tokens, expert_offsets, row_pair, error_word, s_count, s_count + GEMM_EXPERTS);
 }
@@ -2656,9 +2653,6 @@ struct decode_router_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 163840 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 16 };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2668,13 +2662,14 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
     u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
     int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
     float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int lays_out_routing,  // 1: lay out the routing metadata after the select
     int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
     router_fused<decode_router_gate>(x, gate_weight, nullptr, tokens, router_logits, router_tiles_done, routed_ids,
-                                    routed_weights, expert_offsets, row_pair, error_word);
+                                    routed_weights, lays_out_routing, expert_offsets, row_pair, error_word);
 }
 #endif
 
@@ -2689,9 +2684,6 @@ struct mid_router_gate_32x128_cluster8 {
     enum : int { STAGE_BYTES = 20480, SMEM_BYTES = 83968 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(8, 1, 1) qwen3_30b_a3b_mid_router_gate_32x128_cluster8(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2717,9 +2709,6 @@ struct mid_router_gate_64x128_cluster8 {
     enum : int { STAGE_BYTES = 24576, SMEM_BYTES = 102400 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(8, 1, 1) qwen3_30b_a3b_mid_router_gate_64x128_cluster8(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2745,9 +2734,6 @@ struct prefill_router_gate_64x32 {
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2772,9 +2758,6 @@ struct prefill_router_gate_64x64 {
     enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
-    // Calls of up to this many tokens run the fused decode or are routed in the GEMMs' blocks,
-    // which route them themselves: no routing metadata for them (0: none).
-    enum : int { METADATA_LEFT_OUT_MAX_TOKENS = 0 };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x64(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2932,6 +2915,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_comb
 // ---------------------------------------------------------------------------------------
 // Expert parallelism: 8 ranks (one GPU per rank), 16 experts each.
 // One call, per rank (no barrier between ranks anywhere; flags carry the call's epoch):
+//   first:          router      a self-routed call only, on the compute stream: the layer's
+//                               router on this rank's tokens (its launches for their count,
+//                               no routing metadata); the kernels below read its choices as
+//                               topk_ids/topk_weights
 //   comm stream:    ep_route    metadata per destination (counts, receive index), one flag
 //                   ep_dispatch token rows to peers, a chunk of CHUNK at a time, one flag per
 //                               chunk (GEMM1 reads this rank's own rows from x)

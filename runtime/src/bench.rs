@@ -9,14 +9,16 @@
 
 use cudarc::driver::CudaGraph;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use moeforge_compiler::plan::{LayerShape, Target};
+use moeforge_compiler::plan::{BufferId, LayerShape, Target};
 use serde::Serialize;
 
 use crate::baseline::{BaselineError, CublasBaseline};
 use crate::bf16;
 use crate::ep::{DispatchStageSplit, EpLayer, GemmStageSplit, StageMarks, StageTimes};
 use crate::gpu::{DriverContext, GpuError};
-use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
+use crate::harness::{
+    BuiltLayer, DeviceWorkload, HarnessError, Session, download_values, upload_poisoned,
+};
 use crate::layer::{ForwardArgs, RoutedForwardArgs};
 use crate::nccl_pipeline::{NcclPipeline, NcclPipelineError, Phase};
 use crate::process_group::ChannelError;
@@ -639,6 +641,80 @@ pub struct ExpertParallelRow {
     /// Of the communication stages' time (dispatch + combine), the share the overlapped
     /// schedule hid: (sum of the stages − overlapped call) / (dispatch + combine), in [0, 1].
     pub hidden_share: f64,
+    /// Where the layer has a router: the overlapped call routing itself (each rank's
+    /// router on its own x, then the call on its choices), wall time per call as
+    /// `expert_parallel_us`.
+    pub self_routed_us: Option<f64>,
+    /// The overlapped call given those same choices by the caller (the routers' of the
+    /// last self-routed call): the self-routed call less this is what the routers cost.
+    pub on_its_routing_us: Option<f64>,
+}
+
+/// Wall time per call of `one_call` on `ep` (after warm-up calls): the median of
+/// [`PIPELINED_PASSES`] passes of `iterations` calls with no host synchronisation
+/// between them, the host's launches included.
+fn pipelined_call_us(
+    ep: &mut EpLayer,
+    iterations: usize,
+    mut one_call: impl FnMut(&mut EpLayer) -> Result<(), BenchError>,
+) -> Result<f64, BenchError> {
+    for _ in 0..WARMUP_CALLS {
+        one_call(ep)?;
+    }
+    ep.take_error()?;
+    let us = median_of_passes(|| -> Result<f64, BenchError> {
+        let started = std::time::Instant::now();
+        for _ in 0..iterations {
+            one_call(ep)?;
+        }
+        ep.synchronize()?;
+        Ok(started.elapsed().as_secs_f64() * 1e6 / iterations as f64)
+    })?;
+    ep.take_error()?;
+    Ok(us)
+}
+
+/// Times the overlapped call on `inputs` routing itself, then given the choices its
+/// routers made as the caller's: `(self-routed µs, on its routing µs)`.
+fn time_self_routed_expert_parallel(
+    ep: &mut EpLayer,
+    inputs: &mut [DeviceWorkload],
+    iterations: usize,
+) -> Result<(f64, f64), BenchError> {
+    let self_routed_us = pipelined_call_us(ep, iterations, |ep| {
+        let mut args: Vec<RoutedForwardArgs<'_>> = inputs
+            .iter_mut()
+            .map(|io| RoutedForwardArgs {
+                tokens: io.tokens,
+                x: &io.x,
+                y: &mut io.y,
+            })
+            .collect();
+        Ok(ep.forward_routed(&mut args)?)
+    })?;
+    let shape = ep.plan().shape.clone();
+    let k = shape.top_k as usize;
+    let mut chosen = Vec::with_capacity(inputs.len());
+    for (r, io) in inputs.iter().enumerate() {
+        let stream = ep.stream(r);
+        let pairs = io.tokens as usize * k;
+        let buffer = |id| {
+            ep.workspace_buffer(r, id)
+                .ok_or(crate::layer::LayerError::MissingWorkspace { buffer: id.name() })
+        };
+        let workload = Workload {
+            tokens: io.tokens,
+            x: stream.clone_dtoh(&io.x).context("downloading x")?,
+            topk_ids: download_values(stream, buffer(BufferId::RoutedIds)?, pairs)?,
+            topk_weights: download_values(stream, buffer(BufferId::RoutedWeights)?, pairs)?,
+        };
+        chosen.push(upload_poisoned(stream, &shape, &workload)?);
+    }
+    let on_its_routing_us = pipelined_call_us(ep, iterations, |ep| {
+        let mut args: Vec<ForwardArgs<'_>> = chosen.iter_mut().map(DeviceWorkload::args).collect();
+        Ok(ep.forward(&mut args)?)
+    })?;
+    Ok((self_routed_us, on_its_routing_us))
 }
 
 /// Bulk-synchronous calls whose stages are timed with events (each is synchronised).
@@ -692,24 +768,11 @@ pub fn bench_expert_parallel(
             }
             Ok(())
         };
-        let mut per_call_us = |ep: &mut EpLayer, schedule| -> Result<f64, BenchError> {
-            for _ in 0..WARMUP_CALLS {
-                call(ep, schedule, None)?;
-            }
-            ep.take_error()?;
-            let us = median_of_passes(|| -> Result<f64, BenchError> {
-                let started = std::time::Instant::now();
-                for _ in 0..iterations {
-                    call(ep, schedule, None)?;
-                }
-                ep.synchronize()?;
-                Ok(started.elapsed().as_secs_f64() * 1e6 / iterations as f64)
-            })?;
-            ep.take_error()?;
-            Ok(us)
-        };
-        let expert_parallel_us = per_call_us(ep, Schedule::Overlapped)?;
-        let bulk_synchronous_us = per_call_us(ep, Schedule::BulkSynchronous)?;
+        let expert_parallel_us =
+            pipelined_call_us(ep, iterations, |ep| call(ep, Schedule::Overlapped, None))?;
+        let bulk_synchronous_us = pipelined_call_us(ep, iterations, |ep| {
+            call(ep, Schedule::BulkSynchronous, None)
+        })?;
         let marks = StageMarks::new(ep)?;
         let mut stages = StageTimes::default();
         let mut dispatch_split = DispatchStageSplit::default();
@@ -738,6 +801,12 @@ pub fn bench_expert_parallel(
                 (Some(us), Some(stages))
             }
             None => (None, None),
+        };
+        let (self_routed_us, on_its_routing_us) = if ep.routes_itself() {
+            let (routed, given) = time_self_routed_expert_parallel(ep, &mut inputs, iterations)?;
+            (Some(routed), Some(given))
+        } else {
+            (None, None)
         };
         let communication = stages.dispatch_us + stages.combine_us;
         let hidden_share =
@@ -804,6 +873,8 @@ pub fn bench_expert_parallel(
             nccl_us,
             nccl_stages,
             hidden_share,
+            self_routed_us,
+            on_its_routing_us,
         };
         progress(&row);
         rows.push(row);

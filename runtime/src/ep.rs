@@ -12,8 +12,10 @@
 //! nodes. A call enqueues, per rank: the communication stream waits for
 //! the compute stream's earlier work, then takes the metadata and dispatch kernels; the
 //! compute stream takes arrange, the GEMMs and combine, then waits for the communication
-//! stream. Within a call the ranks synchronise only through the kernels' flags; each call
-//! raises the epoch the flags compare against, so no flag is ever reset.
+//! stream. A call that routes itself ([`EpLayer::forward_routed`]) first runs the layer's
+//! router on each rank's own tokens, on its compute stream, ahead of both. Within a call the ranks
+//! synchronise only through the kernels' flags; each call raises the epoch the flags
+//! compare against, so no flag is ever reset.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,8 +29,8 @@ use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 use crate::gpu::{DriverContext, GpuError, LoadedKernels};
 use crate::ipc::{self, ExportableBuffer, PeerMappings};
 use crate::layer::{
-    ArgValue, ExpertWeights, ForwardArgs, LayerError, WeightTensorMaps, kernel_error, launch_with,
-    load_kernel, ptr, read_error_word,
+    ArgValue, ExpertWeights, ForwardArgs, GateWeights, LayerError, RoutedForwardArgs,
+    WeightTensorMaps, check_len, kernel_error, launch_with, load_kernel, ptr, read_error_word,
 };
 use crate::network::{self, NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
 use crate::process_group::ControlChannel;
@@ -50,6 +52,33 @@ enum Binding {
     Workspace(usize),
     /// The tensor map at this position of the rank's `tensor_maps`.
     TensorMap(usize),
+    /// The router's gate weights and bias, on the rank's device.
+    GateWeight,
+    GateBias,
+    /// 0 for a fused router's `lays_out_routing`: the expert-parallel kernels route.
+    NoRoutingLayout,
+    /// A null pointer: a fused router's routing-metadata buffers, which it leaves alone
+    /// when it lays out no routing metadata.
+    Unused,
+}
+
+/// A fused router's routing-metadata buffers (the single-GPU route's), which a rank does
+/// not hold: its router lays out no metadata.
+const ROUTER_METADATA: [BufferId; 3] = [
+    BufferId::ExpertOffsets,
+    BufferId::RowPair,
+    BufferId::ErrorWord,
+];
+
+/// One rank's buffers for one call, as device addresses: the caller's, or (a call that
+/// routes itself) the rank's own choices in place of `topk_ids` and `topk_weights`.
+#[derive(Clone, Copy)]
+struct RankCall {
+    tokens: u32,
+    x: u64,
+    y: u64,
+    topk_ids: u64,
+    topk_weights: u64,
 }
 
 /// A workspace buffer's memory: from the stream-ordered pool, or, for the buffers peers
@@ -88,7 +117,11 @@ struct Rank {
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
     /// Per regime, each launch's function and bindings (in the plan's launch order).
     regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
-    _module: LoadedKernels,
+    /// The router's gate on this rank's device and, per single-GPU regime, the router's
+    /// launches (empty until [`EpLayer::with_router`]).
+    gate: Option<GateWeights>,
+    router_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
+    module: LoadedKernels,
 }
 
 pub struct EpLayer {
@@ -386,15 +419,159 @@ impl EpLayer {
         Ok(())
     }
 
+    /// The layer with its router: `gates[r]` is the gate (the same weights on every rank)
+    /// on the device of the `r`-th rank this process drives. Its calls may then route
+    /// themselves ([`EpLayer::forward_routed`]). The plan must have a router.
+    pub fn with_router(mut self, gates: Vec<GateWeights>) -> Result<Self, LayerError> {
+        let router = match &self.plan.router {
+            Some(router) if self.ep.routes_itself => router,
+            _ => return Err(LayerError::NoRouter),
+        };
+        if gates.len() != self.ranks.len() {
+            return Err(LayerError::RankCount {
+                ranks: self.ranks.len() as u32,
+                given: gates.len(),
+            });
+        }
+        let shape = &self.plan.shape;
+        for (rank, gate) in self.ranks.iter_mut().zip(gates) {
+            gate.check(shape, router)?;
+            let ctx = rank.compute.context();
+            let mut tensor_maps = WeightTensorMaps {
+                shape,
+                experts: self.ep.experts_per_rank + shape.shared_slices,
+                weights: &rank.weights,
+                gate_weight: Some(&gate.weight),
+                stream: &rank.compute,
+                maps: std::mem::take(&mut rank.tensor_maps),
+            };
+            let mut loaded = Vec::new();
+            let mut kernels = Vec::with_capacity(router.regimes.len());
+            for regime in &router.regimes {
+                let mut launches = Vec::with_capacity(regime.launches.len());
+                for launch in &regime.launches {
+                    let function = load_kernel(&rank.module, &mut loaded, launch)?;
+                    load_now(ctx, &function, &launch.kernel)?;
+                    let bindings = launch
+                        .params
+                        .iter()
+                        .map(|p| bind_router(p.arg, &rank.workspace, &mut tensor_maps))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    launches.push((function, bindings));
+                }
+                kernels.push(launches);
+            }
+            rank.tensor_maps = tensor_maps.maps;
+            rank.router_kernels = kernels;
+            rank.gate = Some(gate);
+        }
+        Ok(self)
+    }
+
+    /// Whether the layer's calls can route themselves: it has a router and
+    /// [`EpLayer::with_router`] gave it the gate.
+    pub fn routes_itself(&self) -> bool {
+        self.ranks.iter().all(|rank| rank.gate.is_some())
+    }
+
+    /// Rank `r`'s workspace buffer `id` (bytes; the plan gives its element type): after a
+    /// call that routed itself, `routed_ids`, `routed_weights` and `router_logits` hold its
+    /// router's choices and logits.
+    pub fn workspace_buffer(&self, r: usize, id: BufferId) -> Option<&CudaSlice<u8>> {
+        workspace(&self.ranks[r].workspace, id).ok()
+    }
+
     /// Enqueues one call: `args[r]` is rank `r`'s tokens (on its device; in a group, one
     /// entry, this process's rank). Does not synchronise. The ranks meet only through the
     /// kernels' flags; in a group every rank makes the same sequence of calls.
     pub fn forward(&mut self, args: &mut [ForwardArgs<'_>]) -> Result<(), LayerError> {
+        let calls = self.caller_routed_calls(args)?;
+        self.forward_calls(&calls, false)
+    }
+
+    /// Enqueues one call that routes itself: each rank's router chooses the experts and
+    /// weights of `args[r]`'s tokens (into its `routed_ids` and `routed_weights`), then
+    /// the call runs as [`EpLayer::forward`] on those choices. Needs
+    /// [`EpLayer::with_router`]. Does not synchronise.
+    pub fn forward_routed(&mut self, args: &mut [RoutedForwardArgs<'_>]) -> Result<(), LayerError> {
+        if !self.routes_itself() {
+            return Err(if self.plan.router.is_some() {
+                LayerError::NoGateWeights
+            } else {
+                LayerError::NoRouter
+            });
+        }
+        if args.len() != self.ranks.len() {
+            return Err(LayerError::RankCount {
+                ranks: self.ranks.len() as u32,
+                given: args.len(),
+            });
+        }
+        let hidden = u64::from(self.plan.shape.hidden);
+        let calls = args
+            .iter()
+            .zip(&self.ranks)
+            .map(|(a, rank)| {
+                let t = u64::from(a.tokens);
+                check_len("x", a.x.len(), t * hidden)?;
+                check_len("y", a.y.len(), t * hidden)?;
+                let stream = &rank.comm;
+                Ok(RankCall {
+                    tokens: a.tokens,
+                    x: ptr(a.x, stream),
+                    y: ptr(a.y, stream),
+                    topk_ids: ptr(workspace(&rank.workspace, BufferId::RoutedIds)?, stream),
+                    topk_weights: ptr(workspace(&rank.workspace, BufferId::RoutedWeights)?, stream),
+                })
+            })
+            .collect::<Result<Vec<_>, LayerError>>()?;
+        self.forward_calls(&calls, true)
+    }
+
+    /// Checks a caller-routed call's arguments and resolves them to device addresses.
+    fn caller_routed_calls(
+        &self,
+        args: &mut [ForwardArgs<'_>],
+    ) -> Result<Vec<RankCall>, LayerError> {
+        let shape = &self.plan.shape;
+        if args.len() != self.ranks.len() {
+            return Err(LayerError::RankCount {
+                ranks: self.ranks.len() as u32,
+                given: args.len(),
+            });
+        }
+        args.iter()
+            .zip(&self.ranks)
+            .map(|(a, rank)| {
+                a.check(shape.hidden, shape.top_k)?;
+                let stream = &rank.comm;
+                Ok(RankCall {
+                    tokens: a.tokens,
+                    x: ptr(a.x, stream),
+                    y: ptr(a.y, stream),
+                    topk_ids: ptr(a.topk_ids, stream),
+                    topk_weights: ptr(a.topk_weights, stream),
+                })
+            })
+            .collect()
+    }
+
+    /// Enqueues one call on `calls` (see [`EpLayer::forward`]); with `routed`, each rank's
+    /// router first.
+    fn forward_calls(&mut self, calls: &[RankCall], routed: bool) -> Result<(), LayerError> {
         if let Some(network) = self.network() {
             network.path.refuse_if_abandoned()?;
         }
-        let regimes = self.begin_call(args)?;
+        let regimes = self.begin_call(calls)?;
         let withheld = self.withheld.take();
+        // Each rank's router first, on its compute stream, which the communication stream
+        // then waits for with the rest of that stream's work: no kernel of the rank's call
+        // spins on a flag meanwhile, so the router has the rank's SMs.
+        if routed {
+            for (r, call) in calls.iter().enumerate() {
+                self.enqueue_router(r, call)?;
+            }
+        }
         for rank in &self.ranks {
             rank.comm
                 .join(&rank.compute)
@@ -417,16 +594,16 @@ impl EpLayer {
                 .context("ordering the receives after the last call's kernels")?;
         }
         // Communication first on every rank: the compute kernels wait on it.
-        for (r, a) in args.iter_mut().enumerate() {
+        for (r, call) in calls.iter().enumerate() {
             if withheld != Some(r) {
-                self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
+                self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Comm)?;
             }
         }
         let combine = self.ep.combine_kernel.clone();
         match self.network() {
             None => {
-                for (r, a) in args.iter_mut().enumerate() {
-                    self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Compute)?;
+                for (r, call) in calls.iter().enumerate() {
+                    self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)?;
                 }
             }
             Some(network) => {
@@ -436,15 +613,15 @@ impl EpLayer {
                 if sending {
                     network.path.enqueue_dispatch(epoch)?;
                 }
-                let a = &mut args[0];
-                self.enqueue(0, a, regimes[0], |l| {
+                let call = &calls[0];
+                self.enqueue(0, call, regimes[0], |l| {
                     l.stream == StreamRole::Compute && l.kernel != combine
                 })?;
                 network
                     .gemm2_done
                     .record(&self.ranks[0].compute)
                     .context("recording the end of GEMM2")?;
-                self.enqueue(0, a, regimes[0], |l| l.kernel == combine)?;
+                self.enqueue(0, call, regimes[0], |l| l.kernel == combine)?;
                 if sending {
                     network.path.enqueue_results(epoch, &network.gemm2_done)?;
                 }
@@ -474,7 +651,8 @@ impl EpLayer {
             // Its barriers are stream events, which do not cross processes.
             return Err(LayerError::BulkSynchronousInGroup);
         }
-        let regimes = self.begin_call(args)?;
+        let calls = self.caller_routed_calls(args)?;
+        let regimes = self.begin_call(&calls)?;
         let combine = self.ep.combine_kernel.clone();
         let streams = |role: StreamRole| -> Vec<Arc<CudaStream>> {
             self.ranks
@@ -489,7 +667,7 @@ impl EpLayer {
         // The previous call is over on every rank before any rank starts this one.
         barrier(&compute, &comm)?;
         mark(marks, 0, &comm[0])?;
-        for (r, a) in args.iter_mut().enumerate() {
+        for (r, a) in calls.iter().enumerate() {
             if r == 0 && marks.is_some() {
                 // Rank 0's metadata, then its token rows, each followed by a mark.
                 let route = &self.ep.route_kernel;
@@ -505,7 +683,7 @@ impl EpLayer {
         }
         barrier(&comm, &compute)?;
         mark(marks, 3, &compute[0])?;
-        for (r, a) in args.iter_mut().enumerate() {
+        for (r, a) in calls.iter().enumerate() {
             let regime = &self.ep.regimes[regimes[r]];
             // Rank 0's arrange, GEMM1 and GEMM2 one at a time, each followed by a mark.
             let steps: [&dyn Fn(&Launch) -> bool; 3] = [
@@ -528,7 +706,7 @@ impl EpLayer {
         }
         barrier(&compute, &compute)?;
         mark(marks, 6, &compute[0])?;
-        for (r, a) in args.iter_mut().enumerate() {
+        for (r, a) in calls.iter().enumerate() {
             self.enqueue(r, a, regimes[r], |l| l.kernel == combine)?;
         }
         if marks.is_some() {
@@ -538,18 +716,11 @@ impl EpLayer {
         Ok(())
     }
 
-    /// Checks a call's arguments, raises the epoch and returns each rank's regime.
-    fn begin_call(&mut self, args: &[ForwardArgs<'_>]) -> Result<Vec<usize>, LayerError> {
+    /// Raises the epoch and returns each rank's regime for `calls` (checked already).
+    fn begin_call(&mut self, calls: &[RankCall]) -> Result<Vec<usize>, LayerError> {
         let shape = &self.plan.shape;
-        if args.len() != self.ranks.len() {
-            return Err(LayerError::RankCount {
-                ranks: self.ranks.len() as u32,
-                given: args.len(),
-            });
-        }
-        let mut regimes = Vec::with_capacity(args.len());
-        for a in args {
-            a.check(shape.hidden, shape.top_k)?;
+        let mut regimes = Vec::with_capacity(calls.len());
+        for a in calls {
             regimes.push(
                 self.ep
                     .regime_index_for(a.tokens)
@@ -566,16 +737,42 @@ impl EpLayer {
         Ok(regimes)
     }
 
+    /// Enqueues rank `r`'s router launches for `call`'s token count on its compute stream
+    /// (none at T = 0: nothing to route).
+    fn enqueue_router(&self, r: usize, call: &RankCall) -> Result<(), LayerError> {
+        let rank = &self.ranks[r];
+        let (Some(router), Some(index)) =
+            (&self.plan.router, self.plan.regime_index_for(call.tokens))
+        else {
+            return Err(LayerError::NoRouter);
+        };
+        if call.tokens == 0 {
+            return Ok(());
+        }
+        let regime = &router.regimes[index];
+        for launch in regime.launches_for(call.tokens) {
+            let (function, bindings) = &rank.router_kernels[index][launch];
+            self.launch(
+                rank,
+                &rank.comm,
+                &regime.launches[launch],
+                function,
+                bindings,
+                call,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Enqueues rank `r`'s launches of `regime` that `chosen` picks, each on its stream.
     fn enqueue(
         &self,
         r: usize,
-        a: &mut ForwardArgs<'_>,
+        a: &RankCall,
         regime: usize,
         chosen: impl Fn(&Launch) -> bool,
     ) -> Result<(), LayerError> {
         let rank = &self.ranks[r];
-        let epoch = self.epoch;
         for (launch, (function, bindings)) in self.ep.regimes[regime]
             .launches
             .iter()
@@ -588,39 +785,71 @@ impl EpLayer {
                 StreamRole::Comm => &rank.comm,
                 StreamRole::Compute => &rank.compute,
             };
-            let values: Vec<ArgValue> = bindings
-                .iter()
-                .map(|binding| match *binding {
-                    Binding::X => ArgValue::Pointer(ptr(a.x, stream)),
-                    Binding::TopkIds => ArgValue::Pointer(ptr(a.topk_ids, stream)),
-                    Binding::TopkWeights => ArgValue::Pointer(ptr(a.topk_weights, stream)),
-                    Binding::Y => ArgValue::Pointer(ptr(a.y, stream)),
-                    Binding::Tokens => ArgValue::Int(a.tokens as i32),
-                    Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
-                    Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
-                    Binding::Rank => ArgValue::Int(rank.index as i32),
-                    Binding::Epoch => ArgValue::Int(epoch as i32),
-                    Binding::Workspace(i) => {
-                        ArgValue::Pointer(ptr(rank.workspace[i].1.slice(), stream))
-                    }
-                    Binding::TensorMap(i) => ArgValue::TensorMap(rank.tensor_maps[i].1),
-                })
-                .collect();
-            let config = LaunchConfig {
-                grid_dim: (launch.grid.blocks(a.tokens), 1, 1),
-                block_dim: (launch.block_threads, 1, 1),
-                shared_mem_bytes: launch.smem_bytes,
-            };
-            // SAFETY: codegen wrote this kernel's parameters from `launch.params`
-            // (pointers for buffers, 32-bit integers for tokens, rank and epoch, tensor
-            // maps by value over this rank's weights); `new`
-            // validated the plan and sized every workspace buffer from it, and the
-            // caller's buffers were checked in `begin_call`.
-            unsafe { launch_with(stream, function, config, &values, false) }.context(format!(
-                "launching `{}` on rank {}",
-                launch.kernel, rank.index
-            ))?;
+            self.launch(rank, stream, launch, function, bindings, a)?;
         }
+        Ok(())
+    }
+
+    /// Enqueues `launch` of `rank` on `stream` with `call`'s values; a launch whose grid
+    /// is empty (blocks per token at T = 0) is skipped.
+    fn launch(
+        &self,
+        rank: &Rank,
+        stream: &CudaStream,
+        launch: &Launch,
+        function: &CudaFunction,
+        bindings: &[Binding],
+        call: &RankCall,
+    ) -> Result<(), LayerError> {
+        let blocks = launch.grid.blocks(call.tokens);
+        if blocks == 0 {
+            return Ok(());
+        }
+        let gate = rank.gate.as_ref();
+        let values: Vec<ArgValue> = bindings
+            .iter()
+            .map(|binding| match *binding {
+                Binding::X => ArgValue::Pointer(call.x),
+                Binding::TopkIds => ArgValue::Pointer(call.topk_ids),
+                Binding::TopkWeights => ArgValue::Pointer(call.topk_weights),
+                Binding::Y => ArgValue::Pointer(call.y),
+                Binding::Tokens => ArgValue::Int(call.tokens as i32),
+                Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
+                Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
+                Binding::Rank => ArgValue::Int(rank.index as i32),
+                Binding::Epoch => ArgValue::Int(self.epoch as i32),
+                Binding::Workspace(i) => {
+                    ArgValue::Pointer(ptr(rank.workspace[i].1.slice(), stream))
+                }
+                Binding::TensorMap(i) => ArgValue::TensorMap(rank.tensor_maps[i].1),
+                // Router launches are bound only with a gate (`with_router` checked that it
+                // has a bias exactly where the rule takes one).
+                Binding::GateWeight => {
+                    ArgValue::Pointer(gate.map_or(0, |g| ptr(&g.weight, stream)))
+                }
+                Binding::GateBias => ArgValue::Pointer(
+                    gate.and_then(|g| g.bias.as_ref())
+                        .map_or(0, |bias| ptr(bias, stream)),
+                ),
+                Binding::NoRoutingLayout => ArgValue::Int(0),
+                Binding::Unused => ArgValue::Pointer(0),
+            })
+            .collect();
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (launch.block_threads, 1, 1),
+            shared_mem_bytes: launch.smem_bytes,
+        };
+        // SAFETY: codegen wrote this kernel's parameters from `launch.params` (pointers
+        // for buffers, 32-bit integers for tokens, rank, epoch and the router's layout
+        // switch, tensor maps by value over this rank's weights or gate); `new` validated
+        // the plan and sized every workspace buffer from it, the caller's buffers were
+        // checked in `forward` or `forward_routed`, and a router told to lay out no
+        // metadata never touches the null pointers of its metadata buffers.
+        unsafe { launch_with(stream, function, config, &values, false) }.context(format!(
+            "launching `{}` on rank {}",
+            launch.kernel, rank.index
+        ))?;
         Ok(())
     }
 
@@ -907,7 +1136,9 @@ fn build_rank(
         weights,
         tensor_maps,
         regime_kernels,
-        _module: module,
+        gate: None,
+        router_kernels: Vec::new(),
+        module,
     })
 }
 
@@ -1089,8 +1320,26 @@ fn bind(
         | LaunchArg::W2Bias
         | LaunchArg::IntermediateTiles { .. }
         | LaunchArg::SortedXTiles { .. }
-        | LaunchArg::RoutesInBlocks => {
+        | LaunchArg::RoutesInBlocks
+        | LaunchArg::LaysOutRouting => {
             return Err(LayerError::SingleGpuArg { arg: arg.name() });
         }
+    })
+}
+
+/// [`bind`] for a router launch on a rank: its gate, no routing metadata (see
+/// [`ROUTER_METADATA`]), the rest as the expert-parallel kernels bind them.
+fn bind_router(
+    arg: LaunchArg,
+    workspace: &[(BufferId, WorkspaceMemory)],
+    tensor_maps: &mut WeightTensorMaps<'_>,
+) -> Result<Binding, LayerError> {
+    Ok(match arg {
+        LaunchArg::GateWeight => Binding::GateWeight,
+        LaunchArg::GateBias => Binding::GateBias,
+        LaunchArg::GateWeightTiles { .. } => Binding::TensorMap(tensor_maps.position(arg)?),
+        LaunchArg::LaysOutRouting => Binding::NoRoutingLayout,
+        LaunchArg::Workspace(id) if ROUTER_METADATA.contains(&id) => Binding::Unused,
+        _ => bind(arg, workspace, tensor_maps)?,
     })
 }

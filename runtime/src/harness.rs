@@ -693,13 +693,8 @@ impl Session {
         let module = self
             .gpu
             .load_kernels(&kernels, &plan.expert_parallel_entry_points())?;
-        Ok(EpLayer::join_group(
-            plan.clone(),
-            &self.gpu.ctx,
-            module,
-            weights,
-            channel,
-        )?)
+        let layer = EpLayer::join_group(plan.clone(), &self.gpu.ctx, module, weights, channel)?;
+        with_router(built, layer, std::slice::from_ref(&self.gpu.ctx))
     }
 
     /// The expert-parallel layer of `built`'s plan with the caller's weights: rank `r` on
@@ -722,12 +717,8 @@ impl Session {
                 Gpu::load_kernels_into(ctx, &kernels, &entry_points)?
             });
         }
-        Ok(EpLayer::new(
-            built.layer.plan().clone(),
-            contexts,
-            modules,
-            weights,
-        )?)
+        let layer = EpLayer::new(built.layer.plan().clone(), contexts, modules, weights)?;
+        with_router(built, layer, contexts)
     }
 
     /// Runs one expert-parallel call, rank `r` on `workloads[r]`, and checks every rank's
@@ -757,6 +748,74 @@ impl Session {
             .map(|(r, (io, workload))| {
                 let y = layer.stream(r).clone_dtoh(&io.y).context("downloading y")?;
                 self.check_output(built, workload, &y, max_checked_tokens, seed)
+            })
+            .collect()
+    }
+
+    /// Runs one expert-parallel call that routes itself, rank `r` on the activations
+    /// `xs[r]` of `tokens[r]` tokens, and checks every rank as [`Session::check_routed`]
+    /// does: its router's logits and choices against the CPU router, then its output
+    /// against the CPU reference on the experts and weights its router chose.
+    pub fn run_checked_routed_expert_parallel(
+        &self,
+        built: &BuiltLayer,
+        layer: &mut EpLayer,
+        tokens: &[u32],
+        xs: &[Vec<u16>],
+        max_checked_tokens: usize,
+        seed: u64,
+    ) -> Result<Vec<CheckReport>, HarnessError> {
+        let shape = layer.plan().shape.clone();
+        let mut io = tokens
+            .iter()
+            .zip(xs)
+            .enumerate()
+            .map(|(r, (&t, x))| {
+                let activations = Workload {
+                    tokens: t,
+                    x: x.clone(),
+                    topk_ids: Vec::new(),
+                    topk_weights: Vec::new(),
+                };
+                upload_poisoned(layer.stream(r), &shape, &activations)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        layer.synchronize()?;
+        let mut args: Vec<RoutedForwardArgs<'_>> = io
+            .iter_mut()
+            .map(|io| RoutedForwardArgs {
+                tokens: io.tokens,
+                x: &io.x,
+                y: &mut io.y,
+            })
+            .collect();
+        layer.forward_routed(&mut args)?;
+        layer.take_error()?;
+        let (e, k) = (shape.experts as usize, shape.top_k as usize);
+        io.iter()
+            .zip(xs)
+            .enumerate()
+            .map(|(r, (io, x))| {
+                let stream = layer.stream(r);
+                let t = io.tokens as usize;
+                let y = stream.clone_dtoh(&io.y).context("downloading y")?;
+                let buffer = |id: BufferId| {
+                    layer
+                        .workspace_buffer(r, id)
+                        .ok_or(LayerError::MissingWorkspace { buffer: id.name() })
+                };
+                let outputs = CallOutputs {
+                    tokens: io.tokens,
+                    y,
+                    topk_ids: download_values(stream, buffer(BufferId::RoutedIds)?, t * k)?,
+                    topk_weights: download_values(stream, buffer(BufferId::RoutedWeights)?, t * k)?,
+                    router_logits: Some(download_values(
+                        stream,
+                        buffer(BufferId::RouterLogits)?,
+                        t * e,
+                    )?),
+                };
+                self.check_routed(built, x, &outputs, max_checked_tokens, seed)
             })
             .collect()
     }
@@ -905,16 +964,7 @@ impl Session {
         let buffer = layer
             .workspace_buffer(id)
             .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?;
-        let bytes = self
-            .gpu
-            .stream
-            .clone_dtoh(buffer)
-            .context(format!("downloading `{}`", id.name()))?;
-        Ok(bytes
-            .chunks_exact(4)
-            .take(elems)
-            .map(|c| T::from_le([c[0], c[1], c[2], c[3]]))
-            .collect())
+        download_values(&self.gpu.stream, buffer, elems)
     }
 
     /// Compares the output `y` of a call on `workload` with the CPU reference (see
@@ -960,6 +1010,46 @@ impl Session {
     }
 }
 
+/// The first `elems` four-byte values of `buffer`, read on `stream`.
+pub(crate) fn download_values<T: le_values::FromLe>(
+    stream: &Arc<CudaStream>,
+    buffer: &CudaSlice<u8>,
+    elems: usize,
+) -> Result<Vec<T>, HarnessError> {
+    let bytes = stream
+        .clone_dtoh(buffer)
+        .context("downloading a workspace buffer")?;
+    Ok(bytes
+        .chunks_exact(4)
+        .take(elems)
+        .map(|c| T::from_le([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// `layer` with `built`'s router gate on each of its ranks' devices (`contexts`, one per
+/// rank it drives), where its plan routes itself and `built` has a gate; else as it is.
+fn with_router(
+    built: &BuiltLayer,
+    layer: EpLayer,
+    contexts: &[Arc<CudaContext>],
+) -> Result<EpLayer, HarnessError> {
+    let routes = layer
+        .plan()
+        .expert_parallel
+        .as_ref()
+        .is_some_and(|ep| ep.routes_itself);
+    match &built.host_gate {
+        Some(gate) if routes => {
+            let gates = contexts
+                .iter()
+                .map(|ctx| upload_gate(&ctx.default_stream(), gate))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(layer.with_router(gates)?)
+        }
+        _ => Ok(layer),
+    }
+}
+
 /// The random gate a layer built on random weights gets when its spec has a router.
 fn random_router_gate(plan: &Plan, seed: u64) -> Option<HostGate> {
     plan.router
@@ -968,7 +1058,7 @@ fn random_router_gate(plan: &Plan, seed: u64) -> Option<HostGate> {
 }
 
 /// Four-byte values read back from a workspace buffer.
-mod le_values {
+pub(crate) mod le_values {
     pub trait FromLe {
         fn from_le(bytes: [u8; 4]) -> Self;
     }

@@ -361,6 +361,7 @@ enum Binding {
     Y,
     Tokens,
     RoutesInBlocks,
+    LaysOutRouting,
     W1,
     W2,
     W1Bias,
@@ -846,6 +847,7 @@ impl MoeLayer {
         let call = CallValues {
             tokens,
             routes_in_blocks: false,
+            lays_out_routing: false,
             x: ptr(x, stream),
             y: ptr(y, stream),
             topk_ids,
@@ -893,14 +895,15 @@ impl MoeLayer {
                 (&self.plan.router, self.router_kernels.get(index))
         {
             let regime = &router.regimes[index];
-            for launch in regime.launches_for(tokens) {
-                self.launch(on, &regime.launches[launch], &kernels[launch], &call)?;
-            }
             // Where a fused router leaves the metadata out, the table's route launch runs
             // if the table runs and does not route the call in the GEMMs' blocks.
             let left_out =
                 self.plan.regimes[index].router_metadata_left_out_max_tokens(shape.top_k);
             routed_by_router = regime.fused && tokens > left_out;
+            call.lays_out_routing = routed_by_router;
+            for launch in regime.launches_for(tokens) {
+                self.launch(on, &regime.launches[launch], &kernels[launch], &call)?;
+            }
         }
         // The bound launches are the table's, then the fused decode's.
         let bound = &self.regime_kernels[index];
@@ -981,6 +984,7 @@ impl MoeLayer {
                 Binding::Y => ArgValue::Pointer(call.y),
                 Binding::Tokens => ArgValue::Int(call.tokens as i32),
                 Binding::RoutesInBlocks => ArgValue::Int(i32::from(call.routes_in_blocks)),
+                Binding::LaysOutRouting => ArgValue::Int(i32::from(call.lays_out_routing)),
                 Binding::Workspace(i) => ArgValue::Pointer(ptr(&self.workspace[i].1, stream)),
                 Binding::TensorMap(i) => ArgValue::TensorMap(self.tensor_maps[i].1),
             })
@@ -1038,6 +1042,8 @@ struct CallValues {
     tokens: u32,
     /// Whether the call runs without its route launch, the GEMMs' blocks routing it.
     routes_in_blocks: bool,
+    /// Whether its fused router lays out the routing metadata.
+    lays_out_routing: bool,
     x: u64,
     y: u64,
     topk_ids: u64,
@@ -1201,6 +1207,7 @@ fn bind(
         LaunchArg::Y => Binding::Y,
         LaunchArg::Tokens => Binding::Tokens,
         LaunchArg::RoutesInBlocks => Binding::RoutesInBlocks,
+        LaunchArg::LaysOutRouting => Binding::LaysOutRouting,
         LaunchArg::Rank | LaunchArg::Epoch => {
             return Err(LayerError::MultiRankArg { arg: arg.name() });
         }

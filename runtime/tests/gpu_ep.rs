@@ -11,7 +11,8 @@ use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::{self, Plan};
 use moeforge_runtime::ep::EpLayer;
 use moeforge_runtime::gpu::Gpu;
-use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
+use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session, upload_poisoned};
+use moeforge_runtime::layer::RoutedForwardArgs;
 use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
@@ -179,6 +180,130 @@ fn virtual_ranks_match_reference() {
         check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);
     }
 }
+
+/// Tokens per rank and call that the self-routed test checks (a sample beyond): the
+/// reference of four ranks' full calls of the scaled DeepSeek-V3 would take most of the
+/// suite's time.
+const SELF_ROUTED_CHECKED_TOKENS: usize = 256;
+
+/// Calls that route themselves on virtual ranks: each rank's router chooses its own tokens'
+/// experts (its logits, choices and weights against the CPU router), and every rank's
+/// output matches the reference on the experts and weights its router chose. The scaled
+/// examples with a router and an expert-parallel plan: DeepSeek-V3 (sigmoid, group limit,
+/// correction bias, a shared expert) on 4 ranks, Qwen3-30B-A3B (softmax, renormalised) and
+/// Mixtral-8x7B (8 experts) on 2.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn self_routed_virtual_ranks_match_reference() {
+    let seed = fresh_seed();
+    say(format!(
+        "self-routed expert parallelism on virtual ranks, seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let session = Session::open().expect("GPU session");
+    let examples = layers::examples();
+    let scaled = |name: &str| {
+        layers::scaled_down(
+            examples
+                .iter()
+                .find(|l| l.name == name)
+                .unwrap_or_else(|| panic!("the {name} example")),
+        )
+    };
+    let cases = [
+        (scaled("deepseek_v3"), 4),
+        (scaled("qwen3_30b_a3b"), 2),
+        (scaled("mixtral_8x7b"), 2),
+    ];
+    let on_virtual_ranks: Vec<Layer> = cases
+        .iter()
+        .map(|(layer, ranks)| over_ranks(layer, *ranks, true))
+        .collect();
+    let plans: Vec<Plan> = on_virtual_ranks
+        .iter()
+        .map(|l| plan_for(&session, l))
+        .collect();
+    let built = session.build_many(plans, seed).expect("build");
+    for (layer, built) in on_virtual_ranks.iter().zip(built) {
+        let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
+        let mut ep = session
+            .build_expert_parallel(&built, &contexts)
+            .expect("expert-parallel layer");
+        assert!(ep.routes_itself(), "{} routes itself", layer.name);
+        let shape = built.layer.plan().shape.clone();
+        for counts in token_counts(shape.max_tokens, ep.ranks()) {
+            let xs: Vec<Vec<u16>> = counts
+                .iter()
+                .enumerate()
+                .map(|(r, &t)| {
+                    let case = seed ^ (u64::from(t) << 8) ^ r as u64;
+                    Workload::random(&shape, t, Routing::Uniform, case).x
+                })
+                .collect();
+            let reports = session
+                .run_checked_routed_expert_parallel(
+                    &built,
+                    &mut ep,
+                    &counts,
+                    &xs,
+                    SELF_ROUTED_CHECKED_TOKENS,
+                    seed,
+                )
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{} T={counts:?}: {e}; every rank's error word: {:?}",
+                        layer.name,
+                        ep.error_words()
+                    )
+                });
+            for (r, report) in reports.iter().enumerate() {
+                let label = format!("{} rank {r} T={} self-routed", layer.name, counts[r]);
+                say(format!("{label}: {report}"));
+                let router_checked = report
+                    .router
+                    .as_ref()
+                    .is_some_and(|router| router.tokens == report.checked_tokens);
+                assert!(report.passed() && router_checked, "{label}: {report}");
+            }
+        }
+        // Calls back to back, as a serving loop makes them, at the largest count of every
+        // regime (each runs its own router launches): none waits out a flag.
+        let plan = built.layer.plan();
+        for regime in &plan.regimes {
+            let t = regime.max_tokens.min(shape.max_tokens);
+            let mut io: Vec<_> = (0..ep.ranks())
+                .map(|r| {
+                    let w = Workload::random(&shape, t, Routing::Uniform, seed ^ r as u64);
+                    upload_poisoned(ep.stream(r), &shape, &w).expect("upload")
+                })
+                .collect();
+            ep.synchronize().expect("uploads");
+            for _ in 0..PIPELINED_SELF_ROUTED_CALLS {
+                let mut args: Vec<RoutedForwardArgs<'_>> = io
+                    .iter_mut()
+                    .map(|io| RoutedForwardArgs {
+                        tokens: io.tokens,
+                        x: &io.x,
+                        y: &mut io.y,
+                    })
+                    .collect();
+                ep.forward_routed(&mut args).expect("enqueue");
+            }
+            ep.take_error().unwrap_or_else(|e| {
+                panic!(
+                    "{} T={t} per rank, {PIPELINED_SELF_ROUTED_CALLS} self-routed calls back to back: {e}",
+                    layer.name
+                )
+            });
+            say(format!(
+                "{} T={t} per rank: {PIPELINED_SELF_ROUTED_CALLS} self-routed calls back to back",
+                layer.name
+            ));
+        }
+    }
+}
+
+/// Self-routed calls the test above makes back to back per regime.
+const PIPELINED_SELF_ROUTED_CALLS: usize = 20;
 
 /// Flags carry the epoch: a thousand calls in a row need no reset, and the last one is
 /// still right.

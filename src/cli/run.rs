@@ -22,7 +22,7 @@ use moeforge::compiler::codegen;
 use moeforge::runtime::aot;
 use moeforge::runtime::call_file::GivenRouting;
 use moeforge::runtime::ep::EpLayer;
-use moeforge::runtime::harness::{BuiltLayer, CHECKED_TOKENS, CheckReport, Session};
+use moeforge::runtime::harness::{BuiltLayer, CHECKED_TOKENS, CheckReport, HarnessError, Session};
 use moeforge::runtime::jit::Jit;
 use moeforge::runtime::process_group::LaunchEnv;
 use moeforge::runtime::toolkit;
@@ -64,8 +64,9 @@ pub struct Args {
     /// Tokens the reference checks when T is larger (a random sample, reported as such).
     #[arg(long, default_value_t = CHECKED_TOKENS)]
     sample: usize,
-    /// How tokens choose experts when the spec has no router (with one, on one GPU, the
-    /// layer routes itself: the gate GEMM and the spec's rule choose).
+    /// How tokens choose experts when the spec has no router (with one, the layer routes
+    /// itself, on one GPU and on expert-parallel ranks: the gate GEMM and the spec's rule
+    /// choose).
     #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
     routing: RoutingArg,
     /// Seed of the random inputs; fresh each run when omitted.
@@ -236,11 +237,10 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(loaded) => loaded,
         Err(status) => return status,
     };
-    // A spec with a router routes itself on one GPU: its gate comes from the checkpoint
-    // too (random weights come with a random gate). The expert-parallel path takes
-    // caller-passed choices.
-    let gate = match (&loaded, &plan.router, choice) {
-        (Some(loaded), Some(router), None) => match loaded.gate(&plan.shape, &router.rule) {
+    // A spec with a router routes itself, on one GPU and on expert-parallel ranks: its
+    // gate comes from the checkpoint too (random weights come with a random gate).
+    let gate = match (&loaded, &plan.router) {
+        (Some(loaded), Some(router)) => match loaded.gate(&plan.shape, &router.rule) {
             Ok(gate) => Some(gate),
             Err(status) => return status,
         },
@@ -388,10 +388,11 @@ fn run_expert_parallel(
     eprintln!(
         "running T={tokens} per rank over {} ({} routing, seed {seed})",
         choice.placement(&session.gpu.name()),
-        routing_name(args.routing)
+        ranks_routing(args, &ep)
     );
     let sample = if args.check { args.sample } else { 0 };
-    let outcome = session.run_checked_expert_parallel(
+    let outcome = run_expert_parallel_call(
+        session,
         built,
         &mut ep,
         &workloads,
@@ -497,7 +498,7 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         env.world_size,
         env.local_rank,
         session.gpu.name(),
-        routing_name(args.routing)
+        ranks_routing(args, &ep)
     );
     let sample = if args.check { args.sample } else { 0 };
     let started = Instant::now();
@@ -516,7 +517,8 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
             );
             ep.withhold_sends_once(0);
         }
-        outcome = session.run_checked_expert_parallel(
+        outcome = run_expert_parallel_call(
+            &session,
             &built,
             &mut ep,
             std::slice::from_ref(&workload),
@@ -544,6 +546,35 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
             invalid_input()
         }
     }
+}
+
+/// Whose routing the expert-parallel calls run: the spec's router's, where the layer routes
+/// itself, else `--routing`'s.
+fn ranks_routing(args: &Args, ep: &EpLayer) -> &'static str {
+    if ep.routes_itself() {
+        "the spec's router's"
+    } else {
+        routing_name(args.routing)
+    }
+}
+
+/// One expert-parallel call on the ranks' `workloads`, checked on `sample` tokens per rank:
+/// routed by each rank's router on the workloads' x where the layer routes itself, else by
+/// the workloads' choices.
+fn run_expert_parallel_call(
+    session: &Session,
+    built: &BuiltLayer,
+    ep: &mut EpLayer,
+    workloads: &[Workload],
+    sample: usize,
+    seed: u64,
+) -> Result<Vec<CheckReport>, HarnessError> {
+    if !ep.routes_itself() {
+        return session.run_checked_expert_parallel(built, ep, workloads, sample, seed);
+    }
+    let counts: Vec<u32> = workloads.iter().map(|w| w.tokens).collect();
+    let xs: Vec<Vec<u16>> = workloads.iter().map(|w| w.x.clone()).collect();
+    session.run_checked_routed_expert_parallel(built, ep, &counts, &xs, sample, seed)
 }
 
 /// A rank making many calls says how far it got every this many (tests of a peer lost

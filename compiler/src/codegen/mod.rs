@@ -230,7 +230,12 @@ const ROUTER_USES: &[&str] = &[
     "routed_weights",
 ];
 /// What a fused router uses beside ROUTER_USES: the routing metadata's buffers.
-const ROUTER_ROUTING_USES: &[&str] = &["expert_offsets", "row_pair", "error_word"];
+const ROUTER_ROUTING_USES: &[&str] = &[
+    "lays_out_routing",
+    "expert_offsets",
+    "row_pair",
+    "error_word",
+];
 /// What a router or select entry whose rule has a bias uses beside its list.
 const ROUTER_BIAS_USES: &[&str] = &["gate_bias"];
 const ROUTER_GATE_USES: &[&str] = &[
@@ -402,6 +407,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::W2Bias => "[EXPERTS, HIDDEN]: each expert's GEMM2 bias",
         LaunchArg::Tokens => "tokens in this call",
         LaunchArg::RoutesInBlocks => "1: no route launch ran, each block routes this call",
+        LaunchArg::LaysOutRouting => "1: lay out the routing metadata after the select",
         LaunchArg::Rank => "this rank",
         LaunchArg::Epoch => "this call's epoch",
         LaunchArg::Workspace(id) => match id {
@@ -943,9 +949,6 @@ struct RouterUnit {
 /// GEMM's tile.
 struct GateUnit {
     fused: bool,
-    /// Calls of up to this many tokens run the regime's fused decode or are routed in the
-    /// GEMMs' blocks: a fused router leaves out the routing metadata for them (0: none).
-    metadata_left_out_max_tokens: u32,
     regime: String,
     min_tokens: u32,
     max_tokens: u32,
@@ -1018,8 +1021,6 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
             };
             Ok(GateUnit {
                 fused: router_regime.fused,
-                metadata_left_out_max_tokens: regime
-                    .router_metadata_left_out_max_tokens(plan.shape.top_k),
                 regime: regime.name.clone(),
                 min_tokens: gate.min_tokens,
                 max_tokens: gate.max_tokens,
@@ -1100,6 +1101,8 @@ struct EpUnit {
     meta_tile_tokens: u32,
     /// Whether results return as rank partials ([`CombineRoute::RankPartials`]).
     rank_partials: bool,
+    /// Whether a call may route itself (the router's launches ahead of `ep_route`).
+    routes_itself: bool,
     partials_per_release: u32,
     combine_lanes: u32,
     peer_buffers: Vec<PeerBufferUnit>,
@@ -1168,6 +1171,7 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
         meta_threads: META_THREADS,
         meta_tile_tokens: ep.metadata_tile_tokens,
         rank_partials: ep.combine_route == CombineRoute::RankPartials,
+        routes_itself: ep.routes_itself,
         partials_per_release: PARTIALS_PER_RELEASE,
         combine_lanes: COMBINE_LANES,
         peer_buffers: ep

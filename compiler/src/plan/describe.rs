@@ -173,6 +173,12 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
         ep.comm_blocks, ep.comm_reason, ep.compute_sms
     );
     let _ = writeln!(out, "    residency          {}", ep.residency);
+    if ep.routes_itself {
+        let _ = writeln!(
+            out,
+            "    router             a self-routed call: each rank routes its own tokens with the layer's router (its launches for the count, on the rank's compute stream ahead of both streams' kernels, a fused one laying out no metadata), then the kernels here read its choices"
+        );
+    }
     let orders = |orders: &[Vec<u32>]| {
         orders
             .iter()

@@ -182,6 +182,15 @@ pub struct ExpertParallelPlan {
     pub combine_kernel: String,
     /// The regimes of one rank, by tokens per rank: its GEMMs and launches.
     pub regimes: Vec<ExpertParallelRegime>,
+    /// Whether a call may route itself (the layer has a router): each rank then runs, on
+    /// its own tokens, the launches of the layer's router ([`super::Plan::router`]) for the
+    /// single-GPU regime of its token count, on its compute stream ahead of the call's
+    /// kernels on both streams, and the expert-parallel kernels read the choices from its
+    /// `routed_ids` and `routed_weights`. A fused router there lays out no routing
+    /// metadata (`lays_out_routing` = 0): these kernels route. Its blocks wait for no other
+    /// block and take the place of the rank's compute blocks in the residency bound; on
+    /// virtual ranks no gate runs in clusters, which need several free SMs at once.
+    pub routes_itself: bool,
 }
 
 impl ExpertParallelRegime {
@@ -602,6 +611,7 @@ pub fn plan_expert_parallel(
         arrange_kernel,
         combine_kernel,
         regimes: ep_regimes,
+        routes_itself: layer.router.is_some(),
     }))
 }
 

@@ -189,6 +189,11 @@ pub enum LaunchArg {
     /// 1 where the call runs without a route launch and the GEMMs' blocks route it
     /// ([`super::BlockRouting`]), else 0; as i32. One value for both GEMMs of the call.
     RoutesInBlocks,
+    /// 1 where a fused router lays out the call's routing metadata after its select (the
+    /// call runs the regime's table and its GEMMs do not route it in their blocks), else
+    /// 0 (the fused decode or the GEMMs' blocks route it, or the expert-parallel kernels
+    /// do); as i32.
+    LaysOutRouting,
     /// This rank's index, as i32.
     Rank,
     /// The call's epoch (a counter the runtime raises every call), as u32: flags compare
@@ -235,6 +240,7 @@ impl LaunchArg {
             LaunchArg::GateBias => "gate_bias",
             LaunchArg::Tokens => "tokens",
             LaunchArg::RoutesInBlocks => "routes_in_blocks",
+            LaunchArg::LaysOutRouting => "lays_out_routing",
             LaunchArg::Rank => "rank",
             LaunchArg::Epoch => "epoch",
             LaunchArg::Workspace(id) => id.name(),
@@ -251,7 +257,10 @@ impl LaunchArg {
             | LaunchArg::GateBias
             | LaunchArg::W1Bias
             | LaunchArg::W2Bias => ParamType::Pointer(ElemType::F32),
-            LaunchArg::Tokens | LaunchArg::RoutesInBlocks | LaunchArg::Rank => ParamType::I32,
+            LaunchArg::Tokens
+            | LaunchArg::RoutesInBlocks
+            | LaunchArg::LaysOutRouting
+            | LaunchArg::Rank => ParamType::I32,
             LaunchArg::Epoch => ParamType::U32,
             LaunchArg::W1Tiles { .. }
             | LaunchArg::W2Tiles { .. }

@@ -1299,7 +1299,7 @@ pub fn plan_tuned(
     } else {
         ep::Placement::Devices
     };
-    let expert_parallel = match ep::plan_expert_parallel(
+    let mut expert_parallel = match ep::plan_expert_parallel(
         layer,
         target,
         layer.parallel.expert,
@@ -1347,9 +1347,13 @@ pub fn plan_tuned(
         }
     }
 
-    if layer.router.is_some() && expert_parallel.is_some() {
-        limitations.push(
-            "the expert-parallel kernels take the caller's topk_ids and topk_weights; the router runs on the single-GPU path".to_string(),
+    // A rank routes its own tokens into its own copies of the router's buffers.
+    if let Some(ep) = expert_parallel.as_mut().filter(|ep| ep.routes_itself) {
+        ep.workspace.extend(
+            workspace
+                .iter()
+                .filter(|buffer| ROUTER_BUFFERS.contains(&buffer.id))
+                .cloned(),
         );
     }
 
@@ -1422,6 +1426,15 @@ impl StreamKSpace {
 fn sorts_x_rows(regimes: &[Regime]) -> bool {
     regimes.iter().any(|r| r.gemm1.a_load == RowLoad::Tiles)
 }
+
+/// The router's own buffers: its logits, arrival counters and choices (an expert-parallel
+/// rank that routes itself holds them too).
+pub const ROUTER_BUFFERS: [BufferId; 4] = [
+    BufferId::RouterLogits,
+    BufferId::RouterTilesDone,
+    BufferId::RoutedIds,
+    BufferId::RoutedWeights,
+];
 
 /// What a router's buffers hold at most: its arrival counters and its (partial) logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1663,11 +1676,23 @@ impl Plan {
 
     /// The entry points one rank of the expert-parallel layer launches (none without an
     /// expert-parallel plan).
+    /// The kernels an expert-parallel layer loads: its own, then, where its calls may
+    /// route themselves, the router's.
     pub fn expert_parallel_entry_points(&self) -> Vec<String> {
+        let router = self
+            .router
+            .iter()
+            .filter(|_| {
+                self.expert_parallel
+                    .as_ref()
+                    .is_some_and(|ep| ep.routes_itself)
+            })
+            .flat_map(|router| router.regimes.iter().flat_map(|r| &r.launches));
         distinct_kernels(
             self.expert_parallel
                 .iter()
-                .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches)),
+                .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches))
+                .chain(router),
         )
     }
 }

@@ -46,8 +46,9 @@
 //! clusters, the cluster's blocks sum them through distributed shared memory, each for
 //! its share of the tile's tokens, which it then selects. The **select** applies the rule ([`ir::Router`]: bias, scores, correction, group limit,
 //! top-k, weights) and writes `routed_ids` and `routed_weights`, which the table then reads
-//! where a caller-routed call passes `topk_ids` and `topk_weights`. The expert-parallel
-//! path keeps caller-passed ids and weights.
+//! where a caller-routed call passes `topk_ids` and `topk_weights`. On the expert-parallel
+//! path each rank runs the same launches on its own tokens, and the expert-parallel kernels
+//! read its choices ([`super::ep::ExpertParallelPlan::routes_itself`]).
 
 use std::ops::RangeInclusive;
 
@@ -662,7 +663,13 @@ fn split_gate_tile(
         let layout = warp_specialized_gate_layout(ws_tile, hidden, target);
         return ((GateEngine::WarpSpecialized, ws_tile), layout);
     }
+    // Virtual ranks share one GPU with blocks that spin on flags, one per SM, and a cluster
+    // needs several SMs of one GPC free at once, which their residency bound does not
+    // promise: pipelined self-routed calls on two virtual ranks of Qwen3-30B-A3B, whose
+    // router runs in clusters at 257-1024 tokens, waited out their flags' bound (one H200,
+    // 2026-12-04). Blocks alone each need one free SM, which the bound keeps.
     if cluster_gate_allowed(experts, target)
+        && layer.topology.virtual_ranks.is_none()
         && let Some(((engine, tile), layout)) =
             cluster_gate_choice(rule, experts, hidden, target, tokens)
     {
@@ -1091,6 +1098,7 @@ pub(super) fn router_launches(
                     write(Workspace(RouterTilesDone)),
                     write(Workspace(RoutedIds)),
                     write(Workspace(RoutedWeights)),
+                    read(LaysOutRouting),
                     write(Workspace(ExpertOffsets)),
                     write(Workspace(RowPair)),
                     write(Workspace(ErrorWord)),
