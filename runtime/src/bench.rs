@@ -648,6 +648,8 @@ pub struct ExpertParallelRow {
     /// The overlapped call given those same choices by the caller (the routers' of the
     /// last self-routed call): the self-routed call less this is what the routers cost.
     pub on_its_routing_us: Option<f64>,
+    /// Every rank's router alone ([`EpLayer::route`]), pipelined the same way.
+    pub routers_alone_us: Option<f64>,
 }
 
 /// Wall time per call of `one_call` on `ep` (after warm-up calls): the median of
@@ -674,14 +676,21 @@ fn pipelined_call_us(
     Ok(us)
 }
 
-/// Times the overlapped call on `inputs` routing itself, then given the choices its
-/// routers made as the caller's: `(self-routed µs, on its routing µs)`.
+/// What the self-routed expert-parallel bench measures (see [`ExpertParallelRow`]).
+struct SelfRoutedTimes {
+    self_routed_us: f64,
+    on_its_routing_us: f64,
+    routers_alone_us: f64,
+}
+
+/// Times the overlapped call on `inputs` routing itself, the routers alone, then the call
+/// given the choices its routers made as the caller's.
 fn time_self_routed_expert_parallel(
     ep: &mut EpLayer,
     inputs: &mut [DeviceWorkload],
     iterations: usize,
-) -> Result<(f64, f64), BenchError> {
-    let self_routed_us = pipelined_call_us(ep, iterations, |ep| {
+) -> Result<SelfRoutedTimes, BenchError> {
+    let mut routed = |ep: &mut EpLayer, whole: bool| -> Result<(), BenchError> {
         let mut args: Vec<RoutedForwardArgs<'_>> = inputs
             .iter_mut()
             .map(|io| RoutedForwardArgs {
@@ -690,8 +699,15 @@ fn time_self_routed_expert_parallel(
                 y: &mut io.y,
             })
             .collect();
-        Ok(ep.forward_routed(&mut args)?)
-    })?;
+        if whole {
+            ep.forward_routed(&mut args)?;
+        } else {
+            ep.route(&mut args)?;
+        }
+        Ok(())
+    };
+    let routers_alone_us = pipelined_call_us(ep, iterations, |ep| routed(ep, false))?;
+    let self_routed_us = pipelined_call_us(ep, iterations, |ep| routed(ep, true))?;
     let shape = ep.plan().shape.clone();
     let k = shape.top_k as usize;
     let mut chosen = Vec::with_capacity(inputs.len());
@@ -714,7 +730,11 @@ fn time_self_routed_expert_parallel(
         let mut args: Vec<ForwardArgs<'_>> = chosen.iter_mut().map(DeviceWorkload::args).collect();
         Ok(ep.forward(&mut args)?)
     })?;
-    Ok((self_routed_us, on_its_routing_us))
+    Ok(SelfRoutedTimes {
+        self_routed_us,
+        on_its_routing_us,
+        routers_alone_us,
+    })
 }
 
 /// Bulk-synchronous calls whose stages are timed with events (each is synchronised).
@@ -802,11 +822,14 @@ pub fn bench_expert_parallel(
             }
             None => (None, None),
         };
-        let (self_routed_us, on_its_routing_us) = if ep.routes_itself() {
-            let (routed, given) = time_self_routed_expert_parallel(ep, &mut inputs, iterations)?;
-            (Some(routed), Some(given))
+        let routed = if ep.routes_itself() {
+            Some(time_self_routed_expert_parallel(
+                ep,
+                &mut inputs,
+                iterations,
+            )?)
         } else {
-            (None, None)
+            None
         };
         let communication = stages.dispatch_us + stages.combine_us;
         let hidden_share =
@@ -873,8 +896,9 @@ pub fn bench_expert_parallel(
             nccl_us,
             nccl_stages,
             hidden_share,
-            self_routed_us,
-            on_its_routing_us,
+            self_routed_us: routed.as_ref().map(|t| t.self_routed_us),
+            on_its_routing_us: routed.as_ref().map(|t| t.on_its_routing_us),
+            routers_alone_us: routed.as_ref().map(|t| t.routers_alone_us),
         };
         progress(&row);
         rows.push(row);

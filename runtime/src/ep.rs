@@ -494,6 +494,26 @@ impl EpLayer {
     /// the call runs as [`EpLayer::forward`] on those choices. Needs
     /// [`EpLayer::with_router`]. Does not synchronise.
     pub fn forward_routed(&mut self, args: &mut [RoutedForwardArgs<'_>]) -> Result<(), LayerError> {
+        let calls = self.routed_calls(args)?;
+        self.forward_calls(&calls, true)
+    }
+
+    /// Enqueues only each rank's router for `args[r]`'s tokens, on its compute stream, as
+    /// [`EpLayer::forward_routed`] starts a call: what the routers take on their own (the
+    /// bench's). Exchanges nothing. Does not synchronise.
+    pub fn route(&mut self, args: &mut [RoutedForwardArgs<'_>]) -> Result<(), LayerError> {
+        for (r, call) in self.routed_calls(args)?.iter().enumerate() {
+            self.enqueue_router(r, call)?;
+        }
+        Ok(())
+    }
+
+    /// Checks a self-routed call's arguments and resolves them to device addresses, each
+    /// rank's own choices in place of the caller's.
+    fn routed_calls(
+        &self,
+        args: &mut [RoutedForwardArgs<'_>],
+    ) -> Result<Vec<RankCall>, LayerError> {
         if !self.routes_itself() {
             return Err(if self.plan.router.is_some() {
                 LayerError::NoGateWeights
@@ -508,8 +528,7 @@ impl EpLayer {
             });
         }
         let hidden = u64::from(self.plan.shape.hidden);
-        let calls = args
-            .iter()
+        args.iter()
             .zip(&self.ranks)
             .map(|(a, rank)| {
                 let t = u64::from(a.tokens);
@@ -524,8 +543,7 @@ impl EpLayer {
                     topk_weights: ptr(workspace(&rank.workspace, BufferId::RoutedWeights)?, stream),
                 })
             })
-            .collect::<Result<Vec<_>, LayerError>>()?;
-        self.forward_calls(&calls, true)
+            .collect()
     }
 
     /// Checks a caller-routed call's arguments and resolves them to device addresses.

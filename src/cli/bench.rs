@@ -387,10 +387,10 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         routing_name(args.routing),
         args.iterations
     );
-    let header = "| T per rank | expert-parallel us | floor us | (a) bulk-synchronous us | dispatch us (rank 0: metadata / rows) | GEMMs us (rank 0: arrange / GEMM1 / GEMM2) | combine us | hidden | (b) NCCL pipeline us | (b) dispatch / GEMMs / combine us | same tokens on one GPU us | dispatch GB/s (blocks) | self-routed us (on its routing) |";
+    let header = "| T per rank | expert-parallel us | floor us | (a) bulk-synchronous us | dispatch us (rank 0: metadata / rows) | GEMMs us (rank 0: arrange / GEMM1 / GEMM2) | combine us | hidden | (b) NCCL pipeline us | (b) dispatch / GEMMs / combine us | same tokens on one GPU us | dispatch GB/s (blocks) | self-routed us (on its routing; routers alone) |";
     let format_row = |row: &ExpertParallelRow| {
         format!(
-            "| {:>10} | {:>18.1} | {:>8.1} | {:>23.1} | {:>37} | {:>41} | {:>10.1} | {:>5.0}% | {:>20} | {:>33} | {:>25} | {:>22} | {:>31} |",
+            "| {:>10} | {:>18.1} | {:>8.1} | {:>23.1} | {:>37} | {:>41} | {:>10.1} | {:>5.0}% | {:>20} | {:>33} | {:>25} | {:>22} | {:>46} |",
             row.tokens_per_rank,
             row.expert_parallel_us,
             row.floor_us,
@@ -416,8 +416,14 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
             row.one_gpu_us
                 .map_or("above max_tokens".to_string(), |us| format!("{us:.1}")),
             format!("{:.1} ({})", row.dispatch_gb_per_s, row.dispatch_blocks),
-            match (row.self_routed_us, row.on_its_routing_us) {
-                (Some(routed), Some(given)) => format!("{routed:.1} ({given:.1})"),
+            match (
+                row.self_routed_us,
+                row.on_its_routing_us,
+                row.routers_alone_us
+            ) {
+                (Some(routed), Some(given), Some(alone)) => {
+                    format!("{routed:.1} ({given:.1}; {alone:.1})")
+                }
                 _ => "no router".to_string(),
             }
         )
@@ -451,7 +457,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         short_commit()
     );
     let mut markdown = format!(
-        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls, the median of {PIPELINED_PASSES} passes (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows, also split by kernel on rank 0, the rest being the stage's barrier; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots, also split by kernel on rank 0, GEMM2 until every rank's GEMMs are done; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = the busiest sender's bytes of token rows to other ranks (each token once per destination rank) over the dispatch stage's time: one way, barrier included; in brackets the communication blocks that dispatched them (the plan's for the call's regime: a `*_long` regime gives the dispatch only as many as hide it behind GEMM1's local tiles). Baseline (b) is NCCL all-to-all (one row per (token, k) pair, counts known on the host), moeforge's single-GPU layer on each rank's experts, NCCL all-to-all back and a sum over k; its call time is wall time over pipelined calls (median of {PIPELINED_PASSES} passes), its phases are medians of event-timed runs between barriers. Self-routed (where the layer has a router): the overlapped call with each rank's router choosing its tokens' experts first, timed as the expert-parallel column; in brackets the same call given those choices by the caller, so the difference is what the routers cost.{}\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "# {layer_name}, expert-parallel over {placement} ({date}, commit {})\n\nExpert-parallel and bulk-synchronous times are wall time per call over pipelined calls, the median of {PIPELINED_PASSES} passes (host launches included). Bulk-synchronous is baseline (a): the same kernels with every rank waiting for every rank between stages; its stages (dispatch = metadata + token rows, also split by kernel on rank 0, the rest being the stage's barrier; GEMMs = arrange + both GEMMs, GEMM2 storing into the origins' combine slots, also split by kernel on rank 0, GEMM2 until every rank's GEMMs are done; combine = the reduce at the origin) are timed alone with CUDA events on rank 0 after barriers. Hidden = (dispatch + GEMMs + combine - expert-parallel) / (dispatch + combine). Floor = the busiest rank's roofline floor (its pairs' GEMM work at peak, its hit experts' weights at HBM rate). One-GPU time is moeforge's single-GPU kernels on all ranks' tokens (CUDA events). Dispatch GB/s = the busiest sender's bytes of token rows to other ranks (each token once per destination rank) over the dispatch stage's time: one way, barrier included; in brackets the communication blocks that dispatched them (the plan's for the call's regime: a `*_long` regime gives the dispatch only as many as hide it behind GEMM1's local tiles). Baseline (b) is NCCL all-to-all (one row per (token, k) pair, counts known on the host), moeforge's single-GPU layer on each rank's experts, NCCL all-to-all back and a sum over k; its call time is wall time over pipelined calls (median of {PIPELINED_PASSES} passes), its phases are medians of event-timed runs between barriers. Self-routed (where the layer has a router): the overlapped call with each rank's router choosing its tokens' experts first, timed as the expert-parallel column; in brackets the same call given those choices by the caller, so the difference is what the routers cost, and every rank's router alone, pipelined the same way.{}\n\n{header}\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         env!("MOEFORGE_COMMIT"),
         nccl_note.as_ref().map_or(String::new(), |note| format!(
             " Baseline (b) is left out: {note}."
