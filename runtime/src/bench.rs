@@ -664,16 +664,47 @@ fn pipelined_call_us(
         one_call(ep)?;
     }
     ep.take_error()?;
-    let us = median_of_passes(|| -> Result<f64, BenchError> {
-        let started = std::time::Instant::now();
-        for _ in 0..iterations {
-            one_call(ep)?;
-        }
-        ep.synchronize()?;
-        Ok(started.elapsed().as_secs_f64() * 1e6 / iterations as f64)
-    })?;
+    let us = median_of_passes(|| pipelined_pass_us(ep, iterations, &mut one_call))?;
     ep.take_error()?;
     Ok(us)
+}
+
+/// [`pipelined_call_us`] of two kinds of call, their passes taken in turn (a, b, a, b,
+/// ...), so that a drift of the clock between passes falls on both alike (a
+/// power-limited cell's passes drift by 5-10%, more than a router costs).
+fn interleaved_pipelined_call_us(
+    ep: &mut EpLayer,
+    iterations: usize,
+    mut a: impl FnMut(&mut EpLayer) -> Result<(), BenchError>,
+    mut b: impl FnMut(&mut EpLayer) -> Result<(), BenchError>,
+) -> Result<(f64, f64), BenchError> {
+    for _ in 0..WARMUP_CALLS {
+        a(ep)?;
+        b(ep)?;
+    }
+    ep.take_error()?;
+    let (mut times_a, mut times_b) = (Vec::new(), Vec::new());
+    for _ in 0..PIPELINED_PASSES {
+        times_a.push(pipelined_pass_us(ep, iterations, &mut a)?);
+        times_b.push(pipelined_pass_us(ep, iterations, &mut b)?);
+    }
+    ep.take_error()?;
+    Ok((median(times_a), median(times_b)))
+}
+
+/// One pass: `iterations` calls of `one_call` back to back, then a synchronisation; wall
+/// time per call in µs.
+fn pipelined_pass_us(
+    ep: &mut EpLayer,
+    iterations: usize,
+    one_call: &mut impl FnMut(&mut EpLayer) -> Result<(), BenchError>,
+) -> Result<f64, BenchError> {
+    let started = std::time::Instant::now();
+    for _ in 0..iterations {
+        one_call(ep)?;
+    }
+    ep.synchronize()?;
+    Ok(started.elapsed().as_secs_f64() * 1e6 / iterations as f64)
 }
 
 /// What the self-routed expert-parallel bench measures (see [`ExpertParallelRow`]).
@@ -683,31 +714,40 @@ struct SelfRoutedTimes {
     routers_alone_us: f64,
 }
 
-/// Times the overlapped call on `inputs` routing itself, the routers alone, then the call
-/// given the choices its routers made as the caller's.
+/// One self-routed call on `inputs` (`whole`), or only its routers.
+fn routed_call(
+    ep: &mut EpLayer,
+    inputs: &mut [DeviceWorkload],
+    whole: bool,
+) -> Result<(), BenchError> {
+    let mut args: Vec<RoutedForwardArgs<'_>> = inputs
+        .iter_mut()
+        .map(|io| RoutedForwardArgs {
+            tokens: io.tokens,
+            x: &io.x,
+            y: &mut io.y,
+        })
+        .collect();
+    if whole {
+        ep.forward_routed(&mut args)?;
+    } else {
+        ep.route(&mut args)?;
+    }
+    Ok(())
+}
+
+/// Times every rank's router alone, then the overlapped call on `inputs` routing itself
+/// and the same call given the choices its routers made as the caller's, their passes
+/// taken in turn.
 fn time_self_routed_expert_parallel(
     ep: &mut EpLayer,
     inputs: &mut [DeviceWorkload],
     iterations: usize,
 ) -> Result<SelfRoutedTimes, BenchError> {
-    let mut routed = |ep: &mut EpLayer, whole: bool| -> Result<(), BenchError> {
-        let mut args: Vec<RoutedForwardArgs<'_>> = inputs
-            .iter_mut()
-            .map(|io| RoutedForwardArgs {
-                tokens: io.tokens,
-                x: &io.x,
-                y: &mut io.y,
-            })
-            .collect();
-        if whole {
-            ep.forward_routed(&mut args)?;
-        } else {
-            ep.route(&mut args)?;
-        }
-        Ok(())
-    };
-    let routers_alone_us = pipelined_call_us(ep, iterations, |ep| routed(ep, false))?;
-    let self_routed_us = pipelined_call_us(ep, iterations, |ep| routed(ep, true))?;
+    let routers_alone_us = pipelined_call_us(ep, iterations, |ep| routed_call(ep, inputs, false))?;
+    // One call for the routers' choices (the same x routes the same way every call).
+    routed_call(ep, inputs, true)?;
+    ep.take_error()?;
     let shape = ep.plan().shape.clone();
     let k = shape.top_k as usize;
     let mut chosen = Vec::with_capacity(inputs.len());
@@ -726,10 +766,16 @@ fn time_self_routed_expert_parallel(
         };
         chosen.push(upload_poisoned(stream, &shape, &workload)?);
     }
-    let on_its_routing_us = pipelined_call_us(ep, iterations, |ep| {
-        let mut args: Vec<ForwardArgs<'_>> = chosen.iter_mut().map(DeviceWorkload::args).collect();
-        Ok(ep.forward(&mut args)?)
-    })?;
+    let (self_routed_us, on_its_routing_us) = interleaved_pipelined_call_us(
+        ep,
+        iterations,
+        |ep| routed_call(ep, inputs, true),
+        |ep| {
+            let mut args: Vec<ForwardArgs<'_>> =
+                chosen.iter_mut().map(DeviceWorkload::args).collect();
+            Ok(ep.forward(&mut args)?)
+        },
+    )?;
     Ok(SelfRoutedTimes {
         self_routed_us,
         on_its_routing_us,
