@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs shipped example layers under compute-sanitizer (memcheck, then racecheck) on the GPU
 # machine, each checked against the CPU reference: one GPU, virtual ranks (2 and 4,
-# skewed routing), and two self-routed layers (the fused router). DESIGN.md asks both
+# skewed routing), two self-routed layers (the fused router) and a self-routed layer on two
+# virtual ranks (each rank's router, then the exchange on its choices). DESIGN.md asks both
 # tools to be clean. compute-sanitizer reads the device only where the machine allows it
 # (device/KINDS.md: Firecracker yes, gVisor no).
 #
@@ -18,6 +19,7 @@ cases=(
   "dsl-examples/tiny.moe --ranks 4 --tokens 300 --routing skewed"
   "dsl-examples/qwen3_30b_a3b.moe --ranks 1 --tokens 16"
   "dsl-examples/gpt_oss_120b.moe --ranks 1 --tokens 3"
+  "dsl-examples/qwen3_30b_a3b.moe --ranks 2 --tokens 40"
 )
 failed=0
 for tool in memcheck racecheck; do
