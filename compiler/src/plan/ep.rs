@@ -332,7 +332,8 @@ const SPIN_LIMIT_CYCLES: u64 = 4_000_000_000;
 pub const DEFAULT_SPIN_LIMIT_CYCLES: u64 = SPIN_LIMIT_CYCLES;
 
 /// The expert-parallel plan of `layer` over `ranks` ranks living as `placement` says;
-/// `None` for one rank.
+/// `None` for one rank. `router_buffers`: the buffers of the layer's planned router (none
+/// without one), which each rank then holds to route its own tokens.
 pub fn plan_expert_parallel(
     layer: &ir::Layer,
     target: &Target,
@@ -340,6 +341,7 @@ pub fn plan_expert_parallel(
     placement: Placement,
     symbol: &str,
     shape: &LayerShape,
+    router_buffers: Vec<Buffer>,
 ) -> Result<Option<ExpertParallelPlan>, PlanError> {
     if ranks <= 1 {
         return Ok(None);
@@ -602,7 +604,11 @@ pub fn plan_expert_parallel(
         send_order,
         receive_order,
         spin_limit_cycles: SPIN_LIMIT_CYCLES,
-        workspace: workspace(shape, &sizes, network.as_ref()),
+        routes_itself: !router_buffers.is_empty(),
+        workspace: workspace(shape, &sizes, network.as_ref())
+            .into_iter()
+            .chain(router_buffers)
+            .collect(),
         network,
         peer_buffers: PEER_BUFFERS.to_vec(),
         metadata_tile_tokens: sizes.metadata_tile_tokens,
@@ -611,7 +617,6 @@ pub fn plan_expert_parallel(
         arrange_kernel,
         combine_kernel,
         regimes: ep_regimes,
-        routes_itself: layer.router.is_some(),
     }))
 }
 

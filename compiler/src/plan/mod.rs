@@ -1299,13 +1299,20 @@ pub fn plan_tuned(
     } else {
         ep::Placement::Devices
     };
-    let mut expert_parallel = match ep::plan_expert_parallel(
+    // A rank routes its own tokens into its own copies of the router's buffers.
+    let router_buffers = workspace
+        .iter()
+        .filter(|buffer| router.is_some() && ROUTER_BUFFERS.contains(&buffer.id))
+        .cloned()
+        .collect();
+    let expert_parallel = match ep::plan_expert_parallel(
         layer,
         target,
         layer.parallel.expert,
         placement,
         &symbol,
         &shape,
+        router_buffers,
     ) {
         Ok(expert_parallel) => expert_parallel,
         // The single-GPU kernels still run such a layer: say why the plan has no
@@ -1345,16 +1352,6 @@ pub fn plan_tuned(
                 "the spec asks for hierarchical traffic (one transfer per remote node, fanned out over NVLink there), which is not built yet: each rank sends to every network peer directly".to_string(),
             );
         }
-    }
-
-    // A rank routes its own tokens into its own copies of the router's buffers.
-    if let Some(ep) = expert_parallel.as_mut().filter(|ep| ep.routes_itself) {
-        ep.workspace.extend(
-            workspace
-                .iter()
-                .filter(|buffer| ROUTER_BUFFERS.contains(&buffer.id))
-                .cloned(),
-        );
     }
 
     let call_graph_max_tokens = CALL_GRAPH_MAX_TOKENS.min(shape.max_tokens);
