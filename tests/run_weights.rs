@@ -13,8 +13,9 @@ mod common;
 use common::moeforge;
 
 use moeforge::compiler::compile_source;
+use moeforge::compiler::ir::RouterBias;
 use moeforge::compiler::plan::{self, LayerShape, Target};
-use moeforge::runtime::checkpoint::{Family, INDEX_FILE, write_experts};
+use moeforge::runtime::checkpoint::{Family, INDEX_FILE, write_experts, write_layer};
 use moeforge::runtime::weights;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -190,6 +191,61 @@ fn run_with_weights_over_virtual_ranks_loads_each_ranks_experts() {
     let compiled_only = stdout.contains("not run: no GPU") && stdout.contains("10 kernels");
     let ran = (0..4).all(|r| stdout.contains(&format!("tiny rank {r} T=16:")));
     assert!(compiled_only || ran, "{stdout}{stderr}");
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+}
+
+/// The tiny layer with a router (softmax, renormalised) over four virtual ranks, from a
+/// checkpoint that holds the gate too: each rank loads its experts and the gate, routes its
+/// own tokens with it (its choices checked against the CPU router on a GPU), then the
+/// exchange runs on them.
+#[test]
+fn run_with_weights_routes_each_rank_with_the_checkpoints_gate() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("tiny_routed.moe");
+    let routed = std::fs::read_to_string(TINY)
+        .expect("tiny.moe is readable")
+        .replace(
+            "  parallel {",
+            "  router {\n    scoring = softmax\n    normalize = true\n  }\n\n  parallel {",
+        );
+    std::fs::write(&spec, routed).expect("spec written");
+    let file = dir.path().join("model.safetensors");
+    let shape = tiny_shape();
+    let experts = weights::random(&shape, 0..shape.experts, 4);
+    let gate = weights::random_gate(&shape, RouterBias::None, 5);
+    write_layer(
+        &file,
+        Family::Qwen3Moe,
+        "model.layers.0.",
+        &shape,
+        &experts,
+        Some((&gate, RouterBias::None)),
+    )
+    .expect("the checkpoint is written");
+    let output = moeforge(&[
+        "run",
+        path_arg(&spec),
+        "--tokens",
+        "16",
+        "--ranks",
+        "4",
+        "--check",
+        "--weights",
+        path_arg(&file),
+    ]);
+    let (stdout, stderr) = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    let compiled_only = stdout.contains("not run: no GPU");
+    let ran = (0..4).all(|r| {
+        stdout.lines().any(|line| {
+            line.starts_with(&format!("tiny rank {r} T=16:"))
+                && line.contains("router over 16 tokens")
+        })
+    });
+    assert!(compiled_only || ran, "{stdout}{stderr}");
+    if ran {
+        assert!(stderr.contains("the spec's router's routing"), "{stderr}");
+    }
     assert!(!stdout.contains("FAIL"), "{stdout}");
 }
 
