@@ -720,14 +720,8 @@ fn routed_call(
     inputs: &mut [DeviceWorkload],
     whole: bool,
 ) -> Result<(), BenchError> {
-    let mut args: Vec<RoutedForwardArgs<'_>> = inputs
-        .iter_mut()
-        .map(|io| RoutedForwardArgs {
-            tokens: io.tokens,
-            x: &io.x,
-            y: &mut io.y,
-        })
-        .collect();
+    let mut args: Vec<RoutedForwardArgs<'_>> =
+        inputs.iter_mut().map(DeviceWorkload::routed_args).collect();
     if whole {
         ep.forward_routed(&mut args)?;
     } else {

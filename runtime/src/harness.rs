@@ -781,14 +781,8 @@ impl Session {
             })
             .collect::<Result<Vec<_>, _>>()?;
         layer.synchronize()?;
-        let mut args: Vec<RoutedForwardArgs<'_>> = io
-            .iter_mut()
-            .map(|io| RoutedForwardArgs {
-                tokens: io.tokens,
-                x: &io.x,
-                y: &mut io.y,
-            })
-            .collect();
+        let mut args: Vec<RoutedForwardArgs<'_>> =
+            io.iter_mut().map(DeviceWorkload::routed_args).collect();
         layer.forward_routed(&mut args)?;
         layer.take_error()?;
         let (e, k) = (shape.experts as usize, shape.top_k as usize);
@@ -1115,6 +1109,16 @@ pub fn upload_poisoned(
 }
 
 impl DeviceWorkload {
+    /// The arguments of a call that routes itself on this workload's x (its ids and
+    /// weights unused) and writes its output.
+    pub fn routed_args(&mut self) -> RoutedForwardArgs<'_> {
+        RoutedForwardArgs {
+            tokens: self.tokens,
+            x: &self.x,
+            y: &mut self.y,
+        }
+    }
+
     /// The forward-call arguments that read this workload and write its output.
     pub fn args(&mut self) -> ForwardArgs<'_> {
         ForwardArgs {

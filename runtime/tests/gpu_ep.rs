@@ -11,7 +11,9 @@ use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::{self, Plan};
 use moeforge_runtime::ep::EpLayer;
 use moeforge_runtime::gpu::Gpu;
-use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session, upload_poisoned};
+use moeforge_runtime::harness::{
+    BuiltLayer, CHECKED_TOKENS, DeviceWorkload, Session, upload_poisoned,
+};
 use moeforge_runtime::layer::RoutedForwardArgs;
 use moeforge_runtime::workload::{self, Routing, Workload};
 
@@ -55,7 +57,7 @@ fn tiny_shared_top4() -> Layer {
 }
 
 /// Both ways results return are among `plans`.
-fn assert_both_combine_routes(plans: &[Plan]) {
+fn assert_both_combine_routes(plans: &[&Plan]) {
     for route in [CombineRoute::PairRows, CombineRoute::RankPartials] {
         assert!(
             plans
@@ -161,24 +163,44 @@ fn virtual_ranks_match_reference() {
         (tiny_shared_top4(), 2),
         (layers::scaled_down(&qwen), 4),
     ];
+    let on_virtual_ranks = build_on_virtual_ranks(&session, &cases, seed);
+    let plans: Vec<&Plan> = on_virtual_ranks
+        .iter()
+        .map(|(_, b, _)| b.layer.plan())
+        .collect();
+    assert_both_combine_routes(&plans);
+    for (layer, built, mut ep) in on_virtual_ranks {
+        check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);
+    }
+}
+
+/// Each `(layer, ranks)` of `cases` over that many virtual ranks, built (compiled together,
+/// so that NVRTC compiles the layers on parallel threads) with its expert-parallel layer.
+fn build_on_virtual_ranks(
+    session: &Session,
+    cases: &[(Layer, u32)],
+    seed: u64,
+) -> Vec<(Layer, BuiltLayer, EpLayer)> {
     let on_virtual_ranks: Vec<Layer> = cases
         .iter()
         .map(|(layer, ranks)| over_ranks(layer, *ranks, true))
         .collect();
-    // Built together, so that NVRTC compiles the layers on parallel threads.
     let plans: Vec<Plan> = on_virtual_ranks
         .iter()
-        .map(|l| plan_for(&session, l))
+        .map(|l| plan_for(session, l))
         .collect();
-    assert_both_combine_routes(&plans);
     let built = session.build_many(plans, seed).expect("build");
-    for (layer, built) in on_virtual_ranks.iter().zip(built) {
-        let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
-        let mut ep = session
-            .build_expert_parallel(&built, &contexts)
-            .expect("expert-parallel layer");
-        check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);
-    }
+    on_virtual_ranks
+        .into_iter()
+        .zip(built)
+        .map(|(layer, built)| {
+            let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
+            let ep = session
+                .build_expert_parallel(&built, &contexts)
+                .expect("expert-parallel layer");
+            (layer, built, ep)
+        })
+        .collect()
 }
 
 /// Tokens per rank and call that the self-routed test checks (a sample beyond): the
@@ -214,20 +236,7 @@ fn self_routed_virtual_ranks_match_reference() {
         (scaled("qwen3_30b_a3b"), 2),
         (scaled("mixtral_8x7b"), 2),
     ];
-    let on_virtual_ranks: Vec<Layer> = cases
-        .iter()
-        .map(|(layer, ranks)| over_ranks(layer, *ranks, true))
-        .collect();
-    let plans: Vec<Plan> = on_virtual_ranks
-        .iter()
-        .map(|l| plan_for(&session, l))
-        .collect();
-    let built = session.build_many(plans, seed).expect("build");
-    for (layer, built) in on_virtual_ranks.iter().zip(built) {
-        let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
-        let mut ep = session
-            .build_expert_parallel(&built, &contexts)
-            .expect("expert-parallel layer");
+    for (layer, built, mut ep) in build_on_virtual_ranks(&session, &cases, seed) {
         assert!(ep.routes_itself(), "{} routes itself", layer.name);
         let shape = built.layer.plan().shape.clone();
         for counts in token_counts(shape.max_tokens, ep.ranks()) {
@@ -278,14 +287,8 @@ fn self_routed_virtual_ranks_match_reference() {
                 .collect();
             ep.synchronize().expect("uploads");
             for _ in 0..PIPELINED_SELF_ROUTED_CALLS {
-                let mut args: Vec<RoutedForwardArgs<'_>> = io
-                    .iter_mut()
-                    .map(|io| RoutedForwardArgs {
-                        tokens: io.tokens,
-                        x: &io.x,
-                        y: &mut io.y,
-                    })
-                    .collect();
+                let mut args: Vec<RoutedForwardArgs<'_>> =
+                    io.iter_mut().map(DeviceWorkload::routed_args).collect();
                 ep.forward_routed(&mut args).expect("enqueue");
             }
             ep.take_error().unwrap_or_else(|e| {
