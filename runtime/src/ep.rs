@@ -770,14 +770,10 @@ impl EpLayer {
         let regime = &router.regimes[index];
         for launch in regime.launches_for(call.tokens) {
             let (function, bindings) = &rank.router_kernels[index][launch];
-            self.launch(
-                rank,
-                &rank.comm,
-                &regime.launches[launch],
-                function,
-                bindings,
-                call,
-            )?;
+            // Never started early here: its blocks would wait beside the previous call's
+            // spinning ones, outside the residency bound.
+            let (launch, early) = (&regime.launches[launch], false);
+            self.launch(rank, &rank.compute, launch, early, function, bindings, call)?;
         }
         Ok(())
     }
@@ -803,18 +799,29 @@ impl EpLayer {
                 StreamRole::Comm => &rank.comm,
                 StreamRole::Compute => &rank.compute,
             };
-            self.launch(rank, stream, launch, function, bindings, a)?;
+            self.launch(
+                rank,
+                stream,
+                launch,
+                launch.early_start,
+                function,
+                bindings,
+                a,
+            )?;
         }
         Ok(())
     }
 
-    /// Enqueues `launch` of `rank` on `stream` with `call`'s values; a launch whose grid
-    /// is empty (blocks per token at T = 0) is skipped.
+    /// Enqueues `launch` of `rank` on `stream` with `call`'s values, to start early where
+    /// `early` says so; a launch whose grid is empty (blocks per token at T = 0) is
+    /// skipped.
+    #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
         rank: &Rank,
         stream: &CudaStream,
         launch: &Launch,
+        early: bool,
         function: &CudaFunction,
         bindings: &[Binding],
         call: &RankCall,
@@ -864,7 +871,7 @@ impl EpLayer {
         // the plan and sized every workspace buffer from it, the caller's buffers were
         // checked in `forward` or `forward_routed`, and a router told to lay out no
         // metadata never touches the null pointers of its metadata buffers.
-        unsafe { launch_with(stream, function, config, &values, false) }.context(format!(
+        unsafe { launch_with(stream, function, config, &values, early) }.context(format!(
             "launching `{}` on rank {}",
             launch.kernel, rank.index
         ))?;

@@ -752,16 +752,20 @@ impl Session {
             .collect()
     }
 
-    /// Runs one expert-parallel call that routes itself, rank `r` on the activations
-    /// `xs[r]` of `tokens[r]` tokens, and checks every rank as [`Session::check_routed`]
-    /// does: its router's logits and choices against the CPU router, then its output
-    /// against the CPU reference on the experts and weights its router chose.
+    /// Runs `calls` expert-parallel calls that route themselves back to back (no host
+    /// synchronisation between them, as a serving loop makes them), rank `r` on the
+    /// activations `xs[r]` of `tokens[r]` tokens every time, and checks the last on every
+    /// rank as [`Session::check_routed`] does: its router's logits and choices against
+    /// the CPU router, then its output against the CPU reference on the experts and
+    /// weights its router chose.
+    #[allow(clippy::too_many_arguments)]
     pub fn run_checked_routed_expert_parallel(
         &self,
         built: &BuiltLayer,
         layer: &mut EpLayer,
         tokens: &[u32],
         xs: &[Vec<u16>],
+        calls: usize,
         max_checked_tokens: usize,
         seed: u64,
     ) -> Result<Vec<CheckReport>, HarnessError> {
@@ -781,9 +785,11 @@ impl Session {
             })
             .collect::<Result<Vec<_>, _>>()?;
         layer.synchronize()?;
-        let mut args: Vec<RoutedForwardArgs<'_>> =
-            io.iter_mut().map(DeviceWorkload::routed_args).collect();
-        layer.forward_routed(&mut args)?;
+        for _ in 0..calls {
+            let mut args: Vec<RoutedForwardArgs<'_>> =
+                io.iter_mut().map(DeviceWorkload::routed_args).collect();
+            layer.forward_routed(&mut args)?;
+        }
         layer.take_error()?;
         let (e, k) = (shape.experts as usize, shape.top_k as usize);
         io.iter()

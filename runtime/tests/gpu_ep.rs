@@ -11,10 +11,7 @@ use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::{self, Plan};
 use moeforge_runtime::ep::EpLayer;
 use moeforge_runtime::gpu::Gpu;
-use moeforge_runtime::harness::{
-    BuiltLayer, CHECKED_TOKENS, DeviceWorkload, Session, upload_poisoned,
-};
-use moeforge_runtime::layer::RoutedForwardArgs;
+use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
 use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
@@ -239,7 +236,20 @@ fn self_routed_virtual_ranks_match_reference() {
     for (layer, built, mut ep) in build_on_virtual_ranks(&session, &cases, seed) {
         assert!(ep.routes_itself(), "{} routes itself", layer.name);
         let shape = built.layer.plan().shape.clone();
-        for counts in token_counts(shape.max_tokens, ep.ranks()) {
+        // Every token-count case as one call; then, at the largest count of every regime
+        // (each runs its own router launches), calls back to back as a serving loop makes
+        // them, the last one checked: a router of the next call must not overwrite the
+        // choices a call still reads.
+        let ranks = ep.ranks();
+        let cases: Vec<(Vec<u32>, usize)> = token_counts(shape.max_tokens, ranks)
+            .into_iter()
+            .map(|counts| (counts, 1))
+            .chain(built.layer.plan().regimes.iter().map(|regime| {
+                let t = regime.max_tokens.min(shape.max_tokens);
+                (vec![t; ranks], PIPELINED_SELF_ROUTED_CALLS)
+            }))
+            .collect();
+        for (counts, calls) in cases {
             let xs: Vec<Vec<u16>> = counts
                 .iter()
                 .enumerate()
@@ -254,18 +264,22 @@ fn self_routed_virtual_ranks_match_reference() {
                     &mut ep,
                     &counts,
                     &xs,
+                    calls,
                     SELF_ROUTED_CHECKED_TOKENS,
                     seed,
                 )
                 .unwrap_or_else(|e| {
                     panic!(
-                        "{} T={counts:?}: {e}; every rank's error word: {:?}",
+                        "{} T={counts:?}, {calls} calls: {e}; every rank's error word: {:?}",
                         layer.name,
                         ep.error_words()
                     )
                 });
             for (r, report) in reports.iter().enumerate() {
-                let label = format!("{} rank {r} T={} self-routed", layer.name, counts[r]);
+                let label = format!(
+                    "{} rank {r} T={} self-routed, the last of {calls} calls",
+                    layer.name, counts[r]
+                );
                 say(format!("{label}: {report}"));
                 let router_checked = report
                     .router
@@ -273,34 +287,6 @@ fn self_routed_virtual_ranks_match_reference() {
                     .is_some_and(|router| router.tokens == report.checked_tokens);
                 assert!(report.passed() && router_checked, "{label}: {report}");
             }
-        }
-        // Calls back to back, as a serving loop makes them, at the largest count of every
-        // regime (each runs its own router launches): none waits out a flag.
-        let plan = built.layer.plan();
-        for regime in &plan.regimes {
-            let t = regime.max_tokens.min(shape.max_tokens);
-            let mut io: Vec<_> = (0..ep.ranks())
-                .map(|r| {
-                    let w = Workload::random(&shape, t, Routing::Uniform, seed ^ r as u64);
-                    upload_poisoned(ep.stream(r), &shape, &w).expect("upload")
-                })
-                .collect();
-            ep.synchronize().expect("uploads");
-            for _ in 0..PIPELINED_SELF_ROUTED_CALLS {
-                let mut args: Vec<RoutedForwardArgs<'_>> =
-                    io.iter_mut().map(DeviceWorkload::routed_args).collect();
-                ep.forward_routed(&mut args).expect("enqueue");
-            }
-            ep.take_error().unwrap_or_else(|e| {
-                panic!(
-                    "{} T={t} per rank, {PIPELINED_SELF_ROUTED_CALLS} self-routed calls back to back: {e}",
-                    layer.name
-                )
-            });
-            say(format!(
-                "{} T={t} per rank: {PIPELINED_SELF_ROUTED_CALLS} self-routed calls back to back",
-                layer.name
-            ));
         }
     }
 }

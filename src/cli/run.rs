@@ -574,7 +574,7 @@ fn run_expert_parallel_call(
     }
     let counts: Vec<u32> = workloads.iter().map(|w| w.tokens).collect();
     let xs: Vec<Vec<u16>> = workloads.iter().map(|w| w.x.clone()).collect();
-    session.run_checked_routed_expert_parallel(built, ep, &counts, &xs, sample, seed)
+    session.run_checked_routed_expert_parallel(built, ep, &counts, &xs, 1, sample, seed)
 }
 
 /// A rank making many calls says how far it got every this many (tests of a peer lost
