@@ -252,7 +252,6 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
         wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
     }
     __syncthreads();
-    let_next_kernel_start();  // no block of this kernel waits again: the dispatch may start
     if (blockIdx.x == 0 && threadIdx.x == 0) flag_store(errors_cleared, epoch);
 
     const int tiles = (tokens + META_TILE_TOKENS - 1) / META_TILE_TOKENS;
@@ -384,7 +383,6 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
     {{ ep.dispatch.params }}
 )
 {
-    wait_for_previous_kernel();  // the metadata's send slots (a no-op unless launched to start early)
     constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte vectors per row
     int chunks_in_call = 0;
     for (int destination = 0; destination < RANKS; ++destination) {
@@ -495,7 +493,6 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
         if (!wait_flag(meta_flags + source, epoch, error_word, rank, FLAG_KIND_META, source)) s_arrived = 0;
     }
     __syncthreads();
-    let_next_kernel_start();  // no block of this kernel waits again: GEMM1 may start
     // Without every source's counts the rows are unknown: compute none (the error is set).
     const int* order = RECEIVE_ORDER[rank];
     if (threadIdx.x < 32) {
@@ -587,7 +584,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
     {{ ep.combine.params }}
 )
 {
-    wait_for_previous_kernel();  // GEMM2's rows (a no-op unless launched to start early)
     const int lane = threadIdx.x / COMBINE_THREADS;
     const int thread = threadIdx.x % COMBINE_THREADS;
     const int first_item = blockIdx.x * COMBINE_LANES + lane;

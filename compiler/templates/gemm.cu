@@ -738,16 +738,7 @@ __device__ __forceinline__ void grouped_gemm_tiles(
         GemmTile t;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
-                               [](const GemmTile&) {
-                                   // An expert-parallel GEMM1's blocks wait for chunks to
-                                   // their end: GEMM2 starts behind them, not beside.
-                                   if constexpr (G::EP && G::KIND == GEMM_UP) {
-                                       wait_for_previous_kernel();
-                                   } else {
-                                       start_after_previous_kernel();
-                                   }
-                               },
-                               &t);
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of

@@ -135,11 +135,7 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 )
 {
 {%- if gemm.entry.early_start && !gemm.weights_before_wait %}
-{%- if gemm.waits_for_chunks %}
-    wait_for_previous_kernel();  // its blocks wait for chunks to their end: GEMM2 starts behind them
-{%- else %}
     start_after_previous_kernel();
-{%- endif %}
 {%- endif %}
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
 }

@@ -148,18 +148,3 @@ __device__ __forceinline__ void start_after_previous_kernel() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-
-// The two halves of start_after_previous_kernel, for the expert-parallel kernels, whose
-// blocks spin on flags: each waits for the kernel ahead at its start, but lets the kernel
-// behind start only once none of its blocks will spin again, so that the next kernel's
-// blocks, waiting, never hold an SM that a spinning block's producer needs.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_next_kernel_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}

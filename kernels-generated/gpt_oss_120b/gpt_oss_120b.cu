@@ -161,21 +161,6 @@ __device__ __forceinline__ void start_after_previous_kernel() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-
-// The two halves of start_after_previous_kernel, for the expert-parallel kernels, whose
-// blocks spin on flags: each waits for the kernel ahead at its start, but lets the kernel
-// behind start only once none of its blocks will spin again, so that the next kernel's
-// blocks, waiting, never hold an SM that a spinning block's producer needs.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_next_kernel_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
@@ -1349,16 +1334,7 @@ __device__ __forceinline__ void grouped_gemm_tiles(
         GemmTile t;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
-                               [](const GemmTile&) {
-                                   // An expert-parallel GEMM1's blocks wait for chunks to
-                                   // their end: GEMM2 starts behind them, not beside.
-                                   if constexpr (G::EP && G::KIND == GEMM_UP) {
-                                       wait_for_previous_kernel();
-                                   } else {
-                                       start_after_previous_kernel();
-                                   }
-                               },
-                               &t);
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of

@@ -160,21 +160,6 @@ __device__ __forceinline__ void start_after_previous_kernel() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-
-// The two halves of start_after_previous_kernel, for the expert-parallel kernels, whose
-// blocks spin on flags: each waits for the kernel ahead at its start, but lets the kernel
-// behind start only once none of its blocks will spin again, so that the next kernel's
-// blocks, waiting, never hold an SM that a spinning block's producer needs.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_next_kernel_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
@@ -1173,16 +1158,7 @@ __device__ __forceinline__ void grouped_gemm_tiles(
         GemmTile t;
         ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
-                               [](const GemmTile&) {
-                                   // An expert-parallel GEMM1's blocks wait for chunks to
-                                   // their end: GEMM2 starts behind them, not beside.
-                                   if constexpr (G::EP && G::KIND == GEMM_UP) {
-                                       wait_for_previous_kernel();
-                                   } else {
-                                       start_after_previous_kernel();
-                                   }
-                               },
-                               &t);
+                               [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
 
     // A call whose last wave of whole tiles is short runs stream-K: each block one run of
@@ -1599,7 +1575,6 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
         wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
     }
     __syncthreads();
-    let_next_kernel_start();  // no block of this kernel waits again: the dispatch may start
     if (blockIdx.x == 0 && threadIdx.x == 0) flag_store(errors_cleared, epoch);
 
     const int tiles = (tokens + META_TILE_TOKENS - 1) / META_TILE_TOKENS;
@@ -1739,7 +1714,6 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) tiny_two_nodes_ep_dis
     u32* __restrict__ net_ready  // [NETWORK_PEERS, 1 + CHUNKS]: epoch the metadata and each chunk were staged in
 )
 {
-    wait_for_previous_kernel();  // the metadata's send slots (a no-op unless launched to start early)
     constexpr unsigned VECTORS = HIDDEN / 8;  // 16-byte vectors per row
     int chunks_in_call = 0;
     for (int destination = 0; destination < RANKS; ++destination) {
@@ -1859,7 +1833,6 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
         if (!wait_flag(meta_flags + source, epoch, error_word, rank, FLAG_KIND_META, source)) s_arrived = 0;
     }
     __syncthreads();
-    let_next_kernel_start();  // no block of this kernel waits again: GEMM1 may start
     // Without every source's counts the rows are unknown: compute none (the error is set).
     const int* order = RECEIVE_ORDER[rank];
     if (threadIdx.x < 32) {
@@ -1944,7 +1917,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
     const u32* net_return_flags  // [NETWORK_PEERS, CHUNKS], written by NCCL's stream: results arrived
 )
 {
-    wait_for_previous_kernel();  // GEMM2's rows (a no-op unless launched to start early)
     const int lane = threadIdx.x / COMBINE_THREADS;
     const int thread = threadIdx.x % COMBINE_THREADS;
     const int first_item = blockIdx.x * COMBINE_LANES + lane;
@@ -2123,7 +2095,6 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_ep_gemm1
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    wait_for_previous_kernel();  // its blocks wait for chunks to their end: GEMM2 starts behind them
     grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
@@ -2168,7 +2139,6 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_ep_gemm2
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    start_after_previous_kernel();
     grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }

@@ -658,9 +658,6 @@ struct GemmUnit {
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
     /// before it waits for GEMM1 (the entry point then does not wait first).
     weights_before_wait: bool,
-    /// An expert-parallel GEMM1, whose blocks wait for chunk flags to their end: started
-    /// early, it lets GEMM2 start only as it ends (see `launch_table` in `plan::ep`).
-    waits_for_chunks: bool,
     /// mma.sync on one GPU: which calls run stream-K (0, 0: none).
     stream_k_max_last_wave: u32,
     stream_k_max_tiles: u32,
@@ -858,7 +855,6 @@ impl GemmUnit {
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
-            waits_for_chunks: role == GemmRole::ExpertParallelUp,
             stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
             stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),
             block_routing_max_pairs: gemm.block_routing.map_or(0, |routing| routing.max_pairs),

@@ -512,7 +512,6 @@ pub fn plan_expert_parallel(
             [&gemm1, &gemm2],
             &sizes,
             network.is_some(),
-            target.has_programmatic_launch(),
             &KernelBlocks {
                 metadata: tokens[1]
                     .div_ceil(sizes.metadata_tile_tokens)
@@ -1107,20 +1106,13 @@ fn params_if(taken: bool, params: Vec<KernelParam>) -> Vec<KernelParam> {
 }
 
 /// The launches of one call on one rank: metadata and dispatch on the communication
-/// stream; arrange, the GEMMs and combine on the compute stream. With `early_start` every
-/// launch but the first on its stream starts early (programmatic dependent launch): its
-/// blocks are placed as the kernel ahead lets them, and wait for it to end before they
-/// read what it wrote. A kernel lets the one behind start only once none of its blocks
-/// will spin on a flag again (metadata once the credits are in, arrange once the metadata
-/// is, GEMM2 at once: it waits for nothing; GEMM1 waits for chunks to its end), so that a
-/// waiting block of the next kernel never holds an SM a spinning block's producer needs.
+/// stream; arrange, the GEMMs and combine on the compute stream.
 fn launch_table(
     kernels: &[String; 4],
     gemm_kernels: [&String; 2],
     gemms: [&GemmPlan; 2],
     sizes: &Sizes,
     over_network: bool,
-    early_start: bool,
     blocks: &KernelBlocks,
 ) -> Vec<Launch> {
     use BufferId::*;
@@ -1140,7 +1132,7 @@ fn launch_table(
             early_start: false,
         };
     let [g1, g2] = gemms;
-    let mut launches = vec![
+    vec![
         launch(
             route,
             blocks.metadata,
@@ -1329,15 +1321,7 @@ fn launch_table(
             ))
             .collect(),
         ),
-    ];
-    if early_start {
-        for stream in [StreamRole::Comm, StreamRole::Compute] {
-            for launch in launches.iter_mut().filter(|l| l.stream == stream).skip(1) {
-                launch.early_start = true;
-            }
-        }
-    }
-    launches
+    ]
 }
 
 #[cfg(test)]
