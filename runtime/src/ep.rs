@@ -13,9 +13,9 @@
 //! the compute stream's earlier work, then takes the metadata and dispatch kernels; the
 //! compute stream takes arrange, the GEMMs and combine, then waits for the communication
 //! stream. A call that routes itself ([`EpLayer::forward_routed`]) first runs the layer's
-//! router on each rank's own tokens, on its compute stream, ahead of both. Within a call the ranks
-//! synchronise only through the kernels' flags; each call raises the epoch the flags
-//! compare against, so no flag is ever reset.
+//! router on each rank's own tokens, on its compute stream, ahead of both. Within a call
+//! the ranks synchronise only through the kernels' flags; each call raises the epoch the
+//! flags compare against, so no flag is ever reset.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -759,11 +759,14 @@ impl EpLayer {
     /// (none at T = 0: nothing to route).
     fn enqueue_router(&self, r: usize, call: &RankCall) -> Result<(), LayerError> {
         let rank = &self.ranks[r];
-        let (Some(router), Some(index)) =
-            (&self.plan.router, self.plan.regime_index_for(call.tokens))
-        else {
-            return Err(LayerError::NoRouter);
-        };
+        let router = self.plan.router.as_ref().ok_or(LayerError::NoRouter)?;
+        let index = self
+            .plan
+            .regime_index_for(call.tokens)
+            .ok_or(LayerError::TooManyTokens {
+                tokens: call.tokens,
+                max: self.plan.shape.max_tokens,
+            })?;
         if call.tokens == 0 {
             return Ok(());
         }
