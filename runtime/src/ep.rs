@@ -421,7 +421,8 @@ impl EpLayer {
 
     /// The layer with its router: `gates[r]` is the gate (the same weights on every rank)
     /// on the device of the `r`-th rank this process drives. Its calls may then route
-    /// themselves ([`EpLayer::forward_routed`]). The plan must have a router.
+    /// themselves ([`EpLayer::forward_routed`]). The plan must have a router. Given again,
+    /// the new gates replace the old.
     pub fn with_router(mut self, gates: Vec<GateWeights>) -> Result<Self, LayerError> {
         let router = match &self.plan.router {
             Some(router) if self.ep.routes_itself => router,
@@ -436,6 +437,10 @@ impl EpLayer {
         let shape = &self.plan.shape;
         for (rank, gate) in self.ranks.iter_mut().zip(gates) {
             gate.check(shape, router)?;
+            // An earlier gate's maps go (they come after the experts' maps, whose
+            // positions the expert-parallel launches hold).
+            rank.tensor_maps
+                .retain(|(arg, _)| !matches!(arg, LaunchArg::GateWeightTiles { .. }));
             let ctx = rank.compute.context();
             let mut tensor_maps = WeightTensorMaps {
                 shape,
