@@ -1367,6 +1367,16 @@ fn split_gates_of_a_few_hundred_tokens_run_in_clusters_that_select() {
             "{gate:?}"
         );
     }
+    // Validation holds a virtual-rank plan to it: the one-GPU plan's router, which has
+    // cluster gates, is refused there.
+    let mut clustered = plan.clone();
+    clustered.router = plan::plan(&example_layer("qwen3_30b_a3b"), &h200)
+        .expect("plans")
+        .router;
+    let error = clustered
+        .validate()
+        .expect_err("cluster gates on virtual ranks");
+    assert!(error.to_string().contains("does not add up"), "{error}");
 }
 
 /// Every expert count a cluster gate may take (whole float4s up to 256) and a few

@@ -464,6 +464,10 @@ impl Plan {
         if !(router.rule.scale > 0.0 && (router.rule.scale as f32).is_finite()) {
             return Err("the routing scale is not a positive 32-bit float".into());
         }
+        let on_virtual_ranks = self
+            .expert_parallel
+            .as_ref()
+            .is_some_and(|ep| ep.placement == Placement::Virtual);
         for (index, regime) in router.regimes.iter().enumerate() {
             let name = &self.regimes[index].name;
             let (min_tokens, max_tokens) = (
@@ -507,10 +511,12 @@ impl Plan {
                     GateEngine::WarpSpecialized => {
                         !regime.fused && router::wgmma_gate_allowed(experts, &self.target)
                     }
+                    // Not beside virtual ranks' spinning blocks (see `router::split_gate_tile`).
                     GateEngine::Cluster { .. } => {
                         !regime.fused
                             && router::cluster_gate_allowed(experts, &self.target)
                             && gate.tile_experts == experts.next_multiple_of(16)
+                            && !on_virtual_ranks
                     }
                 };
                 let tile = (gate.tile_tokens, gate.tile_experts);
