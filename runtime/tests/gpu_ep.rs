@@ -235,58 +235,68 @@ fn self_routed_virtual_ranks_match_reference() {
     ];
     for (layer, built, mut ep) in build_on_virtual_ranks(&session, &cases, seed) {
         assert!(ep.routes_itself(), "{} routes itself", layer.name);
-        let shape = built.layer.plan().shape.clone();
-        // Every token-count case as one call; then, at the largest count of every regime
-        // (each runs its own router launches), calls back to back as a serving loop makes
-        // them, the last one checked: a router of the next call must not overwrite the
-        // choices a call still reads.
-        let ranks = ep.ranks();
-        let cases: Vec<(Vec<u32>, usize)> = token_counts(shape.max_tokens, ranks)
-            .into_iter()
-            .map(|counts| (counts, 1))
-            .chain(built.layer.plan().regimes.iter().map(|regime| {
-                let t = regime.max_tokens.min(shape.max_tokens);
-                (vec![t; ranks], PIPELINED_SELF_ROUTED_CALLS)
-            }))
+        check_self_routed(&session, &built, &mut ep, &layer.name, seed);
+    }
+}
+
+/// Every token-count case of `built` on `ep`, routed by its ranks' routers, as one call;
+/// then, at the largest count of every regime (each runs its own router launches), calls
+/// back to back as a serving loop makes them, the last one checked (a router of the next
+/// call must not overwrite the choices a call still reads). Each rank's router against the
+/// CPU router, its output against the reference on its router's choices.
+fn check_self_routed(
+    session: &Session,
+    built: &BuiltLayer,
+    ep: &mut EpLayer,
+    label: &str,
+    seed: u64,
+) {
+    let shape = built.layer.plan().shape.clone();
+    let ranks = ep.ranks();
+    let cases: Vec<(Vec<u32>, usize)> = token_counts(shape.max_tokens, ranks)
+        .into_iter()
+        .map(|counts| (counts, 1))
+        .chain(built.layer.plan().regimes.iter().map(|regime| {
+            let t = regime.max_tokens.min(shape.max_tokens);
+            (vec![t; ranks], PIPELINED_SELF_ROUTED_CALLS)
+        }))
+        .collect();
+    for (counts, calls) in cases {
+        let xs: Vec<Vec<u16>> = counts
+            .iter()
+            .enumerate()
+            .map(|(r, &t)| {
+                let case = seed ^ (u64::from(t) << 8) ^ r as u64;
+                Workload::random(&shape, t, Routing::Uniform, case).x
+            })
             .collect();
-        for (counts, calls) in cases {
-            let xs: Vec<Vec<u16>> = counts
-                .iter()
-                .enumerate()
-                .map(|(r, &t)| {
-                    let case = seed ^ (u64::from(t) << 8) ^ r as u64;
-                    Workload::random(&shape, t, Routing::Uniform, case).x
-                })
-                .collect();
-            let reports = session
-                .run_checked_routed_expert_parallel(
-                    &built,
-                    &mut ep,
-                    &counts,
-                    &xs,
-                    calls,
-                    SELF_ROUTED_CHECKED_TOKENS,
-                    seed,
+        let reports = session
+            .run_checked_routed_expert_parallel(
+                built,
+                ep,
+                &counts,
+                &xs,
+                calls,
+                SELF_ROUTED_CHECKED_TOKENS,
+                seed,
+            )
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{label} T={counts:?}, {calls} calls: {e}; every rank's error word: {:?}",
+                    ep.error_words()
                 )
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "{} T={counts:?}, {calls} calls: {e}; every rank's error word: {:?}",
-                        layer.name,
-                        ep.error_words()
-                    )
-                });
-            for (r, report) in reports.iter().enumerate() {
-                let label = format!(
-                    "{} rank {r} T={} self-routed, the last of {calls} calls",
-                    layer.name, counts[r]
-                );
-                say(format!("{label}: {report}"));
-                let router_checked = report
-                    .router
-                    .as_ref()
-                    .is_some_and(|router| router.tokens == report.checked_tokens);
-                assert!(report.passed() && router_checked, "{label}: {report}");
-            }
+            });
+        for (r, report) in reports.iter().enumerate() {
+            let case = format!(
+                "{label} rank {r} T={} self-routed, the last of {calls} calls",
+                counts[r]
+            );
+            say(format!("{case}: {report}"));
+            let router_checked = report
+                .router
+                .as_ref()
+                .is_some_and(|router| router.tokens == report.checked_tokens);
+            assert!(report.passed() && router_checked, "{case}: {report}");
         }
     }
 }
@@ -379,6 +389,10 @@ fn every_gpu_matches_reference() {
             .build_expert_parallel(&built, &contexts)
             .expect("expert-parallel layer on every GPU");
         check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);
+        // The scaled Qwen3-30B-A3B has a router: every GPU's rank routes its own tokens.
+        if ep.routes_itself() {
+            check_self_routed(&session, &built, &mut ep, &layer.name, seed);
+        }
     }
 }
 
