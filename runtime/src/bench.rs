@@ -9,16 +9,14 @@
 
 use cudarc::driver::CudaGraph;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use moeforge_compiler::plan::{BufferId, LayerShape, Target};
+use moeforge_compiler::plan::{LayerShape, Target};
 use serde::Serialize;
 
 use crate::baseline::{BaselineError, CublasBaseline};
 use crate::bf16;
 use crate::ep::{DispatchStageSplit, EpLayer, GemmStageSplit, StageMarks, StageTimes};
 use crate::gpu::{DriverContext, GpuError};
-use crate::harness::{
-    BuiltLayer, DeviceWorkload, HarnessError, Session, download_values, upload_poisoned,
-};
+use crate::harness::{BuiltLayer, DeviceWorkload, HarnessError, Session, upload_poisoned};
 use crate::layer::{ForwardArgs, RoutedForwardArgs};
 use crate::nccl_pipeline::{NcclPipeline, NcclPipelineError, Phase};
 use crate::process_group::ChannelError;
@@ -746,20 +744,15 @@ fn time_self_routed_expert_parallel(
     routed_call(ep, inputs, true)?;
     ep.take_error()?;
     let shape = ep.plan().shape.clone();
-    let k = shape.top_k as usize;
     let mut chosen = Vec::with_capacity(inputs.len());
     for (r, io) in inputs.iter().enumerate() {
         let stream = ep.stream(r);
-        let pairs = io.tokens as usize * k;
-        let buffer = |id| {
-            ep.workspace_buffer(r, id)
-                .ok_or(crate::layer::LayerError::MissingWorkspace { buffer: id.name() })
-        };
+        let (topk_ids, topk_weights) = ep.routed_choices(r, io.tokens)?;
         let workload = Workload {
             tokens: io.tokens,
             x: stream.clone_dtoh(&io.x).context("downloading x")?,
-            topk_ids: download_values(stream, buffer(BufferId::RoutedIds)?, pairs)?,
-            topk_weights: download_values(stream, buffer(BufferId::RoutedWeights)?, pairs)?,
+            topk_ids,
+            topk_weights,
         };
         chosen.push(upload_poisoned(stream, &shape, &workload)?);
     }

@@ -428,12 +428,7 @@ impl EpLayer {
             Some(router) if self.ep.routes_itself => router,
             _ => return Err(LayerError::NoRouter),
         };
-        if gates.len() != self.ranks.len() {
-            return Err(LayerError::RankCount {
-                ranks: self.ranks.len() as u32,
-                given: gates.len(),
-            });
-        }
+        self.check_rank_count(gates.len())?;
         let shape = &self.plan.shape;
         for (rank, gate) in self.ranks.iter_mut().zip(gates) {
             gate.check(shape, router)?;
@@ -526,12 +521,7 @@ impl EpLayer {
                 LayerError::NoRouter
             });
         }
-        if args.len() != self.ranks.len() {
-            return Err(LayerError::RankCount {
-                ranks: self.ranks.len() as u32,
-                given: args.len(),
-            });
-        }
+        self.check_rank_count(args.len())?;
         let hidden = u64::from(self.plan.shape.hidden);
         args.iter()
             .zip(&self.ranks)
@@ -551,18 +541,49 @@ impl EpLayer {
             .collect()
     }
 
+    /// That `given` (gates, or a call's arguments) is one per rank this process drives.
+    fn check_rank_count(&self, given: usize) -> Result<(), LayerError> {
+        if given == self.ranks.len() {
+            return Ok(());
+        }
+        Err(LayerError::RankCount {
+            ranks: self.ranks.len() as u32,
+            given,
+        })
+    }
+
+    /// Rank `r`'s router choices of the last call that routed itself with `tokens` tokens:
+    /// its `topk_ids` and `topk_weights`, read back on its compute stream.
+    pub fn routed_choices(
+        &self,
+        r: usize,
+        tokens: u32,
+    ) -> Result<(Vec<i32>, Vec<f32>), LayerError> {
+        let rank = &self.ranks[r];
+        let pairs = tokens as usize * self.plan.shape.top_k as usize;
+        let ids = read_words(
+            &rank.compute,
+            workspace(&rank.workspace, BufferId::RoutedIds)?,
+            pairs,
+        )?;
+        let weights = read_words(
+            &rank.compute,
+            workspace(&rank.workspace, BufferId::RoutedWeights)?,
+            pairs,
+        )?;
+        Ok((
+            ids.into_iter().map(i32::from_le_bytes).collect(),
+            weights.into_iter().map(f32::from_le_bytes).collect(),
+        ))
+    }
+
     /// Checks a caller-routed call's arguments and resolves them to device addresses.
     fn caller_routed_calls(
         &self,
         args: &mut [ForwardArgs<'_>],
     ) -> Result<Vec<RankCall>, LayerError> {
         let shape = &self.plan.shape;
-        if args.len() != self.ranks.len() {
-            return Err(LayerError::RankCount {
-                ranks: self.ranks.len() as u32,
-                given: args.len(),
-            });
-        }
+        self.check_rank_count(args.len())?;
         args.iter()
             .zip(&self.ranks)
             .map(|(a, rank)| {
@@ -1309,6 +1330,22 @@ fn write_peer_table(rank: &mut Rank, table: &[Vec<u64>]) -> Result<(), LayerErro
         .memcpy_htod(&bytes, slot)
         .context("uploading the peer table")?;
     Ok(())
+}
+
+/// The first `count` four-byte words of `buffer`, read on `stream`.
+fn read_words(
+    stream: &Arc<CudaStream>,
+    buffer: &CudaSlice<u8>,
+    count: usize,
+) -> Result<Vec<[u8; 4]>, LayerError> {
+    let bytes = stream
+        .clone_dtoh(buffer)
+        .context("reading back a workspace buffer")?;
+    Ok(bytes
+        .chunks_exact(4)
+        .take(count)
+        .map(|c| [c[0], c[1], c[2], c[3]])
+        .collect())
 }
 
 fn workspace(

@@ -791,28 +791,27 @@ impl Session {
             layer.forward_routed(&mut args)?;
         }
         layer.take_error()?;
-        let (e, k) = (shape.experts as usize, shape.top_k as usize);
         io.iter()
             .zip(xs)
             .enumerate()
             .map(|(r, (io, x))| {
                 let stream = layer.stream(r);
-                let t = io.tokens as usize;
                 let y = stream.clone_dtoh(&io.y).context("downloading y")?;
-                let buffer = |id: BufferId| {
-                    layer
-                        .workspace_buffer(r, id)
-                        .ok_or(LayerError::MissingWorkspace { buffer: id.name() })
-                };
+                let (topk_ids, topk_weights) = layer.routed_choices(r, io.tokens)?;
+                let logits = layer.workspace_buffer(r, BufferId::RouterLogits).ok_or(
+                    LayerError::MissingWorkspace {
+                        buffer: BufferId::RouterLogits.name(),
+                    },
+                )?;
                 let outputs = CallOutputs {
                     tokens: io.tokens,
                     y,
-                    topk_ids: download_values(stream, buffer(BufferId::RoutedIds)?, t * k)?,
-                    topk_weights: download_values(stream, buffer(BufferId::RoutedWeights)?, t * k)?,
+                    topk_ids,
+                    topk_weights,
                     router_logits: Some(download_values(
                         stream,
-                        buffer(BufferId::RouterLogits)?,
-                        t * e,
+                        logits,
+                        io.tokens as usize * shape.experts as usize,
                     )?),
                 };
                 self.check_routed(built, x, &outputs, max_checked_tokens, seed)
@@ -1011,7 +1010,7 @@ impl Session {
 }
 
 /// The first `elems` four-byte values of `buffer`, read on `stream`.
-pub(crate) fn download_values<T: le_values::FromLe>(
+fn download_values<T: le_values::FromLe>(
     stream: &Arc<CudaStream>,
     buffer: &CudaSlice<u8>,
     elems: usize,
@@ -1058,7 +1057,7 @@ fn random_router_gate(plan: &Plan, seed: u64) -> Option<HostGate> {
 }
 
 /// Four-byte values read back from a workspace buffer.
-pub(crate) mod le_values {
+mod le_values {
     pub trait FromLe {
         fn from_le(bytes: [u8; 4]) -> Self;
     }

@@ -888,7 +888,6 @@ impl MoeLayer {
         // (`Regime::router_metadata_left_out_max_tokens`), which do both. At T = 0 its
         // grid is empty and the route kernel (or the fused decode, or GEMM1's blocks)
         // runs instead, so that a stale error of an earlier call is not reported.
-        let mut routed_by_router = false;
         if self_routed
             && tokens > 0
             && let (Some(router), Some(kernels)) =
@@ -899,8 +898,7 @@ impl MoeLayer {
             // if the table runs and does not route the call in the GEMMs' blocks.
             let left_out =
                 self.plan.regimes[index].router_metadata_left_out_max_tokens(shape.top_k);
-            routed_by_router = regime.fused && tokens > left_out;
-            call.lays_out_routing = routed_by_router;
+            call.lays_out_routing = regime.fused && tokens > left_out;
             for launch in regime.launches_for(tokens) {
                 self.launch(on, &regime.launches[launch], &kernels[launch], &call)?;
             }
@@ -917,11 +915,11 @@ impl MoeLayer {
         // (a fused router has left the metadata out for it).
         call.routes_in_blocks = part == CallPart::Whole
             && self.block_routing
-            && !routed_by_router
+            && !call.lays_out_routing
             && regime.routes_in_blocks(tokens, shape.top_k);
         for (launch, bound) in regime.launches.iter().zip(bound) {
             let is_route = self.plan.is_route_kernel(&launch.kernel);
-            let replaced = routed_by_router && launch.kernel == self.plan.route_kernel;
+            let replaced = call.lays_out_routing && launch.kernel == self.plan.route_kernel;
             let left_out = is_route && call.routes_in_blocks;
             let wanted = match part {
                 CallPart::Whole => !replaced && !left_out,

@@ -1299,10 +1299,11 @@ pub fn plan_tuned(
     } else {
         ep::Placement::Devices
     };
-    // A rank routes its own tokens into its own copies of the router's buffers.
+    // A rank routes its own tokens into its own copies of the router's buffers (the
+    // workspace holds them exactly when the layer has a router).
     let router_buffers = workspace
         .iter()
-        .filter(|buffer| router.is_some() && ROUTER_BUFFERS.contains(&buffer.id))
+        .filter(|buffer| ROUTER_BUFFERS.contains(&buffer.id))
         .cloned()
         .collect();
     let expert_parallel = match ep::plan_expert_parallel(
