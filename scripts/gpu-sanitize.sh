@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs shipped example layers under compute-sanitizer (memcheck, then racecheck) on the GPU
 # machine, each checked against the CPU reference: one GPU, virtual ranks (2 and 4,
-# skewed routing), two self-routed layers (the fused router) and a self-routed layer on two
-# virtual ranks (each rank's router, then the exchange on its choices). DESIGN.md asks both
-# tools to be clean. compute-sanitizer reads the device only where the machine allows it
+# skewed routing), two self-routed layers (the fused router), a self-routed layer on two
+# virtual ranks (each rank's router, then the exchange on its choices) and two calls small
+# enough for the ranks' fused decode (tiny on 4 ranks, Qwen3-30B-A3B on 2, self-routed).
+# DESIGN.md asks both tools to be clean. compute-sanitizer reads the device only where the machine allows it
 # (device/KINDS.md: Firecracker yes, gVisor no).
 #
 # Usage, on the GPU machine from the repository root, with `moeforge` on PATH (staged by
@@ -20,6 +21,8 @@ cases=(
   "dsl-examples/qwen3_30b_a3b.moe --ranks 1 --tokens 16"
   "dsl-examples/gpt_oss_120b.moe --ranks 1 --tokens 3"
   "dsl-examples/qwen3_30b_a3b.moe --ranks 2 --tokens 40"
+  "dsl-examples/tiny.moe --ranks 4 --tokens 9"
+  "dsl-examples/qwen3_30b_a3b.moe --ranks 2 --tokens 5"
 )
 failed=0
 for tool in memcheck racecheck; do

@@ -196,8 +196,9 @@ fn a_layer_the_target_cannot_run_is_refused_with_its_span() {
 }
 
 /// `run --ranks R` plans the expert-parallel kernels: without a GPU it compiles them (the
-/// metadata, dispatch, arrange and combine kernels besides the GEMMs) and says it did not
-/// run; with one it runs every rank and checks it against the CPU reference.
+/// metadata, dispatch, arrange and combine kernels besides the GEMMs, and the ranks' fused
+/// decode) and says it did not run; with one it runs every rank and checks it against the
+/// CPU reference.
 #[test]
 fn run_over_virtual_ranks_compiles_or_checks_every_rank() {
     let out = moeforge(&[
@@ -212,7 +213,7 @@ fn run_over_virtual_ranks_compiles_or_checks_every_rank() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
-    let compiled_only = stdout.contains("not run: no GPU") && stdout.contains("10 kernels");
+    let compiled_only = stdout.contains("not run: no GPU") && stdout.contains("11 kernels");
     let ran = stdout.contains("rank 0 T=16") && stdout.contains("rank 1 T=16");
     assert!(compiled_only || ran, "{stdout}{stderr}");
     if ran {

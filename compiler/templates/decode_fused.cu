@@ -20,7 +20,6 @@
 // puts it back, by taking off what the call added, so that even a call whose wait timed
 // out leaves them right for the next.
 // ---------------------------------------------------------------------------------------
-enum : int { FLAG_KIND_EXPERT_ROWS = {{ flag_kind_expert_rows }} };
 
 // Columns [first_column, first_column + COLUMNS) of every token's output: the sum of its
 // slots in k order, by the whole block. The slots were stored by other blocks of this

@@ -142,16 +142,23 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 #endif
 {%- endfor %}
 {%- if let Some(fused) = regime.fused %}
-// Fused decode: calls of up to {{ fused.max_tokens }} tokens run as this one kernel, with the two GEMMs
+// Fused decode: calls of up to {{ fused.max_tokens }} tokens{% if fused.expert_parallel %} per rank{% endif %} run as this one kernel, with the two GEMMs
 // above; {{ fused.blocks_per_sm }} blocks per SM.
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ fused.entry.name }})
 extern "C" __global__ void __launch_bounds__({{ fused.entry.threads }}, {{ fused.blocks_per_sm }}) {{ fused.entry.name }}(
     {{ fused.entry.params }}
 )
 {
+{%- if fused.expert_parallel %}
+    ep_fused_decode<{{ regime.gemms[0].config }}, {{ regime.gemms[1].config }}, {{ fused.max_tokens }}, {{ fused.max_rows }}, {{ fused.entry.static_smem }}>(
+        x, w1, w2, topk_ids, topk_weights, tokens, rank, epoch, peer_table, recv_x, recv_counts, recv_pair, recv_weight,
+        meta_flags, chunk_flags, chunk_pieces, credits, intermediate, combine_slots, combine_counters,
+        rank_fused_counters, error_word, y);
+{%- else %}
     fused_decode<{{ regime.gemms[0].config }}, {{ regime.gemms[1].config }}, {{ fused.max_rows }}, {{ fused.entry.static_smem }}>(
         x, w1, {{ fused.w1_bias }}, w2, {{ fused.w2_bias }}, topk_ids, topk_weights, tokens, intermediate, combine_slots,
         fused_decode_counters, error_word, y);
+{%- endif %}
 }
 #endif
 {%- endif %}

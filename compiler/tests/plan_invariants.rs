@@ -564,6 +564,94 @@ fn the_metadata_grid_is_its_tiles_within_the_communication_blocks() {
     assert!(error.to_string().contains("metadata"), "{error}");
 }
 
+/// A rank's fused decode: planned for the first rank regime where both GEMMs are mma.sync,
+/// on every SM of a rank's own GPU and on a rank's share with virtual ranks (every rank's
+/// grid resident at once), with its counters in the workspace; `fused_decode = 0` and ranks
+/// on several nodes plan none; validation refuses an edited grid or token bound.
+#[test]
+fn a_ranks_fused_decode_is_planned_and_checked() {
+    let target = Target::h200();
+    let plan = example_plan("qwen3_30b_a3b");
+    let ep = plan.expert_parallel.as_ref().expect("expert-parallel plan");
+    let fused = ep.regimes[0]
+        .fused_decode
+        .as_ref()
+        .expect("the decode rank regime fuses");
+    assert_eq!(
+        fused.max_tokens,
+        plan::fused_decode::DEFAULT_RANK_FUSED_DECODE_TOKENS
+    );
+    assert_eq!(
+        fused.launch.grid,
+        Grid::Fixed(target.sm_count * fused.blocks_per_sm)
+    );
+    assert!(ep.regimes[1..].iter().all(|r| r.fused_decode.is_none()));
+    assert!(
+        ep.workspace
+            .iter()
+            .any(|b| b.id == BufferId::RankFusedCounters)
+    );
+    assert!(
+        plan.expert_parallel_entry_points()
+            .contains(&fused.launch.kernel)
+    );
+
+    let mut layer = common::layer("ep", 1024, 384, 128, 8, Activation::Swiglu, 4096);
+    layer.parallel.expert = 4;
+    layer.topology.gpus_per_node = 1;
+    layer.topology.virtual_ranks = Some(4);
+    let virtual_plan = plan::plan(&layer, &target).expect("plans");
+    assert_eq!(virtual_plan.validate(), Ok(()));
+    let fused = virtual_plan.expert_parallel.as_ref().unwrap().regimes[0]
+        .fused_decode
+        .as_ref()
+        .expect("virtual ranks fuse too");
+    assert_eq!(
+        (fused.launch.grid, fused.blocks_per_sm),
+        (Grid::Fixed(33), 1)
+    );
+
+    for (which, edit) in [
+        (
+            "grid",
+            Box::new(|f: &mut plan::FusedDecode| f.launch.grid = Grid::Fixed(66))
+                as Box<dyn Fn(&mut plan::FusedDecode)>,
+        ),
+        (
+            "token bound",
+            Box::new(|f: &mut plan::FusedDecode| f.max_tokens += 1),
+        ),
+        (
+            "rows",
+            Box::new(|f: &mut plan::FusedDecode| f.max_rows -= 1),
+        ),
+    ] {
+        let mut edited = virtual_plan.clone();
+        let regime = &mut edited.expert_parallel.as_mut().unwrap().regimes[0];
+        edit(regime.fused_decode.as_mut().unwrap());
+        assert!(edited.validate().is_err(), "edited {which} went unnoticed");
+    }
+
+    layer.schedule.fused_decode = Some(0);
+    let off = plan::plan(&layer, &target).expect("plans");
+    let off = off.expert_parallel.expect("expert-parallel plan");
+    assert!(off.regimes.iter().all(|r| r.fused_decode.is_none()));
+    assert!(
+        off.workspace
+            .iter()
+            .all(|b| b.id != BufferId::RankFusedCounters),
+        "no counters without a fused decode"
+    );
+
+    let two_nodes = example_plan("tiny_two_nodes");
+    let ep = two_nodes.expert_parallel.expect("expert-parallel plan");
+    assert!(ep.network.is_some());
+    assert!(
+        ep.regimes.iter().all(|r| r.fused_decode.is_none()),
+        "NCCL carries part of the exchange"
+    );
+}
+
 /// The H200 plan of the shipped example `name`, validated.
 fn example_plan(name: &str) -> plan::Plan {
     let path = format!("{}/../dsl-examples/{name}.moe", env!("CARGO_MANIFEST_DIR"));

@@ -30,7 +30,8 @@ use crate::gpu::{DriverContext, GpuError, LoadedKernels};
 use crate::ipc::{self, ExportableBuffer, PeerMappings};
 use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, GateWeights, LayerError, RoutedForwardArgs,
-    WeightTensorMaps, check_len, kernel_error, launch_with, load_kernel, ptr, read_error_word,
+    WeightTensorMaps, check_len, fused_decode_from, kernel_error, launch_with, load_kernel, ptr,
+    read_error_word,
 };
 use crate::network::{self, NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
 use crate::process_group::ControlChannel;
@@ -115,7 +116,8 @@ struct Rank {
     weights: ExpertWeights,
     /// Tensor maps over this rank's experts' weights.
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
-    /// Per regime, each launch's function and bindings (in the plan's launch order).
+    /// Per regime, each launch's function and bindings (in the plan's launch order, the
+    /// fused decode's last where the regime has one).
     regime_kernels: Vec<Vec<(CudaFunction, Vec<Binding>)>>,
     /// The router's gate on this rank's device and, per single-GPU regime, the router's
     /// launches (empty until [`EpLayer::with_router`]).
@@ -136,6 +138,10 @@ pub struct EpLayer {
     epoch: u32,
     /// Fault injection: the rank whose communication the next call leaves out.
     withheld: Option<usize>,
+    /// Whether calls a rank regime's fused decode covers run it (one process driving every
+    /// rank only: all ranks must take the same path, which rank processes cannot see);
+    /// `MOEFORGE_FUSED_DECODE=0` runs the table instead, as on one GPU.
+    fused_decode: bool,
 }
 
 /// This process's membership of a group of rank processes.
@@ -281,6 +287,7 @@ impl EpLayer {
             group: None,
             epoch: 0,
             withheld: None,
+            fused_decode: fused_decode_from(|name| std::env::var(name).ok())?,
         };
         layer.synchronize()?;
         Ok(layer)
@@ -375,6 +382,7 @@ impl EpLayer {
             }),
             epoch: 0,
             withheld: None,
+            fused_decode: false,
         })
     }
 
@@ -637,6 +645,12 @@ impl EpLayer {
                 .join(&rank.compute)
                 .context("ordering the receives after the last call's kernels")?;
         }
+        if let Some(regime) = self.fused_regime(calls) {
+            for (r, call) in calls.iter().enumerate() {
+                self.enqueue_fused(r, call, regime)?;
+            }
+            return Ok(());
+        }
         // Communication first on every rank: the compute kernels wait on it.
         for (r, call) in calls.iter().enumerate() {
             if withheld != Some(r) {
@@ -805,6 +819,41 @@ impl EpLayer {
             self.launch(rank, &rank.compute, launch, early, function, bindings, call)?;
         }
         Ok(())
+    }
+
+    /// The regime whose fused decode runs this call on every rank: where this process
+    /// drives every rank (so that all of them take the same path), the switch is on and
+    /// the regime of the largest call fuses calls that large. A withheld rank's call (fault
+    /// injection) takes the table, whose communication can be left out.
+    fn fused_regime(&self, calls: &[RankCall]) -> Option<usize> {
+        if !self.fused_decode || self.withheld.is_some() {
+            return None;
+        }
+        let most = calls.iter().map(|call| call.tokens).max()?;
+        let regime = self.ep.regime_index_for(most)?;
+        self.ep.regimes[regime].fuses(most).then_some(regime)
+    }
+
+    /// Enqueues rank `r`'s fused decode of `regime` on its compute stream.
+    fn enqueue_fused(&self, r: usize, call: &RankCall, regime: usize) -> Result<(), LayerError> {
+        let rank = &self.ranks[r];
+        let plan_regime = &self.ep.regimes[regime];
+        let fused = plan_regime
+            .fused_decode
+            .as_ref()
+            .ok_or_else(|| LayerError::MissingKernel {
+                name: format!("the fused decode of rank regime `{}`", plan_regime.name),
+            })?;
+        let (function, bindings) = &rank.regime_kernels[regime][plan_regime.launches.len()];
+        self.launch(
+            rank,
+            &rank.compute,
+            &fused.launch,
+            false,
+            function,
+            bindings,
+            call,
+        )
     }
 
     /// Enqueues rank `r`'s launches of `regime` that `chosen` picks, each on its stream.
@@ -1169,7 +1218,7 @@ fn build_rank(
     let mut loaded = Vec::new();
     for regime in &ep.regimes {
         let mut launches = Vec::new();
-        for launch in &regime.launches {
+        for launch in regime.all_launches() {
             let function = load_kernel(&module, &mut loaded, launch)?;
             load_now(ctx, &function, &launch.kernel)?;
             let bindings = launch

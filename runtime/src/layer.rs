@@ -334,7 +334,9 @@ fn block_routing_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, L
 
 /// `MOEFORGE_FUSED_DECODE`: `0` runs a regime's table where the plan would run its fused
 /// decode kernel, to measure what fusing changes.
-fn fused_decode_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
+pub(crate) fn fused_decode_from(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<bool, LayerError> {
     switch_from(
         lookup,
         "MOEFORGE_FUSED_DECODE",

@@ -253,13 +253,21 @@ fn check_self_routed(
 ) {
     let shape = built.layer.plan().shape.clone();
     let ranks = ep.ranks();
+    // Back to back also at the most tokens the rank's fused decode covers.
+    let fused = fused_max_tokens(built.layer.plan());
     let cases: Vec<(Vec<u32>, usize)> = token_counts(shape.max_tokens, ranks)
         .into_iter()
         .map(|counts| (counts, 1))
-        .chain(built.layer.plan().regimes.iter().map(|regime| {
-            let t = regime.max_tokens.min(shape.max_tokens);
-            (vec![t; ranks], PIPELINED_SELF_ROUTED_CALLS)
-        }))
+        .chain(
+            built
+                .layer
+                .plan()
+                .regimes
+                .iter()
+                .map(|regime| regime.max_tokens.min(shape.max_tokens))
+                .chain(fused)
+                .map(|t| (vec![t; ranks], PIPELINED_SELF_ROUTED_CALLS)),
+        )
         .collect();
     for (counts, calls) in cases {
         let xs: Vec<Vec<u16>> = counts
@@ -304,8 +312,9 @@ fn check_self_routed(
 /// Self-routed calls the test above makes back to back per regime.
 const PIPELINED_SELF_ROUTED_CALLS: usize = 20;
 
-/// Flags carry the epoch: a thousand calls in a row need no reset, and the last one is
-/// still right.
+/// Flags carry the epoch: a thousand calls in a row need no reset, and the last ones are
+/// still right. The calls alternate between the fused decode (a few tokens per rank) and
+/// the table (more than it covers), which share the flags, credits and counters.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_thousand_calls_need_no_reset() {
@@ -320,24 +329,44 @@ fn a_thousand_calls_need_no_reset() {
         .build_expert_parallel(&built, &contexts)
         .expect("expert-parallel layer");
     let shape = built.layer.plan().shape.clone();
-    let workloads: Vec<Workload> = (0..4)
-        .map(|r| Workload::random(&shape, 33 + r, Routing::Uniform, seed + u64::from(r)))
-        .collect();
+    let fused = fused_max_tokens(built.layer.plan()).expect("tiny's first rank regime fuses");
+    let workloads = |first: u32| -> Vec<Workload> {
+        (0..4)
+            .map(|r| Workload::random(&shape, first + r, Routing::Uniform, seed + u64::from(r)))
+            .collect()
+    };
+    // Fused: 1..=4 tokens per rank; the table: just past what the fused decode covers.
+    let kinds = [workloads(1), workloads(fused + 1)];
     let started = std::time::Instant::now();
-    for call in 1..1000 {
-        if let Err(e) = session.run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed) {
+    for call in 2..1000 {
+        let workloads = &kinds[call % 2];
+        if let Err(e) = session.run_checked_expert_parallel(&built, &mut ep, workloads, 0, seed) {
             panic!("call {call} of 1000 (seed {seed}): {e}");
         }
     }
-    let reports = session
-        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
-        .expect("the 1000th call");
-    say(format!(
-        "1000 calls on 4 virtual ranks in {:.2} s; last: {}",
-        started.elapsed().as_secs_f64(),
-        reports[0]
-    ));
-    assert!(reports.iter().all(|r| r.passed()), "{reports:?}");
+    for (workloads, path) in kinds.iter().zip(["fused", "table"]) {
+        let reports = session
+            .run_checked_expert_parallel(&built, &mut ep, workloads, CHECKED_TOKENS, seed)
+            .expect("the last calls");
+        say(format!(
+            "1000 calls on 4 virtual ranks in {:.2} s; last {path}: {}",
+            started.elapsed().as_secs_f64(),
+            reports[0]
+        ));
+        assert!(reports.iter().all(|r| r.passed()), "{path}: {reports:?}");
+    }
+}
+
+/// The most tokens per rank a call of `plan` runs fused (its first rank regime's fused
+/// decode), if any.
+fn fused_max_tokens(plan: &Plan) -> Option<u32> {
+    plan.expert_parallel
+        .as_ref()?
+        .regimes
+        .first()?
+        .fused_decode
+        .as_ref()
+        .map(|fused| fused.max_tokens)
 }
 
 #[test]

@@ -456,6 +456,9 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::FusedDecodeCounters => {
                 "[2 * GEMM_EXPERTS + HIDDEN / BN + 2]: fused decode counters, zero between calls"
             }
+            BufferId::RankFusedCounters => {
+                "[2 * (LOCAL_EXPERTS + SHARED_SLICES) + 3]: a rank's fused decode counters, zero between calls"
+            }
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
             BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
@@ -577,6 +580,8 @@ impl RegimeUnit {
 /// A regime's fused decode entry point: its launch, and what the device template is
 /// instantiated with.
 struct FusedUnit {
+    /// A rank's (`ep_fused_decode`), or one GPU's (`fused_decode`).
+    expert_parallel: bool,
     entry: EntryUnit,
     max_tokens: u32,
     blocks_per_sm: u32,
@@ -586,8 +591,46 @@ struct FusedUnit {
     w2_bias: &'static str,
 }
 
+/// What a rank's fused decode uses: every parameter its plan gives it.
+const RANK_FUSED_USES: &[&str] = &[
+    "x",
+    "w1",
+    "w2",
+    "topk_ids",
+    "topk_weights",
+    "tokens",
+    "rank",
+    "epoch",
+    "peer_table",
+    "recv_x",
+    "recv_counts",
+    "recv_pair",
+    "recv_weight",
+    "meta_flags",
+    "chunk_flags",
+    "chunk_pieces",
+    "credits",
+    "intermediate",
+    "combine_slots",
+    "combine_counters",
+    "rank_fused_counters",
+    "error_word",
+    "y",
+];
+
 impl FusedUnit {
-    fn new(plan: &Plan, fused: &FusedDecode) -> Result<Self, CodegenError> {
+    fn new(plan: &Plan, fused: &FusedDecode, expert_parallel: bool) -> Result<Self, CodegenError> {
+        if expert_parallel {
+            return Ok(FusedUnit {
+                expert_parallel,
+                entry: EntryUnit::new(plan, &fused.launch.kernel, RANK_FUSED_USES)?,
+                max_tokens: fused.max_tokens,
+                blocks_per_sm: fused.blocks_per_sm,
+                max_rows: fused.max_rows,
+                w1_bias: "nullptr",
+                w2_bias: "nullptr",
+            });
+        }
         let biases = plan.shape.expert_bias;
         let uses: Vec<&str> = [
             Some("x"),
@@ -609,6 +652,7 @@ impl FusedUnit {
         .collect();
         let bias = |name| if biases { name } else { "nullptr" };
         Ok(FusedUnit {
+            expert_parallel,
             entry: EntryUnit::new(plan, &fused.launch.kernel, &uses)?,
             max_tokens: fused.max_tokens,
             blocks_per_sm: fused.blocks_per_sm,
@@ -918,7 +962,7 @@ fn regime_unit(
         ],
         fused: regime
             .fused_decode
-            .map(|fused| FusedUnit::new(plan, fused))
+            .map(|fused| FusedUnit::new(plan, fused, roles[0] == GemmRole::ExpertParallelUp))
             .transpose()?,
     })
 }
@@ -1103,6 +1147,8 @@ struct EpUnit {
     rank_partials: bool,
     /// Whether a call may route itself (the router's launches ahead of `ep_route`).
     routes_itself: bool,
+    /// Whether a regime runs its smallest calls as one kernel per rank.
+    fused_decode: bool,
     partials_per_release: u32,
     combine_lanes: u32,
     peer_buffers: Vec<PeerBufferUnit>,
@@ -1172,6 +1218,7 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
         meta_tile_tokens: ep.metadata_tile_tokens,
         rank_partials: ep.combine_route == CombineRoute::RankPartials,
         routes_itself: ep.routes_itself,
+        fused_decode: ep.regimes.iter().any(|r| r.fused_decode.is_some()),
         partials_per_release: PARTIALS_PER_RELEASE,
         combine_lanes: COMBINE_LANES,
         peer_buffers: ep

@@ -335,7 +335,16 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
     for launch in regime.launches {
         describe_launch(out, launch);
     }
-    if let Some(fused) = regime.fused_decode {
+    if let (Some(fused), true) = (regime.fused_decode, regime.expert_parallel) {
+        let _ = writeln!(
+            out,
+            "    fused  calls of up to {} tokens on every rank run one persistent kernel per rank instead: each block hands one peer this rank's ids and weights, then token rows to peers, GEMM1 tiles and GEMM2 tiles are claimed in order from a ticket; before its first tile a block lays out every source's rows in its shared memory; GEMM2 stores each row at its origin, and each rank sums its own tokens once their counters are complete; {} block{} per SM",
+            fused.max_tokens,
+            fused.blocks_per_sm,
+            if fused.blocks_per_sm == 1 { "" } else { "s" }
+        );
+        describe_launch(out, &fused.launch);
+    } else if let Some(fused) = regime.fused_decode {
         let _ = writeln!(
             out,
             "    fused  calls of up to {} tokens run one persistent kernel instead: each block routes the call in its shared memory, GEMM1 tiles then GEMM2 tiles claimed in order from a ticket (each GEMM2 tile waits for its own expert's GEMM1 tiles only), the last GEMM2 tile of a column tile sums it into y; {} block{} per SM",

@@ -27,9 +27,9 @@ use serde::{Deserialize, Serialize};
 use super::launch::{KernelParam, StreamRole, weight_param};
 use super::network::{self, NetworkPlan, Route};
 use super::{
-    Buffer, BufferId, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid, Launch, LaunchArg,
-    LayerShape, PlanError, RegimeChoice, RegimeParts, Target, choose_regimes, cost,
-    static_smem_reserved,
+    Buffer, BufferId, COMBINE_THREADS, FusedDecode, GemmKind, GemmPlan, GemmProblem, Grid, Launch,
+    LaunchArg, LayerShape, PlanError, RegimeChoice, RegimeParts, Target, choose_regimes, cost,
+    fused_decode, static_smem_reserved,
 };
 use crate::ir::{self, TrafficOrder};
 
@@ -205,8 +205,24 @@ impl ExpertParallelRegime {
             ],
             launches: &self.launches,
             tuned: None,
-            fused_decode: None,
+            fused_decode: self.fused_decode.as_ref(),
+            expert_parallel: true,
         }
+    }
+
+    /// The table's launches, then the fused decode's (which a call of up to its
+    /// `max_tokens` tokens per rank runs instead, on every rank).
+    pub fn all_launches(&self) -> impl Iterator<Item = &Launch> {
+        self.launches
+            .iter()
+            .chain(self.fused_decode.iter().map(|fused| &fused.launch))
+    }
+
+    /// Whether calls of at most `tokens` tokens per rank run the fused decode.
+    pub fn fuses(&self, tokens: u32) -> bool {
+        self.fused_decode
+            .as_ref()
+            .is_some_and(|fused| fused.covers(tokens))
     }
 
     /// Token lanes (`COMBINE_THREADS` threads each) of `combine_kernel`'s grid at a call of
@@ -253,13 +269,17 @@ pub struct ExpertParallelRegime {
     pub compute_sms: u32,
     /// The launches of one call on one rank, in order per stream.
     pub launches: Vec<Launch>,
+    /// Its smallest calls as one persistent kernel per rank, in place of `launches` (a
+    /// call runs it on every rank or on none).
+    #[serde(default)]
+    pub fused_decode: Option<FusedDecode>,
 }
 
 /// The buffers that carry the exchange's state from one call to the next: flags compare
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 11] = [
+pub const EXCHANGE_STATE: [BufferId; 12] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
@@ -271,6 +291,7 @@ pub const EXCHANGE_STATE: [BufferId; 11] = [
     BufferId::NetReady,
     BufferId::NetReturnFlags,
     BufferId::ReceivedPairRows,
+    BufferId::RankFusedCounters,
 ];
 
 /// The buffers peers write, as they appear in each rank's row of the peer table.
@@ -487,6 +508,17 @@ pub fn plan_expert_parallel(
         sm_count: compute_sms,
         ..target.clone()
     };
+    let rank_fused_shape = fused_decode::RankFusedShape {
+        ranks,
+        experts_per_rank,
+        segment_rows: sizes.segment_rows,
+        combine_slot_rows: match combine_route {
+            CombineRoute::PairRows => shape.max_pairs(),
+            CombineRoute::RankPartials => u64::from(max_tokens) * u64::from(ranks),
+        },
+        sms: sms_per_rank,
+        one_per_sm: placement == Placement::Virtual,
+    };
     let gemm1_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Up, ranks);
     let gemm2_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Down, ranks);
     let regime = |choice: &RegimeChoice, name: String, tokens: [u32; 2], comm: (u32, String)| {
@@ -506,6 +538,24 @@ pub fn plan_expert_parallel(
         }
         let gemm1_kernel = format!("{symbol}_{name}_ep_gemm1");
         let gemm2_kernel = format!("{symbol}_{name}_ep_gemm2");
+        // Across nodes NCCL carries part of the exchange, which the fused kernel does not.
+        let fused_tokens = hints
+            .fused_decode
+            .unwrap_or(fused_decode::DEFAULT_RANK_FUSED_DECODE_TOKENS);
+        let fused = (fused_tokens > 0 && network.is_none())
+            .then(|| {
+                fused_decode::plan_rank_fused_decode(
+                    target,
+                    shape,
+                    &rank_fused_shape,
+                    (&name, tokens[0], tokens[1]),
+                    (&gemm1, &gemm2),
+                    &format!("{symbol}_{name}_ep_fused"),
+                    fused_tokens,
+                )
+                .ok()
+            })
+            .flatten();
         let launches = launch_table(
             &kernels,
             [&gemm1_kernel, &gemm2_kernel],
@@ -533,6 +583,7 @@ pub fn plan_expert_parallel(
             comm_reason,
             compute_sms,
             launches,
+            fused_decode: fused,
         }
     };
     let mut ep_regimes = Vec::new();
@@ -607,6 +658,7 @@ pub fn plan_expert_parallel(
         routes_itself: !router_buffers.is_empty(),
         workspace: workspace(shape, &sizes, network.as_ref())
             .into_iter()
+            .chain(rank_fused_counters(shape, &sizes, &ep_regimes))
             .chain(router_buffers)
             .collect(),
         network,
@@ -842,6 +894,23 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
         ]);
     }
     buffers
+}
+
+/// The counters of the rank's fused decode, where a regime has one.
+fn rank_fused_counters(
+    shape: &LayerShape,
+    sizes: &Sizes,
+    regimes: &[ExpertParallelRegime],
+) -> Option<Buffer> {
+    regimes.iter().any(|r| r.fused_decode.is_some()).then(|| {
+        let id = BufferId::RankFusedCounters;
+        Buffer {
+            id,
+            elem: id.elem(),
+            elems: fused_decode::rank_counters_len(sizes.experts_per_rank + shape.shared_slices),
+            purpose: "the fused decode's GEMM1 tiles stored and read per expert, ticket, blocks done, blocks laid out".to_string(),
+        }
+    })
 }
 
 /// The largest power of two of rows, at most the chunk (itself a power of two or not),

@@ -164,3 +164,151 @@ pub fn plan_fused_decode(
         },
     })
 }
+
+/// Calls of up to this many tokens per rank run a rank's fused decode where the spec says
+/// nothing (at most the rank's first regime's calls).
+pub const DEFAULT_RANK_FUSED_DECODE_TOKENS: u32 = 32;
+
+/// Counters of [`BufferId::RankFusedCounters`]: per GEMM expert of a rank (its local
+/// experts, then the shared slices) the GEMM1 tiles stored and the GEMM2 tiles that read
+/// them, then the next work unit's ticket, the blocks done claiming and the blocks done
+/// laying out the call's rows.
+pub fn rank_counters_len(experts_here: u32) -> u64 {
+    2 * u64::from(experts_here) + 3
+}
+
+/// Static shared memory of a rank's fused kernel (`compiler/templates/ep.cu`): per own
+/// token its destinations (u64) and slot (i32), per destination its slots' tokens and
+/// count, the segments' first rows, fill counts and two tile schedules, four i32/f32 per
+/// GEMM row, and the block's next unit.
+fn rank_static_smem_bytes(ranks: u32, experts_here: u32, max_tokens: u32, max_rows: u32) -> u32 {
+    let segments = experts_here * ranks;
+    let ints = ranks * max_tokens + ranks + 4 * segments + 3 + max_tokens + 4 * max_rows + 1;
+    static_smem_reserved(8 * max_tokens + 4 * ints)
+}
+
+/// The sizes a rank's fused decode is planned from.
+pub struct RankFusedShape {
+    pub ranks: u32,
+    pub experts_per_rank: u32,
+    /// Rows a source's first receive segment holds (its mailbox).
+    pub segment_rows: u32,
+    /// Rows of this rank's combine slots.
+    pub combine_slot_rows: u64,
+    /// SMs the kernel may fill on its device: all of them on a GPU of its own, the rank's
+    /// share with virtual ranks (one block each, so that every rank's grid is resident).
+    pub sms: u32,
+    pub one_per_sm: bool,
+}
+
+/// A rank's fused decode (`compiler/templates/ep.cu`, `ep_fused_decode`) of `regime` for
+/// calls of up to `tokens` tokens per rank, where it can run: the first regime, both GEMMs
+/// mma.sync with the same threads, the call's mailboxes and rows within the buffers, and
+/// the grid resident at once. Otherwise the reason it cannot.
+pub fn plan_rank_fused_decode(
+    target: &Target,
+    shape: &LayerShape,
+    rank: &RankFusedShape,
+    regime: (&str, u32, u32),
+    gemms: (&GemmPlan, &GemmPlan),
+    kernel: &str,
+    tokens: u32,
+) -> Result<FusedDecode, String> {
+    let (name, min_tokens, max_tokens) = regime;
+    let (g1, g2) = gemms;
+    if min_tokens != 0 {
+        return Err(format!("rank regime `{name}` is not the first"));
+    }
+    if g1.engine != MmaEngine::MmaSync || g2.engine != MmaEngine::MmaSync {
+        return Err(format!(
+            "rank regime `{name}` runs its GEMMs on {} and {}; the fused decode needs mma.sync for both",
+            g1.engine.name(),
+            g2.engine.name()
+        ));
+    }
+    if g1.threads() != g2.threads() {
+        return Err(format!(
+            "rank regime `{name}`'s GEMMs differ in threads per block ({} and {})",
+            g1.threads(),
+            g2.threads()
+        ));
+    }
+    let max_tokens = tokens.min(max_tokens).min(g1.threads());
+    if max_tokens == 0 {
+        return Err("it would cover no call".into());
+    }
+    if rank.ranks > 64 {
+        return Err(format!(
+            "{} ranks: a token's destinations are a 64-bit mask",
+            rank.ranks
+        ));
+    }
+    if u64::from(max_tokens) * u64::from(shape.top_k) > u64::from(rank.segment_rows)
+        || u64::from(max_tokens) * u64::from(shape.slots_per_token()) > rank.combine_slot_rows
+    {
+        return Err(format!(
+            "calls of {max_tokens} tokens do not fit a source's first receive segment or the combine slots"
+        ));
+    }
+    let experts_here = rank.experts_per_rank + shape.shared_slices;
+    let max_rows = rank.ranks * max_tokens * shape.top_k.min(rank.experts_per_rank)
+        + max_tokens * shape.shared_slices;
+    let static_smem = rank_static_smem_bytes(rank.ranks, experts_here, max_tokens, max_rows);
+    let smem_bytes = g1.smem_bytes.max(g2.smem_bytes);
+    let by_smem = target.smem_per_sm / (smem_bytes + static_smem + 1024);
+    let blocks_per_sm = if rank.one_per_sm {
+        1
+    } else {
+        g1.blocks_per_sm.min(g2.blocks_per_sm).min(by_smem)
+    };
+    if by_smem == 0 || smem_bytes + static_smem > target.smem_per_block {
+        return Err(format!(
+            "its {} B of shared memory per block (the larger ring, {max_rows} rows) do not fit {}",
+            smem_bytes + static_smem,
+            target.name
+        ));
+    }
+    let (read, write, shared) = (KernelParam::read, KernelParam::write, KernelParam::shared);
+    use BufferId::*;
+    use LaunchArg::*;
+    let params = vec![
+        read(X),
+        read(W1),
+        read(W2),
+        read(TopkIds),
+        read(TopkWeights),
+        read(Tokens),
+        read(Rank),
+        read(Epoch),
+        read(Workspace(PeerTable)),
+        shared(Workspace(RecvX)),
+        shared(Workspace(RecvCounts)),
+        shared(Workspace(RecvPair)),
+        shared(Workspace(RecvWeight)),
+        shared(Workspace(MetaFlags)),
+        shared(Workspace(ChunkFlags)),
+        write(Workspace(ChunkPieces)),
+        shared(Workspace(Credits)),
+        write(Workspace(Intermediate)),
+        shared(Workspace(CombineSlots)),
+        write(Workspace(CombineCounters)),
+        write(Workspace(RankFusedCounters)),
+        write(Workspace(ErrorWord)),
+        write(Y),
+    ];
+    Ok(FusedDecode {
+        max_tokens,
+        blocks_per_sm,
+        max_rows,
+        launch: Launch {
+            kernel: kernel.to_string(),
+            grid: Grid::Fixed(rank.sms * blocks_per_sm),
+            block_threads: g1.threads(),
+            smem_bytes,
+            static_smem_bytes: static_smem,
+            params,
+            stream: StreamRole::Compute,
+            early_start: false,
+        },
+    })
+}

@@ -27,6 +27,7 @@ use thiserror::Error;
 use crate::ir::{self, Activation, TileShape};
 pub use cost::GemmEstimate;
 pub use describe::describe;
+use ep::ExpertParallelRegime;
 pub use fused_decode::FusedDecode;
 pub use launch::{
     Access, Grid, KernelParam, Launch, LaunchArg, ParamType, StreamRole, TENSOR_MAP_ALIGN,
@@ -357,6 +358,9 @@ pub enum BufferId {
     /// u32 [2 · E' + H / BN of GEMM2 + 2]: the fused decode's counters, zero between calls (see
     /// [`fused_decode::counters_len`]).
     FusedDecodeCounters,
+    /// u32 [2 · (E/R + shared slices) + 3]: a rank's fused decode's counters, zero between
+    /// calls (see [`fused_decode::rank_counters_len`]).
+    RankFusedCounters,
 }
 
 impl BufferId {
@@ -407,6 +411,7 @@ impl BufferId {
             | BufferId::RouterTilesDone
             | BufferId::StreamKTilesDone
             | BufferId::FusedDecodeCounters
+            | BufferId::RankFusedCounters
             | BufferId::NetReady
             | BufferId::NetReturnFlags => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
@@ -462,6 +467,7 @@ impl BufferId {
             BufferId::StreamKPartials => "stream_k_partials",
             BufferId::StreamKTilesDone => "stream_k_tiles_done",
             BufferId::FusedDecodeCounters => "fused_decode_counters",
+            BufferId::RankFusedCounters => "rank_fused_counters",
         }
     }
 }
@@ -598,8 +604,10 @@ pub(crate) struct RegimeParts<'a> {
     pub launches: &'a [Launch],
     /// The tuning table's entry the GEMMs came from.
     pub tuned: Option<&'a tuning::TunedRegime>,
-    /// Its smallest calls as one kernel (single-GPU regimes only).
+    /// Its smallest calls as one kernel.
     pub fused_decode: Option<&'a FusedDecode>,
+    /// Whether it is a rank's regime of the expert-parallel path.
+    pub expert_parallel: bool,
 }
 
 impl Regime {
@@ -615,6 +623,7 @@ impl Regime {
             launches: &self.launches,
             tuned: self.tuned.as_ref(),
             fused_decode: self.fused_decode.as_ref(),
+            expert_parallel: false,
         }
     }
 }
@@ -1607,10 +1616,11 @@ impl Plan {
             .router
             .iter()
             .flat_map(|router| router.regimes.iter().flat_map(|r| &r.launches));
-        let ep_launches = self
-            .expert_parallel
-            .iter()
-            .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches));
+        let ep_launches = self.expert_parallel.iter().flat_map(|ep| {
+            ep.regimes
+                .iter()
+                .flat_map(ExpertParallelRegime::all_launches)
+        });
         self.regimes
             .iter()
             .flat_map(Regime::all_launches)
@@ -1689,7 +1699,11 @@ impl Plan {
         distinct_kernels(
             self.expert_parallel
                 .iter()
-                .flat_map(|ep| ep.regimes.iter().flat_map(|r| &r.launches))
+                .flat_map(|ep| {
+                    ep.regimes
+                        .iter()
+                        .flat_map(ExpertParallelRegime::all_launches)
+                })
                 .chain(router),
         )
     }

@@ -228,6 +228,60 @@ impl Plan {
         }
     }
 
+    /// Each rank regime's fused decode is the one its GEMMs allow (planned again from the
+    /// plan's own sizes): within the buffers, resident at once on every rank, one node.
+    fn check_rank_fused_decodes(&self, ep: &ExpertParallelPlan) -> Result<(), String> {
+        let shape = &self.shape;
+        let rank = fused_decode::RankFusedShape {
+            ranks: ep.ranks,
+            experts_per_rank: ep.experts_per_rank,
+            segment_rows: ep.rows_per_segment,
+            combine_slot_rows: match ep.combine_route {
+                CombineRoute::PairRows => shape.max_pairs(),
+                CombineRoute::RankPartials => u64::from(shape.max_tokens) * u64::from(ep.ranks),
+            },
+            sms: match ep.placement {
+                Placement::Virtual => self.target.sm_count / ep.ranks,
+                Placement::Devices => self.target.sm_count,
+            },
+            one_per_sm: ep.placement == Placement::Virtual,
+        };
+        for regime in &ep.regimes {
+            let Some(fused) = &regime.fused_decode else {
+                continue;
+            };
+            let expected = fused_decode::plan_rank_fused_decode(
+                &self.target,
+                shape,
+                &rank,
+                (&regime.name, regime.min_tokens, regime.max_tokens),
+                (&regime.gemm1, &regime.gemm2),
+                &fused.launch.kernel,
+                fused.max_tokens,
+            );
+            let kernel = &fused.launch.kernel;
+            if ep.network.is_some()
+                || *kernel != c_identifier(kernel)
+                || expected.as_ref() != Ok(fused)
+            {
+                return Err(format!(
+                    "rank regime `{}`: its fused decode is not one its GEMMs allow on {} (grid, shared memory, token bound or parameters edited, or ranks on several nodes)",
+                    regime.name, self.target.name
+                ));
+            }
+            let blocks =
+                u64::from(fused.launch.grid.blocks(fused.max_tokens)) * u64::from(ep.ranks);
+            let resident = u64::from(self.target.sm_count) * u64::from(fused.blocks_per_sm);
+            if ep.placement == Placement::Virtual && blocks > resident {
+                return Err(format!(
+                    "rank regime `{}`: {} virtual ranks' fused decodes need {blocks} blocks at once, more than {resident}",
+                    regime.name, ep.ranks
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn check_expert_parallel(&self, ep: &ExpertParallelPlan) -> Result<(), String> {
         let shape = &self.shape;
         if ep
@@ -307,6 +361,7 @@ impl Plan {
                 ));
             }
         }
+        self.check_rank_fused_decodes(ep)?;
         let sms = self.target.sm_count;
         if ep.comm_blocks == 0 || ep.compute_sms == 0 {
             return Err("an expert-parallel rank has no communication or no compute blocks".into());
