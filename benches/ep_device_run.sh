@@ -6,7 +6,8 @@
 #      their rank counts from the GPUs present);
 #   2. per model, the expert-parallel bench over all GPUs (moeforge, its bulk-synchronous
 #      variant (a), the NCCL pipeline (b)), then the torch pipeline (c) by python3;
-#   3. the simulator's predictions beside each bench result.
+#   3. the ranks' fused decode against the table it replaces (benches/ep_fused_ab.sh);
+#   4. the simulator's predictions beside each bench result.
 # Results land in $OUT (the device tool's return folder) when set, else in a dated folder
 # of benches/results/, and are packed into all.tgz after each step (the device tool
 # returns only a few files).
@@ -42,6 +43,13 @@ for model in $models; do
   grep -E "^\| $model" "$out/torch_$model.log"
   pack
 done
+
+# 3. The ranks' fused decode against the table it replaces at small counts (the benches
+# above run it for calls of up to 32 tokens per rank).
+echo "== fused decode against the table"
+OUT=$out bash benches/ep_fused_ab.sh --gpus "$gpus" 1 > "$out/fused_ab.log" 2>&1 || status=1
+cat "$out/fused_ab.log"
+pack
 
 for result in "$out"/*_ep"$gpus"_uniform_at_*.json; do
   [ -e "$result" ] || continue

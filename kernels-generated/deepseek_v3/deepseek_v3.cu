@@ -3544,17 +3544,6 @@ __device__ __forceinline__ const float* mailbox_weights(const float* recv_weight
     return recv_weight + (size_t)source * SEGMENT_ROWS;
 }
 
-// Whether choice k of a token (`ids`, its TOP_K ids, read through L2) names an expert of
-// `rank` that no earlier choice named.
-__device__ __forceinline__ bool pair_lands_on(const int* ids, int k, int rank) {
-    const int expert = __ldcg(ids + k);
-    if ((unsigned)expert >= (unsigned)EXPERTS || expert / LOCAL_EXPERTS != rank) return false;
-    for (int j = 0; j < k; ++j) {
-        if (__ldcg(ids + j) == expert) return false;
-    }
-    return true;
-}
-
 // `counters`: [EXPERTS_HERE] GEMM1 tiles stored per local expert, [EXPERTS_HERE] GEMM2
 // tiles that read them, then the next unit's ticket, the blocks done claiming and the
 // blocks done laying out (each back to zero after a call).
@@ -3594,6 +3583,8 @@ __device__ __forceinline__ void ep_fused_decode(
     __shared__ int s_offsets[SEGMENTS + 1];
     __shared__ int s_fill[SEGMENTS];
     __shared__ int s_slot[MAX_TOKENS_FUSED];                   // a source's token's slot here
+    __shared__ int s_tokens[RANKS];                            // per source (in receive order), its tokens
+    __shared__ int s_local[RANKS][MAX_TOKENS_FUSED * TOP_K];   // per source pair, its local expert here or -1
     __shared__ int s_rows[MAX_ROWS];                           // GEMM1: each row's row of recv_x (or x)
     __shared__ int s_pairs[MAX_ROWS];                          // GEMM2: each row's (token, k) slot at its origin
     __shared__ int s_origins[MAX_ROWS];
@@ -3602,7 +3593,8 @@ __device__ __forceinline__ void ep_fused_decode(
     __shared__ int s_tiles2[SEGMENTS + 1];
     __shared__ int s_unit;
     static_assert(static_smem_reserved(sizeof(s_visits) + sizeof(s_send_token) + sizeof(s_send_count) +
-                                       sizeof(s_offsets) + sizeof(s_fill) + sizeof(s_slot) + sizeof(s_rows) +
+                                       sizeof(s_offsets) + sizeof(s_fill) + sizeof(s_slot) + sizeof(s_tokens) +
+                                       sizeof(s_local) + sizeof(s_rows) +
                                        sizeof(s_pairs) + sizeof(s_origins) + sizeof(s_weights) + sizeof(s_tiles1) +
                                        sizeof(s_tiles2) + sizeof(s_unit)) == STATIC_SMEM,
                   "plan: the rank's fused decode's static shared memory");
@@ -3706,22 +3698,46 @@ __device__ __forceinline__ void ep_fused_decode(
     for (int g = threadIdx.x; g < SEGMENTS; g += THREADS) s_fill[g] = 0;
     __syncthreads();
     const int* order = RECEIVE_ORDER[rank];
-    // A source's tokens. The runtime runs this kernel on every rank or on none, for calls
-    // of at most MAX_TOKENS_FUSED tokens on each; the bound only keeps a corrupt count
-    // within the shared arrays.
-    auto source_tokens = [&](int source) {
-        if (source == rank) return tokens;
-        return min(__ldcg(recv_counts + source * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS), MAX_TOKENS_FUSED);
-    };
-    auto source_ids = [&](int source) { return source == rank ? topk_ids : mailbox_ids(recv_pair, source); };
+    // Every source's ids, staged in shared memory (a source's mailbox is read once, not
+    // once per question asked of it): first as they came, then, per pair, the local expert
+    // it lands on here, or -1 (another rank's, out of range, or repeating an earlier
+    // choice). A source's count is bounded by MAX_TOKENS_FUSED: the runtime runs this
+    // kernel on every rank or on none, for calls of at most that many tokens on each; the
+    // bound only keeps a corrupt count within the shared arrays.
+    for (int phase = threadIdx.x; phase < RANKS; phase += THREADS) {
+        const int source = order[phase];
+        s_tokens[phase] = source == rank ? tokens
+                                         : min(__ldcg(recv_counts + source * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS),
+                                               MAX_TOKENS_FUSED);
+    }
+    __syncthreads();
     for (int phase = 0; phase < RANKS; ++phase) {
         const int source = order[phase];
-        const int* ids = source_ids(source);
-        const int pairs = source_tokens(source) * TOP_K;
-        for (int p = threadIdx.x; p < pairs; p += THREADS) {
-            if (pair_lands_on(ids + p / TOP_K * TOP_K, p % TOP_K, rank)) {
-                atomicAdd(&s_fill[(__ldcg(ids + p) - rank * LOCAL_EXPERTS) * RANKS + phase], 1);
-            }
+        for (int p = threadIdx.x; p < s_tokens[phase] * TOP_K; p += THREADS) {
+            s_local[phase][p] = source == rank ? topk_ids[p] : __ldcg(mailbox_ids(recv_pair, source) + p);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < RANKS * MAX_TOKENS_FUSED; i += THREADS) {
+        const int phase = i / MAX_TOKENS_FUSED, t = i % MAX_TOKENS_FUSED;
+        if (t >= s_tokens[phase]) continue;
+        int* ids = &s_local[phase][t * TOP_K];  // this thread's token only
+        int local[TOP_K];
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            const int expert = ids[k];
+            const bool lands = (unsigned)expert < (unsigned)EXPERTS && expert / LOCAL_EXPERTS == rank &&
+                               !repeats_earlier_choice(ids, k);
+            local[k] = lands ? expert - rank * LOCAL_EXPERTS : -1;
+        }
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) ids[k] = local[k];
+    }
+    __syncthreads();
+    for (int phase = 0; phase < RANKS; ++phase) {
+        for (int p = threadIdx.x; p < s_tokens[phase] * TOP_K; p += THREADS) {
+            const int local = s_local[phase][p];
+            if (local >= 0) atomicAdd(&s_fill[local * RANKS + phase], 1);
         }
     }
     for (int slice = threadIdx.x; slice < SHARED_SLICES; slice += THREADS) s_fill[(LOCAL_EXPERTS + slice) * RANKS] = tokens;
@@ -3732,18 +3748,16 @@ __device__ __forceinline__ void ep_fused_decode(
     __syncthreads();
     for (int phase = 0; phase < RANKS; ++phase) {
         const int source = order[phase];
-        const int* ids = source_ids(source);
+        const int* locals = s_local[phase];
         const float* weights = source == rank ? topk_weights : mailbox_weights(recv_weight, source);
-        const int source_token_count = source_tokens(source);
+        const int source_token_count = s_tokens[phase];
         // A peer's token's slot here: its place among that peer's tokens that visit this rank.
         if (threadIdx.x < 32) {
             int before = 0;
             for (int first = 0; first < source_token_count; first += 32) {
                 const int t = first + threadIdx.x;
                 bool visits = false;
-                for (int k = 0; t < source_token_count && k < TOP_K && !visits; ++k) {
-                    visits = pair_lands_on(ids + t * TOP_K, k, rank);
-                }
+                for (int k = 0; t < source_token_count && k < TOP_K; ++k) visits |= locals[t * TOP_K + k] >= 0;
                 const u32 mask = __ballot_sync(0xffffffffu, visits);
                 if (t < source_token_count) s_slot[t] = before + __popc(mask & ((1u << threadIdx.x) - 1));
                 before += __popc(mask);
@@ -3755,8 +3769,8 @@ __device__ __forceinline__ void ep_fused_decode(
             const int pairs = source_token_count * TOP_K;
             for (int first = 0; first < pairs; first += 32) {
                 const int p = first + threadIdx.x;
-                const bool lands = p < pairs && pair_lands_on(ids + p / TOP_K * TOP_K, p % TOP_K, rank);
-                const int local = lands ? __ldcg(ids + p) - rank * LOCAL_EXPERTS : -1;
+                const int local = p < pairs ? locals[p] : -1;
+                const bool lands = local >= 0;
                 const u32 same = __match_any_sync(0xffffffffu, local);
                 if (lands) {
                     const int g = local * RANKS + phase;
@@ -4231,7 +4245,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) deepseek_v3_decode_ep_fused
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
-    ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 32, 2080, 39040>(
+    ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 32, 2080, 47232>(
         x, w1, w2, topk_ids, topk_weights, tokens, rank, epoch, peer_table, recv_x, recv_counts, recv_pair, recv_weight,
         meta_flags, chunk_flags, chunk_pieces, credits, intermediate, combine_slots, combine_counters,
         rank_fused_counters, error_word, y);

@@ -179,11 +179,20 @@ pub fn rank_counters_len(experts_here: u32) -> u64 {
 
 /// Static shared memory of a rank's fused kernel (`compiler/templates/ep.cu`): per own
 /// token its destinations (u64) and slot (i32), per destination its slots' tokens and
-/// count, the segments' first rows, fill counts and two tile schedules, four i32/f32 per
-/// GEMM row, and the block's next unit.
-fn rank_static_smem_bytes(ranks: u32, experts_here: u32, max_tokens: u32, max_rows: u32) -> u32 {
+/// count, the segments' first rows, fill counts and two tile schedules, per source its
+/// tokens and every pair's local expert, four i32/f32 per GEMM row, and the block's next
+/// unit.
+fn rank_static_smem_bytes(
+    ranks: u32,
+    experts_here: u32,
+    top_k: u32,
+    max_tokens: u32,
+    max_rows: u32,
+) -> u32 {
     let segments = experts_here * ranks;
-    let ints = ranks * max_tokens + ranks + 4 * segments + 3 + max_tokens + 4 * max_rows + 1;
+    let sources = ranks + ranks * max_tokens * top_k;
+    let ints =
+        ranks * max_tokens + ranks + 4 * segments + 3 + max_tokens + sources + 4 * max_rows + 1;
     static_smem_reserved(8 * max_tokens + 4 * ints)
 }
 
@@ -253,7 +262,8 @@ pub fn plan_rank_fused_decode(
     let experts_here = rank.experts_per_rank + shape.shared_slices;
     let max_rows = rank.ranks * max_tokens * shape.top_k.min(rank.experts_per_rank)
         + max_tokens * shape.shared_slices;
-    let static_smem = rank_static_smem_bytes(rank.ranks, experts_here, max_tokens, max_rows);
+    let static_smem =
+        rank_static_smem_bytes(rank.ranks, experts_here, shape.top_k, max_tokens, max_rows);
     let smem_bytes = g1.smem_bytes.max(g2.smem_bytes);
     let by_smem = target.smem_per_sm / (smem_bytes + static_smem + 1024);
     let blocks_per_sm = if rank.one_per_sm {
