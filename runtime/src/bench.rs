@@ -604,6 +604,10 @@ pub struct ExpertParallelRow {
     /// (host launches included: one call is 6 launches per rank on two streams, with no
     /// host synchronisation between calls).
     pub expert_parallel_us: f64,
+    /// Whether that call (and the self-routed ones) ran the ranks' fused decode, one
+    /// kernel per rank, rather than the table (the bulk-synchronous baseline and the stage
+    /// times always run the table).
+    pub fused_decode: bool,
     /// The same tokens of every rank (R · T) on one GPU with every expert, moeforge's
     /// single-GPU kernels (CUDA events); `None` above max_tokens.
     pub one_gpu_us: Option<f64>,
@@ -925,6 +929,7 @@ pub fn bench_expert_parallel(
             tokens_per_rank: tokens,
             ranks,
             expert_parallel_us,
+            fused_decode: ep.runs_fused(&vec![tokens; ranks as usize]),
             one_gpu_us,
             crossed_gb_per_s,
             dispatch_gb_per_s,

@@ -826,12 +826,23 @@ impl EpLayer {
     /// the regime of the largest call fuses calls that large. A withheld rank's call (fault
     /// injection) takes the table, whose communication can be left out.
     fn fused_regime(&self, calls: &[RankCall]) -> Option<usize> {
+        self.fused_regime_for(calls.iter().map(|call| call.tokens))
+    }
+
+    /// [`EpLayer::fused_regime`] of a call of `tokens` tokens on each rank.
+    fn fused_regime_for(&self, tokens: impl Iterator<Item = u32>) -> Option<usize> {
         if !self.fused_decode || self.withheld.is_some() {
             return None;
         }
-        let most = calls.iter().map(|call| call.tokens).max()?;
+        let most = tokens.max()?;
         let regime = self.ep.regime_index_for(most)?;
         self.ep.regimes[regime].fuses(most).then_some(regime)
+    }
+
+    /// Whether a call of `tokens[r]` tokens on rank `r` runs the ranks' fused decode
+    /// (docs/runtime.md) rather than the table.
+    pub fn runs_fused(&self, tokens: &[u32]) -> bool {
+        self.fused_regime_for(tokens.iter().copied()).is_some()
     }
 
     /// Enqueues rank `r`'s fused decode of `regime` on its compute stream.

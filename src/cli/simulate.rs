@@ -275,10 +275,18 @@ fn print_comparison(
     };
     let split = |pair: Option<(f64, f64)>| pair.map_or_else(|| "-".to_string(), cell);
     for c in &cells {
+        let expert_parallel = if c.fused_decode {
+            format!(
+                "{:.1} measured with the ranks' fused decode, not modelled (the table: {:.1})",
+                c.expert_parallel.0, c.expert_parallel.1
+            )
+        } else {
+            cell(c.expert_parallel)
+        };
         println!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
             c.tokens_per_rank,
-            cell(c.expert_parallel),
+            expert_parallel,
             cell(c.bulk_synchronous),
             cell(c.dispatch),
             cell(c.gemm),

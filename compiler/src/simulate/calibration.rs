@@ -41,6 +41,10 @@ pub struct MeasuredRow {
     pub tokens_per_rank: u32,
     pub ranks: u32,
     pub expert_parallel_us: f64,
+    /// Whether the expert-parallel call ran the ranks' fused decode, which the simulator
+    /// does not model (files before 2026-12-04 ran the table).
+    #[serde(default)]
+    pub fused_decode: bool,
     pub bulk_synchronous_us: f64,
     pub stages: MeasuredStages,
     /// The GEMM stage's kernels on rank 0 (files from 2026-12-01 on).
@@ -89,6 +93,9 @@ pub struct Comparison {
     /// Expert-parallel layer time: measured, predicted (the plan's own schedule, which on
     /// one node is the topology-aware one).
     pub expert_parallel: (f64, f64),
+    /// Whether the measured call ran the ranks' fused decode: the prediction is then the
+    /// table's, which the simulator models, not that call's.
+    pub fused_decode: bool,
     /// Bulk-synchronous layer time.
     pub bulk_synchronous: (f64, f64),
     /// Stage times of the bulk-synchronous run: dispatch, GEMMs, combine.
@@ -163,6 +170,7 @@ pub fn compare(
             Ok(Comparison {
                 tokens_per_rank: row.tokens_per_rank,
                 expert_parallel: (row.expert_parallel_us, fine.layer_s * us),
+                fused_decode: row.fused_decode,
                 bulk_synchronous: (row.bulk_synchronous_us, bulk.layer_s * us),
                 dispatch: (row.stages.dispatch_us, bulk.dispatch_s * us),
                 gemm: (row.stages.gemm_us, gemm_predicted * us),

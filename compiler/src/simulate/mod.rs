@@ -50,8 +50,9 @@
 //! per block, see `model::BLOCK_HBM_BYTES_PER_S`), and no tile slows down under
 //! concurrent copies; an origin's results leave a rank as an even stream over the span of
 //! GEMM2's tiles holding its rows (so an early source's results leave before GEMM2
-//! ends); the router and the previous call (credits)
-//! are not modelled (the shared experts are: each rank's slices on its own tokens, after
+//! ends); the router, the previous call (credits) and the ranks' fused decode (one
+//! kernel per rank for calls of a few tokens, which the runtime runs in place of the
+//! table modelled here) are not modelled (the shared experts are: each rank's slices on its own tokens, after
 //! its local experts, ready at once); every kernel launch costs the target's launch
 //! overhead once; virtual ranks each get an even share of their GPU (SMs, tensor rate,
 //! HBM and L2 bandwidth) throughout, as if they ran every kernel in step; one call is
