@@ -3020,6 +3020,18 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
     return (unsigned)ids[k] < (unsigned)EXPERTS && !repeats_earlier_choice(ids, k);
 }
 
+// Which of a token's slots have a combine row to wait for (`present`), and the count its
+// counter reaches once they are all stored: HIDDEN columns per such slot.
+__device__ __forceinline__ u32 combine_target(const int* topk_ids, int token, bool (&present)[SLOTS_PER_TOKEN]) {
+    u32 valid = 0;
+#pragma unroll
+    for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+        present[k] = pair_combined(topk_ids, token, k);
+        valid += present[k];
+    }
+    return valid * HIDDEN;
+}
+
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
 // Out of line (the path is rare) and `static` (internal: it needs no device symbol).
@@ -3396,13 +3408,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) mi
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
     for (int token = first_item; token < tokens; token += item_stride) {
         bool present[SLOTS_PER_TOKEN];
-        u32 valid = 0;
-#pragma unroll
-        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
-            present[k] = pair_combined(topk_ids, token, k);
-            valid += present[k];
-        }
-        const u32 target = valid * HIDDEN;
+        const u32 target = combine_target(topk_ids, token, present);
         // Thread 0 of the lane waits for the token and later resets its counter: only it
         // needs to know whether the wait succeeded (a register, not shared memory every
         // thread would read).

@@ -1518,6 +1518,18 @@ __device__ __forceinline__ bool pair_combined(const int* topk_ids, int token, in
     return (unsigned)ids[k] < (unsigned)EXPERTS && !repeats_earlier_choice(ids, k);
 }
 
+// Which of a token's slots have a combine row to wait for (`present`), and the count its
+// counter reaches once they are all stored: HIDDEN columns per such slot.
+__device__ __forceinline__ u32 combine_target(const int* topk_ids, int token, bool (&present)[SLOTS_PER_TOKEN]) {
+    u32 valid = 0;
+#pragma unroll
+    for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+        present[k] = pair_combined(topk_ids, token, k);
+        valid += present[k];
+    }
+    return valid * HIDDEN;
+}
+
 // Block 0 clears the call's error word; another block reports an error only once it has
 // (a rare path: the wait is bounded like every other).
 // Out of line (the path is rare) and `static` (internal: it needs no device symbol).

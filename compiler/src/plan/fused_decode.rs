@@ -69,6 +69,34 @@ fn static_smem_bytes(shape: &LayerShape, max_rows: u32) -> u32 {
     static_smem_reserved(4 * (4 * shape.gemm_experts() + 4 + max_rows))
 }
 
+/// Whether a fused decode can run a regime's GEMMs (`what`: the regime, for the reason):
+/// the first regime, both GEMMs on mma.sync with the same threads.
+fn first_regime_on_mma_sync(
+    what: &str,
+    min_tokens: u32,
+    g1: &GemmPlan,
+    g2: &GemmPlan,
+) -> Result<(), String> {
+    if min_tokens != 0 {
+        return Err(format!("{what} is not the first"));
+    }
+    if g1.engine != MmaEngine::MmaSync || g2.engine != MmaEngine::MmaSync {
+        return Err(format!(
+            "{what} runs its GEMMs on {} and {}; the fused decode needs mma.sync for both",
+            g1.engine.name(),
+            g2.engine.name()
+        ));
+    }
+    if g1.threads() != g2.threads() {
+        return Err(format!(
+            "{what}'s GEMMs differ in threads per block ({} and {})",
+            g1.threads(),
+            g2.threads()
+        ));
+    }
+    Ok(())
+}
+
 /// The fused decode of `regime` (named `kernel`) for calls of up to `tokens` tokens (at
 /// most the regime's), where it can run: the layer's first regime, both GEMMs mma.sync with
 /// the same threads, GEMM1 gathering its rows, and the grid resident at once. Otherwise the
@@ -82,25 +110,12 @@ pub fn plan_fused_decode(
     tokens: u32,
 ) -> Result<FusedDecode, String> {
     let (g1, g2) = (&regime.gemm1, &regime.gemm2);
-    if regime.min_tokens != 0 {
-        return Err(format!("regime `{}` is not the first", regime.name));
-    }
-    if g1.engine != MmaEngine::MmaSync || g2.engine != MmaEngine::MmaSync {
-        return Err(format!(
-            "regime `{}` runs its GEMMs on {} and {}; the fused decode needs mma.sync for both",
-            regime.name,
-            g1.engine.name(),
-            g2.engine.name()
-        ));
-    }
-    if g1.threads() != g2.threads() {
-        return Err(format!(
-            "regime `{}`'s GEMMs differ in threads per block ({} and {})",
-            regime.name,
-            g1.threads(),
-            g2.threads()
-        ));
-    }
+    first_regime_on_mma_sync(
+        &format!("regime `{}`", regime.name),
+        regime.min_tokens,
+        g1,
+        g2,
+    )?;
     if g1.a_load != RowLoad::Gathered {
         return Err(format!(
             "regime `{}`'s GEMM1 loads x's rows sorted by expert, which the fused decode does not",
@@ -225,23 +240,7 @@ pub fn plan_rank_fused_decode(
 ) -> Result<FusedDecode, String> {
     let (name, min_tokens, max_tokens) = regime;
     let (g1, g2) = gemms;
-    if min_tokens != 0 {
-        return Err(format!("rank regime `{name}` is not the first"));
-    }
-    if g1.engine != MmaEngine::MmaSync || g2.engine != MmaEngine::MmaSync {
-        return Err(format!(
-            "rank regime `{name}` runs its GEMMs on {} and {}; the fused decode needs mma.sync for both",
-            g1.engine.name(),
-            g2.engine.name()
-        ));
-    }
-    if g1.threads() != g2.threads() {
-        return Err(format!(
-            "rank regime `{name}`'s GEMMs differ in threads per block ({} and {})",
-            g1.threads(),
-            g2.threads()
-        ));
-    }
+    first_regime_on_mma_sync(&format!("rank regime `{name}`"), min_tokens, g1, g2)?;
     let max_tokens = tokens.min(max_tokens).min(g1.threads());
     if max_tokens == 0 {
         return Err("it would cover no call".into());
