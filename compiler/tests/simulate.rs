@@ -28,6 +28,7 @@ fn options(tokens: u32, routing: Routing) -> Options {
         tokens_per_rank: tokens,
         routing,
         timeline_ranks: 0,
+        fused_decode: false,
     }
 }
 
@@ -230,4 +231,53 @@ fn virtual_ranks_share_their_device() {
     let ratio = compute_s(&one_gpu) / compute_s(&devices);
     // Without the sharing the model gave 1.77 (the virtual plan's smaller grids alone).
     assert!((1.9..2.4).contains(&ratio), "virtual / devices: {ratio}");
+}
+
+/// Where the plan runs a call as the ranks' fused decode, the kernels' own schedules are
+/// predicted as that kernel (one launch, rows sent as the grid's first units, no metadata,
+/// arrange or combine kernels): shorter than the table at one token per rank, every pair
+/// still dispatched and combined once; the bulk-synchronous baseline, which runs the table,
+/// is the same either way; larger calls than the fused decode covers are unchanged.
+#[test]
+fn the_fused_decode_is_predicted_where_the_plan_runs_it() {
+    let mut layer = layer("qwen3_30b_a3b");
+    layer.parallel.expert = 2;
+    layer.topology.gpus_per_node = 1;
+    layer.topology.virtual_ranks = Some(2);
+    let (plan, topology) = planned(&layer);
+    let fused_max = plan.expert_parallel.as_ref().unwrap().regimes[0]
+        .fused_decode
+        .as_ref()
+        .expect("the decode rank regime fuses")
+        .max_tokens;
+    let run = |tokens: u32, fused_decode: bool| {
+        let options = Options {
+            fused_decode,
+            ..options(tokens, Routing::Uniform)
+        };
+        simulate::simulate(&plan, &topology, &options).unwrap()
+    };
+    let layer_us = |report: &simulate::Report, schedule: Schedule| {
+        report.schedule(schedule).unwrap().layer_s * 1e6
+    };
+    let (fused, table) = (run(1, true), run(1, false));
+    let aware = Schedule::FineGrainedTopologyAware;
+    assert!(
+        layer_us(&fused, aware) < layer_us(&table, aware),
+        "fused {} µs against the table's {} µs",
+        layer_us(&fused, aware),
+        layer_us(&table, aware)
+    );
+    assert_eq!(
+        layer_us(&fused, Schedule::BulkSynchronous),
+        layer_us(&table, Schedule::BulkSynchronous)
+    );
+    let k = u64::from(plan.shape.top_k);
+    for schedule in &fused.schedules {
+        let combined: u64 = schedule.accounting.pairs_combined.iter().sum();
+        assert_eq!(combined, 2 * k, "{:?}", schedule.schedule);
+        assert!(schedule.accounting.token_mismatches.is_empty());
+    }
+    let (above, above_table) = (run(fused_max + 1, true), run(fused_max + 1, false));
+    assert_eq!(layer_us(&above, aware), layer_us(&above_table, aware));
 }

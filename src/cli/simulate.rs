@@ -177,6 +177,7 @@ pub fn run(args: &Args) -> ExitCode {
             } else {
                 0
             },
+            fused_decode: true,
         };
         let started = Instant::now();
         let report = match simulate::simulate(&plan, &topology, &options) {
@@ -275,14 +276,11 @@ fn print_comparison(
     };
     let split = |pair: Option<(f64, f64)>| pair.map_or_else(|| "-".to_string(), cell);
     for c in &cells {
-        let expert_parallel = if c.fused_decode {
-            format!(
-                "{:.1} measured with the ranks' fused decode, not modelled (the table: {:.1})",
-                c.expert_parallel.0, c.expert_parallel.1
-            )
-        } else {
-            cell(c.expert_parallel)
-        };
+        let expert_parallel = format!(
+            "{}{}",
+            cell(c.expert_parallel),
+            if c.fused_decode { " (fused)" } else { "" }
+        );
         println!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
             c.tokens_per_rank,

@@ -9,8 +9,10 @@
 //! the combine's rate per lane to virtual ranks (2026-12-04): a few constants for three
 //! layers and five token counts, so the fit is not by construction. The overlapped layer
 //! time comes within 15% on 13 of the 15 two-GPU cells at e323b9f and on all 12 virtual-rank
-//! cells of 2026-12-04 (benches/results/2026-12-04_simulator_virtual_ranks.md). Older files
-//! plan differently from the current planner.
+//! cells of 2026-12-04 (benches/results/2026-12-04_simulator_virtual_ranks.md). A row the
+//! bench ran as the ranks' fused decode (its `fused_decode`) is predicted as that kernel
+//! (fitted to six cells: benches/results/2026-12-04_ep_fused_decode.md). Older files plan
+//! differently from the current planner.
 
 use std::path::Path;
 
@@ -41,8 +43,8 @@ pub struct MeasuredRow {
     pub tokens_per_rank: u32,
     pub ranks: u32,
     pub expert_parallel_us: f64,
-    /// Whether the expert-parallel call ran the ranks' fused decode, which the simulator
-    /// does not model (files before 2026-12-04 ran the table).
+    /// Whether the expert-parallel call ran the ranks' fused decode (files before
+    /// 2026-12-04, b964a21, ran the table).
     #[serde(default)]
     pub fused_decode: bool,
     pub bulk_synchronous_us: f64,
@@ -93,8 +95,8 @@ pub struct Comparison {
     /// Expert-parallel layer time: measured, predicted (the plan's own schedule, which on
     /// one node is the topology-aware one).
     pub expert_parallel: (f64, f64),
-    /// Whether the measured call ran the ranks' fused decode: the prediction is then the
-    /// table's, which the simulator models, not that call's.
+    /// Whether the measured call ran the ranks' fused decode (and so was predicted as
+    /// one; the other columns are the table's, as the bench runs them).
     pub fused_decode: bool,
     /// Bulk-synchronous layer time.
     pub bulk_synchronous: (f64, f64),
@@ -144,6 +146,7 @@ pub fn compare(
                     tokens_per_rank: row.tokens_per_rank,
                     routing: Routing::Uniform,
                     timeline_ranks: 1,
+                    fused_decode: row.fused_decode,
                 },
             )?;
             let of = |schedule: Schedule| report.schedules.iter().find(|s| s.schedule == schedule);

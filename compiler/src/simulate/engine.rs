@@ -6,7 +6,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
 use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
-use crate::plan::{Plan, Target};
+use crate::plan::{FusedDecode, Plan, Target};
 
 /// The kind of path between two ranks.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -127,6 +127,9 @@ pub(super) enum Gemm2Start {
     /// In one grid with GEMM1, each tile once GEMM1 has stored its rows
     /// ([`Machine::gemms_together`]).
     WithGemm1,
+    /// The ranks' fused decode: one grid of this many blocks takes every GEMM1 tile, then
+    /// every GEMM2 tile, from one ticket ([`Machine::gemms_fused`]).
+    Fused { blocks: u32 },
 }
 
 /// A GEMM1 tile: its expert (in tile order), row tile, when its rows have arrived and how
@@ -286,6 +289,9 @@ pub(super) struct Machine<'a> {
     row_bytes: f64,
     /// Token lanes of the combine kernel's grid for this call (blocks times lanes each).
     combine_lanes: u32,
+    /// The fused decode that runs this call in place of the table, on one node, where the
+    /// plan has one covering the call.
+    fused: Option<&'a FusedDecode>,
 }
 
 impl<'a> Machine<'a> {
@@ -295,6 +301,7 @@ impl<'a> Machine<'a> {
         regime: &'a ExpertParallelRegime,
         topology: &'a Topology,
         traffic: &'a Traffic,
+        fused_decode: bool,
     ) -> Self {
         Machine {
             ep,
@@ -307,13 +314,26 @@ impl<'a> Machine<'a> {
             shared_slices: plan.shape.shared_slices,
             row_bytes: f64::from(plan.shape.hidden) * 2.0,
             combine_lanes: regime.combine_lanes(&ep.combine_kernel, traffic.tokens_per_rank),
+            fused: regime.fused_decode.as_ref().filter(|fused| {
+                fused_decode && ep.network.is_none() && fused.covers(traffic.tokens_per_rank)
+            }),
         }
     }
 
-    fn combine_grid(&self) -> model::CombineGrid<'_> {
+    /// The fused decode that runs a call under `schedule`: the kernels' own (fine-grained)
+    /// schedules only; the bulk-synchronous baseline runs the table.
+    fn fused_for(&self, schedule: Schedule) -> Option<&'a FusedDecode> {
+        self.fused.filter(|_| schedule != Schedule::BulkSynchronous)
+    }
+
+    /// The combine's grid: the table's combine kernel, or the fused decode's blocks (a
+    /// token of 128 threads each).
+    fn combine_grid(&self, fused: Option<&FusedDecode>) -> model::CombineGrid<'_> {
         model::CombineGrid {
             target: &self.target,
-            lanes: self.combine_lanes,
+            lanes: fused.map_or(self.combine_lanes, |fused| {
+                fused.launch.grid.blocks(self.traffic.tokens_per_rank)
+            }),
             one_device: self.topology.virtual_ranks,
         }
     }
@@ -389,14 +409,17 @@ impl<'a> Machine<'a> {
 
     /// Items of token rows of `origin`, in the order of `targets`: chunks, or pieces when
     /// the call has fewer chunks than blocks.
-    fn token_items(&self, origin: u32, targets: &[To]) -> VecDeque<Item> {
+    fn token_items(&self, origin: u32, targets: &[To], fused: bool) -> VecDeque<Item> {
         let total = |to: &To| match *to {
             To::Rank(d) => self.traffic.tokens_to(origin, d),
             To::Node { node, .. } => self.traffic.tokens_to_node(origin, node),
         };
         let chunk = self.ep.dispatch_chunk.max(1);
         let chunks: u32 = targets.iter().map(|to| total(to).div_ceil(chunk)).sum();
-        let unit = if chunks < self.regime.comm_blocks {
+        // The fused decode sends a row per work unit.
+        let unit = if fused {
+            1
+        } else if chunks < self.regime.comm_blocks {
             self.ep.dispatch_piece.max(1)
         } else {
             chunk
@@ -425,6 +448,7 @@ impl<'a> Machine<'a> {
         ports: &mut Ports,
         mut queues: Vec<VecDeque<Item>>,
         start: &[f64],
+        blocks: u32,
         timeline: &mut [RankTimeline],
     ) -> CommResult {
         let ranks = self.ep.ranks;
@@ -434,11 +458,7 @@ impl<'a> Machine<'a> {
         };
         let mut heap = BinaryHeap::new();
         for rank in 0..ranks {
-            for _ in 0..self
-                .regime
-                .comm_blocks
-                .min(queues[rank as usize].len() as u32)
-            {
+            for _ in 0..blocks.min(queues[rank as usize].len() as u32) {
                 heap.push((Time(start[rank as usize]), Event::BlockFree { rank }));
             }
         }
@@ -675,7 +695,66 @@ impl<'a> Machine<'a> {
             Gemm2Start::WithGemm1 => {
                 self.gemms_together(start, &tiles1, hbm1, order, &phase_rows, lane)
             }
+            Gemm2Start::Fused { blocks } => {
+                self.gemms_fused(start, &tiles1, hbm1, order, &phase_rows, blocks, lane)
+            }
         }
+    }
+
+    /// The fused decode's GEMMs: `blocks` blocks claim every GEMM1 tile, then every GEMM2
+    /// tile, from one ticket in that order (a block takes the next when it is free); a
+    /// GEMM1 tile starts once its rows have arrived, a GEMM2 tile once its expert's GEMM1
+    /// tiles are stored. No launch between them.
+    #[allow(clippy::too_many_arguments)]
+    fn gemms_fused(
+        &self,
+        start: f64,
+        tiles1: &[Tile1],
+        hbm1: f64,
+        order: &[u32],
+        phase_rows: &[Vec<u32>],
+        blocks: u32,
+        mut lane: Option<&mut RankTimeline>,
+    ) -> GemmEnds {
+        // Blocks by when they are free, the earliest first (`Time` orders so).
+        let mut free: BinaryHeap<(Time, usize)> = (0..blocks.max(1) as usize)
+            .map(|b| (Time(start), b))
+            .collect();
+        let mut expert_stored = vec![start; phase_rows.len()];
+        let mut end1 = start;
+        for tile in tiles1 {
+            let (Time(at), b) = free.pop().expect("a block");
+            let begin = at.max(tile.ready);
+            let end = begin + tile.duration;
+            record_tile(&mut lane, b, begin, end, "GEMM1");
+            expert_stored[tile.expert] = expert_stored[tile.expert].max(end);
+            end1 = end1.max(end);
+            free.push((Time(end), b));
+        }
+        // Streaming GEMM1's weights sets its pace where the tiles would outrun HBM.
+        let end1 = end1.max(start + model::hbm_seconds(&self.target, hbm1));
+        // Every row goes to its origin's slot, whatever the table's combine route.
+        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, CombineRoute::PairRows);
+        let mut start2 = f64::INFINITY;
+        let mut tiles_end = start;
+        let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
+        for tile in &tiles2 {
+            let (Time(at), b) = free.pop().expect("a block");
+            let begin = at.max(expert_stored[tile.expert]);
+            let end = begin + tile.duration;
+            record_tile(&mut lane, b, begin, end, "GEMM2");
+            tile.store(&mut results, order, &phase_rows[tile.expert], begin, end);
+            start2 = start2.min(begin);
+            tiles_end = tiles_end.max(end);
+            free.push((Time(end), b));
+        }
+        let start2 = if start2.is_finite() { start2 } else { end1 };
+        // Both GEMMs stream their weights through one HBM: together no faster than that.
+        let end2 = tiles_end
+            .max(end1)
+            .max(start + model::hbm_seconds(&self.target, hbm1 + hbm2));
+        stretch_results(&mut results, start2, tiles_end.max(start2), end2);
+        GemmEnds::recorded(lane, [start, end1], start2, end2, results)
     }
 
     /// GEMM1's tiles on its grid, each block taking tiles `b, b + grid, …` as the kernels
@@ -701,7 +780,7 @@ impl<'a> Machine<'a> {
             .copied()
             .fold(start + model::hbm_seconds(&self.target, hbm1), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
-        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows);
+        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.ep.combine_route);
         let mut blocks = vec![start2; self.regime.gemm2.grid_blocks.max(1) as usize];
         let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
         for (id, tile) in tiles2.iter().enumerate() {
@@ -741,7 +820,7 @@ impl<'a> Machine<'a> {
     ) -> GemmEnds {
         let g1 = &self.regime.gemm1;
         let (bm1, n1) = (g1.tile.m, self.ffn / g1.tile.n);
-        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows);
+        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.ep.combine_route);
         // Per expert and GEMM1 row tile: its column tiles not yet taken, and when the
         // taken ones end.
         let mut columns_left: Vec<Vec<u32>> = phase_rows
@@ -818,7 +897,7 @@ impl<'a> Machine<'a> {
     /// GEMM2's tiles over experts with `phase_rows[e][p]` rows of phase `p` (source
     /// `order[p]`) each, in the kernels' order: phase (of a tile's last row), expert,
     /// n-tile, m-tile; and the bytes they load.
-    fn gemm2_tiles(&self, phase_rows: &[Vec<u32>]) -> (Vec<Tile2>, f64) {
+    fn gemm2_tiles(&self, phase_rows: &[Vec<u32>], route: CombineRoute) -> (Vec<Tile2>, f64) {
         let g2 = &self.regime.gemm2;
         let n2 = self.hidden / g2.tile.n;
         let bm = g2.tile.m;
@@ -848,7 +927,7 @@ impl<'a> Machine<'a> {
                             duration: tile
                                 + model::gemm2_epilogue_seconds(
                                     g2,
-                                    self.ep.combine_route,
+                                    route,
                                     self.topology.virtual_ranks,
                                     row1 - row0,
                                 ),
@@ -882,6 +961,19 @@ impl<'a> Machine<'a> {
     /// When a rank's dispatch blocks start copying.
     fn dispatch_started(&self) -> f64 {
         self.metadata_released() + model::DISPATCH_KERNEL_START_S
+    }
+
+    /// In the fused decode, when `d`'s blocks have every source's ids (a flag latency
+    /// after the launch, from the farthest source) and have laid out the call's rows.
+    fn laid_out(&self, d: u32) -> f64 {
+        let farthest = (0..self.ep.ranks)
+            .map(|s| self.latency(self.class(s, d)))
+            .fold(0.0, f64::max);
+        let pairs = f64::from(self.traffic.tokens_per_rank * self.traffic.top_k * self.ep.ranks);
+        self.target.launch_overhead_s
+            + farthest
+            + model::FUSED_LAYOUT_S
+            + pairs * model::FUSED_LAYOUT_PAIR_S
     }
 
     /// When the metadata of every source has reached `d` and arrange has laid out its rows.
@@ -951,13 +1043,24 @@ impl<'a> Machine<'a> {
         let mut timeline = vec![RankTimeline::default(); record.min(ranks) as usize];
         let mut ports = Ports::new(ranks);
         let launch = self.target.launch_overhead_s;
+        let fused = self.fused_for(schedule);
         let queues = (0..ranks)
-            .map(|s| self.token_items(s, &self.targets(s, schedule)))
+            .map(|s| self.token_items(s, &self.targets(s, schedule), fused.is_some()))
             .collect();
+        // The fused decode's blocks send rows as their first work units, right after their
+        // launch; the table's dispatch kernel starts after the metadata kernel.
+        let (dispatch_start, senders) = match fused {
+            Some(fused) => (
+                launch + model::FUSED_SEND_START_S,
+                fused.launch.grid.blocks(self.traffic.tokens_per_rank),
+            ),
+            None => (self.dispatch_started(), self.regime.comm_blocks),
+        };
         let dispatch = self.communicate(
             &mut ports,
             queues,
-            &vec![self.dispatch_started(); r],
+            &vec![dispatch_start; r],
+            senders,
             &mut timeline,
         );
         let mut accounting = Accounting {
@@ -985,11 +1088,11 @@ impl<'a> Machine<'a> {
         for d in 0..ranks {
             // Bulk-synchronous, as the bench's baseline (a) runs it: arrange is launched
             // after the barrier, then GEMM1.
-            let start = if bulk {
-                barrier1 + launch + model::ARRANGE_S
-            } else {
-                self.arranged(d)
-            } + launch;
+            let start = match fused {
+                Some(_) => self.laid_out(d),
+                None if bulk => barrier1 + launch + model::ARRANGE_S + launch,
+                None => self.arranged(d) + launch,
+            };
             let ready = |s: u32, pos: u32| {
                 if bulk || pos == 0 || s == d {
                     0.0
@@ -998,12 +1101,18 @@ impl<'a> Machine<'a> {
                 }
             };
             let lane = timeline.get_mut(d as usize);
+            let gemm2 = match fused {
+                Some(fused) => Gemm2Start::Fused {
+                    blocks: fused.launch.grid.blocks(self.traffic.tokens_per_rank),
+                },
+                None => self.gemm2_start(schedule),
+            };
             ends.push(self.gemms(
                 d,
                 start,
                 &ready,
                 &mut accounting.pairs_dispatched,
-                self.gemm2_start(schedule),
+                gemm2,
                 lane,
             ));
         }
@@ -1015,7 +1124,8 @@ impl<'a> Machine<'a> {
         } else {
             0.0
         };
-        let partials = self.ep.combine_route == CombineRoute::RankPartials;
+        // The fused decode stores GEMM2's rows at their origins (pair rows) in any plan.
+        let partials = fused.is_none() && self.ep.combine_route == CombineRoute::RankPartials;
         let (arrived, combined, passes_end) = if partials {
             self.partial_results(&mut ports, &ends, barrier2, &mut timeline)
         } else {
@@ -1036,11 +1146,16 @@ impl<'a> Machine<'a> {
             }
         };
         let mut layer: f64 = 0.0;
+        // The fused decode's blocks sum their tokens in the same kernel, no launch between.
+        let combine_launch = if fused.is_some() { 0.0 } else { launch };
         for (s, (&at, end)) in arrived.iter().zip(&ends).enumerate() {
-            let begin = at.max(end.end2 + launch).max(barrier2).max(passes_end[s]);
+            let begin = at
+                .max(end.end2 + combine_launch)
+                .max(barrier2)
+                .max(passes_end[s]);
             let finish = begin
                 + model::combine_seconds(
-                    self.combine_grid(),
+                    self.combine_grid(fused),
                     self.traffic.tokens_per_rank,
                     rows_per_token(s as u32),
                     self.hidden,
@@ -1114,7 +1229,7 @@ impl<'a> Machine<'a> {
             let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
             let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
             let end =
-                begin + model::partials_seconds(self.combine_grid(), tokens, rows, self.hidden);
+                begin + model::partials_seconds(self.combine_grid(None), tokens, rows, self.hidden);
             passes_end[d as usize] = end;
             if let Some(lane) = timeline.get_mut(d as usize) {
                 lane.kernels.push(Span {
@@ -1210,7 +1325,8 @@ impl<'a> Machine<'a> {
             for (ready, s, node) in sends {
                 let relay = (node * g + s % g).min(ranks - 1);
                 let tokens = self.traffic.tokens_to_node(s, node);
-                let reduce = model::combine_seconds(self.combine_grid(), tokens, 1, self.hidden);
+                let reduce =
+                    model::combine_seconds(self.combine_grid(None), tokens, 1, self.hidden);
                 let bytes = f64::from(tokens) * self.row_bytes;
                 let begin = ready + reduce;
                 let done = self.transfer(ports, begin, relay, s, bytes, f64::INFINITY);
@@ -1248,7 +1364,7 @@ mod tests {
         let regime = &ep.regimes[ep.regime_index_for(tokens).expect("a regime")];
         let topology = Topology::of(&layer.topology);
         let traffic = Traffic::draw(Routing::Uniform, 4, 16, 4, gpus, tokens).expect("draws");
-        let machine = Machine::new(&plan, ep, regime, &topology, &traffic);
+        let machine = Machine::new(&plan, ep, regime, &topology, &traffic, false);
         assert_eq!(machine.gemm2_start(schedule), gemm2);
         let order = ep.receive_order[0].clone();
         let last = order[3];

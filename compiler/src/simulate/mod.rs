@@ -35,6 +35,18 @@
 //! resident with the plan's grids (else a [`Deadlock`]), and whether routing fits the
 //! plan's capacities (else [`SimError::Overflow`]).
 //!
+//! The ranks' fused decode (a call the plan's first rank regime fuses, on one node, unless
+//! [`Options::fused_decode`] is off) is what the kernels' own two schedules then run: one
+//! launch; its grid sends a row per work unit from `model::FUSED_SEND_START_S` after it;
+//! each rank lays out its rows a flag latency after the farthest source's launch plus
+//! `model::FUSED_LAYOUT_S` and a cost per pair; then the grid takes every GEMM1 tile, then
+//! every GEMM2 tile, from one ticket (a GEMM2 tile once its expert's GEMM1 tiles are
+//! stored), both GEMMs together no faster than their weights stream from HBM; GEMM2
+//! stores rows at their origins (pair rows, whatever the table's route) and the same grid
+//! sums each origin's tokens, with no launch between. Fitted to six cells of two virtual
+//! ranks (benches/results/2026-12-04_ep_fused_decode.md, within 13%). The
+//! bulk-synchronous baseline runs the table, as the bench's does.
+//!
 //! Granularity: tokens are never simulated one by one. Routing is drawn per token once and
 //! reduced to counts (per source and destination, expert, node); a transfer is a work item
 //! (a chunk, a piece or a node-aggregated chunk); rows of one (local expert, source)
@@ -50,9 +62,8 @@
 //! per block, see `model::BLOCK_HBM_BYTES_PER_S`), and no tile slows down under
 //! concurrent copies; an origin's results leave a rank as an even stream over the span of
 //! GEMM2's tiles holding its rows (so an early source's results leave before GEMM2
-//! ends); the router, the previous call (credits) and the ranks' fused decode (one
-//! kernel per rank for calls of a few tokens, which the runtime runs in place of the
-//! table modelled here) are not modelled (the shared experts are: each rank's slices on its own tokens, after
+//! ends); the router and the previous call (credits)
+//! are not modelled (the shared experts are: each rank's slices on its own tokens, after
 //! its local experts, ready at once); every kernel launch costs the target's launch
 //! overhead once; virtual ranks each get an even share of their GPU (SMs, tensor rate,
 //! HBM and L2 bandwidth) throughout, as if they ran every kernel in step; one call is
@@ -122,6 +133,9 @@ pub struct Options {
     pub routing: Routing,
     /// Ranks whose activity is recorded for the timeline (the first ones); 0 for none.
     pub timeline_ranks: u32,
+    /// Whether a call the plan's fused decode covers runs it, as the runtime does (else
+    /// the table, as with `MOEFORGE_FUSED_DECODE=0`).
+    pub fused_decode: bool,
 }
 
 /// A spin-wait whose producer cannot be resident.
@@ -288,7 +302,8 @@ pub fn simulate(plan: &Plan, topology: &Topology, options: &Options) -> Result<R
     let schedules = if deadlock.is_some() {
         Vec::new()
     } else {
-        let machine = engine::Machine::new(plan, ep, regime, topology, &traffic);
+        let machine =
+            engine::Machine::new(plan, ep, regime, topology, &traffic, options.fused_decode);
         Schedule::ALL
             .iter()
             .map(|&schedule| machine.run(schedule, options.timeline_ranks))
@@ -446,6 +461,7 @@ mod tests {
                 tokens_per_rank: tokens,
                 routing: Routing::Skewed,
                 timeline_ranks: 0,
+                fused_decode: true,
             },
         )
         .expect("simulates");

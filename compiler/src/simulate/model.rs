@@ -40,6 +40,14 @@ pub const DISPATCH_KERNEL_START_S: f64 = 8e-6;
 /// benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json time it at 11.3 to 13.7 us on
 /// rank 0 from the barrier (16.7 once), a launch included; 12 less the target's 4.
 pub const ARRANGE_S: f64 = 8e-6;
+/// The ranks' fused decode: from its launch to its first row sent (each block first finds
+/// its tokens' destinations, blocks 0..R-2 hand a peer their ids).
+pub const FUSED_SEND_START_S: f64 = 3e-6;
+/// The fused decode's layout, after the last source's ids arrived: staging them in shared
+/// memory and placing the rows, a fixed part and a part per (token, k) pair of every
+/// source (one warp places the rows).
+pub const FUSED_LAYOUT_S: f64 = 8e-6;
+pub const FUSED_LAYOUT_PAIR_S: f64 = 10e-9;
 /// SM-driven stores reach this share of NVLink's declared bandwidth: 365 GB/s measured
 /// with 132 blocks against the 450 GB/s of NVLink 4 (DESIGN.md, 2026-11-29).
 pub const NVLINK_STORE_EFFICIENCY: f64 = 365.0 / 450.0;
