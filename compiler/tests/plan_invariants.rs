@@ -643,6 +643,31 @@ fn a_ranks_fused_decode_is_planned_and_checked() {
         "no counters without a fused decode"
     );
 
+    // Asked for where the ranks' first regime cannot run one: the plan says why.
+    let path = format!(
+        "{}/../dsl-examples/mixtral_8x7b.moe",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let mut mixtral = moeforge_compiler::compile_source(&path, &text)
+        .expect("the example checks")
+        .layers
+        .remove(0);
+    mixtral.schedule.fused_decode = Some(16);
+    let asked = plan::plan(&mixtral, &target).expect("plans");
+    assert_eq!(asked.validate(), Ok(()));
+    let ep = asked.expert_parallel.as_ref().unwrap();
+    assert!(
+        ep.regimes[0].fused_decode.is_none(),
+        "Mixtral's rank decode GEMMs are not both mma.sync"
+    );
+    assert!(
+        asked.limitations.iter().any(|l| l
+            .contains("fused_decode = 16 tokens: the expert-parallel ranks run no fused decode")),
+        "{:?}",
+        asked.limitations
+    );
+
     let two_nodes = example_plan("tiny_two_nodes");
     let ep = two_nodes.expert_parallel.expect("expert-parallel plan");
     assert!(ep.network.is_some());

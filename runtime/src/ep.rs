@@ -645,7 +645,7 @@ impl EpLayer {
                 .join(&rank.compute)
                 .context("ordering the receives after the last call's kernels")?;
         }
-        if let Some(regime) = self.fused_regime(calls) {
+        if let Some(regime) = self.fused_regime(calls, withheld) {
             for (r, call) in calls.iter().enumerate() {
                 self.enqueue_fused(r, call, regime)?;
             }
@@ -825,13 +825,17 @@ impl EpLayer {
     /// drives every rank (so that all of them take the same path), the switch is on and
     /// the regime of the largest call fuses calls that large. A withheld rank's call (fault
     /// injection) takes the table, whose communication can be left out.
-    fn fused_regime(&self, calls: &[RankCall]) -> Option<usize> {
-        self.fused_regime_for(calls.iter().map(|call| call.tokens))
+    fn fused_regime(&self, calls: &[RankCall], withheld: Option<usize>) -> Option<usize> {
+        self.fused_regime_for(calls.iter().map(|call| call.tokens), withheld)
     }
 
     /// [`EpLayer::fused_regime`] of a call of `tokens` tokens on each rank.
-    fn fused_regime_for(&self, tokens: impl Iterator<Item = u32>) -> Option<usize> {
-        if !self.fused_decode || self.withheld.is_some() {
+    fn fused_regime_for(
+        &self,
+        tokens: impl Iterator<Item = u32>,
+        withheld: Option<usize>,
+    ) -> Option<usize> {
+        if !self.fused_decode || withheld.is_some() {
             return None;
         }
         let most = tokens.max()?;
@@ -842,7 +846,8 @@ impl EpLayer {
     /// Whether a call of `tokens[r]` tokens on rank `r` runs the ranks' fused decode
     /// (docs/runtime.md) rather than the table.
     pub fn runs_fused(&self, tokens: &[u32]) -> bool {
-        self.fused_regime_for(tokens.iter().copied()).is_some()
+        self.fused_regime_for(tokens.iter().copied(), self.withheld)
+            .is_some()
     }
 
     /// Enqueues rank `r`'s fused decode of `regime` on its compute stream.

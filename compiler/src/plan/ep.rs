@@ -508,17 +508,15 @@ pub fn plan_expert_parallel(
         sm_count: compute_sms,
         ..target.clone()
     };
-    let rank_fused_shape = fused_decode::RankFusedShape {
+    let rank_fused_shape = fused_decode::RankFusedShape::new(
+        target,
+        shape,
         ranks,
         experts_per_rank,
-        segment_rows: sizes.segment_rows,
-        combine_slot_rows: match combine_route {
-            CombineRoute::PairRows => shape.max_pairs(),
-            CombineRoute::RankPartials => u64::from(max_tokens) * u64::from(ranks),
-        },
-        sms: sms_per_rank,
-        one_per_sm: placement == Placement::Virtual,
-    };
+        sizes.segment_rows,
+        combine_route,
+        placement,
+    );
     let gemm1_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Up, ranks);
     let gemm2_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Down, ranks);
     let regime = |choice: &RegimeChoice, name: String, tokens: [u32; 2], comm: (u32, String)| {

@@ -12,6 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
 use super::launch::{Grid, KernelParam, Launch, LaunchArg, StreamRole};
 use super::{
     BufferId, GemmPlan, LayerShape, MmaEngine, Regime, RowLoad, Target, static_smem_reserved,
@@ -212,6 +213,7 @@ fn rank_static_smem_bytes(
 }
 
 /// The sizes a rank's fused decode is planned from.
+#[derive(Clone, Debug)]
 pub struct RankFusedShape {
     pub ranks: u32,
     pub experts_per_rank: u32,
@@ -223,6 +225,49 @@ pub struct RankFusedShape {
     /// share with virtual ranks (one block each, so that every rank's grid is resident).
     pub sms: u32,
     pub one_per_sm: bool,
+}
+
+impl RankFusedShape {
+    /// The sizes of `ranks` ranks of `experts_per_rank` experts each, placed as `placement`
+    /// says, whose receive segments hold `segment_rows` rows and whose results return by
+    /// `combine_route`.
+    pub fn new(
+        target: &Target,
+        shape: &LayerShape,
+        ranks: u32,
+        experts_per_rank: u32,
+        segment_rows: u32,
+        combine_route: CombineRoute,
+        placement: Placement,
+    ) -> Self {
+        RankFusedShape {
+            ranks,
+            experts_per_rank,
+            segment_rows,
+            combine_slot_rows: match combine_route {
+                CombineRoute::PairRows => shape.max_pairs(),
+                CombineRoute::RankPartials => u64::from(shape.max_tokens) * u64::from(ranks),
+            },
+            sms: match placement {
+                Placement::Virtual => target.sm_count / ranks,
+                Placement::Devices => target.sm_count,
+            },
+            one_per_sm: placement == Placement::Virtual,
+        }
+    }
+
+    /// The sizes of `ep`'s ranks.
+    pub fn of(target: &Target, shape: &LayerShape, ep: &ExpertParallelPlan) -> Self {
+        Self::new(
+            target,
+            shape,
+            ep.ranks,
+            ep.experts_per_rank,
+            ep.rows_per_segment,
+            ep.combine_route,
+            ep.placement,
+        )
+    }
 }
 
 /// A rank's fused decode (`compiler/templates/ep.cu`, `ep_fused_decode`) of `regime` for

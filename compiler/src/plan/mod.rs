@@ -1336,6 +1336,34 @@ pub fn plan_tuned(
         }
         Err(error) => return Err(error),
     };
+    if let Some(ep) = &expert_parallel {
+        // A spec that asks for the fused decode where the ranks' first regime cannot run
+        // one is told why (the table runs those calls).
+        let asked = layer.schedule.fused_decode.filter(|&tokens| tokens > 0);
+        let first = ep.regimes.first();
+        if let (Some(tokens), Some(regime)) = (asked, first)
+            && regime.fused_decode.is_none()
+        {
+            let reason = if ep.network.is_some() {
+                "its ranks span several nodes, and NCCL carries part of that exchange".to_string()
+            } else {
+                fused_decode::plan_rank_fused_decode(
+                    target,
+                    &shape,
+                    &fused_decode::RankFusedShape::of(target, &shape, ep),
+                    (&regime.name, regime.min_tokens, regime.max_tokens),
+                    (&regime.gemm1, &regime.gemm2),
+                    "",
+                    tokens,
+                )
+                .err()
+                .unwrap_or_default()
+            };
+            limitations.push(format!(
+                "the spec's fused_decode = {tokens} tokens: the expert-parallel ranks run no fused decode, {reason}; the table runs those calls"
+            ));
+        }
+    }
     if expert_parallel.is_some() {
         limitations.push(format!(
             "the spec asks for {} expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all {} experts on one GPU",

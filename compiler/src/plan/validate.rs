@@ -232,20 +232,7 @@ impl Plan {
     /// plan's own sizes): within the buffers, resident at once on every rank, one node.
     fn check_rank_fused_decodes(&self, ep: &ExpertParallelPlan) -> Result<(), String> {
         let shape = &self.shape;
-        let rank = fused_decode::RankFusedShape {
-            ranks: ep.ranks,
-            experts_per_rank: ep.experts_per_rank,
-            segment_rows: ep.rows_per_segment,
-            combine_slot_rows: match ep.combine_route {
-                CombineRoute::PairRows => shape.max_pairs(),
-                CombineRoute::RankPartials => u64::from(shape.max_tokens) * u64::from(ep.ranks),
-            },
-            sms: match ep.placement {
-                Placement::Virtual => self.target.sm_count / ep.ranks,
-                Placement::Devices => self.target.sm_count,
-            },
-            one_per_sm: ep.placement == Placement::Virtual,
-        };
+        let rank = fused_decode::RankFusedShape::of(&self.target, shape, ep);
         for regime in &ep.regimes {
             let Some(fused) = &regime.fused_decode else {
                 continue;
