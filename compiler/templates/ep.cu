@@ -29,6 +29,10 @@
 //                   ep_combine  waits for each token's counter, sums its K slots (and
 //                               its shared slices')
 {%- endif %}
+{%- if ep.fused_decode %}
+// A call of a few tokens per rank runs all of this as one kernel per rank instead, on every
+// rank (the rank regime's `<layer>_<regime>_ep_fused`, ep_fused_decode at the end).
+{%- endif %}
 // ---------------------------------------------------------------------------------------
 enum : int { RANKS = {{ ep.ranks }} };
 enum : int { LOCAL_EXPERTS = {{ ep.local_experts }} };     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS

@@ -2931,6 +2931,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen3_30b_a3b_comb
 //                               releases the origin's per-token counter
 //                   ep_combine  waits for each token's counter, sums its K slots (and
 //                               its shared slices')
+// A call of a few tokens per rank runs all of this as one kernel per rank instead, on every
+// rank (the rank regime's `<layer>_<regime>_ep_fused`, ep_fused_decode at the end).
 // ---------------------------------------------------------------------------------------
 enum : int { RANKS = 8 };
 enum : int { LOCAL_EXPERTS = 16 };     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
