@@ -601,8 +601,8 @@ pub struct ExpertParallelRow {
     pub tokens_per_rank: u32,
     pub ranks: u32,
     /// Wall time per call over pipelined calls, the median of [`PIPELINED_PASSES`] passes
-    /// (host launches included: one call is 6 launches per rank on two streams, with no
-    /// host synchronisation between calls).
+    /// (host launches included: one call is 6 launches per rank on two streams, or the
+    /// fused decode's one, with no host synchronisation between calls).
     pub expert_parallel_us: f64,
     /// Whether that call (and the self-routed ones) ran the ranks' fused decode, one
     /// kernel per rank, rather than the table (the bulk-synchronous baseline and the stage

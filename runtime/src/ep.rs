@@ -31,7 +31,7 @@ use crate::ipc::{self, ExportableBuffer, PeerMappings};
 use crate::layer::{
     ArgValue, ExpertWeights, ForwardArgs, GateWeights, LayerError, RoutedForwardArgs,
     WeightTensorMaps, check_len, fused_decode_from, kernel_error, launch_with, load_kernel, ptr,
-    read_error_word,
+    read_error_word, read_words,
 };
 use crate::network::{self, NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
 use crate::process_group::ControlChannel;
@@ -579,10 +579,7 @@ impl EpLayer {
             workspace(&rank.workspace, BufferId::RoutedWeights)?,
             pairs,
         )?;
-        Ok((
-            ids.into_iter().map(i32::from_le_bytes).collect(),
-            weights.into_iter().map(f32::from_le_bytes).collect(),
-        ))
+        Ok((ids, weights))
     }
 
     /// Checks a caller-routed call's arguments and resolves them to device addresses.
@@ -813,10 +810,14 @@ impl EpLayer {
         let regime = &router.regimes[index];
         for launch in regime.launches_for(call.tokens) {
             let (function, bindings) = &rank.router_kernels[index][launch];
-            // Never started early here: its blocks would wait beside the previous call's
-            // spinning ones, outside the residency bound.
-            let (launch, early) = (&regime.launches[launch], false);
-            self.launch(rank, &rank.compute, launch, early, function, bindings, call)?;
+            self.launch(
+                rank,
+                &rank.compute,
+                &regime.launches[launch],
+                function,
+                bindings,
+                call,
+            )?;
         }
         Ok(())
     }
@@ -861,15 +862,7 @@ impl EpLayer {
                 name: format!("the fused decode of rank regime `{}`", plan_regime.name),
             })?;
         let (function, bindings) = &rank.regime_kernels[regime][plan_regime.launches.len()];
-        self.launch(
-            rank,
-            &rank.compute,
-            &fused.launch,
-            false,
-            function,
-            bindings,
-            call,
-        )
+        self.launch(rank, &rank.compute, &fused.launch, function, bindings, call)
     }
 
     /// Enqueues rank `r`'s launches of `regime` that `chosen` picks, each on its stream.
@@ -893,29 +886,20 @@ impl EpLayer {
                 StreamRole::Comm => &rank.comm,
                 StreamRole::Compute => &rank.compute,
             };
-            self.launch(
-                rank,
-                stream,
-                launch,
-                launch.early_start,
-                function,
-                bindings,
-                a,
-            )?;
+            self.launch(rank, stream, launch, function, bindings, a)?;
         }
         Ok(())
     }
 
-    /// Enqueues `launch` of `rank` on `stream` with `call`'s values, to start early where
-    /// `early` says so; a launch whose grid is empty (blocks per token at T = 0) is
-    /// skipped.
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues `launch` of `rank` on `stream` with `call`'s values; a launch whose grid
+    /// is empty (blocks per token at T = 0) is skipped. None starts early, the router's
+    /// included (whose single-GPU launches may): its blocks would wait beside the previous
+    /// call's spinning ones, outside the residency bound.
     fn launch(
         &self,
         rank: &Rank,
         stream: &CudaStream,
         launch: &Launch,
-        early: bool,
         function: &CudaFunction,
         bindings: &[Binding],
         call: &RankCall,
@@ -965,7 +949,7 @@ impl EpLayer {
         // the plan and sized every workspace buffer from it, the caller's buffers were
         // checked in `forward` or `forward_routed`, and a router told to lay out no
         // metadata never touches the null pointers of its metadata buffers.
-        unsafe { launch_with(stream, function, config, &values, early) }.context(format!(
+        unsafe { launch_with(stream, function, config, &values, false) }.context(format!(
             "launching `{}` on rank {}",
             launch.kernel, rank.index
         ))?;
@@ -1395,22 +1379,6 @@ fn write_peer_table(rank: &mut Rank, table: &[Vec<u64>]) -> Result<(), LayerErro
         .memcpy_htod(&bytes, slot)
         .context("uploading the peer table")?;
     Ok(())
-}
-
-/// The first `count` four-byte words of `buffer`, read on `stream`.
-fn read_words(
-    stream: &Arc<CudaStream>,
-    buffer: &CudaSlice<u8>,
-    count: usize,
-) -> Result<Vec<[u8; 4]>, LayerError> {
-    let bytes = stream
-        .clone_dtoh(buffer)
-        .context("reading back a workspace buffer")?;
-    Ok(bytes
-        .chunks_exact(4)
-        .take(count)
-        .map(|c| [c[0], c[1], c[2], c[3]])
-        .collect())
 }
 
 fn workspace(

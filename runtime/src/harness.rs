@@ -25,7 +25,8 @@ use crate::gpu::{DriverContext, Gpu, GpuError, LoadedKernels};
 use crate::ipc::GroupError;
 use crate::jit::{CompileOptions, CompiledKernels, CompiledModule, Jit, JitError};
 use crate::layer::{
-    ExpertBiases, ExpertWeights, ForwardArgs, LayerError, MoeLayer, RoutedForwardArgs,
+    ExpertBiases, ExpertWeights, ForwardArgs, FromLeWord, LayerError, MoeLayer, RoutedForwardArgs,
+    read_words,
 };
 use crate::process_group::ControlChannel;
 use crate::reference::router::{KernelRouting, RouterCheck};
@@ -808,7 +809,7 @@ impl Session {
                     y,
                     topk_ids,
                     topk_weights,
-                    router_logits: Some(download_values(
+                    router_logits: Some(read_words(
                         stream,
                         logits,
                         io.tokens as usize * shape.experts as usize,
@@ -954,7 +955,7 @@ impl Session {
 
     /// The first `elems` elements of workspace buffer `id` of `layer`, as `T` (the plan's
     /// element type of that buffer).
-    fn download_workspace<T: le_values::FromLe>(
+    fn download_workspace<T: FromLeWord>(
         &self,
         layer: &MoeLayer,
         id: BufferId,
@@ -963,7 +964,7 @@ impl Session {
         let buffer = layer
             .workspace_buffer(id)
             .ok_or(LayerError::MissingWorkspace { buffer: id.name() })?;
-        download_values(&self.gpu.stream, buffer, elems)
+        Ok(read_words(&self.gpu.stream, buffer, elems)?)
     }
 
     /// Compares the output `y` of a call on `workload` with the CPU reference (see
@@ -1009,22 +1010,6 @@ impl Session {
     }
 }
 
-/// The first `elems` four-byte values of `buffer`, read on `stream`.
-fn download_values<T: le_values::FromLe>(
-    stream: &Arc<CudaStream>,
-    buffer: &CudaSlice<u8>,
-    elems: usize,
-) -> Result<Vec<T>, HarnessError> {
-    let bytes = stream
-        .clone_dtoh(buffer)
-        .context("downloading a workspace buffer")?;
-    Ok(bytes
-        .chunks_exact(4)
-        .take(elems)
-        .map(|c| T::from_le([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
-
 /// `layer` with `built`'s router gate on each of its ranks' devices (`contexts`, one per
 /// rank it drives), where its plan routes itself and `built` has a gate; else as it is.
 fn with_router(
@@ -1057,22 +1042,6 @@ fn random_router_gate(plan: &Plan, seed: u64) -> Option<HostGate> {
 }
 
 /// Four-byte values read back from a workspace buffer.
-mod le_values {
-    pub trait FromLe {
-        fn from_le(bytes: [u8; 4]) -> Self;
-    }
-    impl FromLe for f32 {
-        fn from_le(bytes: [u8; 4]) -> Self {
-            f32::from_le_bytes(bytes)
-        }
-    }
-    impl FromLe for i32 {
-        fn from_le(bytes: [u8; 4]) -> Self {
-            i32::from_le_bytes(bytes)
-        }
-    }
-}
-
 /// `workload` on `stream`'s device, with its output poisoned with NaN from the host (the
 /// fill kernels live on the session's device only).
 pub fn upload_poisoned(

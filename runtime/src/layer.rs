@@ -1093,6 +1093,37 @@ pub(crate) fn read_error_word(
     Ok(values)
 }
 
+/// A value of four little-endian bytes, as the kernels store `i32` and `f32` buffers.
+pub(crate) trait FromLeWord {
+    fn from_le_word(bytes: [u8; 4]) -> Self;
+}
+impl FromLeWord for i32 {
+    fn from_le_word(bytes: [u8; 4]) -> Self {
+        i32::from_le_bytes(bytes)
+    }
+}
+impl FromLeWord for f32 {
+    fn from_le_word(bytes: [u8; 4]) -> Self {
+        f32::from_le_bytes(bytes)
+    }
+}
+
+/// The first `count` four-byte values of the workspace buffer `buffer`, read on `stream`
+/// (only those bytes cross to the host).
+pub(crate) fn read_words<T: FromLeWord>(
+    stream: &Arc<CudaStream>,
+    buffer: &CudaSlice<u8>,
+    count: usize,
+) -> Result<Vec<T>, GpuError> {
+    let bytes = stream
+        .clone_dtoh(&buffer.slice(..(count * 4).min(buffer.len())))
+        .context("reading back a workspace buffer")?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| T::from_le_word([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
 /// The typed error an error word holds (`Ok` for none), for a layer of `experts` experts.
 pub(crate) fn kernel_error(word: [i32; 4], experts: u32) -> Result<(), LayerError> {
     let [code, a, b, c] = word;
