@@ -653,13 +653,38 @@ fn a_ranks_fused_decode_is_planned_and_checked() {
         .expect("the example checks")
         .layers
         .remove(0);
+    // The cost model's best decode GEMM2 for Mixtral's ranks is on wgmma: the plan draws a
+    // first regime on mma.sync for the fused decode, and says so.
+    let drawn = plan::plan(&mixtral, &target).expect("plans");
+    assert_eq!(drawn.validate(), Ok(()));
+    let ep = drawn.expert_parallel.as_ref().unwrap();
+    let first = &ep.regimes[0];
+    assert_eq!((first.min_tokens, first.max_tokens), (0, 32));
+    assert_eq!(
+        first.fused_decode.as_ref().map(|f| f.max_tokens),
+        Some(32),
+        "Mixtral's ranks fuse calls of up to 32 tokens"
+    );
+    for gemm in [&first.gemm1, &first.gemm2] {
+        assert_eq!(gemm.engine, plan::MmaEngine::MmaSync);
+        assert_eq!(gemm.source, ChoiceSource::FusedDecode);
+    }
+    assert_eq!(ep.regimes[1].min_tokens, 33, "the next regime starts after it");
+    assert!(ep.regimes[1..].iter().all(|r| r.fused_decode.is_none()));
+
+    // A hinted GEMM2 tile on wgmma keeps the ranks from fusing: asked for, the plan says why.
+    mixtral.schedule.gemm2_tile = Some(TileShape {
+        m: 64,
+        n: 64,
+        k: 64,
+    });
     mixtral.schedule.fused_decode = Some(16);
     let asked = plan::plan(&mixtral, &target).expect("plans");
     assert_eq!(asked.validate(), Ok(()));
     let ep = asked.expert_parallel.as_ref().unwrap();
     assert!(
         ep.regimes[0].fused_decode.is_none(),
-        "Mixtral's rank decode GEMMs are not both mma.sync"
+        "the hinted GEMM2 is on wgmma"
     );
     assert!(
         asked.limitations.iter().any(|l| l

@@ -299,6 +299,7 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
                 ChoiceSource::CostModel => "",
                 ChoiceSource::Hint => " (hint)",
                 ChoiceSource::Tuned => " (tuned)",
+                ChoiceSource::FusedDecode => " (mma.sync for the fused decode)",
             },
             gemm.stages,
             gemm.warps_m,

@@ -29,6 +29,7 @@ use super::network::{self, NetworkPlan, Route};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, FusedDecode, GemmKind, GemmPlan, GemmProblem, Grid, Launch,
     LaunchArg, LayerShape, PlanError, RegimeChoice, RegimeParts, Target, choose_regimes, cost,
+    with_rank_fused_decode_regime,
     fused_decode, static_smem_reserved,
 };
 use crate::ir::{self, TrafficOrder};
@@ -519,6 +520,13 @@ pub fn plan_expert_parallel(
     );
     let gemm1_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Up, ranks);
     let gemm2_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Down, ranks);
+    // Across nodes NCCL carries part of the exchange, which the fused kernel does not.
+    let fused_tokens = match network {
+        Some(_) => 0,
+        None => hints
+            .fused_decode
+            .unwrap_or(fused_decode::DEFAULT_RANK_FUSED_DECODE_TOKENS),
+    };
     let regime = |choice: &RegimeChoice, name: String, tokens: [u32; 2], comm: (u32, String)| {
         let (regime_comm_blocks, comm_reason) = comm;
         let compute_sms = sms_per_rank
@@ -536,11 +544,7 @@ pub fn plan_expert_parallel(
         }
         let gemm1_kernel = format!("{symbol}_{name}_ep_gemm1");
         let gemm2_kernel = format!("{symbol}_{name}_ep_gemm2");
-        // Across nodes NCCL carries part of the exchange, which the fused kernel does not.
-        let fused_tokens = hints
-            .fused_decode
-            .unwrap_or(fused_decode::DEFAULT_RANK_FUSED_DECODE_TOKENS);
-        let fused = (fused_tokens > 0 && network.is_none())
+        let fused = (fused_tokens > 0)
             .then(|| {
                 fused_decode::plan_rank_fused_decode(
                     target,
@@ -584,8 +588,16 @@ pub fn plan_expert_parallel(
             fused_decode: fused,
         }
     };
+    let choices = with_rank_fused_decode_regime(
+        layer,
+        &rank_target,
+        &rank_shape,
+        ranks,
+        choose_regimes(layer, &rank_target, &rank_shape, ranks)?,
+        fused_tokens,
+    );
     let mut ep_regimes = Vec::new();
-    for choice in choose_regimes(layer, &rank_target, &rank_shape, ranks)? {
+    for choice in choices {
         let split = match (placement, hints.comm_blocks) {
             (Placement::Devices, None) => {
                 hiding_comm_blocks(layer, ranks, comm_blocks, &choice, |t| {

@@ -2362,6 +2362,97 @@ pub(crate) fn choose_regimes(
         .collect())
 }
 
+/// The rank regimes `choices` (from [`choose_regimes`]) with a first regime drawn for a
+/// rank's fused decode of calls of up to `tokens` tokens, where the cost model's first
+/// regime cannot run one (its GEMMs not both mma.sync with the same threads) and the spec
+/// hints neither GEMM: over `0..=tokens`, the pair of mma.sync GEMMs with equal threads
+/// that ranks best at `tokens`; the regimes above it start after it, and all are renamed
+/// in order. Otherwise `choices` unchanged. On two virtual ranks of one H200
+/// (Mixtral-8x7B, 1-32 tokens per rank, 2026-12-04) the cost model's decode GEMMs (GEMM2 on
+/// wgmma) took 523-1129 µs a call, mma.sync GEMMs as a table 423-928, and fused 370-803.
+pub(crate) fn with_rank_fused_decode_regime(
+    layer: &ir::Layer,
+    target: &Target,
+    shape: &LayerShape,
+    row_phases: u32,
+    choices: Vec<RegimeChoice>,
+    tokens: u32,
+) -> Vec<RegimeChoice> {
+    let hints = &layer.schedule;
+    let fuses_already = choices.first().is_none_or(|first| {
+        first.gemm1.engine == MmaEngine::MmaSync
+            && first.gemm2.engine == MmaEngine::MmaSync
+            && first.gemm1.threads() == first.gemm2.threads()
+    });
+    if tokens == 0 || fuses_already || hints.gemm1_tile.is_some() || hints.gemm2_tile.is_some() {
+        return choices;
+    }
+    let tokens = tokens.min(shape.max_tokens);
+    let on_mma_sync = |kind: GemmKind| {
+        let problem = GemmProblem::for_layer(shape, kind, row_phases);
+        let gemms: Vec<GemmPlan> = costed_candidates(target, &problem, tokens, hints.stages)
+            .filter_map(Result::ok)
+            .filter(|gemm| gemm.engine == MmaEngine::MmaSync)
+            .map(|gemm| with_deep_stages(target, &problem, gemm, tokens))
+            .collect();
+        gemms
+    };
+    let (ups, downs) = (on_mma_sync(GemmKind::Up), on_mma_sync(GemmKind::Down));
+    let best_pair = ups
+        .iter()
+        .flat_map(|up| {
+            downs
+                .iter()
+                .filter(move |down| down.threads() == up.threads())
+                .map(move |down| (up, down))
+        })
+        .min_by(|a, b| {
+            let seconds = |(up, down): (&GemmPlan, &GemmPlan)| {
+                ranking_seconds(up) + ranking_seconds(down)
+            };
+            seconds(*a).total_cmp(&seconds(*b))
+        });
+    let Some((gemm1, gemm2)) = best_pair else {
+        return choices;
+    };
+    let fused = RegimeChoice {
+        name: String::new(),
+        min_tokens: 0,
+        max_tokens: tokens,
+        gemm1: GemmPlan {
+            source: tuning::ChoiceSource::FusedDecode,
+            ..gemm1.clone()
+        },
+        gemm2: GemmPlan {
+            source: tuning::ChoiceSource::FusedDecode,
+            ..gemm2.clone()
+        },
+    };
+    let above = choices
+        .into_iter()
+        .filter(|choice| choice.max_tokens > tokens)
+        .map(|choice| RegimeChoice {
+            min_tokens: choice.min_tokens.max(tokens + 1),
+            ..choice
+        });
+    let regimes: Vec<RegimeChoice> = std::iter::once(fused).chain(above).collect();
+    // At most three regimes came in; with the one drawn here, four have names of their own.
+    let count = regimes.len();
+    regimes
+        .into_iter()
+        .enumerate()
+        .map(|(i, choice)| RegimeChoice {
+            name: match (i, count) {
+                (1, 4) => "small",
+                (2, 4) => "mid",
+                _ => regime_name(i, count),
+            }
+            .to_string(),
+            ..choice
+        })
+        .collect()
+}
+
 fn choose_gemm(
     layer: &ir::Layer,
     target: &Target,

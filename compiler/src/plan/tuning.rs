@@ -26,6 +26,9 @@ pub enum ChoiceSource {
     Hint,
     /// An entry of the tuning table: measured fastest on this GPU.
     Tuned,
+    /// The cost model's best pair on mma.sync, which a rank's fused decode needs where its
+    /// unrestricted best is not (`plan::with_rank_fused_decode_regime`).
+    FusedDecode,
 }
 
 /// Measured winners, newest last; [`TuningTable::lookup`] takes the last entry that matches.

@@ -629,7 +629,8 @@ impl Plan {
         Ok(())
     }
 
-    /// Regimes cover 0..=max_tokens in order; each GEMM's tile divides its problem, its
+    /// Regimes cover 0..=max_tokens in order under names of their own (they name the
+    /// kernels); each GEMM's tile divides its problem, its
     /// shared-memory layout (for `tile_groups` groups of rows in `row_phases` phases, and
     /// the tables of its block routing) adds up, its warps fit the tile, and its launch
     /// agrees with it; every launch is well formed.
@@ -641,7 +642,11 @@ impl Plan {
     ) -> Result<(), String> {
         let shape = &self.shape;
         let mut next_min = 0u64;
+        let mut names = std::collections::BTreeSet::new();
         for regime in regimes {
+            if !names.insert(regime.name) {
+                return Err(format!("two regimes are named `{}`", regime.name));
+            }
             if u64::from(regime.min_tokens) != next_min || regime.max_tokens < regime.min_tokens {
                 return Err(format!(
                     "regime `{}` covers {}..={}, expected to start at {next_min}",
