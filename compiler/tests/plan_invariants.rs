@@ -669,7 +669,10 @@ fn a_ranks_fused_decode_is_planned_and_checked() {
         assert_eq!(gemm.engine, plan::MmaEngine::MmaSync);
         assert_eq!(gemm.source, ChoiceSource::FusedDecode);
     }
-    assert_eq!(ep.regimes[1].min_tokens, 33, "the next regime starts after it");
+    assert_eq!(
+        ep.regimes[1].min_tokens, 33,
+        "the next regime starts after it"
+    );
     assert!(ep.regimes[1..].iter().all(|r| r.fused_decode.is_none()));
 
     // A hinted GEMM2 tile on wgmma keeps the ranks from fusing: asked for, the plan says why.

@@ -4041,14 +4041,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) m
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 5 stages, 2x2 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 8 stages, 2x2 warps, 116 persistent blocks (1 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_fused)
 struct decode_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 32, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 32, BN = 64, BK = 64, STAGES = 8 };
     enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -4064,12 +4064,12 @@ struct decode_ep_gemm1 : ExpertParallel {
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 102400, BARRIER_OFFSET = 102528 };
-    enum : int { DYNAMIC_SMEM_BYTES = 102656, STATIC_SMEM_BYTES = 128 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 163840, BARRIER_OFFSET = 163968 };
+    enum : int { DYNAMIC_SMEM_BYTES = 164096, STATIC_SMEM_BYTES = 128 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm1)
-extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -4086,14 +4086,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x128x128, 3 stages, 1x4 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x128x128, 6 stages, 1x4 warps, 116 persistent blocks (1 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_fused)
 struct decode_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 128, BK = 128, STAGES = 3 };
+    enum : int { BM = 16, BN = 128, BK = 128, STAGES = 6 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -4109,12 +4109,12 @@ struct decode_ep_gemm2 : ExpertParallel {
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
-    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 128 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 221184, BARRIER_OFFSET = 221248 };
+    enum : int { DYNAMIC_SMEM_BYTES = 221376, STATIC_SMEM_BYTES = 128 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run

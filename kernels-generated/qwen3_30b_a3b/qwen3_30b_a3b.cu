@@ -4095,14 +4095,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 232 persistent blocks (2 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 5 stages, 1x4 warps, 116 persistent blocks (1 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_gemm1) || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_fused)
 struct decode_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 5 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -4118,12 +4118,12 @@ struct decode_ep_gemm1 : ExpertParallel {
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
-    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 640 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 184320, BARRIER_OFFSET = 184384 };
+    enum : int { DYNAMIC_SMEM_BYTES = 184512, STATIC_SMEM_BYTES = 640 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_gemm1)
-extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 1) qwen3_30b_a3b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -4140,14 +4140,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen3_30b_a3b_decode_ep_gem
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 348 persistent blocks (3 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x128, 8 stages, 1x4 warps, 116 persistent blocks (1 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_gemm2) || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_fused)
 struct decode_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 8 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -4163,12 +4163,12 @@ struct decode_ep_gemm2 : ExpertParallel {
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
-    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 640 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 163840, BARRIER_OFFSET = 163904 };
+    enum : int { DYNAMIC_SMEM_BYTES = 164032, STATIC_SMEM_BYTES = 640 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_decode_ep_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 3) qwen3_30b_a3b_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 1) qwen3_30b_a3b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run

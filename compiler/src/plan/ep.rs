@@ -29,8 +29,7 @@ use super::network::{self, NetworkPlan, Route};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, FusedDecode, GemmKind, GemmPlan, GemmProblem, Grid, Launch,
     LaunchArg, LayerShape, PlanError, RegimeChoice, RegimeParts, Target, choose_regimes, cost,
-    with_rank_fused_decode_regime,
-    fused_decode, static_smem_reserved,
+    fused_decode, static_smem_reserved, with_deepest_ring, with_rank_fused_decode_regime,
 };
 use crate::ir::{self, TrafficOrder};
 
@@ -533,6 +532,35 @@ pub fn plan_expert_parallel(
             .saturating_sub(regime_comm_blocks + nccl_sms)
             .max(1);
         let (mut gemm1, mut gemm2) = (choice.gemm1.clone(), choice.gemm2.clone());
+        let plan_fused = |gemm1: &GemmPlan, gemm2: &GemmPlan| {
+            (fused_tokens > 0)
+                .then(|| {
+                    fused_decode::plan_rank_fused_decode(
+                        target,
+                        shape,
+                        &rank_fused_shape,
+                        (&name, tokens[0], tokens[1]),
+                        (gemm1, gemm2),
+                        &format!("{symbol}_{name}_ep_fused"),
+                        fused_tokens,
+                    )
+                    .ok()
+                })
+                .flatten()
+        };
+        let mut fused = plan_fused(&gemm1, &gemm2);
+        // A fused decode of one block per SM gives both GEMMs the deepest rings that fit
+        // beside its tables (unless the spec sets the stages).
+        if let Some(one) = fused.as_ref().filter(|f| f.blocks_per_sm == 1)
+            && hints.stages.is_none()
+        {
+            let reserved = one.launch.static_smem_bytes;
+            let deep1 = with_deepest_ring(&rank_target, &gemm1_problem, &gemm1, reserved);
+            let deep2 = with_deepest_ring(&rank_target, &gemm2_problem, &gemm2, reserved);
+            if let Some(deep) = plan_fused(&deep1, &deep2) {
+                (gemm1, gemm2, fused) = (deep1, deep2, Some(deep));
+            }
+        }
         for (gemm, problem) in [(&mut gemm1, &gemm1_problem), (&mut gemm2, &gemm2_problem)] {
             gemm.grid_blocks = compute_blocks(one_per_sm, compute_sms, gemm.blocks_per_sm);
             // Estimated at this regime's largest call, on its SMs.
@@ -544,20 +572,6 @@ pub fn plan_expert_parallel(
         }
         let gemm1_kernel = format!("{symbol}_{name}_ep_gemm1");
         let gemm2_kernel = format!("{symbol}_{name}_ep_gemm2");
-        let fused = (fused_tokens > 0)
-            .then(|| {
-                fused_decode::plan_rank_fused_decode(
-                    target,
-                    shape,
-                    &rank_fused_shape,
-                    (&name, tokens[0], tokens[1]),
-                    (&gemm1, &gemm2),
-                    &format!("{symbol}_{name}_ep_fused"),
-                    fused_tokens,
-                )
-                .ok()
-            })
-            .flatten();
         let launches = launch_table(
             &kernels,
             [&gemm1_kernel, &gemm2_kernel],
