@@ -1902,8 +1902,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
 //      flag there;
 //   3. work units claimed in increasing order from a ticket: first each token row a peer
 //      gets (copied into its recv_x, the copier of a chunk's last row releasing the chunk
-//      flag there), then every GEMM1 tile, then every GEMM2 tile (tiles expert by expert,
-//      ExpertMajor);
+//      flag there), then every GEMM1 tile, then every GEMM2 tile;
 //   4. before its first GEMM unit a block waits for every source's mailbox and lays out
 //      the GEMM rows in its shared memory, as ep_arrange would (per local expert, sources
 //      in receive order, rows in token order); the last block to do so gives every source
@@ -1923,23 +1922,6 @@ struct PairRowsOf : G {
     enum : bool { RANK_PARTIALS = false };
 };
 
-// A GEMM config of the rank regime whose tiles go expert by expert, each expert's sources
-// together: the m-tiles of one n-tile are next to each other, so a weight panel that
-// several m-tiles read comes from HBM once. (The table's GEMMs go source by source, so
-// that tiles on local rows run before peers' rows arrive; at a decode's few rows an
-// expert whose rows fill more than one m-tile would read its weights once per source.)
-template <class G>
-struct ExpertMajor : G {
-    enum : int { PHASES = 1 };
-};
-
-// The row offsets of ExpertMajor tiles: where each local expert's rows start (its sources'
-// runs together), from the per (expert, source) offsets.
-struct ExpertRowStarts {
-    const int* segment_offsets;
-    __device__ __forceinline__ int operator[](int expert) const { return segment_offsets[expert * RANKS]; }
-};
-
 // The ids a source handed this rank, and where its mailbox holds them.
 __device__ __forceinline__ const int* mailbox_ids(const int* recv_pair, int source) {
     return recv_pair + (size_t)source * SEGMENT_ROWS;
@@ -1951,7 +1933,7 @@ __device__ __forceinline__ const float* mailbox_weights(const float* recv_weight
 // `counters`: [EXPERTS_HERE] GEMM1 tiles stored per local expert, [EXPERTS_HERE] GEMM2
 // tiles that read them, then the next unit's ticket, the blocks done claiming and the
 // blocks done laying out (each back to zero after a call).
-template <class G1R, class G2P, int MAX_TOKENS_FUSED, int MAX_ROWS, int STATIC_SMEM>
+template <class G1, class G2P, int MAX_TOKENS_FUSED, int MAX_ROWS, int STATIC_SMEM>
 __device__ __forceinline__ void ep_fused_decode(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const bf16_t* __restrict__ w2,
     const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
@@ -1960,8 +1942,7 @@ __device__ __forceinline__ void ep_fused_decode(
     const u32* credits, bf16_t* __restrict__ intermediate, const bf16_t* combine_slots, u32* combine_counters,
     u32* __restrict__ counters, int* __restrict__ error_word, bf16_t* __restrict__ y)
 {
-    using G1 = ExpertMajor<G1R>;
-    using G2 = ExpertMajor<PairRowsOf<G2P>>;
+    using G2 = PairRowsOf<G2P>;
     assert_gemm_layout<G1>();
     assert_gemm_layout<G2>();
     static_assert(G1::KIND == GEMM_UP && G2::KIND == GEMM_DOWN && G1::EP && G2::EP, "plan: a rank's GEMM1 and GEMM2");
@@ -2201,9 +2182,8 @@ __device__ __forceinline__ void ep_fused_decode(
         s_weights[row] = 1.f;
         s_origins[row] = rank;
     }
-    const ExpertRowStarts expert_rows{s_offsets};
-    tile_schedule<G1::BM, N_TILES1, EXPERTS_HERE, 1>(expert_rows, s_tiles1);
-    tile_schedule<G2::BM, N_TILES2, EXPERTS_HERE, 1>(expert_rows, s_tiles2);
+    tile_schedule<G1::BM, N_TILES1, EXPERTS_HERE, RANKS>(s_offsets, s_tiles1);
+    tile_schedule<G2::BM, N_TILES2, EXPERTS_HERE, RANKS>(s_offsets, s_tiles2);
     // Every block has read the mailboxes once all have laid out: the last gives every
     // source its credit (this rank's own too, which the table's metadata kernel waits for).
     if (last_arrival(layouts_done, gridDim.x)) {
@@ -2212,7 +2192,7 @@ __device__ __forceinline__ void ep_fused_decode(
             flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
         }
     }
-    const int tiles1 = s_tiles1[EXPERTS_HERE], tiles2 = s_tiles2[EXPERTS_HERE];
+    const int tiles1 = s_tiles1[SEGMENTS], tiles2 = s_tiles2[SEGMENTS];
     const EpContext gemm1_ep = ep_gemm1_context(chunk_flags, x, error_word, rank, epoch);
     const EpContext gemm2_ep = ep_gemm2_context(s_weights, s_origins, peer_table, error_word, rank);
 
@@ -2222,7 +2202,7 @@ __device__ __forceinline__ void ep_fused_decode(
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         GemmTile t;
         if (unit < sends + tiles1) {
-            mma_sync_run<G1>(recv_x, w1, nullptr, nullptr, expert_rows, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
+            mma_sync_run<G1>(recv_x, w1, nullptr, nullptr, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
                              smem, s_tiles1, KRun{unit - sends, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr,
                              false, [](const GemmTile&) {}, &t);
             if (threadIdx.x == 0) {
@@ -2233,7 +2213,7 @@ __device__ __forceinline__ void ep_fused_decode(
             continue;
         }
         mma_sync_run<G2>(
-            intermediate, w2, nullptr, nullptr, expert_rows, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
+            intermediate, w2, nullptr, nullptr, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
             KRun{unit - sends - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true,
             [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {
