@@ -705,6 +705,38 @@ fn a_ranks_fused_decode_is_planned_and_checked() {
     );
 }
 
+/// A rank's fused decode of one block per SM: both GEMMs of its regime hold the deepest
+/// rings that fit a block beside its tables (one stage more would not fit, or they are at
+/// the deepest the planner allows), on every shipped example that has one; the regimes
+/// above keep the cost model's rings.
+#[test]
+fn a_ranks_fused_decode_gets_the_deepest_rings() {
+    let target = Target::h200();
+    let mut checked = 0;
+    for name in ["qwen3_30b_a3b", "deepseek_v3", "mixtral_8x7b"] {
+        let plan = example_plan(name);
+        let ep = plan.expert_parallel.expect("expert-parallel plan");
+        let first = &ep.regimes[0];
+        let fused = first.fused_decode.as_ref().expect("the ranks fuse");
+        assert_eq!(fused.blocks_per_sm, 1, "{name}");
+        let reserved = fused.launch.static_smem_bytes;
+        for gemm in [&first.gemm1, &first.gemm2] {
+            let deeper = gemm.smem_bytes + gemm.smem.stage_bytes;
+            assert!(
+                gemm.stages == plan::MAX_STAGES
+                    || deeper + reserved > target.smem_per_block
+                    || deeper + reserved + 1024 > target.smem_per_sm,
+                "{name}: {} stages of {} B leave room for another beside {reserved} B",
+                gemm.stages,
+                gemm.smem.stage_bytes
+            );
+            assert_eq!(gemm.blocks_per_sm, 1, "{name}");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
+}
+
 /// The H200 plan of the shipped example `name`, validated.
 fn example_plan(name: &str) -> plan::Plan {
     let path = format!("{}/../dsl-examples/{name}.moe", env!("CARGO_MANIFEST_DIR"));
