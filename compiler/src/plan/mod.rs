@@ -2367,9 +2367,12 @@ pub(crate) fn choose_regimes(
 /// block on an SM of `target`: for a kernel that runs one block per SM whatever its rings
 /// (a rank's fused decode), where a deeper ring streams the weights faster at no cost in
 /// blocks. `gemm` itself where no deeper ring fits. Measured on two virtual ranks of one
-/// H200 (fused decodes at 1-32 tokens per rank, 2026-12-04), each step deeper was faster:
-/// Qwen3-30B-A3B 3 → 4 → 5 stages of 128 −1 to −4%, DeepSeek-V3 3 → 5 −6%, Mixtral-8x7B
-/// 3 → 4 −5 to −11%.
+/// H200 (fused decodes at 1-32 tokens per rank, 2026-12-04,
+/// `benches/results/2026-12-04_ep_fused_decode_rings.md`): in a sweep by schedule hints
+/// each step deeper was faster (Qwen3-30B-A3B 3 → 4 → 5 stages of 128 −2 to −5%,
+/// DeepSeek-V3 3 → 5 −6%, Mixtral-8x7B 3 → 4 −2 to −11%); with the deepest rings the calls
+/// took 8-17% (Qwen3-30B-A3B) and 12% (DeepSeek-V3) less. On one GPU, whose kernels run two
+/// blocks per SM or more, deeper rings gained nothing (same file).
 pub(crate) fn with_deepest_ring(
     target: &Target,
     problem: &GemmProblem,
@@ -2398,7 +2401,8 @@ pub(crate) fn with_deepest_ring(
 /// that ranks best at `tokens`; the regimes above it start after it, and all are renamed
 /// in order. Otherwise `choices` unchanged. On two virtual ranks of one H200
 /// (Mixtral-8x7B, 1-32 tokens per rank, 2026-12-04) the cost model's decode GEMMs (GEMM2 on
-/// wgmma) took 523-1129 µs a call, mma.sync GEMMs as a table 423-928, and fused 370-803.
+/// wgmma) took 523-1129 µs a call as a table; this regime, fused and with the deepest rings
+/// ([`with_deepest_ring`]), 380-840 (`benches/results/2026-12-04_ep_fused_decode_rings.md`).
 pub(crate) fn with_rank_fused_decode_regime(
     layer: &ir::Layer,
     target: &Target,
@@ -2417,14 +2421,13 @@ pub(crate) fn with_rank_fused_decode_regime(
         return choices;
     }
     let tokens = tokens.min(shape.max_tokens);
-    let on_mma_sync = |kind: GemmKind| {
+    let on_mma_sync = |kind: GemmKind| -> Vec<GemmPlan> {
         let problem = GemmProblem::for_layer(shape, kind, row_phases);
-        let gemms: Vec<GemmPlan> = costed_candidates(target, &problem, tokens, hints.stages)
+        costed_candidates(target, &problem, tokens, hints.stages)
             .filter_map(Result::ok)
             .filter(|gemm| gemm.engine == MmaEngine::MmaSync)
             .map(|gemm| with_deep_stages(target, &problem, gemm, tokens))
-            .collect();
-        gemms
+            .collect()
     };
     let (ups, downs) = (on_mma_sync(GemmKind::Up), on_mma_sync(GemmKind::Down));
     let best_pair = ups
