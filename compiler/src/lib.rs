@@ -7,6 +7,7 @@
 //! - [`ir`]: the checked layer (the checker's output, every later stage's input).
 //! - [`plan`]: tiles, regimes, buffers and the launch table, chosen by a cost model.
 //! - [`simulate`]: a discrete-event model of a plan's expert-parallel schedule.
+//! - [`inputs`]: the seeded draws of a call's inputs, shared with the runtime.
 //! - [`codegen`]: the plan written out as one CUDA C++ unit.
 //!
 //! Entry points: [`compile_source`] (text to checked module), [`parse`] (text to syntax
@@ -16,6 +17,7 @@ pub mod check;
 pub mod codegen;
 pub mod diagnostics;
 pub mod front;
+pub mod inputs;
 pub mod ir;
 pub mod plan;
 pub mod simulate;

@@ -9,6 +9,7 @@
 
 use cudarc::driver::CudaGraph;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use moeforge_compiler::inputs;
 use moeforge_compiler::plan::{LayerShape, Target};
 use serde::Serialize;
 
@@ -806,7 +807,7 @@ pub fn bench_expert_parallel(
                     &shape,
                     tokens,
                     routing,
-                    seed ^ (u64::from(tokens) << 8) ^ u64::from(r),
+                    inputs::expert_parallel_rank_seed(seed, tokens, r),
                 )
             })
             .collect();
@@ -983,7 +984,7 @@ pub fn bench_group_rank(
             shape,
             tokens,
             settings.routing,
-            settings.seed ^ (u64::from(tokens) << 8) ^ u64::from(rank),
+            inputs::expert_parallel_rank_seed(settings.seed, tokens, rank),
         );
         let mut input = upload_poisoned(ep.stream(0), shape, &workload)?;
         for _ in 0..WARMUP_CALLS {

@@ -1,44 +1,15 @@
 //! Random inputs for `run`, `bench` and the GPU tests: activations, expert choices and
 //! routing weights for T tokens, drawn from a seeded generator (fresh seed per run unless
-//! one is given, so that checks see new data every time).
+//! one is given, so that checks see new data every time). The draws are the compiler's
+//! (`moeforge_compiler::inputs`), which the simulator replays to route a measured call as
+//! the bench did.
 
+use moeforge_compiler::inputs;
 use moeforge_compiler::plan::LayerShape;
 
 use crate::bf16;
 
-/// A small, fast, seedable generator (SplitMix64); the same seed gives the same stream on
-/// every machine.
-#[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> Self {
-        SplitMix64(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Uniform in [-1, 1).
-    pub fn signed(&mut self) -> f32 {
-        2.0 * self.unit() - 1.0
-    }
-
-    /// Uniform in 0..n.
-    pub fn below(&mut self, n: u32) -> u32 {
-        (((self.next_u64() >> 32) * u64::from(n)) >> 32) as u32
-    }
-}
+pub use moeforge_compiler::inputs::SplitMix64;
 
 /// `given`, or a seed from the clock (fresh every run; callers print it for replay).
 pub fn fresh_seed(given: Option<u64>) -> u64 {
@@ -107,35 +78,22 @@ impl Workload {
             shape.top_k,
             shape.experts
         );
-        let choosable = routing.choosable(shape.experts);
-        let mut rng = SplitMix64::new(seed);
-        let x = (0..u64::from(tokens) * u64::from(shape.hidden))
-            .map(|_| bf16::from_f32(rng.signed()))
-            .collect();
-        let k = shape.top_k as usize;
-        let mut topk_ids = Vec::with_capacity(tokens as usize * k);
-        let mut topk_weights = Vec::with_capacity(tokens as usize * k);
-        for _ in 0..tokens {
-            let start = topk_ids.len();
-            while topk_ids.len() - start < k {
-                let candidate = if routing == Routing::Skewed && topk_ids.len() == start {
-                    0
-                } else {
-                    choosable[rng.below(choosable.len() as u32) as usize]
-                };
-                if !topk_ids[start..].contains(&candidate) {
-                    topk_ids.push(candidate);
-                }
-            }
-            let raw: Vec<f32> = (0..k).map(|_| 0.05 + rng.unit()).collect();
-            let total: f32 = raw.iter().sum();
-            topk_weights.extend(raw.iter().map(|w| w / total));
-        }
+        let mut x = Vec::with_capacity(tokens as usize * shape.hidden as usize);
+        let first = (routing == Routing::Skewed).then_some(0);
+        let choices = inputs::draw_call(
+            shape.hidden,
+            tokens,
+            shape.top_k,
+            &routing.choosable(shape.experts),
+            first,
+            seed,
+            |value| x.push(bf16::from_f32(value)),
+        );
         Workload {
             tokens,
             x,
-            topk_ids,
-            topk_weights,
+            topk_ids: choices.topk_ids,
+            topk_weights: choices.topk_weights,
         }
     }
 }

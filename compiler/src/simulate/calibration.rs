@@ -35,6 +35,10 @@ pub struct MeasuredFile {
     #[serde(default)]
     pub shared_experts_left_out: Option<bool>,
     pub routing: String,
+    /// The bench's seed, from which it drew every rank's call (files before 2026-11-30 may
+    /// lack it: their cells get the simulator's own uniform draws).
+    #[serde(default)]
+    pub seed: Option<u64>,
     pub rows: Vec<MeasuredRow>,
 }
 
@@ -144,7 +148,12 @@ pub fn compare(
                 topology,
                 &Options {
                     tokens_per_rank: row.tokens_per_rank,
-                    routing: Routing::Uniform,
+                    routing: measured
+                        .seed
+                        .map_or(Routing::Uniform, |seed| Routing::Benched {
+                            seed,
+                            hidden: plan.shape.hidden,
+                        }),
                     timeline_ranks: 1,
                     fused_decode: row.fused_decode,
                 },

@@ -5,6 +5,7 @@
 //! the counts are kept: the simulator never looks at single tokens again.
 
 use super::SimError;
+use crate::inputs;
 
 /// How tokens pick their experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +22,11 @@ pub enum Routing {
     /// ranks in index order, a group is a block of ranks (at EP = 64 over 8 nodes,
     /// DeepSeek-V3's 8 groups are the 8 nodes), so a token reaches at most `kept` of them.
     GroupLimited { groups: u32, kept: u32 },
+    /// Uniform, as `moeforge bench --seed` drew it: every rank's call replayed from the
+    /// bench's seed (`inputs::draw_call`; the draws start with the activations, so the
+    /// layer's hidden size is part of the routing). At a few tokens per rank which experts a
+    /// rank hits decides the call, so `simulate --measured` predicts the bench's own.
+    Benched { seed: u64, hidden: u32 },
 }
 
 impl Routing {
@@ -31,6 +37,7 @@ impl Routing {
             Routing::GroupLimited { groups, kept } => {
                 format!("group-limited ({kept} of {groups} groups)")
             }
+            Routing::Benched { seed, .. } => format!("uniform, as the bench drew it (seed {seed})"),
         }
     }
 }
@@ -99,10 +106,31 @@ impl Traffic {
         let mut kept_groups: Vec<u32> = Vec::new();
         let mut last_rank = vec![u32::MAX; r];
         let mut last_node = vec![u32::MAX; nodes];
+        let all_experts: Vec<i32> = (0..experts as i32).collect();
         for source in 0..ranks {
+            let benched = match routing {
+                Routing::Benched { seed, hidden } => {
+                    inputs::draw_call(
+                        hidden,
+                        tokens_per_rank,
+                        top_k,
+                        &all_experts,
+                        None,
+                        inputs::expert_parallel_rank_seed(seed, tokens_per_rank, source),
+                        |_| {},
+                    )
+                    .topk_ids
+                }
+                _ => Vec::new(),
+            };
             for token in 0..tokens_per_rank {
                 chosen.clear();
                 match routing {
+                    Routing::Benched { .. } => {
+                        let k = top_k as usize;
+                        let first = token as usize * k;
+                        chosen.extend(benched[first..first + k].iter().map(|&e| e as u32));
+                    }
                     Routing::Skewed => chosen.extend(0..top_k),
                     Routing::Uniform => distinct(&mut state, experts, top_k, &mut chosen),
                     Routing::GroupLimited { groups, kept } => {
