@@ -5,7 +5,7 @@
 //! the counts are kept: the simulator never looks at single tokens again.
 
 use super::SimError;
-use crate::inputs;
+use crate::inputs::{self, SplitMix64};
 
 /// How tokens pick their experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,7 +101,7 @@ impl Traffic {
             tokens: vec![0; r * r],
             node_tokens: vec![0; r * nodes],
         };
-        let mut state = SEED;
+        let mut rng = SplitMix64::new(SEED);
         let mut chosen: Vec<u32> = Vec::with_capacity(top_k as usize);
         let mut kept_groups: Vec<u32> = Vec::new();
         let mut last_rank = vec![u32::MAX; r];
@@ -132,12 +132,12 @@ impl Traffic {
                         chosen.extend(benched[first..first + k].iter().map(|&e| e as u32));
                     }
                     Routing::Skewed => chosen.extend(0..top_k),
-                    Routing::Uniform => distinct(&mut state, experts, top_k, &mut chosen),
+                    Routing::Uniform => distinct(&mut rng, experts, top_k, &mut chosen),
                     Routing::GroupLimited { groups, kept } => {
                         // Kept groups, then top_k of their experts, numbered group by group.
                         let size = experts / groups;
-                        distinct(&mut state, groups, kept, &mut kept_groups);
-                        distinct(&mut state, kept * size, top_k, &mut chosen);
+                        distinct(&mut rng, groups, kept, &mut kept_groups);
+                        distinct(&mut rng, kept * size, top_k, &mut chosen);
                         for expert in chosen.iter_mut() {
                             *expert =
                                 kept_groups[(*expert / size) as usize] * size + *expert % size;
@@ -197,21 +197,12 @@ impl Traffic {
 
 /// `count` distinct values of `0..n` into `out` (cleared first), uniformly at random:
 /// Floyd's algorithm, `count` draws.
-fn distinct(state: &mut u64, n: u32, count: u32, out: &mut Vec<u32>) {
+fn distinct(rng: &mut SplitMix64, n: u32, count: u32, out: &mut Vec<u32>) {
     out.clear();
     for j in n - count..n {
-        let t = (splitmix(state) % u64::from(j + 1)) as u32;
+        let t = (rng.next_u64() % u64::from(j + 1)) as u32;
         out.push(if out.contains(&t) { j } else { t });
     }
-}
-
-/// SplitMix64: a small, good-enough generator for routing draws (no dependency needed).
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]
