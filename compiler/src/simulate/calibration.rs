@@ -11,8 +11,11 @@
 //! time comes within 15% on 13 of the 15 two-GPU cells at e323b9f and on all 12 virtual-rank
 //! cells of 2026-12-04 (benches/results/2026-12-04_simulator_virtual_ranks.md). A row the
 //! bench ran as the ranks' fused decode (its `fused_decode`) is predicted as that kernel
-//! (fitted to six cells: benches/results/2026-12-04_ep_fused_decode.md). Older files plan
-//! differently from the current planner.
+//! (fitted to six cells: benches/results/2026-12-04_ep_fused_decode.md). Each rank's call
+//! is routed as the bench drew it, from the file's seed (`Routing::Benched`): at a few
+//! tokens per rank which experts a rank hits decides the cell. Older files plan
+//! differently from the current planner; the decode cells of the plans since 48c8dac are in
+//! benches/results/2026-12-04_ep_fused_decode_rings.md (15 of 18 within 15%).
 
 use std::path::Path;
 

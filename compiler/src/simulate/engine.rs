@@ -218,6 +218,8 @@ fn record_tile(
 struct GemmEnds {
     start2: f64,
     end2: f64,
+    /// The bytes both GEMMs load from HBM.
+    hbm_bytes: f64,
     /// Per origin rank: when GEMM2's first tile holding its rows starts and its last one
     /// ends (`None`: none of its rows are here).
     results: Vec<Option<(f64, f64)>>,
@@ -230,6 +232,7 @@ impl GemmEnds {
         [start1, end1]: [f64; 2],
         start2: f64,
         end2: f64,
+        hbm_bytes: f64,
         results: Vec<Option<(f64, f64)>>,
     ) -> Self {
         if let Some(lane) = lane {
@@ -244,6 +247,7 @@ impl GemmEnds {
         GemmEnds {
             start2,
             end2,
+            hbm_bytes,
             results,
         }
     }
@@ -254,6 +258,25 @@ struct CommResult {
     /// Per (origin, destination): (end position, arrival time) of each delivered item.
     arrivals: Vec<Vec<(u32, f64)>>,
     last_arrival: f64,
+}
+
+/// For users of one resource who start together and load `bytes` each, sharing it evenly
+/// while they run: how many times an even part each one gets over its run (a user ends
+/// when `Σ_r min(b_r, b_d)` has been moved, so `n · b_d / Σ_r min(b_r, b_d)`; 1 for even
+/// loads and for a user with nothing to load).
+fn processor_shares(bytes: &[f64]) -> Vec<f64> {
+    let users = bytes.len() as f64;
+    bytes
+        .iter()
+        .map(|&mine| {
+            let before_mine: f64 = bytes.iter().map(|&other| other.min(mine)).sum();
+            if before_mine > 0.0 {
+                users * mine / before_mine
+            } else {
+                1.0
+            }
+        })
+        .collect()
 }
 
 /// What one rank has of `target`: all of it on a GPU of its own; for `ranks` virtual ranks
@@ -398,6 +421,33 @@ impl<'a> Machine<'a> {
     }
 
     /// The farthest link's latency: what a flag barrier of every rank costs.
+    /// Seconds HBM needs for `bytes` of a rank's GEMMs at `share` times the rank's part
+    /// of it ([`Machine::hbm_shares`]).
+    fn hbm_seconds(&self, bytes: f64, share: f64) -> f64 {
+        model::hbm_seconds(&self.target, bytes) / share
+    }
+
+    /// Per rank, how many times its even part of HBM the GEMMs of its fused decode stream
+    /// at: 1 on a GPU of its own. Virtual ranks share one HBM as equal users while all
+    /// stream, so a rank that loads more than another keeps going at a larger part once the
+    /// other is done: rank `d`, loading `b_d` (`gemm_bytes(d)`), ends when
+    /// `Σ_r min(b_r, b_d)` have been read, which is `R · b_d / Σ_r min(b_r, b_d)` times its
+    /// even part. With even loads every share is 1. A few tokens per rank hit few experts,
+    /// and unevenly (two virtual ranks of one H200, Mixtral-8x7B at one token per rank,
+    /// 2026-12-04: rank 0 read one expert's weights, rank 1 three). Checked on the fused
+    /// decode's cells (one kernel per rank, streaming weights from its start to its end:
+    /// Mixtral-8x7B at one token +41% → −4%, DeepSeek-V3 +16% → +4%); the table's cells at
+    /// one token came out 19-26% short with it (a rank's two GEMM kernels on half the SMs
+    /// take over less of the device than this assumes), so the table keeps even parts.
+    fn hbm_shares(&self, gemm_bytes: impl Fn(u32) -> f64) -> Vec<f64> {
+        let ranks = self.ep.ranks;
+        if !self.topology.virtual_ranks || ranks <= 1 {
+            return vec![1.0; ranks as usize];
+        }
+        let bytes: Vec<f64> = (0..ranks).map(gemm_bytes).collect();
+        processor_shares(&bytes)
+    }
+
     fn barrier_s(&self) -> f64 {
         let class = if self.traffic.nodes() > 1 {
             Class::Network
@@ -598,6 +648,7 @@ impl<'a> Machine<'a> {
     /// Rank `d`'s GEMMs from `start`, GEMM1 row tiles ready as `ready` says, GEMM2
     /// following as `gemm2` says; returns when they end and when each origin's results are
     /// stored, and adds the rows per origin to `rows`.
+    #[allow(clippy::too_many_arguments)]
     fn gemms(
         &self,
         d: u32,
@@ -606,6 +657,7 @@ impl<'a> Machine<'a> {
         rows: &mut [u64],
         gemm2: Gemm2Start,
         lane: Option<&mut RankTimeline>,
+        hbm_share: f64,
     ) -> GemmEnds {
         let order = &self.ep.receive_order[d as usize];
         let g1 = &self.regime.gemm1;
@@ -690,14 +742,21 @@ impl<'a> Machine<'a> {
         let phase_rows: Vec<Vec<u32>> = experts.into_iter().map(|(_, _, rows)| rows).collect();
         match gemm2 {
             Gemm2Start::AfterGemm1 => {
-                self.gemms_in_turn(start, &tiles1, hbm1, order, &phase_rows, lane)
+                self.gemms_in_turn(start, &tiles1, hbm1, order, &phase_rows, lane, hbm_share)
             }
             Gemm2Start::WithGemm1 => {
-                self.gemms_together(start, &tiles1, hbm1, order, &phase_rows, lane)
+                self.gemms_together(start, &tiles1, hbm1, order, &phase_rows, lane, hbm_share)
             }
-            Gemm2Start::Fused { blocks } => {
-                self.gemms_fused(start, &tiles1, hbm1, order, &phase_rows, blocks, lane)
-            }
+            Gemm2Start::Fused { blocks } => self.gemms_fused(
+                start,
+                &tiles1,
+                hbm1,
+                order,
+                &phase_rows,
+                blocks,
+                lane,
+                hbm_share,
+            ),
         }
     }
 
@@ -715,6 +774,7 @@ impl<'a> Machine<'a> {
         phase_rows: &[Vec<u32>],
         blocks: u32,
         mut lane: Option<&mut RankTimeline>,
+        hbm_share: f64,
     ) -> GemmEnds {
         // Blocks by when they are free, the earliest first (`Time` orders so).
         let mut free: BinaryHeap<(Time, usize)> = (0..blocks.max(1) as usize)
@@ -732,7 +792,7 @@ impl<'a> Machine<'a> {
             free.push((Time(end), b));
         }
         // Streaming GEMM1's weights sets its pace where the tiles would outrun HBM.
-        let end1 = end1.max(start + model::hbm_seconds(&self.target, hbm1));
+        let end1 = end1.max(start + self.hbm_seconds(hbm1, hbm_share));
         // Every row goes to its origin's slot, whatever the table's combine route.
         let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, CombineRoute::PairRows);
         let mut start2 = f64::INFINITY;
@@ -752,13 +812,14 @@ impl<'a> Machine<'a> {
         // Both GEMMs stream their weights through one HBM: together no faster than that.
         let end2 = tiles_end
             .max(end1)
-            .max(start + model::hbm_seconds(&self.target, hbm1 + hbm2));
+            .max(start + self.hbm_seconds(hbm1 + hbm2, hbm_share));
         stretch_results(&mut results, start2, tiles_end.max(start2), end2);
-        GemmEnds::recorded(lane, [start, end1], start2, end2, results)
+        GemmEnds::recorded(lane, [start, end1], start2, end2, hbm1 + hbm2, results)
     }
 
     /// GEMM1's tiles on its grid, each block taking tiles `b, b + grid, …` as the kernels
     /// do, then GEMM2 as a kernel of its own after it, its tiles the same way.
+    #[allow(clippy::too_many_arguments)]
     fn gemms_in_turn(
         &self,
         start: f64,
@@ -767,6 +828,7 @@ impl<'a> Machine<'a> {
         order: &[u32],
         phase_rows: &[Vec<u32>],
         mut lane: Option<&mut RankTimeline>,
+        hbm_share: f64,
     ) -> GemmEnds {
         let mut block1 = vec![start; self.regime.gemm1.grid_blocks.max(1) as usize];
         for (id, tile) in tiles1.iter().enumerate() {
@@ -778,7 +840,7 @@ impl<'a> Machine<'a> {
         let end1 = block1
             .iter()
             .copied()
-            .fold(start + model::hbm_seconds(&self.target, hbm1), f64::max);
+            .fold(start + self.hbm_seconds(hbm1, hbm_share), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
         let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.ep.combine_route);
         let mut blocks = vec![start2; self.regime.gemm2.grid_blocks.max(1) as usize];
@@ -797,9 +859,9 @@ impl<'a> Machine<'a> {
             );
         }
         let tiles_end = blocks.iter().copied().fold(start2, f64::max);
-        let end2 = tiles_end.max(start2 + model::hbm_seconds(&self.target, hbm2));
+        let end2 = tiles_end.max(start2 + self.hbm_seconds(hbm2, hbm_share));
         stretch_results(&mut results, start2, tiles_end, end2);
-        GemmEnds::recorded(lane, [start, end1], start2, end2, results)
+        GemmEnds::recorded(lane, [start, end1], start2, end2, hbm1 + hbm2, results)
     }
 
     /// Both GEMMs as one grid of GEMM1's blocks, each tile once its inputs are there
@@ -809,6 +871,7 @@ impl<'a> Machine<'a> {
     /// else waits for whichever is ready first. So GEMM2 fills the time GEMM1's blocks
     /// would wait for arriving chunks, and no block waits on a tile that holds a later
     /// place (a GEMM2 tile is taken only once its rows are stored).
+    #[allow(clippy::too_many_arguments)]
     fn gemms_together(
         &self,
         start: f64,
@@ -817,6 +880,7 @@ impl<'a> Machine<'a> {
         order: &[u32],
         phase_rows: &[Vec<u32>],
         mut lane: Option<&mut RankTimeline>,
+        hbm_share: f64,
     ) -> GemmEnds {
         let g1 = &self.regime.gemm1;
         let (bm1, n1) = (g1.tile.m, self.ffn / g1.tile.n);
@@ -883,7 +947,7 @@ impl<'a> Machine<'a> {
             blocks.push((Time(end), std::cmp::Reverse(b)));
             record_tile(&mut lane, b, now, end, label);
         }
-        let end2 = tiles_end.max(start + model::hbm_seconds(&self.target, hbm1 + hbm2));
+        let end2 = tiles_end.max(start + self.hbm_seconds(hbm1 + hbm2, hbm_share));
         stretch_results(&mut results, start, tiles_end, end2);
         let stretched = stretch(start, tiles_end, end2);
         let start2 = if start2.is_finite() {
@@ -891,7 +955,14 @@ impl<'a> Machine<'a> {
         } else {
             end2
         };
-        GemmEnds::recorded(lane, [start, stretched(end1)], start2, end2, results)
+        GemmEnds::recorded(
+            lane,
+            [start, stretched(end1)],
+            start2,
+            end2,
+            hbm1 + hbm2,
+            results,
+        )
     }
 
     /// GEMM2's tiles over experts with `phase_rows[e][p]` rows of phase `p` (source
@@ -1084,36 +1155,42 @@ impl<'a> Machine<'a> {
         }
         let bulk = schedule == Schedule::BulkSynchronous;
         let barrier1 = dispatch.last_arrival + self.barrier_s();
+        let rank_gemms =
+            |d: u32, rows: &mut [u64], lane: Option<&mut RankTimeline>, hbm_share: f64| {
+                // Bulk-synchronous, as the bench's baseline (a) runs it: arrange is launched
+                // after the barrier, then GEMM1.
+                let start = match fused {
+                    Some(_) => self.laid_out(d),
+                    None if bulk => barrier1 + launch + model::ARRANGE_S + launch,
+                    None => self.arranged(d) + launch,
+                };
+                let ready = |s: u32, pos: u32| {
+                    if bulk || pos == 0 || s == d {
+                        0.0
+                    } else {
+                        Self::ready(&dispatch.arrivals, ranks, s, d, pos)
+                    }
+                };
+                let gemm2 = match fused {
+                    Some(fused) => Gemm2Start::Fused {
+                        blocks: fused.launch.grid.blocks(self.traffic.tokens_per_rank),
+                    },
+                    None => self.gemm2_start(schedule),
+                };
+                self.gemms(d, start, &ready, rows, gemm2, lane, hbm_share)
+            };
+        let shares = match fused {
+            Some(_) => self.hbm_shares(|d| rank_gemms(d, &mut vec![0; r], None, 1.0).hbm_bytes),
+            None => vec![1.0; r],
+        };
         let mut ends = Vec::with_capacity(r);
         for d in 0..ranks {
-            // Bulk-synchronous, as the bench's baseline (a) runs it: arrange is launched
-            // after the barrier, then GEMM1.
-            let start = match fused {
-                Some(_) => self.laid_out(d),
-                None if bulk => barrier1 + launch + model::ARRANGE_S + launch,
-                None => self.arranged(d) + launch,
-            };
-            let ready = |s: u32, pos: u32| {
-                if bulk || pos == 0 || s == d {
-                    0.0
-                } else {
-                    Self::ready(&dispatch.arrivals, ranks, s, d, pos)
-                }
-            };
             let lane = timeline.get_mut(d as usize);
-            let gemm2 = match fused {
-                Some(fused) => Gemm2Start::Fused {
-                    blocks: fused.launch.grid.blocks(self.traffic.tokens_per_rank),
-                },
-                None => self.gemm2_start(schedule),
-            };
-            ends.push(self.gemms(
+            ends.push(rank_gemms(
                 d,
-                start,
-                &ready,
                 &mut accounting.pairs_dispatched,
-                gemm2,
                 lane,
+                shares[d as usize],
             ));
         }
         let last_gemm2 = ends.iter().map(|e| e.end2).fold(0.0, f64::max);
@@ -1178,6 +1255,7 @@ impl<'a> Machine<'a> {
                     &mut vec![0; r],
                     Gemm2Start::AfterGemm1,
                     None,
+                    1.0,
                 );
                 // Both GEMMs from 0 without the launch between them.
                 ends.end2 - launch
@@ -1369,8 +1447,17 @@ mod tests {
         let order = ep.receive_order[0].clone();
         let last = order[3];
         let ready = |s: u32, _: u32| if s == last { late } else { 0.0 };
-        let ends = machine.gemms(0, 0.0, &ready, &mut [0; 4], gemm2, None);
+        let ends = machine.gemms(0, 0.0, &ready, &mut [0; 4], gemm2, None, 1.0);
         (ends, order)
+    }
+
+    /// Users with even loads get even parts; one that loads three times another's gets
+    /// half the resource while both run and all of it after: 1.5 times its even part.
+    #[test]
+    fn uneven_loads_pass_the_early_users_part_on() {
+        assert_eq!(processor_shares(&[2.0, 2.0, 2.0]), vec![1.0; 3]);
+        assert_eq!(processor_shares(&[1.0, 3.0]), vec![1.0, 1.5]);
+        assert_eq!(processor_shares(&[0.0, 5.0]), vec![1.0, 2.0]);
     }
 
     /// GEMM2 takes its tiles phase by phase, as the kernels do: a rank's own rows (its
