@@ -44,7 +44,8 @@ pub struct Args {
     svg: Option<PathBuf>,
     /// A bench result (`benches/results/*_ep2_uniform*.json` or `*_ep2v_uniform*.json`) to
     /// print the predictions beside; the layer is planned as the bench ran it: over the
-    /// file's ranks (one GPU each, or virtual ranks on one GPU), without shared experts.
+    /// file's ranks (one GPU each, or virtual ranks on one GPU), without shared experts,
+    /// each rank's call routed as the bench drew it (from the file's seed).
     #[arg(long, value_name = "JSON")]
     measured: Option<PathBuf>,
     #[command(flatten)]
