@@ -1041,7 +1041,6 @@ fn random_router_gate(plan: &Plan, seed: u64) -> Option<HostGate> {
         .map(|router| random_gate(&plan.shape, router.rule.bias, seed))
 }
 
-/// Four-byte values read back from a workspace buffer.
 /// `workload` on `stream`'s device, with its output poisoned with NaN from the host (the
 /// fill kernels live on the session's device only).
 pub fn upload_poisoned(

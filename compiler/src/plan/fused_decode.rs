@@ -72,7 +72,7 @@ fn static_smem_bytes(shape: &LayerShape, max_rows: u32) -> u32 {
 
 /// Whether a fused decode can run a regime's GEMMs (`what`: the regime, for the reason):
 /// the first regime, both GEMMs on mma.sync with the same threads.
-fn first_regime_on_mma_sync(
+pub(crate) fn first_regime_on_mma_sync(
     what: &str,
     min_tokens: u32,
     g1: &GemmPlan,

@@ -2413,9 +2413,8 @@ pub(crate) fn with_rank_fused_decode_regime(
 ) -> Vec<RegimeChoice> {
     let hints = &layer.schedule;
     let fuses_already = choices.first().is_none_or(|first| {
-        first.gemm1.engine == MmaEngine::MmaSync
-            && first.gemm2.engine == MmaEngine::MmaSync
-            && first.gemm1.threads() == first.gemm2.threads()
+        fused_decode::first_regime_on_mma_sync("", first.min_tokens, &first.gemm1, &first.gemm2)
+            .is_ok()
     });
     if tokens == 0 || fuses_already || hints.gemm1_tile.is_some() || hints.gemm2_tile.is_some() {
         return choices;

@@ -420,7 +420,6 @@ impl<'a> Machine<'a> {
         own.max(out).max(inn)
     }
 
-    /// The farthest link's latency: what a flag barrier of every rank costs.
     /// Seconds HBM needs for `bytes` of a rank's GEMMs at `share` times the rank's part
     /// of it ([`Machine::hbm_shares`]).
     fn hbm_seconds(&self, bytes: f64, share: f64) -> f64 {
@@ -448,6 +447,7 @@ impl<'a> Machine<'a> {
         processor_shares(&bytes)
     }
 
+    /// The farthest link's latency: what a flag barrier of every rank costs.
     fn barrier_s(&self) -> f64 {
         let class = if self.traffic.nodes() > 1 {
             Class::Network
