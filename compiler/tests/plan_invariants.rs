@@ -564,28 +564,47 @@ fn the_metadata_grid_is_its_tiles_within_the_communication_blocks() {
     assert!(error.to_string().contains("metadata"), "{error}");
 }
 
-/// A rank's fused decode: planned for the first rank regime where both GEMMs are mma.sync,
+/// A rank's fused decode: planned for the first rank regimes where both GEMMs are mma.sync,
 /// on every SM of a rank's own GPU and on a rank's share with virtual ranks (every rank's
-/// grid resident at once), with its counters in the workspace; `fused_decode = 0` and ranks
-/// on several nodes plan none; validation refuses an edited grid or token bound.
+/// grid resident at once), with its counters in the workspace; the fused regimes cover the
+/// calls up to the default bound between them, 16-row tiles below 32-row ones (Qwen3-30B-A3B
+/// on 8 ranks: a mean of 16 rows per expert at 32 tokens); `fused_decode = 0` and ranks on
+/// several nodes plan none; validation refuses an edited grid or token bound.
 #[test]
 fn a_ranks_fused_decode_is_planned_and_checked() {
     let target = Target::h200();
     let plan = example_plan("qwen3_30b_a3b");
     let ep = plan.expert_parallel.as_ref().expect("expert-parallel plan");
-    let fused = ep.regimes[0]
-        .fused_decode
-        .as_ref()
-        .expect("the decode rank regime fuses");
+    let fusing = ep
+        .regimes
+        .iter()
+        .take_while(|r| r.fused_decode.is_some())
+        .count();
+    assert_eq!(fusing, 2, "16-row tiles, then 32-row ones");
+    let rows: Vec<u32> = ep.regimes[..fusing]
+        .iter()
+        .map(|r| r.gemm1.tile.m)
+        .collect();
+    assert_eq!(rows, [16, 32]);
+    assert_eq!(ep.regimes[1].min_tokens, ep.regimes[0].max_tokens + 1);
+    let fused = ep.regimes[fusing - 1].fused_decode.as_ref().unwrap();
     assert_eq!(
         fused.max_tokens,
         plan::fused_decode::DEFAULT_RANK_FUSED_DECODE_TOKENS
     );
-    assert_eq!(
-        fused.launch.grid,
-        Grid::Fixed(target.sm_count * fused.blocks_per_sm)
+    for regime in &ep.regimes[..fusing] {
+        let fused = regime.fused_decode.as_ref().unwrap();
+        assert_eq!(fused.max_tokens, regime.max_tokens.min(fused.max_tokens));
+        assert_eq!(
+            fused.launch.grid,
+            Grid::Fixed(target.sm_count * fused.blocks_per_sm)
+        );
+    }
+    assert!(
+        ep.regimes[fusing..]
+            .iter()
+            .all(|r| r.fused_decode.is_none())
     );
-    assert!(ep.regimes[1..].iter().all(|r| r.fused_decode.is_none()));
     assert!(
         ep.workspace
             .iter()
@@ -653,27 +672,35 @@ fn a_ranks_fused_decode_is_planned_and_checked() {
         .expect("the example checks")
         .layers
         .remove(0);
-    // The cost model's best decode GEMM2 for Mixtral's ranks is on wgmma: the plan draws a
-    // first regime on mma.sync for the fused decode, and says so.
+    // The cost model's best decode GEMM2 for Mixtral's ranks is on wgmma: the plan draws
+    // regimes on mma.sync for the fused decode, and says so. One expert per rank gets a mean
+    // of 2 rows per token of a call: 16-row tiles up to 6 tokens (a mean of 12 rows), 32-row
+    // ones up to 14 (28); larger calls run the cost model's regimes.
     let drawn = plan::plan(&mixtral, &target).expect("plans");
     assert_eq!(drawn.validate(), Ok(()));
     let ep = drawn.expert_parallel.as_ref().unwrap();
-    let first = &ep.regimes[0];
-    assert_eq!((first.min_tokens, first.max_tokens), (0, 32));
-    assert_eq!(
-        first.fused_decode.as_ref().map(|f| f.max_tokens),
-        Some(32),
-        "Mixtral's ranks fuse calls of up to 32 tokens"
-    );
-    for gemm in [&first.gemm1, &first.gemm2] {
-        assert_eq!(gemm.engine, plan::MmaEngine::MmaSync);
-        assert_eq!(gemm.source, ChoiceSource::FusedDecode);
+    let spans: Vec<(u32, u32, u32)> = ep.regimes[..2]
+        .iter()
+        .map(|r| (r.min_tokens, r.max_tokens, r.gemm1.tile.m))
+        .collect();
+    assert_eq!(spans, [(0, 6, 16), (7, 14, 32)]);
+    for regime in &ep.regimes[..2] {
+        assert_eq!(
+            regime.fused_decode.as_ref().map(|f| f.max_tokens),
+            Some(regime.max_tokens),
+            "Mixtral's ranks fuse every call of {}",
+            regime.name
+        );
+        for gemm in [&regime.gemm1, &regime.gemm2] {
+            assert_eq!(gemm.engine, plan::MmaEngine::MmaSync);
+            assert_eq!(gemm.source, ChoiceSource::FusedDecode);
+        }
     }
     assert_eq!(
-        ep.regimes[1].min_tokens, 33,
-        "the next regime starts after it"
+        ep.regimes[2].min_tokens, 15,
+        "the next regime starts after them"
     );
-    assert!(ep.regimes[1..].iter().all(|r| r.fused_decode.is_none()));
+    assert!(ep.regimes[2..].iter().all(|r| r.fused_decode.is_none()));
 
     // A hinted GEMM2 tile on wgmma keeps the ranks from fusing: asked for, the plan says why.
     mixtral.schedule.gemm2_tile = Some(TileShape {
@@ -707,8 +734,7 @@ fn a_ranks_fused_decode_is_planned_and_checked() {
 
 /// A rank's fused decode of one block per SM: both GEMMs of its regime hold the deepest
 /// rings that fit a block beside its tables (one stage more would not fit, or they are at
-/// the deepest the planner allows), on every shipped example that has one; the regimes
-/// above keep the cost model's rings.
+/// the deepest the planner allows), on every shipped example that has one.
 #[test]
 fn a_ranks_fused_decode_gets_the_deepest_rings() {
     let target = Target::h200();
@@ -716,9 +742,18 @@ fn a_ranks_fused_decode_gets_the_deepest_rings() {
     for name in ["qwen3_30b_a3b", "deepseek_v3", "mixtral_8x7b"] {
         let plan = example_plan(name);
         let ep = plan.expert_parallel.expect("expert-parallel plan");
-        let first = &ep.regimes[0];
-        let fused = first.fused_decode.as_ref().expect("the ranks fuse");
-        assert_eq!(fused.blocks_per_sm, 1, "{name}");
+        assert!(
+            ep.regimes[0].fused_decode.is_some(),
+            "{name}: the ranks fuse"
+        );
+        let Some((first, fused)) = ep.regimes.iter().find_map(|r| {
+            r.fused_decode
+                .as_ref()
+                .filter(|fused| fused.blocks_per_sm == 1)
+                .map(|fused| (r, fused))
+        }) else {
+            panic!("{name}: no fused decode of one block per SM");
+        };
         let reserved = fused.launch.static_smem_bytes;
         for gemm in [&first.gemm1, &first.gemm2] {
             let deeper = gemm.smem_bytes + gemm.smem.stage_bytes;

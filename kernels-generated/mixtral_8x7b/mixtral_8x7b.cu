@@ -1431,7 +1431,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // specialisation per width the plan uses, guarded by the entry points that use it.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_ep_gemm2)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_ep_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_large_ep_gemm2)
 template <>
 __device__ __forceinline__ void wgmma_m64k16<64>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -1440,7 +1440,7 @@ __device__ __forceinline__ void wgmma_m64k16<64>(float* d, u64 desc_a, u64 desc_
         : "l"(desc_a), "l"(desc_b));
 }
 #endif
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_ep_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_ep_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_ep_gemm2)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_large_ep_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_ep_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_prefill_ep_gemm2)
 template <>
 __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -4039,17 +4039,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) m
 }
 #endif
 // ---------------------------------------------------------------------------------------
-// Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
+// Rank regime `decode`, expert-parallel (tokens per rank): 0..=6 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x64, 8 stages, 2x2 warps, 116 persistent blocks (1 per SM)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 232 persistent blocks (2 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_fused)
 struct decode_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 32, BN = 64, BK = 64, STAGES = 8 };
-    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
+    enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
@@ -4063,13 +4063,13 @@ struct decode_ep_gemm1 : ExpertParallel {
     enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 4096, STAGE_BYTES = 20480 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 163840, BARRIER_OFFSET = 163968 };
-    enum : int { DYNAMIC_SMEM_BYTES = 164096, STATIC_SMEM_BYTES = 128 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
+    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 128 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm1)
-extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -4086,14 +4086,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_gemm
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x128x128, 6 stages, 1x4 warps, 116 persistent blocks (1 per SM)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 348 persistent blocks (3 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_fused)
 struct decode_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 128, BK = 128, STAGES = 6 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -4106,15 +4106,15 @@ struct decode_ep_gemm2 : ExpertParallel {
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
-    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 221184, BARRIER_OFFSET = 221248 };
-    enum : int { DYNAMIC_SMEM_BYTES = 221376, STATIC_SMEM_BYTES = 128 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
+    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 128 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 3) mixtral_8x7b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
@@ -4130,10 +4130,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_gemm
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 #endif
-// Fused decode: calls of up to 32 tokens per rank run as this one kernel, with the two GEMMs
-// above; 1 blocks per SM.
+// Fused decode: calls of up to 6 tokens per rank run as this one kernel, with the two GEMMs
+// above; 2 blocks per SM.
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_ep_fused)
-extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_fused(
+extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_fused(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
@@ -4159,43 +4159,47 @@ extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_decode_ep_fuse
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
-    ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 32, 256, 7808>(
+    ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 6, 48, 1664>(
         x, w1, w2, topk_ids, topk_weights, tokens, rank, epoch, peer_table, recv_x, recv_counts, recv_pair, recv_weight,
         meta_flags, chunk_flags, chunk_pieces, credits, intermediate, combine_slots, combine_counters,
         rank_fused_counters, error_word, y);
 }
 #endif
 // ---------------------------------------------------------------------------------------
-// Rank regime `mid`, expert-parallel (tokens per rank): 33..=128 tokens per call
+// Rank regime `small`, expert-parallel (tokens per rank): 7..=14 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_ep_gemm1)
-struct mid_ep_gemm1 : ExpertParallel {
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x128, 5 stages, 2x2 warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_small_ep_gemm1) || defined(MOEFORGE_KERNEL_mixtral_8x7b_small_ep_fused)
+struct small_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 64, BN = 128, BK = 64, STAGES = 5 };
-    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
-    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
-    // setmaxnreg gives each role this many registers per thread (0: no split).
-    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
-    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
-    enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
-    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
+    enum : int { BM = 32, BN = 64, BK = 128, STAGES = 5 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
+    // split tile sums the parts in block order and stores it.
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
-    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 128 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 8192, STAGE_BYTES = 40960 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 204928 };
+    enum : int { DYNAMIC_SMEM_BYTES = 205056, STATIC_SMEM_BYTES = 128 };
 };
 #endif
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_ep_gemm1)
-extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm1(
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_small_ep_gemm1)
+extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_small_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_rows,  // [rows]
     const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
@@ -4205,7 +4209,134 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm<small_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
+}
+#endif
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x128x128, 5 stages, 2x2 warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_small_ep_gemm2) || defined(MOEFORGE_KERNEL_mixtral_8x7b_small_ep_fused)
+struct small_ep_gemm2 : ExpertParallel {
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 32, BN = 128, BK = 128, STAGES = 5 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
+    // split tile sums the parts in block order and stores it.
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    enum : int { ROW_BYTES = 256, A_BYTES = 8192, STAGE_BYTES = 40960 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 204928 };
+    enum : int { DYNAMIC_SMEM_BYTES = 205056, STATIC_SMEM_BYTES = 128 };
+};
+#endif
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_small_ep_gemm2)
+extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_small_ep_gemm2(
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
+    const int* __restrict__ segment_pairs,  // [rows]
+    const float* __restrict__ segment_weights,  // [rows]
+    const int* __restrict__ row_origins,  // [rows]: rank each row came from
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int rank,  // this rank
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    grouped_gemm<small_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+}
+#endif
+// Fused decode: calls of up to 14 tokens per rank run as this one kernel, with the two GEMMs
+// above; 1 blocks per SM.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_small_ep_fused)
+extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_small_ep_fused(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    const float* __restrict__ topk_weights,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
+    const int* recv_pair,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const float* recv_weight,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const u32* meta_flags,  // [RANKS], written by peers
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    u32* __restrict__ chunk_pieces,  // [RANKS, CHUNKS]: pieces of each chunk copied
+    const u32* credits,  // [RANKS], written by peers: epoch each has consumed
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    u32* __restrict__ combine_counters,  // [MAX_TOKENS], written by peers
+    u32* __restrict__ rank_fused_counters,  // [2 * (LOCAL_EXPERTS + SHARED_SLICES) + 3]: a rank's fused decode counters, zero between calls
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ y  // [tokens, HIDDEN]
+)
+{
+    ep_fused_decode<small_ep_gemm1, small_ep_gemm2, 14, 112, 3584>(
+        x, w1, w2, topk_ids, topk_weights, tokens, rank, epoch, peer_table, recv_x, recv_counts, recv_pair, recv_weight,
+        meta_flags, chunk_flags, chunk_pieces, credits, intermediate, combine_slots, combine_counters,
+        rank_fused_counters, error_word, y);
+}
+#endif
+// ---------------------------------------------------------------------------------------
+// Rank regime `mid`, expert-parallel (tokens per rank): 15..=16 tokens per call
+// ---------------------------------------------------------------------------------------
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 232 persistent blocks (2 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_ep_gemm1)
+struct mid_ep_gemm1 : ExpertParallel {
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
+    enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
+    // split tile sums the parts in block order and stores it.
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
+    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 128 };
+};
+#endif
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_mid_ep_gemm1)
+extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_mid_ep_gemm1(
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
+    const int* __restrict__ segment_rows,  // [rows]
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+)
+{
+    grouped_gemm<mid_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
@@ -4246,6 +4377,90 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm2(
 )
 {
     grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+}
+#endif
+// ---------------------------------------------------------------------------------------
+// Rank regime `large`, expert-parallel (tokens per rank): 17..=128 tokens per call
+// ---------------------------------------------------------------------------------------
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 64x128x64, 5 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_large_ep_gemm1)
+struct large_ep_gemm1 : ExpertParallel {
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 64, BN = 128, BK = 64, STAGES = 5 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 128 };
+};
+#endif
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_large_ep_gemm1)
+extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_large_ep_gemm1(
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
+    const int* __restrict__ segment_rows,  // [rows]
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+)
+{
+    grouped_gemm_warp_specialized<large_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
+}
+#endif
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x64x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_large_ep_gemm2)
+struct large_ep_gemm2 : ExpertParallel {
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 64, BN = 64, BK = 64, STAGES = 8 };
+    enum : int { WARPS_M = 4, WARPS_N = 1, THREADS = 256 };
+    // Warp roles: a producer warpgroup loads stages, WARPS_M / 4 consumer warpgroups multiply;
+    // setmaxnreg gives each role this many registers per thread (0: no split).
+    enum : int { PRODUCER_THREADS = 128, PRODUCER_REGISTERS = 0, CONSUMER_REGISTERS = 0 };
+    // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
+    enum : int { CLUSTER = 1, B_BOX_ROWS = 64 };
+    enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384 };
+    enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 131072, BARRIER_OFFSET = 131328 };
+    enum : int { DYNAMIC_SMEM_BYTES = 132480, STATIC_SMEM_BYTES = 128 };
+};
+#endif
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_large_ep_gemm2)
+extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_large_ep_gemm2(
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const __grid_constant__ TensorMap w2_tiles,  // TMA map of w2: [experts here x HIDDEN, FFN], a tile's rows x 64 per box
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
+    const int* __restrict__ segment_pairs,  // [rows]
+    const float* __restrict__ segment_weights,  // [rows]
+    const int* __restrict__ row_origins,  // [rows]: rank each row came from
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int rank,  // this rank
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    grouped_gemm_warp_specialized<large_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 #endif

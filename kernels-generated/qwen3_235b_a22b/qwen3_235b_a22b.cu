@@ -4134,7 +4134,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 }
 #endif
 // ---------------------------------------------------------------------------------------
-// Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
+// Rank regime `decode`, expert-parallel (tokens per rank): 0..=26 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 5 stages, 1x4 warps, 116 persistent blocks (1 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_gemm1) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_fused)
@@ -4225,7 +4225,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) qwen3_235b_a22b_decode_ep_g
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 #endif
-// Fused decode: calls of up to 32 tokens per rank run as this one kernel, with the two GEMMs
+// Fused decode: calls of up to 26 tokens per rank run as this one kernel, with the two GEMMs
 // above; 1 blocks per SM.
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_decode_ep_fused)
 extern "C" __global__ void __launch_bounds__(128, 1) qwen3_235b_a22b_decode_ep_fused(
@@ -4254,7 +4254,134 @@ extern "C" __global__ void __launch_bounds__(128, 1) qwen3_235b_a22b_decode_ep_f
     bf16_t* __restrict__ y  // [tokens, HIDDEN]
 )
 {
-    ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 32, 2048, 44544>(
+    ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 26, 1664, 36608>(
+        x, w1, w2, topk_ids, topk_weights, tokens, rank, epoch, peer_table, recv_x, recv_counts, recv_pair, recv_weight,
+        meta_flags, chunk_flags, chunk_pieces, credits, intermediate, combine_slots, combine_counters,
+        rank_fused_counters, error_word, y);
+}
+#endif
+// ---------------------------------------------------------------------------------------
+// Rank regime `small`, expert-parallel (tokens per rank): 27..=32 tokens per call
+// ---------------------------------------------------------------------------------------
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 32x64x128, 4 stages, 2x2 warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_small_ep_gemm1) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_small_ep_fused)
+struct small_ep_gemm1 : ExpertParallel {
+    enum : int { KIND = GEMM_UP };
+    enum : bool { GATED = true };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
+    enum : int { BM = 32, BN = 64, BK = 128, STAGES = 4 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
+    // split tile sums the parts in block order and stores it.
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
+    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    enum : int { ROW_BYTES = 256, A_BYTES = 8192, STAGE_BYTES = 40960 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 163840, BARRIER_OFFSET = 163968 };
+    enum : int { DYNAMIC_SMEM_BYTES = 164096, STATIC_SMEM_BYTES = 640 };
+};
+#endif
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_small_ep_gemm1)
+extern "C" __global__ void __launch_bounds__(128, 1) qwen3_235b_a22b_small_ep_gemm1(
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
+    const int* __restrict__ segment_rows,  // [rows]
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+)
+{
+    grouped_gemm<small_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
+}
+#endif
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x128, 7 stages, 2x2 warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_small_ep_gemm2) || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_small_ep_fused)
+struct small_ep_gemm2 : ExpertParallel {
+    enum : int { KIND = GEMM_DOWN };
+    enum : bool { GATED = false };
+    enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
+    enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
+    enum : int { BM = 32, BN = 64, BK = 128, STAGES = 7 };
+    enum : int { WARPS_M = 2, WARPS_N = 2, THREADS = 128 };
+    enum : int { PRODUCER_THREADS = 0 };
+    // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
+    // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
+    // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
+    // split tile sums the parts in block order and stores it.
+    enum : int { STREAM_K_MAX_LAST_WAVE = 0, STREAM_K_MAX_TILES = 0 };
+    // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
+    enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    // A call of at most this many (token, k) pairs has no route launch: each block routes
+    // it in its shared memory (see CallRouting; 0: never).
+    enum : int { BLOCK_ROUTING_MAX_PAIRS = 0 };
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
+    // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
+    enum : int { ROW_BYTES = 256, A_BYTES = 8192, STAGE_BYTES = 24576 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 172032, BARRIER_OFFSET = 172160 };
+    enum : int { DYNAMIC_SMEM_BYTES = 172288, STATIC_SMEM_BYTES = 640 };
+};
+#endif
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_small_ep_gemm2)
+extern "C" __global__ void __launch_bounds__(128, 1) qwen3_235b_a22b_small_ep_gemm2(
+    const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
+    const int* __restrict__ segment_pairs,  // [rows]
+    const float* __restrict__ segment_weights,  // [rows]
+    const int* __restrict__ row_origins,  // [rows]: rank each row came from
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int rank,  // this rank
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    grouped_gemm<small_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+}
+#endif
+// Fused decode: calls of up to 32 tokens per rank run as this one kernel, with the two GEMMs
+// above; 1 blocks per SM.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_235b_a22b_small_ep_fused)
+extern "C" __global__ void __launch_bounds__(128, 1) qwen3_235b_a22b_small_ep_fused(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    const float* __restrict__ topk_weights,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
+    const int* recv_pair,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const float* recv_weight,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const u32* meta_flags,  // [RANKS], written by peers
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    u32* __restrict__ chunk_pieces,  // [RANKS, CHUNKS]: pieces of each chunk copied
+    const u32* credits,  // [RANKS], written by peers: epoch each has consumed
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    u32* __restrict__ combine_counters,  // [MAX_TOKENS], written by peers
+    u32* __restrict__ rank_fused_counters,  // [2 * (LOCAL_EXPERTS + SHARED_SLICES) + 3]: a rank's fused decode counters, zero between calls
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ y  // [tokens, HIDDEN]
+)
+{
+    ep_fused_decode<small_ep_gemm1, small_ep_gemm2, 32, 2048, 44544>(
         x, w1, w2, topk_ids, topk_weights, tokens, rank, epoch, peer_table, recv_x, recv_counts, recv_pair, recv_weight,
         meta_flags, chunk_flags, chunk_pieces, credits, intermediate, combine_slots, combine_counters,
         rank_fused_counters, error_word, y);

@@ -50,6 +50,22 @@ pub fn expected_hit_experts(experts: u32, pairs: u64) -> f64 {
     e * (1.0 - (1.0 - 1.0 / e).powf(pairs as f64))
 }
 
+/// The chance that an expert gets more than `rows` rows when its rows are Poisson around
+/// `mean_rows` (uniform routing of many tokens over many experts); 1 where `mean_rows` is
+/// too large for the sum (beyond about 700).
+pub fn rows_beyond(mean_rows: f64, rows: u32) -> f64 {
+    let mut term = (-mean_rows).exp();
+    if term == 0.0 {
+        return 1.0;
+    }
+    let mut at_most = term;
+    for r in 1..=rows {
+        term *= mean_rows / f64::from(r);
+        at_most += term;
+    }
+    (1.0 - at_most).max(0.0)
+}
+
 /// The share of the wgmma rate a block with one consumer warpgroup (a 64-row tile)
 /// reaches against two: alone, it leaves the tensor cores idle while it waits on a stage
 /// or stores a tile. A lead: on the H200 (2026-11-30) 64-row tiles beat the cost model's

@@ -602,55 +602,69 @@ pub fn plan_expert_parallel(
             fused_decode: fused,
         }
     };
-    let choices = with_rank_fused_decode_regime(
+    let build_regimes = |choices: Vec<RegimeChoice>| {
+        let mut ep_regimes = Vec::new();
+        for choice in choices {
+            let split = match (placement, hints.comm_blocks) {
+                (Placement::Devices, None) => {
+                    hiding_comm_blocks(layer, ranks, comm_blocks, &choice, |t| {
+                        cost::estimate(&rank_target, &gemm1_problem, &choice.gemm1, t).seconds
+                    })
+                }
+                _ => None,
+            };
+            let plans = || (comm_blocks, "the plan's".to_string());
+            match split {
+                Some(split) if split.from_tokens > choice.min_tokens => {
+                    let below = [choice.min_tokens, split.from_tokens - 1];
+                    let tail = [split.from_tokens, choice.max_tokens];
+                    let short = (
+                        comm_blocks,
+                        format!(
+                            "the plan's: below {} tokens GEMM1's tiles on local rows are too few to hide a dispatch on fewer",
+                            split.from_tokens
+                        ),
+                    );
+                    ep_regimes.push(regime(&choice, choice.name.clone(), below, short));
+                    let name = format!("{}_long", choice.name);
+                    ep_regimes.push(regime(&choice, name, tail, (split.blocks, split.reason)));
+                }
+                Some(split) => {
+                    let tokens = [choice.min_tokens, choice.max_tokens];
+                    ep_regimes.push(regime(
+                        &choice,
+                        choice.name.clone(),
+                        tokens,
+                        (split.blocks, split.reason),
+                    ));
+                }
+                None => {
+                    let tokens = [choice.min_tokens, choice.max_tokens];
+                    ep_regimes.push(regime(&choice, choice.name.clone(), tokens, plans()));
+                }
+            }
+        }
+        ep_regimes
+    };
+    // The regimes with those drawn for the fused decode, unless one of those cannot fuse
+    // (its rings and routing tables do not fit, or its grid is not resident): then the
+    // cost model's regimes as they are.
+    let cost_model = choose_regimes(layer, &rank_target, &rank_shape, ranks)?;
+    let drawn = build_regimes(with_rank_fused_decode_regime(
         layer,
         &rank_target,
         &rank_shape,
         ranks,
-        choose_regimes(layer, &rank_target, &rank_shape, ranks)?,
+        cost_model.clone(),
         fused_tokens,
-    );
-    let mut ep_regimes = Vec::new();
-    for choice in choices {
-        let split = match (placement, hints.comm_blocks) {
-            (Placement::Devices, None) => {
-                hiding_comm_blocks(layer, ranks, comm_blocks, &choice, |t| {
-                    cost::estimate(&rank_target, &gemm1_problem, &choice.gemm1, t).seconds
-                })
-            }
-            _ => None,
-        };
-        let plans = || (comm_blocks, "the plan's".to_string());
-        match split {
-            Some(split) if split.from_tokens > choice.min_tokens => {
-                let below = [choice.min_tokens, split.from_tokens - 1];
-                let tail = [split.from_tokens, choice.max_tokens];
-                let short = (
-                    comm_blocks,
-                    format!(
-                        "the plan's: below {} tokens GEMM1's tiles on local rows are too few to hide a dispatch on fewer",
-                        split.from_tokens
-                    ),
-                );
-                ep_regimes.push(regime(&choice, choice.name.clone(), below, short));
-                let name = format!("{}_long", choice.name);
-                ep_regimes.push(regime(&choice, name, tail, (split.blocks, split.reason)));
-            }
-            Some(split) => {
-                let tokens = [choice.min_tokens, choice.max_tokens];
-                ep_regimes.push(regime(
-                    &choice,
-                    choice.name.clone(),
-                    tokens,
-                    (split.blocks, split.reason),
-                ));
-            }
-            None => {
-                let tokens = [choice.min_tokens, choice.max_tokens];
-                ep_regimes.push(regime(&choice, choice.name.clone(), tokens, plans()));
-            }
-        }
-    }
+    ));
+    let ep_regimes = if drawn.iter().any(|r| {
+        r.gemm1.source == super::tuning::ChoiceSource::FusedDecode && r.fused_decode.is_none()
+    }) {
+        build_regimes(cost_model)
+    } else {
+        drawn
+    };
     let [
         route_kernel,
         dispatch_kernel,

@@ -81,6 +81,11 @@ pub(crate) fn first_regime_on_mma_sync(
     if min_tokens != 0 {
         return Err(format!("{what} is not the first"));
     }
+    gemms_on_mma_sync(what, g1, g2)
+}
+
+/// Whether a fused kernel can run these GEMMs: both on mma.sync with the same threads.
+pub(crate) fn gemms_on_mma_sync(what: &str, g1: &GemmPlan, g2: &GemmPlan) -> Result<(), String> {
     if g1.engine != MmaEngine::MmaSync || g2.engine != MmaEngine::MmaSync {
         return Err(format!(
             "{what} runs its GEMMs on {} and {}; the fused decode needs mma.sync for both",
@@ -271,9 +276,9 @@ impl RankFusedShape {
 }
 
 /// A rank's fused decode (`compiler/templates/ep.cu`, `ep_fused_decode`) of `regime` for
-/// calls of up to `tokens` tokens per rank, where it can run: the first regime, both GEMMs
-/// mma.sync with the same threads, the call's mailboxes and rows within the buffers, and
-/// the grid resident at once. Otherwise the reason it cannot.
+/// calls of up to `tokens` tokens per rank, where it can run: both GEMMs mma.sync with the
+/// same threads, a call of the regime's within `tokens`, the call's mailboxes and rows
+/// within the buffers, and the grid resident at once. Otherwise the reason it cannot.
 pub fn plan_rank_fused_decode(
     target: &Target,
     shape: &LayerShape,
@@ -285,9 +290,11 @@ pub fn plan_rank_fused_decode(
 ) -> Result<FusedDecode, String> {
     let (name, min_tokens, max_tokens) = regime;
     let (g1, g2) = gemms;
-    first_regime_on_mma_sync(&format!("rank regime `{name}`"), min_tokens, g1, g2)?;
+    // Any regime may fuse: the runtime runs the fused decode of the regime of the call's
+    // largest rank call, on every rank.
+    gemms_on_mma_sync(&format!("rank regime `{name}`"), g1, g2)?;
     let max_tokens = tokens.min(max_tokens).min(g1.threads());
-    if max_tokens == 0 {
+    if max_tokens < min_tokens.max(1) {
         return Err("it would cover no call".into());
     }
     if rank.ranks > 64 {

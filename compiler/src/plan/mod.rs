@@ -2221,6 +2221,7 @@ pub fn hint_problems(layer: &ir::Layer, target: &Target) -> Vec<HintProblem> {
 }
 
 /// The GEMMs chosen for one range of token counts, before the launches that run them.
+#[derive(Clone)]
 pub(crate) struct RegimeChoice {
     pub name: String,
     pub min_tokens: u32,
@@ -2412,52 +2413,118 @@ pub(crate) fn with_rank_fused_decode_regime(
     tokens: u32,
 ) -> Vec<RegimeChoice> {
     let hints = &layer.schedule;
-    let fuses_already = choices.first().is_none_or(|first| {
-        fused_decode::first_regime_on_mma_sync("", first.min_tokens, &first.gemm1, &first.gemm2)
-            .is_ok()
-    });
-    if tokens == 0 || fuses_already || hints.gemm1_tile.is_some() || hints.gemm2_tile.is_some() {
+    if tokens == 0 || hints.gemm1_tile.is_some() || hints.gemm2_tile.is_some() {
         return choices;
     }
-    let tokens = tokens.min(shape.max_tokens);
-    let on_mma_sync = |kind: GemmKind| -> Vec<GemmPlan> {
-        let problem = GemmProblem::for_layer(shape, kind, row_phases);
-        costed_candidates(target, &problem, tokens, hints.stages)
-            .filter_map(Result::ok)
-            .filter(|gemm| gemm.engine == MmaEngine::MmaSync)
-            .map(|gemm| with_deep_stages(target, &problem, gemm, tokens))
-            .collect()
-    };
-    let (ups, downs) = (on_mma_sync(GemmKind::Up), on_mma_sync(GemmKind::Down));
-    let best_pair = ups
-        .iter()
-        .flat_map(|up| {
-            downs
-                .iter()
-                .filter(move |down| down.threads() == up.threads())
-                .map(move |down| (up, down))
-        })
-        .min_by(|a, b| {
-            let seconds =
-                |(up, down): (&GemmPlan, &GemmPlan)| ranking_seconds(up) + ranking_seconds(down);
-            seconds(*a).total_cmp(&seconds(*b))
-        });
-    let Some((gemm1, gemm2)) = best_pair else {
+    // The cost model's first regime, where it can fuse.
+    let Some(first) = choices.first() else {
         return choices;
     };
-    let fused = RegimeChoice {
-        name: String::new(),
-        min_tokens: 0,
-        max_tokens: tokens,
-        gemm1: GemmPlan {
-            source: tuning::ChoiceSource::FusedDecode,
-            ..gemm1.clone()
-        },
-        gemm2: GemmPlan {
-            source: tuning::ChoiceSource::FusedDecode,
-            ..gemm2.clone()
-        },
+    let first_fused =
+        fused_decode::first_regime_on_mma_sync("", first.min_tokens, &first.gemm1, &first.gemm2)
+            .is_ok()
+            .then(|| [first.gemm1.clone(), first.gemm2.clone()]);
+    // The fused decode reaches as far as 32-row tiles hold the rows (larger tiles were not
+    // measured); larger calls run the cost model's regimes.
+    let up = GemmProblem::for_layer(shape, GemmKind::Up, row_phases);
+    let tokens = (1..=tokens.min(shape.max_tokens))
+        .take_while(|&calls| fused_decode_tile_rows(&up, calls).is_some())
+        .last()
+        .unwrap_or(0);
+    if tokens == 0 {
+        return choices;
+    }
+    // The pair of mma.sync GEMMs with equal threads that ranks best at `calls` tokens
+    // among tiles of 256-byte rows and [`fused_decode_tile_rows`] rows.
+    let best_pair_at = |calls: u32| -> Option<[GemmPlan; 2]> {
+        let on_mma_sync = |kind: GemmKind| -> Vec<GemmPlan> {
+            let problem = GemmProblem::for_layer(shape, kind, row_phases);
+            let rows = fused_decode_tile_rows(&problem, calls).unwrap_or(32);
+            candidate_tiles()
+                .filter(|&(engine, tile)| engine == MmaEngine::MmaSync && tile.m == rows)
+                .flat_map(|(engine, tile)| {
+                    let tile = TileShape {
+                        k: DEEP_TILE_K,
+                        ..tile
+                    };
+                    let depths = hints
+                        .stages
+                        .map_or_else(|| stage_choices(engine, tile), |s| vec![s]);
+                    depths
+                        .into_iter()
+                        .filter_map(move |stages| {
+                            shape_gemm(target, &problem, engine, tile, stages).ok()
+                        })
+                        .map(|mut gemm| {
+                            gemm.estimate = cost::estimate(target, &problem, &gemm, calls);
+                            gemm
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let (ups, downs) = (on_mma_sync(GemmKind::Up), on_mma_sync(GemmKind::Down));
+        ups.iter()
+            .flat_map(|up| {
+                downs
+                    .iter()
+                    .filter(move |down| down.threads() == up.threads())
+                    .map(move |down| (up, down))
+            })
+            .min_by(|a, b| {
+                let seconds = |(up, down): (&GemmPlan, &GemmPlan)| {
+                    ranking_seconds(up) + ranking_seconds(down)
+                };
+                seconds(*a).total_cmp(&seconds(*b))
+            })
+            .map(|(up, down)| {
+                [up, down].map(|gemm| GemmPlan {
+                    source: tuning::ChoiceSource::FusedDecode,
+                    ..gemm.clone()
+                })
+            })
     };
+    let fused = |min_tokens: u32, max_tokens: u32, [gemm1, gemm2]: [GemmPlan; 2]| RegimeChoice {
+        name: String::new(),
+        min_tokens,
+        max_tokens,
+        gemm1,
+        gemm2,
+    };
+    // The calls up to the last that keeps one token's tile rows, then the rest: each span
+    // runs the first regime's GEMMs where they fuse with its rows, else a pair drawn here.
+    let small_rows = fused_decode_tile_rows(&up, 1);
+    let last_small = (1..=tokens)
+        .take_while(|&calls| fused_decode_tile_rows(&up, calls) == small_rows)
+        .last()
+        .unwrap_or(tokens);
+    let spans = if last_small < tokens {
+        vec![(0, last_small), (last_small + 1, tokens)]
+    } else {
+        vec![(0, tokens)]
+    };
+    let pair_for = |max_tokens: u32| -> Option<[GemmPlan; 2]> {
+        let rows = fused_decode_tile_rows(&up, max_tokens);
+        match &first_fused {
+            Some(pair) if pair.iter().all(|gemm| Some(gemm.tile.m) == rows) => Some(pair.clone()),
+            _ => best_pair_at(max_tokens),
+        }
+    };
+    let mut fused_regimes = Vec::new();
+    for (min_tokens, max_tokens) in spans {
+        let Some(pair) = pair_for(max_tokens) else {
+            return choices;
+        };
+        fused_regimes.push(fused(min_tokens, max_tokens, pair));
+    }
+    // Where the first regime serves every span, it stays as the cost model drew it (its
+    // fused decode covers them).
+    if fused_regimes
+        .iter()
+        .all(|regime| regime.gemm1.source != tuning::ChoiceSource::FusedDecode)
+    {
+        return choices;
+    }
     let above = choices
         .into_iter()
         .filter(|choice| choice.max_tokens > tokens)
@@ -2465,16 +2532,17 @@ pub(crate) fn with_rank_fused_decode_regime(
             min_tokens: choice.min_tokens.max(tokens + 1),
             ..choice
         });
-    let regimes: Vec<RegimeChoice> = std::iter::once(fused).chain(above).collect();
-    // At most three regimes came in; with the one drawn here, four have names of their own.
+    let regimes: Vec<RegimeChoice> = fused_regimes.into_iter().chain(above).collect();
+    // At most three regimes came in; with the two drawn here, five have names of their own.
     let count = regimes.len();
     regimes
         .into_iter()
         .enumerate()
         .map(|(i, choice)| RegimeChoice {
             name: match (i, count) {
-                (1, 4) => "small",
-                (2, 4) => "mid",
+                (1, 4 | 5) => "small",
+                (2, 4 | 5) => "mid",
+                (3, 5) => "large",
                 _ => regime_name(i, count),
             }
             .to_string(),
@@ -2482,6 +2550,26 @@ pub(crate) fn with_rank_fused_decode_regime(
         })
         .collect()
 }
+
+/// The rows of a rank's fused-decode tile for calls of `calls` tokens: the fewer of 16 and
+/// 32 that hold a hit expert's rows but in [`FUSED_DECODE_SPILL`] of its calls under
+/// uniform routing (an expert's rows taken as Poisson around `calls · K / E`): past that,
+/// too many experts stream their weights twice, for a second m-tile. `None` where 32 do not
+/// (larger tiles were not measured).
+fn fused_decode_tile_rows(problem: &GemmProblem, calls: u32) -> Option<u32> {
+    let mean_rows = f64::from(calls) * f64::from(problem.top_k) / f64::from(problem.experts);
+    [16, 32]
+        .into_iter()
+        .find(|&rows| cost::rows_beyond(mean_rows, rows) <= FUSED_DECODE_SPILL)
+}
+
+/// The share of a hit expert's calls whose rows may spill past one fused-decode tile
+/// ([`fused_decode_tile_rows`]). Where 16- and 32-row tiles cross, measured on one H200
+/// (Mixtral-8x7B's fused decode, virtual ranks, 2026-12-04,
+/// `benches/results/2026-12-04_fused_decode_tile_rows.md`): at a mean of 9-12 rows per
+/// expert (1-10% spill past 16) 32-row tiles ran 1-9% slower, at 16 (43%) 17% faster, at
+/// 22 (two ranks of one expert each: 32 rows spill 2%) 40% faster.
+const FUSED_DECODE_SPILL: f64 = 0.2;
 
 fn choose_gemm(
     layer: &ir::Layer,
