@@ -2395,15 +2395,18 @@ pub(crate) fn with_deepest_ring(
         .unwrap_or_else(|| gemm.clone())
 }
 
-/// The rank regimes `choices` (from [`choose_regimes`]) with a first regime drawn for a
-/// rank's fused decode of calls of up to `tokens` tokens, where the cost model's first
-/// regime cannot run one (its GEMMs not both mma.sync with the same threads) and the spec
-/// hints neither GEMM: over `0..=tokens`, the pair of mma.sync GEMMs with equal threads
-/// that ranks best at `tokens`; the regimes above it start after it, and all are renamed
-/// in order. Otherwise `choices` unchanged. On two virtual ranks of one H200
-/// (Mixtral-8x7B, 1-32 tokens per rank, 2026-12-04) the cost model's decode GEMMs (GEMM2 on
-/// wgmma) took 523-1129 µs a call as a table; this regime, fused and with the deepest rings
-/// ([`with_deepest_ring`]), 380-840 (`benches/results/2026-12-04_ep_fused_decode_rings.md`).
+/// The rank regimes `choices` (from [`choose_regimes`]) with regimes drawn for a rank's
+/// fused decode of calls of up to `tokens` tokens, where the spec hints neither GEMM: the
+/// calls are cut into a span of 16-row tiles and one of 32-row tiles
+/// ([`fused_decode_tile_rows`], which also ends the fused decode's reach), each served by
+/// the cost model's first regime where its GEMMs fuse with those rows, else by the pair of
+/// mma.sync GEMMs with equal threads, 256-byte stage rows and those rows that ranks best at
+/// the span's largest call; the regimes above start after them, and all are renamed in
+/// order. `choices` unchanged where the first regime serves every span. On two virtual
+/// ranks of one H200 (Mixtral-8x7B, 2026-12-04) its decode fused this way ran 380-842 µs
+/// at 1-32 tokens per rank against 523-1129 as the cost model's table
+/// (`benches/results/2026-12-04_ep_fused_decode_rings.md`), and 32-row tiles took another
+/// 17% off 32 tokens (`benches/results/2026-12-04_fused_decode_tile_rows.md`).
 pub(crate) fn with_rank_fused_decode_regime(
     layer: &ir::Layer,
     target: &Target,
