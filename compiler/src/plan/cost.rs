@@ -189,7 +189,26 @@ pub fn estimate(
 
 #[cfg(test)]
 mod tests {
-    use super::ExpertWork;
+    use super::{ExpertWork, rows_beyond};
+
+    #[test]
+    fn rows_beyond_is_the_poisson_tail() {
+        // 1 - P(X <= rows) for X ~ Poisson(mean), summed by hand elsewhere.
+        for (mean, rows, tail) in [
+            (8.0, 16, 0.003_718),
+            (13.0, 16, 0.164_507),
+            (16.0, 16, 0.434_038),
+            (28.0, 32, 0.194_933),
+        ] {
+            let got = rows_beyond(mean, rows);
+            assert!(
+                (got - tail).abs() < 1e-5,
+                "Poisson({mean}) past {rows}: {got}"
+            );
+        }
+        assert_eq!(rows_beyond(0.0, 16), 0.0);
+        assert_eq!(rows_beyond(800.0, 32), 1.0, "too large a mean for the sum");
+    }
 
     #[test]
     fn a_block_alone_reads_each_tile_once() {
