@@ -2072,7 +2072,18 @@ fn costed_candidates<'a>(
     tokens: u32,
     stages: Option<u32>,
 ) -> impl Iterator<Item = Result<GemmPlan, String>> + 'a {
-    candidate_tiles().flat_map(move |(engine, tile)| {
+    costed_tiles(target, problem, candidate_tiles(), tokens, stages)
+}
+
+/// [`costed_candidates`] over the engine and tile pairs `tiles`.
+fn costed_tiles<'a>(
+    target: &'a Target,
+    problem: &'a GemmProblem,
+    tiles: impl Iterator<Item = (MmaEngine, TileShape)> + 'a,
+    tokens: u32,
+    stages: Option<u32>,
+) -> impl Iterator<Item = Result<GemmPlan, String>> + 'a {
+    tiles.flat_map(move |(engine, tile)| {
         let depths = stages.map_or_else(|| stage_choices(engine, tile), |s| vec![s]);
         depths.into_iter().flat_map(move |depth| {
             match shape_gemm(target, problem, engine, tile, depth) {
@@ -2443,27 +2454,17 @@ pub(crate) fn with_rank_fused_decode_regime(
         let on_mma_sync = |kind: GemmKind| -> Vec<GemmPlan> {
             let problem = GemmProblem::for_layer(shape, kind, row_phases);
             let rows = fused_decode_tile_rows(&problem, calls).unwrap_or(32);
-            candidate_tiles()
+            let tiles = candidate_tiles()
                 .filter(|&(engine, tile)| engine == MmaEngine::MmaSync && tile.m == rows)
-                .flat_map(|(engine, tile)| {
-                    let tile = TileShape {
+                .map(|(engine, tile)| {
+                    let deep = TileShape {
                         k: DEEP_TILE_K,
                         ..tile
                     };
-                    let depths = hints
-                        .stages
-                        .map_or_else(|| stage_choices(engine, tile), |s| vec![s]);
-                    depths
-                        .into_iter()
-                        .filter_map(move |stages| {
-                            shape_gemm(target, &problem, engine, tile, stages).ok()
-                        })
-                        .map(|mut gemm| {
-                            gemm.estimate = cost::estimate(target, &problem, &gemm, calls);
-                            gemm
-                        })
-                        .collect::<Vec<_>>()
-                })
+                    (engine, deep)
+                });
+            costed_tiles(target, &problem, tiles, calls, hints.stages)
+                .filter_map(Result::ok)
                 .collect()
         };
         let (ups, downs) = (on_mma_sync(GemmKind::Up), on_mma_sync(GemmKind::Down));
