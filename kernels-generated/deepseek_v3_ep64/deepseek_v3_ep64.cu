@@ -10,7 +10,7 @@
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 64 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
-// Note: ranks on other nodes exchange through NCCL at the plan's capacity: every call moves 2349.6 MB to each of a rank's 56 network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device), and the network's outboxes and inboxes take 249957.6 MB per rank
+// Note: ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves 2.35 GB to each of a rank's 56 network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and 143 KB at one token; the network's outboxes and inboxes take 250 GB per rank
 // Note: the spec asks for hierarchical traffic (one transfer per remote node, fanned out over NVLink there), which is not built yet: each rank sends to every network peer directly
 
 // ---------------------------------------------------------------------------------------

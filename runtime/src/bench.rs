@@ -986,6 +986,8 @@ pub fn bench_group_rank(
             settings.routing,
             inputs::expert_parallel_rank_seed(settings.seed, tokens, rank),
         );
+        // Every rank passes `tokens`: across nodes, NCCL moves what they can fill.
+        ep.bound_tokens(Some(tokens)).map_err(HarnessError::from)?;
         let mut input = upload_poisoned(ep.stream(0), shape, &workload)?;
         for _ in 0..WARMUP_CALLS {
             ep.forward(&mut [input.args()])

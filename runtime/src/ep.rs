@@ -136,6 +136,10 @@ pub struct EpLayer {
     group: Option<Group>,
     /// The epoch of the last call; flags start at 0, so the first call is epoch 1.
     epoch: u32,
+    /// The most tokens any rank passes in a call, as the ranks agreed
+    /// ([`EpLayer::bound_tokens`]; max_tokens until they do): the network steps move
+    /// what so many tokens can fill.
+    tokens_bound: u32,
     /// Fault injection: the rank whose communication the next call leaves out.
     withheld: Option<usize>,
     /// Whether calls a rank regime's fused decode covers run it (one process driving every
@@ -280,12 +284,14 @@ impl EpLayer {
         for rank in &mut built {
             write_peer_table(rank, &table)?;
         }
+        let max_tokens = plan.shape.max_tokens;
         let layer = EpLayer {
             plan,
             ep,
             ranks: built,
             group: None,
             epoch: 0,
+            tokens_bound: max_tokens,
             withheld: None,
             fused_decode: fused_decode_from(|name| std::env::var(name).ok())?,
         };
@@ -371,6 +377,7 @@ impl EpLayer {
         };
         // Every rank's table is in place: every rank may start calling.
         channel.barrier().map_err(ipc::GroupError::from)?;
+        let max_tokens = plan.shape.max_tokens;
         Ok(EpLayer {
             plan,
             ep,
@@ -381,6 +388,7 @@ impl EpLayer {
                 network,
             }),
             epoch: 0,
+            tokens_bound: max_tokens,
             withheld: None,
             fused_decode: false,
         })
@@ -410,6 +418,49 @@ impl EpLayer {
     /// Rank `r`'s compute stream: upload its inputs there, read its output after it.
     pub fn stream(&self, rank: usize) -> &Arc<CudaStream> {
         &self.ranks[rank].compute
+    }
+
+    /// Agrees on the tokens bound of the calls that follow: `most` is the most tokens this
+    /// process will pass any of its ranks in a call (`None`: up to max_tokens) until the
+    /// next agreement. In a group of rank processes every rank calls it before the same
+    /// call (it meets the others on the control channel) and the bound is the largest any
+    /// rank gave. Across nodes a call's NCCL steps then move only what so many tokens can
+    /// fill (the chunks below the bound, each receive-index segment up to it) instead of
+    /// max_tokens' worth, which a decode call would otherwise pay for. Returns the bound; a
+    /// call that passes a rank more tokens is refused
+    /// ([`LayerError::BeyondTokensBound`]).
+    pub fn bound_tokens(&mut self, most: Option<u32>) -> Result<u32, LayerError> {
+        let max = self.plan.shape.max_tokens;
+        let mine = most.unwrap_or(max);
+        if mine > max {
+            return Err(LayerError::TooManyTokens { tokens: mine, max });
+        }
+        let bound = match self.group.as_mut() {
+            None => mine,
+            Some(group) => group
+                .channel
+                .all_gather(&mine.to_le_bytes())
+                .map_err(ipc::GroupError::from)?
+                .iter()
+                .map(|message| {
+                    let bytes: [u8; 4] = message.as_slice().try_into().map_err(|_| {
+                        LayerError::TokensBoundMessage {
+                            bytes: message.len(),
+                        }
+                    })?;
+                    Ok(u32::from_le_bytes(bytes))
+                })
+                .try_fold(mine, |bound, theirs: Result<u32, LayerError>| {
+                    Ok::<_, LayerError>(bound.max(theirs?))
+                })?,
+        };
+        self.tokens_bound = bound.min(max);
+        Ok(self.tokens_bound)
+    }
+
+    /// The tokens bound of the calls that follow (see [`EpLayer::bound_tokens`]).
+    pub fn tokens_bound(&self) -> u32 {
+        self.tokens_bound
     }
 
     /// Waits for every rank's streams; for the network stream at most the plan's bound (a
@@ -666,7 +717,7 @@ impl EpLayer {
                 let epoch = self.epoch;
                 let sending = withheld != Some(0);
                 if sending {
-                    network.path.enqueue_dispatch(epoch)?;
+                    network.path.enqueue_dispatch(epoch, self.tokens_bound)?;
                 }
                 let call = &calls[0];
                 self.enqueue(0, call, regimes[0], |l| {
@@ -775,7 +826,14 @@ impl EpLayer {
     fn begin_call(&mut self, calls: &[RankCall]) -> Result<Vec<usize>, LayerError> {
         let shape = &self.plan.shape;
         let mut regimes = Vec::with_capacity(calls.len());
-        for a in calls {
+        for (a, rank) in calls.iter().zip(&self.ranks) {
+            if a.tokens > self.tokens_bound {
+                return Err(LayerError::BeyondTokensBound {
+                    rank: rank.index,
+                    tokens: a.tokens,
+                    bound: self.tokens_bound,
+                });
+            }
             regimes.push(
                 self.ep
                     .regime_index_for(a.tokens)

@@ -77,6 +77,14 @@ pub enum LayerError {
         "{tokens} tokens exceed the layer's max_tokens of {max}; raise `max_tokens` in the spec or split the call"
     )]
     TooManyTokens { tokens: u32, max: u32 },
+    #[error(
+        "rank {rank} is passed {tokens} tokens, more than the {bound} the ranks agreed on for their calls (EpLayer::bound_tokens); agree on a larger bound first"
+    )]
+    BeyondTokensBound { rank: u32, tokens: u32, bound: u32 },
+    #[error(
+        "a rank's tokens bound came over the control channel as {bytes} bytes instead of 4: the ranks run different builds of moeforge"
+    )]
+    TokensBoundMessage { bytes: usize },
     #[error("{what} holds {got} elements but the layer needs {expected}")]
     Shape {
         what: &'static str,

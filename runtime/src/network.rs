@@ -7,12 +7,13 @@
 //!   bindings so that it can be held to the plan's CTAs (`ncclConfig_t::maxCTAs`: the SMs
 //!   the plan keeps free for NCCL beside the compute grids) and send and receive any byte
 //!   range of the workspace on any stream.
-//! - **Steps.** [`NetworkPath`] resolves the plan's steps of this rank into device
-//!   addresses once (each range checked against its buffer) and enqueues them per call on
-//!   its own stream: before a step, `cuStreamWaitValue32` on each staging flag the
-//!   kernels release (or, for results, an event after GEMM2); then one NCCL group of
-//!   sends and receives; then `cuStreamWriteValue32` of the call's epoch into each flag
-//!   the kernels wait on. No step waits on the host.
+//! - **Steps.** [`NetworkPath`] resolves the plan's steps of this rank for a call's tokens
+//!   bound into device addresses (each range checked against its buffer; again only when
+//!   the bound changes) and enqueues them per call on its own stream: before a step,
+//!   `cuStreamWaitValue32` on each staging flag the kernels release (or, for results, an
+//!   event after GEMM2); then one NCCL group of sends and receives; then
+//!   `cuStreamWriteValue32` of the call's epoch into each flag the kernels wait on. No
+//!   step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
 //!   cannot tell over every transport. `NetworkPath::wait` polls the network stream
 //!   until the plan's `wait_limit_ms` per call enqueued since the last wait; past it, the
@@ -22,7 +23,7 @@
 //!   collective call of every rank on the node, the dead one too, and would wait for it)
 //!   and nothing more is enqueued on its stream.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +32,9 @@ use cudarc::driver::sys::{self as driver, CUresult};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
 use moeforge_compiler::plan::ep::ExpertParallelPlan;
-use moeforge_compiler::plan::network::{NetworkPlan, StepKind, StepStart};
+use moeforge_compiler::plan::network::{
+    FlagRef, NetworkPlan, NetworkStep, StepKind, StepStart, Transfer,
+};
 use moeforge_compiler::plan::{BufferId, LayerShape};
 use thiserror::Error;
 
@@ -311,15 +314,102 @@ struct ResolvedStep {
     sends: Vec<(u32, u64, u64)>,
     receives: Vec<(u32, u64, u64)>,
     release: Vec<u64>,
-    /// Recorded after the step's releases: where a stalled call stopped.
-    done: CudaEvent,
+    /// Its place among the steps of a call of max_tokens: the index of the event recorded
+    /// after its releases.
+    position: usize,
 }
 
-/// This rank's traffic between nodes: its communicator, stream and resolved steps.
+/// The steps of calls of one tokens bound, resolved.
+struct CallSteps {
+    tokens_bound: u32,
+    steps: Vec<ResolvedStep>,
+}
+
+/// The workspace buffers a rank's steps move: device address and bytes, by id.
+struct StepBuffers(Vec<(BufferId, u64, u64)>);
+
+impl StepBuffers {
+    /// The address of `bytes` bytes at `offset` of buffer `id`, checked against its size.
+    fn address(&self, id: BufferId, offset: u64, bytes: u64) -> Result<u64, NetworkError> {
+        let &(_, base, size) = self
+            .0
+            .iter()
+            .find(|(b, _, _)| *b == id)
+            .ok_or(NetworkError::MissingBuffer { buffer: id.name() })?;
+        if offset + bytes > size {
+            return Err(NetworkError::OutOfBuffer {
+                buffer: id.name(),
+                offset,
+                end: offset + bytes,
+                bytes: size,
+            });
+        }
+        Ok(base + offset)
+    }
+
+    /// The plan's `steps` resolved to addresses, each placed among `chunks` chunks.
+    fn resolve(
+        &self,
+        steps: Vec<NetworkStep>,
+        chunks: u32,
+    ) -> Result<Vec<ResolvedStep>, NetworkError> {
+        let flag = |f: &FlagRef| self.address(f.buffer, f.index * 4, 4);
+        let transfers = |transfers: &[Transfer]| {
+            transfers
+                .iter()
+                .map(|t| {
+                    Ok((
+                        t.peer,
+                        self.address(t.buffer, t.offset_bytes, t.bytes)?,
+                        t.bytes,
+                    ))
+                })
+                .collect::<Result<Vec<_>, NetworkError>>()
+        };
+        steps
+            .into_iter()
+            .map(|step| {
+                Ok(ResolvedStep {
+                    kind: step.kind,
+                    wait_for: match &step.start {
+                        StepStart::Flags(flags) => {
+                            Some(flags.iter().map(flag).collect::<Result<Vec<_>, _>>()?)
+                        }
+                        StepStart::AfterGemm2 => None,
+                    },
+                    sends: transfers(&step.sends)?,
+                    receives: transfers(&step.receives)?,
+                    release: step
+                        .release
+                        .iter()
+                        .map(flag)
+                        .collect::<Result<Vec<_>, _>>()?,
+                    position: match step.kind {
+                        StepKind::Metadata => 0,
+                        StepKind::Dispatch { chunk } => 1 + chunk as usize,
+                        StepKind::Return { chunk } => 1 + (chunks + chunk) as usize,
+                    },
+                })
+            })
+            .collect()
+    }
+}
+
+/// This rank's traffic between nodes: its communicator, stream and the steps of its calls.
 pub struct NetworkPath {
     comm: GroupComm,
     stream: Arc<CudaStream>,
-    steps: Vec<ResolvedStep>,
+    /// What the steps are planned from: the layer's expert-parallel plan, its network part
+    /// and its shape.
+    ep: ExpertParallelPlan,
+    network: NetworkPlan,
+    shape: LayerShape,
+    buffers: StepBuffers,
+    /// The steps of the calls of the last tokens bound enqueued.
+    call: RefCell<CallSteps>,
+    /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
+    /// return chunk), recorded after the step: where a stalled call stopped.
+    done: Vec<CudaEvent>,
     limit: Duration,
     /// Calls whose steps were enqueued since the last wait: the host's bound is one
     /// `limit` per call, so that a backlog of calls (a bench's timed loop) that runs at
@@ -328,8 +418,10 @@ pub struct NetworkPath {
 }
 
 impl NetworkPath {
-    /// Resolves `network`'s steps of `comm`'s rank, with `buffer(id)` giving a workspace
-    /// buffer's device address and bytes on `stream`'s device.
+    /// This rank's path for `network`, `ep`'s network part, with `buffer(id)` giving a
+    /// workspace buffer's device address and bytes on `stream`'s device. Resolves the
+    /// steps of a call of max_tokens (every range checked against its buffer): the default
+    /// bound.
     pub(crate) fn new(
         comm: GroupComm,
         stream: Arc<CudaStream>,
@@ -338,59 +430,69 @@ impl NetworkPath {
         shape: &LayerShape,
         buffer: impl Fn(BufferId) -> Result<(u64, u64), NetworkError>,
     ) -> Result<Self, NetworkError> {
-        let address = |id: BufferId, offset: u64, bytes: u64| -> Result<u64, NetworkError> {
-            let (base, size) = buffer(id)?;
-            if offset + bytes > size {
-                return Err(NetworkError::OutOfBuffer {
-                    buffer: id.name(),
-                    offset,
-                    end: offset + bytes,
-                    bytes: size,
-                });
-            }
-            Ok(base + offset)
+        let steps = network.steps(ep, shape, comm.rank(), shape.max_tokens);
+        let mut ids: Vec<BufferId> = steps
+            .iter()
+            .flat_map(|step| {
+                let waits = match &step.start {
+                    StepStart::Flags(flags) => flags.clone(),
+                    StepStart::AfterGemm2 => Vec::new(),
+                };
+                step.sends
+                    .iter()
+                    .chain(&step.receives)
+                    .map(|t| t.buffer)
+                    .chain(step.release.iter().chain(&waits).map(|f| f.buffer))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        ids.sort_by_key(|id| id.name());
+        ids.dedup();
+        let buffers = StepBuffers(
+            ids.into_iter()
+                .map(|id| buffer(id).map(|(base, bytes)| (id, base, bytes)))
+                .collect::<Result<_, _>>()?,
+        );
+        let call = CallSteps {
+            tokens_bound: shape.max_tokens,
+            steps: buffers.resolve(steps, network.chunks)?,
         };
-        let flag = |id: BufferId, index: u64| address(id, index * 4, 4);
         let ctx = stream.context();
-        let mut steps = Vec::new();
-        for step in network.steps(ep, shape, comm.rank()) {
-            let wait_for = match &step.start {
-                StepStart::Flags(flags) => Some(
-                    flags
-                        .iter()
-                        .map(|f| flag(f.buffer, f.index))
-                        .collect::<Result<Vec<_>, _>>()?,
-                ),
-                StepStart::AfterGemm2 => None,
-            };
-            let resolve = |transfers: &[moeforge_compiler::plan::network::Transfer]| {
-                transfers
-                    .iter()
-                    .map(|t| Ok((t.peer, address(t.buffer, t.offset_bytes, t.bytes)?, t.bytes)))
-                    .collect::<Result<Vec<_>, NetworkError>>()
-            };
-            steps.push(ResolvedStep {
-                kind: step.kind,
-                wait_for,
-                sends: resolve(&step.sends)?,
-                receives: resolve(&step.receives)?,
-                release: step
-                    .release
-                    .iter()
-                    .map(|f| flag(f.buffer, f.index))
-                    .collect::<Result<Vec<_>, _>>()?,
-                done: ctx
-                    .new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .context("creating a network step's event")?,
-            });
-        }
+        let done = (0..1 + 2 * network.chunks)
+            .map(|_| {
+                ctx.new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .context("creating a network step's event")
+            })
+            .collect::<Result<_, _>>()?;
         Ok(NetworkPath {
             comm,
             stream,
-            steps,
+            ep: ep.clone(),
+            network: network.clone(),
+            shape: shape.clone(),
+            buffers,
+            call: RefCell::new(call),
+            done,
             limit: Duration::from_millis(network.wait_limit_ms),
             calls_outstanding: Cell::new(0),
         })
+    }
+
+    /// Makes the steps of this rank's calls those of `tokens_bound`, resolving them when
+    /// the bound differs from the last call's.
+    fn steps_for(&self, tokens_bound: u32) -> Result<(), NetworkError> {
+        if self.call.borrow().tokens_bound == tokens_bound {
+            return Ok(());
+        }
+        let steps = self
+            .network
+            .steps(&self.ep, &self.shape, self.comm.rank(), tokens_bound);
+        let steps = self.buffers.resolve(steps, self.network.chunks)?;
+        *self.call.borrow_mut() = CallSteps {
+            tokens_bound,
+            steps,
+        };
+        Ok(())
     }
 
     /// Opens NCCL's connections to every network peer with one small exchange, waited
@@ -467,9 +569,16 @@ impl NetworkPath {
     }
 
     /// Enqueues the steps that wait on staging flags (metadata and dispatch chunks) for
-    /// the call of `epoch`.
-    pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
+    /// the call of `epoch`, in which no rank passes more than `tokens_bound` tokens (the
+    /// same bound on every rank: see [`NetworkPlan::steps`]); its results' steps follow
+    /// with [`NetworkPath::enqueue_results`].
+    pub(crate) fn enqueue_dispatch(
+        &self,
+        epoch: u32,
+        tokens_bound: u32,
+    ) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
+        self.abandon_on_error(self.steps_for(tokens_bound))?;
         // The stream memory operations below are raw driver calls: they resolve their
         // addresses in the thread's current context.
         self.stream
@@ -479,6 +588,8 @@ impl NetworkPath {
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
         let enqueued = self
+            .call
+            .borrow()
             .steps
             .iter()
             .filter(|s| s.wait_for.is_some())
@@ -502,7 +613,7 @@ impl NetworkPath {
     }
 
     /// Enqueues the steps of results, after `gemm2_done` (recorded after this rank's
-    /// GEMM2), for the call of `epoch`.
+    /// GEMM2), for the call of `epoch` (the tokens bound of its dispatch steps).
     pub(crate) fn enqueue_results(
         &self,
         epoch: u32,
@@ -524,7 +635,9 @@ impl NetworkPath {
             .context("ordering the results after GEMM2")
             .map_err(NetworkError::from)
             .and_then(|()| {
-                self.steps
+                self.call
+                    .borrow()
+                    .steps
                     .iter()
                     .filter(|s| s.wait_for.is_none())
                     .try_for_each(|step| self.run(step, epoch))
@@ -545,7 +658,7 @@ impl NetworkPath {
         for &flag in &step.release {
             stream_write_value(&self.stream, flag, epoch, &step.kind)?;
         }
-        step.done
+        self.done[step.position]
             .record(&self.stream)
             .context("recording a network step")?;
         Ok(())
@@ -572,11 +685,12 @@ impl NetworkPath {
     /// unfinished step; abandons the path.
     fn stalled(&self, bound: Duration) -> NetworkError {
         self.abandon();
-        let step = self
+        let call = self.call.borrow();
+        let step = call
             .steps
             .iter()
-            .find(|s| !s.done.try_is_complete().unwrap_or(false))
-            .or(self.steps.last());
+            .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false))
+            .or(call.steps.last());
         let (kind, peers) = match step {
             Some(step) => {
                 let mut peers: Vec<u32> = step.receives.iter().map(|r| r.0).collect();

@@ -511,6 +511,44 @@ fn more_tokens_than_planned_is_refused() {
     );
 }
 
+/// A call that passes a rank more tokens than the ranks agreed on is refused before
+/// anything runs; a bound past max_tokens is refused; back at max_tokens the call runs,
+/// right.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_call_beyond_the_agreed_tokens_bound_is_refused() {
+    let seed = fresh_seed();
+    let session = Session::open().expect("GPU session");
+    let (built, mut ep) = tiny_on_virtual_ranks(&session, 2, seed);
+    let shape = built.layer.plan().shape.clone();
+    assert_eq!(ep.tokens_bound(), shape.max_tokens);
+    assert_eq!(ep.bound_tokens(Some(40)).expect("a bound of 40"), 40);
+    let workloads: Vec<Workload> = [40, 41]
+        .into_iter()
+        .zip(0u64..)
+        .map(|(tokens, r)| Workload::random(&shape, tokens, Routing::Uniform, seed + r))
+        .collect();
+    let error = session
+        .run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed)
+        .expect_err("rank 1 passes 41 tokens");
+    say(format!("bound 40, rank 1 at 41 tokens: {error}"));
+    assert!(
+        error
+            .to_string()
+            .contains("rank 1 is passed 41 tokens, more than the 40"),
+        "{error}"
+    );
+    assert!(ep.bound_tokens(Some(shape.max_tokens + 1)).is_err());
+    assert_eq!(ep.bound_tokens(None).expect("max_tokens"), shape.max_tokens);
+    let reports = session
+        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+        .expect("the call within max_tokens");
+    for (r, report) in reports.iter().enumerate() {
+        say(format!("back at max_tokens, rank {r}: {report}"));
+        assert!(report.passed(), "rank {r}: {report}");
+    }
+}
+
 /// A token naming one expert twice is reported with its pair, neither dispatched twice nor
 /// waited for in the combine (no time-out), and the next call with distinct experts is
 /// right again.

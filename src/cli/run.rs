@@ -479,6 +479,11 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         Ok(rank) => rank,
         Err(status) => return status,
     };
+    // The ranks' most tokens: across nodes, NCCL moves what the largest call can fill.
+    if let Err(error) = ep.bound_tokens(Some(tokens)) {
+        eprintln!("error: rank {}: {error}", env.rank);
+        return invalid_input();
+    }
     if args.exit_before_call {
         eprintln!(
             "rank {}: exiting before the call (--exit-before-call)",

@@ -6,7 +6,9 @@ use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
 use super::network::NetworkPlan;
 use super::router::{GateEngine, RouterRegime};
 use super::tuning::ChoiceSource;
-use super::{Access, Grid, Launch, OutputStore, Plan, Regime, RegimeParts, RowLoad, StreamRole};
+use super::{
+    Access, Grid, Launch, LayerShape, OutputStore, Plan, Regime, RegimeParts, RowLoad, StreamRole,
+};
 
 /// One fact per line; `write!` into a `String` cannot fail.
 pub fn describe(plan: &Plan) -> String {
@@ -56,7 +58,7 @@ pub fn describe(plan: &Plan) -> String {
         }
     }
     if let Some(ep) = &plan.expert_parallel {
-        describe_expert_parallel(&mut out, ep, shape.hidden);
+        describe_expert_parallel(&mut out, ep, shape);
     }
     describe_modules(&mut out, plan);
     let _ = writeln!(out, "  workspace");
@@ -142,7 +144,8 @@ fn describe_memory(out: &mut String, plan: &Plan) {
     }
 }
 
-fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u32) {
+fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, shape: &LayerShape) {
+    let hidden = shape.hidden;
     let placement = match ep.placement {
         Placement::Virtual => "virtual ranks on one GPU",
         Placement::Devices => "one GPU per rank",
@@ -208,7 +211,7 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
         orders(&ep.receive_order)
     );
     if let Some(network) = &ep.network {
-        describe_network(out, network, hidden);
+        describe_network(out, ep, network, shape);
     }
     let _ = writeln!(
         out,
@@ -232,8 +235,32 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, hidden: u
     }
 }
 
-fn describe_network(out: &mut String, network: &NetworkPlan, hidden: u32) {
-    let chunk_bytes = u64::from(network.chunk_tokens) * u64::from(hidden) * 2;
+/// `bytes` in decimal units, three significant digits (`14.5 KB`, `2.35 GB`).
+pub(crate) fn decimal_bytes(bytes: u64) -> String {
+    let mut value = bytes as f64;
+    let mut unit = "B";
+    for next in ["KB", "MB", "GB", "TB"] {
+        if value < 1000.0 {
+            break;
+        }
+        value /= 1000.0;
+        unit = next;
+    }
+    match unit {
+        "B" => format!("{bytes} B"),
+        _ if value >= 100.0 => format!("{value:.0} {unit}"),
+        _ if value >= 10.0 => format!("{value:.1} {unit}"),
+        _ => format!("{value:.2} {unit}"),
+    }
+}
+
+fn describe_network(
+    out: &mut String,
+    ep: &ExpertParallelPlan,
+    network: &NetworkPlan,
+    shape: &LayerShape,
+) {
+    let chunk_bytes = u64::from(network.chunk_tokens) * u64::from(shape.hidden) * 2;
     let _ = writeln!(
         out,
         "    network            {} nodes of {} GPUs; each rank reaches its {} peers on other nodes through NCCL send/recv ({:.0} GB/s, {:.0} us), its node's peers through CUDA IPC stores as on one node",
@@ -243,14 +270,25 @@ fn describe_network(out: &mut String, network: &NetworkPlan, hidden: u32) {
         network.bandwidth_bytes_per_s as f64 / 1e9,
         network.latency_ns as f64 / 1e3
     );
+    // The bounds a reader compares: one token, each regime's largest call, max_tokens.
+    let mut bounds: Vec<u32> = std::iter::once(1)
+        .chain(ep.regimes.iter().map(|r| r.max_tokens))
+        .collect();
+    bounds.dedup();
+    let moved = bounds
+        .iter()
+        .map(|&b| {
+            format!(
+                "{} at {b}",
+                decimal_bytes(network.bytes_per_peer(ep, shape, b))
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
     let _ = writeln!(
         out,
-        "    network steps      per call, in this order on every rank: 1 metadata group, {} dispatch groups (one chunk of {} token slots, {chunk_bytes} B, per network peer each), then after GEMM2 {} return groups (the results of {} origin tokens each); {:.2} MB to each network peer per call, at capacity whatever the routing: NCCL's counts are fixed on the host, so no call overflows them and none is read back",
-        network.chunks,
-        network.chunk_tokens,
-        network.chunks,
-        network.chunk_tokens,
-        network.call_bytes_per_peer as f64 / 1e6
+        "    network steps      per call, in this order on every rank: 1 metadata group, a dispatch group per chunk of {} token slots ({chunk_bytes} B) per network peer up to the call's tokens bound (at most {}), then after GEMM2 as many return groups (the results of {} origin tokens each). The tokens bound is the most tokens any rank passes in the call, agreed on the host beforehand (EpLayer::bound_tokens; max_tokens until the ranks agree on one): NCCL's counts come from it, not from the routing, so no call overflows them and none is read back. Bytes to each network peer per call by bound: {moved}",
+        network.chunk_tokens, network.chunks, network.chunk_tokens,
     );
     let _ = writeln!(
         out,
@@ -492,4 +530,22 @@ fn describe_launch(out: &mut String, launch: &Launch) {
             ""
         }
     );
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn decimal_bytes_keeps_three_significant_digits() {
+        let cases = [
+            (0, "0 B"),
+            (999, "999 B"),
+            (1_000, "1.00 KB"),
+            (14_532, "14.5 KB"),
+            (917_504, "918 KB"),
+            (2_349_600_000, "2.35 GB"),
+        ];
+        for (bytes, text) in cases {
+            assert_eq!(super::decimal_bytes(bytes), text);
+        }
+    }
 }

@@ -1380,10 +1380,11 @@ pub fn plan_tuned(
             .map(Buffer::bytes)
             .sum();
         limitations.push(format!(
-            "ranks on other nodes exchange through NCCL at the plan's capacity: every call moves {:.1} MB to each of a rank's {} network peers whatever its routing (NCCL needs its counts on the host, and the routing is on the device), and the network's outboxes and inboxes take {:.1} MB per rank",
-            network.call_bytes_per_peer as f64 / 1e6,
+            "ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves {} to each of a rank's {} network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and {} at one token; the network's outboxes and inboxes take {} per rank",
+            describe::decimal_bytes(network.call_bytes_per_peer),
             network.peers_per_rank,
-            network_buffers as f64 / 1e6
+            describe::decimal_bytes(network.bytes_per_peer(ep, &shape, 1)),
+            describe::decimal_bytes(network_buffers)
         ));
         if layer.schedule.traffic_order == Some(ir::TrafficOrder::Hierarchical) {
             limitations.push(

@@ -26,10 +26,13 @@
 //!
 //! NCCL needs every byte count on the host when a transfer is enqueued, but the device
 //! decides the routing, and reading counts back would synchronise the call. So every
-//! transfer is a fixed slice of the plan's capacity (chunk `c` of a source's
-//! `slots_per_source` token slots, every chunk in every call): no routing can overflow it
-//! and nothing is read back; a call moves its capacity whatever its routing
-//! ([`NetworkPlan::call_bytes_per_peer`]).
+//! transfer is a fixed slice of the plan's capacity, cut at the call's *tokens bound*:
+//! the most tokens any rank passes in the call, which the ranks agree on beforehand on
+//! the host (the runtime's `EpLayer::bound_tokens`; `max_tokens` until they do). A source
+//! sends a peer at most one slot per token, so its rows fill only chunks below the bound
+//! and each receive-index segment only its first `bound` entries; the steps move exactly
+//! those ([`NetworkPlan::steps`]): no routing can overflow them and nothing is read back.
+//! A call moves [`NetworkPlan::bytes_per_peer`] of its bound whatever its routing.
 //!
 //! Hierarchical traffic (one transfer per remote node, fanned out over NVLink there) fits
 //! the same shape: a relay rank's steps would receive a node's aggregate and its kernels
@@ -71,8 +74,8 @@ pub struct NetworkPlan {
     /// Transfers of rows per peer and call, and of results: the chunks of a source's
     /// capacity.
     pub chunks: u32,
-    /// Bytes this rank sends each network peer per call (metadata, rows and results at
-    /// capacity; receives are as many): NCCL's counts, fixed by the plan.
+    /// Bytes this rank sends each network peer in a call of `max_tokens` bound (metadata,
+    /// rows and results; receives are as many): the most a call moves.
     pub call_bytes_per_peer: u64,
     /// CTAs NCCL may run (the communicator's `maxCTAs`): the SMs the plan keeps free for
     /// NCCL's kernels beside the compute grids, so a transfer GEMM1 waits for always runs.
@@ -172,13 +175,7 @@ pub(crate) fn plan_network(
     let peers_per_rank = ranks - gpus_per_node.min(ranks);
     let slots = shape.max_tokens;
     let chunks = slots.div_ceil(chunk);
-    let experts_per_rank = shape.experts / ranks;
-    let hidden = u64::from(shape.hidden);
-    let metadata_bytes = 3 * 4 * u64::from(experts_per_rank) * u64::from(slots)
-        + 4 * (u64::from(experts_per_rank) + 1);
-    let rows_bytes = u64::from(slots) * hidden * 2;
-    let results_bytes = shape.max_pairs() * hidden * 2;
-    let call_bytes_per_peer = metadata_bytes + rows_bytes + results_bytes;
+    let call_bytes_per_peer = bytes_per_peer(shape, shape.experts / ranks, slots);
     let bandwidth = topology.network.bandwidth_bytes_per_s;
     let nccl_ctas =
         ((bandwidth as f64 / NCCL_CTA_BYTES_PER_S).ceil() as u32).clamp(1, NCCL_MAX_CTAS);
@@ -210,7 +207,37 @@ pub(crate) fn plan_network(
     })
 }
 
+/// Bytes a rank sends each network peer in a call of `tokens_bound` (receives are as
+/// many): per local expert the three arrays of the receive index up to the bound, the
+/// counts, the rows of the bound's tokens and every slot of their results.
+fn bytes_per_peer(shape: &LayerShape, experts_per_rank: u32, tokens_bound: u32) -> u64 {
+    let tokens = u64::from(tokens_bound.min(shape.max_tokens));
+    let local = u64::from(experts_per_rank);
+    let row_bytes = u64::from(shape.hidden) * 2;
+    let metadata = 3 * 4 * local * tokens + 4 * (local + 1);
+    metadata + tokens * row_bytes + tokens * u64::from(shape.slots_per_token()) * row_bytes
+}
+
 impl NetworkPlan {
+    /// Bytes a rank sends each network peer in a call whose tokens bound is
+    /// `tokens_bound` (see [`NetworkPlan::steps`]), whatever the routing.
+    pub fn bytes_per_peer(
+        &self,
+        ep: &ExpertParallelPlan,
+        shape: &LayerShape,
+        tokens_bound: u32,
+    ) -> u64 {
+        bytes_per_peer(shape, ep.experts_per_rank, tokens_bound)
+    }
+
+    /// The chunks of a source's token slots that a call of `tokens_bound` can fill: its
+    /// dispatch steps, and its return steps (chunks of the origin's tokens).
+    pub fn chunks_within(&self, tokens_bound: u32) -> u32 {
+        tokens_bound
+            .min(self.chunks * self.chunk_tokens)
+            .div_ceil(self.chunk_tokens)
+    }
+
     /// The node of `rank`: ranks fill nodes in order.
     pub fn node_of(&self, rank: u32) -> u32 {
         rank / self.gpus_per_node
@@ -270,12 +297,18 @@ impl NetworkPlan {
         })
     }
 
-    /// The NCCL groups of one call on `rank`, in the order every rank issues them.
+    /// The NCCL groups of one call on `rank` in which no rank passes more than
+    /// `tokens_bound` tokens, in the order every rank issues them: the metadata (each
+    /// receive-index segment up to the bound), then a dispatch step per chunk the bound
+    /// spans (the last one cut at the bound), then as many return steps. Every rank of a
+    /// call must pass the same bound: NCCL pairs a rank's sends to a peer with that peer's
+    /// receives in issue order and size.
     pub fn steps(
         &self,
         ep: &ExpertParallelPlan,
         shape: &LayerShape,
         rank: u32,
+        tokens_bound: u32,
     ) -> Vec<NetworkStep> {
         let peers = self.peers(rank, ep.ranks);
         let ranks = u64::from(ep.ranks);
@@ -287,6 +320,11 @@ impl NetworkPlan {
         let max_pairs = shape.max_pairs();
         let chunk = u64::from(self.chunk_tokens);
         let chunks = u64::from(self.chunks);
+        // No source sends a peer more slots than it has tokens, nor more than a segment's
+        // rows for one local expert.
+        let bound = u64::from(tokens_bound).min(slots);
+        let call_chunks = u64::from(self.chunks_within(tokens_bound));
+        let indexed = segment.min(bound);
         let with_slots = || {
             peers
                 .iter()
@@ -300,7 +338,7 @@ impl NetworkPlan {
             bytes: elems * buffer.elem().size_bytes(),
         };
         let flag = |buffer: BufferId, index: u64| FlagRef { buffer, index };
-        let mut steps = Vec::with_capacity(1 + 2 * self.chunks as usize);
+        let mut steps = Vec::with_capacity(1 + 2 * call_chunks as usize);
 
         // The receive index: per local expert one segment of each array, then the counts.
         let mut sends = Vec::new();
@@ -311,18 +349,18 @@ impl NetworkPlan {
                 (BufferId::NetSendPair, BufferId::RecvPair),
                 (BufferId::NetSendWeight, BufferId::RecvWeight),
             ] {
-                for e in 0..local {
+                for e in (0..local).filter(|_| indexed > 0) {
                     sends.push(transfer(
                         peer,
                         outbox,
                         (slot * local + e) * segment,
-                        segment,
+                        indexed,
                     ));
                     receives.push(transfer(
                         peer,
                         inbox,
                         (e * ranks + u64::from(peer)) * segment,
-                        segment,
+                        indexed,
                     ));
                 }
             }
@@ -354,8 +392,8 @@ impl NetworkPlan {
                 .collect(),
         });
 
-        for c in 0..chunks {
-            let rows = chunk.min(slots - c * chunk);
+        for c in 0..call_chunks {
+            let rows = chunk.min(bound - c * chunk);
             steps.push(NetworkStep {
                 kind: StepKind::Dispatch { chunk: c as u32 },
                 start: StepStart::Flags(
@@ -393,11 +431,10 @@ impl NetworkPlan {
         }
 
         // Results, by the origin's tokens: chunk c holds the pairs of its tokens
-        // [c·chunk, (c+1)·chunk), every slot of each (the shared slices' stay unsent
-        // garbage: an origin computes those itself).
-        let tokens = u64::from(shape.max_tokens);
-        for c in 0..chunks {
-            let pairs = chunk.min(tokens - c * chunk) * spt;
+        // [c·chunk, (c+1)·chunk) below the bound, every slot of each (the shared slices'
+        // stay unsent garbage: an origin computes those itself).
+        for c in 0..call_chunks {
+            let pairs = chunk.min(bound - c * chunk) * spt;
             let first = |slot: u64| (slot * max_pairs + c * chunk * spt) * hidden;
             steps.push(NetworkStep {
                 kind: StepKind::Return { chunk: c as u32 },
@@ -490,11 +527,20 @@ mod tests {
                 }
             }
         }
-        // A call moves the capacity: the receive index, 512 rows and 512 tokens' results.
+        // A call of max_tokens moves the receive index, 512 rows and 512 tokens' results;
+        // a call of 3 tokens three entries of each index segment, 3 rows and their results.
         let metadata = 3 * 4 * 4 * 512 + 4 * 5;
         assert_eq!(
             network.call_bytes_per_peer,
             metadata + 512 * 128 * 2 + 512 * 2 * 128 * 2
+        );
+        assert_eq!(
+            network.bytes_per_peer(ep, &plan.shape, 512),
+            network.call_bytes_per_peer
+        );
+        assert_eq!(
+            network.bytes_per_peer(ep, &plan.shape, 3),
+            3 * 4 * 4 * 3 + 4 * 5 + 3 * 128 * 2 + 3 * 2 * 128 * 2
         );
         assert!(plan.limitations.iter().any(|l| l.contains("NCCL")));
         let text = crate::plan::describe(&plan);
@@ -517,17 +563,21 @@ mod tests {
         assert_eq!(ep.receive_order[1], vec![1, 0, 3, 2]);
     }
 
-    /// Over every pair of ranks on different nodes: each step's sends from one match the
-    /// other's receives in that step (same order, same bytes), every range fits its buffer,
-    /// and each call waits for every staging flag and releases every flag the kernels wait
-    /// on once.
+    /// Over every pair of ranks on different nodes and tokens bounds from none to beyond
+    /// max_tokens: each step's sends from one match the other's receives in that step
+    /// (same order, same bytes), every range fits its buffer, a peer is sent
+    /// `bytes_per_peer` of the bound, and each call waits for every staging flag of the
+    /// chunks it moves and releases every flag the kernels of such a call wait on once.
     #[test]
     fn every_send_meets_a_receive_of_the_same_bytes_within_the_buffers() {
-        for (nodes, gpus, extra) in [
+        for ((nodes, gpus, extra), bound) in [
             (2, 1, ""),
             (2, 2, ""),
             (4, 2, " shared_experts {\n  count = 1\n  ffn = 256\n }\n"),
-        ] {
+        ]
+        .into_iter()
+        .flat_map(|layer| [0, 1, 17, 48, 512, 4096].map(|bound| (layer, bound)))
+        {
             let plan = planned(nodes, gpus, extra);
             plan.validate().expect("valid");
             let (ep, network) = network_of(&plan);
@@ -540,14 +590,22 @@ mod tests {
                     .bytes()
             };
             let steps: Vec<Vec<NetworkStep>> = (0..ranks)
-                .map(|r| network.steps(ep, &plan.shape, r))
+                .map(|r| network.steps(ep, &plan.shape, r, bound))
                 .collect();
-            assert!(
-                steps
-                    .iter()
-                    .all(|s| s.len() == 1 + 2 * network.chunks as usize)
-            );
+            // Chunks of 16 token slots, 512 of them: the bound's chunks, at most 32.
+            let call_chunks = u64::from(bound.min(512).div_ceil(16));
+            assert_eq!(u64::from(network.chunks_within(bound)), call_chunks);
+            assert!(steps.iter().all(|s| s.len() as u64 == 1 + 2 * call_chunks));
             for (rank, rank_steps) in steps.iter().enumerate() {
+                for peer in network.peers(rank as u32, ranks) {
+                    let sent: u64 = rank_steps
+                        .iter()
+                        .flat_map(|s| &s.sends)
+                        .filter(|t| t.peer == peer)
+                        .map(|t| t.bytes)
+                        .sum();
+                    assert_eq!(sent, network.bytes_per_peer(ep, &plan.shape, bound));
+                }
                 let mut released = HashMap::new();
                 let mut waited = HashMap::new();
                 for (i, step) in rank_steps.iter().enumerate() {
@@ -586,11 +644,26 @@ mod tests {
                 }
                 let peers = u64::from(network.peers_per_rank);
                 let chunks = u64::from(network.chunks);
-                // Each network source's metadata flag and chunk flags, each token chunk's
-                // return flag per network peer: once each.
-                assert_eq!(released.len() as u64, peers * (1 + 2 * chunks));
+                // Each network source's metadata flag and the flags of the chunks the bound
+                // spans (a chunk of rows per source, a token chunk's return flag per network
+                // peer): the flags a call's kernels wait on with at most `bound` tokens per
+                // rank. Once each.
+                assert_eq!(released.len() as u64, peers * (1 + 2 * call_chunks));
                 assert!(released.values().all(|&n| n == 1));
-                assert_eq!(waited.len() as u64, peers * network.ready_stride());
+                for peer in network.peers(rank as u32, ranks) {
+                    let slot = u64::from(network.slot(rank as u32, peer).unwrap());
+                    assert!(released.contains_key(&(BufferId::MetaFlags, u64::from(peer))));
+                    for c in 0..call_chunks {
+                        for flag in [
+                            (BufferId::ChunkFlags, u64::from(peer) * chunks + c),
+                            (BufferId::NetReturnFlags, slot * chunks + c),
+                        ] {
+                            assert!(released.contains_key(&flag), "{flag:?} at bound {bound}");
+                        }
+                    }
+                }
+                // The staging flags of the metadata and of those chunks, each peer's.
+                assert_eq!(waited.len() as u64, peers * (1 + call_chunks));
                 assert!(waited.values().all(|&n| n == 1));
             }
         }
