@@ -180,6 +180,14 @@ pub enum Error {
         choices: &'static str,
         suggestion: Option<String>,
     },
+    #[error("`{key}` = {value} is outside {min} to {max}")]
+    DurationOutOfRange {
+        span: Span,
+        key: String,
+        value: String,
+        min: &'static str,
+        max: &'static str,
+    },
     #[error("{what}: not supported yet")]
     Unsupported {
         span: Span,
@@ -355,6 +363,7 @@ impl Error {
             | RealTooLarge { span, .. }
             | ZeroBandwidth { span, .. }
             | UnknownChoice { span, .. }
+            | DurationOutOfRange { span, .. }
             | Unsupported { span, .. }
             | AboveLimit { span, .. }
             | TooManyExperts { span, .. }
@@ -505,6 +514,10 @@ impl Error {
                 choices,
                 ..
             } => did_you_mean(suggestion).unwrap_or_else(|| format!("choose one of: {choices}")),
+            DurationOutOfRange { .. } => "a kernel that waits this long for one flag reports a \
+                 time-out instead of hanging; the default, about 2 s, suits every correct \
+                 call: raise it under a sanitizer or debugger, such as `60_000 ms`"
+                .into(),
             Unsupported { hint, .. } => (*hint).to_string(),
             AboveLimit { max, .. } => format!(
                 "moeforge keeps every size it derives within 64 bits, so this is capped at {max}; \
@@ -1038,12 +1051,19 @@ mod tests {
                 slices: 1024,
                 max: 64,
             },
+            Error::DurationOutOfRange {
+                span,
+                key: text("flag_timeout"),
+                value: text("10 us"),
+                min: "1 ms",
+                max: "3_600_000 ms (an hour)",
+            },
             Error::TooManyErrors { span },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 46;
+    const VARIANTS: usize = 47;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1096,7 +1116,8 @@ mod tests {
             PlanRefused { .. } => 42,
             SharedExpertsNotSlices { .. } => 43,
             TooManySharedSlices { .. } => 44,
-            TooManyErrors { .. } => 45,
+            DurationOutOfRange { .. } => 45,
+            TooManyErrors { .. } => 46,
         }
     }
 

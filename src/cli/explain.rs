@@ -348,6 +348,9 @@ fn schedule(hints: &ir::ScheduleHints) -> String {
         Some(tokens) => parts.push(format!("fused_decode {tokens} tokens")),
         None => {}
     }
+    if let Some(ns) = hints.flag_timeout_ns {
+        parts.push(format!("flag_timeout {} ms", ns as f64 / 1e6));
+    }
     if parts.is_empty() {
         "no hints (the planner chooses everything)".into()
     } else {

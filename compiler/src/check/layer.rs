@@ -84,6 +84,7 @@ pub const SCHEDULE: Schema = Schema {
         "comm_blocks",
         "traffic",
         "fused_decode",
+        "flag_timeout",
     ],
     sections: &[],
     aliases: &[],
@@ -772,6 +773,10 @@ fn schedule(
         Some(setting) => values::count(setting, 0, true, errors).map(Some),
         None => Some(None),
     };
+    let flag_timeout_ns = match table.setting("flag_timeout") {
+        Some(setting) => values::duration(setting, FLAG_TIMEOUT_RANGE, errors).map(Some),
+        None => Some(None),
+    };
     let traffic_order = table.setting("traffic").map(|s| {
         values::choice(
             s,
@@ -788,8 +793,19 @@ fn schedule(
         comm_blocks: comm_blocks?,
         traffic_order: traffic_order.map_or(Some(None), |order| order.map(Some))?,
         fused_decode: fused_decode?,
+        flag_timeout_ns: flag_timeout_ns?,
     })
 }
+
+/// The flag time-outs a spec may ask for: from 1 ms (a correct call waits microseconds
+/// for a flag, a large one milliseconds) to an hour (a sanitizer slows kernels a
+/// thousandfold).
+const FLAG_TIMEOUT_RANGE: values::DurationRange = values::DurationRange {
+    min_ns: 1_000_000,
+    max_ns: 3_600_000_000_000,
+    min: "1 ms",
+    max: "3_600_000 ms (an hour)",
+};
 
 #[cfg(test)]
 mod tests {

@@ -214,6 +214,32 @@ fn quantity(
     }
 }
 
+/// The durations a key accepts, in nanoseconds, and the same bounds as written in a spec.
+pub struct DurationRange {
+    pub min_ns: u64,
+    pub max_ns: u64,
+    pub min: &'static str,
+    pub max: &'static str,
+}
+
+/// One duration (`ns`, `us`, `ms`; fractions rounded to the nearest nanosecond) within
+/// `range`, in nanoseconds.
+pub fn duration(setting: &Setting, range: DurationRange, errors: &mut Vec<Error>) -> Option<u64> {
+    let value = single(setting, "one duration", errors)?;
+    let ns = quantity(setting, value, Dimension::Latency, errors)?;
+    if !(range.min_ns..=range.max_ns).contains(&ns) {
+        errors.push(Error::DurationOutOfRange {
+            span: value.span,
+            key: setting.key.dotted(),
+            value: short(&crate::front::format::format_value(value)),
+            min: range.min,
+            max: range.max,
+        });
+        return None;
+    }
+    Some(ns)
+}
+
 /// "400 Gb/s = 50 GB/s": a bit rate as written and in bytes per second with the same prefix;
 /// one unit's worth when the number is too long to show.
 fn bit_rate_in_bytes(literal: &NumberLiteral, bit_unit: &str, byte_unit: &str) -> String {

@@ -17,8 +17,8 @@ pub use kernel_unit::{kernel_guard, kernel_unit_source};
 
 use crate::ir::{Activation, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, RouterBias, Scoring};
 use crate::plan::ep::{
-    COMBINE_LANES, COMM_THREADS, CombineRoute, DEFAULT_SPIN_LIMIT_CYCLES, ExpertParallelPlan,
-    FlagScope, META_THREADS, PARTIALS_PER_RELEASE, Placement,
+    COMBINE_LANES, COMM_THREADS, CombineRoute, ExpertParallelPlan, FlagScope, META_THREADS,
+    PARTIALS_PER_RELEASE, Placement,
 };
 use crate::plan::network::NetworkPlan;
 use crate::plan::router::{self, GateEngine, GatePlan, RouterPlan};
@@ -1323,10 +1323,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
             .as_ref()
             .map_or(FlagScope::Gpu, |ep| ep.scope)
             .ptx(),
-        spin_limit_cycles: plan
-            .expert_parallel
-            .as_ref()
-            .map_or(DEFAULT_SPIN_LIMIT_CYCLES, |ep| ep.spin_limit_cycles),
+        spin_limit_cycles: plan.flag_wait_limit.cycles,
         error_flag_timeout: error_code::FLAG_TIMEOUT,
         flag_kind_meta: error_code::flag_kind::META,
         flag_kind_chunk: error_code::flag_kind::CHUNK,

@@ -267,6 +267,10 @@ pub struct ScheduleHints {
     /// the first regime, single GPU); 0 for none. Unset, the planner decides.
     #[serde(default)]
     pub fused_decode: Option<u32>,
+    /// How long a kernel waits for one flag before it reports a time-out, in
+    /// nanoseconds. Unset, the planner's default (about 2 s).
+    #[serde(default)]
+    pub flag_timeout_ns: Option<u64>,
 }
 
 /// A GEMM tile: `m` rows (tokens) × `n` output columns × `k` reduction depth per stage.

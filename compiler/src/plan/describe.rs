@@ -50,6 +50,19 @@ pub fn describe(plan: &Plan) -> String {
             plan.call_graph_max_tokens
         );
     }
+    let flag_wait = &plan.flag_wait_limit;
+    let _ = writeln!(
+        out,
+        "  flag waits           each at most {:.2} s ({} cycles at {:.2} GHz; {}), then the kernel records a time-out naming the wait, which the runtime reports",
+        flag_wait.seconds(&plan.target),
+        flag_wait.cycles,
+        plan.target.clock_hz / 1e9,
+        if flag_wait.hinted {
+            "the spec's flag_timeout"
+        } else {
+            "the default; `flag_timeout` in schedule sets it"
+        }
+    );
     for (i, regime) in plan.regimes.iter().enumerate() {
         describe_regime(&mut out, "regime", regime.parts());
         describe_block_routing(&mut out, regime, plan.shape.top_k);

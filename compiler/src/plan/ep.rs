@@ -163,8 +163,6 @@ pub struct ExpertParallelPlan {
     /// Per destination rank, the sources in the order its GEMM tiles take their rows
     /// (itself first, then by when each source reaches it in its own send order).
     pub receive_order: Vec<Vec<u32>>,
-    /// Bound on every spin-wait, in GPU clock cycles; past it the kernel reports a time-out.
-    pub spin_limit_cycles: u64,
     /// Traffic between nodes (NCCL), when ranks live on several; `None` on one node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkPlan>,
@@ -347,14 +345,12 @@ pub const COMM_THREADS: u32 = 512;
 const CHUNK_LATENCIES: f64 = 2.0;
 /// Measured release→acquire latency of a flag across the two H200s (1.3 µs).
 const FLAG_LATENCY_S: f64 = 1.3e-6;
-/// Two seconds at the H200's 1.98 GHz: no correct call waits this long for one flag.
-const SPIN_LIMIT_CYCLES: u64 = 4_000_000_000;
-/// The bound written into units without expert parallelism (their kernels never wait).
-pub const DEFAULT_SPIN_LIMIT_CYCLES: u64 = SPIN_LIMIT_CYCLES;
 
 /// The expert-parallel plan of `layer` over `ranks` ranks living as `placement` says;
 /// `None` for one rank. `router_buffers`: the buffers of the layer's planned router (none
-/// without one), which each rank then holds to route its own tokens.
+/// without one), which each rank then holds to route its own tokens. `flag_wait_seconds`:
+/// the plan's bound on one flag wait (the network's host wait bound counts two).
+#[allow(clippy::too_many_arguments)]
 pub fn plan_expert_parallel(
     layer: &ir::Layer,
     target: &Target,
@@ -363,6 +359,7 @@ pub fn plan_expert_parallel(
     symbol: &str,
     shape: &LayerShape,
     router_buffers: Vec<Buffer>,
+    flag_wait_seconds: f64,
 ) -> Result<Option<ExpertParallelPlan>, PlanError> {
     if ranks <= 1 {
         return Ok(None);
@@ -449,7 +446,7 @@ pub fn plan_expert_parallel(
             )
         }
     };
-    let network = network::plan_network(layer, shape, ranks, dispatch_chunk, SPIN_LIMIT_CYCLES);
+    let network = network::plan_network(layer, shape, ranks, dispatch_chunk, flag_wait_seconds);
     let one_per_sm = placement == Placement::Virtual || network.is_some();
     // NCCL's kernels need SMs of their own: GEMM1 blocks may spin until a transfer lands.
     let nccl_sms = network.as_ref().map_or(0, |n| n.nccl_ctas);
@@ -692,7 +689,6 @@ pub fn plan_expert_parallel(
         traffic,
         send_order,
         receive_order,
-        spin_limit_cycles: SPIN_LIMIT_CYCLES,
         routes_itself: !router_buffers.is_empty(),
         workspace: workspace(shape, &sizes, network.as_ref())
             .into_iter()

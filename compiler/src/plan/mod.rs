@@ -101,6 +101,48 @@ pub const MAX_SHARED_SLICES: u32 = 64;
 /// expert offsets with 32-bit `int`.
 pub const MAX_PAIRS: u64 = i32::MAX as u64;
 
+/// How long a kernel waits for one flag (another block's or rank's release) before it
+/// records a time-out naming the wait, instead of hanging.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlagWaitLimit {
+    /// GPU clock cycles (`clock64`): what the kernels compare against.
+    pub cycles: u64,
+    /// Whether the spec's `flag_timeout` set it; else the planner's default.
+    pub hinted: bool,
+}
+
+/// The default bound: about two seconds at the H200's 1.98 GHz. No correct call waits
+/// this long for one flag; a sanitizer's run may (the `flag_timeout` hint).
+const DEFAULT_FLAG_WAIT_CYCLES: u64 = 4_000_000_000;
+
+impl Default for FlagWaitLimit {
+    fn default() -> Self {
+        FlagWaitLimit {
+            cycles: DEFAULT_FLAG_WAIT_CYCLES,
+            hinted: false,
+        }
+    }
+}
+
+impl FlagWaitLimit {
+    /// `layer`'s bound on `target`: its `flag_timeout` at the target's clock, else the
+    /// default.
+    pub fn of(layer: &ir::Layer, target: &Target) -> Self {
+        match layer.schedule.flag_timeout_ns {
+            Some(ns) => FlagWaitLimit {
+                cycles: (ns as f64 * target.clock_hz / 1e9).round() as u64,
+                hinted: true,
+            },
+            None => FlagWaitLimit::default(),
+        }
+    }
+
+    /// The bound in seconds at `target`'s clock.
+    pub fn seconds(&self, target: &Target) -> f64 {
+        self.cycles as f64 / target.clock_hz
+    }
+}
+
 /// A complete execution plan for one layer on one target.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -138,6 +180,9 @@ pub struct Plan {
     /// separate launches ([`CALL_GRAPH_MAX_TOKENS`]). 0 (plans written before it): none.
     #[serde(default)]
     pub call_graph_max_tokens: u32,
+    /// The bound on every flag wait of the plan's kernels.
+    #[serde(default)]
+    pub flag_wait_limit: FlagWaitLimit,
     /// What this plan leaves out of the layer, stated so nobody assumes otherwise.
     pub limitations: Vec<String>,
 }
@@ -1315,6 +1360,7 @@ pub fn plan_tuned(
         .filter(|buffer| ROUTER_BUFFERS.contains(&buffer.id))
         .cloned()
         .collect();
+    let flag_wait_limit = FlagWaitLimit::of(layer, target);
     let expert_parallel = match ep::plan_expert_parallel(
         layer,
         target,
@@ -1323,6 +1369,7 @@ pub fn plan_tuned(
         &symbol,
         &shape,
         router_buffers,
+        flag_wait_limit.seconds(target),
     ) {
         Ok(expert_parallel) => expert_parallel,
         // The single-GPU kernels still run such a layer: say why the plan has no
@@ -1410,6 +1457,7 @@ pub fn plan_tuned(
         expert_parallel,
         router,
         call_graph_max_tokens,
+        flag_wait_limit,
         limitations,
     })
 }

@@ -155,17 +155,15 @@ const NCCL_MAX_CTAS: u32 = 32;
 /// Floor of the host's wait bound: a correct call of any size finishes its transfers
 /// within this much beyond the flag bounds.
 const MIN_TRANSFER_SECONDS: f64 = 1.0;
-/// The H200's clock (GHz), to state the flag bound in seconds.
-const CLOCK_HZ: f64 = 1.98e9;
 
 /// The network plan of `ranks` ranks on `layer`'s topology, with `chunk` tokens per
-/// transfer and `slots` token slots per source; `None` on one node.
+/// transfer and kernels that wait at most `flag_seconds` for a flag; `None` on one node.
 pub(crate) fn plan_network(
     layer: &ir::Layer,
     shape: &LayerShape,
     ranks: u32,
     chunk: u32,
-    spin_limit_cycles: u64,
+    flag_seconds: f64,
 ) -> Option<NetworkPlan> {
     let topology = &layer.topology;
     if topology.nodes <= 1 || topology.virtual_ranks.is_some() {
@@ -184,7 +182,6 @@ pub(crate) fn plan_network(
         bandwidth as f64 / 1e9,
         NCCL_CTA_BYTES_PER_S / 1e9
     );
-    let flag_seconds = spin_limit_cycles as f64 / CLOCK_HZ;
     let transfer_seconds =
         4.0 * call_bytes_per_peer as f64 * f64::from(peers_per_rank) / bandwidth.max(1) as f64;
     let wait_seconds = 2.0 * flag_seconds + transfer_seconds.max(MIN_TRANSFER_SECONDS);
@@ -464,17 +461,21 @@ mod tests {
 
     use super::*;
     use crate::plan::ep::{EXCHANGE_STATE, Placement};
-    use crate::plan::{Plan, Target, plan};
+    use crate::plan::{FlagWaitLimit, Plan, Target, plan};
 
     /// The tiny layer (8 experts, top 2, max_tokens 512, chunks of 16) on `nodes` nodes of
     /// `gpus` GPUs each.
     fn planned(nodes: u32, gpus: u32, extra: &str) -> Plan {
-        let ranks = nodes * gpus;
-        let text = format!(
-            "topology t {{\n gpus_per_node = {gpus}\n nodes = {nodes}\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}}\nlayer l {{\n hidden = 128\n ffn = 256\n experts = 8\n top_k = 2\n max_tokens = 512\n{extra} parallel {{ expert = {ranks} }}\n topology = t\n schedule {{\n  gemm1.tile = 32x64x64\n  gemm2.tile = 32x64x64\n  stages = 2\n  dispatch_chunk = 16 tokens\n  comm_blocks = 2\n }}\n}}\n"
-        );
-        let module = crate::compile_source("l.moe", &text).expect("checks");
+        let module = crate::compile_source("l.moe", &spec(nodes, gpus, extra)).expect("checks");
         plan(&module.layers[0], &Target::h200()).expect("plans")
+    }
+
+    /// The text `planned` plans.
+    fn spec(nodes: u32, gpus: u32, extra: &str) -> String {
+        let ranks = nodes * gpus;
+        format!(
+            "topology t {{\n gpus_per_node = {gpus}\n nodes = {nodes}\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}}\nlayer l {{\n hidden = 128\n ffn = 256\n experts = 8\n top_k = 2\n max_tokens = 512\n{extra} parallel {{ expert = {ranks} }}\n topology = t\n schedule {{\n  gemm1.tile = 32x64x64\n  gemm2.tile = 32x64x64\n  stages = 2\n  dispatch_chunk = 16 tokens\n  comm_blocks = 2\n }}\n}}\n"
+        )
     }
 
     fn network_of(plan: &Plan) -> (&ExpertParallelPlan, &NetworkPlan) {
@@ -667,6 +668,32 @@ mod tests {
                 assert!(waited.values().all(|&n| n == 1));
             }
         }
+    }
+
+    /// The spec's `flag_timeout` bounds every flag wait of the kernels, and the host's wait
+    /// for a call's transfers counts two of them.
+    #[test]
+    fn the_flag_timeout_bounds_the_kernels_waits_and_the_hosts() {
+        let default = planned(2, 1, "");
+        let text = spec(2, 1, "").replace(
+            "comm_blocks = 2\n",
+            "comm_blocks = 2\n  flag_timeout = 60_000 ms\n",
+        );
+        let module = crate::compile_source("l.moe", &text).expect("checks");
+        let hinted = plan(&module.layers[0], &Target::h200()).expect("plans");
+        assert_eq!(
+            hinted.flag_wait_limit,
+            FlagWaitLimit {
+                cycles: 118_800_000_000,
+                hinted: true
+            }
+        );
+        assert_eq!(default.flag_wait_limit, FlagWaitLimit::default());
+        let wait_ms = |plan: &Plan| network_of(plan).1.wait_limit_ms;
+        assert!(wait_ms(&hinted) >= 120_000, "{}", wait_ms(&hinted));
+        assert!(wait_ms(&default) < 10_000, "{}", wait_ms(&default));
+        let source = crate::codegen::generate(&hinted).expect("generates").source;
+        assert!(source.contains("SPIN_LIMIT_CYCLES = 118800000000LL"));
     }
 
     /// The flags the network stream waits on restart with the exchange after a time-out.

@@ -40,6 +40,15 @@ pub struct Target {
     /// ([`Target::clusters_at_once`]).
     #[serde(default)]
     pub clusters_at_once: [[u32; 8]; 2],
+    /// SM clock the kernels' `clock64` counts at (Hz, the boost clock): what turns a time
+    /// bound into the cycles a flag wait compares against.
+    #[serde(default = "h200_clock_hz")]
+    pub clock_hz: f64,
+}
+
+/// The H200's boost clock, 1.98 GHz (the H100 SXM's too).
+fn h200_clock_hz() -> f64 {
+    1.98e9
 }
 
 impl Target {
@@ -70,6 +79,7 @@ impl Target {
                 [132, 66, 39, 30, 22, 17, 15, 15],
                 [264, 132, 79, 62, 47, 39, 32, 30],
             ],
+            clock_hz: h200_clock_hz(),
         }
     }
 
@@ -104,6 +114,8 @@ impl Target {
             launch_overhead_s: 4e-6,
             memory_bytes: 80_000_000_000,
             clusters_at_once: [[0; 8]; 2],
+            // The A100's boost clock.
+            clock_hz: 1.41e9,
         }
     }
 
