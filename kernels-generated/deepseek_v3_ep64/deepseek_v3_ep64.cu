@@ -10,7 +10,7 @@
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 64 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
-// Note: ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves 2.35 GB to each of a rank's 56 network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and 143 KB at one token; the network's outboxes and inboxes take 250 GB per rank
+// Note: ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves 587 MB to each of a rank's 56 network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and 143 KB at one token; the network's outboxes and inboxes take 62.5 GB per rank
 // Note: the spec asks for hierarchical traffic (one transfer per remote node, fanned out over NVLink there), which is not built yet: each rank sends to every network peer directly
 
 // ---------------------------------------------------------------------------------------
@@ -1442,7 +1442,7 @@ __device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc
         : "l"(desc_a), "l"(desc_b));
 }
 #endif
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_64x256) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_128x256)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_64x256)
 template <>
 __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -2815,7 +2815,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_mid_router_ga
 }
 #endif
 
-// Router of regime `prefill` (2049..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 256 experts x 64, 5 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
+// Router of regime `prefill` (2049..=4096 tokens): split, its gate for these calls; gate tile 64 tokens x 256 experts x 64, 5 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_64x256)
 struct prefill_router_gate_64x256 {
     enum : bool { FUSED = false };
@@ -2836,30 +2836,6 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_route
 )
 {
     router_gate_split_warp_specialized<prefill_router_gate_64x256>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
-}
-#endif
-
-// Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 256 experts x 64, 4 stages, wgmma: a producer warpgroup and 2 consumer warpgroups, 1 expert tiles per token tile
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_128x256)
-struct prefill_router_gate_128x256 {
-    enum : bool { FUSED = false };
-    enum : int { BM = 128, BN = 256, STAGES = 4, EXPERT_TILES = 1 };
-    enum : int { WARPS_M = 8, WARPS_N = 1, WARPS_K = 1, THREADS = 384 };
-    enum : int { MOST_SPLITS = 112 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
-    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
-    enum : int { PRODUCER_THREADS = 128 };
-    // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
-    enum : int { A_BYTES = 16384, STAGE_BYTES = 49152, RING_ALIGN = 1024, BARRIER_OFFSET = 196608, SMEM_BYTES = 197696 };
-};
-extern "C" __global__ void __launch_bounds__(384) deepseek_v3_ep64_prefill_router_gate_128x256(
-    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
-    int tokens,  // tokens in this call
-    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
-    u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
-)
-{
-    router_gate_split_warp_specialized<prefill_router_gate_128x256>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -2981,11 +2957,11 @@ enum : int { LOCAL_EXPERTS = 4 };     // E / RANKS, contiguous: expert e lives o
 // (local expert, source) runs of GEMM rows, then a (shared slice, source) run per slice
 // and source, holding rows only for this rank's own tokens.
 enum : int { SEGMENTS = (LOCAL_EXPERTS + SHARED_SLICES) * RANKS };
-enum : int { MAX_TOKENS = 16384 };
-enum : int { SLOTS = 16384 };                     // token slots per source in recv_x
-enum : int { SEGMENT_ROWS = 16384 };       // rows per (local expert, source) in recv_*
+enum : int { MAX_TOKENS = 4096 };
+enum : int { SLOTS = 4096 };                     // token slots per source in recv_x
+enum : int { SEGMENT_ROWS = 4096 };       // rows per (local expert, source) in recv_*
 enum : int { CHUNK = 64 };                     // tokens per dispatch chunk
-enum : int { CHUNKS = 256 };                   // chunk flags per source
+enum : int { CHUNKS = 64 };                   // chunk flags per source
 enum : int { OWN_ROW_BASE = RANKS * SLOTS };               // GEMM1 rows from here on: this rank's own tokens, read from x
 enum : int { MIN_PIECE = 2 };                  // fewest tokens per dispatch work item (divides CHUNK)
 enum : int { COPY_UNROLL = 8 };                            // 16-byte loads in flight per thread while copying (8: 1.1-1.7x the rate of 4, measured)
@@ -3774,7 +3750,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm2(
 }
 #endif
 // ---------------------------------------------------------------------------------------
-// Regime `prefill`: 2049..=16384 tokens per call
+// Regime `prefill`: 2049..=4096 tokens per call
 // ---------------------------------------------------------------------------------------
 // GEMM1 (x rows gathered or sorted, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm1)
@@ -4025,7 +4001,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gem
 }
 #endif
 // ---------------------------------------------------------------------------------------
-// Rank regime `prefill`, expert-parallel (tokens per rank): 33..=16384 tokens per call
+// Rank regime `prefill`, expert-parallel (tokens per rank): 33..=4096 tokens per call
 // ---------------------------------------------------------------------------------------
 // expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): wgmma-ws, tile 128x128x64, 4 stages, 8x1 warps + 4 producer warps, 110 persistent blocks (1 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm1)

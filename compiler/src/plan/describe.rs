@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
+use super::memory::{DeviceMemory, MemoryUse, USABLE_MEMORY_SHARE};
 use super::network::NetworkPlan;
 use super::router::{GateEngine, RouterRegime};
 use super::tuning::ChoiceSource;
@@ -101,59 +102,51 @@ fn describe_modules(out: &mut String, plan: &Plan) {
 }
 
 /// What one GPU holds (all experts), and on the expert-parallel path what each rank holds
-/// (its experts, the shared slices, its buffers), against the target's memory.
+/// (its experts, the shared slices, its buffers), against the share of the target's memory
+/// a plan may fill (`memory::USABLE_MEMORY_SHARE`).
 fn describe_memory(out: &mut String, plan: &Plan) {
-    let shape = &plan.shape;
-    let (w1_rows, hidden, ffn) = (
-        u64::from(shape.w1_rows()),
-        u64::from(shape.hidden),
-        u64::from(shape.ffn),
-    );
-    let bias_bytes = if shape.expert_bias {
-        (w1_rows + hidden) * 4
-    } else {
-        0
-    };
-    let expert_bytes = (w1_rows * hidden + hidden * ffn) * 2 + bias_bytes;
-    let gate_bytes = plan
-        .router
-        .as_ref()
-        .map_or(0, |_| u64::from(shape.experts) * hidden * 2);
-    let workspace = |buffers: &[super::Buffer]| buffers.iter().map(|b| b.bytes()).sum::<u64>();
-    let mut line = |what: &str, experts: u32, buffers: u64| {
-        let weights = u64::from(experts) * expert_bytes + gate_bytes;
-        let total = weights + buffers;
-        let gb = |bytes: u64| bytes as f64 / 1e9;
-        let verdict = if plan.target.memory_bytes == 0 {
+    let memory = DeviceMemory::of(plan);
+    let target = &plan.target;
+    let gb = |bytes: u64| bytes as f64 / 1e9;
+    let usable = (target.memory_bytes as f64 * USABLE_MEMORY_SHARE) as u64;
+    let line = |out: &mut String, what: String, held: &MemoryUse, on_device: u64| {
+        let verdict = if target.memory_bytes == 0 {
             String::new()
-        } else if total > plan.target.memory_bytes {
+        } else if on_device > usable {
             format!(
-                ", more than the {:.0} GB of {}: it cannot run there with these buffers",
-                gb(plan.target.memory_bytes),
-                plan.target.name
+                ", more than the {:.0} GB of {}'s {:.0} GB a plan may fill: it cannot run there with these buffers",
+                gb(usable),
+                target.name,
+                gb(target.memory_bytes)
             )
         } else {
-            format!(
-                " of {}'s {:.0} GB",
-                plan.target.name,
-                gb(plan.target.memory_bytes)
-            )
+            format!(" of {}'s {:.0} GB", target.name, gb(target.memory_bytes))
         };
         let _ = writeln!(
             out,
             "  device memory        {what}: weights {:.2} GB + workspace {:.2} GB = {:.2} GB{verdict}",
-            gb(weights),
-            gb(buffers),
-            gb(total)
+            gb(held.weights),
+            gb(held.workspace),
+            gb(held.total())
         );
     };
-    line("one GPU", shape.gemm_experts(), workspace(&plan.workspace));
-    if let Some(ep) = &plan.expert_parallel {
-        line(
-            "per rank",
-            ep.experts_per_rank + shape.shared_slices,
-            workspace(&ep.workspace),
-        );
+    line(
+        out,
+        "one GPU".to_string(),
+        &memory.one_gpu,
+        memory.one_gpu.total(),
+    );
+    if let Some(rank) = &memory.per_rank {
+        let what = if memory.ranks_per_device > 1 {
+            format!(
+                "per rank ({} on one GPU: {:.2} GB)",
+                memory.ranks_per_device,
+                gb(memory.per_device())
+            )
+        } else {
+            "per rank".to_string()
+        };
+        line(out, what, rank, memory.per_device());
     }
 }
 

@@ -15,6 +15,7 @@ mod describe;
 pub mod ep;
 pub mod fused_decode;
 mod launch;
+pub mod memory;
 pub mod network;
 pub mod router;
 pub mod target;
@@ -1214,8 +1215,28 @@ pub fn plan(layer: &ir::Layer, target: &Target) -> Result<Plan, PlanError> {
 
 /// [`plan`], with each single-GPU regime's GEMMs taken from `tuning` where it has an entry
 /// for this GPU, shape and regime and the spec hints nothing for that GEMM. An entry this
-/// build cannot plan is left out, and the plan's limitations say so.
+/// build cannot plan is left out, and the plan's limitations say so. Where the target's
+/// devices cannot hold the plan, its limitations say so too, with the largest
+/// `max_tokens` that would fit ([`memory::memory_problem`]).
 pub fn plan_tuned(
+    layer: &ir::Layer,
+    target: &Target,
+    tuning: &tuning::TuningTable,
+) -> Result<Plan, PlanError> {
+    let mut plan = plan_as_sized(layer, target, tuning)?;
+    let at_size = |max_tokens: u32| {
+        let mut sized = layer.clone();
+        sized.max_tokens = max_tokens;
+        plan_as_sized(&sized, target, tuning)
+    };
+    if let Some(problem) = memory::memory_problem(&plan, at_size) {
+        plan.limitations.push(problem.to_string());
+    }
+    Ok(plan)
+}
+
+/// [`plan_tuned`], its buffers sized by the layer's `max_tokens` whether or not they fit.
+fn plan_as_sized(
     layer: &ir::Layer,
     target: &Target,
     tuning: &tuning::TuningTable,
