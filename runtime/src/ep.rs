@@ -166,6 +166,22 @@ struct Network {
     gemm2_done: CudaEvent,
 }
 
+/// The tokens bound of a group: the largest of this rank's `mine` and every rank's value
+/// gathered in `messages` (4 little-endian bytes each, as [`EpLayer::bound_tokens`] sends
+/// them).
+fn agreed_tokens_bound(mine: u32, messages: &[Vec<u8>]) -> Result<u32, LayerError> {
+    messages.iter().try_fold(mine, |bound, message| {
+        let bytes: [u8; 4] =
+            message
+                .as_slice()
+                .try_into()
+                .map_err(|_| LayerError::TokensBoundMessage {
+                    bytes: message.len(),
+                })?;
+        Ok(bound.max(u32::from_le_bytes(bytes)))
+    })
+}
+
 /// Enables access from `from` to `to`'s memory (one process, several GPUs).
 fn enable_peer_access(from: &CudaContext, to: &CudaContext) -> Result<(), GpuError> {
     from.bind_to_thread().context("binding a context")?;
@@ -437,22 +453,13 @@ impl EpLayer {
         }
         let bound = match self.group.as_mut() {
             None => mine,
-            Some(group) => group
-                .channel
-                .all_gather(&mine.to_le_bytes())
-                .map_err(ipc::GroupError::from)?
-                .iter()
-                .map(|message| {
-                    let bytes: [u8; 4] = message.as_slice().try_into().map_err(|_| {
-                        LayerError::TokensBoundMessage {
-                            bytes: message.len(),
-                        }
-                    })?;
-                    Ok(u32::from_le_bytes(bytes))
-                })
-                .try_fold(mine, |bound, theirs: Result<u32, LayerError>| {
-                    Ok::<_, LayerError>(bound.max(theirs?))
-                })?,
+            Some(group) => agreed_tokens_bound(
+                mine,
+                &group
+                    .channel
+                    .all_gather(&mine.to_le_bytes())
+                    .map_err(ipc::GroupError::from)?,
+            )?,
         };
         self.tokens_bound = bound.min(max);
         Ok(self.tokens_bound)
@@ -1503,4 +1510,24 @@ fn bind_router(
         LaunchArg::Workspace(id) if ROUTER_METADATA.contains(&id) => Binding::Unused,
         _ => bind(arg, workspace, tensor_maps)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_group_agrees_on_the_largest_tokens_bound() {
+        let sent = |t: u32| t.to_le_bytes().to_vec();
+        assert_eq!(
+            agreed_tokens_bound(7, &[sent(7), sent(90), sent(0)]).unwrap(),
+            90
+        );
+        assert_eq!(agreed_tokens_bound(5, &[]).unwrap(), 5);
+        let error = agreed_tokens_bound(5, &[sent(5), vec![1, 2]]).unwrap_err();
+        assert!(
+            matches!(error, LayerError::TokensBoundMessage { bytes: 2 }),
+            "{error}"
+        );
+    }
 }

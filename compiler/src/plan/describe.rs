@@ -193,8 +193,17 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, shape: &L
             .iter()
             .enumerate()
             .map(|(rank, order)| {
-                let list: Vec<String> = order.iter().map(u32::to_string).collect();
-                format!("{rank}: {}", list.join(" "))
+                // Up to 8 ranks read best one by one; past that, as runs.
+                let listed = if order.len() > 8 {
+                    rank_runs(order)
+                } else {
+                    order
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                };
+                format!("{rank}: {listed}")
             })
             .collect::<Vec<_>>()
             .join(" | ")
@@ -239,6 +248,32 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, shape: &L
             regime.comm_blocks, regime.comm_reason, regime.compute_sms
         );
     }
+}
+
+/// Ranks in order, each run of three or more consecutive ranks written `a-b`, ascending
+/// or descending (`0 8-63 1-7`, `0 7-1 63-8`: 64 ranks in a few characters).
+fn rank_runs(order: &[u32]) -> String {
+    let mut parts = Vec::new();
+    let mut start = 0;
+    while start < order.len() {
+        let mut end = start;
+        let step = |from: u32, to: u32| i64::from(to) - i64::from(from);
+        if let Some(&next) = order.get(start + 1)
+            && step(order[start], next).abs() == 1
+        {
+            let direction = step(order[start], next);
+            while end + 1 < order.len() && step(order[end], order[end + 1]) == direction {
+                end += 1;
+            }
+        }
+        if end - start >= 2 {
+            parts.push(format!("{}-{}", order[start], order[end]));
+        } else {
+            parts.extend(order[start..=end].iter().map(u32::to_string));
+        }
+        start = end + 1;
+    }
+    parts.join(" ")
 }
 
 /// `bytes` in decimal units, three significant digits (`14.5 KB`, `2.35 GB`).
@@ -540,6 +575,27 @@ fn describe_launch(out: &mut String, launch: &Launch) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn rank_runs_write_three_or_more_consecutive_ranks_as_a_range() {
+        let order: Vec<u32> = std::iter::once(9)
+            .chain(16..64)
+            .chain(0..8)
+            .chain(10..16)
+            .chain([8])
+            .collect();
+        assert_eq!(super::rank_runs(&order), "9 16-63 0-7 10-15 8");
+        assert_eq!(super::rank_runs(&[1, 2, 0]), "1 2 0");
+        assert_eq!(super::rank_runs(&[3, 0, 1, 2]), "3 0-2");
+        let receive: Vec<u32> = [0]
+            .into_iter()
+            .chain((1..8).rev())
+            .chain((8..64).rev())
+            .collect();
+        assert_eq!(super::rank_runs(&receive), "0 7-1 63-8");
+        assert_eq!(super::rank_runs(&[5, 4, 6, 7, 8]), "5 4 6-8");
+        assert_eq!(super::rank_runs(&[]), "");
+    }
+
     #[test]
     fn decimal_bytes_keeps_three_significant_digits() {
         let cases = [
