@@ -376,6 +376,14 @@ fn simulate_routes_within_the_routers_group_limit() {
         "{}",
         String::from_utf8_lossy(&output.stdout)
     );
+    // Across nodes the report adds what the kernels as built move: 56 network peers, each
+    // sent the slices of 128 tokens (rows, receive index, 9 result slots each).
+    assert!(
+        String::from_utf8_lossy(&output.stdout)
+            .contains("as built (a floor, not simulated): 56 network peers x 18.36 MB"),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
     let without = moeforge(&["simulate", "dsl-examples/tiny.moe", "--routing", "grouped"]);
     assert_eq!(without.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&without.stderr).contains("--groups and --groups-kept"));
