@@ -565,10 +565,7 @@ mod tests {
     }
 
     /// Over every pair of ranks on different nodes and tokens bounds from none to beyond
-    /// max_tokens: each step's sends from one match the other's receives in that step
-    /// (same order, same bytes), every range fits its buffer, a peer is sent
-    /// `bytes_per_peer` of the bound, and each call waits for every staging flag of the
-    /// chunks it moves and releases every flag the kernels of such a call wait on once.
+    /// max_tokens: see [`assert_steps_pair_up`].
     #[test]
     fn every_send_meets_a_receive_of_the_same_bytes_within_the_buffers() {
         for ((nodes, gpus, extra), bound) in [
@@ -580,93 +577,135 @@ mod tests {
         .flat_map(|layer| [0, 1, 17, 48, 512, 4096].map(|bound| (layer, bound)))
         {
             let plan = planned(nodes, gpus, extra);
-            plan.validate().expect("valid");
-            let (ep, network) = network_of(&plan);
-            let ranks = ep.ranks;
-            let size = |id: BufferId| {
-                ep.workspace
-                    .iter()
-                    .find(|b| b.id == id)
-                    .unwrap_or_else(|| panic!("no {}", id.name()))
-                    .bytes()
-            };
-            let steps: Vec<Vec<NetworkStep>> = (0..ranks)
-                .map(|r| network.steps(ep, &plan.shape, r, bound))
-                .collect();
             // Chunks of 16 token slots, 512 of them: the bound's chunks, at most 32.
-            let call_chunks = u64::from(bound.min(512).div_ceil(16));
-            assert_eq!(u64::from(network.chunks_within(bound)), call_chunks);
-            assert!(steps.iter().all(|s| s.len() as u64 == 1 + 2 * call_chunks));
-            for (rank, rank_steps) in steps.iter().enumerate() {
+            assert_eq!(
+                network_of(&plan).1.chunks_within(bound),
+                bound.min(512).div_ceil(16)
+            );
+            assert_steps_pair_up(&plan, bound);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// The same over random node counts (dividing the 8 experts), GPUs per node,
+        /// max_tokens, chunks (dividing max_tokens or not) and bounds.
+        #[test]
+        fn steps_pair_up_for_any_layer_and_bound(
+            nodes in proptest::sample::select(vec![2u32, 4]),
+            gpus in 1u32..=2,
+            max_tokens in 1u32..=300,
+            chunk in 1u32..=64,
+            bound in 0u32..=400,
+            shared in proptest::bool::ANY,
+        ) {
+            let extra = if shared { " shared_experts {\n  count = 1\n  ffn = 256\n }\n" } else { "" };
+            let text = spec(nodes, gpus, extra)
+                .replace("max_tokens = 512", &format!("max_tokens = {max_tokens}"))
+                .replace("dispatch_chunk = 16 tokens", &format!("dispatch_chunk = {chunk} tokens"));
+            let module = crate::compile_source("l.moe", &text).expect("checks");
+            let plan = plan(&module.layers[0], &Target::h200()).expect("plans");
+            assert_steps_pair_up(&plan, bound);
+        }
+    }
+
+    /// For a call of `plan` whose tokens bound is `bound`, on every rank: each step's sends
+    /// to a peer match that peer's receives in that step (same order, same bytes), every
+    /// range fits its buffer, a peer is sent `bytes_per_peer` of the bound, and the call
+    /// waits for every staging flag of the chunks it moves and releases every flag the
+    /// kernels of such a call wait on, once.
+    fn assert_steps_pair_up(plan: &Plan, bound: u32) {
+        plan.validate().expect("valid");
+        let (ep, network) = network_of(plan);
+        let ranks = ep.ranks;
+        let size = |id: BufferId| {
+            ep.workspace
+                .iter()
+                .find(|b| b.id == id)
+                .unwrap_or_else(|| panic!("no {}", id.name()))
+                .bytes()
+        };
+        let steps: Vec<Vec<NetworkStep>> = (0..ranks)
+            .map(|r| network.steps(ep, &plan.shape, r, bound))
+            .collect();
+        let call_chunks = u64::from(network.chunks_within(bound));
+        let slots = u64::from(ep.slots_per_source);
+        assert_eq!(
+            call_chunks,
+            u64::from(bound)
+                .min(slots)
+                .div_ceil(u64::from(network.chunk_tokens))
+        );
+        assert!(steps.iter().all(|s| s.len() as u64 == 1 + 2 * call_chunks));
+        for (rank, rank_steps) in steps.iter().enumerate() {
+            for peer in network.peers(rank as u32, ranks) {
+                let sent: u64 = rank_steps
+                    .iter()
+                    .flat_map(|s| &s.sends)
+                    .filter(|t| t.peer == peer)
+                    .map(|t| t.bytes)
+                    .sum();
+                assert_eq!(sent, network.bytes_per_peer(ep, &plan.shape, bound));
+            }
+            let mut released = HashMap::new();
+            let mut waited = HashMap::new();
+            for (i, step) in rank_steps.iter().enumerate() {
+                for t in step.sends.iter().chain(&step.receives) {
+                    assert!(
+                        t.bytes > 0 && t.offset_bytes + t.bytes <= size(t.buffer),
+                        "{t:?}"
+                    );
+                    assert_eq!(network.route(rank as u32, t.peer), Route::Network);
+                }
                 for peer in network.peers(rank as u32, ranks) {
-                    let sent: u64 = rank_steps
+                    let sent: Vec<u64> = step
+                        .sends
                         .iter()
-                        .flat_map(|s| &s.sends)
                         .filter(|t| t.peer == peer)
                         .map(|t| t.bytes)
-                        .sum();
-                    assert_eq!(sent, network.bytes_per_peer(ep, &plan.shape, bound));
+                        .collect();
+                    let received: Vec<u64> = steps[peer as usize][i]
+                        .receives
+                        .iter()
+                        .filter(|t| t.peer == rank as u32)
+                        .map(|t| t.bytes)
+                        .collect();
+                    assert!(!sent.is_empty());
+                    assert_eq!(sent, received, "step {i} from {rank} to {peer}");
                 }
-                let mut released = HashMap::new();
-                let mut waited = HashMap::new();
-                for (i, step) in rank_steps.iter().enumerate() {
-                    for t in step.sends.iter().chain(&step.receives) {
-                        assert!(
-                            t.bytes > 0 && t.offset_bytes + t.bytes <= size(t.buffer),
-                            "{t:?}"
-                        );
-                        assert_eq!(network.route(rank as u32, t.peer), Route::Network);
-                    }
-                    for peer in network.peers(rank as u32, ranks) {
-                        let sent: Vec<u64> = step
-                            .sends
-                            .iter()
-                            .filter(|t| t.peer == peer)
-                            .map(|t| t.bytes)
-                            .collect();
-                        let received: Vec<u64> = steps[peer as usize][i]
-                            .receives
-                            .iter()
-                            .filter(|t| t.peer == rank as u32)
-                            .map(|t| t.bytes)
-                            .collect();
-                        assert!(!sent.is_empty());
-                        assert_eq!(sent, received, "step {i} from {rank} to {peer}");
-                    }
-                    for flag in &step.release {
-                        *released.entry((flag.buffer, flag.index)).or_insert(0) += 1;
-                        assert!((flag.index + 1) * 4 <= size(flag.buffer));
-                    }
-                    if let StepStart::Flags(flags) = &step.start {
-                        for flag in flags {
-                            *waited.entry((flag.buffer, flag.index)).or_insert(0) += 1;
-                        }
+                for flag in &step.release {
+                    *released.entry((flag.buffer, flag.index)).or_insert(0) += 1;
+                    assert!((flag.index + 1) * 4 <= size(flag.buffer));
+                }
+                if let StepStart::Flags(flags) = &step.start {
+                    for flag in flags {
+                        *waited.entry((flag.buffer, flag.index)).or_insert(0) += 1;
                     }
                 }
-                let peers = u64::from(network.peers_per_rank);
-                let chunks = u64::from(network.chunks);
-                // Each network source's metadata flag and the flags of the chunks the bound
-                // spans (a chunk of rows per source, a token chunk's return flag per network
-                // peer): the flags a call's kernels wait on with at most `bound` tokens per
-                // rank. Once each.
-                assert_eq!(released.len() as u64, peers * (1 + 2 * call_chunks));
-                assert!(released.values().all(|&n| n == 1));
-                for peer in network.peers(rank as u32, ranks) {
-                    let slot = u64::from(network.slot(rank as u32, peer).unwrap());
-                    assert!(released.contains_key(&(BufferId::MetaFlags, u64::from(peer))));
-                    for c in 0..call_chunks {
-                        for flag in [
-                            (BufferId::ChunkFlags, u64::from(peer) * chunks + c),
-                            (BufferId::NetReturnFlags, slot * chunks + c),
-                        ] {
-                            assert!(released.contains_key(&flag), "{flag:?} at bound {bound}");
-                        }
-                    }
-                }
-                // The staging flags of the metadata and of those chunks, each peer's.
-                assert_eq!(waited.len() as u64, peers * (1 + call_chunks));
-                assert!(waited.values().all(|&n| n == 1));
             }
+            let peers = u64::from(network.peers_per_rank);
+            let chunks = u64::from(network.chunks);
+            // Each network source's metadata flag and the flags of the chunks the bound
+            // spans (a chunk of rows per source, a token chunk's return flag per network
+            // peer): the flags a call's kernels wait on with at most `bound` tokens per
+            // rank. Once each.
+            assert_eq!(released.len() as u64, peers * (1 + 2 * call_chunks));
+            assert!(released.values().all(|&n| n == 1));
+            for peer in network.peers(rank as u32, ranks) {
+                let slot = u64::from(network.slot(rank as u32, peer).unwrap());
+                assert!(released.contains_key(&(BufferId::MetaFlags, u64::from(peer))));
+                for c in 0..call_chunks {
+                    for flag in [
+                        (BufferId::ChunkFlags, u64::from(peer) * chunks + c),
+                        (BufferId::NetReturnFlags, slot * chunks + c),
+                    ] {
+                        assert!(released.contains_key(&flag), "{flag:?} at bound {bound}");
+                    }
+                }
+            }
+            // The staging flags of the metadata and of those chunks, each peer's.
+            assert_eq!(waited.len() as u64, peers * (1 + call_chunks));
+            assert!(waited.values().all(|&n| n == 1));
         }
     }
 
