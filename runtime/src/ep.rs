@@ -142,9 +142,10 @@ pub struct EpLayer {
     tokens_bound: u32,
     /// Fault injection: the rank whose communication the next call leaves out.
     withheld: Option<usize>,
-    /// Whether calls a rank regime's fused decode covers run it (one process driving every
-    /// rank only: all ranks must take the same path, which rank processes cannot see);
-    /// `MOEFORGE_FUSED_DECODE=0` runs the table instead, as on one GPU.
+    /// Whether calls a rank regime's fused decode covers run it (all ranks must take the
+    /// same path: one process driving every rank decides from every rank's count, rank
+    /// processes from the tokens bound they agreed on); `MOEFORGE_FUSED_DECODE=0` runs the
+    /// table instead, as on one GPU.
     fused_decode: bool,
 }
 
@@ -406,7 +407,7 @@ impl EpLayer {
             epoch: 0,
             tokens_bound: max_tokens,
             withheld: None,
-            fused_decode: false,
+            fused_decode: fused_decode_from(|name| std::env::var(name).ok())?,
         })
     }
 
@@ -895,7 +896,9 @@ impl EpLayer {
         self.fused_regime_for(calls.iter().map(|call| call.tokens), withheld)
     }
 
-    /// [`EpLayer::fused_regime`] of a call of `tokens` tokens on each rank.
+    /// [`EpLayer::fused_regime`] of a call of `tokens` tokens on each rank this process
+    /// drives. A rank process sees only its own count, so a group decides from the tokens
+    /// bound its ranks agreed on, the same on every rank and at least every rank's count.
     fn fused_regime_for(
         &self,
         tokens: impl Iterator<Item = u32>,
@@ -904,7 +907,11 @@ impl EpLayer {
         if !self.fused_decode || withheld.is_some() {
             return None;
         }
-        let most = tokens.max()?;
+        let most = if self.group.is_some() {
+            self.tokens_bound
+        } else {
+            tokens.max()?
+        };
         let regime = self.ep.regime_index_for(most)?;
         self.ep.regimes[regime].fuses(most).then_some(regime)
     }
