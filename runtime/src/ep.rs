@@ -138,7 +138,7 @@ pub struct EpLayer {
     epoch: u32,
     /// The most tokens any rank passes in a call, as the ranks agreed
     /// ([`EpLayer::bound_tokens`]; max_tokens until they do): the network steps move
-    /// what so many tokens can fill.
+    /// what so many tokens can fill, and rank processes run the fused decode by it.
     tokens_bound: u32,
     /// Fault injection: the rank whose communication the next call leaves out.
     withheld: Option<usize>,
@@ -443,9 +443,10 @@ impl EpLayer {
     /// call (it meets the others on the control channel) and the bound is the largest any
     /// rank gave. Across nodes a call's NCCL steps then move only what so many tokens can
     /// fill (the chunks below the bound, each receive-index segment up to it) instead of
-    /// max_tokens' worth, which a decode call would otherwise pay for. Returns the bound; a
-    /// call that passes a rank more tokens is refused
-    /// ([`LayerError::BeyondTokensBound`]).
+    /// max_tokens' worth, which a decode call would otherwise pay for; on one node rank
+    /// processes run the ranks' fused decode where it covers the bound (each sees only its
+    /// own count, and all must take the same path). Returns the bound; a call that passes
+    /// a rank more tokens is refused ([`LayerError::BeyondTokensBound`]).
     pub fn bound_tokens(&mut self, most: Option<u32>) -> Result<u32, LayerError> {
         let max = self.plan.shape.max_tokens;
         let mine = most.unwrap_or(max);
