@@ -156,6 +156,34 @@ fn fmt_rewrites_in_place_keeping_comments_and_check_flags_unformatted_files() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
+/// A layer whose buffers cannot fit an H200 (DeepSeek-V3 on 64 ranks at 16384 tokens per
+/// rank): `check` accepts it (a spec may exist only to be simulated) with a note saying
+/// what it needs and which max_tokens fits; the shipped example (4096) gets none.
+#[test]
+fn check_notes_a_layer_too_large_for_its_gpus() {
+    let directory = std::env::temp_dir().join(format!("moeforge-memory-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("temp dir");
+    let path = directory.join("ep64_16k.moe");
+    let shipped =
+        std::fs::read_to_string("dsl-examples/deepseek_v3_ep64.moe").expect("the example");
+    std::fs::write(
+        &path,
+        shipped.replace("max_tokens = 4096", "max_tokens = 16384"),
+    )
+    .expect("write temp file");
+    let output = moeforge(&["check", path.to_str().expect("UTF-8 temp path")]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("note: layer `deepseek_v3_ep64`: the plan needs 284.9 GB per rank")
+            && stdout.contains("max_tokens = 7688 fits"),
+        "{stdout}"
+    );
+    let shipped = moeforge(&["check", "dsl-examples/deepseek_v3_ep64.moe"]);
+    assert!(!String::from_utf8_lossy(&shipped.stdout).contains("note:"));
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
 /// A layer only the target can refuse: `check` accepts it, `explain` and `compile` for
 /// that target exit 1 with a diagnostic at the layer (file:line:column, caret, hint).
 #[test]

@@ -1,7 +1,12 @@
-//! `moeforge check FILE...`: checks `.moe` files and reports every error in each.
+//! `moeforge check FILE...`: checks `.moe` files and reports every error in each, and notes
+//! a layer whose plan on the H200 (the checker's target) needs more memory per device than
+//! it has.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+use moeforge::compiler::ir;
+use moeforge::compiler::plan::{self, Target};
 
 use super::{OK, compile_file, worst};
 
@@ -35,8 +40,20 @@ pub fn run(args: &Args) -> ExitCode {
                 if layers.is_empty() { "" } else { ": " },
                 layers.join(", ")
             );
+            for layer in &module.layers {
+                if let Some(note) = memory_note(layer) {
+                    println!("  note: {note}");
+                }
+            }
             OK
         }
         Err(status) => status,
     }))
+}
+
+/// Where `layer`'s plan on the H200 does not fit its devices: what it needs and the
+/// max_tokens that fits. Not an error: a spec may describe a machine only to be simulated.
+fn memory_note(layer: &ir::Layer) -> Option<String> {
+    let problem = plan::memory_problem(layer, &Target::h200())?;
+    Some(format!("layer `{}`: {problem}", layer.name))
 }

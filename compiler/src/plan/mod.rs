@@ -1224,15 +1224,31 @@ pub fn plan_tuned(
     tuning: &tuning::TuningTable,
 ) -> Result<Plan, PlanError> {
     let mut plan = plan_as_sized(layer, target, tuning)?;
-    let at_size = |max_tokens: u32| {
-        let mut sized = layer.clone();
-        sized.max_tokens = max_tokens;
-        plan_as_sized(&sized, target, tuning)
-    };
-    if let Some(problem) = memory::memory_problem(&plan, at_size) {
+    if let Some(problem) = memory_problem_of(&plan, layer, tuning) {
         plan.limitations.push(problem.to_string());
     }
     Ok(plan)
+}
+
+/// Whether the devices of `layer`'s plan for `target` can hold it (see
+/// [`memory::memory_problem`]); `None` where they can, or where the layer does not plan.
+pub fn memory_problem(layer: &ir::Layer, target: &Target) -> Option<memory::MemoryProblem> {
+    let tuning = tuning::TuningTable::default();
+    let plan = plan_as_sized(layer, target, &tuning).ok()?;
+    memory_problem_of(&plan, layer, &tuning)
+}
+
+/// [`memory::memory_problem`] of `plan`, made of `layer` with `tuning`.
+fn memory_problem_of(
+    plan: &Plan,
+    layer: &ir::Layer,
+    tuning: &tuning::TuningTable,
+) -> Option<memory::MemoryProblem> {
+    memory::memory_problem(plan, |max_tokens| {
+        let mut sized = layer.clone();
+        sized.max_tokens = max_tokens;
+        plan_as_sized(&sized, &plan.target, tuning)
+    })
 }
 
 /// [`plan_tuned`], its buffers sized by the layer's `max_tokens` whether or not they fit.
