@@ -468,8 +468,9 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
         items_before += pieces;
     }
 {%- if ep.network.is_some() %}
-    // The network stream sends every chunk of a source's capacity (NCCL's counts are fixed
-    // on the host): the chunks this call leaves empty are ready at once.
+    // The network stream sends every chunk below the call's tokens bound (NCCL's counts are
+    // fixed on the host, not by this call's routing): the chunks this call leaves empty are
+    // ready at once.
     if (blockIdx.x == 0) {
         for (int destination = 0; destination < RANKS; ++destination) {
             const int network_slot = NETWORK_SLOT[rank][destination];
