@@ -410,7 +410,7 @@ fn a_peer_that_dies_before_sending_is_a_time_out_in_the_survivor() {
         "rank 1 exits on purpose before its call:\n{}",
         died.stderr
     );
-    // Every spin-wait is bounded by about 2 s (the plan's spin_limit_cycles); reading the
+    // Every spin-wait is bounded by about 2 s (the plan's flag_wait_limit); reading the
     // error, the failed agreement with the dead peer and tearing down take moments.
     let bound = Duration::from_secs(60);
     let done = survivor.finish(died.at + bound);
