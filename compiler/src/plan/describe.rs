@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
-use super::memory::{DeviceMemory, MemoryUse, USABLE_MEMORY_SHARE};
+use super::memory::{DeviceMemory, MemoryUse, usable_bytes};
 use super::network::NetworkPlan;
 use super::router::{GateEngine, RouterRegime};
 use super::tuning::ChoiceSource;
@@ -108,7 +108,7 @@ fn describe_memory(out: &mut String, plan: &Plan) {
     let memory = DeviceMemory::of(plan);
     let target = &plan.target;
     let gb = |bytes: u64| bytes as f64 / 1e9;
-    let usable = (target.memory_bytes as f64 * USABLE_MEMORY_SHARE) as u64;
+    let usable = usable_bytes(target);
     let line = |out: &mut String, what: String, held: &MemoryUse, on_device: u64| {
         let verdict = if target.memory_bytes == 0 {
             String::new()

@@ -3,11 +3,16 @@
 //! `max_tokens` that would: most buffers grow with it.
 
 use super::ep::Placement;
-use super::{Buffer, BufferId, Plan, PlanError};
+use super::{Buffer, BufferId, Plan, PlanError, Target};
 
 /// The share of a target's memory a plan may fill: the rest holds the CUDA context, the
 /// caller's inputs and outputs, and NCCL's own buffers across nodes.
 pub const USABLE_MEMORY_SHARE: f64 = 0.95;
+
+/// What a plan may fill of `target`'s memory: its [`USABLE_MEMORY_SHARE`].
+pub fn usable_bytes(target: &Target) -> u64 {
+    (target.memory_bytes as f64 * USABLE_MEMORY_SHARE) as u64
+}
 
 /// Bytes one GPU, or one rank, holds.
 #[derive(Clone, Debug, PartialEq)]
@@ -199,7 +204,7 @@ pub fn memory_problem(
     if target.memory_bytes == 0 {
         return None;
     }
-    let usable = (target.memory_bytes as f64 * USABLE_MEMORY_SHARE) as u64;
+    let usable = usable_bytes(target);
     let memory = DeviceMemory::of(plan);
     let needs = memory.per_device();
     if needs <= usable {

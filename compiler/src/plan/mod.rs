@@ -2527,10 +2527,10 @@ pub(crate) fn with_rank_fused_decode_regime(
     // The fused decode reaches as far as 32-row tiles hold the rows (larger tiles were not
     // measured); larger calls run the cost model's regimes.
     let up = GemmProblem::for_layer(shape, GemmKind::Up, row_phases);
-    let tokens = (1..=tokens.min(shape.max_tokens))
-        .take_while(|&calls| fused_decode_tile_rows(&up, calls).is_some())
-        .last()
-        .unwrap_or(0);
+    let rows_by_calls: Vec<u32> = (1..=tokens.min(shape.max_tokens))
+        .map_while(|calls| fused_decode_tile_rows(&up, calls))
+        .collect();
+    let tokens = rows_by_calls.len() as u32;
     if tokens == 0 {
         return choices;
     }
@@ -2583,11 +2583,10 @@ pub(crate) fn with_rank_fused_decode_regime(
     };
     // The calls up to the last that keeps one token's tile rows, then the rest: each span
     // runs the first regime's GEMMs where they fuse with its rows, else a pair drawn here.
-    let small_rows = fused_decode_tile_rows(&up, 1);
-    let last_small = (1..=tokens)
-        .take_while(|&calls| fused_decode_tile_rows(&up, calls) == small_rows)
-        .last()
-        .unwrap_or(tokens);
+    let last_small = rows_by_calls
+        .iter()
+        .take_while(|&&rows| rows == rows_by_calls[0])
+        .count() as u32;
     let spans = if last_small < tokens {
         vec![(0, last_small), (last_small + 1, tokens)]
     } else {
