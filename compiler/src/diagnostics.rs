@@ -291,7 +291,9 @@ pub enum Error {
         topology: String,
         topology_span: Span,
     },
-    #[error("virtual ranks share one GPU, but topology `{topology}` has {gpus} GPUs")]
+    #[error(
+        "virtual ranks share one GPU, but topology `{topology}` has {gpus} GPUs, neither one nor one per virtual rank"
+    )]
     VirtualRanksNeedOneGpu {
         span: Span,
         topology: String,
@@ -585,7 +587,7 @@ impl Error {
                 "every rank holds a slice of the experts; set `parallel {{ expert = {ranks} }}` or change the topology"
             ),
             VirtualRanksNeedOneGpu { .. } => {
-                "set `gpus_per_node = 1` and `nodes = 1`, or drop `virtual_ranks`".into()
+                "set `gpus_per_node = 1` and `nodes = 1`, or as many GPUs as virtual ranks to emulate nodes on one GPU (`gpus_per_node = 2`, `nodes = 2` for `virtual_ranks = 4`), or drop `virtual_ranks`".into()
             }
             TooManyRanks { .. } => "use fewer GPUs per node or fewer nodes".into(),
             UnknownTopology {

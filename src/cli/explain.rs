@@ -238,6 +238,10 @@ fn explain_topology(topology: &ir::Topology) -> String {
 fn topology_lines(topology: &ir::Topology, lead: &str) -> String {
     let mut out = String::new();
     let placement = match topology.virtual_ranks {
+        Some(ranks) if topology.nodes > 1 => format!(
+            "{ranks} virtual ranks on one GPU, emulating {} nodes × {} GPUs",
+            topology.nodes, topology.gpus_per_node
+        ),
         Some(ranks) => format!("{ranks} virtual ranks on one GPU"),
         None => format!(
             "{} node{} × {} GPU{} = {} rank{}",

@@ -56,8 +56,11 @@ pub fn check_topology(
 
     let (gpus_per_node, nodes) = (gpus_per_node?, nodes?);
     let gpus = u64::from(gpus_per_node) * u64::from(nodes);
+    // Virtual ranks share one GPU; a topology of one GPU per virtual rank emulates its
+    // nodes there (their network steps become device copies).
     if let Some(setting) = table.setting("virtual_ranks")
         && gpus != 1
+        && virtual_ranks.map(u64::from) != Some(gpus)
     {
         errors.push(Error::VirtualRanksNeedOneGpu {
             span: setting.span,

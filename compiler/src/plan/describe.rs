@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
 use super::memory::{DeviceMemory, MemoryUse, usable_bytes};
-use super::network::NetworkPlan;
+use super::network::{NetworkPlan, NetworkTransport};
 use super::router::{GateEngine, RouterRegime};
 use super::tuning::ChoiceSource;
 use super::{
@@ -302,9 +302,17 @@ fn describe_network(
     shape: &LayerShape,
 ) {
     let chunk_bytes = u64::from(network.chunk_tokens) * u64::from(shape.hidden) * 2;
+    let (nodes, carrier, link_peers) = match network.transport {
+        NetworkTransport::Nccl => ("", "NCCL send/recv", "CUDA IPC stores"),
+        NetworkTransport::Loopback => (
+            " emulated on one GPU",
+            "the loopback's device copies, in the steps NCCL would run",
+            "stores",
+        ),
+    };
     let _ = writeln!(
         out,
-        "    network            {} nodes of {} GPUs; each rank reaches its {} peers on other nodes through NCCL send/recv ({:.0} GB/s, {:.0} us), its node's peers through CUDA IPC stores as on one node",
+        "    network            {} nodes of {} GPUs{nodes}; each rank reaches its {} peers on other nodes through {carrier} ({:.0} GB/s, {:.0} us as planned), its node's peers through {link_peers} as on one node",
         network.nodes,
         network.gpus_per_node,
         network.peers_per_rank,
@@ -335,11 +343,18 @@ fn describe_network(
         out,
         "    network stream     before a group, cuStreamWaitValue32 on the staging flag ep_route / ep_dispatch released for each peer; after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, chunk flag (source, c), return flag (source, c)); GEMM2 stores a network origin's rows into this rank's return outbox (the peer table's combine slots of that origin)"
     );
-    let _ = writeln!(
-        out,
-        "    NCCL               {} CTAs at most (the communicator's maxCTAs), SMs kept free of compute: {}",
-        network.nccl_ctas, network.nccl_reason
-    );
+    let _ = match network.transport {
+        NetworkTransport::Nccl => writeln!(
+            out,
+            "    NCCL               {} CTAs at most (the communicator's maxCTAs), SMs kept free of compute: {}",
+            network.nccl_ctas, network.nccl_reason
+        ),
+        NetworkTransport::Loopback => writeln!(
+            out,
+            "    loopback           one stream runs every rank's steps in turn, each send a device copy into its receiver's buffer; {}",
+            network.nccl_reason
+        ),
+    };
     let _ = writeln!(
         out,
         "    host wait bound    {} ms for a call's transfers, then a stalled transfer is an error naming its step and peers: {}",

@@ -381,8 +381,8 @@ pub fn plan_expert_parallel(
         ),
     };
     // Across nodes a chunk is also one NCCL transfer: it should take a few of the
-    // network's latencies too.
-    let network_link = (layer.topology.nodes > 1 && placement == Placement::Devices).then(|| {
+    // network's latencies too (on emulated nodes as well, so that they plan as real ones).
+    let network_link = (layer.topology.nodes > 1).then(|| {
         let network = &layer.topology.network;
         (
             network.bandwidth_bytes_per_s as f64,
@@ -1100,6 +1100,10 @@ fn residency(
     sm_count: u32,
 ) -> String {
     match placement {
+        Placement::Virtual if nccl_sms > 0 => format!(
+            "{ranks} ranks per device × ({comm_slots} communication + {compute_sms} compute blocks live at most + {nccl_sms} SM kept free for the loopback's copies) = {} of {sm_count} SMs, one block per SM in every waiting grid: a block waiting to start always finds an empty SM",
+            ranks * (comm_slots + compute_sms + nccl_sms)
+        ),
         Placement::Virtual => format!(
             "{ranks} ranks per device × ({comm_slots} communication + {compute_sms} compute blocks live at most) = {} of {sm_count} SMs, one block per SM in every waiting grid: a block waiting to start always finds an empty SM",
             ranks * (comm_slots + compute_sms)

@@ -34,6 +34,10 @@
 //! those ([`NetworkPlan::steps`]): no routing can overflow them and nothing is read back.
 //! A call moves [`NetworkPlan::bytes_per_peer`] of its bound whatever its routing.
 //!
+//! On emulated nodes ([`NetworkTransport::Loopback`]: virtual ranks of one GPU standing for
+//! the nodes' GPUs) the kernels and steps are the same; the runtime runs every rank's
+//! steps on one stream, each send a device copy into its receiver's buffer.
+//!
 //! Hierarchical traffic (one transfer per remote node, fanned out over NVLink there) fits
 //! the same shape: a relay rank's steps would receive a node's aggregate and its kernels
 //! forward rows to the node's other ranks through the IPC path. It is not planned yet.
@@ -56,9 +60,24 @@ pub enum Route {
     Network,
 }
 
+/// What carries a call's network steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkTransport {
+    /// NCCL send/recv between rank processes on different nodes.
+    #[default]
+    Nccl,
+    /// Emulated nodes: every rank is a virtual rank of one GPU, and each step's sends are
+    /// device-to-device copies into the receiving rank's buffers, run for all ranks on one
+    /// stream (the runtime's loopback path). The kernels are those of real nodes.
+    Loopback,
+}
+
 /// The network part of an expert-parallel plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NetworkPlan {
+    #[serde(default)]
+    pub transport: NetworkTransport,
     pub nodes: u32,
     pub gpus_per_node: u32,
     /// Peers on other nodes of every rank (ranks less those of its node). A peer's place in
@@ -79,6 +98,7 @@ pub struct NetworkPlan {
     pub call_bytes_per_peer: u64,
     /// CTAs NCCL may run (the communicator's `maxCTAs`): the SMs the plan keeps free for
     /// NCCL's kernels beside the compute grids, so a transfer GEMM1 waits for always runs.
+    /// On emulated nodes, the SM each rank keeps free for the loopback's copies.
     pub nccl_ctas: u32,
     pub nccl_reason: String,
     /// Bound on the host's wait for a call's transfers (ms): past it the runtime reports
@@ -166,26 +186,40 @@ pub(crate) fn plan_network(
     flag_seconds: f64,
 ) -> Option<NetworkPlan> {
     let topology = &layer.topology;
-    if topology.nodes <= 1 || topology.virtual_ranks.is_some() {
+    if topology.nodes <= 1 {
         return None;
     }
+    // The checker allows several nodes with virtual ranks only as one GPU per rank.
+    let transport = if topology.virtual_ranks.is_some() {
+        NetworkTransport::Loopback
+    } else {
+        NetworkTransport::Nccl
+    };
     let gpus_per_node = topology.gpus_per_node.max(1);
     let peers_per_rank = ranks - gpus_per_node.min(ranks);
     let slots = shape.max_tokens;
     let chunks = slots.div_ceil(chunk);
     let call_bytes_per_peer = bytes_per_peer(shape, shape.experts / ranks, slots);
     let bandwidth = topology.network.bandwidth_bytes_per_s;
-    let nccl_ctas =
-        ((bandwidth as f64 / NCCL_CTA_BYTES_PER_S).ceil() as u32).clamp(1, NCCL_MAX_CTAS);
-    let nccl_reason = format!(
-        "enough for the network's {:.0} GB/s at {:.1} GB/s per CTA (NCCL's all-to-all across the two H200s: 295 GB/s on at most 32 channels)",
-        bandwidth as f64 / 1e9,
-        NCCL_CTA_BYTES_PER_S / 1e9
-    );
+    let (nccl_ctas, nccl_reason) = match transport {
+        NetworkTransport::Nccl => (
+            ((bandwidth as f64 / NCCL_CTA_BYTES_PER_S).ceil() as u32).clamp(1, NCCL_MAX_CTAS),
+            format!(
+                "enough for the network's {:.0} GB/s at {:.1} GB/s per CTA (NCCL's all-to-all across the two H200s: 295 GB/s on at most 32 channels)",
+                bandwidth as f64 / 1e9,
+                NCCL_CTA_BYTES_PER_S / 1e9
+            ),
+        ),
+        NetworkTransport::Loopback => (
+            1,
+            "emulated nodes: one SM per rank kept free for the loopback's device copies, should the driver run them on SMs".to_string(),
+        ),
+    };
     let transfer_seconds =
         4.0 * call_bytes_per_peer as f64 * f64::from(peers_per_rank) / bandwidth.max(1) as f64;
     let wait_seconds = 2.0 * flag_seconds + transfer_seconds.max(MIN_TRANSFER_SECONDS);
     Some(NetworkPlan {
+        transport,
         nodes: topology.nodes,
         gpus_per_node,
         peers_per_rank,
@@ -546,6 +580,46 @@ mod tests {
         assert!(plan.limitations.iter().any(|l| l.contains("NCCL")));
         let text = crate::plan::describe(&plan);
         assert!(text.contains("network steps"), "{text}");
+    }
+
+    #[test]
+    fn emulated_nodes_plan_the_steps_of_real_ones_on_one_gpu() {
+        let text = spec(2, 2, "").replace(" nodes = 2\n", " nodes = 2\n virtual_ranks = 4\n");
+        let module = crate::compile_source("l.moe", &text).expect("checks");
+        let emulated = plan(&module.layers[0], &Target::h200()).expect("plans");
+        emulated.validate().expect("valid");
+        let real = planned(2, 2, "");
+        let (ep, network) = network_of(&emulated);
+        let (real_ep, real_network) = network_of(&real);
+        assert_eq!(ep.placement, Placement::Virtual);
+        assert_eq!(
+            (network.transport, real_network.transport),
+            (NetworkTransport::Loopback, NetworkTransport::Nccl)
+        );
+        assert_eq!(
+            (network.chunk_tokens, network.chunks),
+            (real_network.chunk_tokens, real_network.chunks)
+        );
+        // The same steps, rank by rank, at every bound: the loopback runs what NCCL would.
+        for rank in 0..4 {
+            for bound in [0, 1, 17, 512] {
+                assert_eq!(
+                    network.steps(ep, &emulated.shape, rank, bound),
+                    real_network.steps(real_ep, &real.shape, rank, bound)
+                );
+            }
+        }
+        // Every rank keeps an SM free for the copies beside its live blocks.
+        for regime in &ep.regimes {
+            assert!(4 * (regime.comm_blocks + regime.compute_sms + network.nccl_ctas) <= 132);
+        }
+        let described = crate::plan::describe(&emulated);
+        assert!(described.contains("emulated on one GPU"), "{described}");
+        // A virtual-rank plan that claims NCCL is refused.
+        let mut wrong = emulated.clone();
+        let ep = wrong.expert_parallel.as_mut().expect("expert-parallel");
+        ep.network.as_mut().expect("network").transport = NetworkTransport::Nccl;
+        assert!(wrong.validate().is_err());
     }
 
     #[test]

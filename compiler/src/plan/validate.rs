@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime, Placement};
 use super::launch::StreamRole;
-use super::network::NetworkPlan;
+use super::network::{NetworkPlan, NetworkTransport};
 use super::router::{self, GateEngine, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid,
@@ -367,10 +367,13 @@ impl Plan {
                             .max()
                             .unwrap_or(0)
                     };
-                    let per_rank = live(StreamRole::Comm) + live(StreamRole::Compute);
+                    // Emulated nodes keep SMs free for the loopback's copies too.
+                    let per_rank = live(StreamRole::Comm)
+                        + live(StreamRole::Compute)
+                        + ep.network.as_ref().map_or(0, |n| n.nccl_ctas);
                     if ranks * per_rank > sms {
                         return Err(format!(
-                            "{ranks} virtual ranks × {per_rank} live blocks exceed the {sms} SMs of {}: spin-waits could wait on blocks that never run",
+                            "{ranks} virtual ranks × {per_rank} live blocks (and SMs kept free) exceed the {sms} SMs of {}: spin-waits could wait on blocks that never run",
                             self.target.name
                         ));
                     }
@@ -427,8 +430,15 @@ impl Plan {
                 network.nodes, network.gpus_per_node
             ));
         }
-        if ep.placement != Placement::Devices {
-            return Err("ranks on several nodes need one GPU each".into());
+        let placement = match network.transport {
+            NetworkTransport::Nccl => Placement::Devices,
+            NetworkTransport::Loopback => Placement::Virtual,
+        };
+        if ep.placement != placement {
+            return Err(
+                "ranks on several nodes need one GPU each, or are all virtual ranks of one GPU (emulated nodes, through the loopback)"
+                    .into(),
+            );
         }
         if network.chunk_tokens != ep.dispatch_chunk || network.chunks != ep.chunks_per_source {
             return Err("a transfer is not one dispatch chunk".into());
