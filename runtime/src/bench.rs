@@ -801,6 +801,8 @@ pub fn bench_expert_parallel(
     let per_rank = shape.experts / ranks;
     let mut rows = Vec::new();
     for &tokens in token_counts {
+        // Every rank passes `tokens`: on emulated nodes the loopback moves what they fill.
+        ep.bound_tokens(Some(tokens)).map_err(HarnessError::from)?;
         let workloads: Vec<Workload> = (0..ranks)
             .map(|r| {
                 Workload::random(

@@ -9,7 +9,9 @@
 //! ([`EpLayer::new`]), or on one GPU each, one process per rank ([`EpLayer::join_group`]:
 //! this process holds its own rank; the peers' buffers are CUDA IPC mappings, see
 //! [`crate::ipc`]). Only the peer table differs, and the network path of ranks on several
-//! nodes. A call enqueues, per rank: the communication stream waits for
+//! nodes. Virtual ranks may also emulate several nodes (the plan's loopback transport): one
+//! loopback stream then runs every rank's network steps as device copies
+//! ([`crate::loopback`]). A call enqueues, per rank: the communication stream waits for
 //! the compute stream's earlier work, then takes the metadata and dispatch kernels; the
 //! compute stream takes arrange, the GEMMs and combine, then waits for the communication
 //! stream. A call that routes itself ([`EpLayer::forward_routed`]) first runs the layer's
@@ -23,7 +25,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use moeforge_compiler::plan::ep::{EXCHANGE_STATE, ExpertParallelPlan};
-use moeforge_compiler::plan::network::{NetworkPlan, Route};
+use moeforge_compiler::plan::network::{NetworkPlan, NetworkTransport, Route};
 use moeforge_compiler::plan::{BufferId, Launch, LaunchArg, Plan, StreamRole};
 
 use crate::gpu::{DriverContext, GpuError, LoadedKernels};
@@ -33,6 +35,7 @@ use crate::layer::{
     WeightTensorMaps, check_len, fused_decode_from, kernel_error, launch_with, load_kernel, ptr,
     read_error_word, read_words,
 };
+use crate::loopback::LoopbackPath;
 use crate::network::{self, NetworkError, NetworkPath, STREAM_MEMOP_FLAGS};
 use crate::process_group::ControlChannel;
 use crate::tensor_map::TensorMap;
@@ -142,6 +145,9 @@ pub struct EpLayer {
     tokens_bound: u32,
     /// Fault injection: the rank whose communication the next call leaves out.
     withheld: Option<usize>,
+    /// The network of emulated nodes, when the ranks are virtual ranks standing for
+    /// several nodes.
+    loopback: Option<Loopback>,
     /// Whether calls a rank regime's fused decode covers run it (all ranks must take the
     /// same path: one process driving every rank decides from every rank's count, rank
     /// processes from the tokens bound they agreed on); `MOEFORGE_FUSED_DECODE=0` runs the
@@ -165,6 +171,13 @@ struct Network {
     path: NetworkPath,
     /// Recorded after this rank's GEMM2 in every call: its results may then be sent.
     gemm2_done: CudaEvent,
+}
+
+/// The loopback of emulated nodes and the events its results wait for.
+struct Loopback {
+    path: LoopbackPath,
+    /// Per rank, recorded after its GEMM2 in every call: the results may then be copied.
+    gemm2_done: Vec<CudaEvent>,
 }
 
 /// The tokens bound of a group: the largest of this rank's `mine` and every rank's value
@@ -257,6 +270,13 @@ impl EpLayer {
         weights: Vec<ExpertWeights>,
     ) -> Result<Self, LayerError> {
         let ep = expert_parallel_part(&plan)?;
+        if let Some(network) = &ep.network
+            && network.transport == NetworkTransport::Nccl
+        {
+            return Err(LayerError::AcrossNodes {
+                nodes: network.nodes,
+            });
+        }
         let ranks = ep.ranks as usize;
         if contexts.len() != ranks || modules.len() != ranks || weights.len() != ranks {
             return Err(LayerError::RankCount {
@@ -298,15 +318,35 @@ impl EpLayer {
                     .collect::<Result<Vec<u64>, LayerError>>()
             })
             .collect::<Result<Vec<_>, _>>()?;
-        for rank in &mut built {
-            write_peer_table(rank, &table)?;
+        // On emulated nodes a rank reaches a peer on another node only as real nodes do:
+        // its row of that peer is this rank's return outbox for it.
+        let tables = (0..built.len())
+            .map(|me| match &ep.network {
+                None => Ok(table.clone()),
+                Some(network) => {
+                    let mut mine = table.clone();
+                    for peer in network.peers(me as u32, ep.ranks) {
+                        mine[peer as usize] =
+                            network_peer_row(&plan, &ep, network, &built[me], me as u32, peer)?;
+                    }
+                    Ok(mine)
+                }
+            })
+            .collect::<Result<Vec<_>, LayerError>>()?;
+        for (rank, table) in built.iter_mut().zip(&tables) {
+            write_peer_table(rank, table)?;
         }
+        let loopback = match &ep.network {
+            None => None,
+            Some(network) => Some(loopback(&plan, &ep, network, &built, &contexts[0])?),
+        };
         let max_tokens = plan.shape.max_tokens;
         let layer = EpLayer {
             plan,
             ep,
             ranks: built,
             group: None,
+            loopback,
             epoch: 0,
             tokens_bound: max_tokens,
             withheld: None,
@@ -335,6 +375,13 @@ impl EpLayer {
         mut channel: ControlChannel,
     ) -> Result<Self, LayerError> {
         let ep = expert_parallel_part(&plan)?;
+        if let Some(network) = &ep.network
+            && network.transport == NetworkTransport::Loopback
+        {
+            return Err(LayerError::EmulatedNodesInGroup {
+                nodes: network.nodes,
+            });
+        }
         ipc::check_group(&mut channel, &plan, ep.ranks, ctx)?;
         let me = channel.rank();
         let mut rank = build_rank(&plan, &ep, me, ctx, module, weights, true)?;
@@ -404,6 +451,7 @@ impl EpLayer {
                 _mappings: peers.mappings,
                 network,
             }),
+            loopback: None,
             epoch: 0,
             tokens_bound: max_tokens,
             withheld: None,
@@ -479,6 +527,9 @@ impl EpLayer {
         // stream (a call enqueued after the stalled one joins it): refuse, never block.
         if let Some(network) = self.network() {
             network.path.wait()?;
+        }
+        if let Some(loopback) = &self.loopback {
+            loopback.path.wait()?;
         }
         for rank in &self.ranks {
             rank.comm.synchronize().context("synchronising a rank")?;
@@ -702,6 +753,23 @@ impl EpLayer {
                 .join(&rank.compute)
                 .context("ordering the receives after the last call's kernels")?;
         }
+        if let Some(loopback) = &self.loopback {
+            // As for a network stream, for every rank at once.
+            let stream = loopback.path.stream();
+            for rank in &self.ranks {
+                rank.comm
+                    .join(stream)
+                    .context("ordering the staging after the last call's copies")?;
+                rank.compute
+                    .join(stream)
+                    .context("ordering GEMM2 after the last call's results")?;
+            }
+            for rank in &self.ranks {
+                stream
+                    .join(&rank.compute)
+                    .context("ordering the copies after the last call's kernels")?;
+            }
+        }
         if let Some(regime) = self.fused_regime(calls, withheld) {
             for (r, call) in calls.iter().enumerate() {
                 self.enqueue_fused(r, call, regime)?;
@@ -715,13 +783,37 @@ impl EpLayer {
             }
         }
         let combine = self.ep.combine_kernel.clone();
-        match self.network() {
-            None => {
+        match (self.network(), &self.loopback) {
+            (None, None) => {
                 for (r, call) in calls.iter().enumerate() {
                     self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)?;
                 }
             }
-            Some(network) => {
+            (None, Some(loopback)) => {
+                // A withheld rank stages nothing, and a loopback waiting for it would wait
+                // for ever: the call's network traffic is left out on every rank (every
+                // wait for it times out, as if the network had failed).
+                let epoch = self.epoch;
+                let exchanging = withheld.is_none();
+                if exchanging {
+                    loopback.path.enqueue_dispatch(epoch, self.tokens_bound)?;
+                }
+                for (r, call) in calls.iter().enumerate() {
+                    self.enqueue(r, call, regimes[r], |l| {
+                        l.stream == StreamRole::Compute && l.kernel != combine
+                    })?;
+                    loopback.gemm2_done[r]
+                        .record(&self.ranks[r].compute)
+                        .context("recording the end of GEMM2")?;
+                }
+                for (r, call) in calls.iter().enumerate() {
+                    self.enqueue(r, call, regimes[r], |l| l.kernel == combine)?;
+                }
+                if exchanging {
+                    loopback.path.enqueue_results(epoch, &loopback.gemm2_done)?;
+                }
+            }
+            (Some(network), _) => {
                 // One rank here. A withheld rank sends nothing, as a dead one would.
                 let epoch = self.epoch;
                 let sending = withheld != Some(0);
@@ -779,8 +871,15 @@ impl EpLayer {
                 .collect()
         };
         let (comm, compute) = (streams(StreamRole::Comm), streams(StreamRole::Compute));
+        let loopback = self
+            .loopback
+            .as_ref()
+            .map(|l| (l, std::slice::from_ref(l.path.stream())));
         // The previous call is over on every rank before any rank starts this one.
         barrier(&compute, &comm)?;
+        if let Some((_, stream)) = loopback {
+            barrier(&compute, stream)?;
+        }
         mark(marks, 0, &comm[0])?;
         for (r, a) in calls.iter().enumerate() {
             if r == 0 && marks.is_some() {
@@ -797,6 +896,14 @@ impl EpLayer {
             }
         }
         barrier(&comm, &compute)?;
+        // Emulated nodes: the network's dispatch steps are part of the dispatch stage.
+        if let Some((loopback, stream)) = loopback {
+            barrier(&comm, stream)?;
+            loopback
+                .path
+                .enqueue_dispatch(self.epoch, self.tokens_bound)?;
+            barrier(stream, &compute)?;
+        }
         mark(marks, 3, &compute[0])?;
         for (r, a) in calls.iter().enumerate() {
             let regime = &self.ep.regimes[regimes[r]];
@@ -821,6 +928,17 @@ impl EpLayer {
         }
         barrier(&compute, &compute)?;
         mark(marks, 6, &compute[0])?;
+        // Emulated nodes: the results' copies are part of the combine stage.
+        if let Some((loopback, stream)) = loopback {
+            for (done, rank) in loopback.gemm2_done.iter().zip(&self.ranks) {
+                done.record(&rank.compute)
+                    .context("recording the end of GEMM2")?;
+            }
+            loopback
+                .path
+                .enqueue_results(self.epoch, &loopback.gemm2_done)?;
+            barrier(stream, &compute)?;
+        }
         for (r, a) in calls.iter().enumerate() {
             self.enqueue(r, a, regimes[r], |l| l.kernel == combine)?;
         }
@@ -1063,11 +1181,21 @@ impl EpLayer {
         if self.group.is_some() {
             return self.take_group_error();
         }
+        // A stalled loopback has released its flags by the time it reports: the ranks'
+        // streams drain, their errors are read, and the exchange restarts.
+        let stalled = self.loopback.as_ref().and_then(|l| l.path.wait().err());
         let words = self.error_words()?;
         let mut errors: Vec<LayerError> = words
             .into_iter()
             .filter_map(|word| kernel_error(word, self.plan.shape.experts).err())
             .collect();
+        if let Some(network) = stalled {
+            self.restart_exchange()?;
+            return Err(LayerError::NetworkStalled {
+                network,
+                kernel: (!errors.is_empty()).then(|| Box::new(errors.remove(0))),
+            });
+        }
         if errors.is_empty() {
             return Ok(());
         }
@@ -1185,6 +1313,34 @@ impl EpLayer {
     }
 }
 
+/// The loopback of emulated nodes over `ranks` (virtual ranks on `ctx`'s device) for
+/// `network`: its stream, a side stream and one GEMM2 event per rank.
+fn loopback(
+    plan: &Plan,
+    ep: &ExpertParallelPlan,
+    network: &NetworkPlan,
+    ranks: &[Rank],
+    ctx: &Arc<CudaContext>,
+) -> Result<Loopback, LayerError> {
+    let stream = ctx.new_stream().context("creating the loopback stream")?;
+    let side = ctx
+        .new_stream()
+        .context("creating the loopback's side stream")?;
+    let buffer = |rank: u32, id: BufferId| {
+        let rank = &ranks[rank as usize];
+        let slice = workspace(&rank.workspace, id)
+            .map_err(|_| NetworkError::MissingBuffer { buffer: id.name() })?;
+        Ok((ptr(slice, &rank.compute), slice.len() as u64))
+    };
+    let path = LoopbackPath::new(stream, side, ep, network, &plan.shape, buffer)?;
+    let gemm2_done = ranks
+        .iter()
+        .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)))
+        .collect::<Result<_, _>>()
+        .context("creating the GEMM2 events")?;
+    Ok(Loopback { path, gemm2_done })
+}
+
 /// The peer-table row of `peer`, on another node, for `rank` (this process's `me`): what
 /// the plan says the kernels may reach of it (its combine slots: this rank's return
 /// outbox for it), 0 for the rest.
@@ -1216,6 +1372,19 @@ impl Drop for EpLayer {
     /// In a group, waits for the peers before the buffers they write are freed: a peer may
     /// still be returning credits into them after this rank's last call ended.
     fn drop(&mut self) {
+        if self.loopback.is_some() && self.synchronize().is_err() {
+            // `synchronize` released a stalled loopback's flags; past that, a stuck copy
+            // may still write the ranks' workspace: leak it rather than free it under it.
+            if self
+                .loopback
+                .as_ref()
+                .is_some_and(|loopback| loopback.path.abandoned())
+            {
+                std::mem::forget(std::mem::take(&mut self.ranks));
+                std::mem::forget(self.loopback.take());
+                return;
+            }
+        }
         if self.network_abandoned() {
             // A stuck NCCL transfer still reads and writes this rank's workspace, and
             // freeing device memory would wait for it: leak the ranks (streams, workspace)
@@ -1271,8 +1440,11 @@ fn build_rank(
         let bytes = (buffer.bytes() as usize).max(1);
         let what = || format!("allocating `{}` ({bytes} bytes)", buffer.id.name());
         // Zeroed: flags and counters start below every epoch and at zero.
-        let plain = ep.peer_buffers.contains(&buffer.id) || STREAM_MEMOP_FLAGS.contains(&buffer.id);
-        let memory = if exportable && plain {
+        let memop_flag = STREAM_MEMOP_FLAGS.contains(&buffer.id);
+        let plain = ep.peer_buffers.contains(&buffer.id) || memop_flag;
+        // The flags a network or loopback stream waits on are `cuMemAlloc`ed (see
+        // `STREAM_MEMOP_FLAGS`) whether or not other processes map them.
+        let memory = if (exportable && plain) || (memop_flag && ep.network.is_some()) {
             WorkspaceMemory::Exportable(ExportableBuffer::zeroed(&compute, bytes)?)
         } else {
             WorkspaceMemory::Pool(compute.alloc_zeros::<u8>(bytes).context(what())?)

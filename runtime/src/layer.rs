@@ -44,6 +44,14 @@ pub enum LayerError {
     Group(#[from] crate::ipc::GroupError),
     #[error(transparent)]
     Network(#[from] crate::network::NetworkError),
+    #[error(
+        "the plan's ranks span {nodes} nodes through NCCL: run them as rank processes (`moeforge run`/`bench` under a launcher; `EpLayer::join_group`), or emulate the nodes on one GPU with `virtual_ranks` set to the topology's GPU count"
+    )]
+    AcrossNodes { nodes: u32 },
+    #[error(
+        "the plan emulates {nodes} nodes with virtual ranks of one GPU, which one process drives (`EpLayer::new`, `--ranks`), not a group of rank processes"
+    )]
+    EmulatedNodesInGroup { nodes: u32 },
     #[error("{network}{}", kernel_note(.kernel.as_deref()))]
     NetworkStalled {
         network: crate::network::NetworkError,

@@ -14,6 +14,7 @@ pub mod harness;
 pub mod ipc;
 pub mod jit;
 pub mod layer;
+mod loopback;
 pub mod nccl_pipeline;
 pub mod network;
 pub mod peers;

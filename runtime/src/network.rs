@@ -63,6 +63,20 @@ pub enum NetworkError {
         peers: String,
         seconds: f64,
     },
+    #[error(
+        "the loopback of emulated nodes waited {seconds:.1} s in {step} for the staging flags of rank(s) {ranks}, which no kernel released; it released them itself so that the layer can go on (this call's results are wrong; take_error reports the kernels' errors and restarts the exchange)"
+    )]
+    LoopbackStalled {
+        step: String,
+        ranks: String,
+        seconds: f64,
+    },
+    #[error(
+        "the loopback of emulated nodes stayed blocked after a stall even with its flags released; rebuild the layer"
+    )]
+    LoopbackAbandoned,
+    #[error("the plan's network steps do not pair up in {step}: {detail}")]
+    Unpaired { step: String, detail: String },
     #[error("NCCL failed while {context}: {result}")]
     Nccl { context: String, result: String },
     #[error(
@@ -307,16 +321,33 @@ impl Drop for GroupComm {
 }
 
 /// A step of the plan resolved to this rank's device addresses.
-struct ResolvedStep {
-    kind: StepKind,
+pub(crate) struct ResolvedStep {
+    pub(crate) kind: StepKind,
     /// Addresses of the staging flags to wait for; `None`: wait for GEMM2's event.
-    wait_for: Option<Vec<u64>>,
-    sends: Vec<(u32, u64, u64)>,
-    receives: Vec<(u32, u64, u64)>,
-    release: Vec<u64>,
+    pub(crate) wait_for: Option<Vec<u64>>,
+    /// (peer, device address, bytes) of each send and receive, in issue order.
+    pub(crate) sends: Vec<(u32, u64, u64)>,
+    pub(crate) receives: Vec<(u32, u64, u64)>,
+    pub(crate) release: Vec<u64>,
     /// Its place among the steps of a call of max_tokens: the index of the event recorded
     /// after its releases.
-    position: usize,
+    pub(crate) position: usize,
+}
+
+/// Events, one per step of a call of max_tokens (the metadata, each dispatch chunk, each
+/// return chunk), recorded after the step: where a stalled call stopped.
+pub(crate) fn step_events(
+    stream: &CudaStream,
+    network: &NetworkPlan,
+) -> Result<Vec<CudaEvent>, NetworkError> {
+    let ctx = stream.context();
+    let events = (0..1 + 2 * network.chunks)
+        .map(|_| {
+            ctx.new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .context("creating a network step's event")
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(events)
 }
 
 /// The steps of calls of one tokens bound, resolved.
@@ -326,9 +357,39 @@ struct CallSteps {
 }
 
 /// The workspace buffers a rank's steps move: device address and bytes, by id.
-struct StepBuffers(Vec<(BufferId, u64, u64)>);
+pub(crate) struct StepBuffers(Vec<(BufferId, u64, u64)>);
 
 impl StepBuffers {
+    /// The buffers `steps` name (transfers, flags waited on and released), each from
+    /// `buffer(id)`: its device address and bytes.
+    pub(crate) fn for_steps(
+        steps: &[NetworkStep],
+        buffer: impl Fn(BufferId) -> Result<(u64, u64), NetworkError>,
+    ) -> Result<Self, NetworkError> {
+        let mut ids: Vec<BufferId> = steps
+            .iter()
+            .flat_map(|step| {
+                let waits = match &step.start {
+                    StepStart::Flags(flags) => flags.clone(),
+                    StepStart::AfterGemm2 => Vec::new(),
+                };
+                step.sends
+                    .iter()
+                    .chain(&step.receives)
+                    .map(|t| t.buffer)
+                    .chain(step.release.iter().chain(&waits).map(|f| f.buffer))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        ids.sort_by_key(|id| id.name());
+        ids.dedup();
+        Ok(StepBuffers(
+            ids.into_iter()
+                .map(|id| buffer(id).map(|(base, bytes)| (id, base, bytes)))
+                .collect::<Result<_, _>>()?,
+        ))
+    }
+
     /// The address of `bytes` bytes at `offset` of buffer `id`, checked against its size.
     fn address(&self, id: BufferId, offset: u64, bytes: u64) -> Result<u64, NetworkError> {
         let &(_, base, size) = self
@@ -348,7 +409,7 @@ impl StepBuffers {
     }
 
     /// The plan's `steps` resolved to addresses, each placed among `chunks` chunks.
-    fn resolve(
+    pub(crate) fn resolve(
         &self,
         steps: Vec<NetworkStep>,
         chunks: u32,
@@ -431,39 +492,12 @@ impl NetworkPath {
         buffer: impl Fn(BufferId) -> Result<(u64, u64), NetworkError>,
     ) -> Result<Self, NetworkError> {
         let steps = network.steps(ep, shape, comm.rank(), shape.max_tokens);
-        let mut ids: Vec<BufferId> = steps
-            .iter()
-            .flat_map(|step| {
-                let waits = match &step.start {
-                    StepStart::Flags(flags) => flags.clone(),
-                    StepStart::AfterGemm2 => Vec::new(),
-                };
-                step.sends
-                    .iter()
-                    .chain(&step.receives)
-                    .map(|t| t.buffer)
-                    .chain(step.release.iter().chain(&waits).map(|f| f.buffer))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        ids.sort_by_key(|id| id.name());
-        ids.dedup();
-        let buffers = StepBuffers(
-            ids.into_iter()
-                .map(|id| buffer(id).map(|(base, bytes)| (id, base, bytes)))
-                .collect::<Result<_, _>>()?,
-        );
+        let buffers = StepBuffers::for_steps(&steps, buffer)?;
         let call = CallSteps {
             tokens_bound: shape.max_tokens,
             steps: buffers.resolve(steps, network.chunks)?,
         };
-        let ctx = stream.context();
-        let done = (0..1 + 2 * network.chunks)
-            .map(|_| {
-                ctx.new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .context("creating a network step's event")
-            })
-            .collect::<Result<_, _>>()?;
+        let done = step_events(&stream, network)?;
         Ok(NetworkPath {
             comm,
             stream,
@@ -743,7 +777,7 @@ pub(crate) fn idle_by(stream: &CudaStream, deadline: Instant) -> Result<bool, Ne
 
 /// A stream memory operation's result as a [`NetworkError::StreamOp`] naming `call` and
 /// what it was for.
-fn stream_op(
+pub(crate) fn stream_op(
     result: CUresult,
     call: &'static str,
     context: impl FnOnce() -> String,
@@ -759,7 +793,7 @@ fn stream_op(
 }
 
 /// `stream` waits until the u32 at `flag` reaches `epoch` (cyclic comparison).
-fn stream_wait_value(
+pub(crate) fn stream_wait_value(
     stream: &CudaStream,
     flag: u64,
     epoch: u32,
@@ -781,7 +815,7 @@ fn stream_wait_value(
 
 /// `stream` writes `epoch` into the u32 at `flag` once its earlier work is done (the
 /// default flags fence that work's memory before the write).
-fn stream_write_value(
+pub(crate) fn stream_write_value(
     stream: &CudaStream,
     flag: u64,
     epoch: u32,

@@ -483,6 +483,168 @@ fn a_silent_rank_is_a_time_out_and_the_next_call_works() {
     }
 }
 
+/// `layer` over `ranks` virtual ranks emulating `nodes` nodes of `ranks / nodes` GPUs: the
+/// kernels of real nodes, their network steps run by the loopback as device copies.
+fn over_emulated_nodes(layer: &Layer, ranks: u32, nodes: u32) -> Layer {
+    let mut layer = over_ranks(layer, ranks, true);
+    layer.name = format!("{}_n{nodes}", layer.name);
+    layer.topology.nodes = nodes;
+    layer.topology.gpus_per_node = ranks / nodes;
+    layer
+}
+
+/// The layers `emulated_nodes_match_reference` runs: 2 nodes of one GPU, 2 of two, 4 of
+/// one with a shared expert, and a scaled-down Qwen3-30B-A3B on 2 nodes of two.
+fn emulated_node_cases() -> Vec<Layer> {
+    let qwen = layers::examples()
+        .into_iter()
+        .find(|l| l.name == "qwen3_30b_a3b")
+        .expect("the Qwen3-30B example");
+    [
+        (layers::tiny(Activation::Swiglu), 2, 2),
+        (layers::tiny(Activation::Swiglu), 4, 2),
+        (layers::tiny_with_shared_expert(Activation::Swiglu), 4, 4),
+        (layers::scaled_down(&qwen), 4, 2),
+    ]
+    .iter()
+    .map(|(layer, ranks, nodes)| over_emulated_nodes(layer, *ranks, *nodes))
+    .collect()
+}
+
+/// CPU: the emulated-node cases plan on the H200 with a network part carried by the
+/// loopback, and their plans are valid.
+#[test]
+fn emulated_node_cases_plan_a_loopback() {
+    for layer in emulated_node_cases() {
+        let plan = plan::plan(&layer, &plan::Target::h200())
+            .unwrap_or_else(|e| panic!("{}: {e}", layer.name));
+        plan.validate()
+            .unwrap_or_else(|e| panic!("{}: {e}", layer.name));
+        let ep = plan.expert_parallel.as_ref().expect("expert-parallel");
+        let network = ep.network.as_ref().expect("a network part");
+        assert_eq!(
+            network.transport,
+            moeforge_compiler::plan::network::NetworkTransport::Loopback,
+            "{}",
+            layer.name
+        );
+    }
+}
+
+/// Calls back to back on emulated nodes before the last one is checked: the loopback's
+/// flags carry the epoch as the kernels' do.
+const EMULATED_CALLS: usize = 100;
+
+/// Virtual ranks emulating nodes on one GPU: every token-count case and both routings
+/// against the reference (the default tokens bound, max_tokens), then calls under smaller
+/// agreed bounds (the steps cut at them), then many calls back to back.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn emulated_nodes_match_reference() {
+    let seed = fresh_seed();
+    say(format!(
+        "expert parallelism on emulated nodes, seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let session = Session::open().expect("GPU session");
+    let layers = emulated_node_cases();
+    let plans: Vec<Plan> = layers.iter().map(|l| plan_for(&session, l)).collect();
+    let built = session.build_many(plans, seed).expect("build");
+    for (layer, built) in layers.iter().zip(built) {
+        let ranks = layer.parallel.expert as usize;
+        let contexts = vec![Arc::clone(&session.gpu.ctx); ranks];
+        let mut ep = session
+            .build_expert_parallel(&built, &contexts)
+            .expect("expert-parallel layer on emulated nodes");
+        check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);
+        let shape = built.layer.plan().shape.clone();
+        for bound in [1, 90] {
+            assert_eq!(ep.bound_tokens(Some(bound)).expect("a bound"), bound);
+            let workloads: Vec<Workload> = (0..ranks as u32)
+                .map(|r| {
+                    let tokens = if bound == 1 { r % 2 } else { 77 + 13 * r }.min(bound);
+                    Workload::random(&shape, tokens, Routing::Skewed, seed ^ u64::from(r))
+                })
+                .collect();
+            let reports = session
+                .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+                .unwrap_or_else(|e| panic!("{} bound {bound}: {e}", layer.name));
+            for (r, report) in reports.iter().enumerate() {
+                say(format!("{} bound {bound} rank {r}: {report}", layer.name));
+                assert!(
+                    report.passed(),
+                    "{} bound {bound} rank {r}: {report}",
+                    layer.name
+                );
+            }
+        }
+        let workloads: Vec<Workload> = (0..ranks as u32)
+            .map(|r| Workload::random(&shape, 90 - r, Routing::Uniform, seed + u64::from(r)))
+            .collect();
+        for _ in 0..EMULATED_CALLS {
+            session
+                .run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed)
+                .unwrap_or_else(|e| panic!("{}: {e}", layer.name));
+        }
+        let reports = session
+            .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+            .unwrap_or_else(|e| panic!("{}: {e}", layer.name));
+        for (r, report) in reports.iter().enumerate() {
+            say(format!(
+                "{} after {EMULATED_CALLS} calls, rank {r}: {report}",
+                layer.name
+            ));
+            assert!(report.passed(), "{} rank {r}: {report}", layer.name);
+        }
+    }
+}
+
+/// On emulated nodes a silent rank (fault injection) leaves the call's network traffic out
+/// on every rank: the waits for it time out within the spec's short bound, the error
+/// names a rank and a flag, and the next call is right again.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn emulated_nodes_time_out_and_the_next_call_works() {
+    let seed = fresh_seed();
+    let session = Session::open().expect("GPU session");
+    let mut layer = over_emulated_nodes(&layers::tiny(Activation::Swiglu), 4, 2);
+    layer.schedule.flag_timeout_ns = Some(200_000_000);
+    let built = session
+        .build(plan_for(&session, &layer), seed)
+        .expect("build");
+    let contexts = vec![Arc::clone(&session.gpu.ctx); 4];
+    let mut ep = session
+        .build_expert_parallel(&built, &contexts)
+        .expect("expert-parallel layer on emulated nodes");
+    let shape = built.layer.plan().shape.clone();
+    let workloads: Vec<Workload> = (0..4)
+        .map(|r| Workload::random(&shape, 40 + r, Routing::Uniform, seed + u64::from(r)))
+        .collect();
+    ep.withhold_sends_once(1);
+    let started = std::time::Instant::now();
+    let error = session
+        .run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed)
+        .expect_err("a call without its network traffic fails");
+    let waited = started.elapsed().as_secs_f64();
+    say(format!(
+        "emulated nodes, silent rank 1: after {waited:.2} s: {error}"
+    ));
+    let message = error.to_string();
+    assert!(
+        message.contains("waited too long") && message.contains("rank"),
+        "{message}"
+    );
+    assert!(waited < 30.0, "the time-out took {waited:.1} s");
+    let reports = session
+        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+        .expect("the call after the time-out");
+    for (r, report) in reports.iter().enumerate() {
+        say(format!(
+            "emulated nodes after the time-out, rank {r}: {report}"
+        ));
+        assert!(report.passed(), "rank {r}: {report}");
+    }
+}
+
 /// More tokens than the plan's capacity is refused before anything runs, never truncated.
 #[test]
 #[ignore = "needs a CUDA GPU"]

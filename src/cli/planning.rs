@@ -152,13 +152,17 @@ pub fn plan_file_over(
                 return Err(usage_error());
             }
             layer.parallel.expert = choice.ranks;
-            layer.topology.nodes = 1;
-            layer.topology.gpus_per_node = if choice.virtual_ranks {
-                1
-            } else {
-                choice.ranks
-            };
-            layer.topology.virtual_ranks = choice.virtual_ranks.then_some(choice.ranks);
+            // A spec whose topology already has these virtual ranks keeps it: its nodes,
+            // if several, are emulated on the one GPU.
+            if !(choice.virtual_ranks && layer.topology.virtual_ranks == Some(choice.ranks)) {
+                layer.topology.nodes = 1;
+                layer.topology.gpus_per_node = if choice.virtual_ranks {
+                    1
+                } else {
+                    choice.ranks
+                };
+                layer.topology.virtual_ranks = choice.virtual_ranks.then_some(choice.ranks);
+            }
         }
         // Every path the bench compares computes the same layer.
         if leave_out_shared && let Some(shared) = layer.shared_experts.take() {
@@ -167,16 +171,22 @@ pub fn plan_file_over(
                 shared.count, shared.ffn, layer.name
             );
         }
-        let layer = &layer;
-        match plan::plan_tuned(layer, target, &tuning) {
-            Ok(plan) => plans.push(plan),
-            Err(error) => {
-                report_plan_error(&source, &layer.name, &error);
-                return Err(invalid_input());
-            }
-        }
+        plans.push(plan_layer(&source, &layer, target, &tuning)?);
     }
     Ok(plans)
+}
+
+/// `layer` planned for `target` with `tuning`, or the error reported against `source`.
+fn plan_layer(
+    source: &SourceFile,
+    layer: &ir::Layer,
+    target: &Target,
+    tuning: &TuningTable,
+) -> Result<Plan, ExitCode> {
+    plan::plan_tuned(layer, target, tuning).map_err(|error| {
+        report_plan_error(source, &layer.name, &error);
+        invalid_input()
+    })
 }
 
 /// The tuning table planning uses (see [`moeforge::tuning`]), or the reason it cannot be

@@ -303,16 +303,16 @@ fn describe_network(
 ) {
     let chunk_bytes = u64::from(network.chunk_tokens) * u64::from(shape.hidden) * 2;
     let (nodes, carrier, link_peers) = match network.transport {
-        NetworkTransport::Nccl => ("", "NCCL send/recv", "CUDA IPC stores"),
+        NetworkTransport::Nccl => ("", "NCCL send/recv (", "CUDA IPC stores"),
         NetworkTransport::Loopback => (
             " emulated on one GPU",
-            "the loopback's device copies, in the steps NCCL would run",
+            "the loopback's device copies, in the steps NCCL would run (planned for ",
             "stores",
         ),
     };
     let _ = writeln!(
         out,
-        "    network            {} nodes of {} GPUs{nodes}; each rank reaches its {} peers on other nodes through {carrier} ({:.0} GB/s, {:.0} us as planned), its node's peers through {link_peers} as on one node",
+        "    network            {} nodes of {} GPUs{nodes}; each rank reaches its {} peers on other nodes through {carrier}{:.0} GB/s, {:.0} us), its node's peers through {link_peers} as on one node",
         network.nodes,
         network.gpus_per_node,
         network.peers_per_rank,

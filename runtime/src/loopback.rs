@@ -1,0 +1,590 @@
+//! The network of emulated nodes (the plan's `NetworkTransport::Loopback`): virtual ranks
+//! of one GPU stand for the GPUs of several nodes, run the kernels of real nodes, and one
+//! loopback stream runs what every rank's NCCL steps would (see [`crate::network`]).
+//!
+//! - **Steps in lock step.** Every rank issues the same sequence of steps (the metadata,
+//!   each dispatch chunk of the call's tokens bound, after GEMM2 each return chunk). For
+//!   step `i` the stream waits (`cuStreamWaitValue32`) on every rank's staging flags of
+//!   step `i`, copies each send into the receive NCCL would pair it with (the n-th send of
+//!   `a` to `b` meets the n-th receive of `b` from `a`; sizes are checked when the steps
+//!   are resolved), then writes the call's epoch into every rank's flags of step `i`. Lock
+//!   step is sound: what a rank stages for step `i` depends only on what earlier steps
+//!   delivered and on the last call, which a call's joins order before it. The results
+//!   wait for every rank's GEMM2 event, all recorded before the results are enqueued.
+//! - **Bounded waits.** As for NCCL, the host waits at most the plan's bound per call
+//!   enqueued. A stall is a staging flag no kernel released (a kernel fault): the error
+//!   names the step and the ranks whose flags are missing; the loopback then releases
+//!   those flags itself from a side stream so that its stream drains (the call's results
+//!   are wrong; the kernels' own time-outs follow in `take_error`, which restarts the
+//!   exchange) and the layer can be called again.
+
+use std::cell::{Cell, RefCell};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys as driver;
+use cudarc::driver::{CudaEvent, CudaStream};
+use moeforge_compiler::plan::ep::ExpertParallelPlan;
+use moeforge_compiler::plan::network::{NetworkPlan, StepKind};
+use moeforge_compiler::plan::{BufferId, LayerShape};
+
+use crate::gpu::DriverContext;
+use crate::network::{
+    NetworkError, ResolvedStep, StepBuffers, idle_by, step_events, stream_op, stream_wait_value,
+    stream_write_value,
+};
+
+/// One device copy: a send of rank `from` into the receive of rank `to` it pairs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LoopbackCopy {
+    pub(crate) from: u32,
+    pub(crate) to: u32,
+    pub(crate) source: u64,
+    pub(crate) destination: u64,
+    pub(crate) bytes: u64,
+}
+
+/// Step `i` of every rank, as the loopback runs it.
+#[derive(Debug)]
+pub(crate) struct LoopbackStep {
+    pub(crate) kind: StepKind,
+    position: usize,
+    /// (rank, flag address) of every rank's staging flags; `None`: after every rank's
+    /// GEMM2.
+    wait_for: Option<Vec<(u32, u64)>>,
+    pub(crate) copies: Vec<LoopbackCopy>,
+    release: Vec<u64>,
+}
+
+/// Every rank's steps (`per_rank[r]`: rank `r`'s, resolved) joined into the loopback's:
+/// each send paired with the receive NCCL would match it with.
+pub(crate) fn pair_steps(
+    per_rank: Vec<Vec<ResolvedStep>>,
+) -> Result<Vec<LoopbackStep>, NetworkError> {
+    let count = per_rank.first().map_or(0, Vec::len);
+    if per_rank.iter().any(|steps| steps.len() != count) {
+        return Err(NetworkError::Unpaired {
+            step: "a call".to_string(),
+            detail: "the ranks' calls have different numbers of steps".to_string(),
+        });
+    }
+    let mut ranks: Vec<std::vec::IntoIter<ResolvedStep>> =
+        per_rank.into_iter().map(Vec::into_iter).collect();
+    let mut joined = Vec::with_capacity(count);
+    for _ in 0..count {
+        let steps: Vec<ResolvedStep> = ranks.iter_mut().filter_map(Iterator::next).collect();
+        joined.push(pair_step(steps)?);
+    }
+    Ok(joined)
+}
+
+/// Step `i` of every rank (`steps[r]`: rank `r`'s) as one loopback step.
+fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
+    let kind = steps[0].kind;
+    let unpaired = |detail: String| NetworkError::Unpaired {
+        step: kind.to_string(),
+        detail,
+    };
+    if steps
+        .iter()
+        .any(|s| s.kind != kind || s.wait_for.is_some() != steps[0].wait_for.is_some())
+    {
+        return Err(unpaired("the ranks' steps differ in kind".to_string()));
+    }
+    // Each rank's receives, by source, in issue order: the n-th send from a source meets
+    // the n-th of these.
+    let mut pending: Vec<Vec<std::collections::VecDeque<(u64, u64)>>> = steps
+        .iter()
+        .map(|step| {
+            let mut by_source = vec![std::collections::VecDeque::new(); steps.len()];
+            for &(peer, address, bytes) in &step.receives {
+                if let Some(queue) = by_source.get_mut(peer as usize) {
+                    queue.push_back((address, bytes));
+                }
+            }
+            by_source
+        })
+        .collect();
+    let mut copies = Vec::new();
+    for (from, step) in steps.iter().enumerate() {
+        for &(to, source, bytes) in &step.sends {
+            let received = pending
+                .get_mut(to as usize)
+                .and_then(|by_source| by_source[from].pop_front());
+            match received {
+                Some((destination, expected)) if expected == bytes => copies.push(LoopbackCopy {
+                    from: from as u32,
+                    to,
+                    source,
+                    destination,
+                    bytes,
+                }),
+                Some((_, expected)) => {
+                    return Err(unpaired(format!(
+                        "rank {from} sends rank {to} {bytes} B, which receives {expected} B"
+                    )));
+                }
+                None => {
+                    return Err(unpaired(format!(
+                        "rank {from} sends rank {to} {bytes} B that no receive of it takes"
+                    )));
+                }
+            }
+        }
+    }
+    for (to, by_source) in pending.iter().enumerate() {
+        if let Some(from) = by_source.iter().position(|queue| !queue.is_empty()) {
+            return Err(unpaired(format!(
+                "rank {to} receives from rank {from} more than it sends"
+            )));
+        }
+    }
+    let position = steps[0].position;
+    let wait_for = steps[0].wait_for.is_some().then(|| {
+        steps
+            .iter()
+            .enumerate()
+            .flat_map(|(rank, step)| {
+                step.wait_for
+                    .iter()
+                    .flatten()
+                    .map(move |&flag| (rank as u32, flag))
+            })
+            .collect()
+    });
+    let release = steps.into_iter().flat_map(|step| step.release).collect();
+    Ok(LoopbackStep {
+        kind,
+        position,
+        wait_for,
+        copies,
+        release,
+    })
+}
+
+/// The loopback steps of calls of one tokens bound.
+struct LoopbackCall {
+    tokens_bound: u32,
+    steps: Vec<LoopbackStep>,
+}
+
+/// The emulated nodes' network: one stream that runs every rank's steps.
+pub(crate) struct LoopbackPath {
+    stream: Arc<CudaStream>,
+    /// Releases a stalled call's staging flags (never waits on the loopback stream).
+    side: Arc<CudaStream>,
+    ep: ExpertParallelPlan,
+    network: NetworkPlan,
+    shape: LayerShape,
+    /// Per rank, the workspace buffers its steps move.
+    buffers: Vec<StepBuffers>,
+    call: RefCell<LoopbackCall>,
+    done: Vec<CudaEvent>,
+    limit: Duration,
+    calls_outstanding: Cell<u32>,
+    /// The epoch of the last call enqueued: what a stalled call's flags are released with.
+    last_epoch: Cell<u32>,
+    /// Set when even the released flags did not drain the stream: nothing more is
+    /// enqueued, and the layer leaks its buffers rather than free them under it.
+    abandoned: Cell<bool>,
+}
+
+impl LoopbackPath {
+    /// The loopback of `network` for `ranks` virtual ranks, `buffer(rank, id)` giving the
+    /// device address and bytes of a rank's workspace buffer; steps of a call of
+    /// max_tokens resolved (every range checked, every send paired).
+    pub(crate) fn new(
+        stream: Arc<CudaStream>,
+        side: Arc<CudaStream>,
+        ep: &ExpertParallelPlan,
+        network: &NetworkPlan,
+        shape: &LayerShape,
+        buffer: impl Fn(u32, BufferId) -> Result<(u64, u64), NetworkError>,
+    ) -> Result<Self, NetworkError> {
+        let buffers = (0..ep.ranks)
+            .map(|rank| {
+                let steps = network.steps(ep, shape, rank, shape.max_tokens);
+                StepBuffers::for_steps(&steps, |id| buffer(rank, id))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let steps = resolve_call(ep, network, shape, &buffers, shape.max_tokens)?;
+        let done = step_events(&stream, network)?;
+        Ok(LoopbackPath {
+            stream,
+            side,
+            ep: ep.clone(),
+            network: network.clone(),
+            shape: shape.clone(),
+            buffers,
+            call: RefCell::new(LoopbackCall {
+                tokens_bound: shape.max_tokens,
+                steps,
+            }),
+            done,
+            limit: Duration::from_millis(network.wait_limit_ms),
+            calls_outstanding: Cell::new(0),
+            last_epoch: Cell::new(0),
+            abandoned: Cell::new(false),
+        })
+    }
+
+    /// The stream the steps run on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Makes the steps of the calls those of `tokens_bound`.
+    fn steps_for(&self, tokens_bound: u32) -> Result<(), NetworkError> {
+        if self.call.borrow().tokens_bound == tokens_bound {
+            return Ok(());
+        }
+        let steps = resolve_call(
+            &self.ep,
+            &self.network,
+            &self.shape,
+            &self.buffers,
+            tokens_bound,
+        )?;
+        *self.call.borrow_mut() = LoopbackCall {
+            tokens_bound,
+            steps,
+        };
+        Ok(())
+    }
+
+    fn refuse_if_abandoned(&self) -> Result<(), NetworkError> {
+        if self.abandoned.get() {
+            return Err(NetworkError::LoopbackAbandoned);
+        }
+        Ok(())
+    }
+
+    /// Enqueues the metadata and dispatch steps of every rank for the call of `epoch`, in
+    /// which no rank passes more than `tokens_bound` tokens.
+    pub(crate) fn enqueue_dispatch(
+        &self,
+        epoch: u32,
+        tokens_bound: u32,
+    ) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        self.steps_for(tokens_bound)?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the loopback stream's context")?;
+        self.calls_outstanding
+            .set(self.calls_outstanding.get().saturating_add(1));
+        self.last_epoch.set(epoch);
+        for step in self.call.borrow().steps.iter() {
+            let Some(flags) = &step.wait_for else {
+                continue;
+            };
+            for &(_, flag) in flags {
+                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
+            }
+            self.run(step, epoch)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the return steps of every rank for the call of `epoch`, after
+    /// `gemm2_done` (one event per rank, each recorded after that rank's GEMM2).
+    pub(crate) fn enqueue_results(
+        &self,
+        epoch: u32,
+        gemm2_done: &[CudaEvent],
+    ) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the loopback stream's context")?;
+        self.calls_outstanding
+            .set(self.calls_outstanding.get().max(1));
+        for event in gemm2_done {
+            self.stream
+                .wait(event)
+                .context("ordering the results after every rank's GEMM2")?;
+        }
+        for step in self.call.borrow().steps.iter() {
+            if step.wait_for.is_none() {
+                self.run(step, epoch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One step's copies, releases and event.
+    fn run(&self, step: &LoopbackStep, epoch: u32) -> Result<(), NetworkError> {
+        for copy in &step.copies {
+            // SAFETY: both ranges were checked against their ranks' workspace buffers,
+            // which the layer holds as long as this path (and it waits for this stream,
+            // bounded, before freeing them).
+            let result = unsafe {
+                driver::cuMemcpyDtoDAsync_v2(
+                    copy.destination,
+                    copy.source,
+                    copy.bytes as usize,
+                    self.stream.cu_stream(),
+                )
+            };
+            stream_op(result, "cuMemcpyDtoDAsync", || {
+                format!(
+                    "copying {} of rank {} to rank {}",
+                    step.kind, copy.from, copy.to
+                )
+            })?;
+        }
+        for &flag in &step.release {
+            stream_write_value(&self.stream, flag, epoch, &step.kind)?;
+        }
+        self.done[step.position]
+            .record(&self.stream)
+            .context("recording a loopback step")?;
+        Ok(())
+    }
+
+    /// Waits for every enqueued step, at most the plan's bound per call enqueued since the
+    /// last wait. A stall is [`NetworkError::LoopbackStalled`], after the stalled flags
+    /// were released from the side stream so that the stream drains.
+    pub(crate) fn wait(&self) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        let calls = self.calls_outstanding.get();
+        if calls == 0 {
+            return Ok(());
+        }
+        let bound = self.limit.saturating_mul(calls);
+        if idle_by(&self.stream, Instant::now() + bound)? {
+            self.calls_outstanding.set(0);
+            return Ok(());
+        }
+        let stalled = self.stalled(bound);
+        let epoch = self.last_epoch.get();
+        let call = self.call.borrow();
+        for step in &call.steps {
+            for &(_, flag) in step.wait_for.iter().flatten() {
+                stream_write_value(&self.side, flag, epoch, &step.kind)?;
+            }
+        }
+        if !idle_by(&self.stream, Instant::now() + self.limit)? {
+            self.abandoned.set(true);
+        }
+        self.calls_outstanding.set(0);
+        Err(stalled)
+    }
+
+    /// The error of a stall after `bound`: the first step not done and the ranks whose
+    /// staging flags it still waits for.
+    fn stalled(&self, bound: Duration) -> NetworkError {
+        let call = self.call.borrow();
+        let step = call
+            .steps
+            .iter()
+            .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false));
+        let Some(step) = step else {
+            return NetworkError::LoopbackStalled {
+                step: "the call's last step".to_string(),
+                ranks: "every rank (its GEMM2)".to_string(),
+                seconds: bound.as_secs_f64(),
+            };
+        };
+        let epoch = self.last_epoch.get();
+        let mut ranks: Vec<u32> = match &step.wait_for {
+            Some(flags) => flags
+                .iter()
+                .filter(|&&(_, flag)| {
+                    self.read_flag(flag)
+                        .is_none_or(|value| (value.wrapping_sub(epoch) as i32) < 0)
+                })
+                .map(|&(rank, _)| rank)
+                .collect(),
+            None => Vec::new(),
+        };
+        ranks.dedup();
+        NetworkError::LoopbackStalled {
+            step: step.kind.to_string(),
+            ranks: if ranks.is_empty() {
+                "every rank (its GEMM2)".to_string()
+            } else {
+                ranks
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+            seconds: bound.as_secs_f64(),
+        }
+    }
+
+    /// The u32 at device address `flag`, read on the side stream (`None` if the read
+    /// fails).
+    fn read_flag(&self, flag: u64) -> Option<u32> {
+        let mut value = 0u32;
+        // SAFETY: `flag` is a checked address of a rank's workspace; `value` outlives the
+        // synchronised copy.
+        let copied = unsafe {
+            driver::cuMemcpyDtoHAsync_v2(
+                (&mut value as *mut u32).cast(),
+                flag,
+                4,
+                self.side.cu_stream(),
+            )
+        };
+        (copied == driver::CUresult::CUDA_SUCCESS && self.side.synchronize().is_ok())
+            .then_some(value)
+    }
+
+    /// Whether a stall left the stream blocked even after its flags were released.
+    pub(crate) fn abandoned(&self) -> bool {
+        self.abandoned.get()
+    }
+}
+
+/// Every rank's steps of a call of `tokens_bound`, resolved and paired.
+fn resolve_call(
+    ep: &ExpertParallelPlan,
+    network: &NetworkPlan,
+    shape: &LayerShape,
+    buffers: &[StepBuffers],
+    tokens_bound: u32,
+) -> Result<Vec<LoopbackStep>, NetworkError> {
+    let per_rank = buffers
+        .iter()
+        .enumerate()
+        .map(|(rank, buffers)| {
+            buffers.resolve(
+                network.steps(ep, shape, rank as u32, tokens_bound),
+                network.chunks,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    pair_steps(per_rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use moeforge_compiler::plan::network::NetworkTransport;
+    use moeforge_compiler::plan::{Plan, Target};
+
+    use super::*;
+
+    /// The tiny layer (8 experts, top 2, max_tokens 512, chunks of 16) on 4 virtual ranks
+    /// emulating 2 nodes of 2 GPUs.
+    fn emulated() -> Plan {
+        let text = "topology t {\n gpus_per_node = 2\n nodes = 2\n virtual_ranks = 4\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}\nlayer l {\n hidden = 128\n ffn = 256\n experts = 8\n top_k = 2\n max_tokens = 512\n parallel { expert = 4 }\n topology = t\n schedule {\n  gemm1.tile = 32x64x64\n  gemm2.tile = 32x64x64\n  stages = 2\n  dispatch_chunk = 16 tokens\n  comm_blocks = 2\n }\n}\n";
+        let module = moeforge_compiler::compile_source("l.moe", text).expect("checks");
+        moeforge_compiler::plan::plan(&module.layers[0], &Target::h200()).expect("plans")
+    }
+
+    /// Rank `rank`'s buffer `id` at a made-up address: ranks 1 GiB apart, buffers in
+    /// workspace order, each 1 MiB aligned.
+    fn layout(ep: &ExpertParallelPlan) -> HashMap<(u32, BufferId), (u64, u64)> {
+        let mut at = HashMap::new();
+        for rank in 0..ep.ranks {
+            let mut next = u64::from(rank + 1) << 30;
+            for buffer in &ep.workspace {
+                at.insert((rank, buffer.id), (next, buffer.bytes()));
+                next += buffer.bytes().next_multiple_of(1 << 20);
+            }
+        }
+        at
+    }
+
+    #[test]
+    fn every_send_meets_the_receive_nccl_would_pair_it_with() {
+        let plan = emulated();
+        let ep = plan.expert_parallel.as_ref().expect("expert-parallel");
+        let network = ep.network.as_ref().expect("a network part");
+        assert_eq!(network.transport, NetworkTransport::Loopback);
+        let at = layout(ep);
+        let buffers: Vec<StepBuffers> = (0..ep.ranks)
+            .map(|rank| {
+                let steps = network.steps(ep, &plan.shape, rank, plan.shape.max_tokens);
+                StepBuffers::for_steps(&steps, |id| Ok(at[&(rank, id)])).expect("buffers")
+            })
+            .collect();
+        let owner = |address: u64| ((address >> 30) - 1) as u32;
+        for bound in [0, 1, 17, 48, 512] {
+            let steps = resolve_call(ep, network, &plan.shape, &buffers, bound).expect("pairs");
+            let per_rank: Vec<Vec<_>> = (0..ep.ranks)
+                .map(|rank| network.steps(ep, &plan.shape, rank, bound))
+                .collect();
+            assert_eq!(steps.len(), per_rank[0].len());
+            for (i, step) in steps.iter().enumerate() {
+                // As many copies as sends, each from its sender's memory into its
+                // receiver's, and every receive filled exactly once.
+                let sends: usize = per_rank.iter().map(|s| s[i].sends.len()).sum();
+                let receives: usize = per_rank.iter().map(|s| s[i].receives.len()).sum();
+                assert_eq!((step.copies.len(), sends), (receives, receives));
+                let mut filled = std::collections::HashSet::new();
+                for copy in &step.copies {
+                    assert_eq!(owner(copy.source), copy.from);
+                    assert_eq!(owner(copy.destination), copy.to);
+                    assert!(
+                        network.route(copy.from, copy.to)
+                            == moeforge_compiler::plan::network::Route::Network
+                    );
+                    assert!(filled.insert(copy.destination), "{:?}", step.kind);
+                }
+            }
+        }
+        // Dispatch chunk 1 of a full call: rank 0's rows for rank 2 (its network slot 0)
+        // land in rank 2's receive buffer at source 0's slots 16..32.
+        let steps = resolve_call(ep, network, &plan.shape, &buffers, 512).expect("pairs");
+        let chunk = steps
+            .iter()
+            .find(|s| s.kind == StepKind::Dispatch { chunk: 1 })
+            .expect("chunk 1");
+        let copy = chunk
+            .copies
+            .iter()
+            .find(|c| (c.from, c.to) == (0, 2))
+            .expect("0 to 2");
+        let row = u64::from(plan.shape.hidden) * 2;
+        assert_eq!(copy.source, at[&(0, BufferId::NetSendX)].0 + 16 * row);
+        assert_eq!(copy.destination, at[&(2, BufferId::RecvX)].0 + 16 * row);
+        assert_eq!(copy.bytes, 16 * row);
+    }
+
+    #[test]
+    fn steps_that_do_not_pair_are_refused() {
+        let step = |kind, sends, receives| ResolvedStep {
+            kind,
+            wait_for: Some(Vec::new()),
+            sends,
+            receives,
+            release: Vec::new(),
+            position: 0,
+        };
+        let metadata = StepKind::Metadata;
+        // Rank 0 sends 64 B to rank 1, which expects 32 B.
+        let sizes = pair_steps(vec![
+            vec![step(metadata, vec![(1, 0x1000, 64)], Vec::new())],
+            vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
+        ]);
+        assert!(matches!(sizes, Err(NetworkError::Unpaired { .. })));
+        // Rank 1 waits for a send that never comes.
+        let missing = pair_steps(vec![
+            vec![step(metadata, Vec::new(), Vec::new())],
+            vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
+        ]);
+        assert!(matches!(missing, Err(NetworkError::Unpaired { .. })));
+        let paired = pair_steps(vec![
+            vec![step(metadata, vec![(1, 0x1000, 32)], Vec::new())],
+            vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
+        ])
+        .expect("pairs");
+        assert_eq!(
+            paired[0].copies,
+            vec![LoopbackCopy {
+                from: 0,
+                to: 1,
+                source: 0x1000,
+                destination: 0x2000,
+                bytes: 32
+            }]
+        );
+    }
+}
