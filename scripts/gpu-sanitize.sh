@@ -3,7 +3,8 @@
 # machine, each checked against the CPU reference: one GPU, virtual ranks (2 and 4,
 # skewed routing), two self-routed layers (the fused router), a self-routed layer on two
 # virtual ranks (each rank's router, then the exchange on its choices) and two calls small
-# enough for the ranks' fused decode (tiny on 4 ranks, Qwen3-30B-A3B on 2, self-routed).
+# enough for the ranks' fused decode (tiny on 4 ranks, Qwen3-30B-A3B on 2, self-routed),
+# and the tiny layer on two emulated nodes of two virtual ranks (the loopback's copies).
 # Full-size Mixtral-8x7B on two virtual ranks runs from a copy of its spec with
 # `flag_timeout = 600_000 ms`: racecheck slows the exchange's kernels far past the default
 # bound on one flag wait (about 2 s), which would report a time-out, not a hazard.
@@ -21,6 +22,7 @@ cases=(
   "dsl-examples/tiny.moe --ranks 1 --tokens 77"
   "dsl-examples/tiny.moe --ranks 2 --tokens 77"
   "dsl-examples/tiny.moe --ranks 4 --tokens 300 --routing skewed"
+  "dsl-examples/tiny_emulated_nodes.moe --ranks 4 --tokens 77 --routing skewed"
   "dsl-examples/qwen3_30b_a3b.moe --ranks 1 --tokens 16"
   "dsl-examples/gpt_oss_120b.moe --ranks 1 --tokens 3"
   "dsl-examples/qwen3_30b_a3b.moe --ranks 2 --tokens 40"

@@ -358,6 +358,11 @@ impl LoopbackPath {
             self.calls_outstanding.set(0);
             return Ok(());
         }
+        // Reading and writing flags below are raw driver calls on the side stream.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the loopback stream's context")?;
         let stalled = self.stalled(bound);
         let epoch = self.last_epoch.get();
         let call = self.call.borrow();
