@@ -624,10 +624,16 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
         if (thread < pending) {
             int* pair_rows = received_pair_rows + (size_t)s_release_row[lane][thread] * SLOTS_PER_TOKEN;
             for (int k = 0; k < SLOTS_PER_TOKEN; ++k) pair_rows[k] = 0;
-            fence_flags();
-            flag_add(peer_buffer<u32>(peer_table, s_release_source[lane][thread], PEER_COMBINE_COUNTERS) +
-                         s_release_token[lane][thread],
-                     HIDDEN);
+            const int source = s_release_source[lane][thread];
+{%- if ep.network.is_some() %}
+            // A network origin counts nothing here: its partials leave together, below.
+            if (NETWORK_SLOT[rank][source] < 0) {
+{%- else %}
+            {
+{%- endif %}
+                fence_flags();
+                flag_add(peer_buffer<u32>(peer_table, source, PEER_COMBINE_COUNTERS) + s_release_token[lane][thread], HIDDEN);
+            }
         }
         lane_sync(lane);  // the slots are free for the next partials
     };
@@ -648,9 +654,17 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
             if (row > 0 && token < 0) token = segment_pairs[row - 1] / SLOTS_PER_TOKEN;
         }
         if (token < 0) continue;  // an own token with no expert here (the same for the whole lane)
-        combine_rows<SLOTS_PER_TOKEN>(rows, peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
-                                                ((size_t)token * RANKS + rank) * HIDDEN,
-                                      thread);
+{%- if ep.network.is_some() %}
+        // A network origin's partial goes to this rank's return outbox, its slot there.
+        const int network_slot = NETWORK_SLOT[rank][source];
+        bf16_t* partial = network_slot >= 0
+                              ? net_return_x + ((size_t)network_slot * MAX_TOKENS + token) * HIDDEN
+                              : peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
+                                    ((size_t)token * RANKS + rank) * HIDDEN;
+{%- else %}
+        bf16_t* partial = peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) + ((size_t)token * RANKS + rank) * HIDDEN;
+{%- endif %}
+        combine_rows<SLOTS_PER_TOKEN>(rows, partial, thread);
         if (thread == 0) {
             s_release_source[lane][pending] = source;
             s_release_token[lane][pending] = token;
@@ -662,43 +676,70 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
         }
     }
     release_pending(pending);
+{%- if ep.network.is_some() %}
+    // Every lane's partials for network origins are stored (release_pending ended on the
+    // lane's barrier): the last lane of the grid releases them to the network stream,
+    // which waits for net_partials_ready[1] before it sends them.
+    if (thread == 0) {
+        fence_flags();
+        if (atomicAdd(net_partials_ready, 1u) == gridDim.x * COMBINE_LANES - 1) {
+            net_partials_ready[0] = 0;
+            fence_flags();
+            flag_store(net_partials_ready + 1, epoch);
+        }
+    }
+{%- endif %}
 {%- else %}
     static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
 {%- endif %}
     for (int token = first_item; token < tokens; token += item_stride) {
 {%- if ep.network.is_some() %}
-        // A pair computed on another node comes back through NCCL into net_returned_x (that
-        // rank's slot), released per (source, token chunk); the counter counts the rest.
-        const bf16_t* rows[SLOTS_PER_TOKEN];
-        int network_source[SLOTS_PER_TOKEN];
+        // One partial per rank the token visited: at its first pair there (a rank's later
+        // pairs are in that partial), and this rank's for the shared slices in the last
+        // slot when no pair chose it; summed in that order (fixed by the token's choices;
+        // ranks can be many here, so no per-rank array). A partial from a rank on another
+        // node comes back through NCCL into net_returned_x (that rank's slot), released
+        // per (source, token chunk); the counter counts the partials of this node's ranks.
+        int source_of[TOP_K];  // the rank of each pair, -1 where it is not combined
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            source_of[k] = pair_combined(topk_ids, token, k) ? topk_ids[token * TOP_K + k] / LOCAL_EXPERTS : -1;
+        }
+        const bf16_t* rows[TOP_K + 1];
+        int network_slot_of[TOP_K];  // where a partial from another node lands, -1 for none
+        bool own_visited = false;
         u32 counted = 0;
 #pragma unroll
-        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
-            const size_t pair = (size_t)token * SLOTS_PER_TOKEN + k;
-            const bool present = pair_combined(topk_ids, token, k);
-            const int source = k < TOP_K && present ? topk_ids[token * TOP_K + k] / LOCAL_EXPERTS : rank;
-            const int network_slot = NETWORK_SLOT[rank][source];
-            network_source[k] = present && network_slot >= 0 ? source : -1;
-            rows[k] = !present             ? nullptr
-                      : network_slot >= 0 ? net_returned_x + ((size_t)network_slot * MAX_PAIRS + pair) * HIDDEN
-                                          : combine_slots + pair * HIDDEN;
-            counted += present && network_slot < 0;
+        for (int k = 0; k < TOP_K; ++k) {
+            const int source = source_of[k];
+            bool first = source >= 0;
+#pragma unroll
+            for (int j = 0; j < k; ++j) first = first && source_of[j] != source;
+            const int network_slot = first ? NETWORK_SLOT[rank][source] : -1;
+            rows[k] = !first             ? nullptr
+                      : network_slot >= 0 ? net_returned_x + ((size_t)network_slot * MAX_TOKENS + token) * HIDDEN
+                                          : combine_slots + ((size_t)token * RANKS + source) * HIDDEN;
+            network_slot_of[k] = network_slot;
+            own_visited = own_visited || (first && source == rank);
+            counted += first && network_slot < 0;
         }
+        rows[TOP_K] = SHARED_SLICES > 0 && !own_visited ? combine_slots + ((size_t)token * RANKS + rank) * HIDDEN : nullptr;
+        counted += rows[TOP_K] != nullptr;
         const u32 target = counted * HIDDEN;
         bool complete = false;
         if (thread == 0) {
             complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+            const int chunk = token / CHUNK;
+#pragma unroll
             for (int k = 0; k < TOP_K; ++k) {
-                const int source = network_source[k];
-                if (source < 0) continue;
-                const int chunk = token / CHUNK;
-                wait_flag(net_return_flags + NETWORK_SLOT[rank][source] * CHUNKS + chunk, epoch, error_word, rank,
-                          FLAG_KIND_RETURN, source * CHUNKS + chunk);
+                if (network_slot_of[k] < 0) continue;
+                wait_flag(net_return_flags + network_slot_of[k] * CHUNKS + chunk, epoch, error_word, rank,
+                          FLAG_KIND_RETURN, source_of[k] * CHUNKS + chunk);
             }
         }
         lane_sync(lane);
-        combine_rows<SLOTS_PER_TOKEN>(rows, y + (size_t)token * HIDDEN, thread);
-        lane_sync(lane);  // every thread read the rows before the counter is reset
+        combine_rows<TOP_K + 1>(rows, y + (size_t)token * HIDDEN, thread);
+        lane_sync(lane);  // every thread read the partials before the counter is reset
         if (thread == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }

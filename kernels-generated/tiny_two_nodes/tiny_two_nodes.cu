@@ -8,7 +8,7 @@
 // leaves out the route launch: gemm1 -> gemm2 -> combine, each GEMM block routing the call
 // in its own shared memory.
 // Note: the spec asks for 2 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 8 experts on one GPU
-// Note: ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves 418 KB to each of a rank's 1 network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and 836 B at one token; the network's outboxes and inboxes take 680 KB per rank
+// Note: ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves 287 KB to each of a rank's 1 network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and 580 B at one token; the network's outboxes and inboxes take 418 KB per rank
 
 // ---------------------------------------------------------------------------------------
 // Prelude: element types and PTX wrappers. No toolkit header is included, so NVRTC needs
@@ -1339,10 +1339,11 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) tiny_two_nodes_com
 //                               then one row per own token for each shared slice
 //                               (a thread per row, on every compute SM)
 //                   GEMM1       each tile waits for the chunks its rows sit in
-//                   GEMM2       stores weighted rows into the origin's combine slots and
-//                               releases the origin's per-token counter
-//                   ep_combine  waits for each token's counter, sums its K slots (and
-//                               its shared slices')
+//                   GEMM2       keeps its weighted rows here (pair_results)
+//                   ep_combine  sums each received token's rows into one partial, stored
+//                               at its origin with a release of the origin's counter;
+//                               then waits for each own token's counter and sums the
+//                               partials of the ranks it visited, in rank order
 // ---------------------------------------------------------------------------------------
 enum : int { RANKS = 2 };
 enum : int { LOCAL_EXPERTS = 4 };     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
@@ -1360,9 +1361,10 @@ enum : int { COPY_UNROLL = 8 };                            // 16-byte loads in f
 enum : int { COMM_THREADS = 512 };
 enum : int { META_THREADS = 512 };
 enum : int { COMBINE_LANES = 4 };     // token lanes (of COMBINE_THREADS threads) per combine block
+enum : int { PARTIALS_PER_RELEASE = 8 };  // rank partials a combine lane releases together
 enum : int { EP_ROUTE_STATIC_SMEM_BYTES = 16512 };
 enum : int { EP_ARRANGE_STATIC_SMEM_BYTES = 128 };
-enum : int { EP_COMBINE_STATIC_SMEM_BYTES = 0 };
+enum : int { EP_COMBINE_STATIC_SMEM_BYTES = 384 };
 // Each rank's row of the peer table: addresses of the buffers other ranks write.
 enum : int { PEER_BUFFER_COUNT = 10 };
 enum : int { PEER_RECV_X = 0 };
@@ -1403,7 +1405,7 @@ struct ExpertParallel {
     enum : int { PEER_BUFFER_COUNT = ::PEER_BUFFER_COUNT };
     enum : int { PEER_COMBINE_SLOTS = ::PEER_COMBINE_SLOTS, PEER_COMBINE_COUNTERS = ::PEER_COMBINE_COUNTERS };
     // GEMM2 keeps its rows here for the combine's rank partials (else stores them at their origins).
-    enum : bool { RANK_PARTIALS = false };
+    enum : bool { RANK_PARTIALS = true };
 };
 
 template <typename T>
@@ -1831,7 +1833,9 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
     int* __restrict__ row_origins,  // [rows]: rank each row came from
     u32* __restrict__ arrange_blocks_done,  // [1]: arrange blocks done with the receive index
     int* __restrict__ error_word,  // [4]: code, then details
-    const u64* __restrict__ peer_table  // [RANKS, PEER_BUFFERS]: peers' addresses
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    int* __restrict__ received_pair_rows,  // [RANKS * SLOTS + MAX_TOKENS, SLOTS_PER_TOKEN]: each received token's GEMM rows + 1
+    int* __restrict__ received_tokens  // [RANKS]: tokens each source sent this call
 )
 {
     __shared__ int s_offsets[SEGMENTS + 1];
@@ -1858,6 +1862,12 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
     __syncthreads();
     if (blockIdx.x == 0) {
         for (int g = threadIdx.x; g <= SEGMENTS; g += META_THREADS) segment_offsets[g] = s_offsets[g];
+        // The combine walks the received tokens after the sources' next metadata may have
+        // replaced recv_counts: it reads this copy.
+        for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
+            received_tokens[source] =
+                source == rank ? tokens : s_arrived ? recv_counts[source * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS] : 0;
+        }
     }
     const int rows = s_offsets[SEGMENTS];
     for (int row = blockIdx.x * META_THREADS + threadIdx.x; row < rows; row += gridDim.x * META_THREADS) {
@@ -1874,6 +1884,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
             segment_pairs[row] = token * SLOTS_PER_TOKEN + TOP_K + slice;
             segment_weights[row] = 1.f;
             row_origins[row] = rank;
+            received_pair_rows[(size_t)(OWN_ROW_BASE + token) * SLOTS_PER_TOKEN + TOP_K + slice] = row + 1;
             continue;
         }
         const size_t from = ((size_t)(lo / RANKS) * RANKS + source) * SEGMENT_ROWS + (row - s_offsets[lo]);
@@ -1884,6 +1895,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
         segment_pairs[row] = pair;
         segment_weights[row] = recv_weight[from];
         row_origins[row] = source;
+        received_pair_rows[(size_t)received_row * SLOTS_PER_TOKEN + pair % SLOTS_PER_TOKEN] = row + 1;
     }
     // Every source's counts and index are consumed once every block is done with them:
     // the last block gives each source its credit back.
@@ -1926,48 +1938,141 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
     u32* __restrict__ combine_counters,  // [MAX_TOKENS], written by peers
     int* __restrict__ error_word,  // [4]: code, then details
     bf16_t* __restrict__ y,  // [tokens, HIDDEN]
-    const bf16_t* net_returned_x,  // [NETWORK_PEERS * MAX_TOKENS * SLOTS_PER_TOKEN, HIDDEN]: results for / from network peers
-    const u32* net_return_flags  // [NETWORK_PEERS, CHUNKS], written by NCCL's stream: results arrived
+    bf16_t* __restrict__ net_return_x,  // [NETWORK_PEERS * MAX_TOKENS, HIDDEN]: rank partials for / from network peers
+    const bf16_t* net_returned_x,  // [NETWORK_PEERS * MAX_TOKENS, HIDDEN]: rank partials for / from network peers
+    const u32* net_return_flags,  // [NETWORK_PEERS, CHUNKS], written by NCCL's stream: results arrived
+    u32* __restrict__ net_partials_ready,  // [2]: combine lanes done with the partials, then the epoch they were all stored in
+    const bf16_t* __restrict__ pair_results,  // [rows, HIDDEN]: GEMM2's weighted rows, kept here
+    int* __restrict__ received_pair_rows,  // [RANKS * SLOTS + MAX_TOKENS, SLOTS_PER_TOKEN]: each received token's GEMM rows + 1
+    const int* __restrict__ received_tokens,  // [RANKS]: tokens each source sent this call
+    const int* __restrict__ segment_pairs,  // [rows]
+    const u64* __restrict__ peer_table  // [RANKS, PEER_BUFFERS]: peers' addresses
 )
 {
     const int lane = threadIdx.x / COMBINE_THREADS;
     const int thread = threadIdx.x % COMBINE_THREADS;
     const int first_item = blockIdx.x * COMBINE_LANES + lane;
     const int item_stride = gridDim.x * COMBINE_LANES;
-    static_assert(EP_COMBINE_STATIC_SMEM_BYTES == 0, "plan: combine kernel's static shared memory");
-    for (int token = first_item; token < tokens; token += item_stride) {
-        // A pair computed on another node comes back through NCCL into net_returned_x (that
-        // rank's slot), released per (source, token chunk); the counter counts the rest.
+    // First the partials: every token received here (each source's in slot order, then
+    // this rank's own) has its rows summed in k order into one row at its origin, then
+    // HIDDEN columns of the origin's counter released. Nothing in this part waits, so
+    // every lane has sent its share before it waits on its own tokens below. Releases go
+    // PARTIALS_PER_RELEASE at a time, a thread each, so their fences overlap.
+    __shared__ int s_release_source[COMBINE_LANES][PARTIALS_PER_RELEASE];
+    __shared__ int s_release_token[COMBINE_LANES][PARTIALS_PER_RELEASE];
+    __shared__ int s_release_row[COMBINE_LANES][PARTIALS_PER_RELEASE];
+    static_assert(static_smem_reserved(sizeof(s_release_source) + sizeof(s_release_token) + sizeof(s_release_row)) ==
+                      EP_COMBINE_STATIC_SMEM_BYTES,
+                  "plan: combine kernel's static shared memory");
+    // Once every thread of the lane has stored its columns of the pending partials: thread
+    // j clears the pair rows of pending partial j and releases it at its origin.
+    const auto release_pending = [&](int pending) {
+        lane_sync(lane);
+        if (thread < pending) {
+            int* pair_rows = received_pair_rows + (size_t)s_release_row[lane][thread] * SLOTS_PER_TOKEN;
+            for (int k = 0; k < SLOTS_PER_TOKEN; ++k) pair_rows[k] = 0;
+            const int source = s_release_source[lane][thread];
+            // A network origin counts nothing here: its partials leave together, below.
+            if (NETWORK_SLOT[rank][source] < 0) {
+                fence_flags();
+                flag_add(peer_buffer<u32>(peer_table, source, PEER_COMBINE_COUNTERS) + s_release_token[lane][thread], HIDDEN);
+            }
+        }
+        lane_sync(lane);  // the slots are free for the next partials
+    };
+    int received = 0;
+    for (int source = 0; source < RANKS; ++source) received += received_tokens[source];
+    int pending = 0;
+    for (int item = first_item; item < received; item += item_stride) {
+        int source = 0, index = item;
+        while (index >= received_tokens[source]) index -= received_tokens[source++];
+        const int received_row = source == rank ? OWN_ROW_BASE + index : source * SLOTS + index;
+        const int* pair_rows = received_pair_rows + (size_t)received_row * SLOTS_PER_TOKEN;
         const bf16_t* rows[SLOTS_PER_TOKEN];
-        int network_source[SLOTS_PER_TOKEN];
-        u32 counted = 0;
+        int token = -1;
 #pragma unroll
         for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
-            const size_t pair = (size_t)token * SLOTS_PER_TOKEN + k;
-            const bool present = pair_combined(topk_ids, token, k);
-            const int source = k < TOP_K && present ? topk_ids[token * TOP_K + k] / LOCAL_EXPERTS : rank;
-            const int network_slot = NETWORK_SLOT[rank][source];
-            network_source[k] = present && network_slot >= 0 ? source : -1;
-            rows[k] = !present             ? nullptr
-                      : network_slot >= 0 ? net_returned_x + ((size_t)network_slot * MAX_PAIRS + pair) * HIDDEN
-                                          : combine_slots + pair * HIDDEN;
-            counted += present && network_slot < 0;
+            const int row = pair_rows[k];
+            rows[k] = row > 0 ? pair_results + (size_t)(row - 1) * HIDDEN : nullptr;
+            if (row > 0 && token < 0) token = segment_pairs[row - 1] / SLOTS_PER_TOKEN;
         }
+        if (token < 0) continue;  // an own token with no expert here (the same for the whole lane)
+        // A network origin's partial goes to this rank's return outbox, its slot there.
+        const int network_slot = NETWORK_SLOT[rank][source];
+        bf16_t* partial = network_slot >= 0
+                              ? net_return_x + ((size_t)network_slot * MAX_TOKENS + token) * HIDDEN
+                              : peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
+                                    ((size_t)token * RANKS + rank) * HIDDEN;
+        combine_rows<SLOTS_PER_TOKEN>(rows, partial, thread);
+        if (thread == 0) {
+            s_release_source[lane][pending] = source;
+            s_release_token[lane][pending] = token;
+            s_release_row[lane][pending] = received_row;
+        }
+        if (++pending == PARTIALS_PER_RELEASE) {
+            release_pending(pending);
+            pending = 0;
+        }
+    }
+    release_pending(pending);
+    // Every lane's partials for network origins are stored (release_pending ended on the
+    // lane's barrier): the last lane of the grid releases them to the network stream,
+    // which waits for net_partials_ready[1] before it sends them.
+    if (thread == 0) {
+        fence_flags();
+        if (atomicAdd(net_partials_ready, 1u) == gridDim.x * COMBINE_LANES - 1) {
+            net_partials_ready[0] = 0;
+            fence_flags();
+            flag_store(net_partials_ready + 1, epoch);
+        }
+    }
+    for (int token = first_item; token < tokens; token += item_stride) {
+        // One partial per rank the token visited: at its first pair there (a rank's later
+        // pairs are in that partial), and this rank's for the shared slices in the last
+        // slot when no pair chose it; summed in that order (fixed by the token's choices;
+        // ranks can be many here, so no per-rank array). A partial from a rank on another
+        // node comes back through NCCL into net_returned_x (that rank's slot), released
+        // per (source, token chunk); the counter counts the partials of this node's ranks.
+        int source_of[TOP_K];  // the rank of each pair, -1 where it is not combined
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            source_of[k] = pair_combined(topk_ids, token, k) ? topk_ids[token * TOP_K + k] / LOCAL_EXPERTS : -1;
+        }
+        const bf16_t* rows[TOP_K + 1];
+        int network_slot_of[TOP_K];  // where a partial from another node lands, -1 for none
+        bool own_visited = false;
+        u32 counted = 0;
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            const int source = source_of[k];
+            bool first = source >= 0;
+#pragma unroll
+            for (int j = 0; j < k; ++j) first = first && source_of[j] != source;
+            const int network_slot = first ? NETWORK_SLOT[rank][source] : -1;
+            rows[k] = !first             ? nullptr
+                      : network_slot >= 0 ? net_returned_x + ((size_t)network_slot * MAX_TOKENS + token) * HIDDEN
+                                          : combine_slots + ((size_t)token * RANKS + source) * HIDDEN;
+            network_slot_of[k] = network_slot;
+            own_visited = own_visited || (first && source == rank);
+            counted += first && network_slot < 0;
+        }
+        rows[TOP_K] = SHARED_SLICES > 0 && !own_visited ? combine_slots + ((size_t)token * RANKS + rank) * HIDDEN : nullptr;
+        counted += rows[TOP_K] != nullptr;
         const u32 target = counted * HIDDEN;
         bool complete = false;
         if (thread == 0) {
             complete = wait_flag(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+            const int chunk = token / CHUNK;
+#pragma unroll
             for (int k = 0; k < TOP_K; ++k) {
-                const int source = network_source[k];
-                if (source < 0) continue;
-                const int chunk = token / CHUNK;
-                wait_flag(net_return_flags + NETWORK_SLOT[rank][source] * CHUNKS + chunk, epoch, error_word, rank,
-                          FLAG_KIND_RETURN, source * CHUNKS + chunk);
+                if (network_slot_of[k] < 0) continue;
+                wait_flag(net_return_flags + network_slot_of[k] * CHUNKS + chunk, epoch, error_word, rank,
+                          FLAG_KIND_RETURN, source_of[k] * CHUNKS + chunk);
             }
         }
         lane_sync(lane);
-        combine_rows<SLOTS_PER_TOKEN>(rows, y + (size_t)token * HIDDEN, thread);
-        lane_sync(lane);  // every thread read the rows before the counter is reset
+        combine_rows<TOP_K + 1>(rows, y + (size_t)token * HIDDEN, thread);
+        lane_sync(lane);  // every thread read the partials before the counter is reset
         if (thread == 0 && complete) atomicSub(combine_counters + token, target);
     }
 }
@@ -2112,7 +2217,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_ep_gemm1
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 124 persistent blocks (5 per SM)
+// expert-parallel GEMM2 (W2, routing weight, kept here for the combine's rank partials): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 124 persistent blocks (5 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_tiny_two_nodes_all_ep_gemm2)
 struct all_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
@@ -2146,13 +2251,12 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_two_nodes_all_ep_gemm2
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
     const int* __restrict__ segment_pairs,  // [rows]
     const float* __restrict__ segment_weights,  // [rows]
-    const int* __restrict__ row_origins,  // [rows]: rank each row came from
-    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
     int rank,  // this rank
-    int* __restrict__ error_word  // [4]: code, then details
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ pair_results  // [rows, HIDDEN]: GEMM2's weighted rows, kept here
 )
 {
-    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
-        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, pair_results,
+        ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank));
 }
 #endif

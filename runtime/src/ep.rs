@@ -11,7 +11,7 @@
 //! [`crate::ipc`]). Only the peer table differs, and the network path of ranks on several
 //! nodes. Virtual ranks may also emulate several nodes (the plan's loopback transport): one
 //! loopback stream then runs every rank's network steps as device copies
-//! ([`crate::loopback`]). A call enqueues, per rank: the communication stream waits for
+//! (`runtime/src/loopback.rs`). A call enqueues, per rank: the communication stream waits for
 //! the compute stream's earlier work, then takes the metadata and dispatch kernels; the
 //! compute stream takes arrange, the GEMMs and combine, then waits for the communication
 //! stream. A call that routes itself ([`EpLayer::forward_routed`]) first runs the layer's
@@ -147,7 +147,7 @@ pub struct EpLayer {
     withheld: Option<usize>,
     /// The network of emulated nodes, when the ranks are virtual ranks standing for
     /// several nodes.
-    loopback: Option<Loopback>,
+    loopback: Option<LoopbackPath>,
     /// Whether calls a rank regime's fused decode covers run it (all ranks must take the
     /// same path: one process driving every rank decides from every rank's count, rank
     /// processes from the tokens bound they agreed on); `MOEFORGE_FUSED_DECODE=0` runs the
@@ -163,21 +163,7 @@ struct Group {
     /// addresses.
     _mappings: PeerMappings,
     /// Traffic with the ranks on other nodes, when the plan has some.
-    network: Option<Network>,
-}
-
-/// The network path of this process's rank and the event its results wait for.
-struct Network {
-    path: NetworkPath,
-    /// Recorded after this rank's GEMM2 in every call: its results may then be sent.
-    gemm2_done: CudaEvent,
-}
-
-/// The loopback of emulated nodes and the events its results wait for.
-struct Loopback {
-    path: LoopbackPath,
-    /// Per rank, recorded after its GEMM2 in every call: the results may then be copied.
-    gemm2_done: Vec<CudaEvent>,
+    network: Option<NetworkPath>,
 }
 
 /// The tokens bound of a group: the largest of this rank's `mine` and every rank's value
@@ -319,22 +305,13 @@ impl EpLayer {
             })
             .collect::<Result<Vec<_>, _>>()?;
         // On emulated nodes a rank reaches a peer on another node only as real nodes do:
-        // its row of that peer is this rank's return outbox for it.
-        let tables = (0..built.len())
-            .map(|me| match &ep.network {
-                None => Ok(table.clone()),
-                Some(network) => {
-                    let mut mine = table.clone();
-                    for peer in network.peers(me as u32, ep.ranks) {
-                        mine[peer as usize] =
-                            network_peer_row(&plan, &ep, network, &built[me], me as u32, peer)?;
-                    }
-                    Ok(mine)
-                }
-            })
-            .collect::<Result<Vec<_>, LayerError>>()?;
-        for (rank, table) in built.iter_mut().zip(&tables) {
-            write_peer_table(rank, table)?;
+        // through the network steps, never by address.
+        for (me, rank) in built.iter_mut().enumerate() {
+            let mut mine = table.clone();
+            if let Some(network) = &ep.network {
+                out_of_reach(&mut mine, network, me as u32, ep.ranks);
+            }
+            write_peer_table(rank, &mine)?;
         }
         let loopback = match &ep.network {
             None => None,
@@ -408,10 +385,7 @@ impl EpLayer {
             channel.timeout(),
         )?;
         if let Some(network) = &ep.network {
-            for peer in network.peers(me, ep.ranks) {
-                peers.table[peer as usize] =
-                    network_peer_row(&plan, &ep, network, &rank, me, peer)?;
-            }
+            out_of_reach(&mut peers.table, network, me, ep.ranks);
         }
         write_peer_table(&mut rank, &peers.table)?;
         rank.compute
@@ -433,10 +407,7 @@ impl EpLayer {
                 };
                 let path = NetworkPath::new(comm, stream, &ep, network, &plan.shape, buffer)?;
                 path.connect(&network.peers(me, ep.ranks), channel.timeout())?;
-                let gemm2_done = ctx
-                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .context("creating the GEMM2 event")?;
-                Some(Network { path, gemm2_done })
+                Some(path)
             }
         };
         // Every rank's table is in place: every rank may start calling.
@@ -526,10 +497,10 @@ impl EpLayer {
         // Once the network path is abandoned the rank's streams may wait on its stuck
         // stream (a call enqueued after the stalled one joins it): refuse, never block.
         if let Some(network) = self.network() {
-            network.path.wait()?;
+            network.wait()?;
         }
         if let Some(loopback) = &self.loopback {
-            loopback.path.wait()?;
+            loopback.wait()?;
         }
         for rank in &self.ranks {
             rank.comm.synchronize().context("synchronising a rank")?;
@@ -720,7 +691,7 @@ impl EpLayer {
     /// router first.
     fn forward_calls(&mut self, calls: &[RankCall], routed: bool) -> Result<(), LayerError> {
         if let Some(network) = self.network() {
-            network.path.refuse_if_abandoned()?;
+            network.refuse_if_abandoned()?;
         }
         let regimes = self.begin_call(calls)?;
         let withheld = self.withheld.take();
@@ -742,7 +713,7 @@ impl EpLayer {
             // refills the return outbox only after the last call's results went, and the
             // receives land only after the last call's kernels read the inboxes.
             let rank = &self.ranks[0];
-            let stream = network.path.stream();
+            let stream = network.stream();
             rank.comm
                 .join(stream)
                 .context("ordering the staging after the last call's sends")?;
@@ -755,7 +726,7 @@ impl EpLayer {
         }
         if let Some(loopback) = &self.loopback {
             // As for a network stream, for every rank at once.
-            let stream = loopback.path.stream();
+            let stream = loopback.stream();
             for rank in &self.ranks {
                 rank.comm
                     .join(stream)
@@ -782,57 +753,24 @@ impl EpLayer {
                 self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Comm)?;
             }
         }
-        let combine = self.ep.combine_kernel.clone();
-        match (self.network(), &self.loopback) {
-            (None, None) => {
-                for (r, call) in calls.iter().enumerate() {
-                    self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)?;
-                }
-            }
-            (None, Some(loopback)) => {
-                // A withheld rank stages nothing, and a loopback waiting for it would wait
-                // for ever: the call's network traffic is left out on every rank (every
-                // wait for it times out, as if the network had failed).
-                let epoch = self.epoch;
-                let exchanging = withheld.is_none();
-                if exchanging {
-                    loopback.path.enqueue_dispatch(epoch, self.tokens_bound)?;
-                }
-                for (r, call) in calls.iter().enumerate() {
-                    self.enqueue(r, call, regimes[r], |l| {
-                        l.stream == StreamRole::Compute && l.kernel != combine
-                    })?;
-                    loopback.gemm2_done[r]
-                        .record(&self.ranks[r].compute)
-                        .context("recording the end of GEMM2")?;
-                }
-                for (r, call) in calls.iter().enumerate() {
-                    self.enqueue(r, call, regimes[r], |l| l.kernel == combine)?;
-                }
-                if exchanging {
-                    loopback.path.enqueue_results(epoch, &loopback.gemm2_done)?;
-                }
-            }
-            (Some(network), _) => {
-                // One rank here. A withheld rank sends nothing, as a dead one would.
-                let epoch = self.epoch;
-                let sending = withheld != Some(0);
-                if sending {
-                    network.path.enqueue_dispatch(epoch, self.tokens_bound)?;
-                }
-                let call = &calls[0];
-                self.enqueue(0, call, regimes[0], |l| {
-                    l.stream == StreamRole::Compute && l.kernel != combine
-                })?;
-                network
-                    .gemm2_done
-                    .record(&self.ranks[0].compute)
-                    .context("recording the end of GEMM2")?;
-                self.enqueue(0, call, regimes[0], |l| l.kernel == combine)?;
-                if sending {
-                    network.path.enqueue_results(epoch, &network.gemm2_done)?;
-                }
-            }
+        // The network's steps (each waits on the device for the flags the kernels release
+        // for it), then the compute kernels. A withheld rank sends nothing, as a dead one
+        // would; on emulated nodes a loopback waiting for it would wait for ever, so the
+        // call's network traffic is left out on every rank (every wait for it times out,
+        // as if the network had failed).
+        if let Some(network) = self.network()
+            && withheld != Some(0)
+        {
+            network.enqueue_call(self.epoch, self.tokens_bound)?;
+        }
+        if let Some(loopback) = &self.loopback
+            && withheld.is_none()
+        {
+            loopback.enqueue_dispatch(self.epoch, self.tokens_bound)?;
+            loopback.enqueue_results(self.epoch)?;
+        }
+        for (r, call) in calls.iter().enumerate() {
+            self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)?;
         }
         for rank in &self.ranks {
             rank.compute
@@ -874,7 +812,7 @@ impl EpLayer {
         let loopback = self
             .loopback
             .as_ref()
-            .map(|l| (l, std::slice::from_ref(l.path.stream())));
+            .map(|l| (l, std::slice::from_ref(l.stream())));
         // The previous call is over on every rank before any rank starts this one.
         barrier(&compute, &comm)?;
         if let Some((_, stream)) = loopback {
@@ -899,9 +837,7 @@ impl EpLayer {
         // Emulated nodes: the network's dispatch steps are part of the dispatch stage.
         if let Some((loopback, stream)) = loopback {
             barrier(&comm, stream)?;
-            loopback
-                .path
-                .enqueue_dispatch(self.epoch, self.tokens_bound)?;
+            loopback.enqueue_dispatch(self.epoch, self.tokens_bound)?;
             barrier(stream, &compute)?;
         }
         mark(marks, 3, &compute[0])?;
@@ -928,16 +864,10 @@ impl EpLayer {
         }
         barrier(&compute, &compute)?;
         mark(marks, 6, &compute[0])?;
-        // Emulated nodes: the results' copies are part of the combine stage.
-        if let Some((loopback, stream)) = loopback {
-            for (done, rank) in loopback.gemm2_done.iter().zip(&self.ranks) {
-                done.record(&rank.compute)
-                    .context("recording the end of GEMM2")?;
-            }
-            loopback
-                .path
-                .enqueue_results(self.epoch, &loopback.gemm2_done)?;
-            barrier(stream, &compute)?;
+        // Emulated nodes: the partials' copies are part of the combine stage, between its
+        // two passes (the copies wait for the first, the second for them): no barrier.
+        if let Some((loopback, _)) = loopback {
+            loopback.enqueue_results(self.epoch)?;
         }
         for (r, a) in calls.iter().enumerate() {
             self.enqueue(r, a, regimes[r], |l| l.kernel == combine)?;
@@ -1183,7 +1113,7 @@ impl EpLayer {
         }
         // A stalled loopback has released its flags by the time it reports: the ranks'
         // streams drain, their errors are read, and the exchange restarts.
-        let stalled = self.loopback.as_ref().and_then(|l| l.path.wait().err());
+        let stalled = self.loopback.as_ref().and_then(|l| l.wait().err());
         let words = self.error_words()?;
         let mut errors: Vec<LayerError> = words
             .into_iter()
@@ -1233,13 +1163,13 @@ impl EpLayer {
     /// [`EpLayer::take_error`] for this process's rank of a group.
     fn take_group_error(&mut self) -> Result<(), LayerError> {
         if let Some(network) = self.network()
-            && let Err(stalled) = network.path.wait()
+            && let Err(stalled) = network.wait()
         {
             // The kernels' waits are bounded, but a call enqueued after the stalled one made
             // this rank's streams wait on the stuck network stream: read the error word
             // only if they drain within the wait bound.
             let kernel = self
-                .error_words_once_idle(network.path.wait_limit())
+                .error_words_once_idle(network.wait_limit())
                 .and_then(|words| {
                     words
                         .into_iter()
@@ -1303,25 +1233,32 @@ impl EpLayer {
     /// Whether this process's network path was abandoned after a stalled transfer (its
     /// stream stays blocked on it: the process should leave rather than tear down).
     pub fn network_abandoned(&self) -> bool {
-        self.network()
-            .is_some_and(|network| network.path.abandoned())
+        self.network().is_some_and(|network| network.abandoned())
     }
 
     /// This process's network path, when its rank has peers on other nodes.
-    fn network(&self) -> Option<&Network> {
+    fn network(&self) -> Option<&NetworkPath> {
         self.group.as_ref().and_then(|group| group.network.as_ref())
     }
 }
 
+/// Zeroes the rows of `table` (rank `me`'s peer table) of its peers on other nodes: the
+/// kernels reach them only through the network steps (a stray use faults at once).
+fn out_of_reach(table: &mut [Vec<u64>], network: &NetworkPlan, me: u32, ranks: u32) {
+    for peer in network.peers(me, ranks) {
+        table[peer as usize].fill(0);
+    }
+}
+
 /// The loopback of emulated nodes over `ranks` (virtual ranks on `ctx`'s device) for
-/// `network`: its stream, a side stream and one GEMM2 event per rank.
+/// `network`, on a stream of its own with a side stream.
 fn loopback(
     plan: &Plan,
     ep: &ExpertParallelPlan,
     network: &NetworkPlan,
     ranks: &[Rank],
     ctx: &Arc<CudaContext>,
-) -> Result<Loopback, LayerError> {
+) -> Result<LoopbackPath, LayerError> {
     let stream = ctx.new_stream().context("creating the loopback stream")?;
     let side = ctx
         .new_stream()
@@ -1332,40 +1269,14 @@ fn loopback(
             .map_err(|_| NetworkError::MissingBuffer { buffer: id.name() })?;
         Ok((ptr(slice, &rank.compute), slice.len() as u64))
     };
-    let path = LoopbackPath::new(stream, side, ep, network, &plan.shape, buffer)?;
-    let gemm2_done = ranks
-        .iter()
-        .map(|_| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)))
-        .collect::<Result<_, _>>()
-        .context("creating the GEMM2 events")?;
-    Ok(Loopback { path, gemm2_done })
-}
-
-/// The peer-table row of `peer`, on another node, for `rank` (this process's `me`): what
-/// the plan says the kernels may reach of it (its combine slots: this rank's return
-/// outbox for it), 0 for the rest.
-fn network_peer_row(
-    plan: &Plan,
-    ep: &ExpertParallelPlan,
-    network: &NetworkPlan,
-    rank: &Rank,
-    me: u32,
-    peer: u32,
-) -> Result<Vec<u64>, LayerError> {
-    let slot = network.slot(me, peer).ok_or(LayerError::MissingWorkspace {
-        buffer: BufferId::NetReturnX.name(),
-    })?;
-    ep.peer_buffers
-        .iter()
-        .map(
-            |&id| match network.peer_table_entry(&plan.shape, id, slot) {
-                Some((buffer, offset)) => {
-                    Ok(ptr(workspace(&rank.workspace, buffer)?, &rank.compute) + offset)
-                }
-                None => Ok(0),
-            },
-        )
-        .collect()
+    Ok(LoopbackPath::new(
+        stream,
+        side,
+        ep,
+        network,
+        &plan.shape,
+        buffer,
+    )?)
 }
 
 impl Drop for EpLayer {
@@ -1378,7 +1289,7 @@ impl Drop for EpLayer {
             if self
                 .loopback
                 .as_ref()
-                .is_some_and(|loopback| loopback.path.abandoned())
+                .is_some_and(|loopback| loopback.abandoned())
             {
                 std::mem::forget(std::mem::take(&mut self.ranks));
                 std::mem::forget(self.loopback.take());
@@ -1403,7 +1314,7 @@ impl Drop for EpLayer {
             if group.channel.barrier().is_err()
                 && let Some(network) = &group.network
             {
-                network.path.abandon();
+                network.abandon();
             }
         }
     }

@@ -3,16 +3,16 @@
 //! loopback stream runs what every rank's NCCL steps would (see [`crate::network`]).
 //!
 //! - **Steps in lock step.** Every rank issues the same sequence of steps (the metadata,
-//!   each dispatch chunk of the call's tokens bound, after GEMM2 each return chunk). For
-//!   step `i` the stream waits (`cuStreamWaitValue32`) on every rank's staging flags of
-//!   step `i`, copies each send into the receive NCCL would pair it with (the n-th send of
-//!   `a` to `b` meets the n-th receive of `b` from `a`; sizes are checked when the steps
-//!   are resolved), then writes the call's epoch into every rank's flags of step `i`. Lock
-//!   step is sound: what a rank stages for step `i` depends only on what earlier steps
-//!   delivered and on the last call, which a call's joins order before it. The results
-//!   wait for every rank's GEMM2 event, all recorded before the results are enqueued.
+//!   each dispatch chunk of the call's tokens bound, each return chunk of partials). For
+//!   step `i` the stream waits (`cuStreamWaitValue32`) on every rank's flags of step `i`
+//!   (staging, or the combine's partials), copies each send into the receive NCCL would
+//!   pair it with (the n-th send of `a` to `b` meets the n-th receive of `b` from `a`;
+//!   sizes are checked when the steps are resolved), then writes the call's epoch into
+//!   every rank's flags of step `i`. Lock step is sound: what a rank releases for step `i`
+//!   depends only on what earlier steps delivered and on the last call, which a call's
+//!   joins order before it.
 //! - **Bounded waits.** As for NCCL, the host waits at most the plan's bound per call
-//!   enqueued. A stall is a staging flag no kernel released (a kernel fault): the error
+//!   enqueued. A stall is a flag no kernel released (a kernel fault): the error
 //!   names the step and the ranks whose flags are missing; the loopback then releases
 //!   those flags itself from a side stream so that its stream drains (the call's results
 //!   are wrong; the kernels' own time-outs follow in `take_error`, which restarts the
@@ -49,9 +49,8 @@ pub(crate) struct LoopbackCopy {
 pub(crate) struct LoopbackStep {
     pub(crate) kind: StepKind,
     position: usize,
-    /// (rank, flag address) of every rank's staging flags; `None`: after every rank's
-    /// GEMM2.
-    wait_for: Option<Vec<(u32, u64)>>,
+    /// (rank, flag address) of every rank's flags released for it.
+    wait_for: Vec<(u32, u64)>,
     pub(crate) copies: Vec<LoopbackCopy>,
     release: Vec<u64>,
 }
@@ -85,10 +84,7 @@ fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
         step: kind.to_string(),
         detail,
     };
-    if steps
-        .iter()
-        .any(|s| s.kind != kind || s.wait_for.is_some() != steps[0].wait_for.is_some())
-    {
+    if steps.iter().any(|s| s.kind != kind) {
         return Err(unpaired("the ranks' steps differ in kind".to_string()));
     }
     // Each rank's receives, by source, in issue order: the n-th send from a source meets
@@ -140,18 +136,11 @@ fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
         }
     }
     let position = steps[0].position;
-    let wait_for = steps[0].wait_for.is_some().then(|| {
-        steps
-            .iter()
-            .enumerate()
-            .flat_map(|(rank, step)| {
-                step.wait_for
-                    .iter()
-                    .flatten()
-                    .map(move |&flag| (rank as u32, flag))
-            })
-            .collect()
-    });
+    let wait_for = steps
+        .iter()
+        .enumerate()
+        .flat_map(|(rank, step)| step.wait_for.iter().map(move |&flag| (rank as u32, flag)))
+        .collect();
     let release = steps.into_iter().flat_map(|step| step.release).collect();
     Ok(LoopbackStep {
         kind,
@@ -260,7 +249,9 @@ impl LoopbackPath {
     }
 
     /// Enqueues the metadata and dispatch steps of every rank for the call of `epoch`, in
-    /// which no rank passes more than `tokens_bound` tokens.
+    /// which no rank passes more than `tokens_bound` tokens; its return steps follow with
+    /// [`LoopbackPath::enqueue_results`] (at once, or after a barrier of the
+    /// bulk-synchronous variant).
     pub(crate) fn enqueue_dispatch(
         &self,
         epoch: u32,
@@ -268,48 +259,34 @@ impl LoopbackPath {
     ) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
         self.steps_for(tokens_bound)?;
-        self.stream
-            .context()
-            .bind_to_thread()
-            .context("binding the loopback stream's context")?;
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
         self.last_epoch.set(epoch);
-        for step in self.call.borrow().steps.iter() {
-            let Some(flags) = &step.wait_for else {
-                continue;
-            };
-            for &(_, flag) in flags {
-                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
-            }
-            self.run(step, epoch)?;
-        }
-        Ok(())
+        self.enqueue(epoch, |kind| !matches!(kind, StepKind::Return { .. }))
     }
 
-    /// Enqueues the return steps of every rank for the call of `epoch`, after
-    /// `gemm2_done` (one event per rank, each recorded after that rank's GEMM2).
-    pub(crate) fn enqueue_results(
-        &self,
-        epoch: u32,
-        gemm2_done: &[CudaEvent],
-    ) -> Result<(), NetworkError> {
+    /// Enqueues the return steps of every rank for the call of `epoch` (each waits for
+    /// every rank's combine to release its partials).
+    pub(crate) fn enqueue_results(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
+        self.calls_outstanding
+            .set(self.calls_outstanding.get().max(1));
+        self.enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }))
+    }
+
+    /// Enqueues the steps of the current call whose kind is `chosen`, each after its flags.
+    fn enqueue(&self, epoch: u32, chosen: impl Fn(&StepKind) -> bool) -> Result<(), NetworkError> {
+        // The stream memory operations are raw driver calls: they resolve their addresses
+        // in the thread's current context.
         self.stream
             .context()
             .bind_to_thread()
             .context("binding the loopback stream's context")?;
-        self.calls_outstanding
-            .set(self.calls_outstanding.get().max(1));
-        for event in gemm2_done {
-            self.stream
-                .wait(event)
-                .context("ordering the results after every rank's GEMM2")?;
-        }
-        for step in self.call.borrow().steps.iter() {
-            if step.wait_for.is_none() {
-                self.run(step, epoch)?;
+        for step in self.call.borrow().steps.iter().filter(|s| chosen(&s.kind)) {
+            for &(_, flag) in &step.wait_for {
+                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
             }
+            self.run(step, epoch)?;
         }
         Ok(())
     }
@@ -367,7 +344,7 @@ impl LoopbackPath {
         let epoch = self.last_epoch.get();
         let call = self.call.borrow();
         for step in &call.steps {
-            for &(_, flag) in step.wait_for.iter().flatten() {
+            for &(_, flag) in &step.wait_for {
                 stream_write_value(&self.side, flag, epoch, &step.kind)?;
             }
         }
@@ -389,33 +366,27 @@ impl LoopbackPath {
         let Some(step) = step else {
             return NetworkError::LoopbackStalled {
                 step: "the call's last step".to_string(),
-                ranks: "every rank (its GEMM2)".to_string(),
+                ranks: "none known".to_string(),
                 seconds: bound.as_secs_f64(),
             };
         };
         let epoch = self.last_epoch.get();
-        let mut ranks: Vec<u32> = match &step.wait_for {
-            Some(flags) => flags
-                .iter()
-                .filter(|&&(_, flag)| {
-                    self.read_flag(flag)
-                        .is_none_or(|value| (value.wrapping_sub(epoch) as i32) < 0)
-                })
-                .map(|&(rank, _)| rank)
-                .collect(),
-            None => Vec::new(),
-        };
+        let mut ranks: Vec<String> = step
+            .wait_for
+            .iter()
+            .filter(|&&(_, flag)| {
+                self.read_flag(flag)
+                    .is_none_or(|value| (value.wrapping_sub(epoch) as i32) < 0)
+            })
+            .map(|&(rank, _)| rank.to_string())
+            .collect();
         ranks.dedup();
         NetworkError::LoopbackStalled {
             step: step.kind.to_string(),
             ranks: if ranks.is_empty() {
-                "every rank (its GEMM2)".to_string()
+                "none known (each was released by the time they were read)".to_string()
             } else {
-                ranks
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                ranks.join(", ")
             },
             seconds: bound.as_secs_f64(),
         }
@@ -557,7 +528,7 @@ mod tests {
     fn steps_that_do_not_pair_are_refused() {
         let step = |kind, sends, receives| ResolvedStep {
             kind,
-            wait_for: Some(Vec::new()),
+            wait_for: Vec::new(),
             sends,
             receives,
             release: Vec::new(),

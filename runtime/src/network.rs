@@ -10,8 +10,9 @@
 //! - **Steps.** [`NetworkPath`] resolves the plan's steps of this rank for a call's tokens
 //!   bound into device addresses (each range checked against its buffer; again only when
 //!   the bound changes) and enqueues them per call on its own stream: before a step,
-//!   `cuStreamWaitValue32` on each staging flag the kernels release (or, for results, an
-//!   event after GEMM2); then one NCCL group of sends and receives; then
+//!   `cuStreamWaitValue32` on each flag the kernels release for it (their staging of
+//!   metadata and rows; for results, the combine's partials); then one NCCL group of sends
+//!   and receives; then
 //!   `cuStreamWriteValue32` of the call's epoch into each flag the kernels wait on. No
 //!   step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
@@ -32,9 +33,7 @@ use cudarc::driver::sys::{self as driver, CUresult};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
 use moeforge_compiler::plan::ep::ExpertParallelPlan;
-use moeforge_compiler::plan::network::{
-    FlagRef, NetworkPlan, NetworkStep, StepKind, StepStart, Transfer,
-};
+use moeforge_compiler::plan::network::{FlagRef, NetworkPlan, NetworkStep, StepKind, Transfer};
 use moeforge_compiler::plan::{BufferId, LayerShape};
 use thiserror::Error;
 
@@ -64,7 +63,7 @@ pub enum NetworkError {
         seconds: f64,
     },
     #[error(
-        "the loopback of emulated nodes waited {seconds:.1} s in {step} for the staging flags of rank(s) {ranks}, which no kernel released; it released them itself so that the layer can go on (this call's results are wrong; take_error reports the kernels' errors and restarts the exchange)"
+        "the loopback of emulated nodes waited {seconds:.1} s in {step} for the flags of rank(s) {ranks} (its staging, or its combine's partials), which no kernel released; it released them itself so that the layer can go on (this call's results are wrong; take_error reports the kernels' errors and restarts the exchange)"
     )]
     LoopbackStalled {
         step: String,
@@ -117,11 +116,12 @@ pub(crate) fn nccl_failed(
 /// was refused with CUDA_ERROR_INVALID_VALUE while its flag was a pool allocation (and the
 /// context was not bound before the call, which [`NetworkPath`] now also does); with both
 /// changed, every wait and write succeeded.
-pub(crate) const STREAM_MEMOP_FLAGS: [BufferId; 4] = [
+pub(crate) const STREAM_MEMOP_FLAGS: [BufferId; 5] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::NetReady,
     BufferId::NetReturnFlags,
+    BufferId::NetPartialsReady,
 ];
 
 /// NCCL's "not set" for an integer field of `ncclConfig_t` (`NCCL_CONFIG_UNDEF_INT`).
@@ -323,8 +323,8 @@ impl Drop for GroupComm {
 /// A step of the plan resolved to this rank's device addresses.
 pub(crate) struct ResolvedStep {
     pub(crate) kind: StepKind,
-    /// Addresses of the staging flags to wait for; `None`: wait for GEMM2's event.
-    pub(crate) wait_for: Option<Vec<u64>>,
+    /// Addresses of the flags to wait for (the kernels release them).
+    pub(crate) wait_for: Vec<u64>,
     /// (peer, device address, bytes) of each send and receive, in issue order.
     pub(crate) sends: Vec<(u32, u64, u64)>,
     pub(crate) receives: Vec<(u32, u64, u64)>,
@@ -369,15 +369,11 @@ impl StepBuffers {
         let mut ids: Vec<BufferId> = steps
             .iter()
             .flat_map(|step| {
-                let waits = match &step.start {
-                    StepStart::Flags(flags) => flags.clone(),
-                    StepStart::AfterGemm2 => Vec::new(),
-                };
                 step.sends
                     .iter()
                     .chain(&step.receives)
                     .map(|t| t.buffer)
-                    .chain(step.release.iter().chain(&waits).map(|f| f.buffer))
+                    .chain(step.release.iter().chain(&step.wait_for).map(|f| f.buffer))
                     .collect::<Vec<_>>()
             })
             .collect();
@@ -432,12 +428,7 @@ impl StepBuffers {
             .map(|step| {
                 Ok(ResolvedStep {
                     kind: step.kind,
-                    wait_for: match &step.start {
-                        StepStart::Flags(flags) => {
-                            Some(flags.iter().map(flag).collect::<Result<Vec<_>, _>>()?)
-                        }
-                        StepStart::AfterGemm2 => None,
-                    },
+                    wait_for: step.wait_for.iter().map(flag).collect::<Result<_, _>>()?,
                     sends: transfers(&step.sends)?,
                     receives: transfers(&step.receives)?,
                     release: step
@@ -602,15 +593,10 @@ impl NetworkPath {
         Ok(())
     }
 
-    /// Enqueues the steps that wait on staging flags (metadata and dispatch chunks) for
-    /// the call of `epoch`, in which no rank passes more than `tokens_bound` tokens (the
-    /// same bound on every rank: see [`NetworkPlan::steps`]); its results' steps follow
-    /// with [`NetworkPath::enqueue_results`].
-    pub(crate) fn enqueue_dispatch(
-        &self,
-        epoch: u32,
-        tokens_bound: u32,
-    ) -> Result<(), NetworkError> {
+    /// Enqueues every step of the call of `epoch`, in which no rank passes more than
+    /// `tokens_bound` tokens (the same bound on every rank: see [`NetworkPlan::steps`]),
+    /// each after the flags the kernels release for it.
+    pub(crate) fn enqueue_call(&self, epoch: u32, tokens_bound: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
         self.abandon_on_error(self.steps_for(tokens_bound))?;
         // The stream memory operations below are raw driver calls: they resolve their
@@ -621,18 +607,12 @@ impl NetworkPath {
             .context("binding the network stream's context")?;
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
-        let enqueued = self
-            .call
-            .borrow()
-            .steps
-            .iter()
-            .filter(|s| s.wait_for.is_some())
-            .try_for_each(|step| {
-                for &flag in step.wait_for.iter().flatten() {
-                    stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
-                }
-                self.run(step, epoch)
-            });
+        let enqueued = self.call.borrow().steps.iter().try_for_each(|step| {
+            for &flag in &step.wait_for {
+                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
+            }
+            self.run(step, epoch)
+        });
         self.abandon_on_error(enqueued)
     }
 
@@ -644,39 +624,6 @@ impl NetworkPath {
             self.abandon();
         }
         enqueued
-    }
-
-    /// Enqueues the steps of results, after `gemm2_done` (recorded after this rank's
-    /// GEMM2), for the call of `epoch` (the tokens bound of its dispatch steps).
-    pub(crate) fn enqueue_results(
-        &self,
-        epoch: u32,
-        gemm2_done: &CudaEvent,
-    ) -> Result<(), NetworkError> {
-        self.refuse_if_abandoned()?;
-        // The stream memory operations below are raw driver calls: they resolve their
-        // addresses in the thread's current context.
-        self.stream
-            .context()
-            .bind_to_thread()
-            .context("binding the network stream's context")?;
-        // The call's dispatch steps counted it; results alone still make one.
-        self.calls_outstanding
-            .set(self.calls_outstanding.get().max(1));
-        let enqueued = self
-            .stream
-            .wait(gemm2_done)
-            .context("ordering the results after GEMM2")
-            .map_err(NetworkError::from)
-            .and_then(|()| {
-                self.call
-                    .borrow()
-                    .steps
-                    .iter()
-                    .filter(|s| s.wait_for.is_none())
-                    .try_for_each(|step| self.run(step, epoch))
-            });
-        self.abandon_on_error(enqueued)
     }
 
     /// One step's group, releases and event.

@@ -249,25 +249,24 @@ pub fn run(args: &Args) -> ExitCode {
     OK
 }
 
-/// Every cell of a bench result beside the prediction, with the error.
 /// What the kernels as built move across nodes at `tokens` per rank, where the plan spans
-/// nodes: every network peer its NCCL slices of the tokens bound (the rows and every
-/// result slot of that many tokens, whatever the routing), which bounds the call from below
-/// by the time the network port takes; the topology-aware schedule above is the design.
+/// nodes: every network peer its NCCL slices of the tokens bound (the rows and partials of
+/// that many tokens, whatever the routing), which bounds the call from below by the time
+/// the network port takes; the topology-aware schedule above is the design.
 fn as_built_across_nodes(plan: &plan::Plan, tokens: u32) -> Option<String> {
     let ep = plan.expert_parallel.as_ref()?;
     let network = ep.network.as_ref()?;
     let per_peer = network.bytes_per_peer(ep, &plan.shape, tokens);
     let per_rank = per_peer * u64::from(network.peers_per_rank);
     Some(format!(
-        "as built (a floor, not simulated): {} network peers x {:.2} MB each way per call (NCCL slices of a tokens bound of {tokens}: the rows, receive index and every result slot of so many tokens, whatever the routing) = {:.1} us of each rank's network port at {:.0} GB/s; the topology-aware schedule is the design across nodes (one transfer per remote node, GEMM2 with GEMM1), not built yet",
+        "as built (a floor, not simulated): {} network peers x {:.2} MB each way per call (NCCL slices of a tokens bound of {tokens}: the rows, receive index and rank partials of so many tokens, whatever the routing) = {:.1} us of each rank's network port at {:.0} GB/s; the topology-aware schedule is the design across nodes (one transfer per remote node, GEMM2 with GEMM1), not built yet",
         network.peers_per_rank,
         per_peer as f64 / 1e6,
         per_rank as f64 / network.bandwidth_bytes_per_s.max(1) as f64 * 1e6,
         network.bandwidth_bytes_per_s as f64 / 1e9
     ))
 }
-
+/// Every cell of a bench result beside the prediction, with the error.
 fn print_comparison(
     plan: &plan::Plan,
     topology: &simulate::Topology,

@@ -346,7 +346,12 @@ const EP_ROUTE_NETWORK_USES: &[&str] = &[
     "net_ready",
 ];
 const EP_DISPATCH_NETWORK_USES: &[&str] = &["net_send_x", "net_ready"];
-const EP_COMBINE_NETWORK_USES: &[&str] = &["net_returned_x", "net_return_flags"];
+const EP_COMBINE_NETWORK_USES: &[&str] = &[
+    "net_return_x",
+    "net_returned_x",
+    "net_return_flags",
+    "net_partials_ready",
+];
 /// What GEMM2 uses where results return as rank partials: its rows stay here.
 const EP_GEMM_DOWN_PARTIALS_USES: &[&str] = &[
     "intermediate",
@@ -470,7 +475,10 @@ fn param_comment(arg: LaunchArg) -> &'static str {
                 "[NETWORK_PEERS, 1 + CHUNKS]: epoch the metadata and each chunk were staged in"
             }
             BufferId::NetReturnX | BufferId::NetReturnedX => {
-                "[NETWORK_PEERS * MAX_TOKENS * SLOTS_PER_TOKEN, HIDDEN]: results for / from network peers"
+                "[NETWORK_PEERS * MAX_TOKENS, HIDDEN]: rank partials for / from network peers"
+            }
+            BufferId::NetPartialsReady => {
+                "[2]: combine lanes done with the partials, then the epoch they were all stored in"
             }
             BufferId::NetReturnFlags => {
                 "[NETWORK_PEERS, CHUNKS], written by NCCL's stream: results arrived"

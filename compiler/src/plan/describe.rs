@@ -336,12 +336,12 @@ fn describe_network(
         .join(", ");
     let _ = writeln!(
         out,
-        "    network steps      per call, in this order on every rank: 1 metadata group, a dispatch group per chunk of {} token slots ({chunk_bytes} B) per network peer up to the call's tokens bound (at most {}), then after GEMM2 as many return groups (the results of {} origin tokens each). The tokens bound is the most tokens any rank passes in the call, agreed on the host beforehand (EpLayer::bound_tokens; max_tokens until the ranks agree on one): NCCL's counts come from it, not from the routing, so no call overflows them and none is read back. Bytes to each network peer per call by bound: {moved}",
+        "    network steps      per call, in this order on every rank: 1 metadata group, a dispatch group per chunk of {} token slots ({chunk_bytes} B) per network peer up to the call's tokens bound (at most {}), then as many return groups (the rank partials of {} origin tokens each, once the combine's first pass stored them). The tokens bound is the most tokens any rank passes in the call, agreed on the host beforehand (EpLayer::bound_tokens; max_tokens until the ranks agree on one): NCCL's counts come from it, not from the routing, so no call overflows them and none is read back. Bytes to each network peer per call by bound: {moved}",
         network.chunk_tokens, network.chunks, network.chunk_tokens,
     );
     let _ = writeln!(
         out,
-        "    network stream     before a group, cuStreamWaitValue32 on the staging flag ep_route / ep_dispatch released for each peer; after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, chunk flag (source, c), return flag (source, c)); GEMM2 stores a network origin's rows into this rank's return outbox (the peer table's combine slots of that origin)"
+        "    network stream     before a group, cuStreamWaitValue32 on the flags the kernels released for it (ep_route's / ep_dispatch's staging for each peer; before results, net_partials_ready, which the combine's last lane releases once its first pass stored every network origin's partials in this rank's return outbox); after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, chunk flag (source, c), return flag (source, c))"
     );
     let _ = match network.transport {
         NetworkTransport::Nccl => writeln!(

@@ -79,8 +79,8 @@ pub fn pairs_per_visited_rank(experts: u32, ranks: u32, top_k: u32) -> f64 {
 fn combine_route(layer: &ir::Layer, ranks: u32, over_network: bool) -> (CombineRoute, String) {
     if over_network {
         return (
-            CombineRoute::PairRows,
-            "pair rows: results for a rank on another node return through NCCL in the pair layout"
+            CombineRoute::RankPartials,
+            "rank partials: across nodes NCCL moves fixed slices of the tokens bound, so pair rows would send a network origin every slot of each token (its top_k and shared slices'); a partial is one row per token"
                 .to_string(),
         );
     }
@@ -277,7 +277,7 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 12] = [
+pub const EXCHANGE_STATE: [BufferId; 13] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
@@ -288,6 +288,7 @@ pub const EXCHANGE_STATE: [BufferId; 12] = [
     BufferId::ErrorWord,
     BufferId::NetReady,
     BufferId::NetReturnFlags,
+    BufferId::NetPartialsReady,
     BufferId::ReceivedPairRows,
     BufferId::RankFusedCounters,
 ];
@@ -878,7 +879,7 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
     }
     if let Some(network) = network {
         let peers = u64::from(network.peers_per_rank);
-        let results = peers * shape.max_pairs() * u64::from(shape.hidden);
+        let results = peers * max_tokens * u64::from(shape.hidden);
         buffers.extend([
             buffer(
                 BufferId::NetSendX,
@@ -913,17 +914,22 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
             buffer(
                 BufferId::NetReturnX,
                 results,
-                "per network peer, GEMM2's weighted rows for its pairs, in its combine layout",
+                "per network peer, the partial row of each of its tokens here",
             ),
             buffer(
                 BufferId::NetReturnedX,
                 results,
-                "per network peer, the weighted rows it computed for this rank's pairs",
+                "per network peer, its partial row of each of this rank's tokens",
             ),
             buffer(
                 BufferId::NetReturnFlags,
                 peers * u64::from(sizes.chunks),
                 "per network peer and token chunk, the epoch its results arrived in",
+            ),
+            buffer(
+                BufferId::NetPartialsReady,
+                2,
+                "combine lanes done with the partials for network origins, then the epoch of the last",
             ),
         ]);
     }
@@ -1412,8 +1418,10 @@ fn launch_table(
             .chain(params_if(
                 over_network,
                 vec![
+                    write(Workspace(NetReturnX)),
                     shared(Workspace(NetReturnedX)),
                     shared(Workspace(NetReturnFlags)),
+                    write(Workspace(NetPartialsReady)),
                 ],
             ))
             .chain(params_if(

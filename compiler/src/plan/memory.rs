@@ -258,7 +258,8 @@ mod tests {
     }
 
     /// DeepSeek-V3 on 64 ranks with 16384 tokens per rank needs more than an H200 per rank
-    /// (each rank's results for its 56 network peers, at capacity): the plan says so and
+    /// (GEMM2's rows of every source's tokens, kept for the partials, at capacity): the
+    /// plan says so and
     /// how many tokens fit; the shipped example, at 4096, fits.
     #[test]
     fn a_plan_too_large_for_its_devices_says_what_fits() {
@@ -285,7 +286,7 @@ mod tests {
             .find(|l| l.contains("allocating its buffers fails"))
             .expect("a note on memory");
         assert!(
-            note.contains("per rank") && note.contains("net_return_x"),
+            note.contains("per rank") && note.contains("pair_results"),
             "{note}"
         );
         let fits: u32 = note

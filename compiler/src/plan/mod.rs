@@ -375,15 +375,20 @@ pub enum BufferId {
     /// u32 [P · (1 + chunks per source)]: per network peer, the epoch its metadata was
     /// staged in, then each chunk's (the network stream waits on them).
     NetReady,
-    /// bf16 [P · max pairs · H]: per network peer, GEMM2's weighted rows for its pairs, in
-    /// its combine layout (NCCL sends them back).
+    /// bf16 [P · max_tokens · H]: per network peer, the combine's partial row of each of its
+    /// tokens visiting this rank (results across nodes return as rank partials; NCCL sends
+    /// them back).
     NetReturnX,
-    /// bf16, as `NetReturnX`: per network peer, the weighted rows it computed for this
-    /// rank's pairs.
+    /// bf16, as `NetReturnX`: per network peer, its partial row of each of this rank's
+    /// tokens.
     NetReturnedX,
     /// u32 [P · chunks per source]: per network peer and token chunk, the epoch its
     /// results arrived in.
     NetReturnFlags,
+    /// u32 `[2]`: the combine's token lanes done with this call's partials for network
+    /// origins, then the epoch in which the last of them was (the network stream waits on
+    /// it before it sends them).
+    NetPartialsReady,
     // The router (a spec with `router { }`).
     /// f32 [T, E]: the gate's logits `x · W_gateᵀ`, without bias.
     RouterLogits,
@@ -459,7 +464,8 @@ impl BufferId {
             | BufferId::FusedDecodeCounters
             | BufferId::RankFusedCounters
             | BufferId::NetReady
-            | BufferId::NetReturnFlags => ElemType::U32,
+            | BufferId::NetReturnFlags
+            | BufferId::NetPartialsReady => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
         }
     }
@@ -510,6 +516,7 @@ impl BufferId {
             BufferId::NetReturnX => "net_return_x",
             BufferId::NetReturnedX => "net_returned_x",
             BufferId::NetReturnFlags => "net_return_flags",
+            BufferId::NetPartialsReady => "net_partials_ready",
             BufferId::StreamKPartials => "stream_k_partials",
             BufferId::StreamKTilesDone => "stream_k_tiles_done",
             BufferId::FusedDecodeCounters => "fused_decode_counters",

@@ -17,12 +17,14 @@
 //!    `ep_dispatch` has staged chunk `c` for every network peer, one group moves it, then
 //!    each network source's chunk flag `c` is released: the flag GEMM1's tiles on those
 //!    rows wait on, so GEMM1 starts on the first chunk, not the last.
-//! 3. **return chunk c**: once this rank's GEMM2 is done (a stream event), one group sends
-//!    the results GEMM2 stored for each network origin's tokens of chunk `c` (its epilogue
-//!    stores a network origin's rows into this rank's return outbox, which the peer table
-//!    names as that origin's combine slots) and receives the results for this rank's own
-//!    tokens; then the return flag of (source, chunk) is released, which `ep_combine`
-//!    waits on.
+//! 3. **return chunk c**: results across nodes return as *rank partials*, one row per
+//!    (token, rank visited): `ep_combine`'s first pass sums each received token's rows
+//!    here and stores a network origin's partial in this rank's return outbox; once every
+//!    lane of it is done, its last lane releases `net_partials_ready`, which each return
+//!    step waits on. One group sends the partials of each network origin's tokens of chunk
+//!    `c` and receives those of this rank's own; then the return flag of (source, chunk)
+//!    is released, which `ep_combine`'s second pass waits on. (Pair rows would send every
+//!    slot of every token of the bound: K plus the shared slices times the bytes.)
 //!
 //! NCCL needs every byte count on the host when a transfer is enqueued, but the device
 //! decides the routing, and reading counts back would synchronise the call. So every
@@ -143,22 +145,14 @@ impl std::fmt::Display for StepKind {
     }
 }
 
-/// What must precede a step on the network stream.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StepStart {
-    /// Each flag holds at least the call's epoch (`cuStreamWaitValue32`, GEQ: cyclic).
-    Flags(Vec<FlagRef>),
-    /// This rank's GEMM2 is done (an event recorded after it on the compute stream).
-    AfterGemm2,
-}
-
 /// One NCCL group of a call on one rank, with its stream-ordered wait before and its
 /// releases after.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetworkStep {
     pub kind: StepKind,
-    pub start: StepStart,
+    /// Flags that must hold at least the call's epoch before the step
+    /// (`cuStreamWaitValue32`, GEQ: cyclic), released by this rank's kernels.
+    pub wait_for: Vec<FlagRef>,
     pub sends: Vec<Transfer>,
     pub receives: Vec<Transfer>,
     /// Flags written with the call's epoch once the receives are in
@@ -240,14 +234,18 @@ pub(crate) fn plan_network(
 
 /// Bytes a rank sends each network peer in a call of `tokens_bound` (receives are as
 /// many): per local expert the three arrays of the receive index up to the bound, the
-/// counts, the rows of the bound's tokens and every slot of their results.
+/// counts, the rows of the bound's tokens and their partials.
 fn bytes_per_peer(shape: &LayerShape, experts_per_rank: u32, tokens_bound: u32) -> u64 {
     let tokens = u64::from(tokens_bound.min(shape.max_tokens));
     let local = u64::from(experts_per_rank);
     let row_bytes = u64::from(shape.hidden) * 2;
     let metadata = 3 * 4 * local * tokens + 4 * (local + 1);
-    metadata + tokens * row_bytes + tokens * u64::from(shape.slots_per_token()) * row_bytes
+    metadata + 2 * tokens * row_bytes
 }
+
+/// The element of `NetPartialsReady` the combine writes the epoch into (element 0 counts
+/// its lanes).
+const PARTIALS_READY_EPOCH: u64 = 1;
 
 impl NetworkPlan {
     /// Bytes a rank sends each network peer in a call whose tokens bound is
@@ -310,24 +308,6 @@ impl NetworkPlan {
         1 + u64::from(self.chunks)
     }
 
-    /// What a rank's peer table holds for a network peer at `slot`, per peer buffer: the
-    /// combine slots are this rank's return outbox for that peer (GEMM2's epilogue stores
-    /// the peer's results there, in its combine layout); every other buffer is out of
-    /// reach (0: the kernels take the network path for such a peer instead).
-    pub fn peer_table_entry(
-        &self,
-        shape: &LayerShape,
-        buffer: BufferId,
-        slot: u32,
-    ) -> Option<(BufferId, u64)> {
-        (buffer == BufferId::CombineSlots).then(|| {
-            (
-                BufferId::NetReturnX,
-                u64::from(slot) * shape.max_pairs() * u64::from(shape.hidden) * 2,
-            )
-        })
-    }
-
     /// The NCCL groups of one call on `rank` in which no rank passes more than
     /// `tokens_bound` tokens, in the order every rank issues them: the metadata (each
     /// receive-index segment up to the bound), then a dispatch step per chunk the bound
@@ -347,8 +327,6 @@ impl NetworkPlan {
         let segment = u64::from(ep.rows_per_segment);
         let slots = u64::from(ep.slots_per_source);
         let hidden = u64::from(shape.hidden);
-        let spt = u64::from(shape.slots_per_token());
-        let max_pairs = shape.max_pairs();
         let chunk = u64::from(self.chunk_tokens);
         let chunks = u64::from(self.chunks);
         // No source sends a peer more slots than it has tokens, nor more than a segment's
@@ -410,11 +388,9 @@ impl NetworkPlan {
         }
         steps.push(NetworkStep {
             kind: StepKind::Metadata,
-            start: StepStart::Flags(
-                with_slots()
-                    .map(|(slot, _)| flag(BufferId::NetReady, slot * self.ready_stride()))
-                    .collect(),
-            ),
+            wait_for: with_slots()
+                .map(|(slot, _)| flag(BufferId::NetReady, slot * self.ready_stride()))
+                .collect(),
             sends,
             receives,
             release: peers
@@ -427,13 +403,9 @@ impl NetworkPlan {
             let rows = chunk.min(bound - c * chunk);
             steps.push(NetworkStep {
                 kind: StepKind::Dispatch { chunk: c as u32 },
-                start: StepStart::Flags(
-                    with_slots()
-                        .map(|(slot, _)| {
-                            flag(BufferId::NetReady, slot * self.ready_stride() + 1 + c)
-                        })
-                        .collect(),
-                ),
+                wait_for: with_slots()
+                    .map(|(slot, _)| flag(BufferId::NetReady, slot * self.ready_stride() + 1 + c))
+                    .collect(),
                 sends: with_slots()
                     .map(|(slot, peer)| {
                         transfer(
@@ -461,23 +433,23 @@ impl NetworkPlan {
             });
         }
 
-        // Results, by the origin's tokens: chunk c holds the pairs of its tokens
-        // [c·chunk, (c+1)·chunk) below the bound, every slot of each (the shared slices'
-        // stay unsent garbage: an origin computes those itself).
+        // Results, by the origin's tokens: chunk c holds the partials of its tokens
+        // [c·chunk, (c+1)·chunk) below the bound (a token that visited no expert here
+        // leaves stale bytes, which its origin does not read).
         for c in 0..call_chunks {
-            let pairs = chunk.min(bound - c * chunk) * spt;
-            let first = |slot: u64| (slot * max_pairs + c * chunk * spt) * hidden;
+            let rows = chunk.min(bound - c * chunk);
+            let first = |slot: u64| (slot * slots + c * chunk) * hidden;
             steps.push(NetworkStep {
                 kind: StepKind::Return { chunk: c as u32 },
-                start: StepStart::AfterGemm2,
+                wait_for: vec![flag(BufferId::NetPartialsReady, PARTIALS_READY_EPOCH)],
                 sends: with_slots()
                     .map(|(slot, peer)| {
-                        transfer(peer, BufferId::NetReturnX, first(slot), pairs * hidden)
+                        transfer(peer, BufferId::NetReturnX, first(slot), rows * hidden)
                     })
                     .collect(),
                 receives: with_slots()
                     .map(|(slot, peer)| {
-                        transfer(peer, BufferId::NetReturnedX, first(slot), pairs * hidden)
+                        transfer(peer, BufferId::NetReturnedX, first(slot), rows * hidden)
                     })
                     .collect(),
                 release: with_slots()
@@ -494,7 +466,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::plan::ep::{EXCHANGE_STATE, Placement};
+    use crate::plan::ep::{CombineRoute, EXCHANGE_STATE, Placement};
     use crate::plan::{FlagWaitLimit, Plan, Target, plan};
 
     /// The tiny layer (8 experts, top 2, max_tokens 512, chunks of 16) on `nodes` nodes of
@@ -562,12 +534,12 @@ mod tests {
                 }
             }
         }
-        // A call of max_tokens moves the receive index, 512 rows and 512 tokens' results;
-        // a call of 3 tokens three entries of each index segment, 3 rows and their results.
+        // A call of max_tokens moves the receive index, 512 rows and 512 tokens' partials;
+        // a call of 3 tokens three entries of each index segment, 3 rows and 3 partials.
         let metadata = 3 * 4 * 4 * 512 + 4 * 5;
         assert_eq!(
             network.call_bytes_per_peer,
-            metadata + 512 * 128 * 2 + 512 * 2 * 128 * 2
+            metadata + 512 * 128 * 2 + 512 * 128 * 2
         );
         assert_eq!(
             network.bytes_per_peer(ep, &plan.shape, 512),
@@ -575,7 +547,7 @@ mod tests {
         );
         assert_eq!(
             network.bytes_per_peer(ep, &plan.shape, 3),
-            3 * 4 * 4 * 3 + 4 * 5 + 3 * 128 * 2 + 3 * 2 * 128 * 2
+            3 * 4 * 4 * 3 + 4 * 5 + 3 * 128 * 2 + 3 * 128 * 2
         );
         assert!(plan.limitations.iter().any(|l| l.contains("NCCL")));
         let text = crate::plan::describe(&plan);
@@ -751,10 +723,8 @@ mod tests {
                     *released.entry((flag.buffer, flag.index)).or_insert(0) += 1;
                     assert!((flag.index + 1) * 4 <= size(flag.buffer));
                 }
-                if let StepStart::Flags(flags) = &step.start {
-                    for flag in flags {
-                        *waited.entry((flag.buffer, flag.index)).or_insert(0) += 1;
-                    }
+                for flag in &step.wait_for {
+                    *waited.entry((flag.buffer, flag.index)).or_insert(0) += 1;
                 }
             }
             let peers = u64::from(network.peers_per_rank);
@@ -777,7 +747,10 @@ mod tests {
                     }
                 }
             }
-            // The staging flags of the metadata and of those chunks, each peer's.
+            // The staging flags of the metadata and of those chunks, each peer's, once;
+            // and before each return step, the combine's flag of its partials.
+            let partials = (BufferId::NetPartialsReady, PARTIALS_READY_EPOCH);
+            assert_eq!(waited.remove(&partials).unwrap_or(0), call_chunks);
             assert_eq!(waited.len() as u64, peers * (1 + call_chunks));
             assert!(waited.values().all(|&n| n == 1));
         }
@@ -814,6 +787,25 @@ mod tests {
     fn the_network_flags_are_exchange_state() {
         assert!(EXCHANGE_STATE.contains(&BufferId::NetReady));
         assert!(EXCHANGE_STATE.contains(&BufferId::NetReturnFlags));
+        assert!(EXCHANGE_STATE.contains(&BufferId::NetPartialsReady));
+    }
+
+    /// Across nodes results return as rank partials (a plan with pair rows is refused),
+    /// and the combine writes a network origin's partials into the return outbox.
+    #[test]
+    fn results_across_nodes_return_as_rank_partials() {
+        let plan = planned(2, 1, "");
+        let (ep, _) = network_of(&plan);
+        assert_eq!(ep.combine_route, CombineRoute::RankPartials);
+        let source = crate::codegen::generate(&plan).expect("generates").source;
+        assert!(
+            source.contains("net_partials_ready"),
+            "the combine releases the partials"
+        );
+        let mut wrong = plan.clone();
+        wrong.expert_parallel.as_mut().unwrap().combine_route = CombineRoute::PairRows;
+        let error = wrong.validate().expect_err("refused").to_string();
+        assert!(error.contains("rank partials"), "{error}");
     }
 
     #[test]
@@ -836,20 +828,5 @@ mod tests {
         ep.network.as_mut().unwrap().chunks += 1;
         let error = plan.validate().expect_err("refused").to_string();
         assert!(error.contains("are not max_tokens"), "{error}");
-    }
-
-    #[test]
-    fn the_table_row_of_a_network_peer_holds_only_its_return_outbox() {
-        let plan = planned(2, 1, "");
-        let (ep, network) = network_of(&plan);
-        for &id in &ep.peer_buffers {
-            let entry = network.peer_table_entry(&plan.shape, id, 0);
-            assert_eq!(
-                entry.is_some(),
-                id == BufferId::CombineSlots,
-                "{}",
-                id.name()
-            );
-        }
     }
 }

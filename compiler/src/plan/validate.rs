@@ -405,9 +405,9 @@ impl Plan {
             }
         }
         if let Some(network) = &ep.network {
-            if ep.combine_route == CombineRoute::RankPartials {
+            if ep.combine_route != CombineRoute::RankPartials {
                 return Err(
-                    "results return as rank partials, but ranks on other nodes take them back through NCCL as pair rows".to_string(),
+                    "results return as pair rows, but ranks on other nodes take them back through NCCL as rank partials".to_string(),
                 );
             }
             self.check_network(ep, network)
@@ -466,13 +466,14 @@ impl Plan {
             (BufferId::NetReady, peers * network.ready_stride()),
             (
                 BufferId::NetReturnX,
-                peers * shape.max_pairs() * u64::from(shape.hidden),
+                peers * u64::from(shape.max_tokens) * u64::from(shape.hidden),
             ),
             (
                 BufferId::NetReturnedX,
-                peers * shape.max_pairs() * u64::from(shape.hidden),
+                peers * u64::from(shape.max_tokens) * u64::from(shape.hidden),
             ),
             (BufferId::NetReturnFlags, peers * u64::from(network.chunks)),
+            (BufferId::NetPartialsReady, 2),
         ];
         for (id, elems) in needed {
             match ep.workspace.iter().find(|b| b.id == id) {
