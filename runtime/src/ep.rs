@@ -341,9 +341,9 @@ impl EpLayer {
     /// has the plan's rank count and a GPU per rank, joins the NCCL communicator,
     /// exchanges the IPC handles of the buffers peers write and maps those of the peers on
     /// this node. When the plan spans nodes, it keeps the communicator for the network
-    /// path (see [`crate::network`]): the peer table's row of a peer on another node holds
-    /// only this rank's return outbox for it, and the first exchange with every such peer
-    /// is made here, bounded.
+    /// path (see [`crate::network`]): the peer table's row of a peer on another node is
+    /// zeros (the kernels reach it only through the network steps), and the first exchange
+    /// with every such peer is made here, bounded.
     pub fn join_group(
         plan: Plan,
         ctx: &Arc<CudaContext>,
@@ -709,9 +709,9 @@ impl EpLayer {
                 .context("ordering communication after the previous call")?;
         }
         if let Some(network) = self.network() {
-            // The kernels restage the outboxes only after the last call's sends, GEMM2
-            // refills the return outbox only after the last call's results went, and the
-            // receives land only after the last call's kernels read the inboxes.
+            // The kernels restage the outboxes only after the last call's sends, the
+            // combine refills the return outbox only after the last call's partials went,
+            // and the receives land only after the last call's kernels read the inboxes.
             let rank = &self.ranks[0];
             let stream = network.stream();
             rank.comm
@@ -719,7 +719,7 @@ impl EpLayer {
                 .context("ordering the staging after the last call's sends")?;
             rank.compute
                 .join(stream)
-                .context("ordering GEMM2 after the last call's results")?;
+                .context("ordering the combine after the last call's partials went")?;
             stream
                 .join(&rank.compute)
                 .context("ordering the receives after the last call's kernels")?;
@@ -733,7 +733,7 @@ impl EpLayer {
                     .context("ordering the staging after the last call's copies")?;
                 rank.compute
                     .join(stream)
-                    .context("ordering GEMM2 after the last call's results")?;
+                    .context("ordering the combine after the last call's partials went")?;
             }
             for rank in &self.ranks {
                 stream
