@@ -309,7 +309,7 @@ impl EpLayer {
         for (me, rank) in built.iter_mut().enumerate() {
             let mut mine = table.clone();
             if let Some(network) = &ep.network {
-                out_of_reach(&mut mine, network, me as u32, ep.ranks);
+                out_of_reach(&mut mine, &ep, network, me as u32);
             }
             write_peer_table(rank, &mine)?;
         }
@@ -385,7 +385,7 @@ impl EpLayer {
             channel.timeout(),
         )?;
         if let Some(network) = &ep.network {
-            out_of_reach(&mut peers.table, network, me, ep.ranks);
+            out_of_reach(&mut peers.table, &ep, network, me);
         }
         write_peer_table(&mut rank, &peers.table)?;
         rank.compute
@@ -1242,11 +1242,12 @@ impl EpLayer {
     }
 }
 
-/// Zeroes the rows of `table` (rank `me`'s peer table) of its peers on other nodes: the
-/// kernels reach them only through the network steps (a stray use faults at once).
-fn out_of_reach(table: &mut [Vec<u64>], network: &NetworkPlan, me: u32, ranks: u32) {
-    for peer in network.peers(me, ranks) {
-        table[peer as usize].fill(0);
+/// Makes the rows of `table` (rank `me`'s peer table) of its peers on other nodes zeros,
+/// one per peer buffer of `ep`: the kernels reach those peers only through the network
+/// steps (a stray use faults at once).
+fn out_of_reach(table: &mut [Vec<u64>], ep: &ExpertParallelPlan, network: &NetworkPlan, me: u32) {
+    for peer in network.peers(me, ep.ranks) {
+        table[peer as usize] = vec![0; ep.peer_buffers.len()];
     }
 }
 
@@ -1531,6 +1532,13 @@ fn write_peer_table(rank: &mut Rank, table: &[Vec<u64>]) -> Result<(), LayerErro
         .ok_or(LayerError::MissingWorkspace {
             buffer: BufferId::PeerTable.name(),
         })?;
+    // A short row would shift every later one: the kernels would read wrong addresses.
+    if bytes.len() != slot.len() || table.iter().any(|row| row.len() != table[0].len()) {
+        return Err(LayerError::PeerTableSize {
+            bytes: bytes.len(),
+            expected: slot.len(),
+        });
+    }
     rank.compute
         .memcpy_htod(&bytes, slot)
         .context("uploading the peer table")?;
@@ -1619,6 +1627,38 @@ mod tests {
         assert!(
             matches!(error, LayerError::TokensBoundMessage { bytes: 2 }),
             "{error}"
+        );
+    }
+
+    /// A rank process's table from the IPC exchange has empty rows for peers on other
+    /// nodes; they become whole rows of zeros, so later rows keep their places.
+    #[test]
+    fn peers_on_other_nodes_get_whole_rows_of_zeros() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../dsl-examples/tiny_emulated_nodes.moe"
+        ))
+        .expect("the example");
+        let module = moeforge_compiler::compile_source("e.moe", &text).expect("checks");
+        let plan = moeforge_compiler::plan::plan(
+            &module.layers[0],
+            &moeforge_compiler::plan::Target::h200(),
+        )
+        .expect("plans");
+        let ep = plan.expert_parallel.as_ref().expect("expert-parallel");
+        let network = ep.network.as_ref().expect("a network part");
+        let width = ep.peer_buffers.len();
+        // Rank 1 (node 0): rank 0 mapped, ranks 2 and 3 on node 1 unmapped.
+        let mut table = vec![vec![7; width], vec![1; width], Vec::new(), Vec::new()];
+        out_of_reach(&mut table, ep, network, 1);
+        assert_eq!(
+            table,
+            vec![
+                vec![7; width],
+                vec![1; width],
+                vec![0; width],
+                vec![0; width]
+            ]
         );
     }
 }

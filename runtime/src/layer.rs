@@ -79,6 +79,10 @@ pub enum LayerError {
         "the plan gives an expert-parallel launch the argument `{arg}`, which the expert-parallel layer does not provide (it takes the caller's routing, and no expert biases)"
     )]
     SingleGpuArg { arg: &'static str },
+    #[error(
+        "the peer table has {bytes} bytes of addresses for a buffer of {expected}: a rank's row is short or missing (an internal error)"
+    )]
+    PeerTableSize { bytes: usize, expected: usize },
     #[error("the plan launches a kernel with workspace buffer `{buffer}`, which it does not list")]
     MissingWorkspace { buffer: &'static str },
     #[error(
