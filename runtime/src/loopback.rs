@@ -30,8 +30,8 @@ use moeforge_compiler::plan::{BufferId, LayerShape};
 
 use crate::gpu::DriverContext;
 use crate::network::{
-    NetworkError, ResolvedStep, StepBuffers, idle_by, step_events, stream_op, stream_wait_value,
-    stream_write_value,
+    NetworkError, ResolvedStep, StepBuffers, drain, idle_by, release_flags, step_events, stream_op,
+    stream_wait_value, stream_write_value,
 };
 
 /// One device copy: a send of rank `from` into the receive of rank `to` it pairs with.
@@ -312,13 +312,13 @@ impl LoopbackPath {
                 )
             })?;
         }
-        for &flag in &step.release {
-            stream_write_value(&self.stream, flag, epoch, &step.kind)?;
-        }
-        self.done[step.position]
-            .record(&self.stream)
-            .context("recording a loopback step")?;
-        Ok(())
+        release_flags(
+            &self.stream,
+            &step.release,
+            epoch,
+            &step.kind,
+            &self.done[step.position],
+        )
     }
 
     /// Waits for every enqueued step, at most the plan's bound per call enqueued since the
@@ -326,15 +326,9 @@ impl LoopbackPath {
     /// were released from the side stream so that the stream drains.
     pub(crate) fn wait(&self) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        let calls = self.calls_outstanding.get();
-        if calls == 0 {
+        let Some(bound) = drain(&self.stream, self.limit, &self.calls_outstanding)? else {
             return Ok(());
-        }
-        let bound = self.limit.saturating_mul(calls);
-        if idle_by(&self.stream, Instant::now() + bound)? {
-            self.calls_outstanding.set(0);
-            return Ok(());
-        }
+        };
         // Reading and writing flags below are raw driver calls on the side stream.
         self.stream
             .context()

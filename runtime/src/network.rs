@@ -636,13 +636,13 @@ impl NetworkPath {
             self.comm
                 .group(&step.sends, &step.receives, &self.stream, &what)?
         };
-        for &flag in &step.release {
-            stream_write_value(&self.stream, flag, epoch, &step.kind)?;
-        }
-        self.done[step.position]
-            .record(&self.stream)
-            .context("recording a network step")?;
-        Ok(())
+        release_flags(
+            &self.stream,
+            &step.release,
+            epoch,
+            &step.kind,
+            &self.done[step.position],
+        )
     }
 
     /// Waits for every enqueued step, at most the plan's bound per call enqueued since the
@@ -650,16 +650,10 @@ impl NetworkPath {
     /// the path is abandoned.
     pub(crate) fn wait(&self) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        let calls = self.calls_outstanding.get();
-        if calls == 0 {
-            return Ok(());
+        match drain(&self.stream, self.limit, &self.calls_outstanding)? {
+            None => Ok(()),
+            Some(bound) => Err(self.stalled(bound)),
         }
-        let bound = self.limit.saturating_mul(calls);
-        if !idle_by(&self.stream, Instant::now() + bound)? {
-            return Err(self.stalled(bound));
-        }
-        self.calls_outstanding.set(0);
-        Ok(())
     }
 
     /// The error for calls whose steps did not finish within `bound`, naming the first
@@ -699,6 +693,42 @@ impl NetworkPath {
     pub(crate) fn abandoned(&self) -> bool {
         self.comm.abandoned.get()
     }
+}
+
+/// After a step's transfers on `stream`: writes `epoch` into each flag of `release` (the
+/// write fences the transfers' data before the flag), then records `done`.
+pub(crate) fn release_flags(
+    stream: &CudaStream,
+    release: &[u64],
+    epoch: u32,
+    kind: &StepKind,
+    done: &CudaEvent,
+) -> Result<(), NetworkError> {
+    for &flag in release {
+        stream_write_value(stream, flag, epoch, kind)?;
+    }
+    done.record(stream).context("recording a network step")?;
+    Ok(())
+}
+
+/// Waits until `stream` has run every call `outstanding` counts, at most `limit` per call
+/// (polled: the host never blocks on a stream that may wait for ever). `None` once it did
+/// (the count restarts at 0); else the bound waited, the count left as it is.
+pub(crate) fn drain(
+    stream: &CudaStream,
+    limit: Duration,
+    outstanding: &Cell<u32>,
+) -> Result<Option<Duration>, NetworkError> {
+    let calls = outstanding.get();
+    if calls == 0 {
+        return Ok(None);
+    }
+    let bound = limit.saturating_mul(calls);
+    if !idle_by(stream, Instant::now() + bound)? {
+        return Ok(Some(bound));
+    }
+    outstanding.set(0);
+    Ok(None)
 }
 
 /// Whether `stream` has run everything enqueued on it by `deadline` (polled, so the host
