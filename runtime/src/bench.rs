@@ -637,6 +637,9 @@ pub struct ExpertParallelRow {
     pub dispatch_split: DispatchStageSplit,
     /// Rank 0's GEMM stage kernel by kernel (same calls, mean).
     pub gemm_split: GemmStageSplit,
+    /// Every rank's GEMM1 alone, by rank (same calls, mean): where ranks' loads differ,
+    /// the slowest sets the layer.
+    pub gemm1_per_rank_us: Vec<f64>,
     /// Baseline (b), on real GPUs when NCCL loads: NCCL all-to-all, moeforge's single-GPU
     /// layer per rank, NCCL all-to-all back (wall time per call over pipelined calls).
     pub nccl_us: Option<f64>,
@@ -845,6 +848,7 @@ pub fn bench_expert_parallel(
         let mut stages = StageTimes::default();
         let mut dispatch_split = DispatchStageSplit::default();
         let mut gemm_split = GemmStageSplit::default();
+        let mut gemm1_per_rank_us = vec![0.0; ranks as usize];
         let share = 1.0 / MARKED_CALLS as f64;
         for _ in 0..MARKED_CALLS {
             call(ep, Schedule::BulkSynchronous, Some(&marks))?;
@@ -859,6 +863,9 @@ pub fn bench_expert_parallel(
             gemm_split.arrange_us += split.arrange_us * share;
             gemm_split.gemm1_us += split.gemm1_us * share;
             gemm_split.gemm2_us += split.gemm2_us * share;
+            for (mean, us) in gemm1_per_rank_us.iter_mut().zip(marks.gemm1_per_rank_us()?) {
+                *mean += us * share;
+            }
         }
         ep.take_error()?;
         let (nccl_us, nccl_stages) = match nccl.as_deref_mut() {
@@ -942,6 +949,7 @@ pub fn bench_expert_parallel(
             stages,
             dispatch_split,
             gemm_split,
+            gemm1_per_rank_us,
             nccl_us,
             nccl_stages,
             hidden_share,

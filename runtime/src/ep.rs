@@ -843,17 +843,23 @@ impl EpLayer {
         mark(marks, 3, &compute[0])?;
         for (r, a) in calls.iter().enumerate() {
             let regime = &self.ep.regimes[regimes[r]];
-            // Rank 0's arrange, GEMM1 and GEMM2 one at a time, each followed by a mark.
+            // With marks, every rank's arrange, GEMM1 and GEMM2 one at a time: rank 0's
+            // followed by the stage marks, every rank's GEMM1 between its own two events.
             let steps: [&dyn Fn(&Launch) -> bool; 3] = [
                 &|l| l.kernel == self.ep.arrange_kernel,
                 &|l| l.kernel == regime.gemm1_kernel,
                 &|l| l.kernel == regime.gemm2_kernel,
             ];
-            if r == 0 && marks.is_some() {
+            if let Some(marks) = marks {
                 for (step, chosen) in steps.iter().enumerate() {
                     self.enqueue(r, a, regimes[r], chosen)?;
                     if step < 2 {
-                        mark(marks, 4 + step, &compute[0])?;
+                        if r == 0 {
+                            mark(Some(marks), 4 + step, &compute[0])?;
+                        }
+                        marks.gemm1_per_rank[r][step]
+                            .record(&compute[r])
+                            .context("recording a rank's GEMM1 mark")?;
                     }
                 }
             } else {
@@ -1432,6 +1438,8 @@ fn mark(marks: Option<&StageMarks>, index: usize, stream: &CudaStream) -> Result
 /// (metadata done, token rows sent, arrange done, GEMM1 done).
 pub struct StageMarks {
     events: Vec<CudaEvent>,
+    /// Per rank, in its context: before and after its GEMM1.
+    gemm1_per_rank: Vec<[CudaEvent; 2]>,
 }
 
 const STAGE_MARKS: usize = 8;
@@ -1474,10 +1482,23 @@ impl StageMarks {
             ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .context("creating a timing event")
         };
+        let gemm1_per_rank = layer
+            .ranks
+            .iter()
+            .map(|rank| {
+                let ctx = rank.compute.context();
+                let event = || {
+                    ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                        .context("creating a timing event")
+                };
+                Ok([event()?, event()?])
+            })
+            .collect::<Result<_, LayerError>>()?;
         Ok(StageMarks {
             events: (0..STAGE_MARKS)
                 .map(|_| event())
                 .collect::<Result<_, _>>()?,
+            gemm1_per_rank,
         })
     }
 
@@ -1504,6 +1525,21 @@ impl StageMarks {
             metadata_us: self.us(0, 1)?,
             rows_us: self.us(1, 2)?,
         })
+    }
+
+    /// Every rank's GEMM1 in the call that recorded these marks, in µs by rank (the
+    /// simulator predicts each; the stage marks time rank 0's alone).
+    pub fn gemm1_per_rank_us(&self) -> Result<Vec<f64>, LayerError> {
+        self.gemm1_per_rank
+            .iter()
+            .map(|[start, end]| {
+                Ok(f64::from(
+                    start
+                        .elapsed_ms(end)
+                        .context("reading a rank's GEMM1 mark")?,
+                ) * 1e3)
+            })
+            .collect()
     }
 
     /// Rank 0's GEMM stage of the call that recorded these marks, kernel by kernel.
