@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use moeforge::compiler::plan;
+use moeforge::compiler::plan::network::NetworkTransport;
 use moeforge::compiler::simulate::{self, Options, Routing, Schedule, calibration};
 
 use super::planning::{TargetArgs, report_plan_error};
@@ -189,11 +190,16 @@ pub fn run(args: &Args) -> ExitCode {
             }
         };
         let seconds = started.elapsed().as_secs_f64();
+        let placement = if topology.virtual_ranks {
+            // Emulated nodes' network steps are copies on the one GPU too.
+            "virtual ranks on one GPU".to_string()
+        } else {
+            format!("ranks on {} node(s)", report.nodes)
+        };
         println!(
-            "{}: {} ranks on {} node(s), {tokens} tokens per rank, {} routing, regime {} (simulated in {seconds:.2} s)",
+            "{}: {} {placement}, {tokens} tokens per rank, {} routing, regime {} (simulated in {seconds:.2} s)",
             report.layer,
             report.ranks,
-            report.nodes,
             report.routing.name(),
             report.regime
         );
@@ -255,7 +261,11 @@ pub fn run(args: &Args) -> ExitCode {
 /// the network port takes; the topology-aware schedule above is the design.
 fn as_built_across_nodes(plan: &plan::Plan, tokens: u32) -> Option<String> {
     let ep = plan.expert_parallel.as_ref()?;
-    let network = ep.network.as_ref()?;
+    // Emulated nodes have no network port: their steps are copies on one GPU.
+    let network = ep
+        .network
+        .as_ref()
+        .filter(|n| n.transport == NetworkTransport::Nccl)?;
     let per_peer = network.bytes_per_peer(ep, &plan.shape, tokens);
     let per_rank = per_peer * u64::from(network.peers_per_rank);
     Some(format!(
