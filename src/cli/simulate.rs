@@ -293,10 +293,20 @@ fn print_comparison(
         "{} on {} ({} routing): measured / predicted us (error)",
         measured.layer, measured.placement, measured.routing
     );
+    // Files from 2026-12-05 on time every rank's GEMM1 too.
+    let per_rank = cells.iter().any(|c| c.gemm1_slowest.is_some());
     println!(
-        "| T per rank | expert-parallel | bulk-synchronous | dispatch stage | GEMM stage | combine stage | GEMM1, rank 0 | GEMM2, rank 0 |"
+        "| T per rank | expert-parallel | bulk-synchronous | dispatch stage | GEMM stage | combine stage | GEMM1, rank 0 | GEMM2, rank 0 |{}",
+        if per_rank {
+            " GEMM1, slowest rank |"
+        } else {
+            ""
+        }
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "|---|---|---|---|---|---|---|---|{}",
+        if per_rank { "---|" } else { "" }
+    );
     let cell = |pair: (f64, f64)| {
         format!(
             "{:.1} / {:.1} ({:+.0}%)",
@@ -313,7 +323,7 @@ fn print_comparison(
             if c.fused_decode { " (fused)" } else { "" }
         );
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |{}",
             c.tokens_per_rank,
             expert_parallel,
             cell(c.bulk_synchronous),
@@ -321,7 +331,12 @@ fn print_comparison(
             cell(c.gemm),
             cell(c.combine),
             split(c.gemm1),
-            split(c.gemm2)
+            split(c.gemm2),
+            if per_rank {
+                format!(" {} |", split(c.gemm1_slowest))
+            } else {
+                String::new()
+            }
         );
     }
     OK

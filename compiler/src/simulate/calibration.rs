@@ -59,6 +59,9 @@ pub struct MeasuredRow {
     /// The GEMM stage's kernels on rank 0 (files from 2026-12-01 on).
     #[serde(default)]
     pub gemm_split: Option<MeasuredGemmSplit>,
+    /// Every rank's GEMM1 in the same calls, by rank (files from 2026-12-05 on).
+    #[serde(default)]
+    pub gemm1_per_rank_us: Vec<f64>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -114,6 +117,9 @@ pub struct Comparison {
     /// GEMM1 and GEMM2 of the bulk-synchronous run on rank 0, where the file has them.
     pub gemm1: Option<(f64, f64)>,
     pub gemm2: Option<(f64, f64)>,
+    /// GEMM1 of the rank whose GEMM1 is slowest (in the measurement and in the prediction,
+    /// each its own), where the file times every rank's.
+    pub gemm1_slowest: Option<(f64, f64)>,
 }
 
 /// Relative error of a prediction against a measurement.
@@ -157,7 +163,7 @@ pub fn compare(
                             seed,
                             hidden: plan.shape.hidden,
                         }),
-                    timeline_ranks: 1,
+                    timeline_ranks: ranks,
                     fused_decode: row.fused_decode,
                 },
             )?;
@@ -182,6 +188,21 @@ pub fn compare(
             let split = |measured: Option<f64>, label: &str| {
                 measured.zip(kernel_s(label)).map(|(m, p)| (m, p * us))
             };
+            let slowest_gemm1 = bulk
+                .timeline
+                .iter()
+                .flat_map(|lane| lane.kernels.iter().filter(|k| k.label == "GEMM1"))
+                .map(|k| k.end - k.start)
+                .fold(None, |most: Option<f64>, s| {
+                    Some(most.map_or(s, |m| m.max(s)))
+                });
+            let measured_slowest = row
+                .gemm1_per_rank_us
+                .iter()
+                .copied()
+                .fold(None, |most: Option<f64>, us| {
+                    Some(most.map_or(us, |m| m.max(us)))
+                });
             Ok(Comparison {
                 tokens_per_rank: row.tokens_per_rank,
                 expert_parallel: (row.expert_parallel_us, fine.layer_s * us),
@@ -192,6 +213,9 @@ pub fn compare(
                 combine: (row.stages.combine_us, bulk.combine_s * us),
                 gemm1: split(row.gemm_split.as_ref().map(|g| g.gemm1_us), "GEMM1"),
                 gemm2: split(row.gemm_split.as_ref().map(|g| g.gemm2_us), "GEMM2"),
+                gemm1_slowest: measured_slowest
+                    .zip(slowest_gemm1)
+                    .map(|(m, p)| (m, p * us)),
             })
         })
         .collect()
@@ -219,5 +243,39 @@ mod tests {
         let mut devices = file("");
         devices.placement = "2 x NVIDIA H200".into();
         assert!(!devices.on_virtual_ranks());
+    }
+
+    /// A file that times every rank's GEMM1 is compared on its slowest rank against the
+    /// prediction's slowest; one without leaves that cell out.
+    #[test]
+    fn every_ranks_gemm1_is_compared_on_the_slowest() {
+        let text = "topology t {\n gpus_per_node = 2\n nodes = 1\n nvlink = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}\nlayer l {\n hidden = 128\n ffn = 256\n experts = 8\n top_k = 2\n max_tokens = 512\n parallel { expert = 2 }\n topology = t\n}\n";
+        let module = crate::compile_source("l.moe", text).expect("checks");
+        let plan =
+            crate::plan::plan(&module.layers[0], &crate::plan::Target::h200()).expect("plans");
+        let topology = Topology::of(&module.layers[0].topology);
+        let row = |extra: &str| {
+            format!(
+                r#"{{"tokens_per_rank": 64, "ranks": 2, "expert_parallel_us": 50.0, "bulk_synchronous_us": 60.0, "stages": {{"dispatch_us": 10.0, "gemm_us": 30.0, "combine_us": 5.0}}{extra}}}"#
+            )
+        };
+        let measured = |extra: &str| -> MeasuredFile {
+            serde_json::from_str(&format!(
+                r#"{{"layer": "l", "placement": "2 x NVIDIA H200", "routing": "uniform", "rows": [{}]}}"#,
+                row(extra)
+            ))
+            .expect("parses")
+        };
+        let with = compare(
+            &plan,
+            &topology,
+            &measured(r#", "gemm1_per_rank_us": [7.0, 9.0]"#),
+        )
+        .expect("compares");
+        let (slowest, predicted) = with[0].gemm1_slowest.expect("every rank's GEMM1");
+        assert_eq!(slowest, 9.0);
+        assert!(predicted > 0.0);
+        let without = compare(&plan, &topology, &measured("")).expect("compares");
+        assert!(without[0].gemm1_slowest.is_none());
     }
 }
