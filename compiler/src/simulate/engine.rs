@@ -315,6 +315,12 @@ pub(super) struct Machine<'a> {
     /// The fused decode that runs this call in place of the table, on one node, where the
     /// plan has one covering the call.
     fused: Option<&'a FusedDecode>,
+    /// How results return in the schedules: the plan's route on one node (and on emulated
+    /// nodes, one GPU); across real nodes the design's pair rows, which the topology-aware
+    /// schedule reduces per node. (The kernels as built return rank partials across nodes,
+    /// since NCCL's fixed slices would carry every slot of every token; `simulate` prints
+    /// the floor of what they move apart.)
+    results: CombineRoute,
 }
 
 impl<'a> Machine<'a> {
@@ -340,6 +346,11 @@ impl<'a> Machine<'a> {
             fused: regime.fused_decode.as_ref().filter(|fused| {
                 fused_decode && ep.network.is_none() && fused.covers(traffic.tokens_per_rank)
             }),
+            results: if ep.network.is_some() && !topology.virtual_ranks {
+                CombineRoute::PairRows
+            } else {
+                ep.combine_route
+            },
         }
     }
 
@@ -847,7 +858,7 @@ impl<'a> Machine<'a> {
             .copied()
             .fold(start + self.hbm_seconds(hbm1, hbm_share), f64::max);
         let start2 = end1 + self.target.launch_overhead_s;
-        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.ep.combine_route);
+        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.results);
         let mut blocks = vec![start2; self.regime.gemm2.grid_blocks.max(1) as usize];
         let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
         for (id, tile) in tiles2.iter().enumerate() {
@@ -889,7 +900,7 @@ impl<'a> Machine<'a> {
     ) -> GemmEnds {
         let g1 = &self.regime.gemm1;
         let (bm1, n1) = (g1.tile.m, self.ffn / g1.tile.n);
-        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.ep.combine_route);
+        let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.results);
         // Per expert and GEMM1 row tile: its column tiles not yet taken, and when the
         // taken ones end.
         let mut columns_left: Vec<Vec<u32>> = phase_rows
@@ -1208,7 +1219,7 @@ impl<'a> Machine<'a> {
             0.0
         };
         // The fused decode stores GEMM2's rows at their origins (pair rows) in any plan.
-        let partials = fused.is_none() && self.ep.combine_route == CombineRoute::RankPartials;
+        let partials = fused.is_none() && self.results == CombineRoute::RankPartials;
         let (arrived, combined, passes_end) = if partials {
             self.partial_results(&mut ports, &ends, barrier2, &mut timeline)
         } else {
