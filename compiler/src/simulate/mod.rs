@@ -16,7 +16,9 @@
 //!   for the network; `benches/results/2026-12-02_simulator_gemm_overlap.md`). This
 //!   schedule is the design to build across nodes: the kernels do neither the
 //!   hierarchical exchange nor this overlap yet (GEMM2 is a kernel after GEMM1, its phases
-//!   in receive order, and the runtime sends a network peer's results after GEMM2).
+//!   in receive order, and results across nodes return as rank partials in fixed NCCL
+//!   slices after the combine's first pass). Across real nodes all three schedules model
+//!   results as pair rows (the design's), whatever the plan's route there.
 //!
 //! What it models: per rank, the plan's communication blocks taking work items (chunks of
 //! `dispatch_chunk` tokens per destination, or `dispatch_piece` pieces when a call has
