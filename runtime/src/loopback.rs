@@ -91,16 +91,23 @@ fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
     // the n-th of these.
     let mut pending: Vec<Vec<std::collections::VecDeque<(u64, u64)>>> = steps
         .iter()
-        .map(|step| {
+        .enumerate()
+        .map(|(to, step)| {
             let mut by_source = vec![std::collections::VecDeque::new(); steps.len()];
             for &(peer, address, bytes) in &step.receives {
-                if let Some(queue) = by_source.get_mut(peer as usize) {
-                    queue.push_back((address, bytes));
-                }
+                by_source
+                    .get_mut(peer as usize)
+                    .ok_or_else(|| {
+                        unpaired(format!(
+                            "rank {to} receives from rank {peer}, which is not one of the {} ranks",
+                            steps.len()
+                        ))
+                    })?
+                    .push_back((address, bytes));
             }
-            by_source
+            Ok(by_source)
         })
-        .collect();
+        .collect::<Result<_, NetworkError>>()?;
     let mut copies = Vec::new();
     for (from, step) in steps.iter().enumerate() {
         for &(to, source, bytes) in &step.sends {
