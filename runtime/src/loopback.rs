@@ -167,7 +167,7 @@ struct LoopbackCall {
 /// The emulated nodes' network: one stream that runs every rank's steps.
 pub(crate) struct LoopbackPath {
     stream: Arc<CudaStream>,
-    /// Releases a stalled call's staging flags (never waits on the loopback stream).
+    /// Releases a stalled call's flags (never waits on the loopback stream).
     side: Arc<CudaStream>,
     ep: ExpertParallelPlan,
     network: NetworkPlan,
@@ -357,7 +357,7 @@ impl LoopbackPath {
     }
 
     /// The error of a stall after `bound`: the first step not done and the ranks whose
-    /// staging flags it still waits for.
+    /// flags it still waits for.
     fn stalled(&self, bound: Duration) -> NetworkError {
         let call = self.call.borrow();
         let step = call
