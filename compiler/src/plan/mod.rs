@@ -1436,7 +1436,7 @@ fn plan_as_sized(
             && regime.fused_decode.is_none()
         {
             let reason = if ep.network.is_some() {
-                "its ranks span several nodes, and NCCL carries part of that exchange".to_string()
+                "its ranks span several nodes (real or emulated), and the network steps carry part of that exchange".to_string()
             } else {
                 fused_decode::plan_rank_fused_decode(
                     target,
@@ -1470,8 +1470,14 @@ fn plan_as_sized(
             .filter(|b| b.id.name().starts_with("net_"))
             .map(Buffer::bytes)
             .sum();
+        let carrier = match network.transport {
+            network::NetworkTransport::Nccl => "NCCL",
+            network::NetworkTransport::Loopback => {
+                "the loopback's device copies (emulated nodes: the steps NCCL would run)"
+            }
+        };
         limitations.push(format!(
-            "ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves {} to each of a rank's {} network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and {} at one token; the network's outboxes and inboxes take {} per rank",
+            "ranks on other nodes exchange through {carrier} in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves {} to each of a rank's {} network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and {} at one token; the network's outboxes and inboxes take {} per rank",
             describe::decimal_bytes(network.call_bytes_per_peer),
             network.peers_per_rank,
             describe::decimal_bytes(network.bytes_per_peer(ep, &shape, 1)),
