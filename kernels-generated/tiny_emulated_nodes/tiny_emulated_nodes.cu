@@ -8,7 +8,7 @@
 // leaves out the route launch: gemm1 -> gemm2 -> combine, each GEMM block routing the call
 // in its own shared memory.
 // Note: the spec asks for 4 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 8 experts on one GPU
-// Note: ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves 274 KB to each of a rank's 2 network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and 548 B at one token; the network's outboxes and inboxes take 812 KB per rank
+// Note: ranks on other nodes exchange through the loopback's device copies (emulated nodes: the steps NCCL would run) in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves 274 KB to each of a rank's 2 network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and 548 B at one token; the network's outboxes and inboxes take 812 KB per rank
 
 // ---------------------------------------------------------------------------------------
 // Prelude: element types and PTX wrappers. No toolkit header is included, so NVRTC needs
