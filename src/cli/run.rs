@@ -382,6 +382,11 @@ fn run_expert_parallel(
         Ok(ep) => ep,
         Err(status) => return status,
     };
+    // Every rank passes `tokens`: across emulated nodes the loopback moves what they fill.
+    if let Err(error) = ep.bound_tokens(Some(tokens)) {
+        eprintln!("error: {error}");
+        return invalid_input();
+    }
     let workloads: Vec<Workload> = (0..choice.ranks)
         .map(|r| Workload::random(&shape, tokens, args.routing.into(), seed ^ u64::from(r)))
         .collect();
