@@ -34,7 +34,10 @@ use crate::network::{
     stream_wait_value, stream_write_value,
 };
 
-/// One device copy: a send of rank `from` into the receive of rank `to` it pairs with.
+/// One device copy: `rows` sends of rank `from` into the receives of rank `to` they pair
+/// with, each `bytes` long, the next `source_pitch` and `destination_pitch` bytes on (a
+/// receive-index array's segments per local expert: contiguous at the sender, strided by
+/// the ranks at the receiver). One row is a plain copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct LoopbackCopy {
     pub(crate) from: u32,
@@ -42,6 +45,61 @@ pub(crate) struct LoopbackCopy {
     pub(crate) source: u64,
     pub(crate) destination: u64,
     pub(crate) bytes: u64,
+    pub(crate) rows: u64,
+    pub(crate) source_pitch: u64,
+    pub(crate) destination_pitch: u64,
+}
+
+impl LoopbackCopy {
+    /// A single copy of `bytes` bytes.
+    fn single(from: u32, to: u32, source: u64, destination: u64, bytes: u64) -> Self {
+        LoopbackCopy {
+            from,
+            to,
+            source,
+            destination,
+            bytes,
+            rows: 1,
+            source_pitch: bytes,
+            destination_pitch: bytes,
+        }
+    }
+
+    /// Whether `next` continues this run as its next row.
+    fn continued_by(&self, next: &LoopbackCopy) -> bool {
+        let row =
+            |pitch: u64, at: u64, start: u64| at.checked_sub(start) == Some(pitch * self.rows);
+        (next.from, next.to, next.bytes, next.rows) == (self.from, self.to, self.bytes, 1)
+            && if self.rows == 1 {
+                // The second row sets the pitches: at least a row apart, so rows never overlap.
+                next.source >= self.source + self.bytes
+                    && next.destination >= self.destination + self.bytes
+            } else {
+                row(self.source_pitch, next.source, self.source)
+                    && row(self.destination_pitch, next.destination, self.destination)
+            }
+    }
+
+    /// Appends `next` (which [`LoopbackCopy::continued_by`] accepted) as a row.
+    fn extend(&mut self, next: &LoopbackCopy) {
+        if self.rows == 1 {
+            self.source_pitch = next.source - self.source;
+            self.destination_pitch = next.destination - self.destination;
+        }
+        self.rows += 1;
+    }
+}
+
+/// `copies` with each run of rows that one 2D copy can move merged (in order).
+fn coalesced(copies: Vec<LoopbackCopy>) -> Vec<LoopbackCopy> {
+    let mut runs: Vec<LoopbackCopy> = Vec::with_capacity(copies.len());
+    for copy in copies {
+        match runs.last_mut() {
+            Some(run) if run.continued_by(&copy) => run.extend(&copy),
+            _ => runs.push(copy),
+        }
+    }
+    runs
 }
 
 /// Step `i` of every rank, as the loopback runs it.
@@ -115,13 +173,9 @@ fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
                 .get_mut(to as usize)
                 .and_then(|by_source| by_source[from].pop_front());
             match received {
-                Some((destination, expected)) if expected == bytes => copies.push(LoopbackCopy {
-                    from: from as u32,
-                    to,
-                    source,
-                    destination,
-                    bytes,
-                }),
+                Some((destination, expected)) if expected == bytes => copies.push(
+                    LoopbackCopy::single(from as u32, to, source, destination, bytes),
+                ),
                 Some((_, expected)) => {
                     return Err(unpaired(format!(
                         "rank {from} sends rank {to} {bytes} B, which receives {expected} B"
@@ -153,7 +207,7 @@ fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
         kind,
         position,
         wait_for,
-        copies,
+        copies: coalesced(copies),
         release,
     })
 }
@@ -301,18 +355,29 @@ impl LoopbackPath {
     /// One step's copies, releases and event.
     fn run(&self, step: &LoopbackStep, epoch: u32) -> Result<(), NetworkError> {
         for copy in &step.copies {
-            // SAFETY: both ranges were checked against their ranks' workspace buffers,
-            // which the layer holds as long as this path (and it waits for this stream,
-            // bounded, before freeing them).
-            let result = unsafe {
-                driver::cuMemcpyDtoDAsync_v2(
-                    copy.destination,
-                    copy.source,
-                    copy.bytes as usize,
-                    self.stream.cu_stream(),
-                )
+            let shape = driver::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: driver::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: copy.source,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: copy.source_pitch as usize,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: driver::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: copy.destination,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: copy.destination_pitch as usize,
+                WidthInBytes: copy.bytes as usize,
+                Height: copy.rows as usize,
             };
-            stream_op(result, "cuMemcpyDtoDAsync", || {
+            // SAFETY: every row of both ranges was checked against its rank's workspace
+            // buffer, which the layer holds as long as this path (and it waits for this
+            // stream, bounded, before freeing them); `shape` outlives the call.
+            let result = unsafe { driver::cuMemcpy2DAsync_v2(&shape, self.stream.cu_stream()) };
+            stream_op(result, "cuMemcpy2DAsync", || {
                 format!(
                     "copying {} of rank {} to rank {}",
                     step.kind, copy.from, copy.to
@@ -490,20 +555,37 @@ mod tests {
                 .collect();
             assert_eq!(steps.len(), per_rank[0].len());
             for (i, step) in steps.iter().enumerate() {
-                // As many copies as sends, each from its sender's memory into its
-                // receiver's, and every receive filled exactly once.
+                // As many rows as sends, each from its sender's memory into its receiver's,
+                // every receive filled exactly once, with a receive's bytes.
                 let sends: usize = per_rank.iter().map(|s| s[i].sends.len()).sum();
-                let receives: usize = per_rank.iter().map(|s| s[i].receives.len()).sum();
-                assert_eq!((step.copies.len(), sends), (receives, receives));
+                let at = &at;
+                let receives: Vec<(u64, u64)> = per_rank
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(rank, s)| {
+                        s[i].receives.iter().map(move |t| {
+                            (at[&(rank as u32, t.buffer)].0 + t.offset_bytes, t.bytes)
+                        })
+                    })
+                    .collect();
+                let rows: Vec<(u32, u32, u64, u64, u64)> =
+                    step.copies.iter().flat_map(copy_rows).collect();
+                assert_eq!((rows.len(), sends), (receives.len(), receives.len()));
                 let mut filled = std::collections::HashSet::new();
-                for copy in &step.copies {
-                    assert_eq!(owner(copy.source), copy.from);
-                    assert_eq!(owner(copy.destination), copy.to);
+                for &(from, to, source, destination, bytes) in &rows {
+                    assert_eq!(owner(source), from);
+                    assert_eq!(owner(destination), to);
                     assert!(
-                        network.route(copy.from, copy.to)
-                            == moeforge_compiler::plan::network::Route::Network
+                        network.route(from, to) == moeforge_compiler::plan::network::Route::Network
                     );
-                    assert!(filled.insert(copy.destination), "{:?}", step.kind);
+                    assert!(receives.contains(&(destination, bytes)), "{:?}", step.kind);
+                    assert!(filled.insert(destination), "{:?}", step.kind);
+                }
+                // One 2D copy per (rank, peer, receive-index array) in the metadata step:
+                // each array's segments per local expert, and the counts.
+                if step.kind == StepKind::Metadata && bound > 0 {
+                    let pairs = 4 * 2;
+                    assert_eq!(step.copies.len(), pairs * 4, "{:?}", step.copies);
                 }
             }
         }
@@ -523,6 +605,21 @@ mod tests {
         assert_eq!(copy.source, at[&(0, BufferId::NetSendX)].0 + 16 * row);
         assert_eq!(copy.destination, at[&(2, BufferId::RecvX)].0 + 16 * row);
         assert_eq!(copy.bytes, 16 * row);
+    }
+
+    /// A copy's rows: (from, to, source, destination, bytes) each.
+    fn copy_rows(copy: &LoopbackCopy) -> Vec<(u32, u32, u64, u64, u64)> {
+        (0..copy.rows)
+            .map(|row| {
+                (
+                    copy.from,
+                    copy.to,
+                    copy.source + row * copy.source_pitch,
+                    copy.destination + row * copy.destination_pitch,
+                    copy.bytes,
+                )
+            })
+            .collect()
     }
 
     #[test]
@@ -555,13 +652,36 @@ mod tests {
         .expect("pairs");
         assert_eq!(
             paired[0].copies,
-            vec![LoopbackCopy {
-                from: 0,
-                to: 1,
-                source: 0x1000,
-                destination: 0x2000,
-                bytes: 32
-            }]
+            vec![LoopbackCopy::single(0, 1, 0x1000, 0x2000, 32)]
         );
+        // Rows at constant strides merge into one copy; a row off the stride starts another.
+        let sends = vec![
+            (1, 0x1000, 32),
+            (1, 0x1020, 32),
+            (1, 0x1040, 32),
+            (1, 0x1070, 32),
+        ];
+        let receives = vec![
+            (0, 0x2000, 32),
+            (0, 0x2100, 32),
+            (0, 0x2200, 32),
+            (0, 0x2300, 32),
+        ];
+        let merged = pair_steps(vec![
+            vec![step(metadata, sends, Vec::new())],
+            vec![step(metadata, Vec::new(), receives)],
+        ])
+        .expect("pairs");
+        let copies = &merged[0].copies;
+        assert_eq!(copies.len(), 2, "{copies:?}");
+        assert_eq!(
+            (
+                copies[0].rows,
+                copies[0].source_pitch,
+                copies[0].destination_pitch
+            ),
+            (3, 0x20, 0x100)
+        );
+        assert_eq!(copy_rows(&copies[1]), vec![(0, 1, 0x1070, 0x2300, 32)]);
     }
 }
