@@ -708,29 +708,19 @@ impl EpLayer {
                 .join(&rank.compute)
                 .context("ordering communication after the previous call")?;
         }
-        if let Some(network) = self.network() {
-            // The kernels restage the outboxes only after the last call's sends, the
-            // combine refills the return outbox only after the last call's partials went,
-            // and the receives land only after the last call's kernels read the inboxes.
-            let rank = &self.ranks[0];
-            let stream = network.stream();
-            rank.comm
-                .join(stream)
-                .context("ordering the staging after the last call's sends")?;
-            rank.compute
-                .join(stream)
-                .context("ordering the combine after the last call's partials went")?;
-            stream
-                .join(&rank.compute)
-                .context("ordering the receives after the last call's kernels")?;
-        }
-        if let Some(loopback) = &self.loopback {
-            // As for a network stream, for every rank at once.
-            let stream = loopback.stream();
+        // The kernels restage the outboxes only after the last call's sends (or copies),
+        // the combine refills the return outbox only after the last call's partials went,
+        // and the receives land only after the last call's kernels read the inboxes: the
+        // same joins for a rank's network stream as for the loopback of every rank.
+        let network_stream = self
+            .network()
+            .map(NetworkPath::stream)
+            .or(self.loopback.as_ref().map(LoopbackPath::stream));
+        if let Some(stream) = network_stream {
             for rank in &self.ranks {
                 rank.comm
                     .join(stream)
-                    .context("ordering the staging after the last call's copies")?;
+                    .context("ordering the staging after the last call's sends")?;
                 rank.compute
                     .join(stream)
                     .context("ordering the combine after the last call's partials went")?;
@@ -738,7 +728,7 @@ impl EpLayer {
             for rank in &self.ranks {
                 stream
                     .join(&rank.compute)
-                    .context("ordering the copies after the last call's kernels")?;
+                    .context("ordering the receives after the last call's kernels")?;
             }
         }
         if let Some(regime) = self.fused_regime(calls, withheld) {
@@ -1477,37 +1467,27 @@ pub struct GemmStageSplit {
 impl StageMarks {
     /// Timing events in the context of the layer's rank 0.
     pub fn new(layer: &EpLayer) -> Result<Self, LayerError> {
-        let ctx = layer.ranks[0].compute.context();
-        let event = || {
-            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        // A timing event in the context of `rank`'s stream.
+        let event = |rank: &Rank| {
+            rank.compute
+                .context()
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .context("creating a timing event")
         };
-        let gemm1_per_rank = layer
-            .ranks
-            .iter()
-            .map(|rank| {
-                let ctx = rank.compute.context();
-                let event = || {
-                    ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                        .context("creating a timing event")
-                };
-                Ok([event()?, event()?])
-            })
-            .collect::<Result<_, LayerError>>()?;
         Ok(StageMarks {
             events: (0..STAGE_MARKS)
-                .map(|_| event())
+                .map(|_| event(&layer.ranks[0]))
                 .collect::<Result<_, _>>()?,
-            gemm1_per_rank,
+            gemm1_per_rank: layer
+                .ranks
+                .iter()
+                .map(|rank| Ok([event(rank)?, event(rank)?]))
+                .collect::<Result<_, LayerError>>()?,
         })
     }
 
     fn us(&self, from: usize, to: usize) -> Result<f64, LayerError> {
-        Ok(f64::from(
-            self.events[from]
-                .elapsed_ms(&self.events[to])
-                .context("reading a stage mark")?,
-        ) * 1e3)
+        elapsed_us(&self.events[from], &self.events[to])
     }
 
     /// The stage times of the call that recorded these marks (waits for it).
@@ -1532,13 +1512,7 @@ impl StageMarks {
     pub fn gemm1_per_rank_us(&self) -> Result<Vec<f64>, LayerError> {
         self.gemm1_per_rank
             .iter()
-            .map(|[start, end]| {
-                Ok(f64::from(
-                    start
-                        .elapsed_ms(end)
-                        .context("reading a rank's GEMM1 mark")?,
-                ) * 1e3)
-            })
+            .map(|[start, end]| elapsed_us(start, end))
             .collect()
     }
 
@@ -1550,6 +1524,11 @@ impl StageMarks {
             gemm2_us: self.us(5, 6)?,
         })
     }
+}
+
+/// Microseconds from `start` to `end`, two timing events of one context.
+fn elapsed_us(start: &CudaEvent, end: &CudaEvent) -> Result<f64, LayerError> {
+    Ok(f64::from(start.elapsed_ms(end).context("reading a stage mark")?) * 1e3)
 }
 
 /// Writes `rank`'s peer table: row `d` holds rank `d`'s addresses, valid on `rank`'s

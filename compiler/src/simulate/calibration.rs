@@ -193,16 +193,8 @@ pub fn compare(
                 .iter()
                 .flat_map(|lane| lane.kernels.iter().filter(|k| k.label == "GEMM1"))
                 .map(|k| k.end - k.start)
-                .fold(None, |most: Option<f64>, s| {
-                    Some(most.map_or(s, |m| m.max(s)))
-                });
-            let measured_slowest = row
-                .gemm1_per_rank_us
-                .iter()
-                .copied()
-                .fold(None, |most: Option<f64>, us| {
-                    Some(most.map_or(us, |m| m.max(us)))
-                });
+                .reduce(f64::max);
+            let measured_slowest = row.gemm1_per_rank_us.iter().copied().reduce(f64::max);
             Ok(Comparison {
                 tokens_per_rank: row.tokens_per_rank,
                 expert_parallel: (row.expert_parallel_us, fine.layer_s * us),
