@@ -156,27 +156,27 @@ fn fmt_rewrites_in_place_keeping_comments_and_check_flags_unformatted_files() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
-/// A layer whose buffers cannot fit an H200 (DeepSeek-V3 on 64 ranks at 16384 tokens per
+/// A layer whose buffers cannot fit an H200 (DeepSeek-V3 on 64 ranks at 32768 tokens per
 /// rank): `check` accepts it (a spec may exist only to be simulated) with a note saying
 /// what it needs and which max_tokens fits; the shipped example (4096) gets none.
 #[test]
 fn check_notes_a_layer_too_large_for_its_gpus() {
     let directory = std::env::temp_dir().join(format!("moeforge-memory-{}", std::process::id()));
     std::fs::create_dir_all(&directory).expect("temp dir");
-    let path = directory.join("ep64_16k.moe");
+    let path = directory.join("ep64_32k.moe");
     let shipped =
         std::fs::read_to_string("dsl-examples/deepseek_v3_ep64.moe").expect("the example");
     std::fs::write(
         &path,
-        shipped.replace("max_tokens = 4096", "max_tokens = 16384"),
+        shipped.replace("max_tokens = 4096", "max_tokens = 32768"),
     )
     .expect("write temp file");
     let output = moeforge(&["check", path.to_str().expect("UTF-8 temp path")]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}");
     assert!(
-        stdout.contains("note: layer `deepseek_v3_ep64`: the plan needs 147.8 GB per rank")
-            && stdout.contains("max_tokens = 14843 fits"),
+        stdout.contains("note: layer `deepseek_v3_ep64`: the plan needs 252.4 GB per rank")
+            && stdout.contains("max_tokens = 17361 fits"),
         "{stdout}"
     );
     let shipped = moeforge(&["check", "dsl-examples/deepseek_v3_ep64.moe"]);
@@ -404,11 +404,11 @@ fn simulate_routes_within_the_routers_group_limit() {
         "{}",
         String::from_utf8_lossy(&output.stdout)
     );
-    // Across nodes the report adds what the kernels as built move: 56 network peers, each
-    // sent the slices of 128 tokens (rows, receive index, a partial each).
+    // Across nodes the report adds what the kernels as built move: the receive index to 56
+    // network peers, and to 7 rail peers the slices of 128 tokens (rows, a node partial each).
     assert!(
         String::from_utf8_lossy(&output.stdout)
-            .contains("as built (a floor, not simulated): 56 network peers x 3.68 MB"),
+            .contains("as built (a floor, not simulated): 26.04 MB each way per call and rank"),
         "{}",
         String::from_utf8_lossy(&output.stdout)
     );

@@ -301,6 +301,14 @@ pub enum Error {
     },
     #[error("topology `{topology}` has more than 2^32 ranks")]
     TooManyRanks { span: Span, topology: String },
+    #[error(
+        "topology `{topology}` has {gpus_per_node} GPUs per node on several nodes; across nodes a node holds at most 32 (a token's visits to a node are one 32-bit mask)"
+    )]
+    TooManyGpusPerNode {
+        span: Span,
+        topology: String,
+        gpus_per_node: u32,
+    },
     #[error("unknown topology `{name}`")]
     UnknownTopology {
         span: Span,
@@ -384,6 +392,7 @@ impl Error {
             | RanksMismatch { span, .. }
             | VirtualRanksNeedOneGpu { span, .. }
             | TooManyRanks { span, .. }
+            | TooManyGpusPerNode { span, .. }
             | UnknownTopology { span, .. }
             | InfeasibleHint { span, .. }
             | PlanRefused { span, .. }
@@ -590,6 +599,9 @@ impl Error {
                 "set `gpus_per_node = 1` and `nodes = 1`, or as many GPUs as virtual ranks to emulate nodes on one GPU (`gpus_per_node = 2`, `nodes = 2` for `virtual_ranks = 4`), or drop `virtual_ranks`".into()
             }
             TooManyRanks { .. } => "use fewer GPUs per node or fewer nodes".into(),
+            TooManyGpusPerNode { .. } => {
+                "use at most 32 GPUs per node (more nodes of fewer GPUs), or one node".into()
+            }
             UnknownTopology {
                 suggestion, known, ..
             } => did_you_mean(suggestion).unwrap_or_else(|| {
@@ -1019,6 +1031,11 @@ mod tests {
                 span,
                 topology: text("node"),
             },
+            Error::TooManyGpusPerNode {
+                span,
+                topology: text("node"),
+                gpus_per_node: 64,
+            },
             Error::UnknownTopology {
                 span,
                 name: text("nod"),
@@ -1065,7 +1082,7 @@ mod tests {
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 47;
+    const VARIANTS: usize = 48;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1113,13 +1130,14 @@ mod tests {
             RanksMismatch { .. } => 37,
             VirtualRanksNeedOneGpu { .. } => 38,
             TooManyRanks { .. } => 39,
-            UnknownTopology { .. } => 40,
-            InfeasibleHint { .. } => 41,
-            PlanRefused { .. } => 42,
-            SharedExpertsNotSlices { .. } => 43,
-            TooManySharedSlices { .. } => 44,
-            DurationOutOfRange { .. } => 45,
-            TooManyErrors { .. } => 46,
+            TooManyGpusPerNode { .. } => 40,
+            UnknownTopology { .. } => 41,
+            InfeasibleHint { .. } => 42,
+            PlanRefused { .. } => 43,
+            SharedExpertsNotSlices { .. } => 44,
+            TooManySharedSlices { .. } => 45,
+            DurationOutOfRange { .. } => 46,
+            TooManyErrors { .. } => 47,
         }
     }
 

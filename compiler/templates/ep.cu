@@ -66,20 +66,37 @@ __device__ const int SEND_ORDER[RANKS][RANKS] = { {{ ep.send_order }} };
 // Per destination rank, the sources in the order its GEMM rows take them (itself first).
 __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
 {%- if let Some(network) = ep.network %}
-// Across nodes ({{ network.nodes }} nodes of {{ network.gpus_per_node }} GPUs): a rank reaches its peers on other nodes through
-// NCCL, which the runtime runs on a network stream beside these kernels. What such a peer
-// is sent is staged in this rank's outboxes (net_send_*), each piece followed by a release
-// of its ready flag, which the network stream waits on (cuStreamWaitValue32) before it
-// sends it; what arrives lands where a peer on the node would have stored it, and the
-// network stream releases the same flags (cuStreamWriteValue32). Results for such a peer
-// go into this rank's return outbox (its combine slots in the peer table) and come back
-// into net_returned_x, released per (source, token chunk) in net_return_flags.
-enum : int { NETWORK_PEERS = {{ network.peers }} };
-enum : int { READY_STRIDE = 1 + CHUNKS };                  // per network peer: the metadata's ready flag, then each chunk's
-enum : size_t { MAX_PAIRS = (size_t)MAX_TOKENS * SLOTS_PER_TOKEN };  // result rows per network peer in net_returned_x
-// Per rank, each peer's slot among its network peers in its outboxes and inboxes (-1: the
-// same node, reached through IPC).
-__device__ const int NETWORK_SLOT[RANKS][RANKS] = { {{ network.slots }} };
+// Across nodes ({{ network.nodes }} nodes of {{ network.gpus_per_node }} GPUs; ranks fill nodes in order): a rank reaches its
+// peers on other nodes through NCCL, which the runtime runs on a network stream beside
+// these kernels, and hierarchically: a token's row crosses to each other node it visits
+// once, to the sender's rail peer there (the rank with its local index), which forwards it
+// to the ranks of its node the token visits (the visit mask: a bit per rank of the node)
+// and sums their partials of the token into one node partial, which returns. What leaves
+// is staged in this rank's outboxes (net_send_*), each piece followed by a release of its
+// ready flag, which the network stream waits on (cuStreamWaitValue32) before it sends it;
+// what arrives lands where a peer on the node would have stored it, and the network
+// stream releases the same flags (cuStreamWriteValue32). Rows across nodes sit at their
+// token's index, which the sender, the relay and the destinations all know.
+enum : int { GPUS_PER_NODE = {{ network.gpus_per_node }}, OTHER_NODES = {{ network.nodes }} - 1, NETWORK_PEERS = {{ network.peers }} };
+__device__ __forceinline__ int node_of(int rank) { return rank / GPUS_PER_NODE; }
+// `peer`'s slot among `rank`'s network peers (its receive-index outboxes), -1 on its node.
+__device__ __forceinline__ int network_slot(int rank, int peer) {
+    const int first = node_of(rank) * GPUS_PER_NODE;
+    return peer < first ? peer : peer < first + GPUS_PER_NODE ? -1 : peer - GPUS_PER_NODE;
+}
+// The slot of `peer`'s node among `rank`'s other nodes (the per-node outboxes and inboxes),
+// -1 on its node. Every rank of a node numbers the other nodes alike.
+__device__ __forceinline__ int node_slot(int rank, int peer) {
+    const int mine = node_of(rank), theirs = node_of(peer);
+    return theirs < mine ? theirs : theirs == mine ? -1 : theirs - 1;
+}
+// `rank`'s rail peer on the other node in `slot`: the rank there with its local index.
+__device__ __forceinline__ int rail_peer(int rank, int slot) {
+    return (slot < node_of(rank) ? slot : slot + 1) * GPUS_PER_NODE + rank % GPUS_PER_NODE;
+}
+// net_ready: per network peer the epoch its metadata was staged in, then per other node
+// each token chunk's.
+__device__ __forceinline__ int chunk_ready_index(int slot, int chunk) { return NETWORK_PEERS + slot * CHUNKS + chunk; }
 {%- endif %}
 
 // The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
@@ -158,9 +175,9 @@ __device__ __forceinline__ ReceiveIndexRows receive_index_rows(const u64* peer_t
     // A destination on another node gets this rank's part of its receive index through
     // NCCL: staged in this rank's outbox (reused only once the network stream has sent the
     // last call's, by stream order: no credit), then handed over by a ready flag.
-    const int network_slot = NETWORK_SLOT[rank][destination];
-    if (network_slot >= 0) {
-        const size_t base = (size_t)network_slot * LOCAL_EXPERTS * SEGMENT_ROWS;
+    const int slot = network_slot(rank, destination);
+    if (slot >= 0) {
+        const size_t base = (size_t)slot * LOCAL_EXPERTS * SEGMENT_ROWS;
         rows.slot = net_send_slot + base;
         rows.pair = net_send_pair + base;
         rows.weight = net_send_weight + base;
@@ -180,16 +197,16 @@ __device__ __forceinline__ ReceiveIndexRows receive_index_rows(const u64* peer_t
 // and the flag that hands them over.
 __device__ __forceinline__ int* receive_counts_at(const u64* peer_table, int rank, int destination{% if ep.network.is_some() %}, int* net_send_counts{% endif %}) {
 {%- if ep.network.is_some() %}
-    const int network_slot = NETWORK_SLOT[rank][destination];
-    if (network_slot >= 0) return net_send_counts + network_slot * (LOCAL_EXPERTS + 1);
+    const int slot = network_slot(rank, destination);
+    if (slot >= 0) return net_send_counts + slot * (LOCAL_EXPERTS + 1);
 {%- endif %}
     return peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS) + rank * (LOCAL_EXPERTS + 1);
 }
 
 __device__ __forceinline__ u32* metadata_flag_at(const u64* peer_table, int rank, int destination{% if ep.network.is_some() %}, u32* net_ready{% endif %}) {
 {%- if ep.network.is_some() %}
-    const int network_slot = NETWORK_SLOT[rank][destination];
-    if (network_slot >= 0) return net_ready + network_slot * READY_STRIDE;
+    const int slot = network_slot(rank, destination);
+    if (slot >= 0) return net_ready + slot;
 {%- endif %}
     return peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank;
 }
@@ -263,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
     if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
     for (int destination = threadIdx.x; destination < RANKS; destination += META_THREADS) {
 {%- if ep.network.is_some() %}
-        if (NETWORK_SLOT[rank][destination] >= 0) continue;
+        if (network_slot(rank, destination) >= 0) continue;
 {%- endif %}
         wait_flag(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
     }
@@ -297,6 +314,16 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
                     continue;
                 }
                 const int destination = expert / LOCAL_EXPERTS;
+                destination_of[k] = destination;
+                s_pair_rank[pair] = (unsigned short)atomicAdd(&s_expert_rows[expert], 1);
+{%- if ep.network.is_some() %}
+                // A destination on another node reads the row at its token's index (the
+                // rail peer there forwards it): no slot.
+                if (network_slot(rank, destination) >= 0) {
+                    s_pair_slot[pair] = 0;
+                    continue;
+                }
+{%- endif %}
                 bool first = true;
 #pragma unroll
                 for (int j = 0; j < k; ++j) {
@@ -306,10 +333,21 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
                     }
                 }
                 if (first) slot_of[k] = (u32)atomicAdd(&s_destination_slots[destination], 1) | OWNER_BIT;
-                destination_of[k] = destination;
                 s_pair_slot[pair] = slot_of[k];
-                s_pair_rank[pair] = (unsigned short)atomicAdd(&s_expert_rows[expert], 1);
             }
+{%- if ep.network.is_some() %}
+            // The token's visit mask of each other node (0 where it visits none): the rail
+            // peer there forwards its row and sums its partials by it.
+            for (int slot = 0; slot < OTHER_NODES; ++slot) {
+                u32 visits = 0;
+#pragma unroll
+                for (int k = 0; k < TOP_K; ++k) {
+                    const int destination = destination_of[k];
+                    if (destination >= 0 && node_slot(rank, destination) == slot) visits |= 1u << (destination % GPUS_PER_NODE);
+                }
+                net_send_mask[(size_t)slot * MAX_TOKENS + first_token + t] = visits;
+            }
+{%- endif %}
         }
         __syncthreads();
         // Reserve the tile's rows and slots; lay its pairs out by expert.
@@ -344,8 +382,15 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
             const ReceiveIndexRows index = receive_index_rows(peer_table, rank, destination{% if ep.network.is_some() %}, net_send_slot, net_send_pair, net_send_weight{% endif %});
             const size_t row = (size_t)(expert - destination * LOCAL_EXPERTS) * index.segment_stride +
                                s_expert_base[expert] + (i - s_expert_start[expert]);
+            const int token = first_token + pair / TOP_K;
+{%- if ep.network.is_some() %}
+            index.slot[row] = network_slot(rank, destination) >= 0
+                                  ? token
+                                  : s_destination_base[destination] + (int)(s_pair_slot[pair] & ~OWNER_BIT);
+{%- else %}
             index.slot[row] = s_destination_base[destination] + (int)(s_pair_slot[pair] & ~OWNER_BIT);
-            index.pair[row] = (first_token + pair / TOP_K) * SLOTS_PER_TOKEN + pair % TOP_K;
+{%- endif %}
+            index.pair[row] = token * SLOTS_PER_TOKEN + pair % TOP_K;
             index.weight[row] = topk_weights[(size_t)first_token * TOP_K + pair];
         }
         __syncthreads();  // the next tile reuses the shared arrays
@@ -372,7 +417,13 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
     }
     for (int destination = threadIdx.x; destination < RANKS; destination += META_THREADS) {
         const int slots = (int)atomicExch(destination_slots + destination, 0u);
-        receive_counts_at(peer_table, rank, destination{% if ep.network.is_some() %}, net_send_counts{% endif %})[LOCAL_EXPERTS] = slots;
+{%- if ep.network.is_some() %}
+        // Across nodes the rows sit at their token's index: the destination walks this many.
+        receive_counts_at(peer_table, rank, destination, net_send_counts)[LOCAL_EXPERTS] =
+            network_slot(rank, destination) >= 0 ? tokens : slots;
+{%- else %}
+        receive_counts_at(peer_table, rank, destination)[LOCAL_EXPERTS] = slots;
+{%- endif %}
         send_counts[destination] = slots;
     }
     if (threadIdx.x == 0) metadata_counters[COUNTER_BLOCKS_DONE] = 0;
@@ -394,6 +445,15 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
 // fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
+{%- if let Some(network) = ep.network %}
+// Across nodes, first (the network is the slow path) the rows for each other node, a
+// whole token chunk an item: the chunk's tokens that visit a rank there, each at its
+// token's index in the node's outbox, then the chunk's ready flag, which the network
+// stream waits on before it sends the chunk to the rail peer there. Last, as that relay,
+// the rows the rail peers sent here: once a chunk has arrived (its flag, released by the
+// network stream), its rows go to the other ranks of this node their tokens visit, at the
+// same index of their recv_x, and their flag of the chunk is released.
+{%- endif %}
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.dispatch.name }})
 extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }}(
     {{ ep.dispatch.params }}
@@ -404,30 +464,44 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
     for (int destination = 0; destination < RANKS; ++destination) {
         if (destination != rank) chunks_in_call += (send_counts[destination] + CHUNK - 1) / CHUNK;
     }
+{%- if ep.network.is_some() %}
+    const int token_chunks = (tokens + CHUNK - 1) / CHUNK;
+    chunks_in_call += OTHER_NODES * token_chunks;
+{%- endif %}
     int piece_tokens = CHUNK;
     while ((piece_tokens / MIN_PIECE) % 2 == 0 && chunks_in_call * (CHUNK / piece_tokens) < (int)gridDim.x) {
         piece_tokens /= 2;
     }
     int item = blockIdx.x;
     int items_before = 0;
+{%- if ep.network.is_some() %}
+    for (; item < OTHER_NODES * token_chunks; item += gridDim.x) {
+        const int slot = item / token_chunks, chunk = item % token_chunks;
+        const int first = chunk * CHUNK;
+        const u32* visits = net_send_mask + (size_t)slot * MAX_TOKENS;
+        bf16_t* outbox = net_send_x + (size_t)slot * MAX_TOKENS * HIDDEN;
+        const unsigned vectors = min(CHUNK, tokens - first) * VECTORS;
+        for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
+            const int token = first + i / VECTORS;
+            if (visits[token] == 0) continue;
+            reinterpret_cast<Vec16*>(outbox + (size_t)token * HIDDEN)[i % VECTORS] =
+                reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
+        }
+        __syncthreads();  // the whole chunk is written before it is released
+        if (threadIdx.x == 0) {
+            fence_flags();
+            flag_store(net_ready + chunk_ready_index(slot, chunk), epoch);
+        }
+    }
+    items_before = OTHER_NODES * token_chunks;
+{%- endif %}
     for (int step = 0; step < RANKS; ++step) {
         const int destination = SEND_ORDER[rank][step];
         if (destination == rank) continue;
         const int sent = send_counts[destination];
         const int pieces = (sent + piece_tokens - 1) / piece_tokens;
-{%- if ep.network.is_some() %}
-        // Rows for a peer on another node are staged in this rank's outbox, and each chunk's
-        // "flag" is its ready flag, which the network stream waits on before sending it.
-        const int network_slot = NETWORK_SLOT[rank][destination];
-        bf16_t* recv_x = network_slot >= 0
-                             ? net_send_x + (size_t)network_slot * SLOTS * HIDDEN
-                             : peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
-        u32* chunk_flags = network_slot >= 0 ? net_ready + network_slot * READY_STRIDE + 1
-                                             : peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
-{%- else %}
         bf16_t* recv_x = peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) + (size_t)rank * SLOTS * HIDDEN;
         u32* chunk_flags = peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS;
-{%- endif %}
         u32* pieces_done = chunk_pieces + destination * CHUNKS;
         const int* slot_token = send_slots + destination * MAX_TOKENS;
         for (; item < items_before + pieces; item += gridDim.x) {
@@ -467,20 +541,59 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
         }
         items_before += pieces;
     }
-{%- if ep.network.is_some() %}
+{%- if let Some(network) = ep.network %}
     // The network stream sends every chunk below the call's tokens bound (NCCL's counts are
     // fixed on the host, not by this call's routing): the chunks this call leaves empty are
-    // ready at once.
+    // ready at once, before any block waits for a relayed chunk (whose step may wait on them).
     if (blockIdx.x == 0) {
-        for (int destination = 0; destination < RANKS; ++destination) {
-            const int network_slot = NETWORK_SLOT[rank][destination];
-            if (network_slot < 0) continue;
-            const int first_empty = (send_counts[destination] + CHUNK - 1) / CHUNK;
-            for (int chunk = first_empty + threadIdx.x; chunk < CHUNKS; chunk += COMM_THREADS) {
-                flag_store(net_ready + network_slot * READY_STRIDE + 1 + chunk, epoch);
-            }
+        const int empty = CHUNKS - token_chunks;
+        for (int i = threadIdx.x; i < OTHER_NODES * empty; i += COMM_THREADS) {
+            flag_store(net_ready + chunk_ready_index(i / empty, token_chunks + i % empty), epoch);
         }
     }
+{%- if network.gpus_per_node > 1 %}
+    // Relay. Each rail peer's metadata first: how many tokens it has, and their visit masks.
+    const int local = rank % GPUS_PER_NODE, node_first = rank - local;
+    for (int slot = threadIdx.x; slot < OTHER_NODES; slot += COMM_THREADS) {
+        const int source = rail_peer(rank, slot);
+        wait_flag(meta_flags + source, epoch, error_word, rank, FLAG_KIND_META, source);
+    }
+    __syncthreads();
+    const auto rail_tokens = [&](int slot) {
+        return min(__ldcg(recv_counts + rail_peer(rank, slot) * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS), MAX_TOKENS);
+    };
+    int relayed_chunks = 0;
+    for (int slot = 0; slot < OTHER_NODES; ++slot) relayed_chunks += (rail_tokens(slot) + CHUNK - 1) / CHUNK;
+    const bf16_t* arrived = peer_buffer<bf16_t>(peer_table, rank, PEER_RECV_X);
+    for (; item < items_before + relayed_chunks; item += gridDim.x) {
+        int slot = 0, chunk = item - items_before;
+        for (int chunks; chunk >= (chunks = (rail_tokens(slot) + CHUNK - 1) / CHUNK); ++slot) chunk -= chunks;
+        const int source = rail_peer(rank, slot), first = chunk * CHUNK;
+        if (threadIdx.x == 0) {
+            wait_flag(chunk_flags + source * CHUNKS + chunk, epoch, error_word, rank, FLAG_KIND_CHUNK,
+                      source * CHUNKS + chunk);
+        }
+        __syncthreads();
+        const u32* visits = recv_mask + (size_t)slot * MAX_TOKENS;
+        const unsigned vectors = min(CHUNK, rail_tokens(slot) - first) * VECTORS;
+        for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
+            const int token = first + i / VECTORS;
+            u32 others = visits[token] & ~(1u << local);
+            if (others == 0) continue;
+            const size_t row = (size_t)source * SLOTS + token;
+            const Vec16 value = reinterpret_cast<const Vec16*>(arrived + row * HIDDEN)[i % VECTORS];
+            for (; others != 0; others &= others - 1) {
+                const int to = node_first + __ffs(others) - 1;
+                reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, to, PEER_RECV_X) + row * HIDDEN)[i % VECTORS] = value;
+            }
+        }
+        __syncthreads();  // the chunk's rows are forwarded before its flags are released
+        if (threadIdx.x < GPUS_PER_NODE && threadIdx.x != local) {
+            fence_flags();
+            flag_store(peer_buffer<u32>(peer_table, node_first + threadIdx.x, PEER_CHUNK_FLAGS) + source * CHUNKS + chunk, epoch);
+        }
+    }
+{%- endif %}
 {%- endif %}
 }
 #endif
@@ -576,7 +689,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
     for (int source = threadIdx.x; source < RANKS; source += META_THREADS) {
 {%- if ep.network.is_some() %}
         // A source on another node wrote nothing here: NCCL did, in this rank's stream order.
-        if (NETWORK_SLOT[rank][source] >= 0) continue;
+        if (network_slot(rank, source) >= 0) continue;
 {%- endif %}
         fence_flags();
         flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
@@ -627,7 +740,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
             const int source = s_release_source[lane][thread];
 {%- if ep.network.is_some() %}
             // A network origin counts nothing here: its partials leave together, below.
-            if (NETWORK_SLOT[rank][source] < 0) {
+            if (network_slot(rank, source) < 0) {
 {%- else %}
             {
 {%- endif %}
@@ -655,10 +768,13 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
         }
         if (token < 0) continue;  // an own token with no expert here (the same for the whole lane)
 {%- if ep.network.is_some() %}
-        // A network origin's partial goes to this rank's return outbox, its slot there.
-        const int network_slot = NETWORK_SLOT[rank][source];
-        bf16_t* partial = network_slot >= 0
-                              ? net_return_x + ((size_t)network_slot * MAX_TOKENS + token) * HIDDEN
+        // A network origin's partial goes to the relay of its rail on this node (the rank with
+        // its local index), which sums the node's partials of the token.
+        const int origin_slot = node_slot(rank, source);
+        bf16_t* partial = origin_slot >= 0
+                              ? peer_buffer<bf16_t>(peer_table, node_of(rank) * GPUS_PER_NODE + source % GPUS_PER_NODE,
+                                                    PEER_NODE_PARTIALS) +
+                                    (((size_t)origin_slot * GPUS_PER_NODE + rank % GPUS_PER_NODE) * MAX_TOKENS + token) * HIDDEN
                               : peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
                                     ((size_t)token * RANKS + rank) * HIDDEN;
 {%- else %}
@@ -678,14 +794,50 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
     release_pending(pending);
 {%- if ep.network.is_some() %}
     // Every lane's partials for network origins are stored (release_pending ended on the
-    // lane's barrier): the last lane of the grid releases them to the network stream,
-    // which waits for net_partials_ready[1] before it sends them.
+    // lane's barrier): the last lane of the grid tells each relay of this node so.
+    const int local = rank % GPUS_PER_NODE, node_first = rank - local;
     if (thread == 0) {
         fence_flags();
         if (atomicAdd(net_partials_ready, 1u) == gridDim.x * COMBINE_LANES - 1) {
             net_partials_ready[0] = 0;
             fence_flags();
-            flag_store(net_partials_ready + 1, epoch);
+            for (int relay = node_first; relay < node_first + GPUS_PER_NODE; ++relay) {
+                flag_store(peer_buffer<u32>(peer_table, relay, PEER_NODE_PARTIALS_READY) + local, epoch);
+            }
+        }
+    }
+    // As the relay of the rail peers' tokens: once every rank of this node has stored its
+    // partials here, each token's node partial is the sum of its visited ranks' (in rank
+    // order: deterministic), into the return outbox. The grid's last lane then releases
+    // them to the network stream, which waits for net_partials_ready[2] before it sends.
+    if (thread == 0) {
+        for (int b = 0; b < GPUS_PER_NODE; ++b) {
+            wait_flag(node_partials_ready + b, epoch, error_word, rank, FLAG_KIND_NODE_PARTIALS, node_first + b);
+        }
+    }
+    lane_sync(lane);
+    int relayed = 0;
+    for (int slot = 0; slot < OTHER_NODES; ++slot) relayed += received_tokens[rail_peer(rank, slot)];
+    for (int item = first_item; item < relayed; item += item_stride) {
+        int slot = 0, token = item;
+        while (token >= received_tokens[rail_peer(rank, slot)]) token -= received_tokens[rail_peer(rank, slot++)];
+        const u32 visits = recv_mask[(size_t)slot * MAX_TOKENS + token];
+        if (visits == 0) continue;  // the token visits no rank here (the same for the whole lane)
+        const bf16_t* rows[GPUS_PER_NODE];
+#pragma unroll
+        for (int b = 0; b < GPUS_PER_NODE; ++b) {
+            rows[b] = visits >> b & 1u ? node_partials + (((size_t)slot * GPUS_PER_NODE + b) * MAX_TOKENS + token) * HIDDEN
+                                       : nullptr;
+        }
+        combine_rows<GPUS_PER_NODE>(rows, net_return_x + ((size_t)slot * MAX_TOKENS + token) * HIDDEN, thread);
+    }
+    lane_sync(lane);  // every thread's node partials are stored before the lane counts itself
+    if (thread == 0) {
+        fence_flags();
+        if (atomicAdd(net_partials_ready + 1, 1u) == gridDim.x * COMBINE_LANES - 1) {
+            net_partials_ready[1] = 0;
+            fence_flags();
+            flag_store(net_partials_ready + 2, epoch);
         }
     }
 {%- endif %}
@@ -694,34 +846,35 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
 {%- endif %}
     for (int token = first_item; token < tokens; token += item_stride) {
 {%- if ep.network.is_some() %}
-        // One partial per rank the token visited: at its first pair there (a rank's later
-        // pairs are in that partial), and this rank's for the shared slices in the last
-        // slot when no pair chose it; summed in that order (fixed by the token's choices;
-        // ranks can be many here, so no per-rank array). A partial from a rank on another
-        // node comes back through NCCL into net_returned_x (that rank's slot), released
-        // per (source, token chunk); the counter counts the partials of this node's ranks.
-        int source_of[TOP_K];  // the rank of each pair, -1 where it is not combined
+        // One partial per rank of this node the token visited and one per other node: at
+        // its first pair there (later pairs are in that partial), and this rank's for the
+        // shared slices in the last slot when no pair chose it; summed in that order (fixed
+        // by the token's choices; ranks can be many here, so no per-rank array). Another
+        // node's comes back through NCCL into net_returned_x (that node's slot), released
+        // per (node, token chunk); the counter counts the partials of this node's ranks.
+        int source_of[TOP_K];     // the rank of each pair, -1 where it is not combined
+        int node_slot_of[TOP_K];  // the other node of each pair's rank, -1 for this node's
 #pragma unroll
         for (int k = 0; k < TOP_K; ++k) {
             source_of[k] = pair_combined(topk_ids, token, k) ? topk_ids[token * TOP_K + k] / LOCAL_EXPERTS : -1;
+            node_slot_of[k] = source_of[k] >= 0 ? node_slot(rank, source_of[k]) : -1;
         }
         const bf16_t* rows[TOP_K + 1];
-        int network_slot_of[TOP_K];  // where a partial from another node lands, -1 for none
+        int returned_slot[TOP_K];  // where a first pair's node partial lands, -1 for none
         bool own_visited = false;
         u32 counted = 0;
 #pragma unroll
         for (int k = 0; k < TOP_K; ++k) {
-            const int source = source_of[k];
+            const int source = source_of[k], slot = node_slot_of[k];
             bool first = source >= 0;
 #pragma unroll
-            for (int j = 0; j < k; ++j) first = first && source_of[j] != source;
-            const int network_slot = first ? NETWORK_SLOT[rank][source] : -1;
-            rows[k] = !first             ? nullptr
-                      : network_slot >= 0 ? net_returned_x + ((size_t)network_slot * MAX_TOKENS + token) * HIDDEN
-                                          : combine_slots + ((size_t)token * RANKS + source) * HIDDEN;
-            network_slot_of[k] = network_slot;
+            for (int j = 0; j < k; ++j) first = first && (slot >= 0 ? node_slot_of[j] != slot : source_of[j] != source);
+            rows[k] = !first    ? nullptr
+                      : slot >= 0 ? net_returned_x + ((size_t)slot * MAX_TOKENS + token) * HIDDEN
+                                  : combine_slots + ((size_t)token * RANKS + source) * HIDDEN;
+            returned_slot[k] = first ? slot : -1;
             own_visited = own_visited || (first && source == rank);
-            counted += first && network_slot < 0;
+            counted += first && slot < 0;
         }
         rows[TOP_K] = SHARED_SLICES > 0 && !own_visited ? combine_slots + ((size_t)token * RANKS + rank) * HIDDEN : nullptr;
         counted += rows[TOP_K] != nullptr;
@@ -732,9 +885,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
             const int chunk = token / CHUNK;
 #pragma unroll
             for (int k = 0; k < TOP_K; ++k) {
-                if (network_slot_of[k] < 0) continue;
-                wait_flag(net_return_flags + network_slot_of[k] * CHUNKS + chunk, epoch, error_word, rank,
-                          FLAG_KIND_RETURN, source_of[k] * CHUNKS + chunk);
+                if (returned_slot[k] < 0) continue;
+                wait_flag(net_return_flags + returned_slot[k] * CHUNKS + chunk, epoch, error_word, rank,
+                          FLAG_KIND_RETURN, rail_peer(rank, returned_slot[k]) * CHUNKS + chunk);
             }
         }
         lane_sync(lane);

@@ -376,6 +376,7 @@ enum : long long { SPIN_LIMIT_CYCLES = 4000000000LL };
 enum : int { ERROR_FLAG_TIMEOUT = 2 };
 enum : int { FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3 };
 enum : int { FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5, FLAG_KIND_EXPERT_ROWS = 6 };
+enum : int { FLAG_KIND_NODE_PARTIALS = 7 };
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -1580,6 +1581,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
                     continue;
                 }
                 const int destination = expert / LOCAL_EXPERTS;
+                destination_of[k] = destination;
+                s_pair_rank[pair] = (unsigned short)atomicAdd(&s_expert_rows[expert], 1);
                 bool first = true;
 #pragma unroll
                 for (int j = 0; j < k; ++j) {
@@ -1589,9 +1592,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
                     }
                 }
                 if (first) slot_of[k] = (u32)atomicAdd(&s_destination_slots[destination], 1) | OWNER_BIT;
-                destination_of[k] = destination;
                 s_pair_slot[pair] = slot_of[k];
-                s_pair_rank[pair] = (unsigned short)atomicAdd(&s_expert_rows[expert], 1);
             }
         }
         __syncthreads();
@@ -1627,8 +1628,9 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_ep_route(
             const ReceiveIndexRows index = receive_index_rows(peer_table, rank, destination);
             const size_t row = (size_t)(expert - destination * LOCAL_EXPERTS) * index.segment_stride +
                                s_expert_base[expert] + (i - s_expert_start[expert]);
+            const int token = first_token + pair / TOP_K;
             index.slot[row] = s_destination_base[destination] + (int)(s_pair_slot[pair] & ~OWNER_BIT);
-            index.pair[row] = (first_token + pair / TOP_K) * SLOTS_PER_TOKEN + pair % TOP_K;
+            index.pair[row] = token * SLOTS_PER_TOKEN + pair % TOP_K;
             index.weight[row] = topk_weights[(size_t)first_token * TOP_K + pair];
         }
         __syncthreads();  // the next tile reuses the shared arrays

@@ -823,13 +823,14 @@ impl EpLayer {
                 self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
             }
         }
-        barrier(&comm, &compute)?;
-        // Emulated nodes: the network's dispatch steps are part of the dispatch stage.
+        // Emulated nodes: the network's dispatch steps are part of the dispatch stage, beside
+        // the dispatch kernels (each waits on the flags those release, and a relay's kernel
+        // forwards what they bring).
         if let Some((loopback, stream)) = loopback {
-            barrier(&comm, stream)?;
             loopback.enqueue_dispatch(self.epoch, self.tokens_bound)?;
             barrier(stream, &compute)?;
         }
+        barrier(&comm, &compute)?;
         mark(marks, 3, &compute[0])?;
         for (r, a) in calls.iter().enumerate() {
             let regime = &self.ep.regimes[regimes[r]];

@@ -582,15 +582,17 @@ mod tests {
                     assert!(filled.insert(destination), "{:?}", step.kind);
                 }
                 // One 2D copy per (rank, peer, receive-index array) in the metadata step:
-                // each array's segments per local expert, and the counts.
+                // each array's segments per local expert, and the counts; and per rank the
+                // visit masks for its one rail peer.
                 if step.kind == StepKind::Metadata && bound > 0 {
                     let pairs = 4 * 2;
-                    assert_eq!(step.copies.len(), pairs * 4, "{:?}", step.copies);
+                    assert_eq!(step.copies.len(), pairs * 4 + 4, "{:?}", step.copies);
                 }
             }
         }
-        // Dispatch chunk 1 of a full call: rank 0's rows for rank 2 (its network slot 0)
-        // land in rank 2's receive buffer at source 0's slots 16..32.
+        // Dispatch chunk 1 of a full call: rank 0's rows for node 1 (its node slot 0), tokens
+        // 16..32, land in its rail peer's (rank 2's) receive buffer at source 0's slots
+        // 16..32.
         let steps = resolve_call(ep, network, &plan.shape, &buffers, 512).expect("pairs");
         let chunk = steps
             .iter()

@@ -256,9 +256,10 @@ pub fn run(args: &Args) -> ExitCode {
 }
 
 /// What the kernels as built move across nodes at `tokens` per rank, where the plan spans
-/// nodes: every network peer its NCCL slices of the tokens bound (the rows and partials of
-/// that many tokens, whatever the routing), which bounds the call from below by the time
-/// the network port takes; the topology-aware schedule above is the design.
+/// nodes: NCCL slices of the tokens bound (the receive index to every network peer, the
+/// rows and node partials of that many tokens to each rail peer, whatever the routing),
+/// which bound the call from below by the time the network port takes; the topology-aware
+/// schedule above is the design.
 fn as_built_across_nodes(plan: &plan::Plan, tokens: u32) -> Option<String> {
     let ep = plan.expert_parallel.as_ref()?;
     // Emulated nodes have no network port: their steps are copies on one GPU.
@@ -266,16 +267,17 @@ fn as_built_across_nodes(plan: &plan::Plan, tokens: u32) -> Option<String> {
         .network
         .as_ref()
         .filter(|n| n.transport == NetworkTransport::Nccl)?;
-    let per_peer = network.bytes_per_peer(ep, &plan.shape, tokens);
-    let per_rank = per_peer * u64::from(network.peers_per_rank);
+    let per_rank = network.bytes_per_call(ep, &plan.shape, tokens);
     Some(format!(
-        "as built (a floor, not simulated): {} network peers x {:.2} MB each way per call (NCCL slices of a tokens bound of {tokens}: the rows, receive index and rank partials of so many tokens, whatever the routing) = {:.1} us of each rank's network port at {:.0} GB/s; the topology-aware schedule is the design across nodes (one transfer per remote node, GEMM2 with GEMM1), not built yet",
+        "as built (a floor, not simulated): {:.2} MB each way per call and rank (NCCL slices of a tokens bound of {tokens}: the receive index to {} network peers, the rows and node partials of so many tokens to {} rail peers, whatever the routing) = {:.1} us of each rank's network port at {:.0} GB/s; the topology-aware schedule is the design across nodes",
+        per_rank as f64 / 1e6,
         network.peers_per_rank,
-        per_peer as f64 / 1e6,
+        network.other_nodes(),
         per_rank as f64 / network.bandwidth_bytes_per_s.max(1) as f64 * 1e6,
         network.bandwidth_bytes_per_s as f64 / 1e9
     ))
 }
+
 /// Every cell of a bench result beside the prediction, with the error.
 fn print_comparison(
     plan: &plan::Plan,

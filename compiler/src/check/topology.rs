@@ -7,6 +7,10 @@ use crate::front::ast::Item;
 use crate::ir;
 
 /// The keys of a `topology` item.
+/// GPUs per node when ranks span nodes: the kernels mark the ranks of a node a token
+/// visits as bits of one u32 (its visit mask).
+pub const MAX_GPUS_PER_NODE_ACROSS_NODES: u32 = 32;
+
 pub const TOPOLOGY: Schema = Schema {
     home: "a `topology` item",
     settings: &[
@@ -73,6 +77,17 @@ pub fn check_topology(
         errors.push(Error::TooManyRanks {
             span: item.name.span,
             topology: item.name.text.clone(),
+        });
+        return None;
+    }
+    if nodes > 1 && gpus_per_node > MAX_GPUS_PER_NODE_ACROSS_NODES {
+        let span = table
+            .setting("gpus_per_node")
+            .map_or(item.name.span, |setting| setting.span);
+        errors.push(Error::TooManyGpusPerNode {
+            span,
+            topology: item.name.text.clone(),
+            gpus_per_node,
         });
         return None;
     }

@@ -104,6 +104,7 @@ struct LayerUnit<'a> {
     flag_kind_credit: i32,
     flag_kind_return: i32,
     flag_kind_expert_rows: i32,
+    flag_kind_node_partials: i32,
     /// Whether any regime runs its smallest calls as one fused kernel.
     fused_decode: bool,
     /// Distinct wgmma widths the plan uses (a stage's B rows: one wgmma spans them),
@@ -343,14 +344,28 @@ const EP_ROUTE_NETWORK_USES: &[&str] = &[
     "net_send_pair",
     "net_send_weight",
     "net_send_counts",
+    "net_send_mask",
     "net_ready",
 ];
-const EP_DISPATCH_NETWORK_USES: &[&str] = &["net_send_x", "net_ready"];
+const EP_DISPATCH_NETWORK_USES: &[&str] = &[
+    "tokens",
+    "net_send_mask",
+    "net_send_x",
+    "net_ready",
+    "meta_flags",
+    "recv_counts",
+    "recv_mask",
+    "chunk_flags",
+    "error_word",
+];
 const EP_COMBINE_NETWORK_USES: &[&str] = &[
     "net_return_x",
     "net_returned_x",
     "net_return_flags",
     "net_partials_ready",
+    "recv_mask",
+    "node_partials",
+    "node_partials_ready",
 ];
 /// What GEMM2 uses where results return as rank partials: its rows stay here.
 const EP_GEMM_DOWN_PARTIALS_USES: &[&str] = &[
@@ -466,22 +481,36 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             }
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
-            BufferId::NetSendX => "[NETWORK_PEERS * SLOTS, HIDDEN]: rows staged for NCCL",
+            BufferId::NetSendX => {
+                "[OTHER_NODES * MAX_TOKENS, HIDDEN]: rows staged for each other node, at their token's index"
+            }
+            BufferId::NetSendMask => {
+                "[OTHER_NODES, MAX_TOKENS]: per other node, the ranks there each token visits (staged)"
+            }
+            BufferId::RecvMask => {
+                "[OTHER_NODES, MAX_TOKENS]: per rail peer, the ranks of this node each of its tokens visits"
+            }
+            BufferId::NodePartials => {
+                "[OTHER_NODES * GPUS_PER_NODE * MAX_TOKENS, HIDDEN], written by this node's ranks: partials to sum"
+            }
+            BufferId::NodePartialsReady => {
+                "[GPUS_PER_NODE], written by this node's ranks: epoch their partials were stored in"
+            }
             BufferId::NetSendSlot | BufferId::NetSendPair | BufferId::NetSendWeight => {
                 "[NETWORK_PEERS, LOCAL_EXPERTS, SEGMENT_ROWS]: receive index staged for NCCL"
             }
             BufferId::NetSendCounts => "[NETWORK_PEERS, LOCAL_EXPERTS + 1]: counts staged for NCCL",
             BufferId::NetReady => {
-                "[NETWORK_PEERS, 1 + CHUNKS]: epoch the metadata and each chunk were staged in"
+                "[NETWORK_PEERS + OTHER_NODES * CHUNKS]: epoch each peer's metadata, each node's chunk was staged in"
             }
             BufferId::NetReturnX | BufferId::NetReturnedX => {
-                "[NETWORK_PEERS * MAX_TOKENS, HIDDEN]: rank partials for / from network peers"
+                "[OTHER_NODES * MAX_TOKENS, HIDDEN]: node partials for rail peers / from other nodes"
             }
             BufferId::NetPartialsReady => {
-                "[2]: combine lanes done with the partials, then the epoch they were all stored in"
+                "[3]: combine lanes done storing, done summing partials, then the epoch of the last"
             }
             BufferId::NetReturnFlags => {
-                "[NETWORK_PEERS, CHUNKS], written by NCCL's stream: results arrived"
+                "[OTHER_NODES, CHUNKS], written by NCCL's stream: results arrived"
             }
         },
     }
@@ -1174,20 +1203,13 @@ struct NetworkUnit {
     nodes: u32,
     gpus_per_node: u32,
     peers: u32,
-    /// Per rank, each peer's network slot (-1 on its node), as a C initializer.
-    slots: String,
 }
 
-fn network_unit(ep: &ExpertParallelPlan, network: &NetworkPlan) -> NetworkUnit {
-    let slots =
-        c_table((0..ep.ranks).map(|rank| {
-            (0..ep.ranks).map(move |peer| network.slot(rank, peer).map_or(-1, i64::from))
-        }));
+fn network_unit(network: &NetworkPlan) -> NetworkUnit {
     NetworkUnit {
         nodes: network.nodes,
         gpus_per_node: network.gpus_per_node,
         peers: network.peers_per_rank,
-        slots,
     }
 }
 
@@ -1268,7 +1290,7 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
                 rank_partials(plan),
             ),
         )?,
-        network: ep.network.as_ref().map(|network| network_unit(ep, network)),
+        network: ep.network.as_ref().map(network_unit),
     })
 }
 
@@ -1339,6 +1361,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_credit: error_code::flag_kind::CREDIT,
         flag_kind_return: error_code::flag_kind::RETURN,
         flag_kind_expert_rows: error_code::flag_kind::EXPERT_ROWS,
+        flag_kind_node_partials: error_code::flag_kind::NODE_PARTIALS,
         fused_decode: plan.regimes.iter().any(|r| r.fused_decode.is_some()),
         wgmma_widths: wgmma_widths(plan),
         warp_specialized: all_gemms(plan).any(|(g, _)| g.engine == MmaEngine::WgmmaWarpSpecialized)

@@ -319,6 +319,11 @@ fn describe_network(
         network.bandwidth_bytes_per_s as f64 / 1e9,
         network.latency_ns as f64 / 1e3
     );
+    let _ = writeln!(
+        out,
+        "    network routes     hierarchical: a token crosses to each other node it visits once, to its rail peer there (the rank with the sender's local index, one of {} per rank), which forwards the row to the ranks of its node the token visits ({link_peers}, in its dispatch kernel, then releases their chunk flags) and sums their partials of it (in its combine, once each rank of its node stored them there): one node partial per (token, node) returns. Only the receive index goes to every network peer directly",
+        network.other_nodes()
+    );
     // The bounds a reader compares: one token, each regime's largest call, max_tokens.
     let mut bounds: Vec<u32> = std::iter::once(1)
         .chain(ep.regimes.iter().map(|r| r.max_tokens))
@@ -329,19 +334,19 @@ fn describe_network(
         .map(|&b| {
             format!(
                 "{} at {b}",
-                decimal_bytes(network.bytes_per_peer(ep, shape, b))
+                decimal_bytes(network.bytes_per_call(ep, shape, b))
             )
         })
         .collect::<Vec<_>>()
         .join(", ");
     let _ = writeln!(
         out,
-        "    network steps      per call, in this order on every rank: 1 metadata group, a dispatch group per chunk of {} token slots ({chunk_bytes} B) per network peer up to the call's tokens bound (at most {}), then as many return groups (the rank partials of {} origin tokens each, once the combine's first pass stored them). The tokens bound is the most tokens any rank passes in the call, agreed on the host beforehand (EpLayer::bound_tokens; max_tokens until the ranks agree on one): NCCL's counts come from it, not from the routing, so no call overflows them and none is read back. Bytes to each network peer per call by bound: {moved}",
+        "    network steps      per call, in this order on every rank: 1 metadata group (the receive index to every network peer, the visit masks to the rail peers), a dispatch group per chunk of {} tokens ({chunk_bytes} B) per rail peer up to the call's tokens bound (at most {}), then as many return groups (the node partials of {} origin tokens each, once the relay's combine summed them). The tokens bound is the most tokens any rank passes in the call, agreed on the host beforehand (EpLayer::bound_tokens; max_tokens until the ranks agree on one): NCCL's counts come from it, not from the routing, so no call overflows them and none is read back. Bytes a rank sends per call by bound: {moved}",
         network.chunk_tokens, network.chunks, network.chunk_tokens,
     );
     let _ = writeln!(
         out,
-        "    network stream     before a group, cuStreamWaitValue32 on the flags the kernels released for it (ep_route's / ep_dispatch's staging for each peer; before results, net_partials_ready, which the combine's last lane releases once its first pass stored every network origin's partials in this rank's return outbox); after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, chunk flag (source, c), return flag (source, c))"
+        "    network stream     before a group, cuStreamWaitValue32 on the flags the kernels released for it (ep_route's staging for each peer, ep_dispatch's for each other node; before results, net_partials_ready, which the combine's last lane releases once it summed every rail origin's node partials into this rank's return outbox); after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, chunk flag (rail source, c), return flag (node, c))"
     );
     let _ = match network.transport {
         NetworkTransport::Nccl => writeln!(

@@ -277,7 +277,7 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 13] = [
+pub const EXCHANGE_STATE: [BufferId; 14] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
@@ -289,6 +289,7 @@ pub const EXCHANGE_STATE: [BufferId; 13] = [
     BufferId::NetReady,
     BufferId::NetReturnFlags,
     BufferId::NetPartialsReady,
+    BufferId::NodePartialsReady,
     BufferId::ReceivedPairRows,
     BufferId::RankFusedCounters,
 ];
@@ -306,6 +307,18 @@ pub const PEER_BUFFERS: [BufferId; 10] = [
     BufferId::CombineCounters,
     BufferId::Credits,
 ];
+
+/// The buffers peers of this node write across nodes too: the relays' inboxes of the
+/// node's partials.
+const NODE_PEER_BUFFERS: [BufferId; 2] = [BufferId::NodePartials, BufferId::NodePartialsReady];
+
+/// The peer table's buffers, with the relays' when ranks span nodes.
+fn peer_buffers(over_network: bool) -> Vec<BufferId> {
+    PEER_BUFFERS
+        .into_iter()
+        .chain(NODE_PEER_BUFFERS.into_iter().filter(|_| over_network))
+        .collect()
+}
 
 /// Rank partials a combine block stores before it releases them, a thread each: their
 /// system-scope fences then wait together rather than one after another.
@@ -669,6 +682,7 @@ pub fn plan_expert_parallel(
         arrange_kernel,
         combine_kernel,
     ] = kernels;
+    let peer_buffers = peer_buffers(network.is_some());
     Ok(Some(ExpertParallelPlan {
         ranks,
         placement,
@@ -697,7 +711,7 @@ pub fn plan_expert_parallel(
             .chain(router_buffers)
             .collect(),
         network,
-        peer_buffers: PEER_BUFFERS.to_vec(),
+        peer_buffers,
         metadata_tile_tokens: sizes.metadata_tile_tokens,
         route_kernel,
         dispatch_kernel,
@@ -879,12 +893,14 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
     }
     if let Some(network) = network {
         let peers = u64::from(network.peers_per_rank);
-        let results = peers * max_tokens * u64::from(shape.hidden);
+        let nodes = u64::from(network.other_nodes());
+        let hidden = u64::from(shape.hidden);
+        let node_rows = nodes * max_tokens * hidden;
         buffers.extend([
             buffer(
                 BufferId::NetSendX,
-                peers * slots * u64::from(shape.hidden),
-                "per network peer, the token rows staged for it",
+                node_rows,
+                "per other node, the rows of this rank's tokens visiting it, at their token's index (staged)",
             ),
             buffer(
                 BufferId::NetSendSlot,
@@ -904,32 +920,52 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
             buffer(
                 BufferId::NetSendCounts,
                 peers * (local + 1),
-                "per network peer, pairs per local expert of its, then tokens sent (staged)",
+                "per network peer, pairs per local expert of its, then this rank's tokens (staged)",
+            ),
+            buffer(
+                BufferId::NetSendMask,
+                nodes * max_tokens,
+                "per other node and token, the ranks there it visits (staged for the rail peer)",
+            ),
+            buffer(
+                BufferId::RecvMask,
+                nodes * max_tokens,
+                "per rail peer and token of its, the ranks of this node it visits",
             ),
             buffer(
                 BufferId::NetReady,
-                peers * network.ready_stride(),
-                "per network peer, the epoch its metadata and each chunk were staged in",
+                network.ready_flags(),
+                "per network peer the epoch its metadata was staged in, per other node each chunk's",
+            ),
+            buffer(
+                BufferId::NodePartials,
+                nodes * u64::from(network.gpus_per_node) * max_tokens * hidden,
+                "per rail peer and rank of this node, that rank's partial row of each of the rail peer's tokens",
+            ),
+            buffer(
+                BufferId::NodePartialsReady,
+                u64::from(network.gpus_per_node),
+                "per rank of this node, the epoch it stored its partials here in",
             ),
             buffer(
                 BufferId::NetReturnX,
-                results,
-                "per network peer, the partial row of each of its tokens here",
+                node_rows,
+                "per rail peer, this node's partial row of each of its tokens",
             ),
             buffer(
                 BufferId::NetReturnedX,
-                results,
-                "per network peer, its partial row of each of this rank's tokens",
+                node_rows,
+                "per other node, its partial row of each of this rank's tokens",
             ),
             buffer(
                 BufferId::NetReturnFlags,
-                peers * u64::from(sizes.chunks),
-                "per network peer and token chunk, the epoch its results arrived in",
+                nodes * u64::from(sizes.chunks),
+                "per other node and token chunk, the epoch its results arrived in",
             ),
             buffer(
                 BufferId::NetPartialsReady,
-                2,
-                "combine lanes done with the partials for network origins, then the epoch of the last",
+                3,
+                "combine lanes done storing rank partials and summing node partials, then the epoch of the last",
             ),
         ]);
     }
@@ -1274,6 +1310,7 @@ fn launch_table(
                     write(Workspace(NetSendPair)),
                     write(Workspace(NetSendWeight)),
                     write(Workspace(NetSendCounts)),
+                    write(Workspace(NetSendMask)),
                     write(Workspace(NetReady)),
                 ],
             ))
@@ -1298,7 +1335,17 @@ fn launch_table(
             .into_iter()
             .chain(params_if(
                 over_network,
-                vec![write(Workspace(NetSendX)), write(Workspace(NetReady))],
+                vec![
+                    read(Tokens),
+                    read(Workspace(NetSendMask)),
+                    write(Workspace(NetSendX)),
+                    write(Workspace(NetReady)),
+                    shared(Workspace(MetaFlags)),
+                    shared(Workspace(RecvCounts)),
+                    shared(Workspace(RecvMask)),
+                    shared(Workspace(ChunkFlags)),
+                    write(Workspace(ErrorWord)),
+                ],
             ))
             .collect(),
         ),
@@ -1422,6 +1469,9 @@ fn launch_table(
                     shared(Workspace(NetReturnedX)),
                     shared(Workspace(NetReturnFlags)),
                     write(Workspace(NetPartialsReady)),
+                    shared(Workspace(RecvMask)),
+                    shared(Workspace(NodePartials)),
+                    shared(Workspace(NodePartialsReady)),
                 ],
             ))
             .chain(params_if(

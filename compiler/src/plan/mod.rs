@@ -360,8 +360,10 @@ pub enum BufferId {
     Credits,
     /// u64 [R · peer buffers]: every rank's addresses of the buffers peers write.
     PeerTable,
-    // Expert parallelism across nodes (per rank; P = the rank's peers on other nodes).
-    /// bf16 [P · slots · H]: per network peer, the token rows staged for it (NCCL sends them).
+    // Expert parallelism across nodes (per rank; P = the rank's peers on other nodes, N =
+    // the other nodes, one rail peer on each, G = GPUs per node).
+    /// bf16 [N · max_tokens · H]: per other node, the rows of this rank's tokens visiting it,
+    /// each at its token's index (NCCL sends them to the rail peer there).
     NetSendX,
     /// i32 [P · E/R · rows per segment]: per network peer and local expert of its, each
     /// pair's slot, staged as `RecvSlot` would hold it there.
@@ -370,24 +372,37 @@ pub enum BufferId {
     NetSendPair,
     /// f32, as `NetSendSlot`: each pair's routing weight.
     NetSendWeight,
-    /// i32 [P, E/R + 1]: per network peer, pairs per local expert of its, then tokens sent.
+    /// i32 [P, E/R + 1]: per network peer, pairs per local expert of its, then this rank's
+    /// tokens (rows across nodes sit at their token's index).
     NetSendCounts,
-    /// u32 [P · (1 + chunks per source)]: per network peer, the epoch its metadata was
-    /// staged in, then each chunk's (the network stream waits on them).
+    /// u32 [N · max_tokens]: per other node and token of this rank, a bit per rank of that
+    /// node the token visits (its local index): the visit mask, staged for the rail peer.
+    NetSendMask,
+    /// u32, as `NetSendMask`: per rail peer (its node's slot) and token of its, the ranks of
+    /// this node the token visits; this rank forwards the token's row to them and sums
+    /// their partials of it.
+    RecvMask,
+    /// u32 [P + N · chunks per source]: per network peer, the epoch its metadata was
+    /// staged in, then per other node each token chunk's (the network stream waits on them).
     NetReady,
-    /// bf16 [P · max_tokens · H]: per network peer, the combine's partial row of each of its
-    /// tokens visiting this rank (results across nodes return as rank partials; NCCL sends
-    /// them back).
+    /// bf16 [N · G · max_tokens · H], by the node's ranks: per rail peer (its node's slot)
+    /// and rank of this node (its local index), that rank's partial row of each of the rail
+    /// peer's tokens it received; this rank sums those of a token into its node partial.
+    NodePartials,
+    /// u32 `[G]`, by the node's ranks: per rank of this node, the epoch in which it stored
+    /// its partials in `NodePartials`.
+    NodePartialsReady,
+    /// bf16 [N · max_tokens · H]: per rail peer, the node partial of each of its tokens
+    /// visiting this node (results across nodes return reduced per node; NCCL sends them).
     NetReturnX,
-    /// bf16, as `NetReturnX`: per network peer, its partial row of each of this rank's
-    /// tokens.
+    /// bf16, as `NetReturnX`: per other node, its node partial of each of this rank's tokens.
     NetReturnedX,
-    /// u32 [P · chunks per source]: per network peer and token chunk, the epoch its
-    /// results arrived in.
+    /// u32 [N · chunks per source]: per other node and token chunk, the epoch its results
+    /// arrived in.
     NetReturnFlags,
-    /// u32 `[2]`: the combine's token lanes done with this call's partials for network
-    /// origins, then the epoch in which the last of them was (the network stream waits on
-    /// it before it sends them).
+    /// u32 `[3]`: the combine's token lanes done storing this call's rank partials for
+    /// network origins, lanes done summing node partials, then the epoch in which the
+    /// last of them was (the network stream waits on it before it sends them).
     NetPartialsReady,
     // The router (a spec with `router { }`).
     /// f32 [T, E]: the gate's logits `x · W_gateᵀ`, without bias.
@@ -438,6 +453,7 @@ impl BufferId {
             | BufferId::NetSendSlot
             | BufferId::NetSendPair
             | BufferId::NetSendCounts => ElemType::I32,
+            BufferId::NetSendMask | BufferId::RecvMask => ElemType::U32,
             BufferId::Intermediate
             | BufferId::SortedX
             | BufferId::CombineSlots
@@ -445,7 +461,8 @@ impl BufferId {
             | BufferId::RecvX
             | BufferId::NetSendX
             | BufferId::NetReturnX
-            | BufferId::NetReturnedX => ElemType::Bf16,
+            | BufferId::NetReturnedX
+            | BufferId::NodePartials => ElemType::Bf16,
             BufferId::RecvWeight
             | BufferId::NetSendWeight
             | BufferId::SegmentWeights
@@ -465,7 +482,8 @@ impl BufferId {
             | BufferId::RankFusedCounters
             | BufferId::NetReady
             | BufferId::NetReturnFlags
-            | BufferId::NetPartialsReady => ElemType::U32,
+            | BufferId::NetPartialsReady
+            | BufferId::NodePartialsReady => ElemType::U32,
             BufferId::PeerTable => ElemType::U64,
         }
     }
@@ -512,7 +530,11 @@ impl BufferId {
             BufferId::NetSendPair => "net_send_pair",
             BufferId::NetSendWeight => "net_send_weight",
             BufferId::NetSendCounts => "net_send_counts",
+            BufferId::NetSendMask => "net_send_mask",
+            BufferId::RecvMask => "recv_mask",
             BufferId::NetReady => "net_ready",
+            BufferId::NodePartials => "node_partials",
+            BufferId::NodePartialsReady => "node_partials_ready",
             BufferId::NetReturnX => "net_return_x",
             BufferId::NetReturnedX => "net_returned_x",
             BufferId::NetReturnFlags => "net_return_flags",
@@ -577,11 +599,14 @@ pub mod error_code {
         pub const COMBINE: i32 = 3;
         /// A destination's credit (index: the destination rank).
         pub const CREDIT: i32 = 4;
-        /// Results from a rank on another node (index: source · chunks per source + the
-        /// token chunk).
+        /// Node partials from another node (index: the rail peer there that returns them ·
+        /// chunks per source + the token chunk).
         pub const RETURN: i32 = 5;
         /// The GEMM1 rows of an expert in the fused decode (index: the expert).
         pub const EXPERT_ROWS: i32 = 6;
+        /// A rank of this node's partials for the network origins this rank relays for
+        /// (index: the rank).
+        pub const NODE_PARTIALS: i32 = 7;
     }
 }
 
@@ -1477,17 +1502,13 @@ fn plan_as_sized(
             }
         };
         limitations.push(format!(
-            "ranks on other nodes exchange through {carrier} in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a call moves {} to each of a rank's {} network peers at a bound of max_tokens, the default until the ranks agree on a smaller one, and {} at one token; the network's outboxes and inboxes take {} per rank",
-            describe::decimal_bytes(network.call_bytes_per_peer),
+            "ranks on other nodes exchange through {carrier} in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a rank's call moves {} across the network (the receive index to its {} network peers; rows and node partials to its {} rail peers, one per other node) at a bound of max_tokens, the default until the ranks agree on a smaller one, and {} at one token; the network's outboxes and inboxes take {} per rank",
+            describe::decimal_bytes(network.call_bytes),
             network.peers_per_rank,
-            describe::decimal_bytes(network.bytes_per_peer(ep, &shape, 1)),
+            network.other_nodes(),
+            describe::decimal_bytes(network.bytes_per_call(ep, &shape, 1)),
             describe::decimal_bytes(network_buffers)
         ));
-        if layer.schedule.traffic_order == Some(ir::TrafficOrder::Hierarchical) {
-            limitations.push(
-                "the spec asks for hierarchical traffic (one transfer per remote node, fanned out over NVLink there), which is not built yet: each rank sends to every network peer directly".to_string(),
-            );
-        }
     }
 
     let call_graph_max_tokens = CALL_GRAPH_MAX_TOKENS.min(shape.max_tokens);

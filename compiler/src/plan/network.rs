@@ -2,47 +2,57 @@
 //! rows and results through NCCL send/recv in chunks, while peers on the same node keep
 //! the one-node protocol (stores through CUDA IPC mappings, then a release of the flag).
 //!
-//! The kernels stage what a network peer is sent in this rank's own memory (its
-//! *outboxes*) and release a local *ready* flag per piece; what arrives lands where a
-//! same-node peer would have stored it. Per call, each rank's network stream runs the
-//! steps of [`NetworkPlan::steps`] in order, every rank the same sequence (NCCL matches a
-//! rank's sends to a peer with that peer's receives in issue order):
+//! Traffic between nodes is hierarchical: a token's row crosses the network once per
+//! remote node it visits (not once per rank there), and its results come back once per
+//! node, reduced there first. Source `s` reaches node `n` through its *rail peer* there,
+//! the rank of `n` with `s`'s local index (each rail's NICs carry their own traffic): that
+//! *relay* receives the rows, forwards each to the ranks of its node that need it through
+//! the IPC path and releases their chunk flags, then sums their partials per token and
+//! returns one partial per (token, node). Only the receive index travels to every network
+//! peer directly (it is per destination, and small).
+//!
+//! The kernels stage what leaves the node in this rank's own memory (its *outboxes*) and
+//! release a local *ready* flag per piece; what arrives lands where a same-node peer would
+//! have stored it. Rows across nodes sit at their origin token's index (not a packed slot):
+//! the relay, the destinations and the origin then agree on a row's place without a table.
+//! Per call, each rank's network stream runs the steps of [`NetworkPlan::steps`] in order,
+//! every rank the same sequence (NCCL matches a rank's sends to a peer with that peer's
+//! receives in issue order):
 //!
 //! 1. **metadata**: waits (`cuStreamWaitValue32`) until `ep_route` has staged the receive
-//!    index and counts for every network peer; one NCCL group sends them into each peer's
-//!    receive index and receives the peers' into this rank's; then each network source's
-//!    metadata flag is released with the call's epoch (`cuStreamWriteValue32`), the flag
-//!    the arrange kernel already waits on.
-//! 2. **dispatch chunk c**, for every chunk of a source's capacity: waits until
-//!    `ep_dispatch` has staged chunk `c` for every network peer, one group moves it, then
-//!    each network source's chunk flag `c` is released: the flag GEMM1's tiles on those
-//!    rows wait on, so GEMM1 starts on the first chunk, not the last.
-//! 3. **return chunk c**: results across nodes return as *rank partials*, one row per
-//!    (token, rank visited): `ep_combine`'s first pass sums each received token's rows
-//!    here and stores a network origin's partial in this rank's return outbox; once every
-//!    lane of it is done, its last lane releases `net_partials_ready`, which each return
-//!    step waits on. One group sends the partials of each network origin's tokens of chunk
-//!    `c` and receives those of this rank's own; then the return flag of (source, chunk)
-//!    is released, which `ep_combine`'s second pass waits on. (Pair rows would send every
-//!    slot of every token of the bound: K plus the shared slices times the bytes.)
+//!    index and counts for every network peer, and for each rail peer the *visit masks*
+//!    (per token, a bit per rank of that node it visits); one NCCL group sends them and
+//!    receives the peers'; then each network source's metadata flag is released with the
+//!    call's epoch (`cuStreamWriteValue32`), the flag the arrange kernel (and a relay's
+//!    forwarding) already waits on.
+//! 2. **dispatch chunk c**: waits until `ep_dispatch` has staged token chunk `c` for every
+//!    other node, one group moves it between rail peers, then each rail source's chunk
+//!    flag `c` is released: the flag GEMM1's tiles on those rows wait on (here), and the
+//!    relay's forwarding waits on before it copies the chunk's rows to its node's ranks
+//!    and releases theirs. GEMM1 starts on the first chunk, not the last.
+//! 3. **return chunk c**: results across nodes return as *node partials*, one row per
+//!    (token, node visited): `ep_combine`'s first pass sums each received token's rows
+//!    into a rank partial and stores a network origin's at the relay of its rail (IPC),
+//!    then releases the relay's flag of this rank; the relay's combine, once every rank of
+//!    its node has, sums each token's rank partials (in rank order, the visit mask's
+//!    bits) into its return outbox and releases `net_partials_ready`, which each return
+//!    step waits on. One group sends the node partials of each rail origin's tokens of
+//!    chunk `c` and receives those of this rank's own; then the return flag of (node,
+//!    chunk) is released, which `ep_combine`'s second pass waits on.
 //!
 //! NCCL needs every byte count on the host when a transfer is enqueued, but the device
 //! decides the routing, and reading counts back would synchronise the call. So every
 //! transfer is a fixed slice of the plan's capacity, cut at the call's *tokens bound*:
 //! the most tokens any rank passes in the call, which the ranks agree on beforehand on
-//! the host (the runtime's `EpLayer::bound_tokens`; `max_tokens` until they do). A source
-//! sends a peer at most one slot per token, so its rows fill only chunks below the bound
-//! and each receive-index segment only its first `bound` entries; the steps move exactly
-//! those ([`NetworkPlan::steps`]): no routing can overflow them and nothing is read back.
-//! A call moves [`NetworkPlan::bytes_per_peer`] of its bound whatever its routing.
+//! the host (the runtime's `EpLayer::bound_tokens`; `max_tokens` until they do). Rows sit
+//! at their token's index, so chunks below the bound hold every row and each
+//! receive-index segment at most `bound` entries; the steps move exactly those
+//! ([`NetworkPlan::steps`]): no routing can overflow them and nothing is read back. A
+//! call moves [`NetworkPlan::bytes_per_call`] of its bound whatever its routing.
 //!
 //! On emulated nodes ([`NetworkTransport::Loopback`]: virtual ranks of one GPU standing for
 //! the nodes' GPUs) the kernels and steps are the same; the runtime runs every rank's
 //! steps on one stream, each send a device copy into its receiver's buffer.
-//!
-//! Hierarchical traffic (one transfer per remote node, fanned out over NVLink there) fits
-//! the same shape: a relay rank's steps would receive a node's aggregate and its kernels
-//! forward rows to the node's other ranks through the IPC path. It is not planned yet.
 
 use serde::{Deserialize, Serialize};
 
@@ -83,7 +93,7 @@ pub struct NetworkPlan {
     pub nodes: u32,
     pub gpus_per_node: u32,
     /// Peers on other nodes of every rank (ranks less those of its node). A peer's place in
-    /// [`NetworkPlan::peers`] is its slot in the rank's outboxes and inboxes.
+    /// [`NetworkPlan::peers`] is its slot in the rank's receive-index outboxes.
     pub peers_per_rank: u32,
     /// The network's bandwidth one way (bytes per second) and latency (ns), from the
     /// topology.
@@ -95,9 +105,10 @@ pub struct NetworkPlan {
     /// Transfers of rows per peer and call, and of results: the chunks of a source's
     /// capacity.
     pub chunks: u32,
-    /// Bytes this rank sends each network peer in a call of `max_tokens` bound (metadata,
-    /// rows and results; receives are as many): the most a call moves.
-    pub call_bytes_per_peer: u64,
+    /// Bytes this rank sends in a call of `max_tokens` bound (the receive index to every
+    /// network peer, rows and node partials to its rail peers; receives are as many): the
+    /// most a call moves.
+    pub call_bytes: u64,
     /// CTAs NCCL may run (the communicator's `maxCTAs`): the SMs the plan keeps free for
     /// NCCL's kernels beside the compute grids, so a transfer GEMM1 waits for always runs.
     /// On emulated nodes, the SM each rank keeps free for the loopback's copies.
@@ -193,7 +204,13 @@ pub(crate) fn plan_network(
     let peers_per_rank = ranks - gpus_per_node.min(ranks);
     let slots = shape.max_tokens;
     let chunks = slots.div_ceil(chunk);
-    let call_bytes_per_peer = bytes_per_peer(shape, shape.experts / ranks, slots);
+    let call_bytes = bytes_per_call(
+        shape,
+        shape.experts / ranks,
+        peers_per_rank,
+        topology.nodes - 1,
+        slots,
+    );
     let bandwidth = topology.network.bandwidth_bytes_per_s;
     let (nccl_ctas, nccl_reason) = match transport {
         NetworkTransport::Nccl => (
@@ -209,8 +226,7 @@ pub(crate) fn plan_network(
             "emulated nodes: one SM per rank kept free for the loopback's device copies, should the driver run them on SMs".to_string(),
         ),
     };
-    let transfer_seconds =
-        4.0 * call_bytes_per_peer as f64 * f64::from(peers_per_rank) / bandwidth.max(1) as f64;
+    let transfer_seconds = 4.0 * call_bytes as f64 / bandwidth.max(1) as f64;
     let wait_seconds = 2.0 * flag_seconds + transfer_seconds.max(MIN_TRANSFER_SECONDS);
     Some(NetworkPlan {
         transport,
@@ -221,42 +237,61 @@ pub(crate) fn plan_network(
         latency_ns: topology.network.latency_ns,
         chunk_tokens: chunk,
         chunks,
-        call_bytes_per_peer,
+        call_bytes,
         nccl_ctas,
         nccl_reason,
         wait_limit_ms: (wait_seconds * 1e3).ceil() as u64,
         wait_reason: format!(
-            "two flag bounds ({flag_seconds:.1} s each: a peer's staging may wait one for its credits, this rank's kernels one more) plus four times a call's {:.1} MB to its {peers_per_rank} network peers at the network's bandwidth, at least {MIN_TRANSFER_SECONDS:.0} s",
-            call_bytes_per_peer as f64 * f64::from(peers_per_rank) / 1e6
+            "two flag bounds ({flag_seconds:.1} s each: a peer's staging may wait one for its credits, this rank's kernels one more) plus four times a call's {:.1} MB across the network at its bandwidth, at least {MIN_TRANSFER_SECONDS:.0} s",
+            call_bytes as f64 / 1e6
         ),
     })
 }
 
-/// Bytes a rank sends each network peer in a call of `tokens_bound` (receives are as
-/// many): per local expert the three arrays of the receive index up to the bound, the
-/// counts, the rows of the bound's tokens and their partials.
-fn bytes_per_peer(shape: &LayerShape, experts_per_rank: u32, tokens_bound: u32) -> u64 {
+/// Bytes a rank sends in a call of `tokens_bound` (receives are as many): to each of its
+/// `peers` on other nodes, per local expert there the three arrays of the receive index up
+/// to the bound, and the counts; to each of its rail peers (one per other node), the visit
+/// masks, the rows of the bound's tokens and their node partials.
+fn bytes_per_call(
+    shape: &LayerShape,
+    experts_per_rank: u32,
+    peers: u32,
+    other_nodes: u32,
+    tokens_bound: u32,
+) -> u64 {
     let tokens = u64::from(tokens_bound.min(shape.max_tokens));
     let local = u64::from(experts_per_rank);
     let row_bytes = u64::from(shape.hidden) * 2;
-    let metadata = 3 * 4 * local * tokens + 4 * (local + 1);
-    metadata + 2 * tokens * row_bytes
+    let index = 3 * 4 * local * tokens + 4 * (local + 1);
+    let rail = 4 * tokens + 2 * tokens * row_bytes;
+    u64::from(peers) * index + u64::from(other_nodes) * rail
 }
 
-/// The element of `NetPartialsReady` the combine writes the epoch into (element 0 counts
-/// its lanes).
-const PARTIALS_READY_EPOCH: u64 = 1;
+/// The element of `NetPartialsReady` the combine writes the epoch into (elements 0 and 1
+/// count its lanes done storing rank partials and done summing node partials).
+const PARTIALS_READY_EPOCH: u64 = 2;
 
 impl NetworkPlan {
-    /// Bytes a rank sends each network peer in a call whose tokens bound is
-    /// `tokens_bound` (see [`NetworkPlan::steps`]), whatever the routing.
-    pub fn bytes_per_peer(
+    /// Bytes a rank sends in a call whose tokens bound is `tokens_bound` (see
+    /// [`NetworkPlan::steps`]), whatever the routing.
+    pub fn bytes_per_call(
         &self,
         ep: &ExpertParallelPlan,
         shape: &LayerShape,
         tokens_bound: u32,
     ) -> u64 {
-        bytes_per_peer(shape, ep.experts_per_rank, tokens_bound)
+        bytes_per_call(
+            shape,
+            ep.experts_per_rank,
+            self.peers_per_rank,
+            self.other_nodes(),
+            tokens_bound,
+        )
+    }
+
+    /// Nodes besides a rank's own: its rail peers, and the slots of its per-node outboxes.
+    pub fn other_nodes(&self) -> u32 {
+        self.nodes - 1
     }
 
     /// The chunks of a source's token slots that a call of `tokens_bound` can fill: its
@@ -303,17 +338,55 @@ impl NetworkPlan {
         })
     }
 
-    /// Elements per network peer of the ready flags: the metadata's, then one per chunk.
-    pub fn ready_stride(&self) -> u64 {
-        1 + u64::from(self.chunks)
+    /// `rank`'s rail peers: on each other node, in node order, the rank with its local
+    /// index (its relay there, and the origin it relays for).
+    pub fn rail_peers(&self, rank: u32) -> Vec<u32> {
+        let local = rank % self.gpus_per_node;
+        (0..self.nodes)
+            .filter(|&node| node != self.node_of(rank))
+            .map(|node| node * self.gpus_per_node + local)
+            .collect()
+    }
+
+    /// The slot of `peer`'s node among `rank`'s other nodes (`None` on the same node): its
+    /// place in the per-node outboxes and inboxes. Every rank of a node numbers the other
+    /// nodes alike.
+    pub fn node_slot(&self, rank: u32, peer: u32) -> Option<u32> {
+        let (mine, theirs) = (self.node_of(rank), self.node_of(peer));
+        match theirs.cmp(&mine) {
+            std::cmp::Ordering::Equal => None,
+            std::cmp::Ordering::Less => Some(theirs),
+            std::cmp::Ordering::Greater => Some(theirs - 1),
+        }
+    }
+
+    /// The element of `NetReady` with the epoch of the metadata staged for the network
+    /// peer in `slot`.
+    pub fn metadata_ready(&self, slot: u32) -> u64 {
+        u64::from(slot)
+    }
+
+    /// The element of `NetReady` with the epoch token chunk `chunk` was staged in for the
+    /// other node in `node_slot`: after every peer's metadata flag.
+    pub fn chunk_ready(&self, node_slot: u32, chunk: u32) -> u64 {
+        u64::from(self.peers_per_rank)
+            + u64::from(node_slot) * u64::from(self.chunks)
+            + u64::from(chunk)
+    }
+
+    /// Elements of `NetReady`: a metadata flag per network peer, a chunk flag per (other
+    /// node, chunk).
+    pub fn ready_flags(&self) -> u64 {
+        self.chunk_ready(self.other_nodes(), 0)
     }
 
     /// The NCCL groups of one call on `rank` in which no rank passes more than
     /// `tokens_bound` tokens, in the order every rank issues them: the metadata (each
-    /// receive-index segment up to the bound), then a dispatch step per chunk the bound
-    /// spans (the last one cut at the bound), then as many return steps. Every rank of a
-    /// call must pass the same bound: NCCL pairs a rank's sends to a peer with that peer's
-    /// receives in issue order and size.
+    /// receive-index segment up to the bound, to every network peer; the visit masks up to
+    /// it, to the rail peers), then a dispatch step per chunk the bound spans (the last one
+    /// cut at the bound), then as many return steps, both between rail peers only. Every
+    /// rank of a call must pass the same bound: NCCL pairs a rank's sends to a peer with
+    /// that peer's receives in issue order and size.
     pub fn steps(
         &self,
         ep: &ExpertParallelPlan,
@@ -322,23 +395,25 @@ impl NetworkPlan {
         tokens_bound: u32,
     ) -> Vec<NetworkStep> {
         let peers = self.peers(rank, ep.ranks);
+        let rails = self.rail_peers(rank);
         let ranks = u64::from(ep.ranks);
         let local = u64::from(ep.experts_per_rank);
         let segment = u64::from(ep.rows_per_segment);
         let slots = u64::from(ep.slots_per_source);
+        let max_tokens = u64::from(shape.max_tokens);
         let hidden = u64::from(shape.hidden);
         let chunk = u64::from(self.chunk_tokens);
         let chunks = u64::from(self.chunks);
-        // No source sends a peer more slots than it has tokens, nor more than a segment's
-        // rows for one local expert.
+        // A source's rows and results sit at its tokens' indices, and no segment holds more
+        // of its pairs than it has tokens.
         let bound = u64::from(tokens_bound).min(slots);
-        let call_chunks = u64::from(self.chunks_within(tokens_bound));
+        let call_chunks = self.chunks_within(tokens_bound);
         let indexed = segment.min(bound);
-        let with_slots = || {
-            peers
+        // Rail peers with the slot of their node here.
+        let with_node_slots = || {
+            rails
                 .iter()
-                .enumerate()
-                .map(|(slot, &peer)| (slot as u64, peer))
+                .map(|&peer| (peer, self.node_slot(rank, peer).map_or(0, u64::from)))
         };
         let transfer = |peer: u32, buffer: BufferId, first: u64, elems: u64| Transfer {
             peer,
@@ -349,10 +424,12 @@ impl NetworkPlan {
         let flag = |buffer: BufferId, index: u64| FlagRef { buffer, index };
         let mut steps = Vec::with_capacity(1 + 2 * call_chunks as usize);
 
-        // The receive index: per local expert one segment of each array, then the counts.
+        // The receive index: per local expert one segment of each array, then the counts;
+        // to a rail peer then the visit masks.
         let mut sends = Vec::new();
         let mut receives = Vec::new();
-        for (slot, peer) in with_slots() {
+        for (slot, &peer) in peers.iter().enumerate() {
+            let slot = slot as u64;
             for (outbox, inbox) in [
                 (BufferId::NetSendSlot, BufferId::RecvSlot),
                 (BufferId::NetSendPair, BufferId::RecvPair),
@@ -385,11 +462,22 @@ impl NetworkPlan {
                 u64::from(peer) * (local + 1),
                 local + 1,
             ));
+            if let Some((_, here)) = with_node_slots().find(|&(rail, _)| rail == peer)
+                && bound > 0
+            {
+                sends.push(transfer(
+                    peer,
+                    BufferId::NetSendMask,
+                    here * max_tokens,
+                    bound,
+                ));
+                receives.push(transfer(peer, BufferId::RecvMask, here * max_tokens, bound));
+            }
         }
         steps.push(NetworkStep {
             kind: StepKind::Metadata,
-            wait_for: with_slots()
-                .map(|(slot, _)| flag(BufferId::NetReady, slot * self.ready_stride()))
+            wait_for: (0..peers.len() as u32)
+                .map(|slot| flag(BufferId::NetReady, self.metadata_ready(slot)))
                 .collect(),
             sends,
             receives,
@@ -400,60 +488,67 @@ impl NetworkPlan {
         });
 
         for c in 0..call_chunks {
-            let rows = chunk.min(bound - c * chunk);
+            let first = u64::from(c) * chunk;
+            let rows = chunk.min(bound - first);
             steps.push(NetworkStep {
-                kind: StepKind::Dispatch { chunk: c as u32 },
-                wait_for: with_slots()
-                    .map(|(slot, _)| flag(BufferId::NetReady, slot * self.ready_stride() + 1 + c))
+                kind: StepKind::Dispatch { chunk: c },
+                wait_for: with_node_slots()
+                    .map(|(_, here)| flag(BufferId::NetReady, self.chunk_ready(here as u32, c)))
                     .collect(),
-                sends: with_slots()
-                    .map(|(slot, peer)| {
+                sends: with_node_slots()
+                    .map(|(peer, here)| {
                         transfer(
                             peer,
                             BufferId::NetSendX,
-                            (slot * slots + c * chunk) * hidden,
+                            (here * max_tokens + first) * hidden,
                             rows * hidden,
                         )
                     })
                     .collect(),
-                receives: with_slots()
-                    .map(|(_, peer)| {
+                receives: with_node_slots()
+                    .map(|(peer, _)| {
                         transfer(
                             peer,
                             BufferId::RecvX,
-                            (u64::from(peer) * slots + c * chunk) * hidden,
+                            (u64::from(peer) * slots + first) * hidden,
                             rows * hidden,
                         )
                     })
                     .collect(),
-                release: peers
+                release: rails
                     .iter()
-                    .map(|&peer| flag(BufferId::ChunkFlags, u64::from(peer) * chunks + c))
+                    .map(|&peer| {
+                        flag(
+                            BufferId::ChunkFlags,
+                            u64::from(peer) * chunks + u64::from(c),
+                        )
+                    })
                     .collect(),
             });
         }
 
-        // Results, by the origin's tokens: chunk c holds the partials of its tokens
-        // [c·chunk, (c+1)·chunk) below the bound (a token that visited no expert here
+        // Results, by the origin's tokens: chunk c holds the node partials of its tokens
+        // [c·chunk, (c+1)·chunk) below the bound (a token that visited no rank of the node
         // leaves stale bytes, which its origin does not read).
         for c in 0..call_chunks {
-            let rows = chunk.min(bound - c * chunk);
-            let first = |slot: u64| (slot * slots + c * chunk) * hidden;
+            let first = u64::from(c) * chunk;
+            let rows = chunk.min(bound - first);
+            let at = |node_slot: u64| (node_slot * max_tokens + first) * hidden;
             steps.push(NetworkStep {
-                kind: StepKind::Return { chunk: c as u32 },
+                kind: StepKind::Return { chunk: c },
                 wait_for: vec![flag(BufferId::NetPartialsReady, PARTIALS_READY_EPOCH)],
-                sends: with_slots()
-                    .map(|(slot, peer)| {
-                        transfer(peer, BufferId::NetReturnX, first(slot), rows * hidden)
+                sends: with_node_slots()
+                    .map(|(peer, here)| {
+                        transfer(peer, BufferId::NetReturnX, at(here), rows * hidden)
                     })
                     .collect(),
-                receives: with_slots()
-                    .map(|(slot, peer)| {
-                        transfer(peer, BufferId::NetReturnedX, first(slot), rows * hidden)
+                receives: with_node_slots()
+                    .map(|(peer, here)| {
+                        transfer(peer, BufferId::NetReturnedX, at(here), rows * hidden)
                     })
                     .collect(),
-                release: with_slots()
-                    .map(|(slot, _)| flag(BufferId::NetReturnFlags, slot * chunks + c))
+                release: with_node_slots()
+                    .map(|(_, here)| flag(BufferId::NetReturnFlags, here * chunks + u64::from(c)))
                     .collect(),
             });
         }
@@ -534,20 +629,21 @@ mod tests {
                 }
             }
         }
-        // A call of max_tokens moves the receive index, 512 rows and 512 tokens' partials;
-        // a call of 3 tokens three entries of each index segment, 3 rows and 3 partials.
+        // A call of max_tokens moves the receive index, 512 visit masks, rows and node
+        // partials to its one network peer (also its rail peer); a call of 3 tokens three
+        // entries of each index segment, 3 masks, 3 rows and 3 partials.
         let metadata = 3 * 4 * 4 * 512 + 4 * 5;
         assert_eq!(
-            network.call_bytes_per_peer,
-            metadata + 512 * 128 * 2 + 512 * 128 * 2
+            network.call_bytes,
+            metadata + 4 * 512 + 512 * 128 * 2 + 512 * 128 * 2
         );
         assert_eq!(
-            network.bytes_per_peer(ep, &plan.shape, 512),
-            network.call_bytes_per_peer
+            network.bytes_per_call(ep, &plan.shape, 512),
+            network.call_bytes
         );
         assert_eq!(
-            network.bytes_per_peer(ep, &plan.shape, 3),
-            3 * 4 * 4 * 3 + 4 * 5 + 3 * 128 * 2 + 3 * 128 * 2
+            network.bytes_per_call(ep, &plan.shape, 3),
+            3 * 4 * 4 * 3 + 4 * 5 + 4 * 3 + 3 * 128 * 2 + 3 * 128 * 2
         );
         assert!(plan.limitations.iter().any(|l| l.contains("NCCL")));
         let text = crate::plan::describe(&plan);
@@ -612,6 +708,34 @@ mod tests {
 
     /// Over every pair of ranks on different nodes and tokens bounds from none to beyond
     /// max_tokens: see [`assert_steps_pair_up`].
+    /// A rank's rail peers are the ranks with its local index on the other nodes, each
+    /// its relay there and relayed for here; every rank of a node numbers the other nodes
+    /// alike, and a rail peer's slot is its place among the rail peers.
+    #[test]
+    fn rail_peers_pair_up_and_nodes_are_numbered_alike() {
+        let plan = planned(4, 2, "");
+        let (ep, network) = network_of(&plan);
+        assert_eq!(network.rail_peers(1), vec![3, 5, 7]);
+        assert_eq!(network.rail_peers(4), vec![0, 2, 6]);
+        for rank in 0..ep.ranks {
+            let rails = network.rail_peers(rank);
+            for (position, &rail) in rails.iter().enumerate() {
+                assert!(network.rail_peers(rail).contains(&rank));
+                assert_eq!(network.node_slot(rank, rail), Some(position as u32));
+            }
+            for peer in 0..ep.ranks {
+                let same_node = network.node_of(peer) == network.node_of(rank);
+                assert_eq!(network.node_slot(rank, peer).is_none(), same_node);
+                let node_first = network.node_of(rank) * network.gpus_per_node;
+                assert_eq!(
+                    network.node_slot(rank, peer),
+                    network.node_slot(node_first, peer)
+                );
+            }
+        }
+        assert_eq!(network.ready_flags(), 6 + 3 * u64::from(network.chunks));
+    }
+
     #[test]
     fn every_send_meets_a_receive_of_the_same_bytes_within_the_buffers() {
         for ((nodes, gpus, extra), bound) in [
@@ -657,9 +781,9 @@ mod tests {
 
     /// For a call of `plan` whose tokens bound is `bound`, on every rank: each step's sends
     /// to a peer match that peer's receives in that step (same order, same bytes), every
-    /// range fits its buffer, a peer is sent `bytes_per_peer` of the bound, and the call
-    /// waits for every staging flag of the chunks it moves and releases every flag the
-    /// kernels of such a call wait on, once.
+    /// range fits its buffer, rows and results go to rail peers only, a rank sends
+    /// `bytes_per_call` of the bound, and the call waits for every staging flag of the
+    /// chunks it moves and releases every flag the kernels of such a call wait on, once.
     fn assert_steps_pair_up(plan: &Plan, bound: u32) {
         plan.validate().expect("valid");
         let (ep, network) = network_of(plan);
@@ -684,15 +808,15 @@ mod tests {
         );
         assert!(steps.iter().all(|s| s.len() as u64 == 1 + 2 * call_chunks));
         for (rank, rank_steps) in steps.iter().enumerate() {
-            for peer in network.peers(rank as u32, ranks) {
-                let sent: u64 = rank_steps
-                    .iter()
-                    .flat_map(|s| &s.sends)
-                    .filter(|t| t.peer == peer)
-                    .map(|t| t.bytes)
-                    .sum();
-                assert_eq!(sent, network.bytes_per_peer(ep, &plan.shape, bound));
-            }
+            let rank = rank as u32;
+            let rails = network.rail_peers(rank);
+            assert_eq!(rails.len() as u32, network.nodes - 1);
+            let sent: u64 = rank_steps
+                .iter()
+                .flat_map(|s| &s.sends)
+                .map(|t| t.bytes)
+                .sum();
+            assert_eq!(sent, network.bytes_per_call(ep, &plan.shape, bound));
             let mut released = HashMap::new();
             let mut waited = HashMap::new();
             for (i, step) in rank_steps.iter().enumerate() {
@@ -701,9 +825,12 @@ mod tests {
                         t.bytes > 0 && t.offset_bytes + t.bytes <= size(t.buffer),
                         "{t:?}"
                     );
-                    assert_eq!(network.route(rank as u32, t.peer), Route::Network);
+                    assert_eq!(network.route(rank, t.peer), Route::Network);
+                    if i > 0 {
+                        assert!(rails.contains(&t.peer), "{t:?} from {rank}");
+                    }
                 }
-                for peer in network.peers(rank as u32, ranks) {
+                for peer in network.peers(rank, ranks) {
                     let sent: Vec<u64> = step
                         .sends
                         .iter()
@@ -713,10 +840,10 @@ mod tests {
                     let received: Vec<u64> = steps[peer as usize][i]
                         .receives
                         .iter()
-                        .filter(|t| t.peer == rank as u32)
+                        .filter(|t| t.peer == rank)
                         .map(|t| t.bytes)
                         .collect();
-                    assert!(!sent.is_empty());
+                    assert!(i > 0 || !sent.is_empty());
                     assert_eq!(sent, received, "step {i} from {rank} to {peer}");
                 }
                 for flag in &step.release {
@@ -728,30 +855,34 @@ mod tests {
                 }
             }
             let peers = u64::from(network.peers_per_rank);
+            let nodes = u64::from(network.other_nodes());
             let chunks = u64::from(network.chunks);
             // Each network source's metadata flag and the flags of the chunks the bound
-            // spans (a chunk of rows per source, a token chunk's return flag per network
-            // peer): the flags a call's kernels wait on with at most `bound` tokens per
+            // spans (a chunk of rows per rail source, a token chunk's return flag per other
+            // node): the flags a call's kernels wait on with at most `bound` tokens per
             // rank. Once each.
-            assert_eq!(released.len() as u64, peers * (1 + 2 * call_chunks));
+            assert_eq!(released.len() as u64, peers + 2 * nodes * call_chunks);
             assert!(released.values().all(|&n| n == 1));
-            for peer in network.peers(rank as u32, ranks) {
-                let slot = u64::from(network.slot(rank as u32, peer).unwrap());
+            for peer in network.peers(rank, ranks) {
                 assert!(released.contains_key(&(BufferId::MetaFlags, u64::from(peer))));
+            }
+            for &rail in &rails {
+                let slot = u64::from(network.node_slot(rank, rail).expect("another node"));
                 for c in 0..call_chunks {
                     for flag in [
-                        (BufferId::ChunkFlags, u64::from(peer) * chunks + c),
+                        (BufferId::ChunkFlags, u64::from(rail) * chunks + c),
                         (BufferId::NetReturnFlags, slot * chunks + c),
                     ] {
                         assert!(released.contains_key(&flag), "{flag:?} at bound {bound}");
                     }
                 }
             }
-            // The staging flags of the metadata and of those chunks, each peer's, once;
-            // and before each return step, the combine's flag of its partials.
+            // The staging flags of the metadata (each peer's) and of those chunks (each
+            // other node's), once; and before each return step, the combine's flag of its
+            // node partials.
             let partials = (BufferId::NetPartialsReady, PARTIALS_READY_EPOCH);
             assert_eq!(waited.remove(&partials).unwrap_or(0), call_chunks);
-            assert_eq!(waited.len() as u64, peers * (1 + call_chunks));
+            assert_eq!(waited.len() as u64, peers + nodes * call_chunks);
             assert!(waited.values().all(|&n| n == 1));
         }
     }

@@ -454,27 +454,38 @@ impl Plan {
         }
         let shape = &self.shape;
         let peers = u64::from(network.peers_per_rank);
+        let nodes = u64::from(network.other_nodes());
+        let tokens = u64::from(shape.max_tokens);
+        let node_rows = nodes * tokens * u64::from(shape.hidden);
         let needed = [
-            (
-                BufferId::NetSendX,
-                peers * u64::from(ep.slots_per_source) * u64::from(shape.hidden),
-            ),
+            (BufferId::NetSendX, node_rows),
             (
                 BufferId::NetSendSlot,
                 peers * u64::from(ep.experts_per_rank) * u64::from(ep.rows_per_segment),
             ),
-            (BufferId::NetReady, peers * network.ready_stride()),
+            (BufferId::NetSendMask, nodes * tokens),
+            (BufferId::RecvMask, nodes * tokens),
+            (BufferId::NetReady, network.ready_flags()),
             (
-                BufferId::NetReturnX,
-                peers * u64::from(shape.max_tokens) * u64::from(shape.hidden),
+                BufferId::NodePartials,
+                u64::from(network.gpus_per_node) * node_rows,
             ),
             (
-                BufferId::NetReturnedX,
-                peers * u64::from(shape.max_tokens) * u64::from(shape.hidden),
+                BufferId::NodePartialsReady,
+                u64::from(network.gpus_per_node),
             ),
-            (BufferId::NetReturnFlags, peers * u64::from(network.chunks)),
-            (BufferId::NetPartialsReady, 2),
+            (BufferId::NetReturnX, node_rows),
+            (BufferId::NetReturnedX, node_rows),
+            (BufferId::NetReturnFlags, nodes * u64::from(network.chunks)),
+            (BufferId::NetPartialsReady, 3),
         ];
+        // A token's visit mask has a bit per rank of a node.
+        if network.gpus_per_node > crate::check::topology::MAX_GPUS_PER_NODE_ACROSS_NODES {
+            return Err(format!(
+                "{} GPUs per node: a visit mask holds 32",
+                network.gpus_per_node
+            ));
+        }
         for (id, elems) in needed {
             match ep.workspace.iter().find(|b| b.id == id) {
                 Some(buffer) if buffer.elems >= elems => {}

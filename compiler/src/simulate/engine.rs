@@ -317,9 +317,9 @@ pub(super) struct Machine<'a> {
     fused: Option<&'a FusedDecode>,
     /// How results return in the schedules: the plan's route on one node (and on emulated
     /// nodes, one GPU); across real nodes the design's pair rows, which the topology-aware
-    /// schedule reduces per node. (The kernels as built return rank partials across nodes,
-    /// since NCCL's fixed slices would carry every slot of every token; `simulate` prints
-    /// the floor of what they move apart.)
+    /// schedule reduces per node. (The kernels as built return node partials across nodes,
+    /// summed at a relay of each node, since NCCL's fixed slices would carry every slot of
+    /// every token; `simulate` prints the floor of what they move apart.)
     results: CombineRoute,
 }
 
