@@ -1415,6 +1415,9 @@ __device__ __forceinline__ int rail_peer(int rank, int slot) {
 // net_ready: per network peer the epoch its metadata was staged in, then per other node
 // each token chunk's.
 __device__ __forceinline__ int chunk_ready_index(int slot, int chunk) { return NETWORK_PEERS + slot * CHUNKS + chunk; }
+// Rank partials: per own token, the slot of each rank that stores its partial here (its
+// index on this node: another node's partials come back through the network).
+enum : int { PARTIAL_SLOTS = GPUS_PER_NODE };
 
 // The expert-parallel GEMMs: one group of rows per local expert, holding the rows of
 // every source (so each weight panel is read once however many sources there are).
@@ -2117,7 +2120,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
                                                     PEER_NODE_PARTIALS) +
                                     (((size_t)origin_slot * GPUS_PER_NODE + rank % GPUS_PER_NODE) * MAX_TOKENS + token) * HIDDEN
                               : peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
-                                    ((size_t)token * RANKS + rank) * HIDDEN;
+                                    ((size_t)token * PARTIAL_SLOTS + rank % PARTIAL_SLOTS) * HIDDEN;
         combine_rows<SLOTS_PER_TOKEN>(rows, partial, thread);
         if (thread == 0) {
             s_release_source[lane][pending] = source;
@@ -2203,12 +2206,14 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
             for (int j = 0; j < k; ++j) first = first && (slot >= 0 ? node_slot_of[j] != slot : source_of[j] != source);
             rows[k] = !first    ? nullptr
                       : slot >= 0 ? net_returned_x + ((size_t)slot * MAX_TOKENS + token) * HIDDEN
-                                  : combine_slots + ((size_t)token * RANKS + source) * HIDDEN;
+                                  : combine_slots + ((size_t)token * PARTIAL_SLOTS + source % PARTIAL_SLOTS) * HIDDEN;
             returned_slot[k] = first ? slot : -1;
             own_visited = own_visited || (first && source == rank);
             counted += first && slot < 0;
         }
-        rows[TOP_K] = SHARED_SLICES > 0 && !own_visited ? combine_slots + ((size_t)token * RANKS + rank) * HIDDEN : nullptr;
+        rows[TOP_K] = SHARED_SLICES > 0 && !own_visited
+                          ? combine_slots + ((size_t)token * PARTIAL_SLOTS + rank % PARTIAL_SLOTS) * HIDDEN
+                          : nullptr;
         counted += rows[TOP_K] != nullptr;
         const u32 target = counted * HIDDEN;
         bool complete = false;

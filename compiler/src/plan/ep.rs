@@ -844,10 +844,14 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
                 shape.max_pairs() * u64::from(shape.hidden),
                 "weighted expert outputs of this rank's pairs (and shared slices), stored by the ranks that computed them",
             ),
+            // Across nodes only this node's ranks store here; other nodes' come back as
+            // node partials through the network.
             CombineRoute::RankPartials => buffer(
                 BufferId::CombineSlots,
-                max_tokens * r * u64::from(shape.hidden),
-                "per own token and rank, the sum of its weighted expert outputs there, stored by that rank",
+                max_tokens
+                    * network.map_or(r, |n| u64::from(n.gpus_per_node))
+                    * u64::from(shape.hidden),
+                "per own token and rank of this node, the sum of its weighted expert outputs there, stored by that rank",
             ),
         },
         buffer(
