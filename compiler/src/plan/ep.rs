@@ -866,7 +866,7 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
         ),
         buffer(
             BufferId::PeerTable,
-            r * PEER_BUFFERS.len() as u64,
+            r * peer_buffers(network.is_some()).len() as u64,
             "every rank's addresses of the buffers peers write",
         ),
         buffer(

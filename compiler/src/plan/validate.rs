@@ -404,6 +404,19 @@ impl Plan {
                 }
             }
         }
+        // The peer table holds every rank's address of each buffer peers write.
+        let table = u64::from(ep.ranks) * ep.peer_buffers.len() as u64;
+        if !ep
+            .workspace
+            .iter()
+            .any(|b| b.id == BufferId::PeerTable && b.elems == table)
+        {
+            return Err(format!(
+                "the peer table does not hold {} ranks' addresses of {} buffers",
+                ep.ranks,
+                ep.peer_buffers.len()
+            ));
+        }
         if let Some(network) = &ep.network {
             if ep.combine_route != CombineRoute::RankPartials {
                 return Err(
