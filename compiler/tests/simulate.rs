@@ -176,6 +176,51 @@ fn deepseek_v3_over_64_ranks_keeps_the_designs_exchange() {
     assert!(aware.layer_s <= 1.15 * aware.compute_s.max(aware.network_s));
 }
 
+/// Across real nodes the report adds what the kernels as built run: rows and node partials
+/// of the whole tokens bound to each other node (NCCL's fixed slices, whatever the
+/// routing), so its network port carries more than the design's routed bytes; the design's
+/// share of those bytes shrinks with the group limit, the as built's does not. One node
+/// has no such schedule (the topology-aware one is what its kernels run).
+#[test]
+fn the_as_built_schedule_moves_fixed_slices_across_nodes() {
+    let (plan, topology) = planned(&layer("deepseek_v3_ep64"));
+    let mut network = Vec::new();
+    for routing in [
+        Routing::Uniform,
+        Routing::GroupLimited { groups: 8, kept: 4 },
+    ] {
+        let report = simulate::simulate(&plan, &topology, &options(128, routing)).unwrap();
+        let of = |s: Schedule| report.schedules.iter().find(|r| r.schedule == s).unwrap();
+        let (built, design) = (
+            of(Schedule::AsBuilt),
+            of(Schedule::FineGrainedTopologyAware),
+        );
+        assert!(design.network_s < built.network_s, "{routing:?}");
+        network.push((built.network_s, design.network_s));
+    }
+    let [
+        (uniform_built, uniform_design),
+        (grouped_built, grouped_design),
+    ] = network[..]
+    else {
+        unreachable!("two routings")
+    };
+    assert_eq!(
+        uniform_built, grouped_built,
+        "the same slices whatever the routing"
+    );
+    assert!(grouped_design < uniform_design);
+    let qwen = over_gpus("qwen3_30b_a3b", 2);
+    let (plan, topology) = planned(&qwen);
+    let report = simulate::simulate(&plan, &topology, &options(128, Routing::Uniform)).unwrap();
+    assert!(
+        report
+            .schedules
+            .iter()
+            .all(|r| r.schedule != Schedule::AsBuilt)
+    );
+}
+
 /// Each rank runs the shared slices on its own tokens: the same plan without them
 /// simulates less GEMM time, and the same pairs cross the links.
 #[test]

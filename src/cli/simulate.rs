@@ -1,5 +1,6 @@
 //! `moeforge simulate FILE`: predicts one call of a layer's expert-parallel schedule on
-//! its declared topology (the compiler's `simulate` module) for three schedules, and
+//! its declared topology (the compiler's `simulate` module) for three schedules (four
+//! across nodes: the kernels as built too), and
 //! optionally draws its timeline or compares it with a bench result.
 
 use std::path::PathBuf;
@@ -258,8 +259,8 @@ pub fn run(args: &Args) -> ExitCode {
 /// What the kernels as built move across nodes at `tokens` per rank, where the plan spans
 /// nodes: NCCL slices of the tokens bound (the receive index to every network peer, the
 /// rows and node partials of that many tokens to each rail peer, whatever the routing),
-/// which bound the call from below by the time the network port takes; the topology-aware
-/// schedule above is the design.
+/// and the time the network port takes at its full rate (the "as built" schedule above
+/// runs them at the model's NCCL efficiency); the topology-aware schedule is the design.
 fn as_built_across_nodes(plan: &plan::Plan, tokens: u32) -> Option<String> {
     let ep = plan.expert_parallel.as_ref()?;
     // Emulated nodes have no network port: their steps are copies on one GPU.
@@ -269,7 +270,7 @@ fn as_built_across_nodes(plan: &plan::Plan, tokens: u32) -> Option<String> {
         .filter(|n| n.transport == NetworkTransport::Nccl)?;
     let per_rank = network.bytes_per_call(ep, &plan.shape, tokens);
     Some(format!(
-        "as built (a floor, not simulated): {:.2} MB each way per call and rank (NCCL slices of a tokens bound of {tokens}: the receive index to {} network peers, the rows and node partials of so many tokens to {} rail peers, whatever the routing) = {:.1} us of each rank's network port at {:.0} GB/s; the topology-aware schedule is the design across nodes",
+        "as built (a floor, not simulated): {:.2} MB each way per call and rank (NCCL slices of a tokens bound of {tokens}: the receive index to {} network peers, the rows and node partials of so many tokens to {} rail peers, whatever the routing) = {:.1} us of each rank's network port at its full {:.0} GB/s; the topology-aware schedule is the design across nodes",
         per_rank as f64 / 1e6,
         network.peers_per_rank,
         network.other_nodes(),

@@ -470,10 +470,16 @@ impl<'a> Machine<'a> {
 
     /// Items of token rows of `origin`, in the order of `targets`: chunks, or pieces when
     /// the call has fewer chunks than blocks.
-    fn token_items(&self, origin: u32, targets: &[To], fused: bool) -> VecDeque<Item> {
+    fn token_items(
+        &self,
+        origin: u32,
+        targets: &[To],
+        fused: bool,
+        schedule: Schedule,
+    ) -> VecDeque<Item> {
         let total = |to: &To| match *to {
             To::Rank(d) => self.traffic.tokens_to(origin, d),
-            To::Node { node, .. } => self.traffic.tokens_to_node(origin, node),
+            To::Node { node, .. } => self.node_slice(origin, node, schedule),
         };
         let chunk = self.ep.dispatch_chunk.max(1);
         let chunks: u32 = targets.iter().map(|to| total(to).div_ceil(chunk)).sum();
@@ -503,6 +509,17 @@ impl<'a> Machine<'a> {
         items
     }
 
+    /// Token rows `origin` sends `node` in `schedule`: those visiting the node, or as built
+    /// the call's whole tokens bound (NCCL's fixed slices; every rank passes the same
+    /// tokens here, so the bound is the tokens per rank), each at its token's index.
+    fn node_slice(&self, origin: u32, node: u32, schedule: Schedule) -> u32 {
+        if schedule == Schedule::AsBuilt {
+            self.traffic.tokens_per_rank
+        } else {
+            self.traffic.tokens_to_node(origin, node)
+        }
+    }
+
     /// Runs every rank's communication blocks over its queue from `start[rank]`.
     fn communicate(
         &self,
@@ -511,6 +528,7 @@ impl<'a> Machine<'a> {
         start: &[f64],
         blocks: u32,
         timeline: &mut [RankTimeline],
+        schedule: Schedule,
     ) -> CommResult {
         let ranks = self.ep.ranks;
         let mut result = CommResult {
@@ -579,7 +597,7 @@ impl<'a> Machine<'a> {
                             self.arrive(&mut result, item.origin, d, item.pos_end, arrival)
                         }
                         To::Node { node, relay } => {
-                            let node_total = self.traffic.tokens_to_node(item.origin, node);
+                            let node_total = self.node_slice(item.origin, node, schedule);
                             let prev = item.pos_end - item.rows;
                             for d in self.node_ranks(node) {
                                 let sent = u64::from(self.traffic.tokens_to(item.origin, d));
@@ -1100,7 +1118,7 @@ impl<'a> Machine<'a> {
                 .filter(|&&d| d != source)
                 .map(|&d| To::Rank(d))
                 .collect(),
-            Schedule::FineGrainedTopologyAware => {
+            Schedule::FineGrainedTopologyAware | Schedule::AsBuilt => {
                 let home = self.traffic.node_of(source);
                 let mut seen = vec![false; self.traffic.nodes() as usize];
                 let mut targets = Vec::new();
@@ -1133,7 +1151,7 @@ impl<'a> Machine<'a> {
         let launch = self.target.launch_overhead_s;
         let fused = self.fused_for(schedule);
         let queues = (0..ranks)
-            .map(|s| self.token_items(s, &self.targets(s, schedule), fused.is_some()))
+            .map(|s| self.token_items(s, &self.targets(s, schedule), fused.is_some(), schedule))
             .collect();
         // The fused decode's blocks send rows as their first work units, right after their
         // launch; the table's dispatch kernel starts after the metadata kernel.
@@ -1150,6 +1168,7 @@ impl<'a> Machine<'a> {
             &vec![dispatch_start; r],
             senders,
             &mut timeline,
+            schedule,
         );
         let mut accounting = Accounting {
             pairs_routed: (0..ranks)
@@ -1218,9 +1237,13 @@ impl<'a> Machine<'a> {
         } else {
             0.0
         };
-        // The fused decode stores GEMM2's rows at their origins (pair rows) in any plan.
-        let partials = fused.is_none() && self.results == CombineRoute::RankPartials;
-        let (arrived, combined, passes_end) = if partials {
+        // The fused decode stores GEMM2's rows at their origins (pair rows) in any plan; as
+        // built across nodes results return as rank partials, summed per node at a relay.
+        let as_built = schedule == Schedule::AsBuilt;
+        let partials = fused.is_none() && (as_built || self.results == CombineRoute::RankPartials);
+        let (arrived, combined, passes_end) = if as_built {
+            self.relayed_partials(&mut ports, &ends, barrier2, &mut timeline)
+        } else if partials {
             self.partial_results(&mut ports, &ends, barrier2, &mut timeline)
         } else {
             let (arrived, combined) = self.streamed_results(&mut ports, &ends, schedule);
@@ -1343,6 +1366,106 @@ impl<'a> Machine<'a> {
                 let done = self.transfer(ports, begin, d, s, bytes, f64::INFINITY);
                 let arrival = done.max(end) + self.latency(self.class(d, s));
                 at[s as usize] = at[s as usize].max(arrival);
+            }
+        }
+        (at, pairs, passes_end)
+    }
+
+    /// As built across nodes: each rank's combine sums its received tokens' rows into rank
+    /// partials (as in [`Machine::partial_results`]) and stores a partial for an origin of
+    /// its node there, one for another node's origin at the relay of the origin's rail on
+    /// this node. A relay, once every rank of its node has stored (their passes ended, their
+    /// partials landed), sums them in one more pass, and the network stream then sends each
+    /// rail origin the node partials of the call's whole tokens bound (NCCL's fixed slices,
+    /// whatever the routing). Returns as [`Machine::partial_results`] does, a relay's pass
+    /// ending after its sums.
+    fn relayed_partials(
+        &self,
+        ports: &mut Ports,
+        ends: &[GemmEnds],
+        barrier2: f64,
+        timeline: &mut [RankTimeline],
+    ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
+        let ranks = self.ep.ranks;
+        let g = self.traffic.gpus_per_node;
+        let launch = self.target.launch_overhead_s;
+        let mut at = vec![0.0f64; ranks as usize];
+        let mut pairs = vec![0u64; ranks as usize];
+        let mut passes_end = vec![0.0f64; ranks as usize];
+        // Per relay, when the last partial stored there has landed.
+        let mut stored = vec![0.0f64; ranks as usize];
+        for d in 0..ranks {
+            let begin = ends[d as usize].end2.max(barrier2) + launch;
+            let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
+            let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
+            let end =
+                begin + model::partials_seconds(self.combine_grid(None), tokens, rows, self.hidden);
+            passes_end[d as usize] = end;
+            if let Some(lane) = timeline.get_mut(d as usize) {
+                lane.kernels.push(Span {
+                    start: begin,
+                    end,
+                    label: "partials".into(),
+                });
+            }
+            let node = self.traffic.node_of(d);
+            for s in 0..ranks {
+                let sent = self.traffic.tokens_to(s, d);
+                if sent == 0 {
+                    continue;
+                }
+                pairs[s as usize] += self.traffic.pairs_to_rank(s, d);
+                let remote = self.traffic.node_of(s) != node;
+                let to = if remote { node * g + s % g } else { s };
+                let bytes = f64::from(sent) * self.row_bytes;
+                let done = self.transfer(ports, begin, d, to, bytes, f64::INFINITY);
+                let arrival = done.max(end) + self.latency(self.class(d, to));
+                let slot = if remote {
+                    &mut stored[to as usize]
+                } else {
+                    &mut at[s as usize]
+                };
+                *slot = slot.max(arrival);
+            }
+        }
+        let bound = self.traffic.tokens_per_rank;
+        for relay in 0..ranks {
+            let node = self.traffic.node_of(relay);
+            let origins: Vec<u32> = (0..self.traffic.nodes())
+                .filter(|&n| n != node)
+                .map(|n| n * g + relay % g)
+                .filter(|&s| s < ranks)
+                .collect();
+            if origins.is_empty() {
+                continue;
+            }
+            let node_done = self
+                .node_ranks(node)
+                .map(|d| passes_end[d as usize])
+                .fold(stored[relay as usize], f64::max);
+            // The sums walk each rail origin's tokens; a token's partials are the ranks of
+            // this node it visited.
+            let visited: u32 = origins
+                .iter()
+                .map(|&s| self.traffic.tokens_to_node(s, node))
+                .sum();
+            let partials: u32 = origins
+                .iter()
+                .flat_map(|&s| self.node_ranks(node).map(move |d| (s, d)))
+                .map(|(s, d)| self.traffic.tokens_to(s, d))
+                .sum();
+            let sums = model::combine_seconds(
+                self.combine_grid(None),
+                visited,
+                partials.div_ceil(visited.max(1)).max(1),
+                self.hidden,
+            );
+            let ready = node_done + sums;
+            passes_end[relay as usize] = passes_end[relay as usize].max(ready);
+            for s in origins {
+                let bytes = f64::from(bound) * self.row_bytes;
+                let done = self.transfer(ports, ready, relay, s, bytes, f64::INFINITY);
+                at[s as usize] = at[s as usize].max(done + self.latency(self.class(relay, s)));
             }
         }
         (at, pairs, passes_end)

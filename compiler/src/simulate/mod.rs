@@ -1,5 +1,6 @@
 //! A schedule simulator: one call of a plan's expert-parallel schedule on the layer's
-//! declared topology, as a discrete-event model, for three schedules of the same layer:
+//! declared topology, as a discrete-event model, for three schedules of the same layer,
+//! and across real nodes a fourth, the kernels as built:
 //!
 //! - **bulk-synchronous**: all-to-all of token rows (the plan's send order, straight to
 //!   every destination), a barrier, both GEMMs with every row present, a barrier, an
@@ -14,11 +15,16 @@
 //!   GEMM2 tile as soon as GEMM1 has stored its rows, else a GEMM1 tile whose chunks have
 //!   arrived (Comet's GEMM-to-GEMM overlap: GEMM2 fills the time GEMM1's blocks would wait
 //!   for the network; `benches/results/2026-12-02_simulator_gemm_overlap.md`). This
-//!   schedule is the design to build across nodes: the kernels do neither the
-//!   hierarchical exchange nor this overlap yet (GEMM2 is a kernel after GEMM1, its phases
-//!   in receive order, and results across nodes return as rank partials in fixed NCCL
-//!   slices after the combine's first pass). Across real nodes all three schedules model
-//!   results as pair rows (the design's), whatever the plan's route there.
+//!   schedule is the design across nodes: the kernels run its hierarchical exchange but
+//!   not this overlap (GEMM2 is a kernel after GEMM1, its phases in receive order), and
+//!   NCCL moves fixed slices of the call's tokens bound. Across real nodes the first
+//!   three schedules model results as pair rows (the design's), whatever the plan's route;
+//! - **as built** (across real nodes only; on one node the topology-aware schedule is what
+//!   the kernels run): the topology-aware exchange with NCCL's fixed slices (every other
+//!   node gets the rows of the whole tokens bound, at their token's index, whatever the
+//!   routing), GEMM2 after GEMM1, and results as rank partials stored at the relay of the
+//!   origin's rail, summed there once every rank of the node has stored, then the bound's
+//!   node partials back through NCCL.
 //!
 //! What it models: per rank, the plan's communication blocks taking work items (chunks of
 //! `dispatch_chunk` tokens per destination, or `dispatch_piece` pieces when a call has
@@ -104,19 +110,23 @@ pub enum SimError {
     Measured(String),
 }
 
-/// The three schedules compared.
+/// The schedules compared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Schedule {
     BulkSynchronous,
     FineGrainedNaive,
     FineGrainedTopologyAware,
+    /// Across real nodes, what the kernels as built run (on one node the topology-aware
+    /// schedule is that already).
+    AsBuilt,
 }
 
 impl Schedule {
-    pub const ALL: [Schedule; 3] = [
+    pub const ALL: [Schedule; 4] = [
         Schedule::BulkSynchronous,
         Schedule::FineGrainedNaive,
         Schedule::FineGrainedTopologyAware,
+        Schedule::AsBuilt,
     ];
 
     pub fn name(self) -> &'static str {
@@ -124,6 +134,7 @@ impl Schedule {
             Schedule::BulkSynchronous => "bulk-synchronous",
             Schedule::FineGrainedNaive => "fine-grained, naive order",
             Schedule::FineGrainedTopologyAware => "fine-grained, topology-aware",
+            Schedule::AsBuilt => "as built (fixed NCCL slices)",
         }
     }
 }
@@ -306,8 +317,10 @@ pub fn simulate(plan: &Plan, topology: &Topology, options: &Options) -> Result<R
     } else {
         let machine =
             engine::Machine::new(plan, ep, regime, topology, &traffic, options.fused_decode);
+        let across_nodes = traffic.nodes() > 1 && !topology.virtual_ranks;
         Schedule::ALL
             .iter()
+            .filter(|&&schedule| schedule != Schedule::AsBuilt || across_nodes)
             .map(|&schedule| machine.run(schedule, options.timeline_ranks))
             .collect()
     };
