@@ -65,11 +65,16 @@ impl LoopbackCopy {
         }
     }
 
-    /// Whether `next` continues this run as its next row.
-    fn continued_by(&self, next: &LoopbackCopy) -> bool {
+    /// Whether `next` continues this run as its next row: the same ranks and size, its
+    /// source and destination in the buffers of this run's (a 2D copy spans one allocation
+    /// on each side; rows of different buffers could sit a pitch apart by chance, and the
+    /// driver refuses such a copy).
+    fn continued_by(&self, next: &LoopbackCopy, buffers: &BufferRanges) -> bool {
         let row =
             |pitch: u64, at: u64, start: u64| at.checked_sub(start) == Some(pitch * self.rows);
         (next.from, next.to, next.bytes, next.rows) == (self.from, self.to, self.bytes, 1)
+            && buffers.same(self.source, next.source)
+            && buffers.same(self.destination, next.destination)
             && if self.rows == 1 {
                 // The second row sets the pitches: at least a row apart, so rows never overlap.
                 next.source >= self.source + self.bytes
@@ -90,12 +95,36 @@ impl LoopbackCopy {
     }
 }
 
+/// The device ranges of every rank's buffers the steps name, sorted by start.
+#[derive(Debug, Default)]
+pub(crate) struct BufferRanges(Vec<(u64, u64)>);
+
+impl BufferRanges {
+    pub(crate) fn of(buffers: &[StepBuffers]) -> Self {
+        let mut ranges: Vec<(u64, u64)> = buffers.iter().flat_map(StepBuffers::ranges).collect();
+        ranges.sort_unstable();
+        BufferRanges(ranges)
+    }
+
+    /// The range holding `address`.
+    fn holding(&self, address: u64) -> Option<usize> {
+        let after = self.0.partition_point(|&(start, _)| start <= address);
+        after.checked_sub(1).filter(|&i| address < self.0[i].1)
+    }
+
+    /// Whether `a` and `b` lie in one buffer.
+    fn same(&self, a: u64, b: u64) -> bool {
+        let range = self.holding(a);
+        range.is_some() && range == self.holding(b)
+    }
+}
+
 /// `copies` with each run of rows that one 2D copy can move merged (in order).
-fn coalesced(copies: Vec<LoopbackCopy>) -> Vec<LoopbackCopy> {
+fn coalesced(copies: Vec<LoopbackCopy>, buffers: &BufferRanges) -> Vec<LoopbackCopy> {
     let mut runs: Vec<LoopbackCopy> = Vec::with_capacity(copies.len());
     for copy in copies {
         match runs.last_mut() {
-            Some(run) if run.continued_by(&copy) => run.extend(&copy),
+            Some(run) if run.continued_by(&copy, buffers) => run.extend(&copy),
             _ => runs.push(copy),
         }
     }
@@ -117,6 +146,7 @@ pub(crate) struct LoopbackStep {
 /// each send paired with the receive NCCL would match it with.
 pub(crate) fn pair_steps(
     per_rank: Vec<Vec<ResolvedStep>>,
+    buffers: &BufferRanges,
 ) -> Result<Vec<LoopbackStep>, NetworkError> {
     let count = per_rank.first().map_or(0, Vec::len);
     if per_rank.iter().any(|steps| steps.len() != count) {
@@ -130,13 +160,16 @@ pub(crate) fn pair_steps(
     let mut joined = Vec::with_capacity(count);
     for _ in 0..count {
         let steps: Vec<ResolvedStep> = ranks.iter_mut().filter_map(Iterator::next).collect();
-        joined.push(pair_step(steps)?);
+        joined.push(pair_step(steps, buffers)?);
     }
     Ok(joined)
 }
 
 /// Step `i` of every rank (`steps[r]`: rank `r`'s) as one loopback step.
-fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
+fn pair_step(
+    steps: Vec<ResolvedStep>,
+    buffers: &BufferRanges,
+) -> Result<LoopbackStep, NetworkError> {
     let kind = steps[0].kind;
     let unpaired = |detail: String| NetworkError::Unpaired {
         step: kind.to_string(),
@@ -207,7 +240,7 @@ fn pair_step(steps: Vec<ResolvedStep>) -> Result<LoopbackStep, NetworkError> {
         kind,
         position,
         wait_for,
-        copies: coalesced(copies),
+        copies: coalesced(copies, buffers),
         release,
     })
 }
@@ -500,7 +533,7 @@ fn resolve_call(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
-    pair_steps(per_rank)
+    pair_steps(per_rank, &BufferRanges::of(buffers))
 }
 
 #[cfg(test)]
@@ -635,22 +668,32 @@ mod tests {
             position: 0,
         };
         let metadata = StepKind::Metadata;
+        let buffers = BufferRanges(vec![(0x1000, 0x1100), (0x2000, 0x2400)]);
         // Rank 0 sends 64 B to rank 1, which expects 32 B.
-        let sizes = pair_steps(vec![
-            vec![step(metadata, vec![(1, 0x1000, 64)], Vec::new())],
-            vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
-        ]);
+        let sizes = pair_steps(
+            vec![
+                vec![step(metadata, vec![(1, 0x1000, 64)], Vec::new())],
+                vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
+            ],
+            &buffers,
+        );
         assert!(matches!(sizes, Err(NetworkError::Unpaired { .. })));
         // Rank 1 waits for a send that never comes.
-        let missing = pair_steps(vec![
-            vec![step(metadata, Vec::new(), Vec::new())],
-            vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
-        ]);
+        let missing = pair_steps(
+            vec![
+                vec![step(metadata, Vec::new(), Vec::new())],
+                vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
+            ],
+            &buffers,
+        );
         assert!(matches!(missing, Err(NetworkError::Unpaired { .. })));
-        let paired = pair_steps(vec![
-            vec![step(metadata, vec![(1, 0x1000, 32)], Vec::new())],
-            vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
-        ])
+        let paired = pair_steps(
+            vec![
+                vec![step(metadata, vec![(1, 0x1000, 32)], Vec::new())],
+                vec![step(metadata, Vec::new(), vec![(0, 0x2000, 32)])],
+            ],
+            &buffers,
+        )
         .expect("pairs");
         assert_eq!(
             paired[0].copies,
@@ -669,10 +712,13 @@ mod tests {
             (0, 0x2200, 32),
             (0, 0x2300, 32),
         ];
-        let merged = pair_steps(vec![
-            vec![step(metadata, sends, Vec::new())],
-            vec![step(metadata, Vec::new(), receives)],
-        ])
+        let merged = pair_steps(
+            vec![
+                vec![step(metadata, sends.clone(), Vec::new())],
+                vec![step(metadata, Vec::new(), receives.clone())],
+            ],
+            &buffers,
+        )
         .expect("pairs");
         let copies = &merged[0].copies;
         assert_eq!(copies.len(), 2, "{copies:?}");
@@ -685,5 +731,17 @@ mod tests {
             (3, 0x20, 0x100)
         );
         assert_eq!(copy_rows(&copies[1]), vec![(0, 1, 0x1070, 0x2300, 32)]);
+        // Rows of different buffers never merge, however they are spaced: a 2D copy spans
+        // one allocation on each side.
+        let split = BufferRanges(vec![(0x1000, 0x1020), (0x1020, 0x1100), (0x2000, 0x2400)]);
+        let apart = pair_steps(
+            vec![
+                vec![step(metadata, sends[..2].to_vec(), Vec::new())],
+                vec![step(metadata, Vec::new(), receives[..2].to_vec())],
+            ],
+            &split,
+        )
+        .expect("pairs");
+        assert_eq!(apart[0].copies.len(), 2, "{:?}", apart[0].copies);
     }
 }

@@ -360,6 +360,13 @@ struct CallSteps {
 pub(crate) struct StepBuffers(Vec<(BufferId, u64, u64)>);
 
 impl StepBuffers {
+    /// Each buffer's device range, `[start, end)`.
+    pub(crate) fn ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.0
+            .iter()
+            .map(|&(_, address, bytes)| (address, address + bytes))
+    }
+
     /// The buffers `steps` name (transfers, flags waited on and released), each from
     /// `buffer(id)`: its device address and bytes.
     pub(crate) fn for_steps(

@@ -493,8 +493,8 @@ fn over_emulated_nodes(layer: &Layer, ranks: u32, nodes: u32) -> Layer {
     layer
 }
 
-/// The layers `emulated_nodes_match_reference` runs: 2 nodes of one GPU, 2 of two, 4 of
-/// one with a shared expert, and a scaled-down Qwen3-30B-A3B on 2 nodes of two.
+/// The layers `emulated_nodes_match_reference` runs: 2 nodes of one GPU, 2 of two, 2 of
+/// four, 4 of one with a shared expert, and a scaled-down Qwen3-30B-A3B on 2 nodes of two.
 fn emulated_node_cases() -> Vec<Layer> {
     let qwen = layers::examples()
         .into_iter()
@@ -503,6 +503,8 @@ fn emulated_node_cases() -> Vec<Layer> {
     [
         (layers::tiny(Activation::Swiglu), 2, 2),
         (layers::tiny(Activation::Swiglu), 4, 2),
+        // Nodes of 4: a relay forwards a row to several ranks of its node.
+        (layers::tiny(Activation::Swiglu), 8, 2),
         (layers::tiny_with_shared_expert(Activation::Swiglu), 4, 4),
         (layers::scaled_down(&qwen), 4, 2),
     ]
