@@ -96,7 +96,7 @@ impl LoopbackCopy {
 }
 
 /// The device ranges of every rank's buffers the steps name, sorted by start.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct BufferRanges(Vec<(u64, u64)>);
 
 impl BufferRanges {
