@@ -1338,24 +1338,12 @@ impl<'a> Machine<'a> {
         timeline: &mut [RankTimeline],
     ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
         let ranks = self.ep.ranks;
-        let launch = self.target.launch_overhead_s;
         let mut at = vec![0.0f64; ranks as usize];
         let mut pairs = vec![0u64; ranks as usize];
         let mut passes_end = vec![0.0f64; ranks as usize];
         for d in 0..ranks {
-            let begin = ends[d as usize].end2.max(barrier2) + launch;
-            let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
-            let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
-            let end =
-                begin + model::partials_seconds(self.combine_grid(None), tokens, rows, self.hidden);
+            let (begin, end) = self.partials_pass(d, ends, barrier2, timeline);
             passes_end[d as usize] = end;
-            if let Some(lane) = timeline.get_mut(d as usize) {
-                lane.kernels.push(Span {
-                    start: begin,
-                    end,
-                    label: "partials".into(),
-                });
-            }
             for s in 0..ranks {
                 let sent = self.traffic.tokens_to(s, d);
                 if sent == 0 {
@@ -1369,6 +1357,32 @@ impl<'a> Machine<'a> {
             }
         }
         (at, pairs, passes_end)
+    }
+
+    /// When rank `d`'s combine pass over its received tokens (their rows summed into rank
+    /// partials) begins and ends: after its GEMM2 (bulk-synchronous: after the barrier
+    /// behind every rank's) and the combine's launch. Drawn on `d`'s timeline.
+    fn partials_pass(
+        &self,
+        d: u32,
+        ends: &[GemmEnds],
+        barrier2: f64,
+        timeline: &mut [RankTimeline],
+    ) -> (f64, f64) {
+        let ranks = self.ep.ranks;
+        let begin = ends[d as usize].end2.max(barrier2) + self.target.launch_overhead_s;
+        let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
+        let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
+        let end =
+            begin + model::partials_seconds(self.combine_grid(None), tokens, rows, self.hidden);
+        if let Some(lane) = timeline.get_mut(d as usize) {
+            lane.kernels.push(Span {
+                start: begin,
+                end,
+                label: "partials".into(),
+            });
+        }
+        (begin, end)
     }
 
     /// As built across nodes: each rank's combine sums its received tokens' rows into rank
@@ -1388,26 +1402,14 @@ impl<'a> Machine<'a> {
     ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
         let ranks = self.ep.ranks;
         let g = self.traffic.gpus_per_node;
-        let launch = self.target.launch_overhead_s;
         let mut at = vec![0.0f64; ranks as usize];
         let mut pairs = vec![0u64; ranks as usize];
         let mut passes_end = vec![0.0f64; ranks as usize];
         // Per relay, when the last partial stored there has landed.
         let mut stored = vec![0.0f64; ranks as usize];
         for d in 0..ranks {
-            let begin = ends[d as usize].end2.max(barrier2) + launch;
-            let tokens: u32 = (0..ranks).map(|s| self.traffic.tokens_to(s, d)).sum();
-            let rows: u64 = (0..ranks).map(|s| self.traffic.pairs_to_rank(s, d)).sum();
-            let end =
-                begin + model::partials_seconds(self.combine_grid(None), tokens, rows, self.hidden);
+            let (begin, end) = self.partials_pass(d, ends, barrier2, timeline);
             passes_end[d as usize] = end;
-            if let Some(lane) = timeline.get_mut(d as usize) {
-                lane.kernels.push(Span {
-                    start: begin,
-                    end,
-                    label: "partials".into(),
-                });
-            }
             let node = self.traffic.node_of(d);
             for s in 0..ranks {
                 let sent = self.traffic.tokens_to(s, d);
