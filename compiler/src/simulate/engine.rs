@@ -667,6 +667,12 @@ impl<'a> Machine<'a> {
         node * g..((node + 1) * g).min(self.ep.ranks)
     }
 
+    /// The rank of `node` with `rank`'s local index: its relay there (its rail peer).
+    fn relay(&self, node: u32, rank: u32) -> u32 {
+        let g = self.traffic.gpus_per_node;
+        (node * g + rank % g).min(self.ep.ranks - 1)
+    }
+
     /// When slot `pos` (1-based end) of `origin`'s tokens at `d` has arrived.
     fn ready(arrivals: &[Vec<(u32, f64)>], ranks: u32, origin: u32, d: u32, pos: u32) -> f64 {
         let list = &arrivals[(origin * ranks + d) as usize];
@@ -1131,9 +1137,7 @@ impl<'a> Machine<'a> {
                         targets.push(To::Rank(d));
                     } else if !seen[node as usize] {
                         seen[node as usize] = true;
-                        let relay = (node * self.traffic.gpus_per_node
-                            + source % self.traffic.gpus_per_node)
-                            .min(self.ep.ranks - 1);
+                        let relay = self.relay(node, source);
                         targets.push(To::Node { node, relay });
                     }
                 }
@@ -1401,7 +1405,6 @@ impl<'a> Machine<'a> {
         timeline: &mut [RankTimeline],
     ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
         let ranks = self.ep.ranks;
-        let g = self.traffic.gpus_per_node;
         let mut at = vec![0.0f64; ranks as usize];
         let mut pairs = vec![0u64; ranks as usize];
         let mut passes_end = vec![0.0f64; ranks as usize];
@@ -1418,7 +1421,7 @@ impl<'a> Machine<'a> {
                 }
                 pairs[s as usize] += self.traffic.pairs_to_rank(s, d);
                 let remote = self.traffic.node_of(s) != node;
-                let to = if remote { node * g + s % g } else { s };
+                let to = if remote { self.relay(node, s) } else { s };
                 let bytes = f64::from(sent) * self.row_bytes;
                 let done = self.transfer(ports, begin, d, to, bytes, f64::INFINITY);
                 let arrival = done.max(end) + self.latency(self.class(d, to));
@@ -1435,8 +1438,7 @@ impl<'a> Machine<'a> {
             let node = self.traffic.node_of(relay);
             let origins: Vec<u32> = (0..self.traffic.nodes())
                 .filter(|&n| n != node)
-                .map(|n| n * g + relay % g)
-                .filter(|&s| s < ranks)
+                .map(|n| self.relay(n, relay))
                 .collect();
             if origins.is_empty() {
                 continue;
@@ -1484,7 +1486,6 @@ impl<'a> Machine<'a> {
         schedule: Schedule,
     ) -> (Vec<f64>, Vec<u64>) {
         let ranks = self.ep.ranks;
-        let g = self.traffic.gpus_per_node;
         // (first store, last store, destination rank, origin).
         let mut stores: Vec<(f64, f64, u32, u32)> = Vec::new();
         for d in 0..ranks {
@@ -1511,7 +1512,7 @@ impl<'a> Machine<'a> {
             let node = self.traffic.node_of(d);
             let remote = node != self.traffic.node_of(s) && !self.topology.virtual_ranks;
             let hop = if remote && hierarchical {
-                (node * g + s % g).min(ranks - 1)
+                self.relay(node, s)
             } else {
                 s
             };
@@ -1543,7 +1544,7 @@ impl<'a> Machine<'a> {
             }
             sends.sort_by(|a, b| a.0.total_cmp(&b.0));
             for (ready, s, node) in sends {
-                let relay = (node * g + s % g).min(ranks - 1);
+                let relay = self.relay(node, s);
                 let tokens = self.traffic.tokens_to_node(s, node);
                 let reduce =
                     model::combine_seconds(self.combine_grid(None), tokens, 1, self.hidden);
