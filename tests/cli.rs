@@ -175,8 +175,8 @@ fn check_notes_a_layer_too_large_for_its_gpus() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}");
     assert!(
-        stdout.contains("note: layer `deepseek_v3_ep64`: the plan needs 226.1 GB per rank")
-            && stdout.contains("max_tokens = 19385 fits"),
+        stdout.contains("note: layer `deepseek_v3_ep64`: the plan needs 229.4 GB per rank")
+            && stdout.contains("max_tokens = 19107 fits"),
         "{stdout}"
     );
     let shipped = moeforge(&["check", "dsl-examples/deepseek_v3_ep64.moe"]);
@@ -404,11 +404,10 @@ fn simulate_routes_within_the_routers_group_limit() {
         "{}",
         String::from_utf8_lossy(&output.stdout)
     );
-    // Across nodes the report adds what the kernels as built move: the receive index to 56
-    // network peers, and to 7 rail peers the slices of 128 tokens (rows, a node partial each).
+    // Across nodes the report adds the kernels as built, and how far they are from the
+    // design.
     assert!(
-        String::from_utf8_lossy(&output.stdout)
-            .contains("as built (a floor, not simulated): 26.04 MB each way per call and rank"),
+        String::from_utf8_lossy(&output.stdout).contains("as built, the layer takes 1.4"),
         "{}",
         String::from_utf8_lossy(&output.stdout)
     );

@@ -74,9 +74,11 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {{ ep.receive_order }} };
 // and sums their partials of the token into one node partial, which returns. What leaves
 // is staged in this rank's outboxes (net_send_*), each piece followed by a release of its
 // ready flag, which the network stream waits on (cuStreamWaitValue32) before it sends it;
-// what arrives lands where a peer on the node would have stored it, and the network
-// stream releases the same flags (cuStreamWriteValue32). Rows across nodes sit at their
-// token's index, which the sender, the relay and the destinations all know.
+// what arrives lands in this rank's inboxes, and the network stream releases their flags
+// (cuStreamWriteValue32). Rows for a node travel packed per token chunk (the chunk's
+// visiting tokens in token order), so NCCL moves only those; the relay copies each row to
+// its token's index at the ranks it visits, and node partials return packed as the rows
+// went.
 enum : int { GPUS_PER_NODE = {{ network.gpus_per_node }}, OTHER_NODES = {{ network.nodes }} - 1, NETWORK_PEERS = {{ network.peers }} };
 __device__ __forceinline__ int node_of(int rank) { return rank / GPUS_PER_NODE; }
 // `peer`'s slot among `rank`'s network peers (its receive-index outboxes), -1 on its node.
@@ -97,6 +99,24 @@ __device__ __forceinline__ int rail_peer(int rank, int slot) {
 // net_ready: per network peer the epoch its metadata was staged in, then per other node
 // each token chunk's.
 __device__ __forceinline__ int chunk_ready_index(int slot, int chunk) { return NETWORK_PEERS + slot * CHUNKS + chunk; }
+// The relay of `source`'s rail on `rank`'s node: the rank there with `source`'s local index.
+__device__ __forceinline__ int rail_relay(int rank, int source) {
+    return node_of(rank) * GPUS_PER_NODE + source % GPUS_PER_NODE;
+}
+// Packs the `count` tokens of a chunk from `first` on that visit a node (a nonzero mask),
+// in token order: each one's row is `first` plus the visiting tokens before it. The
+// sender, the relay and the results' way back all pack alike. One whole warp calls it.
+__device__ __forceinline__ void pack_visiting_rows(const u32* visits, int first, int count, int* row_of) {
+    const int lane = threadIdx.x % 32;
+    int packed = 0;
+    for (int base = 0; base < count; base += 32) {
+        const int token = first + base + lane;
+        const bool visiting = base + lane < count && visits[token] != 0;
+        const u32 ballot = __ballot_sync(0xffffffffu, visiting);
+        if (visiting) row_of[token] = first + packed + __popc(ballot & ((1u << lane) - 1u));
+        packed += __popc(ballot);
+    }
+}
 {%- endif %}
 {%- if ep.rank_partials %}
 // Rank partials: per own token, the slot of each rank that stores its partial here (its
@@ -435,6 +455,18 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
 {%- endif %}
         send_counts[destination] = slots;
     }
+{%- if ep.network.is_some() %}
+    // Per other node, the rows of each token chunk (its tokens visiting the node): the
+    // metadata step carries them to the rail peer there, and the host sizes the chunk's
+    // transfers by them. Every block's masks are ordered before its count; read past L1.
+    for (int i = threadIdx.x; i < OTHER_NODES * CHUNKS; i += META_THREADS) {
+        const int first = i % CHUNKS * CHUNK, end = min(first + CHUNK, tokens);
+        const u32* visits = net_send_mask + (size_t)(i / CHUNKS) * MAX_TOKENS;
+        u32 rows = 0;
+        for (int token = first; token < end; ++token) rows += __ldcg(visits + token) != 0;
+        net_send_rows[i] = rows;
+    }
+{%- endif %}
     if (threadIdx.x == 0) metadata_counters[COUNTER_BLOCKS_DONE] = 0;
     __syncthreads();  // every count is written before the releases
     for (int destination = threadIdx.x; destination < RANKS; destination += META_THREADS) {
@@ -454,17 +486,22 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.route.name }
 // fewer chunks splits them (down to MIN_PIECE tokens) so that every block copies. Each
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
-{%- if let Some(network) = ep.network %}
+{%- if ep.network.is_some() %}
 // Across nodes, first (the network is the slow path) the rows for each other node, a
-// whole token chunk an item: the chunk's tokens that visit a rank there, each at its
-// token's index in the node's outbox, then the chunk's ready flag, which the network
-// stream waits on before it sends the chunk to the rail peer there. Last, as that relay,
-// the rows the rail peers sent here: once a chunk has arrived (its flag, released by the
-// network stream), its rows go to the other ranks of this node their tokens visit, at the
-// same index of their recv_x, and their flag of the chunk is released.
+// whole token chunk an item: the rows of the chunk's tokens that visit a rank there,
+// packed in token order from the chunk's first row of the node's outbox (each token's row
+// noted in net_send_row, where its node partial comes back), then the chunk's ready flag,
+// which the network stream waits on before it sends the chunk's rows to the rail peer
+// there. Last, as that relay, the rows the rail peers sent here: once a chunk has arrived
+// (its flag, released by the network stream), the same packing of its visit masks finds
+// each row's token (noted in net_recv_row, where the token's node partial goes), the row
+// goes to the ranks of this node the token visits, itself too, at the token's index of
+// their recv_x, and their flag of the chunk is released. One block per SM (as the plan's
+// residency counts it) is stated here: left to aim at two, ptxas spilled the relay's copies
+// (on one node its own choice is the one measured).
 {%- endif %}
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ ep.dispatch.name }})
-extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }}(
+extern "C" __global__ void __launch_bounds__(COMM_THREADS{% if ep.network.is_some() %}, 1{% endif %}) {{ ep.dispatch.name }}(
     {{ ep.dispatch.params }}
 )
 {
@@ -486,14 +523,17 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
 {%- if ep.network.is_some() %}
     for (; item < OTHER_NODES * token_chunks; item += gridDim.x) {
         const int slot = item / token_chunks, chunk = item % token_chunks;
-        const int first = chunk * CHUNK;
+        const int first = chunk * CHUNK, chunk_tokens = min(CHUNK, tokens - first);
         const u32* visits = net_send_mask + (size_t)slot * MAX_TOKENS;
+        int* row_of = net_send_row + (size_t)slot * MAX_TOKENS;
         bf16_t* outbox = net_send_x + (size_t)slot * MAX_TOKENS * HIDDEN;
-        const unsigned vectors = min(CHUNK, tokens - first) * VECTORS;
+        if (threadIdx.x < 32) pack_visiting_rows(visits, first, chunk_tokens, row_of);
+        __syncthreads();  // every visiting token's row is known
+        const unsigned vectors = chunk_tokens * VECTORS;
         for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
             const int token = first + i / VECTORS;
             if (visits[token] == 0) continue;
-            reinterpret_cast<Vec16*>(outbox + (size_t)token * HIDDEN)[i % VECTORS] =
+            reinterpret_cast<Vec16*>(outbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS] =
                 reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
         }
         __syncthreads();  // the whole chunk is written before it is released
@@ -550,17 +590,16 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
         }
         items_before += pieces;
     }
-{%- if let Some(network) = ep.network %}
-    // The network stream sends every chunk below the call's tokens bound (NCCL's counts are
-    // fixed on the host, not by this call's routing): the chunks this call leaves empty are
-    // ready at once, before any block waits for a relayed chunk (whose step may wait on them).
+{%- if ep.network.is_some() %}
+    // The network stream runs a step for every chunk below the call's tokens bound: the
+    // chunks this call leaves empty are ready at once, before any block waits for a relayed
+    // chunk (whose step may wait on them).
     if (blockIdx.x == 0) {
         const int empty = CHUNKS - token_chunks;
         for (int i = threadIdx.x; i < OTHER_NODES * empty; i += COMM_THREADS) {
             flag_store(net_ready + chunk_ready_index(i / empty, token_chunks + i % empty), epoch);
         }
     }
-{%- if network.gpus_per_node > 1 %}
     // Relay. Each rail peer's metadata first: how many tokens it has, and their visit masks.
     const int local = rank % GPUS_PER_NODE, node_first = rank - local;
     for (int slot = threadIdx.x; slot < OTHER_NODES; slot += COMM_THREADS) {
@@ -573,36 +612,40 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) {{ ep.dispatch.name }
     };
     int relayed_chunks = 0;
     for (int slot = 0; slot < OTHER_NODES; ++slot) relayed_chunks += (rail_tokens(slot) + CHUNK - 1) / CHUNK;
-    const bf16_t* arrived = peer_buffer<bf16_t>(peer_table, rank, PEER_RECV_X);
     for (; item < items_before + relayed_chunks; item += gridDim.x) {
         int slot = 0, chunk = item - items_before;
         for (int chunks; chunk >= (chunks = (rail_tokens(slot) + CHUNK - 1) / CHUNK); ++slot) chunk -= chunks;
         const int source = rail_peer(rank, slot), first = chunk * CHUNK;
-        if (threadIdx.x == 0) {
-            wait_flag(chunk_flags + source * CHUNKS + chunk, epoch, error_word, rank, FLAG_KIND_CHUNK,
-                      source * CHUNKS + chunk);
-        }
-        __syncthreads();
+        const int chunk_tokens = min(CHUNK, rail_tokens(slot) - first);
         const u32* visits = recv_mask + (size_t)slot * MAX_TOKENS;
-        const unsigned vectors = min(CHUNK, rail_tokens(slot) - first) * VECTORS;
+        int* row_of = net_recv_row + (size_t)slot * MAX_TOKENS;
+        if (threadIdx.x < 32) {
+            if (threadIdx.x == 0) {
+                wait_flag(net_arrived + slot * CHUNKS + chunk, epoch, error_word, rank, FLAG_KIND_ARRIVED,
+                          source * CHUNKS + chunk);
+            }
+            pack_visiting_rows(visits, first, chunk_tokens, row_of);
+        }
+        __syncthreads();  // the chunk is here and every visiting token's row is known
+        const bf16_t* inbox = net_recv_x + (size_t)slot * MAX_TOKENS * HIDDEN;
+        const unsigned vectors = chunk_tokens * VECTORS;
         for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
             const int token = first + i / VECTORS;
-            u32 others = visits[token] & ~(1u << local);
-            if (others == 0) continue;
+            u32 visited = visits[token];
+            if (visited == 0) continue;
+            const Vec16 value = reinterpret_cast<const Vec16*>(inbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS];
             const size_t row = (size_t)source * SLOTS + token;
-            const Vec16 value = reinterpret_cast<const Vec16*>(arrived + row * HIDDEN)[i % VECTORS];
-            for (; others != 0; others &= others - 1) {
-                const int to = node_first + __ffs(others) - 1;
+            for (; visited != 0; visited &= visited - 1) {
+                const int to = node_first + __ffs(visited) - 1;
                 reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, to, PEER_RECV_X) + row * HIDDEN)[i % VECTORS] = value;
             }
         }
-        __syncthreads();  // the chunk's rows are forwarded before its flags are released
-        if (threadIdx.x < GPUS_PER_NODE && threadIdx.x != local) {
+        __syncthreads();  // the chunk's rows are copied before its flags are released
+        if (threadIdx.x < GPUS_PER_NODE) {
             fence_flags();
             flag_store(peer_buffer<u32>(peer_table, node_first + threadIdx.x, PEER_CHUNK_FLAGS) + source * CHUNKS + chunk, epoch);
         }
     }
-{%- endif %}
 {%- endif %}
 }
 #endif
@@ -781,8 +824,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
         // its local index), which sums the node's partials of the token.
         const int origin_slot = node_slot(rank, source);
         bf16_t* partial = origin_slot >= 0
-                              ? peer_buffer<bf16_t>(peer_table, node_of(rank) * GPUS_PER_NODE + source % GPUS_PER_NODE,
-                                                    PEER_NODE_PARTIALS) +
+                              ? peer_buffer<bf16_t>(peer_table, rail_relay(rank, source), PEER_NODE_PARTIALS) +
                                     (((size_t)origin_slot * GPUS_PER_NODE + rank % GPUS_PER_NODE) * MAX_TOKENS + token) * HIDDEN
                               : peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
                                     ((size_t)token * PARTIAL_SLOTS + rank % PARTIAL_SLOTS) * HIDDEN;
@@ -819,6 +861,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
     // partials here, each token's node partial is the sum of its visited ranks' (in rank
     // order: deterministic), into the return outbox. The grid's last lane then releases
     // them to the network stream, which waits for net_partials_ready[2] before it sends.
+    // Each lands at its token's row of the inbox (a chunk's rows packed as they came), so
+    // the return steps move only the visiting tokens'.
     if (thread == 0) {
         for (int b = 0; b < GPUS_PER_NODE; ++b) {
             wait_flag(node_partials_ready + b, epoch, error_word, rank, FLAG_KIND_NODE_PARTIALS, node_first + b);
@@ -838,7 +882,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
             rows[b] = visits >> b & 1u ? node_partials + (((size_t)slot * GPUS_PER_NODE + b) * MAX_TOKENS + token) * HIDDEN
                                        : nullptr;
         }
-        combine_rows<GPUS_PER_NODE>(rows, net_return_x + ((size_t)slot * MAX_TOKENS + token) * HIDDEN, thread);
+        const int row = net_recv_row[(size_t)slot * MAX_TOKENS + token];
+        combine_rows<GPUS_PER_NODE>(rows, net_return_x + ((size_t)slot * MAX_TOKENS + row) * HIDDEN, thread);
     }
     lane_sync(lane);  // every thread's node partials are stored before the lane counts itself
     if (thread == 0) {
@@ -859,8 +904,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
         // its first pair there (later pairs are in that partial), and this rank's for the
         // shared slices in the last slot when no pair chose it; summed in that order (fixed
         // by the token's choices; ranks can be many here, so no per-rank array). Another
-        // node's comes back through NCCL into net_returned_x (that node's slot), released
-        // per (node, token chunk); the counter counts the partials of this node's ranks.
+        // node's comes back through NCCL into net_returned_x (that node's slot, at the row
+        // the token's row had in the outbox), released per (node, token chunk); the counter
+        // counts the partials of this node's ranks.
         int source_of[TOP_K];     // the rank of each pair, -1 where it is not combined
         int node_slot_of[TOP_K];  // the other node of each pair's rank, -1 for this node's
 #pragma unroll
@@ -879,7 +925,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) {{
 #pragma unroll
             for (int j = 0; j < k; ++j) first = first && (slot >= 0 ? node_slot_of[j] != slot : source_of[j] != source);
             rows[k] = !first    ? nullptr
-                      : slot >= 0 ? net_returned_x + ((size_t)slot * MAX_TOKENS + token) * HIDDEN
+                      : slot >= 0 ? net_returned_x + ((size_t)slot * MAX_TOKENS + net_send_row[(size_t)slot * MAX_TOKENS + token]) * HIDDEN
                                   : combine_slots + ((size_t)token * PARTIAL_SLOTS + source % PARTIAL_SLOTS) * HIDDEN;
             returned_slot[k] = first ? slot : -1;
             own_visited = own_visited || (first && source == rank);

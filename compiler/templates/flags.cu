@@ -9,7 +9,7 @@ enum : long long { SPIN_LIMIT_CYCLES = {{ spin_limit_cycles }}LL };
 enum : int { ERROR_FLAG_TIMEOUT = {{ error_flag_timeout }} };
 enum : int { FLAG_KIND_META = {{ flag_kind_meta }}, FLAG_KIND_CHUNK = {{ flag_kind_chunk }}, FLAG_KIND_COMBINE = {{ flag_kind_combine }} };
 enum : int { FLAG_KIND_CREDIT = {{ flag_kind_credit }}, FLAG_KIND_RETURN = {{ flag_kind_return }}, FLAG_KIND_EXPERT_ROWS = {{ flag_kind_expert_rows }} };
-enum : int { FLAG_KIND_NODE_PARTIALS = {{ flag_kind_node_partials }} };
+enum : int { FLAG_KIND_NODE_PARTIALS = {{ flag_kind_node_partials }}, FLAG_KIND_ARRIVED = {{ flag_kind_arrived }} };
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;

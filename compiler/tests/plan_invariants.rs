@@ -1075,8 +1075,8 @@ fn results_return_as_rank_partials_where_a_rank_holds_several_pairs() {
     assert_eq!(elems(&top2, BufferId::CombineSlots), Some(16384 * 2 * 2048));
     assert_eq!(elems(&top2, BufferId::PairResults), None);
 
-    // Across nodes always partials, however few pairs a rank holds: NCCL's fixed slices
-    // would carry every slot of a token as pair rows.
+    // Across nodes always partials, however few pairs a rank holds: a relay sums them
+    // into one node partial per token, where pair rows would carry every slot of a token.
     let mut two_nodes = planned(128, 8, 1, 2);
     let ep = two_nodes.expert_parallel.as_mut().unwrap();
     assert_eq!(
@@ -1085,7 +1085,11 @@ fn results_return_as_rank_partials_where_a_rank_holds_several_pairs() {
         "{}",
         ep.combine_reason
     );
-    assert!(ep.combine_reason.contains("NCCL"), "{}", ep.combine_reason);
+    assert!(
+        ep.combine_reason.contains("node partial"),
+        "{}",
+        ep.combine_reason
+    );
     ep.combine_route = CombineRoute::PairRows;
     let error = two_nodes.validate().expect_err("pair rows across nodes");
     assert!(error.to_string().contains("rank partials"), "{error}");

@@ -176,40 +176,42 @@ fn deepseek_v3_over_64_ranks_keeps_the_designs_exchange() {
     assert!(aware.layer_s <= 1.15 * aware.compute_s.max(aware.network_s));
 }
 
-/// Across real nodes the report adds what the kernels as built run: rows and node partials
-/// of the whole tokens bound to each other node (NCCL's fixed slices, whatever the
-/// routing), so its network port carries more than the design's routed bytes; the design's
-/// share of those bytes shrinks with the group limit, the as built's does not. One node
-/// has no such schedule (the topology-aware one is what its kernels run).
+/// Across real nodes the report adds what the kernels as built run: the design's
+/// hierarchical exchange with chunks sized by the routing (the same bytes on the network
+/// port, fewer with the group limit), but GEMM2 after GEMM1 and the node partials sent once
+/// the relay has every rank's, so the layer takes longer than the design. One node has no
+/// such schedule (the topology-aware one is what its kernels run).
 #[test]
-fn the_as_built_schedule_moves_fixed_slices_across_nodes() {
+fn the_as_built_schedule_moves_routed_chunks_across_nodes() {
     let (plan, topology) = planned(&layer("deepseek_v3_ep64"));
     let mut network = Vec::new();
     for routing in [
         Routing::Uniform,
         Routing::GroupLimited { groups: 8, kept: 4 },
     ] {
-        let report = simulate::simulate(&plan, &topology, &options(128, routing)).unwrap();
+        let report = simulate::simulate(&plan, &topology, &options(1024, routing)).unwrap();
         let of = |s: Schedule| report.schedules.iter().find(|r| r.schedule == s).unwrap();
         let (built, design) = (
             of(Schedule::AsBuilt),
             of(Schedule::FineGrainedTopologyAware),
         );
-        assert!(design.network_s < built.network_s, "{routing:?}");
-        network.push((built.network_s, design.network_s));
+        assert!(
+            (built.network_s - design.network_s).abs() <= 1e-3 * design.network_s,
+            "{routing:?}: {} vs {}",
+            built.network_s,
+            design.network_s
+        );
+        assert!(design.layer_s < built.layer_s, "{routing:?}");
+        assert!(
+            built.layer_s < of(Schedule::BulkSynchronous).layer_s,
+            "{routing:?}"
+        );
+        network.push(built.network_s);
     }
-    let [
-        (uniform_built, uniform_design),
-        (grouped_built, grouped_design),
-    ] = network[..]
-    else {
-        unreachable!("two routings")
-    };
-    assert_eq!(
-        uniform_built, grouped_built,
-        "the same slices whatever the routing"
+    assert!(
+        network[1] < network[0],
+        "the group limit sends less: {network:?}"
     );
-    assert!(grouped_design < uniform_design);
     let qwen = over_gpus("qwen3_30b_a3b", 2);
     let (plan, topology) = planned(&qwen);
     let report = simulate::simulate(&plan, &topology, &options(128, Routing::Uniform)).unwrap();

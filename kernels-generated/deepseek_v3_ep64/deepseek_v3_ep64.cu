@@ -10,7 +10,7 @@
 // A call that routes itself runs the regime's router in place of route (gate -> select ->
 // routing metadata, in one kernel): router -> gemm1 -> gemm2 -> combine.
 // Note: the spec asks for 64 expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all 256 experts on one GPU
-// Note: ranks on other nodes exchange through NCCL in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a rank's call moves 833 MB across the network (the receive index to its 56 network peers; rows and node partials to its 7 rail peers, one per other node) at a bound of max_tokens, the default until the ranks agree on a smaller one, and 205 KB at one token; the network's outboxes and inboxes take 1.24 GB per rank
+// Note: ranks on other nodes exchange through NCCL, whose counts must be on the host while the routing is on the device: the host waits once per call (while the kernels run) for the rows per chunk read back after the metadata step, then sizes the rows' and results' transfers by them (a device-initiated transport would need no wait); a rank's call moves at most 833 MB across the network (the receive index to its 56 network peers; rows and node partials to its 7 rail peers, one per other node, should every token visit every node) at a bound of max_tokens, the default until the ranks agree on a smaller one, and at most 205 KB at one token; the network's outboxes and inboxes take 1.66 GB per rank
 
 // ---------------------------------------------------------------------------------------
 // Prelude: element types and PTX wrappers. No toolkit header is included, so NVRTC needs
@@ -549,7 +549,7 @@ enum : long long { SPIN_LIMIT_CYCLES = 4000000000LL };
 enum : int { ERROR_FLAG_TIMEOUT = 2 };
 enum : int { FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3 };
 enum : int { FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5, FLAG_KIND_EXPERT_ROWS = 6 };
-enum : int { FLAG_KIND_NODE_PARTIALS = 7 };
+enum : int { FLAG_KIND_NODE_PARTIALS = 7, FLAG_KIND_ARRIVED = 8 };
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;
@@ -2999,9 +2999,11 @@ __device__ const int RECEIVE_ORDER[RANKS][RANKS] = { {0, 7, 6, 5, 4, 3, 2, 1, 63
 // and sums their partials of the token into one node partial, which returns. What leaves
 // is staged in this rank's outboxes (net_send_*), each piece followed by a release of its
 // ready flag, which the network stream waits on (cuStreamWaitValue32) before it sends it;
-// what arrives lands where a peer on the node would have stored it, and the network
-// stream releases the same flags (cuStreamWriteValue32). Rows across nodes sit at their
-// token's index, which the sender, the relay and the destinations all know.
+// what arrives lands in this rank's inboxes, and the network stream releases their flags
+// (cuStreamWriteValue32). Rows for a node travel packed per token chunk (the chunk's
+// visiting tokens in token order), so NCCL moves only those; the relay copies each row to
+// its token's index at the ranks it visits, and node partials return packed as the rows
+// went.
 enum : int { GPUS_PER_NODE = 8, OTHER_NODES = 8 - 1, NETWORK_PEERS = 56 };
 __device__ __forceinline__ int node_of(int rank) { return rank / GPUS_PER_NODE; }
 // `peer`'s slot among `rank`'s network peers (its receive-index outboxes), -1 on its node.
@@ -3022,6 +3024,24 @@ __device__ __forceinline__ int rail_peer(int rank, int slot) {
 // net_ready: per network peer the epoch its metadata was staged in, then per other node
 // each token chunk's.
 __device__ __forceinline__ int chunk_ready_index(int slot, int chunk) { return NETWORK_PEERS + slot * CHUNKS + chunk; }
+// The relay of `source`'s rail on `rank`'s node: the rank there with `source`'s local index.
+__device__ __forceinline__ int rail_relay(int rank, int source) {
+    return node_of(rank) * GPUS_PER_NODE + source % GPUS_PER_NODE;
+}
+// Packs the `count` tokens of a chunk from `first` on that visit a node (a nonzero mask),
+// in token order: each one's row is `first` plus the visiting tokens before it. The
+// sender, the relay and the results' way back all pack alike. One whole warp calls it.
+__device__ __forceinline__ void pack_visiting_rows(const u32* visits, int first, int count, int* row_of) {
+    const int lane = threadIdx.x % 32;
+    int packed = 0;
+    for (int base = 0; base < count; base += 32) {
+        const int token = first + base + lane;
+        const bool visiting = base + lane < count && visits[token] != 0;
+        const u32 ballot = __ballot_sync(0xffffffffu, visiting);
+        if (visiting) row_of[token] = first + packed + __popc(ballot & ((1u << lane) - 1u));
+        packed += __popc(ballot);
+    }
+}
 // Rank partials: per own token, the slot of each rank that stores its partial here (its
 // index on this node: another node's partials come back through the network).
 enum : int { PARTIAL_SLOTS = GPUS_PER_NODE };
@@ -3193,6 +3213,7 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
     float* __restrict__ net_send_weight,  // [NETWORK_PEERS, LOCAL_EXPERTS, SEGMENT_ROWS]: receive index staged for NCCL
     int* __restrict__ net_send_counts,  // [NETWORK_PEERS, LOCAL_EXPERTS + 1]: counts staged for NCCL
     u32* __restrict__ net_send_mask,  // [OTHER_NODES, MAX_TOKENS]: per other node, the ranks there each token visits (staged)
+    u32* __restrict__ net_send_rows,  // [OTHER_NODES, CHUNKS]: per other node, rows of each token chunk sent there (staged)
     u32* __restrict__ net_ready  // [NETWORK_PEERS + OTHER_NODES * CHUNKS]: epoch each peer's metadata, each node's chunk was staged in
 )
 {
@@ -3349,6 +3370,16 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
             network_slot(rank, destination) >= 0 ? tokens : slots;
         send_counts[destination] = slots;
     }
+    // Per other node, the rows of each token chunk (its tokens visiting the node): the
+    // metadata step carries them to the rail peer there, and the host sizes the chunk's
+    // transfers by them. Every block's masks are ordered before its count; read past L1.
+    for (int i = threadIdx.x; i < OTHER_NODES * CHUNKS; i += META_THREADS) {
+        const int first = i % CHUNKS * CHUNK, end = min(first + CHUNK, tokens);
+        const u32* visits = net_send_mask + (size_t)(i / CHUNKS) * MAX_TOKENS;
+        u32 rows = 0;
+        for (int token = first; token < end; ++token) rows += __ldcg(visits + token) != 0;
+        net_send_rows[i] = rows;
+    }
     if (threadIdx.x == 0) metadata_counters[COUNTER_BLOCKS_DONE] = 0;
     __syncthreads();  // every count is written before the releases
     for (int destination = threadIdx.x; destination < RANKS; destination += META_THREADS) {
@@ -3369,14 +3400,19 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
 // piece costs a fence that waits for its stores to land, so pieces stay as large as that
 // allows.
 // Across nodes, first (the network is the slow path) the rows for each other node, a
-// whole token chunk an item: the chunk's tokens that visit a rank there, each at its
-// token's index in the node's outbox, then the chunk's ready flag, which the network
-// stream waits on before it sends the chunk to the rail peer there. Last, as that relay,
-// the rows the rail peers sent here: once a chunk has arrived (its flag, released by the
-// network stream), its rows go to the other ranks of this node their tokens visit, at the
-// same index of their recv_x, and their flag of the chunk is released.
+// whole token chunk an item: the rows of the chunk's tokens that visit a rank there,
+// packed in token order from the chunk's first row of the node's outbox (each token's row
+// noted in net_send_row, where its node partial comes back), then the chunk's ready flag,
+// which the network stream waits on before it sends the chunk's rows to the rail peer
+// there. Last, as that relay, the rows the rail peers sent here: once a chunk has arrived
+// (its flag, released by the network stream), the same packing of its visit masks finds
+// each row's token (noted in net_recv_row, where the token's node partial goes), the row
+// goes to the ranks of this node the token visits, itself too, at the token's index of
+// their recv_x, and their flag of the chunk is released. One block per SM (as the plan's
+// residency counts it) is stated here: left to aim at two, ptxas spilled the relay's copies
+// (on one node its own choice is the one measured).
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_ep_dispatch)
-extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_dispatch(
+extern "C" __global__ void __launch_bounds__(COMM_THREADS, 1) deepseek_v3_ep64_ep_dispatch(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     int rank,  // this rank
     u32 epoch,  // this call's epoch
@@ -3386,12 +3422,15 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_d
     const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
     int tokens,  // tokens in this call
     const u32* __restrict__ net_send_mask,  // [OTHER_NODES, MAX_TOKENS]: per other node, the ranks there each token visits (staged)
-    bf16_t* __restrict__ net_send_x,  // [OTHER_NODES * MAX_TOKENS, HIDDEN]: rows staged for each other node, at their token's index
+    bf16_t* __restrict__ net_send_x,  // [OTHER_NODES * MAX_TOKENS, HIDDEN]: rows staged for each other node, packed per chunk
+    int* __restrict__ net_send_row,  // [OTHER_NODES, MAX_TOKENS]: per other node, each visiting token's row in its outbox
     u32* __restrict__ net_ready,  // [NETWORK_PEERS + OTHER_NODES * CHUNKS]: epoch each peer's metadata, each node's chunk was staged in
     const u32* meta_flags,  // [RANKS], written by peers
     const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
     const u32* recv_mask,  // [OTHER_NODES, MAX_TOKENS]: per rail peer, the ranks of this node each of its tokens visits
-    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    const bf16_t* net_recv_x,  // [OTHER_NODES * MAX_TOKENS, HIDDEN], written by NCCL's stream: rail peers' rows, packed per chunk
+    int* __restrict__ net_recv_row,  // [OTHER_NODES, MAX_TOKENS]: per rail peer, each visiting token's row in the inbox
+    const u32* net_arrived,  // [OTHER_NODES, CHUNKS], written by NCCL's stream: rail peers' rows arrived
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
@@ -3410,14 +3449,17 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_d
     int items_before = 0;
     for (; item < OTHER_NODES * token_chunks; item += gridDim.x) {
         const int slot = item / token_chunks, chunk = item % token_chunks;
-        const int first = chunk * CHUNK;
+        const int first = chunk * CHUNK, chunk_tokens = min(CHUNK, tokens - first);
         const u32* visits = net_send_mask + (size_t)slot * MAX_TOKENS;
+        int* row_of = net_send_row + (size_t)slot * MAX_TOKENS;
         bf16_t* outbox = net_send_x + (size_t)slot * MAX_TOKENS * HIDDEN;
-        const unsigned vectors = min(CHUNK, tokens - first) * VECTORS;
+        if (threadIdx.x < 32) pack_visiting_rows(visits, first, chunk_tokens, row_of);
+        __syncthreads();  // every visiting token's row is known
+        const unsigned vectors = chunk_tokens * VECTORS;
         for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
             const int token = first + i / VECTORS;
             if (visits[token] == 0) continue;
-            reinterpret_cast<Vec16*>(outbox + (size_t)token * HIDDEN)[i % VECTORS] =
+            reinterpret_cast<Vec16*>(outbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS] =
                 reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
         }
         __syncthreads();  // the whole chunk is written before it is released
@@ -3473,9 +3515,9 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_d
         }
         items_before += pieces;
     }
-    // The network stream sends every chunk below the call's tokens bound (NCCL's counts are
-    // fixed on the host, not by this call's routing): the chunks this call leaves empty are
-    // ready at once, before any block waits for a relayed chunk (whose step may wait on them).
+    // The network stream runs a step for every chunk below the call's tokens bound: the
+    // chunks this call leaves empty are ready at once, before any block waits for a relayed
+    // chunk (whose step may wait on them).
     if (blockIdx.x == 0) {
         const int empty = CHUNKS - token_chunks;
         for (int i = threadIdx.x; i < OTHER_NODES * empty; i += COMM_THREADS) {
@@ -3494,31 +3536,36 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS) deepseek_v3_ep64_ep_d
     };
     int relayed_chunks = 0;
     for (int slot = 0; slot < OTHER_NODES; ++slot) relayed_chunks += (rail_tokens(slot) + CHUNK - 1) / CHUNK;
-    const bf16_t* arrived = peer_buffer<bf16_t>(peer_table, rank, PEER_RECV_X);
     for (; item < items_before + relayed_chunks; item += gridDim.x) {
         int slot = 0, chunk = item - items_before;
         for (int chunks; chunk >= (chunks = (rail_tokens(slot) + CHUNK - 1) / CHUNK); ++slot) chunk -= chunks;
         const int source = rail_peer(rank, slot), first = chunk * CHUNK;
-        if (threadIdx.x == 0) {
-            wait_flag(chunk_flags + source * CHUNKS + chunk, epoch, error_word, rank, FLAG_KIND_CHUNK,
-                      source * CHUNKS + chunk);
-        }
-        __syncthreads();
+        const int chunk_tokens = min(CHUNK, rail_tokens(slot) - first);
         const u32* visits = recv_mask + (size_t)slot * MAX_TOKENS;
-        const unsigned vectors = min(CHUNK, rail_tokens(slot) - first) * VECTORS;
+        int* row_of = net_recv_row + (size_t)slot * MAX_TOKENS;
+        if (threadIdx.x < 32) {
+            if (threadIdx.x == 0) {
+                wait_flag(net_arrived + slot * CHUNKS + chunk, epoch, error_word, rank, FLAG_KIND_ARRIVED,
+                          source * CHUNKS + chunk);
+            }
+            pack_visiting_rows(visits, first, chunk_tokens, row_of);
+        }
+        __syncthreads();  // the chunk is here and every visiting token's row is known
+        const bf16_t* inbox = net_recv_x + (size_t)slot * MAX_TOKENS * HIDDEN;
+        const unsigned vectors = chunk_tokens * VECTORS;
         for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
             const int token = first + i / VECTORS;
-            u32 others = visits[token] & ~(1u << local);
-            if (others == 0) continue;
+            u32 visited = visits[token];
+            if (visited == 0) continue;
+            const Vec16 value = reinterpret_cast<const Vec16*>(inbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS];
             const size_t row = (size_t)source * SLOTS + token;
-            const Vec16 value = reinterpret_cast<const Vec16*>(arrived + row * HIDDEN)[i % VECTORS];
-            for (; others != 0; others &= others - 1) {
-                const int to = node_first + __ffs(others) - 1;
+            for (; visited != 0; visited &= visited - 1) {
+                const int to = node_first + __ffs(visited) - 1;
                 reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, to, PEER_RECV_X) + row * HIDDEN)[i % VECTORS] = value;
             }
         }
-        __syncthreads();  // the chunk's rows are forwarded before its flags are released
-        if (threadIdx.x < GPUS_PER_NODE && threadIdx.x != local) {
+        __syncthreads();  // the chunk's rows are copied before its flags are released
+        if (threadIdx.x < GPUS_PER_NODE) {
             fence_flags();
             flag_store(peer_buffer<u32>(peer_table, node_first + threadIdx.x, PEER_CHUNK_FLAGS) + source * CHUNKS + chunk, epoch);
         }
@@ -3657,8 +3704,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) de
     u32* __restrict__ combine_counters,  // [MAX_TOKENS], written by peers
     int* __restrict__ error_word,  // [4]: code, then details
     bf16_t* __restrict__ y,  // [tokens, HIDDEN]
-    bf16_t* __restrict__ net_return_x,  // [OTHER_NODES * MAX_TOKENS, HIDDEN]: node partials for rail peers / from other nodes
-    const bf16_t* net_returned_x,  // [OTHER_NODES * MAX_TOKENS, HIDDEN]: node partials for rail peers / from other nodes
+    bf16_t* __restrict__ net_return_x,  // [OTHER_NODES * MAX_TOKENS, HIDDEN]: node partials for rail peers / from other nodes, at the tokens' rows
+    const int* net_recv_row,  // [OTHER_NODES, MAX_TOKENS]: per rail peer, each visiting token's row in the inbox
+    const int* net_send_row,  // [OTHER_NODES, MAX_TOKENS]: per other node, each visiting token's row in its outbox
+    const bf16_t* net_returned_x,  // [OTHER_NODES * MAX_TOKENS, HIDDEN]: node partials for rail peers / from other nodes, at the tokens' rows
     const u32* net_return_flags,  // [OTHER_NODES, CHUNKS], written by NCCL's stream: results arrived
     u32* __restrict__ net_partials_ready,  // [3]: combine lanes done storing, done summing partials, then the epoch of the last
     const u32* recv_mask,  // [OTHER_NODES, MAX_TOKENS]: per rail peer, the ranks of this node each of its tokens visits
@@ -3723,8 +3772,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) de
         // its local index), which sums the node's partials of the token.
         const int origin_slot = node_slot(rank, source);
         bf16_t* partial = origin_slot >= 0
-                              ? peer_buffer<bf16_t>(peer_table, node_of(rank) * GPUS_PER_NODE + source % GPUS_PER_NODE,
-                                                    PEER_NODE_PARTIALS) +
+                              ? peer_buffer<bf16_t>(peer_table, rail_relay(rank, source), PEER_NODE_PARTIALS) +
                                     (((size_t)origin_slot * GPUS_PER_NODE + rank % GPUS_PER_NODE) * MAX_TOKENS + token) * HIDDEN
                               : peer_buffer<bf16_t>(peer_table, source, PEER_COMBINE_SLOTS) +
                                     ((size_t)token * PARTIAL_SLOTS + rank % PARTIAL_SLOTS) * HIDDEN;
@@ -3757,6 +3805,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) de
     // partials here, each token's node partial is the sum of its visited ranks' (in rank
     // order: deterministic), into the return outbox. The grid's last lane then releases
     // them to the network stream, which waits for net_partials_ready[2] before it sends.
+    // Each lands at its token's row of the inbox (a chunk's rows packed as they came), so
+    // the return steps move only the visiting tokens'.
     if (thread == 0) {
         for (int b = 0; b < GPUS_PER_NODE; ++b) {
             wait_flag(node_partials_ready + b, epoch, error_word, rank, FLAG_KIND_NODE_PARTIALS, node_first + b);
@@ -3776,7 +3826,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) de
             rows[b] = visits >> b & 1u ? node_partials + (((size_t)slot * GPUS_PER_NODE + b) * MAX_TOKENS + token) * HIDDEN
                                        : nullptr;
         }
-        combine_rows<GPUS_PER_NODE>(rows, net_return_x + ((size_t)slot * MAX_TOKENS + token) * HIDDEN, thread);
+        const int row = net_recv_row[(size_t)slot * MAX_TOKENS + token];
+        combine_rows<GPUS_PER_NODE>(rows, net_return_x + ((size_t)slot * MAX_TOKENS + row) * HIDDEN, thread);
     }
     lane_sync(lane);  // every thread's node partials are stored before the lane counts itself
     if (thread == 0) {
@@ -3792,8 +3843,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) de
         // its first pair there (later pairs are in that partial), and this rank's for the
         // shared slices in the last slot when no pair chose it; summed in that order (fixed
         // by the token's choices; ranks can be many here, so no per-rank array). Another
-        // node's comes back through NCCL into net_returned_x (that node's slot), released
-        // per (node, token chunk); the counter counts the partials of this node's ranks.
+        // node's comes back through NCCL into net_returned_x (that node's slot, at the row
+        // the token's row had in the outbox), released per (node, token chunk); the counter
+        // counts the partials of this node's ranks.
         int source_of[TOP_K];     // the rank of each pair, -1 where it is not combined
         int node_slot_of[TOP_K];  // the other node of each pair's rank, -1 for this node's
 #pragma unroll
@@ -3812,7 +3864,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) de
 #pragma unroll
             for (int j = 0; j < k; ++j) first = first && (slot >= 0 ? node_slot_of[j] != slot : source_of[j] != source);
             rows[k] = !first    ? nullptr
-                      : slot >= 0 ? net_returned_x + ((size_t)slot * MAX_TOKENS + token) * HIDDEN
+                      : slot >= 0 ? net_returned_x + ((size_t)slot * MAX_TOKENS + net_send_row[(size_t)slot * MAX_TOKENS + token]) * HIDDEN
                                   : combine_slots + ((size_t)token * PARTIAL_SLOTS + source % PARTIAL_SLOTS) * HIDDEN;
             returned_slot[k] = first ? slot : -1;
             own_visited = own_visited || (first && source == rank);

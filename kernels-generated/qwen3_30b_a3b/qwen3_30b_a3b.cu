@@ -482,7 +482,7 @@ enum : long long { SPIN_LIMIT_CYCLES = 4000000000LL };
 enum : int { ERROR_FLAG_TIMEOUT = 2 };
 enum : int { FLAG_KIND_META = 1, FLAG_KIND_CHUNK = 2, FLAG_KIND_COMBINE = 3 };
 enum : int { FLAG_KIND_CREDIT = 4, FLAG_KIND_RETURN = 5, FLAG_KIND_EXPERT_ROWS = 6 };
-enum : int { FLAG_KIND_NODE_PARTIALS = 7 };
+enum : int { FLAG_KIND_NODE_PARTIALS = 7, FLAG_KIND_ARRIVED = 8 };
 
 __device__ __forceinline__ u32 flag_load(const u32* flag) {
     u32 value;

@@ -743,24 +743,30 @@ impl EpLayer {
                 self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Comm)?;
             }
         }
-        // The network's steps (each waits on the device for the flags the kernels release
-        // for it), then the compute kernels. A withheld rank sends nothing, as a dead one
-        // would; on emulated nodes a loopback waiting for it would wait for ever, so the
-        // call's network traffic is left out on every rank (every wait for it times out,
-        // as if the network had failed).
-        if let Some(network) = self.network()
-            && withheld != Some(0)
-        {
-            network.enqueue_call(self.epoch, self.tokens_bound)?;
+        // The network's metadata step (it waits on the device for the flags the kernels
+        // release for it), the compute kernels, then the chunk steps, which the host sizes
+        // by the rows per chunk read back after the metadata (its one wait per call, while
+        // the kernels run). A withheld rank sends nothing, as a dead one would; on emulated
+        // nodes a loopback waiting for it would wait for ever, so the call's network
+        // traffic is left out on every rank (every wait for it times out, as if the network
+        // had failed).
+        let network = self.network().filter(|_| withheld != Some(0));
+        let loopback = self.loopback.as_ref().filter(|_| withheld.is_none());
+        if let Some(network) = network {
+            network.enqueue_metadata(self.epoch, self.tokens_bound)?;
         }
-        if let Some(loopback) = &self.loopback
-            && withheld.is_none()
-        {
-            loopback.enqueue_dispatch(self.epoch, self.tokens_bound)?;
-            loopback.enqueue_results(self.epoch)?;
+        if let Some(loopback) = loopback {
+            loopback.enqueue_metadata(self.epoch, self.tokens_bound)?;
         }
         for (r, call) in calls.iter().enumerate() {
             self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)?;
+        }
+        if let Some(network) = network {
+            network.enqueue_chunks(self.epoch)?;
+        }
+        if let Some(loopback) = loopback {
+            loopback.enqueue_dispatch(self.epoch)?;
+            loopback.enqueue_results(self.epoch)?;
         }
         for rank in &self.ranks {
             rank.compute
@@ -823,11 +829,12 @@ impl EpLayer {
                 self.enqueue(r, a, regimes[r], |l| l.stream == StreamRole::Comm)?;
             }
         }
-        // Emulated nodes: the network's dispatch steps are part of the dispatch stage, beside
-        // the dispatch kernels (each waits on the flags those release, and a relay's kernel
-        // forwards what they bring).
+        // Emulated nodes: the network's metadata and dispatch steps are part of the dispatch
+        // stage, beside the dispatch kernels (each waits on the flags those release, and a
+        // relay's kernel forwards what they bring).
         if let Some((loopback, stream)) = loopback {
-            loopback.enqueue_dispatch(self.epoch, self.tokens_bound)?;
+            loopback.enqueue_metadata(self.epoch, self.tokens_bound)?;
+            loopback.enqueue_dispatch(self.epoch)?;
             barrier(stream, &compute)?;
         }
         barrier(&comm, &compute)?;

@@ -1228,6 +1228,9 @@ fn flag_kind_name(kind: i32) -> &'static str {
         error_code::flag_kind::CREDIT => "credit of destination",
         error_code::flag_kind::RETURN => "node results (rail peer · chunks + token chunk)",
         error_code::flag_kind::NODE_PARTIALS => "node partials stored by rank",
+        error_code::flag_kind::ARRIVED => {
+            "rows arrived from rail peer (rail peer · chunks + token chunk)"
+        }
         error_code::flag_kind::EXPERT_ROWS => "fused decode: GEMM1 rows of expert",
         _ => "unknown flag",
     }

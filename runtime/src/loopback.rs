@@ -10,7 +10,9 @@
 //!   sizes are checked when the steps are resolved), then writes the call's epoch into
 //!   every rank's flags of step `i`. Lock step is sound: what a rank releases for step `i`
 //!   depends only on what earlier steps delivered and on the last call, which a call's
-//!   joins order before it.
+//!   joins order before it. As on real nodes, the chunk steps are sized by the rows per
+//!   chunk: after the metadata step the stream copies every rank's counts to the host,
+//!   which waits for them (bounded) before it pairs and enqueues the chunk steps.
 //! - **Bounded waits.** As for NCCL, the host waits at most the plan's bound per call
 //!   enqueued. A stall is a flag no kernel released (a kernel fault): the error
 //!   names the step and the ranks whose flags are missing; the loopback then releases
@@ -25,13 +27,13 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as driver;
 use cudarc::driver::{CudaEvent, CudaStream};
 use moeforge_compiler::plan::ep::ExpertParallelPlan;
-use moeforge_compiler::plan::network::{NetworkPlan, StepKind};
+use moeforge_compiler::plan::network::{ChunkRows, NetworkPlan, NetworkStep, StepKind};
 use moeforge_compiler::plan::{BufferId, LayerShape};
 
 use crate::gpu::DriverContext;
 use crate::network::{
-    NetworkError, ResolvedStep, StepBuffers, drain, idle_by, release_flags, step_events, stream_op,
-    stream_wait_value, stream_write_value,
+    NetworkError, ResolvedStep, RowsReadback, StepBuffers, drain, idle_by, release_flags,
+    step_events, stream_op, stream_wait_value, stream_write_value,
 };
 
 /// One device copy: `rows` sends of rank `from` into the receives of rank `to` they pair
@@ -245,10 +247,10 @@ fn pair_step(
     })
 }
 
-/// The loopback steps of calls of one tokens bound.
-struct LoopbackCall {
+/// The loopback's metadata step of calls of one tokens bound.
+struct LoopbackMetadata {
     tokens_bound: u32,
-    steps: Vec<LoopbackStep>,
+    step: LoopbackStep,
 }
 
 /// The emulated nodes' network: one stream that runs every rank's steps.
@@ -261,7 +263,14 @@ pub(crate) struct LoopbackPath {
     shape: LayerShape,
     /// Per rank, the workspace buffers its steps move.
     buffers: Vec<StepBuffers>,
-    call: RefCell<LoopbackCall>,
+    /// Where 2D copies may run: every rank's buffers.
+    ranges: BufferRanges,
+    metadata: RefCell<LoopbackMetadata>,
+    /// The chunk steps of the last call (dispatch, then return), sized by its rows.
+    chunks: RefCell<Vec<LoopbackStep>>,
+    /// Every rank's rows per chunk (its `NetSendRows`, then its `RecvRows`), copied back
+    /// after each metadata step.
+    rows: RowsReadback,
     done: Vec<CudaEvent>,
     limit: Duration,
     calls_outstanding: Cell<u32>,
@@ -274,8 +283,8 @@ pub(crate) struct LoopbackPath {
 
 impl LoopbackPath {
     /// The loopback of `network` for `ranks` virtual ranks, `buffer(rank, id)` giving the
-    /// device address and bytes of a rank's workspace buffer; steps of a call of
-    /// max_tokens resolved (every range checked, every send paired).
+    /// device address and bytes of a rank's workspace buffer; every step of a call of
+    /// max_tokens resolved (every range checked, every send paired), its metadata kept.
     pub(crate) fn new(
         stream: Arc<CudaStream>,
         side: Arc<CudaStream>,
@@ -284,13 +293,28 @@ impl LoopbackPath {
         shape: &LayerShape,
         buffer: impl Fn(u32, BufferId) -> Result<(u64, u64), NetworkError>,
     ) -> Result<Self, NetworkError> {
+        let bound = shape.max_tokens;
+        let full = vec![ChunkRows::full(network, shape, bound); ep.ranks as usize];
         let buffers = (0..ep.ranks)
             .map(|rank| {
-                let steps = network.steps(ep, shape, rank, shape.max_tokens);
+                let steps = network.steps(ep, shape, rank, bound, &full[rank as usize]);
                 StepBuffers::for_steps(&steps, |id| buffer(rank, id))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let steps = resolve_call(ep, network, shape, &buffers, shape.max_tokens)?;
+        let ranges = BufferRanges::of(&buffers);
+        let mut steps = resolve_paired(&buffers, &ranges, network.chunks, |rank| {
+            network.steps(ep, shape, rank, bound, &full[rank as usize])
+        })?;
+        steps.truncate(1);
+        let metadata = LoopbackMetadata {
+            tokens_bound: bound,
+            step: steps.remove(0),
+        };
+        let mut sources = Vec::with_capacity(2 * buffers.len());
+        for rank_buffers in &buffers {
+            sources.extend(rank_buffers.rows_sources(network)?);
+        }
+        let rows = RowsReadback::new(&stream, sources)?;
         let done = step_events(&stream, network)?;
         Ok(LoopbackPath {
             stream,
@@ -299,10 +323,10 @@ impl LoopbackPath {
             network: network.clone(),
             shape: shape.clone(),
             buffers,
-            call: RefCell::new(LoopbackCall {
-                tokens_bound: shape.max_tokens,
-                steps,
-            }),
+            ranges,
+            metadata: RefCell::new(metadata),
+            chunks: RefCell::new(Vec::new()),
+            rows,
             done,
             limit: Duration::from_millis(network.wait_limit_ms),
             calls_outstanding: Cell::new(0),
@@ -316,21 +340,20 @@ impl LoopbackPath {
         &self.stream
     }
 
-    /// Makes the steps of the calls those of `tokens_bound`.
-    fn steps_for(&self, tokens_bound: u32) -> Result<(), NetworkError> {
-        if self.call.borrow().tokens_bound == tokens_bound {
+    /// Makes the metadata step of the calls that of `tokens_bound`.
+    fn metadata_for(&self, tokens_bound: u32) -> Result<(), NetworkError> {
+        if self.metadata.borrow().tokens_bound == tokens_bound {
             return Ok(());
         }
-        let steps = resolve_call(
-            &self.ep,
-            &self.network,
-            &self.shape,
-            &self.buffers,
+        let mut steps = resolve_paired(&self.buffers, &self.ranges, self.network.chunks, |rank| {
+            vec![
+                self.network
+                    .metadata_step(&self.ep, &self.shape, rank, tokens_bound),
+            ]
+        })?;
+        *self.metadata.borrow_mut() = LoopbackMetadata {
             tokens_bound,
-        )?;
-        *self.call.borrow_mut() = LoopbackCall {
-            tokens_bound,
-            steps,
+            step: steps.remove(0),
         };
         Ok(())
     }
@@ -342,21 +365,74 @@ impl LoopbackPath {
         Ok(())
     }
 
-    /// Enqueues the metadata and dispatch steps of every rank for the call of `epoch`, in
-    /// which no rank passes more than `tokens_bound` tokens; its return steps follow with
-    /// [`LoopbackPath::enqueue_results`] (at once, or after a barrier of the
-    /// bulk-synchronous variant).
-    pub(crate) fn enqueue_dispatch(
+    /// Enqueues the metadata step of every rank for the call of `epoch`, in which no rank
+    /// passes more than `tokens_bound` tokens, then the copy of every rank's rows per chunk
+    /// to the host; [`LoopbackPath::enqueue_dispatch`] follows.
+    pub(crate) fn enqueue_metadata(
         &self,
         epoch: u32,
         tokens_bound: u32,
     ) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        self.steps_for(tokens_bound)?;
+        self.metadata_for(tokens_bound)?;
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
         self.last_epoch.set(epoch);
-        self.enqueue(epoch, |kind| !matches!(kind, StepKind::Return { .. }))
+        self.chunks.borrow_mut().clear();
+        self.bind()?;
+        self.enqueue_step(&self.metadata.borrow().step, epoch)?;
+        self.rows.enqueue(&self.stream)
+    }
+
+    /// Waits (at most the plan's bound) for the rows per chunk of the call whose metadata
+    /// was enqueued last, pairs every rank's chunk steps sized by them and enqueues the
+    /// dispatch ones; the return steps follow with [`LoopbackPath::enqueue_results`] (at
+    /// once, or after a barrier of the bulk-synchronous variant). A wait past the bound is
+    /// the stall [`LoopbackPath::wait`] reports.
+    pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        let counts = match self.rows.read_by(Instant::now() + self.limit)? {
+            Some(counts) => counts,
+            None => {
+                self.wait()?;
+                self.rows
+                    .read_by(Instant::now())?
+                    .ok_or_else(|| NetworkError::LoopbackStalled {
+                        step: "the copy of the rows per chunk".to_string(),
+                        ranks: "none known".to_string(),
+                        seconds: self.limit.as_secs_f64(),
+                    })?
+            }
+        };
+        let tokens_bound = self.metadata.borrow().tokens_bound;
+        let rows = counts
+            .chunks(2)
+            .enumerate()
+            .map(|(rank, counts)| {
+                ChunkRows::read(
+                    &self.network,
+                    &self.shape,
+                    tokens_bound,
+                    &counts[0],
+                    &counts[1],
+                )
+                .map_err(|source| NetworkError::ImpossibleRows {
+                    rank: rank as u32,
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let steps = resolve_paired(&self.buffers, &self.ranges, self.network.chunks, |rank| {
+            self.network.chunk_steps(
+                &self.ep,
+                &self.shape,
+                rank,
+                tokens_bound,
+                &rows[rank as usize],
+            )
+        })?;
+        *self.chunks.borrow_mut() = steps;
+        self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
     }
 
     /// Enqueues the return steps of every rank for the call of `epoch` (each waits for
@@ -368,21 +444,31 @@ impl LoopbackPath {
         self.enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }))
     }
 
-    /// Enqueues the steps of the current call whose kind is `chosen`, each after its flags.
-    fn enqueue(&self, epoch: u32, chosen: impl Fn(&StepKind) -> bool) -> Result<(), NetworkError> {
-        // The stream memory operations are raw driver calls: they resolve their addresses
-        // in the thread's current context.
+    /// The stream memory operations are raw driver calls: they resolve their addresses in
+    /// the thread's current context.
+    fn bind(&self) -> Result<(), NetworkError> {
         self.stream
             .context()
             .bind_to_thread()
             .context("binding the loopback stream's context")?;
-        for step in self.call.borrow().steps.iter().filter(|s| chosen(&s.kind)) {
-            for &(_, flag) in &step.wait_for {
-                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
-            }
-            self.run(step, epoch)?;
+        Ok(())
+    }
+
+    /// Enqueues the chunk steps of the current call whose kind is `chosen`.
+    fn enqueue(&self, epoch: u32, chosen: impl Fn(&StepKind) -> bool) -> Result<(), NetworkError> {
+        self.bind()?;
+        for step in self.chunks.borrow().iter().filter(|s| chosen(&s.kind)) {
+            self.enqueue_step(step, epoch)?;
         }
         Ok(())
+    }
+
+    /// One step after every rank's flags of it.
+    fn enqueue_step(&self, step: &LoopbackStep, epoch: u32) -> Result<(), NetworkError> {
+        for &(_, flag) in &step.wait_for {
+            stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
+        }
+        self.run(step, epoch)
     }
 
     /// One step's copies, releases and event.
@@ -441,8 +527,9 @@ impl LoopbackPath {
             .context("binding the loopback stream's context")?;
         let stalled = self.stalled(bound);
         let epoch = self.last_epoch.get();
-        let call = self.call.borrow();
-        for step in &call.steps {
+        let metadata = self.metadata.borrow();
+        let chunks = self.chunks.borrow();
+        for step in std::iter::once(&metadata.step).chain(chunks.iter()) {
             for &(_, flag) in &step.wait_for {
                 stream_write_value(&self.side, flag, epoch, &step.kind)?;
             }
@@ -457,10 +544,10 @@ impl LoopbackPath {
     /// The error of a stall after `bound`: the first step not done and the ranks whose
     /// flags it still waits for.
     fn stalled(&self, bound: Duration) -> NetworkError {
-        let call = self.call.borrow();
-        let step = call
-            .steps
-            .iter()
+        let metadata = self.metadata.borrow();
+        let chunks = self.chunks.borrow();
+        let step = std::iter::once(&metadata.step)
+            .chain(chunks.iter())
             .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false));
         let Some(step) = step else {
             return NetworkError::LoopbackStalled {
@@ -515,25 +602,20 @@ impl LoopbackPath {
     }
 }
 
-/// Every rank's steps of a call of `tokens_bound`, resolved and paired.
-fn resolve_call(
-    ep: &ExpertParallelPlan,
-    network: &NetworkPlan,
-    shape: &LayerShape,
+/// Every rank's steps (`steps_of(rank)`), resolved in its `buffers` and paired (copies
+/// merged within `ranges`).
+fn resolve_paired(
     buffers: &[StepBuffers],
-    tokens_bound: u32,
+    ranges: &BufferRanges,
+    chunks: u32,
+    steps_of: impl Fn(u32) -> Vec<NetworkStep>,
 ) -> Result<Vec<LoopbackStep>, NetworkError> {
     let per_rank = buffers
         .iter()
         .enumerate()
-        .map(|(rank, buffers)| {
-            buffers.resolve(
-                network.steps(ep, shape, rank as u32, tokens_bound),
-                network.chunks,
-            )
-        })
+        .map(|(rank, buffers)| buffers.resolve(steps_of(rank as u32), chunks))
         .collect::<Result<Vec<_>, _>>()?;
-    pair_steps(per_rank, &BufferRanges::of(buffers))
+    pair_steps(per_rank, ranges)
 }
 
 #[cfg(test)]
@@ -574,18 +656,33 @@ mod tests {
         let network = ep.network.as_ref().expect("a network part");
         assert_eq!(network.transport, NetworkTransport::Loopback);
         let at = layout(ep);
+        let shape = &plan.shape;
+        let full = ChunkRows::full(network, shape, shape.max_tokens);
         let buffers: Vec<StepBuffers> = (0..ep.ranks)
             .map(|rank| {
-                let steps = network.steps(ep, &plan.shape, rank, plan.shape.max_tokens);
+                let steps = network.steps(ep, shape, rank, shape.max_tokens, &full);
                 StepBuffers::for_steps(&steps, |id| Ok(at[&(rank, id)])).expect("buffers")
             })
             .collect();
+        let ranges = BufferRanges::of(&buffers);
         let owner = |address: u64| ((address >> 30) - 1) as u32;
-        for bound in [0, 1, 17, 48, 512] {
-            let steps = resolve_call(ep, network, &plan.shape, &buffers, bound).expect("pairs");
-            let per_rank: Vec<Vec<_>> = (0..ep.ranks)
-                .map(|rank| network.steps(ep, &plan.shape, rank, bound))
+        // Every chunk full, or half full (the same on every rank, so each receives what its
+        // rail peer sends).
+        let half = |bound: u32| {
+            let counts: Vec<u32> = (0..network.other_nodes() * network.chunks)
+                .map(|i| network.chunk_rows_within(shape, bound, i % network.chunks) / 2)
                 .collect();
+            ChunkRows::read(network, shape, bound, &counts, &counts).expect("within the chunks")
+        };
+        for (bound, rows) in [0, 1, 17, 48, 512].into_iter().flat_map(|bound| {
+            [
+                (bound, ChunkRows::full(network, shape, bound)),
+                (bound, half(bound)),
+            ]
+        }) {
+            let steps_of = |rank: u32| network.steps(ep, shape, rank, bound, &rows);
+            let steps = resolve_paired(&buffers, &ranges, network.chunks, steps_of).expect("pairs");
+            let per_rank: Vec<Vec<_>> = (0..ep.ranks).map(steps_of).collect();
             assert_eq!(steps.len(), per_rank[0].len());
             for (i, step) in steps.iter().enumerate() {
                 // As many rows as sends, each from its sender's memory into its receiver's,
@@ -616,17 +713,19 @@ mod tests {
                 }
                 // One 2D copy per (rank, peer, receive-index array) in the metadata step:
                 // each array's segments per local expert, and the counts; and per rank the
-                // visit masks for its one rail peer.
+                // visit masks and the rows per chunk for its one rail peer.
                 if step.kind == StepKind::Metadata && bound > 0 {
                     let pairs = 4 * 2;
-                    assert_eq!(step.copies.len(), pairs * 4 + 4, "{:?}", step.copies);
+                    assert_eq!(step.copies.len(), pairs * 4 + 2 * 4, "{:?}", step.copies);
                 }
             }
         }
         // Dispatch chunk 1 of a full call: rank 0's rows for node 1 (its node slot 0), tokens
-        // 16..32, land in its rail peer's (rank 2's) receive buffer at source 0's slots
-        // 16..32.
-        let steps = resolve_call(ep, network, &plan.shape, &buffers, 512).expect("pairs");
+        // 16..32, land in its rail peer's (rank 2's) inbox from node slot 0, rows 16..32.
+        let steps = resolve_paired(&buffers, &ranges, network.chunks, |rank| {
+            network.steps(ep, shape, rank, 512, &full)
+        })
+        .expect("pairs");
         let chunk = steps
             .iter()
             .find(|s| s.kind == StepKind::Dispatch { chunk: 1 })
@@ -638,7 +737,7 @@ mod tests {
             .expect("0 to 2");
         let row = u64::from(plan.shape.hidden) * 2;
         assert_eq!(copy.source, at[&(0, BufferId::NetSendX)].0 + 16 * row);
-        assert_eq!(copy.destination, at[&(2, BufferId::RecvX)].0 + 16 * row);
+        assert_eq!(copy.destination, at[&(2, BufferId::NetRecvX)].0 + 16 * row);
         assert_eq!(copy.bytes, 16 * row);
     }
 

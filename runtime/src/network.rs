@@ -7,14 +7,17 @@
 //!   bindings so that it can be held to the plan's CTAs (`ncclConfig_t::maxCTAs`: the SMs
 //!   the plan keeps free for NCCL beside the compute grids) and send and receive any byte
 //!   range of the workspace on any stream.
-//! - **Steps.** [`NetworkPath`] resolves the plan's steps of this rank for a call's tokens
-//!   bound into device addresses (each range checked against its buffer; again only when
-//!   the bound changes) and enqueues them per call on its own stream: before a step,
-//!   `cuStreamWaitValue32` on each flag the kernels release for it (their staging of
-//!   metadata and rows; for results, the combine's partials); then one NCCL group of sends
-//!   and receives; then
-//!   `cuStreamWriteValue32` of the call's epoch into each flag the kernels wait on. No
-//!   step waits on the host.
+//! - **Steps.** [`NetworkPath`] resolves the plan's steps of this rank into device
+//!   addresses (each range checked against its buffer) and enqueues them per call on its
+//!   own stream: before a step, `cuStreamWaitValue32` on each flag the kernels release for
+//!   it (their staging of metadata and rows; for results, the combine's partials); then
+//!   one NCCL group of sends and receives; then `cuStreamWriteValue32` of the call's epoch
+//!   into each flag the kernels wait on. The metadata step is sized by the call's tokens
+//!   bound (resolved again only when the bound changes); after it the stream copies the
+//!   rows per chunk ([`ChunkRows`]: this rank's for each other node, its rail peers' for
+//!   this node) into pinned host memory, and the host, while the kernels run, waits for
+//!   that copy (bounded, `RowsReadback`) and enqueues the chunk steps sized by them. No
+//!   other step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
 //!   cannot tell over every transport. `NetworkPath::wait` polls the network stream
 //!   until the plan's `wait_limit_ms` per call enqueued since the last wait; past it, the
@@ -33,7 +36,9 @@ use cudarc::driver::sys::{self as driver, CUresult};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
 use moeforge_compiler::plan::ep::ExpertParallelPlan;
-use moeforge_compiler::plan::network::{FlagRef, NetworkPlan, NetworkStep, StepKind, Transfer};
+use moeforge_compiler::plan::network::{
+    ChunkRows, ChunkRowsError, FlagRef, NetworkPlan, NetworkStep, StepKind, Transfer,
+};
 use moeforge_compiler::plan::{BufferId, LayerShape};
 use thiserror::Error;
 
@@ -74,6 +79,14 @@ pub enum NetworkError {
         "the loopback of emulated nodes stayed blocked after a stall even with its flags released; rebuild the layer"
     )]
     LoopbackAbandoned,
+    #[error(
+        "rank {rank}: the rows per chunk read back after the metadata step are impossible ({source}); the kernels or the transfer of the counts failed. The network path is abandoned: rebuild the layer"
+    )]
+    ImpossibleRows {
+        rank: u32,
+        #[source]
+        source: ChunkRowsError,
+    },
     #[error("the plan's network steps do not pair up in {step}: {detail}")]
     Unpaired { step: String, detail: String },
     #[error("NCCL failed while {context}: {result}")]
@@ -118,8 +131,8 @@ pub(crate) fn nccl_failed(
 /// changed, every wait and write succeeded.
 pub(crate) const STREAM_MEMOP_FLAGS: [BufferId; 5] = [
     BufferId::MetaFlags,
-    BufferId::ChunkFlags,
     BufferId::NetReady,
+    BufferId::NetArrived,
     BufferId::NetReturnFlags,
     BufferId::NetPartialsReady,
 ];
@@ -350,10 +363,126 @@ pub(crate) fn step_events(
     Ok(events)
 }
 
-/// The steps of calls of one tokens bound, resolved.
-struct CallSteps {
+/// The metadata step of calls of one tokens bound, resolved.
+struct MetadataStep {
     tokens_bound: u32,
-    steps: Vec<ResolvedStep>,
+    step: ResolvedStep,
+}
+
+/// Pinned host memory that a stream copies device counts into (a rank's `NetSendRows` and
+/// `RecvRows`, once its metadata step is done), and the event after the copies: the host's
+/// one wait per call across nodes, polled so that it is bounded.
+pub(crate) struct RowsReadback {
+    host: *mut u32,
+    /// (device address, u32 elements) of each range copied, in order.
+    sources: Vec<(u64, usize)>,
+    copied: CudaEvent,
+}
+
+// SAFETY: the pinned memory belongs to this value alone; it is read only after the copies
+// into it are done, and freed once.
+unsafe impl Send for RowsReadback {}
+
+/// How long the host spins (yielding) on the counts' copy before it sleeps between polls:
+/// a copy that follows the metadata step promptly is read within microseconds.
+const READBACK_SPIN: Duration = Duration::from_millis(2);
+
+impl RowsReadback {
+    /// Host memory for `sources` (device address, u32 elements), on `stream`'s context.
+    pub(crate) fn new(
+        stream: &CudaStream,
+        sources: Vec<(u64, usize)>,
+    ) -> Result<Self, NetworkError> {
+        let elems: usize = sources.iter().map(|&(_, elems)| elems).sum();
+        let ctx = stream.context();
+        ctx.bind_to_thread()
+            .context("binding the network stream's context")?;
+        // SAFETY: a fresh page-locked allocation of at least one u32, freed in `Drop`.
+        let host = unsafe { cudarc::driver::result::malloc_host(elems.max(1) * 4, 0) }
+            .context("allocating pinned host memory for the chunks' row counts")?
+            as *mut u32;
+        let copied = ctx
+            .new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .context("creating the row counts' event")?;
+        Ok(RowsReadback {
+            host,
+            sources,
+            copied,
+        })
+    }
+
+    /// Enqueues the copies of every source on `stream`, then the event.
+    pub(crate) fn enqueue(&self, stream: &CudaStream) -> Result<(), NetworkError> {
+        let mut at = 0;
+        for &(address, elems) in &self.sources {
+            // SAFETY: `host` holds every source's elements in order; `address` is a checked
+            // device range of `elems` u32 that lives as long as the layer.
+            let result = unsafe {
+                driver::cuMemcpyDtoHAsync_v2(
+                    self.host.add(at).cast(),
+                    address,
+                    elems * 4,
+                    stream.cu_stream(),
+                )
+            };
+            stream_op(result, "cuMemcpyDtoHAsync", || {
+                "reading back the chunks' row counts".to_string()
+            })?;
+            at += elems;
+        }
+        self.copied
+            .record(stream)
+            .context("recording the row counts' copy")?;
+        Ok(())
+    }
+
+    /// Each source's counts from the copies enqueued last, once they are done by
+    /// `deadline` (polled); `None` past it.
+    pub(crate) fn read_by(&self, deadline: Instant) -> Result<Option<Vec<Vec<u32>>>, NetworkError> {
+        let spin_until = Instant::now() + READBACK_SPIN;
+        loop {
+            if self
+                .copied
+                .try_is_complete()
+                .context("polling the row counts' copy")?
+            {
+                let mut at = 0;
+                let counts = self
+                    .sources
+                    .iter()
+                    .map(|&(_, elems)| {
+                        // SAFETY: the copies into these elements are done, and the next are
+                        // enqueued only after this returns (by the same thread).
+                        let counts =
+                            unsafe { std::slice::from_raw_parts(self.host.add(at), elems) };
+                        at += elems;
+                        counts.to_vec()
+                    })
+                    .collect();
+                return Ok(Some(counts));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            if now < spin_until {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+}
+
+impl Drop for RowsReadback {
+    fn drop(&mut self) {
+        // A copy still pending (its stream stuck behind a lost peer) would land in freed
+        // memory: the allocation is leaked then.
+        if self.copied.try_is_complete().unwrap_or(false) {
+            // SAFETY: allocated by `malloc_host` in `new`, freed once, with no copy pending.
+            let _ = unsafe { cudarc::driver::result::free_host(self.host.cast()) };
+        }
+    }
 }
 
 /// The workspace buffers a rank's steps move: device address and bytes, by id.
@@ -411,6 +540,19 @@ impl StepBuffers {
         Ok(base + offset)
     }
 
+    /// Where a rank's rows per chunk are read back from: its `NetSendRows`, then its
+    /// `RecvRows` (device address, u32 elements: other nodes × chunks each).
+    pub(crate) fn rows_sources(
+        &self,
+        network: &NetworkPlan,
+    ) -> Result<[(u64, usize); 2], NetworkError> {
+        let elems = u64::from(network.other_nodes() * network.chunks);
+        let source = |id: BufferId| -> Result<(u64, usize), NetworkError> {
+            Ok((self.address(id, 0, 4 * elems)?, elems as usize))
+        };
+        Ok([source(BufferId::NetSendRows)?, source(BufferId::RecvRows)?])
+    }
+
     /// The plan's `steps` resolved to addresses, each placed among `chunks` chunks.
     pub(crate) fn resolve(
         &self,
@@ -464,8 +606,12 @@ pub struct NetworkPath {
     network: NetworkPlan,
     shape: LayerShape,
     buffers: StepBuffers,
-    /// The steps of the calls of the last tokens bound enqueued.
-    call: RefCell<CallSteps>,
+    /// The metadata step of the last tokens bound enqueued.
+    metadata: RefCell<MetadataStep>,
+    /// The chunk steps of the last call, sized by its rows.
+    chunks: RefCell<Vec<ResolvedStep>>,
+    /// This rank's rows per chunk, copied back after each metadata step.
+    rows: RowsReadback,
     /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
     /// return chunk), recorded after the step: where a stalled call stopped.
     done: Vec<CudaEvent>,
@@ -479,8 +625,8 @@ pub struct NetworkPath {
 impl NetworkPath {
     /// This rank's path for `network`, `ep`'s network part, with `buffer(id)` giving a
     /// workspace buffer's device address and bytes on `stream`'s device. Resolves the
-    /// steps of a call of max_tokens (every range checked against its buffer): the default
-    /// bound.
+    /// metadata step of a call of max_tokens (every range of every step such a call can
+    /// have checked against its buffer): the default bound.
     pub(crate) fn new(
         comm: GroupComm,
         stream: Arc<CudaStream>,
@@ -489,12 +635,18 @@ impl NetworkPath {
         shape: &LayerShape,
         buffer: impl Fn(BufferId) -> Result<(u64, u64), NetworkError>,
     ) -> Result<Self, NetworkError> {
-        let steps = network.steps(ep, shape, comm.rank(), shape.max_tokens);
+        let rank = comm.rank();
+        let bound = shape.max_tokens;
+        let full = ChunkRows::full(network, shape, bound);
+        let steps = network.steps(ep, shape, rank, bound, &full);
         let buffers = StepBuffers::for_steps(&steps, buffer)?;
-        let call = CallSteps {
-            tokens_bound: shape.max_tokens,
-            steps: buffers.resolve(steps, network.chunks)?,
+        let mut resolved = buffers.resolve(steps, network.chunks)?;
+        resolved.truncate(1);
+        let metadata = MetadataStep {
+            tokens_bound: bound,
+            step: resolved.remove(0),
         };
+        let rows = RowsReadback::new(&stream, buffers.rows_sources(network)?.to_vec())?;
         let done = step_events(&stream, network)?;
         Ok(NetworkPath {
             comm,
@@ -503,26 +655,28 @@ impl NetworkPath {
             network: network.clone(),
             shape: shape.clone(),
             buffers,
-            call: RefCell::new(call),
+            metadata: RefCell::new(metadata),
+            chunks: RefCell::new(Vec::new()),
+            rows,
             done,
             limit: Duration::from_millis(network.wait_limit_ms),
             calls_outstanding: Cell::new(0),
         })
     }
 
-    /// Makes the steps of this rank's calls those of `tokens_bound`, resolving them when
-    /// the bound differs from the last call's.
-    fn steps_for(&self, tokens_bound: u32) -> Result<(), NetworkError> {
-        if self.call.borrow().tokens_bound == tokens_bound {
+    /// Makes the metadata step of this rank's calls that of `tokens_bound`, resolving it
+    /// when the bound differs from the last call's.
+    fn metadata_for(&self, tokens_bound: u32) -> Result<(), NetworkError> {
+        if self.metadata.borrow().tokens_bound == tokens_bound {
             return Ok(());
         }
-        let steps = self
-            .network
-            .steps(&self.ep, &self.shape, self.comm.rank(), tokens_bound);
-        let steps = self.buffers.resolve(steps, self.network.chunks)?;
-        *self.call.borrow_mut() = CallSteps {
+        let step =
+            self.network
+                .metadata_step(&self.ep, &self.shape, self.comm.rank(), tokens_bound);
+        let mut resolved = self.buffers.resolve(vec![step], self.network.chunks)?;
+        *self.metadata.borrow_mut() = MetadataStep {
             tokens_bound,
-            steps,
+            step: resolved.remove(0),
         };
         Ok(())
     }
@@ -600,12 +754,17 @@ impl NetworkPath {
         Ok(())
     }
 
-    /// Enqueues every step of the call of `epoch`, in which no rank passes more than
-    /// `tokens_bound` tokens (the same bound on every rank: see [`NetworkPlan::steps`]),
-    /// each after the flags the kernels release for it.
-    pub(crate) fn enqueue_call(&self, epoch: u32, tokens_bound: u32) -> Result<(), NetworkError> {
+    /// Enqueues the metadata step of the call of `epoch`, in which no rank passes more than
+    /// `tokens_bound` tokens (the same bound on every rank: see
+    /// [`NetworkPlan::metadata_step`]), after the flags the kernels release for it, then the
+    /// copy of the rows per chunk to the host. [`NetworkPath::enqueue_chunks`] follows.
+    pub(crate) fn enqueue_metadata(
+        &self,
+        epoch: u32,
+        tokens_bound: u32,
+    ) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        self.abandon_on_error(self.steps_for(tokens_bound))?;
+        self.abandon_on_error(self.metadata_for(tokens_bound))?;
         // The stream memory operations below are raw driver calls: they resolve their
         // addresses in the thread's current context.
         self.stream
@@ -614,19 +773,68 @@ impl NetworkPath {
             .context("binding the network stream's context")?;
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
-        let enqueued = self.call.borrow().steps.iter().try_for_each(|step| {
-            for &flag in &step.wait_for {
-                stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
-            }
-            self.run(step, epoch)
-        });
+        self.chunks.borrow_mut().clear();
+        let metadata = self.metadata.borrow();
+        let enqueued = self
+            .enqueue_step(&metadata.step, epoch)
+            .and_then(|()| self.rows.enqueue(&self.stream));
         self.abandon_on_error(enqueued)
+    }
+
+    /// Waits (at most the plan's bound) for the rows per chunk of the call whose metadata
+    /// step was enqueued last, then enqueues its chunk steps, each moving exactly those
+    /// rows, each after the flags the kernels release for it. A wait past the bound is
+    /// [`NetworkError::Stalled`] (the metadata never arrived: a peer stopped).
+    pub(crate) fn enqueue_chunks(&self, epoch: u32) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        let counts = match self.rows.read_by(Instant::now() + self.limit)? {
+            Some(counts) => counts,
+            None => {
+                self.wait()?;
+                self.rows
+                    .read_by(Instant::now())?
+                    .ok_or_else(|| self.stalled(self.limit))?
+            }
+        };
+        let tokens_bound = self.metadata.borrow().tokens_bound;
+        let rank = self.comm.rank();
+        let rows = ChunkRows::read(
+            &self.network,
+            &self.shape,
+            tokens_bound,
+            &counts[0],
+            &counts[1],
+        )
+        .map_err(|source| NetworkError::ImpossibleRows { rank, source });
+        let steps = self.abandon_on_error(rows).and_then(|rows| {
+            let steps = self
+                .network
+                .chunk_steps(&self.ep, &self.shape, rank, tokens_bound, &rows);
+            self.abandon_on_error(self.buffers.resolve(steps, self.network.chunks))
+        })?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the network stream's context")?;
+        let enqueued = steps
+            .iter()
+            .try_for_each(|step| self.enqueue_step(step, epoch));
+        *self.chunks.borrow_mut() = steps;
+        self.abandon_on_error(enqueued)
+    }
+
+    /// One step after its flags: its waits, group, releases and event.
+    fn enqueue_step(&self, step: &ResolvedStep, epoch: u32) -> Result<(), NetworkError> {
+        for &flag in &step.wait_for {
+            stream_wait_value(&self.stream, flag, epoch, &step.kind)?;
+        }
+        self.run(step, epoch)
     }
 
     /// A call whose steps were enqueued only in part leaves this rank's NCCL operations
     /// out of step with its peers' (the next call's would pair with their leftovers, and
     /// equal sizes would pass unnoticed): the path cannot be used again.
-    fn abandon_on_error(&self, enqueued: Result<(), NetworkError>) -> Result<(), NetworkError> {
+    fn abandon_on_error<T>(&self, enqueued: Result<T, NetworkError>) -> Result<T, NetworkError> {
         if enqueued.is_err() {
             self.abandon();
         }
@@ -667,12 +875,12 @@ impl NetworkPath {
     /// unfinished step; abandons the path.
     fn stalled(&self, bound: Duration) -> NetworkError {
         self.abandon();
-        let call = self.call.borrow();
-        let step = call
-            .steps
-            .iter()
+        let metadata = self.metadata.borrow();
+        let chunks = self.chunks.borrow();
+        let steps = || std::iter::once(&metadata.step).chain(chunks.iter());
+        let step = steps()
             .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false))
-            .or(call.steps.last());
+            .or(steps().last());
         let (kind, peers) = match step {
             Some(step) => {
                 let mut peers: Vec<u32> = step.receives.iter().map(|r| r.0).collect();

@@ -8,7 +8,6 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use moeforge::compiler::plan;
-use moeforge::compiler::plan::network::NetworkTransport;
 use moeforge::compiler::simulate::{self, Options, Routing, Schedule, calibration};
 
 use super::planning::{TargetArgs, report_plan_error};
@@ -236,8 +235,14 @@ pub fn run(args: &Args) -> ExitCode {
                 aware.over_bound()
             );
         }
-        if let Some(line) = as_built_across_nodes(&plan, tokens) {
-            println!("  {line}");
+        if let (Some(built), Some(aware)) = (
+            report.schedule(Schedule::AsBuilt),
+            report.schedule(Schedule::FineGrainedTopologyAware),
+        ) {
+            println!(
+                "  as built, the layer takes {:.2}x the topology-aware design's: the same hierarchical exchange and routed chunks, but GEMM2 runs after GEMM1 and the node partials leave once the relay has every rank's (the design overlaps GEMM2 with GEMM1 and streams results)",
+                built.layer_s / aware.layer_s
+            );
         }
         if i == 0
             && let Some(path) = &args.svg
@@ -254,29 +259,6 @@ pub fn run(args: &Args) -> ExitCode {
         }
     }
     OK
-}
-
-/// What the kernels as built move across nodes at `tokens` per rank, where the plan spans
-/// nodes: NCCL slices of the tokens bound (the receive index to every network peer, the
-/// rows and node partials of that many tokens to each rail peer, whatever the routing),
-/// and the time the network port takes at its full rate (the "as built" schedule above
-/// runs them at the model's NCCL efficiency); the topology-aware schedule is the design.
-fn as_built_across_nodes(plan: &plan::Plan, tokens: u32) -> Option<String> {
-    let ep = plan.expert_parallel.as_ref()?;
-    // Emulated nodes have no network port: their steps are copies on one GPU.
-    let network = ep
-        .network
-        .as_ref()
-        .filter(|n| n.transport == NetworkTransport::Nccl)?;
-    let per_rank = network.bytes_per_call(ep, &plan.shape, tokens);
-    Some(format!(
-        "as built (a floor, not simulated): {:.2} MB each way per call and rank (NCCL slices of a tokens bound of {tokens}: the receive index to {} network peers, the rows and node partials of so many tokens to {} rail peers, whatever the routing) = {:.1} us of each rank's network port at its full {:.0} GB/s; the topology-aware schedule is the design across nodes",
-        per_rank as f64 / 1e6,
-        network.peers_per_rank,
-        network.other_nodes(),
-        per_rank as f64 / network.bandwidth_bytes_per_s.max(1) as f64 * 1e6,
-        network.bandwidth_bytes_per_s as f64 / 1e9
-    ))
 }
 
 /// Every cell of a bench result beside the prediction, with the error.

@@ -105,6 +105,7 @@ struct LayerUnit<'a> {
     flag_kind_return: i32,
     flag_kind_expert_rows: i32,
     flag_kind_node_partials: i32,
+    flag_kind_arrived: i32,
     /// Whether any regime runs its smallest calls as one fused kernel.
     fused_decode: bool,
     /// Distinct wgmma widths the plan uses (a stage's B rows: one wgmma spans them),
@@ -345,21 +346,27 @@ const EP_ROUTE_NETWORK_USES: &[&str] = &[
     "net_send_weight",
     "net_send_counts",
     "net_send_mask",
+    "net_send_rows",
     "net_ready",
 ];
 const EP_DISPATCH_NETWORK_USES: &[&str] = &[
     "tokens",
     "net_send_mask",
     "net_send_x",
+    "net_send_row",
     "net_ready",
     "meta_flags",
     "recv_counts",
     "recv_mask",
-    "chunk_flags",
+    "net_recv_x",
+    "net_recv_row",
+    "net_arrived",
     "error_word",
 ];
 const EP_COMBINE_NETWORK_USES: &[&str] = &[
     "net_return_x",
+    "net_recv_row",
+    "net_send_row",
     "net_returned_x",
     "net_return_flags",
     "net_partials_ready",
@@ -482,7 +489,25 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::RoutedIds | BufferId::RoutedWeights => "[tokens, TOP_K], workspace",
             BufferId::RouteBlockCounts => "[gridDim.x, EXPERTS]: each block's pairs per expert",
             BufferId::NetSendX => {
-                "[OTHER_NODES * MAX_TOKENS, HIDDEN]: rows staged for each other node, at their token's index"
+                "[OTHER_NODES * MAX_TOKENS, HIDDEN]: rows staged for each other node, packed per chunk"
+            }
+            BufferId::NetSendRows => {
+                "[OTHER_NODES, CHUNKS]: per other node, rows of each token chunk sent there (staged)"
+            }
+            BufferId::NetSendRow => {
+                "[OTHER_NODES, MAX_TOKENS]: per other node, each visiting token's row in its outbox"
+            }
+            BufferId::RecvRows => {
+                "[OTHER_NODES, CHUNKS]: per rail peer, rows of each chunk of its tokens sent here"
+            }
+            BufferId::NetRecvX => {
+                "[OTHER_NODES * MAX_TOKENS, HIDDEN], written by NCCL's stream: rail peers' rows, packed per chunk"
+            }
+            BufferId::NetRecvRow => {
+                "[OTHER_NODES, MAX_TOKENS]: per rail peer, each visiting token's row in the inbox"
+            }
+            BufferId::NetArrived => {
+                "[OTHER_NODES, CHUNKS], written by NCCL's stream: rail peers' rows arrived"
             }
             BufferId::NetSendMask => {
                 "[OTHER_NODES, MAX_TOKENS]: per other node, the ranks there each token visits (staged)"
@@ -504,7 +529,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
                 "[NETWORK_PEERS + OTHER_NODES * CHUNKS]: epoch each peer's metadata, each node's chunk was staged in"
             }
             BufferId::NetReturnX | BufferId::NetReturnedX => {
-                "[OTHER_NODES * MAX_TOKENS, HIDDEN]: node partials for rail peers / from other nodes"
+                "[OTHER_NODES * MAX_TOKENS, HIDDEN]: node partials for rail peers / from other nodes, at the tokens' rows"
             }
             BufferId::NetPartialsReady => {
                 "[3]: combine lanes done storing, done summing partials, then the epoch of the last"
@@ -1362,6 +1387,7 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         flag_kind_return: error_code::flag_kind::RETURN,
         flag_kind_expert_rows: error_code::flag_kind::EXPERT_ROWS,
         flag_kind_node_partials: error_code::flag_kind::NODE_PARTIALS,
+        flag_kind_arrived: error_code::flag_kind::ARRIVED,
         fused_decode: plan.regimes.iter().any(|r| r.fused_decode.is_some()),
         wgmma_widths: wgmma_widths(plan),
         warp_specialized: all_gemms(plan).any(|(g, _)| g.engine == MmaEngine::WgmmaWarpSpecialized)

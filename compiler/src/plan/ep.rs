@@ -80,7 +80,7 @@ fn combine_route(layer: &ir::Layer, ranks: u32, over_network: bool) -> (CombineR
     if over_network {
         return (
             CombineRoute::RankPartials,
-            "rank partials: across nodes NCCL moves fixed slices of the tokens bound, so pair rows would send a network origin every slot of each token (its top_k and shared slices'); a partial is one row per token"
+            "rank partials: across nodes a relay sums its node's rank partials of a token into one node partial, which crosses the network once; pair rows would send a network origin every slot of each token (its top_k and shared slices')"
                 .to_string(),
         );
     }
@@ -277,7 +277,7 @@ pub struct ExpertParallelRegime {
 /// against the epoch, counters return to zero, the error word holds the last error. After
 /// a time-out they disagree between ranks; zeroing them on every rank (and starting the
 /// epochs again at 1) is a fresh start.
-pub const EXCHANGE_STATE: [BufferId; 14] = [
+pub const EXCHANGE_STATE: [BufferId; 15] = [
     BufferId::MetaFlags,
     BufferId::ChunkFlags,
     BufferId::ChunkPieces,
@@ -287,6 +287,7 @@ pub const EXCHANGE_STATE: [BufferId; 14] = [
     BufferId::Credits,
     BufferId::ErrorWord,
     BufferId::NetReady,
+    BufferId::NetArrived,
     BufferId::NetReturnFlags,
     BufferId::NetPartialsReady,
     BufferId::NodePartialsReady,
@@ -904,7 +905,17 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
             buffer(
                 BufferId::NetSendX,
                 node_rows,
-                "per other node, the rows of this rank's tokens visiting it, at their token's index (staged)",
+                "per other node, the rows of this rank's tokens visiting it, packed per token chunk (staged)",
+            ),
+            buffer(
+                BufferId::NetSendRows,
+                nodes * u64::from(sizes.chunks),
+                "per other node and token chunk, the rows of it this rank sends there",
+            ),
+            buffer(
+                BufferId::NetSendRow,
+                nodes * max_tokens,
+                "per other node and token of this rank visiting it, the token's row in its outbox",
             ),
             buffer(
                 BufferId::NetSendSlot,
@@ -937,6 +948,26 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
                 "per rail peer and token of its, the ranks of this node it visits",
             ),
             buffer(
+                BufferId::RecvRows,
+                nodes * u64::from(sizes.chunks),
+                "per rail peer and chunk of its tokens, the rows of it the rail peer sends here",
+            ),
+            buffer(
+                BufferId::NetRecvX,
+                node_rows,
+                "per rail peer, the rows of its tokens visiting this node, packed per chunk as sent",
+            ),
+            buffer(
+                BufferId::NetRecvRow,
+                nodes * max_tokens,
+                "per rail peer and token of its visiting this node, the token's row in the inbox",
+            ),
+            buffer(
+                BufferId::NetArrived,
+                nodes * u64::from(sizes.chunks),
+                "per rail peer and token chunk, the epoch its rows arrived in",
+            ),
+            buffer(
                 BufferId::NetReady,
                 network.ready_flags(),
                 "per network peer the epoch its metadata was staged in, per other node each chunk's",
@@ -954,12 +985,12 @@ fn workspace(shape: &LayerShape, sizes: &Sizes, network: Option<&NetworkPlan>) -
             buffer(
                 BufferId::NetReturnX,
                 node_rows,
-                "per rail peer, this node's partial row of each of its tokens",
+                "per rail peer, this node's partial row of each of its tokens visiting it, at the token's inbox row",
             ),
             buffer(
                 BufferId::NetReturnedX,
                 node_rows,
-                "per other node, its partial row of each of this rank's tokens",
+                "per other node, its partial row of each of this rank's tokens visiting it, at the token's outbox row",
             ),
             buffer(
                 BufferId::NetReturnFlags,
@@ -1315,6 +1346,7 @@ fn launch_table(
                     write(Workspace(NetSendWeight)),
                     write(Workspace(NetSendCounts)),
                     write(Workspace(NetSendMask)),
+                    write(Workspace(NetSendRows)),
                     write(Workspace(NetReady)),
                 ],
             ))
@@ -1343,11 +1375,14 @@ fn launch_table(
                     read(Tokens),
                     read(Workspace(NetSendMask)),
                     write(Workspace(NetSendX)),
+                    write(Workspace(NetSendRow)),
                     write(Workspace(NetReady)),
                     shared(Workspace(MetaFlags)),
                     shared(Workspace(RecvCounts)),
                     shared(Workspace(RecvMask)),
-                    shared(Workspace(ChunkFlags)),
+                    shared(Workspace(NetRecvX)),
+                    write(Workspace(NetRecvRow)),
+                    shared(Workspace(NetArrived)),
                     write(Workspace(ErrorWord)),
                 ],
             ))
@@ -1470,6 +1505,8 @@ fn launch_table(
                 over_network,
                 vec![
                     write(Workspace(NetReturnX)),
+                    shared(Workspace(NetRecvRow)),
+                    shared(Workspace(NetSendRow)),
                     shared(Workspace(NetReturnedX)),
                     shared(Workspace(NetReturnFlags)),
                     write(Workspace(NetPartialsReady)),

@@ -363,8 +363,16 @@ pub enum BufferId {
     // Expert parallelism across nodes (per rank; P = the rank's peers on other nodes, N =
     // the other nodes, one rail peer on each, G = GPUs per node).
     /// bf16 [N · max_tokens · H]: per other node, the rows of this rank's tokens visiting it,
-    /// each at its token's index (NCCL sends them to the rail peer there).
+    /// packed per token chunk (a chunk's rows from the chunk's first index on, in token
+    /// order; NCCL sends them to the rail peer there).
     NetSendX,
+    /// u32 [N · chunks per source]: per other node and token chunk, the rows of it this rank
+    /// sends there (the route's counts: the metadata step carries them to the rail peer, and
+    /// the host sizes each chunk's NCCL transfers by them).
+    NetSendRows,
+    /// i32 [N · max_tokens]: per other node and token of this rank visiting it, the token's
+    /// row in `NetSendX` (and of its node partial in `NetReturnedX`).
+    NetSendRow,
     /// i32 [P · E/R · rows per segment]: per network peer and local expert of its, each
     /// pair's slot, staged as `RecvSlot` would hold it there.
     NetSendSlot,
@@ -382,6 +390,19 @@ pub enum BufferId {
     /// this node the token visits; this rank forwards the token's row to them and sums
     /// their partials of it.
     RecvMask,
+    /// u32, as `NetSendRows`: per rail peer (its node's slot) and chunk of its tokens, the
+    /// rows of it the rail peer sends here.
+    RecvRows,
+    /// bf16, as `NetSendX`: per rail peer, the rows of its tokens visiting this node, packed
+    /// per chunk as it staged them (this rank copies each to the ranks of its node the token
+    /// visits, itself too).
+    NetRecvX,
+    /// i32, as `NetSendRow`: per rail peer and token of its visiting this node, the token's
+    /// row in `NetRecvX` (and of its node partial in `NetReturnX`).
+    NetRecvRow,
+    /// u32 [N · chunks per source]: per rail peer and token chunk, the epoch its rows arrived
+    /// in (the network stream releases it; this rank's dispatch then forwards them).
+    NetArrived,
     /// u32 [P + N · chunks per source]: per network peer, the epoch its metadata was
     /// staged in, then per other node each token chunk's (the network stream waits on them).
     NetReady,
@@ -393,9 +414,11 @@ pub enum BufferId {
     /// its partials in `NodePartials`.
     NodePartialsReady,
     /// bf16 [N · max_tokens · H]: per rail peer, the node partial of each of its tokens
-    /// visiting this node (results across nodes return reduced per node; NCCL sends them).
+    /// visiting this node, at the token's row of `NetRecvX` (results across nodes return
+    /// reduced per node, packed as the rows came; NCCL sends them).
     NetReturnX,
-    /// bf16, as `NetReturnX`: per other node, its node partial of each of this rank's tokens.
+    /// bf16, as `NetReturnX`: per other node, its node partial of each of this rank's tokens
+    /// visiting it, at the token's row of `NetSendX`.
     NetReturnedX,
     /// u32 [N · chunks per source]: per other node and token chunk, the epoch its results
     /// arrived in.
@@ -452,14 +475,20 @@ impl BufferId {
             | BufferId::ReceivedTokens
             | BufferId::NetSendSlot
             | BufferId::NetSendPair
-            | BufferId::NetSendCounts => ElemType::I32,
-            BufferId::NetSendMask | BufferId::RecvMask => ElemType::U32,
+            | BufferId::NetSendCounts
+            | BufferId::NetSendRow
+            | BufferId::NetRecvRow => ElemType::I32,
+            BufferId::NetSendMask
+            | BufferId::RecvMask
+            | BufferId::NetSendRows
+            | BufferId::RecvRows => ElemType::U32,
             BufferId::Intermediate
             | BufferId::SortedX
             | BufferId::CombineSlots
             | BufferId::PairResults
             | BufferId::RecvX
             | BufferId::NetSendX
+            | BufferId::NetRecvX
             | BufferId::NetReturnX
             | BufferId::NetReturnedX
             | BufferId::NodePartials => ElemType::Bf16,
@@ -481,6 +510,7 @@ impl BufferId {
             | BufferId::FusedDecodeCounters
             | BufferId::RankFusedCounters
             | BufferId::NetReady
+            | BufferId::NetArrived
             | BufferId::NetReturnFlags
             | BufferId::NetPartialsReady
             | BufferId::NodePartialsReady => ElemType::U32,
@@ -532,6 +562,12 @@ impl BufferId {
             BufferId::NetSendCounts => "net_send_counts",
             BufferId::NetSendMask => "net_send_mask",
             BufferId::RecvMask => "recv_mask",
+            BufferId::NetSendRows => "net_send_rows",
+            BufferId::NetSendRow => "net_send_row",
+            BufferId::RecvRows => "recv_rows",
+            BufferId::NetRecvX => "net_recv_x",
+            BufferId::NetRecvRow => "net_recv_row",
+            BufferId::NetArrived => "net_arrived",
             BufferId::NetReady => "net_ready",
             BufferId::NodePartials => "node_partials",
             BufferId::NodePartialsReady => "node_partials_ready",
@@ -607,6 +643,9 @@ pub mod error_code {
         /// A rank of this node's partials for the network origins this rank relays for
         /// (index: the rank).
         pub const NODE_PARTIALS: i32 = 7;
+        /// A chunk of rows from a rail peer on another node, for this rank to relay (index:
+        /// the rail peer · chunks per source + the token chunk).
+        pub const ARRIVED: i32 = 8;
     }
 }
 
@@ -1502,7 +1541,7 @@ fn plan_as_sized(
             }
         };
         limitations.push(format!(
-            "ranks on other nodes exchange through {carrier} in slices fixed by the call's tokens bound, not by its routing (NCCL needs its counts on the host, and the routing is on the device): a rank's call moves {} across the network (the receive index to its {} network peers; rows and node partials to its {} rail peers, one per other node) at a bound of max_tokens, the default until the ranks agree on a smaller one, and {} at one token; the network's outboxes and inboxes take {} per rank",
+            "ranks on other nodes exchange through {carrier}, whose counts must be on the host while the routing is on the device: the host waits once per call (while the kernels run) for the rows per chunk read back after the metadata step, then sizes the rows' and results' transfers by them (a device-initiated transport would need no wait); a rank's call moves at most {} across the network (the receive index to its {} network peers; rows and node partials to its {} rail peers, one per other node, should every token visit every node) at a bound of max_tokens, the default until the ranks agree on a smaller one, and at most {} at one token; the network's outboxes and inboxes take {} per rank",
             describe::decimal_bytes(network.call_bytes),
             network.peers_per_rank,
             network.other_nodes(),

@@ -6,30 +6,33 @@
 //! remote node it visits (not once per rank there), and its results come back once per
 //! node, reduced there first. Source `s` reaches node `n` through its *rail peer* there,
 //! the rank of `n` with `s`'s local index (each rail's NICs carry their own traffic): that
-//! *relay* receives the rows, forwards each to the ranks of its node that need it through
-//! the IPC path and releases their chunk flags, then sums their partials per token and
-//! returns one partial per (token, node). Only the receive index travels to every network
-//! peer directly (it is per destination, and small).
+//! *relay* receives the rows, copies each to the ranks of its node that need it (itself
+//! too) and releases their chunk flags, then sums their partials per token and returns
+//! one partial per (token, node). Only the receive index travels to every network peer
+//! directly (it is per destination, and small).
 //!
 //! The kernels stage what leaves the node in this rank's own memory (its *outboxes*) and
-//! release a local *ready* flag per piece; what arrives lands where a same-node peer would
-//! have stored it. Rows across nodes sit at their origin token's index (not a packed slot):
-//! the relay, the destinations and the origin then agree on a row's place without a table.
-//! Per call, each rank's network stream runs the steps of [`NetworkPlan::steps`] in order,
-//! every rank the same sequence (NCCL matches a rank's sends to a peer with that peer's
-//! receives in issue order):
+//! release a local *ready* flag per piece. Rows for a node are *packed per token chunk*:
+//! chunk `c`'s rows of the tokens visiting the node, in token order, from the chunk's
+//! first row on; the relay finds a row's token by the same packing of the visit masks, and
+//! the node partials return at the rows the token rows had. Rows and results across nodes
+//! then sit at their token's index only at the destinations (where a same-node peer would
+//! have stored them). Per call, each rank's network stream runs the steps of
+//! [`NetworkPlan::steps`] in order, every rank the same sequence (NCCL matches a rank's
+//! sends to a peer with that peer's receives in issue order and size):
 //!
 //! 1. **metadata**: waits (`cuStreamWaitValue32`) until `ep_route` has staged the receive
 //!    index and counts for every network peer, and for each rail peer the *visit masks*
-//!    (per token, a bit per rank of that node it visits); one NCCL group sends them and
-//!    receives the peers'; then each network source's metadata flag is released with the
-//!    call's epoch (`cuStreamWriteValue32`), the flag the arrange kernel (and a relay's
-//!    forwarding) already waits on.
+//!    (per token, a bit per rank of that node it visits) and the rows of each token chunk
+//!    (`NetSendRows`); one NCCL group sends them and receives the peers'; then each network
+//!    source's metadata flag is released with the call's epoch (`cuStreamWriteValue32`),
+//!    the flag the arrange kernel (and a relay's forwarding) already waits on.
 //! 2. **dispatch chunk c**: waits until `ep_dispatch` has staged token chunk `c` for every
-//!    other node, one group moves it between rail peers, then each rail source's chunk
-//!    flag `c` is released: the flag GEMM1's tiles on those rows wait on (here), and the
-//!    relay's forwarding waits on before it copies the chunk's rows to its node's ranks
-//!    and releases theirs. GEMM1 starts on the first chunk, not the last.
+//!    other node, one group moves its rows between rail peers into the relays' inboxes,
+//!    then each rail source's arrival flag of chunk `c` is released; the relay's dispatch
+//!    then copies the chunk's rows to its node's ranks (itself too, at the token's index
+//!    of their `recv_x`) and releases their chunk flags `c`, which GEMM1's tiles on those
+//!    rows wait on. GEMM1 starts on the first chunk, not the last.
 //! 3. **return chunk c**: results across nodes return as *node partials*, one row per
 //!    (token, node visited): `ep_combine`'s first pass sums each received token's rows
 //!    into a rank partial and stores a network origin's at the relay of its rail (IPC),
@@ -40,15 +43,16 @@
 //!    chunk `c` and receives those of this rank's own; then the return flag of (node,
 //!    chunk) is released, which `ep_combine`'s second pass waits on.
 //!
-//! NCCL needs every byte count on the host when a transfer is enqueued, but the device
-//! decides the routing, and reading counts back would synchronise the call. So every
-//! transfer is a fixed slice of the plan's capacity, cut at the call's *tokens bound*:
-//! the most tokens any rank passes in the call, which the ranks agree on beforehand on
-//! the host (the runtime's `EpLayer::bound_tokens`; `max_tokens` until they do). Rows sit
-//! at their token's index, so chunks below the bound hold every row and each
-//! receive-index segment at most `bound` entries; the steps move exactly those
-//! ([`NetworkPlan::steps`]): no routing can overflow them and nothing is read back. A
-//! call moves [`NetworkPlan::bytes_per_call`] of its bound whatever its routing.
+//! NCCL needs every byte count on the host when a transfer is enqueued, and the device
+//! decides the routing. The metadata step's sizes come from the call's *tokens bound*: the
+//! most tokens any rank passes in the call, which the ranks agree on beforehand on the
+//! host (the runtime's `EpLayer::bound_tokens`; `max_tokens` until they do); no segment of
+//! the receive index holds more. The chunk steps' sizes come from the routing: once the
+//! metadata step is done, the host reads back [`ChunkRows`] (this rank's rows per chunk
+//! for each other node, and its rail peers' for this node: one wait per call, while the
+//! kernels already run) and [`NetworkPlan::chunk_steps`] moves exactly those rows, so a
+//! node that few tokens visit costs few bytes. A call moves at most
+//! [`NetworkPlan::bytes_per_call`] of its bound.
 //!
 //! On emulated nodes ([`NetworkTransport::Loopback`]: virtual ranks of one GPU standing for
 //! the nodes' GPUs) the kernels and steps are the same; the runtime runs every rank's
@@ -105,9 +109,9 @@ pub struct NetworkPlan {
     /// Transfers of rows per peer and call, and of results: the chunks of a source's
     /// capacity.
     pub chunks: u32,
-    /// Bytes this rank sends in a call of `max_tokens` bound (the receive index to every
-    /// network peer, rows and node partials to its rail peers; receives are as many): the
-    /// most a call moves.
+    /// The most bytes this rank sends in a call (a tokens bound of `max_tokens`, every token
+    /// visiting every other node: the receive index to every network peer, rows and node
+    /// partials to its rail peers; receives are as many).
     pub call_bytes: u64,
     /// CTAs NCCL may run (the communicator's `maxCTAs`): the SMs the plan keeps free for
     /// NCCL's kernels beside the compute grids, so a transfer GEMM1 waits for always runs.
@@ -209,6 +213,7 @@ pub(crate) fn plan_network(
         shape.experts / ranks,
         peers_per_rank,
         topology.nodes - 1,
+        chunk,
         slots,
     );
     let bandwidth = topology.network.bandwidth_bytes_per_s;
@@ -248,22 +253,25 @@ pub(crate) fn plan_network(
     })
 }
 
-/// Bytes a rank sends in a call of `tokens_bound` (receives are as many): to each of its
-/// `peers` on other nodes, per local expert there the three arrays of the receive index up
-/// to the bound, and the counts; to each of its rail peers (one per other node), the visit
-/// masks, the rows of the bound's tokens and their node partials.
+/// The most bytes a rank sends in a call of `tokens_bound` (receives are as many): to each
+/// of its `peers` on other nodes, per local expert there the three arrays of the receive
+/// index up to the bound, and the counts; to each of its rail peers (one per other node),
+/// the visit masks, the rows per chunk of `chunk_tokens`, and the rows and node partials of
+/// the bound's tokens, should every token visit every node.
 fn bytes_per_call(
     shape: &LayerShape,
     experts_per_rank: u32,
     peers: u32,
     other_nodes: u32,
+    chunk_tokens: u32,
     tokens_bound: u32,
 ) -> u64 {
     let tokens = u64::from(tokens_bound.min(shape.max_tokens));
     let local = u64::from(experts_per_rank);
     let row_bytes = u64::from(shape.hidden) * 2;
     let index = 3 * 4 * local * tokens + 4 * (local + 1);
-    let rail = 4 * tokens + 2 * tokens * row_bytes;
+    let rail =
+        4 * tokens + 4 * tokens.div_ceil(u64::from(chunk_tokens.max(1))) + 2 * tokens * row_bytes;
     u64::from(peers) * index + u64::from(other_nodes) * rail
 }
 
@@ -272,8 +280,8 @@ fn bytes_per_call(
 const PARTIALS_READY_EPOCH: u64 = 2;
 
 impl NetworkPlan {
-    /// Bytes a rank sends in a call whose tokens bound is `tokens_bound` (see
-    /// [`NetworkPlan::steps`]), whatever the routing.
+    /// The most bytes a rank sends in a call whose tokens bound is `tokens_bound` (see
+    /// [`NetworkPlan::steps`]): every token visiting every other node.
     pub fn bytes_per_call(
         &self,
         ep: &ExpertParallelPlan,
@@ -285,6 +293,7 @@ impl NetworkPlan {
             ep.experts_per_rank,
             self.peers_per_rank,
             self.other_nodes(),
+            self.chunk_tokens,
             tokens_bound,
         )
     }
@@ -381,51 +390,43 @@ impl NetworkPlan {
     }
 
     /// The NCCL groups of one call on `rank` in which no rank passes more than
-    /// `tokens_bound` tokens, in the order every rank issues them: the metadata (each
-    /// receive-index segment up to the bound, to every network peer; the visit masks up to
-    /// it, to the rail peers), then a dispatch step per chunk the bound spans (the last one
-    /// cut at the bound), then as many return steps, both between rail peers only. Every
-    /// rank of a call must pass the same bound: NCCL pairs a rank's sends to a peer with
-    /// that peer's receives in issue order and size.
+    /// `tokens_bound` tokens and whose chunks carry `rows`, in the order every rank issues
+    /// them: [`NetworkPlan::metadata_step`], then [`NetworkPlan::chunk_steps`].
     pub fn steps(
         &self,
         ep: &ExpertParallelPlan,
         shape: &LayerShape,
         rank: u32,
         tokens_bound: u32,
+        rows: &ChunkRows,
     ) -> Vec<NetworkStep> {
+        let mut steps = vec![self.metadata_step(ep, shape, rank, tokens_bound)];
+        steps.extend(self.chunk_steps(ep, shape, rank, tokens_bound, rows));
+        steps
+    }
+
+    /// The first group of a call on `rank` in which no rank passes more than
+    /// `tokens_bound` tokens: to every network peer each receive-index segment up to the
+    /// bound and the counts; to each rail peer the visit masks up to the bound and the rows
+    /// of each chunk the bound spans. Every rank of a call must pass the same bound: NCCL
+    /// pairs a rank's sends to a peer with that peer's receives in issue order and size.
+    pub fn metadata_step(
+        &self,
+        ep: &ExpertParallelPlan,
+        shape: &LayerShape,
+        rank: u32,
+        tokens_bound: u32,
+    ) -> NetworkStep {
         let peers = self.peers(rank, ep.ranks);
-        let rails = self.rail_peers(rank);
         let ranks = u64::from(ep.ranks);
         let local = u64::from(ep.experts_per_rank);
         let segment = u64::from(ep.rows_per_segment);
-        let slots = u64::from(ep.slots_per_source);
         let max_tokens = u64::from(shape.max_tokens);
-        let hidden = u64::from(shape.hidden);
-        let chunk = u64::from(self.chunk_tokens);
         let chunks = u64::from(self.chunks);
-        // A source's rows and results sit at its tokens' indices, and no segment holds more
-        // of its pairs than it has tokens.
-        let bound = u64::from(tokens_bound).min(slots);
-        let call_chunks = self.chunks_within(tokens_bound);
+        // No segment holds more of a source's pairs than it has tokens.
+        let bound = u64::from(tokens_bound).min(u64::from(ep.slots_per_source));
+        let call_chunks = u64::from(self.chunks_within(tokens_bound));
         let indexed = segment.min(bound);
-        // Rail peers with the slot of their node here.
-        let with_node_slots = || {
-            rails
-                .iter()
-                .map(|&peer| (peer, self.node_slot(rank, peer).map_or(0, u64::from)))
-        };
-        let transfer = |peer: u32, buffer: BufferId, first: u64, elems: u64| Transfer {
-            peer,
-            buffer,
-            offset_bytes: first * buffer.elem().size_bytes(),
-            bytes: elems * buffer.elem().size_bytes(),
-        };
-        let flag = |buffer: BufferId, index: u64| FlagRef { buffer, index };
-        let mut steps = Vec::with_capacity(1 + 2 * call_chunks as usize);
-
-        // The receive index: per local expert one segment of each array, then the counts;
-        // to a rail peer then the visit masks.
         let mut sends = Vec::new();
         let mut receives = Vec::new();
         for (slot, &peer) in peers.iter().enumerate() {
@@ -462,19 +463,29 @@ impl NetworkPlan {
                 u64::from(peer) * (local + 1),
                 local + 1,
             ));
-            if let Some((_, here)) = with_node_slots().find(|&(rail, _)| rail == peer)
+            if let Some(here) = self.rail_slot(rank, peer)
                 && bound > 0
             {
-                sends.push(transfer(
-                    peer,
-                    BufferId::NetSendMask,
-                    here * max_tokens,
-                    bound,
-                ));
-                receives.push(transfer(peer, BufferId::RecvMask, here * max_tokens, bound));
+                for (outbox, inbox, at, elems) in [
+                    (
+                        BufferId::NetSendMask,
+                        BufferId::RecvMask,
+                        here * max_tokens,
+                        bound,
+                    ),
+                    (
+                        BufferId::NetSendRows,
+                        BufferId::RecvRows,
+                        here * chunks,
+                        call_chunks,
+                    ),
+                ] {
+                    sends.push(transfer(peer, outbox, at, elems));
+                    receives.push(transfer(peer, inbox, at, elems));
+                }
             }
         }
-        steps.push(NetworkStep {
+        NetworkStep {
             kind: StepKind::Metadata,
             wait_for: (0..peers.len() as u32)
                 .map(|slot| flag(BufferId::NetReady, self.metadata_ready(slot)))
@@ -485,74 +496,206 @@ impl NetworkPlan {
                 .iter()
                 .map(|&peer| flag(BufferId::MetaFlags, u64::from(peer)))
                 .collect(),
-        });
+        }
+    }
 
+    /// The groups of a call on `rank` after its metadata, `rows` saying what each chunk
+    /// carries (read back once the metadata step is done): a dispatch step per chunk the
+    /// bound spans, then as many return steps, both between rail peers only, each moving
+    /// exactly the chunk's rows (a transfer of none is left out on both sides, which know
+    /// the same count), packed from the chunk's first row on.
+    pub fn chunk_steps(
+        &self,
+        ep: &ExpertParallelPlan,
+        shape: &LayerShape,
+        rank: u32,
+        tokens_bound: u32,
+        rows: &ChunkRows,
+    ) -> Vec<NetworkStep> {
+        let rails: Vec<(u32, u64)> = self
+            .rail_peers(rank)
+            .into_iter()
+            .filter_map(|peer| Some((peer, self.rail_slot(rank, peer)?)))
+            .collect();
+        let max_tokens = u64::from(shape.max_tokens);
+        let hidden = u64::from(shape.hidden);
+        let chunk = u64::from(self.chunk_tokens);
+        let chunks = u64::from(self.chunks);
+        let call_chunks = self.chunks_within(tokens_bound.min(ep.slots_per_source));
+        // Chunk c's rows for (or from) the node in `slot` start at its first token's row.
+        let at = |slot: u64, c: u32| (slot * max_tokens + u64::from(c) * chunk) * hidden;
+        let moves = |buffer: BufferId, count: fn(&ChunkRows, u32, u32) -> u32, c: u32| {
+            rails
+                .iter()
+                .filter_map(|&(peer, slot)| {
+                    let rows = u64::from(count(rows, slot as u32, c));
+                    (rows > 0).then(|| transfer(peer, buffer, at(slot, c), rows * hidden))
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut steps = Vec::with_capacity(2 * call_chunks as usize);
         for c in 0..call_chunks {
-            let first = u64::from(c) * chunk;
-            let rows = chunk.min(bound - first);
             steps.push(NetworkStep {
                 kind: StepKind::Dispatch { chunk: c },
-                wait_for: with_node_slots()
-                    .map(|(_, here)| flag(BufferId::NetReady, self.chunk_ready(here as u32, c)))
+                wait_for: rails
+                    .iter()
+                    .map(|&(_, slot)| flag(BufferId::NetReady, self.chunk_ready(slot as u32, c)))
                     .collect(),
-                sends: with_node_slots()
-                    .map(|(peer, here)| {
-                        transfer(
-                            peer,
-                            BufferId::NetSendX,
-                            (here * max_tokens + first) * hidden,
-                            rows * hidden,
-                        )
-                    })
-                    .collect(),
-                receives: with_node_slots()
-                    .map(|(peer, _)| {
-                        transfer(
-                            peer,
-                            BufferId::RecvX,
-                            (u64::from(peer) * slots + first) * hidden,
-                            rows * hidden,
-                        )
-                    })
-                    .collect(),
+                sends: moves(BufferId::NetSendX, ChunkRows::sent, c),
+                receives: moves(BufferId::NetRecvX, ChunkRows::received, c),
                 release: rails
                     .iter()
-                    .map(|&peer| {
-                        flag(
-                            BufferId::ChunkFlags,
-                            u64::from(peer) * chunks + u64::from(c),
-                        )
-                    })
+                    .map(|&(_, slot)| flag(BufferId::NetArrived, slot * chunks + u64::from(c)))
                     .collect(),
             });
         }
-
         // Results, by the origin's tokens: chunk c holds the node partials of its tokens
-        // [c·chunk, (c+1)·chunk) below the bound (a token that visited no rank of the node
-        // leaves stale bytes, which its origin does not read).
+        // [c·chunk, (c+1)·chunk) visiting the node, at the rows their token rows had.
         for c in 0..call_chunks {
-            let first = u64::from(c) * chunk;
-            let rows = chunk.min(bound - first);
-            let at = |node_slot: u64| (node_slot * max_tokens + first) * hidden;
             steps.push(NetworkStep {
                 kind: StepKind::Return { chunk: c },
                 wait_for: vec![flag(BufferId::NetPartialsReady, PARTIALS_READY_EPOCH)],
-                sends: with_node_slots()
-                    .map(|(peer, here)| {
-                        transfer(peer, BufferId::NetReturnX, at(here), rows * hidden)
-                    })
-                    .collect(),
-                receives: with_node_slots()
-                    .map(|(peer, here)| {
-                        transfer(peer, BufferId::NetReturnedX, at(here), rows * hidden)
-                    })
-                    .collect(),
-                release: with_node_slots()
-                    .map(|(_, here)| flag(BufferId::NetReturnFlags, here * chunks + u64::from(c)))
+                sends: moves(BufferId::NetReturnX, ChunkRows::received, c),
+                receives: moves(BufferId::NetReturnedX, ChunkRows::sent, c),
+                release: rails
+                    .iter()
+                    .map(|&(_, slot)| flag(BufferId::NetReturnFlags, slot * chunks + u64::from(c)))
                     .collect(),
             });
         }
         steps
+    }
+
+    /// The slot of `peer`'s node among `rank`'s other nodes when `peer` is a rail peer of
+    /// `rank` (`None` otherwise).
+    fn rail_slot(&self, rank: u32, peer: u32) -> Option<u64> {
+        (peer % self.gpus_per_node == rank % self.gpus_per_node)
+            .then(|| self.node_slot(rank, peer))
+            .flatten()
+            .map(u64::from)
+    }
+}
+
+/// A transfer of `elems` elements of `buffer` from element `first` on, with `peer`.
+fn transfer(peer: u32, buffer: BufferId, first: u64, elems: u64) -> Transfer {
+    Transfer {
+        peer,
+        buffer,
+        offset_bytes: first * buffer.elem().size_bytes(),
+        bytes: elems * buffer.elem().size_bytes(),
+    }
+}
+
+fn flag(buffer: BufferId, index: u64) -> FlagRef {
+    FlagRef { buffer, index }
+}
+
+/// The rows of each token chunk a call moves between a rank and its rail peers, by node
+/// slot then chunk: what the rank's `ep_route` counted for each other node
+/// (`NetSendRows`), and what each rail peer's counted for this node (`RecvRows`, brought by
+/// the metadata step). NCCL needs every count on the host when a transfer is enqueued, and
+/// the routing is on the device: the host reads both back once the metadata step is done
+/// (one wait per call), then [`NetworkPlan::chunk_steps`] sizes each transfer by them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkRows {
+    chunks: u32,
+    sent: Vec<u32>,
+    received: Vec<u32>,
+}
+
+/// A count read back from the device that no call of the bound can have (a fault in the
+/// kernels or the transfer): the chunk steps would move more than the chunk holds.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{direction} rows of token chunk {chunk} for the other node in slot {node_slot}: {rows}, where a chunk of a call with at most {tokens_bound} tokens per rank holds at most {most}"
+)]
+pub struct ChunkRowsError {
+    pub direction: &'static str,
+    pub node_slot: u32,
+    pub chunk: u32,
+    pub rows: u32,
+    pub most: u32,
+    pub tokens_bound: u32,
+}
+
+impl ChunkRows {
+    /// Every chunk below `tokens_bound` full, on every rail: what a call whose tokens all
+    /// visit every other node moves (the most any routing does).
+    pub fn full(network: &NetworkPlan, shape: &LayerShape, tokens_bound: u32) -> Self {
+        let per_node: Vec<u32> = (0..network.chunks)
+            .map(|c| network.chunk_rows_within(shape, tokens_bound, c))
+            .collect();
+        let all = per_node.repeat(network.other_nodes() as usize);
+        ChunkRows {
+            chunks: network.chunks,
+            sent: all.clone(),
+            received: all,
+        }
+    }
+
+    /// The counts read back (`sent`: this rank's `NetSendRows`, `received`: its
+    /// `RecvRows`, each other nodes × chunks), checked against what a chunk of a call of
+    /// `tokens_bound` on `shape` holds; only the chunks the bound spans count (the rest
+    /// stay 0).
+    pub fn read(
+        network: &NetworkPlan,
+        shape: &LayerShape,
+        tokens_bound: u32,
+        sent: &[u32],
+        received: &[u32],
+    ) -> Result<Self, ChunkRowsError> {
+        let nodes = network.other_nodes();
+        let call_chunks = network.chunks_within(tokens_bound);
+        let checked = |direction: &'static str, counts: &[u32]| {
+            let mut kept = vec![0u32; (nodes * network.chunks) as usize];
+            for node_slot in 0..nodes {
+                for chunk in 0..call_chunks {
+                    let i = (node_slot * network.chunks + chunk) as usize;
+                    let rows = counts.get(i).copied().unwrap_or(0);
+                    let most = network.chunk_rows_within(shape, tokens_bound, chunk);
+                    if rows > most {
+                        return Err(ChunkRowsError {
+                            direction,
+                            node_slot,
+                            chunk,
+                            rows,
+                            most,
+                            tokens_bound,
+                        });
+                    }
+                    kept[i] = rows;
+                }
+            }
+            Ok(kept)
+        };
+        Ok(ChunkRows {
+            chunks: network.chunks,
+            sent: checked("sent", sent)?,
+            received: checked("received", received)?,
+        })
+    }
+
+    /// Rows of token chunk `chunk` this rank sends the other node in `node_slot`.
+    pub fn sent(&self, node_slot: u32, chunk: u32) -> u32 {
+        self.sent[(node_slot * self.chunks + chunk) as usize]
+    }
+
+    /// Rows of token chunk `chunk` the rail peer on the other node in `node_slot` sends
+    /// this rank.
+    pub fn received(&self, node_slot: u32, chunk: u32) -> u32 {
+        self.received[(node_slot * self.chunks + chunk) as usize]
+    }
+}
+
+impl NetworkPlan {
+    /// The most rows token chunk `chunk` holds in a call of `tokens_bound` on `shape`: its
+    /// tokens below the bound and max_tokens.
+    pub fn chunk_rows_within(&self, shape: &LayerShape, tokens_bound: u32, chunk: u32) -> u32 {
+        let first = chunk * self.chunk_tokens;
+        tokens_bound
+            .min(shape.max_tokens)
+            .saturating_sub(first)
+            .min(self.chunk_tokens)
     }
 }
 
@@ -629,13 +772,14 @@ mod tests {
                 }
             }
         }
-        // A call of max_tokens moves the receive index, 512 visit masks, rows and node
-        // partials to its one network peer (also its rail peer); a call of 3 tokens three
-        // entries of each index segment, 3 masks, 3 rows and 3 partials.
+        // A call of max_tokens moves at most the receive index, 512 visit masks, 32
+        // chunks' row counts, rows and node partials to its one network peer (also its
+        // rail peer); a call of 3 tokens three entries of each index segment, 3 masks, one
+        // chunk's count, 3 rows and 3 partials.
         let metadata = 3 * 4 * 4 * 512 + 4 * 5;
         assert_eq!(
             network.call_bytes,
-            metadata + 4 * 512 + 512 * 128 * 2 + 512 * 128 * 2
+            metadata + 4 * 512 + 4 * 32 + 512 * 128 * 2 + 512 * 128 * 2
         );
         assert_eq!(
             network.bytes_per_call(ep, &plan.shape, 512),
@@ -643,7 +787,7 @@ mod tests {
         );
         assert_eq!(
             network.bytes_per_call(ep, &plan.shape, 3),
-            3 * 4 * 4 * 3 + 4 * 5 + 4 * 3 + 3 * 128 * 2 + 3 * 128 * 2
+            3 * 4 * 4 * 3 + 4 * 5 + 4 * 3 + 4 + 3 * 128 * 2 + 3 * 128 * 2
         );
         assert!(plan.limitations.iter().any(|l| l.contains("NCCL")));
         let text = crate::plan::describe(&plan);
@@ -671,9 +815,10 @@ mod tests {
         // The same steps, rank by rank, at every bound: the loopback runs what NCCL would.
         for rank in 0..4 {
             for bound in [0, 1, 17, 512] {
+                let rows = routed_rows(network, &emulated.shape, 4, bound, u64::from(rank + bound));
                 assert_eq!(
-                    network.steps(ep, &emulated.shape, rank, bound),
-                    real_network.steps(real_ep, &real.shape, rank, bound)
+                    network.steps(ep, &emulated.shape, rank, bound, &rows[rank as usize]),
+                    real_network.steps(real_ep, &real.shape, rank, bound, &rows[rank as usize])
                 );
             }
         }
@@ -747,19 +892,90 @@ mod tests {
         .flat_map(|layer| [0, 1, 17, 48, 512, 4096].map(|bound| (layer, bound)))
         {
             let plan = planned(nodes, gpus, extra);
+            let (ep, network) = network_of(&plan);
             // Chunks of 16 token slots, 512 of them: the bound's chunks, at most 32.
-            assert_eq!(
-                network_of(&plan).1.chunks_within(bound),
-                bound.min(512).div_ceil(16)
+            assert_eq!(network.chunks_within(bound), bound.min(512).div_ceil(16));
+            // Every token visiting every node: the most a call of the bound moves.
+            let full = vec![ChunkRows::full(network, &plan.shape, bound); ep.ranks as usize];
+            let sent = assert_steps_pair_up(&plan, bound, &full);
+            assert!(
+                sent.iter()
+                    .all(|&s| s == network.bytes_per_call(ep, &plan.shape, bound))
             );
-            assert_steps_pair_up(&plan, bound);
+            for seed in 0..4 {
+                let routed = routed_rows(network, &plan.shape, ep.ranks, bound, seed);
+                let sent = assert_steps_pair_up(&plan, bound, &routed);
+                assert!(
+                    sent.iter()
+                        .all(|&s| s <= network.bytes_per_call(ep, &plan.shape, bound))
+                );
+            }
         }
+    }
+
+    /// Rows per chunk as a call's routing would give them to each of `ranks` ranks: a
+    /// pseudo-random count (`seed`) up to what each chunk of `bound` holds, zeros included,
+    /// each rank's received counts its rail peers' sent ones.
+    fn routed_rows(
+        network: &NetworkPlan,
+        shape: &LayerShape,
+        ranks: u32,
+        bound: u32,
+        seed: u64,
+    ) -> Vec<ChunkRows> {
+        let nodes = network.other_nodes();
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let sent: Vec<Vec<u32>> = (0..ranks)
+            .map(|_| {
+                (0..nodes * network.chunks)
+                    .map(|i| {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        let most = network.chunk_rows_within(shape, bound, i % network.chunks);
+                        (state % u64::from(most + 2)).min(u64::from(most)) as u32
+                    })
+                    .collect()
+            })
+            .collect();
+        (0..ranks)
+            .map(|rank| {
+                let mut received = vec![0; (nodes * network.chunks) as usize];
+                for rail in network.rail_peers(rank) {
+                    let here = network.node_slot(rank, rail).expect("another node");
+                    let there = network.node_slot(rail, rank).expect("another node");
+                    for c in 0..network.chunks {
+                        received[(here * network.chunks + c) as usize] =
+                            sent[rail as usize][(there * network.chunks + c) as usize];
+                    }
+                }
+                ChunkRows::read(network, shape, bound, &sent[rank as usize], &received)
+                    .expect("within the chunks")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn counts_read_back_beyond_a_chunk_are_refused() {
+        let plan = planned(2, 2, "");
+        let (_, network) = network_of(&plan);
+        let mut sent = vec![0u32; network.chunks as usize];
+        // Chunk 1 of a bound of 20 tokens holds tokens 16..20: 4 rows at most.
+        sent[1] = 5;
+        let error = ChunkRows::read(network, &plan.shape, 20, &sent, &sent).expect_err("refused");
+        assert_eq!((error.chunk, error.rows, error.most), (1, 5, 4));
+        assert!(error.to_string().contains("at most 20 tokens"), "{error}");
+        // Chunks beyond the bound are not read.
+        sent[1] = 4;
+        sent[5] = 1000;
+        let rows = ChunkRows::read(network, &plan.shape, 20, &sent, &sent).expect("fits");
+        assert_eq!((rows.sent(0, 1), rows.received(0, 5)), (4, 0));
     }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
         /// The same over random node counts (dividing the 8 experts), GPUs per node,
-        /// max_tokens, chunks (dividing max_tokens or not) and bounds.
+        /// max_tokens, chunks (dividing max_tokens or not), bounds and routings.
         #[test]
         fn steps_pair_up_for_any_layer_and_bound(
             nodes in proptest::sample::select(vec![2u32, 4]),
@@ -768,6 +984,7 @@ mod tests {
             chunk in 1u32..=64,
             bound in 0u32..=400,
             shared in proptest::bool::ANY,
+            seed in proptest::num::u64::ANY,
         ) {
             let extra = if shared { " shared_experts {\n  count = 1\n  ffn = 256\n }\n" } else { "" };
             let text = spec(nodes, gpus, extra)
@@ -775,16 +992,20 @@ mod tests {
                 .replace("dispatch_chunk = 16 tokens", &format!("dispatch_chunk = {chunk} tokens"));
             let module = crate::compile_source("l.moe", &text).expect("checks");
             let plan = plan(&module.layers[0], &Target::h200()).expect("plans");
-            assert_steps_pair_up(&plan, bound);
+            let (ep, network) = network_of(&plan);
+            let full = vec![ChunkRows::full(network, &plan.shape, bound); ep.ranks as usize];
+            assert_steps_pair_up(&plan, bound, &full);
+            assert_steps_pair_up(&plan, bound, &routed_rows(network, &plan.shape, ep.ranks, bound, seed));
         }
     }
 
-    /// For a call of `plan` whose tokens bound is `bound`, on every rank: each step's sends
-    /// to a peer match that peer's receives in that step (same order, same bytes), every
-    /// range fits its buffer, rows and results go to rail peers only, a rank sends
-    /// `bytes_per_call` of the bound, and the call waits for every staging flag of the
-    /// chunks it moves and releases every flag the kernels of such a call wait on, once.
-    fn assert_steps_pair_up(plan: &Plan, bound: u32) {
+    /// For a call of `plan` whose tokens bound is `bound` and whose chunks carry `rows[r]`
+    /// on rank `r`, on every rank: each step's sends to a peer match that peer's receives in
+    /// that step (same order, same bytes), every range fits its buffer, rows and results go
+    /// to rail peers only, each chunk step moves that chunk's rows, and the call waits for
+    /// every staging flag of the chunks it moves and releases every flag the kernels of
+    /// such a call wait on, once. Returns the bytes each rank sends.
+    fn assert_steps_pair_up(plan: &Plan, bound: u32, rows: &[ChunkRows]) -> Vec<u64> {
         plan.validate().expect("valid");
         let (ep, network) = network_of(plan);
         let ranks = ep.ranks;
@@ -796,7 +1017,7 @@ mod tests {
                 .bytes()
         };
         let steps: Vec<Vec<NetworkStep>> = (0..ranks)
-            .map(|r| network.steps(ep, &plan.shape, r, bound))
+            .map(|r| network.steps(ep, &plan.shape, r, bound, &rows[r as usize]))
             .collect();
         let call_chunks = u64::from(network.chunks_within(bound));
         let slots = u64::from(ep.slots_per_source);
@@ -807,16 +1028,19 @@ mod tests {
                 .div_ceil(u64::from(network.chunk_tokens))
         );
         assert!(steps.iter().all(|s| s.len() as u64 == 1 + 2 * call_chunks));
+        let row_bytes = u64::from(plan.shape.hidden) * 2;
+        let mut sent_per_rank = Vec::new();
         for (rank, rank_steps) in steps.iter().enumerate() {
             let rank = rank as u32;
             let rails = network.rail_peers(rank);
             assert_eq!(rails.len() as u32, network.nodes - 1);
-            let sent: u64 = rank_steps
-                .iter()
-                .flat_map(|s| &s.sends)
-                .map(|t| t.bytes)
-                .sum();
-            assert_eq!(sent, network.bytes_per_call(ep, &plan.shape, bound));
+            sent_per_rank.push(
+                rank_steps
+                    .iter()
+                    .flat_map(|s| &s.sends)
+                    .map(|t| t.bytes)
+                    .sum(),
+            );
             let mut released = HashMap::new();
             let mut waited = HashMap::new();
             for (i, step) in rank_steps.iter().enumerate() {
@@ -828,6 +1052,35 @@ mod tests {
                     assert_eq!(network.route(rank, t.peer), Route::Network);
                     if i > 0 {
                         assert!(rails.contains(&t.peer), "{t:?} from {rank}");
+                    }
+                }
+                // A chunk step moves the chunk's rows with each rail peer: token rows out
+                // and in, then node partials back the other way.
+                let chunk_rows = |c: u32, out: bool| -> u64 {
+                    rails
+                        .iter()
+                        .map(|&rail| {
+                            let slot = network.node_slot(rank, rail).expect("another node");
+                            let r = &rows[rank as usize];
+                            u64::from(if out {
+                                r.sent(slot, c)
+                            } else {
+                                r.received(slot, c)
+                            })
+                        })
+                        .sum::<u64>()
+                        * row_bytes
+                };
+                let bytes = |transfers: &[Transfer]| transfers.iter().map(|t| t.bytes).sum::<u64>();
+                match step.kind {
+                    StepKind::Metadata => {}
+                    StepKind::Dispatch { chunk } => {
+                        assert_eq!(bytes(&step.sends), chunk_rows(chunk, true));
+                        assert_eq!(bytes(&step.receives), chunk_rows(chunk, false));
+                    }
+                    StepKind::Return { chunk } => {
+                        assert_eq!(bytes(&step.sends), chunk_rows(chunk, false));
+                        assert_eq!(bytes(&step.receives), chunk_rows(chunk, true));
                     }
                 }
                 for peer in network.peers(rank, ranks) {
@@ -858,9 +1111,9 @@ mod tests {
             let nodes = u64::from(network.other_nodes());
             let chunks = u64::from(network.chunks);
             // Each network source's metadata flag and the flags of the chunks the bound
-            // spans (a chunk of rows per rail source, a token chunk's return flag per other
-            // node): the flags a call's kernels wait on with at most `bound` tokens per
-            // rank. Once each.
+            // spans (a chunk's arrival per rail source, a token chunk's return flag per
+            // other node), whatever they carry: the flags a call's kernels wait on with at
+            // most `bound` tokens per rank. Once each.
             assert_eq!(released.len() as u64, peers + 2 * nodes * call_chunks);
             assert!(released.values().all(|&n| n == 1));
             for peer in network.peers(rank, ranks) {
@@ -870,7 +1123,7 @@ mod tests {
                 let slot = u64::from(network.node_slot(rank, rail).expect("another node"));
                 for c in 0..call_chunks {
                     for flag in [
-                        (BufferId::ChunkFlags, u64::from(rail) * chunks + c),
+                        (BufferId::NetArrived, slot * chunks + c),
                         (BufferId::NetReturnFlags, slot * chunks + c),
                     ] {
                         assert!(released.contains_key(&flag), "{flag:?} at bound {bound}");
@@ -885,6 +1138,7 @@ mod tests {
             assert_eq!(waited.len() as u64, peers + nodes * call_chunks);
             assert!(waited.values().all(|&n| n == 1));
         }
+        sent_per_rank
     }
 
     /// The spec's `flag_timeout` bounds every flag wait of the kernels, and the host's wait
@@ -917,6 +1171,7 @@ mod tests {
     #[test]
     fn the_network_flags_are_exchange_state() {
         assert!(EXCHANGE_STATE.contains(&BufferId::NetReady));
+        assert!(EXCHANGE_STATE.contains(&BufferId::NetArrived));
         assert!(EXCHANGE_STATE.contains(&BufferId::NetReturnFlags));
         assert!(EXCHANGE_STATE.contains(&BufferId::NetPartialsReady));
     }

@@ -478,6 +478,12 @@ impl Plan {
             ),
             (BufferId::NetSendMask, nodes * tokens),
             (BufferId::RecvMask, nodes * tokens),
+            (BufferId::NetSendRows, nodes * u64::from(network.chunks)),
+            (BufferId::RecvRows, nodes * u64::from(network.chunks)),
+            (BufferId::NetSendRow, nodes * tokens),
+            (BufferId::NetRecvRow, nodes * tokens),
+            (BufferId::NetRecvX, node_rows),
+            (BufferId::NetArrived, nodes * u64::from(network.chunks)),
             (BufferId::NetReady, network.ready_flags()),
             (
                 BufferId::NodePartials,

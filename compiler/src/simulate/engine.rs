@@ -318,8 +318,7 @@ pub(super) struct Machine<'a> {
     /// How results return in the schedules: the plan's route on one node (and on emulated
     /// nodes, one GPU); across real nodes the design's pair rows, which the topology-aware
     /// schedule reduces per node. (The kernels as built return node partials across nodes,
-    /// summed at a relay of each node, since NCCL's fixed slices would carry every slot of
-    /// every token; `simulate` prints the floor of what they move apart.)
+    /// summed at a relay of each node: the as-built schedule models them apart.)
     results: CombineRoute,
 }
 
@@ -470,16 +469,10 @@ impl<'a> Machine<'a> {
 
     /// Items of token rows of `origin`, in the order of `targets`: chunks, or pieces when
     /// the call has fewer chunks than blocks.
-    fn token_items(
-        &self,
-        origin: u32,
-        targets: &[To],
-        fused: bool,
-        schedule: Schedule,
-    ) -> VecDeque<Item> {
+    fn token_items(&self, origin: u32, targets: &[To], fused: bool) -> VecDeque<Item> {
         let total = |to: &To| match *to {
             To::Rank(d) => self.traffic.tokens_to(origin, d),
-            To::Node { node, .. } => self.node_slice(origin, node, schedule),
+            To::Node { node, .. } => self.traffic.tokens_to_node(origin, node),
         };
         let chunk = self.ep.dispatch_chunk.max(1);
         let chunks: u32 = targets.iter().map(|to| total(to).div_ceil(chunk)).sum();
@@ -509,15 +502,11 @@ impl<'a> Machine<'a> {
         items
     }
 
-    /// Token rows `origin` sends `node` in `schedule`: those visiting the node, or as built
-    /// the call's whole tokens bound (NCCL's fixed slices; every rank passes the same
-    /// tokens here, so the bound is the tokens per rank), each at its token's index.
-    fn node_slice(&self, origin: u32, node: u32, schedule: Schedule) -> u32 {
-        if schedule == Schedule::AsBuilt {
-            self.traffic.tokens_per_rank
-        } else {
-            self.traffic.tokens_to_node(origin, node)
-        }
+    /// As built across nodes, when the chunk steps are on the network stream: the
+    /// metadata's arrival from the farthest rail peer, then the host's read-back of the
+    /// rows per chunk ([`model::HOST_READBACK_S`]). No row crosses the network before.
+    fn chunk_steps_enqueued(&self) -> f64 {
+        self.metadata_released() + self.latency(Class::Network) + model::HOST_READBACK_S
     }
 
     /// Runs every rank's communication blocks over its queue from `start[rank]`.
@@ -561,8 +550,13 @@ impl<'a> Machine<'a> {
                         // another block but taken later queues behind it (items are alike
                         // in size, so little is lost).
                         let staged = now + bytes / COMM_BLOCK_BYTES_PER_S;
+                        let sendable = if schedule == Schedule::AsBuilt {
+                            staged.max(self.chunk_steps_enqueued())
+                        } else {
+                            staged
+                        };
                         (
-                            self.transfer(ports, staged, rank, first_hop, bytes, f64::INFINITY),
+                            self.transfer(ports, sendable, rank, first_hop, bytes, f64::INFINITY),
                             staged,
                         )
                     } else {
@@ -597,7 +591,7 @@ impl<'a> Machine<'a> {
                             self.arrive(&mut result, item.origin, d, item.pos_end, arrival)
                         }
                         To::Node { node, relay } => {
-                            let node_total = self.node_slice(item.origin, node, schedule);
+                            let node_total = self.traffic.tokens_to_node(item.origin, node);
                             let prev = item.pos_end - item.rows;
                             for d in self.node_ranks(node) {
                                 let sent = u64::from(self.traffic.tokens_to(item.origin, d));
@@ -1155,7 +1149,7 @@ impl<'a> Machine<'a> {
         let launch = self.target.launch_overhead_s;
         let fused = self.fused_for(schedule);
         let queues = (0..ranks)
-            .map(|s| self.token_items(s, &self.targets(s, schedule), fused.is_some(), schedule))
+            .map(|s| self.token_items(s, &self.targets(s, schedule), fused.is_some()))
             .collect();
         // The fused decode's blocks send rows as their first work units, right after their
         // launch; the table's dispatch kernel starts after the metadata kernel.
@@ -1394,9 +1388,9 @@ impl<'a> Machine<'a> {
     /// its node there, one for another node's origin at the relay of the origin's rail on
     /// this node. A relay, once every rank of its node has stored (their passes ended, their
     /// partials landed), sums them in one more pass, and the network stream then sends each
-    /// rail origin the node partials of the call's whole tokens bound (NCCL's fixed slices,
-    /// whatever the routing). Returns as [`Machine::partial_results`] does, a relay's pass
-    /// ending after its sums.
+    /// rail origin the node partials of its tokens visiting the node (packed, as the rows
+    /// came). Returns as [`Machine::partial_results`] does, a relay's pass ending after its
+    /// sums.
     fn relayed_partials(
         &self,
         ports: &mut Ports,
@@ -1433,7 +1427,6 @@ impl<'a> Machine<'a> {
                 *slot = slot.max(arrival);
             }
         }
-        let bound = self.traffic.tokens_per_rank;
         for relay in 0..ranks {
             let node = self.traffic.node_of(relay);
             let origins: Vec<u32> = (0..self.traffic.nodes())
@@ -1467,7 +1460,7 @@ impl<'a> Machine<'a> {
             let ready = node_done + sums;
             passes_end[relay as usize] = passes_end[relay as usize].max(ready);
             for s in origins {
-                let bytes = f64::from(bound) * self.row_bytes;
+                let bytes = f64::from(self.traffic.tokens_to_node(s, node)) * self.row_bytes;
                 let done = self.transfer(ports, ready, relay, s, bytes, f64::INFINITY);
                 at[s as usize] = at[s as usize].max(done + self.latency(self.class(relay, s)));
             }

@@ -16,15 +16,16 @@
 //!   arrived (Comet's GEMM-to-GEMM overlap: GEMM2 fills the time GEMM1's blocks would wait
 //!   for the network; `benches/results/2026-12-02_simulator_gemm_overlap.md`). This
 //!   schedule is the design across nodes: the kernels run its hierarchical exchange but
-//!   not this overlap (GEMM2 is a kernel after GEMM1, its phases in receive order), and
-//!   NCCL moves fixed slices of the call's tokens bound. Across real nodes the first
-//!   three schedules model results as pair rows (the design's), whatever the plan's route;
+//!   not this overlap (GEMM2 is a kernel after GEMM1, its phases in receive order). Across
+//!   real nodes the first three schedules model results as pair rows (the design's),
+//!   whatever the plan's route;
 //! - **as built** (across real nodes only; on one node the topology-aware schedule is what
-//!   the kernels run): the topology-aware exchange with NCCL's fixed slices (every other
-//!   node gets the rows of the whole tokens bound, at their token's index, whatever the
-//!   routing), GEMM2 after GEMM1, and results as rank partials stored at the relay of the
-//!   origin's rail, summed there once every rank of the node has stored, then the bound's
-//!   node partials back through NCCL.
+//!   the kernels run): the topology-aware exchange (each other node gets the rows of the
+//!   tokens visiting it, as the routed chunk steps move them, none before the host has read
+//!   the rows per chunk back: `model::HOST_READBACK_S` after the metadata's arrival),
+//!   GEMM2 after GEMM1, and results as rank partials stored at the relay of the origin's
+//!   rail, summed there once every rank of the node has stored, then the node partials of
+//!   the visiting tokens back through NCCL.
 //!
 //! What it models: per rank, the plan's communication blocks taking work items (chunks of
 //! `dispatch_chunk` tokens per destination, or `dispatch_piece` pieces when a call has
@@ -134,7 +135,7 @@ impl Schedule {
             Schedule::BulkSynchronous => "bulk-synchronous",
             Schedule::FineGrainedNaive => "fine-grained, naive order",
             Schedule::FineGrainedTopologyAware => "fine-grained, topology-aware",
-            Schedule::AsBuilt => "as built (fixed NCCL slices)",
+            Schedule::AsBuilt => "as built (today's kernels)",
         }
     }
 }
