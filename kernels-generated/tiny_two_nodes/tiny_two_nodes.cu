@@ -1763,15 +1763,19 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) tiny_two_nodes_ep_
             network_slot(rank, destination) >= 0 ? tokens : slots;
         send_counts[destination] = slots;
     }
-    // Per other node, the rows of each token chunk (its tokens visiting the node): the
-    // metadata step carries them to the rail peer there, and the host sizes the chunk's
-    // transfers by them. Every block's masks are ordered before its count; read past L1.
-    for (int i = threadIdx.x; i < OTHER_NODES * CHUNKS; i += META_THREADS) {
+    // Per other node, the rows of each token chunk (its tokens visiting the node), a warp
+    // per chunk: the metadata step carries them to the rail peer there, and the host sizes
+    // the chunk's transfers by them. Every block's masks are ordered before its count;
+    // read past L1.
+    for (int i = threadIdx.x / 32; i < OTHER_NODES * CHUNKS; i += META_THREADS / 32) {
         const int first = i % CHUNKS * CHUNK, end = min(first + CHUNK, tokens);
         const u32* visits = net_send_mask + (size_t)(i / CHUNKS) * MAX_TOKENS;
         u32 rows = 0;
-        for (int token = first; token < end; ++token) rows += __ldcg(visits + token) != 0;
-        net_send_rows[i] = rows;
+        for (int base = first; base < end; base += 32) {
+            const int token = base + threadIdx.x % 32;
+            rows += __popc(__ballot_sync(0xffffffffu, token < end && __ldcg(visits + token) != 0));
+        }
+        if (threadIdx.x % 32 == 0) net_send_rows[i] = rows;
     }
     if (threadIdx.x == 0) metadata_counters[COUNTER_BLOCKS_DONE] = 0;
     __syncthreads();  // every count is written before the releases
@@ -1849,11 +1853,24 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS, 1) tiny_two_nodes_ep_
         if (threadIdx.x < 32) pack_visiting_rows(visits, first, chunk_tokens, row_of);
         __syncthreads();  // every visiting token's row is known
         const unsigned vectors = chunk_tokens * VECTORS;
-        for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
-            const int token = first + i / VECTORS;
-            if (visits[token] == 0) continue;
-            reinterpret_cast<Vec16*>(outbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS] =
-                reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
+        for (unsigned base = threadIdx.x; base < vectors; base += COMM_THREADS * COPY_UNROLL) {
+            Vec16 value[COPY_UNROLL];
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                const unsigned i = base + u * COMM_THREADS;
+                const int token = first + i / VECTORS;
+                if (i < vectors && visits[token] != 0) {
+                    value[u] = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                const unsigned i = base + u * COMM_THREADS;
+                const int token = first + i / VECTORS;
+                if (i < vectors && visits[token] != 0) {
+                    reinterpret_cast<Vec16*>(outbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS] = value[u];
+                }
+            }
         }
         __syncthreads();  // the whole chunk is written before it is released
         if (threadIdx.x == 0) {
@@ -1946,15 +1963,25 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS, 1) tiny_two_nodes_ep_
         __syncthreads();  // the chunk is here and every visiting token's row is known
         const bf16_t* inbox = net_recv_x + (size_t)slot * MAX_TOKENS * HIDDEN;
         const unsigned vectors = chunk_tokens * VECTORS;
-        for (unsigned i = threadIdx.x; i < vectors; i += COMM_THREADS) {
-            const int token = first + i / VECTORS;
-            u32 visited = visits[token];
-            if (visited == 0) continue;
-            const Vec16 value = reinterpret_cast<const Vec16*>(inbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS];
-            const size_t row = (size_t)source * SLOTS + token;
-            for (; visited != 0; visited &= visited - 1) {
-                const int to = node_first + __ffs(visited) - 1;
-                reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, to, PEER_RECV_X) + row * HIDDEN)[i % VECTORS] = value;
+        for (unsigned base = threadIdx.x; base < vectors; base += COMM_THREADS * COPY_UNROLL) {
+            Vec16 value[COPY_UNROLL];
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                const unsigned i = base + u * COMM_THREADS;
+                const int token = first + i / VECTORS;
+                if (i < vectors && visits[token] != 0) {
+                    value[u] = reinterpret_cast<const Vec16*>(inbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                const unsigned i = base + u * COMM_THREADS;
+                const int token = first + i / VECTORS;
+                const size_t row = (size_t)source * SLOTS + token;
+                for (u32 visited = i < vectors ? visits[token] : 0u; visited != 0; visited &= visited - 1) {
+                    const int to = node_first + __ffs(visited) - 1;
+                    reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, to, PEER_RECV_X) + row * HIDDEN)[i % VECTORS] = value[u];
+                }
             }
         }
         __syncthreads();  // the chunk's rows are copied before its flags are released
@@ -2219,7 +2246,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
             rows[b] = visits >> b & 1u ? node_partials + (((size_t)slot * GPUS_PER_NODE + b) * MAX_TOKENS + token) * HIDDEN
                                        : nullptr;
         }
-        const int row = net_recv_row[(size_t)slot * MAX_TOKENS + token];
+        const int row = __ldcg(net_recv_row + (size_t)slot * MAX_TOKENS + token);
         combine_rows<GPUS_PER_NODE>(rows, net_return_x + ((size_t)slot * MAX_TOKENS + row) * HIDDEN, thread);
     }
     lane_sync(lane);  // every thread's node partials are stored before the lane counts itself
@@ -2256,9 +2283,10 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
             bool first = source >= 0;
 #pragma unroll
             for (int j = 0; j < k; ++j) first = first && (slot >= 0 ? node_slot_of[j] != slot : source_of[j] != source);
-            rows[k] = !first    ? nullptr
-                      : slot >= 0 ? net_returned_x + ((size_t)slot * MAX_TOKENS + net_send_row[(size_t)slot * MAX_TOKENS + token]) * HIDDEN
-                                  : combine_slots + ((size_t)token * PARTIAL_SLOTS + source % PARTIAL_SLOTS) * HIDDEN;
+            // Another node's partial: its row is known once its return flag is (below).
+            rows[k] = !first || slot >= 0
+                          ? nullptr
+                          : combine_slots + ((size_t)token * PARTIAL_SLOTS + source % PARTIAL_SLOTS) * HIDDEN;
             returned_slot[k] = first ? slot : -1;
             own_visited = own_visited || (first && source == rank);
             counted += first && slot < 0;
@@ -2280,6 +2308,17 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) ti
             }
         }
         lane_sync(lane);
+        // The token's row in each node's results is its row in this rank's outbox, which
+        // ep_dispatch packed before it released the chunk for the network stream: final
+        // once the node's return flag is (read past L1).
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            const int slot = returned_slot[k];
+            if (slot >= 0) {
+                const int row = __ldcg(net_send_row + (size_t)slot * MAX_TOKENS + token);
+                rows[k] = net_returned_x + ((size_t)slot * MAX_TOKENS + row) * HIDDEN;
+            }
+        }
         combine_rows<TOP_K + 1>(rows, y + (size_t)token * HIDDEN, thread);
         lane_sync(lane);  // every thread read the partials before the counter is reset
         if (thread == 0 && complete) atomicSub(combine_counters + token, target);

@@ -758,9 +758,17 @@ impl EpLayer {
         if let Some(loopback) = loopback {
             loopback.enqueue_metadata(self.epoch, self.tokens_bound)?;
         }
-        for (r, call) in calls.iter().enumerate() {
-            self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)?;
+        let compute = calls.iter().enumerate().try_for_each(|(r, call)| {
+            self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)
+        });
+        if let Some(network) = network
+            && compute.is_err()
+        {
+            // Its metadata group went without the call's chunk groups: out of step with its
+            // peers from now on.
+            network.abandon();
         }
+        compute?;
         if let Some(network) = network {
             network.enqueue_chunks(self.epoch)?;
         }

@@ -134,7 +134,7 @@ fn coalesced(copies: Vec<LoopbackCopy>, buffers: &BufferRanges) -> Vec<LoopbackC
 }
 
 /// Step `i` of every rank, as the loopback runs it.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct LoopbackStep {
     pub(crate) kind: StepKind,
     position: usize,
@@ -266,8 +266,10 @@ pub(crate) struct LoopbackPath {
     /// Where 2D copies may run: every rank's buffers.
     ranges: BufferRanges,
     metadata: RefCell<LoopbackMetadata>,
-    /// The chunk steps of the last call (dispatch, then return), sized by its rows.
-    chunks: RefCell<Vec<LoopbackStep>>,
+    /// The steps last enqueued, in stream order: the last call's chunk steps and this
+    /// call's metadata until this call's chunk steps replace them (a stall releases their
+    /// flags).
+    enqueued: RefCell<Vec<LoopbackStep>>,
     /// Every rank's rows per chunk (its `NetSendRows`, then its `RecvRows`), copied back
     /// after each metadata step.
     rows: RowsReadback,
@@ -325,7 +327,7 @@ impl LoopbackPath {
             buffers,
             ranges,
             metadata: RefCell::new(metadata),
-            chunks: RefCell::new(Vec::new()),
+            enqueued: RefCell::new(Vec::new()),
             rows,
             done,
             limit: Duration::from_millis(network.wait_limit_ms),
@@ -378,9 +380,14 @@ impl LoopbackPath {
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
         self.last_epoch.set(epoch);
-        self.chunks.borrow_mut().clear();
+        let metadata = self.metadata.borrow();
+        {
+            let mut enqueued = self.enqueued.borrow_mut();
+            enqueued.retain(|step| step.kind != StepKind::Metadata);
+            enqueued.push(metadata.step.clone());
+        }
         self.bind()?;
-        self.enqueue_step(&self.metadata.borrow().step, epoch)?;
+        self.enqueue_step(&metadata.step, epoch)?;
         self.rows.enqueue(&self.stream)
     }
 
@@ -394,7 +401,10 @@ impl LoopbackPath {
         let counts = match self.rows.read_by(Instant::now() + self.limit)? {
             Some(counts) => counts,
             None => {
+                // The stream is behind (a backlog of calls); drained within the bound, it
+                // has copied them. The chunk steps still count as a call to wait for.
                 self.wait()?;
+                self.calls_outstanding.set(1);
                 self.rows
                     .read_by(Instant::now())?
                     .ok_or_else(|| NetworkError::LoopbackStalled {
@@ -421,7 +431,8 @@ impl LoopbackPath {
                     source,
                 })
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()
+            .inspect_err(|_| self.abandoned.set(true))?;
         let steps = resolve_paired(&self.buffers, &self.ranges, self.network.chunks, |rank| {
             self.network.chunk_steps(
                 &self.ep,
@@ -431,7 +442,9 @@ impl LoopbackPath {
                 &rows[rank as usize],
             )
         })?;
-        *self.chunks.borrow_mut() = steps;
+        let mut call = vec![self.metadata.borrow().step.clone()];
+        call.extend(steps);
+        *self.enqueued.borrow_mut() = call;
         self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
     }
 
@@ -457,7 +470,7 @@ impl LoopbackPath {
     /// Enqueues the chunk steps of the current call whose kind is `chosen`.
     fn enqueue(&self, epoch: u32, chosen: impl Fn(&StepKind) -> bool) -> Result<(), NetworkError> {
         self.bind()?;
-        for step in self.chunks.borrow().iter().filter(|s| chosen(&s.kind)) {
+        for step in self.enqueued.borrow().iter().filter(|s| chosen(&s.kind)) {
             self.enqueue_step(step, epoch)?;
         }
         Ok(())
@@ -527,9 +540,7 @@ impl LoopbackPath {
             .context("binding the loopback stream's context")?;
         let stalled = self.stalled(bound);
         let epoch = self.last_epoch.get();
-        let metadata = self.metadata.borrow();
-        let chunks = self.chunks.borrow();
-        for step in std::iter::once(&metadata.step).chain(chunks.iter()) {
+        for step in self.enqueued.borrow().iter() {
             for &(_, flag) in &step.wait_for {
                 stream_write_value(&self.side, flag, epoch, &step.kind)?;
             }
@@ -544,10 +555,9 @@ impl LoopbackPath {
     /// The error of a stall after `bound`: the first step not done and the ranks whose
     /// flags it still waits for.
     fn stalled(&self, bound: Duration) -> NetworkError {
-        let metadata = self.metadata.borrow();
-        let chunks = self.chunks.borrow();
-        let step = std::iter::once(&metadata.step)
-            .chain(chunks.iter())
+        let enqueued = self.enqueued.borrow();
+        let step = enqueued
+            .iter()
             .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false));
         let Some(step) = step else {
             return NetworkError::LoopbackStalled {

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self as driver, CUresult};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
 use moeforge_compiler::plan::ep::ExpertParallelPlan;
 use moeforge_compiler::plan::network::{
@@ -76,11 +76,11 @@ pub enum NetworkError {
         seconds: f64,
     },
     #[error(
-        "the loopback of emulated nodes stayed blocked after a stall even with its flags released; rebuild the layer"
+        "the loopback of emulated nodes was abandoned (it stayed blocked after a stall even with its flags released, or read impossible rows per chunk); rebuild the layer"
     )]
     LoopbackAbandoned,
     #[error(
-        "rank {rank}: the rows per chunk read back after the metadata step are impossible ({source}); the kernels or the transfer of the counts failed. The network path is abandoned: rebuild the layer"
+        "rank {rank}: the rows per chunk read back after the metadata step are impossible ({source}); the kernels or the transfer of the counts failed. The network path (or the emulated nodes' loopback) is abandoned: rebuild the layer"
     )]
     ImpossibleRows {
         rank: u32,
@@ -334,6 +334,7 @@ impl Drop for GroupComm {
 }
 
 /// A step of the plan resolved to this rank's device addresses.
+#[derive(Clone)]
 pub(crate) struct ResolvedStep {
     pub(crate) kind: StepKind,
     /// Addresses of the flags to wait for (the kernels release them).
@@ -373,6 +374,7 @@ struct MetadataStep {
 /// `RecvRows`, once its metadata step is done), and the event after the copies: the host's
 /// one wait per call across nodes, polled so that it is bounded.
 pub(crate) struct RowsReadback {
+    ctx: Arc<CudaContext>,
     host: *mut u32,
     /// (device address, u32 elements) of each range copied, in order.
     sources: Vec<(u64, usize)>,
@@ -383,9 +385,11 @@ pub(crate) struct RowsReadback {
 // into it are done, and freed once.
 unsafe impl Send for RowsReadback {}
 
-/// How long the host spins (yielding) on the counts' copy before it sleeps between polls:
-/// a copy that follows the metadata step promptly is read within microseconds.
-const READBACK_SPIN: Duration = Duration::from_millis(2);
+/// How long the host spins (yielding) on the counts' copy before it sleeps between polls.
+/// The copy may wait behind the previous call's steps on the stream (a call is tens of
+/// milliseconds at most at the shipped sizes), and the chunk steps wait for the host: a
+/// copy within this is read within microseconds of landing.
+const READBACK_SPIN: Duration = Duration::from_millis(50);
 
 impl RowsReadback {
     /// Host memory for `sources` (device address, u32 elements), on `stream`'s context.
@@ -405,6 +409,7 @@ impl RowsReadback {
             .new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .context("creating the row counts' event")?;
         Ok(RowsReadback {
+            ctx: Arc::clone(ctx),
             host,
             sources,
             copied,
@@ -478,7 +483,7 @@ impl Drop for RowsReadback {
     fn drop(&mut self) {
         // A copy still pending (its stream stuck behind a lost peer) would land in freed
         // memory: the allocation is leaked then.
-        if self.copied.try_is_complete().unwrap_or(false) {
+        if self.copied.try_is_complete().unwrap_or(false) && self.ctx.bind_to_thread().is_ok() {
             // SAFETY: allocated by `malloc_host` in `new`, freed once, with no copy pending.
             let _ = unsafe { cudarc::driver::result::free_host(self.host.cast()) };
         }
@@ -608,8 +613,10 @@ pub struct NetworkPath {
     buffers: StepBuffers,
     /// The metadata step of the last tokens bound enqueued.
     metadata: RefCell<MetadataStep>,
-    /// The chunk steps of the last call, sized by its rows.
-    chunks: RefCell<Vec<ResolvedStep>>,
+    /// The steps last enqueued, in stream order: the last call's chunk steps and this
+    /// call's metadata until this call's chunk steps replace them (where a stall is looked
+    /// for).
+    enqueued: RefCell<Vec<ResolvedStep>>,
     /// This rank's rows per chunk, copied back after each metadata step.
     rows: RowsReadback,
     /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
@@ -656,7 +663,7 @@ impl NetworkPath {
             shape: shape.clone(),
             buffers,
             metadata: RefCell::new(metadata),
-            chunks: RefCell::new(Vec::new()),
+            enqueued: RefCell::new(Vec::new()),
             rows,
             done,
             limit: Duration::from_millis(network.wait_limit_ms),
@@ -773,8 +780,12 @@ impl NetworkPath {
             .context("binding the network stream's context")?;
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
-        self.chunks.borrow_mut().clear();
         let metadata = self.metadata.borrow();
+        {
+            let mut enqueued = self.enqueued.borrow_mut();
+            enqueued.retain(|step| step.kind != StepKind::Metadata);
+            enqueued.push(metadata.step.clone());
+        }
         let enqueued = self
             .enqueue_step(&metadata.step, epoch)
             .and_then(|()| self.rows.enqueue(&self.stream));
@@ -787,40 +798,58 @@ impl NetworkPath {
     /// [`NetworkError::Stalled`] (the metadata never arrived: a peer stopped).
     pub(crate) fn enqueue_chunks(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
+        // Whatever stops this call's chunk steps short leaves its NCCL groups out of step
+        // with its peers': the path is abandoned then.
+        let enqueued = self.read_rows().and_then(|rows| {
+            let tokens_bound = self.metadata.borrow().tokens_bound;
+            let steps = self.network.chunk_steps(
+                &self.ep,
+                &self.shape,
+                self.comm.rank(),
+                tokens_bound,
+                &rows,
+            );
+            let steps = self.buffers.resolve(steps, self.network.chunks)?;
+            self.stream
+                .context()
+                .bind_to_thread()
+                .context("binding the network stream's context")?;
+            let enqueued = steps
+                .iter()
+                .try_for_each(|step| self.enqueue_step(step, epoch));
+            let mut call = vec![self.metadata.borrow().step.clone()];
+            call.extend(steps);
+            *self.enqueued.borrow_mut() = call;
+            enqueued
+        });
+        self.abandon_on_error(enqueued)
+    }
+
+    /// The rows per chunk of the call whose metadata step was enqueued last, once the
+    /// stream has copied them (at most the plan's bound per call outstanding), checked.
+    fn read_rows(&self) -> Result<ChunkRows, NetworkError> {
         let counts = match self.rows.read_by(Instant::now() + self.limit)? {
             Some(counts) => counts,
             None => {
+                // The stream is behind (a backlog of calls); drained within the bound, it
+                // has copied them. The chunk steps still count as a call to wait for.
                 self.wait()?;
+                self.calls_outstanding.set(1);
                 self.rows
                     .read_by(Instant::now())?
                     .ok_or_else(|| self.stalled(self.limit))?
             }
         };
-        let tokens_bound = self.metadata.borrow().tokens_bound;
         let rank = self.comm.rank();
-        let rows = ChunkRows::read(
+        let tokens_bound = self.metadata.borrow().tokens_bound;
+        ChunkRows::read(
             &self.network,
             &self.shape,
             tokens_bound,
             &counts[0],
             &counts[1],
         )
-        .map_err(|source| NetworkError::ImpossibleRows { rank, source });
-        let steps = self.abandon_on_error(rows).and_then(|rows| {
-            let steps = self
-                .network
-                .chunk_steps(&self.ep, &self.shape, rank, tokens_bound, &rows);
-            self.abandon_on_error(self.buffers.resolve(steps, self.network.chunks))
-        })?;
-        self.stream
-            .context()
-            .bind_to_thread()
-            .context("binding the network stream's context")?;
-        let enqueued = steps
-            .iter()
-            .try_for_each(|step| self.enqueue_step(step, epoch));
-        *self.chunks.borrow_mut() = steps;
-        self.abandon_on_error(enqueued)
+        .map_err(|source| NetworkError::ImpossibleRows { rank, source })
     }
 
     /// One step after its flags: its waits, group, releases and event.
@@ -875,12 +904,11 @@ impl NetworkPath {
     /// unfinished step; abandons the path.
     fn stalled(&self, bound: Duration) -> NetworkError {
         self.abandon();
-        let metadata = self.metadata.borrow();
-        let chunks = self.chunks.borrow();
-        let steps = || std::iter::once(&metadata.step).chain(chunks.iter());
-        let step = steps()
+        let enqueued = self.enqueued.borrow();
+        let step = enqueued
+            .iter()
             .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false))
-            .or(steps().last());
+            .or(enqueued.last());
         let (kind, peers) = match step {
             Some(step) => {
                 let mut peers: Vec<u32> = step.receives.iter().map(|r| r.0).collect();

@@ -600,6 +600,150 @@ fn emulated_nodes_match_reference() {
     }
 }
 
+/// Per other node, each token's visit mask: a bit per rank of that node one of the token's
+/// experts lives on (what `ep_route` stages in `net_send_mask`), by node slot.
+fn visit_masks(plan: &Plan, rank: u32, workload: &Workload) -> Vec<Vec<u32>> {
+    let ep = plan.expert_parallel.as_ref().expect("expert-parallel");
+    let network = ep.network.as_ref().expect("a network part");
+    let top_k = plan.shape.top_k as usize;
+    let mut masks = vec![vec![0u32; workload.tokens as usize]; network.other_nodes() as usize];
+    for (t, ids) in workload.topk_ids.chunks(top_k).enumerate() {
+        for &expert in ids {
+            let destination = expert as u32 / ep.experts_per_rank;
+            if let Some(slot) = network.node_slot(rank, destination) {
+                masks[slot as usize][t] |= 1 << (destination % network.gpus_per_node);
+            }
+        }
+    }
+    masks
+}
+
+/// One node's visiting tokens (nonzero mask) packed chunk by chunk in token order.
+struct PackedChunks {
+    /// Rows of each chunk.
+    rows: Vec<u32>,
+    /// Each visiting token's row: its chunk's first row plus the visiting tokens before it.
+    row_of: Vec<Option<u32>>,
+}
+
+/// `masks` packed as `pack_visiting_rows` lays them out.
+fn packed_rows(masks: &[u32], chunk: usize, chunks: usize) -> PackedChunks {
+    let mut rows = vec![0u32; chunks];
+    let mut row_of = vec![None; masks.len()];
+    for (t, &mask) in masks.iter().enumerate() {
+        if mask != 0 {
+            let c = t / chunk;
+            row_of[t] = Some((c * chunk) as u32 + rows[c]);
+            rows[c] += 1;
+        }
+    }
+    PackedChunks { rows, row_of }
+}
+
+/// On emulated nodes (2 nodes of 4) after a call: every rank's rows per token chunk for
+/// each other node (`net_send_rows`, which size the chunk steps), those its rail peers
+/// sent it (`recv_rows`), and each visiting token's packed row at the sender
+/// (`net_send_row`) and at the relay (`net_recv_row`) are what the CPU derives from the
+/// call's expert choices. Tells a failure of `emulated_nodes_match_reference` in the
+/// counting and packing from one elsewhere.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn emulated_nodes_count_and_pack_each_chunks_rows_as_the_cpu_does() {
+    let seed = fresh_seed();
+    let session = Session::open().expect("GPU session");
+    let layer = over_emulated_nodes(&layers::tiny(Activation::Swiglu), 8, 2);
+    let built = session
+        .build(plan_for(&session, &layer), seed)
+        .expect("build");
+    let contexts = vec![Arc::clone(&session.gpu.ctx); 8];
+    let mut ep = session
+        .build_expert_parallel(&built, &contexts)
+        .expect("expert-parallel layer on emulated nodes");
+    let plan = ep.plan().clone();
+    let network = plan
+        .expert_parallel
+        .as_ref()
+        .and_then(|ep| ep.network.clone())
+        .expect("a network part");
+    let (chunk, chunks) = (network.chunk_tokens as usize, network.chunks as usize);
+    let max_tokens = plan.shape.max_tokens as usize;
+    // Token counts that end chunks part-way, one of none.
+    let workloads: Vec<Workload> = (0..8u32)
+        .map(|r| {
+            let tokens = [0, 1, 17, 64, 90, 129, 200, 333][r as usize];
+            Workload::random(&plan.shape, tokens, Routing::Uniform, seed + u64::from(r))
+        })
+        .collect();
+    session
+        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+        .expect("the call");
+    let read = |r: usize, id: plan::BufferId| -> Vec<u32> {
+        let bytes = ep
+            .stream(r)
+            .clone_dtoh(ep.workspace_buffer(r, id).expect("the buffer"))
+            .expect("reading a workspace buffer back");
+        bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    // Per rank and other node, as the sender packs.
+    let expected: Vec<Vec<PackedChunks>> = (0..8u32)
+        .map(|r| {
+            visit_masks(&plan, r, &workloads[r as usize])
+                .iter()
+                .map(|masks| packed_rows(masks, chunk, chunks))
+                .collect()
+        })
+        .collect();
+    for r in 0..8u32 {
+        let (sent_rows, sent_row) = (
+            read(r as usize, plan::BufferId::NetSendRows),
+            read(r as usize, plan::BufferId::NetSendRow),
+        );
+        let (received_rows, received_row) = (
+            read(r as usize, plan::BufferId::RecvRows),
+            read(r as usize, plan::BufferId::NetRecvRow),
+        );
+        for rail in network.rail_peers(r) {
+            let here = network.node_slot(r, rail).expect("another node") as usize;
+            let there = network.node_slot(rail, r).expect("another node") as usize;
+            let PackedChunks { rows, row_of } = &expected[r as usize][here];
+            assert_eq!(
+                &sent_rows[here * chunks..(here + 1) * chunks],
+                &rows[..],
+                "rank {r}: rows per chunk for node slot {here}"
+            );
+            for (t, row) in row_of.iter().enumerate() {
+                if let Some(row) = row {
+                    assert_eq!(sent_row[here * max_tokens + t], *row, "rank {r} token {t}");
+                }
+            }
+            // What the rail peer sent for this rank's node, and where the relay put it.
+            let PackedChunks { rows, row_of } = &expected[rail as usize][there];
+            let bound = workloads[rail as usize].tokens.div_ceil(chunk as u32) as usize;
+            assert_eq!(
+                &received_rows[here * chunks..here * chunks + bound],
+                &rows[..bound],
+                "rank {r}: rows per chunk from rail peer {rail}"
+            );
+            for (t, row) in row_of.iter().enumerate() {
+                if let Some(row) = row {
+                    assert_eq!(
+                        received_row[here * max_tokens + t],
+                        *row,
+                        "rank {r} relaying token {t} of rail peer {rail}"
+                    );
+                }
+            }
+        }
+        say(format!(
+            "emulated nodes 2 x 4: rank {r} ({} tokens) counts and packs as the CPU does",
+            workloads[r as usize].tokens
+        ));
+    }
+}
+
 /// On emulated nodes a silent rank (fault injection) leaves the call's network traffic out
 /// on every rank: the waits for it time out within the spec's short bound, the error
 /// names a rank and a flag, and the next call is right again.
