@@ -974,12 +974,11 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
-        /// The same over random node counts (dividing the 8 experts), GPUs per node,
-        /// max_tokens, chunks (dividing max_tokens or not), bounds and routings.
+        /// The same over random nodes and GPUs per node (their ranks dividing the 8
+        /// experts), max_tokens, chunks (dividing max_tokens or not), bounds and routings.
         #[test]
         fn steps_pair_up_for_any_layer_and_bound(
-            nodes in proptest::sample::select(vec![2u32, 4]),
-            gpus in 1u32..=2,
+            (nodes, gpus) in proptest::sample::select(vec![(2u32, 1u32), (2, 2), (2, 4), (4, 1), (4, 2)]),
             max_tokens in 1u32..=300,
             chunk in 1u32..=64,
             bound in 0u32..=400,
