@@ -346,7 +346,7 @@ fn describe_network(
     );
     let _ = writeln!(
         out,
-        "    network stream     before a group, cuStreamWaitValue32 on the flags the kernels released for it (ep_route's staging for each peer, ep_dispatch's for each other node; before results, net_partials_ready, which the combine's last lane releases once it summed every rail origin's node partials into this rank's return outbox); after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, arrival flag (rail source, c), whose rows the relay's ep_dispatch then copies to its node's ranks before it releases their chunk flags, return flag (node, c))"
+        "    network stream     before a group, cuStreamWaitValue32 on the flags the kernels released for it (ep_route's staging for each peer, ep_dispatch's for each other node; before results, net_partials_ready, which the combine's last lane releases once it summed every rail origin's node partials into this rank's return outbox); after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, arrival flag (rail source, c), whose rows the relay's ep_dispatch then copies to its node's ranks before it releases their chunk flags, return flag (node, c)); after the metadata group, a copy of this rank's rows per chunk (net_send_rows, recv_rows) to pinned host memory, which the host waits for before it enqueues the chunk groups"
     );
     let _ = match network.transport {
         NetworkTransport::Nccl => writeln!(
