@@ -296,18 +296,18 @@ impl LoopbackPath {
         buffer: impl Fn(u32, BufferId) -> Result<(u64, u64), NetworkError>,
     ) -> Result<Self, NetworkError> {
         let bound = shape.max_tokens;
-        let full = vec![ChunkRows::full(network, shape, bound); ep.ranks as usize];
+        // Every chunk full on every rank: each range such a call can have is checked.
+        let full = ChunkRows::full(network, shape, bound);
         let buffers = (0..ep.ranks)
             .map(|rank| {
-                let steps = network.steps(ep, shape, rank, bound, &full[rank as usize]);
+                let steps = network.steps(ep, shape, rank, bound, &full);
                 StepBuffers::for_steps(&steps, |id| buffer(rank, id))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let ranges = BufferRanges::of(&buffers);
         let mut steps = resolve_paired(&buffers, &ranges, network.chunks, |rank| {
-            network.steps(ep, shape, rank, bound, &full[rank as usize])
+            network.steps(ep, shape, rank, bound, &full)
         })?;
-        steps.truncate(1);
         let metadata = LoopbackMetadata {
             tokens_bound: bound,
             step: steps.remove(0),

@@ -648,7 +648,6 @@ impl NetworkPath {
         let steps = network.steps(ep, shape, rank, bound, &full);
         let buffers = StepBuffers::for_steps(&steps, buffer)?;
         let mut resolved = buffers.resolve(steps, network.chunks)?;
-        resolved.truncate(1);
         let metadata = MetadataStep {
             tokens_bound: bound,
             step: resolved.remove(0),
