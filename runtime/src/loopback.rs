@@ -398,21 +398,13 @@ impl LoopbackPath {
     /// the stall [`LoopbackPath::wait`] reports.
     pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        let counts = match self.rows.read_by(Instant::now() + self.limit)? {
-            Some(counts) => counts,
-            None => {
-                // The stream is behind (a backlog of calls); drained within the bound, it
-                // has copied them. The chunk steps still count as a call to wait for.
-                self.wait()?;
-                self.calls_outstanding.set(1);
-                self.rows
-                    .read_by(Instant::now())?
-                    .ok_or_else(|| NetworkError::LoopbackStalled {
-                        step: "the copy of the rows per chunk".to_string(),
-                        ranks: "none known".to_string(),
-                        seconds: self.limit.as_secs_f64(),
-                    })?
-            }
+        // The copy follows every call enqueued since the last wait: past the plan's bound
+        // per such call, a step ahead of it waits for a flag no kernel released.
+        let bound = self
+            .limit
+            .saturating_mul(self.calls_outstanding.get().max(1));
+        let Some(counts) = self.rows.read_by(Instant::now() + bound)? else {
+            return Err(self.recover(bound)?);
         };
         let tokens_bound = self.metadata.borrow().tokens_bound;
         let rows = counts
@@ -530,9 +522,16 @@ impl LoopbackPath {
     /// were released from the side stream so that the stream drains.
     pub(crate) fn wait(&self) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        let Some(bound) = drain(&self.stream, self.limit, &self.calls_outstanding)? else {
-            return Ok(());
-        };
+        match drain(&self.stream, self.limit, &self.calls_outstanding)? {
+            None => Ok(()),
+            Some(bound) => Err(self.recover(bound)?),
+        }
+    }
+
+    /// After a stall of `bound`: the error naming it, once the enqueued steps' flags were
+    /// released from the side stream so that the loopback stream drains (else it is
+    /// abandoned).
+    fn recover(&self, bound: Duration) -> Result<NetworkError, NetworkError> {
         // Reading and writing flags below are raw driver calls on the side stream.
         self.stream
             .context()
@@ -549,7 +548,7 @@ impl LoopbackPath {
             self.abandoned.set(true);
         }
         self.calls_outstanding.set(0);
-        Err(stalled)
+        Ok(stalled)
     }
 
     /// The error of a stall after `bound`: the first step not done and the ranks whose

@@ -19,8 +19,9 @@
 //!   that copy (bounded, `RowsReadback`) and enqueues the chunk steps sized by them. No
 //!   other step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
-//!   cannot tell over every transport. `NetworkPath::wait` polls the network stream
-//!   until the plan's `wait_limit_ms` per call enqueued since the last wait; past it, the
+//!   cannot tell over every transport. `NetworkPath::wait` polls the network stream (and a
+//!   call's read-back of its rows per chunk polls their copy) until the plan's
+//!   `wait_limit_ms` per call enqueued since the last wait; past it, the
 //!   first unfinished step (by the event recorded after each) is a
 //!   [`NetworkError::Stalled`] naming this rank, the step and the peers it waits for. The
 //!   path is then abandoned: its communicator is never destroyed (tearing it down is a
@@ -825,19 +826,15 @@ impl NetworkPath {
     }
 
     /// The rows per chunk of the call whose metadata step was enqueued last, once the
-    /// stream has copied them (at most the plan's bound per call outstanding), checked.
+    /// stream has copied them, checked. The copy follows every call enqueued since the last
+    /// wait: past the plan's bound per such call, a transfer ahead of it never finished
+    /// ([`NetworkError::Stalled`], naming it).
     fn read_rows(&self) -> Result<ChunkRows, NetworkError> {
-        let counts = match self.rows.read_by(Instant::now() + self.limit)? {
-            Some(counts) => counts,
-            None => {
-                // The stream is behind (a backlog of calls); drained within the bound, it
-                // has copied them. The chunk steps still count as a call to wait for.
-                self.wait()?;
-                self.calls_outstanding.set(1);
-                self.rows
-                    .read_by(Instant::now())?
-                    .ok_or_else(|| self.stalled(self.limit))?
-            }
+        let bound = self
+            .limit
+            .saturating_mul(self.calls_outstanding.get().max(1));
+        let Some(counts) = self.rows.read_by(Instant::now() + bound)? else {
+            return Err(self.stalled(bound));
         };
         let rank = self.comm.rank();
         let tokens_bound = self.metadata.borrow().tokens_bound;
