@@ -14,7 +14,8 @@ use super::planning::{TargetArgs, report_plan_error};
 use super::{OK, compile_file, invalid_input, usage_error};
 
 /// Simulate a layer's expert-parallel schedule: layer time, dispatch and combine latency of
-/// bulk-synchronous, fine-grained (naive order) and fine-grained (topology-aware) exchange.
+/// bulk-synchronous, fine-grained (naive order) and fine-grained (topology-aware) exchange,
+/// and across real nodes of the kernels as built.
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file.
