@@ -3393,6 +3393,26 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
     }
 }
 #endif
+// Across nodes, a block's copy of `vectors` 16-byte vectors, COPY_UNROLL loads in flight
+// per thread before its stores (as the copies to peers on the node, written out below and
+// left so: their registers are the ones measured): `load(i, value)` reads vector i
+// (false: vector i is not copied), then `store(i, value)` writes it.
+template <typename Load, typename Store>
+__device__ __forceinline__ void copy_vectors(unsigned vectors, Load load, Store store) {
+    for (unsigned base = threadIdx.x; base < vectors; base += COMM_THREADS * COPY_UNROLL) {
+        Vec16 value[COPY_UNROLL];
+        bool loaded[COPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < COPY_UNROLL; ++u) {
+            const unsigned i = base + u * COMM_THREADS;
+            loaded[u] = i < vectors && load(i, value[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < COPY_UNROLL; ++u) {
+            if (loaded[u]) store(base + u * COMM_THREADS, value[u]);
+        }
+    }
+}
 
 // Dispatch: to every peer (a rank's own rows stay in x, where its GEMM1 reads them). Work
 // items are pieces of a chunk, (destination in send order, piece); block b
@@ -3459,26 +3479,18 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS, 1) deepseek_v3_ep64_e
         bf16_t* outbox = net_send_x + (size_t)slot * MAX_TOKENS * HIDDEN;
         if (threadIdx.x < 32) pack_visiting_rows(visits, first, chunk_tokens, row_of);
         __syncthreads();  // every visiting token's row is known
-        const unsigned vectors = chunk_tokens * VECTORS;
-        for (unsigned base = threadIdx.x; base < vectors; base += COMM_THREADS * COPY_UNROLL) {
-            Vec16 value[COPY_UNROLL];
-#pragma unroll
-            for (int u = 0; u < COPY_UNROLL; ++u) {
-                const unsigned i = base + u * COMM_THREADS;
+        copy_vectors(
+            chunk_tokens * VECTORS,
+            [&](unsigned i, Vec16& value) {
                 const int token = first + i / VECTORS;
-                if (i < vectors && visits[token] != 0) {
-                    value[u] = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < COPY_UNROLL; ++u) {
-                const unsigned i = base + u * COMM_THREADS;
+                if (visits[token] == 0) return false;
+                value = reinterpret_cast<const Vec16*>(x + (size_t)token * HIDDEN)[i % VECTORS];
+                return true;
+            },
+            [&](unsigned i, const Vec16& value) {
                 const int token = first + i / VECTORS;
-                if (i < vectors && visits[token] != 0) {
-                    reinterpret_cast<Vec16*>(outbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS] = value[u];
-                }
-            }
-        }
+                reinterpret_cast<Vec16*>(outbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS] = value;
+            });
         __syncthreads();  // the whole chunk is written before it is released
         if (threadIdx.x == 0) {
             fence_flags();
@@ -3569,28 +3581,22 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS, 1) deepseek_v3_ep64_e
         }
         __syncthreads();  // the chunk is here and every visiting token's row is known
         const bf16_t* inbox = net_recv_x + (size_t)slot * MAX_TOKENS * HIDDEN;
-        const unsigned vectors = chunk_tokens * VECTORS;
-        for (unsigned base = threadIdx.x; base < vectors; base += COMM_THREADS * COPY_UNROLL) {
-            Vec16 value[COPY_UNROLL];
-#pragma unroll
-            for (int u = 0; u < COPY_UNROLL; ++u) {
-                const unsigned i = base + u * COMM_THREADS;
+        copy_vectors(
+            chunk_tokens * VECTORS,
+            [&](unsigned i, Vec16& value) {
                 const int token = first + i / VECTORS;
-                if (i < vectors && visits[token] != 0) {
-                    value[u] = reinterpret_cast<const Vec16*>(inbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < COPY_UNROLL; ++u) {
-                const unsigned i = base + u * COMM_THREADS;
+                if (visits[token] == 0) return false;
+                value = reinterpret_cast<const Vec16*>(inbox + (size_t)row_of[token] * HIDDEN)[i % VECTORS];
+                return true;
+            },
+            [&](unsigned i, const Vec16& value) {
                 const int token = first + i / VECTORS;
                 const size_t row = (size_t)source * SLOTS + token;
-                for (u32 visited = i < vectors ? visits[token] : 0u; visited != 0; visited &= visited - 1) {
+                for (u32 visited = visits[token]; visited != 0; visited &= visited - 1) {
                     const int to = node_first + __ffs(visited) - 1;
-                    reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, to, PEER_RECV_X) + row * HIDDEN)[i % VECTORS] = value[u];
+                    reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, to, PEER_RECV_X) + row * HIDDEN)[i % VECTORS] = value;
                 }
-            }
-        }
+            });
         __syncthreads();  // the chunk's rows are copied before its flags are released
         if (threadIdx.x < GPUS_PER_NODE) {
             fence_flags();

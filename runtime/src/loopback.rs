@@ -434,9 +434,11 @@ impl LoopbackPath {
                 &rows[rank as usize],
             )
         })?;
-        let mut call = vec![self.metadata.borrow().step.clone()];
-        call.extend(steps);
-        *self.enqueued.borrow_mut() = call;
+        {
+            let mut call = self.enqueued.borrow_mut();
+            call.retain(|step| step.kind == StepKind::Metadata);
+            call.extend(steps);
+        }
         self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
     }
 
@@ -533,10 +535,7 @@ impl LoopbackPath {
     /// abandoned).
     fn recover(&self, bound: Duration) -> Result<NetworkError, NetworkError> {
         // Reading and writing flags below are raw driver calls on the side stream.
-        self.stream
-            .context()
-            .bind_to_thread()
-            .context("binding the loopback stream's context")?;
+        self.bind()?;
         let stalled = self.stalled(bound);
         let epoch = self.last_epoch.get();
         for step in self.enqueued.borrow().iter() {

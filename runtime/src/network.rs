@@ -817,9 +817,9 @@ impl NetworkPath {
             let enqueued = steps
                 .iter()
                 .try_for_each(|step| self.enqueue_step(step, epoch));
-            let mut call = vec![self.metadata.borrow().step.clone()];
+            let mut call = self.enqueued.borrow_mut();
+            call.retain(|step| step.kind == StepKind::Metadata);
             call.extend(steps);
-            *self.enqueued.borrow_mut() = call;
             enqueued
         });
         self.abandon_on_error(enqueued)

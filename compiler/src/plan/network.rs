@@ -515,7 +515,7 @@ impl NetworkPlan {
         let rails: Vec<(u32, u64)> = self
             .rail_peers(rank)
             .into_iter()
-            .filter_map(|peer| Some((peer, self.rail_slot(rank, peer)?)))
+            .filter_map(|peer| Some((peer, u64::from(self.node_slot(rank, peer)?))))
             .collect();
         let max_tokens = u64::from(shape.max_tokens);
         let hidden = u64::from(shape.hidden);

@@ -1242,7 +1242,9 @@ impl<'a> Machine<'a> {
         let (arrived, combined, passes_end) = if as_built {
             self.relayed_partials(&mut ports, &ends, barrier2, &mut timeline)
         } else if partials {
-            self.partial_results(&mut ports, &ends, barrier2, &mut timeline)
+            let (arrived, combined, passes_end, _) =
+                self.partial_results(&mut ports, &ends, barrier2, &mut timeline, false);
+            (arrived, combined, passes_end)
         } else {
             let (arrived, combined) = self.streamed_results(&mut ports, &ends, schedule);
             (arrived, combined, vec![0.0; r])
@@ -1326,35 +1328,48 @@ impl<'a> Machine<'a> {
     /// Rank partials: after its GEMM2 (bulk-synchronous: after the barrier behind every
     /// rank's), each rank's combine sums its received tokens' rows and stores one partial
     /// row per (token, origin) there as it goes; an origin has its contributions when the
-    /// last partial lands. Returns the arrivals per origin, the pairs combined per origin,
-    /// and when each rank's own pass ends (its reduce follows in the same kernel).
+    /// last partial lands. With `via_relays` (as built across nodes) a partial for another
+    /// node's origin goes to the relay of the origin's rail on this node instead, and counts
+    /// in the relay's `stored` (when the last partial stored there landed). Returns the
+    /// arrivals per origin, the pairs combined per origin, when each rank's own pass ends
+    /// (its reduce follows in the same kernel), and `stored` per rank.
     fn partial_results(
         &self,
         ports: &mut Ports,
         ends: &[GemmEnds],
         barrier2: f64,
         timeline: &mut [RankTimeline],
-    ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
+        via_relays: bool,
+    ) -> (Vec<f64>, Vec<u64>, Vec<f64>, Vec<f64>) {
         let ranks = self.ep.ranks;
         let mut at = vec![0.0f64; ranks as usize];
         let mut pairs = vec![0u64; ranks as usize];
         let mut passes_end = vec![0.0f64; ranks as usize];
+        let mut stored = vec![0.0f64; ranks as usize];
         for d in 0..ranks {
             let (begin, end) = self.partials_pass(d, ends, barrier2, timeline);
             passes_end[d as usize] = end;
+            let node = self.traffic.node_of(d);
             for s in 0..ranks {
                 let sent = self.traffic.tokens_to(s, d);
                 if sent == 0 {
                     continue;
                 }
                 pairs[s as usize] += self.traffic.pairs_to_rank(s, d);
+                let relayed = via_relays && self.traffic.node_of(s) != node;
+                let to = if relayed { self.relay(node, s) } else { s };
                 let bytes = f64::from(sent) * self.row_bytes;
-                let done = self.transfer(ports, begin, d, s, bytes, f64::INFINITY);
-                let arrival = done.max(end) + self.latency(self.class(d, s));
-                at[s as usize] = at[s as usize].max(arrival);
+                let done = self.transfer(ports, begin, d, to, bytes, f64::INFINITY);
+                let arrival = done.max(end) + self.latency(self.class(d, to));
+                let slot = if relayed {
+                    &mut stored[to as usize]
+                } else {
+                    &mut at[s as usize]
+                };
+                *slot = slot.max(arrival);
             }
         }
-        (at, pairs, passes_end)
+        (at, pairs, passes_end, stored)
     }
 
     /// When rank `d`'s combine pass over its received tokens (their rows summed into rank
@@ -1384,12 +1399,13 @@ impl<'a> Machine<'a> {
     }
 
     /// As built across nodes: each rank's combine sums its received tokens' rows into rank
-    /// partials (as in [`Machine::partial_results`]) and stores a partial for an origin of
-    /// its node there, one for another node's origin at the relay of the origin's rail on
-    /// this node. A relay, once every rank of its node has stored (their passes ended, their
-    /// partials landed), sums them in one more pass, and the network stream then sends each
-    /// rail origin the node partials of its tokens visiting the node (packed, as the rows
-    /// came). Returns as [`Machine::partial_results`] does, a relay's pass ending after its
+    /// partials and stores a partial for an origin of its node there, one for another
+    /// node's origin at the relay of the origin's rail on this node
+    /// ([`Machine::partial_results`] via relays). A relay, once every rank of its node has
+    /// stored (their passes ended, their partials landed), sums them in one more pass, and
+    /// the network stream then sends each rail origin the node partials of its tokens
+    /// visiting the node (packed, as the rows came). Returns as
+    /// [`Machine::partial_results`] does, without `stored`, a relay's pass ending after its
     /// sums.
     fn relayed_partials(
         &self,
@@ -1399,34 +1415,8 @@ impl<'a> Machine<'a> {
         timeline: &mut [RankTimeline],
     ) -> (Vec<f64>, Vec<u64>, Vec<f64>) {
         let ranks = self.ep.ranks;
-        let mut at = vec![0.0f64; ranks as usize];
-        let mut pairs = vec![0u64; ranks as usize];
-        let mut passes_end = vec![0.0f64; ranks as usize];
-        // Per relay, when the last partial stored there has landed.
-        let mut stored = vec![0.0f64; ranks as usize];
-        for d in 0..ranks {
-            let (begin, end) = self.partials_pass(d, ends, barrier2, timeline);
-            passes_end[d as usize] = end;
-            let node = self.traffic.node_of(d);
-            for s in 0..ranks {
-                let sent = self.traffic.tokens_to(s, d);
-                if sent == 0 {
-                    continue;
-                }
-                pairs[s as usize] += self.traffic.pairs_to_rank(s, d);
-                let remote = self.traffic.node_of(s) != node;
-                let to = if remote { self.relay(node, s) } else { s };
-                let bytes = f64::from(sent) * self.row_bytes;
-                let done = self.transfer(ports, begin, d, to, bytes, f64::INFINITY);
-                let arrival = done.max(end) + self.latency(self.class(d, to));
-                let slot = if remote {
-                    &mut stored[to as usize]
-                } else {
-                    &mut at[s as usize]
-                };
-                *slot = slot.max(arrival);
-            }
-        }
+        let (mut at, pairs, mut passes_end, stored) =
+            self.partial_results(ports, ends, barrier2, timeline, true);
         for relay in 0..ranks {
             let node = self.traffic.node_of(relay);
             let origins: Vec<u32> = (0..self.traffic.nodes())
