@@ -187,6 +187,8 @@ pub enum Error {
         value: String,
         min: &'static str,
         max: &'static str,
+        /// Below the range (else above it).
+        below: bool,
     },
     #[error("{what}: not supported yet")]
     Unsupported {
@@ -489,7 +491,15 @@ impl Error {
             MissingKey { example, .. } => format!("add `{example}`"),
             ExpectedSection { key, .. } => format!("write `{key} {{ ... }}`"),
             ExpectedSetting { key, .. } => format!("write `{key} = ...`"),
-            WrongValueCount { .. } => "separate several values with `,`".into(),
+            WrongValueCount {
+                expected, found, ..
+            } => {
+                if expected.starts_with("one ") && *found > 1 {
+                    "write a single value: this key takes no list".into()
+                } else {
+                    format!("give exactly {expected}")
+                }
+            }
             WrongValueKind { hint, .. } => hint.clone(),
             WrongUnit { .. } => {
                 "write the number with a unit of the right kind, e.g. `450 GB/s` for a bandwidth, \
@@ -505,7 +515,18 @@ impl Error {
             ),
             MissingUnit { expected, .. } => format!("write the number with {expected}"),
             NumberTooLarge { .. } => "use a smaller number".into(),
-            NotAnInteger { .. } => "drop the fraction".into(),
+            NotAnInteger { value, .. } => {
+                let digits: String = value.chars().filter(|c| *c != '_').collect();
+                match digits.parse::<f64>() {
+                    // An exponent (`4e3`) of a whole number: the digits it means.
+                    Ok(number)
+                        if number.fract() == 0.0 && number.abs() < 1e18 && !digits.contains('.') =>
+                    {
+                        format!("write it in digits: `{}`", number as i64)
+                    }
+                    _ => "drop the fraction".into(),
+                }
+            }
             TooSmall { min, .. } => format!("use {min} or more"),
             NotPositive { key, .. } => format!(
                 "`{key}` multiplies the 32-bit routing weights: use a positive factor such as \
@@ -525,10 +546,17 @@ impl Error {
                 choices,
                 ..
             } => did_you_mean(suggestion).unwrap_or_else(|| format!("choose one of: {choices}")),
-            DurationOutOfRange { .. } => "a kernel that waits this long for one flag reports a \
-                 time-out instead of hanging; the default, about 2 s, suits every correct \
-                 call: raise it under a sanitizer or debugger, such as `60_000 ms`"
-                .into(),
+            DurationOutOfRange { below: true, min, .. } => format!(
+                "use at least {min}: a shorter wait would report correct calls as time-outs; the \
+                 default, about 2 s, suits every correct call"
+            ),
+            DurationOutOfRange {
+                below: false, max, ..
+            } => format!(
+                "use at most {max}: a kernel that waits this long for one flag reports a \
+                 time-out instead of hanging; the default, about 2 s, suits every correct call, \
+                 and under a sanitizer or debugger about `60_000 ms` does"
+            ),
             Unsupported { hint, .. } => (*hint).to_string(),
             AboveLimit { max, .. } => format!(
                 "moeforge keeps every size it derives within 64 bits, so this is capped at {max}; \
@@ -1076,6 +1104,7 @@ mod tests {
                 value: text("10 us"),
                 min: "1 ms",
                 max: "3_600_000 ms (an hour)",
+                below: true,
             },
             Error::TooManyErrors { span },
         ]

@@ -133,6 +133,7 @@ pub fn plan_diagnostics(
                 .to_string(),
             None,
         ),
+        plan::PlanError::RanksDoNotFit { .. } => (error.advice().unwrap_or_default(), None),
         plan::PlanError::ExpertParallelExpertBias { .. } => (
             "`plan` states this as a limitation and plans the single-GPU kernels; only a caller \
              asking for the expert-parallel part alone gets this error"

@@ -105,7 +105,8 @@ fn spec() -> impl Strategy<Value = Spec> {
                 schedule.push(format!("traffic = {}", orders[usize::from(hints[4] % 3)]));
             }
             if hints[5] % 2 == 0 {
-                schedule.push(format!("stages = {} comm_blocks = {}", 2 + (hints[5] / 2) % 4, 1 + hints[3] % 32));
+                // At most 15 communication blocks: 8 virtual ranks have 16 SMs each.
+                schedule.push(format!("stages = {} comm_blocks = {}", 2 + (hints[5] / 2) % 4, 1 + hints[3] % 15));
             }
             if hints[4] % 3 == 0 {
                 schedule.push(format!("fused_decode = {} tokens", 1 + hints[0] % 32));

@@ -1442,7 +1442,7 @@ __device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc
         : "l"(desc_a), "l"(desc_b));
 }
 #endif
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_64x256)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm1) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm2) || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_64x256_wgmma)
 template <>
 __device__ __forceinline__ void wgmma_m64k16<256>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -2816,8 +2816,8 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_mid_router_ga
 #endif
 
 // Router of regime `prefill` (2049..=4096 tokens): split, its gate for these calls; gate tile 64 tokens x 256 experts x 64, 5 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_64x256)
-struct prefill_router_gate_64x256 {
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_router_gate_64x256_wgmma)
+struct prefill_router_gate_64x256_wgmma {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 256, STAGES = 5, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 256 };
@@ -2827,7 +2827,7 @@ struct prefill_router_gate_64x256 {
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 8192, STAGE_BYTES = 40960, RING_ALIGN = 1024, BARRIER_OFFSET = 204800, SMEM_BYTES = 205904 };
 };
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_router_gate_64x256(
+extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_router_gate_64x256_wgmma(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call
@@ -2835,7 +2835,7 @@ extern "C" __global__ void __launch_bounds__(256) deepseek_v3_ep64_prefill_route
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split_warp_specialized<prefill_router_gate_64x256>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
+    router_gate_split_warp_specialized<prefill_router_gate_64x256_wgmma>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 }
 #endif
 // ---------------------------------------------------------------------------------------

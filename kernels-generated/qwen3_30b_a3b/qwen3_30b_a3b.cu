@@ -1366,7 +1366,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // specialisation per width the plan uses, guarded by the entry points that use it.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, u64 desc_a, u64 desc_b);
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_ep_gemm2) || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_64x128) || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_128x128)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_mid_ep_gemm2) || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_64x128_wgmma) || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_128x128_wgmma)
 template <>
 __device__ __forceinline__ void wgmma_m64k16<128>(float* d, u64 desc_a, u64 desc_b) {
     asm volatile(
@@ -2773,8 +2773,8 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
 #endif
 
 // Router of regime `prefill` (4097..=8192 tokens): split, its gate for these calls; gate tile 64 tokens x 128 experts x 64, 8 stages, wgmma: a producer warpgroup and 1 consumer warpgroups, 1 expert tiles per token tile
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_64x128)
-struct prefill_router_gate_64x128 {
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_64x128_wgmma)
+struct prefill_router_gate_64x128_wgmma {
     enum : bool { FUSED = false };
     enum : int { BM = 64, BN = 128, STAGES = 8, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 4, WARPS_N = 1, WARPS_K = 1, THREADS = 256 };
@@ -2784,7 +2784,7 @@ struct prefill_router_gate_64x128 {
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 8192, STAGE_BYTES = 24576, RING_ALIGN = 1024, BARRIER_OFFSET = 196608, SMEM_BYTES = 197760 };
 };
-extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x128(
+extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x128_wgmma(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call
@@ -2792,13 +2792,13 @@ extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_g
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split_warp_specialized<prefill_router_gate_64x128>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
+    router_gate_split_warp_specialized<prefill_router_gate_64x128_wgmma>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 }
 #endif
 
 // Router of regime `prefill` (8193..=16384 tokens): split, its gate for these calls; gate tile 128 tokens x 128 experts x 64, 7 stages, wgmma: a producer warpgroup and 2 consumer warpgroups, 1 expert tiles per token tile
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_128x128)
-struct prefill_router_gate_128x128 {
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen3_30b_a3b_prefill_router_gate_128x128_wgmma)
+struct prefill_router_gate_128x128_wgmma {
     enum : bool { FUSED = false };
     enum : int { BM = 128, BN = 128, STAGES = 7, EXPERT_TILES = 1 };
     enum : int { WARPS_M = 8, WARPS_N = 1, WARPS_K = 1, THREADS = 384 };
@@ -2808,7 +2808,7 @@ struct prefill_router_gate_128x128 {
     // Shared memory, bytes: [slack][STAGES x (BM x rows, BN W_gate rows)][full, empty barriers].
     enum : int { A_BYTES = 16384, STAGE_BYTES = 32768, RING_ALIGN = 1024, BARRIER_OFFSET = 229376, SMEM_BYTES = 230512 };
 };
-extern "C" __global__ void __launch_bounds__(384) qwen3_30b_a3b_prefill_router_gate_128x128(
+extern "C" __global__ void __launch_bounds__(384) qwen3_30b_a3b_prefill_router_gate_128x128_wgmma(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const __grid_constant__ TensorMap gate_weight_tiles,  // TMA map of gate_weight: [EXPERTS, HIDDEN], a tile's experts x 64 per box
     int tokens,  // tokens in this call
@@ -2816,7 +2816,7 @@ extern "C" __global__ void __launch_bounds__(384) qwen3_30b_a3b_prefill_router_g
     u32* __restrict__ router_tiles_done  // [1 + token tiles]: arrival counters, zero between calls
 )
 {
-    router_gate_split_warp_specialized<prefill_router_gate_128x128>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
+    router_gate_split_warp_specialized<prefill_router_gate_128x128_wgmma>(x, &gate_weight_tiles, tokens, router_logits, router_tiles_done);
 }
 #endif
 // ---------------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ use super::planning::{
 use super::run::{RoutingArg, routing_name};
 use super::{OK, invalid_input, usage_error};
 
-/// Benchmark a layer against the cuBLAS per-expert baseline on the GPU.
+/// Benchmark a layer on the GPU: against the cuBLAS per-expert baseline on one GPU (with
+/// `--peers`, also the PyTorch and Triton pipelines), or over `--ranks`/`--gpus` against
+/// its bulk-synchronous variant, the NCCL pipeline and the one-GPU layer.
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file holding the layer.
@@ -48,8 +50,11 @@ pub struct Args {
     /// Timed calls per token count (after 6 warm-up calls: each of 3 input sets twice).
     #[arg(long, default_value_t = 20)]
     iterations: usize,
+    /// How the random tokens choose their experts.
     #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
     routing: RoutingArg,
+    /// Seed of the random inputs and weights (the report names it); fresh each run when
+    /// omitted.
     #[arg(long)]
     seed: Option<u64>,
     /// Expert-parallel ranks as virtual ranks on one GPU (1: every expert on one GPU).

@@ -10,7 +10,9 @@ use moeforge::compiler::plan::{self, Target};
 
 use super::{OK, compile_file, worst};
 
-/// Check .moe files: report every error (exit 1 if any), print a summary of each valid file.
+/// Check .moe files: report every error (exit 1 if any), print a summary of each valid file
+/// and a note for each layer whose buffers would not fit its GPUs (with the max_tokens that
+/// fits).
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe files to check.

@@ -14,7 +14,8 @@ use super::planning::{TargetArgs, planning_table, report_plan_error};
 use super::{OK, compile_file, invalid_input};
 
 /// Explain a .moe file: every checked layer with all its sizes, defaults applied, units
-/// resolved, and derived numbers (experts per rank, weight bytes, FLOPs per token).
+/// resolved, and derived numbers (experts per rank, weight bytes, FLOPs per token), then
+/// its plan (regimes, tiles, launches, the expert-parallel and network parts, limitations).
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file to explain.
@@ -254,7 +255,7 @@ fn topology_lines(topology: &ir::Topology, lead: &str) -> String {
         ),
     };
     let _ = writeln!(out, "{lead}{}: {placement}", topology.name);
-    let _ = writeln!(out, "    intra_node         {}", link(&topology.intra_node));
+    let _ = writeln!(out, "    nvlink             {}", link(&topology.intra_node));
     let _ = writeln!(out, "    network            {}", link(&topology.network));
     out
 }

@@ -44,7 +44,8 @@ pub struct Args {
     /// Which layer of the file (needed when it has several).
     #[arg(long)]
     layer: Option<String>,
-    /// Tokens in the call (at most the layer's max_tokens), drawn at random.
+    /// Tokens in the call (at most the layer's max_tokens), drawn at random; required
+    /// unless --inputs gives them.
     #[arg(long, required_unless_present = "inputs", conflicts_with = "inputs")]
     tokens: Option<u32>,
     /// Run on the inputs in a safetensors file instead of random ones: `x` [tokens, hidden]

@@ -33,6 +33,7 @@ pub struct Args {
     /// Timed calls per token count (after 6 warm-up calls: each of 3 input sets twice), median.
     #[arg(long, default_value_t = 10)]
     iterations: usize,
+    /// Seed of the random inputs and weights; fresh each run when omitted.
     #[arg(long)]
     seed: Option<u64>,
     /// The tuning table to update (default: the cache, see `moeforge::tuning`).

@@ -327,7 +327,22 @@ pub fn check_layer(
         schedule: schedule.unwrap_or(Some(ir::ScheduleHints::default()))?,
     };
     // Only a valid layer can be planned; the planner holds the rules about hints.
-    let hint_errors = infeasible_hints(&layer, table.section("schedule"), item.name.span);
+    let mut hint_errors = infeasible_hints(&layer, table.section("schedule"), item.name.span);
+    if hint_errors.is_empty()
+        && let Err(refusal) = plan::ep::ranks_fit(&layer, &Target::h200())
+    {
+        // At the ranks where the layer sets them, else at its name.
+        let span = table
+            .section("parallel")
+            .and_then(|section| section.settings.iter().find(|s| s.key.dotted() == "expert"))
+            .map_or(item.name.span, |setting| setting.values[0].span);
+        hint_errors.push(Error::PlanRefused {
+            span,
+            message: refusal.to_string(),
+            hint: refusal.advice().unwrap_or_default(),
+            hint_span: None,
+        });
+    }
     if hint_errors.is_empty() {
         Some(layer)
     } else {
@@ -382,6 +397,7 @@ fn infeasible_hints(layer: &ir::Layer, schedule: Option<&Section>, fallback: Spa
                 suggestion: match key {
                     HintKey::Stages => stages_suggestion(layer, &target),
                     HintKey::Gemm1Tile | HintKey::Gemm2Tile => tile_suggestion(layer, key, &target),
+                    HintKey::CommBlocks => comm_blocks_suggestion(layer, &target),
                 },
             }
         })
@@ -398,7 +414,7 @@ fn hinted_tile(layer: &ir::Layer, key: HintKey) -> Option<TileShape> {
     match key {
         HintKey::Gemm1Tile => layer.schedule.gemm1_tile,
         HintKey::Gemm2Tile => layer.schedule.gemm2_tile,
-        HintKey::Stages => None,
+        HintKey::Stages | HintKey::CommBlocks => None,
     }
 }
 
@@ -407,7 +423,7 @@ fn set_tile(layer: &mut ir::Layer, key: HintKey, tile: TileShape) {
     match key {
         HintKey::Gemm1Tile => layer.schedule.gemm1_tile = Some(tile),
         HintKey::Gemm2Tile => layer.schedule.gemm2_tile = Some(tile),
-        HintKey::Stages => {}
+        HintKey::Stages | HintKey::CommBlocks => {}
     }
 }
 
@@ -513,6 +529,16 @@ fn stages_suggestion(layer: &ir::Layer, target: &Target) -> String {
              choose",
             describe_counts(&accepted)
         )
+    }
+}
+
+/// For a refused `comm_blocks`: the most the ranks leave room for.
+fn comm_blocks_suggestion(layer: &ir::Layer, target: &Target) -> String {
+    match plan::ep::most_comm_blocks(layer, target) {
+        Some(most) if most >= 1 => {
+            format!("use at most `comm_blocks = {most}`, or remove it and let the planner choose")
+        }
+        _ => "remove `comm_blocks` and let the planner choose".to_string(),
     }
 }
 
@@ -759,15 +785,18 @@ fn schedule(
 ) -> Option<ir::ScheduleHints> {
     let table = Table::of_section(section, incomplete, &SCHEDULE, errors);
     let read_count =
-        |key: &str, tokens_allowed: bool, errors: &mut Vec<Error>| match table.setting(key) {
-            Some(setting) => values::count(setting, 1, tokens_allowed, errors).map(Some),
+        |key: &str, min: u32, tokens_allowed: bool, errors: &mut Vec<Error>| match table
+            .setting(key)
+        {
+            Some(setting) => values::count(setting, min, tokens_allowed, errors).map(Some),
             None => Some(None),
         };
     let gemm1_tile = table.setting("gemm1.tile").map(|s| values::tile(s, errors));
     let gemm2_tile = table.setting("gemm2.tile").map(|s| values::tile(s, errors));
-    let stages = read_count("stages", false, errors);
-    let dispatch_chunk = read_count("dispatch_chunk", true, errors);
-    let comm_blocks = read_count("comm_blocks", false, errors);
+    // Above the planner's most, `stages` is the planner's error (with the range).
+    let stages = read_count("stages", plan::MIN_STAGES, false, errors);
+    let dispatch_chunk = read_count("dispatch_chunk", 1, true, errors);
+    let comm_blocks = read_count("comm_blocks", 1, false, errors);
     // 0 turns the fused decode off where the planner would choose it.
     let fused_decode = match table.setting("fused_decode") {
         Some(setting) => values::count(setting, 0, true, errors).map(Some),

@@ -32,6 +32,9 @@ pub struct Table<'a> {
     pub incomplete: bool,
     settings: BTreeMap<&'static str, &'a Setting>,
     sections: BTreeMap<&'static str, &'a Section>,
+    /// Canonical keys an unknown key's "did you mean" named: that error already says what
+    /// is missing, so [`Table::required`] does not say it again.
+    suggested: Vec<String>,
 }
 
 impl Schema {
@@ -59,6 +62,7 @@ impl<'a> Table<'a> {
             incomplete,
             settings: BTreeMap::new(),
             sections: BTreeMap::new(),
+            suggested: Vec::new(),
         };
         for entry in entries {
             match entry {
@@ -82,6 +86,7 @@ impl<'a> Table<'a> {
             incomplete,
             settings: BTreeMap::new(),
             sections: BTreeMap::new(),
+            suggested: Vec::new(),
         };
         for setting in &section.settings {
             table.add_setting(setting, schema, errors);
@@ -116,7 +121,27 @@ impl<'a> Table<'a> {
                     key: short(&written),
                 });
             }
-            None => errors.push(self.unknown_key(written, setting.key.span, schema)),
+            None => {
+                let error = self.unknown_key(written, setting.key.span, schema);
+                self.note_suggestion(&error, schema);
+                errors.push(error);
+            }
+        }
+    }
+
+    /// Remembers the key an unknown-key error suggests, by its canonical name.
+    fn note_suggestion(&mut self, error: &Error, schema: &Schema) {
+        if let Error::UnknownKey {
+            suggestion: Some(suggested),
+            ..
+        } = error
+        {
+            let canonical = schema
+                .aliases
+                .iter()
+                .find(|(alias, _)| alias == suggested)
+                .map_or(suggested.as_str(), |(_, key)| key);
+            self.suggested.push(canonical.to_string());
         }
     }
 
@@ -203,7 +228,8 @@ impl<'a> Table<'a> {
         errors: &mut Vec<Error>,
     ) -> Option<&'a Setting> {
         let setting = self.setting(key);
-        if setting.is_none() && !self.incomplete {
+        let suggested = self.suggested.iter().any(|k| k == key);
+        if setting.is_none() && !self.incomplete && !suggested {
             errors.push(Error::MissingKey {
                 span: self.header,
                 key,

@@ -16,12 +16,12 @@ pub const TOPOLOGY: Schema = Schema {
     settings: &[
         "gpus_per_node",
         "nodes",
-        "intra_node",
+        "nvlink",
         "network",
         "virtual_ranks",
     ],
     sections: &[],
-    aliases: &[("nvlink", "intra_node")],
+    aliases: &[("intra_node", "nvlink")],
 };
 
 /// Checks one topology item; `None` when it has errors (all of them pushed to `errors`).
@@ -48,7 +48,7 @@ pub fn check_topology(
         None => Some(1),
     };
     let intra_node = table
-        .required("intra_node", "nvlink = 450 GB/s, 3 us", errors)
+        .required("nvlink", "nvlink = 450 GB/s, 3 us", errors)
         .and_then(|setting| values::link(setting, errors));
     let network = table
         .required("network", "network = 50 GB/s, 10 us", errors)

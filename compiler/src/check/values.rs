@@ -234,6 +234,7 @@ pub fn duration(setting: &Setting, range: DurationRange, errors: &mut Vec<Error>
             value: short(&crate::front::format::format_value(value)),
             min: range.min,
             max: range.max,
+            below: ns < range.min_ns,
         });
         return None;
     }

@@ -27,9 +27,10 @@ use serde::{Deserialize, Serialize};
 use super::launch::{KernelParam, StreamRole, weight_param};
 use super::network::{self, NetworkPlan, Route};
 use super::{
-    Buffer, BufferId, COMBINE_THREADS, FusedDecode, GemmKind, GemmPlan, GemmProblem, Grid, Launch,
-    LaunchArg, LayerShape, PlanError, RegimeChoice, RegimeParts, Target, choose_regimes, cost,
-    fused_decode, static_smem_reserved, with_deepest_ring, with_rank_fused_decode_regime,
+    Buffer, BufferId, COMBINE_THREADS, FusedDecode, GemmKind, GemmPlan, GemmProblem, Grid, HintKey,
+    HintProblem, Launch, LaunchArg, LayerShape, PlanError, RegimeChoice, RegimeParts, Target,
+    choose_regimes, cost, fused_decode, static_smem_reserved, with_deepest_ring,
+    with_rank_fused_decode_regime,
 };
 use crate::ir::{self, TrafficOrder};
 
@@ -41,6 +42,18 @@ pub enum Placement {
     Virtual,
     /// One GPU per rank, driven by one process with peer access between the GPUs.
     Devices,
+}
+
+impl Placement {
+    /// Where `topology`'s ranks live: virtual ranks (on one GPU, or emulating nodes) or a
+    /// GPU each.
+    pub fn of(topology: &ir::Topology) -> Self {
+        if topology.virtual_ranks.is_some() {
+            Placement::Virtual
+        } else {
+            Placement::Devices
+        }
+    }
 }
 
 /// How GEMM2's weighted rows travel back to the ranks their tokens came from.
@@ -430,44 +443,17 @@ pub fn plan_expert_parallel(
         }
     };
     let dispatch_piece = dispatch_piece(dispatch_chunk, u64::from(layer.hidden) * 2);
-    let sms_per_rank = match placement {
-        Placement::Virtual => target.sm_count / ranks,
-        Placement::Devices => target.sm_count,
-    };
-    let (comm_blocks, comm_reason) = match hints.comm_blocks {
-        Some(blocks) => (blocks, "the spec's `comm_blocks`".to_string()),
-        None => {
-            let best = MEASURED_STORE_RATES
-                .iter()
-                .map(|&(_, rate)| rate)
-                .fold(0.0, f64::max);
-            let (blocks, rate) = MEASURED_STORE_RATES
-                .iter()
-                .copied()
-                .find(|&(_, rate)| rate >= COMM_RATE_SHARE * best)
-                .unwrap_or(MEASURED_STORE_RATES[0]);
-            // Virtual ranks share one device: a quarter of each rank's SMs at most.
-            let blocks = match placement {
-                Placement::Virtual => blocks.min((sms_per_rank / 4).max(1)),
-                Placement::Devices => blocks,
-            };
-            (
-                blocks,
-                format!(
-                    "the fewest measured that reach {:.0}% of the best peer-store rate ({rate:.0} of {best:.0} GB/s with {} blocks)",
-                    COMM_RATE_SHARE * 100.0,
-                    MEASURED_STORE_RATES[0].0
-                ),
-            )
-        }
-    };
+    ranks_fit(layer, target)?;
+    let rank_sms = RankSms::of(layer, target, ranks, placement);
+    let sms_per_rank = rank_sms.per_rank;
+    let compute_sms = rank_sms.compute();
+    // NCCL's kernels need SMs of their own: GEMM1 blocks may spin until a transfer lands.
+    let nccl_sms = rank_sms.network;
+    let (comm_blocks, comm_reason) = rank_sms.comm;
     let network = network::plan_network(layer, shape, ranks, dispatch_chunk, flag_wait_seconds);
     let one_per_sm = placement == Placement::Virtual || network.is_some();
-    // NCCL's kernels need SMs of their own: GEMM1 blocks may spin until a transfer lands.
-    let nccl_sms = network.as_ref().map_or(0, |n| n.nccl_ctas);
     // The metadata kernel runs on at most as many blocks as the dispatch, before it.
     let comm_slots = comm_blocks;
-    let compute_sms = sms_per_rank.saturating_sub(comm_slots + nccl_sms).max(1);
     let residency = residency(
         placement,
         ranks,
@@ -1161,6 +1147,133 @@ fn compute_blocks(one_per_sm: bool, compute_sms: u32, per_sm: u32) -> u32 {
     } else {
         compute_sms * per_sm
     }
+}
+
+/// How a rank's SMs divide: its share of the device, the blocks it gives to communication
+/// and the SMs it keeps for the network; compute gets the rest, and needs at least one.
+pub(crate) struct RankSms {
+    /// SMs a rank's blocks may fill: the device's, or a virtual rank's share of it.
+    pub per_rank: u32,
+    /// Communication blocks, and why that many.
+    pub comm: (u32, String),
+    /// SMs kept for the network: NCCL's CTAs, or the loopback's copies on emulated nodes.
+    pub network: u32,
+}
+
+impl RankSms {
+    pub(crate) fn of(layer: &ir::Layer, target: &Target, ranks: u32, placement: Placement) -> Self {
+        let per_rank = match placement {
+            Placement::Virtual => target.sm_count / ranks.max(1),
+            Placement::Devices => target.sm_count,
+        };
+        let comm = match layer.schedule.comm_blocks {
+            Some(blocks) => (blocks, "the spec's `comm_blocks`".to_string()),
+            None => {
+                let best = MEASURED_STORE_RATES
+                    .iter()
+                    .map(|&(_, rate)| rate)
+                    .fold(0.0, f64::max);
+                let (blocks, rate) = MEASURED_STORE_RATES
+                    .iter()
+                    .copied()
+                    .find(|&(_, rate)| rate >= COMM_RATE_SHARE * best)
+                    .unwrap_or(MEASURED_STORE_RATES[0]);
+                // Virtual ranks share one device: a quarter of each rank's SMs at most.
+                let blocks = match placement {
+                    Placement::Virtual => blocks.min((per_rank / 4).max(1)),
+                    Placement::Devices => blocks,
+                };
+                (
+                    blocks,
+                    format!(
+                        "the fewest measured that reach {:.0}% of the best peer-store rate ({rate:.0} of {best:.0} GB/s with {} blocks)",
+                        COMM_RATE_SHARE * 100.0,
+                        MEASURED_STORE_RATES[0].0
+                    ),
+                )
+            }
+        };
+        RankSms {
+            per_rank,
+            comm,
+            network: network::network_sms(&layer.topology).0,
+        }
+    }
+
+    /// SMs left for the rank's compute kernels (0: the rank does not fit).
+    pub(crate) fn compute(&self) -> u32 {
+        self.per_rank.saturating_sub(self.comm.0 + self.network)
+    }
+
+    /// Why no SM is left for compute, in words.
+    pub(crate) fn shortfall(&self, ranks: u32, placement: Placement) -> String {
+        let sms = |count: u32| format!("{count} SM{}", if count == 1 { "" } else { "s" });
+        let share = match placement {
+            Placement::Virtual => format!(
+                "each of {ranks} virtual ranks gets {} of the device",
+                sms(self.per_rank)
+            ),
+            Placement::Devices => format!("a rank has its device's {}", sms(self.per_rank)),
+        };
+        let network = if self.network > 0 {
+            format!(", {} kept for the network", self.network)
+        } else {
+            String::new()
+        };
+        format!(
+            "{share}: {} for communication{network} and at least 1 for compute do not fit",
+            self.comm.0
+        )
+    }
+}
+
+/// Whether `layer`'s ranks fit `target` with their communication blocks (the spec's, else
+/// the planner's), the network's SMs and at least one compute SM each; refused as
+/// [`PlanError::RanksDoNotFit`] with the most virtual ranks that would.
+pub fn ranks_fit(layer: &ir::Layer, target: &Target) -> Result<(), PlanError> {
+    let ranks = layer.parallel.expert;
+    if ranks <= 1 {
+        return Ok(());
+    }
+    let placement = Placement::of(&layer.topology);
+    let sms = RankSms::of(layer, target, ranks, placement);
+    if sms.compute() > 0 {
+        return Ok(());
+    }
+    Err(PlanError::RanksDoNotFit {
+        layer: layer.name.clone(),
+        target: target.name.clone(),
+        reason: sms.shortfall(ranks, placement),
+        // One communication and one compute SM each, beside the network's.
+        most_virtual_ranks: target.sm_count / (2 + sms.network),
+    })
+}
+
+/// The most communication blocks that leave each of `layer`'s ranks an SM for compute on
+/// `target` (`None` without ranks; 0 where even one does not).
+pub fn most_comm_blocks(layer: &ir::Layer, target: &Target) -> Option<u32> {
+    let ranks = layer.parallel.expert;
+    (ranks > 1).then(|| {
+        let sms = RankSms::of(layer, target, ranks, Placement::of(&layer.topology));
+        sms.per_rank.saturating_sub(sms.network + 1)
+    })
+}
+
+/// The `comm_blocks` hint's problem on `target`: it leaves a rank no SM for compute where
+/// fewer blocks would not (with none that fits, the ranks do not fit whatever the hint:
+/// [`plan_expert_parallel`] refuses the layer).
+pub(crate) fn comm_blocks_problem(layer: &ir::Layer, target: &Target) -> Option<HintProblem> {
+    let blocks = layer.schedule.comm_blocks?;
+    let most = most_comm_blocks(layer, target)?;
+    (blocks > most && most >= 1).then(|| {
+        let ranks = layer.parallel.expert;
+        let placement = Placement::of(&layer.topology);
+        HintProblem {
+            key: HintKey::CommBlocks,
+            hint: format!("comm_blocks = {blocks}"),
+            reason: RankSms::of(layer, target, ranks, placement).shortfall(ranks, placement),
+        }
+    })
 }
 
 /// Why no spin-wait can wait for a block that never runs. Per rank, one kernel runs at a

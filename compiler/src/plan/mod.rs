@@ -1152,6 +1152,7 @@ pub enum HintKey {
     Gemm1Tile,
     Gemm2Tile,
     Stages,
+    CommBlocks,
 }
 
 impl HintKey {
@@ -1160,6 +1161,7 @@ impl HintKey {
             HintKey::Gemm1Tile => "gemm1.tile",
             HintKey::Gemm2Tile => "gemm2.tile",
             HintKey::Stages => "stages",
+            HintKey::CommBlocks => "comm_blocks",
         }
     }
 }
@@ -1199,6 +1201,14 @@ pub enum PlanError {
         "layer `{layer}`: the expert-parallel kernels do not add expert biases (`expert_bias = true`); run the layer on one GPU, whose kernels do"
     )]
     ExpertParallelExpertBias { layer: String },
+    #[error("layer `{layer}`: its ranks do not fit the {target}: {reason}")]
+    RanksDoNotFit {
+        layer: String,
+        target: String,
+        reason: String,
+        /// The most virtual ranks that fit this target with one communication block each.
+        most_virtual_ranks: u32,
+    },
 }
 
 /// Which of the two grouped GEMMs a tile is for.
@@ -1456,11 +1466,7 @@ fn plan_as_sized(
         fused_decode::counters_needed(&shape, &regimes),
     );
 
-    let placement = if layer.topology.virtual_ranks.is_some() {
-        ep::Placement::Virtual
-    } else {
-        ep::Placement::Devices
-    };
+    let placement = ep::Placement::of(&layer.topology);
     // A rank routes its own tokens into its own copies of the router's buffers (the
     // workspace holds them exactly when the layer has a router).
     let router_buffers = workspace
@@ -2387,7 +2393,26 @@ pub fn hint_problems(layer: &ir::Layer, target: &Target) -> Vec<HintProblem> {
             (None, None) => {}
         }
     }
+    problems.extend(ep::comm_blocks_problem(layer, target));
     problems
+}
+
+impl PlanError {
+    /// What to change in the spec, where the error alone does not say.
+    pub fn advice(&self) -> Option<String> {
+        match self {
+            PlanError::RanksDoNotFit {
+                target,
+                most_virtual_ranks,
+                ..
+            } => Some(format!(
+                "at most {most_virtual_ranks} virtual ranks fit the {target} (each needs an SM \
+                 for communication and one for compute): give the layer fewer ranks \
+                 (`parallel {{ expert = ... }}` and the topology's `virtual_ranks`)"
+            )),
+            _ => None,
+        }
+    }
 }
 
 /// The GEMMs chosen for one range of token counts, before the launches that run them.

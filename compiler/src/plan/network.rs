@@ -185,6 +185,29 @@ const NCCL_MAX_CTAS: u32 = 32;
 /// within this much beyond the flag bounds.
 const MIN_TRANSFER_SECONDS: f64 = 1.0;
 
+/// The SMs each rank keeps for the network beside its own blocks on `topology` (none on one
+/// node), and why: NCCL's CTAs, or on emulated nodes one SM for the loopback's copies.
+pub(crate) fn network_sms(topology: &ir::Topology) -> (u32, String) {
+    if topology.nodes <= 1 {
+        return (0, "one node: no network".to_string());
+    }
+    if topology.virtual_ranks.is_some() {
+        return (
+            1,
+            "emulated nodes: one SM per rank kept free for the loopback's device copies, should the driver run them on SMs".to_string(),
+        );
+    }
+    let bandwidth = topology.network.bandwidth_bytes_per_s as f64;
+    (
+        ((bandwidth / NCCL_CTA_BYTES_PER_S).ceil() as u32).clamp(1, NCCL_MAX_CTAS),
+        format!(
+            "enough for the network's {:.0} GB/s at {:.1} GB/s per CTA (NCCL's all-to-all across the two H200s: 295 GB/s on at most 32 channels)",
+            bandwidth / 1e9,
+            NCCL_CTA_BYTES_PER_S / 1e9
+        ),
+    )
+}
+
 /// The network plan of `ranks` ranks on `layer`'s topology, with `chunk` tokens per
 /// transfer and kernels that wait at most `flag_seconds` for a flag; `None` on one node.
 pub(crate) fn plan_network(
@@ -217,20 +240,7 @@ pub(crate) fn plan_network(
         slots,
     );
     let bandwidth = topology.network.bandwidth_bytes_per_s;
-    let (nccl_ctas, nccl_reason) = match transport {
-        NetworkTransport::Nccl => (
-            ((bandwidth as f64 / NCCL_CTA_BYTES_PER_S).ceil() as u32).clamp(1, NCCL_MAX_CTAS),
-            format!(
-                "enough for the network's {:.0} GB/s at {:.1} GB/s per CTA (NCCL's all-to-all across the two H200s: 295 GB/s on at most 32 channels)",
-                bandwidth as f64 / 1e9,
-                NCCL_CTA_BYTES_PER_S / 1e9
-            ),
-        ),
-        NetworkTransport::Loopback => (
-            1,
-            "emulated nodes: one SM per rank kept free for the loopback's device copies, should the driver run them on SMs".to_string(),
-        ),
-    };
+    let (nccl_ctas, nccl_reason) = network_sms(topology);
     let transfer_seconds = 4.0 * call_bytes as f64 / bandwidth.max(1) as f64;
     let wait_seconds = 2.0 * flag_seconds + transfer_seconds.max(MIN_TRANSFER_SECONDS);
     Some(NetworkPlan {

@@ -18,7 +18,8 @@
 //!   residency.
 //! - **split** (larger calls): the gate for the call's token count (a regime has one per
 //!   token range, each with its own tile, `split_gates`:
-//!   `<symbol>_<regime>_router_gate_<m>x<n>`) and the select (`<symbol>_router_select`,
+//!   `<symbol>_<regime>_router_gate_<m>x<n>`, `_wgmma` after it on the warp-specialised
+//!   engine) and the select (`<symbol>_router_select`,
 //!   one warp per token, [`SELECT_WARPS`] tokens per block over the whole GPU) as two
 //!   launches before the whole table; or, where the gate runs in thread-block clusters
 //!   ([`GateEngine::Cluster`], `<symbol>_<regime>_router_gate_<m>x<n>_cluster<c>`), the
@@ -1181,15 +1182,17 @@ fn gate_kernel_name(symbol: &str, regime: &str, gate: &GatePlan) -> String {
 }
 
 /// A split router's gate of regime `regime` by name (its kernel's, less the layer's
-/// symbol; codegen names its configuration so): `<regime>_router_gate_<m>x<n>`, and
-/// `_cluster<c>` after it for a cluster gate.
+/// symbol; codegen names its configuration so): `<regime>_router_gate_<m>x<n>`, with
+/// `_cluster<c>` after it for a cluster gate and `_wgmma` for a warp-specialised one (a
+/// regime may have an mma.sync and a wgmma gate of one tile).
 pub fn split_gate_name(regime: &str, gate: &GatePlan) -> String {
-    let cluster = match gate.engine {
+    let engine = match gate.engine {
         GateEngine::Cluster { blocks } => format!("_cluster{blocks}"),
-        GateEngine::MmaSync | GateEngine::WarpSpecialized => String::new(),
+        GateEngine::WarpSpecialized => "_wgmma".to_string(),
+        GateEngine::MmaSync => String::new(),
     };
     format!(
-        "{regime}_router_gate_{}x{}{cluster}",
+        "{regime}_router_gate_{}x{}{engine}",
         gate.tile_tokens, gate.tile_experts
     )
 }
