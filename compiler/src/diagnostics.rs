@@ -73,7 +73,7 @@ pub enum Error {
         span: Span,
         key: &'static str,
         section: String,
-        example: &'static str,
+        example: String,
     },
     #[error("`{key}` does not belong in {written_in}: it is a key of {belongs_in}")]
     MisplacedKey {
@@ -501,6 +501,9 @@ impl Error {
                 }
             }
             WrongValueKind { hint, .. } => hint.clone(),
+            WrongUnit { expected, unit, .. } if expected.starts_with("a plain number") => {
+                format!("drop `{unit}`: write the number alone")
+            }
             WrongUnit { .. } => {
                 "write the number with a unit of the right kind, e.g. `450 GB/s` for a bandwidth, \
                  `3 us` for a latency, `64 tokens` or a plain number for a token count"
@@ -886,7 +889,7 @@ mod tests {
                 span,
                 key: "hidden",
                 section: text("layer `a`"),
-                example: "hidden = 4096",
+                example: "hidden = 4096".into(),
             },
             Error::MisplacedKey {
                 span,

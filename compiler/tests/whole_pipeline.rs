@@ -9,9 +9,10 @@
 //! stages arbitrary bytes.
 
 use moeforge_compiler::plan::{self, Target};
-use moeforge_compiler::simulate::{self, Options, Routing};
+use moeforge_compiler::simulate::{self, Options, Routing, SimError};
 use moeforge_compiler::{codegen, compile_source, plan_diagnostics};
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 
 /// Ranks past this are left unsimulated (1024 ranks take seconds a call).
 const MAX_SIMULATED_RANKS: u32 = 64;
@@ -184,7 +185,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
     #[test]
-    fn every_stage_refuses_with_a_typed_error_or_passes_on(text in spec()) {
+    fn every_stage_refuses_with_a_typed_error_or_passes_on(
+        text in spec(),
+        tokens in prop::sample::select(vec![0u32, 1, 16, 300]),
+        skewed in any::<bool>(),
+    ) {
         let module = match compile_source("generated.moe", &text) {
             Ok(module) => module,
             Err(diagnostics) => {
@@ -213,15 +218,84 @@ proptest! {
             }
             let ranks = plan.shape.spec_ranks;
             if ranks > 1 && ranks <= MAX_SIMULATED_RANKS {
-                let options = Options {
-                    tokens_per_rank: plan.shape.max_tokens.min(16),
-                    routing: Routing::Uniform,
-                    timeline_ranks: 0,
-                    fused_decode: true,
-                };
-                let topology = simulate::Topology::of(&layer.topology);
-                let _ = simulate::simulate(&plan, &topology, &options);
+                simulates_every_pair_once(&plan, layer, tokens, skewed, &text)?;
             }
         }
     }
+}
+
+/// A validated plan simulates without deadlock, and in every schedule each source's pairs
+/// are dispatched and combined exactly once, in finite, non-negative time.
+fn simulates_every_pair_once(
+    plan: &plan::Plan,
+    layer: &moeforge_compiler::ir::Layer,
+    tokens: u32,
+    skewed: bool,
+    text: &str,
+) -> Result<(), TestCaseError> {
+    let tokens = tokens.min(plan.shape.max_tokens);
+    let options = Options {
+        tokens_per_rank: tokens,
+        routing: if skewed {
+            Routing::Skewed
+        } else {
+            Routing::Uniform
+        },
+        timeline_ranks: 0,
+        fused_decode: true,
+    };
+    let topology = simulate::Topology::of(&layer.topology);
+    let report = match simulate::simulate(plan, &topology, &options) {
+        Ok(report) => report,
+        // Expert biases leave the plan without expert-parallel kernels (a limitation).
+        Err(SimError::NotExpertParallel(_)) => return Ok(()),
+        Err(error) => {
+            return Err(TestCaseError::fail(format!(
+                "a validated plan does not simulate: {error}\n{text}"
+            )));
+        }
+    };
+    prop_assert!(
+        report.deadlock.is_none(),
+        "a validated plan deadlocks: {:?}\n{text}",
+        report.deadlock
+    );
+    let routed = u64::from(tokens) * u64::from(plan.shape.top_k);
+    for schedule in &report.schedules {
+        let a = &schedule.accounting;
+        prop_assert_eq!(
+            &a.pairs_routed,
+            &vec![routed; report.ranks as usize],
+            "{}",
+            text
+        );
+        prop_assert_eq!(
+            &a.pairs_dispatched,
+            &a.pairs_routed,
+            "{:?}\n{}",
+            schedule.schedule,
+            text
+        );
+        prop_assert_eq!(
+            &a.pairs_combined,
+            &a.pairs_routed,
+            "{:?}\n{}",
+            schedule.schedule,
+            text
+        );
+        prop_assert!(
+            a.token_mismatches.is_empty(),
+            "{:?}\n{}",
+            schedule.schedule,
+            text
+        );
+        for time in [schedule.layer_s, schedule.dispatch_s, schedule.combine_s] {
+            prop_assert!(
+                time.is_finite() && time >= 0.0,
+                "{:?}: {time}\n{text}",
+                schedule.schedule
+            );
+        }
+    }
+    Ok(())
 }

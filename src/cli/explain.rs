@@ -163,9 +163,9 @@ fn explain_layer(layer: &ir::Layer) -> String {
     let parallel = &layer.parallel;
     let _ = writeln!(
         out,
-        "  parallel             expert {} ({} experts per rank), data {}, tensor {}",
+        "  parallel             expert {} ({} per rank), data {}, tensor {}",
         parallel.expert,
-        layer.experts_per_rank(),
+        experts(layer.experts_per_rank()),
         parallel.data,
         parallel.tensor
     );
@@ -189,9 +189,9 @@ fn explain_layer(layer: &ir::Layer) -> String {
     let _ = writeln!(out, "    weights per expert {}", bytes(expert_bytes));
     let _ = writeln!(
         out,
-        "    weights per rank   {} ({} experts)",
+        "    weights per rank   {} ({})",
         bytes(expert_bytes * u64::from(layer.experts_per_rank())),
-        layer.experts_per_rank()
+        experts(layer.experts_per_rank())
     );
     let _ = writeln!(
         out,
@@ -225,6 +225,11 @@ fn explain_layer(layer: &ir::Layer) -> String {
         bytes(token_bytes * u64::from(layer.max_tokens))
     );
     out
+}
+
+/// "1 expert", "8 experts".
+fn experts(count: u32) -> String {
+    format!("{count} expert{}", if count == 1 { "" } else { "s" })
 }
 
 /// A topology no layer of the file uses.

@@ -169,7 +169,7 @@ pub fn check_layer(
         values::count(s, 1, true, errors)
     });
     let topology = table
-        .required("topology", "topology = h200_node", errors)
+        .required("topology", topology_example(topologies), errors)
         .and_then(|s| resolve_topology(s, topologies, errors));
 
     let mut shared_ffn_span = None;
@@ -363,6 +363,13 @@ fn routed_experts(setting: &Setting, errors: &mut Vec<Error>) -> Option<u32> {
         return None;
     }
     Some(experts)
+}
+
+/// `topology = NAME` for the missing-key hint: a topology of the file (the first by name),
+/// else the name of one to write.
+fn topology_example(topologies: &BTreeMap<&str, NamedTopology>) -> String {
+    let name = topologies.keys().next().copied().unwrap_or("h200_node");
+    format!("topology = {name}")
 }
 
 /// The schedule hints of a valid layer that the planner refuses on the documented default

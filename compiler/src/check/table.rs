@@ -224,7 +224,7 @@ impl<'a> Table<'a> {
     pub fn required(
         &self,
         key: &'static str,
-        example: &'static str,
+        example: impl Into<String>,
         errors: &mut Vec<Error>,
     ) -> Option<&'a Setting> {
         let setting = self.setting(key);
@@ -234,7 +234,7 @@ impl<'a> Table<'a> {
                 span: self.header,
                 key,
                 section: self.what.clone(),
-                example,
+                example: example.into(),
             });
         }
         setting

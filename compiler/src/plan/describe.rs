@@ -54,8 +54,8 @@ pub fn describe(plan: &Plan) -> String {
     let flag_wait = &plan.flag_wait_limit;
     let _ = writeln!(
         out,
-        "  flag waits           each at most {:.2} s ({} cycles at {:.2} GHz; {}), then the kernel records a time-out naming the wait, which the runtime reports",
-        flag_wait.seconds(&plan.target),
+        "  flag waits           each at most {} ({} cycles at {:.2} GHz; {}), then the kernel records a time-out naming the wait, which the runtime reports",
+        seconds_or_ms(flag_wait.seconds(&plan.target)),
         flag_wait.cycles,
         plan.target.clock_hz / 1e9,
         if flag_wait.hinted {
@@ -90,6 +90,15 @@ pub fn describe(plan: &Plan) -> String {
         let _ = writeln!(out, "  note: {limitation}");
     }
     out
+}
+
+/// A duration in seconds (two decimals) from one second up, else in milliseconds.
+fn seconds_or_ms(seconds: f64) -> String {
+    if seconds >= 1.0 {
+        format!("{seconds:.2} s")
+    } else {
+        format!("{:.3} ms", seconds * 1e3)
+    }
 }
 
 /// How the JIT compiles and loads the kernels.
@@ -158,9 +167,10 @@ fn describe_expert_parallel(out: &mut String, ep: &ExpertParallelPlan, shape: &L
     };
     let _ = writeln!(
         out,
-        "  expert parallelism   {} ranks ({placement}), {} experts each, flags at .{} scope, epoch-tagged",
+        "  expert parallelism   {} ranks ({placement}), {} expert{} each, flags at .{} scope, epoch-tagged",
         ep.ranks,
         ep.experts_per_rank,
+        if ep.experts_per_rank == 1 { "" } else { "s" },
         ep.scope.ptx()
     );
     let _ = writeln!(
