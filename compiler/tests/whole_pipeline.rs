@@ -1,7 +1,8 @@
 //! The whole pipeline on generated `.moe` files, as a user could write them: every key of
 //! the language drawn over its documented range (and a little past it), through the checker,
-//! the planner, the plan's own validation, `explain`'s description, codegen and, where the
-//! layer has ranks, the simulator. A spec may be refused at any stage, with a typed error;
+//! the planner (for each known target: `--target h200|h100|a100`), the plan's own
+//! validation, `explain`'s description, codegen and, where the layer has ranks, the
+//! simulator. A spec may be refused at any stage, with a typed error;
 //! nothing may panic, and a plan the planner returns must validate and generate.
 //!
 //! The cases run here are few (CI's budget); `PROPTEST_CASES=20000 cargo test --release
@@ -189,6 +190,7 @@ proptest! {
         text in spec(),
         tokens in prop::sample::select(vec![0u32, 1, 16, 300]),
         skewed in any::<bool>(),
+        target in prop::sample::select(vec!["h200", "h100", "a100"]),
     ) {
         let module = match compile_source("generated.moe", &text) {
             Ok(module) => module,
@@ -197,7 +199,7 @@ proptest! {
                 return Ok(());
             }
         };
-        let target = Target::h200();
+        let target = Target::named(target).expect("a known target");
         for layer in &module.layers {
             let _ = plan::memory_problem(layer, &target);
             let _ = plan::hint_problems(layer, &target);

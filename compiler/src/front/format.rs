@@ -83,8 +83,11 @@ impl Printer<'_> {
     }
 
     fn section(&mut self, section: &Section, depth: usize) {
-        self.own_line_comments(section.open_brace, depth);
+        // The blank line before the section is decided before comments written between its
+        // name and brace move above it (they would hide it).
+        self.own_line_comments(section.span.start, depth);
         self.blank_line_if_source_has_one(section.span.start);
+        self.own_line_comments(section.open_brace, depth);
         self.indent(depth);
         self.out.push_str(&format!("{} {{", section.name.text));
         self.last_end = section.open_brace + 1;
@@ -96,9 +99,11 @@ impl Printer<'_> {
     }
 
     fn setting(&mut self, setting: &Setting, depth: usize) {
-        // Comments written inside the setting (between its tokens) move above it.
-        self.own_line_comments(setting.span.end, depth);
+        self.own_line_comments(setting.span.start, depth);
         self.blank_line_if_source_has_one(setting.span.start);
+        // Comments written inside the setting (between its tokens) move above it, after
+        // the blank line the source has before the setting.
+        self.own_line_comments(setting.span.end, depth);
         self.indent(depth);
         let values: Vec<String> = setting.values.iter().map(format_value).collect();
         self.out
@@ -188,5 +193,19 @@ mod tests {
         ] {
             assert_eq!(format_source(name, &text).as_ref(), Ok(&expected), "{name}");
         }
+    }
+
+    #[test]
+    fn a_blank_line_stays_before_a_setting_or_section_with_a_comment_inside() {
+        let text = "layer l {\n  hidden = 64\n\n  ffn # mid\n  = 64\n\n  router # r\n  {\n  }\n}\n";
+        let formatted = format_source("mid.moe", text).expect("parses");
+        assert_eq!(
+            formatted,
+            "layer l {\n  hidden = 64\n\n  # mid\n  ffn = 64\n\n  # r\n  router {\n  }\n}\n"
+        );
+        assert_eq!(
+            format_source("mid.moe", &formatted).as_ref(),
+            Ok(&formatted)
+        );
     }
 }
