@@ -434,14 +434,24 @@ pub fn tile(setting: &Setting, errors: &mut Vec<Error>) -> Option<TileShape> {
         ));
         return None;
     };
+    let parts: Vec<&str> = text.split('x').collect();
+    if parts.len() != 3 {
+        errors.push(wrong_kind(
+            setting,
+            value,
+            "a tile shape `MxNxK`, e.g. `128x128x64`",
+            format!(
+                "a tile has three dimensions, rows, columns and depth, joined by `x` (this one has {}): `128x128x64`",
+                parts.len()
+            ),
+        ));
+        return None;
+    }
     let mut dimensions = [0u32; 3];
     let mut ok = true;
-    for ((part, slot), dimension) in text
-        .split('x')
-        .zip(dimensions.iter_mut())
-        .zip(["m", "n", "k"])
-    {
-        match part.parse::<u32>() {
+    for ((part, slot), dimension) in parts.iter().zip(dimensions.iter_mut()).zip(["m", "n", "k"]) {
+        let digits: String = part.chars().filter(|c| *c != '_').collect();
+        match digits.parse::<u32>() {
             Ok(number) if number > 0 && number % 16 == 0 => *slot = number,
             Ok(number) => {
                 errors.push(Error::TileNotAligned {
