@@ -324,23 +324,27 @@ pub fn choice<T: Copy>(
 /// `true` or `false`.
 pub fn boolean(setting: &Setting, errors: &mut Vec<Error>) -> Option<bool> {
     let value = single(setting, "one word", errors)?;
-    if matches!(value.kind, ValueKind::Number { .. }) {
-        // `normalize = 1` is the likeliest slip: say how booleans are written.
-        let key = setting.key.dotted();
-        errors.push(wrong_kind(
-            setting,
-            value,
-            "`true` or `false`",
-            format!("`{key}` is a switch: write `{key} = true` or `{key} = false` (numbers are not booleans)"),
-        ));
-        return None;
-    }
-    choice(
+    let note = match &value.kind {
+        ValueKind::Word(word) if word == "true" => return Some(true),
+        ValueKind::Word(word) if word == "false" => return Some(false),
+        ValueKind::Word(word)
+            if word.eq_ignore_ascii_case("true") || word.eq_ignore_ascii_case("false") =>
+        {
+            " (in lower case)"
+        }
+        ValueKind::Number { .. } => " (numbers are not booleans)",
+        _ => "",
+    };
+    // `normalize = 1`, `= True` or `= yes` are the likeliest slips: say how booleans are
+    // written.
+    let key = setting.key.dotted();
+    errors.push(wrong_kind(
         setting,
-        &[("true", true), ("false", false)],
-        "true, false",
-        errors,
-    )
+        value,
+        "`true` or `false`",
+        format!("`{key}` is a switch: write `{key} = true` or `{key} = false`{note}"),
+    ));
+    None
 }
 
 /// A name (of a topology, say) and where it is written.
