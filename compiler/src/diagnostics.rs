@@ -301,7 +301,7 @@ pub enum Error {
         topology: String,
         gpus: u64,
     },
-    #[error("topology `{topology}` has more than 2^32 ranks")]
+    #[error("topology `{topology}` has 2^32 ranks or more")]
     TooManyRanks { span: Span, topology: String },
     #[error(
         "topology `{topology}` has {gpus_per_node} GPUs per node on several nodes; across nodes a node holds at most 32 (a token's visits to a node are one 32-bit mask)"
