@@ -1238,3 +1238,100 @@ fn shared_experts_missing_or_foreign_to_the_family_are_errors() {
         assert!(err.to_string().contains("shared_experts"), "{err}");
     }
 }
+
+mod corrupted {
+    //! Files a user may hand over by mistake: tensors reshaped to other factorisations of
+    //! their elements, other dtypes of the same width, renamed, or the file cut short or with
+    //! bytes changed anywhere. Loading them is a typed error (or, where the change keeps
+    //! every tensor as expected, the weights), never a panic.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Every shape whose elements multiply to `elements`: 1-D, and 2-D and 3-D splits.
+    fn reshapes(elements: usize) -> Vec<Vec<usize>> {
+        let divisors: Vec<usize> = (1..=elements).filter(|&d| elements.is_multiple_of(d)).collect();
+        let mut shapes = vec![vec![elements]];
+        for &a in &divisors {
+            shapes.push(vec![a, elements / a]);
+            for &b in divisors.iter().filter(|&&b| (elements / a).is_multiple_of(b)) {
+                shapes.push(vec![a, b, elements / a / b]);
+            }
+        }
+        shapes
+    }
+
+    /// Loads everything a `run --weights` of the family reads: the experts (all, and a
+    /// rank's share) and the gate with each kind of bias.
+    fn load_all(path: &Path, family: Family) {
+        let Ok(checkpoint) = Checkpoint::open(path) else {
+            return;
+        };
+        let _ = checkpoint.detect(PREFIX);
+        let _ = checkpoint.expert_layers();
+        let shape = shape(Activation::Swiglu);
+        for which in ExpertSet::held_by_rank(1, 2)
+            .into_iter()
+            .chain([ExpertSet::All])
+        {
+            let _ = checkpoint.load_experts(family, PREFIX, &shape, which);
+        }
+        for bias in [
+            RouterBias::None,
+            RouterBias::Logits,
+            RouterBias::ScoreCorrection,
+        ] {
+            let _ = checkpoint.load_gate(family, PREFIX, &shape, bias);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn reshaped_retyped_or_renamed_tensors_are_errors_not_panics(
+            family in prop::sample::select(vec![Family::Mixtral, Family::Qwen3Moe, Family::DeepseekV3]),
+            which in 0usize..(3 * E + 1),
+            change in 0usize..3,
+            pick in any::<prop::sample::Index>(),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let file = dir.path().join("model.safetensors");
+            let mut tensors = expert_tensors(family, 0..E);
+            let count = tensors.len();
+            let tensor = &mut tensors[which % count];
+            let elements: usize = tensor.2.iter().product();
+            match change {
+                0 => tensor.2 = pick.get(&reshapes(elements)).clone(),
+                1 => tensor.1 = *pick.get(&[Dtype::F16, Dtype::I16, Dtype::U16]),
+                _ => tensor.0.push_str(".renamed"),
+            }
+            write(&file, &tensors);
+            load_all(&file, family);
+        }
+
+        #[test]
+        fn cut_or_changed_bytes_are_errors_not_panics(
+            family in prop::sample::select(vec![Family::Mixtral, Family::Qwen3Moe, Family::DeepseekV3]),
+            cut in any::<prop::sample::Index>(),
+            flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+            header_only in any::<bool>(),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let file = dir.path().join("model.safetensors");
+            write(&file, &expert_tensors(family, 0..E));
+            let mut bytes = std::fs::read(&file).unwrap();
+            // The header: an 8-byte length, then that much JSON.
+            let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            for (at, value) in flips {
+                let span = if header_only { header } else { bytes.len() };
+                bytes[at.index(span)] = value;
+            }
+            if header_only {
+                bytes.truncate(cut.index(bytes.len() + 1));
+            }
+            std::fs::write(&file, &bytes).unwrap();
+            load_all(&file, family);
+        }
+    }
+}
