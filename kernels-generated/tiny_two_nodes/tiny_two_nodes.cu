@@ -1864,8 +1864,10 @@ extern "C" __global__ void __launch_bounds__(COMM_THREADS, 1) tiny_two_nodes_ep_
     }
     int item = blockIdx.x;
     int items_before = 0;
+    // Chunk-major: the network stream's step for chunk c moves it to every other node at
+    // once, so chunk c of every node is staged before chunk c + 1 of any.
     for (; item < OTHER_NODES * token_chunks; item += gridDim.x) {
-        const int slot = item / token_chunks, chunk = item % token_chunks;
+        const int chunk = item / OTHER_NODES, slot = item % OTHER_NODES;
         const int first = chunk * CHUNK, chunk_tokens = min(CHUNK, tokens - first);
         const u32* visits = net_send_mask + (size_t)slot * MAX_TOKENS;
         int* row_of = net_send_row + (size_t)slot * MAX_TOKENS;

@@ -1250,11 +1250,16 @@ mod corrupted {
 
     /// Every shape whose elements multiply to `elements`: 1-D, and 2-D and 3-D splits.
     fn reshapes(elements: usize) -> Vec<Vec<usize>> {
-        let divisors: Vec<usize> = (1..=elements).filter(|&d| elements.is_multiple_of(d)).collect();
+        let divisors: Vec<usize> = (1..=elements)
+            .filter(|&d| elements.is_multiple_of(d))
+            .collect();
         let mut shapes = vec![vec![elements]];
         for &a in &divisors {
             shapes.push(vec![a, elements / a]);
-            for &b in divisors.iter().filter(|&&b| (elements / a).is_multiple_of(b)) {
+            for &b in divisors
+                .iter()
+                .filter(|&&b| (elements / a).is_multiple_of(b))
+            {
                 shapes.push(vec![a, b, elements / a / b]);
             }
         }
