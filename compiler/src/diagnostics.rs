@@ -129,13 +129,15 @@ pub enum Error {
         key: String,
         expected: &'static str,
     },
-    #[error("`{key}` = {value} does not fit in {bits} bits (at most {max})")]
+    #[error("`{key}` = {value} does not fit in {bits} bits (at most {max}{unit})")]
     NumberTooLarge {
         span: Span,
         key: String,
         value: String,
         bits: u32,
         max: u64,
+        /// The unit `max` is in, with a leading space (` B/s`, ` ns`), or empty.
+        unit: &'static str,
     },
     #[error("`{key}` takes a whole number, found `{value}`")]
     NotAnInteger {
@@ -462,6 +464,14 @@ impl Error {
                 "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
                  `{ } = , .` and comments starting with `#` or `//`"
                     .into()
+            }
+            UnexpectedToken { found, .. } if found.starts_with("unit `") => {
+                let unit = found.trim_start_matches("unit ");
+                format!(
+                    "{unit} is a unit, and units are reserved words: give the item or key \
+                     another name, such as `{}_1`",
+                    unit.trim_matches('`')
+                )
             }
             UnexpectedToken { .. } | UnexpectedEnd { .. } => {
                 "settings read `key = value`, sections `name { ... }`, items `layer NAME { ... }` \
@@ -944,6 +954,7 @@ mod tests {
                 value: text("99999999999"),
                 bits: 32,
                 max: u64::from(u32::MAX),
+                unit: "",
             },
             Error::NotAnInteger {
                 span,

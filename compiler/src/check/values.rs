@@ -78,6 +78,7 @@ fn parse_whole(
             value: short(&literal.text),
             bits,
             max,
+            unit: "",
         }),
     }
 }
@@ -187,12 +188,19 @@ fn quantity(
         });
         return None;
     }
+    // Sizes are kept in bytes per second and nanoseconds.
+    let base_unit = match dimension {
+        Dimension::Bandwidth => " B/s",
+        Dimension::Latency => " ns",
+        Dimension::Tokens => "",
+    };
     let too_large = || Error::NumberTooLarge {
         span: value.span,
         key: key.clone(),
         value: short(&crate::front::format::format_value(value)),
         bits: 64,
         max: u64::MAX,
+        unit: base_unit,
     };
     if literal.is_integer {
         let number = parse_whole(setting, literal, value.span, 64)
@@ -473,6 +481,7 @@ pub fn tile(setting: &Setting, errors: &mut Vec<Error>) -> Option<TileShape> {
                     value: short(part),
                     bits: 32,
                     max: u64::from(u32::MAX),
+                    unit: "",
                 });
                 ok = false;
             }
