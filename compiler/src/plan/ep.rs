@@ -1231,10 +1231,9 @@ impl RankSms {
 /// the planner's), the network's SMs and at least one compute SM each; refused as
 /// [`PlanError::RanksDoNotFit`] with the most virtual ranks that would.
 pub fn ranks_fit(layer: &ir::Layer, target: &Target) -> Result<(), PlanError> {
-    let ranks = layer.parallel.expert;
-    if ranks <= 1 {
+    let Some(ranks) = planned_ranks(layer) else {
         return Ok(());
-    }
+    };
     let placement = Placement::of(&layer.topology);
     let sms = RankSms::of(layer, target, ranks, placement);
     if sms.compute() > 0 {
@@ -1250,13 +1249,19 @@ pub fn ranks_fit(layer: &ir::Layer, target: &Target) -> Result<(), PlanError> {
 }
 
 /// The most communication blocks that leave each of `layer`'s ranks an SM for compute on
-/// `target` (`None` without ranks; 0 where even one does not).
+/// `target` (`None` without expert-parallel kernels; 0 where even one does not).
 pub fn most_comm_blocks(layer: &ir::Layer, target: &Target) -> Option<u32> {
+    let ranks = planned_ranks(layer)?;
+    let sms = RankSms::of(layer, target, ranks, Placement::of(&layer.topology));
+    Some(sms.per_rank.saturating_sub(sms.network + 1))
+}
+
+/// The ranks whose expert-parallel kernels a plan of `layer` would have: none for one rank,
+/// nor with expert biases, which those kernels do not add (the plan runs the single-GPU
+/// kernels and says why).
+fn planned_ranks(layer: &ir::Layer) -> Option<u32> {
     let ranks = layer.parallel.expert;
-    (ranks > 1).then(|| {
-        let sms = RankSms::of(layer, target, ranks, Placement::of(&layer.topology));
-        sms.per_rank.saturating_sub(sms.network + 1)
-    })
+    (ranks > 1 && !layer.expert_bias).then_some(ranks)
 }
 
 /// The `comm_blocks` hint's problem on `target`: it leaves a rank no SM for compute where

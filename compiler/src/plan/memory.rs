@@ -172,6 +172,10 @@ fn fitting_max_tokens(
     needs_at: impl Fn(u32) -> Option<u64>,
 ) -> Option<u32> {
     const GUESSES: usize = 4;
+    if max_tokens <= 1 {
+        // No smaller max_tokens to try.
+        return None;
+    }
     let half = (max_tokens / 2).max(1);
     let needs_half = needs_at(half)?;
     let per_token = (needs as f64 - needs_half as f64) / f64::from(max_tokens - half).max(1.0);
@@ -255,6 +259,8 @@ mod tests {
             fitting_max_tokens(1024, heavy(1024).unwrap(), 5000, heavy),
             None
         );
+        // A layer of one token that does not fit has nothing smaller to try.
+        assert_eq!(fitting_max_tokens(1, heavy(1).unwrap(), 5000, heavy), None);
     }
 
     /// DeepSeek-V3 on 64 ranks with 32768 tokens per rank needs more than an H200 per rank
