@@ -153,8 +153,14 @@ fn schedule() -> impl Strategy<Value = String> {
 fn spec() -> impl Strategy<Value = String> {
     (
         topology(),
-        prop::sample::select(vec![64u32, 128, 192, 1024, 2880, 4096, 7168]),
-        prop::sample::select(vec![64u32, 128, 320, 768, 1536, 2048, 2880]),
+        prop_oneof![
+            prop::sample::select(vec![64u32, 128, 192, 1024, 2880, 4096, 7168]),
+            (1u32..=256).prop_map(|n| 64 * n),
+        ],
+        prop_oneof![
+            prop::sample::select(vec![64u32, 128, 320, 768, 1536, 2048, 2880]),
+            (1u32..=128).prop_map(|n| 64 * n),
+        ],
         prop::sample::select(vec![1u32, 2, 4, 8, 16, 32, 64, 128, 256, 1024]),
         prop::sample::select(vec![1u32, 1, 2, 4, 8]),
         prop::sample::select(vec!["swiglu", "clamped_swiglu", "geglu", "gelu", "relu", "silu"]),
@@ -188,8 +194,8 @@ proptest! {
     #[test]
     fn every_stage_refuses_with_a_typed_error_or_passes_on(
         text in spec(),
-        tokens in prop::sample::select(vec![0u32, 1, 16, 300]),
-        skewed in any::<bool>(),
+        tokens in prop::sample::select(vec![0u32, 1, 16, 300, 2048]),
+        routing in 0u32..3,
         target in prop::sample::select(vec!["h200", "h100", "a100"]),
     ) {
         let module = match compile_source("generated.moe", &text) {
@@ -230,7 +236,7 @@ proptest! {
             }
             let ranks = plan.shape.spec_ranks;
             if ranks > 1 && ranks <= MAX_SIMULATED_RANKS {
-                simulates_every_pair_once(&plan, layer, tokens, skewed, &text)?;
+                simulates_every_pair_once(&plan, layer, tokens, routing, &text)?;
             }
         }
     }
@@ -242,17 +248,23 @@ fn simulates_every_pair_once(
     plan: &plan::Plan,
     layer: &moeforge_compiler::ir::Layer,
     tokens: u32,
-    skewed: bool,
+    routing: u32,
     text: &str,
 ) -> Result<(), TestCaseError> {
     let tokens = tokens.min(plan.shape.max_tokens);
+    // Grouped as the router limits the groups, where it does.
+    let limit = layer.router.and_then(|router| router.group_limit);
+    let routing = match (routing, limit) {
+        (0, _) => Routing::Uniform,
+        (1, _) | (_, None) => Routing::Skewed,
+        (_, Some(limit)) => Routing::GroupLimited {
+            groups: limit.groups,
+            kept: limit.kept,
+        },
+    };
     let options = Options {
         tokens_per_rank: tokens,
-        routing: if skewed {
-            Routing::Skewed
-        } else {
-            Routing::Uniform
-        },
+        routing,
         timeline_ranks: 0,
         fused_decode: true,
     };
