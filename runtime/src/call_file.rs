@@ -526,4 +526,37 @@ mod tests {
             Err(CallFileError::Io { .. })
         ));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Any mix of the three tensors, each of any dtype, rank and size, filled with any
+        /// byte: an input or a typed error, never a panic.
+        #[test]
+        fn any_tensors_are_inputs_or_typed_errors(
+            tensors in proptest::collection::vec(
+                (
+                    0usize..4,
+                    0usize..5,
+                    proptest::collection::vec(0usize..70, 0..4),
+                ),
+                0..4,
+            ),
+            fill in proptest::prelude::any::<u8>(),
+            has_router in proptest::prelude::any::<bool>(),
+        ) {
+            let names = ["x", "topk_ids", "topk_weights", "other"];
+            let dtypes = [Dtype::BF16, Dtype::F32, Dtype::I32, Dtype::F16, Dtype::U8];
+            let mut chosen: Vec<(&str, Dtype, Vec<usize>)> = Vec::new();
+            for (name, dtype, dims) in tensors {
+                if chosen.iter().all(|(n, _, _)| *n != names[name]) {
+                    chosen.push((names[name], dtypes[dtype], dims));
+                }
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("call.safetensors");
+            write(&path, &chosen, fill);
+            let _ = read_inputs(&path, &shape(), has_router);
+        }
+    }
 }
