@@ -330,14 +330,7 @@ fn a_thousand_calls_need_no_reset() {
         .into_iter()
         .find(|l| l.name == "tiny")
         .expect("the tiny example");
-    let layer = over_ranks(&tiny, 4, true);
-    let built = session
-        .build(plan_for(&session, &layer), seed)
-        .expect("build");
-    let contexts = vec![Arc::clone(&session.gpu.ctx); 4];
-    let mut ep = session
-        .build_expert_parallel(&built, &contexts)
-        .expect("expert-parallel layer");
+    let (built, mut ep) = on_this_gpu(&session, &over_ranks(&tiny, 4, true), seed);
     let shape = built.layer.plan().shape.clone();
     let fused = fused_max_tokens(built.layer.plan()).expect("tiny's first rank regime fuses");
     let workloads = |first: u32| -> Vec<Workload> {
@@ -437,11 +430,20 @@ fn every_gpu_matches_reference() {
 
 /// Virtual ranks of the tiny layer, built for the fault tests.
 fn tiny_on_virtual_ranks(session: &Session, ranks: u32, seed: u64) -> (BuiltLayer, EpLayer) {
-    let layer = over_ranks(&layers::tiny(Activation::Swiglu), ranks, true);
+    on_this_gpu(
+        session,
+        &over_ranks(&layers::tiny(Activation::Swiglu), ranks, true),
+        seed,
+    )
+}
+
+/// `layer` built with weights of `seed`, and its expert-parallel ranks all on this session's
+/// GPU (virtual ranks, or emulated nodes).
+fn on_this_gpu(session: &Session, layer: &Layer, seed: u64) -> (BuiltLayer, EpLayer) {
     let built = session
-        .build(plan_for(session, &layer), seed)
+        .build(plan_for(session, layer), seed)
         .expect("build");
-    let contexts = vec![Arc::clone(&session.gpu.ctx); ranks as usize];
+    let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
     let ep = session
         .build_expert_parallel(&built, &contexts)
         .expect("expert-parallel layer");
@@ -652,13 +654,7 @@ fn emulated_nodes_count_and_pack_each_chunks_rows_as_the_cpu_does() {
     let seed = fresh_seed();
     let session = Session::open().expect("GPU session");
     let layer = over_emulated_nodes(&layers::tiny(Activation::Swiglu), 8, 2);
-    let built = session
-        .build(plan_for(&session, &layer), seed)
-        .expect("build");
-    let contexts = vec![Arc::clone(&session.gpu.ctx); 8];
-    let mut ep = session
-        .build_expert_parallel(&built, &contexts)
-        .expect("expert-parallel layer on emulated nodes");
+    let (built, mut ep) = on_this_gpu(&session, &layer, seed);
     let plan = ep.plan().clone();
     let network = plan
         .expert_parallel
@@ -754,13 +750,7 @@ fn emulated_nodes_time_out_and_the_next_call_works() {
     let session = Session::open().expect("GPU session");
     let mut layer = over_emulated_nodes(&layers::tiny(Activation::Swiglu), 4, 2);
     layer.schedule.flag_timeout_ns = Some(200_000_000);
-    let built = session
-        .build(plan_for(&session, &layer), seed)
-        .expect("build");
-    let contexts = vec![Arc::clone(&session.gpu.ctx); 4];
-    let mut ep = session
-        .build_expert_parallel(&built, &contexts)
-        .expect("expert-parallel layer on emulated nodes");
+    let (built, mut ep) = on_this_gpu(&session, &layer, seed);
     let shape = built.layer.plan().shape.clone();
     let workloads: Vec<Workload> = (0..4)
         .map(|r| Workload::random(&shape, 40 + r, Routing::Uniform, seed + u64::from(r)))

@@ -443,8 +443,7 @@ pub fn plan_expert_parallel(
         }
     };
     let dispatch_piece = dispatch_piece(dispatch_chunk, u64::from(layer.hidden) * 2);
-    ranks_fit(layer, target)?;
-    let rank_sms = RankSms::of(layer, target, ranks, placement);
+    let rank_sms = fitting_rank_sms(layer, target, ranks, placement)?;
     let sms_per_rank = rank_sms.per_rank;
     let compute_sms = rank_sms.compute();
     // NCCL's kernels need SMs of their own: GEMM1 blocks may spin until a transfer lands.
@@ -1205,6 +1204,11 @@ impl RankSms {
         self.per_rank.saturating_sub(self.comm.0 + self.network)
     }
 
+    /// The most communication blocks that leave one SM for compute (0: none does).
+    fn most_comm_blocks(&self) -> u32 {
+        self.per_rank.saturating_sub(self.network + 1)
+    }
+
     /// Why no SM is left for compute, in words.
     pub(crate) fn shortfall(&self, ranks: u32, placement: Placement) -> String {
         let sms = |count: u32| format!("{count} SM{}", if count == 1 { "" } else { "s" });
@@ -1231,13 +1235,25 @@ impl RankSms {
 /// the planner's), the network's SMs and at least one compute SM each; refused as
 /// [`PlanError::RanksDoNotFit`] with the most virtual ranks that would.
 pub fn ranks_fit(layer: &ir::Layer, target: &Target) -> Result<(), PlanError> {
-    let Some(ranks) = planned_ranks(layer) else {
-        return Ok(());
-    };
-    let placement = Placement::of(&layer.topology);
+    match planned_ranks(layer) {
+        Some(ranks) => {
+            fitting_rank_sms(layer, target, ranks, Placement::of(&layer.topology)).map(drop)
+        }
+        None => Ok(()),
+    }
+}
+
+/// How `ranks` ranks of `layer` divide their SMs on `target`, or [`ranks_fit`]'s refusal
+/// where no compute SM is left.
+fn fitting_rank_sms(
+    layer: &ir::Layer,
+    target: &Target,
+    ranks: u32,
+    placement: Placement,
+) -> Result<RankSms, PlanError> {
     let sms = RankSms::of(layer, target, ranks, placement);
     if sms.compute() > 0 {
-        return Ok(());
+        return Ok(sms);
     }
     Err(PlanError::RanksDoNotFit {
         layer: layer.name.clone(),
@@ -1252,8 +1268,7 @@ pub fn ranks_fit(layer: &ir::Layer, target: &Target) -> Result<(), PlanError> {
 /// `target` (`None` without expert-parallel kernels; 0 where even one does not).
 pub fn most_comm_blocks(layer: &ir::Layer, target: &Target) -> Option<u32> {
     let ranks = planned_ranks(layer)?;
-    let sms = RankSms::of(layer, target, ranks, Placement::of(&layer.topology));
-    Some(sms.per_rank.saturating_sub(sms.network + 1))
+    Some(RankSms::of(layer, target, ranks, Placement::of(&layer.topology)).most_comm_blocks())
 }
 
 /// The ranks whose expert-parallel kernels a plan of `layer` would have: none for one rank,
@@ -1269,15 +1284,14 @@ fn planned_ranks(layer: &ir::Layer) -> Option<u32> {
 /// [`plan_expert_parallel`] refuses the layer).
 pub(crate) fn comm_blocks_problem(layer: &ir::Layer, target: &Target) -> Option<HintProblem> {
     let blocks = layer.schedule.comm_blocks?;
-    let most = most_comm_blocks(layer, target)?;
-    (blocks > most && most >= 1).then(|| {
-        let ranks = layer.parallel.expert;
-        let placement = Placement::of(&layer.topology);
-        HintProblem {
-            key: HintKey::CommBlocks,
-            hint: format!("comm_blocks = {blocks}"),
-            reason: RankSms::of(layer, target, ranks, placement).shortfall(ranks, placement),
-        }
+    let ranks = planned_ranks(layer)?;
+    let placement = Placement::of(&layer.topology);
+    let sms = RankSms::of(layer, target, ranks, placement);
+    let most = sms.most_comm_blocks();
+    (blocks > most && most >= 1).then(|| HintProblem {
+        key: HintKey::CommBlocks,
+        hint: format!("comm_blocks = {blocks}"),
+        reason: sms.shortfall(ranks, placement),
     })
 }
 
