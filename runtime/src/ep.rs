@@ -743,20 +743,27 @@ impl EpLayer {
                 self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Comm)?;
             }
         }
-        // The network's metadata step (it waits on the device for the flags the kernels
-        // release for it), the compute kernels, then the chunk steps, which the host sizes
-        // by the rows per chunk read back after the metadata (its one wait per call, while
-        // the kernels run). A withheld rank sends nothing, as a dead one would; on emulated
-        // nodes a loopback waiting for it would wait for ever, so the call's network
-        // traffic is left out on every rank (every wait for it times out, as if the network
-        // had failed).
+        // Then the network's metadata step (it waits on the device for the flags the kernels
+        // release for it) and, once the host has the rows per chunk read back after it (its
+        // one wait per call), the dispatch chunk steps sized by them; only then the compute
+        // kernels, and the return steps last. Streams share the device's hardware queues
+        // (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set): a command queued behind one that waits
+        // waits with it, so nothing is enqueued behind a command that waits for something
+        // enqueued later. With the chunk steps after the compute kernels, a GEMM2 queued ahead
+        // of them waited for its GEMM1, which waited for their rows (8 virtual ranks emulating
+        // 2 nodes of 4 hung so on an H200, 2026-12-05). A withheld rank sends nothing, as a
+        // dead one would; on emulated nodes a loopback waiting for it would wait for ever, so
+        // the call's network traffic is left out on every rank (every wait for it times out,
+        // as if the network had failed).
         let network = self.network().filter(|_| withheld != Some(0));
         let loopback = self.loopback.as_ref().filter(|_| withheld.is_none());
         if let Some(network) = network {
             network.enqueue_metadata(self.epoch, self.tokens_bound)?;
+            network.enqueue_dispatch(self.epoch)?;
         }
         if let Some(loopback) = loopback {
             loopback.enqueue_metadata(self.epoch, self.tokens_bound)?;
+            loopback.enqueue_dispatch(self.epoch)?;
         }
         let compute = calls.iter().enumerate().try_for_each(|(r, call)| {
             self.enqueue(r, call, regimes[r], |l| l.stream == StreamRole::Compute)
@@ -764,16 +771,15 @@ impl EpLayer {
         if let Some(network) = network
             && compute.is_err()
         {
-            // Its metadata group went without the call's chunk groups: out of step with its
-            // peers from now on.
+            // Its dispatch groups went without the call's return groups: out of step with
+            // its peers from now on.
             network.abandon();
         }
         compute?;
         if let Some(network) = network {
-            network.enqueue_chunks(self.epoch)?;
+            network.enqueue_results(self.epoch)?;
         }
         if let Some(loopback) = loopback {
-            loopback.enqueue_dispatch(self.epoch)?;
             loopback.enqueue_results(self.epoch)?;
         }
         for rank in &self.ranks {

@@ -12,7 +12,8 @@
 //!   depends only on what earlier steps delivered and on the last call, which a call's
 //!   joins order before it. As on real nodes, the chunk steps are sized by the rows per
 //!   chunk: after the metadata step the stream copies every rank's counts to the host,
-//!   which waits for them (bounded) before it pairs and enqueues the chunk steps.
+//!   which waits for them (bounded) before it pairs and enqueues the chunk steps: the
+//!   dispatch steps before the ranks' compute kernels, the return steps after them.
 //! - **Bounded waits.** As for NCCL, the host waits at most the plan's bound per call
 //!   enqueued. A stall is a flag no kernel released (a kernel fault): the error
 //!   names the step and the ranks whose flags are missing; the loopback then releases

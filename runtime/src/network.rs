@@ -15,9 +15,10 @@
 //!   into each flag the kernels wait on. The metadata step is sized by the call's tokens
 //!   bound (resolved again only when the bound changes); after it the stream copies the
 //!   rows per chunk ([`ChunkRows`]: this rank's for each other node, its rail peers' for
-//!   this node) into pinned host memory, and the host, while the kernels run, waits for
-//!   that copy (bounded, `RowsReadback`) and enqueues the chunk steps sized by them. No
-//!   other step waits on the host.
+//!   this node) into pinned host memory, and the host, while the communication kernels
+//!   run, waits for that copy (bounded, `RowsReadback`) and enqueues the dispatch steps
+//!   sized by them; the compute kernels follow, then the return steps (the order
+//!   `EpLayer::forward` keeps, and why: docs/runtime.md). No other step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
 //!   cannot tell over every transport. `NetworkPath::wait` polls the network stream (and a
 //!   call's read-back of its rows per chunk polls their copy) until the plan's
@@ -764,7 +765,7 @@ impl NetworkPath {
     /// Enqueues the metadata step of the call of `epoch`, in which no rank passes more than
     /// `tokens_bound` tokens (the same bound on every rank: see
     /// [`NetworkPlan::metadata_step`]), after the flags the kernels release for it, then the
-    /// copy of the rows per chunk to the host. [`NetworkPath::enqueue_chunks`] follows.
+    /// copy of the rows per chunk to the host. [`NetworkPath::enqueue_dispatch`] follows.
     pub(crate) fn enqueue_metadata(
         &self,
         epoch: u32,
@@ -793,10 +794,12 @@ impl NetworkPath {
     }
 
     /// Waits (at most the plan's bound) for the rows per chunk of the call whose metadata
-    /// step was enqueued last, then enqueues its chunk steps, each moving exactly those
-    /// rows, each after the flags the kernels release for it. A wait past the bound is
-    /// [`NetworkError::Stalled`] (the metadata never arrived: a peer stopped).
-    pub(crate) fn enqueue_chunks(&self, epoch: u32) -> Result<(), NetworkError> {
+    /// step was enqueued last, then enqueues its dispatch steps, each moving exactly those
+    /// rows, each after the flags the kernels release for it; the return steps follow with
+    /// [`NetworkPath::enqueue_results`], after the compute kernels (whose combine releases
+    /// them). A wait past the bound is [`NetworkError::Stalled`] (the metadata never
+    /// arrived: a peer stopped).
+    pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
         // Whatever stops this call's chunk steps short leaves its NCCL groups out of step
         // with its peers': the path is abandoned then.
@@ -810,19 +813,35 @@ impl NetworkPath {
                 &rows,
             );
             let steps = self.buffers.resolve(steps, self.network.chunks)?;
-            self.stream
-                .context()
-                .bind_to_thread()
-                .context("binding the network stream's context")?;
-            let enqueued = steps
-                .iter()
-                .try_for_each(|step| self.enqueue_step(step, epoch));
-            let mut call = self.enqueued.borrow_mut();
-            call.retain(|step| step.kind == StepKind::Metadata);
-            call.extend(steps);
-            enqueued
+            {
+                let mut call = self.enqueued.borrow_mut();
+                call.retain(|step| step.kind == StepKind::Metadata);
+                call.extend(steps);
+            }
+            self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
         });
         self.abandon_on_error(enqueued)
+    }
+
+    /// Enqueues the return steps of the call whose dispatch steps were enqueued last (each
+    /// waits for this rank's combine to release its partials).
+    pub(crate) fn enqueue_results(&self, epoch: u32) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        let enqueued = self.enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }));
+        self.abandon_on_error(enqueued)
+    }
+
+    /// Enqueues the current call's steps whose kind is `chosen`, in the plan's order.
+    fn enqueue(&self, epoch: u32, chosen: impl Fn(&StepKind) -> bool) -> Result<(), NetworkError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .context("binding the network stream's context")?;
+        self.enqueued
+            .borrow()
+            .iter()
+            .filter(|step| chosen(&step.kind))
+            .try_for_each(|step| self.enqueue_step(step, epoch))
     }
 
     /// The rows per chunk of the call whose metadata step was enqueued last, once the

@@ -781,6 +781,62 @@ fn emulated_nodes_time_out_and_the_next_call_works() {
     }
 }
 
+/// Set in the child process `every_stream_in_one_hardware_queue` starts.
+const ONE_QUEUE_CHILD: &str = "MOEFORGE_TEST_ONE_HARDWARE_QUEUE";
+
+/// Streams share the device's hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 unless
+/// set; Megatron-LM's users set 1), and a command queued behind one that waits waits with
+/// it. With every stream in one queue, virtual ranks of one node and 8 virtual ranks
+/// emulating 2 nodes of 4 still finish and match the reference: the runtime enqueues nothing
+/// behind a command that waits for one enqueued later (with the loopback's dispatch steps
+/// enqueued after the compute kernels, the emulated nodes hung even with 8 queues). CUDA
+/// reads the variable when it starts, so the test runs itself again in a child process
+/// with it set.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_stream_in_one_hardware_queue() {
+    if std::env::var_os(ONE_QUEUE_CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+            .args(["--exact", "every_stream_in_one_hardware_queue"])
+            .args(["--include-ignored", "--nocapture", "--test-threads=1"])
+            .env(ONE_QUEUE_CHILD, "1")
+            .env("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+            .output()
+            .expect("running this test in a child process");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        say(stderr.trim_end().to_string());
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "the child process with CUDA_DEVICE_MAX_CONNECTIONS=1: {}\n{stdout}{stderr}",
+            out.status
+        );
+        return;
+    }
+    let seed = fresh_seed();
+    say(format!(
+        "every stream in one hardware queue, seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let session = Session::open().expect("GPU session");
+    let tiny = layers::tiny(Activation::Swiglu);
+    for layer in [over_ranks(&tiny, 4, true), over_emulated_nodes(&tiny, 8, 2)] {
+        let (built, mut ep) = on_this_gpu(&session, &layer, seed);
+        let shape = built.layer.plan().shape.clone();
+        let workloads: Vec<Workload> = (0..ep.ranks() as u32)
+            .map(|r| Workload::random(&shape, 77 + 13 * r, Routing::Uniform, seed + u64::from(r)))
+            .collect();
+        for call in 0..2 {
+            let reports = session
+                .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+                .unwrap_or_else(|e| panic!("{} call {call}: {e}", layer.name));
+            for (r, report) in reports.iter().enumerate() {
+                say(format!("{} call {call} rank {r}: {report}", layer.name));
+                assert!(report.passed(), "{} rank {r}: {report}", layer.name);
+            }
+        }
+    }
+}
+
 /// More tokens than the plan's capacity is refused before anything runs, never truncated.
 #[test]
 #[ignore = "needs a CUDA GPU"]
