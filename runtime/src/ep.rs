@@ -882,13 +882,15 @@ impl EpLayer {
         }
         barrier(&compute, &compute)?;
         mark(marks, 6, &compute[0])?;
-        // Emulated nodes: the partials' copies are part of the combine stage, between its
-        // two passes (the copies wait for the first, the second for them): no barrier.
-        if let Some((loopback, _)) = loopback {
-            loopback.enqueue_results(self.epoch)?;
-        }
         for (r, a) in calls.iter().enumerate() {
             self.enqueue(r, a, regimes[r], |l| l.kernel == combine)?;
+        }
+        // Emulated nodes: the partials' copies are part of the combine stage, between its
+        // two passes (the copies wait for the first, the second for them): no barrier.
+        // Enqueued after the combine kernels, which a waiting copy step must not hold back
+        // in a hardware queue they share (see `forward_calls`).
+        if let Some((loopback, _)) = loopback {
+            loopback.enqueue_results(self.epoch)?;
         }
         if marks.is_some() {
             barrier(&compute, &compute[..1])?;
