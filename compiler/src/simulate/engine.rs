@@ -1196,6 +1196,14 @@ impl<'a> Machine<'a> {
                 let start = match fused {
                     Some(_) => self.laid_out(d),
                     None if bulk => barrier1 + launch + model::ARRANGE_S + launch,
+                    // As built across nodes the host enqueues the compute kernels only
+                    // after the chunk steps (the runtime's order: nothing waits behind a
+                    // command that waits for a later one in a shared hardware queue).
+                    None if schedule == Schedule::AsBuilt => {
+                        self.arranged(d)
+                            .max(self.chunk_steps_enqueued() + launch + model::ARRANGE_S)
+                            + launch
+                    }
                     None => self.arranged(d) + launch,
                 };
                 let ready = |s: u32, pos: u32| {
