@@ -747,11 +747,13 @@ impl EpLayer {
         // release for it) and, once the host has the rows per chunk read back after it (its
         // one wait per call), the dispatch chunk steps sized by them; only then the compute
         // kernels, and the return steps last. Streams share the device's hardware queues
-        // (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set): a command queued behind one that waits
-        // waits with it, so nothing is enqueued behind a command that waits for something
-        // enqueued later. With the chunk steps after the compute kernels, a GEMM2 queued ahead
-        // of them waited for its GEMM1, which waited for their rows (8 virtual ranks emulating
-        // 2 nodes of 4 hung so on an H200, 2026-12-05). A withheld rank sends nothing, as a
+        // (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set), and a command that waits before it
+        // starts (a launch behind its stream's unfinished kernel, an event or value wait)
+        // holds back what is queued behind it: no such command may wait for one enqueued
+        // after it (a kernel already launched may spin on a later release). With the chunk
+        // steps after the compute kernels, a GEMM2 queued ahead of them waited for its GEMM1,
+        // which waited for their rows (8 virtual ranks emulating 2 nodes of 4 hung so on an
+        // H200, 2026-12-05). A withheld rank sends nothing, as a
         // dead one would; on emulated nodes a loopback waiting for it would wait for ever, so
         // the call's network traffic is left out on every rank (every wait for it times out,
         // as if the network had failed).
@@ -793,7 +795,10 @@ impl EpLayer {
     /// Enqueues one call of the bulk-synchronous variant, the baseline the overlapped
     /// schedule is measured against: the same kernels, with every rank waiting for every
     /// rank between the stages (metadata and dispatch; arrange and both GEMMs; combine), so
-    /// no stage overlaps another and every flag wait finds its flag already set. With pair
+    /// no stage overlaps another and the flag waits of arrange and the GEMMs find their
+    /// flags already set (on emulated nodes a relay's dispatch waits for the loopback's
+    /// steps within the dispatch stage, and the combine's second pass for the partials'
+    /// copies within the combine stage). With pair
     /// rows GEMM2's stores into the origins' combine slots stay in the GEMM stage; with rank
     /// partials GEMM2 stores locally and the partials cross in the combine stage. With
     /// `marks`, records the stage boundaries on rank 0 (see [`StageMarks`]).

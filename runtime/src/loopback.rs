@@ -16,8 +16,9 @@
 //!   dispatch steps before the ranks' compute kernels, the return steps after them.
 //! - **Bounded waits.** As for NCCL, the host waits at most the plan's bound per call
 //!   enqueued. A stall is a flag no kernel released (a kernel fault): the error
-//!   names the step and the ranks whose flags are missing; the loopback then releases
-//!   those flags itself from a side stream so that its stream drains (the call's results
+//!   names the step and the ranks whose flags are missing (read on a side stream, polled:
+//!   a bounded wait, as that read may queue behind the stall); the loopback then releases
+//!   those flags itself from the side stream so that its stream drains (the call's results
 //!   are wrong; the kernels' own time-outs follow in `take_error`, which restarts the
 //!   exchange) and the layer can be called again.
 
@@ -33,9 +34,12 @@ use moeforge_compiler::plan::{BufferId, LayerShape};
 
 use crate::gpu::DriverContext;
 use crate::network::{
-    NetworkError, ResolvedStep, RowsReadback, StepBuffers, drain, idle_by, release_flags,
-    step_events, stream_op, stream_wait_value, stream_write_value,
+    HostReadback, NetworkError, ROWS_PER_CHUNK, ResolvedStep, StepBuffers, drain, idle_by,
+    release_flags, step_events, stream_op, stream_wait_value, stream_write_value,
 };
+
+/// How long a stall's report waits for the read of the stalled step's flags.
+const FLAG_READ_LIMIT: Duration = Duration::from_millis(200);
 
 /// One device copy: `rows` sends of rank `from` into the receives of rank `to` they pair
 /// with, each `bytes` long, the next `source_pitch` and `destination_pitch` bytes on (a
@@ -267,13 +271,13 @@ pub(crate) struct LoopbackPath {
     /// Where 2D copies may run: every rank's buffers.
     ranges: BufferRanges,
     metadata: RefCell<LoopbackMetadata>,
-    /// The steps last enqueued, in stream order: the last call's chunk steps and this
-    /// call's metadata until this call's chunk steps replace them (a stall releases their
-    /// flags).
+    /// The current call's steps, in stream order: the last call's chunk steps and this
+    /// call's metadata until this call's chunk steps replace them, its return steps listed
+    /// before they are enqueued (a stall releases their flags).
     enqueued: RefCell<Vec<LoopbackStep>>,
     /// Every rank's rows per chunk (its `NetSendRows`, then its `RecvRows`), copied back
     /// after each metadata step.
-    rows: RowsReadback,
+    rows: HostReadback,
     done: Vec<CudaEvent>,
     limit: Duration,
     calls_outstanding: Cell<u32>,
@@ -317,7 +321,7 @@ impl LoopbackPath {
         for rank_buffers in &buffers {
             sources.extend(rank_buffers.rows_sources(network)?);
         }
-        let rows = RowsReadback::new(&stream, sources)?;
+        let rows = HostReadback::new(&stream, ROWS_PER_CHUNK, sources)?;
         let done = step_events(&stream, network)?;
         Ok(LoopbackPath {
             stream,
@@ -394,8 +398,8 @@ impl LoopbackPath {
 
     /// Waits (at most the plan's bound) for the rows per chunk of the call whose metadata
     /// was enqueued last, pairs every rank's chunk steps sized by them and enqueues the
-    /// dispatch ones; the return steps follow with [`LoopbackPath::enqueue_results`] (at
-    /// once, or after a barrier of the bulk-synchronous variant). A wait past the bound is
+    /// dispatch ones; the return steps follow with [`LoopbackPath::enqueue_results`] (after
+    /// the ranks' compute kernels, or the bulk-synchronous variant's combine kernels). A wait past the bound is
     /// the stall [`LoopbackPath::wait`] reports.
     pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
@@ -566,43 +570,41 @@ impl LoopbackPath {
             };
         };
         let epoch = self.last_epoch.get();
-        let mut ranks: Vec<String> = step
-            .wait_for
-            .iter()
-            .filter(|&&(_, flag)| {
-                self.read_flag(flag)
-                    .is_none_or(|value| (value.wrapping_sub(epoch) as i32) < 0)
-            })
-            .map(|&(rank, _)| rank.to_string())
-            .collect();
-        ranks.dedup();
+        let ranks = match self.read_flags(&step.wait_for) {
+            Some(values) => {
+                let mut ranks: Vec<String> = step
+                    .wait_for
+                    .iter()
+                    .zip(values)
+                    .filter(|&(_, value)| (value.wrapping_sub(epoch) as i32) < 0)
+                    .map(|(&(rank, _), _)| rank.to_string())
+                    .collect();
+                ranks.dedup();
+                if ranks.is_empty() {
+                    "none known (each was released by the time they were read)".to_string()
+                } else {
+                    ranks.join(", ")
+                }
+            }
+            None => "unknown (their flags could not be read in time)".to_string(),
+        };
         NetworkError::LoopbackStalled {
             step: step.kind.to_string(),
-            ranks: if ranks.is_empty() {
-                "none known (each was released by the time they were read)".to_string()
-            } else {
-                ranks.join(", ")
-            },
+            ranks,
             seconds: bound.as_secs_f64(),
         }
     }
 
-    /// The u32 at device address `flag`, read on the side stream (`None` if the read
-    /// fails).
-    fn read_flag(&self, flag: u64) -> Option<u32> {
-        let mut value = 0u32;
-        // SAFETY: `flag` is a checked address of a rank's workspace; `value` outlives the
-        // synchronised copy.
-        let copied = unsafe {
-            driver::cuMemcpyDtoHAsync_v2(
-                (&mut value as *mut u32).cast(),
-                flag,
-                4,
-                self.side.cu_stream(),
-            )
-        };
-        (copied == driver::CUresult::CUDA_SUCCESS && self.side.synchronize().is_ok())
-            .then_some(value)
+    /// The u32 at each flag of `flags` (rank, device address), copied on the side stream
+    /// into pinned memory and polled for at most [`FLAG_READ_LIMIT`]: the copy may wait
+    /// behind the stalled step in a hardware queue the streams share, where a synchronous
+    /// read would wait for ever. `None` if it failed or did not land in time.
+    fn read_flags(&self, flags: &[(u32, u64)]) -> Option<Vec<u32>> {
+        let sources = flags.iter().map(|&(_, flag)| (flag, 1)).collect();
+        let readback = HostReadback::new(&self.side, "a stalled step's flags", sources).ok()?;
+        readback.enqueue(&self.side).ok()?;
+        let words = readback.read_by(Instant::now() + FLAG_READ_LIMIT).ok()??;
+        Some(words.into_iter().flatten().collect())
     }
 
     /// Whether a stall left the stream blocked even after its flags were released.

@@ -16,7 +16,7 @@
 //!   bound (resolved again only when the bound changes); after it the stream copies the
 //!   rows per chunk ([`ChunkRows`]: this rank's for each other node, its rail peers' for
 //!   this node) into pinned host memory, and the host, while the communication kernels
-//!   run, waits for that copy (bounded, `RowsReadback`) and enqueues the dispatch steps
+//!   run, waits for that copy (bounded, `HostReadback`) and enqueues the dispatch steps
 //!   sized by them; the compute kernels follow, then the return steps (the order
 //!   `EpLayer::forward` keeps, and why: docs/runtime.md). No other step waits on the host.
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
@@ -372,11 +372,14 @@ struct MetadataStep {
     step: ResolvedStep,
 }
 
-/// Pinned host memory that a stream copies device counts into (a rank's `NetSendRows` and
-/// `RecvRows`, once its metadata step is done), and the event after the copies: the host's
-/// one wait per call across nodes, polled so that it is bounded.
-pub(crate) struct RowsReadback {
+/// Pinned host memory that a stream copies device words into, and the event after the
+/// copies, polled so that the host's wait is bounded: a rank's rows per chunk
+/// (`NetSendRows` and `RecvRows`, once its metadata step is done: the host's one wait per
+/// call across nodes), or a stalled step's flags.
+pub(crate) struct HostReadback {
     ctx: Arc<CudaContext>,
+    /// What is read, for errors.
+    what: &'static str,
     host: *mut u32,
     /// (device address, u32 elements) of each range copied, in order.
     sources: Vec<(u64, usize)>,
@@ -385,18 +388,23 @@ pub(crate) struct RowsReadback {
 
 // SAFETY: the pinned memory belongs to this value alone; it is read only after the copies
 // into it are done, and freed once.
-unsafe impl Send for RowsReadback {}
+unsafe impl Send for HostReadback {}
 
-/// How long the host spins (yielding) on the counts' copy before it sleeps between polls.
+/// What the read-back after the metadata step holds, for errors.
+pub(crate) const ROWS_PER_CHUNK: &str = "the chunks' row counts";
+
+/// How long the host spins (yielding) on a read-back's copy before it sleeps between polls.
 /// The copy may wait behind the previous call's steps on the stream (a call is tens of
-/// milliseconds at most at the shipped sizes), and the chunk steps wait for the host: a
-/// copy within this is read within microseconds of landing.
+/// milliseconds at most at the shipped sizes), and the chunk steps and compute kernels wait
+/// for the host: a copy within this is read within microseconds of landing.
 const READBACK_SPIN: Duration = Duration::from_millis(50);
 
-impl RowsReadback {
-    /// Host memory for `sources` (device address, u32 elements), on `stream`'s context.
+impl HostReadback {
+    /// Host memory for `sources` (device address, u32 elements) of `what`, on `stream`'s
+    /// context.
     pub(crate) fn new(
         stream: &CudaStream,
+        what: &'static str,
         sources: Vec<(u64, usize)>,
     ) -> Result<Self, NetworkError> {
         let elems: usize = sources.iter().map(|&(_, elems)| elems).sum();
@@ -405,13 +413,14 @@ impl RowsReadback {
             .context("binding the network stream's context")?;
         // SAFETY: a fresh page-locked allocation of at least one u32, freed in `Drop`.
         let host = unsafe { cudarc::driver::result::malloc_host(elems.max(1) * 4, 0) }
-            .context("allocating pinned host memory for the chunks' row counts")?
+            .context(format!("allocating pinned host memory for {what}"))?
             as *mut u32;
         let copied = ctx
             .new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .context("creating the row counts' event")?;
-        Ok(RowsReadback {
+            .context(format!("creating the event after reading {what}"))?;
+        Ok(HostReadback {
             ctx: Arc::clone(ctx),
+            what,
             host,
             sources,
             copied,
@@ -433,17 +442,17 @@ impl RowsReadback {
                 )
             };
             stream_op(result, "cuMemcpyDtoHAsync", || {
-                "reading back the chunks' row counts".to_string()
+                format!("reading back {}", self.what)
             })?;
             at += elems;
         }
         self.copied
             .record(stream)
-            .context("recording the row counts' copy")?;
+            .context(format!("recording the copy of {}", self.what))?;
         Ok(())
     }
 
-    /// Each source's counts from the copies enqueued last, once they are done by
+    /// Each source's words from the copies enqueued last, once they are done by
     /// `deadline` (polled); `None` past it.
     pub(crate) fn read_by(&self, deadline: Instant) -> Result<Option<Vec<Vec<u32>>>, NetworkError> {
         let spin_until = Instant::now() + READBACK_SPIN;
@@ -451,7 +460,7 @@ impl RowsReadback {
             if self
                 .copied
                 .try_is_complete()
-                .context("polling the row counts' copy")?
+                .context(format!("polling the copy of {}", self.what))?
             {
                 let mut at = 0;
                 let counts = self
@@ -481,7 +490,7 @@ impl RowsReadback {
     }
 }
 
-impl Drop for RowsReadback {
+impl Drop for HostReadback {
     fn drop(&mut self) {
         // A copy still pending (its stream stuck behind a lost peer) would land in freed
         // memory: the allocation is leaked then.
@@ -615,12 +624,12 @@ pub struct NetworkPath {
     buffers: StepBuffers,
     /// The metadata step of the last tokens bound enqueued.
     metadata: RefCell<MetadataStep>,
-    /// The steps last enqueued, in stream order: the last call's chunk steps and this
-    /// call's metadata until this call's chunk steps replace them (where a stall is looked
-    /// for).
+    /// The current call's steps, in stream order: the last call's chunk steps and this
+    /// call's metadata until this call's chunk steps replace them, its return steps listed
+    /// before they are enqueued (where a stall is looked for).
     enqueued: RefCell<Vec<ResolvedStep>>,
     /// This rank's rows per chunk, copied back after each metadata step.
-    rows: RowsReadback,
+    rows: HostReadback,
     /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
     /// return chunk), recorded after the step: where a stalled call stopped.
     done: Vec<CudaEvent>,
@@ -654,7 +663,11 @@ impl NetworkPath {
             tokens_bound: bound,
             step: resolved.remove(0),
         };
-        let rows = RowsReadback::new(&stream, buffers.rows_sources(network)?.to_vec())?;
+        let rows = HostReadback::new(
+            &stream,
+            ROWS_PER_CHUNK,
+            buffers.rows_sources(network)?.to_vec(),
+        )?;
         let done = step_events(&stream, network)?;
         Ok(NetworkPath {
             comm,

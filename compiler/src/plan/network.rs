@@ -50,7 +50,7 @@
 //! the receive index holds more. The chunk steps' sizes come from the routing: once the
 //! metadata step is done, the host reads back [`ChunkRows`] (this rank's rows per chunk
 //! for each other node, and its rail peers' for this node: one wait per call, while the
-//! kernels already run) and [`NetworkPlan::chunk_steps`] moves exactly those rows, so a
+//! communication kernels run; the compute kernels are enqueued after the rows' transfers) and [`NetworkPlan::chunk_steps`] moves exactly those rows, so a
 //! node that few tokens visit costs few bytes. A call moves at most
 //! [`NetworkPlan::bytes_per_call`] of its bound.
 //!
