@@ -732,6 +732,36 @@ impl Session {
         max_checked_tokens: usize,
         seed: u64,
     ) -> Result<Vec<CheckReport>, HarnessError> {
+        self.run_checked_ep_call(built, layer, workloads, max_checked_tokens, seed, |l, a| {
+            l.forward(a)
+        })
+    }
+
+    /// [`Session::run_checked_expert_parallel`] for one call of the bulk-synchronous
+    /// variant (the bench's baseline (a)): the same kernels with barriers between stages.
+    pub fn run_checked_bulk_synchronous(
+        &self,
+        built: &BuiltLayer,
+        layer: &mut EpLayer,
+        workloads: &[Workload],
+        max_checked_tokens: usize,
+        seed: u64,
+    ) -> Result<Vec<CheckReport>, HarnessError> {
+        self.run_checked_ep_call(built, layer, workloads, max_checked_tokens, seed, |l, a| {
+            l.forward_bulk_synchronous(a, None)
+        })
+    }
+
+    /// One call made by `call`, each rank's output checked against the CPU reference.
+    fn run_checked_ep_call(
+        &self,
+        built: &BuiltLayer,
+        layer: &mut EpLayer,
+        workloads: &[Workload],
+        max_checked_tokens: usize,
+        seed: u64,
+        call: impl FnOnce(&mut EpLayer, &mut [ForwardArgs<'_>]) -> Result<(), LayerError>,
+    ) -> Result<Vec<CheckReport>, HarnessError> {
         let shape = layer.plan().shape.clone();
         let mut inputs = workloads
             .iter()
@@ -740,7 +770,7 @@ impl Session {
             .collect::<Result<Vec<_>, _>>()?;
         layer.synchronize()?;
         let mut args: Vec<ForwardArgs<'_>> = inputs.iter_mut().map(DeviceWorkload::args).collect();
-        layer.forward(&mut args)?;
+        call(layer, &mut args)?;
         layer.take_error()?;
         inputs
             .iter()

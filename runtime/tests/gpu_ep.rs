@@ -834,6 +834,68 @@ fn every_stream_in_one_hardware_queue() {
                 assert!(report.passed(), "{} rank {r}: {report}", layer.name);
             }
         }
+        let reports = session
+            .run_checked_bulk_synchronous(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
+            .unwrap_or_else(|e| panic!("{} bulk-synchronous: {e}", layer.name));
+        for (r, report) in reports.iter().enumerate() {
+            say(format!(
+                "{} bulk-synchronous rank {r}: {report}",
+                layer.name
+            ));
+            assert!(
+                report.passed(),
+                "{} bulk-synchronous rank {r}: {report}",
+                layer.name
+            );
+        }
+    }
+}
+
+/// The bulk-synchronous variant (the bench's baseline (a): the same kernels, barriers
+/// between stages) computes the layer: results as pair rows and as rank partials on one
+/// node, and on emulated nodes (its loopback steps inside the dispatch and combine stages),
+/// two calls each against the reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bulk_synchronous_variant_matches_reference() {
+    let seed = fresh_seed();
+    say(format!(
+        "the bulk-synchronous variant, seed {seed} (replay with MOEFORGE_SEED={seed})"
+    ));
+    let session = Session::open().expect("GPU session");
+    let tiny = layers::tiny(Activation::Swiglu);
+    let cases = [
+        over_ranks(&tiny, 2, true),
+        over_ranks(&tiny_shared_top4(), 2, true),
+        over_emulated_nodes(&tiny, 4, 2),
+    ];
+    let mut built: Vec<(BuiltLayer, EpLayer)> = cases
+        .iter()
+        .map(|layer| on_this_gpu(&session, layer, seed))
+        .collect();
+    assert_both_combine_routes(
+        &built
+            .iter()
+            .map(|(b, _)| b.layer.plan())
+            .collect::<Vec<_>>(),
+    );
+    for (layer, (built, ep)) in cases.iter().zip(&mut built) {
+        let shape = built.layer.plan().shape.clone();
+        let workloads: Vec<Workload> = (0..ep.ranks() as u32)
+            .map(|r| Workload::random(&shape, 90 - r, Routing::Skewed, seed ^ u64::from(r)))
+            .collect();
+        for call in 0..2 {
+            let reports = session
+                .run_checked_bulk_synchronous(built, ep, &workloads, CHECKED_TOKENS, seed)
+                .unwrap_or_else(|e| panic!("{} call {call}: {e}", layer.name));
+            for (r, report) in reports.iter().enumerate() {
+                say(format!(
+                    "{} bulk-synchronous call {call} rank {r}: {report}",
+                    layer.name
+                ));
+                assert!(report.passed(), "{} rank {r}: {report}", layer.name);
+            }
+        }
     }
 }
 
