@@ -11,7 +11,7 @@ use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::{self, Plan};
 use moeforge_runtime::ep::EpLayer;
 use moeforge_runtime::gpu::Gpu;
-use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
+use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, CheckReport, Session};
 use moeforge_runtime::workload::{self, Routing, Workload};
 
 mod layers;
@@ -19,6 +19,14 @@ mod layers;
 /// One line per case, straight to stderr so the GPU log shows it without --nocapture.
 fn say(line: String) {
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// Says each rank's report of `case` and asserts that every rank passed.
+fn assert_every_rank_passed(case: &str, reports: &[CheckReport]) {
+    for (r, report) in reports.iter().enumerate() {
+        say(format!("{case}, rank {r}: {report}"));
+        assert!(report.passed(), "{case}, rank {r}: {report}");
+    }
 }
 
 fn fresh_seed() -> u64 {
@@ -479,10 +487,7 @@ fn a_silent_rank_is_a_time_out_and_the_next_call_works() {
     let reports = session
         .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
         .expect("the call after the time-out");
-    for (r, report) in reports.iter().enumerate() {
-        say(format!("after the time-out, rank {r}: {report}"));
-        assert!(report.passed(), "rank {r}: {report}");
-    }
+    assert_every_rank_passed("after the time-out", &reports);
 }
 
 /// `layer` over `ranks` virtual ranks emulating `nodes` nodes of `ranks / nodes` GPUs: the
@@ -572,14 +577,7 @@ fn emulated_nodes_match_reference() {
             let reports = session
                 .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
                 .unwrap_or_else(|e| panic!("{} bound {bound}: {e}", layer.name));
-            for (r, report) in reports.iter().enumerate() {
-                say(format!("{} bound {bound} rank {r}: {report}", layer.name));
-                assert!(
-                    report.passed(),
-                    "{} bound {bound} rank {r}: {report}",
-                    layer.name
-                );
-            }
+            assert_every_rank_passed(&format!("{} bound {bound}", layer.name), &reports);
         }
         let workloads: Vec<Workload> = (0..ranks as u32)
             .map(|r| Workload::random(&shape, 90 - r, Routing::Uniform, seed + u64::from(r)))
@@ -592,13 +590,10 @@ fn emulated_nodes_match_reference() {
         let reports = session
             .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
             .unwrap_or_else(|e| panic!("{}: {e}", layer.name));
-        for (r, report) in reports.iter().enumerate() {
-            say(format!(
-                "{} after {EMULATED_CALLS} calls, rank {r}: {report}",
-                layer.name
-            ));
-            assert!(report.passed(), "{} rank {r}: {report}", layer.name);
-        }
+        assert_every_rank_passed(
+            &format!("{} after {EMULATED_CALLS} calls", layer.name),
+            &reports,
+        );
     }
 }
 
@@ -773,25 +768,20 @@ fn emulated_nodes_time_out_and_the_next_call_works() {
     let reports = session
         .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
         .expect("the call after the time-out");
-    for (r, report) in reports.iter().enumerate() {
-        say(format!(
-            "emulated nodes after the time-out, rank {r}: {report}"
-        ));
-        assert!(report.passed(), "rank {r}: {report}");
-    }
+    assert_every_rank_passed("emulated nodes after the time-out", &reports);
 }
 
 /// Set in the child process `every_stream_in_one_hardware_queue` starts.
 const ONE_QUEUE_CHILD: &str = "MOEFORGE_TEST_ONE_HARDWARE_QUEUE";
 
 /// Streams share the device's hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 unless
-/// set; Megatron-LM's users set 1), and a command queued behind one that waits waits with
-/// it. With every stream in one queue, virtual ranks of one node and 8 virtual ranks
-/// emulating 2 nodes of 4 still finish and match the reference: the runtime enqueues nothing
-/// behind a command that waits for one enqueued later (with the loopback's dispatch steps
-/// enqueued after the compute kernels, the emulated nodes hung even with 8 queues). CUDA
-/// reads the variable when it starts, so the test runs itself again in a child process
-/// with it set.
+/// set; Megatron-LM's users set 1), where a command that waits before it starts holds back
+/// those queued behind it. With every stream in one queue, virtual ranks of one node and 8
+/// virtual ranks emulating 2 nodes of 4 still finish and match the reference, the
+/// bulk-synchronous variant too: no such command waits for one enqueued after it (with the
+/// loopback's dispatch steps enqueued after the compute kernels, the emulated nodes hung
+/// even with 8 queues). CUDA reads the variable when it starts, so the test runs itself
+/// again in a child process with it set.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_stream_in_one_hardware_queue() {
@@ -829,25 +819,12 @@ fn every_stream_in_one_hardware_queue() {
             let reports = session
                 .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
                 .unwrap_or_else(|e| panic!("{} call {call}: {e}", layer.name));
-            for (r, report) in reports.iter().enumerate() {
-                say(format!("{} call {call} rank {r}: {report}", layer.name));
-                assert!(report.passed(), "{} rank {r}: {report}", layer.name);
-            }
+            assert_every_rank_passed(&format!("{} call {call}", layer.name), &reports);
         }
         let reports = session
             .run_checked_bulk_synchronous(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
             .unwrap_or_else(|e| panic!("{} bulk-synchronous: {e}", layer.name));
-        for (r, report) in reports.iter().enumerate() {
-            say(format!(
-                "{} bulk-synchronous rank {r}: {report}",
-                layer.name
-            ));
-            assert!(
-                report.passed(),
-                "{} bulk-synchronous rank {r}: {report}",
-                layer.name
-            );
-        }
+        assert_every_rank_passed(&format!("{} bulk-synchronous", layer.name), &reports);
     }
 }
 
@@ -888,13 +865,10 @@ fn bulk_synchronous_variant_matches_reference() {
             let reports = session
                 .run_checked_bulk_synchronous(built, ep, &workloads, CHECKED_TOKENS, seed)
                 .unwrap_or_else(|e| panic!("{} call {call}: {e}", layer.name));
-            for (r, report) in reports.iter().enumerate() {
-                say(format!(
-                    "{} bulk-synchronous call {call} rank {r}: {report}",
-                    layer.name
-                ));
-                assert!(report.passed(), "{} rank {r}: {report}", layer.name);
-            }
+            assert_every_rank_passed(
+                &format!("{} bulk-synchronous call {call}", layer.name),
+                &reports,
+            );
         }
     }
 }
@@ -959,10 +933,7 @@ fn a_call_beyond_the_agreed_tokens_bound_is_refused() {
     let reports = session
         .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
         .expect("the call within max_tokens");
-    for (r, report) in reports.iter().enumerate() {
-        say(format!("back at max_tokens, rank {r}: {report}"));
-        assert!(report.passed(), "rank {r}: {report}");
-    }
+    assert_every_rank_passed("back at max_tokens", &reports);
 }
 
 /// A token naming one expert twice is reported with its pair, neither dispatched twice nor
@@ -996,7 +967,5 @@ fn a_repeated_expert_id_is_reported_and_the_next_call_works() {
     let reports = session
         .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
         .expect("the call after the repeated id");
-    for (r, report) in reports.iter().enumerate() {
-        assert!(report.passed(), "rank {r}: {report}");
-    }
+    assert_every_rank_passed("the call after the repeated id", &reports);
 }
