@@ -753,10 +753,10 @@ impl EpLayer {
         // after it (a kernel already launched may spin on a later release). With the chunk
         // steps after the compute kernels, a GEMM2 queued ahead of them waited for its GEMM1,
         // which waited for their rows (8 virtual ranks emulating 2 nodes of 4 hung so on an
-        // H200, 2026-12-05). A withheld rank sends nothing, as a
-        // dead one would; on emulated nodes a loopback waiting for it would wait for ever, so
-        // the call's network traffic is left out on every rank (every wait for it times out,
-        // as if the network had failed).
+        // H200, 2026-12-05). A withheld rank sends nothing, as a dead one would; on emulated
+        // nodes a loopback waiting for it would wait for ever, so the call's network traffic
+        // is left out on every rank (every wait for it times out, as if the network had
+        // failed).
         let network = self.network().filter(|_| withheld != Some(0));
         let loopback = self.loopback.as_ref().filter(|_| withheld.is_none());
         if let Some(network) = network {
@@ -798,10 +798,10 @@ impl EpLayer {
     /// no stage overlaps another and the flag waits of arrange and the GEMMs find their
     /// flags already set (on emulated nodes a relay's dispatch waits for the loopback's
     /// steps within the dispatch stage, and the combine's second pass for the partials'
-    /// copies within the combine stage). With pair
-    /// rows GEMM2's stores into the origins' combine slots stay in the GEMM stage; with rank
-    /// partials GEMM2 stores locally and the partials cross in the combine stage. With
-    /// `marks`, records the stage boundaries on rank 0 (see [`StageMarks`]).
+    /// copies within the combine stage). With pair rows GEMM2's stores into the origins'
+    /// combine slots stay in the GEMM stage; with rank partials GEMM2 stores locally and the
+    /// partials cross in the combine stage. With `marks`, records the stage boundaries on
+    /// rank 0 (see [`StageMarks`]).
     pub fn forward_bulk_synchronous(
         &mut self,
         args: &mut [ForwardArgs<'_>],

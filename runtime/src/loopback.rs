@@ -399,8 +399,8 @@ impl LoopbackPath {
     /// Waits (at most the plan's bound) for the rows per chunk of the call whose metadata
     /// was enqueued last, pairs every rank's chunk steps sized by them and enqueues the
     /// dispatch ones; the return steps follow with [`LoopbackPath::enqueue_results`] (after
-    /// the ranks' compute kernels, or the bulk-synchronous variant's combine kernels). A wait past the bound is
-    /// the stall [`LoopbackPath::wait`] reports.
+    /// the ranks' compute kernels, or the bulk-synchronous variant's combine kernels). A
+    /// wait past the bound is the stall [`LoopbackPath::wait`] reports.
     pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
         // The copy follows every call enqueued since the last wait: past the plan's bound

@@ -50,8 +50,9 @@
 //! the receive index holds more. The chunk steps' sizes come from the routing: once the
 //! metadata step is done, the host reads back [`ChunkRows`] (this rank's rows per chunk
 //! for each other node, and its rail peers' for this node: one wait per call, while the
-//! communication kernels run; the compute kernels are enqueued after the rows' transfers) and [`NetworkPlan::chunk_steps`] moves exactly those rows, so a
-//! node that few tokens visit costs few bytes. A call moves at most
+//! communication kernels run; the compute kernels are enqueued after the rows' transfer
+//! steps) and [`NetworkPlan::chunk_steps`] moves exactly those rows, so a node that few
+//! tokens visit costs few bytes. A call moves at most
 //! [`NetworkPlan::bytes_per_call`] of its bound.
 //!
 //! On emulated nodes ([`NetworkTransport::Loopback`]: virtual ranks of one GPU standing for
