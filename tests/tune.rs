@@ -34,6 +34,21 @@ fn explain_lines(text: &str, prefix: &str) -> usize {
         .count()
 }
 
+/// The name of the regime of `explain` output (`  regime mid   65..=256 tokens`) that holds
+/// `tokens`: where the regimes split depends on the GPU planned for.
+fn regime_holding(text: &str, tokens: u32) -> String {
+    text.lines()
+        .filter_map(|l| l.trim_start().strip_prefix("regime "))
+        .find_map(|rest| {
+            let mut words = rest.split_whitespace();
+            let name = words.next()?;
+            let (low, high) = words.next()?.split_once("..=")?;
+            let holds = low.parse::<u32>().ok()? <= tokens && tokens <= high.parse().ok()?;
+            holds.then(|| name.to_string())
+        })
+        .unwrap_or_else(|| panic!("no regime holds {tokens} tokens:\n{text}"))
+}
+
 #[test]
 fn bad_arguments_are_usage_errors() {
     let output = moeforge(&["tune", "dsl-examples/tiny.moe", "--candidates", "0"]);
@@ -151,24 +166,25 @@ fn tune_with_token_counts_touches_only_their_regimes() {
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
-    // Every timed candidate belongs to the regime holding 1000 tokens, and so does every
-    // batch of candidates compiled before them (one per GEMM).
+    let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
+    let explain = moeforge_with_env(&["explain", SMALL], &env);
+    let text = String::from_utf8_lossy(&explain.stdout);
+    // Every timed candidate belongs to the regime holding 1000 tokens on this GPU, and so
+    // does every batch of candidates compiled before them (one per GEMM).
+    let regime = regime_holding(&text, 1000);
     let timed: Vec<&str> = stderr.lines().filter(|l| l.contains("] ")).collect();
     assert!(
-        !timed.is_empty() && timed.iter().all(|l| l.contains("prefill")),
-        "{stderr}"
+        !timed.is_empty() && timed.iter().all(|l| l.contains(&regime)),
+        "{regime}: {stderr}"
     );
     let compiled: Vec<&str> = stderr
         .lines()
         .filter(|l| l.contains(": compiling "))
         .collect();
     assert!(
-        compiled.len() == 2 && compiled.iter().all(|l| l.contains("prefill")),
-        "{stderr}"
+        compiled.len() == 2 && compiled.iter().all(|l| l.contains(&regime)),
+        "{regime}: {stderr}"
     );
-    let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
-    let explain = moeforge_with_env(&["explain", SMALL], &env);
-    let text = String::from_utf8_lossy(&explain.stdout);
     let tuned = explain_lines(&text, "tuned ");
     assert_eq!(tuned, 1, "{text}");
     std::fs::remove_dir_all(&dir).expect("cleans up");

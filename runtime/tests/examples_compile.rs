@@ -2,8 +2,10 @@
 //! spills and no serialised wgmma for any of them, and exactly the static shared memory the
 //! plan states; every entry point in the PTX takes exactly the parameters of the plan's
 //! launch table. Needs NVRTC (skips without it, fails under MOEFORGE_REQUIRE_NVRTC=1); no GPU.
+//! Also, without NVRTC: the GPU suite's sorted-rows layer sorts on every Hopper target, so
+//! the suite covers sorted rows on an H100 as on an H200.
 
-use moeforge_compiler::plan::{self, Target};
+use moeforge_compiler::plan::{self, RowLoad, Target};
 use moeforge_runtime::aot;
 use moeforge_runtime::jit::{FunctionResources, Jit, JitSettings, PtxasReport};
 use moeforge_runtime::toolkit::nvrtc_for_tests;
@@ -34,6 +36,20 @@ fn every_example_compiles_for_sm90a_without_spills() {
         checked >= 7 * 4,
         "every example has at least route, gemm1, gemm2 and combine"
     );
+}
+
+#[test]
+fn the_sorted_rows_layer_sorts_on_every_hopper_target() {
+    for target in [Target::h200(), Target::h100()] {
+        let plan = plan::plan(&layers::sorted_rows(), &target).expect("plans");
+        assert!(
+            plan.regimes
+                .iter()
+                .all(|r| r.gemm1.a_load == RowLoad::Tiles),
+            "{}: GEMM1 gathers its rows in some regime",
+            target.name
+        );
+    }
 }
 
 /// Layers no example covers compile without spills too: a large top-k, whose combine sums

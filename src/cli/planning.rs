@@ -38,10 +38,15 @@ fn parse_target(name: &str) -> Result<Target, String> {
 }
 
 impl TargetArgs {
+    /// The target chosen with `--target`, if one was.
+    pub fn chosen(&self) -> Option<Target> {
+        self.target.clone()
+    }
+
     /// The target chosen with `--target`, else the GPU present, else the H200.
     pub fn resolve(&self) -> Target {
-        if let Some(target) = &self.target {
-            return target.clone();
+        if let Some(target) = self.chosen() {
+            return target;
         }
         let device = toolkit::driver_available()
             .ok()

@@ -47,7 +47,8 @@ pub struct Args {
     /// A bench result (`benches/results/*_ep2_uniform*.json` or `*_ep2v_uniform*.json`) to
     /// print the predictions beside; the layer is planned as the bench ran it: over the
     /// file's ranks (one GPU each, or virtual ranks on one GPU), without shared experts,
-    /// each rank's call routed as the bench drew it (from the file's seed).
+    /// each rank's call routed as the bench drew it (from the file's seed), for the GPU the
+    /// file was measured on where it names a known one (`--target` overrides).
     #[arg(long, value_name = "JSON")]
     measured: Option<PathBuf>,
     #[command(flatten)]
@@ -137,7 +138,19 @@ pub fn run(args: &Args) -> ExitCode {
             shared.count, layer.name
         );
     }
-    let target = args.target.resolve();
+    // Predictions set beside measurements are made for the GPU that measured them.
+    let measured_on = measured.as_ref().and_then(|m| m.measured_on());
+    let target = match (args.target.chosen(), measured_on) {
+        (Some(chosen), _) => chosen,
+        (None, Some(measured_on)) => {
+            eprintln!(
+                "note: predicting for {}, the GPU the measurements ran on (--target chooses another)",
+                measured_on.name
+            );
+            measured_on
+        }
+        (None, None) => args.target.resolve(),
+    };
     let plan = match plan::plan(&layer, &target) {
         Ok(plan) => plan,
         Err(error) => {

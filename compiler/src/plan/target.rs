@@ -136,19 +136,27 @@ impl Target {
             .map(|(_, target)| target)
     }
 
+    /// The known target of the chip a device name (`NVIDIA H100 80GB HBM3`, as the driver
+    /// or a bench file spells it) names, if any.
+    pub fn known_for_device_name(device_name: &str) -> Option<Target> {
+        Target::known()
+            .into_iter()
+            .map(|(_, target)| target)
+            .find(|t| device_name.contains(t.name.trim_end_matches(" SXM")))
+    }
+
     /// The target for a device read at run time: its own SM count and shared-memory limits,
     /// with the ceilings of the known target of the same architecture (the H200's when none
     /// is known) scaled by the SM count. A known chip gets its known target exactly.
     pub fn for_device(device: &DeviceFacts) -> Target {
-        let known = Target::known().map(|(_, t)| t);
-        if let Some(exact) = known.iter().find(|t| {
-            device.name.contains(t.name.trim_end_matches(" SXM"))
-                && t.arch == device.arch
+        if let Some(exact) = Target::known_for_device_name(&device.name).filter(|t| {
+            t.arch == device.arch
                 && t.sm_count == device.sm_count
                 && t.smem_per_block == device.smem_per_block
         }) {
-            return exact.clone();
+            return exact;
         }
+        let known = Target::known().map(|(_, t)| t);
         let base = known
             .iter()
             .find(|t| t.arch == device.arch)

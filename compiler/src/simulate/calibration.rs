@@ -22,7 +22,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::{Options, Routing, Schedule, SimError, Topology, simulate};
-use crate::plan::Plan;
+use crate::plan::{Plan, Target};
 
 /// One bench file, as far as the simulator reads it.
 #[derive(Clone, Debug, Deserialize)]
@@ -82,6 +82,12 @@ impl MeasuredFile {
     pub fn on_virtual_ranks(&self) -> bool {
         self.virtual_ranks
             .unwrap_or_else(|| self.placement.contains("virtual ranks"))
+    }
+
+    /// The known target of the GPU the file was measured on, as its `placement` names it
+    /// (`2 virtual ranks on one NVIDIA H200`, `2 x NVIDIA H200`).
+    pub fn measured_on(&self) -> Option<Target> {
+        Target::known_for_device_name(&self.placement)
     }
 
     /// Whether the file's layer ran without its shared experts.
@@ -235,6 +241,11 @@ mod tests {
         let mut devices = file("");
         devices.placement = "2 x NVIDIA H200".into();
         assert!(!devices.on_virtual_ranks());
+        assert_eq!(devices.measured_on(), Some(Target::h200()));
+        devices.placement = "4 virtual ranks on one NVIDIA H100 80GB HBM3".into();
+        assert_eq!(devices.measured_on(), Some(Target::h100()));
+        devices.placement = "2 x NVIDIA B300".into();
+        assert_eq!(devices.measured_on(), None);
     }
 
     /// A file that times every rank's GEMM1 is compared on its slowest rank against the
