@@ -744,9 +744,10 @@ impl EpLayer {
             }
         }
         // Then the network's metadata step (it waits on the device for the flags the kernels
-        // release for it) and, once the host has the rows per chunk read back after it (its
-        // one wait per call), the dispatch chunk steps sized by them; only then the compute
-        // kernels, and the return steps last. Streams share the device's hardware queues
+        // release for it) and the dispatch chunk steps: whole chunks where the plan moves
+        // them at the call's bound, else sized by the rows per chunk the host reads back
+        // after the metadata step (its one wait per call); only then the compute kernels,
+        // and the return steps last. Streams share the device's hardware queues
         // (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set), and a command that waits before it
         // starts (a launch behind its stream's unfinished kernel, an event or value wait)
         // holds back what is queued behind it: no such command may wait for one enqueued

@@ -373,8 +373,9 @@ impl LoopbackPath {
     }
 
     /// Enqueues the metadata step of every rank for the call of `epoch`, in which no rank
-    /// passes more than `tokens_bound` tokens, then the copy of every rank's rows per chunk
-    /// to the host; [`LoopbackPath::enqueue_dispatch`] follows.
+    /// passes more than `tokens_bound` tokens, then (unless the call moves whole chunks) the
+    /// copy of every rank's rows per chunk to the host; [`LoopbackPath::enqueue_dispatch`]
+    /// follows.
     pub(crate) fn enqueue_metadata(
         &self,
         epoch: u32,
@@ -393,26 +394,56 @@ impl LoopbackPath {
         }
         self.bind()?;
         self.enqueue_step(&metadata.step, epoch)?;
+        if self.network.moves_whole_chunks(tokens_bound) {
+            return Ok(());
+        }
         self.rows.enqueue(&self.stream)
     }
 
-    /// Waits (at most the plan's bound) for the rows per chunk of the call whose metadata
-    /// was enqueued last, pairs every rank's chunk steps sized by them and enqueues the
-    /// dispatch ones; the return steps follow with [`LoopbackPath::enqueue_results`] (after
-    /// the ranks' compute kernels, or the bulk-synchronous variant's combine kernels). A
-    /// wait past the bound is the stall [`LoopbackPath::wait`] reports.
+    /// Pairs every rank's chunk steps of the call whose metadata was enqueued last and
+    /// enqueues the dispatch ones: whole chunks where the plan moves them at the call's
+    /// bound, else sized by the rows per chunk, once the host has read them back (waiting at
+    /// most the plan's bound: past it, the stall [`LoopbackPath::wait`] reports). The
+    /// return steps follow with [`LoopbackPath::enqueue_results`] (after the ranks' compute
+    /// kernels, or the bulk-synchronous variant's combine kernels).
     pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        // The copy follows every call enqueued since the last wait: past the plan's bound
-        // per such call, a step ahead of it waits for a flag no kernel released.
+        let tokens_bound = self.metadata.borrow().tokens_bound;
+        let rows = if self.network.moves_whole_chunks(tokens_bound) {
+            let full = ChunkRows::full(&self.network, &self.shape, tokens_bound);
+            vec![full; self.ep.ranks as usize]
+        } else {
+            self.read_rows(tokens_bound)?
+        };
+        let steps = resolve_paired(&self.buffers, &self.ranges, self.network.chunks, |rank| {
+            self.network.chunk_steps(
+                &self.ep,
+                &self.shape,
+                rank,
+                tokens_bound,
+                &rows[rank as usize],
+            )
+        })?;
+        {
+            let mut call = self.enqueued.borrow_mut();
+            call.retain(|step| step.kind == StepKind::Metadata);
+            call.extend(steps);
+        }
+        self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
+    }
+
+    /// Every rank's rows per chunk of the call whose metadata was enqueued last, once the
+    /// stream has copied them, checked against `tokens_bound`. The copy follows every call
+    /// enqueued since the last wait: past the plan's bound per such call, a step ahead of it
+    /// waits for a flag no kernel released.
+    fn read_rows(&self, tokens_bound: u32) -> Result<Vec<ChunkRows>, NetworkError> {
         let bound = self
             .limit
             .saturating_mul(self.calls_outstanding.get().max(1));
         let Some(counts) = self.rows.read_by(Instant::now() + bound)? else {
             return Err(self.recover(bound)?);
         };
-        let tokens_bound = self.metadata.borrow().tokens_bound;
-        let rows = counts
+        counts
             .chunks(2)
             .enumerate()
             .map(|(rank, counts)| {
@@ -429,22 +460,7 @@ impl LoopbackPath {
                 })
             })
             .collect::<Result<Vec<_>, _>>()
-            .inspect_err(|_| self.abandoned.set(true))?;
-        let steps = resolve_paired(&self.buffers, &self.ranges, self.network.chunks, |rank| {
-            self.network.chunk_steps(
-                &self.ep,
-                &self.shape,
-                rank,
-                tokens_bound,
-                &rows[rank as usize],
-            )
-        })?;
-        {
-            let mut call = self.enqueued.borrow_mut();
-            call.retain(|step| step.kind == StepKind::Metadata);
-            call.extend(steps);
-        }
-        self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
+            .inspect_err(|_| self.abandoned.set(true))
     }
 
     /// Enqueues the return steps of every rank for the call of `epoch` (each waits for

@@ -18,7 +18,9 @@
 //!   this node) into pinned host memory, and the host, while the communication kernels
 //!   run, waits for that copy (bounded, `HostReadback`) and enqueues the dispatch steps
 //!   sized by them; the compute kernels follow, then the return steps (the order
-//!   `EpLayer::forward` keeps, and why: docs/runtime.md). No other step waits on the host.
+//!   `EpLayer::forward` keeps, and why: docs/runtime.md). No other step waits on the host,
+//!   and a call within the plan's `whole_chunks_up_to` neither copies nor waits: its steps
+//!   move whole chunks ([`ChunkRows::full`]).
 //! - **Bounded waits.** A transfer with a peer that stopped never completes, and NCCL
 //!   cannot tell over every transport. `NetworkPath::wait` polls the network stream (and a
 //!   call's read-back of its rows per chunk polls their copy) until the plan's
@@ -800,24 +802,34 @@ impl NetworkPath {
             enqueued.retain(|step| step.kind != StepKind::Metadata);
             enqueued.push(metadata.step.clone());
         }
-        let enqueued = self
-            .enqueue_step(&metadata.step, epoch)
-            .and_then(|()| self.rows.enqueue(&self.stream));
+        let enqueued = self.enqueue_step(&metadata.step, epoch).and_then(|()| {
+            if self.network.moves_whole_chunks(metadata.tokens_bound) {
+                Ok(())
+            } else {
+                self.rows.enqueue(&self.stream)
+            }
+        });
         self.abandon_on_error(enqueued)
     }
 
-    /// Waits (at most the plan's bound) for the rows per chunk of the call whose metadata
-    /// step was enqueued last, then enqueues its dispatch steps, each moving exactly those
-    /// rows, each after the flags the kernels release for it; the return steps follow with
+    /// Enqueues the dispatch steps of the call whose metadata step was enqueued last, each
+    /// after the flags the kernels release for it: whole chunks where the plan moves them
+    /// at the call's bound, else exactly the routed rows, once the host has read them back
+    /// (waiting at most the plan's bound: past it [`NetworkError::Stalled`], the metadata
+    /// never arrived: a peer stopped). The return steps follow with
     /// [`NetworkPath::enqueue_results`], after the compute kernels (whose combine releases
-    /// them). A wait past the bound is [`NetworkError::Stalled`] (the metadata never
-    /// arrived: a peer stopped).
+    /// them).
     pub(crate) fn enqueue_dispatch(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
+        let tokens_bound = self.metadata.borrow().tokens_bound;
+        let rows = if self.network.moves_whole_chunks(tokens_bound) {
+            Ok(ChunkRows::full(&self.network, &self.shape, tokens_bound))
+        } else {
+            self.read_rows()
+        };
         // Whatever stops this call's chunk steps short leaves its NCCL groups out of step
         // with its peers': the path is abandoned then.
-        let enqueued = self.read_rows().and_then(|rows| {
-            let tokens_bound = self.metadata.borrow().tokens_bound;
+        let enqueued = rows.and_then(|rows| {
             let steps = self.network.chunk_steps(
                 &self.ep,
                 &self.shape,

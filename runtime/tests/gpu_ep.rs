@@ -500,30 +500,41 @@ fn over_emulated_nodes(layer: &Layer, ranks: u32, nodes: u32) -> Layer {
     layer
 }
 
+/// `layer` with every call across nodes moving the routed rows (`whole_chunks = 0`): the
+/// tiny layers' whole chunks cost less than the host's read-back at every bound.
+fn routed_rows_only(layer: &Layer) -> Layer {
+    let mut layer = layer.clone();
+    layer.name = format!("{}_routed", layer.name);
+    layer.schedule.whole_chunks = Some(0);
+    layer
+}
+
 /// The layers `emulated_nodes_match_reference` runs: 2 nodes of one GPU, 2 of two, 2 of
 /// four, 4 of one with a shared expert, and a scaled-down Qwen3-30B-A3B on 2 nodes of two.
+/// The tiny ones on 2 nodes of 1 and 4 of 1 move whole chunks at every bound, those on 2
+/// nodes of 2 and of 4 the routed rows; the Qwen3 one whole chunks at the small bounds and
+/// the routed rows at its max_tokens.
 fn emulated_node_cases() -> Vec<Layer> {
     let qwen = layers::examples()
         .into_iter()
         .find(|l| l.name == "qwen3_30b_a3b")
         .expect("the Qwen3-30B example");
-    [
-        (layers::tiny(Activation::Swiglu), 2, 2),
-        (layers::tiny(Activation::Swiglu), 4, 2),
+    let tiny = layers::tiny(Activation::Swiglu);
+    vec![
+        over_emulated_nodes(&tiny, 2, 2),
+        routed_rows_only(&over_emulated_nodes(&tiny, 4, 2)),
         // Nodes of 4: a relay forwards a row to several ranks of its node.
-        (layers::tiny(Activation::Swiglu), 8, 2),
-        (layers::tiny_with_shared_expert(Activation::Swiglu), 4, 4),
-        (layers::scaled_down(&qwen), 4, 2),
+        routed_rows_only(&over_emulated_nodes(&tiny, 8, 2)),
+        over_emulated_nodes(&layers::tiny_with_shared_expert(Activation::Swiglu), 4, 4),
+        over_emulated_nodes(&layers::scaled_down(&qwen), 4, 2),
     ]
-    .iter()
-    .map(|(layer, ranks, nodes)| over_emulated_nodes(layer, *ranks, *nodes))
-    .collect()
 }
 
 /// CPU: the emulated-node cases plan on the H200 with a network part carried by the
 /// loopback, and their plans are valid.
 #[test]
 fn emulated_node_cases_plan_a_loopback() {
+    let mut modes = Vec::new();
     for layer in emulated_node_cases() {
         let plan = plan::plan(&layer, &plan::Target::h200())
             .unwrap_or_else(|e| panic!("{}: {e}", layer.name));
@@ -537,7 +548,13 @@ fn emulated_node_cases_plan_a_loopback() {
             "{}",
             layer.name
         );
+        modes.push([1, 90, plan.shape.max_tokens].map(|bound| network.moves_whole_chunks(bound)));
     }
+    // Whole chunks at every bound the GPU test calls, the routed rows at every one, and
+    // both in one layer.
+    assert!(modes.contains(&[true; 3]), "{modes:?}");
+    assert!(modes.contains(&[false; 3]), "{modes:?}");
+    assert!(modes.contains(&[true, true, false]), "{modes:?}");
 }
 
 /// Calls back to back on emulated nodes before the last one is checked: the loopback's
@@ -648,7 +665,11 @@ fn packed_rows(masks: &[u32], chunk: usize, chunks: usize) -> PackedChunks {
 fn emulated_nodes_count_and_pack_each_chunks_rows_as_the_cpu_does() {
     let seed = fresh_seed();
     let session = Session::open().expect("GPU session");
-    let layer = over_emulated_nodes(&layers::tiny(Activation::Swiglu), 8, 2);
+    let layer = routed_rows_only(&over_emulated_nodes(
+        &layers::tiny(Activation::Swiglu),
+        8,
+        2,
+    ));
     let (built, mut ep) = on_this_gpu(&session, &layer, seed);
     let plan = ep.plan().clone();
     let network = plan
@@ -777,7 +798,8 @@ const ONE_QUEUE_CHILD: &str = "MOEFORGE_TEST_ONE_HARDWARE_QUEUE";
 /// Streams share the device's hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 unless
 /// set; Megatron-LM's users set 1), where a command that waits before it starts holds back
 /// those queued behind it. With every stream in one queue, virtual ranks of one node and 8
-/// virtual ranks emulating 2 nodes of 4 still finish and match the reference, the
+/// virtual ranks emulating 2 nodes of 4 (moving the routed rows, and whole chunks: no host
+/// wait between the metadata step and the rest) still finish and match the reference, the
 /// bulk-synchronous variant too: no such command waits for one enqueued after it (with the
 /// loopback's dispatch steps enqueued after the compute kernels, the emulated nodes hung
 /// even with 8 queues). CUDA reads the variable when it starts, so the test runs itself
@@ -809,7 +831,12 @@ fn every_stream_in_one_hardware_queue() {
     ));
     let session = Session::open().expect("GPU session");
     let tiny = layers::tiny(Activation::Swiglu);
-    for layer in [over_ranks(&tiny, 4, true), over_emulated_nodes(&tiny, 8, 2)] {
+    let two_nodes_of_four = over_emulated_nodes(&tiny, 8, 2);
+    for layer in [
+        over_ranks(&tiny, 4, true),
+        routed_rows_only(&two_nodes_of_four),
+        two_nodes_of_four,
+    ] {
         let (built, mut ep) = on_this_gpu(&session, &layer, seed);
         let shape = built.layer.plan().shape.clone();
         let workloads: Vec<Workload> = (0..ep.ranks() as u32)

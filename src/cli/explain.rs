@@ -361,6 +361,11 @@ fn schedule(hints: &ir::ScheduleHints) -> String {
     if let Some(ns) = hints.flag_timeout_ns {
         parts.push(format!("flag_timeout {} ms", ns as f64 / 1e6));
     }
+    match hints.whole_chunks {
+        Some(0) => parts.push("whole_chunks off".into()),
+        Some(tokens) => parts.push(format!("whole_chunks {tokens} tokens")),
+        None => {}
+    }
     if parts.is_empty() {
         "no hints (the planner chooses everything)".into()
     } else {

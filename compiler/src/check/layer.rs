@@ -85,6 +85,7 @@ pub const SCHEDULE: Schema = Schema {
         "traffic",
         "fused_decode",
         "flag_timeout",
+        "whole_chunks",
     ],
     sections: &[],
     aliases: &[],
@@ -809,6 +810,11 @@ fn schedule(
         Some(setting) => values::count(setting, 0, true, errors).map(Some),
         None => Some(None),
     };
+    // 0: every call across nodes moves the routed rows (the host reads them back).
+    let whole_chunks = match table.setting("whole_chunks") {
+        Some(setting) => values::count(setting, 0, true, errors).map(Some),
+        None => Some(None),
+    };
     let flag_timeout_ns = match table.setting("flag_timeout") {
         Some(setting) => values::duration(setting, FLAG_TIMEOUT_RANGE, errors).map(Some),
         None => Some(None),
@@ -830,6 +836,7 @@ fn schedule(
         traffic_order: traffic_order.map_or(Some(None), |order| order.map(Some))?,
         fused_decode: fused_decode?,
         flag_timeout_ns: flag_timeout_ns?,
+        whole_chunks: whole_chunks?,
     })
 }
 

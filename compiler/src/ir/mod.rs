@@ -271,6 +271,11 @@ pub struct ScheduleHints {
     /// nanoseconds. Unset, the planner's default (about 2 s).
     #[serde(default)]
     pub flag_timeout_ns: Option<u64>,
+    /// Across nodes, calls of up to this many tokens per rank move whole token chunks over
+    /// the network, sized on the host without reading the rows per chunk back; 0 for none.
+    /// Unset, the planner decides.
+    #[serde(default)]
+    pub whole_chunks: Option<u32>,
 }
 
 /// A GEMM tile: `m` rows (tokens) × `n` output columns × `k` reduction depth per stage.

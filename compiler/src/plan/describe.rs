@@ -354,9 +354,23 @@ fn describe_network(
         "    network steps      per call, in this order on every rank: 1 metadata group (the receive index to every network peer; the visit masks and the rows of each token chunk to the rail peers), sized by the call's tokens bound (the most tokens any rank passes in the call, agreed on the host beforehand: EpLayer::bound_tokens; max_tokens until the ranks agree on one); then a dispatch group per chunk of {} tokens (at most {chunk_bytes} B) per rail peer up to the bound (at most {}), then as many return groups (the node partials of a chunk's {} origin tokens, once the relay's combine summed them), each sized by the routing: the chunk's rows that visit the node, packed, which the host reads back once the metadata step is done (one wait per call, while the kernels run). Bytes a rank sends per call at most (every token visiting every node) by bound: {moved}",
         network.chunk_tokens, network.chunks, network.chunk_tokens,
     );
+    let whole = match network.whole_chunks_up_to {
+        0 => "none: every call's chunk groups move the routed rows".to_string(),
+        tokens if tokens >= shape.max_tokens => {
+            "every call: its chunk groups move whole chunks (each chunk's rows up to the bound, whichever tokens visit), sized on the host, with no read-back and no host wait".to_string()
+        }
+        tokens => format!(
+            "calls with a tokens bound of at most {tokens}: their chunk groups move whole chunks (each chunk's rows up to the bound, whichever tokens visit), sized on the host, with no read-back and no host wait; larger ones the routed rows"
+        ),
+    };
     let _ = writeln!(
         out,
-        "    network stream     before a group, cuStreamWaitValue32 on the flags the kernels released for it (ep_route's staging for each peer, ep_dispatch's for each other node; before results, net_partials_ready, which the combine's last lane releases once it summed every rail origin's node partials into this rank's return outbox); after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, arrival flag (rail source, c), whose rows the relay's ep_dispatch then copies to its node's ranks before it releases their chunk flags, return flag (node, c)); after the metadata group, a copy of this rank's rows per chunk (net_send_rows, recv_rows) to pinned host memory, which the host waits for before it enqueues the chunk groups"
+        "    whole chunks       {whole} ({})",
+        network.whole_chunks_reason
+    );
+    let _ = writeln!(
+        out,
+        "    network stream     before a group, cuStreamWaitValue32 on the flags the kernels released for it (ep_route's staging for each peer, ep_dispatch's for each other node; before results, net_partials_ready, which the combine's last lane releases once it summed every rail origin's node partials into this rank's return outbox); after it, cuStreamWriteValue32 of the call's epoch into the flag the kernels wait on (a source's metadata flag, arrival flag (rail source, c), whose rows the relay's ep_dispatch then copies to its node's ranks before it releases their chunk flags, return flag (node, c)); after the metadata group of a call moving the routed rows, a copy of this rank's rows per chunk (net_send_rows, recv_rows) to pinned host memory, which the host waits for before it enqueues the chunk groups"
     );
     let _ = match network.transport {
         NetworkTransport::Nccl => writeln!(

@@ -52,7 +52,9 @@
 //! for each other node, and its rail peers' for this node: one wait per call, while the
 //! communication kernels run; the compute kernels are enqueued after the rows' transfer
 //! steps) and [`NetworkPlan::chunk_steps`] moves exactly those rows, so a node that few
-//! tokens visit costs few bytes. A call moves at most
+//! tokens visit costs few bytes. A call whose bound is at most
+//! [`NetworkPlan::whole_chunks_up_to`] moves whole chunks instead ([`ChunkRows::full`]),
+//! sized on the host: no read-back, no host wait, a few bytes more. A call moves at most
 //! [`NetworkPlan::bytes_per_call`] of its bound.
 //!
 //! On emulated nodes ([`NetworkTransport::Loopback`]: virtual ranks of one GPU standing for
@@ -123,6 +125,14 @@ pub struct NetworkPlan {
     /// the stalled transfer (which step, which peers) instead of waiting for ever.
     pub wait_limit_ms: u64,
     pub wait_reason: String,
+    /// Calls whose tokens bound is at most this move whole token chunks (every chunk's
+    /// rows up to the bound, whichever tokens visit), sized on the host alone: no read-back
+    /// of the rows per chunk, no host wait in the call ([`NetworkPlan::moves_whole_chunks`]).
+    /// Larger calls move the routed rows. 0: every call with tokens reads them back.
+    #[serde(default)]
+    pub whole_chunks_up_to: u32,
+    #[serde(default)]
+    pub whole_chunks_reason: String,
 }
 
 /// One element of a workspace buffer: a flag the network stream waits on or releases.
@@ -185,6 +195,11 @@ const NCCL_MAX_CTAS: u32 = 32;
 /// Floor of the host's wait bound: a correct call of any size finishes its transfers
 /// within this much beyond the flag bounds.
 const MIN_TRANSFER_SECONDS: f64 = 1.0;
+/// From the metadata's arrival to the first chunk group on the network stream when the
+/// host sizes the groups by the routing: the copy of the rows per chunk to pinned host
+/// memory, the host noticing it (it spins), and the first group enqueued. Assumed, not
+/// measured: no call has crossed real nodes here yet.
+pub const HOST_READBACK_S: f64 = 20e-6;
 
 /// The SMs each rank keeps for the network beside its own blocks on `topology` (none on one
 /// node), and why: NCCL's CTAs, or on emulated nodes one SM for the loopback's copies.
@@ -244,6 +259,8 @@ pub(crate) fn plan_network(
     let (nccl_ctas, nccl_reason) = network_sms(topology);
     let transfer_seconds = 4.0 * call_bytes as f64 / bandwidth.max(1) as f64;
     let wait_seconds = 2.0 * flag_seconds + transfer_seconds.max(MIN_TRANSFER_SECONDS);
+    let (whole_chunks_up_to, whole_chunks_reason) =
+        whole_chunks(layer, shape, topology.nodes - 1, bandwidth);
     Some(NetworkPlan {
         transport,
         nodes: topology.nodes,
@@ -261,7 +278,38 @@ pub(crate) fn plan_network(
             "two flag bounds ({flag_seconds:.1} s each: a peer's staging may wait one for its credits, this rank's kernels one more) plus four times a call's {:.1} MB across the network at its bandwidth, at least {MIN_TRANSFER_SECONDS:.0} s",
             call_bytes as f64 / 1e6
         ),
+        whole_chunks_up_to,
+        whole_chunks_reason,
     })
+}
+
+/// Up to which tokens bound calls move whole chunks, and why: the spec's `whole_chunks`,
+/// else the largest bound whose whole chunks (rows out and node partials back, to each
+/// other node) cross this rank's network port within [`HOST_READBACK_S`], the host wait
+/// they save; bytes beyond the routed rows cost no more than that wait, whatever the
+/// routing.
+fn whole_chunks(
+    layer: &ir::Layer,
+    shape: &LayerShape,
+    other_nodes: u32,
+    bandwidth_bytes_per_s: u64,
+) -> (u32, String) {
+    if let Some(tokens) = layer.schedule.whole_chunks {
+        let tokens = tokens.min(shape.max_tokens);
+        return (tokens, "the spec's whole_chunks".to_string());
+    }
+    let bytes_per_token = 2.0 * f64::from(other_nodes) * f64::from(shape.hidden) * 2.0;
+    let budget = HOST_READBACK_S * bandwidth_bytes_per_s as f64;
+    let tokens = ((budget / bytes_per_token).floor() as u32).min(shape.max_tokens);
+    (
+        tokens,
+        format!(
+            "the largest bound, up to max_tokens, whose whole chunks ({:.1} KB per token of the bound: a row to each of {other_nodes} other node(s), a node partial back) cross the network at {:.0} GB/s within the {:.0} us host read-back of the rows per chunk they save (assumed); `whole_chunks` in schedule sets it",
+            bytes_per_token / 1e3,
+            bandwidth_bytes_per_s as f64 / 1e9,
+            HOST_READBACK_S * 1e6
+        ),
+    )
 }
 
 /// The most bytes a rank sends in a call of `tokens_bound` (receives are as many): to each
@@ -307,6 +355,12 @@ impl NetworkPlan {
             self.chunk_tokens,
             tokens_bound,
         )
+    }
+
+    /// Whether a call of `tokens_bound` moves whole chunks ([`ChunkRows::full`], known on
+    /// the host) rather than the routed rows the host reads back after the metadata step.
+    pub fn moves_whole_chunks(&self, tokens_bound: u32) -> bool {
+        tokens_bound <= self.whole_chunks_up_to
     }
 
     /// Nodes besides a rank's own: its rail peers, and the slots of its per-node outboxes.
@@ -736,6 +790,36 @@ mod tests {
     fn network_of(plan: &Plan) -> (&ExpertParallelPlan, &NetworkPlan) {
         let ep = plan.expert_parallel.as_ref().expect("expert-parallel");
         (ep, ep.network.as_ref().expect("a network part"))
+    }
+
+    /// Whole chunks up to the largest bound whose bytes cross the network within the
+    /// host's read-back (8 nodes of one GPU: 7 rows and 7 node partials of 256 B per token,
+    /// 50 GB/s: 279 tokens); the spec's `whole_chunks` sets the bound instead, 0 for none,
+    /// at most max_tokens.
+    #[test]
+    fn calls_move_whole_chunks_up_to_the_bound_the_read_back_would_cost() {
+        let default = planned(8, 1, "");
+        let (_, network) = network_of(&default);
+        assert_eq!(network.whole_chunks_up_to, 279);
+        assert!(network.moves_whole_chunks(279) && !network.moves_whole_chunks(280));
+        let hinted = |value: &str| {
+            let text = spec(8, 1, "").replace(
+                "comm_blocks = 2\n",
+                &format!("comm_blocks = 2\n  whole_chunks = {value}\n"),
+            );
+            let module = crate::compile_source("l.moe", &text).expect("checks");
+            let plan = plan(&module.layers[0], &Target::h200()).expect("plans");
+            let (_, network) = network_of(&plan);
+            (
+                network.whole_chunks_up_to,
+                network.whole_chunks_reason.clone(),
+            )
+        };
+        assert_eq!(hinted("0").0, 0);
+        assert_eq!(hinted("16 tokens"), (16, "the spec's whole_chunks".into()));
+        assert_eq!(hinted("100_000 tokens").0, 512);
+        // Two nodes of the tiny layer: every call's whole chunks are cheaper.
+        assert_eq!(network_of(&planned(2, 1, "")).1.whole_chunks_up_to, 512);
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
 use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
+use crate::plan::network::HOST_READBACK_S;
 use crate::plan::{FusedDecode, Plan, Target};
 
 /// The kind of path between two ranks.
@@ -503,10 +504,16 @@ impl<'a> Machine<'a> {
     }
 
     /// As built across nodes, when the chunk steps are on the network stream: the
-    /// metadata's arrival from the farthest rail peer, then the host's read-back of the
-    /// rows per chunk ([`model::HOST_READBACK_S`]). No row crosses the network before.
+    /// metadata's arrival from the farthest rail peer, then, where the call moves the
+    /// routed rows, the host's read-back of the rows per chunk ([`HOST_READBACK_S`]). No
+    /// row crosses the network before. (Whole chunks' bytes beyond the routed rows are not
+    /// modelled: the plan moves them only where they cost less than the read-back.)
     fn chunk_steps_enqueued(&self) -> f64 {
-        self.metadata_released() + self.latency(Class::Network) + model::HOST_READBACK_S
+        let readback = match &self.ep.network {
+            Some(network) if network.moves_whole_chunks(self.traffic.tokens_per_rank) => 0.0,
+            _ => HOST_READBACK_S,
+        };
+        self.metadata_released() + self.latency(Class::Network) + readback
     }
 
     /// Runs every rank's communication blocks over its queue from `start[rank]`.

@@ -22,8 +22,9 @@
 //! - **as built** (across real nodes only; on one node the topology-aware schedule is what
 //!   the kernels run): the topology-aware exchange (each other node gets the rows of the
 //!   tokens visiting it, as the routed chunk steps move them, none before the host has read
-//!   the rows per chunk back: `model::HOST_READBACK_S` after the metadata's arrival; the
-//!   host enqueues the compute kernels after those steps, so arrange waits for it too),
+//!   the rows per chunk back: `plan::network::HOST_READBACK_S` after the metadata's
+//!   arrival, none where the plan moves whole chunks at the call's bound; the host enqueues
+//!   the compute kernels after those steps, so arrange waits for it too),
 //!   GEMM2 after GEMM1, and results as rank partials stored at the relay of the origin's
 //!   rail, summed there once every rank of the node has stored, then the node partials of
 //!   the visiting tokens back through NCCL.

@@ -35,11 +35,6 @@ pub const METADATA_PAIR_S: f64 = 4e-9;
 /// kernel and the split of the work. The dispatch kernel of a one-token call took 10.4 to
 /// 10.9 us in the files above, for a copy of a few microseconds.
 pub const DISPATCH_KERNEL_START_S: f64 = 8e-6;
-/// Across nodes as built, from the metadata's arrival to the first chunk step on the
-/// network stream: the copy of the rows per chunk to pinned host memory, the host noticing
-/// it (it spins), and the first NCCL group enqueued (later groups are enqueued while it
-/// runs). Assumed, not measured: no call has crossed real nodes here yet.
-pub const HOST_READBACK_S: f64 = 20e-6;
 /// The arrange kernel (its blocks lay out GEMM rows per local expert after every
 /// source's metadata arrived), launch excluded: the bulk-synchronous GEMM stages of
 /// benches/results/2026-11-30_*_ep2_uniform_at_95bb336.json time it at 11.3 to 13.7 us on
