@@ -3372,8 +3372,8 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) deepseek_v3_ep64_e
     }
     // Per other node, the rows of each token chunk (its tokens visiting the node), a warp
     // per chunk: the metadata step carries them to the rail peer there, and the host sizes
-    // the chunk's transfers by them. Every block's masks are ordered before its count;
-    // read past L1.
+    // the chunk's transfers by them (unless the call moves whole chunks). Every block's
+    // masks are ordered before its count; read past L1.
     for (int i = threadIdx.x / 32; i < OTHER_NODES * CHUNKS; i += META_THREADS / 32) {
         const int first = i % CHUNKS * CHUNK, end = min(first + CHUNK, tokens);
         const u32* visits = net_send_mask + (size_t)(i / CHUNKS) * MAX_TOKENS;
@@ -3841,7 +3841,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) de
     // order: deterministic), into the return outbox. The grid's last lane then releases
     // them to the network stream, which waits for net_partials_ready[2] before it sends.
     // Each lands at its token's row of the inbox (a chunk's rows packed as they came), so
-    // the return steps move only the visiting tokens'.
+    // the return steps move only the visiting tokens' (or whole chunks, whose rows past
+    // them nobody reads).
     if (thread == 0) {
         for (int b = 0; b < GPUS_PER_NODE; ++b) {
             wait_flag(node_partials_ready + b, epoch, error_word, rank, FLAG_KIND_NODE_PARTIALS, node_first + b);

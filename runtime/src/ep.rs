@@ -690,9 +690,7 @@ impl EpLayer {
     /// Enqueues one call on `calls` (see [`EpLayer::forward`]); with `routed`, each rank's
     /// router first.
     fn forward_calls(&mut self, calls: &[RankCall], routed: bool) -> Result<(), LayerError> {
-        if let Some(network) = self.network() {
-            network.refuse_if_abandoned()?;
-        }
+        self.make_network_room()?;
         let regimes = self.begin_call(calls)?;
         let withheld = self.withheld.take();
         // Each rank's router first, on its compute stream, which the communication stream
@@ -812,6 +810,7 @@ impl EpLayer {
             // Its barriers are stream events, which do not cross processes.
             return Err(LayerError::BulkSynchronousInGroup);
         }
+        self.make_network_room()?;
         let calls = self.caller_routed_calls(args)?;
         let regimes = self.begin_call(&calls)?;
         let combine = self.ep.combine_kernel.clone();
@@ -1265,6 +1264,20 @@ impl EpLayer {
     /// This process's network path, when its rank has peers on other nodes.
     fn network(&self) -> Option<&NetworkPath> {
         self.group.as_ref().and_then(|group| group.network.as_ref())
+    }
+
+    /// Before a call across nodes: refuses an abandoned network path, and waits (bounded)
+    /// until its stream (or the loopback's) holds fewer than `network::CALLS_AHEAD` calls,
+    /// so that the host never runs further ahead of a stream that may wait for a lost peer
+    /// (a call moving whole chunks has no host wait of its own).
+    fn make_network_room(&self) -> Result<(), LayerError> {
+        if let Some(network) = self.network() {
+            network.make_room()?;
+        }
+        if let Some(loopback) = &self.loopback {
+            loopback.make_room()?;
+        }
+        Ok(())
     }
 }
 

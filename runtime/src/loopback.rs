@@ -34,8 +34,8 @@ use moeforge_compiler::plan::{BufferId, LayerShape};
 
 use crate::gpu::DriverContext;
 use crate::network::{
-    HostReadback, NetworkError, ROWS_PER_CHUNK, ResolvedStep, StepBuffers, drain, idle_by,
-    release_flags, step_events, stream_op, stream_wait_value, stream_write_value,
+    CallEnds, HostReadback, NetworkError, ROWS_PER_CHUNK, ResolvedStep, StepBuffers, drain,
+    idle_by, release_flags, step_events, stream_op, stream_wait_value, stream_write_value,
 };
 
 /// How long a stall's report waits for the read of the stalled step's flags.
@@ -279,6 +279,8 @@ pub(crate) struct LoopbackPath {
     /// after each metadata step.
     rows: HostReadback,
     done: Vec<CudaEvent>,
+    /// The ends of the last calls: how far the host may run ahead of the stream.
+    ends: CallEnds,
     limit: Duration,
     calls_outstanding: Cell<u32>,
     /// The epoch of the last call enqueued: what a stalled call's flags are released with.
@@ -323,6 +325,7 @@ impl LoopbackPath {
         }
         let rows = HostReadback::new(&stream, ROWS_PER_CHUNK, sources)?;
         let done = step_events(&stream, network)?;
+        let ends = CallEnds::new(&stream)?;
         Ok(LoopbackPath {
             stream,
             side,
@@ -335,6 +338,7 @@ impl LoopbackPath {
             enqueued: RefCell::new(Vec::new()),
             rows,
             done,
+            ends,
             limit: Duration::from_millis(network.wait_limit_ms),
             calls_outstanding: Cell::new(0),
             last_epoch: Cell::new(0),
@@ -370,6 +374,17 @@ impl LoopbackPath {
             return Err(NetworkError::LoopbackAbandoned);
         }
         Ok(())
+    }
+
+    /// Before a call is enqueued: waits (at most the plan's bound) until the stream holds
+    /// fewer than [`CALLS_AHEAD`](crate::network::CALLS_AHEAD) calls; past the bound, the
+    /// stall [`LoopbackPath::wait`] reports.
+    pub(crate) fn make_room(&self) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        if self.ends.oldest_ended_by(Instant::now() + self.limit)? {
+            return Ok(());
+        }
+        Err(self.recover(self.limit)?)
     }
 
     /// Enqueues the metadata step of every rank for the call of `epoch`, in which no rank
@@ -469,7 +484,8 @@ impl LoopbackPath {
         self.refuse_if_abandoned()?;
         self.calls_outstanding
             .set(self.calls_outstanding.get().max(1));
-        self.enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }))
+        self.enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }))?;
+        self.ends.record(&self.stream)
     }
 
     /// The stream memory operations are raw driver calls: they resolve their addresses in

@@ -368,6 +368,69 @@ pub(crate) fn step_events(
     Ok(events)
 }
 
+/// Calls a network stream may hold before the host enqueues another: past them the host
+/// waits (bounded) for the oldest to end. A call moving whole chunks has no host wait of
+/// its own, and a stream waiting for a lost peer never drains: this bounds how far the
+/// host runs ahead of it and finds the stall in `forward`, within this many calls' bounds.
+pub(crate) const CALLS_AHEAD: usize = 4;
+
+/// The ends of the last [`CALLS_AHEAD`] calls' steps on a network stream (events recorded
+/// after each call's return steps), in a ring.
+pub(crate) struct CallEnds {
+    events: Vec<CudaEvent>,
+    /// Calls recorded so far; the next call's end goes to slot `recorded % CALLS_AHEAD`,
+    /// which holds the end of the call `CALLS_AHEAD` before it once that many were recorded.
+    recorded: Cell<usize>,
+}
+
+impl CallEnds {
+    pub(crate) fn new(stream: &CudaStream) -> Result<Self, NetworkError> {
+        let ctx = stream.context();
+        let events = (0..CALLS_AHEAD)
+            .map(|_| {
+                ctx.new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .context("creating a call's end event")
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(CallEnds {
+            events,
+            recorded: Cell::new(0),
+        })
+    }
+
+    /// Whether the call `CALLS_AHEAD` before the next one has ended by `deadline` (polled;
+    /// true when fewer calls were recorded).
+    pub(crate) fn oldest_ended_by(&self, deadline: Instant) -> Result<bool, NetworkError> {
+        let recorded = self.recorded.get();
+        if recorded < CALLS_AHEAD {
+            return Ok(true);
+        }
+        let event = &self.events[recorded % CALLS_AHEAD];
+        loop {
+            if event
+                .try_is_complete()
+                .context("querying a call's end event")?
+            {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Records the end of the call whose return steps `stream` was given last.
+    pub(crate) fn record(&self, stream: &CudaStream) -> Result<(), NetworkError> {
+        let recorded = self.recorded.get();
+        self.events[recorded % CALLS_AHEAD]
+            .record(stream)
+            .context("recording a call's end")?;
+        self.recorded.set(recorded + 1);
+        Ok(())
+    }
+}
+
 /// The metadata step of calls of one tokens bound, resolved.
 struct MetadataStep {
     tokens_bound: u32,
@@ -635,6 +698,8 @@ pub struct NetworkPath {
     /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
     /// return chunk), recorded after the step: where a stalled call stopped.
     done: Vec<CudaEvent>,
+    /// The ends of the last calls: how far the host may run ahead of the stream.
+    ends: CallEnds,
     limit: Duration,
     /// Calls whose steps were enqueued since the last wait: the host's bound is one
     /// `limit` per call, so that a backlog of calls (a bench's timed loop) that runs at
@@ -671,6 +736,7 @@ impl NetworkPath {
             buffers.rows_sources(network)?.to_vec(),
         )?;
         let done = step_events(&stream, network)?;
+        let ends = CallEnds::new(&stream)?;
         Ok(NetworkPath {
             comm,
             stream,
@@ -682,6 +748,7 @@ impl NetworkPath {
             enqueued: RefCell::new(Vec::new()),
             rows,
             done,
+            ends,
             limit: Duration::from_millis(network.wait_limit_ms),
             calls_outstanding: Cell::new(0),
         })
@@ -777,6 +844,18 @@ impl NetworkPath {
         Ok(())
     }
 
+    /// Before a call is enqueued: waits (at most the plan's bound) until the stream holds
+    /// fewer than [`CALLS_AHEAD`] calls; past the bound the oldest stalled
+    /// ([`NetworkError::Stalled`], naming the first unfinished step of the last call: every
+    /// step after the stall is unfinished).
+    pub(crate) fn make_room(&self) -> Result<(), NetworkError> {
+        self.refuse_if_abandoned()?;
+        if self.ends.oldest_ended_by(Instant::now() + self.limit)? {
+            return Ok(());
+        }
+        Err(self.stalled(self.limit))
+    }
+
     /// Enqueues the metadata step of the call of `epoch`, in which no rank passes more than
     /// `tokens_bound` tokens (the same bound on every rank: see
     /// [`NetworkPlan::metadata_step`]), after the flags the kernels release for it, then the
@@ -852,7 +931,9 @@ impl NetworkPath {
     /// waits for this rank's combine to release its partials).
     pub(crate) fn enqueue_results(&self, epoch: u32) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        let enqueued = self.enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }));
+        let enqueued = self
+            .enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }))
+            .and_then(|()| self.ends.record(&self.stream));
         self.abandon_on_error(enqueued)
     }
 

@@ -1546,9 +1546,16 @@ fn plan_as_sized(
                 "the loopback's device copies (emulated nodes: the steps NCCL would run)"
             }
         };
+        let sizing = if network.whole_chunks_up_to >= shape.max_tokens {
+            "every call moves whole chunks, sized on the host (no host wait for the routing, a few bytes more than the routed rows)".to_string()
+        } else {
+            format!(
+                "above the whole-chunks bound ({} tokens) the host waits once per call (while the communication kernels run) for the rows per chunk read back after the metadata step, sizes the rows' and results' transfers by them and enqueues the compute kernels after the rows' transfers (a device-initiated transport would need no wait; calls within the bound move whole chunks, sized on the host)",
+                network.whole_chunks_up_to
+            )
+        };
         limitations.push(format!(
-            "ranks on other nodes exchange through {carrier}, whose counts must be on the host while the routing is on the device: above the whole-chunks bound ({} tokens) the host waits once per call (while the communication kernels run) for the rows per chunk read back after the metadata step, sizes the rows' and results' transfers by them and enqueues the compute kernels after the rows' transfers (a device-initiated transport would need no wait; calls within the bound move whole chunks, sized on the host); a rank's call moves at most {} across the network (the receive index to its {} network peers; rows and node partials to its {} rail peers, one per other node, should every token visit every node) at a bound of max_tokens, the default until the ranks agree on a smaller one, and at most {} at one token; the network's outboxes and inboxes take {} per rank",
-            network.whole_chunks_up_to,
+            "ranks on other nodes exchange through {carrier}, whose counts must be on the host while the routing is on the device: {sizing}; a rank's call moves at most {} across the network (the receive index to its {} network peers; rows and node partials to its {} rail peers, one per other node, should every token visit every node) at a bound of max_tokens, the default until the ranks agree on a smaller one, and at most {} at one token; the network's outboxes and inboxes take {} per rank",
             describe::decimal_bytes(network.call_bytes),
             network.peers_per_rank,
             network.other_nodes(),

@@ -565,7 +565,8 @@ impl NetworkPlan {
     }
 
     /// The groups of a call on `rank` after its metadata, `rows` saying what each chunk
-    /// carries (read back once the metadata step is done): a dispatch step per chunk the
+    /// carries (read back once the metadata step is done, or [`ChunkRows::full`] for a call
+    /// moving whole chunks): a dispatch step per chunk the
     /// bound spans, then as many return steps, both between rail peers only, each moving
     /// exactly the chunk's rows (a transfer of none is left out on both sides, which know
     /// the same count), packed from the chunk's first row on.
@@ -660,7 +661,8 @@ fn flag(buffer: BufferId, index: u64) -> FlagRef {
 /// (`NetSendRows`), and what each rail peer's counted for this node (`RecvRows`, brought by
 /// the metadata step). NCCL needs every count on the host when a transfer is enqueued, and
 /// the routing is on the device: the host reads both back once the metadata step is done
-/// (one wait per call), then [`NetworkPlan::chunk_steps`] sizes each transfer by them.
+/// (one wait per call), then [`NetworkPlan::chunk_steps`] sizes each transfer by them; a
+/// call moving whole chunks takes [`ChunkRows::full`] instead (the counts then go unread).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkRows {
     chunks: u32,
