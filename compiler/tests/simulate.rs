@@ -223,6 +223,49 @@ fn the_as_built_schedule_moves_routed_chunks_across_nodes() {
     );
 }
 
+/// As built, a call within the plan's whole-chunks bound (DeepSeek-V3 at EP = 64: 4 tokens
+/// per rank) skips the host's read-back of the rows per chunk and sends every token's row
+/// instead: faster than the same call moving the routed rows (`whole_chunks = 0`), by at
+/// most the read-back, with more bytes on the network port.
+#[test]
+fn whole_chunks_trade_the_read_back_for_bytes() {
+    let planned_layer = layer("deepseek_v3_ep64");
+    let mut routed_layer = planned_layer.clone();
+    routed_layer.schedule.whole_chunks = Some(0);
+    let as_built = |layer: &ir::Layer| {
+        let (plan, topology) = planned(layer);
+        assert_eq!(
+            plan.expert_parallel
+                .as_ref()
+                .unwrap()
+                .network
+                .as_ref()
+                .unwrap()
+                .whole_chunks_up_to,
+            if layer.schedule.whole_chunks == Some(0) {
+                0
+            } else {
+                4
+            }
+        );
+        simulate::simulate(&plan, &topology, &options(1, Routing::Uniform))
+            .unwrap()
+            .schedules
+            .into_iter()
+            .find(|s| s.schedule == Schedule::AsBuilt)
+            .expect("the as-built schedule")
+    };
+    let (whole, routed) = (as_built(&planned_layer), as_built(&routed_layer));
+    let saved = routed.layer_s - whole.layer_s;
+    assert!(
+        saved > 0.0 && saved <= plan::network::HOST_READBACK_S,
+        "{} vs {} s",
+        whole.layer_s,
+        routed.layer_s
+    );
+    assert!(whole.network_s > routed.network_s);
+}
+
 /// Each rank runs the shared slices on its own tokens: the same plan without them
 /// simulates less GEMM time, and the same pairs cross the links.
 #[test]

@@ -506,14 +506,35 @@ impl<'a> Machine<'a> {
     /// As built across nodes, when the chunk steps are on the network stream: the
     /// metadata's arrival from the farthest rail peer, then, where the call moves the
     /// routed rows, the host's read-back of the rows per chunk ([`HOST_READBACK_S`]). No
-    /// row crosses the network before. (Whole chunks' bytes beyond the routed rows are not
-    /// modelled: the plan moves them only where they cost less than the read-back.)
+    /// row crosses the network before.
     fn chunk_steps_enqueued(&self) -> f64 {
-        let readback = match &self.ep.network {
-            Some(network) if network.moves_whole_chunks(self.traffic.tokens_per_rank) => 0.0,
-            _ => HOST_READBACK_S,
+        let readback = if self.moves_whole_chunks() {
+            0.0
+        } else {
+            HOST_READBACK_S
         };
         self.metadata_released() + self.latency(Class::Network) + readback
+    }
+
+    /// Whether the call, as built across nodes, moves whole chunks (the plan's choice at
+    /// its bound, every rank's tokens per rank).
+    fn moves_whole_chunks(&self) -> bool {
+        self.ep
+            .network
+            .as_ref()
+            .is_some_and(|network| network.moves_whole_chunks(self.traffic.tokens_per_rank))
+    }
+
+    /// The rows the network carries from `origin` to another node for `visiting` rows of
+    /// its tokens, as built: those rows, or with whole chunks every token's row up to the
+    /// bound. (Whole chunks to a node no token of the origin visits are left out: the
+    /// simulation has no item for them.)
+    fn network_rows(&self, visiting: u32) -> u32 {
+        if self.moves_whole_chunks() {
+            self.traffic.tokens_per_rank.max(visiting)
+        } else {
+            visiting
+        }
     }
 
     /// Runs every rank's communication blocks over its queue from `start[rank]`.
@@ -557,13 +578,31 @@ impl<'a> Machine<'a> {
                         // another block but taken later queues behind it (items are alike
                         // in size, so little is lost).
                         let staged = now + bytes / COMM_BLOCK_BYTES_PER_S;
-                        let sendable = if schedule == Schedule::AsBuilt {
-                            staged.max(self.chunk_steps_enqueued())
-                        } else {
-                            staged
+                        let (sendable, wire_bytes) = match (schedule, item.to) {
+                            // As built, whole chunks carry every token's row: this item's
+                            // share of them.
+                            (Schedule::AsBuilt, To::Node { node, .. }) => {
+                                let visiting = self.traffic.tokens_to_node(item.origin, node);
+                                let carried = self.network_rows(visiting);
+                                (
+                                    staged.max(self.chunk_steps_enqueued()),
+                                    bytes * f64::from(carried) / f64::from(visiting.max(1)),
+                                )
+                            }
+                            (Schedule::AsBuilt, To::Rank(_)) => {
+                                (staged.max(self.chunk_steps_enqueued()), bytes)
+                            }
+                            _ => (staged, bytes),
                         };
                         (
-                            self.transfer(ports, sendable, rank, first_hop, bytes, f64::INFINITY),
+                            self.transfer(
+                                ports,
+                                sendable,
+                                rank,
+                                first_hop,
+                                wire_bytes,
+                                f64::INFINITY,
+                            ),
                             staged,
                         )
                     } else {
@@ -1465,7 +1504,8 @@ impl<'a> Machine<'a> {
             let ready = node_done + sums;
             passes_end[relay as usize] = passes_end[relay as usize].max(ready);
             for s in origins {
-                let bytes = f64::from(self.traffic.tokens_to_node(s, node)) * self.row_bytes;
+                let visiting = self.traffic.tokens_to_node(s, node);
+                let bytes = f64::from(self.network_rows(visiting)) * self.row_bytes;
                 let done = self.transfer(ports, ready, relay, s, bytes, f64::INFINITY);
                 at[s as usize] = at[s as usize].max(done + self.latency(self.class(relay, s)));
             }

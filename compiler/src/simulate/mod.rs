@@ -23,7 +23,8 @@
 //!   the kernels run): the topology-aware exchange (each other node gets the rows of the
 //!   tokens visiting it, as the routed chunk steps move them, none before the host has read
 //!   the rows per chunk back: `plan::network::HOST_READBACK_S` after the metadata's
-//!   arrival, none where the plan moves whole chunks at the call's bound; the host enqueues
+//!   arrival, none where the plan moves whole chunks at the call's bound, whose rows of
+//!   every token up to the bound then cross instead of the visiting ones; the host enqueues
 //!   the compute kernels after those steps, so arrange waits for it too),
 //!   GEMM2 after GEMM1, and results as rank partials stored at the relay of the origin's
 //!   rail, summed there once every rank of the node has stored, then the node partials of
