@@ -398,14 +398,16 @@ impl CallEnds {
         })
     }
 
-    /// Whether the call `CALLS_AHEAD` before the next one has ended by `deadline` (polled;
-    /// true when fewer calls were recorded).
+    /// Whether the call `CALLS_AHEAD` before the next one has ended by `deadline` (polled
+    /// as a read-back is, spinning first: the calls queued behind it may be short; true when
+    /// fewer calls were recorded).
     pub(crate) fn oldest_ended_by(&self, deadline: Instant) -> Result<bool, NetworkError> {
         let recorded = self.recorded.get();
         if recorded < CALLS_AHEAD {
             return Ok(true);
         }
         let event = &self.events[recorded % CALLS_AHEAD];
+        let spin_until = Instant::now() + READBACK_SPIN;
         loop {
             if event
                 .try_is_complete()
@@ -413,10 +415,15 @@ impl CallEnds {
             {
                 return Ok(true);
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return Ok(false);
             }
-            std::thread::sleep(Duration::from_micros(200));
+            if now < spin_until {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
         }
     }
 
