@@ -368,6 +368,27 @@ pub(crate) fn step_events(
     Ok(events)
 }
 
+/// Whether `event` (the end of `what`) has completed by `deadline`: polled, spinning for
+/// [`READBACK_SPIN`] (the host waits for it on the path of a call), then sleeping between
+/// polls, so the host never blocks on a stream that may wait for a lost peer.
+fn event_done_by(event: &CudaEvent, deadline: Instant, what: &str) -> Result<bool, NetworkError> {
+    let spin_until = Instant::now() + READBACK_SPIN;
+    loop {
+        if event.try_is_complete().context(format!("polling {what}"))? {
+            return Ok(true);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(false);
+        }
+        if now < spin_until {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
 /// Calls a network stream may hold before the host enqueues another: past them the host
 /// waits (bounded) for the oldest to end. A call moving whole chunks has no host wait of
 /// its own, and a stream waiting for a lost peer never drains: this bounds how far the
@@ -399,32 +420,18 @@ impl CallEnds {
     }
 
     /// Whether the call `CALLS_AHEAD` before the next one has ended by `deadline` (polled
-    /// as a read-back is, spinning first: the calls queued behind it may be short; true when
-    /// fewer calls were recorded).
+    /// as a read-back is: the calls queued behind it may be short; true when fewer calls
+    /// were recorded).
     pub(crate) fn oldest_ended_by(&self, deadline: Instant) -> Result<bool, NetworkError> {
         let recorded = self.recorded.get();
         if recorded < CALLS_AHEAD {
             return Ok(true);
         }
-        let event = &self.events[recorded % CALLS_AHEAD];
-        let spin_until = Instant::now() + READBACK_SPIN;
-        loop {
-            if event
-                .try_is_complete()
-                .context("querying a call's end event")?
-            {
-                return Ok(true);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(false);
-            }
-            if now < spin_until {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        }
+        event_done_by(
+            &self.events[recorded % CALLS_AHEAD],
+            deadline,
+            "a call's end",
+        )
     }
 
     /// Records the end of the call whose return steps `stream` was given last.
@@ -527,38 +534,26 @@ impl HostReadback {
     /// Each source's words from the copies enqueued last, once they are done by
     /// `deadline` (polled); `None` past it.
     pub(crate) fn read_by(&self, deadline: Instant) -> Result<Option<Vec<Vec<u32>>>, NetworkError> {
-        let spin_until = Instant::now() + READBACK_SPIN;
-        loop {
-            if self
-                .copied
-                .try_is_complete()
-                .context(format!("polling the copy of {}", self.what))?
-            {
-                let mut at = 0;
-                let counts = self
-                    .sources
-                    .iter()
-                    .map(|&(_, elems)| {
-                        // SAFETY: the copies into these elements are done, and the next are
-                        // enqueued only after this returns (by the same thread).
-                        let counts =
-                            unsafe { std::slice::from_raw_parts(self.host.add(at), elems) };
-                        at += elems;
-                        counts.to_vec()
-                    })
-                    .collect();
-                return Ok(Some(counts));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(None);
-            }
-            if now < spin_until {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(100));
-            }
+        if !event_done_by(
+            &self.copied,
+            deadline,
+            &format!("the copy of {}", self.what),
+        )? {
+            return Ok(None);
         }
+        let mut at = 0;
+        let counts = self
+            .sources
+            .iter()
+            .map(|&(_, elems)| {
+                // SAFETY: the copies into these elements are done, and the next are enqueued
+                // only after this returns (by the same thread).
+                let counts = unsafe { std::slice::from_raw_parts(self.host.add(at), elems) };
+                at += elems;
+                counts.to_vec()
+            })
+            .collect();
+        Ok(Some(counts))
     }
 }
 
