@@ -32,13 +32,18 @@ pub enum Routing {
     /// are never chosen, so that they get no rows. Needs E ≥ K + 3 (see
     /// [`Routing::fits`]).
     EmptyExperts,
+    /// Pair j of token t goes to expert (t·K + j) mod E: every expert gets ⌊T·K/E⌋ or
+    /// ⌈T·K/E⌉ rows, the best case for filling row tiles (against `Uniform`, it tells
+    /// what the row tiles an expert's spread of rows leaves part empty cost). Weights
+    /// and activations are `Uniform`'s of the same seed.
+    Balanced,
 }
 
 impl Routing {
     /// Whether this routing can give every token K distinct experts of `shape`.
     pub fn fits(self, shape: &LayerShape) -> bool {
         match self {
-            Routing::Uniform | Routing::Skewed => shape.experts >= shape.top_k,
+            Routing::Uniform | Routing::Skewed | Routing::Balanced => shape.experts >= shape.top_k,
             Routing::EmptyExperts => shape.experts >= shape.top_k + 3,
         }
     }
@@ -80,7 +85,7 @@ impl Workload {
         );
         let mut x = Vec::with_capacity(tokens as usize * shape.hidden as usize);
         let first = (routing == Routing::Skewed).then_some(0);
-        let choices = inputs::draw_call(
+        let mut choices = inputs::draw_call(
             shape.hidden,
             tokens,
             shape.top_k,
@@ -89,6 +94,11 @@ impl Workload {
             seed,
             |value| x.push(bf16::from_f32(value)),
         );
+        if routing == Routing::Balanced {
+            for (pair, id) in choices.topk_ids.iter_mut().enumerate() {
+                *id = (pair % shape.experts as usize) as i32;
+            }
+        }
         Workload {
             tokens,
             x,
@@ -126,7 +136,12 @@ mod tests {
 
     #[test]
     fn choices_are_distinct_in_range_and_weights_sum_to_one() {
-        for routing in [Routing::Uniform, Routing::Skewed, Routing::EmptyExperts] {
+        for routing in [
+            Routing::Uniform,
+            Routing::Skewed,
+            Routing::EmptyExperts,
+            Routing::Balanced,
+        ] {
             let w = Workload::random(&shape(), 50, routing, 7);
             assert_eq!(w.x.len(), 50 * 64);
             for t in 0..50 {
@@ -146,6 +161,19 @@ mod tests {
         let a = Workload::random(&shape(), 5, Routing::Uniform, 1);
         let b = Workload::random(&shape(), 5, Routing::Uniform, 2);
         assert_ne!(a.x, b.x, "different seeds give different data");
+    }
+
+    #[test]
+    fn balanced_routing_gives_every_expert_its_share_of_rows() {
+        // 50 tokens × 3 pairs over 8 experts: 150 = 8 × 18 + 6, so six experts get 19 rows.
+        let w = Workload::random(&shape(), 50, Routing::Balanced, 7);
+        let mut rows = [0; 8];
+        for &id in &w.topk_ids {
+            rows[id as usize] += 1;
+        }
+        assert_eq!(rows, [19, 19, 19, 19, 19, 19, 18, 18]);
+        let uniform = Workload::random(&shape(), 50, Routing::Uniform, 7);
+        assert_eq!((w.x, w.topk_weights), (uniform.x, uniform.topk_weights));
     }
 
     #[test]

@@ -106,6 +106,9 @@ pub enum RoutingArg {
     Uniform,
     /// Every token's first choice is expert 0.
     Skewed,
+    /// Token t's pairs go to experts t·K, t·K + 1, … (mod E): every expert gets T·K/E rows
+    /// (±1), the best case for filling row tiles.
+    Balanced,
 }
 
 impl From<RoutingArg> for Routing {
@@ -113,6 +116,7 @@ impl From<RoutingArg> for Routing {
         match arg {
             RoutingArg::Uniform => Routing::Uniform,
             RoutingArg::Skewed => Routing::Skewed,
+            RoutingArg::Balanced => Routing::Balanced,
         }
     }
 }
@@ -596,5 +600,6 @@ pub fn routing_name(routing: RoutingArg) -> &'static str {
     match routing {
         RoutingArg::Uniform => "uniform",
         RoutingArg::Skewed => "skewed",
+        RoutingArg::Balanced => "balanced",
     }
 }
