@@ -26,16 +26,16 @@ use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cudarc::driver::CudaStream;
 use cudarc::driver::sys as driver;
-use cudarc::driver::{CudaEvent, CudaStream};
 use moeforge_compiler::plan::ep::ExpertParallelPlan;
 use moeforge_compiler::plan::network::{ChunkRows, NetworkPlan, NetworkStep, StepKind};
 use moeforge_compiler::plan::{BufferId, LayerShape};
 
 use crate::gpu::DriverContext;
 use crate::network::{
-    CallEnds, HostReadback, NetworkError, ROWS_PER_CHUNK, ResolvedStep, StepBuffers, drain,
-    idle_by, release_flags, step_events, stream_op, stream_wait_value, stream_write_value,
+    CallsInFlight, HostReadback, NetworkError, ROWS_PER_CHUNK, ResolvedStep, StepBuffers, drain,
+    idle_by, release_flags, stream_op, stream_wait_value, stream_write_value,
 };
 
 /// How long a stall's report waits for the read of the stalled step's flags.
@@ -271,16 +271,13 @@ pub(crate) struct LoopbackPath {
     /// Where 2D copies may run: every rank's buffers.
     ranges: BufferRanges,
     metadata: RefCell<LoopbackMetadata>,
-    /// The current call's steps, in stream order: the last call's chunk steps and this
-    /// call's metadata until this call's chunk steps replace them, its return steps listed
-    /// before they are enqueued (a stall releases their flags).
-    enqueued: RefCell<Vec<LoopbackStep>>,
     /// Every rank's rows per chunk (its `NetSendRows`, then its `RecvRows`), copied back
     /// after each metadata step.
     rows: HostReadback,
-    done: Vec<CudaEvent>,
-    /// The ends of the last calls: how far the host may run ahead of the stream.
-    ends: CallEnds,
+    /// The steps of the calls in flight, the events after them and the calls' ends: how
+    /// far the host may run ahead of the stream, where a stall is, and the flags a stall
+    /// releases.
+    calls: CallsInFlight<LoopbackStep>,
     limit: Duration,
     calls_outstanding: Cell<u32>,
     /// The epoch of the last call enqueued: what a stalled call's flags are released with.
@@ -324,8 +321,7 @@ impl LoopbackPath {
             sources.extend(rank_buffers.rows_sources(network)?);
         }
         let rows = HostReadback::new(&stream, ROWS_PER_CHUNK, sources)?;
-        let done = step_events(&stream, network)?;
-        let ends = CallEnds::new(&stream)?;
+        let calls = CallsInFlight::new(&stream, network)?;
         Ok(LoopbackPath {
             stream,
             side,
@@ -335,10 +331,8 @@ impl LoopbackPath {
             buffers,
             ranges,
             metadata: RefCell::new(metadata),
-            enqueued: RefCell::new(Vec::new()),
             rows,
-            done,
-            ends,
+            calls,
             limit: Duration::from_millis(network.wait_limit_ms),
             calls_outstanding: Cell::new(0),
             last_epoch: Cell::new(0),
@@ -381,7 +375,7 @@ impl LoopbackPath {
     /// stall [`LoopbackPath::wait`] reports.
     pub(crate) fn make_room(&self) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        if self.ends.oldest_ended_by(Instant::now() + self.limit)? {
+        if self.calls.oldest_ended_by(Instant::now() + self.limit)? {
             return Ok(());
         }
         Err(self.recover(self.limit)?)
@@ -402,11 +396,7 @@ impl LoopbackPath {
             .set(self.calls_outstanding.get().saturating_add(1));
         self.last_epoch.set(epoch);
         let metadata = self.metadata.borrow();
-        {
-            let mut enqueued = self.enqueued.borrow_mut();
-            enqueued.retain(|step| step.kind != StepKind::Metadata);
-            enqueued.push(metadata.step.clone());
-        }
+        self.calls.begin(epoch, metadata.step.clone());
         self.bind()?;
         self.enqueue_step(&metadata.step, epoch)?;
         if self.network.moves_whole_chunks(tokens_bound) {
@@ -439,11 +429,7 @@ impl LoopbackPath {
                 &rows[rank as usize],
             )
         })?;
-        {
-            let mut call = self.enqueued.borrow_mut();
-            call.retain(|step| step.kind == StepKind::Metadata);
-            call.extend(steps);
-        }
+        self.calls.extend(steps);
         self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
     }
 
@@ -485,7 +471,7 @@ impl LoopbackPath {
         self.calls_outstanding
             .set(self.calls_outstanding.get().max(1));
         self.enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }))?;
-        self.ends.record(&self.stream)
+        self.calls.record_end(&self.stream)
     }
 
     /// The stream memory operations are raw driver calls: they resolve their addresses in
@@ -501,7 +487,7 @@ impl LoopbackPath {
     /// Enqueues the chunk steps of the current call whose kind is `chosen`.
     fn enqueue(&self, epoch: u32, chosen: impl Fn(&StepKind) -> bool) -> Result<(), NetworkError> {
         self.bind()?;
-        for step in self.enqueued.borrow().iter().filter(|s| chosen(&s.kind)) {
+        for step in self.calls.steps().iter().filter(|s| chosen(&s.kind)) {
             self.enqueue_step(step, epoch)?;
         }
         Ok(())
@@ -552,7 +538,7 @@ impl LoopbackPath {
             &step.release,
             epoch,
             &step.kind,
-            &self.done[step.position],
+            self.calls.done(step.position),
         )
     }
 
@@ -567,19 +553,24 @@ impl LoopbackPath {
         }
     }
 
-    /// After a stall of `bound`: the error naming it, once the enqueued steps' flags were
-    /// released from the side stream so that the loopback stream drains (else it is
-    /// abandoned).
+    /// After a stall of `bound`: the error naming it, once the flags of every step of the
+    /// calls in flight were released (with the last call's epoch: the waits are for at
+    /// least their call's) from the side stream so that the loopback stream drains (else it
+    /// is abandoned).
     fn recover(&self, bound: Duration) -> Result<NetworkError, NetworkError> {
         // Reading and writing flags below are raw driver calls on the side stream.
         self.bind()?;
         let stalled = self.stalled(bound);
         let epoch = self.last_epoch.get();
-        for step in self.enqueued.borrow().iter() {
+        let mut released = Ok(());
+        self.calls.for_each_step(|step| {
             for &(_, flag) in &step.wait_for {
-                stream_write_value(&self.side, flag, epoch, &step.kind)?;
+                if released.is_ok() {
+                    released = stream_write_value(&self.side, flag, epoch, &step.kind);
+                }
             }
-        }
+        });
+        released?;
         if !idle_by(&self.stream, Instant::now() + self.limit)? {
             self.abandoned.set(true);
         }
@@ -587,28 +578,24 @@ impl LoopbackPath {
         Ok(stalled)
     }
 
-    /// The error of a stall after `bound`: the first step not done and the ranks whose
-    /// flags it still waits for.
+    /// The error of a stall after `bound`: the first step not done, from the oldest call
+    /// in flight on, and the ranks whose flags it still waits for.
     fn stalled(&self, bound: Duration) -> NetworkError {
-        let enqueued = self.enqueued.borrow();
-        let step = enqueued
-            .iter()
-            .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false));
-        let Some(step) = step else {
+        let Some(stalled) = self.calls.first_unfinished(|s| s.position) else {
             return NetworkError::LoopbackStalled {
-                step: "the call's last step".to_string(),
+                step: "the last call's last step".to_string(),
                 ranks: "none known".to_string(),
                 seconds: bound.as_secs_f64(),
             };
         };
-        let epoch = self.last_epoch.get();
+        let step = &stalled.step;
         let ranks = match self.read_flags(&step.wait_for) {
             Some(values) => {
                 let mut ranks: Vec<String> = step
                     .wait_for
                     .iter()
                     .zip(values)
-                    .filter(|&(_, value)| (value.wrapping_sub(epoch) as i32) < 0)
+                    .filter(|&(_, value)| (value.wrapping_sub(stalled.epoch) as i32) < 0)
                     .map(|(&(rank, _), _)| rank.to_string())
                     .collect();
                 ranks.dedup();
@@ -621,7 +608,7 @@ impl LoopbackPath {
             None => "unknown (their flags could not be read in time)".to_string(),
         };
         NetworkError::LoopbackStalled {
-            step: step.kind.to_string(),
+            step: format!("{} ({})", step.kind, stalled.call()),
             ranks,
             seconds: bound.as_secs_f64(),
         }

@@ -25,8 +25,9 @@
 //!   cannot tell over every transport. `NetworkPath::wait` polls the network stream (and a
 //!   call's read-back of its rows per chunk polls their copy) until the plan's
 //!   `wait_limit_ms` per call enqueued since the last wait; past it, the
-//!   first unfinished step (by the event recorded after each) is a
-//!   [`NetworkError::Stalled`] naming this rank, the step and the peers it waits for. The
+//!   first unfinished step of the oldest call in flight (by the event recorded after each;
+//!   the host runs at most [`CALLS_AHEAD`] calls ahead, [`CallsInFlight`]) is a
+//!   [`NetworkError::Stalled`] naming this rank, the step, its call and the peers it waits for. The
 //!   path is then abandoned: its communicator is never destroyed (tearing it down is a
 //!   collective call of every rank on the node, the dead one too, and would wait for it)
 //!   and nothing more is enqueued on its stream.
@@ -51,11 +52,13 @@ use crate::gpu::{DriverContext, GpuError};
 #[derive(Debug, Error)]
 pub enum NetworkError {
     #[error(
-        "rank {rank}: the NCCL transfers of {step} with rank(s) {peers} did not finish within {seconds:.1} s (the plan's bound per call waited for); a peer on another node stopped or never sent. The network path is abandoned: rebuild the layer (this process's NCCL stream stays blocked on the transfer, so leave the process)"
+        "rank {rank}: the NCCL transfers of {step} ({call}) with rank(s) {peers} did not finish within {seconds:.1} s (the plan's bound per call waited for); a peer on another node stopped or never sent. The network path is abandoned: rebuild the layer (this process's NCCL stream stays blocked on the transfer, so leave the process)"
     )]
     Stalled {
         rank: u32,
         step: StepKind,
+        /// Which call in flight: the last, or how many calls before it.
+        call: String,
         peers: String,
         seconds: f64,
     },
@@ -352,22 +355,6 @@ pub(crate) struct ResolvedStep {
     pub(crate) position: usize,
 }
 
-/// Events, one per step of a call of max_tokens (the metadata, each dispatch chunk, each
-/// return chunk), recorded after the step: where a stalled call stopped.
-pub(crate) fn step_events(
-    stream: &CudaStream,
-    network: &NetworkPlan,
-) -> Result<Vec<CudaEvent>, NetworkError> {
-    let ctx = stream.context();
-    let events = (0..1 + 2 * network.chunks)
-        .map(|_| {
-            ctx.new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .context("creating a network step's event")
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(events)
-}
-
 /// Whether `event` (the end of `what`) has completed by `deadline`: polled, spinning for
 /// [`READBACK_SPIN`] (the host waits for it on the path of a call), then sleeping between
 /// polls, so the host never blocks on a stream that may wait for a lost peer.
@@ -395,54 +382,165 @@ fn event_done_by(event: &CudaEvent, deadline: Instant, what: &str) -> Result<boo
 /// host runs ahead of it and finds the stall in `forward`, within this many calls' bounds.
 pub(crate) const CALLS_AHEAD: usize = 4;
 
-/// The ends of the last [`CALLS_AHEAD`] calls' steps on a network stream (events recorded
-/// after each call's return steps), in a ring.
-pub(crate) struct CallEnds {
-    events: Vec<CudaEvent>,
-    /// Calls recorded so far; the next call's end goes to slot `recorded % CALLS_AHEAD`,
-    /// which holds the end of the call `CALLS_AHEAD` before it once that many were recorded.
-    recorded: Cell<usize>,
+/// One call's place in [`CallsInFlight`].
+struct CallSlot<S> {
+    epoch: Cell<u32>,
+    /// The call's steps in stream order (its metadata, then its chunk steps once they are
+    /// known, the return steps listed before they are enqueued).
+    steps: RefCell<Vec<S>>,
+    /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
+    /// return chunk), recorded after the step: where a stalled call stopped.
+    done: Vec<CudaEvent>,
+    /// Recorded after the call's return steps.
+    end: CudaEvent,
 }
 
-impl CallEnds {
-    pub(crate) fn new(stream: &CudaStream) -> Result<Self, NetworkError> {
+/// The last [`CALLS_AHEAD`] calls on a network stream (or the emulated nodes' loopback), in
+/// a ring: each call's steps, an event after each and one at its end. The host waits for
+/// the end of the call [`CALLS_AHEAD`] back before it begins another
+/// ([`CallsInFlight::oldest_ended_by`]), so a slot is reused only once its call is done;
+/// a stall is looked for from the oldest call in flight on, since every step after a
+/// stalled one waits behind it.
+pub(crate) struct CallsInFlight<S> {
+    slots: Vec<CallSlot<S>>,
+    /// Calls begun so far: the current call is in slot `(begun - 1) % CALLS_AHEAD`.
+    begun: Cell<usize>,
+}
+
+/// A step that a stall stopped at, and its call.
+pub(crate) struct StalledStep<'a, S> {
+    pub(crate) step: std::cell::Ref<'a, S>,
+    pub(crate) epoch: u32,
+    /// 0 for the last call begun, 1 for the one before it, …
+    pub(crate) calls_before_last: usize,
+}
+
+impl<S> StalledStep<'_, S> {
+    /// Which call, for errors.
+    pub(crate) fn call(&self) -> String {
+        match self.calls_before_last {
+            0 => "in the last call".to_string(),
+            1 => "in the call before the last".to_string(),
+            n => format!("in the call {n} before the last"),
+        }
+    }
+}
+
+impl<S> CallsInFlight<S> {
+    pub(crate) fn new(stream: &CudaStream, network: &NetworkPlan) -> Result<Self, NetworkError> {
         let ctx = stream.context();
-        let events = (0..CALLS_AHEAD)
+        let event = |what: &str| {
+            ctx.new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .context(format!("creating {what}"))
+        };
+        let slots = (0..CALLS_AHEAD)
             .map(|_| {
-                ctx.new_event(Some(driver::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .context("creating a call's end event")
+                Ok(CallSlot {
+                    epoch: Cell::new(0),
+                    steps: RefCell::new(Vec::new()),
+                    done: (0..1 + 2 * network.chunks)
+                        .map(|_| event("a network step's event"))
+                        .collect::<Result<_, _>>()?,
+                    end: event("a call's end event")?,
+                })
             })
-            .collect::<Result<_, _>>()?;
-        Ok(CallEnds {
-            events,
-            recorded: Cell::new(0),
+            .collect::<Result<_, NetworkError>>()?;
+        Ok(CallsInFlight {
+            slots,
+            begun: Cell::new(0),
         })
     }
 
     /// Whether the call `CALLS_AHEAD` before the next one has ended by `deadline` (polled
     /// as a read-back is: the calls queued behind it may be short; true when fewer calls
-    /// were recorded).
+    /// were begun).
     pub(crate) fn oldest_ended_by(&self, deadline: Instant) -> Result<bool, NetworkError> {
-        let recorded = self.recorded.get();
-        if recorded < CALLS_AHEAD {
+        let begun = self.begun.get();
+        if begun < CALLS_AHEAD {
             return Ok(true);
         }
         event_done_by(
-            &self.events[recorded % CALLS_AHEAD],
+            &self.slots[begun % CALLS_AHEAD].end,
             deadline,
             "a call's end",
         )
     }
 
-    /// Records the end of the call whose return steps `stream` was given last.
-    pub(crate) fn record(&self, stream: &CudaStream) -> Result<(), NetworkError> {
-        let recorded = self.recorded.get();
-        self.events[recorded % CALLS_AHEAD]
+    fn current(&self) -> &CallSlot<S> {
+        &self.slots[(self.begun.get() + CALLS_AHEAD - 1) % CALLS_AHEAD]
+    }
+
+    /// Begins the call of `epoch` with its first step (its metadata), in the slot of the
+    /// call `CALLS_AHEAD` before it.
+    pub(crate) fn begin(&self, epoch: u32, metadata: S) {
+        let slot = &self.slots[self.begun.get() % CALLS_AHEAD];
+        slot.epoch.set(epoch);
+        *slot.steps.borrow_mut() = vec![metadata];
+        self.begun.set(self.begun.get() + 1);
+    }
+
+    /// Adds the current call's chunk steps, once they are known.
+    pub(crate) fn extend(&self, steps: impl IntoIterator<Item = S>) {
+        self.current().steps.borrow_mut().extend(steps);
+    }
+
+    /// The current call's steps.
+    pub(crate) fn steps(&self) -> std::cell::Ref<'_, Vec<S>> {
+        self.current().steps.borrow()
+    }
+
+    /// The event recorded after the current call's step at `position`.
+    pub(crate) fn done(&self, position: usize) -> &CudaEvent {
+        &self.current().done[position]
+    }
+
+    /// Records the end of the current call (after its return steps on `stream`).
+    pub(crate) fn record_end(&self, stream: &CudaStream) -> Result<(), NetworkError> {
+        self.current()
+            .end
             .record(stream)
             .context("recording a call's end")?;
-        self.recorded.set(recorded + 1);
         Ok(())
     }
+
+    /// The calls in flight, oldest first, each with how many calls were begun after it.
+    fn in_flight(&self) -> impl Iterator<Item = (&CallSlot<S>, usize)> {
+        slots_oldest_first(self.begun.get()).map(|(slot, after)| (&self.slots[slot], after))
+    }
+
+    /// The first step not done, from the oldest call in flight on (`position` gives a
+    /// step's event); `None` where every step is done.
+    pub(crate) fn first_unfinished(
+        &self,
+        position: impl Fn(&S) -> usize,
+    ) -> Option<StalledStep<'_, S>> {
+        self.in_flight().find_map(|(slot, after)| {
+            let steps = slot.steps.borrow();
+            let index = steps
+                .iter()
+                .position(|s| !slot.done[position(s)].try_is_complete().unwrap_or(false))?;
+            Some(StalledStep {
+                step: std::cell::Ref::map(steps, |steps| &steps[index]),
+                epoch: slot.epoch.get(),
+                calls_before_last: after,
+            })
+        })
+    }
+
+    /// Every step of the calls in flight, oldest call first.
+    pub(crate) fn for_each_step(&self, mut each: impl FnMut(&S)) {
+        for (slot, _) in self.in_flight() {
+            slot.steps.borrow().iter().for_each(&mut each);
+        }
+    }
+}
+
+/// The slots of the calls in flight once `begun` calls were begun, oldest first, each with
+/// how many calls were begun after it.
+fn slots_oldest_first(begun: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..begun.min(CALLS_AHEAD))
+        .rev()
+        .map(move |after| ((begun - 1 - after) % CALLS_AHEAD, after))
 }
 
 /// The metadata step of calls of one tokens bound, resolved.
@@ -691,17 +789,11 @@ pub struct NetworkPath {
     buffers: StepBuffers,
     /// The metadata step of the last tokens bound enqueued.
     metadata: RefCell<MetadataStep>,
-    /// The current call's steps, in stream order: the last call's chunk steps and this
-    /// call's metadata until this call's chunk steps replace them, its return steps listed
-    /// before they are enqueued (where a stall is looked for).
-    enqueued: RefCell<Vec<ResolvedStep>>,
     /// This rank's rows per chunk, copied back after each metadata step.
     rows: HostReadback,
-    /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
-    /// return chunk), recorded after the step: where a stalled call stopped.
-    done: Vec<CudaEvent>,
-    /// The ends of the last calls: how far the host may run ahead of the stream.
-    ends: CallEnds,
+    /// The steps of the calls in flight, the events after them and the calls' ends: how
+    /// far the host may run ahead of the stream, and where a stall is.
+    calls: CallsInFlight<ResolvedStep>,
     limit: Duration,
     /// Calls whose steps were enqueued since the last wait: the host's bound is one
     /// `limit` per call, so that a backlog of calls (a bench's timed loop) that runs at
@@ -737,8 +829,7 @@ impl NetworkPath {
             ROWS_PER_CHUNK,
             buffers.rows_sources(network)?.to_vec(),
         )?;
-        let done = step_events(&stream, network)?;
-        let ends = CallEnds::new(&stream)?;
+        let calls = CallsInFlight::new(&stream, network)?;
         Ok(NetworkPath {
             comm,
             stream,
@@ -747,10 +838,8 @@ impl NetworkPath {
             shape: shape.clone(),
             buffers,
             metadata: RefCell::new(metadata),
-            enqueued: RefCell::new(Vec::new()),
             rows,
-            done,
-            ends,
+            calls,
             limit: Duration::from_millis(network.wait_limit_ms),
             calls_outstanding: Cell::new(0),
         })
@@ -848,11 +937,10 @@ impl NetworkPath {
 
     /// Before a call is enqueued: waits (at most the plan's bound) until the stream holds
     /// fewer than [`CALLS_AHEAD`] calls; past the bound the oldest stalled
-    /// ([`NetworkError::Stalled`], naming the first unfinished step of the last call: every
-    /// step after the stall is unfinished).
+    /// ([`NetworkError::Stalled`], naming its first unfinished step).
     pub(crate) fn make_room(&self) -> Result<(), NetworkError> {
         self.refuse_if_abandoned()?;
-        if self.ends.oldest_ended_by(Instant::now() + self.limit)? {
+        if self.calls.oldest_ended_by(Instant::now() + self.limit)? {
             return Ok(());
         }
         Err(self.stalled(self.limit))
@@ -878,11 +966,7 @@ impl NetworkPath {
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
         let metadata = self.metadata.borrow();
-        {
-            let mut enqueued = self.enqueued.borrow_mut();
-            enqueued.retain(|step| step.kind != StepKind::Metadata);
-            enqueued.push(metadata.step.clone());
-        }
+        self.calls.begin(epoch, metadata.step.clone());
         let enqueued = self.enqueue_step(&metadata.step, epoch).and_then(|()| {
             if self.network.moves_whole_chunks(metadata.tokens_bound) {
                 Ok(())
@@ -918,12 +1002,8 @@ impl NetworkPath {
                 tokens_bound,
                 &rows,
             );
-            let steps = self.buffers.resolve(steps, self.network.chunks)?;
-            {
-                let mut call = self.enqueued.borrow_mut();
-                call.retain(|step| step.kind == StepKind::Metadata);
-                call.extend(steps);
-            }
+            self.calls
+                .extend(self.buffers.resolve(steps, self.network.chunks)?);
             self.enqueue(epoch, |kind| matches!(kind, StepKind::Dispatch { .. }))
         });
         self.abandon_on_error(enqueued)
@@ -935,7 +1015,7 @@ impl NetworkPath {
         self.refuse_if_abandoned()?;
         let enqueued = self
             .enqueue(epoch, |kind| matches!(kind, StepKind::Return { .. }))
-            .and_then(|()| self.ends.record(&self.stream));
+            .and_then(|()| self.calls.record_end(&self.stream));
         self.abandon_on_error(enqueued)
     }
 
@@ -945,8 +1025,8 @@ impl NetworkPath {
             .context()
             .bind_to_thread()
             .context("binding the network stream's context")?;
-        self.enqueued
-            .borrow()
+        self.calls
+            .steps()
             .iter()
             .filter(|step| chosen(&step.kind))
             .try_for_each(|step| self.enqueue_step(step, epoch))
@@ -1008,7 +1088,7 @@ impl NetworkPath {
             &step.release,
             epoch,
             &step.kind,
-            &self.done[step.position],
+            self.calls.done(step.position),
         )
     }
 
@@ -1027,23 +1107,29 @@ impl NetworkPath {
     /// unfinished step; abandons the path.
     fn stalled(&self, bound: Duration) -> NetworkError {
         self.abandon();
-        let enqueued = self.enqueued.borrow();
-        let step = enqueued
-            .iter()
-            .find(|s| !self.done[s.position].try_is_complete().unwrap_or(false))
-            .or(enqueued.last());
-        let (kind, peers) = match step {
-            Some(step) => {
-                let mut peers: Vec<u32> = step.receives.iter().map(|r| r.0).collect();
-                peers.dedup();
-                let peers: Vec<String> = peers.iter().map(u32::to_string).collect();
-                (step.kind, peers.join(", "))
-            }
-            None => (StepKind::Metadata, String::new()),
+        let peers_of = |step: &ResolvedStep| {
+            let mut peers: Vec<u32> = step.receives.iter().map(|r| r.0).collect();
+            peers.dedup();
+            let peers: Vec<String> = peers.iter().map(u32::to_string).collect();
+            peers.join(", ")
+        };
+        // Every step may have finished by now (the bound passed just before): then the
+        // last one enqueued is named.
+        let (step, peers, call) = match self.calls.first_unfinished(|s| s.position) {
+            Some(stalled) => (stalled.step.kind, peers_of(&stalled.step), stalled.call()),
+            None => match self.calls.steps().last() {
+                Some(step) => (step.kind, peers_of(step), "in the last call".to_string()),
+                None => (
+                    StepKind::Metadata,
+                    String::new(),
+                    "in the last call".to_string(),
+                ),
+            },
         };
         NetworkError::Stalled {
             rank: self.comm.rank(),
-            step: kind,
+            step,
+            call,
             peers,
             seconds: bound.as_secs_f64(),
         }
@@ -1176,4 +1262,23 @@ pub(crate) fn stream_write_value(
     stream_op(result, "cuStreamWriteValue32", || {
         format!("releasing the flags of {what} (flag at {flag:#x})")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stall is looked for from the oldest call in flight on: the ring's slots in the
+    /// order their calls were begun, the last begun last.
+    #[test]
+    fn calls_in_flight_are_walked_oldest_first() {
+        assert_eq!(CALLS_AHEAD, 4, "the cases below are for a ring of 4");
+        let walk = |begun| slots_oldest_first(begun).collect::<Vec<_>>();
+        assert_eq!(walk(0), []);
+        assert_eq!(walk(1), [(0, 0)]);
+        assert_eq!(walk(3), [(0, 2), (1, 1), (2, 0)]);
+        assert_eq!(walk(4), [(0, 3), (1, 2), (2, 1), (3, 0)]);
+        // Calls 2..=5 in flight: call 4 took call 0's slot, call 5 call 1's.
+        assert_eq!(walk(6), [(2, 3), (3, 2), (0, 1), (1, 0)]);
+    }
 }
