@@ -18,9 +18,9 @@
 //!   enqueued. A stall is a flag no kernel released (a kernel fault): the error
 //!   names the step and the ranks whose flags are missing (read on a side stream, polled:
 //!   a bounded wait, as that read may queue behind the stall); the loopback then releases
-//!   those flags itself from the side stream so that its stream drains (the call's results
-//!   are wrong; the kernels' own time-outs follow in `take_error`, which restarts the
-//!   exchange) and the layer can be called again.
+//!   the flags of every call in flight itself from the side stream so that its stream
+//!   drains (those calls' results are wrong; the kernels' own time-outs follow in
+//!   `take_error`, which restarts the exchange) and the layer can be called again.
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -280,7 +280,8 @@ pub(crate) struct LoopbackPath {
     calls: CallsInFlight<LoopbackStep>,
     limit: Duration,
     calls_outstanding: Cell<u32>,
-    /// The epoch of the last call enqueued: what a stalled call's flags are released with.
+    /// The epoch of the last call enqueued: what a stall releases the flags of the calls in
+    /// flight with (each waits for at least its own call's).
     last_epoch: Cell<u32>,
     /// Set when even the released flags did not drain the stream: nothing more is
     /// enqueued, and the layer leaks its buffers rather than free them under it.
@@ -396,7 +397,8 @@ impl LoopbackPath {
             .set(self.calls_outstanding.get().saturating_add(1));
         self.last_epoch.set(epoch);
         let metadata = self.metadata.borrow();
-        self.calls.begin(epoch, metadata.step.clone());
+        self.calls
+            .begin(&self.stream, epoch, metadata.step.clone())?;
         self.bind()?;
         self.enqueue_step(&metadata.step, epoch)?;
         if self.network.moves_whole_chunks(tokens_bound) {

@@ -75,7 +75,7 @@ pub enum NetworkError {
         seconds: f64,
     },
     #[error(
-        "the loopback of emulated nodes waited {seconds:.1} s in {step} for the flags of rank(s) {ranks} (its staging, or its combine's partials), which no kernel released; it released them itself so that the layer can go on (this call's results are wrong; take_error reports the kernels' errors and restarts the exchange)"
+        "the loopback of emulated nodes waited {seconds:.1} s in {step} for the flags of rank(s) {ranks} (its staging, or its combine's partials), which no kernel released; it released them, and those of every call in flight, itself so that the layer can go on (the results of those calls are wrong; take_error reports the kernels' errors and restarts the exchange)"
     )]
     LoopbackStalled {
         step: String,
@@ -391,8 +391,11 @@ struct CallSlot<S> {
     /// One per step of a call of max_tokens (the metadata, each dispatch chunk, each
     /// return chunk), recorded after the step: where a stalled call stopped.
     done: Vec<CudaEvent>,
-    /// Recorded after the call's return steps.
+    /// Recorded after the call's return steps, or when the next call begins if the call
+    /// stopped short of them (an error while it was enqueued).
     end: CudaEvent,
+    /// Whether `end` was recorded for this slot's current call.
+    end_recorded: Cell<bool>,
 }
 
 /// The last [`CALLS_AHEAD`] calls on a network stream (or the emulated nodes' loopback), in
@@ -442,6 +445,7 @@ impl<S> CallsInFlight<S> {
                         .map(|_| event("a network step's event"))
                         .collect::<Result<_, _>>()?,
                     end: event("a call's end event")?,
+                    end_recorded: Cell::new(false),
                 })
             })
             .collect::<Result<_, NetworkError>>()?;
@@ -471,12 +475,24 @@ impl<S> CallsInFlight<S> {
     }
 
     /// Begins the call of `epoch` with its first step (its metadata), in the slot of the
-    /// call `CALLS_AHEAD` before it.
-    pub(crate) fn begin(&self, epoch: u32, metadata: S) {
+    /// call `CALLS_AHEAD` before it. A previous call that never recorded its end (an error
+    /// stopped it short of its return steps) gets it now, after what it enqueued on
+    /// `stream`, so that its slot is not taken while that part may still run.
+    pub(crate) fn begin(
+        &self,
+        stream: &CudaStream,
+        epoch: u32,
+        metadata: S,
+    ) -> Result<(), NetworkError> {
+        if self.begun.get() > 0 && !self.current().end_recorded.get() {
+            self.record_end(stream)?;
+        }
         let slot = &self.slots[self.begun.get() % CALLS_AHEAD];
         slot.epoch.set(epoch);
         *slot.steps.borrow_mut() = vec![metadata];
+        slot.end_recorded.set(false);
         self.begun.set(self.begun.get() + 1);
+        Ok(())
     }
 
     /// Adds the current call's chunk steps, once they are known.
@@ -496,10 +512,12 @@ impl<S> CallsInFlight<S> {
 
     /// Records the end of the current call (after its return steps on `stream`).
     pub(crate) fn record_end(&self, stream: &CudaStream) -> Result<(), NetworkError> {
-        self.current()
+        let current = self.current();
+        current
             .end
             .record(stream)
             .context("recording a call's end")?;
+        current.end_recorded.set(true);
         Ok(())
     }
 
@@ -966,7 +984,7 @@ impl NetworkPath {
         self.calls_outstanding
             .set(self.calls_outstanding.get().saturating_add(1));
         let metadata = self.metadata.borrow();
-        self.calls.begin(epoch, metadata.step.clone());
+        self.abandon_on_error(self.calls.begin(&self.stream, epoch, metadata.step.clone()))?;
         let enqueued = self.enqueue_step(&metadata.step, epoch).and_then(|()| {
             if self.network.moves_whole_chunks(metadata.tokens_bound) {
                 Ok(())
