@@ -26,9 +26,9 @@
 //!   call's read-back of its rows per chunk polls their copy) until the plan's
 //!   `wait_limit_ms` per call enqueued since the last wait; past it, the
 //!   first unfinished step of the oldest call in flight (by the event recorded after each;
-//!   the host runs at most [`CALLS_AHEAD`] calls ahead, [`CallsInFlight`]) is a
-//!   [`NetworkError::Stalled`] naming this rank, the step, its call and the peers it waits for. The
-//!   path is then abandoned: its communicator is never destroyed (tearing it down is a
+//!   the host runs at most `CALLS_AHEAD` calls ahead, `CallsInFlight`) is a
+//!   [`NetworkError::Stalled`] naming this rank, the step, its call and the peers it waits
+//!   for. The path is then abandoned: its communicator is never destroyed (tearing it down is a
 //!   collective call of every rank on the node, the dead one too, and would wait for it)
 //!   and nothing more is enqueued on its stream.
 
