@@ -134,6 +134,55 @@ mod tests {
         shipped().expect("tuning/shipped.json is a tuning table");
     }
 
+    /// Every shipped entry applies: planning the example it was tuned on, for its GPU,
+    /// takes it in the regime it was measured for. A planner change that moves a regime's
+    /// bounds would otherwise leave its entries unused without a word: re-tune then.
+    #[test]
+    fn every_shipped_entry_applies_to_its_example() {
+        use moeforge_compiler::plan::tuning::TunedShape;
+        use moeforge_compiler::plan::{self, Target};
+        let table = shipped().expect("tuning/shipped.json is a tuning table");
+        let mut applied = 0;
+        for example in [
+            "deepseek_v3",
+            "gpt_oss_120b",
+            "mixtral_8x7b",
+            "qwen3_30b_a3b",
+        ] {
+            let path = format!("{}/dsl-examples/{example}.moe", env!("CARGO_MANIFEST_DIR"));
+            let text = std::fs::read_to_string(&path).expect("a shipped example");
+            let module = moeforge_compiler::compile_source(&path, &text).expect("it checks");
+            for target in [Target::h200(), Target::h100()] {
+                let plan = plan::plan_tuned(&module.layers[0], &target, &table).expect("it plans");
+                let shape = TunedShape::of(&plan.shape);
+                let entries = table
+                    .entries
+                    .iter()
+                    .filter(|e| e.gpu == target.name && e.shape == shape)
+                    .count();
+                let tuned: Vec<_> = plan
+                    .regimes
+                    .iter()
+                    .filter(|r| r.tuned.is_some())
+                    .map(|r| (r.min_tokens, r.max_tokens))
+                    .collect();
+                assert_eq!(
+                    tuned.len(),
+                    entries,
+                    "{example} on the {}: {entries} shipped entries, but only the regimes {tuned:?} of {} take one",
+                    target.name,
+                    plan.regimes.len()
+                );
+                applied += entries;
+            }
+        }
+        assert_eq!(
+            applied,
+            table.entries.len(),
+            "a shipped entry is for no example on the H200 or the H100"
+        );
+    }
+
     #[test]
     fn a_missing_cache_is_empty_and_a_saved_one_reads_back() {
         let folder = std::env::temp_dir().join(format!("moeforge-tuning-{}", std::process::id()));
