@@ -6,7 +6,9 @@ use std::time::Instant;
 use moeforge_compiler::ir;
 use moeforge_compiler::plan::ep::CombineRoute;
 use moeforge_compiler::plan::{self, Plan, Target};
-use moeforge_compiler::simulate::{self, Options, Routing, Schedule, SimError, Topology};
+use moeforge_compiler::simulate::{
+    self, Options, Routing, Schedule, ScheduleReport, SimError, Topology,
+};
 
 fn layer(example: &str) -> ir::Layer {
     let path = format!(
@@ -30,6 +32,16 @@ fn options(tokens: u32, routing: Routing) -> Options {
         timeline_ranks: 0,
         fused_decode: false,
     }
+}
+
+/// `plan`'s prediction for `schedule` at `tokens` per rank, uniformly routed.
+fn simulated(plan: &Plan, topology: &Topology, tokens: u32, schedule: Schedule) -> ScheduleReport {
+    simulate::simulate(plan, topology, &options(tokens, Routing::Uniform))
+        .unwrap()
+        .schedules
+        .into_iter()
+        .find(|s| s.schedule == schedule)
+        .unwrap_or_else(|| panic!("the {schedule:?} schedule"))
 }
 
 #[test]
@@ -248,12 +260,7 @@ fn whole_chunks_trade_the_read_back_for_bytes() {
                 4
             }
         );
-        simulate::simulate(&plan, &topology, &options(1, Routing::Uniform))
-            .unwrap()
-            .schedules
-            .into_iter()
-            .find(|s| s.schedule == Schedule::AsBuilt)
-            .expect("the as-built schedule")
+        simulated(&plan, &topology, 1, Schedule::AsBuilt)
     };
     let (whole, routed) = (as_built(&planned_layer), as_built(&routed_layer));
     let saved = routed.layer_s - whole.layer_s;
@@ -274,14 +281,7 @@ fn shared_experts_add_gemm_time_on_every_rank_but_no_traffic() {
     assert_eq!(plan.shape.shared_slices, 1);
     let mut routed_only = plan.clone();
     routed_only.shape.shared_slices = 0;
-    let run = |plan: &Plan| {
-        simulate::simulate(plan, &topology, &options(512, Routing::Uniform))
-            .unwrap()
-            .schedules
-            .into_iter()
-            .find(|s| s.schedule == Schedule::BulkSynchronous)
-            .expect("the bulk-synchronous schedule")
-    };
+    let run = |plan: &Plan| simulated(plan, &topology, 512, Schedule::BulkSynchronous);
     let (with, without) = (run(&plan), run(&routed_only));
     assert!(
         with.compute_s > without.compute_s,
@@ -308,15 +308,8 @@ fn rank_partials_are_predicted_faster_where_a_rank_holds_several_pairs() {
     assert_eq!(ep.combine_route, CombineRoute::RankPartials);
     let mut pair_rows = plan.clone();
     pair_rows.expert_parallel.as_mut().unwrap().combine_route = CombineRoute::PairRows;
-    let layer_s = |plan: &Plan| {
-        let report = simulate::simulate(plan, &topology, &options(4096, Routing::Uniform)).unwrap();
-        report
-            .schedules
-            .iter()
-            .find(|s| s.schedule == Schedule::FineGrainedTopologyAware)
-            .expect("the topology-aware schedule")
-            .layer_s
-    };
+    let layer_s =
+        |plan: &Plan| simulated(plan, &topology, 4096, Schedule::FineGrainedTopologyAware).layer_s;
     let (partials, pairs) = (layer_s(&plan), layer_s(&pair_rows));
     assert!(
         partials < 0.95 * pairs,
@@ -336,13 +329,7 @@ fn virtual_ranks_share_their_device() {
     one_gpu.topology.virtual_ranks = Some(2);
     let compute_s = |layer: &ir::Layer| {
         let (plan, topology) = planned(layer);
-        simulate::simulate(&plan, &topology, &options(16, Routing::Uniform))
-            .unwrap()
-            .schedules
-            .into_iter()
-            .find(|s| s.schedule == Schedule::BulkSynchronous)
-            .expect("the bulk-synchronous schedule")
-            .compute_s
+        simulated(&plan, &topology, 16, Schedule::BulkSynchronous).compute_s
     };
     let ratio = compute_s(&one_gpu) / compute_s(&devices);
     // Without the sharing the model gave 1.77 (the virtual plan's smaller grids alone).

@@ -28,9 +28,9 @@
 //!   first unfinished step of the oldest call in flight (by the event recorded after each;
 //!   the host runs at most `CALLS_AHEAD` calls ahead, `CallsInFlight`) is a
 //!   [`NetworkError::Stalled`] naming this rank, the step, its call and the peers it waits
-//!   for. The path is then abandoned: its communicator is never destroyed (tearing it down is a
-//!   collective call of every rank on the node, the dead one too, and would wait for it)
-//!   and nothing more is enqueued on its stream.
+//!   for. The path is then abandoned: its communicator is never destroyed (tearing it down
+//!   is a collective call of every rank on the node, the dead one too, and would wait for
+//!   it) and nothing more is enqueued on its stream.
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void};

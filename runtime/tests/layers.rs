@@ -139,8 +139,8 @@ pub fn pinned(activation: Activation, tile: TileShape, stages: u32) -> Layer {
 
 /// A tiny gated layer with a shared expert whose FFN is wide enough (2560) that the planner
 /// sorts x's rows for GEMM1 (`RowLoad::Tiles` on sorted x) on an H200 and on an H100 (whose
-/// slower HBM makes the sort's copy dearer: it sorts from an FFN of about 1980 up, the H200 from about 1380), on
-/// hinted 128-row tiles in cluster pairs, up to 4096 tokens.
+/// slower HBM makes the sort's copy dearer: it sorts from an FFN of about 1980 up, the
+/// H200 from about 1380), on hinted 128-row tiles in cluster pairs, up to 4096 tokens.
 pub fn sorted_rows() -> Layer {
     let mut layer = tiny_with_shared_expert(Activation::Swiglu);
     layer.name = "sorted_rows_swiglu".into();

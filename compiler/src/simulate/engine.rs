@@ -578,21 +578,20 @@ impl<'a> Machine<'a> {
                         // another block but taken later queues behind it (items are alike
                         // in size, so little is lost).
                         let staged = now + bytes / COMM_BLOCK_BYTES_PER_S;
-                        let (sendable, wire_bytes) = match (schedule, item.to) {
-                            // As built, whole chunks carry every token's row: this item's
-                            // share of them.
+                        let sendable = if schedule == Schedule::AsBuilt {
+                            staged.max(self.chunk_steps_enqueued())
+                        } else {
+                            staged
+                        };
+                        let wire_bytes = match (schedule, item.to) {
+                            // As built, whole chunks carry every token's row to another
+                            // node: this item's share of them.
                             (Schedule::AsBuilt, To::Node { node, .. }) => {
                                 let visiting = self.traffic.tokens_to_node(item.origin, node);
                                 let carried = self.network_rows(visiting);
-                                (
-                                    staged.max(self.chunk_steps_enqueued()),
-                                    bytes * f64::from(carried) / f64::from(visiting.max(1)),
-                                )
+                                bytes * f64::from(carried) / f64::from(visiting.max(1))
                             }
-                            (Schedule::AsBuilt, To::Rank(_)) => {
-                                (staged.max(self.chunk_steps_enqueued()), bytes)
-                            }
-                            _ => (staged, bytes),
+                            _ => bytes,
                         };
                         (
                             self.transfer(
