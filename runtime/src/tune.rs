@@ -12,14 +12,15 @@
 
 use moeforge_compiler::ir::Layer;
 use moeforge_compiler::plan::tuning::{
-    TunedGemm, TunedRegime, TunedShape, TuningTable, ranked_candidates, same_shape,
-    single_gpu_problem,
+    TunedGemm, TunedRegime, TunedShape, TuningTable, ranked_candidates, same_output_tile,
+    same_shape, single_gpu_problem,
 };
 use moeforge_compiler::plan::{self, GemmKind, GemmPlan, Plan, PlanError, Target};
 
 use crate::bench::{BenchError, time_calls, uploaded_inputs};
 use crate::harness::Session;
 use crate::jit::CompiledKernels;
+use crate::layer::RoutedForwardArgs;
 use crate::workload::Routing;
 
 /// How `tune_layer` measures.
@@ -308,7 +309,8 @@ fn of_kind<'a>(kind: GemmKind, gemm1: &'a GemmPlan, gemm2: &'a GemmPlan) -> &'a 
 }
 
 /// What a GEMM's sweep times, in order: the current choice, the cost model's ranked
-/// candidates up to `count` in all, then the neighbouring regimes' GEMMs; each shape once.
+/// candidates up to `count` output tiles in all (a tile's two stage depths count once),
+/// then the neighbouring regimes' GEMMs; each shape once.
 fn candidate_list(
     current: &GemmPlan,
     ranked: Vec<GemmPlan>,
@@ -316,8 +318,16 @@ fn candidate_list(
     neighbours: Vec<GemmPlan>,
 ) -> Vec<GemmPlan> {
     let mut candidates = vec![current.clone()];
-    candidates.extend(ranked.into_iter().filter(|c| !same_shape(c, current)));
-    candidates.truncate(count.max(1));
+    let mut tiles = 1;
+    for candidate in ranked.into_iter().filter(|c| !same_shape(c, current)) {
+        if !candidates.iter().any(|c| same_output_tile(c, &candidate)) {
+            if tiles == count.max(1) {
+                break;
+            }
+            tiles += 1;
+        }
+        candidates.push(candidate);
+    }
     for neighbour in neighbours {
         if !candidates.iter().any(|c| same_shape(c, &neighbour)) {
             candidates.push(neighbour);
@@ -343,7 +353,12 @@ fn check_applied(candidate: &Plan, index: usize, layer: &Layer) -> Result<(), Tu
     })
 }
 
-/// The layer's median time per call at each of `tokens`, in µs (uniform routing).
+/// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
+/// the layer has a router (as it runs by default; the router's kernel before GEMM1 changes
+/// what the GEMMs around it cost: on one H100, 2026-12-05, Mixtral-8x7B's self-routed
+/// one-token call cost 23-28 µs over its caller-routed one behind a decode GEMM2 of four
+/// blocks per SM, 7.5-9 behind one of two, with the two GEMM2s level caller-routed), else
+/// calls on uniform routing.
 fn time_regime(
     session: &Session,
     plan: Plan,
@@ -359,7 +374,18 @@ fn time_regime(
         times.push(time_calls::<BenchError>(
             session,
             settings.iterations,
-            |i| Ok(session.forward(&built.layer, &mut inputs[i])?),
+            |i| {
+                let io = &mut inputs[i];
+                if built.layer.routes_itself() {
+                    Ok(built.layer.forward_routed(RoutedForwardArgs {
+                        tokens: io.tokens,
+                        x: &io.x,
+                        y: &mut io.y,
+                    })?)
+                } else {
+                    Ok(session.forward(&built.layer, io)?)
+                }
+            },
         )?);
         built.layer.take_error().map_err(BenchError::from)?;
     }
@@ -378,24 +404,31 @@ mod tests {
         assert_eq!(timed_tokens(0, 1), vec![1]);
     }
 
-    #[test]
-    fn the_neighbours_gemms_join_the_ranked_candidates_once_each() {
-        use moeforge_compiler::ir::{Activation, TileShape};
-        use moeforge_compiler::plan::LayerShape;
-        let shape = LayerShape {
+    fn small_shape() -> moeforge_compiler::plan::LayerShape {
+        moeforge_compiler::plan::LayerShape {
             hidden: 1024,
             ffn: 512,
             experts: 8,
             top_k: 2,
-            activation: Activation::Swiglu,
+            activation: moeforge_compiler::ir::Activation::Swiglu,
             expert_bias: false,
             max_tokens: 4096,
             shared_slices: 0,
             spec_ranks: 1,
             executed_ranks: 1,
-        };
+        }
+    }
+
+    #[test]
+    fn the_neighbours_gemms_join_the_ranked_candidates_once_each() {
+        use moeforge_compiler::ir::TileShape;
         let target = Target::h200();
-        let ranked = ranked_candidates(&target, &single_gpu_problem(&shape, GemmKind::Up), 1024, 6);
+        let ranked = ranked_candidates(
+            &target,
+            &single_gpu_problem(&small_shape(), GemmKind::Up),
+            1024,
+            6,
+        );
         assert!(ranked.len() >= 6);
         let current = ranked[1].clone();
         let list = candidate_list(
@@ -411,6 +444,31 @@ mod tests {
             [&ranked[1], &ranked[0], &ranked[2], &ranked[5]].map(tile)
         );
         assert_eq!(candidate_list(&current, ranked, 1, Vec::new()).len(), 1);
+    }
+
+    #[test]
+    fn a_tiles_two_stage_depths_count_as_one_candidate() {
+        let target = Target::h200();
+        // One token: the cost model ranks mma.sync tiles first, each with a deep twin.
+        let ranked = ranked_candidates(
+            &target,
+            &single_gpu_problem(&small_shape(), GemmKind::Up),
+            1,
+            4,
+        );
+        let current = ranked[0].clone();
+        let list = candidate_list(&current, ranked.clone(), 2, Vec::new());
+        let tiles: Vec<&GemmPlan> = list
+            .iter()
+            .filter(|g| g.tile.k == moeforge_compiler::plan::TILE_K)
+            .collect();
+        assert_eq!(tiles.len(), 2, "{list:?}");
+        let listed = |g: &GemmPlan| list.iter().any(|c| same_shape(c, g));
+        for gemm in &ranked {
+            let of_a_listed_tile = tiles.iter().any(|t| same_output_tile(t, gemm));
+            assert_eq!(listed(gemm), of_a_listed_tile, "{gemm:?}");
+        }
+        assert!(list.len() > 2, "the tiles' deep stages are listed too");
     }
 
     #[test]

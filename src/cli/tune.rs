@@ -26,8 +26,9 @@ pub struct Args {
     /// Which layer of the file (needed when it has several).
     #[arg(long)]
     layer: Option<String>,
-    /// Candidates timed per GEMM and regime (the cost model's choice and its next best), besides
-    /// the neighbouring regimes' choices, which are always timed too.
+    /// Candidate tiles timed per GEMM and regime (the cost model's choice and its next best;
+    /// an mma.sync tile with 64- and with 128-deep stages), besides the neighbouring regimes'
+    /// choices, which are always timed too.
     #[arg(long, default_value_t = 3)]
     candidates: usize,
     /// Timed calls per token count (after 6 warm-up calls: each of 3 input sets twice), median.
@@ -103,6 +104,11 @@ pub fn run(args: &Args) -> ExitCode {
         }
     };
     let seed = fresh_seed(args.seed);
+    let routed = if layer.router.is_some() {
+        " (self-routed: the spec has a router)"
+    } else {
+        " (on uniform routing)"
+    };
     let which = if args.tokens.is_empty() {
         String::new()
     } else {
@@ -110,7 +116,7 @@ pub fn run(args: &Args) -> ExitCode {
         format!(" (only the regimes holding T = {})", tokens.join(", "))
     };
     eprintln!(
-        "tuning `{}`{which} on {}: {} candidates per GEMM and regime and the neighbouring regimes' GEMMs, each a whole layer timed at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
+        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routed} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
         layer.name,
         target.name,
         args.candidates,

@@ -2878,9 +2878,26 @@ fn with_deep_stages(
     }
     let streaming = (chosen.estimate.memory_seconds / chosen.estimate.seconds).min(1.0);
     let allowed = ranking_seconds(&chosen) * (1.0 + SHORT_ROW_PENALTY * streaming);
+    deep_stages_of(target, problem, &chosen, tokens)
+        .filter(|deep| ranking_seconds(deep) <= allowed)
+        .unwrap_or(chosen)
+}
+
+/// The mma.sync tile of `gemm` with [`DEEP_TILE_K`]-deep stages at its best ring by the
+/// cost model at `tokens`, where `gemm` is an mma.sync tile of [`TILE_K`]-deep stages and
+/// the deeper stages can be planned.
+pub(crate) fn deep_stages_of(
+    target: &Target,
+    problem: &GemmProblem,
+    gemm: &GemmPlan,
+    tokens: u32,
+) -> Option<GemmPlan> {
+    if gemm.engine != MmaEngine::MmaSync || gemm.tile.k != TILE_K {
+        return None;
+    }
     let tile = TileShape {
         k: DEEP_TILE_K,
-        ..chosen.tile
+        ..gemm.tile
     };
     stage_choices(MmaEngine::MmaSync, tile)
         .into_iter()
@@ -2889,9 +2906,7 @@ fn with_deep_stages(
             deep.estimate = cost::estimate(target, problem, &deep, tokens);
             deep
         })
-        .filter(|deep| ranking_seconds(deep) <= allowed)
         .min_by(|a, b| ranking_seconds(a).total_cmp(&ranking_seconds(b)))
-        .unwrap_or(chosen)
 }
 
 /// A C identifier made from a layer name: letters, digits and `_`, not starting with a digit.

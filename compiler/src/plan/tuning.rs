@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     GemmKind, GemmPlan, GemmProblem, LayerShape, MmaEngine, Target, TileShape, as_cluster_pair,
-    cost, costed_candidates, ranking_seconds, shape_gemm,
+    cost, costed_candidates, deep_stages_of, ranking_seconds, shape_gemm,
 };
 use crate::ir::Activation;
 
@@ -191,8 +191,11 @@ pub(crate) fn tuned_gemm(
 }
 
 /// The `count` configurations the cost model ranks best for `problem` at `tokens`, best
-/// first, each a distinct (engine, tile, cluster) at its best ring depth: the candidates
-/// `moeforge tune` times.
+/// first, each a distinct (engine, tile, cluster) at its best ring depth, each mma.sync
+/// tile of [`TILE_K`](super::TILE_K)-deep stages followed by the same tile with 128-deep
+/// ones (the model cannot tell the depths apart; measured, they differ by a few percent
+/// either way, and the planner applies the deeper stages only to a regime's final choice):
+/// the candidates `moeforge tune` times, up to `2 · count` of them.
 pub fn ranked_candidates(
     target: &Target,
     problem: &GemmProblem,
@@ -215,12 +218,23 @@ pub fn ranked_candidates(
             break;
         }
     }
-    kept
+    kept.into_iter()
+        .flat_map(|gemm| {
+            let deep = deep_stages_of(target, problem, &gemm, tokens);
+            std::iter::once(gemm).chain(deep)
+        })
+        .collect()
 }
 
 /// Whether two configurations have the same engine, tile and cluster (ring depth aside).
 pub fn same_shape(a: &GemmPlan, b: &GemmPlan) -> bool {
     a.engine == b.engine && a.tile == b.tile && a.cluster == b.cluster
+}
+
+/// Whether two configurations have the same engine, output tile (rows × columns) and
+/// cluster: the same shape but for the depth of their stages.
+pub fn same_output_tile(a: &GemmPlan, b: &GemmPlan) -> bool {
+    a.engine == b.engine && a.tile.m == b.tile.m && a.tile.n == b.tile.n && a.cluster == b.cluster
 }
 
 /// The GEMM problem of `kind` for a single-GPU plan of `shape`.
@@ -334,12 +348,33 @@ mod tests {
         let target = Target::h200();
         let problem = single_gpu_problem(&shape(), GemmKind::Up);
         let candidates = ranked_candidates(&target, &problem, 1024, 4);
-        assert_eq!(candidates.len(), 4);
-        for pair in candidates.windows(2) {
-            assert!(ranking_seconds(&pair[0]) <= ranking_seconds(&pair[1]));
+        let shallow: Vec<&GemmPlan> = candidates
+            .iter()
+            .filter(|g| g.tile.k == super::super::TILE_K)
+            .collect();
+        assert_eq!(shallow.len(), 4);
+        for pair in shallow.windows(2) {
+            assert!(ranking_seconds(pair[0]) <= ranking_seconds(pair[1]));
         }
         for (i, a) in candidates.iter().enumerate() {
             assert!(candidates[i + 1..].iter().all(|b| !same_shape(a, b)));
+        }
+    }
+
+    #[test]
+    fn each_mma_sync_candidate_is_followed_by_its_deep_stages() {
+        let target = Target::h200();
+        let problem = single_gpu_problem(&shape(), GemmKind::Down);
+        // Few tokens: the cost model ranks mma.sync tiles first.
+        let candidates = ranked_candidates(&target, &problem, 1, 3);
+        assert!(candidates.len() > 3, "{}", candidates.len());
+        for (i, gemm) in candidates.iter().enumerate() {
+            let deep = gemm.tile.k == super::super::DEEP_TILE_K;
+            assert_eq!(deep, i > 0 && same_output_tile(&candidates[i - 1], gemm));
+            if gemm.engine == MmaEngine::MmaSync && !deep {
+                let next = candidates.get(i + 1).expect("a deep twin follows");
+                assert!(same_output_tile(gemm, next) && next.tile.k == super::super::DEEP_TILE_K);
+            }
         }
     }
 
