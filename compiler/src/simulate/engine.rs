@@ -794,15 +794,10 @@ impl<'a> Machine<'a> {
         let mut tiles1 = Vec::new();
         let mut hbm1 = 0.0;
         for phase in 0..order.len() {
-            for (e, (row_ready, m_done, rows)) in experts.iter().enumerate() {
+            for (e, (row_ready, m_done, _)) in experts.iter().enumerate() {
                 let m_tiles = row_ready.len() as u32;
-                let cost = |rows| {
-                    model::tile_cost(&self.target, g1, self.hidden, [m_tiles, n1], total, rows)
-                };
-                let (full, bytes) = cost(g1.tile.m);
-                // An expert's last row tile holds what is left of its rows.
-                let left = rows.iter().sum::<u32>() - m_tiles.saturating_sub(1) * g1.tile.m;
-                let last = cost(left).0;
+                let (duration, bytes) =
+                    model::tile_cost(&self.target, g1, self.hidden, [m_tiles, n1], total);
                 let begin_m = if phase == 0 { 0 } else { m_done[phase - 1] };
                 let end_m = m_done[phase];
                 hbm1 += bytes * f64::from(n1 * (end_m - begin_m));
@@ -812,7 +807,7 @@ impl<'a> Machine<'a> {
                             expert: e,
                             m,
                             ready: row_ready[m as usize],
-                            duration: if m + 1 == m_tiles { last } else { full },
+                            duration,
                         });
                     }
                 }
@@ -1060,9 +1055,8 @@ impl<'a> Machine<'a> {
         for phase in 0..phases {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
-                let cost =
-                    |rows| model::tile_cost(&self.target, g2, self.ffn, [m_tiles, n2], total, rows);
-                let (_, bytes) = cost(bm);
+                let (tile, bytes) =
+                    model::tile_cost(&self.target, g2, self.ffn, [m_tiles, n2], total);
                 let first = if phase == 0 { 0 } else { m_done[e][phase - 1] };
                 let last = m_done[e][phase];
                 hbm_bytes += bytes * f64::from(n2 * (last - first));
@@ -1075,7 +1069,7 @@ impl<'a> Machine<'a> {
                             expert: e,
                             row0,
                             row1,
-                            duration: cost(row1 - row0).0
+                            duration: tile
                                 + model::gemm2_epilogue_seconds(
                                     g2,
                                     route,

@@ -135,17 +135,19 @@ pub const PARTIALS_HBM_EFFICIENCY_ONE_DEVICE: f64 = 0.6;
 /// blocks (the grid, or fewer when there are fewer tiles) share HBM evenly (an mma.sync
 /// block loads at least at [`BLOCK_HBM_BYTES_PER_S`], the GEMM bounded by [`hbm_seconds`]
 /// of all its bytes instead), and share the engines of the SMs they sit on: a block never
-/// computes faster than one SM. The tile holds `rows` rows (fewer in an expert's last row
-/// tile): the warp-specialised engine multiplies only with the warpgroups that hold some
-/// (benches/results/2026-12-05_simulator_tail_tiles.md). Also the tile's share of HBM
-/// bytes, which [`hbm_seconds`] turns into the GEMM's floor over all its tiles.
+/// computes faster than one SM. An expert's last, partly empty row tile costs a whole
+/// tile, though the warp-specialised engine skips a consumer warpgroup without rows: its
+/// stages pass through shared memory all the same (one H100, 2026-12-05: every expert given
+/// exactly T·K/E rows ran GPT-OSS-120B at 16384 tokens in 0.83 of the time of uniform
+/// routing, which adds 13% row tiles, `benches/results/2026-12-05_tile_fill.md`). Also the
+/// tile's share of HBM bytes, which [`hbm_seconds`] turns into the GEMM's floor over all
+/// its tiles.
 pub fn tile_cost(
     target: &Target,
     gemm: &GemmPlan,
     depth: u32,
     [m_tiles, n_tiles]: [u32; 2],
     tiles: u32,
-    rows: u32,
 ) -> (f64, f64) {
     let concurrent = f64::from(gemm.grid_blocks.min(tiles).max(1));
     let (fraction, overhead) = match gemm.engine {
@@ -157,16 +159,7 @@ pub fn tile_cost(
     };
     let sharing = concurrent.max(f64::from(target.sm_count));
     let flops = 2.0 * f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * f64::from(depth);
-    // The warp-specialised engine skips a consumer warpgroup whose 64 rows are all past
-    // the tile's rows (an expert's last tile): the others multiply alone.
-    let busy = match gemm.engine {
-        MmaEngine::MmaSync => 1.0,
-        MmaEngine::WgmmaWarpSpecialized => {
-            let groups = (gemm.tile.m / 64).max(1);
-            f64::from(rows.div_ceil(64).clamp(1, groups)) / f64::from(groups)
-        }
-    };
-    let compute = busy * flops / (target.peak_bf16_flops * fraction / sharing);
+    let compute = flops / (target.peak_bf16_flops * fraction / sharing);
     let a_bytes = f64::from(gemm.tile.m) * f64::from(depth) * 2.0 / f64::from(n_tiles.max(1));
     let b_bytes = f64::from(gemm.b_rows) * f64::from(depth) * 2.0 / f64::from(m_tiles.max(1));
     let share = target.hbm_bytes_per_s * GEMM_HBM_EFFICIENCY / concurrent;
