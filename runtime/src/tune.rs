@@ -3,7 +3,8 @@
 //!
 //! Per regime, GEMM1's candidates are timed first (GEMM2 at the model's choice), then
 //! GEMM2's (GEMM1 at the winner): 2·N layers built instead of N², each a whole layer timed
-//! on whole calls, so a candidate's launch, ramp and tail count as they will in use. A
+//! on whole calls (self-routed where the spec has a router), so a candidate's launch, ramp
+//! and tail count as they will in use, the router's kernel ahead of GEMM1 included. A
 //! candidate is the plan of the layer with one tuning entry naming it, so what is timed is
 //! exactly what the planner will build from the entry. GEMMs the spec hints are left as
 //! hinted. A GEMM's candidates are compiled before the first is timed, the current choice
