@@ -911,7 +911,11 @@ struct {{ gate.config }} {
     enum : int { A_BYTES = {{ gate.a_bytes }}, STAGE_BYTES = {{ gate.stage_bytes }}, RING_ALIGN = {{ gate.ring_align }}, BARRIER_OFFSET = {{ gate.barrier_offset }}, SMEM_BYTES = {{ gate.smem_bytes }} };
 {%- else %}
     enum : int { STAGE_BYTES = {{ gate.stage_bytes }}, SMEM_BYTES = {{ gate.smem_bytes }} };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
+{%- if gate.entry.early_start %}
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+{%- else %}
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
+{%- endif %}
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
 {%- endif %}
 };

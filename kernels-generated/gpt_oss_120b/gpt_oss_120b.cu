@@ -2756,7 +2756,7 @@ struct mid_router_gate_64x16 {
     enum : int { MOST_SPLITS = 15 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 92160 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate_64x16(
@@ -2780,7 +2780,7 @@ struct mid_router_gate_64x32 {
     enum : int { MOST_SPLITS = 15 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 110592 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(192) gpt_oss_120b_mid_router_gate_64x32(

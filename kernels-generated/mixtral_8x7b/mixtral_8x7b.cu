@@ -2652,7 +2652,7 @@ struct prefill_router_gate_32x16_cluster8 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 8 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 98432 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(8, 1, 1) mixtral_8x7b_prefill_router_gate_32x16_cluster8(
@@ -2677,7 +2677,7 @@ struct prefill_router_gate_64x16_cluster8 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 8 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 82176 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(8, 1, 1) mixtral_8x7b_prefill_router_gate_64x16_cluster8(
@@ -2702,7 +2702,7 @@ struct prefill_router_gate_16x16 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 98304 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_16x16(
@@ -2726,7 +2726,7 @@ struct prefill_router_gate_64x16 {
     enum : int { MOST_SPLITS = 16 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_64x16(
@@ -2750,7 +2750,7 @@ struct prefill_router_gate_128x16 {
     enum : int { MOST_SPLITS = 32 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 18432, SMEM_BYTES = 110592 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) mixtral_8x7b_prefill_router_gate_128x16(

@@ -2749,7 +2749,7 @@ struct mid_router_gate_16x32 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_16x32(
@@ -2773,7 +2773,7 @@ struct mid_router_gate_64x16 {
     enum : int { MOST_SPLITS = 16 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_mid_router_gate_64x16(
@@ -2797,7 +2797,7 @@ struct prefill_router_gate_64x32 {
     enum : int { MOST_SPLITS = 16 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_235b_a22b_prefill_router_gate_64x32(

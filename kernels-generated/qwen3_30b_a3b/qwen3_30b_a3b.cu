@@ -2683,7 +2683,7 @@ struct mid_router_gate_32x128_cluster8 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 8 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 20480, SMEM_BYTES = 83968 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(8, 1, 1) qwen3_30b_a3b_mid_router_gate_32x128_cluster8(
@@ -2708,7 +2708,7 @@ struct mid_router_gate_64x128_cluster8 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 8 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 24576, SMEM_BYTES = 102400 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(8, 1, 1) qwen3_30b_a3b_mid_router_gate_64x128_cluster8(
@@ -2733,7 +2733,7 @@ struct prefill_router_gate_64x32 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x32(
@@ -2757,7 +2757,7 @@ struct prefill_router_gate_64x64 {
     enum : int { MOST_SPLITS = 8 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
     enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
     enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
-    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
 };
 extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_prefill_router_gate_64x64(
