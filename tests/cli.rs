@@ -401,14 +401,13 @@ fn simulate_routes_within_the_routers_group_limit() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
-        String::from_utf8_lossy(&output.stdout).contains("group-limited (4 of 8 groups) routing"),
-        "{}",
-        String::from_utf8_lossy(&output.stdout)
+        stdout.contains("group-limited (4 of 8 groups) routing"),
+        "{stdout}"
     );
     // Across nodes the report adds the kernels as built, and how far they are from the
     // design.
-    let stdout = String::from_utf8_lossy(&output.stdout);
     let as_built = stdout
         .split("as built, the layer takes ")
         .nth(1)

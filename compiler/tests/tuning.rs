@@ -29,6 +29,7 @@ fn entry_for(plan: &Plan, regime: usize, gemm1: TunedGemm, gemm2: TunedGemm) -> 
         timed_tokens: vec![r.max_tokens],
         measured_us: 10.0,
         model_choice_us: 12.0,
+        self_routed: false,
         measured_on: "2026-11-30".into(),
         measured_by: "test".into(),
     }

@@ -244,12 +244,7 @@ fn time_self_routed(
 ) -> Result<SelfRouted, BenchError> {
     let plan = built.layer.plan();
     let self_routed_us = time_calls::<BenchError>(session, iterations, |i| {
-        let io = &mut inputs[i];
-        Ok(built.layer.forward_routed(RoutedForwardArgs {
-            tokens: io.tokens,
-            x: &io.x,
-            y: &mut io.y,
-        })?)
+        Ok(built.layer.forward_routed(inputs[i].routed_args())?)
     })?;
     built.layer.take_error()?;
     let chosen: Vec<Workload> = workloads

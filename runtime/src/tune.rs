@@ -2,10 +2,10 @@
 //! regime on the GPU and keeps the fastest as a [`TuningTable`] entry.
 //!
 //! Per regime, GEMM1's candidates are timed first (GEMM2 at the model's choice), then
-//! GEMM2's (GEMM1 at the winner): 2·N layers built instead of N², each a whole layer timed
-//! on whole calls (self-routed where the spec has a router), so a candidate's launch, ramp
-//! and tail count as they will in use, the router's kernel ahead of GEMM1 included. A
-//! candidate is the plan of the layer with one tuning entry naming it, so what is timed is
+//! GEMM2's (GEMM1 at the winner): a layer per candidate of each GEMM instead of one per
+//! pair of them, each a whole layer timed on whole calls (self-routed where the spec has a
+//! router), so a candidate's launch, ramp and tail count as they will in use, the router's
+//! kernel ahead of GEMM1 included. A candidate is the plan of the layer with one tuning entry naming it, so what is timed is
 //! exactly what the planner will build from the entry. GEMMs the spec hints are left as
 //! hinted. A GEMM's candidates are compiled before the first is timed, the current choice
 //! first and the others side by side (each is one changed kernel, one NVRTC program: one
@@ -21,13 +21,13 @@ use moeforge_compiler::plan::{self, GemmKind, GemmPlan, Plan, PlanError, Target}
 use crate::bench::{BenchError, time_calls, uploaded_inputs};
 use crate::harness::Session;
 use crate::jit::CompiledKernels;
-use crate::layer::RoutedForwardArgs;
 use crate::workload::Routing;
 
 /// How `tune_layer` measures.
 #[derive(Clone, Debug)]
 pub struct TuneSettings {
-    /// Candidates per GEMM (the cost model's best distinct tiles, its own choice first).
+    /// Candidate tiles per GEMM (the cost model's best distinct tiles, its own choice
+    /// first; an mma.sync tile's two stage depths count once).
     pub candidates: usize,
     /// Timed calls per token count (after warm-up), median.
     pub iterations: usize,
@@ -128,6 +128,15 @@ impl From<crate::harness::HarnessError> for TuneError {
     }
 }
 
+/// Whether `tune_layer` times `layer` on self-routed calls: where its spec has a router,
+/// as such a layer runs by default (every candidate is built with the router's gate
+/// weights, random from the seed). The router's kernel between one call's GEMM2 and the
+/// next call's GEMM1 changes what the GEMMs cost in a stream of calls
+/// (`benches/results/2026-12-05_h100_mixtral_router.md`).
+pub fn times_self_routed(layer: &Layer) -> bool {
+    layer.router.is_some()
+}
+
 /// The token counts a regime is timed at: its smallest call (at least 1 token), the
 /// geometric middle of its range and its largest call, so that a configuration fast only
 /// at one end does not win.
@@ -176,6 +185,7 @@ pub fn tune_layer(
             timed_tokens: tokens.clone(),
             measured_us: 0.0,
             model_choice_us: 0.0,
+            self_routed: times_self_routed(layer),
             measured_on: measured_on.to_string(),
             measured_by: measured_by.to_string(),
         };
@@ -355,11 +365,7 @@ fn check_applied(candidate: &Plan, index: usize, layer: &Layer) -> Result<(), Tu
 }
 
 /// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
-/// the layer has a router (as it runs by default; the router's kernel before GEMM1 changes
-/// what the GEMMs around it cost: on one H100, 2026-12-05, Mixtral-8x7B's self-routed
-/// one-token call cost 23-28 µs over its caller-routed one behind a decode GEMM2 of four
-/// blocks per SM, 7.5-9 behind one of two, with the two GEMM2s level caller-routed), else
-/// calls on uniform routing.
+/// the layer has a router ([`times_self_routed`]), else calls on uniform routing.
 fn time_regime(
     session: &Session,
     plan: Plan,
@@ -369,6 +375,7 @@ fn time_regime(
 ) -> Result<Vec<f64>, TuneError> {
     let shape = plan.shape.clone();
     let built = session.build_from_kernels(plan, kernels, settings.seed)?;
+    let self_routed = built.layer.routes_itself();
     let mut times = Vec::with_capacity(tokens.len());
     for &t in tokens {
         let mut inputs = uploaded_inputs(session, &shape, t, Routing::Uniform, settings.seed)?;
@@ -376,15 +383,10 @@ fn time_regime(
             session,
             settings.iterations,
             |i| {
-                let io = &mut inputs[i];
-                if built.layer.routes_itself() {
-                    Ok(built.layer.forward_routed(RoutedForwardArgs {
-                        tokens: io.tokens,
-                        x: &io.x,
-                        y: &mut io.y,
-                    })?)
+                if self_routed {
+                    Ok(built.layer.forward_routed(inputs[i].routed_args())?)
                 } else {
-                    Ok(session.forward(&built.layer, io)?)
+                    Ok(session.forward(&built.layer, &mut inputs[i])?)
                 }
             },
         )?);
@@ -431,6 +433,14 @@ mod tests {
             6,
         );
         assert!(ranked.len() >= 6);
+        // At 1024 tokens the three best tiles are wgmma, with no deep twins beside them:
+        // the list below takes them in the ranking's order.
+        assert!(
+            ranked[..3]
+                .iter()
+                .all(|g| g.engine == moeforge_compiler::plan::MmaEngine::WgmmaWarpSpecialized),
+            "{ranked:?}"
+        );
         let current = ranked[1].clone();
         let list = candidate_list(
             &current,

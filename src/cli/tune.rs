@@ -9,7 +9,9 @@ use std::process::ExitCode;
 use moeforge::compiler::plan::tuning::TunedGemm;
 use moeforge::compiler::plan::{self, GemmKind, Target};
 use moeforge::runtime::harness::Session;
-use moeforge::runtime::tune::{MAX_LOSS, MIN_GAIN, TuneEvent, TuneSettings, tune_layer};
+use moeforge::runtime::tune::{
+    MAX_LOSS, MIN_GAIN, TuneEvent, TuneSettings, times_self_routed, tune_layer,
+};
 use moeforge::runtime::workload::fresh_seed;
 use moeforge::tuning;
 
@@ -104,7 +106,7 @@ pub fn run(args: &Args) -> ExitCode {
         }
     };
     let seed = fresh_seed(args.seed);
-    let routed = if layer.router.is_some() {
+    let routing_note = if times_self_routed(layer) {
         " (self-routed: the spec has a router)"
     } else {
         " (on uniform routing)"
@@ -116,7 +118,7 @@ pub fn run(args: &Args) -> ExitCode {
         format!(" (only the regimes holding T = {})", tokens.join(", "))
     };
     eprintln!(
-        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routed} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
+        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
         layer.name,
         target.name,
         args.candidates,

@@ -401,10 +401,15 @@ fn describe_regime(out: &mut String, label: &str, regime: RegimeParts<'_>) {
         let tokens: Vec<String> = entry.timed_tokens.iter().map(u32::to_string).collect();
         let _ = writeln!(
             out,
-            "    tuned  the tuning table's GEMMs (those the spec hints nothing for): {:.1} us against {:.1} us for the cost model's choice, summed over T = {}, measured on {} by {}",
+            "    tuned  the tuning table's GEMMs (those the spec hints nothing for): {:.1} us against {:.1} us for the cost model's choice, summed over T = {} ({}), measured on {} by {}",
             entry.measured_us,
             entry.model_choice_us,
             tokens.join(", "),
+            if entry.self_routed {
+                "self-routed calls"
+            } else {
+                "calls on uniform routing"
+            },
             entry.measured_on,
             entry.measured_by
         );

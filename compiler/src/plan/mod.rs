@@ -2869,11 +2869,7 @@ fn with_deep_stages(
     chosen: GemmPlan,
     tokens: u32,
 ) -> GemmPlan {
-    if chosen.engine != MmaEngine::MmaSync
-        || chosen.tile.k != TILE_K
-        || chosen.source == tuning::ChoiceSource::Hint
-        || chosen.estimate.seconds <= 0.0
-    {
+    if chosen.source == tuning::ChoiceSource::Hint || chosen.estimate.seconds <= 0.0 {
         return chosen;
     }
     let streaming = (chosen.estimate.memory_seconds / chosen.estimate.seconds).min(1.0);

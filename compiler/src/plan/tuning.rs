@@ -55,6 +55,11 @@ pub struct TunedRegime {
     pub timed_tokens: Vec<u32>,
     pub measured_us: f64,
     pub model_choice_us: f64,
+    /// Whether those calls routed themselves (the spec has a router: `moeforge tune` since
+    /// 2026-12-05) rather than running on uniform routing passed in (entries written
+    /// before, which have no such field).
+    #[serde(default)]
+    pub self_routed: bool,
     /// When and by which build it was measured (`moeforge --version`, commit).
     pub measured_on: String,
     pub measured_by: String,
@@ -245,7 +250,7 @@ pub fn single_gpu_problem(shape: &LayerShape, kind: GemmKind) -> GemmProblem {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::Target;
+    use crate::plan::{DEEP_TILE_K, TILE_K, Target};
 
     fn shape() -> LayerShape {
         LayerShape {
@@ -279,6 +284,7 @@ mod tests {
             timed_tokens: vec![max],
             measured_us: 1.0,
             model_choice_us: 2.0,
+            self_routed: false,
             measured_on: "2026-11-30".into(),
             measured_by: "test".into(),
         }
@@ -348,10 +354,7 @@ mod tests {
         let target = Target::h200();
         let problem = single_gpu_problem(&shape(), GemmKind::Up);
         let candidates = ranked_candidates(&target, &problem, 1024, 4);
-        let shallow: Vec<&GemmPlan> = candidates
-            .iter()
-            .filter(|g| g.tile.k == super::super::TILE_K)
-            .collect();
+        let shallow: Vec<&GemmPlan> = candidates.iter().filter(|g| g.tile.k == TILE_K).collect();
         assert_eq!(shallow.len(), 4);
         for pair in shallow.windows(2) {
             assert!(ranking_seconds(pair[0]) <= ranking_seconds(pair[1]));
@@ -369,11 +372,11 @@ mod tests {
         let candidates = ranked_candidates(&target, &problem, 1, 3);
         assert!(candidates.len() > 3, "{}", candidates.len());
         for (i, gemm) in candidates.iter().enumerate() {
-            let deep = gemm.tile.k == super::super::DEEP_TILE_K;
+            let deep = gemm.tile.k == DEEP_TILE_K;
             assert_eq!(deep, i > 0 && same_output_tile(&candidates[i - 1], gemm));
             if gemm.engine == MmaEngine::MmaSync && !deep {
                 let next = candidates.get(i + 1).expect("a deep twin follows");
-                assert!(same_output_tile(gemm, next) && next.tile.k == super::super::DEEP_TILE_K);
+                assert!(same_output_tile(gemm, next) && next.tile.k == DEEP_TILE_K);
             }
         }
     }

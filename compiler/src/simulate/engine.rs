@@ -1055,7 +1055,7 @@ impl<'a> Machine<'a> {
         for phase in 0..phases {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
-                let (tile, bytes) =
+                let (tile_seconds, bytes) =
                     model::tile_cost(&self.target, g2, self.ffn, [m_tiles, n2], total);
                 let first = if phase == 0 { 0 } else { m_done[e][phase - 1] };
                 let last = m_done[e][phase];
@@ -1069,7 +1069,7 @@ impl<'a> Machine<'a> {
                             expert: e,
                             row0,
                             row1,
-                            duration: tile
+                            duration: tile_seconds
                                 + model::gemm2_epilogue_seconds(
                                     g2,
                                     route,
