@@ -4,7 +4,7 @@
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}; export PATH=$PWD/.device/bin:/usr/local/cuda/bin:$PATH
 export MOEFORGE_CACHE_DIR=/tmp/jit
-new=$PWD/benches/results/2026-12-05_tune_self_routed/h100_tuning.json
+new=${NEW:-$PWD/benches/results/2026-12-05_tune_self_routed/h100_tuning.json}
 for round in 1 2; do
  for mode in shipped new; do
   for spec in ${SPECS:-"mixtral_8x7b 1,8,64,256" "deepseek_v3 1,23,512" "gpt_oss_120b 2049,5794,16384"}; do
