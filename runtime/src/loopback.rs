@@ -564,15 +564,11 @@ impl LoopbackPath {
         self.bind()?;
         let stalled = self.stalled(bound);
         let epoch = self.last_epoch.get();
-        let mut released = Ok(());
-        self.calls.for_each_step(|step| {
-            for &(_, flag) in &step.wait_for {
-                if released.is_ok() {
-                    released = stream_write_value(&self.side, flag, epoch, &step.kind);
-                }
-            }
-        });
-        released?;
+        self.calls.try_for_each_step(|step| {
+            step.wait_for
+                .iter()
+                .try_for_each(|&(_, flag)| stream_write_value(&self.side, flag, epoch, &step.kind))
+        })?;
         if !idle_by(&self.stream, Instant::now() + self.limit)? {
             self.abandoned.set(true);
         }

@@ -421,11 +421,16 @@ pub(crate) struct StalledStep<'a, S> {
 impl<S> StalledStep<'_, S> {
     /// Which call, for errors.
     pub(crate) fn call(&self) -> String {
-        match self.calls_before_last {
-            0 => "in the last call".to_string(),
-            1 => "in the call before the last".to_string(),
-            n => format!("in the call {n} before the last"),
-        }
+        call_in_flight(self.calls_before_last)
+    }
+}
+
+/// The call in flight with `calls_before_last` calls begun after it, for errors.
+fn call_in_flight(calls_before_last: usize) -> String {
+    match calls_before_last {
+        0 => "in the last call".to_string(),
+        1 => "in the call before the last".to_string(),
+        n => format!("in the call {n} before the last"),
     }
 }
 
@@ -545,11 +550,15 @@ impl<S> CallsInFlight<S> {
         })
     }
 
-    /// Every step of the calls in flight, oldest call first.
-    pub(crate) fn for_each_step(&self, mut each: impl FnMut(&S)) {
+    /// Every step of the calls in flight, oldest call first, until `each` fails.
+    pub(crate) fn try_for_each_step<E>(
+        &self,
+        mut each: impl FnMut(&S) -> Result<(), E>,
+    ) -> Result<(), E> {
         for (slot, _) in self.in_flight() {
-            slot.steps.borrow().iter().for_each(&mut each);
+            slot.steps.borrow().iter().try_for_each(&mut each)?;
         }
+        Ok(())
     }
 }
 
@@ -1135,14 +1144,15 @@ impl NetworkPath {
         // last one enqueued is named.
         let (step, peers, call) = match self.calls.first_unfinished(|s| s.position) {
             Some(stalled) => (stalled.step.kind, peers_of(&stalled.step), stalled.call()),
-            None => match self.calls.steps().last() {
-                Some(step) => (step.kind, peers_of(step), "in the last call".to_string()),
-                None => (
-                    StepKind::Metadata,
-                    String::new(),
-                    "in the last call".to_string(),
-                ),
-            },
+            None => {
+                let steps = self.calls.steps();
+                let (step, peers) = steps
+                    .last()
+                    .map_or((StepKind::Metadata, String::new()), |s| {
+                        (s.kind, peers_of(s))
+                    });
+                (step, peers, call_in_flight(0))
+            }
         };
         NetworkError::Stalled {
             rank: self.comm.rank(),
