@@ -177,7 +177,7 @@ proptest! {
                     })
                     .collect();
                 prop_assert_eq!(covering.len(), 1);
-                prop_assert_eq!(runs[0], if router_regime.fused { 0 } else { covering[0] });
+                prop_assert_eq!(runs[0], covering[0]);
             }
         }
         for router_regime in &router.regimes {
@@ -1443,6 +1443,103 @@ fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
             .any(|l| l.contains("fused decode of up to 4 tokens") && l.contains("mma.sync")),
         "{:?}",
         plan.limitations
+    );
+}
+
+/// A fused router's gate widens its expert tile (same 16-token height) for the calls
+/// where the regime's tile would give more blocks than SMs, each such range its own fused
+/// kernel: DeepSeek-V3's decode regime on the H100 (0..=512 tokens) runs 16 x 32 up to 256
+/// tokens and 16 x 64 above; on the H200 (0..=256) 16 x 16 up to 128 and 16 x 32 above;
+/// Qwen3-30B-A3B's 16 x 16 tile keeps one wave through its regime and its one kernel's
+/// name. Each call runs the gate of its range, alone; `explain` lists both.
+#[test]
+fn fused_routers_widen_their_tile_where_the_grid_passes_one_wave() {
+    let fused_gates = |name: &str, target: &Target| -> Vec<(u32, u32, u32, u32, String)> {
+        let plan = plan::plan(&example_layer(name), target).expect("plans");
+        assert_eq!(plan.validate(), Ok(()));
+        let router = plan.router.as_ref().expect("a router");
+        let regime = &router.regimes[0];
+        assert!(regime.fused, "{name}: the decode regime's router is fused");
+        for gate in &regime.gates {
+            let blocks = plan::router::gate_blocks(
+                gate.tile_tokens,
+                gate.tile_experts,
+                plan.shape.experts,
+                gate.max_tokens,
+            );
+            assert!(
+                blocks <= target.sm_count,
+                "{name}: {blocks} blocks at {} tokens",
+                gate.max_tokens
+            );
+            for tokens in [gate.min_tokens.max(1), gate.max_tokens] {
+                let runs: Vec<usize> = regime.launches_for(tokens).collect();
+                let index = regime.gates.iter().position(|g| g == gate).unwrap();
+                assert_eq!(runs, vec![index], "{name} at {tokens} tokens");
+            }
+        }
+        regime
+            .gates
+            .iter()
+            .zip(&regime.launches)
+            .map(|(g, l)| {
+                (
+                    g.min_tokens,
+                    g.max_tokens,
+                    g.tile_tokens,
+                    g.tile_experts,
+                    l.kernel.clone(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        fused_gates("deepseek_v3", &Target::h100()),
+        vec![
+            (
+                0,
+                256,
+                16,
+                32,
+                "deepseek_v3_decode_router_16x32".to_string()
+            ),
+            (
+                257,
+                512,
+                16,
+                64,
+                "deepseek_v3_decode_router_16x64".to_string()
+            ),
+        ]
+    );
+    assert_eq!(
+        fused_gates("deepseek_v3", &Target::h200()),
+        vec![
+            (
+                0,
+                128,
+                16,
+                16,
+                "deepseek_v3_decode_router_16x16".to_string()
+            ),
+            (
+                129,
+                256,
+                16,
+                32,
+                "deepseek_v3_decode_router_16x32".to_string()
+            ),
+        ]
+    );
+    assert_eq!(
+        fused_gates("qwen3_30b_a3b", &Target::h200()),
+        vec![(0, 256, 16, 16, "qwen3_30b_a3b_decode_router".to_string())]
+    );
+    let explained =
+        plan::describe(&plan::plan(&example_layer("deepseek_v3"), &Target::h100()).expect("plans"));
+    assert!(
+        explained.contains("gate   257..=512 tokens: mma.sync tile 16 tokens x 64 experts"),
+        "{explained}"
     );
 }
 

@@ -2715,9 +2715,9 @@ extern "C" __global__ void __launch_bounds__(128) gpt_oss_120b_router_select(
 }
 #endif
 
-// Router of regime `decode` (0..=512 tokens): fused; gate tile 16 tokens x 16 experts x 64, 8 stages, 1x1 warps x 5 groups splitting the reduction, 8 expert tiles per token tile
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_router)
-struct decode_router_gate {
+// Router of regime `decode` (0..=256 tokens): fused; gate tile 16 tokens x 16 experts x 64, 8 stages, 1x1 warps x 5 groups splitting the reduction, 8 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_router_16x16)
+struct decode_router_16x16_gate {
     enum : bool { FUSED = true };
     enum : int { BM = 16, BN = 16, STAGES = 8, EXPERT_TILES = 8 };
     enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 5, THREADS = 160 };
@@ -2727,7 +2727,7 @@ struct decode_router_gate {
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
 };
-extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
+extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router_16x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
@@ -2742,7 +2742,39 @@ extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    router_fused<decode_router_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+    router_fused<decode_router_16x16_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
+                                    routed_weights, lays_out_routing, expert_offsets, row_pair, error_word);
+}
+#endif
+
+// Router of regime `decode` (257..=512 tokens): fused; gate tile 16 tokens x 32 experts x 64, 7 stages, 1x1 warps x 5 groups splitting the reduction, 4 expert tiles per token tile
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_gpt_oss_120b_decode_router_16x32)
+struct decode_router_16x32_gate {
+    enum : bool { FUSED = true };
+    enum : int { BM = 16, BN = 32, STAGES = 7, EXPERT_TILES = 4 };
+    enum : int { WARPS_M = 1, WARPS_N = 1, WARPS_K = 5, THREADS = 160 };
+    enum : int { MOST_SPLITS = 9 };  // blocks a tile's reduction is split over, at most (a fused router's grid says how many)
+    enum : int { CLUSTER = 0 };  // a cluster gate's blocks per cluster, which split every tile's reduction (0: not one)
+    enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 215040 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
+    // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
+    enum : bool { WEIGHTS_BEFORE_WAIT = true };
+};
+extern "C" __global__ void __launch_bounds__(160) gpt_oss_120b_decode_router_16x32(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
+    const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
+    int tokens,  // tokens in this call
+    float* __restrict__ router_logits,  // [tokens, EXPERTS], workspace
+    u32* __restrict__ router_tiles_done,  // [1 + token tiles]: arrival counters, zero between calls
+    int* __restrict__ routed_ids,  // [tokens, TOP_K], workspace
+    float* __restrict__ routed_weights,  // [tokens, TOP_K], workspace
+    int lays_out_routing,  // 1: lay out the routing metadata after the select
+    int* __restrict__ expert_offsets,  // [experts here + 1], workspace
+    int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
+    int* __restrict__ error_word  // [4]: code, then details
+)
+{
+    router_fused<decode_router_16x32_gate>(x, gate_weight, gate_bias, tokens, router_logits, router_tiles_done, routed_ids,
                                     routed_weights, lays_out_routing, expert_offsets, row_pair, error_word);
 }
 #endif

@@ -263,12 +263,12 @@ fn the_rule_layers_plan_a_router_with_ragged_expert_tiles() {
 /// The suites' calls include a split router's gate split over blocks along the reduction
 /// (its last blocks sum the parts), one that is not, and cluster gates of several blocks
 /// (which select) with a padded expert tile and without, so every path runs on the GPU; and
-/// every gate of a split router runs.
+/// every gate of a router runs, a fused router's of several gates among them.
 #[test]
 fn the_suites_run_split_gates_split_over_blocks_and_whole() {
     let target = Target::h200();
     let (mut split, mut whole, mut gates_run, mut gates) = (0, 0, 0, 0);
-    let (mut clustered, mut clustered_padded) = (0, 0);
+    let (mut clustered, mut clustered_padded, mut fused_ranges) = (0, 0, 0);
     for layer in rule_layers().into_iter().chain(routed_examples()) {
         let plan = plan::plan(&layer, &target).expect("plans");
         let router = plan.router.clone().expect("a router plan");
@@ -276,9 +276,9 @@ fn the_suites_run_split_gates_split_over_blocks_and_whole() {
         for tokens in token_counts(&plan) {
             let index = plan.regime_index_for(tokens).expect("a regime");
             let regime = &router.regimes[index];
+            let gate = regime.launches_for(tokens).next().expect("a gate");
+            run.insert((index, gate));
             if !regime.fused {
-                let gate = regime.launches_for(tokens).next().expect("a gate");
-                run.insert((index, gate));
                 let plan_of_gate = &regime.gates[gate];
                 if plan_of_gate.engine.selects() && plan_of_gate.splits(tokens) > 1 {
                     clustered += 1;
@@ -293,18 +293,22 @@ fn the_suites_run_split_gates_split_over_blocks_and_whole() {
             }
         }
         gates_run += run.len();
-        gates += router
+        gates += router.regimes.iter().map(|r| r.gates.len()).sum::<usize>();
+        fused_ranges += router
             .regimes
             .iter()
-            .filter(|r| !r.fused)
-            .map(|r| r.gates.len())
-            .sum::<usize>();
+            .filter(|r| r.fused && r.gates.len() > 1)
+            .count();
     }
     assert!(
         split > 0 && whole > 0 && clustered > clustered_padded && clustered_padded > 0,
         "split gates over blocks: {split} calls, whole: {whole}, in clusters: {clustered} ({clustered_padded} padded)"
     );
-    assert_eq!(gates_run, gates, "split routers' gates run by the suites");
+    assert_eq!(gates_run, gates, "routers' gates run by the suites");
+    assert!(
+        fused_ranges > 0,
+        "the suites have a fused router of several gates"
+    );
     assert!(gates > 2, "the suites have split routers of several gates");
 }
 

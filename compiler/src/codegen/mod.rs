@@ -1121,7 +1121,10 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
             };
             let stage_bytes = (gate.tile_tokens + gate.tile_experts) * SMEM_ROW_BYTES;
             let config = if router_regime.fused {
-                format!("{}_router_gate", regime.name)
+                format!(
+                    "{}_gate",
+                    router::fused_router_name(&regime.name, &router_regime.gates, gate)
+                )
             } else {
                 router::split_gate_name(&regime.name, gate)
             };

@@ -3,8 +3,10 @@
 //!
 //! - **fused** (a regime whose largest call has at most [`ROUTER_FUSED_MAX_PAIRS`] (token,
 //!   k) pairs, and whose later phases' scratch fits a block: [`fused`]): one launch,
-//!   `<symbol>_<regime>_router`, in place of the regime's routing-metadata launch, so
-//!   that a self-routed call runs as many kernels as a caller-routed one. Its phases, each run by the block the one before leaves last:
+//!   `<symbol>_<regime>_router` (where the regime has a gate per token range,
+//!   `fused_gates`, the call's `<symbol>_<regime>_router_<m>x<n>`), in place of the
+//!   regime's routing-metadata launch, so that a self-routed call runs as many kernels as
+//!   a caller-routed one. Its phases, each run by the block the one before leaves last:
 //!   1. **gate**, every block: the logits, or its split's partial sums of them (below);
 //!   2. **select**, by the block of each token tile that finishes its gate blocks last (a
 //!      counter per token tile in `router_tiles_done`): it sums the partial logits in
@@ -108,33 +110,31 @@ pub struct RouterPlan {
 /// The router's launches for one token-count regime.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterRegime {
-    /// The gate of a fused router; a split router's gates, each for its own calls, in
-    /// order of token count, covering the regime (`split_gates`).
+    /// The gates, each for its own calls, in order of token count, covering the regime
+    /// (a fused router's: `fused_gates`; a split router's: `split_gates`).
     pub gates: Vec<GatePlan>,
     /// Fused (one launch: gate, select, routing metadata; in place of the table's route
     /// launch) or split (gate, then select; before the whole table): see the module
     /// documentation.
     pub fused: bool,
-    /// The fused router; or each gate's launch, in the order of `gates`, then the select.
+    /// Each gate's launch (a fused router's: gate, select and routing metadata), in the
+    /// order of `gates`; a split router's select after them.
     pub launches: Vec<Launch>,
 }
 
 impl RouterRegime {
-    /// The launches a call of `tokens` tokens runs, in stream order: the fused router, or
-    /// the gate for its token count, then the select (unless that gate selects itself).
+    /// The launches a call of `tokens` tokens runs, in stream order: the fused router of
+    /// its token count, or the split router's gate for it, then the select (unless that
+    /// gate selects itself).
     pub fn launches_for(&self, tokens: u32) -> impl Iterator<Item = usize> {
-        let (first, select) = if self.fused {
-            (0, None)
-        } else {
-            let gate = self
-                .gates
-                .iter()
-                .position(|gate| tokens <= gate.max_tokens)
-                .unwrap_or(self.gates.len() - 1);
-            let select = (!self.gates[gate].engine.selects()).then_some(self.gates.len());
-            (gate, select)
-        };
-        std::iter::once(first).chain(select)
+        let gate = self
+            .gates
+            .iter()
+            .position(|gate| tokens <= gate.max_tokens)
+            .unwrap_or(self.gates.len() - 1);
+        let select =
+            (!self.fused && !self.gates[gate].engine.selects()).then_some(self.gates.len());
+        std::iter::once(gate).chain(select)
     }
 
     /// The index in `launches` of a split router's select launch; none where the router
@@ -504,15 +504,7 @@ pub fn gate_blocks(tile_tokens: u32, tile_experts: u32, experts: u32, tokens: u3
 /// that such a call reads, is spread over as many SMs as possible. Expert widths above E
 /// (rounded up to 16) are skipped but for the narrowest that covers E.
 fn gate_tile(experts: u32, tokens: u32, fill: u32) -> (u32, u32) {
-    let covering = experts.next_multiple_of(16);
-    let narrowest_covering = GATE_TILES_EXPERTS
-        .into_iter()
-        .filter(|&w| w >= covering)
-        .min();
-    let widths: Vec<u32> = GATE_TILES_EXPERTS
-        .into_iter()
-        .filter(|&w| w < covering || Some(w) == narrowest_covering)
-        .collect();
+    let widths = gate_tile_widths(experts);
     let candidates: Vec<(u32, u32)> = GATE_TILES_TOKENS
         .into_iter()
         .flat_map(|m| widths.iter().map(move |&n| (m, n)))
@@ -539,9 +531,23 @@ fn gate_tile(experts: u32, tokens: u32, fill: u32) -> (u32, u32) {
     filling.or_else(most_blocks).copied().unwrap_or((16, 16))
 }
 
-/// The tile a fused router's gate would have for a regime whose largest call has
-/// `max_tokens` tokens: every SM a block there (`gate_tile`); whether the router is fused
-/// is decided on it ([`fused`]). Filling the SMs comes before fewer re-reads: taller token
+/// The expert widths of gate tiles for `experts` experts: those of `GATE_TILES_EXPERTS`
+/// below E (rounded up to 16), and the narrowest that covers it.
+fn gate_tile_widths(experts: u32) -> Vec<u32> {
+    let covering = experts.next_multiple_of(16);
+    let narrowest_covering = GATE_TILES_EXPERTS
+        .into_iter()
+        .filter(|&w| w >= covering)
+        .min();
+    GATE_TILES_EXPERTS
+        .into_iter()
+        .filter(|&w| w < covering || Some(w) == narrowest_covering)
+        .collect()
+}
+
+/// A fused router's regime tile for a regime whose largest call has `max_tokens` tokens:
+/// every SM a block there (`gate_tile`); whether the router is fused is decided on it
+/// ([`fused`]), and its gates start from it ([`fused_gate_tile_at`]). Filling the SMs comes before fewer re-reads: taller token
 /// tiles re-read less but ran the fused router slower at every count from 16 tokens on
 /// (one H100, 2026-12-05: 1.06-3.2x at 16 tokens, 1.04-9.6x from 64 on), its time being in
 /// the phases each token tile's last block runs alone
@@ -550,9 +556,10 @@ pub fn fused_gate_tile(experts: u32, max_tokens: u32, sm_count: u32) -> (u32, u3
     gate_tile(experts, max_tokens, sm_count)
 }
 
-/// The gates of a regime of `calls` tokens, and whether its router is fused ([`fused`]):
-/// a fused router's one gate has the tile that gives every SM a block at the regime's
-/// largest call ([`gate_tile`]); a split router's gates are [`split_gates`].
+/// The gates of a regime of `calls` tokens, and whether its router is fused ([`fused`],
+/// decided on the tile that gives every SM a block at the regime's largest call,
+/// [`fused_gate_tile`]): a fused router's gates are [`fused_gates`], a split router's
+/// [`split_gates`].
 fn gate_plan(
     layer: &ir::Layer,
     target: &Target,
@@ -560,29 +567,105 @@ fn gate_plan(
     gemm_experts: u32,
     calls: RangeInclusive<u32>,
 ) -> (Vec<GatePlan>, bool) {
-    let (min_tokens, max_tokens) = (*calls.start(), *calls.end());
-    let tile = fused_gate_tile(layer.experts, max_tokens, target.sm_count);
-    let scratch = gate_scratch(
-        rule,
-        layer.experts,
-        gemm_experts,
-        layer.hidden,
+    let tile = fused_gate_tile(layer.experts, *calls.end(), target.sm_count);
+    let scratch_of = |tile| {
+        gate_scratch(
+            rule,
+            layer.experts,
+            gemm_experts,
+            layer.hidden,
+            target.smem_per_block,
+            tile,
+        )
+    };
+    if fused(
+        *calls.end(),
+        layer.top_k,
+        scratch_of(tile),
         target.smem_per_block,
-        tile,
-    );
-    if fused(max_tokens, layer.top_k, scratch, target.smem_per_block) {
-        let layout = mma_sync_gate_layout(tile, layer.hidden, target, Some(scratch));
-        let gate = gate_for(
-            layer,
-            target,
-            (GateEngine::MmaSync, tile),
-            layout,
-            min_tokens,
-            max_tokens,
-        );
-        return (vec![gate], true);
+    ) {
+        return (fused_gates(layer, target, calls, tile, scratch_of), true);
     }
     (split_gates(layer, target, rule, calls), false)
+}
+
+/// A fused router's gates over `calls`: at each power of two from the regime's smallest
+/// call up to its largest, the tile chosen there ([`fused_gate_tile_at`], from `planned`,
+/// the tile of the regime's largest call); each serves the calls from above the previous
+/// point up to its own, neighbouring points with one tile sharing a gate. One tile cannot
+/// serve a whole decode regime: where its grid passes one wave of blocks (one per SM: a
+/// fused gate's deep ring fills an SM's shared memory) a wider expert tile finishes
+/// sooner, and below that point it is slower (fewer blocks read W_gate). DeepSeek-V3's
+/// fused router alone on one H100 (2026-12-05): 16 x 32 tiles 18.3 / 24.9 / 55.4 µs at
+/// 16 / 128 / 512 tokens, 16 x 64 tiles 22.1 / 28.8 / 44.0
+/// (`benches/results/2026-12-05_fused_gate_tiles.md`).
+fn fused_gates(
+    layer: &ir::Layer,
+    target: &Target,
+    calls: RangeInclusive<u32>,
+    planned: (u32, u32),
+    scratch_of: impl Fn((u32, u32)) -> u32,
+) -> Vec<GatePlan> {
+    let (first, last) = (*calls.start(), *calls.end());
+    let fits_block = |tile| scratch_of(tile) <= target.smem_per_block;
+    let mut tiles: Vec<((u32, u32), u32)> = Vec::new();
+    let mut point = first.max(1).next_power_of_two().min(last);
+    loop {
+        let tile = fused_gate_tile_at(layer.experts, planned, point, target.sm_count, fits_block);
+        match tiles.last_mut() {
+            Some((latest, up_to)) if *latest == tile => *up_to = point,
+            _ => tiles.push((tile, point)),
+        }
+        if point >= last {
+            break;
+        }
+        point = point.saturating_mul(2).min(last);
+    }
+    let mut min_tokens = first;
+    tiles
+        .into_iter()
+        .map(|(tile, max_tokens)| {
+            let layout = mma_sync_gate_layout(tile, layer.hidden, target, Some(scratch_of(tile)));
+            let gate = gate_for(
+                layer,
+                target,
+                (GateEngine::MmaSync, tile),
+                layout,
+                min_tokens,
+                max_tokens,
+            );
+            min_tokens = max_tokens + 1;
+            gate
+        })
+        .collect()
+}
+
+/// A fused router's gate tile for calls of `tokens` tokens: `planned` where its grid at
+/// that count has at most a block per SM (`sm_count`); else, of its token height, the
+/// narrowest wider expert tile whose grid does and whose later phases' scratch `fits` a
+/// block; else `planned`. Taller token tiles are not considered: they ran the fused router
+/// slower at every count from 16 tokens on ([`fused_gate_tile`]).
+pub fn fused_gate_tile_at(
+    experts: u32,
+    planned: (u32, u32),
+    tokens: u32,
+    sm_count: u32,
+    fits: impl Fn((u32, u32)) -> bool,
+) -> (u32, u32) {
+    let one_wave = |(m, n): (u32, u32)| gate_blocks(m, n, experts, tokens.max(1)) <= sm_count;
+    if one_wave(planned) {
+        return planned;
+    }
+    let mut wider: Vec<u32> = gate_tile_widths(experts)
+        .into_iter()
+        .filter(|&n| n > planned.1)
+        .collect();
+    wider.sort_unstable();
+    wider
+        .into_iter()
+        .map(|n| (planned.0, n))
+        .find(|&tile| one_wave(tile) && fits(tile))
+        .unwrap_or(planned)
 }
 
 /// A split router's gates over `calls`: at each power of two from the regime's smallest
@@ -1085,31 +1168,34 @@ pub(super) fn router_launches(
         blocks_per_tile: gate.expert_tiles,
         k_split: gate.k_split,
     };
-    if let (true, [gate]) = (fused, gates) {
-        return vec![Launch {
-            kernel: format!("{symbol}_{regime}_router"),
-            grid: gate_blocks(gate),
-            block_threads: gate.threads(),
-            smem_bytes: gate.smem_bytes,
-            static_smem_bytes: 0,
-            stream: StreamRole::Compute,
-            early_start,
-            params: [read(X), read(GateWeight)]
-                .into_iter()
-                .chain(bias)
-                .chain([
-                    read(Tokens),
-                    write(Workspace(RouterLogits)),
-                    write(Workspace(RouterTilesDone)),
-                    write(Workspace(RoutedIds)),
-                    write(Workspace(RoutedWeights)),
-                    read(LaysOutRouting),
-                    write(Workspace(ExpertOffsets)),
-                    write(Workspace(RowPair)),
-                    write(Workspace(ErrorWord)),
-                ])
-                .collect(),
-        }];
+    if fused {
+        return gates
+            .iter()
+            .map(|gate| Launch {
+                kernel: fused_router_kernel_name(symbol, regime, gates, gate),
+                grid: gate_blocks(gate),
+                block_threads: gate.threads(),
+                smem_bytes: gate.smem_bytes,
+                static_smem_bytes: 0,
+                stream: StreamRole::Compute,
+                early_start,
+                params: [read(X), read(GateWeight)]
+                    .into_iter()
+                    .chain(bias)
+                    .chain([
+                        read(Tokens),
+                        write(Workspace(RouterLogits)),
+                        write(Workspace(RouterTilesDone)),
+                        write(Workspace(RoutedIds)),
+                        write(Workspace(RoutedWeights)),
+                        read(LaysOutRouting),
+                        write(Workspace(ExpertOffsets)),
+                        write(Workspace(RowPair)),
+                        write(Workspace(ErrorWord)),
+                    ])
+                    .collect(),
+            })
+            .collect();
     }
     let gate_params = |gate: &GatePlan| -> Vec<KernelParam> {
         match gate.engine {
@@ -1178,6 +1264,27 @@ pub(super) fn router_launches(
             }
         }))
         .collect()
+}
+
+/// A fused router's kernel: `<symbol>_` and its [`fused_router_name`].
+fn fused_router_kernel_name(
+    symbol: &str,
+    regime: &str,
+    gates: &[GatePlan],
+    gate: &GatePlan,
+) -> String {
+    format!("{symbol}_{}", fused_router_name(regime, gates, gate))
+}
+
+/// A fused router of regime `regime` by name (its kernel's, less the layer's symbol;
+/// codegen names its configuration after it): `<regime>_router` where the regime has one
+/// gate, else `<regime>_router_<m>x<n>` for each.
+pub fn fused_router_name(regime: &str, gates: &[GatePlan], gate: &GatePlan) -> String {
+    if gates.len() == 1 {
+        format!("{regime}_router")
+    } else {
+        format!("{regime}_router_{}x{}", gate.tile_tokens, gate.tile_experts)
+    }
 }
 
 /// A split router's gate kernel: `<symbol>_` and its [`split_gate_name`].

@@ -1,0 +1,39 @@
+# A fused router's gate per token range (issue 9): the GPU suite, then the fused router
+# alone (Nsight Compute, router kernels only) and the layer in a stream of calls, base
+# build (.device/base/moeforge: one gate per fused regime) against this one, on the calls
+# around the point where the new gates take over. Run from the repository root on the GPU
+# machine after scripts/device-stage.sh and copying the base binary to .device/base/.
+b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}; export PATH=$PWD/.device/bin:/usr/local/cuda/bin:$PATH
+export MOEFORGE_CACHE_DIR=/tmp/jit
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
+if [ -z "${SKIP_SUITE:-}" ]; then
+  LANES=3 bash scripts/gpu-suite-timed.sh $OUT/logs 5 2>&1 | grep -E "^\| [0-9]|total"
+  (cd $OUT && tar -czf logs.tgz logs && rm -r logs)
+fi
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+echo "== router alone (µs, gpu__time_duration)"
+for spec in ${ALONE:-"deepseek_v3 16 128 256 384 512" "gpt_oss_120b 128 256 384 512"}; do
+  set -- $spec; m=$1; shift
+  for t in "$@"; do
+    for build in base new; do
+      bin=.device/bin/moeforge; [ $build = base ] && bin=.device/base/moeforge
+      us=$("$ncu" --clock-control none -k regex:router --metrics gpu__time_duration.sum --csv \
+        "$bin" run dsl-examples/$m.moe --tokens $t --seed 7 2>/dev/null |
+        awk -F'","' '/gpu__time_duration/ { gsub(/"/, "", $NF); gsub(/,/, "", $NF); printf "%s(%s) ", $NF / 1000, $5 }')
+      echo "$m T=$t $build: $us"
+    done
+  done
+done
+echo "== in a stream (µs per call, median): T | caller-routed | self-routed | on its routing"
+for round in 1 2; do
+  order="base new"; [ $round = 2 ] && order="new base"
+  for spec in ${STREAM:-"deepseek_v3 128,256,384,512" "gpt_oss_120b 128,256,384,512"}; do
+    set -- $spec
+    for build in $order; do
+      bin=.device/bin/moeforge; [ $build = base ] && bin=.device/base/moeforge
+      timeout 200 "$bin" bench dsl-examples/$1.moe --tokens $2 --seed 7 --iterations ${ITER:-30} --out /tmp/b > $OUT/${1}_${build}_$round.txt 2>&1 || echo "bench $1 $build failed ($?)"
+      echo "-- $1 $build round $round"; grep -E "^\| +[0-9]+ \|" $OUT/${1}_${build}_$round.txt | cut -d'|' -f2,4,12,15
+    done
+  done
+done
