@@ -919,7 +919,11 @@ struct {{ gate.config }} {
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
 {%- endif %}
 };
-extern "C" __global__ void __launch_bounds__({{ gate.threads }}){% if gate.cluster > 1 %} __cluster_dims__({{ gate.cluster }}, 1, 1){% endif %} {{ gate.entry.name }}(
+{%- if gate.fused %}
+// One block per SM (the plan counts a fused gate's grid so; its ring fills an SM's shared
+// memory): told so, ptxas need not hold the select's registers to 64 and spill them.
+{%- endif %}
+extern "C" __global__ void __launch_bounds__({{ gate.threads }}{% if gate.fused %}, 1{% endif %}){% if gate.cluster > 1 %} __cluster_dims__({{ gate.cluster }}, 1, 1){% endif %} {{ gate.entry.name }}(
     {{ gate.entry.params }}
 )
 {

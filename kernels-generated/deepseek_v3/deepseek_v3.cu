@@ -2713,7 +2713,9 @@ struct decode_router_16x16_gate {
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
 };
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_decode_router_16x16(
+// One block per SM (the plan counts a fused gate's grid so; its ring fills an SM's shared
+// memory): told so, ptxas need not hold the select's registers to 64 and spill them.
+extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_decode_router_16x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias
@@ -2745,7 +2747,9 @@ struct decode_router_16x32_gate {
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
 };
-extern "C" __global__ void __launch_bounds__(256) deepseek_v3_decode_router_16x32(
+// One block per SM (the plan counts a fused gate's grid so; its ring fills an SM's shared
+// memory): told so, ptxas need not hold the select's registers to 64 and spill them.
+extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_decode_router_16x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     const float* __restrict__ gate_bias,  // [EXPERTS]: the gate's bias

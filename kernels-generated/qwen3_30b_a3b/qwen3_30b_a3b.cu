@@ -2655,7 +2655,9 @@ struct decode_router_gate {
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
 };
-extern "C" __global__ void __launch_bounds__(256) qwen3_30b_a3b_decode_router(
+// One block per SM (the plan counts a fused gate's grid so; its ring fills an SM's shared
+// memory): told so, ptxas need not hold the select's registers to 64 and spill them.
+extern "C" __global__ void __launch_bounds__(256, 1) qwen3_30b_a3b_decode_router(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ gate_weight,  // [EXPERTS, HIDDEN]: the router's gate
     int tokens,  // tokens in this call
