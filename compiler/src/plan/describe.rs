@@ -500,7 +500,9 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     let _ = writeln!(
         out,
         "    router {}",
-        if regime.fused {
+        if regime.fused && regime.gates.len() > 1 {
+            "fused, in place of route, the kernel of the call's gate (by its token count): gate, then select by each token tile's last block, then routing metadata by the last token tile's"
+        } else if regime.fused {
             "fused, in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
         } else if regime.select_launch().is_none() {
             "split, before the table: the gate for the call's token count, whose clusters select their tokens"
