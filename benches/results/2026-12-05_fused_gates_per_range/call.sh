@@ -36,7 +36,7 @@ for round in 1 2; do
     set -- $spec
     for build in $order; do
       bin=.device/bin/moeforge; [ $build = base ] && bin=.device/base/moeforge
-      timeout 200 "$bin" bench dsl-examples/$1.moe --tokens $2 --seed 7 --iterations ${ITER:-20} --out /tmp/b > $OUT/${1}_${build}_$round.txt 2>&1 || echo "bench $1 $build failed ($?)"
+      timeout 200 "$bin" bench dsl-examples/$1.moe --tokens $2 --seed 7 --iterations ${ITER:-15} --out /tmp/b > $OUT/${1}_${build}_$round.txt 2>&1 || echo "bench $1 $build failed ($?)"
       echo "-- $1 $build round $round"; grep -E "^\| +[0-9]+ \|" $OUT/${1}_${build}_$round.txt | cut -d'|' -f2,4,12,15
     done
   done

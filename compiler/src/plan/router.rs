@@ -589,10 +589,9 @@ fn gate_plan(
     (split_gates(layer, target, rule, calls), false)
 }
 
-/// A fused router's gates over `calls`: at each power of two from the regime's smallest
-/// call up to its largest, the tile chosen there ([`fused_gate_tile_at`], from `planned`,
-/// the tile of the regime's largest call); each serves the calls from above the previous
-/// point up to its own, neighbouring points with one tile sharing a gate. One tile cannot
+/// A fused router's gates over `calls`: the tile chosen at each point
+/// ([`fused_gate_tile_at`] from `planned`, the tile of the regime's largest call;
+/// [`gates_at_points`]), mma.sync with the fused router's scratch. One tile cannot
 /// serve a whole decode regime: where its grid passes one wave of blocks (one per SM: a
 /// fused gate's deep ring fills an SM's shared memory) a wider expert tile finishes
 /// sooner, and below that point it is slower (fewer blocks read W_gate). DeepSeek-V3's
@@ -606,38 +605,12 @@ fn fused_gates(
     planned: (u32, u32),
     scratch_of: impl Fn((u32, u32)) -> u32,
 ) -> Vec<GatePlan> {
-    let (first, last) = (*calls.start(), *calls.end());
     let fits_block = |tile| scratch_of(tile) <= target.smem_per_block;
-    let mut tiles: Vec<((u32, u32), u32)> = Vec::new();
-    let mut point = first.max(1).next_power_of_two().min(last);
-    loop {
+    gates_at_points(layer, target, calls, |point| {
         let tile = fused_gate_tile_at(layer.experts, planned, point, target.sm_count, fits_block);
-        match tiles.last_mut() {
-            Some((latest, up_to)) if *latest == tile => *up_to = point,
-            _ => tiles.push((tile, point)),
-        }
-        if point >= last {
-            break;
-        }
-        point = point.saturating_mul(2).min(last);
-    }
-    let mut min_tokens = first;
-    tiles
-        .into_iter()
-        .map(|(tile, max_tokens)| {
-            let layout = mma_sync_gate_layout(tile, layer.hidden, target, Some(scratch_of(tile)));
-            let gate = gate_for(
-                layer,
-                target,
-                (GateEngine::MmaSync, tile),
-                layout,
-                min_tokens,
-                max_tokens,
-            );
-            min_tokens = max_tokens + 1;
-            gate
-        })
-        .collect()
+        let layout = mma_sync_gate_layout(tile, layer.hidden, target, Some(scratch_of(tile)));
+        ((GateEngine::MmaSync, tile), layout)
+    })
 }
 
 /// A fused router's gate tile for calls of `tokens` tokens: `planned` where its grid at
@@ -668,27 +641,40 @@ pub fn fused_gate_tile_at(
         .unwrap_or(planned)
 }
 
-/// A split router's gates over `calls`: at each power of two from the regime's smallest
-/// call up to its largest call (the last point), the engine and tile chosen there
-/// ([`split_gate_tile`]); each serves the calls from above the previous point up to its
-/// own. One tile per regime cannot serve it: on one H200 (2026-12-02) Qwen3-30B-A3B's best
-/// mma.sync gate tile was 64 × 32 at 2048 tokens (11.6 µs against 24.6 for the tile filling
-/// the SMs at 16384), 64 × 64 at 4096 (15.1 against 23.1) and 128 × 128 at 16384
-/// (`benches/results/2026-12-02_router_early_start_and_gate_tiles.md`). Neighbouring points
-/// with one choice share a gate; a choice that comes back after another extends the latest
-/// gate instead (one kernel per choice).
+/// A split router's gates over `calls`: the engine and tile chosen at each point
+/// ([`split_gate_tile`], [`gates_at_points`]). One tile per regime cannot serve it: on one
+/// H200 (2026-12-02) Qwen3-30B-A3B's best mma.sync gate tile was 64 × 32 at 2048 tokens
+/// (11.6 µs against 24.6 for the tile filling the SMs at 16384), 64 × 64 at 4096 (15.1
+/// against 23.1) and 128 × 128 at 16384
+/// (`benches/results/2026-12-02_router_early_start_and_gate_tiles.md`).
 fn split_gates(
     layer: &ir::Layer,
     target: &Target,
     rule: &ir::Router,
     calls: RangeInclusive<u32>,
 ) -> Vec<GatePlan> {
-    let (first, last) = (*calls.start(), *calls.end());
     let fill = (target.sm_count * SPLIT_GATE_FILL_TENTHS).div_ceil(10);
+    gates_at_points(layer, target, calls, |point| {
+        split_gate_tile(layer, rule, target, point, fill)
+    })
+}
+
+/// A router's gates over `calls`: at each power of two from the smallest call up to the
+/// largest (the last point), the engine, tile and layout `choose` gives there; each gate
+/// serves the calls from above the previous point up to its own. Neighbouring points with
+/// one choice share a gate; a choice that comes back after another extends the latest gate
+/// instead (one kernel per choice).
+fn gates_at_points(
+    layer: &ir::Layer,
+    target: &Target,
+    calls: RangeInclusive<u32>,
+    choose: impl Fn(u32) -> (GateChoice, GateLayout),
+) -> Vec<GatePlan> {
+    let (first, last) = (*calls.start(), *calls.end());
     let mut choices: Vec<(GateChoice, GateLayout, u32)> = Vec::new();
     let mut point = first.max(1).next_power_of_two().min(last);
     loop {
-        let (choice, layout) = split_gate_tile(layer, rule, target, point, fill);
+        let (choice, layout) = choose(point);
         let seen = choices.iter().any(|&(c, _, _)| c == choice);
         match choices.last_mut() {
             Some((_, _, up_to)) if seen => *up_to = point,
