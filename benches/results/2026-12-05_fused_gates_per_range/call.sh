@@ -30,7 +30,7 @@ for spec in ${ALONE:-"deepseek_v3 $ds" "gpt_oss_120b 256 512"}; do
   done
 done
 echo "== in a stream (µs per call, median): T | caller-routed | self-routed | on its routing"
-for round in 1 2; do
+for round in $(seq ${ROUNDS:-2}); do
   order="base new"; [ $round = 2 ] && order="new base"
   for spec in ${STREAM:-"deepseek_v3 $ds_stream" "gpt_oss_120b 256,512"}; do
     set -- $spec
