@@ -3,6 +3,7 @@
 # build (.device/base/moeforge: one gate per fused regime) against this one, on the calls
 # around the point where the new gates take over. Run from the repository root on the GPU
 # machine after scripts/device-stage.sh and copying the base binary to .device/base/.
+# ALONE and STREAM override the calls: "model T T ...;model T ..." and "model T,T;...".
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}; export PATH=$PWD/.device/bin:/usr/local/cuda/bin:$PATH
 export MOEFORGE_CACHE_DIR=/tmp/jit
@@ -17,7 +18,9 @@ if [ -z "${SKIP_SUITE:-}" ]; then
 fi
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "== router alone (µs, gpu__time_duration)"
-for spec in ${ALONE:-"deepseek_v3 $ds" "gpt_oss_120b 256 512"}; do
+IFS=';' read -ra alone <<< "${ALONE:-deepseek_v3 $ds;gpt_oss_120b 256 512}"
+IFS=';' read -ra stream <<< "${STREAM:-deepseek_v3 $ds_stream;gpt_oss_120b 256,512}"
+for spec in "${alone[@]}"; do
   set -- $spec; m=$1; shift
   for t in "$@"; do
     for build in base new; do
@@ -32,7 +35,7 @@ done
 echo "== in a stream (µs per call, median): T | caller-routed | self-routed | on its routing"
 for round in $(seq ${ROUNDS:-2}); do
   order="base new"; [ $round = 2 ] && order="new base"
-  for spec in ${STREAM:-"deepseek_v3 $ds_stream" "gpt_oss_120b 256,512"}; do
+  for spec in "${stream[@]}"; do
     set -- $spec
     for build in $order; do
       bin=.device/bin/moeforge; [ $build = base ] && bin=.device/base/moeforge
