@@ -547,10 +547,11 @@ fn gate_tile_widths(experts: u32) -> Vec<u32> {
 
 /// A fused router's regime tile for a regime whose largest call has `max_tokens` tokens:
 /// every SM a block there (`gate_tile`); whether the router is fused is decided on it
-/// ([`fused`]), and its gates start from it ([`fused_gate_tile_at`]). Filling the SMs comes before fewer re-reads: taller token
-/// tiles re-read less but ran the fused router slower at every count from 16 tokens on
-/// (one H100, 2026-12-05: 1.06-3.2x at 16 tokens, 1.04-9.6x from 64 on), its time being in
-/// the phases each token tile's last block runs alone
+/// ([`fused`]), and its gates start from it ([`fused_gate_tile_at`]). Filling the SMs
+/// comes before fewer re-reads: taller token tiles re-read less but ran the fused router
+/// slower at every count from 16 tokens on (one H100, 2026-12-05: 1.06-3.2x at 16 tokens,
+/// 1.04-9.6x from 64 on), its time being in the phases each token tile's last block runs
+/// alone
 /// (`benches/results/2026-12-05_fused_gate_tiles.md`).
 pub fn fused_gate_tile(experts: u32, max_tokens: u32, sm_count: u32) -> (u32, u32) {
     gate_tile(experts, max_tokens, sm_count)
