@@ -1543,6 +1543,30 @@ fn fused_routers_widen_their_tile_where_the_grid_passes_one_wave() {
     );
 }
 
+/// A fused gate's tile at a call: the regime tile while its grid fits one wave; past that
+/// the narrowest wider expert tile that fits one wave and whose scratch fits a block; the
+/// regime tile where none does (or E leaves no wider tile).
+#[test]
+fn a_fused_gate_widens_to_the_narrowest_tile_of_one_wave() {
+    use plan::router::fused_gate_tile_at;
+    let any = |_| true;
+    // 256 experts on 132 SMs: 16 x 16 is 16 blocks per 16 tokens.
+    assert_eq!(fused_gate_tile_at(256, (16, 16), 128, 132, any), (16, 16));
+    assert_eq!(fused_gate_tile_at(256, (16, 16), 129, 132, any), (16, 32));
+    assert_eq!(fused_gate_tile_at(256, (16, 16), 512, 132, any), (16, 64));
+    assert_eq!(
+        fused_gate_tile_at(256, (16, 16), 512, 132, |(_, n)| n != 64),
+        (16, 128)
+    );
+    assert_eq!(
+        fused_gate_tile_at(256, (16, 16), 512, 132, |_| false),
+        (16, 16)
+    );
+    assert_eq!(fused_gate_tile_at(256, (16, 16), 4096, 132, any), (16, 16));
+    // Mixtral's 8 experts: 16 covers them, nothing is wider.
+    assert_eq!(fused_gate_tile_at(8, (16, 16), 4096, 132, any), (16, 16));
+}
+
 /// A split router's gate runs on wgmma where the target has it and each of its blocks
 /// takes a long enough run of the reduction (Qwen3-30B-A3B from 4097 tokens, DeepSeek-V3
 /// from 2049, with every expert in one tile), in clusters or mma.sync elsewhere and on
