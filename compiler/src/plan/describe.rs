@@ -497,13 +497,19 @@ fn describe_block_routing(out: &mut String, regime: &Regime, top_k: u32) {
 }
 
 fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
+    let several = if regime.gates.len() > 1 {
+        ", the kernel of the call's gate (by its token count)"
+    } else {
+        ""
+    };
+    let fused = format!(
+        "fused, in place of route{several}: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
+    );
     let _ = writeln!(
         out,
         "    router {}",
-        if regime.fused && regime.gates.len() > 1 {
-            "fused, in place of route, the kernel of the call's gate (by its token count): gate, then select by each token tile's last block, then routing metadata by the last token tile's"
-        } else if regime.fused {
-            "fused, in place of route: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
+        if regime.fused {
+            fused.as_str()
         } else if regime.select_launch().is_none() {
             "split, before the table: the gate for the call's token count, whose clusters select their tokens"
         } else if regime.gates.iter().any(|gate| gate.engine.selects()) {

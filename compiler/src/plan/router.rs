@@ -630,16 +630,11 @@ pub fn fused_gate_tile_at(
     if one_wave(planned) {
         return planned;
     }
-    let mut wider: Vec<u32> = gate_tile_widths(experts)
+    gate_tile_widths(experts)
         .into_iter()
-        .filter(|&n| n > planned.1)
-        .collect();
-    wider.sort_unstable();
-    wider
-        .into_iter()
-        .map(|n| (planned.0, n))
-        .find(|&tile| one_wave(tile) && fits(tile))
-        .unwrap_or(planned)
+        .filter(|&n| n > planned.1 && one_wave((planned.0, n)) && fits((planned.0, n)))
+        .min()
+        .map_or(planned, |n| (planned.0, n))
 }
 
 /// A split router's gates over `calls`: the engine and tile chosen at each point
