@@ -301,12 +301,16 @@ pub fn run(args: &Args) -> ExitCode {
         report.routing,
         short_commit()
     );
+    let target = &built.layer.plan().target;
     let mut markdown = format!(
-        "# {layer_name} on {} ({}, commit {}, {} routing)\n\nFloor = max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s); bytes = weights of the experts hit (the shared experts' too) + activations in and out. Self-routed: the router on the GPU, then the layer on its choices (not the table's routing); its floor adds the gate GEMM.\n\n{}\n|{}|\n",
+        "# {layer_name} on {} ({}, commit {}, {} routing)\n\nFloor = max(FLOPs / {:.0} TFLOP/s, bytes / {:.1} TB/s) (the {} target's ceilings); bytes = weights of the experts hit (the shared experts' too) + activations in and out. Self-routed: the router on the GPU, then the layer on its choices (not the table's routing); its floor adds the gate GEMM.\n\n{}\n|{}|\n",
         report.gpu,
         report.date,
         report.commit,
         report.routing,
+        target.peak_bf16_flops / 1e12,
+        target.hbm_bytes_per_s / 1e12,
+        target.name,
         header(),
         "---|"
             .repeat(header().matches('|').count() - 1)

@@ -652,7 +652,8 @@ pub mod error_code {
 /// One token-count range and the kernels that serve it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Regime {
-    /// `decode`, `mid` or `prefill`: used in entry-point names.
+    /// `decode`, `mid` or `prefill` (`all` when it is the only one; a rank's extra regimes
+    /// `small` and `large`): used in entry-point names.
     pub name: String,
     pub min_tokens: u32,
     pub max_tokens: u32,
