@@ -195,6 +195,33 @@ pub(crate) fn time_back_to_back<E: From<GpuError>>(
     Ok(median(per_call))
 }
 
+/// Medians of CUDA-event times of `first` and `second` over `iterations` each, after
+/// warm-up, the two taken in turns (`first(i)`, then `second(i)`), so that what drifts
+/// over a run (clocks under a power limit, the other's leftovers in L2) moves both alike
+/// and their difference measures what separates them.
+pub(crate) fn time_calls_in_turns<E: From<GpuError>>(
+    session: &Session,
+    iterations: usize,
+    mut first: impl FnMut(usize) -> Result<(), E>,
+    mut second: impl FnMut(usize) -> Result<(), E>,
+) -> Result<(f64, f64), E> {
+    warm_up(&mut first)?;
+    warm_up(&mut second)?;
+    let mut times = (
+        Vec::with_capacity(iterations),
+        Vec::with_capacity(iterations),
+    );
+    for i in 0..iterations {
+        times
+            .0
+            .push(event_span(session, || first(i % ROTATED_INPUTS))?);
+        times
+            .1
+            .push(event_span(session, || second(i % ROTATED_INPUTS))?);
+    }
+    Ok((median(times.0), median(times.1)))
+}
+
 fn warm_up<E>(call: &mut impl FnMut(usize) -> Result<(), E>) -> Result<(), E> {
     (0..WARMUP_CALLS).try_for_each(|i| call(i % ROTATED_INPUTS))
 }
@@ -233,8 +260,9 @@ struct SelfRouted {
     on_its_routing_us: f64,
 }
 
-/// Times the calls that route themselves on `inputs`' x, then, on the choices the router
-/// made for each input set (collected by one more call each), the caller-routed call.
+/// Times the calls that route themselves on `inputs`' x and, in turns with them, the
+/// caller-routed call on the choices the router made for each input set (collected first,
+/// by one self-routed call each).
 fn time_self_routed(
     session: &Session,
     built: &BuiltLayer,
@@ -243,10 +271,6 @@ fn time_self_routed(
     iterations: usize,
 ) -> Result<SelfRouted, BenchError> {
     let plan = built.layer.plan();
-    let self_routed_us = time_calls::<BenchError>(session, iterations, |i| {
-        Ok(built.layer.forward_routed(inputs[i].routed_args())?)
-    })?;
-    built.layer.take_error()?;
     let chosen: Vec<Workload> = workloads
         .iter()
         .map(|w| {
@@ -263,9 +287,12 @@ fn time_self_routed(
         .iter()
         .map(|w| session.upload(&plan.shape, w))
         .collect::<Result<_, _>>()?;
-    let on_its_routing_us = time_calls::<BenchError>(session, iterations, |i| {
-        Ok(session.forward(&built.layer, &mut chosen_inputs[i])?)
-    })?;
+    let (self_routed_us, on_its_routing_us) = time_calls_in_turns::<BenchError>(
+        session,
+        iterations,
+        |i| Ok(built.layer.forward_routed(inputs[i].routed_args())?),
+        |i| Ok(session.forward(&built.layer, &mut chosen_inputs[i])?),
+    )?;
     built.layer.take_error()?;
     let floor = Roofline::of(&plan.shape, &chosen[0], &plan.target).with_router(
         &plan.shape,
