@@ -1,6 +1,7 @@
 # A fused router's gate per token range (issue 9): the GPU suite, then the fused router
-# alone (Nsight Compute, router kernels only) and the layer in a stream of calls, base
-# build (.device/base/moeforge: one gate per fused regime) against this one, on the calls
+# alone (Nsight Compute, router kernels only) and the layer per call (`bench`), base
+# build (.device/base/moeforge: one gate per fused regime; its bench with the self-routed
+# timing in turns, as here) against this one, on the calls
 # around the point where the new gates take over. Run from the repository root on the GPU
 # machine after scripts/device-stage.sh and copying the base binary to .device/base/.
 # ALONE and STREAM override the calls: "model T T ...;model T ..." and "model T,T;...".
@@ -10,8 +11,8 @@ export MOEFORGE_CACHE_DIR=/tmp/jit
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 # Where the new gates take over: DeepSeek-V3 above 256 tokens on an H100 (its decode regime
 # ends at 512), above 128 on an H200 (ends at 256); GPT-OSS-120B above 256 on both.
-ds="128 256 512"; ds_stream="256,512"
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then ds="128 192 256"; ds_stream="192,256"; fi
+ds="128 256 512"; ds_stream="16,256,512"
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then ds="128 192 256"; ds_stream="16,192,256"; fi
 if [ -z "${SKIP_SUITE:-}" ]; then
   LANES=3 bash scripts/gpu-suite-timed.sh $OUT/logs 5 2>&1 | grep -E "^\| [0-9]|total"
   (cd $OUT && tar -czf logs.tgz logs && rm -r logs)
@@ -32,7 +33,7 @@ for spec in "${alone[@]}"; do
     done
   done
 done
-echo "== in a stream (µs per call, median): T | caller-routed | self-routed | on its routing"
+echo "== per call from an idle GPU (µs, median): T | caller-routed | self-routed | on its routing (the last two in turns)"
 for round in $(seq ${ROUNDS:-2}); do
   order="base new"; [ $round = 2 ] && order="new base"
   for spec in "${stream[@]}"; do
