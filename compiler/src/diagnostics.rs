@@ -28,6 +28,12 @@ pub enum Error {
     InvalidUtf8 { span: Span },
     #[error("unexpected character {found:?}")]
     InvalidCharacter { span: Span, found: char },
+    #[error("`{number}{word}`: a number with a name right after it")]
+    NumberGluedToName {
+        span: Span,
+        number: String,
+        word: String,
+    },
 
     // ---- syntax ----
     #[error("unexpected {found}, expected {expected}")]
@@ -207,6 +213,13 @@ pub enum Error {
         value: u32,
         max: u32,
     },
+    #[error("`{key}` = {value} tokens is above the layer's max_tokens of {max_tokens}")]
+    AboveMaxTokens {
+        span: Span,
+        key: String,
+        value: u32,
+        max_tokens: u32,
+    },
     #[error("`{key}` = {value} is not a multiple of {alignment}")]
     Misaligned {
         span: Span,
@@ -355,6 +368,7 @@ impl Error {
         match self {
             InvalidUtf8 { span }
             | InvalidCharacter { span, .. }
+            | NumberGluedToName { span, .. }
             | UnexpectedToken { span, .. }
             | UnexpectedEnd { span, .. }
             | UnknownItemKind { span, .. }
@@ -380,6 +394,7 @@ impl Error {
             | DurationOutOfRange { span, .. }
             | Unsupported { span, .. }
             | AboveLimit { span, .. }
+            | AboveMaxTokens { span, .. }
             | TooManyExperts { span, .. }
             | TooManyPairs { span, .. }
             | Misaligned { span, .. }
@@ -465,6 +480,11 @@ impl Error {
                  `{ } = , .` and comments starting with `#` or `//`"
                     .into()
             }
+            NumberGluedToName { number, word, .. } => format!(
+                "`.moe` numbers take no suffix: write the number in full, and a unit after a \
+                 space (`tokens`, `GB/s`, `us`, `ms`, `ns`); the file is read on as if \
+                 `{number}` stood without `{word}`"
+            ),
             UnexpectedToken { found, .. } if found.starts_with("unit `") => {
                 let unit = found.trim_start_matches("unit ");
                 format!(
@@ -579,6 +599,10 @@ impl Error {
                 "the routing kernel counts (token, k) pairs per expert in one thread block's \
                  shared memory, {max} entries; use at most {max} routed experts"
             ),
+            AboveMaxTokens { key, max_tokens, .. } => format!(
+                "a call holds at most max_tokens tokens, so `{key}` counts at most that many: \
+                 write `{key} = {max_tokens} tokens` or less, or raise `max_tokens`"
+            ),
             TooManyPairs {
                 top_k, max_pairs, ..
             } => format!(
@@ -589,12 +613,19 @@ impl Error {
             ),
             Misaligned {
                 value, alignment, ..
-            } => format!(
-                "kernels move rows as 16-byte vectors of bf16 and tile the reduction {alignment} deep, \
-                 so sizes must be multiples of {alignment}; the nearest are {} and {}",
-                value / alignment * alignment,
-                (value / alignment + 1) * alignment,
-            ),
+            } => {
+                let below = value / alignment * alignment;
+                let above = below + alignment;
+                let nearest = if below == 0 {
+                    format!("the smallest is {above}")
+                } else {
+                    format!("the nearest are {below} and {above}")
+                };
+                format!(
+                    "kernels move rows as 16-byte vectors of bf16 and tile the reduction {alignment} deep, \
+                     so sizes must be multiples of {alignment}; {nearest}"
+                )
+            }
             ExpertsNotDivisible {
                 experts, degree, ..
             } => format!(
@@ -1121,11 +1152,22 @@ mod tests {
                 below: true,
             },
             Error::TooManyErrors { span },
+            Error::AboveMaxTokens {
+                span,
+                key: text("dispatch_chunk"),
+                value: 1024,
+                max_tokens: 512,
+            },
+            Error::NumberGluedToName {
+                span,
+                number: text("64"),
+                word: text("k"),
+            },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 48;
+    const VARIANTS: usize = 50;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1181,6 +1223,8 @@ mod tests {
             TooManySharedSlices { .. } => 45,
             DurationOutOfRange { .. } => 46,
             TooManyErrors { .. } => 47,
+            AboveMaxTokens { .. } => 48,
+            NumberGluedToName { .. } => 49,
         }
     }
 

@@ -772,6 +772,37 @@ fn a_ranks_fused_decode_gets_the_deepest_rings() {
     assert_eq!(checked, 3);
 }
 
+/// A plan read from outside cannot size a rank's buffers otherwise than its sizes imply
+/// (the kernels index them by those sizes), nor pass the experts' split by overflowing
+/// 32 bits: on a one-node, a two-node and a self-routed expert-parallel plan, every
+/// buffer one element short or long is caught, and so is 2^31 + 4 experts a rank.
+#[test]
+fn a_ranks_workspace_and_split_are_checked_exactly() {
+    for name in ["qwen3_30b_a3b", "tiny_two_nodes", "deepseek_v3"] {
+        let plan = example_plan(name);
+        let ep = plan.expert_parallel.as_ref().expect("expert-parallel plan");
+        for index in 0..ep.workspace.len() {
+            for change in [-1i64, 1] {
+                let mut edited = plan.clone();
+                let buffer = &mut edited.expert_parallel.as_mut().unwrap().workspace[index];
+                buffer.elems = buffer.elems.saturating_add_signed(change);
+                let id = buffer.id;
+                assert!(
+                    edited.validate().is_err(),
+                    "{name}: `{}` {change:+} elements went unnoticed",
+                    id.name()
+                );
+            }
+        }
+        let mut edited = plan.clone();
+        let ep = edited.expert_parallel.as_mut().unwrap();
+        ep.experts_per_rank = (1 << 31) + plan.shape.experts / ep.ranks;
+        if ep.ranks == 2 {
+            assert!(edited.validate().is_err(), "{name}: a split that wraps");
+        }
+    }
+}
+
 /// The H200 plan of the shipped example `name`, validated.
 fn example_plan(name: &str) -> plan::Plan {
     let path = format!("{}/../dsl-examples/{name}.moe", env!("CARGO_MANIFEST_DIR"));

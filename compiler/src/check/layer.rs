@@ -216,7 +216,7 @@ pub fn check_layer(
 
     let schedule = table
         .section("schedule")
-        .map(|section| schedule(section, incomplete, errors));
+        .map(|section| schedule(section, incomplete, max_tokens, errors));
 
     // Rules across settings, checked only when their inputs are valid.
     if let (Some(experts), Some(top_k), Some(setting)) = (experts, top_k, top_k_setting)
@@ -789,6 +789,7 @@ fn group_limit(
 fn schedule(
     section: &Section,
     incomplete: bool,
+    max_tokens: Option<u32>,
     errors: &mut Vec<Error>,
 ) -> Option<ir::ScheduleHints> {
     let table = Table::of_section(section, incomplete, &SCHEDULE, errors);
@@ -803,7 +804,24 @@ fn schedule(
     let gemm2_tile = table.setting("gemm2.tile").map(|s| values::tile(s, errors));
     // Above the planner's most, `stages` is the planner's error (with the range).
     let stages = read_count("stages", plan::MIN_STAGES, false, errors);
-    let dispatch_chunk = read_count("dispatch_chunk", 1, true, errors);
+    // A chunk of one call's tokens: at most max_tokens (the kernels size their chunks by it
+    // as an `int`).
+    let dispatch_chunk = match (
+        read_count("dispatch_chunk", 1, true, errors),
+        max_tokens,
+        table.setting("dispatch_chunk"),
+    ) {
+        (Some(Some(value)), Some(max_tokens), Some(setting)) if value > max_tokens => {
+            errors.push(Error::AboveMaxTokens {
+                span: setting.values[0].span,
+                key: "dispatch_chunk".to_string(),
+                value,
+                max_tokens,
+            });
+            None
+        }
+        (count, ..) => count,
+    };
     let comm_blocks = read_count("comm_blocks", 1, false, errors);
     // 0 turns the fused decode off where the planner would choose it.
     let fused_decode = match table.setting("fused_decode") {

@@ -92,13 +92,25 @@ pub struct InvalidCharacter {
     pub found: char,
 }
 
-/// The lexed file: the tokens the parser reads, the comments the formatter keeps, and the
-/// characters that started no token.
+/// A name right after a number, with nothing between them (`64k`, `128abc`): never a
+/// valid pair (units are their own tokens), so the name is left out of the tokens and
+/// reported here, and the file parses on as if the number stood alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GluedName<'src> {
+    /// The number and the name together.
+    pub span: Span,
+    pub number: &'src str,
+    pub name: &'src str,
+}
+
+/// The lexed file: the tokens the parser reads, the comments the formatter keeps, the
+/// characters that started no token and the names glued to numbers.
 #[derive(Clone, Debug, Default)]
 pub struct Lexed<'src> {
     pub tokens: Vec<(usize, Token<'src>, usize)>,
     pub comments: Vec<Comment>,
     pub invalid: Vec<InvalidCharacter>,
+    pub glued: Vec<GluedName<'src>>,
 }
 
 /// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
@@ -114,6 +126,22 @@ pub fn lex(source: &str) -> Lexed<'_> {
                 text: text.trim_end().to_string(),
                 span: Span::new(range.start, range.end),
             }),
+            Ok(Token::Ident(name)) => match lexed.tokens.last() {
+                Some(&(start, Token::Integer(number) | Token::Float(number), end))
+                    if end == range.start =>
+                {
+                    if lexed.glued.len() <= MAX_ERRORS {
+                        lexed.glued.push(GluedName {
+                            span: Span::new(start, range.end),
+                            number,
+                            name,
+                        });
+                    }
+                }
+                _ => lexed
+                    .tokens
+                    .push((range.start, Token::Ident(name), range.end)),
+            },
             Ok(token) => lexed.tokens.push((range.start, token, range.end)),
             Err(()) => {
                 if let Some((_, Token::Invalid, end)) = lexed.tokens.last_mut()
@@ -146,6 +174,30 @@ mod tests {
             .into_iter()
             .map(|(_, token, _)| token)
             .collect()
+    }
+
+    #[test]
+    fn a_name_glued_to_a_number_is_set_aside_and_a_unit_is_not() {
+        let lexed = lex("hidden = 64k\nscale = 2.5x\nchunk = 16tokens\ntile = 2x");
+        let glued: Vec<(&str, &str)> = lexed.glued.iter().map(|g| (g.number, g.name)).collect();
+        assert_eq!(glued, [("64", "k"), ("2.5", "x"), ("2", "x")]);
+        assert_eq!(lexed.glued[0].span, Span::new(9, 12));
+        let kinds: Vec<Token<'_>> = lexed.tokens.into_iter().map(|(_, t, _)| t).collect();
+        assert_eq!(
+            kinds[..6],
+            [
+                Token::Ident("hidden"),
+                Token::Equals,
+                Token::Integer("64"),
+                Token::Ident("scale"),
+                Token::Equals,
+                Token::Float("2.5"),
+            ]
+        );
+        assert!(
+            kinds.contains(&Token::Unit(Unit::Tokens)),
+            "16tokens: a number and a unit"
+        );
     }
 
     #[test]

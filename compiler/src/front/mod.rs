@@ -42,6 +42,13 @@ pub fn parse(source: &str) -> Parsed {
             found: invalid.found,
         });
     }
+    for glued in &lexed.glued {
+        errors.push(Error::NumberGluedToName {
+            span: glued.span,
+            number: glued.number.to_string(),
+            word: glued.name.to_string(),
+        });
+    }
     let result =
         grammar::FileParser::new().parse(&mut errors, lexed.tokens.iter().map(|&token| Ok(token)));
     let items = match result {

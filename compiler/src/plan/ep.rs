@@ -669,7 +669,7 @@ pub fn plan_expert_parallel(
         combine_kernel,
     ] = kernels;
     let peer_buffers = peer_buffers(network.is_some());
-    Ok(Some(ExpertParallelPlan {
+    let mut plan = ExpertParallelPlan {
         ranks,
         placement,
         experts_per_rank,
@@ -691,11 +691,7 @@ pub fn plan_expert_parallel(
         send_order,
         receive_order,
         routes_itself: !router_buffers.is_empty(),
-        workspace: workspace(shape, &sizes, network.as_ref())
-            .into_iter()
-            .chain(rank_fused_counters(shape, &sizes, &ep_regimes))
-            .chain(router_buffers)
-            .collect(),
+        workspace: Vec::new(),
         network,
         peer_buffers,
         metadata_tile_tokens: sizes.metadata_tile_tokens,
@@ -704,7 +700,40 @@ pub fn plan_expert_parallel(
         arrange_kernel,
         combine_kernel,
         regimes: ep_regimes,
-    }))
+    };
+    plan.workspace = plan.expected_workspace(shape, router_buffers);
+    Ok(Some(plan))
+}
+
+impl ExpertParallelPlan {
+    /// The workspace of one rank as planning makes it from this plan's sizes, `shape` and
+    /// `router_buffers` (the single-GPU workspace's router buffers, which each rank holds
+    /// too): what a plan read from outside must hold exactly, since the kernels index its
+    /// buffers by those sizes.
+    pub(crate) fn expected_workspace(
+        &self,
+        shape: &LayerShape,
+        router_buffers: impl IntoIterator<Item = Buffer>,
+    ) -> Vec<Buffer> {
+        let sizes = Sizes {
+            combine_route: self.combine_route,
+            ranks: self.ranks,
+            experts: shape.experts,
+            experts_per_rank: self.experts_per_rank,
+            top_k: shape.top_k,
+            metadata_tile_tokens: self.metadata_tile_tokens,
+            shared_slices: shape.shared_slices,
+            slots: self.slots_per_source,
+            chunks: self.chunks_per_source,
+            segment_rows: self.rows_per_segment,
+            rows: self.intermediate_rows,
+        };
+        workspace(shape, &sizes, self.network.as_ref())
+            .into_iter()
+            .chain(rank_fused_counters(shape, &sizes, &self.regimes))
+            .chain(router_buffers)
+            .collect()
+    }
 }
 
 /// The sizes the expert-parallel buffers are made of.

@@ -69,20 +69,27 @@ pub enum Grid {
 }
 
 impl Grid {
+    /// The blocks of a call of `tokens` tokens; saturating, so that a grid no GPU could
+    /// launch (a hand-edited plan's) stays too large for the checks against the SMs
+    /// instead of wrapping.
     pub fn blocks(self, tokens: u32) -> u32 {
         match self {
             Grid::Fixed(n) => n,
             Grid::TokenTiles {
                 tokens_per_tile,
                 blocks_per_tile,
-            } => tokens.div_ceil(tokens_per_tile.max(1)) * blocks_per_tile,
+            } => tokens
+                .div_ceil(tokens_per_tile.max(1))
+                .saturating_mul(blocks_per_tile),
             Grid::SplitTokenTiles {
                 tokens_per_tile,
                 blocks_per_tile,
                 k_split,
             } => {
-                let tiles = tokens.div_ceil(tokens_per_tile.max(1));
-                tiles * blocks_per_tile * k_split.splits(tiles * blocks_per_tile)
+                let unsplit = tokens
+                    .div_ceil(tokens_per_tile.max(1))
+                    .saturating_mul(blocks_per_tile);
+                unsplit.saturating_mul(k_split.splits(unsplit))
             }
         }
     }

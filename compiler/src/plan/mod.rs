@@ -2460,8 +2460,13 @@ const GATHERED_ROWS_SHARE: f64 = 0.10;
 /// Measured layers (one H200, 2026-12-01): sorted, Mixtral-8x7B −3 to −11% at 1024-16384
 /// tokens, GPT-OSS-120B −2 to −4% at 4096 and up to −16% at 16384, DeepSeek-V3 −1% at 4096
 /// and −4% at 16384; Qwen3-30B-A3B, whose rows carry a sixth of the multiply per byte,
-/// +3 to +6% (its 537 MB copy at 16384 tokens took 240 µs against 94 µs saved).
+/// +3 to +6% (its 537 MB copy at 16384 tokens took 240 µs against 94 µs saved). The sort
+/// kernel looks a token's rows up a thread each, so a token of more rows than its threads
+/// (a top_k in the hundreds) gathers.
 fn gemm1_row_load(target: &Target, shape: &LayerShape, gemm: &GemmPlan) -> RowLoad {
+    if shape.slots_per_token() > SORT_ROWS_THREADS {
+        return RowLoad::Gathered;
+    }
     let problem = GemmProblem::for_layer(shape, GemmKind::Up, 1);
     let two_warpgroups = gemm.engine == MmaEngine::WgmmaWarpSpecialized && gemm.tile.m >= 128;
     let multiply_seconds = 2.0 * f64::from(problem.k) * f64::from(problem.weight_rows())

@@ -1072,7 +1072,7 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
         /// The same over random nodes and GPUs per node (their ranks dividing the 8
-        /// experts), max_tokens, chunks (dividing max_tokens or not), bounds and routings.
+        /// experts), max_tokens, chunks (dividing max_tokens or not; at most max_tokens), bounds and routings.
         #[test]
         fn steps_pair_up_for_any_layer_and_bound(
             (nodes, gpus) in proptest::sample::select(vec![(2u32, 1u32), (2, 2), (2, 4), (4, 1), (4, 2)]),
@@ -1085,7 +1085,7 @@ mod tests {
             let extra = if shared { " shared_experts {\n  count = 1\n  ffn = 256\n }\n" } else { "" };
             let text = spec(nodes, gpus, extra)
                 .replace("max_tokens = 512", &format!("max_tokens = {max_tokens}"))
-                .replace("dispatch_chunk = 16 tokens", &format!("dispatch_chunk = {chunk} tokens"));
+                .replace("dispatch_chunk = 16 tokens", &format!("dispatch_chunk = {} tokens", chunk.min(max_tokens)));
             let module = crate::compile_source("l.moe", &text).expect("checks");
             let plan = plan(&module.layers[0], &Target::h200()).expect("plans");
             let (ep, network) = network_of(&plan);

@@ -16,10 +16,11 @@ use super::router::{self, GateEngine, RouterPlan};
 use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid,
     INVERT_ROWS_THREADS, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH,
-    MmaEngine, OutputStore, Plan, ROUTE_THREADS, Regime, RegimeParts, RouterSpace, RowLoad,
-    SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier, combine_blocks_per_token,
-    fused_decode, sorts_x_rows, workspace,
+    MmaEngine, OutputStore, Plan, ROUTE_THREADS, ROUTER_BUFFERS, Regime, RegimeParts, RouterSpace,
+    RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier,
+    combine_blocks_per_token, fused_decode, sorts_x_rows, workspace,
 };
+use crate::check::layer::MAX_SIZE;
 
 /// Why a plan cannot be executed as it stands.
 #[derive(Debug, Error, PartialEq)]
@@ -47,11 +48,13 @@ impl Plan {
         }
         if shape.hidden == 0
             || shape.ffn == 0
+            || shape.hidden > MAX_SIZE
+            || shape.ffn > MAX_SIZE
             || !shape.hidden.is_multiple_of(TILE_K)
             || !shape.ffn.is_multiple_of(TILE_K)
         {
             return Err(format!(
-                "hidden {} and ffn {} must be positive multiples of {TILE_K}",
+                "hidden {} and ffn {} must be multiples of {TILE_K} in 1..={MAX_SIZE}",
                 shape.hidden, shape.ffn
             ));
         }
@@ -284,7 +287,7 @@ impl Plan {
         let ranks = ep.ranks;
         if ranks < 2
             || !shape.experts.is_multiple_of(ranks)
-            || ep.experts_per_rank * ranks != shape.experts
+            || u64::from(ep.experts_per_rank) * u64::from(ranks) != u64::from(shape.experts)
         {
             return Err(format!(
                 "{ranks} ranks do not split {} experts",
@@ -369,9 +372,9 @@ impl Plan {
                     };
                     // Emulated nodes keep SMs free for the loopback's copies too.
                     let per_rank = live(StreamRole::Comm)
-                        + live(StreamRole::Compute)
-                        + ep.network.as_ref().map_or(0, |n| n.nccl_ctas);
-                    if ranks * per_rank > sms {
+                        .saturating_add(live(StreamRole::Compute))
+                        .saturating_add(ep.network.as_ref().map_or(0, |n| n.nccl_ctas));
+                    if u64::from(ranks) * u64::from(per_rank) > u64::from(sms) {
                         return Err(format!(
                             "{ranks} virtual ranks × {per_rank} live blocks (and SMs kept free) exceed the {sms} SMs of {}: spin-waits could wait on blocks that never run",
                             self.target.name
@@ -394,7 +397,10 @@ impl Plan {
                             regime.name, launch.kernel, regime.compute_sms
                         ));
                     }
-                    let per_device = regime.comm_blocks + nccl_sms + regime.compute_sms;
+                    let per_device = regime
+                        .comm_blocks
+                        .saturating_add(nccl_sms)
+                        .saturating_add(regime.compute_sms);
                     if regime.comm_blocks == 0 || regime.compute_sms == 0 || per_device > sms {
                         return Err(format!(
                             "regime `{}`: {} communication blocks, {nccl_sms} NCCL CTAs and {} compute SMs per device do not fit the {sms} of {}: spin-waits could wait on blocks that never run",
@@ -426,6 +432,19 @@ impl Plan {
             self.check_network(ep, network)
                 .map_err(|e| format!("network: {e}"))?;
         }
+        // The kernels index every buffer by the plan's sizes: a rank's workspace must be
+        // exactly what they imply (a hand-edited `elems` would let them write past it).
+        let router_buffers = self
+            .workspace
+            .iter()
+            .filter(|b| ROUTER_BUFFERS.contains(&b.id))
+            .cloned();
+        if ep.workspace != ep.expected_workspace(shape, router_buffers) {
+            return Err(
+                "a rank's workspace does not match the buffers its sizes, shape and router imply"
+                    .into(),
+            );
+        }
         Ok(())
     }
 
@@ -435,7 +454,7 @@ impl Plan {
         let ranks = ep.ranks;
         if network.nodes < 2
             || network.gpus_per_node == 0
-            || network.nodes * network.gpus_per_node != ranks
+            || u64::from(network.nodes) * u64::from(network.gpus_per_node) != u64::from(ranks)
             || network.peers_per_rank != ranks - network.gpus_per_node
         {
             return Err(format!(
@@ -797,6 +816,13 @@ impl Plan {
                     regime.name, regime.launches[at].kernel, regime.gemm1_kernel
                 )),
             };
+        }
+        if self.shape.slots_per_token() > SORT_ROWS_THREADS {
+            return Err(format!(
+                "`{}` loads x's rows as tiles, but a token's {} rows are more than the sort kernel's {SORT_ROWS_THREADS} threads look up",
+                regime.gemm1_kernel,
+                self.shape.slots_per_token()
+            ));
         }
         let gemm1 = position(&regime.gemm1_kernel);
         let in_order = matches!(

@@ -30,6 +30,27 @@ pub enum Routing {
 }
 
 impl Routing {
+    /// Why `groups` groups with `kept` kept cannot limit `top_k` of `experts` experts, if
+    /// they cannot.
+    pub fn group_limit_error(experts: u32, top_k: u32, groups: u32, kept: u32) -> Option<String> {
+        if groups == 0 || !experts.is_multiple_of(groups) {
+            Some(format!(
+                "{groups} groups do not split the {experts} experts evenly"
+            ))
+        } else if kept == 0 || kept > groups {
+            Some(format!(
+                "{kept} kept groups is not between 1 and the {groups} groups"
+            ))
+        } else if top_k > kept * (experts / groups) {
+            Some(format!(
+                "{kept} kept groups of {} experts hold fewer than top_k = {top_k}",
+                experts / groups
+            ))
+        } else {
+            None
+        }
+    }
+
     pub fn name(self) -> String {
         match self {
             Routing::Uniform => "uniform".into(),
@@ -78,15 +99,9 @@ impl Traffic {
             )));
         }
         if let Routing::GroupLimited { groups, kept } = routing
-            && (groups == 0
-                || !experts.is_multiple_of(groups)
-                || kept == 0
-                || kept > groups
-                || top_k > kept * (experts / groups))
+            && let Some(why) = Routing::group_limit_error(experts, top_k, groups, kept)
         {
-            return Err(SimError::Shape(format!(
-                "{experts} experts in {groups} groups, {kept} kept, top_k {top_k}: the groups must split the experts evenly, and the kept groups hold at least top_k experts"
-            )));
+            return Err(SimError::Shape(format!("group-limited routing: {why}")));
         }
         let (r, e) = (ranks as usize, experts as usize);
         let per_rank = experts / ranks;
