@@ -9,5 +9,24 @@ fn main() -> std::process::ExitCode {
         // SAFETY: the first thing `main` does, before any other thread exists.
         unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
     }
+    exit_quietly_on_a_closed_pipe();
     cli::run()
 }
+
+/// `moeforge check … | head` closes the pipe early: end the process as other command-line
+/// tools do (the default action of SIGPIPE), instead of panicking in the next `println!`
+/// (Rust ignores SIGPIPE before `main`, so writes fail with EPIPE).
+#[cfg(unix)]
+fn exit_quietly_on_a_closed_pipe() {
+    const SIGPIPE: i32 = 13;
+    const SIG_DFL: usize = 0;
+    unsafe extern "C" {
+        fn signal(signum: i32, handler: usize) -> usize;
+    }
+    // SAFETY: restores the default disposition of one signal before any other thread exists;
+    // SIGPIPE is 13 on Linux and macOS.
+    unsafe { signal(SIGPIPE, SIG_DFL) };
+}
+
+#[cfg(not(unix))]
+fn exit_quietly_on_a_closed_pipe() {}

@@ -384,6 +384,36 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
     assert_eq!(output.status.code(), Some(2));
 }
 
+/// The default token counts stop at a small layer's max_tokens (tiny's 512), saying so; a
+/// count above it, or of no tokens, is a usage error before anything is simulated.
+#[test]
+fn simulate_checks_every_token_count_first() {
+    let output = moeforge(&["simulate", "dsl-examples/tiny.moe"]);
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("the default token counts are 1,16,128,512"),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains(", 512 tokens per rank,"), "{stdout}");
+    for (tokens, said) in [
+        (
+            "1,9999",
+            "--tokens 9999 exceeds the layer's max_tokens of 512",
+        ),
+        ("0", "--tokens 0: this command needs at least 1"),
+    ] {
+        let output = moeforge(&["simulate", "dsl-examples/tiny.moe", "--tokens", tokens]);
+        assert_eq!(output.status.code(), Some(2), "--tokens {tokens}");
+        assert!(String::from_utf8_lossy(&output.stderr).contains(said));
+        assert!(
+            output.stdout.is_empty(),
+            "nothing simulated at --tokens {tokens}"
+        );
+    }
+}
+
 /// Grouped routing takes the router's group limit (DeepSeek-V3's 4 of 8), or the flags; a
 /// layer without one, or the flags without grouped routing, is a usage error saying why.
 #[test]

@@ -36,6 +36,8 @@ pub enum BaselineError {
     Layer(#[from] LayerError),
     #[error("the layer's plan has no workspace buffer `{0}` for the baseline to read")]
     MissingWorkspace(&'static str),
+    #[error("the route launch left expert offsets the baseline cannot use: {0}")]
+    Offsets(String),
 }
 
 const SOURCE: &str = include_str!("baseline.cu");
@@ -199,8 +201,27 @@ impl CublasBaseline {
             .chunks_exact(4)
             .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
+        // The offsets size the gathers and cuBLAS's GEMMs: a route that failed (an id out
+        // of range) reports it, and the rest must be rows of this call.
+        layer.take_error()?;
+        let most_rows = io.tokens * self.slots_per_token;
+        let rows = match offsets.get(..=self.gemm_experts as usize) {
+            Some(used)
+                if used.first() == Some(&0)
+                    && used.windows(2).all(|w| w[0] <= w[1])
+                    && used.last().is_some_and(|&last| last as u32 <= most_rows) =>
+            {
+                used[used.len() - 1] as u32
+            }
+            _ => {
+                return Err(BaselineError::Offsets(format!(
+                    "not rising from 0 to at most {most_rows} rows over {} experts",
+                    self.gemm_experts
+                )));
+            }
+        };
+        let offsets = &offsets[..=self.gemm_experts as usize];
         let weights = layer.weights();
-        let rows = offsets[self.gemm_experts as usize] as u32;
         let (h, f, k) = (self.hidden as i32, self.ffn as i32, self.top_k as i32);
         let slots = self.slots_per_token as i32;
         {
@@ -222,7 +243,7 @@ impl CublasBaseline {
             address(&self.out),
         );
         let (hu, fu) = (u64::from(self.hidden), u64::from(self.ffn));
-        for_each_expert(&offsets, |e, start, count| {
+        for_each_expert(offsets, |e, start, count| {
             self.gemm(
                 "GEMM1",
                 (2 * self.ffn, count, self.hidden),
@@ -239,7 +260,7 @@ impl CublasBaseline {
             // SAFETY: one block per routed row.
             unsafe { launch.launch(rows_config(rows)) }.context("activation")?;
         }
-        for_each_expert(&offsets, |e, start, count| {
+        for_each_expert(offsets, |e, start, count| {
             self.gemm(
                 "GEMM2",
                 (self.hidden, count, self.ffn),

@@ -568,7 +568,7 @@ impl EpLayer {
     /// call that routed itself, `routed_ids`, `routed_weights` and `router_logits` hold its
     /// router's choices and logits.
     pub fn workspace_buffer(&self, r: usize, id: BufferId) -> Option<&CudaSlice<u8>> {
-        workspace(&self.ranks[r].workspace, id).ok()
+        workspace(&self.ranks.get(r)?.workspace, id).ok()
     }
 
     /// Enqueues one call: `args[r]` is rank `r`'s tokens (on its device; in a group, one
@@ -649,7 +649,10 @@ impl EpLayer {
         r: usize,
         tokens: u32,
     ) -> Result<(Vec<i32>, Vec<f32>), LayerError> {
-        let rank = &self.ranks[r];
+        let rank = self.ranks.get(r).ok_or(LayerError::NoSuchRank {
+            rank: r,
+            ranks: self.ranks.len(),
+        })?;
         let pairs = tokens as usize * self.plan.shape.top_k as usize;
         let ids = read_words(
             &rank.compute,

@@ -79,6 +79,8 @@ pub enum GpuError {
         to: usize,
         result: String,
     },
+    #[error("{wanted} 4-byte words were asked of a workspace buffer of {bytes} B")]
+    ShortBuffer { wanted: usize, bytes: usize },
 }
 
 /// Adds what was being done to a driver error.
@@ -210,7 +212,7 @@ impl Gpu {
     pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>, GpuError> {
         toolkit::driver_available()?;
         let count = CudaContext::device_count().context("counting devices")?;
-        if ordinal as i32 >= count {
+        if i32::try_from(ordinal).map_or(true, |o| o >= count) {
             return Err(GpuError::TooFewDevices {
                 wanted: ordinal + 1,
                 found: count.max(0) as usize,

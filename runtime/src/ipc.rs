@@ -87,6 +87,8 @@ pub enum GroupError {
         "the NCCL all-gather of IPC handles did not finish within {seconds:.0} s; a rank stopped during set-up"
     )]
     Timeout { seconds: f64 },
+    #[error("the plan could not be written as JSON to compare it across ranks: {0}")]
+    PlanJson(#[source] serde_json::Error),
 }
 
 /// An [`GroupError::Nccl`] maker for `map_err` (cudarc's `NcclError` is no
@@ -215,10 +217,10 @@ pub(crate) struct PeerAddresses {
 }
 
 /// A short fingerprint of a plan, for checking that every rank runs the same one.
-fn plan_hash(plan: &Plan) -> String {
-    let json = serde_json::to_vec(plan).unwrap_or_default();
+fn plan_hash(plan: &Plan) -> Result<String, GroupError> {
+    let json = serde_json::to_vec(plan).map_err(GroupError::PlanJson)?;
     let digest = Sha256::digest(&json);
-    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    Ok(digest.iter().take(8).map(|b| format!("{b:02x}")).collect())
 }
 
 /// Checks that every rank of `channel`'s group runs `plan` with as many ranks as the plan
@@ -236,7 +238,7 @@ pub(crate) fn check_group(
         });
     }
     let rank = channel.rank();
-    let mine = plan_hash(plan);
+    let mine = plan_hash(plan)?;
     for (peer, theirs) in channel.all_gather(mine.as_bytes())?.into_iter().enumerate() {
         if theirs != mine.as_bytes() {
             return Err(GroupError::PlanMismatch {

@@ -40,6 +40,8 @@ pub enum LayerError {
     NotExpertParallel,
     #[error("the plan has {ranks} ranks but {given} were given")]
     RankCount { ranks: u32, given: usize },
+    #[error("rank {rank} was asked of a layer that drives {ranks} rank(s) in this process")]
+    NoSuchRank { rank: usize, ranks: usize },
     #[error(transparent)]
     Group(#[from] crate::ipc::GroupError),
     #[error(transparent)]
@@ -1135,8 +1137,15 @@ pub(crate) fn read_words<T: FromLeWord>(
     buffer: &CudaSlice<u8>,
     count: usize,
 ) -> Result<Vec<T>, GpuError> {
+    let wanted_bytes = count
+        .checked_mul(4)
+        .filter(|&bytes| bytes <= buffer.len())
+        .ok_or(GpuError::ShortBuffer {
+            wanted: count,
+            bytes: buffer.len(),
+        })?;
     let bytes = stream
-        .clone_dtoh(&buffer.slice(..(count * 4).min(buffer.len())))
+        .clone_dtoh(&buffer.slice(..wanted_bytes))
         .context("reading back a workspace buffer")?;
     Ok(bytes
         .chunks_exact(4)

@@ -34,6 +34,12 @@ use thiserror::Error;
 /// `MOEFORGE_RENDEZVOUS_TIMEOUT` says otherwise: ranks reach set-up after compiling and
 /// filling weights, which can take a minute on a cold JIT cache and full-size layers.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+/// The longest rendezvous wait the environment may ask for (a day): deadlines are
+/// `Instant`s, which a wait of centuries would overflow.
+const MOST_RENDEZVOUS_TIMEOUT_S: f64 = 86_400.0;
+/// How long rank 0 waits for a connection's handshake, which a rank sends as soon as it
+/// connects, before it sets the connection aside as no rank's.
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
 
 /// The environment variable that overrides [`DEFAULT_RENDEZVOUS_TIMEOUT`], in seconds.
 pub const RENDEZVOUS_TIMEOUT_VAR: &str = "MOEFORGE_RENDEZVOUS_TIMEOUT";
@@ -77,7 +83,7 @@ pub enum LaunchError {
     )]
     WorldOfOne,
     #[error(
-        "{var}={value:?} is not a number of seconds; set it to how long a rank waits for the others (default {default} s)"
+        "{var}={value:?} is not a number of seconds up to a day; set it to how long a rank waits for the others (default {default} s)"
     )]
     Timeout {
         var: &'static str,
@@ -204,7 +210,7 @@ impl LaunchEnv {
         let timeout = match var(RENDEZVOUS_TIMEOUT_VAR) {
             None => DEFAULT_RENDEZVOUS_TIMEOUT,
             Some(value) => match value.trim().parse::<f64>() {
-                Ok(seconds) if seconds.is_finite() && seconds > 0.0 => {
+                Ok(seconds) if seconds > 0.0 && seconds <= MOST_RENDEZVOUS_TIMEOUT_S => {
                     Duration::from_secs_f64(seconds)
                 }
                 _ => {
@@ -253,12 +259,15 @@ pub enum ChannelError {
         source: io::Error,
     },
     #[error(
-        "rank 0: {missing} of {world_size} ranks did not connect within {seconds:.0} s; launch WORLD_SIZE={world_size} processes with the same MASTER_ADDR and MASTER_PORT"
+        "rank 0: {missing} of {world_size} ranks did not connect within {seconds:.0} s{}; launch WORLD_SIZE={world_size} processes with the same MASTER_ADDR and MASTER_PORT",
+        ignored_connections(ignored)
     )]
     Incomplete {
         missing: u32,
         world_size: u32,
         seconds: f64,
+        /// Connections set aside as no moeforge rank's (who, and what they sent).
+        ignored: Vec<String>,
     },
     #[error(
         "rank 0 was contacted by {what}; every rank needs the same WORLD_SIZE={world_size} and a RANK of its own"
@@ -476,8 +485,22 @@ fn read_rendezvous_file(
     }
 }
 
+/// ", ignoring N connections that were no moeforge rank's (…)" for the time-out's message.
+fn ignored_connections(ignored: &[String]) -> String {
+    if ignored.is_empty() {
+        return String::new();
+    }
+    format!(
+        " (ignored {} connection(s) that were no moeforge rank's: {})",
+        ignored.len(),
+        ignored.join("; ")
+    )
+}
+
 /// Rank 0: takes one connection on `listener` from every other rank, each opening with
-/// its handshake; the links in rank order.
+/// its handshake; the links in rank order. A connection that sends no moeforge handshake
+/// within [`HANDSHAKE_WAIT`] (a port scan, a health check) is set aside; one from a rank
+/// launched for another group is an error.
 fn accept_ranks(
     listener: TcpListener,
     env: &LaunchEnv,
@@ -493,14 +516,19 @@ fn accept_ranks(
     // Non-blocking so that the deadline holds while nobody connects.
     listener.set_nonblocking(true).map_err(listen_error)?;
     let mut links: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
+    let mut ignored = Vec::new();
     while links.iter().any(Option::is_none) {
         match listener.accept() {
             Ok((mut stream, from)) => {
                 stream.set_nonblocking(false).map_err(listen_error)?;
-                // A bad or silent client is refused; it does not stop the others joining.
-                let peer = match read_handshake(&mut stream, env.world_size, deadline) {
+                let handshake_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
+                let peer = match read_handshake(&mut stream, env.world_size, handshake_by) {
                     Ok(peer) => peer,
-                    Err(what) => {
+                    Err(HandshakeError::NotMoeforge(what)) => {
+                        ignored.push(format!("{from}: {what}"));
+                        continue;
+                    }
+                    Err(HandshakeError::OtherGroup(what)) => {
                         return Err(ChannelError::BadHandshake {
                             what: format!("{from}: {what}"),
                             world_size: env.world_size,
@@ -523,6 +551,7 @@ fn accept_ranks(
                         missing: links.iter().filter(|l| l.is_none()).count() as u32,
                         world_size: env.world_size,
                         seconds: env.timeout.as_secs_f64(),
+                        ignored,
                     });
                 }
                 std::thread::sleep(CONNECT_RETRY);
@@ -533,29 +562,43 @@ fn accept_ranks(
     Ok(links.into_iter().flatten().collect())
 }
 
+/// What was wrong with a connection's handshake.
+enum HandshakeError {
+    /// Nothing, or something other than a moeforge handshake, in time.
+    NotMoeforge(String),
+    /// A moeforge rank, but not one of this group.
+    OtherGroup(String),
+}
+
 /// Reads a rank's handshake (magic, world size, rank); the rank, or what was wrong.
 fn read_handshake(
     stream: &mut TcpStream,
     world_size: u32,
     deadline: Instant,
-) -> Result<u32, String> {
-    let words = read_frame(stream, deadline).map_err(|e| format!("no handshake ({e:?})"))?;
+) -> Result<u32, HandshakeError> {
+    let not_moeforge = || HandshakeError::NotMoeforge("not a moeforge handshake".to_string());
+    let words = read_frame(stream, deadline)
+        .map_err(|e| HandshakeError::NotMoeforge(format!("no handshake ({e:?})")))?;
     let [magic, world, rank] = match words.as_slice() {
         [a, b, c, d, e, f, g, h, i, j, k, l] => [
             u32::from_le_bytes([*a, *b, *c, *d]),
             u32::from_le_bytes([*e, *f, *g, *h]),
             u32::from_le_bytes([*i, *j, *k, *l]),
         ],
-        _ => return Err("a message that is not a moeforge handshake".to_string()),
+        _ => return Err(not_moeforge()),
     };
     if magic != HANDSHAKE_MAGIC {
-        return Err("a message that is not a moeforge handshake".to_string());
+        return Err(not_moeforge());
     }
     if world != world_size {
-        return Err(format!("a rank launched with WORLD_SIZE={world}"));
+        return Err(HandshakeError::OtherGroup(format!(
+            "a rank launched with WORLD_SIZE={world}"
+        )));
     }
     if rank == 0 || rank >= world_size {
-        return Err(format!("a second process claiming RANK={rank}"));
+        return Err(HandshakeError::OtherGroup(format!(
+            "a second process claiming RANK={rank}"
+        )));
     }
     Ok(rank)
 }
@@ -745,6 +788,12 @@ mod tests {
             ("MASTER_PORT", "0", "is not a TCP port"),
             ("MASTER_PORT", "70000", "is not a TCP port"),
             (RENDEZVOUS_TIMEOUT_VAR, "soon", "is not a number of seconds"),
+            (
+                RENDEZVOUS_TIMEOUT_VAR,
+                "1e20",
+                "is not a number of seconds up to a day",
+            ),
+            (RENDEZVOUS_TIMEOUT_VAR, "NaN", "is not a number of seconds"),
         ];
         for (name, value, said) in cases {
             let error = LaunchEnv::from_vars(vars(&with(name, value))).expect_err(name);
@@ -978,6 +1027,52 @@ mod tests {
             error.to_string().contains("rank 0 did not answer"),
             "{error}"
         );
+    }
+
+    /// A client of rank 0's port that is no rank: it connects (retrying until rank 0
+    /// listens) and writes `bytes`; the stream stays open while it lives.
+    fn stray_client(port: u16, bytes: &[u8]) -> TcpStream {
+        use std::io::Write;
+        let stream = loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(stream) => break stream,
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        (&stream).write_all(bytes).expect("written");
+        stream
+    }
+
+    #[test]
+    fn a_connection_that_is_no_ranks_is_set_aside_and_named_at_the_time_out() {
+        let port = free_port();
+        std::thread::scope(|scope| {
+            let group = scope.spawn(move || {
+                ControlChannel::connect(&env_of(0, 2, port, Duration::from_secs(20)))
+            });
+            // A client that writes a frame that is no handshake, then the real rank 1.
+            let _stray = stray_client(port, &[4, 0, 0, 0, b'G', b'E', b'T', b' ']);
+            let rank_1 = ControlChannel::connect(&env_of(1, 2, port, Duration::from_secs(20)));
+            assert!(rank_1.is_ok(), "rank 1 joined");
+            assert!(
+                group.join().expect("rank 0").is_ok(),
+                "rank 0 formed the group"
+            );
+        });
+        // With no rank 1, the time-out says what was set aside.
+        let port = free_port();
+        std::thread::scope(|scope| {
+            let group = scope.spawn(move || {
+                ControlChannel::connect(&env_of(0, 2, port, Duration::from_millis(800)))
+            });
+            let _stray = stray_client(port, &[1, 0, 0, 0, 0]);
+            let error = group.join().expect("rank 0").err().expect("incomplete");
+            assert!(
+                error.to_string().contains("ignored 1 connection(s)")
+                    && error.to_string().contains("not a moeforge handshake"),
+                "{error}"
+            );
+        });
     }
 
     #[test]

@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use super::group;
 use super::planning::{
-    RankChoice, TargetArgs, build_on_gpu, note_one_rank, plan_file_over, plan_one,
+    RankChoice, TargetArgs, build_on_gpu, note_one_rank, plan_file_over, plan_one, token_counts,
 };
 use super::run::{RoutingArg, routing_name};
 use super::{OK, invalid_input, usage_error};
@@ -40,13 +40,10 @@ pub struct Args {
     /// Which layer of the file (needed when it has several).
     #[arg(long)]
     layer: Option<String>,
-    /// Token counts, comma separated.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "1,16,128,1024,4096,16384"
-    )]
-    tokens: Vec<u32>,
+    /// Token counts (per rank with --ranks or --gpus), comma separated [default:
+    /// 1,16,128,1024,4096,16384, those up to the layer's max_tokens, then max_tokens].
+    #[arg(long, value_delimiter = ',')]
+    tokens: Option<Vec<u32>>,
     /// Timed calls per token count (after 6 warm-up calls: each of 3 input sets twice).
     #[arg(long, default_value_t = 20)]
     iterations: usize,
@@ -207,9 +204,10 @@ pub fn run(args: &Args) -> ExitCode {
     if let Err(status) = note_one_rank(&plan, args.ranks, args.gpus) {
         return status;
     }
-    if let Err(status) = check_settings(args, &plan) {
-        return status;
-    }
+    let tokens = match check_settings(args, &plan) {
+        Ok(tokens) => tokens,
+        Err(status) => return status,
+    };
     let seed = fresh_seed(args.seed);
     let layer_name = plan.layer.clone();
     let (session, built) = match build_on_gpu(plan, seed, None) {
@@ -237,7 +235,7 @@ pub fn run(args: &Args) -> ExitCode {
     let outcome = bench_layer(
         &session,
         &built,
-        &args.tokens,
+        &tokens,
         args.routing.into(),
         args.iterations,
         seed,
@@ -264,7 +262,7 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("running the in-run peers (python3: torch pipeline, Triton pair) ...");
         match run_peers(
             &built.layer.plan().shape,
-            &args.tokens,
+            &tokens,
             args.routing.into(),
             seed,
             args.iterations,
@@ -357,10 +355,10 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         return usage_error();
     }
     let plan = plans.remove(0);
-    if args.iterations == 0 {
-        eprintln!("error: --iterations must be at least 1");
-        return usage_error();
-    }
+    let tokens = match check_settings(args, &plan) {
+        Ok(tokens) => tokens,
+        Err(status) => return status,
+    };
     let seed = fresh_seed(args.seed);
     let layer_name = plan.layer.clone();
     let (session, built) = match build_on_gpu(plan, seed, None) {
@@ -448,7 +446,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         &mut ep,
         nccl.as_mut(),
         &BenchSettings {
-            token_counts: &args.tokens,
+            token_counts: &tokens,
             routing: args.routing.into(),
             iterations: args.iterations,
             seed,
@@ -538,16 +536,17 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         Ok(plan) => plan,
         Err(status) => return status,
     };
-    if let Err(status) = check_settings(args, &plan) {
-        return status;
-    }
+    let tokens = match check_settings(args, &plan) {
+        Ok(tokens) => tokens,
+        Err(status) => return status,
+    };
     let shape = plan.shape.clone();
     let mut rank = match group::start(env, plan, fresh_seed(args.seed)) {
         Ok(rank) => rank,
         Err(status) => return status,
     };
     let settings = BenchSettings {
-        token_counts: &args.tokens,
+        token_counts: &tokens,
         routing: args.routing.into(),
         iterations: args.iterations,
         seed: rank.seed,
@@ -588,16 +587,18 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
     }
 }
 
-/// Refuses token counts above the layer's max_tokens, zero iterations and a machine
-/// without a GPU, saying so.
-fn check_settings(args: &Args, plan: &Plan) -> Result<(), ExitCode> {
-    if let Some(&too_many) = args.tokens.iter().find(|&&t| t > plan.shape.max_tokens) {
-        eprintln!(
-            "error: --tokens {too_many} exceeds the layer's max_tokens of {}",
-            plan.shape.max_tokens
-        );
-        return Err(usage_error());
-    }
+/// The token counts `bench` runs at ([`token_counts`]).
+const DEFAULT_TOKENS: [u32; 6] = [1, 16, 128, 1024, 4096, 16384];
+
+/// The token counts to run (refusing those above the layer's max_tokens); refuses zero
+/// iterations and a machine without a GPU, saying so.
+fn check_settings(args: &Args, plan: &Plan) -> Result<Vec<u32>, ExitCode> {
+    let tokens = token_counts(
+        args.tokens.as_deref(),
+        &DEFAULT_TOKENS,
+        0,
+        plan.shape.max_tokens,
+    )?;
     if args.iterations == 0 {
         eprintln!("error: --iterations must be at least 1");
         return Err(usage_error());
@@ -606,5 +607,5 @@ fn check_settings(args: &Args, plan: &Plan) -> Result<(), ExitCode> {
         eprintln!("error: bench needs a GPU: {error}");
         return Err(usage_error());
     }
-    Ok(())
+    Ok(tokens)
 }

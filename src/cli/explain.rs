@@ -56,6 +56,12 @@ pub fn run(args: &Args) -> ExitCode {
                     .any(|layer| layer.topology.name == topology.name)
             });
             text.extend(unused.map(explain_topology));
+            if text.is_empty() {
+                eprintln!(
+                    "note: {} defines no layer or topology to explain",
+                    args.file.display()
+                );
+            }
             print!("{}", text.join("\n"));
             for (layer, error) in &unplannable {
                 report_plan_error(&source, layer, error);

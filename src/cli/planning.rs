@@ -43,16 +43,25 @@ impl TargetArgs {
         self.target.clone()
     }
 
-    /// The target chosen with `--target`, else the GPU present, else the H200.
+    /// The target chosen with `--target`, else the GPU present, else the H200. Where a
+    /// driver is present but its first GPU cannot be opened or read, says so on stderr
+    /// before it plans for the H200.
     pub fn resolve(&self) -> Target {
         if let Some(target) = self.chosen() {
             return target;
         }
-        let device = toolkit::driver_available()
-            .ok()
-            .and_then(|_| Gpu::open(0).ok())
-            .and_then(|gpu| gpu.target().ok());
-        device.unwrap_or_else(Target::h200)
+        if toolkit::driver_available().is_err() {
+            return Target::h200();
+        }
+        match Gpu::open(0).and_then(|gpu| gpu.target()) {
+            Ok(target) => target,
+            Err(error) => {
+                eprintln!(
+                    "note: the CUDA driver is present but GPU 0 could not be read ({error}); planning for the H200 (`--target` chooses)"
+                );
+                Target::h200()
+            }
+        }
     }
 }
 
@@ -367,4 +376,42 @@ fn build_on_device(
         }
     };
     Ok((session, built))
+}
+
+/// The token counts a command runs at: those `--tokens` gave (`given`), each refused with a
+/// usage error where it is above the layer's `max_tokens` or below `least`; else the
+/// command's `defaults` up to `max_tokens`, with `max_tokens` itself where a default passed
+/// it (said on stderr), so that a small layer runs with the defaults too.
+pub fn token_counts(
+    given: Option<&[u32]>,
+    defaults: &[u32],
+    least: u32,
+    max_tokens: u32,
+) -> Result<Vec<u32>, ExitCode> {
+    let Some(given) = given else {
+        let mut counts: Vec<u32> = defaults
+            .iter()
+            .copied()
+            .filter(|&t| t <= max_tokens)
+            .collect();
+        if counts.len() < defaults.len() {
+            counts.push(max_tokens);
+            counts.dedup();
+            let shown: Vec<String> = counts.iter().map(u32::to_string).collect();
+            eprintln!(
+                "note: the layer's max_tokens is {max_tokens}: the default token counts are {}",
+                shown.join(",")
+            );
+        }
+        return Ok(counts);
+    };
+    if let Some(&too_many) = given.iter().find(|&&t| t > max_tokens) {
+        eprintln!("error: --tokens {too_many} exceeds the layer's max_tokens of {max_tokens}");
+        return Err(usage_error());
+    }
+    if let Some(&too_few) = given.iter().find(|&&t| t < least) {
+        eprintln!("error: --tokens {too_few}: this command needs at least {least} token(s) a call");
+        return Err(usage_error());
+    }
+    Ok(given.to_vec())
 }

@@ -63,7 +63,7 @@ pub struct Args {
     #[arg(long)]
     check: bool,
     /// Tokens the reference checks when T is larger (a random sample, reported as such).
-    #[arg(long, default_value_t = CHECKED_TOKENS)]
+    #[arg(long, default_value_t = CHECKED_TOKENS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     sample: usize,
     /// How tokens choose experts when the spec has no router (with one, the layer routes
     /// itself, on one GPU and on expert-parallel ranks: the gate GEMM and the spec's rule

@@ -3,19 +3,22 @@
 //! across nodes: the kernels as built too), and
 //! optionally draws its timeline or compares it with a bench result.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use moeforge::compiler::plan;
 use moeforge::compiler::simulate::{self, Options, Routing, Schedule, calibration};
 
-use super::planning::{TargetArgs, report_plan_error};
+use super::planning::{TargetArgs, one_layer, report_plan_error, token_counts};
 use super::{OK, compile_file, invalid_input, usage_error};
 
 /// Simulate a layer's expert-parallel schedule: layer time, dispatch and combine latency of
 /// bulk-synchronous, fine-grained (naive order) and fine-grained (topology-aware) exchange,
 /// and across real nodes of the kernels as built.
+/// The token counts per rank `simulate` runs at ([`token_counts`]).
+const DEFAULT_TOKENS: [u32; 5] = [1, 16, 128, 1024, 4096];
+
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file.
@@ -23,9 +26,10 @@ pub struct Args {
     /// The layer to simulate (needed when the file has several).
     #[arg(long)]
     layer: Option<String>,
-    /// Tokens per rank per call, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,128,1024,4096")]
-    tokens: Vec<u32>,
+    /// Tokens per rank per call, comma-separated [default: 1,16,128,1024,4096, those up to
+    /// the layer's max_tokens, then max_tokens].
+    #[arg(long, value_delimiter = ',')]
+    tokens: Option<Vec<u32>>,
     /// How tokens pick experts: uniform (seeded random), skewed (every token to experts
     /// 0..top_k, the worst case) or grouped (within --groups-kept of --groups equal groups
     /// of experts, as DeepSeek-V3's router limits them).
@@ -70,20 +74,10 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(compiled) => compiled,
         Err(status) => return status,
     };
-    let selected: Vec<_> = module
-        .layers
-        .iter()
-        .filter(|l| args.layer.as_deref().is_none_or(|name| l.name == name))
-        .collect();
-    let [layer] = selected.as_slice() else {
-        eprintln!(
-            "error: {} has {} matching layers; pick one with --layer",
-            args.file.display(),
-            selected.len()
-        );
-        return usage_error();
+    let mut layer = match one_layer(&args.file, &module, args.layer.as_deref()) {
+        Ok(layer) => layer.clone(),
+        Err(status) => return status,
     };
-    let mut layer = (*layer).clone();
     let measured = match &args.measured {
         Some(path) => match calibration::MeasuredFile::read(path) {
             Ok(file) if file.layer != layer.name => {
@@ -176,6 +170,11 @@ pub fn run(args: &Args) -> ExitCode {
                 );
                 return usage_error();
             };
+            if let Some(why) = Routing::group_limit_error(layer.experts, layer.top_k, groups, kept)
+            {
+                eprintln!("error: --routing grouped: {why}");
+                return usage_error();
+            }
             Routing::GroupLimited { groups, kept }
         }
     };
@@ -184,7 +183,26 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("error: --groups and --groups-kept go with --routing grouped");
         return usage_error();
     }
-    for (i, &tokens) in args.tokens.iter().enumerate() {
+    let token_list = match token_counts(
+        args.tokens.as_deref(),
+        &DEFAULT_TOKENS,
+        1,
+        plan.shape.max_tokens,
+    ) {
+        Ok(tokens) => tokens,
+        Err(status) => return status,
+    };
+    if let Some(folder) = args.svg.as_deref().and_then(Path::parent)
+        && !folder.as_os_str().is_empty()
+        && !folder.is_dir()
+    {
+        eprintln!(
+            "error: --svg: the folder {} does not exist",
+            folder.display()
+        );
+        return usage_error();
+    }
+    for (i, &tokens) in token_list.iter().enumerate() {
         let options = Options {
             tokens_per_rank: tokens,
             routing,
