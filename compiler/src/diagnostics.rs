@@ -481,9 +481,9 @@ impl Error {
                     .into()
             }
             NumberGluedToName { number, word, .. } => format!(
-                "`.moe` numbers take no suffix: write the number in full, and a unit after a \
-                 space (`tokens`, `GB/s`, `us`, `ms`, `ns`); the file is read on as if \
-                 `{number}` stood without `{word}`"
+                "`.moe` numbers take no suffix: write the number in full, and a unit \
+                 (`tokens`, `GB/s`, `us`, `ms`, `ns`), usually after a space; the file is read \
+                 on as if `{number}` stood without `{word}`"
             ),
             UnexpectedToken { found, .. } if found.starts_with("unit `") => {
                 let unit = found.trim_start_matches("unit ");

@@ -32,10 +32,22 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
     let parsed = parse(text);
     let syntax_spans: Vec<_> = parsed.errors.iter().map(Error::span).collect();
     let mut errors = parsed.errors;
+    // A glued number (`7k`) was read as the number alone: what the checker says of that
+    // number (`hidden` = 7 is misaligned) follows from the error already reported there.
+    let glued: Vec<_> = errors
+        .iter()
+        .filter(|error| matches!(error, Error::NumberGluedToName { .. }))
+        .map(Error::span)
+        .collect();
     match check::check(&parsed.file, &syntax_spans) {
         Ok(module) if errors.is_empty() => return Ok(module),
         Ok(_) => {}
-        Err(check_errors) => errors.extend(check_errors),
+        Err(check_errors) => errors.extend(check_errors.into_iter().filter(|error| {
+            let at = error.span();
+            !glued
+                .iter()
+                .any(|span| span.start <= at.start && at.end <= span.end)
+        })),
     }
     errors.sort_by_key(|error| error.span().start);
     Err(Diagnostics {

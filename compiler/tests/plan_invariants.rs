@@ -775,7 +775,8 @@ fn a_ranks_fused_decode_gets_the_deepest_rings() {
 /// A plan read from outside cannot size a rank's buffers otherwise than its sizes imply
 /// (the kernels index them by those sizes), nor pass the experts' split by overflowing
 /// 32 bits: on a one-node, a two-node and a self-routed expert-parallel plan, every
-/// buffer one element short or long is caught, and so is 2^31 + 4 experts a rank.
+/// buffer one element short or long is caught, and on the two ranks of the two-node plan
+/// a count of experts a rank that wraps to the split is refused as a split.
 #[test]
 fn a_ranks_workspace_and_split_are_checked_exactly() {
     for name in ["qwen3_30b_a3b", "tiny_two_nodes", "deepseek_v3"] {
@@ -794,11 +795,16 @@ fn a_ranks_workspace_and_split_are_checked_exactly() {
                 );
             }
         }
-        let mut edited = plan.clone();
-        let ep = edited.expert_parallel.as_mut().unwrap();
-        ep.experts_per_rank = (1 << 31) + plan.shape.experts / ep.ranks;
+        // On two ranks, 2^31 + E/2 experts a rank times 2 wraps to E in 32 bits.
         if ep.ranks == 2 {
-            assert!(edited.validate().is_err(), "{name}: a split that wraps");
+            let mut edited = plan.clone();
+            edited.expert_parallel.as_mut().unwrap().experts_per_rank =
+                (1 << 31) + plan.shape.experts / 2;
+            let error = edited.validate().expect_err("a split that wraps");
+            assert!(
+                error.to_string().contains("do not split"),
+                "{name}: {error}"
+            );
         }
     }
 }

@@ -99,7 +99,9 @@ fn spec() -> impl Strategy<Value = Spec> {
                 schedule.push(format!("gemm1.tile = {}x64x64", 16 << (hints[1] % 4)));
             }
             if hints[1] % 3 == 0 {
-                schedule.push(format!("dispatch_chunk = {} tokens", 1 + u32::from(hints[3])));
+                // A chunk is at most max_tokens (4096 when unset).
+                let chunk = (1 + u32::from(hints[3])).min(max_tokens.unwrap_or(4096));
+                schedule.push(format!("dispatch_chunk = {chunk} tokens"));
             }
             if hints[2] % 2 == 1 {
                 schedule.push(format!("traffic = {}", orders[usize::from(hints[4] % 3)]));

@@ -196,9 +196,11 @@ pub(crate) fn time_back_to_back<E: From<GpuError>>(
 }
 
 /// Medians of CUDA-event times of `first` and `second` over `iterations` each, after
-/// warm-up, the two taken in turns (`first(i)`, then `second(i)`), so that what drifts
-/// over a run (clocks under a power limit, the other's leftovers in L2) moves both alike
-/// and their difference measures what separates them.
+/// warm-up, the two taken in turns so that what drifts over a run (clocks under a power
+/// limit) moves both alike and their difference measures what separates them. The input
+/// sets step by two between calls (`first` on even steps, `second` on odd ones, modulo
+/// the rotated sets): no call follows one on its own set, whose rows and experts' weights
+/// it would find in L2.
 pub(crate) fn time_calls_in_turns<E: From<GpuError>>(
     session: &Session,
     iterations: usize,
@@ -214,10 +216,10 @@ pub(crate) fn time_calls_in_turns<E: From<GpuError>>(
     for i in 0..iterations {
         times
             .0
-            .push(event_span(session, || first(i % ROTATED_INPUTS))?);
-        times
-            .1
-            .push(event_span(session, || second(i % ROTATED_INPUTS))?);
+            .push(event_span(session, || first(2 * i % ROTATED_INPUTS))?);
+        times.1.push(event_span(session, || {
+            second((2 * i + 1) % ROTATED_INPUTS)
+        })?);
     }
     Ok((median(times.0), median(times.1)))
 }

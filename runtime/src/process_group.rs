@@ -260,14 +260,16 @@ pub enum ChannelError {
     },
     #[error(
         "rank 0: {missing} of {world_size} ranks did not connect within {seconds:.0} s{}; launch WORLD_SIZE={world_size} processes with the same MASTER_ADDR and MASTER_PORT",
-        ignored_connections(ignored)
+        ignored_connections(*ignored, named)
     )]
     Incomplete {
         missing: u32,
         world_size: u32,
         seconds: f64,
-        /// Connections set aside as no moeforge rank's (who, and what they sent).
-        ignored: Vec<String>,
+        /// Connections set aside as no moeforge rank's.
+        ignored: u32,
+        /// The first few of them: who, and what they sent.
+        named: Vec<String>,
     },
     #[error(
         "rank 0 was contacted by {what}; every rank needs the same WORLD_SIZE={world_size} and a RANK of its own"
@@ -486,16 +488,24 @@ fn read_rendezvous_file(
 }
 
 /// ", ignoring N connections that were no moeforge rank's (…)" for the time-out's message.
-fn ignored_connections(ignored: &[String]) -> String {
-    if ignored.is_empty() {
+fn ignored_connections(ignored: u32, named: &[String]) -> String {
+    if ignored == 0 {
         return String::new();
     }
+    let more = ignored as usize - named.len();
     format!(
-        " (ignored {} connection(s) that were no moeforge rank's: {})",
-        ignored.len(),
-        ignored.join("; ")
+        " (ignored {ignored} connection(s) that were no moeforge rank's: {}{})",
+        named.join("; "),
+        if more > 0 {
+            format!("; {more} more")
+        } else {
+            String::new()
+        }
     )
 }
+
+/// How many of the connections rank 0 set aside its time-out names.
+const NAMED_IGNORED: usize = 4;
 
 /// Rank 0: takes one connection on `listener` from every other rank, each opening with
 /// its handshake; the links in rank order. A connection that sends no moeforge handshake
@@ -516,7 +526,7 @@ fn accept_ranks(
     // Non-blocking so that the deadline holds while nobody connects.
     listener.set_nonblocking(true).map_err(listen_error)?;
     let mut links: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
-    let mut ignored = Vec::new();
+    let (mut ignored, mut named) = (0u32, Vec::new());
     while links.iter().any(Option::is_none) {
         match listener.accept() {
             Ok((mut stream, from)) => {
@@ -525,7 +535,10 @@ fn accept_ranks(
                 let peer = match read_handshake(&mut stream, env.world_size, handshake_by) {
                     Ok(peer) => peer,
                     Err(HandshakeError::NotMoeforge(what)) => {
-                        ignored.push(format!("{from}: {what}"));
+                        ignored = ignored.saturating_add(1);
+                        if named.len() < NAMED_IGNORED {
+                            named.push(format!("{from}: {what}"));
+                        }
                         continue;
                     }
                     Err(HandshakeError::OtherGroup(what)) => {
@@ -552,6 +565,7 @@ fn accept_ranks(
                         world_size: env.world_size,
                         seconds: env.timeout.as_secs_f64(),
                         ignored,
+                        named,
                     });
                 }
                 std::thread::sleep(CONNECT_RETRY);

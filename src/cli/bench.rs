@@ -41,7 +41,8 @@ pub struct Args {
     #[arg(long)]
     layer: Option<String>,
     /// Token counts (per rank with --ranks or --gpus), comma separated [default:
-    /// 1,16,128,1024,4096,16384, those up to the layer's max_tokens, then max_tokens].
+    /// 1,16,128,1024,4096,16384; those above the layer's max_tokens are replaced by
+    /// max_tokens].
     #[arg(long, value_delimiter = ',')]
     tokens: Option<Vec<u32>>,
     /// Timed calls per token count (after 6 warm-up calls: each of 3 input sets twice).

@@ -13,12 +13,12 @@ use moeforge::compiler::simulate::{self, Options, Routing, Schedule, calibration
 use super::planning::{TargetArgs, one_layer, report_plan_error, token_counts};
 use super::{OK, compile_file, invalid_input, usage_error};
 
-/// Simulate a layer's expert-parallel schedule: layer time, dispatch and combine latency of
-/// bulk-synchronous, fine-grained (naive order) and fine-grained (topology-aware) exchange,
-/// and across real nodes of the kernels as built.
 /// The token counts per rank `simulate` runs at ([`token_counts`]).
 const DEFAULT_TOKENS: [u32; 5] = [1, 16, 128, 1024, 4096];
 
+/// Simulate a layer's expert-parallel schedule: layer time, dispatch and combine latency of
+/// bulk-synchronous, fine-grained (naive order) and fine-grained (topology-aware) exchange,
+/// and across real nodes of the kernels as built.
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file.
@@ -26,8 +26,8 @@ pub struct Args {
     /// The layer to simulate (needed when the file has several).
     #[arg(long)]
     layer: Option<String>,
-    /// Tokens per rank per call, comma-separated [default: 1,16,128,1024,4096, those up to
-    /// the layer's max_tokens, then max_tokens].
+    /// Tokens per rank per call, comma-separated [default: 1,16,128,1024,4096; those above
+    /// the layer's max_tokens are replaced by max_tokens].
     #[arg(long, value_delimiter = ',')]
     tokens: Option<Vec<u32>>,
     /// How tokens pick experts: uniform (seeded random), skewed (every token to experts

@@ -96,11 +96,11 @@ pub struct InvalidCharacter {
 /// valid pair (units are their own tokens), so the name is left out of the tokens and
 /// reported here, and the file parses on as if the number stood alone.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GluedName<'src> {
+pub struct GluedWord<'src> {
     /// The number and the name together.
     pub span: Span,
     pub number: &'src str,
-    pub name: &'src str,
+    pub word: &'src str,
 }
 
 /// The lexed file: the tokens the parser reads, the comments the formatter keeps, the
@@ -110,7 +110,7 @@ pub struct Lexed<'src> {
     pub tokens: Vec<(usize, Token<'src>, usize)>,
     pub comments: Vec<Comment>,
     pub invalid: Vec<InvalidCharacter>,
-    pub glued: Vec<GluedName<'src>>,
+    pub glued: Vec<GluedWord<'src>>,
 }
 
 /// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
@@ -131,10 +131,10 @@ pub fn lex(source: &str) -> Lexed<'_> {
                     if end == range.start =>
                 {
                     if lexed.glued.len() <= MAX_ERRORS {
-                        lexed.glued.push(GluedName {
+                        lexed.glued.push(GluedWord {
                             span: Span::new(start, range.end),
                             number,
-                            name,
+                            word: name,
                         });
                     }
                 }
@@ -179,7 +179,7 @@ mod tests {
     #[test]
     fn a_name_glued_to_a_number_is_set_aside_and_a_unit_is_not() {
         let lexed = lex("hidden = 64k\nscale = 2.5x\nchunk = 16tokens\ntile = 2x");
-        let glued: Vec<(&str, &str)> = lexed.glued.iter().map(|g| (g.number, g.name)).collect();
+        let glued: Vec<(&str, &str)> = lexed.glued.iter().map(|g| (g.number, g.word)).collect();
         assert_eq!(glued, [("64", "k"), ("2.5", "x"), ("2", "x")]);
         assert_eq!(lexed.glued[0].span, Span::new(9, 12));
         let kinds: Vec<Token<'_>> = lexed.tokens.into_iter().map(|(_, t, _)| t).collect();

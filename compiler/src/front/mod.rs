@@ -46,7 +46,7 @@ pub fn parse(source: &str) -> Parsed {
         errors.push(Error::NumberGluedToName {
             span: glued.span,
             number: glued.number.to_string(),
-            word: glued.name.to_string(),
+            word: glued.word.to_string(),
         });
     }
     let result =
