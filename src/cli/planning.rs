@@ -185,7 +185,16 @@ pub fn plan_file_over(
                 shared.count, shared.ffn, layer.name
             );
         }
-        plans.push(plan_layer(&source, &layer, target, &tuning)?);
+        let plan = plan_layer(&source, &layer, target, &tuning).inspect_err(|_| {
+            if let Some(choice) = ranks {
+                let flag = if choice.virtual_ranks { "--ranks" } else { "--gpus" };
+                eprintln!(
+                    "note: the layer was planned over {flag} {} in place of its spec's ranks: pass fewer",
+                    choice.ranks
+                );
+            }
+        })?;
+        plans.push(plan);
     }
     Ok(plans)
 }
