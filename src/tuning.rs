@@ -112,7 +112,7 @@ pub fn save(path: &Path, table: &TuningTable) -> Result<(), TuningError> {
 /// What the commands plan with: the shipped entries and then the cache's (none where
 /// there is no cache folder), unless `MOEFORGE_TUNING=off`.
 pub fn for_planning() -> Result<TuningTable, TuningError> {
-    match std::env::var("MOEFORGE_TUNING").ok().as_deref() {
+    match moeforge_runtime::env_value("MOEFORGE_TUNING").as_deref() {
         None | Some("") | Some("on") => {}
         Some("off") => return Ok(TuningTable::default()),
         Some(other) => return Err(TuningError::InvalidSwitch(other.to_string())),

@@ -327,7 +327,7 @@ impl EpLayer {
             epoch: 0,
             tokens_bound: max_tokens,
             withheld: None,
-            fused_decode: fused_decode_from(|name| std::env::var(name).ok())?,
+            fused_decode: fused_decode_from(crate::env_value)?,
         };
         layer.synchronize()?;
         Ok(layer)
@@ -426,7 +426,7 @@ impl EpLayer {
             epoch: 0,
             tokens_bound: max_tokens,
             withheld: None,
-            fused_decode: fused_decode_from(|name| std::env::var(name).ok())?,
+            fused_decode: fused_decode_from(crate::env_value)?,
         })
     }
 

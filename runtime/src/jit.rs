@@ -444,7 +444,7 @@ impl JitSettings {
     /// Reads `MOEFORGE_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME`, `MOEFORGE_NO_CACHE`,
     /// `MOEFORGE_CACHE_MAX_MB`, `MOEFORGE_DUMP` and `MOEFORGE_DUMP_DIR`.
     pub fn from_env() -> Result<Self, JitError> {
-        Self::from_vars(|name| std::env::var(name).ok())
+        Self::from_vars(crate::env_value)
     }
 
     /// Like [`JitSettings::from_env`], reading variables through `lookup`.

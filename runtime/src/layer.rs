@@ -614,10 +614,10 @@ impl MoeLayer {
     ) -> Result<Self, LayerError> {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
-        let early_start = early_start_from(|name| std::env::var(name).ok())?;
-        let fused_decode = fused_decode_from(|name| std::env::var(name).ok())?;
-        let block_routing = block_routing_from(|name| std::env::var(name).ok())?;
-        let call_graphs_on = call_graphs_from(|name| std::env::var(name).ok())?;
+        let early_start = early_start_from(crate::env_value)?;
+        let fused_decode = fused_decode_from(crate::env_value)?;
+        let block_routing = block_routing_from(crate::env_value)?;
+        let call_graphs_on = call_graphs_from(crate::env_value)?;
         // Not tried on the legacy default stream (a null handle), which synchronises
         // implicitly with the context's other blocking streams: calls there run as before.
         let legacy_stream = gpu.stream.cu_stream().is_null();

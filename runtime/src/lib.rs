@@ -25,3 +25,10 @@ pub mod toolkit;
 pub mod tune;
 pub mod weights;
 pub mod workload;
+
+/// An environment variable's value as the runtime's settings read it: `None` when it is
+/// unset. A value that is not UTF-8 comes back converted lossily (U+FFFD for the bad
+/// bytes), so that the setting's parser refuses it by name rather than taking it for unset.
+pub fn env_value(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|value| value.to_string_lossy().into_owned())
+}

@@ -128,7 +128,7 @@ impl LaunchEnv {
     /// (a process with only one of them is launched wrong, which [`LaunchEnv::from_env`]
     /// then says).
     pub fn requested() -> bool {
-        Self::requested_in(|var| std::env::var(var).ok())
+        Self::requested_in(crate::env_value)
     }
 
     /// [`LaunchEnv::requested`] over any variable lookup (for tests).
@@ -138,7 +138,7 @@ impl LaunchEnv {
 
     /// Reads the launch variables of this process.
     pub fn from_env() -> Result<Self, LaunchError> {
-        Self::from_vars(|var| std::env::var(var).ok())
+        Self::from_vars(crate::env_value)
     }
 
     /// Reads the launch variables through `var` (the process environment, or a table in
