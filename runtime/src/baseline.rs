@@ -205,13 +205,13 @@ impl CublasBaseline {
         // of range) reports it, and the rest must be rows of this call.
         layer.take_error()?;
         let most_rows = io.tokens * self.slots_per_token;
-        let rows = match offsets.get(..=self.gemm_experts as usize) {
+        let (offsets, rows) = match offsets.get(..=self.gemm_experts as usize) {
             Some(used)
                 if used.first() == Some(&0)
                     && used.windows(2).all(|w| w[0] <= w[1])
                     && used.last().is_some_and(|&last| last as u32 <= most_rows) =>
             {
-                used[used.len() - 1] as u32
+                (used, used[used.len() - 1] as u32)
             }
             _ => {
                 return Err(BaselineError::Offsets(format!(
@@ -220,7 +220,6 @@ impl CublasBaseline {
                 )));
             }
         };
-        let offsets = &offsets[..=self.gemm_experts as usize];
         let weights = layer.weights();
         let (h, f, k) = (self.hidden as i32, self.ffn as i32, self.top_k as i32);
         let slots = self.slots_per_token as i32;

@@ -487,7 +487,8 @@ fn read_rendezvous_file(
     }
 }
 
-/// ", ignoring N connections that were no moeforge rank's (…)" for the time-out's message.
+/// " (ignored N connection(s) that were no moeforge rank's: …)" for the time-out's message,
+/// naming the first few; empty where none were.
 fn ignored_connections(ignored: u32, named: &[String]) -> String {
     if ignored == 0 {
         return String::new();
