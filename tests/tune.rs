@@ -189,3 +189,54 @@ fn tune_with_token_counts_touches_only_their_regimes() {
     assert_eq!(tuned, 1, "{text}");
     std::fs::remove_dir_all(&dir).expect("cleans up");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_written() {
+    let dir = scratch("gpu-in-use");
+    let args = ["--tokens", "1000", "--candidates", "1", "--iterations", "2"];
+    let (cache_arg, first) = tune_small(&dir, &args);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    // The entry as the sweep wrote it, its GEMM1 swapped for another valid configuration:
+    // the entry "in use" when the same regime is tuned again.
+    let read_entry = || -> serde_json::Value {
+        let text = std::fs::read_to_string(&cache_arg).expect("the cache was written");
+        let table: serde_json::Value = serde_json::from_str(&text).expect("the cache is JSON");
+        assert_eq!(table["entries"].as_array().map(Vec::len), Some(1), "{text}");
+        table["entries"][0].clone()
+    };
+    let mut entry = read_entry();
+    let swapped = serde_json::json!({
+        "engine": "mma_sync", "tile": { "m": 32, "n": 64, "k": 64 }, "stages": 5, "cluster": 1
+    });
+    let other = serde_json::json!({
+        "engine": "mma_sync", "tile": { "m": 16, "n": 64, "k": 128 }, "stages": 3, "cluster": 1
+    });
+    entry["gemm1"] = if entry["gemm1"] == swapped {
+        other
+    } else {
+        swapped
+    };
+    let in_use_gemm1 = entry["gemm1"].clone();
+    let table = serde_json::json!({ "entries": [entry] });
+    std::fs::write(&cache_arg, table.to_string()).expect("writes the cache");
+
+    let (_, second) = tune_small(&dir, &args);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains(" in use ("))
+        .unwrap_or_else(|| panic!("no line for the entry in use:\n{stderr}"));
+    assert!(!line.contains("left out"), "{line}");
+    let kept = line.contains("kept:");
+    assert!(kept || line.contains("replaced"), "{line}");
+    // What was said is what was written.
+    let written = read_entry();
+    assert_eq!(written["gemm1"] == in_use_gemm1, kept, "{line}\n{written}");
+    std::fs::remove_dir_all(&dir).expect("cleans up");
+}

@@ -3848,35 +3848,35 @@ extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_gemm1(
     grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
 }
 #endif
-// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x128x128, 3 stages, 1x4 warps, 264 persistent blocks (2 per SM)
+// GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 396 persistent blocks (3 per SM)
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_gemm2)
 struct decode_gemm2 : SingleGpu {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 128, BK = 128, STAGES = 3 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
     // STREAM_K_MAX_LAST_WAVE of them splits every tile's k-loop evenly over the grid
     // (stream-K; 0: never): each block takes one run of k-tiles, and the last block of a
     // split tile sums the parts in block order and stores it.
-    enum : int { STREAM_K_MAX_LAST_WAVE = 82, STREAM_K_MAX_TILES = 2112 };
+    enum : int { STREAM_K_MAX_LAST_WAVE = 148, STREAM_K_MAX_TILES = 3168 };
     // Started early, GEMM2 loads its first weight stages before it waits for GEMM1.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
     // A call of at most this many (token, k) pairs has no route launch: each block routes
     // it in its shared memory (see CallRouting; 0: never).
     enum : int { BLOCK_ROUTING_MAX_PAIRS = 128 };
-    enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
+    enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
-    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
-    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 640 };
+    enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 20480 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 61440, BARRIER_OFFSET = 61504 };
+    enum : int { DYNAMIC_SMEM_BYTES = 61632, STATIC_SMEM_BYTES = 640 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_mixtral_8x7b_decode_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 3) mixtral_8x7b_decode_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]

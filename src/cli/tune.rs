@@ -87,10 +87,16 @@ pub fn run(args: &Args) -> ExitCode {
         }
     };
     // Read before measuring: a cache that cannot be updated should not cost minutes of GPU.
-    if let Err(error) = tuning::load(&cache) {
-        eprintln!("error: {error}");
-        return invalid_input();
-    }
+    // What planning with this cache uses today (the shipped entries, then its own) is
+    // timed against each regime's new choice.
+    let in_use =
+        match tuning::load(&cache).and_then(|cached| Ok(tuning::shipped()?.merged_with(&cached))) {
+            Ok(table) => table,
+            Err(error) => {
+                eprintln!("error: {error}");
+                return invalid_input();
+            }
+        };
     let session = match Session::open() {
         Ok(session) => session,
         Err(error) => {
@@ -118,7 +124,7 @@ pub fn run(args: &Args) -> ExitCode {
         format!(" (only the regimes holding T = {})", tokens.join(", "))
     };
     eprintln!(
-        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's)",
+        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's; an entry in use for the regime stays unless beaten so)",
         layer.name,
         target.name,
         args.candidates,
@@ -168,6 +174,39 @@ pub fn run(args: &Args) -> ExitCode {
             );
             let _ = std::io::stderr().flush();
         }
+        TuneEvent::InUse {
+            regime,
+            entry,
+            us,
+            kept,
+        } => {
+            let gemms: Vec<String> = [("gemm1", entry.gemm1), ("gemm2", entry.gemm2)]
+                .into_iter()
+                .filter_map(|(name, gemm)| Some(format!("{name} {}", gemm?.describe())))
+                .collect();
+            let outcome = match us {
+                Ok(us) => {
+                    let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
+                    let verdict = if kept {
+                        format!(
+                            "kept: the new choice is not {:.0}% faster",
+                            MIN_GAIN * 100.0
+                        )
+                    } else {
+                        "replaced".to_string()
+                    };
+                    format!("{} us  ({verdict})", each.join(" / "))
+                }
+                Err(reason) => format!("left out: {reason}"),
+            };
+            eprintln!(
+                "        {regime:<13} in use ({}, {}): {}  {outcome}",
+                entry.measured_by,
+                entry.measured_on,
+                gemms.join(", ")
+            );
+            let _ = std::io::stderr().flush();
+        }
         // Saved as each regime ends, so that an interrupted run keeps what it measured.
         TuneEvent::Regime(entry) => {
             if saved.is_ok() {
@@ -180,6 +219,7 @@ pub fn run(args: &Args) -> ExitCode {
         iterations: args.iterations,
         seed,
         regimes_holding: args.tokens.clone(),
+        in_use,
     };
     let measured_by = format!(
         "moeforge {} at {}",
