@@ -34,6 +34,12 @@ pub enum Error {
         number: String,
         word: String,
     },
+    #[error("`{word}` after `{number}` is not a unit `.moe` knows")]
+    UnknownUnit {
+        span: Span,
+        number: String,
+        word: String,
+    },
 
     // ---- syntax ----
     #[error("unexpected {found}, expected {expected}")]
@@ -369,6 +375,7 @@ impl Error {
             InvalidUtf8 { span }
             | InvalidCharacter { span, .. }
             | NumberGluedToName { span, .. }
+            | UnknownUnit { span, .. }
             | UnexpectedToken { span, .. }
             | UnexpectedEnd { span, .. }
             | UnknownItemKind { span, .. }
@@ -484,6 +491,10 @@ impl Error {
                 "`.moe` numbers take no suffix: write the number in full, and a unit \
                  (`tokens`, `GB/s`, `us`, `ms`, `ns`), usually after a space; the file is read \
                  on as if `{number}` stood without `{word}`"
+            ),
+            UnknownUnit { number, word, .. } => format!(
+                "{}; the file is read on as if `{number}` stood alone",
+                unit_suggestion(number, word)
             ),
             UnexpectedToken { found, .. } if found.starts_with("unit `") => {
                 let unit = found.trim_start_matches("unit ");
@@ -882,6 +893,55 @@ fn edit_distance(a: &str, b: &str) -> usize {
     previous[b.len()]
 }
 
+/// What to write instead of `number word`, where `word` reads as a unit `.moe` does not
+/// have (`front::lexer::reads_as_unit`): the value in a unit it has where one fits.
+fn unit_suggestion(number: &str, word: &str) -> String {
+    let value = number.replace('_', "").parse::<f64>().ok();
+    let in_ms = |factor: f64| match value {
+        Some(value) => format!(
+            "durations and latencies are in `ns`, `us` or `ms`: `{number} {word}` is `{} ms`",
+            // Rounded to a millionth, so that `2.3 s` reads 2300, not 2299.9999999999995.
+            (value * factor * 1e6).round() / 1e6
+        ),
+        None => "durations and latencies are in `ns`, `us` or `ms`".into(),
+    };
+    let lower = word.to_ascii_lowercase();
+    match lower.as_str() {
+        "s" | "sec" | "secs" | "second" | "seconds" => in_ms(1e3),
+        "min" | "mins" | "minute" | "minutes" => in_ms(60e3),
+        "h" | "hr" | "hrs" | "hour" | "hours" => in_ms(3600e3),
+        "usec" | "usecs" | "msec" | "msecs" | "nsec" | "nsecs" => {
+            format!("write `{number} {}s`", &lower[..1])
+        }
+        "ps" => "latencies are in `ns`, `us` or `ms`, and `.moe` keeps whole nanoseconds".into(),
+        "tok" | "toks" => format!("write `{number} tokens`"),
+        _ if lower.ends_with("bps") => {
+            let prefix = lower.trim_end_matches("bps").to_ascii_uppercase();
+            match value {
+                Some(value) => format!(
+                    "bandwidth is in bytes per second: `{number} {word}` is `{} {prefix}B/s` \
+                     (8 bits to a byte)",
+                    value / 8.0
+                ),
+                None => format!("bandwidth is in bytes per second: write `{prefix}B/s`"),
+            }
+        }
+        _ => {
+            let bytes = match lower.as_str() {
+                "b" | "bytes" => "B".to_string(),
+                other => {
+                    let mut unit = other.to_ascii_uppercase();
+                    if let Some(binary) = unit.strip_suffix("IB") {
+                        unit = format!("{binary}iB");
+                    }
+                    unit
+                }
+            };
+            format!("bandwidth is in bytes per second: write `{number} {bytes}/s`")
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1163,11 +1223,16 @@ mod tests {
                 number: text("64"),
                 word: text("k"),
             },
+            Error::UnknownUnit {
+                span,
+                number: text("3"),
+                word: text("s"),
+            },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 50;
+    const VARIANTS: usize = 51;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1225,6 +1290,7 @@ mod tests {
             TooManyErrors { .. } => 47,
             AboveMaxTokens { .. } => 48,
             NumberGluedToName { .. } => 49,
+            UnknownUnit { .. } => 50,
         }
     }
 

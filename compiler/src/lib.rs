@@ -32,11 +32,17 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
     let parsed = parse(text);
     let syntax_spans: Vec<_> = parsed.errors.iter().map(Error::span).collect();
     let mut errors = parsed.errors;
-    // A glued number (`7k`) was read as the number alone: what the checker says of that
-    // number (`hidden` = 7 is misaligned) follows from the error already reported there.
+    // A number with a name set aside after it (`7k`, `3 s`) was read as the number alone:
+    // what the checker says of that number (`hidden` = 7 is misaligned, a latency needs a
+    // unit) follows from the error already reported there.
     let glued: Vec<_> = errors
         .iter()
-        .filter(|error| matches!(error, Error::NumberGluedToName { .. }))
+        .filter(|error| {
+            matches!(
+                error,
+                Error::NumberGluedToName { .. } | Error::UnknownUnit { .. }
+            )
+        })
         .map(Error::span)
         .collect();
     match check::check(&parsed.file, &syntax_spans) {

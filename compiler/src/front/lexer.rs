@@ -92,25 +92,46 @@ pub struct InvalidCharacter {
     pub found: char,
 }
 
-/// A name right after a number, with nothing between them (`64k`, `128abc`): never a
-/// valid pair (units are their own tokens), so the name is left out of the tokens and
-/// reported here, and the file parses on as if the number stood alone.
+/// A name right after a number that the file cannot mean as a name, set aside from the
+/// tokens and reported, so that the file parses on as if the number stood alone:
+/// - glued to it, nothing between (`64k`, `128abc`): never a valid pair, as units are
+///   their own tokens;
+/// - after spaces on the same line, a word that reads as a unit `.moe` does not have
+///   (`3 s`, `50 GB`, `100 Gbps`; [`reads_as_unit`]): no key or item is named so.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GluedWord<'src> {
+pub struct WordAfterNumber<'src> {
     /// The number and the name together.
     pub span: Span,
     pub number: &'src str,
     pub word: &'src str,
 }
 
+/// Words that read as a unit `.moe` does not have: seconds, minutes and hours, byte sizes
+/// without `/s`, bit rates spelt `bps`, short forms of `tokens`. Compared ignoring case.
+const UNIT_LIKE_WORDS: &[&str] = &[
+    "s", "sec", "secs", "second", "seconds", "min", "mins", "minute", "minutes", "h", "hr", "hrs",
+    "hour", "hours", "ps", "usec", "usecs", "msec", "msecs", "nsec", "nsecs", "b", "kb", "mb",
+    "gb", "tb", "kib", "mib", "gib", "tib", "bytes", "bps", "kbps", "mbps", "gbps", "tbps", "tok",
+    "toks",
+];
+
+/// Whether `word` reads as a unit `.moe` does not have (see [`WordAfterNumber`]).
+pub fn reads_as_unit(word: &str) -> bool {
+    UNIT_LIKE_WORDS
+        .iter()
+        .any(|unit| unit.eq_ignore_ascii_case(word))
+}
+
 /// The lexed file: the tokens the parser reads, the comments the formatter keeps, the
-/// characters that started no token and the names glued to numbers.
+/// characters that started no token, and the names after numbers set aside
+/// ([`WordAfterNumber`]): glued to them, or unit-like after spaces.
 #[derive(Clone, Debug, Default)]
 pub struct Lexed<'src> {
     pub tokens: Vec<(usize, Token<'src>, usize)>,
     pub comments: Vec<Comment>,
     pub invalid: Vec<InvalidCharacter>,
-    pub glued: Vec<GluedWord<'src>>,
+    pub glued: Vec<WordAfterNumber<'src>>,
+    pub unknown_units: Vec<WordAfterNumber<'src>>,
 }
 
 /// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
@@ -126,22 +147,38 @@ pub fn lex(source: &str) -> Lexed<'_> {
                 text: text.trim_end().to_string(),
                 span: Span::new(range.start, range.end),
             }),
-            Ok(Token::Ident(name)) => match lexed.tokens.last() {
-                Some(&(start, Token::Integer(number) | Token::Float(number), end))
-                    if end == range.start =>
-                {
-                    if lexed.glued.len() <= MAX_ERRORS {
-                        lexed.glued.push(GluedWord {
-                            span: Span::new(start, range.end),
-                            number,
-                            word: name,
-                        });
+            Ok(Token::Ident(name)) => {
+                let after_number = match lexed.tokens.last() {
+                    Some(&(start, Token::Integer(number) | Token::Float(number), end)) => {
+                        let gap = &source[end..range.start];
+                        let set_aside = if gap.is_empty() {
+                            Some(&mut lexed.glued)
+                        } else if gap.bytes().all(|byte| byte == b' ' || byte == b'\t')
+                            && reads_as_unit(name)
+                        {
+                            Some(&mut lexed.unknown_units)
+                        } else {
+                            None
+                        };
+                        set_aside.map(|list| (list, start, number))
                     }
+                    _ => None,
+                };
+                match after_number {
+                    Some((list, start, number)) => {
+                        if list.len() <= MAX_ERRORS {
+                            list.push(WordAfterNumber {
+                                span: Span::new(start, range.end),
+                                number,
+                                word: name,
+                            });
+                        }
+                    }
+                    None => lexed
+                        .tokens
+                        .push((range.start, Token::Ident(name), range.end)),
                 }
-                _ => lexed
-                    .tokens
-                    .push((range.start, Token::Ident(name), range.end)),
-            },
+            }
             Ok(token) => lexed.tokens.push((range.start, token, range.end)),
             Err(()) => {
                 if let Some((_, Token::Invalid, end)) = lexed.tokens.last_mut()
@@ -174,6 +211,30 @@ mod tests {
             .into_iter()
             .map(|(_, token, _)| token)
             .collect()
+    }
+
+    #[test]
+    fn a_unit_like_word_after_a_number_on_its_line_is_set_aside_and_a_key_is_not() {
+        let lexed =
+            lex("latency = 3 s\nnetwork = 50\tGB, 2 SEC\nhidden = 64\nffn = 1 # s\nk = 2\ns = 1");
+        let unknown: Vec<(&str, &str)> = lexed
+            .unknown_units
+            .iter()
+            .map(|w| (w.number, w.word))
+            .collect();
+        assert_eq!(unknown, [("3", "s"), ("50", "GB"), ("2", "SEC")]);
+        assert_eq!(lexed.unknown_units[0].span, Span::new(10, 13));
+        assert!(lexed.glued.is_empty());
+        let names: Vec<&str> = lexed
+            .tokens
+            .iter()
+            .filter_map(|(_, token, _)| match token {
+                Token::Ident(name) => Some(*name),
+                _ => None,
+            })
+            .collect();
+        // A unit-like word on the next line is a name (here a key the checker rejects).
+        assert_eq!(names, ["latency", "network", "hidden", "ffn", "k", "s"]);
     }
 
     #[test]

@@ -49,6 +49,13 @@ pub fn parse(source: &str) -> Parsed {
             word: glued.word.to_string(),
         });
     }
+    for unknown in &lexed.unknown_units {
+        errors.push(Error::UnknownUnit {
+            span: unknown.span,
+            number: unknown.number.to_string(),
+            word: unknown.word.to_string(),
+        });
+    }
     let result =
         grammar::FileParser::new().parse(&mut errors, lexed.tokens.iter().map(|&token| Ok(token)));
     let items = match result {
