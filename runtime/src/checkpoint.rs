@@ -274,6 +274,11 @@ impl HostWeights {
 
     /// The `local`-th expert held (expert `experts.start + local`), as the CPU reference
     /// reads it.
+    ///
+    /// # Panics
+    ///
+    /// Where `local` is not below the count of experts held, or the buffers are not of a
+    /// layer of `shape` ([`HostWeights::check`] says which), as indexing past a slice does.
     pub fn expert(&self, shape: &LayerShape, local: usize) -> HostExpert<'_> {
         let (w1, w2) = Self::expert_lens(shape);
         let (b1, b2) = Self::bias_lens(shape);
