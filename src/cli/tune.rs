@@ -189,8 +189,9 @@ pub fn run(args: &Args) -> ExitCode {
                     let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
                     let verdict = if kept {
                         format!(
-                            "kept: the new choice is not {:.0}% faster",
-                            MIN_GAIN * 100.0
+                            "kept: the new choice is not {:.0}% faster on average and at most {:.0}% slower at each call",
+                            MIN_GAIN * 100.0,
+                            MAX_LOSS * 100.0
                         )
                     } else {
                         "replaced".to_string()
