@@ -482,6 +482,10 @@ impl Error {
             InvalidCharacter { found: '-', .. } => {
                 "numbers in a `.moe` file have no sign: every quantity is zero or more".into()
             }
+            InvalidCharacter {
+                found: '\u{b5}' | '\u{3bc}',
+                ..
+            } => "microseconds are written `us` (`3 us`)".into(),
             InvalidCharacter { .. } => {
                 "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
                  `{ } = , .` and comments starting with `#` or `//`"
