@@ -7,7 +7,7 @@ b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}; export PATH=$PWD/.device/bin:/usr/local/cuda/bin:$PATH
 export MOEFORGE_CACHE_DIR=/tmp/jit
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-for round in 1 2; do
+for round in $(seq ${ROUNDS:-2}); do
   for setting in "1 1" "0 1" "1 0" "0 0"; do
     set -- $setting
     for spec in ${SPECS:-"deepseek_v3 16,192,256" "gpt_oss_120b 512"}; do
