@@ -10,7 +10,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 for round in $(seq ${ROUNDS:-2}); do
   for setting in "1 1" "0 1" "1 0" "0 0"; do
     set -- $setting
-    for spec in ${SPECS:-"deepseek_v3 16,192,256" "gpt_oss_120b 512"}; do
+    IFS=';' read -ra specs <<< "${SPECS:-deepseek_v3 16,192,256;gpt_oss_120b 512}"
+    for spec in "${specs[@]}"; do
       set -- $setting $spec
       MOEFORGE_CALL_GRAPHS=$1 MOEFORGE_EARLY_START=$2 timeout 150 moeforge bench dsl-examples/$3.moe --tokens $4 --seed 7 --iterations ${ITER:-15} --out /tmp/b > $OUT/${3}_g$1_e$2_$round.txt 2>&1 || echo "bench $3 failed ($?)"
       echo "-- $3 graphs=$1 early_start=$2 round $round"
