@@ -7,6 +7,7 @@
 //! Kernel-side errors (an expert id out of range) land in the error word; [`MoeLayer::take_error`]
 //! synchronises, reads it and turns it into a typed error naming the token.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -302,9 +303,11 @@ pub struct MoeLayer {
     gate: Option<GateWeights>,
     /// The tensor maps that launches pass (`Binding::TensorMap`).
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
-    /// Whether the launches the plan marks `early_start` start early; `MOEFORGE_EARLY_START=0`
-    /// launches them the ordinary way, to measure what starting early changes.
-    early_start: bool,
+    /// Which of the launches the plan marks `early_start` start early
+    /// (`MOEFORGE_EARLY_START`: all, none, or those of some kinds, to measure what starting
+    /// early changes), and the kernels that then do.
+    early_starts: EarlyStarts,
+    early_kernels: HashSet<String>,
     /// Whether calls the plan's fused decode covers run it; `MOEFORGE_FUSED_DECODE=0` runs
     /// the table instead.
     fused_decode: bool,
@@ -334,14 +337,148 @@ fn switch_from(
     }
 }
 
-/// `MOEFORGE_EARLY_START`: `0` launches the plan's early starts the ordinary way (the
-/// kernels' waits are then no-ops).
-fn early_start_from(lookup: impl Fn(&str) -> Option<String>) -> Result<bool, LayerError> {
-    switch_from(
-        lookup,
-        "MOEFORGE_EARLY_START",
-        "1 (the plan's early starts, the default) or 0 (none)",
-    )
+/// Which of the plan's early starts a layer keeps (`MOEFORGE_EARLY_START`): all of them
+/// (unset, empty or `1`), none (`0`: launched the ordinary way, the kernels' waits are then
+/// no-ops), or only those of the launches of some kinds (a comma-separated list, as
+/// `gemm2,combine`), to measure one launch at a time what starting early changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EarlyStarts {
+    All,
+    None,
+    Only(Vec<LaunchKind>),
+}
+
+/// The kinds of a single-GPU call's launches, as `MOEFORGE_EARLY_START` names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchKind {
+    /// The routing metadata (`route`, or `route_count` and `route_place`).
+    Route,
+    /// The router's launches (a fused router, or gate and select).
+    Router,
+    Gemm1,
+    Gemm2,
+    Combine,
+    /// The prefill's row order (`invert_rows`, `sort_rows`).
+    Rows,
+    /// A regime's fused decode kernel.
+    Fused,
+}
+
+impl LaunchKind {
+    const ALL: [LaunchKind; 7] = [
+        LaunchKind::Route,
+        LaunchKind::Router,
+        LaunchKind::Gemm1,
+        LaunchKind::Gemm2,
+        LaunchKind::Combine,
+        LaunchKind::Rows,
+        LaunchKind::Fused,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LaunchKind::Route => "route",
+            LaunchKind::Router => "router",
+            LaunchKind::Gemm1 => "gemm1",
+            LaunchKind::Gemm2 => "gemm2",
+            LaunchKind::Combine => "combine",
+            LaunchKind::Rows => "rows",
+            LaunchKind::Fused => "fused",
+        }
+    }
+
+    /// The kind of `plan`'s launch of `kernel` (`None` for a kernel of no single-GPU call).
+    pub fn of(plan: &Plan, kernel: &str) -> Option<LaunchKind> {
+        if plan.is_route_kernel(kernel) {
+            return Some(LaunchKind::Route);
+        }
+        if kernel == plan.combine_kernel {
+            return Some(LaunchKind::Combine);
+        }
+        if kernel == plan.invert_rows_kernel || kernel == plan.sort_rows_kernel {
+            return Some(LaunchKind::Rows);
+        }
+        for regime in &plan.regimes {
+            if kernel == regime.gemm1_kernel {
+                return Some(LaunchKind::Gemm1);
+            }
+            if kernel == regime.gemm2_kernel {
+                return Some(LaunchKind::Gemm2);
+            }
+            if regime
+                .fused_decode
+                .as_ref()
+                .is_some_and(|fused| fused.launch.kernel == kernel)
+            {
+                return Some(LaunchKind::Fused);
+            }
+        }
+        let router_launches = plan.router.iter().flat_map(|router| {
+            router
+                .regimes
+                .iter()
+                .flat_map(|regime| regime.launches.iter())
+        });
+        router_launches
+            .into_iter()
+            .any(|launch| launch.kernel == kernel)
+            .then_some(LaunchKind::Router)
+    }
+}
+
+impl EarlyStarts {
+    /// Whether a launch of `kind` that the plan starts early does so.
+    pub fn keeps(&self, kind: LaunchKind) -> bool {
+        match self {
+            EarlyStarts::All => true,
+            EarlyStarts::None => false,
+            EarlyStarts::Only(kinds) => kinds.contains(&kind),
+        }
+    }
+
+    /// The value of `MOEFORGE_EARLY_START` that says this.
+    pub fn describe(&self) -> String {
+        match self {
+            EarlyStarts::All => "1".into(),
+            EarlyStarts::None => "0".into(),
+            EarlyStarts::Only(kinds) => kinds
+                .iter()
+                .map(|kind| kind.name())
+                .collect::<Vec<_>>()
+                .join(","),
+        }
+    }
+}
+
+/// `MOEFORGE_EARLY_START` (see [`EarlyStarts`]).
+fn early_starts_from(lookup: impl Fn(&str) -> Option<String>) -> Result<EarlyStarts, LayerError> {
+    const VAR: &str = "MOEFORGE_EARLY_START";
+    const EXPECTED: &str = "1 (the plan's early starts, the default), 0 (none) or a comma-separated list of the kinds of launch that keep theirs: route, router, gemm1, gemm2, combine, rows, fused";
+    let value = match lookup(VAR) {
+        None => return Ok(EarlyStarts::All),
+        Some(value) => value,
+    };
+    match value.as_str() {
+        "" | "1" => return Ok(EarlyStarts::All),
+        "0" => return Ok(EarlyStarts::None),
+        _ => {}
+    }
+    let invalid = || LayerError::InvalidEnv {
+        var: VAR,
+        value: value.clone(),
+        expected: EXPECTED,
+    };
+    let mut kinds = Vec::new();
+    for name in value.split(',').map(str::trim) {
+        let kind = LaunchKind::ALL
+            .into_iter()
+            .find(|kind| kind.name() == name)
+            .ok_or_else(invalid)?;
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
+    }
+    Ok(EarlyStarts::Only(kinds))
 }
 
 /// `MOEFORGE_BLOCK_ROUTING`: `0` runs the route launch of the calls the plan routes in the
@@ -614,7 +751,14 @@ impl MoeLayer {
     ) -> Result<Self, LayerError> {
         plan.validate()?;
         gpu.check_target(&plan.target)?;
-        let early_start = early_start_from(crate::env_value)?;
+        let early_starts = early_starts_from(crate::env_value)?;
+        let early_kernels = plan
+            .single_gpu_entry_points()
+            .into_iter()
+            .filter(|kernel| {
+                LaunchKind::of(&plan, kernel).is_some_and(|kind| early_starts.keeps(kind))
+            })
+            .collect();
         let fused_decode = fused_decode_from(crate::env_value)?;
         let block_routing = block_routing_from(crate::env_value)?;
         let call_graphs_on = call_graphs_from(crate::env_value)?;
@@ -694,7 +838,8 @@ impl MoeLayer {
             weights,
             gate,
             tensor_maps,
-            early_start,
+            early_starts,
+            early_kernels,
             fused_decode,
             block_routing,
             call_graphs,
@@ -739,10 +884,10 @@ impl MoeLayer {
         self.call_graphs.max_tokens() > 0
     }
 
-    /// Whether the launches the plan marks `early_start` start early (unless
-    /// `MOEFORGE_EARLY_START=0`).
-    pub fn starts_early(&self) -> bool {
-        self.early_start
+    /// Which of the launches the plan marks `early_start` start early
+    /// (`MOEFORGE_EARLY_START`).
+    pub fn early_starts(&self) -> &EarlyStarts {
+        &self.early_starts
     }
 
     /// Whether the layer can route its tokens itself: its spec has a router and it was
@@ -1029,7 +1174,7 @@ impl MoeLayer {
                 function,
                 config,
                 &values,
-                launch.early_start && self.early_start,
+                launch.early_start && self.early_kernels.contains(&launch.kernel),
             )
         }
         .context(format!("launching `{}`", launch.kernel))?;
@@ -1296,12 +1441,10 @@ mod tests {
 
     type SwitchFrom = fn(&dyn Fn(&str) -> Option<String>) -> Result<bool, LayerError>;
 
-    /// `MOEFORGE_EARLY_START`, `MOEFORGE_FUSED_DECODE` and `MOEFORGE_BLOCK_ROUTING`: on
-    /// unless the variable says 0.
+    /// `MOEFORGE_FUSED_DECODE` and `MOEFORGE_BLOCK_ROUTING`: on unless the variable says 0.
     #[test]
     fn switches_are_on_unless_their_variable_says_0() {
-        let switches: [(&str, SwitchFrom); 3] = [
-            ("MOEFORGE_EARLY_START", |lookup| early_start_from(lookup)),
+        let switches: [(&str, SwitchFrom); 2] = [
             ("MOEFORGE_FUSED_DECODE", |lookup| fused_decode_from(lookup)),
             ("MOEFORGE_BLOCK_ROUTING", |lookup| {
                 block_routing_from(lookup)
@@ -1322,6 +1465,73 @@ mod tests {
                 with(Some("off")),
                 Err(LayerError::InvalidEnv { var: v, .. }) if v == var
             ));
+        }
+    }
+
+    /// `MOEFORGE_EARLY_START`: all, none, or the named kinds (each once, in the order
+    /// given); anything else is an error naming the kinds.
+    #[test]
+    fn early_starts_are_all_none_or_the_kinds_named() {
+        let with = |value: Option<&str>| {
+            early_starts_from(|name| {
+                assert_eq!(name, "MOEFORGE_EARLY_START");
+                value.map(str::to_string)
+            })
+        };
+        for all in [None, Some(""), Some("1")] {
+            assert_eq!(with(all).expect("all"), EarlyStarts::All);
+        }
+        assert_eq!(with(Some("0")).expect("none"), EarlyStarts::None);
+        let only = with(Some("gemm2, combine,gemm2")).expect("a list");
+        assert_eq!(
+            only,
+            EarlyStarts::Only(vec![LaunchKind::Gemm2, LaunchKind::Combine])
+        );
+        assert!(only.keeps(LaunchKind::Combine) && !only.keeps(LaunchKind::Gemm1));
+        assert_eq!(only.describe(), "gemm2,combine");
+        for bad in ["off", "gemm3", "gemm1,", "0,gemm1"] {
+            assert!(
+                matches!(
+                    with(Some(bad)),
+                    Err(LayerError::InvalidEnv { expected, .. }) if expected.contains("router")
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    /// Every launch of a layer with a router on one GPU has a kind `MOEFORGE_EARLY_START`
+    /// can name, the table's, the router's and the fused decodes' alike.
+    #[test]
+    fn every_single_gpu_launch_has_a_kind() {
+        for example in ["deepseek_v3", "gpt_oss_120b", "qwen3_30b_a3b"] {
+            let path = format!(
+                "{}/../dsl-examples/{example}.moe",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let text = std::fs::read_to_string(&path).expect("a shipped example");
+            let module = moeforge_compiler::compile_source(&path, &text).expect("checks");
+            let plan = moeforge_compiler::plan::plan(
+                &module.layers[0],
+                &moeforge_compiler::plan::Target::h200(),
+            )
+            .expect("plans");
+            let kinds: Vec<LaunchKind> = plan
+                .single_gpu_entry_points()
+                .iter()
+                .map(|kernel| {
+                    LaunchKind::of(&plan, kernel)
+                        .unwrap_or_else(|| panic!("{example}: `{kernel}` has no kind"))
+                })
+                .collect();
+            for kind in [
+                LaunchKind::Router,
+                LaunchKind::Gemm1,
+                LaunchKind::Gemm2,
+                LaunchKind::Combine,
+            ] {
+                assert!(kinds.contains(&kind), "{example}: no {kind:?} launch");
+            }
         }
     }
 

@@ -16,6 +16,7 @@ use moeforge::runtime::bench::{
     BenchRow, BenchSettings, ExpertParallelRow, PIPELINED_PASSES, bench_expert_parallel,
     bench_group_rank, bench_layer,
 };
+use moeforge::runtime::layer::EarlyStarts;
 use moeforge::runtime::nccl_pipeline::NcclPipeline;
 use moeforge::runtime::peers::{PeerReport, run_peers};
 use moeforge::runtime::process_group::LaunchEnv;
@@ -221,8 +222,15 @@ pub fn run(args: &Args) -> ExitCode {
         routing_name(args.routing),
         args.iterations
     );
-    if !built.layer.starts_early() {
-        println!("note: MOEFORGE_EARLY_START=0: every kernel launched the ordinary way");
+    match built.layer.early_starts() {
+        EarlyStarts::All => {}
+        EarlyStarts::None => {
+            println!("note: MOEFORGE_EARLY_START=0: every kernel launched the ordinary way")
+        }
+        only => println!(
+            "note: MOEFORGE_EARLY_START={}: only those kinds of launch start early where the plan says so",
+            only.describe()
+        ),
     }
     if !built.layer.routes_in_blocks() {
         println!("note: MOEFORGE_BLOCK_ROUTING=0: every call runs its route launch");
