@@ -109,13 +109,20 @@ pub fn save(path: &Path, table: &TuningTable) -> Result<(), TuningError> {
     std::fs::rename(&temporary, path).map_err(write)
 }
 
+/// Whether planning uses tuning entries at all: not with `MOEFORGE_TUNING=off`.
+pub fn enabled() -> Result<bool, TuningError> {
+    match moeforge_runtime::env_value("MOEFORGE_TUNING").as_deref() {
+        None | Some("") | Some("on") => Ok(true),
+        Some("off") => Ok(false),
+        Some(other) => Err(TuningError::InvalidSwitch(other.to_string())),
+    }
+}
+
 /// What the commands plan with: the shipped entries and then the cache's (none where
 /// there is no cache folder), unless `MOEFORGE_TUNING=off`.
 pub fn for_planning() -> Result<TuningTable, TuningError> {
-    match moeforge_runtime::env_value("MOEFORGE_TUNING").as_deref() {
-        None | Some("") | Some("on") => {}
-        Some("off") => return Ok(TuningTable::default()),
-        Some(other) => return Err(TuningError::InvalidSwitch(other.to_string())),
+    if !enabled()? {
+        return Ok(TuningTable::default());
     }
     let cache = match cache_path() {
         Ok(path) => load(&path)?,

@@ -201,8 +201,9 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
         "{}",
         String::from_utf8_lossy(&first.stderr)
     );
-    // The entry as the sweep wrote it, its GEMM1 swapped for another valid configuration:
-    // the entry "in use" when the same regime is tuned again.
+    // The entry as the sweep wrote it, its GEMM1 swapped for another valid configuration
+    // at a ring depth the planner never picks for it (so no candidate of the sweep): the
+    // entry "in use" when the same regime is tuned again.
     let read_entry = || -> serde_json::Value {
         let text = std::fs::read_to_string(&cache_arg).expect("the cache was written");
         let table: serde_json::Value = serde_json::from_str(&text).expect("the cache is JSON");
@@ -211,17 +212,17 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
     };
     let mut entry = read_entry();
     let swapped = serde_json::json!({
-        "engine": "mma_sync", "tile": { "m": 32, "n": 64, "k": 64 }, "stages": 5, "cluster": 1
+        "engine": "mma_sync", "tile": { "m": 16, "n": 128, "k": 64 }, "stages": 2, "cluster": 1
     });
     let other = serde_json::json!({
-        "engine": "mma_sync", "tile": { "m": 16, "n": 64, "k": 128 }, "stages": 3, "cluster": 1
+        "engine": "mma_sync", "tile": { "m": 32, "n": 64, "k": 64 }, "stages": 2, "cluster": 1
     });
     entry["gemm1"] = if entry["gemm1"] == swapped {
         other
     } else {
         swapped
     };
-    let in_use_gemm1 = entry["gemm1"].clone();
+    let in_use = (entry["gemm1"].clone(), entry["gemm2"].clone());
     let table = serde_json::json!({ "entries": [entry] });
     std::fs::write(&cache_arg, table.to_string()).expect("writes the cache");
 
@@ -235,8 +236,10 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
     assert!(!line.contains("left out"), "{line}");
     let kept = line.contains("kept:");
     assert!(kept || line.contains("replaced"), "{line}");
-    // What was said is what was written.
+    // What was said is what was written: the entry in use, both GEMMs, or another GEMM1.
     let written = read_entry();
-    assert_eq!(written["gemm1"] == in_use_gemm1, kept, "{line}\n{written}");
+    let as_in_use = (written["gemm1"].clone(), written["gemm2"].clone()) == in_use;
+    assert_eq!(as_in_use, kept, "{line}\n{written}");
+    assert_eq!(written["gemm1"] == in_use.0, kept, "{line}\n{written}");
     std::fs::remove_dir_all(&dir).expect("cleans up");
 }

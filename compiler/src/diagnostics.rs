@@ -485,7 +485,7 @@ impl Error {
             InvalidCharacter {
                 found: '\u{b5}' | '\u{3bc}',
                 ..
-            } => "microseconds are written `us` (`3 us`)".into(),
+            } => "microseconds are written `us`, after a space".into(),
             InvalidCharacter { .. } => {
                 "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
                  `{ } = , .` and comments starting with `#` or `//`"
@@ -919,29 +919,34 @@ fn unit_suggestion(number: &str, word: &str) -> String {
         }
         "ps" => "latencies are in `ns`, `us` or `ms`, and `.moe` keeps whole nanoseconds".into(),
         "tok" | "toks" => format!("write `{number} tokens`"),
-        _ if lower.ends_with("bps") => {
-            let prefix = lower.trim_end_matches("bps").to_ascii_uppercase();
+        _ => {
+            // Bits where the word's `b` is lower case (`Gb`, `Mbps`), bytes where it is `B`
+            // (`GB`, `GBps`, `KiB`) or spelt out: `.moe` reads `Gb/s` as bits too.
+            let stem = if lower.ends_with("ps") {
+                &word[..word.len() - 2]
+            } else {
+                word
+            };
+            let bits = stem.ends_with('b') && lower != "bytes";
+            let prefix = match stem.len().checked_sub(1).map(|end| &stem[..end]) {
+                Some(prefix) if lower != "bytes" => {
+                    let mut letters = prefix.chars();
+                    letters.next().map_or(String::new(), |first| {
+                        first.to_ascii_uppercase().to_string()
+                            + &letters.as_str().to_ascii_lowercase()
+                    })
+                }
+                _ => String::new(),
+            };
             match value {
-                Some(value) => format!(
-                    "bandwidth is in bytes per second: `{number} {word}` is `{} {prefix}B/s` \
-                     (8 bits to a byte)",
+                Some(value) if bits => format!(
+                    "bandwidth is in bytes per second: `{number} {word}` as bits per second is \
+                     `{} {prefix}B/s` (8 bits to a byte)",
                     value / 8.0
                 ),
-                None => format!("bandwidth is in bytes per second: write `{prefix}B/s`"),
+                None if bits => format!("bandwidth is in bytes per second: write `{prefix}B/s`"),
+                _ => format!("bandwidth is in bytes per second: write `{number} {prefix}B/s`"),
             }
-        }
-        _ => {
-            let bytes = match lower.as_str() {
-                "b" | "bytes" => "B".to_string(),
-                other => {
-                    let mut unit = other.to_ascii_uppercase();
-                    if let Some(binary) = unit.strip_suffix("IB") {
-                        unit = format!("{binary}iB");
-                    }
-                    unit
-                }
-            };
-            format!("bandwidth is in bytes per second: write `{number} {bytes}/s`")
         }
     }
 }

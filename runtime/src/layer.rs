@@ -305,7 +305,7 @@ pub struct MoeLayer {
     tensor_maps: Vec<(LaunchArg, TensorMap)>,
     /// Which of the launches the plan marks `early_start` start early
     /// (`MOEFORGE_EARLY_START`: all, none, or those of some kinds, to measure what starting
-    /// early changes), and the kernels that then do.
+    /// early changes), and, for some kinds, the kernels of those.
     early_starts: EarlyStarts,
     early_kernels: HashSet<String>,
     /// Whether calls the plan's fused decode covers run it; `MOEFORGE_FUSED_DECODE=0` runs
@@ -1174,7 +1174,9 @@ impl MoeLayer {
                 function,
                 config,
                 &values,
-                launch.early_start && self.early_kernels.contains(&launch.kernel),
+                launch.early_start
+                    && (self.early_starts == EarlyStarts::All
+                        || self.early_kernels.contains(&launch.kernel)),
             )
         }
         .context(format!("launching `{}`", launch.kernel))?;

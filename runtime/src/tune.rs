@@ -321,35 +321,49 @@ pub fn tune_layer(
             settings
                 .in_use
                 .lookup(target, &shape, regime.min_tokens, regime.max_tokens)
-            && (in_use.gemm1 != tunable(GemmKind::Up).then(|| TunedGemm::of(&gemm1))
-                || in_use.gemm2 != tunable(GemmKind::Down).then(|| TunedGemm::of(&gemm2)))
         {
-            let timed = plan_with(in_use.clone()).and_then(|plan| {
-                let gemms = (
-                    plan.regimes[index].gemm1.clone(),
-                    plan.regimes[index].gemm2.clone(),
-                );
-                let kernels = session.compile(&plan)?;
-                Ok((
-                    time_regime(session, plan, kernels, &tokens, &settings)?,
-                    gemms,
-                ))
+            // What planning builds from it (a hinted GEMM stays as hinted, a GEMM the
+            // entry leaves out is the cost model's), against what the sweep ended on.
+            let planned = plan_with(in_use.clone());
+            let differs = planned.as_ref().map_or(true, |plan| {
+                let applied = &plan.regimes[index];
+                TunedGemm::of(&applied.gemm1) != TunedGemm::of(&gemm1)
+                    || TunedGemm::of(&applied.gemm2) != TunedGemm::of(&gemm2)
             });
-            let kept = match &timed {
-                Ok((us, _)) => !beats(&chosen, us, &model_times),
-                Err(_) => false,
-            };
-            report(TuneEvent::InUse {
-                regime: &regime.name,
-                entry: in_use,
-                us: timed
-                    .as_ref()
-                    .map(|(us, _)| us.clone())
-                    .map_err(ToString::to_string),
-                kept,
-            });
-            if let (true, Ok((us, (in_use_gemm1, in_use_gemm2)))) = (kept, timed) {
-                (gemm1, gemm2, chosen) = (in_use_gemm1, in_use_gemm2, us);
+            if differs {
+                let timed = planned.and_then(|plan| {
+                    let gemms = (
+                        plan.regimes[index].gemm1.clone(),
+                        plan.regimes[index].gemm2.clone(),
+                    );
+                    let kernels = session.compile(&plan)?;
+                    Ok((
+                        time_regime(session, plan, kernels, &tokens, &settings)?,
+                        gemms,
+                    ))
+                });
+                let kept = match &timed {
+                    Ok((us, _)) => !beats(&chosen, us, &model_times),
+                    Err(_) => false,
+                };
+                // Shown as it applies: the GEMMs the spec hints are not the entry's.
+                let shown = TunedRegime {
+                    gemm1: in_use.gemm1.filter(|_| tunable(GemmKind::Up)),
+                    gemm2: in_use.gemm2.filter(|_| tunable(GemmKind::Down)),
+                    ..in_use.clone()
+                };
+                report(TuneEvent::InUse {
+                    regime: &regime.name,
+                    entry: &shown,
+                    us: timed
+                        .as_ref()
+                        .map(|(us, _)| us.clone())
+                        .map_err(ToString::to_string),
+                    kept,
+                });
+                if let (true, Ok((us, (in_use_gemm1, in_use_gemm2)))) = (kept, timed) {
+                    (gemm1, gemm2, chosen) = (in_use_gemm1, in_use_gemm2, us);
+                }
             }
         }
         below = Some((gemm1.clone(), gemm2.clone()));

@@ -94,10 +94,11 @@ pub struct InvalidCharacter {
 
 /// A name right after a number that the file cannot mean as a name, set aside from the
 /// tokens and reported, so that the file parses on as if the number stood alone:
-/// - glued to it, nothing between (`64k`, `128abc`): never a valid pair, as units are
-///   their own tokens;
-/// - after spaces on the same line, a word that reads as a unit `.moe` does not have
-///   (`3 s`, `50 GB`, `100 Gbps`; [`reads_as_unit`]): no key or item is named so.
+/// - a word that reads as a unit `.moe` does not have ([`reads_as_unit`]: `3 s`, `50 GB`,
+///   `100Gbps`), glued to it or after spaces on its line: no key is named so, and an
+///   item's name never follows a number;
+/// - any other name glued to it, nothing between (`64k`, `128abc`): never a valid pair, as
+///   units are their own tokens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WordAfterNumber<'src> {
     /// The number and the name together.
@@ -151,12 +152,11 @@ pub fn lex(source: &str) -> Lexed<'_> {
                 let after_number = match lexed.tokens.last() {
                     Some(&(start, Token::Integer(number) | Token::Float(number), end)) => {
                         let gap = &source[end..range.start];
-                        let set_aside = if gap.is_empty() {
-                            Some(&mut lexed.glued)
-                        } else if gap.bytes().all(|byte| byte == b' ' || byte == b'\t')
-                            && reads_as_unit(name)
-                        {
+                        let on_its_line = gap.bytes().all(|byte| byte == b' ' || byte == b'\t');
+                        let set_aside = if on_its_line && reads_as_unit(name) {
                             Some(&mut lexed.unknown_units)
+                        } else if gap.is_empty() {
+                            Some(&mut lexed.glued)
                         } else {
                             None
                         };
@@ -215,14 +215,18 @@ mod tests {
 
     #[test]
     fn a_unit_like_word_after_a_number_on_its_line_is_set_aside_and_a_key_is_not() {
-        let lexed =
-            lex("latency = 3 s\nnetwork = 50\tGB, 2 SEC\nhidden = 64\nffn = 1 # s\nk = 2\ns = 1");
+        let lexed = lex(
+            "latency = 3 s\nnetwork = 50\tGB, 2 SEC\nhidden = 64\nffn = 1 # s\nk = 2\ns = 1\nt = 7ms 5min",
+        );
         let unknown: Vec<(&str, &str)> = lexed
             .unknown_units
             .iter()
             .map(|w| (w.number, w.word))
             .collect();
-        assert_eq!(unknown, [("3", "s"), ("50", "GB"), ("2", "SEC")]);
+        assert_eq!(
+            unknown,
+            [("3", "s"), ("50", "GB"), ("2", "SEC"), ("5", "min")]
+        );
         assert_eq!(lexed.unknown_units[0].span, Span::new(10, 13));
         assert!(lexed.glued.is_empty());
         let names: Vec<&str> = lexed
@@ -234,7 +238,10 @@ mod tests {
             })
             .collect();
         // A unit-like word on the next line is a name (here a key the checker rejects).
-        assert_eq!(names, ["latency", "network", "hidden", "ffn", "k", "s"]);
+        assert_eq!(
+            names,
+            ["latency", "network", "hidden", "ffn", "k", "s", "t"]
+        );
     }
 
     #[test]
