@@ -110,7 +110,7 @@ pub fn save(path: &Path, table: &TuningTable) -> Result<(), TuningError> {
 }
 
 /// Whether planning uses tuning entries at all: not with `MOEFORGE_TUNING=off`.
-pub fn enabled() -> Result<bool, TuningError> {
+fn enabled() -> Result<bool, TuningError> {
     match moeforge_runtime::env_value("MOEFORGE_TUNING").as_deref() {
         None | Some("") | Some("on") => Ok(true),
         Some("off") => Ok(false),
@@ -129,7 +129,16 @@ pub fn for_planning() -> Result<TuningTable, TuningError> {
         Err(TuningError::NoCacheFolder) => TuningTable::default(),
         Err(error) => return Err(error),
     };
-    Ok(shipped()?.merged_with(&cache))
+    planning_with(&cache)
+}
+
+/// What planning with `cache` as the cache uses: the shipped entries and then the
+/// cache's, unless `MOEFORGE_TUNING=off`.
+pub fn planning_with(cache: &TuningTable) -> Result<TuningTable, TuningError> {
+    if !enabled()? {
+        return Ok(TuningTable::default());
+    }
+    Ok(shipped()?.merged_with(cache))
 }
 
 #[cfg(test)]

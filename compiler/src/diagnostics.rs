@@ -919,25 +919,21 @@ fn unit_suggestion(number: &str, word: &str) -> String {
         }
         "ps" => "latencies are in `ns`, `us` or `ms`, and `.moe` keeps whole nanoseconds".into(),
         "tok" | "toks" => format!("write `{number} tokens`"),
+        "bytes" => format!("bandwidth is in bytes per second: write `{number} B/s`"),
         _ => {
             // Bits where the word's `b` is lower case (`Gb`, `Mbps`), bytes where it is `B`
-            // (`GB`, `GBps`, `KiB`) or spelt out: `.moe` reads `Gb/s` as bits too.
+            // (`GB`, `GBps`, `KiB`): `.moe` reads `Gb/s` as bits too.
             let stem = if lower.ends_with("ps") {
                 &word[..word.len() - 2]
             } else {
                 word
             };
-            let bits = stem.ends_with('b') && lower != "bytes";
-            let prefix = match stem.len().checked_sub(1).map(|end| &stem[..end]) {
-                Some(prefix) if lower != "bytes" => {
-                    let mut letters = prefix.chars();
-                    letters.next().map_or(String::new(), |first| {
-                        first.to_ascii_uppercase().to_string()
-                            + &letters.as_str().to_ascii_lowercase()
-                    })
-                }
-                _ => String::new(),
-            };
+            let bits = stem.ends_with('b');
+            // `k`, `Ki`, `G`, ... as `.moe` spells it: the first letter upper case.
+            let mut letters = stem[..stem.len() - 1].chars();
+            let prefix = letters.next().map_or(String::new(), |first| {
+                first.to_ascii_uppercase().to_string() + &letters.as_str().to_ascii_lowercase()
+            });
             match value {
                 Some(value) if bits => format!(
                     "bandwidth is in bytes per second: `{number} {word}` as bits per second is \

@@ -413,14 +413,9 @@ impl LaunchKind {
                 return Some(LaunchKind::Fused);
             }
         }
-        let router_launches = plan.router.iter().flat_map(|router| {
-            router
-                .regimes
-                .iter()
-                .flat_map(|regime| regime.launches.iter())
-        });
-        router_launches
-            .into_iter()
+        plan.router
+            .iter()
+            .flat_map(|router| router.regimes.iter().flat_map(|regime| &regime.launches))
             .any(|launch| launch.kernel == kernel)
             .then_some(LaunchKind::Router)
     }

@@ -6,7 +6,7 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use moeforge::compiler::plan::tuning::{TunedGemm, TuningTable};
+use moeforge::compiler::plan::tuning::TunedGemm;
 use moeforge::compiler::plan::{self, GemmKind, Target};
 use moeforge::runtime::harness::Session;
 use moeforge::runtime::tune::{
@@ -89,13 +89,7 @@ pub fn run(args: &Args) -> ExitCode {
     // Read before measuring: a cache that cannot be updated should not cost minutes of GPU.
     // What planning with this cache uses today (the shipped entries, then its own; none
     // with MOEFORGE_TUNING=off) is timed against each regime's new choice.
-    let in_use = match tuning::load(&cache).and_then(|cached| {
-        Ok(if tuning::enabled()? {
-            tuning::shipped()?.merged_with(&cached)
-        } else {
-            TuningTable::default()
-        })
-    }) {
+    let in_use = match tuning::load(&cache).and_then(|cached| tuning::planning_with(&cached)) {
         Ok(table) => table,
         Err(error) => {
             eprintln!("error: {error}");
