@@ -1244,14 +1244,15 @@ fn calls_that_split_stream_k_match_reference() {
         };
         // A split within the first wave, then one after full waves: with every routed
         // expert's rows within one m-tile, a split after full waves needs a narrow range of
-        // hit experts, so every count is tried, with a few routings each (one routing of
-        // each count found none for some seeds).
+        // hit experts, so counts are tried smallest first, with a few routings each (one
+        // routing of each count found none for some seeds). Past `tile.m · E / K` tokens
+        // some expert has more rows than one m-tile, so no count beyond splits; drawing
+        // those calls' activations (up to 4096 x 4096 values each) took minutes.
+        let most_splitting = (tile.m * shape.experts / shape.top_k).min(shape.max_tokens);
         let mut chosen = Vec::new();
         for after_full_waves in [false, true] {
-            let found = (0..8u64)
-                .flat_map(|draw| {
-                    (1..=shape.max_tokens).map(move |t| (t, seed ^ u64::from(t) ^ (draw << 40)))
-                })
+            let found = (1..=most_splitting)
+                .flat_map(|t| (0..8u64).map(move |draw| (t, seed ^ u64::from(t) ^ (draw << 40))))
                 .find_map(|(t, routing_seed)| {
                     split_tiles(t, routing_seed)
                         .filter(|&(_, more)| more == after_full_waves)
