@@ -137,8 +137,13 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(100))]
 
     #[test]
-    fn router_plans_cover_every_expert_and_edits_are_caught(layer in arbitrary_routed_layer(), which in 0usize..6) {
-        let Ok(plan) = plan::plan(&layer, &Target::h200()) else { return Ok(()) };
+    fn router_plans_cover_every_expert_and_edits_are_caught(
+        layer in arbitrary_routed_layer(),
+        which in 0usize..7,
+        on_h100 in any::<bool>(),
+    ) {
+        let target = if on_h100 { Target::h100() } else { Target::h200() };
+        let Ok(plan) = plan::plan(&layer, &target) else { return Ok(()) };
         prop_assert_eq!(plan.validate(), Ok(()));
         let router = plan.router.as_ref().expect("the layer has a router");
         prop_assert_eq!(router.regimes.len(), plan.regimes.len());
@@ -231,6 +236,10 @@ proptest! {
                     GateEngine::MmaSync => GateEngine::WarpSpecialized,
                     GateEngine::WarpSpecialized | GateEngine::Cluster { .. } => GateEngine::MmaSync,
                 };
+            }
+            5 => {
+                let regime = &mut edited_router.regimes[0];
+                regime.gemm1_starts_early = !regime.gemm1_starts_early;
             }
             _ => {
                 edited_router.regimes.pop();
@@ -1481,6 +1490,64 @@ fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
         "{:?}",
         plan.limitations
     );
+}
+
+/// Behind a fused router, GEMM1 starts early where the target measured that faster (the
+/// H200's default) and is launched the ordinary way on the H100, where starting early lost
+/// (`Target::early_gemm1_behind_fused_router`); a split router, or a sort of x's rows
+/// between the router and GEMM1 (Mixtral-8x7B's mid regime as tuned on the H100), keeps
+/// GEMM1's early start. The table's GEMM1 launch starts early either way (caller-routed
+/// calls).
+#[test]
+fn gemm1_waits_for_a_fused_router_where_the_target_measured_it_faster() {
+    let starts = |name: &str, target: &Target| -> Vec<(bool, bool, bool)> {
+        let plan = plan::plan(&example_layer(name), target).expect("plans");
+        assert_eq!(plan.validate(), Ok(()));
+        let router = plan.router.as_ref().expect("a router");
+        plan.regimes
+            .iter()
+            .zip(&router.regimes)
+            .map(|(regime, router_regime)| {
+                let gemm1 = regime
+                    .launches
+                    .iter()
+                    .find(|l| l.kernel == regime.gemm1_kernel)
+                    .expect("the table runs GEMM1");
+                assert!(gemm1.early_start, "{name}: the table's GEMM1 starts early");
+                (
+                    router_regime.fused,
+                    regime.gemm1.a_load == plan::RowLoad::Tiles,
+                    router_regime.gemm1_starts_early,
+                )
+            })
+            .collect()
+    };
+    for name in [
+        "mixtral_8x7b",
+        "qwen3_30b_a3b",
+        "deepseek_v3",
+        "gpt_oss_120b",
+    ] {
+        for (fused, sorted, early) in starts(name, &Target::h200()) {
+            assert!(early, "{name} on the H200 (fused {fused}, sorted {sorted})");
+        }
+        for (fused, sorted, early) in starts(name, &Target::h100()) {
+            assert_eq!(early, !fused || sorted, "{name} on the H100");
+        }
+    }
+    // Each example's decode regime on the H100: a fused router with GEMM1 next.
+    for name in [
+        "mixtral_8x7b",
+        "qwen3_30b_a3b",
+        "deepseek_v3",
+        "gpt_oss_120b",
+    ] {
+        assert_eq!(
+            starts(name, &Target::h100())[0],
+            (true, false, false),
+            "{name}"
+        );
+    }
 }
 
 /// A fused router's gate widens its expert tile (same 16-token height) for the calls

@@ -502,8 +502,13 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     } else {
         ""
     };
+    let gemm1 = if regime.gemm1_starts_early {
+        ""
+    } else {
+        "; GEMM1 behind it is launched once it has finished, not started early (measured faster so on this GPU)"
+    };
     let fused = format!(
-        "fused, in place of route{several}: gate, then select by each token tile's last block, then routing metadata by the last token tile's"
+        "fused, in place of route{several}: gate, then select by each token tile's last block, then routing metadata by the last token tile's{gemm1}"
     );
     let _ = writeln!(
         out,

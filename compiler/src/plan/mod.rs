@@ -1450,11 +1450,15 @@ fn plan_as_sized(
         regimes.push(regime);
     }
 
-    let regime_tokens: Vec<(String, u32)> = regimes
+    let table_regimes: Vec<router::TableRegime> = regimes
         .iter()
-        .map(|r| (r.name.clone(), r.max_tokens))
+        .map(|r| router::TableRegime {
+            name: r.name.clone(),
+            max_tokens: r.max_tokens,
+            gemm1_next: r.gemm1.a_load != RowLoad::Tiles,
+        })
         .collect();
-    let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &regime_tokens);
+    let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &table_regimes);
     let stream_k = StreamKSpace::of(regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]));
     let workspace = workspace(
         &shape,

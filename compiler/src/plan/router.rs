@@ -120,6 +120,34 @@ pub struct RouterRegime {
     /// Each gate's launch (a fused router's: gate, select and routing metadata), in the
     /// order of `gates`; a split router's select after them.
     pub launches: Vec<Launch>,
+    /// Whether the table's GEMM1, where it runs behind this router in a self-routed call,
+    /// starts early as the table's launch says (it does for caller-routed calls); false
+    /// where the router is fused and the target measured GEMM1 faster launched once the
+    /// router has finished ([`Target::early_gemm1_behind_fused_router`]): the runtime then
+    /// launches it the ordinary way, and its wait for the kernel ahead is a no-op.
+    #[serde(default = "starts_early")]
+    pub gemm1_starts_early: bool,
+}
+
+/// Plans written before [`RouterRegime::gemm1_starts_early`] started GEMM1 early.
+fn starts_early() -> bool {
+    true
+}
+
+/// Whether GEMM1 starts early behind a router regime on `target`: not where the router is
+/// fused, GEMM1 runs right behind it (no sort of x's rows between them) and the target
+/// measured GEMM1 faster launched the ordinary way there.
+pub(super) fn gemm1_starts_early_behind(fused: bool, gemm1_next: bool, target: &Target) -> bool {
+    !(fused && gemm1_next) || target.early_gemm1_behind_fused_router
+}
+
+/// What the router's planning reads of one regime of the table.
+pub(super) struct TableRegime {
+    pub name: String,
+    pub max_tokens: u32,
+    /// Whether GEMM1 is the table's next launch after a fused router (x's rows are not
+    /// sorted between them).
+    pub gemm1_next: bool,
 }
 
 impl RouterRegime {
@@ -402,21 +430,22 @@ pub struct RouterFloor {
 }
 
 /// The router's plan for `layer` (`None` without a `router { }` section): its launches for
-/// each regime of `regimes` (name, largest token count); the shared slices make
-/// `gemm_experts` GEMM experts, whose counts a fused router lays out.
+/// each regime of the table; the shared slices make `gemm_experts` GEMM experts, whose
+/// counts a fused router lays out.
 pub(super) fn plan_router(
     layer: &ir::Layer,
     target: &Target,
     symbol: &str,
     gemm_experts: u32,
-    regimes: &[(String, u32)],
+    regimes: &[TableRegime],
 ) -> Option<RouterPlan> {
     let rule = layer.router?;
     let mut min_tokens = 0;
     let regimes = regimes
         .iter()
-        .map(|(name, max_tokens)| {
-            let calls = min_tokens..=(*max_tokens).max(min_tokens);
+        .map(|table| {
+            let (name, max_tokens) = (&table.name, table.max_tokens);
+            let calls = min_tokens..=max_tokens.max(min_tokens);
             min_tokens = max_tokens + 1;
             let (gates, fused) = gate_plan(layer, target, &rule, gemm_experts, calls);
             let launches = router_launches(
@@ -429,6 +458,7 @@ pub(super) fn plan_router(
                 target.has_programmatic_launch(),
             );
             RouterRegime {
+                gemm1_starts_early: gemm1_starts_early_behind(fused, table.gemm1_next, target),
                 gates,
                 fused,
                 launches,
@@ -1320,4 +1350,20 @@ pub fn rule_summary(rule: &ir::Router) -> String {
         },
         rule.scale
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GEMM1 gives up its early start only right behind a fused router, on a target that
+    /// measured it faster so; a sort of x's rows between them or a split router keeps it.
+    #[test]
+    fn gemm1_waits_only_right_behind_a_fused_router_where_measured() {
+        let (h100, h200) = (Target::h100(), Target::h200());
+        assert!(!gemm1_starts_early_behind(true, true, &h100));
+        assert!(gemm1_starts_early_behind(true, false, &h100));
+        assert!(gemm1_starts_early_behind(false, true, &h100));
+        assert!(gemm1_starts_early_behind(true, true, &h200));
+    }
 }

@@ -44,6 +44,17 @@ pub struct Target {
     /// bound into the cycles a flag wait compares against.
     #[serde(default = "h200_clock_hz")]
     pub clock_hz: f64,
+    /// Whether GEMM1, run right behind a fused router (a self-routed call), starts early
+    /// (programmatic dependent launch, as the table's other launches do) rather than once
+    /// the router has finished: a measured fact about moeforge's kernels on this GPU
+    /// ([`RouterRegime::gemm1_starts_early`](super::router::RouterRegime::gemm1_starts_early)).
+    #[serde(default = "starts_early_by_default")]
+    pub early_gemm1_behind_fused_router: bool,
+}
+
+/// Plans written before [`Target::early_gemm1_behind_fused_router`] started GEMM1 early.
+fn starts_early_by_default() -> bool {
+    true
 }
 
 /// The H200's boost clock, 1.98 GHz (the H100 SXM's too).
@@ -80,19 +91,25 @@ impl Target {
                 [264, 132, 79, 62, 47, 39, 32, 30],
             ],
             clock_hz: h200_clock_hz(),
+            // Not yet measured against the ordinary launch on an H200 (on the H100 it lost).
+            early_gemm1_behind_fused_router: true,
         }
     }
 
     /// An H100 SXM: the H200's SMs, clocks and shared memory with HBM3 at 3.35 TB/s. Its
     /// ceilings are the H200's measured compute and the datasheet bandwidth scaled by the
     /// H200's measured fraction of its own; not measured on an H100 (its clusters neither:
-    /// the SMs' quotient).
+    /// the SMs' quotient). Its GEMM1 behind a fused router waits for the router to finish:
+    /// started early it cost self-routed decode calls up to 2.3% (Mixtral-8x7B at 64 tokens
+    /// 949-951 against 933-938 µs) and was never faster beyond the noise
+    /// (`benches/results/2026-12-06_h100_early_start_by_launch.md`).
     pub fn h100() -> Self {
         Target {
             name: "NVIDIA H100 SXM".to_string(),
             hbm_bytes_per_s: 4.3e12 * 3.35 / 4.8,
             memory_bytes: 80_000_000_000,
             clusters_at_once: [[0; 8]; 2],
+            early_gemm1_behind_fused_router: false,
             ..Target::h200()
         }
     }
@@ -116,6 +133,8 @@ impl Target {
             clusters_at_once: [[0; 8]; 2],
             // The A100's boost clock.
             clock_hz: 1.41e9,
+            // No programmatic dependent launch before sm_90: nothing starts early.
+            early_gemm1_behind_fused_router: true,
         }
     }
 

@@ -681,6 +681,17 @@ impl Plan {
                     "the router launches of regime `{name}` disagree with the gate tile and the rule"
                 ));
             }
+            if regime.gemm1_starts_early
+                != router::gemm1_starts_early_behind(
+                    regime.fused,
+                    self.regimes[index].gemm1.a_load != RowLoad::Tiles,
+                    &self.target,
+                )
+            {
+                return Err(format!(
+                    "whether GEMM1 starts early behind the router of regime `{name}` disagrees with the target"
+                ));
+            }
             for launch in &regime.launches {
                 self.check_launch(launch)?;
             }
