@@ -148,3 +148,11 @@ __device__ __forceinline__ void start_after_previous_kernel() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// As `start_after_previous_kernel`, but the kernel behind this one starts only as this
+// one's blocks finish.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}

@@ -152,7 +152,11 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
         for (int s = 0; s < G::STAGES - 1; ++s) {
             if (s < group_steps) stage_load(s, first_k_tile + s * G::WARPS_K, G::BM);
         }
-        start_after_previous_kernel();
+        if constexpr (G::NEXT_STARTS_EARLY) {
+            start_after_previous_kernel();
+        } else {
+            wait_for_previous_kernel();
+        }
     }
 #pragma unroll
     for (int s = 0; s < G::STAGES - 1; ++s) {
@@ -917,6 +921,11 @@ struct {{ gate.config }} {
     // Not started early: the kernel ahead has ended, load x and W_gate rows together.
 {%- endif %}
     enum : bool { WEIGHTS_BEFORE_WAIT = {{ gate.entry.early_start }} };
+{%- if gate.entry.early_start && !gate.next_starts_early %}
+    // GEMM1 behind this router starts as its blocks finish, not as they start: resident
+    // early beside it, GEMM1's blocks cost the call (measured on the H100).
+{%- endif %}
+    enum : bool { NEXT_STARTS_EARLY = {{ gate.entry.early_start && gate.next_starts_early }} };
 {%- endif %}
 };
 {%- if gate.fused %}

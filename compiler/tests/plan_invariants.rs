@@ -1493,11 +1493,10 @@ fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
 }
 
 /// Behind a fused router, GEMM1 starts early where the target measured that faster (the
-/// H200's default) and is launched the ordinary way on the H100, where starting early lost
-/// (`Target::early_gemm1_behind_fused_router`); a split router, or a sort of x's rows
+/// H200's default) and as the router's blocks finish on the H100, where starting early
+/// lost (`Target::early_gemm1_behind_fused_router`); a split router, or a sort of x's rows
 /// between the router and GEMM1 (Mixtral-8x7B's mid regime as tuned on the H100), keeps
-/// GEMM1's early start. The table's GEMM1 launch starts early either way (caller-routed
-/// calls).
+/// GEMM1's early start. The table's GEMM1 launch starts early either way.
 #[test]
 fn gemm1_waits_for_a_fused_router_where_the_target_measured_it_faster() {
     let starts = |name: &str, target: &Target| -> Vec<(bool, bool, bool)> {
@@ -1548,6 +1547,21 @@ fn gemm1_waits_for_a_fused_router_where_the_target_measured_it_faster() {
             "{name}"
         );
     }
+    // The router's generated config says it: Mixtral's decode router lets GEMM1 start once
+    // it has waited on the H200, and never signals on the H100.
+    let decode_router = |target: &Target| -> String {
+        let plan = plan::plan(&example_layer("mixtral_8x7b"), target).expect("plans");
+        let source = moeforge_compiler::codegen::generate(&plan)
+            .expect("codegen")
+            .source;
+        let config = source
+            .find("struct decode_router_gate {")
+            .expect("the decode router's config");
+        let end = config + source[config..].find("\n};").expect("its end");
+        source[config..end].to_string()
+    };
+    assert!(decode_router(&Target::h200()).contains("NEXT_STARTS_EARLY = true"));
+    assert!(decode_router(&Target::h100()).contains("NEXT_STARTS_EARLY = false"));
 }
 
 /// A fused router's gate widens its expert tile (same 16-token height) for the calls

@@ -161,6 +161,14 @@ __device__ __forceinline__ void start_after_previous_kernel() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// As `start_after_previous_kernel`, but the kernel behind this one starts only as this
+// one's blocks finish.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,
@@ -1957,7 +1965,11 @@ __device__ __forceinline__ void router_gate(const bf16_t* __restrict__ x, const 
         for (int s = 0; s < G::STAGES - 1; ++s) {
             if (s < group_steps) stage_load(s, first_k_tile + s * G::WARPS_K, G::BM);
         }
-        start_after_previous_kernel();
+        if constexpr (G::NEXT_STARTS_EARLY) {
+            start_after_previous_kernel();
+        } else {
+            wait_for_previous_kernel();
+        }
     }
 #pragma unroll
     for (int s = 0; s < G::STAGES - 1; ++s) {
@@ -2712,6 +2724,7 @@ struct decode_router_16x16_gate {
     enum : int { STAGE_BYTES = 4096, SMEM_BYTES = 229376 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : bool { NEXT_STARTS_EARLY = true };
 };
 // One block per SM (the plan counts a fused gate's grid so; its ring fills an SM's shared
 // memory): told so, ptxas need not hold the select's registers to 64 and spill them.
@@ -2746,6 +2759,7 @@ struct decode_router_16x32_gate {
     enum : int { STAGE_BYTES = 6144, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Started early: load the first stages' W_gate rows, then wait for the kernel ahead.
     enum : bool { WEIGHTS_BEFORE_WAIT = true };
+    enum : bool { NEXT_STARTS_EARLY = true };
 };
 // One block per SM (the plan counts a fused gate's grid so; its ring fills an SM's shared
 // memory): told so, ptxas need not hold the select's registers to 64 and spill them.
@@ -2780,6 +2794,7 @@ struct mid_router_gate_64x16 {
     enum : int { STAGE_BYTES = 10240, SMEM_BYTES = 122880 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : bool { NEXT_STARTS_EARLY = false };
 };
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate_64x16(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2804,6 +2819,7 @@ struct mid_router_gate_64x32 {
     enum : int { STAGE_BYTES = 12288, SMEM_BYTES = 147456 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : bool { NEXT_STARTS_EARLY = false };
 };
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate_64x32(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
@@ -2828,6 +2844,7 @@ struct mid_router_gate_64x64 {
     enum : int { STAGE_BYTES = 16384, SMEM_BYTES = 196608 };  // dynamic: WARPS_K x STAGES x (BM x rows, BN W_gate rows), or a fused router's scratch, or then a cluster gate's
     // Not started early: the kernel ahead has ended, load x and W_gate rows together.
     enum : bool { WEIGHTS_BEFORE_WAIT = false };
+    enum : bool { NEXT_STARTS_EARLY = false };
 };
 extern "C" __global__ void __launch_bounds__(256) deepseek_v3_mid_router_gate_64x64(
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]

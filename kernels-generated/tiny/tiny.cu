@@ -159,6 +159,14 @@ __device__ __forceinline__ void start_after_previous_kernel() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// As `start_after_previous_kernel`, but the kernel behind this one starts only as this
+// one's blocks finish.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
 // time with -DMOEFORGE_ONE_KERNEL and -DMOEFORGE_KERNEL_<name>: only that kernel is built,

@@ -1052,14 +1052,12 @@ impl MoeLayer {
         // (`Regime::router_metadata_left_out_max_tokens`), which do both. At T = 0 its
         // grid is empty and the route kernel (or the fused decode, or GEMM1's blocks)
         // runs instead, so that a stale error of an earlier call is not reported.
-        let mut gemm1_waits_for_router = false;
         if self_routed
             && tokens > 0
             && let (Some(router), Some(kernels)) =
                 (&self.plan.router, self.router_kernels.get(index))
         {
             let regime = &router.regimes[index];
-            gemm1_waits_for_router = !regime.gemm1_starts_early;
             // Where a fused router leaves the metadata out, the table's route launch runs
             // if the table runs and does not route the call in the GEMMs' blocks.
             let left_out =
@@ -1092,43 +1090,20 @@ impl MoeLayer {
                 CallPart::RoutingOnly => is_route,
             };
             if wanted {
-                let starts_early = self.starts_early(launch)
-                    && !(gemm1_waits_for_router && launch.kernel == regime.gemm1_kernel);
-                self.launch_with_start(on, launch, bound, &call, starts_early)?;
+                self.launch(on, launch, bound, &call)?;
             }
         }
         Ok(())
     }
 
-    /// Whether `launch` starts early: the plan says so and `MOEFORGE_EARLY_START` keeps it.
-    fn starts_early(&self, launch: &Launch) -> bool {
-        launch.early_start
-            && (self.early_starts == EarlyStarts::All
-                || self.early_kernels.contains(&launch.kernel))
-    }
-
-    /// Enqueues one launch with the call's values on `on`, starting early where the plan
-    /// and `MOEFORGE_EARLY_START` say so.
-    fn launch(
-        &self,
-        on: &CudaStream,
-        launch: &Launch,
-        bound: &BoundLaunch,
-        call: &CallValues,
-    ) -> Result<(), LayerError> {
-        self.launch_with_start(on, launch, bound, call, self.starts_early(launch))
-    }
-
-    /// Enqueues one launch with the call's values on `on`, started early (programmatic
-    /// dependent launch) or not as `starts_early` says; a launch whose grid is empty
+    /// Enqueues one launch with the call's values on `on`; a launch whose grid is empty
     /// (blocks per token at T = 0) is skipped.
-    fn launch_with_start(
+    fn launch(
         &self,
         on: &CudaStream,
         launch: &Launch,
         (function, bindings): &BoundLaunch,
         call: &CallValues,
-        starts_early: bool,
     ) -> Result<(), LayerError> {
         let blocks = launch.grid.blocks(call.tokens);
         if blocks == 0 {
@@ -1188,8 +1163,18 @@ impl MoeLayer {
         // and checked the weights and gate, and `enqueue` checked every buffer of the call
         // to hold what the kernel indexes (the routed ids and weights are workspace buffers
         // of `max_tokens` rows).
-        unsafe { launch_with(on, function, config, &values, starts_early) }
-            .context(format!("launching `{}`", launch.kernel))?;
+        unsafe {
+            launch_with(
+                on,
+                function,
+                config,
+                &values,
+                launch.early_start
+                    && (self.early_starts == EarlyStarts::All
+                        || self.early_kernels.contains(&launch.kernel)),
+            )
+        }
+        .context(format!("launching `{}`", launch.kernel))?;
         Ok(())
     }
 

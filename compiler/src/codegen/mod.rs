@@ -1055,6 +1055,10 @@ struct RouterUnit {
 /// GEMM's tile.
 struct GateUnit {
     fused: bool,
+    /// A fused router that started early lets the launch behind it start early too, as
+    /// soon as its blocks have waited for the kernel ahead; else that launch starts as
+    /// the router's blocks finish (`RouterRegime::gemm1_starts_early`).
+    next_starts_early: bool,
     regime: String,
     min_tokens: u32,
     max_tokens: u32,
@@ -1130,6 +1134,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
             };
             Ok(GateUnit {
                 fused: router_regime.fused,
+                next_starts_early: router_regime.gemm1_starts_early,
                 regime: regime.name.clone(),
                 min_tokens: gate.min_tokens,
                 max_tokens: gate.max_tokens,

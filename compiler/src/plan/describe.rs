@@ -505,7 +505,7 @@ fn describe_router_regime(out: &mut String, regime: &RouterRegime) {
     let gemm1 = if regime.gemm1_starts_early {
         ""
     } else {
-        "; GEMM1 behind it is launched once it has finished, not started early (measured faster so on this GPU)"
+        "; GEMM1 behind it starts as its blocks finish, not early beside them (measured faster so on this GPU)"
     };
     let fused = format!(
         "fused, in place of route{several}: gate, then select by each token tile's last block, then routing metadata by the last token tile's{gemm1}"

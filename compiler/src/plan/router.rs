@@ -120,11 +120,12 @@ pub struct RouterRegime {
     /// Each gate's launch (a fused router's: gate, select and routing metadata), in the
     /// order of `gates`; a split router's select after them.
     pub launches: Vec<Launch>,
-    /// Whether the table's GEMM1, where it runs behind this router in a self-routed call,
-    /// starts early as the table's launch says (it does for caller-routed calls); false
-    /// where the router is fused and the target measured GEMM1 faster launched once the
-    /// router has finished ([`Target::early_gemm1_behind_fused_router`]): the runtime then
-    /// launches it the ordinary way, and its wait for the kernel ahead is a no-op.
+    /// Whether the launch behind this router in a self-routed call (GEMM1) may start early
+    /// beside it, as soon as the router's blocks have waited for the kernel ahead; false
+    /// where the router is fused, GEMM1 is next and the target measured GEMM1 faster
+    /// started as the router's blocks finish ([`Target::early_gemm1_behind_fused_router`]):
+    /// the router's blocks then never signal `griddepcontrol.launch_dependents`, so GEMM1,
+    /// still launched to start early, starts as they exit.
     #[serde(default = "starts_early")]
     pub gemm1_starts_early: bool,
 }

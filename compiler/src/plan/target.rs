@@ -45,8 +45,9 @@ pub struct Target {
     #[serde(default = "h200_clock_hz")]
     pub clock_hz: f64,
     /// Whether GEMM1, run right behind a fused router (a self-routed call), starts early
-    /// (programmatic dependent launch, as the table's other launches do) rather than once
-    /// the router has finished: a measured fact about moeforge's kernels on this GPU
+    /// beside it (its blocks resident as soon as the router's have waited for the kernel
+    /// ahead) rather than as the router's blocks finish: a measured fact about moeforge's
+    /// kernels on this GPU
     /// ([`RouterRegime::gemm1_starts_early`](super::router::RouterRegime::gemm1_starts_early)).
     #[serde(default = "starts_early_by_default")]
     pub early_gemm1_behind_fused_router: bool,
@@ -91,7 +92,8 @@ impl Target {
                 [264, 132, 79, 62, 47, 39, 32, 30],
             ],
             clock_hz: h200_clock_hz(),
-            // Not yet measured against the ordinary launch on an H200 (on the H100 it lost).
+            // Not yet measured against GEMM1 starting as the router finishes on an H200
+            // (on the H100 starting early lost).
             early_gemm1_behind_fused_router: true,
         }
     }
@@ -99,10 +101,10 @@ impl Target {
     /// An H100 SXM: the H200's SMs, clocks and shared memory with HBM3 at 3.35 TB/s. Its
     /// ceilings are the H200's measured compute and the datasheet bandwidth scaled by the
     /// H200's measured fraction of its own; not measured on an H100 (its clusters neither:
-    /// the SMs' quotient). Its GEMM1 behind a fused router waits for the router to finish:
-    /// started early it cost self-routed decode calls up to 2.3% (Mixtral-8x7B at 64 tokens
-    /// 949-951 against 933-938 µs) and was never faster beyond the noise
-    /// (`benches/results/2026-12-06_h100_early_start_by_launch.md`).
+    /// the SMs' quotient). Its GEMM1 behind a fused router starts as the router's blocks
+    /// finish: started early beside them it cost self-routed decode calls up to 3.3%
+    /// (Mixtral-8x7B at 64 tokens 959-964 against 928-932 µs) and was never faster beyond
+    /// the noise (`benches/results/2026-12-06_h100_early_start_by_launch.md`).
     pub fn h100() -> Self {
         Target {
             name: "NVIDIA H100 SXM".to_string(),
