@@ -135,7 +135,14 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 )
 {
 {%- if gemm.entry.early_start && !gemm.weights_before_wait %}
+{%- if let Some(max_tokens) = gemm.gemm2_early_max_tokens %}
+    // GEMM2's blocks fit an SM beside this kernel's: resident from its start they cost the
+    // larger calls, so only calls of up to {{ max_tokens }} tokens let GEMM2 start early.
+    wait_for_previous_kernel();
+    if (tokens <= {{ max_tokens }}) let_next_kernel_start();
+{%- else %}
     start_after_previous_kernel();
+{%- endif %}
 {%- endif %}
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
 }

@@ -1564,6 +1564,71 @@ fn gemm1_waits_for_a_fused_router_where_the_target_measured_it_faster() {
     assert!(decode_router(&Target::h100()).contains("NEXT_STARTS_EARLY = false"));
 }
 
+/// GEMM1 lets GEMM2 start early beside it only for calls of up to
+/// `GEMM2_BESIDE_GEMM1_MAX_TOKENS` tokens where a GEMM2 block fits an SM beside GEMM1's
+/// resident blocks: DeepSeek-V3's decode regime on the H100 as the shipped tuning plans it
+/// (one 123 KB GEMM1 block per SM), none of the examples' regimes on the H200 (two 110 KB
+/// blocks per SM, or wgmma); GEMM1's generated entry signals for those calls only.
+#[test]
+fn gemm2_starts_early_beside_gemm1_only_for_small_calls() {
+    let shipped: moeforge_compiler::plan::tuning::TuningTable =
+        serde_json::from_str(include_str!("../../tuning/shipped.json")).expect("the shipped table");
+    let tuned = |name: &str, target: &Target| {
+        plan::plan_tuned(&example_layer(name), target, &shipped).expect("plans")
+    };
+    let early = |name: &str, target: &Target| -> Vec<Option<u32>> {
+        let plan = tuned(name, target);
+        plan.regimes
+            .iter()
+            .map(|regime| regime.gemm2_early_max_tokens(target.smem_per_sm))
+            .collect()
+    };
+    for name in [
+        "mixtral_8x7b",
+        "qwen3_30b_a3b",
+        "deepseek_v3",
+        "gpt_oss_120b",
+    ] {
+        assert!(
+            early(name, &Target::h200()).iter().all(Option::is_none),
+            "{name} on the H200"
+        );
+    }
+    let plan = tuned("deepseek_v3", &Target::h100());
+    let decode = &plan.regimes[0];
+    let per_block = |gemm: &plan::GemmPlan| gemm.smem.total_bytes() + 1024;
+    let fits = decode.gemm1.blocks_per_sm * per_block(&decode.gemm1) + per_block(&decode.gemm2)
+        <= plan.target.smem_per_sm;
+    assert!(
+        fits,
+        "a GEMM2 block fits beside DeepSeek-V3's decode GEMM1 on the H100"
+    );
+    assert_eq!(
+        decode.gemm2_early_max_tokens(plan.target.smem_per_sm),
+        Some(plan::GEMM2_BESIDE_GEMM1_MAX_TOKENS)
+    );
+    assert!(plan.regimes[1..].iter().all(|regime| {
+        regime
+            .gemm2_early_max_tokens(plan.target.smem_per_sm)
+            .is_none()
+    }));
+    let source = moeforge_compiler::codegen::generate(&plan)
+        .expect("codegen")
+        .source;
+    let entry = source
+        .find(&format!(" {}(", decode.gemm1_kernel))
+        .expect("GEMM1's entry");
+    let body = &source[entry..entry + source[entry..].find("\n}").expect("its end")];
+    assert!(
+        body.contains(&format!(
+            "if (tokens <= {}) let_next_kernel_start();",
+            plan::GEMM2_BESIDE_GEMM1_MAX_TOKENS
+        )),
+        "{body}"
+    );
+    assert!(!body.contains("start_after_previous_kernel"), "{body}");
+}
+
 /// A fused router's gate widens its expert tile (same 16-token height) for the calls
 /// where the regime's tile would give more blocks than SMs, each such range its own fused
 /// kernel: DeepSeek-V3's decode regime on the H100 (0..=512 tokens) runs 16 x 32 up to 256

@@ -163,10 +163,17 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 }
 
 // As `start_after_previous_kernel`, but the kernel behind this one starts only as this
-// one's blocks finish.
+// one's blocks finish (or once they call `let_next_kernel_start`).
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the kernel behind this one start early.
+__device__ __forceinline__ void let_next_kernel_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 // ---------------------------------------------------------------------------------------

@@ -162,10 +162,17 @@ __device__ __forceinline__ void start_after_previous_kernel() {
 }
 
 // As `start_after_previous_kernel`, but the kernel behind this one starts only as this
-// one's blocks finish.
+// one's blocks finish (or once they call `let_next_kernel_start`).
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the kernel behind this one start early.
+__device__ __forceinline__ void let_next_kernel_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 // ---------------------------------------------------------------------------------------
@@ -2385,7 +2392,10 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_two_nodes_all_gemm1(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    start_after_previous_kernel();
+    // GEMM2's blocks fit an SM beside this kernel's: resident from its start they cost the
+    // larger calls, so only calls of up to 128 tokens let GEMM2 start early.
+    wait_for_previous_kernel();
+    if (tokens <= 128) let_next_kernel_start();
     grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
 }
 #endif

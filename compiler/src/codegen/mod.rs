@@ -764,6 +764,9 @@ struct GemmUnit {
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
     /// before it waits for GEMM1 (the entry point then does not wait first).
     weights_before_wait: bool,
+    /// A single-GPU GEMM1 that starts early and whose GEMM2's blocks fit beside its own:
+    /// the largest calls it lets GEMM2 start early for (`Regime::gemm2_early_max_tokens`).
+    gemm2_early_max_tokens: Option<u32>,
     /// mma.sync on one GPU: which calls run stream-K (0, 0: none).
     stream_k_max_last_wave: u32,
     stream_k_max_tiles: u32,
@@ -929,6 +932,12 @@ impl GemmUnit {
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         let weights_before_wait =
             role == GemmRole::Down && gemm.engine == MmaEngine::MmaSync && entry.early_start;
+        let gemm2_early_max_tokens = plan
+            .regimes
+            .iter()
+            .filter(|_| role == GemmRole::Up)
+            .find(|regime| regime.gemm1_kernel == kernel)
+            .and_then(|regime| regime.gemm2_early_max_tokens(plan.target.smem_per_sm));
         Ok(GemmUnit {
             role: description,
             engine: gemm.engine.name(),
@@ -961,6 +970,7 @@ impl GemmUnit {
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
+            gemm2_early_max_tokens,
             stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
             stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),
             block_routing_max_pairs: gemm.block_routing.map_or(0, |routing| routing.max_pairs),

@@ -67,6 +67,12 @@ pub fn describe(plan: &Plan) -> String {
     for (i, regime) in plan.regimes.iter().enumerate() {
         describe_regime(&mut out, "regime", regime.parts());
         describe_block_routing(&mut out, regime, plan.shape.top_k);
+        if let Some(max_tokens) = regime.gemm2_early_max_tokens(plan.target.smem_per_sm) {
+            let _ = writeln!(
+                out,
+                "    gemm2  starts early beside GEMM1 for calls of up to {max_tokens} tokens; larger calls start it as GEMM1's blocks finish (its blocks fit an SM beside GEMM1's, and resident there from GEMM1's start they cost the larger calls)"
+            );
+        }
         if let Some(router_regime) = plan.router.as_ref().and_then(|r| r.regimes.get(i)) {
             describe_router_regime(&mut out, router_regime);
         }

@@ -710,7 +710,38 @@ impl Regime {
             .iter()
             .chain(self.fused_decode.iter().map(|fused| &fused.launch))
     }
+
+    /// The largest calls whose GEMM2 starts early beside GEMM1, where a GEMM2 block fits
+    /// an SM beside GEMM1's resident blocks (mma.sync GEMMs, both started early, on an SM
+    /// of `smem_per_sm` bytes); larger calls start GEMM2 as GEMM1's blocks finish (GEMM1
+    /// does not signal it). `None`: every call, GEMM2's blocks entering only as GEMM1's
+    /// leave anyway. Resident beside GEMM1 from its start, GEMM2's blocks cost the larger
+    /// calls: on an H100 DeepSeek-V3's decode GEMM1 holds one 123 KB block per SM, and
+    /// GEMM2 started early cost 0.3-1.6% from 192 tokens on while it saved 0.3-2% at 1-16
+    /// (`benches/results/2026-12-06_h100_early_start_by_launch.md`).
+    pub fn gemm2_early_max_tokens(&self, smem_per_sm: u32) -> Option<u32> {
+        let per_block = |gemm: &GemmPlan| gemm.smem.total_bytes() + 1024;
+        let early = |kernel: &str| {
+            self.launches
+                .iter()
+                .any(|launch| launch.kernel == kernel && launch.early_start)
+        };
+        let beside = self.gemm1.engine == MmaEngine::MmaSync
+            && self.gemm2.engine == MmaEngine::MmaSync
+            && early(&self.gemm1_kernel)
+            && early(&self.gemm2_kernel)
+            && self.gemm1.blocks_per_sm * per_block(&self.gemm1) + per_block(&self.gemm2)
+                <= smem_per_sm;
+        beside
+            .then_some(GEMM2_BESIDE_GEMM1_MAX_TOKENS)
+            .filter(|&tokens| tokens < self.max_tokens)
+    }
 }
+
+/// The largest calls whose GEMM2 starts early where its blocks fit beside GEMM1's
+/// ([`Regime::gemm2_early_max_tokens`]): on an H100, DeepSeek-V3's GEMM2 started early was
+/// level with starting at GEMM1's end at 64 and 128 tokens and cost from 192 on.
+pub const GEMM2_BESIDE_GEMM1_MAX_TOKENS: u32 = 128;
 
 /// A regime's parts as `describe` and `validate` read them, single-GPU or expert-parallel.
 pub(crate) struct RegimeParts<'a> {
