@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# GEMM1 behind a fused router launched the ordinary way (this build's plan on an H100)
-# against started early (base, the build before), self-routed, builds in turns (in BUILDS'
-# order in odd rounds, reversed in even ones). Prints per call: model, T, build, round,
-# caller-routed µs, self-routed µs, on its routing µs, self-routed minus on its routing.
-# On the GPU machine after staging, with the base binary at .device/base/moeforge:
+# Builds of moeforge on the same calls, in turns (in BUILDS' order in odd rounds, reversed
+# in even ones; by default base = .device/base/moeforge, new = .device/bin/moeforge).
+# Prints per call: model, T, build, round, caller-routed µs, self-routed µs, on its
+# routing µs, self-routed minus on its routing. On the GPU machine after staging:
 #   [SPECS="model T,T;..."] [ROUNDS=3] [ITER=20] [BUILDS="name:binary ..."] \
 #     bash benches/results/2026-12-06_h100_early_start_by_launch/ab.sh
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }

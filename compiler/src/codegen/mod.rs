@@ -159,7 +159,9 @@ struct EntryUnit {
     threads: u32,
     static_smem: u32,
     /// Whether a launch of it may start before the kernel ahead of it ends: its body then
-    /// begins by waiting for that kernel (`start_after_previous_kernel`).
+    /// waits for that kernel before it reads what that kernel writes
+    /// (`start_after_previous_kernel`, or `wait_for_previous_kernel` where it lets the
+    /// kernel behind it start only later).
     early_start: bool,
 }
 
@@ -932,12 +934,14 @@ impl GemmUnit {
         let entry = EntryUnit::new(plan, kernel, &uses)?;
         let weights_before_wait =
             role == GemmRole::Down && gemm.engine == MmaEngine::MmaSync && entry.early_start;
-        let gemm2_early_max_tokens = plan
-            .regimes
-            .iter()
-            .filter(|_| role == GemmRole::Up)
-            .find(|regime| regime.gemm1_kernel == kernel)
-            .and_then(|regime| regime.gemm2_early_max_tokens(plan.target.smem_per_sm));
+        let gemm2_early_max_tokens = if role == GemmRole::Up {
+            plan.regimes
+                .iter()
+                .find(|regime| regime.gemm1_kernel == kernel)
+                .and_then(|regime| regime.gemm2_early_max_tokens(plan.target.smem_per_sm))
+        } else {
+            None
+        };
         Ok(GemmUnit {
             role: description,
             engine: gemm.engine.name(),

@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 use super::ep::{CombineRoute, ExpertParallelPlan, Placement};
 use super::launch::{Grid, KernelParam, Launch, LaunchArg, StreamRole};
 use super::{
-    BufferId, GemmPlan, LayerShape, MmaEngine, Regime, RowLoad, Target, static_smem_reserved,
+    BufferId, GemmPlan, LayerShape, MmaEngine, Regime, RowLoad, SMEM_RESERVED_PER_BLOCK, Target,
+    static_smem_reserved,
 };
 
 /// Calls of up to this many tokens run fused where the spec says nothing (0: none). None:
@@ -136,7 +137,7 @@ pub fn plan_fused_decode(
     let static_smem = static_smem_bytes(shape, max_rows);
     let smem_bytes = g1.smem_bytes.max(g2.smem_bytes);
     // Each resident block also costs the 1 KiB the driver reserves per block.
-    let by_smem = target.smem_per_sm / (smem_bytes + static_smem + 1024);
+    let by_smem = target.smem_per_sm / (smem_bytes + static_smem + SMEM_RESERVED_PER_BLOCK);
     let blocks_per_sm = g1.blocks_per_sm.min(g2.blocks_per_sm).min(by_smem);
     if blocks_per_sm == 0 || smem_bytes + static_smem > target.smem_per_block {
         return Err(format!(
@@ -316,7 +317,7 @@ pub fn plan_rank_fused_decode(
     let static_smem =
         rank_static_smem_bytes(rank.ranks, experts_here, shape.top_k, max_tokens, max_rows);
     let smem_bytes = g1.smem_bytes.max(g2.smem_bytes);
-    let by_smem = target.smem_per_sm / (smem_bytes + static_smem + 1024);
+    let by_smem = target.smem_per_sm / (smem_bytes + static_smem + SMEM_RESERVED_PER_BLOCK);
     let blocks_per_sm = if rank.one_per_sm {
         1
     } else {

@@ -711,16 +711,23 @@ impl Regime {
             .chain(self.fused_decode.iter().map(|fused| &fused.launch))
     }
 
-    /// The largest calls whose GEMM2 starts early beside GEMM1, where a GEMM2 block fits
-    /// an SM beside GEMM1's resident blocks (mma.sync GEMMs, both started early, on an SM
-    /// of `smem_per_sm` bytes); larger calls start GEMM2 as GEMM1's blocks finish (GEMM1
-    /// does not signal it). `None`: every call, GEMM2's blocks entering only as GEMM1's
-    /// leave anyway. Resident beside GEMM1 from its start, GEMM2's blocks cost the larger
-    /// calls: on an H100 DeepSeek-V3's decode GEMM1 holds one 123 KB block per SM, and
-    /// GEMM2 started early cost 0.3-1.6% from 192 tokens on while it saved 0.3-2% at 1-16
-    /// (`benches/results/2026-12-06_h100_early_start_by_launch.md`).
+    /// Whether GEMM1 loads x's rows from a copy sorted by expert, which the sort launches
+    /// make between the routing and GEMM1.
+    pub fn sorts_x_rows(&self) -> bool {
+        self.gemm1.a_load == RowLoad::Tiles
+    }
+
+    /// The largest calls whose GEMM2 starts early beside GEMM1, where GEMM2's blocks would
+    /// otherwise sit beside GEMM1's from its start: a GEMM2 block fits an SM's shared
+    /// memory (`smem_per_sm` bytes; registers are not counted) beside GEMM1's resident
+    /// blocks (mma.sync GEMMs, both started early). Larger calls start GEMM2 as GEMM1's
+    /// blocks finish (GEMM1 does not signal it). `None`: no such limit (GEMM2's blocks
+    /// enter only as GEMM1's leave, or every call of the regime is within the bound).
+    /// GEMM1 reads the call's token count only where it can route a call in its blocks,
+    /// so only such a GEMM1 has the limit. On an H100 DeepSeek-V3's decode GEMM1 holds one
+    /// 123 KB block per SM, and GEMM2 started early cost 0.3-1.6% from 192 tokens on while
+    /// it saved 0.3-2% at 1-16 (`benches/results/2026-12-06_h100_early_start_by_launch.md`).
     pub fn gemm2_early_max_tokens(&self, smem_per_sm: u32) -> Option<u32> {
-        let per_block = |gemm: &GemmPlan| gemm.smem.total_bytes() + 1024;
         let early = |kernel: &str| {
             self.launches
                 .iter()
@@ -728,13 +735,15 @@ impl Regime {
         };
         let beside = self.gemm1.engine == MmaEngine::MmaSync
             && self.gemm2.engine == MmaEngine::MmaSync
+            && self.gemm1.block_routing.is_some()
             && early(&self.gemm1_kernel)
             && early(&self.gemm2_kernel)
-            && self.gemm1.blocks_per_sm * per_block(&self.gemm1) + per_block(&self.gemm2)
+            && self.gemm1.blocks_per_sm * self.gemm1.smem.resident_bytes()
+                + self.gemm2.smem.resident_bytes()
                 <= smem_per_sm;
         beside
             .then_some(GEMM2_BESIDE_GEMM1_MAX_TOKENS)
-            .filter(|&tokens| tokens < self.max_tokens)
+            .filter(|&tokens| (self.min_tokens..self.max_tokens).contains(&tokens))
     }
 }
 
@@ -1176,7 +1185,16 @@ impl SmemLayout {
     pub fn total_bytes(&self) -> u32 {
         self.dynamic_bytes + self.static_bytes
     }
+
+    /// What a resident block of this layout takes of its SM's shared memory: its own, and
+    /// what the driver reserves per block.
+    pub fn resident_bytes(&self) -> u32 {
+        self.total_bytes() + SMEM_RESERVED_PER_BLOCK
+    }
 }
+
+/// Shared memory the driver reserves for each resident block, bytes.
+pub const SMEM_RESERVED_PER_BLOCK: u32 = 1024;
 
 /// A schedule hint of the spec, named as the language writes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1486,7 +1504,7 @@ fn plan_as_sized(
         .map(|r| router::TableRegime {
             name: r.name.clone(),
             max_tokens: r.max_tokens,
-            gemm1_next: r.gemm1.a_load != RowLoad::Tiles,
+            gemm1_next: !r.sorts_x_rows(),
         })
         .collect();
     let router = router::plan_router(layer, target, &symbol, shape.gemm_experts(), &table_regimes);
@@ -1668,7 +1686,7 @@ impl StreamKSpace {
 /// Whether any regime's GEMM1 loads x's rows sorted by expert (the workspace then holds
 /// them, and the row order's inverse).
 fn sorts_x_rows(regimes: &[Regime]) -> bool {
-    regimes.iter().any(|r| r.gemm1.a_load == RowLoad::Tiles)
+    regimes.iter().any(Regime::sorts_x_rows)
 }
 
 /// The router's own buffers: its logits, arrival counters and choices (an expert-parallel
@@ -2177,8 +2195,7 @@ fn shape_gemm(
         // (64 left a 32x64 GEMM2 tile 8 bytes of spills as relocatable code).
         let regs_per_thread = (accumulators + 72).min(255);
         let by_regs = 65_536 / (regs_per_thread * multiplying_threads);
-        // Each resident block also costs the 1 KiB the driver reserves per block.
-        let by_smem = target.smem_per_sm / (smem.total_bytes() + 1024);
+        let by_smem = target.smem_per_sm / smem.resident_bytes();
         by_regs.min(by_smem).clamp(1, 8)
     };
     // GEMM2's rows on one GPU are the intermediate's, already expert-major; whether GEMM1's
@@ -2630,7 +2647,7 @@ pub(crate) fn with_deepest_ring(
         .find(|deep| {
             deep.cluster == gemm.cluster
                 && deep.smem_bytes + reserved <= target.smem_per_block
-                && deep.smem_bytes + reserved + 1024 <= target.smem_per_sm
+                && deep.smem_bytes + reserved + SMEM_RESERVED_PER_BLOCK <= target.smem_per_sm
         })
         .map(|deep| GemmPlan {
             source: gemm.source,

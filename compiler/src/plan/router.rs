@@ -120,24 +120,20 @@ pub struct RouterRegime {
     /// Each gate's launch (a fused router's: gate, select and routing metadata), in the
     /// order of `gates`; a split router's select after them.
     pub launches: Vec<Launch>,
-    /// Whether the launch behind this router in a self-routed call (GEMM1) may start early
-    /// beside it, as soon as the router's blocks have waited for the kernel ahead; false
-    /// where the router is fused, GEMM1 is next and the target measured GEMM1 faster
-    /// started as the router's blocks finish ([`Target::early_gemm1_behind_fused_router`]):
-    /// the router's blocks then never signal `griddepcontrol.launch_dependents`, so GEMM1,
-    /// still launched to start early, starts as they exit.
-    #[serde(default = "starts_early")]
+    /// Whether the launch behind this router in a self-routed call (GEMM1, or the regime's
+    /// fused decode where it runs) may start early beside it, as soon as the router's
+    /// blocks have waited for the kernel ahead; false where the router is fused, GEMM1 is
+    /// next in the table and the target measured GEMM1 faster started as the router's
+    /// blocks finish ([`Target::early_gemm1_behind_fused_router`]): the router's blocks then
+    /// never signal `griddepcontrol.launch_dependents`, so the launch behind, still
+    /// launched to start early, starts as they exit.
+    #[serde(default = "super::target::starts_early_by_default")]
     pub gemm1_starts_early: bool,
-}
-
-/// Plans written before [`RouterRegime::gemm1_starts_early`] started GEMM1 early.
-fn starts_early() -> bool {
-    true
 }
 
 /// Whether GEMM1 starts early behind a router regime on `target`: not where the router is
 /// fused, GEMM1 runs right behind it (no sort of x's rows between them) and the target
-/// measured GEMM1 faster launched the ordinary way there.
+/// measured GEMM1 faster started as the router's blocks finish.
 pub(super) fn gemm1_starts_early_behind(fused: bool, gemm1_next: bool, target: &Target) -> bool {
     !(fused && gemm1_next) || target.early_gemm1_behind_fused_router
 }

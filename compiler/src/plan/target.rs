@@ -53,8 +53,10 @@ pub struct Target {
     pub early_gemm1_behind_fused_router: bool,
 }
 
-/// Plans written before [`Target::early_gemm1_behind_fused_router`] started GEMM1 early.
-fn starts_early_by_default() -> bool {
+/// Plans written before [`Target::early_gemm1_behind_fused_router`] and
+/// [`RouterRegime::gemm1_starts_early`](super::router::RouterRegime::gemm1_starts_early)
+/// started GEMM1 early behind every router.
+pub(super) fn starts_early_by_default() -> bool {
     true
 }
 

@@ -684,7 +684,7 @@ impl Plan {
             if regime.gemm1_starts_early
                 != router::gemm1_starts_early_behind(
                     regime.fused,
-                    self.regimes[index].gemm1.a_load != RowLoad::Tiles,
+                    !self.regimes[index].sorts_x_rows(),
                     &self.target,
                 )
             {
