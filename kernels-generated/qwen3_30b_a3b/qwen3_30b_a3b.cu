@@ -152,18 +152,10 @@ __device__ __forceinline__ float4 ld_shared_cluster_f32x4(u32 address, int rank)
 }
 
 // A kernel launched to start early (the plan's `early_start`: programmatic stream
-// serialization) may begin while the kernel ahead of it in the stream still runs. First
-// wait for that kernel to finish and its writes to be visible, then let the kernel behind
-// this one start early in turn. Launched the ordinary way, both are no-ops.
-__device__ __forceinline__ void start_after_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// As `start_after_previous_kernel`, but the kernel behind this one starts only as this
-// one's blocks finish (or once they call `let_next_kernel_start`).
+// serialization) may begin while the kernel ahead of it in the stream still runs. It
+// waits for that kernel to finish and its writes to be visible before it reads them;
+// launched the ordinary way, the wait is a no-op. The kernel behind it starts early once
+// every block has let it (or exited).
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -175,6 +167,14 @@ __device__ __forceinline__ void let_next_kernel_start() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// Waits for the kernel ahead, then lets the kernel behind start early in turn (most
+// kernels; a fused router or GEMM1 whose dependents cost them when resident beside them
+// lets them start later or not at all).
+__device__ __forceinline__ void start_after_previous_kernel() {
+    wait_for_previous_kernel();
+    let_next_kernel_start();
 }
 // ---------------------------------------------------------------------------------------
 // Kernel by kernel. The JIT compiles this unit once per entry point, side by side, each
