@@ -1492,6 +1492,14 @@ fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
     );
 }
 
+/// The examples with a router, on one GPU each.
+const ROUTED_EXAMPLES: [&str; 4] = [
+    "mixtral_8x7b",
+    "qwen3_30b_a3b",
+    "deepseek_v3",
+    "gpt_oss_120b",
+];
+
 /// Behind a fused router, GEMM1 starts early where the target measured that faster (the
 /// H200's default) and as the router's blocks finish on the H100, where starting early
 /// lost (`Target::early_gemm1_behind_fused_router`); a split router, or a sort of x's rows
@@ -1515,37 +1523,22 @@ fn gemm1_waits_for_a_fused_router_where_the_target_measured_it_faster() {
                 assert!(gemm1.early_start, "{name}: the table's GEMM1 starts early");
                 (
                     router_regime.fused,
-                    regime.gemm1.a_load == plan::RowLoad::Tiles,
+                    regime.sorts_x_rows(),
                     router_regime.gemm1_starts_early,
                 )
             })
             .collect()
     };
-    for name in [
-        "mixtral_8x7b",
-        "qwen3_30b_a3b",
-        "deepseek_v3",
-        "gpt_oss_120b",
-    ] {
+    for name in ROUTED_EXAMPLES {
         for (fused, sorted, early) in starts(name, &Target::h200()) {
             assert!(early, "{name} on the H200 (fused {fused}, sorted {sorted})");
         }
-        for (fused, sorted, early) in starts(name, &Target::h100()) {
+        let on_h100 = starts(name, &Target::h100());
+        for &(fused, sorted, early) in &on_h100 {
             assert_eq!(early, !fused || sorted, "{name} on the H100");
         }
-    }
-    // Each example's decode regime on the H100: a fused router with GEMM1 next.
-    for name in [
-        "mixtral_8x7b",
-        "qwen3_30b_a3b",
-        "deepseek_v3",
-        "gpt_oss_120b",
-    ] {
-        assert_eq!(
-            starts(name, &Target::h100())[0],
-            (true, false, false),
-            "{name}"
-        );
+        // The decode regime on the H100: a fused router with GEMM1 next.
+        assert_eq!(on_h100[0], (true, false, false), "{name}");
     }
     // The router's generated config says it: Mixtral's decode router lets GEMM1 start once
     // it has waited on the H200, and never signals on the H100.
@@ -1583,12 +1576,7 @@ fn gemm2_starts_early_beside_gemm1_only_for_small_calls() {
             .map(|regime| regime.gemm2_early_max_tokens(target.smem_per_sm))
             .collect()
     };
-    for name in [
-        "mixtral_8x7b",
-        "qwen3_30b_a3b",
-        "deepseek_v3",
-        "gpt_oss_120b",
-    ] {
+    for name in ROUTED_EXAMPLES {
         assert!(
             early(name, &Target::h200()).iter().all(Option::is_none),
             "{name} on the H200"
