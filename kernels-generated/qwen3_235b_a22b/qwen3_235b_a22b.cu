@@ -1867,6 +1867,9 @@ enum : int { ROUTER_PER_LANE = (EXPERTS + 31) / 32 };     // experts a lane hold
 enum : int { ROUTER_K_PER_LANE = (TOP_K + 31) / 32 };     // chosen experts a lane writes
 enum : int { ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS };
 enum : int { ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1 };
+// A group limit whose groups are not whole entries of every lane ranks its groups from
+// each warp's selection values in shared memory (EXPERTS floats a warp).
+enum : bool { ROUTER_GROUPS_IN_SMEM = ROUTER_GROUPS > 0 && ROUTER_GROUP_SIZE % 32 != 0 };
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
 // A fused router's select scratch (its token tile's logits; the rule's bias, with one; a
@@ -1875,7 +1878,7 @@ static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups 
 enum : int { ROUTER_BIAS_FLOATS = ROUTER_BIAS != ROUTER_BIAS_NONE ? EXPERTS : 0 };
 template <class G>
 __host__ __device__ constexpr int router_scratch_bytes() {
-    const int selection = 4 * (G::BM * EXPERTS + ROUTER_BIAS_FLOATS) + (ROUTER_GROUPS > 0 ? 4 * EXPERTS * (G::THREADS / 32) : 0);
+    const int selection = 4 * (G::BM * EXPERTS + ROUTER_BIAS_FLOATS) + (ROUTER_GROUPS_IN_SMEM ? 4 * EXPERTS * (G::THREADS / 32) : 0);
     const int routing = 4 * (2 * GEMM_EXPERTS + 1);
     return selection > routing ? selection : routing;
 }
@@ -2143,6 +2146,18 @@ __device__ __forceinline__ void router_lane_sorted(const float (&selection)[ROUT
     }
 }
 
+// The sum of the two best values over the warp, each lane offering its own two best
+// (`best` >= `second`, -inf where it has fewer): a value the warp holds twice is both.
+__device__ __forceinline__ float router_warp_best_two_sum(float best, float second, int lane) {
+    const u32 key = router_ordered_bits(best);
+    u32 best_key, holder, second_key;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;\n" : "=r"(best_key) : "r"(key));
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;\n" : "=r"(holder) : "r"(key == best_key ? (u32)lane : 0xffffffffu));
+    const u32 runner_up = router_ordered_bits((u32)lane == holder ? second : best);
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;\n" : "=r"(second_key) : "r"(runner_up));
+    return router_comparable(router_from_ordered_bits(best_key) + router_from_ordered_bits(second_key));
+}
+
 __device__ __forceinline__ float router_warp_sum(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -2157,7 +2172,8 @@ __device__ __forceinline__ float router_warp_max(float v) {
 
 // One warp routes one token, whose logit of expert e is logit_of(e) and the rule's bias
 // bias_of(e) (not called without one); `s_selection` is this warp's EXPERTS floats of
-// shared memory (used with a group limit).
+// shared memory (used with a group limit whose groups are ranked there,
+// ROUTER_GROUPS_IN_SMEM).
 template <class LogitOf, class BiasOf>
 __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, int token, int* routed_ids,
                                               float* routed_weights, float* s_selection) {
@@ -2219,10 +2235,49 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     }
 
     // Phase 4: group limit. A group's value is the sum of its two best selection values;
-    // the ROUTER_GROUPS_KEPT best groups hold the only eligible experts. Member m of group
-    // g sits at s_selection[m · GROUPS + g], so that the lanes summing groups read
-    // adjacent words, not one bank.
-    if constexpr (ROUTER_GROUPS > 0) {
+    // the ROUTER_GROUPS_KEPT best groups hold the only eligible experts.
+    if constexpr (ROUTER_GROUPS > 0 && !ROUTER_GROUPS_IN_SMEM) {
+        // A group is whole entries of every lane (group g: entries [g · ENTRIES, (g + 1) ·
+        // ENTRIES)), so warp reductions give every lane every group's value, and each lane
+        // keeps the same groups: no shared memory, and no lane scanning its group's members
+        // one after another.
+        constexpr int ENTRIES = ROUTER_GROUP_SIZE >= 32 ? ROUTER_GROUP_SIZE / 32 : 1;  // (not instantiated otherwise)
+        float group_value[ROUTER_GROUPS > 0 ? ROUTER_GROUPS : 1];
+#pragma unroll
+        for (int g = 0; g < ROUTER_GROUPS; ++g) {
+            float best = negative_infinity(), second = negative_infinity();
+#pragma unroll
+            for (int i = g * ENTRIES; i < (g + 1) * ENTRIES; ++i) {
+                if (selection[i] > best) {
+                    second = best;
+                    best = selection[i];
+                } else if (selection[i] > second) {
+                    second = selection[i];
+                }
+            }
+            group_value[g] = router_warp_best_two_sum(best, second, lane);
+        }
+        u32 kept_groups = 0;
+#pragma unroll
+        for (int kept = 0; kept < ROUTER_GROUPS_KEPT; ++kept) {
+            int best_g = -1;
+            float best_v = 0.f;
+#pragma unroll
+            for (int g = 0; g < ROUTER_GROUPS; ++g) {
+                if (!(kept_groups >> g & 1u) && (best_g < 0 || group_value[g] > best_v)) {
+                    best_g = g;
+                    best_v = group_value[g];
+                }
+            }
+            kept_groups |= 1u << best_g;
+        }
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+            if (!(kept_groups >> (i / ENTRIES) & 1u)) unavailable |= 1u << i;
+        }
+    } else if constexpr (ROUTER_GROUPS_IN_SMEM) {
+        // Member m of group g sits at s_selection[m · GROUPS + g], so that the lanes summing
+        // groups read adjacent words, not one bank.
 #pragma unroll
         for (int i = 0; i < ROUTER_PER_LANE; ++i) {
             const int e = lane + 32 * i;
@@ -2353,6 +2408,49 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     }
 }
 
+// A fused router's token tile of logits, `tile_logits` floats from `tile_partials`: the
+// sum of its `splits` partial sums (a [T, E] slice `slice` floats apart), in split order,
+// into `s_logits` and, when split, into the first slice. The partial sums are read through
+// L2 (ld.cg): other blocks wrote them. BATCH elements of the thread at a time, all their
+// splits' loads (the loop over SPLITS, the most a call has, unrolled) issued before any is
+// added: the stores into the first slice may alias the next elements' loads, so the
+// compiler would keep one element's round trip to L2 after another's. The instructions,
+// not only the round trips, set the pace: a batch of 2 over DeepSeek-V3's 14 splits made
+// 8 round trips of its 16-element share at 16 tokens (4.5 us on an H100), and calls of
+// one split, each element one load among 14 predicated ones, took as long (4.0 us at 256
+// tokens, 4.9 at 512). So the caller gives calls of one split SPLITS = 1 (0.5 us at 256
+// and 512), a call of one token BATCH = 1 (one element a thread), and the rest batches of
+// FUSED_SUM_LOADS loads (3.5 us at 16 tokens).
+template <class G, int BATCH, int SPLITS>
+__device__ __forceinline__ void router_sum_tile_logits(float* tile_partials, int tile_logits, size_t slice, int splits,
+                                                       float* s_logits) {
+    for (int first = threadIdx.x; first < tile_logits; first += G::THREADS * BATCH) {
+        float part[BATCH][SPLITS];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int i = first + j * G::THREADS;
+#pragma unroll
+            for (int s = 0; s < SPLITS; ++s) {
+                part[j][s] = i < tile_logits && s < splits ? __ldcg(tile_partials + i + s * slice) : 0.f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int i = first + j * G::THREADS;
+            if (i >= tile_logits) break;
+            float logit = part[j][0];
+#pragma unroll
+            for (int s = 1; s < SPLITS; ++s) {
+                if (s < splits) logit += part[j][s];
+            }
+            s_logits[i] = logit;
+            if (splits > 1) tile_partials[i] = logit;
+        }
+    }
+}
+
+enum : int { FUSED_SUM_LOADS = 128 };  // a fused router's sum: loads in flight per thread
+
 // A fused router: gate tile (or its split's part), then (last block of its token tile)
 // select, then (last token tile) routing metadata. router_tiles_done: [0] token tiles
 // selected, [1 + tile] gate blocks done of each token tile.
@@ -2379,46 +2477,40 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
     }
 
     router_gate<G>(x, gate_weight, tokens, b, LogitsStore{router_logits + b.split * slice});
+    // The rule's bias, for the select: loaded now, so that its round trip overlaps the
+    // fence of the arrival below (in the block that selects; the others drop it).
+    constexpr int BIAS_PER_THREAD = (ROUTER_BIAS_FLOATS + G::THREADS - 1) / G::THREADS;
+    float bias[BIAS_PER_THREAD > 0 ? BIAS_PER_THREAD : 1];
+#pragma unroll
+    for (int j = 0; j < BIAS_PER_THREAD; ++j) {
+        const int e = threadIdx.x + j * G::THREADS;
+        bias[j] = e < ROUTER_BIAS_FLOATS ? gate_bias[e] : 0.f;
+    }
     if (!last_arrival(&router_tiles_done[1 + token_tile], G::EXPERT_TILES * b.splits)) return;
 
     // Sum: this token tile's logits, its splits' partial sums added in split order, into
     // shared memory for the select and, when split, into the first slice (which then holds
-    // the call's logits). The partial sums are read through L2 (ld.cg): other blocks wrote
-    // them. SUM_BATCH elements of the thread at a time, all their splits' loads issued
-    // before any is summed: the stores into the first slice may alias the next elements'
-    // loads, so the compiler keeps one element's round trip to L2 after another's
-    // (DeepSeek-V3 at 16 tokens: 16 elements a thread, one after another). The rule's bias
-    // goes to shared memory too, its loads beside theirs.
-    constexpr int SUM_BATCH = G::MOST_SPLITS >= 32 ? 1 : 32 / G::MOST_SPLITS;
+    // the call's logits); see router_sum_tile_logits.
     const int tile_first = token_tile * G::BM;
     const int tile_end = min(tokens, tile_first + G::BM);
     const int tile_logits = (tile_end - tile_first) * EXPERTS;
     float* s_logits = reinterpret_cast<float*>(smem);  // [BM, EXPERTS]
     float* s_bias = s_logits + G::BM * EXPERTS;        // [ROUTER_BIAS_FLOATS]
     float* tile_partials = router_logits + (size_t)tile_first * EXPERTS;
-    for (int e = threadIdx.x; e < ROUTER_BIAS_FLOATS; e += G::THREADS) s_bias[e] = gate_bias[e];
-    for (int first = threadIdx.x; first < tile_logits; first += G::THREADS * SUM_BATCH) {
-        float part[SUM_BATCH][G::MOST_SPLITS];
 #pragma unroll
-        for (int j = 0; j < SUM_BATCH; ++j) {
-            const int i = first + j * G::THREADS;
-#pragma unroll
-            for (int s = 0; s < G::MOST_SPLITS; ++s) {
-                part[j][s] = i < tile_logits && s < b.splits ? __ldcg(tile_partials + i + s * slice) : 0.f;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < SUM_BATCH; ++j) {
-            const int i = first + j * G::THREADS;
-            if (i >= tile_logits) break;
-            float logit = part[j][0];
-#pragma unroll
-            for (int s = 1; s < G::MOST_SPLITS; ++s) {
-                if (s < b.splits) logit += part[j][s];
-            }
-            s_logits[i] = logit;
-            if (b.splits > 1) tile_partials[i] = logit;
-        }
+    for (int j = 0; j < BIAS_PER_THREAD; ++j) {
+        const int e = threadIdx.x + j * G::THREADS;
+        if (e < ROUTER_BIAS_FLOATS) s_bias[e] = bias[j];
+    }
+    constexpr int ELEMENTS_PER_THREAD = (G::BM * EXPERTS + G::THREADS - 1) / G::THREADS;
+    constexpr int BATCH_BY_LOADS = G::MOST_SPLITS >= FUSED_SUM_LOADS ? 1 : FUSED_SUM_LOADS / G::MOST_SPLITS;
+    if (b.splits == 1) {
+        router_sum_tile_logits<G, ELEMENTS_PER_THREAD, 1>(tile_partials, tile_logits, slice, 1, s_logits);
+    } else if (tile_logits <= G::THREADS) {
+        router_sum_tile_logits<G, 1, G::MOST_SPLITS>(tile_partials, tile_logits, slice, b.splits, s_logits);
+    } else {
+        constexpr int BATCH = BATCH_BY_LOADS < ELEMENTS_PER_THREAD ? BATCH_BY_LOADS : ELEMENTS_PER_THREAD;
+        router_sum_tile_logits<G, BATCH, G::MOST_SPLITS>(tile_partials, tile_logits, slice, b.splits, s_logits);
     }
     __syncthreads();
 
@@ -2526,7 +2618,7 @@ __device__ __forceinline__ void router_gate_cluster(const bf16_t* __restrict__ x
     static_assert(G::EXPERT_TILES == 1 && G::BN >= EXPERTS && EXPERTS % 4 == 0, "plan: one tile holds every expert, in whole float4s");
     static_assert(G::WARPS_K == 1 || PARTIAL <= G::STAGES * G::STAGE_BYTES, "plan: the partial logits fit the first group's ring");
     static_assert(G::SMEM_BYTES == (RINGS > PARTIAL ? RINGS : PARTIAL) +
-                                       4 * (ROWS * EXPERTS + ROUTER_BIAS_FLOATS + (ROUTER_GROUPS > 0 ? WARPS * EXPERTS : 0)),
+                                       4 * (ROWS * EXPERTS + ROUTER_BIAS_FLOATS + (ROUTER_GROUPS_IN_SMEM ? WARPS * EXPERTS : 0)),
                   "plan: the rings (the partial logits in the first), then the block's tokens' logits, the bias and the selection values");
     extern __shared__ __align__(128) unsigned char smem[];
     float* s_partial = reinterpret_cast<float*>(smem);  // [BM, BN]: this block's partial logits, once its ring is done
@@ -2713,9 +2805,9 @@ extern "C" __global__ void __launch_bounds__(128) qwen3_235b_a22b_router_select(
 )
 {
     static_assert(128 == 32 * ROUTER_SELECT_WARPS, "plan: one warp per token");
-    // Each warp's selection values, with a group limit.
-    __shared__ float s_selection[ROUTER_SELECT_WARPS][ROUTER_GROUPS > 0 ? EXPERTS : 1];
-    static_assert(ROUTER_GROUPS == 0 || static_smem_reserved(sizeof(s_selection)) == ROUTER_SELECT_STATIC_SMEM_BYTES,
+    // Each warp's selection values, with a group limit ranked in shared memory.
+    __shared__ float s_selection[ROUTER_SELECT_WARPS][ROUTER_GROUPS_IN_SMEM ? EXPERTS : 1];
+    static_assert(!ROUTER_GROUPS_IN_SMEM || static_smem_reserved(sizeof(s_selection)) == ROUTER_SELECT_STATIC_SMEM_BYTES,
                   "plan: the select kernel's static shared memory");
     const int warp = threadIdx.x >> 5;
     const int token = blockIdx.x * ROUTER_SELECT_WARPS + warp;

@@ -26,7 +26,7 @@ use std::io::Write;
 use moeforge_compiler::ir::{
     Activation, GroupLimit, Layer, Router, RouterBias, Scoring, TileShape,
 };
-use moeforge_compiler::plan::router::GateEngine;
+use moeforge_compiler::plan::router::{self, GateEngine};
 use moeforge_compiler::plan::{self, Plan, Target};
 use moeforge_runtime::gpu::Gpu;
 use moeforge_runtime::harness::{BuiltLayer, CHECKED_TOKENS, Session};
@@ -100,6 +100,20 @@ fn rule_layers() -> Vec<Layer> {
                 true,
                 Some(GroupLimit { groups: 8, kept: 4 }),
                 2.5,
+            ),
+        ),
+        // Groups of 20 experts are not whole entries of a warp's lanes: the select ranks
+        // them in shared memory (DeepSeek-V3's groups of 32 take warp reductions).
+        routed_layer(
+            "groups_of_20_rule",
+            160,
+            6,
+            rule(
+                Scoring::Sigmoid,
+                RouterBias::ScoreCorrection,
+                true,
+                Some(GroupLimit { groups: 8, kept: 3 }),
+                1.0,
             ),
         ),
         {
@@ -310,6 +324,24 @@ fn the_suites_run_split_gates_split_over_blocks_and_whole() {
         "the suites have a fused router of several gates"
     );
     assert!(gates > 2, "the suites have split routers of several gates");
+}
+
+/// Both ways of ranking a group limit's groups run on the GPU: by warp reductions (groups
+/// of a multiple of 32 experts) and from each warp's selection values in shared memory.
+#[test]
+fn the_rule_layers_rank_groups_both_ways() {
+    let grouped: Vec<bool> = rule_layers()
+        .iter()
+        .filter_map(|layer| {
+            let rule = layer.router.as_ref().expect("a rule layer has a router");
+            rule.group_limit
+                .map(|_| router::groups_in_shared_memory(rule, layer.experts))
+        })
+        .collect();
+    assert!(
+        grouped.contains(&true) && grouped.contains(&false),
+        "group limits ranked in shared memory: {grouped:?}"
+    );
 }
 
 #[test]

@@ -332,8 +332,9 @@ impl GatePlan {
 
 /// Shared memory the select and routing phases reuse from the gate's rings, in bytes:
 /// the token tile's logits (f32 × `tile_tokens` × E, summed over the split), the rule's
-/// bias (f32 × E, with one) and, with a group limit, each warp's selection values (f32 ×
-/// E), from which a lane sums its group's best two; the routing phase's per-expert counts
+/// bias (f32 × E, with one) and, with a group limit ranked in shared memory
+/// ([`groups_in_shared_memory`]), each warp's selection values (f32 × E), from which a
+/// lane sums its group's best two; the routing phase's per-expert counts
 /// and offsets (i32 × (2 · GEMM experts + 1)).
 pub fn router_scratch_bytes(
     rule: &ir::Router,
@@ -948,8 +949,8 @@ pub fn cluster_partial_bytes((tile_tokens, tile_experts): (u32, u32)) -> u32 {
 
 /// A cluster gate's shared memory after its rings (or its partial logits, where larger),
 /// in bytes: its own tokens' logits summed over the cluster (f32 × ⌈tile_tokens / blocks⌉
-/// × E), the rule's bias (f32 × E, with one) and, with a group limit, each warp's
-/// selection values (f32 × E).
+/// × E), the rule's bias (f32 × E, with one) and, with a group limit ranked in shared
+/// memory, each warp's selection values (f32 × E).
 pub fn cluster_scratch_bytes(
     rule: &ir::Router,
     experts: u32,
@@ -1134,20 +1135,32 @@ pub fn fused(max_tokens: u32, top_k: u32, scratch_bytes: u32, smem_per_block: u3
         && scratch_bytes <= smem_per_block
 }
 
-/// Static shared memory of the split router's select kernel: with a group limit, each
-/// warp's selection values (f32 × E), from which a lane sums its group's best two.
+/// Static shared memory of the split router's select kernel: with a group limit ranked in
+/// shared memory, each warp's selection values (f32 × E), from which a lane sums its
+/// group's best two.
 pub fn select_static_smem_bytes(rule: &ir::Router, experts: u32) -> u32 {
     static_smem_reserved(selection_bytes(rule, experts, SELECT_WARPS))
 }
 
-/// The selection values `warps` warps keep with a group limit (f32 × E each); none
-/// without one.
+/// The selection values `warps` warps keep for a group limit ranked in shared memory
+/// ([`groups_in_shared_memory`]; f32 × E each); none otherwise.
 fn selection_bytes(rule: &ir::Router, experts: u32, warps: u32) -> u32 {
-    if rule.group_limit.is_some() {
+    if groups_in_shared_memory(rule, experts) {
         4 * experts * warps
     } else {
         0
     }
+}
+
+/// Whether the select ranks a group limit's groups from each warp's selection values in
+/// shared memory: where a group is not whole entries of every lane (a lane holds experts
+/// lane, lane + 32, ...; groups of a multiple of 32 experts are), so that warp reductions
+/// cannot give each group its two best values. DeepSeek-V3's 8 groups of 32 are whole: by
+/// reductions its fused router's select of a 16-token tile took 5.8-6.0 µs against 6.1-6.3
+/// (one H100, 2026-12-06, `benches/results/2026-12-06_h100_fused_router_phases.md`).
+pub fn groups_in_shared_memory(rule: &ir::Router, experts: u32) -> bool {
+    rule.group_limit
+        .is_some_and(|limit| !(experts / limit.groups).is_multiple_of(32))
 }
 
 /// The router's launches of regime `regime` of the layer `symbol` with these gates:
