@@ -579,6 +579,8 @@ __device__ __forceinline__ void router_select(LogitOf logit_of, BiasOf bias_of, 
     }
 }
 
+enum : int { FUSED_SUM_LOADS = 128 };  // a fused router's sum: loads in flight per thread
+
 // A fused router's token tile of logits, `tile_logits` floats from `tile_partials`: the
 // sum of its `splits` partial sums (a [T, E] slice `slice` floats apart), in split order,
 // into `s_logits` and, when split, into the first slice. The partial sums are read through
@@ -619,8 +621,6 @@ __device__ __forceinline__ void router_sum_tile_logits(float* tile_partials, int
         }
     }
 }
-
-enum : int { FUSED_SUM_LOADS = 128 };  // a fused router's sum: loads in flight per thread
 
 // A fused router: gate tile (or its split's part), then (last block of its token tile)
 // select, then (last token tile) routing metadata. router_tiles_done: [0] token tiles
@@ -674,12 +674,12 @@ __device__ __forceinline__ void router_fused(const bf16_t* __restrict__ x, const
         if (e < ROUTER_BIAS_FLOATS) s_bias[e] = bias[j];
     }
     constexpr int ELEMENTS_PER_THREAD = (G::BM * EXPERTS + G::THREADS - 1) / G::THREADS;
-    constexpr int BATCH_BY_LOADS = G::MOST_SPLITS >= FUSED_SUM_LOADS ? 1 : FUSED_SUM_LOADS / G::MOST_SPLITS;
     if (b.splits == 1) {
         router_sum_tile_logits<G, ELEMENTS_PER_THREAD, 1>(tile_partials, tile_logits, slice, 1, s_logits);
     } else if (tile_logits <= G::THREADS) {
         router_sum_tile_logits<G, 1, G::MOST_SPLITS>(tile_partials, tile_logits, slice, b.splits, s_logits);
     } else {
+        constexpr int BATCH_BY_LOADS = G::MOST_SPLITS >= FUSED_SUM_LOADS ? 1 : FUSED_SUM_LOADS / G::MOST_SPLITS;
         constexpr int BATCH = BATCH_BY_LOADS < ELEMENTS_PER_THREAD ? BATCH_BY_LOADS : ELEMENTS_PER_THREAD;
         router_sum_tile_logits<G, BATCH, G::MOST_SPLITS>(tile_partials, tile_logits, slice, b.splits, s_logits);
     }
