@@ -106,7 +106,10 @@ impl Target {
     /// the SMs' quotient). Its GEMM1 behind a fused router starts as the router's blocks
     /// finish: started early beside them it cost self-routed decode calls up to 3.3%
     /// (Mixtral-8x7B at 64 tokens 959-964 against 928-932 µs) and was never faster beyond
-    /// the noise (`benches/results/2026-12-06_h100_early_start_by_launch.md`).
+    /// the noise (`benches/results/2026-12-06_h100_early_start_by_launch.md`). The cost
+    /// follows the decode GEMM1's 16-row tiles, likely their L2 hits on weights two blocks
+    /// share, which early placement upsets; 32-row tiles did not pay it
+    /// (`benches/results/2026-12-06_tail_placement.md`).
     pub fn h100() -> Self {
         Target {
             name: "NVIDIA H100 SXM".to_string(),
