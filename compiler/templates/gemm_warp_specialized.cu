@@ -259,15 +259,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             // partly empty tile) only keeps the ring's count: its zeros would store nothing,
             // and the warpgroup that has rows gets the SM's tensor cores to itself.
             const bool multiplies = t.rows > warpgroup * 64;
-            // Where this thread's rows go, looked up now on one GPU, so that the round trips
-            // (GEMM2: a row's slot, then its routing weight) pass behind the k-loop rather
-            // than stall the epilogue. The expert-parallel GEMMs (not measured this way)
-            // look them up after it.
-            const auto look_up_rows = [&] {
-                return wgmma_epilogue_rows<G>(t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
-            };
-            WgmmaEpilogueRows rows;
-            if constexpr (!G::EP) rows = look_up_rows();
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
@@ -291,8 +282,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-            if constexpr (G::EP) rows = look_up_rows();
-            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, rows);
+            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);

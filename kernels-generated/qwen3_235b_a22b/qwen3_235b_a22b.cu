@@ -1492,44 +1492,22 @@ __device__ __forceinline__ Vec16 quad_transpose(u32 p0, u32 p1, u32 p2, u32 p3) 
     return words;
 }
 
-// The two rows a thread of a consumer warpgroup stores of a tile (rows 16w + lane/4 and
-// that + 8 of its warpgroup's 64, w the warp in the warpgroup): where each goes and its
-// scale. A row past the tile's is never stored; it takes row 0's sources.
-struct WgmmaEpilogueRows {
-    EpilogueRow row[2];
-    bool stored[2];
-};
-template <class G, class Pairs>
-__device__ __forceinline__ WgmmaEpilogueRows wgmma_epilogue_rows(const GemmTile& t, int warpgroup, const Pairs& row_pair,
-                                                                 const float* __restrict__ topk_weights,
-                                                                 const float* __restrict__ expert_bias,
-                                                                 bf16_t* __restrict__ out, const EpContext& ep) {
+// Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
+// gated GEMM1): warp w of the warpgroup holds rows 16w + lane/4 (+8); n8 block j holds
+// columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8 fragments. With QUAD_STORES a quad
+// trades its words (quad_transpose) and stores 16 bytes per lane: every lane takes part in
+// the trades, and only the rows the tile has are stored.
+template <class G>
+__device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
+                                               const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
+                                               const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
+                                               const EpContext& ep) {
+    static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
     const int lane = threadIdx.x & 31;
     const int warp_in_group = (threadIdx.x >> 5) & 3;
-    WgmmaEpilogueRows rows;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + half * 8;
-        rows.stored[half] = r < t.rows;
-        rows.row[half] = epilogue_row<G>(t, rows.stored[half] ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
-    }
-    return rows;
-}
-
-// Epilogue of one warpgroup's 64 rows from its accumulators (`acc_up`: the up half of a
-// gated GEMM1) into `rows` (wgmma_epilogue_rows): warp w of the warpgroup holds rows 16w +
-// lane/4 (+8); n8 block j holds columns 8j + 2(lane%4) (+1), as in mma.sync's m16n8
-// fragments. With QUAD_STORES a quad trades its words (quad_transpose) and stores 16 bytes
-// per lane: every lane takes part in the trades, and only the rows the tile has are stored.
-template <class G>
-__device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t,
-                                               const WgmmaEpilogueRows& rows) {
-    static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const EpilogueRow& row = rows.row[half];
-        const bool stored = rows.stored[half];
         // This lane's first column of 8-column block j, and its pair of the row there, packed.
         const auto column = [&](int j) { return t.n0 + j * 8 + (lane & 3) * 2; };
         const auto pack = [&](const EpilogueRow& row, int j) {
@@ -1539,7 +1517,9 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
             return epilogue_pack<G>(row, column(j), acc[c], acc[c + 1], up0, up1);
         };
         if constexpr (G::QUAD_STORES) {
+            const bool stored = r < t.rows;
             // A row past the tile's is packed (and never stored) from row 0's sources.
+            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
             for (int group = 0; group < G::BN / 32; ++group) {
                 const Vec16 block = quad_transpose(pack(row, group * 4), pack(row, group * 4 + 1),
@@ -1547,7 +1527,8 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
                 if (stored) *reinterpret_cast<Vec16*>(row.out + t.n0 + (group * 4 + (lane & 3)) * 8) = block;
             }
         } else {
-            if (!stored) continue;
+            if (r >= t.rows) continue;
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
 #pragma unroll
             for (int j = 0; j < G::BN / 8; ++j) *reinterpret_cast<u32*>(row.out + column(j)) = pack(row, j);
         }
@@ -1814,15 +1795,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             // partly empty tile) only keeps the ring's count: its zeros would store nothing,
             // and the warpgroup that has rows gets the SM's tensor cores to itself.
             const bool multiplies = t.rows > warpgroup * 64;
-            // Where this thread's rows go, looked up now on one GPU, so that the round trips
-            // (GEMM2: a row's slot, then its routing weight) pass behind the k-loop rather
-            // than stall the epilogue. The expert-parallel GEMMs (not measured this way)
-            // look them up after it.
-            const auto look_up_rows = [&] {
-                return wgmma_epilogue_rows<G>(t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
-            };
-            WgmmaEpilogueRows rows;
-            if constexpr (!G::EP) rows = look_up_rows();
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
@@ -1846,8 +1818,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-            if constexpr (G::EP) rows = look_up_rows();
-            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, rows);
+            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
