@@ -1859,8 +1859,10 @@ enum : int { ROUTER_K_PER_LANE = (TOP_K + 31) / 32 };     // chosen experts a la
 enum : int { ROUTER_GROUP_SIZE = ROUTER_GROUPS > 0 ? EXPERTS / ROUTER_GROUPS : EXPERTS };
 enum : int { ROUTER_GROUPS_PER_LANE = ROUTER_GROUPS > 0 ? (ROUTER_GROUPS + 31) / 32 : 1 };
 // A group limit whose groups are not whole entries of every lane ranks its groups from
-// each warp's selection values in shared memory (EXPERTS floats a warp).
-enum : bool { ROUTER_GROUPS_IN_SMEM = ROUTER_GROUPS > 0 && ROUTER_GROUP_SIZE % 32 != 0 };
+// each warp's selection values in shared memory (EXPERTS floats a warp); the plan says which.
+enum : bool { ROUTER_GROUPS_IN_SMEM = false };
+static_assert(ROUTER_GROUPS == 0 || ROUTER_GROUPS_IN_SMEM || ROUTER_GROUP_SIZE % 32 == 0,
+              "plan: groups ranked by warp reductions are whole entries of every lane");
 static_assert(ROUTER_PER_LANE <= 32, "plan: a lane's experts fit one 32-bit mask");
 static_assert(ROUTER_GROUPS == 0 || EXPERTS % ROUTER_GROUPS == 0, "plan: groups divide the experts");
 // A fused router's select scratch (its token tile's logits; the rule's bias, with one; a

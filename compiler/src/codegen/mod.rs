@@ -1051,6 +1051,8 @@ struct RouterUnit {
     bias: &'static str,
     groups: u32,
     groups_kept: u32,
+    /// Whether the select ranks the groups in shared memory (`router::groups_in_shared_memory`).
+    groups_in_smem: bool,
     normalize: bool,
     /// `scale` as a C float literal.
     scale: String,
@@ -1196,6 +1198,7 @@ fn router_unit(plan: &Plan, router_plan: &RouterPlan) -> Result<RouterUnit, Code
         },
         groups: rule.group_limit.map_or(0, |limit| limit.groups),
         groups_kept: rule.group_limit.map_or(0, |limit| limit.kept),
+        groups_in_smem: router::groups_in_shared_memory(rule, plan.shape.experts),
         normalize: rule.normalize,
         scale: float_literal(rule.scale as f32),
         normalize_epsilon: float_literal(router::NORMALIZE_EPSILON),
