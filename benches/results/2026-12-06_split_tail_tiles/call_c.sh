@@ -8,11 +8,11 @@
 # never read), as the gathering GEMMs do; the GEMMs that take A as tiles get the rows' pointer
 # too. Against HEAD, uniform routing, and HEAD on balanced routing (no part-empty tiles: the
 # whole tail cost) for scale; gather_a checked first. Then call_b.sh's profile.
-# Build: git worktree add /tmp/wt HEAD; cd /tmp/wt; git apply <this folder>/skip_tail_a_probe.patch;
-# touch compiler/src/lib.rs compiler/src/codegen/mod.rs; cargo build --release -p moeforge;
-# strip -o <repo>/.device/probe/skip_a target/release/moeforge; the same with
-# gather_tail_a_probe.patch to .device/probe/gather_a; HEAD's binary is .device/bin/moeforge
-# (scripts/device-stage.sh). About 6 minutes of device time.
+# Build: bash scripts/device-stage.sh (HEAD's binary to .device/bin/moeforge), then
+# bash scripts/probe-build.sh <this folder>/skip_tail_a_probe.patch skip_a and
+# bash scripts/probe-build.sh <this folder>/gather_tail_a_probe.patch gather_a; the tests
+# the stage packs (.device/tests.tgz) can go to keep the carry small. About 7 minutes of
+# device time.
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}; export MOEFORGE_CACHE_DIR=/tmp/jit
 nvidia-smi --query-gpu=name --format=csv,noheader
