@@ -7,10 +7,11 @@
 # `<MODEL>_<REGIME>_gemm1` and `_gemm2`. With ROUTING=uniform|skewed|balanced set, the
 # GEMMs profiled are those of the first caller-routed call of `moeforge bench --routing
 # ROUTING` instead (balanced: every expert T·K/E rows, no part-empty last row tile).
-# Prints one summary line per kernel, then the sections in full. The kernels run serialised and replayed once per section pass, so
-# their times are those of a kernel alone (benches/kernel_breakdown.sh says more).
+# Prints one summary line per kernel, then the sections in full. The kernels run
+# serialised and replayed once per section pass, so their times are those of a kernel alone
+# (benches/kernel_breakdown.sh says more).
 set -uo pipefail
-[ $# -ge 2 ] || { sed -n 2,9p "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n 2,12p "$0" >&2; exit 2; }
 model=$1 tokens=$2 regime=${3:-prefill}
 moeforge=${MOEFORGE_BINARY:-.device/bin/moeforge}
 export MOEFORGE_CACHE_DIR=${MOEFORGE_CACHE_DIR:-/tmp/moeforge-cache-profile}

@@ -2,9 +2,10 @@
 # Builds a probe: the moeforge binary of this checkout's HEAD with a patch applied, stripped
 # into .device/probe/NAME for the GPU machine (`run` with `carry: [".device"]`), beside the
 # HEAD build that scripts/device-stage.sh puts in .device/bin/. The patch is applied to a
-# scratch worktree of HEAD (so uncommitted changes here do not leak in), built with its own
-# target folder (kept between runs: the second probe builds in about a minute), and the
-# worktree removed. A probe is never committed; its patch is kept beside its results.
+# scratch worktree of HEAD (so uncommitted changes here do not leak in; its files are all
+# new, so the templates askama compiles in are rebuilt), built with its own target folder
+# (kept between runs: the dependencies build once), and the worktree removed. A probe is
+# never committed; its patch is kept beside its results.
 #
 # Usage, from the repository root: bash scripts/probe-build.sh PATCH NAME
 #   PROBE_TARGET_DIR overrides the target folder (default /tmp/moeforge-probe-target).
@@ -12,14 +13,13 @@
 set -euo pipefail
 
 if [ $# -ne 2 ]; then
-  sed -n '2,11p' "$0" >&2
+  sed -n '2,12p' "$0" >&2
   exit 2
 fi
+[ -f "$1" ] || { echo "no patch at $1" >&2; exit 2; }
 patch=$(realpath "$1")
 name=$2
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-[ -f "$patch" ] || { echo "no patch at $patch" >&2; exit 2; }
+cd "$(git rev-parse --show-toplevel)"
 target=${PROBE_TARGET_DIR:-/tmp/moeforge-probe-target}
 worktree=$(mktemp -d "${TMPDIR:-/tmp}/moeforge-probe.XXXXXX")
 rmdir "$worktree"
@@ -27,8 +27,6 @@ trap 'git worktree remove --force "$worktree" 2>/dev/null || true' EXIT
 
 git worktree add --quiet --detach "$worktree" HEAD
 git -C "$worktree" apply "$patch"
-# The templates are compiled into the binary by askama: make sure they are rebuilt.
-touch "$worktree/compiler/src/lib.rs" "$worktree/compiler/src/codegen/mod.rs"
 echo "==> building $name: HEAD ($(git rev-parse --short HEAD)) + $(basename "$patch")"
 (cd "$worktree" && CARGO_TARGET_DIR=$target cargo build --release -p moeforge --quiet)
 mkdir -p .device/probe
