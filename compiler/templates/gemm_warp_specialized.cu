@@ -17,6 +17,10 @@
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers
 //     (accumulators), as the plan splits them;
+//   - on one GPU (CLAIMS_UNITS) the blocks claim their work units in order from a ticket
+//     (see UnitSlots), so the units in flight stay a contiguous run and the tiles sharing a
+//     weight panel or an expert's rows read them from L2; on the expert-parallel path block
+//     b takes units b, b + grid, ...;
 //   - in a cluster pair (CLUSTER = 2) the two blocks walk one list of work units (see
 //     group_units): on two m-tiles of one weight panel, each producer loads half of every
 //     stage's weight rows and multicasts it into both blocks' stage, halving the weight
@@ -114,6 +118,61 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 template <int REGISTERS>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
 
+// Returns once the phase of parity `parity` has completed, seeing what was written before
+// arrivals from the other blocks of the cluster (release.cluster) too.
+__device__ __forceinline__ void mbarrier_wait_cluster(u32 barrier, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(barrier), "r"(parity) : "memory");
+}
+
+// Work units claimed in order (CLAIMS_UNITS): the first block of a cluster takes each unit
+// from the launch's ticket and hands it to every thread of the cluster's blocks through
+// slot j % 2 (an mbarrier of one arrival, then the unit). Two slots suffice: a block's
+// producer claims unit j + 2 only after loading every stage of unit j + 1, which needs
+// both blocks' consumers to have released stages of unit j + 1 (or j), and so every
+// thread of both blocks to have read unit j. The G clusters' claims are numbered 0 ..
+// total + G - 1 (each cluster's last claim is past the end), so the one numbered
+// total + G - 1 is the launch's last and resets the ticket for the next call.
+template <int CLUSTER>
+struct UnitSlots {
+    u32 barriers;  // [2] mbarriers
+    u32 units;     // [2] ints
+
+    __device__ __forceinline__ void claim(int j, unsigned int* ticket, int total_units, int clusters) const {
+        const unsigned claimed = atomicAdd(ticket, 1u);
+        if (claimed == (unsigned)(total_units + clusters - 1)) atomicExch(ticket, 0u);
+        const int unit = min((int)claimed, total_units);
+        const u32 slot = units + (j & 1) * 4u, barrier = barriers + (j & 1) * 8u;
+#pragma unroll
+        for (int rank = 1; rank < CLUSTER; ++rank) {
+            u32 remote_slot, remote_barrier;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_slot) : "r"(slot), "r"(rank));
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_barrier) : "r"(barrier), "r"(rank));
+            asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(remote_slot), "r"(unit) : "memory");
+            // Once a unit (rare beside the stages' arrivals): the cluster-scope release orders
+            // the store before it.
+            asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_barrier) : "memory");
+        }
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(slot), "r"(unit) : "memory");
+        mbarrier_arrive(barrier);
+    }
+
+    // The unit of slot j % 2 once it is there; a unit at or past the total ends the loop.
+    __device__ __forceinline__ int unit(int j, int cta_rank) const {
+        const u32 barrier = barriers + (j & 1) * 8u;
+        if (CLUSTER > 1 && cta_rank > 0) mbarrier_wait_cluster(barrier, (j >> 1) & 1);
+        else mbarrier_wait(barrier, (j >> 1) & 1);
+        int unit;
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(unit) : "r"(units + (j & 1) * 4u) : "memory");
+        return unit;
+    }
+};
+
 // Named barriers (0 is __syncthreads).
 enum : int { PRODUCER_BARRIER_ID = 1 };
 enum : int { CONSUMER_BARRIER_ID = 2 };
@@ -128,6 +187,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
     const EpContext& ep,
+    unsigned int* unit_ticket = nullptr,  // CLAIMS_UNITS: this GEMM's ticket
     const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
 {
     assert_gemm_layout<G>();
@@ -155,6 +215,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
     static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
+    static_assert(!G::CLAIMS_UNITS || !G::EP, "plan: units claimed from a ticket on one GPU");
     constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -164,11 +225,17 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
     const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
     const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
+    const u32 unit_barriers = empty_barriers + G::STAGES * 8u;  // [2], then the 2 units: see UnitSlots
+    const UnitSlots<G::CLUSTER> slots{unit_barriers, unit_barriers + 2 * 8u};
     __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
     if (tid == 0) {
+        if constexpr (G::CLAIMS_UNITS) {
+            mbarrier_init(slots.barriers, 1);
+            mbarrier_init(slots.barriers + 8u, 1);
+        }
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
             mbarrier_init(empty_barriers + s * sizeof(u64), CLUSTER * CONSUMER_THREADS / 32);
@@ -188,7 +255,15 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                                                                                      row_offsets);
         }
     };
-    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
+    const int clusters = gridDim.x / CLUSTER;
+    // The j-th unit of this block's cluster: claimed in order, or every clusters-th by index.
+    const auto unit_of = [&](int j) {
+        if constexpr (G::CLAIMS_UNITS) {
+            return slots.unit(j, cta_rank);
+        } else {
+            return (int)(blockIdx.x / CLUSTER) + j * clusters;
+        }
+    };
 
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
@@ -200,7 +275,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
-        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+        for (int j = 0;; ++j) {
+            if constexpr (G::CLAIMS_UNITS) {
+                if (tid == 0 && cta_rank == 0) slots.claim(j, unit_ticket, total_units, clusters);
+            }
+            const int unit = unit_of(j);
+            if (unit >= total_units) break;
             const GemmTile t = tile_of(unit);
             if constexpr (!G::A_TILES) {
                 named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
@@ -248,7 +328,9 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const int warpgroup = consumer >> 7;
         int stage = 0;
         u32 phase = 0;
-        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+        for (int j = 0;; ++j) {
+            const int unit = unit_of(j);
+            if (unit >= total_units) break;
             const GemmTile t = tile_of(unit);
             // A gated tile's up columns follow its gate columns, as its up rows follow its
             // gate rows in a stage.

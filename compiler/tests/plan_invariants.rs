@@ -881,6 +881,71 @@ fn cluster_pairs_and_row_tiles_are_checked() {
     );
 }
 
+/// The single-GPU warp-specialised GEMMs claim their work units from the workspace's two
+/// tickets (GEMM1 the first, GEMM2 the second); the mma.sync GEMMs and the expert-parallel
+/// ones take none. Validation catches a ticket missing from a launch or from the workspace.
+#[test]
+fn warp_specialised_gemms_claim_units_from_the_tickets() {
+    let plan = example_plan("deepseek_v3");
+    let tickets = plan::LaunchArg::Workspace(BufferId::UnitTickets);
+    let takes = |kernel: &str| {
+        plan.launches()
+            .find(|l| l.kernel == kernel)
+            .expect("the kernel is launched")
+            .params
+            .iter()
+            .any(|param| param.arg == tickets)
+    };
+    let mut warp_specialised = 0;
+    for regime in &plan.regimes {
+        for (gemm, kernel) in [
+            (&regime.gemm1, &regime.gemm1_kernel),
+            (&regime.gemm2, &regime.gemm2_kernel),
+        ] {
+            let claims = gemm.engine == plan::MmaEngine::WgmmaWarpSpecialized;
+            warp_specialised += usize::from(claims);
+            assert_eq!(takes(kernel), claims, "{kernel}");
+        }
+    }
+    assert!(
+        warp_specialised >= 2,
+        "DeepSeek-V3's prefill GEMMs are warp-specialised"
+    );
+    let ep = plan
+        .expert_parallel
+        .as_ref()
+        .expect("DeepSeek-V3 spans ranks");
+    for regime in &ep.regimes {
+        assert!(!takes(&regime.gemm1_kernel) && !takes(&regime.gemm2_kernel));
+    }
+    let buffer = plan
+        .workspace
+        .iter()
+        .find(|buffer| buffer.id == BufferId::UnitTickets)
+        .expect("the workspace holds the tickets");
+    assert_eq!(buffer.elems, 2);
+
+    let mut without_ticket = plan.clone();
+    let prefill = without_ticket.regimes.last_mut().expect("a prefill regime");
+    let gemm1_kernel = prefill.gemm1_kernel.clone();
+    let launch = prefill
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == gemm1_kernel)
+        .expect("GEMM1 is launched");
+    launch.params.retain(|param| param.arg != tickets);
+    assert!(
+        without_ticket.validate().is_err(),
+        "GEMM1 without its ticket"
+    );
+
+    let mut no_buffer = plan.clone();
+    no_buffer
+        .workspace
+        .retain(|buffer| buffer.id != BufferId::UnitTickets);
+    assert!(no_buffer.validate().is_err(), "no tickets in the workspace");
+}
+
 /// GEMM1 loads x's rows sorted by expert where `gemm1_row_load` says (Mixtral-8x7B's
 /// 128-row prefill tiles, F = 14336; not Qwen3-30B-A3B's, F = 768, nor any 64-row or
 /// mma.sync regime), after the invert and sort kernels; validation catches a sort or its

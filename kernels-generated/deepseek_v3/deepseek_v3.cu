@@ -713,8 +713,9 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
     static_assert(G::ROW_SOURCE_OFFSET == G::STAGES * G::STAGE_BYTES, "plan: row table after the ring");
     static_assert(G::BARRIER_OFFSET == G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int), "plan: barriers after the row table");
-    // Two mbarriers per stage (full, empty) for the warp-specialised engine, none otherwise.
-    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) : 0;
+    // Two mbarriers per stage (full, empty) for the warp-specialised engine, then its two
+    // unit slots (an mbarrier and a unit each); none otherwise.
+    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) + 2 * ((int)sizeof(u64) + (int)sizeof(int)) : 0;
     static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
     static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::N % G::BN == 0, "plan: tiles divide N");
@@ -786,9 +787,9 @@ __device__ __forceinline__ int m_tiles_done(const Offsets& row_offsets, int expe
 }
 
 // Work units of a group of `m_tiles` x N_TILES tiles. A block alone takes one tile per
-// unit. A cluster pair takes two: first two m-tiles of one n-tile at a time (the pair
-// shares the weight panel), then, for an odd count of m-tiles, the last m-tile's n-tiles
-// two at a time (the second block of a unit past the last n-tile gets no rows).
+// unit. A cluster pair takes two: two m-tiles of one n-tile (the pair shares the weight
+// panel) or, for an odd count of m-tiles, the last m-tile of two n-tiles (the second block
+// of a unit past the last n-tile gets no rows); see locate_pair_tile for their order.
 template <int N_TILES, int CLUSTER>
 __device__ __forceinline__ int group_units(int m_tiles) {
     static_assert(CLUSTER == 1 || CLUSTER == 2, "plan: clusters of 1 or 2 blocks");
@@ -856,12 +857,18 @@ __device__ __forceinline__ GemmTile locate_pair_tile(int unit, int cta_rank, con
                                                      const Offsets& row_offsets) {
     const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(unit, s_tile_start, row_offsets);
     const int pairs = g.m_tiles / 2;
-    if (g.local < pairs * N_TILES) {
-        GemmTile t = group_tile<BM, BN, PHASES>(g, 2 * (g.local % pairs) + cta_rank, g.local / pairs, row_offsets);
+    // Units come in blocks of two n-tiles: the pairs' units of the first, then of the
+    // second, then (odd m-tiles) the last m-tile of both, so that, with units claimed in
+    // order, it reads the two weight panels while the pairs' reads of them are in L2.
+    const int block_units = 2 * pairs + g.m_tiles % 2;
+    const int first_n = 2 * (g.local / block_units), within = g.local % block_units;
+    const int pair_units = min(2, N_TILES - first_n) * pairs;
+    if (within < pair_units) {
+        GemmTile t = group_tile<BM, BN, PHASES>(g, 2 * (within % pairs) + cta_rank, first_n + within / pairs, row_offsets);
         t.weights_shared = true;
         return t;
     }
-    const int n = 2 * (g.local - pairs * N_TILES) + cta_rank;
+    const int n = first_n + cta_rank;
     GemmTile t = group_tile<BM, BN, PHASES>(g, g.m_tiles - 1, min(n, N_TILES - 1), row_offsets);
     if (n >= N_TILES) t.rows = 0;
     return t;
@@ -1544,6 +1551,10 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers
 //     (accumulators), as the plan splits them;
+//   - on one GPU (CLAIMS_UNITS) the blocks claim their work units in order from a ticket
+//     (see UnitSlots), so the units in flight stay a contiguous run and the tiles sharing a
+//     weight panel or an expert's rows read them from L2; on the expert-parallel path block
+//     b takes units b, b + grid, ...;
 //   - in a cluster pair (CLUSTER = 2) the two blocks walk one list of work units (see
 //     group_units): on two m-tiles of one weight panel, each producer loads half of every
 //     stage's weight rows and multicasts it into both blocks' stage, halving the weight
@@ -1641,6 +1652,61 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 template <int REGISTERS>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS)); }
 
+// Returns once the phase of parity `parity` has completed, seeing what was written before
+// arrivals from the other blocks of the cluster (release.cluster) too.
+__device__ __forceinline__ void mbarrier_wait_cluster(u32 barrier, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(barrier), "r"(parity) : "memory");
+}
+
+// Work units claimed in order (CLAIMS_UNITS): the first block of a cluster takes each unit
+// from the launch's ticket and hands it to every thread of the cluster's blocks through
+// slot j % 2 (an mbarrier of one arrival, then the unit). Two slots suffice: a block's
+// producer claims unit j + 2 only after loading every stage of unit j + 1, which needs
+// both blocks' consumers to have released stages of unit j + 1 (or j), and so every
+// thread of both blocks to have read unit j. The G clusters' claims are numbered 0 ..
+// total + G - 1 (each cluster's last claim is past the end), so the one numbered
+// total + G - 1 is the launch's last and resets the ticket for the next call.
+template <int CLUSTER>
+struct UnitSlots {
+    u32 barriers;  // [2] mbarriers
+    u32 units;     // [2] ints
+
+    __device__ __forceinline__ void claim(int j, unsigned int* ticket, int total_units, int clusters) const {
+        const unsigned claimed = atomicAdd(ticket, 1u);
+        if (claimed == (unsigned)(total_units + clusters - 1)) atomicExch(ticket, 0u);
+        const int unit = min((int)claimed, total_units);
+        const u32 slot = units + (j & 1) * 4u, barrier = barriers + (j & 1) * 8u;
+#pragma unroll
+        for (int rank = 1; rank < CLUSTER; ++rank) {
+            u32 remote_slot, remote_barrier;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_slot) : "r"(slot), "r"(rank));
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_barrier) : "r"(barrier), "r"(rank));
+            asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(remote_slot), "r"(unit) : "memory");
+            // Once a unit (rare beside the stages' arrivals): the cluster-scope release orders
+            // the store before it.
+            asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_barrier) : "memory");
+        }
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(slot), "r"(unit) : "memory");
+        mbarrier_arrive(barrier);
+    }
+
+    // The unit of slot j % 2 once it is there; a unit at or past the total ends the loop.
+    __device__ __forceinline__ int unit(int j, int cta_rank) const {
+        const u32 barrier = barriers + (j & 1) * 8u;
+        if (CLUSTER > 1 && cta_rank > 0) mbarrier_wait_cluster(barrier, (j >> 1) & 1);
+        else mbarrier_wait(barrier, (j >> 1) & 1);
+        int unit;
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(unit) : "r"(units + (j & 1) * 4u) : "memory");
+        return unit;
+    }
+};
+
 // Named barriers (0 is __syncthreads).
 enum : int { PRODUCER_BARRIER_ID = 1 };
 enum : int { CONSUMER_BARRIER_ID = 2 };
@@ -1655,6 +1721,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
     const EpContext& ep,
+    unsigned int* unit_ticket = nullptr,  // CLAIMS_UNITS: this GEMM's ticket
     const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
 {
     assert_gemm_layout<G>();
@@ -1682,6 +1749,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
     static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
+    static_assert(!G::CLAIMS_UNITS || !G::EP, "plan: units claimed from a ticket on one GPU");
     constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -1691,11 +1759,17 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
     const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
     const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
+    const u32 unit_barriers = empty_barriers + G::STAGES * 8u;  // [2], then the 2 units: see UnitSlots
+    const UnitSlots<G::CLUSTER> slots{unit_barriers, unit_barriers + 2 * 8u};
     __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
     if (tid == 0) {
+        if constexpr (G::CLAIMS_UNITS) {
+            mbarrier_init(slots.barriers, 1);
+            mbarrier_init(slots.barriers + 8u, 1);
+        }
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
             mbarrier_init(empty_barriers + s * sizeof(u64), CLUSTER * CONSUMER_THREADS / 32);
@@ -1715,7 +1789,15 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                                                                                      row_offsets);
         }
     };
-    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
+    const int clusters = gridDim.x / CLUSTER;
+    // The j-th unit of this block's cluster: claimed in order, or every clusters-th by index.
+    const auto unit_of = [&](int j) {
+        if constexpr (G::CLAIMS_UNITS) {
+            return slots.unit(j, cta_rank);
+        } else {
+            return (int)(blockIdx.x / CLUSTER) + j * clusters;
+        }
+    };
 
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
@@ -1727,7 +1809,12 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const StageLoader<G, G::PRODUCER_THREADS> load(tid);
         int stage = 0;
         u32 phase = 0;
-        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+        for (int j = 0;; ++j) {
+            if constexpr (G::CLAIMS_UNITS) {
+                if (tid == 0 && cta_rank == 0) slots.claim(j, unit_ticket, total_units, clusters);
+            }
+            const int unit = unit_of(j);
+            if (unit >= total_units) break;
             const GemmTile t = tile_of(unit);
             if constexpr (!G::A_TILES) {
                 named_barrier_sync(PRODUCER_BARRIER_ID, G::PRODUCER_THREADS);  // last tile's loads are issued
@@ -1775,7 +1862,9 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         const int warpgroup = consumer >> 7;
         int stage = 0;
         u32 phase = 0;
-        for (int unit = first_unit; unit < total_units; unit += unit_step) {
+        for (int j = 0;; ++j) {
+            const int unit = unit_of(j);
+            if (unit >= total_units) break;
             const GemmTile t = tile_of(unit);
             // A gated tile's up columns follow its gate columns, as its up rows follow its
             // gate rows in a stage.
@@ -4149,12 +4238,13 @@ struct mid_gemm1 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206184, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_gemm1)
@@ -4163,11 +4253,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_gemm1(
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
-    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{});
+    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, unit_tickets + 0);
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
@@ -4185,12 +4276,13 @@ struct mid_gemm2 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206184, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_gemm2)
@@ -4200,11 +4292,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_mid_gemm2(
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
-    bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<mid_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
+    grouped_gemm_warp_specialized<mid_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, unit_tickets + 1, &intermediate_tiles);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -4225,12 +4318,13 @@ struct prefill_gemm1 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_gemm1)
@@ -4238,11 +4332,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) d
     const __grid_constant__ TensorMap sorted_x_tiles,  // TMA map of sorted_x: [rows, HIDDEN], a tile's rows x 64 per box
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
-    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<prefill_gemm1>(nullptr, &w1_tiles, nullptr, nullptr, expert_offsets, nullptr, intermediate, EpContext{}, &sorted_x_tiles);
+    grouped_gemm_warp_specialized<prefill_gemm1>(nullptr, &w1_tiles, nullptr, nullptr, expert_offsets, nullptr, intermediate, EpContext{}, unit_tickets + 0, &sorted_x_tiles);
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
@@ -4260,12 +4355,13 @@ struct prefill_gemm2 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_gemm2)
@@ -4275,11 +4371,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) d
     const float* __restrict__ topk_weights,  // [tokens, TOP_K]
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
-    bf16_t* __restrict__ combine_slots  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    bf16_t* __restrict__ combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<prefill_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, &intermediate_tiles);
+    grouped_gemm_warp_specialized<prefill_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, unit_tickets + 1, &intermediate_tiles);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -4427,12 +4524,13 @@ struct mid_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206184, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_ep_gemm1)
@@ -4468,12 +4566,13 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206160, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206184, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_mid_ep_gemm2)
@@ -4511,12 +4610,13 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_ep_gemm1)
@@ -4552,12 +4652,13 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
+    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198208, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_prefill_ep_gemm2)

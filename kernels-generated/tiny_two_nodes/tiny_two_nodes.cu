@@ -542,8 +542,9 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
     static_assert(G::ROW_SOURCE_OFFSET == G::STAGES * G::STAGE_BYTES, "plan: row table after the ring");
     static_assert(G::BARRIER_OFFSET == G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int), "plan: barriers after the row table");
-    // Two mbarriers per stage (full, empty) for the warp-specialised engine, none otherwise.
-    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) : 0;
+    // Two mbarriers per stage (full, empty) for the warp-specialised engine, then its two
+    // unit slots (an mbarrier and a unit each); none otherwise.
+    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) + 2 * ((int)sizeof(u64) + (int)sizeof(int)) : 0;
     static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
     static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::N % G::BN == 0, "plan: tiles divide N");
@@ -615,9 +616,9 @@ __device__ __forceinline__ int m_tiles_done(const Offsets& row_offsets, int expe
 }
 
 // Work units of a group of `m_tiles` x N_TILES tiles. A block alone takes one tile per
-// unit. A cluster pair takes two: first two m-tiles of one n-tile at a time (the pair
-// shares the weight panel), then, for an odd count of m-tiles, the last m-tile's n-tiles
-// two at a time (the second block of a unit past the last n-tile gets no rows).
+// unit. A cluster pair takes two: two m-tiles of one n-tile (the pair shares the weight
+// panel) or, for an odd count of m-tiles, the last m-tile of two n-tiles (the second block
+// of a unit past the last n-tile gets no rows); see locate_pair_tile for their order.
 template <int N_TILES, int CLUSTER>
 __device__ __forceinline__ int group_units(int m_tiles) {
     static_assert(CLUSTER == 1 || CLUSTER == 2, "plan: clusters of 1 or 2 blocks");
@@ -685,12 +686,18 @@ __device__ __forceinline__ GemmTile locate_pair_tile(int unit, int cta_rank, con
                                                      const Offsets& row_offsets) {
     const TileGroup g = find_group<BM, EXPERTS_HERE, PHASES>(unit, s_tile_start, row_offsets);
     const int pairs = g.m_tiles / 2;
-    if (g.local < pairs * N_TILES) {
-        GemmTile t = group_tile<BM, BN, PHASES>(g, 2 * (g.local % pairs) + cta_rank, g.local / pairs, row_offsets);
+    // Units come in blocks of two n-tiles: the pairs' units of the first, then of the
+    // second, then (odd m-tiles) the last m-tile of both, so that, with units claimed in
+    // order, it reads the two weight panels while the pairs' reads of them are in L2.
+    const int block_units = 2 * pairs + g.m_tiles % 2;
+    const int first_n = 2 * (g.local / block_units), within = g.local % block_units;
+    const int pair_units = min(2, N_TILES - first_n) * pairs;
+    if (within < pair_units) {
+        GemmTile t = group_tile<BM, BN, PHASES>(g, 2 * (within % pairs) + cta_rank, first_n + within / pairs, row_offsets);
         t.weights_shared = true;
         return t;
     }
-    const int n = 2 * (g.local - pairs * N_TILES) + cta_rank;
+    const int n = first_n + cta_rank;
     GemmTile t = group_tile<BM, BN, PHASES>(g, g.m_tiles - 1, min(n, N_TILES - 1), row_offsets);
     if (n >= N_TILES) t.rows = 0;
     return t;

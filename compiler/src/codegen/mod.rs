@@ -482,6 +482,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::RouterTilesDone => "[1 + token tiles]: arrival counters, zero between calls",
             BufferId::StreamKPartials => "[2 * gridDim.x, BM * B_ROWS]: partial tiles, stream-K",
             BufferId::StreamKTilesDone => "[tiles]: stream-K arrival counters, zero between calls",
+            BufferId::UnitTickets => "[2]: GEMM1's and GEMM2's next work unit, zero between calls",
             BufferId::FusedDecodeCounters => {
                 "[2 * GEMM_EXPERTS + HIDDEN / BN + 2]: fused decode counters, zero between calls"
             }
@@ -761,6 +762,9 @@ struct GemmUnit {
     b_box_rows: u32,
     /// Whether the A rows come as TMA tiles rather than gathered row by row.
     a_tiles: bool,
+    /// Whether its blocks claim their work units from a ticket (`BufferId::UnitTickets`)
+    /// rather than by block index.
+    claims_units: bool,
     /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
     quad_stores: bool,
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
@@ -805,14 +809,14 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{a_tiles}{stream_k}{block_routing}",
+                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{unit_ticket}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{a_tiles}{stream_k}{block_routing}",
+                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{unit_ticket}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
@@ -882,6 +886,18 @@ impl GemmUnit {
         };
         // GEMM1 on sorted rows has no row table: its A rows and intermediate rows line up.
         let row_table = !(a_tiles && up);
+        // A GEMM whose launch the plan gives the unit tickets claims its work units from its
+        // own (GEMM1 the first, GEMM2 the second).
+        let tickets = LaunchArg::Workspace(BufferId::UnitTickets);
+        let claims_units = find_launch(plan, kernel)?
+            .params
+            .iter()
+            .any(|param| param.arg == tickets);
+        let unit_ticket_arg = if claims_units {
+            format!(", {} + {}", tickets.name(), if up { 0 } else { 1 })
+        } else {
+            String::new()
+        };
         // A GEMM that splits few-tile calls stream-K takes the buffers of partial tiles.
         let stream_k = gemm.stream_k.is_some();
         let stream_k_buffers = [BufferId::StreamKPartials, BufferId::StreamKTilesDone]
@@ -921,12 +937,14 @@ impl GemmUnit {
             })
             .chain(bias_arg)
             .chain(stream_k_buffers.into_iter().filter(|_| stream_k))
+            .chain(claims_units.then(|| tickets.name()))
             .chain(block_routing_uses.iter().copied())
             .collect();
         let call_args = call_args
             .replace("{weights}", weights)
             .replace("{bias}", bias_arg.unwrap_or("nullptr"))
             .replace("{a_rows}", a_rows)
+            .replace("{unit_ticket}", &unit_ticket_arg)
             .replace("{a_tiles}", &a_tiles_arg)
             .replace("{row_pair}", if row_table { "row_pair" } else { "nullptr" })
             .replace("{stream_k}", &stream_k_arg)
@@ -972,6 +990,7 @@ impl GemmUnit {
             cluster: gemm.cluster,
             b_box_rows: gemm.weight_box_rows(),
             a_tiles,
+            claims_units,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
             gemm2_early_max_tokens,

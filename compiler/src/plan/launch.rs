@@ -6,8 +6,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BufferId, COMBINE_THREADS, ElemType, GemmPlan, INVERT_ROWS_THREADS, LayerShape, ROUTE_THREADS,
-    RowLoad, SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
+    BufferId, COMBINE_THREADS, ElemType, GemmPlan, INVERT_ROWS_THREADS, LayerShape, MmaEngine,
+    ROUTE_THREADS, RowLoad, SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
 };
 
 /// One kernel launch of the forward call.
@@ -489,6 +489,17 @@ fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
     ]
 }
 
+/// The ticket a single-GPU warp-specialised GEMM claims its work units from (both GEMMs'
+/// tickets: GEMM1 takes the first, GEMM2 the second).
+fn unit_ticket_params(gemm: &GemmPlan) -> Vec<KernelParam> {
+    if gemm.engine != MmaEngine::WgmmaWarpSpecialized {
+        return Vec::new();
+    }
+    vec![KernelParam::write(LaunchArg::Workspace(
+        BufferId::UnitTickets,
+    ))]
+}
+
 /// What a single-GPU GEMM that routes small calls in its blocks takes for it: the call's
 /// ids and token count, whether this call routes so; GEMM1, the first kernel of such a
 /// call, also the error word (its block 0 clears it and reports ids out of range).
@@ -575,6 +586,7 @@ pub fn launch_table(
                 .flatten()
                 .chain([write(Workspace(Intermediate))])
                 .chain(stream_k_params(g1))
+                .chain(unit_ticket_params(g1))
                 .chain(block_routing_params(g1, true))
                 .collect(),
         },
@@ -596,6 +608,7 @@ pub fn launch_table(
                     write(Workspace(CombineSlots)),
                 ])
                 .chain(stream_k_params(g2))
+                .chain(unit_ticket_params(g2))
                 .chain(block_routing_params(g2, false))
                 .collect(),
         },

@@ -447,6 +447,10 @@ pub enum BufferId {
     /// u32 [2 · E' + H / BN of GEMM2 + 2]: the fused decode's counters, zero between calls (see
     /// [`fused_decode::counters_len`]).
     FusedDecodeCounters,
+    /// u32 `[2]`: the next work unit of the single-GPU warp-specialised GEMM1, then GEMM2, each
+    /// pair (or block) claiming its units in order; a launch's last claim resets its ticket to
+    /// 0 (zero between calls). See [`MmaEngine::WgmmaWarpSpecialized`].
+    UnitTickets,
     /// u32 [2 · (E/R + shared slices) + 3]: a rank's fused decode's counters, zero between
     /// calls (see [`fused_decode::rank_counters_len`]).
     RankFusedCounters,
@@ -507,6 +511,7 @@ impl BufferId {
             | BufferId::Credits
             | BufferId::RouterTilesDone
             | BufferId::StreamKTilesDone
+            | BufferId::UnitTickets
             | BufferId::FusedDecodeCounters
             | BufferId::RankFusedCounters
             | BufferId::NetReady
@@ -577,6 +582,7 @@ impl BufferId {
             BufferId::NetPartialsReady => "net_partials_ready",
             BufferId::StreamKPartials => "stream_k_partials",
             BufferId::StreamKTilesDone => "stream_k_tiles_done",
+            BufferId::UnitTickets => "unit_tickets",
             BufferId::FusedDecodeCounters => "fused_decode_counters",
             BufferId::RankFusedCounters => "rank_fused_counters",
         }
@@ -795,7 +801,16 @@ pub enum MmaEngine {
     /// `wgmma` m64nNk16 from shared-memory descriptors in consumer warpgroups (64 rows
     /// each), fed by a producer warpgroup (TMA for weights, cp.async for gathered rows)
     /// through a ring of stages guarded by mbarriers, registers split with `setmaxnreg`
-    /// (sm_90a).
+    /// (sm_90a). On one GPU its blocks (pairs) claim their work units in order from a
+    /// ticket ([`BufferId::UnitTickets`]) rather than by block index: the units running at
+    /// any moment stay a contiguous run, so the tiles that read one weight panel or one
+    /// expert's rows run together and read them once from DRAM. Dealt by block index, blocks
+    /// drifted apart over a large call's waves (an expert's part-empty last tile costs
+    /// what a full one does, or not), and measured on an H100 (2026-12-06, uniform routing)
+    /// claiming took DeepSeek-V3's prefill GEMM1 at 16384 tokens from 43 to 25 GB of DRAM
+    /// reads and 15.4 to 12.2 ms, and 7-11% off the large calls of DeepSeek-V3, GPT-OSS-120B
+    /// and Mixtral-8x7B (`benches/results/2026-12-06_tail_unit_order.md`). The
+    /// expert-parallel GEMMs still deal units by block index.
     WgmmaWarpSpecialized,
 }
 
@@ -1103,7 +1118,8 @@ pub enum OutputStore {
 /// weight panel (each block loads half of every stage's B rows and multicasts it to both,
 /// so each block reads `BM + B_rows / 2` rows from L2 instead of `BM + B_rows`), or, for an
 /// expert with an odd count of m-tiles, its last m-tile's n-tiles two at a time (no
-/// sharing; the second block of a unit past the last n-tile has no rows).
+/// sharing; the second block of a unit past the last n-tile has no rows), each right after
+/// the pairs' units of its two n-tiles, so that it reads their weight panels from L2.
 pub const CLUSTER_PAIR: u32 = 2;
 
 /// The shared-memory layout of one GEMM block. Dynamic memory is
@@ -1129,8 +1145,8 @@ pub struct SmemLayout {
     pub row_source_offset: u32,
     /// Offset of the stage barriers from the start of the ring: `row_source_offset + 4·BM`.
     pub barrier_offset: u32,
-    /// `align_slack + barrier_offset + 16·stages` (warp-specialised) or
-    /// `align_slack + barrier_offset` (no barriers).
+    /// `align_slack + barrier_offset + 16·stages +` [`UNIT_SLOT_BYTES`] (warp-specialised)
+    /// or `align_slack + barrier_offset` (no barriers).
     pub dynamic_bytes: u32,
     /// The static tile-start table, `4·(groups + 1)` bytes (a group per expert, or per
     /// (source, local expert) on the expert-parallel path), and the routing tables (4 bytes
@@ -1163,7 +1179,7 @@ impl SmemLayout {
         };
         let align_slack = ring_align;
         let barrier_bytes = match engine {
-            MmaEngine::WgmmaWarpSpecialized => 16 * stages,
+            MmaEngine::WgmmaWarpSpecialized => 16 * stages + UNIT_SLOT_BYTES,
             MmaEngine::MmaSync => 0,
         };
         let row_source_offset = stages * stage_bytes;
@@ -1195,6 +1211,11 @@ impl SmemLayout {
 
 /// Shared memory the driver reserves for each resident block, bytes.
 pub const SMEM_RESERVED_PER_BLOCK: u32 = 1024;
+
+/// Bytes after a warp-specialised block's stage barriers: two slots of the block's next work
+/// units (an mbarrier each, then the unit), through which the pair's claimed units reach
+/// every thread of both blocks.
+pub const UNIT_SLOT_BYTES: u32 = 2 * 8 + 2 * 4;
 
 /// A schedule hint of the spec, named as the language writes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1518,6 +1539,7 @@ fn plan_as_sized(
             .map(|router| RouterSpace::of(router, &shape)),
         stream_k,
         fused_decode::counters_needed(&shape, &regimes),
+        claims_units(&regimes),
     );
 
     let placement = ep::Placement::of(&layer.topology);
@@ -1718,7 +1740,8 @@ impl RouterSpace {
 /// of the routing over `route_blocks` blocks where that is more than one; with `sorted_x`,
 /// x's rows in the expert-major order for a GEMM1 that loads them as tiles; with a router,
 /// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
-/// and counters; with a fused decode, its `fused_counters` counters.
+/// and counters; with a fused decode, its `fused_counters` counters; with warp-specialised
+/// GEMMs, their `unit_tickets`.
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
@@ -1726,6 +1749,7 @@ fn workspace(
     router: Option<RouterSpace>,
     stream_k: StreamKSpace,
     fused_counters: Option<u64>,
+    unit_tickets: bool,
 ) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
@@ -1840,7 +1864,24 @@ fn workspace(
             purpose: "the fused decode's counters: per expert GEMM1 tiles stored and GEMM2 tiles that read them, per GEMM2 column tile the tiles stored, the next unit's ticket and the blocks done claiming (zero between calls)".into(),
         });
     }
+    if unit_tickets {
+        buffers.push(Buffer {
+            id: BufferId::UnitTickets,
+            elem: BufferId::UnitTickets.elem(),
+            elems: 2,
+            purpose: "the next work unit of the warp-specialised GEMM1 and GEMM2, claimed in order (zero between calls)".into(),
+        });
+    }
     buffers
+}
+
+/// Whether any regime's GEMMs include a warp-specialised one (the workspace then holds the
+/// tickets its units are claimed from).
+fn claims_units(regimes: &[Regime]) -> bool {
+    regimes
+        .iter()
+        .flat_map(|r| [&r.gemm1, &r.gemm2])
+        .any(|gemm| gemm.engine == MmaEngine::WgmmaWarpSpecialized)
 }
 
 impl Plan {

@@ -17,7 +17,7 @@ use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid,
     INVERT_ROWS_THREADS, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH,
     MmaEngine, OutputStore, Plan, ROUTE_THREADS, ROUTER_BUFFERS, Regime, RegimeParts, RouterSpace,
-    RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier,
+    RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier, claims_units,
     combine_blocks_per_token, fused_decode, sorts_x_rows, workspace,
 };
 use crate::check::layer::MAX_SIZE;
@@ -119,6 +119,7 @@ impl Plan {
                 router_space,
                 stream_k,
                 fused_counters,
+                claims_units(&self.regimes),
             )
         {
             return Err("the workspace buffers do not match the layer's shape".into());
@@ -785,6 +786,16 @@ impl Plan {
                     ));
                 }
                 Self::check_gemm_loads(gemm, launch, kernel, up)?;
+                // The single-GPU warp-specialised GEMMs claim their units from a ticket.
+                let claims =
+                    !regime.expert_parallel && gemm.engine == MmaEngine::WgmmaWarpSpecialized;
+                let ticket = LaunchArg::Workspace(BufferId::UnitTickets);
+                if launch.params.iter().any(|param| param.arg == ticket) != claims {
+                    return Err(format!(
+                        "`{kernel}` {} the unit tickets (the single-GPU warp-specialised GEMMs claim their units from them; no other GEMM takes them)",
+                        if claims { "is not given" } else { "is given" }
+                    ));
+                }
             }
             for launch in regime.launches {
                 self.check_launch(launch)?;
