@@ -132,22 +132,23 @@ __device__ __forceinline__ void mbarrier_wait_cluster(u32 barrier, u32 parity) {
 
 // Work units claimed in order (CLAIMS_UNITS): the first block of a cluster takes each unit
 // from the launch's ticket and hands it to every thread of the cluster's blocks through
-// slot j % 2 (an mbarrier of one arrival, then the unit). Two slots suffice: a block's
-// producer claims unit j + 2 only after loading every stage of unit j + 1, which needs
-// both blocks' consumers to have released stages of unit j + 1 (or j), and so every
-// thread of both blocks to have read unit j. The G clusters' claims are numbered 0 ..
-// total + G - 1 (each cluster's last claim is past the end), so the one numbered
-// total + G - 1 is the launch's last and resets the ticket for the next call.
-template <int CLUSTER>
+// slot j % SLOTS (an mbarrier of one arrival, then the unit). SLOTS = STAGES + 1 suffice:
+// the producer claims unit j + SLOTS after loading unit j + STAGES's last k-tile, for
+// which both blocks' consumers released the stage of a k-tile STAGES before it, of unit
+// j or later (a unit has at least one k-tile); so every thread of both blocks has read
+// unit j, and a reader never waits on a slot two phases behind. The G clusters' claims
+// are numbered 0 .. total + G - 1 (each cluster's last claim is past the end), so the one
+// numbered total + G - 1 is the launch's last and resets the ticket for the next call.
+template <int CLUSTER, int SLOTS>
 struct UnitSlots {
-    u32 barriers;  // [2] mbarriers
-    u32 units;     // [2] ints
+    u32 barriers;  // [SLOTS] mbarriers
+    u32 units;     // [SLOTS] ints
 
     __device__ __forceinline__ void claim(int j, unsigned int* ticket, int total_units, int clusters) const {
         const unsigned claimed = atomicAdd(ticket, 1u);
         if (claimed == (unsigned)(total_units + clusters - 1)) atomicExch(ticket, 0u);
         const int unit = min((int)claimed, total_units);
-        const u32 slot = units + (j & 1) * 4u, barrier = barriers + (j & 1) * 8u;
+        const u32 slot = units + (j % SLOTS) * 4u, barrier = barriers + (j % SLOTS) * 8u;
 #pragma unroll
         for (int rank = 1; rank < CLUSTER; ++rank) {
             u32 remote_slot, remote_barrier;
@@ -162,13 +163,13 @@ struct UnitSlots {
         mbarrier_arrive(barrier);
     }
 
-    // The unit of slot j % 2 once it is there; a unit at or past the total ends the loop.
+    // The unit of slot j % SLOTS once it is there; a unit at or past the total ends the loop.
     __device__ __forceinline__ int unit(int j, int cta_rank) const {
-        const u32 barrier = barriers + (j & 1) * 8u;
-        if (CLUSTER > 1 && cta_rank > 0) mbarrier_wait_cluster(barrier, (j >> 1) & 1);
-        else mbarrier_wait(barrier, (j >> 1) & 1);
+        const u32 barrier = barriers + (j % SLOTS) * 8u, parity = (j / SLOTS) & 1;
+        if (CLUSTER > 1 && cta_rank > 0) mbarrier_wait_cluster(barrier, parity);
+        else mbarrier_wait(barrier, parity);
         int unit;
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(unit) : "r"(units + (j & 1) * 4u) : "memory");
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(unit) : "r"(units + (j % SLOTS) * 4u) : "memory");
         return unit;
     }
 };
@@ -225,16 +226,16 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
     const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
     const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
-    const u32 unit_barriers = empty_barriers + G::STAGES * 8u;  // [2], then the 2 units: see UnitSlots
-    const UnitSlots<G::CLUSTER> slots{unit_barriers, unit_barriers + 2 * 8u};
+    constexpr int UNIT_SLOTS = G::STAGES + 1;
+    const u32 unit_barriers = empty_barriers + G::STAGES * 8u;  // [UNIT_SLOTS], then the units: see UnitSlots
+    const UnitSlots<G::CLUSTER, UNIT_SLOTS> slots{unit_barriers, unit_barriers + UNIT_SLOTS * 8u};
     __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
     if (tid == 0) {
         if constexpr (G::CLAIMS_UNITS) {
-            mbarrier_init(slots.barriers, 1);
-            mbarrier_init(slots.barriers + 8u, 1);
+            for (int s = 0; s < UNIT_SLOTS; ++s) mbarrier_init(slots.barriers + s * 8u, 1);
         }
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);

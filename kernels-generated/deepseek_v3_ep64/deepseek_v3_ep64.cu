@@ -714,9 +714,10 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
     static_assert(G::ROW_SOURCE_OFFSET == G::STAGES * G::STAGE_BYTES, "plan: row table after the ring");
     static_assert(G::BARRIER_OFFSET == G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int), "plan: barriers after the row table");
-    // Two mbarriers per stage (full, empty) for the warp-specialised engine, then its two
-    // unit slots (an mbarrier and a unit each); none otherwise.
-    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) + 2 * ((int)sizeof(u64) + (int)sizeof(int)) : 0;
+    // Two mbarriers per stage (full, empty) for the warp-specialised engine, then its
+    // STAGES + 1 unit slots (an mbarrier and a unit each); none otherwise.
+    constexpr int BARRIER_BYTES =
+        G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) + (G::STAGES + 1) * ((int)sizeof(u64) + (int)sizeof(int)) : 0;
     static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
     static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::N % G::BN == 0, "plan: tiles divide N");
@@ -1676,22 +1677,23 @@ __device__ __forceinline__ void mbarrier_wait_cluster(u32 barrier, u32 parity) {
 
 // Work units claimed in order (CLAIMS_UNITS): the first block of a cluster takes each unit
 // from the launch's ticket and hands it to every thread of the cluster's blocks through
-// slot j % 2 (an mbarrier of one arrival, then the unit). Two slots suffice: a block's
-// producer claims unit j + 2 only after loading every stage of unit j + 1, which needs
-// both blocks' consumers to have released stages of unit j + 1 (or j), and so every
-// thread of both blocks to have read unit j. The G clusters' claims are numbered 0 ..
-// total + G - 1 (each cluster's last claim is past the end), so the one numbered
-// total + G - 1 is the launch's last and resets the ticket for the next call.
-template <int CLUSTER>
+// slot j % SLOTS (an mbarrier of one arrival, then the unit). SLOTS = STAGES + 1 suffice:
+// the producer claims unit j + SLOTS after loading unit j + STAGES's last k-tile, for
+// which both blocks' consumers released the stage of a k-tile STAGES before it, of unit
+// j or later (a unit has at least one k-tile); so every thread of both blocks has read
+// unit j, and a reader never waits on a slot two phases behind. The G clusters' claims
+// are numbered 0 .. total + G - 1 (each cluster's last claim is past the end), so the one
+// numbered total + G - 1 is the launch's last and resets the ticket for the next call.
+template <int CLUSTER, int SLOTS>
 struct UnitSlots {
-    u32 barriers;  // [2] mbarriers
-    u32 units;     // [2] ints
+    u32 barriers;  // [SLOTS] mbarriers
+    u32 units;     // [SLOTS] ints
 
     __device__ __forceinline__ void claim(int j, unsigned int* ticket, int total_units, int clusters) const {
         const unsigned claimed = atomicAdd(ticket, 1u);
         if (claimed == (unsigned)(total_units + clusters - 1)) atomicExch(ticket, 0u);
         const int unit = min((int)claimed, total_units);
-        const u32 slot = units + (j & 1) * 4u, barrier = barriers + (j & 1) * 8u;
+        const u32 slot = units + (j % SLOTS) * 4u, barrier = barriers + (j % SLOTS) * 8u;
 #pragma unroll
         for (int rank = 1; rank < CLUSTER; ++rank) {
             u32 remote_slot, remote_barrier;
@@ -1706,13 +1708,13 @@ struct UnitSlots {
         mbarrier_arrive(barrier);
     }
 
-    // The unit of slot j % 2 once it is there; a unit at or past the total ends the loop.
+    // The unit of slot j % SLOTS once it is there; a unit at or past the total ends the loop.
     __device__ __forceinline__ int unit(int j, int cta_rank) const {
-        const u32 barrier = barriers + (j & 1) * 8u;
-        if (CLUSTER > 1 && cta_rank > 0) mbarrier_wait_cluster(barrier, (j >> 1) & 1);
-        else mbarrier_wait(barrier, (j >> 1) & 1);
+        const u32 barrier = barriers + (j % SLOTS) * 8u, parity = (j / SLOTS) & 1;
+        if (CLUSTER > 1 && cta_rank > 0) mbarrier_wait_cluster(barrier, parity);
+        else mbarrier_wait(barrier, parity);
         int unit;
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(unit) : "r"(units + (j & 1) * 4u) : "memory");
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(unit) : "r"(units + (j % SLOTS) * 4u) : "memory");
         return unit;
     }
 };
@@ -1769,16 +1771,16 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     int* s_row_source = reinterpret_cast<int*>(smem + G::ROW_SOURCE_OFFSET);
     const u32 full_barriers = smem_base + G::BARRIER_OFFSET;           // [STAGES]: stage loaded
     const u32 empty_barriers = full_barriers + G::STAGES * sizeof(u64);  // [STAGES]: stage read
-    const u32 unit_barriers = empty_barriers + G::STAGES * 8u;  // [2], then the 2 units: see UnitSlots
-    const UnitSlots<G::CLUSTER> slots{unit_barriers, unit_barriers + 2 * 8u};
+    constexpr int UNIT_SLOTS = G::STAGES + 1;
+    const u32 unit_barriers = empty_barriers + G::STAGES * 8u;  // [UNIT_SLOTS], then the units: see UnitSlots
+    const UnitSlots<G::CLUSTER, UNIT_SLOTS> slots{unit_barriers, unit_barriers + UNIT_SLOTS * 8u};
     __shared__ int s_tile_start[G::EXPERTS_HERE * G::PHASES + 1];
     static_assert(static_smem_reserved(sizeof(s_tile_start)) == G::STATIC_SMEM_BYTES, "plan: static tile-start table");
 
     const int tid = threadIdx.x;
     if (tid == 0) {
         if constexpr (G::CLAIMS_UNITS) {
-            mbarrier_init(slots.barriers, 1);
-            mbarrier_init(slots.barriers + 8u, 1);
+            for (int s = 0; s < UNIT_SLOTS; ++s) mbarrier_init(slots.barriers + s * 8u, 1);
         }
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
@@ -4302,7 +4304,7 @@ struct mid_gemm1 : SingleGpu {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206184, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206232, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm1)
@@ -4340,7 +4342,7 @@ struct mid_gemm2 : SingleGpu {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206184, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206232, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_gemm2)
@@ -4382,7 +4384,7 @@ struct prefill_gemm1 : SingleGpu {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198268, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm1)
@@ -4419,7 +4421,7 @@ struct prefill_gemm2 : SingleGpu {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1152 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198268, STATIC_SMEM_BYTES = 1152 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_gemm2)
@@ -4552,7 +4554,7 @@ struct mid_ep_gemm1 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 204800, BARRIER_OFFSET = 205056 };
-    enum : int { DYNAMIC_SMEM_BYTES = 206184, STATIC_SMEM_BYTES = 1408 };
+    enum : int { DYNAMIC_SMEM_BYTES = 206232, STATIC_SMEM_BYTES = 1408 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm1)
@@ -4594,7 +4596,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 24576 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 196864 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198040, STATIC_SMEM_BYTES = 1408 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198124, STATIC_SMEM_BYTES = 1408 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_mid_ep_gemm2)
@@ -4637,7 +4639,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1408 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198268, STATIC_SMEM_BYTES = 1408 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm1)
@@ -4679,7 +4681,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
     enum : int { RING_ALIGN = 1024, ALIGN_SLACK = 1024, ROW_SOURCE_OFFSET = 196608, BARRIER_OFFSET = 197120 };
-    enum : int { DYNAMIC_SMEM_BYTES = 198232, STATIC_SMEM_BYTES = 1408 };
+    enum : int { DYNAMIC_SMEM_BYTES = 198268, STATIC_SMEM_BYTES = 1408 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_deepseek_v3_ep64_prefill_ep_gemm2)

@@ -542,9 +542,10 @@ __device__ __forceinline__ void assert_gemm_layout() {
     static_assert(G::STAGE_BYTES == (G::BM + G::B_ROWS) * G::ROW_BYTES, "plan: stage bytes");
     static_assert(G::ROW_SOURCE_OFFSET == G::STAGES * G::STAGE_BYTES, "plan: row table after the ring");
     static_assert(G::BARRIER_OFFSET == G::ROW_SOURCE_OFFSET + G::BM * (int)sizeof(int), "plan: barriers after the row table");
-    // Two mbarriers per stage (full, empty) for the warp-specialised engine, then its two
-    // unit slots (an mbarrier and a unit each); none otherwise.
-    constexpr int BARRIER_BYTES = G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) + 2 * ((int)sizeof(u64) + (int)sizeof(int)) : 0;
+    // Two mbarriers per stage (full, empty) for the warp-specialised engine, then its
+    // STAGES + 1 unit slots (an mbarrier and a unit each); none otherwise.
+    constexpr int BARRIER_BYTES =
+        G::PRODUCER_THREADS > 0 ? 2 * G::STAGES * (int)sizeof(u64) + (G::STAGES + 1) * ((int)sizeof(u64) + (int)sizeof(int)) : 0;
     static_assert(G::DYNAMIC_SMEM_BYTES == G::ALIGN_SLACK + G::BARRIER_OFFSET + BARRIER_BYTES, "plan: dynamic shared memory");
     static_assert(G::THREADS == G::PRODUCER_THREADS + 32 * G::WARPS_M * G::WARPS_N, "plan: threads per block");
     static_assert(G::N % G::BN == 0, "plan: tiles divide N");

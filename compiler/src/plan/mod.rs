@@ -1145,7 +1145,7 @@ pub struct SmemLayout {
     pub row_source_offset: u32,
     /// Offset of the stage barriers from the start of the ring: `row_source_offset + 4·BM`.
     pub barrier_offset: u32,
-    /// `align_slack + barrier_offset + 16·stages +` [`UNIT_SLOT_BYTES`] (warp-specialised)
+    /// `align_slack + barrier_offset + 16·stages +` [`unit_slot_bytes`] (warp-specialised)
     /// or `align_slack + barrier_offset` (no barriers).
     pub dynamic_bytes: u32,
     /// The static tile-start table, `4·(groups + 1)` bytes (a group per expert, or per
@@ -1179,7 +1179,7 @@ impl SmemLayout {
         };
         let align_slack = ring_align;
         let barrier_bytes = match engine {
-            MmaEngine::WgmmaWarpSpecialized => 16 * stages + UNIT_SLOT_BYTES,
+            MmaEngine::WgmmaWarpSpecialized => 16 * stages + unit_slot_bytes(stages),
             MmaEngine::MmaSync => 0,
         };
         let row_source_offset = stages * stage_bytes;
@@ -1212,10 +1212,13 @@ impl SmemLayout {
 /// Shared memory the driver reserves for each resident block, bytes.
 pub const SMEM_RESERVED_PER_BLOCK: u32 = 1024;
 
-/// Bytes after a warp-specialised block's stage barriers: two slots of the block's next work
-/// units (an mbarrier each, then the unit), through which the pair's claimed units reach
-/// every thread of both blocks.
-pub const UNIT_SLOT_BYTES: u32 = 2 * 8 + 2 * 4;
+/// Bytes after the stage barriers of a warp-specialised block of `stages` stages: the slots
+/// through which a pair's claimed work units reach every thread of both blocks, an mbarrier
+/// each, then the units. `stages + 1` slots: a producer can run at most `stages` k-tiles,
+/// so at most `stages` units, ahead of the slowest reader, whatever a unit's k-tiles.
+pub fn unit_slot_bytes(stages: u32) -> u32 {
+    (stages + 1) * (8 + 4)
+}
 
 /// A schedule hint of the spec, named as the language writes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
