@@ -6,8 +6,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BufferId, COMBINE_THREADS, ElemType, GemmPlan, INVERT_ROWS_THREADS, LayerShape, MmaEngine,
-    ROUTE_THREADS, RowLoad, SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
+    BufferId, COMBINE_THREADS, ElemType, GemmPlan, INVERT_ROWS_THREADS, LayerShape, ROUTE_THREADS,
+    RowLoad, SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
 };
 
 /// One kernel launch of the forward call.
@@ -492,7 +492,7 @@ fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
 /// The ticket a single-GPU warp-specialised GEMM claims its work units from (both GEMMs'
 /// tickets: GEMM1 takes the first, GEMM2 the second).
 fn unit_ticket_params(gemm: &GemmPlan) -> Vec<KernelParam> {
-    if gemm.engine != MmaEngine::WgmmaWarpSpecialized {
+    if !gemm.claims_units_on_one_gpu() {
         return Vec::new();
     }
     vec![KernelParam::write(LaunchArg::Workspace(

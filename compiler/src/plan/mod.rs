@@ -1030,6 +1030,13 @@ impl GemmPlan {
         32 * (self.warps_m * self.warps_n + producer_warps)
     }
 
+    /// Whether this GEMM, run on one GPU, claims its work units in order from a ticket
+    /// ([`BufferId::UnitTickets`]): the warp-specialised engine does (see
+    /// [`MmaEngine::WgmmaWarpSpecialized`]); the expert-parallel GEMMs never do.
+    pub fn claims_units_on_one_gpu(&self) -> bool {
+        self.engine == MmaEngine::WgmmaWarpSpecialized
+    }
+
     /// Whether this GEMM can run as a cluster pair: a warp-specialised tile of two consumer
     /// warpgroups (128 rows), a persistent grid of whole pairs, and a weight panel that
     /// splits into two boxes (gate and up, or halves on the swizzle's 8-row period).
@@ -1878,13 +1885,13 @@ fn workspace(
     buffers
 }
 
-/// Whether any regime's GEMMs include a warp-specialised one (the workspace then holds the
-/// tickets its units are claimed from).
+/// Whether any regime's GEMMs claim their units from a ticket (the workspace then holds
+/// the tickets).
 fn claims_units(regimes: &[Regime]) -> bool {
     regimes
         .iter()
         .flat_map(|r| [&r.gemm1, &r.gemm2])
-        .any(|gemm| gemm.engine == MmaEngine::WgmmaWarpSpecialized)
+        .any(GemmPlan::claims_units_on_one_gpu)
 }
 
 impl Plan {

@@ -787,8 +787,7 @@ impl Plan {
                 }
                 Self::check_gemm_loads(gemm, launch, kernel, up)?;
                 // The single-GPU warp-specialised GEMMs claim their units from a ticket.
-                let claims =
-                    !regime.expert_parallel && gemm.engine == MmaEngine::WgmmaWarpSpecialized;
+                let claims = !regime.expert_parallel && gemm.claims_units_on_one_gpu();
                 let ticket = LaunchArg::Workspace(BufferId::UnitTickets);
                 if launch.params.iter().any(|param| param.arg == ticket) != claims {
                     return Err(format!(
