@@ -881,9 +881,9 @@ fn cluster_pairs_and_row_tiles_are_checked() {
     );
 }
 
-/// The single-GPU warp-specialised GEMMs claim their work units from the workspace's two
-/// tickets (GEMM1 the first, GEMM2 the second); the mma.sync GEMMs and the expert-parallel
-/// ones take none. Validation catches a ticket missing from a launch or from the workspace.
+/// The warp-specialised GEMMs, one GPU's and a rank's, claim their work units from their
+/// workspace's two tickets (GEMM1 the first, GEMM2 the second); the mma.sync GEMMs take
+/// none. Validation catches a ticket missing from a launch or from either workspace.
 #[test]
 fn warp_specialised_gemms_claim_units_from_the_tickets() {
     let plan = example_plan("deepseek_v3");
@@ -896,34 +896,42 @@ fn warp_specialised_gemms_claim_units_from_the_tickets() {
             .iter()
             .any(|param| param.arg == tickets)
     };
-    let mut warp_specialised = 0;
-    for regime in &plan.regimes {
-        for (gemm, kernel) in [
-            (&regime.gemm1, &regime.gemm1_kernel),
-            (&regime.gemm2, &regime.gemm2_kernel),
-        ] {
-            let claims = gemm.engine == plan::MmaEngine::WgmmaWarpSpecialized;
-            warp_specialised += usize::from(claims);
-            assert_eq!(takes(kernel), claims, "{kernel}");
-        }
-    }
-    assert!(
-        warp_specialised >= 2,
-        "DeepSeek-V3's prefill GEMMs are warp-specialised"
-    );
     let ep = plan
         .expert_parallel
         .as_ref()
         .expect("DeepSeek-V3 spans ranks");
-    for regime in &ep.regimes {
-        assert!(!takes(&regime.gemm1_kernel) && !takes(&regime.gemm2_kernel));
-    }
-    let buffer = plan
-        .workspace
+    let gemms = |regimes: Vec<[(&plan::GemmPlan, &String); 2]>| {
+        let mut warp_specialised = 0;
+        for (gemm, kernel) in regimes.into_iter().flatten() {
+            let claims = gemm.engine == plan::MmaEngine::WgmmaWarpSpecialized;
+            warp_specialised += usize::from(claims);
+            assert_eq!(takes(kernel), claims, "{kernel}");
+        }
+        warp_specialised
+    };
+    let one_gpu = plan
+        .regimes
         .iter()
-        .find(|buffer| buffer.id == BufferId::UnitTickets)
-        .expect("the workspace holds the tickets");
-    assert_eq!(buffer.elems, 2);
+        .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)]);
+    assert!(
+        gemms(one_gpu.collect()) >= 2,
+        "DeepSeek-V3's prefill GEMMs are warp-specialised"
+    );
+    let ranks = ep
+        .regimes
+        .iter()
+        .map(|r| [(&r.gemm1, &r.gemm1_kernel), (&r.gemm2, &r.gemm2_kernel)]);
+    assert!(
+        gemms(ranks.collect()) >= 2,
+        "a rank's prefill GEMMs are warp-specialised"
+    );
+    for workspace in [&plan.workspace, &ep.workspace] {
+        let buffer = workspace
+            .iter()
+            .find(|buffer| buffer.id == BufferId::UnitTickets)
+            .expect("the workspace holds the tickets");
+        assert_eq!(buffer.elems, 2);
+    }
 
     let mut without_ticket = plan.clone();
     let prefill = without_ticket.regimes.last_mut().expect("a prefill regime");
@@ -944,6 +952,35 @@ fn warp_specialised_gemms_claim_units_from_the_tickets() {
         .workspace
         .retain(|buffer| buffer.id != BufferId::UnitTickets);
     assert!(no_buffer.validate().is_err(), "no tickets in the workspace");
+
+    let mut rank_without_ticket = plan.clone();
+    let rank_prefill = rank_without_ticket
+        .expert_parallel
+        .as_mut()
+        .and_then(|ep| ep.regimes.last_mut())
+        .expect("a rank's prefill regime");
+    let gemm2_kernel = rank_prefill.gemm2_kernel.clone();
+    rank_prefill
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == gemm2_kernel)
+        .expect("a rank's GEMM2 is launched")
+        .params
+        .retain(|param| param.arg != tickets);
+    assert!(
+        rank_without_ticket.validate().is_err(),
+        "a rank's GEMM2 without its ticket"
+    );
+
+    let mut rank_no_buffer = plan.clone();
+    if let Some(ep) = &mut rank_no_buffer.expert_parallel {
+        ep.workspace
+            .retain(|buffer| buffer.id != BufferId::UnitTickets);
+    }
+    assert!(
+        rank_no_buffer.validate().is_err(),
+        "no tickets in a rank's workspace"
+    );
 }
 
 /// GEMM1 loads x's rows sorted by expert where `gemm1_row_load` says (Mixtral-8x7B's

@@ -1561,10 +1561,10 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
 //     producer loads the next tile while the consumers store this one;
 //   - setmaxnreg moves registers from the producer (addresses only) to the consumers
 //     (accumulators), as the plan splits them;
-//   - on one GPU (CLAIMS_UNITS) the blocks claim their work units in order from a ticket
-//     (see UnitSlots), so the units in flight stay a contiguous run and the tiles sharing a
-//     weight panel or an expert's rows read them from L2; on the expert-parallel path block
-//     b takes units b, b + grid, ...;
+//   - the blocks claim their work units in order from a ticket (see UnitSlots), so the
+//     units in flight stay a contiguous run and the tiles sharing a weight panel or an
+//     expert's rows read them from L2 (and, on the expert-parallel path, the units whose
+//     chunks arrive first run first);
 //   - in a cluster pair (CLUSTER = 2) the two blocks walk one list of work units (see
 //     group_units): on two m-tiles of one weight panel, each producer loads half of every
 //     stage's weight rows and multicasts it into both blocks' stage, halving the weight
@@ -1674,7 +1674,7 @@ __device__ __forceinline__ void mbarrier_wait_cluster(u32 barrier, u32 parity) {
         "}\n" ::"r"(barrier), "r"(parity) : "memory");
 }
 
-// Work units claimed in order (CLAIMS_UNITS): the first block of a cluster takes each unit
+// Work units claimed in order: the first block of a cluster takes each unit
 // from the launch's ticket and hands it to every thread of the cluster's blocks through
 // slot j % SLOTS (an mbarrier of one arrival, then the unit). SLOTS = STAGES + 1 suffice:
 // the producer claims unit j + SLOTS after loading unit j + STAGES's last k-tile, for
@@ -1732,7 +1732,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
     const EpContext& ep,
-    unsigned int* unit_ticket = nullptr,  // CLAIMS_UNITS: this GEMM's ticket
+    unsigned int* unit_ticket,  // this GEMM's ticket of work units, zero between calls
     const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
 {
     assert_gemm_layout<G>();
@@ -1760,7 +1760,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
     static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
-    static_assert(!G::CLAIMS_UNITS || !G::EP, "plan: units claimed from a ticket on one GPU");
+    static_assert(G::CLAIMS_UNITS, "plan: warp-specialised GEMMs claim their units from a ticket");
     constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -1778,9 +1778,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
 
     const int tid = threadIdx.x;
     if (tid == 0) {
-        if constexpr (G::CLAIMS_UNITS) {
-            for (int s = 0; s < UNIT_SLOTS; ++s) mbarrier_init(slots.barriers + s * 8u, 1);
-        }
+        for (int s = 0; s < UNIT_SLOTS; ++s) mbarrier_init(slots.barriers + s * 8u, 1);
         for (int s = 0; s < G::STAGES; ++s) {
             mbarrier_init(full_barriers + s * sizeof(u64), G::PRODUCER_THREADS);
             mbarrier_init(empty_barriers + s * sizeof(u64), CLUSTER * CONSUMER_THREADS / 32);
@@ -1801,14 +1799,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         }
     };
     const int clusters = gridDim.x / CLUSTER;
-    // The j-th unit of this block's cluster: claimed in order, or every clusters-th by index.
-    const auto unit_of = [&](int j) {
-        if constexpr (G::CLAIMS_UNITS) {
-            return slots.unit(j, cta_rank);
-        } else {
-            return (int)(blockIdx.x / CLUSTER) + j * clusters;
-        }
-    };
 
     if (tid < G::PRODUCER_THREADS) {
         // Producer: row sources, then every k-tile of every tile of this block into the ring.
@@ -1821,10 +1811,8 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         int stage = 0;
         u32 phase = 0;
         for (int j = 0;; ++j) {
-            if constexpr (G::CLAIMS_UNITS) {
-                if (tid == 0 && cta_rank == 0) slots.claim(j, unit_ticket, total_units, clusters);
-            }
-            const int unit = unit_of(j);
+            if (tid == 0 && cta_rank == 0) slots.claim(j, unit_ticket, total_units, clusters);
+            const int unit = slots.unit(j, cta_rank);
             if (unit >= total_units) break;
             const GemmTile t = tile_of(unit);
             if constexpr (!G::A_TILES) {
@@ -1874,7 +1862,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
         int stage = 0;
         u32 phase = 0;
         for (int j = 0;; ++j) {
-            const int unit = unit_of(j);
+            const int unit = slots.unit(j, cta_rank);
             if (unit >= total_units) break;
             const GemmTile t = tile_of(unit);
             // A gated tile's up columns follow its gate columns, as its up rows follow its
@@ -4580,7 +4568,7 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 64 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4599,11 +4587,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_mid_ep_gemm2(
     const int* __restrict__ row_origins,  // [rows]: rank each row came from
     const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
     int rank,  // this rank
-    int* __restrict__ error_word  // [4]: code, then details
+    int* __restrict__ error_word,  // [4]: code, then details
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
-        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank), unit_tickets + 1);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -4624,7 +4613,7 @@ struct large_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4644,11 +4633,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_large_ep_gemm1
     int rank,  // this rank
     u32 epoch,  // this call's epoch
     int* __restrict__ error_word,  // [4]: code, then details
-    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     grouped_gemm_warp_specialized<large_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
-        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch), unit_tickets + 0);
 }
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 64x64x64, 8 stages, 4x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
@@ -4666,7 +4656,7 @@ struct large_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 64 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4685,11 +4675,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) mixtral_8x7b_large_ep_gemm2
     const int* __restrict__ row_origins,  // [rows]: rank each row came from
     const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
     int rank,  // this rank
-    int* __restrict__ error_word  // [4]: code, then details
+    int* __restrict__ error_word,  // [4]: code, then details
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     grouped_gemm_warp_specialized<large_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
-        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank), unit_tickets + 1);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -4710,7 +4701,7 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4730,11 +4721,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) mixtral_8x7b_prefill_ep_gem
     int rank,  // this rank
     u32 epoch,  // this call's epoch
     int* __restrict__ error_word,  // [4]: code, then details
-    bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
-        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
+        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch), unit_tickets + 0);
 }
 #endif
 // expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 116 persistent blocks (1 per SM)
@@ -4752,7 +4744,7 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = false };  // work units claimed in order from a ticket, not dealt by block index
+    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4771,10 +4763,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) mixtral_8x7b_prefill_ep_gem
     const int* __restrict__ row_origins,  // [rows]: rank each row came from
     const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
     int rank,  // this rank
-    int* __restrict__ error_word  // [4]: code, then details
+    int* __restrict__ error_word,  // [4]: code, then details
+    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
     grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
-        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank), unit_tickets + 1);
 }
 #endif

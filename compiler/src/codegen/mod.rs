@@ -823,21 +823,21 @@ impl GemmUnit {
                 "ep_gemm1",
                 EP_GEMM_UP_USES,
                 "ExpertParallel",
-                "recv_x, {weights}, {bias}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch)",
+                "recv_x, {weights}, {bias}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch){unit_ticket}",
             ),
             GemmRole::ExpertParallelDown if rank_partials(plan) => (
                 "expert-parallel GEMM2 (W2, routing weight, kept here for the combine's rank partials)",
                 "ep_gemm2",
                 EP_GEMM_DOWN_PARTIALS_USES,
                 "ExpertParallel",
-                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, pair_results,\n        ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank)",
+                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, pair_results,\n        ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank){unit_ticket}",
             ),
             GemmRole::ExpertParallelDown => (
                 "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",
                 "ep_gemm2",
                 EP_GEMM_DOWN_USES,
                 "ExpertParallel",
-                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank)",
+                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank){unit_ticket}",
             ),
         };
         let (kind, n, kd) = if up {

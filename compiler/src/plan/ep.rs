@@ -24,12 +24,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::launch::{KernelParam, StreamRole, weight_param};
+use super::launch::{KernelParam, StreamRole, unit_ticket_params, weight_param};
 use super::network::{self, NetworkPlan, Route};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, FusedDecode, GemmKind, GemmPlan, GemmProblem, Grid, HintKey,
     HintProblem, Launch, LaunchArg, LayerShape, PlanError, RegimeChoice, RegimeParts, Target,
-    choose_regimes, cost, fused_decode, static_smem_reserved, with_deepest_ring,
+    choose_regimes, cost, fused_decode, static_smem_reserved, unit_tickets, with_deepest_ring,
     with_rank_fused_decode_regime,
 };
 use crate::ir::{self, TrafficOrder};
@@ -731,6 +731,9 @@ impl ExpertParallelPlan {
         workspace(shape, &sizes, self.network.as_ref())
             .into_iter()
             .chain(rank_fused_counters(shape, &sizes, &self.regimes))
+            .chain(unit_tickets(
+                self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]),
+            ))
             .chain(router_buffers)
             .collect()
     }
@@ -1605,7 +1608,10 @@ fn launch_table(
                 read(Epoch),
                 write(Workspace(ErrorWord)),
                 write(Workspace(Intermediate)),
-            ],
+            ]
+            .into_iter()
+            .chain(unit_ticket_params(g1))
+            .collect(),
         ),
         launch(
             gemm_kernels[1],
@@ -1625,6 +1631,9 @@ fn launch_table(
                     write(Workspace(ErrorWord)),
                     write(Workspace(PairResults)),
                 ]
+                .into_iter()
+                .chain(unit_ticket_params(g2))
+                .collect()
             } else {
                 vec![
                     read(Workspace(Intermediate)),
@@ -1637,6 +1646,9 @@ fn launch_table(
                     read(Rank),
                     write(Workspace(ErrorWord)),
                 ]
+                .into_iter()
+                .chain(unit_ticket_params(g2))
+                .collect()
             },
         ),
         launch(

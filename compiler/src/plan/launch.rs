@@ -489,10 +489,10 @@ fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
     ]
 }
 
-/// The ticket a single-GPU warp-specialised GEMM claims its work units from (both GEMMs'
-/// tickets: GEMM1 takes the first, GEMM2 the second).
-fn unit_ticket_params(gemm: &GemmPlan) -> Vec<KernelParam> {
-    if !gemm.claims_units_on_one_gpu() {
+/// The ticket a warp-specialised GEMM claims its work units from (both GEMMs' tickets:
+/// GEMM1 takes the first, GEMM2 the second), on one GPU or a rank.
+pub(crate) fn unit_ticket_params(gemm: &GemmPlan) -> Vec<KernelParam> {
+    if !gemm.claims_units() {
         return Vec::new();
     }
     vec![KernelParam::write(LaunchArg::Workspace(

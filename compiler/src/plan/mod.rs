@@ -801,8 +801,8 @@ pub enum MmaEngine {
     /// `wgmma` m64nNk16 from shared-memory descriptors in consumer warpgroups (64 rows
     /// each), fed by a producer warpgroup (TMA for weights, cp.async for gathered rows)
     /// through a ring of stages guarded by mbarriers, registers split with `setmaxnreg`
-    /// (sm_90a). On one GPU its blocks (pairs) claim their work units in order from a
-    /// ticket ([`BufferId::UnitTickets`]) rather than by block index: the units running at
+    /// (sm_90a). Its blocks (pairs) claim their work units in order from a ticket
+    /// ([`BufferId::UnitTickets`], one GPU's or a rank's) rather than by block index: the units running at
     /// any moment stay a contiguous run, so the tiles that read one weight panel or one
     /// expert's rows run together and read them once from DRAM. Dealt by block index, blocks
     /// drifted apart over a large call's waves (an expert's part-empty last tile costs
@@ -1030,10 +1030,10 @@ impl GemmPlan {
         32 * (self.warps_m * self.warps_n + producer_warps)
     }
 
-    /// Whether this GEMM, run on one GPU, claims its work units in order from a ticket
-    /// ([`BufferId::UnitTickets`]): the warp-specialised engine does (see
-    /// [`MmaEngine::WgmmaWarpSpecialized`]); the expert-parallel GEMMs never do.
-    pub fn claims_units_on_one_gpu(&self) -> bool {
+    /// Whether this GEMM claims its work units in order from a ticket
+    /// ([`BufferId::UnitTickets`], in one GPU's workspace or a rank's): the
+    /// warp-specialised engine does (see [`MmaEngine::WgmmaWarpSpecialized`]).
+    pub fn claims_units(&self) -> bool {
         self.engine == MmaEngine::WgmmaWarpSpecialized
     }
 
@@ -1549,7 +1549,7 @@ fn plan_as_sized(
             .map(|router| RouterSpace::of(router, &shape)),
         stream_k,
         fused_decode::counters_needed(&shape, &regimes),
-        claims_units(&regimes),
+        unit_tickets(regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2])),
     );
 
     let placement = ep::Placement::of(&layer.topology);
@@ -1751,7 +1751,7 @@ impl RouterSpace {
 /// x's rows in the expert-major order for a GEMM1 that loads them as tiles; with a router,
 /// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
 /// and counters; with a fused decode, its `fused_counters` counters; with warp-specialised
-/// GEMMs, their `unit_tickets`.
+/// GEMMs, their `unit_tickets` ([`unit_tickets`]).
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
@@ -1759,7 +1759,7 @@ fn workspace(
     router: Option<RouterSpace>,
     stream_k: StreamKSpace,
     fused_counters: Option<u64>,
-    unit_tickets: bool,
+    unit_tickets: Option<Buffer>,
 ) -> Vec<Buffer> {
     let max_pairs = shape.max_pairs();
     let mut buffers = vec![
@@ -1874,24 +1874,19 @@ fn workspace(
             purpose: "the fused decode's counters: per expert GEMM1 tiles stored and GEMM2 tiles that read them, per GEMM2 column tile the tiles stored, the next unit's ticket and the blocks done claiming (zero between calls)".into(),
         });
     }
-    if unit_tickets {
-        buffers.push(Buffer {
-            id: BufferId::UnitTickets,
-            elem: BufferId::UnitTickets.elem(),
-            elems: 2,
-            purpose: "the next work unit of the warp-specialised GEMM1 and GEMM2, claimed in order (zero between calls)".into(),
-        });
-    }
+    buffers.extend(unit_tickets);
     buffers
 }
 
-/// Whether any regime's GEMMs claim their units from a ticket (the workspace then holds
-/// the tickets).
-fn claims_units(regimes: &[Regime]) -> bool {
-    regimes
-        .iter()
-        .flat_map(|r| [&r.gemm1, &r.gemm2])
-        .any(GemmPlan::claims_units_on_one_gpu)
+/// The tickets GEMMs claim their work units from, where any of `gemms` (one GPU's, or
+/// a rank's) claims (index 0 GEMM1's, 1 GEMM2's).
+pub(crate) fn unit_tickets<'a>(mut gemms: impl Iterator<Item = &'a GemmPlan>) -> Option<Buffer> {
+    gemms.any(GemmPlan::claims_units).then(|| Buffer {
+        id: BufferId::UnitTickets,
+        elem: BufferId::UnitTickets.elem(),
+        elems: 2,
+        purpose: "the next work unit of the warp-specialised GEMM1 and GEMM2, claimed in order (zero between calls)".into(),
+    })
 }
 
 impl Plan {

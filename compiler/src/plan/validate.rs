@@ -17,8 +17,8 @@ use super::{
     Access, BufferId, CLUSTER_PAIR, COMBINE_THREADS, GemmKind, GemmPlan, GemmProblem, Grid,
     INVERT_ROWS_THREADS, LaunchArg, MAX_EXPERTS, MAX_PAIRS, MAX_SHARED_SLICES, MAX_WGMMA_WIDTH,
     MmaEngine, OutputStore, Plan, ROUTE_THREADS, ROUTER_BUFFERS, Regime, RegimeParts, RouterSpace,
-    RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier, claims_units,
-    combine_blocks_per_token, fused_decode, sorts_x_rows, workspace,
+    RowLoad, SORT_ROWS_THREADS, SmemLayout, StreamKSpace, TILE_K, c_identifier,
+    combine_blocks_per_token, fused_decode, sorts_x_rows, unit_tickets, workspace,
 };
 use crate::check::layer::MAX_SIZE;
 
@@ -119,7 +119,7 @@ impl Plan {
                 router_space,
                 stream_k,
                 fused_counters,
-                claims_units(&self.regimes),
+                unit_tickets(self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2])),
             )
         {
             return Err("the workspace buffers do not match the layer's shape".into());
@@ -786,12 +786,12 @@ impl Plan {
                     ));
                 }
                 Self::check_gemm_loads(gemm, launch, kernel, up)?;
-                // The single-GPU warp-specialised GEMMs claim their units from a ticket.
-                let claims = !regime.expert_parallel && gemm.claims_units_on_one_gpu();
+                // The warp-specialised GEMMs claim their units from a ticket.
+                let claims = gemm.claims_units();
                 let ticket = LaunchArg::Workspace(BufferId::UnitTickets);
                 if launch.params.iter().any(|param| param.arg == ticket) != claims {
                     return Err(format!(
-                        "`{kernel}` {} the unit tickets (the single-GPU warp-specialised GEMMs claim their units from them; no other GEMM takes them)",
+                        "`{kernel}` {} the unit tickets (the warp-specialised GEMMs claim their units from them; no other GEMM takes them)",
                         if claims { "is not given" } else { "is given" }
                     ));
                 }
