@@ -808,9 +808,9 @@ pub enum MmaEngine {
     /// drifted apart over a large call's waves (an expert's part-empty last tile costs
     /// what a full one does, or not), and measured on an H100 (2026-12-06, uniform routing)
     /// claiming took DeepSeek-V3's prefill GEMM1 at 16384 tokens from 43 to 25 GB of DRAM
-    /// reads and 15.4 to 12.2 ms, and 7-11% off the large calls of DeepSeek-V3, GPT-OSS-120B
-    /// and Mixtral-8x7B (`benches/results/2026-12-06_tail_unit_order.md`). The
-    /// expert-parallel GEMMs still deal units by block index.
+    /// reads and 15.4 to 12.2 ms, and 1-11% off the large uniform calls
+    /// (`benches/results/2026-12-06_tail_unit_order.md`); on two virtual ranks, 16-26% off
+    /// DeepSeek-V3's calls (`benches/results/2026-12-06_ep_unit_claims.md`).
     WgmmaWarpSpecialized,
 }
 
