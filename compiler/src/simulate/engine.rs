@@ -7,7 +7,7 @@ use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
 use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
 use crate::plan::network::HOST_READBACK_S;
-use crate::plan::{FusedDecode, Plan, Target};
+use crate::plan::{FusedDecode, GemmPlan, Plan, Target};
 
 /// The kind of path between two ranks.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -197,6 +197,21 @@ fn stretch_results(results: &mut [Option<(f64, f64)>], start: f64, tiles_end: f6
 }
 
 /// Draws a tile of block `block` on `lane`, which shows block 0's.
+/// The block of a GEMM's grid that takes tile `id` (in the kernels' order), given when
+/// each block is free: where the GEMM `claims` its units in order from a ticket
+/// ([`GemmPlan::claims_units`]), the block free first (the lowest index on a tie, so the
+/// first wave is dealt as by index); else block `id % grid`.
+fn next_block(claims: bool, id: usize, free_at: &[f64]) -> usize {
+    if !claims {
+        return id % free_at.len();
+    }
+    free_at
+        .iter()
+        .enumerate()
+        .min_by(|(_, a), (_, b)| a.total_cmp(b))
+        .map_or(0, |(b, _)| b)
+}
+
 fn record_tile(
     lane: &mut Option<&mut RankTimeline>,
     block: usize,
@@ -891,8 +906,8 @@ impl<'a> Machine<'a> {
         GemmEnds::recorded(lane, [start, end1], start2, end2, hbm1 + hbm2, results)
     }
 
-    /// GEMM1's tiles on its grid, each block taking tiles `b, b + grid, …` as the kernels
-    /// do, then GEMM2 as a kernel of its own after it, its tiles the same way.
+    /// GEMM1's tiles on its grid, taken as the kernels take them ([`next_block`]), then
+    /// GEMM2 as a kernel of its own after it, its tiles the same way.
     #[allow(clippy::too_many_arguments)]
     fn gemms_in_turn(
         &self,
@@ -906,7 +921,7 @@ impl<'a> Machine<'a> {
     ) -> GemmEnds {
         let mut block1 = vec![start; self.regime.gemm1.grid_blocks.max(1) as usize];
         for (id, tile) in tiles1.iter().enumerate() {
-            let b = id % block1.len();
+            let b = next_block(self.regime.gemm1.claims_units(), id, &block1);
             let begin = block1[b].max(tile.ready);
             block1[b] = begin + tile.duration;
             record_tile(&mut lane, b, begin, block1[b], "GEMM1");
@@ -920,7 +935,7 @@ impl<'a> Machine<'a> {
         let mut blocks = vec![start2; self.regime.gemm2.grid_blocks.max(1) as usize];
         let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
         for (id, tile) in tiles2.iter().enumerate() {
-            let b = id % blocks.len();
+            let b = next_block(self.regime.gemm2.claims_units(), id, &blocks);
             let begin = blocks[b];
             blocks[b] += tile.duration;
             record_tile(&mut lane, b, begin, blocks[b], "GEMM2");
@@ -1593,6 +1608,18 @@ impl<'a> Machine<'a> {
 mod tests {
     use super::*;
     use crate::simulate::Routing;
+
+    /// A claiming GEMM's tile goes to the block free first (the lowest on a tie); a dealing
+    /// one's to block `id % grid` whenever that block is free.
+    #[test]
+    fn tiles_go_to_the_block_free_first_where_units_are_claimed() {
+        let free_at = [3.0, 1.0, 2.0, 1.0];
+        assert_eq!(next_block(true, 5, &free_at), 1);
+        assert_eq!(next_block(false, 5, &free_at), 1);
+        assert_eq!(next_block(true, 6, &free_at), 1);
+        assert_eq!(next_block(false, 6, &free_at), 2);
+        assert_eq!(next_block(true, 0, &[0.0; 3]), 0);
+    }
 
     /// Rank 0's GEMMs at 1024 tokens per rank of a four-rank layer on `nodes` nodes (of
     /// 4 / `nodes` GPUs), uniform routing, `schedule`'s GEMM2 start (checked to be `gemm2`),

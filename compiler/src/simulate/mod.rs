@@ -37,10 +37,11 @@
 //! in this rank's outbox at that rate and goes on, and the network port moves them from
 //! there, as NCCL does on the real path); link ports (per rank: NVLink out and in, network
 //! out and in) at the topology's bandwidth, with its latency; flag latencies; the GEMM grids
-//! of the plan's regime, each block taking tiles `b, b + grid, …` in the kernels' order
-//! (phase, i.e. the source of a tile's last row in receive order, then expert, column
-//! tile, row tile; both GEMMs), a GEMM1 tile starting when its block is free and the
-//! chunks of its rows have arrived (in the one grid of the topology-aware schedule across
+//! of the plan's regime taking tiles in the kernels' order (phase, i.e. the source of a
+//! tile's last row in receive order, then expert, column tile, row tile; both GEMMs), a
+//! warp-specialised GEMM's next tile going to the block free first (its units claimed in
+//! order from a ticket), an mma.sync GEMM's block b taking tiles `b, b + grid, …`; a GEMM1
+//! tile starting when its block is free and the chunks of its rows have arrived (in the one grid of the topology-aware schedule across
 //! nodes, GEMM1's blocks take both GEMMs' tiles, each at its own GEMM's tile cost, as if
 //! one kernel held both tile shapes); tile times from `model::tile_cost`; the reduce at
 //! the origin. Residency: whether every block a spin-wait depends on can be
