@@ -7,7 +7,7 @@ use super::model::{self, COMM_BLOCK_BYTES_PER_S};
 use super::{Accounting, RankTimeline, Schedule, ScheduleReport, Span, Topology, Traffic};
 use crate::plan::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime};
 use crate::plan::network::HOST_READBACK_S;
-use crate::plan::{FusedDecode, GemmPlan, Plan, Target};
+use crate::plan::{FusedDecode, Plan, Target};
 
 /// The kind of path between two ranks.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -199,7 +199,7 @@ fn stretch_results(results: &mut [Option<(f64, f64)>], start: f64, tiles_end: f6
 /// Draws a tile of block `block` on `lane`, which shows block 0's.
 /// The block of a GEMM's grid that takes tile `id` (in the kernels' order), given when
 /// each block is free: where the GEMM `claims` its units in order from a ticket
-/// ([`GemmPlan::claims_units`]), the block free first (the lowest index on a tie, so the
+/// ([`crate::plan::GemmPlan::claims_units`]), the block free first (the lowest index on a tie, so the
 /// first wave is dealt as by index); else block `id % grid`.
 fn next_block(claims: bool, id: usize, free_at: &[f64]) -> usize {
     if !claims {
