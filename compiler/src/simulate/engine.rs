@@ -196,11 +196,10 @@ fn stretch_results(results: &mut [Option<(f64, f64)>], start: f64, tiles_end: f6
     }
 }
 
-/// Draws a tile of block `block` on `lane`, which shows block 0's.
 /// The block of a GEMM's grid that takes tile `id` (in the kernels' order), given when
 /// each block is free: where the GEMM `claims` its units in order from a ticket
-/// ([`crate::plan::GemmPlan::claims_units`]), the block free first (the lowest index on a tie, so the
-/// first wave is dealt as by index); else block `id % grid`.
+/// ([`crate::plan::GemmPlan::claims_units`]), the block free first (the lowest index on a
+/// tie, so the first wave is dealt as by index); else block `id % grid`.
 fn next_block(claims: bool, id: usize, free_at: &[f64]) -> usize {
     if !claims {
         return id % free_at.len();
@@ -212,6 +211,7 @@ fn next_block(claims: bool, id: usize, free_at: &[f64]) -> usize {
         .map_or(0, |(b, _)| b)
 }
 
+/// Draws a tile of block `block` on `lane`, which shows block 0's.
 fn record_tile(
     lane: &mut Option<&mut RankTimeline>,
     block: usize,
