@@ -1675,9 +1675,9 @@ __device__ __forceinline__ void mbarrier_wait_cluster(u32 barrier, u32 parity) {
         "}\n" ::"r"(barrier), "r"(parity) : "memory");
 }
 
-// Work units claimed in order: the first block of a cluster takes each unit
-// from the launch's ticket and hands it to every thread of the cluster's blocks through
-// slot j % SLOTS (an mbarrier of one arrival, then the unit). SLOTS = STAGES + 1 suffice:
+// Work units claimed in order: the first block of a cluster takes each unit from the
+// launch's ticket and hands it to every thread of the cluster's blocks through slot
+// j % SLOTS (an mbarrier of one arrival, then the unit). SLOTS = STAGES + 1 suffice:
 // the producer claims unit j + SLOTS after loading unit j + STAGES's last k-tile, for
 // which both blocks' consumers released the stage of a k-tile STAGES before it, of unit
 // j or later (a unit has at least one k-tile); so every thread of both blocks has read

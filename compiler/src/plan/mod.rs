@@ -804,11 +804,11 @@ pub enum MmaEngine {
     /// (sm_90a). Its blocks (pairs) claim their work units in order from a ticket
     /// ([`BufferId::UnitTickets`], one GPU's or a rank's) rather than by block index: the
     /// units running at any moment stay a contiguous run, so the tiles that read one weight
-    /// panel or one expert's rows run together and read them once from DRAM. Dealt by block index, blocks
-    /// drifted apart over a large call's waves (an expert's part-empty last tile costs
-    /// what a full one does, or not), and measured on an H100 (2026-12-06, uniform routing)
-    /// claiming took DeepSeek-V3's prefill GEMM1 at 16384 tokens from 43 to 25 GB of DRAM
-    /// reads and 15.4 to 12.2 ms, and 1-11% off the large uniform calls
+    /// panel or one expert's rows run together and read them once from DRAM. Dealt by block
+    /// index, blocks drifted apart over a large call's waves (an expert's part-empty last
+    /// tile costs what a full one does, or not), and measured on an H100 (2026-12-06,
+    /// uniform routing) claiming took DeepSeek-V3's prefill GEMM1 at 16384 tokens from 43 to
+    /// 25 GB of DRAM reads and 15.4 to 12.2 ms, and 1-11% off the large uniform calls
     /// (`benches/results/2026-12-06_tail_unit_order.md`); on two virtual ranks, 16-26% off
     /// DeepSeek-V3's calls (`benches/results/2026-12-06_ep_unit_claims.md`).
     WgmmaWarpSpecialized,

@@ -41,12 +41,12 @@
 //! tile's last row in receive order, then expert, column tile, row tile; both GEMMs), a
 //! warp-specialised GEMM's next tile going to the block free first (its units claimed in
 //! order from a ticket), an mma.sync GEMM's block b taking tiles `b, b + grid, …`; a GEMM1
-//! tile starting when its block is free and the chunks of its rows have arrived (in the one grid of the topology-aware schedule across
-//! nodes, GEMM1's blocks take both GEMMs' tiles, each at its own GEMM's tile cost, as if
-//! one kernel held both tile shapes); tile times from `model::tile_cost`; the reduce at
-//! the origin. Residency: whether every block a spin-wait depends on can be
-//! resident with the plan's grids (else a [`Deadlock`]), and whether routing fits the
-//! plan's capacities (else [`SimError::Overflow`]).
+//! tile starting when its block is free and the chunks of its rows have arrived (in the
+//! one grid of the topology-aware schedule across nodes, GEMM1's blocks take both GEMMs'
+//! tiles, each at its own GEMM's tile cost, as if one kernel held both tile shapes); tile
+//! times from `model::tile_cost`; the reduce at the origin. Residency: whether every block
+//! a spin-wait depends on can be resident with the plan's grids (else a [`Deadlock`]), and
+//! whether routing fits the plan's capacities (else [`SimError::Overflow`]).
 //!
 //! The ranks' fused decode (a call the plan's first rank regime fuses, on one node, unless
 //! [`Options::fused_decode`] is off) is what the kernels' own two schedules then run: one
