@@ -9,8 +9,8 @@
 #   3. the ranks' fused decode against the table it replaces (benches/ep_fused_ab.sh);
 #   4. the simulator's predictions beside each bench result;
 #   5. with EP_AB_BINARY (another build's moeforge, e.g. a probe from
-#      scripts/probe-build.sh), its bench and this build's again, in turns, at EP_AB_TOKENS
-#      (default 1024,4096): an A/B of the two builds on the same machine.
+#      scripts/probe-build.sh), per model its bench and this build's, one after the other,
+#      twice, at EP_AB_TOKENS (default 1024,4096): an A/B of the two builds on one machine.
 # Results land in $OUT (the device tool's return folder) when set, else in a dated folder
 # of benches/results/, and are packed into all.tgz after each step (the device tool
 # returns only a few files).
@@ -64,12 +64,16 @@ pack
 
 if [ -n "${EP_AB_BINARY:-}" ]; then
   echo "== A/B: $EP_AB_BINARY (A) against this build (B), ${EP_AB_TOKENS:-1024,4096} tokens per rank"
-  for model in $models; do
-    for build in "A $EP_AB_BINARY" "B .device/bin/moeforge"; do
-      set -- $build
-      "$2" bench "dsl-examples/$model.moe" --gpus "$gpus" --tokens "${EP_AB_TOKENS:-1024,4096}" \
-        --seed 7 --out "$out/ab_$1" > "$out/ab_${1}_$model.log" 2>&1 || status=1
-      grep -E "^\| +[0-9]+ \|" "$out/ab_${1}_$model.log" | cut -d'|' -f2,3,7 | sed "s/^/$model $1 |/"
+  for round in 1 2; do
+    for model in $models; do
+      for build in A B; do
+        binary=.device/bin/moeforge
+        [ "$build" = A ] && binary=$EP_AB_BINARY
+        log="$out/ab_${build}_${model}_$round.log"
+        "$binary" bench "dsl-examples/$model.moe" --gpus "$gpus" --tokens "${EP_AB_TOKENS:-1024,4096}" \
+          --seed 7 --out "$out/ab_$build" > "$log" 2>&1 || status=1
+        grep -E "^\| +[0-9]+ \|" "$log" | cut -d'|' -f2,3,7 | sed "s/^/$model $build round $round |/"
+      done
     done
   done
   pack

@@ -1,6 +1,6 @@
 //! The event loop and the per-rank GEMM walk behind [`super::simulate`].
 
-use std::cmp::Ordering;
+use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::model::{self, COMM_BLOCK_BYTES_PER_S};
@@ -196,19 +196,56 @@ fn stretch_results(results: &mut [Option<(f64, f64)>], start: f64, tiles_end: f6
     }
 }
 
-/// The block of a GEMM's grid that takes tile `id` (in the kernels' order), given when
-/// each block is free: where the GEMM `claims` its units in order from a ticket
+/// A GEMM grid's blocks, handed tiles in the kernels' order as the kernels take them:
+/// where the GEMM `claims` its units in order from a ticket
 /// ([`crate::plan::GemmPlan::claims_units`]), the block free first (the lowest index on a
-/// tie, so the first wave is dealt as by index); else block `id % grid`.
-fn next_block(claims: bool, id: usize, free_at: &[f64]) -> usize {
-    if !claims {
-        return id % free_at.len();
+/// tie, so the first wave is dealt as by index); else block `id % grid`. (A kernel's
+/// producer claims its next unit up to a ring of k-tiles before its block is free; the
+/// model hands it out when the block is free.)
+struct GridBlocks {
+    claims: bool,
+    free_at: Vec<f64>,
+    /// Claiming: the blocks by when they are free, the earliest first.
+    by_time: BinaryHeap<(Time, Reverse<usize>)>,
+}
+
+impl GridBlocks {
+    fn new(claims: bool, blocks: u32, start: f64) -> Self {
+        let blocks = blocks.max(1) as usize;
+        let by_time = if claims {
+            (0..blocks).map(|b| (Time(start), Reverse(b))).collect()
+        } else {
+            BinaryHeap::new()
+        };
+        GridBlocks {
+            claims,
+            free_at: vec![start; blocks],
+            by_time,
+        }
     }
-    free_at
-        .iter()
-        .enumerate()
-        .min_by(|(_, a), (_, b)| a.total_cmp(b))
-        .map_or(0, |(b, _)| b)
+
+    /// The block that takes tile `id`, and when it is free; the caller then says until
+    /// when it is busy ([`GridBlocks::busy_until`]).
+    fn take(&mut self, id: usize) -> (usize, f64) {
+        let b = if self.claims {
+            self.by_time.pop().map_or(0, |(_, Reverse(b))| b)
+        } else {
+            id % self.free_at.len()
+        };
+        (b, self.free_at[b])
+    }
+
+    fn busy_until(&mut self, b: usize, end: f64) {
+        self.free_at[b] = end;
+        if self.claims {
+            self.by_time.push((Time(end), Reverse(b)));
+        }
+    }
+
+    /// When the last block is done, or `floor` if later.
+    fn done(&self, floor: f64) -> f64 {
+        self.free_at.iter().copied().fold(floor, f64::max)
+    }
 }
 
 /// Draws a tile of block `block` on `lane`, which shows block 0's.
@@ -906,7 +943,7 @@ impl<'a> Machine<'a> {
         GemmEnds::recorded(lane, [start, end1], start2, end2, hbm1 + hbm2, results)
     }
 
-    /// GEMM1's tiles on its grid, taken as the kernels take them ([`next_block`]), then
+    /// GEMM1's tiles on its grid, taken as the kernels take them ([`GridBlocks`]), then
     /// GEMM2 as a kernel of its own after it, its tiles the same way.
     #[allow(clippy::too_many_arguments)]
     fn gemms_in_turn(
@@ -919,35 +956,29 @@ impl<'a> Machine<'a> {
         mut lane: Option<&mut RankTimeline>,
         hbm_share: f64,
     ) -> GemmEnds {
-        let mut block1 = vec![start; self.regime.gemm1.grid_blocks.max(1) as usize];
+        let gemm1 = &self.regime.gemm1;
+        let mut blocks1 = GridBlocks::new(gemm1.claims_units(), gemm1.grid_blocks, start);
         for (id, tile) in tiles1.iter().enumerate() {
-            let b = next_block(self.regime.gemm1.claims_units(), id, &block1);
-            let begin = block1[b].max(tile.ready);
-            block1[b] = begin + tile.duration;
-            record_tile(&mut lane, b, begin, block1[b], "GEMM1");
+            let (b, free) = blocks1.take(id);
+            let begin = free.max(tile.ready);
+            let end = begin + tile.duration;
+            blocks1.busy_until(b, end);
+            record_tile(&mut lane, b, begin, end, "GEMM1");
         }
-        let end1 = block1
-            .iter()
-            .copied()
-            .fold(start + self.hbm_seconds(hbm1, hbm_share), f64::max);
+        let end1 = blocks1.done(start + self.hbm_seconds(hbm1, hbm_share));
         let start2 = end1 + self.target.launch_overhead_s;
         let (tiles2, hbm2) = self.gemm2_tiles(phase_rows, self.results);
-        let mut blocks = vec![start2; self.regime.gemm2.grid_blocks.max(1) as usize];
+        let gemm2 = &self.regime.gemm2;
+        let mut blocks2 = GridBlocks::new(gemm2.claims_units(), gemm2.grid_blocks, start2);
         let mut results: Vec<Option<(f64, f64)>> = vec![None; self.ep.ranks as usize];
         for (id, tile) in tiles2.iter().enumerate() {
-            let b = next_block(self.regime.gemm2.claims_units(), id, &blocks);
-            let begin = blocks[b];
-            blocks[b] += tile.duration;
-            record_tile(&mut lane, b, begin, blocks[b], "GEMM2");
-            tile.store(
-                &mut results,
-                order,
-                &phase_rows[tile.expert],
-                begin,
-                blocks[b],
-            );
+            let (b, begin) = blocks2.take(id);
+            let end = begin + tile.duration;
+            blocks2.busy_until(b, end);
+            record_tile(&mut lane, b, begin, end, "GEMM2");
+            tile.store(&mut results, order, &phase_rows[tile.expert], begin, end);
         }
-        let tiles_end = blocks.iter().copied().fold(start2, f64::max);
+        let tiles_end = blocks2.done(start2);
         let end2 = tiles_end.max(start2 + self.hbm_seconds(hbm2, hbm_share));
         stretch_results(&mut results, start2, tiles_end, end2);
         GemmEnds::recorded(lane, [start, end1], start2, end2, hbm1 + hbm2, results)
@@ -1609,16 +1640,28 @@ mod tests {
     use super::*;
     use crate::simulate::Routing;
 
-    /// A claiming GEMM's tile goes to the block free first (the lowest on a tie); a dealing
-    /// one's to block `id % grid` whenever that block is free.
+    /// A claiming grid gives each tile to the block free first (the lowest on a tie); a
+    /// dealing one gives tile `id` to block `id % grid` whenever that block is free.
     #[test]
     fn tiles_go_to_the_block_free_first_where_units_are_claimed() {
-        let free_at = [3.0, 1.0, 2.0, 1.0];
-        assert_eq!(next_block(true, 5, &free_at), 1);
-        assert_eq!(next_block(false, 5, &free_at), 1);
-        assert_eq!(next_block(true, 6, &free_at), 1);
-        assert_eq!(next_block(false, 6, &free_at), 2);
-        assert_eq!(next_block(true, 0, &[0.0; 3]), 0);
+        let durations = [5.0, 1.0, 2.0, 1.0, 1.0, 1.0];
+        let taken = |claims: bool| {
+            let mut grid = GridBlocks::new(claims, 3, 0.0);
+            let blocks: Vec<usize> = durations
+                .iter()
+                .enumerate()
+                .map(|(id, duration)| {
+                    let (b, free) = grid.take(id);
+                    grid.busy_until(b, free + duration);
+                    b
+                })
+                .collect();
+            (blocks, grid.done(0.0))
+        };
+        // Blocks 0, 1, 2 take the first wave; block 1 is free first (at 1), then block 1
+        // again (at 2, before block 2 at 2: the lower index), then block 2 (at 2)...
+        assert_eq!(taken(true), (vec![0, 1, 2, 1, 1, 2], 5.0));
+        assert_eq!(taken(false), (vec![0, 1, 2, 0, 1, 2], 6.0));
     }
 
     /// Rank 0's GEMMs at 1024 tokens per rank of a four-rank layer on `nodes` nodes (of
