@@ -882,8 +882,8 @@ fn cluster_pairs_and_row_tiles_are_checked() {
 }
 
 /// The warp-specialised GEMMs, one GPU's and a rank's, claim their work units from their
-/// workspace's two tickets (GEMM1 the first, GEMM2 the second); the mma.sync GEMMs take
-/// none. Validation catches a ticket missing from a launch or from either workspace.
+/// workspace's two tickets (GEMM1 the first, GEMM2 the second, in the generated CUDA too);
+/// the mma.sync GEMMs take none. Validation catches a ticket missing from a launch or from either workspace.
 #[test]
 fn warp_specialised_gemms_claim_units_from_the_tickets() {
     let plan = example_plan("deepseek_v3");
@@ -900,12 +900,28 @@ fn warp_specialised_gemms_claim_units_from_the_tickets() {
         .expert_parallel
         .as_ref()
         .expect("DeepSeek-V3 spans ranks");
+    // The generated entry of `kernel`, up to the end of its body.
+    let source = moeforge_compiler::codegen::generate(&plan)
+        .expect("codegen")
+        .source;
+    let entry = |kernel: &str| {
+        let start = source
+            .find(&format!(" {kernel}("))
+            .unwrap_or_else(|| panic!("`{kernel}` in the source"));
+        let end = start + source[start..].find("\n}\n").expect("its body ends");
+        &source[start..end]
+    };
+    // Each GEMM claims from its own ticket (GEMM2 may start while GEMM1 runs).
     let gemms = |regimes: Vec<[(&plan::GemmPlan, &String); 2]>| {
         let mut warp_specialised = 0;
-        for (gemm, kernel) in regimes.into_iter().flatten() {
-            let claims = gemm.engine == plan::MmaEngine::WgmmaWarpSpecialized;
-            warp_specialised += usize::from(claims);
-            assert_eq!(takes(kernel), claims, "{kernel}");
+        for [gemm1, gemm2] in regimes {
+            for (ticket, (gemm, kernel)) in [gemm1, gemm2].into_iter().enumerate() {
+                let claims = gemm.engine == plan::MmaEngine::WgmmaWarpSpecialized;
+                warp_specialised += usize::from(claims);
+                assert_eq!(takes(kernel), claims, "{kernel}");
+                let passes = entry(kernel).contains(&format!("unit_tickets + {ticket}"));
+                assert_eq!(passes, claims, "{kernel}: ticket {ticket}");
+            }
         }
         warp_specialised
     };
