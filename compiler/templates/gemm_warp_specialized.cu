@@ -216,7 +216,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
     static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
-    static_assert(G::CLAIMS_UNITS, "plan: warp-specialised GEMMs claim their units from a ticket");
     constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];

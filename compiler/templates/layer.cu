@@ -108,7 +108,6 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }} };
     enum : bool { A_TILES = {{ gemm.a_tiles }} };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = {{ gemm.claims_units }} };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = {{ gemm.quad_stores }} };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
 {%- else %}
     enum : int { PRODUCER_THREADS = 0 };

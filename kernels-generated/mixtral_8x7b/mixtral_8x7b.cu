@@ -1760,7 +1760,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     static_assert(G::B_ROWS % G::B_BOX_ROWS == 0 && B_BOXES <= 2, "plan: one or two weight boxes per stage");
     static_assert(CLUSTER == 1 || (B_BOXES == CLUSTER && !G::EP), "plan: a pair's blocks load a box each, on one GPU");
     static_assert(!G::A_TILES || !G::EP, "plan: A as tiles only where rows are consecutive (one GPU)");
-    static_assert(G::CLAIMS_UNITS, "plan: warp-specialised GEMMs claim their units from a ticket");
     constexpr u32 STAGE_TX_BYTES = B_BYTES + (G::A_TILES ? G::A_BYTES : 0);  // what TMA brings a stage
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -4110,7 +4109,6 @@ struct mid_gemm1 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4148,7 +4146,6 @@ struct mid_gemm2 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4190,7 +4187,6 @@ struct prefill_gemm1 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4227,7 +4223,6 @@ struct prefill_gemm2 : SingleGpu {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4568,7 +4563,6 @@ struct mid_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 64 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4613,7 +4607,6 @@ struct large_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4656,7 +4649,6 @@ struct large_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 64 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4701,7 +4693,6 @@ struct prefill_ep_gemm1 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
@@ -4744,7 +4735,6 @@ struct prefill_ep_gemm2 : ExpertParallel {
     // Blocks per cluster (2: a pair sharing each weight panel's stages), rows of one TMA box of weights.
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
-    enum : bool { CLAIMS_UNITS = true };  // work units claimed in order from a ticket, not dealt by block index
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.

@@ -762,9 +762,6 @@ struct GemmUnit {
     b_box_rows: u32,
     /// Whether the A rows come as TMA tiles rather than gathered row by row.
     a_tiles: bool,
-    /// Whether its blocks claim their work units from a ticket (`BufferId::UnitTickets`)
-    /// rather than by block index.
-    claims_units: bool,
     /// Whether a quad trades words to store 16 bytes per lane ([`OutputStore::QuadVectors`]).
     quad_stores: bool,
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
@@ -990,7 +987,6 @@ impl GemmUnit {
             cluster: gemm.cluster,
             b_box_rows: gemm.weight_box_rows(),
             a_tiles,
-            claims_units,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
             gemm2_early_max_tokens,

@@ -1631,9 +1631,6 @@ fn launch_table(
                     write(Workspace(ErrorWord)),
                     write(Workspace(PairResults)),
                 ]
-                .into_iter()
-                .chain(unit_ticket_params(g2))
-                .collect()
             } else {
                 vec![
                     read(Workspace(Intermediate)),
@@ -1646,10 +1643,10 @@ fn launch_table(
                     read(Rank),
                     write(Workspace(ErrorWord)),
                 ]
-                .into_iter()
-                .chain(unit_ticket_params(g2))
-                .collect()
-            },
+            }
+            .into_iter()
+            .chain(unit_ticket_params(g2))
+            .collect(),
         ),
         launch(
             combine,

@@ -447,9 +447,9 @@ pub enum BufferId {
     /// u32 [2 · E' + H / BN of GEMM2 + 2]: the fused decode's counters, zero between calls (see
     /// [`fused_decode::counters_len`]).
     FusedDecodeCounters,
-    /// u32 `[2]`: the next work unit of the single-GPU warp-specialised GEMM1, then GEMM2, each
-    /// pair (or block) claiming its units in order; a launch's last claim resets its ticket to
-    /// 0 (zero between calls). See [`MmaEngine::WgmmaWarpSpecialized`].
+    /// u32 `[2]`: the next work unit of the warp-specialised GEMM1, then GEMM2 (one GPU's, or
+    /// a rank's), each pair (or block) claiming its units in order; a launch's last claim
+    /// resets its ticket to 0 (zero between calls). See [`MmaEngine::WgmmaWarpSpecialized`].
     UnitTickets,
     /// u32 [2 · (E/R + shared slices) + 3]: a rank's fused decode's counters, zero between
     /// calls (see [`fused_decode::rank_counters_len`]).
