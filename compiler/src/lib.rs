@@ -152,12 +152,6 @@ pub fn plan_diagnostics(
             None,
         ),
         plan::PlanError::RanksDoNotFit { .. } => (error.advice().unwrap_or_default(), None),
-        plan::PlanError::ExpertParallelExpertBias { .. } => (
-            "`plan` states this as a limitation and plans the single-GPU kernels; only a caller \
-             asking for the expert-parallel part alone gets this error"
-                .to_string(),
-            None,
-        ),
     };
     Diagnostics {
         file_name: file_name.to_string(),

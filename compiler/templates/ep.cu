@@ -1086,8 +1086,9 @@ __device__ __forceinline__ const float* mailbox_weights(const float* recv_weight
 // blocks done laying out (each back to zero after a call).
 template <class G1, class G2P, int MAX_TOKENS_FUSED, int MAX_ROWS, int STATIC_SMEM>
 __device__ __forceinline__ void ep_fused_decode(
-    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const bf16_t* __restrict__ w2,
-    const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,
+    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const int* __restrict__ topk_ids,
+    const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
     const u64* __restrict__ peer_table, const bf16_t* recv_x, const int* recv_counts, const int* recv_pair,
     const float* recv_weight, const u32* meta_flags, const u32* chunk_flags, u32* __restrict__ chunk_pieces,
     const u32* credits, bf16_t* __restrict__ intermediate, const bf16_t* combine_slots, u32* combine_counters,
@@ -1353,7 +1354,7 @@ __device__ __forceinline__ void ep_fused_decode(
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         GemmTile t;
         if (unit < sends + tiles1) {
-            mma_sync_run<G1>(recv_x, w1, nullptr, nullptr, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
+            mma_sync_run<G1>(recv_x, w1, w1_bias, nullptr, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
                              smem, s_tiles1, KRun{unit - sends, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr,
                              false, [](const GemmTile&) {}, &t);
             if (threadIdx.x == 0) {
@@ -1364,7 +1365,7 @@ __device__ __forceinline__ void ep_fused_decode(
             continue;
         }
         mma_sync_run<G2>(
-            intermediate, w2, nullptr, nullptr, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
+            intermediate, w2, w2_bias, nullptr, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
             KRun{unit - sends - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true,
             [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {

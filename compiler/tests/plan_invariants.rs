@@ -999,6 +999,106 @@ fn warp_specialised_gemms_claim_units_from_the_tickets() {
     );
 }
 
+/// GPT-OSS-120B's expert biases reach every GEMM: one GPU's, each rank regime's and the
+/// ranks' fused decode, in the launches and in the generated CUDA (not `nullptr`); a layer
+/// without biases passes none. Validation catches a rank's GEMM2 left without its bias.
+#[test]
+fn expert_biases_reach_every_gemm_on_one_gpu_and_on_the_ranks() {
+    let plan = example_plan("gpt_oss_120b");
+    let ep = plan
+        .expert_parallel
+        .as_ref()
+        .expect("GPT-OSS-120B spans ranks, biases and all");
+    let source = moeforge_compiler::codegen::generate(&plan)
+        .expect("codegen")
+        .source;
+    let entry = |kernel: &str| {
+        let start = source
+            .find(&format!(" {kernel}("))
+            .unwrap_or_else(|| panic!("`{kernel}` in the source"));
+        let end = start + source[start..].find("\n}\n").expect("its body ends");
+        source[start..end].to_string()
+    };
+    let takes = |launches: &[plan::Launch], kernel: &str, arg: plan::LaunchArg| {
+        launches
+            .iter()
+            .find(|l| l.kernel == kernel)
+            .unwrap_or_else(|| panic!("`{kernel}` is launched"))
+            .params
+            .iter()
+            .any(|param| param.arg == arg)
+    };
+    let (w1_bias, w2_bias) = (plan::LaunchArg::W1Bias, plan::LaunchArg::W2Bias);
+    let mut gemms = Vec::new();
+    for r in &plan.regimes {
+        gemms.push((&r.launches, &r.gemm1_kernel, &r.gemm2_kernel));
+    }
+    for r in &ep.regimes {
+        gemms.push((&r.launches, &r.gemm1_kernel, &r.gemm2_kernel));
+    }
+    for (launches, gemm1, gemm2) in gemms {
+        assert!(takes(launches, gemm1, w1_bias), "{gemm1}");
+        assert!(takes(launches, gemm2, w2_bias), "{gemm2}");
+        // The body's call passes the parameter where the bias goes (after the weights).
+        assert!(entry(gemm1).contains(", w1_bias, nullptr,"), "{gemm1}");
+        assert!(entry(gemm2).contains(", w2_bias, "), "{gemm2}");
+    }
+    let fused = ep
+        .regimes
+        .iter()
+        .find_map(|r| r.fused_decode.as_ref())
+        .expect("the ranks' decode is fused");
+    assert!(takes(
+        std::slice::from_ref(&fused.launch),
+        &fused.launch.kernel,
+        w1_bias
+    ));
+    assert!(takes(
+        std::slice::from_ref(&fused.launch),
+        &fused.launch.kernel,
+        w2_bias
+    ));
+    assert!(
+        entry(&fused.launch.kernel).contains("x, w1, w1_bias, w2, w2_bias,"),
+        "the ranks' fused decode passes both biases"
+    );
+
+    let unbiased = example_plan("qwen3_30b_a3b");
+    let unbiased_ep = unbiased
+        .expert_parallel
+        .as_ref()
+        .expect("Qwen3 spans ranks");
+    assert!(
+        unbiased
+            .launches()
+            .chain(unbiased_ep.regimes.iter().flat_map(|r| r.all_launches()))
+            .all(|l| l
+                .params
+                .iter()
+                .all(|p| p.arg != w1_bias && p.arg != w2_bias)),
+        "a layer without biases passes none"
+    );
+
+    let mut dropped = plan.clone();
+    let rank_prefill = dropped
+        .expert_parallel
+        .as_mut()
+        .and_then(|ep| ep.regimes.last_mut())
+        .expect("a rank's prefill regime");
+    let gemm2_kernel = rank_prefill.gemm2_kernel.clone();
+    rank_prefill
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == gemm2_kernel)
+        .expect("a rank's GEMM2 is launched")
+        .params
+        .retain(|param| param.arg != w2_bias);
+    let error = dropped
+        .validate()
+        .expect_err("a rank's GEMM2 without its bias");
+    assert!(error.to_string().contains("w2_bias"), "{error}");
+}
+
 /// GEMM1 loads x's rows sorted by expert where `gemm1_row_load` says (Mixtral-8x7B's
 /// 128-row prefill tiles, F = 14336; not Qwen3-30B-A3B's, F = 768, nor any 64-row or
 /// mma.sync regime), after the invert and sort kernels; validation catches a sort or its

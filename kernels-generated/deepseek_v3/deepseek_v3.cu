@@ -1005,7 +1005,6 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
                                                     const float* __restrict__ topk_weights,
                                                     const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                     const EpContext& ep) {
-    static_assert(!(G::BIAS && G::EP), "plan: the expert-parallel GEMMs take no expert bias");
     constexpr int BIAS_WIDTH = G::GATED ? 2 * G::N : G::N;
     const float* bias = G::BIAS ? expert_bias + (size_t)t.expert * BIAS_WIDTH : nullptr;
     if constexpr (G::KIND == GEMM_UP) {
@@ -3791,8 +3790,9 @@ __device__ __forceinline__ const float* mailbox_weights(const float* recv_weight
 // blocks done laying out (each back to zero after a call).
 template <class G1, class G2P, int MAX_TOKENS_FUSED, int MAX_ROWS, int STATIC_SMEM>
 __device__ __forceinline__ void ep_fused_decode(
-    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const bf16_t* __restrict__ w2,
-    const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,
+    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const int* __restrict__ topk_ids,
+    const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
     const u64* __restrict__ peer_table, const bf16_t* recv_x, const int* recv_counts, const int* recv_pair,
     const float* recv_weight, const u32* meta_flags, const u32* chunk_flags, u32* __restrict__ chunk_pieces,
     const u32* credits, bf16_t* __restrict__ intermediate, const bf16_t* combine_slots, u32* combine_counters,
@@ -4058,7 +4058,7 @@ __device__ __forceinline__ void ep_fused_decode(
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         GemmTile t;
         if (unit < sends + tiles1) {
-            mma_sync_run<G1>(recv_x, w1, nullptr, nullptr, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
+            mma_sync_run<G1>(recv_x, w1, w1_bias, nullptr, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
                              smem, s_tiles1, KRun{unit - sends, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr,
                              false, [](const GemmTile&) {}, &t);
             if (threadIdx.x == 0) {
@@ -4069,7 +4069,7 @@ __device__ __forceinline__ void ep_fused_decode(
             continue;
         }
         mma_sync_run<G2>(
-            intermediate, w2, nullptr, nullptr, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
+            intermediate, w2, w2_bias, nullptr, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
             KRun{unit - sends - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true,
             [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {
@@ -4486,9 +4486,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) deepseek_v3_decode_ep_fused
 )
 {
     ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 32, 2080, 47232>(
-        x, w1, w2, topk_ids, topk_weights, tokens, rank, epoch, peer_table, recv_x, recv_counts, recv_pair, recv_weight,
-        meta_flags, chunk_flags, chunk_pieces, credits, intermediate, combine_slots, combine_counters,
-        rank_fused_counters, error_word, y);
+        x, w1, nullptr, w2, nullptr, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
+        recv_x, recv_counts, recv_pair, recv_weight, meta_flags, chunk_flags, chunk_pieces, credits, intermediate,
+        combine_slots, combine_counters, rank_fused_counters, error_word, y);
 }
 #endif
 // ---------------------------------------------------------------------------------------

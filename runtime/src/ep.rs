@@ -51,6 +51,9 @@ enum Binding {
     Tokens,
     W1,
     W2,
+    /// The rank's experts' biases (GEMM1's, GEMM2's).
+    W1Bias,
+    W2Bias,
     Rank,
     Epoch,
     Workspace(usize),
@@ -1068,6 +1071,20 @@ impl EpLayer {
                 Binding::Tokens => ArgValue::Int(call.tokens as i32),
                 Binding::W1 => ArgValue::Pointer(ptr(&rank.weights.w1, stream)),
                 Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
+                // `build_rank` checked that the weights hold biases exactly when the layer
+                // has them, which is when the plan's launches take them.
+                Binding::W1Bias => ArgValue::Pointer(
+                    rank.weights
+                        .biases
+                        .as_ref()
+                        .map_or(0, |b| ptr(&b.b1, stream)),
+                ),
+                Binding::W2Bias => ArgValue::Pointer(
+                    rank.weights
+                        .biases
+                        .as_ref()
+                        .map_or(0, |b| ptr(&b.b2, stream)),
+                ),
                 Binding::Rank => ArgValue::Int(rank.index as i32),
                 Binding::Epoch => ArgValue::Int(self.epoch as i32),
                 Binding::Workspace(i) => {
@@ -1625,6 +1642,8 @@ fn bind(
     Ok(match arg {
         LaunchArg::W1 => Binding::W1,
         LaunchArg::W2 => Binding::W2,
+        LaunchArg::W1Bias => Binding::W1Bias,
+        LaunchArg::W2Bias => Binding::W2Bias,
         LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => {
             Binding::TensorMap(tensor_maps.position(arg)?)
         }
@@ -1644,8 +1663,6 @@ fn bind(
         LaunchArg::GateWeight
         | LaunchArg::GateWeightTiles { .. }
         | LaunchArg::GateBias
-        | LaunchArg::W1Bias
-        | LaunchArg::W2Bias
         | LaunchArg::IntermediateTiles { .. }
         | LaunchArg::SortedXTiles { .. }
         | LaunchArg::RoutesInBlocks

@@ -31,7 +31,7 @@ use crate::layer::{
 use crate::process_group::ControlChannel;
 use crate::reference::router::{KernelRouting, RouterCheck};
 use crate::reference::{self, Comparison, HostExpert, HostExpertBias};
-use crate::weights::{RANDOM_EXPERT_BIAS_RANGE, random_gate, upload_gate};
+use crate::weights::{RANDOM_EXPERT_BIAS_RANGE, copy_experts, random_gate, upload_gate};
 use crate::workload::{SplitMix64, Workload, weight_scale};
 
 #[derive(Debug, Error)]
@@ -615,7 +615,7 @@ impl Session {
     }
 
     /// Rank `r`'s experts of `built` (its `E / ranks` routed ones, then the shared
-    /// slices), copied onto `ctx`'s device.
+    /// slices), with their biases where the layer has them, copied onto `ctx`'s device.
     fn rank_weights(
         &self,
         built: &BuiltLayer,
@@ -624,46 +624,20 @@ impl Session {
         ctx: &Arc<CudaContext>,
     ) -> Result<ExpertWeights, HarnessError> {
         let shape = &built.layer.plan().shape;
-        let w1_expert = shape.w1_rows() as usize * shape.hidden as usize;
-        let w2_expert = shape.hidden as usize * shape.ffn as usize;
-        let full = built.layer.weights();
         // The rank's routed experts, then every shared slice (each rank runs them on its
-        // own tokens). Host staging works between any two devices; these copies are set-up.
-        let mut w1 = Vec::new();
-        let mut w2 = Vec::new();
+        // own tokens).
+        let mut held = Vec::new();
         for which in ExpertSet::held_by_rank(r as u32, ranks as u32) {
             let range = which.range(shape)?;
-            let range = range.start as usize..range.end as usize;
-            w1.extend(
-                self.gpu
-                    .stream
-                    .clone_dtoh(
-                        &full
-                            .w1
-                            .slice(range.start * w1_expert..range.end * w1_expert),
-                    )
-                    .context("downloading a rank's W1")?,
-            );
-            w2.extend(
-                self.gpu
-                    .stream
-                    .clone_dtoh(
-                        &full
-                            .w2
-                            .slice(range.start * w2_expert..range.end * w2_expert),
-                    )
-                    .context("downloading a rank's W2")?,
-            );
+            held.push(range.start as usize..range.end as usize);
         }
-        let stream = ctx.default_stream();
-        let weights = ExpertWeights {
-            w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
-            w2: stream.clone_htod(&w2).context("uploading a rank's W2")?,
-            // A layer with expert biases has no expert-parallel plan, so never gets here.
-            biases: None,
-        };
-        stream.synchronize().context("placing a rank's weights")?;
-        Ok(weights)
+        Ok(copy_experts(
+            &self.gpu.stream,
+            &ctx.default_stream(),
+            built.layer.weights(),
+            shape,
+            &held,
+        )?)
     }
 
     /// This process's rank of `built`'s expert-parallel layer when the ranks are processes

@@ -79,7 +79,7 @@ pub enum LayerError {
     )]
     MultiRankArg { arg: &'static str },
     #[error(
-        "the plan gives an expert-parallel launch the argument `{arg}`, which the expert-parallel layer does not provide (it takes the caller's routing, and no expert biases)"
+        "the plan gives an expert-parallel launch the argument `{arg}`, which the expert-parallel layer does not provide (it takes the caller's routing)"
     )]
     SingleGpuArg { arg: &'static str },
     #[error(

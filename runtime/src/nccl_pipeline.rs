@@ -46,7 +46,8 @@ use thiserror::Error;
 use crate::gpu::{DriverContext, Gpu, GpuError};
 use crate::harness::{BuiltLayer, HarnessError, Session};
 use crate::jit::{CompileOptions, JitError};
-use crate::layer::{ExpertWeights, ForwardArgs, LayerError, MoeLayer};
+use crate::layer::{ForwardArgs, LayerError, MoeLayer};
+use crate::weights::copy_experts;
 
 #[derive(Debug, Error)]
 pub enum NcclPipelineError {
@@ -433,29 +434,17 @@ impl NcclPipeline {
         let send_rows = (shape.max_tokens as usize * k).max(1);
         let recv_rows = ranks * send_rows;
         let per_rank = shape.experts as usize / ranks;
-        let w1_len = per_rank * shape.w1_rows() as usize * h;
-        let w2_len = per_rank * h * shape.ffn as usize;
         let weights = built.layer.weights();
         let mut built_ranks = Vec::with_capacity(ranks);
         for (r, ctx) in contexts.iter().enumerate() {
             let stream = ctx.new_stream().context("creating a rank's stream")?;
-            // Host staging works between any two devices; this is set-up, not the call.
-            let w1 = session
-                .gpu
-                .stream
-                .clone_dtoh(&weights.w1.slice(r * w1_len..(r + 1) * w1_len))
-                .context("downloading a rank's W1")?;
-            let w2 = session
-                .gpu
-                .stream
-                .clone_dtoh(&weights.w2.slice(r * w2_len..(r + 1) * w2_len))
-                .context("downloading a rank's W2")?;
-            let rank_weights = ExpertWeights {
-                w1: stream.clone_htod(&w1).context("uploading a rank's W1")?,
-                w2: stream.clone_htod(&w2).context("uploading a rank's W2")?,
-                // A layer with expert biases has no expert-parallel plan, so never gets here.
-                biases: None,
-            };
+            let rank_weights = copy_experts(
+                &session.gpu.stream,
+                &stream,
+                weights,
+                shape,
+                std::slice::from_ref(&(r * per_rank..(r + 1) * per_rank)),
+            )?;
             let gpu = Gpu {
                 ctx: Arc::clone(ctx),
                 stream: Arc::clone(&stream),

@@ -203,6 +203,60 @@ pub fn upload_parts(
     Ok(ExpertWeights { w1, w2, biases })
 }
 
+/// The experts `held` (ranges of expert indices, in order) of `weights` on `from`'s
+/// device, with their biases, copied onto `to`'s device (staged through the host, which
+/// works between any two devices: set-up, not a call's work). A rank's experts of a layer
+/// built whole: its routed experts, then the shared slices.
+pub fn copy_experts(
+    from: &Arc<CudaStream>,
+    to: &Arc<CudaStream>,
+    weights: &ExpertWeights,
+    shape: &LayerShape,
+    held: &[Range<usize>],
+) -> Result<ExpertWeights, GpuError> {
+    let (hidden, w1_rows) = (shape.hidden as usize, shape.w1_rows() as usize);
+    let copied = ExpertWeights {
+        w1: copy_rows(from, to, &weights.w1, w1_rows * hidden, held, "W1")?,
+        w2: copy_rows(
+            from,
+            to,
+            &weights.w2,
+            hidden * shape.ffn as usize,
+            held,
+            "W2",
+        )?,
+        biases: match &weights.biases {
+            Some(biases) => Some(ExpertBiases {
+                b1: copy_rows(from, to, &biases.b1, w1_rows, held, "b1")?,
+                b2: copy_rows(from, to, &biases.b2, hidden, held, "b2")?,
+            }),
+            None => None,
+        },
+    };
+    to.synchronize().context("placing a rank's weights")?;
+    Ok(copied)
+}
+
+/// `per_expert` values of each expert `held` of `source`, one after another on `to`.
+fn copy_rows<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
+    from: &Arc<CudaStream>,
+    to: &Arc<CudaStream>,
+    source: &CudaSlice<T>,
+    per_expert: usize,
+    held: &[Range<usize>],
+    tensor: &str,
+) -> Result<CudaSlice<T>, GpuError> {
+    let mut values = Vec::new();
+    for range in held {
+        values.extend(
+            from.clone_dtoh(&source.slice(range.start * per_expert..range.end * per_expert))
+                .context(format!("downloading a rank's {tensor}"))?,
+        );
+    }
+    to.clone_htod(&values)
+        .context(format!("uploading a rank's {tensor}"))
+}
+
 /// One device buffer holding `tensor` of every part, in order, each copied into its place.
 fn upload_joined<P, T: DeviceRepr + ValidAsZeroBits>(
     stream: &Arc<CudaStream>,

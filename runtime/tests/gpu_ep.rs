@@ -144,7 +144,7 @@ fn check_expert_parallel(
     }
 }
 
-/// R ∈ {2, 4, 8} virtual ranks on one GPU. (Until 2026-11-30 this failed intermittently
+/// R ∈ {2, 4, 8} virtual ranks on one GPU, GPT-OSS's expert biases among the cases. (Until 2026-11-30 this failed intermittently
 /// with combine time-outs: a combine grid of four blocks per compute SM spread over every
 /// SM and left none empty for a peer rank's GEMM block; virtual ranks now keep one block
 /// per SM in every grid, which the plan checks.)
@@ -156,17 +156,24 @@ fn virtual_ranks_match_reference() {
         "expert parallelism on virtual ranks, seed {seed} (replay with MOEFORGE_SEED={seed})"
     ));
     let session = Session::open().expect("GPU session");
-    let qwen = layers::examples()
-        .into_iter()
-        .find(|l| l.name == "qwen3_30b_a3b")
-        .expect("the Qwen3-30B example");
+    let examples = layers::examples();
+    let example = |name: &str| {
+        examples
+            .iter()
+            .find(|l| l.name == name)
+            .unwrap_or_else(|| panic!("the {name} example"))
+    };
+    let gpt_oss = layers::scaled_down(example("gpt_oss_120b"));
+    assert!(gpt_oss.expert_bias, "GPT-OSS's experts add biases");
     let cases = [
         (layers::tiny(Activation::Swiglu), 2),
         (layers::tiny(Activation::Swiglu), 4),
         (layers::tiny(Activation::Gelu), 8),
         (layers::tiny_with_shared_expert(Activation::Swiglu), 4),
         (tiny_shared_top4(), 2),
-        (layers::scaled_down(&qwen), 4),
+        (layers::scaled_down(example("qwen3_30b_a3b")), 4),
+        // Expert biases and the clamped SwiGLU on the ranks' GEMMs and fused decode.
+        (gpt_oss, 2),
     ];
     let on_virtual_ranks = build_on_virtual_ranks(&session, &cases, seed);
     let plans: Vec<&Plan> = on_virtual_ranks
@@ -221,8 +228,9 @@ const SELF_ROUTED_CHECKED_TOKENS: usize = 256;
 /// experts (its logits, choices and weights against the CPU router), and every rank's
 /// output matches the reference on the experts and weights its router chose. The scaled
 /// examples with a router and an expert-parallel plan: DeepSeek-V3 (sigmoid, group limit,
-/// correction bias, a shared expert) on 4 ranks, Qwen3-30B-A3B (softmax, renormalised) and
-/// Mixtral-8x7B (8 experts) on 2.
+/// correction bias, a shared expert) on 4 ranks, Qwen3-30B-A3B (softmax, renormalised),
+/// Mixtral-8x7B (8 experts) and GPT-OSS-120B (the gate's bias on the logits, expert
+/// biases) on 2.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn self_routed_virtual_ranks_match_reference() {
@@ -244,6 +252,7 @@ fn self_routed_virtual_ranks_match_reference() {
         (scaled("deepseek_v3"), 4),
         (scaled("qwen3_30b_a3b"), 2),
         (scaled("mixtral_8x7b"), 2),
+        (scaled("gpt_oss_120b"), 2),
     ];
     for (layer, built, mut ep) in build_on_virtual_ranks(&session, &cases, seed) {
         assert!(ep.routes_itself(), "{} routes itself", layer.name);

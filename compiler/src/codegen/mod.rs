@@ -685,36 +685,37 @@ const RANK_FUSED_USES: &[&str] = &[
 
 impl FusedUnit {
     fn new(plan: &Plan, fused: &FusedDecode, expert_parallel: bool) -> Result<Self, CodegenError> {
-        if expert_parallel {
-            return Ok(FusedUnit {
-                expert_parallel,
-                entry: EntryUnit::new(plan, &fused.launch.kernel, RANK_FUSED_USES)?,
-                max_tokens: fused.max_tokens,
-                blocks_per_sm: fused.blocks_per_sm,
-                max_rows: fused.max_rows,
-                w1_bias: "nullptr",
-                w2_bias: "nullptr",
-            });
-        }
         let biases = plan.shape.expert_bias;
-        let uses: Vec<&str> = [
-            Some("x"),
-            Some("w1"),
-            biases.then_some("w1_bias"),
-            Some("w2"),
-            biases.then_some("w2_bias"),
-            Some("topk_ids"),
-            Some("topk_weights"),
-            Some("tokens"),
-            Some("intermediate"),
-            Some("combine_slots"),
-            Some(BufferId::FusedDecodeCounters.name()),
-            Some("error_word"),
-            Some("y"),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
+        let bias_uses = [
+            biases.then_some(LaunchArg::W1Bias.name()),
+            biases.then_some(LaunchArg::W2Bias.name()),
+        ];
+        let uses: Vec<&str> = if expert_parallel {
+            RANK_FUSED_USES
+                .iter()
+                .copied()
+                .chain(bias_uses.into_iter().flatten())
+                .collect()
+        } else {
+            [
+                Some("x"),
+                Some("w1"),
+                bias_uses[0],
+                Some("w2"),
+                bias_uses[1],
+                Some("topk_ids"),
+                Some("topk_weights"),
+                Some("tokens"),
+                Some("intermediate"),
+                Some("combine_slots"),
+                Some(BufferId::FusedDecodeCounters.name()),
+                Some("error_word"),
+                Some("y"),
+            ]
+            .into_iter()
+            .flatten()
+            .collect()
+        };
         let bias = |name| if biases { name } else { "nullptr" };
         Ok(FusedUnit {
             expert_parallel,
@@ -849,19 +850,15 @@ impl GemmUnit {
             (true, true) => ("w1", "&w1_tiles"),
             (false, true) => ("w2", "&w2_tiles"),
         };
-        // The single-GPU GEMMs of a layer with expert biases take them; the expert-parallel
-        // plan refuses such a layer, so its GEMMs never do.
-        let bias_arg = match role {
-            GemmRole::Up | GemmRole::Down if plan.shape.expert_bias => Some(
-                if up {
-                    LaunchArg::W1Bias
-                } else {
-                    LaunchArg::W2Bias
-                }
-                .name(),
-            ),
-            _ => None,
-        };
+        // Every GEMM of a layer with expert biases takes its own (a rank's: its experts').
+        let bias_arg = plan.shape.expert_bias.then(|| {
+            if up {
+                LaunchArg::W1Bias
+            } else {
+                LaunchArg::W2Bias
+            }
+            .name()
+        });
         // A single-GPU GEMM reads its A rows through a tensor map where the plan loads them
         // as tiles (the engine's last parameter: sorted x for GEMM1, the intermediate for
         // GEMM2), else through the pointer (x gathered by the row table for GEMM1, the

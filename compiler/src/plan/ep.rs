@@ -392,12 +392,6 @@ pub fn plan_expert_parallel(
     if ranks <= 1 {
         return Ok(None);
     }
-    // Their GEMMs take no bias arguments: planning them would drop the biases silently.
-    if layer.expert_bias {
-        return Err(PlanError::ExpertParallelExpertBias {
-            layer: layer.name.clone(),
-        });
-    }
     let hints = &layer.schedule;
     let row_bytes = f64::from(layer.hidden) * 2.0;
     let (link_bytes_per_s, scope) = match placement {
@@ -574,6 +568,7 @@ pub fn plan_expert_parallel(
             [&gemm1_kernel, &gemm2_kernel],
             [&gemm1, &gemm2],
             &sizes,
+            shape.expert_bias,
             network.is_some(),
             &KernelBlocks {
                 metadata: tokens[1]
@@ -1303,12 +1298,10 @@ pub fn most_comm_blocks(layer: &ir::Layer, target: &Target) -> Option<u32> {
     Some(RankSms::of(layer, target, ranks, Placement::of(&layer.topology)).most_comm_blocks())
 }
 
-/// The ranks whose expert-parallel kernels a plan of `layer` would have: none for one rank,
-/// nor with expert biases, which those kernels do not add (the plan runs the single-GPU
-/// kernels and says why).
+/// The ranks whose expert-parallel kernels a plan of `layer` would have: none for one rank.
 fn planned_ranks(layer: &ir::Layer) -> Option<u32> {
     let ranks = layer.parallel.expert;
-    (ranks > 1 && !layer.expert_bias).then_some(ranks)
+    (ranks > 1).then_some(ranks)
 }
 
 /// The `comm_blocks` hint's problem on `target`: it leaves a rank no SM for compute where
@@ -1454,12 +1447,14 @@ fn params_if(taken: bool, params: Vec<KernelParam>) -> Vec<KernelParam> {
 }
 
 /// The launches of one call on one rank: metadata and dispatch on the communication
-/// stream; arrange, the GEMMs and combine on the compute stream.
+/// stream; arrange, the GEMMs (with the rank's expert biases where the layer has them) and
+/// combine on the compute stream.
 fn launch_table(
     kernels: &[String; 4],
     gemm_kernels: [&String; 2],
     gemms: [&GemmPlan; 2],
     sizes: &Sizes,
+    expert_bias: bool,
     over_network: bool,
     blocks: &KernelBlocks,
 ) -> Vec<Launch> {
@@ -1468,6 +1463,7 @@ fn launch_table(
     let (read, write, shared) = (KernelParam::read, KernelParam::write, KernelParam::shared);
     let [route, dispatch, arrange, combine] = kernels;
     let partials = sizes.combine_route == CombineRoute::RankPartials;
+    let bias = |arg| params_if(expert_bias, vec![read(arg)]);
     let launch =
         |kernel: &String, grid: u32, threads: u32, stream, static_smem, smem, params| Launch {
             kernel: kernel.clone(),
@@ -1597,21 +1593,20 @@ fn launch_table(
             StreamRole::Compute,
             g1.smem.static_bytes,
             g1.smem_bytes,
-            vec![
-                shared(Workspace(RecvX)),
-                read(X),
-                weight_param(g1, true),
-                read(Workspace(SegmentOffsets)),
-                read(Workspace(SegmentRows)),
-                shared(Workspace(ChunkFlags)),
-                read(Rank),
-                read(Epoch),
-                write(Workspace(ErrorWord)),
-                write(Workspace(Intermediate)),
-            ]
-            .into_iter()
-            .chain(unit_ticket_params(g1))
-            .collect(),
+            vec![shared(Workspace(RecvX)), read(X), weight_param(g1, true)]
+                .into_iter()
+                .chain(bias(W1Bias))
+                .chain([
+                    read(Workspace(SegmentOffsets)),
+                    read(Workspace(SegmentRows)),
+                    shared(Workspace(ChunkFlags)),
+                    read(Rank),
+                    read(Epoch),
+                    write(Workspace(ErrorWord)),
+                    write(Workspace(Intermediate)),
+                ])
+                .chain(unit_ticket_params(g1))
+                .collect(),
         ),
         launch(
             gemm_kernels[1],
@@ -1620,33 +1615,31 @@ fn launch_table(
             StreamRole::Compute,
             g2.smem.static_bytes,
             g2.smem_bytes,
-            if partials {
-                vec![
-                    read(Workspace(Intermediate)),
-                    weight_param(g2, false),
-                    read(Workspace(SegmentOffsets)),
-                    read(Workspace(SegmentPairs)),
-                    read(Workspace(SegmentWeights)),
-                    read(Rank),
-                    write(Workspace(ErrorWord)),
-                    write(Workspace(PairResults)),
-                ]
-            } else {
-                vec![
-                    read(Workspace(Intermediate)),
-                    weight_param(g2, false),
-                    read(Workspace(SegmentOffsets)),
-                    read(Workspace(SegmentPairs)),
-                    read(Workspace(SegmentWeights)),
-                    read(Workspace(RowOrigins)),
-                    read(Workspace(PeerTable)),
-                    read(Rank),
-                    write(Workspace(ErrorWord)),
-                ]
-            }
-            .into_iter()
-            .chain(unit_ticket_params(g2))
-            .collect(),
+            [read(Workspace(Intermediate)), weight_param(g2, false)]
+                .into_iter()
+                .chain(bias(W2Bias))
+                .chain(if partials {
+                    vec![
+                        read(Workspace(SegmentOffsets)),
+                        read(Workspace(SegmentPairs)),
+                        read(Workspace(SegmentWeights)),
+                        read(Rank),
+                        write(Workspace(ErrorWord)),
+                        write(Workspace(PairResults)),
+                    ]
+                } else {
+                    vec![
+                        read(Workspace(SegmentOffsets)),
+                        read(Workspace(SegmentPairs)),
+                        read(Workspace(SegmentWeights)),
+                        read(Workspace(RowOrigins)),
+                        read(Workspace(PeerTable)),
+                        read(Rank),
+                        write(Workspace(ErrorWord)),
+                    ]
+                })
+                .chain(unit_ticket_params(g2))
+                .collect(),
         ),
         launch(
             combine,

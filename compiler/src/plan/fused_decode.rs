@@ -333,10 +333,17 @@ pub fn plan_rank_fused_decode(
     let (read, write, shared) = (KernelParam::read, KernelParam::write, KernelParam::shared);
     use BufferId::*;
     use LaunchArg::*;
-    let params = vec![
-        read(X),
-        read(W1),
-        read(W2),
+    let bias = |arg| shape.expert_bias.then(|| read(arg));
+    let params = [
+        Some(read(X)),
+        Some(read(W1)),
+        bias(W1Bias),
+        Some(read(W2)),
+        bias(W2Bias),
+    ]
+    .into_iter()
+    .flatten()
+    .chain([
         read(TopkIds),
         read(TopkWeights),
         read(Tokens),
@@ -357,7 +364,8 @@ pub fn plan_rank_fused_decode(
         write(Workspace(RankFusedCounters)),
         write(Workspace(ErrorWord)),
         write(Y),
-    ];
+    ])
+    .collect();
     Ok(FusedDecode {
         max_tokens,
         blocks_per_sm,

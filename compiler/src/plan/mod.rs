@@ -1278,10 +1278,6 @@ pub enum PlanError {
         what: String,
         reason: String,
     },
-    #[error(
-        "layer `{layer}`: the expert-parallel kernels do not add expert biases (`expert_bias = true`); run the layer on one GPU, whose kernels do"
-    )]
-    ExpertParallelExpertBias { layer: String },
     #[error("layer `{layer}`: its ranks do not fit the {target}: {reason}")]
     RanksDoNotFit {
         layer: String,
@@ -1561,7 +1557,7 @@ fn plan_as_sized(
         .cloned()
         .collect();
     let flag_wait_limit = FlagWaitLimit::of(layer, target);
-    let expert_parallel = match ep::plan_expert_parallel(
+    let expert_parallel = ep::plan_expert_parallel(
         layer,
         target,
         layer.parallel.expert,
@@ -1570,19 +1566,7 @@ fn plan_as_sized(
         &shape,
         router_buffers,
         flag_wait_limit.seconds(target),
-    ) {
-        Ok(expert_parallel) => expert_parallel,
-        // The single-GPU kernels still run such a layer: say why the plan has no
-        // expert-parallel part instead of refusing the layer.
-        Err(refusal @ PlanError::ExpertParallelExpertBias { .. }) => {
-            limitations.push(format!(
-                "the spec asks for {} expert-parallel ranks, but this plan has no expert-parallel kernels: {refusal}; the single-GPU kernels run all {} experts on one GPU",
-                layer.parallel.expert, layer.experts
-            ));
-            None
-        }
-        Err(error) => return Err(error),
-    };
+    )?;
     if let Some(ep) = &expert_parallel {
         // A spec that asks for the fused decode where the ranks' first regime cannot run
         // one is told why (the table runs those calls).

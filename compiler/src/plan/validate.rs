@@ -795,6 +795,19 @@ impl Plan {
                         if claims { "is not given" } else { "is given" }
                     ));
                 }
+                // A layer's expert biases reach every GEMM, one GPU's and each rank's (a
+                // GEMM without its bias would drop it silently).
+                let bias = if up {
+                    LaunchArg::W1Bias
+                } else {
+                    LaunchArg::W2Bias
+                };
+                if shape.expert_bias && !launch.params.iter().any(|param| param.arg == bias) {
+                    return Err(format!(
+                        "`{kernel}` is not given `{}`, the layer's expert biases",
+                        bias.name()
+                    ));
+                }
             }
             for launch in regime.launches {
                 self.check_launch(launch)?;
