@@ -61,6 +61,16 @@ fn tiny_shared_top4() -> Layer {
     layer
 }
 
+/// [`tiny_shared_top4`] with GPT-OSS's expert math (expert biases, the clamped SwiGLU): its
+/// rank partials carry each pair's `b2` times its weight.
+fn tiny_biased_top4() -> Layer {
+    let mut layer = tiny_shared_top4();
+    layer.name = "tiny_biased_top4".into();
+    layer.activation = Activation::ClampedSwiglu;
+    layer.expert_bias = true;
+    layer
+}
+
 /// Both ways results return are among `plans`.
 fn assert_both_combine_routes(plans: &[&Plan]) {
     for route in [CombineRoute::PairRows, CombineRoute::RankPartials] {
@@ -172,8 +182,10 @@ fn virtual_ranks_match_reference() {
         (layers::tiny_with_shared_expert(Activation::Swiglu), 4),
         (tiny_shared_top4(), 2),
         (layers::scaled_down(example("qwen3_30b_a3b")), 4),
-        // Expert biases and the clamped SwiGLU on the ranks' GEMMs and fused decode.
+        // Expert biases and the clamped SwiGLU on the ranks' GEMMs and fused decode, with
+        // results returned as pair rows (GPT-OSS) and as rank partials (the tiny one).
         (gpt_oss, 2),
+        (tiny_biased_top4(), 2),
     ];
     let on_virtual_ranks = build_on_virtual_ranks(&session, &cases, seed);
     let plans: Vec<&Plan> = on_virtual_ranks
@@ -181,6 +193,12 @@ fn virtual_ranks_match_reference() {
         .map(|(_, b, _)| b.layer.plan())
         .collect();
     assert_both_combine_routes(&plans);
+    assert!(
+        plans.iter().any(|plan| plan.shape.expert_bias
+            && plan.expert_parallel.as_ref().map(|ep| ep.combine_route)
+                == Some(CombineRoute::RankPartials)),
+        "a case with expert biases returns its results as rank partials"
+    );
     assert!(
         plans.iter().any(|plan| fused_max_tokens(plan).is_some()),
         "some case runs its small calls as the ranks' fused decode"
