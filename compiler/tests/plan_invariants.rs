@@ -881,6 +881,15 @@ fn cluster_pairs_and_row_tiles_are_checked() {
     );
 }
 
+/// The generated entry point `kernel` in `source`, from its name to the end of its body.
+fn entry_point<'a>(source: &'a str, kernel: &str) -> &'a str {
+    let start = source
+        .find(&format!(" {kernel}("))
+        .unwrap_or_else(|| panic!("`{kernel}` in the source"));
+    let end = start + source[start..].find("\n}\n").expect("its body ends");
+    &source[start..end]
+}
+
 /// The warp-specialised GEMMs, one GPU's and a rank's, claim their work units from their
 /// workspace's two tickets (GEMM1 the first, GEMM2 the second, in the generated CUDA too);
 /// the mma.sync GEMMs take none. Validation catches a ticket missing from a launch or from either workspace.
@@ -904,13 +913,7 @@ fn warp_specialised_gemms_claim_units_from_the_tickets() {
     let source = moeforge_compiler::codegen::generate(&plan)
         .expect("codegen")
         .source;
-    let entry = |kernel: &str| {
-        let start = source
-            .find(&format!(" {kernel}("))
-            .unwrap_or_else(|| panic!("`{kernel}` in the source"));
-        let end = start + source[start..].find("\n}\n").expect("its body ends");
-        &source[start..end]
-    };
+    let entry = |kernel: &str| entry_point(&source, kernel);
     // Each GEMM claims from its own ticket (GEMM2 may start while GEMM1 runs).
     let gemms = |regimes: Vec<[(&plan::GemmPlan, &String); 2]>| {
         let mut warp_specialised = 0;
@@ -1012,13 +1015,7 @@ fn expert_biases_reach_every_gemm_on_one_gpu_and_on_the_ranks() {
     let source = moeforge_compiler::codegen::generate(&plan)
         .expect("codegen")
         .source;
-    let entry = |kernel: &str| {
-        let start = source
-            .find(&format!(" {kernel}("))
-            .unwrap_or_else(|| panic!("`{kernel}` in the source"));
-        let end = start + source[start..].find("\n}\n").expect("its body ends");
-        source[start..end].to_string()
-    };
+    let entry = |kernel: &str| entry_point(&source, kernel);
     let takes = |launches: &[plan::Launch], kernel: &str, arg: plan::LaunchArg| {
         launches
             .iter()

@@ -205,6 +205,14 @@ impl ExpertWeights {
             }),
         }
     }
+
+    /// The device addresses of `b1` and `b2`, null without biases (where
+    /// [`ExpertWeights::check`] passed, exactly when no launch takes them).
+    pub(crate) fn bias_pointers(&self, stream: &CudaStream) -> [u64; 2] {
+        self.biases
+            .as_ref()
+            .map_or([0, 0], |b| [ptr(&b.b1, stream), ptr(&b.b2, stream)])
+    }
 }
 
 /// The router's gate on the device: `weight` [E, H] bf16 and, when the rule has a bias
@@ -1120,18 +1128,8 @@ impl MoeLayer {
                 Binding::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
                 // `new` checked that the weights hold biases exactly when the plan's
                 // launches take them.
-                Binding::W1Bias => ArgValue::Pointer(
-                    self.weights
-                        .biases
-                        .as_ref()
-                        .map_or(0, |b| ptr(&b.b1, stream)),
-                ),
-                Binding::W2Bias => ArgValue::Pointer(
-                    self.weights
-                        .biases
-                        .as_ref()
-                        .map_or(0, |b| ptr(&b.b2, stream)),
-                ),
+                Binding::W1Bias => ArgValue::Pointer(self.weights.bias_pointers(stream)[0]),
+                Binding::W2Bias => ArgValue::Pointer(self.weights.bias_pointers(stream)[1]),
                 // Router launches are bound only when the gate (and a bias the rule
                 // takes) was given: `with_gate` checked both.
                 Binding::GateWeight => {

@@ -104,6 +104,24 @@ pub(crate) fn gemms_on_mma_sync(what: &str, g1: &GemmPlan, g2: &GemmPlan) -> Res
     Ok(())
 }
 
+/// A fused decode's first parameters, one GPU's and a rank's alike: x, then each GEMM's
+/// weights with its expert biases where the layer has them.
+fn input_and_weight_params(shape: &LayerShape) -> Vec<KernelParam> {
+    use LaunchArg::*;
+    let read = KernelParam::read;
+    let bias = |arg| shape.expert_bias.then(|| read(arg));
+    [
+        Some(read(X)),
+        Some(read(W1)),
+        bias(W1Bias),
+        Some(read(W2)),
+        bias(W2Bias),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
 /// The fused decode of `regime` (named `kernel`) for calls of up to `tokens` tokens (at
 /// most the regime's), where it can run: the layer's first regime, both GEMMs mma.sync with
 /// the same threads, GEMM1 gathering its rows, and the grid resident at once. Otherwise the
@@ -147,29 +165,21 @@ pub fn plan_fused_decode(
         ));
     }
     let (read, write) = (KernelParam::read, KernelParam::write);
-    let bias = |arg| shape.expert_bias.then(|| read(arg));
     use BufferId::*;
     use LaunchArg::*;
-    let params = [
-        Some(read(X)),
-        Some(read(W1)),
-        bias(W1Bias),
-        Some(read(W2)),
-        bias(W2Bias),
-    ]
-    .into_iter()
-    .flatten()
-    .chain([
-        read(TopkIds),
-        read(TopkWeights),
-        read(Tokens),
-        write(Workspace(Intermediate)),
-        write(Workspace(CombineSlots)),
-        write(Workspace(FusedDecodeCounters)),
-        write(Workspace(ErrorWord)),
-        write(Y),
-    ])
-    .collect();
+    let params = input_and_weight_params(shape)
+        .into_iter()
+        .chain([
+            read(TopkIds),
+            read(TopkWeights),
+            read(Tokens),
+            write(Workspace(Intermediate)),
+            write(Workspace(CombineSlots)),
+            write(Workspace(FusedDecodeCounters)),
+            write(Workspace(ErrorWord)),
+            write(Y),
+        ])
+        .collect();
     Ok(FusedDecode {
         max_tokens,
         blocks_per_sm,
@@ -333,39 +343,31 @@ pub fn plan_rank_fused_decode(
     let (read, write, shared) = (KernelParam::read, KernelParam::write, KernelParam::shared);
     use BufferId::*;
     use LaunchArg::*;
-    let bias = |arg| shape.expert_bias.then(|| read(arg));
-    let params = [
-        Some(read(X)),
-        Some(read(W1)),
-        bias(W1Bias),
-        Some(read(W2)),
-        bias(W2Bias),
-    ]
-    .into_iter()
-    .flatten()
-    .chain([
-        read(TopkIds),
-        read(TopkWeights),
-        read(Tokens),
-        read(Rank),
-        read(Epoch),
-        read(Workspace(PeerTable)),
-        shared(Workspace(RecvX)),
-        shared(Workspace(RecvCounts)),
-        shared(Workspace(RecvPair)),
-        shared(Workspace(RecvWeight)),
-        shared(Workspace(MetaFlags)),
-        shared(Workspace(ChunkFlags)),
-        write(Workspace(ChunkPieces)),
-        shared(Workspace(Credits)),
-        write(Workspace(Intermediate)),
-        shared(Workspace(CombineSlots)),
-        write(Workspace(CombineCounters)),
-        write(Workspace(RankFusedCounters)),
-        write(Workspace(ErrorWord)),
-        write(Y),
-    ])
-    .collect();
+    let params = input_and_weight_params(shape)
+        .into_iter()
+        .chain([
+            read(TopkIds),
+            read(TopkWeights),
+            read(Tokens),
+            read(Rank),
+            read(Epoch),
+            read(Workspace(PeerTable)),
+            shared(Workspace(RecvX)),
+            shared(Workspace(RecvCounts)),
+            shared(Workspace(RecvPair)),
+            shared(Workspace(RecvWeight)),
+            shared(Workspace(MetaFlags)),
+            shared(Workspace(ChunkFlags)),
+            write(Workspace(ChunkPieces)),
+            shared(Workspace(Credits)),
+            write(Workspace(Intermediate)),
+            shared(Workspace(CombineSlots)),
+            write(Workspace(CombineCounters)),
+            write(Workspace(RankFusedCounters)),
+            write(Workspace(ErrorWord)),
+            write(Y),
+        ])
+        .collect();
     Ok(FusedDecode {
         max_tokens,
         blocks_per_sm,
