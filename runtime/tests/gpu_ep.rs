@@ -537,7 +537,9 @@ fn routed_rows_only(layer: &Layer) -> Layer {
 }
 
 /// The layers `emulated_nodes_match_reference` runs: 2 nodes of one GPU, 2 of two, 2 of
-/// four, 4 of one with a shared expert, and a scaled-down Qwen3-30B-A3B on 2 nodes of two.
+/// four, 4 of one with a shared expert, the top-4 layer with expert biases on 2 nodes of
+/// two (a relay sums partials that carry them), and a scaled-down Qwen3-30B-A3B on 2
+/// nodes of two.
 /// The tiny ones on 2 nodes of 1 and 4 of 1 move whole chunks at every bound, those on 2
 /// nodes of 2 and of 4 the routed rows; the Qwen3 one whole chunks at the small bounds and
 /// the routed rows at its max_tokens.
@@ -553,6 +555,7 @@ fn emulated_node_cases() -> Vec<Layer> {
         // Nodes of 4: a relay forwards a row to several ranks of its node.
         routed_rows_only(&over_emulated_nodes(&tiny, 8, 2)),
         over_emulated_nodes(&layers::tiny_with_shared_expert(Activation::Swiglu), 4, 4),
+        over_emulated_nodes(&tiny_biased_top4(), 4, 2),
         over_emulated_nodes(&layers::scaled_down(&qwen), 4, 2),
     ]
 }
