@@ -1073,8 +1073,8 @@ impl EpLayer {
                 Binding::W2 => ArgValue::Pointer(ptr(&rank.weights.w2, stream)),
                 // `build_rank` checked that the weights hold biases exactly when the layer
                 // has them, which is when the plan's launches take them.
-                Binding::W1Bias => ArgValue::Pointer(rank.weights.bias_pointers(stream)[0]),
-                Binding::W2Bias => ArgValue::Pointer(rank.weights.bias_pointers(stream)[1]),
+                Binding::W1Bias => ArgValue::Pointer(rank.weights.bias_pointer(true, stream)),
+                Binding::W2Bias => ArgValue::Pointer(rank.weights.bias_pointer(false, stream)),
                 Binding::Rank => ArgValue::Int(rank.index as i32),
                 Binding::Epoch => ArgValue::Int(self.epoch as i32),
                 Binding::Workspace(i) => {

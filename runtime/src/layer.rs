@@ -206,12 +206,12 @@ impl ExpertWeights {
         }
     }
 
-    /// The device addresses of `b1` and `b2`, null without biases (where
-    /// [`ExpertWeights::check`] passed, exactly when no launch takes them).
-    pub(crate) fn bias_pointers(&self, stream: &CudaStream) -> [u64; 2] {
+    /// The device address of GEMM1's biases `b1` (`gemm1`) or GEMM2's `b2`, null without
+    /// biases (where [`ExpertWeights::check`] passed, exactly when no launch takes them).
+    pub(crate) fn bias_pointer(&self, gemm1: bool, stream: &CudaStream) -> u64 {
         self.biases
             .as_ref()
-            .map_or([0, 0], |b| [ptr(&b.b1, stream), ptr(&b.b2, stream)])
+            .map_or(0, |b| ptr(if gemm1 { &b.b1 } else { &b.b2 }, stream))
     }
 }
 
@@ -1128,8 +1128,8 @@ impl MoeLayer {
                 Binding::W2 => ArgValue::Pointer(ptr(&self.weights.w2, stream)),
                 // `new` checked that the weights hold biases exactly when the plan's
                 // launches take them.
-                Binding::W1Bias => ArgValue::Pointer(self.weights.bias_pointers(stream)[0]),
-                Binding::W2Bias => ArgValue::Pointer(self.weights.bias_pointers(stream)[1]),
+                Binding::W1Bias => ArgValue::Pointer(self.weights.bias_pointer(true, stream)),
+                Binding::W2Bias => ArgValue::Pointer(self.weights.bias_pointer(false, stream)),
                 // Router launches are bound only when the gate (and a bias the rule
                 // takes) was given: `with_gate` checked both.
                 Binding::GateWeight => {

@@ -238,7 +238,7 @@ pub fn copy_experts(
 }
 
 /// `per_expert` values of each expert `held` of `source`, one after another on `to`.
-fn copy_rows<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
+fn copy_rows<T: DeviceRepr + ValidAsZeroBits>(
     from: &Arc<CudaStream>,
     to: &Arc<CudaStream>,
     source: &CudaSlice<T>,
