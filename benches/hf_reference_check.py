@@ -7,14 +7,15 @@ Per model family, on one CUDA GPU:
    and with --real-sizes also one at the sizes of a real layer), in bf16, with weights
    drawn uniform in +-sqrt(3 / fan_in) from --seed (GPT-OSS's and DeepSeek-V3's extra
    terms drawn as "Drawn weights" below says);
-2. saves its router gate (and the gate's bias), experts (and shared experts) as
-   safetensors under the tensor names of the family's published checkpoints for one layer
-   (`model.layers.0.`), which is what `moeforge run --weights` reads (transformers 5 keeps
-   the experts fused in 3-D parameters; Mixtral's, Qwen3-MoE's and DeepSeek-V3's
-   checkpoints, and this file, keep one tensor per expert and projection; GPT-OSS's keep
-   the fused tensors, which this file saves as the block holds them);
+2. saves its router gate (and the gate's bias), experts (and shared experts, and their
+   gate) as safetensors under the tensor names of the family's published checkpoints for
+   one layer (`model.layers.0.`), which is what `moeforge run --weights` reads
+   (transformers 5 keeps the experts fused in 3-D parameters; Mixtral's, Qwen3-MoE's,
+   Qwen2-MoE's and DeepSeek-V3's checkpoints, and this file, keep one tensor per expert
+   and projection; GPT-OSS's keep the fused tensors, which this file saves as the block
+   holds them);
 3. writes a matching `.moe` spec (the family's `router { }` rule, activation, expert
-   biases and shared experts);
+   biases and shared experts, `gated` where their gate weighs them);
 4. runs the block on random x [T, H] (uniform in +-1, bf16), records its output y and its
    router's logits, chosen experts and weights;
 5. runs `moeforge run SPEC --weights CKPT --inputs FILE --outputs FILE --check` twice on
@@ -32,8 +33,10 @@ in f32 from the saved weights (`f32_layer`) must be within the output bound of t
 reference's y (`ref vs f32`); and the terms that set a family apart must have acted on
 this input (DeepSeek-V3: the correction bias and the group limit each change some token's
 choice; GPT-OSS: the router bias changes some choice, and some pre-activations reach the
-clamp). A failure there is the script's (or transformers' layout changed) and fails the
-case, saying which.
+clamp; Qwen2-MoE: the shared expert gate's weights span at least SHARED_GATE_SPREAD (0.25)
+over the tokens, so that neither its absence, nor a closed gate, nor one token's weight on
+another's row would pass). A failure there is the script's (or transformers' layout
+changed) and fails the case, saying which.
 
 Tolerances (bf16 everywhere; `ulp` below is bf16's, a relative 2^-8 to 2^-7):
 
@@ -44,23 +47,24 @@ Tolerances (bf16 everywhere; `ulp` below is bf16's, a relative 2^-8 to 2^-7):
   may differ from the reference's only when every expert in the difference has a
   reference selection value within TIE_RTOL * max(|value|, |K-th value|) + TIE_ATOL of the
   reference's K-th best (TIE_RTOL = 2^-6: twice that worst case; TIE_ATOL = 1e-3 for the
-  f32 accumulation order near zero). The selection values are the logits for Mixtral and
-  Qwen3-MoE (softmax keeps their order) and GPT-OSS (its logits include the router bias);
-  for DeepSeek-V3 they are sigmoid(logit) + e_score_correction_bias, and with its group
-  limit the chosen set must be the top-k, up to that tolerance, of the experts of some
-  kept-group set that the reference's group scores allow up to the same tolerance (every
-  group scored beyond it above the kept-th best is kept, none beyond it below). DeepSeek-V3's
-  reference computes its logits in f32 (its router upcasts), so there the tolerance is
-  loose: expect no flips. Such a token is a "tie flip", reported and left out of the routed
-  output comparison (its output is a different sum); any other difference fails.
+  f32 accumulation order near zero). The selection values are the logits for Mixtral,
+  Qwen3-MoE and Qwen2-MoE (softmax keeps their order) and GPT-OSS (its logits include the
+  router bias); for DeepSeek-V3 they are sigmoid(logit) + e_score_correction_bias, and
+  with its group limit the chosen set must be the top-k, up to that tolerance, of the
+  experts of some kept-group set that the reference's group scores allow up to the same
+  tolerance (every group scored beyond it above the kept-th best is kept, none beyond it
+  below). DeepSeek-V3's reference computes its logits in f32 (its router upcasts), so
+  there the tolerance is loose: expect no flips. Such a token is a "tie flip", reported
+  and left out of the routed output comparison (its output is a different sum); any other
+  difference fails.
 * Routing weights of agreeing experts: |w_moeforge - w_ref| <= 2^-5 * w_ref + 2^-9. The
   weights are softmax values of logits that differ by up to 2^-8 relative (the reference's
   bf16 logits), which moves a renormalised weight by up to about 2 * 2^-8 * |logit| of
   itself (2^-5 covers logits up to 4 in magnitude; these configurations stay below 3;
-  GPT-OSS's softmax over its k chosen logits moves the same way), and Qwen3-MoE's and
-  GPT-OSS's references round their weights to bf16 (2^-9 absolute below 1). DeepSeek-V3's
-  weights (normalised sigmoid scores times routed_scaling_factor, up to 2.5) come from f32
-  logits on both sides, far inside the relative bound.
+  GPT-OSS's softmax over its k chosen logits moves the same way), and Qwen3-MoE's,
+  Qwen2-MoE's and GPT-OSS's references round their weights to bf16 (2^-9 absolute below
+  1). DeepSeek-V3's weights (normalised sigmoid scores times routed_scaling_factor, up to
+  2.5) come from f32 logits on both sides, far inside the relative bound.
 * Outputs: |y_moeforge - y_ref| <= atol + rtol * |y_ref| element-wise, with
   rtol = 2^-6 and atol = 2^-5 * rms(y_ref) when moeforge is given the reference's
   routing. The reference rounds to bf16 after the gate/up GEMM, the activation, the
@@ -72,12 +76,16 @@ Tolerances (bf16 everywhere; `ulp` below is bf16's, a relative 2^-8 to 2^-7):
   of atol. GPT-OSS's reference rounds more often (after each bias add and each step of the
   clamped SwiGLU: about twice the intermediate roundings of SwiGLU); DeepSeek-V3's adds its
   shared MLP's bf16 output to the bf16 routed sum (one more rounding of y, and the shared
-  MLP's own). Both stayed within the same bound in a dry run of the reference side on a
-  CPU (2026-11-30, torch 2.15, transformers 5.24, seed 7; cuBLAS rounds its GEMMs' sums
-  the same way but accumulates in another order): `ref vs f32` 0.62 (small) and 0.81
+  MLP's own); Qwen2-MoE's does the same after weighing that output by its gate, rounded
+  twice more (the sigmoid of the gate's bf16 logit, and the product, each to bf16: a few
+  ulps of the shared term, the order of its own roundings). All three stayed within the
+  same bound in dry runs of the reference side on a CPU (seed 7; cuBLAS rounds its GEMMs'
+  sums the same way but accumulates in another order): `ref vs f32` 0.62 (small) and 0.81
   (gpt-oss-120b's sizes) for GPT-OSS, 0.66 (small) and 0.78 (DeepSeek-V3's H, F, K and
-  groups with 32 experts; its 256 do not fit that machine) for DeepSeek-V3. If the
-  reference's own rounding ever exceeds the bound the case fails saying so, not silently.
+  groups with 32 experts; its 256 do not fit that machine) for DeepSeek-V3 (2026-11-30,
+  torch 2.15, transformers 5.24); 0.64 (small) and 0.67 (Qwen1.5-MoE-A2.7B's sizes) for
+  Qwen2-MoE (2026-12-06, torch 2.15, transformers 5.25). If the reference's own rounding
+  ever exceeds the bound the case fails saying so, not silently.
   When moeforge routes itself the weights may differ as above, so the bound is
   doubled (rtol = 2^-5, atol = 2^-4 * rms).
   Given the reference's routing, moeforge is held to that bound against the layer's
@@ -97,17 +105,24 @@ checkpoints keep it. GPT-OSS's gate_up_proj is drawn GPT_OSS_GATE_UP_WIDTH (7) t
 (pre-activations of rms about 4: some 4% of gates and 8% of ups pass the clamp at 7), its
 expert biases uniform in +-EXPERT_BIAS_BOUND (1) and its router bias in
 +-ROUTER_BIAS_BOUND (0.5); its 3-D weights take fan_in from their middle dimension
-([E, in, out]).
+([E, in, out]). Qwen2-MoE's shared expert gate [1, H] is drawn as every weight (fan_in H):
+its logits x w_g^T have an rms of about 0.58 on this x, so the gate weighs the tokens'
+shared MLP outputs by about 0.13 to 0.87, which acts as the self-check requires.
 
 Model families: Mixtral (MixtralSparseMoeBlock: softmax, top-k, renormalise), Qwen3-MoE
 (Qwen3MoeSparseMoeBlock: softmax, top-k, renormalised when norm_topk_prob, checked both
-ways), DeepSeek-V3 (DeepseekV3MoE: sigmoid, e_score_correction_bias choosing, group-limited
-top-k over n_group groups keeping topk_group, normalised, times routed_scaling_factor 2.5,
-plus the shared MLP of FFN n_shared_experts * moe_intermediate_size; its small case has
-two shared experts, so moeforge cuts the shared MLP into two slices, the real one one) and
-GPT-OSS (GptOssMLP: router Linear with a bias, top-k of its logits, softmax over the k;
-experts with biases and the clamped SwiGLU; the fused gate_up_proj [E, H, 2F] interleaves
-gate and up columns).
+ways), Qwen2-MoE (Qwen2MoeSparseMoeBlock: Qwen3-MoE's router, not renormalised, as in
+Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B, plus one shared MLP of FFN
+shared_expert_intermediate_size whose output is weighed per token by
+sigmoid(x shared_expert_gate^T), the gate a [1, H] Linear without bias; moeforge cuts the
+shared MLP into slices of the routed FFN: two in the small case, four at
+Qwen1.5-MoE-A2.7B's sizes), DeepSeek-V3 (DeepseekV3MoE: sigmoid, e_score_correction_bias
+choosing, group-limited top-k over n_group groups keeping topk_group, normalised, times
+routed_scaling_factor 2.5, plus the shared MLP of FFN n_shared_experts *
+moe_intermediate_size, ungated; its small case has two shared experts, so moeforge cuts
+the shared MLP into two slices, the real one one) and GPT-OSS (GptOssMLP: router Linear
+with a bias, top-k of its logits, softmax over the k; experts with biases and the clamped
+SwiGLU; the fused gate_up_proj [E, H, 2F] interleaves gate and up columns).
 
 Usage (on the GPU machine, from the repository root):
 
@@ -151,6 +166,10 @@ CORRECTION_BOUND = 0.1
 GPT_OSS_GATE_UP_WIDTH = 7.0
 EXPERT_BIAS_BOUND = 1.0
 ROUTER_BIAS_BOUND = 0.5
+# Qwen2-MoE's shared expert gate must weigh the tokens' shared MLP outputs at least this
+# far apart (its sigmoid lies in (0, 1)), or it could pass unchecked: absent (weight 1),
+# closed (weight 0), or one token's weight applied to another's row.
+SHARED_GATE_SPREAD = 0.25
 
 PREFIX = "model.layers.0."
 
@@ -163,7 +182,9 @@ class Sizes:
     top_k: int
     groups: int = 0  # DeepSeek-V3's n_group (0: no group limit)
     groups_kept: int = 0  # its topk_group
-    shared: int = 0  # its n_shared_experts: one shared MLP of FFN shared * ffn
+    # One shared MLP of FFN shared * ffn: DeepSeek-V3's n_shared_experts, Qwen2-MoE's
+    # shared_expert_intermediate_size / moe_intermediate_size (0: none).
+    shared: int = 0
 
     def __post_init__(self):
         # The router's outputs are told apart by their last dimension (E or K).
@@ -192,6 +213,10 @@ class Family:
     # Set when moeforge cannot compute the family's block yet: why.
     skip_reason: str = ""
 
+    def __post_init__(self):
+        # Qwen2-MoE's block always builds its shared MLP.
+        assert not self.shared_gated or (self.small.shared and self.real.shared), self
+
     @property
     def gpt_oss(self):
         return self.moeforge_family == "gpt-oss"
@@ -199,6 +224,18 @@ class Family:
     @property
     def deepseek(self):
         return self.moeforge_family == "deepseek-v3"
+
+    @property
+    def shared_gated(self):
+        """Whether the shared MLP's output is weighed per token by sigmoid(x w_g^T), w_g its
+        gate's weights [1, H] (Qwen2-MoE's shared_expert_gate)."""
+        return self.moeforge_family == "qwen2-moe"
+
+    @property
+    def shared_module(self):
+        """The shared MLP's attribute in the block, which is also its name under `mlp.` in
+        the published checkpoints."""
+        return "shared_expert" if self.moeforge_family == "qwen2-moe" else "shared_experts"
 
     def router_module(self, block):
         return block.router if self.gpt_oss else block.gate
@@ -223,9 +260,14 @@ class Family:
         return (f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight")
 
     def shared_names(self):
-        """The shared MLP's (gate, up, down) names (DeepSeek-V3)."""
-        base = f"{PREFIX}mlp.shared_experts"
+        """The shared MLP's (gate, up, down) names (DeepSeek-V3, Qwen2-MoE)."""
+        base = f"{PREFIX}mlp.{self.shared_module}"
         return (f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight")
+
+    def shared_gate_name(self):
+        """The shared expert gate's weight [1, H] (Qwen2-MoE)."""
+        assert self.shared_gated, self.name
+        return f"{PREFIX}mlp.shared_expert_gate.weight"
 
     def fused_names(self):
         """GPT-OSS's fused expert tensors, named as transformers' GptOssExperts names its
@@ -299,6 +341,23 @@ class Family:
                 num_key_value_heads=4,
             )
             block_class = GptOssMLP
+        elif self.moeforge_family == "qwen2-moe":
+            from transformers import Qwen2MoeConfig
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+            config = Qwen2MoeConfig(
+                hidden_size=sizes.hidden,
+                moe_intermediate_size=sizes.ffn,
+                intermediate_size=sizes.ffn,  # the dense layers' MLP: not built here
+                shared_expert_intermediate_size=sizes.shared * sizes.ffn,
+                num_experts=sizes.experts,
+                num_experts_per_tok=sizes.top_k,
+                norm_topk_prob=self.normalize,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+            )
+            block_class = Qwen2MoeSparseMoeBlock
         else:
             from transformers import Qwen3MoeConfig
             from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -358,11 +417,12 @@ class Family:
         else:
             extra += "  activation = swiglu\n"
         if sizes.shared:
+            gated = "    gated = true\n" if self.shared_gated else ""
             extra += f"""
   shared_experts {{
     count = 1
     ffn = {sizes.shared * sizes.ffn}
-  }}
+{gated}  }}
 """
         return f"""# Written by benches/hf_reference_check.py: {self.name}, hidden {sizes.hidden}, ffn {sizes.ffn},
 # {sizes.experts} experts, top {sizes.top_k}; weights in the checkpoint next to this file.
@@ -414,6 +474,14 @@ FAMILIES = [
         normalize=False,
     ),
     Family(
+        name="qwen2_moe",
+        moeforge_family="qwen2-moe",
+        small=Sizes(hidden=256, ffn=192, experts=16, top_k=4, shared=2),
+        real=Sizes(hidden=2048, ffn=1408, experts=60, top_k=4, shared=4),
+        real_model="Qwen1.5-MoE-A2.7B",
+        normalize=False,
+    ),
+    Family(
         name="deepseek_v3",
         moeforge_family="deepseek-v3",
         small=Sizes(hidden=256, ffn=192, experts=16, top_k=4, groups=4, groups_kept=2, shared=2),
@@ -453,7 +521,8 @@ class Row:
 @dataclasses.dataclass
 class Expert:
     """One expert's projections as the layer's formula reads them: gate and up [F, H],
-    down [H, F], and its biases (b_gate, b_up [F], b_down [H]) or None."""
+    down [H, F], and its biases (b_gate, b_up [F], b_down [H]) or None; for a gated shared
+    MLP (Qwen2-MoE), output_gate w_g [1, H], which weighs its output by sigmoid(x w_g^T)."""
 
     gate: object
     up: object
@@ -461,6 +530,7 @@ class Expert:
     b_gate: object = None
     b_up: object = None
     b_down: object = None
+    output_gate: object = None
 
 
 def import_prerequisites(device):
@@ -571,19 +641,28 @@ def expert_tensors(family, block, sizes):
 
 
 def shared_tensors(family, block, sizes):
-    """DeepSeek-V3's shared MLP as one Expert of FFN shared * ffn, or None."""
+    """The shared MLP (DeepSeek-V3's, Qwen2-MoE's with its gate) as one Expert of FFN
+    shared * ffn, or None."""
     if not sizes.shared:
         return None
-    shared = block.shared_experts
+    module = family.shared_module
+    shared = getattr(block, module)
     total = sizes.shared * sizes.ffn
+    output_gate = None
+    if family.shared_gated:
+        gate = block.shared_expert_gate
+        expect_shape("shared_expert_gate.weight", gate.weight, (1, sizes.hidden))
+        if gate.bias is not None:
+            raise RuntimeError("shared_expert_gate has a bias; moeforge's shared expert gate has none")
+        output_gate = gate.weight.detach()
     expert = Expert(shared.gate_proj.weight.detach(), shared.up_proj.weight.detach(),
-                    shared.down_proj.weight.detach())
-    expect_shape("shared_experts.gate_proj", expert.gate, (total, sizes.hidden))
-    expect_shape("shared_experts.up_proj", expert.up, (total, sizes.hidden))
-    expect_shape("shared_experts.down_proj", expert.down, (sizes.hidden, total))
+                    shared.down_proj.weight.detach(), output_gate=output_gate)
+    expect_shape(f"{module}.gate_proj", expert.gate, (total, sizes.hidden))
+    expect_shape(f"{module}.up_proj", expert.up, (total, sizes.hidden))
+    expect_shape(f"{module}.down_proj", expert.down, (sizes.hidden, total))
     for name in ("gate_proj", "up_proj", "down_proj"):
         if getattr(shared, name).bias is not None:
-            raise RuntimeError(f"shared_experts.{name} has a bias; moeforge's shared experts have none")
+            raise RuntimeError(f"{module}.{name} has a bias; moeforge's shared experts have none")
     return expert
 
 
@@ -617,6 +696,8 @@ def checkpoint_tensors(family, block, sizes, experts, shared):
     if shared is not None:
         for name, tensor in zip(family.shared_names(), (shared.gate, shared.up, shared.down)):
             tensors[name] = tensor
+        if family.shared_gated:
+            tensors[family.shared_gate_name()] = shared.output_gate
     return {k: v.contiguous().cpu() for k, v in tensors.items()}
 
 
@@ -766,9 +847,10 @@ def describe_token(t, values, ours, theirs):
 
 def f32_layer(family, x, experts, ids, weights, shared):
     """The layer's formula in f32 from the bf16 weights:
-    sum_k w_k (W2 act(G x + b_g, U x + b_u) + b_2) (+ the shared MLP, weight 1), act SwiGLU
-    silu(g) * u or GPT-OSS's clamped SwiGLU. Also (pre-activations that reached the clamp,
-    pre-activations) of the gates and of the ups, for GPT-OSS."""
+    sum_k w_k (W2 act(G x + b_g, U x + b_u) + b_2) (+ the shared MLP, weight 1, or
+    sigmoid(x w_g^T) where gated), act SwiGLU silu(g) * u or GPT-OSS's clamped SwiGLU.
+    Also (pre-activations that reached the clamp, pre-activations) of the gates and of the
+    ups, for GPT-OSS."""
     import torch
 
     def expert_output(h, expert, clamps):
@@ -799,7 +881,10 @@ def f32_layer(family, x, experts, ids, weights, shared):
         out = expert_output(xf[rows], expert, clamps)
         y.index_add_(0, rows, out * weights[rows, slots, None].float())
     if shared is not None:
-        y += expert_output(xf, shared, [0, 0, 0])
+        out = expert_output(xf, shared, [0, 0, 0])
+        if shared.output_gate is not None:
+            out = out * torch.sigmoid(xf @ shared.output_gate.float().T)
+        y += out
     return y, clamps
 
 
@@ -847,7 +932,7 @@ def run_moeforge(moeforge, spec, checkpoint, family, seed, row, runs, at_once):
     return ok
 
 
-def self_checks(family, sizes, x, router, logits, ids, weights, correction, row):
+def self_checks(family, sizes, x, router, logits, ids, weights, correction, shared, row):
     """The script against the reference before moeforge runs (see the docstring); False
     with a note when one fails."""
     import torch
@@ -906,6 +991,16 @@ def self_checks(family, sizes, x, router, logits, ids, weights, correction, row)
         if count == 0:
             row.notes.append(
                 f"{what} changed no token's choice: the check could not tell it from its absence"
+            )
+            return False
+    if family.shared_gated:
+        gate = torch.sigmoid(x.float() @ shared.output_gate.float().T)
+        low, high = gate.min().item(), gate.max().item()
+        row.info.append(f"the shared expert gate weighs the shared MLP by {low:.2f} to {high:.2f}")
+        if high - low < SHARED_GATE_SPREAD:
+            row.notes.append(
+                f"the shared expert gate spans less than {SHARED_GATE_SPREAD} over the tokens: "
+                "the check could not tell it from a constant weight (1: its absence)"
             )
             return False
     return True
@@ -971,7 +1066,7 @@ def compare(family, sizes, args, folder, block, experts, shared, router, correct
     expect_shape("the reference's weights", weights, (args.tokens, sizes.top_k))
 
     with torch.no_grad():
-        if not self_checks(family, sizes, x, router, logits, ids, weights, correction, row):
+        if not self_checks(family, sizes, x, router, logits, ids, weights, correction, shared, row):
             return row
         # The saved tensors must reproduce the block, or the comparison below means nothing.
         y_f32, clamps = f32_layer(family, x, experts, ids, weights, shared)

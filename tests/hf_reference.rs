@@ -1,7 +1,8 @@
 //! moeforge against the reference implementation: runs `benches/hf_reference_check.py`,
-//! which builds Mixtral's, Qwen3-MoE's, DeepSeek-V3's (sigmoid group-limited router with
-//! its score correction and scale, shared experts) and GPT-OSS's (router bias, top-k then
-//! softmax, clamped SwiGLU experts with biases) MoE blocks from Hugging Face transformers,
+//! which builds Mixtral's, Qwen3-MoE's, Qwen2-MoE's (a shared expert scaled by its own
+//! sigmoid gate), DeepSeek-V3's (sigmoid group-limited router with its score correction
+//! and scale, shared experts) and GPT-OSS's (router bias, top-k then softmax, clamped
+//! SwiGLU experts with biases) MoE blocks from Hugging Face transformers,
 //! saves their weights under the checkpoints' names and compares their output, chosen
 //! experts and routing weights with `moeforge run --inputs --outputs` on the same weights
 //! and inputs (the tolerances and why are in the script's docstring).
@@ -14,7 +15,7 @@
 //!
 //! `MOEFORGE_PYTHON` names the interpreter (default `python3`); `MOEFORGE_HF_REAL_SIZES=1`
 //! adds each family at a real model's layer sizes (Mixtral-8x7B, Qwen3-30B-A3B,
-//! DeepSeek-V3, gpt-oss-120b; DeepSeek-V3's layer alone is 22.5 GB of bf16 weights, held
+//! Qwen1.5-MoE-A2.7B, DeepSeek-V3, gpt-oss-120b; DeepSeek-V3's layer alone is 22.5 GB of bf16 weights, held
 //! on the GPU, in host memory and on disk at once, one case at a time). Without
 //! torch, transformers, safetensors or a CUDA device the test says SKIPPED on stderr (past
 //! the test harness's capture) and returns: a skip, not a pass.

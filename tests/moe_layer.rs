@@ -291,6 +291,7 @@ fn the_macro_built_tiny_layer_matches_the_cpu_reference() {
             .clone_dtod(&built.layer.weights().w2)
             .expect("copy W2"),
         biases: None,
+        shared_gate: None,
     };
     let typed = layer
         .build(&session.gpu, weights)

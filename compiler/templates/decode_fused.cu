@@ -106,7 +106,7 @@ __device__ __forceinline__ void fused_decode(
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         if (unit < tiles1) {
             GemmTile t;
-            mma_sync_run<G1>(x, w1, w1_bias, nullptr, s_offsets, s_row_pair, intermediate, none, StreamKBuffers{}, smem,
+            mma_sync_run<G1>(x, w1, w1_bias, SlotWeights{}, s_offsets, s_row_pair, intermediate, none, StreamKBuffers{}, smem,
                              s_tiles1, KRun{unit, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr, false,
                              [](const GemmTile&) {}, &t);
             // Every thread's stores are done (mma_sync_run ends on a barrier).
@@ -120,7 +120,7 @@ __device__ __forceinline__ void fused_decode(
         // GEMM2: the expert's rows are every GEMM1 tile of that expert.
         GemmTile t;
         mma_sync_run<G2>(
-            intermediate, w2, w2_bias, topk_weights, s_offsets, s_row_pair, combine_slots, none, StreamKBuffers{}, smem,
+            intermediate, w2, w2_bias, SlotWeights{topk_weights}, s_offsets, s_row_pair, combine_slots, none, StreamKBuffers{}, smem,
             s_tiles2, KRun{unit - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true, [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {
                     const int rows = s_offsets[tile.expert + 1] - s_offsets[tile.expert];

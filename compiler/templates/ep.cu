@@ -747,7 +747,11 @@ extern "C" __global__ void __launch_bounds__(META_THREADS, 1) {{ ep.arrange.name
             const int token = row - s_offsets[lo], slice = lo / RANKS - LOCAL_EXPERTS;
             segment_rows[row] = OWN_ROW_BASE + token;
             segment_pairs[row] = token * SLOTS_PER_TOKEN + TOP_K + slice;
+{%- if shared_gated %}
+            segment_weights[row] = shared_gate[token];  // the gated shared expert's weight of the token
+{%- else %}
             segment_weights[row] = 1.f;
+{%- endif %}
             row_origins[row] = rank;
 {%- if ep.rank_partials %}
             received_pair_rows[(size_t)(OWN_ROW_BASE + token) * SLOTS_PER_TOKEN + TOP_K + slice] = row + 1;
@@ -1354,7 +1358,7 @@ __device__ __forceinline__ void ep_fused_decode(
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         GemmTile t;
         if (unit < sends + tiles1) {
-            mma_sync_run<G1>(recv_x, w1, w1_bias, nullptr, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
+            mma_sync_run<G1>(recv_x, w1, w1_bias, SlotWeights{}, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
                              smem, s_tiles1, KRun{unit - sends, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr,
                              false, [](const GemmTile&) {}, &t);
             if (threadIdx.x == 0) {
@@ -1365,7 +1369,7 @@ __device__ __forceinline__ void ep_fused_decode(
             continue;
         }
         mma_sync_run<G2>(
-            intermediate, w2, w2_bias, nullptr, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
+            intermediate, w2, w2_bias, SlotWeights{}, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
             KRun{unit - sends - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true,
             [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {

@@ -382,20 +382,28 @@ struct EpilogueRow {
 };
 
 
-// The routing weight of combine slot `slot` on one GPU: the caller's for a routed pair, 1
-// for a shared slice.
-__device__ __forceinline__ float slot_weight(int slot, const float* __restrict__ topk_weights) {
-    if constexpr (SHARED_SLICES == 0) {
-        return topk_weights[slot];
-    } else {
-        const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
-        return k < TOP_K ? topk_weights[token * TOP_K + k] : 1.f;
+// The routing weights of one GPU's combine slots, which its GEMM2 scales its rows by: a
+// routed pair's from the caller (or the router), a shared slice's 1, or, where the shared
+// expert is gated (SHARED_GATED), its token's sigmoid(x · w_gate) from the shared gate
+// launch. Other GEMMs take none (SlotWeights{}).
+struct SlotWeights {
+    const float* routed = nullptr;       // [T, K]
+    const float* shared_gate = nullptr;  // [T]; SHARED_GATED only
+
+    __device__ __forceinline__ float of(int slot) const {
+        if constexpr (SHARED_SLICES == 0) {
+            return routed[slot];
+        } else {
+            const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
+            if (k < TOP_K) return routed[token * TOP_K + k];
+            return SHARED_GATED ? shared_gate[token] : 1.f;
+        }
     }
-}
+};
 
 template <class G, class Pairs>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const Pairs& row_pair,
-                                                    const float* __restrict__ topk_weights,
+                                                    const SlotWeights& slot_weights,
                                                     const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                     const EpContext& ep) {
     constexpr int BIAS_WIDTH = G::GATED ? 2 * G::N : G::N;
@@ -410,7 +418,7 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
         const int slot = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)slot * G::N, slot_weight(slot, topk_weights), bias};
+        return EpilogueRow{out + (size_t)slot * G::N, slot_weights.of(slot), bias};
     }
 }
 
@@ -569,7 +577,7 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 template <class G, class Offsets, class Pairs, class WaitForRows>
 __device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
-    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair,
+    const SlotWeights& slot_weights, const Offsets& row_offsets, const Pairs& row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
     bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
@@ -698,7 +706,7 @@ __device__ __forceinline__ RingState mma_sync_run(
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
                 if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, slot_weights, expert_bias, out, ep);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
@@ -722,7 +730,7 @@ __device__ __forceinline__ RingState mma_sync_run(
 template <class G, class Offsets, class Pairs>
 __device__ __forceinline__ void grouped_gemm_tiles(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
-    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair, bf16_t* __restrict__ out,
+    const SlotWeights& slot_weights, const Offsets& row_offsets, const Pairs& row_pair, bf16_t* __restrict__ out,
     const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem, int* s_tile_start)
 {
     constexpr int K_TILES = k_tiles<G>();
@@ -743,7 +751,7 @@ __device__ __forceinline__ void grouped_gemm_tiles(
         const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
         GemmTile t;
-        ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
+        ring = mma_sync_run<G>(a_rows, weights, expert_bias, slot_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
                                [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
@@ -783,7 +791,7 @@ __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
     const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
-    const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
+    const SlotWeights slot_weights,           // one GPU's GEMM2 only
     const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule (unread where the block routes)
     const int* __restrict__ row_pair,         // [pairs] (unread where the block routes)
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
@@ -814,10 +822,10 @@ __device__ __forceinline__ void grouped_gemm(
             offsets = RoutingTable{s_offsets, true};
             pairs = RoutingTable{s_row_pair, true};
         }
-        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, offsets, pairs, out, ep, stream_k, smem,
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, slot_weights, offsets, pairs, out, ep, stream_k, smem,
                               s_tile_start);
     } else {
-        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k, smem,
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, slot_weights, row_offsets, row_pair, out, ep, stream_k, smem,
                               s_tile_start);
     }
 }

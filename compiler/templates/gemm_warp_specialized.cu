@@ -183,7 +183,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
     const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
     const float* __restrict__ expert_bias,  // as grouped_gemm's; BIAS only
-    const float* __restrict__ topk_weights,
+    const SlotWeights slot_weights,  // one GPU's GEMM2 only
     const int* __restrict__ row_offsets,
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
@@ -352,7 +352,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
+            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, slot_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);

@@ -70,7 +70,7 @@ __device__ __forceinline__ Vec16 quad_transpose(u32 p0, u32 p1, u32 p2, u32 p3) 
 // the trades, and only the rows the tile has are stored.
 template <class G>
 __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
-                                               const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
+                                               const int* __restrict__ row_pair, const SlotWeights& slot_weights,
                                                const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                const EpContext& ep) {
     static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
@@ -90,7 +90,7 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
         if constexpr (G::QUAD_STORES) {
             const bool stored = r < t.rows;
             // A row past the tile's is packed (and never stored) from row 0's sources.
-            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
+            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, slot_weights, expert_bias, out, ep);
 #pragma unroll
             for (int group = 0; group < G::BN / 32; ++group) {
                 const Vec16 block = quad_transpose(pack(row, group * 4), pack(row, group * 4 + 1),
@@ -99,7 +99,7 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
             }
         } else {
             if (r >= t.rows) continue;
-            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, slot_weights, expert_bias, out, ep);
 #pragma unroll
             for (int j = 0; j < G::BN / 8; ++j) *reinterpret_cast<u32*>(row.out + column(j)) = pack(row, j);
         }

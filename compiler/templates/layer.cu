@@ -53,6 +53,9 @@ enum : int { TOP_K = {{ top_k }} };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
 enum : int { SHARED_SLICES = {{ shared_slices }} };
+// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t], from the
+// shared gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
+enum : bool { SHARED_GATED = {{ shared_gated }} };
 enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
 enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
 enum : int { SMEM_ROW_BYTES = {{ smem_row_bytes }} };  // one swizzled shared-memory row of a GEMM stage

@@ -1037,7 +1037,10 @@ fn expert_biases_reach_every_gemm_on_one_gpu_and_on_the_ranks() {
         assert!(takes(launches, gemm1, w1_bias), "{gemm1}");
         assert!(takes(launches, gemm2, w2_bias), "{gemm2}");
         // The body's call passes the parameter where the bias goes (after the weights).
-        assert!(entry(gemm1).contains(", w1_bias, nullptr,"), "{gemm1}");
+        assert!(
+            entry(gemm1).contains(", w1_bias, SlotWeights{},"),
+            "{gemm1}"
+        );
         assert!(entry(gemm2).contains(", w2_bias, "), "{gemm2}");
     }
     let fused = ep
@@ -1094,6 +1097,110 @@ fn expert_biases_reach_every_gemm_on_one_gpu_and_on_the_ranks() {
         .validate()
         .expect_err("a rank's GEMM2 without its bias");
     assert!(error.to_string().contains("w2_bias"), "{error}");
+}
+
+/// Qwen1.5-MoE-A2.7B's gated shared expert: every one-GPU table starts with the shared
+/// gate's launch and its GEMM2 reads the weights it writes (passed to the epilogue beside
+/// the routing weights), no regime runs a fused decode; each rank launches the gate on its
+/// compute stream right before arrange, which reads them. Layers without the gate launch
+/// none and read none. Validation catches a GEMM2 without the weights, a table without the
+/// gate's launch, and a rank that launches it after arrange.
+#[test]
+fn a_gated_shared_expert_weighs_the_shared_slices_on_one_gpu_and_on_the_ranks() {
+    let plan = example_plan("qwen1_5_moe_a2_7b");
+    assert!(plan.shape.shared_gated && plan.shape.shared_slices == 4);
+    let kernel = plan
+        .shared_gate_kernel
+        .clone()
+        .expect("a gated shared expert has its gate's kernel");
+    let gate = plan::LaunchArg::Workspace(plan::BufferId::SharedGate);
+    let reads = |launch: &plan::Launch| launch.params.iter().any(|p| p.arg == gate);
+    let source = moeforge_compiler::codegen::generate(&plan)
+        .expect("codegen")
+        .source;
+    for regime in &plan.regimes {
+        assert_eq!(regime.launches[0].kernel, kernel, "{}", regime.name);
+        assert!(regime.fused_decode.is_none(), "{}", regime.name);
+        let gemm2 = regime
+            .launches
+            .iter()
+            .find(|l| l.kernel == regime.gemm2_kernel)
+            .expect("GEMM2 is launched");
+        assert!(reads(gemm2), "{}", regime.gemm2_kernel);
+        assert!(
+            entry_point(&source, &regime.gemm2_kernel)
+                .contains("SlotWeights{topk_weights, shared_gate}"),
+            "{}",
+            regime.gemm2_kernel
+        );
+    }
+    assert!(source.contains("enum : bool { SHARED_GATED = true };"));
+    let ep = plan.expert_parallel.as_ref().expect("four ranks");
+    for regime in &ep.regimes {
+        let at = regime
+            .launches
+            .iter()
+            .position(|l| l.kernel == ep.arrange_kernel)
+            .expect("arrange is launched");
+        assert_eq!(regime.launches[at - 1].kernel, kernel, "{}", regime.name);
+        assert_eq!(regime.launches[at - 1].stream, plan::StreamRole::Compute);
+        assert!(reads(&regime.launches[at]));
+        assert!(regime.fused_decode.is_none(), "{}", regime.name);
+    }
+    assert!(
+        ep.workspace
+            .iter()
+            .any(|b| b.id == plan::BufferId::SharedGate)
+    );
+    assert!(entry_point(&source, &ep.arrange_kernel).contains("shared_gate"));
+
+    let ungated = example_plan("deepseek_v3");
+    assert!(ungated.shared_gate_kernel.is_none());
+    assert!(
+        ungated.launches().all(|l| !reads(l)
+            && l.params
+                .iter()
+                .all(|p| p.arg != plan::LaunchArg::SharedExpertGate)),
+        "a layer without the gate reads none"
+    );
+
+    let mut dropped = plan.clone();
+    let regime = &mut dropped.regimes[0];
+    let gemm2_kernel = regime.gemm2_kernel.clone();
+    regime
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == gemm2_kernel)
+        .expect("GEMM2")
+        .params
+        .retain(|p| p.arg != gate);
+    let error = dropped
+        .validate()
+        .expect_err("a GEMM2 without the gate's weights");
+    assert!(error.to_string().contains("shared_gate"), "{error}");
+
+    let mut ungated_table = plan.clone();
+    ungated_table.regimes[1].launches.remove(0);
+    let error = ungated_table
+        .validate()
+        .expect_err("a table without the gate's launch");
+    assert!(
+        error
+            .to_string()
+            .contains("must start with the shared expert gate"),
+        "{error}"
+    );
+
+    let mut late = plan.clone();
+    let launches = &mut late.expert_parallel.as_mut().expect("ranks").regimes[0].launches;
+    let at = launches
+        .iter()
+        .position(|l| l.kernel == kernel)
+        .expect("the ranks launch the gate");
+    let launch = launches.remove(at);
+    launches.push(launch);
+    let error = late.validate().expect_err("the gate after arrange");
+    assert!(error.to_string().contains("right before"), "{error}");
 }
 
 /// GEMM1 loads x's rows sorted by expert where `gemm1_row_load` says (Mixtral-8x7B's

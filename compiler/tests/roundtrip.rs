@@ -47,7 +47,7 @@ fn spec() -> impl Strategy<Value = Spec> {
                 1u32..=experts.min(16),
                 prop::sample::select(vec!["swiglu", "geglu", "gelu", "relu", "silu"]),
                 prop::option::of(1u32..=65_536),
-                prop::option::of((1u32..=2, 1u32..=4)),
+                prop::option::of((1u32..=2, 1u32..=4, any::<bool>())),
                 prop::option::of((prop::sample::select(group_counts), 0u32..3, 1u32..=40)),
                 prop::collection::vec(any::<u8>(), 6),
             )
@@ -73,8 +73,11 @@ fn spec() -> impl Strategy<Value = Spec> {
                 layer.push(format!("max_tokens = {max_tokens}"));
             }
             // The shared experts' FFN is a multiple of the routed one, as the checker asks.
-            if let Some((count, multiple)) = shared {
-                layer.push(format!("shared_experts {{ count = {count} ffn = {} }}", multiple * f * 64));
+            if let Some((count, multiple, gated)) = shared {
+                layer.push(format!(
+                    "shared_experts {{ count = {count} ffn = {} gated = {gated} }}",
+                    multiple * f * 64
+                ));
             }
             if let Some((groups, rule, scale)) = router {
                 let kept = groups.div_ceil(2);

@@ -166,7 +166,7 @@ fn spec() -> impl Strategy<Value = String> {
         prop::sample::select(vec!["swiglu", "clamped_swiglu", "geglu", "gelu", "relu", "silu"]),
         any::<bool>(),
         prop::sample::select(vec![1u32, 2, 17, 128, 512, 4096, 16384, 100_000]),
-        prop::option::weighted(0.3, (1u32..=2, 1u32..=2)),
+        prop::option::weighted(0.3, (1u32..=2, 1u32..=2, any::<bool>())),
     )
         .prop_flat_map(
             |((topology, ranks), hidden, ffn, experts, top_k, activation, bias, max_tokens, shared)| {
@@ -175,8 +175,11 @@ fn spec() -> impl Strategy<Value = String> {
                 let experts = experts.div_ceil(ranks) * ranks;
                 let top_k = top_k.min(experts);
                 let shared_text = shared
-                    .map(|(count, times)| {
-                        format!("  shared_experts {{\n    count = {count}\n    ffn = {}\n  }}\n", ffn * times)
+                    .map(|(count, times, gated)| {
+                        format!(
+                            "  shared_experts {{\n    count = {count}\n    ffn = {}\n    gated = {gated}\n  }}\n",
+                            ffn * times
+                        )
                     })
                     .unwrap_or_default();
                 (router(experts), schedule()).prop_map(move |(router, schedule)| {

@@ -208,6 +208,9 @@ enum : int { TOP_K = 8 };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
 enum : int { SHARED_SLICES = 1 };
+// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t], from the
+// shared gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
+enum : bool { SHARED_GATED = false };
 enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
 enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
 enum : int { SMEM_ROW_BYTES = 128 };  // one swizzled shared-memory row of a GEMM stage
@@ -990,20 +993,28 @@ struct EpilogueRow {
 };
 
 
-// The routing weight of combine slot `slot` on one GPU: the caller's for a routed pair, 1
-// for a shared slice.
-__device__ __forceinline__ float slot_weight(int slot, const float* __restrict__ topk_weights) {
-    if constexpr (SHARED_SLICES == 0) {
-        return topk_weights[slot];
-    } else {
-        const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
-        return k < TOP_K ? topk_weights[token * TOP_K + k] : 1.f;
+// The routing weights of one GPU's combine slots, which its GEMM2 scales its rows by: a
+// routed pair's from the caller (or the router), a shared slice's 1, or, where the shared
+// expert is gated (SHARED_GATED), its token's sigmoid(x · w_gate) from the shared gate
+// launch. Other GEMMs take none (SlotWeights{}).
+struct SlotWeights {
+    const float* routed = nullptr;       // [T, K]
+    const float* shared_gate = nullptr;  // [T]; SHARED_GATED only
+
+    __device__ __forceinline__ float of(int slot) const {
+        if constexpr (SHARED_SLICES == 0) {
+            return routed[slot];
+        } else {
+            const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
+            if (k < TOP_K) return routed[token * TOP_K + k];
+            return SHARED_GATED ? shared_gate[token] : 1.f;
+        }
     }
-}
+};
 
 template <class G, class Pairs>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const Pairs& row_pair,
-                                                    const float* __restrict__ topk_weights,
+                                                    const SlotWeights& slot_weights,
                                                     const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                     const EpContext& ep) {
     constexpr int BIAS_WIDTH = G::GATED ? 2 * G::N : G::N;
@@ -1018,7 +1029,7 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
         const int slot = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)slot * G::N, slot_weight(slot, topk_weights), bias};
+        return EpilogueRow{out + (size_t)slot * G::N, slot_weights.of(slot), bias};
     }
 }
 
@@ -1177,7 +1188,7 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 template <class G, class Offsets, class Pairs, class WaitForRows>
 __device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
-    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair,
+    const SlotWeights& slot_weights, const Offsets& row_offsets, const Pairs& row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
     bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
@@ -1306,7 +1317,7 @@ __device__ __forceinline__ RingState mma_sync_run(
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
                 if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, slot_weights, expert_bias, out, ep);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
@@ -1330,7 +1341,7 @@ __device__ __forceinline__ RingState mma_sync_run(
 template <class G, class Offsets, class Pairs>
 __device__ __forceinline__ void grouped_gemm_tiles(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
-    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair, bf16_t* __restrict__ out,
+    const SlotWeights& slot_weights, const Offsets& row_offsets, const Pairs& row_pair, bf16_t* __restrict__ out,
     const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem, int* s_tile_start)
 {
     constexpr int K_TILES = k_tiles<G>();
@@ -1351,7 +1362,7 @@ __device__ __forceinline__ void grouped_gemm_tiles(
         const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
         GemmTile t;
-        ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
+        ring = mma_sync_run<G>(a_rows, weights, expert_bias, slot_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
                                [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
@@ -1391,7 +1402,7 @@ __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
     const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
-    const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
+    const SlotWeights slot_weights,           // one GPU's GEMM2 only
     const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule (unread where the block routes)
     const int* __restrict__ row_pair,         // [pairs] (unread where the block routes)
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
@@ -1422,10 +1433,10 @@ __device__ __forceinline__ void grouped_gemm(
             offsets = RoutingTable{s_offsets, true};
             pairs = RoutingTable{s_row_pair, true};
         }
-        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, offsets, pairs, out, ep, stream_k, smem,
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, slot_weights, offsets, pairs, out, ep, stream_k, smem,
                               s_tile_start);
     } else {
-        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k, smem,
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, slot_weights, row_offsets, row_pair, out, ep, stream_k, smem,
                               s_tile_start);
     }
 }
@@ -1507,7 +1518,7 @@ __device__ __forceinline__ Vec16 quad_transpose(u32 p0, u32 p1, u32 p2, u32 p3) 
 // the trades, and only the rows the tile has are stored.
 template <class G>
 __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* acc_up, const GemmTile& t, int warpgroup,
-                                               const int* __restrict__ row_pair, const float* __restrict__ topk_weights,
+                                               const int* __restrict__ row_pair, const SlotWeights& slot_weights,
                                                const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                const EpContext& ep) {
     static_assert(!G::QUAD_STORES || G::BN % 32 == 0, "plan: a quad stores whole groups of four 8-column blocks");
@@ -1527,7 +1538,7 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
         if constexpr (G::QUAD_STORES) {
             const bool stored = r < t.rows;
             // A row past the tile's is packed (and never stored) from row 0's sources.
-            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, topk_weights, expert_bias, out, ep);
+            const EpilogueRow row = epilogue_row<G>(t, stored ? r : 0, row_pair, slot_weights, expert_bias, out, ep);
 #pragma unroll
             for (int group = 0; group < G::BN / 32; ++group) {
                 const Vec16 block = quad_transpose(pack(row, group * 4), pack(row, group * 4 + 1),
@@ -1536,7 +1547,7 @@ __device__ __forceinline__ void wgmma_epilogue(const float* acc, const float* ac
             }
         } else {
             if (r >= t.rows) continue;
-            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+            const EpilogueRow row = epilogue_row<G>(t, r, row_pair, slot_weights, expert_bias, out, ep);
 #pragma unroll
             for (int j = 0; j < G::BN / 8; ++j) *reinterpret_cast<u32*>(row.out + column(j)) = pack(row, j);
         }
@@ -1727,7 +1738,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
     const TensorMap* weight_tiles,  // boxes of BN weight rows x BK columns
     const float* __restrict__ expert_bias,  // as grouped_gemm's; BIAS only
-    const float* __restrict__ topk_weights,
+    const SlotWeights slot_weights,  // one GPU's GEMM2 only
     const int* __restrict__ row_offsets,
     const int* __restrict__ row_pair,
     bf16_t* __restrict__ out,
@@ -1896,7 +1907,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             }
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
-            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, topk_weights, expert_bias, out, ep);
+            wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, slot_weights, expert_bias, out, ep);
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
@@ -4218,7 +4229,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_gem
 )
 {
     start_after_previous_kernel();
-    grouped_gemm<decode_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
+    grouped_gemm<decode_gemm1>(x, w1, nullptr, SlotWeights{}, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 396 persistent blocks (3 per SM)
@@ -4263,7 +4274,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) deepseek_v3_ep64_decode_gem
     int routes_in_blocks  // 1: no route launch ran, each block routes this call
 )
 {
-    grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr});
+    grouped_gemm<decode_gemm2>(intermediate, w2, nullptr, SlotWeights{topk_weights}, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr});
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -4303,7 +4314,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm1(
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, unit_tickets + 0);
+    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, row_pair, intermediate, EpContext{}, unit_tickets + 0);
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
@@ -4341,7 +4352,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_gemm2(
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<mid_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, unit_tickets + 1, &intermediate_tiles);
+    grouped_gemm_warp_specialized<mid_gemm2>(nullptr, &w2_tiles, nullptr, SlotWeights{topk_weights}, expert_offsets, row_pair, combine_slots, EpContext{}, unit_tickets + 1, &intermediate_tiles);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -4380,7 +4391,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) d
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<prefill_gemm1>(nullptr, &w1_tiles, nullptr, nullptr, expert_offsets, nullptr, intermediate, EpContext{}, unit_tickets + 0, &sorted_x_tiles);
+    grouped_gemm_warp_specialized<prefill_gemm1>(nullptr, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, nullptr, intermediate, EpContext{}, unit_tickets + 0, &sorted_x_tiles);
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
@@ -4418,7 +4429,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) d
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<prefill_gemm2>(nullptr, &w2_tiles, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, unit_tickets + 1, &intermediate_tiles);
+    grouped_gemm_warp_specialized<prefill_gemm2>(nullptr, &w2_tiles, nullptr, SlotWeights{topk_weights}, expert_offsets, row_pair, combine_slots, EpContext{}, unit_tickets + 1, &intermediate_tiles);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -4465,7 +4476,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_ep_
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm<decode_ep_gemm1>(recv_x, w1, nullptr, SlotWeights{}, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
@@ -4508,7 +4519,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) deepseek_v3_ep64_decode_ep_
     bf16_t* __restrict__ pair_results  // [rows, HIDDEN]: GEMM2's weighted rows, kept here
 )
 {
-    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, pair_results,
+    grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, SlotWeights{}, segment_offsets, segment_pairs, pair_results,
         ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank));
 }
 #endif
@@ -4553,7 +4564,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gem
     u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
-    grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<mid_ep_gemm1>(recv_x, &w1_tiles, nullptr, SlotWeights{}, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch), unit_tickets + 0);
 }
 #endif
@@ -4593,7 +4604,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) deepseek_v3_ep64_mid_ep_gem
     u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
-    grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, pair_results,
+    grouped_gemm_warp_specialized<mid_ep_gemm2>(intermediate, &w2_tiles, nullptr, SlotWeights{}, segment_offsets, segment_pairs, pair_results,
         ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank), unit_tickets + 1);
 }
 #endif
@@ -4638,7 +4649,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep
     u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm_warp_specialized<prefill_ep_gemm1>(recv_x, &w1_tiles, nullptr, SlotWeights{}, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch), unit_tickets + 0);
 }
 #endif
@@ -4678,7 +4689,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) deepseek_v3_ep64_prefill_ep
     u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
 )
 {
-    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, nullptr, segment_offsets, segment_pairs, pair_results,
+    grouped_gemm_warp_specialized<prefill_ep_gemm2>(intermediate, &w2_tiles, nullptr, SlotWeights{}, segment_offsets, segment_pairs, pair_results,
         ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank), unit_tickets + 1);
 }
 #endif

@@ -205,6 +205,9 @@ enum : int { TOP_K = 2 };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
 enum : int { SHARED_SLICES = 0 };
+// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t], from the
+// shared gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
+enum : bool { SHARED_GATED = false };
 enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
 enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
 enum : int { SMEM_ROW_BYTES = 128 };  // one swizzled shared-memory row of a GEMM stage
@@ -817,20 +820,28 @@ struct EpilogueRow {
 };
 
 
-// The routing weight of combine slot `slot` on one GPU: the caller's for a routed pair, 1
-// for a shared slice.
-__device__ __forceinline__ float slot_weight(int slot, const float* __restrict__ topk_weights) {
-    if constexpr (SHARED_SLICES == 0) {
-        return topk_weights[slot];
-    } else {
-        const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
-        return k < TOP_K ? topk_weights[token * TOP_K + k] : 1.f;
+// The routing weights of one GPU's combine slots, which its GEMM2 scales its rows by: a
+// routed pair's from the caller (or the router), a shared slice's 1, or, where the shared
+// expert is gated (SHARED_GATED), its token's sigmoid(x · w_gate) from the shared gate
+// launch. Other GEMMs take none (SlotWeights{}).
+struct SlotWeights {
+    const float* routed = nullptr;       // [T, K]
+    const float* shared_gate = nullptr;  // [T]; SHARED_GATED only
+
+    __device__ __forceinline__ float of(int slot) const {
+        if constexpr (SHARED_SLICES == 0) {
+            return routed[slot];
+        } else {
+            const int token = slot / SLOTS_PER_TOKEN, k = slot % SLOTS_PER_TOKEN;
+            if (k < TOP_K) return routed[token * TOP_K + k];
+            return SHARED_GATED ? shared_gate[token] : 1.f;
+        }
     }
-}
+};
 
 template <class G, class Pairs>
 __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, const Pairs& row_pair,
-                                                    const float* __restrict__ topk_weights,
+                                                    const SlotWeights& slot_weights,
                                                     const float* __restrict__ expert_bias, bf16_t* __restrict__ out,
                                                     const EpContext& ep) {
     constexpr int BIAS_WIDTH = G::GATED ? 2 * G::N : G::N;
@@ -845,7 +856,7 @@ __device__ __forceinline__ EpilogueRow epilogue_row(const GemmTile& t, int r, co
         return EpilogueRow{slots + (size_t)row_pair[t.row0 + r] * G::N, ep.row_weights[t.row0 + r], bias};
     } else {
         const int slot = row_pair[t.row0 + r];
-        return EpilogueRow{out + (size_t)slot * G::N, slot_weight(slot, topk_weights), bias};
+        return EpilogueRow{out + (size_t)slot * G::N, slot_weights.of(slot), bias};
     }
 }
 
@@ -1004,7 +1015,7 @@ __device__ __forceinline__ void issue_first_weights(const StageLoader<G, LOADERS
 template <class G, class Offsets, class Pairs, class WaitForRows>
 __device__ __forceinline__ RingState mma_sync_run(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
-    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair,
+    const SlotWeights& slot_weights, const Offsets& row_offsets, const Pairs& row_pair,
     bf16_t* __restrict__ out, const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem,
     const int* s_tile_start, const KRun& run, const KRun& next, RingState ring, const StreamKShare* share,
     bool weights_first, WaitForRows wait_for_a_rows, GemmTile* tile_out)
@@ -1133,7 +1144,7 @@ __device__ __forceinline__ RingState mma_sync_run(
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_m * WM + i * 16 + (lane >> 2) + half * 8;
                 if (r >= t.rows) continue;
-                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, topk_weights, expert_bias, out, ep);
+                const EpilogueRow row = epilogue_row<G>(t, r, row_pair, slot_weights, expert_bias, out, ep);
 #pragma unroll
                 for (int j = 0; j < NJ; ++j) {
                     const int column = t.n0 + warp_n * WN + j * 8 + (lane & 3) * 2;
@@ -1157,7 +1168,7 @@ __device__ __forceinline__ RingState mma_sync_run(
 template <class G, class Offsets, class Pairs>
 __device__ __forceinline__ void grouped_gemm_tiles(
     const bf16_t* __restrict__ a_rows, const bf16_t* __restrict__ weights, const float* __restrict__ expert_bias,
-    const float* __restrict__ topk_weights, const Offsets& row_offsets, const Pairs& row_pair, bf16_t* __restrict__ out,
+    const SlotWeights& slot_weights, const Offsets& row_offsets, const Pairs& row_pair, bf16_t* __restrict__ out,
     const EpContext& ep, const StreamKBuffers& stream_k, unsigned char* smem, int* s_tile_start)
 {
     constexpr int K_TILES = k_tiles<G>();
@@ -1178,7 +1189,7 @@ __device__ __forceinline__ void grouped_gemm_tiles(
         const bool weights_first = G::WEIGHTS_BEFORE_WAIT && !waited;
         waited = true;
         GemmTile t;
-        ring = mma_sync_run<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k,
+        ring = mma_sync_run<G>(a_rows, weights, expert_bias, slot_weights, row_offsets, row_pair, out, ep, stream_k,
                                smem, s_tile_start, run, next, ring, share, weights_first,
                                [](const GemmTile&) { start_after_previous_kernel(); }, &t);
     };
@@ -1218,7 +1229,7 @@ __device__ __forceinline__ void grouped_gemm(
     const bf16_t* __restrict__ a_rows,        // x [tokens, KD] (UP) or intermediate [pairs, KD] (DOWN)
     const bf16_t* __restrict__ weights,       // [EXPERTS, W_ROWS, KD]
     const float* __restrict__ expert_bias,    // [EXPERTS, W_ROWS] (UP) or [EXPERTS, N] (DOWN); BIAS only
-    const float* __restrict__ topk_weights,   // [pairs] (DOWN only)
+    const SlotWeights slot_weights,           // one GPU's GEMM2 only
     const int* __restrict__ row_offsets,      // [EXPERTS_HERE * PHASES + 1]: see tile_schedule (unread where the block routes)
     const int* __restrict__ row_pair,         // [pairs] (unread where the block routes)
     bf16_t* __restrict__ out,                 // intermediate [pairs, N] (UP) or slots [pairs, N] (DOWN)
@@ -1249,10 +1260,10 @@ __device__ __forceinline__ void grouped_gemm(
             offsets = RoutingTable{s_offsets, true};
             pairs = RoutingTable{s_row_pair, true};
         }
-        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, offsets, pairs, out, ep, stream_k, smem,
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, slot_weights, offsets, pairs, out, ep, stream_k, smem,
                               s_tile_start);
     } else {
-        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, topk_weights, row_offsets, row_pair, out, ep, stream_k, smem,
+        grouped_gemm_tiles<G>(a_rows, weights, expert_bias, slot_weights, row_offsets, row_pair, out, ep, stream_k, smem,
                               s_tile_start);
     }
 }
@@ -2227,7 +2238,7 @@ __device__ __forceinline__ void ep_fused_decode(
         if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
         GemmTile t;
         if (unit < sends + tiles1) {
-            mma_sync_run<G1>(recv_x, w1, w1_bias, nullptr, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
+            mma_sync_run<G1>(recv_x, w1, w1_bias, SlotWeights{}, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
                              smem, s_tiles1, KRun{unit - sends, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr,
                              false, [](const GemmTile&) {}, &t);
             if (threadIdx.x == 0) {
@@ -2238,7 +2249,7 @@ __device__ __forceinline__ void ep_fused_decode(
             continue;
         }
         mma_sync_run<G2>(
-            intermediate, w2, w2_bias, nullptr, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
+            intermediate, w2, w2_bias, SlotWeights{}, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
             KRun{unit - sends - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true,
             [&](const GemmTile& tile) {
                 if (threadIdx.x == 0) {
@@ -2331,7 +2342,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_gemm1(
     // larger calls, so only calls of up to 128 tokens let GEMM2 start early.
     wait_for_previous_kernel();
     if (tokens <= 128) let_next_kernel_start();
-    grouped_gemm<all_gemm1>(x, w1, nullptr, nullptr, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
+    grouped_gemm<all_gemm1>(x, w1, nullptr, SlotWeights{}, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): mma.sync, tile 32x64x64, 2 stages, 2x2 warps, 660 persistent blocks (5 per SM)
@@ -2376,7 +2387,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_gemm2(
     int routes_in_blocks  // 1: no route launch ran, each block routes this call
 )
 {
-    grouped_gemm<all_gemm2>(intermediate, w2, nullptr, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr});
+    grouped_gemm<all_gemm2>(intermediate, w2, nullptr, SlotWeights{topk_weights}, expert_offsets, row_pair, combine_slots, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr});
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -2423,7 +2434,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) tiny_all_ep_gemm1(
     bf16_t* __restrict__ intermediate  // [rows, FFN], workspace
 )
 {
-    grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, nullptr, segment_offsets, segment_rows, intermediate,
+    grouped_gemm<all_ep_gemm1>(recv_x, w1, nullptr, SlotWeights{}, segment_offsets, segment_rows, intermediate,
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
@@ -2467,7 +2478,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) tiny_all_ep_gemm2(
     int* __restrict__ error_word  // [4]: code, then details
 )
 {
-    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, nullptr, segment_offsets, segment_pairs, nullptr,
+    grouped_gemm<all_ep_gemm2>(intermediate, w2, nullptr, SlotWeights{}, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
 }
 #endif

@@ -353,6 +353,7 @@ mod tests {
             activation: Activation::Swiglu,
             max_tokens: 8,
             shared_slices: 0,
+            shared_gated: false,
             spec_ranks: 1,
             executed_ranks: 1,
             expert_bias: false,

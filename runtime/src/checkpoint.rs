@@ -70,6 +70,10 @@ pub enum Family {
     Mixtral,
     /// `{prefix}mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`.
     Qwen3Moe,
+    /// The same expert names as Qwen3-MoE, and a gated shared expert:
+    /// `mlp.shared_expert.gate_proj/up_proj/down_proj.weight` and
+    /// `mlp.shared_expert_gate.weight` [1, H] (Qwen1.5-MoE, Qwen2-MoE).
+    Qwen2Moe,
     /// The same expert names as Qwen3-MoE; the router adds `mlp.gate.e_score_correction_bias`.
     DeepseekV3,
     /// Fused `{prefix}mlp.experts.gate_up_proj` [E, H, 2F] and `down_proj`, with biases.
@@ -77,9 +81,10 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 4] = [
+    pub const ALL: [Family; 5] = [
         Family::Mixtral,
         Family::Qwen3Moe,
+        Family::Qwen2Moe,
         Family::DeepseekV3,
         Family::GptOss,
     ];
@@ -88,7 +93,9 @@ impl Family {
     pub fn activation(self) -> Activation {
         match self {
             Family::GptOss => Activation::ClampedSwiglu,
-            Family::Mixtral | Family::Qwen3Moe | Family::DeepseekV3 => Activation::Swiglu,
+            Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => {
+                Activation::Swiglu
+            }
         }
     }
 
@@ -102,7 +109,9 @@ impl Family {
     fn expert_names(self, prefix: &str, e: u32) -> Option<[String; 3]> {
         let (base, [gate, up, down]) = match self {
             Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            Family::Qwen3Moe | Family::DeepseekV3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => {
+                ("mlp", ["gate_proj", "up_proj", "down_proj"])
+            }
             Family::GptOss => return None,
         };
         Some([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
@@ -116,8 +125,18 @@ impl Family {
                 ["gate_proj", "up_proj", "down_proj"]
                     .map(|p| format!("{prefix}mlp.shared_experts.{p}.weight")),
             ),
+            Family::Qwen2Moe => Some(
+                ["gate_proj", "up_proj", "down_proj"]
+                    .map(|p| format!("{prefix}mlp.shared_expert.{p}.weight")),
+            ),
             Family::Mixtral | Family::Qwen3Moe | Family::GptOss => None,
         }
+    }
+
+    /// The shared expert gate's tensor under `prefix` ([1, H]), for a family whose shared
+    /// expert is gated.
+    fn shared_gate_name(self, prefix: &str) -> Option<String> {
+        (self == Family::Qwen2Moe).then(|| format!("{prefix}mlp.shared_expert_gate.weight"))
     }
 
     /// Refuses a layer of `shape` whose expert math is not the family's.
@@ -137,6 +156,13 @@ impl Family {
         if shape.shared_slices > 0 && self.shared_names("").is_none() {
             return Err(CheckpointError::NoSharedExperts { family: self });
         }
+        let gated = self.shared_gate_name("").is_some();
+        if shape.shared_slices > 0 && shape.shared_gated != gated {
+            return Err(CheckpointError::SharedGate {
+                family: self,
+                gated,
+            });
+        }
         Ok(())
     }
 
@@ -145,7 +171,9 @@ impl Family {
     fn gate_module(self, prefix: &str) -> String {
         match self {
             Family::Mixtral => format!("{prefix}block_sparse_moe.gate"),
-            Family::Qwen3Moe | Family::DeepseekV3 => format!("{prefix}mlp.gate"),
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => {
+                format!("{prefix}mlp.gate")
+            }
             Family::GptOss => format!("{prefix}mlp.router"),
         }
     }
@@ -161,8 +189,8 @@ impl Family {
     }
 
     /// A tensor that shows the family's layout under `prefix` (expert 0's gate projection,
-    /// or GPT-OSS's fused tensor), and one more that must be there or absent, if any.
-    fn marker(self, prefix: &str) -> (Vec<String>, Option<(String, bool)>) {
+    /// or GPT-OSS's fused tensor), and the tensors that must be there (`true`) or absent.
+    fn marker(self, prefix: &str) -> (Vec<String>, Vec<(String, bool)>) {
         let gpt_oss = || {
             vec![
                 format!("{prefix}mlp.experts.gate_up_proj"),
@@ -170,20 +198,17 @@ impl Family {
             ]
         };
         let bias = format!("{prefix}mlp.gate.e_score_correction_bias");
+        let shared_gate = format!("{prefix}mlp.shared_expert_gate.weight");
+        let expert_0 = vec![format!("{prefix}mlp.experts.0.gate_proj.weight")];
         match self {
             Family::Mixtral => (
                 vec![format!("{prefix}block_sparse_moe.experts.0.w1.weight")],
-                None,
+                Vec::new(),
             ),
-            Family::Qwen3Moe => (
-                vec![format!("{prefix}mlp.experts.0.gate_proj.weight")],
-                Some((bias, false)),
-            ),
-            Family::DeepseekV3 => (
-                vec![format!("{prefix}mlp.experts.0.gate_proj.weight")],
-                Some((bias, true)),
-            ),
-            Family::GptOss => (gpt_oss(), None),
+            Family::Qwen3Moe => (expert_0, vec![(bias, false), (shared_gate, false)]),
+            Family::Qwen2Moe => (expert_0, vec![(bias, false), (shared_gate, true)]),
+            Family::DeepseekV3 => (expert_0, vec![(bias, true)]),
+            Family::GptOss => (gpt_oss(), Vec::new()),
         }
     }
 }
@@ -193,6 +218,7 @@ impl fmt::Display for Family {
         f.write_str(match self {
             Family::Mixtral => "Mixtral",
             Family::Qwen3Moe => "Qwen3-MoE",
+            Family::Qwen2Moe => "Qwen2-MoE",
             Family::DeepseekV3 => "DeepSeek-V3",
             Family::GptOss => "GPT-OSS",
         })
@@ -250,6 +276,9 @@ pub struct HostWeights {
     pub w2: Vec<u16>,
     /// The experts' biases, exactly when the layer has them (`expert_bias = true`).
     pub biases: Option<HostBiases>,
+    /// `[H]`: the shared expert gate's weights, exactly when these experts hold the shared
+    /// slices of a layer whose shared expert is gated ([`HostWeights::holds_shared_gate`]).
+    pub shared_gate: Option<Vec<u16>>,
 }
 
 /// The biases of some experts on the host, f32: `b1` [experts, w1_rows] (each expert's
@@ -261,6 +290,12 @@ pub struct HostBiases {
 }
 
 impl HostWeights {
+    /// Whether experts `experts` of a layer of `shape` come with the shared expert gate's
+    /// weights: they hold the shared slices (the first one) of a gated shared expert.
+    pub fn holds_shared_gate(shape: &LayerShape, experts: &Range<u32>) -> bool {
+        shape.shared_gated && experts.contains(&shape.experts)
+    }
+
     /// Elements of one expert's W1 and W2 in a layer of `shape`.
     fn expert_lens(shape: &LayerShape) -> (usize, usize) {
         let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
@@ -282,6 +317,7 @@ impl HostWeights {
     pub fn expert(&self, shape: &LayerShape, local: usize) -> HostExpert<'_> {
         let (w1, w2) = Self::expert_lens(shape);
         let (b1, b2) = Self::bias_lens(shape);
+        let shared_slice = self.experts.start as usize + local >= shape.experts as usize;
         HostExpert {
             w1: &self.w1[local * w1..(local + 1) * w1],
             w2: &self.w2[local * w2..(local + 1) * w2],
@@ -289,6 +325,7 @@ impl HostWeights {
                 b1: &b.b1[local * b1..(local + 1) * b1],
                 b2: &b.b2[local * b2..(local + 1) * b2],
             }),
+            shared_gate: self.shared_gate.as_deref().filter(|_| shared_slice),
         }
     }
 
@@ -306,12 +343,21 @@ impl HostWeights {
             (None, false) => Vec::new(),
             (_, spec) => return Err(CheckpointError::HostBiases { spec }),
         };
+        let shared_gate = match (
+            &self.shared_gate,
+            Self::holds_shared_gate(shape, &self.experts),
+        ) {
+            (Some(gate), true) => Some(("shared expert gate", gate.len(), shape.hidden as usize)),
+            (None, false) => None,
+            (_, needed) => return Err(CheckpointError::HostSharedGate { needed }),
+        };
         for (what, got, expected) in [
             ("w1", self.w1.len(), count * w1),
             ("w2", self.w2.len(), count * w2),
         ]
         .into_iter()
         .chain(biases)
+        .chain(shared_gate)
         {
             if got != expected {
                 return Err(CheckpointError::HostSize {
@@ -351,6 +397,10 @@ impl HostWeights {
                 b1: b.b1[local.start * b1..local.end * b1].to_vec(),
                 b2: b.b2[local.start * b2..local.end * b2].to_vec(),
             }),
+            shared_gate: self
+                .shared_gate
+                .clone()
+                .filter(|_| Self::holds_shared_gate(shape, &wanted)),
             experts: wanted,
         })
     }
@@ -450,6 +500,11 @@ pub enum CheckpointError {
         if *spec { "hold no biases: give `biases` (b1 and b2 of every expert)" } else { "hold biases: drop them, or set `expert_bias = true` in the spec" }
     )]
     HostBiases { spec: bool },
+    #[error(
+        "{}",
+        if *needed { "the host weights hold the shared slices of a layer whose shared expert is gated (`gated = true`), but no shared expert gate: give `shared_gate` ([H] bf16), or drop `gated = true` from the spec" } else { "the host weights hold a shared expert gate, which only experts holding the shared slices of a gated shared expert take: drop it, or set `gated = true` in the spec's `shared_experts { }`" }
+    )]
+    HostSharedGate { needed: bool },
     #[error("the host weights hold experts {}..{}, not experts {}..{}", held.start, held.end, wanted.start, wanted.end)]
     HostExperts {
         held: Range<u32>,
@@ -492,6 +547,13 @@ pub enum CheckpointError {
         "{family} checkpoints hold no shared experts, but the layer's spec has a `shared_experts {{ }}` section; remove it, or name the family whose layer this is"
     )]
     NoSharedExperts { family: Family },
+    #[error(
+        "{family} checkpoints {}, but the layer's spec says {}; {}",
+        if *gated { "gate their shared expert (`mlp.shared_expert_gate`)" } else { "have an ungated shared expert" },
+        if *gated { "no `gated = true`" } else { "`gated = true`" },
+        if *gated { "set `gated = true` in its `shared_experts { }`" } else { "drop `gated = true`, or name the family whose layer this is" }
+    )]
+    SharedGate { family: Family, gated: bool },
     #[error("rank {rank} of {ranks} does not name an equal share of {experts} experts")]
     Rank { rank: u32, ranks: u32, experts: u32 },
 }
@@ -656,9 +718,11 @@ impl Checkpoint {
         Family::ALL
             .into_iter()
             .filter(|family| {
-                let (any_of, condition) = family.marker(prefix);
+                let (any_of, conditions) = family.marker(prefix);
                 any_of.iter().any(|n| self.names.contains_key(n))
-                    && condition.is_none_or(|(n, present)| self.names.contains_key(&n) == present)
+                    && conditions
+                        .iter()
+                        .all(|(n, present)| self.names.contains_key(n) == *present)
             })
             .collect()
     }
@@ -725,11 +789,20 @@ impl Checkpoint {
                 &mut w2[first * matrix..],
             )?;
         }
+        let shared_gate = match family.shared_gate_name(prefix) {
+            Some(name) if HostWeights::holds_shared_gate(shape, &experts) => {
+                let mut gate = vec![0u16; hidden];
+                self.read_bf16(family, prefix, &name, &[1, hidden], &mut gate)?;
+                Some(gate)
+            }
+            _ => None,
+        };
         Ok(HostWeights {
             experts,
             w1,
             w2,
             biases: None,
+            shared_gate,
         })
     }
 
@@ -845,6 +918,7 @@ impl Checkpoint {
             w1,
             w2,
             biases: Some(HostBiases { b1, b2 }),
+            shared_gate: None,
         })
     }
 
@@ -1230,6 +1304,14 @@ pub fn write_layer(
                     weights,
                     routed.len(),
                 )?);
+            }
+            // `check` above: the gate is there exactly when the shared slices of a gated
+            // shared expert are, and `check_layer` that the family gates it.
+            if let (Some(name), Some(gate)) = (
+                family.shared_gate_name(prefix),
+                weights.shared_gate.as_deref(),
+            ) {
+                tensors.push((name, vec![1, hidden], bytes(gate)));
             }
         }
         // GPT-OSS: the inverse of `load_fused_experts`, every expert of the layer in one

@@ -54,6 +54,8 @@ enum Binding {
     /// The rank's experts' biases (GEMM1's, GEMM2's).
     W1Bias,
     W2Bias,
+    /// The shared expert gate's weights, which every rank holds.
+    SharedExpertGate,
     Rank,
     Epoch,
     Workspace(usize),
@@ -1075,6 +1077,9 @@ impl EpLayer {
                 // has them, which is when the plan's launches take them.
                 Binding::W1Bias => ArgValue::Pointer(rank.weights.bias_pointer(true, stream)),
                 Binding::W2Bias => ArgValue::Pointer(rank.weights.bias_pointer(false, stream)),
+                Binding::SharedExpertGate => {
+                    ArgValue::Pointer(rank.weights.shared_gate_pointer(stream))
+                }
                 Binding::Rank => ArgValue::Int(rank.index as i32),
                 Binding::Epoch => ArgValue::Int(self.epoch as i32),
                 Binding::Workspace(i) => {
@@ -1634,6 +1639,7 @@ fn bind(
         LaunchArg::W2 => Binding::W2,
         LaunchArg::W1Bias => Binding::W1Bias,
         LaunchArg::W2Bias => Binding::W2Bias,
+        LaunchArg::SharedExpertGate => Binding::SharedExpertGate,
         LaunchArg::W1Tiles { .. } | LaunchArg::W2Tiles { .. } => {
             Binding::TensorMap(tensor_maps.position(arg)?)
         }

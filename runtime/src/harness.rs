@@ -31,7 +31,9 @@ use crate::layer::{
 use crate::process_group::ControlChannel;
 use crate::reference::router::{KernelRouting, RouterCheck};
 use crate::reference::{self, Comparison, HostExpert, HostExpertBias};
-use crate::weights::{RANDOM_EXPERT_BIAS_RANGE, copy_experts, random_gate, upload_gate};
+use crate::weights::{
+    RANDOM_EXPERT_BIAS_RANGE, copy_experts, random_gate, random_shared_gate, upload_gate,
+};
 use crate::workload::{SplitMix64, Workload, weight_scale};
 
 #[derive(Debug, Error)]
@@ -113,12 +115,13 @@ pub struct BuiltLayer {
     host_gate: Option<HostGate>,
 }
 
-/// One expert's (W1, W2) on the host, checkpoint layout, and its (b1, b2) when the layer
-/// has biases.
+/// One expert's (W1, W2) on the host, checkpoint layout, its (b1, b2) when the layer has
+/// biases, and for a shared slice of a gated shared expert the gate's weights.
 struct HostWeights {
     w1: Vec<u16>,
     w2: Vec<u16>,
     biases: Option<(Vec<f32>, Vec<f32>)>,
+    shared_gate: Option<Vec<u16>>,
 }
 
 impl BuiltLayer {
@@ -161,9 +164,22 @@ impl BuiltLayer {
                 )),
                 None => None,
             };
+            let shared_gate = match &weights.shared_gate {
+                Some(gate) if e >= shape.experts as usize => Some(
+                    stream
+                        .clone_dtoh(gate)
+                        .context("downloading the shared expert gate")?,
+                ),
+                _ => None,
+            };
             // A check running at the same time may have filled the cell meanwhile, with
             // the same bytes: keeping either copy is right.
-            let _ = cell.set(HostWeights { w1, w2, biases });
+            let _ = cell.set(HostWeights {
+                w1,
+                w2,
+                biases,
+                shared_gate,
+            });
         }
         Ok(())
     }
@@ -177,6 +193,7 @@ impl BuiltLayer {
                 w1: &w.w1,
                 w2: &w.w2,
                 biases: w.biases.as_ref().map(|(b1, b2)| HostExpertBias { b1, b2 }),
+                shared_gate: w.shared_gate.as_deref(),
             })
     }
 }
@@ -410,7 +427,21 @@ impl Session {
         } else {
             None
         };
-        Ok(ExpertWeights { w1, w2, biases })
+        let shared_gate = shape
+            .shared_gated
+            .then(|| {
+                let gate = random_shared_gate(shape, seed);
+                stream
+                    .clone_htod(&gate)
+                    .context("uploading the shared expert gate")
+            })
+            .transpose()?;
+        Ok(ExpertWeights {
+            w1,
+            w2,
+            biases,
+            shared_gate,
+        })
     }
 
     /// Compiles the plan's kernels, fills random weights (and, when the spec has a router,

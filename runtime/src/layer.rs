@@ -133,6 +133,13 @@ pub enum LayerError {
         if *spec { "give each expert's b1 and b2 (a checkpoint's, or random ones)" } else { "drop them, or set `expert_bias = true` in the spec" }
     )]
     ExpertBias { spec: bool },
+    #[error(
+        "the layer's spec {}, but the weights {}; {}",
+        if *spec { "gates its shared expert (`gated = true`)" } else { "has no gated shared expert" },
+        if *spec { "hold no shared expert gate" } else { "hold one" },
+        if *spec { "give its [H] weights (a checkpoint's `shared_expert_gate`, or random ones)" } else { "drop it, or set `gated = true` in the spec's `shared_experts { }`" }
+    )]
+    SharedGate { spec: bool },
     #[error("the plan passes `{arg}` as a tensor map, which it is not")]
     NotATensorMap { arg: &'static str },
     #[error(
@@ -171,6 +178,9 @@ pub struct ExpertWeights {
     pub w1: CudaSlice<u16>,
     pub w2: CudaSlice<u16>,
     pub biases: Option<ExpertBiases>,
+    /// `[H]` bf16: the shared expert gate's weights, exactly when the spec's shared expert
+    /// is gated (`gated = true`; every rank holds them whole).
+    pub shared_gate: Option<CudaSlice<u16>>,
 }
 
 /// Each expert's biases on the device, f32: `b1` [E, w1_rows] on GEMM1's output (gate
@@ -197,13 +207,32 @@ impl ExpertWeights {
         match &self.biases {
             Some(biases) if shape.expert_bias => {
                 check_len("b1", biases.b1.len(), experts * u64::from(shape.w1_rows()))?;
-                check_len("b2", biases.b2.len(), experts * u64::from(shape.hidden))
+                check_len("b2", biases.b2.len(), experts * u64::from(shape.hidden))?;
             }
-            None if !shape.expert_bias => Ok(()),
-            _ => Err(LayerError::ExpertBias {
-                spec: shape.expert_bias,
+            None if !shape.expert_bias => {}
+            _ => {
+                return Err(LayerError::ExpertBias {
+                    spec: shape.expert_bias,
+                });
+            }
+        }
+        match &self.shared_gate {
+            Some(gate) if shape.shared_gated => {
+                check_len("shared expert gate", gate.len(), u64::from(shape.hidden))
+            }
+            None if !shape.shared_gated => Ok(()),
+            _ => Err(LayerError::SharedGate {
+                spec: shape.shared_gated,
             }),
         }
+    }
+
+    /// The device address of the shared expert gate's weights, null without them (where
+    /// [`ExpertWeights::check`] passed, exactly when no launch takes them).
+    pub(crate) fn shared_gate_pointer(&self, stream: &CudaStream) -> u64 {
+        self.shared_gate
+            .as_ref()
+            .map_or(0, |gate| ptr(gate, stream))
     }
 
     /// The device address of GEMM1's biases `b1` (`gemm1`) or GEMM2's `b2`, null without
@@ -530,6 +559,7 @@ enum Binding {
     W2,
     W1Bias,
     W2Bias,
+    SharedExpertGate,
     GateWeight,
     GateBias,
     /// The workspace buffer at this position of `MoeLayer::workspace`.
@@ -1130,6 +1160,9 @@ impl MoeLayer {
                 // launches take them.
                 Binding::W1Bias => ArgValue::Pointer(self.weights.bias_pointer(true, stream)),
                 Binding::W2Bias => ArgValue::Pointer(self.weights.bias_pointer(false, stream)),
+                Binding::SharedExpertGate => {
+                    ArgValue::Pointer(self.weights.shared_gate_pointer(stream))
+                }
                 // Router launches are bound only when the gate (and a bias the rule
                 // takes) was given: `with_gate` checked both.
                 Binding::GateWeight => {
@@ -1406,6 +1439,7 @@ fn bind(
         LaunchArg::W2 => Binding::W2,
         LaunchArg::W1Bias => Binding::W1Bias,
         LaunchArg::W2Bias => Binding::W2Bias,
+        LaunchArg::SharedExpertGate => Binding::SharedExpertGate,
         LaunchArg::GateWeight => Binding::GateWeight,
         LaunchArg::GateBias => Binding::GateBias,
         LaunchArg::Y => Binding::Y,

@@ -901,6 +901,7 @@ mod tests {
             expert_bias: false,
             max_tokens: 300,
             shared_slices: 0,
+            shared_gated: false,
             spec_ranks: 4,
             executed_ranks: 1,
         };
@@ -976,6 +977,7 @@ mod tests {
             shape: LayerShape {
                 max_tokens: u32::MAX / 4,
                 shared_slices: 0,
+                shared_gated: false,
                 ..full_plan.shape.clone()
             },
             ..full_plan

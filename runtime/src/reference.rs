@@ -2,7 +2,9 @@
 //!
 //! `y[t] = Σ_k topk_weights[t,k] · W2_e · bf16(act(W1_e · x[t]))` with `e = topk_ids[t,k]`
 //! (with expert biases, `W2_e · bf16(act(W1_e · x[t] + b1_e)) + b2_e`, f32 biases), plus
-//! `Σ_s W2_s · bf16(act(W1_s · x[t]))` over the shared slices `s = E..E + S`:
+//! `g[t] · Σ_s W2_s · bf16(act(W1_s · x[t]))` over the shared slices `s = E..E + S`, where
+//! `g[t]` is 1, or `sigmoid(x[t] · w_gate)` for a gated shared expert ([`HostExpert`]'s
+//! `shared_gate`, the f32 sum of bf16 products):
 //! bf16 inputs, products accumulated in f32, the intermediate rounded to bf16 (the kernels
 //! store it so), the output left in f32. This defines the answer the kernels are checked
 //! against. The kernels round twice more, each (token, k) combine slot and then the output
@@ -31,6 +33,10 @@ pub struct HostExpert<'a> {
     pub w1: &'a [u16],
     pub w2: &'a [u16],
     pub biases: Option<HostExpertBias<'a>>,
+    /// A shared slice of a gated shared expert: the gate's weights `[H]`, which weigh the
+    /// slice's rows of token t by `sigmoid(x[t] · w_gate)`; `None` for a routed expert and
+    /// an ungated slice (weight 1).
+    pub shared_gate: Option<&'a [u16]>,
 }
 
 /// One expert's biases: `b1` `[w1_rows]` added to GEMM1's output (gate, then up) before the
@@ -53,6 +59,17 @@ pub struct Reference {
     /// output element sums (at least `|y|`; more where they cancel). The kernels' bf16
     /// roundings of those terms and of their sum scale with it.
     pub magnitude: Vec<f32>,
+}
+
+/// A gated shared expert's weight of the token whose row is `x`: `sigmoid(x · gate)`, the
+/// bf16 products summed in f32.
+pub fn shared_gate_weight(x: &[u16], gate: &[u16]) -> f32 {
+    let logit: f32 = x
+        .iter()
+        .zip(gate)
+        .map(|(&a, &b)| bf16::to_f32(a) * bf16::to_f32(b))
+        .sum();
+    1.0 / (1.0 + (-logit).exp())
 }
 
 fn silu(v: f32) -> f32 {
@@ -363,8 +380,8 @@ pub(crate) fn on_every_core<T: Send>(items: usize, work: impl Fn(usize) -> T + S
 }
 
 /// `topk_weight · (W2_e · bf16(act(W1_e · x + b1_e)) + b2_e)` for some slots of one
-/// expert, [slots, H] (without the biases when the expert has none; weight 1 for a
-/// shared slice).
+/// expert, [slots, H] (without the biases when the expert has none; for a shared slice the
+/// weight is 1, or its token's [`shared_gate_weight`] where the shared expert is gated).
 fn expert_rows(
     shape: &LayerShape,
     expert: &HostExpert<'_>,
@@ -417,10 +434,13 @@ fn expert_rows_in<const L: usize, const AVX2_FMA: bool>(
                 .iter()
                 .map(|&v| bf16::to_f32(v)),
         );
+        let row = &workload.x[t * hidden..(t + 1) * hidden];
         route_weights.push(if j < k {
             workload.topk_weights[t * k + j]
         } else {
-            1.0
+            expert
+                .shared_gate
+                .map_or(1.0, |gate| shared_gate_weight(row, gate))
         });
     }
 
@@ -618,6 +638,7 @@ mod tests {
             expert_bias: false,
             max_tokens: 4096,
             shared_slices: 0,
+            shared_gated: false,
             spec_ranks: 1,
             executed_ranks: 1,
         }
@@ -645,6 +666,7 @@ mod tests {
             w1: &experts[e].0,
             w2: &experts[e].1,
             biases: None,
+            shared_gate: None,
         }
     }
 
@@ -732,6 +754,7 @@ mod tests {
             w1: &w1,
             w2: &w2,
             biases: None,
+            shared_gate: None,
         };
         let act = round_bf16(silu(1.0) * 2.0);
         assert_ne!(act, silu(1.0) * 2.0, "the intermediate is rounded");
@@ -749,12 +772,14 @@ mod tests {
 
     /// Shared experts as slices: one MLP of FFN 2F, cut into two always-hit experts of FFN
     /// F (gate and up rows, down columns), adds exactly that MLP's output, unweighted, to
-    /// the routed output.
+    /// the routed output; gated, that output times sigmoid(x · w_gate), worked out here in
+    /// sequential sums.
     #[test]
-    fn shared_slices_add_the_whole_shared_mlp_unweighted() {
+    fn shared_slices_add_the_whole_shared_mlp_unweighted_or_gated() {
         let routed_shape = shape(8, 2, 3, 2, Activation::Swiglu);
         let shared_shape = LayerShape {
             shared_slices: 2,
+            shared_gated: false,
             ..routed_shape.clone()
         };
         let (hidden, ffn, joint) = (8, 2, 4);
@@ -781,9 +806,19 @@ mod tests {
         let all: Vec<_> = routed.iter().chain(&slices).cloned().collect();
         let workload = Workload::random(&routed_shape, 5, Routing::Uniform, 9);
         let tokens: Vec<usize> = (0..5).collect();
+        let shared_gate = draw(hidden);
         let without = layer_output(&routed_shape, &workload, tokens.clone(), host(&routed));
-        let with = layer_output(&shared_shape, &workload, tokens, host(&all));
+        let with = layer_output(&shared_shape, &workload, tokens.clone(), host(&all));
+        let gated_shape = LayerShape {
+            shared_gated: true,
+            ..shared_shape.clone()
+        };
+        let gated = layer_output(&gated_shape, &workload, tokens, |e| HostExpert {
+            shared_gate: (e >= 3).then_some(shared_gate.as_slice()),
+            ..host(&all)(e)
+        });
         let value = |bits: &[u16], i: usize| bf16::to_f32(bits[i]);
+        let mut weights = Vec::new();
         for t in 0..5 {
             let x: Vec<f32> = (0..hidden)
                 .map(|h| value(&workload.x, t * hidden + h))
@@ -796,18 +831,32 @@ mod tests {
             let act: Vec<f32> = (0..joint)
                 .map(|f| round_bf16(silu(dot(&gate, f)) * dot(&up, f)))
                 .collect();
+            let logit: f32 = (0..hidden).map(|h| value(&shared_gate, h) * x[h]).sum();
+            let weight = 1.0 / (1.0 + (-logit).exp());
+            weights.push(weight);
             for h in 0..hidden {
                 let mlp: f32 = (0..joint)
                     .map(|f| value(&down, h * joint + f) * act[f])
                     .sum();
-                let want = without.y[t * hidden + h] + mlp;
-                let got = with.y[t * hidden + h];
-                assert!(
-                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
-                    "token {t} column {h}: {got} vs {want}"
-                );
+                for (output, scale) in [(&with, 1.0), (&gated, weight)] {
+                    let want = without.y[t * hidden + h] + scale * mlp;
+                    let got = output.y[t * hidden + h];
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "token {t} column {h} (shared weight {scale}): {got} vs {want}"
+                    );
+                }
             }
         }
+        // The gate weighs the tokens apart, none by 1 (else the check could not tell).
+        assert!(
+            weights.iter().all(|w| (0.02..0.98).contains(w)),
+            "{weights:?}"
+        );
+        assert!(
+            weights.iter().any(|&w| (w - weights[0]).abs() > 1e-3),
+            "{weights:?}"
+        );
     }
 
     #[test]
@@ -830,6 +879,7 @@ mod tests {
             w1: &w1,
             w2: &w2,
             biases: Some(HostExpertBias { b1: &b1, b2: &b2 }),
+            shared_gate: None,
         };
         let out = layer_output(&shape, &workload, vec![0, 1, 2], experts);
         let sigmoid = |v: f32| 1.0 / (1.0 + (-v).exp());

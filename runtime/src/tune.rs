@@ -486,6 +486,7 @@ mod tests {
             expert_bias: false,
             max_tokens: 4096,
             shared_slices: 0,
+            shared_gated: false,
             spec_ranks: 1,
             executed_ranks: 1,
         }

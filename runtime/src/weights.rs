@@ -161,12 +161,28 @@ pub fn random(shape: &LayerShape, experts: Range<u32>, seed: u64) -> HostWeights
         }
     }
     let biases = shape.expert_bias.then_some(HostBiases { b1, b2 });
+    let shared_gate =
+        HostWeights::holds_shared_gate(shape, &experts).then(|| random_shared_gate(shape, seed));
     HostWeights {
         experts,
         w1,
         w2,
         biases,
+        shared_gate,
     }
+}
+
+/// Keeps the shared expert gate's random stream apart from the experts' and the router's.
+const SHARED_GATE_SEED_SALT: u64 = 0x5ea7_0000_6a7e_0002;
+
+/// A uniform random shared expert gate of a layer of `shape`, `[H]` in ±`sqrt(3 / H)`:
+/// logits of order one for inputs in ±1, so the tokens' weights spread over (0, 1).
+pub fn random_shared_gate(shape: &LayerShape, seed: u64) -> Vec<u16> {
+    let mut rng = SplitMix64::new(seed ^ SHARED_GATE_SEED_SALT);
+    let scale = weight_scale(shape.hidden);
+    (0..shape.hidden)
+        .map(|_| bf16::from_f32(rng.signed() * scale))
+        .collect()
 }
 
 /// Copies `weights` to `stream`'s device and waits for the copies, so the buffers may be
@@ -197,14 +213,29 @@ pub fn upload_parts(
         }),
         _ => None,
     };
+    let shared_gate = parts
+        .iter()
+        .find_map(|p| p.shared_gate.as_deref())
+        .map(|gate| {
+            stream
+                .clone_htod(gate)
+                .context(what("the shared expert gate"))
+        })
+        .transpose()?;
     stream
         .synchronize()
         .context("waiting for the weights' upload")?;
-    Ok(ExpertWeights { w1, w2, biases })
+    Ok(ExpertWeights {
+        w1,
+        w2,
+        biases,
+        shared_gate,
+    })
 }
 
 /// The experts `held` (ranges of expert indices, in order) of `weights` on `from`'s
-/// device, with their biases, copied onto `to`'s device (staged through the host, which
+/// device, with their biases and the shared expert gate (which every rank holds whole),
+/// copied onto `to`'s device (staged through the host, which
 /// works between any two devices: set-up, not a call's work). A rank's experts of a layer
 /// built whole: its routed experts, then the shared slices.
 pub fn copy_experts(
@@ -230,6 +261,14 @@ pub fn copy_experts(
                 b1: copy_rows(from, to, &biases.b1, w1_rows, held, "b1")?,
                 b2: copy_rows(from, to, &biases.b2, hidden, held, "b2")?,
             }),
+            None => None,
+        },
+        shared_gate: match &weights.shared_gate {
+            Some(gate) => Some(
+                from.clone_dtoh(gate)
+                    .and_then(|values| to.clone_htod(&values))
+                    .context("copying the shared expert gate to a rank")?,
+            ),
             None => None,
         },
     };

@@ -129,6 +129,7 @@ mod tests {
             expert_bias: false,
             max_tokens: 64,
             shared_slices: 0,
+            shared_gated: false,
             spec_ranks: 1,
             executed_ranks: 1,
         }

@@ -34,6 +34,7 @@ fn shape(activation: Activation) -> LayerShape {
         expert_bias: false,
         max_tokens: 64,
         shared_slices: 0,
+        shared_gated: false,
         spec_ranks: 1,
         executed_ranks: 1,
     }
@@ -1142,6 +1143,7 @@ fn shared_experts_load_as_slices_of_the_routed_ffn_and_write_back() {
     write(&file, &tensors);
     let layer = LayerShape {
         shared_slices: 2,
+        shared_gated: false,
         ..shape(Activation::Swiglu)
     };
     let checkpoint = Checkpoint::open(&file).unwrap();
@@ -1154,6 +1156,7 @@ fn shared_experts_load_as_slices_of_the_routed_ffn_and_write_back() {
         w1: all.w1[..E * 2 * F * H].to_vec(),
         w2: all.w2[..E * H * F].to_vec(),
         biases: None,
+        shared_gate: None,
     };
     check_layout(&routed);
     // Slice s: gate and up rows s·F.., down columns s·F.. of the one shared MLP.
@@ -1206,6 +1209,7 @@ fn shared_experts_missing_or_foreign_to_the_family_are_errors() {
     let file = dir.path().join("model.safetensors");
     let layer = LayerShape {
         shared_slices: 2,
+        shared_gated: false,
         ..shape(Activation::Swiglu)
     };
     write(&file, &expert_tensors(Family::DeepseekV3, 0..E));

@@ -61,6 +61,17 @@ fn tiny_shared_top4() -> Layer {
     layer
 }
 
+/// [`tiny_shared_top4`] with its shared expert gated (Qwen2-MoE's): a rank's arrange gives
+/// the shared slices' rows their token's gate, and its rank partials carry them.
+fn tiny_gated_top4() -> Layer {
+    let mut layer = tiny_shared_top4();
+    layer.name = "tiny_gated_top4".into();
+    if let Some(shared) = &mut layer.shared_experts {
+        shared.gated = true;
+    }
+    layer
+}
+
 /// [`tiny_shared_top4`] with GPT-OSS's expert math (expert biases, the clamped SwiGLU): its
 /// rank partials carry each pair's `b2` times its weight.
 fn tiny_biased_top4() -> Layer {
@@ -186,6 +197,10 @@ fn virtual_ranks_match_reference() {
         // results returned as pair rows (GPT-OSS) and as rank partials (the tiny one).
         (gpt_oss, 2),
         (tiny_biased_top4(), 2),
+        // A gated shared expert: its gate's launch ahead of arrange on every rank, with
+        // results as pair rows (4 ranks) and as rank partials (top-4 on 2).
+        (layers::tiny_with_gated_shared_expert(Activation::Swiglu), 4),
+        (tiny_gated_top4(), 2),
     ];
     let on_virtual_ranks = build_on_virtual_ranks(&session, &cases, seed);
     let plans: Vec<&Plan> = on_virtual_ranks

@@ -484,14 +484,32 @@ fn tiny_layers_match_reference_for_every_activation() {
 }
 
 /// Shared experts run as always-hit experts in the same grouped GEMMs: the reference adds
-/// their MLP to every token, so leaving them out (or weighting them) fails the check.
+/// their MLP to every token, so leaving them out (or weighting them) fails the check. A
+/// gated shared expert's slices weigh sigmoid(x · w_gate) per token (its own launch, read
+/// by GEMM2's epilogue), on both GEMM engines; weight 1 there would fail the check too.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tiny_layers_with_a_shared_expert_match_reference() {
-    let plans = [Activation::Swiglu, Activation::Gelu]
+    let mut gated_wgmma = layers::tiny_with_gated_shared_expert(Activation::Swiglu);
+    gated_wgmma.name = "tiny_gated_shared_wgmma".into();
+    gated_wgmma.max_tokens = 4096;
+    let plans: Vec<Plan> = [Activation::Swiglu, Activation::Gelu]
         .map(|a| plan_for_device(&layers::tiny_with_shared_expert(a)))
-        .to_vec();
+        .into_iter()
+        .chain([
+            plan_for_device(&layers::tiny_with_gated_shared_expert(Activation::Swiglu)),
+            plan_for_device(&gated_wgmma),
+        ])
+        .collect();
     assert!(plans.iter().all(|p| p.shape.shared_slices == 2));
+    assert_eq!(plans.iter().filter(|p| p.shape.shared_gated).count(), 2);
+    assert!(
+        plans.iter().any(|p| p.shape.shared_gated
+            && p.regimes
+                .iter()
+                .any(|r| r.gemm2.engine == MmaEngine::WgmmaWarpSpecialized)),
+        "a gated layer's GEMM2 runs on the warp-specialised engine"
+    );
     check_plans("tiny layers with a shared expert", plans);
 }
 
@@ -1226,7 +1244,11 @@ fn calls_that_split_stream_k_match_reference() {
         );
         (layer.hidden, layer.ffn, layer.experts) = (hidden, ffn, 32);
         if shared {
-            layer.shared_experts = Some(SharedExperts { count: 1, ffn });
+            layer.shared_experts = Some(SharedExperts {
+                count: 1,
+                ffn,
+                gated: false,
+            });
         }
         let plan = plan_for_device(&layer);
         let shape = &plan.shape;

@@ -149,6 +149,7 @@ fn probed_layer() -> Layer {
     layer.shared_experts = Some(SharedExperts {
         count: 1,
         ffn: SHARED_SLICES * layer.ffn,
+        gated: false,
     });
     let tile = TileShape {
         m: 32,

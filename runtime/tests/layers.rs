@@ -111,7 +111,19 @@ pub fn tiny_with_shared_expert(activation: Activation) -> Layer {
     layer.shared_experts = Some(SharedExperts {
         count: 1,
         ffn: 2 * layer.ffn,
+        gated: false,
     });
+    layer
+}
+
+/// [`tiny_with_shared_expert`] with the shared expert gated (Qwen2-MoE's): each token's
+/// shared slices weigh `sigmoid(x · w_gate)`, computed by a launch of its own.
+pub fn tiny_with_gated_shared_expert(activation: Activation) -> Layer {
+    let mut layer = tiny_with_shared_expert(activation);
+    layer.name = format!("tiny_gated_shared_{}", activation.name());
+    if let Some(shared) = &mut layer.shared_experts {
+        shared.gated = true;
+    }
     layer
 }
 
@@ -148,6 +160,7 @@ pub fn sorted_rows() -> Layer {
     layer.shared_experts = Some(SharedExperts {
         count: 1,
         ffn: layer.ffn,
+        gated: false,
     });
     layer.max_tokens = 4096;
     let tile = TileShape {

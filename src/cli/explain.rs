@@ -116,8 +116,14 @@ fn explain_layer(layer: &ir::Layer) -> String {
         Some(shared) => {
             let _ = writeln!(
                 out,
-                "  shared experts       {} of ffn {}",
-                shared.count, shared.ffn
+                "  shared experts       {} of ffn {}{}",
+                shared.count,
+                shared.ffn,
+                if shared.gated {
+                    ", gated: each token's shared output times sigmoid(x · w_gate), w_gate [H]"
+                } else {
+                    ""
+                }
             );
         }
         None => {

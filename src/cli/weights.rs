@@ -44,6 +44,10 @@ pub enum FamilyArg {
     /// `mlp.experts.N.gate_proj/up_proj/down_proj.weight`.
     #[value(name = "qwen3-moe")]
     Qwen3Moe,
+    /// As Qwen3-MoE, with a gated shared expert: `mlp.shared_expert.*` and
+    /// `mlp.shared_expert_gate.weight` (Qwen1.5-MoE, Qwen2-MoE).
+    #[value(name = "qwen2-moe")]
+    Qwen2Moe,
     /// As Qwen3-MoE, with `mlp.gate.e_score_correction_bias`.
     #[value(name = "deepseek-v3")]
     DeepseekV3,
@@ -58,6 +62,7 @@ impl From<FamilyArg> for Family {
         match arg {
             FamilyArg::Mixtral => Family::Mixtral,
             FamilyArg::Qwen3Moe => Family::Qwen3Moe,
+            FamilyArg::Qwen2Moe => Family::Qwen2Moe,
             FamilyArg::DeepseekV3 => Family::DeepseekV3,
             FamilyArg::GptOss => Family::GptOss,
         }

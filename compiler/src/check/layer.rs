@@ -48,7 +48,7 @@ pub const LAYER: Schema = Schema {
 /// The keys of `shared_experts { }`.
 pub const SHARED_EXPERTS: Schema = Schema {
     home: "the layer's `shared_experts { }` section",
-    settings: &["count", "ffn"],
+    settings: &["count", "ffn", "gated"],
     sections: &[],
     aliases: &[],
 };
@@ -188,9 +188,13 @@ pub fn check_layer(
             let ffn_setting = table.required("ffn", "ffn = 2048", errors);
             let ffn = ffn_setting.and_then(|s| aligned_size(s, errors));
             shared_ffn_span = ffn_setting.map(|s| s.values[0].span);
+            let gated = optional(table.setting("gated"), false, |s| {
+                values::boolean(s, errors)
+            });
             Some(Some(ir::SharedExperts {
                 count: count?,
                 ffn: ffn?,
+                gated: gated?,
             }))
         }
         None => Some(None),

@@ -25,8 +25,8 @@ use crate::plan::router::{self, GateEngine, GatePlan, RouterPlan};
 use crate::plan::{
     Access, BufferId, FusedDecode, GemmPlan, Grid, INVERT_ROWS_THREADS, Launch, LaunchArg,
     MmaEngine, OutputStore, ParamType, Plan, ROUTE_THREADS, Regime, RegimeParts, RowLoad,
-    SMEM_ROW_BYTES, SORT_ROWS_THREADS, STATIC_SMEM_GRANULE, SmemLayout, TENSOR_MAP_ALIGN,
-    TENSOR_MAP_BYTES, error_code,
+    SHARED_GATE_TOKENS_PER_BLOCK, SMEM_ROW_BYTES, SORT_ROWS_THREADS, STATIC_SMEM_GRANULE,
+    SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -79,6 +79,10 @@ struct LayerUnit<'a> {
     route_count: Option<EntryUnit>,
     route_place: Option<EntryUnit>,
     route_threads: u32,
+    /// The shared expert gate's launch, where the layer's shared expert is gated.
+    shared_gate: Option<EntryUnit>,
+    shared_gate_tokens_per_block: u32,
+    shared_gated: bool,
     combine: EntryUnit,
     /// The kernels inverting the row order and copying x's rows into it, where a regime
     /// launches them.
@@ -387,6 +391,11 @@ const EP_GEMM_DOWN_PARTIALS_USES: &[&str] = &[
     "error_word",
     "pair_results",
 ];
+/// What the shared expert gate's launch uses.
+const SHARED_GATE_USES: &[&str] = &["x", "shared_expert_gate", "tokens", "shared_gate"];
+/// What a rank's arrange uses besides where the shared expert is gated (one GPU's GEMM2
+/// takes it as `GemmUnit::new` says).
+const SHARED_GATE_READERS_USES: &[&str] = &["shared_gate"];
 /// What arrange and combine use besides, where results return as rank partials.
 const EP_ARRANGE_PARTIALS_USES: &[&str] = &["received_pair_rows", "received_tokens"];
 const EP_COMBINE_PARTIALS_USES: &[&str] = &[
@@ -434,6 +443,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
         LaunchArg::GateBias => "[EXPERTS]: the gate's bias",
         LaunchArg::W1Bias => "[EXPERTS, W1 rows]: each expert's GEMM1 bias",
         LaunchArg::W2Bias => "[EXPERTS, HIDDEN]: each expert's GEMM2 bias",
+        LaunchArg::SharedExpertGate => "[HIDDEN]: the shared expert gate's weights",
         LaunchArg::Tokens => "tokens in this call",
         LaunchArg::RoutesInBlocks => "1: no route launch ran, each block routes this call",
         LaunchArg::LaysOutRouting => "1: lay out the routing metadata after the select",
@@ -462,6 +472,7 @@ fn param_comment(arg: LaunchArg) -> &'static str {
             BufferId::ChunkFlags => "[RANKS, CHUNKS], written by peers",
             BufferId::ChunkPieces => "[RANKS, CHUNKS]: pieces of each chunk copied",
             BufferId::ArrangeBlocksDone => "[1]: arrange blocks done with the receive index",
+            BufferId::SharedGate => "[tokens]: each token's shared-slice weight",
             BufferId::MetadataCounters => {
                 "[EXPERTS + RANKS + 2]: rows and slots reserved, blocks done, errors cleared"
             }
@@ -807,35 +818,35 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, nullptr, expert_offsets, {row_pair}, intermediate, EpContext{}{unit_ticket}{a_tiles}{stream_k}{block_routing}",
+                "{a_rows}, {weights}, {bias}, SlotWeights{}, expert_offsets, {row_pair}, intermediate, EpContext{}{unit_ticket}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
                 "gemm2",
                 GEMM_DOWN_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, topk_weights, expert_offsets, row_pair, combine_slots, EpContext{}{unit_ticket}{a_tiles}{stream_k}{block_routing}",
+                "{a_rows}, {weights}, {bias}, SlotWeights{topk_weights{shared_gate}}, expert_offsets, row_pair, combine_slots, EpContext{}{unit_ticket}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::ExpertParallelUp => (
                 "expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation)",
                 "ep_gemm1",
                 EP_GEMM_UP_USES,
                 "ExpertParallel",
-                "recv_x, {weights}, {bias}, nullptr, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch){unit_ticket}",
+                "recv_x, {weights}, {bias}, SlotWeights{}, segment_offsets, segment_rows, intermediate,\n        ep_gemm1_context(chunk_flags, x, error_word, rank, epoch){unit_ticket}",
             ),
             GemmRole::ExpertParallelDown if rank_partials(plan) => (
                 "expert-parallel GEMM2 (W2, routing weight, kept here for the combine's rank partials)",
                 "ep_gemm2",
                 EP_GEMM_DOWN_PARTIALS_USES,
                 "ExpertParallel",
-                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, pair_results,\n        ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank){unit_ticket}",
+                "intermediate, {weights}, {bias}, SlotWeights{}, segment_offsets, segment_pairs, pair_results,\n        ep_gemm2_context(segment_weights, nullptr, nullptr, error_word, rank){unit_ticket}",
             ),
             GemmRole::ExpertParallelDown => (
                 "expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter)",
                 "ep_gemm2",
                 EP_GEMM_DOWN_USES,
                 "ExpertParallel",
-                "intermediate, {weights}, {bias}, nullptr, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank){unit_ticket}",
+                "intermediate, {weights}, {bias}, SlotWeights{}, segment_offsets, segment_pairs, nullptr,\n        ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank){unit_ticket}",
             ),
         };
         let (kind, n, kd) = if up {
@@ -917,6 +928,10 @@ impl GemmUnit {
             (true, true) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word}",
             (true, false) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}",
         };
+        // One GPU's GEMM2 weighs a gated shared expert's slices by the shared gate launch's
+        // per-token weights.
+        let shared_gate = (role == GemmRole::Down && plan.shape.shared_gated)
+            .then(|| LaunchArg::Workspace(BufferId::SharedGate).name());
         let uses: Vec<&str> = uses
             .iter()
             .filter(|&&name| row_table || name != "row_pair")
@@ -930,6 +945,7 @@ impl GemmUnit {
                 }
             })
             .chain(bias_arg)
+            .chain(shared_gate)
             .chain(stream_k_buffers.into_iter().filter(|_| stream_k))
             .chain(claims_units.then(|| tickets.name()))
             .chain(block_routing_uses.iter().copied())
@@ -937,6 +953,10 @@ impl GemmUnit {
         let call_args = call_args
             .replace("{weights}", weights)
             .replace("{bias}", bias_arg.unwrap_or("nullptr"))
+            .replace(
+                "{shared_gate}",
+                &shared_gate.map_or(String::new(), |name| format!(", {name}")),
+            )
             .replace("{a_rows}", a_rows)
             .replace("{unit_ticket}", &unit_ticket_arg)
             .replace("{a_tiles}", &a_tiles_arg)
@@ -1338,9 +1358,13 @@ fn ep_unit(plan: &Plan, ep: &ExpertParallelPlan) -> Result<EpUnit, CodegenError>
             plan,
             &ep.arrange_kernel,
             &uses_with(
-                EP_ARRANGE_USES,
-                EP_ARRANGE_PARTIALS_USES,
-                rank_partials(plan),
+                &uses_with(
+                    EP_ARRANGE_USES,
+                    EP_ARRANGE_PARTIALS_USES,
+                    rank_partials(plan),
+                ),
+                SHARED_GATE_READERS_USES,
+                plan.shape.shared_gated,
             ),
         )?,
         combine: EntryUnit::new(
@@ -1390,6 +1414,13 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         route_place: EntryUnit::if_launched(plan, &plan.route_place_kernel, ROUTE_PLACE_USES)?,
         route_threads: ROUTE_THREADS,
         combine: EntryUnit::new(plan, &plan.combine_kernel, COMBINE_USES)?,
+        shared_gate: plan
+            .shared_gate_kernel
+            .as_ref()
+            .map(|kernel| EntryUnit::new(plan, kernel, SHARED_GATE_USES))
+            .transpose()?,
+        shared_gate_tokens_per_block: SHARED_GATE_TOKENS_PER_BLOCK,
+        shared_gated: shape.shared_gated,
         invert_rows: EntryUnit::if_launched(plan, &plan.invert_rows_kernel, INVERT_ROWS_USES)?,
         invert_rows_threads: INVERT_ROWS_THREADS,
         sort_rows: EntryUnit::if_launched(plan, &plan.sort_rows_kernel, SORT_ROWS_USES)?,

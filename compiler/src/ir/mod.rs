@@ -126,6 +126,11 @@ pub struct SharedExperts {
     pub count: u32,
     /// FFN size of each shared expert.
     pub ffn: u32,
+    /// Whether a token's shared-expert output is scaled by `sigmoid(x[t] · w_gate)` (one
+    /// weight vector [H] for the whole shared MLP: Qwen2-MoE's `shared_expert_gate`)
+    /// rather than taken with weight 1 (DeepSeek-V3).
+    #[serde(default)]
+    pub gated: bool,
 }
 
 /// How the layer chooses each token's experts and their weights from `x · W_gateᵀ` (the

@@ -28,13 +28,18 @@ pub fn describe(plan: &Plan) -> String {
     if shape.shared_slices > 0 {
         let _ = writeln!(
             out,
-            "  shared experts       {} always-hit experts of FFN {} (experts {}..{} of the grouped GEMMs, each token's slots {}..{}, weight 1)",
+            "  shared experts       {} always-hit experts of FFN {} (experts {}..{} of the grouped GEMMs, each token's slots {}..{}, {})",
             shape.shared_slices,
             shape.ffn,
             shape.experts,
             shape.gemm_experts(),
             shape.top_k,
-            shape.slots_per_token()
+            shape.slots_per_token(),
+            if shape.shared_gated {
+                "weight sigmoid(x · w_gate) per token: the shared gate launch computes it first, one GPU's GEMM2 (a rank's arrange) gives it to their rows"
+            } else {
+                "weight 1"
+            }
         );
     }
     if let Some(router) = &plan.router {

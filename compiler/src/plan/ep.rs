@@ -24,13 +24,15 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::launch::{KernelParam, StreamRole, unit_ticket_params, weight_param};
+use super::launch::{
+    KernelParam, StreamRole, shared_gate_launch, unit_ticket_params, weight_param,
+};
 use super::network::{self, NetworkPlan, Route};
 use super::{
     Buffer, BufferId, COMBINE_THREADS, FusedDecode, GemmKind, GemmPlan, GemmProblem, Grid, HintKey,
     HintProblem, Launch, LaunchArg, LayerShape, PlanError, RegimeChoice, RegimeParts, Target,
-    choose_regimes, cost, fused_decode, static_smem_reserved, unit_tickets, with_deepest_ring,
-    with_rank_fused_decode_regime,
+    choose_regimes, cost, fused_decode, shared_gate_buffer, shared_gate_kernel,
+    static_smem_reserved, unit_tickets, with_deepest_ring, with_rank_fused_decode_regime,
 };
 use crate::ir::{self, TrafficOrder};
 
@@ -510,13 +512,16 @@ pub fn plan_expert_parallel(
     );
     let gemm1_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Up, ranks);
     let gemm2_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Down, ranks);
-    // Across nodes NCCL carries part of the exchange, which the fused kernel does not.
+    // Across nodes NCCL carries part of the exchange, which the fused kernel does not; a
+    // gated shared expert's gate is a launch of its own ahead of the call.
     let fused_tokens = match network {
         Some(_) => 0,
+        None if shape.shared_gated => 0,
         None => hints
             .fused_decode
             .unwrap_or(fused_decode::DEFAULT_RANK_FUSED_DECODE_TOKENS),
     };
+    let shared_gate_kernel = shared_gate_kernel(symbol, shape);
     let regime = |choice: &RegimeChoice, name: String, tokens: [u32; 2], comm: (u32, String)| {
         let (regime_comm_blocks, comm_reason) = comm;
         let compute_sms = sms_per_rank
@@ -565,6 +570,7 @@ pub fn plan_expert_parallel(
         let gemm2_kernel = format!("{symbol}_{name}_ep_gemm2");
         let launches = launch_table(
             &kernels,
+            shared_gate_kernel.as_deref(),
             [&gemm1_kernel, &gemm2_kernel],
             [&gemm1, &gemm2],
             &sizes,
@@ -725,6 +731,7 @@ impl ExpertParallelPlan {
         };
         workspace(shape, &sizes, self.network.as_ref())
             .into_iter()
+            .chain(shared_gate_buffer(shape))
             .chain(rank_fused_counters(shape, &sizes, &self.regimes))
             .chain(unit_tickets(
                 self.regimes.iter().flat_map(|r| [&r.gemm1, &r.gemm2]),
@@ -1447,10 +1454,12 @@ fn params_if(taken: bool, params: Vec<KernelParam>) -> Vec<KernelParam> {
 }
 
 /// The launches of one call on one rank: metadata and dispatch on the communication
-/// stream; arrange, the GEMMs (with the rank's expert biases where the layer has them) and
-/// combine on the compute stream.
+/// stream; the shared expert gate (where it is gated), arrange, the GEMMs (with the rank's
+/// expert biases where the layer has them) and combine on the compute stream.
+#[allow(clippy::too_many_arguments)]
 fn launch_table(
     kernels: &[String; 4],
+    shared_gate: Option<&str>,
     gemm_kernels: [&String; 2],
     gemms: [&GemmPlan; 2],
     sizes: &Sizes,
@@ -1476,7 +1485,7 @@ fn launch_table(
             early_start: false,
         };
     let [g1, g2] = gemms;
-    vec![
+    let mut launches = vec![
         launch(
             route,
             blocks.metadata,
@@ -1584,6 +1593,10 @@ fn launch_table(
                     write(Workspace(ReceivedTokens)),
                 ],
             ))
+            .chain(params_if(
+                shared_gate.is_some(),
+                vec![read(Workspace(SharedGate))],
+            ))
             .collect(),
         ),
         launch(
@@ -1690,7 +1703,17 @@ fn launch_table(
             ))
             .collect(),
         ),
-    ]
+    ];
+    // The shared expert gate's weights of this rank's tokens are ready for arrange, which
+    // gives them to the shared slices' rows.
+    if let Some(kernel) = shared_gate {
+        let at = launches
+            .iter()
+            .position(|l| &l.kernel == arrange)
+            .unwrap_or(launches.len());
+        launches.insert(at, shared_gate_launch(kernel, StreamRole::Compute));
+    }
+    launches
 }
 
 #[cfg(test)]

@@ -178,6 +178,9 @@ pub enum LaunchArg {
     W1Bias,
     /// f32 [E, H]: each expert's bias on GEMM2's output, added before the routing weight.
     W2Bias,
+    /// bf16 `[H]`: the shared expert gate's weights (a gated shared expert only): a token's
+    /// shared slices weigh `sigmoid(x[t] · w)`.
+    SharedExpertGate,
     /// bf16 [T, H] output.
     Y,
     /// bf16 [E, H]: the router's gate weights.
@@ -241,6 +244,7 @@ impl LaunchArg {
             LaunchArg::SortedXTiles { .. } => "sorted_x_tiles",
             LaunchArg::W1Bias => "w1_bias",
             LaunchArg::W2Bias => "w2_bias",
+            LaunchArg::SharedExpertGate => "shared_expert_gate",
             LaunchArg::Y => "y",
             LaunchArg::GateWeight => "gate_weight",
             LaunchArg::GateWeightTiles { .. } => "gate_weight_tiles",
@@ -256,9 +260,12 @@ impl LaunchArg {
 
     pub fn param_type(self) -> ParamType {
         match self {
-            LaunchArg::X | LaunchArg::W1 | LaunchArg::W2 | LaunchArg::Y | LaunchArg::GateWeight => {
-                ParamType::Pointer(ElemType::Bf16)
-            }
+            LaunchArg::X
+            | LaunchArg::W1
+            | LaunchArg::W2
+            | LaunchArg::Y
+            | LaunchArg::GateWeight
+            | LaunchArg::SharedExpertGate => ParamType::Pointer(ElemType::Bf16),
             LaunchArg::TopkIds => ParamType::Pointer(ElemType::I32),
             LaunchArg::TopkWeights
             | LaunchArg::GateBias
@@ -335,6 +342,8 @@ pub enum RouteLaunches<'a> {
 
 /// The entry points one forward call launches, in stream order.
 pub struct ForwardKernels<'a> {
+    /// The shared expert gate's launch, first (a layer whose shared expert is gated).
+    pub shared_gate: Option<&'a str>,
     pub route: RouteLaunches<'a>,
     /// Launched after the routing, in this order, where GEMM1 loads its A rows as tiles.
     pub invert_rows: &'a str,
@@ -478,6 +487,36 @@ fn route_launches(
     }
 }
 
+/// Tokens (a warp each) per block of the shared expert gate's launch.
+pub const SHARED_GATE_TOKENS_PER_BLOCK: u32 = 8;
+
+/// The launch that computes each token's shared-slice weight, `sigmoid(x[t] · w_gate)`
+/// into [`BufferId::SharedGate`] (a warp per token), ahead of everything that reads it (one
+/// GPU's GEMM2, a rank's arrange). It starts the ordinary way: it overwrites the weights
+/// the previous call's GEMM2 may still be reading.
+pub(crate) fn shared_gate_launch(kernel: &str, stream: StreamRole) -> Launch {
+    use BufferId::*;
+    use LaunchArg::*;
+    Launch {
+        kernel: kernel.to_string(),
+        grid: Grid::TokenTiles {
+            tokens_per_tile: SHARED_GATE_TOKENS_PER_BLOCK,
+            blocks_per_tile: 1,
+        },
+        block_threads: 32 * SHARED_GATE_TOKENS_PER_BLOCK,
+        smem_bytes: 0,
+        static_smem_bytes: 0,
+        stream,
+        early_start: false,
+        params: vec![
+            KernelParam::read(X),
+            KernelParam::read(SharedExpertGate),
+            KernelParam::read(Tokens),
+            KernelParam::write(Workspace(SharedGate)),
+        ],
+    }
+}
+
 /// The stream-K buffers a single-GPU GEMM takes where its plan splits few-tile calls.
 fn stream_k_params(gemm: &GemmPlan) -> Vec<KernelParam> {
     if gemm.stream_k.is_none() {
@@ -534,12 +573,17 @@ pub fn launch_table(
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = |arg| shape.expert_bias.then(|| read(arg));
-    let mut launches = route_launches(
+    let mut launches: Vec<Launch> = kernels
+        .shared_gate
+        .map(|kernel| shared_gate_launch(kernel, StreamRole::Compute))
+        .into_iter()
+        .collect();
+    launches.extend(route_launches(
         kernels.route,
         shape.experts,
         shape.gemm_experts(),
         early_start,
-    );
+    ));
     let [a_rows, row_table] = gemm1_rows_params(g1);
     if g1.a_load == RowLoad::Tiles {
         let per_token = |kernel: &str, block_threads, static_smem_bytes, params| Launch {
@@ -601,6 +645,7 @@ pub fn launch_table(
             params: [gemm2_rows_param(g2), weight_param(g2, false)]
                 .into_iter()
                 .chain(bias(W2Bias))
+                .chain(shape.shared_gated.then(|| read(Workspace(SharedGate))))
                 .chain([
                     read(TopkWeights),
                     read(Workspace(ExpertOffsets)),

@@ -31,8 +31,8 @@ pub use describe::describe;
 use ep::ExpertParallelRegime;
 pub use fused_decode::FusedDecode;
 pub use launch::{
-    Access, Grid, KernelParam, Launch, LaunchArg, ParamType, StreamRole, TENSOR_MAP_ALIGN,
-    TENSOR_MAP_BYTES,
+    Access, Grid, KernelParam, Launch, LaunchArg, ParamType, SHARED_GATE_TOKENS_PER_BLOCK,
+    StreamRole, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
 };
 pub use router::{GatePlan, RouterPlan, RouterRegime};
 pub use target::{DeviceFacts, Target};
@@ -165,6 +165,11 @@ pub struct Plan {
     /// inverse of the row order ([`BufferId::PairRow`]), then the copy, token by token.
     pub invert_rows_kernel: String,
     pub sort_rows_kernel: String,
+    /// Entry point of the shared expert gate's launch, the first of every call of a layer
+    /// whose shared expert is gated ([`LayerShape::shared_gated`]; one GPU's table, and a
+    /// rank's ahead of its arrange); `None` for other layers.
+    #[serde(default)]
+    pub shared_gate_kernel: Option<String>,
     pub target: Target,
     pub shape: LayerShape,
     /// Device buffers the runtime allocates once per layer handle.
@@ -206,6 +211,11 @@ pub struct LayerShape {
     /// of the grouped GEMMs, every token's slots `K..K + S`, routing weight 1.
     #[serde(default)]
     pub shared_slices: u32,
+    /// The shared slices' rows of token t are weighted by `sigmoid(x[t] · w_gate)`, the
+    /// shared expert gate's (one [H] vector, [`LaunchArg::SharedExpertGate`]), which the
+    /// shared gate launch computes first ([`BufferId::SharedGate`]), rather than by 1.
+    #[serde(default)]
+    pub shared_gated: bool,
     /// Expert-parallel ranks of the spec.
     pub spec_ranks: u32,
     /// Ranks the single-GPU tables run on: always 1 (every expert on one GPU); the
@@ -226,6 +236,7 @@ impl LayerShape {
             shared_slices: layer
                 .shared_experts
                 .map_or(0, |shared| shared.count * shared.ffn / layer.ffn),
+            shared_gated: layer.shared_experts.is_some_and(|shared| shared.gated),
             spec_ranks: layer.parallel.expert,
             executed_ranks: 1,
         }
@@ -454,6 +465,10 @@ pub enum BufferId {
     /// u32 [2 · (E/R + shared slices) + 3]: a rank's fused decode's counters, zero between
     /// calls (see [`fused_decode::rank_counters_len`]).
     RankFusedCounters,
+    /// f32 `[max_tokens]`: per token of the call (a rank's own), the weight of its shared
+    /// slices' rows, `sigmoid(x[t] · w_gate)` (a gated shared expert only,
+    /// [`LayerShape::shared_gated`]).
+    SharedGate,
 }
 
 impl BufferId {
@@ -501,6 +516,7 @@ impl BufferId {
             | BufferId::SegmentWeights
             | BufferId::RouterLogits
             | BufferId::RoutedWeights
+            | BufferId::SharedGate
             | BufferId::StreamKPartials => ElemType::F32,
             BufferId::MetaFlags
             | BufferId::ChunkFlags
@@ -585,6 +601,7 @@ impl BufferId {
             BufferId::UnitTickets => "unit_tickets",
             BufferId::FusedDecodeCounters => "fused_decode_counters",
             BufferId::RankFusedCounters => "rank_fused_counters",
+            BufferId::SharedGate => "shared_gate",
         }
     }
 }
@@ -1437,6 +1454,7 @@ fn plan_as_sized(
     let combine_kernel = format!("{symbol}_combine");
     let invert_rows_kernel = format!("{symbol}_invert_rows");
     let sort_rows_kernel = format!("{symbol}_sort_rows");
+    let shared_gate_kernel = shared_gate_kernel(&symbol, &shape);
     let mut regimes = Vec::new();
     let mut most_route_blocks = 1;
     let mut limitations = Vec::new();
@@ -1464,6 +1482,7 @@ fn plan_as_sized(
         most_route_blocks = most_route_blocks.max(route_blocks);
         let launches = launch::launch_table(
             launch::ForwardKernels {
+                shared_gate: shared_gate_kernel.as_deref(),
                 route: if route_blocks == 1 {
                     launch::RouteLaunches::OneBlock(&route_kernel)
                 } else {
@@ -1499,7 +1518,11 @@ fn plan_as_sized(
         };
         let asked = layer.schedule.fused_decode;
         let tokens = asked.unwrap_or(fused_decode::DEFAULT_FUSED_DECODE_TOKENS);
-        if tokens > 0 && regimes.is_empty() {
+        if tokens > 0 && regimes.is_empty() && shape.shared_gated {
+            limitations.push(format!(
+                "the shared expert is gated: each call's table starts with its gate's launch, which the fused decode (one launch) has no place for, so calls of up to {tokens} tokens run the table, not fused"
+            ));
+        } else if tokens > 0 && regimes.is_empty() {
             match fused_decode::plan_fused_decode(
                 target,
                 &shape,
@@ -1577,6 +1600,8 @@ fn plan_as_sized(
         {
             let reason = if ep.network.is_some() {
                 "its ranks span several nodes (real or emulated), and the network steps carry part of that exchange".to_string()
+            } else if shape.shared_gated {
+                "the shared expert is gated, and its gate's launch comes ahead of each call on a rank, which the fused decode (one launch) has no place for".to_string()
             } else {
                 fused_decode::plan_rank_fused_decode(
                     target,
@@ -1644,6 +1669,7 @@ fn plan_as_sized(
         combine_kernel,
         invert_rows_kernel,
         sort_rows_kernel,
+        shared_gate_kernel,
         target: target.clone(),
         shape,
         workspace,
@@ -1736,6 +1762,23 @@ impl RouterSpace {
 /// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
 /// and counters; with a fused decode, its `fused_counters` counters; with warp-specialised
 /// GEMMs, their `unit_tickets` ([`unit_tickets`]).
+/// Entry point of the shared expert gate's launch of a layer whose shared expert is gated
+/// (the same kernel on one GPU and on a rank).
+pub(crate) fn shared_gate_kernel(symbol: &str, shape: &LayerShape) -> Option<String> {
+    shape.shared_gated.then(|| format!("{symbol}_shared_gate"))
+}
+
+/// The buffer of each token's shared-slice weight, for a layer whose shared expert is
+/// gated (one GPU's tokens, or a rank's own).
+pub(crate) fn shared_gate_buffer(shape: &LayerShape) -> Option<Buffer> {
+    shape.shared_gated.then(|| Buffer {
+        id: BufferId::SharedGate,
+        elem: BufferId::SharedGate.elem(),
+        elems: u64::from(shape.max_tokens),
+        purpose: "per token, sigmoid(x · shared expert gate): its shared slices' weight".into(),
+    })
+}
+
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
@@ -1778,6 +1821,7 @@ fn workspace(
             purpose: "first kernel-side error of the call: code, token, k, value".into(),
         },
     ];
+    buffers.extend(shared_gate_buffer(shape));
     if sorted_x {
         buffers.extend([
             Buffer {

@@ -10,7 +10,7 @@
 use thiserror::Error;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime, Placement};
-use super::launch::StreamRole;
+use super::launch::{StreamRole, shared_gate_launch};
 use super::network::{NetworkPlan, NetworkTransport};
 use super::router::{self, GateEngine, RouterPlan};
 use super::{
@@ -89,6 +89,7 @@ impl Plan {
             .router
             .as_ref()
             .map(|router| RouterSpace::of(router, shape));
+        self.check_shared_gate()?;
         let route_blocks = self
             .regimes
             .iter()
@@ -197,6 +198,73 @@ impl Plan {
         Ok(())
     }
 
+    /// A gated shared expert's weights reach the shared slices' rows on every path: each
+    /// one-GPU table starts with the shared gate's launch (the plan's, as planning makes it)
+    /// and its GEMM2 reads them, no one-GPU regime runs a fused decode (it would not weigh
+    /// them); each rank's table launches the gate on its compute stream right before
+    /// arrange, which reads them, and no rank regime fuses. A layer without the gate
+    /// launches none and nothing reads it (checked per launch).
+    fn check_shared_gate(&self) -> Result<(), String> {
+        let gated = self.shape.shared_gated;
+        let kernel = match (&self.shared_gate_kernel, gated) {
+            (Some(kernel), true) => kernel,
+            (None, false) => return Ok(()),
+            (kernel, _) => {
+                return Err(format!(
+                    "the plan {} a shared expert gate's kernel, but the layer's shared expert is {}gated",
+                    if kernel.is_some() { "has" } else { "has no" },
+                    if gated { "" } else { "not " }
+                ));
+            }
+        };
+        let reads = |launch: &super::Launch| {
+            launch
+                .params
+                .iter()
+                .any(|p| p.arg == LaunchArg::Workspace(BufferId::SharedGate))
+        };
+        for regime in &self.regimes {
+            let gate = shared_gate_launch(kernel, StreamRole::Compute);
+            if regime.launches.first() != Some(&gate) || regime.fused_decode.is_some() {
+                return Err(format!(
+                    "regime `{}` must start with the shared expert gate's launch `{kernel}` and run no fused decode",
+                    regime.name
+                ));
+            }
+            let gemm2 = regime
+                .launches
+                .iter()
+                .find(|l| l.kernel == regime.gemm2_kernel);
+            if !gemm2.is_some_and(reads) {
+                return Err(format!(
+                    "`{}` is not given the shared expert gate's weights (`shared_gate`)",
+                    regime.gemm2_kernel
+                ));
+            }
+        }
+        for regime in self.expert_parallel.iter().flat_map(|ep| &ep.regimes) {
+            let arrange = self
+                .expert_parallel
+                .as_ref()
+                .map_or("", |ep| ep.arrange_kernel.as_str());
+            let at = regime.launches.iter().position(|l| l.kernel == arrange);
+            let before = at
+                .and_then(|at| at.checked_sub(1))
+                .map(|i| &regime.launches[i]);
+            let gate = shared_gate_launch(kernel, StreamRole::Compute);
+            if before != Some(&gate)
+                || !at.is_some_and(|at| reads(&regime.launches[at]))
+                || regime.fused_decode.is_some()
+            {
+                return Err(format!(
+                    "expert-parallel regime `{}` must launch the shared expert gate right before `{arrange}`, give arrange its weights and run no fused decode",
+                    regime.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The blocks `regime` routes over. Its launches must begin with the routing, of
     /// [`ROUTE_THREADS`] threads per block (the kernels' strides), and no other launch may
     /// be a routing one: the one-block route kernel, or the count then the place launch on
@@ -206,7 +274,13 @@ impl Plan {
             (launch.kernel == kernel && launch.block_threads == ROUTE_THREADS)
                 .then_some(launch.grid)
         };
-        let first_two: Vec<&super::Launch> = regime.launches.iter().take(2).collect();
+        // After the shared expert gate's launch, where the layer has one (checked apart).
+        let first_two: Vec<&super::Launch> = regime
+            .launches
+            .iter()
+            .skip(usize::from(self.shared_gate_kernel.is_some()))
+            .take(2)
+            .collect();
         let blocks = match first_two.as_slice() {
             [route, ..] if routing(route, &self.route_kernel) == Some(Grid::Fixed(1)) => Some(1),
             [count, place] => match (
@@ -1046,7 +1120,18 @@ impl Plan {
                     | LaunchArg::GateBias
                     | LaunchArg::W1Bias
                     | LaunchArg::W2Bias
+                    | LaunchArg::SharedExpertGate
             );
+            let shared_gate_arg = matches!(
+                param.arg,
+                LaunchArg::SharedExpertGate | LaunchArg::Workspace(BufferId::SharedGate)
+            );
+            if shared_gate_arg && !self.shape.shared_gated {
+                return Err(format!(
+                    "`{kernel}` takes `{}`, but the layer's shared expert is not gated",
+                    param.arg.name()
+                ));
+            }
             if matches!(param.arg, LaunchArg::W1Bias | LaunchArg::W2Bias) && !self.shape.expert_bias
             {
                 return Err(format!(

@@ -1,0 +1,31 @@
+# Device call for the gated shared expert (Qwen2-MoE's shared_expert_gate), session 59:
+# the GPU suite, Qwen1.5-MoE-A2.7B at full size against the CPU reference (one GPU and 4
+# virtual ranks), then what the gate costs a call: the layer as shipped (gated) against
+# the same layer with `gated = false` (one GPU: neither runs a fused decode, which is off
+# there unless the spec asks), two rounds in turns.
+# Run from the repository root after scripts/device-stage.sh.
+set -u
+b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export PATH=$PWD/.device/bin:/usr/local/cuda/bin:$PATH
+export MOEFORGE_CACHE_DIR=/tmp/jit
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
+mkdir -p $OUT/raw
+if [ "${SUITE:-1}" = 1 ]; then
+  LANES=3 bash scripts/gpu-suite-timed.sh $OUT/logs 12 2>&1 | tail -22
+fi
+spec=dsl-examples/qwen1_5_moe_a2_7b.moe
+for t in 1 16 300 2100; do
+  moeforge run $spec --ranks 1 --tokens $t --check --seed 7 2>&1 | grep -E "out of bound|expert|error|PASS|FAIL" | head -3
+done
+for t in 1 200; do
+  moeforge run $spec --ranks 4 --tokens $t --check --seed 7 2>&1 | grep -E "out of bound|expert|error|PASS|FAIL" | head -6
+done
+sed 's/^    gated = true.*$/    gated = false/' $spec > /tmp/ungated.moe
+grep -c "gated = false" /tmp/ungated.moe
+T=${TOKENS:-1,16,128,1024,4096}
+for round in 1 2; do
+  moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/gated_$round.txt 2>&1
+  moeforge bench /tmp/ungated.moe --ranks 1 --tokens $T --seed 7 > $OUT/raw/ungated_$round.txt 2>&1
+done
+for f in $OUT/raw/*.txt; do echo "== $(basename $f)"; grep -E "^\| [0-9]" $f | cut -d'|' -f2-6 | head -12; done
