@@ -868,10 +868,12 @@ impl EpLayer {
         mark(marks, 3, &compute[0])?;
         for (r, a) in calls.iter().enumerate() {
             let regime = &self.ep.regimes[regimes[r]];
-            // With marks, every rank's arrange, GEMM1 and GEMM2 one at a time: rank 0's
-            // followed by the stage marks, every rank's GEMM1 between its own two events.
+            // With marks, every rank's arrange (after the shared expert gate, where the
+            // layer has one), GEMM1 and GEMM2 one at a time: rank 0's followed by the
+            // stage marks, every rank's GEMM1 between its own two events.
+            let shared_gate = self.plan.shared_gate_kernel.as_ref();
             let steps: [&dyn Fn(&Launch) -> bool; 3] = [
-                &|l| l.kernel == self.ep.arrange_kernel,
+                &|l| l.kernel == self.ep.arrange_kernel || Some(&l.kernel) == shared_gate,
                 &|l| l.kernel == regime.gemm1_kernel,
                 &|l| l.kernel == regime.gemm2_kernel,
             ];

@@ -1344,3 +1344,115 @@ mod corrupted {
         }
     }
 }
+
+/// Qwen2-MoE's shared MLP (`mlp.shared_expert.*`, singular) with its gate
+/// `mlp.shared_expert_gate.weight` [1, H], as its checkpoints name them.
+fn qwen2_shared_tensors() -> [Tensor; 4] {
+    let name = |p: &str| format!("{PREFIX}mlp.shared_expert.{p}.weight");
+    let [gate, up, down] = shared_tensors().map(|(_, _, shape, bytes)| (shape, bytes));
+    [
+        (name("gate_proj"), Dtype::BF16, gate.0, gate.1),
+        (name("up_proj"), Dtype::BF16, up.0, up.1),
+        (name("down_proj"), Dtype::BF16, down.0, down.1),
+        bf16_tensor(
+            format!("{PREFIX}mlp.shared_expert_gate.weight"),
+            vec![1, H],
+            (0..H).map(|i| value(E + 1, 3, i)),
+        ),
+    ]
+}
+
+/// A Qwen2-MoE layer is told from a Qwen3-MoE one by its shared expert gate; its shared
+/// MLP loads as the slices DeepSeek-V3's does, and its gate with them for a spec that says
+/// `gated = true` (the gate goes with the shared slices, not a rank's routed experts), bit
+/// for bit, written back and read again. A spec that does not gate a gated family's shared
+/// expert, or gates another family's, is an error saying which way to fix it.
+#[test]
+fn qwen2_moe_reads_its_gated_shared_expert() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = expert_tensors(Family::Qwen2Moe, 0..E);
+    tensors.extend(qwen2_shared_tensors());
+    write(&file, &tensors);
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    assert_eq!(checkpoint.detect(PREFIX), [Family::Qwen2Moe]);
+    let gated = LayerShape {
+        shared_slices: 2,
+        shared_gated: true,
+        ..shape(Activation::Swiglu)
+    };
+    let all = checkpoint
+        .load_experts(Family::Qwen2Moe, PREFIX, &gated, ExpertSet::All)
+        .unwrap();
+    let want: Vec<u16> = (0..H).map(|i| value(E + 1, 3, i)).collect();
+    assert_eq!(all.shared_gate.as_deref(), Some(want.as_slice()));
+    // The same slices as DeepSeek-V3's named `mlp.shared_experts`.
+    let mut deepseek = expert_tensors(Family::DeepseekV3, 0..E);
+    deepseek.extend(shared_tensors());
+    let deepseek_file = dir.path().join("deepseek.safetensors");
+    write(&deepseek_file, &deepseek);
+    let ungated = LayerShape {
+        shared_gated: false,
+        ..gated.clone()
+    };
+    let slices = Checkpoint::open(&deepseek_file)
+        .unwrap()
+        .load_experts(Family::DeepseekV3, PREFIX, &ungated, ExpertSet::All)
+        .unwrap();
+    assert_eq!((&all.w1, &all.w2), (&slices.w1, &slices.w2));
+    // The reference weighs the shared slices, and only them, by the gate.
+    assert!(all.expert(&gated, E).shared_gate.is_some());
+    assert!(all.expert(&gated, E - 1).shared_gate.is_none());
+    let shared = checkpoint
+        .load_experts(Family::Qwen2Moe, PREFIX, &gated, ExpertSet::SharedSlices)
+        .unwrap();
+    assert_eq!(shared.shared_gate, all.shared_gate);
+    let rank = checkpoint
+        .load_experts(
+            Family::Qwen2Moe,
+            PREFIX,
+            &gated,
+            ExpertSet::Rank { rank: 0, ranks: 2 },
+        )
+        .unwrap();
+    assert_eq!(rank.shared_gate, None);
+    assert_eq!(all.select(&gated, ExpertSet::SharedSlices).unwrap(), shared);
+    let copy = dir.path().join("copy.safetensors");
+    write_experts(&copy, Family::Qwen2Moe, PREFIX, &gated, &all).unwrap();
+    let reread = Checkpoint::open(&copy).unwrap();
+    assert_eq!(reread.detect(PREFIX), [Family::Qwen2Moe]);
+    assert_eq!(
+        reread
+            .load_experts(Family::Qwen2Moe, PREFIX, &gated, ExpertSet::All)
+            .unwrap(),
+        all
+    );
+
+    let err = checkpoint
+        .load_experts(Family::Qwen2Moe, PREFIX, &ungated, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::SharedGate { gated: true, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("set `gated = true`"), "{err}");
+    let err = Checkpoint::open(&deepseek_file)
+        .unwrap()
+        .load_experts(Family::DeepseekV3, PREFIX, &gated, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::SharedGate { gated: false, .. }),
+        "{err}"
+    );
+    // Host weights with a gate they may not hold, or without one they need, are refused.
+    let mut stray = slices.clone();
+    stray.shared_gate = Some(want);
+    assert!(matches!(
+        stray.check(&ungated),
+        Err(CheckpointError::HostSharedGate { needed: false })
+    ));
+    assert!(matches!(
+        slices.check(&gated),
+        Err(CheckpointError::HostSharedGate { needed: true })
+    ));
+}
