@@ -206,6 +206,9 @@ impl Plan {
     /// launches none and nothing reads it (checked per launch).
     fn check_shared_gate(&self) -> Result<(), String> {
         let gated = self.shape.shared_gated;
+        if gated && self.shape.shared_slices == 0 {
+            return Err("the layer gates a shared expert it does not have".into());
+        }
         let kernel = match (&self.shared_gate_kernel, gated) {
             (Some(kernel), true) => kernel,
             (None, false) => return Ok(()),
