@@ -127,7 +127,7 @@ pub struct SharedExperts {
     /// FFN size of each shared expert.
     pub ffn: u32,
     /// Whether a token's shared-expert output is scaled by `sigmoid(x[t] · w_gate)` (one
-    /// weight vector [H] for the whole shared MLP: Qwen2-MoE's `shared_expert_gate`)
+    /// weight vector `[H]` for the whole shared MLP: Qwen2-MoE's `shared_expert_gate`)
     /// rather than taken with weight 1 (DeepSeek-V3).
     #[serde(default)]
     pub gated: bool,

@@ -212,7 +212,7 @@ pub struct LayerShape {
     #[serde(default)]
     pub shared_slices: u32,
     /// The shared slices' rows of token t are weighted by `sigmoid(x[t] · w_gate)`, the
-    /// shared expert gate's (one [H] vector, [`LaunchArg::SharedExpertGate`]), which the
+    /// shared expert gate's (one `[H]` vector, [`LaunchArg::SharedExpertGate`]), which the
     /// shared gate launch computes first ([`BufferId::SharedGate`]), rather than by 1.
     #[serde(default)]
     pub shared_gated: bool,
