@@ -13,7 +13,10 @@ One process per GPU, NCCL backend, and for each forward call:
                once per destination rank, with the list of its local experts and their weights.
   3. gemm      received rows grouped by local expert; torch._grouped_mm (bf16, int32 cumulative
                offsets) with W1 [E_local, H, 2F] -> SwiGLU (silu(gate) * up, gate = first F
-               columns) -> torch._grouped_mm with W2 [E_local, F, H]. Falls back to padding each
+               columns) -> torch._grouped_mm with W2 [E_local, F, H]. GPT-OSS-120B adds each
+               expert's biases b1 [2F] and b2 [H] after each GEMM (gathered per row by its
+               expert) and computes its clamped SwiGLU (gate clamped above at 7, up to +-7,
+               gate * sigmoid(1.702 gate) * (up + 1)). Falls back to padding each
                expert's group to a multiple of 16 rows, then to a per-expert torch.mm loop, if
                torch._grouped_mm is missing, errors or disagrees; the output says which was used.
   4. combine   all_to_all_single back, scale by the routing weights, sum the K contributions of
@@ -41,6 +44,7 @@ Run (from the repository root, on a machine with >= 2 GPUs):
     python3 benches/ep_torch_baseline.py --model qwen3_30b_a3b --tokens 1,16,128,1024,4096
     python3 benches/ep_torch_baseline.py --model deepseek_v3 --ranks 2 --routing skewed
     python3 benches/ep_torch_baseline.py --model mixtral_8x7b,qwen3_30b_a3b,deepseek_v3 --out "$OUT"
+    python3 benches/ep_torch_baseline.py --model gpt_oss_120b --tokens 1,128,4096
 
 The script spawns its own processes (torch.multiprocessing, MASTER_ADDR=127.0.0.1 and a free
 port); it also runs unchanged under torchrun (it then uses torchrun's RANK/WORLD_SIZE/...).
@@ -75,7 +79,12 @@ MODELS = {
     "mixtral_8x7b": dict(H=4096, F=14336, E=8, K=2),
     "qwen3_30b_a3b": dict(H=2048, F=768, E=128, K=8),
     "deepseek_v3": dict(H=7168, F=2048, E=256, K=8),
+    # Expert biases and the clamped SwiGLU (dsl-examples/gpt_oss_120b.moe).
+    "gpt_oss_120b": dict(H=2880, F=2880, E=128, K=4, clamped=True, biases=True),
 }
+# GPT-OSS's clamped SwiGLU, as moeforge's `clamped_swiglu` computes it.
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
 BACKENDS = ["grouped_mm", "grouped_mm_pad16", "mm_loop"]  # in order of preference
 DISPATCH_MODES = ["pairs", "dedup"]
 BF16 = torch.bfloat16
@@ -105,6 +114,9 @@ class Layer:
     device: torch.device
     w1: torch.Tensor  # [E_local, H, 2F] bf16, columns [0, F) = gate, [F, 2F) = up
     w2: torch.Tensor  # [E_local, F, H] bf16
+    b1: object = None  # [E_local, 2F] bf16 (gate, then up), or None: no expert biases
+    b2: object = None  # [E_local, H] bf16, or None
+    clamped: bool = False  # GPT-OSS's clamped SwiGLU rather than SwiGLU
     backend: str = "grouped_mm"
     backend_notes: List[str] = field(default_factory=list)
 
@@ -119,7 +131,12 @@ def build_layer(name, R, rank, device, seed):
     w1.mul_(1.0 / math.sqrt(H))
     w2 = torch.randn((E_local, F, H), generator=g, device=device, dtype=BF16)
     w2.mul_(1.0 / math.sqrt(F))
-    return Layer(name, H, F, E, K, R, rank, E_local, device, w1, w2)
+    b1 = b2 = None
+    if cfg.get("biases"):
+        b1 = torch.randn((E_local, 2 * F), generator=g, device=device, dtype=BF16).mul_(0.1)
+        b2 = torch.randn((E_local, H), generator=g, device=device, dtype=BF16).mul_(0.1)
+    return Layer(name, H, F, E, K, R, rank, E_local, device, w1, w2, b1, b2,
+                 clamped=cfg.get("clamped", False))
 
 
 def make_inputs(layer, T, routing, seed):
@@ -150,33 +167,47 @@ def expert_counts(flat_ids, n):
 # --------------------------------------------------------------------------------------------
 
 
-def swiglu(h, F):
-    return tnf.silu(h[:, :F]) * h[:, F:]
+def activate(layer, h):
+    """The experts' activation of GEMM1's output h [N, 2F] (gate columns, then up)."""
+    gate, up = h[:, : layer.F], h[:, layer.F :]
+    if not layer.clamped:
+        return tnf.silu(gate) * up
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    return gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
 
 
 def ffn_grouped(layer, xs, counts, counts_cpu, pad):
     """xs [N, H] grouped by local expert (counts [E_local] int64 on the GPU, same on the CPU)."""
+    N, dev = xs.shape[0], xs.device
+    # Each row's local expert, for its biases (and the padding's row map).
+    e_of_row = None
+    if pad or layer.b1 is not None:
+        e_of_row = torch.repeat_interleave(
+            torch.arange(layer.E_local, device=dev), counts, output_size=N
+        )
     if not pad:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = torch._grouped_mm(xs, layer.w1, offs=offs)
-        return torch._grouped_mm(swiglu(h, layer.F), layer.w2, offs=offs)
+        if layer.b1 is not None:
+            h = h + layer.b1[e_of_row]
+        y = torch._grouped_mm(activate(layer, h), layer.w2, offs=offs)
+        return y if layer.b2 is None else y + layer.b2[e_of_row]
     # Pad every expert's group to a multiple of 16 rows (zero rows), computed on the GPU.
-    N, dev = xs.shape[0], xs.device
     padded = (counts + 15) // 16 * 16
     pend = torch.cumsum(padded, 0)
     pstart = pend - padded
     start = torch.cumsum(counts, 0) - counts
-    e_of_row = torch.repeat_interleave(
-        torch.arange(layer.E_local, device=dev), counts, output_size=N
-    )
     dst = pstart[e_of_row] + torch.arange(N, device=dev) - start[e_of_row]
     cap = sum((c + 15) // 16 * 16 for c in counts_cpu)
     xp = xs.new_zeros((cap, layer.H))
     xp.index_copy_(0, dst, xs)
     offs = pend.to(torch.int32)
     h = torch._grouped_mm(xp, layer.w1, offs=offs)
-    yp = torch._grouped_mm(swiglu(h, layer.F), layer.w2, offs=offs)
-    return yp.index_select(0, dst)
+    if layer.b1 is not None:  # the padding's rows take none: their outputs are dropped
+        h.index_add_(0, dst, layer.b1[e_of_row])
+    y = torch._grouped_mm(activate(layer, h), layer.w2, offs=offs).index_select(0, dst)
+    return y if layer.b2 is None else y + layer.b2[e_of_row]
 
 
 def ffn_mm_loop(layer, xs, counts_cpu):
@@ -185,7 +216,10 @@ def ffn_mm_loop(layer, xs, counts_cpu):
     for j, c in enumerate(counts_cpu):
         if c:
             h = torch.mm(xs[s : s + c], layer.w1[j])
-            out[s : s + c] = torch.mm(swiglu(h, layer.F), layer.w2[j])
+            if layer.b1 is not None:
+                h = h + layer.b1[j]
+            y = torch.mm(activate(layer, h), layer.w2[j])
+            out[s : s + c] = y if layer.b2 is None else y + layer.b2[j]
         s += c
     return out
 
@@ -486,19 +520,29 @@ def check_correctness(layer, modes, T, routing, seed):
     is0 = layer.rank == 0
     ref = torch.zeros((R * T, H), dtype=torch.float32, device=layer.device) if is0 else None
     # Weights are gathered one local-expert slot at a time: slot j of rank r is expert r*El + j.
+    biased = layer.b1 is not None
     for j in range(El):
         w1g = layer.w1.new_empty((R * H, 2 * F))  # concatenation along dim 0
         w2g = layer.w2.new_empty((R * F, H))
         dist.all_gather_into_tensor(w1g, layer.w1[j].contiguous())
         dist.all_gather_into_tensor(w2g, layer.w2[j].contiguous())
         w1g, w2g = w1g.view(R, H, 2 * F), w2g.view(R, F, H)
+        if biased:
+            b1g = layer.b1.new_empty((R, 2 * F))
+            b2g = layer.b2.new_empty((R, H))
+            dist.all_gather_into_tensor(b1g, layer.b1[j].contiguous())
+            dist.all_gather_into_tensor(b2g, layer.b2[j].contiguous())
         if is0:
             for r in range(R):
                 tok, kk = (idg == r * El + j).nonzero(as_tuple=True)
                 if tok.numel() == 0:
                     continue
                 h = xg.index_select(0, tok).float() @ w1g[r].float()
-                y = (tnf.silu(h[:, :F]) * h[:, F:]) @ w2g[r].float()
+                if biased:
+                    h = h + b1g[r].float()
+                y = activate(layer, h) @ w2g[r].float()
+                if biased:
+                    y = y + b2g[r].float()
                 ref.index_add_(0, tok, y * wg[tok, kk].unsqueeze(1))
         del w1g, w2g
     results = {}
