@@ -559,8 +559,10 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) qwen1_5_moe_a2_7
 // ---------------------------------------------------------------------------------------
 // The shared expert gate (a gated shared expert, as Qwen2-MoE's): token t's shared slices
 // weigh sigmoid(x[t] · w_gate), which one GPU's GEMM2 (a rank's arrange) gives their rows.
-// A warp per token: 16-byte loads of x's row and of the gate, f32 products, the lanes'
-// sums added in a fixed order (the same weight every call).
+// A warp per token (warp w of block b takes tokens b · TOKENS_PER_BLOCK + w, then a whole
+// grid's warps further on: one GPU's grid has a warp per token, a rank's as many blocks as
+// its arrange): 16-byte loads of x's row and of the gate, f32 products, the lanes' sums
+// added in a fixed order (the same weight every call).
 // ---------------------------------------------------------------------------------------
 enum : int { SHARED_GATE_TOKENS_PER_BLOCK = 8 };
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_shared_gate)
@@ -573,23 +575,24 @@ extern "C" __global__ void __launch_bounds__(32 * SHARED_GATE_TOKENS_PER_BLOCK) 
 {
     static_assert(HIDDEN % 8 == 0, "plan: x's rows are whole 16-byte vectors");
     const int lane = threadIdx.x & 31;
-    const int token = blockIdx.x * SHARED_GATE_TOKENS_PER_BLOCK + (threadIdx.x >> 5);
-    if (token >= tokens) return;
-    const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)token * HIDDEN);
     const uint4* gate = reinterpret_cast<const uint4*>(shared_expert_gate);
-    float sum = 0.f;
-    for (int v = lane; v < HIDDEN / 8; v += 32) {
-        const uint4 a = row[v], b = __ldg(gate + v);
-        const u32 xa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+    for (int token = blockIdx.x * SHARED_GATE_TOKENS_PER_BLOCK + (threadIdx.x >> 5); token < tokens;
+         token += gridDim.x * SHARED_GATE_TOKENS_PER_BLOCK) {
+        const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)token * HIDDEN);
+        float sum = 0.f;
+        for (int v = lane; v < HIDDEN / 8; v += 32) {
+            const uint4 a = row[v], b = __ldg(gate + v);
+            const u32 xa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
-            sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
+            for (int i = 0; i < 4; ++i) {
+                sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
+                sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
+            }
         }
-    }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) shared_gate[token] = 1.f / (1.f + expf(-sum));
+        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        if (lane == 0) shared_gate[token] = 1.f / (1.f + expf(-sum));
+    }
 }
 #endif
 // ---------------------------------------------------------------------------------------

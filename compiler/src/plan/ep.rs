@@ -1711,7 +1711,7 @@ fn launch_table(
             .iter()
             .position(|l| &l.kernel == arrange)
             .unwrap_or(launches.len());
-        launches.insert(at, shared_gate_launch(kernel, StreamRole::Compute));
+        launches.insert(at, shared_gate_launch(kernel, Grid::Fixed(blocks.arrange)));
     }
     launches
 }

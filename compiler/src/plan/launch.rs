@@ -490,23 +490,30 @@ fn route_launches(
 /// Tokens (a warp each) per block of the shared expert gate's launch.
 pub const SHARED_GATE_TOKENS_PER_BLOCK: u32 = 8;
 
+/// The grid of one GPU's shared expert gate: a block per [`SHARED_GATE_TOKENS_PER_BLOCK`]
+/// tokens.
+pub(crate) const SHARED_GATE_TOKEN_TILES: Grid = Grid::TokenTiles {
+    tokens_per_tile: SHARED_GATE_TOKENS_PER_BLOCK,
+    blocks_per_tile: 1,
+};
+
 /// The launch that computes each token's shared-slice weight, `sigmoid(x[t] · w_gate)`
-/// into [`BufferId::SharedGate`] (a warp per token), ahead of everything that reads it (one
-/// GPU's GEMM2, a rank's arrange). It starts the ordinary way: it overwrites the weights
-/// the previous call's GEMM2 may still be reading.
-pub(crate) fn shared_gate_launch(kernel: &str, stream: StreamRole) -> Launch {
+/// into [`BufferId::SharedGate`] (a warp per token; block b's warps take tokens b, b + grid,
+/// ... in steps of the grid's warps, so any grid covers the call), on the compute stream
+/// ahead of everything that reads it (one GPU's GEMM2: [`SHARED_GATE_TOKEN_TILES`]; a
+/// rank's arrange: as many blocks as arrange, within the rank's compute SMs as every
+/// kernel beside spin-waits must be). It starts the ordinary way: it overwrites the
+/// weights the previous call's GEMM2 may still be reading.
+pub(crate) fn shared_gate_launch(kernel: &str, grid: Grid) -> Launch {
     use BufferId::*;
     use LaunchArg::*;
     Launch {
         kernel: kernel.to_string(),
-        grid: Grid::TokenTiles {
-            tokens_per_tile: SHARED_GATE_TOKENS_PER_BLOCK,
-            blocks_per_tile: 1,
-        },
+        grid,
         block_threads: 32 * SHARED_GATE_TOKENS_PER_BLOCK,
         smem_bytes: 0,
         static_smem_bytes: 0,
-        stream,
+        stream: StreamRole::Compute,
         early_start: false,
         params: vec![
             KernelParam::read(X),
@@ -575,7 +582,7 @@ pub fn launch_table(
     let bias = |arg| shape.expert_bias.then(|| read(arg));
     let mut launches: Vec<Launch> = kernels
         .shared_gate
-        .map(|kernel| shared_gate_launch(kernel, StreamRole::Compute))
+        .map(|kernel| shared_gate_launch(kernel, SHARED_GATE_TOKEN_TILES))
         .into_iter()
         .collect();
     launches.extend(route_launches(

@@ -10,7 +10,7 @@
 use thiserror::Error;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime, Placement};
-use super::launch::{StreamRole, shared_gate_launch};
+use super::launch::{SHARED_GATE_TOKEN_TILES, StreamRole, shared_gate_launch};
 use super::network::{NetworkPlan, NetworkTransport};
 use super::router::{self, GateEngine, RouterPlan};
 use super::{
@@ -226,8 +226,8 @@ impl Plan {
                 .iter()
                 .any(|p| p.arg == LaunchArg::Workspace(BufferId::SharedGate))
         };
+        let gate = shared_gate_launch(kernel, SHARED_GATE_TOKEN_TILES);
         for regime in &self.regimes {
-            let gate = shared_gate_launch(kernel, StreamRole::Compute);
             if regime.launches.first() != Some(&gate) || regime.fused_decode.is_some() {
                 return Err(format!(
                     "regime `{}` must start with the shared expert gate's launch `{kernel}` and run no fused decode",
@@ -254,8 +254,11 @@ impl Plan {
             let before = at
                 .and_then(|at| at.checked_sub(1))
                 .map(|i| &regime.launches[i]);
-            let gate = shared_gate_launch(kernel, StreamRole::Compute);
-            if before != Some(&gate)
+            // Any grid covers the call; the residency check below bounds a rank's.
+            let rank_gate = |launch: &super::Launch| {
+                launch.grid.blocks(1) >= 1 && *launch == shared_gate_launch(kernel, launch.grid)
+            };
+            if !before.is_some_and(rank_gate)
                 || !at.is_some_and(|at| reads(&regime.launches[at]))
                 || regime.fused_decode.is_some()
             {
