@@ -24,7 +24,7 @@ done
 sed 's/^    gated = true.*$/    gated = false/' $spec > /tmp/ungated.moe
 grep -c "gated = false" /tmp/ungated.moe
 T=${TOKENS:-1,16,128,1024,4096}
-for round in 1 2; do
+for round in $(seq 1 ${ROUNDS:-2}); do
   moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/gated_$round.txt 2>&1
   moeforge bench /tmp/ungated.moe --ranks 1 --tokens $T --seed 7 > $OUT/raw/ungated_$round.txt 2>&1
 done
