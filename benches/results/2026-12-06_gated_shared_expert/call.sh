@@ -1,4 +1,5 @@
 # Device call for the gated shared expert (Qwen2-MoE's shared_expert_gate), session 59:
+# Not run yet: no device machine could be started after the session's first call (2026-12-06).
 # the GPU suite, Qwen1.5-MoE-A2.7B at full size against the CPU reference (one GPU and 4
 # virtual ranks), then what the gate costs a call: the layer as shipped (gated) against
 # the same layer with `gated = false` (one GPU: neither runs a fused decode, which is off
