@@ -512,11 +512,9 @@ pub fn plan_expert_parallel(
     );
     let gemm1_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Up, ranks);
     let gemm2_problem = GemmProblem::for_layer(&rank_shape, GemmKind::Down, ranks);
-    // Across nodes NCCL carries part of the exchange, which the fused kernel does not; a
-    // gated shared expert's gate is a launch of its own ahead of the call.
+    // Across nodes NCCL carries part of the exchange, which the fused kernel does not.
     let fused_tokens = match network {
         Some(_) => 0,
-        None if shape.shared_gated => 0,
         None => hints
             .fused_decode
             .unwrap_or(fused_decode::DEFAULT_RANK_FUSED_DECODE_TOKENS),
@@ -1557,6 +1555,12 @@ fn launch_table(
             ))
             .collect(),
         ),
+    ];
+    // The shared expert gate's weights of this rank's tokens, ready for arrange, which
+    // gives them to the shared slices' rows.
+    launches
+        .extend(shared_gate.map(|kernel| shared_gate_launch(kernel, Grid::Fixed(blocks.arrange))));
+    launches.extend([
         launch(
             arrange,
             blocks.arrange,
@@ -1703,16 +1707,7 @@ fn launch_table(
             ))
             .collect(),
         ),
-    ];
-    // The shared expert gate's weights of this rank's tokens are ready for arrange, which
-    // gives them to the shared slices' rows.
-    if let Some(kernel) = shared_gate {
-        let at = launches
-            .iter()
-            .position(|l| &l.kernel == arrange)
-            .unwrap_or(launches.len());
-        launches.insert(at, shared_gate_launch(kernel, Grid::Fixed(blocks.arrange)));
-    }
+    ]);
     launches
 }
 

@@ -104,6 +104,18 @@ pub(crate) fn gemms_on_mma_sync(what: &str, g1: &GemmPlan, g2: &GemmPlan) -> Res
     Ok(())
 }
 
+/// Refuses a layer whose shared expert is gated: its gate is a launch of its own ahead of
+/// each call's table, which a fused decode (one launch) has no place for.
+fn no_shared_gate(shape: &LayerShape) -> Result<(), String> {
+    if shape.shared_gated {
+        return Err(
+            "the shared expert is gated, and its gate's launch comes ahead of each call, which one launch has no place for"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 /// A fused decode's first parameters, one GPU's and a rank's alike: x, then each GEMM's
 /// weights with its expert biases where the layer has them.
 fn input_and_weight_params(shape: &LayerShape) -> Vec<KernelParam> {
@@ -134,6 +146,7 @@ pub fn plan_fused_decode(
     early_start: bool,
     tokens: u32,
 ) -> Result<FusedDecode, String> {
+    no_shared_gate(shape)?;
     let (g1, g2) = (&regime.gemm1, &regime.gemm2);
     first_regime_on_mma_sync(
         &format!("regime `{}`", regime.name),
@@ -299,6 +312,7 @@ pub fn plan_rank_fused_decode(
     kernel: &str,
     tokens: u32,
 ) -> Result<FusedDecode, String> {
+    no_shared_gate(shape)?;
     let (name, min_tokens, max_tokens) = regime;
     let (g1, g2) = gemms;
     // Any regime may fuse: the runtime runs the fused decode of the regime of the call's

@@ -1518,11 +1518,7 @@ fn plan_as_sized(
         };
         let asked = layer.schedule.fused_decode;
         let tokens = asked.unwrap_or(fused_decode::DEFAULT_FUSED_DECODE_TOKENS);
-        if tokens > 0 && regimes.is_empty() && shape.shared_gated {
-            limitations.push(format!(
-                "the shared expert is gated: each call's table starts with its gate's launch, which the fused decode (one launch) has no place for, so calls of up to {tokens} tokens run the table, not fused"
-            ));
-        } else if tokens > 0 && regimes.is_empty() {
+        if tokens > 0 && regimes.is_empty() {
             match fused_decode::plan_fused_decode(
                 target,
                 &shape,
@@ -1600,8 +1596,6 @@ fn plan_as_sized(
         {
             let reason = if ep.network.is_some() {
                 "its ranks span several nodes (real or emulated), and the network steps carry part of that exchange".to_string()
-            } else if shape.shared_gated {
-                "the shared expert is gated, and its gate's launch comes ahead of each call on a rank, which the fused decode (one launch) has no place for".to_string()
             } else {
                 fused_decode::plan_rank_fused_decode(
                     target,
