@@ -53,8 +53,8 @@ enum : int { TOP_K = {{ top_k }} };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
 enum : int { SHARED_SLICES = {{ shared_slices }} };
-// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t], from the
-// shared gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
+// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t]: one GPU's
+// GEMM1 computes it, a rank's gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
 enum : bool { SHARED_GATED = {{ shared_gated }} };
 enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
 enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
@@ -146,6 +146,11 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
 {%- else %}
     start_after_previous_kernel();
 {%- endif %}
+{%- endif %}
+{%- if gemm.computes_shared_gate %}
+    // The gated shared expert's weight of each token, for GEMM2, which reads them once this
+    // grid is done (x's rows are ready: this kernel starts after the one ahead).
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
 {%- endif %}
     {{ gemm.function }}<{{ gemm.config }}>({{ gemm.call_args }});
 }

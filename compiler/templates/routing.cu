@@ -331,27 +331,24 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) {{ sort.name }}(
 }
 #endif
 {%- endif %}
-{%- if let Some(gate) = shared_gate %}
+{%- if shared_gated %}
 
 // ---------------------------------------------------------------------------------------
 // The shared expert gate (a gated shared expert, as Qwen2-MoE's): token t's shared slices
-// weigh sigmoid(x[t] · w_gate), which one GPU's GEMM2 (a rank's arrange) gives their rows.
-// A warp per token (warp w of block b takes tokens b · TOKENS_PER_BLOCK + w, then a whole
-// grid's warps further on: one GPU's grid has a warp per token, a rank's as many blocks as
-// its arrange): 16-byte loads of x's row and of the gate, f32 products, the lanes' sums
-// added in a fixed order (the same weight every call).
+// weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights before its tiles
+// (GEMM2 reads them once GEMM1 is done), a rank's gate launch before arrange, which gives
+// them to the shared rows. A warp per token, the grid's warps taking the tokens in turn,
+// spread over the blocks first (so that a small call delays one warp of a few blocks):
+// 16-byte loads of x's row and of the gate, f32 products, the lanes' sums added in a fixed
+// order (the same weight every call).
 // ---------------------------------------------------------------------------------------
-enum : int { SHARED_GATE_TOKENS_PER_BLOCK = {{ shared_gate_tokens_per_block }} };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.name }})
-extern "C" __global__ void __launch_bounds__(32 * SHARED_GATE_TOKENS_PER_BLOCK) {{ gate.name }}(
-    {{ gate.params }}
-)
-{
+__device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
+                                                    int tokens, float* __restrict__ shared_gate) {
     static_assert(HIDDEN % 8 == 0, "plan: x's rows are whole 16-byte vectors");
     const int lane = threadIdx.x & 31;
+    const int warps = (int)gridDim.x * (int)(blockDim.x >> 5);
     const uint4* gate = reinterpret_cast<const uint4*>(shared_expert_gate);
-    for (int token = blockIdx.x * SHARED_GATE_TOKENS_PER_BLOCK + (threadIdx.x >> 5); token < tokens;
-         token += gridDim.x * SHARED_GATE_TOKENS_PER_BLOCK) {
+    for (int token = (int)(threadIdx.x >> 5) * (int)gridDim.x + (int)blockIdx.x; token < tokens; token += warps) {
         const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)token * HIDDEN);
         float sum = 0.f;
         for (int v = lane; v < HIDDEN / 8; v += 32) {
@@ -368,5 +365,17 @@ extern "C" __global__ void __launch_bounds__(32 * SHARED_GATE_TOKENS_PER_BLOCK) 
         if (lane == 0) shared_gate[token] = 1.f / (1.f + expf(-sum));
     }
 }
+{%- if let Some(gate) = shared_gate %}
+
+// A rank's gate launch: SHARED_GATE_TOKENS_PER_BLOCK warps a block.
+enum : int { SHARED_GATE_TOKENS_PER_BLOCK = {{ shared_gate_tokens_per_block }} };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_{{ gate.name }})
+extern "C" __global__ void __launch_bounds__(32 * SHARED_GATE_TOKENS_PER_BLOCK) {{ gate.name }}(
+    {{ gate.params }}
+)
+{
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
+}
 #endif
+{%- endif %}
 {%- endif %}

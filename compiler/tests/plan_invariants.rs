@@ -1099,12 +1099,13 @@ fn expert_biases_reach_every_gemm_on_one_gpu_and_on_the_ranks() {
     assert!(error.to_string().contains("w2_bias"), "{error}");
 }
 
-/// Qwen1.5-MoE-A2.7B's gated shared expert: every one-GPU table starts with the shared
-/// gate's launch and its GEMM2 reads the weights it writes (passed to the epilogue beside
-/// the routing weights), no regime runs a fused decode; each rank launches the gate on its
-/// compute stream right before arrange, which reads them. Layers without the gate launch
-/// none and read none. Validation catches a GEMM2 without the weights, a table without the
-/// gate's launch, and a rank that launches it after arrange.
+/// Qwen1.5-MoE-A2.7B's gated shared expert: every one-GPU regime's GEMM1 computes the
+/// weights before its tiles (it takes x, the token count and the gate) and its GEMM2 reads
+/// them (passed to the epilogue beside the routing weights), no one-GPU table has a launch
+/// of its own for them and no regime runs a fused decode; each rank launches the gate on its
+/// compute stream right before arrange, which reads them. Layers without the gate compute
+/// none and read none. Validation catches a GEMM2 without the weights, a GEMM1 that does
+/// not compute them, and a rank that launches the gate after arrange.
 #[test]
 fn a_gated_shared_expert_weighs_the_shared_slices_on_one_gpu_and_on_the_ranks() {
     let plan = example_plan("qwen1_5_moe_a2_7b");
@@ -1119,8 +1120,45 @@ fn a_gated_shared_expert_weighs_the_shared_slices_on_one_gpu_and_on_the_ranks() 
         .expect("codegen")
         .source;
     for regime in &plan.regimes {
-        assert_eq!(regime.launches[0].kernel, kernel, "{}", regime.name);
+        assert!(
+            regime.launches.iter().all(|l| l.kernel != kernel),
+            "{}: one GPU launches no gate of its own",
+            regime.name
+        );
         assert!(regime.fused_decode.is_none(), "{}", regime.name);
+        let gemm1 = regime
+            .launches
+            .iter()
+            .find(|l| l.kernel == regime.gemm1_kernel)
+            .expect("GEMM1 is launched");
+        for arg in [
+            plan::LaunchArg::X,
+            plan::LaunchArg::Tokens,
+            plan::LaunchArg::SharedExpertGate,
+        ] {
+            assert!(
+                gemm1.params.contains(&plan::KernelParam {
+                    arg,
+                    access: plan::Access::Read
+                }),
+                "{}: {arg:?}",
+                regime.gemm1_kernel
+            );
+        }
+        assert!(
+            gemm1.params.contains(&plan::KernelParam {
+                arg: gate,
+                access: plan::Access::Write
+            }),
+            "{}",
+            regime.gemm1_kernel
+        );
+        assert!(
+            entry_point(&source, &regime.gemm1_kernel)
+                .contains("shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);"),
+            "{}",
+            regime.gemm1_kernel
+        );
         let gemm2 = regime
             .launches
             .iter()
@@ -1179,15 +1217,23 @@ fn a_gated_shared_expert_weighs_the_shared_slices_on_one_gpu_and_on_the_ranks() 
         .expect_err("a GEMM2 without the gate's weights");
     assert!(error.to_string().contains("shared_gate"), "{error}");
 
-    let mut ungated_table = plan.clone();
-    ungated_table.regimes[1].launches.remove(0);
-    let error = ungated_table
+    let mut ungated_gemm1 = plan.clone();
+    let regime = &mut ungated_gemm1.regimes[1];
+    let gemm1_kernel = regime.gemm1_kernel.clone();
+    regime
+        .launches
+        .iter_mut()
+        .find(|l| l.kernel == gemm1_kernel)
+        .expect("GEMM1")
+        .params
+        .retain(|p| p.arg != gate);
+    let error = ungated_gemm1
         .validate()
-        .expect_err("a table without the gate's launch");
+        .expect_err("a GEMM1 that does not compute the gate's weights");
     assert!(
         error
             .to_string()
-            .contains("must start with the shared expert gate"),
+            .contains("must compute the shared expert gate's weights"),
         "{error}"
     );
 

@@ -207,8 +207,8 @@ enum : int { TOP_K = 4 };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
 enum : int { SHARED_SLICES = 4 };
-// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t], from the
-// shared gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
+// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t]: one GPU's
+// GEMM1 computes it, a rank's gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
 enum : bool { SHARED_GATED = true };
 enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
 enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };
@@ -558,26 +558,20 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) qwen1_5_moe_a2_7
 
 // ---------------------------------------------------------------------------------------
 // The shared expert gate (a gated shared expert, as Qwen2-MoE's): token t's shared slices
-// weigh sigmoid(x[t] · w_gate), which one GPU's GEMM2 (a rank's arrange) gives their rows.
-// A warp per token (warp w of block b takes tokens b · TOKENS_PER_BLOCK + w, then a whole
-// grid's warps further on: one GPU's grid has a warp per token, a rank's as many blocks as
-// its arrange): 16-byte loads of x's row and of the gate, f32 products, the lanes' sums
-// added in a fixed order (the same weight every call).
+// weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights before its tiles
+// (GEMM2 reads them once GEMM1 is done), a rank's gate launch before arrange, which gives
+// them to the shared rows. A warp per token, the grid's warps taking the tokens in turn,
+// spread over the blocks first (so that a small call delays one warp of a few blocks):
+// 16-byte loads of x's row and of the gate, f32 products, the lanes' sums added in a fixed
+// order (the same weight every call).
 // ---------------------------------------------------------------------------------------
-enum : int { SHARED_GATE_TOKENS_PER_BLOCK = 8 };
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_shared_gate)
-extern "C" __global__ void __launch_bounds__(32 * SHARED_GATE_TOKENS_PER_BLOCK) qwen1_5_moe_a2_7b_shared_gate(
-    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
-    const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
-    int tokens,  // tokens in this call
-    float* __restrict__ shared_gate  // [tokens]: each token's shared-slice weight
-)
-{
+__device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
+                                                    int tokens, float* __restrict__ shared_gate) {
     static_assert(HIDDEN % 8 == 0, "plan: x's rows are whole 16-byte vectors");
     const int lane = threadIdx.x & 31;
+    const int warps = (int)gridDim.x * (int)(blockDim.x >> 5);
     const uint4* gate = reinterpret_cast<const uint4*>(shared_expert_gate);
-    for (int token = blockIdx.x * SHARED_GATE_TOKENS_PER_BLOCK + (threadIdx.x >> 5); token < tokens;
-         token += gridDim.x * SHARED_GATE_TOKENS_PER_BLOCK) {
+    for (int token = (int)(threadIdx.x >> 5) * (int)gridDim.x + (int)blockIdx.x; token < tokens; token += warps) {
         const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)token * HIDDEN);
         float sum = 0.f;
         for (int v = lane; v < HIDDEN / 8; v += 32) {
@@ -593,6 +587,19 @@ extern "C" __global__ void __launch_bounds__(32 * SHARED_GATE_TOKENS_PER_BLOCK) 
         for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
         if (lane == 0) shared_gate[token] = 1.f / (1.f + expf(-sum));
     }
+}
+
+// A rank's gate launch: SHARED_GATE_TOKENS_PER_BLOCK warps a block.
+enum : int { SHARED_GATE_TOKENS_PER_BLOCK = 8 };
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_shared_gate)
+extern "C" __global__ void __launch_bounds__(32 * SHARED_GATE_TOKENS_PER_BLOCK) qwen1_5_moe_a2_7b_shared_gate(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
+    int tokens,  // tokens in this call
+    float* __restrict__ shared_gate  // [tokens]: each token's shared-slice weight
+)
+{
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
 }
 #endif
 // ---------------------------------------------------------------------------------------
@@ -3707,10 +3714,15 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen1_5_moe_a2_7b_decode_ge
     const int* __restrict__ topk_ids,  // [tokens, TOP_K]
     int tokens,  // tokens in this call
     int routes_in_blocks,  // 1: no route launch ran, each block routes this call
-    int* __restrict__ error_word  // [4]: code, then details
+    int* __restrict__ error_word,  // [4]: code, then details
+    const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
+    float* __restrict__ shared_gate  // [tokens]: each token's shared-slice weight
 )
 {
     start_after_previous_kernel();
+    // The gated shared expert's weight of each token, for GEMM2, which reads them once this
+    // grid is done (x's rows are ready: this kernel starts after the one ahead).
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
     grouped_gemm<decode_gemm1>(x, w1, nullptr, SlotWeights{}, expert_offsets, row_pair, intermediate, EpContext{}, StreamKBuffers{stream_k_partials, stream_k_tiles_done}, CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word});
 }
 #endif
@@ -3793,10 +3805,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen1_5_moe_a2_7b_mid_gemm1
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
+    u32* __restrict__ unit_tickets,  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
+    int tokens,  // tokens in this call
+    const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
+    float* __restrict__ shared_gate  // [tokens]: each token's shared-slice weight
 )
 {
     start_after_previous_kernel();
+    // The gated shared expert's weight of each token, for GEMM2, which reads them once this
+    // grid is done (x's rows are ready: this kernel starts after the one ahead).
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
     grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, row_pair, intermediate, EpContext{}, unit_tickets + 0);
 }
 #endif
@@ -3871,10 +3889,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen1_5_moe_a2_7b_prefill_g
     const __grid_constant__ TensorMap w1_tiles,  // TMA map of w1: [experts here x W1 rows, HIDDEN], a tile's rows x 64 per box
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
-    u32* __restrict__ unit_tickets  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
+    u32* __restrict__ unit_tickets,  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    int tokens,  // tokens in this call
+    const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
+    float* __restrict__ shared_gate  // [tokens]: each token's shared-slice weight
 )
 {
     start_after_previous_kernel();
+    // The gated shared expert's weight of each token, for GEMM2, which reads them once this
+    // grid is done (x's rows are ready: this kernel starts after the one ahead).
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
     grouped_gemm_warp_specialized<prefill_gemm1>(nullptr, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, nullptr, intermediate, EpContext{}, unit_tickets + 0, &sorted_x_tiles);
 }
 #endif

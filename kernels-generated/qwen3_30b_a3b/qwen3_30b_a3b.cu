@@ -207,8 +207,8 @@ enum : int { TOP_K = 8 };        // K
 // The shared experts run as always-hit experts of FFN F: GEMM experts EXPERTS.. hold them,
 // and every token has one combine slot per slice after its K routed ones (weight 1).
 enum : int { SHARED_SLICES = 0 };
-// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t], from the
-// shared gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
+// The shared slices' rows of token t weigh sigmoid(x[t] · w_gate) (shared_gate[t]: one GPU's
+// GEMM1 computes it, a rank's gate launch) rather than 1: a gated shared expert (Qwen2-MoE's).
 enum : bool { SHARED_GATED = false };
 enum : int { GEMM_EXPERTS = EXPERTS + SHARED_SLICES };
 enum : int { SLOTS_PER_TOKEN = TOP_K + SHARED_SLICES };

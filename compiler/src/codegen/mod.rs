@@ -79,7 +79,7 @@ struct LayerUnit<'a> {
     route_count: Option<EntryUnit>,
     route_place: Option<EntryUnit>,
     route_threads: u32,
-    /// The shared expert gate's launch, where the layer's shared expert is gated.
+    /// A rank's shared expert gate launch, where the layer's shared expert is gated.
     shared_gate: Option<EntryUnit>,
     shared_gate_tokens_per_block: u32,
     shared_gated: bool,
@@ -391,7 +391,8 @@ const EP_GEMM_DOWN_PARTIALS_USES: &[&str] = &[
     "error_word",
     "pair_results",
 ];
-/// What the shared expert gate's launch uses.
+/// What computing the shared expert gate's weights uses: a rank's gate launch, and one
+/// GPU's GEMM1 besides its own uses.
 const SHARED_GATE_USES: &[&str] = &["x", "shared_expert_gate", "tokens", "shared_gate"];
 /// What a rank's arrange uses besides where the shared expert is gated (one GPU's GEMM2
 /// takes it as `GemmUnit::new` says).
@@ -779,6 +780,9 @@ struct GemmUnit {
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
     /// before it waits for GEMM1 (the entry point then does not wait first).
     weights_before_wait: bool,
+    /// One GPU's GEMM1 of a gated shared expert: its warps compute the tokens' shared-slice
+    /// weights before its tiles.
+    computes_shared_gate: bool,
     /// A single-GPU GEMM1 that starts early and whose GEMM2's blocks fit beside its own:
     /// the largest calls it lets GEMM2 start early for (`Regime::gemm2_early_max_tokens`).
     gemm2_early_max_tokens: Option<u32>,
@@ -928,11 +932,13 @@ impl GemmUnit {
             (true, true) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, error_word}",
             (true, false) => ", CallRouting{routes_in_blocks != 0, topk_ids, tokens, nullptr}",
         };
-        // One GPU's GEMM2 weighs a gated shared expert's slices by the shared gate launch's
-        // per-token weights.
+        // One GPU's GEMM2 weighs a gated shared expert's slices by the per-token weights
+        // GEMM1 computed.
         let shared_gate = (role == GemmRole::Down && plan.shape.shared_gated)
             .then(|| LaunchArg::Workspace(BufferId::SharedGate).name());
-        let uses: Vec<&str> = uses
+        // One GPU's GEMM1 computes a gated shared expert's weights before its tiles.
+        let computes_shared_gate = role == GemmRole::Up && plan.shape.shared_gated;
+        let mut uses: Vec<&str> = uses
             .iter()
             .filter(|&&name| row_table || name != "row_pair")
             .map(|&name| {
@@ -950,6 +956,13 @@ impl GemmUnit {
             .chain(claims_units.then(|| tickets.name()))
             .chain(block_routing_uses.iter().copied())
             .collect();
+        if computes_shared_gate {
+            for name in SHARED_GATE_USES {
+                if !uses.contains(name) {
+                    uses.push(name);
+                }
+            }
+        }
         let call_args = call_args
             .replace("{weights}", weights)
             .replace("{bias}", bias_arg.unwrap_or("nullptr"))
@@ -1006,6 +1019,7 @@ impl GemmUnit {
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
+            computes_shared_gate,
             gemm2_early_max_tokens,
             stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
             stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),

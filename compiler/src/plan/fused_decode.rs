@@ -104,12 +104,12 @@ pub(crate) fn gemms_on_mma_sync(what: &str, g1: &GemmPlan, g2: &GemmPlan) -> Res
     Ok(())
 }
 
-/// Refuses a layer whose shared expert is gated: its gate is a launch of its own ahead of
-/// each call's table, which a fused decode (one launch) has no place for.
+/// Refuses a layer whose shared expert is gated: the table's GEMM1 (a rank's gate launch)
+/// computes the gate's weights, which a fused decode does not run.
 fn no_shared_gate(shape: &LayerShape) -> Result<(), String> {
     if shape.shared_gated {
         return Err(
-            "the shared expert is gated, and its gate's launch comes ahead of each call, which one launch has no place for"
+            "the shared expert is gated, and the fused decode does not compute the gate's weights (the table's GEMM1 does, on a rank the gate's launch)"
                 .into(),
         );
     }

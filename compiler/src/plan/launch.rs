@@ -342,8 +342,6 @@ pub enum RouteLaunches<'a> {
 
 /// The entry points one forward call launches, in stream order.
 pub struct ForwardKernels<'a> {
-    /// The shared expert gate's launch, first (a layer whose shared expert is gated).
-    pub shared_gate: Option<&'a str>,
     pub route: RouteLaunches<'a>,
     /// Launched after the routing, in this order, where GEMM1 loads its A rows as tiles.
     pub invert_rows: &'a str,
@@ -487,23 +485,16 @@ fn route_launches(
     }
 }
 
-/// Tokens (a warp each) per block of the shared expert gate's launch.
+/// Tokens (a warp each) per block of a rank's shared expert gate launch.
 pub const SHARED_GATE_TOKENS_PER_BLOCK: u32 = 8;
 
-/// The grid of one GPU's shared expert gate: a block per [`SHARED_GATE_TOKENS_PER_BLOCK`]
-/// tokens.
-pub(crate) const SHARED_GATE_TOKEN_TILES: Grid = Grid::TokenTiles {
-    tokens_per_tile: SHARED_GATE_TOKENS_PER_BLOCK,
-    blocks_per_tile: 1,
-};
-
-/// The launch that computes each token's shared-slice weight, `sigmoid(x[t] · w_gate)`
-/// into [`BufferId::SharedGate`] (a warp per token; block b's warps take tokens b, b + grid,
-/// ... in steps of the grid's warps, so any grid covers the call), on the compute stream
-/// ahead of everything that reads it (one GPU's GEMM2: [`SHARED_GATE_TOKEN_TILES`]; a
-/// rank's arrange: as many blocks as arrange, within the rank's compute SMs as every
-/// kernel beside spin-waits must be). It starts the ordinary way: it overwrites the
-/// weights the previous call's GEMM2 may still be reading.
+/// A rank's launch that computes each of its tokens' shared-slice weight,
+/// `sigmoid(x[t] · w_gate)`, into [`BufferId::SharedGate`] (a warp per token, the grid's
+/// warps taking the tokens in turn, so any grid covers the call), on the compute stream
+/// right before arrange, which reads them (on as many blocks as arrange, within the rank's
+/// compute SMs as every kernel beside spin-waits must be). It starts the ordinary way: it
+/// overwrites the weights the previous call's arrange may still be reading. One GPU has no
+/// such launch: its GEMM1 computes the weights ([`shared_gate_params`]).
 pub(crate) fn shared_gate_launch(kernel: &str, grid: Grid) -> Launch {
     use BufferId::*;
     use LaunchArg::*;
@@ -522,6 +513,25 @@ pub(crate) fn shared_gate_launch(kernel: &str, grid: Grid) -> Launch {
             KernelParam::write(Workspace(SharedGate)),
         ],
     }
+}
+
+/// What one GPU's GEMM1 takes besides its own parameters (`gemm1`) for a gated shared
+/// expert: x and the token count where it lacks them, the gate's weights, and the buffer of
+/// the tokens' shared-slice weights, which its warps write before its tiles (a warp per
+/// token, spread over the blocks first) and GEMM2 reads once GEMM1 is done. x's rows are
+/// read there anyway, so no launch of its own.
+pub(crate) fn shared_gate_params(gemm1: &[KernelParam]) -> Vec<KernelParam> {
+    use LaunchArg::*;
+    let lacks = |arg| gemm1.iter().all(|param| param.arg != arg);
+    [X, Tokens]
+        .into_iter()
+        .filter(|&arg| lacks(arg))
+        .map(KernelParam::read)
+        .chain([
+            KernelParam::read(SharedExpertGate),
+            KernelParam::write(Workspace(BufferId::SharedGate)),
+        ])
+        .collect()
 }
 
 /// The stream-K buffers a single-GPU GEMM takes where its plan splits few-tile calls.
@@ -580,17 +590,12 @@ pub fn launch_table(
     use LaunchArg::*;
     let (read, write) = (KernelParam::read, KernelParam::write);
     let bias = |arg| shape.expert_bias.then(|| read(arg));
-    let mut launches: Vec<Launch> = kernels
-        .shared_gate
-        .map(|kernel| shared_gate_launch(kernel, SHARED_GATE_TOKEN_TILES))
-        .into_iter()
-        .collect();
-    launches.extend(route_launches(
+    let mut launches = route_launches(
         kernels.route,
         shape.experts,
         shape.gemm_experts(),
         early_start,
-    ));
+    );
     let [a_rows, row_table] = gemm1_rows_params(g1);
     if g1.a_load == RowLoad::Tiles {
         let per_token = |kernel: &str, block_threads, static_smem_bytes, params| Launch {
@@ -622,6 +627,19 @@ pub fn launch_table(
             ),
         ]);
     }
+    let mut gemm1_params: Vec<KernelParam> = [a_rows, Some(weight_param(g1, true)), bias(W1Bias)]
+        .into_iter()
+        .chain([Some(read(Workspace(ExpertOffsets))), row_table])
+        .flatten()
+        .chain([write(Workspace(Intermediate))])
+        .chain(stream_k_params(g1))
+        .chain(unit_ticket_params(g1))
+        .chain(block_routing_params(g1, true))
+        .collect();
+    if shape.shared_gated {
+        let gate = shared_gate_params(&gemm1_params);
+        gemm1_params.extend(gate);
+    }
     launches.extend([
         Launch {
             kernel: kernels.gemm1.to_string(),
@@ -631,15 +649,7 @@ pub fn launch_table(
             static_smem_bytes: g1.smem.static_bytes,
             stream: StreamRole::Compute,
             early_start,
-            params: [a_rows, Some(weight_param(g1, true)), bias(W1Bias)]
-                .into_iter()
-                .chain([Some(read(Workspace(ExpertOffsets))), row_table])
-                .flatten()
-                .chain([write(Workspace(Intermediate))])
-                .chain(stream_k_params(g1))
-                .chain(unit_ticket_params(g1))
-                .chain(block_routing_params(g1, true))
-                .collect(),
+            params: gemm1_params,
         },
         Launch {
             kernel: kernels.gemm2.to_string(),

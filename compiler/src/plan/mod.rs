@@ -165,9 +165,10 @@ pub struct Plan {
     /// inverse of the row order ([`BufferId::PairRow`]), then the copy, token by token.
     pub invert_rows_kernel: String,
     pub sort_rows_kernel: String,
-    /// Entry point of the shared expert gate's launch, the first of every call of a layer
-    /// whose shared expert is gated ([`LayerShape::shared_gated`]; one GPU's table, and a
-    /// rank's ahead of its arrange); `None` for other layers.
+    /// Entry point of a rank's shared expert gate launch, ahead of its arrange, for a layer
+    /// whose shared expert is gated ([`LayerShape::shared_gated`]) and whose spec has
+    /// expert-parallel ranks; `None` for other layers. (One GPU's GEMM1 computes the gate
+    /// itself, before its tiles.)
     #[serde(default)]
     pub shared_gate_kernel: Option<String>,
     pub target: Target,
@@ -212,8 +213,9 @@ pub struct LayerShape {
     #[serde(default)]
     pub shared_slices: u32,
     /// The shared slices' rows of token t are weighted by `sigmoid(x[t] · w_gate)`, the
-    /// shared expert gate's (one `[H]` vector, [`LaunchArg::SharedExpertGate`]), which the
-    /// shared gate launch computes first ([`BufferId::SharedGate`]), rather than by 1.
+    /// shared expert gate's (one `[H]` vector, [`LaunchArg::SharedExpertGate`]), rather
+    /// than by 1: one GPU's GEMM1 computes them before its tiles, a rank's gate launch
+    /// before arrange ([`BufferId::SharedGate`]).
     #[serde(default)]
     pub shared_gated: bool,
     /// Expert-parallel ranks of the spec.
@@ -1454,7 +1456,6 @@ fn plan_as_sized(
     let combine_kernel = format!("{symbol}_combine");
     let invert_rows_kernel = format!("{symbol}_invert_rows");
     let sort_rows_kernel = format!("{symbol}_sort_rows");
-    let shared_gate_kernel = shared_gate_kernel(&symbol, &shape);
     let mut regimes = Vec::new();
     let mut most_route_blocks = 1;
     let mut limitations = Vec::new();
@@ -1482,7 +1483,6 @@ fn plan_as_sized(
         most_route_blocks = most_route_blocks.max(route_blocks);
         let launches = launch::launch_table(
             launch::ForwardKernels {
-                shared_gate: shared_gate_kernel.as_deref(),
                 route: if route_blocks == 1 {
                     launch::RouteLaunches::OneBlock(&route_kernel)
                 } else {
@@ -1654,6 +1654,9 @@ fn plan_as_sized(
     }
 
     let call_graph_max_tokens = CALL_GRAPH_MAX_TOKENS.min(shape.max_tokens);
+    let shared_gate_kernel = expert_parallel
+        .as_ref()
+        .and_then(|_| shared_gate_kernel(&symbol, &shape));
     Ok(Plan {
         layer: layer.name.clone(),
         symbol,
@@ -1756,8 +1759,8 @@ impl RouterSpace {
 /// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
 /// and counters; with a fused decode, its `fused_counters` counters; with warp-specialised
 /// GEMMs, their `unit_tickets` ([`unit_tickets`]).
-/// Entry point of the shared expert gate's launch of a layer whose shared expert is gated
-/// (the same kernel on one GPU and on a rank).
+/// Entry point of a rank's shared expert gate launch, for a layer whose shared expert is
+/// gated.
 pub(crate) fn shared_gate_kernel(symbol: &str, shape: &LayerShape) -> Option<String> {
     shape.shared_gated.then(|| format!("{symbol}_shared_gate"))
 }

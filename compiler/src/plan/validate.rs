@@ -10,7 +10,7 @@
 use thiserror::Error;
 
 use super::ep::{CombineRoute, ExpertParallelPlan, ExpertParallelRegime, Placement};
-use super::launch::{SHARED_GATE_TOKEN_TILES, StreamRole, shared_gate_launch};
+use super::launch::{StreamRole, shared_gate_launch, shared_gate_params};
 use super::network::{NetworkPlan, NetworkTransport};
 use super::router::{self, GateEngine, RouterPlan};
 use super::{
@@ -199,52 +199,69 @@ impl Plan {
     }
 
     /// A gated shared expert's weights reach the shared slices' rows on every path: each
-    /// one-GPU table starts with the shared gate's launch (the plan's, as planning makes it)
-    /// and its GEMM2 reads them, no one-GPU regime runs a fused decode (it would not weigh
-    /// them); each rank's table launches the gate on its compute stream right before
-    /// arrange, which reads them, and no rank regime fuses. A layer without the gate
-    /// launches none and nothing reads it (checked per launch).
+    /// one-GPU regime's GEMM1 computes them (it takes x, the token count, the gate's
+    /// weights and writes the buffer: [`shared_gate_params`]) and its GEMM2 reads them, no
+    /// one-GPU regime runs a fused decode (it would not weigh them); each rank's table
+    /// launches the gate (the plan's kernel, which exactly the layers with ranks have) on
+    /// its compute stream right before arrange, which reads them, and no rank regime fuses.
+    /// A layer without the gate computes none and nothing reads it (checked per launch).
     fn check_shared_gate(&self) -> Result<(), String> {
         let gated = self.shape.shared_gated;
         if gated && self.shape.shared_slices == 0 {
             return Err("the layer gates a shared expert it does not have".into());
         }
-        let kernel = match (&self.shared_gate_kernel, gated) {
-            (Some(kernel), true) => kernel,
-            (None, false) => return Ok(()),
-            (kernel, _) => {
-                return Err(format!(
-                    "the plan {} a shared expert gate's kernel, but the layer's shared expert is {}gated",
-                    if kernel.is_some() { "has" } else { "has no" },
-                    if gated { "" } else { "not " }
-                ));
-            }
-        };
+        let wants_kernel = gated && self.expert_parallel.is_some();
+        if self.shared_gate_kernel.is_some() != wants_kernel {
+            return Err(format!(
+                "the plan {} a rank's shared expert gate kernel, but the layer {}",
+                if wants_kernel { "has no" } else { "has" },
+                match (gated, self.expert_parallel.is_some()) {
+                    (false, _) => "does not gate its shared expert",
+                    (true, false) => "has no expert-parallel ranks",
+                    (true, true) => "gates its shared expert on its ranks",
+                }
+            ));
+        }
+        if !gated {
+            return Ok(());
+        }
         let reads = |launch: &super::Launch| {
             launch
                 .params
                 .iter()
                 .any(|p| p.arg == LaunchArg::Workspace(BufferId::SharedGate))
         };
-        let gate = shared_gate_launch(kernel, SHARED_GATE_TOKEN_TILES);
         for regime in &self.regimes {
-            if regime.launches.first() != Some(&gate) || regime.fused_decode.is_some() {
+            let find = |kernel: &str| regime.launches.iter().find(|l| l.kernel == kernel);
+            // Every parameter the gate needs, x and the token count among them, with its
+            // access (no launch takes one twice: checked per launch).
+            let computes = find(&regime.gemm1_kernel).is_some_and(|gemm1| {
+                shared_gate_params(&[])
+                    .iter()
+                    .all(|param| gemm1.params.contains(param))
+            });
+            if !computes || regime.fused_decode.is_some() {
                 return Err(format!(
-                    "regime `{}` must start with the shared expert gate's launch `{kernel}` and run no fused decode",
-                    regime.name
+                    "regime `{}` must compute the shared expert gate's weights in `{}` (taking {}) and run no fused decode",
+                    regime.name,
+                    regime.gemm1_kernel,
+                    shared_gate_params(&[])
+                        .iter()
+                        .map(|p| p.arg.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ));
             }
-            let gemm2 = regime
-                .launches
-                .iter()
-                .find(|l| l.kernel == regime.gemm2_kernel);
-            if !gemm2.is_some_and(reads) {
+            if !find(&regime.gemm2_kernel).is_some_and(reads) {
                 return Err(format!(
                     "`{}` is not given the shared expert gate's weights (`shared_gate`)",
                     regime.gemm2_kernel
                 ));
             }
         }
+        let Some(kernel) = &self.shared_gate_kernel else {
+            return Ok(());
+        };
         for regime in self.expert_parallel.iter().flat_map(|ep| &ep.regimes) {
             let arrange = self
                 .expert_parallel
@@ -280,13 +297,7 @@ impl Plan {
             (launch.kernel == kernel && launch.block_threads == ROUTE_THREADS)
                 .then_some(launch.grid)
         };
-        // After the shared expert gate's launch, where the layer has one (checked apart).
-        let first_two: Vec<&super::Launch> = regime
-            .launches
-            .iter()
-            .skip(usize::from(self.shared_gate_kernel.is_some()))
-            .take(2)
-            .collect();
+        let first_two: Vec<&super::Launch> = regime.launches.iter().take(2).collect();
         let blocks = match first_two.as_slice() {
             [route, ..] if routing(route, &self.route_kernel) == Some(Grid::Fixed(1)) => Some(1),
             [count, place] => match (
