@@ -1,10 +1,12 @@
-# Device call for the gated shared expert (Qwen2-MoE's shared_expert_gate), session 59:
-# Not run yet: no device machine could be started after the session's first call (2026-12-06).
+# Device call for the gated shared expert (Qwen2-MoE's shared_expert_gate), sessions 59-60:
 # the GPU suite, Qwen1.5-MoE-A2.7B at full size against the CPU reference (one GPU and 4
-# virtual ranks), then what the gate costs a call: the layer as shipped (gated) against
-# the same layer with `gated = false` (one GPU: neither runs a fused decode, which is off
-# there unless the spec asks), two rounds in turns.
-# Run from the repository root after scripts/device-stage.sh.
+# virtual ranks), then what the gate costs a call on one GPU, in turns, ROUNDS rounds:
+#   launch  the gate as a launch of its own ahead of each call (5b89da7, the probe build
+#           .device/probe/gatelaunch: PROBE_REV=5b89da7 bash scripts/probe-build.sh - gatelaunch),
+#   gemm1   the gate computed by GEMM1's warps before its tiles (this build, 41e8990 on),
+#   none    the same layer with `gated = false` (this build): the floor the gate adds to.
+# Neither runs a fused decode (off on one GPU unless the spec asks).
+# Run from the repository root after scripts/device-stage.sh and the probe build.
 set -u
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -26,7 +28,8 @@ sed 's/^    gated = true.*$/    gated = false/' $spec > /tmp/ungated.moe
 grep -c "gated = false" /tmp/ungated.moe
 T=${TOKENS:-1,16,128,1024,4096}
 for round in $(seq 1 ${ROUNDS:-2}); do
-  moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/gated_$round.txt 2>&1
-  moeforge bench /tmp/ungated.moe --ranks 1 --tokens $T --seed 7 > $OUT/raw/ungated_$round.txt 2>&1
+  .device/probe/gatelaunch bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/launch_$round.txt 2>&1
+  moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/gemm1_$round.txt 2>&1
+  moeforge bench /tmp/ungated.moe --ranks 1 --tokens $T --seed 7 > $OUT/raw/none_$round.txt 2>&1
 done
 for f in $OUT/raw/*.txt; do echo "== $(basename $f)"; grep -E "^\| [0-9]" $f | cut -d'|' -f2-6 | head -12; done
