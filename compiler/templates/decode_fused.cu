@@ -43,14 +43,16 @@ __device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* 
 
 // The fused call, with the regime's two GEMM configurations: G1 (GEMM_UP) and G2
 // (GEMM_DOWN), both mma.sync with the same threads; the kernel's dynamic shared memory
-// is the larger ring. `counters`: [GEMM_EXPERTS] GEMM1 tiles stored per expert, then
+// is the larger ring. A gated shared expert's gate (shared_expert_gate; nullptr for
+// other layers) weighs the shared slices' rows, each of their GEMM2 tiles computing the
+// call's weights in its block's shared memory. `counters`: [GEMM_EXPERTS] GEMM1 tiles stored per expert, then
 // [GEMM_EXPERTS] GEMM2 tiles that have read them, then [N / BN of G2] GEMM2 tiles stored
 // per column tile, then the next unit's ticket and the blocks done claiming.
 template <class G1, class G2, int MAX_ROWS, int STATIC_SMEM>
 __device__ __forceinline__ void fused_decode(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,
-    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const int* __restrict__ topk_ids,
-    const float* __restrict__ topk_weights, int tokens, bf16_t* __restrict__ intermediate,
+    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const bf16_t* __restrict__ shared_expert_gate,
+    const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int tokens, bf16_t* __restrict__ intermediate,
     bf16_t* __restrict__ combine_slots, u32* __restrict__ counters, int* __restrict__ error_word,
     bf16_t* __restrict__ y)
 {
@@ -78,9 +80,18 @@ __device__ __forceinline__ void fused_decode(
     __shared__ int s_tiles1[GEMM_EXPERTS + 1];
     __shared__ int s_tiles2[GEMM_EXPERTS + 1];
     __shared__ int s_unit;
+{%- if shared_gated %}
+    __shared__ float s_gate[MAX_ROWS / SLOTS_PER_TOKEN];  // the call's tokens' shared-slice weights
+    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_row_pair) + sizeof(s_fill) + sizeof(s_tiles1) +
+                                       sizeof(s_tiles2) + sizeof(s_unit) + sizeof(s_gate)) == STATIC_SMEM,
+                  "plan: the fused decode's static shared memory");
+    const SlotWeights slot_weights{topk_weights, s_gate};
+{%- else %}
     static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_row_pair) + sizeof(s_fill) + sizeof(s_tiles1) +
                                        sizeof(s_tiles2) + sizeof(s_unit)) == STATIC_SMEM,
                   "plan: the fused decode's static shared memory");
+    const SlotWeights slot_weights{topk_weights};
+{%- endif %}
 
     // The routing ids come from the caller or from the router launched just before. The
     // first unit is claimed while the block routes.
@@ -120,8 +131,16 @@ __device__ __forceinline__ void fused_decode(
         // GEMM2: the expert's rows are every GEMM1 tile of that expert.
         GemmTile t;
         mma_sync_run<G2>(
-            intermediate, w2, w2_bias, SlotWeights{topk_weights}, s_offsets, s_row_pair, combine_slots, none, StreamKBuffers{}, smem,
+            intermediate, w2, w2_bias, slot_weights, s_offsets, s_row_pair, combine_slots, none, StreamKBuffers{}, smem,
             s_tiles2, KRun{unit - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true, [&](const GemmTile& tile) {
+{%- if shared_gated %}
+                // A shared slice's rows weigh their tokens' gate: the block's warps compute
+                // every token's (x's rows are in L2) before thread 0 waits.
+                if (tile.expert >= EXPERTS) {
+                    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5), THREADS / 32,
+                                           [&](int token, float weight) { s_gate[token] = weight; });
+                }
+{%- endif %}
                 if (threadIdx.x == 0) {
                     const int rows = s_offsets[tile.expert + 1] - s_offsets[tile.expert];
                     // Not giving up on a time-out code recorded earlier: block 0 clears an

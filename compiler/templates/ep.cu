@@ -1091,8 +1091,8 @@ __device__ __forceinline__ const float* mailbox_weights(const float* recv_weight
 template <class G1, class G2P, int MAX_TOKENS_FUSED, int MAX_ROWS, int STATIC_SMEM>
 __device__ __forceinline__ void ep_fused_decode(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,
-    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const int* __restrict__ topk_ids,
-    const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
+    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const bf16_t* __restrict__ shared_expert_gate,
+    const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
     const u64* __restrict__ peer_table, const bf16_t* recv_x, const int* recv_counts, const int* recv_pair,
     const float* recv_weight, const u32* meta_flags, const u32* chunk_flags, u32* __restrict__ chunk_pieces,
     const u32* credits, bf16_t* __restrict__ intermediate, const bf16_t* combine_slots, u32* combine_counters,
@@ -1335,7 +1335,7 @@ __device__ __forceinline__ void ep_fused_decode(
         const int row = s_offsets[(LOCAL_EXPERTS + slice) * RANKS] + t;
         s_rows[row] = OWN_ROW_BASE + t;
         s_pairs[row] = t * SLOTS_PER_TOKEN + TOP_K + slice;
-        s_weights[row] = 1.f;
+        s_weights[row] = 1.f;  // a gated shared expert's GEMM2 tiles put its gate here
         s_origins[row] = rank;
     }
     tile_schedule<G1::BM, N_TILES1, EXPERTS_HERE, RANKS>(s_offsets, s_tiles1);
@@ -1372,6 +1372,15 @@ __device__ __forceinline__ void ep_fused_decode(
             intermediate, w2, w2_bias, SlotWeights{}, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
             KRun{unit - sends - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true,
             [&](const GemmTile& tile) {
+{%- if shared_gated %}
+                // A shared slice's rows (this rank's tokens, in order) weigh their tokens'
+                // gate: the block's warps compute every own token's before thread 0 waits.
+                if (tile.expert >= LOCAL_EXPERTS) {
+                    const int first_row = s_offsets[tile.expert * RANKS];
+                    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5), THREADS / 32,
+                                           [&](int token, float weight) { s_weights[first_row + token] = weight; });
+                }
+{%- endif %}
                 if (threadIdx.x == 0) {
                     const int rows = s_offsets[(tile.expert + 1) * RANKS] - s_offsets[tile.expert * RANKS];
                     wait_flag<false>(expert_rows_done + tile.expert, (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1),

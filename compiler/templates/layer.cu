@@ -166,12 +166,12 @@ extern "C" __global__ void __launch_bounds__({{ fused.entry.threads }}, {{ fused
 {
 {%- if fused.expert_parallel %}
     ep_fused_decode<{{ regime.gemms[0].config }}, {{ regime.gemms[1].config }}, {{ fused.max_tokens }}, {{ fused.max_rows }}, {{ fused.entry.static_smem }}>(
-        x, w1, {{ fused.w1_bias }}, w2, {{ fused.w2_bias }}, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
+        x, w1, {{ fused.w1_bias }}, w2, {{ fused.w2_bias }}, {{ fused.shared_gate }}, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
         recv_x, recv_counts, recv_pair, recv_weight, meta_flags, chunk_flags, chunk_pieces, credits, intermediate,
         combine_slots, combine_counters, rank_fused_counters, error_word, y);
 {%- else %}
     fused_decode<{{ regime.gemms[0].config }}, {{ regime.gemms[1].config }}, {{ fused.max_rows }}, {{ fused.entry.static_smem }}>(
-        x, w1, {{ fused.w1_bias }}, w2, {{ fused.w2_bias }}, topk_ids, topk_weights, tokens, intermediate, combine_slots,
+        x, w1, {{ fused.w1_bias }}, w2, {{ fused.w2_bias }}, {{ fused.shared_gate }}, topk_ids, topk_weights, tokens, intermediate, combine_slots,
         fused_decode_counters, error_word, y);
 {%- endif %}
 }

@@ -337,18 +337,19 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) {{ sort.name }}(
 // The shared expert gate (a gated shared expert, as Qwen2-MoE's): token t's shared slices
 // weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights before its tiles
 // (GEMM2 reads them once GEMM1 is done), a rank's gate launch before arrange, which gives
-// them to the shared rows. A warp per token, the grid's warps taking the tokens in turn,
-// spread over the blocks first (so that a small call delays one warp of a few blocks):
-// 16-byte loads of x's row and of the gate, f32 products, the lanes' sums added in a fixed
-// order (the same weight every call).
+// them to the shared rows; a fused decode's shared-slice GEMM2 tiles compute their own in
+// shared memory. A warp per token: 16-byte loads of x's row and of the gate, f32 products,
+// the lanes' sums added in a fixed order (the same weight every call, on every path).
 // ---------------------------------------------------------------------------------------
-__device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
-                                                    int tokens, float* __restrict__ shared_gate) {
+// Tokens first, first + stride, ... below `tokens`, by a warp that numbers itself `first`
+// among `stride`; lane 0 hands each weight to store(token, weight).
+template <class Store>
+__device__ __forceinline__ void shared_gate_weights_of(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
+                                                       int tokens, int first, int stride, Store store) {
     static_assert(HIDDEN % 8 == 0, "plan: x's rows are whole 16-byte vectors");
     const int lane = threadIdx.x & 31;
-    const int warps = (int)gridDim.x * (int)(blockDim.x >> 5);
     const uint4* gate = reinterpret_cast<const uint4*>(shared_expert_gate);
-    for (int token = (int)(threadIdx.x >> 5) * (int)gridDim.x + (int)blockIdx.x; token < tokens; token += warps) {
+    for (int token = first; token < tokens; token += stride) {
         const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)token * HIDDEN);
         float sum = 0.f;
         for (int v = lane; v < HIDDEN / 8; v += 32) {
@@ -362,8 +363,16 @@ __device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        if (lane == 0) shared_gate[token] = 1.f / (1.f + expf(-sum));
+        if (lane == 0) store(token, 1.f / (1.f + expf(-sum)));
     }
+}
+
+// Every token of the call by the grid's warps, spread over the blocks first (so that a
+// small call delays one warp of a few blocks), into shared_gate.
+__device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
+                                                    int tokens, float* __restrict__ shared_gate) {
+    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5) * (int)gridDim.x + (int)blockIdx.x,
+                           (int)gridDim.x * (int)(blockDim.x >> 5), [&](int token, float weight) { shared_gate[token] = weight; });
 }
 {%- if let Some(gate) = shared_gate %}
 

@@ -820,10 +820,7 @@ fn a_ranks_workspace_and_split_are_checked_exactly() {
 
 /// The H200 plan of the shipped example `name`, validated.
 fn example_plan(name: &str) -> plan::Plan {
-    let path = format!("{}/../dsl-examples/{name}.moe", env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(&path).expect("the example exists");
-    let module = moeforge_compiler::compile_source(&path, &text).expect("the example checks");
-    let plan = plan::plan(&module.layers[0], &Target::h200()).expect("the example plans");
+    let plan = plan::plan(&example_layer(name), &Target::h200()).expect("the example plans");
     plan.validate().expect("the plan is consistent");
     plan
 }
@@ -1101,11 +1098,13 @@ fn expert_biases_reach_every_gemm_on_one_gpu_and_on_the_ranks() {
 
 /// Qwen1.5-MoE-A2.7B's gated shared expert: every one-GPU regime's GEMM1 computes the
 /// weights before its tiles (it takes x, the token count and the gate) and its GEMM2 reads
-/// them (passed to the epilogue beside the routing weights), no one-GPU table has a launch
-/// of its own for them and no regime runs a fused decode; each rank launches the gate on its
-/// compute stream right before arrange, which reads them. Layers without the gate compute
-/// none and read none. Validation catches a GEMM2 without the weights, a GEMM1 that does
-/// not compute them, and a rank that launches the gate after arrange.
+/// them (passed to the epilogue beside the routing weights), and no one-GPU table has a
+/// launch of its own for them; each rank launches the gate on its compute stream right
+/// before arrange, which reads them; the ranks' fused decode (on by default) and one GPU's
+/// (where the spec asks) take the gate, their shared-slice GEMM2 tiles computing the
+/// weights. Layers without the gate compute none and read none. Validation catches a GEMM2
+/// without the weights, a GEMM1 that does not compute them, a fused decode without the
+/// gate and a rank that launches the gate after arrange.
 #[test]
 fn a_gated_shared_expert_weighs_the_shared_slices_on_one_gpu_and_on_the_ranks() {
     let plan = example_plan("qwen1_5_moe_a2_7b");
@@ -1125,7 +1124,6 @@ fn a_gated_shared_expert_weighs_the_shared_slices_on_one_gpu_and_on_the_ranks() 
             "{}: one GPU launches no gate of its own",
             regime.name
         );
-        assert!(regime.fused_decode.is_none(), "{}", regime.name);
         let gemm1 = regime
             .launches
             .iter()
@@ -1183,8 +1181,49 @@ fn a_gated_shared_expert_weighs_the_shared_slices_on_one_gpu_and_on_the_ranks() 
         assert_eq!(regime.launches[at - 1].kernel, kernel, "{}", regime.name);
         assert_eq!(regime.launches[at - 1].stream, plan::StreamRole::Compute);
         assert!(reads(&regime.launches[at]));
-        assert!(regime.fused_decode.is_none(), "{}", regime.name);
     }
+    let takes_gate = |fused: &plan::FusedDecode| {
+        fused.launch.params.contains(&plan::KernelParam {
+            arg: plan::LaunchArg::SharedExpertGate,
+            access: plan::Access::Read,
+        })
+    };
+    let rank_fused = ep.regimes[0]
+        .fused_decode
+        .as_ref()
+        .expect("the ranks fuse their decode by default");
+    assert!(takes_gate(rank_fused));
+    assert!(
+        entry_point(&source, &rank_fused.launch.kernel)
+            .contains("w2, nullptr, shared_expert_gate, topk_ids"),
+        "the rank's fused decode passes the gate on"
+    );
+    let mut asked = example_layer("qwen1_5_moe_a2_7b");
+    asked.schedule.fused_decode = Some(16);
+    let fused_plan = plan::plan(&asked, &Target::h200()).expect("plans");
+    fused_plan.validate().expect("valid");
+    let fused = fused_plan.regimes[0]
+        .fused_decode
+        .as_ref()
+        .expect("one GPU fuses where asked");
+    assert!(fused.max_tokens >= 16 && takes_gate(fused));
+    let mut gateless = fused_plan.clone();
+    gateless.regimes[0]
+        .fused_decode
+        .as_mut()
+        .expect("fused")
+        .launch
+        .params
+        .retain(|p| p.arg != plan::LaunchArg::SharedExpertGate);
+    let error = gateless
+        .validate()
+        .expect_err("a fused decode without the gate");
+    assert!(
+        error
+            .to_string()
+            .contains("is not given the shared expert gate"),
+        "{error}"
+    );
     assert!(
         ep.workspace
             .iter()

@@ -3684,8 +3684,8 @@ __device__ __forceinline__ const float* mailbox_weights(const float* recv_weight
 template <class G1, class G2P, int MAX_TOKENS_FUSED, int MAX_ROWS, int STATIC_SMEM>
 __device__ __forceinline__ void ep_fused_decode(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,
-    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const int* __restrict__ topk_ids,
-    const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
+    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const bf16_t* __restrict__ shared_expert_gate,
+    const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
     const u64* __restrict__ peer_table, const bf16_t* recv_x, const int* recv_counts, const int* recv_pair,
     const float* recv_weight, const u32* meta_flags, const u32* chunk_flags, u32* __restrict__ chunk_pieces,
     const u32* credits, bf16_t* __restrict__ intermediate, const bf16_t* combine_slots, u32* combine_counters,
@@ -3928,7 +3928,7 @@ __device__ __forceinline__ void ep_fused_decode(
         const int row = s_offsets[(LOCAL_EXPERTS + slice) * RANKS] + t;
         s_rows[row] = OWN_ROW_BASE + t;
         s_pairs[row] = t * SLOTS_PER_TOKEN + TOP_K + slice;
-        s_weights[row] = 1.f;
+        s_weights[row] = 1.f;  // a gated shared expert's GEMM2 tiles put its gate here
         s_origins[row] = rank;
     }
     tile_schedule<G1::BM, N_TILES1, EXPERTS_HERE, RANKS>(s_offsets, s_tiles1);
@@ -4379,7 +4379,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) mixtral_8x7b_decode_ep_fuse
 )
 {
     ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 6, 48, 1664>(
-        x, w1, nullptr, w2, nullptr, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
+        x, w1, nullptr, w2, nullptr, nullptr, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
         recv_x, recv_counts, recv_pair, recv_weight, meta_flags, chunk_flags, chunk_pieces, credits, intermediate,
         combine_slots, combine_counters, rank_fused_counters, error_word, y);
 }
@@ -4506,7 +4506,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) mixtral_8x7b_small_ep_fused
 )
 {
     ep_fused_decode<small_ep_gemm1, small_ep_gemm2, 14, 112, 3584>(
-        x, w1, nullptr, w2, nullptr, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
+        x, w1, nullptr, w2, nullptr, nullptr, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
         recv_x, recv_counts, recv_pair, recv_weight, meta_flags, chunk_flags, chunk_pieces, credits, intermediate,
         combine_slots, combine_counters, rank_fused_counters, error_word, y);
 }

@@ -560,18 +560,19 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) qwen1_5_moe_a2_7
 // The shared expert gate (a gated shared expert, as Qwen2-MoE's): token t's shared slices
 // weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights before its tiles
 // (GEMM2 reads them once GEMM1 is done), a rank's gate launch before arrange, which gives
-// them to the shared rows. A warp per token, the grid's warps taking the tokens in turn,
-// spread over the blocks first (so that a small call delays one warp of a few blocks):
-// 16-byte loads of x's row and of the gate, f32 products, the lanes' sums added in a fixed
-// order (the same weight every call).
+// them to the shared rows; a fused decode's shared-slice GEMM2 tiles compute their own in
+// shared memory. A warp per token: 16-byte loads of x's row and of the gate, f32 products,
+// the lanes' sums added in a fixed order (the same weight every call, on every path).
 // ---------------------------------------------------------------------------------------
-__device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
-                                                    int tokens, float* __restrict__ shared_gate) {
+// Tokens first, first + stride, ... below `tokens`, by a warp that numbers itself `first`
+// among `stride`; lane 0 hands each weight to store(token, weight).
+template <class Store>
+__device__ __forceinline__ void shared_gate_weights_of(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
+                                                       int tokens, int first, int stride, Store store) {
     static_assert(HIDDEN % 8 == 0, "plan: x's rows are whole 16-byte vectors");
     const int lane = threadIdx.x & 31;
-    const int warps = (int)gridDim.x * (int)(blockDim.x >> 5);
     const uint4* gate = reinterpret_cast<const uint4*>(shared_expert_gate);
-    for (int token = (int)(threadIdx.x >> 5) * (int)gridDim.x + (int)blockIdx.x; token < tokens; token += warps) {
+    for (int token = first; token < tokens; token += stride) {
         const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)token * HIDDEN);
         float sum = 0.f;
         for (int v = lane; v < HIDDEN / 8; v += 32) {
@@ -585,8 +586,16 @@ __device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        if (lane == 0) shared_gate[token] = 1.f / (1.f + expf(-sum));
+        if (lane == 0) store(token, 1.f / (1.f + expf(-sum)));
     }
+}
+
+// Every token of the call by the grid's warps, spread over the blocks first (so that a
+// small call delays one warp of a few blocks), into shared_gate.
+__device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
+                                                    int tokens, float* __restrict__ shared_gate) {
+    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5) * (int)gridDim.x + (int)blockIdx.x,
+                           (int)gridDim.x * (int)(blockDim.x >> 5), [&](int token, float weight) { shared_gate[token] = weight; });
 }
 
 // A rank's gate launch: SHARED_GATE_TOKENS_PER_BLOCK warps a block.
@@ -3125,6 +3134,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) qwen1_5_moe_a2_7b_
 //                               releases the origin's per-token counter
 //                   ep_combine  waits for each token's counter, sums its K slots (and
 //                               its shared slices')
+// A call of a few tokens per rank runs all of this as one kernel per rank instead, on every
+// rank (the rank regime's `<layer>_<regime>_ep_fused`, ep_fused_decode at the end).
 // ---------------------------------------------------------------------------------------
 enum : int { RANKS = 4 };
 enum : int { LOCAL_EXPERTS = 15 };     // E / RANKS, contiguous: expert e lives on rank e / LOCAL_EXPERTS
@@ -3672,6 +3683,384 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS * COMBINE_LANES) qw
     }
 }
 #endif
+
+// ---------------------------------------------------------------------------------------
+// Fused decode on a rank: a call of few tokens per rank as one persistent kernel, in
+// place of ep_route -> ep_dispatch | ep_arrange -> GEMM1 -> GEMM2 -> ep_combine. Every
+// rank of the call runs it (the runtime picks it for all ranks or for none). Per rank:
+//   1. every block finds, from this rank's ids, the tokens each destination gets (a token
+//      once however many of its experts live there), in token order: its slots there;
+//   2. blocks 0.. each hand one destination this rank's ids and weights (its "mailbox":
+//      this rank's part of the destination's receive index buffers), once the
+//      destination's credit says it has read the last call's, then release the metadata
+//      flag there;
+//   3. work units claimed in increasing order from a ticket: first each token row a peer
+//      gets (copied into its recv_x, the copier of a chunk's last row releasing the chunk
+//      flag there), then every GEMM1 tile, then every GEMM2 tile;
+//   4. before its first GEMM unit a block waits for every source's mailbox and lays out
+//      the GEMM rows in its shared memory, as ep_arrange would (per local expert, sources
+//      in receive order, rows in token order); the last block to do so gives every source
+//      its credit back;
+//   5. a GEMM1 tile waits for the chunks its rows sit in and counts itself in at its
+//      expert; a GEMM2 tile issues its first weight stages, waits for its expert's GEMM1
+//      tiles, and stores its weighted rows into the origin's combine slots, releasing the
+//      origin's per-token counter (pair rows, whatever the table's combine route);
+//   6. once past the last unit, block b sums this rank's tokens b, b + grid, ... as
+//      ep_combine does, each once its counter is complete.
+// Every block of every rank must be resident at once (the plan sizes the grid so): a
+// GEMM1 tile waits for rows another rank's blocks copy. Waits are bounded as everywhere.
+// ---------------------------------------------------------------------------------------
+// A GEMM config of the rank regime with results stored at their origins, pair by pair.
+template <class G>
+struct PairRowsOf : G {
+    enum : bool { RANK_PARTIALS = false };
+};
+
+// The ids a source handed this rank, and where its mailbox holds them.
+__device__ __forceinline__ const int* mailbox_ids(const int* recv_pair, int source) {
+    return recv_pair + (size_t)source * SEGMENT_ROWS;
+}
+__device__ __forceinline__ const float* mailbox_weights(const float* recv_weight, int source) {
+    return recv_weight + (size_t)source * SEGMENT_ROWS;
+}
+
+// `counters`: [EXPERTS_HERE] GEMM1 tiles stored per local expert, [EXPERTS_HERE] GEMM2
+// tiles that read them, then the next unit's ticket, the blocks done claiming and the
+// blocks done laying out (each back to zero after a call).
+template <class G1, class G2P, int MAX_TOKENS_FUSED, int MAX_ROWS, int STATIC_SMEM>
+__device__ __forceinline__ void ep_fused_decode(
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,
+    const bf16_t* __restrict__ w2, const float* __restrict__ w2_bias, const bf16_t* __restrict__ shared_expert_gate,
+    const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int tokens, int rank, u32 epoch,
+    const u64* __restrict__ peer_table, const bf16_t* recv_x, const int* recv_counts, const int* recv_pair,
+    const float* recv_weight, const u32* meta_flags, const u32* chunk_flags, u32* __restrict__ chunk_pieces,
+    const u32* credits, bf16_t* __restrict__ intermediate, const bf16_t* combine_slots, u32* combine_counters,
+    u32* __restrict__ counters, int* __restrict__ error_word, bf16_t* __restrict__ y)
+{
+    using G2 = PairRowsOf<G2P>;
+    assert_gemm_layout<G1>();
+    assert_gemm_layout<G2>();
+    static_assert(G1::KIND == GEMM_UP && G2::KIND == GEMM_DOWN && G1::EP && G2::EP, "plan: a rank's GEMM1 and GEMM2");
+    static_assert(G1::THREADS == G2::THREADS && G1::PRODUCER_THREADS == 0 && G2::PRODUCER_THREADS == 0,
+                  "plan: both GEMMs mma.sync, with the same threads");
+    static_assert(G1::RING_ALIGN == G2::RING_ALIGN, "plan: one ring alignment");
+    constexpr int THREADS = G1::THREADS;
+    static_assert(MAX_TOKENS_FUSED <= THREADS && THREADS % COMBINE_THREADS == 0 && RANKS <= 64,
+                  "plan: a thread per token, whole combine lanes, a destination mask in 64 bits");
+    static_assert(MAX_TOKENS_FUSED * TOP_K <= SEGMENT_ROWS, "plan: a mailbox fits a source's first segment");
+    constexpr int K_TILES1 = k_tiles<G1>(), N_TILES1 = G1::N / G1::BN;
+    constexpr int K_TILES2 = k_tiles<G2>(), N_TILES2 = G2::N / G2::BN;
+    constexpr int EXPERTS_HERE = LOCAL_EXPERTS + SHARED_SLICES;
+    u32* expert_rows_done = counters;
+    u32* expert_rows_read = counters + EXPERTS_HERE;
+    u32* next_unit = counters + 2 * EXPERTS_HERE;
+    u32* blocks_done = next_unit + 1;
+    u32* layouts_done = next_unit + 2;
+
+    unsigned char* smem = aligned_ring<G1>();
+    __shared__ unsigned long long s_visits[MAX_TOKENS_FUSED];  // per own token, the destinations it visits
+    __shared__ int s_send_token[RANKS][MAX_TOKENS_FUSED];      // per destination, its slots' tokens
+    __shared__ int s_send_count[RANKS];
+    __shared__ int s_offsets[SEGMENTS + 1];
+    __shared__ int s_fill[SEGMENTS];
+    __shared__ int s_slot[MAX_TOKENS_FUSED];                   // a source's token's slot here
+    __shared__ int s_tokens[RANKS];                            // per source (in receive order), its tokens
+    __shared__ int s_local[RANKS][MAX_TOKENS_FUSED * TOP_K];   // per source pair, its local expert here or -1
+    __shared__ int s_rows[MAX_ROWS];                           // GEMM1: each row's row of recv_x (or x)
+    __shared__ int s_pairs[MAX_ROWS];                          // GEMM2: each row's (token, k) slot at its origin
+    __shared__ int s_origins[MAX_ROWS];
+    __shared__ float s_weights[MAX_ROWS];
+    __shared__ int s_tiles1[SEGMENTS + 1];
+    __shared__ int s_tiles2[SEGMENTS + 1];
+    __shared__ int s_unit;
+    static_assert(static_smem_reserved(sizeof(s_visits) + sizeof(s_send_token) + sizeof(s_send_count) +
+                                       sizeof(s_offsets) + sizeof(s_fill) + sizeof(s_slot) + sizeof(s_tokens) +
+                                       sizeof(s_local) + sizeof(s_rows) +
+                                       sizeof(s_pairs) + sizeof(s_origins) + sizeof(s_weights) + sizeof(s_tiles1) +
+                                       sizeof(s_tiles2) + sizeof(s_unit)) == STATIC_SMEM,
+                  "plan: the rank's fused decode's static shared memory");
+
+    start_after_previous_kernel();
+    if (blockIdx.x == 0 && threadIdx.x < 4) error_word[threadIdx.x] = 0;
+    if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
+
+    // 1. The destinations of each own token, then each destination's slots.
+    for (int t = threadIdx.x; t < tokens; t += THREADS) {
+        const int* ids = topk_ids + (size_t)t * TOP_K;
+        unsigned long long visits = 0;
+        for (int k = 0; k < TOP_K; ++k) {
+            const int expert = ids[k];
+            const bool repeated = repeats_earlier_choice(ids, k);
+            if ((unsigned)expert < (unsigned)EXPERTS && !repeated) {
+                visits |= 1ull << (expert / LOCAL_EXPERTS);
+            } else if (blockIdx.x == 0) {
+                report_error(error_word, repeated ? ERROR_EXPERT_ID_REPEATED : ERROR_EXPERT_ID_OUT_OF_RANGE, t, k, expert);
+            }
+        }
+        s_visits[t] = visits;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < RANKS; d += THREADS) {
+        int n = 0;
+        for (int t = 0; t < tokens; ++t) {
+            if (s_visits[t] >> d & 1) s_send_token[d][n++] = t;
+        }
+        s_send_count[d] = n;
+    }
+    __syncthreads();
+
+    // 2. Mailboxes: this rank's ids and weights, whole, for each peer to route itself.
+    for (int step = 1 + blockIdx.x; step < RANKS; step += gridDim.x) {
+        const int destination = SEND_ORDER[rank][step];
+        if (threadIdx.x == 0) wait_flag<false>(credits + destination, epoch - 1, error_word, rank, FLAG_KIND_CREDIT, destination);
+        __syncthreads();
+        int* ids = peer_buffer<int>(peer_table, destination, PEER_RECV_PAIR) + (size_t)rank * SEGMENT_ROWS;
+        float* weights = peer_buffer<float>(peer_table, destination, PEER_RECV_WEIGHT) + (size_t)rank * SEGMENT_ROWS;
+        for (int p = threadIdx.x; p < tokens * TOP_K; p += THREADS) {
+            ids[p] = topk_ids[p];
+            weights[p] = topk_weights[p];
+        }
+        if (threadIdx.x == 0) peer_buffer<int>(peer_table, destination, PEER_RECV_COUNTS)[rank * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS] = tokens;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            fence_flags();
+            flag_store(peer_buffer<u32>(peer_table, destination, PEER_META_FLAGS) + rank, epoch);
+        }
+    }
+
+    // 3. Rows to peers, one unit each, in send order.
+    int sends = 0;
+    for (int d = 0; d < RANKS; ++d) sends += d == rank ? 0 : s_send_count[d];
+    int unit = s_unit;  // (the barriers above published it)
+    __syncthreads();    // every thread has read its first ticket
+    while (unit < sends) {
+        if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
+        int destination = 0, slot = unit;
+        for (int step = 1; step < RANKS; ++step) {
+            destination = SEND_ORDER[rank][step];
+            if (slot < s_send_count[destination]) break;
+            slot -= s_send_count[destination];
+        }
+        constexpr int VECTORS = HIDDEN / 8;
+        const Vec16* from = reinterpret_cast<const Vec16*>(x + (size_t)s_send_token[destination][slot] * HIDDEN);
+        Vec16* to = reinterpret_cast<Vec16*>(peer_buffer<bf16_t>(peer_table, destination, PEER_RECV_X) +
+                                             ((size_t)rank * SLOTS + slot) * HIDDEN);
+        for (int base = threadIdx.x; base < VECTORS; base += THREADS * COPY_UNROLL) {
+            Vec16 value[COPY_UNROLL];
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                if (base + u * THREADS < VECTORS) value[u] = from[base + u * THREADS];
+            }
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                if (base + u * THREADS < VECTORS) to[base + u * THREADS] = value[u];
+            }
+        }
+        __syncthreads();  // the whole row is written before it is counted; the next ticket is in
+        if (threadIdx.x == 0) {
+            const int chunk = slot / CHUNK;
+            const u32 chunk_rows = (u32)min(CHUNK, s_send_count[destination] - chunk * CHUNK);
+            u32* rows_done = chunk_pieces + destination * CHUNKS + chunk;
+            fence_flags();
+            if (atomicAdd(rows_done, 1u) == chunk_rows - 1) {
+                *rows_done = 0;
+                fence_flags();
+                flag_store(peer_buffer<u32>(peer_table, destination, PEER_CHUNK_FLAGS) + rank * CHUNKS + chunk, epoch);
+            }
+        }
+        unit = s_unit;
+        __syncthreads();  // every thread has read the ticket
+    }
+
+    // 4. The GEMM rows: every source's mailbox, laid out per (local expert, source).
+    for (int source = threadIdx.x; source < RANKS; source += THREADS) {
+        if (source != rank) wait_flag<false>(meta_flags + source, epoch, error_word, rank, FLAG_KIND_META, source);
+    }
+    for (int g = threadIdx.x; g < SEGMENTS; g += THREADS) s_fill[g] = 0;
+    __syncthreads();
+    const int* order = RECEIVE_ORDER[rank];
+    // Every source's ids, staged in shared memory (a source's mailbox is read once, not
+    // once per question asked of it): first as they came, then, per pair, the local expert
+    // it lands on here, or -1 (another rank's, out of range, or repeating an earlier
+    // choice). A source's count is bounded by MAX_TOKENS_FUSED: the runtime runs this
+    // kernel on every rank or on none, for calls of at most that many tokens on each; the
+    // bound only keeps a corrupt count within the shared arrays.
+    for (int phase = threadIdx.x; phase < RANKS; phase += THREADS) {
+        const int source = order[phase];
+        s_tokens[phase] = source == rank ? tokens
+                                         : min(__ldcg(recv_counts + source * (LOCAL_EXPERTS + 1) + LOCAL_EXPERTS),
+                                               MAX_TOKENS_FUSED);
+    }
+    __syncthreads();
+    for (int phase = 0; phase < RANKS; ++phase) {
+        const int source = order[phase];
+        for (int p = threadIdx.x; p < s_tokens[phase] * TOP_K; p += THREADS) {
+            s_local[phase][p] = source == rank ? topk_ids[p] : __ldcg(mailbox_ids(recv_pair, source) + p);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < RANKS * MAX_TOKENS_FUSED; i += THREADS) {
+        const int phase = i / MAX_TOKENS_FUSED, t = i % MAX_TOKENS_FUSED;
+        if (t >= s_tokens[phase]) continue;
+        int* ids = &s_local[phase][t * TOP_K];  // this thread's token only
+        int local[TOP_K];
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            const int expert = ids[k];
+            const bool lands = (unsigned)expert < (unsigned)EXPERTS && expert / LOCAL_EXPERTS == rank &&
+                               !repeats_earlier_choice(ids, k);
+            local[k] = lands ? expert - rank * LOCAL_EXPERTS : -1;
+        }
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) ids[k] = local[k];
+    }
+    __syncthreads();
+    for (int phase = 0; phase < RANKS; ++phase) {
+        for (int p = threadIdx.x; p < s_tokens[phase] * TOP_K; p += THREADS) {
+            const int local = s_local[phase][p];
+            if (local >= 0) atomicAdd(&s_fill[local * RANKS + phase], 1);
+        }
+    }
+    for (int slice = threadIdx.x; slice < SHARED_SLICES; slice += THREADS) s_fill[(LOCAL_EXPERTS + slice) * RANKS] = tokens;
+    __syncthreads();
+    if (threadIdx.x < 32) warp_exclusive_scan(SEGMENTS, [&](int g) { return s_fill[g]; }, s_offsets);
+    __syncthreads();
+    for (int g = threadIdx.x; g < SEGMENTS; g += THREADS) s_fill[g] = 0;
+    __syncthreads();
+    for (int phase = 0; phase < RANKS; ++phase) {
+        const int source = order[phase];
+        const int* locals = s_local[phase];
+        const float* weights = source == rank ? topk_weights : mailbox_weights(recv_weight, source);
+        const int source_token_count = s_tokens[phase];
+        // A peer's token's slot here: its place among that peer's tokens that visit this rank.
+        if (threadIdx.x < 32) {
+            int before = 0;
+            for (int first = 0; first < source_token_count; first += 32) {
+                const int t = first + threadIdx.x;
+                bool visits = false;
+                for (int k = 0; t < source_token_count && k < TOP_K; ++k) visits |= locals[t * TOP_K + k] >= 0;
+                const u32 mask = __ballot_sync(0xffffffffu, visits);
+                if (t < source_token_count) s_slot[t] = before + __popc(mask & ((1u << threadIdx.x) - 1));
+                before += __popc(mask);
+            }
+        }
+        __syncthreads();
+        // Rows in pair order within each segment: one warp, 32 pairs at a time.
+        if (threadIdx.x < 32) {
+            const int pairs = source_token_count * TOP_K;
+            for (int first = 0; first < pairs; first += 32) {
+                const int p = first + threadIdx.x;
+                const int local = p < pairs ? locals[p] : -1;
+                const bool lands = local >= 0;
+                const u32 same = __match_any_sync(0xffffffffu, local);
+                if (lands) {
+                    const int g = local * RANKS + phase;
+                    const int row = s_offsets[g] + s_fill[g] + __popc(same & ((1u << threadIdx.x) - 1));
+                    const int t = p / TOP_K;
+                    s_rows[row] = source == rank ? OWN_ROW_BASE + t : source * SLOTS + s_slot[t];
+                    s_pairs[row] = t * SLOTS_PER_TOKEN + p % TOP_K;
+                    s_weights[row] = source == rank ? weights[p] : __ldcg(weights + p);
+                    s_origins[row] = source;
+                }
+                __syncwarp();
+                if (lands && __popc(same & ((1u << threadIdx.x) - 1)) == 0) s_fill[local * RANKS + phase] += __popc(same);
+                __syncwarp();
+            }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < SHARED_SLICES * tokens; i += THREADS) {
+        const int slice = i / tokens, t = i % tokens;
+        const int row = s_offsets[(LOCAL_EXPERTS + slice) * RANKS] + t;
+        s_rows[row] = OWN_ROW_BASE + t;
+        s_pairs[row] = t * SLOTS_PER_TOKEN + TOP_K + slice;
+        s_weights[row] = 1.f;  // a gated shared expert's GEMM2 tiles put its gate here
+        s_origins[row] = rank;
+    }
+    tile_schedule<G1::BM, N_TILES1, EXPERTS_HERE, RANKS>(s_offsets, s_tiles1);
+    tile_schedule<G2::BM, N_TILES2, EXPERTS_HERE, RANKS>(s_offsets, s_tiles2);
+    // Every block has read the mailboxes once all have laid out: the last gives every
+    // source its credit (this rank's own too, which the table's metadata kernel waits for).
+    if (last_arrival(layouts_done, gridDim.x)) {
+        for (int source = threadIdx.x; source < RANKS; source += THREADS) {
+            fence_flags();
+            flag_store(peer_buffer<u32>(peer_table, source, PEER_CREDITS) + rank, epoch);
+        }
+    }
+    const int tiles1 = s_tiles1[SEGMENTS], tiles2 = s_tiles2[SEGMENTS];
+    const EpContext gemm1_ep = ep_gemm1_context(chunk_flags, x, error_word, rank, epoch);
+    const EpContext gemm2_ep = ep_gemm2_context(s_weights, s_origins, peer_table, error_word, rank);
+
+    // 5. The GEMM tiles.
+    for (; unit < sends + tiles1 + tiles2; unit = s_unit) {
+        __syncthreads();  // every thread has read this unit's ticket
+        if (threadIdx.x == 0) s_unit = (int)atomicAdd(next_unit, 1u);
+        GemmTile t;
+        if (unit < sends + tiles1) {
+            mma_sync_run<G1>(recv_x, w1, w1_bias, SlotWeights{}, s_offsets, s_rows, intermediate, gemm1_ep, StreamKBuffers{},
+                             smem, s_tiles1, KRun{unit - sends, 0, K_TILES1}, KRun::none(), RingState{0, false}, nullptr,
+                             false, [](const GemmTile&) {}, &t);
+            if (threadIdx.x == 0) {
+                fence_flags();
+                flag_add(expert_rows_done + t.expert, 1);
+            }
+            __syncthreads();  // the next ticket is in s_unit
+            continue;
+        }
+        mma_sync_run<G2>(
+            intermediate, w2, w2_bias, SlotWeights{}, s_offsets, s_pairs, nullptr, gemm2_ep, StreamKBuffers{}, smem, s_tiles2,
+            KRun{unit - sends - tiles1, 0, K_TILES2}, KRun::none(), RingState{0, false}, nullptr, true,
+            [&](const GemmTile& tile) {
+                // A shared slice's rows (this rank's tokens, in order) weigh their tokens'
+                // gate: the block's warps compute every own token's before thread 0 waits.
+                if (tile.expert >= LOCAL_EXPERTS) {
+                    const int first_row = s_offsets[tile.expert * RANKS];
+                    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5), THREADS / 32,
+                                           [&](int token, float weight) { s_weights[first_row + token] = weight; });
+                }
+                if (threadIdx.x == 0) {
+                    const int rows = s_offsets[(tile.expert + 1) * RANKS] - s_offsets[tile.expert * RANKS];
+                    wait_flag<false>(expert_rows_done + tile.expert, (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1),
+                                     error_word, rank, FLAG_KIND_EXPERT_ROWS, tile.expert);
+                }
+                __syncthreads();
+            },
+            &t);
+        if (threadIdx.x == 0) {
+            // The expert's last GEMM2 tile has read its rows: both counts go back to zero.
+            const int rows = s_offsets[(t.expert + 1) * RANKS] - s_offsets[t.expert * RANKS];
+            const u32 readers = (u32)((rows + G2::BM - 1) / G2::BM * N_TILES2);
+            if (atomicAdd(expert_rows_read + t.expert, 1u) == readers - 1) {
+                atomicSub(expert_rows_done + t.expert, (u32)((rows + G1::BM - 1) / G1::BM * N_TILES1));
+                expert_rows_read[t.expert] = 0;
+            }
+        }
+        __syncthreads();  // the next ticket is in s_unit
+    }
+    // The last block past the last unit puts the ticket back.
+    if (last_arrival(blocks_done, gridDim.x) && threadIdx.x == 0) *next_unit = 0;
+
+    // 6. This rank's tokens, each once every pair (and shared slice) of it is stored here.
+    for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
+        bool present[SLOTS_PER_TOKEN];
+        const u32 target = combine_target(topk_ids, token, present);
+        if (threadIdx.x == 0) {
+            s_unit = wait_flag<false>(combine_counters + token, target, error_word, rank, FLAG_KIND_COMBINE, token);
+        }
+        __syncthreads();
+        const bool complete = s_unit != 0;
+        const bf16_t* rows[SLOTS_PER_TOKEN];
+#pragma unroll
+        for (int k = 0; k < SLOTS_PER_TOKEN; ++k) {
+            rows[k] = present[k] ? combine_slots + ((size_t)token * SLOTS_PER_TOKEN + k) * HIDDEN : nullptr;
+        }
+        for (int column = threadIdx.x * 8; column < HIDDEN; column += THREADS * 8) {
+            *reinterpret_cast<Vec16*>(y + (size_t)token * HIDDEN + column) = sum_slot_vectors<SLOTS_PER_TOKEN, true>(rows, column);
+        }
+        __syncthreads();  // every thread read the slots before the counter is reset
+        if (threadIdx.x == 0 && complete) atomicSub(combine_counters + token, target);
+    }
+}
 // ---------------------------------------------------------------------------------------
 // Regime `decode`: 0..=128 tokens per call
 // ---------------------------------------------------------------------------------------
@@ -3945,14 +4334,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) q
 // ---------------------------------------------------------------------------------------
 // Rank regime `decode`, expert-parallel (tokens per rank): 0..=32 tokens per call
 // ---------------------------------------------------------------------------------------
-// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 3 stages, 1x4 warps, 232 persistent blocks (2 per SM)
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_gemm1)
+// expert-parallel GEMM1 (received rows once their chunks arrive, W1, activation): mma.sync, tile 16x64x128, 5 stages, 1x4 warps, 116 persistent blocks (1 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_gemm1) || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_fused)
 struct decode_ep_gemm1 : ExpertParallel {
     enum : int { KIND = GEMM_UP };
     enum : bool { GATED = true };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = FFN, KD = HIDDEN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 3 };
+    enum : int { BM = 16, BN = 64, BK = 128, STAGES = 5 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -3968,12 +4357,12 @@ struct decode_ep_gemm1 : ExpertParallel {
     enum : int { B_ROWS = 128 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 256, A_BYTES = 4096, STAGE_BYTES = 36864 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 110592, BARRIER_OFFSET = 110656 };
-    enum : int { DYNAMIC_SMEM_BYTES = 110784, STATIC_SMEM_BYTES = 384 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 184320, BARRIER_OFFSET = 184384 };
+    enum : int { DYNAMIC_SMEM_BYTES = 184512, STATIC_SMEM_BYTES = 384 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_gemm1)
-extern "C" __global__ void __launch_bounds__(128, 2) qwen1_5_moe_a2_7b_decode_ep_gemm1(
+extern "C" __global__ void __launch_bounds__(128, 1) qwen1_5_moe_a2_7b_decode_ep_gemm1(
     const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
     const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
     const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
@@ -3990,14 +4379,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) qwen1_5_moe_a2_7b_decode_ep
         ep_gemm1_context(chunk_flags, x, error_word, rank, epoch));
 }
 #endif
-// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 5 stages, 1x4 warps, 464 persistent blocks (4 per SM)
-#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_gemm2)
+// expert-parallel GEMM2 (W2, routing weight, the origin's combine slot and counter): mma.sync, tile 16x64x64, 8 stages, 1x4 warps, 232 persistent blocks (2 per SM)
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_gemm2) || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_fused)
 struct decode_ep_gemm2 : ExpertParallel {
     enum : int { KIND = GEMM_DOWN };
     enum : bool { GATED = false };
     enum : bool { BIAS = false };  // adds the expert's bias before the activation (GEMM1) or the routing weight (GEMM2)
     enum : int { N = HIDDEN, KD = FFN };  // output width, reduction depth
-    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 5 };
+    enum : int { BM = 16, BN = 64, BK = 64, STAGES = 8 };
     enum : int { WARPS_M = 1, WARPS_N = 4, THREADS = 128 };
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -4013,12 +4402,12 @@ struct decode_ep_gemm2 : ExpertParallel {
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 2048, STAGE_BYTES = 10240 };
-    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 51200, BARRIER_OFFSET = 51264 };
-    enum : int { DYNAMIC_SMEM_BYTES = 51392, STATIC_SMEM_BYTES = 384 };
+    enum : int { RING_ALIGN = 128, ALIGN_SLACK = 128, ROW_SOURCE_OFFSET = 81920, BARRIER_OFFSET = 81984 };
+    enum : int { DYNAMIC_SMEM_BYTES = 82112, STATIC_SMEM_BYTES = 384 };
 };
 #endif
 #if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_gemm2)
-extern "C" __global__ void __launch_bounds__(128, 4) qwen1_5_moe_a2_7b_decode_ep_gemm2(
+extern "C" __global__ void __launch_bounds__(128, 2) qwen1_5_moe_a2_7b_decode_ep_gemm2(
     const bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
     const int* __restrict__ segment_offsets,  // [LOCAL_EXPERTS * RANKS + 1]: first row of each (expert, source) run
@@ -4032,6 +4421,42 @@ extern "C" __global__ void __launch_bounds__(128, 4) qwen1_5_moe_a2_7b_decode_ep
 {
     grouped_gemm<decode_ep_gemm2>(intermediate, w2, nullptr, SlotWeights{}, segment_offsets, segment_pairs, nullptr,
         ep_gemm2_context(segment_weights, row_origins, peer_table, error_word, rank));
+}
+#endif
+// Fused decode: calls of up to 32 tokens per rank run as this one kernel, with the two GEMMs
+// above; 1 blocks per SM.
+#if MOEFORGE_ALL_KERNELS || defined(MOEFORGE_KERNEL_qwen1_5_moe_a2_7b_decode_ep_fused)
+extern "C" __global__ void __launch_bounds__(128, 1) qwen1_5_moe_a2_7b_decode_ep_fused(
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    const bf16_t* __restrict__ w1,  // [experts here, W1 rows, HIDDEN]
+    const bf16_t* __restrict__ w2,  // [experts here, HIDDEN, FFN]
+    const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
+    const int* __restrict__ topk_ids,  // [tokens, TOP_K]
+    const float* __restrict__ topk_weights,  // [tokens, TOP_K]
+    int tokens,  // tokens in this call
+    int rank,  // this rank
+    u32 epoch,  // this call's epoch
+    const u64* __restrict__ peer_table,  // [RANKS, PEER_BUFFERS]: peers' addresses
+    const bf16_t* recv_x,  // [RANKS * SLOTS, HIDDEN], written by peers
+    const int* recv_counts,  // [RANKS, LOCAL_EXPERTS + 1], written by peers
+    const int* recv_pair,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const float* recv_weight,  // [LOCAL_EXPERTS, RANKS, SEGMENT_ROWS], written by peers
+    const u32* meta_flags,  // [RANKS], written by peers
+    const u32* chunk_flags,  // [RANKS, CHUNKS], written by peers
+    u32* __restrict__ chunk_pieces,  // [RANKS, CHUNKS]: pieces of each chunk copied
+    const u32* credits,  // [RANKS], written by peers: epoch each has consumed
+    bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
+    const bf16_t* combine_slots,  // [tokens, slots per token, HIDDEN]: see the plan's buffers
+    u32* __restrict__ combine_counters,  // [MAX_TOKENS], written by peers
+    u32* __restrict__ rank_fused_counters,  // [2 * (LOCAL_EXPERTS + SHARED_SLICES) + 3]: a rank's fused decode counters, zero between calls
+    int* __restrict__ error_word,  // [4]: code, then details
+    bf16_t* __restrict__ y  // [tokens, HIDDEN]
+)
+{
+    ep_fused_decode<decode_ep_gemm1, decode_ep_gemm2, 32, 640, 14464>(
+        x, w1, nullptr, w2, nullptr, shared_expert_gate, topk_ids, topk_weights, tokens, rank, epoch, peer_table,
+        recv_x, recv_counts, recv_pair, recv_weight, meta_flags, chunk_flags, chunk_pieces, credits, intermediate,
+        combine_slots, combine_counters, rank_fused_counters, error_word, y);
 }
 #endif
 // ---------------------------------------------------------------------------------------

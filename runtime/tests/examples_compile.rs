@@ -83,10 +83,11 @@ fn a_large_top_k_and_rank_partials_compile_without_spills() {
     }
 }
 
-/// The fused decode kernel (`fused_decode = 16 tokens`) of four examples, and the router
-/// that runs before it, compile as the runtime compiles them, a module each: no spills,
-/// and the static shared memory (for the fused decode, the routing each block lays out)
-/// the plan states.
+/// The fused decode kernel (`fused_decode = 16 tokens`) of five examples (one with a gated
+/// shared expert, whose shared-slice tiles compute the gate), and the router that runs
+/// before it, compile as the runtime compiles them, a module each: no spills, and the
+/// static shared memory (for the fused decode, the routing each block lays out) the plan
+/// states.
 #[test]
 fn fused_decode_kernels_compile_without_spills() {
     let Some(toolkit) = nvrtc_for_tests() else {
@@ -99,6 +100,7 @@ fn fused_decode_kernels_compile_without_spills() {
         "deepseek_v3",
         "mixtral_8x7b",
         "gpt_oss_120b",
+        "qwen1_5_moe_a2_7b",
     ];
     let layers: Vec<_> = layers::examples()
         .into_iter()

@@ -197,8 +197,9 @@ fn virtual_ranks_match_reference() {
         // results returned as pair rows (GPT-OSS) and as rank partials (the tiny one).
         (gpt_oss, 2),
         (tiny_biased_top4(), 2),
-        // A gated shared expert: its gate's launch ahead of arrange on every rank, with
-        // results as pair rows (4 ranks) and as rank partials (top-4 on 2).
+        // A gated shared expert: its gate's launch ahead of arrange on every rank, and its
+        // fused decode's shared-slice tiles computing the gate, with results as pair rows
+        // (4 ranks) and as rank partials (top-4 on 2).
         (layers::tiny_with_gated_shared_expert(Activation::Swiglu), 4),
         (tiny_gated_top4(), 2),
     ];
@@ -217,6 +218,13 @@ fn virtual_ranks_match_reference() {
     assert!(
         plans.iter().any(|plan| fused_max_tokens(plan).is_some()),
         "some case runs its small calls as the ranks' fused decode"
+    );
+    assert!(
+        plans
+            .iter()
+            .filter(|plan| plan.shape.shared_gated)
+            .all(|plan| fused_max_tokens(plan).is_some()),
+        "the gated cases run their small calls as the ranks' fused decode"
     );
     for (layer, built, mut ep) in on_virtual_ranks {
         check_expert_parallel(&session, &built, &mut ep, &layer.name, seed);

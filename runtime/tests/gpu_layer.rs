@@ -335,22 +335,27 @@ fn engines(plans: &[Plan]) -> Vec<MmaEngine> {
         .collect()
 }
 
-/// The layers the fused decode's GPU tests run with `fused_decode = 16 tokens`: three
-/// scaled examples (a shared expert; expert biases and the clamped SwiGLU) and the tiny
-/// layer on mma.sync tiles (its GEMM2 would otherwise run on wgmma, where there is no
-/// fused decode).
+/// The layers the fused decode's GPU tests run with `fused_decode = 16 tokens`: four
+/// scaled examples (a shared expert; expert biases and the clamped SwiGLU; a gated shared
+/// expert, whose shared-slice tiles compute the gate) and the tiny layer on mma.sync tiles
+/// (its GEMM2 would otherwise run on wgmma, where there is no fused decode).
 fn fused_decode_layers() -> Vec<Layer> {
     let examples = layers::examples();
-    let mut chosen: Vec<Layer> = ["qwen3_30b_a3b", "deepseek_v3", "gpt_oss_120b"]
-        .into_iter()
-        .map(|name| {
-            let layer = examples
-                .iter()
-                .find(|l| l.name == name)
-                .expect("the example");
-            layers::scaled_down(layer)
-        })
-        .collect();
+    let mut chosen: Vec<Layer> = [
+        "qwen3_30b_a3b",
+        "deepseek_v3",
+        "gpt_oss_120b",
+        "qwen1_5_moe_a2_7b",
+    ]
+    .into_iter()
+    .map(|name| {
+        let layer = examples
+            .iter()
+            .find(|l| l.name == name)
+            .expect("the example");
+        layers::scaled_down(layer)
+    })
+    .collect();
     let mut tiny = layers::tiny(Activation::Swiglu);
     tiny.name = "tiny_swiglu_fused".into();
     let tile = TileShape {
@@ -485,8 +490,9 @@ fn tiny_layers_match_reference_for_every_activation() {
 
 /// Shared experts run as always-hit experts in the same grouped GEMMs: the reference adds
 /// their MLP to every token, so leaving them out (or weighting them) fails the check. A
-/// gated shared expert's slices weigh sigmoid(x · w_gate) per token (its own launch, read
-/// by GEMM2's epilogue), on both GEMM engines; weight 1 there would fail the check too.
+/// gated shared expert's slices weigh sigmoid(x · w_gate) per token (computed by GEMM1's
+/// warps before its tiles, read by GEMM2's epilogue), on both GEMM engines; weight 1 there
+/// would fail the check too.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tiny_layers_with_a_shared_expert_match_reference() {

@@ -666,6 +666,8 @@ struct FusedUnit {
     /// The expert biases the entry passes (`nullptr` without).
     w1_bias: &'static str,
     w2_bias: &'static str,
+    /// A gated shared expert's gate weights the entry passes (`nullptr` without).
+    shared_gate: &'static str,
 }
 
 /// What a rank's fused decode uses: every parameter its plan gives it.
@@ -698,6 +700,8 @@ const RANK_FUSED_USES: &[&str] = &[
 impl FusedUnit {
     fn new(plan: &Plan, fused: &FusedDecode, expert_parallel: bool) -> Result<Self, CodegenError> {
         let biases = plan.shape.expert_bias;
+        let gated = plan.shape.shared_gated;
+        let gate = LaunchArg::SharedExpertGate.name();
         let bias_uses = [
             biases.then_some(LaunchArg::W1Bias.name()),
             biases.then_some(LaunchArg::W2Bias.name()),
@@ -707,6 +711,7 @@ impl FusedUnit {
                 .iter()
                 .copied()
                 .chain(bias_uses.into_iter().flatten())
+                .chain(gated.then_some(gate))
                 .collect()
         } else {
             [
@@ -715,6 +720,7 @@ impl FusedUnit {
                 bias_uses[0],
                 Some("w2"),
                 bias_uses[1],
+                gated.then_some(gate),
                 Some("topk_ids"),
                 Some("topk_weights"),
                 Some("tokens"),
@@ -737,6 +743,7 @@ impl FusedUnit {
             max_rows: fused.max_rows,
             w1_bias: bias("w1_bias"),
             w2_bias: bias("w2_bias"),
+            shared_gate: if gated { gate } else { "nullptr" },
         })
     }
 }

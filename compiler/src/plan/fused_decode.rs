@@ -65,10 +65,12 @@ pub fn counters_needed(shape: &LayerShape, regimes: &[Regime]) -> Option<u64> {
 }
 
 /// Static shared memory of the fused kernel: each expert's first row, fill count and two
-/// tile schedules (i32 [E' + 1] × 3, [E']), the call's rows (i32 [max_rows]) and the
-/// block's next unit (i32).
-fn static_smem_bytes(shape: &LayerShape, max_rows: u32) -> u32 {
-    static_smem_reserved(4 * (4 * shape.gemm_experts() + 4 + max_rows))
+/// tile schedules (i32 [E' + 1] × 3, [E']), the call's rows (i32 [max_rows]), the block's
+/// next unit (i32) and, for a gated shared expert, the call's tokens' gate weights (f32
+/// [max_tokens]).
+fn static_smem_bytes(shape: &LayerShape, max_tokens: u32, max_rows: u32) -> u32 {
+    let gate = if shape.shared_gated { max_tokens } else { 0 };
+    static_smem_reserved(4 * (4 * shape.gemm_experts() + 4 + max_rows + gate))
 }
 
 /// Whether a fused decode can run a regime's GEMMs (`what`: the regime, for the reason):
@@ -104,20 +106,9 @@ pub(crate) fn gemms_on_mma_sync(what: &str, g1: &GemmPlan, g2: &GemmPlan) -> Res
     Ok(())
 }
 
-/// Refuses a layer whose shared expert is gated: the table's GEMM1 (a rank's gate launch)
-/// computes the gate's weights, which a fused decode does not run.
-fn no_shared_gate(shape: &LayerShape) -> Result<(), String> {
-    if shape.shared_gated {
-        return Err(
-            "the shared expert is gated, and the fused decode does not compute the gate's weights (the table's GEMM1 does, on a rank the gate's launch)"
-                .into(),
-        );
-    }
-    Ok(())
-}
-
 /// A fused decode's first parameters, one GPU's and a rank's alike: x, then each GEMM's
-/// weights with its expert biases where the layer has them.
+/// weights with its expert biases where the layer has them, then a gated shared expert's
+/// gate (whose weights the shared slices' GEMM2 tiles compute in shared memory).
 fn input_and_weight_params(shape: &LayerShape) -> Vec<KernelParam> {
     use LaunchArg::*;
     let read = KernelParam::read;
@@ -128,6 +119,7 @@ fn input_and_weight_params(shape: &LayerShape) -> Vec<KernelParam> {
         bias(W1Bias),
         Some(read(W2)),
         bias(W2Bias),
+        shape.shared_gated.then(|| read(SharedExpertGate)),
     ]
     .into_iter()
     .flatten()
@@ -146,7 +138,6 @@ pub fn plan_fused_decode(
     early_start: bool,
     tokens: u32,
 ) -> Result<FusedDecode, String> {
-    no_shared_gate(shape)?;
     let (g1, g2) = (&regime.gemm1, &regime.gemm2);
     first_regime_on_mma_sync(
         &format!("regime `{}`", regime.name),
@@ -165,7 +156,7 @@ pub fn plan_fused_decode(
         return Err("it would cover no call".into());
     }
     let max_rows = max_tokens * shape.slots_per_token();
-    let static_smem = static_smem_bytes(shape, max_rows);
+    let static_smem = static_smem_bytes(shape, max_tokens, max_rows);
     let smem_bytes = g1.smem_bytes.max(g2.smem_bytes);
     // Each resident block also costs the 1 KiB the driver reserves per block.
     let by_smem = target.smem_per_sm / (smem_bytes + static_smem + SMEM_RESERVED_PER_BLOCK);
@@ -312,7 +303,6 @@ pub fn plan_rank_fused_decode(
     kernel: &str,
     tokens: u32,
 ) -> Result<FusedDecode, String> {
-    no_shared_gate(shape)?;
     let (name, min_tokens, max_tokens) = regime;
     let (g1, g2) = gemms;
     // Any regime may fuse: the runtime runs the fused decode of the regime of the call's

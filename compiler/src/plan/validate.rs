@@ -200,11 +200,12 @@ impl Plan {
 
     /// A gated shared expert's weights reach the shared slices' rows on every path: each
     /// one-GPU regime's GEMM1 computes them (it takes x, the token count, the gate's
-    /// weights and writes the buffer: [`shared_gate_params`]) and its GEMM2 reads them, no
-    /// one-GPU regime runs a fused decode (it would not weigh them); each rank's table
-    /// launches the gate (the plan's kernel, which exactly the layers with ranks have) on
-    /// its compute stream right before arrange, which reads them, and no rank regime fuses.
-    /// A layer without the gate computes none and nothing reads it (checked per launch).
+    /// weights and writes the buffer: [`shared_gate_params`]) and its GEMM2 reads them;
+    /// each rank's table launches the gate (the plan's kernel, which exactly the layers with
+    /// ranks have) on its compute stream right before arrange, which reads them; a fused
+    /// decode, one GPU's or a rank's, takes the gate (its shared-slice tiles compute their
+    /// weights). A layer without the gate computes none and nothing reads it (checked per
+    /// launch).
     fn check_shared_gate(&self) -> Result<(), String> {
         let gated = self.shape.shared_gated;
         if gated && self.shape.shared_slices == 0 {
@@ -240,9 +241,9 @@ impl Plan {
                     .iter()
                     .all(|param| gemm1.params.contains(param))
             });
-            if !computes || regime.fused_decode.is_some() {
+            if !computes {
                 return Err(format!(
-                    "regime `{}` must compute the shared expert gate's weights in `{}` (taking {}) and run no fused decode",
+                    "regime `{}` must compute the shared expert gate's weights in `{}` (taking {})",
                     regime.name,
                     regime.gemm1_kernel,
                     shared_gate_params(&[])
@@ -256,6 +257,28 @@ impl Plan {
                 return Err(format!(
                     "`{}` is not given the shared expert gate's weights (`shared_gate`)",
                     regime.gemm2_kernel
+                ));
+            }
+        }
+        let fused = self
+            .regimes
+            .iter()
+            .filter_map(|regime| regime.fused_decode.as_ref())
+            .chain(
+                self.expert_parallel
+                    .iter()
+                    .flat_map(|ep| &ep.regimes)
+                    .filter_map(|regime| regime.fused_decode.as_ref()),
+            );
+        for fused in fused {
+            let gate = super::KernelParam {
+                arg: LaunchArg::SharedExpertGate,
+                access: super::Access::Read,
+            };
+            if !fused.launch.params.contains(&gate) {
+                return Err(format!(
+                    "the fused decode `{}` is not given the shared expert gate",
+                    fused.launch.kernel
                 ));
             }
         }
@@ -275,12 +298,9 @@ impl Plan {
             let rank_gate = |launch: &super::Launch| {
                 launch.grid.blocks(1) >= 1 && *launch == shared_gate_launch(kernel, launch.grid)
             };
-            if !before.is_some_and(rank_gate)
-                || !at.is_some_and(|at| reads(&regime.launches[at]))
-                || regime.fused_decode.is_some()
-            {
+            if !before.is_some_and(rank_gate) || !at.is_some_and(|at| reads(&regime.launches[at])) {
                 return Err(format!(
-                    "expert-parallel regime `{}` must launch the shared expert gate right before `{arrange}`, give arrange its weights and run no fused decode",
+                    "expert-parallel regime `{}` must launch the shared expert gate right before `{arrange}` and give arrange its weights",
                     regime.name
                 ));
             }
