@@ -5,7 +5,9 @@
 #           .device/probe/gatelaunch: PROBE_REV=5b89da7 bash scripts/probe-build.sh - gatelaunch),
 #   gemm1   the gate computed by GEMM1's warps before its tiles (this build, 41e8990 on),
 #   none    the same layer with `gated = false` (this build): the floor the gate adds to.
-# Neither runs a fused decode (off on one GPU unless the spec asks).
+# Neither runs a fused decode (off on one GPU unless the spec asks). Then, on 4 virtual
+# ranks, small calls: the probe's table (no fused decode for a gated layer there) against
+# this build's fused decode (on by default on ranks; it computes the gate from 5ca5a04).
 # Run from the repository root after scripts/device-stage.sh and the probe build.
 set -u
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
@@ -32,4 +34,8 @@ for round in $(seq 1 ${ROUNDS:-2}); do
   moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/gemm1_$round.txt 2>&1
   moeforge bench /tmp/ungated.moe --ranks 1 --tokens $T --seed 7 > $OUT/raw/none_$round.txt 2>&1
 done
+if [ "${RANK_BENCH:-1}" = 1 ]; then
+  .device/probe/gatelaunch bench $spec --ranks 4 --tokens 1,8,32 --seed 7 > $OUT/raw/ranks_table.txt 2>&1
+  moeforge bench $spec --ranks 4 --tokens 1,8,32 --seed 7 > $OUT/raw/ranks_fused.txt 2>&1
+fi
 for f in $OUT/raw/*.txt; do echo "== $(basename $f)"; grep -E "^\| [0-9]" $f | cut -d'|' -f2-6 | head -12; done
