@@ -570,18 +570,30 @@ template <class Store>
 __device__ __forceinline__ void shared_gate_weights_of(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
                                                        int tokens, int first, int stride, Store store) {
     static_assert(HIDDEN % 8 == 0, "plan: x's rows are whole 16-byte vectors");
+    enum : int { VECTORS = HIDDEN / 8, VECTORS_PER_LANE = (VECTORS + 31) / 32 };
     const int lane = threadIdx.x & 31;
     const uint4* gate = reinterpret_cast<const uint4*>(shared_expert_gate);
     for (int token = first; token < tokens; token += stride) {
         const uint4* row = reinterpret_cast<const uint4*>(x + (size_t)token * HIDDEN);
         float sum = 0.f;
-        for (int v = lane; v < HIDDEN / 8; v += 32) {
-            const uint4 a = row[v], b = __ldg(gate + v);
-            const u32 xa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+        // Four of a lane's vectors loaded at once, then multiplied: a dependent load per
+        // vector made a prefill's GEMM1 wait out HIDDEN / 256 memory round trips per token.
+        for (int first_vector = 0; first_vector < VECTORS_PER_LANE; first_vector += 4) {
+            uint4 a[4], b[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
-                sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
+            for (int j = 0; j < 4; ++j) {
+                const int v = lane + 32 * (first_vector + j);
+                a[j] = v < VECTORS ? row[v] : uint4{0u, 0u, 0u, 0u};
+                b[j] = v < VECTORS ? __ldg(gate + v) : uint4{0u, 0u, 0u, 0u};
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 xa[4] = {a[j].x, a[j].y, a[j].z, a[j].w}, wb[4] = {b[j].x, b[j].y, b[j].z, b[j].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
+                    sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
+                }
             }
         }
 #pragma unroll
