@@ -45,9 +45,10 @@ __device__ __forceinline__ void combine_columns(const bf16_t* slots, const int* 
 // (GEMM_DOWN), both mma.sync with the same threads; the kernel's dynamic shared memory
 // is the larger ring. A gated shared expert's gate (shared_expert_gate; nullptr for
 // other layers) weighs the shared slices' rows, each of their GEMM2 tiles computing the
-// call's weights in its block's shared memory. `counters`: [GEMM_EXPERTS] GEMM1 tiles stored per expert, then
-// [GEMM_EXPERTS] GEMM2 tiles that have read them, then [N / BN of G2] GEMM2 tiles stored
-// per column tile, then the next unit's ticket and the blocks done claiming.
+// call's weights in its block's shared memory. `counters`: [GEMM_EXPERTS] GEMM1 tiles
+// stored per expert, then [GEMM_EXPERTS] GEMM2 tiles that have read them, then [N / BN of
+// G2] GEMM2 tiles stored per column tile, then the next unit's ticket and the blocks done
+// claiming.
 template <class G1, class G2, int MAX_ROWS, int STATIC_SMEM>
 __device__ __forceinline__ void fused_decode(
     const bf16_t* __restrict__ x, const bf16_t* __restrict__ w1, const float* __restrict__ w1_bias,

@@ -1753,12 +1753,6 @@ impl RouterSpace {
     }
 }
 
-/// The device buffers a layer of this shape needs, sized for `max_tokens`, with the counts
-/// of the routing over `route_blocks` blocks where that is more than one; with `sorted_x`,
-/// x's rows in the expert-major order for a GEMM1 that loads them as tiles; with a router,
-/// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
-/// and counters; with a fused decode, its `fused_counters` counters; with warp-specialised
-/// GEMMs, their `unit_tickets` ([`unit_tickets`]).
 /// Entry point of a rank's shared expert gate launch, for a layer whose shared expert is
 /// gated.
 pub(crate) fn shared_gate_kernel(symbol: &str, shape: &LayerShape) -> Option<String> {
@@ -1776,6 +1770,13 @@ pub(crate) fn shared_gate_buffer(shape: &LayerShape) -> Option<Buffer> {
     })
 }
 
+/// The device buffers a layer of this shape needs, sized for `max_tokens`, with the counts
+/// of the routing over `route_blocks` blocks where that is more than one; with `sorted_x`,
+/// x's rows in the expert-major order for a GEMM1 that loads them as tiles; with a router,
+/// the router's logits, counters and choices too; with stream-K GEMMs, their partial tiles
+/// and counters; with a fused decode, its `fused_counters` counters; with warp-specialised
+/// GEMMs, their `unit_tickets` ([`unit_tickets`]); with a gated shared expert, its tokens'
+/// weights ([`shared_gate_buffer`]).
 fn workspace(
     shape: &LayerShape,
     route_blocks: u32,
