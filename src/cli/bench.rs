@@ -339,9 +339,13 @@ pub fn run(args: &Args) -> ExitCode {
     write_results(&args.out, &stem, &json, &markdown)
 }
 
-/// The expert-parallel bench leaves a layer's shared experts out of every path it compares:
-/// its NCCL pipeline (baseline b) runs none.
-const LEAVES_OUT_SHARED_EXPERTS: bool = true;
+/// Whether the expert-parallel bench over `choice` leaves a layer's shared experts out of
+/// every path it compares: over GPUs, where its NCCL pipeline (baseline b), which runs none,
+/// is compared too. Virtual ranks, where baseline (b) does not run, keep them (and a gated
+/// shared expert's gate).
+fn leaves_out_shared_experts(choice: RankChoice) -> bool {
+    !choice.virtual_ranks
+}
 
 /// `bench --ranks R` / `--gpus G`: the expert-parallel layer against the same tokens on one
 /// GPU with every expert.
@@ -351,7 +355,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         args.layer.as_deref(),
         &args.target.resolve(),
         Some(choice),
-        LEAVES_OUT_SHARED_EXPERTS,
+        leaves_out_shared_experts(choice),
     ) {
         Ok(plans) => plans,
         Err(status) => return status,
@@ -492,7 +496,7 @@ fn run_expert_parallel(args: &Args, choice: RankChoice) -> ExitCode {
         "placement": placement,
         // What `moeforge simulate --measured` plans the file's cells with.
         "virtual_ranks": choice.virtual_ranks,
-        "shared_experts_left_out": LEAVES_OUT_SHARED_EXPERTS,
+        "shared_experts_left_out": leaves_out_shared_experts(choice),
         "commit": env!("MOEFORGE_COMMIT"),
         "routing": routing_name(args.routing),
         "seed": seed,
