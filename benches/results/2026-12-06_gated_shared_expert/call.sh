@@ -9,8 +9,10 @@
 #           where that probe is absent),
 #   gemm1   the same with four loads in flight per lane (this build),
 #   none    the same layer with `gated = false` (this build): the floor the gate adds to.
-# Neither runs a fused decode (off on one GPU unless the spec asks). No rank bench: the
-# expert-parallel bench leaves shared experts out (its NCCL baseline has none), gate and all.
+# Neither runs a fused decode (off on one GPU unless the spec asks). Then, with RANK_BENCH=1,
+# on 4 virtual ranks (which keep the shared expert from 2026-12-07 on; before, the bench left
+# it out, gate and all): this build's table (MOEFORGE_FUSED_DECODE=0) against its fused
+# decode, which computes the gate in its shared-slice tiles.
 # SUITE=0 and CHECKS=0 leave out the suite and the full-size checks.
 # Run from the repository root after scripts/device-stage.sh and the probe builds.
 set -u
@@ -45,4 +47,8 @@ for round in $(seq 1 ${ROUNDS:-2}); do
   moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/gemm1_$round.txt 2>&1
   moeforge bench /tmp/ungated.moe --ranks 1 --tokens $T --seed 7 > $OUT/raw/none_$round.txt 2>&1
 done
+if [ "${RANK_BENCH:-0}" = 1 ]; then
+  MOEFORGE_FUSED_DECODE=0 moeforge bench $spec --ranks 4 --tokens 1,8,32 --seed 7 > $OUT/raw/ranks_table.txt 2>&1
+  moeforge bench $spec --ranks 4 --tokens 1,8,32 --seed 7 > $OUT/raw/ranks_fused.txt 2>&1
+fi
 for f in $OUT/raw/*.txt; do echo "== $(basename $f)"; grep -E "^\| +[0-9]" $f | cut -d'|' -f2,3,4,7,12,13 | head -12; done
