@@ -35,11 +35,11 @@ target=$(cat .device/target)
 
 lanes=${LANES:-3}
 [[ "$lanes" =~ ^[1-9][0-9]*$ ]] || { echo "LANES must be a positive integer, not '$lanes'" >&2; exit 2; }
-# The executables of a cold suite that took longest (one H100, 2026-12-05: gpu_ep 64 s,
-# gpu_layer 56, gpu_router 44, hf_reference 43, tune 16), started first. gpu_ep_nodes holds
-# the emulated-node tests split from gpu_ep (not yet timed alone; estimated below
-# hf_reference, above tune).
-LONGEST_FIRST="gpu_ep gpu_layer gpu_router hf_reference gpu_ep_nodes tune cli"
+# The executables of a cold suite that took longest (one H100, 4 lanes, 2026-12-07: gpu_ep
+# 82 s, gpu_layer 70, gpu_router 57, hf_reference 51, gpu_ep_nodes 20, tune 11), started
+# first. gpu_ep_routed holds gpu_ep's self-routed test since (30 s of those 82; not yet
+# timed alone).
+LONGEST_FIRST="gpu_ep gpu_layer gpu_router hf_reference gpu_ep_routed gpu_ep_nodes tune cli"
 
 # One executable: its log, and a row "seconds, name, exit status, result" beside it.
 run_one() {

@@ -1,7 +1,7 @@
-//! Helpers of the expert-parallel GPU tests (gpu_ep, gpu_ep_nodes): the layers they split
-//! over ranks (virtual, one GPU each, or emulating nodes), their plans and builds on this
-//! session's GPU, the token-count cases, and the check of every rank's output against the
-//! CPU reference.
+//! Helpers of the expert-parallel GPU tests (gpu_ep, gpu_ep_nodes, gpu_ep_routed): the layers
+//! they split over ranks (virtual, one GPU each, or emulating nodes), their plans and builds
+//! on this session's GPU, the token-count cases, and the checks of every rank's output (and
+//! router, where the ranks route themselves) against the CPU reference.
 // Shared by several test binaries, each of which uses part of it.
 #![allow(dead_code)]
 
@@ -173,3 +173,122 @@ pub fn check_expert_parallel(
         }
     }
 }
+
+/// Each `(layer, ranks)` of `cases` over that many virtual ranks, built (compiled together,
+/// so that NVRTC compiles the layers on parallel threads) with its expert-parallel layer.
+pub fn build_on_virtual_ranks(
+    session: &Session,
+    cases: &[(Layer, u32)],
+    seed: u64,
+) -> Vec<(Layer, BuiltLayer, EpLayer)> {
+    let on_virtual_ranks: Vec<Layer> = cases
+        .iter()
+        .map(|(layer, ranks)| over_ranks(layer, *ranks, true))
+        .collect();
+    let plans: Vec<Plan> = on_virtual_ranks
+        .iter()
+        .map(|l| plan_for(session, l))
+        .collect();
+    let built = session.build_many(plans, seed).expect("build");
+    on_virtual_ranks
+        .into_iter()
+        .zip(built)
+        .map(|(layer, built)| {
+            let contexts = vec![Arc::clone(&session.gpu.ctx); layer.parallel.expert as usize];
+            let ep = session
+                .build_expert_parallel(&built, &contexts)
+                .expect("expert-parallel layer");
+            (layer, built, ep)
+        })
+        .collect()
+}
+
+/// The most tokens per rank a call of `plan` runs fused (its first rank regime's fused
+/// decode), if any.
+pub fn fused_max_tokens(plan: &Plan) -> Option<u32> {
+    plan.expert_parallel
+        .as_ref()?
+        .regimes
+        .first()?
+        .fused_decode
+        .as_ref()
+        .map(|fused| fused.max_tokens)
+}
+
+/// Tokens per rank and call that the self-routed test checks (a sample beyond): the
+/// reference of four ranks' full calls of the scaled DeepSeek-V3 would take most of the
+/// suite's time.
+pub const SELF_ROUTED_CHECKED_TOKENS: usize = 256;
+
+/// Every token-count case of `built` on `ep`, routed by its ranks' routers, as one call;
+/// then, at the largest count of every regime (each runs its own router launches), calls
+/// back to back as a serving loop makes them, the last one checked (a router of the next
+/// call must not overwrite the choices a call still reads). Each rank's router against the
+/// CPU router, its output against the reference on its router's choices.
+pub fn check_self_routed(
+    session: &Session,
+    built: &BuiltLayer,
+    ep: &mut EpLayer,
+    label: &str,
+    seed: u64,
+) {
+    let shape = built.layer.plan().shape.clone();
+    let ranks = ep.ranks();
+    // Back to back also at the most tokens the rank's fused decode covers.
+    let fused = fused_max_tokens(built.layer.plan());
+    let cases: Vec<(Vec<u32>, usize)> = token_counts(shape.max_tokens, ranks)
+        .into_iter()
+        .map(|counts| (counts, 1))
+        .chain(
+            built
+                .layer
+                .plan()
+                .regimes
+                .iter()
+                .map(|regime| regime.max_tokens.min(shape.max_tokens))
+                .chain(fused)
+                .map(|t| (vec![t; ranks], PIPELINED_SELF_ROUTED_CALLS)),
+        )
+        .collect();
+    for (counts, calls) in cases {
+        let xs: Vec<Vec<u16>> = counts
+            .iter()
+            .enumerate()
+            .map(|(r, &t)| {
+                let case = seed ^ (u64::from(t) << 8) ^ r as u64;
+                Workload::random(&shape, t, Routing::Uniform, case).x
+            })
+            .collect();
+        let reports = session
+            .run_checked_routed_expert_parallel(
+                built,
+                ep,
+                &counts,
+                &xs,
+                calls,
+                SELF_ROUTED_CHECKED_TOKENS,
+                seed,
+            )
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{label} T={counts:?}, {calls} calls: {e}; every rank's error word: {:?}",
+                    ep.error_words()
+                )
+            });
+        for (r, report) in reports.iter().enumerate() {
+            let case = format!(
+                "{label} rank {r} T={} self-routed, the last of {calls} calls",
+                counts[r]
+            );
+            say(format!("{case}: {report}"));
+            let router_checked = report
+                .router
+                .as_ref()
+                .is_some_and(|router| router.tokens == report.checked_tokens);
+            assert!(report.passed() && router_checked, "{case}: {report}");
+        }
+    }
+}
+
+/// Self-routed calls `check_self_routed` makes back to back per regime.
+pub const PIPELINED_SELF_ROUTED_CALLS: usize = 20;
