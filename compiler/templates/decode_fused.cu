@@ -83,16 +83,14 @@ __device__ __forceinline__ void fused_decode(
     __shared__ int s_unit;
 {%- if shared_gated %}
     __shared__ float s_gate[MAX_ROWS / SLOTS_PER_TOKEN];  // the call's tokens' shared-slice weights
-    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_row_pair) + sizeof(s_fill) + sizeof(s_tiles1) +
-                                       sizeof(s_tiles2) + sizeof(s_unit) + sizeof(s_gate)) == STATIC_SMEM,
-                  "plan: the fused decode's static shared memory");
     const SlotWeights slot_weights{topk_weights, s_gate};
 {%- else %}
-    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_row_pair) + sizeof(s_fill) + sizeof(s_tiles1) +
-                                       sizeof(s_tiles2) + sizeof(s_unit)) == STATIC_SMEM,
-                  "plan: the fused decode's static shared memory");
     const SlotWeights slot_weights{topk_weights};
 {%- endif %}
+    enum : int { GATE_BYTES = SHARED_GATED ? (int)sizeof(float) * (MAX_ROWS / SLOTS_PER_TOKEN) : 0 };
+    static_assert(static_smem_reserved(sizeof(s_offsets) + sizeof(s_row_pair) + sizeof(s_fill) + sizeof(s_tiles1) +
+                                       sizeof(s_tiles2) + sizeof(s_unit) + GATE_BYTES) == STATIC_SMEM,
+                  "plan: the fused decode's static shared memory");
 
     // The routing ids come from the caller or from the router launched just before. The
     // first unit is claimed while the block routes.
@@ -138,8 +136,8 @@ __device__ __forceinline__ void fused_decode(
                 // A shared slice's rows weigh their tokens' gate: the block's warps compute
                 // every token's (x's rows are in L2) before thread 0 waits.
                 if (tile.expert >= EXPERTS) {
-                    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5), THREADS / 32,
-                                           [&](int token, float weight) { s_gate[token] = weight; });
+                    block_shared_gate_weights<THREADS>(x, shared_expert_gate, tokens,
+                                                       [&](int token, float weight) { s_gate[token] = weight; });
                 }
 {%- endif %}
                 if (threadIdx.x == 0) {

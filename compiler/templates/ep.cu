@@ -1377,8 +1377,8 @@ __device__ __forceinline__ void ep_fused_decode(
                 // gate: the block's warps compute every own token's before thread 0 waits.
                 if (tile.expert >= LOCAL_EXPERTS) {
                     const int first_row = s_offsets[tile.expert * RANKS];
-                    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5), THREADS / 32,
-                                           [&](int token, float weight) { s_weights[first_row + token] = weight; });
+                    block_shared_gate_weights<THREADS>(x, shared_expert_gate, tokens,
+                                                       [&](int token, float weight) { s_weights[first_row + token] = weight; });
                 }
 {%- endif %}
                 if (threadIdx.x == 0) {

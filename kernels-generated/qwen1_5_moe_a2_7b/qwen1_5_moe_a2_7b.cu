@@ -602,6 +602,14 @@ __device__ __forceinline__ void shared_gate_weights_of(const bf16_t* __restrict_
     }
 }
 
+// Every token of the call by this block's warps, each weight handed to store(token,
+// weight): a fused decode's shared-slice tile, into its block's shared memory.
+template <int THREADS, class Store>
+__device__ __forceinline__ void block_shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
+                                                          int tokens, Store store) {
+    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5), THREADS / 32, store);
+}
+
 // Every token of the call by the grid's warps, spread over the blocks first (so that a
 // small call delays one warp of a few blocks), into shared_gate.
 __device__ __forceinline__ void shared_gate_weights(const bf16_t* __restrict__ x, const bf16_t* __restrict__ shared_expert_gate,
@@ -4027,8 +4035,8 @@ __device__ __forceinline__ void ep_fused_decode(
                 // gate: the block's warps compute every own token's before thread 0 waits.
                 if (tile.expert >= LOCAL_EXPERTS) {
                     const int first_row = s_offsets[tile.expert * RANKS];
-                    shared_gate_weights_of(x, shared_expert_gate, tokens, (int)(threadIdx.x >> 5), THREADS / 32,
-                                           [&](int token, float weight) { s_weights[first_row + token] = weight; });
+                    block_shared_gate_weights<THREADS>(x, shared_expert_gate, tokens,
+                                                       [&](int token, float weight) { s_weights[first_row + token] = weight; });
                 }
                 if (threadIdx.x == 0) {
                     const int rows = s_offsets[(tile.expert + 1) * RANKS] - s_offsets[tile.expert * RANKS];

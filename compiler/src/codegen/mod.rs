@@ -700,7 +700,11 @@ const RANK_FUSED_USES: &[&str] = &[
 impl FusedUnit {
     fn new(plan: &Plan, fused: &FusedDecode, expert_parallel: bool) -> Result<Self, CodegenError> {
         let biases = plan.shape.expert_bias;
-        let gated = plan.shape.shared_gated;
+        let gated = fused
+            .launch
+            .params
+            .iter()
+            .any(|p| p.arg == LaunchArg::SharedExpertGate);
         let gate = LaunchArg::SharedExpertGate.name();
         let bias_uses = [
             biases.then_some(LaunchArg::W1Bias.name()),
@@ -905,10 +909,8 @@ impl GemmUnit {
         // A GEMM whose launch the plan gives the unit tickets claims its work units from its
         // own (GEMM1 the first, GEMM2 the second).
         let tickets = LaunchArg::Workspace(BufferId::UnitTickets);
-        let claims_units = find_launch(plan, kernel)?
-            .params
-            .iter()
-            .any(|param| param.arg == tickets);
+        let launch = find_launch(plan, kernel)?;
+        let claims_units = launch.params.iter().any(|param| param.arg == tickets);
         let unit_ticket_arg = if claims_units {
             format!(", {} + {}", tickets.name(), if up { 0 } else { 1 })
         } else {
@@ -943,8 +945,13 @@ impl GemmUnit {
         // GEMM1 computed.
         let shared_gate = (role == GemmRole::Down && plan.shape.shared_gated)
             .then(|| LaunchArg::Workspace(BufferId::SharedGate).name());
-        // One GPU's GEMM1 computes a gated shared expert's weights before its tiles.
-        let computes_shared_gate = role == GemmRole::Up && plan.shape.shared_gated;
+        // One GPU's GEMM1 whose launch writes a gated shared expert's weights computes them
+        // before its tiles.
+        let computes_shared_gate = role == GemmRole::Up
+            && launch
+                .params
+                .iter()
+                .any(|p| p.arg == LaunchArg::Workspace(BufferId::SharedGate));
         let mut uses: Vec<&str> = uses
             .iter()
             .filter(|&&name| row_table || name != "row_pair")
