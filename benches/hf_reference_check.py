@@ -109,6 +109,15 @@ expert biases uniform in +-EXPERT_BIAS_BOUND (1) and its router bias in
 its logits x w_g^T have an rms of about 0.58 on this x, so the gate weighs the tokens'
 shared MLP outputs by about 0.13 to 0.87, which acts as the self-check requires.
 
+Quantized checkpoints. DeepSeek-V3's release stores its experts (routed and shared) in
+FP8 E4M3 with a f32 scale per 128 x 128 block (`<name>_scale_inv`), gpt-oss's its experts in
+MXFP4 (`_blocks` and `_scales`); moeforge dequantizes both to bf16 on loading. The cases
+`deepseek_v3_fp8` and `gpt_oss_mxfp4` quantize the block's expert weights as those releases
+do, write the quantized tensors under the releases' names, and put the values they code
+(code times scale, rounded to bf16) back into the block, so the reference computes with
+exactly what the checkpoint holds; every tolerance is then the bf16 cases'. A loader that
+read the codes, blocks, scales or nibbles wrongly would be off by far more.
+
 Model families: Mixtral (MixtralSparseMoeBlock: softmax, top-k, renormalise), Qwen3-MoE
 (Qwen3MoeSparseMoeBlock: softmax, top-k, renormalised when norm_topk_prob, checked both
 ways), Qwen2-MoE (Qwen2MoeSparseMoeBlock: Qwen3-MoE's router, not renormalised, as in
@@ -210,6 +219,10 @@ class Family:
     # with the score correction choosing and the group limit), topk_softmax (GPT-OSS).
     scoring: str = "softmax"
     scale: float = 1.0  # routed_scaling_factor
+    # How the checkpoint stores the experts: "" bf16; "fp8" (DeepSeek-V3's release: F8_E4M3
+    # with 128 x 128 block scales) or "mxfp4" (gpt-oss's release): see "Quantized
+    # checkpoints" in the docstring.
+    quantization: str = ""
     # Set when moeforge cannot compute the family's block yet: why.
     skip_reason: str = ""
 
@@ -499,7 +512,36 @@ FAMILIES = [
         normalize=False,
         scoring="topk_softmax",
     ),
+    Family(
+        name="deepseek_v3_fp8",
+        moeforge_family="deepseek-v3",
+        small=Sizes(hidden=256, ffn=192, experts=16, top_k=4, groups=4, groups_kept=2, shared=2),
+        real=Sizes(hidden=7168, ffn=2048, experts=256, top_k=8, groups=8, groups_kept=4, shared=1),
+        real_model="DeepSeek-V3",
+        scoring="sigmoid",
+        scale=2.5,
+        quantization="fp8",
+    ),
+    Family(
+        name="gpt_oss_mxfp4",
+        moeforge_family="gpt-oss",
+        small=Sizes(hidden=256, ffn=192, experts=16, top_k=4),
+        real=Sizes(hidden=2880, ffn=2880, experts=128, top_k=4),
+        real_model="gpt-oss-120b",
+        normalize=False,
+        scoring="topk_softmax",
+        quantization="mxfp4",
+    ),
 ]
+
+# DeepSeek-V3's FP8 release: E4M3 codes (largest 448) in blocks of 128 x 128 of each
+# [out, in] matrix, each block's f32 scale beside it as `<name>_scale_inv`.
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+# gpt-oss's MXFP4 release: 32 FP4 E2M1 codes (magnitudes below, sign in bit 3) per E8M0
+# scale 2^(s - 127), along the input dimension of each [out, in] expert matrix.
+MXFP4_BLOCK = 32
+FP4_MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
 @dataclasses.dataclass
@@ -699,6 +741,89 @@ def checkpoint_tensors(family, block, sizes, experts, shared):
         if family.shared_gated:
             tensors[family.shared_gate_name()] = shared.output_gate
     return {k: v.contiguous().cpu() for k, v in tensors.items()}
+
+
+def fp8_round_trip(weight):
+    """Quantizes the bf16 matrix `weight` [R, C] as DeepSeek-V3's release does (per block of
+    FP8_BLOCK x FP8_BLOCK: scale = amax / 448, codes = E4M3(w / scale)) and writes the
+    values they code back into it (code * scale in f32, rounded to bf16), so the reference
+    block computes with what the checkpoint holds. Returns (codes [R, C] float8_e4m3fn,
+    scale_inv [ceil(R / 128), ceil(C / 128)] f32)."""
+    import torch
+
+    rows, cols = weight.shape
+    b = FP8_BLOCK
+    sr, sc = -(-rows // b), -(-cols // b)
+    padded = torch.zeros(sr * b, sc * b, dtype=torch.float32, device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(sr, b, sc, b)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    spread = scale[:, None, :, None]
+    codes = (blocks / spread).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    values = (codes.float() * spread).view(sr * b, sc * b)[:rows, :cols]
+    weight.copy_(values.to(torch.bfloat16))
+    return codes.view(sr * b, sc * b)[:rows, :cols].contiguous(), scale.contiguous()
+
+
+def mxfp4_round_trip(matrices):
+    """Quantizes the bf16 matrices `matrices` [E, R, C] (C a multiple of 32) as gpt-oss's
+    release does (per 32 values along C: scale 2^ceil(log2(amax / 6)), each value to the
+    nearest E2M1 code of value / scale) and writes the values they code back into them.
+    Returns (blocks [E, R, C / 32, 16] uint8, two codes a byte, the even column's in the
+    low nibble; scales [E, R, C / 32] uint8, the exponent plus 127)."""
+    import torch
+
+    count, rows, cols = matrices.shape
+    assert cols % MXFP4_BLOCK == 0, (matrices.shape, "MXFP4 blocks are whole")
+    magnitudes = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32, device=matrices.device)
+    all_blocks, all_scales = [], []
+    for e in range(count):  # one expert at a time: the nearest-code search is 8x the matrix
+        values = matrices[e].float().reshape(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+        amax = values.abs().amax(dim=-1)
+        exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / FP4_MAGNITUDES[-1])),
+                               torch.full_like(amax, -127.0)).clamp(-127, 127)
+        scaled = values / torch.exp2(exponent)[..., None]
+        index = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+        negative = scaled < 0
+        dequantized = torch.where(negative, -magnitudes[index], magnitudes[index])
+        matrices[e].copy_((dequantized * torch.exp2(exponent)[..., None]).reshape(rows, cols)
+                          .to(torch.bfloat16))
+        codes = (index | (negative.long() << 3)).to(torch.uint8)
+        all_blocks.append(codes[..., 0::2] | (codes[..., 1::2] << 4))
+        all_scales.append((exponent + 127).to(torch.uint8))
+    return torch.stack(all_blocks).contiguous(), torch.stack(all_scales).contiguous()
+
+
+def quantize(family, block, experts, shared):
+    """For a family whose checkpoint is quantized: quantizes its expert matrices in place
+    (the Experts are views of the block's parameters, so the block, the Experts and the
+    f32 formula all see the dequantized values) and returns the checkpoint's tensors that
+    replace the bf16 ones (None: a bf16 tensor the quantized checkpoint does not hold)."""
+    import torch
+
+    replaced = {}
+    with torch.no_grad():
+        if family.quantization == "fp8":
+            named = [(name, tensor) for e, expert in enumerate(experts)
+                     for name, tensor in zip(family.expert_names(e), (expert.gate, expert.up, expert.down))]
+            if shared is not None:
+                named += list(zip(family.shared_names(), (shared.gate, shared.up, shared.down)))
+            for name, tensor in named:
+                replaced[name], replaced[f"{name}_scale_inv"] = fp8_round_trip(tensor)
+        elif family.quantization == "mxfp4":
+            # The release stores the [out, in] matrices: gate_up_proj [E, H, 2F] and
+            # down_proj [E, F, H] transposed.
+            names = family.fused_names()
+            for attribute in ("gate_up_proj", "down_proj"):
+                matrices = getattr(block.experts, attribute).transpose(1, 2)
+                blocks, scales = mxfp4_round_trip(matrices)
+                replaced[names[attribute]] = None
+                replaced[f"{names[attribute]}_blocks"] = blocks
+                replaced[f"{names[attribute]}_scales"] = scales
+        else:
+            assert not family.quantization, family.quantization
+    return {k: (None if v is None else v.cpu()) for k, v in replaced.items()}
 
 
 def reference_routing(family, sizes, gate_output):
@@ -1030,8 +1155,15 @@ def run_case(family, sizes, label, args, workdir):
     router = family.router_module(block)
     correction = router.e_score_correction_bias.detach() if family.deepseek else None
 
+    quantized = quantize(family, block, experts, shared)
+    tensors = checkpoint_tensors(family, block, sizes, experts, shared)
+    for name, tensor in quantized.items():
+        if tensor is None:
+            del tensors[name]
+        else:
+            tensors[name] = tensor
     checkpoint = os.path.join(folder, "model.safetensors")
-    save_file(checkpoint_tensors(family, block, sizes, experts, shared), checkpoint)
+    save_file(tensors, checkpoint)
     try:
         return compare(family, sizes, args, folder, block, experts, shared, router, correction,
                        checkpoint, row, label)

@@ -3,7 +3,9 @@
 //! sigmoid gate), DeepSeek-V3's (sigmoid group-limited router with its score correction
 //! and scale, shared experts) and GPT-OSS's (router bias, top-k then softmax, clamped
 //! SwiGLU experts with biases) MoE blocks from Hugging Face transformers,
-//! saves their weights under the checkpoints' names and compares their output, chosen
+//! saves their weights under the checkpoints' names (for DeepSeek-V3 and GPT-OSS also
+//! quantized as their published releases store them: FP8 with block scales, MXFP4, the
+//! block computing with the values those code) and compares their output, chosen
 //! experts and routing weights with `moeforge run --inputs --outputs` on the same weights
 //! and inputs (the tolerances and why are in the script's docstring).
 //!

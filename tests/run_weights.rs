@@ -356,7 +356,7 @@ fn weights_errors_are_typed_with_hints() {
             weights("good.safetensors", &["--family", "mixtral"]),
         ),
         ("mis_shaped", TINY, weights("transposed.safetensors", &[])),
-        ("fp8_dtype", TINY, weights("fp8.safetensors", &[])),
+        ("fp8_without_scales", TINY, weights("fp8.safetensors", &[])),
         ("int_dtype", TINY, weights("i32.safetensors", &[])),
         (
             "gpt_oss_family",

@@ -12,6 +12,14 @@
 //! concatenates and never transposes (GPT-OSS's fused tensors are transposed: below). Values become
 //! bf16 bits (`u16`); f16 and f32 tensors are rounded to bf16 on the way.
 //!
+//! Quantized releases are dequantised once, on the host, to the same bf16 layout (the
+//! kernels multiply bf16): an FP8 E4M3 matrix (DeepSeek-V3's release; Qwen3's `-FP8`
+//! ones) times its block scales `<name>_scale_inv` (f32, one per block of 128 x 128, or
+//! of `quantization_config.weight_block_size` in the `config.json` beside the weights),
+//! and GPT-OSS's MXFP4 experts (`gate_up_proj_blocks` and `_scales`, `down_proj_blocks`
+//! and `_scales`: FP4 E2M1 codes, 32 to an E8M0 scale). Each element is its code's value
+//! times its scale in f32, rounded to bf16, as the model's reference dequantises it.
+//!
 //! [`CheckpointLayer::open`] picks the layer and the naming for the caller: a given layer
 //! prefix (with or without its final dot) and family, or, when either is left out, the
 //! only ones the checkpoint's tensor names show ([`Checkpoint::expert_layers`],
@@ -38,10 +46,7 @@
 //! experts the kernels run, [`LayerShape::shared_slices`]); families without shared
 //! experts refuse a spec that has them.
 //!
-//! It is not: a dequantiser of
-//! GPT-OSS's MXFP4 release (`gate_up_proj_blocks`: a typed error names it) or of FP8
-//! checkpoints (DeepSeek-V3's release stores FP8 with block scales:
-//! a dtype error), or an uploader: the buffers stay on the host.
+//! It is not an uploader: the buffers stay on the host.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -49,6 +54,7 @@ use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use memmap2::Mmap;
 use moeforge_compiler::ir::{Activation, RouterBias};
@@ -62,6 +68,21 @@ use crate::reference::{HostExpert, HostExpertBias};
 
 /// The name of the shard index a sharded Hugging Face checkpoint carries.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The model's configuration beside its weights, which says how FP8 weights are blocked.
+pub const CONFIG_FILE: &str = "config.json";
+/// FP8 weights' scale blocks (rows, columns) where no `config.json` says: DeepSeek-V3's.
+pub const DEFAULT_FP8_BLOCK: [usize; 2] = [128, 128];
+
+/// The part of a model's `config.json` the loader reads.
+#[derive(Deserialize)]
+struct ModelConfig {
+    quantization_config: Option<QuantizationConfig>,
+}
+
+#[derive(Deserialize)]
+struct QuantizationConfig {
+    weight_block_size: Option<[usize; 2]>,
+}
 
 /// The model family whose tensor names to read; the caller says which.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -522,16 +543,26 @@ pub enum CheckpointError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
-    #[error("tensor `{tensor}` is {found:?}; the loader reads BF16, F16 or F32")]
+    #[error(
+        "tensor `{tensor}` is {found:?}; the loader reads BF16, F16, F32, F8_E4M3 matrices with block scales, and GPT-OSS's MXFP4 experts"
+    )]
     Dtype { tensor: String, found: Dtype },
     #[error(
-        "tensor `{tensor}` is {found:?}: an MXFP4-quantized GPT-OSS checkpoint (`_blocks` and `_scales`), which the loader does not dequantise; use a dequantized (bf16) checkpoint, whose experts are `{prefix}mlp.experts.gate_up_proj` and `down_proj` with their biases"
+        "tensor `{tensor}` is F8_E4M3, but its block scales `{scales}` (shape {expected:?}) are not in the checkpoint"
     )]
-    Quantized {
+    MissingScales {
         tensor: String,
-        found: Dtype,
-        prefix: String,
+        scales: String,
+        expected: Vec<usize>,
     },
+    #[error("{} is not a model configuration (JSON): {source}", path.display())]
+    Config {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{} gives `quantization_config.weight_block_size` a zero", path.display())]
+    BlockSize { path: PathBuf },
     #[error(
         "{family} experts {} biases, but the layer's spec says `expert_bias = {spec}`; set `expert_bias = {}`",
         if Family::expert_bias(*family) { "add" } else { "have no" },
@@ -604,6 +635,10 @@ pub struct Checkpoint {
     shards: Vec<Shard>,
     /// Every tensor name, and the shard in `shards` that holds it.
     names: BTreeMap<String, usize>,
+    /// The folder whose `config.json` may say the FP8 weights' block size.
+    folder: PathBuf,
+    /// That block size, read at the first FP8 tensor.
+    fp8_block: OnceLock<[usize; 2]>,
 }
 
 impl Checkpoint {
@@ -619,10 +654,8 @@ impl Checkpoint {
         if !path.metadata().map_err(io_error)?.is_dir() {
             let shard = Shard::open(path)?;
             let names = shard.names().map(|n| (n, 0)).collect();
-            return Ok(Checkpoint {
-                shards: vec![shard],
-                names,
-            });
+            let folder = path.parent().unwrap_or(Path::new("")).to_owned();
+            return Ok(Checkpoint::new(vec![shard], names, folder));
         }
         let index = path.join(INDEX_FILE);
         if index.exists() {
@@ -658,7 +691,16 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
-        Ok(Checkpoint { shards, names })
+        Ok(Checkpoint::new(shards, names, path.to_owned()))
+    }
+
+    fn new(shards: Vec<Shard>, names: BTreeMap<String, usize>, folder: PathBuf) -> Self {
+        Checkpoint {
+            shards,
+            names,
+            folder,
+            fp8_block: OnceLock::new(),
+        }
     }
 
     fn open_indexed(dir: &Path, index: &Path) -> Result<Self, CheckpointError> {
@@ -701,7 +743,7 @@ impl Checkpoint {
             }
             names.insert(tensor, at);
         }
-        Ok(Checkpoint { shards, names })
+        Ok(Checkpoint::new(shards, names, dir.to_owned()))
     }
 
     /// Every tensor name the checkpoint holds, sorted.
@@ -856,24 +898,37 @@ impl Checkpoint {
         experts: Range<u32>,
     ) -> Result<HostWeights, CheckpointError> {
         let names = FusedNames::new(prefix);
-        if !self.names.contains_key(&names.gate_up)
-            && let Some(&at) = self.names.get(&names.gate_up_blocks)
-            && let Some(info) = self.shards[at].metadata.info(&names.gate_up_blocks)
-        {
-            return Err(CheckpointError::Quantized {
-                tensor: names.gate_up_blocks.clone(),
-                found: info.dtype,
-                prefix: prefix.to_owned(),
-            });
-        }
         let (e_all, hidden, ffn) = (
             shape.experts as usize,
             shape.hidden as usize,
             shape.ffn as usize,
         );
-        let gate_up = self.tensor(family, prefix, &names.gate_up, &[e_all, hidden, 2 * ffn])?;
+        let quantized = !self.names.contains_key(&names.gate_up)
+            && self.names.contains_key(&names.gate_up_blocks);
+        let matrices = if quantized {
+            FusedMatrices::Mxfp4 {
+                gate_up: self.mxfp4(
+                    family,
+                    prefix,
+                    &names.gate_up_blocks,
+                    &names.gate_up_scales,
+                    [e_all, 2 * ffn, hidden],
+                )?,
+                down: self.mxfp4(
+                    family,
+                    prefix,
+                    &names.down_blocks,
+                    &names.down_scales,
+                    [e_all, hidden, ffn],
+                )?,
+            }
+        } else {
+            FusedMatrices::Bf16 {
+                gate_up: self.tensor(family, prefix, &names.gate_up, &[e_all, hidden, 2 * ffn])?,
+                down: self.tensor(family, prefix, &names.down, &[e_all, ffn, hidden])?,
+            }
+        };
         let gate_up_bias = self.tensor(family, prefix, &names.gate_up_bias, &[e_all, 2 * ffn])?;
-        let down = self.tensor(family, prefix, &names.down, &[e_all, ffn, hidden])?;
         let down_bias = self.tensor(family, prefix, &names.down_bias, &[e_all, hidden])?;
         let count = experts.len();
         let matrix = hidden * ffn;
@@ -885,12 +940,32 @@ impl Checkpoint {
         let mut fused_bias = vec![0f32; 2 * ffn];
         for (local, e) in experts.clone().enumerate() {
             let e = e as usize;
-            gate_up.expert_bf16(&names.gate_up, e, &mut fused)?;
             let w1_expert = &mut w1[local * 2 * matrix..(local + 1) * 2 * matrix];
-            for (h, row) in fused.chunks_exact(2 * ffn).enumerate() {
-                for (f, pair) in row.chunks_exact(2).enumerate() {
-                    w1_expert[f * hidden + h] = pair[0];
-                    w1_expert[(ffn + f) * hidden + h] = pair[1];
+            let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
+            match &matrices {
+                FusedMatrices::Bf16 { gate_up, down } => {
+                    gate_up.expert_bf16(&names.gate_up, e, &mut fused)?;
+                    for (h, row) in fused.chunks_exact(2 * ffn).enumerate() {
+                        for (f, pair) in row.chunks_exact(2).enumerate() {
+                            w1_expert[f * hidden + h] = pair[0];
+                            w1_expert[(ffn + f) * hidden + h] = pair[1];
+                        }
+                    }
+                    let transposed = &mut fused[..matrix];
+                    down.expert_bf16(&names.down, e, transposed)?;
+                    for (f, row) in transposed.chunks_exact(hidden).enumerate() {
+                        for (h, &v) in row.iter().enumerate() {
+                            w2_expert[h * ffn + f] = v;
+                        }
+                    }
+                }
+                // The quantized matrices are stored [out, in] (the bf16 ones' transposes):
+                // gate_up's row r is the bf16 tensor's column r.
+                FusedMatrices::Mxfp4 { gate_up, down } => {
+                    gate_up.dequantize(e, |r, h, v| {
+                        w1_expert[((r % 2) * ffn + r / 2) * hidden + h] = v;
+                    });
+                    down.dequantize(e, |h, f, v| w2_expert[h * ffn + f] = v);
                 }
             }
             gate_up_bias.expert_f32(&names.gate_up_bias, e, &mut fused_bias)?;
@@ -898,14 +973,6 @@ impl Checkpoint {
             for (f, pair) in fused_bias.chunks_exact(2).enumerate() {
                 b1_expert[f] = pair[0];
                 b1_expert[ffn + f] = pair[1];
-            }
-            let transposed = &mut fused[..matrix];
-            down.expert_bf16(&names.down, e, transposed)?;
-            let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
-            for (f, row) in transposed.chunks_exact(hidden).enumerate() {
-                for (h, &v) in row.iter().enumerate() {
-                    w2_expert[h * ffn + f] = v;
-                }
             }
             down_bias.expert_f32(
                 &names.down_bias,
@@ -919,6 +986,35 @@ impl Checkpoint {
             w2,
             biases: Some(HostBiases { b1, b2 }),
             shared_gate: None,
+        })
+    }
+
+    /// The MXFP4 tensor whose codes are `blocks` and scales `scales`, holding `experts`
+    /// matrices [rows, cols] (see [`Mxfp4Tensor`]).
+    fn mxfp4(
+        &self,
+        family: Family,
+        prefix: &str,
+        blocks: &str,
+        scales: &str,
+        [experts, rows, cols]: [usize; 3],
+    ) -> Result<Mxfp4Tensor<'_>, CheckpointError> {
+        let groups = cols.div_ceil(MXFP4_BLOCK);
+        let bytes = |name: &str, shape: &[usize]| {
+            let tensor = self.tensor(family, prefix, name, shape)?;
+            match tensor.dtype {
+                Dtype::U8 => Ok(tensor.bytes),
+                found => Err(CheckpointError::Dtype {
+                    tensor: name.to_owned(),
+                    found,
+                }),
+            }
+        };
+        Ok(Mxfp4Tensor {
+            blocks: bytes(blocks, &[experts, rows, groups, MXFP4_BLOCK / 2])?,
+            scales: bytes(scales, &[experts, rows, groups])?,
+            rows,
+            cols,
         })
     }
 
@@ -953,7 +1049,8 @@ impl Checkpoint {
         Ok(HostGate { weight, bias })
     }
 
-    /// Reads tensor `name`, which must have shape `expected`, into `out` as bf16 bits.
+    /// Reads tensor `name`, which must have shape `expected`, into `out` as bf16 bits; an
+    /// FP8 matrix is dequantised with its block scales ([`Checkpoint::read_fp8`]).
     fn read_bf16(
         &self,
         family: Family,
@@ -963,10 +1060,92 @@ impl Checkpoint {
         out: &mut [u16],
     ) -> Result<(), CheckpointError> {
         let tensor = self.tensor(family, prefix, name, expected)?;
+        if tensor.dtype == Dtype::F8_E4M3 && expected.len() == 2 {
+            return self.read_fp8(
+                family,
+                prefix,
+                name,
+                [expected[0], expected[1]],
+                &tensor,
+                out,
+            );
+        }
         to_bf16(tensor.dtype, tensor.bytes, out).map_err(|found| CheckpointError::Dtype {
             tensor: name.to_owned(),
             found,
         })
+    }
+
+    /// Dequantises `weight`, the F8_E4M3 matrix `name` [rows, cols], into `out` as bf16
+    /// bits: element (r, c) is its FP8 value times `<name>_scale_inv`[r / B0, c / B1], in
+    /// f32, rounded to nearest even, as DeepSeek-V3's and the `-FP8` Qwen3 releases
+    /// define them (blocks B0 x B1 of [`Checkpoint::fp8_block`]; the scales cover a last,
+    /// partial block of rows or columns as a whole one).
+    fn read_fp8(
+        &self,
+        family: Family,
+        prefix: &str,
+        name: &str,
+        [rows, cols]: [usize; 2],
+        weight: &RawTensor<'_>,
+        out: &mut [u16],
+    ) -> Result<(), CheckpointError> {
+        let [block_rows, block_cols] = self.fp8_block()?;
+        let scales_name = format!("{name}_scale_inv");
+        let scale_shape = [rows.div_ceil(block_rows), cols.div_ceil(block_cols)];
+        if !self.names.contains_key(&scales_name) {
+            return Err(CheckpointError::MissingScales {
+                tensor: name.to_owned(),
+                scales: scales_name,
+                expected: scale_shape.to_vec(),
+            });
+        }
+        let scales = self.tensor(family, prefix, &scales_name, &scale_shape)?;
+        let mut scale = vec![0f32; scale_shape[0] * scale_shape[1]];
+        to_f32(scales.dtype, scales.bytes, &mut scale).map_err(|found| CheckpointError::Dtype {
+            tensor: scales_name.clone(),
+            found,
+        })?;
+        let values = fp8_e4m3_values();
+        for (r, (row_out, row)) in out
+            .chunks_exact_mut(cols)
+            .zip(weight.bytes.chunks_exact(cols))
+            .enumerate()
+        {
+            let row_scales = &scale[r / block_rows * scale_shape[1]..];
+            for (c, (o, &bits)) in row_out.iter_mut().zip(row).enumerate() {
+                *o = bf16::from_f32(values[bits as usize] * row_scales[c / block_cols]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The block size of FP8 weights' scales: `quantization_config.weight_block_size` of
+    /// the `config.json` beside the checkpoint, or 128 x 128 (DeepSeek-V3's) without one.
+    fn fp8_block(&self) -> Result<[usize; 2], CheckpointError> {
+        if let Some(&block) = self.fp8_block.get() {
+            return Ok(block);
+        }
+        let path = self.folder.join(CONFIG_FILE);
+        let block = match std::fs::read_to_string(&path) {
+            Err(source) if source.kind() == io::ErrorKind::NotFound => DEFAULT_FP8_BLOCK,
+            Err(source) => return Err(CheckpointError::Io { path, source }),
+            Ok(text) => {
+                let config: ModelConfig =
+                    serde_json::from_str(&text).map_err(|source| CheckpointError::Config {
+                        path: path.clone(),
+                        source,
+                    })?;
+                match config.quantization_config.and_then(|q| q.weight_block_size) {
+                    None => DEFAULT_FP8_BLOCK,
+                    Some([0, _] | [_, 0]) => {
+                        return Err(CheckpointError::BlockSize { path });
+                    }
+                    Some(block) => block,
+                }
+            }
+        };
+        Ok(*self.fp8_block.get_or_init(|| block))
     }
 
     /// Tensor `name`'s dtype and bytes, checked to have shape `expected`.
@@ -1070,6 +1249,57 @@ impl RawTensor<'_> {
     }
 }
 
+/// GPT-OSS's fused expert matrices: bf16 (as transformers' `GptOssExperts` holds them), or
+/// MXFP4 (the published release).
+enum FusedMatrices<'a> {
+    Bf16 {
+        gate_up: RawTensor<'a>,
+        down: RawTensor<'a>,
+    },
+    Mxfp4 {
+        gate_up: Mxfp4Tensor<'a>,
+        down: Mxfp4Tensor<'a>,
+    },
+}
+
+/// Values an MXFP4 scale covers: one block of 32 FP4 codes, 16 bytes.
+const MXFP4_BLOCK: usize = 32;
+
+/// An MXFP4 tensor of GPT-OSS's release: per expert a matrix [rows, cols] stored as
+/// `blocks` [E, rows, G, 16] (two FP4 E2M1 codes a byte, the low nibble first: columns
+/// 32g + 2b and 32g + 2b + 1) and `scales` [E, rows, G] (E8M0), G = ceil(cols / 32).
+/// Element (r, c) is its code's value times its block's scale, rounded to bf16 (exact
+/// unless it leaves bf16's range), as transformers' `convert_moe_packed_tensors` computes.
+struct Mxfp4Tensor<'a> {
+    blocks: &'a [u8],
+    scales: &'a [u8],
+    rows: usize,
+    cols: usize,
+}
+
+impl Mxfp4Tensor<'_> {
+    /// Hands every element (row, col, bf16 bits) of expert `e`'s matrix to `store`.
+    fn dequantize(&self, e: usize, mut store: impl FnMut(usize, usize, u16)) {
+        let groups = self.cols.div_ceil(MXFP4_BLOCK);
+        let per_expert = self.rows * groups;
+        let scales = &self.scales[e * per_expert..(e + 1) * per_expert];
+        let blocks =
+            &self.blocks[e * per_expert * MXFP4_BLOCK / 2..(e + 1) * per_expert * MXFP4_BLOCK / 2];
+        for (i, (&scale, block)) in scales
+            .iter()
+            .zip(blocks.chunks_exact(MXFP4_BLOCK / 2))
+            .enumerate()
+        {
+            let (r, first) = (i / groups, i % groups * MXFP4_BLOCK);
+            let scale = e8m0_to_f32(scale);
+            let codes = block.iter().flat_map(|&byte| [byte & 0xf, byte >> 4]);
+            for (c, code) in (first..self.cols).zip(codes) {
+                store(r, c, bf16::from_f32(FP4_E2M1_VALUES[code as usize] * scale));
+            }
+        }
+    }
+}
+
 /// The names of GPT-OSS's fused expert tensors under a layer prefix, as the dequantized
 /// (bf16) checkpoints and transformers' `GptOssExperts` name them.
 struct FusedNames {
@@ -1081,8 +1311,12 @@ struct FusedNames {
     down: String,
     /// [E, H].
     down_bias: String,
-    /// The MXFP4 blocks the quantized release stores instead of `gate_up`.
+    /// What the quantized release stores instead of `gate_up` and `down`: MXFP4 blocks
+    /// and scales of their transposes ([`Mxfp4Tensor`]).
     gate_up_blocks: String,
+    gate_up_scales: String,
+    down_blocks: String,
+    down_scales: String,
 }
 
 impl FusedNames {
@@ -1094,6 +1328,9 @@ impl FusedNames {
             down: name("down_proj"),
             down_bias: name("down_proj_bias"),
             gate_up_blocks: name("gate_up_proj_blocks"),
+            gate_up_scales: name("gate_up_proj_scales"),
+            down_blocks: name("down_proj_blocks"),
+            down_scales: name("down_proj_scales"),
         }
     }
 }
@@ -1518,6 +1755,40 @@ pub fn to_f32(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> Result<(), Dtype> 
     Ok(())
 }
 
+/// The f32 value of every FP8 E4M3 bit pattern (`float8_e4m3fn`: bias 7, no infinities,
+/// S.1111.111 NaN, largest 448), indexed by the byte.
+fn fp8_e4m3_values() -> &'static [f32; 256] {
+    static VALUES: OnceLock<[f32; 256]> = OnceLock::new();
+    VALUES.get_or_init(|| std::array::from_fn(|bits| fp8_e4m3_to_f32(bits as u8)))
+}
+
+/// FP8 E4M3 (`float8_e4m3fn`) to f32, exactly.
+pub fn fp8_e4m3_to_f32(bits: u8) -> f32 {
+    let sign = if bits & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exponent = i32::from((bits >> 3) & 0xf);
+    let mantissa = f32::from(bits & 0x7);
+    sign * match exponent {
+        0xf if mantissa == 7.0 => f32::NAN,
+        // Subnormal: mantissa · 2^-9.
+        0 => mantissa * f32::powi(2.0, -9),
+        e => (1.0 + mantissa / 8.0) * f32::powi(2.0, e - 7),
+    }
+}
+
+/// An MXFP4 block's scale (E8M0: 2^(bits - 127); 0xff is NaN), exactly.
+pub fn e8m0_to_f32(bits: u8) -> f32 {
+    match bits {
+        0 => f32::from_bits(1 << 22),
+        0xff => f32::NAN,
+        b => f32::from_bits(u32::from(b) << 23),
+    }
+}
+
+/// The values of FP4 E2M1 codes, indexed by the 4-bit code (sign in bit 3).
+pub const FP4_E2M1_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
 /// IEEE half to f32, exactly (every f16 value is an f32 value).
 fn f16_to_f32(bits: u16) -> f32 {
     let sign = u32::from(bits >> 15) << 31;
@@ -1554,5 +1825,36 @@ mod tests {
         }
         assert!(f16_to_f32(0x7e00).is_nan());
         assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn fp8_and_e8m0_codes_convert_exactly() {
+        let cases: [(u8, f32); 10] = [
+            (0x00, 0.0),
+            (0x38, 1.0),
+            (0x3c, 1.5),
+            (0x40, 2.0),
+            (0xb8, -1.0),
+            (0x7e, 448.0),
+            (0x01, 0.001_953_125),
+            (0x07, 0.013_671_875),
+            (0x08, 0.015_625),
+            (0x77, 240.0),
+        ];
+        for (bits, value) in cases {
+            assert_eq!(fp8_e4m3_to_f32(bits), value, "{bits:#04x}");
+            assert_eq!(fp8_e4m3_values()[bits as usize], value);
+        }
+        assert!(fp8_e4m3_to_f32(0x7f).is_nan() && fp8_e4m3_to_f32(0xff).is_nan());
+        assert_eq!(fp8_e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+        // Every other code is a number, increasing with the code.
+        let positive: Vec<f32> = (0..0x7f).map(fp8_e4m3_to_f32).collect();
+        assert!(positive.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(e8m0_to_f32(127), 1.0);
+        assert_eq!(e8m0_to_f32(130), 8.0);
+        assert_eq!(e8m0_to_f32(120), 0.007_812_5);
+        assert_eq!(e8m0_to_f32(0), f32::powi(2.0, -127));
+        assert_eq!(e8m0_to_f32(254), f32::powi(2.0, 127));
+        assert!(e8m0_to_f32(255).is_nan());
     }
 }

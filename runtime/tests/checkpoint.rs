@@ -386,23 +386,23 @@ fn shape_and_dtype_errors_name_the_tensor() {
         "{err}"
     );
 
-    // FP8 (as DeepSeek-V3's release stores experts) is not read.
+    // FP8 E5M2 is not read (E4M3 with block scales is: the FP8 tests below).
     replace(
         &mut tensors,
         &down,
-        (down.clone(), Dtype::F8_E4M3, vec![H, F], vec![0; H * F]),
+        (down.clone(), Dtype::F8_E5M2, vec![H, F], vec![0; H * F]),
     );
     write(&file, &tensors);
     let err = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap_err();
     let message = err.to_string();
     assert!(
-        message.contains(&down) && message.contains("F8_E4M3"),
+        message.contains(&down) && message.contains("F8_E5M2"),
         "{message}"
     );
     assert!(matches!(
         err,
         CheckpointError::Dtype {
-            found: Dtype::F8_E4M3,
+            found: Dtype::F8_E5M2,
             ..
         }
     ));
@@ -1068,7 +1068,7 @@ fn gpt_oss_fused_experts_load_deinterleaved_and_transposed() {
 }
 
 #[test]
-fn gpt_oss_needs_its_expert_math_and_refuses_mxfp4() {
+fn gpt_oss_needs_its_expert_math() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("model.safetensors");
     write(&file, &gpt_oss_tensors());
@@ -1088,27 +1088,381 @@ fn gpt_oss_needs_its_expert_math_and_refuses_mxfp4() {
         "{err}"
     );
     assert!(err.to_string().contains("expert_bias = true"), "{err}");
+}
 
+/// 2^k as f32, exactly (for the expected values below, independent of the loader's
+/// decoding).
+fn pow2(k: i32) -> f32 {
+    f32::powi(2.0, k)
+}
+
+/// An MXFP4 matrix [rows, cols] per expert, as GPT-OSS's release stores it: returns the
+/// blocks [E, rows, G, 16], the scales [E, rows, G] and the values they code, [E, rows,
+/// cols] in f32 (exact in bf16). Codes and scales vary with every index; cols need not be
+/// a multiple of 32 (the last block's extra codes are padding).
+fn mxfp4_matrix(rows: usize, cols: usize, salt: usize) -> (Vec<u8>, Vec<u8>, Vec<f32>) {
+    // The E2M1 codes' values, spelled out: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+    let magnitude = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let groups = cols.div_ceil(32);
+    let (mut blocks, mut scales, mut values) = (Vec::new(), Vec::new(), Vec::new());
+    for e in 0..E {
+        for r in 0..rows {
+            let mut row = vec![0f32; groups * 32];
+            for g in 0..groups {
+                let exponent = 120 + ((e + 3 * r + 5 * g + salt) % 12) as u8;
+                scales.push(exponent);
+                for b in 0..16 {
+                    let code = |c: usize| ((e * 7 + r * 3 + c * 5 + salt) % 16) as u8;
+                    let (lo, hi) = (code(32 * g + 2 * b), code(32 * g + 2 * b + 1));
+                    blocks.push(lo | (hi << 4));
+                    for (c, code) in [(32 * g + 2 * b, lo), (32 * g + 2 * b + 1, hi)] {
+                        let sign = if code & 8 != 0 { -1.0 } else { 1.0 };
+                        row[c] =
+                            sign * magnitude[(code & 7) as usize] * pow2(i32::from(exponent) - 127);
+                    }
+                }
+            }
+            values.extend_from_slice(&row[..cols]);
+        }
+    }
+    (blocks, scales, values)
+}
+
+#[test]
+fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
+    // Sizes whose rows take two MXFP4 blocks (H = 48: a full block and a half one) and one
+    // (F = 24), with biases, as gpt-oss-120b's release stores them.
+    const H: usize = 48;
+    const F: usize = 24;
+    let shape = LayerShape {
+        hidden: H as u32,
+        ffn: F as u32,
+        expert_bias: true,
+        ..shape(Activation::ClampedSwiglu)
+    };
+    let name = |suffix: &str| format!("{PREFIX}mlp.experts.{suffix}");
+    let bytes = |v: &[f32]| v.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
+    let bits = |v: &[u16]| v.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
+    let (gate_up_blocks, gate_up_scales, gate_up) = mxfp4_matrix(2 * F, H, 0);
+    let (down_blocks, down_scales, down) = mxfp4_matrix(H, F, 1);
+    let gate_up_bias: Vec<f32> = (0..E * 2 * F).map(|i| i as f32 * 0.25).collect();
+    let down_bias: Vec<f32> = (0..E * H).map(|i| -(i as f32)).collect();
+    let biases = [
+        (
+            name("gate_up_proj_bias"),
+            Dtype::F32,
+            vec![E, 2 * F],
+            bytes(&gate_up_bias),
+        ),
+        (
+            name("down_proj_bias"),
+            Dtype::F32,
+            vec![E, H],
+            bytes(&down_bias),
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
     let quantized = dir.path().join("mxfp4.safetensors");
-    let blocks = format!("{PREFIX}mlp.experts.gate_up_proj_blocks");
+    let mut tensors = vec![
+        (
+            name("gate_up_proj_blocks"),
+            Dtype::U8,
+            vec![E, 2 * F, 2, 16],
+            gate_up_blocks,
+        ),
+        (
+            name("gate_up_proj_scales"),
+            Dtype::U8,
+            vec![E, 2 * F, 2],
+            gate_up_scales,
+        ),
+        (
+            name("down_proj_blocks"),
+            Dtype::U8,
+            vec![E, H, 1, 16],
+            down_blocks,
+        ),
+        (
+            name("down_proj_scales"),
+            Dtype::U8,
+            vec![E, H, 1],
+            down_scales.clone(),
+        ),
+    ];
+    tensors.extend(biases.iter().cloned());
+    write(&quantized, &tensors);
+
+    // The dequantized checkpoint holds the transposes: gate_up_proj [E, H, 2F], down_proj
+    // [E, F, H].
+    let transpose = |v: &[f32], rows: usize, cols: usize| -> Vec<u16> {
+        let mut out = vec![0u16; v.len()];
+        for e in 0..E {
+            for r in 0..rows {
+                for c in 0..cols {
+                    let value = v[(e * rows + r) * cols + c];
+                    let exact = bf16::from_f32(value);
+                    assert_eq!(bf16::to_f32(exact), value, "MXFP4 values are exact in bf16");
+                    out[(e * cols + c) * rows + r] = exact;
+                }
+            }
+        }
+        out
+    };
+    let plain = dir.path().join("bf16.safetensors");
+    let mut tensors = vec![
+        (
+            name("gate_up_proj"),
+            Dtype::BF16,
+            vec![E, H, 2 * F],
+            bits(&transpose(&gate_up, 2 * F, H)),
+        ),
+        (
+            name("down_proj"),
+            Dtype::BF16,
+            vec![E, F, H],
+            bits(&transpose(&down, H, F)),
+        ),
+    ];
+    tensors.extend(biases.iter().cloned());
+    write(&plain, &tensors);
+
+    let load = |path: &Path, which| {
+        let checkpoint = Checkpoint::open(path).unwrap();
+        assert_eq!(checkpoint.detect(PREFIX), vec![Family::GptOss]);
+        checkpoint
+            .load_experts(Family::GptOss, PREFIX, &shape, which)
+            .unwrap()
+    };
+    for which in [ExpertSet::All, ExpertSet::Rank { rank: 1, ranks: 2 }] {
+        let w = load(&quantized, which);
+        assert_eq!(w, load(&plain, which));
+        assert!(w.w1.iter().any(|&b| b & 0x7fff != 0), "not all zero");
+    }
+    // One element by hand: expert 1's W1 row F + 2 (up row 2: gate_up row 5) column 40
+    // (block 1, byte 4, high nibble), and its W2 (down row 7, column 3: block 0, byte 1).
+    let w = load(&quantized, ExpertSet::All);
+    let code = |e: usize, r: usize, c: usize, salt: usize| (e * 7 + r * 3 + c * 5 + salt) % 16;
+    assert_eq!(code(1, 5, 40, 0), 14, "-4.0");
+    let scale = pow2(120 + (1 + 3 * 5 + 5) % 12 - 127);
+    assert_eq!(scale, 4.0);
+    assert_eq!(bf16::to_f32(w.w1[(2 * F + F + 2) * H + 40]), -16.0);
+    assert_eq!(code(1, 7, 3, 1), 12, "-2.0");
+    let scale = pow2(120 + (1 + 3 * 7 + 1) % 12 - 127);
+    assert_eq!(scale, 16.0);
+    assert_eq!(bf16::to_f32(w.w2[(H + 7) * F + 3]), -32.0);
+
+    // A scale tensor of the wrong dtype, or missing, is named.
+    let mut wrong = tensors_without(&quantized, &name("down_proj_scales"));
+    wrong.push((
+        name("down_proj_scales"),
+        Dtype::I8,
+        vec![E, H, 1],
+        down_scales,
+    ));
+    write(&quantized, &wrong);
+    let err = Checkpoint::open(&quantized)
+        .unwrap()
+        .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::Dtype { tensor, found: Dtype::I8 } if *tensor == name("down_proj_scales")),
+        "{err}"
+    );
     write(
         &quantized,
-        &[(
-            blocks.clone(),
-            Dtype::U8,
-            vec![E, 2 * F, 1, 16],
-            vec![0; E * 2 * F * 16],
-        )],
+        &tensors_without(&quantized, &name("down_proj_scales")),
     );
     let err = Checkpoint::open(&quantized)
         .unwrap()
-        .load_experts(Family::GptOss, PREFIX, &gpt_oss_shape(), ExpertSet::All)
+        .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
         .unwrap_err();
     assert!(
-        matches!(&err, CheckpointError::Quantized { tensor, found: Dtype::U8, .. } if *tensor == blocks),
+        matches!(&err, CheckpointError::MissingTensor { tensor, expected, .. }
+            if *tensor == name("down_proj_scales") && *expected == vec![E, H, 1]),
         "{err}"
     );
-    assert!(err.to_string().contains("MXFP4"), "{err}");
+}
+
+/// The tensors of the safetensors file at `path`, less `name`.
+fn tensors_without(path: &Path, name: &str) -> Vec<Tensor> {
+    let bytes = std::fs::read(path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .map(|(n, view)| (n, view.dtype(), view.shape().to_vec(), view.data().to_vec()))
+        .collect()
+}
+
+/// An FP8 E4M3 code's value, spelled out from its fields (bias 7, subnormals below
+/// exponent 1), for codes that are not NaN.
+fn e4m3(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exponent, mantissa) = (i32::from((code >> 3) & 0xf), f32::from(code & 7));
+    if exponent == 0 {
+        sign * mantissa / 8.0 * pow2(-6)
+    } else {
+        sign * (8.0 + mantissa) / 8.0 * pow2(exponent - 7)
+    }
+}
+
+/// DeepSeek-V3's FP8 form of `one_expert`-shaped matrices: every expert projection and the
+/// shared experts' as F8_E4M3 codes with `<name>_scale_inv` [ceil(rows/B0), ceil(cols/B1)]
+/// (powers of two, varying per block), and the bf16 checkpoint of the values they code.
+fn deepseek_fp8_pair(block: [usize; 2]) -> (Vec<Tensor>, Vec<Tensor>) {
+    let (mut quantized, mut plain) = (Vec::new(), Vec::new());
+    let mut matrix = |name: String, rows: usize, cols: usize, salt: usize| {
+        let [b0, b1] = block;
+        let (sr, sc) = (rows.div_ceil(b0), cols.div_ceil(b1));
+        let scales: Vec<f32> = (0..sr * sc)
+            .map(|i| pow2((i + salt) as i32 % 7 - 3))
+            .collect();
+        // Codes 0..=0x7e and their negatives: never NaN (0x7f, 0xff).
+        let codes: Vec<u8> = (0..rows * cols)
+            .map(|i| ((i * 37 + salt * 11) % 0x7f) as u8 | if i % 3 == 0 { 0x80 } else { 0 })
+            .collect();
+        let values = codes.iter().enumerate().map(|(i, &code)| {
+            let value = e4m3(code) * scales[i / cols / b0 * sc + i % cols / b1];
+            let exact = bf16::from_f32(value);
+            assert_eq!(
+                bf16::to_f32(exact),
+                value,
+                "E4M3 times a power of two is exact in bf16"
+            );
+            exact
+        });
+        plain.push(bf16_tensor(name.clone(), vec![rows, cols], values));
+        let scale_bytes = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        quantized.push((
+            format!("{name}_scale_inv"),
+            Dtype::F32,
+            vec![sr, sc],
+            scale_bytes,
+        ));
+        quantized.push((name, Dtype::F8_E4M3, vec![rows, cols], codes));
+    };
+    for e in 0..E {
+        let [gate, up, down] = names(Family::DeepseekV3, PREFIX, e);
+        matrix(gate, F, H, 3 * e);
+        matrix(up, F, H, 3 * e + 1);
+        matrix(down, H, F, 3 * e + 2);
+    }
+    let shared = |p: &str| format!("{PREFIX}mlp.shared_experts.{p}.weight");
+    matrix(shared("gate_proj"), 2 * F, H, 90);
+    matrix(shared("up_proj"), 2 * F, H, 91);
+    matrix(shared("down_proj"), H, 2 * F, 92);
+    let bias = (
+        format!("{PREFIX}mlp.gate.e_score_correction_bias"),
+        Dtype::F32,
+        vec![E],
+        vec![0; 4 * E],
+    );
+    quantized.push(bias.clone());
+    plain.push(bias);
+    (quantized, plain)
+}
+
+#[test]
+fn deepseek_v3_fp8_experts_load_as_their_dequantized_bf16_checkpoint() {
+    let shape = LayerShape {
+        shared_slices: 2,
+        ..shape(Activation::Swiglu)
+    };
+    // Blocks of the release (128 x 128: one block here, no config.json), and blocks that
+    // split the matrices, partly (3 x 5), as a config.json can say.
+    for (block, config) in [
+        ([128, 128], None),
+        (
+            [3, 5],
+            Some(
+                r#"{"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8", "weight_block_size": [3, 5]}}"#,
+            ),
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (quantized, plain) = deepseek_fp8_pair(block);
+        write(&dir.path().join("bf16.safetensors"), &plain);
+        let fp8 = dir.path().join("fp8");
+        std::fs::create_dir(&fp8).unwrap();
+        write(&fp8.join("model.safetensors"), &quantized);
+        if let Some(config) = config {
+            std::fs::write(fp8.join("config.json"), config).unwrap();
+        }
+        for which in [
+            ExpertSet::All,
+            ExpertSet::Rank { rank: 1, ranks: 2 },
+            ExpertSet::SharedSlices,
+        ] {
+            let load = |path: &Path| {
+                let layer = CheckpointLayer::open(path, None, None).unwrap();
+                assert_eq!(layer.family(), Family::DeepseekV3);
+                layer.load(&shape, which).unwrap()
+            };
+            let w = load(&fp8);
+            assert_eq!(
+                w,
+                load(&dir.path().join("bf16.safetensors")),
+                "block {block:?}, {which:?}"
+            );
+            assert!(w.w1.iter().any(|&b| b & 0x7fff != 0), "not all zero");
+        }
+    }
+}
+
+#[test]
+fn fp8_errors_name_the_scales_and_the_config() {
+    let shape = LayerShape {
+        shared_slices: 2,
+        ..shape(Activation::Swiglu)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let (quantized, _) = deepseek_fp8_pair([128, 128]);
+    let load = || {
+        Checkpoint::open(&file)
+            .unwrap()
+            .load_experts(Family::DeepseekV3, PREFIX, &shape, ExpertSet::All)
+            .unwrap_err()
+    };
+    let [gate, ..] = names(Family::DeepseekV3, PREFIX, 0);
+    let scales = format!("{gate}_scale_inv");
+    write(
+        &file,
+        &quantized
+            .iter()
+            .filter(|t| t.0 != scales)
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
+    let err = load();
+    assert!(
+        matches!(&err, CheckpointError::MissingScales { tensor, scales: named, expected }
+            if *tensor == gate && *named == scales && *expected == vec![1, 1]),
+        "{err}"
+    );
+    assert!(err.to_string().contains("_scale_inv"), "{err}");
+
+    // Scales for other blocks than the config's are a shape error naming them.
+    write(&file, &quantized);
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"quantization_config": {"weight_block_size": [4, 4]}}"#,
+    )
+    .unwrap();
+    let err = load();
+    assert!(
+        matches!(&err, CheckpointError::Shape { tensor, expected, found }
+            if *tensor == scales && *expected == vec![F / 4, H / 4] && *found == vec![1, 1]),
+        "{err}"
+    );
+    std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
+    assert!(matches!(load(), CheckpointError::Config { .. }));
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"quantization_config": {"weight_block_size": [0, 128]}}"#,
+    )
+    .unwrap();
+    assert!(matches!(load(), CheckpointError::BlockSize { .. }));
 }
 
 /// DeepSeek-V3's shared experts, one MLP of FFN 2F: `gate_proj`/`up_proj` [2F, H] and

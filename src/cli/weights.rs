@@ -51,8 +51,8 @@ pub enum FamilyArg {
     /// As Qwen3-MoE, with `mlp.gate.e_score_correction_bias`.
     #[value(name = "deepseek-v3")]
     DeepseekV3,
-    /// Fused `mlp.experts.gate_up_proj` and `down_proj`, with biases (bf16 checkpoints;
-    /// the MXFP4 release is refused with a typed error).
+    /// Fused `mlp.experts.gate_up_proj` and `down_proj`, with biases (or the MXFP4
+    /// release's `_blocks` and `_scales`, dequantized on loading).
     #[value(name = "gpt-oss")]
     GptOss,
 }
@@ -215,7 +215,17 @@ fn hint(error: &CheckpointError) -> Option<String> {
                 .to_owned()
         }
         CheckpointError::Dtype { .. } => {
-            "convert the checkpoint's experts to bf16 (f16 and f32 are read too); FP8 checkpoints need dequantising first"
+            "convert the checkpoint's experts to bf16 (f16, f32, FP8 E4M3 with `_scale_inv` block scales and \
+             GPT-OSS's MXFP4 `_blocks` with `_scales` are read too)"
+                .to_owned()
+        }
+        CheckpointError::MissingScales { .. } => {
+            "an FP8 checkpoint keeps each matrix's block scales beside it (`<name>_scale_inv`, as DeepSeek-V3's \
+             release does); is a shard missing?"
+                .to_owned()
+        }
+        CheckpointError::Config { .. } | CheckpointError::BlockSize { .. } => {
+            "the loader reads `quantization_config.weight_block_size` there (FP8 checkpoints); fix or remove the file"
                 .to_owned()
         }
         CheckpointError::Activation { family, .. } => format!(
@@ -226,10 +236,6 @@ fn hint(error: &CheckpointError) -> Option<String> {
             "set `expert_bias = {}` in the spec, as the model computes",
             family.expert_bias()
         ),
-        CheckpointError::Quantized { .. } => {
-            "use GPT-OSS's dequantized (bf16) checkpoint, or dequantise the MXFP4 experts first"
-                .to_owned()
-        }
         _ => return None,
     })
 }
