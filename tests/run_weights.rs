@@ -295,7 +295,8 @@ fn weights_errors_are_typed_with_hints() {
     write_tiny_raw(&tmp.join("missing.safetensors"), |t| {
         t.retain(|(name, ..)| name != "model.layers.0.mlp.experts.5.up_proj.weight");
     });
-    // Expert 1's down projection stored transposed; expert 1's up projection in FP8;
+    // Expert 1's down projection stored transposed; expert 1's up projection in FP8 without
+    // its block scales;
     // expert 0's gate projection as integers.
     write_tiny_raw(&tmp.join("transposed.safetensors"), |t| t[5].2 = vec![f, h]);
     write_tiny_raw(&tmp.join("fp8.safetensors"), |t| t[4].1 = Dtype::F8_E4M3);

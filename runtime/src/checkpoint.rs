@@ -73,6 +73,10 @@ pub const CONFIG_FILE: &str = "config.json";
 /// FP8 weights' scale blocks (rows, columns) where no `config.json` says: DeepSeek-V3's.
 pub const DEFAULT_FP8_BLOCK: [usize; 2] = [128, 128];
 
+/// FP8 matrices of at least this many elements are dequantized by as many threads as there
+/// are cores (a smaller one costs less than starting them).
+const FP8_ROWS_SPLIT_ELEMENTS: usize = 1 << 20;
+
 /// The part of a model's `config.json` the loader reads.
 #[derive(Deserialize)]
 struct ModelConfig {
@@ -1107,16 +1111,34 @@ impl Checkpoint {
             found,
         })?;
         let values = fp8_e4m3_values();
-        for (r, (row_out, row)) in out
-            .chunks_exact_mut(cols)
-            .zip(weight.bytes.chunks_exact(cols))
-            .enumerate()
-        {
-            let row_scales = &scale[r / block_rows * scale_shape[1]..];
-            for (c, (o, &bits)) in row_out.iter_mut().zip(row).enumerate() {
-                *o = bf16::from_f32(values[bits as usize] * row_scales[c / block_cols]);
+        let dequantize = |first_row: usize, out: &mut [u16], codes: &[u8]| {
+            for (r, (row_out, row)) in out
+                .chunks_exact_mut(cols)
+                .zip(codes.chunks_exact(cols))
+                .enumerate()
+            {
+                let row_scales = &scale[(first_row + r) / block_rows * scale_shape[1]..];
+                for (c, (o, &bits)) in row_out.iter_mut().zip(row).enumerate() {
+                    *o = bf16::from_f32(values[bits as usize] * row_scales[c / block_cols]);
+                }
             }
+        };
+        // A layer of DeepSeek-V3 is 11 G codes: split large matrices by rows over the cores.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if threads == 1 || rows * cols < FP8_ROWS_SPLIT_ELEMENTS {
+            dequantize(0, out, weight.bytes);
+            return Ok(());
         }
+        let rows_each = rows.div_ceil(threads);
+        std::thread::scope(|scope| {
+            for (part, (out, codes)) in out
+                .chunks_mut(rows_each * cols)
+                .zip(weight.bytes.chunks(rows_each * cols))
+                .enumerate()
+            {
+                scope.spawn(move || dequantize(part * rows_each, out, codes));
+            }
+        });
         Ok(())
     }
 
@@ -1335,6 +1357,38 @@ impl FusedNames {
     }
 }
 
+/// How a checkpoint stores a layer's expert matrices ([`CheckpointLayer::storage`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertStorage {
+    /// BF16, F16 or F32, read as bf16.
+    Plain,
+    /// FP8 E4M3 with block scales (of this size, where `config.json` could be read),
+    /// dequantized on loading.
+    Fp8 { block: Option<[usize; 2]> },
+    /// GPT-OSS's MXFP4 blocks and scales, dequantized on loading.
+    Mxfp4,
+}
+
+impl fmt::Display for ExpertStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExpertStorage::Plain => f.write_str("bf16 (or f16, f32)"),
+            ExpertStorage::Fp8 {
+                block: Some([rows, cols]),
+            } => {
+                write!(
+                    f,
+                    "FP8 E4M3 with {rows} x {cols} block scales, dequantized to bf16"
+                )
+            }
+            ExpertStorage::Fp8 { block: None } => {
+                f.write_str("FP8 E4M3 with block scales, dequantized to bf16")
+            }
+            ExpertStorage::Mxfp4 => f.write_str("MXFP4, dequantized to bf16"),
+        }
+    }
+}
+
 /// One layer of an open checkpoint: the prefix its tensors are named under and the
 /// family whose names they use, each given by the caller or read off the tensor names.
 pub struct CheckpointLayer {
@@ -1442,6 +1496,31 @@ impl CheckpointLayer {
     ) -> Result<HostGate, CheckpointError> {
         self.checkpoint
             .load_gate(self.family, &self.prefix, shape, bias)
+    }
+
+    /// How the checkpoint stores the layer's expert matrices (read off expert 0's gate
+    /// projection, or GPT-OSS's fused tensors), for reports: the loader reads each
+    /// tensor as it finds it.
+    pub fn storage(&self) -> ExpertStorage {
+        let checkpoint = &self.checkpoint;
+        let dtype = |name: &str| {
+            let shard = &checkpoint.shards[*checkpoint.names.get(name)?];
+            Some(shard.metadata.info(name)?.dtype)
+        };
+        match self.family.expert_names(&self.prefix, 0) {
+            Some([gate, ..]) if dtype(&gate) == Some(Dtype::F8_E4M3) => ExpertStorage::Fp8 {
+                block: checkpoint.fp8_block().ok(),
+            },
+            Some(_) => ExpertStorage::Plain,
+            None => {
+                let names = FusedNames::new(&self.prefix);
+                if dtype(&names.gate_up).is_none() && dtype(&names.gate_up_blocks).is_some() {
+                    ExpertStorage::Mxfp4
+                } else {
+                    ExpertStorage::Plain
+                }
+            }
+        }
     }
 
     /// The file or folder the checkpoint was opened from.

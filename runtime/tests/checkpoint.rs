@@ -11,8 +11,8 @@ use moeforge_compiler::ir::RouterBias;
 use moeforge_compiler::plan::LayerShape;
 use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::{
-    Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, Family, HostWeights, INDEX_FILE,
-    write_experts, write_layer,
+    Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, ExpertStorage, Family, HostWeights,
+    INDEX_FILE, write_experts, write_layer,
 };
 use moeforge_runtime::reference::layer_output;
 use moeforge_runtime::weights::{self, Weights};
@@ -1241,6 +1241,16 @@ fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
     // One element by hand: expert 1's W1 row F + 2 (up row 2: gate_up row 5) column 40
     // (block 1, byte 4, high nibble), and its W2 (down row 7, column 3: block 0, byte 1).
     let w = load(&quantized, ExpertSet::All);
+    let storage = |path: &Path| CheckpointLayer::open(path, None, None).unwrap().storage();
+    assert_eq!(storage(&quantized), ExpertStorage::Mxfp4);
+    assert_eq!(storage(&plain), ExpertStorage::Plain);
+    assert_eq!(
+        ExpertStorage::Fp8 {
+            block: Some([128, 128])
+        }
+        .to_string(),
+        "FP8 E4M3 with 128 x 128 block scales, dequantized to bf16"
+    );
     let code = |e: usize, r: usize, c: usize, salt: usize| (e * 7 + r * 3 + c * 5 + salt) % 16;
     assert_eq!(code(1, 5, 40, 0), 14, "-4.0");
     let scale = pow2(120 + (1 + 3 * 5 + 5) % 12 - 127);
@@ -1309,7 +1319,7 @@ fn e4m3(code: u8) -> f32 {
 /// DeepSeek-V3's FP8 form of `one_expert`-shaped matrices: every expert projection and the
 /// shared experts' as F8_E4M3 codes with `<name>_scale_inv` [ceil(rows/B0), ceil(cols/B1)]
 /// (powers of two, varying per block), and the bf16 checkpoint of the values they code.
-fn deepseek_fp8_pair(block: [usize; 2]) -> (Vec<Tensor>, Vec<Tensor>) {
+fn deepseek_fp8_pair(block: [usize; 2], [h, f, experts]: [usize; 3]) -> (Vec<Tensor>, Vec<Tensor>) {
     let (mut quantized, mut plain) = (Vec::new(), Vec::new());
     let mut matrix = |name: String, rows: usize, cols: usize, salt: usize| {
         let [b0, b1] = block;
@@ -1341,21 +1351,21 @@ fn deepseek_fp8_pair(block: [usize; 2]) -> (Vec<Tensor>, Vec<Tensor>) {
         ));
         quantized.push((name, Dtype::F8_E4M3, vec![rows, cols], codes));
     };
-    for e in 0..E {
+    for e in 0..experts {
         let [gate, up, down] = names(Family::DeepseekV3, PREFIX, e);
-        matrix(gate, F, H, 3 * e);
-        matrix(up, F, H, 3 * e + 1);
-        matrix(down, H, F, 3 * e + 2);
+        matrix(gate, f, h, 3 * e);
+        matrix(up, f, h, 3 * e + 1);
+        matrix(down, h, f, 3 * e + 2);
     }
     let shared = |p: &str| format!("{PREFIX}mlp.shared_experts.{p}.weight");
-    matrix(shared("gate_proj"), 2 * F, H, 90);
-    matrix(shared("up_proj"), 2 * F, H, 91);
-    matrix(shared("down_proj"), H, 2 * F, 92);
+    matrix(shared("gate_proj"), 2 * f, h, 90);
+    matrix(shared("up_proj"), 2 * f, h, 91);
+    matrix(shared("down_proj"), h, 2 * f, 92);
     let bias = (
         format!("{PREFIX}mlp.gate.e_score_correction_bias"),
         Dtype::F32,
-        vec![E],
-        vec![0; 4 * E],
+        vec![experts],
+        vec![0; 4 * experts],
     );
     quantized.push(bias.clone());
     plain.push(bias);
@@ -1380,7 +1390,7 @@ fn deepseek_v3_fp8_experts_load_as_their_dequantized_bf16_checkpoint() {
         ),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let (quantized, plain) = deepseek_fp8_pair(block);
+        let (quantized, plain) = deepseek_fp8_pair(block, [H, F, E]);
         write(&dir.path().join("bf16.safetensors"), &plain);
         let fp8 = dir.path().join("fp8");
         std::fs::create_dir(&fp8).unwrap();
@@ -1396,6 +1406,12 @@ fn deepseek_v3_fp8_experts_load_as_their_dequantized_bf16_checkpoint() {
             let load = |path: &Path| {
                 let layer = CheckpointLayer::open(path, None, None).unwrap();
                 assert_eq!(layer.family(), Family::DeepseekV3);
+                let stored = if path.ends_with("fp8") {
+                    ExpertStorage::Fp8 { block: Some(block) }
+                } else {
+                    ExpertStorage::Plain
+                };
+                assert_eq!(layer.storage(), stored);
                 layer.load(&shape, which).unwrap()
             };
             let w = load(&fp8);
@@ -1410,6 +1426,32 @@ fn deepseek_v3_fp8_experts_load_as_their_dequantized_bf16_checkpoint() {
 }
 
 #[test]
+fn large_fp8_matrices_dequantize_on_every_core_as_on_one() {
+    // 1024 x 1024: a matrix the loader splits by rows over the cores (at least 2^20
+    // elements), with 128 x 128 blocks, against the bf16 checkpoint of its values.
+    const SIZE: usize = 1024;
+    let shape = LayerShape {
+        hidden: SIZE as u32,
+        ffn: SIZE as u32,
+        experts: 2,
+        top_k: 1,
+        shared_slices: 2,
+        ..shape(Activation::Swiglu)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (quantized, plain) = deepseek_fp8_pair([128, 128], [SIZE, SIZE, 2]);
+    write(&dir.path().join("fp8.safetensors"), &quantized);
+    write(&dir.path().join("bf16.safetensors"), &plain);
+    let load = |name: &str| {
+        Checkpoint::open(&dir.path().join(name))
+            .unwrap()
+            .load_experts(Family::DeepseekV3, PREFIX, &shape, ExpertSet::All)
+            .unwrap()
+    };
+    assert!(load("fp8.safetensors") == load("bf16.safetensors"));
+}
+
+#[test]
 fn fp8_errors_name_the_scales_and_the_config() {
     let shape = LayerShape {
         shared_slices: 2,
@@ -1417,7 +1459,7 @@ fn fp8_errors_name_the_scales_and_the_config() {
     };
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("model.safetensors");
-    let (quantized, _) = deepseek_fp8_pair([128, 128]);
+    let (quantized, _) = deepseek_fp8_pair([128, 128], [H, F, E]);
     let load = || {
         Checkpoint::open(&file)
             .unwrap()

@@ -12,7 +12,8 @@ use std::time::Instant;
 use moeforge::compiler::ir::Router;
 use moeforge::compiler::plan::LayerShape;
 use moeforge::runtime::checkpoint::{
-    CheckpointError, CheckpointLayer, ExpertSet, Family, HostGate, HostWeights, INDEX_FILE,
+    CheckpointError, CheckpointLayer, ExpertSet, ExpertStorage, Family, HostGate, HostWeights,
+    INDEX_FILE,
 };
 use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::layer::ExpertWeights;
@@ -104,8 +105,12 @@ impl WeightsArgs {
                 shape.ffn
             ),
         };
+        let stored = match layer.storage() {
+            ExpertStorage::Plain => String::new(),
+            quantized => format!(" ({quantized})"),
+        };
         eprintln!(
-            "loaded the {} routed experts{shared} of {layer} in {:.2} s",
+            "loaded the {} routed experts{shared} of {layer} in {:.2} s{stored}",
             shape.experts,
             started.elapsed().as_secs_f64()
         );
