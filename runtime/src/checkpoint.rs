@@ -12,13 +12,13 @@
 //! concatenates and never transposes (GPT-OSS's fused tensors are transposed: below). Values become
 //! bf16 bits (`u16`); f16 and f32 tensors are rounded to bf16 on the way.
 //!
-//! Quantized releases are dequantised once, on the host, to the same bf16 layout (the
+//! Quantized releases are dequantized once, on the host, to the same bf16 layout (the
 //! kernels multiply bf16): an FP8 E4M3 matrix (DeepSeek-V3's release; Qwen3's `-FP8`
 //! ones) times its block scales `<name>_scale_inv` (f32, one per block of 128 x 128, or
 //! of `quantization_config.weight_block_size` in the `config.json` beside the weights),
 //! and GPT-OSS's MXFP4 experts (`gate_up_proj_blocks` and `_scales`, `down_proj_blocks`
 //! and `_scales`: FP4 E2M1 codes, 32 to an E8M0 scale). Each element is its code's value
-//! times its scale in f32, rounded to bf16, as the model's reference dequantises it.
+//! times its scale in f32, rounded to bf16, as the model's reference dequantizes it.
 //!
 //! [`CheckpointLayer::open`] picks the layer and the naming for the caller: a given layer
 //! prefix (with or without its final dot) and family, or, when either is left out, the
@@ -1054,7 +1054,7 @@ impl Checkpoint {
     }
 
     /// Reads tensor `name`, which must have shape `expected`, into `out` as bf16 bits; an
-    /// FP8 matrix is dequantised with its block scales ([`Checkpoint::read_fp8`]).
+    /// FP8 matrix is dequantized with its block scales ([`Checkpoint::read_fp8`]).
     fn read_bf16(
         &self,
         family: Family,
@@ -1080,7 +1080,7 @@ impl Checkpoint {
         })
     }
 
-    /// Dequantises `weight`, the F8_E4M3 matrix `name` [rows, cols], into `out` as bf16
+    /// Dequantizes `weight`, the F8_E4M3 matrix `name` [rows, cols], into `out` as bf16
     /// bits: element (r, c) is its FP8 value times `<name>_scale_inv`[r / B0, c / B1], in
     /// f32, rounded to nearest even, as DeepSeek-V3's and the `-FP8` Qwen3 releases
     /// define them (blocks B0 x B1 of [`Checkpoint::fp8_block`]; the scales cover a last,
