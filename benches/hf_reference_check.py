@@ -512,26 +512,12 @@ FAMILIES = [
         normalize=False,
         scoring="topk_softmax",
     ),
-    Family(
-        name="deepseek_v3_fp8",
-        moeforge_family="deepseek-v3",
-        small=Sizes(hidden=256, ffn=192, experts=16, top_k=4, groups=4, groups_kept=2, shared=2),
-        real=Sizes(hidden=7168, ffn=2048, experts=256, top_k=8, groups=8, groups_kept=4, shared=1),
-        real_model="DeepSeek-V3",
-        scoring="sigmoid",
-        scale=2.5,
-        quantization="fp8",
-    ),
-    Family(
-        name="gpt_oss_mxfp4",
-        moeforge_family="gpt-oss",
-        small=Sizes(hidden=256, ffn=192, experts=16, top_k=4),
-        real=Sizes(hidden=2880, ffn=2880, experts=128, top_k=4),
-        real_model="gpt-oss-120b",
-        normalize=False,
-        scoring="topk_softmax",
-        quantization="mxfp4",
-    ),
+]
+# The same blocks with their experts stored as the published releases store them.
+FAMILIES += [
+    dataclasses.replace(next(f for f in FAMILIES if f.name == base), name=f"{base}_{quantization}",
+                        quantization=quantization)
+    for base, quantization in (("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4"))
 ]
 
 # DeepSeek-V3's FP8 release: E4M3 codes (largest 448) in blocks of 128 x 128 of each

@@ -36,5 +36,5 @@ echo "benches done at $(( $(date +%s) - start )) s"
 for f in $OUT/raw/*.txt; do echo "== $(basename $f)"; grep -E "^\| +[0-9]" $f | cut -d'|' -f2,3,4,12 | head -8; done
 (cd $OUT && tar czf raw.tgz raw && rm -rf raw)
 if [ "${REAL:-0}" = 1 ]; then
-  LIMIT=$(( 560 - ($(date +%s) - start) )) bash benches/results/2026-12-07_quantized_checkpoints/real_sizes.sh
+  LIMIT=$(( ${CALL_LIMIT:-560} - ($(date +%s) - start) )) bash benches/results/2026-12-07_quantized_checkpoints/real_sizes.sh
 fi
