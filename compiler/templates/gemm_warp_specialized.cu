@@ -178,78 +178,6 @@ struct UnitSlots {
 enum : int { PRODUCER_BARRIER_ID = 1 };
 enum : int { CONSUMER_BARRIER_ID = 2 };
 
-// Where one GPU's GEMM1 of a gated shared expert puts the tokens' gate weights when its
-// tiles compute them (G::SHARED_GATE_IN_TILES): w_gate [HIDDEN] and the weights [T].
-struct SharedGateTiles {
-    const bf16_t* weights = nullptr;
-    float* out = nullptr;
-};
-{%- if shared_gated %}
-
-// The first shared slice's first column tile computes its rows' gate weights from the x
-// rows each stage brings anyway, beside the tensor cores (no warp reads x before the
-// tiles). Two consumer threads take a row of their warpgroup's 64, half h chunks 4h..4h+3
-// of every k-tile. Chunk c of k-tile k is the row's vector 8k + c, the one lane
-// (8k + c) % 32 of shared_gate_weights_of sums: each thread keeps 16 of the row's 32 lane
-// sums, adds the vectors in the same order, and at the end the pair's 32 sums are added as
-// that warp adds them: the same weight as every other path.
-template <class G>
-struct SharedGateTileSums {
-    static_assert(!G::SHARED_GATE_IN_TILES || (G::KIND == GEMM_UP && G::BK == 64 && G::ROW_BYTES == 128),
-                  "plan: the gate's tiles are GEMM1's, a k-tile 8 vectors of x's row");
-    enum : int { K_TILES = (G::KD + G::BK - 1) / G::BK };
-    // sums[4p + c]: lane sums 8q + 4h + c, q = (k + p) % 4 for the next k-tile k: the sums
-    // of the quarter being added to stay at p = 0, the four quarters rotating after each
-    // k-tile (register indices known at compile time throughout).
-    float sums[16];
-
-    __device__ __forceinline__ SharedGateTileSums() {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) sums[i] = 0.f;
-    }
-
-    // Adds k-tile `k_tile` of row `row` of the stage's A rows at `a_rows`, this thread's
-    // half `half` of it.
-    __device__ __forceinline__ void add(const unsigned char* a_rows, int row, int half, int k_tile,
-                                        const bf16_t* __restrict__ gate) {
-        const uint4* gate_vectors = reinterpret_cast<const uint4*>(gate);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int chunk = half * 4 + c, vector = k_tile * 8 + chunk;
-            if (vector * 8 < HIDDEN) {  // a ragged last k-tile's chunks past the row hold zeros
-                const uint4 x = *reinterpret_cast<const uint4*>(a_rows + swizzle<G::ROW_BYTES>(row, chunk));
-                shared_gate_add_vector(sums[c], x, __ldg(gate_vectors + vector));
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float quarter = sums[c];
-#pragma unroll
-            for (int p = 0; p < 3; ++p) sums[4 * p + c] = sums[4 * (p + 1) + c];
-            sums[12 + c] = quarter;
-        }
-    }
-
-    // The row's weight (both threads of the pair return it; the whole warp calls this).
-    __device__ __forceinline__ float weight(int half) {
-        float partner[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) partner[i] = __shfl_xor_sync(0xffffffffu, sums[i], 1);
-        float lanes[32];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int p = ((q - K_TILES) % 4 + 4) % 4;  // where quarter q's sums ended
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                lanes[8 * q + c] = half == 0 ? sums[4 * p + c] : partner[4 * p + c];
-                lanes[8 * q + 4 + c] = half == 0 ? partner[4 * p + c] : sums[4 * p + c];
-            }
-        }
-        return shared_gate_weight_of_sums(lanes);
-    }
-};
-{%- endif %}
-
 template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
@@ -261,8 +189,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     bf16_t* __restrict__ out,
     const EpContext& ep,
     unsigned int* unit_ticket,  // this GEMM's ticket of work units, zero between calls
-    const TensorMap* a_tiles = nullptr,  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
-    const SharedGateTiles shared_gate = {})  // G::SHARED_GATE_IN_TILES only
+    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
@@ -402,13 +329,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             // partly empty tile) only keeps the ring's count: its zeros would store nothing,
             // and the warpgroup that has rows gets the SM's tensor cores to itself.
             const bool multiplies = t.rows > warpgroup * 64;
-{%- if shared_gated %}
-            // The tile whose rows' gate weights this warpgroup computes: the first shared
-            // slice's (its rows are the tokens in order) first column tile.
-            const bool gate_tile = G::SHARED_GATE_IN_TILES && multiplies && t.expert == EXPERTS && t.n0 == 0;
-            const int gate_row = warpgroup * 64 + ((consumer & 127) >> 1), gate_half = consumer & 1;
-            SharedGateTileSums<G> gate_sums;
-{%- endif %}
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
@@ -425,9 +345,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                     }
                     wgmma_commit();
                 }
-{%- if shared_gated %}
-                if (gate_tile) gate_sums.add(smem + stage * G::STAGE_BYTES, gate_row, gate_half, k_tile, shared_gate.weights);
-{%- endif %}
                 wgmma_wait<1>();  // the previous group has read its stage
                 if (previous >= 0) release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
                 previous = stage;
@@ -436,12 +353,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
             wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, slot_weights, expert_bias, out, ep);
-{%- if shared_gated %}
-            if (gate_tile) {  // after the epilogue, whose accumulators no longer hold registers
-                const float weight = gate_sums.weight(gate_half);
-                if (gate_half == 0 && gate_row < t.rows) shared_gate.out[t.row0 + gate_row - row_offsets[t.expert]] = weight;
-            }
-{%- endif %}
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);

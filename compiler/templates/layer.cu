@@ -112,9 +112,6 @@ struct {{ gemm.config }} : {{ gemm.base }} {
     enum : int { CLUSTER = {{ gemm.cluster }}, B_BOX_ROWS = {{ gemm.b_box_rows }} };
     enum : bool { A_TILES = {{ gemm.a_tiles }} };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = {{ gemm.quad_stores }} };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = {{ gemm.shared_gate_in_tiles }} };
 {%- else %}
     enum : int { PRODUCER_THREADS = 0 };
     // A call of at most STREAM_K_MAX_TILES tiles whose last wave over the grid has 1 to
@@ -150,7 +147,7 @@ extern "C" __global__ void __launch_bounds__({{ gemm.threads }}, {{ gemm.blocks_
     start_after_previous_kernel();
 {%- endif %}
 {%- endif %}
-{%- if gemm.shared_gate_in_prologue %}
+{%- if gemm.computes_shared_gate %}
     // The gated shared expert's weight of each token, for GEMM2, which reads them once this
     // grid is done (x's rows are ready: this kernel starts after the one ahead).
     shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);

@@ -335,36 +335,12 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) {{ sort.name }}(
 
 // ---------------------------------------------------------------------------------------
 // The shared expert gate (a gated shared expert, as Qwen2-MoE's): token t's shared slices
-// weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights, before its tiles
-// (mma.sync) or in its first shared slice's first column tile (warp-specialised:
-// SharedGateTiles), and GEMM2 reads them once GEMM1 is done; a rank's gate launch before
-// arrange, which gives them to the shared rows; a fused decode's shared-slice GEMM2 tiles
-// compute their own in shared memory. A warp per token: 16-byte loads of x's row and of
-// the gate, f32 products, lane l summing the row's vectors l, l + 32, ..., the lanes' sums
-// added in a fixed order; the tiles keep the same 32 sums in the same order (the same
-// weight every call, on every path).
+// weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights before its tiles
+// (GEMM2 reads them once GEMM1 is done), a rank's gate launch before arrange, which gives
+// them to the shared rows; a fused decode's shared-slice GEMM2 tiles compute their own in
+// shared memory. A warp per token: 16-byte loads of x's row and of the gate, f32 products,
+// the lanes' sums added in a fixed order (the same weight every call, on every path).
 // ---------------------------------------------------------------------------------------
-// One 16-byte vector of x's row times the gate's, added to `sum` element by element.
-__device__ __forceinline__ void shared_gate_add_vector(float& sum, uint4 a, uint4 b) {
-    const u32 xa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
-        sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
-    }
-}
-
-// A token's weight from its row's 32 lane sums, added as a warp's butterfly adds them into
-// lane 0 (lane l + offset's into lane l, offsets 16 down to 1).
-__device__ __forceinline__ float shared_gate_weight_of_sums(float (&sums)[32]) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-#pragma unroll
-        for (int l = 0; l < offset; ++l) sums[l] += sums[l + offset];
-    }
-    return 1.f / (1.f + expf(-sums[0]));
-}
-
 // Tokens first, first + stride, ... below `tokens`, by a warp that numbers itself `first`
 // among `stride`; lane 0 hands each weight to store(token, weight).
 template <class Store>
@@ -388,7 +364,14 @@ __device__ __forceinline__ void shared_gate_weights_of(const bf16_t* __restrict_
                 b[j] = v < VECTORS ? __ldg(gate + v) : uint4{0u, 0u, 0u, 0u};
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) shared_gate_add_vector(sum, a[j], b[j]);
+            for (int j = 0; j < 4; ++j) {
+                const u32 xa[4] = {a[j].x, a[j].y, a[j].z, a[j].w}, wb[4] = {b[j].x, b[j].y, b[j].z, b[j].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
+                    sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
+                }
+            }
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);

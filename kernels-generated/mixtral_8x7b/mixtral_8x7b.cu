@@ -1732,13 +1732,6 @@ struct UnitSlots {
 enum : int { PRODUCER_BARRIER_ID = 1 };
 enum : int { CONSUMER_BARRIER_ID = 2 };
 
-// Where one GPU's GEMM1 of a gated shared expert puts the tokens' gate weights when its
-// tiles compute them (G::SHARED_GATE_IN_TILES): w_gate [HIDDEN] and the weights [T].
-struct SharedGateTiles {
-    const bf16_t* weights = nullptr;
-    float* out = nullptr;
-};
-
 template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
@@ -1750,8 +1743,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     bf16_t* __restrict__ out,
     const EpContext& ep,
     unsigned int* unit_ticket,  // this GEMM's ticket of work units, zero between calls
-    const TensorMap* a_tiles = nullptr,  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
-    const SharedGateTiles shared_gate = {})  // G::SHARED_GATE_IN_TILES only
+    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
@@ -4129,9 +4121,6 @@ struct mid_gemm1 : SingleGpu {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
@@ -4169,9 +4158,6 @@ struct mid_gemm2 : SingleGpu {
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
@@ -4213,9 +4199,6 @@ struct prefill_gemm1 : SingleGpu {
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
@@ -4252,9 +4235,6 @@ struct prefill_gemm2 : SingleGpu {
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
@@ -4595,9 +4575,6 @@ struct mid_ep_gemm2 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 64 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384 };
@@ -4642,9 +4619,6 @@ struct large_ep_gemm1 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
@@ -4687,9 +4661,6 @@ struct large_ep_gemm2 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 64 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 64 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 16384 };
@@ -4734,9 +4705,6 @@ struct prefill_ep_gemm1 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
@@ -4779,9 +4747,6 @@ struct prefill_ep_gemm2 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };

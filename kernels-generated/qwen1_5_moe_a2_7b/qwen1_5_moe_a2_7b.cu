@@ -558,36 +558,12 @@ extern "C" __global__ void __launch_bounds__(SORT_ROWS_THREADS) qwen1_5_moe_a2_7
 
 // ---------------------------------------------------------------------------------------
 // The shared expert gate (a gated shared expert, as Qwen2-MoE's): token t's shared slices
-// weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights, before its tiles
-// (mma.sync) or in its first shared slice's first column tile (warp-specialised:
-// SharedGateTiles), and GEMM2 reads them once GEMM1 is done; a rank's gate launch before
-// arrange, which gives them to the shared rows; a fused decode's shared-slice GEMM2 tiles
-// compute their own in shared memory. A warp per token: 16-byte loads of x's row and of
-// the gate, f32 products, lane l summing the row's vectors l, l + 32, ..., the lanes' sums
-// added in a fixed order; the tiles keep the same 32 sums in the same order (the same
-// weight every call, on every path).
+// weigh sigmoid(x[t] · w_gate). One GPU's GEMM1 computes the weights before its tiles
+// (GEMM2 reads them once GEMM1 is done), a rank's gate launch before arrange, which gives
+// them to the shared rows; a fused decode's shared-slice GEMM2 tiles compute their own in
+// shared memory. A warp per token: 16-byte loads of x's row and of the gate, f32 products,
+// the lanes' sums added in a fixed order (the same weight every call, on every path).
 // ---------------------------------------------------------------------------------------
-// One 16-byte vector of x's row times the gate's, added to `sum` element by element.
-__device__ __forceinline__ void shared_gate_add_vector(float& sum, uint4 a, uint4 b) {
-    const u32 xa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
-        sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
-    }
-}
-
-// A token's weight from its row's 32 lane sums, added as a warp's butterfly adds them into
-// lane 0 (lane l + offset's into lane l, offsets 16 down to 1).
-__device__ __forceinline__ float shared_gate_weight_of_sums(float (&sums)[32]) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-#pragma unroll
-        for (int l = 0; l < offset; ++l) sums[l] += sums[l + offset];
-    }
-    return 1.f / (1.f + expf(-sums[0]));
-}
-
 // Tokens first, first + stride, ... below `tokens`, by a warp that numbers itself `first`
 // among `stride`; lane 0 hands each weight to store(token, weight).
 template <class Store>
@@ -611,7 +587,14 @@ __device__ __forceinline__ void shared_gate_weights_of(const bf16_t* __restrict_
                 b[j] = v < VECTORS ? __ldg(gate + v) : uint4{0u, 0u, 0u, 0u};
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) shared_gate_add_vector(sum, a[j], b[j]);
+            for (int j = 0; j < 4; ++j) {
+                const u32 xa[4] = {a[j].x, a[j].y, a[j].z, a[j].w}, wb[4] = {b[j].x, b[j].y, b[j].z, b[j].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum += bf16_to_float((bf16_t)(xa[i] & 0xffffu)) * bf16_to_float((bf16_t)(wb[i] & 0xffffu));
+                    sum += bf16_to_float((bf16_t)(xa[i] >> 16)) * bf16_to_float((bf16_t)(wb[i] >> 16));
+                }
+            }
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -1816,76 +1799,6 @@ struct UnitSlots {
 enum : int { PRODUCER_BARRIER_ID = 1 };
 enum : int { CONSUMER_BARRIER_ID = 2 };
 
-// Where one GPU's GEMM1 of a gated shared expert puts the tokens' gate weights when its
-// tiles compute them (G::SHARED_GATE_IN_TILES): w_gate [HIDDEN] and the weights [T].
-struct SharedGateTiles {
-    const bf16_t* weights = nullptr;
-    float* out = nullptr;
-};
-
-// The first shared slice's first column tile computes its rows' gate weights from the x
-// rows each stage brings anyway, beside the tensor cores (no warp reads x before the
-// tiles). Two consumer threads take a row of their warpgroup's 64, half h chunks 4h..4h+3
-// of every k-tile. Chunk c of k-tile k is the row's vector 8k + c, the one lane
-// (8k + c) % 32 of shared_gate_weights_of sums: each thread keeps 16 of the row's 32 lane
-// sums, adds the vectors in the same order, and at the end the pair's 32 sums are added as
-// that warp adds them: the same weight as every other path.
-template <class G>
-struct SharedGateTileSums {
-    static_assert(!G::SHARED_GATE_IN_TILES || (G::KIND == GEMM_UP && G::BK == 64 && G::ROW_BYTES == 128),
-                  "plan: the gate's tiles are GEMM1's, a k-tile 8 vectors of x's row");
-    enum : int { K_TILES = (G::KD + G::BK - 1) / G::BK };
-    // sums[4p + c]: lane sums 8q + 4h + c, q = (k + p) % 4 for the next k-tile k: the sums
-    // of the quarter being added to stay at p = 0, the four quarters rotating after each
-    // k-tile (register indices known at compile time throughout).
-    float sums[16];
-
-    __device__ __forceinline__ SharedGateTileSums() {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) sums[i] = 0.f;
-    }
-
-    // Adds k-tile `k_tile` of row `row` of the stage's A rows at `a_rows`, this thread's
-    // half `half` of it.
-    __device__ __forceinline__ void add(const unsigned char* a_rows, int row, int half, int k_tile,
-                                        const bf16_t* __restrict__ gate) {
-        const uint4* gate_vectors = reinterpret_cast<const uint4*>(gate);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int chunk = half * 4 + c, vector = k_tile * 8 + chunk;
-            if (vector * 8 < HIDDEN) {  // a ragged last k-tile's chunks past the row hold zeros
-                const uint4 x = *reinterpret_cast<const uint4*>(a_rows + swizzle<G::ROW_BYTES>(row, chunk));
-                shared_gate_add_vector(sums[c], x, __ldg(gate_vectors + vector));
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float quarter = sums[c];
-#pragma unroll
-            for (int p = 0; p < 3; ++p) sums[4 * p + c] = sums[4 * (p + 1) + c];
-            sums[12 + c] = quarter;
-        }
-    }
-
-    // The row's weight (both threads of the pair return it; the whole warp calls this).
-    __device__ __forceinline__ float weight(int half) {
-        float partner[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) partner[i] = __shfl_xor_sync(0xffffffffu, sums[i], 1);
-        float lanes[32];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int p = ((q - K_TILES) % 4 + 4) % 4;  // where quarter q's sums ended
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                lanes[8 * q + c] = half == 0 ? sums[4 * p + c] : partner[4 * p + c];
-                lanes[8 * q + 4 + c] = half == 0 ? partner[4 * p + c] : sums[4 * p + c];
-            }
-        }
-        return shared_gate_weight_of_sums(lanes);
-    }
-};
-
 template <class G>
 __device__ __forceinline__ void grouped_gemm_warp_specialized(
     const bf16_t* __restrict__ a_rows,
@@ -1897,8 +1810,7 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
     bf16_t* __restrict__ out,
     const EpContext& ep,
     unsigned int* unit_ticket,  // this GEMM's ticket of work units, zero between calls
-    const TensorMap* a_tiles = nullptr,  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
-    const SharedGateTiles shared_gate = {})  // G::SHARED_GATE_IN_TILES only
+    const TensorMap* a_tiles = nullptr)  // A_TILES: boxes of BM rows x BK columns of the expert-major A rows
 {
     assert_gemm_layout<G>();
     static_assert(G::WARPS_N == 1 && G::WARPS_M * 16 == G::BM, "plan: one consumer warpgroup (4 warps) per 64 rows");
@@ -2038,11 +1950,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             // partly empty tile) only keeps the ring's count: its zeros would store nothing,
             // and the warpgroup that has rows gets the SM's tensor cores to itself.
             const bool multiplies = t.rows > warpgroup * 64;
-            // The tile whose rows' gate weights this warpgroup computes: the first shared
-            // slice's (its rows are the tokens in order) first column tile.
-            const bool gate_tile = G::SHARED_GATE_IN_TILES && multiplies && t.expert == EXPERTS && t.n0 == 0;
-            const int gate_row = warpgroup * 64 + ((consumer & 127) >> 1), gate_half = consumer & 1;
-            SharedGateTileSums<G> gate_sums;
             int previous = -1;  // the stage of the wgmma group still in flight
             for (int k_tile = 0; k_tile < K_TILES; ++k_tile) {
                 mbarrier_wait(full_barriers + stage * sizeof(u64), phase);
@@ -2059,7 +1966,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
                     }
                     wgmma_commit();
                 }
-                if (gate_tile) gate_sums.add(smem + stage * G::STAGE_BYTES, gate_row, gate_half, k_tile, shared_gate.weights);
                 wgmma_wait<1>();  // the previous group has read its stage
                 if (previous >= 0) release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
                 previous = stage;
@@ -2068,10 +1974,6 @@ __device__ __forceinline__ void grouped_gemm_warp_specialized(
             wgmma_wait<0>();
             release_stage<CLUSTER>(empty_barriers + previous * sizeof(u64));
             wgmma_epilogue<G>(acc, acc + (G::GATED ? FRAG : 0), t, warpgroup, row_pair, slot_weights, expert_bias, out, ep);
-            if (gate_tile) {  // after the epilogue, whose accumulators no longer hold registers
-                const float weight = gate_sums.weight(gate_half);
-                if (gate_half == 0 && gate_row < t.rows) shared_gate.out[t.row0 + gate_row - row_offsets[t.expert]] = weight;
-            }
             if constexpr (G::EP && G::KIND == GEMM_DOWN) {
                 named_barrier_sync(CONSUMER_BARRIER_ID, CONSUMER_THREADS);  // every store of the tile is done
                 epilogue_release<G, CONSUMER_THREADS>(t, row_pair, ep, consumer);
@@ -4298,9 +4200,6 @@ struct mid_gemm1 : SingleGpu {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = true };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
@@ -4316,12 +4215,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) qwen1_5_moe_a2_7b_mid_gemm1
     const int* __restrict__ row_pair,  // [tokens * SLOTS_PER_TOKEN], workspace: each row's (token, k) pair
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     u32* __restrict__ unit_tickets,  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
+    int tokens,  // tokens in this call
     const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
     float* __restrict__ shared_gate  // [tokens]: each token's shared-slice weight
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, row_pair, intermediate, EpContext{}, unit_tickets + 0, nullptr, SharedGateTiles{shared_expert_gate, shared_gate});
+    // The gated shared expert's weight of each token, for GEMM2, which reads them once this
+    // grid is done (x's rows are ready: this kernel starts after the one ahead).
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
+    grouped_gemm_warp_specialized<mid_gemm1>(x, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, row_pair, intermediate, EpContext{}, unit_tickets + 0);
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 64x256x64, 5 stages, 4x1 warps + 4 producer warps, 132 persistent blocks (1 per SM)
@@ -4340,9 +4243,6 @@ struct mid_gemm2 : SingleGpu {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
@@ -4385,9 +4285,6 @@ struct prefill_gemm1 : SingleGpu {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = true };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
@@ -4402,12 +4299,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) qwen1_5_moe_a2_7b_prefill_g
     const int* __restrict__ expert_offsets,  // [experts here + 1], workspace
     bf16_t* __restrict__ intermediate,  // [rows, FFN], workspace
     u32* __restrict__ unit_tickets,  // [2]: GEMM1's and GEMM2's next work unit, zero between calls
+    const bf16_t* __restrict__ x,  // [tokens, HIDDEN]
+    int tokens,  // tokens in this call
     const bf16_t* __restrict__ shared_expert_gate,  // [HIDDEN]: the shared expert gate's weights
     float* __restrict__ shared_gate  // [tokens]: each token's shared-slice weight
 )
 {
     start_after_previous_kernel();
-    grouped_gemm_warp_specialized<prefill_gemm1>(nullptr, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, nullptr, intermediate, EpContext{}, unit_tickets + 0, &sorted_x_tiles, SharedGateTiles{shared_expert_gate, shared_gate});
+    // The gated shared expert's weight of each token, for GEMM2, which reads them once this
+    // grid is done (x's rows are ready: this kernel starts after the one ahead).
+    shared_gate_weights(x, shared_expert_gate, tokens, shared_gate);
+    grouped_gemm_warp_specialized<prefill_gemm1>(nullptr, &w1_tiles, nullptr, SlotWeights{}, expert_offsets, nullptr, intermediate, EpContext{}, unit_tickets + 0, &sorted_x_tiles);
 }
 #endif
 // GEMM2 (W2, routing weight, combine slot): wgmma-ws, tile 128x256x64, 4 stages, 8x1 warps + 4 producer warps, 132 persistent blocks (1 per SM, clusters of 2)
@@ -4426,9 +4328,6 @@ struct prefill_gemm2 : SingleGpu {
     enum : int { CLUSTER = 2, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = true };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
@@ -4599,9 +4498,6 @@ struct mid_ep_gemm1 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
@@ -4644,9 +4540,6 @@ struct mid_ep_gemm2 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 8192, STAGE_BYTES = 40960 };
@@ -4691,9 +4584,6 @@ struct prefill_ep_gemm1 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 128 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = false };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };
@@ -4736,9 +4626,6 @@ struct prefill_ep_gemm2 : ExpertParallel {
     enum : int { CLUSTER = 1, B_BOX_ROWS = 256 };
     enum : bool { A_TILES = false };  // A rows as TMA boxes of BM consecutive rows, not gathered
     enum : bool { QUAD_STORES = true };  // the epilogue stores 16 bytes per lane (quad_transpose), not 4
-    // One GPU's GEMM1 of a gated shared expert: the first shared slice's first column tile
-    // computes the tokens' gate weights from the x rows of its stages (SharedGateTiles).
-    enum : bool { SHARED_GATE_IN_TILES = false };
     enum : int { B_ROWS = 256 };  // weight rows per tile (gate and up rows when gated)
     // Shared memory, bytes: [slack][STAGES x (A rows, B rows)][row sources][stage barriers]; static tile table.
     enum : int { ROW_BYTES = 128, A_BYTES = 16384, STAGE_BYTES = 49152 };

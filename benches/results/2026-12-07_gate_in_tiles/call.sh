@@ -1,13 +1,19 @@
 # The gated shared expert's gate computed in GEMM1's first shared tile (warp-specialised
-# regimes) instead of before GEMM1's tiles: the GPU suite (LANES lanes), Qwen1.5-MoE-A2.7B
-# at full size against the CPU reference (1, 16, 300, 2100 tokens: every regime), then the
-# gate's cost in turns, ROUNDS rounds, at TOKENS:
-#   prologue  the gate before GEMM1's tiles (.device/probe/prologue: PROBE_REV=<the commit
-#             before the change> bash scripts/probe-build.sh - prologue; skipped if absent),
-#   tiles     this build,
-#   none      this build on the same layer with `gated = false`.
-# Then, with REAL=1, the quantized releases at real sizes (2026-12-07_quantized_checkpoints/
-# real_sizes.sh). Run from the repository root after scripts/device-stage.sh and the probe.
+# regimes) instead of before GEMM1's tiles: gate_in_tiles.patch (session 61; written and
+# checked on the CPU, reverted from main because no GPU could be started to run it). Its
+# build is the probe .device/probe/tiles:
+#   bash scripts/device-stage.sh
+#   bash scripts/probe-build.sh benches/results/2026-12-07_gate_in_tiles/gate_in_tiles.patch tiles
+# The call: with SUITE=1 HEAD's GPU suite (not the probe's: land the patch, re-blessed, to
+# run its tests); Qwen1.5-MoE-A2.7B at full size
+# against the CPU reference through the probe (1, 16, 300, 2100 tokens: every regime, the
+# mid and prefill ones computing the gate in their tiles); then the gate's cost in turns,
+# ROUNDS rounds, at TOKENS:
+#   prologue  HEAD: the gate before GEMM1's tiles,
+#   tiles     the probe,
+#   none      HEAD on the same layer with `gated = false`.
+# With REAL=1 last, the quantized releases at real sizes
+# (2026-12-07_quantized_checkpoints/real_sizes.sh). Run from the repository root.
 set -u
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -16,20 +22,20 @@ export MOEFORGE_CACHE_DIR=/tmp/jit
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 start=$(date +%s)
 mkdir -p $OUT/raw
-if [ "${SUITE:-1}" = 1 ]; then
+if [ "${SUITE:-0}" = 1 ]; then
   LANES=${LANES:-4} bash scripts/gpu-suite-timed.sh $OUT/logs 12 > $OUT/suite.txt 2>&1
   echo "suite exit $? at $(( $(date +%s) - start )) s"; grep -E "^!!|^\| +[0-9.]+ \| [a-z_]+ \| [^0]|^total" $OUT/suite.txt
 fi
 spec=dsl-examples/qwen1_5_moe_a2_7b.moe
 for t in 1 16 300 2100; do
-  moeforge run $spec --ranks 1 --tokens $t --check --seed 7 2>&1 | grep -E "out of bound|error|PASS|FAIL" | head -2
+  .device/probe/tiles run $spec --ranks 1 --tokens $t --check --seed 7 2>&1 | grep -E "out of bound|error|PASS|FAIL" | head -2
 done
 echo "checks done at $(( $(date +%s) - start )) s"
 sed 's/^    gated = true.*$/    gated = false/' $spec > /tmp/ungated.moe
 T=${TOKENS:-128,512,1024,4096}
 for round in $(seq 1 ${ROUNDS:-3}); do
-  [ -x .device/probe/prologue ] && .device/probe/prologue bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/prologue_$round.txt 2>&1
-  moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/tiles_$round.txt 2>&1
+  moeforge bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/prologue_$round.txt 2>&1
+  .device/probe/tiles bench $spec --ranks 1 --tokens $T --seed 7 > $OUT/raw/tiles_$round.txt 2>&1
   moeforge bench /tmp/ungated.moe --ranks 1 --tokens $T --seed 7 > $OUT/raw/none_$round.txt 2>&1
 done
 echo "benches done at $(( $(date +%s) - start )) s"

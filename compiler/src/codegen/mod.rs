@@ -26,7 +26,7 @@ use crate::plan::{
     Access, BufferId, FusedDecode, GemmPlan, Grid, INVERT_ROWS_THREADS, Launch, LaunchArg,
     MmaEngine, OutputStore, ParamType, Plan, ROUTE_THREADS, Regime, RegimeParts, RowLoad,
     SHARED_GATE_TOKENS_PER_BLOCK, SMEM_ROW_BYTES, SORT_ROWS_THREADS, STATIC_SMEM_GRANULE,
-    SharedGateWork, SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
+    SmemLayout, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, error_code,
 };
 
 /// The generated CUDA unit of one layer.
@@ -392,10 +392,8 @@ const EP_GEMM_DOWN_PARTIALS_USES: &[&str] = &[
     "pair_results",
 ];
 /// What computing the shared expert gate's weights uses: a rank's gate launch, and one
-/// GPU's GEMM1 besides its own uses where it computes them before its tiles.
+/// GPU's GEMM1 besides its own uses.
 const SHARED_GATE_USES: &[&str] = &["x", "shared_expert_gate", "tokens", "shared_gate"];
-/// What one GPU's GEMM1 uses besides its own where its tiles compute the gate's weights.
-const SHARED_GATE_TILES_USES: &[&str] = &["shared_expert_gate", "shared_gate"];
 /// What a rank's arrange uses besides where the shared expert is gated (one GPU's GEMM2
 /// takes it as `GemmUnit::new` says).
 const SHARED_GATE_READERS_USES: &[&str] = &["shared_gate"];
@@ -793,12 +791,9 @@ struct GemmUnit {
     /// The mma.sync GEMM2 of a call that starts early: it loads its first weight stages
     /// before it waits for GEMM1 (the entry point then does not wait first).
     weights_before_wait: bool,
-    /// One GPU's GEMM1 of a gated shared expert whose warps compute the tokens'
-    /// shared-slice weights before its tiles ([`SharedGateWork::Prologue`]).
-    shared_gate_in_prologue: bool,
-    /// The same, computed by its first shared slice's first column tile
-    /// ([`SharedGateWork::SharedTiles`]; `SHARED_GATE_IN_TILES` in its configuration).
-    shared_gate_in_tiles: bool,
+    /// One GPU's GEMM1 of a gated shared expert: its warps compute the tokens' shared-slice
+    /// weights before its tiles.
+    computes_shared_gate: bool,
     /// A single-GPU GEMM1 that starts early and whose GEMM2's blocks fit beside its own:
     /// the largest calls it lets GEMM2 start early for (`Regime::gemm2_early_max_tokens`).
     gemm2_early_max_tokens: Option<u32>,
@@ -838,7 +833,7 @@ impl GemmUnit {
                 "gemm1",
                 GEMM_UP_USES,
                 "SingleGpu",
-                "{a_rows}, {weights}, {bias}, SlotWeights{}, expert_offsets, {row_pair}, intermediate, EpContext{}{unit_ticket}{a_tiles}{shared_gate_tiles}{stream_k}{block_routing}",
+                "{a_rows}, {weights}, {bias}, SlotWeights{}, expert_offsets, {row_pair}, intermediate, EpContext{}{unit_ticket}{a_tiles}{stream_k}{block_routing}",
             ),
             GemmRole::Down => (
                 "GEMM2 (W2, routing weight, combine slot)",
@@ -950,16 +945,13 @@ impl GemmUnit {
         // GEMM1 computed.
         let shared_gate = (role == GemmRole::Down && plan.shape.shared_gated)
             .then(|| LaunchArg::Workspace(BufferId::SharedGate).name());
-        // One GPU's GEMM1 whose launch writes a gated shared expert's weights computes them,
-        // where its plan says.
+        // One GPU's GEMM1 whose launch writes a gated shared expert's weights computes them
+        // before its tiles.
         let computes_shared_gate = role == GemmRole::Up
             && launch
                 .params
                 .iter()
                 .any(|p| p.arg == LaunchArg::Workspace(BufferId::SharedGate));
-        let shared_gate_work = computes_shared_gate.then(|| gemm.shared_gate_work());
-        let shared_gate_in_prologue = shared_gate_work == Some(SharedGateWork::Prologue);
-        let shared_gate_in_tiles = shared_gate_work == Some(SharedGateWork::SharedTiles);
         let mut uses: Vec<&str> = uses
             .iter()
             .filter(|&&name| row_table || name != "row_pair")
@@ -978,22 +970,13 @@ impl GemmUnit {
             .chain(claims_units.then(|| tickets.name()))
             .chain(block_routing_uses.iter().copied())
             .collect();
-        let gate_uses = match shared_gate_work {
-            Some(SharedGateWork::Prologue) => SHARED_GATE_USES,
-            Some(SharedGateWork::SharedTiles) => SHARED_GATE_TILES_USES,
-            None => &[],
-        };
-        for name in gate_uses {
-            if !uses.contains(name) {
-                uses.push(name);
+        if computes_shared_gate {
+            for name in SHARED_GATE_USES {
+                if !uses.contains(name) {
+                    uses.push(name);
+                }
             }
         }
-        // The tiles' gate comes after the A tiles' map, which it then needs spelled out.
-        let shared_gate_tiles_arg = match (shared_gate_in_tiles, a_tiles) {
-            (false, _) => "",
-            (true, true) => ", SharedGateTiles{shared_expert_gate, shared_gate}",
-            (true, false) => ", nullptr, SharedGateTiles{shared_expert_gate, shared_gate}",
-        };
         let call_args = call_args
             .replace("{weights}", weights)
             .replace("{bias}", bias_arg.unwrap_or("nullptr"))
@@ -1004,7 +987,6 @@ impl GemmUnit {
             .replace("{a_rows}", a_rows)
             .replace("{unit_ticket}", &unit_ticket_arg)
             .replace("{a_tiles}", &a_tiles_arg)
-            .replace("{shared_gate_tiles}", shared_gate_tiles_arg)
             .replace("{row_pair}", if row_table { "row_pair" } else { "nullptr" })
             .replace("{stream_k}", &stream_k_arg)
             .replace("{block_routing}", block_routing_arg);
@@ -1051,8 +1033,7 @@ impl GemmUnit {
             a_tiles,
             quad_stores: gemm.store == OutputStore::QuadVectors,
             weights_before_wait,
-            shared_gate_in_prologue,
-            shared_gate_in_tiles,
+            computes_shared_gate,
             gemm2_early_max_tokens,
             stream_k_max_last_wave: gemm.stream_k.map_or(0, |tail| tail.max_last_wave),
             stream_k_max_tiles: gemm.stream_k.map_or(0, |tail| tail.max_tiles),

@@ -36,7 +36,7 @@ pub fn describe(plan: &Plan) -> String {
             shape.top_k,
             shape.slots_per_token(),
             if shape.shared_gated {
-                "weight sigmoid(x · w_gate) per token: one GPU's GEMM1 computes it (mma.sync: before its tiles; warp-specialised: in its first shared slice's first column tile, from the x rows of its stages) and GEMM2 gives it to their rows; a rank's gate launch computes it before arrange, which gives it to them"
+                "weight sigmoid(x · w_gate) per token: one GPU's GEMM1 computes it before its tiles and GEMM2 gives it to their rows; a rank's gate launch computes it before arrange, which gives it to them"
             } else {
                 "weight 1"
             }

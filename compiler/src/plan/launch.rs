@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     BufferId, COMBINE_THREADS, ElemType, GemmPlan, INVERT_ROWS_THREADS, LayerShape, ROUTE_THREADS,
-    RowLoad, SORT_ROWS_THREADS, SharedGateWork, combine_blocks_per_token, static_smem_reserved,
+    RowLoad, SORT_ROWS_THREADS, combine_blocks_per_token, static_smem_reserved,
 };
 
 /// One kernel launch of the forward call.
@@ -515,19 +515,17 @@ pub(crate) fn shared_gate_launch(kernel: &str, grid: Grid) -> Launch {
     }
 }
 
-/// What one GPU's GEMM1 (`gemm1`, whose own parameters are `params`) takes besides them
-/// for a gated shared expert: the gate's weights and the buffer of the tokens'
-/// shared-slice weights, which GEMM2 reads once GEMM1 is done; and, where its warps
-/// compute them before the tiles ([`SharedGateWork::Prologue`]: a warp per token, spread
-/// over the blocks first), x and the token count where it lacks them. x's rows are read
-/// there anyway, so no launch of its own.
-pub(crate) fn shared_gate_params(gemm1: &GemmPlan, params: &[KernelParam]) -> Vec<KernelParam> {
+/// What one GPU's GEMM1 takes besides its own parameters (`gemm1`) for a gated shared
+/// expert: x and the token count where it lacks them, the gate's weights, and the buffer of
+/// the tokens' shared-slice weights, which its warps write before its tiles (a warp per
+/// token, spread over the blocks first) and GEMM2 reads once GEMM1 is done. x's rows are
+/// read there anyway, so no launch of its own.
+pub(crate) fn shared_gate_params(gemm1: &[KernelParam]) -> Vec<KernelParam> {
     use LaunchArg::*;
-    let lacks = |arg| params.iter().all(|param| param.arg != arg);
-    let prologue = gemm1.shared_gate_work() == SharedGateWork::Prologue;
+    let lacks = |arg| gemm1.iter().all(|param| param.arg != arg);
     [X, Tokens]
         .into_iter()
-        .filter(|&arg| prologue && lacks(arg))
+        .filter(|&arg| lacks(arg))
         .map(KernelParam::read)
         .chain([
             KernelParam::read(SharedExpertGate),
@@ -639,7 +637,7 @@ pub fn launch_table(
         .chain(block_routing_params(g1, true))
         .collect();
     if shape.shared_gated {
-        let gate = shared_gate_params(g1, &gemm1_params);
+        let gate = shared_gate_params(&gemm1_params);
         gemm1_params.extend(gate);
     }
     launches.extend([

@@ -997,21 +997,6 @@ impl BlockRouting {
     }
 }
 
-/// Where one GPU's GEMM1 computes a gated shared expert's per-token weights,
-/// `sigmoid(x[t] · w_gate)`, which its GEMM2 scales the shared slices' rows by once GEMM1
-/// is done ([`GemmPlan::shared_gate_work`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SharedGateWork {
-    /// Every warp of the grid, a token at a time, before the tiles: x's rows are read once
-    /// more, on the call's critical path (measured 6-13 µs at 1024-4096 tokens of
-    /// Qwen1.5-MoE-A2.7B on an H100, nothing at 1-128).
-    Prologue,
-    /// The consumers of the first shared slice's first column tile, from the x rows its
-    /// stages bring anyway, while the tensor cores multiply them: the GEMM takes no x and
-    /// no token count for it.
-    SharedTiles,
-}
-
 /// How one grouped GEMM is tiled and launched.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GemmPlan {
@@ -1069,17 +1054,6 @@ impl GemmPlan {
     /// warp-specialised engine does (see [`MmaEngine::WgmmaWarpSpecialized`]).
     pub fn claims_units(&self) -> bool {
         self.engine == MmaEngine::WgmmaWarpSpecialized
-    }
-
-    /// Where this GEMM, one GPU's GEMM1 of a layer whose shared expert is gated, computes
-    /// the tokens' gate weights (see [`SharedGateWork`]): the warp-specialised engine in
-    /// its tiles, the mma.sync engine (the decode regimes', where the prologue costs no
-    /// measurable time: benches/results/2026-12-07_gated_shared_expert.md) before them.
-    pub fn shared_gate_work(&self) -> SharedGateWork {
-        match self.engine {
-            MmaEngine::WgmmaWarpSpecialized => SharedGateWork::SharedTiles,
-            MmaEngine::MmaSync => SharedGateWork::Prologue,
-        }
     }
 
     /// Whether this GEMM can run as a cluster pair: a warp-specialised tile of two consumer

@@ -199,9 +199,8 @@ impl Plan {
     }
 
     /// A gated shared expert's weights reach the shared slices' rows on every path: each
-    /// one-GPU regime's GEMM1 computes them (it takes the gate's weights and writes the
-    /// buffer, and before its tiles x and the token count: [`shared_gate_params`]) and its
-    /// GEMM2 reads them;
+    /// one-GPU regime's GEMM1 computes them (it takes x, the token count, the gate's
+    /// weights and writes the buffer: [`shared_gate_params`]) and its GEMM2 reads them;
     /// each rank's table launches the gate (the plan's kernel, which exactly the layers with
     /// ranks have) on its compute stream right before arrange, which reads them; a fused
     /// decode, one GPU's or a rank's, takes the gate (its shared-slice tiles compute their
@@ -235,18 +234,19 @@ impl Plan {
         };
         for regime in &self.regimes {
             let find = |kernel: &str| regime.launches.iter().find(|l| l.kernel == kernel);
-            // Every parameter the gate needs where its GEMM1 computes it (x and the token
-            // count before the tiles), with its access (no launch takes one twice: checked
-            // per launch).
-            let needs = shared_gate_params(&regime.gemm1, &[]);
-            let computes = find(&regime.gemm1_kernel)
-                .is_some_and(|gemm1| needs.iter().all(|param| gemm1.params.contains(param)));
+            // Every parameter the gate needs, x and the token count among them, with its
+            // access (no launch takes one twice: checked per launch).
+            let computes = find(&regime.gemm1_kernel).is_some_and(|gemm1| {
+                shared_gate_params(&[])
+                    .iter()
+                    .all(|param| gemm1.params.contains(param))
+            });
             if !computes {
                 return Err(format!(
                     "regime `{}` must compute the shared expert gate's weights in `{}` (taking {})",
                     regime.name,
                     regime.gemm1_kernel,
-                    needs
+                    shared_gate_params(&[])
                         .iter()
                         .map(|p| p.arg.name())
                         .collect::<Vec<_>>()
