@@ -942,34 +942,27 @@ impl Checkpoint {
         let mut b2 = vec![0f32; count * hidden];
         let mut fused = vec![0u16; 2 * matrix];
         let mut fused_bias = vec![0f32; 2 * ffn];
+        if let FusedMatrices::Mxfp4 { gate_up, down } = &matrices {
+            dequantize_mxfp4_experts([gate_up, down], &experts, [hidden, ffn], &mut w1, &mut w2);
+        }
         for (local, e) in experts.clone().enumerate() {
             let e = e as usize;
-            let w1_expert = &mut w1[local * 2 * matrix..(local + 1) * 2 * matrix];
-            let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
-            match &matrices {
-                FusedMatrices::Bf16 { gate_up, down } => {
-                    gate_up.expert_bf16(&names.gate_up, e, &mut fused)?;
-                    for (h, row) in fused.chunks_exact(2 * ffn).enumerate() {
-                        for (f, pair) in row.chunks_exact(2).enumerate() {
-                            w1_expert[f * hidden + h] = pair[0];
-                            w1_expert[(ffn + f) * hidden + h] = pair[1];
-                        }
-                    }
-                    let transposed = &mut fused[..matrix];
-                    down.expert_bf16(&names.down, e, transposed)?;
-                    for (f, row) in transposed.chunks_exact(hidden).enumerate() {
-                        for (h, &v) in row.iter().enumerate() {
-                            w2_expert[h * ffn + f] = v;
-                        }
+            if let FusedMatrices::Bf16 { gate_up, down } = &matrices {
+                let w1_expert = &mut w1[local * 2 * matrix..(local + 1) * 2 * matrix];
+                gate_up.expert_bf16(&names.gate_up, e, &mut fused)?;
+                for (h, row) in fused.chunks_exact(2 * ffn).enumerate() {
+                    for (f, pair) in row.chunks_exact(2).enumerate() {
+                        w1_expert[f * hidden + h] = pair[0];
+                        w1_expert[(ffn + f) * hidden + h] = pair[1];
                     }
                 }
-                // The quantized matrices are stored [out, in] (the bf16 ones' transposes):
-                // gate_up's row r is the bf16 tensor's column r.
-                FusedMatrices::Mxfp4 { gate_up, down } => {
-                    gate_up.dequantize(e, |r, h, v| {
-                        w1_expert[((r % 2) * ffn + r / 2) * hidden + h] = v;
-                    });
-                    down.dequantize(e, |h, f, v| w2_expert[h * ffn + f] = v);
+                let transposed = &mut fused[..matrix];
+                down.expert_bf16(&names.down, e, transposed)?;
+                let w2_expert = &mut w2[local * matrix..(local + 1) * matrix];
+                for (f, row) in transposed.chunks_exact(hidden).enumerate() {
+                    for (h, &v) in row.iter().enumerate() {
+                        w2_expert[h * ffn + f] = v;
+                    }
                 }
             }
             gate_up_bias.expert_f32(&names.gate_up_bias, e, &mut fused_bias)?;
@@ -1282,6 +1275,42 @@ enum FusedMatrices<'a> {
         gate_up: Mxfp4Tensor<'a>,
         down: Mxfp4Tensor<'a>,
     },
+}
+
+/// Dequantizes `experts` of GPT-OSS's MXFP4 `[gate_up, down]` into W1 (each expert's gate
+/// rows, then its up rows) and W2, the experts spread over the cores (gpt-oss-120b's layer
+/// is 3.2 G codes). The quantized matrices are stored [out, in], the bf16 tensors'
+/// transposes: gate_up's row r is the bf16 tensor's column r (even: gate, odd: up).
+fn dequantize_mxfp4_experts(
+    [gate_up, down]: [&Mxfp4Tensor<'_>; 2],
+    experts: &Range<u32>,
+    [hidden, ffn]: [usize; 2],
+    w1: &mut [u16],
+    w2: &mut [u16],
+) {
+    let matrix = hidden * ffn;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let each = experts.len().div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (part, (w1_part, w2_part)) in w1
+            .chunks_mut(each * 2 * matrix)
+            .zip(w2.chunks_mut(each * matrix))
+            .enumerate()
+        {
+            scope.spawn(move || {
+                let pairs = w1_part
+                    .chunks_exact_mut(2 * matrix)
+                    .zip(w2_part.chunks_exact_mut(matrix));
+                for (i, (w1_expert, w2_expert)) in pairs.enumerate() {
+                    let e = experts.start as usize + part * each + i;
+                    gate_up.dequantize(e, |r, h, v| {
+                        w1_expert[((r % 2) * ffn + r / 2) * hidden + h] = v;
+                    });
+                    down.dequantize(e, |h, f, v| w2_expert[h * ffn + f] = v);
+                }
+            });
+        }
+    });
 }
 
 /// Values an MXFP4 scale covers: one block of 32 FP4 codes, 16 bytes.
