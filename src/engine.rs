@@ -8,8 +8,9 @@
 //! 2. [`Weights`] says where the routed experts' weights come from: random (seeded),
 //!    host buffers the engine holds in the kernels' layout ([`HostWeights`]), or one layer
 //!    of a safetensors checkpoint ([`CheckpointLayer::open`]: Mixtral, Qwen3-MoE,
-//!    DeepSeek-V3 or GPT-OSS tensor names, the layer picked by its prefix such as
-//!    `model.layers.3.`).
+//!    Qwen2-MoE, DeepSeek-V3 or GPT-OSS tensor names, the layer picked by its prefix such
+//!    as `model.layers.3.`; bf16, or FP8 and MXFP4 as the published releases store them,
+//!    dequantized on loading).
 //! 3. [`LayerSpec::build`] compiles the kernels (NVRTC, kernel by kernel on every core,
 //!    through the disk cache; once per spec), loads them on a [`Gpu`], uploads the
 //!    weights and returns the runtime's [`MoeLayer`]. [`Gpu::with_stream`] wraps the

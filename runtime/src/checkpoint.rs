@@ -38,7 +38,8 @@
 //! biases: `mlp.experts.gate_up_proj` [E, H, 2F] (gate and up columns interleaved),
 //! `down_proj` [E, F, H], `gate_up_proj_bias` and `down_proj_bias`; they are
 //! de-interleaved and transposed into the same W1 and W2 and the biases into
-//! [`HostBiases`], from its dequantized (bf16) checkpoints.
+//! [`HostBiases`], from its dequantized (bf16) checkpoints, or from the MXFP4 release's
+//! blocks of the transposed matrices (below).
 //!
 //! A layer with shared experts (DeepSeek-V3: `mlp.shared_experts.gate_proj`, `up_proj`,
 //! `down_proj`, one MLP of FFN `n_shared_experts · moe_intermediate_size`) gets them as
