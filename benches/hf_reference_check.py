@@ -781,6 +781,25 @@ def mxfp4_round_trip(matrices):
     return torch.stack(all_blocks).contiguous(), torch.stack(all_scales).contiguous()
 
 
+def check_against_transformers_mxfp4(attribute, parameter, blocks, scales):
+    """The release's format as transformers reads it: its own dequantizer
+    (`convert_moe_packed_tensors`, which gpt-oss's quantized checkpoints load through) must
+    give back exactly the values written into the block, so that the layout this script
+    writes (and moeforge reads) is the published one, not one this project made up twice.
+    Where this transformers has no such function, the check is skipped, saying so."""
+    import torch
+
+    try:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    except ImportError as error:
+        print(f"(info) MXFP4 layout not checked against transformers: {error}")
+        return
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    if tuple(theirs.shape) != tuple(parameter.shape) or not torch.equal(theirs.to(parameter.device), parameter):
+        raise RuntimeError(f"transformers' convert_moe_packed_tensors reads this script's MXFP4 {attribute} "
+                           "as other values than it wrote: the script's layout is not the release's")
+
+
 def quantize(family, block, experts, shared):
     """For a family whose checkpoint is quantized: quantizes its expert matrices in place
     (the Experts are views of the block's parameters, so the block, the Experts and the
@@ -802,8 +821,9 @@ def quantize(family, block, experts, shared):
             # down_proj [E, F, H] transposed.
             names = family.fused_names()
             for attribute in ("gate_up_proj", "down_proj"):
-                matrices = getattr(block.experts, attribute).transpose(1, 2)
-                blocks, scales = mxfp4_round_trip(matrices)
+                parameter = getattr(block.experts, attribute)
+                blocks, scales = mxfp4_round_trip(parameter.transpose(1, 2))
+                check_against_transformers_mxfp4(attribute, parameter, blocks, scales)
                 replaced[names[attribute]] = None
                 replaced[f"{names[attribute]}_blocks"] = blocks
                 replaced[f"{names[attribute]}_scales"] = scales

@@ -74,9 +74,18 @@ pub const CONFIG_FILE: &str = "config.json";
 /// FP8 weights' scale blocks (rows, columns) where no `config.json` says: DeepSeek-V3's.
 pub const DEFAULT_FP8_BLOCK: [usize; 2] = [128, 128];
 
-/// FP8 matrices of at least this many elements are dequantized by as many threads as there
-/// are cores (a smaller one costs less than starting them).
-const FP8_ROWS_SPLIT_ELEMENTS: usize = 1 << 20;
+/// Quantized weights of at least this many elements (an FP8 matrix, or a layer's MXFP4
+/// experts) are dequantized by as many threads as there are cores (fewer cost less than
+/// starting them).
+const PARALLEL_DEQUANTIZE_ELEMENTS: usize = 1 << 20;
+
+/// The threads to dequantize `elements` codes with: every core for a large tensor, else one.
+fn dequantize_threads(elements: usize) -> usize {
+    if elements < PARALLEL_DEQUANTIZE_ELEMENTS {
+        return 1;
+    }
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
 
 /// The part of a model's `config.json` the loader reads.
 #[derive(Deserialize)]
@@ -941,14 +950,12 @@ impl Checkpoint {
         let mut w2 = vec![0u16; count * matrix];
         let mut b1 = vec![0f32; count * 2 * ffn];
         let mut b2 = vec![0f32; count * hidden];
-        let mut fused = vec![0u16; 2 * matrix];
+        let mut fused = Vec::new();
         let mut fused_bias = vec![0f32; 2 * ffn];
-        if let FusedMatrices::Mxfp4 { gate_up, down } = &matrices {
-            dequantize_mxfp4_experts([gate_up, down], &experts, [hidden, ffn], &mut w1, &mut w2);
-        }
         for (local, e) in experts.clone().enumerate() {
             let e = e as usize;
             if let FusedMatrices::Bf16 { gate_up, down } = &matrices {
+                fused.resize(2 * matrix, 0);
                 let w1_expert = &mut w1[local * 2 * matrix..(local + 1) * 2 * matrix];
                 gate_up.expert_bf16(&names.gate_up, e, &mut fused)?;
                 for (h, row) in fused.chunks_exact(2 * ffn).enumerate() {
@@ -977,6 +984,10 @@ impl Checkpoint {
                 e,
                 &mut b2[local * hidden..(local + 1) * hidden],
             )?;
+        }
+        // Last, once every tensor has been found readable: the long part.
+        if let FusedMatrices::Mxfp4 { gate_up, down } = &matrices {
+            dequantize_mxfp4_experts([gate_up, down], &experts, [hidden, ffn], &mut w1, &mut w2);
         }
         Ok(HostWeights {
             experts,
@@ -1104,6 +1115,9 @@ impl Checkpoint {
             tensor: scales_name.clone(),
             found,
         })?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
         let values = fp8_e4m3_values();
         let dequantize = |first_row: usize, out: &mut [u16], codes: &[u8]| {
             for (r, (row_out, row)) in out
@@ -1118,8 +1132,8 @@ impl Checkpoint {
             }
         };
         // A layer of DeepSeek-V3 is 11 G codes: split large matrices by rows over the cores.
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if threads == 1 || rows * cols < FP8_ROWS_SPLIT_ELEMENTS {
+        let threads = dequantize_threads(rows * cols);
+        if threads == 1 {
             dequantize(0, out, weight.bytes);
             return Ok(());
         }
@@ -1290,7 +1304,10 @@ fn dequantize_mxfp4_experts(
     w2: &mut [u16],
 ) {
     let matrix = hidden * ffn;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if matrix == 0 {
+        return;
+    }
+    let threads = dequantize_threads(experts.len() * 3 * matrix);
     let each = experts.len().div_ceil(threads).max(1);
     std::thread::scope(|scope| {
         for (part, (w1_part, w2_part)) in w1
@@ -1321,7 +1338,9 @@ const MXFP4_BLOCK: usize = 32;
 /// `blocks` [E, rows, G, 16] (two FP4 E2M1 codes a byte, the low nibble first: columns
 /// 32g + 2b and 32g + 2b + 1) and `scales` [E, rows, G] (E8M0), G = ceil(cols / 32).
 /// Element (r, c) is its code's value times its block's scale, rounded to bf16 (exact
-/// unless it leaves bf16's range), as transformers' `convert_moe_packed_tensors` computes.
+/// unless it leaves bf16's range), as transformers' `convert_moe_packed_tensors` computes
+/// (but for a scale byte of 0xff, the OCP format's NaN, which gives NaN here where
+/// transformers' `ldexp` gives an infinity: no release holds one).
 struct Mxfp4Tensor<'a> {
     blocks: &'a [u8],
     scales: &'a [u8],

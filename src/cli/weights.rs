@@ -225,8 +225,8 @@ fn hint(error: &CheckpointError) -> Option<String> {
                 .to_owned()
         }
         CheckpointError::MissingScales { .. } => {
-            "an FP8 checkpoint keeps each matrix's block scales beside it (`<name>_scale_inv`, as DeepSeek-V3's \
-             release does); is a shard missing?"
+            "the loader reads FP8 matrices with block scales beside them (`<name>_scale_inv`, as DeepSeek-V3's \
+             and Qwen3's FP8 releases keep them), not per-tensor scales (`weight_scale`); or is a shard missing?"
                 .to_owned()
         }
         CheckpointError::Config { .. } | CheckpointError::BlockSize { .. } => {
