@@ -1128,69 +1128,58 @@ fn mxfp4_matrix(rows: usize, cols: usize, salt: usize) -> (Vec<u8>, Vec<u8>, Vec
     (blocks, scales, values)
 }
 
-#[test]
-fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
-    // Sizes whose rows take two MXFP4 blocks (H = 48: a full block and a half one) and one
-    // (F = 24), with biases, as gpt-oss-120b's release stores them.
-    const H: usize = 48;
-    const F: usize = 24;
-    let shape = LayerShape {
-        hidden: H as u32,
-        ffn: F as u32,
-        expert_bias: true,
-        ..shape(Activation::ClampedSwiglu)
-    };
+/// GPT-OSS's experts at sizes `h`, `f` as its MXFP4 release stores them (blocks and scales
+/// from [`mxfp4_matrix`], with biases), and the dequantized (bf16) checkpoint of the values
+/// they code.
+fn gpt_oss_mxfp4_pair(h: usize, f: usize) -> (Vec<Tensor>, Vec<Tensor>) {
     let name = |suffix: &str| format!("{PREFIX}mlp.experts.{suffix}");
     let bytes = |v: &[f32]| v.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
     let bits = |v: &[u16]| v.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
-    let (gate_up_blocks, gate_up_scales, gate_up) = mxfp4_matrix(2 * F, H, 0);
-    let (down_blocks, down_scales, down) = mxfp4_matrix(H, F, 1);
-    let gate_up_bias: Vec<f32> = (0..E * 2 * F).map(|i| i as f32 * 0.25).collect();
-    let down_bias: Vec<f32> = (0..E * H).map(|i| -(i as f32)).collect();
+    let (gate_up_blocks, gate_up_scales, gate_up) = mxfp4_matrix(2 * f, h, 0);
+    let (down_blocks, down_scales, down) = mxfp4_matrix(h, f, 1);
+    let gate_up_bias: Vec<f32> = (0..E * 2 * f).map(|i| i as f32 * 0.25).collect();
+    let down_bias: Vec<f32> = (0..E * h).map(|i| -(i as f32)).collect();
     let biases = [
         (
             name("gate_up_proj_bias"),
             Dtype::F32,
-            vec![E, 2 * F],
+            vec![E, 2 * f],
             bytes(&gate_up_bias),
         ),
         (
             name("down_proj_bias"),
             Dtype::F32,
-            vec![E, H],
+            vec![E, h],
             bytes(&down_bias),
         ),
     ];
-    let dir = tempfile::tempdir().unwrap();
-    let quantized = dir.path().join("mxfp4.safetensors");
-    let mut tensors = vec![
+    let mut quantized = vec![
         (
             name("gate_up_proj_blocks"),
             Dtype::U8,
-            vec![E, 2 * F, 2, 16],
+            vec![E, 2 * f, h.div_ceil(32), 16],
             gate_up_blocks,
         ),
         (
             name("gate_up_proj_scales"),
             Dtype::U8,
-            vec![E, 2 * F, 2],
+            vec![E, 2 * f, h.div_ceil(32)],
             gate_up_scales,
         ),
         (
             name("down_proj_blocks"),
             Dtype::U8,
-            vec![E, H, 1, 16],
+            vec![E, h, f.div_ceil(32), 16],
             down_blocks,
         ),
         (
             name("down_proj_scales"),
             Dtype::U8,
-            vec![E, H, 1],
-            down_scales.clone(),
+            vec![E, h, f.div_ceil(32)],
+            down_scales,
         ),
     ];
-    tensors.extend(biases.iter().cloned());
-    write(&quantized, &tensors);
+    quantized.extend(biases.iter().cloned());
 
     // The dequantized checkpoint holds the transposes: gate_up_proj [E, H, 2F], down_proj
     // [E, F, H].
@@ -1208,23 +1197,43 @@ fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
         }
         out
     };
-    let plain = dir.path().join("bf16.safetensors");
-    let mut tensors = vec![
+    let mut plain = vec![
         (
             name("gate_up_proj"),
             Dtype::BF16,
-            vec![E, H, 2 * F],
-            bits(&transpose(&gate_up, 2 * F, H)),
+            vec![E, h, 2 * f],
+            bits(&transpose(&gate_up, 2 * f, h)),
         ),
         (
             name("down_proj"),
             Dtype::BF16,
-            vec![E, F, H],
-            bits(&transpose(&down, H, F)),
+            vec![E, f, h],
+            bits(&transpose(&down, h, f)),
         ),
     ];
-    tensors.extend(biases.iter().cloned());
-    write(&plain, &tensors);
+    plain.extend(biases.iter().cloned());
+    (quantized, plain)
+}
+
+#[test]
+fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
+    // Sizes whose rows take two MXFP4 blocks (H = 48: a full block and a half one) and one
+    // (F = 24), with biases, as gpt-oss-120b's release stores them.
+    const H: usize = 48;
+    const F: usize = 24;
+    let shape = LayerShape {
+        hidden: H as u32,
+        ffn: F as u32,
+        expert_bias: true,
+        ..shape(Activation::ClampedSwiglu)
+    };
+    let (quantized_tensors, plain_tensors) = gpt_oss_mxfp4_pair(H, F);
+    let name = |suffix: &str| format!("{PREFIX}mlp.experts.{suffix}");
+    let dir = tempfile::tempdir().unwrap();
+    let quantized = dir.path().join("mxfp4.safetensors");
+    write(&quantized, &quantized_tensors);
+    let plain = dir.path().join("bf16.safetensors");
+    write(&plain, &plain_tensors);
 
     let load = |path: &Path, which| {
         let checkpoint = Checkpoint::open(path).unwrap();
@@ -1263,11 +1272,15 @@ fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
 
     // A scale tensor of the wrong dtype, or missing, is named.
     let mut wrong = tensors_without(&quantized, &name("down_proj_scales"));
+    let down_scales = quantized_tensors
+        .iter()
+        .find(|t| t.0 == name("down_proj_scales"))
+        .expect("scales");
     wrong.push((
-        name("down_proj_scales"),
+        down_scales.0.clone(),
         Dtype::I8,
-        vec![E, H, 1],
-        down_scales,
+        down_scales.2.clone(),
+        down_scales.3.clone(),
     ));
     write(&quantized, &wrong);
     let err = Checkpoint::open(&quantized)
@@ -1444,6 +1457,29 @@ fn large_fp8_matrices_dequantize_on_every_core_as_on_one() {
             .unwrap()
     };
     assert!(load("fp8.safetensors") == load("bf16.safetensors"));
+}
+
+#[test]
+fn large_mxfp4_layers_dequantize_on_every_core_as_on_one() {
+    // 4 experts of H = 512, F = 256: 1.5 M codes, which the loader splits over the cores.
+    let (h, f) = (512, 256);
+    let shape = LayerShape {
+        hidden: h as u32,
+        ffn: f as u32,
+        expert_bias: true,
+        ..shape(Activation::ClampedSwiglu)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (quantized, plain) = gpt_oss_mxfp4_pair(h, f);
+    write(&dir.path().join("mxfp4.safetensors"), &quantized);
+    write(&dir.path().join("bf16.safetensors"), &plain);
+    let load = |name: &str| {
+        Checkpoint::open(&dir.path().join(name))
+            .unwrap()
+            .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
+            .unwrap()
+    };
+    assert!(load("mxfp4.safetensors") == load("bf16.safetensors"));
 }
 
 #[test]
