@@ -1769,6 +1769,61 @@ mod corrupted {
             std::fs::write(&file, &bytes).unwrap();
             load_all(&file, family);
         }
+
+        #[test]
+        fn quantized_tensors_reshaped_retyped_or_renamed_are_errors_not_panics(
+            mxfp4 in any::<bool>(),
+            which in any::<prop::sample::Index>(),
+            change in 0usize..3,
+            pick in any::<prop::sample::Index>(),
+        ) {
+            // DeepSeek-V3's FP8 release (codes and their block scales) or gpt-oss's MXFP4 one
+            // (blocks, scales and biases), one tensor of it changed.
+            let (mut tensors, shape, family) = if mxfp4 {
+                let shape = LayerShape {
+                    hidden: 48,
+                    ffn: 24,
+                    expert_bias: true,
+                    ..shape(Activation::ClampedSwiglu)
+                };
+                (gpt_oss_mxfp4_pair(48, 24).0, shape, Family::GptOss)
+            } else {
+                let shape = LayerShape {
+                    shared_slices: 2,
+                    ..shape(Activation::Swiglu)
+                };
+                (deepseek_fp8_pair([128, 128], [H, F, E]).0, shape, Family::DeepseekV3)
+            };
+            let count = tensors.len();
+            let tensor = &mut tensors[which.index(count)];
+            let elements: usize = tensor.2.iter().product();
+            match change {
+                0 => tensor.2 = pick.get(&reshapes(elements)).clone(),
+                1 => {
+                    // Another dtype of the same width, so that the file stays well formed.
+                    let width = tensor.1.bitsize();
+                    let same: Vec<Dtype> = [
+                        Dtype::U8, Dtype::I8, Dtype::F8_E5M2, Dtype::F8_E4M3, Dtype::BF16,
+                        Dtype::F16, Dtype::I16, Dtype::F32, Dtype::I32, Dtype::U32,
+                    ]
+                    .into_iter()
+                    .filter(|d| d.bitsize() == width)
+                    .collect();
+                    tensor.1 = *pick.get(&same);
+                }
+                _ => tensor.0.push_str(".renamed"),
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let file = dir.path().join("model.safetensors");
+            write(&file, &tensors);
+            let Ok(layer) = CheckpointLayer::open(&file, None, Some(family)) else {
+                return Ok(());
+            };
+            let _ = layer.storage();
+            for which in [ExpertSet::All, ExpertSet::Rank { rank: 1, ranks: 2 }] {
+                let _ = layer.load(&shape, which);
+            }
+        }
     }
 }
 
