@@ -917,9 +917,7 @@ impl Checkpoint {
             shape.hidden as usize,
             shape.ffn as usize,
         );
-        let quantized = !self.names.contains_key(&names.gate_up)
-            && self.names.contains_key(&names.gate_up_blocks);
-        let matrices = if quantized {
+        let matrices = if self.holds_mxfp4(&names) {
             FusedMatrices::Mxfp4 {
                 gate_up: self.mxfp4(
                     family,
@@ -996,6 +994,12 @@ impl Checkpoint {
             biases: Some(HostBiases { b1, b2 }),
             shared_gate: None,
         })
+    }
+
+    /// Whether GPT-OSS's experts named `names` are its MXFP4 release's: blocks, and no bf16
+    /// `gate_up_proj` beside them.
+    fn holds_mxfp4(&self, names: &FusedNames) -> bool {
+        !self.names.contains_key(&names.gate_up) && self.names.contains_key(&names.gate_up_blocks)
     }
 
     /// The MXFP4 tensor whose codes are `blocks` and scales `scales`, holding `experts`
@@ -1562,8 +1566,7 @@ impl CheckpointLayer {
             },
             Some(_) => ExpertStorage::Plain,
             None => {
-                let names = FusedNames::new(&self.prefix);
-                if dtype(&names.gate_up).is_none() && dtype(&names.gate_up_blocks).is_some() {
+                if checkpoint.holds_mxfp4(&FusedNames::new(&self.prefix)) {
                     ExpertStorage::Mxfp4
                 } else {
                     ExpertStorage::Plain

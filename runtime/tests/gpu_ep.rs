@@ -225,27 +225,7 @@ fn a_silent_rank_is_a_time_out_and_the_next_call_works() {
     let seed = fresh_seed();
     let session = Session::open().expect("GPU session");
     let (built, mut ep) = tiny_on_virtual_ranks(&session, 2, seed);
-    let shape = built.layer.plan().shape.clone();
-    let workloads: Vec<Workload> = (0..2)
-        .map(|r| Workload::random(&shape, 40 + r, Routing::Uniform, seed + u64::from(r)))
-        .collect();
-    ep.withhold_sends_once(1);
-    let started = std::time::Instant::now();
-    let error = session
-        .run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed)
-        .expect_err("a call with a silent rank fails");
-    let waited = started.elapsed().as_secs_f64();
-    say(format!("silent rank 1: after {waited:.2} s: {error}"));
-    let message = error.to_string();
-    assert!(
-        message.contains("waited too long") && message.contains("rank"),
-        "{message}"
-    );
-    assert!(waited < 30.0, "the time-out took {waited:.1} s");
-    let reports = session
-        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
-        .expect("the call after the time-out");
-    assert_every_rank_passed("after the time-out", &reports);
+    check_silent_rank_times_out(&session, &built, &mut ep, "", seed);
 }
 
 /// Set in the child process `every_stream_in_one_hardware_queue` starts.

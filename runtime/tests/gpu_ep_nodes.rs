@@ -278,27 +278,5 @@ fn emulated_nodes_time_out_and_the_next_call_works() {
     let mut layer = over_emulated_nodes(&layers::tiny(Activation::Swiglu), 4, 2);
     layer.schedule.flag_timeout_ns = Some(200_000_000);
     let (built, mut ep) = on_this_gpu(&session, &layer, seed);
-    let shape = built.layer.plan().shape.clone();
-    let workloads: Vec<Workload> = (0..4)
-        .map(|r| Workload::random(&shape, 40 + r, Routing::Uniform, seed + u64::from(r)))
-        .collect();
-    ep.withhold_sends_once(1);
-    let started = std::time::Instant::now();
-    let error = session
-        .run_checked_expert_parallel(&built, &mut ep, &workloads, 0, seed)
-        .expect_err("a call without its network traffic fails");
-    let waited = started.elapsed().as_secs_f64();
-    say(format!(
-        "emulated nodes, silent rank 1: after {waited:.2} s: {error}"
-    ));
-    let message = error.to_string();
-    assert!(
-        message.contains("waited too long") && message.contains("rank"),
-        "{message}"
-    );
-    assert!(waited < 30.0, "the time-out took {waited:.1} s");
-    let reports = session
-        .run_checked_expert_parallel(&built, &mut ep, &workloads, CHECKED_TOKENS, seed)
-        .expect("the call after the time-out");
-    assert_every_rank_passed("emulated nodes after the time-out", &reports);
+    check_silent_rank_times_out(&session, &built, &mut ep, "emulated nodes, ", seed);
 }

@@ -292,3 +292,38 @@ pub fn check_self_routed(
 
 /// Self-routed calls `check_self_routed` makes back to back per regime.
 pub const PIPELINED_SELF_ROUTED_CALLS: usize = 20;
+
+/// Rank 1 of `ep` silent for one call (fault injection: it sends nothing): its peers' waits
+/// time out within the wait bound, the call's error names a rank and a flag, and the next
+/// call, with every rank sending, is right again. `label` names the case in the log.
+pub fn check_silent_rank_times_out(
+    session: &Session,
+    built: &BuiltLayer,
+    ep: &mut EpLayer,
+    label: &str,
+    seed: u64,
+) {
+    let shape = built.layer.plan().shape.clone();
+    let workloads: Vec<Workload> = (0..ep.ranks() as u32)
+        .map(|r| Workload::random(&shape, 40 + r, Routing::Uniform, seed + u64::from(r)))
+        .collect();
+    ep.withhold_sends_once(1);
+    let started = std::time::Instant::now();
+    let error = session
+        .run_checked_expert_parallel(built, ep, &workloads, 0, seed)
+        .expect_err("a call with a silent rank fails");
+    let waited = started.elapsed().as_secs_f64();
+    say(format!(
+        "{label}silent rank 1: after {waited:.2} s: {error}"
+    ));
+    let message = error.to_string();
+    assert!(
+        message.contains("waited too long") && message.contains("rank"),
+        "{message}"
+    );
+    assert!(waited < 30.0, "the time-out took {waited:.1} s");
+    let reports = session
+        .run_checked_expert_parallel(built, ep, &workloads, CHECKED_TOKENS, seed)
+        .expect("the call after the time-out");
+    assert_every_rank_passed(&format!("{label}after the time-out"), &reports);
+}
