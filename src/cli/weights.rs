@@ -70,6 +70,17 @@ impl From<FamilyArg> for Family {
     }
 }
 
+/// Expert weights (as the kernels' bf16) from which `run` says it is loading before it
+/// starts: a real layer's experts take seconds to read, longer to dequantize.
+const LOAD_NOTICE_BYTES: u64 = 1 << 30;
+
+/// Bytes of a layer's expert matrices as bf16: W1 [w1_rows, H] and W2 [H, F] of every
+/// routed expert and shared slice.
+fn expert_bytes(shape: &LayerShape) -> u64 {
+    let rows = u64::from(shape.w1_rows()) + u64::from(shape.ffn);
+    u64::from(shape.gemm_experts()) * rows * u64::from(shape.hidden) * 2
+}
+
 /// A checkpoint's layer, opened, and every one of its experts read on the host.
 pub struct Loaded {
     pub layer: CheckpointLayer,
@@ -95,6 +106,13 @@ impl WeightsArgs {
             self.family.map(Family::from),
         )
         .map_err(|error| report(&error))?;
+        let bf16_bytes = expert_bytes(shape);
+        if bf16_bytes >= LOAD_NOTICE_BYTES {
+            eprintln!(
+                "loading {:.1} GB of expert weights from {layer}...",
+                bf16_bytes as f64 / 1e9
+            );
+        }
         let all = layer
             .load(shape, ExpertSet::All)
             .map_err(|error| report(&error))?;
@@ -243,4 +261,35 @@ fn hint(error: &CheckpointError) -> Option<String> {
         ),
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use moeforge::compiler::ir::Activation;
+
+    use super::*;
+
+    #[test]
+    fn expert_bytes_count_both_matrices_of_every_routed_expert_and_shared_slice() {
+        // DeepSeek-V3: 256 routed experts and one shared slice of 3 x 7168 x 2048 bf16 each.
+        let shape = LayerShape {
+            hidden: 7168,
+            ffn: 2048,
+            experts: 256,
+            top_k: 8,
+            activation: Activation::Swiglu,
+            expert_bias: false,
+            max_tokens: 1,
+            shared_slices: 1,
+            shared_gated: false,
+            spec_ranks: 1,
+            executed_ranks: 1,
+        };
+        assert_eq!(expert_bytes(&shape), 257 * 3 * 7168 * 2048 * 2);
+        let ungated = LayerShape {
+            activation: Activation::Gelu,
+            ..shape
+        };
+        assert_eq!(expert_bytes(&ungated), 257 * 2 * 7168 * 2048 * 2);
+    }
 }
