@@ -1325,10 +1325,9 @@ fn dequantize_mxfp4_experts(
                     .zip(w2_part.chunks_exact_mut(matrix));
                 for (i, (w1_expert, w2_expert)) in pairs.enumerate() {
                     let e = experts.start as usize + part * each + i;
-                    gate_up.dequantize(e, |r, h, v| {
-                        w1_expert[((r % 2) * ffn + r / 2) * hidden + h] = v;
-                    });
-                    down.dequantize(e, |h, f, v| w2_expert[h * ffn + f] = v);
+                    // gate_up's rows alternate gate and up (its transpose's columns).
+                    gate_up.dequantize(e, w1_expert, |r| (r % 2) * ffn + r / 2);
+                    down.dequantize(e, w2_expert, |h| h);
                 }
             });
         }
@@ -1353,23 +1352,41 @@ struct Mxfp4Tensor<'a> {
 }
 
 impl Mxfp4Tensor<'_> {
-    /// Hands every element (row, col, bf16 bits) of expert `e`'s matrix to `store`.
-    fn dequantize(&self, e: usize, mut store: impl FnMut(usize, usize, u16)) {
+    /// Writes expert `e`'s matrix into `out` as bf16 bits, its row r as row `row_of(r)`
+    /// of `out` ([_, cols]). Each element is a lookup in its block's scale's table of the
+    /// 16 codes' values times that scale, rounded to bf16 (256 tables, made once per call),
+    /// and each row is written in order.
+    fn dequantize(&self, e: usize, out: &mut [u16], row_of: impl Fn(usize) -> usize) {
         let groups = self.cols.div_ceil(MXFP4_BLOCK);
         let per_expert = self.rows * groups;
         let scales = &self.scales[e * per_expert..(e + 1) * per_expert];
         let blocks =
             &self.blocks[e * per_expert * MXFP4_BLOCK / 2..(e + 1) * per_expert * MXFP4_BLOCK / 2];
-        for (i, (&scale, block)) in scales
-            .iter()
-            .zip(blocks.chunks_exact(MXFP4_BLOCK / 2))
+        let tables: Vec<[u16; 16]> = (0..=u8::MAX)
+            .map(|scale| {
+                let scale = e8m0_to_f32(scale);
+                std::array::from_fn(|code| bf16::from_f32(FP4_E2M1_VALUES[code] * scale))
+            })
+            .collect();
+        let row_bytes = groups * MXFP4_BLOCK / 2;
+        for (r, (row_scales, row_blocks)) in scales
+            .chunks_exact(groups)
+            .zip(blocks.chunks_exact(row_bytes))
             .enumerate()
         {
-            let (r, first) = (i / groups, i % groups * MXFP4_BLOCK);
-            let scale = e8m0_to_f32(scale);
-            let codes = block.iter().flat_map(|&byte| [byte & 0xf, byte >> 4]);
-            for (c, code) in (first..self.cols).zip(codes) {
-                store(r, c, bf16::from_f32(FP4_E2M1_VALUES[code as usize] * scale));
+            let dest = &mut out[row_of(r) * self.cols..][..self.cols];
+            let row = dest
+                .chunks_mut(MXFP4_BLOCK)
+                .zip(row_scales)
+                .zip(row_blocks.chunks_exact(MXFP4_BLOCK / 2));
+            for ((values, &scale), block) in row {
+                let table = &tables[usize::from(scale)];
+                for (pair, &byte) in values.chunks_mut(2).zip(block) {
+                    pair[0] = table[usize::from(byte & 0xf)];
+                    if let Some(high) = pair.get_mut(1) {
+                        *high = table[usize::from(byte >> 4)];
+                    }
+                }
             }
         }
     }
