@@ -1123,15 +1123,34 @@ impl Checkpoint {
             return Ok(());
         }
         let values = fp8_e4m3_values();
+        // Per row of blocks, each block's table of the 256 codes' bf16 values (code value
+        // times the block's scale, rounded): each element is then one lookup.
         let dequantize = |first_row: usize, out: &mut [u16], codes: &[u8]| {
+            let mut tables = vec![[0u16; 256]; scale_shape[1]];
+            let mut tables_of = None;
             for (r, (row_out, row)) in out
                 .chunks_exact_mut(cols)
                 .zip(codes.chunks_exact(cols))
                 .enumerate()
             {
-                let row_scales = &scale[(first_row + r) / block_rows * scale_shape[1]..];
-                for (c, (o, &bits)) in row_out.iter_mut().zip(row).enumerate() {
-                    *o = bf16::from_f32(values[bits as usize] * row_scales[c / block_cols]);
+                let block_row = (first_row + r) / block_rows;
+                if tables_of != Some(block_row) {
+                    let row_scales = &scale[block_row * scale_shape[1]..][..scale_shape[1]];
+                    for (table, &block_scale) in tables.iter_mut().zip(row_scales) {
+                        for (entry, &value) in table.iter_mut().zip(values.iter()) {
+                            *entry = bf16::from_f32(value * block_scale);
+                        }
+                    }
+                    tables_of = Some(block_row);
+                }
+                let blocks = row_out
+                    .chunks_mut(block_cols)
+                    .zip(row.chunks(block_cols))
+                    .zip(&tables);
+                for ((block_out, block_codes), table) in blocks {
+                    for (o, &bits) in block_out.iter_mut().zip(block_codes) {
+                        *o = table[usize::from(bits)];
+                    }
                 }
             }
         };
