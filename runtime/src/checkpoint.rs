@@ -1124,9 +1124,11 @@ impl Checkpoint {
         }
         let values = fp8_e4m3_values();
         // Per row of blocks, each block's table of the 256 codes' bf16 values (code value
-        // times the block's scale, rounded): each element is then one lookup.
+        // times the block's scale, rounded): each element is then one lookup. Blocks of
+        // fewer elements than a table has entries convert each element instead.
+        let tabled = block_rows * block_cols >= values.len();
         let dequantize = |first_row: usize, out: &mut [u16], codes: &[u8]| {
-            let mut tables = vec![[0u16; 256]; scale_shape[1]];
+            let mut tables = vec![[0u16; 256]; if tabled { scale_shape[1] } else { 0 }];
             let mut tables_of = None;
             for (r, (row_out, row)) in out
                 .chunks_exact_mut(cols)
@@ -1134,8 +1136,20 @@ impl Checkpoint {
                 .enumerate()
             {
                 let block_row = (first_row + r) / block_rows;
+                let row_scales = &scale[block_row * scale_shape[1]..][..scale_shape[1]];
+                let blocks = row_out
+                    .chunks_mut(block_cols)
+                    .zip(row.chunks(block_cols))
+                    .zip(row_scales);
+                if !tabled {
+                    for ((block_out, block_codes), &block_scale) in blocks {
+                        for (o, &bits) in block_out.iter_mut().zip(block_codes) {
+                            *o = bf16::from_f32(values[usize::from(bits)] * block_scale);
+                        }
+                    }
+                    continue;
+                }
                 if tables_of != Some(block_row) {
-                    let row_scales = &scale[block_row * scale_shape[1]..][..scale_shape[1]];
                     for (table, &block_scale) in tables.iter_mut().zip(row_scales) {
                         for (entry, &value) in table.iter_mut().zip(values.iter()) {
                             *entry = bf16::from_f32(value * block_scale);
@@ -1143,11 +1157,7 @@ impl Checkpoint {
                     }
                     tables_of = Some(block_row);
                 }
-                let blocks = row_out
-                    .chunks_mut(block_cols)
-                    .zip(row.chunks(block_cols))
-                    .zip(&tables);
-                for ((block_out, block_codes), table) in blocks {
+                for (((block_out, block_codes), _), table) in blocks.zip(&tables) {
                     for (o, &bits) in block_out.iter_mut().zip(block_codes) {
                         *o = table[usize::from(bits)];
                     }

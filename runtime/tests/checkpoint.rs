@@ -1435,19 +1435,22 @@ fn deepseek_v3_fp8_experts_load_as_their_dequantized_bf16_checkpoint() {
 
 #[test]
 fn large_fp8_matrices_dequantize_on_every_core_as_on_one() {
-    // 1024 x 1024: a matrix the loader splits by rows over the cores (at least 2^20
-    // elements), with 128 x 128 blocks, against the bf16 checkpoint of its values.
-    const SIZE: usize = 1024;
+    // Gate and up [1100, 1000]: matrices the loader splits by rows over the cores (at least
+    // 2^20 elements; on 2 to 8 cores each part but the first starts inside a row of blocks),
+    // with 128 x 128 blocks, the last ones partial both ways, against the bf16 checkpoint
+    // of their values.
+    const HIDDEN: usize = 1000;
+    const FFN: usize = 1100;
     let shape = LayerShape {
-        hidden: SIZE as u32,
-        ffn: SIZE as u32,
+        hidden: HIDDEN as u32,
+        ffn: FFN as u32,
         experts: 2,
         top_k: 1,
         shared_slices: 2,
         ..shape(Activation::Swiglu)
     };
     let dir = tempfile::tempdir().unwrap();
-    let (quantized, plain) = deepseek_fp8_pair([128, 128], [SIZE, SIZE, 2]);
+    let (quantized, plain) = deepseek_fp8_pair([128, 128], [HIDDEN, FFN, 2]);
     write(&dir.path().join("fp8.safetensors"), &quantized);
     write(&dir.path().join("bf16.safetensors"), &plain);
     let load = |name: &str| {
@@ -1461,8 +1464,9 @@ fn large_fp8_matrices_dequantize_on_every_core_as_on_one() {
 
 #[test]
 fn large_mxfp4_layers_dequantize_on_every_core_as_on_one() {
-    // 4 experts of H = 512, F = 256: 1.5 M codes, which the loader splits over the cores.
-    let (h, f) = (512, 256);
+    // 4 experts of H = 511, F = 257: 1.6 M codes, which the loader splits over the cores;
+    // odd sizes, so each row's last block ends inside a byte.
+    let (h, f) = (511, 257);
     let shape = LayerShape {
         hidden: h as u32,
         ffn: f as u32,

@@ -72,7 +72,7 @@ impl From<FamilyArg> for Family {
 
 /// Expert weights (as the kernels' bf16) from which `run` says it is loading before it
 /// starts: a real layer's experts take seconds to read, longer to dequantize.
-const LOAD_NOTICE_BYTES: u64 = 1 << 30;
+const LOAD_NOTICE_BYTES: u64 = 1_000_000_000;
 
 /// Bytes of a layer's expert matrices as bf16: W1 [w1_rows, H] and W2 [H, F] of every
 /// routed expert and shared slice.
@@ -109,7 +109,7 @@ impl WeightsArgs {
         let bf16_bytes = expert_bytes(shape);
         if bf16_bytes >= LOAD_NOTICE_BYTES {
             eprintln!(
-                "loading {:.1} GB of expert weights from {layer}...",
+                "loading {:.1} GB of expert weights (as bf16) from {layer}...",
                 bf16_bytes as f64 / 1e9
             );
         }

@@ -7,7 +7,7 @@
 #   MOEFORGE_BLESS=1 cargo test --release --test kernels_generated   (and --test cli,
 #     -p moeforge-compiler --test diagnostics: the explain and kernel snapshots)
 #   cargo build --release --workspace --all-targets && bash scripts/device-stage.sh
-#   bash scripts/probe-build.sh - prologue
+#   PROBE_REV=main bash scripts/probe-build.sh - prologue
 # (the local branch probe/gate-in-tiles of session 62 holds the patch applied and blessed.)
 # The call: with SUITE=1 the patched GPU suite; Qwen1.5-MoE-A2.7B at full size against the
 # CPU reference (1, 16, 300, 2100 tokens: every regime, the mid and prefill ones computing
