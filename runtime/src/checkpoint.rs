@@ -1382,21 +1382,15 @@ struct Mxfp4Tensor<'a> {
 
 impl Mxfp4Tensor<'_> {
     /// Writes expert `e`'s matrix into `out` as bf16 bits, its row r as row `row_of(r)`
-    /// of `out` ([_, cols]). Each element is a lookup in its block's scale's table of the
-    /// 16 codes' values times that scale, rounded to bf16 (256 tables, made once per call),
-    /// and each row is written in order.
+    /// of `out` ([_, cols]). Each element is a lookup in its block's scale's table
+    /// ([`mxfp4_values`]), and each row is written in order.
     fn dequantize(&self, e: usize, out: &mut [u16], row_of: impl Fn(usize) -> usize) {
         let groups = self.cols.div_ceil(MXFP4_BLOCK);
         let per_expert = self.rows * groups;
         let scales = &self.scales[e * per_expert..(e + 1) * per_expert];
         let blocks =
             &self.blocks[e * per_expert * MXFP4_BLOCK / 2..(e + 1) * per_expert * MXFP4_BLOCK / 2];
-        let tables: Vec<[u16; 16]> = (0..=u8::MAX)
-            .map(|scale| {
-                let scale = e8m0_to_f32(scale);
-                std::array::from_fn(|code| bf16::from_f32(FP4_E2M1_VALUES[code] * scale))
-            })
-            .collect();
+        let tables = mxfp4_values();
         let row_bytes = groups * MXFP4_BLOCK / 2;
         for (r, (row_scales, row_blocks)) in scales
             .chunks_exact(groups)
@@ -1937,6 +1931,17 @@ pub fn to_f32(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> Result<(), Dtype> 
 fn fp8_e4m3_values() -> &'static [f32; 256] {
     static VALUES: OnceLock<[f32; 256]> = OnceLock::new();
     VALUES.get_or_init(|| std::array::from_fn(|bits| fp8_e4m3_to_f32(bits as u8)))
+}
+
+/// Per E8M0 scale byte, the 16 FP4 E2M1 codes' values times that scale, rounded to bf16.
+fn mxfp4_values() -> &'static [[u16; 16]; 256] {
+    static VALUES: OnceLock<[[u16; 16]; 256]> = OnceLock::new();
+    VALUES.get_or_init(|| {
+        std::array::from_fn(|scale| {
+            let scale = e8m0_to_f32(scale as u8);
+            std::array::from_fn(|code| bf16::from_f32(FP4_E2M1_VALUES[code] * scale))
+        })
+    })
 }
 
 /// FP8 E4M3 (`float8_e4m3fn`) to f32, exactly.
