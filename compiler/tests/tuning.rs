@@ -220,3 +220,57 @@ fn a_tuned_regime_changes_only_its_gemms_kernel_units() {
     assert!(!unit.contains(&regime.gemm1_kernel));
     assert!(unit.len() < before.source.len());
 }
+
+/// Entries that tile a regime (the tuner found other GEMMs fastest at its large calls than
+/// at its small ones) cut it into as many regimes, each with its entry's GEMMs, kernels of
+/// its own and its share of the token counts; the generated source has them all.
+#[test]
+fn entries_that_tile_a_regime_cut_it_into_regimes() {
+    let target = Target::h200();
+    let model = plan(&layer(), &target).expect("plans");
+    let last = model.regimes.len() - 1;
+    let regime = &model.regimes[last];
+    let cut = regime.min_tokens + (regime.max_tokens - regime.min_tokens) / 2;
+    let mut lower = entry_for(&model, last, mma(32, 64, 4), mma(16, 128, 3));
+    lower.max_tokens = cut;
+    let mut upper = entry_for(&model, last, mma(64, 64, 3), mma(32, 128, 3));
+    upper.min_tokens = cut + 1;
+    let table = TuningTable {
+        entries: vec![upper, lower],
+    };
+    let tuned = plan_tuned(&layer(), &target, &table).expect("plans with the table");
+    tuned.validate().expect("a valid plan");
+    assert_eq!(tuned.regimes.len(), model.regimes.len() + 1);
+    assert_eq!(tuned.regimes[..last], model.regimes[..last]);
+    let parts = &tuned.regimes[last..];
+    let bounds: Vec<(u32, u32)> = parts.iter().map(|r| (r.min_tokens, r.max_tokens)).collect();
+    assert_eq!(
+        bounds,
+        [(regime.min_tokens, cut), (cut + 1, regime.max_tokens)]
+    );
+    let names: Vec<&str> = parts.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [format!("{}_1", regime.name), format!("{}_2", regime.name)]
+    );
+    assert_eq!((parts[0].gemm1.tile.m, parts[1].gemm1.tile.m), (32, 64));
+    assert_eq!((parts[0].gemm2.tile.m, parts[1].gemm2.tile.m), (16, 32));
+    assert!(parts.iter().all(|r| r.tuned.is_some()
+        && r.gemm1.source == ChoiceSource::Tuned
+        && r.gemm2.source == ChoiceSource::Tuned));
+    let generated = codegen::generate(&tuned).expect("codegen");
+    for part in parts {
+        for kernel in [&part.gemm1_kernel, &part.gemm2_kernel] {
+            assert!(generated.entry_points.contains(kernel), "{kernel}");
+        }
+    }
+    assert_ne!(parts[0].gemm1_kernel, parts[1].gemm1_kernel);
+    // Half of the parts is no tiling: the regime stays whole, on the cost model's GEMMs.
+    let half = TuningTable {
+        entries: vec![table.entries[1].clone()],
+    };
+    assert_eq!(
+        plan_tuned(&layer(), &target, &half).expect("plans").regimes,
+        model.regimes
+    );
+}

@@ -1459,10 +1459,9 @@ fn plan_as_sized(
     let mut regimes = Vec::new();
     let mut most_route_blocks = 1;
     let mut limitations = Vec::new();
-    for mut choice in choose_regimes(layer, target, &shape, 1)? {
-        let tuned = tuning
-            .lookup(target, &shape, choice.min_tokens, choice.max_tokens)
-            .and_then(|entry| match apply_tuned(layer, target, &shape, &mut choice, entry) {
+    let choices = choose_regimes(layer, target, &shape, 1)?;
+    for (mut choice, entry) in tuned_regime_parts(choices, tuning, target, &shape) {
+        let tuned = entry.and_then(|entry| match apply_tuned(layer, target, &shape, &mut choice, entry) {
                 Ok(true) => Some(entry.clone()),
                 Ok(false) => None,
                 Err(reason) => {
@@ -2601,6 +2600,41 @@ fn gemm1_row_load(target: &Target, shape: &LayerShape, gemm: &GemmPlan) -> RowLo
     } else {
         RowLoad::Gathered
     }
+}
+
+/// The cost model's regimes `choices`, each paired with the tuning table's entry for it,
+/// or cut into the parts that the table's entries tile it into (where the tuner found
+/// other GEMMs fastest at a regime's small and large calls), each part paired with its
+/// entry and named after the regime and its place (`prefill_1`, `prefill_2`).
+fn tuned_regime_parts<'t>(
+    choices: Vec<RegimeChoice>,
+    tuning: &'t tuning::TuningTable,
+    target: &Target,
+    shape: &LayerShape,
+) -> Vec<(RegimeChoice, Option<&'t tuning::TunedRegime>)> {
+    choices
+        .into_iter()
+        .flat_map(|choice| {
+            let parts = tuning.tiling(target, shape, choice.min_tokens, choice.max_tokens);
+            match parts.as_slice() {
+                [] => vec![(choice, None)],
+                [entry] => vec![(choice, Some(*entry))],
+                _ => parts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, entry)| {
+                        let part = RegimeChoice {
+                            name: format!("{}_{}", choice.name, i + 1),
+                            min_tokens: entry.min_tokens,
+                            max_tokens: entry.max_tokens,
+                            ..choice.clone()
+                        };
+                        (part, Some(*entry))
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
 }
 
 /// Takes `entry`'s GEMMs into `choice`, each it has and the spec does not hint; all or

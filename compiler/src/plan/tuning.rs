@@ -2,10 +2,12 @@
 //! shape, regime), and how the planner takes them in place of the cost model's.
 //!
 //! A [`TuningTable`] is data, read from JSON (the user's cache, or entries shipped in the
-//! repository). An entry names the regime by its token range as the cost model drew it: a
-//! planner whose model draws other regimes finds no entry for them and falls back to the
-//! model, so a stale table can make a plan slower than tuned but never wrong. Schedule
-//! hints in the spec win over the table.
+//! repository). An entry names the regime by its token range as the cost model drew it, or
+//! a part of it: where different GEMMs won a regime's small and large calls, the tuner
+//! splits it, and entries that tile a regime from its first token count to its last cut it
+//! into as many regimes ([`TuningTable::tiling`]). A planner whose model draws other
+//! regimes finds no entry for them and falls back to the model, so a stale table can make a
+//! plan slower than tuned but never wrong. Schedule hints in the spec win over the table.
 
 use serde::{Deserialize, Serialize};
 
@@ -43,7 +45,8 @@ pub struct TunedRegime {
     /// The GPU's name as the target gives it (`Target::name`).
     pub gpu: String,
     pub shape: TunedShape,
-    /// The regime's token range as the cost model drew it.
+    /// The regime's token range as the cost model drew it, or the part of it this entry
+    /// holds where the tuner split it.
     pub min_tokens: u32,
     pub max_tokens: u32,
     /// Each GEMM's measured winner; `None` where the tuned spec hinted that GEMM, which
@@ -151,6 +154,46 @@ impl TuningTable {
             .iter()
             .rev()
             .find(|e| e.is_for(&target.name, &key, min_tokens, max_tokens))
+    }
+
+    /// The entries planning takes for the regime `min_tokens..=max_tokens` of `shape` on
+    /// `target`: the one entry of exactly that regime, else the entries that tile it (in
+    /// order, each starting where the last ended, from its first token count to its last:
+    /// the tuner split it), else none.
+    pub fn tiling(
+        &self,
+        target: &Target,
+        shape: &LayerShape,
+        min_tokens: u32,
+        max_tokens: u32,
+    ) -> Vec<&TunedRegime> {
+        if let Some(entry) = self.lookup(target, shape, min_tokens, max_tokens) {
+            return vec![entry];
+        }
+        let key = TunedShape::of(shape);
+        let mut parts: Vec<&TunedRegime> = self
+            .entries
+            .iter()
+            .filter(|e| {
+                e.gpu == target.name
+                    && e.shape == key
+                    && min_tokens <= e.min_tokens
+                    && e.max_tokens <= max_tokens
+            })
+            .collect();
+        parts.sort_by_key(|e| e.min_tokens);
+        let mut next = u64::from(min_tokens);
+        for part in &parts {
+            if u64::from(part.min_tokens) != next || part.max_tokens < part.min_tokens {
+                return Vec::new();
+            }
+            next = u64::from(part.max_tokens) + 1;
+        }
+        if parts.len() >= 2 && next == u64::from(max_tokens) + 1 {
+            parts
+        } else {
+            Vec::new()
+        }
     }
 
     /// Adds `entry`, dropping every earlier one for the same GPU and shape whose tokens
@@ -311,6 +354,49 @@ mod tests {
             ..shape()
         };
         assert!(table.lookup(&h200, &other, 0, 128).is_none());
+    }
+
+    #[test]
+    fn entries_that_tile_a_regime_split_it_and_no_others_do() {
+        let h200 = Target::h200();
+        let bounds = |parts: Vec<&TunedRegime>| -> Vec<(u32, u32)> {
+            parts.iter().map(|e| (e.min_tokens, e.max_tokens)).collect()
+        };
+        // Out of order in the table, in order in the tiling.
+        let split = TuningTable {
+            entries: vec![entry(600, 4096, 128), entry(129, 599, 64)],
+        };
+        assert_eq!(
+            bounds(split.tiling(&h200, &shape(), 129, 4096)),
+            [(129, 599), (600, 4096)]
+        );
+        // An entry of exactly the regime is the regime's, as `lookup` finds it.
+        let exact = TuningTable {
+            entries: vec![entry(129, 4096, 64)],
+        };
+        assert_eq!(
+            bounds(exact.tiling(&h200, &shape(), 129, 4096)),
+            [(129, 4096)]
+        );
+        // A gap, a part beyond the regime, another GPU: no tiling.
+        for entries in [
+            vec![entry(129, 500, 64), entry(600, 4096, 128)],
+            vec![entry(129, 599, 64), entry(600, 8192, 128)],
+            vec![entry(129, 599, 64)],
+        ] {
+            let table = TuningTable { entries };
+            assert!(
+                table.tiling(&h200, &shape(), 129, 4096).is_empty(),
+                "{table:?}"
+            );
+        }
+        assert!(
+            split
+                .tiling(&Target::h100(), &shape(), 129, 4096)
+                .is_empty()
+        );
+        // Parts that do not start at the regime's first count (a regime drawn differently).
+        assert!(split.tiling(&h200, &shape(), 0, 4096).is_empty());
     }
 
     #[test]
