@@ -1,7 +1,9 @@
-//! `moeforge tune` on the GPU: it writes one entry per regime of a small layer with no
-//! schedule hints (`tests/fixtures/untuned_small.moe`), planning with that cache takes every
-//! entry, and the tuned layer still computes what the CPU reference computes. On the CPU:
-//! the command's refusals.
+//! `moeforge tune` on the GPU: it writes an entry per regime of a small layer with no
+//! schedule hints (`tests/fixtures/untuned_small.moe`), or two where it cuts one, planning
+//! with that cache takes every entry, and the tuned layer still computes what the CPU
+//! reference computes; entries in use (one per regime, or a cut regime's two) are timed
+//! against the new choice and the verdict is what is written. On the CPU: the command's
+//! refusals.
 
 use std::path::PathBuf;
 
@@ -134,11 +136,17 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
     let explain = moeforge_with_env(&["explain", SMALL], &env);
     let text = String::from_utf8_lossy(&explain.stdout);
     assert!(explain.status.success());
+    // Three regimes, and one more for each the tuner cut in two.
     let regimes = explain_lines(&text, "regime ");
     let tuned = explain_lines(&text, "tuned ");
+    let entries = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && l.contains("..="))
+        .count();
+    let cuts = entries.saturating_sub(3);
     assert!(
-        regimes == 3 && tuned == regimes,
-        "{regimes} regimes, {tuned} tuned:\n{text}"
+        regimes == 3 + cuts && tuned == regimes,
+        "{regimes} regimes, {tuned} tuned, {cuts} cut:\n{text}\n{stdout}"
     );
     // The tuned layer against the CPU reference, at a ragged count of every regime.
     for tokens in ["1", "77", "300", "1500"] {
@@ -162,7 +170,15 @@ fn tune_with_token_counts_touches_only_their_regimes() {
     let dir = scratch("gpu-tokens");
     let (cache_arg, output) = tune_small(
         &dir,
-        &["--tokens", "1000", "--candidates", "1", "--iterations", "2"],
+        &[
+            "--tokens",
+            "1000",
+            "--candidates",
+            "1",
+            "--iterations",
+            "2",
+            "--keep-regimes",
+        ],
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
@@ -194,7 +210,15 @@ fn tune_with_token_counts_touches_only_their_regimes() {
 #[ignore = "needs a CUDA GPU"]
 fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_written() {
     let dir = scratch("gpu-in-use");
-    let args = ["--tokens", "1000", "--candidates", "1", "--iterations", "2"];
+    let args = [
+        "--tokens",
+        "1000",
+        "--candidates",
+        "1",
+        "--iterations",
+        "2",
+        "--keep-regimes",
+    ];
     let (cache_arg, first) = tune_small(&dir, &args);
     assert!(
         first.status.success(),
@@ -241,5 +265,101 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
     let as_in_use = (written["gemm1"].clone(), written["gemm2"].clone()) == in_use;
     assert_eq!(as_in_use, kept, "{line}\n{written}");
     assert_eq!(written["gemm1"] == in_use.0, kept, "{line}\n{written}");
+    std::fs::remove_dir_all(&dir).expect("cleans up");
+}
+
+/// A regime cut in two in use (as a tune that cut it leaves the cache): both parts are
+/// timed as one plan against the new choice, each named with the verdict, and what is
+/// written is the two parts as they were (kept) or the new choice alone (replaced).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_cut_regime_in_use_is_timed_whole_and_kept_or_replaced_whole() {
+    let dir = scratch("gpu-cut-in-use");
+    let args = [
+        "--tokens",
+        "1000",
+        "--candidates",
+        "1",
+        "--iterations",
+        "2",
+        "--keep-regimes",
+    ];
+    let (cache_arg, first) = tune_small(&dir, &args);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let read_entries = || -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(&cache_arg).expect("the cache was written");
+        let table: serde_json::Value = serde_json::from_str(&text).expect("the cache is JSON");
+        table["entries"].as_array().expect("entries").clone()
+    };
+    let entries = read_entries();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    // The regime's entry cut in the middle, the upper part on another valid GEMM1.
+    let (min, max) = (
+        entries[0]["min_tokens"].as_u64().expect("min"),
+        entries[0]["max_tokens"].as_u64().expect("max"),
+    );
+    let middle = (min + max) / 2;
+    let mut lower = entries[0].clone();
+    lower["max_tokens"] = middle.into();
+    let mut upper = entries[0].clone();
+    upper["min_tokens"] = (middle + 1).into();
+    upper["gemm1"] = serde_json::json!({
+        "engine": "mma_sync", "tile": { "m": 32, "n": 64, "k": 64 }, "stages": 2, "cluster": 1
+    });
+    let planted = vec![lower, upper];
+    let table = serde_json::json!({ "entries": planted });
+    std::fs::write(&cache_arg, table.to_string()).expect("writes the cache");
+    let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
+    let explain = moeforge_with_env(&["explain", SMALL], &env);
+    let text = String::from_utf8_lossy(&explain.stdout);
+    assert_eq!(explain_lines(&text, "regime "), 4, "{text}");
+
+    let (_, second) = tune_small(&dir, &args);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(" in use (")).collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(lines.iter().all(|l| !l.contains("left out")), "{stderr}");
+    let kept = lines[0].contains("kept:");
+    assert!(kept || lines[0].contains("replaced"), "{stderr}");
+    assert_eq!(lines[1].contains("kept:"), kept, "{stderr}");
+    let written = read_entries();
+    if kept {
+        assert_eq!(written, planted);
+    } else {
+        assert_eq!(written.len(), 1, "{written:?}");
+        assert_eq!(
+            (
+                written[0]["min_tokens"].as_u64(),
+                written[0]["max_tokens"].as_u64()
+            ),
+            (Some(min), Some(max))
+        );
+    }
+    // Either way the layer computes what the CPU reference computes on both sides of the cut.
+    for tokens in [middle, middle + 1] {
+        let run = moeforge_with_env(
+            &[
+                "run",
+                SMALL,
+                "--tokens",
+                &tokens.to_string(),
+                "--check",
+                "--seed",
+                "7",
+            ],
+            &env,
+        );
+        assert!(
+            run.status.success(),
+            "{}\n{}",
+            String::from_utf8_lossy(&run.stdout),
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
     std::fs::remove_dir_all(&dir).expect("cleans up");
 }

@@ -11,7 +11,10 @@
 //! ends elsewhere, that entry is timed as well and stays unless the sweep's choice [`beats`]
 //! it. A GEMM's candidates are compiled before the first is timed, the current choice
 //! first and the others side by side (each is one changed kernel, one NVRTC program: one
-//! after another they used one core), then timed one at a time.
+//! after another they used one core), then timed one at a time. Where the sweep's fastest
+//! GEMMs at one end of a regime are not its choice, the regime may be cut in two
+//! ([`split_regime`], [`split_point`]): two entries that tile it, which planning turns into
+//! two regimes.
 
 use moeforge_compiler::ir::Layer;
 use moeforge_compiler::plan::tuning::{
@@ -39,6 +42,9 @@ pub struct TuneSettings {
     /// The entries planning uses today (shipped, then the cache being updated): a regime's
     /// entry there is timed against the sweep's choice and kept unless beaten.
     pub in_use: TuningTable,
+    /// Whether a regime may be cut in two where other GEMMs win one end of it
+    /// ([`split_regime`]); without, one entry per regime.
+    pub cut_regimes: bool,
 }
 
 /// One timed candidate, for progress output.
@@ -74,8 +80,30 @@ pub enum TuneEvent<'a> {
         us: Result<Vec<f64>, String>,
         kept: bool,
     },
-    /// A regime's entry, final: the caller may record it at once.
+    /// A regime probed for a cut ([`split_regime`]): the layer's times at `tokens` with
+    /// these GEMMs, or why they could not be built or run.
+    Probe {
+        regime: &'a str,
+        role: ProbeRole,
+        gemm1: TunedGemm,
+        gemm2: TunedGemm,
+        tokens: &'a [u32],
+        us: Result<Vec<f64>, String>,
+    },
+    /// A regime's entry, final: the caller may record it at once. A regime cut in two
+    /// gives two, lower first.
     Regime(&'a TunedRegime),
+}
+
+/// Which GEMMs a probe for a cut times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeRole {
+    /// The regime's choice after the sweep.
+    Chosen,
+    /// The cost model's, where the choice differs.
+    CostModel,
+    /// The sweep's fastest GEMMs at one end of the regime.
+    Alternative,
 }
 
 /// A candidate replaces the current choice only when at least this much faster on
@@ -203,14 +231,14 @@ pub fn tune_layer(
             measured_by: measured_by.to_string(),
         };
         // The layer planned with `entry` for this regime.
-        let plan_with = |entry: TunedRegime| -> Result<Plan, TuneError> {
-            let table = TuningTable {
-                entries: vec![entry],
-            };
-            let candidate = plan::plan_tuned(layer, target, &table)?;
-            check_applied(&candidate, index, layer)?;
+        // The layer planned with `entries` for this regime (one, or the parts of a split).
+        let plan_with_entries = |entries: Vec<TunedRegime>| -> Result<Plan, TuneError> {
+            let parts = entries.len();
+            let candidate = plan::plan_tuned(layer, target, &TuningTable { entries })?;
+            check_applied(&candidate, index..index + parts, layer)?;
             Ok(candidate)
         };
+        let plan_with = |entry: TunedRegime| plan_with_entries(vec![entry]);
         let (mut gemm1, mut gemm2) = (regime.gemm1.clone(), regime.gemm2.clone());
         // Beside the cost model's best tiles for this regime, the neighbouring regimes'
         // GEMMs (the one below as it ended, the one above as the model chose it): a boundary
@@ -231,6 +259,8 @@ pub fn tune_layer(
         let mut model_times: Option<Vec<f64>> = None;
         // The layer's times with both GEMMs as the sweep leaves them (its last GEMM's winner).
         let mut chosen: Option<Vec<f64>> = None;
+        // Every candidate that ran, with its times.
+        let mut swept: Vec<SweptCandidate> = Vec::new();
         for kind in [GemmKind::Up, GemmKind::Down] {
             if !tunable(kind) {
                 continue;
@@ -290,6 +320,11 @@ pub fn tune_layer(
                     is_model_choice: i == 0,
                 }));
                 let Ok(us) = us else { continue };
+                swept.push(SweptCandidate {
+                    kind,
+                    gemm: candidate.clone(),
+                    us: us.clone(),
+                });
                 let model = model_times.get_or_insert_with(|| us.clone());
                 let wins = match &best {
                     None => true,
@@ -312,30 +347,33 @@ pub fn tune_layer(
             below = Some((gemm1, gemm2));
             continue;
         };
-        // The entry planning uses today, where the sweep ended elsewhere: timed too, and
-        // kept unless the sweep's choice beats it as a candidate beats the current choice,
-        // so that a re-tune cannot trade a measured choice for one within the noise of it
-        // (Qwen3-30B-A3B's mid regime on an H200, 2026-12-06: the sweep's 1.5% margin was
-        // under the bar, and it ran 2.5% slower than the shipped entry at 1024 tokens).
-        if let Some(in_use) =
-            settings
-                .in_use
-                .lookup(target, &shape, regime.min_tokens, regime.max_tokens)
-        {
+        // The entry planning uses today (or the entries a split left), where the sweep
+        // ended elsewhere: timed too, and kept unless the sweep's choice beats it as a
+        // candidate beats the current choice, so that a re-tune cannot trade a measured
+        // choice for one within the noise of it (Qwen3-30B-A3B's mid regime on an H200,
+        // 2026-12-06: the sweep's 1.5% margin was under the bar, and it ran 2.5% slower than
+        // the shipped entry at 1024 tokens).
+        let in_use: Vec<TunedRegime> = settings
+            .in_use
+            .tiling(target, &shape, regime.min_tokens, regime.max_tokens)
+            .into_iter()
+            .cloned()
+            .collect();
+        if !in_use.is_empty() {
             // What planning builds from it (a hinted GEMM stays as hinted, a GEMM the
             // entry leaves out is the cost model's), against what the sweep ended on.
-            let planned = plan_with(in_use.clone());
-            let differs = planned.as_ref().map_or(true, |plan| {
-                let applied = &plan.regimes[index];
-                TunedGemm::of(&applied.gemm1) != TunedGemm::of(&gemm1)
-                    || TunedGemm::of(&applied.gemm2) != TunedGemm::of(&gemm2)
-            });
+            let planned = plan_with_entries(in_use.clone());
+            let differs = in_use.len() > 1
+                || planned.as_ref().map_or(true, |plan| {
+                    let applied = &plan.regimes[index];
+                    TunedGemm::of(&applied.gemm1) != TunedGemm::of(&gemm1)
+                        || TunedGemm::of(&applied.gemm2) != TunedGemm::of(&gemm2)
+                });
             if differs {
                 let timed = planned.and_then(|plan| {
-                    let gemms = (
-                        plan.regimes[index].gemm1.clone(),
-                        plan.regimes[index].gemm2.clone(),
-                    );
+                    // The GEMMs of its last part: the ones beside the regime above.
+                    let last = &plan.regimes[index + in_use.len() - 1];
+                    let gemms = (last.gemm1.clone(), last.gemm2.clone());
                     let kernels = session.compile(&plan)?;
                     Ok((
                         time_regime(session, plan, kernels, &tokens, &settings)?,
@@ -346,25 +384,64 @@ pub fn tune_layer(
                     Ok((us, _)) => !beats(&chosen, us, &model_times),
                     Err(_) => false,
                 };
-                // Shown as it applies: the GEMMs the spec hints are not the entry's.
-                let shown = TunedRegime {
-                    gemm1: in_use.gemm1.filter(|_| tunable(GemmKind::Up)),
-                    gemm2: in_use.gemm2.filter(|_| tunable(GemmKind::Down)),
-                    ..in_use.clone()
-                };
-                report(TuneEvent::InUse {
-                    regime: &regime.name,
-                    entry: &shown,
-                    us: timed
-                        .as_ref()
-                        .map(|(us, _)| us.clone())
-                        .map_err(ToString::to_string),
-                    kept,
-                });
-                if let (true, Ok((us, (in_use_gemm1, in_use_gemm2)))) = (kept, timed) {
-                    (gemm1, gemm2, chosen) = (in_use_gemm1, in_use_gemm2, us);
+                for part in &in_use {
+                    // Shown as it applies: the GEMMs the spec hints are not the entry's.
+                    let shown = TunedRegime {
+                        gemm1: part.gemm1.filter(|_| tunable(GemmKind::Up)),
+                        gemm2: part.gemm2.filter(|_| tunable(GemmKind::Down)),
+                        ..part.clone()
+                    };
+                    report(TuneEvent::InUse {
+                        regime: &regime.name,
+                        entry: &shown,
+                        us: timed
+                            .as_ref()
+                            .map(|(us, _)| us.clone())
+                            .map_err(ToString::to_string),
+                        kept,
+                    });
+                }
+                match (kept, timed) {
+                    // A split in use that stays: its entries are the regime's, as they were.
+                    (true, Ok((_, last_gemms))) if in_use.len() > 1 => {
+                        below = Some(last_gemms);
+                        for part in in_use {
+                            report(TuneEvent::Regime(&part));
+                            entries.push(part);
+                        }
+                        continue;
+                    }
+                    (true, Ok((us, (in_use_gemm1, in_use_gemm2)))) => {
+                        (gemm1, gemm2, chosen) = (in_use_gemm1, in_use_gemm2, us);
+                    }
+                    _ => {}
                 }
             }
+        }
+        let split = if !settings.cut_regimes {
+            None
+        } else {
+            split_regime(
+                &SplitContext {
+                    session,
+                    settings: &settings,
+                    regime,
+                    model: (&regime.gemm1, &regime.gemm2),
+                    plan_with: &plan_with,
+                    entry_with: &entry_with,
+                },
+                (&gemm1, &gemm2),
+                &swept,
+                &mut report,
+            )?
+        };
+        if let Some([lower, upper]) = split {
+            below = Some(upper.gemms);
+            for entry in [lower.entry, upper.entry] {
+                report(TuneEvent::Regime(&entry));
+                entries.push(entry);
+            }
+            continue;
         }
         below = Some((gemm1.clone(), gemm2.clone()));
         let model_us = model_times.iter().sum::<f64>();
@@ -416,13 +493,21 @@ fn candidate_list(
     candidates
 }
 
-/// The candidate plan took the entry for regime `index` (else the timing would be of the
-/// cost model's GEMMs under the candidate's name).
-fn check_applied(candidate: &Plan, index: usize, layer: &Layer) -> Result<(), TuneError> {
-    let regime = &candidate.regimes[index];
-    if regime.tuned.is_some() {
+/// The candidate plan took the entries for the regimes `parts` (the regime tuned, or the
+/// parts of its split), else the timing would be of the cost model's GEMMs under the
+/// candidate's name.
+fn check_applied(
+    candidate: &Plan,
+    parts: std::ops::Range<usize>,
+    layer: &Layer,
+) -> Result<(), TuneError> {
+    let untaken = candidate.regimes.get(parts.clone()).map_or_else(
+        || candidate.regimes.get(parts.start),
+        |regimes| regimes.iter().find(|regime| regime.tuned.is_none()),
+    );
+    let Some(regime) = untaken else {
         return Ok(());
-    }
+    };
     Err(TuneError::Candidate {
         layer: layer.name.clone(),
         regime: regime.name.clone(),
@@ -431,6 +516,217 @@ fn check_applied(candidate: &Plan, index: usize, layer: &Layer) -> Result<(), Tu
             candidate.limitations.join("; ")
         ),
     })
+}
+
+/// A GEMM configuration the sweep timed, with the layer's times at the regime's timed
+/// token counts.
+struct SweptCandidate {
+    kind: GemmKind,
+    gemm: GemmPlan,
+    us: Vec<f64>,
+}
+
+/// Token counts a regime is probed at for a cut: this many, spaced evenly in the
+/// logarithm from its smallest call to its largest.
+pub const SPLIT_PROBES: usize = 7;
+
+/// The fewest probes each part of a cut regime holds: one probe alone could be noise.
+pub const MIN_PART_PROBES: usize = 2;
+
+/// The token counts a regime is probed at for a cut ([`SPLIT_PROBES`] of them, fewer where
+/// its range holds fewer).
+pub fn split_probes(min_tokens: u32, max_tokens: u32) -> Vec<u32> {
+    let low = min_tokens.max(1);
+    let ratio = f64::from(max_tokens) / f64::from(low);
+    let last = (SPLIT_PROBES - 1) as f64;
+    let mut probes: Vec<u32> = (0..SPLIT_PROBES)
+        .map(|i| (f64::from(low) * ratio.powf(i as f64 / last)).round() as u32)
+        .map(|tokens| tokens.clamp(low, max_tokens))
+        .collect();
+    probes.dedup();
+    probes
+}
+
+/// Where a regime is cut in two, and which part an alternative pair of GEMMs takes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RegimeCut {
+    /// The first token count of the upper part.
+    pub starts_at: u32,
+    /// Whether the alternative takes the upper part (else the lower).
+    pub alternative_above: bool,
+    /// The alternative's gain over the current choice summed over its part's probes (each
+    /// a fraction of the current choice's time).
+    pub gain: f64,
+}
+
+/// Where to cut a regime probed at `probes` (increasing), given the layer's times there
+/// with the regime's current choice, with an alternative and with the cost model's choice:
+/// the alternative takes the longest run of probes at either end, of at least
+/// [`MIN_PART_PROBES`] and not all of them, on which it [`beats`] the current choice (of
+/// the two ends, the larger gain); the cut lies at the geometric middle between the run's
+/// last probe and the next. `None` where no such run exists, or where the alternative beats
+/// the current choice on every probe (a choice for the whole regime, which the sweep's
+/// rules make, not a cut).
+pub fn split_point(
+    probes: &[u32],
+    current: &[f64],
+    alternative: &[f64],
+    model: &[f64],
+) -> Option<RegimeCut> {
+    let n = probes.len();
+    if n < 2 * MIN_PART_PROBES || beats(alternative, current, model) {
+        return None;
+    }
+    let wins = |run: std::ops::Range<usize>| {
+        beats(
+            &alternative[run.clone()],
+            &current[run.clone()],
+            &model[run.clone()],
+        )
+        .then(|| run.map(|i| 1.0 - alternative[i] / current[i]).sum::<f64>())
+    };
+    let cut_between = |below: u32, above: u32| {
+        let middle = (f64::from(below) * f64::from(above)).sqrt().round() as u32;
+        middle.clamp(below + 1, above)
+    };
+    let above = (1..=n - MIN_PART_PROBES).find_map(|first| {
+        wins(first..n).map(|gain| RegimeCut {
+            starts_at: cut_between(probes[first - 1], probes[first]),
+            alternative_above: true,
+            gain,
+        })
+    });
+    let below = (MIN_PART_PROBES..n).rev().find_map(|end| {
+        wins(0..end).map(|gain| RegimeCut {
+            starts_at: cut_between(probes[end - 1], probes[end]),
+            alternative_above: false,
+            gain,
+        })
+    });
+    match (above, below) {
+        (Some(a), Some(b)) if b.gain > a.gain => Some(b),
+        (Some(a), _) => Some(a),
+        (None, b) => b,
+    }
+}
+
+/// What [`split_regime`] needs of the regime being tuned.
+struct SplitContext<'a> {
+    session: &'a Session,
+    settings: &'a TuneSettings,
+    regime: &'a plan::Regime,
+    /// The cost model's GEMMs of the regime.
+    model: (&'a GemmPlan, &'a GemmPlan),
+    plan_with: &'a dyn Fn(TunedRegime) -> Result<Plan, TuneError>,
+    entry_with: &'a dyn Fn(&GemmPlan, &GemmPlan) -> TunedRegime,
+}
+
+/// One part of a regime cut in two: its entry, and its GEMMs as planned.
+struct RegimePart {
+    entry: TunedRegime,
+    gemms: (GemmPlan, GemmPlan),
+}
+
+/// Whether two pairs of GEMMs are one configuration.
+fn same_pair(a: (&GemmPlan, &GemmPlan), b: (&GemmPlan, &GemmPlan)) -> bool {
+    TunedGemm::of(a.0) == TunedGemm::of(b.0) && TunedGemm::of(a.1) == TunedGemm::of(b.1)
+}
+
+/// The regime cut in two where another pair of GEMMs wins one end of it: the pair of the
+/// sweep's fastest GEMMs at the regime's largest call, and the pair at its smallest, each
+/// timed with the regime's choice (`chosen`) at [`split_probes`] and cut by
+/// [`split_point`]. The two parts' entries (each timed at the probes it holds) with their
+/// GEMMs, lower first; `None` where no alternative wins an end.
+fn split_regime(
+    context: &SplitContext<'_>,
+    chosen: (&GemmPlan, &GemmPlan),
+    swept: &[SweptCandidate],
+    report: &mut dyn FnMut(TuneEvent<'_>),
+) -> Result<Option<[RegimePart; 2]>, TuneError> {
+    let regime = context.regime;
+    let probes = split_probes(regime.min_tokens, regime.max_tokens);
+    if probes.len() < 2 * MIN_PART_PROBES {
+        return Ok(None);
+    }
+    let timed_at = timed_tokens(regime.min_tokens, regime.max_tokens).len();
+    let fastest_at = |kind: GemmKind, at: usize| {
+        swept
+            .iter()
+            .filter(|c| c.kind == kind)
+            .min_by(|a, b| a.us[at].total_cmp(&b.us[at]))
+            .map(|c| &c.gemm)
+    };
+    let mut alternatives: Vec<(GemmPlan, GemmPlan)> = Vec::new();
+    for at in [timed_at - 1, 0] {
+        let gemm1 = fastest_at(GemmKind::Up, at).unwrap_or(chosen.0);
+        let gemm2 = fastest_at(GemmKind::Down, at).unwrap_or(chosen.1);
+        let listed = alternatives
+            .iter()
+            .any(|(g1, g2)| same_pair((g1, g2), (gemm1, gemm2)));
+        if !listed && !same_pair((gemm1, gemm2), chosen) {
+            alternatives.push((gemm1.clone(), gemm2.clone()));
+        }
+    }
+    if alternatives.is_empty() {
+        return Ok(None);
+    }
+    let mut probe = |role: ProbeRole, (gemm1, gemm2): (&GemmPlan, &GemmPlan)| {
+        let us = (context.plan_with)((context.entry_with)(gemm1, gemm2)).and_then(|plan| {
+            let kernels = context.session.compile(&plan)?;
+            time_regime(context.session, plan, kernels, &probes, context.settings)
+        });
+        report(TuneEvent::Probe {
+            regime: &regime.name,
+            role,
+            gemm1: TunedGemm::of(gemm1),
+            gemm2: TunedGemm::of(gemm2),
+            tokens: &probes,
+            us: us.as_ref().map(Clone::clone).map_err(ToString::to_string),
+        });
+        us
+    };
+    let current = probe(ProbeRole::Chosen, chosen)?;
+    let model = if same_pair(context.model, chosen) {
+        current.clone()
+    } else {
+        probe(ProbeRole::CostModel, context.model)?
+    };
+    let mut best: Option<(RegimeCut, (GemmPlan, GemmPlan), Vec<f64>)> = None;
+    for pair in alternatives {
+        let Ok(us) = probe(ProbeRole::Alternative, (&pair.0, &pair.1)) else {
+            continue;
+        };
+        if let Some(cut) = split_point(&probes, &current, &us, &model)
+            && best.as_ref().is_none_or(|(b, _, _)| cut.gain > b.gain)
+        {
+            best = Some((cut, pair, us));
+        }
+    }
+    let Some((cut, alternative, alternative_us)) = best else {
+        return Ok(None);
+    };
+    let chosen = (chosen.0.clone(), chosen.1.clone());
+    let (lower, upper) = if cut.alternative_above {
+        ((chosen, current), (alternative, alternative_us))
+    } else {
+        ((alternative, alternative_us), (chosen, current))
+    };
+    let part = |(gemms, us): ((GemmPlan, GemmPlan), Vec<f64>), min_tokens: u32, max_tokens: u32| {
+        let inside: Vec<usize> = (0..probes.len())
+            .filter(|&i| (min_tokens..=max_tokens).contains(&probes[i]))
+            .collect();
+        let mut entry = (context.entry_with)(&gemms.0, &gemms.1);
+        entry.min_tokens = min_tokens;
+        entry.max_tokens = max_tokens;
+        entry.timed_tokens = inside.iter().map(|&i| probes[i]).collect();
+        entry.measured_us = inside.iter().map(|&i| us[i]).sum();
+        entry.model_choice_us = inside.iter().map(|&i| model[i]).sum();
+        RegimePart { entry, gemms }
+    };
+    Ok(Some([
+        part(lower, regime.min_tokens, cut.starts_at - 1),
+        part(upper, cut.starts_at, regime.max_tokens),
+    ]))
 }
 
 /// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
@@ -563,6 +859,56 @@ mod tests {
         assert!(!beats(&[102.0, 880.0], &[100.0, 1000.0], &model));
         // 1% slower at one count is noise.
         assert!(beats(&[101.0, 900.0], &[100.0, 1000.0], &model));
+    }
+
+    #[test]
+    fn a_regime_is_probed_for_a_cut_across_its_range() {
+        assert_eq!(
+            split_probes(513, 16384),
+            [513, 914, 1628, 2899, 5164, 9198, 16384]
+        );
+        assert_eq!(split_probes(0, 64), [1, 2, 4, 8, 16, 32, 64]);
+        // A narrow range gives fewer probes, each once.
+        assert_eq!(split_probes(0, 4), [1, 2, 3, 4]);
+        assert_eq!(split_probes(0, 1), [1]);
+    }
+
+    #[test]
+    fn a_regime_is_cut_where_an_alternative_wins_a_run_at_one_end() {
+        let probes = split_probes(513, 16384);
+        let current = [100.0; 7];
+        // Faster from the fourth probe on, slower below: cut between 1628 and 2899.
+        let upper = [104.0, 103.0, 101.5, 97.0, 95.0, 96.0, 95.0];
+        let cut = split_point(&probes, &current, &upper, &current).expect("a cut");
+        assert!(cut.alternative_above);
+        assert_eq!(cut.starts_at, 2172);
+        assert!((cut.gain - 0.17).abs() < 1e-9, "{cut:?}");
+        // Up to 1% slower at a probe is noise: the run reaches down to it.
+        let near = [104.0, 103.0, 101.0, 97.0, 95.0, 96.0, 95.0];
+        let cut = split_point(&probes, &current, &near, &current).expect("a cut");
+        assert_eq!(cut.starts_at, 1220);
+        // Faster at the two smallest calls only: the alternative takes the lower part.
+        let lower = [90.0, 95.0, 102.0, 104.0, 104.0, 105.0, 106.0];
+        let cut = split_point(&probes, &current, &lower, &current).expect("a cut");
+        assert!(!cut.alternative_above);
+        assert_eq!(cut.starts_at, 1220);
+        // One probe is not a run; a win everywhere is not a cut; under 2% is no win.
+        for alternative in [
+            [104.0, 103.0, 102.0, 102.0, 102.0, 102.0, 90.0],
+            [97.0; 7],
+            [103.0, 103.0, 103.0, 103.0, 99.0, 99.0, 99.0],
+        ] {
+            assert_eq!(
+                split_point(&probes, &current, &alternative, &current),
+                None,
+                "{alternative:?}"
+            );
+        }
+        // Too few probes to hold two parts of two.
+        assert_eq!(
+            split_point(&probes[..3], &current[..3], &upper[4..], &current[..3]),
+            None
+        );
     }
 
     #[test]

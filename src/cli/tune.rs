@@ -10,7 +10,8 @@ use moeforge::compiler::plan::tuning::TunedGemm;
 use moeforge::compiler::plan::{self, GemmKind, Target};
 use moeforge::runtime::harness::Session;
 use moeforge::runtime::tune::{
-    MAX_LOSS, MIN_GAIN, TuneEvent, TuneSettings, times_self_routed, tune_layer,
+    MAX_LOSS, MIN_GAIN, MIN_PART_PROBES, ProbeRole, SPLIT_PROBES, TuneEvent, TuneSettings,
+    times_self_routed, tune_layer,
 };
 use moeforge::runtime::workload::fresh_seed;
 use moeforge::tuning;
@@ -47,6 +48,10 @@ pub struct Args {
     /// Default: every regime.
     #[arg(long, value_delimiter = ',')]
     tokens: Vec<u32>,
+    /// Keep each regime whole (one entry each): do not cut a regime in two where other
+    /// GEMMs are fastest at one end of it (a cut adds two GEMM kernels to the layer).
+    #[arg(long)]
+    keep_regimes: bool,
 }
 
 pub fn run(args: &Args) -> ExitCode {
@@ -122,8 +127,15 @@ pub fn run(args: &Args) -> ExitCode {
         let tokens: Vec<String> = args.tokens.iter().map(u32::to_string).collect();
         format!(" (only the regimes holding T = {})", tokens.join(", "))
     };
+    let cuts = if args.keep_regimes {
+        "; each regime kept whole".to_string()
+    } else {
+        format!(
+            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {SPLIT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of at least {MIN_PART_PROBES} of them at that end so"
+        )
+    };
     eprintln!(
-        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's; an entry in use for the regime stays unless beaten so)",
+        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's; an entry in use for the regime stays unless beaten so){cuts}",
         layer.name,
         target.name,
         args.candidates,
@@ -207,6 +219,37 @@ pub fn run(args: &Args) -> ExitCode {
             );
             let _ = std::io::stderr().flush();
         }
+        TuneEvent::Probe {
+            regime,
+            role,
+            gemm1,
+            gemm2,
+            tokens,
+            us,
+        } => {
+            let role = match role {
+                ProbeRole::Chosen => "its choice",
+                ProbeRole::CostModel => "cost model",
+                ProbeRole::Alternative => "other end",
+            };
+            let outcome = match us {
+                Ok(us) => {
+                    let each: Vec<String> = tokens
+                        .iter()
+                        .zip(&us)
+                        .map(|(t, us)| format!("{t}: {us:.1}"))
+                        .collect();
+                    format!("{} us", each.join(", "))
+                }
+                Err(reason) => format!("left out: {reason}"),
+            };
+            eprintln!(
+                "        {regime:<13} cut? {role:<10} gemm1 {}, gemm2 {}  {outcome}",
+                gemm1.describe(),
+                gemm2.describe()
+            );
+            let _ = std::io::stderr().flush();
+        }
         // Saved as each regime ends, so that an interrupted run keeps what it measured.
         TuneEvent::Regime(entry) => {
             if saved.is_ok() {
@@ -220,6 +263,7 @@ pub fn run(args: &Args) -> ExitCode {
         seed,
         regimes_holding: args.tokens.clone(),
         in_use,
+        cut_regimes: !args.keep_regimes,
     };
     let measured_by = format!(
         "moeforge {} at {}",
