@@ -163,6 +163,7 @@ mod tests {
             "deepseek_v3",
             "gpt_oss_120b",
             "mixtral_8x7b",
+            "qwen1_5_moe_a2_7b",
             "qwen3_30b_a3b",
         ] {
             let path = format!("{}/dsl-examples/{example}.moe", env!("CARGO_MANIFEST_DIR"));

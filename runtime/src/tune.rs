@@ -13,7 +13,7 @@
 //! first and the others side by side (each is one changed kernel, one NVRTC program: one
 //! after another they used one core), then timed one at a time. Where the sweep's fastest
 //! GEMMs at one end of a regime are not its choice, the regime may be cut in two
-//! ([`split_regime`], [`split_point`]): two entries that tile it, which planning turns into
+//! (`split_regime`, [`split_point`]): two entries that tile it, which planning turns into
 //! two regimes.
 
 use moeforge_compiler::ir::Layer;
@@ -43,7 +43,7 @@ pub struct TuneSettings {
     /// entry there is timed against the sweep's choice and kept unless beaten.
     pub in_use: TuningTable,
     /// Whether a regime may be cut in two where other GEMMs win one end of it
-    /// ([`split_regime`]); without, one entry per regime.
+    /// (`split_regime`); without, one entry per regime.
     pub cut_regimes: bool,
 }
 
@@ -80,7 +80,7 @@ pub enum TuneEvent<'a> {
         us: Result<Vec<f64>, String>,
         kept: bool,
     },
-    /// A regime probed for a cut ([`split_regime`]): the layer's times at `tokens` with
+    /// A regime probed for a cut (`split_regime`): the layer's times at `tokens` with
     /// these GEMMs, or why they could not be built or run.
     Probe {
         regime: &'a str,
@@ -610,7 +610,7 @@ pub fn split_point(
     }
 }
 
-/// What [`split_regime`] needs of the regime being tuned.
+/// What `split_regime` needs of the regime being tuned.
 struct SplitContext<'a> {
     session: &'a Session,
     settings: &'a TuneSettings,
