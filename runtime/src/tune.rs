@@ -104,6 +104,10 @@ pub enum ProbeRole {
     CostModel,
     /// The sweep's fastest GEMMs at one end of the regime.
     Alternative,
+    /// The alternative that cut the regime, timed again (before the choice, this time).
+    AlternativeAgain,
+    /// The regime's choice, timed again after it.
+    ChosenAgain,
 }
 
 /// A candidate replaces the current choice only when at least this much faster on
@@ -610,6 +614,22 @@ pub fn split_point(
     }
 }
 
+/// Whether the alternative still wins the part `cut` gives it, on the times of a second
+/// pass of the probes (by [`beats`], as [`split_point`] found it).
+pub fn cut_holds(
+    cut: &RegimeCut,
+    probes: &[u32],
+    current: &[f64],
+    alternative: &[f64],
+    model: &[f64],
+) -> bool {
+    let part: Vec<usize> = (0..probes.len())
+        .filter(|&i| (probes[i] >= cut.starts_at) == cut.alternative_above)
+        .collect();
+    let pick = |times: &[f64]| -> Vec<f64> { part.iter().map(|&i| times[i]).collect() };
+    !part.is_empty() && beats(&pick(alternative), &pick(current), &pick(model))
+}
+
 /// What `split_regime` needs of the regime being tuned.
 struct SplitContext<'a> {
     session: &'a Session,
@@ -635,8 +655,10 @@ fn same_pair(a: (&GemmPlan, &GemmPlan), b: (&GemmPlan, &GemmPlan)) -> bool {
 /// The regime cut in two where another pair of GEMMs wins one end of it: the pair of the
 /// sweep's fastest GEMMs at the regime's largest call, and the pair at its smallest, each
 /// timed with the regime's choice (`chosen`) at [`split_probes`] and cut by
-/// [`split_point`]. The two parts' entries (each timed at the probes it holds) with their
-/// GEMMs, lower first; `None` where no alternative wins an end.
+/// [`split_point`]; the cut stands if a second pass, the alternative timed first, still
+/// finds it winning its part ([`cut_holds`]). The two parts' entries (each timed at the
+/// probes it holds, the mean of both passes) with their GEMMs, lower first; `None` where no
+/// alternative wins an end, or the second pass does not confirm it.
 fn split_regime(
     context: &SplitContext<'_>,
     chosen: (&GemmPlan, &GemmPlan),
@@ -702,9 +724,29 @@ fn split_regime(
             best = Some((cut, pair, us));
         }
     }
-    let Some((cut, alternative, alternative_us)) = best else {
+    let Some((cut, alternative, first_us)) = best else {
         return Ok(None);
     };
+    // Timed again in the other order (the alternative first): a cut that one pass of
+    // probes found and a second does not hold up is the drift of the GPU between them.
+    let alternative_again = probe(
+        ProbeRole::AlternativeAgain,
+        (&alternative.0, &alternative.1),
+    );
+    let current_again = probe(ProbeRole::ChosenAgain, chosen);
+    let (Ok(alternative_again), Ok(current_again)) = (alternative_again, current_again) else {
+        return Ok(None);
+    };
+    if !cut_holds(&cut, &probes, &current_again, &alternative_again, &model) {
+        return Ok(None);
+    }
+    let mean = |a: &[f64], b: &[f64]| -> Vec<f64> {
+        a.iter().zip(b).map(|(a, b)| (a + b) / 2.0).collect()
+    };
+    let (current, alternative_us) = (
+        mean(&current, &current_again),
+        mean(&first_us, &alternative_again),
+    );
     let chosen = (chosen.0.clone(), chosen.1.clone());
     let (lower, upper) = if cut.alternative_above {
         ((chosen, current), (alternative, alternative_us))
@@ -909,6 +951,29 @@ mod tests {
             split_point(&probes[..3], &current[..3], &upper[4..], &current[..3]),
             None
         );
+    }
+
+    #[test]
+    fn a_cut_holds_only_where_the_second_pass_still_wins_its_part() {
+        let probes = split_probes(513, 16384);
+        let current = [100.0; 7];
+        let above = RegimeCut {
+            starts_at: 2172,
+            alternative_above: true,
+            gain: 0.17,
+        };
+        // Its part is the last four probes; what happens below the cut does not count.
+        let again = [110.0, 110.0, 110.0, 97.0, 95.0, 96.0, 95.0];
+        assert!(cut_holds(&above, &probes, &current, &again, &current));
+        let drifted = [100.0, 100.0, 100.0, 99.0, 99.0, 98.0, 101.5];
+        assert!(!cut_holds(&above, &probes, &current, &drifted, &current));
+        let below = RegimeCut {
+            alternative_above: false,
+            ..above
+        };
+        let low = [95.0, 96.0, 97.0, 110.0, 110.0, 110.0, 110.0];
+        assert!(cut_holds(&below, &probes, &current, &low, &current));
+        assert!(!cut_holds(&below, &probes, &current, &again, &current));
     }
 
     #[test]

@@ -131,7 +131,7 @@ pub fn run(args: &Args) -> ExitCode {
         "; each regime kept whole".to_string()
     } else {
         format!(
-            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {SPLIT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of at least {MIN_PART_PROBES} of them at that end so"
+            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {SPLIT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of at least {MIN_PART_PROBES} of them at that end so, twice (the second pass timing them first)"
         )
     };
     eprintln!(
@@ -231,6 +231,8 @@ pub fn run(args: &Args) -> ExitCode {
                 ProbeRole::Chosen => "its choice",
                 ProbeRole::CostModel => "cost model",
                 ProbeRole::Alternative => "other end",
+                ProbeRole::AlternativeAgain => "other end, again",
+                ProbeRole::ChosenAgain => "its choice, again",
             };
             let outcome = match us {
                 Ok(us) => {
@@ -244,7 +246,7 @@ pub fn run(args: &Args) -> ExitCode {
                 Err(reason) => format!("left out: {reason}"),
             };
             eprintln!(
-                "        {regime:<13} cut? {role:<10} gemm1 {}, gemm2 {}  {outcome}",
+                "        {regime:<13} cut? {role:<17} gemm1 {}, gemm2 {}  {outcome}",
                 gemm1.describe(),
                 gemm2.describe()
             );
