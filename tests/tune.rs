@@ -29,6 +29,25 @@ fn tune_small(dir: &std::path::Path, extra: &[&str]) -> (String, std::process::O
     (cache_arg, output)
 }
 
+/// A quick tune of the regime holding 1000 tokens, kept whole: one entry, which the tests
+/// of entries in use edit before tuning the same regime again.
+const IN_USE_ARGS: [&str; 7] = [
+    "--tokens",
+    "1000",
+    "--candidates",
+    "1",
+    "--iterations",
+    "2",
+    "--keep-regimes",
+];
+
+/// The entries of the tuning cache at `path`, as JSON.
+fn cache_entries(path: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).expect("the cache was written");
+    let table: serde_json::Value = serde_json::from_str(&text).expect("the cache is JSON");
+    table["entries"].as_array().expect("entries").clone()
+}
+
 /// Lines of `explain` output that start (after indentation) with `prefix`.
 fn explain_lines(text: &str, prefix: &str) -> usize {
     text.lines()
@@ -210,16 +229,7 @@ fn tune_with_token_counts_touches_only_their_regimes() {
 #[ignore = "needs a CUDA GPU"]
 fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_written() {
     let dir = scratch("gpu-in-use");
-    let args = [
-        "--tokens",
-        "1000",
-        "--candidates",
-        "1",
-        "--iterations",
-        "2",
-        "--keep-regimes",
-    ];
-    let (cache_arg, first) = tune_small(&dir, &args);
+    let (cache_arg, first) = tune_small(&dir, &IN_USE_ARGS);
     assert!(
         first.status.success(),
         "{}",
@@ -229,10 +239,9 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
     // at a ring depth the planner never picks for it (so no candidate of the sweep): the
     // entry "in use" when the same regime is tuned again.
     let read_entry = || -> serde_json::Value {
-        let text = std::fs::read_to_string(&cache_arg).expect("the cache was written");
-        let table: serde_json::Value = serde_json::from_str(&text).expect("the cache is JSON");
-        assert_eq!(table["entries"].as_array().map(Vec::len), Some(1), "{text}");
-        table["entries"][0].clone()
+        let entries = cache_entries(&cache_arg);
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        entries[0].clone()
     };
     let mut entry = read_entry();
     let swapped = serde_json::json!({
@@ -250,7 +259,7 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
     let table = serde_json::json!({ "entries": [entry] });
     std::fs::write(&cache_arg, table.to_string()).expect("writes the cache");
 
-    let (_, second) = tune_small(&dir, &args);
+    let (_, second) = tune_small(&dir, &IN_USE_ARGS);
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(second.status.success(), "{stderr}");
     let line = stderr
@@ -275,26 +284,13 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
 #[ignore = "needs a CUDA GPU"]
 fn a_cut_regime_in_use_is_timed_whole_and_kept_or_replaced_whole() {
     let dir = scratch("gpu-cut-in-use");
-    let args = [
-        "--tokens",
-        "1000",
-        "--candidates",
-        "1",
-        "--iterations",
-        "2",
-        "--keep-regimes",
-    ];
-    let (cache_arg, first) = tune_small(&dir, &args);
+    let (cache_arg, first) = tune_small(&dir, &IN_USE_ARGS);
     assert!(
         first.status.success(),
         "{}",
         String::from_utf8_lossy(&first.stderr)
     );
-    let read_entries = || -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(&cache_arg).expect("the cache was written");
-        let table: serde_json::Value = serde_json::from_str(&text).expect("the cache is JSON");
-        table["entries"].as_array().expect("entries").clone()
-    };
+    let read_entries = || cache_entries(&cache_arg);
     let entries = read_entries();
     assert_eq!(entries.len(), 1, "{entries:?}");
     // The regime's entry cut in the middle, the upper part on another valid GEMM1.
@@ -318,7 +314,7 @@ fn a_cut_regime_in_use_is_timed_whole_and_kept_or_replaced_whole() {
     let text = String::from_utf8_lossy(&explain.stdout);
     assert_eq!(explain_lines(&text, "regime "), 4, "{text}");
 
-    let (_, second) = tune_small(&dir, &args);
+    let (_, second) = tune_small(&dir, &IN_USE_ARGS);
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(second.status.success(), "{stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(" in use (")).collect();
