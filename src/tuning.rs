@@ -83,11 +83,14 @@ pub fn load(path: &Path) -> Result<TuningTable, TuningError> {
     }
 }
 
-/// Records `entry` in the table at `path`, read again just before writing, so that
-/// entries another run wrote meanwhile are kept.
-pub fn update(path: &Path, entry: &TunedRegime) -> Result<(), TuningError> {
+/// Records `entries` (a regime's one, or the parts of its cut) in the table at `path` in
+/// one write, the table read again just before it, so that entries another run wrote
+/// meanwhile are kept.
+pub fn update(path: &Path, entries: &[TunedRegime]) -> Result<(), TuningError> {
     let mut table = load(path)?;
-    table.record(entry.clone());
+    for entry in entries {
+        table.record(entry.clone());
+    }
     save(path, &table)
 }
 

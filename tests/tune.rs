@@ -29,9 +29,9 @@ fn tune_small(dir: &std::path::Path, extra: &[&str]) -> (String, std::process::O
     (cache_arg, output)
 }
 
-/// A quick tune of the regime holding 1000 tokens, kept whole: one entry, which the tests
-/// of entries in use edit before tuning the same regime again.
-const IN_USE_ARGS: [&str; 7] = [
+/// A quick tune of the regime holding 1000 tokens, with no new cut: one entry (which the
+/// tests of entries in use edit before tuning the same regime again).
+const ONE_REGIME_ARGS: [&str; 7] = [
     "--tokens",
     "1000",
     "--candidates",
@@ -187,18 +187,7 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
 #[ignore = "needs a CUDA GPU"]
 fn tune_with_token_counts_touches_only_their_regimes() {
     let dir = scratch("gpu-tokens");
-    let (cache_arg, output) = tune_small(
-        &dir,
-        &[
-            "--tokens",
-            "1000",
-            "--candidates",
-            "1",
-            "--iterations",
-            "2",
-            "--keep-regimes",
-        ],
-    );
+    let (cache_arg, output) = tune_small(&dir, &ONE_REGIME_ARGS);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
@@ -229,7 +218,7 @@ fn tune_with_token_counts_touches_only_their_regimes() {
 #[ignore = "needs a CUDA GPU"]
 fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_written() {
     let dir = scratch("gpu-in-use");
-    let (cache_arg, first) = tune_small(&dir, &IN_USE_ARGS);
+    let (cache_arg, first) = tune_small(&dir, &ONE_REGIME_ARGS);
     assert!(
         first.status.success(),
         "{}",
@@ -259,7 +248,7 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
     let table = serde_json::json!({ "entries": [entry] });
     std::fs::write(&cache_arg, table.to_string()).expect("writes the cache");
 
-    let (_, second) = tune_small(&dir, &IN_USE_ARGS);
+    let (_, second) = tune_small(&dir, &ONE_REGIME_ARGS);
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(second.status.success(), "{stderr}");
     let line = stderr
@@ -284,7 +273,7 @@ fn an_entry_in_use_is_timed_against_the_new_choice_and_the_verdict_is_what_is_wr
 #[ignore = "needs a CUDA GPU"]
 fn a_cut_regime_in_use_is_timed_whole_and_kept_or_replaced_whole() {
     let dir = scratch("gpu-cut-in-use");
-    let (cache_arg, first) = tune_small(&dir, &IN_USE_ARGS);
+    let (cache_arg, first) = tune_small(&dir, &ONE_REGIME_ARGS);
     assert!(
         first.status.success(),
         "{}",
@@ -314,7 +303,7 @@ fn a_cut_regime_in_use_is_timed_whole_and_kept_or_replaced_whole() {
     let text = String::from_utf8_lossy(&explain.stdout);
     assert_eq!(explain_lines(&text, "regime "), 4, "{text}");
 
-    let (_, second) = tune_small(&dir, &IN_USE_ARGS);
+    let (_, second) = tune_small(&dir, &ONE_REGIME_ARGS);
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(second.status.success(), "{stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(" in use (")).collect();

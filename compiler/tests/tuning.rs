@@ -273,4 +273,26 @@ fn entries_that_tile_a_regime_cut_it_into_regimes() {
         plan_tuned(&layer(), &target, &half).expect("plans").regimes,
         model.regimes
     );
+    // A part this build cannot plan: no cut at all, and the plan says why.
+    let mut unplannable = table.clone();
+    unplannable.entries[0].gemm1 = Some(TunedGemm {
+        engine: MmaEngine::WgmmaWarpSpecialized,
+        tile: TileShape {
+            m: 48,
+            n: 256,
+            k: 64,
+        },
+        stages: 4,
+        cluster: 1,
+    });
+    let whole = plan_tuned(&layer(), &target, &unplannable).expect("plans");
+    assert_eq!(whole.regimes, model.regimes);
+    assert!(
+        whole
+            .limitations
+            .iter()
+            .any(|l| l.contains(&format!("cut of regime `{}`", regime.name))),
+        "{:?}",
+        whole.limitations
+    );
 }

@@ -13,7 +13,7 @@
 //! first and the others side by side (each is one changed kernel, one NVRTC program: one
 //! after another they used one core), then timed one at a time. Where the sweep's fastest
 //! GEMMs at one end of a regime are not its choice, the regime may be cut in two
-//! (`split_regime`, [`split_point`]): two entries that tile it, which planning turns into
+//! (`cut_regime`, [`cut_point`]): two entries that tile it, which planning turns into
 //! two regimes.
 
 use moeforge_compiler::ir::Layer;
@@ -40,10 +40,11 @@ pub struct TuneSettings {
     /// Only the regimes holding one of these token counts are tuned; empty: every regime.
     pub regimes_holding: Vec<u32>,
     /// The entries planning uses today (shipped, then the cache being updated): a regime's
-    /// entry there is timed against the sweep's choice and kept unless beaten.
+    /// entry there (or the entries that cut it) is timed against the sweep's choice and kept
+    /// unless beaten.
     pub in_use: TuningTable,
-    /// Whether a regime may be cut in two where other GEMMs win one end of it
-    /// (`split_regime`); without, one entry per regime.
+    /// Whether the tune may cut a regime in two where other GEMMs win one end of it
+    /// (`cut_regime`); a cut already in use is timed and kept or replaced either way.
     pub cut_regimes: bool,
 }
 
@@ -72,7 +73,8 @@ pub enum TuneEvent<'a> {
         candidates: usize,
     },
     Candidate(&'a CandidateTiming),
-    /// A regime's entry in use today, where the sweep ended elsewhere: its times, or why it
+    /// A regime's entry in use today (or a part of the cut in use), where the sweep ended
+    /// elsewhere: the times of the plan it gives (with every part, for a cut), or why it
     /// could not be planned or run (the sweep's choice then stands), and whether it stays.
     InUse {
         regime: &'a str,
@@ -80,19 +82,20 @@ pub enum TuneEvent<'a> {
         us: Result<Vec<f64>, String>,
         kept: bool,
     },
-    /// A regime probed for a cut (`split_regime`): the layer's times at `tokens` with
+    /// A regime probed for a cut (`cut_regime`): the layer's times at `tokens` with
     /// these GEMMs, or why they could not be built or run.
     Probe {
         regime: &'a str,
         role: ProbeRole,
-        gemm1: TunedGemm,
-        gemm2: TunedGemm,
+        /// GEMM1 and GEMM2 of the pair timed (for a cut, the alternative's part).
+        gemms: [TunedGemm; 2],
         tokens: &'a [u32],
         us: Result<Vec<f64>, String>,
     },
-    /// A regime's entry, final: the caller may record it at once. A regime cut in two
-    /// gives two, lower first.
-    Regime(&'a TunedRegime),
+    /// A regime's entries, final: one, or the parts of a cut (lower first; a cut in use
+    /// that stays gives its parts as they were). The caller may record them at once, and
+    /// should record them together: one part alone tiles nothing.
+    Regime(&'a [TunedRegime]),
 }
 
 /// Which GEMMs a probe for a cut times.
@@ -104,9 +107,13 @@ pub enum ProbeRole {
     CostModel,
     /// The sweep's fastest GEMMs at one end of the regime.
     Alternative,
-    /// The alternative that cut the regime, timed again (before the choice, this time).
-    AlternativeAgain,
-    /// The regime's choice, timed again after it.
+    /// The second pass: the layer planned with the regime cut at `starts_at`, the
+    /// alternative's GEMMs above it (or below it), the choice's on the other side.
+    Cut {
+        starts_at: u32,
+        alternative_above: bool,
+    },
+    /// The second pass: the regime's choice, timed again after the cut.
     ChosenAgain,
 }
 
@@ -234,8 +241,7 @@ pub fn tune_layer(
             measured_on: measured_on.to_string(),
             measured_by: measured_by.to_string(),
         };
-        // The layer planned with `entry` for this regime.
-        // The layer planned with `entries` for this regime (one, or the parts of a split).
+        // The layer planned with `entries` for this regime (one, or the parts of a cut).
         let plan_with_entries = |entries: Vec<TunedRegime>| -> Result<Plan, TuneError> {
             let parts = entries.len();
             let candidate = plan::plan_tuned(layer, target, &TuningTable { entries })?;
@@ -351,7 +357,7 @@ pub fn tune_layer(
             below = Some((gemm1, gemm2));
             continue;
         };
-        // The entry planning uses today (or the entries a split left), where the sweep
+        // The entry planning uses today (or the parts of a cut), where the sweep
         // ended elsewhere: timed too, and kept unless the sweep's choice beats it as a
         // candidate beats the current choice, so that a re-tune cannot trade a measured
         // choice for one within the noise of it (Qwen3-30B-A3B's mid regime on an H200,
@@ -406,13 +412,11 @@ pub fn tune_layer(
                     });
                 }
                 match (kept, timed) {
-                    // A split in use that stays: its entries are the regime's, as they were.
+                    // A cut in use that stays: its entries are the regime's, as they were.
                     (true, Ok((_, last_gemms))) if in_use.len() > 1 => {
                         below = Some(last_gemms);
-                        for part in in_use {
-                            report(TuneEvent::Regime(&part));
-                            entries.push(part);
-                        }
+                        report(TuneEvent::Regime(&in_use));
+                        entries.extend(in_use);
                         continue;
                     }
                     (true, Ok((us, (in_use_gemm1, in_use_gemm2)))) => {
@@ -422,29 +426,31 @@ pub fn tune_layer(
                 }
             }
         }
-        let split = if !settings.cut_regimes {
+        let cut = if !settings.cut_regimes {
             None
         } else {
-            split_regime(
-                &SplitContext {
+            let fused_decode = layer.schedule.fused_decode.unwrap_or(0);
+            cut_regime(
+                &CutContext {
                     session,
                     settings: &settings,
                     regime,
                     model: (&regime.gemm1, &regime.gemm2),
+                    whole_up_to: if index == 0 { fused_decode } else { 0 },
                     plan_with: &plan_with,
+                    plan_with_entries: &plan_with_entries,
                     entry_with: &entry_with,
                 },
                 (&gemm1, &gemm2),
                 &swept,
                 &mut report,
-            )?
+            )
         };
-        if let Some([lower, upper]) = split {
+        if let Some([lower, upper]) = cut {
             below = Some(upper.gemms);
-            for entry in [lower.entry, upper.entry] {
-                report(TuneEvent::Regime(&entry));
-                entries.push(entry);
-            }
+            let parts = [lower.entry, upper.entry];
+            report(TuneEvent::Regime(&parts));
+            entries.extend(parts);
             continue;
         }
         below = Some((gemm1.clone(), gemm2.clone()));
@@ -455,7 +461,7 @@ pub fn tune_layer(
         // The cost model's own choice is one configuration: give it one time.
         entry.measured_us = if unchanged { model_us } else { chosen_us };
         entry.model_choice_us = model_us;
-        report(TuneEvent::Regime(&entry));
+        report(TuneEvent::Regime(std::slice::from_ref(&entry)));
         entries.push(entry);
     }
     Ok(entries)
@@ -498,28 +504,29 @@ fn candidate_list(
 }
 
 /// The candidate plan took the entries for the regimes `parts` (the regime tuned, or the
-/// parts of its split), else the timing would be of the cost model's GEMMs under the
+/// parts of its cut), else the timing would be of the cost model's GEMMs under the
 /// candidate's name.
 fn check_applied(
     candidate: &Plan,
     parts: std::ops::Range<usize>,
     layer: &Layer,
 ) -> Result<(), TuneError> {
-    let untaken = candidate.regimes.get(parts.clone()).map_or_else(
-        || candidate.regimes.get(parts.start),
-        |regimes| regimes.iter().find(|regime| regime.tuned.is_none()),
-    );
-    let Some(regime) = untaken else {
-        return Ok(());
-    };
-    Err(TuneError::Candidate {
+    let not_taken = |regime: String| TuneError::Candidate {
         layer: layer.name.clone(),
-        regime: regime.name.clone(),
+        regime,
         reason: format!(
             "the planner did not take the candidate: {}",
             candidate.limitations.join("; ")
         ),
-    })
+    };
+    // Fewer regimes than the entries' parts: a cut the planner did not make.
+    let Some(regimes) = candidate.regimes.get(parts.clone()) else {
+        return Err(not_taken(format!("{} parts", parts.len())));
+    };
+    match regimes.iter().find(|regime| regime.tuned.is_none()) {
+        Some(regime) => Err(not_taken(regime.name.clone())),
+        None => Ok(()),
+    }
 }
 
 /// A GEMM configuration the sweep timed, with the layer's times at the regime's timed
@@ -532,18 +539,18 @@ struct SweptCandidate {
 
 /// Token counts a regime is probed at for a cut: this many, spaced evenly in the
 /// logarithm from its smallest call to its largest.
-pub const SPLIT_PROBES: usize = 7;
+pub const CUT_PROBES: usize = 7;
 
 /// The fewest probes each part of a cut regime holds: one probe alone could be noise.
 pub const MIN_PART_PROBES: usize = 2;
 
-/// The token counts a regime is probed at for a cut ([`SPLIT_PROBES`] of them, fewer where
+/// The token counts a regime is probed at for a cut ([`CUT_PROBES`] of them, fewer where
 /// its range holds fewer).
-pub fn split_probes(min_tokens: u32, max_tokens: u32) -> Vec<u32> {
+pub fn cut_probes(min_tokens: u32, max_tokens: u32) -> Vec<u32> {
     let low = min_tokens.max(1);
     let ratio = f64::from(max_tokens) / f64::from(low);
-    let last = (SPLIT_PROBES - 1) as f64;
-    let mut probes: Vec<u32> = (0..SPLIT_PROBES)
+    let last = (CUT_PROBES - 1) as f64;
+    let mut probes: Vec<u32> = (0..CUT_PROBES)
         .map(|i| (f64::from(low) * ratio.powf(i as f64 / last)).round() as u32)
         .map(|tokens| tokens.clamp(low, max_tokens))
         .collect();
@@ -565,13 +572,13 @@ pub struct RegimeCut {
 
 /// Where to cut a regime probed at `probes` (increasing), given the layer's times there
 /// with the regime's current choice, with an alternative and with the cost model's choice:
-/// the alternative takes the longest run of probes at either end, of at least
-/// [`MIN_PART_PROBES`] and not all of them, on which it [`beats`] the current choice (of
-/// the two ends, the larger gain); the cut lies at the geometric middle between the run's
-/// last probe and the next. `None` where no such run exists, or where the alternative beats
-/// the current choice on every probe (a choice for the whole regime, which the sweep's
-/// rules make, not a cut).
-pub fn split_point(
+/// the alternative takes the longest run of probes at either end on which it [`beats`] the
+/// current choice, leaving at least [`MIN_PART_PROBES`] on each side (of the two ends, the
+/// larger gain); the cut lies at the geometric middle between the run's innermost probe
+/// and its neighbour outside the run. `None` where no such run exists, or where the
+/// alternative beats the current choice on every probe (not a cut; the next tune's sweep
+/// may choose it for the whole regime).
+pub fn cut_point(
     probes: &[u32],
     current: &[f64],
     alternative: &[f64],
@@ -593,20 +600,22 @@ pub fn split_point(
         let middle = (f64::from(below) * f64::from(above)).sqrt().round() as u32;
         middle.clamp(below + 1, above)
     };
-    let above = (1..=n - MIN_PART_PROBES).find_map(|first| {
+    let above = (MIN_PART_PROBES..=n - MIN_PART_PROBES).find_map(|first| {
         wins(first..n).map(|gain| RegimeCut {
             starts_at: cut_between(probes[first - 1], probes[first]),
             alternative_above: true,
             gain,
         })
     });
-    let below = (MIN_PART_PROBES..n).rev().find_map(|end| {
-        wins(0..end).map(|gain| RegimeCut {
-            starts_at: cut_between(probes[end - 1], probes[end]),
-            alternative_above: false,
-            gain,
-        })
-    });
+    let below = (MIN_PART_PROBES..=n - MIN_PART_PROBES)
+        .rev()
+        .find_map(|end| {
+            wins(0..end).map(|gain| RegimeCut {
+                starts_at: cut_between(probes[end - 1], probes[end]),
+                alternative_above: false,
+                gain,
+            })
+        });
     match (above, below) {
         (Some(a), Some(b)) if b.gain > a.gain => Some(b),
         (Some(a), _) => Some(a),
@@ -614,30 +623,46 @@ pub fn split_point(
     }
 }
 
-/// Whether the alternative still wins the part `cut` gives it, on the times of a second
-/// pass of the probes (by [`beats`], as [`split_point`] found it).
+/// Whether a cut holds on a second pass of the probes: the layer's times with the regime
+/// cut (`cut_layer`: both parts planned, as they will run) beat those with the current
+/// choice on the alternative's part (by [`beats`], as [`cut_point`] found it), and are at
+/// most [`MAX_LOSS`] slower at every probe of the other part (whose GEMMs are the choice's,
+/// but whose router and routing launches are now planned for the part's own range).
 pub fn cut_holds(
     cut: &RegimeCut,
     probes: &[u32],
     current: &[f64],
-    alternative: &[f64],
+    cut_layer: &[f64],
     model: &[f64],
 ) -> bool {
-    let part: Vec<usize> = (0..probes.len())
-        .filter(|&i| (probes[i] >= cut.starts_at) == cut.alternative_above)
-        .collect();
-    let pick = |times: &[f64]| -> Vec<f64> { part.iter().map(|&i| times[i]).collect() };
-    !part.is_empty() && beats(&pick(alternative), &pick(current), &pick(model))
+    let (alternative_part, choice_part): (Vec<usize>, Vec<usize>) =
+        (0..probes.len()).partition(|&i| (probes[i] >= cut.starts_at) == cut.alternative_above);
+    let pick =
+        |part: &[usize], times: &[f64]| -> Vec<f64> { part.iter().map(|&i| times[i]).collect() };
+    !alternative_part.is_empty()
+        && beats(
+            &pick(&alternative_part, cut_layer),
+            &pick(&alternative_part, current),
+            &pick(&alternative_part, model),
+        )
+        && choice_part
+            .iter()
+            .all(|&i| cut_layer[i] <= current[i] * (1.0 + MAX_LOSS))
 }
 
-/// What `split_regime` needs of the regime being tuned.
-struct SplitContext<'a> {
+/// What `cut_regime` needs of the regime being tuned.
+struct CutContext<'a> {
     session: &'a Session,
     settings: &'a TuneSettings,
     regime: &'a plan::Regime,
     /// The cost model's GEMMs of the regime.
     model: (&'a GemmPlan, &'a GemmPlan),
+    /// The calls the regime keeps whole from its first count: those of the spec's
+    /// `fused_decode` where the regime is the first (its fused decode serves no more calls
+    /// than its first part holds); 0 otherwise.
+    whole_up_to: u32,
     plan_with: &'a dyn Fn(TunedRegime) -> Result<Plan, TuneError>,
+    plan_with_entries: &'a dyn Fn(Vec<TunedRegime>) -> Result<Plan, TuneError>,
     entry_with: &'a dyn Fn(&GemmPlan, &GemmPlan) -> TunedRegime,
 }
 
@@ -654,34 +679,39 @@ fn same_pair(a: (&GemmPlan, &GemmPlan), b: (&GemmPlan, &GemmPlan)) -> bool {
 
 /// The regime cut in two where another pair of GEMMs wins one end of it: the pair of the
 /// sweep's fastest GEMMs at the regime's largest call, and the pair at its smallest, each
-/// timed with the regime's choice (`chosen`) at [`split_probes`] and cut by
-/// [`split_point`]; the cut stands if a second pass, the alternative timed first, still
-/// finds it winning its part ([`cut_holds`]). The two parts' entries (each timed at the
-/// probes it holds, the mean of both passes) with their GEMMs, lower first; `None` where no
-/// alternative wins an end, or the second pass does not confirm it.
-fn split_regime(
-    context: &SplitContext<'_>,
+/// timed for the whole regime beside its choice (`chosen`) at [`cut_probes`] and cut by
+/// [`cut_point`]; then a second pass times the layer planned with the cut (both parts, as
+/// they will run: a part's router and routing launches follow its own range) and the
+/// choice again, and the cut stands where [`cut_holds`]. The two parts' entries, each timed
+/// at the probes it holds in the second pass, with their GEMMs, lower first; `None` where
+/// no alternative wins an end, the second pass does not confirm it, or a probe could not
+/// be built or run (the regime then keeps its one entry).
+fn cut_regime(
+    context: &CutContext<'_>,
     chosen: (&GemmPlan, &GemmPlan),
     swept: &[SweptCandidate],
     report: &mut dyn FnMut(TuneEvent<'_>),
-) -> Result<Option<[RegimePart; 2]>, TuneError> {
+) -> Option<[RegimePart; 2]> {
     let regime = context.regime;
-    let probes = split_probes(regime.min_tokens, regime.max_tokens);
+    let probes = cut_probes(regime.min_tokens, regime.max_tokens);
     if probes.len() < 2 * MIN_PART_PROBES {
-        return Ok(None);
+        return None;
     }
-    let timed_at = timed_tokens(regime.min_tokens, regime.max_tokens).len();
-    let fastest_at = |kind: GemmKind, at: usize| {
+    // The sweep timed each candidate at the regime's timed counts: its first and last.
+    let fastest_at = |kind: GemmKind, last: bool| {
         swept
             .iter()
             .filter(|c| c.kind == kind)
-            .min_by(|a, b| a.us[at].total_cmp(&b.us[at]))
+            .min_by(|a, b| {
+                let at = |c: &SweptCandidate| if last { c.us[c.us.len() - 1] } else { c.us[0] };
+                at(a).total_cmp(&at(b))
+            })
             .map(|c| &c.gemm)
     };
     let mut alternatives: Vec<(GemmPlan, GemmPlan)> = Vec::new();
-    for at in [timed_at - 1, 0] {
-        let gemm1 = fastest_at(GemmKind::Up, at).unwrap_or(chosen.0);
-        let gemm2 = fastest_at(GemmKind::Down, at).unwrap_or(chosen.1);
+    for last in [true, false] {
+        let gemm1 = fastest_at(GemmKind::Up, last).unwrap_or(chosen.0);
+        let gemm2 = fastest_at(GemmKind::Down, last).unwrap_or(chosen.1);
         let listed = alternatives
             .iter()
             .any(|(g1, g2)| same_pair((g1, g2), (gemm1, gemm2)));
@@ -690,85 +720,107 @@ fn split_regime(
         }
     }
     if alternatives.is_empty() {
-        return Ok(None);
+        return None;
     }
-    let mut probe = |role: ProbeRole, (gemm1, gemm2): (&GemmPlan, &GemmPlan)| {
-        let us = (context.plan_with)((context.entry_with)(gemm1, gemm2)).and_then(|plan| {
+    let mut time = |role: ProbeRole, plan: Result<Plan, TuneError>, gemms: [TunedGemm; 2]| {
+        let us = plan.and_then(|plan| {
             let kernels = context.session.compile(&plan)?;
             time_regime(context.session, plan, kernels, &probes, context.settings)
         });
         report(TuneEvent::Probe {
             regime: &regime.name,
             role,
-            gemm1: TunedGemm::of(gemm1),
-            gemm2: TunedGemm::of(gemm2),
+            gemms,
             tokens: &probes,
             us: us.as_ref().map(Clone::clone).map_err(ToString::to_string),
         });
-        us
+        us.ok()
     };
-    let current = probe(ProbeRole::Chosen, chosen)?;
-    let model = if same_pair(context.model, chosen) {
+    let whole = |(gemm1, gemm2): (&GemmPlan, &GemmPlan)| {
+        (
+            (context.plan_with)((context.entry_with)(gemm1, gemm2)),
+            [TunedGemm::of(gemm1), TunedGemm::of(gemm2)],
+        )
+    };
+    let (plan, gemms) = whole(chosen);
+    let current = time(ProbeRole::Chosen, plan, gemms)?;
+    let model_is_chosen = same_pair(context.model, chosen);
+    let model = if model_is_chosen {
         current.clone()
     } else {
-        probe(ProbeRole::CostModel, context.model)?
+        let (plan, gemms) = whole(context.model);
+        time(ProbeRole::CostModel, plan, gemms)?
     };
-    let mut best: Option<(RegimeCut, (GemmPlan, GemmPlan), Vec<f64>)> = None;
+    let mut best: Option<(RegimeCut, (GemmPlan, GemmPlan))> = None;
     for pair in alternatives {
-        let Ok(us) = probe(ProbeRole::Alternative, (&pair.0, &pair.1)) else {
+        let (plan, gemms) = whole((&pair.0, &pair.1));
+        let Some(us) = time(ProbeRole::Alternative, plan, gemms) else {
             continue;
         };
-        if let Some(cut) = split_point(&probes, &current, &us, &model)
-            && best.as_ref().is_none_or(|(b, _, _)| cut.gain > b.gain)
+        if let Some(cut) = cut_point(&probes, &current, &us, &model)
+            && cut.starts_at > context.whole_up_to
+            && best.as_ref().is_none_or(|(b, _)| cut.gain > b.gain)
         {
-            best = Some((cut, pair, us));
+            best = Some((cut, pair));
         }
     }
-    let Some((cut, alternative, first_us)) = best else {
-        return Ok(None);
-    };
-    // Timed again in the other order (the alternative first): a cut that one pass of
-    // probes found and a second does not hold up is the drift of the GPU between them.
-    let alternative_again = probe(
-        ProbeRole::AlternativeAgain,
-        (&alternative.0, &alternative.1),
-    );
-    let current_again = probe(ProbeRole::ChosenAgain, chosen);
-    let (Ok(alternative_again), Ok(current_again)) = (alternative_again, current_again) else {
-        return Ok(None);
-    };
-    if !cut_holds(&cut, &probes, &current_again, &alternative_again, &model) {
-        return Ok(None);
-    }
-    let mean = |a: &[f64], b: &[f64]| -> Vec<f64> {
-        a.iter().zip(b).map(|(a, b)| (a + b) / 2.0).collect()
-    };
-    let (current, alternative_us) = (
-        mean(&current, &current_again),
-        mean(&first_us, &alternative_again),
-    );
-    let chosen = (chosen.0.clone(), chosen.1.clone());
+    let (cut, alternative) = best?;
+    let alternative_gemms = [TunedGemm::of(&alternative.0), TunedGemm::of(&alternative.1)];
     let (lower, upper) = if cut.alternative_above {
-        ((chosen, current), (alternative, alternative_us))
+        ((chosen.0.clone(), chosen.1.clone()), alternative)
     } else {
-        ((alternative, alternative_us), (chosen, current))
+        (alternative, (chosen.0.clone(), chosen.1.clone()))
     };
-    let part = |(gemms, us): ((GemmPlan, GemmPlan), Vec<f64>), min_tokens: u32, max_tokens: u32| {
-        let inside: Vec<usize> = (0..probes.len())
-            .filter(|&i| (min_tokens..=max_tokens).contains(&probes[i]))
-            .collect();
+    let part = |gemms: &(GemmPlan, GemmPlan), min_tokens: u32, max_tokens: u32| {
         let mut entry = (context.entry_with)(&gemms.0, &gemms.1);
         entry.min_tokens = min_tokens;
         entry.max_tokens = max_tokens;
-        entry.timed_tokens = inside.iter().map(|&i| probes[i]).collect();
-        entry.measured_us = inside.iter().map(|&i| us[i]).sum();
-        entry.model_choice_us = inside.iter().map(|&i| model[i]).sum();
-        RegimePart { entry, gemms }
+        entry
     };
-    Ok(Some([
-        part(lower, regime.min_tokens, cut.starts_at - 1),
-        part(upper, cut.starts_at, regime.max_tokens),
-    ]))
+    let parts = [
+        part(&lower, regime.min_tokens, cut.starts_at - 1),
+        part(&upper, cut.starts_at, regime.max_tokens),
+    ];
+    // The second pass: the cut as it will run first, then the choice again.
+    let role = ProbeRole::Cut {
+        starts_at: cut.starts_at,
+        alternative_above: cut.alternative_above,
+    };
+    let cut_layer = time(
+        role,
+        (context.plan_with_entries)(parts.to_vec()),
+        alternative_gemms,
+    )?;
+    let (plan, gemms) = whole(chosen);
+    let current_again = time(ProbeRole::ChosenAgain, plan, gemms)?;
+    let model = if model_is_chosen {
+        current_again.clone()
+    } else {
+        model
+    };
+    if !cut_holds(&cut, &probes, &current_again, &cut_layer, &model) {
+        return None;
+    }
+    let [lower_entry, upper_entry] = parts;
+    let timed = |mut entry: TunedRegime| {
+        let inside: Vec<usize> = (0..probes.len())
+            .filter(|&i| (entry.min_tokens..=entry.max_tokens).contains(&probes[i]))
+            .collect();
+        entry.timed_tokens = inside.iter().map(|&i| probes[i]).collect();
+        entry.measured_us = inside.iter().map(|&i| cut_layer[i]).sum();
+        entry.model_choice_us = inside.iter().map(|&i| model[i]).sum();
+        entry
+    };
+    Some([
+        RegimePart {
+            entry: timed(lower_entry),
+            gemms: lower,
+        },
+        RegimePart {
+            entry: timed(upper_entry),
+            gemms: upper,
+        },
+    ])
 }
 
 /// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
@@ -906,34 +958,38 @@ mod tests {
     #[test]
     fn a_regime_is_probed_for_a_cut_across_its_range() {
         assert_eq!(
-            split_probes(513, 16384),
+            cut_probes(513, 16384),
             [513, 914, 1628, 2899, 5164, 9198, 16384]
         );
-        assert_eq!(split_probes(0, 64), [1, 2, 4, 8, 16, 32, 64]);
+        assert_eq!(cut_probes(0, 64), [1, 2, 4, 8, 16, 32, 64]);
         // A narrow range gives fewer probes, each once.
-        assert_eq!(split_probes(0, 4), [1, 2, 3, 4]);
-        assert_eq!(split_probes(0, 1), [1]);
+        assert_eq!(cut_probes(0, 4), [1, 2, 3, 4]);
+        assert_eq!(cut_probes(0, 1), [1]);
     }
 
     #[test]
     fn a_regime_is_cut_where_an_alternative_wins_a_run_at_one_end() {
-        let probes = split_probes(513, 16384);
+        let probes = cut_probes(513, 16384);
         let current = [100.0; 7];
         // Faster from the fourth probe on, slower below: cut between 1628 and 2899.
         let upper = [104.0, 103.0, 101.5, 97.0, 95.0, 96.0, 95.0];
-        let cut = split_point(&probes, &current, &upper, &current).expect("a cut");
+        let cut = cut_point(&probes, &current, &upper, &current).expect("a cut");
         assert!(cut.alternative_above);
         assert_eq!(cut.starts_at, 2172);
         assert!((cut.gain - 0.17).abs() < 1e-9, "{cut:?}");
         // Up to 1% slower at a probe is noise: the run reaches down to it.
         let near = [104.0, 103.0, 101.0, 97.0, 95.0, 96.0, 95.0];
-        let cut = split_point(&probes, &current, &near, &current).expect("a cut");
+        let cut = cut_point(&probes, &current, &near, &current).expect("a cut");
         assert_eq!(cut.starts_at, 1220);
         // Faster at the two smallest calls only: the alternative takes the lower part.
         let lower = [90.0, 95.0, 102.0, 104.0, 104.0, 105.0, 106.0];
-        let cut = split_point(&probes, &current, &lower, &current).expect("a cut");
+        let cut = cut_point(&probes, &current, &lower, &current).expect("a cut");
         assert!(!cut.alternative_above);
         assert_eq!(cut.starts_at, 1220);
+        // Slower at the first probe only: the choice keeps two probes all the same.
+        let one_loss = [103.0, 95.0, 95.0, 95.0, 95.0, 95.0, 95.0];
+        let cut = cut_point(&probes, &current, &one_loss, &current).expect("a cut");
+        assert_eq!((cut.starts_at, cut.alternative_above), (1220, true));
         // One probe is not a run; a win everywhere is not a cut; under 2% is no win.
         for alternative in [
             [104.0, 103.0, 102.0, 102.0, 102.0, 102.0, 90.0],
@@ -941,39 +997,50 @@ mod tests {
             [103.0, 103.0, 103.0, 103.0, 99.0, 99.0, 99.0],
         ] {
             assert_eq!(
-                split_point(&probes, &current, &alternative, &current),
+                cut_point(&probes, &current, &alternative, &current),
                 None,
                 "{alternative:?}"
             );
         }
         // Too few probes to hold two parts of two.
         assert_eq!(
-            split_point(&probes[..3], &current[..3], &upper[4..], &current[..3]),
+            cut_point(&probes[..3], &current[..3], &upper[4..], &current[..3]),
             None
         );
     }
 
     #[test]
-    fn a_cut_holds_only_where_the_second_pass_still_wins_its_part() {
-        let probes = split_probes(513, 16384);
+    fn a_cut_holds_where_the_cut_layer_wins_its_part_and_keeps_the_other() {
+        let probes = cut_probes(513, 16384);
         let current = [100.0; 7];
         let above = RegimeCut {
             starts_at: 2172,
             alternative_above: true,
             gain: 0.17,
         };
-        // Its part is the last four probes; what happens below the cut does not count.
-        let again = [110.0, 110.0, 110.0, 97.0, 95.0, 96.0, 95.0];
-        assert!(cut_holds(&above, &probes, &current, &again, &current));
+        // The alternative's part is the last four probes; the choice's part the first three.
+        let holds = [100.5, 99.0, 101.0, 97.0, 95.0, 96.0, 95.0];
+        assert!(cut_holds(&above, &probes, &current, &holds, &current));
+        // The second pass does not confirm the win ...
         let drifted = [100.0, 100.0, 100.0, 99.0, 99.0, 98.0, 101.5];
         assert!(!cut_holds(&above, &probes, &current, &drifted, &current));
+        // ... or the cut costs the choice's part more than noise (its router planned for
+        // the part's own range, say).
+        let costs_below = [100.0, 102.0, 100.0, 97.0, 95.0, 96.0, 95.0];
+        assert!(!cut_holds(
+            &above,
+            &probes,
+            &current,
+            &costs_below,
+            &current
+        ));
         let below = RegimeCut {
             alternative_above: false,
             ..above
         };
-        let low = [95.0, 96.0, 97.0, 110.0, 110.0, 110.0, 110.0];
+        let low = [95.0, 96.0, 97.0, 100.0, 101.0, 100.0, 99.0];
         assert!(cut_holds(&below, &probes, &current, &low, &current));
-        assert!(!cut_holds(&below, &probes, &current, &again, &current));
+        assert!(!cut_holds(&below, &probes, &current, &holds, &current));
     }
 
     #[test]

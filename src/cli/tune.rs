@@ -10,7 +10,7 @@ use moeforge::compiler::plan::tuning::TunedGemm;
 use moeforge::compiler::plan::{self, GemmKind, Target};
 use moeforge::runtime::harness::Session;
 use moeforge::runtime::tune::{
-    MAX_LOSS, MIN_GAIN, MIN_PART_PROBES, ProbeRole, SPLIT_PROBES, TuneEvent, TuneSettings,
+    CUT_PROBES, MAX_LOSS, MIN_GAIN, MIN_PART_PROBES, ProbeRole, TuneEvent, TuneSettings,
     times_self_routed, tune_layer,
 };
 use moeforge::runtime::workload::fresh_seed;
@@ -48,8 +48,9 @@ pub struct Args {
     /// Default: every regime.
     #[arg(long, value_delimiter = ',')]
     tokens: Vec<u32>,
-    /// Keep each regime whole (one entry each): do not cut a regime in two where other
-    /// GEMMs are fastest at one end of it (a cut adds two GEMM kernels to the layer).
+    /// Make no new cut: do not cut a regime in two where other GEMMs are fastest at one end
+    /// of it (a cut adds a regime's kernels to the layer: two GEMMs, and the router's where
+    /// the spec has one). A cut already in use is still timed, and stays unless beaten.
     #[arg(long)]
     keep_regimes: bool,
 }
@@ -128,10 +129,10 @@ pub fn run(args: &Args) -> ExitCode {
         format!(" (only the regimes holding T = {})", tokens.join(", "))
     };
     let cuts = if args.keep_regimes {
-        "; each regime kept whole".to_string()
+        "; no new cuts".to_string()
     } else {
         format!(
-            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {SPLIT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of at least {MIN_PART_PROBES} of them at that end so, twice (the second pass timing them first)"
+            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of at least {MIN_PART_PROBES} of them at that end so, twice (the second pass timing them first)"
         )
     };
     eprintln!(
@@ -212,7 +213,9 @@ pub fn run(args: &Args) -> ExitCode {
                 Err(reason) => format!("left out: {reason}"),
             };
             eprintln!(
-                "        {regime:<13} in use ({}, {}): {}  {outcome}",
+                "        {regime:<13} in use ({}..={} tokens; {}, {}): {}  {outcome}",
+                entry.min_tokens,
+                entry.max_tokens,
                 entry.measured_by,
                 entry.measured_on,
                 gemms.join(", ")
@@ -222,17 +225,20 @@ pub fn run(args: &Args) -> ExitCode {
         TuneEvent::Probe {
             regime,
             role,
-            gemm1,
-            gemm2,
+            gemms: [gemm1, gemm2],
             tokens,
             us,
         } => {
             let role = match role {
-                ProbeRole::Chosen => "its choice",
-                ProbeRole::CostModel => "cost model",
-                ProbeRole::Alternative => "other end",
-                ProbeRole::AlternativeAgain => "other end, again",
-                ProbeRole::ChosenAgain => "its choice, again",
+                ProbeRole::Chosen => "its choice".to_string(),
+                ProbeRole::CostModel => "cost model".to_string(),
+                ProbeRole::Alternative => "other end".to_string(),
+                ProbeRole::Cut {
+                    starts_at,
+                    alternative_above: true,
+                } => format!("cut at {starts_at}, from there"),
+                ProbeRole::Cut { starts_at, .. } => format!("cut at {starts_at}, below it"),
+                ProbeRole::ChosenAgain => "its choice again".to_string(),
             };
             let outcome = match us {
                 Ok(us) => {
@@ -246,16 +252,16 @@ pub fn run(args: &Args) -> ExitCode {
                 Err(reason) => format!("left out: {reason}"),
             };
             eprintln!(
-                "        {regime:<13} cut? {role:<17} gemm1 {}, gemm2 {}  {outcome}",
+                "        {regime:<13} cut? {role:<24} gemm1 {}, gemm2 {}  {outcome}",
                 gemm1.describe(),
                 gemm2.describe()
             );
             let _ = std::io::stderr().flush();
         }
         // Saved as each regime ends, so that an interrupted run keeps what it measured.
-        TuneEvent::Regime(entry) => {
+        TuneEvent::Regime(entries) => {
             if saved.is_ok() {
-                saved = tuning::update(&cache, entry);
+                saved = tuning::update(&cache, entries);
             }
         }
     };

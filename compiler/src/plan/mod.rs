@@ -1460,7 +1460,8 @@ fn plan_as_sized(
     let mut most_route_blocks = 1;
     let mut limitations = Vec::new();
     let choices = choose_regimes(layer, target, &shape, 1)?;
-    for (mut choice, entry) in tuned_regime_parts(choices, tuning, target, &shape) {
+    let parts = tuned_regime_parts(layer, choices, tuning, target, &shape, &mut limitations);
+    for (mut choice, entry) in parts {
         let tuned = entry.and_then(|entry| match apply_tuned(layer, target, &shape, &mut choice, entry) {
                 Ok(true) => Some(entry.clone()),
                 Ok(false) => None,
@@ -2605,36 +2606,56 @@ fn gemm1_row_load(target: &Target, shape: &LayerShape, gemm: &GemmPlan) -> RowLo
 /// The cost model's regimes `choices`, each paired with the tuning table's entry for it,
 /// or cut into the parts that the table's entries tile it into (where the tuner found
 /// other GEMMs fastest at a regime's small and large calls), each part paired with its
-/// entry and named after the regime and its place (`prefill_1`, `prefill_2`).
+/// entry and named after the regime and its place (`prefill_1`, `prefill_2`). A cut is
+/// all or nothing: where this build cannot plan a part's entry, the regime stays whole on
+/// the cost model's choice and `limitations` says why.
 fn tuned_regime_parts<'t>(
+    layer: &ir::Layer,
     choices: Vec<RegimeChoice>,
     tuning: &'t tuning::TuningTable,
     target: &Target,
     shape: &LayerShape,
+    limitations: &mut Vec<String>,
 ) -> Vec<(RegimeChoice, Option<&'t tuning::TunedRegime>)> {
-    choices
-        .into_iter()
-        .flat_map(|choice| {
-            let parts = tuning.tiling(target, shape, choice.min_tokens, choice.max_tokens);
-            match parts.as_slice() {
-                [] => vec![(choice, None)],
-                [entry] => vec![(choice, Some(*entry))],
-                _ => parts
-                    .iter()
-                    .enumerate()
-                    .map(|(i, entry)| {
-                        let part = RegimeChoice {
-                            name: format!("{}_{}", choice.name, i + 1),
-                            min_tokens: entry.min_tokens,
-                            max_tokens: entry.max_tokens,
-                            ..choice.clone()
-                        };
-                        (part, Some(*entry))
-                    })
-                    .collect(),
+    let mut regimes = Vec::new();
+    for choice in choices {
+        let entries = tuning.tiling(target, shape, choice.min_tokens, choice.max_tokens);
+        if let [entry] = entries.as_slice() {
+            regimes.push((choice, Some(*entry)));
+            continue;
+        }
+        let parts: Vec<(RegimeChoice, Option<&tuning::TunedRegime>)> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, entry)| {
+                let part = RegimeChoice {
+                    name: format!("{}_{}", choice.name, i + 1),
+                    min_tokens: entry.min_tokens,
+                    max_tokens: entry.max_tokens,
+                    ..choice.clone()
+                };
+                (part, Some(*entry))
+            })
+            .collect();
+        let unplannable = parts.iter().find_map(|(part, entry)| {
+            let entry = (*entry)?;
+            apply_tuned(layer, target, shape, &mut part.clone(), entry)
+                .err()
+                .map(|reason| (part.name.clone(), reason))
+        });
+        match unplannable {
+            Some((part, reason)) => {
+                limitations.push(format!(
+                    "the tuning table's cut of regime `{}` on {} cannot be used by this build (part `{part}`: {reason}): the regime stays whole, on the cost model's choice",
+                    choice.name, target.name
+                ));
+                regimes.push((choice, None));
             }
-        })
-        .collect()
+            None if parts.is_empty() => regimes.push((choice, None)),
+            None => regimes.extend(parts),
+        }
+    }
+    regimes
 }
 
 /// Takes `entry`'s GEMMs into `choice`, each it has and the spec does not hint; all or

@@ -158,8 +158,8 @@ impl TuningTable {
 
     /// The entries planning takes for the regime `min_tokens..=max_tokens` of `shape` on
     /// `target`: the one entry of exactly that regime, else the entries that tile it (in
-    /// order, each starting where the last ended, from its first token count to its last:
-    /// the tuner split it), else none.
+    /// order, each starting one past where the last ended, from its first token count to
+    /// its last: the tuner cut it), else none.
     pub fn tiling(
         &self,
         target: &Target,
