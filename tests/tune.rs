@@ -48,6 +48,21 @@ fn cache_entries(path: &str) -> Vec<serde_json::Value> {
     table["entries"].as_array().expect("entries").clone()
 }
 
+/// `moeforge run` of [`SMALL`] at `tokens` with `env` matches the CPU reference.
+fn assert_matches_reference(tokens: impl ToString, env: &[(&str, &str)]) {
+    let tokens = tokens.to_string();
+    let run = moeforge_with_env(
+        &["run", SMALL, "--tokens", &tokens, "--check", "--seed", "7"],
+        env,
+    );
+    assert!(
+        run.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
 /// Lines of `explain` output that start (after indentation) with `prefix`.
 fn explain_lines(text: &str, prefix: &str) -> usize {
     text.lines()
@@ -168,17 +183,8 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
         "{regimes} regimes, {tuned} tuned, {cuts} cut:\n{text}\n{stdout}"
     );
     // The tuned layer against the CPU reference, at a ragged count of every regime.
-    for tokens in ["1", "77", "300", "1500"] {
-        let run = moeforge_with_env(
-            &["run", SMALL, "--tokens", tokens, "--check", "--seed", "7"],
-            &env,
-        );
-        assert!(
-            run.status.success(),
-            "{}\n{}",
-            String::from_utf8_lossy(&run.stdout),
-            String::from_utf8_lossy(&run.stderr)
-        );
+    for tokens in [1, 77, 300, 1500] {
+        assert_matches_reference(tokens, &env);
     }
     std::fs::remove_dir_all(&dir).expect("cleans up");
 }
@@ -327,24 +333,7 @@ fn a_cut_regime_in_use_is_timed_whole_and_kept_or_replaced_whole() {
     }
     // Either way the layer computes what the CPU reference computes on both sides of the cut.
     for tokens in [middle, middle + 1] {
-        let run = moeforge_with_env(
-            &[
-                "run",
-                SMALL,
-                "--tokens",
-                &tokens.to_string(),
-                "--check",
-                "--seed",
-                "7",
-            ],
-            &env,
-        );
-        assert!(
-            run.status.success(),
-            "{}\n{}",
-            String::from_utf8_lossy(&run.stdout),
-            String::from_utf8_lossy(&run.stderr)
-        );
+        assert_matches_reference(tokens, &env);
     }
     std::fs::remove_dir_all(&dir).expect("cleans up");
 }

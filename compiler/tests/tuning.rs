@@ -44,6 +44,21 @@ fn mma(m: u32, n: u32, stages: u32) -> TunedGemm {
     }
 }
 
+/// A GEMM no build plans: 48 rows are not a wgmma tile, and too many accumulators or no
+/// warp layout on mma.sync for this width.
+fn unplannable_gemm() -> TunedGemm {
+    TunedGemm {
+        engine: MmaEngine::WgmmaWarpSpecialized,
+        tile: TileShape {
+            m: 48,
+            n: 256,
+            k: 64,
+        },
+        stages: 4,
+        cluster: 1,
+    }
+}
+
 #[test]
 fn an_entry_replaces_the_gemms_of_its_regime_only() {
     let target = Target::h200();
@@ -147,18 +162,7 @@ fn an_entry_without_gemms_is_not_a_tuned_regime() {
 fn an_entry_this_build_cannot_plan_is_reported_and_left_out() {
     let target = Target::h200();
     let model = plan(&layer(), &target).expect("plans");
-    // 48 rows: not a wgmma tile, and too many accumulators or no warp layout on mma.sync
-    // for this width.
-    let impossible = TunedGemm {
-        engine: MmaEngine::WgmmaWarpSpecialized,
-        tile: TileShape {
-            m: 48,
-            n: 256,
-            k: 64,
-        },
-        stages: 4,
-        cluster: 1,
-    };
+    let impossible = unplannable_gemm();
     let table = TuningTable {
         entries: vec![entry_for(&model, 0, impossible, mma(16, 128, 3))],
     };
@@ -275,16 +279,7 @@ fn entries_that_tile_a_regime_cut_it_into_regimes() {
     );
     // A part this build cannot plan: no cut at all, and the plan says why.
     let mut unplannable = table.clone();
-    unplannable.entries[0].gemm1 = Some(TunedGemm {
-        engine: MmaEngine::WgmmaWarpSpecialized,
-        tile: TileShape {
-            m: 48,
-            n: 256,
-            k: 64,
-        },
-        stages: 4,
-        cluster: 1,
-    });
+    unplannable.entries[0].gemm1 = Some(unplannable_gemm());
     let whole = plan_tuned(&layer(), &target, &unplannable).expect("plans");
     assert_eq!(whole.regimes, model.regimes);
     assert!(
