@@ -376,8 +376,7 @@ pub fn tune_layer(
             let differs = in_use.len() > 1
                 || planned.as_ref().map_or(true, |plan| {
                     let applied = &plan.regimes[index];
-                    TunedGemm::of(&applied.gemm1) != TunedGemm::of(&gemm1)
-                        || TunedGemm::of(&applied.gemm2) != TunedGemm::of(&gemm2)
+                    !same_pair((&applied.gemm1, &applied.gemm2), (&gemm1, &gemm2))
                 });
             if differs {
                 let timed = planned.and_then(|plan| {
@@ -437,7 +436,6 @@ pub fn tune_layer(
                     regime,
                     model: (&regime.gemm1, &regime.gemm2),
                     whole_up_to: if index == 0 { fused_decode } else { 0 },
-                    plan_with: &plan_with,
                     plan_with_entries: &plan_with_entries,
                     entry_with: &entry_with,
                 },
@@ -661,7 +659,6 @@ struct CutContext<'a> {
     /// `fused_decode` where the regime is the first (its fused decode serves no more calls
     /// than its first part holds); 0 otherwise.
     whole_up_to: u32,
-    plan_with: &'a dyn Fn(TunedRegime) -> Result<Plan, TuneError>,
     plan_with_entries: &'a dyn Fn(Vec<TunedRegime>) -> Result<Plan, TuneError>,
     entry_with: &'a dyn Fn(&GemmPlan, &GemmPlan) -> TunedRegime,
 }
@@ -738,7 +735,7 @@ fn cut_regime(
     };
     let whole = |(gemm1, gemm2): (&GemmPlan, &GemmPlan)| {
         (
-            (context.plan_with)((context.entry_with)(gemm1, gemm2)),
+            (context.plan_with_entries)(vec![(context.entry_with)(gemm1, gemm2)]),
             [TunedGemm::of(gemm1), TunedGemm::of(gemm2)],
         )
     };

@@ -132,7 +132,7 @@ pub fn run(args: &Args) -> ExitCode {
         "; no new cuts".to_string()
     } else {
         format!(
-            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of at least {MIN_PART_PROBES} of them at that end so, twice (the second pass timing them first)"
+            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, if a second pass timing the layer as cut, then the choice again, agrees"
         )
     };
     eprintln!(

@@ -1460,19 +1460,8 @@ fn plan_as_sized(
     let mut most_route_blocks = 1;
     let mut limitations = Vec::new();
     let choices = choose_regimes(layer, target, &shape, 1)?;
-    let parts = tuned_regime_parts(layer, choices, tuning, target, &shape, &mut limitations);
-    for (mut choice, entry) in parts {
-        let tuned = entry.and_then(|entry| match apply_tuned(layer, target, &shape, &mut choice, entry) {
-                Ok(true) => Some(entry.clone()),
-                Ok(false) => None,
-                Err(reason) => {
-                    limitations.push(format!(
-                        "the tuning table's entry for regime `{}` on {} cannot be used by this build ({reason}): the cost model's choice stands",
-                        choice.name, target.name
-                    ));
-                    None
-                }
-            });
+    let tuned_choices = tuned_regimes(layer, choices, tuning, target, &shape, &mut limitations);
+    for (mut choice, tuned) in tuned_choices {
         choice.gemm1.a_load = gemm1_row_load(target, &shape, &choice.gemm1);
         let gemm1_kernel = format!("{symbol}_{}_gemm1", choice.name);
         let gemm2_kernel = format!("{symbol}_{}_gemm2", choice.name);
@@ -2603,52 +2592,59 @@ fn gemm1_row_load(target: &Target, shape: &LayerShape, gemm: &GemmPlan) -> RowLo
     }
 }
 
-/// The cost model's regimes `choices`, each paired with the tuning table's entry for it,
-/// or cut into the parts that the table's entries tile it into (where the tuner found
-/// other GEMMs fastest at a regime's small and large calls), each part paired with its
-/// entry and named after the regime and its place (`prefill_1`, `prefill_2`). A cut is
-/// all or nothing: where this build cannot plan a part's entry, the regime stays whole on
-/// the cost model's choice and `limitations` says why.
-fn tuned_regime_parts<'t>(
+/// The cost model's regimes `choices` with the tuning table's GEMMs taken in, each with the
+/// entry it took (`None` where none applies, or the entry's GEMMs are all hinted): a
+/// regime takes its entry, or is cut into the parts the table's entries tile it into
+/// (where the tuner found other GEMMs fastest at its small and large calls), each part
+/// taking its entry and named after the regime and its place (`prefill_1`, `prefill_2`).
+/// An entry this build cannot plan leaves its regime on the cost model's choice, and a
+/// cut is all or nothing: one such part leaves the regime whole; `limitations` says why.
+fn tuned_regimes(
     layer: &ir::Layer,
     choices: Vec<RegimeChoice>,
-    tuning: &'t tuning::TuningTable,
+    tuning: &tuning::TuningTable,
     target: &Target,
     shape: &LayerShape,
     limitations: &mut Vec<String>,
-) -> Vec<(RegimeChoice, Option<&'t tuning::TunedRegime>)> {
+) -> Vec<(RegimeChoice, Option<tuning::TunedRegime>)> {
     let mut regimes = Vec::new();
     for choice in choices {
         let entries = tuning.tiling(target, shape, choice.min_tokens, choice.max_tokens);
-        if let [entry] = entries.as_slice() {
-            regimes.push((choice, Some(*entry)));
-            continue;
+        let cut = entries.len() > 1;
+        let mut parts = Vec::with_capacity(entries.len());
+        let mut unplannable = None;
+        for (i, entry) in entries.into_iter().enumerate() {
+            let mut part = RegimeChoice {
+                name: if cut {
+                    format!("{}_{}", choice.name, i + 1)
+                } else {
+                    choice.name.clone()
+                },
+                min_tokens: entry.min_tokens,
+                max_tokens: entry.max_tokens,
+                ..choice.clone()
+            };
+            match apply_tuned(layer, target, shape, &mut part, entry) {
+                Ok(taken) => parts.push((part, taken.then(|| entry.clone()))),
+                Err(reason) => {
+                    unplannable = Some((part.name, reason));
+                    break;
+                }
+            }
         }
-        let parts: Vec<(RegimeChoice, Option<&tuning::TunedRegime>)> = entries
-            .iter()
-            .enumerate()
-            .map(|(i, entry)| {
-                let part = RegimeChoice {
-                    name: format!("{}_{}", choice.name, i + 1),
-                    min_tokens: entry.min_tokens,
-                    max_tokens: entry.max_tokens,
-                    ..choice.clone()
-                };
-                (part, Some(*entry))
-            })
-            .collect();
-        let unplannable = parts.iter().find_map(|(part, entry)| {
-            let entry = (*entry)?;
-            apply_tuned(layer, target, shape, &mut part.clone(), entry)
-                .err()
-                .map(|reason| (part.name.clone(), reason))
-        });
         match unplannable {
             Some((part, reason)) => {
-                limitations.push(format!(
-                    "the tuning table's cut of regime `{}` on {} cannot be used by this build (part `{part}`: {reason}): the regime stays whole, on the cost model's choice",
-                    choice.name, target.name
-                ));
+                limitations.push(if cut {
+                    format!(
+                        "the tuning table's cut of regime `{}` on {} cannot be used by this build (part `{part}`: {reason}): the regime stays whole, on the cost model's choice",
+                        choice.name, target.name
+                    )
+                } else {
+                    format!(
+                        "the tuning table's entry for regime `{}` on {} cannot be used by this build ({reason}): the cost model's choice stands",
+                        choice.name, target.name
+                    )
+                });
                 regimes.push((choice, None));
             }
             None if parts.is_empty() => regimes.push((choice, None)),
