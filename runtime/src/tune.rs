@@ -12,9 +12,10 @@
 //! it. A GEMM's candidates are compiled before the first is timed, the current choice
 //! first and the others side by side (each is one changed kernel, one NVRTC program: one
 //! after another they used one core), then timed one at a time. Where the sweep's fastest
-//! GEMMs at one end of a regime are not its choice, the regime may be cut in two
-//! (`cut_regime`, [`cut_point`]): two entries that tile it, which planning turns into
-//! two regimes.
+//! GEMMs at one end of a regime are not its choice, they are timed across the regime
+//! (`probe_regime`, [`probe_verdict`]): where they win a run at one end, the regime is cut
+//! in two (two entries that tile it, which planning turns into two regimes); where they win
+//! everywhere, they replace the choice for the whole regime.
 
 use moeforge_compiler::ir::Layer;
 use moeforge_compiler::plan::tuning::{
@@ -43,9 +44,11 @@ pub struct TuneSettings {
     /// entry there (or the entries that cut it) is timed against the sweep's choice and kept
     /// unless beaten.
     pub in_use: TuningTable,
-    /// Whether the tune may cut a regime in two where other GEMMs win one end of it
-    /// (`cut_regime`); a cut already in use is timed and kept or replaced either way.
-    pub cut_regimes: bool,
+    /// Whether the tune probes each regime across its range (`probe_regime`): it may then
+    /// cut a regime in two where other GEMMs win one end of it, or give it those GEMMs
+    /// where they win everywhere. A cut already in use is timed and kept or replaced either
+    /// way.
+    pub probe_regimes: bool,
 }
 
 /// One timed candidate, for progress output.
@@ -82,8 +85,8 @@ pub enum TuneEvent<'a> {
         us: Result<Vec<f64>, String>,
         kept: bool,
     },
-    /// A regime probed for a cut (`cut_regime`): the layer's times at `tokens` with
-    /// these GEMMs, or why they could not be built or run.
+    /// A regime probed across its range (`probe_regime`): the layer's times at `tokens`
+    /// with these GEMMs, or why they could not be built or run.
     Probe {
         regime: &'a str,
         role: ProbeRole,
@@ -93,8 +96,9 @@ pub enum TuneEvent<'a> {
         us: Result<Vec<f64>, String>,
     },
     /// A regime's entries, final: one, or the parts of a cut (lower first; a cut in use
-    /// that stays gives its parts as they were). The caller may record them at once, and
-    /// should record them together: one part alone tiles nothing.
+    /// that stays gives its parts with their GEMMs as they were, timed by this tune). The
+    /// caller may record them at once, and should record them together: one part alone
+    /// tiles nothing.
     Regime(&'a [TunedRegime]),
 }
 
@@ -105,7 +109,7 @@ pub enum ProbeRole {
     Chosen,
     /// The cost model's, where the choice differs.
     CostModel,
-    /// The sweep's fastest GEMMs at one end of the regime.
+    /// The sweep's fastest GEMMs at one end of the regime, for the whole of it.
     Alternative,
     /// The second pass: the layer planned with the regime cut at `starts_at`, the
     /// alternative's GEMMs above it (or below it), the choice's on the other side.
@@ -113,7 +117,11 @@ pub enum ProbeRole {
         starts_at: u32,
         alternative_above: bool,
     },
-    /// The second pass: the regime's choice, timed again after the cut.
+    /// The second pass: the alternative for the whole regime again, where it won every
+    /// probe of the first.
+    AlternativeAgain,
+    /// The second pass: the regime's choice, timed again after the cut (or the
+    /// alternative).
     ChosenAgain,
 }
 
@@ -411,11 +419,20 @@ pub fn tune_layer(
                     });
                 }
                 match (kept, timed) {
-                    // A cut in use that stays: its entries are the regime's, as they were.
-                    (true, Ok((_, last_gemms))) if in_use.len() > 1 => {
+                    // A cut in use that stays: its entries are the regime's, their GEMMs as
+                    // they were, their times this tune's.
+                    (true, Ok((us, last_gemms))) if in_use.len() > 1 => {
                         below = Some(last_gemms);
-                        report(TuneEvent::Regime(&in_use));
-                        entries.extend(in_use);
+                        let timed: Vec<TunedRegime> = in_use
+                            .into_iter()
+                            .map(|part| TunedRegime {
+                                measured_on: measured_on.to_string(),
+                                measured_by: measured_by.to_string(),
+                                ..timed_within(part, &tokens, &us, &model_times)
+                            })
+                            .collect();
+                        report(TuneEvent::Regime(&timed));
+                        entries.extend(timed);
                         continue;
                     }
                     (true, Ok((us, (in_use_gemm1, in_use_gemm2)))) => {
@@ -425,12 +442,12 @@ pub fn tune_layer(
                 }
             }
         }
-        let cut = if !settings.cut_regimes {
+        let change = if !settings.probe_regimes {
             None
         } else {
             let fused_decode = layer.schedule.fused_decode.unwrap_or(0);
-            cut_regime(
-                &CutContext {
+            probe_regime(
+                &ProbeContext {
                     session,
                     settings: &settings,
                     regime,
@@ -444,11 +461,14 @@ pub fn tune_layer(
                 &mut report,
             )
         };
-        if let Some([lower, upper]) = cut {
-            below = Some(upper.gemms);
-            let parts = [lower.entry, upper.entry];
-            report(TuneEvent::Regime(&parts));
-            entries.extend(parts);
+        if let Some(parts) = change {
+            let (new_entries, gemms): (Vec<TunedRegime>, Vec<_>) = parts
+                .into_iter()
+                .map(|part| (part.entry, part.gemms))
+                .unzip();
+            below = gemms.into_iter().last();
+            report(TuneEvent::Regime(&new_entries));
+            entries.extend(new_entries);
             continue;
         }
         below = Some((gemm1.clone(), gemm2.clone()));
@@ -574,8 +594,8 @@ pub struct RegimeCut {
 /// current choice, leaving at least [`MIN_PART_PROBES`] on each side (of the two ends, the
 /// larger gain); the cut lies at the geometric middle between the run's innermost probe
 /// and its neighbour outside the run. `None` where no such run exists, or where the
-/// alternative beats the current choice on every probe (not a cut; the next tune's sweep
-/// may choose it for the whole regime).
+/// alternative beats the current choice on every probe (not a cut: [`probe_verdict`] gives
+/// it the whole regime).
 pub fn cut_point(
     probes: &[u32],
     current: &[f64],
@@ -621,6 +641,46 @@ pub fn cut_point(
     }
 }
 
+/// What a regime's probes say of an alternative pair of GEMMs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ProbeVerdict {
+    /// It [`beats`] the current choice over every probe: it takes the whole regime. `gain`
+    /// as [`RegimeCut::gain`], over every probe.
+    Whole { gain: f64 },
+    /// It wins a run at one end ([`cut_point`]).
+    Cut(RegimeCut),
+}
+
+impl ProbeVerdict {
+    /// The alternative's gain over the probes it would take.
+    pub fn gain(&self) -> f64 {
+        match self {
+            ProbeVerdict::Whole { gain } => *gain,
+            ProbeVerdict::Cut(cut) => cut.gain,
+        }
+    }
+}
+
+/// The verdict of a regime's probes (as for [`cut_point`]) on an alternative: the whole
+/// regime where it [`beats`] the current choice over all of them, else the cut of
+/// [`cut_point`], else `None`.
+pub fn probe_verdict(
+    probes: &[u32],
+    current: &[f64],
+    alternative: &[f64],
+    model: &[f64],
+) -> Option<ProbeVerdict> {
+    if beats(alternative, current, model) {
+        let gain = alternative
+            .iter()
+            .zip(current)
+            .map(|(a, c)| 1.0 - a / c)
+            .sum();
+        return Some(ProbeVerdict::Whole { gain });
+    }
+    cut_point(probes, current, alternative, model).map(ProbeVerdict::Cut)
+}
+
 /// Whether a cut holds on a second pass of the probes: the layer's times with the regime
 /// cut (`cut_layer`: both parts planned, as they will run) beat those with the current
 /// choice on the alternative's part (by [`beats`], as [`cut_point`] found it), and are at
@@ -648,8 +708,8 @@ pub fn cut_holds(
             .all(|&i| cut_layer[i] <= current[i] * (1.0 + MAX_LOSS))
 }
 
-/// What `cut_regime` needs of the regime being tuned.
-struct CutContext<'a> {
+/// What `probe_regime` needs of the regime being tuned.
+struct ProbeContext<'a> {
     session: &'a Session,
     settings: &'a TuneSettings,
     regime: &'a plan::Regime,
@@ -663,10 +723,28 @@ struct CutContext<'a> {
     entry_with: &'a dyn Fn(&GemmPlan, &GemmPlan) -> TunedRegime,
 }
 
-/// One part of a regime cut in two: its entry, and its GEMMs as planned.
+/// One part of a regime cut in two (or the whole regime): its entry, and its GEMMs as
+/// planned.
 struct RegimePart {
     entry: TunedRegime,
     gemms: (GemmPlan, GemmPlan),
+}
+
+/// `entry` with its times those of `times` (and `model`'s) at the counts of `tokens` its
+/// range holds; as it was where it holds none of them.
+fn timed_within(entry: TunedRegime, tokens: &[u32], times: &[f64], model: &[f64]) -> TunedRegime {
+    let inside: Vec<usize> = (0..tokens.len())
+        .filter(|&i| (entry.min_tokens..=entry.max_tokens).contains(&tokens[i]))
+        .collect();
+    if inside.is_empty() {
+        return entry;
+    }
+    TunedRegime {
+        timed_tokens: inside.iter().map(|&i| tokens[i]).collect(),
+        measured_us: inside.iter().map(|&i| times[i]).sum(),
+        model_choice_us: inside.iter().map(|&i| model[i]).sum(),
+        ..entry
+    }
 }
 
 /// Whether two pairs of GEMMs are one configuration.
@@ -674,26 +752,24 @@ fn same_pair(a: (&GemmPlan, &GemmPlan), b: (&GemmPlan, &GemmPlan)) -> bool {
     TunedGemm::of(a.0) == TunedGemm::of(b.0) && TunedGemm::of(a.1) == TunedGemm::of(b.1)
 }
 
-/// The regime cut in two where another pair of GEMMs wins one end of it: the pair of the
-/// sweep's fastest GEMMs at the regime's largest call, and the pair at its smallest, each
-/// timed for the whole regime beside its choice (`chosen`) at [`cut_probes`] and cut by
-/// [`cut_point`]; then a second pass times the layer planned with the cut (both parts, as
-/// they will run: a part's router and routing launches follow its own range) and the
-/// choice again, and the cut stands where [`cut_holds`]. The two parts' entries, each timed
-/// at the probes it holds in the second pass, with their GEMMs, lower first; `None` where
-/// no alternative wins an end, the second pass does not confirm it, or a probe could not
-/// be built or run (the regime then keeps its one entry).
-fn cut_regime(
-    context: &CutContext<'_>,
+/// The regime cut in two where another pair of GEMMs wins one end of it, or given that
+/// pair where it wins everywhere: the pair of the sweep's fastest GEMMs at the regime's
+/// largest call, and the pair at its smallest, each timed for the whole regime beside its
+/// choice (`chosen`) at [`cut_probes`] and judged by [`probe_verdict`] (the larger gain
+/// wins); then a second pass times the layer planned with the change (both parts of a cut,
+/// as they will run: a part's router and routing launches follow its own range), then the
+/// choice again. A cut stands where [`cut_holds`], a whole replacement where it [`beats`]
+/// the choice again. The regime's new entries (a cut's two parts, lower first, or one),
+/// timed at the probes each holds in the second pass, with their GEMMs; `None` where no alternative wins, the second pass does not confirm
+/// it, or a probe could not be built or run (the regime then keeps its one entry).
+fn probe_regime(
+    context: &ProbeContext<'_>,
     chosen: (&GemmPlan, &GemmPlan),
     swept: &[SweptCandidate],
     report: &mut dyn FnMut(TuneEvent<'_>),
-) -> Option<[RegimePart; 2]> {
+) -> Option<Vec<RegimePart>> {
     let regime = context.regime;
     let probes = cut_probes(regime.min_tokens, regime.max_tokens);
-    if probes.len() < 2 * MIN_PART_PROBES {
-        return None;
-    }
     // The sweep timed each candidate at the regime's timed counts: its first and last.
     let fastest_at = |kind: GemmKind, last: bool| {
         swept
@@ -748,76 +824,95 @@ fn cut_regime(
         let (plan, gemms) = whole(context.model);
         time(ProbeRole::CostModel, plan, gemms)?
     };
-    let mut best: Option<(RegimeCut, (GemmPlan, GemmPlan))> = None;
+    let mut best: Option<(ProbeVerdict, (GemmPlan, GemmPlan))> = None;
     for pair in alternatives {
         let (plan, gemms) = whole((&pair.0, &pair.1));
         let Some(us) = time(ProbeRole::Alternative, plan, gemms) else {
             continue;
         };
-        if let Some(cut) = cut_point(&probes, &current, &us, &model)
-            && cut.starts_at > context.whole_up_to
-            && best.as_ref().is_none_or(|(b, _)| cut.gain > b.gain)
+        let verdict =
+            probe_verdict(&probes, &current, &us, &model).filter(|verdict| match verdict {
+                ProbeVerdict::Cut(cut) => cut.starts_at > context.whole_up_to,
+                ProbeVerdict::Whole { .. } => true,
+            });
+        if let Some(verdict) = verdict
+            && best.as_ref().is_none_or(|(b, _)| verdict.gain() > b.gain())
         {
-            best = Some((cut, pair));
+            best = Some((verdict, pair));
         }
     }
-    let (cut, alternative) = best?;
+    let (verdict, alternative) = best?;
     let alternative_gemms = [TunedGemm::of(&alternative.0), TunedGemm::of(&alternative.1)];
-    let (lower, upper) = if cut.alternative_above {
-        ((chosen.0.clone(), chosen.1.clone()), alternative)
-    } else {
-        (alternative, (chosen.0.clone(), chosen.1.clone()))
-    };
+    let chosen = (chosen.0.clone(), chosen.1.clone());
     let part = |gemms: &(GemmPlan, GemmPlan), min_tokens: u32, max_tokens: u32| {
         let mut entry = (context.entry_with)(&gemms.0, &gemms.1);
         entry.min_tokens = min_tokens;
         entry.max_tokens = max_tokens;
         entry
     };
-    let parts = [
-        part(&lower, regime.min_tokens, cut.starts_at - 1),
-        part(&upper, cut.starts_at, regime.max_tokens),
-    ];
-    // The second pass: the cut as it will run first, then the choice again.
-    let role = ProbeRole::Cut {
-        starts_at: cut.starts_at,
-        alternative_above: cut.alternative_above,
-    };
-    let cut_layer = time(
-        role,
-        (context.plan_with_entries)(parts.to_vec()),
-        alternative_gemms,
-    )?;
-    let (plan, gemms) = whole(chosen);
-    let current_again = time(ProbeRole::ChosenAgain, plan, gemms)?;
-    let model = if model_is_chosen {
-        current_again.clone()
-    } else {
-        model
-    };
-    if !cut_holds(&cut, &probes, &current_again, &cut_layer, &model) {
-        return None;
+    // The second pass: the change as it will run first, then the choice again.
+    match verdict {
+        ProbeVerdict::Whole { .. } => {
+            let (plan, gemms) = whole((&alternative.0, &alternative.1));
+            let alternative_again = time(ProbeRole::AlternativeAgain, plan, gemms)?;
+            let (plan, gemms) = whole((&chosen.0, &chosen.1));
+            let current_again = time(ProbeRole::ChosenAgain, plan, gemms)?;
+            let model = if model_is_chosen {
+                current_again.clone()
+            } else {
+                model
+            };
+            if !beats(&alternative_again, &current_again, &model) {
+                return None;
+            }
+            let entry = part(&alternative, regime.min_tokens, regime.max_tokens);
+            Some(vec![RegimePart {
+                entry: timed_within(entry, &probes, &alternative_again, &model),
+                gemms: alternative,
+            }])
+        }
+        ProbeVerdict::Cut(cut) => {
+            let (lower, upper) = if cut.alternative_above {
+                (chosen.clone(), alternative)
+            } else {
+                (alternative, chosen.clone())
+            };
+            let parts = [
+                part(&lower, regime.min_tokens, cut.starts_at - 1),
+                part(&upper, cut.starts_at, regime.max_tokens),
+            ];
+            let role = ProbeRole::Cut {
+                starts_at: cut.starts_at,
+                alternative_above: cut.alternative_above,
+            };
+            let cut_layer = time(
+                role,
+                (context.plan_with_entries)(parts.to_vec()),
+                alternative_gemms,
+            )?;
+            let (plan, gemms) = whole((&chosen.0, &chosen.1));
+            let current_again = time(ProbeRole::ChosenAgain, plan, gemms)?;
+            let model = if model_is_chosen {
+                current_again.clone()
+            } else {
+                model
+            };
+            if !cut_holds(&cut, &probes, &current_again, &cut_layer, &model) {
+                return None;
+            }
+            let [lower_entry, upper_entry] = parts;
+            Some(vec![
+                RegimePart {
+                    entry: timed_within(lower_entry, &probes, &cut_layer, &model),
+                    gemms: lower,
+                },
+                RegimePart {
+                    entry: timed_within(upper_entry, &probes, &cut_layer, &model),
+                    gemms: upper,
+                },
+            ])
+        }
     }
-    let [lower_entry, upper_entry] = parts;
-    let timed = |mut entry: TunedRegime| {
-        let inside: Vec<usize> = (0..probes.len())
-            .filter(|&i| (entry.min_tokens..=entry.max_tokens).contains(&probes[i]))
-            .collect();
-        entry.timed_tokens = inside.iter().map(|&i| probes[i]).collect();
-        entry.measured_us = inside.iter().map(|&i| cut_layer[i]).sum();
-        entry.model_choice_us = inside.iter().map(|&i| model[i]).sum();
-        entry
-    };
-    Some([
-        RegimePart {
-            entry: timed(lower_entry),
-            gemms: lower,
-        },
-        RegimePart {
-            entry: timed(upper_entry),
-            gemms: upper,
-        },
-    ])
 }
 
 /// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
@@ -1038,6 +1133,74 @@ mod tests {
         let low = [95.0, 96.0, 97.0, 100.0, 101.0, 100.0, 99.0];
         assert!(cut_holds(&below, &probes, &current, &low, &current));
         assert!(!cut_holds(&below, &probes, &current, &holds, &current));
+    }
+
+    #[test]
+    fn an_alternative_winning_every_probe_takes_the_whole_regime() {
+        let probes = cut_probes(513, 16384);
+        let current = [100.0; 7];
+        let everywhere = [97.0, 98.0, 100.5, 97.0, 96.0, 97.0, 96.0];
+        let Some(ProbeVerdict::Whole { gain }) =
+            probe_verdict(&probes, &current, &everywhere, &current)
+        else {
+            panic!("a whole-regime verdict")
+        };
+        assert!((gain - 0.185).abs() < 1e-9, "{gain}");
+        // Losing more than noise at one probe makes it a cut at most ...
+        let upper = [104.0, 103.0, 101.5, 97.0, 95.0, 96.0, 95.0];
+        assert!(matches!(
+            probe_verdict(&probes, &current, &upper, &current),
+            Some(ProbeVerdict::Cut(RegimeCut {
+                starts_at: 2172,
+                alternative_above: true,
+                ..
+            }))
+        ));
+        // ... and it wins nothing where it does not win a run at an end.
+        let middle = [103.0, 97.0, 90.0, 90.0, 90.0, 97.0, 103.0];
+        assert_eq!(probe_verdict(&probes, &current, &middle, &current), None);
+        // A narrow regime (too few probes for a cut) can still be taken whole.
+        assert!(matches!(
+            probe_verdict(
+                &probes[..3],
+                &current[..3],
+                &everywhere[3..6],
+                &current[..3]
+            ),
+            Some(ProbeVerdict::Whole { .. })
+        ));
+        // The model's choice bounds it as it bounds any candidate.
+        let model = [96.0; 7];
+        assert_eq!(probe_verdict(&probes, &current, &everywhere, &model), None);
+    }
+
+    #[test]
+    fn a_part_takes_the_times_of_the_counts_it_holds() {
+        let entry = |min_tokens, max_tokens| TunedRegime {
+            gpu: "H100".to_string(),
+            shape: TunedShape::of(&small_shape()),
+            min_tokens,
+            max_tokens,
+            gemm1: None,
+            gemm2: None,
+            timed_tokens: vec![5],
+            measured_us: 1.0,
+            model_choice_us: 2.0,
+            self_routed: false,
+            measured_on: "then".to_string(),
+            measured_by: "an older build".to_string(),
+        };
+        let tokens = [1, 11, 128];
+        let (us, model) = ([10.0, 20.0, 40.0], [11.0, 22.0, 44.0]);
+        let lower = timed_within(entry(0, 24), &tokens, &us, &model);
+        assert_eq!(lower.timed_tokens, [1, 11]);
+        assert_eq!((lower.measured_us, lower.model_choice_us), (30.0, 33.0));
+        let upper = timed_within(entry(25, 128), &tokens, &us, &model);
+        assert_eq!(upper.timed_tokens, [128]);
+        assert_eq!((upper.measured_us, upper.model_choice_us), (40.0, 44.0));
+        // A part holding none of the counts keeps its own times.
+        let between = timed_within(entry(12, 127), &tokens, &us, &model);
+        assert_eq!(between, entry(12, 127));
     }
 
     #[test]

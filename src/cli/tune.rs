@@ -48,9 +48,10 @@ pub struct Args {
     /// Default: every regime.
     #[arg(long, value_delimiter = ',')]
     tokens: Vec<u32>,
-    /// Make no new cut: do not cut a regime in two where other GEMMs are fastest at one end
-    /// of it (a cut adds a regime's kernels to the layer: two GEMMs, and the router's where
-    /// the spec has one). A cut already in use is still timed, and stays unless beaten.
+    /// Skip the probes across each regime: make no new cut (a regime cut in two where other
+    /// GEMMs are fastest at one end of it adds a regime's kernels to the layer: two GEMMs,
+    /// and the router's where the spec has one), and give no regime those GEMMs where they
+    /// win everywhere. A cut already in use is still timed, and stays unless beaten.
     #[arg(long)]
     keep_regimes: bool,
 }
@@ -129,10 +130,10 @@ pub fn run(args: &Args) -> ExitCode {
         format!(" (only the regimes holding T = {})", tokens.join(", "))
     };
     let cuts = if args.keep_regimes {
-        "; no new cuts".to_string()
+        "; no probes across the regimes (no new cuts)".to_string()
     } else {
         format!(
-            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it, and the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, if a second pass timing the layer as cut, then the choice again, agrees"
+            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it: the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, or given them where they win everywhere so, if a second pass timing the layer so changed, then the choice again, agrees"
         )
     };
     eprintln!(
@@ -233,6 +234,7 @@ pub fn run(args: &Args) -> ExitCode {
                 ProbeRole::Chosen => "its choice".to_string(),
                 ProbeRole::CostModel => "cost model".to_string(),
                 ProbeRole::Alternative => "other end".to_string(),
+                ProbeRole::AlternativeAgain => "other end again".to_string(),
                 ProbeRole::Cut {
                     starts_at,
                     alternative_above: true,
@@ -252,7 +254,7 @@ pub fn run(args: &Args) -> ExitCode {
                 Err(reason) => format!("left out: {reason}"),
             };
             eprintln!(
-                "        {regime:<13} cut? {role:<24} gemm1 {}, gemm2 {}  {outcome}",
+                "        {regime:<13} probe {role:<24} gemm1 {}, gemm2 {}  {outcome}",
                 gemm1.describe(),
                 gemm2.describe()
             );
@@ -271,7 +273,7 @@ pub fn run(args: &Args) -> ExitCode {
         seed,
         regimes_holding: args.tokens.clone(),
         in_use,
-        cut_regimes: !args.keep_regimes,
+        probe_regimes: !args.keep_regimes,
     };
     let measured_by = format!(
         "moeforge {} at {}",
