@@ -24,8 +24,8 @@ use moeforge_compiler::plan::tuning::{
 };
 use moeforge_compiler::plan::{self, GemmKind, GemmPlan, Plan, PlanError, Target};
 
-use crate::bench::{BenchError, time_calls, uploaded_inputs};
-use crate::harness::Session;
+use crate::bench::{BenchError, time_calls, time_calls_in_turns, uploaded_inputs};
+use crate::harness::{BuiltLayer, DeviceWorkload, Session};
 use crate::jit::CompiledKernels;
 use crate::workload::Routing;
 
@@ -120,8 +120,8 @@ pub enum ProbeRole {
     /// The second pass: the alternative for the whole regime again, where it won every
     /// probe of the first.
     AlternativeAgain,
-    /// The second pass: the regime's choice, timed again after the cut (or the
-    /// alternative).
+    /// The second pass: the regime's choice again, its calls in turns with the cut's (or
+    /// the alternative's).
     ChosenAgain,
 }
 
@@ -757,8 +757,8 @@ fn same_pair(a: (&GemmPlan, &GemmPlan), b: (&GemmPlan, &GemmPlan)) -> bool {
 /// largest call, and the pair at its smallest, each timed for the whole regime beside its
 /// choice (`chosen`) at [`cut_probes`] and judged by [`probe_verdict`] (the larger gain
 /// wins); then a second pass times the layer planned with the change (both parts of a cut,
-/// as they will run: a part's router and routing launches follow its own range), then the
-/// choice again. A cut stands where [`cut_holds`], a whole replacement where it [`beats`]
+/// as they will run: a part's router and routing launches follow its own range) and the
+/// choice again, their calls in turns ([`time_regimes_in_turns`]). A cut stands where [`cut_holds`], a whole replacement where it [`beats`]
 /// the choice again. The regime's new entries (a cut's two parts, lower first, or one),
 /// timed at the probes each holds in the second pass, with their GEMMs; `None` where no alternative wins, the second pass does not confirm
 /// it, or a probe could not be built or run (the regime then keeps its one entry).
@@ -795,19 +795,44 @@ fn probe_regime(
     if alternatives.is_empty() {
         return None;
     }
-    let mut time = |role: ProbeRole, plan: Result<Plan, TuneError>, gemms: [TunedGemm; 2]| {
-        let us = plan.and_then(|plan| {
-            let kernels = context.session.compile(&plan)?;
-            time_regime(context.session, plan, kernels, &probes, context.settings)
-        });
-        report(TuneEvent::Probe {
-            regime: &regime.name,
-            role,
-            gemms,
-            tokens: &probes,
-            us: us.as_ref().map(Clone::clone).map_err(ToString::to_string),
-        });
-        us.ok()
+    // Times plans at the probes (one alone, or two with their calls in turns) and reports
+    // each: their times, or `None` where one could not be built or run.
+    type Run = (ProbeRole, Result<Plan, TuneError>, [TunedGemm; 2]);
+    let mut time = |runs: Vec<Run>| -> Option<Vec<Vec<f64>>> {
+        let mut shown = Vec::with_capacity(runs.len());
+        let compiled: Result<Vec<_>, TuneError> = runs
+            .into_iter()
+            .map(|(role, plan, gemms)| {
+                shown.push((role, gemms));
+                let plan = plan?;
+                let kernels = context.session.compile(&plan)?;
+                Ok((plan, kernels))
+            })
+            .collect();
+        let timed: Result<Vec<Vec<f64>>, TuneError> =
+            compiled.and_then(|compiled| match <[_; 2]>::try_from(compiled) {
+                Ok(pair) => time_regimes_in_turns(context.session, pair, &probes, context.settings)
+                    .map(Vec::from),
+                Err(one) => one
+                    .into_iter()
+                    .map(|(plan, kernels)| {
+                        time_regime(context.session, plan, kernels, &probes, context.settings)
+                    })
+                    .collect(),
+            });
+        for (i, (role, gemms)) in shown.into_iter().enumerate() {
+            report(TuneEvent::Probe {
+                regime: &regime.name,
+                role,
+                gemms,
+                tokens: &probes,
+                us: timed
+                    .as_ref()
+                    .map(|times| times[i].clone())
+                    .map_err(ToString::to_string),
+            });
+        }
+        timed.ok()
     };
     let whole = |(gemm1, gemm2): (&GemmPlan, &GemmPlan)| {
         (
@@ -816,18 +841,19 @@ fn probe_regime(
         )
     };
     let (plan, gemms) = whole(chosen);
-    let current = time(ProbeRole::Chosen, plan, gemms)?;
+    let current = time(vec![(ProbeRole::Chosen, plan, gemms)])?.pop()?;
     let model_is_chosen = same_pair(context.model, chosen);
     let model = if model_is_chosen {
         current.clone()
     } else {
         let (plan, gemms) = whole(context.model);
-        time(ProbeRole::CostModel, plan, gemms)?
+        time(vec![(ProbeRole::CostModel, plan, gemms)])?.pop()?
     };
     let mut best: Option<(ProbeVerdict, (GemmPlan, GemmPlan))> = None;
     for pair in alternatives {
         let (plan, gemms) = whole((&pair.0, &pair.1));
-        let Some(us) = time(ProbeRole::Alternative, plan, gemms) else {
+        let Some(us) = time(vec![(ProbeRole::Alternative, plan, gemms)]).and_then(|mut t| t.pop())
+        else {
             continue;
         };
         let verdict =
@@ -850,69 +876,62 @@ fn probe_regime(
         entry.max_tokens = max_tokens;
         entry
     };
-    // The second pass: the change as it will run first, then the choice again.
-    match verdict {
-        ProbeVerdict::Whole { .. } => {
-            let (plan, gemms) = whole((&alternative.0, &alternative.1));
-            let alternative_again = time(ProbeRole::AlternativeAgain, plan, gemms)?;
-            let (plan, gemms) = whole((&chosen.0, &chosen.1));
-            let current_again = time(ProbeRole::ChosenAgain, plan, gemms)?;
-            let model = if model_is_chosen {
-                current_again.clone()
-            } else {
-                model
-            };
-            if !beats(&alternative_again, &current_again, &model) {
-                return None;
-            }
-            let entry = part(&alternative, regime.min_tokens, regime.max_tokens);
-            Some(vec![RegimePart {
-                entry: timed_within(entry, &probes, &alternative_again, &model),
-                gemms: alternative,
-            }])
-        }
+    // The second pass: the change as it will run and the choice again, their calls in turns.
+    let (role, parts) = match verdict {
+        ProbeVerdict::Whole { .. } => (
+            ProbeRole::AlternativeAgain,
+            vec![(alternative, regime.min_tokens, regime.max_tokens)],
+        ),
         ProbeVerdict::Cut(cut) => {
             let (lower, upper) = if cut.alternative_above {
                 (chosen.clone(), alternative)
             } else {
                 (alternative, chosen.clone())
             };
-            let parts = [
-                part(&lower, regime.min_tokens, cut.starts_at - 1),
-                part(&upper, cut.starts_at, regime.max_tokens),
-            ];
             let role = ProbeRole::Cut {
                 starts_at: cut.starts_at,
                 alternative_above: cut.alternative_above,
             };
-            let cut_layer = time(
-                role,
-                (context.plan_with_entries)(parts.to_vec()),
-                alternative_gemms,
-            )?;
-            let (plan, gemms) = whole((&chosen.0, &chosen.1));
-            let current_again = time(ProbeRole::ChosenAgain, plan, gemms)?;
-            let model = if model_is_chosen {
-                current_again.clone()
-            } else {
-                model
-            };
-            if !cut_holds(&cut, &probes, &current_again, &cut_layer, &model) {
-                return None;
-            }
-            let [lower_entry, upper_entry] = parts;
-            Some(vec![
-                RegimePart {
-                    entry: timed_within(lower_entry, &probes, &cut_layer, &model),
-                    gemms: lower,
-                },
-                RegimePart {
-                    entry: timed_within(upper_entry, &probes, &cut_layer, &model),
-                    gemms: upper,
-                },
-            ])
+            let parts = vec![
+                (lower, regime.min_tokens, cut.starts_at - 1),
+                (upper, cut.starts_at, regime.max_tokens),
+            ];
+            (role, parts)
         }
-    }
+    };
+    let entries: Vec<TunedRegime> = parts
+        .iter()
+        .map(|(gemms, min_tokens, max_tokens)| part(gemms, *min_tokens, *max_tokens))
+        .collect();
+    let (plan, gemms) = whole((&chosen.0, &chosen.1));
+    let mut timed = time(vec![
+        (
+            role,
+            (context.plan_with_entries)(entries.clone()),
+            alternative_gemms,
+        ),
+        (ProbeRole::ChosenAgain, plan, gemms),
+    ])?;
+    let (current_again, changed) = (timed.pop()?, timed.pop()?);
+    let model = if model_is_chosen {
+        current_again.clone()
+    } else {
+        model
+    };
+    let holds = match verdict {
+        ProbeVerdict::Whole { .. } => beats(&changed, &current_again, &model),
+        ProbeVerdict::Cut(cut) => cut_holds(&cut, &probes, &current_again, &changed, &model),
+    };
+    holds.then(|| {
+        entries
+            .into_iter()
+            .zip(parts)
+            .map(|(entry, (gemms, _, _))| RegimePart {
+                entry: timed_within(entry, &probes, &changed, &model),
+                gemms,
+            })
+            .collect()
+    })
 }
 
 /// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
@@ -926,24 +945,65 @@ fn time_regime(
 ) -> Result<Vec<f64>, TuneError> {
     let shape = plan.shape.clone();
     let built = session.build_from_kernels(plan, kernels, settings.seed)?;
-    let self_routed = built.layer.routes_itself();
     let mut times = Vec::with_capacity(tokens.len());
     for &t in tokens {
         let mut inputs = uploaded_inputs(session, &shape, t, Routing::Uniform, settings.seed)?;
         times.push(time_calls::<BenchError>(
             session,
             settings.iterations,
-            |i| {
-                if self_routed {
-                    Ok(built.layer.forward_routed(inputs[i].routed_args())?)
-                } else {
-                    Ok(session.forward(&built.layer, &mut inputs[i])?)
-                }
-            },
+            |i| one_call(session, &built, &mut inputs[i]),
         )?);
         built.layer.take_error().map_err(BenchError::from)?;
     }
     Ok(times)
+}
+
+/// [`time_regime`] of two plans of one layer, their calls taken in turns at each count
+/// (both layers built at once) so that what drifts over a pass (clocks under a power
+/// limit) moves both alike: single passes one after the other moved by 2-8% at some
+/// prefill counts on an H100 (`benches/results/2026-12-07_regime_cuts.md`).
+fn time_regimes_in_turns(
+    session: &Session,
+    [first, second]: [(Plan, (CompiledKernels, f64)); 2],
+    tokens: &[u32],
+    settings: &TuneSettings,
+) -> Result<[Vec<f64>; 2], TuneError> {
+    let shape = first.0.shape.clone();
+    let first = session.build_from_kernels(first.0, first.1, settings.seed)?;
+    let second = session.build_from_kernels(second.0, second.1, settings.seed)?;
+    let mut times = [
+        Vec::with_capacity(tokens.len()),
+        Vec::with_capacity(tokens.len()),
+    ];
+    for &t in tokens {
+        let upload = || uploaded_inputs(session, &shape, t, Routing::Uniform, settings.seed);
+        let (mut first_inputs, mut second_inputs) = (upload()?, upload()?);
+        let (first_us, second_us) = time_calls_in_turns::<BenchError>(
+            session,
+            settings.iterations,
+            |i| one_call(session, &first, &mut first_inputs[i]),
+            |i| one_call(session, &second, &mut second_inputs[i]),
+        )?;
+        for built in [&first, &second] {
+            built.layer.take_error().map_err(BenchError::from)?;
+        }
+        times[0].push(first_us);
+        times[1].push(second_us);
+    }
+    Ok(times)
+}
+
+/// One call of `built` on `inputs`: self-routed where the layer routes itself.
+fn one_call(
+    session: &Session,
+    built: &BuiltLayer,
+    inputs: &mut DeviceWorkload,
+) -> Result<(), BenchError> {
+    if built.layer.routes_itself() {
+        Ok(built.layer.forward_routed(inputs.routed_args())?)
+    } else {
+        Ok(session.forward(&built.layer, inputs)?)
+    }
 }
 
 #[cfg(test)]
@@ -1201,6 +1261,48 @@ mod tests {
         // A part holding none of the counts keeps its own times.
         let between = timed_within(entry(12, 127), &tokens, &us, &model);
         assert_eq!(between, entry(12, 127));
+    }
+
+    /// Two plans timed in turns each get their own times at every count; the same plan
+    /// twice times alike, and as it does alone.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn two_plans_timed_in_turns_each_get_their_times() {
+        let source = include_str!("../../tests/fixtures/untuned_small.moe");
+        let module =
+            moeforge_compiler::compile_source("untuned_small.moe", source).expect("compiles");
+        let layer = &module.layers[0];
+        let session = Session::open().expect("a GPU session");
+        let target = Target::for_device(&session.gpu.facts().expect("device facts"));
+        let plan = plan::plan(layer, &target).expect("plans");
+        let settings = TuneSettings {
+            candidates: 1,
+            iterations: 5,
+            seed: 7,
+            regimes_holding: Vec::new(),
+            in_use: TuningTable::default(),
+            probe_regimes: false,
+        };
+        let tokens = [1, 300, 1500];
+        let compiled = || (plan.clone(), session.compile(&plan).expect("compiles"));
+        let [first, second] =
+            time_regimes_in_turns(&session, [compiled(), compiled()], &tokens, &settings)
+                .expect("times both");
+        let (plan, kernels) = compiled();
+        let alone = time_regime(&session, plan, kernels, &tokens, &settings).expect("times");
+        assert_eq!((first.len(), second.len()), (tokens.len(), tokens.len()));
+        for (i, t) in tokens.iter().enumerate() {
+            let times = [first[i], second[i], alone[i]];
+            assert!(
+                times.iter().all(|us| us.is_finite() && *us > 0.0),
+                "{t}: {times:?}"
+            );
+            let (fastest, slowest) = (
+                times.iter().copied().fold(f64::INFINITY, f64::min),
+                times.iter().copied().fold(0.0, f64::max),
+            );
+            assert!(slowest < 1.5 * fastest, "{t} tokens: {times:?}");
+        }
     }
 
     #[test]

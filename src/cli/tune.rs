@@ -133,7 +133,7 @@ pub fn run(args: &Args) -> ExitCode {
         "; no probes across the regimes (no new cuts)".to_string()
     } else {
         format!(
-            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it: the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, or given them where they win everywhere so, if a second pass timing the layer so changed, then the choice again, agrees"
+            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it: the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, or given them where they win everywhere so, if a second pass timing the layer so changed and the choice again, their calls in turns, agrees"
         )
     };
     eprintln!(
