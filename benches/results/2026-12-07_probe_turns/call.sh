@@ -1,0 +1,29 @@
+# Session 64: the tuner's second pass with its calls in turns. The runtime's GPU unit test of
+# the paired timing and the tune GPU tests, then each layer of JOBS tuned ROUNDS times (probes
+# allowed) into caches of its own, to see whether the second pass's verdicts repeat.
+# Run from the repository root after scripts/device-stage.sh.
+set -u
+b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
+tg=$(cat .device/target); [ -e "$tg/release" ] || { mkdir -p "$tg" && ln -s "$PWD/.device/bin" "$tg/release"; }
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export PATH=$PWD/.device/bin:/usr/local/cuda/bin:$PATH
+export MOEFORGE_CACHE_DIR=/tmp/jit
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
+start=$(date +%s)
+mkdir -p /tmp/o
+[ -d .device/tests ] || tar -xzf .device/tests.tgz -C .device
+if [ -n "${TESTS:-1}" ]; then
+  for exe in moeforge_runtime tune; do
+    t=$(ls .device/tests/$exe-* | head -1)
+    (cd "$b/$( [ $exe = moeforge_runtime ] && echo runtime || echo . )" && timeout 150 $PWD/$t --include-ignored --test-threads 1) > /tmp/o/${exe}_tests.txt 2>&1
+    echo "$exe tests exit $? at $(( $(date +%s) - start )) s"; grep -E "test result|FAILED|panicked" /tmp/o/${exe}_tests.txt | head -5
+  done
+fi
+for job in ${JOBS:-mixtral_8x7b:16384}; do
+  m=${job%%:*}; tok=${job#*:}
+  for round in $(seq 1 ${ROUNDS:-2}); do
+    timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe --tokens $tok --seed 7 --cache /tmp/o/${m}_$round.json > /tmp/o/tune_${m}_$round.txt 2>&1
+    echo "tune $m round $round exit $? at $(( $(date +%s) - start )) s"; grep -E " probe |^\| [0-9]" /tmp/o/tune_${m}_$round.txt | cut -c1-240
+  done
+done
+tar czf $OUT/probe_turns.tgz -C /tmp/o .
