@@ -14,8 +14,8 @@ mkdir -p /tmp/o
 [ -d .device/tests ] || tar -xzf .device/tests.tgz -C .device
 if [ -n "${TESTS:-1}" ]; then
   for exe in moeforge_runtime tune; do
-    t=$(ls .device/tests/$exe-* | head -1)
-    (cd "$b/$( [ $exe = moeforge_runtime ] && echo runtime || echo . )" && timeout 150 $PWD/$t --include-ignored --test-threads 1) > /tmp/o/${exe}_tests.txt 2>&1
+    t=$PWD/$(ls .device/tests/$exe-* | head -1)
+    (cd "$b" && timeout 150 $t --include-ignored --test-threads 1) > /tmp/o/${exe}_tests.txt 2>&1
     echo "$exe tests exit $? at $(( $(date +%s) - start )) s"; grep -E "test result|FAILED|panicked" /tmp/o/${exe}_tests.txt | head -5
   done
 fi
