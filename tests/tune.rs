@@ -166,6 +166,18 @@ fn tune_writes_an_entry_per_regime_that_planning_takes_and_the_layer_stays_corre
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stdout}\n{stderr}");
     assert!(stderr.contains("(as the cost model chose it)"), "{stderr}");
+    // A choice off the cost model's GEMMs was timed again with them, and says how it went.
+    for line in stderr
+        .lines()
+        .filter(|l| l.contains("in turns with the cost model's"))
+    {
+        assert!(
+            ["it stands", "the cost model's GEMMs stay", "not timed"]
+                .iter()
+                .any(|verdict| line.contains(verdict)),
+            "{line}"
+        );
+    }
     let env = [("MOEFORGE_TUNING_CACHE", cache_arg.as_str())];
     let explain = moeforge_with_env(&["explain", SMALL], &env);
     let text = String::from_utf8_lossy(&explain.stdout);

@@ -8,8 +8,10 @@
 //! kernel ahead of GEMM1 included. A candidate is the plan of the layer with one tuning entry naming it, so what is timed is
 //! exactly what the planner will build from the entry. GEMMs the spec hints are left as
 //! hinted. Where the table planning uses today holds an entry for the regime and the sweep
-//! ends elsewhere, that entry is timed as well and stays unless the sweep's choice [`beats`]
-//! it. A GEMM's candidates are compiled before the first is timed, the current choice
+//! ends elsewhere, that entry is timed as well, in turns with the sweep's choice
+//! (`time_regimes_in_turns`), and stays unless the choice [`beats`] it there; with no entry
+//! in use, a choice off the cost model's GEMMs is timed so against them and stands only if
+//! it beats them there. A GEMM's candidates are compiled before the first is timed, the current choice
 //! first and the others side by side (each is one changed kernel, one NVRTC program: one
 //! after another they used one core), then timed one at a time. Where the sweep's fastest
 //! GEMMs at one end of a regime are not its choice, they are timed across the regime
@@ -84,6 +86,18 @@ pub enum TuneEvent<'a> {
         entry: &'a TunedRegime,
         us: Result<Vec<f64>, String>,
         kept: bool,
+    },
+    /// The sweep's choice for a regime with no entry in use, where it is not the cost
+    /// model's: timed again with the cost model's GEMMs, their calls in turns (`us`: the
+    /// cost model's times, then the choice's, at the regime's timed counts; or why they
+    /// could not be built or run, in which case the sweep's times stand), and whether the
+    /// choice still [`beats`] them (else the regime keeps the cost model's GEMMs).
+    Confirmed {
+        regime: &'a str,
+        /// The sweep's choice, GEMM1 and GEMM2.
+        gemms: [TunedGemm; 2],
+        us: Result<[Vec<f64>; 2], String>,
+        stands: bool,
     },
     /// A regime probed across its range (`probe_regime`): the layer's times at `tokens`
     /// with these GEMMs, or why they could not be built or run.
@@ -360,17 +374,17 @@ pub fn tune_layer(
                 }
             }
         }
-        let (Some(model_times), Some(mut chosen)) = (model_times, chosen) else {
+        let (Some(mut model_times), Some(mut chosen)) = (model_times, chosen) else {
             // Every GEMM is hinted: nothing was compared.
             below = Some((gemm1, gemm2));
             continue;
         };
         // The entry planning uses today (or the parts of a cut), where the sweep
-        // ended elsewhere: timed too, and kept unless the sweep's choice beats it as a
-        // candidate beats the current choice, so that a re-tune cannot trade a measured
-        // choice for one within the noise of it (Qwen3-30B-A3B's mid regime on an H200,
-        // 2026-12-06: the sweep's 1.5% margin was under the bar, and it ran 2.5% slower than
-        // the shipped entry at 1024 tokens).
+        // ended elsewhere: timed too, in turns with the sweep's choice, and kept unless the
+        // choice beats it there as a candidate beats the current choice, so that a re-tune
+        // cannot trade a measured choice for one within the noise of it (Qwen3-30B-A3B's
+        // mid regime on an H200, 2026-12-06: the sweep's 1.5% margin was under the bar, and
+        // it ran 2.5% slower than the shipped entry at 1024 tokens).
         let in_use: Vec<TunedRegime> = settings
             .in_use
             .tiling(target, &shape, regime.min_tokens, regime.max_tokens)
@@ -391,14 +405,13 @@ pub fn tune_layer(
                     // The GEMMs of its last part: the ones beside the regime above.
                     let last = &plan.regimes[index + in_use.len() - 1];
                     let gemms = (last.gemm1.clone(), last.gemm2.clone());
-                    let kernels = session.compile(&plan)?;
-                    Ok((
-                        time_regime(session, plan, kernels, &tokens, &settings)?,
-                        gemms,
-                    ))
+                    let choice = plan_with(entry_with(&gemm1, &gemm2))?;
+                    let pair = [compiled(session, plan)?, compiled(session, choice)?];
+                    let [us, choice_us] = time_regimes_in_turns(session, pair, &tokens, &settings)?;
+                    Ok((us, choice_us, gemms))
                 });
                 let kept = match &timed {
-                    Ok((us, _)) => !beats(&chosen, us, &model_times),
+                    Ok((us, choice_us, _)) => !beats(choice_us, us, &model_times),
                     Err(_) => false,
                 };
                 for part in &in_use {
@@ -413,7 +426,7 @@ pub fn tune_layer(
                         entry: &shown,
                         us: timed
                             .as_ref()
-                            .map(|(us, _)| us.clone())
+                            .map(|(us, _, _)| us.clone())
                             .map_err(ToString::to_string),
                         kept,
                     });
@@ -421,7 +434,7 @@ pub fn tune_layer(
                 match (kept, timed) {
                     // A cut in use that stays: its entries are the regime's, their GEMMs as
                     // they were, their times this tune's.
-                    (true, Ok((us, last_gemms))) if in_use.len() > 1 => {
+                    (true, Ok((us, _, last_gemms))) if in_use.len() > 1 => {
                         below = Some(last_gemms);
                         let timed: Vec<TunedRegime> = in_use
                             .into_iter()
@@ -435,11 +448,43 @@ pub fn tune_layer(
                         entries.extend(timed);
                         continue;
                     }
-                    (true, Ok((us, (in_use_gemm1, in_use_gemm2)))) => {
+                    (true, Ok((us, _, (in_use_gemm1, in_use_gemm2)))) => {
                         (gemm1, gemm2, chosen) = (in_use_gemm1, in_use_gemm2, us);
                     }
+                    (false, Ok((_, choice_us, _))) => chosen = choice_us,
                     _ => {}
                 }
+            }
+        } else if !same_pair((&gemm1, &gemm2), (&regime.gemm1, &regime.gemm2)) {
+            // No entry in use, and the sweep moved off the cost model's GEMMs: its choice
+            // timed again in turns with them, and kept only if it beats them there too.
+            let timed = plan_with(entry_with(&regime.gemm1, &regime.gemm2)).and_then(|model| {
+                let choice = plan_with(entry_with(&gemm1, &gemm2))?;
+                let pair = [compiled(session, model)?, compiled(session, choice)?];
+                time_regimes_in_turns(session, pair, &tokens, &settings)
+            });
+            let stands = match &timed {
+                Ok([model_us, choice_us]) => beats(choice_us, model_us, model_us),
+                // The sweep's own times stand.
+                Err(_) => true,
+            };
+            report(TuneEvent::Confirmed {
+                regime: &regime.name,
+                gemms: [TunedGemm::of(&gemm1), TunedGemm::of(&gemm2)],
+                us: timed
+                    .as_ref()
+                    .map(Clone::clone)
+                    .map_err(ToString::to_string),
+                stands,
+            });
+            if let Ok([model_us, choice_us]) = timed {
+                if stands {
+                    chosen = choice_us;
+                } else {
+                    (gemm1, gemm2) = (regime.gemm1.clone(), regime.gemm2.clone());
+                    chosen = model_us.clone();
+                }
+                model_times = model_us;
             }
         }
         let change = if !settings.probe_regimes {
@@ -804,9 +849,7 @@ fn probe_regime(
             .into_iter()
             .map(|(role, plan, gemms)| {
                 shown.push((role, gemms));
-                let plan = plan?;
-                let kernels = context.session.compile(&plan)?;
-                Ok((plan, kernels))
+                compiled(context.session, plan?)
             })
             .collect();
         let timed: Result<Vec<Vec<f64>>, TuneError> =
@@ -991,6 +1034,12 @@ fn time_regimes_in_turns(
         times[1].push(second_us);
     }
     Ok(times)
+}
+
+/// `plan` with its kernels, compiled.
+fn compiled(session: &Session, plan: Plan) -> Result<(Plan, (CompiledKernels, f64)), TuneError> {
+    let kernels = session.compile(&plan)?;
+    Ok((plan, kernels))
 }
 
 /// One call of `built` on `inputs`: self-routed where the layer routes itself.

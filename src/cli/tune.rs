@@ -137,7 +137,7 @@ pub fn run(args: &Args) -> ExitCode {
         )
     };
     eprintln!(
-        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's; an entry in use for the regime stays unless beaten so){cuts}",
+        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's; an entry in use for the regime, or else the cost model's GEMMs, timed again in turns with the choice, stays unless beaten so there){cuts}",
         layer.name,
         target.name,
         args.candidates,
@@ -220,6 +220,42 @@ pub fn run(args: &Args) -> ExitCode {
                 entry.measured_by,
                 entry.measured_on,
                 gemms.join(", ")
+            );
+            let _ = std::io::stderr().flush();
+        }
+        TuneEvent::Confirmed {
+            regime,
+            gemms: [gemm1, gemm2],
+            us,
+            stands,
+        } => {
+            let outcome = match us {
+                Ok([model_us, choice_us]) => {
+                    let each = |us: &[f64]| -> String {
+                        let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
+                        each.join(" / ")
+                    };
+                    let verdict = if stands {
+                        "it stands".to_string()
+                    } else {
+                        format!(
+                            "the cost model's GEMMs stay: the choice is not both {:.0}% faster on average and at most {:.0}% slower at every timed call",
+                            MIN_GAIN * 100.0,
+                            MAX_LOSS * 100.0
+                        )
+                    };
+                    format!(
+                        "{} us against the cost model's {} us  ({verdict})",
+                        each(&choice_us),
+                        each(&model_us)
+                    )
+                }
+                Err(reason) => format!("not timed ({reason}): the sweep's times stand"),
+            };
+            eprintln!(
+                "        {regime:<13} again, in turns with the cost model's: gemm1 {}, gemm2 {}  {outcome}",
+                gemm1.describe(),
+                gemm2.describe()
             );
             let _ = std::io::stderr().flush();
         }
