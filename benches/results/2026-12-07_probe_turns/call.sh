@@ -1,6 +1,8 @@
-# Session 64: the tuner's second pass with its calls in turns. The runtime's GPU unit test of
-# the paired timing and the tune GPU tests, then each layer of JOBS tuned ROUNDS times (probes
-# allowed) into caches of its own, to see whether the second pass's verdicts repeat.
+# Session 64: the tuner's comparisons with their calls in turns. SUITE=N first runs the GPU
+# suite with N lanes (cold on a fresh machine); TESTS=1 (default) the runtime's GPU unit test
+# of the paired timing and the tune GPU tests; then each layer of JOBS (MODEL:TOKENS, or
+# MODEL:TOKENS:off to tune as if no entry were in use, MOEFORGE_TUNING=off) tuned ROUNDS
+# times (probes allowed) into caches of its own, to see whether the verdicts repeat.
 # Run from the repository root after scripts/device-stage.sh.
 set -u
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
@@ -12,7 +14,11 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 start=$(date +%s)
 mkdir -p /tmp/o
 [ -d .device/tests ] || tar -xzf .device/tests.tgz -C .device
-if [ -n "${TESTS:-1}" ]; then
+if [ -n "${SUITE:-}" ]; then
+  LANES=$SUITE bash scripts/gpu-suite-timed.sh /tmp/o/logs > /tmp/o/suite.txt 2>&1
+  echo "suite exit $? at $(( $(date +%s) - start )) s"; head -20 /tmp/o/suite.txt | cut -c1-110
+fi
+if [ "${TESTS-1}" = 1 ]; then
   for exe in moeforge_runtime tune; do
     t=$PWD/$(ls .device/tests/$exe-* | head -1)
     (cd "$b" && timeout 150 $t --include-ignored --test-threads 1) > /tmp/o/${exe}_tests.txt 2>&1
@@ -20,10 +26,12 @@ if [ -n "${TESTS:-1}" ]; then
   done
 fi
 for job in ${JOBS:-mixtral_8x7b:16384}; do
-  m=${job%%:*}; tok=${job#*:}
+  m=${job%%:*}; rest=${job#*:}; tok=${rest%%:*}; tuning=on
+  [ "$rest" != "$tok" ] && tuning=${rest#*:}
   for round in $(seq 1 ${ROUNDS:-2}); do
-    timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe --tokens $tok --seed 7 --cache /tmp/o/${m}_$round.json > /tmp/o/tune_${m}_$round.txt 2>&1
-    echo "tune $m round $round exit $? at $(( $(date +%s) - start )) s"; grep -E " probe |^\| [0-9]" /tmp/o/tune_${m}_$round.txt | cut -c1-240
+    MOEFORGE_TUNING=$tuning timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe --tokens $tok --seed 7 --cache /tmp/o/${m}_$round.json > /tmp/o/tune_${m}_$round.txt 2>&1
+    echo "tune $m (tuning $tuning) round $round exit $? at $(( $(date +%s) - start )) s"
+    grep -E " probe | in use | in turns |^\| [0-9]" /tmp/o/tune_${m}_$round.txt | cut -c1-240
   done
 done
 tar czf $OUT/probe_turns.tgz -C /tmp/o .
