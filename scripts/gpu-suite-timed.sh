@@ -9,12 +9,14 @@
 #   [LANES=N] bash scripts/gpu-suite-timed.sh [LOG_DIR [SLOWEST]]
 # Each executable's output goes to LOG_DIR/<executable>.log (default: $OUT/logs when OUT is
 # set, as on the device tool, else a temporary folder); a failing one's tail is printed.
-# LANES=N (default 3) runs up to N executables at once, the slowest known first
+# LANES=N (default 5) runs up to N executables at once, the slowest known first
 # (LONGEST_FIRST): most of a cold suite is NVRTC on one CPU core per executable, and the
 # GPU machine has 16. Their tests still run one at a time within each executable; the
 # processes share the GPU by time slices, and the JIT cache is safe to share (docs/runtime.md).
 # On one H200, cold, the same machine (2026-12-03): 71.1 s with 3 lanes, 131.4 s with 1
-# (benches/results/2026-12-03_gpu_suite_lanes.md). LANES=1 runs them one after another.
+# (benches/results/2026-12-03_gpu_suite_lanes.md); on one H100, cold, 16 executables
+# (2026-12-07): 93.0 s with 4 lanes, 79.4 s with 5 (another machine each;
+# benches/results/2026-12-07_probe_turns.md). LANES=1 runs them one after another.
 # Exit status: 1 if any executable failed.
 set -uo pipefail
 
@@ -33,13 +35,12 @@ built_at=$(cat .device/root)
 target=$(cat .device/target)
 [ -e "$target/release" ] || { mkdir -p "$target" && ln -s "$here/.device/bin" "$target/release"; }
 
-lanes=${LANES:-3}
+lanes=${LANES:-5}
 [[ "$lanes" =~ ^[1-9][0-9]*$ ]] || { echo "LANES must be a positive integer, not '$lanes'" >&2; exit 2; }
-# The executables of a cold suite that took longest (one H100, 4 lanes, 2026-12-07: gpu_ep
-# 82 s, gpu_layer 70, gpu_router 57, hf_reference 51, gpu_ep_nodes 20, tune 11), started
-# first. gpu_ep_routed holds gpu_ep's self-routed test since (30 s of those 82; not yet
-# timed alone).
-LONGEST_FIRST="gpu_ep gpu_layer gpu_router hf_reference gpu_ep_routed gpu_ep_nodes tune cli"
+# The executables of a cold suite that took longest (one H100, 5 lanes, 2026-12-07:
+# gpu_layer 67 s, gpu_ep 57, hf_reference 55, gpu_router 53, gpu_ep_routed 29, tune 26,
+# gpu_ep_nodes 26, cli 11, run_weights 10), started first.
+LONGEST_FIRST="gpu_layer gpu_ep hf_reference gpu_router gpu_ep_routed tune gpu_ep_nodes cli run_weights"
 
 # One executable: its log, and a row "seconds, name, exit status, result" beside it.
 run_one() {
