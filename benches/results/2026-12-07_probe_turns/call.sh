@@ -29,9 +29,9 @@ for job in ${JOBS:-mixtral_8x7b:16384}; do
   m=${job%%:*}; rest=${job#*:}; tok=${rest%%:*}; tuning=on
   [ "$rest" != "$tok" ] && tuning=${rest#*:}
   for round in $(seq 1 ${ROUNDS:-2}); do
-    MOEFORGE_TUNING=$tuning timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe --tokens $tok --seed 7 --cache /tmp/o/${m}_$round.json > /tmp/o/tune_${m}_$round.txt 2>&1
+    MOEFORGE_TUNING=$tuning timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe --tokens $tok --seed 7 --cache /tmp/o/${m}_${tuning}_$round.json > /tmp/o/tune_${m}_${tuning}_$round.txt 2>&1
     echo "tune $m (tuning $tuning) round $round exit $? at $(( $(date +%s) - start )) s"
-    grep -E " probe | in use | in turns |^\| [0-9]" /tmp/o/tune_${m}_$round.txt | cut -c1-240
+    grep -E " probe | in use | in turns |^\| [0-9]" /tmp/o/tune_${m}_${tuning}_$round.txt | cut -c1-240
   done
 done
 tar czf $OUT/probe_turns.tgz -C /tmp/o .
