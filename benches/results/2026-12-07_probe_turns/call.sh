@@ -1,6 +1,7 @@
 # Session 64: the tuner's comparisons with their calls in turns. SUITE=N first runs the GPU
 # suite with N lanes (cold on a fresh machine); TESTS=1 (default) the runtime's GPU unit test
-# of the paired timing and the tune GPU tests; then each layer of JOBS (MODEL:TOKENS, or
+# of the paired timing and the tune GPU tests; then each layer of JOBS (MODEL:TOKENS, TOKENS
+# `all` for every regime, or
 # MODEL:TOKENS:off to tune as if no entry were in use, MOEFORGE_TUNING=off) tuned ROUNDS
 # times (probes allowed) into caches of its own, to see whether the verdicts repeat.
 # Run from the repository root after scripts/device-stage.sh.
@@ -28,8 +29,9 @@ fi
 for job in ${JOBS:-mixtral_8x7b:16384}; do
   m=${job%%:*}; rest=${job#*:}; tok=${rest%%:*}; tuning=on
   [ "$rest" != "$tok" ] && tuning=${rest#*:}
+  tokens="--tokens $tok"; [ "$tok" = all ] && tokens=""
   for round in $(seq 1 ${ROUNDS:-2}); do
-    MOEFORGE_TUNING=$tuning timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe --tokens $tok --seed 7 --cache /tmp/o/${m}_${tuning}_$round.json > /tmp/o/tune_${m}_${tuning}_$round.txt 2>&1
+    MOEFORGE_TUNING=$tuning timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe $tokens --seed 7 --cache /tmp/o/${m}_${tuning}_$round.json > /tmp/o/tune_${m}_${tuning}_$round.txt 2>&1
     echo "tune $m (tuning $tuning) round $round exit $? at $(( $(date +%s) - start )) s"
     grep -E " probe | in use | in turns |^\| [0-9]" /tmp/o/tune_${m}_${tuning}_$round.txt | cut -c1-240
   done
