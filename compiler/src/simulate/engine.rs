@@ -846,15 +846,22 @@ impl<'a> Machine<'a> {
         let mut tiles1 = Vec::new();
         let mut hbm1 = 0.0;
         for phase in 0..order.len() {
-            for (e, (row_ready, m_done, _)) in experts.iter().enumerate() {
+            for (e, (row_ready, m_done, rows)) in experts.iter().enumerate() {
                 let m_tiles = row_ready.len() as u32;
-                let (duration, bytes) =
-                    model::tile_cost(&self.target, g1, self.hidden, [m_tiles, n1], total);
+                let expert_rows: u32 = rows.iter().sum();
                 let begin_m = if phase == 0 { 0 } else { m_done[phase - 1] };
                 let end_m = m_done[phase];
-                hbm1 += bytes * f64::from(n1 * (end_m - begin_m));
+                // Per row tile: its time (an expert's last is partly empty) and its bytes.
+                let costs: Vec<(f64, f64)> = (begin_m..end_m)
+                    .map(|m| {
+                        let tile_rows = (expert_rows - m * g1.tile.m).min(g1.tile.m);
+                        let shape = [m_tiles, n1];
+                        model::tile_cost(&self.target, g1, self.hidden, shape, total, tile_rows)
+                    })
+                    .collect();
+                hbm1 += f64::from(n1) * costs.iter().map(|&(_, bytes)| bytes).sum::<f64>();
                 for _ in 0..n1 {
-                    for m in begin_m..end_m {
+                    for (m, &(duration, _)) in (begin_m..end_m).zip(&costs) {
                         tiles1.push(Tile1 {
                             expert: e,
                             m,
@@ -1101,16 +1108,22 @@ impl<'a> Machine<'a> {
         for phase in 0..phases {
             for (e, &rows) in expert_rows.iter().enumerate() {
                 let m_tiles = rows.div_ceil(bm);
-                let (tile_seconds, bytes) =
-                    model::tile_cost(&self.target, g2, self.ffn, [m_tiles, n2], total);
                 let first = if phase == 0 { 0 } else { m_done[e][phase - 1] };
                 let last = m_done[e][phase];
-                hbm_bytes += bytes * f64::from(n2 * (last - first));
                 for _ in 0..n2 {
                     for m in first..last {
-                        // A tile's epilogue stores its rows only (an expert's last row tile
-                        // is partly empty).
+                        // A tile multiplies and its epilogue stores its rows only (an
+                        // expert's last row tile is partly empty).
                         let (row0, row1) = (m * bm, ((m + 1) * bm).min(rows));
+                        let (tile_seconds, bytes) = model::tile_cost(
+                            &self.target,
+                            g2,
+                            self.ffn,
+                            [m_tiles, n2],
+                            total,
+                            row1 - row0,
+                        );
+                        hbm_bytes += bytes;
                         tiles.push(Tile2 {
                             expert: e,
                             row0,

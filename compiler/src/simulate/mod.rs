@@ -506,8 +506,8 @@ mod tests {
         let barrier = hop;
         // Rank 0 computes 2 experts × 128 rows (64 from each rank): GEMM1 4 row tiles × 4
         // column tiles each, GEMM2 4 × 2; every grid has a block per tile.
-        let t1 = model::tile_cost(target, &regime.gemm1, 128, [4, 4], 32).0;
-        let t2 = model::tile_cost(target, &regime.gemm2, 256, [4, 2], 16).0
+        let t1 = model::tile_cost(target, &regime.gemm1, 128, [4, 4], 32, regime.gemm1.tile.m).0;
+        let t2 = model::tile_cost(target, &regime.gemm2, 256, [4, 2], 16, regime.gemm2.tile.m).0
             + model::gemm2_epilogue_seconds(
                 &regime.gemm2,
                 ep.combine_route,

@@ -135,19 +135,24 @@ pub const PARTIALS_HBM_EFFICIENCY_ONE_DEVICE: f64 = 0.6;
 /// blocks (the grid, or fewer when there are fewer tiles) share HBM evenly (an mma.sync
 /// block loads at least at [`BLOCK_HBM_BYTES_PER_S`], the GEMM bounded by [`hbm_seconds`]
 /// of all its bytes instead), and share the engines of the SMs they sit on: a block never
-/// computes faster than one SM. An expert's last, partly empty row tile costs a whole
-/// tile, though the warp-specialised engine skips a consumer warpgroup without rows: its
-/// stages pass through shared memory all the same (one H100, 2026-12-05: every expert given
-/// exactly T·K/E rows ran GPT-OSS-120B at 16384 tokens in 0.83 of the time of uniform
-/// routing, which adds 13% row tiles, `benches/results/2026-12-05_tile_fill.md`). Also the
-/// tile's share of HBM bytes, which [`hbm_seconds`] turns into the GEMM's floor over all
-/// its tiles.
+/// computes faster than one SM. The tile holds `rows` rows: an expert's last row tile is
+/// partly empty. Its loads are a whole tile's (its stages pass through shared memory all
+/// the same: one H100, 2026-12-05, every expert given exactly T·K/E rows ran GPT-OSS-120B at
+/// 16384 tokens in 0.83 of the time of uniform routing, which adds 13% row tiles,
+/// `benches/results/2026-12-05_tile_fill.md`); its multiplies are a whole tile's on the
+/// mma.sync engine, but the warp-specialised engine's consumer warpgroups without rows skip
+/// theirs (since 2f41ad9), so only the warpgroups with rows count: this took the two
+/// virtual ranks' Qwen3-30B-A3B at 1024 tokens per rank from +20% to +12% of its
+/// measurement (one H100, 7046353; `benches/results/2026-12-07_simulator_partial_tiles.md`).
+/// Also the tile's share of HBM bytes, which [`hbm_seconds`] turns into the GEMM's floor
+/// over all its tiles.
 pub fn tile_cost(
     target: &Target,
     gemm: &GemmPlan,
     depth: u32,
     [m_tiles, n_tiles]: [u32; 2],
     tiles: u32,
+    rows: u32,
 ) -> (f64, f64) {
     let concurrent = f64::from(gemm.grid_blocks.min(tiles).max(1));
     let (fraction, overhead) = match gemm.engine {
@@ -158,7 +163,14 @@ pub fn tile_cost(
         MmaEngine::WgmmaWarpSpecialized => (target.wgmma_fraction * GEMM_WGMMA_SCALE, 0.0),
     };
     let sharing = concurrent.max(f64::from(target.sm_count));
-    let flops = 2.0 * f64::from(gemm.tile.m) * f64::from(gemm.b_rows) * f64::from(depth);
+    let multiplied_rows = match gemm.engine {
+        MmaEngine::MmaSync => gemm.tile.m,
+        MmaEngine::WgmmaWarpSpecialized => {
+            let per_consumer = gemm.tile.m / (gemm.warps_m / 4).max(1);
+            rows.clamp(1, gemm.tile.m).div_ceil(per_consumer) * per_consumer
+        }
+    };
+    let flops = 2.0 * f64::from(multiplied_rows) * f64::from(gemm.b_rows) * f64::from(depth);
     let compute = flops / (target.peak_bf16_flops * fraction / sharing);
     let a_bytes = f64::from(gemm.tile.m) * f64::from(depth) * 2.0 / f64::from(n_tiles.max(1));
     let b_bytes = f64::from(gemm.b_rows) * f64::from(depth) * 2.0 / f64::from(m_tiles.max(1));
@@ -192,9 +204,8 @@ pub fn hbm_seconds(target: &Target, bytes: f64) -> f64 {
 /// `rows` rows after its main loop, into their origins' combine slots or (rank partials)
 /// here (an mma.sync tile's is in its [`TILE_OVERHEAD_S`]); `one_device`: every rank on
 /// one GPU (virtual ranks), so no row crosses a link. An expert's last row tile is partly
-/// empty, and its epilogue stores only the rows it has. ([`tile_cost`] still charges such a
-/// tile a whole tile's math, though a consumer warpgroup with no rows skips its multiplies
-/// since 2f41ad9: measured, that changed the large-T cells by 0 to 6%.)
+/// empty, and its epilogue stores only the rows it has (as [`tile_cost`] counts only the
+/// multiplies of its warpgroups with rows).
 pub fn gemm2_epilogue_seconds(
     gemm: &GemmPlan,
     route: CombineRoute,
