@@ -197,7 +197,8 @@ pub(crate) fn time_back_to_back<E: From<GpuError>>(
 
 /// Medians of CUDA-event times of `first` and `second` over `iterations` each, after
 /// warm-up, the two taken in turns so that what drifts over a run (clocks under a power
-/// limit) moves both alike and their difference measures what separates them. The input
+/// limit) moves both alike and their difference measures what separates them; which of
+/// the two opens a turn alternates, so that neither always follows the other. The input
 /// sets step by two between calls (`first` on even steps, `second` on odd ones, modulo
 /// the rotated sets): no call follows one on its own set, whose rows and experts' weights
 /// it would find in L2.
@@ -214,12 +215,15 @@ pub(crate) fn time_calls_in_turns<E: From<GpuError>>(
         Vec::with_capacity(iterations),
     );
     for i in 0..iterations {
-        times
-            .0
-            .push(event_span(session, || first(2 * i % ROTATED_INPUTS))?);
-        times.1.push(event_span(session, || {
-            second((2 * i + 1) % ROTATED_INPUTS)
-        })?);
+        let mut time_first = || event_span(session, || first(2 * i % ROTATED_INPUTS));
+        let mut time_second = || event_span(session, || second((2 * i + 1) % ROTATED_INPUTS));
+        if i % 2 == 0 {
+            times.0.push(time_first()?);
+            times.1.push(time_second()?);
+        } else {
+            times.1.push(time_second()?);
+            times.0.push(time_first()?);
+        }
     }
     Ok((median(times.0), median(times.1)))
 }

@@ -16,8 +16,9 @@
 //! after another they used one core), then timed one at a time. Where the sweep's fastest
 //! GEMMs at one end of a regime are not its choice, they are timed across the regime
 //! (`probe_regime`, [`probe_verdict`]): where they win a run at one end, the regime is cut
-//! in two (two entries that tile it, which planning turns into two regimes); where they win
-//! everywhere, they replace the choice for the whole regime.
+//! in two (two entries that tile it, which planning turns into two regimes); where they beat
+//! the choice over all the probes by the same rule, they replace it for the whole regime;
+//! either only if a second pass, in turns with the choice, agrees.
 
 use moeforge_compiler::ir::Layer;
 use moeforge_compiler::plan::tuning::{
@@ -69,6 +70,16 @@ pub struct CandidateTiming {
     pub is_model_choice: bool,
 }
 
+/// An entry in use timed against the sweep's choice, at the regime's timed counts.
+#[derive(Clone, Debug)]
+pub struct InUseTimes {
+    pub entry: Vec<f64>,
+    pub choice: Vec<f64>,
+    /// Whether their calls were taken in turns; else the entry was timed alone, beside the
+    /// sweep's own times of the choice (the two layers could not be held at once).
+    pub in_turns: bool,
+}
+
 /// What `tune_layer` reports as it goes.
 pub enum TuneEvent<'a> {
     /// A GEMM's candidates are about to be compiled (before any of them is timed).
@@ -79,12 +90,13 @@ pub enum TuneEvent<'a> {
     },
     Candidate(&'a CandidateTiming),
     /// A regime's entry in use today (or a part of the cut in use), where the sweep ended
-    /// elsewhere: the times of the plan it gives (with every part, for a cut), or why it
-    /// could not be planned or run (the sweep's choice then stands), and whether it stays.
+    /// elsewhere: the times of the plan it gives (with every part, for a cut) and of the
+    /// sweep's choice it was judged against, or why the entry's plan could not be built or
+    /// run (the sweep's choice then stands), and whether it stays.
     InUse {
         regime: &'a str,
         entry: &'a TunedRegime,
-        us: Result<Vec<f64>, String>,
+        us: Result<InUseTimes, String>,
         kept: bool,
     },
     /// The sweep's choice for a regime with no entry in use, where it is not the cost
@@ -116,7 +128,7 @@ pub enum TuneEvent<'a> {
     Regime(&'a [TunedRegime]),
 }
 
-/// Which GEMMs a probe for a cut times.
+/// Which GEMMs a probe across a regime times.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProbeRole {
     /// The regime's choice after the sweep.
@@ -131,8 +143,8 @@ pub enum ProbeRole {
         starts_at: u32,
         alternative_above: bool,
     },
-    /// The second pass: the alternative for the whole regime again, where it won every
-    /// probe of the first.
+    /// The second pass: the alternative for the whole regime again, where it beat the
+    /// choice over all the probes of the first.
     AlternativeAgain,
     /// The second pass: the regime's choice again, its calls in turns with the cut's (or
     /// the alternative's).
@@ -405,13 +417,15 @@ pub fn tune_layer(
                     // The GEMMs of its last part: the ones beside the regime above.
                     let last = &plan.regimes[index + in_use.len() - 1];
                     let gemms = (last.gemm1.clone(), last.gemm2.clone());
-                    let choice = plan_with(entry_with(&gemm1, &gemm2))?;
-                    let pair = [compiled(session, plan)?, compiled(session, choice)?];
-                    let [us, choice_us] = time_regimes_in_turns(session, pair, &tokens, &settings)?;
-                    Ok((us, choice_us, gemms))
+                    let choice = plan_with(entry_with(&gemm1, &gemm2));
+                    let reference = with_kernels(session, plan)?;
+                    let ([us, choice_us], in_turns) = time_against_choice(
+                        session, reference, choice, &chosen, &tokens, &settings,
+                    )?;
+                    Ok((us, choice_us, in_turns, gemms))
                 });
                 let kept = match &timed {
-                    Ok((us, choice_us, _)) => !beats(choice_us, us, &model_times),
+                    Ok((us, choice_us, _, _)) => !beats(choice_us, us, &model_times),
                     Err(_) => false,
                 };
                 for part in &in_use {
@@ -426,7 +440,11 @@ pub fn tune_layer(
                         entry: &shown,
                         us: timed
                             .as_ref()
-                            .map(|(us, _, _)| us.clone())
+                            .map(|(us, choice_us, in_turns, _)| InUseTimes {
+                                entry: us.clone(),
+                                choice: choice_us.clone(),
+                                in_turns: *in_turns,
+                            })
                             .map_err(ToString::to_string),
                         kept,
                     });
@@ -434,24 +452,33 @@ pub fn tune_layer(
                 match (kept, timed) {
                     // A cut in use that stays: its entries are the regime's, their GEMMs as
                     // they were, their times this tune's.
-                    (true, Ok((us, _, last_gemms))) if in_use.len() > 1 => {
+                    (true, Ok((us, _, _, last_gemms))) if in_use.len() > 1 => {
                         below = Some(last_gemms);
-                        let timed: Vec<TunedRegime> = in_use
+                        let parts: Vec<TunedRegime> = in_use
                             .into_iter()
-                            .map(|part| TunedRegime {
-                                measured_on: measured_on.to_string(),
-                                measured_by: measured_by.to_string(),
-                                ..timed_within(part, &tokens, &us, &model_times)
+                            .map(|part| {
+                                let retimed =
+                                    timed_within(part.clone(), &tokens, &us, &model_times);
+                                if retimed == part {
+                                    // It holds none of the timed counts: as it was.
+                                    return part;
+                                }
+                                TunedRegime {
+                                    self_routed: times_self_routed(layer),
+                                    measured_on: measured_on.to_string(),
+                                    measured_by: measured_by.to_string(),
+                                    ..retimed
+                                }
                             })
                             .collect();
-                        report(TuneEvent::Regime(&timed));
-                        entries.extend(timed);
+                        report(TuneEvent::Regime(&parts));
+                        entries.extend(parts);
                         continue;
                     }
-                    (true, Ok((us, _, (in_use_gemm1, in_use_gemm2)))) => {
+                    (true, Ok((us, _, _, (in_use_gemm1, in_use_gemm2)))) => {
                         (gemm1, gemm2, chosen) = (in_use_gemm1, in_use_gemm2, us);
                     }
-                    (false, Ok((_, choice_us, _))) => chosen = choice_us,
+                    (false, Ok((_, choice_us, _, _))) => chosen = choice_us,
                     _ => {}
                 }
             }
@@ -460,7 +487,10 @@ pub fn tune_layer(
             // timed again in turns with them, and kept only if it beats them there too.
             let timed = plan_with(entry_with(&regime.gemm1, &regime.gemm2)).and_then(|model| {
                 let choice = plan_with(entry_with(&gemm1, &gemm2))?;
-                let pair = [compiled(session, model)?, compiled(session, choice)?];
+                let pair = [
+                    with_kernels(session, model)?,
+                    with_kernels(session, choice)?,
+                ];
                 time_regimes_in_turns(session, pair, &tokens, &settings)
             });
             let stands = match &timed {
@@ -519,7 +549,7 @@ pub fn tune_layer(
         below = Some((gemm1.clone(), gemm2.clone()));
         let model_us = model_times.iter().sum::<f64>();
         let chosen_us = chosen.iter().sum::<f64>();
-        let unchanged = same_shape(&gemm1, &regime.gemm1) && same_shape(&gemm2, &regime.gemm2);
+        let unchanged = same_pair((&gemm1, &gemm2), (&regime.gemm1, &regime.gemm2));
         let mut entry = entry_with(&gemm1, &gemm2);
         // The cost model's own choice is one configuration: give it one time.
         entry.measured_us = if unchanged { model_us } else { chosen_us };
@@ -600,15 +630,15 @@ struct SweptCandidate {
     us: Vec<f64>,
 }
 
-/// Token counts a regime is probed at for a cut: this many, spaced evenly in the
-/// logarithm from its smallest call to its largest.
+/// Token counts a regime is probed at: this many, spaced evenly in the logarithm from its
+/// smallest call to its largest.
 pub const CUT_PROBES: usize = 7;
 
 /// The fewest probes each part of a cut regime holds: one probe alone could be noise.
 pub const MIN_PART_PROBES: usize = 2;
 
-/// The token counts a regime is probed at for a cut ([`CUT_PROBES`] of them, fewer where
-/// its range holds fewer).
+/// The token counts a regime is probed at ([`CUT_PROBES`] of them, fewer where its range
+/// holds fewer).
 pub fn cut_probes(min_tokens: u32, max_tokens: u32) -> Vec<u32> {
     let low = min_tokens.max(1);
     let ratio = f64::from(max_tokens) / f64::from(low);
@@ -840,43 +870,6 @@ fn probe_regime(
     if alternatives.is_empty() {
         return None;
     }
-    // Times plans at the probes (one alone, or two with their calls in turns) and reports
-    // each: their times, or `None` where one could not be built or run.
-    type Run = (ProbeRole, Result<Plan, TuneError>, [TunedGemm; 2]);
-    let mut time = |runs: Vec<Run>| -> Option<Vec<Vec<f64>>> {
-        let mut shown = Vec::with_capacity(runs.len());
-        let compiled: Result<Vec<_>, TuneError> = runs
-            .into_iter()
-            .map(|(role, plan, gemms)| {
-                shown.push((role, gemms));
-                compiled(context.session, plan?)
-            })
-            .collect();
-        let timed: Result<Vec<Vec<f64>>, TuneError> =
-            compiled.and_then(|compiled| match <[_; 2]>::try_from(compiled) {
-                Ok(pair) => time_regimes_in_turns(context.session, pair, &probes, context.settings)
-                    .map(Vec::from),
-                Err(one) => one
-                    .into_iter()
-                    .map(|(plan, kernels)| {
-                        time_regime(context.session, plan, kernels, &probes, context.settings)
-                    })
-                    .collect(),
-            });
-        for (i, (role, gemms)) in shown.into_iter().enumerate() {
-            report(TuneEvent::Probe {
-                regime: &regime.name,
-                role,
-                gemms,
-                tokens: &probes,
-                us: timed
-                    .as_ref()
-                    .map(|times| times[i].clone())
-                    .map_err(ToString::to_string),
-            });
-        }
-        timed.ok()
-    };
     let whole = |(gemm1, gemm2): (&GemmPlan, &GemmPlan)| {
         (
             (context.plan_with_entries)(vec![(context.entry_with)(gemm1, gemm2)]),
@@ -884,19 +877,28 @@ fn probe_regime(
         )
     };
     let (plan, gemms) = whole(chosen);
-    let current = time(vec![(ProbeRole::Chosen, plan, gemms)])?.pop()?;
+    let current = probe_one(context, &probes, (ProbeRole::Chosen, plan, gemms), report)?;
     let model_is_chosen = same_pair(context.model, chosen);
     let model = if model_is_chosen {
         current.clone()
     } else {
         let (plan, gemms) = whole(context.model);
-        time(vec![(ProbeRole::CostModel, plan, gemms)])?.pop()?
+        probe_one(
+            context,
+            &probes,
+            (ProbeRole::CostModel, plan, gemms),
+            report,
+        )?
     };
     let mut best: Option<(ProbeVerdict, (GemmPlan, GemmPlan))> = None;
     for pair in alternatives {
         let (plan, gemms) = whole((&pair.0, &pair.1));
-        let Some(us) = time(vec![(ProbeRole::Alternative, plan, gemms)]).and_then(|mut t| t.pop())
-        else {
+        let Some(us) = probe_one(
+            context,
+            &probes,
+            (ProbeRole::Alternative, plan, gemms),
+            report,
+        ) else {
             continue;
         };
         let verdict =
@@ -947,15 +949,19 @@ fn probe_regime(
         .map(|(gemms, min_tokens, max_tokens)| part(gemms, *min_tokens, *max_tokens))
         .collect();
     let (plan, gemms) = whole((&chosen.0, &chosen.1));
-    let mut timed = time(vec![
-        (
-            role,
-            (context.plan_with_entries)(entries.clone()),
-            alternative_gemms,
-        ),
-        (ProbeRole::ChosenAgain, plan, gemms),
-    ])?;
-    let (current_again, changed) = (timed.pop()?, timed.pop()?);
+    let [changed, current_again] = probe_pair(
+        context,
+        &probes,
+        [
+            (
+                role,
+                (context.plan_with_entries)(entries.clone()),
+                alternative_gemms,
+            ),
+            (ProbeRole::ChosenAgain, plan, gemms),
+        ],
+        report,
+    )?;
     let model = if model_is_chosen {
         current_again.clone()
     } else {
@@ -975,6 +981,86 @@ fn probe_regime(
             })
             .collect()
     })
+}
+
+/// A plan for a probe: its role, the plan (or why there is none), and its GEMMs as shown.
+type ProbeRun = (ProbeRole, Result<Plan, TuneError>, [TunedGemm; 2]);
+
+/// A plan timed at the regime's `probes` and reported: its times, or `None` where it could
+/// not be built or run.
+fn probe_one(
+    context: &ProbeContext<'_>,
+    probes: &[u32],
+    (role, plan, gemms): ProbeRun,
+    report: &mut dyn FnMut(TuneEvent<'_>),
+) -> Option<Vec<f64>> {
+    let us = plan.and_then(|plan| {
+        let (plan, kernels) = with_kernels(context.session, plan)?;
+        time_regime(context.session, plan, kernels, probes, context.settings)
+    });
+    report(TuneEvent::Probe {
+        regime: &context.regime.name,
+        role,
+        gemms,
+        tokens: probes,
+        us: us.as_ref().map(Clone::clone).map_err(ToString::to_string),
+    });
+    us.ok()
+}
+
+/// Two plans timed at the regime's `probes`, their calls in turns, each reported: their
+/// times, or `None` where either could not be built or they could not be run together (a
+/// plan that could not be built is reported with its own error, the other as not timed).
+fn probe_pair(
+    context: &ProbeContext<'_>,
+    probes: &[u32],
+    runs: [ProbeRun; 2],
+    report: &mut dyn FnMut(TuneEvent<'_>),
+) -> Option<[Vec<f64>; 2]> {
+    let [
+        (first_role, first, first_gemms),
+        (second_role, second, second_gemms),
+    ] = runs;
+    let first = first.and_then(|plan| with_kernels(context.session, plan));
+    let second = second.and_then(|plan| with_kernels(context.session, plan));
+    let (first_us, second_us): (Result<Vec<f64>, String>, Result<Vec<f64>, String>) =
+        match (first, second) {
+            (Ok(first), Ok(second)) => {
+                match time_regimes_in_turns(
+                    context.session,
+                    [first, second],
+                    probes,
+                    context.settings,
+                ) {
+                    Ok([a, b]) => (Ok(a), Ok(b)),
+                    Err(error) => {
+                        let reason = format!("timed in turns with the other: {error}");
+                        (Err(reason.clone()), Err(reason))
+                    }
+                }
+            }
+            (first, second) => {
+                let untimed = "not timed: the other plan of the pair could not be built";
+                let reason = |plan: Result<CompiledPlan, TuneError>| match plan {
+                    Ok(_) => untimed.to_string(),
+                    Err(error) => error.to_string(),
+                };
+                (Err(reason(first)), Err(reason(second)))
+            }
+        };
+    for (role, gemms, us) in [
+        (first_role, first_gemms, &first_us),
+        (second_role, second_gemms, &second_us),
+    ] {
+        report(TuneEvent::Probe {
+            regime: &context.regime.name,
+            role,
+            gemms,
+            tokens: probes,
+            us: us.clone(),
+        });
+    }
+    Some([first_us.ok()?, second_us.ok()?])
 }
 
 /// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
@@ -1007,7 +1093,7 @@ fn time_regime(
 /// prefill counts on an H100 (`benches/results/2026-12-07_regime_cuts.md`).
 fn time_regimes_in_turns(
     session: &Session,
-    [first, second]: [(Plan, (CompiledKernels, f64)); 2],
+    [first, second]: [CompiledPlan; 2],
     tokens: &[u32],
     settings: &TuneSettings,
 ) -> Result<[Vec<f64>; 2], TuneError> {
@@ -1036,10 +1122,39 @@ fn time_regimes_in_turns(
     Ok(times)
 }
 
+/// A plan with its kernels, compiled (and the seconds that took).
+type CompiledPlan = (Plan, (CompiledKernels, f64));
+
 /// `plan` with its kernels, compiled.
-fn compiled(session: &Session, plan: Plan) -> Result<(Plan, (CompiledKernels, f64)), TuneError> {
+fn with_kernels(session: &Session, plan: Plan) -> Result<CompiledPlan, TuneError> {
     let kernels = session.compile(&plan)?;
     Ok((plan, kernels))
+}
+
+/// The times at `tokens` of `reference` and of the sweep's `choice`, in that order, their
+/// calls in turns, and whether they were: where the two cannot be timed together (two
+/// layers' weights held at once, or the choice's plan), `reference` is timed alone and the
+/// sweep's own times of the choice (`swept`) stand beside it, as before the turns. An error
+/// only where `reference` cannot be built or run.
+fn time_against_choice(
+    session: &Session,
+    reference: CompiledPlan,
+    choice: Result<Plan, TuneError>,
+    swept: &[f64],
+    tokens: &[u32],
+    settings: &TuneSettings,
+) -> Result<([Vec<f64>; 2], bool), TuneError> {
+    let together = choice
+        .and_then(|choice| with_kernels(session, choice))
+        .and_then(|choice| {
+            time_regimes_in_turns(session, [reference.clone(), choice], tokens, settings)
+        });
+    if let Ok(times) = together {
+        return Ok((times, true));
+    }
+    let (plan, kernels) = reference;
+    let alone = time_regime(session, plan, kernels, tokens, settings)?;
+    Ok(([alone, swept.to_vec()], false))
 }
 
 /// One call of `built` on `inputs`: self-routed where the layer routes itself.
@@ -1245,7 +1360,7 @@ mod tests {
     }
 
     #[test]
-    fn an_alternative_winning_every_probe_takes_the_whole_regime() {
+    fn an_alternative_beating_the_choice_over_all_the_probes_takes_the_whole_regime() {
         let probes = cut_probes(513, 16384);
         let current = [100.0; 7];
         let everywhere = [97.0, 98.0, 100.5, 97.0, 96.0, 97.0, 96.0];
@@ -1312,18 +1427,51 @@ mod tests {
         assert_eq!(between, entry(12, 127));
     }
 
-    /// Two plans timed in turns each get their own times at every count; the same plan
-    /// twice times alike, and as it does alone.
+    /// Two plans timed in turns each get their own times, in the order they were passed:
+    /// the cost model's plan and one whose GEMM1 has a narrow mma.sync tile (several times
+    /// slower at 1500 tokens), timed in both orders; each alone as in turns.
     #[test]
     #[ignore = "needs a CUDA GPU"]
-    fn two_plans_timed_in_turns_each_get_their_times() {
+    fn two_plans_timed_in_turns_each_get_their_own_times() {
         let source = include_str!("../../tests/fixtures/untuned_small.moe");
         let module =
             moeforge_compiler::compile_source("untuned_small.moe", source).expect("compiles");
         let layer = &module.layers[0];
         let session = Session::open().expect("a GPU session");
         let target = Target::for_device(&session.gpu.facts().expect("device facts"));
-        let plan = plan::plan(layer, &target).expect("plans");
+        let model = plan::plan(layer, &target).expect("plans");
+        let tokens = [1500];
+        let regime = model
+            .regimes
+            .iter()
+            .find(|r| (r.min_tokens..=r.max_tokens).contains(&tokens[0]))
+            .expect("a regime holds 1500 tokens");
+        let narrow: TunedGemm = serde_json::from_value(serde_json::json!({
+            "engine": "mma_sync", "tile": { "m": 16, "n": 64, "k": 64 }, "stages": 2, "cluster": 1
+        }))
+        .expect("a GEMM configuration");
+        let entry = TunedRegime {
+            gpu: target.name.clone(),
+            shape: TunedShape::of(&model.shape),
+            min_tokens: regime.min_tokens,
+            max_tokens: regime.max_tokens,
+            gemm1: Some(narrow),
+            gemm2: None,
+            timed_tokens: tokens.to_vec(),
+            measured_us: 0.0,
+            model_choice_us: 0.0,
+            self_routed: false,
+            measured_on: "test".to_string(),
+            measured_by: "test".to_string(),
+        };
+        let slow = plan::plan_tuned(
+            layer,
+            &target,
+            &TuningTable {
+                entries: vec![entry],
+            },
+        )
+        .expect("plans");
         let settings = TuneSettings {
             candidates: 1,
             iterations: 5,
@@ -1332,25 +1480,41 @@ mod tests {
             in_use: TuningTable::default(),
             probe_regimes: false,
         };
-        let tokens = [1, 300, 1500];
-        let compiled = || (plan.clone(), session.compile(&plan).expect("compiles"));
-        let [first, second] =
-            time_regimes_in_turns(&session, [compiled(), compiled()], &tokens, &settings)
-                .expect("times both");
-        let (plan, kernels) = compiled();
-        let alone = time_regime(&session, plan, kernels, &tokens, &settings).expect("times");
-        assert_eq!((first.len(), second.len()), (tokens.len(), tokens.len()));
-        for (i, t) in tokens.iter().enumerate() {
-            let times = [first[i], second[i], alone[i]];
-            assert!(
-                times.iter().all(|us| us.is_finite() && *us > 0.0),
-                "{t}: {times:?}"
-            );
-            let (fastest, slowest) = (
-                times.iter().copied().fold(f64::INFINITY, f64::min),
-                times.iter().copied().fold(0.0, f64::max),
-            );
-            assert!(slowest < 1.5 * fastest, "{t} tokens: {times:?}");
+        let compiled = |plan: &Plan| with_kernels(&session, plan.clone()).expect("compiles");
+        let in_turns = |first: &Plan, second: &Plan| {
+            time_regimes_in_turns(
+                &session,
+                [compiled(first), compiled(second)],
+                &tokens,
+                &settings,
+            )
+            .expect("times both")
+        };
+        let alone = |plan: &Plan| {
+            let (plan, kernels) = compiled(plan);
+            time_regime(&session, plan, kernels, &tokens, &settings).expect("times")[0]
+        };
+        let [fast, slow_us] = in_turns(&model, &slow);
+        let [slow_again, fast_again] = in_turns(&slow, &model);
+        let (fast_alone, slow_alone) = (alone(&model), alone(&slow));
+        let times = [
+            fast[0],
+            slow_us[0],
+            slow_again[0],
+            fast_again[0],
+            fast_alone,
+            slow_alone,
+        ];
+        assert!(
+            times.iter().all(|us| us.is_finite() && *us > 0.0),
+            "{times:?}"
+        );
+        // Each order gives each plan its own times, as each runs alone.
+        assert!(1.2 * fast[0] < slow_us[0], "{times:?}");
+        assert!(1.2 * fast_again[0] < slow_again[0], "{times:?}");
+        assert!(1.2 * fast_alone < slow_alone, "{times:?}");
+        for (together, alone) in [(fast[0], fast_alone), (slow_us[0], slow_alone)] {
+            assert!((together / alone - 1.0).abs() < 0.2, "{times:?}");
         }
     }
 

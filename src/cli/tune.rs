@@ -51,9 +51,25 @@ pub struct Args {
     /// Skip the probes across each regime: make no new cut (a regime cut in two where other
     /// GEMMs are fastest at one end of it adds a regime's kernels to the layer: two GEMMs,
     /// and the router's where the spec has one), and give no regime those GEMMs where they
-    /// win everywhere. A cut already in use is still timed, and stays unless beaten.
+    /// beat its choice over the whole of it (the sweep's choice still stands or falls as
+    /// without the probes). A cut already in use is still timed, and stays unless beaten.
     #[arg(long)]
     keep_regimes: bool,
+}
+
+/// Times per timed call, as the tune prints them.
+fn joined(us: &[f64]) -> String {
+    let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
+    each.join(" / ")
+}
+
+/// What a new choice must be to replace the current one, as the tune says it.
+fn winning_rule() -> String {
+    format!(
+        "both {:.0}% faster on average and at most {:.0}% slower at every timed call",
+        MIN_GAIN * 100.0,
+        MAX_LOSS * 100.0
+    )
 }
 
 pub fn run(args: &Args) -> ExitCode {
@@ -129,15 +145,15 @@ pub fn run(args: &Args) -> ExitCode {
         let tokens: Vec<String> = args.tokens.iter().map(u32::to_string).collect();
         format!(" (only the regimes holding T = {})", tokens.join(", "))
     };
-    let cuts = if args.keep_regimes {
-        "; no probes across the regimes (no new cuts)".to_string()
+    let probes = if args.keep_regimes {
+        "; no probes across the regimes (no new cut, no whole-regime change from them)".to_string()
     } else {
         format!(
             "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it: the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, or given them where they win everywhere so, if a second pass timing the layer so changed and the choice again, their calls in turns, agrees"
         )
     };
     eprintln!(
-        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's; an entry in use for the regime, or else the cost model's GEMMs, timed again in turns with the choice, stays unless beaten so there){cuts}",
+        "tuning `{}`{which} on {}: {} candidate tiles per GEMM and regime (an mma.sync tile at both stage depths) and the neighbouring regimes' GEMMs, each a whole layer timed{routing_note} at its regime's smallest, middle and largest call ({} calls each, median; a winner is {:.0}% faster on average and at most {:.0}% slower at any of them, than the current choice and than the cost model's; an entry in use for the regime, or else the cost model's GEMMs, timed again in turns with the choice, stays unless beaten so there){probes}",
         layer.name,
         target.name,
         args.candidates,
@@ -167,10 +183,7 @@ pub fn run(args: &Args) -> ExitCode {
             done += 1;
             let gemm = gemm_name(t.gemm);
             let outcome = match &t.us {
-                Ok(us) => {
-                    let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
-                    format!("{} us", each.join(" / "))
-                }
+                Ok(us) => format!("{} us", joined(us)),
                 Err(reason) => format!("left out: {reason}"),
             };
             eprintln!(
@@ -198,18 +211,22 @@ pub fn run(args: &Args) -> ExitCode {
                 .filter_map(|(name, gemm)| Some(format!("{name} {}", gemm?.describe())))
                 .collect();
             let outcome = match us {
-                Ok(us) => {
-                    let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
+                Ok(times) => {
                     let verdict = if kept {
-                        format!(
-                            "kept: the new choice is not both {:.0}% faster on average and at most {:.0}% slower at every timed call",
-                            MIN_GAIN * 100.0,
-                            MAX_LOSS * 100.0
-                        )
+                        format!("kept: the new choice is not {}", winning_rule())
                     } else {
                         "replaced".to_string()
                     };
-                    format!("{} us  ({verdict})", each.join(" / "))
+                    let how = if times.in_turns {
+                        "in turns"
+                    } else {
+                        "alone, beside the sweep's times: the two layers could not be held at once"
+                    };
+                    format!(
+                        "{} us against the new choice's {} us ({how}; {verdict})",
+                        joined(&times.entry),
+                        joined(&times.choice)
+                    )
                 }
                 Err(reason) => format!("left out: {reason}"),
             };
@@ -231,23 +248,18 @@ pub fn run(args: &Args) -> ExitCode {
         } => {
             let outcome = match us {
                 Ok([model_us, choice_us]) => {
-                    let each = |us: &[f64]| -> String {
-                        let each: Vec<String> = us.iter().map(|t| format!("{t:.1}")).collect();
-                        each.join(" / ")
-                    };
                     let verdict = if stands {
                         "it stands".to_string()
                     } else {
                         format!(
-                            "the cost model's GEMMs stay: the choice is not both {:.0}% faster on average and at most {:.0}% slower at every timed call",
-                            MIN_GAIN * 100.0,
-                            MAX_LOSS * 100.0
+                            "the cost model's GEMMs stay: the choice is not {}",
+                            winning_rule()
                         )
                     };
                     format!(
                         "{} us against the cost model's {} us  ({verdict})",
-                        each(&choice_us),
-                        each(&model_us)
+                        joined(&choice_us),
+                        joined(&model_us)
                     )
                 }
                 Err(reason) => format!("not timed ({reason}): the sweep's times stand"),
