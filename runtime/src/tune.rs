@@ -5,20 +5,27 @@
 //! GEMM2's (GEMM1 at the winner): a layer per candidate of each GEMM instead of one per
 //! pair of them, each a whole layer timed on whole calls (self-routed where the spec has a
 //! router), so a candidate's launch, ramp and tail count as they will in use, the router's
-//! kernel ahead of GEMM1 included. A candidate is the plan of the layer with one tuning entry naming it, so what is timed is
-//! exactly what the planner will build from the entry. GEMMs the spec hints are left as
-//! hinted. Where the table planning uses today holds an entry for the regime and the sweep
-//! ends elsewhere, that entry is timed as well, in turns with the sweep's choice
-//! (`time_regimes_in_turns`), and stays unless the choice [`beats`] it there; with no entry
-//! in use, a choice off the cost model's GEMMs is timed so against them and stands only if
-//! it beats them there. A GEMM's candidates are compiled before the first is timed, the current choice
-//! first and the others side by side (each is one changed kernel, one NVRTC program: one
-//! after another they used one core), then timed one at a time. Where the sweep's fastest
-//! GEMMs at one end of a regime are not its choice, they are timed across the regime
-//! (`probe_regime`, [`probe_verdict`]): where they win a run at one end, the regime is cut
-//! in two (two entries that tile it, which planning turns into two regimes); where they beat
-//! the choice over all the probes by the same rule, they replace it for the whole regime;
-//! either only if a second pass, in turns with the choice, agrees.
+//! kernel ahead of GEMM1 included. A candidate is the plan of the layer with one tuning
+//! entry naming it, so what is timed is exactly what the planner will build from the
+//! entry. GEMMs the spec hints are left as hinted. A GEMM's candidates are compiled before
+//! the first is timed, the current choice first and the others side by side (each is one
+//! changed kernel, one NVRTC program: one after another they used one core), then timed one
+//! at a time.
+//!
+//! The sweep's verdicts are then checked with the two layers' calls in turns
+//! (`time_regimes_in_turns`), so that clocks drifting over a pass move both alike: where the
+//! table planning uses today holds an entry for the regime and the sweep ends elsewhere,
+//! that entry stays unless the sweep's choice [`beats`] it so; with no entry in use, a
+//! choice off the cost model's GEMMs stands only if it beats them so (a choice that
+//! replaces an entry in use is not checked against the cost model's GEMMs again). Where
+//! the sweep's fastest GEMMs at one end of a regime are not its choice, they are timed
+//! across the regime (`probe_regime`, [`probe_verdict`]): where they win a run at one end,
+//! the regime is cut in two (two entries that tile it, which planning turns into two
+//! regimes); where they beat the choice over all the probes by the same rule, they replace
+//! it for the whole regime; either only if a second pass, in turns with the choice, agrees
+//! (a whole-regime verdict that the second pass refuses is not tried as a cut). The cost
+//! model's times that bound a loss at any one count ([`MAX_LOSS`]) come from the sweep's
+//! pass (or the probes' first), not from the turns.
 
 use moeforge_compiler::ir::Layer;
 use moeforge_compiler::plan::tuning::{
