@@ -8,8 +8,10 @@
 //! and the metadata timing to the 2026-12-01 files at e323b9f, the local GEMM2 epilogue and
 //! the combine's rate per lane to virtual ranks (2026-12-04): a few constants for three
 //! layers and five token counts, so the fit is not by construction. The overlapped layer
-//! time comes within 15% on 13 of the 15 two-GPU cells at e323b9f and on all 12 virtual-rank
-//! cells of 2026-12-04 (benches/results/2026-12-04_simulator_virtual_ranks.md). A row the
+//! time comes within 15% on all 14 cells of the files of today's kernels (two virtual ranks
+//! of an H100, 2026-12-06, 7046353 and 1bfebb0), on 13 of the 15 two-GPU cells at e323b9f and
+//! on 10 of the 12 virtual-rank cells of 2026-12-04, which ran older kernels
+//! (benches/results/2026-12-07_simulator_partial_tiles.md). A row the
 //! bench ran as the ranks' fused decode (its `fused_decode`) is predicted as that kernel
 //! (fitted to six cells: benches/results/2026-12-04_ep_fused_decode.md). Each rank's call
 //! is routed as the bench drew it, from the file's seed (`Routing::Benched`): at a few
