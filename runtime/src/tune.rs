@@ -56,8 +56,8 @@ pub struct TuneSettings {
     pub in_use: TuningTable,
     /// Whether the tune probes each regime across its range (`probe_regime`): it may then
     /// cut a regime in two where other GEMMs win one end of it, or give it those GEMMs
-    /// where they win everywhere. A cut already in use is timed and kept or replaced either
-    /// way.
+    /// where they beat its choice over all of it. A cut already in use is timed and kept or
+    /// replaced either way.
     pub probe_regimes: bool,
 }
 
@@ -834,16 +834,18 @@ fn same_pair(a: (&GemmPlan, &GemmPlan), b: (&GemmPlan, &GemmPlan)) -> bool {
     TunedGemm::of(a.0) == TunedGemm::of(b.0) && TunedGemm::of(a.1) == TunedGemm::of(b.1)
 }
 
-/// The regime cut in two where another pair of GEMMs wins one end of it, or given that
-/// pair where it wins everywhere: the pair of the sweep's fastest GEMMs at the regime's
-/// largest call, and the pair at its smallest, each timed for the whole regime beside its
-/// choice (`chosen`) at [`cut_probes`] and judged by [`probe_verdict`] (the larger gain
-/// wins); then a second pass times the layer planned with the change (both parts of a cut,
-/// as they will run: a part's router and routing launches follow its own range) and the
-/// choice again, their calls in turns ([`time_regimes_in_turns`]). A cut stands where [`cut_holds`], a whole replacement where it [`beats`]
-/// the choice again. The regime's new entries (a cut's two parts, lower first, or one),
-/// timed at the probes each holds in the second pass, with their GEMMs; `None` where no alternative wins, the second pass does not confirm
-/// it, or a probe could not be built or run (the regime then keeps its one entry).
+/// The regime cut in two where another pair of GEMMs wins one end of it, or given that pair
+/// where it beats the choice over all of it: the pair of the sweep's fastest GEMMs at the regime's largest
+/// call, and the pair at its smallest, each timed for the whole regime beside its choice
+/// (`chosen`) at [`cut_probes`] and judged by [`probe_verdict`] (the larger gain wins);
+/// then a second pass times the layer planned with the change (both parts of a cut, as they
+/// will run: a part's router and routing launches follow its own range) and the choice
+/// again, their calls in turns ([`time_regimes_in_turns`]). A cut stands where
+/// [`cut_holds`], a whole replacement where it [`beats`] the choice again. The regime's new
+/// entries (a cut's two parts, lower first, or one), timed at the probes each holds in the
+/// second pass, with their GEMMs; `None` where no alternative wins, the second pass does
+/// not confirm it, or a probe could not be built or run (the regime then keeps its one
+/// entry).
 fn probe_regime(
     context: &ProbeContext<'_>,
     chosen: (&GemmPlan, &GemmPlan),
