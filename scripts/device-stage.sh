@@ -10,7 +10,8 @@
 # they took device time (examples_compile alone 72 s of NVRTC on 2026-12-03) and room in the
 # 64 MiB the device tool carries. The kept test executables travel packed (.device/tests.tgz,
 # about a third of their size: the tree and the unpacked suite together passed 64 MiB on
-# 2026-12-05); .device/run.sh unpacks them on the GPU machine before it runs the suite.
+# 2026-12-05); scripts/gpu-suite-timed.sh (which .device/run.sh runs) unpacks them on the
+# GPU machine before it runs the suite.
 #
 # Usage, from the repository root: bash scripts/device-stage.sh [extra cargo args]
 #   STAGE=path/to/stage.sh overrides where shared/device/stage.sh is (default
@@ -45,13 +46,27 @@ mv "$kept" .device/tests.tsv
 find .device/bin -type f ! -name moeforge -delete
 tar -czf .device/tests.tgz -C .device tests
 rm -r .device/tests
-mv .device/run.sh .device/run-suite.sh
+# shared/device/run.sh runs the executables one after another (about 365 s cold on an
+# H100 for the 16 of 2026-12-07); this one runs them as scripts/gpu-suite-timed.sh does,
+# five at a time (77-79 s), then the extra command, as shared/device/run.sh would.
 cat > .device/run.sh <<'RUN'
 #!/usr/bin/env bash
-# Unpacks the test executables scripts/device-stage.sh packed, then runs the suite.
-cd "$(dirname "$0")"
-[ -d tests ] || tar -xzf tests.tgz
-exec bash run-suite.sh "$@"
+# Runs the GPU suite scripts/device-stage.sh staged (unpacking it first), several test
+# executables at a time (scripts/gpu-suite-timed.sh: LANES, default 5; LANES=1 one after
+# another), then the extra command given as arguments (e.g. .device/bin/moeforge bench ...).
+# Exit status: non-zero if any test executable or the extra command failed.
+cd "$(dirname "$0")/.."
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export LD_LIBRARY_PATH=$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}
+export PATH=$PWD/.device/bin:$PATH
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv,noheader
+fail=0
+bash scripts/gpu-suite-timed.sh "$(mktemp -d "${TMPDIR:-/tmp}/moeforge-suite.XXXXXX")" || fail=1
+if [ $# -gt 0 ]; then
+  echo "== $*"
+  "$@" || { echo "!! extra command failed"; fail=1; }
+fi
+exit $fail
 RUN
 if [ -n "${JIT_CACHE:-}" ]; then
   cp "$JIT_CACHE" .device/jit-cache.tar.xz

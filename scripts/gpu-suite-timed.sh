@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs the staged GPU suite as .device/run.sh does (every test executable of
-# .device/tests.tsv with its ignored tests, from its package folder, one test at a time) and
-# prints a table of seconds per executable, slowest first, the total (the numbers the 90 s
-# rule of the GPU suite is checked against), and the slowest tests (libtest's own times,
-# `--report-time`, an unstable option that RUSTC_BOOTSTRAP=1 unlocks for a stable build).
+# Runs the staged GPU suite (.device/run.sh runs this, then its extra command): every test
+# executable of .device/tests.tsv with its ignored tests, from its package folder, one test
+# at a time; and prints a table of seconds per executable, slowest first, the total (the
+# numbers the 90 s rule of the GPU suite is checked against), and the slowest tests
+# (libtest's own times, `--report-time`, an unstable option that RUSTC_BOOTSTRAP=1 unlocks
+# for a stable build).
 #
 # Usage, on the GPU machine from the repository root, after scripts/device-stage.sh:
 #   [LANES=N] bash scripts/gpu-suite-timed.sh [LOG_DIR [SLOWEST]]
