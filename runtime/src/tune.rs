@@ -1114,6 +1114,8 @@ fn time_regimes_in_turns(
         Vec::with_capacity(tokens.len()),
     ];
     for &t in tokens {
+        // Each layer its own inputs (the same draws): as its weights, a call's rows are then
+        // never in L2 from the other layer's call.
         let upload = || uploaded_inputs(session, &shape, t, Routing::Uniform, settings.seed);
         let (mut first_inputs, mut second_inputs) = (upload()?, upload()?);
         let (first_us, second_us) = time_calls_in_turns::<BenchError>(
