@@ -46,22 +46,28 @@ mv "$kept" .device/tests.tsv
 find .device/bin -type f ! -name moeforge -delete
 tar -czf .device/tests.tgz -C .device tests
 rm -r .device/tests
-# shared/device/run.sh runs the executables one after another (about 365 s cold on an
-# H100 for the 16 of 2026-12-07); this one runs them as scripts/gpu-suite-timed.sh does,
-# five at a time (77-79 s), then the extra command, as shared/device/run.sh would.
+# shared/device/run.sh runs the executables one after another (their own times in a cold
+# five-lane run on an H100 on 2026-12-07 add up to about 370 s); this one runs them
+# through scripts/gpu-suite-timed.sh, five at a time (77-79 s cold there), then the extra
+# command, as shared/device/run.sh would.
 cat > .device/run.sh <<'RUN'
 #!/usr/bin/env bash
 # Runs the GPU suite scripts/device-stage.sh staged (unpacking it first), several test
 # executables at a time (scripts/gpu-suite-timed.sh: LANES, default 5; LANES=1 one after
 # another), then the extra command given as arguments (e.g. .device/bin/moeforge bench ...).
 # Exit status: non-zero if any test executable or the extra command failed.
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export LD_LIBRARY_PATH=$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}
 export PATH=$PWD/.device/bin:$PATH
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv,noheader
 fail=0
-bash scripts/gpu-suite-timed.sh "$(mktemp -d "${TMPDIR:-/tmp}/moeforge-suite.XXXXXX")" || fail=1
+logs=$(mktemp -d "${TMPDIR:-/tmp}/moeforge-suite.XXXXXX")
+bash scripts/gpu-suite-timed.sh "$logs" || fail=1
+# The device tool brings back few files: a failing suite's logs come back as one archive.
+if [ "$fail" != 0 ] && [ -n "${OUT:-}" ]; then
+  tar -czf "$OUT/suite-logs.tgz" -C "$logs" . && echo "the suite's logs: \$OUT/suite-logs.tgz"
+fi
 if [ $# -gt 0 ]; then
   echo "== $*"
   "$@" || { echo "!! extra command failed"; fail=1; }

@@ -26,6 +26,9 @@ use crate::workload::{Routing, Workload};
 
 /// Input sets each measurement rotates through.
 const ROTATED_INPUTS: usize = 3;
+// Calls in turns step through the sets so that none follows one on its own set: that needs
+// more than two.
+const _: () = assert!(ROTATED_INPUTS > 2);
 /// Calls before the timed ones: each input set twice, so that a call the layer replays as a
 /// CUDA graph (docs/runtime.md) has been captured before any timed call.
 const WARMUP_CALLS: usize = 2 * ROTATED_INPUTS;
@@ -198,10 +201,11 @@ pub(crate) fn time_back_to_back<E: From<GpuError>>(
 /// Medians of CUDA-event times of `first` and `second` over `iterations` each, after
 /// warm-up, the two taken in turns so that what drifts over a run (clocks under a power
 /// limit) moves both alike and their difference measures what separates them; which of
-/// the two opens a turn alternates, so that neither always follows the other. The input
-/// sets step by two between calls (`first` on even steps, `second` on odd ones, modulo
-/// the rotated sets): no call follows one on its own set, whose rows and experts' weights
-/// it would find in L2.
+/// the two opens a turn alternates, so that neither always follows the other (every other
+/// turn boundary, a closure then follows itself, on another set). `first` takes the even
+/// steps' input sets and `second` the odd ones (modulo the rotated sets, more than two):
+/// no call follows one on its own set, whose rows and experts' weights it would find in
+/// L2.
 pub(crate) fn time_calls_in_turns<E: From<GpuError>>(
     session: &Session,
     iterations: usize,

@@ -82,9 +82,10 @@ pub struct CandidateTiming {
 pub struct InUseTimes {
     pub entry: Vec<f64>,
     pub choice: Vec<f64>,
-    /// Whether their calls were taken in turns; else the entry was timed alone, beside the
-    /// sweep's own times of the choice (the two layers could not be held at once).
-    pub in_turns: bool,
+    /// `None` where their calls were taken in turns; else why not (the two layers could not
+    /// be held at once, say), and the entry was timed alone, beside the sweep's own times
+    /// of the choice.
+    pub not_in_turns: Option<String>,
 }
 
 /// What `tune_layer` reports as it goes.
@@ -426,10 +427,10 @@ pub fn tune_layer(
                     let gemms = (last.gemm1.clone(), last.gemm2.clone());
                     let choice = plan_with(entry_with(&gemm1, &gemm2));
                     let reference = with_kernels(session, plan)?;
-                    let ([us, choice_us], in_turns) = time_against_choice(
+                    let ([us, choice_us], not_in_turns) = time_against_choice(
                         session, reference, choice, &chosen, &tokens, &settings,
                     )?;
-                    Ok((us, choice_us, in_turns, gemms))
+                    Ok((us, choice_us, not_in_turns, gemms))
                 });
                 let kept = match &timed {
                     Ok((us, choice_us, _, _)) => !beats(choice_us, us, &model_times),
@@ -447,10 +448,10 @@ pub fn tune_layer(
                         entry: &shown,
                         us: timed
                             .as_ref()
-                            .map(|(us, choice_us, in_turns, _)| InUseTimes {
+                            .map(|(us, choice_us, not_in_turns, _)| InUseTimes {
                                 entry: us.clone(),
                                 choice: choice_us.clone(),
-                                in_turns: *in_turns,
+                                not_in_turns: not_in_turns.clone(),
                             })
                             .map_err(ToString::to_string),
                         kept,
@@ -464,9 +465,8 @@ pub fn tune_layer(
                         let parts: Vec<TunedRegime> = in_use
                             .into_iter()
                             .map(|part| {
-                                let retimed =
-                                    timed_within(part.clone(), &tokens, &us, &model_times);
-                                if retimed == part {
+                                let range = part.min_tokens..=part.max_tokens;
+                                if !tokens.iter().any(|t| range.contains(t)) {
                                     // It holds none of the timed counts: as it was.
                                     return part;
                                 }
@@ -474,7 +474,7 @@ pub fn tune_layer(
                                     self_routed: times_self_routed(layer),
                                     measured_on: measured_on.to_string(),
                                     measured_by: measured_by.to_string(),
-                                    ..retimed
+                                    ..timed_within(part, &tokens, &us, &model_times)
                                 }
                             })
                             .collect();
@@ -676,8 +676,8 @@ pub struct RegimeCut {
 /// current choice, leaving at least [`MIN_PART_PROBES`] on each side (of the two ends, the
 /// larger gain); the cut lies at the geometric middle between the run's innermost probe
 /// and its neighbour outside the run. `None` where no such run exists, or where the
-/// alternative beats the current choice on every probe (not a cut: [`probe_verdict`] gives
-/// it the whole regime).
+/// alternative beats the current choice over all the probes (not a cut: [`probe_verdict`]
+/// gives it the whole regime).
 pub fn cut_point(
     probes: &[u32],
     current: &[f64],
@@ -1143,10 +1143,10 @@ fn with_kernels(session: &Session, plan: Plan) -> Result<CompiledPlan, TuneError
 }
 
 /// The times at `tokens` of `reference` and of the sweep's `choice`, in that order, their
-/// calls in turns, and whether they were: where the two cannot be timed together (two
-/// layers' weights held at once, or the choice's plan), `reference` is timed alone and the
-/// sweep's own times of the choice (`swept`) stand beside it, as before the turns. An error
-/// only where `reference` cannot be built or run.
+/// calls in turns, and `None`; where the two cannot be timed together (two layers' weights
+/// held at once, or the choice's plan), `reference` timed alone and the sweep's own times
+/// of the choice (`swept`) beside it, as before the turns, and why. An error only where
+/// `reference` cannot be built or run.
 fn time_against_choice(
     session: &Session,
     reference: CompiledPlan,
@@ -1154,18 +1154,19 @@ fn time_against_choice(
     swept: &[f64],
     tokens: &[u32],
     settings: &TuneSettings,
-) -> Result<([Vec<f64>; 2], bool), TuneError> {
+) -> Result<([Vec<f64>; 2], Option<String>), TuneError> {
     let together = choice
         .and_then(|choice| with_kernels(session, choice))
         .and_then(|choice| {
             time_regimes_in_turns(session, [reference.clone(), choice], tokens, settings)
         });
-    if let Ok(times) = together {
-        return Ok((times, true));
-    }
+    let why_not = match together {
+        Ok(times) => return Ok((times, None)),
+        Err(error) => error.to_string(),
+    };
     let (plan, kernels) = reference;
     let alone = time_regime(session, plan, kernels, tokens, settings)?;
-    Ok(([alone, swept.to_vec()], false))
+    Ok(([alone, swept.to_vec()], Some(why_not)))
 }
 
 /// One call of `built` on `inputs`: self-routed where the layer routes itself.
@@ -1440,7 +1441,9 @@ mod tests {
 
     /// Two plans timed in turns each get their own times, in the order they were passed:
     /// the cost model's plan and one whose GEMM1 has a narrow mma.sync tile (several times
-    /// slower at 1500 tokens), timed in both orders; each alone as in turns.
+    /// slower at 1500 tokens), timed in both orders, and each alone. Only the order of the
+    /// times is checked: the suite runs several test processes on one GPU at once, whose
+    /// turns on it fall into any of these times.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn two_plans_timed_in_turns_each_get_their_own_times() {
@@ -1524,9 +1527,6 @@ mod tests {
         assert!(1.2 * fast[0] < slow_us[0], "{times:?}");
         assert!(1.2 * fast_again[0] < slow_again[0], "{times:?}");
         assert!(1.2 * fast_alone < slow_alone, "{times:?}");
-        for (together, alone) in [(fast[0], fast_alone), (slow_us[0], slow_alone)] {
-            assert!((together / alone - 1.0).abs() < 0.2, "{times:?}");
-        }
     }
 
     #[test]

@@ -149,7 +149,7 @@ pub fn run(args: &Args) -> ExitCode {
         "; no probes across the regimes (no new cut, no whole-regime change from them)".to_string()
     } else {
         format!(
-            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it: the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, or given them where they win everywhere so, if a second pass timing the layer so changed and the choice again, their calls in turns, agrees"
+            "; then, where other GEMMs were fastest at one end of a regime, both pairs timed at {CUT_PROBES} calls across it: the regime cut in two where those GEMMs win a run of that end so, leaving at least {MIN_PART_PROBES} calls on each side, or given them where they beat its choice over all of them so, if a second pass timing the layer so changed and the choice again, their calls in turns, agrees"
         )
     };
     eprintln!(
@@ -217,10 +217,11 @@ pub fn run(args: &Args) -> ExitCode {
                     } else {
                         "replaced".to_string()
                     };
-                    let how = if times.in_turns {
-                        "in turns"
-                    } else {
-                        "alone, beside the sweep's times: the two layers could not be held at once"
+                    let how = match &times.not_in_turns {
+                        None => "in turns".to_string(),
+                        Some(reason) => format!(
+                            "the entry alone, beside the sweep's times: not in turns ({reason})"
+                        ),
                     };
                     format!(
                         "{} us against the new choice's {} us ({how}; {verdict})",

@@ -19,8 +19,8 @@
 //! differently from the current planner; the decode cells of the plans since 48c8dac are in
 //! benches/results/2026-12-04_ep_fused_decode_rings.md (15 of 18 within 15%). Since
 //! 5a2c0d9 (2026-12-06) a rank's warp-specialised GEMMs claim their tiles in order, and
-//! the simulator takes them so; every file above measured them dealt by block index, which
-//! ran slower where tiles wait on chunks: DeepSeek-V3 at 1024 tokens per rank on two GPUs
+//! the simulator takes them so; the files of e323b9f and 6ebe978 measured them dealt by
+//! block index, which ran slower where tiles wait on chunks: DeepSeek-V3 at 1024 tokens per rank on two GPUs
 //! is predicted 17% under the e323b9f measurement (9% under, modelled dealt).
 
 use std::path::Path;

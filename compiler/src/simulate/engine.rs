@@ -1110,31 +1110,28 @@ impl<'a> Machine<'a> {
                 let m_tiles = rows.div_ceil(bm);
                 let first = if phase == 0 { 0 } else { m_done[e][phase - 1] };
                 let last = m_done[e][phase];
-                for _ in 0..n2 {
-                    for m in first..last {
-                        // A tile multiplies and its epilogue stores its rows only (an
-                        // expert's last row tile is partly empty).
+                // Per row tile: its rows and time (a tile multiplies and its epilogue stores
+                // its rows only: an expert's last row tile is partly empty), and its bytes.
+                let row_tiles: Vec<(u32, u32, f64, f64)> = (first..last)
+                    .map(|m| {
                         let (row0, row1) = (m * bm, ((m + 1) * bm).min(rows));
-                        let (tile_seconds, bytes) = model::tile_cost(
-                            &self.target,
-                            g2,
-                            self.ffn,
-                            [m_tiles, n2],
-                            total,
-                            row1 - row0,
-                        );
-                        hbm_bytes += bytes;
+                        let shape = [m_tiles, n2];
+                        let (multiply, bytes) =
+                            model::tile_cost(&self.target, g2, self.ffn, shape, total, row1 - row0);
+                        let one_device = self.topology.virtual_ranks;
+                        let store =
+                            model::gemm2_epilogue_seconds(g2, route, one_device, row1 - row0);
+                        (row0, row1, multiply + store, bytes)
+                    })
+                    .collect();
+                hbm_bytes += f64::from(n2) * row_tiles.iter().map(|t| t.3).sum::<f64>();
+                for _ in 0..n2 {
+                    for &(row0, row1, duration, _) in &row_tiles {
                         tiles.push(Tile2 {
                             expert: e,
                             row0,
                             row1,
-                            duration: tile_seconds
-                                + model::gemm2_epilogue_seconds(
-                                    g2,
-                                    route,
-                                    self.topology.virtual_ranks,
-                                    row1 - row0,
-                                ),
+                            duration,
                         });
                     }
                 }

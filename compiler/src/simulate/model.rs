@@ -165,10 +165,11 @@ pub fn tile_cost(
     let sharing = concurrent.max(f64::from(target.sm_count));
     let multiplied_rows = match gemm.engine {
         MmaEngine::MmaSync => gemm.tile.m,
-        MmaEngine::WgmmaWarpSpecialized => {
-            let per_consumer = gemm.tile.m / (gemm.warps_m / 4).max(1);
-            rows.clamp(1, gemm.tile.m).div_ceil(per_consumer) * per_consumer
-        }
+        MmaEngine::WgmmaWarpSpecialized => rows
+            .clamp(1, gemm.tile.m)
+            .div_ceil(CONSUMER_ROWS)
+            .saturating_mul(CONSUMER_ROWS)
+            .min(gemm.tile.m),
     };
     let flops = 2.0 * f64::from(multiplied_rows) * f64::from(gemm.b_rows) * f64::from(depth);
     let compute = flops / (target.peak_bf16_flops * fraction / sharing);
@@ -182,6 +183,10 @@ pub fn tile_cost(
     let memory = (a_bytes + b_bytes) / rate;
     (compute.max(memory) + overhead, a_bytes + b_bytes)
 }
+
+/// Rows of a tile each consumer warpgroup of the warp-specialised engine multiplies
+/// (`wgmma` m64: `warps_m` is the tile's rows over 16, a warpgroup four warps).
+const CONSUMER_ROWS: u32 = 64;
 
 /// Bytes per second one mma.sync GEMM block loads from HBM at most, however few blocks are
 /// busy (its ring keeps about 90 KiB of loads in flight over about a microsecond). Its
@@ -280,6 +285,42 @@ fn reduce_seconds(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::plan;
+
+    /// A partly empty tile of the warp-specialised engine multiplies only with its
+    /// warpgroups that hold rows; its loads are a whole tile's; an mma.sync tile costs the
+    /// same whatever its rows.
+    #[test]
+    fn a_partly_empty_tile_multiplies_only_its_warpgroups_rows() {
+        let source = "topology one {\n gpus_per_node = 1\n nodes = 1\n intra_node = 450 GB/s, 3 us\n network = 50 GB/s, 10 us\n}\nlayer l {\n hidden = 7168\n ffn = 2048\n experts = 16\n top_k = 2\n max_tokens = 16384\n topology = one\n}\n";
+        let module = crate::compile_source("l.moe", source).expect("compiles");
+        let target = Target::h200();
+        let layer_plan = plan(&module.layers[0], &target).expect("plans");
+        let wide = layer_plan
+            .regimes
+            .iter()
+            .map(|r| &r.gemm1)
+            .find(|g| g.engine == MmaEngine::WgmmaWarpSpecialized && g.tile.m == 128)
+            .expect("a 128-row warp-specialised GEMM1");
+        // Few tiles on many blocks: each tile has an SM's engines, and the multiply bounds it.
+        let cost = |gemm: &GemmPlan, rows| tile_cost(&target, gemm, 7168, [1, 1], 1, rows);
+        let (full, full_bytes) = cost(wide, 128);
+        let (one_row, one_row_bytes) = cost(wide, 1);
+        let (two_warpgroups, _) = cost(wide, 65);
+        assert_eq!(full_bytes, one_row_bytes);
+        assert!(
+            (one_row / full - 0.5).abs() < 0.01,
+            "{one_row} against {full}"
+        );
+        assert_eq!(two_warpgroups, full);
+        let narrow = layer_plan
+            .regimes
+            .iter()
+            .map(|r| &r.gemm1)
+            .find(|g| g.engine == MmaEngine::MmaSync)
+            .expect("an mma.sync GEMM1");
+        assert_eq!(cost(narrow, 1), cost(narrow, narrow.tile.m));
+    }
 
     /// A large reduce on a small grid is bound by its lanes, on a large one by HBM; a
     /// one-token reduce costs about the same on both.
