@@ -354,7 +354,7 @@ pub fn tune_layer(
                     let Some(kernels) = compiled.next() else {
                         unreachable!("compile_many gives one result per plan")
                     };
-                    time_regime(session, plan, kernels?, &tokens, &settings)
+                    time_regime(session, (plan, kernels?), &tokens, &settings)
                 });
                 // The current choice must run; another candidate that cannot is left out.
                 let us = match timed {
@@ -1004,8 +1004,8 @@ fn probe_one(
     report: &mut dyn FnMut(TuneEvent<'_>),
 ) -> Option<Vec<f64>> {
     let us = plan.and_then(|plan| {
-        let (plan, kernels) = with_kernels(context.session, plan)?;
-        time_regime(context.session, plan, kernels, probes, context.settings)
+        let compiled = with_kernels(context.session, plan)?;
+        time_regime(context.session, compiled, probes, context.settings)
     });
     report(TuneEvent::Probe {
         regime: &context.regime.name,
@@ -1076,8 +1076,7 @@ fn probe_pair(
 /// the layer has a router ([`times_self_routed`]), else calls on uniform routing.
 fn time_regime(
     session: &Session,
-    plan: Plan,
-    kernels: (CompiledKernels, f64),
+    (plan, kernels): CompiledPlan,
     tokens: &[u32],
     settings: &TuneSettings,
 ) -> Result<Vec<f64>, TuneError> {
@@ -1164,8 +1163,7 @@ fn time_against_choice(
         Ok(times) => return Ok((times, None)),
         Err(error) => error.to_string(),
     };
-    let (plan, kernels) = reference;
-    let alone = time_regime(session, plan, kernels, tokens, settings)?;
+    let alone = time_regime(session, reference, tokens, settings)?;
     Ok(([alone, swept.to_vec()], Some(why_not)))
 }
 
@@ -1505,8 +1503,7 @@ mod tests {
             .expect("times both")
         };
         let alone = |plan: &Plan| {
-            let (plan, kernels) = compiled(plan);
-            time_regime(&session, plan, kernels, &tokens, &settings).expect("times")[0]
+            time_regime(&session, compiled(plan), &tokens, &settings).expect("times")[0]
         };
         let [fast, slow_us] = in_turns(&model, &slow);
         let [slow_again, fast_again] = in_turns(&slow, &model);
