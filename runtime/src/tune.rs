@@ -59,6 +59,24 @@ pub struct TuneSettings {
     /// where they beat its choice over all of it. A cut already in use is timed and kept or
     /// replaced either way.
     pub probe_regimes: bool,
+    /// Time calls that pass their own routing (uniform) even where the spec has a router:
+    /// for an engine that routes tokens itself. Its calls differ from self-routed ones in
+    /// the GEMMs' rows (a router such as DeepSeek-V3's gives fewer experts more rows each)
+    /// and in the router's kernel between calls, and the fastest GEMMs can differ with them
+    /// (`benches/results/2026-12-07_probe_turns.md`: a cut 1.8% faster self-routed ran 1.1%
+    /// slower caller-routed).
+    pub caller_routed: bool,
+}
+
+impl TuneSettings {
+    /// Whether the tune times `layer` on self-routed calls: where its spec has a router, as
+    /// such a layer runs by default (every candidate is built with the router's gate
+    /// weights, random from the seed), unless [`TuneSettings::caller_routed`]. The router's
+    /// kernel between one call's GEMM2 and the next call's GEMM1 changes what the GEMMs
+    /// cost in a stream of calls (`benches/results/2026-12-05_h100_mixtral_router.md`).
+    pub fn times_self_routed(&self, layer: &Layer) -> bool {
+        layer.router.is_some() && !self.caller_routed
+    }
 }
 
 /// One timed candidate, for progress output.
@@ -222,15 +240,6 @@ impl From<crate::harness::HarnessError> for TuneError {
     }
 }
 
-/// Whether `tune_layer` times `layer` on self-routed calls: where its spec has a router,
-/// as such a layer runs by default (every candidate is built with the router's gate
-/// weights, random from the seed). The router's kernel between one call's GEMM2 and the
-/// next call's GEMM1 changes what the GEMMs cost in a stream of calls
-/// (`benches/results/2026-12-05_h100_mixtral_router.md`).
-pub fn times_self_routed(layer: &Layer) -> bool {
-    layer.router.is_some()
-}
-
 /// The token counts a regime is timed at: its smallest call (at least 1 token), the
 /// geometric middle of its range and its largest call, so that a configuration fast only
 /// at one end does not win.
@@ -256,6 +265,7 @@ pub fn tune_layer(
 ) -> Result<Vec<TunedRegime>, TuneError> {
     let model = plan::plan(layer, target)?;
     let shape = model.shape.clone();
+    let self_routed = settings.times_self_routed(layer);
     let tunable = |kind| !plan::gemm_hinted(layer, kind);
     let mut entries = Vec::new();
     // The GEMMs the regime below ended with (tuned, else as the model chose them).
@@ -279,7 +289,7 @@ pub fn tune_layer(
             timed_tokens: tokens.clone(),
             measured_us: 0.0,
             model_choice_us: 0.0,
-            self_routed: times_self_routed(layer),
+            self_routed,
             measured_on: measured_on.to_string(),
             measured_by: measured_by.to_string(),
         };
@@ -471,7 +481,7 @@ pub fn tune_layer(
                                     return part;
                                 }
                                 TunedRegime {
-                                    self_routed: times_self_routed(layer),
+                                    self_routed,
                                     measured_on: measured_on.to_string(),
                                     measured_by: measured_by.to_string(),
                                     ..timed_within(part, &tokens, &us, &model_times)
@@ -1073,7 +1083,8 @@ fn probe_pair(
 }
 
 /// The layer's median time per call at each of `tokens`, in µs: self-routed calls where
-/// the layer has a router ([`times_self_routed`]), else calls on uniform routing.
+/// the layer has a router ([`TuneSettings::times_self_routed`]), else calls on uniform
+/// routing.
 fn time_regime(
     session: &Session,
     (plan, kernels): CompiledPlan,
@@ -1088,7 +1099,7 @@ fn time_regime(
         times.push(time_calls::<BenchError>(
             session,
             settings.iterations,
-            |i| one_call(session, &built, &mut inputs[i]),
+            |i| one_call(session, &built, &mut inputs[i], settings),
         )?);
         built.layer.take_error().map_err(BenchError::from)?;
     }
@@ -1120,8 +1131,8 @@ fn time_regimes_in_turns(
         let (first_us, second_us) = time_calls_in_turns::<BenchError>(
             session,
             settings.iterations,
-            |i| one_call(session, &first, &mut first_inputs[i]),
-            |i| one_call(session, &second, &mut second_inputs[i]),
+            |i| one_call(session, &first, &mut first_inputs[i], settings),
+            |i| one_call(session, &second, &mut second_inputs[i], settings),
         )?;
         for built in [&first, &second] {
             built.layer.take_error().map_err(BenchError::from)?;
@@ -1167,13 +1178,15 @@ fn time_against_choice(
     Ok(([alone, swept.to_vec()], Some(why_not)))
 }
 
-/// One call of `built` on `inputs`: self-routed where the layer routes itself.
+/// One call of `built` on `inputs`: self-routed where the layer routes itself, unless the
+/// tune times caller-routed calls.
 fn one_call(
     session: &Session,
     built: &BuiltLayer,
     inputs: &mut DeviceWorkload,
+    settings: &TuneSettings,
 ) -> Result<(), BenchError> {
-    if built.layer.routes_itself() {
+    if built.layer.routes_itself() && !settings.caller_routed {
         Ok(built.layer.forward_routed(inputs.routed_args())?)
     } else {
         Ok(session.forward(&built.layer, inputs)?)
@@ -1491,6 +1504,7 @@ mod tests {
             regimes_holding: Vec::new(),
             in_use: TuningTable::default(),
             probe_regimes: false,
+            caller_routed: false,
         };
         let compiled = |plan: &Plan| with_kernels(&session, plan.clone()).expect("compiles");
         let in_turns = |first: &Plan, second: &Plan| {
@@ -1524,6 +1538,37 @@ mod tests {
         assert!(1.2 * fast[0] < slow_us[0], "{times:?}");
         assert!(1.2 * fast_again[0] < slow_again[0], "{times:?}");
         assert!(1.2 * fast_alone < slow_alone, "{times:?}");
+    }
+
+    #[test]
+    fn a_caller_routed_tune_times_a_layer_with_a_router_on_the_callers_routing() {
+        let layer_of = |name: &str, source: &str| {
+            moeforge_compiler::compile_source(name, source)
+                .expect("compiles")
+                .layers
+                .remove(0)
+        };
+        let routed = layer_of(
+            "mixtral_8x7b.moe",
+            include_str!("../../dsl-examples/mixtral_8x7b.moe"),
+        );
+        let unrouted = layer_of(
+            "untuned_small.moe",
+            include_str!("../../tests/fixtures/untuned_small.moe"),
+        );
+        let settings = |caller_routed| TuneSettings {
+            candidates: 1,
+            iterations: 1,
+            seed: 1,
+            regimes_holding: Vec::new(),
+            in_use: TuningTable::default(),
+            probe_regimes: false,
+            caller_routed,
+        };
+        assert!(settings(false).times_self_routed(&routed));
+        assert!(!settings(true).times_self_routed(&routed));
+        assert!(!settings(false).times_self_routed(&unrouted));
+        assert!(!settings(true).times_self_routed(&unrouted));
     }
 
     #[test]

@@ -10,8 +10,7 @@ use moeforge::compiler::plan::tuning::TunedGemm;
 use moeforge::compiler::plan::{self, GemmKind, Target};
 use moeforge::runtime::harness::Session;
 use moeforge::runtime::tune::{
-    CUT_PROBES, MAX_LOSS, MIN_GAIN, MIN_PART_PROBES, ProbeRole, TuneEvent, TuneSettings,
-    times_self_routed, tune_layer,
+    CUT_PROBES, MAX_LOSS, MIN_GAIN, MIN_PART_PROBES, ProbeRole, TuneEvent, TuneSettings, tune_layer,
 };
 use moeforge::runtime::workload::fresh_seed;
 use moeforge::tuning;
@@ -55,6 +54,13 @@ pub struct Args {
     /// without the probes). A cut already in use is still timed, and stays unless beaten.
     #[arg(long)]
     keep_regimes: bool,
+    /// Time calls that pass their own routing (uniform) even where the spec has a router,
+    /// for an engine that routes tokens itself; by default such a layer's calls route
+    /// themselves, as it runs unless told otherwise. The fastest GEMMs can differ between
+    /// the two (the rows each expert gets, the router's kernel between calls); the entries
+    /// say which calls they were timed on (`moeforge explain`).
+    #[arg(long)]
+    caller_routed: bool,
 }
 
 /// Times per timed call, as the tune prints them.
@@ -133,9 +139,19 @@ pub fn run(args: &Args) -> ExitCode {
             return usage_error();
         }
     };
-    let seed = fresh_seed(args.seed);
-    let routing_note = if times_self_routed(layer) {
+    let settings = TuneSettings {
+        candidates: args.candidates,
+        iterations: args.iterations,
+        seed: fresh_seed(args.seed),
+        regimes_holding: args.tokens.clone(),
+        in_use,
+        probe_regimes: !args.keep_regimes,
+        caller_routed: args.caller_routed,
+    };
+    let routing_note = if settings.times_self_routed(layer) {
         " (self-routed: the spec has a router)"
+    } else if layer.router.is_some() {
+        " (caller-routed, on uniform routing passed in: the spec's router is not run)"
     } else {
         " (on uniform routing)"
     };
@@ -315,14 +331,6 @@ pub fn run(args: &Args) -> ExitCode {
                 saved = tuning::update(&cache, entries);
             }
         }
-    };
-    let settings = TuneSettings {
-        candidates: args.candidates,
-        iterations: args.iterations,
-        seed,
-        regimes_holding: args.tokens.clone(),
-        in_use,
-        probe_regimes: !args.keep_regimes,
     };
     let measured_by = format!(
         "moeforge {} at {}",
