@@ -94,23 +94,36 @@ impl Weights {
 
 /// Keeps the gate's random stream apart from the experts' for the same seed.
 const GATE_SEED_SALT: u64 = 0x6a7e_0000_5eed_0001;
-/// Half-width of a random gate bias: enough to change some choices among sigmoid scores
-/// (0 to 1) and softmax logits (about ±1) without deciding them all.
-const RANDOM_BIAS_RANGE: f32 = 0.1;
+/// Half-width of a random gate bias of `bias`'s kind: a trained router's loads are about
+/// balanced (DeepSeek-V3's correction bias exists to balance them), so a random bias
+/// changes about a quarter of the tokens' choices (the bias path is exercised) while the
+/// busiest expert's load stays within about 15% of the unbiased gate's. A per-expert bias
+/// moves that expert's share of every call: with ±0.1, DeepSeek-V3's sigmoid scores were
+/// re-chosen for every token and the busiest expert got 3.6 times the mean load at 4096
+/// tokens (some experts none), which self-routed benches and tunes then timed
+/// (`benches/results/2026-12-07_random_router_loads.md`).
+fn random_bias_range(bias: RouterBias) -> f32 {
+    match bias {
+        RouterBias::None => 0.0,
+        // Shifts softmax logits of order one (GPT-OSS).
+        RouterBias::Logits => 0.05,
+        // Shifts only the choice among sigmoid scores, whose top ones lie close together
+        // (DeepSeek-V3: the 8th and 9th of 256 differ by about 0.01).
+        RouterBias::ScoreCorrection => 0.005,
+    }
+}
 
 /// A uniform random gate of a layer of `shape`: W_gate in ±`sqrt(3 / H)` (logits of order
-/// one for inputs in ±1), and with a `bias` rule a bias in ±0.1.
+/// one for inputs in ±1), and with a `bias` rule a bias in ±[`random_bias_range`].
 pub fn random_gate(shape: &LayerShape, bias: RouterBias, seed: u64) -> HostGate {
     let mut rng = SplitMix64::new(seed ^ GATE_SEED_SALT);
     let scale = weight_scale(shape.hidden);
     let weight = (0..u64::from(shape.experts) * u64::from(shape.hidden))
         .map(|_| bf16::from_f32(rng.signed() * scale))
         .collect();
-    let bias = (bias != RouterBias::None).then(|| {
-        (0..shape.experts)
-            .map(|_| rng.signed() * RANDOM_BIAS_RANGE)
-            .collect()
-    });
+    let range = random_bias_range(bias);
+    let bias = (bias != RouterBias::None)
+        .then(|| (0..shape.experts).map(|_| rng.signed() * range).collect());
     HostGate { weight, bias }
 }
 
@@ -319,4 +332,68 @@ fn upload_joined<P, T: DeviceRepr + ValidAsZeroBits>(
         offset += values.len();
     }
     Ok(joined)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::router::{gate_logits, route};
+    use crate::workload::{Routing, Workload};
+
+    /// The random bias of each kind changes a fair share of the tokens' choices and keeps
+    /// the loads about as balanced as the unbiased gate's (at ±0.1 DeepSeek-V3's busiest
+    /// expert got 3.6 times the mean load).
+    #[test]
+    fn a_random_bias_changes_choices_without_unbalancing_the_experts() {
+        for (name, source) in [
+            (
+                "deepseek_v3.moe",
+                include_str!("../../dsl-examples/deepseek_v3.moe"),
+            ),
+            (
+                "gpt_oss_120b.moe",
+                include_str!("../../dsl-examples/gpt_oss_120b.moe"),
+            ),
+        ] {
+            let module = moeforge_compiler::compile_source(name, source).expect("compiles");
+            let layer = &module.layers[0];
+            let rule = layer.router.as_ref().expect("a router");
+            let shape =
+                moeforge_compiler::plan::plan(layer, &moeforge_compiler::plan::Target::h200())
+                    .expect("plans")
+                    .shape;
+            let (experts, top_k) = (shape.experts as usize, shape.top_k as usize);
+            let gate = random_gate(&shape, rule.bias, 7);
+            let tokens = 2048;
+            let x = Workload::random(&shape, tokens, Routing::Uniform, 7).x;
+            let logits = gate_logits(&x, &gate.weight, shape.hidden as usize, experts);
+            let biased = route(rule, experts, top_k, &logits, gate.bias.as_deref());
+            let unbiased = route(rule, experts, top_k, &logits, Some(&vec![0.0; experts]));
+            let busiest = |ids: &[i32]| {
+                let mut load = vec![0u32; experts];
+                for &id in ids {
+                    load[id as usize] += 1;
+                }
+                load.into_iter().max().unwrap_or(0)
+            };
+            let chosen = |ids: &[i32], t: usize| {
+                let mut set = ids[t * top_k..(t + 1) * top_k].to_vec();
+                set.sort_unstable();
+                set
+            };
+            let changed = (0..tokens as usize)
+                .filter(|&t| chosen(&biased.topk_ids, t) != chosen(&unbiased.topk_ids, t))
+                .count() as f64
+                / f64::from(tokens);
+            let (with_bias, without) = (busiest(&biased.topk_ids), busiest(&unbiased.topk_ids));
+            assert!(
+                (0.1..0.5).contains(&changed),
+                "{name}: {changed} of the tokens re-chosen"
+            );
+            assert!(
+                f64::from(with_bias) <= 1.2 * f64::from(without),
+                "{name}: the busiest expert gets {with_bias} rows with the bias, {without} without"
+            );
+        }
+    }
 }

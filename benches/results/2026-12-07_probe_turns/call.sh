@@ -4,6 +4,7 @@
 # `all` for every regime, or
 # MODEL:TOKENS:off to tune as if no entry were in use, MOEFORGE_TUNING=off) tuned ROUNDS
 # times (probes allowed) into caches of its own, to see whether the verdicts repeat.
+# CALLER=1 tunes caller-routed calls (`tune --caller-routed`, since session 65).
 # Run from the repository root after scripts/device-stage.sh.
 set -u
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
@@ -30,8 +31,9 @@ for job in ${JOBS:-mixtral_8x7b:16384}; do
   m=${job%%:*}; rest=${job#*:}; tok=${rest%%:*}; tuning=on
   [ "$rest" != "$tok" ] && tuning=${rest#*:}
   tokens="--tokens $tok"; [ "$tok" = all ] && tokens=""
+  calls=""; [ "${CALLER:-0}" = 1 ] && { calls="--caller-routed"; tuning=${tuning}_caller; }
   for round in $(seq 1 ${ROUNDS:-2}); do
-    MOEFORGE_TUNING=$tuning timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe $tokens --seed 7 --cache /tmp/o/${m}_${tuning}_$round.json > /tmp/o/tune_${m}_${tuning}_$round.txt 2>&1
+    MOEFORGE_TUNING=${tuning%_caller} timeout ${TUNE_LIMIT:-150} moeforge tune dsl-examples/$m.moe $tokens --seed 7 $calls --cache /tmp/o/${m}_${tuning}_$round.json > /tmp/o/tune_${m}_${tuning}_$round.txt 2>&1
     echo "tune $m (tuning $tuning) round $round exit $? at $(( $(date +%s) - start )) s"
     grep -E " probe | in use | in turns |^\| [0-9]" /tmp/o/tune_${m}_${tuning}_$round.txt | cut -c1-240
   done
