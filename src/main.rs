@@ -10,7 +10,29 @@ fn main() -> std::process::ExitCode {
         unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
     }
     exit_quietly_on_a_closed_pipe();
+    report_unwritable_output();
     cli::run()
+}
+
+/// Output that cannot be written (a full disk, `> /dev/full`) makes `println!` panic, with
+/// a message that starts "failed printing to stdout" (or stderr): say that in one line and
+/// exit with the usage-error status instead of a panic report and status 101.
+fn report_unwritable_output() {
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to std") {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "error: {message}");
+            std::process::exit(2);
+        }
+        default_hook(info);
+    }));
 }
 
 /// `moeforge check … | head` closes the pipe early: end the process as other command-line

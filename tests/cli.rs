@@ -113,6 +113,31 @@ fn usage_errors_exit_2() {
             .code(),
         Some(2)
     );
+    // A bench file's token counts and routing are the file's.
+    let measured_and_tokens = moeforge(&[
+        "simulate",
+        "dsl-examples/qwen3_30b_a3b.moe",
+        "--measured",
+        "benches/results/2026-11-30_qwen3_30b_a3b_ep2_uniform.json",
+        "--tokens",
+        "7",
+    ]);
+    assert_eq!(measured_and_tokens.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&measured_and_tokens.stderr).contains("--measured"));
+    // A JIT setting that is not understood is an error, not PTX silently left out.
+    let out = std::env::temp_dir().join(format!("moeforge-cli-test-{}", std::process::id()));
+    let bad_dump = moeforge_with_env(
+        &[
+            "compile",
+            "dsl-examples/tiny.moe",
+            "-o",
+            out.to_str().expect("a UTF-8 temporary folder"),
+        ],
+        &[("MOEFORGE_DUMP", "1")],
+    );
+    assert_eq!(bad_dump.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad_dump.stderr).contains("MOEFORGE_DUMP"));
+    assert!(!out.exists());
     // The in-run peers are single-GPU layers.
     let peers_over_gpus = moeforge(&["bench", "dsl-examples/tiny.moe", "--peers", "--gpus", "2"]);
     assert_eq!(peers_over_gpus.status.code(), Some(2));

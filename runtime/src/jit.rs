@@ -514,7 +514,9 @@ impl Jit {
 
     /// Discovers the toolkit and reads the settings from the environment.
     pub fn from_env() -> Result<Self, JitError> {
-        Jit::new(Toolkit::discover()?, JitSettings::from_env()?)
+        // The settings first: a variable the user got wrong is reported with or without NVRTC.
+        let settings = JitSettings::from_env()?;
+        Jit::new(Toolkit::discover()?, settings)
     }
 
     /// The toolkit in use.

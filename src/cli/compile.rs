@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use moeforge::runtime::aot;
-use moeforge::runtime::jit::Jit;
+use moeforge::runtime::jit::{Jit, JitError};
 
 use super::planning::{TargetArgs, plan_file};
 use super::{OK, invalid_input, usage_error};
@@ -40,9 +40,15 @@ pub fn run(args: &Args) -> ExitCode {
     } else {
         match Jit::from_env() {
             Ok(jit) => Some(jit),
-            Err(error) => {
+            // No NVRTC here: the source and plan still deploy (the runtime compiles them).
+            Err(error @ JitError::Toolkit(_)) => {
                 eprintln!("note: writing source and plan only: {error}");
                 None
+            }
+            // A setting the user got wrong: say so rather than leave the PTX out.
+            Err(error) => {
+                eprintln!("error: {error}");
+                return usage_error();
             }
         }
     };

@@ -116,6 +116,16 @@ fn compile_file(path: &Path) -> Result<(SourceFile, ir::Module), ExitCode> {
 }
 
 /// The worst of several exit statuses (usage errors over invalid input over success).
+/// `count` and `noun`, the noun in the plural unless the count is one ("1 token", "2 nodes").
+fn counted(count: impl Into<u64>, noun: &str) -> String {
+    let count = count.into();
+    if count == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{count} {noun}s")
+    }
+}
+
 fn worst(statuses: impl IntoIterator<Item = ExitCode>) -> ExitCode {
     let mut worst = OK;
     for status in statuses {

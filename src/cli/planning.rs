@@ -16,7 +16,7 @@ use moeforge::runtime::layer::ExpertWeights;
 use moeforge::runtime::toolkit;
 use moeforge::runtime::weights::upload;
 
-use super::{SourceFile, compile_file, invalid_input, report, usage_error};
+use super::{SourceFile, compile_file, counted, invalid_input, report, usage_error};
 
 /// `--target`: the device a plan is made for.
 #[derive(clap::Args)]
@@ -181,8 +181,10 @@ pub fn plan_file_over(
         // Every path the bench compares computes the same layer.
         if leave_out_shared && let Some(shared) = layer.shared_experts.take() {
             eprintln!(
-                "note: the NCCL pipeline (baseline b) does not run shared experts: this bench leaves out the {} shared expert(s) of FFN {} of `{}` on every path it compares",
-                shared.count, shared.ffn, layer.name
+                "note: the NCCL pipeline (baseline b) does not run shared experts: this bench leaves out the {} of FFN {} of `{}` on every path it compares",
+                counted(shared.count, "shared expert"),
+                shared.ffn,
+                layer.name
             );
         }
         let plan = plan_layer(&source, &layer, target, &tuning).inspect_err(|_| {
@@ -419,7 +421,10 @@ pub fn token_counts(
         return Err(usage_error());
     }
     if let Some(&too_few) = given.iter().find(|&&t| t < least) {
-        eprintln!("error: --tokens {too_few}: this command needs at least {least} token(s) a call");
+        eprintln!(
+            "error: --tokens {too_few}: this command needs at least {} a call",
+            counted(least, "token")
+        );
         return Err(usage_error());
     }
     Ok(given.to_vec())

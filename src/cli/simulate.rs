@@ -3,7 +3,7 @@
 //! across nodes: the kernels as built too), and
 //! optionally draws its timeline or compares it with a bench result.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -11,7 +11,7 @@ use moeforge::compiler::plan;
 use moeforge::compiler::simulate::{self, Options, Routing, Schedule, calibration};
 
 use super::planning::{TargetArgs, one_layer, report_plan_error, token_counts};
-use super::{OK, compile_file, invalid_input, usage_error};
+use super::{OK, compile_file, counted, invalid_input, usage_error};
 
 /// The token counts per rank `simulate` runs at ([`token_counts`]).
 const DEFAULT_TOKENS: [u32; 5] = [1, 16, 128, 1024, 4096];
@@ -52,8 +52,13 @@ pub struct Args {
     /// print the predictions beside; the layer is planned as the bench ran it: over the
     /// file's ranks (one GPU each, or virtual ranks on one GPU), without shared experts,
     /// each rank's call routed as the bench drew it (from the file's seed), for the GPU the
-    /// file was measured on where it names a known one (`--target` overrides).
-    #[arg(long, value_name = "JSON")]
+    /// file was measured on where it names a known one (`--target` overrides). Its token
+    /// counts, routing and ranks are the file's: it takes none of those options, nor `--svg`.
+    #[arg(
+        long,
+        value_name = "JSON",
+        conflicts_with_all = ["tokens", "routing", "groups", "groups_kept", "ranks", "svg"]
+    )]
     measured: Option<PathBuf>,
     #[command(flatten)]
     target: TargetArgs,
@@ -128,8 +133,9 @@ pub fn run(args: &Args) -> ExitCode {
         && let Some(shared) = layer.shared_experts.take()
     {
         eprintln!(
-            "note: the bench result ran without the {} shared expert(s) of `{}`; so does the simulation",
-            shared.count, layer.name
+            "note: the bench result ran without the {} of `{}`; so does the simulation",
+            counted(shared.count, "shared expert"),
+            layer.name
         );
     }
     // Predictions set beside measurements are made for the GPU that measured them.
@@ -192,15 +198,19 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(tokens) => tokens,
         Err(status) => return status,
     };
-    if let Some(folder) = args.svg.as_deref().and_then(Path::parent)
-        && !folder.as_os_str().is_empty()
-        && !folder.is_dir()
-    {
-        eprintln!(
-            "error: --svg: the folder {} does not exist",
-            folder.display()
-        );
-        return usage_error();
+    if let Some(path) = args.svg.as_deref() {
+        let folder = path.parent().filter(|f| !f.as_os_str().is_empty());
+        let why_not = if path.is_dir() {
+            Some(format!("{} is a folder: name the SVG file", path.display()))
+        } else {
+            folder
+                .filter(|f| !f.is_dir())
+                .map(|f| format!("the folder {} does not exist", f.display()))
+        };
+        if let Some(why_not) = why_not {
+            eprintln!("error: --svg: {why_not}");
+            return usage_error();
+        }
     }
     for (i, &tokens) in token_list.iter().enumerate() {
         let options = Options {
@@ -226,12 +236,13 @@ pub fn run(args: &Args) -> ExitCode {
             // Emulated nodes' network steps are copies on the one GPU too.
             "virtual ranks on one GPU".to_string()
         } else {
-            format!("ranks on {} node(s)", report.nodes)
+            format!("ranks on {}", counted(report.nodes, "node"))
         };
         println!(
-            "{}: {} {placement}, {tokens} tokens per rank, {} routing, regime {} (simulated in {seconds:.2} s)",
+            "{}: {} {placement}, {} per rank, {} routing, regime {} (simulated in {seconds:.2} s)",
             report.layer,
             report.ranks,
+            counted(tokens, "token"),
             report.routing.name(),
             report.regime
         );

@@ -371,10 +371,14 @@ fn routed_experts(setting: &Setting, errors: &mut Vec<Error>) -> Option<u32> {
 }
 
 /// `topology = NAME` for the missing-key hint: a topology of the file (the first by name),
-/// else the name of one to write.
+/// else one to write, with its definition.
 fn topology_example(topologies: &BTreeMap<&str, NamedTopology>) -> String {
-    let name = topologies.keys().next().copied().unwrap_or("h200_node");
-    format!("topology = {name}")
+    match topologies.keys().next() {
+        Some(name) => format!("topology = {name}"),
+        None => "topology = one_gpu` and define it above the layer: `topology one_gpu { \
+                 gpus_per_node = 1 intra_node = 450 GB/s, 3 us network = 50 GB/s, 10 us }"
+            .to_string(),
+    }
 }
 
 /// The schedule hints of a valid layer that the planner refuses on the documented default
@@ -827,16 +831,11 @@ fn schedule(
         (count, ..) => count,
     };
     let comm_blocks = read_count("comm_blocks", 1, false, errors);
-    // 0 turns the fused decode off where the planner would choose it.
-    let fused_decode = match table.setting("fused_decode") {
-        Some(setting) => values::count(setting, 0, true, errors).map(Some),
-        None => Some(None),
-    };
+    // Bounds on the calls they serve, so one above max_tokens serves every call. 0 turns the
+    // fused decode off where the planner would choose it.
+    let fused_decode = read_count("fused_decode", 0, true, errors);
     // 0: every call across nodes moves the routed rows (the host reads them back).
-    let whole_chunks = match table.setting("whole_chunks") {
-        Some(setting) => values::count(setting, 0, true, errors).map(Some),
-        None => Some(None),
-    };
+    let whole_chunks = read_count("whole_chunks", 0, true, errors);
     let flag_timeout_ns = match table.setting("flag_timeout") {
         Some(setting) => values::duration(setting, FLAG_TIMEOUT_RANGE, errors).map(Some),
         None => Some(None),
