@@ -28,6 +28,12 @@ pub enum Error {
     InvalidUtf8 { span: Span },
     #[error("unexpected character {found:?}")]
     InvalidCharacter { span: Span, found: char },
+    #[error("`{written}`: names are joined with `_`, not `-`")]
+    HyphenInName {
+        span: Span,
+        written: String,
+        name: String,
+    },
     #[error("`{number}{word}`: a number with a name right after it")]
     NumberGluedToName {
         span: Span,
@@ -374,6 +380,7 @@ impl Error {
         match self {
             InvalidUtf8 { span }
             | InvalidCharacter { span, .. }
+            | HyphenInName { span, .. }
             | NumberGluedToName { span, .. }
             | UnknownUnit { span, .. }
             | UnexpectedToken { span, .. }
@@ -479,6 +486,7 @@ impl Error {
         };
         match self {
             InvalidUtf8 { .. } => "save the file as UTF-8 text".into(),
+            HyphenInName { name, .. } => format!("write `{name}`"),
             InvalidCharacter { found: '-', .. } => {
                 "numbers in a `.moe` file have no sign: every quantity is zero or more".into()
             }
@@ -1233,11 +1241,16 @@ mod tests {
                 number: text("3"),
                 word: text("s"),
             },
+            Error::HyphenInName {
+                span,
+                written: text("top-k"),
+                name: text("top_k"),
+            },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 51;
+    const VARIANTS: usize = 52;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1247,6 +1260,7 @@ mod tests {
         match error {
             InvalidUtf8 { .. } => 0,
             InvalidCharacter { .. } => 1,
+            HyphenInName { .. } => 51,
             UnexpectedToken { .. } => 2,
             UnexpectedEnd { .. } => 3,
             UnknownItemKind { .. } => 4,

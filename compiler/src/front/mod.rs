@@ -28,6 +28,39 @@ pub struct Parsed {
     pub errors: Vec<Error>,
 }
 
+/// A `-` between two parts of a name (`top-k`, `groups-kept`): the whole name as written,
+/// and its span, where the language joins such parts with `_`.
+fn hyphenated_name<'src>(
+    source: &'src str,
+    invalid: &lexer::InvalidCharacter,
+) -> Option<(Span, &'src str)> {
+    let part = |byte: u8| byte.is_ascii_alphanumeric() || byte == b'_';
+    let bytes = source.as_bytes();
+    let (at, after) = (invalid.span.start, invalid.span.start + 1);
+    let joins = invalid.found == '-'
+        && at > 0
+        && part(bytes[at - 1])
+        && bytes
+            .get(after)
+            .is_some_and(|&b| b.is_ascii_alphabetic() || b == b'_');
+    if !joins {
+        return None;
+    }
+    let in_name = |byte: u8| part(byte) || byte == b'-';
+    let start = bytes[..at]
+        .iter()
+        .rposition(|&b| !in_name(b))
+        .map_or(0, |i| i + 1);
+    let end = bytes[after..]
+        .iter()
+        .position(|&b| !in_name(b))
+        .map_or(bytes.len(), |i| after + i);
+    let written = &source[start..end];
+    // A name starts with a letter or `_`: `2-k` is a number and a name.
+    let first = written.as_bytes()[0];
+    (first.is_ascii_alphabetic() || first == b'_').then(|| (Span::new(start, end), written))
+}
+
 /// Parses `.moe` source text into a syntax tree, recovering after errors so that all of
 /// them are reported. Meaning (keys, units, rules) is checked later by [`crate::check`].
 pub fn parse(source: &str) -> Parsed {
@@ -37,9 +70,16 @@ pub fn parse(source: &str) -> Parsed {
         source_len: source.len(),
     };
     for invalid in &lexed.invalid {
-        errors.push(Error::InvalidCharacter {
-            span: invalid.span,
-            found: invalid.found,
+        errors.push(match hyphenated_name(source, invalid) {
+            Some((span, written)) => Error::HyphenInName {
+                span,
+                name: written.replace('-', "_"),
+                written: written.to_string(),
+            },
+            None => Error::InvalidCharacter {
+                span: invalid.span,
+                found: invalid.found,
+            },
         });
     }
     for glued in &lexed.glued {
