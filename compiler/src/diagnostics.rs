@@ -54,6 +54,8 @@ pub enum Error {
         found: String,
         expected: String,
     },
+    #[error("this `,` ends its line, so the next setting's `{key}` was read as one more value")]
+    TrailingComma { span: Span, key: String },
     #[error("unexpected end of file, expected {expected}")]
     UnexpectedEnd { span: Span, expected: String },
 
@@ -384,6 +386,7 @@ impl Error {
             | NumberGluedToName { span, .. }
             | UnknownUnit { span, .. }
             | UnexpectedToken { span, .. }
+            | TrailingComma { span, .. }
             | UnexpectedEnd { span, .. }
             | UnknownItemKind { span, .. }
             | DuplicateItem { span, .. }
@@ -516,6 +519,9 @@ impl Error {
                     unit.trim_matches('`')
                 )
             }
+            TrailingComma { .. } => "remove this `,`: a setting's values continue after a comma \
+                                     (`nvlink = 450 GB/s, 3 us`), and a new setting needs none"
+                .into(),
             UnexpectedToken { .. } | UnexpectedEnd { .. } => {
                 "settings read `key = value`, sections `name { ... }`, items `layer NAME { ... }` \
                  or `topology NAME { ... }`"
@@ -1246,11 +1252,15 @@ mod tests {
                 written: text("top-k"),
                 name: text("top_k"),
             },
+            Error::TrailingComma {
+                span,
+                key: text("nvlink"),
+            },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 52;
+    const VARIANTS: usize = 53;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1261,6 +1271,7 @@ mod tests {
             InvalidUtf8 { .. } => 0,
             InvalidCharacter { .. } => 1,
             HyphenInName { .. } => 51,
+            TrailingComma { .. } => 52,
             UnexpectedToken { .. } => 2,
             UnexpectedEnd { .. } => 3,
             UnknownItemKind { .. } => 4,

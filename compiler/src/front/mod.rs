@@ -67,7 +67,7 @@ pub fn parse(source: &str) -> Parsed {
     let lexed = lexer::lex(source);
     let mut errors = SyntaxErrors {
         errors: Vec::new(),
-        source_len: source.len(),
+        source,
     };
     for invalid in &lexed.invalid {
         errors.push(match hyphenated_name(source, invalid) {
@@ -130,16 +130,16 @@ pub fn count_line_breaks(text: &str) -> usize {
 
 /// The syntax errors the parser has met while recovering, at most [`MAX_ERRORS`] of them
 /// (then one [`Error::TooManyErrors`]), so that garbage input costs bounded memory.
-pub struct SyntaxErrors {
+pub struct SyntaxErrors<'src> {
     errors: Vec<Error>,
-    source_len: usize,
+    source: &'src str,
 }
 
-impl SyntaxErrors {
+impl SyntaxErrors<'_> {
     /// Records a parser error (called from the grammar's recovery rules).
     pub fn record(&mut self, error: ParseError<usize, Token<'_>, std::convert::Infallible>) {
         if self.errors.len() <= MAX_ERRORS
-            && let Some(error) = syntax_error(error, self.source_len)
+            && let Some(error) = syntax_error(error, self.source)
         {
             self.push(error);
         }
@@ -160,8 +160,9 @@ impl SyntaxErrors {
 /// the lexer has already reported.
 fn syntax_error(
     error: ParseError<usize, Token<'_>, std::convert::Infallible>,
-    end: usize,
+    source: &str,
 ) -> Option<Error> {
+    let end = source.len();
     match error {
         ParseError::UnrecognizedToken {
             token: (_, Token::Invalid, _),
@@ -170,6 +171,15 @@ fn syntax_error(
         | ParseError::ExtraToken {
             token: (_, Token::Invalid, _),
         } => None,
+        ParseError::UnrecognizedToken {
+            token: (start, Token::Equals, _),
+            ..
+        } if let Some((comma, key)) = comma_ending_the_line_before(source, start) => {
+            Some(Error::TrailingComma {
+                span: comma,
+                key: key.to_string(),
+            })
+        }
         ParseError::UnrecognizedToken {
             token: (start, token, stop),
             expected,
@@ -196,6 +206,38 @@ fn syntax_error(
         }),
         ParseError::User { error } => match error {},
     }
+}
+
+/// Where an unexpected `=` at `equals` follows a key that starts its line and the line
+/// before (comments and blank lines aside) ends with `,`: that comma's span and the key. A
+/// setting's values continue after a comma, so the parser read the key as one of them.
+fn comma_ending_the_line_before(source: &str, equals: usize) -> Option<(Span, &str)> {
+    let before = source[..equals].trim_end_matches([' ', '\t']);
+    let key_start = before
+        .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .map_or(0, |i| i + 1);
+    let key = &before[key_start..];
+    let line_start = before[..key_start].trim_end_matches([' ', '\t']);
+    if key.is_empty() || !(line_start.is_empty() || line_start.ends_with('\n')) {
+        return None;
+    }
+    // Back over the lines before the key's, from the end of the one just before it.
+    let mut end = line_start.len();
+    while end > 0 {
+        let text = &source[..end - 1];
+        let start = text.rfind('\n').map_or(0, |i| i + 1);
+        let line = &text[start..];
+        let comment = line.find('#').into_iter().chain(line.find("//")).min();
+        let code = line[..comment.unwrap_or(line.len())].trim_end();
+        if !code.is_empty() {
+            let comma = start + code.len() - 1;
+            return code
+                .ends_with(',')
+                .then(|| (Span::new(comma, comma + 1), key));
+        }
+        end = start;
+    }
+    None
 }
 
 /// Lists the terminals the grammar expected in words: "a name, `=` or `{`".
