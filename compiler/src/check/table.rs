@@ -182,7 +182,11 @@ impl<'a> Table<'a> {
                 .chain(schema.sections)
                 .chain(schema.aliases.iter().map(|(alias, _)| alias))
         };
-        let suggestion = suggest(&key, candidates().copied());
+        let suggestion = suggest(&key, candidates().copied()).or_else(|| {
+            config_name_for(&key)
+                .filter(|ours| candidates().any(|candidate| candidate == ours))
+                .map(str::to_string)
+        });
         let homes: Vec<&str> = SCHEMAS
             .iter()
             .filter(|other| other.home != schema.home && other.accepts(&key))
@@ -239,4 +243,20 @@ impl<'a> Table<'a> {
         }
         setting
     }
+}
+
+/// The key of this language for a name a model's checkpoint config uses (Hugging Face's
+/// `config.json`), which a user copying sizes from one may write.
+fn config_name_for(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "hidden_size" => "hidden",
+        "intermediate_size" | "moe_intermediate_size" | "expert_intermediate_size" => "ffn",
+        "num_experts" | "num_local_experts" | "n_routed_experts" => "experts",
+        "num_experts_per_tok" | "experts_per_token" => "top_k",
+        "n_group" => "groups",
+        "topk_group" => "groups_kept",
+        "norm_topk_prob" => "normalize",
+        "routed_scaling_factor" => "scale",
+        _ => return None,
+    })
 }
