@@ -52,6 +52,14 @@ pub fn run(args: &Args) -> ExitCode {
             }
         }
     };
+    if jit.is_some() {
+        // NVRTC takes seconds a layer (uncached): say what the wait is for.
+        let names: Vec<String> = plans
+            .iter()
+            .map(|plan| format!("`{}`", plan.layer))
+            .collect();
+        eprintln!("compiling {} with NVRTC ...", names.join(", "));
+    }
     let files = match aot::render(&plans, jit.as_ref()) {
         Ok(files) => files,
         Err(error) => {
