@@ -199,6 +199,9 @@ fn report(error: &CheckpointError) -> ExitCode {
     }
 }
 
+/// The values of `--family`, for hints.
+const FAMILIES: &str = "mixtral, qwen3-moe, qwen2-moe, deepseek-v3, gpt-oss";
+
 fn hint(error: &CheckpointError) -> Option<String> {
     Some(match error {
         CheckpointError::Io { .. } | CheckpointError::NoShards { .. } => format!(
@@ -207,11 +210,14 @@ fn hint(error: &CheckpointError) -> Option<String> {
         CheckpointError::NoExpertLayers { .. } => {
             "is it the checkpoint of an MoE model? Its experts must be stored one tensor per expert and projection".to_owned()
         }
+        CheckpointError::NoExpertsUnderPrefix { layers, .. } if layers.is_empty() => {
+            format!("is it the checkpoint of an MoE model of a family --family names ({FAMILIES})?")
+        }
         CheckpointError::NoExpertsUnderPrefix { .. } | CheckpointError::SeveralLayers { .. } => {
             "pass one of those layers' prefixes with --layer-prefix".to_owned()
         }
         CheckpointError::SeveralFamilies { .. } => {
-            "say which with --family (mixtral, qwen3-moe, deepseek-v3)".to_owned()
+            format!("say which with --family ({FAMILIES})")
         }
         CheckpointError::MissingTensor { tensor, .. } if !tensor.contains(".experts.") => {
             "check --layer-prefix, --family and the spec's `router { bias = ... }`: the router's gate is \
@@ -268,6 +274,17 @@ mod tests {
     use moeforge::compiler::ir::Activation;
 
     use super::*;
+
+    #[test]
+    fn the_hints_name_every_family() {
+        use clap::ValueEnum as _;
+        let names: Vec<String> = FamilyArg::value_variants()
+            .iter()
+            .filter_map(|family| family.to_possible_value())
+            .map(|value| value.get_name().to_string())
+            .collect();
+        assert_eq!(FAMILIES, names.join(", "));
+    }
 
     #[test]
     fn expert_bytes_count_both_matrices_of_every_routed_expert_and_shared_slice() {
