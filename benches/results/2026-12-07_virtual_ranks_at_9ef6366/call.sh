@@ -2,7 +2,7 @@
 # calibration (issue 10: `moeforge simulate M.moe --measured FILE.json`). SUITE=1 first runs
 # the GPU suite (.device/run.sh). MODELS: the examples to bench (default the four of the
 # 24-cell table). Build: bash scripts/device-stage.sh. Run with carry [".device"]:
-#   SUITE=1 MODELS="qwen3_30b_a3b mixtral_8x7b" bash benches/results/2026-12-07_virtual_ranks_at_5dca4f8/call.sh
+#   SUITE=1 MODELS="qwen3_30b_a3b mixtral_8x7b" bash benches/results/2026-12-07_virtual_ranks_at_9ef6366/call.sh
 b=$(cat .device/root); [ -e "$b" ] || { mkdir -p "$(dirname "$b")"; ln -s "$PWD" "$b"; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}; export MOEFORGE_CACHE_DIR=/tmp/jit
 nvidia-smi --query-gpu=name,clocks.sm,power.limit --format=csv,noheader
