@@ -213,8 +213,10 @@ fn syntax_error(
 /// setting's values continue after a comma, so the parser read the key as one of them.
 fn comma_ending_the_line_before(source: &str, equals: usize) -> Option<(Span, &str)> {
     let before = source[..equals].trim_end_matches([' ', '\t']);
+    // The key's characters are ASCII, so the byte after the last other character starts it.
     let key_start = before
-        .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .bytes()
+        .rposition(|b| !(b.is_ascii_alphanumeric() || b == b'_'))
         .map_or(0, |i| i + 1);
     let key = &before[key_start..];
     let line_start = before[..key_start].trim_end_matches([' ', '\t']);
