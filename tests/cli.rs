@@ -138,6 +138,28 @@ fn usage_errors_exit_2() {
     assert_eq!(bad_dump.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad_dump.stderr).contains("MOEFORGE_DUMP"));
     assert!(!out.exists());
+    // The SVG path names a folder: refused before simulating.
+    let svg_folder = moeforge(&["simulate", "dsl-examples/tiny.moe", "--svg", "tests"]);
+    assert_eq!(svg_folder.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&svg_folder.stdout).is_empty());
+    // Output that cannot be written is one line of error, not a panic.
+    #[cfg(target_os = "linux")]
+    {
+        let full = std::fs::File::create("/dev/full").expect("/dev/full opens");
+        let unwritable = std::process::Command::new(env!("CARGO_BIN_EXE_moeforge"))
+            .args(["explain", "dsl-examples/tiny.moe"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stdout(full)
+            .output()
+            .expect("the moeforge binary runs");
+        let stderr = String::from_utf8_lossy(&unwritable.stderr);
+        assert_eq!(unwritable.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.starts_with("error: failed printing to stdout"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
     // The in-run peers are single-GPU layers.
     let peers_over_gpus = moeforge(&["bench", "dsl-examples/tiny.moe", "--peers", "--gpus", "2"]);
     assert_eq!(peers_over_gpus.status.code(), Some(2));

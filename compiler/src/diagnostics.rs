@@ -32,7 +32,7 @@ pub enum Error {
     HyphenInName {
         span: Span,
         written: String,
-        name: String,
+        with_underscores: String,
     },
     #[error("`{number}{word}`: a number with a name right after it")]
     NumberGluedToName {
@@ -489,7 +489,9 @@ impl Error {
         };
         match self {
             InvalidUtf8 { .. } => "save the file as UTF-8 text".into(),
-            HyphenInName { name, .. } => format!("write `{name}`"),
+            HyphenInName {
+                with_underscores, ..
+            } => format!("write `{with_underscores}`"),
             InvalidCharacter { found: '-', .. } => {
                 "numbers in a `.moe` file have no sign: every quantity is zero or more".into()
             }
@@ -1250,7 +1252,7 @@ mod tests {
             Error::HyphenInName {
                 span,
                 written: text("top-k"),
-                name: text("top_k"),
+                with_underscores: text("top_k"),
             },
             Error::TrailingComma {
                 span,

@@ -45,14 +45,21 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
         })
         .map(Error::span)
         .collect();
+    // A `,` that ended a line ran the next setting's key into the values before it: what
+    // the checker says of those values (too many for their key) spans that comma.
+    let trailing_commas: Vec<_> = errors
+        .iter()
+        .filter(|error| matches!(error, Error::TrailingComma { .. }))
+        .map(Error::span)
+        .collect();
     match check::check(&parsed.file, &syntax_spans) {
         Ok(module) if errors.is_empty() => return Ok(module),
         Ok(_) => {}
         Err(check_errors) => errors.extend(check_errors.into_iter().filter(|error| {
             let at = error.span();
-            !glued
-                .iter()
-                .any(|span| span.start <= at.start && at.end <= span.end)
+            let inside = |span: &front::ast::Span| span.start <= at.start && at.end <= span.end;
+            let around = |comma: &front::ast::Span| at.start <= comma.start && comma.end <= at.end;
+            !glued.iter().any(inside) && !trailing_commas.iter().any(around)
         })),
     }
     errors.sort_by_key(|error| error.span().start);

@@ -113,6 +113,35 @@ fn binary_garbage_nul_bytes_and_invalid_utf8() {
     assert_fast(invalid_characters.as_bytes(), elapsed);
 }
 
+/// The scans that explain a `-` in a name and a `,` ending a line read bytes around an
+/// error: a byte-order mark or other multibyte character beside them, megabyte names made
+/// of hyphens, and commas at the very start or end stay errors, not panics.
+#[test]
+fn names_with_hyphens_and_commas_ending_lines() {
+    let hyphens = "a-".repeat(500_000) + "b = 1";
+    let cases = [
+        "\u{FEFF}hidden = 1".to_string(),
+        "topology t {\n gpus_per_node = 1,\n\u{FEFF}nvlink = 450 GB/s, 3 us\n}".to_string(),
+        "topology t {\n gpus_per_node = 1,\né = 2\n}".to_string(),
+        ",\nhidden = 1".to_string(),
+        "hidden = 1,".to_string(),
+        "é-k = 1\nk-é = 2\n-k = 3\nk- = 4\n2-k = 5".to_string(),
+        format!("layer a {{ {hyphens} }}"),
+    ];
+    for case in cases {
+        let (errors, elapsed) = run(case.as_bytes());
+        assert!(!errors.is_empty(), "{}", &case[..case.len().min(80)]);
+        assert_fast(case.as_bytes(), elapsed);
+    }
+    // One error for a name however many hyphens it holds.
+    let (errors, _) = run(format!("layer a {{ {hyphens} }}").as_bytes());
+    let joined = errors
+        .iter()
+        .filter(|error| matches!(error, Error::HyphenInName { .. }))
+        .count();
+    assert_eq!(joined, 1);
+}
+
 #[test]
 fn numbers_past_u64_and_huge_names() {
     let digits = "9".repeat(1_000_000);

@@ -18,7 +18,7 @@ use moeforge_compiler::diagnostics::Diagnostics;
 use moeforge_compiler::plan::{self, Plan, Target};
 use moeforge_compiler::{codegen, compile_source, decode, ir, plan_diagnostics};
 use moeforge_runtime::aot;
-use moeforge_runtime::jit::Jit;
+use moeforge_runtime::jit::{Jit, JitError};
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as TokenStream2};
 use quote::{quote, quote_spanned};
@@ -323,7 +323,18 @@ fn plan_layer(spec: &Spec, args: &Args) -> Result<Planned, Errors> {
                 })?
                 .ptx,
         ),
-        Err(_) => None,
+        // No toolkit here: the source is embedded.
+        Err(JitError::Toolkit(_)) => None,
+        // A setting the user got wrong: say so rather than embed the source silently.
+        Err(e) => {
+            return Err(error(
+                Span::call_site(),
+                format!(
+                    "moeforge cannot compile the kernels of `{}` here: {e}",
+                    plan.layer
+                ),
+            ));
+        }
     };
     Ok(Planned {
         plan,

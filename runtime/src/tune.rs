@@ -4,7 +4,7 @@
 //! Per regime, GEMM1's candidates are timed first (GEMM2 at the model's choice), then
 //! GEMM2's (GEMM1 at the winner): a layer per candidate of each GEMM instead of one per
 //! pair of them, each a whole layer timed on whole calls (self-routed where the spec has a
-//! router), so a candidate's launch, ramp and tail count as they will in use, the router's
+//! router, unless the tune is told to time caller-routed ones), so a candidate's launch, ramp and tail count as they will in use, the router's
 //! kernel ahead of GEMM1 included. A candidate is the plan of the layer with one tuning
 //! entry naming it, so what is timed is exactly what the planner will build from the
 //! entry. GEMMs the spec hints are left as hinted. A GEMM's candidates are compiled before
@@ -61,9 +61,9 @@ pub struct TuneSettings {
     pub probe_regimes: bool,
     /// Time calls that pass their own routing (uniform) even where the spec has a router:
     /// for an engine that routes tokens itself. Its calls differ from self-routed ones in
-    /// the GEMMs' rows (a router such as DeepSeek-V3's gives fewer experts more rows each)
-    /// and in the router's kernel between calls, and the fastest GEMMs can differ with them
-    /// (`benches/results/2026-12-07_probe_turns.md`: a cut 1.8% faster self-routed ran 1.1%
+    /// the router's kernel between calls and in whose routing the GEMMs' rows follow, and
+    /// the fastest GEMMs can differ with them (`benches/results/2026-12-07_probe_turns.md`:
+    /// a cut 1.8% faster self-routed, on the random gate's skewed routing of then, ran 1.1%
     /// slower caller-routed).
     pub caller_routed: bool,
 }

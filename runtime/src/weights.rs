@@ -102,28 +102,28 @@ const GATE_SEED_SALT: u64 = 0x6a7e_0000_5eed_0001;
 /// re-chosen for every token and the busiest expert got 3.6 times the mean load at 4096
 /// tokens (some experts none), which self-routed benches and tunes then timed
 /// (`benches/results/2026-12-07_random_router_loads.md`).
-fn random_bias_range(bias: RouterBias) -> f32 {
+fn random_bias_range(bias: RouterBias) -> Option<f32> {
     match bias {
-        RouterBias::None => 0.0,
+        RouterBias::None => None,
         // Shifts softmax logits of order one (GPT-OSS).
-        RouterBias::Logits => 0.05,
+        RouterBias::Logits => Some(0.05),
         // Shifts only the choice among sigmoid scores, whose top ones lie close together
-        // (DeepSeek-V3: the 8th and 9th of 256 differ by about 0.01).
-        RouterBias::ScoreCorrection => 0.005,
+        // (DeepSeek-V3's: ±0.1 re-chose every token, ±0.01 41% of them).
+        RouterBias::ScoreCorrection => Some(0.005),
     }
 }
 
 /// A uniform random gate of a layer of `shape`: W_gate in ±`sqrt(3 / H)` (logits of order
-/// one for inputs in ±1), and with a `bias` rule a bias in ±[`random_bias_range`].
+/// one for inputs in ±1), and with a `bias` rule a bias of a half-width set by its kind
+/// (`random_bias_range`).
 pub fn random_gate(shape: &LayerShape, bias: RouterBias, seed: u64) -> HostGate {
     let mut rng = SplitMix64::new(seed ^ GATE_SEED_SALT);
     let scale = weight_scale(shape.hidden);
     let weight = (0..u64::from(shape.experts) * u64::from(shape.hidden))
         .map(|_| bf16::from_f32(rng.signed() * scale))
         .collect();
-    let range = random_bias_range(bias);
-    let bias = (bias != RouterBias::None)
-        .then(|| (0..shape.experts).map(|_| rng.signed() * range).collect());
+    let bias = random_bias_range(bias)
+        .map(|range| (0..shape.experts).map(|_| rng.signed() * range).collect());
     HostGate { weight, bias }
 }
 

@@ -1,7 +1,8 @@
 //! The command line: one file per command, dispatched from [`run`].
 //!
 //! Exit status: 0 when every file is fine, 1 when some input is invalid (diagnostics on
-//! stderr), 2 for usage errors and files that cannot be read. Nothing here panics on input.
+//! stderr), 2 for usage errors, files that cannot be read and output that cannot be written
+//! (`main`'s panic hook). Nothing here panics on input.
 //! To add a command: add a file with an `Args` struct and a `run`, a variant to [`Command`]
 //! and a line to [`run`].
 
@@ -115,8 +116,7 @@ fn compile_file(path: &Path) -> Result<(SourceFile, ir::Module), ExitCode> {
     }
 }
 
-/// The worst of several exit statuses (usage errors over invalid input over success).
-/// `count` and `noun`, the noun in the plural unless the count is one ("1 token", "2 nodes").
+/// A count and its noun, in the plural unless the count is one ("1 token", "2 nodes").
 fn counted(count: impl Into<u64>, noun: &str) -> String {
     let count = count.into();
     if count == 1 {
@@ -126,6 +126,7 @@ fn counted(count: impl Into<u64>, noun: &str) -> String {
     }
 }
 
+/// The worst of several exit statuses (usage errors over invalid input over success).
 fn worst(statuses: impl IntoIterator<Item = ExitCode>) -> ExitCode {
     let mut worst = OK;
     for status in statuses {
@@ -134,4 +135,16 @@ fn worst(statuses: impl IntoIterator<Item = ExitCode>) -> ExitCode {
         }
     }
     worst
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counted;
+
+    #[test]
+    fn a_count_of_one_takes_the_singular() {
+        assert_eq!(counted(1u32, "token"), "1 token");
+        assert_eq!(counted(0u32, "node"), "0 nodes");
+        assert_eq!(counted(2u32, "shared expert"), "2 shared experts");
+    }
 }

@@ -211,7 +211,7 @@ fn hint(error: &CheckpointError) -> Option<String> {
             "is it the checkpoint of an MoE model? Its experts must be stored one tensor per expert and projection".to_owned()
         }
         CheckpointError::NoExpertsUnderPrefix { layers, .. } if layers.is_empty() => {
-            format!("is it the checkpoint of an MoE model of a family --family names ({FAMILIES})?")
+            format!("is it the checkpoint of an MoE model of one of the families moeforge reads ({FAMILIES})?")
         }
         CheckpointError::NoExpertsUnderPrefix { .. } | CheckpointError::SeveralLayers { .. } => {
             "pass one of those layers' prefixes with --layer-prefix".to_owned()

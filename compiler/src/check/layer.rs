@@ -375,8 +375,10 @@ fn routed_experts(setting: &Setting, errors: &mut Vec<Error>) -> Option<u32> {
 fn topology_example(topologies: &BTreeMap<&str, NamedTopology>) -> String {
     match topologies.keys().next() {
         Some(name) => format!("topology = {name}"),
-        None => "topology = one_gpu` and define it above the layer: `topology one_gpu { \
-                 gpus_per_node = 1 intra_node = 450 GB/s, 3 us network = 50 GB/s, 10 us }"
+        // The hint quotes the example in backticks: this one closes and reopens them
+        // around the words between the key and the definition.
+        None => "topology = one_gpu` and define it: `topology one_gpu { gpus_per_node = 1 \
+                 intra_node = 450 GB/s, 3 us network = 50 GB/s, 10 us }"
             .to_string(),
     }
 }

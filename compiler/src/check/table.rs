@@ -182,11 +182,11 @@ impl<'a> Table<'a> {
                 .chain(schema.sections)
                 .chain(schema.aliases.iter().map(|(alias, _)| alias))
         };
-        let suggestion = suggest(&key, candidates().copied()).or_else(|| {
-            config_name_for(&key)
-                .filter(|ours| candidates().any(|candidate| candidate == ours))
-                .map(str::to_string)
-        });
+        // A checkpoint config's name says for sure what it means; spelling only guesses.
+        let suggestion = config_name_for(&key)
+            .filter(|ours| candidates().any(|candidate| candidate == ours))
+            .map(str::to_string)
+            .or_else(|| suggest(&key, candidates().copied()));
         let homes: Vec<&str> = SCHEMAS
             .iter()
             .filter(|other| other.home != schema.home && other.accepts(&key))

@@ -11,7 +11,7 @@ pub mod lexer;
 
 use lalrpop_util::{ParseError, lalrpop_mod};
 
-use crate::diagnostics::{Error, MAX_ERRORS};
+use crate::diagnostics::{Error, MAX_ERRORS, short};
 use ast::Span;
 use lexer::Token;
 
@@ -69,13 +69,21 @@ pub fn parse(source: &str) -> Parsed {
         errors: Vec::new(),
         source,
     };
+    // The end of the last name reported as joined with `-`: its other hyphens are its error.
+    let mut hyphenated_until = 0;
     for invalid in &lexed.invalid {
+        if invalid.span.start < hyphenated_until {
+            continue;
+        }
         errors.push(match hyphenated_name(source, invalid) {
-            Some((span, written)) => Error::HyphenInName {
-                span,
-                name: written.replace('-', "_"),
-                written: written.to_string(),
-            },
+            Some((span, written)) => {
+                hyphenated_until = span.end;
+                Error::HyphenInName {
+                    span,
+                    with_underscores: short(&written.replace('-', "_")),
+                    written: short(written),
+                }
+            }
             None => Error::InvalidCharacter {
                 span: invalid.span,
                 found: invalid.found,
@@ -219,12 +227,12 @@ fn comma_ending_the_line_before(source: &str, equals: usize) -> Option<(Span, &s
         .rposition(|b| !(b.is_ascii_alphanumeric() || b == b'_'))
         .map_or(0, |i| i + 1);
     let key = &before[key_start..];
-    let line_start = before[..key_start].trim_end_matches([' ', '\t']);
-    if key.is_empty() || !(line_start.is_empty() || line_start.ends_with('\n')) {
+    let before_key_line = before[..key_start].trim_end_matches([' ', '\t']);
+    if key.is_empty() || !(before_key_line.is_empty() || before_key_line.ends_with('\n')) {
         return None;
     }
     // Back over the lines before the key's, from the end of the one just before it.
-    let mut end = line_start.len();
+    let mut end = before_key_line.len();
     while end > 0 {
         let text = &source[..end - 1];
         let start = text.rfind('\n').map_or(0, |i| i + 1);

@@ -59,8 +59,8 @@ pub struct TunedRegime {
     pub measured_us: f64,
     pub model_choice_us: f64,
     /// Whether those calls routed themselves (the spec has a router: `moeforge tune` since
-    /// 2026-12-05) rather than running on uniform routing passed in (entries written
-    /// before, which have no such field).
+    /// 2026-12-05, unless `--caller-routed`) rather than running on uniform routing passed
+    /// in (entries written before, which have no such field, and caller-routed tunes).
     #[serde(default)]
     pub self_routed: bool,
     /// When and by which build it was measured (`moeforge --version`, commit).
