@@ -81,6 +81,15 @@ pub enum Error {
         suggestion: Option<String>,
         known: String,
     },
+    #[error("`{key}` is a checkpoint config's name, not a key of {written_in}")]
+    ConfigNameElsewhere {
+        span: Span,
+        key: String,
+        written_in: String,
+        /// The key it names, and where that key is written.
+        ours: &'static str,
+        home: &'static str,
+    },
     #[error("`{key}` is set twice in {section}")]
     DuplicateKey {
         span: Span,
@@ -391,6 +400,7 @@ impl Error {
             | UnknownItemKind { span, .. }
             | DuplicateItem { span, .. }
             | UnknownKey { span, .. }
+            | ConfigNameElsewhere { span, .. }
             | MisplacedKey { span, .. }
             | DuplicateKey { span, .. }
             | MissingKey { span, .. }
@@ -536,6 +546,7 @@ impl Error {
                 suggestion, known, ..
             } => did_you_mean(suggestion)
                 .unwrap_or_else(|| format!("the keys allowed here are: {known}")),
+            ConfigNameElsewhere { ours, home, .. } => format!("write `{ours}` in {home}"),
             MisplacedKey {
                 key,
                 belongs_in,
@@ -1258,11 +1269,18 @@ mod tests {
                 span,
                 key: text("nvlink"),
             },
+            Error::ConfigNameElsewhere {
+                span,
+                key: text("norm_topk_prob"),
+                written_in: text("layer `a`"),
+                ours: "normalize",
+                home: "the layer's `router { }` section",
+            },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 53;
+    const VARIANTS: usize = 54;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1274,6 +1292,7 @@ mod tests {
             InvalidCharacter { .. } => 1,
             HyphenInName { .. } => 51,
             TrailingComma { .. } => 52,
+            ConfigNameElsewhere { .. } => 53,
             UnexpectedToken { .. } => 2,
             UnexpectedEnd { .. } => 3,
             UnknownItemKind { .. } => 4,

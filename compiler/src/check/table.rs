@@ -192,6 +192,23 @@ impl<'a> Table<'a> {
             .filter(|other| other.home != schema.home && other.accepts(&key))
             .map(|other| other.home)
             .collect();
+        // A config name for a key of another section (`norm_topk_prob` at the top of a
+        // layer, the router's `normalize`): that key, and where it is written.
+        if let Some(ours) = config_name_for(&key)
+            && suggestion.is_none()
+            && let Some(home) = SCHEMAS
+                .iter()
+                .find(|other| other.home != schema.home && other.accepts(ours))
+                .map(|other| other.home)
+        {
+            return Error::ConfigNameElsewhere {
+                span,
+                key: short(&key),
+                written_in: self.what.clone(),
+                ours,
+                home,
+            };
+        }
         if !homes.is_empty() {
             return Error::MisplacedKey {
                 span,
