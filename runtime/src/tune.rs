@@ -75,7 +75,12 @@ impl TuneSettings {
     /// kernel between one call's GEMM2 and the next call's GEMM1 changes what the GEMMs
     /// cost in a stream of calls (`benches/results/2026-12-05_h100_mixtral_router.md`).
     pub fn times_self_routed(&self, layer: &Layer) -> bool {
-        layer.router.is_some() && !self.caller_routed
+        self.routes_calls(layer.router.is_some())
+    }
+
+    /// Whether a timed call routes itself, for a layer with a router (`has_router`) or without.
+    fn routes_calls(&self, has_router: bool) -> bool {
+        has_router && !self.caller_routed
     }
 }
 
@@ -1186,7 +1191,7 @@ fn one_call(
     inputs: &mut DeviceWorkload,
     settings: &TuneSettings,
 ) -> Result<(), BenchError> {
-    if built.layer.routes_itself() && !settings.caller_routed {
+    if settings.routes_calls(built.layer.routes_itself()) {
         Ok(built.layer.forward_routed(inputs.routed_args())?)
     } else {
         Ok(session.forward(&built.layer, inputs)?)

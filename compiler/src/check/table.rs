@@ -182,24 +182,25 @@ impl<'a> Table<'a> {
                 .chain(schema.sections)
                 .chain(schema.aliases.iter().map(|(alias, _)| alias))
         };
+        // The other items and sections that take `key`.
+        let homes_of = |key: &str| -> Vec<&'static str> {
+            SCHEMAS
+                .iter()
+                .filter(|other| other.home != schema.home && other.accepts(key))
+                .map(|other| other.home)
+                .collect()
+        };
         // A checkpoint config's name says for sure what it means; spelling only guesses.
-        let suggestion = config_name_for(&key)
+        let config_name = config_name_for(&key);
+        let suggestion = config_name
             .filter(|ours| candidates().any(|candidate| candidate == ours))
             .map(str::to_string)
             .or_else(|| suggest(&key, candidates().copied()));
-        let homes: Vec<&str> = SCHEMAS
-            .iter()
-            .filter(|other| other.home != schema.home && other.accepts(&key))
-            .map(|other| other.home)
-            .collect();
         // A config name for a key of another section (`norm_topk_prob` at the top of a
         // layer, the router's `normalize`): that key, and where it is written.
-        if let Some(ours) = config_name_for(&key)
+        if let Some(ours) = config_name
             && suggestion.is_none()
-            && let Some(home) = SCHEMAS
-                .iter()
-                .find(|other| other.home != schema.home && other.accepts(ours))
-                .map(|other| other.home)
+            && let Some(&home) = homes_of(ours).first()
         {
             return Error::ConfigNameElsewhere {
                 span,
@@ -209,6 +210,7 @@ impl<'a> Table<'a> {
                 home,
             };
         }
+        let homes = homes_of(&key);
         if !homes.is_empty() {
             return Error::MisplacedKey {
                 span,
