@@ -431,6 +431,25 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
     assert_eq!(output.status.code(), Some(2));
 }
 
+/// A long simulation (1024 ranks at 256 tokens per rank, top_k 8: 2.1 million routed pairs,
+/// seconds a schedule) says on stderr what it simulates and each schedule as it ends; a
+/// short one (16 tokens per rank) prints nothing there.
+#[test]
+fn a_long_simulation_shows_its_progress() {
+    let output = moeforge(&["simulate", "tests/fixtures/ep1024.moe", "--tokens", "16,256"]);
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines[0].starts_with("simulating ep1024 at 256 tokens per rank (2097152 routed pairs"),
+        "{stderr}"
+    );
+    for (i, line) in lines[1..].iter().enumerate() {
+        assert!(line.contains(&format!(" done ({} of 4, ", i + 1)), "{stderr}");
+    }
+    assert_eq!(lines.len(), 5, "{stderr}");
+}
+
 /// The default token counts stop at a small layer's max_tokens (tiny's 512), saying so; a
 /// count above it, or of no tokens, is a usage error before anything is simulated.
 #[test]
