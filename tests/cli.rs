@@ -436,7 +436,12 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
 /// short one (16 tokens per rank) prints nothing there.
 #[test]
 fn a_long_simulation_shows_its_progress() {
-    let output = moeforge(&["simulate", "tests/fixtures/ep1024.moe", "--tokens", "16,256"]);
+    let output = moeforge(&[
+        "simulate",
+        "tests/fixtures/ep1024.moe",
+        "--tokens",
+        "16,256",
+    ]);
     assert!(output.status.success(), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     let lines: Vec<&str> = stderr.lines().collect();
@@ -445,7 +450,10 @@ fn a_long_simulation_shows_its_progress() {
         "{stderr}"
     );
     for (i, line) in lines[1..].iter().enumerate() {
-        assert!(line.contains(&format!(" done ({} of 4, ", i + 1)), "{stderr}");
+        assert!(
+            line.contains(&format!(" done ({} of 4, ", i + 1)),
+            "{stderr}"
+        );
     }
     assert_eq!(lines.len(), 5, "{stderr}");
 }
