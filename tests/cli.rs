@@ -233,6 +233,35 @@ fn check_notes_a_layer_too_large_for_its_gpus() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
+/// A file with no layer is valid (`check` passes it) but leaves the other commands nothing
+/// to do: `check` says so, `compile` refuses it.
+#[test]
+fn check_notes_a_file_without_a_layer() {
+    let directory = std::env::temp_dir().join(format!("moeforge-nolayer-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("temp dir");
+    let path = directory.join("empty.moe");
+    std::fs::write(&path, "# nothing yet\n").expect("write temp file");
+    let file = path.to_str().expect("UTF-8 temp path");
+    let output = moeforge(&["check", file]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("ok (0 topologies, 0 layers)")
+            && stdout.contains("note: no layer to compile, run or simulate"),
+        "{stdout}"
+    );
+    let out = directory.join("out");
+    let compiled = moeforge(&[
+        "compile",
+        file,
+        "-o",
+        out.to_str().expect("UTF-8 temp path"),
+    ]);
+    assert_eq!(compiled.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&compiled.stderr).contains("defines no layer"));
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
 /// A layer only the target can refuse: `check` accepts it, `explain` and `compile` for
 /// that target exit 1 with a diagnostic at the layer (file:line:column, caret, hint).
 #[test]

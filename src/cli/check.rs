@@ -1,6 +1,6 @@
 //! `moeforge check FILE...`: checks `.moe` files and reports every error in each, and notes
-//! a layer whose plan on the H200 (the checker's target) needs more memory per device than
-//! it has.
+//! a file with no layer (which the other commands refuse) and a layer whose plan on the H200
+//! (the checker's target) needs more memory per device than it has.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -42,6 +42,11 @@ pub fn run(args: &Args) -> ExitCode {
                 if layers.is_empty() { "" } else { ": " },
                 layers.join(", ")
             );
+            if module.layers.is_empty() {
+                println!(
+                    "  note: no layer to compile, run or simulate (valid as it is: a file may hold only topologies)"
+                );
+            }
             for layer in &module.layers {
                 if let Some(note) = memory_note(layer) {
                     println!("  note: {note}");
