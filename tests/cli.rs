@@ -262,6 +262,44 @@ fn check_notes_a_file_without_a_layer() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
+/// Compiling into a folder an earlier compile wrote removes the layer files its plan.json
+/// named that the new one does not (here another layer's source), and nothing else.
+#[test]
+fn compile_into_a_used_folder_leaves_one_compiles_files() {
+    let directory = std::env::temp_dir().join(format!("moeforge-reused-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&directory);
+    let out = directory.to_str().expect("UTF-8 temp path");
+    let first = moeforge(&["compile", "dsl-examples/tiny.moe", "-o", out, "--no-ptx"]);
+    assert!(first.status.success(), "{first:?}");
+    std::fs::write(directory.join("notes.txt"), "mine").expect("write a user file");
+    let second = moeforge(&[
+        "compile",
+        "dsl-examples/tiny_two_nodes.moe",
+        "-o",
+        out,
+        "--no-ptx",
+    ]);
+    assert!(second.status.success(), "{second:?}");
+    assert!(
+        String::from_utf8_lossy(&second.stderr)
+            .contains("tiny.cu (an earlier compile's, not in the new plan.json)"),
+        "{second:?}"
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&directory)
+        .expect("the folder")
+        .map(|entry| {
+            entry
+                .expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    left.sort();
+    assert_eq!(left, ["notes.txt", "plan.json", "tiny_two_nodes.cu"]);
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
 /// A layer only the target can refuse: `check` accepts it, `explain` and `compile` for
 /// that target exit 1 with a diagnostic at the layer (file:line:column, caret, hint).
 #[test]

@@ -189,6 +189,28 @@ pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<Vec<OutputFile>, AotE
     Ok(files)
 }
 
+/// The layer files (sources and PTX) an existing `plan.json` of `dir` names, read loosely so
+/// that a directory written by another format version counts too; none where there is no
+/// readable `plan.json`. `moeforge compile` removes those a new compile into `dir` leaves
+/// out, so the directory holds one compile's files.
+pub fn files_named_in(dir: &Path) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(dir.join(PLAN_FILE)) else {
+        return Vec::new();
+    };
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Vec::new();
+    };
+    let layers = value["layers"].as_array().map_or(&[][..], Vec::as_slice);
+    layers
+        .iter()
+        .flat_map(|layer| [&layer["source"]["file"], &layer["ptx"]["file"]])
+        .filter_map(|file| file.as_str())
+        // Only plain names: a file elsewhere is not this directory's to remove.
+        .filter(|file| Path::new(file).file_name() == Some(std::ffi::OsStr::new(file)))
+        .map(str::to_string)
+        .collect()
+}
+
 /// The PTX file name of a plan's unit.
 pub fn ptx_file_name(plan: &Plan) -> String {
     format!("{}.ptx", plan.symbol)

@@ -12,7 +12,8 @@ use super::planning::{TargetArgs, plan_file};
 use super::{OK, invalid_input, usage_error};
 
 /// Compile a .moe file ahead of time: writes <layer>.cu, <layer>.ptx (when NVRTC is found)
-/// and plan.json into DIR.
+/// and plan.json into DIR, and removes the layer files an earlier compile there left that
+/// the new plan.json does not name.
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file to compile.
@@ -71,13 +72,32 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("error: cannot create {}: {error}", args.out.display());
         return usage_error();
     }
-    for file in files {
+    let earlier = aot::files_named_in(&args.out);
+    for file in &files {
         let path = args.out.join(&file.name);
         if let Err(error) = std::fs::write(&path, &file.contents) {
             eprintln!("error: cannot write {}: {error}", path.display());
             return usage_error();
         }
         eprintln!("wrote {}", path.display());
+    }
+    // An earlier compile's layer files the new plan.json leaves out (another layer, or PTX
+    // where this compile wrote none) would sit beside it unused: remove them.
+    for name in earlier {
+        let path = args.out.join(&name);
+        if files.iter().any(|file| file.name == name) || !path.is_file() {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => eprintln!(
+                "removed {} (an earlier compile's, not in the new plan.json)",
+                path.display()
+            ),
+            Err(error) => eprintln!(
+                "warning: cannot remove {}, an earlier compile's file the new plan.json leaves out: {error}",
+                path.display()
+            ),
+        }
     }
     OK
 }
