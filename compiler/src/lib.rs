@@ -45,6 +45,15 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
         })
         .map(Error::span)
         .collect();
+    // A number before an invalid character on its line (`3 µs`) kept the setting without
+    // its unit: what the checker says of that number follows from the character.
+    let before_invalid: Vec<_> = errors
+        .iter()
+        .filter_map(|error| match error {
+            Error::InvalidCharacter { span, .. } => front::number_before(text, *span),
+            _ => None,
+        })
+        .collect();
     // A `,` that ended a line ran the next setting's key into the values before it: what
     // the checker says of those values (too many for their key) spans that comma.
     let trailing_commas: Vec<_> = errors
@@ -59,7 +68,7 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
             let at = error.span();
             let inside = |span: &front::ast::Span| span.start <= at.start && at.end <= span.end;
             let around = |comma: &front::ast::Span| at.start <= comma.start && comma.end <= at.end;
-            !glued.iter().any(inside) && !trailing_commas.iter().any(around)
+            !glued.iter().chain(&before_invalid).any(inside) && !trailing_commas.iter().any(around)
         })),
     }
     errors.sort_by_key(|error| error.span().start);

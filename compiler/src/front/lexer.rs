@@ -1,8 +1,8 @@
 //! The lexer: `.moe` text to tokens with byte spans (logos).
 //!
 //! Architecture invariant: lexing never fails and never panics. Characters that start no
-//! token become [`Token::Invalid`], which the parser rejects (the lexer's diagnostic is the
-//! one reported); comments are kept aside for the formatter instead of being dropped.
+//! token become [`Token::Invalid`], which the parser skips as an unexpected token (the
+//! lexer's diagnostic is the one reported); comments are kept aside for the formatter instead of being dropped.
 
 use logos::Logos;
 
@@ -136,13 +136,25 @@ pub struct Lexed<'src> {
 }
 
 /// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
-/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap; at
-/// most [`MAX_ERRORS`] invalid characters are listed.
+/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap; the
+/// token also takes the words and numbers glued to the run on either side; at most
+/// [`MAX_ERRORS`] invalid characters are listed.
 pub fn lex(source: &str) -> Lexed<'_> {
     let mut lexed = Lexed::default();
     let mut lexer = Token::lexer(source);
     while let Some(result) = lexer.next() {
         let range = lexer.span();
+        // A word or number glued to an invalid character joins it (`µs`, `@2`): the parser
+        // skips the whole token, and nothing of it is reported again as its own error.
+        if let Ok(
+            Token::Ident(_) | Token::Integer(_) | Token::Float(_) | Token::Tile(_) | Token::Unit(_),
+        ) = result
+            && let Some((_, Token::Invalid, end)) = lexed.tokens.last_mut()
+            && *end == range.start
+        {
+            *end = range.end;
+            continue;
+        }
         match result {
             Ok(Token::Comment(text)) => lexed.comments.push(Comment {
                 text: text.trim_end().to_string(),
@@ -194,7 +206,23 @@ pub fn lex(source: &str) -> Lexed<'_> {
                         found,
                     });
                 }
-                lexed.tokens.push((range.start, Token::Invalid, range.end));
+                // The word or number glued before it joins the invalid token too (`top-k`).
+                let start = match lexed.tokens.last() {
+                    Some(&(
+                        start,
+                        Token::Ident(_)
+                        | Token::Integer(_)
+                        | Token::Float(_)
+                        | Token::Tile(_)
+                        | Token::Unit(_),
+                        end,
+                    )) if end == range.start => {
+                        lexed.tokens.pop();
+                        start
+                    }
+                    _ => range.start,
+                };
+                lexed.tokens.push((start, Token::Invalid, range.end));
             }
         }
     }
@@ -363,5 +391,31 @@ mod tests {
                 Token::Ident("b")
             ]
         );
+    }
+
+    #[test]
+    fn words_and_numbers_glued_to_an_invalid_character_join_its_token() {
+        let source = "top-k = @2, 3 µs 10μs";
+        let lexed = lex(source);
+        let tokens: Vec<(&str, Token<'_>)> = lexed
+            .tokens
+            .iter()
+            .map(|&(start, token, end)| (&source[start..end], token))
+            .collect();
+        assert_eq!(
+            tokens,
+            [
+                ("top-k", Token::Invalid),
+                ("=", Token::Equals),
+                ("@2", Token::Invalid),
+                (",", Token::Comma),
+                ("3", Token::Integer("3")),
+                ("µs", Token::Invalid),
+                ("10μs", Token::Invalid),
+            ]
+        );
+        // Each run is reported once, at its first invalid character.
+        let found: Vec<char> = lexed.invalid.iter().map(|c| c.found).collect();
+        assert_eq!(found, ['-', '@', 'µ', 'μ']);
     }
 }

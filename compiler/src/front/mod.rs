@@ -61,6 +61,18 @@ fn hyphenated_name<'src>(
     (first.is_ascii_alphabetic() || first == b'_').then(|| (Span::new(start, end), written))
 }
 
+/// The number just before `invalid` on its line (spaces and tabs between, or none), from
+/// the number's start to the invalid character's end: `3 µs`, `10μs`. The parser keeps such
+/// a number as a value without its unit.
+pub fn number_before(source: &str, invalid: Span) -> Option<Span> {
+    let before = source.get(..invalid.start)?.trim_end_matches([' ', '\t']);
+    let digits = before.trim_end_matches(|c: char| c.is_ascii_digit() || c == '_' || c == '.');
+    let number = &before[digits.len()..];
+    let starts_a_number = number.starts_with(|c: char| c.is_ascii_digit());
+    let stands_alone = !digits.ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
+    (starts_a_number && stands_alone).then(|| Span::new(digits.len(), invalid.end))
+}
+
 /// Parses `.moe` source text into a syntax tree, recovering after errors so that all of
 /// them are reported. Meaning (keys, units, rules) is checked later by [`crate::check`].
 pub fn parse(source: &str) -> Parsed {
@@ -68,6 +80,7 @@ pub fn parse(source: &str) -> Parsed {
     let mut errors = SyntaxErrors {
         errors: Vec::new(),
         source,
+        between_items: false,
     };
     // The end of the last name reported as joined with `-`: its other hyphens are its error.
     let mut hyphenated_until = 0;
@@ -141,6 +154,8 @@ pub fn count_line_breaks(text: &str) -> usize {
 pub struct SyntaxErrors<'src> {
     errors: Vec<Error>,
     source: &'src str,
+    /// Whether an error outside any item has been recorded since the last item parsed.
+    between_items: bool,
 }
 
 impl SyntaxErrors<'_> {
@@ -151,6 +166,25 @@ impl SyntaxErrors<'_> {
         {
             self.push(error);
         }
+    }
+
+    /// Records an error outside any item (a broken item header, or text between items):
+    /// only the first until an item parses again. Recovery there resumes at the next name,
+    /// which in a broken item's body is its next key (`layer a b {`: `hidden = 64` reads as
+    /// an item `hidden` missing its name), so each line after it would be an error too.
+    pub fn record_between_items(
+        &mut self,
+        error: ParseError<usize, Token<'_>, std::convert::Infallible>,
+    ) {
+        if !self.between_items {
+            self.between_items = true;
+            self.record(error);
+        }
+    }
+
+    /// An item parsed whole: errors between items are reported again.
+    pub fn item_parsed(&mut self) {
+        self.between_items = false;
     }
 
     fn push(&mut self, error: Error) {
