@@ -31,8 +31,9 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     tokens: Option<Vec<u32>>,
     /// How tokens pick experts: uniform (seeded random), skewed (every token to experts
-    /// 0..top_k, the worst case) or grouped (within --groups-kept of --groups equal groups
-    /// of experts, as DeepSeek-V3's router limits them).
+    /// 0..top_k, the worst case), grouped (within --groups-kept of --groups equal groups
+    /// of experts, as DeepSeek-V3's router limits them) or balanced (token t's pairs to
+    /// experts t·K, t·K + 1, … mod E on every rank, as `bench --routing balanced`).
     #[arg(long, value_enum, default_value_t = RoutingArg::Uniform)]
     routing: RoutingArg,
     /// Grouped routing: the experts' groups (default: the layer's router's group limit).
@@ -48,12 +49,13 @@ pub struct Args {
     /// Write an SVG timeline of the topology-aware schedule at the first token count.
     #[arg(long, value_name = "PATH")]
     svg: Option<PathBuf>,
-    /// A bench result (`benches/results/*_ep2_uniform*.json` or `*_ep2v_uniform*.json`) to
-    /// print the predictions beside; the layer is planned as the bench ran it: over the
-    /// file's ranks (one GPU each, or virtual ranks on one GPU), without shared experts,
-    /// each rank's call routed as the bench drew it (from the file's seed), for the GPU the
-    /// file was measured on where it names a known one (`--target` overrides). Its token
-    /// counts, routing and ranks are the file's: it takes none of those options, nor `--svg`.
+    /// A bench result of uniform or balanced routing (`benches/results/*_ep2_uniform*.json`,
+    /// `*_ep2v_balanced*.json`, ...) to print the predictions beside; the layer is planned as
+    /// the bench ran it: over the file's ranks (one GPU each, or virtual ranks on one GPU),
+    /// with or without its shared experts as the file says, each rank's call routed as the
+    /// bench drew it (uniform: from the file's seed), for the GPU the file was measured on
+    /// where it names a known one (`--target` overrides). Its token counts, routing and ranks
+    /// are the file's: it takes none of those options, nor `--svg`.
     #[arg(
         long,
         value_name = "JSON",
@@ -69,6 +71,7 @@ enum RoutingArg {
     Uniform,
     Skewed,
     Grouped,
+    Balanced,
 }
 
 /// Routed pairs (ranks × tokens per rank × top_k) from which a call's simulation shows its
@@ -171,6 +174,7 @@ pub fn run(args: &Args) -> ExitCode {
     let routing = match args.routing {
         RoutingArg::Uniform => Routing::Uniform,
         RoutingArg::Skewed => Routing::Skewed,
+        RoutingArg::Balanced => Routing::Balanced,
         RoutingArg::Grouped => {
             let groups = args.groups.or(limit.map(|l| l.groups));
             let kept = args.groups_kept.or(limit.map(|l| l.kept));

@@ -146,12 +146,15 @@ pub fn compare(
     topology: &Topology,
     measured: &MeasuredFile,
 ) -> Result<Vec<Comparison>, SimError> {
-    if measured.routing != "uniform" {
-        return Err(SimError::Measured(format!(
-            "the file's routing is `{}`; only uniform cells are compared",
-            measured.routing
-        )));
-    }
+    let balanced = match measured.routing.as_str() {
+        "uniform" => false,
+        "balanced" => true,
+        other => {
+            return Err(SimError::Measured(format!(
+                "the file's routing is `{other}`; only uniform and balanced cells are compared"
+            )));
+        }
+    };
     let us = 1e6;
     measured
         .rows
@@ -169,12 +172,14 @@ pub fn compare(
                 topology,
                 &Options {
                     tokens_per_rank: row.tokens_per_rank,
-                    routing: measured
-                        .seed
-                        .map_or(Routing::Uniform, |seed| Routing::Benched {
+                    routing: match measured.seed {
+                        _ if balanced => Routing::Balanced,
+                        Some(seed) => Routing::Benched {
                             seed,
                             hidden: plan.shape.hidden,
-                        }),
+                        },
+                        None => Routing::Uniform,
+                    },
                     timeline_ranks: ranks,
                     fused_decode: row.fused_decode,
                 },

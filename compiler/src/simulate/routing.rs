@@ -22,6 +22,10 @@ pub enum Routing {
     /// ranks in index order, a group is a block of ranks (at EP = 64 over 8 nodes,
     /// DeepSeek-V3's 8 groups are the 8 nodes), so a token reaches at most `kept` of them.
     GroupLimited { groups: u32, kept: u32 },
+    /// On every rank token `t`'s pairs go to experts `t·K, t·K + 1, …` (mod E), as the
+    /// bench's balanced routing sends them: every expert gets `T·K/E` rows of each source
+    /// (±1), so its row tiles are as full as they can be.
+    Balanced,
     /// Uniform, as `moeforge bench --seed` drew it: every rank's call replayed from the
     /// bench's seed (`inputs::draw_call`; the draws start with the activations, so the
     /// layer's hidden size is part of the routing). At a few tokens per rank which experts a
@@ -59,6 +63,7 @@ impl Routing {
                 format!("group-limited ({kept} of {groups} groups)")
             }
             Routing::Benched { seed, .. } => format!("uniform, as the bench drew it (seed {seed})"),
+            Routing::Balanced => "balanced".into(),
         }
     }
 }
@@ -147,6 +152,10 @@ impl Traffic {
                         chosen.extend(benched[first..first + k].iter().map(|&e| e as u32));
                     }
                     Routing::Skewed => chosen.extend(0..top_k),
+                    Routing::Balanced => chosen.extend((0..top_k).map(|j| {
+                        ((u64::from(token) * u64::from(top_k) + u64::from(j)) % u64::from(experts))
+                            as u32
+                    })),
                     Routing::Uniform => distinct(&mut rng, experts, top_k, &mut chosen),
                     Routing::GroupLimited { groups, kept } => {
                         // Kept groups, then top_k of their experts, numbered group by group.
@@ -241,6 +250,23 @@ mod tests {
         let uniform = Traffic::draw(Routing::Uniform, ranks, 64, top_k, 8, tokens).expect("draws");
         let reached: u32 = (0..ranks).map(|d| uniform.tokens_to(0, d)).sum();
         assert!(reached > 4 * tokens, "{reached}");
+    }
+
+    /// Balanced routing gives every expert the same rows of each source (T·K/E where E
+    /// divides T·K), and a token's pairs distinct experts.
+    #[test]
+    fn balanced_routing_fills_every_expert_alike() {
+        let (ranks, experts, top_k, tokens) = (2u32, 16u32, 4u32, 100u32);
+        let traffic =
+            Traffic::draw(Routing::Balanced, ranks, experts, top_k, 2, tokens).expect("draws");
+        for source in 0..ranks {
+            for expert in 0..experts {
+                assert_eq!(traffic.pairs[(source * experts + expert) as usize], 25);
+            }
+            // A token's four experts start at a multiple of 4: one rank holds them all.
+            let reached: u32 = (0..ranks).map(|d| traffic.tokens_to(source, d)).sum();
+            assert_eq!(reached, tokens);
+        }
     }
 
     #[test]
