@@ -45,15 +45,23 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
         })
         .map(Error::span)
         .collect();
-    // A number before an invalid character on its line (`3 µs`) kept the setting without
-    // its unit: what the checker says of that number follows from the character.
-    let before_invalid: Vec<_> = errors
+    // A number before an invalid character on its line (`3 µs`) was kept without the unit
+    // the character broke: its missing unit follows from the character.
+    let invalid_starts: Vec<usize> = errors
         .iter()
         .filter_map(|error| match error {
-            Error::InvalidCharacter { span, .. } => front::number_before(text, *span),
+            Error::InvalidCharacter { span, .. } => Some(span.start),
             _ => None,
         })
         .collect();
+    let unit_broken = |error: &Error| {
+        let Error::MissingUnit { span, .. } = error else {
+            return false;
+        };
+        let after = &text[span.end..];
+        let next = span.end + after.len() - after.trim_start_matches([' ', '\t']).len();
+        invalid_starts.contains(&next)
+    };
     // A `,` that ended a line ran the next setting's key into the values before it: what
     // the checker says of those values (too many for their key) spans that comma.
     let trailing_commas: Vec<_> = errors
@@ -61,6 +69,15 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
         .filter(|error| matches!(error, Error::TrailingComma { .. }))
         .map(Error::span)
         .collect();
+    // An error outside every parsed item is a broken item (`topology one-gpu {`, dropped
+    // whole): a layer's unknown topology may be that one.
+    let item_dropped = syntax_spans.iter().any(|error| {
+        !parsed
+            .file
+            .items
+            .iter()
+            .any(|item| item.span.start <= error.start && error.start < item.span.end)
+    });
     match check::check(&parsed.file, &syntax_spans) {
         Ok(module) if errors.is_empty() => return Ok(module),
         Ok(_) => {}
@@ -68,7 +85,10 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
             let at = error.span();
             let inside = |span: &front::ast::Span| span.start <= at.start && at.end <= span.end;
             let around = |comma: &front::ast::Span| at.start <= comma.start && comma.end <= at.end;
-            !glued.iter().chain(&before_invalid).any(inside) && !trailing_commas.iter().any(around)
+            !glued.iter().any(inside)
+                && !trailing_commas.iter().any(around)
+                && !unit_broken(error)
+                && (!item_dropped || !matches!(error, Error::UnknownTopology { .. }))
         })),
     }
     errors.sort_by_key(|error| error.span().start);

@@ -189,25 +189,50 @@ pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<Vec<OutputFile>, AotE
     Ok(files)
 }
 
-/// The layer files (sources and PTX) an existing `plan.json` of `dir` names, read loosely so
-/// that a directory written by another format version counts too; none where there is no
-/// readable `plan.json`. `moeforge compile` removes those a new compile into `dir` leaves
-/// out, so the directory holds one compile's files.
-pub fn files_named_in(dir: &Path) -> Vec<String> {
+/// A layer file (source or PTX) an earlier compile wrote into a directory, as that
+/// compile's `plan.json` recorded it.
+pub struct EarlierFile {
+    pub name: String,
+    sha256: String,
+}
+
+impl EarlierFile {
+    /// Whether the file in `dir` still holds what that compile wrote: not edited since, nor
+    /// overwritten by a file of another case on a filesystem that ignores case.
+    pub fn unchanged_in(&self, dir: &Path) -> bool {
+        std::fs::read(dir.join(&self.name)).is_ok_and(|bytes| sha256(&bytes) == self.sha256)
+    }
+}
+
+/// The layer files the `plan.json` of `dir` names, where it is one of moeforge's (read
+/// loosely, so that a directory of another format version counts too): plain `.cu` and
+/// `.ptx` names of the directory, with their recorded hashes; none where there is no such
+/// file. `moeforge compile` removes those a new compile into `dir` leaves out and nobody
+/// has changed, so that the directory holds one compile's files.
+pub fn earlier_layer_files(dir: &Path) -> Vec<EarlierFile> {
     let Ok(text) = std::fs::read_to_string(dir.join(PLAN_FILE)) else {
         return Vec::new();
     };
     let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) else {
         return Vec::new();
     };
+    if value["format"] != FORMAT_NAME {
+        return Vec::new();
+    }
     let layers = value["layers"].as_array().map_or(&[][..], Vec::as_slice);
     layers
         .iter()
-        .flat_map(|layer| [&layer["source"]["file"], &layer["ptx"]["file"]])
-        .filter_map(|file| file.as_str())
-        // Only plain names: a file elsewhere is not this directory's to remove.
-        .filter(|file| Path::new(file).file_name() == Some(std::ffi::OsStr::new(file)))
-        .map(str::to_string)
+        .flat_map(|layer| [&layer["source"], &layer["ptx"]])
+        .filter_map(|artifact| {
+            let name = artifact["file"].as_str()?;
+            let sha256 = artifact["sha256"].as_str()?;
+            let plain = Path::new(name).file_name() == Some(std::ffi::OsStr::new(name));
+            let layer_file = name.ends_with(".cu") || name.ends_with(".ptx");
+            (plain && layer_file).then(|| EarlierFile {
+                name: name.to_string(),
+                sha256: sha256.to_string(),
+            })
+        })
         .collect()
 }
 

@@ -10,9 +10,9 @@ use moeforge::compiler::plan::{self, Target};
 
 use super::{OK, compile_file, worst};
 
-/// Check .moe files: report every error (exit 1 if any), print a summary of each valid file
-/// and a note for each layer whose buffers would not fit its GPUs (with the max_tokens that
-/// fits).
+/// Check .moe files: report every error (exit 1 if any), print a summary of each valid file,
+/// a note for each layer whose buffers would not fit its GPUs (with the max_tokens that
+/// fits) and for a file without a layer.
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe files to check.
@@ -44,7 +44,7 @@ pub fn run(args: &Args) -> ExitCode {
             );
             if module.layers.is_empty() {
                 println!(
-                    "  note: no layer to compile, run or simulate (valid as it is: a file may hold only topologies)"
+                    "  note: no layer: nothing for compile, run or simulate (a file may define only topologies)"
                 );
             }
             for layer in &module.layers {

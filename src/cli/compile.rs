@@ -13,7 +13,7 @@ use super::{OK, invalid_input, usage_error};
 
 /// Compile a .moe file ahead of time: writes <layer>.cu, <layer>.ptx (when NVRTC is found)
 /// and plan.json into DIR, and removes the layer files an earlier compile there left that
-/// the new plan.json does not name.
+/// the new plan.json does not name (unless changed since).
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe file to compile.
@@ -72,7 +72,7 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("error: cannot create {}: {error}", args.out.display());
         return usage_error();
     }
-    let earlier = aot::files_named_in(&args.out);
+    let earlier = aot::earlier_layer_files(&args.out);
     for file in &files {
         let path = args.out.join(&file.name);
         if let Err(error) = std::fs::write(&path, &file.contents) {
@@ -82,10 +82,18 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("wrote {}", path.display());
     }
     // An earlier compile's layer files the new plan.json leaves out (another layer, or PTX
-    // where this compile wrote none) would sit beside it unused: remove them.
-    for name in earlier {
-        let path = args.out.join(&name);
-        if files.iter().any(|file| file.name == name) || !path.is_file() {
+    // where this compile wrote none) would sit beside it unused: remove them, unless
+    // someone changed them since.
+    for earlier in earlier {
+        let path = args.out.join(&earlier.name);
+        if files.iter().any(|file| file.name == earlier.name) || !path.is_file() {
+            continue;
+        }
+        if !earlier.unchanged_in(&args.out) {
+            eprintln!(
+                "note: kept {}: an earlier compile's file, not in the new plan.json, changed since it was written",
+                path.display()
+            );
             continue;
         }
         match std::fs::remove_file(&path) {

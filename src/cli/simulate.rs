@@ -239,19 +239,23 @@ pub fn run(args: &Args) -> ExitCode {
         let long = pairs >= LONG_SIMULATION_PAIRS;
         if long {
             eprintln!(
-                "simulating {} at {} per rank ({pairs} routed pairs; seconds a schedule) ...",
+                "simulating {} at {} per rank on {} ({pairs} routed pairs: a few seconds per schedule) ...",
                 layer.name,
                 counted(tokens, "token"),
+                counted(
+                    plan.expert_parallel.as_ref().map_or(1, |ep| ep.ranks),
+                    "rank"
+                ),
             );
         }
         let step = |step: Step| {
             if long {
                 eprintln!(
-                    "  {} done ({} of {}, {:.1} s)",
-                    step.schedule.name(),
+                    "  {} of {} schedules simulated ({:.1} s): {}",
                     step.index + 1,
                     step.of,
-                    started.elapsed().as_secs_f64()
+                    started.elapsed().as_secs_f64(),
+                    step.schedule.name()
                 );
             }
         };

@@ -14,6 +14,7 @@ pub mod values;
 use std::collections::BTreeMap;
 
 use crate::diagnostics::{Error, MAX_ERRORS, short, suggest};
+use crate::front::ITEM_KINDS;
 use crate::front::ast::{File, Item, Span};
 use crate::ir;
 use table::Schema;
@@ -28,9 +29,6 @@ pub const SCHEMAS: [&Schema; 6] = [
     &layer::PARALLEL,
     &layer::SCHEDULE,
 ];
-
-/// The item kinds a file may hold.
-const ITEM_KINDS: [&str; 2] = ["topology", "layer"];
 
 /// A topology as layers see it while checking: where it is named, and its checked form
 /// (`None` if it had errors, which are already reported).

@@ -1,8 +1,9 @@
 //! The lexer: `.moe` text to tokens with byte spans (logos).
 //!
 //! Architecture invariant: lexing never fails and never panics. Characters that start no
-//! token become [`Token::Invalid`], which the parser skips as an unexpected token (the
-//! lexer's diagnostic is the one reported); comments are kept aside for the formatter instead of being dropped.
+//! token become [`Token::Invalid`] (with what they broke), which the parser skips as an
+//! unexpected token (the lexer's diagnostic is the one reported); comments are kept aside
+//! for the formatter instead of being dropped.
 
 use logos::Logos;
 
@@ -135,24 +136,34 @@ pub struct Lexed<'src> {
     pub unknown_units: Vec<WordAfterNumber<'src>>,
 }
 
-/// Splits `source` into tokens. Runs of invalid characters become one [`Token::Invalid`]
-/// and one [`InvalidCharacter`] (its first character), so garbage input stays cheap; the
-/// token also takes the words and numbers glued to the run on either side; at most
-/// [`MAX_ERRORS`] invalid characters are listed.
+/// Splits `source` into tokens. An invalid character becomes a [`Token::Invalid`] that
+/// also takes the word or number glued before it (`top-k`, `3µs`) and the rest of its line
+/// up to a brace or a comment (`ffn = 256 — the intermediate size`), so the parser skips
+/// what the character broke instead of reading its pieces as keys and values. Each run of
+/// invalid characters in it is one [`InvalidCharacter`] (its first character); at most
+/// [`MAX_ERRORS`] are listed.
 pub fn lex(source: &str) -> Lexed<'_> {
     let mut lexed = Lexed::default();
     let mut lexer = Token::lexer(source);
+    // Where the last invalid character ended: the next one right there is the same run.
+    let mut run_end = usize::MAX;
     while let Some(result) = lexer.next() {
         let range = lexer.span();
-        // A word or number glued to an invalid character joins it (`µs`, `@2`): the parser
-        // skips the whole token, and nothing of it is reported again as its own error.
-        if let Ok(
-            Token::Ident(_) | Token::Integer(_) | Token::Float(_) | Token::Tile(_) | Token::Unit(_),
-        ) = result
-            && let Some((_, Token::Invalid, end)) = lexed.tokens.last_mut()
-            && *end == range.start
+        if let Some(&(start, Token::Invalid, end)) = lexed.tokens.last()
+            && !source[end..range.start].contains(['\n', '\r'])
+            && !matches!(
+                result,
+                Ok(Token::LBrace | Token::RBrace | Token::Comment(_))
+            )
         {
-            *end = range.end;
+            if result.is_err() {
+                if range.start != run_end {
+                    lexed.report_invalid(source, &range);
+                }
+                run_end = range.end;
+            }
+            lexed.tokens.pop();
+            lexed.tokens.push((start, Token::Invalid, range.end));
             continue;
         }
         match result {
@@ -193,30 +204,12 @@ pub fn lex(source: &str) -> Lexed<'_> {
             }
             Ok(token) => lexed.tokens.push((range.start, token, range.end)),
             Err(()) => {
-                if let Some((_, Token::Invalid, end)) = lexed.tokens.last_mut()
-                    && *end == range.start
-                {
-                    *end = range.end;
-                    continue;
-                }
-                let found = source[range.clone()].chars().next().unwrap_or('\u{fffd}');
-                if lexed.invalid.len() <= MAX_ERRORS {
-                    lexed.invalid.push(InvalidCharacter {
-                        span: Span::new(range.start, range.end),
-                        found,
-                    });
-                }
-                // The word or number glued before it joins the invalid token too (`top-k`).
+                lexed.report_invalid(source, &range);
+                run_end = range.end;
                 let start = match lexed.tokens.last() {
-                    Some(&(
-                        start,
-                        Token::Ident(_)
-                        | Token::Integer(_)
-                        | Token::Float(_)
-                        | Token::Tile(_)
-                        | Token::Unit(_),
-                        end,
-                    )) if end == range.start => {
+                    Some(&(start, token, end))
+                        if end == range.start && token.is_word_or_number() =>
+                    {
                         lexed.tokens.pop();
                         start
                     }
@@ -227,6 +220,28 @@ pub fn lex(source: &str) -> Lexed<'_> {
         }
     }
     lexed
+}
+
+impl Token<'_> {
+    /// A name, number, tile or unit: what an invalid character glued to it takes along.
+    fn is_word_or_number(self) -> bool {
+        matches!(
+            self,
+            Token::Ident(_) | Token::Integer(_) | Token::Float(_) | Token::Tile(_) | Token::Unit(_)
+        )
+    }
+}
+
+impl Lexed<'_> {
+    /// Lists the invalid character starting `range` (up to [`MAX_ERRORS`] and one more).
+    fn report_invalid(&mut self, source: &str, range: &std::ops::Range<usize>) {
+        if self.invalid.len() <= MAX_ERRORS {
+            self.invalid.push(InvalidCharacter {
+                span: Span::new(range.start, range.end),
+                found: source[range.clone()].chars().next().unwrap_or('\u{fffd}'),
+            });
+        }
+    }
 }
 
 #[cfg(test)]
@@ -379,11 +394,11 @@ mod tests {
 
     #[test]
     fn runs_of_invalid_characters_become_one_token() {
-        let lexed = lex("a = @@@\u{0} b");
+        let lexed = lex("a = @@@\u{0}\nb");
         assert_eq!(lexed.invalid.len(), 1);
         assert_eq!(lexed.invalid[0].found, '@');
         assert_eq!(
-            kinds("a = @@@\u{0} b"),
+            kinds("a = @@@\u{0}\nb"),
             vec![
                 Token::Ident("a"),
                 Token::Equals,
@@ -393,9 +408,11 @@ mod tests {
         );
     }
 
+    /// An invalid token takes the word or number glued before it and the rest of its line,
+    /// up to a brace or a comment; each run of invalid characters in it is reported.
     #[test]
-    fn words_and_numbers_glued_to_an_invalid_character_join_its_token() {
-        let source = "top-k = @2, 3 µs 10μs";
+    fn an_invalid_character_takes_what_it_broke() {
+        let source = "top-k = 2\nffn = 256 — the size; x\nt { nvlink = 3 µs # c\n10μs }";
         let lexed = lex(source);
         let tokens: Vec<(&str, Token<'_>)> = lexed
             .tokens
@@ -405,17 +422,23 @@ mod tests {
         assert_eq!(
             tokens,
             [
-                ("top-k", Token::Invalid),
+                ("top-k = 2", Token::Invalid),
+                ("ffn", Token::Ident("ffn")),
                 ("=", Token::Equals),
-                ("@2", Token::Invalid),
-                (",", Token::Comma),
+                ("256", Token::Integer("256")),
+                ("— the size; x", Token::Invalid),
+                ("t", Token::Ident("t")),
+                ("{", Token::LBrace),
+                ("nvlink", Token::Ident("nvlink")),
+                ("=", Token::Equals),
                 ("3", Token::Integer("3")),
                 ("µs", Token::Invalid),
                 ("10μs", Token::Invalid),
+                ("}", Token::RBrace),
             ]
         );
-        // Each run is reported once, at its first invalid character.
         let found: Vec<char> = lexed.invalid.iter().map(|c| c.found).collect();
-        assert_eq!(found, ['-', '@', 'µ', 'μ']);
+        assert_eq!(found, ['-', '—', ';', 'µ', 'μ']);
+        assert_eq!(lexed.comments.len(), 1);
     }
 }

@@ -28,6 +28,9 @@ pub struct Parsed {
     pub errors: Vec<Error>,
 }
 
+/// The item kinds a file may hold.
+pub const ITEM_KINDS: [&str; 2] = ["topology", "layer"];
+
 /// A `-` between two parts of a name (`top-k`, `groups-kept`): the whole name as written,
 /// and its span, where the language joins such parts with `_`.
 fn hyphenated_name<'src>(
@@ -59,18 +62,6 @@ fn hyphenated_name<'src>(
     // A name starts with a letter or `_`: `2-k` is a number and a name.
     let first = written.as_bytes()[0];
     (first.is_ascii_alphabetic() || first == b'_').then(|| (Span::new(start, end), written))
-}
-
-/// The number just before `invalid` on its line (spaces and tabs between, or none), from
-/// the number's start to the invalid character's end: `3 µs`, `10μs`. The parser keeps such
-/// a number as a value without its unit.
-pub fn number_before(source: &str, invalid: Span) -> Option<Span> {
-    let before = source.get(..invalid.start)?.trim_end_matches([' ', '\t']);
-    let digits = before.trim_end_matches(|c: char| c.is_ascii_digit() || c == '_' || c == '.');
-    let number = &before[digits.len()..];
-    let starts_a_number = number.starts_with(|c: char| c.is_ascii_digit());
-    let stands_alone = !digits.ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
-    (starts_a_number && stands_alone).then(|| Span::new(digits.len(), invalid.end))
 }
 
 /// Parses `.moe` source text into a syntax tree, recovering after errors so that all of
@@ -169,9 +160,10 @@ impl SyntaxErrors<'_> {
     }
 
     /// Records an error outside any item (a broken item header, or text between items):
-    /// only the first until an item parses again. Recovery there resumes at the next name,
-    /// which in a broken item's body is its next key (`layer a b {`: `hidden = 64` reads as
-    /// an item `hidden` missing its name), so each line after it would be an error too.
+    /// only the first until an item of a known kind parses again. Recovery there resumes at
+    /// the next name, which in a broken item's body is its next key (`layer a b {`:
+    /// `hidden = 64` reads as an item `hidden` missing its name), so each line after it
+    /// would be an error too.
     pub fn record_between_items(
         &mut self,
         error: ParseError<usize, Token<'_>, std::convert::Infallible>,
@@ -182,9 +174,16 @@ impl SyntaxErrors<'_> {
         }
     }
 
-    /// An item parsed whole: errors between items are reported again.
-    pub fn item_parsed(&mut self) {
+    /// Whether an item of `kind` that parsed whole is one: after an error between items,
+    /// only an item of a known kind is; the others are pieces of the broken item's body
+    /// (`topology = t` then `schedule { ... }` read as an item `t schedule { ... }`), dropped
+    /// unreported.
+    pub fn item_parsed(&mut self, kind: &str) -> bool {
+        if self.between_items && !ITEM_KINDS.contains(&kind) {
+            return false;
+        }
         self.between_items = false;
+        true
     }
 
     fn push(&mut self, error: Error) {
