@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# session 66, call 1: tune --caller-routed on a GPU for the first time; GPT-OSS on two virtual ranks around 4096 tokens per rank
+# session 66, call 1 (after the GPU suite): tune --caller-routed on a GPU for the first time; GPT-OSS on two virtual ranks at 2048-8192 tokens per rank and alone at 4096-16384; Nsight Compute of Qwen3 at 4096 (see 2026-12-07_qwen3_4096_kernels.md; the run used `run` without --calls: call1b)
 set -u
 M=.device/bin/moeforge
 date -u
