@@ -1,27 +1,30 @@
 //! The simulator beside the bench: reads a bench result of the expert-parallel path
 //! (`benches/results/*_ep2_uniform*.json` from `moeforge bench --gpus 2`, `*_ep2v_*` from
-//! `--ranks 2`) at run time and predicts each of its cells, with the layer planned as the
-//! bench ran it (virtual ranks or a GPU per rank, without shared experts). Most of the
-//! model's constants (`model.rs`) were fitted to the stage and GEMM1/GEMM2 times of the
-//! 2026-11-30 files at commits 95bb336 and 22ac107
-//! (benches/results/2026-11-30_simulator_calibration.md has every cell), the dispatch rate
-//! and the metadata timing to the 2026-12-01 files at e323b9f, the local GEMM2 epilogue and
-//! the combine's rate per lane to virtual ranks (2026-12-04): a few constants for three
-//! layers and five token counts, so the fit is not by construction. The overlapped layer
-//! time comes within 15% on all 14 cells of the files of today's kernels (two virtual ranks
-//! of an H100, 2026-12-06, 7046353 and 1bfebb0), on 13 of the 15 two-GPU cells at e323b9f and
-//! on 10 of the 12 virtual-rank cells of 2026-12-04, which ran older kernels
-//! (benches/results/2026-12-07_simulator_partial_tiles.md). A row the
+//! `--ranks 2`; uniform or balanced routing) at run time and predicts each of its cells,
+//! with the layer planned as the bench ran it (virtual ranks or a GPU per rank, with or
+//! without its shared experts as the file says). Most of the model's constants
+//! (`model.rs`) were fitted to the stage and GEMM1/GEMM2 times of the 2026-11-30 files at
+//! commits 95bb336 and 22ac107 (benches/results/2026-11-30_simulator_calibration.md has
+//! every cell), the dispatch rate and the metadata timing to the 2026-12-01 files at
+//! e323b9f, the local GEMM2 epilogue and the combine's rate per lane to virtual ranks
+//! (2026-12-04): a few constants for three layers and five token counts, so the fit is not
+//! by construction. On the freshest files (two virtual ranks of an H100, 203fd10,
+//! 2026-12-07) the overlapped layer time comes within 15% on 15 of 16 cells of uniform and
+//! balanced routing; GPT-OSS-120B at 4096 tokens per rank is 20% under on balanced routing
+//! and 12-16% under on uniform: the whole tiles' rate is off per layer, and the part-empty
+//! tiles' cost is not what `model::tile_cost` charges
+//! (benches/results/2026-12-07_balanced_vs_uniform_ranks.md). A row the
 //! bench ran as the ranks' fused decode (its `fused_decode`) is predicted as that kernel
 //! (fitted to six cells: benches/results/2026-12-04_ep_fused_decode.md). Each rank's call
-//! is routed as the bench drew it, from the file's seed (`Routing::Benched`): at a few
-//! tokens per rank which experts a rank hits decides the cell. Older files plan
-//! differently from the current planner; the decode cells of the plans since 48c8dac are in
-//! benches/results/2026-12-04_ep_fused_decode_rings.md (15 of 18 within 15%). Since
-//! 5a2c0d9 (2026-12-06) a rank's warp-specialised GEMMs claim their tiles in order, and
-//! the simulator takes them so; the files of e323b9f and 6ebe978 measured them dealt by
-//! block index, which ran slower where tiles wait on chunks: DeepSeek-V3 at 1024 tokens per rank on two GPUs
-//! is predicted 17% under the e323b9f measurement (9% under, modelled dealt).
+//! of a uniform file is routed as the bench drew it, from the file's seed
+//! (`Routing::Benched`): at a few tokens per rank which experts a rank hits decides the
+//! cell; a balanced file's as balanced routing sends it (`Routing::Balanced`). Older files
+//! plan differently from the current planner; the decode cells of the plans since 48c8dac
+//! are in benches/results/2026-12-04_ep_fused_decode_rings.md (15 of 18 within 15%). Since
+//! 5a2c0d9 (2026-12-06) a rank's warp-specialised GEMMs claim their tiles in order, and the
+//! simulator takes them so; the files of e323b9f and 6ebe978 measured them dealt by block
+//! index, which ran slower where tiles wait on chunks: DeepSeek-V3 at 1024 tokens per rank
+//! on two GPUs is predicted 17% under the e323b9f measurement (9% under, modelled dealt).
 
 use std::path::Path;
 
@@ -172,13 +175,13 @@ pub fn compare(
                 topology,
                 &Options {
                     tokens_per_rank: row.tokens_per_rank,
-                    routing: match measured.seed {
-                        _ if balanced => Routing::Balanced,
-                        Some(seed) => Routing::Benched {
+                    routing: match (balanced, measured.seed) {
+                        (true, _) => Routing::Balanced,
+                        (false, Some(seed)) => Routing::Benched {
                             seed,
                             hidden: plan.shape.hidden,
                         },
-                        None => Routing::Uniform,
+                        (false, None) => Routing::Uniform,
                     },
                     timeline_ranks: ranks,
                     fused_decode: row.fused_decode,
