@@ -270,38 +270,27 @@ fn compile_into_a_used_folder_leaves_one_compiles_files() {
     let directory = std::env::temp_dir().join(format!("moeforge-reused-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&directory);
     let out = directory.to_str().expect("UTF-8 temp path");
-    let first = moeforge(&["compile", "dsl-examples/tiny.moe", "-o", out, "--no-ptx"]);
-    assert!(first.status.success(), "{first:?}");
+    let compile = |example: &str| {
+        let output = moeforge(&["compile", example, "-o", out, "--no-ptx"]);
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    compile("dsl-examples/tiny.moe");
     std::fs::write(directory.join("notes.txt"), "mine").expect("write a user file");
-    let second = moeforge(&[
-        "compile",
-        "dsl-examples/tiny_two_nodes.moe",
-        "-o",
-        out,
-        "--no-ptx",
-    ]);
-    assert!(second.status.success(), "{second:?}");
+    let second = compile("dsl-examples/tiny_two_nodes.moe");
     assert!(
-        String::from_utf8_lossy(&second.stderr)
-            .contains("tiny.cu (an earlier compile's, not in the new plan.json)"),
-        "{second:?}"
+        second.contains("tiny.cu (an earlier compile's, not in the new plan.json)"),
+        "{second}"
     );
     // A layer file changed since its compile wrote it stays.
-    let third = moeforge(&["compile", "dsl-examples/tiny.moe", "-o", out, "--no-ptx"]);
-    assert!(third.status.success(), "{third:?}");
+    compile("dsl-examples/tiny.moe");
     std::fs::write(directory.join("tiny.cu"), "// edited").expect("edit the source");
-    let fourth = moeforge(&[
-        "compile",
-        "dsl-examples/tiny_two_nodes.moe",
-        "-o",
-        out,
-        "--no-ptx",
-    ]);
+    let fourth = compile("dsl-examples/tiny_two_nodes.moe");
     assert!(
-        String::from_utf8_lossy(&fourth.stderr).contains(
+        fourth.contains(
             "tiny.cu: an earlier compile's file, not in the new plan.json, changed since"
         ),
-        "{fourth:?}"
+        "{fourth}"
     );
     std::fs::remove_file(directory.join("tiny.cu")).expect("remove the edited source");
     let mut left: Vec<String> = std::fs::read_dir(&directory)
