@@ -233,19 +233,15 @@ pub fn run(args: &Args) -> ExitCode {
             fused_decode: true,
         };
         let started = Instant::now();
-        let pairs = u64::from(plan.expert_parallel.as_ref().map_or(1, |ep| ep.ranks))
-            * u64::from(tokens)
-            * u64::from(plan.shape.top_k);
+        let planned_ranks = plan.expert_parallel.as_ref().map_or(1, |ep| ep.ranks);
+        let pairs = u64::from(planned_ranks) * u64::from(tokens) * u64::from(plan.shape.top_k);
         let long = pairs >= LONG_SIMULATION_PAIRS;
         if long {
             eprintln!(
                 "simulating {} at {} per rank on {} ({pairs} routed pairs: a few seconds per schedule) ...",
                 layer.name,
                 counted(tokens, "token"),
-                counted(
-                    plan.expert_parallel.as_ref().map_or(1, |ep| ep.ranks),
-                    "rank"
-                ),
+                counted(planned_ranks, "rank"),
             );
         }
         let step = |step: Step| {
