@@ -4,13 +4,13 @@
 //! Per regime, GEMM1's candidates are timed first (GEMM2 at the model's choice), then
 //! GEMM2's (GEMM1 at the winner): a layer per candidate of each GEMM instead of one per
 //! pair of them, each a whole layer timed on whole calls (self-routed where the spec has a
-//! router, unless the tune is told to time caller-routed ones), so a candidate's launch, ramp and tail count as they will in use, the router's
-//! kernel ahead of GEMM1 included. A candidate is the plan of the layer with one tuning
-//! entry naming it, so what is timed is exactly what the planner will build from the
-//! entry. GEMMs the spec hints are left as hinted. A GEMM's candidates are compiled before
-//! the first is timed, the current choice first and the others side by side (each is one
-//! changed kernel, one NVRTC program: one after another they used one core), then timed one
-//! at a time.
+//! router, unless the tune is told to time caller-routed ones), so a candidate's launch,
+//! ramp and tail count as they will in use, the router's kernel ahead of GEMM1 included. A
+//! candidate is the plan of the layer with one tuning entry naming it, so what is timed is
+//! exactly what the planner will build from the entry. GEMMs the spec hints are left as
+//! hinted. A GEMM's candidates are compiled before the first is timed, the current choice
+//! first and the others side by side (each is one changed kernel, one NVRTC program: one
+//! after another they used one core), then timed one at a time.
 //!
 //! The sweep's verdicts are then checked with the two layers' calls in turns
 //! (`time_regimes_in_turns`), so that clocks drifting over a pass move both alike: where the
