@@ -78,3 +78,4 @@ if [ -n "${JIT_CACHE:-}" ]; then
   cp "$JIT_CACHE" .device/jit-cache.tar.xz
 fi
 echo "GPU suite: $(wc -l < .device/tests.tsv) test executables kept, ${#dropped[@]} CPU-only left to CI (${dropped[*]}); .device is $(du -sh .device | cut -f1)"
+bash scripts/device-carry-size.sh

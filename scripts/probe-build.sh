@@ -39,3 +39,4 @@ echo "==> building $name: $(git rev-parse --short "$rev")${patch:+ + $(basename 
 mkdir -p .device/probe
 strip -o ".device/probe/$name" "$target/release/moeforge"
 echo "==> .device/probe/$name ($(du -h ".device/probe/$name" | cut -f1))"
+bash scripts/device-carry-size.sh
