@@ -4,8 +4,8 @@
 //! shipped ones). The engine API (`moeforge::engine`) plans with the shipped entries only,
 //! so that a program embedding moeforge does not depend on its user's cache.
 //!
-//! The cache is `$MOEFORGE_TUNING_CACHE` when set, else `$XDG_CACHE_HOME/moeforge/tuning.json`,
-//! else `$HOME/.cache/moeforge/tuning.json`. `MOEFORGE_TUNING=off` plans with the cost model
+//! The cache is `$MOEFORGE_TUNING_CACHE` when set, else `$XDG_CACHE_HOME/moeforge/tuning.json`
+//! (when that folder is absolute), else `$HOME/.cache/moeforge/tuning.json`. `MOEFORGE_TUNING=off` plans with the cost model
 //! alone (no shipped entries, no cache).
 
 use std::path::{Path, PathBuf};
@@ -64,8 +64,11 @@ pub fn cache_path() -> Result<PathBuf, TuningError> {
     if let Some(path) = var("MOEFORGE_TUNING_CACHE") {
         return Ok(PathBuf::from(path));
     }
+    // A relative XDG_CACHE_HOME is ignored, as the XDG Base Directory rules say (and as
+    // the JIT cache does).
     let base = var("XDG_CACHE_HOME")
         .map(PathBuf::from)
+        .filter(|dir| dir.is_absolute())
         .or_else(|| var("HOME").map(|home| PathBuf::from(home).join(".cache")))
         .ok_or(TuningError::NoCacheFolder)?;
     Ok(base.join("moeforge").join("tuning.json"))

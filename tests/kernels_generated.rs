@@ -51,7 +51,7 @@ fn regenerate(root: &Path, example: &Path, jit: Option<&Jit>, bless: bool) -> Ve
         .iter()
         .map(|l| plan::plan_tuned(l, &Target::h200(), &shipped).expect("example plans"))
         .collect();
-    let files = aot::render(&plans, jit).expect("AOT output");
+    let files = aot::render(&plans, jit).expect("AOT output").files;
     let dir = root
         .join("kernels-generated")
         .join(example.file_stem().expect("file name"));

@@ -2,7 +2,7 @@
 //! without NVRTC or the language.
 //!
 //! Layout of DIR: `plan.json` and, per layer, `<symbol>.cu` (the generated source) and
-//! `<symbol>.ptx` (when NVRTC was present at compile time). The driver JIT-compiles the PTX
+//! `<symbol>.ptx` (left out by `moeforge compile --no-ptx`). The driver JIT-compiles the PTX
 //! when the module is loaded.
 //!
 //! `plan.json` is a [`PlanFile`]: a format version, the moeforge version that wrote it, and
@@ -69,7 +69,7 @@ pub enum AotError {
         layer: String,
         what: &'static str,
     },
-    #[error("{}: layer `{layer}` was written without PTX (NVRTC was missing); recompile it where NVRTC is installed", path.display())]
+    #[error("{}: layer `{layer}` was written without PTX (`moeforge compile --no-ptx`); compile it again where NVRTC is installed", path.display())]
     NoPtx { path: PathBuf, layer: String },
     #[error(
         "{}: entry point `{kernel}` {problem}; the PTX does not belong to this plan, regenerate the directory",
@@ -79,6 +79,28 @@ pub enum AotError {
         path: PathBuf,
         kernel: String,
         problem: String,
+    },
+    #[error("cannot write {}: {source}; nothing in the directory was changed", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot replace {}: {source}; the directory may now hold files of two compiles: compile into it again", path.display())]
+    Replace {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "{}: layer `{layer}` names its {what} `{file}`, which is not a file of the directory (a plain name); regenerate the directory with `moeforge compile`",
+        path.display()
+    )]
+    NotPlainName {
+        path: PathBuf,
+        layer: String,
+        what: &'static str,
+        file: String,
     },
     #[error(transparent)]
     InvalidPlan(#[from] PlanInvalid),
@@ -108,7 +130,7 @@ pub struct LayerArtifacts {
     /// SHA-256 of the plan serialised as compact JSON.
     pub plan_sha256: String,
     pub source: Artifact,
-    /// Absent when NVRTC was missing at compile time.
+    /// Absent when the directory was compiled with `--no-ptx`.
     pub ptx: Option<Artifact>,
 }
 
@@ -141,15 +163,31 @@ fn plan_sha256(plan: &Plan) -> Result<String, serde_json::Error> {
     Ok(sha256(&serde_json::to_vec(plan)?))
 }
 
+/// What [`render`] makes of a file's plans: the directory's files, and the JIT's notes on
+/// the way (cache entries or dumps it could not write, entries it replaced), each once.
+pub struct AotOutput {
+    pub files: Vec<OutputFile>,
+    pub notes: Vec<String>,
+}
+
 /// The files of an AOT directory for `plans`, in a stable order: each layer's source, its
 /// PTX when `jit` is given, then `plan.json`.
-pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<Vec<OutputFile>, AotError> {
+pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<AotOutput, AotError> {
     let mut files = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
     let mut layers = Vec::new();
     for plan in plans {
         let source = codegen::generate(plan)?;
         let ptx = match jit {
-            Some(jit) => Some(jit.compile(&source.source, &compile_options(plan))?.ptx),
+            Some(jit) => {
+                let module = jit.compile(&source.source, &compile_options(plan))?;
+                for note in module.notes {
+                    if !notes.contains(&note) {
+                        notes.push(note);
+                    }
+                }
+                Some(module.ptx)
+            }
             None => None,
         };
         layers.push(LayerArtifacts {
@@ -186,7 +224,46 @@ pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<Vec<OutputFile>, AotE
         name: PLAN_FILE.to_string(),
         contents: json.into_bytes(),
     });
-    Ok(files)
+    Ok(AotOutput { files, notes })
+}
+
+/// Writes `files` into `dir` (which must exist) so that a failure leaves what was there:
+/// every file to a temporary name first, then each renamed onto its own in order
+/// ([`render`]'s, `plan.json` last, so that the plan never names files of another compile).
+/// A write that fails (a full disk, a file that cannot be replaced) removes the temporary
+/// files and is the error.
+pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<(), AotError> {
+    let temporary = |name: &str| dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let mut written: Vec<PathBuf> = Vec::new();
+    let remove_all = |paths: &[PathBuf]| {
+        for path in paths {
+            // Best effort: a file the failed write never created is not there to remove.
+            let _ = std::fs::remove_file(path);
+        }
+    };
+    for file in files {
+        let path = temporary(&file.name);
+        if let Err(source) = std::fs::write(&path, &file.contents) {
+            written.push(path);
+            remove_all(&written);
+            return Err(AotError::Write {
+                path: dir.join(&file.name),
+                source,
+            });
+        }
+        written.push(path);
+    }
+    for (file, path) in files.iter().zip(&written) {
+        let target = dir.join(&file.name);
+        if let Err(source) = std::fs::rename(path, &target) {
+            remove_all(&written);
+            return Err(AotError::Replace {
+                path: target,
+                source,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A layer file (source or PTX) an earlier compile wrote into a directory, as that
@@ -226,7 +303,7 @@ pub fn earlier_layer_files(dir: &Path) -> Vec<EarlierFile> {
         .filter_map(|artifact| {
             let name = artifact["file"].as_str()?;
             let sha256 = artifact["sha256"].as_str()?;
-            let plain = Path::new(name).file_name() == Some(std::ffi::OsStr::new(name));
+            let plain = is_plain_name(name);
             let layer_file = name.ends_with(".cu") || name.ends_with(".ptx");
             (plain && layer_file).then(|| EarlierFile {
                 name: name.to_string(),
@@ -234,6 +311,11 @@ pub fn earlier_layer_files(dir: &Path) -> Vec<EarlierFile> {
             })
         })
         .collect()
+}
+
+/// Whether `name` is a file of the directory itself: no folder, no `..`, not absolute.
+fn is_plain_name(name: &str) -> bool {
+    Path::new(name).file_name() == Some(std::ffi::OsStr::new(name))
 }
 
 /// The PTX file name of a plan's unit.
@@ -273,6 +355,18 @@ pub fn parse_plan_file(text: &str, path: &Path) -> Result<Vec<LayerArtifacts>, A
     }
     let file: PlanFile = serde_json::from_value(value).map_err(parse_error)?;
     for layer in &file.layers {
+        // Files outside the directory are not its layer's, whatever their hashes say.
+        let named = [("source", Some(&layer.source)), ("PTX", layer.ptx.as_ref())];
+        for (what, artifact) in named {
+            if let Some(artifact) = artifact.filter(|a| !is_plain_name(&a.file)) {
+                return Err(AotError::NotPlainName {
+                    path: path.to_path_buf(),
+                    layer: layer.plan.layer.clone(),
+                    what,
+                    file: artifact.file.clone(),
+                });
+            }
+        }
         layer.plan.validate()?;
         if plan_sha256(&layer.plan)? != layer.plan_sha256 {
             return Err(AotError::HashMismatch {
@@ -432,5 +526,54 @@ mod tests {
         );
         assert_eq!(ptx_entry_params(ptx, "k2"), Some(vec![]));
         assert_eq!(ptx_entry_params(ptx, "k3"), None);
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_directory_as_it_was() {
+        let dir = std::env::temp_dir().join(format!("moeforge-aot-write-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = |name: &str, contents: &str| OutputFile {
+            name: name.to_string(),
+            contents: contents.as_bytes().to_vec(),
+        };
+        write_files(&dir, &[file("a.cu", "old a"), file(PLAN_FILE, "old plan")])
+            .expect("first write");
+        // The second file's temporary name taken by a folder: its write fails.
+        std::fs::create_dir(dir.join(format!(".{PLAN_FILE}.{}.tmp", std::process::id())))
+            .expect("blocker");
+        let failed = write_files(&dir, &[file("a.cu", "new a"), file(PLAN_FILE, "new plan")]);
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).expect("read");
+        let after = (read("a.cu"), read(PLAN_FILE));
+        let leftovers: Vec<String> = std::fs::read_dir(&dir)
+            .expect("list")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|name| name.ends_with(".tmp") && name.starts_with(".a.cu"))
+            .collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            matches!(failed, Err(AotError::Write { .. })),
+            "{:?}",
+            failed.err()
+        );
+        assert_eq!(after, ("old a".to_string(), "old plan".to_string()));
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    #[test]
+    fn file_names_outside_the_directory_are_not_plain() {
+        for name in ["tiny.ptx", "tiny.cu", ".tiny.ptx"] {
+            assert!(is_plain_name(name), "{name}");
+        }
+        for name in [
+            "/tmp/tiny.ptx",
+            "../tiny.ptx",
+            "sub/tiny.ptx",
+            "..",
+            ".",
+            "",
+        ] {
+            assert!(!is_plain_name(name), "{name}");
+        }
     }
 }

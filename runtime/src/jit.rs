@@ -25,7 +25,9 @@
 //!
 //! Compiled modules are cached on disk, one file per module, under `DIR/jit/`, where DIR is
 //! `$MOEFORGE_CACHE_DIR`, else `$XDG_CACHE_HOME/moeforge`, else `$HOME/.cache/moeforge`.
-//! The key is a SHA-256 of (cache format, unit name, arch, flags, NVRTC version, source).
+//! The key is a SHA-256 of (cache format, unit name, arch, NVRTC's flags, NVRTC version and
+//! build ([`Toolkit::fingerprint`]), source). `MOEFORGE_CACHE_DIR` and `MOEFORGE_DUMP_DIR`
+//! must be absolute paths; a relative `XDG_CACHE_HOME` is ignored.
 //! Entries are written to a temporary file in the same folder and renamed into place, so
 //! concurrent processes share the cache safely; each entry carries a checksum, and an
 //! entry that is unreadable or corrupt is recompiled and replaced, never fatal. Failing to
@@ -461,12 +463,28 @@ impl JitSettings {
                 });
             }
         };
+        // A relative folder would move with the working directory (and `~` is the shell's,
+        // not expanded here): moeforge's own variables must be absolute, and a relative
+        // XDG_CACHE_HOME is ignored, as the XDG Base Directory rules say.
+        let absolute = |name: &'static str| match var(name) {
+            Some(value) if !Path::new(&value).is_absolute() => Err(JitError::InvalidEnv {
+                var: name,
+                value,
+                expected: "an absolute path (`~` is not expanded)",
+            }),
+            value => Ok(value.map(PathBuf::from)),
+        };
+        let chosen_cache_dir = absolute("MOEFORGE_CACHE_DIR")?;
         let cache_dir = if no_cache {
             None
         } else {
-            var("MOEFORGE_CACHE_DIR")
-                .map(PathBuf::from)
-                .or_else(|| var("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("moeforge")))
+            chosen_cache_dir
+                .or_else(|| {
+                    var("XDG_CACHE_HOME")
+                        .map(PathBuf::from)
+                        .filter(|d| d.is_absolute())
+                        .map(|d| d.join("moeforge"))
+                })
                 .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".cache/moeforge")))
         };
         let cache_max_bytes = match var("MOEFORGE_CACHE_MAX_MB") {
@@ -488,7 +506,7 @@ impl JitSettings {
             cache_dir,
             cache_max_bytes,
             dump,
-            dump_dir: var("MOEFORGE_DUMP_DIR").map(PathBuf::from),
+            dump_dir: absolute("MOEFORGE_DUMP_DIR")?,
         })
     }
 }
@@ -498,6 +516,8 @@ impl JitSettings {
 pub struct Jit {
     toolkit: Toolkit,
     version: NvrtcVersion,
+    /// Which NVRTC build compiles, for the cache key ([`Toolkit::fingerprint`]).
+    fingerprint: String,
     settings: JitSettings,
 }
 
@@ -505,9 +525,11 @@ impl Jit {
     /// Loads the toolkit's NVRTC and uses `settings`.
     pub fn new(toolkit: Toolkit, settings: JitSettings) -> Result<Self, JitError> {
         let version = toolkit.load_nvrtc()?;
+        let fingerprint = toolkit.fingerprint();
         Ok(Jit {
             toolkit,
             version,
+            fingerprint,
             settings,
         })
     }
@@ -541,7 +563,7 @@ impl Jit {
         options: &CompileOptions,
     ) -> Result<CompiledModule, JitError> {
         let real_arch = parse_arch(&options.arch)?;
-        let key = cache_key(source, options, self.version);
+        let key = cache_key(source, options, self.version, &self.fingerprint);
         let stem = format!("{}-{}", file_stem(&options.name), &key[..32]);
         let mut notes = Vec::new();
         let entry = self
@@ -551,6 +573,12 @@ impl Jit {
             .map(|d| d.join("jit").join(format!("{stem}.mfjit")));
 
         let (cached, cache) = read_entry(entry.as_deref(), &key);
+        if let (CacheOutcome::Recompiled { reason }, Some(path)) = (&cache, &entry) {
+            notes.push(format!(
+                "replaced cache entry {} ({reason})",
+                path.display()
+            ));
+        }
         let artefacts = match cached {
             Some(artefacts) => {
                 if let Some(path) = &entry {
@@ -961,7 +989,22 @@ fn file_stem(name: &str) -> String {
 const CACHE_FORMAT: &[u8] = b"moeforge-jit-cache-v1";
 const ENTRY_MAGIC: &[u8] = b"MFJIT01\n";
 
-fn cache_key(source: &str, options: &CompileOptions, version: NvrtcVersion) -> String {
+/// NVRTC's options for `options`: the architecture, then the caller's flags (the cache key
+/// hashes these, so that a flag added here cannot serve entries compiled without it).
+fn nvrtc_flags(options: &CompileOptions) -> Vec<String> {
+    let mut flags = vec![format!("--gpu-architecture={}", options.arch)];
+    flags.extend(options.flags.iter().cloned());
+    flags
+}
+
+/// The cache key of `source` compiled with `options` by NVRTC `version` of the library
+/// `toolkit` identifies ([`Toolkit::fingerprint`]: `nvrtcVersion` says only major.minor).
+fn cache_key(
+    source: &str,
+    options: &CompileOptions,
+    version: NvrtcVersion,
+    toolkit: &str,
+) -> String {
     let mut hasher = Sha256::new();
     let mut field = |bytes: &[u8]| {
         hasher.update((bytes.len() as u64).to_le_bytes());
@@ -969,12 +1012,13 @@ fn cache_key(source: &str, options: &CompileOptions, version: NvrtcVersion) -> S
     };
     field(CACHE_FORMAT);
     field(options.name.as_bytes());
-    field(options.arch.as_bytes());
-    field(&(options.flags.len() as u64).to_le_bytes());
-    for flag in &options.flags {
+    let flags = nvrtc_flags(options);
+    field(&(flags.len() as u64).to_le_bytes());
+    for flag in &flags {
         field(flag.as_bytes());
     }
     field(version.to_string().as_bytes());
+    field(toolkit.as_bytes());
     field(source.as_bytes());
     hex(&hasher.finalize())
 }
@@ -1060,8 +1104,10 @@ fn prune_cache(written: &Path, max: u64, notes: &mut Vec<String>) {
     let Ok(listing) = std::fs::read_dir(dir) else {
         return;
     };
+    let listing: Vec<std::fs::DirEntry> = listing.filter_map(Result::ok).collect();
+    remove_stale_temporaries(&listing, notes);
     let entries: Vec<CacheFile> = listing
-        .filter_map(Result::ok)
+        .iter()
         .filter(|e| e.path().extension().is_some_and(|x| x == "mfjit"))
         .filter_map(|e| {
             let meta = e.metadata().ok()?;
@@ -1084,6 +1130,41 @@ fn prune_cache(written: &Path, max: u64, notes: &mut Vec<String>) {
             bytes as f64 / 1e6,
             dir.display(),
             max as f64 / 1e6
+        ));
+    }
+}
+
+/// How old a temporary cache file must be before pruning takes it for the leftover of a
+/// process killed while it wrote (a live write takes milliseconds).
+const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Removes `write_atomic`'s temporary files (`.NAME.mfjit.SUFFIX.tmp`) older than
+/// [`STALE_TEMPORARY`] among `listing`, which nothing else would ever remove, and says so.
+fn remove_stale_temporaries(listing: &[std::fs::DirEntry], notes: &mut Vec<String>) {
+    let now = std::time::SystemTime::now();
+    let mut removed = (0usize, 0u64);
+    for entry in listing {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let temporary = name.starts_with('.') && name.ends_with(".tmp") && name.contains(".mfjit.");
+        let Ok(meta) = entry.metadata() else {
+            continue;
+        };
+        let old = meta
+            .modified()
+            .ok()
+            .and_then(|modified| now.duration_since(modified).ok())
+            .is_some_and(|age| age > STALE_TEMPORARY);
+        if temporary && old && std::fs::remove_file(entry.path()).is_ok() {
+            removed.0 += 1;
+            removed.1 += meta.len();
+        }
+    }
+    if removed.0 > 0 {
+        notes.push(format!(
+            "removed {} temporary cache files ({:.1} MB) left by writes that never finished",
+            removed.0,
+            removed.1 as f64 / 1e6
         ));
     }
 }
@@ -1208,12 +1289,9 @@ fn nvrtc_compile(
     let c_source = CString::new(source).map_err(|_| nul("source".to_string()))?;
     let program_name = format!("{}.cu", file_stem(name));
     let c_name = CString::new(program_name.clone()).map_err(|_| nul("name".to_string()))?;
-    let mut flags = vec![format!("--gpu-architecture={}", options.arch)];
-    for flag in &options.flags {
-        if flag.contains('\0') {
-            return Err(nul(format!("flag `{}`", flag.replace('\0', "\\0"))));
-        }
-        flags.push(flag.clone());
+    let flags = nvrtc_flags(options);
+    if let Some(flag) = flags.iter().find(|flag| flag.contains('\0')) {
+        return Err(nul(format!("flag `{}`", flag.replace('\0', "\\0"))));
     }
     let failed = |call, status: nvrtc::NvrtcError| JitError::Nvrtc {
         name: name.clone(),
@@ -1388,6 +1466,80 @@ mod tests {
         let unbounded = settings(&[("MOEFORGE_CACHE_MAX_MB", "0")]).expect("valid");
         assert_eq!(unbounded.cache_max_bytes, None);
         assert!(settings(&[("MOEFORGE_CACHE_MAX_MB", "2GB")]).is_err());
+        // Folders that would move with the working directory.
+        let relative_xdg = settings(&[("HOME", "/h"), ("XDG_CACHE_HOME", "x")]).expect("valid");
+        assert_eq!(relative_xdg.cache_dir, home.cache_dir);
+        for (var, value) in [
+            ("MOEFORGE_CACHE_DIR", "rel"),
+            ("MOEFORGE_CACHE_DIR", "~/cache"),
+            ("MOEFORGE_CACHE_DIR", " /c"),
+            ("MOEFORGE_DUMP_DIR", "d"),
+        ] {
+            match settings(&[(var, value)]) {
+                Err(JitError::InvalidEnv { var: named, .. }) => assert_eq!(named, var),
+                other => panic!("{var}={value:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_key_tells_nvrtc_builds_and_flags_apart() {
+        let options = CompileOptions::new("unit".to_string(), "sm_90a".to_string());
+        let version = NvrtcVersion {
+            major: 13,
+            minor: 0,
+        };
+        let key =
+            |options: &CompileOptions, build: &str| cache_key("source", options, version, build);
+        let base = key(&options, "libnvrtc.so.13.0.88:1000");
+        assert_ne!(base, key(&options, "libnvrtc.so.13.0.99:1001"));
+        assert_ne!(
+            base,
+            key(
+                &options.clone().flag("-lineinfo"),
+                "libnvrtc.so.13.0.88:1000"
+            )
+        );
+        assert_eq!(base, key(&options, "libnvrtc.so.13.0.88:1000"));
+    }
+
+    #[test]
+    fn pruning_removes_temporary_files_a_killed_write_left() {
+        let dir = std::env::temp_dir().join(format!("moeforge-stale-tmp-{}", unique_suffix()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let old = std::time::SystemTime::now() - 2 * STALE_TEMPORARY;
+        let write = |name: &str, modified: std::time::SystemTime| {
+            let path = dir.join(name);
+            std::fs::write(&path, [0u8; 100]).expect("write");
+            std::fs::File::options()
+                .append(true)
+                .open(&path)
+                .and_then(|f| f.set_modified(modified))
+                .expect("set mtime");
+            path
+        };
+        let stale = write(".unit-abc.mfjit.4242-0-1.tmp", old);
+        let live = write(".unit-def.mfjit.4242-0-2.tmp", std::time::SystemTime::now());
+        let other = write(".notes.tmp", old);
+        let entry = write("unit-abc.mfjit", old);
+        let mut notes = Vec::new();
+        prune_cache(&entry, u64::MAX, &mut notes);
+        let kept = [
+            !stale.exists(),
+            live.exists(),
+            other.exists(),
+            entry.exists(),
+        ];
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            kept, [true; 4],
+            "stale gone; the live write, another file, the entry kept"
+        );
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].starts_with("removed 1 temporary cache files"),
+            "{notes:?}"
+        );
     }
 
     #[test]

@@ -12,8 +12,8 @@
 //!
 //! 1. `$CUDA_HOME` (libraries in `lib64/`, `lib/` or `targets/x86_64-linux/lib/`, `ptxas` in `bin/`);
 //! 2. `$CUDA_PATH` (same layout);
-//! 3. `/usr/local/cuda`;
-//! 4. `$MOEFORGE_NVRTC_WHEEL`: a Python environment, or the wheel's `nvidia/cu13` folder itself;
+//! 3. `$MOEFORGE_NVRTC_WHEEL`: a Python environment, or the wheel's `nvidia/cu13` folder itself;
+//! 4. `/usr/local/cuda` (after the variables: a setting wins over the default place);
 //! 5. `$VIRTUAL_ENV` (the active Python virtual environment);
 //! 6. a `.venv/` in the current directory or any of its parents, then in any parent of the
 //!    running executable (so `target/debug/...` finds the repository's `.venv/`);
@@ -221,6 +221,27 @@ impl Toolkit {
         Ok(found)
     }
 
+    /// Which NVRTC build this is, beyond the major.minor `nvrtcVersion` reports (every
+    /// 13.0.x says 13.0): the file name and size of the NVRTC library, followed through its
+    /// links (`libnvrtc.so.13.0.88` in a toolkit), and of its builtins library. A patch
+    /// release changes a size; reading whole libraries would cost a cached load its
+    /// milliseconds. Modification times are left out so that a cache carried to another
+    /// machine of the same toolkit still serves.
+    pub fn fingerprint(&self) -> String {
+        let identity = |path: &Path| {
+            let real = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+            let name = real.file_name().map(|n| n.to_string_lossy().into_owned());
+            let bytes = std::fs::metadata(&real).map(|m| m.len()).ok();
+            format!("{}:{}", name.unwrap_or_default(), bytes.unwrap_or(0))
+        };
+        let builtins = self.builtins_lib().map(|lib| identity(&lib));
+        format!(
+            "{} {}",
+            identity(&self.nvrtc_lib),
+            builtins.unwrap_or_default()
+        )
+    }
+
     /// `libnvrtc-builtins.so.*` next to the NVRTC library (NVRTC opens it at compile time).
     fn builtins_lib(&self) -> Option<PathBuf> {
         let dir = self.nvrtc_lib.parent()?;
@@ -334,6 +355,7 @@ fn fixed_candidates() -> Vec<(ToolkitSource, PathBuf)> {
     for (var, source) in [
         ("CUDA_HOME", ToolkitSource::CudaHome),
         ("CUDA_PATH", ToolkitSource::CudaPath),
+        ("MOEFORGE_NVRTC_WHEEL", ToolkitSource::WheelOverride),
     ] {
         if let Some(dir) = env_dir(var) {
             out.push((source, dir));
@@ -343,13 +365,8 @@ fn fixed_candidates() -> Vec<(ToolkitSource, PathBuf)> {
         ToolkitSource::UsrLocalCuda,
         PathBuf::from("/usr/local/cuda"),
     ));
-    for (var, source) in [
-        ("MOEFORGE_NVRTC_WHEEL", ToolkitSource::WheelOverride),
-        ("VIRTUAL_ENV", ToolkitSource::VirtualEnv),
-    ] {
-        if let Some(dir) = env_dir(var) {
-            out.push((source, dir));
-        }
+    if let Some(dir) = env_dir("VIRTUAL_ENV") {
+        out.push((ToolkitSource::VirtualEnv, dir));
     }
     let mut starts = Vec::new();
     if let Ok(cwd) = std::env::current_dir() {

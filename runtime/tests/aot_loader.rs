@@ -64,3 +64,21 @@ proptest! {
         }
     }
 }
+
+/// A plan that names its PTX outside its directory (an absolute path or `..`) is refused
+/// whatever the hashes say: the directory's files are the plan's own.
+#[test]
+fn a_ptx_named_outside_the_directory_is_refused() {
+    let original = tiny_plan_file();
+    let ptx = "\"file\": \"tiny.ptx\"";
+    assert!(original.contains(ptx), "the shipped plan names tiny.ptx");
+    for outside in ["/tmp/tiny.ptx", "../tiny/tiny.ptx"] {
+        let text = original.replace(ptx, &format!("\"file\": \"{outside}\""));
+        match aot::parse_plan_file(&text, Path::new("plan.json")) {
+            Err(aot::AotError::NotPlainName { file, what, .. }) => {
+                assert_eq!((file.as_str(), what), (outside, "PTX"));
+            }
+            other => panic!("{outside}: {:?}", other.map(|layers| layers.len())),
+        }
+    }
+}

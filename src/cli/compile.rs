@@ -1,6 +1,8 @@
 //! `moeforge compile FILE -o DIR`: ahead-of-time output for deployment: the CUDA source of
-//! every layer, its PTX (when NVRTC is present) and `plan.json`, which the runtime loads
-//! without NVRTC or the language (see `moeforge_runtime::aot`).
+//! every layer, its PTX (compiled with NVRTC, which it needs unless `--no-ptx`) and
+//! `plan.json`, which the runtime loads without NVRTC or the language (see
+//! `moeforge_runtime::aot`). The files replace a directory's earlier ones all at once or
+//! not at all (`aot::write_files`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -11,7 +13,7 @@ use moeforge::runtime::jit::{Jit, JitError};
 use super::planning::{TargetArgs, plan_file};
 use super::{OK, invalid_input, usage_error};
 
-/// Compile a .moe file ahead of time: writes <layer>.cu, <layer>.ptx (when NVRTC is found)
+/// Compile a .moe file ahead of time: writes <layer>.cu, <layer>.ptx (compiled with NVRTC)
 /// and plan.json into DIR, and removes the layer files an earlier compile there left that
 /// the new plan.json does not name (unless changed since).
 #[derive(clap::Args)]
@@ -24,7 +26,8 @@ pub struct Args {
     /// Only this layer of the file.
     #[arg(long)]
     layer: Option<String>,
-    /// Write the CUDA source and plan only, even when NVRTC is available.
+    /// Write the CUDA source and plan only, without NVRTC (the runtime loads the directory
+    /// only once it holds the PTX: compile it again where NVRTC is installed).
     #[arg(long)]
     no_ptx: bool,
     #[command(flatten)]
@@ -41,10 +44,14 @@ pub fn run(args: &Args) -> ExitCode {
     } else {
         match Jit::from_env() {
             Ok(jit) => Some(jit),
-            // No NVRTC here: the source and plan still deploy (the runtime compiles them).
+            // The runtime loads a directory only with its PTX: without NVRTC the output
+            // would not deploy, so leaving it out is the user's choice, not a fallback.
             Err(error @ JitError::Toolkit(_)) => {
-                eprintln!("note: writing source and plan only: {error}");
-                None
+                eprintln!("error: cannot compile the PTX: {error}");
+                eprintln!(
+                    "hint: pass --no-ptx to write the CUDA source and plan.json only (a directory the runtime loads once compiled with NVRTC)"
+                );
+                return usage_error();
             }
             // A setting the user got wrong: say so rather than leave the PTX out.
             Err(error) => {
@@ -53,6 +60,11 @@ pub fn run(args: &Args) -> ExitCode {
             }
         }
     };
+    // The folder before NVRTC's seconds: one that cannot be made fails at once.
+    if let Err(error) = std::fs::create_dir_all(&args.out) {
+        eprintln!("error: cannot create {}: {error}", args.out.display());
+        return usage_error();
+    }
     if jit.is_some() {
         // NVRTC takes seconds a layer (uncached): say what the wait is for.
         let names: Vec<String> = plans
@@ -61,25 +73,24 @@ pub fn run(args: &Args) -> ExitCode {
             .collect();
         eprintln!("compiling {} with NVRTC ...", names.join(", "));
     }
-    let files = match aot::render(&plans, jit.as_ref()) {
-        Ok(files) => files,
+    let output = match aot::render(&plans, jit.as_ref()) {
+        Ok(output) => output,
         Err(error) => {
             eprintln!("error: {}: {error}", args.file.display());
             return invalid_input();
         }
     };
-    if let Err(error) = std::fs::create_dir_all(&args.out) {
-        eprintln!("error: cannot create {}: {error}", args.out.display());
+    for note in &output.notes {
+        eprintln!("note: {note}");
+    }
+    let files = output.files;
+    let earlier = aot::earlier_layer_files(&args.out);
+    if let Err(error) = aot::write_files(&args.out, &files) {
+        eprintln!("error: {error}");
         return usage_error();
     }
-    let earlier = aot::earlier_layer_files(&args.out);
     for file in &files {
-        let path = args.out.join(&file.name);
-        if let Err(error) = std::fs::write(&path, &file.contents) {
-            eprintln!("error: cannot write {}: {error}", path.display());
-            return usage_error();
-        }
-        eprintln!("wrote {}", path.display());
+        eprintln!("wrote {}", args.out.join(&file.name).display());
     }
     // An earlier compile's layer files the new plan.json leaves out (another layer, or PTX
     // where this compile wrote none) would sit beside it unused: remove them, unless

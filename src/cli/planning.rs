@@ -386,6 +386,11 @@ fn build_on_device(
                 .map_err(|e| failed(&e))?
         }
     };
+    // Cache entries or dumps the JIT could not write, entries it replaced: the layer runs,
+    // but the next one compiles again.
+    for note in built.module.notes() {
+        eprintln!("note: {note}");
+    }
     Ok((session, built))
 }
 

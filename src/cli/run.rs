@@ -158,6 +158,9 @@ fn compile_only(plan: &moeforge::compiler::plan::Plan, why: &str) -> ExitCode {
                 plan.target.arch,
                 started.elapsed().as_secs_f64()
             );
+            for note in kernels.notes() {
+                eprintln!("note: {note}");
+            }
             OK
         }
         Err(error) => {
@@ -310,9 +313,6 @@ pub fn run(args: &Args) -> ExitCode {
         built.load_seconds * 1e3,
         built.loaded,
     );
-    for note in built.module.notes() {
-        eprintln!("note: {note}");
-    }
     let caller_workload = caller_routing.map(|routing| Workload {
         tokens,
         x: x.clone(),
