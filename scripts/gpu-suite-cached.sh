@@ -5,7 +5,7 @@
 # A fresh GPU machine has an empty cache, so each test executable compiles its layers
 # through NVRTC first (the layers of gpu_layer, gpu_router and gpu_ep alone took 104 s of
 # NVRTC time, one layer after another, on the CPU machine on 2026-11-30). The cache is
-# keyed by a hash of the source, the options, the NVRTC version and the architecture
+# keyed by a hash of the source, the options, the NVRTC version and build, and the architecture
 # (docs/runtime.md), so an entry of an earlier run serves only the very same kernels;
 # changed kernels are compiled as before. What the suite runs and checks is unchanged.
 #

@@ -43,8 +43,8 @@ pub use moeforge_runtime as runtime;
 /// The function must be `fn name() {}` (any visibility and attributes): no parameters, no
 /// return type, an empty body. At compile time the macro parses, checks and plans the layer
 /// with the compiler crate, generates its CUDA unit and, when NVRTC is available to the
-/// build (found as the runtime finds it: `CUDA_HOME`, `CUDA_PATH`, `/usr/local/cuda`,
-/// `MOEFORGE_NVRTC_WHEEL`), compiles it to PTX. The expansion embeds the plan, the source
+/// build (found as the runtime finds it: `CUDA_HOME`, `CUDA_PATH`, `MOEFORGE_NVRTC_WHEEL`,
+/// `/usr/local/cuda`), compiles it to PTX. The expansion embeds the plan, the source
 /// and the PTX, so a deployed binary needs neither the spec nor NVRTC; without NVRTC at
 /// build time it embeds the source and compiles it at first use, saying so once on stderr.
 /// A spec file is tracked (`include_bytes!`), so cargo rebuilds when it changes.

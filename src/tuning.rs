@@ -4,8 +4,9 @@
 //! shipped ones). The engine API (`moeforge::engine`) plans with the shipped entries only,
 //! so that a program embedding moeforge does not depend on its user's cache.
 //!
-//! The cache is `$MOEFORGE_TUNING_CACHE` when set, else `$XDG_CACHE_HOME/moeforge/tuning.json`
-//! (when that folder is absolute), else `$HOME/.cache/moeforge/tuning.json`. `MOEFORGE_TUNING=off` plans with the cost model
+//! The cache is `$MOEFORGE_TUNING_CACHE` when set, else
+//! `$XDG_CACHE_HOME/moeforge/tuning.json` (when that folder is absolute), else
+//! `$HOME/.cache/moeforge/tuning.json`. `MOEFORGE_TUNING=off` plans with the cost model
 //! alone (no shipped entries, no cache).
 
 use std::path::{Path, PathBuf};

@@ -86,7 +86,7 @@ pub enum AotError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot replace {}: {source}; the directory may now hold files of two compiles: compile into it again", path.display())]
+    #[error("cannot replace {}: {source}; the directory may now hold files of two compiles: fix the cause, then compile into it again", path.display())]
     Replace {
         path: PathBuf,
         #[source]
@@ -227,13 +227,40 @@ pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<AotOutput, AotError> 
     Ok(AotOutput { files, notes })
 }
 
-/// Writes `files` into `dir` (which must exist) so that a failure leaves what was there:
-/// every file to a temporary name first, then each renamed onto its own in order
-/// ([`render`]'s, `plan.json` last, so that the plan never names files of another compile).
-/// A write that fails (a full disk, a file that cannot be replaced) removes the temporary
-/// files and is the error.
+/// Writes `files` (distinct names) into `dir` (which must exist) so that a failure leaves
+/// what was there: every file to a temporary name first, then each renamed onto its own in
+/// order ([`render`]'s, `plan.json` last, so that the plan never names files of another
+/// compile). A write that fails (a full disk), or a name a folder holds, removes the
+/// temporary files and is the error before anything is replaced; only a rename failing
+/// midway (rare: within one folder) can leave files of two compiles.
 pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<(), AotError> {
-    let temporary = |name: &str| dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let temporary = |index: usize, name: &str| {
+        dir.join(format!(
+            ".{name}.{}-{stamp}-{index}.tmp",
+            std::process::id()
+        ))
+    };
+    for (index, file) in files.iter().enumerate() {
+        let target = dir.join(&file.name);
+        let duplicate = files[..index].iter().any(|f| f.name == file.name);
+        let folder = std::fs::symlink_metadata(&target).is_ok_and(|m| m.is_dir());
+        if duplicate || folder {
+            return Err(AotError::Write {
+                path: target,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    if duplicate {
+                        "named twice in one compile's output"
+                    } else {
+                        "a folder has this name"
+                    },
+                ),
+            });
+        }
+    }
     let mut written: Vec<PathBuf> = Vec::new();
     let remove_all = |paths: &[PathBuf]| {
         for path in paths {
@@ -241,8 +268,8 @@ pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<(), AotError> {
             let _ = std::fs::remove_file(path);
         }
     };
-    for file in files {
-        let path = temporary(&file.name);
+    for (index, file) in files.iter().enumerate() {
+        let path = temporary(index, &file.name);
         if let Err(source) = std::fs::write(&path, &file.contents) {
             written.push(path);
             remove_all(&written);
@@ -529,7 +556,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_write_leaves_the_directory_as_it_was() {
+    fn output_refused_before_writing_leaves_the_directory_as_it_was() {
         let dir = std::env::temp_dir().join(format!("moeforge-aot-write-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
@@ -539,23 +566,29 @@ mod tests {
         };
         write_files(&dir, &[file("a.cu", "old a"), file(PLAN_FILE, "old plan")])
             .expect("first write");
-        // The second file's temporary name taken by a folder: its write fails.
-        std::fs::create_dir(dir.join(format!(".{PLAN_FILE}.{}.tmp", std::process::id())))
-            .expect("blocker");
+        // The second file's name taken by a folder, then named twice: refused before any
+        // file is replaced.
+        std::fs::rename(dir.join(PLAN_FILE), dir.join("plan.old")).expect("move");
+        std::fs::create_dir(dir.join(PLAN_FILE)).expect("blocker");
         let failed = write_files(&dir, &[file("a.cu", "new a"), file(PLAN_FILE, "new plan")]);
+        std::fs::remove_dir(dir.join(PLAN_FILE)).expect("blocker gone");
+        std::fs::rename(dir.join("plan.old"), dir.join(PLAN_FILE)).expect("move back");
+        let twice = write_files(&dir, &[file("a.cu", "new a"), file("a.cu", "newer a")]);
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).expect("read");
         let after = (read("a.cu"), read(PLAN_FILE));
         let leftovers: Vec<String> = std::fs::read_dir(&dir)
             .expect("list")
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|name| name.ends_with(".tmp") && name.starts_with(".a.cu"))
+            .filter(|name| name.ends_with(".tmp"))
             .collect();
         let _ = std::fs::remove_dir_all(&dir);
-        assert!(
-            matches!(failed, Err(AotError::Write { .. })),
-            "{:?}",
-            failed.err()
-        );
+        for result in [failed, twice] {
+            assert!(
+                matches!(result, Err(AotError::Write { .. })),
+                "{:?}",
+                result.err()
+            );
+        }
         assert_eq!(after, ("old a".to_string(), "old plan".to_string()));
         assert!(leftovers.is_empty(), "{leftovers:?}");
     }

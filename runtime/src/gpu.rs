@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 pub use cudarc::driver::CudaContext;
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUresult};
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use moeforge_compiler::plan::{DeviceFacts, Target};
@@ -81,6 +81,14 @@ pub enum GpuError {
     },
     #[error("{wanted} 4-byte words were asked of a workspace buffer of {bytes} B")]
     ShortBuffer { wanted: usize, bytes: usize },
+    #[error(
+        "the CUDA driver cannot load module `{module}` ({source}): its PTX or CUBIN is from a newer CUDA than this driver supports, or was built for another GPU; update the NVIDIA driver (CUDA 13 needs 580 or newer) or compile the layer on this machine (`moeforge compile` again for an AOT directory)"
+    )]
+    ModuleImage {
+        module: String,
+        #[source]
+        source: DriverError,
+    },
 }
 
 /// Adds what was being done to a driver error.
@@ -94,6 +102,24 @@ impl<T> DriverContext<T> for Result<T, DriverError> {
             context: context.into(),
             source,
         })
+    }
+}
+
+/// Why the driver refused to load module `module`: where the image itself is what it
+/// refuses (PTX of a newer CUDA, a CUBIN of another GPU), an error that says what to do.
+fn module_load_error(module: &str, source: DriverError) -> GpuError {
+    match source.0 {
+        CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+        | CUresult::CUDA_ERROR_INVALID_PTX
+        | CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU
+        | CUresult::CUDA_ERROR_INVALID_IMAGE => GpuError::ModuleImage {
+            module: module.to_string(),
+            source,
+        },
+        _ => GpuError::Driver {
+            context: format!("loading module `{module}`"),
+            source,
+        },
     }
 }
 
@@ -204,7 +230,7 @@ impl Gpu {
             None => Ptx::from_src(module.ptx.clone()),
         };
         ctx.load_module(image)
-            .context(format!("loading module `{}`", module.name))
+            .map_err(|source| module_load_error(&module.name, source))
     }
 
     /// Opens device `ordinal` as one more rank's device: its context, with event tracking
@@ -259,5 +285,22 @@ impl Gpu {
         self.stream
             .synchronize()
             .context("synchronising the stream")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Only the variants: a DriverError's text comes from libcuda, absent on CPU machines.
+    #[test]
+    fn an_image_the_driver_refuses_gets_its_own_error() {
+        let refused = module_load_error(
+            "tiny",
+            DriverError(CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION),
+        );
+        assert!(matches!(refused, GpuError::ModuleImage { ref module, .. } if module == "tiny"));
+        let other = module_load_error("tiny", DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(matches!(other, GpuError::Driver { .. }));
     }
 }

@@ -592,8 +592,8 @@ impl Jit {
                     nvrtc_compile(source, options, real_arch)?
                 };
                 store_entry(entry.as_deref(), &artefacts, &key, &mut notes);
-                if let (Some(path), Some(max)) = (&entry, self.settings.cache_max_bytes) {
-                    prune_cache(path, max, &mut notes);
+                if let Some(path) = &entry {
+                    prune_cache(path, self.settings.cache_max_bytes, &mut notes);
                 }
                 artefacts
             }
@@ -1094,10 +1094,11 @@ fn entries_to_prune(mut entries: Vec<CacheFile>, max: u64, keep: &Path) -> Vec<C
     pruned
 }
 
-/// Keeps the cache folder of `written` (just stored) within `max` bytes of entries (see
-/// the module docs); says in `notes` what went. Failures are skipped: another process may
-/// prune the same folder at the same time.
-fn prune_cache(written: &Path, max: u64, notes: &mut Vec<String>) {
+/// Keeps the cache folder of `written` (just stored) within `max` bytes of entries, where
+/// there is a bound (see the module docs), and clears it of stale temporary files; says in
+/// `notes` what went. Failures are skipped: another process may prune the same folder at
+/// the same time.
+fn prune_cache(written: &Path, max: Option<u64>, notes: &mut Vec<String>) {
     let Some(dir) = written.parent() else {
         return;
     };
@@ -1106,6 +1107,9 @@ fn prune_cache(written: &Path, max: u64, notes: &mut Vec<String>) {
     };
     let listing: Vec<std::fs::DirEntry> = listing.filter_map(Result::ok).collect();
     remove_stale_temporaries(&listing, notes);
+    let Some(max) = max else {
+        return;
+    };
     let entries: Vec<CacheFile> = listing
         .iter()
         .filter(|e| e.path().extension().is_some_and(|x| x == "mfjit"))
@@ -1147,7 +1151,7 @@ fn remove_stale_temporaries(listing: &[std::fs::DirEntry], notes: &mut Vec<Strin
         let name = entry.file_name();
         let name = name.to_string_lossy();
         let temporary = name.starts_with('.') && name.ends_with(".tmp") && name.contains(".mfjit.");
-        let Ok(meta) = entry.metadata() else {
+        let Some(meta) = temporary.then(|| entry.metadata().ok()).flatten() else {
             continue;
         };
         let old = meta
@@ -1155,15 +1159,16 @@ fn remove_stale_temporaries(listing: &[std::fs::DirEntry], notes: &mut Vec<Strin
             .ok()
             .and_then(|modified| now.duration_since(modified).ok())
             .is_some_and(|age| age > STALE_TEMPORARY);
-        if temporary && old && std::fs::remove_file(entry.path()).is_ok() {
+        if old && std::fs::remove_file(entry.path()).is_ok() {
             removed.0 += 1;
             removed.1 += meta.len();
         }
     }
     if removed.0 > 0 {
         notes.push(format!(
-            "removed {} temporary cache files ({:.1} MB) left by writes that never finished",
+            "removed {} temporary cache file{} ({:.1} MB) left by writes that never finished",
             removed.0,
+            if removed.0 == 1 { "" } else { "s" },
             removed.1 as f64 / 1e6
         ));
     }
@@ -1469,6 +1474,8 @@ mod tests {
         // Folders that would move with the working directory.
         let relative_xdg = settings(&[("HOME", "/h"), ("XDG_CACHE_HOME", "x")]).expect("valid");
         assert_eq!(relative_xdg.cache_dir, home.cache_dir);
+        // Checked when unused too, as every variable here: a wrong one is said at once.
+        assert!(settings(&[("MOEFORGE_CACHE_DIR", "rel"), ("MOEFORGE_NO_CACHE", "1")]).is_err());
         for (var, value) in [
             ("MOEFORGE_CACHE_DIR", "rel"),
             ("MOEFORGE_CACHE_DIR", "~/cache"),
@@ -1523,7 +1530,7 @@ mod tests {
         let other = write(".notes.tmp", old);
         let entry = write("unit-abc.mfjit", old);
         let mut notes = Vec::new();
-        prune_cache(&entry, u64::MAX, &mut notes);
+        prune_cache(&entry, None, &mut notes);
         let kept = [
             !stale.exists(),
             live.exists(),
@@ -1537,7 +1544,7 @@ mod tests {
         );
         assert_eq!(notes.len(), 1, "{notes:?}");
         assert!(
-            notes[0].starts_with("removed 1 temporary cache files"),
+            notes[0].starts_with("removed 1 temporary cache file ("),
             "{notes:?}"
         );
     }
@@ -1589,7 +1596,7 @@ mod tests {
         let written = dir.join("c.mfjit");
         std::fs::write(&written, vec![0u8; 600]).expect("write");
         let mut notes = Vec::new();
-        prune_cache(&written, 1000, &mut notes);
+        prune_cache(&written, Some(1000), &mut notes);
         let left: Vec<bool> = ["a.mfjit", "b.mfjit", "c.mfjit", "other.txt"]
             .iter()
             .map(|n| dir.join(n).exists())

@@ -13,7 +13,7 @@
 //! 1. `$CUDA_HOME` (libraries in `lib64/`, `lib/` or `targets/x86_64-linux/lib/`, `ptxas` in `bin/`);
 //! 2. `$CUDA_PATH` (same layout);
 //! 3. `$MOEFORGE_NVRTC_WHEEL`: a Python environment, or the wheel's `nvidia/cu13` folder itself;
-//! 4. `/usr/local/cuda` (after the variables: a setting wins over the default place);
+//! 4. `/usr/local/cuda` (after the toolkit variables: a setting wins over the default);
 //! 5. `$VIRTUAL_ENV` (the active Python virtual environment);
 //! 6. a `.venv/` in the current directory or any of its parents, then in any parent of the
 //!    running executable (so `target/debug/...` finds the repository's `.venv/`);

@@ -290,6 +290,20 @@ fn discovered_toolkit_is_nvrtc_13() {
     );
     assert!(tk.nvrtc_lib.is_file());
     assert_eq!(jit.nvrtc_version().major, 13);
+    // The build beside the version: the library's file (links followed) and its size,
+    // then the builtins library's, which a cache key of another patch release differs by.
+    let fingerprint = tk.fingerprint();
+    let parts: Vec<&str> = fingerprint.split(' ').collect();
+    assert_eq!(parts.len(), 2, "{fingerprint}");
+    for (part, library) in parts
+        .iter()
+        .zip(["libnvrtc.so.13", "libnvrtc-builtins.so.13"])
+    {
+        let (name, bytes) = part.split_once(':').expect("name:size");
+        assert!(name.starts_with(library), "{fingerprint}");
+        assert!(bytes.parse::<u64>().is_ok_and(|b| b > 0), "{fingerprint}");
+    }
+    assert_eq!(fingerprint, tk.fingerprint(), "the same each time");
 }
 
 /// A generated layer unit compiled kernel by kernel: one whole-program module per entry

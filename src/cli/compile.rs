@@ -1,8 +1,9 @@
 //! `moeforge compile FILE -o DIR`: ahead-of-time output for deployment: the CUDA source of
 //! every layer, its PTX (compiled with NVRTC, which it needs unless `--no-ptx`) and
 //! `plan.json`, which the runtime loads without NVRTC or the language (see
-//! `moeforge_runtime::aot`). The files replace a directory's earlier ones all at once or
-//! not at all (`aot::write_files`).
+//! `moeforge_runtime::aot`). The files go to temporary names first and are renamed into
+//! place, `plan.json` last, so a failed write leaves the directory as it was
+//! (`aot::write_files`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,8 +27,9 @@ pub struct Args {
     /// Only this layer of the file.
     #[arg(long)]
     layer: Option<String>,
-    /// Write the CUDA source and plan only, without NVRTC (the runtime loads the directory
-    /// only once it holds the PTX: compile it again where NVRTC is installed).
+    /// Write the CUDA source and plan only, without NVRTC: the runtime refuses the directory
+    /// until it is compiled again where NVRTC is installed (and an earlier compile's PTX in
+    /// DIR goes with the plan that named it).
     #[arg(long)]
     no_ptx: bool,
     #[command(flatten)]
@@ -49,7 +51,7 @@ pub fn run(args: &Args) -> ExitCode {
             Err(error @ JitError::Toolkit(_)) => {
                 eprintln!("error: cannot compile the PTX: {error}");
                 eprintln!(
-                    "hint: pass --no-ptx to write the CUDA source and plan.json only (a directory the runtime loads once compiled with NVRTC)"
+                    "hint: install NVRTC as the error says, or pass --no-ptx to write the CUDA source and plan.json alone (the runtime refuses that directory until it is compiled again where NVRTC is installed)"
                 );
                 return usage_error();
             }
@@ -60,11 +62,20 @@ pub fn run(args: &Args) -> ExitCode {
             }
         }
     };
-    // The folder before NVRTC's seconds: one that cannot be made fails at once.
+    // The folder before NVRTC's seconds: one that cannot be made fails at once. One made
+    // here goes again if nothing is written into it.
+    let made_here = !args.out.exists();
     if let Err(error) = std::fs::create_dir_all(&args.out) {
         eprintln!("error: cannot create {}: {error}", args.out.display());
         return usage_error();
     }
+    let failed = |status: ExitCode| {
+        if made_here {
+            // Best effort: only an empty folder is removed.
+            let _ = std::fs::remove_dir(&args.out);
+        }
+        status
+    };
     if jit.is_some() {
         // NVRTC takes seconds a layer (uncached): say what the wait is for.
         let names: Vec<String> = plans
@@ -77,7 +88,7 @@ pub fn run(args: &Args) -> ExitCode {
         Ok(output) => output,
         Err(error) => {
             eprintln!("error: {}: {error}", args.file.display());
-            return invalid_input();
+            return failed(invalid_input());
         }
     };
     for note in &output.notes {
@@ -87,7 +98,7 @@ pub fn run(args: &Args) -> ExitCode {
     let earlier = aot::earlier_layer_files(&args.out);
     if let Err(error) = aot::write_files(&args.out, &files) {
         eprintln!("error: {error}");
-        return usage_error();
+        return failed(usage_error());
     }
     for file in &files {
         eprintln!("wrote {}", args.out.join(&file.name).display());
