@@ -440,6 +440,10 @@ pub struct JitSettings {
     pub dump: DumpKinds,
     /// Dump folder; `None` means `cache_dir/dump`, or `$TMPDIR/moeforge-dump` without a cache.
     pub dump_dir: Option<PathBuf>,
+    /// The cache is off for want of a folder (no `MOEFORGE_CACHE_DIR`, absolute
+    /// `XDG_CACHE_HOME` or `HOME`), not by `MOEFORGE_NO_CACHE`: each module says so in its
+    /// notes, as every run then compiles its kernels again.
+    pub no_cache_folder: bool,
 }
 
 impl JitSettings {
@@ -503,6 +507,7 @@ impl JitSettings {
         };
         let dump = DumpKinds::parse(&var("MOEFORGE_DUMP").unwrap_or_default())?;
         Ok(JitSettings {
+            no_cache_folder: !no_cache && cache_dir.is_none(),
             cache_dir,
             cache_max_bytes,
             dump,
@@ -572,6 +577,12 @@ impl Jit {
             .as_ref()
             .map(|d| d.join("jit").join(format!("{stem}.mfjit")));
 
+        if self.settings.no_cache_folder {
+            notes.push(
+                "no JIT cache: set MOEFORGE_CACHE_DIR (or HOME) to keep compiled kernels between runs"
+                    .to_string(),
+            );
+        }
         if !self.toolkit.passed_over.is_empty() {
             notes.push(format!(
                 "{} holds no {NVRTC_LIB}: using the NVRTC of {} ({})",
@@ -1459,6 +1470,9 @@ mod tests {
         };
         let home = settings(&[("HOME", "/h")]).expect("valid");
         assert_eq!(home.cache_dir, Some(PathBuf::from("/h/.cache/moeforge")));
+        assert!(!home.no_cache_folder);
+        let homeless = settings(&[("XDG_CACHE_HOME", "relative")]).expect("valid");
+        assert!(homeless.cache_dir.is_none() && homeless.no_cache_folder);
         let xdg = settings(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")]).expect("valid");
         assert_eq!(xdg.cache_dir, Some(PathBuf::from("/x/moeforge")));
         let own =
@@ -1467,6 +1481,7 @@ mod tests {
         let off =
             settings(&[("MOEFORGE_CACHE_DIR", "/c"), ("MOEFORGE_NO_CACHE", "1")]).expect("valid");
         assert_eq!(off.cache_dir, None);
+        assert!(!off.no_cache_folder, "turned off, not for want of a folder");
         let dump =
             settings(&[("MOEFORGE_DUMP", "ptx"), ("MOEFORGE_DUMP_DIR", "/d")]).expect("valid");
         assert!(dump.dump.ptx && !dump.dump.cubin);

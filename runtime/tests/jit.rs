@@ -191,6 +191,7 @@ fn no_cache_and_dumps() {
             source: true,
         },
         dump_dir: Some(dir.join("dump")),
+        no_cache_folder: false,
     };
     let jit = Jit::new(jit.toolkit().clone(), settings).expect("NVRTC loads");
     let m = jit
