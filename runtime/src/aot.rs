@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-use crate::jit::{CacheOutcome, CompileOptions, CompiledModule, Jit, JitError};
+use crate::jit::{CacheOutcome, CompileOptions, CompiledModule, Jit, JitError, unique_suffix};
 
 pub const PLAN_FILE: &str = "plan.json";
 /// The version of [`PlanFile`]'s layout; a file with another version is refused.
@@ -234,15 +234,8 @@ pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<AotOutput, AotError> 
 /// temporary files and is the error before anything is replaced; only a rename failing
 /// midway (rare: within one folder) can leave files of two compiles.
 pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<(), AotError> {
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let temporary = |index: usize, name: &str| {
-        dir.join(format!(
-            ".{name}.{}-{stamp}-{index}.tmp",
-            std::process::id()
-        ))
-    };
+    // The JIT cache's temporary names: unique per process, call and moment.
+    let temporary = |name: &str| dir.join(format!(".{name}.{}.tmp", unique_suffix()));
     for (index, file) in files.iter().enumerate() {
         let target = dir.join(&file.name);
         let duplicate = files[..index].iter().any(|f| f.name == file.name);
@@ -268,8 +261,8 @@ pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<(), AotError> {
             let _ = std::fs::remove_file(path);
         }
     };
-    for (index, file) in files.iter().enumerate() {
-        let path = temporary(index, &file.name);
+    for file in files {
+        let path = temporary(&file.name);
         if let Err(source) = std::fs::write(&path, &file.contents) {
             written.push(path);
             remove_all(&written);

@@ -939,7 +939,9 @@ impl Drop for TempFile {
     }
 }
 
-fn unique_suffix() -> String {
+/// A suffix no other temporary file of this or another process takes: process id, a
+/// counter and the nanoseconds (the JIT cache's and the AOT output's temporary names).
+pub(crate) fn unique_suffix() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
