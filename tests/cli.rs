@@ -308,6 +308,78 @@ fn compile_into_a_used_folder_leaves_one_compiles_files() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
+/// Without NVRTC, `compile` is an error with a hint and creates nothing (the runtime would
+/// refuse a directory without PTX); `--no-ptx` writes the source and plan alone. The
+/// binary runs from a copy outside the repository, with an empty environment, so that it
+/// finds no toolkit (not the repository's `.venv/`, nor `python3`'s); skipped, saying so,
+/// where a toolkit sits in a place it always looks (`/usr/local/cuda`, a `.venv/` above
+/// the temporary folder).
+#[test]
+fn compile_without_nvrtc_is_an_error_unless_no_ptx() {
+    let root = std::env::temp_dir().join(format!("moeforge-no-nvrtc-{}", std::process::id()));
+    let always_looked_in = ["lib64", "lib", "targets/x86_64-linux/lib"]
+        .iter()
+        .map(|lib| {
+            Path::new("/usr/local/cuda")
+                .join(lib)
+                .join("libnvrtc.so.13")
+        })
+        .chain(root.ancestors().map(|dir| dir.join(".venv")));
+    if let Some(found) = always_looked_in.into_iter().find(|path| path.exists()) {
+        eprintln!(
+            "note: skipped: {} holds a toolkit the binary would find",
+            found.display()
+        );
+        return;
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(root.join("bin")).expect("temp dir");
+    let binary = root.join("bin/moeforge");
+    std::fs::copy(env!("CARGO_BIN_EXE_moeforge"), &binary).expect("copy the binary");
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("dsl-examples/tiny.moe");
+    let out = root.join("out");
+    let compile = |extra: &[&str]| {
+        std::process::Command::new(&binary)
+            .arg("compile")
+            .arg(&example)
+            .arg("-o")
+            .arg(&out)
+            .args(extra)
+            .env_clear()
+            .env("PATH", root.join("bin"))
+            .env("HOME", &root)
+            .env(
+                "MOEFORGE_TUNING_CACHE",
+                "/nonexistent/moeforge-tests/tuning.json",
+            )
+            .current_dir(&root)
+            .output()
+            .expect("the copied binary runs")
+    };
+    let refused = compile(&[]);
+    let refused_stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+    let out_made = out.exists();
+    let written = compile(&["--no-ptx"]);
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .map(|listing| {
+            listing
+                .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    let _ = std::fs::remove_dir_all(&root);
+    assert_eq!(refused.status.code(), Some(2), "{refused_stderr}");
+    assert!(
+        refused_stderr.contains("cannot compile the PTX: no CUDA toolkit with libnvrtc.so.13")
+            && refused_stderr.contains("pass --no-ptx"),
+        "{refused_stderr}"
+    );
+    assert!(!out_made, "the refused compile created {}", out.display());
+    assert!(written.status.success(), "{written:?}");
+    assert_eq!(files, ["plan.json", "tiny.cu"]);
+}
+
 /// A layer only the target can refuse: `check` accepts it, `explain` and `compile` for
 /// that target exit 1 with a diagnostic at the layer (file:line:column, caret, hint).
 #[test]

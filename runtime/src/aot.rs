@@ -20,7 +20,10 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-use crate::jit::{CacheOutcome, CompileOptions, CompiledModule, Jit, JitError, unique_suffix};
+use crate::jit::{
+    CacheOutcome, CompileOptions, CompiledModule, Jit, JitError, remove_stale_temporaries,
+    unique_suffix,
+};
 
 pub const PLAN_FILE: &str = "plan.json";
 /// The version of [`PlanFile`]'s layout; a file with another version is refused.
@@ -232,8 +235,9 @@ pub fn render(plans: &[Plan], jit: Option<&Jit>) -> Result<AotOutput, AotError> 
 /// order ([`render`]'s, `plan.json` last, so that the plan never names files of another
 /// compile). A write that fails (a full disk), or a name a folder holds, removes the
 /// temporary files and is the error before anything is replaced; only a rename failing
-/// midway (rare: within one folder) can leave files of two compiles.
-pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<(), AotError> {
+/// midway (rare: within one folder) can leave files of two compiles. Temporary files of a
+/// compile killed while it wrote, older than an hour, are removed; the notes say so.
+pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<Vec<String>, AotError> {
     // The JIT cache's temporary names: unique per process, call and moment.
     let temporary = |name: &str| dir.join(format!(".{name}.{}.tmp", unique_suffix()));
     for (index, file) in files.iter().enumerate() {
@@ -283,7 +287,15 @@ pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<(), AotError> {
             });
         }
     }
-    Ok(())
+    let mut notes = Vec::new();
+    if let Ok(listing) = std::fs::read_dir(dir) {
+        let listing: Vec<std::fs::DirEntry> = listing.filter_map(Result::ok).collect();
+        let output_file = |target: &str| {
+            target == PLAN_FILE || target.ends_with(".cu") || target.ends_with(".ptx")
+        };
+        remove_stale_temporaries(&listing, output_file, "temporary output file", &mut notes);
+    }
+    Ok(notes)
 }
 
 /// A layer file (source or PTX) an earlier compile wrote into a directory, as that
@@ -584,6 +596,51 @@ mod tests {
         }
         assert_eq!(after, ("old a".to_string(), "old plan".to_string()));
         assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    /// A compile killed between its writes and renames leaves hidden temporary files; the
+    /// next compile into the folder removes those older than an hour, and nothing else.
+    #[test]
+    fn writing_removes_an_earlier_compiles_stale_temporary_files() {
+        let dir = std::env::temp_dir().join(format!("moeforge-aot-stale-{}", unique_suffix()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let old = std::time::SystemTime::now() - 2 * crate::jit::STALE_TEMPORARY;
+        let write = |name: &str, modified: std::time::SystemTime| {
+            let path = dir.join(name);
+            std::fs::write(&path, [0u8; 10]).expect("write");
+            std::fs::File::options()
+                .append(true)
+                .open(&path)
+                .and_then(|f| f.set_modified(modified))
+                .expect("set mtime");
+            path
+        };
+        let stale = [
+            write(".other.ptx.77-0-5.tmp", old),
+            write(".plan.json.77-1-6.tmp", old),
+        ];
+        let kept = [
+            write(".other.cu.78-0-7.tmp", std::time::SystemTime::now()),
+            write(".notes.txt.77-2-8.tmp", old),
+            write(".other.cu.tmp", old),
+        ];
+        let files = [OutputFile {
+            name: PLAN_FILE.to_string(),
+            contents: b"{}".to_vec(),
+        }];
+        let notes = write_files(&dir, &files).expect("write");
+        let gone = stale.iter().map(|p| !p.exists()).collect::<Vec<_>>();
+        let there = kept.iter().map(|p| p.exists()).collect::<Vec<_>>();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(gone, [true; 2]);
+        assert_eq!(
+            there, [true; 3],
+            "a live write, a file of the user's, another name"
+        );
+        assert_eq!(
+            notes,
+            ["removed 2 temporary output files (0.0 MB) left by writes that never finished"]
+        );
     }
 
     #[test]

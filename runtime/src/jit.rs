@@ -1127,7 +1127,12 @@ fn prune_cache(written: &Path, max: Option<u64>, notes: &mut Vec<String>) {
         return;
     };
     let listing: Vec<std::fs::DirEntry> = listing.filter_map(Result::ok).collect();
-    remove_stale_temporaries(&listing, notes);
+    remove_stale_temporaries(
+        &listing,
+        |target| target.ends_with(".mfjit"),
+        "temporary cache file",
+        notes,
+    );
     let Some(max) = max else {
         return;
     };
@@ -1159,19 +1164,37 @@ fn prune_cache(written: &Path, max: Option<u64>, notes: &mut Vec<String>) {
     }
 }
 
-/// How old a temporary cache file must be before pruning takes it for the leftover of a
-/// process killed while it wrote (a live write takes milliseconds).
-const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(3600);
+/// How old a temporary file must be before it is taken for the leftover of a process
+/// killed while it wrote (a live write takes milliseconds).
+pub(crate) const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(3600);
 
-/// Removes `write_atomic`'s temporary files (`.NAME.mfjit.SUFFIX.tmp`) older than
-/// [`STALE_TEMPORARY`] among `listing`, which nothing else would ever remove, and says so.
-fn remove_stale_temporaries(listing: &[std::fs::DirEntry], notes: &mut Vec<String>) {
+/// The file a temporary name stands in for: `TARGET` of `.TARGET.PID-COUNT-NANOS.tmp`, the
+/// names `write_atomic` and `aot::write_files` write to first ([`unique_suffix`]).
+pub(crate) fn temporary_target(file_name: &str) -> Option<&str> {
+    let inner = file_name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let (target, suffix) = inner.rsplit_once('.')?;
+    let numbers: Vec<&str> = suffix.split('-').collect();
+    let unique = numbers.len() == 3
+        && numbers
+            .iter()
+            .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    (unique && !target.is_empty()).then_some(target)
+}
+
+/// Removes, among `listing`, the temporary files older than [`STALE_TEMPORARY`] whose
+/// target passes `ours` (nothing else would ever remove them), and says so in `notes`,
+/// naming them `what` ("temporary cache file").
+pub(crate) fn remove_stale_temporaries(
+    listing: &[std::fs::DirEntry],
+    ours: impl Fn(&str) -> bool,
+    what: &str,
+    notes: &mut Vec<String>,
+) {
     let now = std::time::SystemTime::now();
     let mut removed = (0usize, 0u64);
     for entry in listing {
         let name = entry.file_name();
-        let name = name.to_string_lossy();
-        let temporary = name.starts_with('.') && name.ends_with(".tmp") && name.contains(".mfjit.");
+        let temporary = temporary_target(&name.to_string_lossy()).is_some_and(&ours);
         let Some(meta) = temporary.then(|| entry.metadata().ok()).flatten() else {
             continue;
         };
@@ -1180,14 +1203,14 @@ fn remove_stale_temporaries(listing: &[std::fs::DirEntry], notes: &mut Vec<Strin
             .ok()
             .and_then(|modified| now.duration_since(modified).ok())
             .is_some_and(|age| age > STALE_TEMPORARY);
-        if old && std::fs::remove_file(entry.path()).is_ok() {
+        if old && meta.is_file() && std::fs::remove_file(entry.path()).is_ok() {
             removed.0 += 1;
             removed.1 += meta.len();
         }
     }
     if removed.0 > 0 {
         notes.push(format!(
-            "removed {} temporary cache file{} ({:.1} MB) left by writes that never finished",
+            "removed {} {what}{} ({:.1} MB) left by writes that never finished",
             removed.0,
             if removed.0 == 1 { "" } else { "s" },
             removed.1 as f64 / 1e6
@@ -1533,6 +1556,23 @@ mod tests {
             )
         );
         assert_eq!(base, key(&options, "libnvrtc.so.13.0.88:1000"));
+    }
+
+    #[test]
+    fn temporary_names_give_their_target() {
+        let name = format!(".unit-abc.mfjit.{}.tmp", unique_suffix());
+        assert_eq!(temporary_target(&name), Some("unit-abc.mfjit"));
+        assert_eq!(temporary_target(".plan.json.1-2-3.tmp"), Some("plan.json"));
+        for other in [
+            ".notes.tmp",
+            "plan.json.1-2-3.tmp",
+            ".plan.json.1-2.tmp",
+            ".plan.json.1-x-3.tmp",
+            "..1-2-3.tmp",
+            ".plan.json.1-2-3.tmp.bak",
+        ] {
+            assert_eq!(temporary_target(other), None, "{other}");
+        }
     }
 
     #[test]

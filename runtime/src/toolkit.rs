@@ -61,7 +61,7 @@ impl fmt::Display for ToolkitSource {
         f.write_str(match self {
             ToolkitSource::CudaHome => "$CUDA_HOME",
             ToolkitSource::CudaPath => "$CUDA_PATH",
-            ToolkitSource::UsrLocalCuda => "/usr/local/cuda",
+            ToolkitSource::UsrLocalCuda => USR_LOCAL_CUDA,
             ToolkitSource::WheelOverride => "$MOEFORGE_NVRTC_WHEEL",
             ToolkitSource::VirtualEnv => "$VIRTUAL_ENV",
             ToolkitSource::DotVenv => ".venv/",
@@ -165,39 +165,19 @@ pub enum ToolkitError {
 impl Toolkit {
     /// Finds a toolkit in the documented order (see the module documentation).
     pub fn discover() -> Result<Toolkit, ToolkitError> {
-        let mut looked_in = Vec::new();
-        let mut passed_over = Vec::new();
-        for (source, dir) in fixed_candidates() {
-            let found = match source {
-                ToolkitSource::CudaHome | ToolkitSource::CudaPath | ToolkitSource::UsrLocalCuda => {
-                    toolkit_in_cuda_root(&dir, source)
-                }
-                _ => toolkit_in_python_env(&dir, source),
-            };
-            match found {
-                Some(tk) => return Ok(Toolkit { passed_over, ..tk }),
-                None => {
-                    let place = format!("{source} = {}", dir.display());
-                    let setting = matches!(
-                        source,
-                        ToolkitSource::CudaHome
-                            | ToolkitSource::CudaPath
-                            | ToolkitSource::WheelOverride
-                    );
-                    if setting {
-                        passed_over.push(place.clone());
-                    }
-                    looked_in.push(place);
-                }
-            }
+        let var = |name: &str| std::env::var_os(name);
+        let mut starts = Vec::new();
+        if let Ok(cwd) = std::env::current_dir() {
+            starts.push(cwd);
         }
-        for dir in python3_site_packages() {
-            if let Some(tk) = toolkit_in_site_packages(&dir, ToolkitSource::Python3) {
-                return Ok(Toolkit { passed_over, ..tk });
-            }
-            looked_in.push(format!("python3 site-packages {}", dir.display()));
+        if let Some(exe_dir) = std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(Path::to_path_buf))
+        {
+            starts.push(exe_dir);
         }
-        Err(ToolkitError::NotFound { looked_in })
+        let candidates = fixed_candidates(&var, &starts, Path::new(USR_LOCAL_CUDA));
+        discover_among(candidates, python3_site_packages)
     }
 
     /// Loads this toolkit's NVRTC so that cudarc uses it, and returns its version.
@@ -360,39 +340,32 @@ fn version_via(
     Ok(NvrtcVersion { major, minor })
 }
 
-/// Candidates 1 to 6 of the discovery order, in order.
-fn fixed_candidates() -> Vec<(ToolkitSource, PathBuf)> {
-    let env_dir = |var: &str| {
-        std::env::var_os(var)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
+/// The default toolkit root, rule 4 of the discovery order.
+const USR_LOCAL_CUDA: &str = "/usr/local/cuda";
+
+/// Candidates 1 to 6 of the discovery order, in order: from the settings `var` reads, the
+/// toolkit root `usr_local_cuda`, and the `.venv/` folders in `starts` and their parents
+/// (the current directory, then the executable's). The process's view is passed in so
+/// that tests can check the order without touching the process's environment.
+fn fixed_candidates(
+    var: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+    starts: &[PathBuf],
+    usr_local_cuda: &Path,
+) -> Vec<(ToolkitSource, PathBuf)> {
+    let env_dir = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     let mut out = Vec::new();
-    for (var, source) in [
+    for (name, source) in [
         ("CUDA_HOME", ToolkitSource::CudaHome),
         ("CUDA_PATH", ToolkitSource::CudaPath),
         ("MOEFORGE_NVRTC_WHEEL", ToolkitSource::WheelOverride),
     ] {
-        if let Some(dir) = env_dir(var) {
+        if let Some(dir) = env_dir(name) {
             out.push((source, dir));
         }
     }
-    out.push((
-        ToolkitSource::UsrLocalCuda,
-        PathBuf::from("/usr/local/cuda"),
-    ));
+    out.push((ToolkitSource::UsrLocalCuda, usr_local_cuda.to_path_buf()));
     if let Some(dir) = env_dir("VIRTUAL_ENV") {
         out.push((ToolkitSource::VirtualEnv, dir));
-    }
-    let mut starts = Vec::new();
-    if let Ok(cwd) = std::env::current_dir() {
-        starts.push(cwd);
-    }
-    if let Some(exe_dir) = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(Path::to_path_buf))
-    {
-        starts.push(exe_dir);
     }
     for start in starts {
         for dir in start.ancestors() {
@@ -403,6 +376,48 @@ fn fixed_candidates() -> Vec<(ToolkitSource, PathBuf)> {
         }
     }
     out
+}
+
+/// The first of `candidates` that holds NVRTC, else the first of the site-packages
+/// `python3` reports (asked only then: it starts a process); the settings passed over on
+/// the way are kept in the toolkit, every place looked in goes into the error.
+fn discover_among(
+    candidates: Vec<(ToolkitSource, PathBuf)>,
+    python3: impl FnOnce() -> Vec<PathBuf>,
+) -> Result<Toolkit, ToolkitError> {
+    let mut looked_in = Vec::new();
+    let mut passed_over = Vec::new();
+    for (source, dir) in candidates {
+        let found = match source {
+            ToolkitSource::CudaHome | ToolkitSource::CudaPath | ToolkitSource::UsrLocalCuda => {
+                toolkit_in_cuda_root(&dir, source)
+            }
+            _ => toolkit_in_python_env(&dir, source),
+        };
+        match found {
+            Some(tk) => return Ok(Toolkit { passed_over, ..tk }),
+            None => {
+                let place = format!("{source} = {}", dir.display());
+                let setting = matches!(
+                    source,
+                    ToolkitSource::CudaHome
+                        | ToolkitSource::CudaPath
+                        | ToolkitSource::WheelOverride
+                );
+                if setting {
+                    passed_over.push(place.clone());
+                }
+                looked_in.push(place);
+            }
+        }
+    }
+    for dir in python3() {
+        if let Some(tk) = toolkit_in_site_packages(&dir, ToolkitSource::Python3) {
+            return Ok(Toolkit { passed_over, ..tk });
+        }
+        looked_in.push(format!("python3 site-packages {}", dir.display()));
+    }
+    Err(ToolkitError::NotFound { looked_in })
 }
 
 /// A classic toolkit layout: `ROOT/{lib64,lib,targets/x86_64-linux/lib}/libnvrtc.so.13`, `ROOT/bin/ptxas`.
@@ -498,6 +513,101 @@ mod tests {
         let direct = toolkit_in_python_env(&sp, ToolkitSource::WheelOverride).expect("found");
         assert_eq!(direct.nvrtc_lib, sp.join("lib").join(NVRTC_LIB));
         assert!(toolkit_in_cuda_root(&root, ToolkitSource::CudaHome).is_none());
+        std::fs::remove_dir_all(&root).expect("clean up");
+    }
+
+    /// Makes `dir` a Python environment holding the NVRTC wheel (an empty library file: the
+    /// discovery looks for the file, it does not load it).
+    fn fake_wheel_env(dir: &Path) {
+        let lib = dir.join("lib/python3.12/site-packages/nvidia/cu13/lib");
+        std::fs::create_dir_all(&lib).expect("create temp dirs");
+        std::fs::write(lib.join(NVRTC_LIB), b"").expect("write");
+    }
+
+    /// Every rule of the documented order, each taken away in turn: the first candidate
+    /// that holds NVRTC wins, a setting that holds none is passed over and named.
+    #[test]
+    fn discovery_follows_the_documented_order() {
+        let root = std::env::temp_dir().join(format!("moeforge-order-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = |name: &str| root.join(name);
+        std::fs::create_dir_all(dir("empty")).expect("create temp dirs");
+        for toolkit in ["cuda_path", "usr_local_cuda"] {
+            std::fs::create_dir_all(dir(toolkit).join("lib64")).expect("create temp dirs");
+            std::fs::write(dir(toolkit).join("lib64").join(NVRTC_LIB), b"").expect("write");
+        }
+        for env in ["wheel", "virtual_env", "project/.venv", "python3/env"] {
+            fake_wheel_env(&dir(env));
+        }
+        std::fs::create_dir_all(dir("project/src")).expect("create temp dirs");
+        let python3_site = dir("python3/env/lib/python3.12/site-packages");
+
+        let mut vars: Vec<(&str, PathBuf)> = vec![
+            ("CUDA_HOME", dir("empty")),
+            ("CUDA_PATH", dir("cuda_path")),
+            ("MOEFORGE_NVRTC_WHEEL", dir("wheel")),
+            ("VIRTUAL_ENV", dir("virtual_env")),
+        ];
+        let mut usr_local_cuda = dir("usr_local_cuda");
+        let starts = [dir("project/src")];
+        let mut expected = vec![
+            (ToolkitSource::CudaPath, dir("cuda_path")),
+            (ToolkitSource::WheelOverride, dir("wheel")),
+            (ToolkitSource::UsrLocalCuda, dir("usr_local_cuda")),
+            (ToolkitSource::VirtualEnv, dir("virtual_env")),
+            (ToolkitSource::DotVenv, dir("project/.venv")),
+            (ToolkitSource::Python3, dir("python3/env")),
+        ];
+        let discover = |vars: &[(&str, PathBuf)], usr_local_cuda: &Path| {
+            let var = |name: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, dir)| dir.clone().into_os_string())
+            };
+            let candidates = fixed_candidates(&var, &starts, usr_local_cuda);
+            discover_among(candidates, || vec![python3_site.clone()])
+        };
+        while !expected.is_empty() {
+            let (source, place) = expected.remove(0);
+            let tk = discover(&vars, &usr_local_cuda).expect("a candidate holds NVRTC");
+            assert_eq!(tk.source, source);
+            assert!(
+                tk.root.starts_with(&place),
+                "{source}: {}",
+                tk.root.display()
+            );
+            let empty_home = format!("$CUDA_HOME = {}", dir("empty").display());
+            assert_eq!(tk.passed_over, vec![empty_home]);
+            // Take the winner away: the next rule must win.
+            match source {
+                ToolkitSource::UsrLocalCuda => usr_local_cuda = dir("missing"),
+                ToolkitSource::DotVenv => {
+                    std::fs::remove_dir_all(dir("project/.venv")).expect("clean up")
+                }
+                ToolkitSource::Python3 => {
+                    std::fs::remove_dir_all(dir("python3")).expect("clean up")
+                }
+                _ => {
+                    let name = match source {
+                        ToolkitSource::CudaPath => "CUDA_PATH",
+                        ToolkitSource::WheelOverride => "MOEFORGE_NVRTC_WHEEL",
+                        _ => "VIRTUAL_ENV",
+                    };
+                    vars.retain(|(n, _)| *n != name);
+                }
+            }
+        }
+        match discover(&vars, &usr_local_cuda) {
+            Err(ToolkitError::NotFound { looked_in }) => {
+                assert!(looked_in[0].starts_with("$CUDA_HOME"), "{looked_in:?}");
+                assert!(
+                    looked_in
+                        .iter()
+                        .any(|l| l.starts_with("python3 site-packages"))
+                );
+            }
+            other => panic!("expected NotFound, got {other:?}"),
+        }
         std::fs::remove_dir_all(&root).expect("clean up");
     }
 

@@ -96,9 +96,16 @@ pub fn run(args: &Args) -> ExitCode {
     }
     let files = output.files;
     let earlier = aot::earlier_layer_files(&args.out);
-    if let Err(error) = aot::write_files(&args.out, &files) {
-        eprintln!("error: {error}");
-        return failed(usage_error());
+    match aot::write_files(&args.out, &files) {
+        Ok(notes) => {
+            for note in notes {
+                eprintln!("note: {note}");
+            }
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            return failed(usage_error());
+        }
     }
     for file in &files {
         eprintln!("wrote {}", args.out.join(&file.name).display());
