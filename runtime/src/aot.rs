@@ -605,16 +605,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("moeforge-aot-stale-{}", unique_suffix()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let old = std::time::SystemTime::now() - 2 * crate::jit::STALE_TEMPORARY;
-        let write = |name: &str, modified: std::time::SystemTime| {
-            let path = dir.join(name);
-            std::fs::write(&path, [0u8; 10]).expect("write");
-            std::fs::File::options()
-                .append(true)
-                .open(&path)
-                .and_then(|f| f.set_modified(modified))
-                .expect("set mtime");
-            path
-        };
+        let write =
+            |name: &str, modified| crate::jit::tests::write_aged(&dir.join(name), 10, modified);
         let stale = [
             write(".other.ptx.77-0-5.tmp", old),
             write(".plan.json.77-1-6.tmp", old),

@@ -1440,8 +1440,24 @@ impl fmt::Display for FunctionResources {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Writes `bytes` zero bytes to `path`, last modified at `modified` (a file left by a
+    /// write long ago); returns the path.
+    pub(crate) fn write_aged(
+        path: &Path,
+        bytes: usize,
+        modified: std::time::SystemTime,
+    ) -> PathBuf {
+        std::fs::write(path, vec![0u8; bytes]).expect("write");
+        std::fs::File::options()
+            .append(true)
+            .open(path)
+            .and_then(|f| f.set_modified(modified))
+            .expect("set mtime");
+        path.to_path_buf()
+    }
 
     #[test]
     fn arch_validation() {
@@ -1580,16 +1596,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("moeforge-stale-tmp-{}", unique_suffix()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let old = std::time::SystemTime::now() - 2 * STALE_TEMPORARY;
-        let write = |name: &str, modified: std::time::SystemTime| {
-            let path = dir.join(name);
-            std::fs::write(&path, [0u8; 100]).expect("write");
-            std::fs::File::options()
-                .append(true)
-                .open(&path)
-                .and_then(|f| f.set_modified(modified))
-                .expect("set mtime");
-            path
-        };
+        let write = |name: &str, modified| write_aged(&dir.join(name), 100, modified);
         let stale = write(".unit-abc.mfjit.4242-0-1.tmp", old);
         let live = write(".unit-def.mfjit.4242-0-2.tmp", std::time::SystemTime::now());
         let other = write(".notes.tmp", old);
