@@ -65,7 +65,7 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use moeforge_compiler::codegen::{self, CodegenError};
-use moeforge_compiler::{Diagnostics, compile_bytes, plan_diagnostics};
+use moeforge_compiler::{Diagnostics, compile_bytes_for, plan_diagnostics};
 use moeforge_runtime::aot::{self, AotError};
 use moeforge_runtime::jit::{CompiledKernels, Jit, JitError};
 use moeforge_runtime::weights::{upload, upload_gate, upload_parts};
@@ -178,7 +178,8 @@ impl LayerSpec {
         layer: Option<&str>,
         target: &Target,
     ) -> Result<Self, EngineError> {
-        let module = compile_bytes(name, bytes).map_err(|d| EngineError::Spec(Box::new(d)))?;
+        let module =
+            compile_bytes_for(name, bytes, target).map_err(|d| EngineError::Spec(Box::new(d)))?;
         let available: Vec<String> = module.layers.iter().map(|l| l.name.clone()).collect();
         let chosen = match layer {
             Some(wanted) => module
@@ -212,10 +213,7 @@ impl LayerSpec {
             moeforge_compiler::plan::plan_tuned(chosen, target, &tuning).map_err(|error| {
                 let text = String::from_utf8_lossy(bytes);
                 EngineError::Spec(Box::new(plan_diagnostics(
-                    name,
-                    &text,
-                    &chosen.name,
-                    &error,
+                    name, &text, chosen, target, &error,
                 )))
             })?;
         Ok(LayerSpec {

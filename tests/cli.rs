@@ -380,13 +380,15 @@ fn compile_without_nvrtc_is_an_error_unless_no_ptx() {
     assert_eq!(files, ["plan.json", "tiny.cu"]);
 }
 
-/// A layer only the target can refuse: `check` accepts it, `explain` and `compile` for
-/// that target exit 1 with a diagnostic at the layer (file:line:column, caret, hint).
+/// A layer only the target can refuse: `check` accepts it for the H200, `check`, `explain`
+/// and `compile` for that target exit 1 with a diagnostic at the hint (file:line:column,
+/// caret, a hint that names that target's nearest tile).
 #[test]
 fn a_layer_the_target_cannot_run_is_refused_with_its_span() {
     let file = "tests/fixtures/wgmma_only_tile.moe";
     assert_eq!(moeforge(&["check", file]).status.code(), Some(0));
     for args in [
+        vec!["check", file, "--target", "a100"],
         vec!["explain", file, "--target", "a100"],
         vec![
             "compile",
@@ -402,12 +404,18 @@ fn a_layer_the_target_cannot_run_is_refused_with_its_span() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(
-            stderr.contains("wgmma_only_tile.moe:10:7"),
+            stderr.contains("wgmma_only_tile.moe:18:18"),
             "{args:?}: {stderr}"
         );
         assert!(stderr.contains("^^^^"), "{stderr}");
-        assert!(stderr.contains("gemm1.tile = 128x128x64"), "{stderr}");
-        assert!(stderr.contains("hint:"), "{stderr}");
+        assert!(
+            stderr.contains("`gemm1.tile = 128x128x64` cannot be planned for the NVIDIA A100"),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("hint: `gemm1.tile = 64x128x64` is the nearest tile"),
+            "{stderr}"
+        );
     }
     let output = moeforge(&["explain", file, "--target", "h200"]);
     assert_eq!(output.status.code(), Some(0));

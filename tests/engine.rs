@@ -59,7 +59,7 @@ fn spec_errors_are_typed() {
     assert!(rendered.contains("bad.moe:"), "{rendered}");
     assert!(rendered.contains("^^^"), "{rendered}");
 
-    // Only the A100 refuses this layer (a wgmma tile): the planner's error, at the layer.
+    // Only the A100 refuses this layer (a wgmma tile): checked for it, an error at the hint.
     let refused =
         std::fs::read_to_string(repo("tests/fixtures/wgmma_only_tile.moe")).expect("the fixture");
     let Err(EngineError::Spec(diagnostics)) =
@@ -67,7 +67,11 @@ fn spec_errors_are_typed() {
     else {
         panic!("the A100 cannot run a wgmma tile")
     };
-    assert!(diagnostics.to_string().contains("wgmma_only_tile.moe:10:7"));
+    assert!(
+        diagnostics
+            .to_string()
+            .contains("wgmma_only_tile.moe:18:18")
+    );
 
     let two = format!(
         "{}\n{}",

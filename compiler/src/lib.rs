@@ -27,8 +27,19 @@ pub use front::{Parsed, parse};
 
 /// Checks a whole `.moe` file: lexes, parses and checks `text`, returning the validated
 /// module (every topology and layer, defaults applied, units resolved) or every error found.
-/// `name` is the file name shown in diagnostics.
+/// `name` is the file name shown in diagnostics. Schedule hints and ranks are checked for
+/// the H200, the default target ([`compile_source_for`] takes another).
 pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics> {
+    compile_source_for(name, text, &plan::Target::h200())
+}
+
+/// [`compile_source`], with the schedule hints and ranks checked against what the planner
+/// can do on `target` rather than on the H200, the default target.
+pub fn compile_source_for(
+    name: &str,
+    text: &str,
+    target: &plan::Target,
+) -> Result<ir::Module, Diagnostics> {
     let parsed = parse(text);
     let syntax_spans: Vec<_> = parsed.errors.iter().map(Error::span).collect();
     let mut errors = parsed.errors;
@@ -78,7 +89,7 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
             .iter()
             .any(|item| item.span.start <= error.start && error.start < item.span.end)
     });
-    match check::check(&parsed.file, &syntax_spans) {
+    match check::check(&parsed.file, &syntax_spans, target) {
         Ok(module) if errors.is_empty() => return Ok(module),
         Ok(_) => {}
         Err(check_errors) => errors.extend(check_errors.into_iter().filter(|error| {
@@ -102,7 +113,16 @@ pub fn compile_source(name: &str, text: &str) -> Result<ir::Module, Diagnostics>
 /// Like [`compile_source`], for raw bytes: text that is not UTF-8 is an error pointing at
 /// the first invalid byte.
 pub fn compile_bytes(name: &str, bytes: &[u8]) -> Result<ir::Module, Diagnostics> {
-    compile_source(name, decode(name, bytes)?)
+    compile_bytes_for(name, bytes, &plan::Target::h200())
+}
+
+/// [`compile_bytes`] for `target` (see [`compile_source_for`]).
+pub fn compile_bytes_for(
+    name: &str,
+    bytes: &[u8],
+    target: &plan::Target,
+) -> Result<ir::Module, Diagnostics> {
+    compile_source_for(name, decode(name, bytes)?, target)
 }
 
 /// The bytes of a `.moe` file as text, or a diagnostic at the first byte that is not UTF-8.
@@ -138,15 +158,17 @@ pub fn format_source(name: &str, text: &str) -> Result<String, Diagnostics> {
     }
 }
 
-/// A planner error about layer `layer` of the file `file_name` (whose text is `text`),
-/// as a diagnostic at the layer's name: the planner may refuse a checked layer for reasons
-/// only its target knows (`moeforge check` tests schedule hints against the H200). When the
-/// error is about a schedule hint, the hint's value is shown too. A layer name not found in
-/// `text` puts the diagnostic at the start of the file.
+/// A planner error about `layer`, planned for `target`, of the file `file_name` (whose text is `text`), as a
+/// diagnostic at the layer's name: the layer as planned may differ from the one the checker
+/// passed (other ranks, `--ranks`; another target than the checker's), so the planner may
+/// refuse a checked layer. When the error is about a schedule hint, the hint's value is
+/// shown too, with what would work as planned. A layer name not found in `text` puts the
+/// diagnostic at the start of the file.
 pub fn plan_diagnostics(
     file_name: &str,
     text: &str,
-    layer: &str,
+    layer: &ir::Layer,
+    target: &plan::Target,
     error: &plan::PlanError,
 ) -> Diagnostics {
     let parsed = parse(text);
@@ -154,7 +176,7 @@ pub fn plan_diagnostics(
         .file
         .items
         .iter()
-        .find(|item| item.kind.text == "layer" && item.name.text == layer);
+        .find(|item| item.kind.text == "layer" && item.name.text == layer.name);
     let hint_setting = |key: plan::HintKey| {
         item?.body.entries.iter().find_map(|entry| match entry {
             front::ast::Entry::Section(section) if section.name.text == "schedule" => section
@@ -170,14 +192,11 @@ pub fn plan_diagnostics(
             format!("the routing kernel holds at most {max} experts; use fewer routed experts"),
             None,
         ),
-        plan::PlanError::ImpossibleHint {
-            target, problem, ..
-        } => (
+        plan::PlanError::ImpossibleHint { problem, .. } => (
             format!(
-                "`moeforge check` accepts the hints the planner can use on the H200; on the \
-                 {target} it cannot use this one: change `{}` for this target, or remove it and \
-                 let the planner choose",
-                problem.key.name()
+                "the hint passed the check of the spec as written, but not the layer planned \
+                 here (other ranks or another GPU): {}",
+                check::layer::hint_suggestion(layer, problem.key, target)
             ),
             hint_setting(problem.key),
         ),

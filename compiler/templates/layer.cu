@@ -17,7 +17,7 @@
 // A regime with a fused decode runs its calls of a few tokens as one kernel instead
 // (`<layer>_<regime>_fused`, after the regime's GEMMs), a self-routed one after the router.
 {%- endif %}
-{%- for line in limitations %}
+{%- for line in notes %}
 // Note: {{ line }}
 {%- endfor %}
 

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use moeforge_compiler::plan::{self, Target};
-use moeforge_compiler::{compile_bytes, compile_source, plan_diagnostics};
+use moeforge_compiler::{compile_bytes, compile_source, compile_source_for, ir, plan_diagnostics};
 
 fn blessing() -> bool {
     std::env::var_os("MOEFORGE_BLESS").is_some_and(|value| value == "1")
@@ -67,8 +67,9 @@ fn rendered_diagnostics_match_their_snapshots() {
     assert_no_mismatches(&mismatches);
 }
 
-/// A planner error shown at the layer's name, with the refused hint: the checker tests hints
-/// against the H200, and a GPU without wgmma refuses a tile only wgmma takes.
+/// A planner error shown at the layer's name, with the refused hint and what would work
+/// there: checked for the H200, the layer is planned for a GPU without wgmma, which refuses
+/// a tile only wgmma takes (checked for that GPU, the file is refused at the hint).
 #[test]
 fn plan_errors_render_at_the_layer_they_are_about() {
     let input = directory().join("plan/plan_refused.moe");
@@ -82,12 +83,17 @@ fn plan_errors_render_at_the_layer_they_are_about() {
     };
     let layer = &module.layers[0];
     let error = plan::plan(layer, &without_wgmma).expect_err("mma.sync cannot take the tile");
-    let rendered = plan_diagnostics(name, &text, &layer.name, &error).render();
+    let rendered = plan_diagnostics(name, &text, layer, &without_wgmma, &error).render();
     let mut mismatches = Vec::new();
     compare(&input, name, &rendered, &mut mismatches);
     assert_no_mismatches(&mismatches);
 
-    let elsewhere = plan_diagnostics(name, &text, "no_such_layer", &error);
+    assert!(compile_source_for(name, &text, &without_wgmma).is_err());
+    let renamed = ir::Layer {
+        name: "no_such_layer".into(),
+        ..layer.clone()
+    };
+    let elsewhere = plan_diagnostics(name, &text, &renamed, &without_wgmma, &error);
     assert_eq!(
         elsewhere.errors[0].span().start,
         0,

@@ -281,8 +281,8 @@ proptest! {
                 prop_assert!(source.source.contains(&call), "{}", call);
             }
             None => prop_assert!(
-                plan.limitations.iter().any(|l| l.contains("fused decode")),
-                "no fused decode and no reason: {:?}", plan.limitations
+                plan.hints_not_honoured.iter().any(|l| l.contains("fused decode")),
+                "no fused decode and no reason: {:?}", plan.hints_not_honoured
             ),
         }
     }
@@ -726,10 +726,10 @@ fn a_ranks_fused_decode_is_planned_and_checked() {
         "the hinted GEMM2 is on wgmma"
     );
     assert!(
-        asked.limitations.iter().any(|l| l
+        asked.hints_not_honoured.iter().any(|l| l
             .contains("fused_decode = 16 tokens: the expert-parallel ranks run no fused decode")),
         "{:?}",
-        asked.limitations
+        asked.hints_not_honoured
     );
 
     let two_nodes = example_plan("tiny_two_nodes");
@@ -1858,11 +1858,11 @@ fn small_calls_run_fused_where_the_spec_asks() {
         );
         assert!(
             capped
-                .limitations
+                .hints_not_honoured
                 .iter()
                 .any(|l| l.contains("fused_decode = 100000 tokens")),
             "{name}: {:?}",
-            capped.limitations
+            capped.hints_not_honoured
         );
         layer.schedule.fused_decode = Some(0);
         let off = plan::plan(&layer, &Target::h200()).expect("plans");
@@ -1871,14 +1871,17 @@ fn small_calls_run_fused_where_the_spec_asks() {
             "{name}: 0 is off"
         );
         assert!(
-            !off.limitations.iter().any(|l| l.contains("fused")),
+            !off.hints_not_honoured
+                .iter()
+                .chain(&off.limitations)
+                .any(|l| l.contains("fused")),
             "{name}"
         );
     }
 }
 
 /// A fused decode the first regime cannot give (its GEMMs on the warp-specialised engine)
-/// is a limitation of the plan, not an error, and the table runs those calls.
+/// is a hint the plan does not follow, not an error, and the table runs those calls.
 #[test]
 fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
     let mut layer = example_layer("qwen3_30b_a3b");
@@ -1891,11 +1894,11 @@ fn a_fused_decode_on_wgmma_tiles_is_refused_with_the_reason() {
     let plan = plan::plan(&layer, &Target::h200()).expect("plans");
     assert!(plan.regimes.iter().all(|r| r.fused_decode.is_none()));
     assert!(
-        plan.limitations
+        plan.hints_not_honoured
             .iter()
             .any(|l| l.contains("fused decode of up to 4 tokens") && l.contains("mma.sync")),
         "{:?}",
-        plan.limitations
+        plan.hints_not_honoured
     );
 }
 

@@ -11,7 +11,7 @@
 
 use moeforge_compiler::plan::{self, Target};
 use moeforge_compiler::simulate::{self, Options, Routing, SimError};
-use moeforge_compiler::{codegen, compile_source, plan_diagnostics};
+use moeforge_compiler::{codegen, compile_source, compile_source_for, plan_diagnostics};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
@@ -225,7 +225,13 @@ proptest! {
                         target.name != Target::h200().name || !checked_already,
                         "checked, but the planner refuses it on the H200: {error}\n{text}"
                     );
-                    let diagnostics = plan_diagnostics("generated.moe", &text, &layer.name, &error);
+                    // Checked for the target itself, the file is refused.
+                    prop_assert!(
+                        !checked_already || compile_source_for("generated.moe", &text, &target).is_err(),
+                        "checked for the {}, but the planner refuses it there: {error}\n{text}",
+                        target.name
+                    );
+                    let diagnostics = plan_diagnostics("generated.moe", &text, layer, &target, &error);
                     prop_assert!(!diagnostics.render().is_empty());
                     continue;
                 }

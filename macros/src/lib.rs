@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use moeforge_compiler::diagnostics::Diagnostics;
 use moeforge_compiler::plan::{self, Plan, Target};
-use moeforge_compiler::{codegen, compile_source, decode, ir, plan_diagnostics};
+use moeforge_compiler::{codegen, compile_source_for, decode, ir, plan_diagnostics};
 use moeforge_runtime::aot;
 use moeforge_runtime::jit::{Jit, JitError};
 use proc_macro::TokenStream;
@@ -274,8 +274,6 @@ struct Planned {
 }
 
 fn plan_layer(spec: &Spec, args: &Args) -> Result<Planned, Errors> {
-    let module = compile_source(&spec.file_name, &spec.text).map_err(|d| spec.errors(&d))?;
-    let layer = select_layer(&module, args.layer.as_ref(), spec)?;
     let target = match &args.target {
         None => Target::h200(),
         Some(lit) => Target::named(&lit.value()).ok_or_else(|| {
@@ -290,11 +288,15 @@ fn plan_layer(spec: &Spec, args: &Args) -> Result<Planned, Errors> {
             )
         })?,
     };
+    let module =
+        compile_source_for(&spec.file_name, &spec.text, &target).map_err(|d| spec.errors(&d))?;
+    let layer = select_layer(&module, args.layer.as_ref(), spec)?;
     let plan = plan::plan(layer, &target).map_err(|e| {
         spec.errors(&plan_diagnostics(
             &spec.file_name,
             &spec.text,
-            &layer.name,
+            layer,
+            &target,
             &e,
         ))
     })?;

@@ -1,6 +1,8 @@
-//! `moeforge check FILE...`: checks `.moe` files and reports every error in each, and notes
-//! a file with no layer (which the other commands refuse) and a layer whose plan on the H200
-//! (the checker's target) needs more memory per device than it has.
+//! `moeforge check FILE...`: checks `.moe` files and reports every error in each (a layer
+//! the planner refuses too), warns of schedule hints a layer's plan does not follow, and
+//! notes a file with no layer (which the other commands refuse) and a layer whose plan
+//! needs more memory per device than it has. The target is the H200 unless `--target` names another
+//! (not the GPU present: a file checks the same on every machine).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,20 +10,27 @@ use std::process::ExitCode;
 use moeforge::compiler::ir;
 use moeforge::compiler::plan::{self, Target};
 
-use super::{OK, compile_file, worst};
+use super::planning::{parse_target, report_plan_error};
+use super::{OK, compile_file, invalid_input, worst};
 
 /// Check .moe files: report every error (exit 1 if any), print a summary of each valid file,
-/// a note for each layer whose buffers would not fit its GPUs (with the max_tokens that
-/// fits) and for a file without a layer.
+/// a warning for each schedule hint a layer's plan does not follow, a note for each layer
+/// whose buffers would not fit its GPUs (with the max_tokens that fits) and for a file
+/// without a layer.
 #[derive(clap::Args)]
 pub struct Args {
     /// The .moe files to check.
     #[arg(required = true)]
     files: Vec<PathBuf>,
+    /// Check the schedule hints, ranks and memory for this GPU (h200, h100, a100) [default:
+    /// h200, whatever GPU is present, so that a file checks the same on every machine].
+    #[arg(long, value_name = "GPU", value_parser = parse_target)]
+    target: Option<Target>,
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    worst(args.files.iter().map(|path| match compile_file(path) {
+    let target = args.target.clone().unwrap_or_else(Target::h200);
+    worst(args.files.iter().map(|path| match compile_file(path, &target) {
         Ok((file, module)) => {
             let layers: Vec<&str> = module
                 .layers
@@ -47,20 +56,33 @@ pub fn run(args: &Args) -> ExitCode {
                     "  note: no layer: nothing for compile, run or simulate (a file may define only topologies)"
                 );
             }
+            let mut status = OK;
             for layer in &module.layers {
-                if let Some(note) = memory_note(layer) {
+                match plan::plan(layer, &target) {
+                    Ok(plan) => {
+                        for hint in &plan.hints_not_honoured {
+                            println!("  warning: layer `{}`: {hint}", layer.name);
+                        }
+                    }
+                    // What explain and compile would refuse, beyond the checker's rules.
+                    Err(error) => {
+                        report_plan_error(&file, layer, &target, &error);
+                        status = invalid_input();
+                    }
+                }
+                if let Some(note) = memory_note(layer, &target) {
                     println!("  note: {note}");
                 }
             }
-            OK
+            status
         }
         Err(status) => status,
     }))
 }
 
-/// Where `layer`'s plan on the H200 does not fit its devices: what it needs and the
+/// Where `layer`'s plan on `target` does not fit its devices: what it needs and the
 /// max_tokens that fits. Not an error: a spec may describe a machine only to be simulated.
-fn memory_note(layer: &ir::Layer) -> Option<String> {
-    let problem = plan::memory_problem(layer, &Target::h200())?;
+fn memory_note(layer: &ir::Layer, target: &Target) -> Option<String> {
+    let problem = plan::memory_problem(layer, target)?;
     Some(format!("layer `{}`: {problem}", layer.name))
 }

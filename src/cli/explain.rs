@@ -25,9 +25,9 @@ pub struct Args {
 }
 
 pub fn run(args: &Args) -> ExitCode {
-    match compile_file(&args.file) {
+    let target = args.target.resolve();
+    match compile_file(&args.file, &target) {
         Ok((source, module)) => {
-            let target = args.target.resolve();
             let tuning = match planning_table() {
                 Ok(table) => table,
                 Err(status) => return status,
@@ -41,7 +41,7 @@ pub fn run(args: &Args) -> ExitCode {
                         Ok(plan) => plan::describe(&plan),
                         Err(error) => {
                             let text = format!("plan: none ({error})\n");
-                            unplannable.push((layer.name.clone(), error));
+                            unplannable.push((layer, error));
                             text
                         }
                     };
@@ -64,7 +64,7 @@ pub fn run(args: &Args) -> ExitCode {
             }
             print!("{}", text.join("\n"));
             for (layer, error) in &unplannable {
-                report_plan_error(&source, layer, error);
+                report_plan_error(&source, layer, &target, error);
             }
             if unplannable.is_empty() {
                 OK

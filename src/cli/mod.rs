@@ -24,6 +24,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use moeforge::compiler::plan::Target;
 use moeforge::compiler::{self, Diagnostics, ir};
 
 /// moeforge: compiles Mixture-of-Experts layer descriptions (`.moe` files) to CUDA kernels.
@@ -104,10 +105,11 @@ fn report(diagnostics: &Diagnostics) {
     );
 }
 
-/// Reads and checks one file; `Err` carries the exit status after reporting.
-fn compile_file(path: &Path) -> Result<(SourceFile, ir::Module), ExitCode> {
+/// Reads and checks one file, its schedule hints and ranks against what the planner can do
+/// on `target`; `Err` carries the exit status after reporting.
+fn compile_file(path: &Path, target: &Target) -> Result<(SourceFile, ir::Module), ExitCode> {
     let file = read_file(path)?;
-    match compiler::compile_bytes(&file.name, &file.bytes) {
+    match compiler::compile_bytes_for(&file.name, &file.bytes, target) {
         Ok(module) => Ok((file, module)),
         Err(diagnostics) => {
             report(&diagnostics);

@@ -27,7 +27,7 @@ pub struct TargetArgs {
     target: Option<Target>,
 }
 
-fn parse_target(name: &str) -> Result<Target, String> {
+pub fn parse_target(name: &str) -> Result<Target, String> {
     Target::named(name).ok_or_else(|| {
         let known: Vec<&str> = Target::known().iter().map(|(n, _)| *n).collect();
         format!(
@@ -47,9 +47,11 @@ impl TargetArgs {
     /// driver is present but its first GPU cannot be opened or read, says so on stderr
     /// before it plans for the H200.
     pub fn resolve(&self) -> Target {
-        if let Some(target) = self.chosen() {
-            return target;
-        }
+        self.chosen().unwrap_or_else(TargetArgs::present)
+    }
+
+    /// The GPU present, else the H200 (see [`TargetArgs::resolve`]).
+    pub fn present() -> Target {
         if toolkit::driver_available().is_err() {
             return Target::h200();
         }
@@ -151,7 +153,7 @@ pub fn plan_file_over(
     ranks: Option<RankChoice>,
     leave_out_shared: bool,
 ) -> Result<Vec<Plan>, ExitCode> {
-    let (source, module) = compile_file(file)?;
+    let (source, module) = compile_file(file, target)?;
     let selected = selected_layers(file, &module, layer)?;
     let tuning = planning_table()?;
     let mut plans = Vec::new();
@@ -209,7 +211,7 @@ fn plan_layer(
     tuning: &TuningTable,
 ) -> Result<Plan, ExitCode> {
     plan::plan_tuned(layer, target, tuning).map_err(|error| {
-        report_plan_error(source, &layer.name, &error);
+        report_plan_error(source, layer, target, &error);
         invalid_input()
     })
 }
@@ -281,12 +283,18 @@ fn several_layers<'a>(file: &Path, names: impl Iterator<Item = &'a str>) -> Exit
 
 /// Reports a layer the planner refused, at the layer's name in `source` (and the refused
 /// hint, if any), as the checker reports its errors.
-pub fn report_plan_error(source: &SourceFile, layer: &str, error: &plan::PlanError) {
+pub fn report_plan_error(
+    source: &SourceFile,
+    layer: &ir::Layer,
+    target: &Target,
+    error: &plan::PlanError,
+) {
     let text = String::from_utf8_lossy(&source.bytes);
     report(&compiler::plan_diagnostics(
         &source.name,
         &text,
         layer,
+        target,
         error,
     ));
 }

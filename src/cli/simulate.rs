@@ -83,26 +83,8 @@ const LONG_SIMULATION_PAIRS: u64 = 2_000_000;
 const SVG_RANKS: u32 = 8;
 
 pub fn run(args: &Args) -> ExitCode {
-    let (source, module) = match compile_file(&args.file) {
-        Ok(compiled) => compiled,
-        Err(status) => return status,
-    };
-    let mut layer = match one_layer(&args.file, &module, args.layer.as_deref()) {
-        Ok(layer) => layer.clone(),
-        Err(status) => return status,
-    };
     let measured = match &args.measured {
         Some(path) => match calibration::MeasuredFile::read(path) {
-            Ok(file) if file.layer != layer.name => {
-                eprintln!(
-                    "error: {} measured layer `{}`, not `{}` of {}: pass the spec that file was benched from",
-                    path.display(),
-                    file.layer,
-                    layer.name,
-                    args.file.display()
-                );
-                return usage_error();
-            }
             Ok(file) => Some(file),
             Err(error) => {
                 eprintln!("error: {error}");
@@ -111,6 +93,39 @@ pub fn run(args: &Args) -> ExitCode {
         },
         None => None,
     };
+    // Predictions set beside measurements are made for the GPU that measured them.
+    let measured_on = measured.as_ref().and_then(|m| m.measured_on());
+    let target = match (args.target.chosen(), measured_on) {
+        (Some(chosen), _) => chosen,
+        (None, Some(measured_on)) => {
+            eprintln!(
+                "note: predicting for {}, the GPU the measurements ran on (--target chooses another)",
+                measured_on.name
+            );
+            measured_on
+        }
+        (None, None) => args.target.resolve(),
+    };
+    let (source, module) = match compile_file(&args.file, &target) {
+        Ok(compiled) => compiled,
+        Err(status) => return status,
+    };
+    let mut layer = match one_layer(&args.file, &module, args.layer.as_deref()) {
+        Ok(layer) => layer.clone(),
+        Err(status) => return status,
+    };
+    if let (Some(path), Some(file)) = (&args.measured, &measured)
+        && file.layer != layer.name
+    {
+        eprintln!(
+            "error: {} measured layer `{}`, not `{}` of {}: pass the spec that file was benched from",
+            path.display(),
+            file.layer,
+            layer.name,
+            args.file.display()
+        );
+        return usage_error();
+    }
     let ranks = args.ranks.or(measured
         .as_ref()
         .and_then(|m| m.rows.first().map(|row| row.ranks)));
@@ -146,23 +161,10 @@ pub fn run(args: &Args) -> ExitCode {
             layer.name
         );
     }
-    // Predictions set beside measurements are made for the GPU that measured them.
-    let measured_on = measured.as_ref().and_then(|m| m.measured_on());
-    let target = match (args.target.chosen(), measured_on) {
-        (Some(chosen), _) => chosen,
-        (None, Some(measured_on)) => {
-            eprintln!(
-                "note: predicting for {}, the GPU the measurements ran on (--target chooses another)",
-                measured_on.name
-            );
-            measured_on
-        }
-        (None, None) => args.target.resolve(),
-    };
     let plan = match plan::plan(&layer, &target) {
         Ok(plan) => plan,
         Err(error) => {
-            report_plan_error(&source, &layer.name, &error);
+            report_plan_error(&source, &layer, &target, &error);
             return invalid_input();
         }
     };

@@ -16,7 +16,7 @@ use moeforge::runtime::workload::fresh_seed;
 use moeforge::tuning;
 
 use super::bench::utc_date;
-use super::planning::one_layer;
+use super::planning::{TargetArgs, one_layer};
 use super::{OK, compile_file, invalid_input, usage_error};
 
 /// Measure candidate GEMM configurations of a layer on the GPU; the fastest per regime go
@@ -83,7 +83,8 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("error: --candidates and --iterations count from 1");
         return usage_error();
     }
-    let (_, module) = match compile_file(&args.file) {
+    // The hints are checked for the GPU the tune will measure on.
+    let (_, module) = match compile_file(&args.file, &TargetArgs::present()) {
         Ok(compiled) => compiled,
         Err(status) => return status,
     };

@@ -125,6 +125,7 @@ pub fn check_layer(
     item: &Item,
     incomplete: bool,
     topologies: &BTreeMap<&str, NamedTopology>,
+    target: &Target,
     errors: &mut Vec<Error>,
 ) -> Option<ir::Layer> {
     let what = format!("layer `{}`", item.name.text);
@@ -332,9 +333,10 @@ pub fn check_layer(
         schedule: schedule.unwrap_or(Some(ir::ScheduleHints::default()))?,
     };
     // Only a valid layer can be planned; the planner holds the rules about hints.
-    let mut hint_errors = infeasible_hints(&layer, table.section("schedule"), item.name.span);
+    let mut hint_errors =
+        infeasible_hints(&layer, table.section("schedule"), item.name.span, target);
     if hint_errors.is_empty()
-        && let Err(refusal) = plan::ep::ranks_fit(&layer, &Target::h200())
+        && let Err(refusal) = plan::ep::ranks_fit(&layer, target)
     {
         // At the ranks where the layer sets them, else at its name.
         let span = table
@@ -383,13 +385,16 @@ fn topology_example(topologies: &BTreeMap<&str, NamedTopology>) -> String {
     }
 }
 
-/// The schedule hints of a valid layer that the planner refuses on the documented default
-/// target, the H200 (`plan` checks again for the target it is given), one error per hint
-/// key, at the hint's value, each with a suggestion the planner accepts.
-fn infeasible_hints(layer: &ir::Layer, schedule: Option<&Section>, fallback: Span) -> Vec<Error> {
-    let target = Target::h200();
+/// The schedule hints of a valid layer that the planner refuses on `target`, one error per
+/// hint key, at the hint's value, each with a suggestion the planner accepts there.
+fn infeasible_hints(
+    layer: &ir::Layer,
+    schedule: Option<&Section>,
+    fallback: Span,
+    target: &Target,
+) -> Vec<Error> {
     let mut by_key: Vec<(HintKey, Vec<HintProblem>)> = Vec::new();
-    for problem in plan::hint_problems(layer, &target) {
+    for problem in plan::hint_problems(layer, target) {
         match by_key.iter_mut().find(|(key, _)| *key == problem.key) {
             Some((_, problems)) => problems.push(problem),
             None => by_key.push((problem.key, vec![problem])),
@@ -412,14 +417,20 @@ fn infeasible_hints(layer: &ir::Layer, schedule: Option<&Section>, fallback: Spa
                 setting: problems[0].hint.clone(),
                 target: target.name.clone(),
                 reason: reasons.join("; "),
-                suggestion: match key {
-                    HintKey::Stages => stages_suggestion(layer, &target),
-                    HintKey::Gemm1Tile | HintKey::Gemm2Tile => tile_suggestion(layer, key, &target),
-                    HintKey::CommBlocks => comm_blocks_suggestion(layer, &target),
-                },
+                suggestion: hint_suggestion(layer, key, target),
             }
         })
         .collect()
+}
+
+/// What would work instead of `layer`'s hint `key`, which the planner refuses on `target`:
+/// found by asking the planner about nearby hints.
+pub fn hint_suggestion(layer: &ir::Layer, key: HintKey, target: &Target) -> String {
+    match key {
+        HintKey::Stages => stages_suggestion(layer, target),
+        HintKey::Gemm1Tile | HintKey::Gemm2Tile => tile_suggestion(layer, key, target),
+        HintKey::CommBlocks => comm_blocks_suggestion(layer, target),
+    }
 }
 
 /// The tile dimensions a suggestion is drawn from: the usual tile sizes (powers of two, and

@@ -17,6 +17,7 @@ use crate::diagnostics::{Error, MAX_ERRORS, short, suggest};
 use crate::front::ITEM_KINDS;
 use crate::front::ast::{File, Item, Span};
 use crate::ir;
+use crate::plan::Target;
 use table::Schema;
 
 /// Every item and section of the language, so that a key written in the wrong one can be
@@ -39,8 +40,13 @@ pub struct NamedTopology {
 
 /// Checks a parsed file. `syntax_errors` are the spans of the parser's errors: items that
 /// contain one are checked too, but without "missing key" errors (the key may just have
-/// failed to parse).
-pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Error>> {
+/// failed to parse). Schedule hints and ranks are checked against what the planner can do
+/// on `target`.
+pub fn check(
+    file: &File,
+    syntax_errors: &[Span],
+    target: &Target,
+) -> Result<ir::Module, Vec<Error>> {
     let mut errors = Vec::new();
     let incomplete = |item: &Item| {
         syntax_errors
@@ -105,7 +111,9 @@ pub fn check(file: &File, syntax_errors: &[Span]) -> Result<ir::Module, Vec<Erro
             errors.push(Error::TooManyErrors { span: item.span });
             break;
         }
-        if let Some(layer) = layer::check_layer(item, incomplete(item), &topologies, &mut errors) {
+        if let Some(layer) =
+            layer::check_layer(item, incomplete(item), &topologies, target, &mut errors)
+        {
             layers.push(layer);
         }
     }

@@ -63,7 +63,8 @@ struct LayerUnit<'a> {
     layer: &'a str,
     arch: &'a str,
     target: &'a str,
-    limitations: &'a [String],
+    /// The plan's hints not followed, then its limitations: a note each.
+    notes: Vec<&'a str>,
     hidden: u32,
     ffn: u32,
     experts: u32,
@@ -1422,7 +1423,12 @@ pub fn generate(plan: &Plan) -> Result<KernelSource, CodegenError> {
         layer: &plan.layer,
         arch: &plan.target.arch,
         target: &plan.target.name,
-        limitations: &plan.limitations,
+        notes: plan
+            .hints_not_honoured
+            .iter()
+            .chain(&plan.limitations)
+            .map(String::as_str)
+            .collect(),
         hidden: shape.hidden,
         ffn: shape.ffn,
         experts: shape.experts,

@@ -97,8 +97,8 @@ pub fn describe(plan: &Plan) -> String {
         );
     }
     describe_memory(&mut out, plan);
-    for limitation in &plan.limitations {
-        let _ = writeln!(out, "  note: {limitation}");
+    for note in plan.hints_not_honoured.iter().chain(&plan.limitations) {
+        let _ = writeln!(out, "  note: {note}");
     }
     out
 }

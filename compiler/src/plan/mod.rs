@@ -190,6 +190,12 @@ pub struct Plan {
     /// The bound on every flag wait of the plan's kernels.
     #[serde(default)]
     pub flag_wait_limit: FlagWaitLimit,
+    /// The spec's schedule hints this plan does not follow, and what runs instead: a hint
+    /// the planner cannot use is an error (`hint_problems`), these are hints the layer as
+    /// planned has no use for or cannot give in full. `moeforge check` warns of them. Left
+    /// out of `plan.json` when empty, so that directories compiled before it still load.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hints_not_honoured: Vec<String>,
     /// What this plan leaves out of the layer, stated so nobody assumes otherwise.
     pub limitations: Vec<String>,
 }
@@ -1459,6 +1465,7 @@ fn plan_as_sized(
     let mut regimes = Vec::new();
     let mut most_route_blocks = 1;
     let mut limitations = Vec::new();
+    let mut hints_not_honoured = Vec::new();
     let choices = choose_regimes(layer, target, &shape, 1)?;
     let tuned_choices = tuned_regimes(layer, choices, tuning, target, &shape, &mut limitations);
     for (mut choice, tuned) in tuned_choices {
@@ -1518,14 +1525,14 @@ fn plan_as_sized(
             ) {
                 Ok(fused) => {
                     if fused.max_tokens < tokens && asked.is_some() {
-                        limitations.push(format!(
+                        hints_not_honoured.push(format!(
                             "the spec's fused_decode = {tokens} tokens is beyond regime `{}`: calls of up to {} tokens run fused",
                             regime.name, fused.max_tokens
                         ));
                     }
                     regime.fused_decode = Some(fused);
                 }
-                Err(reason) if asked.is_some() => limitations.push(format!(
+                Err(reason) if asked.is_some() => hints_not_honoured.push(format!(
                     "the spec asks for a fused decode of up to {tokens} tokens, which this plan cannot give ({reason}): those calls run the regime's table"
                 )),
                 Err(_) => {}
@@ -1598,11 +1605,12 @@ fn plan_as_sized(
                 .err()
                 .unwrap_or_default()
             };
-            limitations.push(format!(
+            hints_not_honoured.push(format!(
                 "the spec's fused_decode = {tokens} tokens: the expert-parallel ranks run no fused decode, {reason}; the table runs those calls"
             ));
         }
     }
+    hints_not_honoured.extend(exchange_hints_unused(layer, expert_parallel.as_ref()));
     if expert_parallel.is_some() {
         limitations.push(format!(
             "the spec asks for {} expert-parallel ranks: the expert-parallel kernels (below) run them, through the runtime's EpLayer or `moeforge bench --ranks/--gpus`; the single-GPU kernels run all {} experts on one GPU",
@@ -1664,8 +1672,43 @@ fn plan_as_sized(
         router,
         call_graph_max_tokens,
         flag_wait_limit,
+        hints_not_honoured,
         limitations,
     })
+}
+
+/// The spec's hints on the exchange between ranks that its plan `ep` has no use for: every
+/// one where the layer has one rank (no exchange), and `whole_chunks`, which sizes the
+/// network's transfers, where the ranks share a node.
+fn exchange_hints_unused(layer: &ir::Layer, ep: Option<&ep::ExpertParallelPlan>) -> Vec<String> {
+    let hints = &layer.schedule;
+    match ep {
+        None => {
+            let written: Vec<String> = [
+                (hints.dispatch_chunk.is_some(), "dispatch_chunk"),
+                (hints.comm_blocks.is_some(), "comm_blocks"),
+                (hints.traffic_order.is_some(), "traffic"),
+                (hints.whole_chunks.is_some(), "whole_chunks"),
+            ]
+            .into_iter()
+            .filter(|(set, _)| *set)
+            .map(|(_, key)| format!("`{key}`"))
+            .collect();
+            if written.is_empty() {
+                return Vec::new();
+            }
+            vec![format!(
+                "the spec's {} shape{} the exchange between expert-parallel ranks, which a layer of one rank has none of: {} effect over ranks (`parallel {{ expert = R }}`, or `--ranks`/`--gpus` of run, bench and simulate)",
+                written.join(", "),
+                if written.len() == 1 { "s" } else { "" },
+                if written.len() == 1 { "it takes" } else { "they take" },
+            )]
+        }
+        Some(ep) if ep.network.is_none() && hints.whole_chunks.is_some() => vec![
+            "the spec's `whole_chunks` sizes the transfers between nodes, and its ranks share one node: it has no effect".to_string(),
+        ],
+        Some(_) => Vec::new(),
+    }
 }
 
 /// The largest calls whose repeats a layer replays as a CUDA graph
