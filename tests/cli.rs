@@ -589,6 +589,24 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
 /// A long simulation (1024 ranks at 256 tokens per rank, top_k 8: 2.1 million routed pairs,
 /// seconds a schedule) says on stderr what it simulates and each schedule as it ends; a
 /// short one (16 tokens per rank) prints nothing there.
+/// A spec of emulated nodes is simulated as it runs, on one GPU, and says so and how to
+/// simulate the nodes it stands for; `--ranks` puts the ranks on GPUs of their own.
+#[test]
+fn simulate_says_where_emulated_nodes_run() {
+    let file = "dsl-examples/tiny_emulated_nodes.moe";
+    let as_written = moeforge(&["simulate", file, "--tokens", "16"]);
+    let stdout = String::from_utf8_lossy(&as_written.stdout);
+    assert!(as_written.status.success(), "{as_written:?}");
+    assert!(
+        stdout.contains("4 virtual ranks on one GPU (emulating 2 nodes")
+            && stdout.contains("`--ranks 4` puts them on GPUs of their own"),
+        "{stdout}"
+    );
+    let on_gpus = moeforge(&["simulate", file, "--tokens", "16", "--ranks", "4"]);
+    let stdout = String::from_utf8_lossy(&on_gpus.stdout);
+    assert!(stdout.contains("4 ranks on 2 nodes"), "{stdout}");
+}
+
 #[test]
 fn a_long_simulation_shows_its_progress() {
     let output = moeforge(&[
@@ -738,6 +756,19 @@ fn rank_processes_launched_wrong_say_what_to_set() {
     assert!(
         stderr.contains("WORLD_SIZE=2 but the layer has 4 expert-parallel ranks")
             && stderr.contains("--gpus 2"),
+        "{stderr}"
+    );
+    // Three processes cannot hold its 8 experts: --gpus 3 is not offered.
+    let three: Vec<(&str, &str)> = full
+        .iter()
+        .map(|&(k, v)| if k == "WORLD_SIZE" { (k, "3") } else { (k, v) })
+        .collect();
+    let output = moeforge_with_env(&run, &three);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("3 ranks cannot split its 8 experts evenly")
+            && !stderr.contains("--gpus 3"),
         "{stderr}"
     );
     for command in ["run", "bench"] {

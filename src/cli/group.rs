@@ -66,9 +66,19 @@ pub fn plan(
             Some(_) => "--gpus".to_string(),
             None => "the spec's `parallel { expert = .. }`".to_string(),
         };
+        let experts = match &spec_plan {
+            Some(plan) => plan.shape.experts,
+            None => plan_one(file, layer, target)?.shape.experts,
+        };
+        let world = env.world_size;
+        // Offer --gpus only where that many ranks can hold the experts.
+        let otherwise = if world > 0 && experts.is_multiple_of(world) {
+            format!(", or pass --gpus {world} to plan it for {world} ranks")
+        } else {
+            format!(" ({world} ranks cannot split its {experts} experts evenly)")
+        };
         eprintln!(
-            "error: WORLD_SIZE={} but the layer has {ranks} expert-parallel ranks ({said}); launch {ranks} processes (WORLD_SIZE={ranks}), or pass --gpus {} to plan it for {} ranks",
-            env.world_size, env.world_size, env.world_size
+            "error: WORLD_SIZE={world} but the layer has {ranks} expert-parallel ranks ({said}); launch {ranks} processes (WORLD_SIZE={ranks}){otherwise}"
         );
         return Err(usage_error());
     }

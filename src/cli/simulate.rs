@@ -42,8 +42,8 @@ pub struct Args {
     /// Grouped routing: the groups each token keeps (default: the layer's router's).
     #[arg(long, value_name = "K")]
     groups_kept: Option<u32>,
-    /// Expert-parallel ranks instead of the spec's; nodes grow to hold them
-    /// (`gpus_per_node` from the spec's topology).
+    /// Expert-parallel ranks instead of the spec's, each on a GPU of its own (virtual ranks
+    /// too); nodes grow to hold them (`gpus_per_node` from the spec's topology).
     #[arg(long)]
     ranks: Option<u32>,
     /// Write an SVG timeline of the topology-aware schedule at the first token count.
@@ -265,8 +265,14 @@ pub fn run(args: &Args) -> ExitCode {
             }
         };
         let seconds = started.elapsed().as_secs_f64();
-        let placement = if topology.virtual_ranks {
+        let placement = if topology.virtual_ranks && topology.nodes > 1 {
             // Emulated nodes' network steps are copies on the one GPU too.
+            format!(
+                "virtual ranks on one GPU (emulating {}: all their traffic simulated on the one GPU; `--ranks {}` puts them on GPUs of their own)",
+                counted(topology.nodes, "node"),
+                report.ranks
+            )
+        } else if topology.virtual_ranks {
             "virtual ranks on one GPU".to_string()
         } else {
             format!("ranks on {}", counted(report.nodes, "node"))

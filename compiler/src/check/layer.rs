@@ -732,8 +732,12 @@ fn router(
         }
         (Some(groups_setting), kept_setting) => {
             let groups = values::count(groups_setting, 1, false, errors);
+            let example = format!(
+                "groups_kept = {}",
+                groups.map_or(4, |groups| kept_groups_example(groups, experts, top_k))
+            );
             let kept_setting =
-                kept_setting.or_else(|| table.required("groups_kept", "groups_kept = 4", errors));
+                kept_setting.or_else(|| table.required("groups_kept", example, errors));
             let kept = kept_setting.and_then(|s| values::count(s, 1, false, errors));
             group_limit(
                 groups,
@@ -754,6 +758,15 @@ fn router(
         normalize: normalize?,
         scale: scale?,
     }))
+}
+
+/// A `groups_kept` to suggest for `groups` groups: half of them, as DeepSeek-V3 keeps 4 of
+/// 8, or more where fewer would hold fewer than `top_k` of the `experts`; at most all.
+fn kept_groups_example(groups: u32, experts: Option<u32>, top_k: Option<u32>) -> u32 {
+    let half = groups.div_ceil(2);
+    let per_group = experts.map_or(1, |experts| (experts / groups).max(1));
+    let enough = top_k.map_or(1, |top_k| top_k.div_ceil(per_group));
+    half.max(enough).min(groups)
 }
 
 /// DeepSeek-V3 style group-limited routing: groups divide the experts, the kept groups are
@@ -886,7 +899,26 @@ const FLAG_TIMEOUT_RANGE: values::DurationRange = values::DurationRange {
 
 #[cfg(test)]
 mod tests {
-    use super::describe_counts;
+    use super::{describe_counts, kept_groups_example};
+
+    /// The suggestion is itself valid: between one and all groups, holding top_k experts.
+    #[test]
+    fn a_suggested_groups_kept_is_in_range_and_holds_top_k() {
+        assert_eq!(
+            kept_groups_example(8, Some(256), Some(8)),
+            4,
+            "DeepSeek-V3's"
+        );
+        assert_eq!(kept_groups_example(3, Some(8), Some(2)), 2);
+        assert_eq!(kept_groups_example(1, Some(8), Some(2)), 1);
+        assert_eq!(kept_groups_example(8, Some(16), Some(8)), 4);
+        assert_eq!(
+            kept_groups_example(8, Some(16), Some(12)),
+            6,
+            "two experts a group"
+        );
+        assert_eq!(kept_groups_example(4, None, None), 2);
+    }
 
     #[test]
     fn stage_counts_read_as_runs() {
