@@ -56,6 +56,14 @@ pub enum Error {
     },
     #[error("this `,` ends its line, so the next setting's `{key}` was read as one more value")]
     TrailingComma { span: Span, key: String },
+    #[error("`{word}` after the value `{value}` is neither a unit nor a setting")]
+    StrayWord {
+        span: Span,
+        word: String,
+        value: String,
+        /// The unit it is likely a misspelling of.
+        unit: Option<String>,
+    },
     #[error("unexpected end of file, expected {expected}")]
     UnexpectedEnd { span: Span, expected: String },
 
@@ -396,6 +404,7 @@ impl Error {
             | UnknownUnit { span, .. }
             | UnexpectedToken { span, .. }
             | TrailingComma { span, .. }
+            | StrayWord { span, .. }
             | UnexpectedEnd { span, .. }
             | UnknownItemKind { span, .. }
             | DuplicateItem { span, .. }
@@ -509,6 +518,11 @@ impl Error {
                 found: '\u{b5}' | '\u{3bc}',
                 ..
             } => "microseconds are written `us`, after a space".into(),
+            InvalidCharacter { found, .. } if found.is_alphanumeric() => {
+                "names are ASCII: letters `A-Z` `a-z`, digits and `_`, starting with a letter \
+                 or `_`"
+                    .into()
+            }
             InvalidCharacter { .. } => {
                 "a `.moe` file holds names, numbers with units, tile shapes like `128x128x64`, \
                  `{ } = , .` and comments starting with `#` or `//`"
@@ -534,6 +548,13 @@ impl Error {
             TrailingComma { .. } => "remove this `,`: a setting's values continue after a comma \
                                      (`nvlink = 450 GB/s, 3 us`), and a new setting needs none"
                 .into(),
+            StrayWord { word, value, unit, .. } => match unit {
+                Some(unit) => format!("did you mean `{value} {unit}`?"),
+                None => format!(
+                    "a setting holds one value, or several separated by `,` (`nvlink = 450 GB/s, \
+                     3 us`); delete `{word}`, or give it a line of its own as `{word} = ...`"
+                ),
+            },
             UnexpectedToken { .. } | UnexpectedEnd { .. } => {
                 "settings read `key = value`, sections `name { ... }`, items `layer NAME { ... }` \
                  or `topology NAME { ... }`"
@@ -1276,11 +1297,17 @@ mod tests {
                 ours: "normalize",
                 home: "the layer's `router { }` section",
             },
+            Error::StrayWord {
+                span,
+                word: text("tokenss"),
+                value: text("64"),
+                unit: Some(text("tokens")),
+            },
         ]
     }
 
     /// How many variants [`Error`] has: the indices [`variant_index`] gives are `0..VARIANTS`.
-    const VARIANTS: usize = 54;
+    const VARIANTS: usize = 55;
 
     /// The position of `error`'s variant in the enum. The match has no catch-all, so a new
     /// variant does not compile until it is listed here (and [`VARIANTS`] raised), and the
@@ -1293,6 +1320,7 @@ mod tests {
             HyphenInName { .. } => 51,
             TrailingComma { .. } => 52,
             ConfigNameElsewhere { .. } => 53,
+            StrayWord { .. } => 54,
             UnexpectedToken { .. } => 2,
             UnexpectedEnd { .. } => 3,
             UnknownItemKind { .. } => 4,

@@ -56,12 +56,15 @@ pub fn compile_source_for(
         })
         .map(Error::span)
         .collect();
-    // A number before an invalid character on its line (`3 µs`) was kept without the unit
-    // the character broke: its missing unit follows from the character.
+    // A number before an invalid character on its line (`3 µs`), or before a word that is
+    // no unit (`3 uss`), was kept without the unit the character or word broke: its missing
+    // unit follows from that error.
     let invalid_starts: Vec<usize> = errors
         .iter()
         .filter_map(|error| match error {
-            Error::InvalidCharacter { span, .. } => Some(span.start),
+            Error::InvalidCharacter { span, .. } | Error::StrayWord { span, .. } => {
+                Some(span.start)
+            }
             _ => None,
         })
         .collect();

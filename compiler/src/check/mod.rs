@@ -125,6 +125,19 @@ pub fn check(
         })
     } else {
         errors.sort_by_key(|error| error.span().start);
+        // One item can hold more errors than the cap (a layer of 5000 unknown keys): the
+        // first MAX_ERRORS stand, then one error, at the first left out (or where checking
+        // stopped), says the rest were not listed.
+        let stopped = errors.iter().find_map(|error| match error {
+            Error::TooManyErrors { span } => Some(*span),
+            _ => None,
+        });
+        errors.retain(|error| !matches!(error, Error::TooManyErrors { .. }));
+        let first_left_out = errors.get(MAX_ERRORS).map(Error::span).or(stopped);
+        if let Some(span) = first_left_out {
+            errors.truncate(MAX_ERRORS);
+            errors.push(Error::TooManyErrors { span });
+        }
         Err(errors)
     }
 }

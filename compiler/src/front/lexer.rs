@@ -108,6 +108,12 @@ pub struct WordAfterNumber<'src> {
     pub word: &'src str,
 }
 
+/// The units `.moe` has, as written (each its own token above; a test lexes every one).
+pub const UNITS: &[&str] = &[
+    "B/s", "KB/s", "MB/s", "GB/s", "TB/s", "KiB/s", "MiB/s", "GiB/s", "TiB/s", "b/s", "Kb/s",
+    "Mb/s", "Gb/s", "Tb/s", "ns", "us", "ms", "token", "tokens",
+];
+
 /// Words that read as a unit `.moe` does not have: seconds, minutes and hours, byte sizes
 /// without `/s`, bit rates spelt `bps`, short forms of `tokens`. Compared ignoring case.
 const UNIT_LIKE_WORDS: &[&str] = &[
@@ -309,6 +315,18 @@ mod tests {
             kinds.contains(&Token::Unit(Unit::Tokens)),
             "16tokens: a number and a unit"
         );
+    }
+
+    /// The list the parser suggests units from is the lexer's units, each one token.
+    #[test]
+    fn every_listed_unit_is_a_unit_token() {
+        for unit in UNITS {
+            assert!(
+                matches!(kinds(unit).as_slice(), [Token::Unit(_)]),
+                "{unit}: {:?}",
+                kinds(unit)
+            );
+        }
     }
 
     #[test]

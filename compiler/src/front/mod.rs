@@ -222,6 +222,19 @@ fn syntax_error(
             })
         }
         ParseError::UnrecognizedToken {
+            token: (start, _, _),
+            ref expected,
+        } if expected.iter().any(|e| e == "\"=\"")
+            && let Some((span, word, value)) = word_after_a_value(source, start) =>
+        {
+            Some(Error::StrayWord {
+                span,
+                word: short(word),
+                value: short(value),
+                unit: crate::diagnostics::suggest(word, lexer::UNITS.iter().copied()),
+            })
+        }
+        ParseError::UnrecognizedToken {
             token: (start, token, stop),
             expected,
         } => Some(Error::UnexpectedToken {
@@ -284,6 +297,51 @@ fn comma_ending_the_line_before(source: &str, equals: usize) -> Option<(Span, &s
 }
 
 /// Lists the terminals the grammar expected in words: "a name, `=` or `{`".
+/// Where the parser, having read a name as the next setting's key, finds no `=` at `next`:
+/// the name and the value before it on its line, if it follows one (`max_tokens = 64
+/// tokenss`, `activation = swiglu gelu`). Then that name is the error (a misspelt unit, a
+/// second value), not the token after it, which may be a line further on.
+fn word_after_a_value(source: &str, next: usize) -> Option<(Span, &str, &str)> {
+    // Back over blank and comment-only lines to the code the name ends.
+    let mut end = next;
+    let code = loop {
+        let start = source[..end].rfind(['\n', '\r']).map_or(0, |i| i + 1);
+        let line = &source[start..end];
+        let comment = line.find('#').into_iter().chain(line.find("//")).min();
+        let code = line[..comment.unwrap_or(line.len())].trim_end();
+        if !code.is_empty() {
+            break (start, code);
+        }
+        if start == 0 {
+            return None;
+        }
+        end = start - 1;
+    };
+    let (line_start, code) = code;
+    let word_start = code
+        .bytes()
+        .rposition(|b| !(b.is_ascii_alphanumeric() || b == b'_'))
+        .map_or(0, |i| i + 1);
+    let word = &code[word_start..];
+    let before = &code[..word_start];
+    let starts_a_name = word
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
+    if !starts_a_name || !before.ends_with([' ', '\t']) {
+        return None;
+    }
+    let (_, values) = before.rsplit_once('=')?;
+    let values = values.trim();
+    let complete = !values.is_empty() && !values.ends_with(',') && !values.contains(['{', '}']);
+    // The last of several values is the one the word follows.
+    let value = values.rsplit(',').next().unwrap_or(values).trim();
+    complete.then(|| {
+        let start = line_start + word_start;
+        (Span::new(start, start + word.len()), word, value)
+    })
+}
+
 fn describe_expected(expected: &[String]) -> String {
     let mut words: Vec<&str> = Vec::new();
     for terminal in expected {
