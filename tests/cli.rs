@@ -308,6 +308,43 @@ fn compile_into_a_used_folder_leaves_one_compiles_files() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
+/// A file of the output's names that no earlier compile wrote (the user's own `tiny.cu`, a
+/// `plan.json` of something else) is kept and the compile refused, unless `--force`.
+#[test]
+fn compile_keeps_files_it_did_not_write_unless_forced() {
+    let directory = std::env::temp_dir().join(format!("moeforge-not-ours-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).expect("temp dir");
+    let out = directory.to_str().expect("UTF-8 temp path");
+    let compile = |extra: &[&str]| {
+        let mut args = vec!["compile", "dsl-examples/tiny.moe", "-o", out, "--no-ptx"];
+        args.extend(extra);
+        moeforge(&args)
+    };
+    let read = |name: &str| std::fs::read_to_string(directory.join(name)).expect("read");
+    for (name, mine) in [("tiny.cu", "// mine"), ("plan.json", "{\"mine\": true}")] {
+        std::fs::write(directory.join(name), mine).expect("write a file of the user's");
+        let refused = compile(&[]);
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(2), "{name}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{name} exists and no earlier compile"))
+                && stderr.contains("--force"),
+            "{stderr}"
+        );
+        assert_eq!(read(name), mine, "{name} kept");
+        std::fs::remove_file(directory.join(name)).expect("remove");
+    }
+    std::fs::write(directory.join("tiny.cu"), "// mine").expect("write");
+    let forced = compile(&["--force"]);
+    assert!(forced.status.success(), "{forced:?}");
+    assert_ne!(read("tiny.cu"), "// mine");
+    // Its own output, compiled again, needs no force.
+    let again = compile(&[]);
+    assert!(again.status.success(), "{again:?}");
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
 /// Without NVRTC, `compile` is an error with a hint and creates nothing (the runtime would
 /// refuse a directory without PTX); `--no-ptx` writes the source and plan alone. The
 /// binary runs from a copy outside the repository, with an empty environment, so that it

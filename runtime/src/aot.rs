@@ -298,6 +298,37 @@ pub fn write_files(dir: &Path, files: &[OutputFile]) -> Result<Vec<String>, AotE
     Ok(notes)
 }
 
+/// The `plan.json` of `dir` as JSON, where it is one of moeforge's (of any format version).
+fn earlier_plan(dir: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join(PLAN_FILE)).ok()?;
+    let value = serde_json::from_str::<serde_json::Value>(&text).ok()?;
+    (value["format"] == FORMAT_NAME).then_some(value)
+}
+
+/// The files of `files` that writing them into `dir` would replace although no earlier
+/// compile there wrote them: a `plan.json` that is not moeforge's, a `.cu` or `.ptx` the
+/// earlier `plan.json` does not name (a file of the user's), each unless it already holds
+/// what would be written. `moeforge compile` replaces them only when told to.
+pub fn files_not_from_a_compile(dir: &Path, files: &[OutputFile]) -> Vec<PathBuf> {
+    let plan_is_ours = earlier_plan(dir).is_some();
+    let earlier = earlier_layer_files(dir);
+    files
+        .iter()
+        .filter(|file| {
+            let ours = if file.name == PLAN_FILE {
+                plan_is_ours
+            } else {
+                earlier.iter().any(|e| e.name == file.name)
+            };
+            let path = dir.join(&file.name);
+            !ours
+                && path.exists()
+                && std::fs::read(&path).map_or(true, |bytes| bytes != file.contents)
+        })
+        .map(|file| dir.join(&file.name))
+        .collect()
+}
+
 /// A layer file (source or PTX) an earlier compile wrote into a directory, as that
 /// compile's `plan.json` recorded it.
 pub struct EarlierFile {
@@ -319,15 +350,9 @@ impl EarlierFile {
 /// file. `moeforge compile` removes those a new compile into `dir` leaves out and nobody
 /// has changed, so that the directory holds one compile's files.
 pub fn earlier_layer_files(dir: &Path) -> Vec<EarlierFile> {
-    let Ok(text) = std::fs::read_to_string(dir.join(PLAN_FILE)) else {
+    let Some(value) = earlier_plan(dir) else {
         return Vec::new();
     };
-    let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return Vec::new();
-    };
-    if value["format"] != FORMAT_NAME {
-        return Vec::new();
-    }
     let layers = value["layers"].as_array().map_or(&[][..], Vec::as_slice);
     layers
         .iter()

@@ -32,6 +32,11 @@ pub struct Args {
     /// DIR goes with the plan that named it).
     #[arg(long)]
     no_ptx: bool,
+    /// Replace files in DIR of the output's names that no earlier compile there wrote (a
+    /// hand-written `<layer>.cu`, a `plan.json` of something else), which are otherwise
+    /// kept and the compile refused.
+    #[arg(long)]
+    force: bool,
     #[command(flatten)]
     target: TargetArgs,
 }
@@ -95,6 +100,20 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("note: {note}");
     }
     let files = output.files;
+    let not_ours = aot::files_not_from_a_compile(&args.out, &files);
+    if !not_ours.is_empty() && !args.force {
+        for path in &not_ours {
+            eprintln!(
+                "error: {} exists and no earlier compile into {} wrote it: it would be replaced",
+                path.display(),
+                args.out.display()
+            );
+        }
+        eprintln!(
+            "hint: move it, compile into another directory (-o), or pass --force to replace it"
+        );
+        return failed(usage_error());
+    }
     let earlier = aot::earlier_layer_files(&args.out);
     match aot::write_files(&args.out, &files) {
         Ok(notes) => {
