@@ -626,6 +626,26 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
 /// A long simulation (1024 ranks at 256 tokens per rank, top_k 8: 2.1 million routed pairs,
 /// seconds a schedule) says on stderr what it simulates and each schedule as it ends; a
 /// short one (16 tokens per rank) prints nothing there.
+/// A layer of one rank has nothing to simulate: a usage error that says how to give it ranks.
+#[test]
+fn simulate_of_one_rank_says_to_pass_ranks() {
+    let spec = std::env::temp_dir().join(format!("moeforge-one-rank-{}.moe", std::process::id()));
+    std::fs::write(
+        &spec,
+        "topology t {\n  gpus_per_node = 1\n  nvlink = 450 GB/s, 3 us\n  network = 50 GB/s, 10 us\n}\n\
+         layer l {\n  hidden = 128\n  ffn = 256\n  experts = 8\n  top_k = 2\n  topology = t\n}\n",
+    )
+    .expect("write the spec");
+    let output = moeforge(&["simulate", spec.to_str().expect("UTF-8"), "--tokens", "16"]);
+    let _ = std::fs::remove_file(&spec);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("has one expert-parallel rank") && stderr.contains("pass --ranks R"),
+        "{stderr}"
+    );
+}
+
 /// A spec of emulated nodes is simulated as it runs, on one GPU, and says so and how to
 /// simulate the nodes it stands for; `--ranks` puts the ranks on GPUs of their own.
 #[test]

@@ -168,6 +168,13 @@ pub fn run(args: &Args) -> ExitCode {
             return invalid_input();
         }
     };
+    if plan.expert_parallel.is_none() {
+        eprintln!(
+            "error: layer `{}` has one expert-parallel rank: no exchange to simulate; pass --ranks R (R ≥ 2 dividing its {} experts) or set `parallel {{ expert = R }}` in the spec",
+            layer.name, layer.experts
+        );
+        return usage_error();
+    }
     let topology = simulate::Topology::of(&layer.topology);
     if let Some(measured) = &measured {
         return print_comparison(&plan, &topology, measured);

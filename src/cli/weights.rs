@@ -208,7 +208,12 @@ fn hint(error: &CheckpointError) -> Option<String> {
             "--weights takes a .safetensors file, or a folder of `*.safetensors` shards (with {INDEX_FILE} when sharded)"
         ),
         CheckpointError::NoExpertLayers { .. } => {
-            "is it the checkpoint of an MoE model? Its experts must be stored one tensor per expert and projection".to_owned()
+            format!(
+                "is it the checkpoint of an MoE model of one of the families moeforge reads ({FAMILIES})? \
+                 Their experts are stored one tensor per expert and projection (`experts.N.w1.weight`, \
+                 `experts.N.gate_proj.weight`), or fused per layer as GPT-OSS does \
+                 (`mlp.experts.gate_up_proj`, plain or MXFP4 `_blocks` and `_scales`)"
+            )
         }
         CheckpointError::NoExpertsUnderPrefix { layers, .. } if layers.is_empty() => {
             format!("is it the checkpoint of an MoE model of one of the families moeforge reads ({FAMILIES})?")
@@ -228,7 +233,8 @@ fn hint(error: &CheckpointError) -> Option<String> {
         }
         CheckpointError::MissingTensor { .. } => {
             "check --layer-prefix and --family: Mixtral names experts `block_sparse_moe.experts.N.w1/w3/w2.weight`, \
-             Qwen3-MoE and DeepSeek-V3 `mlp.experts.N.gate_proj/up_proj/down_proj.weight`"
+             Qwen3-MoE and DeepSeek-V3 `mlp.experts.N.gate_proj/up_proj/down_proj.weight`, GPT-OSS \
+             `mlp.experts.gate_up_proj` and `down_proj` (all experts in one tensor each)"
                 .to_owned()
         }
         CheckpointError::Shape {

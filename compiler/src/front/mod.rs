@@ -227,11 +227,16 @@ fn syntax_error(
         } if expected.iter().any(|e| e == "\"=\"")
             && let Some((span, word, value)) = word_after_a_value(source, start) =>
         {
+            // A unit it may misspell, where the value is a number without one.
+            let bare_number = value.starts_with(|c: char| c.is_ascii_digit())
+                && !value.contains(char::is_whitespace);
             Some(Error::StrayWord {
                 span,
                 word: short(word),
                 value: short(value),
-                unit: crate::diagnostics::suggest(word, lexer::UNITS.iter().copied()),
+                unit: bare_number
+                    .then(|| crate::diagnostics::suggest(word, lexer::UNITS.iter().copied()))
+                    .flatten(),
             })
         }
         ParseError::UnrecognizedToken {
