@@ -308,8 +308,9 @@ fn compile_into_a_used_folder_leaves_one_compiles_files() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
-/// A file of the output's names that no earlier compile wrote (the user's own `tiny.cu`, a
-/// `plan.json` of something else) is kept and the compile refused, unless `--force`.
+/// A file of the output's names that is not as an earlier compile left it (the user's own
+/// `tiny.cu`, a `plan.json` of something else, a compiled `tiny.cu` edited since) is kept
+/// and the compile refused, unless `--force`.
 #[test]
 fn compile_keeps_files_it_did_not_write_unless_forced() {
     let directory = std::env::temp_dir().join(format!("moeforge-not-ours-{}", std::process::id()));
@@ -328,7 +329,7 @@ fn compile_keeps_files_it_did_not_write_unless_forced() {
         let stderr = String::from_utf8_lossy(&refused.stderr);
         assert_eq!(refused.status.code(), Some(2), "{name}: {stderr}");
         assert!(
-            stderr.contains(&format!("{name} exists and no earlier compile"))
+            stderr.contains(&format!("{name} is not as an earlier compile"))
                 && stderr.contains("--force"),
             "{stderr}"
         );
@@ -339,9 +340,13 @@ fn compile_keeps_files_it_did_not_write_unless_forced() {
     let forced = compile(&["--force"]);
     assert!(forced.status.success(), "{forced:?}");
     assert_ne!(read("tiny.cu"), "// mine");
-    // Its own output, compiled again, needs no force.
+    // Its own output, compiled again, needs no force; edited since, it does.
     let again = compile(&[]);
     assert!(again.status.success(), "{again:?}");
+    std::fs::write(directory.join("tiny.cu"), "// edited").expect("edit");
+    let edited = compile(&[]);
+    assert_eq!(edited.status.code(), Some(2), "{edited:?}");
+    assert_eq!(read("tiny.cu"), "// edited");
     let _ = std::fs::remove_dir_all(&directory);
 }
 
@@ -623,9 +628,6 @@ fn simulate_prints_three_schedules_and_the_bench_comparison() {
     assert_eq!(output.status.code(), Some(2));
 }
 
-/// A long simulation (1024 ranks at 256 tokens per rank, top_k 8: 2.1 million routed pairs,
-/// seconds a schedule) says on stderr what it simulates and each schedule as it ends; a
-/// short one (16 tokens per rank) prints nothing there.
 /// A layer of one rank has nothing to simulate: a usage error that says how to give it ranks.
 #[test]
 fn simulate_of_one_rank_says_to_pass_ranks() {
@@ -664,6 +666,9 @@ fn simulate_says_where_emulated_nodes_run() {
     assert!(stdout.contains("4 ranks on 2 nodes"), "{stdout}");
 }
 
+/// A long simulation (1024 ranks at 256 tokens per rank, top_k 8: 2.1 million routed pairs,
+/// seconds a schedule) says on stderr what it simulates and each schedule as it ends; a
+/// short one (16 tokens per rank) prints nothing there.
 #[test]
 fn a_long_simulation_shows_its_progress() {
     let output = moeforge(&[

@@ -518,7 +518,7 @@ impl Error {
                 found: '\u{b5}' | '\u{3bc}',
                 ..
             } => "microseconds are written `us`, after a space".into(),
-            InvalidCharacter { found, .. } if found.is_alphanumeric() => {
+            InvalidCharacter { found, .. } if found.is_alphabetic() => {
                 "names are ASCII: letters `A-Z` `a-z`, digits and `_`, starting with a letter \
                  or `_`"
                     .into()

@@ -86,9 +86,14 @@ fn megabytes_of_errors_are_capped() {
     assert_fast(text.as_bytes(), elapsed);
     // Within one item too: a layer of 5000 unknown keys lists the first MAX_ERRORS.
     let keys: String = (0..5_000).map(|i| format!("  bogus{i} = 1\n")).collect();
-    let (errors, _) = run(format!("layer a {{\n{keys}}}").as_bytes());
-    assert_eq!(errors.len(), moeforge_compiler::diagnostics::MAX_ERRORS + 1);
-    assert!(matches!(errors.last(), Some(Error::TooManyErrors { .. })));
+    for file in [
+        format!("layer a {{\n{keys}}}"),
+        format!("topology a {{\n{keys}}}\ntopology b {{\n{keys}}}"),
+    ] {
+        let (errors, _) = run(file.as_bytes());
+        assert_eq!(errors.len(), moeforge_compiler::diagnostics::MAX_ERRORS + 1);
+        assert!(matches!(errors.last(), Some(Error::TooManyErrors { .. })));
+    }
     let tokens = "a ".repeat(1_000_000);
     let (errors, elapsed) = run(tokens.as_bytes());
     assert!(errors.len() <= moeforge_compiler::diagnostics::MAX_ERRORS + 1);

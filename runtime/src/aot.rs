@@ -305,10 +305,11 @@ fn earlier_plan(dir: &Path) -> Option<serde_json::Value> {
     (value["format"] == FORMAT_NAME).then_some(value)
 }
 
-/// The files of `files` that writing them into `dir` would replace although no earlier
-/// compile there wrote them: a `plan.json` that is not moeforge's, a `.cu` or `.ptx` the
-/// earlier `plan.json` does not name (a file of the user's), each unless it already holds
-/// what would be written. `moeforge compile` replaces them only when told to.
+/// The files of `files` that writing them into `dir` would replace although they are not as
+/// an earlier compile there left them: a `plan.json` that is not moeforge's, a `.cu` or
+/// `.ptx` the earlier `plan.json` does not name (a file of the user's) or that was changed
+/// since, each unless it already holds what would be written. `moeforge compile` replaces
+/// them only when told to.
 pub fn files_not_from_a_compile(dir: &Path, files: &[OutputFile]) -> Vec<PathBuf> {
     let plan_is_ours = earlier_plan(dir).is_some();
     let earlier = earlier_layer_files(dir);
@@ -318,7 +319,9 @@ pub fn files_not_from_a_compile(dir: &Path, files: &[OutputFile]) -> Vec<PathBuf
             let ours = if file.name == PLAN_FILE {
                 plan_is_ours
             } else {
-                earlier.iter().any(|e| e.name == file.name)
+                earlier
+                    .iter()
+                    .any(|e| e.name == file.name && e.unchanged_in(dir))
             };
             let path = dir.join(&file.name);
             !ours

@@ -529,6 +529,15 @@ mod tests {
     #[test]
     fn discovery_follows_the_documented_order() {
         let root = std::env::temp_dir().join(format!("moeforge-order-{}", std::process::id()));
+        // A `.venv/` above the temporary folder would be rule 6 too, before the last step.
+        if let Some(venv) = root
+            .ancestors()
+            .map(|dir| dir.join(".venv"))
+            .find(|venv| venv.is_dir())
+        {
+            eprintln!("note: skipped: {} would be found as rule 6", venv.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&root);
         let dir = |name: &str| root.join(name);
         std::fs::create_dir_all(dir("empty")).expect("create temp dirs");
@@ -567,6 +576,12 @@ mod tests {
             let candidates = fixed_candidates(&var, &starts, usr_local_cuda);
             discover_among(candidates, || vec![python3_site.clone()])
         };
+        // Rule 1 first: `$CUDA_HOME` holding NVRTC wins over everything, passing nothing over.
+        let mut home_first = vars.clone();
+        home_first[0].1 = dir("cuda_path");
+        let tk = discover(&home_first, &usr_local_cuda).expect("CUDA_HOME holds NVRTC");
+        assert_eq!(tk.source, ToolkitSource::CudaHome);
+        assert!(tk.passed_over.is_empty());
         while !expected.is_empty() {
             let (source, place) = expected.remove(0);
             let tk = discover(&vars, &usr_local_cuda).expect("a candidate holds NVRTC");

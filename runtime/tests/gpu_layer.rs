@@ -414,7 +414,7 @@ fn default_suite_plans_cover_what_the_suite_claims() {
             covered.is_some_and(|tokens| tokens >= 9),
             "{}: a fused decode of at least 9 tokens, got {covered:?}: {:?}",
             layer.name,
-            plan.limitations
+            plan.hints_not_honoured
         );
     }
     let (scaled, _) = scaled_example_plans();

@@ -457,7 +457,7 @@ fn the_fused_decode_rule_layers_plan_a_fused_decode_and_router() {
             Some(16),
             "{}: {:?}",
             layer.name,
-            plan.limitations
+            plan.hints_not_honoured
         );
         fused_routers += usize::from(plan.router.as_ref().expect("a router").regimes[0].fused);
     }

@@ -30,8 +30,29 @@ pub struct Args {
 
 pub fn run(args: &Args) -> ExitCode {
     let target = args.target.clone().unwrap_or_else(Target::h200);
+    // The shipped tuning entries, not the user's cache: a file checks the same everywhere,
+    // and as compile and run plan it on a machine without a cache of its own.
+    let tuning = match moeforge::tuning::shipped() {
+        Ok(table) => table,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return invalid_input();
+        }
+    };
     worst(args.files.iter().map(|path| match compile_file(path, &target) {
         Ok((file, module)) => {
+            // Every layer planned first: one the planner refuses makes the file not ok.
+            let mut plans = Vec::new();
+            for layer in &module.layers {
+                match plan::plan_tuned(layer, &target, &tuning) {
+                    Ok(plan) => plans.push(plan),
+                    // What explain and compile would refuse, beyond the checker's rules.
+                    Err(error) => report_plan_error(&file, layer, &target, &error),
+                }
+            }
+            if plans.len() < module.layers.len() {
+                return invalid_input();
+            }
             let layers: Vec<&str> = module
                 .layers
                 .iter()
@@ -56,25 +77,15 @@ pub fn run(args: &Args) -> ExitCode {
                     "  note: no layer: nothing for compile, run or simulate (a file may define only topologies)"
                 );
             }
-            let mut status = OK;
-            for layer in &module.layers {
-                match plan::plan(layer, &target) {
-                    Ok(plan) => {
-                        for hint in &plan.hints_not_honoured {
-                            println!("  warning: layer `{}`: {hint}", layer.name);
-                        }
-                    }
-                    // What explain and compile would refuse, beyond the checker's rules.
-                    Err(error) => {
-                        report_plan_error(&file, layer, &target, &error);
-                        status = invalid_input();
-                    }
+            for (layer, plan) in module.layers.iter().zip(&plans) {
+                for hint in &plan.hints_not_honoured {
+                    println!("  warning: layer `{}`: {hint}", layer.name);
                 }
                 if let Some(note) = memory_note(layer, &target) {
                     println!("  note: {note}");
                 }
             }
-            status
+            OK
         }
         Err(status) => status,
     }))

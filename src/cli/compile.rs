@@ -5,7 +5,7 @@
 //! place, `plan.json` last, so a failed write leaves the directory as it was
 //! (`aot::write_files`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use moeforge::runtime::aot;
@@ -32,13 +32,31 @@ pub struct Args {
     /// DIR goes with the plan that named it).
     #[arg(long)]
     no_ptx: bool,
-    /// Replace files in DIR of the output's names that no earlier compile there wrote (a
-    /// hand-written `<layer>.cu`, a `plan.json` of something else), which are otherwise
-    /// kept and the compile refused.
+    /// Replace files in DIR of the output's names that are not as an earlier compile there
+    /// left them (a hand-written `<layer>.cu`, one edited since, a `plan.json` of something
+    /// else), which are otherwise kept and the compile refused.
     #[arg(long)]
     force: bool,
     #[command(flatten)]
     target: TargetArgs,
+}
+
+/// Says which of `files` would replace a file in `dir` that is not as an earlier compile
+/// left it (`aot::files_not_from_a_compile`), and refuses the compile if any would.
+fn refuse_files_not_ours(dir: &Path, files: &[aot::OutputFile]) -> Result<(), ExitCode> {
+    let not_ours = aot::files_not_from_a_compile(dir, files);
+    for path in &not_ours {
+        eprintln!(
+            "error: {} is not as an earlier compile into {} left it (a file of yours, or edited since): the compile would replace it",
+            path.display(),
+            dir.display()
+        );
+    }
+    if not_ours.is_empty() {
+        return Ok(());
+    }
+    eprintln!("hint: move it, compile into another directory (-o), or pass --force to replace it");
+    Err(usage_error())
 }
 
 pub fn run(args: &Args) -> ExitCode {
@@ -81,6 +99,20 @@ pub fn run(args: &Args) -> ExitCode {
         }
         status
     };
+    // Files of the user's the output would replace, refused before NVRTC's seconds (the
+    // sources are known without it; the PTX names are checked again below).
+    match aot::render(&plans, None) {
+        Ok(sources) if !args.force => {
+            if let Err(status) = refuse_files_not_ours(&args.out, &sources.files) {
+                return failed(status);
+            }
+        }
+        Ok(_) => {}
+        Err(error) => {
+            eprintln!("error: {}: {error}", args.file.display());
+            return failed(invalid_input());
+        }
+    }
     if jit.is_some() {
         // NVRTC takes seconds a layer (uncached): say what the wait is for.
         let names: Vec<String> = plans
@@ -100,19 +132,10 @@ pub fn run(args: &Args) -> ExitCode {
         eprintln!("note: {note}");
     }
     let files = output.files;
-    let not_ours = aot::files_not_from_a_compile(&args.out, &files);
-    if !not_ours.is_empty() && !args.force {
-        for path in &not_ours {
-            eprintln!(
-                "error: {} exists and no earlier compile into {} wrote it: it would be replaced",
-                path.display(),
-                args.out.display()
-            );
-        }
-        eprintln!(
-            "hint: move it, compile into another directory (-o), or pass --force to replace it"
-        );
-        return failed(usage_error());
+    if !args.force
+        && let Err(status) = refuse_files_not_ours(&args.out, &files)
+    {
+        return failed(status);
     }
     let earlier = aot::earlier_layer_files(&args.out);
     match aot::write_files(&args.out, &files) {

@@ -19,8 +19,8 @@ use moeforge::runtime::ep::EpLayer;
 use moeforge::runtime::harness::{BuiltLayer, Session};
 use moeforge::runtime::process_group::{ControlChannel, LaunchEnv};
 
-use super::planning::{RankChoice, build_on_gpu_on, plan_file_over, plan_one};
-use super::{invalid_input, usage_error};
+use super::planning::{RankChoice, build_on_gpu_on, one_layer, plan_file_over, plan_one};
+use super::{compile_file, invalid_input, usage_error};
 
 /// The launch variables when this process was launched as a rank of a group; `None` when
 /// it was not (no `RANK` or `WORLD_SIZE`). A wrong launch (a variable missing or
@@ -68,7 +68,10 @@ pub fn plan(
         };
         let experts = match &spec_plan {
             Some(plan) => plan.shape.experts,
-            None => plan_one(file, layer, target)?.shape.experts,
+            None => {
+                let (_, module) = compile_file(file, target)?;
+                one_layer(file, &module, layer)?.experts
+            }
         };
         let world = env.world_size;
         // Offer --gpus only where that many ranks can hold the experts.

@@ -59,7 +59,7 @@ pub fn check(
     for item in &file.items {
         if errors.len() >= MAX_ERRORS {
             errors.push(Error::TooManyErrors { span: item.span });
-            return Err(errors);
+            return Err(capped(errors));
         }
         let kind = item.kind.text.as_str();
         if !ITEM_KINDS.contains(&kind) {
@@ -90,7 +90,7 @@ pub fn check(
     for (_, item) in unique_items.iter().filter(|(kind, _)| *kind == "topology") {
         if errors.len() >= MAX_ERRORS {
             errors.push(Error::TooManyErrors { span: item.span });
-            return Err(errors);
+            return Err(capped(errors));
         }
         let topology = topology::check_topology(item, incomplete(item), &mut errors);
         if let Some(topology) = &topology {
@@ -124,20 +124,24 @@ pub fn check(
             layers,
         })
     } else {
-        errors.sort_by_key(|error| error.span().start);
-        // One item can hold more errors than the cap (a layer of 5000 unknown keys): the
-        // first MAX_ERRORS stand, then one error, at the first left out (or where checking
-        // stopped), says the rest were not listed.
-        let stopped = errors.iter().find_map(|error| match error {
-            Error::TooManyErrors { span } => Some(*span),
-            _ => None,
-        });
-        errors.retain(|error| !matches!(error, Error::TooManyErrors { .. }));
-        let first_left_out = errors.get(MAX_ERRORS).map(Error::span).or(stopped);
-        if let Some(span) = first_left_out {
-            errors.truncate(MAX_ERRORS);
-            errors.push(Error::TooManyErrors { span });
-        }
-        Err(errors)
+        Err(capped(errors))
     }
+}
+
+/// `errors` in file order, at most [`MAX_ERRORS`] of them: one item can hold more than the
+/// cap (a layer of 5000 unknown keys), so the first MAX_ERRORS stand, then one error, at
+/// the first left out (or where checking stopped), says the rest were not listed.
+fn capped(mut errors: Vec<Error>) -> Vec<Error> {
+    errors.sort_by_key(|error| error.span().start);
+    let stopped = errors.iter().find_map(|error| match error {
+        Error::TooManyErrors { span } => Some(*span),
+        _ => None,
+    });
+    errors.retain(|error| !matches!(error, Error::TooManyErrors { .. }));
+    let first_left_out = errors.get(MAX_ERRORS).map(Error::span).or(stopped);
+    if let Some(span) = first_left_out {
+        errors.truncate(MAX_ERRORS);
+        errors.push(Error::TooManyErrors { span });
+    }
+    errors
 }

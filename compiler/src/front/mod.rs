@@ -225,11 +225,16 @@ fn syntax_error(
             token: (start, _, _),
             ref expected,
         } if expected.iter().any(|e| e == "\"=\"")
-            && let Some((span, word, value)) = word_after_a_value(source, start) =>
+            && let Some(after) = word_after_a_value(source, start) =>
         {
-            // A unit it may misspell, where the value is a number without one.
+            let WordAfterValue::Stray { span, word, value } = after else {
+                return None;
+            };
+            // A unit it may misspell, where the value is a number without one (not a tile).
             let bare_number = value.starts_with(|c: char| c.is_ascii_digit())
-                && !value.contains(char::is_whitespace);
+                && value
+                    .chars()
+                    .all(|c| c.is_ascii_digit() || matches!(c, '_' | '.' | 'e' | 'E' | '+' | '-'));
             Some(Error::StrayWord {
                 span,
                 word: short(word),
@@ -301,12 +306,23 @@ fn comma_ending_the_line_before(source: &str, equals: usize) -> Option<(Span, &s
     None
 }
 
-/// Lists the terminals the grammar expected in words: "a name, `=` or `{`".
+/// A name after a value on its line, read as the next setting's key ([`word_after_a_value`]).
+enum WordAfterValue<'src> {
+    /// The first on its line: the error, at the word.
+    Stray {
+        span: Span,
+        word: &'src str,
+        value: &'src str,
+    },
+    /// Another after one already reported (`swiglu gelu relu`): no second error.
+    AfterAnother,
+}
+
 /// Where the parser, having read a name as the next setting's key, finds no `=` at `next`:
 /// the name and the value before it on its line, if it follows one (`max_tokens = 64
 /// tokenss`, `activation = swiglu gelu`). Then that name is the error (a misspelt unit, a
 /// second value), not the token after it, which may be a line further on.
-fn word_after_a_value(source: &str, next: usize) -> Option<(Span, &str, &str)> {
+fn word_after_a_value(source: &str, next: usize) -> Option<WordAfterValue<'_>> {
     // Back over blank and comment-only lines to the code the name ends.
     let mut end = next;
     let code = loop {
@@ -341,12 +357,25 @@ fn word_after_a_value(source: &str, next: usize) -> Option<(Span, &str, &str)> {
     let complete = !values.is_empty() && !values.ends_with(',') && !values.contains(['{', '}']);
     // The last of several values is the one the word follows.
     let value = values.rsplit(',').next().unwrap_or(values).trim();
+    // A value of two words other than a number and its unit holds a stray word already
+    // reported (`swiglu gelu relu`): one error a line.
+    if let Some((number, unit)) = value.split_once([' ', '\t'])
+        && !(number.starts_with(|c: char| c.is_ascii_digit())
+            && lexer::UNITS.contains(&unit.trim()))
+    {
+        return Some(WordAfterValue::AfterAnother);
+    }
     complete.then(|| {
         let start = line_start + word_start;
-        (Span::new(start, start + word.len()), word, value)
+        WordAfterValue::Stray {
+            span: Span::new(start, start + word.len()),
+            word,
+            value,
+        }
     })
 }
 
+/// Lists the terminals the grammar expected in words: "a name, `=` or `{`".
 fn describe_expected(expected: &[String]) -> String {
     let mut words: Vec<&str> = Vec::new();
     for terminal in expected {
