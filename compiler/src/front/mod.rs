@@ -355,6 +355,9 @@ fn word_after_a_value(source: &str, next: usize) -> Option<WordAfterValue<'_>> {
     let (_, values) = before.rsplit_once('=')?;
     let values = values.trim();
     let complete = !values.is_empty() && !values.ends_with(',') && !values.contains(['{', '}']);
+    if !complete {
+        return None;
+    }
     // The last of several values is the one the word follows.
     let value = values.rsplit(',').next().unwrap_or(values).trim();
     // A value of two words other than a number and its unit holds a stray word already
@@ -365,13 +368,11 @@ fn word_after_a_value(source: &str, next: usize) -> Option<WordAfterValue<'_>> {
     {
         return Some(WordAfterValue::AfterAnother);
     }
-    complete.then(|| {
-        let start = line_start + word_start;
-        WordAfterValue::Stray {
-            span: Span::new(start, start + word.len()),
-            word,
-            value,
-        }
+    let start = line_start + word_start;
+    Some(WordAfterValue::Stray {
+        span: Span::new(start, start + word.len()),
+        word,
+        value,
     })
 }
 
