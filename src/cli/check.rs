@@ -1,8 +1,8 @@
 //! `moeforge check FILE...`: checks `.moe` files and reports every error in each (a layer
 //! the planner refuses too), warns of schedule hints a layer's plan does not follow, and
 //! notes a file with no layer (which the other commands refuse) and a layer whose plan
-//! needs more memory per device than it has. The target is the H200 unless `--target` names another
-//! (not the GPU present: a file checks the same on every machine).
+//! needs more memory per device than it has. The target is the H200 unless `--target`
+//! names another (not the GPU present: a file checks the same on every machine).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
