@@ -161,10 +161,10 @@ pub fn format_source(name: &str, text: &str) -> Result<String, Diagnostics> {
     }
 }
 
-/// A planner error about `layer`, planned for `target`, of the file `file_name` (whose text is `text`), as a
-/// diagnostic at the layer's name: the layer as planned may differ from the one the checker
-/// passed (other ranks, `--ranks`; another target than the checker's), so the planner may
-/// refuse a checked layer. When the error is about a schedule hint, the hint's value is
+/// A planner error about `layer`, planned for `target`, of the file `file_name` (whose
+/// text is `text`), as a diagnostic at the layer's name: the layer as planned may differ
+/// from the one the checker passed (other ranks, `--ranks`; another target than the
+/// checker's), so the planner may refuse a checked layer. When the error is about a schedule hint, the hint's value is
 /// shown too, with what would work as planned. A layer name not found in `text` puts the
 /// diagnostic at the start of the file.
 pub fn plan_diagnostics(
