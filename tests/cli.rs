@@ -422,6 +422,41 @@ fn compile_without_nvrtc_is_an_error_unless_no_ptx() {
     assert_eq!(files, ["plan.json", "tiny.cu"]);
 }
 
+/// `-` reads standard input: `check` names it `<stdin>`, `fmt` prints the formatted text.
+#[test]
+fn a_file_of_dash_is_standard_input() {
+    use std::io::Write;
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("dsl-examples/tiny.moe"),
+    )
+    .expect("tiny.moe");
+    let with_stdin = |args: &[&str], input: &str| {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_moeforge"))
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the moeforge binary runs");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
+        child.wait_with_output().expect("it ends")
+    };
+    let checked = with_stdin(&["check", "-"], &text);
+    assert!(checked.status.success(), "{checked:?}");
+    assert!(String::from_utf8_lossy(&checked.stdout).starts_with("<stdin>: ok"));
+    let broken = with_stdin(&["check", "-"], "layer x {\n");
+    assert_eq!(broken.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&broken.stderr).contains("<stdin>:1:10"));
+    let formatted = with_stdin(&["fmt", "-"], &text);
+    assert!(formatted.status.success(), "{formatted:?}");
+    assert_eq!(String::from_utf8_lossy(&formatted.stdout), text);
+}
+
 /// A layer only the target can refuse: `check` accepts it for the H200, `check`, `explain`
 /// and `compile` for that target exit 1 with a diagnostic at the hint (file:line:column,
 /// caret, a hint that names that target's nearest tile).

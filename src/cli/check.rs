@@ -19,7 +19,7 @@ use super::{OK, compile_file, invalid_input, worst};
 /// without a layer.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The .moe files to check.
+    /// The .moe files to check (`-`: standard input).
     #[arg(required = true)]
     files: Vec<PathBuf>,
     /// Check the schedule hints, ranks and memory for this GPU (h200, h100, a100) [default:

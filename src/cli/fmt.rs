@@ -5,12 +5,12 @@ use std::process::ExitCode;
 
 use moeforge::compiler;
 
-use super::{OK, invalid_input, read_file, report, usage_error, worst};
+use super::{OK, STDIN, invalid_input, read_file, report, usage_error, worst};
 
 /// Format .moe files in canonical form (in place by default; comments are kept).
 #[derive(clap::Args)]
 pub struct Args {
-    /// The .moe files to format.
+    /// The .moe files to format (`-`: standard input, printed formatted to stdout).
     #[arg(required = true)]
     files: Vec<PathBuf>,
     /// Change nothing; exit 1 and name each file that is not formatted.
@@ -39,7 +39,8 @@ fn format_one(path: &Path, args: &Args) -> ExitCode {
             return invalid_input();
         }
     };
-    if args.stdout {
+    // Standard input has no file to rewrite: its formatted text goes to stdout.
+    if args.stdout || (path == Path::new(STDIN) && !args.check) {
         print!("{formatted}");
         return OK;
     }

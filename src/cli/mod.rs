@@ -79,8 +79,24 @@ struct SourceFile {
     bytes: Vec<u8>,
 }
 
-/// Reads `path`, or reports why it cannot be read.
+/// The file name that stands for standard input (`moeforge check -`).
+const STDIN: &str = "-";
+
+/// Reads `path` (standard input for [`STDIN`]), or reports why it cannot be read.
 fn read_file(path: &Path) -> Result<SourceFile, ExitCode> {
+    if path == Path::new(STDIN) {
+        let mut bytes = Vec::new();
+        return match std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes) {
+            Ok(_) => Ok(SourceFile {
+                name: "<stdin>".to_string(),
+                bytes,
+            }),
+            Err(error) => {
+                eprintln!("error: cannot read standard input: {error}");
+                Err(usage_error())
+            }
+        };
+    }
     let name = path.display().to_string();
     std::fs::read(path)
         .map(|bytes| SourceFile {
