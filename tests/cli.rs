@@ -884,6 +884,20 @@ fn rank_processes_launched_wrong_say_what_to_set() {
         assert_eq!(output.status.code(), Some(2), "{command}: {stderr}");
         assert!(stderr.contains("drop --ranks"), "{command}: {stderr}");
     }
+    // A rank that cannot take part fails rather than leave its peers waiting: without a
+    // GPU at once, with one when nobody joins within the (short) bound.
+    let mut alone = full.to_vec();
+    alone.push(("MOEFORGE_RENDEZVOUS_TIMEOUT", "0.5"));
+    let output = moeforge_with_env(
+        &["run", "dsl-examples/tiny.moe", "--tokens", "4", "--gpus", "2"],
+        &alone,
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("rank 0 needs a GPU") || stderr.contains("did not connect within"),
+        "{stderr}"
+    );
     // The single-GPU peers are not something a rank of a group runs.
     let output = moeforge_with_env(
         &["bench", "dsl-examples/tiny.moe", "--tokens", "4", "--peers"],

@@ -72,6 +72,10 @@ pub enum GpuError {
     #[error("{wanted} GPUs are needed; {found} visible")]
     TooFewDevices { wanted: usize, found: usize },
     #[error(
+        "there is no GPU {ordinal}: {found} visible, numbered from 0 (CUDA_VISIBLE_DEVICES narrows them; a rank process of a group takes GPU LOCAL_RANK)"
+    )]
+    NoSuchDevice { ordinal: usize, found: usize },
+    #[error(
         "device {from} cannot access device {to}'s memory ({result}); expert parallelism across GPUs needs peer access (NVLink or PCIe P2P)"
     )]
     PeerAccess {
@@ -134,8 +138,15 @@ impl Gpu {
     /// stream itself, and tracking would add events to every launch.
     pub fn open(ordinal: usize) -> Result<Gpu, GpuError> {
         toolkit::driver_available()?;
-        if CudaContext::device_count().context("counting devices")? == 0 {
+        let count = CudaContext::device_count().context("counting devices")?;
+        if count <= 0 {
             return Err(GpuError::NoDevice);
+        }
+        if i32::try_from(ordinal).map_or(true, |o| o >= count) {
+            return Err(GpuError::NoSuchDevice {
+                ordinal,
+                found: count as usize,
+            });
         }
         let ctx = CudaContext::new(ordinal).context(format!("opening device {ordinal}"))?;
         // SAFETY: called before any buffer exists on this context.

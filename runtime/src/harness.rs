@@ -50,6 +50,21 @@ pub enum HarnessError {
     Checkpoint(#[from] CheckpointError),
 }
 
+impl HarnessError {
+    /// Whether joining a group failed with an NCCL transfer that waits for a lost peer
+    /// still on this process's stream (the communicator was left as it is): the driver's
+    /// exit-time tear-down would wait for it too, so the process should leave at once.
+    pub fn left_a_transfer_stuck(&self) -> bool {
+        matches!(
+            self,
+            HarnessError::Layer(
+                LayerError::Group(GroupError::Timeout { .. })
+                    | LayerError::Network(crate::network::NetworkError::Unreachable { .. })
+            )
+        )
+    }
+}
+
 /// A GPU, the JIT, and the runtime's own fill kernels.
 ///
 /// The sessions of one process take turns (each holds `SESSION_TURN` while it lives):

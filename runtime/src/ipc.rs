@@ -217,7 +217,7 @@ pub(crate) struct PeerAddresses {
 }
 
 /// A short fingerprint of a plan, for checking that every rank runs the same one.
-fn plan_hash(plan: &Plan) -> Result<String, GroupError> {
+pub fn plan_fingerprint(plan: &Plan) -> Result<String, GroupError> {
     let json = serde_json::to_vec(plan).map_err(GroupError::PlanJson)?;
     let digest = Sha256::digest(&json);
     Ok(digest.iter().take(8).map(|b| format!("{b:02x}")).collect())
@@ -238,7 +238,7 @@ pub(crate) fn check_group(
         });
     }
     let rank = channel.rank();
-    let mine = plan_hash(plan)?;
+    let mine = plan_fingerprint(plan)?;
     for (peer, theirs) in channel.all_gather(mine.as_bytes())?.into_iter().enumerate() {
         if theirs != mine.as_bytes() {
             return Err(GroupError::PlanMismatch {
@@ -333,7 +333,15 @@ pub(crate) fn exchange(
         .alloc_zeros::<u8>(mine.len() * world)
         .context("allocating the gathered IPC handles")?;
     comm.all_gather(&send, &mut gathered, stream)?;
-    wait_bounded(stream, timeout)?;
+    if let Err(error) = wait_bounded(stream, timeout) {
+        // The all-gather may wait for a lost peer for ever: the communicator is left as it
+        // is, and its buffers leaked, not freed (a free ordered after the stuck transfer
+        // would wait for it too).
+        comm.abandon();
+        std::mem::forget(send);
+        std::mem::forget(gathered);
+        return Err(error);
+    }
     let all = stream
         .clone_dtoh(&gathered)
         .context("downloading the gathered IPC handles")?;

@@ -327,6 +327,14 @@ impl GroupComm {
     }
 }
 
+impl GroupComm {
+    /// Leaves the communicator as it is from now on (a transfer waits for a lost peer):
+    /// see its `Drop`.
+    pub(crate) fn abandon(&self) {
+        self.abandoned.set(true);
+    }
+}
+
 impl Drop for GroupComm {
     fn drop(&mut self) {
         if self.abandoned.get() {
@@ -1166,7 +1174,7 @@ impl NetworkPath {
     /// Leaves the communicator as it is from now on (a peer is gone: tearing it down would
     /// wait for that peer).
     pub(crate) fn abandon(&self) {
-        self.comm.abandoned.set(true);
+        self.comm.abandon();
     }
 
     /// Whether the path was abandoned after a stall.

@@ -9,15 +9,20 @@
 //! malformed one is a [`LaunchError`] that says what to set.
 //!
 //! [`ControlChannel`] is the group's host-side channel: rank 0 listens (on
-//! `MASTER_ADDR:MASTER_PORT`, or on a free loopback port it writes into the rendezvous
-//! file, which must not exist yet and which it removes once every rank is in), every other
-//! rank connects (retrying while rank 0 is not up yet) and keeps its connection for the
-//! layer's life. It carries small, rare messages only (NCCL's unique id, device and plan
-//! fingerprints and rank 0's seed at set-up, the bench's start barrier and every rank's
-//! times, and after a time-out the agreement to restart the exchange):
-//! [`ControlChannel::all_gather`] and [`ControlChannel::barrier`]. Every read and write
-//! has a deadline, and a peer that exits closes its socket, so a dead peer is an error
-//! here within the bound, never a hang. The GPU traffic itself never touches this
+//! `MASTER_PORT` of every interface, or only of loopback for a loopback `MASTER_ADDR`; or
+//! on a free loopback port it writes into the rendezvous file, which it creates new and
+//! removes once every rank is in), every other rank connects (retrying while rank 0 is not
+//! up yet, reading the file again before each attempt) and keeps its connection for the
+//! layer's life. A rank's handshake names its world size, rank, run id and plan
+//! fingerprint; rank 0 answers it, and refuses (and goes on waiting) a rank of another run
+//! that found the same port or file, which then fails at once rather than join the wrong
+//! group. The channel carries small, rare messages only (NCCL's unique id, device and plan
+//! fingerprints, rank 0's seed and the command's settings at set-up, the bench's start
+//! barrier and every rank's times, and after a time-out the agreement to restart the
+//! exchange): [`ControlChannel::all_gather`] and [`ControlChannel::barrier`]. Every message
+//! has a deadline (applied to each read, so a trickle cannot stretch it), and a peer that
+//! exits closes its socket, so a dead peer is an error here within the bound, never a
+//! hang; rank 0 then tells the others why it ended the group. The GPU traffic itself never touches this
 //! channel: the kernels exchange data through CUDA IPC mappings of each other's workspace
 //! on one node (see [`crate::ep`]), and through NCCL across nodes (see
 //! [`crate::network`]).
@@ -37,6 +42,9 @@ pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 /// The longest rendezvous wait the environment may ask for (a day): deadlines are
 /// `Instant`s, which a wait of centuries would overflow.
 const MOST_RENDEZVOUS_TIMEOUT_S: f64 = 86_400.0;
+/// The shortest rendezvous wait the environment may ask for (a millisecond): less would
+/// be no wait at all.
+const LEAST_RENDEZVOUS_TIMEOUT_S: f64 = 0.001;
 /// How long rank 0 waits for a connection's handshake, which a rank sends as soon as it
 /// connects, before it sets the connection aside as no rank's.
 const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
@@ -57,6 +65,19 @@ const MAX_MESSAGE_BYTES: u32 = 1 << 20;
 
 /// Pause between attempts to connect to rank 0 before it listens.
 const CONNECT_RETRY: Duration = Duration::from_millis(50);
+
+/// The longest one attempt to connect to rank 0 may take (a dropped SYN), so that a file
+/// rendezvous reads its file again and the deadline is kept.
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(5);
+
+/// A frame length no message has: rank 0 ends the group, the reason follows as a frame.
+const GROUP_ENDED: u32 = u32::MAX;
+
+/// How long rank 0 tries to tell the other ranks why it ended the group.
+const END_NOTICE_WAIT: Duration = Duration::from_secs(1);
+
+/// The variables that name a run, in the order they are read ([`LaunchEnv::run_id`]).
+const RUN_ID_VARS: &str = "MOEFORGE_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID";
 
 #[derive(Debug, Error)]
 pub enum LaunchError {
@@ -83,7 +104,7 @@ pub enum LaunchError {
     )]
     WorldOfOne,
     #[error(
-        "{var}={value:?} is not a number of seconds up to a day; set it to how long a rank waits for the others (default {default} s)"
+        "{var}={value:?} is not a number of seconds from 0.001 up to a day; set it to how long a rank waits for the others (default {default} s)"
     )]
     Timeout {
         var: &'static str,
@@ -102,6 +123,10 @@ pub struct LaunchEnv {
     pub rendezvous: Rendezvous,
     /// The bound on every wait of the [`ControlChannel`].
     pub timeout: Duration,
+    /// What names this run among others that may meet at the same address:
+    /// `MOEFORGE_RUN_ID`, else `TORCHELASTIC_RUN_ID` (torchrun's `--rdzv-id`) unless it is
+    /// torchrun's default `none`. Rank 0 refuses a rank whose id differs.
+    pub run_id: Option<String>,
 }
 
 /// Where the ranks of a group meet.
@@ -164,6 +189,14 @@ impl LaunchEnv {
             "WORLD_SIZE",
             "set WORLD_SIZE to the number of processes (the plan's expert-parallel ranks)",
         )?;
+        if world_size == 0 {
+            return Err(LaunchError::Malformed {
+                var: "WORLD_SIZE",
+                value: "0".to_string(),
+                what: "a number of processes",
+                hint: "set WORLD_SIZE to the number of processes (the plan's expert-parallel ranks)",
+            });
+        }
         if world_size == 1 {
             return Err(LaunchError::WorldOfOne);
         }
@@ -210,7 +243,10 @@ impl LaunchEnv {
         let timeout = match var(RENDEZVOUS_TIMEOUT_VAR) {
             None => DEFAULT_RENDEZVOUS_TIMEOUT,
             Some(value) => match value.trim().parse::<f64>() {
-                Ok(seconds) if seconds > 0.0 && seconds <= MOST_RENDEZVOUS_TIMEOUT_S => {
+                Ok(seconds)
+                    if (LEAST_RENDEZVOUS_TIMEOUT_S..=MOST_RENDEZVOUS_TIMEOUT_S)
+                        .contains(&seconds) =>
+                {
                     Duration::from_secs_f64(seconds)
                 }
                 _ => {
@@ -222,12 +258,18 @@ impl LaunchEnv {
                 }
             },
         };
+        let run_id = ["MOEFORGE_RUN_ID", "TORCHELASTIC_RUN_ID"]
+            .into_iter()
+            .filter_map(&var)
+            .map(|id| id.trim().to_string())
+            .find(|id| !id.is_empty() && id != "none");
         Ok(LaunchEnv {
             rank,
             world_size,
             local_rank,
             rendezvous,
             timeout,
+            run_id,
         })
     }
 }
@@ -240,16 +282,14 @@ pub enum ChannelError {
         #[source]
         source: io::Error,
     },
-    #[error(
-        "rank 0 cannot listen on {addr}: {source}; pick another MASTER_PORT (is an earlier run still holding it?)"
-    )]
+    #[error("rank 0 cannot listen on {addr}: {source}; {}", listen_hint(source))]
     Listen {
         addr: String,
         #[source]
         source: io::Error,
     },
     #[error(
-        "rank {rank}: rank 0 did not answer at {addr} within {seconds:.0} s (last error: {source}); start every rank with the same MASTER_ADDR and MASTER_PORT"
+        "rank {rank}: rank 0 did not answer at {addr} within {seconds:.0} s (last error: {source}); {hint}"
     )]
     Connect {
         rank: u32,
@@ -257,26 +297,39 @@ pub enum ChannelError {
         seconds: f64,
         #[source]
         source: io::Error,
+        hint: String,
     },
     #[error(
-        "rank 0: {missing} of {world_size} ranks did not connect within {seconds:.0} s{}; launch WORLD_SIZE={world_size} processes with the same MASTER_ADDR and MASTER_PORT",
+        "rank {rank}: the process at {addr} is not a moeforge rank 0 of this group ({what}); {hint}"
+    )]
+    NotRankZero {
+        rank: u32,
+        addr: String,
+        what: String,
+        hint: String,
+    },
+    #[error("rank {rank}: rank 0 at {addr} refused this process: {reason}")]
+    Refused {
+        rank: u32,
+        addr: String,
+        reason: String,
+    },
+    #[error(
+        "rank 0: {missing} of {world_size} ranks did not connect within {seconds:.0} s{}; {hint}",
         ignored_connections(*ignored, named)
     )]
     Incomplete {
         missing: u32,
         world_size: u32,
         seconds: f64,
-        /// Connections set aside as no moeforge rank's.
+        /// Connections set aside as no rank of this group.
         ignored: u32,
-        /// The first few of them: who, and what they sent.
+        /// The first few of them: who, and why.
         named: Vec<String>,
+        hint: String,
     },
     #[error(
-        "rank 0 was contacted by {what}; every rank needs the same WORLD_SIZE={world_size} and a RANK of its own"
-    )]
-    BadHandshake { what: String, world_size: u32 },
-    #[error(
-        "rank {rank} lost rank {peer} while {doing}: {source} (the peer process exited or stopped answering within the bound)"
+        "rank {rank} lost rank {peer} while {doing}: {source} (the peer process exited: see its output)"
     )]
     PeerLost {
         rank: u32,
@@ -285,10 +338,25 @@ pub enum ChannelError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "rank {rank}: rank {peer} sent nothing for {seconds:.0} s while {doing}; it is stuck, failed before this point, or is slower than the bound ({RENDEZVOUS_TIMEOUT_VAR}): see its output"
+    )]
+    PeerSilent {
+        rank: u32,
+        peer: u32,
+        doing: &'static str,
+        seconds: f64,
+    },
+    #[error("rank {rank}: rank 0 ended the group: {reason}")]
+    GroupEnded { rank: u32, reason: String },
     #[error("rank {rank}: rank {peer} sent a message of {bytes} bytes, above the channel's limit")]
     Oversized { rank: u32, peer: u32, bytes: u32 },
     #[error(
-        "rank 0: the rendezvous file {} exists already (from an earlier launch?); remove it, or name a new file in MOEFORGE_RENDEZVOUS",
+        "rank {rank}: a message of {bytes} bytes is above the channel's limit of {MAX_MESSAGE_BYTES} (the channel carries ids and fingerprints, not data)"
+    )]
+    MessageTooLong { rank: u32, bytes: usize },
+    #[error(
+        "rank 0: the rendezvous file {} exists already (from an earlier launch, or another run's); remove it, or name a new file in MOEFORGE_RENDEZVOUS",
         path.display()
     )]
     StaleRendezvousFile { path: PathBuf },
@@ -311,6 +379,32 @@ pub enum ChannelError {
     },
 }
 
+/// What to do about a listener rank 0 cannot open.
+fn listen_hint(source: &io::Error) -> &'static str {
+    match source.kind() {
+        io::ErrorKind::AddrInUse => {
+            "another program or an earlier run holds the port: give each run a MASTER_PORT of its own"
+        }
+        io::ErrorKind::AddrNotAvailable => {
+            "MASTER_ADDR is not an address of this host: set it to rank 0's host"
+        }
+        _ => "pick another MASTER_PORT",
+    }
+}
+
+/// What every rank must share, for the time-outs' messages.
+fn meeting_hint(rendezvous: &Rendezvous, world_size: u32) -> String {
+    match rendezvous {
+        Rendezvous::Tcp { .. } => format!(
+            "launch WORLD_SIZE={world_size} processes with the same MASTER_ADDR and MASTER_PORT, rank 0 among them"
+        ),
+        Rendezvous::File(path) => format!(
+            "launch WORLD_SIZE={world_size} processes with the same MOEFORGE_RENDEZVOUS, rank 0 among them; a file {} left by a killed run names a rank 0 that is gone: remove it and launch again",
+            path.display()
+        ),
+    }
+}
+
 /// The group's host-side channel (see the module documentation). Rank 0 holds one
 /// connection per other rank (index `r - 1`); every other rank holds one, to rank 0.
 pub struct ControlChannel {
@@ -320,30 +414,133 @@ pub struct ControlChannel {
     links: Vec<TcpStream>,
 }
 
+/// What a rank says about itself when it connects, and rank 0 checks: a rank of another
+/// group (another run on the same port, a stale rendezvous file) is refused, not taken in.
+struct Handshake {
+    world_size: u32,
+    rank: u32,
+    /// [`LaunchEnv::run_id`], empty where none was given.
+    run_id: String,
+    /// What every rank of one run computes alike (the plan's fingerprint).
+    fingerprint: String,
+}
+
+impl Handshake {
+    fn encode(&self) -> Vec<u8> {
+        let mut bytes: Vec<u8> = [HANDSHAKE_MAGIC, self.world_size, self.rank]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        bytes.extend_from_slice(format!("{}\n{}", self.run_id, self.fingerprint).as_bytes());
+        bytes
+    }
+
+    /// The handshake in `bytes`, or `None` for bytes that are no moeforge handshake.
+    fn decode(bytes: &[u8]) -> Option<Handshake> {
+        let word = |i: usize| {
+            Some(u32::from_le_bytes(
+                bytes.get(i * 4..i * 4 + 4)?.try_into().ok()?,
+            ))
+        };
+        if word(0)? != HANDSHAKE_MAGIC {
+            return None;
+        }
+        let text = std::str::from_utf8(&bytes[12..]).ok()?;
+        let (run_id, fingerprint) = text.split_once('\n')?;
+        Some(Handshake {
+            world_size: word(1)?,
+            rank: word(2)?,
+            run_id: run_id.to_string(),
+            fingerprint: fingerprint.to_string(),
+        })
+    }
+
+    /// Why rank 0 (`ours`) refuses `self`, if it does.
+    fn refusal(&self, ours: &Handshake) -> Option<String> {
+        if self.run_id != ours.run_id {
+            let id = |id: &str| {
+                if id.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!("{id:?}")
+                }
+            };
+            return Some(format!(
+                "a rank of another run (run id {}, this group's {}; {RUN_ID_VARS})",
+                id(&self.run_id),
+                id(&ours.run_id)
+            ));
+        }
+        if self.world_size != ours.world_size {
+            return Some(format!(
+                "a rank launched with WORLD_SIZE={} (this group has {})",
+                self.world_size, ours.world_size
+            ));
+        }
+        if self.fingerprint != ours.fingerprint {
+            return Some(format!(
+                "a rank that planned another layer (plan {}, rank 0's {}): every rank needs the same spec, flags and moeforge build",
+                self.fingerprint, ours.fingerprint
+            ));
+        }
+        if self.rank == 0 || self.rank >= ours.world_size {
+            return Some(format!("a second process claiming RANK={}", self.rank));
+        }
+        None
+    }
+}
+
+/// Rank 0's answer to a handshake: [`HANDSHAKE_MAGIC`], then 0 (taken in) or 1 (refused,
+/// the reason following).
+const ANSWER_TAKEN: u32 = 0;
+const ANSWER_REFUSED: u32 = 1;
+
+fn answer(status: u32, reason: &str) -> Vec<u8> {
+    let mut bytes: Vec<u8> = [HANDSHAKE_MAGIC, status]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    bytes.extend_from_slice(reason.as_bytes());
+    bytes
+}
+
 impl ControlChannel {
     /// Meets the other ranks of `env`'s group: rank 0 listens and waits for every other
-    /// rank; the others connect to it. Returns once all are connected, or an error within
+    /// rank; the others connect to it. `fingerprint` is what every rank of the run computes
+    /// alike (the CLI passes the plan's, [`crate::ipc::plan_fingerprint`]): rank 0 refuses a
+    /// rank whose fingerprint, world size or [`LaunchEnv::run_id`] differs from its own, and
+    /// that rank fails at once. Returns once all are connected, or an error within
     /// `env.timeout`.
-    pub fn connect(env: &LaunchEnv) -> Result<Self, ChannelError> {
+    pub fn connect(env: &LaunchEnv, fingerprint: &str) -> Result<Self, ChannelError> {
         let deadline = Instant::now() + env.timeout;
+        let mine = Handshake {
+            world_size: env.world_size,
+            rank: env.rank,
+            run_id: env.run_id.clone().unwrap_or_default(),
+            fingerprint: fingerprint.to_string(),
+        };
         let links = match (&env.rendezvous, env.rank) {
             (Rendezvous::Tcp { addr, port }, 0) => {
-                let addr = resolve(addr, *port)?;
-                accept_ranks(listen(addr)?, env, deadline)?
+                let listener = listen(listening_address(addr, resolve(addr, *port)?))?;
+                accept_ranks(listener, env, &mine, deadline)?
             }
             (Rendezvous::Tcp { addr, port }, _) => {
-                vec![connect_to_master(resolve(addr, *port)?, env, deadline)?]
+                let master = resolve(addr, *port)?;
+                vec![connect_to_master(|| Ok(master), env, &mine, deadline)?]
             }
             (Rendezvous::File(path), 0) => {
                 let listener = publish(path)?;
-                let links = accept_ranks(listener, env, deadline);
-                // Every rank has read it (or the group failed): the next launch may reuse the name.
+                let links = accept_ranks(listener, env, &mine, deadline);
+                // Every rank has read it (or the group failed): the next launch may reuse the
+                // name. The file is this rank's: it was created new.
                 let _ = std::fs::remove_file(path);
                 links?
             }
             (Rendezvous::File(path), rank) => {
-                let addr = read_rendezvous_file(path, rank, env.timeout, deadline)?;
-                vec![connect_to_master(addr, env, deadline)?]
+                // Read again before every attempt: a file replaced by a new launch names
+                // its rank 0, not the gone one of the file read first.
+                let master = || read_rendezvous_file(path, rank, env.timeout, deadline);
+                vec![connect_to_master(master, env, &mine, deadline)?]
             }
         };
         Ok(ControlChannel {
@@ -368,30 +565,66 @@ impl ControlChannel {
     }
 
     /// Every rank's `message`, in rank order (this rank's own included). Each rank must
-    /// call it the same number of times; a peer that has exited or does not answer within
-    /// the bound is [`ChannelError::PeerLost`].
+    /// call it the same number of times. A peer that has exited or does not answer within
+    /// the bound is [`ChannelError::PeerLost`] or [`ChannelError::PeerSilent`] in rank 0,
+    /// which then ends the group: every other rank gets [`ChannelError::GroupEnded`] with
+    /// rank 0's reason, rather than a lost rank 0.
     pub fn all_gather(&mut self, message: &[u8]) -> Result<Vec<Vec<u8>>, ChannelError> {
         let deadline = Instant::now() + self.timeout;
-        let rank = self.rank;
-        if rank == 0 {
-            let mut all = vec![message.to_vec()];
-            for (i, link) in self.links.iter_mut().enumerate() {
-                let peer = i as u32 + 1;
-                all.push(read_frame(link, deadline).map_err(|e| e.about(rank, peer))?);
-            }
-            for (i, link) in self.links.iter_mut().enumerate() {
-                let peer = i as u32 + 1;
-                for part in &all {
-                    write_frame(link, part, deadline).map_err(|e| e.about(rank, peer))?;
-                }
-            }
-            Ok(all)
-        } else {
+        let (rank, seconds) = (self.rank, self.timeout.as_secs_f64());
+        if message.len() > MAX_MESSAGE_BYTES as usize {
+            return Err(ChannelError::MessageTooLong {
+                rank,
+                bytes: message.len(),
+            });
+        }
+        if rank != 0 {
             let link = &mut self.links[0];
-            write_frame(link, message, deadline).map_err(|e| e.about(rank, 0))?;
-            (0..self.world_size)
-                .map(|_| read_frame(link, deadline).map_err(|e| e.about(rank, 0)))
-                .collect()
+            write_frame(link, message, deadline).map_err(|e| e.about(rank, 0, seconds))?;
+            return (0..self.world_size)
+                .map(|_| read_frame(link, deadline).map_err(|e| e.about(rank, 0, seconds)))
+                .collect();
+        }
+        let gathered = self.gather_and_share(message, deadline);
+        if let Err(error) = &gathered {
+            self.end_group(&error.to_string());
+        }
+        gathered
+    }
+
+    /// Rank 0's part of [`ControlChannel::all_gather`].
+    fn gather_and_share(
+        &mut self,
+        message: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>, ChannelError> {
+        let seconds = self.timeout.as_secs_f64();
+        let mut all = vec![message.to_vec()];
+        for (i, link) in self.links.iter_mut().enumerate() {
+            let peer = i as u32 + 1;
+            all.push(read_frame(link, deadline).map_err(|e| e.about(0, peer, seconds))?);
+        }
+        for (i, link) in self.links.iter_mut().enumerate() {
+            let peer = i as u32 + 1;
+            for part in &all {
+                write_frame(link, part, deadline).map_err(|e| e.about(0, peer, seconds))?;
+            }
+        }
+        Ok(all)
+    }
+
+    /// Rank 0, after a failed gather: tells every other rank why, best effort (a lost
+    /// peer's link fails, and each write is bounded), so that they report the cause.
+    fn end_group(&mut self, reason: &str) {
+        let deadline = Instant::now() + END_NOTICE_WAIT;
+        for link in &mut self.links {
+            let _ = write_all_by(
+                link,
+                &GROUP_ENDED.to_le_bytes(),
+                deadline,
+                "ending the group",
+            )
+            .and_then(|()| write_frame(link, reason.as_bytes(), deadline));
         }
     }
 
@@ -414,6 +647,26 @@ fn resolve(addr: &str, port: u16) -> Result<SocketAddr, ChannelError> {
         .ok_or_else(|| resolve_error(io::Error::other("no address")))
 }
 
+/// Where rank 0 listens for `MASTER_ADDR` (`given`, resolved to `resolved`): there, when
+/// it is a loopback address (one node, nothing else can reach it), else on every
+/// interface of that family. The other nodes reach rank 0's host by an address that
+/// need not be the one its own name resolves to here (a host name that /etc/hosts maps
+/// to 127.0.1.1).
+fn listening_address(given: &str, resolved: SocketAddr) -> SocketAddr {
+    let literal_loopback = given == "localhost"
+        || given
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if literal_loopback {
+        return resolved;
+    }
+    let any: std::net::IpAddr = match resolved {
+        SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    SocketAddr::new(any, resolved.port())
+}
+
 /// Rank 0's listener on `addr`.
 fn listen(addr: SocketAddr) -> Result<TcpListener, ChannelError> {
     TcpListener::bind(addr).map_err(|source| ChannelError::Listen {
@@ -423,79 +676,93 @@ fn listen(addr: SocketAddr) -> Result<TcpListener, ChannelError> {
 }
 
 /// Rank 0 of a file rendezvous: listens on a free loopback port and writes its address
-/// into `path` (a new file, renamed into place whole, so a reader never sees half of it).
+/// into `path`, a file it creates (refused if it exists: another launch's, or a stale
+/// one). The address ends with a newline: a reader that finds none yet reads again.
 fn publish(path: &std::path::Path) -> Result<TcpListener, ChannelError> {
-    if path.exists() {
-        return Err(ChannelError::StaleRendezvousFile {
-            path: path.to_owned(),
-        });
-    }
-    let listener = listen(SocketAddr::from(([127, 0, 0, 1], 0)))?;
     let file_error = |doing, source| ChannelError::RendezvousFile {
         rank: 0,
         doing,
         path: path.to_owned(),
         source,
     };
+    let listener = listen(SocketAddr::from(([127, 0, 0, 1], 0)))?;
     let addr = listener.local_addr().map_err(|e| file_error("write", e))?;
-    let partial = path.with_extension(format!("partial-{}", std::process::id()));
-    std::fs::write(&partial, addr.to_string()).map_err(|e| file_error("write", e))?;
-    std::fs::rename(&partial, path).map_err(|e| file_error("write", e))?;
+    let mut file = match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            return Err(ChannelError::StaleRendezvousFile {
+                path: path.to_owned(),
+            });
+        }
+        Err(e) => return Err(file_error("create", e)),
+    };
+    if let Err(e) = writeln!(file, "{addr}") {
+        let _ = std::fs::remove_file(path);
+        return Err(file_error("write", e));
+    }
     Ok(listener)
 }
 
 /// A rank other than 0 of a file rendezvous: waits (until `deadline`) for rank 0 to write
-/// `path`, then reads the address in it.
+/// `path`, then reads the address in it. A folder that does not exist is an error at
+/// once: rank 0 cannot create the file there either.
 fn read_rendezvous_file(
     path: &std::path::Path,
     rank: u32,
     timeout: Duration,
     deadline: Instant,
 ) -> Result<SocketAddr, ChannelError> {
+    let file_error = |doing, source| ChannelError::RendezvousFile {
+        rank,
+        doing,
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(folder) = path.parent().filter(|p| !p.as_os_str().is_empty())
+        && !folder.is_dir()
+    {
+        let missing = io::Error::new(io::ErrorKind::NotFound, "its folder does not exist");
+        return Err(file_error("wait for", missing));
+    }
     loop {
         match std::fs::read_to_string(path) {
-            Ok(text) => {
-                return text
-                    .trim()
-                    .parse()
-                    .map_err(|_| ChannelError::RendezvousFile {
-                        rank,
-                        doing: "understand",
-                        path: path.to_owned(),
-                        source: io::Error::other(format!("{text:?} is not an address")),
-                    });
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                if Instant::now() >= deadline {
-                    return Err(ChannelError::NoRendezvousFile {
-                        rank,
-                        path: path.to_owned(),
-                        seconds: timeout.as_secs_f64(),
-                    });
-                }
-                std::thread::sleep(CONNECT_RETRY);
-            }
-            Err(source) => {
-                return Err(ChannelError::RendezvousFile {
-                    rank,
-                    doing: "read",
-                    path: path.to_owned(),
-                    source,
+            // Complete once its newline is written.
+            Ok(text) if text.ends_with('\n') => {
+                return text.trim().parse().map_err(|_| {
+                    file_error(
+                        "understand",
+                        io::Error::other(format!("{text:?} is not an address")),
+                    )
                 });
             }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(file_error("read", source)),
         }
+        if Instant::now() >= deadline {
+            return Err(ChannelError::NoRendezvousFile {
+                rank,
+                path: path.to_owned(),
+                seconds: timeout.as_secs_f64(),
+            });
+        }
+        std::thread::sleep(CONNECT_RETRY);
     }
 }
 
-/// " (ignored N connection(s) that were no moeforge rank's: …)" for the time-out's message,
-/// naming the first few; empty where none were.
+/// " (set aside N connection(s): …)" for the time-out's message, naming the first few;
+/// empty where none were.
 fn ignored_connections(ignored: u32, named: &[String]) -> String {
     if ignored == 0 {
         return String::new();
     }
     let more = ignored as usize - named.len();
     format!(
-        " (ignored {ignored} connection(s) that were no moeforge rank's: {}{})",
+        " (set aside {ignored} connection(s) that were no rank of this group: {}{})",
         named.join("; "),
         if more > 0 {
             format!("; {more} more")
@@ -509,12 +776,14 @@ fn ignored_connections(ignored: u32, named: &[String]) -> String {
 const NAMED_IGNORED: usize = 4;
 
 /// Rank 0: takes one connection on `listener` from every other rank, each opening with
-/// its handshake; the links in rank order. A connection that sends no moeforge handshake
-/// within [`HANDSHAKE_WAIT`] (a port scan, a health check) is set aside; one from a rank
-/// launched for another group is an error.
+/// its handshake, which rank 0 answers; the links in rank order. A connection that sends
+/// no moeforge handshake within [`HANDSHAKE_WAIT`] (a port scan, a health check) is set
+/// aside; one from a rank of another group (see [`Handshake::refusal`]) or claiming a
+/// rank already taken is refused and set aside: rank 0 goes on waiting for its own.
 fn accept_ranks(
     listener: TcpListener,
     env: &LaunchEnv,
+    mine: &Handshake,
     deadline: Instant,
 ) -> Result<Vec<TcpStream>, ChannelError> {
     let addr = listener
@@ -529,36 +798,8 @@ fn accept_ranks(
     let mut links: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
     let (mut ignored, mut named) = (0u32, Vec::new());
     while links.iter().any(Option::is_none) {
-        match listener.accept() {
-            Ok((mut stream, from)) => {
-                stream.set_nonblocking(false).map_err(listen_error)?;
-                let handshake_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
-                let peer = match read_handshake(&mut stream, env.world_size, handshake_by) {
-                    Ok(peer) => peer,
-                    Err(HandshakeError::NotMoeforge(what)) => {
-                        ignored = ignored.saturating_add(1);
-                        if named.len() < NAMED_IGNORED {
-                            named.push(format!("{from}: {what}"));
-                        }
-                        continue;
-                    }
-                    Err(HandshakeError::OtherGroup(what)) => {
-                        return Err(ChannelError::BadHandshake {
-                            what: format!("{from}: {what}"),
-                            world_size: env.world_size,
-                        });
-                    }
-                };
-                let slot = &mut links[peer as usize - 1];
-                if slot.is_some() {
-                    return Err(ChannelError::BadHandshake {
-                        what: format!("two processes claiming RANK={peer}"),
-                        world_size: env.world_size,
-                    });
-                }
-                let _ = stream.set_nodelay(true);
-                *slot = Some(stream);
-            }
+        let (mut stream, from) = match listener.accept() {
+            Ok(accepted) => accepted,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     return Err(ChannelError::Incomplete {
@@ -567,106 +808,154 @@ fn accept_ranks(
                         seconds: env.timeout.as_secs_f64(),
                         ignored,
                         named,
+                        hint: meeting_hint(&env.rendezvous, env.world_size),
                     });
                 }
                 std::thread::sleep(CONNECT_RETRY);
+                continue;
             }
             Err(e) => return Err(listen_error(e)),
+        };
+        stream.set_nonblocking(false).map_err(listen_error)?;
+        let handshake_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
+        let refusal = match read_frame(&mut stream, handshake_by) {
+            Ok(bytes) => match Handshake::decode(&bytes) {
+                Some(theirs) => match theirs.refusal(mine) {
+                    None if links[theirs.rank as usize - 1].is_some() => Some(format!(
+                        "a second process claiming RANK={} (two runs on one MASTER_PORT? give each its own, or set MOEFORGE_RUN_ID)",
+                        theirs.rank
+                    )),
+                    None => {
+                        write_frame(&mut stream, &answer(ANSWER_TAKEN, ""), handshake_by)
+                            .map_err(|e| e.about(0, theirs.rank, env.timeout.as_secs_f64()))?;
+                        let _ = stream.set_nodelay(true);
+                        links[theirs.rank as usize - 1] = Some(stream);
+                        continue;
+                    }
+                    Some(refusal) => Some(refusal),
+                },
+                None => None,
+            },
+            Err(e) => {
+                ignored = ignored.saturating_add(1);
+                if named.len() < NAMED_IGNORED {
+                    named.push(format!("{from}: no handshake ({})", e.describe()));
+                }
+                continue;
+            }
+        };
+        let reason = refusal.unwrap_or_else(|| "not a moeforge handshake".to_string());
+        let _ = write_frame(&mut stream, &answer(ANSWER_REFUSED, &reason), handshake_by);
+        ignored = ignored.saturating_add(1);
+        if named.len() < NAMED_IGNORED {
+            named.push(format!("{from}: {reason}"));
         }
     }
     Ok(links.into_iter().flatten().collect())
 }
 
-/// What was wrong with a connection's handshake.
-enum HandshakeError {
-    /// Nothing, or something other than a moeforge handshake, in time.
-    NotMoeforge(String),
-    /// A moeforge rank, but not one of this group.
-    OtherGroup(String),
-}
-
-/// Reads a rank's handshake (magic, world size, rank); the rank, or what was wrong.
-fn read_handshake(
-    stream: &mut TcpStream,
-    world_size: u32,
-    deadline: Instant,
-) -> Result<u32, HandshakeError> {
-    let not_moeforge = || HandshakeError::NotMoeforge("not a moeforge handshake".to_string());
-    let words = read_frame(stream, deadline)
-        .map_err(|e| HandshakeError::NotMoeforge(format!("no handshake ({e:?})")))?;
-    let [magic, world, rank] = match words.as_slice() {
-        [a, b, c, d, e, f, g, h, i, j, k, l] => [
-            u32::from_le_bytes([*a, *b, *c, *d]),
-            u32::from_le_bytes([*e, *f, *g, *h]),
-            u32::from_le_bytes([*i, *j, *k, *l]),
-        ],
-        _ => return Err(not_moeforge()),
-    };
-    if magic != HANDSHAKE_MAGIC {
-        return Err(not_moeforge());
-    }
-    if world != world_size {
-        return Err(HandshakeError::OtherGroup(format!(
-            "a rank launched with WORLD_SIZE={world}"
-        )));
-    }
-    if rank == 0 || rank >= world_size {
-        return Err(HandshakeError::OtherGroup(format!(
-            "a second process claiming RANK={rank}"
-        )));
-    }
-    Ok(rank)
-}
-
-/// A rank other than 0: connects to rank 0 (retrying until the deadline while it is not
-/// listening yet) and sends its handshake.
+/// A rank other than 0: connects to rank 0 at the address `master` gives (asked again
+/// before every attempt; retrying until the deadline while nobody listens yet), sends its
+/// handshake and waits for rank 0's answer.
 fn connect_to_master(
-    addr: SocketAddr,
+    master: impl Fn() -> Result<SocketAddr, ChannelError>,
     env: &LaunchEnv,
+    mine: &Handshake,
     deadline: Instant,
 ) -> Result<TcpStream, ChannelError> {
-    let mut stream = loop {
+    let seconds = env.timeout.as_secs_f64();
+    let (mut stream, addr) = loop {
+        let addr = master()?;
         let left = deadline.saturating_duration_since(Instant::now());
-        let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)));
-        match attempt {
-            Ok(stream) => break stream,
+        let attempt = left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT);
+        match TcpStream::connect_timeout(&addr, attempt) {
+            Ok(stream) => break (stream, addr.to_string()),
             Err(source) if Instant::now() + CONNECT_RETRY >= deadline => {
                 return Err(ChannelError::Connect {
                     rank: env.rank,
                     addr: addr.to_string(),
-                    seconds: env.timeout.as_secs_f64(),
+                    seconds,
                     source,
+                    hint: meeting_hint(&env.rendezvous, env.world_size),
                 });
             }
             Err(_) => std::thread::sleep(CONNECT_RETRY),
         }
     };
     let _ = stream.set_nodelay(true);
-    let handshake: Vec<u8> = [HANDSHAKE_MAGIC, env.world_size, env.rank]
-        .iter()
-        .flat_map(|w| w.to_le_bytes())
-        .collect();
-    write_frame(&mut stream, &handshake, deadline).map_err(|e| e.about(env.rank, 0))?;
-    Ok(stream)
+    let not_rank_zero = |what: String| {
+        ChannelError::NotRankZero {
+        rank: env.rank,
+        addr: addr.clone(),
+        what,
+        hint: match &env.rendezvous {
+            Rendezvous::Tcp { .. } => {
+                "another program, or a rank 0 whose group is complete, holds MASTER_PORT: give the group a port of its own".to_string()
+            }
+            Rendezvous::File(_) => meeting_hint(&env.rendezvous, env.world_size),
+        },
+    }
+    };
+    write_frame(&mut stream, &mine.encode(), deadline)
+        .map_err(|e| not_rank_zero(format!("it took no handshake: {}", e.describe())))?;
+    let reply = read_frame(&mut stream, deadline)
+        .map_err(|e| not_rank_zero(format!("no answer to the handshake: {}", e.describe())))?;
+    let word = |i: usize| {
+        reply
+            .get(i * 4..i * 4 + 4)
+            .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+    };
+    match (word(0), word(1)) {
+        (Some(HANDSHAKE_MAGIC), Some(ANSWER_TAKEN)) => Ok(stream),
+        (Some(HANDSHAKE_MAGIC), Some(ANSWER_REFUSED)) => Err(ChannelError::Refused {
+            rank: env.rank,
+            addr,
+            reason: String::from_utf8_lossy(&reply[8..]).into_owned(),
+        }),
+        _ => Err(not_rank_zero("it answered something else".to_string())),
+    }
 }
 
 /// A failed frame read or write, before it is said which ranks it was between.
 #[derive(Debug)]
 enum FrameError {
-    Io(io::Error, &'static str),
+    /// The connection closed or failed.
+    Lost(io::Error, &'static str),
+    /// Nothing came (or could be sent) before the deadline.
+    TimedOut(&'static str),
+    /// The peer announced a message above [`MAX_MESSAGE_BYTES`].
     Oversized(u32),
+    /// Rank 0 ended the group, for this reason.
+    Ended(String),
 }
 
 impl FrameError {
-    fn about(self, rank: u32, peer: u32) -> ChannelError {
+    fn about(self, rank: u32, peer: u32, seconds: f64) -> ChannelError {
         match self {
-            FrameError::Io(source, doing) => ChannelError::PeerLost {
+            FrameError::Lost(source, doing) => ChannelError::PeerLost {
                 rank,
                 peer,
                 doing,
                 source,
             },
+            FrameError::TimedOut(doing) => ChannelError::PeerSilent {
+                rank,
+                peer,
+                doing,
+                seconds,
+            },
             FrameError::Oversized(bytes) => ChannelError::Oversized { rank, peer, bytes },
+            FrameError::Ended(reason) => ChannelError::GroupEnded { rank, reason },
+        }
+    }
+
+    /// In words, for a connection that is no rank's.
+    fn describe(&self) -> String {
+        match self {
+            FrameError::Lost(source, _) => format!("the connection failed: {source}"),
+            FrameError::TimedOut(_) => "nothing came in time".to_string(),
+            FrameError::Oversized(bytes) => format!("a message of {bytes} bytes announced"),
+            FrameError::Ended(_) => "a notice that the group ended".to_string(),
         }
     }
 }
@@ -675,49 +964,111 @@ impl FrameError {
 fn bound(stream: &TcpStream, deadline: Instant, doing: &'static str) -> Result<(), FrameError> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
-        return Err(FrameError::Io(io::ErrorKind::TimedOut.into(), doing));
+        return Err(FrameError::TimedOut(doing));
     }
     stream
         .set_read_timeout(Some(left))
         .and_then(|()| stream.set_write_timeout(Some(left)))
-        .map_err(|e| FrameError::Io(e, doing))
+        .map_err(|e| FrameError::Lost(e, doing))
 }
 
-/// Writes one message: its length (u32, little-endian), then its bytes.
+/// Whether `error` is a socket time-out (the kind depends on the platform).
+fn timed_out(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// Fills `buf` from `stream` by `deadline`, the time left applied again before every read:
+/// a peer that trickles bytes cannot stretch the bound.
+fn read_all_by(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    doing: &'static str,
+) -> Result<(), FrameError> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        bound(stream, deadline, doing)?;
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => {
+                let closed = io::Error::new(io::ErrorKind::UnexpectedEof, "the connection closed");
+                return Err(FrameError::Lost(closed, doing));
+            }
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if timed_out(&e) => return Err(FrameError::TimedOut(doing)),
+            Err(e) => return Err(FrameError::Lost(e, doing)),
+        }
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `stream` by `deadline`, as [`read_all_by`] reads.
+fn write_all_by(
+    stream: &mut TcpStream,
+    bytes: &[u8],
+    deadline: Instant,
+    doing: &'static str,
+) -> Result<(), FrameError> {
+    let mut written = 0;
+    while written < bytes.len() {
+        bound(stream, deadline, doing)?;
+        match stream.write(&bytes[written..]) {
+            Ok(0) => {
+                let closed = io::Error::new(io::ErrorKind::WriteZero, "the connection closed");
+                return Err(FrameError::Lost(closed, doing));
+            }
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if timed_out(&e) => return Err(FrameError::TimedOut(doing)),
+            Err(e) => return Err(FrameError::Lost(e, doing)),
+        }
+    }
+    Ok(())
+}
+
+/// Writes one message (at most [`MAX_MESSAGE_BYTES`]): its length (u32, little-endian),
+/// then its bytes.
 fn write_frame(
     stream: &mut TcpStream,
     message: &[u8],
     deadline: Instant,
 ) -> Result<(), FrameError> {
     const DOING: &str = "sending";
-    bound(stream, deadline, DOING)?;
-    let len = u32::try_from(message.len())
-        .ok()
-        .filter(|&len| len <= MAX_MESSAGE_BYTES)
-        .ok_or(FrameError::Oversized(u32::MAX))?;
-    stream
-        .write_all(&len.to_le_bytes())
-        .and_then(|()| stream.write_all(message))
-        .map_err(|e| FrameError::Io(e, DOING))
+    debug_assert!(message.len() <= MAX_MESSAGE_BYTES as usize);
+    let mut frame = (message.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(message);
+    write_all_by(stream, &frame, deadline, DOING)
 }
 
-/// Reads one message written by [`write_frame`].
+/// Reads one message written by [`write_frame`], or the reason rank 0 sent after
+/// [`GROUP_ENDED`].
 fn read_frame(stream: &mut TcpStream, deadline: Instant) -> Result<Vec<u8>, FrameError> {
     const DOING: &str = "waiting for its message";
-    bound(stream, deadline, DOING)?;
-    let mut len = [0u8; 4];
-    stream
-        .read_exact(&mut len)
-        .map_err(|e| FrameError::Io(e, DOING))?;
-    let len = u32::from_le_bytes(len);
-    if len > MAX_MESSAGE_BYTES {
-        return Err(FrameError::Oversized(len));
+    let read_length = |stream: &mut TcpStream| -> Result<u32, FrameError> {
+        let mut len = [0u8; 4];
+        read_all_by(stream, &mut len, deadline, DOING)?;
+        Ok(u32::from_le_bytes(len))
+    };
+    let read_body = |stream: &mut TcpStream, len: u32| -> Result<Vec<u8>, FrameError> {
+        if len > MAX_MESSAGE_BYTES {
+            return Err(FrameError::Oversized(len));
+        }
+        let mut message = vec![0u8; len as usize];
+        read_all_by(stream, &mut message, deadline, DOING)?;
+        Ok(message)
+    };
+    let len = read_length(stream)?;
+    if len == GROUP_ENDED {
+        let len = read_length(stream)?;
+        let reason = read_body(stream, len)?;
+        return Err(FrameError::Ended(
+            String::from_utf8_lossy(&reason).into_owned(),
+        ));
     }
-    let mut message = vec![0u8; len as usize];
-    stream
-        .read_exact(&mut message)
-        .map_err(|e| FrameError::Io(e, DOING))?;
-    Ok(message)
+    read_body(stream, len)
 }
 
 #[cfg(test)]
@@ -765,6 +1116,7 @@ mod tests {
                     port: 29500,
                 },
                 timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
+                run_id: None,
             }
         );
         assert!(LaunchEnv::requested_in(vars(&FULL)));
@@ -806,9 +1158,19 @@ mod tests {
             (
                 RENDEZVOUS_TIMEOUT_VAR,
                 "1e20",
-                "is not a number of seconds up to a day",
+                "is not a number of seconds from 0.001 up to a day",
             ),
             (RENDEZVOUS_TIMEOUT_VAR, "NaN", "is not a number of seconds"),
+            (
+                RENDEZVOUS_TIMEOUT_VAR,
+                "1e-12",
+                "is not a number of seconds",
+            ),
+            (
+                "WORLD_SIZE",
+                "0",
+                "WORLD_SIZE=\"0\" is not a number of processes",
+            ),
         ];
         for (name, value, said) in cases {
             let error = LaunchEnv::from_vars(vars(&with(name, value))).expect_err(name);
@@ -833,6 +1195,9 @@ mod tests {
         assert_eq!(env.timeout, Duration::from_millis(2500));
     }
 
+    /// The plan fingerprint of the tests' groups.
+    const PLAN: &str = "0123abcd";
+
     /// A port nobody listens on now (the test then listens on it itself).
     fn free_port() -> u16 {
         TcpListener::bind("127.0.0.1:0")
@@ -851,6 +1216,7 @@ mod tests {
                 port,
             },
             timeout,
+            run_id: None,
         }
     }
 
@@ -913,6 +1279,7 @@ mod tests {
             local_rank: rank,
             rendezvous: Rendezvous::File(path.clone()),
             timeout: Duration::from_secs(20),
+            run_id: None,
         };
         let said: Vec<Vec<Vec<u8>>> = std::thread::scope(|scope| {
             let handles: Vec<_> = [1, 2, 0]
@@ -920,7 +1287,7 @@ mod tests {
                 .map(|rank| {
                     let env = env(rank);
                     scope.spawn(move || {
-                        let mut channel = ControlChannel::connect(&env).expect("connected");
+                        let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
                         (rank, channel.all_gather(&[rank as u8]).expect("gathered"))
                     })
                 })
@@ -942,7 +1309,7 @@ mod tests {
 
         // A file left by an earlier launch is refused by rank 0, not trusted.
         std::fs::write(&path, "127.0.0.1:1").expect("a stale file");
-        let error = ControlChannel::connect(&env(0))
+        let error = ControlChannel::connect(&env(0), PLAN)
             .err()
             .expect("a stale file");
         assert!(
@@ -957,18 +1324,62 @@ mod tests {
             ..env(1)
         };
         let started = Instant::now();
-        let error = ControlChannel::connect(&lonely).err().expect("no rank 0");
+        let error = ControlChannel::connect(&lonely, PLAN)
+            .err()
+            .expect("no rank 0");
         assert!(
             matches!(error, ChannelError::NoRendezvousFile { rank: 1, .. }),
             "{error}"
         );
         assert!(started.elapsed() < Duration::from_secs(5));
+
+        // A folder that does not exist is an error at once, not at the bound.
+        let nowhere = LaunchEnv {
+            rendezvous: Rendezvous::File(dir.path().join("missing").join("rendezvous")),
+            ..env(1)
+        };
+        let started = Instant::now();
+        let error = ControlChannel::connect(&nowhere, PLAN)
+            .err()
+            .expect("no folder");
+        assert!(
+            error.to_string().contains("its folder does not exist"),
+            "{error}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_rank_that_read_a_stale_file_follows_the_new_one() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("rendezvous");
+        // A killed run's file names a rank 0 that is gone.
+        std::fs::write(&path, format!("127.0.0.1:{}\n", free_port())).expect("a stale file");
+        let env = |rank| LaunchEnv {
+            rank,
+            world_size: 2,
+            local_rank: rank,
+            rendezvous: Rendezvous::File(path.clone()),
+            timeout: Duration::from_secs(20),
+            run_id: None,
+        };
+        std::thread::scope(|scope| {
+            let rank_1 = scope.spawn(|| ControlChannel::connect(&env(1), PLAN));
+            std::thread::sleep(Duration::from_millis(300));
+            std::fs::remove_file(&path).expect("the stale file removed");
+            let rank_0 = ControlChannel::connect(&env(0), PLAN);
+            assert!(rank_0.is_ok(), "rank 0 formed the group");
+            assert!(
+                rank_1.join().expect("rank 1").is_ok(),
+                "rank 1 joined the new rank 0"
+            );
+        });
     }
 
     #[test]
     fn three_ranks_gather_every_message_in_rank_order() {
         let results = on_ranks(3, Duration::from_secs(20), |env| {
-            let mut channel = ControlChannel::connect(&env).expect("connected");
+            let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
             let first = channel
                 .all_gather(format!("rank {}", env.rank).as_bytes())
                 .expect("first gather");
@@ -994,7 +1405,7 @@ mod tests {
     fn a_peer_that_leaves_is_an_error_in_the_survivor_not_a_hang() {
         let started = Instant::now();
         let results = on_ranks(2, Duration::from_secs(30), |env| {
-            let mut channel = ControlChannel::connect(&env).expect("connected");
+            let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
             if env.rank == 1 {
                 // Leaves without taking part in the gather, as a process that exited.
                 return None;
@@ -1027,7 +1438,7 @@ mod tests {
     fn a_missing_rank_times_out_at_the_bound() {
         let port = free_port();
         let started = Instant::now();
-        let error = ControlChannel::connect(&env_of(0, 2, port, Duration::from_millis(300)))
+        let error = ControlChannel::connect(&env_of(0, 2, port, Duration::from_millis(300)), PLAN)
             .err()
             .expect("nobody connects");
         assert!(
@@ -1035,7 +1446,7 @@ mod tests {
             "{error}"
         );
         assert!(started.elapsed() < Duration::from_secs(5));
-        let error = ControlChannel::connect(&env_of(1, 2, port, Duration::from_millis(300)))
+        let error = ControlChannel::connect(&env_of(1, 2, port, Duration::from_millis(300)), PLAN)
             .err()
             .expect("nobody listens");
         assert!(
@@ -1063,11 +1474,12 @@ mod tests {
         let port = free_port();
         std::thread::scope(|scope| {
             let group = scope.spawn(move || {
-                ControlChannel::connect(&env_of(0, 2, port, Duration::from_secs(20)))
+                ControlChannel::connect(&env_of(0, 2, port, Duration::from_secs(20)), PLAN)
             });
             // A client that writes a frame that is no handshake, then the real rank 1.
             let _stray = stray_client(port, &[4, 0, 0, 0, b'G', b'E', b'T', b' ']);
-            let rank_1 = ControlChannel::connect(&env_of(1, 2, port, Duration::from_secs(20)));
+            let rank_1 =
+                ControlChannel::connect(&env_of(1, 2, port, Duration::from_secs(20)), PLAN);
             assert!(rank_1.is_ok(), "rank 1 joined");
             assert!(
                 group.join().expect("rank 0").is_ok(),
@@ -1078,12 +1490,12 @@ mod tests {
         let port = free_port();
         std::thread::scope(|scope| {
             let group = scope.spawn(move || {
-                ControlChannel::connect(&env_of(0, 2, port, Duration::from_millis(800)))
+                ControlChannel::connect(&env_of(0, 2, port, Duration::from_millis(800)), PLAN)
             });
             let _stray = stray_client(port, &[1, 0, 0, 0, 0]);
             let error = group.join().expect("rank 0").err().expect("incomplete");
             assert!(
-                error.to_string().contains("ignored 1 connection(s)")
+                error.to_string().contains("set aside 1 connection(s)")
                     && error.to_string().contains("not a moeforge handshake"),
                 "{error}"
             );
@@ -1091,18 +1503,189 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_with_another_world_size_is_refused() {
+    fn ranks_of_another_run_are_refused_and_rank_0_waits_for_its_own() {
         let port = free_port();
-        let timeout = Duration::from_secs(10);
+        let timeout = Duration::from_secs(20);
+        let other_run = |rank, world, plan: &'static str, run_id: Option<&str>| {
+            let env = LaunchEnv {
+                run_id: run_id.map(str::to_string),
+                ..env_of(rank, world, port, timeout)
+            };
+            let error = ControlChannel::connect(&env, plan).err().expect("refused");
+            assert!(
+                matches!(error, ChannelError::Refused { rank: 1, .. }),
+                "{error}"
+            );
+            error.to_string()
+        };
         std::thread::scope(|scope| {
-            let stray = scope.spawn(move || ControlChannel::connect(&env_of(1, 3, port, timeout)));
-            let error = ControlChannel::connect(&env_of(0, 2, port, timeout))
-                .err()
-                .expect("refused");
-            assert!(error.to_string().contains("WORLD_SIZE=3"), "{error}");
-            // The stray rank connected and sent its handshake; what it sees next is not
-            // this test's concern.
-            let _ = stray.join();
+            let group = scope.spawn(move || {
+                let env = LaunchEnv {
+                    run_id: Some("job-a".to_string()),
+                    ..env_of(0, 2, port, timeout)
+                };
+                ControlChannel::connect(&env, PLAN)
+            });
+            let started = Instant::now();
+            let said = other_run(1, 2, PLAN, Some("job-b"));
+            assert!(
+                said.contains("another run") && said.contains("job-b"),
+                "{said}"
+            );
+            let said = other_run(1, 3, PLAN, Some("job-a"));
+            assert!(said.contains("WORLD_SIZE=3"), "{said}");
+            let said = other_run(1, 2, "ffff0000", Some("job-a"));
+            assert!(said.contains("planned another layer"), "{said}");
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "a refused rank fails at once, not at the time-out"
+            );
+            let env = LaunchEnv {
+                run_id: Some("job-a".to_string()),
+                ..env_of(1, 2, port, timeout)
+            };
+            let mut rank_1 = ControlChannel::connect(&env, PLAN).expect("rank 1 joined");
+            let mut rank_0 = group
+                .join()
+                .expect("rank 0")
+                .expect("rank 0 formed the group");
+            let gathered = std::thread::scope(|inner| {
+                let other = inner.spawn(move || rank_1.all_gather(b"one").expect("gathered"));
+                let mine = rank_0.all_gather(b"zero").expect("gathered");
+                assert_eq!(other.join().expect("rank 1"), mine);
+                mine
+            });
+            assert_eq!(gathered, [b"zero".to_vec(), b"one".to_vec()]);
         });
+        // A second process claiming a rank already taken is refused; the group stands.
+        let port = free_port();
+        std::thread::scope(|scope| {
+            let group =
+                scope.spawn(move || ControlChannel::connect(&env_of(0, 3, port, timeout), PLAN));
+            let first =
+                ControlChannel::connect(&env_of(1, 3, port, timeout), PLAN).expect("rank 1");
+            let error = ControlChannel::connect(&env_of(1, 3, port, timeout), PLAN)
+                .err()
+                .expect("a second rank 1");
+            assert!(
+                error
+                    .to_string()
+                    .contains("a second process claiming RANK=1"),
+                "{error}"
+            );
+            let third =
+                ControlChannel::connect(&env_of(2, 3, port, timeout), PLAN).expect("rank 2");
+            assert!(
+                group.join().expect("rank 0").is_ok(),
+                "rank 0 formed the group"
+            );
+            drop((first, third));
+        });
+    }
+
+    #[test]
+    fn a_rank_that_finds_no_moeforge_rank_0_says_so() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a port");
+        let port = listener.local_addr().expect("its address").port();
+        std::thread::scope(|scope| {
+            // A server that answers every connection with an HTTP status line.
+            scope.spawn(move || {
+                let (mut stream, _) = listener.accept().expect("a connection");
+                let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+            });
+            let error = ControlChannel::connect(&env_of(1, 2, port, Duration::from_secs(5)), PLAN)
+                .err()
+                .expect("no rank 0 there");
+            assert!(
+                matches!(error, ChannelError::NotRankZero { rank: 1, .. }),
+                "{error}"
+            );
+        });
+    }
+
+    #[test]
+    fn a_trickling_peer_cannot_stretch_the_bound() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a port");
+        let addr = listener.local_addr().expect("its address");
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                let (mut stream, _) = listener.accept().expect("a connection");
+                let _ = stream.write_all(&100u32.to_le_bytes());
+                for _ in 0..40 {
+                    if stream.write_all(&[0]).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            });
+            let mut stream = TcpStream::connect(addr).expect("connected");
+            let started = Instant::now();
+            let error = read_frame(&mut stream, started + Duration::from_millis(300))
+                .expect_err("the message never completes");
+            assert!(matches!(error, FrameError::TimedOut(_)), "{error:?}");
+            assert!(
+                started.elapsed() < Duration::from_millis(1500),
+                "the deadline holds across reads: {:?}",
+                started.elapsed()
+            );
+        });
+    }
+
+    #[test]
+    fn the_ranks_learn_why_rank_0_ended_the_group() {
+        let results = on_ranks(3, Duration::from_secs(30), |env| {
+            let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
+            if env.rank == 2 {
+                // Leaves without taking part in the gather, as a process that exited.
+                return None;
+            }
+            Some(channel.all_gather(b"still here"))
+        });
+        let error = results[1]
+            .as_ref()
+            .expect("rank 1 gathered")
+            .as_ref()
+            .expect_err("rank 2 left");
+        assert!(
+            matches!(error, ChannelError::GroupEnded { rank: 1, .. })
+                && error.to_string().contains("lost rank 2"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn rank_0_listens_on_every_interface_unless_told_loopback() {
+        let resolved: SocketAddr = "127.0.1.1:29500".parse().expect("an address");
+        assert_eq!(
+            listening_address("my-host", resolved),
+            "0.0.0.0:29500".parse().expect("an address")
+        );
+        let loopback: SocketAddr = "127.0.0.1:29500".parse().expect("an address");
+        assert_eq!(listening_address("127.0.0.1", loopback), loopback);
+        assert_eq!(listening_address("localhost", loopback), loopback);
+        let v6: SocketAddr = "[fd00::1]:29500".parse().expect("an address");
+        assert_eq!(
+            listening_address("fd00::1", v6),
+            "[::]:29500".parse().expect("an address")
+        );
+    }
+
+    #[test]
+    fn a_run_id_comes_from_moeforge_or_torchrun() {
+        let id = |pairs: &[(&'static str, &'static str)]| {
+            let mut all = FULL.to_vec();
+            all.extend_from_slice(pairs);
+            LaunchEnv::from_vars(vars(&all)).expect("valid").run_id
+        };
+        assert_eq!(id(&[]), None);
+        assert_eq!(id(&[("TORCHELASTIC_RUN_ID", "none")]), None);
+        assert_eq!(
+            id(&[("TORCHELASTIC_RUN_ID", "abc")]).as_deref(),
+            Some("abc")
+        );
+        assert_eq!(
+            id(&[("TORCHELASTIC_RUN_ID", "abc"), ("MOEFORGE_RUN_ID", "mine")]).as_deref(),
+            Some("mine")
+        );
     }
 }

@@ -59,7 +59,8 @@ pub struct Args {
     /// Expert-parallel ranks as virtual ranks on one GPU (1: every expert on one GPU).
     #[arg(long, conflicts_with = "gpus")]
     ranks: Option<u32>,
-    /// Expert-parallel ranks on this many GPUs, one rank each, driven by this process.
+    /// Expert-parallel ranks on this many GPUs, one rank each, driven by this process (or,
+    /// launched as a group of rank processes, the ranks of the group: WORLD_SIZE).
     #[arg(long)]
     gpus: Option<u32>,
     #[command(flatten)]
@@ -554,7 +555,21 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         Err(status) => return status,
     };
     let shape = plan.shape.clone();
-    let mut rank = match group::start(env, plan, fresh_seed(args.seed)) {
+    let mut rank = match group::start(
+        env,
+        plan,
+        fresh_seed(args.seed),
+        &format!(
+            "--tokens {} --iterations {} --routing {}",
+            tokens
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            args.iterations,
+            routing_name(args.routing)
+        ),
+    ) {
         Ok(rank) => rank,
         Err(status) => return status,
     };

@@ -17,6 +17,7 @@ use moeforge::compiler::plan::ep::Placement;
 use moeforge::compiler::plan::{Plan, Target};
 use moeforge::runtime::ep::EpLayer;
 use moeforge::runtime::harness::{BuiltLayer, Session};
+use moeforge::runtime::ipc::plan_fingerprint;
 use moeforge::runtime::process_group::{ControlChannel, LaunchEnv};
 
 use super::planning::{RankChoice, build_on_gpu_on, one_layer, plan_file_over, plan_one};
@@ -119,9 +120,17 @@ pub struct RankBuilt {
 }
 
 /// Meets the group, agrees on rank 0's `seed`, builds the layer on GPU `LOCAL_RANK` and
-/// joins the expert-parallel layer. Each rank reports its own failures; its peers then
-/// see it leave.
-pub fn start(env: &LaunchEnv, plan: Plan, seed: u64) -> Result<RankBuilt, ExitCode> {
+/// joins the expert-parallel layer. `settings` says what the command does on every rank
+/// alike (the calls a rank makes, a bench's token counts): a rank whose settings differ
+/// from rank 0's would wait in a collective the others never reach, so every rank
+/// refuses such a group at once. Each rank reports its own failures; its peers then see
+/// it leave.
+pub fn start(
+    env: &LaunchEnv,
+    plan: Plan,
+    seed: u64,
+    settings: &str,
+) -> Result<RankBuilt, ExitCode> {
     let rank = env.rank;
     let fail = |status: ExitCode| {
         move |error: &dyn std::fmt::Display| {
@@ -133,19 +142,40 @@ pub fn start(env: &LaunchEnv, plan: Plan, seed: u64) -> Result<RankBuilt, ExitCo
         "rank {rank} of {}: meeting the group at {} ...",
         env.world_size, env.rendezvous
     );
-    let mut channel = ControlChannel::connect(env).map_err(|e| fail(usage_error())(&e))?;
-    let seeds = channel
-        .all_gather(&seed.to_le_bytes())
+    let fingerprint = plan_fingerprint(&plan).map_err(|e| fail(invalid_input())(&e))?;
+    let mut channel =
+        ControlChannel::connect(env, &fingerprint).map_err(|e| fail(usage_error())(&e))?;
+    let mut mine = seed.to_le_bytes().to_vec();
+    mine.extend_from_slice(settings.as_bytes());
+    let all = channel
+        .all_gather(&mine)
         .map_err(|e| fail(invalid_input())(&e))?;
-    let seed = seeds[0]
-        .as_slice()
-        .try_into()
-        .map(u64::from_le_bytes)
-        .map_err(|_| fail(invalid_input())(&"rank 0 sent a seed that is not 8 bytes"))?;
+    let Some((seed, leaders)) = all[0].split_first_chunk::<8>() else {
+        return Err(fail(invalid_input())(&"rank 0 sent no seed"));
+    };
+    let seed = u64::from_le_bytes(*seed);
+    if let Some(other) = all
+        .iter()
+        .position(|theirs| theirs.get(8..) != Some(leaders))
+    {
+        let said =
+            |bytes: &[u8]| String::from_utf8_lossy(bytes.get(8..).unwrap_or_default()).into_owned();
+        return Err(fail(usage_error())(&format!(
+            "rank {other} was launched with other settings than rank 0 ({}, rank 0: {}); launch every rank with the same ones",
+            said(&all[other]),
+            said(&all[0])
+        )));
+    }
     let (session, built) = build_on_gpu_on(env.local_rank as usize, plan, seed)?;
     let ep = session
         .join_expert_parallel_group(&built, channel)
-        .map_err(|e| fail(invalid_input())(&e))?;
+        .map_err(|e| {
+            let status = fail(invalid_input())(&e);
+            if e.left_a_transfer_stuck() {
+                leave_now();
+            }
+            status
+        })?;
     Ok(RankBuilt {
         session,
         built,
@@ -161,7 +191,13 @@ pub fn start(env: &LaunchEnv, plan: Plan, seed: u64) -> Result<RankBuilt, ExitCo
 /// transfer.
 pub fn exit_if_network_abandoned(ep: &EpLayer) {
     if ep.network_abandoned() {
-        // SAFETY: `_exit` ends the process at once; nothing runs after it.
-        unsafe { libc::_exit(1) };
+        leave_now();
     }
+}
+
+/// Ends the process at once with status 1, without the driver's exit-time tear-down
+/// (see [`exit_if_network_abandoned`]).
+fn leave_now() -> ! {
+    // SAFETY: `_exit` ends the process at once; nothing runs after it.
+    unsafe { libc::_exit(1) }
 }

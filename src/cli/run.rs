@@ -476,8 +476,10 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         );
         return usage_error();
     }
+    // The other ranks would wait for this one until their bound: fail, as bench does.
     if let Err(error) = toolkit::driver_available() {
-        return compile_only(&plan, &error.to_string());
+        eprintln!("error: rank {} needs a GPU: {error}", env.rank);
+        return usage_error();
     }
     let shape = plan.shape.clone();
     let group::RankBuilt {
@@ -485,7 +487,12 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         built,
         mut ep,
         seed,
-    } = match group::start(env, plan, fresh_seed(args.seed)) {
+    } = match group::start(
+        env,
+        plan,
+        fresh_seed(args.seed),
+        &format!("--calls {}", args.calls),
+    ) {
         Ok(rank) => rank,
         Err(status) => return status,
     };
