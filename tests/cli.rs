@@ -889,7 +889,14 @@ fn rank_processes_launched_wrong_say_what_to_set() {
     let mut alone = full.to_vec();
     alone.push(("MOEFORGE_RENDEZVOUS_TIMEOUT", "0.5"));
     let output = moeforge_with_env(
-        &["run", "dsl-examples/tiny.moe", "--tokens", "4", "--gpus", "2"],
+        &[
+            "run",
+            "dsl-examples/tiny.moe",
+            "--tokens",
+            "4",
+            "--gpus",
+            "2",
+        ],
         &alone,
     );
     let stderr = String::from_utf8_lossy(&output.stderr);

@@ -55,13 +55,19 @@ impl HarnessError {
     /// still on this process's stream (the communicator was left as it is): the driver's
     /// exit-time tear-down would wait for it too, so the process should leave at once.
     pub fn left_a_transfer_stuck(&self) -> bool {
-        matches!(
-            self,
-            HarnessError::Layer(
-                LayerError::Group(GroupError::Timeout { .. })
-                    | LayerError::Network(crate::network::NetworkError::Unreachable { .. })
+        let stuck = |network: &crate::network::NetworkError| {
+            matches!(
+                network,
+                crate::network::NetworkError::Unreachable { .. }
+                    | crate::network::NetworkError::JoinTimeout { .. }
             )
-        )
+        };
+        match self {
+            HarnessError::Layer(LayerError::Group(GroupError::Timeout { .. })) => true,
+            HarnessError::Layer(LayerError::Group(GroupError::Network(network)))
+            | HarnessError::Layer(LayerError::Network(network)) => stuck(network),
+            _ => false,
+        }
     }
 }
 

@@ -298,15 +298,13 @@ pub(crate) fn join_nccl(
     for (slot, &byte) in internal.iter_mut().zip(&ids[0]) {
         *slot = byte as c_char;
     }
-    stream
-        .context()
-        .bind_to_thread()
-        .context("binding a context")?;
     Ok(GroupComm::init(
+        stream.context(),
         channel.rank(),
         channel.world_size(),
         internal,
         max_ctas,
+        channel.timeout(),
     )?)
 }
 

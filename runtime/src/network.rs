@@ -99,6 +99,10 @@ pub enum NetworkError {
     #[error("NCCL failed while {context}: {result}")]
     Nccl { context: String, result: String },
     #[error(
+        "rank {rank}: joining the NCCL communicator did not finish within {seconds:.0} s (the rendezvous bound); a rank stopped during set-up: see its output (NCCL's set-up stays blocked, so leave the process)"
+    )]
+    JoinTimeout { rank: u32, seconds: f64 },
+    #[error(
         "the plan's network step moves bytes {offset}..{end} of `{buffer}`, which holds {bytes}; the plan and its workspace disagree"
     )]
     OutOfBuffer {
@@ -178,6 +182,51 @@ fn config_with_max_ctas(max_ctas: u32, version: c_int) -> nccl_sys::ncclConfig_t
     }
 }
 
+/// A communicator just made, on its way from the thread that joined it.
+struct JoinedComm(nccl_sys::ncclComm_t);
+
+// SAFETY: the thread that made it hands it over and never touches it again.
+unsafe impl Send for JoinedComm {}
+
+/// Joins the communicator (the device must be current): see [`GroupComm::init`].
+fn join_communicator(
+    rank: u32,
+    world_size: u32,
+    id: [c_char; 128],
+    max_ctas: Option<u32>,
+) -> Result<JoinedComm, NetworkError> {
+    let id = nccl_sys::ncclUniqueId { internal: id };
+    let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
+    match max_ctas {
+        Some(max_ctas) => {
+            let version =
+                nccl_result::get_nccl_version().map_err(nccl_failed("reading NCCL's version"))?;
+            let mut config = config_with_max_ctas(max_ctas, version);
+            // SAFETY: valid out-pointer and config; the id came from rank 0.
+            unsafe {
+                nccl_result::comm_init_rank_config(
+                    &mut comm,
+                    world_size as c_int,
+                    id,
+                    rank as c_int,
+                    &mut config,
+                )
+            }
+            .map_err(nccl_failed(format!(
+                "joining the communicator with at most {max_ctas} CTAs (ncclCommInitRankConfig)"
+            )))?;
+        }
+        None => {
+            // SAFETY: valid out-pointer; the id came from rank 0.
+            unsafe {
+                nccl_result::comm_init_rank(&mut comm, world_size as c_int, id, rank as c_int)
+            }
+            .map_err(nccl_failed("joining the communicator (ncclCommInitRank)"))?;
+        }
+    }
+    Ok(JoinedComm(comm))
+}
+
 /// The group's NCCL communicator.
 pub struct GroupComm {
     comm: nccl_sys::ncclComm_t,
@@ -193,49 +242,50 @@ pub struct GroupComm {
 unsafe impl Send for GroupComm {}
 
 impl GroupComm {
-    /// Joins the communicator of `world_size` ranks as `rank` with the unique id `id`
-    /// (the device must be current), held to `max_ctas` CTAs when given.
+    /// Joins the communicator of `world_size` ranks as `rank` with the unique id `id` on
+    /// `ctx`'s device, held to `max_ctas` CTAs when given. NCCL's set-up waits for every
+    /// rank, and one that died after the id went round would hold it for ever: it runs on a
+    /// thread of its own, awaited for at most `timeout`; past it the thread is left
+    /// blocked and the error is [`NetworkError::JoinTimeout`].
     pub(crate) fn init(
+        ctx: &Arc<CudaContext>,
         rank: u32,
         world_size: u32,
         id: [c_char; 128],
         max_ctas: Option<u32>,
+        timeout: Duration,
     ) -> Result<Self, NetworkError> {
-        let id = nccl_sys::ncclUniqueId { internal: id };
-        let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
-        match max_ctas {
-            Some(max_ctas) => {
-                let version = nccl_result::get_nccl_version()
-                    .map_err(nccl_failed("reading NCCL's version"))?;
-                let mut config = config_with_max_ctas(max_ctas, version);
-                // SAFETY: valid out-pointer and config; the id came from rank 0.
-                unsafe {
-                    nccl_result::comm_init_rank_config(
-                        &mut comm,
-                        world_size as c_int,
-                        id,
-                        rank as c_int,
-                        &mut config,
-                    )
-                }
-                .map_err(nccl_failed(format!(
-                    "joining the communicator with at most {max_ctas} CTAs (ncclCommInitRankConfig)"
-                )))?;
-            }
-            None => {
-                // SAFETY: valid out-pointer; the id came from rank 0.
-                unsafe {
-                    nccl_result::comm_init_rank(&mut comm, world_size as c_int, id, rank as c_int)
-                }
-                .map_err(nccl_failed("joining the communicator (ncclCommInitRank)"))?;
-            }
+        let (sent, joined) = std::sync::mpsc::channel();
+        let ctx = Arc::clone(ctx);
+        std::thread::Builder::new()
+            .name(format!("nccl-join-{rank}"))
+            .spawn(move || {
+                let comm = ctx
+                    .bind_to_thread()
+                    .map_err(|e| NetworkError::Nccl {
+                        context: "binding the device to the joining thread".to_string(),
+                        result: e.to_string(),
+                    })
+                    .and_then(|()| join_communicator(rank, world_size, id, max_ctas));
+                // The receiver is gone after a time-out: the communicator is left then.
+                let _ = sent.send(comm);
+            })
+            .map_err(|e| NetworkError::Nccl {
+                context: "starting the thread that joins the communicator".to_string(),
+                result: e.to_string(),
+            })?;
+        match joined.recv_timeout(timeout) {
+            Ok(comm) => Ok(GroupComm {
+                comm: comm?.0,
+                rank,
+                world_size,
+                abandoned: Cell::new(false),
+            }),
+            Err(_) => Err(NetworkError::JoinTimeout {
+                rank,
+                seconds: timeout.as_secs_f64(),
+            }),
         }
-        Ok(GroupComm {
-            comm,
-            rank,
-            world_size,
-            abandoned: Cell::new(false),
-        })
     }
 
     pub fn rank(&self) -> u32 {
