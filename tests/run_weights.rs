@@ -319,6 +319,26 @@ fn weights_errors_are_typed_with_hints() {
             .collect();
         t.extend(more);
     });
+    // Twice the spec's experts; expert 7 of 8 absent altogether (a shard not downloaded).
+    write_tiny_raw(&tmp.join("sixteen_experts.safetensors"), |t| {
+        let more: Vec<_> = t
+            .iter()
+            .map(|(name, dtype, dims)| {
+                let e: u32 = name
+                    .split('.')
+                    .nth(5)
+                    .and_then(|e| e.parse().ok())
+                    .expect("an expert");
+                let renamed =
+                    name.replace(&format!(".experts.{e}."), &format!(".experts.{}.", e + 8));
+                (renamed, *dtype, dims.clone())
+            })
+            .collect();
+        t.extend(more);
+    });
+    write_tiny_raw(&tmp.join("seven_experts.safetensors"), |t| {
+        t.retain(|(name, ..)| !name.contains(".experts.7."));
+    });
     std::fs::create_dir(tmp.join("empty")).expect("empty folder");
     // A spec whose ffn is half the checkpoints'.
     let half_ffn = tmp.join("half_ffn.moe");
@@ -332,7 +352,7 @@ fn weights_errors_are_typed_with_hints() {
         args.extend(more.iter().map(|a| a.to_string()));
         args
     };
-    let cases: [(&str, &str, Vec<String>); 13] = [
+    let cases: [(&str, &str, Vec<String>); 15] = [
         ("no_such_file", TINY, weights("absent.safetensors", &[])),
         ("empty_folder", TINY, weights("empty", &[])),
         ("not_safetensors", TINY, weights("garbage.safetensors", &[])),
@@ -351,6 +371,16 @@ fn weights_errors_are_typed_with_hints() {
             ),
         ),
         ("missing_tensor", TINY, weights("missing.safetensors", &[])),
+        (
+            "more_experts_than_the_spec",
+            TINY,
+            weights("sixteen_experts.safetensors", &[]),
+        ),
+        (
+            "an_expert_missing",
+            TINY,
+            weights("seven_experts.safetensors", &[]),
+        ),
         (
             "wrong_family",
             TINY,

@@ -139,17 +139,27 @@ impl Family {
         self == Family::GptOss
     }
 
+    /// The module whose `experts.{e}.` hold each expert's tensors under `prefix`
+    /// (`model.layers.3.mlp.experts.`), or `None` for a family that stores all experts
+    /// fused in one tensor per projection (GPT-OSS: see [`FusedNames`]).
+    fn experts_module(self, prefix: &str) -> Option<String> {
+        let base = match self {
+            Family::Mixtral => "block_sparse_moe",
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => "mlp",
+            Family::GptOss => return None,
+        };
+        Some(format!("{prefix}{base}.experts."))
+    }
+
     /// Expert `e`'s (gate, up, down) tensor names, or `None` for a family that stores all
     /// experts fused in one tensor per projection (GPT-OSS: see [`FusedNames`]).
     fn expert_names(self, prefix: &str, e: u32) -> Option<[String; 3]> {
-        let (base, [gate, up, down]) = match self {
-            Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => {
-                ("mlp", ["gate_proj", "up_proj", "down_proj"])
-            }
-            Family::GptOss => return None,
+        let module = self.experts_module(prefix)?;
+        let projections = match self {
+            Family::Mixtral => ["w1", "w3", "w2"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
         };
-        Some([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
+        Some(projections.map(|p| format!("{module}{e}.{p}.weight")))
     }
 
     /// The (gate, up, down) tensors of the shared experts under `prefix`, one MLP of FFN
@@ -599,6 +609,26 @@ pub enum CheckpointError {
         if *gated { "set `gated = true` in its `shared_experts { }`" } else { "drop `gated = true`, or name the family whose layer this is" }
     )]
     SharedGate { family: Family, gated: bool },
+    #[error(
+        "the checkpoint names {named} experts under `{module}` ({family} naming){}",
+        match missing {
+            Some(e) => format!("; the spec's layer has `experts = {spec}`, and expert {e} is not there"),
+            None => format!(", numbered up to {highest}; the spec's layer has `experts = {spec}`"),
+        }
+    )]
+    ExpertCount {
+        /// The module the experts are named under (`model.layers.3.mlp.experts.`).
+        module: String,
+        family: Family,
+        /// How many distinct experts it names.
+        named: usize,
+        /// The highest expert number it names.
+        highest: u32,
+        /// The first expert asked for that it does not name, when it names no expert past
+        /// the spec's count.
+        missing: Option<u32>,
+        spec: u32,
+    },
     #[error("rank {rank} of {ranks} does not name an equal share of {experts} experts")]
     Rank { rank: u32, ranks: u32, experts: u32 },
 }
@@ -818,12 +848,13 @@ impl Checkpoint {
         if family.expert_names(prefix, 0).is_none() {
             return self.load_fused_experts(family, prefix, shape, experts);
         }
+        let routed = experts.start..experts.end.min(shape.experts);
+        self.check_expert_count(family, prefix, shape, routed.clone())?;
         let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
         let matrix = hidden * ffn;
         let count = experts.len();
         let mut w1 = vec![0u16; count * 2 * matrix];
         let mut w2 = vec![0u16; count * matrix];
-        let routed = experts.start..experts.end.min(shape.experts);
         for (local, e) in routed.clone().enumerate() {
             let Some([gate, up, down]) = family.expert_names(prefix, e) else {
                 unreachable!("a family names every expert or none");
@@ -859,6 +890,47 @@ impl Checkpoint {
             w2,
             biases: None,
             shared_gate,
+        })
+    }
+
+    /// Refuses a layer whose checkpoint, under `family`'s per-expert names, names experts
+    /// past the spec's count (the count is wrong: loading would drop the others unsaid) or
+    /// lacks one of the routed experts `wanted` (a shard missing, or the count wrong); a
+    /// file holding one rank's experts loads for that rank. A layer naming none is let
+    /// through: the first tensor looked for then names the nearest name held (a wrong
+    /// family or prefix). GPT-OSS's fused tensors carry the count in their shape.
+    fn check_expert_count(
+        &self,
+        family: Family,
+        prefix: &str,
+        shape: &LayerShape,
+        wanted: Range<u32>,
+    ) -> Result<(), CheckpointError> {
+        let Some(module) = family.experts_module(prefix) else {
+            return Ok(());
+        };
+        let named: BTreeSet<u32> = self
+            .names
+            .range(module.clone()..)
+            .map(|(name, _)| name)
+            .take_while(|name| name.starts_with(&module))
+            .filter_map(|name| name[module.len()..].split_once('.')?.0.parse().ok())
+            .collect();
+        let Some(&highest) = named.last() else {
+            return Ok(());
+        };
+        let spec = shape.experts;
+        let missing = wanted.clone().find(|e| !named.contains(e));
+        if highest < spec && missing.is_none() {
+            return Ok(());
+        }
+        Err(CheckpointError::ExpertCount {
+            module,
+            family,
+            named: named.len(),
+            highest,
+            missing,
+            spec,
         })
     }
 

@@ -341,6 +341,89 @@ fn missing_tensors_name_the_nearest_one() {
 }
 
 #[test]
+fn experts_past_the_specs_count_or_missing_ones_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let module = format!("{PREFIX}mlp.experts.");
+
+    // Twice the spec's experts: loading the first E would drop the others unsaid.
+    write(&file, &expert_tensors(Family::Qwen3Moe, 0..2 * E));
+    for which in [ExpertSet::All, ExpertSet::Rank { rank: 0, ranks: 2 }] {
+        let err = load(&file, Family::Qwen3Moe, which).unwrap_err();
+        let CheckpointError::ExpertCount {
+            module: named_under,
+            family,
+            named,
+            highest,
+            missing,
+            spec,
+        } = &err
+        else {
+            panic!("{err}")
+        };
+        assert_eq!(named_under, &module);
+        assert_eq!(*family, Family::Qwen3Moe);
+        assert_eq!(
+            (*named, *highest, *missing, *spec),
+            (2 * E, 2 * E as u32 - 1, None, E as u32)
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the checkpoint names 8 experts under `{module}` (Qwen3-MoE naming), numbered up to 7; \
+                 the spec's layer has `experts = 4`"
+            )
+        );
+    }
+
+    // Expert 2 absent altogether (its shard not downloaded, say): not a wrong family. The
+    // rank that does not hold it loads.
+    let mut tensors = expert_tensors(Family::Mixtral, 0..E);
+    tensors.retain(|t| !t.0.contains(".experts.2."));
+    write(&file, &tensors);
+    let rank = |rank| ExpertSet::Rank { rank, ranks: 2 };
+    check_layout(&load(&file, Family::Mixtral, rank(0)).unwrap());
+    let err = load(&file, Family::Mixtral, rank(1)).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            CheckpointError::ExpertCount {
+                named: 3,
+                highest: 3,
+                missing: Some(2),
+                spec: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the checkpoint names 3 experts under `{PREFIX}block_sparse_moe.experts.` (Mixtral naming); \
+             the spec's layer has `experts = 4`, and expert 2 is not there"
+        )
+    );
+
+    // The last expert absent: fewer than the spec's, numbered below it.
+    let mut tensors = expert_tensors(Family::Qwen3Moe, 0..E);
+    tensors.retain(|t| !t.0.contains(".experts.3."));
+    write(&file, &tensors);
+    let err = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            CheckpointError::ExpertCount {
+                named: 3,
+                missing: Some(3),
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
 fn shape_and_dtype_errors_name_the_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("model.safetensors");

@@ -237,6 +237,19 @@ fn hint(error: &CheckpointError) -> Option<String> {
              `mlp.experts.gate_up_proj` and `down_proj` (all experts in one tensor each)"
                 .to_owned()
         }
+        CheckpointError::ExpertCount {
+            highest,
+            missing: None,
+            ..
+        } => format!(
+            "set `experts = {}` in the spec, as the model's config.json does (num_local_experts, num_experts \
+             or n_routed_experts)",
+            highest + 1
+        ),
+        CheckpointError::ExpertCount { named, .. } => format!(
+            "is a shard of the checkpoint missing (an incomplete download)? If the model has {named} experts, \
+             set `experts = {named}` in the spec"
+        ),
         CheckpointError::Shape {
             expected, found, ..
         } if expected.iter().rev().eq(found.iter()) => {
