@@ -103,13 +103,16 @@ struct QuantizationConfig {
 pub enum Family {
     /// `{prefix}block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down).
     Mixtral,
-    /// `{prefix}mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`.
+    /// `{prefix}mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, and no shared experts.
     Qwen3Moe,
     /// The same expert names as Qwen3-MoE, and a gated shared expert:
     /// `mlp.shared_expert.gate_proj/up_proj/down_proj.weight` and
     /// `mlp.shared_expert_gate.weight` [1, H] (Qwen1.5-MoE, Qwen2-MoE).
     Qwen2Moe,
-    /// The same expert names as Qwen3-MoE; the router adds `mlp.gate.e_score_correction_bias`.
+    /// The same expert names as Qwen3-MoE, with shared experts
+    /// `mlp.shared_experts.gate_proj/up_proj/down_proj.weight` (one ungated MLP) and a router
+    /// that adds `mlp.gate.e_score_correction_bias` (DeepSeek-V3; DeepSeek-V2 has the shared
+    /// experts only, and is read by the same names).
     DeepseekV3,
     /// Fused `{prefix}mlp.experts.gate_up_proj` [E, H, 2F] and `down_proj`, with biases.
     GptOss,
@@ -233,29 +236,51 @@ impl Family {
         }
     }
 
-    /// A tensor that shows the family's layout under `prefix` (expert 0's gate projection,
-    /// or GPT-OSS's fused tensor), and the tensors that must be there (`true`) or absent.
-    fn marker(self, prefix: &str) -> (Vec<String>, Vec<(String, bool)>) {
-        let gpt_oss = || {
-            vec![
-                format!("{prefix}mlp.experts.gate_up_proj"),
-                format!("{prefix}mlp.experts.gate_up_proj_blocks"),
-            ]
-        };
+    /// The tensors under `prefix` that show the family's naming ([`Marker`]).
+    fn marker(self, prefix: &str) -> Marker {
         let bias = format!("{prefix}mlp.gate.e_score_correction_bias");
+        let shared_experts = format!("{prefix}mlp.shared_experts.gate_proj.weight");
         let shared_gate = format!("{prefix}mlp.shared_expert_gate.weight");
         let expert_0 = vec![format!("{prefix}mlp.experts.0.gate_proj.weight")];
-        match self {
+        let (experts, with_one_of, without) = match self {
             Family::Mixtral => (
                 vec![format!("{prefix}block_sparse_moe.experts.0.w1.weight")],
                 Vec::new(),
+                Vec::new(),
             ),
-            Family::Qwen3Moe => (expert_0, vec![(bias, false), (shared_gate, false)]),
-            Family::Qwen2Moe => (expert_0, vec![(bias, false), (shared_gate, true)]),
-            Family::DeepseekV3 => (expert_0, vec![(bias, true)]),
-            Family::GptOss => (gpt_oss(), Vec::new()),
+            Family::Qwen3Moe => (
+                expert_0,
+                Vec::new(),
+                vec![bias, shared_experts, shared_gate],
+            ),
+            Family::Qwen2Moe => (expert_0, vec![shared_gate], vec![bias]),
+            // DeepSeek-V2 has the shared experts without the correction bias.
+            Family::DeepseekV3 => (expert_0, vec![bias, shared_experts], Vec::new()),
+            Family::GptOss => (
+                vec![
+                    format!("{prefix}mlp.experts.gate_up_proj"),
+                    format!("{prefix}mlp.experts.gate_up_proj_blocks"),
+                ],
+                Vec::new(),
+                Vec::new(),
+            ),
+        };
+        Marker {
+            experts,
+            with_one_of,
+            without,
         }
     }
+}
+
+/// How [`Checkpoint::detect`] tells a family's naming under a layer prefix: one of
+/// `experts` (expert 0's gate projection, or GPT-OSS's fused tensor), which families with
+/// the same expert names share, told apart by the layer's other tensors: at least one
+/// of `with_one_of` (when not empty) and none of `without`.
+struct Marker {
+    experts: Vec<String>,
+    with_one_of: Vec<String>,
+    without: Vec<String>,
 }
 
 impl fmt::Display for Family {
@@ -796,19 +821,22 @@ impl Checkpoint {
     }
 
     /// The families whose expert tensors are named under `prefix` (expert 0's gate
-    /// projection, or GPT-OSS's fused tensor). Qwen3-MoE and DeepSeek-V3 share expert
-    /// names; DeepSeek-V3 is reported when `{prefix}mlp.gate.e_score_correction_bias`
-    /// is there, Qwen3-MoE when it is not. A report, not a choice: loading still takes
-    /// the family from the caller.
+    /// projection, or GPT-OSS's fused tensor). Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 share
+    /// expert names, told apart by the layer's other tensors: DeepSeek-V3 is reported
+    /// when `{prefix}mlp.gate.e_score_correction_bias` or the shared experts
+    /// `{prefix}mlp.shared_experts.gate_proj.weight` are there (DeepSeek-V2 has the
+    /// latter only), Qwen2-MoE when `{prefix}mlp.shared_expert_gate.weight` is (and no
+    /// correction bias), Qwen3-MoE when none of them is. A report, not a choice: loading
+    /// still takes the family from the caller.
     pub fn detect(&self, prefix: &str) -> Vec<Family> {
+        let held = |name: &String| self.names.contains_key(name);
         Family::ALL
             .into_iter()
             .filter(|family| {
-                let (any_of, conditions) = family.marker(prefix);
-                any_of.iter().any(|n| self.names.contains_key(n))
-                    && conditions
-                        .iter()
-                        .all(|(n, present)| self.names.contains_key(n) == *present)
+                let marker = family.marker(prefix);
+                marker.experts.iter().any(held)
+                    && (marker.with_one_of.is_empty() || marker.with_one_of.iter().any(held))
+                    && !marker.without.iter().any(held)
             })
             .collect()
     }
@@ -819,7 +847,7 @@ impl Checkpoint {
     pub fn expert_layers(&self) -> Vec<String> {
         let mut prefixes = BTreeSet::new();
         for family in Family::ALL {
-            for marker in family.marker("").0 {
+            for marker in family.marker("").experts {
                 prefixes.extend(
                     self.names
                         .keys()

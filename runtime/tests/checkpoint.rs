@@ -622,12 +622,23 @@ fn detect_reports_the_families_named_under_a_prefix() {
 
     let mut qwen = expert_tensors(Family::Qwen3Moe, 0..E);
     assert_eq!(detect(&qwen, PREFIX), [Family::Qwen3Moe]);
-    qwen.push(bf16_tensor(
+    // DeepSeek-V2's layer: shared experts, no correction bias; then V3's, with both.
+    let mut deepseek = qwen.clone();
+    deepseek.extend(shared_tensors());
+    assert_eq!(detect(&deepseek, PREFIX), [Family::DeepseekV3]);
+    let bias = bf16_tensor(
         format!("{PREFIX}mlp.gate.e_score_correction_bias"),
         vec![E],
         0..E as u16,
-    ));
+    );
+    deepseek.push(bias.clone());
+    assert_eq!(detect(&deepseek, PREFIX), [Family::DeepseekV3]);
+    qwen.push(bias);
     assert_eq!(detect(&qwen, PREFIX), [Family::DeepseekV3]);
+    // Qwen2-MoE's gated shared expert.
+    let mut qwen2 = expert_tensors(Family::Qwen2Moe, 0..E);
+    qwen2.extend(qwen2_shared_tensors());
+    assert_eq!(detect(&qwen2, PREFIX), [Family::Qwen2Moe]);
 
     let gpt_oss = [bf16_tensor(
         format!("{PREFIX}mlp.experts.gate_up_proj"),

@@ -42,14 +42,15 @@ pub struct WeightsArgs {
 pub enum FamilyArg {
     /// `block_sparse_moe.experts.N.w1/w3/w2.weight`.
     Mixtral,
-    /// `mlp.experts.N.gate_proj/up_proj/down_proj.weight`.
+    /// `mlp.experts.N.gate_proj/up_proj/down_proj.weight`, without shared experts.
     #[value(name = "qwen3-moe")]
     Qwen3Moe,
     /// As Qwen3-MoE, with a gated shared expert: `mlp.shared_expert.*` and
     /// `mlp.shared_expert_gate.weight` (Qwen1.5-MoE, Qwen2-MoE).
     #[value(name = "qwen2-moe")]
     Qwen2Moe,
-    /// As Qwen3-MoE, with `mlp.gate.e_score_correction_bias`.
+    /// As Qwen3-MoE, with shared experts `mlp.shared_experts.*` and
+    /// `mlp.gate.e_score_correction_bias` (DeepSeek-V3; DeepSeek-V2 has no bias).
     #[value(name = "deepseek-v3")]
     DeepseekV3,
     /// Fused `mlp.experts.gate_up_proj` and `down_proj`, with biases (or the MXFP4
