@@ -13,7 +13,7 @@ mod common;
 use common::moeforge;
 
 use moeforge::compiler::compile_source;
-use moeforge::compiler::ir::RouterBias;
+use moeforge::compiler::ir::{Activation, RouterBias};
 use moeforge::compiler::plan::{self, LayerShape, Target};
 use moeforge::runtime::checkpoint::{Family, INDEX_FILE, write_experts, write_layer};
 use moeforge::runtime::weights;
@@ -339,6 +339,21 @@ fn weights_errors_are_typed_with_hints() {
     write_tiny_raw(&tmp.join("seven_experts.safetensors"), |t| {
         t.retain(|(name, ..)| !name.contains(".experts.7."));
     });
+    // The tiny layer as GPT-OSS stores it: its expert math is not tiny.moe's.
+    let gpt_oss_shape = LayerShape {
+        activation: Activation::ClampedSwiglu,
+        expert_bias: true,
+        ..shape.clone()
+    };
+    let gpt_oss_experts = weights::random(&gpt_oss_shape, 0..shape.experts, 5);
+    write_experts(
+        &tmp.join("gpt_oss.safetensors"),
+        Family::GptOss,
+        "model.layers.0.",
+        &gpt_oss_shape,
+        &gpt_oss_experts,
+    )
+    .expect("the checkpoint is written");
     std::fs::create_dir(tmp.join("empty")).expect("empty folder");
     // A spec whose ffn is half the checkpoints'.
     let half_ffn = tmp.join("half_ffn.moe");
@@ -352,7 +367,7 @@ fn weights_errors_are_typed_with_hints() {
         args.extend(more.iter().map(|a| a.to_string()));
         args
     };
-    let cases: [(&str, &str, Vec<String>); 15] = [
+    let cases: [(&str, &str, Vec<String>); 16] = [
         ("no_such_file", TINY, weights("absent.safetensors", &[])),
         ("empty_folder", TINY, weights("empty", &[])),
         ("not_safetensors", TINY, weights("garbage.safetensors", &[])),
@@ -393,6 +408,11 @@ fn weights_errors_are_typed_with_hints() {
             "gpt_oss_family",
             TINY,
             weights("good.safetensors", &["--family", "gpt-oss"]),
+        ),
+        (
+            "gpt_oss_checkpoint_swiglu_spec",
+            TINY,
+            weights("gpt_oss.safetensors", &[]),
         ),
         (
             "layer_of_another_size",

@@ -558,6 +558,20 @@ pub enum CheckpointError {
         prefix: String,
         families: Vec<Family>,
     },
+    #[error(
+        "the family given is {given}, whose experts under `{prefix}` would be named like `{expected}`, \
+         but the checkpoint names them as {} does",
+        named_as.iter().map(ToString::to_string).collect::<Vec<_>>().join(" or ")
+    )]
+    GivenFamilyMismatch {
+        prefix: String,
+        given: Family,
+        /// The tensor that would show the given family's naming (expert 0's gate
+        /// projection, or GPT-OSS's fused tensor).
+        expected: String,
+        /// The families [`Checkpoint::detect`] reports under the prefix.
+        named_as: Vec<Family>,
+    },
     #[error("{what} holds {got} elements; {experts} experts of the layer need {expected}")]
     HostSize {
         what: &'static str,
@@ -1603,8 +1617,11 @@ impl CheckpointLayer {
     /// [`CheckpointError::NoExpertsUnderPrefix`], listing the layers there are. `family`
     /// names the tensors; without it, the family [`Checkpoint::detect`] reports under the
     /// prefix (none: `NoExpertsUnderPrefix`; several: [`CheckpointError::SeveralFamilies`]).
-    /// A given family is not second-guessed: a wrong one fails at loading, naming the
-    /// tensor it looked for and the nearest name the checkpoint holds.
+    /// A given family whose expert names are not under the prefix while another family's
+    /// are is [`CheckpointError::GivenFamilyMismatch`] (a wrong family, not a wrong spec:
+    /// its activation would be checked first). Otherwise it is taken as given (families
+    /// with the same expert names are not second-guessed), and a wrong one fails at
+    /// loading, naming the tensor it looked for and the nearest name the checkpoint holds.
     pub fn open(
         path: &Path,
         prefix: Option<&str>,
@@ -1643,7 +1660,22 @@ impl CheckpointLayer {
         };
         let family_detected = family.is_none();
         let family = match family {
-            Some(family) => family,
+            Some(given) => {
+                let expected = given.marker(&prefix).experts;
+                let named = expected
+                    .iter()
+                    .any(|name| checkpoint.names.contains_key(name));
+                let named_as = checkpoint.detect(&prefix);
+                if !named && !named_as.is_empty() {
+                    return Err(CheckpointError::GivenFamilyMismatch {
+                        prefix,
+                        given,
+                        expected: expected.into_iter().next().unwrap_or_default(),
+                        named_as,
+                    });
+                }
+                given
+            }
             None => match checkpoint.detect(&prefix).as_slice() {
                 [family] => *family,
                 [] => {

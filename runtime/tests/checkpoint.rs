@@ -758,8 +758,37 @@ fn the_only_layer_and_its_family_are_picked_from_the_names() {
             file.display()
         )
     );
-    // A wrong family fails at loading, naming the tensor and its shape.
-    let err = CheckpointLayer::open(&file, None, Some(Family::Mixtral))
+    // A given family whose expert names are not there, another's being, is refused at
+    // opening (before its activation is held against the spec's).
+    for (given, expected) in [
+        (Family::Mixtral, "block_sparse_moe.experts.0.w1.weight"),
+        (Family::GptOss, "mlp.experts.gate_up_proj"),
+    ] {
+        let err = CheckpointLayer::open(&file, None, Some(given))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                &err,
+                CheckpointError::GivenFamilyMismatch { given: g, named_as, .. }
+                    if *g == given && named_as == &[Family::Qwen3Moe]
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the family given is {given}, whose experts under `{PREFIX}` would be named like \
+                 `{PREFIX}{expected}`, but the checkpoint names them as Qwen3-MoE does"
+            )
+        );
+    }
+    // Where no family's experts are named under the prefix, a wrong family fails at
+    // loading, naming the tensor and its shape.
+    let mut tensors = expert_tensors(Family::Qwen3Moe, 0..E);
+    tensors.retain(|t| !t.0.contains(".experts.0."));
+    write(&file, &tensors);
+    let err = CheckpointLayer::open(&file, Some(PREFIX), Some(Family::Mixtral))
         .unwrap()
         .load(&shape(Activation::Swiglu), ExpertSet::All)
         .unwrap_err();

@@ -59,6 +59,26 @@ pub enum FamilyArg {
     GptOss,
 }
 
+impl From<Family> for FamilyArg {
+    fn from(family: Family) -> Self {
+        match family {
+            Family::Mixtral => FamilyArg::Mixtral,
+            Family::Qwen3Moe => FamilyArg::Qwen3Moe,
+            Family::Qwen2Moe => FamilyArg::Qwen2Moe,
+            Family::DeepseekV3 => FamilyArg::DeepseekV3,
+            Family::GptOss => FamilyArg::GptOss,
+        }
+    }
+}
+
+/// `family`'s value of `--family`.
+fn family_flag(family: Family) -> String {
+    use clap::ValueEnum as _;
+    FamilyArg::from(family)
+        .to_possible_value()
+        .map_or_else(|| family.to_string(), |value| value.get_name().to_owned())
+}
+
 impl From<FamilyArg> for Family {
     fn from(arg: FamilyArg) -> Self {
         match arg {
@@ -195,6 +215,7 @@ fn report(error: &CheckpointError) -> ExitCode {
         | CheckpointError::NoExpertsUnderPrefix { .. }
         | CheckpointError::SeveralLayers { .. }
         | CheckpointError::SeveralFamilies { .. }
+        | CheckpointError::GivenFamilyMismatch { .. }
         | CheckpointError::Rank { .. } => usage_error(),
         _ => invalid_input(),
     }
@@ -224,6 +245,16 @@ fn hint(error: &CheckpointError) -> Option<String> {
         }
         CheckpointError::SeveralFamilies { .. } => {
             format!("say which with --family ({FAMILIES})")
+        }
+        CheckpointError::GivenFamilyMismatch { named_as, .. } => {
+            let flags: Vec<String> = named_as
+                .iter()
+                .map(|family| format!("`--family {}`", family_flag(*family)))
+                .collect();
+            match flags.as_slice() {
+                [one] => format!("pass {one}, or leave --family out: it is read off the tensor names"),
+                several => format!("pass {}", several.join(" or ")),
+            }
         }
         CheckpointError::MissingTensor { tensor, .. } if !tensor.contains(".experts.") => {
             "check --layer-prefix, --family and the spec's `router { bias = ... }`: the router's gate is \
