@@ -606,10 +606,13 @@ pub enum CheckpointError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
-    #[error(
-        "tensor `{tensor}` is {found:?}; the loader reads BF16, F16, F32, F8_E4M3 matrices with block scales, and GPT-OSS's MXFP4 experts"
-    )]
-    Dtype { tensor: String, found: Dtype },
+    #[error("tensor `{tensor}` is {found:?}; the loader reads it as {readable}")]
+    Dtype {
+        tensor: String,
+        found: Dtype,
+        /// What the tensor is, which says the dtypes it may have.
+        readable: ReadableDtypes,
+    },
     #[error(
         "tensor `{tensor}` is F8_E4M3, but its block scales `{scales}` (shape {expected:?}) are not in the checkpoint"
     )]
@@ -670,6 +673,37 @@ pub enum CheckpointError {
     },
     #[error("rank {rank} of {ranks} does not name an equal share of {experts} experts")]
     Rank { rank: u32, ranks: u32, experts: u32 },
+}
+
+/// The dtypes the loader reads a tensor in, by what the tensor is (a
+/// [`CheckpointError::Dtype`] says which).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadableDtypes {
+    /// An expert's, the shared experts' or the router's matrix: BF16, F16, F32, or F8_E4M3
+    /// with its block scales.
+    Matrix,
+    /// GPT-OSS's fused expert matrices: BF16, F16 or F32 (its quantized release stores
+    /// MXFP4 blocks and scales under other names).
+    FusedMatrix,
+    /// A bias or FP8 block scales, read as f32: F32, BF16 or F16.
+    Values,
+    /// GPT-OSS's MXFP4 blocks (two FP4 codes a byte) and E8M0 scales: U8.
+    Mxfp4,
+}
+
+impl fmt::Display for ReadableDtypes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReadableDtypes::Matrix => {
+                "BF16, F16, F32, or F8_E4M3 with `<name>_scale_inv` block scales"
+            }
+            ReadableDtypes::FusedMatrix => {
+                "BF16, F16 or F32 (the MXFP4 release is read from `_blocks` and `_scales` tensors in its place)"
+            }
+            ReadableDtypes::Values => "F32, BF16 or F16 values",
+            ReadableDtypes::Mxfp4 => "U8 (MXFP4 codes, two a byte, or E8M0 scales)",
+        })
+    }
 }
 
 /// One memory-mapped `.safetensors` file and its parsed header.
@@ -1134,6 +1168,7 @@ impl Checkpoint {
                 found => Err(CheckpointError::Dtype {
                     tensor: name.to_owned(),
                     found,
+                    readable: ReadableDtypes::Mxfp4,
                 }),
             }
         };
@@ -1167,6 +1202,7 @@ impl Checkpoint {
                     CheckpointError::Dtype {
                         tensor: name.clone(),
                         found,
+                        readable: ReadableDtypes::Values,
                     }
                 })?;
                 Some(values)
@@ -1200,6 +1236,7 @@ impl Checkpoint {
         to_bf16(tensor.dtype, tensor.bytes, out).map_err(|found| CheckpointError::Dtype {
             tensor: name.to_owned(),
             found,
+            readable: ReadableDtypes::Matrix,
         })
     }
 
@@ -1232,6 +1269,7 @@ impl Checkpoint {
         to_f32(scales.dtype, scales.bytes, &mut scale).map_err(|found| CheckpointError::Dtype {
             tensor: scales_name.clone(),
             found,
+            readable: ReadableDtypes::Values,
         })?;
         if rows == 0 || cols == 0 {
             return Ok(());
@@ -1404,6 +1442,7 @@ impl RawTensor<'_> {
             CheckpointError::Dtype {
                 tensor: name.to_owned(),
                 found,
+                readable: ReadableDtypes::FusedMatrix,
             }
         })
     }
@@ -1414,6 +1453,7 @@ impl RawTensor<'_> {
             CheckpointError::Dtype {
                 tensor: name.to_owned(),
                 found,
+                readable: ReadableDtypes::Values,
             }
         })
     }

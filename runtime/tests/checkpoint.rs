@@ -12,7 +12,7 @@ use moeforge_compiler::plan::LayerShape;
 use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::{
     Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, ExpertStorage, Family, HostWeights,
-    INDEX_FILE, write_experts, write_layer,
+    INDEX_FILE, ReadableDtypes, write_experts, write_layer,
 };
 use moeforge_runtime::reference::layer_output;
 use moeforge_runtime::weights::{self, Weights};
@@ -486,9 +486,11 @@ fn shape_and_dtype_errors_name_the_tensor() {
         err,
         CheckpointError::Dtype {
             found: Dtype::F8_E5M2,
+            readable: ReadableDtypes::Matrix,
             ..
         }
     ));
+    assert!(message.ends_with("is F8_E5M2; the loader reads it as BF16, F16, F32, or F8_E4M3 with `<name>_scale_inv` block scales"), "{message}");
 }
 
 #[test]
@@ -1411,7 +1413,7 @@ fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
         .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
         .unwrap_err();
     assert!(
-        matches!(&err, CheckpointError::Dtype { tensor, found: Dtype::I8 } if *tensor == name("down_proj_scales")),
+        matches!(&err, CheckpointError::Dtype { tensor, found: Dtype::I8, readable: ReadableDtypes::Mxfp4 } if *tensor == name("down_proj_scales")),
         "{err}"
     );
     write(
@@ -1663,6 +1665,93 @@ fn fp8_errors_name_the_scales_and_the_config() {
     )
     .unwrap();
     assert!(matches!(load(), CheckpointError::BlockSize { .. }));
+}
+
+/// Each dtype error says what that tensor is read as: FP8 block scales and biases as
+/// values, GPT-OSS's fused matrices without FP8 (its quantized release is MXFP4).
+#[test]
+fn dtype_errors_say_what_each_tensor_is_read_as() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let retyped = |tensors: &[Tensor], name: &str, dtype: Dtype| -> Vec<Tensor> {
+        tensors
+            .iter()
+            .map(|t| {
+                let mut t = t.clone();
+                if t.0 == name {
+                    let elements: usize = t.2.iter().product();
+                    t.1 = dtype;
+                    t.3 = vec![0; elements * dtype.bitsize() / 8];
+                }
+                t
+            })
+            .collect()
+    };
+    let dtype_error = |err: CheckpointError| match err {
+        CheckpointError::Dtype {
+            tensor,
+            found,
+            readable,
+        } => (tensor, found, readable),
+        other => panic!("{other}"),
+    };
+
+    let (quantized, _) = deepseek_fp8_pair([128, 128], [H, F, E]);
+    let [gate, ..] = names(Family::DeepseekV3, PREFIX, 0);
+    let scales = format!("{gate}_scale_inv");
+    write(&file, &retyped(&quantized, &scales, Dtype::U8));
+    let fp8_shape = LayerShape {
+        shared_slices: 2,
+        ..shape(Activation::Swiglu)
+    };
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_experts(Family::DeepseekV3, PREFIX, &fp8_shape, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .ends_with("is U8; the loader reads it as F32, BF16 or F16 values"),
+        "{err}"
+    );
+    assert_eq!(
+        dtype_error(err),
+        (scales, Dtype::U8, ReadableDtypes::Values)
+    );
+
+    let gate_up = format!("{PREFIX}mlp.experts.gate_up_proj");
+    write(
+        &file,
+        &retyped(&gpt_oss_tensors(), &gate_up, Dtype::F8_E4M3),
+    );
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_experts(Family::GptOss, PREFIX, &gpt_oss_shape(), ExpertSet::All)
+        .unwrap_err();
+    assert!(!err.to_string().contains("F8_E4M3 with"), "{err}");
+    assert_eq!(
+        dtype_error(err),
+        (gate_up, Dtype::F8_E4M3, ReadableDtypes::FusedMatrix)
+    );
+
+    let bias = format!("{PREFIX}mlp.gate.e_score_correction_bias");
+    let mut tensors = expert_tensors(Family::DeepseekV3, 0..E);
+    tensors.push(bf16_tensor(
+        format!("{PREFIX}mlp.gate.weight"),
+        vec![E, H],
+        (0..E * H).map(|i| i as u16),
+    ));
+    tensors.push(bf16_tensor(bias.clone(), vec![E], 0..E as u16));
+    write(&file, &retyped(&tensors, &bias, Dtype::I64));
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_gate(
+            Family::DeepseekV3,
+            PREFIX,
+            &shape(Activation::Swiglu),
+            RouterBias::ScoreCorrection,
+        )
+        .unwrap_err();
+    assert_eq!(dtype_error(err), (bias, Dtype::I64, ReadableDtypes::Values));
 }
 
 /// DeepSeek-V3's shared experts, one MLP of FFN 2F: `gate_proj`/`up_proj` [2F, H] and

@@ -13,7 +13,7 @@ use moeforge::compiler::ir::Router;
 use moeforge::compiler::plan::LayerShape;
 use moeforge::runtime::checkpoint::{
     CheckpointError, CheckpointLayer, ExpertSet, ExpertStorage, Family, HostGate, HostWeights,
-    INDEX_FILE,
+    INDEX_FILE, ReadableDtypes,
 };
 use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::layer::ExpertWeights;
@@ -294,11 +294,22 @@ fn hint(error: &CheckpointError) -> Option<String> {
              config.json does (hidden_size, the experts' intermediate size, the number of routed experts)"
                 .to_owned()
         }
-        CheckpointError::Dtype { .. } => {
-            "convert the checkpoint's experts to bf16 (f16, f32, FP8 E4M3 with `_scale_inv` block scales and \
-             GPT-OSS's MXFP4 `_blocks` with `_scales` are read too)"
-                .to_owned()
+        CheckpointError::Dtype { readable, .. } => match readable {
+            ReadableDtypes::Matrix => {
+                "convert the tensor to bf16; quantized releases are read as published (FP8 E4M3 with \
+                 `_scale_inv` block scales, GPT-OSS's MXFP4 `_blocks` with `_scales`)"
+            }
+            ReadableDtypes::FusedMatrix => {
+                "convert the tensor to bf16, or use GPT-OSS's published MXFP4 release (`gate_up_proj_blocks` \
+                 and `_scales`, `down_proj_blocks` and `_scales`), which is dequantized on loading"
+            }
+            ReadableDtypes::Values => "convert the tensor to f32 (or bf16), as the model's release stores it",
+            ReadableDtypes::Mxfp4 => {
+                "GPT-OSS's MXFP4 release stores its blocks and scales as U8; convert the experts to bf16 \
+                 (`gate_up_proj`, `down_proj`) if this file quantizes them otherwise"
+            }
         }
+        .to_owned(),
         CheckpointError::MissingScales { .. } => {
             "the loader reads FP8 matrices with block scales beside them (`<name>_scale_inv`, as DeepSeek-V3's \
              and Qwen3's FP8 releases keep them), not per-tensor scales (`weight_scale`); or is a shard missing?"
