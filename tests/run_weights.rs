@@ -355,6 +355,12 @@ fn weights_errors_are_typed_with_hints() {
     )
     .expect("the checkpoint is written");
     std::fs::create_dir(tmp.join("empty")).expect("empty folder");
+    // A sharded folder's index given for the folder; a file cut short.
+    let sharded = tmp.join("sharded");
+    std::fs::create_dir(&sharded).expect("folder");
+    std::fs::write(sharded.join(INDEX_FILE), "{\"weight_map\": {}}").expect("written");
+    let whole = std::fs::read(tmp.join("good.safetensors")).expect("readable");
+    std::fs::write(tmp.join("cut.safetensors"), &whole[..whole.len() / 2]).expect("written");
     // A spec whose ffn is half the checkpoints'.
     let half_ffn = tmp.join("half_ffn.moe");
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(TINY))
@@ -367,10 +373,16 @@ fn weights_errors_are_typed_with_hints() {
         args.extend(more.iter().map(|a| a.to_string()));
         args
     };
-    let cases: [(&str, &str, Vec<String>); 16] = [
+    let cases: [(&str, &str, Vec<String>); 18] = [
         ("no_such_file", TINY, weights("absent.safetensors", &[])),
         ("empty_folder", TINY, weights("empty", &[])),
         ("not_safetensors", TINY, weights("garbage.safetensors", &[])),
+        (
+            "index_for_the_folder",
+            TINY,
+            weights(&format!("sharded/{INDEX_FILE}"), &[]),
+        ),
+        ("cut_short", TINY, weights("cut.safetensors", &[])),
         ("no_experts", TINY, weights("dense.safetensors", &[])),
         (
             "several_layers",

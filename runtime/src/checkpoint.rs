@@ -504,6 +504,20 @@ pub enum CheckpointError {
         #[source]
         source: serde_json::Error,
     },
+    #[error(
+        "{} is a JSON file (a shard index or a model configuration), not weights; the checkpoint is the folder holding it and the shards",
+        path.display()
+    )]
+    JsonFile { path: PathBuf },
+    #[error(
+        "{} is cut short: it holds {size} bytes, but its header places tensor data up to byte {needed}",
+        path.display()
+    )]
+    Truncated {
+        path: PathBuf,
+        size: u64,
+        needed: u64,
+    },
     #[error("{} holds no `*.safetensors` file", path.display())]
     NoShards { path: PathBuf },
     #[error("{} names shard {} for tensor `{tensor}`, but that file is not there", index.display(), shard.display())]
@@ -724,11 +738,23 @@ impl Shard {
         // SAFETY: the map is only read. Like every reader of a memory-mapped checkpoint,
         // this assumes nobody truncates or rewrites the file while the checkpoint is open.
         let map = unsafe { Mmap::map(&file) }.map_err(io_error)?;
-        let (header_len, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|source| CheckpointError::Format {
-                path: path.to_owned(),
-                source,
-            })?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|source| {
+            match (&source, covered_len(&map)) {
+                (SafeTensorError::MetadataIncompleteBuffer, Some(needed))
+                    if needed > map.len() as u64 =>
+                {
+                    CheckpointError::Truncated {
+                        path: path.to_owned(),
+                        size: map.len() as u64,
+                        needed,
+                    }
+                }
+                _ => CheckpointError::Format {
+                    path: path.to_owned(),
+                    source,
+                },
+            }
+        })?;
         Ok(Shard {
             path: path.to_owned(),
             map,
@@ -740,6 +766,22 @@ impl Shard {
     fn names(&self) -> impl Iterator<Item = String> + '_ {
         self.metadata.tensors().into_keys()
     }
+}
+
+/// The bytes a safetensors file `bytes` must hold for its header to describe it: the
+/// header and every tensor's data up to the last offset it names; `None` where the
+/// header does not parse. Tells a file cut short from one with bytes left over, which
+/// the safetensors crate reports alike.
+fn covered_len(bytes: &[u8]) -> Option<u64> {
+    let header_len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let header = bytes.get(8..8 + usize::try_from(header_len).ok()?)?;
+    let entries: HashMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let data_end = entries
+        .values()
+        .filter_map(|entry| entry.get("data_offsets")?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0);
+    Some(8 + header_len + data_end)
 }
 
 #[derive(Deserialize)]
@@ -759,7 +801,8 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens `path`: a `.safetensors` file, or a folder. In a folder with
+    /// Opens `path`: a `.safetensors` file (a `.json` file is [`CheckpointError::JsonFile`]:
+    /// the index or configuration of a folder), or a folder. In a folder with
     /// [`INDEX_FILE`], every shard the index names must exist and hold the tensors it
     /// names; without one, every `*.safetensors` file in it is a shard and no tensor may
     /// be in two of them. Maps the files and reads their headers, not their data.
@@ -769,6 +812,14 @@ impl Checkpoint {
             source,
         };
         if !path.metadata().map_err(io_error)?.is_dir() {
+            if path
+                .extension()
+                .is_some_and(|x| x.eq_ignore_ascii_case("json"))
+            {
+                return Err(CheckpointError::JsonFile {
+                    path: path.to_owned(),
+                });
+            }
             let shard = Shard::open(path)?;
             let names = shard.names().map(|n| (n, 0)).collect();
             let folder = path.parent().unwrap_or(Path::new("")).to_owned();

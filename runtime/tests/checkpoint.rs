@@ -569,6 +569,33 @@ fn unreadable_files_are_typed_errors() {
     let err = Checkpoint::open(&garbage).err().unwrap();
     assert!(matches!(err, CheckpointError::Format { .. }), "{err}");
     assert!(err.to_string().contains("model.safetensors"), "{err}");
+
+    // The index of a folder given for the folder.
+    let index = dir.path().join(INDEX_FILE);
+    std::fs::write(&index, "{\"weight_map\": {}}").unwrap();
+    let err = Checkpoint::open(&index).err().unwrap();
+    assert!(
+        matches!(&err, CheckpointError::JsonFile { path } if *path == index),
+        "{err}"
+    );
+
+    // A file cut short (an incomplete download) says so; bytes left over are a format error.
+    let file = dir.path().join("cut.safetensors");
+    write(&file, &expert_tensors(Family::Mixtral, 0..1));
+    let whole = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &whole[..whole.len() - 10]).unwrap();
+    let err = Checkpoint::open(&file).err().unwrap();
+    let (size, needed) = (whole.len() as u64 - 10, whole.len() as u64);
+    assert!(
+        matches!(&err, CheckpointError::Truncated { size: s, needed: n, .. } if (*s, *n) == (size, needed)),
+        "{err}"
+    );
+    assert!(err.to_string().ends_with(&format!("is cut short: it holds {size} bytes, but its header places tensor data up to byte {needed}")), "{err}");
+    let mut longer = whole.clone();
+    longer.extend([0; 10]);
+    std::fs::write(&file, &longer).unwrap();
+    let err = Checkpoint::open(&file).err().unwrap();
+    assert!(matches!(err, CheckpointError::Format { .. }), "{err}");
 }
 
 #[test]

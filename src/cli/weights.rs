@@ -4,7 +4,7 @@
 //! one), reports what was picked, and turns each loader error into a message, a hint that
 //! names the flag to change, and an exit status.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -211,6 +211,7 @@ fn report(error: &CheckpointError) -> ExitCode {
     }
     match error {
         CheckpointError::Io { .. }
+        | CheckpointError::JsonFile { .. }
         | CheckpointError::NoShards { .. }
         | CheckpointError::NoExpertsUnderPrefix { .. }
         | CheckpointError::SeveralLayers { .. }
@@ -226,6 +227,22 @@ const FAMILIES: &str = "mixtral, qwen3-moe, qwen2-moe, deepseek-v3, gpt-oss";
 
 fn hint(error: &CheckpointError) -> Option<String> {
     Some(match error {
+        CheckpointError::JsonFile { path } => format!(
+            "pass the folder: --weights {}",
+            path.parent()
+                .filter(|folder| !folder.as_os_str().is_empty())
+                .unwrap_or(Path::new("."))
+                .display()
+        ),
+        CheckpointError::Truncated { .. } => {
+            "the download may be incomplete: fetch the file again (its size should match the one the model's page lists)"
+                .to_owned()
+        }
+        CheckpointError::Format { .. } => {
+            "--weights reads safetensors files (`*.safetensors`); is the file complete, and not a PyTorch \
+             `.bin` or `.pt` checkpoint (which must be converted)?"
+                .to_owned()
+        }
         CheckpointError::Io { .. } | CheckpointError::NoShards { .. } => format!(
             "--weights takes a .safetensors file, or a folder of `*.safetensors` shards (with {INDEX_FILE} when sharded)"
         ),
