@@ -249,6 +249,56 @@ fn run_with_weights_routes_each_rank_with_the_checkpoints_gate() {
     assert!(!stdout.contains("FAIL"), "{stdout}");
 }
 
+/// Two layers in two shards, one index, and the second shard not downloaded.
+fn write_partial_download(dir: &Path) {
+    let shards = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
+    write_tiny(&dir.join(shards[0]), Family::Qwen3Moe, "model.layers.0.", 6);
+    let shape = tiny_shape();
+    let mut map = serde_json::Map::new();
+    for (layer, shard) in [(0, shards[0]), (1, shards[1])] {
+        for e in 0..shape.experts {
+            for p in ["gate_proj", "up_proj", "down_proj"] {
+                map.insert(
+                    format!("model.layers.{layer}.mlp.experts.{e}.{p}.weight"),
+                    shard.into(),
+                );
+            }
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    std::fs::write(dir.join(INDEX_FILE), index.to_string()).expect("index written");
+}
+
+/// A partial download: the layer whose shard is there loads (then compiles or runs).
+#[test]
+fn run_with_weights_loads_a_layer_whose_shard_is_there() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_partial_download(dir.path());
+    let output = moeforge(&[
+        "run",
+        TINY,
+        "--tokens",
+        "8",
+        "--ranks",
+        "1",
+        "--weights",
+        path_arg(dir.path()),
+        "--layer-prefix",
+        "model.layers.0",
+    ]);
+    let (stdout, stderr) = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(
+        stderr.contains(
+            "loaded the 8 routed experts of layer `model.layers.0.`, Qwen3-MoE naming (detected)"
+        ),
+        "{stderr}"
+    );
+}
+
 /// Runs `moeforge run SPEC --tokens 4 ARGS...` and compares its exit status and stderr
 /// (`tmp` shown as `<TMP>`) with `tests/weights/NAME.txt`; nothing goes to stdout.
 fn check_error(name: &str, spec: &str, args: &[String], tmp: &Path, mismatches: &mut Vec<String>) {
@@ -355,6 +405,8 @@ fn weights_errors_are_typed_with_hints() {
     )
     .expect("the checkpoint is written");
     std::fs::create_dir(tmp.join("empty")).expect("empty folder");
+    std::fs::create_dir(tmp.join("partial")).expect("folder");
+    write_partial_download(&tmp.join("partial"));
     // A sharded folder's index given for the folder; a file cut short.
     let sharded = tmp.join("sharded");
     std::fs::create_dir(&sharded).expect("folder");
@@ -373,7 +425,7 @@ fn weights_errors_are_typed_with_hints() {
         args.extend(more.iter().map(|a| a.to_string()));
         args
     };
-    let cases: [(&str, &str, Vec<String>); 18] = [
+    let cases: [(&str, &str, Vec<String>); 19] = [
         ("no_such_file", TINY, weights("absent.safetensors", &[])),
         ("empty_folder", TINY, weights("empty", &[])),
         ("not_safetensors", TINY, weights("garbage.safetensors", &[])),
@@ -383,6 +435,11 @@ fn weights_errors_are_typed_with_hints() {
             weights(&format!("sharded/{INDEX_FILE}"), &[]),
         ),
         ("cut_short", TINY, weights("cut.safetensors", &[])),
+        (
+            "shard_not_downloaded",
+            TINY,
+            weights("partial", &["--layer-prefix", "model.layers.1"]),
+        ),
         ("no_experts", TINY, weights("dense.safetensors", &[])),
         (
             "several_layers",

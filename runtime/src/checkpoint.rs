@@ -520,11 +520,18 @@ pub enum CheckpointError {
     },
     #[error("{} holds no `*.safetensors` file", path.display())]
     NoShards { path: PathBuf },
-    #[error("{} names shard {} for tensor `{tensor}`, but that file is not there", index.display(), shard.display())]
+    #[error(
+        "{} names shard {} for tensor `{tensor}`, but {}",
+        index.display(),
+        shard.display(),
+        if *folder { "that is a folder, not a file" } else { "that file is not there" }
+    )]
     MissingShard {
         index: PathBuf,
         tensor: String,
         shard: PathBuf,
+        /// Whether a folder stands where the shard should be.
+        folder: bool,
     },
     #[error("{} names shard {} for tensor `{tensor}`, but that shard does not hold it", index.display(), shard.display())]
     IndexMismatch {
@@ -666,7 +673,8 @@ pub enum CheckpointError {
     )]
     SharedGate { family: Family, gated: bool },
     #[error(
-        "the checkpoint names {named} experts under `{module}` ({family} naming){}",
+        "the checkpoint names {named} expert{} under `{module}` ({family} naming){}",
+        if *named == 1 { "" } else { "s" },
         match missing {
             Some(e) => format!("; the spec's layer has `experts = {spec}`, and expert {e} is not there"),
             None => format!(", numbered up to {highest}; the spec's layer has `experts = {spec}`"),
@@ -789,9 +797,23 @@ struct IndexFile {
     weight_map: BTreeMap<String, String>,
 }
 
+/// A file an open checkpoint reads tensors from.
+enum ShardFile {
+    Mapped(Shard),
+    /// A shard the index names that is not there: reading one of its tensors is
+    /// [`CheckpointError::MissingShard`], so that the layers in the shards that are there
+    /// load from a partial download.
+    Absent {
+        index: PathBuf,
+        path: PathBuf,
+        /// Whether a folder stands where the shard should be.
+        folder: bool,
+    },
+}
+
 /// The tensors of a checkpoint: one file, or a folder of shards.
 pub struct Checkpoint {
-    shards: Vec<Shard>,
+    shards: Vec<ShardFile>,
     /// Every tensor name, and the shard in `shards` that holds it.
     names: BTreeMap<String, usize>,
     /// The folder whose `config.json` may say the FP8 weights' block size.
@@ -803,9 +825,11 @@ pub struct Checkpoint {
 impl Checkpoint {
     /// Opens `path`: a `.safetensors` file (a `.json` file is [`CheckpointError::JsonFile`]:
     /// the index or configuration of a folder), or a folder. In a folder with
-    /// [`INDEX_FILE`], every shard the index names must exist and hold the tensors it
-    /// names; without one, every `*.safetensors` file in it is a shard and no tensor may
-    /// be in two of them. Maps the files and reads their headers, not their data.
+    /// [`INDEX_FILE`], every shard the index names that is there must hold the tensors it
+    /// names (one that is not is an error only when a tensor of it is read); without one,
+    /// every `*.safetensors` file in it is a shard (folders so named are skipped) and no
+    /// tensor may be in two of them. Maps the files and reads their headers, not their
+    /// data.
     pub fn open(path: &Path) -> Result<Self, CheckpointError> {
         let io_error = |source| CheckpointError::Io {
             path: path.to_owned(),
@@ -823,7 +847,11 @@ impl Checkpoint {
             let shard = Shard::open(path)?;
             let names = shard.names().map(|n| (n, 0)).collect();
             let folder = path.parent().unwrap_or(Path::new("")).to_owned();
-            return Ok(Checkpoint::new(vec![shard], names, folder));
+            return Ok(Checkpoint::new(
+                vec![ShardFile::Mapped(shard)],
+                names,
+                folder,
+            ));
         }
         let index = path.join(INDEX_FILE);
         if index.exists() {
@@ -832,7 +860,7 @@ impl Checkpoint {
         let mut files = Vec::new();
         for entry in std::fs::read_dir(path).map_err(io_error)? {
             let file = entry.map_err(io_error)?.path();
-            if file.extension().is_some_and(|x| x == "safetensors") {
+            if file.extension().is_some_and(|x| x == "safetensors") && file.is_file() {
                 files.push(file);
             }
         }
@@ -859,10 +887,11 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
+        let shards = shards.into_iter().map(ShardFile::Mapped).collect();
         Ok(Checkpoint::new(shards, names, path.to_owned()))
     }
 
-    fn new(shards: Vec<Shard>, names: BTreeMap<String, usize>, folder: PathBuf) -> Self {
+    fn new(shards: Vec<ShardFile>, names: BTreeMap<String, usize>, folder: PathBuf) -> Self {
         Checkpoint {
             shards,
             names,
@@ -881,28 +910,30 @@ impl Checkpoint {
                 path: index.to_owned(),
                 source,
             })?;
-        let mut shards: Vec<Shard> = Vec::new();
+        let mut shards: Vec<ShardFile> = Vec::new();
         let mut by_file: HashMap<String, usize> = HashMap::new();
         let mut names = BTreeMap::new();
         for (tensor, file) in parsed.weight_map {
             let at = match by_file.get(&file) {
                 Some(&at) => at,
                 None => {
-                    let shard_path = dir.join(&file);
-                    if !shard_path.is_file() {
-                        return Err(CheckpointError::MissingShard {
+                    let path = dir.join(&file);
+                    shards.push(if path.is_file() {
+                        ShardFile::Mapped(Shard::open(&path)?)
+                    } else {
+                        ShardFile::Absent {
                             index: index.to_owned(),
-                            tensor,
-                            shard: shard_path,
-                        });
-                    }
-                    shards.push(Shard::open(&shard_path)?);
+                            folder: path.is_dir(),
+                            path,
+                        }
+                    });
                     by_file.insert(file, shards.len() - 1);
                     shards.len() - 1
                 }
             };
-            let shard = &shards[at];
-            if shard.metadata.info(&tensor).is_none() {
+            if let ShardFile::Mapped(shard) = &shards[at]
+                && shard.metadata.info(&tensor).is_none()
+            {
                 return Err(CheckpointError::IndexMismatch {
                     index: index.to_owned(),
                     tensor,
@@ -1430,7 +1461,21 @@ impl Checkpoint {
                 nearest: self.nearest(name, prefix),
             });
         };
-        let shard = &self.shards[at];
+        let shard = match &self.shards[at] {
+            ShardFile::Mapped(shard) => shard,
+            ShardFile::Absent {
+                index,
+                path,
+                folder,
+            } => {
+                return Err(CheckpointError::MissingShard {
+                    index: index.clone(),
+                    tensor: name.to_owned(),
+                    shard: path.clone(),
+                    folder: *folder,
+                });
+            }
+        };
         let info = shard
             .metadata
             .info(name)
@@ -1820,7 +1865,9 @@ impl CheckpointLayer {
     pub fn storage(&self) -> ExpertStorage {
         let checkpoint = &self.checkpoint;
         let dtype = |name: &str| {
-            let shard = &checkpoint.shards[*checkpoint.names.get(name)?];
+            let ShardFile::Mapped(shard) = &checkpoint.shards[*checkpoint.names.get(name)?] else {
+                return None;
+            };
             Some(shard.metadata.info(name)?.dtype)
         };
         match self.family.expert_names(&self.prefix, 0) {

@@ -244,12 +244,53 @@ fn index_errors_name_the_shard() {
             shard_name(e)
         }
     });
-    let err = Checkpoint::open(dir.path()).err().unwrap();
-    let CheckpointError::MissingShard { shard, tensor, .. } = &err else {
+    // A shard not there is an error only where one of its tensors is read: the rank whose
+    // experts are all there loads, as a layer whose shards are downloaded does.
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let layer = shape(Activation::Swiglu);
+    let rank_0 = ExpertSet::Rank { rank: 0, ranks: 2 };
+    check_layout(
+        &checkpoint
+            .load_experts(Family::Qwen3Moe, PREFIX, &layer, rank_0)
+            .unwrap(),
+    );
+    let err = checkpoint
+        .load_experts(Family::Qwen3Moe, PREFIX, &layer, ExpertSet::All)
+        .unwrap_err();
+    let CheckpointError::MissingShard {
+        shard,
+        tensor,
+        folder: false,
+        ..
+    } = &err
+    else {
         panic!("{err}")
     };
     assert!(shard.ends_with("model-00003-of-00002.safetensors"));
-    assert!(tensor.contains("experts.3."), "{err}");
+    assert_eq!(tensor, &names(Family::Qwen3Moe, PREFIX, 3)[0]);
+    assert!(
+        err.to_string().ends_with("but that file is not there"),
+        "{err}"
+    );
+
+    // A folder where the shard should be says so.
+    std::fs::create_dir(dir.path().join("model-00003-of-00002.safetensors")).unwrap();
+    let err = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_experts(Family::Qwen3Moe, PREFIX, &layer, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::MissingShard { folder: true, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .ends_with("but that is a folder, not a file"),
+        "{err}"
+    );
+    // Without an index, a folder named like a shard is not one.
+    std::fs::remove_file(dir.path().join(INDEX_FILE)).unwrap();
+    check_layout(&load(dir.path(), Family::Qwen3Moe, ExpertSet::All).unwrap());
 
     // Every shard exists, but expert 1's tensors are said to be in the second one.
     write_index(dir.path(), Family::Qwen3Moe, |e| {

@@ -243,6 +243,10 @@ fn hint(error: &CheckpointError) -> Option<String> {
              `.bin` or `.pt` checkpoint (which must be converted)?"
                 .to_owned()
         }
+        CheckpointError::MissingShard { shard, .. } => format!(
+            "the download may be incomplete: fetch {} (the layers whose shards are all there load without it)",
+            shard.file_name().map_or_else(|| shard.display().to_string(), |name| name.to_string_lossy().into_owned())
+        ),
         CheckpointError::Io { .. } | CheckpointError::NoShards { .. } => format!(
             "--weights takes a .safetensors file, or a folder of `*.safetensors` shards (with {INDEX_FILE} when sharded)"
         ),
@@ -296,8 +300,8 @@ fn hint(error: &CheckpointError) -> Option<String> {
             highest + 1
         ),
         CheckpointError::ExpertCount { named, .. } => format!(
-            "is a shard of the checkpoint missing (an incomplete download)? If the model has {named} experts, \
-             set `experts = {named}` in the spec"
+            "is a shard of the checkpoint missing (an incomplete download)? If the model has {named} routed \
+             experts, set `experts = {named}` in the spec"
         ),
         CheckpointError::Shape {
             expected, found, ..
