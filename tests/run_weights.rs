@@ -299,6 +299,70 @@ fn run_with_weights_loads_a_layer_whose_shard_is_there() {
     );
 }
 
+/// A DeepSeek-style layer (shared experts, the router's correction bias) run with a spec
+/// that has neither: it runs, and says once, before running, what it leaves unread.
+#[test]
+fn run_with_weights_warns_of_the_tensors_the_spec_leaves_unread() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("tiny_routed.moe");
+    let routed = std::fs::read_to_string(TINY)
+        .expect("tiny.moe is readable")
+        .replace(
+            "  parallel {",
+            "  router {\n    scoring = softmax\n    normalize = true\n  }\n\n  parallel {",
+        );
+    std::fs::write(&spec, routed).expect("spec written");
+    let shape = tiny_shape();
+    let with_shared = LayerShape {
+        shared_slices: 1,
+        ..shape.clone()
+    };
+    let experts = weights::random(&with_shared, 0..with_shared.gemm_experts(), 8);
+    let gate = weights::random_gate(&shape, RouterBias::ScoreCorrection, 9);
+    let file = dir.path().join("model.safetensors");
+    write_layer(
+        &file,
+        Family::DeepseekV3,
+        "model.layers.0.",
+        &with_shared,
+        &experts,
+        Some((&gate, RouterBias::ScoreCorrection)),
+    )
+    .expect("the checkpoint is written");
+    let output = moeforge(&[
+        "run",
+        path_arg(&spec),
+        "--tokens",
+        "8",
+        "--ranks",
+        "1",
+        "--weights",
+        path_arg(&file),
+    ]);
+    let (stdout, stderr) = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.starts_with("warning: "))
+        .collect();
+    assert_eq!(
+        warnings,
+        [
+            "warning: the layer's shared experts (`model.layers.0.mlp.shared_experts.down_proj.weight`, \
+             `model.layers.0.mlp.shared_experts.gate_proj.weight`, `model.layers.0.mlp.shared_experts.up_proj.weight`) \
+             are not read: the spec has no `shared_experts { }`, so the layer computes its routed experts only",
+            "warning: the router's bias `model.layers.0.mlp.gate.e_score_correction_bias` is not read: the spec's \
+             router has no `bias = score_correction`, so it chooses experts without it",
+        ],
+        "{stderr}"
+    );
+    let loaded_at = stderr.find("loaded the 8 routed experts").expect("loaded");
+    assert!(
+        stderr.find("warning: ").is_some_and(|at| at > loaded_at),
+        "{stderr}"
+    );
+}
+
 /// Runs `moeforge run SPEC --tokens 4 ARGS...` and compares its exit status and stderr
 /// (`tmp` shown as `<TMP>`) with `tests/weights/NAME.txt`; nothing goes to stdout.
 fn check_error(name: &str, spec: &str, args: &[String], tmp: &Path, mismatches: &mut Vec<String>) {

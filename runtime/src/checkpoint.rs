@@ -1885,6 +1885,53 @@ impl CheckpointLayer {
         }
     }
 
+    /// Notes on the layer's tensors that a layer of `shape` whose router adds
+    /// `router_bias` leaves unread: shared experts, when the spec has none, and the
+    /// router's score correction or logits bias, when its rule does not add it. Running
+    /// without them is legitimate (an engine may compute the shared experts itself), so
+    /// these are notes to show, not errors. `router_bias` is `None` for a spec without a
+    /// router: the caller routes, and the gate's tensors are none of the layer's concern.
+    pub fn unused_tensors(
+        &self,
+        shape: &LayerShape,
+        router_bias: Option<RouterBias>,
+    ) -> Vec<String> {
+        let names = &self.checkpoint.names;
+        let mut notes = Vec::new();
+        // `mlp.shared_experts.` (DeepSeek), `mlp.shared_expert.` and `_gate` (Qwen2-MoE).
+        let shared_module = format!("{}mlp.shared_expert", self.prefix);
+        let shared: Vec<String> = names
+            .range(shared_module.clone()..)
+            .map(|(name, _)| name)
+            .take_while(|name| name.starts_with(&shared_module))
+            .cloned()
+            .collect();
+        if shape.shared_slices == 0 && !shared.is_empty() {
+            notes.push(format!(
+                "the layer's shared experts ({}) are not read: the spec has no `shared_experts {{ }}`, \
+                 so the layer computes its routed experts only",
+                quoted(&shared)
+            ));
+        }
+        if let Some(bias) = router_bias {
+            for (kind, unread) in [
+                (RouterBias::ScoreCorrection, "score_correction"),
+                (RouterBias::Logits, "logits"),
+            ] {
+                let Some(name) = self.family.gate_bias_name(&self.prefix, kind) else {
+                    continue;
+                };
+                if bias != kind && names.contains_key(&name) {
+                    notes.push(format!(
+                        "the router's bias `{name}` is not read: the spec's router has no \
+                         `bias = {unread}`, so it chooses experts without it"
+                    ));
+                }
+            }
+        }
+        notes
+    }
+
     /// The file or folder the checkpoint was opened from.
     pub fn path(&self) -> &Path {
         &self.path

@@ -1822,6 +1822,86 @@ fn dtype_errors_say_what_each_tensor_is_read_as() {
     assert_eq!(dtype_error(err), (bias, Dtype::I64, ReadableDtypes::Values));
 }
 
+/// The layer's tensors a spec leaves unread are notes, not errors: shared experts without
+/// a `shared_experts { }`, a router bias its rule does not add; nothing about the gate when
+/// the spec has no router (the caller routes).
+#[test]
+fn tensors_the_spec_leaves_unread_are_noted() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = expert_tensors(Family::DeepseekV3, 0..E);
+    tensors.extend(shared_tensors());
+    tensors.push(bf16_tensor(
+        format!("{PREFIX}mlp.gate.weight"),
+        vec![E, H],
+        (0..E * H).map(|i| i as u16),
+    ));
+    let bias = format!("{PREFIX}mlp.gate.e_score_correction_bias");
+    tensors.push(bf16_tensor(bias.clone(), vec![E], 0..E as u16));
+    write(&file, &tensors);
+    let layer = CheckpointLayer::open(&file, None, None).unwrap();
+    assert_eq!(layer.family(), Family::DeepseekV3);
+    let routed_only = shape(Activation::Swiglu);
+    let shared_note = format!(
+        "the layer's shared experts (`{PREFIX}mlp.shared_experts.down_proj.weight`, \
+         `{PREFIX}mlp.shared_experts.gate_proj.weight`, `{PREFIX}mlp.shared_experts.up_proj.weight`) \
+         are not read: the spec has no `shared_experts {{ }}`, so the layer computes its routed experts only"
+    );
+    let bias_note = format!(
+        "the router's bias `{bias}` is not read: the spec's router has no `bias = score_correction`, \
+         so it chooses experts without it"
+    );
+    assert_eq!(
+        layer.unused_tensors(&routed_only, None),
+        [shared_note.clone()]
+    );
+    assert_eq!(
+        layer.unused_tensors(&routed_only, Some(RouterBias::None)),
+        [shared_note, bias_note]
+    );
+    let whole = LayerShape {
+        shared_slices: 2,
+        ..routed_only
+    };
+    assert!(
+        layer
+            .unused_tensors(&whole, Some(RouterBias::ScoreCorrection))
+            .is_empty()
+    );
+
+    // Qwen2-MoE's gated shared expert, and GPT-OSS's router bias under a rule without one.
+    let mut tensors = expert_tensors(Family::Qwen2Moe, 0..E);
+    tensors.extend(qwen2_shared_tensors());
+    write(&file, &tensors);
+    let layer = CheckpointLayer::open(&file, None, None).unwrap();
+    let notes = layer.unused_tensors(&routed_only, None);
+    assert!(
+        notes.len() == 1 && notes[0].contains("mlp.shared_expert_gate.weight"),
+        "{notes:?}"
+    );
+    let mut tensors = gpt_oss_tensors();
+    tensors.push(bf16_tensor(
+        format!("{PREFIX}mlp.router.bias"),
+        vec![E],
+        0..E as u16,
+    ));
+    write(&file, &tensors);
+    let layer = CheckpointLayer::open(&file, None, None).unwrap();
+    assert!(
+        layer
+            .unused_tensors(&gpt_oss_shape(), Some(RouterBias::Logits))
+            .is_empty()
+    );
+    assert_eq!(
+        layer.unused_tensors(&gpt_oss_shape(), Some(RouterBias::None)),
+        [format!(
+            "the router's bias `{PREFIX}mlp.router.bias` is not read: the spec's router has no \
+             `bias = logits`, so it chooses experts without it"
+        )]
+    );
+    assert!(layer.unused_tensors(&gpt_oss_shape(), None).is_empty());
+}
+
 /// DeepSeek-V3's shared experts, one MLP of FFN 2F: `gate_proj`/`up_proj` [2F, H] and
 /// `down_proj` [H, 2F] under `mlp.shared_experts`, values from [`value`] as expert E.
 fn shared_tensors() -> [Tensor; 3] {

@@ -241,7 +241,8 @@ pub fn run(args: &Args) -> ExitCode {
             return usage_error();
         }
     };
-    let loaded = match args.weights.load(&plan.shape) {
+    let rule = plan.router.as_ref().map(|router| &router.rule);
+    let loaded = match args.weights.load(&plan.shape, rule) {
         Ok(loaded) => loaded,
         Err(status) => return status,
     };

@@ -115,8 +115,14 @@ impl WeightsArgs {
     }
 
     /// `None` without `--weights`; else the checkpoint's layer and all its experts for a
-    /// layer of `shape`, said on stderr, or the exit status after reporting why not.
-    pub fn load(&self, shape: &LayerShape) -> Result<Option<Loaded>, ExitCode> {
+    /// layer of `shape` whose router (if any) follows `router`, said on stderr with a
+    /// warning for each tensor of the layer the spec leaves unread, or the exit status
+    /// after reporting why not.
+    pub fn load(
+        &self,
+        shape: &LayerShape,
+        router: Option<&Router>,
+    ) -> Result<Option<Loaded>, ExitCode> {
         let Some(path) = &self.weights else {
             return Ok(None);
         };
@@ -153,6 +159,9 @@ impl WeightsArgs {
             shape.experts,
             started.elapsed().as_secs_f64()
         );
+        for note in layer.unused_tensors(shape, router.map(|rule| rule.bias)) {
+            eprintln!("warning: {note}");
+        }
         Ok(Some(Loaded { layer, all }))
     }
 }
