@@ -470,6 +470,28 @@ fn weights_errors_are_typed_with_hints() {
     .expect("the checkpoint is written");
     std::fs::create_dir(tmp.join("empty")).expect("empty folder");
     std::fs::create_dir(tmp.join("partial")).expect("folder");
+    // A DeepSeek layer whose shared MLP is one routed FFN, for a spec that says two.
+    let one_slice = LayerShape {
+        shared_slices: 1,
+        ..shape.clone()
+    };
+    let deepseek = weights::random(&one_slice, 0..one_slice.gemm_experts(), 7);
+    write_experts(
+        &tmp.join("deepseek.safetensors"),
+        Family::DeepseekV3,
+        "model.layers.0.",
+        &one_slice,
+        &deepseek,
+    )
+    .expect("the checkpoint is written");
+    let with_shared = tmp.join("two_shared_slices.moe");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(TINY))
+        .expect("tiny.moe")
+        .replace(
+            "  parallel {",
+            "  shared_experts {\n    count = 2\n    ffn = 256\n  }\n\n  parallel {",
+        );
+    std::fs::write(&with_shared, text).expect("spec written");
     write_partial_download(&tmp.join("partial"));
     // A sharded folder's index given for the folder; a file cut short.
     let sharded = tmp.join("sharded");
@@ -489,7 +511,7 @@ fn weights_errors_are_typed_with_hints() {
         args.extend(more.iter().map(|a| a.to_string()));
         args
     };
-    let cases: [(&str, &str, Vec<String>); 19] = [
+    let cases: [(&str, &str, Vec<String>); 21] = [
         ("no_such_file", TINY, weights("absent.safetensors", &[])),
         ("empty_folder", TINY, weights("empty", &[])),
         ("not_safetensors", TINY, weights("garbage.safetensors", &[])),
@@ -509,6 +531,16 @@ fn weights_errors_are_typed_with_hints() {
             "several_layers",
             TINY,
             weights("two_layers.safetensors", &[]),
+        ),
+        (
+            "prefix_matches_nothing_of_one_layer",
+            TINY,
+            weights("good.safetensors", &["--layer-prefix", "model.layers.7"]),
+        ),
+        (
+            "shared_experts_of_another_size",
+            path_arg(&with_shared),
+            weights("deepseek.safetensors", &[]),
         ),
         (
             "prefix_matches_nothing",

@@ -556,7 +556,7 @@ pub enum CheckpointError {
         nearest: Option<String>,
     },
     #[error("the checkpoint holds no routed-expert tensor named as a known family names them \
-             (Mixtral: `<prefix>block_sparse_moe.experts.0.w1.weight`; Qwen3-MoE and DeepSeek-V3: \
+             (Mixtral: `<prefix>block_sparse_moe.experts.0.w1.weight`; Qwen3-MoE, Qwen2-MoE and DeepSeek-V3: \
              `<prefix>mlp.experts.0.gate_proj.weight`; GPT-OSS: `<prefix>mlp.experts.gate_up_proj`){}",
              match (count, example) {
                  (_, None) => String::new(),

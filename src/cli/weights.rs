@@ -270,6 +270,10 @@ fn hint(error: &CheckpointError) -> Option<String> {
         CheckpointError::NoExpertsUnderPrefix { layers, .. } if layers.is_empty() => {
             format!("is it the checkpoint of an MoE model of one of the families moeforge reads ({FAMILIES})?")
         }
+        CheckpointError::NoExpertsUnderPrefix { layers, .. } if layers.len() == 1 => format!(
+            "pass --layer-prefix {}, or leave --layer-prefix out: it is the only layer",
+            layers[0]
+        ),
         CheckpointError::NoExpertsUnderPrefix { .. } | CheckpointError::SeveralLayers { .. } => {
             "pass one of those layers' prefixes with --layer-prefix".to_owned()
         }
@@ -288,14 +292,14 @@ fn hint(error: &CheckpointError) -> Option<String> {
         }
         CheckpointError::MissingTensor { tensor, .. } if !tensor.contains(".experts.") => {
             "check --layer-prefix, --family and the spec's `router { bias = ... }`: the router's gate is \
-             `block_sparse_moe.gate.weight` (Mixtral), `mlp.gate.weight` (Qwen3-MoE, DeepSeek-V3; \
+             `block_sparse_moe.gate.weight` (Mixtral), `mlp.gate.weight` (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3; \
              `bias = score_correction` reads `mlp.gate.e_score_correction_bias`), `mlp.router.weight` \
              (GPT-OSS; `bias = logits` reads `mlp.router.bias`)"
                 .to_owned()
         }
         CheckpointError::MissingTensor { .. } => {
             "check --layer-prefix and --family: Mixtral names experts `block_sparse_moe.experts.N.w1/w3/w2.weight`, \
-             Qwen3-MoE and DeepSeek-V3 `mlp.experts.N.gate_proj/up_proj/down_proj.weight`, GPT-OSS \
+             Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 `mlp.experts.N.gate_proj/up_proj/down_proj.weight`, GPT-OSS \
              `mlp.experts.gate_up_proj` and `down_proj` (all experts in one tensor each)"
                 .to_owned()
         }
@@ -317,6 +321,12 @@ fn hint(error: &CheckpointError) -> Option<String> {
         } if expected.iter().rev().eq(found.iter()) => {
             "the tensor is stored transposed: the loader reads the checkpoints' own [out, in] matrices \
              (gate and up [ffn, hidden], down [hidden, ffn]) as Hugging Face saves them"
+                .to_owned()
+        }
+        CheckpointError::Shape { tensor, .. } if tensor.contains(".shared_expert") => {
+            "the shared experts are one MLP of FFN `count · ffn` (the spec's `shared_experts { }`): make that the \
+             model's shared intermediate size, as its config.json gives it (DeepSeek: n_shared_experts · \
+             moe_intermediate_size; Qwen2-MoE: shared_expert_intermediate_size)"
                 .to_owned()
         }
         CheckpointError::Shape { .. } => {
