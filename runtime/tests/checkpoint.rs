@@ -1853,7 +1853,7 @@ fn tensors_the_spec_leaves_unread_are_noted() {
     );
     assert_eq!(
         layer.unused_tensors(&routed_only, None),
-        [shared_note.clone()]
+        std::slice::from_ref(&shared_note)
     );
     assert_eq!(
         layer.unused_tensors(&routed_only, Some(RouterBias::None)),
