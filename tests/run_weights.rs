@@ -13,7 +13,7 @@ mod common;
 use common::moeforge;
 
 use moeforge::compiler::compile_source;
-use moeforge::compiler::ir::RouterBias;
+use moeforge::compiler::ir::{Activation, RouterBias};
 use moeforge::compiler::plan::{self, LayerShape, Target};
 use moeforge::runtime::checkpoint::{Family, INDEX_FILE, write_experts, write_layer};
 use moeforge::runtime::weights;
@@ -249,6 +249,120 @@ fn run_with_weights_routes_each_rank_with_the_checkpoints_gate() {
     assert!(!stdout.contains("FAIL"), "{stdout}");
 }
 
+/// Two layers in two shards, one index, and the second shard not downloaded.
+fn write_partial_download(dir: &Path) {
+    let shards = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
+    write_tiny(&dir.join(shards[0]), Family::Qwen3Moe, "model.layers.0.", 6);
+    let shape = tiny_shape();
+    let mut map = serde_json::Map::new();
+    for (layer, shard) in [(0, shards[0]), (1, shards[1])] {
+        for e in 0..shape.experts {
+            for p in ["gate_proj", "up_proj", "down_proj"] {
+                map.insert(
+                    format!("model.layers.{layer}.mlp.experts.{e}.{p}.weight"),
+                    shard.into(),
+                );
+            }
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    std::fs::write(dir.join(INDEX_FILE), index.to_string()).expect("index written");
+}
+
+/// A partial download: the layer whose shard is there loads (then compiles or runs).
+#[test]
+fn run_with_weights_loads_a_layer_whose_shard_is_there() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_partial_download(dir.path());
+    let output = moeforge(&[
+        "run",
+        TINY,
+        "--tokens",
+        "8",
+        "--ranks",
+        "1",
+        "--weights",
+        path_arg(dir.path()),
+        "--layer-prefix",
+        "model.layers.0",
+    ]);
+    let (stdout, stderr) = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(
+        stderr.contains(
+            "loaded the 8 routed experts of layer `model.layers.0.`, Qwen3-MoE naming (detected)"
+        ),
+        "{stderr}"
+    );
+}
+
+/// A DeepSeek-style layer (shared experts, the router's correction bias) run with a spec
+/// that has neither: it runs, and says once, before running, what it leaves unread.
+#[test]
+fn run_with_weights_warns_of_the_tensors_the_spec_leaves_unread() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("tiny_routed.moe");
+    let routed = std::fs::read_to_string(TINY)
+        .expect("tiny.moe is readable")
+        .replace(
+            "  parallel {",
+            "  router {\n    scoring = softmax\n    normalize = true\n  }\n\n  parallel {",
+        );
+    std::fs::write(&spec, routed).expect("spec written");
+    let shape = tiny_shape();
+    let with_shared = LayerShape {
+        shared_slices: 1,
+        ..shape.clone()
+    };
+    let experts = weights::random(&with_shared, 0..with_shared.gemm_experts(), 8);
+    let gate = weights::random_gate(&shape, RouterBias::ScoreCorrection, 9);
+    let file = dir.path().join("model.safetensors");
+    write_layer(
+        &file,
+        Family::DeepseekV3,
+        "model.layers.0.",
+        &with_shared,
+        &experts,
+        Some((&gate, RouterBias::ScoreCorrection)),
+    )
+    .expect("the checkpoint is written");
+    let output = moeforge(&[
+        "run",
+        path_arg(&spec),
+        "--tokens",
+        "8",
+        "--ranks",
+        "1",
+        "--weights",
+        path_arg(&file),
+    ]);
+    let (stdout, stderr) = text(&output);
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.starts_with("warning: "))
+        .collect();
+    assert_eq!(
+        warnings,
+        [
+            "warning: the layer's shared experts (`model.layers.0.mlp.shared_experts.down_proj.weight`, \
+             `model.layers.0.mlp.shared_experts.gate_proj.weight`, `model.layers.0.mlp.shared_experts.up_proj.weight`) \
+             are not read: the spec has no `shared_experts { }`, so the layer computes its routed experts only",
+            "warning: the router's bias `model.layers.0.mlp.gate.e_score_correction_bias` is not read: the spec's \
+             router has no `bias = score_correction`, so it chooses experts without it",
+        ],
+        "{stderr}"
+    );
+    let loaded_at = stderr.find("loaded the 8 routed experts").expect("loaded");
+    assert!(
+        stderr.find("warning: ").is_some_and(|at| at > loaded_at),
+        "{stderr}"
+    );
+}
+
 /// Runs `moeforge run SPEC --tokens 4 ARGS...` and compares its exit status and stderr
 /// (`tmp` shown as `<TMP>`) with `tests/weights/NAME.txt`; nothing goes to stdout.
 fn check_error(name: &str, spec: &str, args: &[String], tmp: &Path, mismatches: &mut Vec<String>) {
@@ -319,7 +433,72 @@ fn weights_errors_are_typed_with_hints() {
             .collect();
         t.extend(more);
     });
+    // Twice the spec's experts; expert 7 of 8 absent altogether (a shard not downloaded).
+    write_tiny_raw(&tmp.join("sixteen_experts.safetensors"), |t| {
+        let more: Vec<_> = t
+            .iter()
+            .map(|(name, dtype, dims)| {
+                let e: u32 = name
+                    .split('.')
+                    .nth(5)
+                    .and_then(|e| e.parse().ok())
+                    .expect("an expert");
+                let renamed =
+                    name.replace(&format!(".experts.{e}."), &format!(".experts.{}.", e + 8));
+                (renamed, *dtype, dims.clone())
+            })
+            .collect();
+        t.extend(more);
+    });
+    write_tiny_raw(&tmp.join("seven_experts.safetensors"), |t| {
+        t.retain(|(name, ..)| !name.contains(".experts.7."));
+    });
+    // The tiny layer as GPT-OSS stores it: its expert math is not tiny.moe's.
+    let gpt_oss_shape = LayerShape {
+        activation: Activation::ClampedSwiglu,
+        expert_bias: true,
+        ..shape.clone()
+    };
+    let gpt_oss_experts = weights::random(&gpt_oss_shape, 0..shape.experts, 5);
+    write_experts(
+        &tmp.join("gpt_oss.safetensors"),
+        Family::GptOss,
+        "model.layers.0.",
+        &gpt_oss_shape,
+        &gpt_oss_experts,
+    )
+    .expect("the checkpoint is written");
     std::fs::create_dir(tmp.join("empty")).expect("empty folder");
+    std::fs::create_dir(tmp.join("partial")).expect("folder");
+    // A DeepSeek layer whose shared MLP is one routed FFN, for a spec that says two.
+    let one_slice = LayerShape {
+        shared_slices: 1,
+        ..shape.clone()
+    };
+    let deepseek = weights::random(&one_slice, 0..one_slice.gemm_experts(), 7);
+    write_experts(
+        &tmp.join("deepseek.safetensors"),
+        Family::DeepseekV3,
+        "model.layers.0.",
+        &one_slice,
+        &deepseek,
+    )
+    .expect("the checkpoint is written");
+    let with_shared = tmp.join("two_shared_slices.moe");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(TINY))
+        .expect("tiny.moe")
+        .replace(
+            "  parallel {",
+            "  shared_experts {\n    count = 2\n    ffn = 256\n  }\n\n  parallel {",
+        );
+    std::fs::write(&with_shared, text).expect("spec written");
+    write_partial_download(&tmp.join("partial"));
+    // A sharded folder's index given for the folder; a file cut short.
+    let sharded = tmp.join("sharded");
+    std::fs::create_dir(&sharded).expect("folder");
+    std::fs::write(sharded.join(INDEX_FILE), "{\"weight_map\": {}}").expect("written");
+    let whole = std::fs::read(tmp.join("good.safetensors")).expect("readable");
+    std::fs::write(tmp.join("cut.safetensors"), &whole[..whole.len() / 2]).expect("written");
     // A spec whose ffn is half the checkpoints'.
     let half_ffn = tmp.join("half_ffn.moe");
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(TINY))
@@ -332,15 +511,36 @@ fn weights_errors_are_typed_with_hints() {
         args.extend(more.iter().map(|a| a.to_string()));
         args
     };
-    let cases: [(&str, &str, Vec<String>); 13] = [
+    let cases: [(&str, &str, Vec<String>); 21] = [
         ("no_such_file", TINY, weights("absent.safetensors", &[])),
         ("empty_folder", TINY, weights("empty", &[])),
         ("not_safetensors", TINY, weights("garbage.safetensors", &[])),
+        (
+            "index_for_the_folder",
+            TINY,
+            weights(&format!("sharded/{INDEX_FILE}"), &[]),
+        ),
+        ("cut_short", TINY, weights("cut.safetensors", &[])),
+        (
+            "shard_not_downloaded",
+            TINY,
+            weights("partial", &["--layer-prefix", "model.layers.1"]),
+        ),
         ("no_experts", TINY, weights("dense.safetensors", &[])),
         (
             "several_layers",
             TINY,
             weights("two_layers.safetensors", &[]),
+        ),
+        (
+            "prefix_matches_nothing_of_one_layer",
+            TINY,
+            weights("good.safetensors", &["--layer-prefix", "model.layers.7"]),
+        ),
+        (
+            "shared_experts_of_another_size",
+            path_arg(&with_shared),
+            weights("deepseek.safetensors", &[]),
         ),
         (
             "prefix_matches_nothing",
@@ -351,6 +551,16 @@ fn weights_errors_are_typed_with_hints() {
             ),
         ),
         ("missing_tensor", TINY, weights("missing.safetensors", &[])),
+        (
+            "more_experts_than_the_spec",
+            TINY,
+            weights("sixteen_experts.safetensors", &[]),
+        ),
+        (
+            "an_expert_missing",
+            TINY,
+            weights("seven_experts.safetensors", &[]),
+        ),
         (
             "wrong_family",
             TINY,
@@ -363,6 +573,11 @@ fn weights_errors_are_typed_with_hints() {
             "gpt_oss_family",
             TINY,
             weights("good.safetensors", &["--family", "gpt-oss"]),
+        ),
+        (
+            "gpt_oss_checkpoint_swiglu_spec",
+            TINY,
+            weights("gpt_oss.safetensors", &[]),
         ),
         (
             "layer_of_another_size",

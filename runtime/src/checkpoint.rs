@@ -103,13 +103,16 @@ struct QuantizationConfig {
 pub enum Family {
     /// `{prefix}block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down).
     Mixtral,
-    /// `{prefix}mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`.
+    /// `{prefix}mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, and no shared experts.
     Qwen3Moe,
     /// The same expert names as Qwen3-MoE, and a gated shared expert:
     /// `mlp.shared_expert.gate_proj/up_proj/down_proj.weight` and
     /// `mlp.shared_expert_gate.weight` [1, H] (Qwen1.5-MoE, Qwen2-MoE).
     Qwen2Moe,
-    /// The same expert names as Qwen3-MoE; the router adds `mlp.gate.e_score_correction_bias`.
+    /// The same expert names as Qwen3-MoE, with shared experts
+    /// `mlp.shared_experts.gate_proj/up_proj/down_proj.weight` (one ungated MLP) and a router
+    /// that adds `mlp.gate.e_score_correction_bias` (DeepSeek-V3; DeepSeek-V2 has the shared
+    /// experts only, and is read by the same names).
     DeepseekV3,
     /// Fused `{prefix}mlp.experts.gate_up_proj` [E, H, 2F] and `down_proj`, with biases.
     GptOss,
@@ -139,17 +142,27 @@ impl Family {
         self == Family::GptOss
     }
 
+    /// The module whose `experts.{e}.` hold each expert's tensors under `prefix`
+    /// (`model.layers.3.mlp.experts.`), or `None` for a family that stores all experts
+    /// fused in one tensor per projection (GPT-OSS: see [`FusedNames`]).
+    fn experts_module(self, prefix: &str) -> Option<String> {
+        let base = match self {
+            Family::Mixtral => "block_sparse_moe",
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => "mlp",
+            Family::GptOss => return None,
+        };
+        Some(format!("{prefix}{base}.experts."))
+    }
+
     /// Expert `e`'s (gate, up, down) tensor names, or `None` for a family that stores all
     /// experts fused in one tensor per projection (GPT-OSS: see [`FusedNames`]).
     fn expert_names(self, prefix: &str, e: u32) -> Option<[String; 3]> {
-        let (base, [gate, up, down]) = match self {
-            Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => {
-                ("mlp", ["gate_proj", "up_proj", "down_proj"])
-            }
-            Family::GptOss => return None,
+        let module = self.experts_module(prefix)?;
+        let projections = match self {
+            Family::Mixtral => ["w1", "w3", "w2"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
         };
-        Some([gate, up, down].map(|p| format!("{prefix}{base}.experts.{e}.{p}.weight")))
+        Some(projections.map(|p| format!("{module}{e}.{p}.weight")))
     }
 
     /// The (gate, up, down) tensors of the shared experts under `prefix`, one MLP of FFN
@@ -223,29 +236,51 @@ impl Family {
         }
     }
 
-    /// A tensor that shows the family's layout under `prefix` (expert 0's gate projection,
-    /// or GPT-OSS's fused tensor), and the tensors that must be there (`true`) or absent.
-    fn marker(self, prefix: &str) -> (Vec<String>, Vec<(String, bool)>) {
-        let gpt_oss = || {
-            vec![
-                format!("{prefix}mlp.experts.gate_up_proj"),
-                format!("{prefix}mlp.experts.gate_up_proj_blocks"),
-            ]
-        };
+    /// The tensors under `prefix` that show the family's naming ([`Marker`]).
+    fn marker(self, prefix: &str) -> Marker {
         let bias = format!("{prefix}mlp.gate.e_score_correction_bias");
+        let shared_experts = format!("{prefix}mlp.shared_experts.gate_proj.weight");
         let shared_gate = format!("{prefix}mlp.shared_expert_gate.weight");
         let expert_0 = vec![format!("{prefix}mlp.experts.0.gate_proj.weight")];
-        match self {
+        let (experts, with_one_of, without) = match self {
             Family::Mixtral => (
                 vec![format!("{prefix}block_sparse_moe.experts.0.w1.weight")],
                 Vec::new(),
+                Vec::new(),
             ),
-            Family::Qwen3Moe => (expert_0, vec![(bias, false), (shared_gate, false)]),
-            Family::Qwen2Moe => (expert_0, vec![(bias, false), (shared_gate, true)]),
-            Family::DeepseekV3 => (expert_0, vec![(bias, true)]),
-            Family::GptOss => (gpt_oss(), Vec::new()),
+            Family::Qwen3Moe => (
+                expert_0,
+                Vec::new(),
+                vec![bias, shared_experts, shared_gate],
+            ),
+            Family::Qwen2Moe => (expert_0, vec![shared_gate], vec![bias]),
+            // DeepSeek-V2 has the shared experts without the correction bias.
+            Family::DeepseekV3 => (expert_0, vec![bias, shared_experts], Vec::new()),
+            Family::GptOss => (
+                vec![
+                    format!("{prefix}mlp.experts.gate_up_proj"),
+                    format!("{prefix}mlp.experts.gate_up_proj_blocks"),
+                ],
+                Vec::new(),
+                Vec::new(),
+            ),
+        };
+        Marker {
+            experts,
+            with_one_of,
+            without,
         }
     }
+}
+
+/// How [`Checkpoint::detect`] tells a family's naming under a layer prefix: one of
+/// `experts` (expert 0's gate projection, or GPT-OSS's fused tensor), which families with
+/// the same expert names share, told apart by the layer's other tensors: at least one
+/// of `with_one_of` (when not empty) and none of `without`.
+struct Marker {
+    experts: Vec<String>,
+    with_one_of: Vec<String>,
+    without: Vec<String>,
 }
 
 impl fmt::Display for Family {
@@ -469,13 +504,34 @@ pub enum CheckpointError {
         #[source]
         source: serde_json::Error,
     },
+    #[error(
+        "{} is a JSON file (a shard index or a model configuration), not weights; the checkpoint is the folder holding it and the shards",
+        path.display()
+    )]
+    JsonFile { path: PathBuf },
+    #[error(
+        "{} is cut short: it holds {size} bytes, but its header places tensor data up to byte {needed}",
+        path.display()
+    )]
+    Truncated {
+        path: PathBuf,
+        size: u64,
+        needed: u64,
+    },
     #[error("{} holds no `*.safetensors` file", path.display())]
     NoShards { path: PathBuf },
-    #[error("{} names shard {} for tensor `{tensor}`, but that file is not there", index.display(), shard.display())]
+    #[error(
+        "{} names shard {} for tensor `{tensor}`, but {}",
+        index.display(),
+        shard.display(),
+        if *folder { "that is a folder, not a file" } else { "that file is not there" }
+    )]
     MissingShard {
         index: PathBuf,
         tensor: String,
         shard: PathBuf,
+        /// Whether a folder stands where the shard should be.
+        folder: bool,
     },
     #[error("{} names shard {} for tensor `{tensor}`, but that shard does not hold it", index.display(), shard.display())]
     IndexMismatch {
@@ -500,7 +556,7 @@ pub enum CheckpointError {
         nearest: Option<String>,
     },
     #[error("the checkpoint holds no routed-expert tensor named as a known family names them \
-             (Mixtral: `<prefix>block_sparse_moe.experts.0.w1.weight`; Qwen3-MoE and DeepSeek-V3: \
+             (Mixtral: `<prefix>block_sparse_moe.experts.0.w1.weight`; Qwen3-MoE, Qwen2-MoE and DeepSeek-V3: \
              `<prefix>mlp.experts.0.gate_proj.weight`; GPT-OSS: `<prefix>mlp.experts.gate_up_proj`){}",
              match (count, example) {
                  (_, None) => String::new(),
@@ -522,6 +578,20 @@ pub enum CheckpointError {
     SeveralFamilies {
         prefix: String,
         families: Vec<Family>,
+    },
+    #[error(
+        "the family given is {given}, whose experts under `{prefix}` would be named like `{expected}`, \
+         but the checkpoint names them as {} does",
+        named_as.iter().map(ToString::to_string).collect::<Vec<_>>().join(" or ")
+    )]
+    GivenFamilyMismatch {
+        prefix: String,
+        given: Family,
+        /// The tensor that would show the given family's naming (expert 0's gate
+        /// projection, or GPT-OSS's fused tensor).
+        expected: String,
+        /// The families [`Checkpoint::detect`] reports under the prefix.
+        named_as: Vec<Family>,
     },
     #[error("{what} holds {got} elements; {experts} experts of the layer need {expected}")]
     HostSize {
@@ -557,10 +627,13 @@ pub enum CheckpointError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
-    #[error(
-        "tensor `{tensor}` is {found:?}; the loader reads BF16, F16, F32, F8_E4M3 matrices with block scales, and GPT-OSS's MXFP4 experts"
-    )]
-    Dtype { tensor: String, found: Dtype },
+    #[error("tensor `{tensor}` is {found:?}; the loader reads it as {readable}")]
+    Dtype {
+        tensor: String,
+        found: Dtype,
+        /// What the tensor is, which says the dtypes it may have.
+        readable: ReadableDtypes,
+    },
     #[error(
         "tensor `{tensor}` is F8_E4M3, but its block scales `{scales}` (shape {expected:?}) are not in the checkpoint"
     )]
@@ -599,8 +672,60 @@ pub enum CheckpointError {
         if *gated { "set `gated = true` in its `shared_experts { }`" } else { "drop `gated = true`, or name the family whose layer this is" }
     )]
     SharedGate { family: Family, gated: bool },
+    #[error(
+        "the checkpoint names {named} expert{} under `{module}` ({family} naming){}",
+        if *named == 1 { "" } else { "s" },
+        match missing {
+            Some(e) => format!("; the spec's layer has `experts = {spec}`, and expert {e} is not there"),
+            None => format!(", numbered up to {highest}; the spec's layer has `experts = {spec}`"),
+        }
+    )]
+    ExpertCount {
+        /// The module the experts are named under (`model.layers.3.mlp.experts.`).
+        module: String,
+        family: Family,
+        /// How many distinct experts it names.
+        named: usize,
+        /// The highest expert number it names.
+        highest: u32,
+        /// The first expert asked for that it does not name, when it names no expert past
+        /// the spec's count.
+        missing: Option<u32>,
+        spec: u32,
+    },
     #[error("rank {rank} of {ranks} does not name an equal share of {experts} experts")]
     Rank { rank: u32, ranks: u32, experts: u32 },
+}
+
+/// The dtypes the loader reads a tensor in, by what the tensor is (a
+/// [`CheckpointError::Dtype`] says which).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadableDtypes {
+    /// An expert's, the shared experts' or the router's matrix: BF16, F16, F32, or F8_E4M3
+    /// with its block scales.
+    Matrix,
+    /// GPT-OSS's fused expert matrices: BF16, F16 or F32 (its quantized release stores
+    /// MXFP4 blocks and scales under other names).
+    FusedMatrix,
+    /// A bias or FP8 block scales, read as f32: F32, BF16 or F16.
+    Values,
+    /// GPT-OSS's MXFP4 blocks (two FP4 codes a byte) and E8M0 scales: U8.
+    Mxfp4,
+}
+
+impl fmt::Display for ReadableDtypes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReadableDtypes::Matrix => {
+                "BF16, F16, F32, or F8_E4M3 with `<name>_scale_inv` block scales"
+            }
+            ReadableDtypes::FusedMatrix => {
+                "BF16, F16 or F32 (the MXFP4 release is read from `_blocks` and `_scales` tensors in its place)"
+            }
+            ReadableDtypes::Values => "F32, BF16 or F16 values",
+            ReadableDtypes::Mxfp4 => "U8 (MXFP4 codes, two a byte, or E8M0 scales)",
+        })
+    }
 }
 
 /// One memory-mapped `.safetensors` file and its parsed header.
@@ -621,11 +746,23 @@ impl Shard {
         // SAFETY: the map is only read. Like every reader of a memory-mapped checkpoint,
         // this assumes nobody truncates or rewrites the file while the checkpoint is open.
         let map = unsafe { Mmap::map(&file) }.map_err(io_error)?;
-        let (header_len, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|source| CheckpointError::Format {
-                path: path.to_owned(),
-                source,
-            })?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|source| {
+            match (&source, covered_len(&map)) {
+                (SafeTensorError::MetadataIncompleteBuffer, Some(needed))
+                    if needed > map.len() as u64 =>
+                {
+                    CheckpointError::Truncated {
+                        path: path.to_owned(),
+                        size: map.len() as u64,
+                        needed,
+                    }
+                }
+                _ => CheckpointError::Format {
+                    path: path.to_owned(),
+                    source,
+                },
+            }
+        })?;
         Ok(Shard {
             path: path.to_owned(),
             map,
@@ -639,14 +776,44 @@ impl Shard {
     }
 }
 
+/// The bytes a safetensors file `bytes` must hold for its header to describe it: the
+/// header and every tensor's data up to the last offset it names; `None` where the
+/// header does not parse. Tells a file cut short from one with bytes left over, which
+/// the safetensors crate reports alike.
+fn covered_len(bytes: &[u8]) -> Option<u64> {
+    let header_len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let header = bytes.get(8..8 + usize::try_from(header_len).ok()?)?;
+    let entries: HashMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let data_end = entries
+        .values()
+        .filter_map(|entry| entry.get("data_offsets")?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0);
+    Some(8 + header_len + data_end)
+}
+
 #[derive(Deserialize)]
 struct IndexFile {
     weight_map: BTreeMap<String, String>,
 }
 
+/// A file an open checkpoint reads tensors from.
+enum ShardFile {
+    Mapped(Shard),
+    /// A shard the index names that is not there: reading one of its tensors is
+    /// [`CheckpointError::MissingShard`], so that the layers in the shards that are there
+    /// load from a partial download.
+    Absent {
+        index: PathBuf,
+        path: PathBuf,
+        /// Whether a folder stands where the shard should be.
+        folder: bool,
+    },
+}
+
 /// The tensors of a checkpoint: one file, or a folder of shards.
 pub struct Checkpoint {
-    shards: Vec<Shard>,
+    shards: Vec<ShardFile>,
     /// Every tensor name, and the shard in `shards` that holds it.
     names: BTreeMap<String, usize>,
     /// The folder whose `config.json` may say the FP8 weights' block size.
@@ -656,20 +823,35 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens `path`: a `.safetensors` file, or a folder. In a folder with
-    /// [`INDEX_FILE`], every shard the index names must exist and hold the tensors it
-    /// names; without one, every `*.safetensors` file in it is a shard and no tensor may
-    /// be in two of them. Maps the files and reads their headers, not their data.
+    /// Opens `path`: a `.safetensors` file (a `.json` file is [`CheckpointError::JsonFile`]:
+    /// the index or configuration of a folder), or a folder. In a folder with
+    /// [`INDEX_FILE`], every shard the index names that is there must hold the tensors it
+    /// names (one that is not is an error only when a tensor of it is read); without one,
+    /// every `*.safetensors` file in it is a shard (folders so named are skipped) and no
+    /// tensor may be in two of them. Maps the files and reads their headers, not their
+    /// data.
     pub fn open(path: &Path) -> Result<Self, CheckpointError> {
         let io_error = |source| CheckpointError::Io {
             path: path.to_owned(),
             source,
         };
         if !path.metadata().map_err(io_error)?.is_dir() {
+            if path
+                .extension()
+                .is_some_and(|x| x.eq_ignore_ascii_case("json"))
+            {
+                return Err(CheckpointError::JsonFile {
+                    path: path.to_owned(),
+                });
+            }
             let shard = Shard::open(path)?;
             let names = shard.names().map(|n| (n, 0)).collect();
             let folder = path.parent().unwrap_or(Path::new("")).to_owned();
-            return Ok(Checkpoint::new(vec![shard], names, folder));
+            return Ok(Checkpoint::new(
+                vec![ShardFile::Mapped(shard)],
+                names,
+                folder,
+            ));
         }
         let index = path.join(INDEX_FILE);
         if index.exists() {
@@ -678,7 +860,7 @@ impl Checkpoint {
         let mut files = Vec::new();
         for entry in std::fs::read_dir(path).map_err(io_error)? {
             let file = entry.map_err(io_error)?.path();
-            if file.extension().is_some_and(|x| x == "safetensors") {
+            if file.extension().is_some_and(|x| x == "safetensors") && file.is_file() {
                 files.push(file);
             }
         }
@@ -705,10 +887,11 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
+        let shards = shards.into_iter().map(ShardFile::Mapped).collect();
         Ok(Checkpoint::new(shards, names, path.to_owned()))
     }
 
-    fn new(shards: Vec<Shard>, names: BTreeMap<String, usize>, folder: PathBuf) -> Self {
+    fn new(shards: Vec<ShardFile>, names: BTreeMap<String, usize>, folder: PathBuf) -> Self {
         Checkpoint {
             shards,
             names,
@@ -727,28 +910,30 @@ impl Checkpoint {
                 path: index.to_owned(),
                 source,
             })?;
-        let mut shards: Vec<Shard> = Vec::new();
+        let mut shards: Vec<ShardFile> = Vec::new();
         let mut by_file: HashMap<String, usize> = HashMap::new();
         let mut names = BTreeMap::new();
         for (tensor, file) in parsed.weight_map {
             let at = match by_file.get(&file) {
                 Some(&at) => at,
                 None => {
-                    let shard_path = dir.join(&file);
-                    if !shard_path.is_file() {
-                        return Err(CheckpointError::MissingShard {
+                    let path = dir.join(&file);
+                    shards.push(if path.is_file() {
+                        ShardFile::Mapped(Shard::open(&path)?)
+                    } else {
+                        ShardFile::Absent {
                             index: index.to_owned(),
-                            tensor,
-                            shard: shard_path,
-                        });
-                    }
-                    shards.push(Shard::open(&shard_path)?);
+                            folder: path.is_dir(),
+                            path,
+                        }
+                    });
                     by_file.insert(file, shards.len() - 1);
                     shards.len() - 1
                 }
             };
-            let shard = &shards[at];
-            if shard.metadata.info(&tensor).is_none() {
+            if let ShardFile::Mapped(shard) = &shards[at]
+                && shard.metadata.info(&tensor).is_none()
+            {
                 return Err(CheckpointError::IndexMismatch {
                     index: index.to_owned(),
                     tensor,
@@ -766,19 +951,22 @@ impl Checkpoint {
     }
 
     /// The families whose expert tensors are named under `prefix` (expert 0's gate
-    /// projection, or GPT-OSS's fused tensor). Qwen3-MoE and DeepSeek-V3 share expert
-    /// names; DeepSeek-V3 is reported when `{prefix}mlp.gate.e_score_correction_bias`
-    /// is there, Qwen3-MoE when it is not. A report, not a choice: loading still takes
-    /// the family from the caller.
+    /// projection, or GPT-OSS's fused tensor). Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 share
+    /// expert names, told apart by the layer's other tensors: DeepSeek-V3 is reported
+    /// when `{prefix}mlp.gate.e_score_correction_bias` or the shared experts
+    /// `{prefix}mlp.shared_experts.gate_proj.weight` are there (DeepSeek-V2 has the
+    /// latter only), Qwen2-MoE when `{prefix}mlp.shared_expert_gate.weight` is (and no
+    /// correction bias), Qwen3-MoE when none of them is. A report, not a choice: loading
+    /// still takes the family from the caller.
     pub fn detect(&self, prefix: &str) -> Vec<Family> {
+        let held = |name: &String| self.names.contains_key(name);
         Family::ALL
             .into_iter()
             .filter(|family| {
-                let (any_of, conditions) = family.marker(prefix);
-                any_of.iter().any(|n| self.names.contains_key(n))
-                    && conditions
-                        .iter()
-                        .all(|(n, present)| self.names.contains_key(n) == *present)
+                let marker = family.marker(prefix);
+                marker.experts.iter().any(held)
+                    && (marker.with_one_of.is_empty() || marker.with_one_of.iter().any(held))
+                    && !marker.without.iter().any(held)
             })
             .collect()
     }
@@ -789,7 +977,7 @@ impl Checkpoint {
     pub fn expert_layers(&self) -> Vec<String> {
         let mut prefixes = BTreeSet::new();
         for family in Family::ALL {
-            for marker in family.marker("").0 {
+            for marker in family.marker("").experts {
                 prefixes.extend(
                     self.names
                         .keys()
@@ -818,12 +1006,13 @@ impl Checkpoint {
         if family.expert_names(prefix, 0).is_none() {
             return self.load_fused_experts(family, prefix, shape, experts);
         }
+        let routed = experts.start..experts.end.min(shape.experts);
+        self.check_expert_count(family, prefix, shape, routed.clone())?;
         let (hidden, ffn) = (shape.hidden as usize, shape.ffn as usize);
         let matrix = hidden * ffn;
         let count = experts.len();
         let mut w1 = vec![0u16; count * 2 * matrix];
         let mut w2 = vec![0u16; count * matrix];
-        let routed = experts.start..experts.end.min(shape.experts);
         for (local, e) in routed.clone().enumerate() {
             let Some([gate, up, down]) = family.expert_names(prefix, e) else {
                 unreachable!("a family names every expert or none");
@@ -859,6 +1048,47 @@ impl Checkpoint {
             w2,
             biases: None,
             shared_gate,
+        })
+    }
+
+    /// Refuses a layer whose checkpoint, under `family`'s per-expert names, names experts
+    /// past the spec's count (the count is wrong: loading would drop the others unsaid) or
+    /// lacks one of the routed experts `wanted` (a shard missing, or the count wrong); a
+    /// file holding one rank's experts loads for that rank. A layer naming none is let
+    /// through: the first tensor looked for then names the nearest name held (a wrong
+    /// family or prefix). GPT-OSS's fused tensors carry the count in their shape.
+    fn check_expert_count(
+        &self,
+        family: Family,
+        prefix: &str,
+        shape: &LayerShape,
+        wanted: Range<u32>,
+    ) -> Result<(), CheckpointError> {
+        let Some(module) = family.experts_module(prefix) else {
+            return Ok(());
+        };
+        let named: BTreeSet<u32> = self
+            .names
+            .range(module.clone()..)
+            .map(|(name, _)| name)
+            .take_while(|name| name.starts_with(&module))
+            .filter_map(|name| name[module.len()..].split_once('.')?.0.parse().ok())
+            .collect();
+        let Some(&highest) = named.last() else {
+            return Ok(());
+        };
+        let spec = shape.experts;
+        let missing = wanted.clone().find(|e| !named.contains(e));
+        if highest < spec && missing.is_none() {
+            return Ok(());
+        }
+        Err(CheckpointError::ExpertCount {
+            module,
+            family,
+            named: named.len(),
+            highest,
+            missing,
+            spec,
         })
     }
 
@@ -1020,6 +1250,7 @@ impl Checkpoint {
                 found => Err(CheckpointError::Dtype {
                     tensor: name.to_owned(),
                     found,
+                    readable: ReadableDtypes::Mxfp4,
                 }),
             }
         };
@@ -1053,6 +1284,7 @@ impl Checkpoint {
                     CheckpointError::Dtype {
                         tensor: name.clone(),
                         found,
+                        readable: ReadableDtypes::Values,
                     }
                 })?;
                 Some(values)
@@ -1086,6 +1318,7 @@ impl Checkpoint {
         to_bf16(tensor.dtype, tensor.bytes, out).map_err(|found| CheckpointError::Dtype {
             tensor: name.to_owned(),
             found,
+            readable: ReadableDtypes::Matrix,
         })
     }
 
@@ -1118,6 +1351,7 @@ impl Checkpoint {
         to_f32(scales.dtype, scales.bytes, &mut scale).map_err(|found| CheckpointError::Dtype {
             tensor: scales_name.clone(),
             found,
+            readable: ReadableDtypes::Values,
         })?;
         if rows == 0 || cols == 0 {
             return Ok(());
@@ -1227,7 +1461,21 @@ impl Checkpoint {
                 nearest: self.nearest(name, prefix),
             });
         };
-        let shard = &self.shards[at];
+        let shard = match &self.shards[at] {
+            ShardFile::Mapped(shard) => shard,
+            ShardFile::Absent {
+                index,
+                path,
+                folder,
+            } => {
+                return Err(CheckpointError::MissingShard {
+                    index: index.clone(),
+                    tensor: name.to_owned(),
+                    shard: path.clone(),
+                    folder: *folder,
+                });
+            }
+        };
         let info = shard
             .metadata
             .info(name)
@@ -1290,6 +1538,7 @@ impl RawTensor<'_> {
             CheckpointError::Dtype {
                 tensor: name.to_owned(),
                 found,
+                readable: ReadableDtypes::FusedMatrix,
             }
         })
     }
@@ -1300,6 +1549,7 @@ impl RawTensor<'_> {
             CheckpointError::Dtype {
                 tensor: name.to_owned(),
                 found,
+                readable: ReadableDtypes::Values,
             }
         })
     }
@@ -1503,8 +1753,11 @@ impl CheckpointLayer {
     /// [`CheckpointError::NoExpertsUnderPrefix`], listing the layers there are. `family`
     /// names the tensors; without it, the family [`Checkpoint::detect`] reports under the
     /// prefix (none: `NoExpertsUnderPrefix`; several: [`CheckpointError::SeveralFamilies`]).
-    /// A given family is not second-guessed: a wrong one fails at loading, naming the
-    /// tensor it looked for and the nearest name the checkpoint holds.
+    /// A given family whose expert names are not under the prefix while another family's
+    /// are is [`CheckpointError::GivenFamilyMismatch`] (a wrong family, not a wrong spec:
+    /// its activation would be checked first). Otherwise it is taken as given (families
+    /// with the same expert names are not second-guessed), and a wrong one fails at
+    /// loading, naming the tensor it looked for and the nearest name the checkpoint holds.
     pub fn open(
         path: &Path,
         prefix: Option<&str>,
@@ -1543,7 +1796,22 @@ impl CheckpointLayer {
         };
         let family_detected = family.is_none();
         let family = match family {
-            Some(family) => family,
+            Some(given) => {
+                let expected = given.marker(&prefix).experts;
+                let named = expected
+                    .iter()
+                    .any(|name| checkpoint.names.contains_key(name));
+                let named_as = checkpoint.detect(&prefix);
+                if !named && !named_as.is_empty() {
+                    return Err(CheckpointError::GivenFamilyMismatch {
+                        prefix,
+                        given,
+                        expected: expected.into_iter().next().unwrap_or_default(),
+                        named_as,
+                    });
+                }
+                given
+            }
             None => match checkpoint.detect(&prefix).as_slice() {
                 [family] => *family,
                 [] => {
@@ -1597,7 +1865,9 @@ impl CheckpointLayer {
     pub fn storage(&self) -> ExpertStorage {
         let checkpoint = &self.checkpoint;
         let dtype = |name: &str| {
-            let shard = &checkpoint.shards[*checkpoint.names.get(name)?];
+            let ShardFile::Mapped(shard) = &checkpoint.shards[*checkpoint.names.get(name)?] else {
+                return None;
+            };
             Some(shard.metadata.info(name)?.dtype)
         };
         match self.family.expert_names(&self.prefix, 0) {
@@ -1613,6 +1883,53 @@ impl CheckpointLayer {
                 }
             }
         }
+    }
+
+    /// Notes on the layer's tensors that a layer of `shape` whose router adds
+    /// `router_bias` leaves unread: shared experts, when the spec has none, and the
+    /// router's score correction or logits bias, when its rule does not add it. Running
+    /// without them is legitimate (an engine may compute the shared experts itself), so
+    /// these are notes to show, not errors. `router_bias` is `None` for a spec without a
+    /// router: the caller routes, and the gate's tensors are none of the layer's concern.
+    pub fn unused_tensors(
+        &self,
+        shape: &LayerShape,
+        router_bias: Option<RouterBias>,
+    ) -> Vec<String> {
+        let names = &self.checkpoint.names;
+        let mut notes = Vec::new();
+        // `mlp.shared_experts.` (DeepSeek), `mlp.shared_expert.` and `_gate` (Qwen2-MoE).
+        let shared_module = format!("{}mlp.shared_expert", self.prefix);
+        let shared: Vec<String> = names
+            .range(shared_module.clone()..)
+            .map(|(name, _)| name)
+            .take_while(|name| name.starts_with(&shared_module))
+            .cloned()
+            .collect();
+        if shape.shared_slices == 0 && !shared.is_empty() {
+            notes.push(format!(
+                "the layer's shared experts ({}) are not read: the spec has no `shared_experts {{ }}`, \
+                 so the layer computes its routed experts only",
+                quoted(&shared)
+            ));
+        }
+        if let Some(bias) = router_bias {
+            for (kind, unread) in [
+                (RouterBias::ScoreCorrection, "score_correction"),
+                (RouterBias::Logits, "logits"),
+            ] {
+                let Some(name) = self.family.gate_bias_name(&self.prefix, kind) else {
+                    continue;
+                };
+                if bias != kind && names.contains_key(&name) {
+                    notes.push(format!(
+                        "the router's bias `{name}` is not read: the spec's router has no \
+                         `bias = {unread}`, so it chooses experts without it"
+                    ));
+                }
+            }
+        }
+        notes
     }
 
     /// The file or folder the checkpoint was opened from.

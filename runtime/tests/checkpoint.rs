@@ -12,7 +12,7 @@ use moeforge_compiler::plan::LayerShape;
 use moeforge_runtime::bf16;
 use moeforge_runtime::checkpoint::{
     Checkpoint, CheckpointError, CheckpointLayer, ExpertSet, ExpertStorage, Family, HostWeights,
-    INDEX_FILE, write_experts, write_layer,
+    INDEX_FILE, ReadableDtypes, write_experts, write_layer,
 };
 use moeforge_runtime::reference::layer_output;
 use moeforge_runtime::weights::{self, Weights};
@@ -244,12 +244,53 @@ fn index_errors_name_the_shard() {
             shard_name(e)
         }
     });
-    let err = Checkpoint::open(dir.path()).err().unwrap();
-    let CheckpointError::MissingShard { shard, tensor, .. } = &err else {
+    // A shard not there is an error only where one of its tensors is read: the rank whose
+    // experts are all there loads, as a layer whose shards are downloaded does.
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let layer = shape(Activation::Swiglu);
+    let rank_0 = ExpertSet::Rank { rank: 0, ranks: 2 };
+    check_layout(
+        &checkpoint
+            .load_experts(Family::Qwen3Moe, PREFIX, &layer, rank_0)
+            .unwrap(),
+    );
+    let err = checkpoint
+        .load_experts(Family::Qwen3Moe, PREFIX, &layer, ExpertSet::All)
+        .unwrap_err();
+    let CheckpointError::MissingShard {
+        shard,
+        tensor,
+        folder: false,
+        ..
+    } = &err
+    else {
         panic!("{err}")
     };
     assert!(shard.ends_with("model-00003-of-00002.safetensors"));
-    assert!(tensor.contains("experts.3."), "{err}");
+    assert_eq!(tensor, &names(Family::Qwen3Moe, PREFIX, 3)[0]);
+    assert!(
+        err.to_string().ends_with("but that file is not there"),
+        "{err}"
+    );
+
+    // A folder where the shard should be says so.
+    std::fs::create_dir(dir.path().join("model-00003-of-00002.safetensors")).unwrap();
+    let err = Checkpoint::open(dir.path())
+        .unwrap()
+        .load_experts(Family::Qwen3Moe, PREFIX, &layer, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::MissingShard { folder: true, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .ends_with("but that is a folder, not a file"),
+        "{err}"
+    );
+    // Without an index, a folder named like a shard is not one.
+    std::fs::remove_file(dir.path().join(INDEX_FILE)).unwrap();
+    check_layout(&load(dir.path(), Family::Qwen3Moe, ExpertSet::All).unwrap());
 
     // Every shard exists, but expert 1's tensors are said to be in the second one.
     write_index(dir.path(), Family::Qwen3Moe, |e| {
@@ -341,6 +382,89 @@ fn missing_tensors_name_the_nearest_one() {
 }
 
 #[test]
+fn experts_past_the_specs_count_or_missing_ones_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let module = format!("{PREFIX}mlp.experts.");
+
+    // Twice the spec's experts: loading the first E would drop the others unsaid.
+    write(&file, &expert_tensors(Family::Qwen3Moe, 0..2 * E));
+    for which in [ExpertSet::All, ExpertSet::Rank { rank: 0, ranks: 2 }] {
+        let err = load(&file, Family::Qwen3Moe, which).unwrap_err();
+        let CheckpointError::ExpertCount {
+            module: named_under,
+            family,
+            named,
+            highest,
+            missing,
+            spec,
+        } = &err
+        else {
+            panic!("{err}")
+        };
+        assert_eq!(named_under, &module);
+        assert_eq!(*family, Family::Qwen3Moe);
+        assert_eq!(
+            (*named, *highest, *missing, *spec),
+            (2 * E, 2 * E as u32 - 1, None, E as u32)
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the checkpoint names 8 experts under `{module}` (Qwen3-MoE naming), numbered up to 7; \
+                 the spec's layer has `experts = 4`"
+            )
+        );
+    }
+
+    // Expert 2 absent altogether (its shard not downloaded, say): not a wrong family. The
+    // rank that does not hold it loads.
+    let mut tensors = expert_tensors(Family::Mixtral, 0..E);
+    tensors.retain(|t| !t.0.contains(".experts.2."));
+    write(&file, &tensors);
+    let rank = |rank| ExpertSet::Rank { rank, ranks: 2 };
+    check_layout(&load(&file, Family::Mixtral, rank(0)).unwrap());
+    let err = load(&file, Family::Mixtral, rank(1)).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            CheckpointError::ExpertCount {
+                named: 3,
+                highest: 3,
+                missing: Some(2),
+                spec: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the checkpoint names 3 experts under `{PREFIX}block_sparse_moe.experts.` (Mixtral naming); \
+             the spec's layer has `experts = 4`, and expert 2 is not there"
+        )
+    );
+
+    // The last expert absent: fewer than the spec's, numbered below it.
+    let mut tensors = expert_tensors(Family::Qwen3Moe, 0..E);
+    tensors.retain(|t| !t.0.contains(".experts.3."));
+    write(&file, &tensors);
+    let err = load(&file, Family::Qwen3Moe, ExpertSet::All).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            CheckpointError::ExpertCount {
+                named: 3,
+                missing: Some(3),
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
 fn shape_and_dtype_errors_name_the_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("model.safetensors");
@@ -403,9 +527,11 @@ fn shape_and_dtype_errors_name_the_tensor() {
         err,
         CheckpointError::Dtype {
             found: Dtype::F8_E5M2,
+            readable: ReadableDtypes::Matrix,
             ..
         }
     ));
+    assert!(message.ends_with("is F8_E5M2; the loader reads it as BF16, F16, F32, or F8_E4M3 with `<name>_scale_inv` block scales"), "{message}");
 }
 
 #[test]
@@ -484,6 +610,33 @@ fn unreadable_files_are_typed_errors() {
     let err = Checkpoint::open(&garbage).err().unwrap();
     assert!(matches!(err, CheckpointError::Format { .. }), "{err}");
     assert!(err.to_string().contains("model.safetensors"), "{err}");
+
+    // The index of a folder given for the folder.
+    let index = dir.path().join(INDEX_FILE);
+    std::fs::write(&index, "{\"weight_map\": {}}").unwrap();
+    let err = Checkpoint::open(&index).err().unwrap();
+    assert!(
+        matches!(&err, CheckpointError::JsonFile { path } if *path == index),
+        "{err}"
+    );
+
+    // A file cut short (an incomplete download) says so; bytes left over are a format error.
+    let file = dir.path().join("cut.safetensors");
+    write(&file, &expert_tensors(Family::Mixtral, 0..1));
+    let whole = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &whole[..whole.len() - 10]).unwrap();
+    let err = Checkpoint::open(&file).err().unwrap();
+    let (size, needed) = (whole.len() as u64 - 10, whole.len() as u64);
+    assert!(
+        matches!(&err, CheckpointError::Truncated { size: s, needed: n, .. } if (*s, *n) == (size, needed)),
+        "{err}"
+    );
+    assert!(err.to_string().ends_with(&format!("is cut short: it holds {size} bytes, but its header places tensor data up to byte {needed}")), "{err}");
+    let mut longer = whole.clone();
+    longer.extend([0; 10]);
+    std::fs::write(&file, &longer).unwrap();
+    let err = Checkpoint::open(&file).err().unwrap();
+    assert!(matches!(err, CheckpointError::Format { .. }), "{err}");
 }
 
 #[test]
@@ -539,12 +692,23 @@ fn detect_reports_the_families_named_under_a_prefix() {
 
     let mut qwen = expert_tensors(Family::Qwen3Moe, 0..E);
     assert_eq!(detect(&qwen, PREFIX), [Family::Qwen3Moe]);
-    qwen.push(bf16_tensor(
+    // DeepSeek-V2's layer: shared experts, no correction bias; then V3's, with both.
+    let mut deepseek = qwen.clone();
+    deepseek.extend(shared_tensors());
+    assert_eq!(detect(&deepseek, PREFIX), [Family::DeepseekV3]);
+    let bias = bf16_tensor(
         format!("{PREFIX}mlp.gate.e_score_correction_bias"),
         vec![E],
         0..E as u16,
-    ));
+    );
+    deepseek.push(bias.clone());
+    assert_eq!(detect(&deepseek, PREFIX), [Family::DeepseekV3]);
+    qwen.push(bias);
     assert_eq!(detect(&qwen, PREFIX), [Family::DeepseekV3]);
+    // Qwen2-MoE's gated shared expert.
+    let mut qwen2 = expert_tensors(Family::Qwen2Moe, 0..E);
+    qwen2.extend(qwen2_shared_tensors());
+    assert_eq!(detect(&qwen2, PREFIX), [Family::Qwen2Moe]);
 
     let gpt_oss = [bf16_tensor(
         format!("{PREFIX}mlp.experts.gate_up_proj"),
@@ -664,8 +828,37 @@ fn the_only_layer_and_its_family_are_picked_from_the_names() {
             file.display()
         )
     );
-    // A wrong family fails at loading, naming the tensor and its shape.
-    let err = CheckpointLayer::open(&file, None, Some(Family::Mixtral))
+    // A given family whose expert names are not there, another's being, is refused at
+    // opening (before its activation is held against the spec's).
+    for (given, expected) in [
+        (Family::Mixtral, "block_sparse_moe.experts.0.w1.weight"),
+        (Family::GptOss, "mlp.experts.gate_up_proj"),
+    ] {
+        let err = CheckpointLayer::open(&file, None, Some(given))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                &err,
+                CheckpointError::GivenFamilyMismatch { given: g, named_as, .. }
+                    if *g == given && named_as == &[Family::Qwen3Moe]
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the family given is {given}, whose experts under `{PREFIX}` would be named like \
+                 `{PREFIX}{expected}`, but the checkpoint names them as Qwen3-MoE does"
+            )
+        );
+    }
+    // Where no family's experts are named under the prefix, a wrong family fails at
+    // loading, naming the tensor and its shape.
+    let mut tensors = expert_tensors(Family::Qwen3Moe, 0..E);
+    tensors.retain(|t| !t.0.contains(".experts.0."));
+    write(&file, &tensors);
+    let err = CheckpointLayer::open(&file, Some(PREFIX), Some(Family::Mixtral))
         .unwrap()
         .load(&shape(Activation::Swiglu), ExpertSet::All)
         .unwrap_err();
@@ -1288,7 +1481,7 @@ fn gpt_oss_mxfp4_experts_load_as_their_dequantized_bf16_checkpoint() {
         .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
         .unwrap_err();
     assert!(
-        matches!(&err, CheckpointError::Dtype { tensor, found: Dtype::I8 } if *tensor == name("down_proj_scales")),
+        matches!(&err, CheckpointError::Dtype { tensor, found: Dtype::I8, readable: ReadableDtypes::Mxfp4 } if *tensor == name("down_proj_scales")),
         "{err}"
     );
     write(
@@ -1540,6 +1733,173 @@ fn fp8_errors_name_the_scales_and_the_config() {
     )
     .unwrap();
     assert!(matches!(load(), CheckpointError::BlockSize { .. }));
+}
+
+/// Each dtype error says what that tensor is read as: FP8 block scales and biases as
+/// values, GPT-OSS's fused matrices without FP8 (its quantized release is MXFP4).
+#[test]
+fn dtype_errors_say_what_each_tensor_is_read_as() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let retyped = |tensors: &[Tensor], name: &str, dtype: Dtype| -> Vec<Tensor> {
+        tensors
+            .iter()
+            .map(|t| {
+                let mut t = t.clone();
+                if t.0 == name {
+                    let elements: usize = t.2.iter().product();
+                    t.1 = dtype;
+                    t.3 = vec![0; elements * dtype.bitsize() / 8];
+                }
+                t
+            })
+            .collect()
+    };
+    let dtype_error = |err: CheckpointError| match err {
+        CheckpointError::Dtype {
+            tensor,
+            found,
+            readable,
+        } => (tensor, found, readable),
+        other => panic!("{other}"),
+    };
+
+    let (quantized, _) = deepseek_fp8_pair([128, 128], [H, F, E]);
+    let [gate, ..] = names(Family::DeepseekV3, PREFIX, 0);
+    let scales = format!("{gate}_scale_inv");
+    write(&file, &retyped(&quantized, &scales, Dtype::U8));
+    let fp8_shape = LayerShape {
+        shared_slices: 2,
+        ..shape(Activation::Swiglu)
+    };
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_experts(Family::DeepseekV3, PREFIX, &fp8_shape, ExpertSet::All)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .ends_with("is U8; the loader reads it as F32, BF16 or F16 values"),
+        "{err}"
+    );
+    assert_eq!(
+        dtype_error(err),
+        (scales, Dtype::U8, ReadableDtypes::Values)
+    );
+
+    let gate_up = format!("{PREFIX}mlp.experts.gate_up_proj");
+    write(
+        &file,
+        &retyped(&gpt_oss_tensors(), &gate_up, Dtype::F8_E4M3),
+    );
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_experts(Family::GptOss, PREFIX, &gpt_oss_shape(), ExpertSet::All)
+        .unwrap_err();
+    assert!(!err.to_string().contains("F8_E4M3 with"), "{err}");
+    assert_eq!(
+        dtype_error(err),
+        (gate_up, Dtype::F8_E4M3, ReadableDtypes::FusedMatrix)
+    );
+
+    let bias = format!("{PREFIX}mlp.gate.e_score_correction_bias");
+    let mut tensors = expert_tensors(Family::DeepseekV3, 0..E);
+    tensors.push(bf16_tensor(
+        format!("{PREFIX}mlp.gate.weight"),
+        vec![E, H],
+        (0..E * H).map(|i| i as u16),
+    ));
+    tensors.push(bf16_tensor(bias.clone(), vec![E], 0..E as u16));
+    write(&file, &retyped(&tensors, &bias, Dtype::I64));
+    let err = Checkpoint::open(&file)
+        .unwrap()
+        .load_gate(
+            Family::DeepseekV3,
+            PREFIX,
+            &shape(Activation::Swiglu),
+            RouterBias::ScoreCorrection,
+        )
+        .unwrap_err();
+    assert_eq!(dtype_error(err), (bias, Dtype::I64, ReadableDtypes::Values));
+}
+
+/// The layer's tensors a spec leaves unread are notes, not errors: shared experts without
+/// a `shared_experts { }`, a router bias its rule does not add; nothing about the gate when
+/// the spec has no router (the caller routes).
+#[test]
+fn tensors_the_spec_leaves_unread_are_noted() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = expert_tensors(Family::DeepseekV3, 0..E);
+    tensors.extend(shared_tensors());
+    tensors.push(bf16_tensor(
+        format!("{PREFIX}mlp.gate.weight"),
+        vec![E, H],
+        (0..E * H).map(|i| i as u16),
+    ));
+    let bias = format!("{PREFIX}mlp.gate.e_score_correction_bias");
+    tensors.push(bf16_tensor(bias.clone(), vec![E], 0..E as u16));
+    write(&file, &tensors);
+    let layer = CheckpointLayer::open(&file, None, None).unwrap();
+    assert_eq!(layer.family(), Family::DeepseekV3);
+    let routed_only = shape(Activation::Swiglu);
+    let shared_note = format!(
+        "the layer's shared experts (`{PREFIX}mlp.shared_experts.down_proj.weight`, \
+         `{PREFIX}mlp.shared_experts.gate_proj.weight`, `{PREFIX}mlp.shared_experts.up_proj.weight`) \
+         are not read: the spec has no `shared_experts {{ }}`, so the layer computes its routed experts only"
+    );
+    let bias_note = format!(
+        "the router's bias `{bias}` is not read: the spec's router has no `bias = score_correction`, \
+         so it chooses experts without it"
+    );
+    assert_eq!(
+        layer.unused_tensors(&routed_only, None),
+        std::slice::from_ref(&shared_note)
+    );
+    assert_eq!(
+        layer.unused_tensors(&routed_only, Some(RouterBias::None)),
+        [shared_note, bias_note]
+    );
+    let whole = LayerShape {
+        shared_slices: 2,
+        ..routed_only
+    };
+    assert!(
+        layer
+            .unused_tensors(&whole, Some(RouterBias::ScoreCorrection))
+            .is_empty()
+    );
+
+    // Qwen2-MoE's gated shared expert, and GPT-OSS's router bias under a rule without one.
+    let mut tensors = expert_tensors(Family::Qwen2Moe, 0..E);
+    tensors.extend(qwen2_shared_tensors());
+    write(&file, &tensors);
+    let layer = CheckpointLayer::open(&file, None, None).unwrap();
+    let notes = layer.unused_tensors(&routed_only, None);
+    assert!(
+        notes.len() == 1 && notes[0].contains("mlp.shared_expert_gate.weight"),
+        "{notes:?}"
+    );
+    let mut tensors = gpt_oss_tensors();
+    tensors.push(bf16_tensor(
+        format!("{PREFIX}mlp.router.bias"),
+        vec![E],
+        0..E as u16,
+    ));
+    write(&file, &tensors);
+    let layer = CheckpointLayer::open(&file, None, None).unwrap();
+    assert!(
+        layer
+            .unused_tensors(&gpt_oss_shape(), Some(RouterBias::Logits))
+            .is_empty()
+    );
+    assert_eq!(
+        layer.unused_tensors(&gpt_oss_shape(), Some(RouterBias::None)),
+        [format!(
+            "the router's bias `{PREFIX}mlp.router.bias` is not read: the spec's router has no \
+             `bias = logits`, so it chooses experts without it"
+        )]
+    );
+    assert!(layer.unused_tensors(&gpt_oss_shape(), None).is_empty());
 }
 
 /// DeepSeek-V3's shared experts, one MLP of FFN 2F: `gate_proj`/`up_proj` [2F, H] and

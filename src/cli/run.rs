@@ -8,7 +8,8 @@
 //! checkpoint's layer (see [`super::weights`]): loaded and checked on the host first, then
 //! every expert uploaded for the single-GPU layer (which the reference reads) and, when
 //! expert-parallel, each rank's share read from the checkpoint for that rank. Without a
-//! GPU it stops after loading the weights and compiling, and says so.
+//! GPU it stops after loading the weights and compiling with NVRTC, and says so (without
+//! NVRTC, after loading, with the toolkit error: exit 2).
 //!
 //! Launched as one rank of a group of processes (`RANK`, `WORLD_SIZE`, ... set; see
 //! [`super::group`]), it runs its own rank's `--tokens N` tokens and, with `--check`,
@@ -241,7 +242,8 @@ pub fn run(args: &Args) -> ExitCode {
             return usage_error();
         }
     };
-    let loaded = match args.weights.load(&plan.shape) {
+    let rule = plan.router.as_ref().map(|router| &router.rule);
+    let loaded = match args.weights.load(&plan.shape, rule) {
         Ok(loaded) => loaded,
         Err(status) => return status,
     };

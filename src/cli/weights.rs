@@ -4,7 +4,7 @@
 //! one), reports what was picked, and turns each loader error into a message, a hint that
 //! names the flag to change, and an exit status.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,7 +13,7 @@ use moeforge::compiler::ir::Router;
 use moeforge::compiler::plan::LayerShape;
 use moeforge::runtime::checkpoint::{
     CheckpointError, CheckpointLayer, ExpertSet, ExpertStorage, Family, HostGate, HostWeights,
-    INDEX_FILE,
+    INDEX_FILE, ReadableDtypes,
 };
 use moeforge::runtime::gpu::CudaContext;
 use moeforge::runtime::layer::ExpertWeights;
@@ -42,20 +42,41 @@ pub struct WeightsArgs {
 pub enum FamilyArg {
     /// `block_sparse_moe.experts.N.w1/w3/w2.weight`.
     Mixtral,
-    /// `mlp.experts.N.gate_proj/up_proj/down_proj.weight`.
+    /// `mlp.experts.N.gate_proj/up_proj/down_proj.weight`, without shared experts.
     #[value(name = "qwen3-moe")]
     Qwen3Moe,
     /// As Qwen3-MoE, with a gated shared expert: `mlp.shared_expert.*` and
     /// `mlp.shared_expert_gate.weight` (Qwen1.5-MoE, Qwen2-MoE).
     #[value(name = "qwen2-moe")]
     Qwen2Moe,
-    /// As Qwen3-MoE, with `mlp.gate.e_score_correction_bias`.
+    /// As Qwen3-MoE, with shared experts `mlp.shared_experts.*` and
+    /// `mlp.gate.e_score_correction_bias` (DeepSeek-V3; DeepSeek-V2 has no bias).
     #[value(name = "deepseek-v3")]
     DeepseekV3,
     /// Fused `mlp.experts.gate_up_proj` and `down_proj`, with biases (or the MXFP4
     /// release's `_blocks` and `_scales`, dequantized on loading).
     #[value(name = "gpt-oss")]
     GptOss,
+}
+
+impl From<Family> for FamilyArg {
+    fn from(family: Family) -> Self {
+        match family {
+            Family::Mixtral => FamilyArg::Mixtral,
+            Family::Qwen3Moe => FamilyArg::Qwen3Moe,
+            Family::Qwen2Moe => FamilyArg::Qwen2Moe,
+            Family::DeepseekV3 => FamilyArg::DeepseekV3,
+            Family::GptOss => FamilyArg::GptOss,
+        }
+    }
+}
+
+/// `family`'s value of `--family`.
+fn family_flag(family: Family) -> String {
+    use clap::ValueEnum as _;
+    FamilyArg::from(family)
+        .to_possible_value()
+        .map_or_else(|| family.to_string(), |value| value.get_name().to_owned())
 }
 
 impl From<FamilyArg> for Family {
@@ -94,8 +115,14 @@ impl WeightsArgs {
     }
 
     /// `None` without `--weights`; else the checkpoint's layer and all its experts for a
-    /// layer of `shape`, said on stderr, or the exit status after reporting why not.
-    pub fn load(&self, shape: &LayerShape) -> Result<Option<Loaded>, ExitCode> {
+    /// layer of `shape` whose router (if any) follows `router`, said on stderr with a
+    /// warning for each tensor of the layer the spec leaves unread, or the exit status
+    /// after reporting why not.
+    pub fn load(
+        &self,
+        shape: &LayerShape,
+        router: Option<&Router>,
+    ) -> Result<Option<Loaded>, ExitCode> {
         let Some(path) = &self.weights else {
             return Ok(None);
         };
@@ -132,6 +159,9 @@ impl WeightsArgs {
             shape.experts,
             started.elapsed().as_secs_f64()
         );
+        for note in layer.unused_tensors(shape, router.map(|rule| rule.bias)) {
+            eprintln!("warning: {note}");
+        }
         Ok(Some(Loaded { layer, all }))
     }
 }
@@ -190,10 +220,12 @@ fn report(error: &CheckpointError) -> ExitCode {
     }
     match error {
         CheckpointError::Io { .. }
+        | CheckpointError::JsonFile { .. }
         | CheckpointError::NoShards { .. }
         | CheckpointError::NoExpertsUnderPrefix { .. }
         | CheckpointError::SeveralLayers { .. }
         | CheckpointError::SeveralFamilies { .. }
+        | CheckpointError::GivenFamilyMismatch { .. }
         | CheckpointError::Rank { .. } => usage_error(),
         _ => invalid_input(),
     }
@@ -204,6 +236,26 @@ const FAMILIES: &str = "mixtral, qwen3-moe, qwen2-moe, deepseek-v3, gpt-oss";
 
 fn hint(error: &CheckpointError) -> Option<String> {
     Some(match error {
+        CheckpointError::JsonFile { path } => format!(
+            "pass the folder: --weights {}",
+            path.parent()
+                .filter(|folder| !folder.as_os_str().is_empty())
+                .unwrap_or(Path::new("."))
+                .display()
+        ),
+        CheckpointError::Truncated { .. } => {
+            "the download may be incomplete: fetch the file again (its size should match the one the model's page lists)"
+                .to_owned()
+        }
+        CheckpointError::Format { .. } => {
+            "--weights reads safetensors files (`*.safetensors`); is the file complete, and not a PyTorch \
+             `.bin` or `.pt` checkpoint (which must be converted)?"
+                .to_owned()
+        }
+        CheckpointError::MissingShard { shard, .. } => format!(
+            "the download may be incomplete: fetch {} (the layers whose shards are all there load without it)",
+            shard.file_name().map_or_else(|| shard.display().to_string(), |name| name.to_string_lossy().into_owned())
+        ),
         CheckpointError::Io { .. } | CheckpointError::NoShards { .. } => format!(
             "--weights takes a .safetensors file, or a folder of `*.safetensors` shards (with {INDEX_FILE} when sharded)"
         ),
@@ -218,25 +270,52 @@ fn hint(error: &CheckpointError) -> Option<String> {
         CheckpointError::NoExpertsUnderPrefix { layers, .. } if layers.is_empty() => {
             format!("is it the checkpoint of an MoE model of one of the families moeforge reads ({FAMILIES})?")
         }
+        CheckpointError::NoExpertsUnderPrefix { layers, .. } if layers.len() == 1 => format!(
+            "pass --layer-prefix {}, or leave --layer-prefix out: it is the only layer",
+            layers[0]
+        ),
         CheckpointError::NoExpertsUnderPrefix { .. } | CheckpointError::SeveralLayers { .. } => {
             "pass one of those layers' prefixes with --layer-prefix".to_owned()
         }
         CheckpointError::SeveralFamilies { .. } => {
             format!("say which with --family ({FAMILIES})")
         }
+        CheckpointError::GivenFamilyMismatch { named_as, .. } => {
+            let flags: Vec<String> = named_as
+                .iter()
+                .map(|family| format!("`--family {}`", family_flag(*family)))
+                .collect();
+            match flags.as_slice() {
+                [one] => format!("pass {one}, or leave --family out: it is read off the tensor names"),
+                several => format!("pass {}", several.join(" or ")),
+            }
+        }
         CheckpointError::MissingTensor { tensor, .. } if !tensor.contains(".experts.") => {
             "check --layer-prefix, --family and the spec's `router { bias = ... }`: the router's gate is \
-             `block_sparse_moe.gate.weight` (Mixtral), `mlp.gate.weight` (Qwen3-MoE, DeepSeek-V3; \
+             `block_sparse_moe.gate.weight` (Mixtral), `mlp.gate.weight` (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3; \
              `bias = score_correction` reads `mlp.gate.e_score_correction_bias`), `mlp.router.weight` \
              (GPT-OSS; `bias = logits` reads `mlp.router.bias`)"
                 .to_owned()
         }
         CheckpointError::MissingTensor { .. } => {
             "check --layer-prefix and --family: Mixtral names experts `block_sparse_moe.experts.N.w1/w3/w2.weight`, \
-             Qwen3-MoE and DeepSeek-V3 `mlp.experts.N.gate_proj/up_proj/down_proj.weight`, GPT-OSS \
+             Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 `mlp.experts.N.gate_proj/up_proj/down_proj.weight`, GPT-OSS \
              `mlp.experts.gate_up_proj` and `down_proj` (all experts in one tensor each)"
                 .to_owned()
         }
+        CheckpointError::ExpertCount {
+            highest,
+            missing: None,
+            ..
+        } => format!(
+            "set `experts = {}` in the spec, as the model's config.json does (num_local_experts, num_experts \
+             or n_routed_experts)",
+            highest + 1
+        ),
+        CheckpointError::ExpertCount { named, .. } => format!(
+            "is a shard of the checkpoint missing (an incomplete download)? If the model has {named} routed \
+             experts, set `experts = {named}` in the spec"
+        ),
         CheckpointError::Shape {
             expected, found, ..
         } if expected.iter().rev().eq(found.iter()) => {
@@ -244,16 +323,33 @@ fn hint(error: &CheckpointError) -> Option<String> {
              (gate and up [ffn, hidden], down [hidden, ffn]) as Hugging Face saves them"
                 .to_owned()
         }
+        CheckpointError::Shape { tensor, .. } if tensor.contains(".shared_expert") => {
+            "the shared experts are one MLP of FFN `count · ffn` (the spec's `shared_experts { }`): make that the \
+             model's shared intermediate size, as its config.json gives it (DeepSeek: n_shared_experts · \
+             moe_intermediate_size; Qwen2-MoE: shared_expert_intermediate_size)"
+                .to_owned()
+        }
         CheckpointError::Shape { .. } => {
             "the checkpoint's layer has other sizes than the spec: set `hidden`, `ffn` and `experts` as the model's \
              config.json does (hidden_size, the experts' intermediate size, the number of routed experts)"
                 .to_owned()
         }
-        CheckpointError::Dtype { .. } => {
-            "convert the checkpoint's experts to bf16 (f16, f32, FP8 E4M3 with `_scale_inv` block scales and \
-             GPT-OSS's MXFP4 `_blocks` with `_scales` are read too)"
-                .to_owned()
+        CheckpointError::Dtype { readable, .. } => match readable {
+            ReadableDtypes::Matrix => {
+                "convert the tensor to bf16; quantized releases are read as published (FP8 E4M3 with \
+                 `_scale_inv` block scales, GPT-OSS's MXFP4 `_blocks` with `_scales`)"
+            }
+            ReadableDtypes::FusedMatrix => {
+                "convert the tensor to bf16, or use GPT-OSS's published MXFP4 release (`gate_up_proj_blocks` \
+                 and `_scales`, `down_proj_blocks` and `_scales`), which is dequantized on loading"
+            }
+            ReadableDtypes::Values => "convert the tensor to f32 (or bf16), as the model's release stores it",
+            ReadableDtypes::Mxfp4 => {
+                "GPT-OSS's MXFP4 release stores its blocks and scales as U8; convert the experts to bf16 \
+                 (`gate_up_proj`, `down_proj`) if this file quantizes them otherwise"
+            }
         }
+        .to_owned(),
         CheckpointError::MissingScales { .. } => {
             "the loader reads FP8 matrices with block scales beside them (`<name>_scale_inv`, as DeepSeek-V3's \
              and Qwen3's FP8 releases keep them), not per-tensor scales (`weight_scale`); or is a shard missing?"
