@@ -782,14 +782,14 @@ impl Shard {
 /// the safetensors crate reports alike.
 fn covered_len(bytes: &[u8]) -> Option<u64> {
     let header_len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let header = bytes.get(8..8 + usize::try_from(header_len).ok()?)?;
+    let header = bytes.get(8..8usize.checked_add(usize::try_from(header_len).ok()?)?)?;
     let entries: HashMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
     let data_end = entries
         .values()
         .filter_map(|entry| entry.get("data_offsets")?.get(1)?.as_u64())
         .max()
         .unwrap_or(0);
-    Some(8 + header_len + data_end)
+    8u64.checked_add(header_len)?.checked_add(data_end)
 }
 
 #[derive(Deserialize)]
@@ -1078,16 +1078,25 @@ impl Checkpoint {
             return Ok(());
         };
         let spec = shape.experts;
-        let missing = wanted.clone().find(|e| !named.contains(e));
-        if highest < spec && missing.is_none() {
-            return Ok(());
+        if highest >= spec {
+            return Err(CheckpointError::ExpertCount {
+                module,
+                family,
+                named: named.len(),
+                highest,
+                missing: None,
+                spec,
+            });
         }
+        let Some(missing) = wanted.clone().find(|e| !named.contains(e)) else {
+            return Ok(());
+        };
         Err(CheckpointError::ExpertCount {
             module,
             family,
             named: named.len(),
             highest,
-            missing,
+            missing: Some(missing),
             spec,
         })
     }
@@ -2306,6 +2315,23 @@ fn f16_to_f32(bits: u16) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_lengths_that_overflow_are_no_safetensors_not_a_panic() {
+        assert_eq!(covered_len(&[0xFF; 32]), None);
+        let header =
+            br#"{"t":{"dtype":"BF16","shape":[1],"data_offsets":[0,18446744073709551615]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        assert_eq!(covered_len(&bytes), None, "data past every u64 size");
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("ff.safetensors");
+        std::fs::write(&path, [0xFF; 32]).expect("written");
+        let error = Checkpoint::open(&path)
+            .err()
+            .expect("not a safetensors file");
+        assert!(matches!(error, CheckpointError::Format { .. }), "{error}");
+    }
 
     #[test]
     fn f16_converts_exactly() {

@@ -51,9 +51,10 @@ pub enum HarnessError {
 }
 
 impl HarnessError {
-    /// Whether joining a group failed with an NCCL transfer that waits for a lost peer
-    /// still on this process's stream (the communicator was left as it is): the driver's
-    /// exit-time tear-down would wait for it too, so the process should leave at once.
+    /// Whether joining a group failed leaving NCCL blocked on a lost peer (a transfer on
+    /// this process's stream, or the communicator's set-up on a thread), the communicator
+    /// left as it is: the driver's exit-time tear-down would wait for it too, so the
+    /// process should leave at once.
     pub fn left_a_transfer_stuck(&self) -> bool {
         let stuck = |network: &crate::network::NetworkError| {
             matches!(

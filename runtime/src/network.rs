@@ -99,7 +99,7 @@ pub enum NetworkError {
     #[error("NCCL failed while {context}: {result}")]
     Nccl { context: String, result: String },
     #[error(
-        "rank {rank}: joining the NCCL communicator did not finish within {seconds:.0} s (the rendezvous bound); a rank stopped during set-up: see its output (NCCL's set-up stays blocked, so leave the process)"
+        "rank {rank}: joining the NCCL communicator did not finish within {seconds:.0} s (the rendezvous bound, at least 30 s); a rank stopped during set-up: see its output (NCCL's set-up stays blocked, so leave the process)"
     )]
     JoinTimeout { rank: u32, seconds: f64 },
     #[error(
@@ -182,6 +182,10 @@ fn config_with_max_ctas(max_ctas: u32, version: c_int) -> nccl_sys::ncclConfig_t
     }
 }
 
+/// The shortest wait for NCCL's set-up, whatever the rendezvous bound: a rendezvous
+/// bound cut short for quick tests must not cut off a healthy set-up.
+pub const LEAST_JOIN_WAIT: Duration = Duration::from_secs(30);
+
 /// A communicator just made, on its way from the thread that joined it.
 struct JoinedComm(nccl_sys::ncclComm_t);
 
@@ -245,8 +249,10 @@ impl GroupComm {
     /// Joins the communicator of `world_size` ranks as `rank` with the unique id `id` on
     /// `ctx`'s device, held to `max_ctas` CTAs when given. NCCL's set-up waits for every
     /// rank, and one that died after the id went round would hold it for ever: it runs on a
-    /// thread of its own, awaited for at most `timeout`; past it the thread is left
-    /// blocked and the error is [`NetworkError::JoinTimeout`].
+    /// thread of its own, awaited for `timeout` (at least [`LEAST_JOIN_WAIT`]). Past it the
+    /// error is [`NetworkError::JoinTimeout`], and the thread is left blocked in NCCL with
+    /// its hold on the context (a communicator it makes later is never destroyed): the
+    /// process should leave, as the CLI does.
     pub(crate) fn init(
         ctx: &Arc<CudaContext>,
         rank: u32,
@@ -274,6 +280,7 @@ impl GroupComm {
                 context: "starting the thread that joins the communicator".to_string(),
                 result: e.to_string(),
             })?;
+        let timeout = timeout.max(LEAST_JOIN_WAIT);
         match joined.recv_timeout(timeout) {
             Ok(comm) => Ok(GroupComm {
                 comm: comm?.0,
@@ -281,9 +288,13 @@ impl GroupComm {
                 world_size,
                 abandoned: Cell::new(false),
             }),
-            Err(_) => Err(NetworkError::JoinTimeout {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(NetworkError::JoinTimeout {
                 rank,
                 seconds: timeout.as_secs_f64(),
+            }),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(NetworkError::Nccl {
+                context: "joining the communicator".to_string(),
+                result: "the joining thread ended without an answer (it panicked)".to_string(),
             }),
         }
     }

@@ -47,7 +47,7 @@ const MOST_RENDEZVOUS_TIMEOUT_S: f64 = 86_400.0;
 const LEAST_RENDEZVOUS_TIMEOUT_S: f64 = 0.001;
 /// How long rank 0 waits for a connection's handshake, which a rank sends as soon as it
 /// connects, before it sets the connection aside as no rank's.
-const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(3);
 
 /// The environment variable that overrides [`DEFAULT_RENDEZVOUS_TIMEOUT`], in seconds.
 pub const RENDEZVOUS_TIMEOUT_VAR: &str = "MOEFORGE_RENDEZVOUS_TIMEOUT";
@@ -75,6 +75,11 @@ const GROUP_ENDED: u32 = u32::MAX;
 
 /// How long rank 0 tries to tell the other ranks why it ended the group.
 const END_NOTICE_WAIT: Duration = Duration::from_secs(1);
+
+/// How much longer than rank 0 the other ranks wait in a gather: rank 0's notice of an
+/// ended group has time to arrive. (A rank that enters a gather long before rank 0 may
+/// still time out first: then the message says rank 0 may be waiting for another rank.)
+const NOTICE_MARGIN: Duration = Duration::from_secs(3);
 
 /// The variables that name a run, in the order they are read ([`LaunchEnv::run_id`]).
 const RUN_ID_VARS: &str = "MOEFORGE_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID";
@@ -300,13 +305,16 @@ pub enum ChannelError {
         hint: String,
     },
     #[error(
-        "rank {rank}: the process at {addr} is not a moeforge rank 0 of this group ({what}); {hint}"
+        "rank {rank}: the process at {addr} answered the handshake with something no moeforge rank 0 sends; another program holds the port: give the group one of its own"
     )]
-    NotRankZero {
+    NotRankZero { rank: u32, addr: String },
+    #[error(
+        "rank {rank}: rank 0 at {addr} took the connection but did not answer the handshake ({what}); it may have given up waiting for the group (see its output), or the port is another program's"
+    )]
+    NoAnswer {
         rank: u32,
         addr: String,
         what: String,
-        hint: String,
     },
     #[error("rank {rank}: rank 0 at {addr} refused this process: {reason}")]
     Refused {
@@ -339,7 +347,12 @@ pub enum ChannelError {
         source: io::Error,
     },
     #[error(
-        "rank {rank}: rank {peer} sent nothing for {seconds:.0} s while {doing}; it is stuck, failed before this point, or is slower than the bound ({RENDEZVOUS_TIMEOUT_VAR}): see its output"
+        "rank {rank}: rank {peer} sent nothing for {seconds:.0} s while {doing}; {}",
+        if *peer == 0 && *rank != 0 {
+            format!("rank 0 passes on every rank's message, so rank 0 or any other rank may be stuck, have failed before this point, or be slower than the bound ({RENDEZVOUS_TIMEOUT_VAR}): see their output")
+        } else {
+            format!("it is stuck, failed before this point, or is slower than the bound ({RENDEZVOUS_TIMEOUT_VAR}): see its output")
+        }
     )]
     PeerSilent {
         rank: u32,
@@ -347,7 +360,7 @@ pub enum ChannelError {
         doing: &'static str,
         seconds: f64,
     },
-    #[error("rank {rank}: rank 0 ended the group: {reason}")]
+    #[error("rank {rank}: the group ended: {reason}")]
     GroupEnded { rank: u32, reason: String },
     #[error("rank {rank}: rank {peer} sent a message of {bytes} bytes, above the channel's limit")]
     Oversized { rank: u32, peer: u32, bytes: u32 },
@@ -445,7 +458,7 @@ impl Handshake {
         if word(0)? != HANDSHAKE_MAGIC {
             return None;
         }
-        let text = std::str::from_utf8(&bytes[12..]).ok()?;
+        let text = std::str::from_utf8(bytes.get(12..)?).ok()?;
         let (run_id, fingerprint) = text.split_once('\n')?;
         Some(Handshake {
             world_size: word(1)?,
@@ -521,7 +534,17 @@ impl ControlChannel {
         };
         let links = match (&env.rendezvous, env.rank) {
             (Rendezvous::Tcp { addr, port }, 0) => {
-                let listener = listen(listening_address(addr, resolve(addr, *port)?))?;
+                let resolved = resolve(addr, *port)?;
+                // Though rank 0 listens on every interface, MASTER_ADDR must be this host's.
+                if let Err(source) = TcpListener::bind((resolved.ip(), 0))
+                    && source.kind() == io::ErrorKind::AddrNotAvailable
+                {
+                    return Err(ChannelError::Listen {
+                        addr: resolved.to_string(),
+                        source,
+                    });
+                }
+                let listener = listen(listening_address(addr, resolved))?;
                 accept_ranks(listener, env, &mine, deadline)?
             }
             (Rendezvous::Tcp { addr, port }, _) => {
@@ -579,6 +602,9 @@ impl ControlChannel {
             });
         }
         if rank != 0 {
+            // Past rank 0's own bound, so that a rank that came first hears why rank 0
+            // ended the group rather than blame rank 0.
+            let deadline = deadline + NOTICE_MARGIN;
             let link = &mut self.links[0];
             write_frame(link, message, deadline).map_err(|e| e.about(rank, 0, seconds))?;
             return (0..self.world_size)
@@ -587,7 +613,7 @@ impl ControlChannel {
         }
         let gathered = self.gather_and_share(message, deadline);
         if let Err(error) = &gathered {
-            self.end_group(&error.to_string());
+            self.end_group(error);
         }
         gathered
     }
@@ -613,24 +639,44 @@ impl ControlChannel {
         Ok(all)
     }
 
-    /// Rank 0, after a failed gather: tells every other rank why, best effort (a lost
-    /// peer's link fails, and each write is bounded), so that they report the cause.
-    fn end_group(&mut self, reason: &str) {
-        let deadline = Instant::now() + END_NOTICE_WAIT;
-        for link in &mut self.links {
-            let _ = write_all_by(
-                link,
-                &GROUP_ENDED.to_le_bytes(),
-                deadline,
-                "ending the group",
-            )
-            .and_then(|()| write_frame(link, reason.as_bytes(), deadline));
-        }
+    /// Rank 0, after a failed gather: tells every other rank why (see [`end_group`]); the
+    /// reason a rank gave for leaving is passed on as it came. A rank whose frames of the
+    /// gather were all written before the failure has returned from it: it hears the
+    /// notice at its next gather.
+    fn end_group(&mut self, error: &ChannelError) {
+        let reason = match error {
+            ChannelError::GroupEnded { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        };
+        end_group(self.links.iter_mut(), &reason);
+    }
+
+    /// Leaves the group, telling the others why: rank 0 tells every rank; another rank
+    /// tells rank 0, which ends the group at its next gather and passes the reason on
+    /// ([`ChannelError::GroupEnded`] everywhere).
+    pub fn leave(mut self, reason: &str) {
+        let reason = format!("rank {} left the group: {reason}", self.rank);
+        end_group(self.links.iter_mut(), &reason);
     }
 
     /// Returns once every rank has called it (or with the error of a lost peer).
     pub fn barrier(&mut self) -> Result<(), ChannelError> {
         self.all_gather(&[]).map(drop)
+    }
+}
+
+/// Tells the ranks at the other end of `links` why the group ends, best effort (a lost
+/// peer's link fails, and each write is bounded), so that they report the cause.
+fn end_group<'a>(links: impl Iterator<Item = &'a mut TcpStream>, reason: &str) {
+    let deadline = Instant::now() + END_NOTICE_WAIT;
+    for link in links {
+        let _ = write_all_by(
+            link,
+            &GROUP_ENDED.to_le_bytes(),
+            deadline,
+            "ending the group",
+        )
+        .and_then(|()| write_frame(link, reason.as_bytes(), deadline));
     }
 }
 
@@ -802,14 +848,16 @@ fn accept_ranks(
             Ok(accepted) => accepted,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    return Err(ChannelError::Incomplete {
+                    let error = ChannelError::Incomplete {
                         missing: links.iter().filter(|l| l.is_none()).count() as u32,
                         world_size: env.world_size,
                         seconds: env.timeout.as_secs_f64(),
                         ignored,
                         named,
                         hint: meeting_hint(&env.rendezvous, env.world_size),
-                    });
+                    };
+                    end_group(links.iter_mut().flatten(), &error.to_string());
+                    return Err(error);
                 }
                 std::thread::sleep(CONNECT_RETRY);
                 continue;
@@ -883,23 +931,20 @@ fn connect_to_master(
         }
     };
     let _ = stream.set_nodelay(true);
-    let not_rank_zero = |what: String| {
-        ChannelError::NotRankZero {
-        rank: env.rank,
-        addr: addr.clone(),
-        what,
-        hint: match &env.rendezvous {
-            Rendezvous::Tcp { .. } => {
-                "another program, or a rank 0 whose group is complete, holds MASTER_PORT: give the group a port of its own".to_string()
-            }
-            Rendezvous::File(_) => meeting_hint(&env.rendezvous, env.world_size),
+    let no_answer = |e: FrameError| match e {
+        // Bytes no rank 0 sends before it takes a rank.
+        FrameError::Oversized(_) | FrameError::Ended(_) => ChannelError::NotRankZero {
+            rank: env.rank,
+            addr: addr.clone(),
         },
-    }
+        e => ChannelError::NoAnswer {
+            rank: env.rank,
+            addr: addr.clone(),
+            what: e.describe(),
+        },
     };
-    write_frame(&mut stream, &mine.encode(), deadline)
-        .map_err(|e| not_rank_zero(format!("it took no handshake: {}", e.describe())))?;
-    let reply = read_frame(&mut stream, deadline)
-        .map_err(|e| not_rank_zero(format!("no answer to the handshake: {}", e.describe())))?;
+    write_frame(&mut stream, &mine.encode(), deadline).map_err(no_answer)?;
+    let reply = read_frame(&mut stream, deadline).map_err(no_answer)?;
     let word = |i: usize| {
         reply
             .get(i * 4..i * 4 + 4)
@@ -912,7 +957,10 @@ fn connect_to_master(
             addr,
             reason: String::from_utf8_lossy(&reply[8..]).into_owned(),
         }),
-        _ => Err(not_rank_zero("it answered something else".to_string())),
+        _ => Err(ChannelError::NotRankZero {
+            rank: env.rank,
+            addr,
+        }),
     }
 }
 
@@ -1651,6 +1699,47 @@ mod tests {
                 && error.to_string().contains("lost rank 2"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_rank_that_leaves_says_why_to_every_other() {
+        let results = on_ranks(3, Duration::from_secs(30), |env| {
+            let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
+            if env.rank == 1 {
+                channel.leave("needs a GPU");
+                return None;
+            }
+            Some(channel.all_gather(b"here"))
+        });
+        for rank in [0, 2] {
+            let error = results[rank]
+                .as_ref()
+                .expect("gathered")
+                .as_ref()
+                .expect_err("rank 1 left");
+            assert!(
+                matches!(error, ChannelError::GroupEnded { .. })
+                    && error
+                        .to_string()
+                        .contains("rank 1 left the group: needs a GPU"),
+                "rank {rank}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_short_or_odd_handshake_is_no_handshake() {
+        let magic = HANDSHAKE_MAGIC.to_le_bytes();
+        for len in 0..12 {
+            let bytes: Vec<u8> = magic.iter().copied().cycle().take(len).collect();
+            assert!(Handshake::decode(&bytes).is_none(), "{len} bytes");
+        }
+        let mut no_newline = magic.to_vec();
+        no_newline.extend_from_slice(&[2, 0, 0, 0, 1, 0, 0, 0]);
+        no_newline.extend_from_slice(b"plan");
+        assert!(Handshake::decode(&no_newline).is_none());
+        no_newline.extend_from_slice(&[0xFF, 0xFE]);
+        assert!(Handshake::decode(&no_newline).is_none(), "not UTF-8");
     }
 
     #[test]

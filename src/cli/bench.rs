@@ -550,6 +550,9 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         Ok(plan) => plan,
         Err(status) => return status,
     };
+    if let Err(error) = toolkit::driver_available() {
+        return group::leave_without_taking_part(env, &plan, &format!("needs a GPU: {error}"));
+    }
     let tokens = match check_settings(args, &plan) {
         Ok(tokens) => tokens,
         Err(status) => return status,

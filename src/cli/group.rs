@@ -184,6 +184,26 @@ pub fn start(
     })
 }
 
+/// A rank that cannot take part (`why`: no GPU here) says so, then meets the group and
+/// leaves it at once, telling the others why ([`ControlChannel::leave`]), rather than
+/// leave them waiting out their bound. Always a usage error.
+pub fn leave_without_taking_part(env: &LaunchEnv, plan: &Plan, why: &str) -> ExitCode {
+    eprintln!(
+        "error: rank {}: {why}; meeting the group at {} to leave it ...",
+        env.rank, env.rendezvous
+    );
+    let left = plan_fingerprint(plan)
+        .map_err(|e| e.to_string())
+        .and_then(|fingerprint| {
+            ControlChannel::connect(env, &fingerprint).map_err(|e| e.to_string())
+        });
+    match left {
+        Ok(channel) => channel.leave(why),
+        Err(error) => eprintln!("error: rank {}: {error}", env.rank),
+    }
+    usage_error()
+}
+
 /// Leaves the process at once when `ep`'s network path was abandoned after a stall. The
 /// network stream stays blocked on the lost peer's transfer, and the driver's exit-time
 /// tear-down waits for it: on the two-H200 machine (2026-11-30) `exit(1)` after a stall

@@ -478,10 +478,8 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         );
         return usage_error();
     }
-    // The other ranks would wait for this one until their bound: fail, as bench does.
     if let Err(error) = toolkit::driver_available() {
-        eprintln!("error: rank {} needs a GPU: {error}", env.rank);
-        return usage_error();
+        return group::leave_without_taking_part(env, &plan, &format!("needs a GPU: {error}"));
     }
     let shape = plan.shape.clone();
     let group::RankBuilt {

@@ -310,7 +310,7 @@ fn hint(error: &CheckpointError) -> Option<String> {
         } => format!(
             "set `experts = {}` in the spec, as the model's config.json does (num_local_experts, num_experts \
              or n_routed_experts)",
-            highest + 1
+            u64::from(*highest) + 1
         ),
         CheckpointError::ExpertCount { named, .. } => format!(
             "is a shard of the checkpoint missing (an incomplete download)? If the model has {named} routed \
