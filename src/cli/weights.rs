@@ -248,8 +248,9 @@ fn hint(error: &CheckpointError) -> Option<String> {
                 .to_owned()
         }
         CheckpointError::Format { .. } => {
-            "--weights reads safetensors files (`*.safetensors`); is the file complete, and not a PyTorch \
-             `.bin` or `.pt` checkpoint (which must be converted)?"
+            "--weights reads safetensors files (`*.safetensors`); is the file as it was published (neither cut \
+             short nor with bytes after its data), and not a PyTorch `.bin` or `.pt` checkpoint (which must be \
+             converted)?"
                 .to_owned()
         }
         CheckpointError::MissingShard { shard, .. } => format!(
