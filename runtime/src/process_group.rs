@@ -47,7 +47,7 @@ const MOST_RENDEZVOUS_TIMEOUT_S: f64 = 86_400.0;
 const LEAST_RENDEZVOUS_TIMEOUT_S: f64 = 0.001;
 /// How long rank 0 waits for a connection's handshake, which a rank sends as soon as it
 /// connects, before it sets the connection aside as no rank's.
-const HANDSHAKE_WAIT: Duration = Duration::from_secs(3);
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
 
 /// The environment variable that overrides [`DEFAULT_RENDEZVOUS_TIMEOUT`], in seconds.
 pub const RENDEZVOUS_TIMEOUT_VAR: &str = "MOEFORGE_RENDEZVOUS_TIMEOUT";
@@ -825,7 +825,8 @@ const NAMED_IGNORED: usize = 4;
 /// its handshake, which rank 0 answers; the links in rank order. A connection that sends
 /// no moeforge handshake within [`HANDSHAKE_WAIT`] (a port scan, a health check) is set
 /// aside; one from a rank of another group (see [`Handshake::refusal`]) or claiming a
-/// rank already taken is refused and set aside: rank 0 goes on waiting for its own.
+/// rank already taken is refused and set aside: rank 0 goes on waiting for its own. If
+/// it gives up, the ranks it took in hear why.
 fn accept_ranks(
     listener: TcpListener,
     env: &LaunchEnv,
@@ -841,32 +842,56 @@ fn accept_ranks(
     };
     // Non-blocking so that the deadline holds while nobody connects.
     listener.set_nonblocking(true).map_err(listen_error)?;
+    // Each connection's handshake is read on a thread of its own: a silent connection (a
+    // port scan) holds up no rank behind it.
+    let (read_tx, read_rx) = std::sync::mpsc::channel();
     let mut links: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
     let (mut ignored, mut named) = (0u32, Vec::new());
+    // The ranks taken in hear why rank 0 gives up.
+    let give_up = |links: &mut Vec<Option<TcpStream>>, error: ChannelError| {
+        end_group(links.iter_mut().flatten(), &error.to_string());
+        Err(error)
+    };
     while links.iter().any(Option::is_none) {
-        let (mut stream, from) = match listener.accept() {
-            Ok(accepted) => accepted,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let error = ChannelError::Incomplete {
-                        missing: links.iter().filter(|l| l.is_none()).count() as u32,
-                        world_size: env.world_size,
-                        seconds: env.timeout.as_secs_f64(),
-                        ignored,
-                        named,
-                        hint: meeting_hint(&env.rendezvous, env.world_size),
-                    };
-                    end_group(links.iter_mut().flatten(), &error.to_string());
-                    return Err(error);
+        match listener.accept() {
+            Ok((stream, from)) => {
+                let read_tx = read_tx.clone();
+                let handshake_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
+                let spawned = stream.set_nonblocking(false).and_then(|()| {
+                    std::thread::Builder::new()
+                        .name("moeforge-handshake".to_string())
+                        .spawn(move || {
+                            let mut stream = stream;
+                            let read = read_frame(&mut stream, handshake_by);
+                            // Gone once the group is complete: the connection closes then.
+                            let _ = read_tx.send((stream, from, read));
+                        })
+                });
+                if let Err(e) = spawned {
+                    return give_up(&mut links, listen_error(e));
                 }
-                std::thread::sleep(CONNECT_RETRY);
                 continue;
             }
-            Err(e) => return Err(listen_error(e)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return give_up(&mut links, listen_error(e)),
+        }
+        let Ok((mut stream, from, read)) = read_rx.try_recv() else {
+            if Instant::now() >= deadline {
+                let error = ChannelError::Incomplete {
+                    missing: links.iter().filter(|l| l.is_none()).count() as u32,
+                    world_size: env.world_size,
+                    seconds: env.timeout.as_secs_f64(),
+                    ignored,
+                    named,
+                    hint: meeting_hint(&env.rendezvous, env.world_size),
+                };
+                return give_up(&mut links, error);
+            }
+            std::thread::sleep(CONNECT_RETRY);
+            continue;
         };
-        stream.set_nonblocking(false).map_err(listen_error)?;
-        let handshake_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
-        let refusal = match read_frame(&mut stream, handshake_by) {
+        let answer_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
+        let refusal = match read {
             Ok(bytes) => match Handshake::decode(&bytes) {
                 Some(theirs) => match theirs.refusal(mine) {
                     None if links[theirs.rank as usize - 1].is_some() => Some(format!(
@@ -874,8 +899,12 @@ fn accept_ranks(
                         theirs.rank
                     )),
                     None => {
-                        write_frame(&mut stream, &answer(ANSWER_TAKEN, ""), handshake_by)
-                            .map_err(|e| e.about(0, theirs.rank, env.timeout.as_secs_f64()))?;
+                        if let Err(e) =
+                            write_frame(&mut stream, &answer(ANSWER_TAKEN, ""), answer_by)
+                        {
+                            let lost = e.about(0, theirs.rank, env.timeout.as_secs_f64());
+                            return give_up(&mut links, lost);
+                        }
                         let _ = stream.set_nodelay(true);
                         links[theirs.rank as usize - 1] = Some(stream);
                         continue;
@@ -893,7 +922,7 @@ fn accept_ranks(
             }
         };
         let reason = refusal.unwrap_or_else(|| "not a moeforge handshake".to_string());
-        let _ = write_frame(&mut stream, &answer(ANSWER_REFUSED, &reason), handshake_by);
+        let _ = write_frame(&mut stream, &answer(ANSWER_REFUSED, &reason), answer_by);
         ignored = ignored.saturating_add(1);
         if named.len() < NAMED_IGNORED {
             named.push(format!("{from}: {reason}"));
@@ -1546,6 +1575,31 @@ mod tests {
                 error.to_string().contains("set aside 1 connection(s)")
                     && error.to_string().contains("not a moeforge handshake"),
                 "{error}"
+            );
+        });
+    }
+
+    #[test]
+    fn a_silent_connection_holds_up_no_rank_behind_it() {
+        let port = free_port();
+        std::thread::scope(|scope| {
+            let group = scope.spawn(move || {
+                ControlChannel::connect(&env_of(0, 2, port, Duration::from_secs(30)), PLAN)
+            });
+            // Connects and says nothing, as a port scan does.
+            let _silent = stray_client(port, &[]);
+            let started = Instant::now();
+            let rank_1 =
+                ControlChannel::connect(&env_of(1, 2, port, Duration::from_secs(30)), PLAN);
+            assert!(rank_1.is_ok(), "rank 1 joined");
+            assert!(
+                group.join().expect("rank 0").is_ok(),
+                "rank 0 formed the group"
+            );
+            assert!(
+                started.elapsed() < HANDSHAKE_WAIT / 2,
+                "not held up by the silent connection: {:?}",
+                started.elapsed()
             );
         });
     }
