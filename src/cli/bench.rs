@@ -553,9 +553,8 @@ fn bench_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
     if let Err(error) = toolkit::driver_available() {
         return group::leave_without_taking_part(env, &plan, &format!("needs a GPU: {error}"));
     }
-    let tokens = match check_settings(args, &plan) {
-        Ok(tokens) => tokens,
-        Err(status) => return status,
+    let Ok(tokens) = check_settings(args, &plan) else {
+        return group::leave_without_taking_part(env, &plan, "its settings are refused (above)");
     };
     let shape = plan.shape.clone();
     let mut rank = match group::start(

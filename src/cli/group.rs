@@ -184,7 +184,7 @@ pub fn start(
     })
 }
 
-/// A rank that cannot take part (`why`: no GPU here) says so, then meets the group and
+/// A rank that cannot take part (`why`: no GPU here, a flag it refuses) says so, then meets the group and
 /// leaves it at once, telling the others why ([`ControlChannel::leave`]), rather than
 /// leave them waiting out their bound. Always a usage error.
 pub fn leave_without_taking_part(env: &LaunchEnv, plan: &Plan, why: &str) -> ExitCode {

@@ -467,16 +467,20 @@ fn run_as_rank(args: &Args, env: &LaunchEnv) -> ExitCode {
         Ok(plan) => plan,
         Err(status) => return status,
     };
+    // A rank that cannot take part leaves the group, rather than leave its peers waiting.
     let Some(tokens) = args.tokens else {
-        eprintln!("error: pass --tokens N (this rank's tokens)");
-        return usage_error();
+        return group::leave_without_taking_part(
+            env,
+            &plan,
+            "pass --tokens N (this rank's tokens)",
+        );
     };
     if tokens > plan.shape.max_tokens {
-        eprintln!(
-            "error: --tokens {tokens} exceeds the layer's max_tokens of {}; raise max_tokens in the spec",
+        let why = format!(
+            "--tokens {tokens} exceeds the layer's max_tokens of {}; raise max_tokens in the spec",
             plan.shape.max_tokens
         );
-        return usage_error();
+        return group::leave_without_taking_part(env, &plan, &why);
     }
     if let Err(error) = toolkit::driver_available() {
         return group::leave_without_taking_part(env, &plan, &format!("needs a GPU: {error}"));
