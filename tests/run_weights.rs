@@ -151,20 +151,11 @@ fn run_with_weights_over_virtual_ranks_loads_each_ranks_experts() {
         "model.layers.2.",
         3,
     );
-    let shape = tiny_shape();
-    let mut map = serde_json::Map::new();
-    for (layer, shard) in [(1, shards[0]), (2, shards[1])] {
-        for e in 0..shape.experts {
-            for w in ["w1", "w2", "w3"] {
-                map.insert(
-                    format!("model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"),
-                    shard.into(),
-                );
-            }
-        }
-    }
-    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
-    std::fs::write(dir.path().join(INDEX_FILE), index.to_string()).expect("index written");
+    write_index(
+        dir.path(),
+        Family::Mixtral,
+        &[(1, shards[0]), (2, shards[1])],
+    );
 
     let folder = path_arg(dir.path());
     let output = moeforge(&[
@@ -256,13 +247,22 @@ fn write_partial_download(dir: &Path) {
         "model-00002-of-00002.safetensors",
     ];
     write_tiny(&dir.join(shards[0]), Family::Qwen3Moe, "model.layers.0.", 6);
-    let shape = tiny_shape();
+    write_index(dir, Family::Qwen3Moe, &[(0, shards[0]), (1, shards[1])]);
+}
+
+/// `model.safetensors.index.json` in `dir` naming every expert tensor of the tiny layer
+/// `model.layers.{layer}.` in its shard, for each (layer, shard), as `family` names them.
+fn write_index(dir: &Path, family: Family, layers: &[(u32, &str)]) {
+    let (module, projections) = match family {
+        Family::Mixtral => ("block_sparse_moe", ["w1", "w2", "w3"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    };
     let mut map = serde_json::Map::new();
-    for (layer, shard) in [(0, shards[0]), (1, shards[1])] {
-        for e in 0..shape.experts {
-            for p in ["gate_proj", "up_proj", "down_proj"] {
+    for &(layer, shard) in layers {
+        for e in 0..tiny_shape().experts {
+            for p in projections {
                 map.insert(
-                    format!("model.layers.{layer}.mlp.experts.{e}.{p}.weight"),
+                    format!("model.layers.{layer}.{module}.experts.{e}.{p}.weight"),
                     shard.into(),
                 );
             }

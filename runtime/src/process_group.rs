@@ -1057,23 +1057,25 @@ fn timed_out(error: &io::Error) -> bool {
     )
 }
 
-/// Fills `buf` from `stream` by `deadline`, the time left applied again before every read:
-/// a peer that trickles bytes cannot stretch the bound.
-fn read_all_by(
+/// Moves `len` bytes through `stream` by `deadline` with `step` (a read or a write of the
+/// bytes from `done` on, returning how many it moved), the time left applied again before
+/// every step: a peer that trickles bytes cannot stretch the bound.
+fn move_all_by(
     stream: &mut TcpStream,
-    buf: &mut [u8],
+    len: usize,
     deadline: Instant,
     doing: &'static str,
+    mut step: impl FnMut(&mut TcpStream, usize) -> io::Result<usize>,
 ) -> Result<(), FrameError> {
-    let mut filled = 0;
-    while filled < buf.len() {
+    let mut done = 0;
+    while done < len {
         bound(stream, deadline, doing)?;
-        match stream.read(&mut buf[filled..]) {
+        match step(stream, done) {
             Ok(0) => {
                 let closed = io::Error::new(io::ErrorKind::UnexpectedEof, "the connection closed");
                 return Err(FrameError::Lost(closed, doing));
             }
-            Ok(n) => filled += n,
+            Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) if timed_out(&e) => return Err(FrameError::TimedOut(doing)),
             Err(e) => return Err(FrameError::Lost(e, doing)),
@@ -1082,28 +1084,29 @@ fn read_all_by(
     Ok(())
 }
 
-/// Writes `bytes` to `stream` by `deadline`, as [`read_all_by`] reads.
+/// Fills `buf` from `stream` by `deadline` ([`move_all_by`]).
+fn read_all_by(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    doing: &'static str,
+) -> Result<(), FrameError> {
+    let len = buf.len();
+    move_all_by(stream, len, deadline, doing, |s, done| {
+        s.read(&mut buf[done..])
+    })
+}
+
+/// Writes `bytes` to `stream` by `deadline` ([`move_all_by`]).
 fn write_all_by(
     stream: &mut TcpStream,
     bytes: &[u8],
     deadline: Instant,
     doing: &'static str,
 ) -> Result<(), FrameError> {
-    let mut written = 0;
-    while written < bytes.len() {
-        bound(stream, deadline, doing)?;
-        match stream.write(&bytes[written..]) {
-            Ok(0) => {
-                let closed = io::Error::new(io::ErrorKind::WriteZero, "the connection closed");
-                return Err(FrameError::Lost(closed, doing));
-            }
-            Ok(n) => written += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if timed_out(&e) => return Err(FrameError::TimedOut(doing)),
-            Err(e) => return Err(FrameError::Lost(e, doing)),
-        }
-    }
-    Ok(())
+    move_all_by(stream, bytes.len(), deadline, doing, |s, done| {
+        s.write(&bytes[done..])
+    })
 }
 
 /// Writes one message (at most [`MAX_MESSAGE_BYTES`]): its length (u32, little-endian),
