@@ -927,6 +927,14 @@ fn rank_processes_launched_wrong_say_what_to_set() {
         assert_eq!(rank_0.status.code(), Some(2), "{said_0}");
         assert_eq!(rank_1.status.code(), Some(2), "{said_1}");
         assert!(said_1.contains("rank 1: needs a GPU"), "{said_1}");
+        // Each met the group and left it, and nothing else went wrong.
+        for (rank, said) in [(0, &said_0), (1, &said_1)] {
+            assert!(
+                said.contains(&format!("rank {rank}: left the group")),
+                "{said}"
+            );
+            assert_eq!(said.matches("error:").count(), 1, "{said}");
+        }
         assert!(
             started.elapsed() < std::time::Duration::from_secs(30),
             "the ranks left at once: {:?}\n{said_0}\n{said_1}",

@@ -17,8 +17,8 @@
 //! fingerprint; rank 0 answers it, and refuses (and goes on waiting) a rank of another run
 //! that found the same port or file, which then fails at once rather than join the wrong
 //! group. The channel carries small, rare messages only (NCCL's unique id, device and plan
-//! fingerprints, rank 0's seed and the command's settings at set-up, the bench's start
-//! barrier and every rank's times, and after a time-out the agreement to restart the
+//! fingerprints, rank 0's seed and the command's settings at set-up, the calls' tokens
+//! bound, the bench's start barrier and every rank's times, and after a time-out the agreement to restart the
 //! exchange): [`ControlChannel::all_gather`] and [`ControlChannel::barrier`]. Every message
 //! has a deadline (applied to each read, so a trickle cannot stretch it), and a peer that
 //! exits closes its socket, so a dead peer is an error here within the bound, never a
@@ -294,7 +294,8 @@ pub enum ChannelError {
         source: io::Error,
     },
     #[error(
-        "rank {rank}: rank 0 did not answer at {addr} within {seconds:.0} s (last error: {source}); {hint}"
+        "rank {rank}: rank 0 did not answer at {addr} within {} (last error: {source}); {hint}",
+        in_seconds(*seconds)
     )]
     Connect {
         rank: u32,
@@ -323,7 +324,8 @@ pub enum ChannelError {
         reason: String,
     },
     #[error(
-        "rank 0: {missing} of {world_size} ranks did not connect within {seconds:.0} s{}; {hint}",
+        "rank 0: {missing} of {world_size} ranks did not connect within {}{}; {hint}",
+        in_seconds(*seconds),
         ignored_connections(*ignored, named)
     )]
     Incomplete {
@@ -347,7 +349,8 @@ pub enum ChannelError {
         source: io::Error,
     },
     #[error(
-        "rank {rank}: rank {peer} sent nothing for {seconds:.0} s while {doing}; {}",
+        "rank {rank}: rank {peer} sent nothing for {} while {doing}; {}",
+        in_seconds(*seconds),
         if *peer == 0 && *rank != 0 {
             format!("rank 0 passes on every rank's message, so rank 0 or any other rank may be stuck, have failed before this point, or be slower than the bound ({RENDEZVOUS_TIMEOUT_VAR}): see their output")
         } else {
@@ -382,14 +385,24 @@ pub enum ChannelError {
         source: io::Error,
     },
     #[error(
-        "rank {rank}: rank 0 did not write the rendezvous file {} within {seconds:.0} s; start every rank with the same MOEFORGE_RENDEZVOUS",
-        path.display()
+        "rank {rank}: rank 0 did not write the rendezvous file {} within {}; start every rank with the same MOEFORGE_RENDEZVOUS",
+        path.display(),
+        in_seconds(*seconds)
     )]
     NoRendezvousFile {
         rank: u32,
         path: PathBuf,
         seconds: f64,
     },
+}
+
+/// A bound in words: whole seconds, or tenths below ten (a test's 0.3 s is not "0 s").
+fn in_seconds(seconds: f64) -> String {
+    if seconds < 10.0 {
+        format!("{seconds:.1} s")
+    } else {
+        format!("{seconds:.0} s")
+    }
 }
 
 /// What to do about a listener rank 0 cannot open.
@@ -425,6 +438,9 @@ pub struct ControlChannel {
     world_size: u32,
     timeout: Duration,
     links: Vec<TcpStream>,
+    /// Why the group ended, once a gather failed: every later gather is that error at
+    /// once (the ranks' messages are out of step after a failure).
+    ended: Option<String>,
 }
 
 /// What a rank says about itself when it connects, and rank 0 checks: a rank of another
@@ -535,15 +551,6 @@ impl ControlChannel {
         let links = match (&env.rendezvous, env.rank) {
             (Rendezvous::Tcp { addr, port }, 0) => {
                 let resolved = resolve(addr, *port)?;
-                // Though rank 0 listens on every interface, MASTER_ADDR must be this host's.
-                if let Err(source) = TcpListener::bind((resolved.ip(), 0))
-                    && source.kind() == io::ErrorKind::AddrNotAvailable
-                {
-                    return Err(ChannelError::Listen {
-                        addr: resolved.to_string(),
-                        source,
-                    });
-                }
                 let listener = listen(listening_address(addr, resolved))?;
                 accept_ranks(listener, env, &mine, deadline)?
             }
@@ -571,6 +578,7 @@ impl ControlChannel {
             world_size: env.world_size,
             timeout: env.timeout,
             links,
+            ended: None,
         })
     }
 
@@ -595,6 +603,12 @@ impl ControlChannel {
     pub fn all_gather(&mut self, message: &[u8]) -> Result<Vec<Vec<u8>>, ChannelError> {
         let deadline = Instant::now() + self.timeout;
         let (rank, seconds) = (self.rank, self.timeout.as_secs_f64());
+        if let Some(reason) = &self.ended {
+            return Err(ChannelError::GroupEnded {
+                rank,
+                reason: reason.clone(),
+            });
+        }
         if message.len() > MAX_MESSAGE_BYTES as usize {
             return Err(ChannelError::MessageTooLong {
                 rank,
@@ -606,10 +620,17 @@ impl ControlChannel {
             // ended the group rather than blame rank 0.
             let deadline = deadline + NOTICE_MARGIN;
             let link = &mut self.links[0];
-            write_frame(link, message, deadline).map_err(|e| e.about(rank, 0, seconds))?;
-            return (0..self.world_size)
-                .map(|_| read_frame(link, deadline).map_err(|e| e.about(rank, 0, seconds)))
-                .collect();
+            let gathered = write_frame(link, message, deadline)
+                .and_then(|()| {
+                    (0..self.world_size)
+                        .map(|_| read_frame(link, deadline))
+                        .collect()
+                })
+                .map_err(|e| e.about(rank, 0, seconds));
+            if let Err(error) = &gathered {
+                self.ended = Some(end_reason(error));
+            }
+            return gathered;
         }
         let gathered = self.gather_and_share(message, deadline);
         if let Err(error) = &gathered {
@@ -644,11 +665,9 @@ impl ControlChannel {
     /// gather were all written before the failure has returned from it: it hears the
     /// notice at its next gather.
     fn end_group(&mut self, error: &ChannelError) {
-        let reason = match error {
-            ChannelError::GroupEnded { reason, .. } => reason.clone(),
-            other => other.to_string(),
-        };
+        let reason = end_reason(error);
         end_group(self.links.iter_mut(), &reason);
+        self.ended = Some(reason);
     }
 
     /// Leaves the group, telling the others why: rank 0 tells every rank; another rank
@@ -665,11 +684,21 @@ impl ControlChannel {
     }
 }
 
+/// Why a group ends after `error`: a reason that came with a notice is passed on as it
+/// came.
+fn end_reason(error: &ChannelError) -> String {
+    match error {
+        ChannelError::GroupEnded { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    }
+}
+
 /// Tells the ranks at the other end of `links` why the group ends, best effort (a lost
 /// peer's link fails, and each write is bounded), so that they report the cause.
 fn end_group<'a>(links: impl Iterator<Item = &'a mut TcpStream>, reason: &str) {
-    let deadline = Instant::now() + END_NOTICE_WAIT;
     for link in links {
+        // Each link its own time: one blocked peer leaves the others theirs.
+        let deadline = Instant::now() + END_NOTICE_WAIT;
         let _ = write_all_by(
             link,
             &GROUP_ENDED.to_le_bytes(),
@@ -825,8 +854,8 @@ const NAMED_IGNORED: usize = 4;
 /// its handshake, which rank 0 answers; the links in rank order. A connection that sends
 /// no moeforge handshake within [`HANDSHAKE_WAIT`] (a port scan, a health check) is set
 /// aside; one from a rank of another group (see [`Handshake::refusal`]) or claiming a
-/// rank already taken is refused and set aside: rank 0 goes on waiting for its own. If
-/// it gives up, the ranks it took in hear why.
+/// rank already taken is refused and set aside, as is a connection that fails: rank 0
+/// goes on waiting for its own. If it gives up, the ranks it took in hear why.
 fn accept_ranks(
     listener: TcpListener,
     env: &LaunchEnv,
@@ -836,27 +865,22 @@ fn accept_ranks(
     let addr = listener
         .local_addr()
         .map_or_else(|_| env.rendezvous.to_string(), |a| a.to_string());
-    let listen_error = |source| ChannelError::Listen {
-        addr: addr.clone(),
-        source,
-    };
     // Non-blocking so that the deadline holds while nobody connects.
-    listener.set_nonblocking(true).map_err(listen_error)?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| ChannelError::Listen { addr, source })?;
     // Each connection's handshake is read on a thread of its own: a silent connection (a
     // port scan) holds up no rank behind it.
     let (read_tx, read_rx) = std::sync::mpsc::channel();
     let mut links: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
-    let (mut ignored, mut named) = (0u32, Vec::new());
-    // The ranks taken in hear why rank 0 gives up.
-    let give_up = |links: &mut Vec<Option<TcpStream>>, error: ChannelError| {
-        end_group(links.iter_mut().flatten(), &error.to_string());
-        Err(error)
-    };
+    let mut set_aside = SetAside::default();
     while links.iter().any(Option::is_none) {
+        let mut progressed = false;
         match listener.accept() {
             Ok((stream, from)) => {
+                progressed = true;
                 let read_tx = read_tx.clone();
-                let handshake_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
+                let handshake_by = Instant::now() + HANDSHAKE_WAIT;
                 let spawned = stream.set_nonblocking(false).and_then(|()| {
                     std::thread::Builder::new()
                         .name("moeforge-handshake".to_string())
@@ -868,67 +892,88 @@ fn accept_ranks(
                         })
                 });
                 if let Err(e) = spawned {
-                    return give_up(&mut links, listen_error(e));
+                    set_aside.add(format!("{from}: its handshake could not be read ({e})"));
                 }
-                continue;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return give_up(&mut links, listen_error(e)),
+            // A client's failed connection (accept(2) says to retry), or no file left.
+            Err(e) => set_aside.add(format!("a connection that failed ({e})")),
         }
-        let Ok((mut stream, from, read)) = read_rx.try_recv() else {
-            if Instant::now() >= deadline {
-                let error = ChannelError::Incomplete {
-                    missing: links.iter().filter(|l| l.is_none()).count() as u32,
-                    world_size: env.world_size,
-                    seconds: env.timeout.as_secs_f64(),
-                    ignored,
-                    named,
-                    hint: meeting_hint(&env.rendezvous, env.world_size),
-                };
-                return give_up(&mut links, error);
-            }
-            std::thread::sleep(CONNECT_RETRY);
-            continue;
-        };
-        let answer_by = deadline.min(Instant::now() + HANDSHAKE_WAIT);
-        let refusal = match read {
-            Ok(bytes) => match Handshake::decode(&bytes) {
-                Some(theirs) => match theirs.refusal(mine) {
-                    None if links[theirs.rank as usize - 1].is_some() => Some(format!(
-                        "a second process claiming RANK={} (two runs on one MASTER_PORT? give each its own, or set MOEFORGE_RUN_ID)",
-                        theirs.rank
-                    )),
-                    None => {
-                        if let Err(e) =
-                            write_frame(&mut stream, &answer(ANSWER_TAKEN, ""), answer_by)
-                        {
-                            let lost = e.about(0, theirs.rank, env.timeout.as_secs_f64());
-                            return give_up(&mut links, lost);
+        while let Ok((mut stream, from, read)) = read_rx.try_recv() {
+            progressed = true;
+            // A rank's answer has its own time, even near the group's deadline.
+            let answer_by = Instant::now() + HANDSHAKE_WAIT;
+            let refusal = match read {
+                Ok(bytes) => match Handshake::decode(&bytes) {
+                    Some(theirs) => match theirs.refusal(mine) {
+                        None if links[theirs.rank as usize - 1].is_some() => format!(
+                            "a second process claiming RANK={} (two runs on one MASTER_PORT? give each its own, or set MOEFORGE_RUN_ID)",
+                            theirs.rank
+                        ),
+                        None => {
+                            match write_frame(&mut stream, &answer(ANSWER_TAKEN, ""), answer_by) {
+                                Ok(()) => {
+                                    let _ = stream.set_nodelay(true);
+                                    links[theirs.rank as usize - 1] = Some(stream);
+                                }
+                                Err(e) => set_aside.add(format!(
+                                    "{from}: RANK={} left before its answer ({})",
+                                    theirs.rank,
+                                    e.describe()
+                                )),
+                            }
+                            continue;
                         }
-                        let _ = stream.set_nodelay(true);
-                        links[theirs.rank as usize - 1] = Some(stream);
-                        continue;
-                    }
-                    Some(refusal) => Some(refusal),
+                        Some(refusal) => refusal,
+                    },
+                    None => "not a moeforge handshake".to_string(),
                 },
-                None => None,
-            },
-            Err(e) => {
-                ignored = ignored.saturating_add(1);
-                if named.len() < NAMED_IGNORED {
-                    named.push(format!("{from}: no handshake ({})", e.describe()));
+                Err(e) => {
+                    set_aside.add(format!("{from}: no handshake ({})", e.describe()));
+                    continue;
                 }
-                continue;
-            }
-        };
-        let reason = refusal.unwrap_or_else(|| "not a moeforge handshake".to_string());
-        let _ = write_frame(&mut stream, &answer(ANSWER_REFUSED, &reason), answer_by);
-        ignored = ignored.saturating_add(1);
-        if named.len() < NAMED_IGNORED {
-            named.push(format!("{from}: {reason}"));
+            };
+            let _ = write_frame(&mut stream, &answer(ANSWER_REFUSED, &refusal), answer_by);
+            set_aside.add(format!("{from}: {refusal}"));
+        }
+        if !links.iter().any(Option::is_none) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let error = ChannelError::Incomplete {
+                missing: links.iter().filter(|l| l.is_none()).count() as u32,
+                world_size: env.world_size,
+                seconds: env.timeout.as_secs_f64(),
+                ignored: set_aside.count,
+                named: set_aside.named,
+                hint: meeting_hint(&env.rendezvous, env.world_size),
+            };
+            // The ranks taken in hear why rank 0 gives up.
+            end_group(links.iter_mut().flatten(), &error.to_string());
+            return Err(error);
+        }
+        if !progressed {
+            std::thread::sleep(CONNECT_RETRY);
         }
     }
     Ok(links.into_iter().flatten().collect())
+}
+
+/// The connections rank 0 set aside as no rank of its group: how many, the first few
+/// named (who, and why).
+#[derive(Default)]
+struct SetAside {
+    count: u32,
+    named: Vec<String>,
+}
+
+impl SetAside {
+    fn add(&mut self, what: String) {
+        self.count = self.count.saturating_add(1);
+        if self.named.len() < NAMED_IGNORED {
+            self.named.push(what);
+        }
+    }
 }
 
 /// A rank other than 0: connects to rank 0 at the address `master` gives (asked again
@@ -1766,21 +1811,25 @@ mod tests {
                 channel.leave("needs a GPU");
                 return None;
             }
-            Some(channel.all_gather(b"here"))
+            let first = channel.all_gather(b"here");
+            // The group stays ended: the next gather is the same error, at once.
+            let started = Instant::now();
+            let again = channel.all_gather(b"again");
+            Some((first, again, started.elapsed()))
         });
         for rank in [0, 2] {
-            let error = results[rank]
-                .as_ref()
-                .expect("gathered")
-                .as_ref()
-                .expect_err("rank 1 left");
-            assert!(
-                matches!(error, ChannelError::GroupEnded { .. })
-                    && error
-                        .to_string()
-                        .contains("rank 1 left the group: needs a GPU"),
-                "rank {rank}: {error}"
-            );
+            let (first, again, took) = results[rank].as_ref().expect("gathered");
+            for error in [first, again] {
+                let error = error.as_ref().expect_err("rank 1 left");
+                assert!(
+                    matches!(error, ChannelError::GroupEnded { .. })
+                        && error
+                            .to_string()
+                            .contains("rank 1 left the group: needs a GPU"),
+                    "rank {rank}: {error}"
+                );
+            }
+            assert!(*took < Duration::from_millis(100), "rank {rank}: {took:?}");
         }
     }
 

@@ -198,7 +198,10 @@ pub fn leave_without_taking_part(env: &LaunchEnv, plan: &Plan, why: &str) -> Exi
             ControlChannel::connect(env, &fingerprint).map_err(|e| e.to_string())
         });
     match left {
-        Ok(channel) => channel.leave(why),
+        Ok(channel) => {
+            channel.leave(why);
+            eprintln!("rank {}: left the group, telling the others why", env.rank);
+        }
         Err(error) => eprintln!("error: rank {}: {error}", env.rank),
     }
     usage_error()
