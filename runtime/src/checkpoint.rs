@@ -1156,6 +1156,7 @@ impl Checkpoint {
             shape.hidden as usize,
             shape.ffn as usize,
         );
+        self.check_fused_expert_count(family, prefix, &names, shape)?;
         let matrices = if self.holds_mxfp4(&names) {
             FusedMatrices::Mxfp4 {
                 gate_up: self.mxfp4(
@@ -1237,6 +1238,44 @@ impl Checkpoint {
 
     /// Whether GPT-OSS's experts named `names` are its MXFP4 release's: blocks, and no bf16
     /// `gate_up_proj` beside them.
+    /// Refuses fused experts (GPT-OSS) whose first dimension, the expert count, is not the
+    /// spec's `experts`, as [`CheckpointError::ExpertCount`] (the shape check would name
+    /// only the tensor's shape).
+    fn check_fused_expert_count(
+        &self,
+        family: Family,
+        prefix: &str,
+        names: &FusedNames,
+        shape: &LayerShape,
+    ) -> Result<(), CheckpointError> {
+        let first = if self.holds_mxfp4(names) {
+            &names.gate_up_blocks
+        } else {
+            &names.gate_up
+        };
+        let held = self
+            .names
+            .get(first)
+            .and_then(|&at| match &self.shards[at] {
+                ShardFile::Mapped(shard) => shard.metadata.info(first)?.shape.first().copied(),
+                ShardFile::Absent { .. } => None,
+            });
+        let Some(held) = held.and_then(|n| u32::try_from(n).ok()).filter(|&n| n > 0) else {
+            return Ok(());
+        };
+        if held == shape.experts {
+            return Ok(());
+        }
+        Err(CheckpointError::ExpertCount {
+            module: format!("{prefix}mlp.experts."),
+            family,
+            named: held as usize,
+            highest: held - 1,
+            missing: (held < shape.experts).then_some(held),
+            spec: shape.experts,
+        })
+    }
+
     fn holds_mxfp4(&self, names: &FusedNames) -> bool {
         !self.names.contains_key(&names.gate_up) && self.names.contains_key(&names.gate_up_blocks)
     }

@@ -1261,6 +1261,38 @@ fn gpt_oss_fused_experts_load_deinterleaved_and_transposed() {
 }
 
 #[test]
+fn gpt_oss_fused_experts_of_another_count_say_how_many_they_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write(&file, &gpt_oss_tensors());
+    let checkpoint = Checkpoint::open(&file).unwrap();
+    for spec in [2 * E as u32, E as u32 / 2] {
+        let shape = LayerShape {
+            experts: spec,
+            ..gpt_oss_shape()
+        };
+        let err = checkpoint
+            .load_experts(Family::GptOss, PREFIX, &shape, ExpertSet::All)
+            .unwrap_err();
+        let missing = (spec > E as u32).then_some(E as u32);
+        assert!(
+            matches!(
+                &err,
+                CheckpointError::ExpertCount { named, highest, missing: m, spec: s, .. }
+                    if *named == E && *highest == E as u32 - 1 && *m == missing && *s == spec
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains(&format!(
+                "names {E} experts under `{PREFIX}mlp.experts.` (GPT-OSS naming)"
+            )),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn gpt_oss_needs_its_expert_math() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("model.safetensors");
