@@ -599,7 +599,8 @@ impl ControlChannel {
     /// call it the same number of times. A peer that has exited or does not answer within
     /// the bound is [`ChannelError::PeerLost`] or [`ChannelError::PeerSilent`] in rank 0,
     /// which then ends the group: every other rank gets [`ChannelError::GroupEnded`] with
-    /// rank 0's reason, rather than a lost rank 0.
+    /// rank 0's reason, rather than a lost rank 0. After a failure the channel stays
+    /// ended: every later gather is that `GroupEnded` at once.
     pub fn all_gather(&mut self, message: &[u8]) -> Result<Vec<Vec<u8>>, ChannelError> {
         let deadline = Instant::now() + self.timeout;
         let (rank, seconds) = (self.rank, self.timeout.as_secs_f64());
