@@ -6,7 +6,7 @@
 //! compared with a snapshot in `tests/weights/` (`MOEFORGE_BLESS=1` rewrites them), the
 //! temp folder shown as `<TMP>`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 mod common;
@@ -185,14 +185,9 @@ fn run_with_weights_over_virtual_ranks_loads_each_ranks_experts() {
     assert!(!stdout.contains("FAIL"), "{stdout}");
 }
 
-/// The tiny layer with a router (softmax, renormalised) over four virtual ranks, from a
-/// checkpoint that holds the gate too: each rank loads its experts and the gate, routes its
-/// own tokens with it (its choices checked against the CPU router on a GPU), then the
-/// exchange runs on them.
-#[test]
-fn run_with_weights_routes_each_rank_with_the_checkpoints_gate() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let spec = dir.path().join("tiny_routed.moe");
+/// `tiny.moe` with a router (softmax, renormalised), written into `dir`; its path.
+fn write_routed_tiny(dir: &Path) -> PathBuf {
+    let spec = dir.join("tiny_routed.moe");
     let routed = std::fs::read_to_string(TINY)
         .expect("tiny.moe is readable")
         .replace(
@@ -200,6 +195,17 @@ fn run_with_weights_routes_each_rank_with_the_checkpoints_gate() {
             "  router {\n    scoring = softmax\n    normalize = true\n  }\n\n  parallel {",
         );
     std::fs::write(&spec, routed).expect("spec written");
+    spec
+}
+
+/// The tiny layer with a router (softmax, renormalised) over four virtual ranks, from a
+/// checkpoint that holds the gate too: each rank loads its experts and the gate, routes its
+/// own tokens with it (its choices checked against the CPU router on a GPU), then the
+/// exchange runs on them.
+#[test]
+fn run_with_weights_routes_each_rank_with_the_checkpoints_gate() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = write_routed_tiny(dir.path());
     let file = dir.path().join("model.safetensors");
     let shape = tiny_shape();
     let experts = weights::random(&shape, 0..shape.experts, 4);
@@ -304,14 +310,7 @@ fn run_with_weights_loads_a_layer_whose_shard_is_there() {
 #[test]
 fn run_with_weights_warns_of_the_tensors_the_spec_leaves_unread() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let spec = dir.path().join("tiny_routed.moe");
-    let routed = std::fs::read_to_string(TINY)
-        .expect("tiny.moe is readable")
-        .replace(
-            "  parallel {",
-            "  router {\n    scoring = softmax\n    normalize = true\n  }\n\n  parallel {",
-        );
-    std::fs::write(&spec, routed).expect("spec written");
+    let spec = write_routed_tiny(dir.path());
     let shape = tiny_shape();
     let with_shared = LayerShape {
         shared_slices: 1,

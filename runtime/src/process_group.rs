@@ -1527,17 +1527,23 @@ mod tests {
         }
     }
 
+    /// A group of `world_size` ranks on threads in which rank `gone` leaves without
+    /// taking part in a gather, as a process that exited; the others' gathers, in rank
+    /// order (`None` for the one gone).
+    fn gather_with_one_gone(
+        world_size: u32,
+        gone: u32,
+    ) -> Vec<Option<Result<Vec<Vec<u8>>, ChannelError>>> {
+        on_ranks(world_size, Duration::from_secs(30), |env| {
+            let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
+            (env.rank != gone).then(|| channel.all_gather(b"still here"))
+        })
+    }
+
     #[test]
     fn a_peer_that_leaves_is_an_error_in_the_survivor_not_a_hang() {
         let started = Instant::now();
-        let results = on_ranks(2, Duration::from_secs(30), |env| {
-            let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
-            if env.rank == 1 {
-                // Leaves without taking part in the gather, as a process that exited.
-                return None;
-            }
-            Some(channel.all_gather(b"still here"))
-        });
+        let results = gather_with_one_gone(2, 1);
         let error = results[0]
             .as_ref()
             .expect("rank 0 gathered")
@@ -1784,14 +1790,7 @@ mod tests {
 
     #[test]
     fn the_ranks_learn_why_rank_0_ended_the_group() {
-        let results = on_ranks(3, Duration::from_secs(30), |env| {
-            let mut channel = ControlChannel::connect(&env, PLAN).expect("connected");
-            if env.rank == 2 {
-                // Leaves without taking part in the gather, as a process that exited.
-                return None;
-            }
-            Some(channel.all_gather(b"still here"))
-        });
+        let results = gather_with_one_gone(3, 2);
         let error = results[1]
             .as_ref()
             .expect("rank 1 gathered")
